@@ -1,0 +1,67 @@
+"""`mlight` — the headless command line: run, plan, hw, bench, download.
+
+Every error a user can cause ends as one line on stderr and exit code 2 (bad input) or 1 (runtime
+failure); `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from core.errors import MlightError
+
+# sub-command name -> module under app.commands; imported only when chosen so `mlight hw` stays quick.
+COMMANDS = {
+    "run": "app.commands.run",
+    "plan": "app.commands.plan",
+    "hw": "app.commands.hw",
+    "bench": "app.commands.bench",
+    "download": "app.commands.download",
+}
+
+
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
+    parser = argparse.ArgumentParser(prog="mlight", description="Batch inference for MoE LLMs on one GPU + CPU RAM.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if a in COMMANDS), None)
+    modules = {}
+    for name, modname in COMMANDS.items():
+        if wanted not in (None, name):
+            sub.add_parser(name)  # listed in --help; parsed fully only when chosen
+            continue
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name != modname:
+                raise
+            continue
+        mod.add_parser(sub)
+        modules[name] = mod
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, modules = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    debug = args.debug or "--debug" in argv
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except MlightError as e:
+        if debug:
+            raise
+        print(f"mlight {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"mlight {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Errors a user can cause, each carrying what went wrong and what to do about it.
+
+The command line turns `UsageError` into exit code 2 and `MlightError` into exit code 1, printing
+`str(err)` on one line; anything else is a bug and shows a traceback only with --debug.
+"""
+
+from __future__ import annotations
+
+
+class MlightError(Exception):
+    """A runtime failure with a message meant for the user (exit code 1)."""
+
+    exit_code = 1
+
+    def __init__(self, problem: str, hint: str | None = None):
+        self.problem = problem
+        self.hint = hint
+        super().__init__(f"{problem} — {hint}" if hint else problem)
+
+
+class UsageError(MlightError):
+    """Bad input from the user: a flag, a file, a model folder (exit code 2)."""
+
+    exit_code = 2
+
+
+class ModelError(UsageError):
+    """The model folder or checkpoint cannot be used as given."""
+
+
+class UnsupportedModelError(ModelError):
+    """The checkpoint's architecture is not one mlight implements."""
+
+
+class BudgetError(UsageError):
+    """Nothing fits in the memory budget the user gave."""

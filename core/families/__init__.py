@@ -1,0 +1,59 @@
+"""Registry of supported MoE families, keyed by the config's `architectures` name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+
+from core.errors import ModelError, UnsupportedModelError
+from core.families import dbrx, mixtral, olmoe, qwen_moe
+from core.spec import ModelSpec
+
+_MODULES: tuple[ModuleType, ...] = (mixtral, dbrx, qwen_moe, olmoe)
+REGISTRY: dict[str, ModuleType] = {arch: m for m in _MODULES for arch in m.ARCHITECTURES}
+
+
+def family_module(spec_or_arch: ModelSpec | str) -> ModuleType:
+    arch = spec_or_arch if isinstance(spec_or_arch, str) else spec_or_arch.architecture
+    return REGISTRY[arch]
+
+
+def spec_from_config(cfg: dict, source: str = "config.json") -> ModelSpec:
+    """Build a ModelSpec from a parsed config.json, refusing what mlight cannot run faithfully."""
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ModelError(f"{source} has no `architectures` field", "use the config.json that came with the checkpoint")
+    arch = archs[0]
+    if cfg.get("auto_map"):
+        raise UnsupportedModelError(
+            f"{source} asks for remote code (auto_map) for {arch}; mlight never runs code from a model repo",
+            f"use a checkpoint of a supported architecture: {', '.join(sorted(REGISTRY))}",
+        )
+    if arch not in REGISTRY:
+        raise UnsupportedModelError(
+            f"architecture {arch} is not supported", f"supported: {', '.join(sorted(REGISTRY))}"
+        )
+    try:
+        return REGISTRY[arch].spec(cfg)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ModelError(f"{source} for {arch} is not usable: {e}", "check that it is the checkpoint's own config") from e
+
+
+def load_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir)
+    if not path.exists():
+        raise ModelError(f"model folder {path} does not exist", "give a checkpoint folder, a repo id, or omit --model for the demo")
+    if not path.is_dir():
+        raise ModelError(f"{path} is not a folder", "give the folder holding config.json and the .safetensors files")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ModelError(f"{path} has no config.json", "give the folder holding config.json and the .safetensors files")
+    try:
+        return json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"cannot read {cfg_path}: {e}", "the file is damaged; download the model again") from e
+
+
+def load_spec(model_dir: str | Path) -> ModelSpec:
+    return spec_from_config(load_config(model_dir), source=str(Path(model_dir) / "config.json"))

@@ -1,0 +1,66 @@
+"""Qwen2-MoE (shared expert behind a sigmoid gate, q/k/v bias) and Qwen3-MoE (per-head q/k RMSNorm).
+
+Both renormalise the top-k probabilities only when `norm_topk_prob` is set. Layers listed in
+`mlp_only_layers` (or skipped by `decoder_sparse_step`) would be dense MLPs; no released checkpoint
+of these families has them and mlight refuses such configs rather than guess.
+"""
+
+from __future__ import annotations
+
+from core.errors import ModelError
+from core.families._common import (Piece, checkpoint_dtype, eos_ids, first, llama_style_attention,
+                                   llama_style_globals, need, rope_theta, routed_experts)
+from core.spec import ModelSpec
+
+ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def spec(cfg: dict) -> ModelSpec:
+    arch = cfg["architectures"][0]
+    if cfg.get("mlp_only_layers") or first(cfg, "decoder_sparse_step", default=1) != 1:
+        raise ModelError(f"{arch} with dense MLP layers (mlp_only_layers / decoder_sparse_step) is not supported",
+                         "use a checkpoint whose every layer is an MoE layer")
+    D, H = need(cfg, "hidden_size"), need(cfg, "num_attention_heads")
+    qwen2 = arch.startswith("Qwen2")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return ModelSpec(
+        architecture=arch, family="qwen2_moe" if qwen2 else "qwen3_moe",
+        num_layers=need(cfg, "num_hidden_layers"), hidden_size=D, num_heads=H,
+        num_kv_heads=first(cfg, "num_key_value_heads", default=H), head_dim=first(cfg, "head_dim", default=D // H),
+        vocab_size=need(cfg, "vocab_size"),
+        num_experts=first(cfg, "num_experts", "num_local_experts") or need(cfg, "num_experts"),
+        top_k=need(cfg, "num_experts_per_tok"), expert_intermediate=need(cfg, "moe_intermediate_size"),
+        shared_intermediate=shared, shared_gate=bool(shared),
+        norm_eps=first(cfg, "rms_norm_eps", default=1e-6),
+        qk_norm="none" if qwen2 else "head",
+        qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else bool(cfg.get("attention_bias", False)),
+        router_norm="sum" if cfg.get("norm_topk_prob") else "none",
+        rope_theta=rope_theta(cfg), max_position=first(cfg, "max_position_embeddings", default=32768),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), dtype=checkpoint_dtype(cfg),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg),
+    )
+
+
+def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
+    p = f"model.layers.{i}."
+    pieces = [
+        Piece(p + "input_layernorm.weight", "ln1"),
+        Piece(p + "post_attention_layernorm.weight", "ln2"),
+        Piece(p + "mlp.gate.weight", "router"),
+        *llama_style_attention(p, spec, keys),
+        *routed_experts(p + "mlp.", spec, keys),
+    ]
+    if spec.shared_intermediate:
+        s, Is = p + "mlp.shared_expert.", spec.shared_intermediate
+        pieces += [
+            Piece(s + "gate_proj.weight", "shared_w13", (slice(0, Is),)),
+            Piece(s + "up_proj.weight", "shared_w13", (slice(Is, 2 * Is),)),
+            Piece(s + "down_proj.weight", "shared_w2"),
+        ]
+        if spec.shared_gate:
+            pieces.append(Piece(p + "mlp.shared_expert_gate.weight", "shared_gate"))
+    return pieces
+
+
+def global_pieces(spec: ModelSpec, keys: set[str]):
+    return llama_style_globals(spec, keys)
