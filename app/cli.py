@@ -38,7 +38,8 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
             if e.name != modname:
                 raise
             continue
-        mod.add_parser(sub)
+        sp = mod.add_parser(sub)
+        sp.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
         modules[name] = mod
     return parser, modules
 

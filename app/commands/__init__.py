@@ -1,1 +1,1 @@
-"""One module per `mlight` sub-command; each has `add_parser(subparsers)` and `run(args) -> int`."""
+"""One module per `mlight` sub-command: `add_parser(subparsers) -> ArgumentParser` and `run(args) -> int`."""
