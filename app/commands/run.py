@@ -1,0 +1,263 @@
+"""`mlight run`: a prompts file through the engine into a JSONL or CSV file, resumably.
+
+Order of work, so that bad input is refused before anything is loaded or written:
+output path → lock → prompts → model folder (download) → run file (resume or start) → engine →
+too-long prompts → generate, saving each result as it finishes → final output renamed into place.
+Ctrl-C / SIGTERM: the engine finishes its current step, what finished is saved, exit 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+from core.errors import UsageError
+from core.prompts import STDIN, FORMATS, PromptSet, iter_lines, read_prompts, reject_too_long
+from core.results import openai_batch_record, output_format
+from core.runstore import RunStore, model_fingerprint
+from core.telemetry import Progress
+
+EXECUTORS = ("sequential", "threaded", "cuda")
+SCHEDULES = ("cgopipe", "s3", "s4")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("run", help="generate for a prompts file", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="checkpoint folder or Hugging Face repo id (default: the built-in demo model)")
+    p.add_argument("--revision", help="repo revision (branch, tag or commit) when --model is a repo id")
+    p.add_argument("--prompts", required=True, metavar="FILE",
+                   help=".txt (one prompt a line), .jsonl, .csv or .tsv; '-' reads stdin")
+    p.add_argument("--prompts-format", choices=FORMATS, help="format of --prompts when its suffix does not say")
+    p.add_argument("--out", required=True, metavar="FILE", help="results file: .jsonl or .csv")
+    p.add_argument("--max-new-tokens", type=_positive, default=128, metavar="N")
+    p.add_argument("--temperature", type=_non_negative, default=0.0, metavar="T", help="0 = greedy (default)")
+    p.add_argument("--top-p", type=_probability, default=1.0, metavar="P", help="nucleus sampling, in (0, 1]")
+    p.add_argument("--top-k", type=_whole, default=0, metavar="K", help="0 = off")
+    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--batch", type=_positive, default=64, metavar="N", help="requests in flight")
+    p.add_argument("--micro-batch", type=_positive, default=None, metavar="M", help="requests per micro-batch")
+    p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
+    p.add_argument("--executor", choices=EXECUTORS, default=None)
+    p.add_argument("--schedule", choices=SCHEDULES, default=None)
+    p.add_argument("--skip-bad", action="store_true",
+                   help="run the good lines and write the bad ones with reasons to OUT.rejected.jsonl")
+    p.add_argument("--restart", action="store_true",
+                   help="discard an unfinished run (or an existing OUT) for this output and start over")
+    return p
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _whole(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive(text)
+
+
+def _probability(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
+def _non_negative(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return v
+
+
+class _Stopper:
+    """SIGINT/SIGTERM: while generating, ask the engine to stop after its step; otherwise (or on a
+    second signal) stop right away with KeyboardInterrupt."""
+
+    def __init__(self):
+        self.generating = False
+        self.requested = False
+        self.old = {}
+
+    def __call__(self, signum, frame):
+        if self.generating and not self.requested:
+            self.requested = True
+            return
+        raise KeyboardInterrupt
+
+    def install(self):
+        for name in ("SIGINT", "SIGTERM"):
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                try:
+                    self.old[sig] = signal.signal(sig, self)
+                except (ValueError, OSError):  # not the main thread, or not settable here
+                    pass
+        return self
+
+    def restore(self):
+        for sig, handler in self.old.items():
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, OSError):
+                pass
+
+
+def _say(msg: str) -> None:
+    print(f"mlight run: {msg}", file=sys.stderr, flush=True)
+
+
+class _ProgressLine:
+    """Loading and download progress on one stderr line (a terminal only; logs stay clean)."""
+
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.open = False
+
+    def __call__(self, ev) -> None:
+        if not isinstance(ev, Progress) or not self.tty:
+            return
+        if ev.unit == "B":
+            rate = getattr(ev, "rate", 0.0)
+            text = f"{ev.what}: {ev.done / 1e6:.1f}/{ev.total / 1e6:.1f} MB" + (f" {rate / 1e6:.1f} MB/s" if rate else "")
+        else:
+            text = f"{ev.what}: {ev.done}/{ev.total}"
+        print("\r" + text[:100].ljust(100), end="", file=sys.stderr, flush=True)
+        self.open = ev.done < ev.total
+        if not self.open:
+            print(file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    from core.download import resolve_model
+
+    out = Path(args.out)
+    fmt = output_format(out)
+    if args.micro_batch and args.micro_batch > args.batch:
+        raise UsageError(f"--micro-batch {args.micro_batch} is larger than --batch {args.batch}",
+                         "use a micro-batch no larger than the batch")
+    stopper = _Stopper().install()
+    store = RunStore(out)
+    try:
+        store.acquire()
+        prompts = _read(args)
+        _refuse_rejects(prompts, args.skip_bad, out)
+        progress = _ProgressLine()
+        model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
+        store.start(_manifest(args, prompts, model_dir, model_name), restart=args.restart)
+        try:
+            return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
+        except BaseException:
+            store.abandon()  # drops a run file that holds no result yet; keeps one that does
+            raise
+    finally:
+        stopper.restore()
+        store.release()
+
+
+def _read(args) -> PromptSet:
+    if args.prompts == STDIN:
+        return read_prompts(STDIN, data=sys.stdin.buffer.read(), fmt=args.prompts_format)
+    return read_prompts(args.prompts, fmt=args.prompts_format)
+
+
+def _refuse_rejects(prompts: PromptSet, skip_bad: bool, out: Path) -> None:
+    if not prompts.rejects:
+        return
+    if skip_bad and prompts.entries:
+        return
+    for line in iter_lines(prompts.rejects):
+        print(line, file=sys.stderr)
+    n = len(prompts.rejects)
+    if not prompts.entries:
+        raise UsageError(f"no prompt in {prompts.source} can be run ({n} bad)", "fix the lines listed above")
+    raise UsageError(f"{n} bad line{'s' if n > 1 else ''} in {prompts.source}, nothing was run",
+                     f"fix {'them' if n > 1 else 'it'}, or pass --skip-bad to run the rest "
+                     f"(rejects go to {out.name}.rejected.jsonl)")
+
+
+def _manifest(args, prompts: PromptSet, model_dir: Path, model_name: str) -> dict:
+    return {
+        "model": model_fingerprint(model_dir, model_name),
+        "prompts": {"sha256": prompts.sha256, "format": prompts.format},
+        "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                     "top_k": args.top_k, "seed": args.seed, "revision": args.revision},
+        "policy": {"batch": args.batch, "micro_batch": args.micro_batch, "executor": args.executor,
+                   "schedule": args.schedule, "dtype": args.dtype},
+        "prompts_file": prompts.source,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _load_engine(args, model_dir: Path, progress):
+    from core.engine import Engine
+
+    kw = {}
+    if args.executor:
+        kw["executor"] = args.executor
+    if args.schedule:
+        kw["schedule"] = args.schedule
+    if args.dtype:
+        kw["dtype"] = args.dtype
+    return Engine.load(model_dir, progress=progress, **kw)
+
+
+def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_name: str, fmt: str,
+              progress, stopper: _Stopper) -> int:
+    from core.engine import Request
+
+    engine = _load_engine(args, model_dir, progress)
+    defaults = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                "top_k": args.top_k, "seed": args.seed}
+    requests = {e.id: Request(**e.request_kwargs(defaults)) for e in prompts.entries}
+    reject_too_long(prompts, lambda e: len(engine.prompt_token_ids(requests[e.id])), engine.context_length)
+    _refuse_rejects(prompts, args.skip_bad, store.out)
+    pending = [requests[e.id] for e in prompts.entries if e.id not in store.done]
+    total, t0, before = len(prompts.entries), time.perf_counter(), len(store.done)
+    if store.resumed:
+        _say(f"resuming: {before} of {total} requests already done")
+    stopper.generating = True
+    try:
+        for result in engine.generate(pending, batch_size=args.batch, micro_batch_size=args.micro_batch,
+                                      should_stop=lambda: stopper.requested):
+            store.append(result.to_dict())
+    except KeyboardInterrupt:
+        stopper.requested = True
+    finally:
+        stopper.generating = False
+    done = sum(1 for e in prompts.entries if e.id in store.done)
+    if done < total:
+        store.close()
+        _say(f"interrupted: {done} of {total} requests done, saved in {store.run_path.name}; "
+             "rerun the same command to finish the rest")
+        return 130
+    records = [_final_record(store.done[e.id], e, prompts, model_name) for e in prompts.entries]
+    store.finish(records, [r.to_dict() for r in prompts.rejects], fmt)
+    tokens = sum(r["output_tokens"] for r in records)
+    secs = time.perf_counter() - t0
+    rej = f", {len(prompts.rejects)} rejected → {store.rejected_path.name}" if prompts.rejects else ""
+    _say(f"{total} results in {out_name(store)}{rej} ({done - before} generated, {tokens} tokens, {secs:.1f} s)")
+    return 0
+
+
+def out_name(store: RunStore) -> str:
+    return str(store.out)
+
+
+def _final_record(rec: dict, entry, prompts: PromptSet, model_name: str) -> dict:
+    if prompts.is_openai_batch:
+        return openai_batch_record(rec, entry.custom_id, entry.endpoint, model_name)
+    return rec

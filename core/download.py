@@ -1,0 +1,300 @@
+"""Model download: a Hugging Face repo id to a local checkpoint folder, through huggingface_hub's cache.
+
+Boundary: `resolve_model` turns what the user typed for `--model` (nothing, a folder, a repo id) into
+a local folder; `download_model` fetches a repo into huggingface_hub's standard cache (so a model
+already there is reused, and `HF_HOME`, `HF_HUB_CACHE`, `HF_ENDPOINT`, `HF_HUB_OFFLINE` and the
+login token are honoured), downloading only what mlight reads: safetensors shards (those the index
+names), the index, config, generation config and tokenizer files. Before any weight is fetched it
+refuses repos that need remote code, have an unsupported architecture, or only ship pickled `.bin`
+weights, and checks the free disk space. Progress goes out as `DownloadProgress` events.
+
+Resuming: files already in the cache are never fetched again, so a rerun after an interruption
+picks up at the first missing file; within a file, a dropped connection is resumed by
+huggingface_hub with an HTTP Range request (up to 5 times while data keeps arriving).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.errors import MlightError, ModelError
+from core.telemetry import EventSink, Progress, ignore
+
+# files mlight reads besides the weights (a tokenizer ships some subset of these)
+SUPPORT_FILES = (
+    "config.json", "generation_config.json", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+INDEX = "model.safetensors.index.json"
+DISK_MARGIN = 256 * 2**20  # leave some room: a full disk breaks more than the download
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class DownloadProgress(Progress):
+    """`Progress` in bytes for a download, with the current file and the mean rate so far."""
+
+    file: str = ""
+    rate: float = 0.0  # bytes per second since this download started
+
+
+def looks_like_repo_id(text: str) -> bool:
+    return bool(REPO_ID.match(text)) and ".." not in text
+
+
+def resolve_model(model: str | None, revision: str | None = None, progress: EventSink = ignore,
+                  **download_kw: Any) -> tuple[Path, str]:
+    """(local checkpoint folder, a name for it) for `--model`: None → demo, a folder, or a repo id."""
+    if model is None:
+        from core.demo import demo_model_dir
+
+        return demo_model_dir(progress), "mlight-demo"
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError(f"--model {model} is a file, not a model folder",
+                             "give the folder holding config.json and the .safetensors files")
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise ModelError(f"cannot read model folder {model}: permission denied", "fix its permissions")
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{model} has no config.json, so it is not a model folder",
+                             "give the folder holding config.json and the .safetensors files")
+        return path, path.name
+    if looks_like_repo_id(model):
+        return download_model(model, revision, progress=progress, **download_kw), model
+    raise ModelError(f"model folder {model} does not exist",
+                     "give a checkpoint folder, a Hugging Face repo id (org/name), or omit --model for the demo")
+
+
+def download_model(repo_id: str, revision: str | None = None, *, progress: EventSink = ignore,
+                   cache_dir: str | Path | None = None, endpoint: str | None = None,
+                   token: str | bool | None = None) -> Path:
+    """Fetch what mlight needs from `repo_id` into the hub cache; return the snapshot folder."""
+    from huggingface_hub import constants
+
+    kw = dict(cache_dir=str(cache_dir) if cache_dir else None, token=token)
+    if constants.is_offline_mode():
+        return _from_cache(repo_id, revision, kw, why="HF_HUB_OFFLINE is set")
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision, files_metadata=True)
+    except Exception as e:  # noqa: BLE001 — every hub failure becomes one line for the user
+        if _is_network(e):
+            return _from_cache(repo_id, revision, kw, why=f"the Hub ({endpoint or constants.ENDPOINT}) cannot be "
+                                                          f"reached", cause=e)
+        raise _hub_error(e, repo_id, revision) from e
+    sizes = {s.rfilename: (s.size or 0) for s in (info.siblings or [])}
+    sha = info.sha or revision or "main"
+    fetch = functools.partial(_fetch, repo_id, sha, dict(kw, endpoint=endpoint))
+
+    wanted = _choose_files(repo_id, sizes)
+    cfg_path = fetch("config.json", None)
+    _check_config(repo_id, cfg_path)
+    if INDEX in wanted:
+        shards = _index_shards(repo_id, fetch(INDEX, None))
+        missing = [s for s in shards if s not in sizes]
+        if missing:
+            raise ModelError(f"{repo_id}: its {INDEX} names {missing[0]}, which the repo does not have",
+                             "the repo is incomplete; pick another revision or repo")
+        wanted = [f for f in wanted if not f.endswith(".safetensors")] + sorted(shards)
+    todo = [f for f in wanted if not _cached(repo_id, f, sha, kw)]
+    total = sum(sizes.get(f, 0) for f in todo)
+    _check_disk(total, cache_dir)
+    tracker = _Tracker(f"downloading {repo_id}", total, progress)
+    tracker.emit(force=True)
+    for f in todo:
+        tracker.file = f
+        fetch(f, tracker)
+    tracker.emit(force=True)
+    return Path(cfg_path).parent
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _choose_files(repo_id: str, sizes: dict[str, int]) -> list[str]:
+    top = [f for f in sizes if "/" not in f]  # subfolders hold other formats (original/, onnx/, ...)
+    weights = [f for f in top if f.endswith(".safetensors")]
+    if not weights:
+        pickles = [f for f in top if f.endswith(PICKLE_SUFFIXES)]
+        if pickles:
+            raise ModelError(f"{repo_id} ships only PyTorch pickle weights ({pickles[0]}); mlight reads safetensors "
+                             "only, because loading pickles can run arbitrary code",
+                             "pick a repo (or a revision) that has .safetensors files")
+        raise ModelError(f"{repo_id} has no .safetensors weights", "check the repo id")
+    if "config.json" not in sizes:
+        raise ModelError(f"{repo_id} has no config.json, so it is not a transformers model",
+                         "check the repo id")
+    return [f for f in top if f in SUPPORT_FILES] + (weights if INDEX not in sizes else [INDEX])
+
+
+def _check_config(repo_id: str, cfg_path: str) -> None:
+    from core.families import spec_from_config
+
+    try:
+        cfg = json.loads(Path(cfg_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{repo_id}/config.json is not valid JSON: {e}", "pick another revision or repo") from e
+    spec_from_config(cfg, source=f"{repo_id}/config.json")  # refuses remote code and unknown architectures
+
+
+def _index_shards(repo_id: str, index_path: str) -> set[str]:
+    try:
+        weight_map = json.loads(Path(index_path).read_text(encoding="utf-8"))["weight_map"]
+        return set(weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelError(f"{repo_id}/{INDEX} is not a valid index: {e}", "pick another revision or repo") from e
+
+
+def _fetch(repo_id: str, revision: str, kw: dict, filename: str, tracker: "_Tracker | None") -> str:
+    from huggingface_hub import hf_hub_download
+
+    extra = {"tqdm_class": functools.partial(_Relay, tracker)} if tracker else {}
+    try:
+        return hf_hub_download(repo_id, filename, revision=revision, **kw, **extra)
+    except Exception as e:  # noqa: BLE001
+        raise _hub_error(e, repo_id, revision, filename) from e
+
+
+def _cached(repo_id: str, filename: str, revision: str, kw: dict) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    hit = try_to_load_from_cache(repo_id, filename, cache_dir=kw.get("cache_dir"), revision=revision)
+    return isinstance(hit, str) and os.path.isfile(hit)
+
+
+def _from_cache(repo_id: str, revision: str | None, kw: dict, why: str, cause: Exception | None = None) -> Path:
+    """The snapshot already in the cache, when the Hub is off limits."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True,
+                                      allow_patterns=list(SUPPORT_FILES) + ["*.safetensors"], **kw))
+    except Exception:  # noqa: BLE001 — not cached (or a partial cache): say why we could not fetch it
+        raise MlightError(f"{why} and {repo_id} is not in the local cache",
+                          "check the network (or HF_ENDPOINT), or download it first with `mlight download "
+                          f"{repo_id}`") from cause
+    if not (path / "config.json").is_file():
+        raise MlightError(f"{why} and the cached copy of {repo_id} is incomplete",
+                          f"rerun `mlight download {repo_id}` with the network on")
+    return path
+
+
+def _free_bytes(folder: Path) -> int:
+    for p in [folder, *folder.parents]:
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return 1 << 62  # cannot tell; let the download try
+
+
+def _check_disk(needed: int, cache_dir: str | Path | None) -> None:
+    from huggingface_hub import constants
+
+    folder = Path(cache_dir or constants.HF_HUB_CACHE)
+    free = _free_bytes(folder)
+    if needed + DISK_MARGIN > free:
+        raise MlightError(f"not enough disk space: the download needs {_gb(needed)} and {folder} has {_gb(free)} free",
+                          "free some space, or point HF_HOME at a bigger disk")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _is_network(e: BaseException) -> bool:
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"ConnectError", "ConnectTimeout", "TimeoutException", "TransportError", "ConnectionError",
+                         "OfflineModeIsEnabled", "LocalEntryNotFoundError"})
+
+
+def _hub_error(e: Exception, repo_id: str, revision: str | None, filename: str | None = None) -> MlightError:
+    if isinstance(e, MlightError):
+        return e
+    names = {c.__name__ for c in type(e).__mro__}
+    what = f"{repo_id}/{filename}" if filename else repo_id
+    if "GatedRepoError" in names:
+        return ModelError(f"{repo_id} is gated: its license must be accepted first",
+                          "accept it on the model's page and log in with `hf auth login`")
+    if "RepositoryNotFoundError" in names:
+        return ModelError(f"{repo_id} was not found on the Hugging Face Hub (or it is private)",
+                          "check the repo id, or log in with `hf auth login`")
+    if "RevisionNotFoundError" in names:
+        return ModelError(f"revision {revision} not found in {repo_id}", "check --revision")
+    if "HFValidationError" in names:
+        return ModelError(f"{repo_id!r} is not a valid Hugging Face repo id", "use the form org/name")
+    if "RemoteEntryNotFoundError" in names or "EntryNotFoundError" in names and not _is_network(e):
+        return ModelError(f"{what} is missing from the repo", "the repo is incomplete; pick another revision")
+    if _is_network(e):
+        return MlightError(f"the download of {what} failed: the connection to the Hub was lost",
+                           "rerun the same command; files already downloaded are kept")
+    if isinstance(e, OSError):
+        import errno
+
+        if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+            return MlightError(f"disk full while downloading {what}", "free some space and rerun the same command")
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return MlightError(f"the download of {what} failed: {first}",
+                       "rerun the same command; files already downloaded are kept")
+
+
+class _Tracker:
+    """Sums bytes over all files of one download and emits rate-limited DownloadProgress events."""
+
+    def __init__(self, what: str, total: int, sink: EventSink, every: float = 0.1):
+        self.what, self.total, self.sink, self.every = what, total, sink, every
+        self.done, self.file = 0, ""
+        self.t0 = self.last = time.monotonic()
+        self.lock = threading.Lock()  # huggingface_hub may update from worker threads
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.done += n
+        self.emit()
+
+    def emit(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.every:
+            return
+        self.last = now
+        rate = self.done / max(now - self.t0, 1e-6)
+        self.sink(DownloadProgress(self.what, self.done, self.total, "B", file=self.file, rate=rate))
+
+
+class _Relay:
+    """Stands in for tqdm inside huggingface_hub: forwards byte counts to a _Tracker."""
+
+    def __init__(self, tracker: _Tracker, *args: Any, initial: int = 0, **kwargs: Any):
+        self.tracker, self.n = tracker, initial
+        if initial:
+            tracker.add(initial)
+
+    def update(self, n: int | float | None = 1) -> None:
+        n = int(n or 0)
+        self.n += n
+        self.tracker.add(n)
+
+    def __enter__(self) -> "_Relay":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def set_description(self, *a: Any, **k: Any) -> None:
+        pass

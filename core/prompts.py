@@ -1,0 +1,462 @@
+"""Prompt readers: `.txt`, `.jsonl` (plain or OpenAI Batch API), `.csv`, `.tsv`, or bytes from stdin.
+
+Boundary: bytes in, a `PromptSet` out — validated `PromptEntry`s in file order plus `Reject`s that
+say which line is bad and why. Nothing here knows the model; `reject_too_long` takes a token counter
+from the caller. Whole-file problems (missing, binary, not UTF-8, empty, no `prompt` column) raise
+`UsageError`; a bad line never raises, so the caller decides whether to stop or skip.
+
+Ids: an explicit `id` (or OpenAI `custom_id`) is used as given; otherwise the line number where the
+prompt starts, so an id always points back into the file. Duplicate ids are rejects.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from core.errors import UsageError
+
+FORMATS = ("txt", "jsonl", "csv", "tsv")
+SUFFIX_FORMAT = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
+                 ".csv": "csv", ".tsv": "tsv", ".tab": "tsv"}
+STDIN = "-"
+HINT_FORMATS = "give a UTF-8 .txt (one prompt a line), .jsonl, .csv or .tsv file"
+# the per-request fields a file may set, each overriding the command's default
+REQUEST_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+@dataclass(frozen=True)
+class PromptEntry:
+    """One valid request read from a prompts file. None means "use the command's default"."""
+
+    id: str
+    line: int  # 1-based line where the record starts
+    prompt: str | None = None
+    messages: tuple[dict, ...] | None = None  # [{"role": ..., "content": str}, ...]
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    custom_id: str | None = None  # set when read from an OpenAI Batch file
+    endpoint: str | None = None  # OpenAI Batch `url`, e.g. /v1/chat/completions
+    model: str | None = None  # OpenAI Batch body.model, echoed back in the response
+
+    def request_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Keyword arguments for `core.engine.Request`: this entry's fields over `defaults`."""
+        kw = dict(defaults or {})
+        kw["id"] = self.id
+        if self.messages is not None:
+            kw["messages"] = [dict(m) for m in self.messages]
+        else:
+            kw["prompt"] = self.prompt
+        for name in REQUEST_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        return kw
+
+
+@dataclass(frozen=True)
+class Reject:
+    """A line that cannot be run, with the reason the user sees."""
+
+    file: str
+    line: int
+    reason: str
+    id: str | None = None
+    text: str = ""  # the offending line (or row), for <out>.rejected.jsonl
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}"
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "line": self.line, "id": self.id, "reason": self.reason, "input": self.text}
+
+
+@dataclass
+class PromptSet:
+    source: str  # file name as given ("<stdin>" for stdin)
+    format: str  # txt | jsonl | openai-batch | csv | tsv
+    sha256: str  # of the raw bytes: a changed file is a different run
+    entries: list[PromptEntry] = field(default_factory=list)
+    rejects: list[Reject] = field(default_factory=list)
+    blank_lines: int = 0
+
+    @property
+    def is_openai_batch(self) -> bool:
+        return self.format == "openai-batch"
+
+
+class _Bad(Exception):
+    """A reason a single record is rejected."""
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+
+
+def read_prompts(source: str | Path, *, data: bytes | None = None, fmt: str | None = None) -> PromptSet:
+    """Read and validate a prompts file. `data` gives the bytes directly (stdin: source "-")."""
+    name = "<stdin>" if str(source) == STDIN else str(source)
+    if data is None:
+        data = _read_bytes(Path(source))
+    fmt = fmt or _guess_format(source, data)
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown prompts format {fmt!r}", f"use one of {', '.join(FORMATS)}")
+    text = decode_text(data, name)
+    out = PromptSet(source=name, format=fmt, sha256=hashlib.sha256(data).hexdigest())
+    if fmt == "txt":
+        _read_txt(text, out)
+    elif fmt == "jsonl":
+        _read_jsonl(text, out)
+    else:
+        _read_table(text, out, delimiter="," if fmt == "csv" else "\t")
+    _reject_duplicates(out)
+    if not out.entries and not out.rejects:
+        raise UsageError(f"{name} has no prompts (it is empty or only blank lines)", HINT_FORMATS)
+    return out
+
+
+def decode_text(data: bytes, name: str) -> str:
+    """UTF-8 with or without a BOM; anything else is refused with the byte offset of the problem."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise UsageError(f"{name} is UTF-16 text, not UTF-8", "re-save it as UTF-8")
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise UsageError(f"{name} looks like a binary file (a NUL byte at byte offset {nul})", HINT_FORMATS)
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+        shift = 3
+    else:
+        shift = 0
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        offset = e.start + shift
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UsageError(
+            f"{name} is not UTF-8: byte 0x{data[e.start]:02x} at byte offset {offset} (line {line})",
+            "re-save the file as UTF-8",
+        ) from None
+
+
+def reject_too_long(prompts: PromptSet, count_tokens: Callable[[PromptEntry], int], context_length: int) -> None:
+    """Move entries whose prompt (after the chat template) leaves no room in the context to rejects."""
+    keep = []
+    for e in prompts.entries:
+        n = count_tokens(e)
+        if n >= context_length:
+            prompts.rejects.append(Reject(prompts.source, e.line,
+                                          f"prompt is {n} tokens (after the chat template); the model's context "
+                                          f"is {context_length} tokens", e.id, e.prompt or json.dumps(e.messages)))
+        else:
+            keep.append(e)
+    prompts.entries = keep
+    prompts.rejects.sort(key=lambda r: r.line)
+
+
+# ---------------------------------------------------------------------------------------------
+# whole-file checks
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise UsageError(f"prompts file {path} not found", "check the path given to --prompts") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path} is a folder, not a prompts file", HINT_FORMATS) from None
+    except PermissionError:
+        raise UsageError(f"cannot read prompts file {path}: permission denied",
+                         "fix its permissions or copy it somewhere readable") from None
+    except OSError as e:
+        if path.is_dir():  # Windows reports a folder as PermissionError/OSError
+            raise UsageError(f"{path} is a folder, not a prompts file", HINT_FORMATS) from None
+        raise UsageError(f"cannot read prompts file {path}: {e.strerror or e}", "check the path") from None
+
+
+def _guess_format(source: str | Path, data: bytes) -> str:
+    fmt = SUFFIX_FORMAT.get(Path(str(source)).suffix.lower())
+    if fmt:
+        return fmt
+    # stdin or an unknown suffix: JSON lines start with "{", anything else is one prompt a line
+    head = data.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+    return "jsonl" if head == b"{" else "txt"
+
+
+# ---------------------------------------------------------------------------------------------
+# readers
+
+
+def _read_txt(text: str, out: PromptSet) -> None:
+    for n, line in enumerate(_split_lines(text), 1):
+        if not line.strip():
+            out.blank_lines += 1
+            continue
+        out.entries.append(PromptEntry(id=str(n), line=n, prompt=line))
+
+
+def _split_lines(text: str) -> list[str]:
+    # only \n and \r\n end a line: str.splitlines would also split on \x0b, \x1c, U+2028, ...
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+
+
+def _read_jsonl(text: str, out: PromptSet) -> None:
+    batch = None  # decided by the first valid record: OpenAI Batch lines carry custom_id
+    for n, line in enumerate(_split_lines(text), 1):
+        if not line.strip():
+            out.blank_lines += 1
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            out.rejects.append(Reject(out.source, n, f"bad JSON: {e.msg} at column {e.colno}", text=line))
+            continue
+        try:
+            if not isinstance(obj, dict):
+                raise _Bad(f"expected a JSON object, got {type(obj).__name__}")
+            is_batch = "custom_id" in obj
+            if batch is None:
+                batch = is_batch
+            elif batch != is_batch:
+                raise _Bad("mixes OpenAI Batch lines (custom_id) with plain lines" if is_batch
+                           else "missing custom_id (the file's other lines are OpenAI Batch requests)")
+            entry = _batch_entry(obj, n) if is_batch else _plain_entry(obj, n)
+        except _Bad as e:
+            rid = obj.get("custom_id", obj.get("id")) if isinstance(obj, dict) else None
+            out.rejects.append(Reject(out.source, n, str(e), _str_or_none(rid), line))
+            continue
+        out.entries.append(entry)
+    if batch:
+        out.format = "openai-batch"
+
+
+def _plain_entry(obj: dict, n: int) -> PromptEntry:
+    prompt, messages = _prompt_or_messages(obj.get("prompt"), obj.get("messages"))
+    return PromptEntry(id=_id(obj.get("id"), n), line=n, prompt=prompt, messages=messages,
+                       **_fields(obj, max_tokens_key="max_new_tokens"))
+
+
+def _batch_entry(obj: dict, n: int) -> PromptEntry:
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        raise _Bad("custom_id must be a non-empty string")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise _Bad("OpenAI Batch line has no `body` object")
+    prompt, messages = _prompt_or_messages(body.get("prompt"), body.get("messages"))
+    fields = _fields(body, max_tokens_key="max_tokens")
+    if fields["max_new_tokens"] is None and "max_completion_tokens" in body:
+        fields["max_new_tokens"] = _positive_int(body["max_completion_tokens"], "max_completion_tokens")
+    url = obj.get("url")
+    url = url if isinstance(url, str) else ("/v1/chat/completions" if messages is not None else "/v1/completions")
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    return PromptEntry(id=cid, line=n, prompt=prompt, messages=messages, custom_id=cid, endpoint=url, model=model,
+                       **fields)
+
+
+def _read_table(text: str, out: PromptSet, delimiter: str) -> None:
+    kind = "CSV" if delimiter == "," else "TSV"
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+    try:
+        header = next(reader, None)
+    except csv.Error as e:
+        raise UsageError(f"{out.source}:1: cannot read the {kind} header: {e}", "fix the first line") from None
+    if not header or not any(h.strip() for h in header):
+        return
+    names = [h.strip().lower() for h in header]
+    if "prompt" not in names:
+        raise UsageError(f"{out.source} has no `prompt` column (its columns: {', '.join(h for h in header) or '-'})",
+                         f"name the column holding the prompts `prompt` in the first line of the {kind} file")
+    start = reader.line_num + 1
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:
+            out.rejects.append(Reject(out.source, start, f"bad {kind} row: {e}"))
+            break  # the csv module cannot resynchronise after a broken quote
+        n, start = start, reader.line_num + 1
+        if not row or not any(cell.strip() for cell in row):
+            out.blank_lines += 1
+            continue
+        raw = delimiter.join(row)
+        if len(row) != len(names):
+            out.rejects.append(Reject(out.source, n, f"row has {len(row)} fields, the header has {len(names)}",
+                                      text=raw))
+            continue
+        rec = {k: v for k, v in zip(names, row) if k}
+        try:
+            entry = _table_entry(rec, n)
+        except _Bad as e:
+            out.rejects.append(Reject(out.source, n, str(e), rec.get("id") or None, raw))
+            continue
+        out.entries.append(entry)
+
+
+def _table_entry(rec: dict[str, str], n: int) -> PromptEntry:
+    obj: dict[str, Any] = {}
+    for key in REQUEST_FIELDS:
+        cell = rec.get(key, "").strip()
+        if cell == "":
+            continue
+        if key == "stop":
+            # a JSON list (["###", "\n\n"]) or a single stop string as written
+            obj[key] = _json_or_text(cell)
+        else:
+            try:
+                obj[key] = json.loads(cell)
+            except json.JSONDecodeError:
+                raise _Bad(f"{key} must be a number, got {cell!r}") from None
+    prompt = rec.get("prompt", "")
+    return PromptEntry(id=_id(rec.get("id") or None, n), line=n, prompt=_check_prompt(prompt),
+                       **_fields(obj, max_tokens_key="max_new_tokens"))
+
+
+# ---------------------------------------------------------------------------------------------
+# field validation (raises _Bad with the reason the user sees)
+
+
+def _prompt_or_messages(prompt: Any, messages: Any) -> tuple[str | None, tuple[dict, ...] | None]:
+    if prompt is not None and messages is not None:
+        raise _Bad("has both `prompt` and `messages`; give one")
+    if messages is not None:
+        return None, _check_messages(messages)
+    if prompt is None:
+        raise _Bad("has neither `prompt` nor `messages`")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # OpenAI completions accept a one-element list
+    return _check_prompt(prompt), None
+
+
+def _check_prompt(prompt: Any) -> str:
+    if not isinstance(prompt, str):
+        raise _Bad(f"`prompt` must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise _Bad("`prompt` is empty")
+    return prompt
+
+
+def _check_messages(messages: Any) -> tuple[dict, ...]:
+    if not isinstance(messages, list) or not messages:
+        raise _Bad("`messages` must be a non-empty list of {\"role\": ..., \"content\": ...}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _Bad(f"messages[{i}] must be an object with a string `role`")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: only text parts can be run
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _Bad(f"messages[{i}].content has a part that is not text; only text is supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise _Bad(f"messages[{i}].content must be a string")
+        out.append({"role": m["role"], "content": content})
+    if not any(m["content"].strip() for m in out):
+        raise _Bad("`messages` has no text")
+    return tuple(out)
+
+
+def _fields(obj: dict, max_tokens_key: str) -> dict[str, Any]:
+    out: dict[str, Any] = {k: None for k in REQUEST_FIELDS}
+    if obj.get(max_tokens_key) is not None:
+        out["max_new_tokens"] = _positive_int(obj[max_tokens_key], max_tokens_key)
+    if obj.get("temperature") is not None:
+        out["temperature"] = _number(obj["temperature"], "temperature", lo=0.0)
+    if obj.get("top_p") is not None:
+        out["top_p"] = _number(obj["top_p"], "top_p", lo=0.0, hi=1.0, lo_open=True)
+    if obj.get("top_k") is not None:
+        out["top_k"] = _int(obj["top_k"], "top_k", lo=0)
+    if obj.get("seed") is not None:
+        out["seed"] = _int(obj["seed"], "seed", lo=0)
+    if obj.get("stop") is not None:
+        out["stop"] = _stop(obj["stop"])
+    return out
+
+
+def _positive_int(v: Any, name: str) -> int:
+    return _int(v, name, lo=1)
+
+
+def _int(v: Any, name: str, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise _Bad(f"{name} must be a whole number, got {v!r}")
+    if v < lo:
+        raise _Bad(f"{name} must be at least {lo}, got {v!r}")
+    return int(v)
+
+
+def _number(v: Any, name: str, lo: float, hi: float | None = None, lo_open: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _Bad(f"{name} must be a number, got {v!r}")
+    if v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+        bounds = f"in ({lo}, {hi}]" if hi is not None else f"at least {lo}"
+        raise _Bad(f"{name} must be {bounds}, got {v!r}")
+    return float(v)
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise _Bad("stop must be a string or a list of non-empty strings")
+    return tuple(v)
+
+
+def _id(v: Any, n: int) -> str:
+    if v is None:
+        return str(n)
+    if isinstance(v, bool) or not isinstance(v, (str, int)) or (isinstance(v, str) and not v.strip()):
+        raise _Bad(f"id must be a non-empty string or a number, got {v!r}")
+    return str(v)
+
+
+def _str_or_none(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+def _json_or_text(cell: str) -> Any:
+    if cell.startswith("["):
+        try:
+            return json.loads(cell)
+        except json.JSONDecodeError:
+            pass
+    return cell
+
+
+def _reject_duplicates(out: PromptSet) -> None:
+    first: dict[str, int] = {}
+    keep = []
+    for e in out.entries:
+        if e.id in first:
+            out.rejects.append(Reject(out.source, e.line, f"duplicate id {e.id!r} (first used on line {first[e.id]})",
+                                      e.id, e.prompt or json.dumps(list(e.messages or ()), ensure_ascii=False)))
+            continue
+        first[e.id] = e.line
+        keep.append(e)
+    out.entries = keep
+    out.rejects.sort(key=lambda r: r.line)
+
+
+def iter_lines(rejects: Iterable[Reject], limit: int = 20) -> Iterable[str]:
+    """The rejects as `file:line: reason` lines, at most `limit` of them and a count of the rest."""
+    rejects = list(rejects)
+    for r in rejects[:limit]:
+        yield str(r)
+    if len(rejects) > limit:
+        yield f"... and {len(rejects) - limit} more bad lines"

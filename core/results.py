@@ -1,0 +1,148 @@
+"""Result writers: the `mlight run` record, JSONL and CSV files, OpenAI Batch-style output.
+
+Boundary: plain dicts in, files out. A record is `Result.to_dict()` (id, prompt, output,
+output_token_ids, prompt_tokens, output_tokens, finish_reason, seconds) — plus `custom_id`,
+`response` and `error` shaped like the OpenAI Batch API's output when the input was a batch file.
+Finished files are only ever written under a temporary name and renamed over the target, so a
+reader never sees half a file. OS errors become one-line `MlightError`s (disk full, permission).
+"""
+
+from __future__ import annotations
+
+import csv
+import errno
+import io
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import IO, Any, Callable, Iterable
+
+from core.errors import MlightError, UsageError
+
+RESULT_FIELDS = ("id", "prompt", "output", "output_token_ids", "prompt_tokens", "output_tokens", "finish_reason",
+                 "seconds")
+CSV_COLUMNS = ("id", "prompt", "output", "finish_reason", "prompt_tokens", "output_tokens", "seconds",
+               "output_token_ids")
+OUTPUT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
+
+
+def output_format(path: str | Path) -> str:
+    """"jsonl" or "csv" from the output file's suffix; anything else is a usage error."""
+    fmt = OUTPUT_FORMATS.get(Path(path).suffix.lower())
+    if fmt is None:
+        raise UsageError(f"cannot tell the output format of {path}", "end --out with .jsonl or .csv")
+    return fmt
+
+
+def openai_batch_record(record: dict, custom_id: str, endpoint: str | None, model: str) -> dict:
+    """`record` plus the fields of an OpenAI Batch output line for the same request."""
+    chat = endpoint is None or "chat" in endpoint
+    choice: dict[str, Any] = {"index": 0, "finish_reason": record["finish_reason"], "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": record["output"]}
+    else:
+        choice["text"] = record["output"]
+    body = {
+        "id": f"mlight-{custom_id}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": record["prompt_tokens"], "completion_tokens": record["output_tokens"],
+                  "total_tokens": record["prompt_tokens"] + record["output_tokens"]},
+    }
+    out = dict(record)
+    out.update(custom_id=custom_id, response={"status_code": 200, "request_id": f"mlight-{custom_id}", "body": body},
+               error=None)
+    return out
+
+
+def jsonl_line(record: dict) -> bytes:
+    # ensure_ascii=False keeps emoji and right-to-left text readable; json escapes \n, \u2028 and friends
+    return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def write_jsonl(f: IO[bytes], records: Iterable[dict]) -> None:
+    for r in records:
+        f.write(jsonl_line(r))
+
+
+def write_csv(f: IO[bytes], records: Iterable[dict]) -> None:
+    """One row per record; newlines, quotes and commas inside a field are quoted per RFC 4180."""
+    records = list(records)
+    extra = [k for k in ("custom_id",) if any(k in r for r in records)]
+    columns = list(CSV_COLUMNS) + extra
+    text = io.TextIOWrapper(f, encoding="utf-8", newline="", write_through=True)
+    try:
+        w = csv.writer(text, lineterminator="\r\n")
+        w.writerow(columns)
+        for r in records:
+            w.writerow([_cell(r.get(c)) for c in columns])
+        text.flush()
+    finally:
+        text.detach()  # leave f open for the caller's fsync
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, ensure_ascii=False)
+    return str(v)
+
+
+WRITERS: dict[str, Callable[[IO[bytes], Iterable[dict]], None]] = {"jsonl": write_jsonl, "csv": write_csv}
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write a whole file under a temporary name in the same folder, fsync it, rename it over `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise os_error(e, path) from e
+    finally:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass  # gone already: renamed into place
+    fsync_dir(path.parent)
+
+
+def write_records(path: Path, records: Iterable[dict], fmt: str | None = None) -> None:
+    """The final output file, atomically: JSONL or CSV by `fmt` (default: from the suffix)."""
+    records = list(records)
+    writer = WRITERS[fmt or output_format(path)]
+    atomic_write(path, lambda f: writer(f, records))
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new file in `folder` survive power loss, where the OS allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # Windows cannot open a folder; NTFS journals the rename itself
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def os_error(e: OSError, path: Path, done: int | None = None) -> MlightError:
+    """A user-facing error for an OSError while writing `path`."""
+    kept = (f"; the {done} results already saved are kept — rerun the same command to finish"
+            if done is not None else "")
+    if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        return MlightError(f"disk full while writing {path}{kept}", "free some disk space and rerun the same command")
+    if isinstance(e, PermissionError):
+        return UsageError(f"cannot write {path}: permission denied", "choose another --out or fix the permissions")
+    return MlightError(f"cannot write {path}: {e.strerror or e}{kept}", "check the disk and rerun the same command")

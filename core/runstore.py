@@ -1,0 +1,254 @@
+"""The run store: what makes an interrupted `mlight run` resumable without losing or repeating work.
+
+Files next to the output `OUT`:
+  `OUT.lock`            held (filelock) for the whole run: a second run on the same output refuses.
+  `OUT.run.jsonl`       line 1 a manifest (model, policy, prompts hash, settings), then one result record
+                        a line, appended, flushed and fsynced as each request finishes.
+  `OUT`                 written once at the end, under a temporary name then renamed; the run file is
+                        then removed. `OUT.rejected.jsonl` likewise, when lines were skipped.
+A run killed at any instant (Ctrl-C, SIGTERM, kill -9, power loss) leaves at worst a torn last line
+in the run file; it is cut off on resume, and a result seen twice keeps its last copy, so every
+request ends up in the output exactly once.
+
+Boundary: file handling only. The caller builds the manifest and the records and runs the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import filelock
+
+from core.errors import MlightError, UsageError
+from core.results import fsync_dir, jsonl_line, os_error, write_records
+
+MANIFEST_KEY = "mlight_run"
+MANIFEST_VERSION = 1
+# manifest sections that must match to resume; "policy" (batch sizes, executor) may change freely
+IDENTITY = {"model": "model", "prompts": "prompts file", "settings": "generation settings"}
+
+
+def model_fingerprint(model_dir: str | Path, source: str | None = None) -> dict[str, Any]:
+    """What identifies a checkpoint cheaply: config.json's hash and the weight files' names and sizes."""
+    model_dir = Path(model_dir)
+    cfg = model_dir / "config.json"
+    weights = {}
+    for p in sorted(model_dir.iterdir()) if model_dir.is_dir() else ():
+        if p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json"):
+            try:
+                weights[p.name] = p.stat().st_size
+            except OSError:
+                weights[p.name] = None
+    try:
+        config_sha = hashlib.sha256(cfg.read_bytes()).hexdigest()
+    except OSError:
+        config_sha = None
+    return {"source": source or str(model_dir), "config_sha256": config_sha, "weights": weights}
+
+
+@dataclass
+class RunStore:
+    """The state of one output path: lock, run file, finished records."""
+
+    out: Path
+    done: dict[str, dict] = field(default_factory=dict)  # id -> finished record, in finish order
+    resumed: bool = False
+    _lock: filelock.BaseFileLock | None = None
+    _file: Any = None
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+
+    @property
+    def run_path(self) -> Path:
+        return self.out.with_name(self.out.name + ".run.jsonl")
+
+    @property
+    def lock_path(self) -> Path:
+        return self.out.with_name(self.out.name + ".lock")
+
+    @property
+    def rejected_path(self) -> Path:
+        return self.out.with_name(self.out.name + ".rejected.jsonl")
+
+    # -- lock ---------------------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Refuse early, before any model is loaded, an output that cannot be written."""
+        parent = self.out.parent
+        if self.out.is_dir():
+            raise UsageError(f"--out {self.out} is a folder", "give a file name ending in .jsonl or .csv")
+        if not parent.exists():
+            raise UsageError(f"output folder {parent} does not exist", "create it first or choose another --out")
+        if not parent.is_dir():
+            raise UsageError(f"output folder {parent} is not a folder", "choose another --out")
+        if not os.access(parent, os.W_OK):
+            raise UsageError(f"cannot write to {parent}: permission denied", "choose another --out")
+
+    def acquire(self) -> None:
+        self.check_writable()
+        lock = filelock.FileLock(self.lock_path, timeout=0)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise MlightError(f"another mlight run is writing {self.out} (lock {self.lock_path.name} is held)",
+                              "wait for it to finish, or choose another --out") from None
+        except PermissionError:
+            raise UsageError(f"cannot write to {self.out.parent}: permission denied", "choose another --out") from None
+        except OSError as e:
+            raise os_error(e, self.lock_path) from e
+        self._lock = lock
+
+    def release(self) -> None:
+        self.close()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+            # filelock re-checks the inode after locking, so removing the file cannot let two runs in
+            try:
+                self.lock_path.unlink()
+            except OSError:
+                pass  # another run holds it now (Windows), or it is gone already
+
+    def __enter__(self) -> "RunStore":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    # -- manifest and resume -------------------------------------------------------------------
+
+    def start(self, manifest: dict, restart: bool = False) -> None:
+        """Resume the run file if it belongs to this run, else start one. Call with the lock held."""
+        manifest = {MANIFEST_KEY: MANIFEST_VERSION, **manifest}
+        if self.run_path.exists():
+            old, records = self._load()
+            if old is not None and not restart:
+                diff = [label for key, label in IDENTITY.items() if old.get(key) != manifest.get(key)]
+                if diff:
+                    raise UsageError(
+                        f"{self.run_path.name} holds an unfinished run with a different {' and '.join(diff)} "
+                        f"({len(records)} results)",
+                        "rerun with --restart to discard them and start over, or choose another --out")
+            if old is not None and not restart:
+                self.done = records
+                self.resumed = True
+                self._open_append()
+                return
+            self._remove(self.run_path)
+        elif self.out.exists() and not restart:
+            raise UsageError(f"{self.out} already exists", "pass --restart to replace it, or choose another --out")
+        self.done = {}
+        self._create(manifest)
+
+    def _load(self) -> tuple[dict | None, dict[str, dict]]:
+        """The manifest and finished records; a torn last line (killed mid-write) is cut off."""
+        try:
+            data = self.run_path.read_bytes()
+        except OSError as e:
+            raise os_error(e, self.run_path) from e
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            with open(self.run_path, "r+b") as f:
+                f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
+        manifest, records = None, {}
+        for i, raw in enumerate(data[:end].splitlines()):
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue  # only a crash can tear a line; its request is simply run again
+            if i == 0:
+                manifest = obj if isinstance(obj, dict) and obj.get(MANIFEST_KEY) == MANIFEST_VERSION else None
+                if manifest is None:
+                    return None, {}
+            elif isinstance(obj, dict) and "id" in obj:
+                records[str(obj["id"])] = obj
+        return manifest, records
+
+    def _create(self, manifest: dict) -> None:
+        tmp = self.run_path.with_name(self.run_path.name + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(jsonl_line(manifest))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.run_path)
+        except OSError as e:
+            self._remove(tmp)
+            raise os_error(e, self.run_path) from e
+        fsync_dir(self.run_path.parent)
+        self._open_append()
+
+    def _open_append(self) -> None:
+        try:
+            self._file = open(self.run_path, "ab")
+        except OSError as e:
+            raise os_error(e, self.run_path) from e
+
+    # -- appending and finishing ---------------------------------------------------------------
+
+    def append(self, record: dict) -> None:
+        """Save one finished record durably before returning."""
+        line = jsonl_line(record)
+        f = self._file
+        pos = f.tell()
+        try:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as e:
+            try:  # leave no torn line behind, so the run file stays clean for the resume
+                f.truncate(pos)
+                f.flush()
+            except OSError:
+                pass
+            raise os_error(e, self.run_path, done=len(self.done)) from e
+        self.done[str(record["id"])] = record
+
+    def finish(self, records: Iterable[dict], rejects: Iterable[dict] = (), fmt: str | None = None) -> None:
+        """Write the output (and the rejects file) atomically, then drop the run file."""
+        self.close()
+        rejects = list(rejects)
+        try:
+            write_records(self.out, records, fmt)
+            if rejects:
+                write_records(self.rejected_path, rejects, "jsonl")
+            elif self.rejected_path.exists():
+                self._remove(self.rejected_path)  # stale, from an earlier run on this output
+        except MlightError as e:
+            if self.done:
+                raise MlightError(f"{e.problem}; the {len(self.done)} finished results stay in "
+                                  f"{self.run_path.name}", e.hint) from e
+            raise
+        self._remove(self.run_path)
+
+    def abandon(self) -> None:
+        """Drop the run file when it holds nothing worth keeping (an error before any result)."""
+        self.close()
+        if not self.done and self.run_path.exists():
+            self._remove(self.run_path)
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise os_error(e, path) from e
