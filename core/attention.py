@@ -1,0 +1,35 @@
+"""Attention next to the KV cache: decode (one query per request, GQA) and prefill (causal, per request).
+
+Decode attention's arithmetic intensity does not grow with the batch (each query reads its own KV),
+which is why it runs on the CPU beside the cache. Query heads are grouped onto their KV head with a
+view, never by copying K/V. Legend: B = requests, G = Hq / Hkv, T = cached tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [B, Hq, hd]; k/v_cache [B, Hkv, Tmax, hd] (rows of the cache); lengths [B] -> [B, Hq·hd]."""
+    B, Hq, hd = q.shape
+    Hkv = k_cache.shape[1]
+    T = int(lengths.max())
+    k, v = k_cache[:, :, :T], v_cache[:, :, :T]
+    qg = q.view(B, Hkv, Hq // Hkv, hd)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, T]
+    if int(lengths.min()) < T:
+        pad = torch.arange(T, device=q.device)[None, :] >= lengths[:, None]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(p, v).reshape(B, Hq * hd)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request's prompt: q [T, Hq, hd], k/v [T, Hkv, hd] -> causal attention [T, Hq·hd]."""
+    T, Hq, hd = q.shape
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1).reshape(T, Hq * hd)

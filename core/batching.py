@@ -1,0 +1,55 @@
+"""Dealing requests into micro-batches (the paper's Algorithm 2) and refilling freed slots.
+
+Longest prompt first, each into the micro-batch that holds the fewest tokens so far and still has
+a free slot. The same rule places a waiting request into a slot freed by a finished one, so the
+micro-batches stay balanced as the batch turns over.
+"""
+
+from __future__ import annotations
+
+
+class SlotTable:
+    """`slots` batch slots split into micro-batches of `micro_batch_size` consecutive slots."""
+
+    def __init__(self, slots: int, micro_batch_size: int):
+        if slots < 1 or micro_batch_size < 1:
+            raise ValueError("batch and micro-batch sizes must be >= 1")
+        self.micro_batch_size = min(micro_batch_size, slots)
+        self.ranges = [(lo, min(lo + self.micro_batch_size, slots)) for lo in range(0, slots, self.micro_batch_size)]
+        self.owner: list[object | None] = [None] * slots  # request occupying each slot
+        self.tokens = [0] * len(self.ranges)  # tokens held by each micro-batch
+
+    def micro_batch_of(self, slot: int) -> int:
+        return slot // self.micro_batch_size
+
+    def free_slots(self) -> int:
+        return sum(o is None for o in self.owner)
+
+    def place(self, request, tokens: int) -> int:
+        """Put `request` (needing `tokens` cache positions) into the emptiest micro-batch; return its slot."""
+        best = None
+        for j, (lo, hi) in enumerate(self.ranges):
+            if any(self.owner[s] is None for s in range(lo, hi)) and (best is None or self.tokens[j] < self.tokens[best]):
+                best = j
+        if best is None:
+            raise RuntimeError("no free slot")
+        lo, hi = self.ranges[best]
+        slot = next(s for s in range(lo, hi) if self.owner[s] is None)
+        self.owner[slot] = request
+        self.tokens[best] += tokens
+        return slot
+
+    def release(self, slot: int, tokens: int) -> None:
+        self.owner[slot] = None
+        self.tokens[self.micro_batch_of(slot)] -= tokens
+
+
+def deal(lengths: list[int], micro_batches: int) -> list[list[int]]:
+    """Algorithm 2 on its own: indices of `lengths` dealt into `micro_batches` balanced groups."""
+    groups: list[list[int]] = [[] for _ in range(micro_batches)]
+    load = [0] * micro_batches
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = min(range(micro_batches), key=lambda j: load[j])
+        groups[j].append(i)
+        load[j] += lengths[i]
+    return groups

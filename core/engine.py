@@ -1,0 +1,250 @@
+"""The batch generation engine: requests in, results out as each finishes.
+
+Boundary: takes `Request`s (text or chat messages), tokenizes with the checkpoint's own tokenizer,
+and yields `Result`s; publishes telemetry events through a callback and never prints. It owns the
+step loop — admit waiting requests into free slots (Algorithm 2), prefill them, decode one token for
+every active request, retire finished ones — and delegates the per-layer work to a `DecodeRunner`
+(`core.runner`), which is where executors and schedules plug in.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import psutil
+import torch
+
+from core.batching import SlotTable
+from core.errors import ModelError, UsageError
+from core.families import load_spec
+from core.kvcache import KVCache
+from core.runner import SequentialRunner
+from core.sampling import greedy, sample
+from core.spec import DTYPES, ModelSpec
+from core.telemetry import EventSink, RequestDone, StepDone, ignore
+from core.weights import ModelWeights, load_weights
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise UsageError(f"request {self.id!r} needs exactly one of `prompt` or `messages`")
+        if self.max_new_tokens < 1:
+            raise UsageError(f"request {self.id!r}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise UsageError(f"request {self.id!r}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+
+
+@dataclass
+class Result:
+    id: str
+    prompt: str
+    output: str
+    output_token_ids: list[int]
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Seq:
+    """A request in flight."""
+
+    req: Request
+    prompt_ids: list[int]
+    max_total: int  # prompt + generated tokens it may reach
+    out: list[int] = field(default_factory=list)
+    slot: int = -1
+    started: float = 0.0
+    finish: str | None = None
+    text: str | None = None
+    gen: torch.Generator | None = None
+
+    @property
+    def next_position(self) -> int:  # where the last sampled token goes in the cache
+        return len(self.prompt_ids) + len(self.out) - 1
+
+
+class Engine:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, tokenizer, model_dir: Path, *,
+                 eos_ids: set[int], grouped: bool | None = None, prefill_chunk_tokens: int = 8192):
+        self.spec, self.weights, self.tokenizer, self.model_dir = spec, weights, tokenizer, model_dir
+        self.eos_ids = eos_ids
+        self.grouped = grouped
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.context_length = spec.max_position
+
+    # ---- loading --------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, model_dir, *, dtype: str | torch.dtype | None = None, device: str = "cpu",
+             pages_per_layer: int = 1, executor: str | None = None, schedule: str = "cgopipe",
+             grouped: bool | None = None, progress: EventSink = ignore) -> "Engine":
+        model_dir = Path(model_dir)
+        if device != "cpu" or executor not in (None, "sequential"):
+            raise UsageError(f"device {device!r} / executor {executor!r} is not available in this build",
+                             "use --executor sequential")
+        spec = load_spec(model_dir)
+        tokenizer = _load_tokenizer(model_dir)
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise UsageError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPES))}")
+            dtype = DTYPES[dtype]
+        weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer, progress=progress)
+        return cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), grouped=grouped)
+
+    # ---- tokenization ---------------------------------------------------------------------------
+    def prompt_token_ids(self, req: Request) -> list[int]:
+        if req.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise UsageError(f"request {req.id!r} has `messages` but the model's tokenizer has no chat template",
+                                 "give a plain `prompt` instead")
+            ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return list(self.tokenizer(req.prompt).input_ids)
+
+    def _prompt_text(self, req: Request) -> str:
+        if req.prompt is not None:
+            return req.prompt
+        return self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate(self, requests: Iterable[Request], *, batch_size: int = 64, micro_batch_size: int | None = None,
+                 on_event: EventSink = ignore, should_stop: Callable[[], bool] | None = None) -> Iterator[Result]:
+        seqs = [self._admit_check(r) for r in requests]
+        if not seqs:
+            return
+        slots = max(1, min(batch_size, len(seqs)))
+        table = SlotTable(slots, micro_batch_size or slots)
+        cache = KVCache(self.spec, slots, max(s.max_total for s in seqs), self.weights.dtype)
+        runner = SequentialRunner(self.spec, self.weights, cache, grouped=self.grouped)
+        waiting = sorted(seqs, key=lambda s: -len(s.prompt_ids))  # longest first (Algorithm 2)
+        active: list[_Seq] = []
+        proc = psutil.Process()
+        while waiting or active:
+            if should_stop is not None and should_stop():
+                return
+            admitted = []
+            while waiting and table.free_slots():
+                s = waiting.pop(0)
+                s.slot = table.place(s, len(s.prompt_ids))
+                s.started = time.perf_counter()
+                admitted.append(s)
+            if admitted:
+                t0 = time.perf_counter()
+                logits, busy = runner.prefill([s.prompt_ids for s in admitted], [s.slot for s in admitted],
+                                              self.prefill_chunk_tokens)
+                self._choose(admitted, logits)
+                active += admitted
+                on_event(StepDone("prefill", sum(len(s.prompt_ids) for s in admitted), time.perf_counter() - t0,
+                                  busy, active=len(active), cpu_mem_bytes=proc.memory_info().rss))
+                yield from self._retire(active, table, on_event)
+                continue  # a freshly prefilled request may already be done; admit again before decoding
+            t0 = time.perf_counter()
+            groups = _by_micro_batch(active, table)
+            logits, busy = runner.decode(
+                [[s.out[-1] for s in g] for g in groups], [[s.slot for s in g] for g in groups],
+                [[s.next_position for s in g] for g in groups], [table.ranges[table.micro_batch_of(g[0].slot)] for g in groups])
+            self._choose([s for g in groups for s in g], logits)
+            on_event(StepDone("decode", len(active), time.perf_counter() - t0, busy, active=len(active),
+                              cpu_mem_bytes=proc.memory_info().rss))
+            yield from self._retire(active, table, on_event)
+
+    def _admit_check(self, req: Request) -> _Seq:
+        ids = self.prompt_token_ids(req)
+        if not ids:
+            raise UsageError(f"request {req.id!r} has an empty prompt")
+        if len(ids) >= self.context_length:
+            raise UsageError(f"request {req.id!r} has {len(ids)} prompt tokens; the model's context is "
+                             f"{self.context_length}", "shorten the prompt")
+        s = _Seq(req, ids, min(len(ids) + req.max_new_tokens, self.context_length))
+        if req.temperature > 0:
+            s.gen = torch.Generator().manual_seed(req.seed if req.seed is not None else 0)
+        return s
+
+    def _choose(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """Append each sequence's next token (logits [len(seqs), V], fp32) and mark finished ones."""
+        best = greedy(logits).tolist()
+        for row, s in enumerate(seqs):
+            r = s.req
+            tok = best[row] if r.temperature <= 0 else sample(logits[row], r.temperature, r.top_k, r.top_p, s.gen)
+            if tok in self.eos_ids:
+                s.finish = "stop"
+                continue
+            s.out.append(tok)
+            if r.stop:
+                text = self.tokenizer.decode(s.out, skip_special_tokens=True)
+                hits = [text.find(x) for x in r.stop if x and x in text]
+                if hits:
+                    s.text, s.finish = text[:min(hits)], "stop"
+                    continue
+            if len(s.prompt_ids) + len(s.out) >= s.max_total:
+                s.finish = "length"
+
+    def _retire(self, active: list[_Seq], table: SlotTable, on_event: EventSink) -> Iterator[Result]:
+        done = [s for s in active if s.finish]
+        if not done:
+            return
+        active[:] = [s for s in active if not s.finish]
+        now = time.perf_counter()
+        for s in done:
+            table.release(s.slot, len(s.prompt_ids))
+            text = s.text if s.text is not None else self.tokenizer.decode(s.out, skip_special_tokens=True)
+            res = Result(s.req.id, self._prompt_text(s.req), text, list(s.out), len(s.prompt_ids), len(s.out),
+                         s.finish, round(now - s.started, 6))
+            on_event(RequestDone(res.id, res.prompt_tokens, res.output_tokens, res.seconds, res.finish_reason))
+            yield res
+
+
+def _by_micro_batch(active: list[_Seq], table: SlotTable) -> list[list[_Seq]]:
+    groups: dict[int, list[_Seq]] = {}
+    for s in active:
+        groups.setdefault(table.micro_batch_of(s.slot), []).append(s)
+    return [sorted(groups[j], key=lambda s: s.slot) for j in sorted(groups)]
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise ModelError(f"{model_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json)",
+                         "copy the tokenizer files that came with the model into the folder")
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # transformers raises many types here; all mean the same to the user
+        raise ModelError(f"cannot load the tokenizer in {model_dir}: {str(e).splitlines()[0]}",
+                         "check the tokenizer files that came with the model") from e
+
+
+def _eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> set[int]:
+    ids = set(spec.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except (OSError, ValueError):
+            pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return {i for i in ids if isinstance(i, int) and 0 <= i < spec.vocab_size}

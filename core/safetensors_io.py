@@ -1,0 +1,135 @@
+"""Read tensors out of safetensors files (single file or sharded) without pickles or a second copy.
+
+The header is parsed here (8-byte length + JSON) so that a truncated or corrupt shard is caught
+before anything is allocated. Each tensor is copied out of a memory-mapped window of its own,
+closed right after, so the mapped pages never add up to a second resident copy of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.errors import ModelError
+
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_GRANULARITY = mmap.ALLOCATIONGRANULARITY  # mmap offsets must be multiples of it (64 KiB on Windows)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+def _read_header(path: Path) -> dict[str, TensorInfo]:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ModelError(f"{path.name} is not a safetensors file (too short)", "download the model again")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100_000_000):
+                raise ModelError(f"{path.name} has a corrupt header", "download the model again")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"cannot read {path.name}: {e}", "the shard is damaged; download the model again") from e
+    base = 8 + n
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = ST_DTYPES[meta["dtype"]]
+            start, end = (base + int(o) for o in meta["data_offsets"])
+            shape = tuple(int(s) for s in meta["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelError(f"{path.name} has a corrupt entry for {name}", "download the model again") from e
+        if end > size:
+            raise ModelError(
+                f"{path.name} is truncated: {name} ends at byte {end} but the file has {size} bytes",
+                "the download was interrupted; download the model again",
+            )
+        out[name] = TensorInfo(path, dtype, shape, start, end)
+    return out
+
+
+class Checkpoint:
+    """All tensors of a checkpoint folder, by name, read on demand."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        self.tensors: dict[str, TensorInfo] = {}
+        for shard in self._shards():
+            self.tensors.update(_read_header(shard))
+
+    def _shards(self) -> list[Path]:
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (OSError, KeyError, ValueError) as e:
+                raise ModelError(f"cannot read {index.name}: {e}", "download the model again") from e
+            shards = [self.dir / name for name in sorted(set(weight_map.values()))]
+            missing = [s.name for s in shards if not s.is_file()]
+            if missing:
+                raise ModelError(
+                    f"shard {missing[0]} listed in {index.name} is missing from {self.dir}"
+                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                    "finish the download (mlight download resumes it) or copy the missing files",
+                )
+            return shards
+        shards = sorted(self.dir.glob("*.safetensors"))
+        if shards:
+            return shards
+        if any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pt")):
+            raise ModelError(f"{self.dir} only has pickle weights (.bin/.pt); mlight never loads pickles",
+                             "use a checkpoint that ships .safetensors files")
+        raise ModelError(f"{self.dir} has no .safetensors files", "give the folder holding the model's weights")
+
+    def keys(self) -> set[str]:
+        return set(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelError(f"the checkpoint in {self.dir} has no tensor {name}",
+                             "it is incomplete or not the architecture its config.json names") from None
+
+    def copy_into(self, name: str, dest: torch.Tensor, view: tuple[int, ...] | None = None,
+                  transpose: bool = False) -> None:
+        """Copy tensor `name` into `dest` (converting dtype), reading it through its own mmap window."""
+        t = self.info(name)
+        nbytes = t.end - t.start
+        aligned = t.start - t.start % _GRANULARITY
+        with open(t.path, "rb") as f:
+            # ACCESS_COPY: a writable private map (torch.frombuffer wants writable) that never writes back.
+            mm = mmap.mmap(f.fileno(), t.end - aligned, access=mmap.ACCESS_COPY, offset=aligned)
+        try:
+            count = nbytes // torch.empty((), dtype=t.dtype).element_size()
+            src = torch.frombuffer(mm, dtype=t.dtype, count=count, offset=t.start - aligned) if count else None
+            if src is not None:
+                src = src.view(view or t.shape)
+                if transpose:
+                    src = src.transpose(-1, -2)
+                if tuple(src.shape) != tuple(dest.shape):
+                    raise ModelError(f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}",
+                                     "the config.json does not match the weights")
+                dest.copy_(src)
+            del src
+        finally:
+            mm.close()

@@ -1,0 +1,137 @@
+"""Model weights laid out for paging: one flat buffer per decoder layer, cut into pages.
+
+Every decoder layer's tensors live in a single 1-D buffer (`LayerWeights.flat`) at offsets fixed by
+a `LayerLayout`; the named tensors are views into it, experts stacked `[E, ...]`. The buffer is cut
+into `n` equal pages (the paper's paged weights) so a layer can stream to the GPU page by page, and
+the same layout gives views over any other buffer of that size (a GPU double buffer, say).
+
+Memory: each buffer is allocated once and filled straight from the checkpoint's memory map, so peak
+RSS stays near the model's size. With CUDA present the buffers are pinned; when pinning fails
+(Windows caps pinned memory) they fall back to pageable memory and a warning is published.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from core.errors import ModelError
+from core.families import family_module
+from core.safetensors_io import Checkpoint
+from core.spec import ModelSpec
+from core.telemetry import EventSink, Progress, WarningEvent, ignore
+
+_ALIGN = 64  # elements; keeps every view's start aligned for vector loads
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where each canonical tensor of a layer sits in the flat buffer: name -> (offset, shape)."""
+
+    entries: tuple[tuple[str, int, tuple[int, ...]], ...]
+    numel: int
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec) -> "LayerLayout":
+        entries, off = [], 0
+        for name, shape in spec.layer_shapes().items():
+            entries.append((name, off, shape))
+            off += math.ceil(math.prod(shape) / _ALIGN) * _ALIGN
+        return cls(tuple(entries), off)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: flat[off:off + math.prod(shape)].view(shape) for name, off, shape in self.entries}
+
+    def page_bounds(self, pages: int) -> list[tuple[int, int]]:
+        """Element ranges of `pages` near-equal cuts of the flat buffer."""
+        step = math.ceil(self.numel / pages)
+        return [(s, min(s + step, self.numel)) for s in range(0, self.numel, step)]
+
+
+class LayerWeights:
+    """One decoder layer: its flat buffer, named views, and its pages."""
+
+    def __init__(self, layout: LayerLayout, flat: torch.Tensor, pages: int):
+        self.layout = layout
+        self.flat = flat
+        self.tensors = layout.views(flat)
+        self.pages = [flat[a:b] for a, b in layout.page_bounds(pages)]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def get(self, name: str):
+        return self.tensors.get(name)
+
+
+class ModelWeights:
+    """All weights of a model in the layout the engine runs from."""
+
+    def __init__(self, spec: ModelSpec, layers: list[LayerWeights], globals_: dict[str, torch.Tensor],
+                 dtype: torch.dtype, pinned: bool):
+        self.spec, self.layers, self.globals, self.dtype, self.pinned = spec, layers, globals_, dtype, pinned
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.globals.get("lm_head", self.globals["embed"])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lw.flat.numel() * lw.flat.element_size() for lw in self.layers) + sum(
+            t.numel() * t.element_size() for t in self.globals.values())
+
+
+def _alloc(numel: int, dtype: torch.dtype, pin: bool, sink: EventSink) -> tuple[torch.Tensor, bool]:
+    if pin:
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True), True
+        except RuntimeError as e:
+            sink(WarningEvent(f"pinned memory unavailable ({str(e).splitlines()[0]}); using pageable memory, "
+                              "host-to-device copies will be slower"))
+    return torch.empty(numel, dtype=dtype), False
+
+
+def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
+                 pin: bool | None = None, progress: EventSink = ignore) -> ModelWeights:
+    """Read a checkpoint into paged per-layer buffers (and plain tensors for embeddings and head)."""
+    if pages_per_layer < 1:
+        raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
+    dtype = dtype or spec.torch_dtype
+    pin = torch.cuda.is_available() if pin is None else pin
+    ckpt = Checkpoint(model_dir)
+    keys = ckpt.keys()
+    fam = family_module(spec)
+    layout = LayerLayout.for_spec(spec)
+    total = spec.num_layers + 1
+    globals_ = {}
+    for name, shape in spec.global_shapes().items():
+        globals_[name] = torch.empty(shape, dtype=dtype)
+    _fill(ckpt, fam.global_pieces(spec, keys), globals_)
+    progress(Progress("loading weights", 1, total, "layers"))
+    layers, pinned = [], pin
+    for i in range(spec.num_layers):
+        flat, ok = _alloc(layout.numel, dtype, pinned, progress)
+        pinned = pinned and ok
+        lw = LayerWeights(layout, flat, pages_per_layer)
+        _fill(ckpt, fam.layer_pieces(spec, i, keys), lw.tensors)
+        layers.append(lw)
+        progress(Progress("loading weights", i + 2, total, "layers"))
+    return ModelWeights(spec, layers, globals_, dtype, pinned)
+
+
+def _fill(ckpt: Checkpoint, pieces, dest: dict[str, torch.Tensor]) -> None:
+    covered: dict[str, int] = {}
+    for p in pieces:
+        target = dest[p.dest][p.index] if p.index else dest[p.dest]
+        try:
+            ckpt.copy_into(p.src, target, view=p.view, transpose=p.transpose)
+        except RuntimeError as e:  # a reshape that does not fit: config and weights disagree
+            raise ModelError(f"tensor {p.src} does not fit {p.dest}: {e}",
+                             "the config.json does not match the weights") from e
+        covered[p.dest] = covered.get(p.dest, 0) + target.numel()
+    for name, t in dest.items():
+        if covered.get(name, 0) != t.numel():
+            raise ModelError(f"the checkpoint does not provide all of {name}",
+                             "it is incomplete or not the architecture its config.json names")

@@ -1,0 +1,49 @@
+"""Shared fixtures: an isolated cache dir per session and tiny checkpoints built once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Demo model and probe cache go to a temp dir, never the user's."""
+    cache = tmp_path_factory.mktemp("mlight-cache")
+    old = {k: os.environ.get(k) for k in ("MLIGHT_CACHE_DIR",)}
+    os.environ["MLIGHT_CACHE_DIR"] = str(cache)
+    yield cache
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """family -> path of a tiny checkpoint of that family (built once per session)."""
+    from checkpoints import make_checkpoint
+
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = make_checkpoint(family, tmp_path_factory.mktemp(f"ckpt-{family}"))
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def demo_model(_isolated_cache):
+    from core.demo import demo_model_dir
+
+    return demo_model_dir()

@@ -1,0 +1,123 @@
+"""Loading safetensors checkpoints into paged layer buffers: sharded, damaged, and within 1.1x RSS."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import hf_model, make_checkpoint
+from core.errors import ModelError
+from core.families import load_spec
+from core.weights import LayerLayout, load_weights
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_layer_views_live_in_one_paged_buffer(checkpoint_factory):
+    path = checkpoint_factory("mixtral")
+    spec = load_spec(path)
+    w = load_weights(path, spec, pages_per_layer=3)
+    ref = hf_model(path).state_dict()
+    lw = w.layers[1]
+    assert len(lw.pages) == 3 and sum(p.numel() for p in lw.pages) == lw.flat.numel()
+    assert all(p.untyped_storage().data_ptr() == lw.flat.untyped_storage().data_ptr() for p in lw.pages)
+    for name, t in lw.tensors.items():
+        assert t.untyped_storage().data_ptr() == lw.flat.untyped_storage().data_ptr(), name
+    # experts stacked [E, 2I, D] / [E, D, I] with the checkpoint's values in place
+    fused = ref["model.layers.1.mlp.experts.gate_up_proj"]
+    torch.testing.assert_close(lw["w13"], fused, rtol=0, atol=0)
+    torch.testing.assert_close(lw["w2"], ref["model.layers.1.mlp.experts.down_proj"], rtol=0, atol=0)
+    torch.testing.assert_close(w.globals["embed"], ref["model.embed_tokens.weight"], rtol=0, atol=0)
+    # the same layout gives views over any other buffer of that size (the GPU double buffer)
+    other = torch.zeros_like(lw.flat)
+    for page, (a, b) in zip(lw.pages, LayerLayout.for_spec(spec).page_bounds(3)):
+        other[a:b].copy_(page)
+    assert torch.equal(LayerLayout.for_spec(spec).views(other)["w13"], lw["w13"])
+
+
+def test_sharded_checkpoint_loads_the_same(tmp_path, checkpoint_factory):
+    single = checkpoint_factory("qwen2_moe")
+    sharded = make_checkpoint("qwen2_moe", tmp_path / "sharded ckpt é", max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    spec = load_spec(single)
+    a, b = load_weights(single, spec), load_weights(sharded, spec)
+    for la, lb in zip(a.layers, b.layers):
+        assert all(torch.equal(la[n], lb[n]) for n in la.tensors)
+
+
+@pytest.fixture
+def sharded_copy(tmp_path, checkpoint_factory):
+    src = make_checkpoint("mixtral", tmp_path / "src", max_shard_size="60KB")
+    return src
+
+
+def test_missing_shard_is_named(sharded_copy):
+    index = json.loads((sharded_copy / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    (sharded_copy / victim).unlink()
+    with pytest.raises(ModelError, match=f"shard {victim} listed in model.safetensors.index.json is missing"):
+        load_weights(sharded_copy, load_spec(sharded_copy))
+
+
+def test_truncated_shard_is_named(sharded_copy):
+    victim = sorted(sharded_copy.glob("*.safetensors"))[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelError, match=f"{victim.name} is truncated"):
+        load_weights(sharded_copy, load_spec(sharded_copy))
+
+
+def test_corrupt_header_and_pickles_and_missing_tensor(tmp_path, checkpoint_factory):
+    src = checkpoint_factory("olmoe")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    (bad / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ModelError, match="corrupt header"):
+        load_weights(bad, load_spec(bad))
+    (bad / "model.safetensors").unlink()
+    (bad / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ModelError, match="never loads pickles"):
+        load_weights(bad, load_spec(bad))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3  # the config promises a layer the weights do not have
+    other = tmp_path / "other"
+    shutil.copytree(src, other)
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match="no tensor model.layers.2"):
+        load_weights(other, load_spec(other))
+
+
+# VmHWM is this process's own high-water mark; ru_maxrss would carry over the parent's size from fork.
+RSS_PROBE = """
+import sys, psutil
+sys.path.insert(0, {root!r})
+from core.families import load_spec
+from core.weights import load_weights
+spec = load_spec({path!r})
+before = psutil.Process().memory_info().rss
+w = load_weights({path!r}, spec)
+peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+print(peak - before, w.nbytes)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc; the loader itself is portable")
+def test_peak_rss_stays_within_1_1x_model_bytes(tmp_path):
+    path = make_checkpoint("mixtral", tmp_path / "big", hidden_size=512, intermediate_size=1024,
+                           num_hidden_layers=4, num_local_experts=8, num_attention_heads=8, num_key_value_heads=2)
+    on_disk = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    assert on_disk >= 200e6
+    out = subprocess.run([sys.executable, "-c", RSS_PROBE.format(root=str(ROOT), path=str(path))],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    grown, model_bytes = map(int, out.stdout.split())
+    assert model_bytes >= 200e6
+    assert grown <= 1.1 * model_bytes, f"peak RSS grew {grown / 1e6:.0f} MB for a {model_bytes / 1e6:.0f} MB model"
+    print(f"peak RSS growth {grown / 1e6:.1f} MB = {grown / model_bytes:.3f} x model bytes")
