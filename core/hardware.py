@@ -1,0 +1,343 @@
+"""HardwareSpec: what the planner needs to know about a machine, and three ways to get one.
+
+- `preset(name)`: machines you do not have, from vendor datasheets ("t4", "l4", "2xt4", "a100-80g", ...);
+  a bare GPU name means that GPU in the paper's CPU host.
+- `detect()`: pynvml (GPUs, memory, PCIe link) + psutil (RAM, cores). No NVML, no driver or no GPU is
+  the normal CPU-only case, never an error.
+- `probe()`: a few seconds of measurement (CPU matmul, memory read; with CUDA also pinned H2D/D2H
+  and GPU matmul), cached per machine under the cache dir (`MLIGHT_CACHE_DIR` or platformdirs').
+
+Boundary: numbers only. Datasheet values are peaks; the HRM derates every field not listed in
+`measured` (see core.hrm.effective_rates). Never prints; torch is imported only by `probe`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.errors import UsageError
+
+GB = 1e9  # vendors quote decimal gigabytes per second
+GiB = 1 << 30
+
+# Fields a probe can measure; those listed in HardwareSpec.measured are used as-is by the HRM.
+RATE_FIELDS = ("gpu_flops", "gpu_bw", "h2d_bw", "d2h_bw", "cpu_flops", "cpu_bw")
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One machine. GPU figures are per device; `gpu_count` devices share the host."""
+
+    name: str
+    gpu_name: str | None  # None: no usable GPU (CPU-only)
+    gpu_count: int
+    gpu_mem_bytes: int  # per GPU, total
+    gpu_flops: float  # per GPU, dense fp16/bf16 tensor peak, FLOP/s
+    gpu_bw: float  # per GPU, device memory bandwidth, bytes/s
+    h2d_bw: float  # host→device link per GPU, bytes/s, one direction
+    d2h_bw: float  # device→host link per GPU, bytes/s
+    cpu_flops: float  # all cores, fp32 FLOP/s (attention on the CPU runs in fp32)
+    cpu_bw: float  # host memory read bandwidth, bytes/s
+    cpu_mem_bytes: int
+    cpu_cores: int
+    gpu_mem_free_bytes: int | None = None  # detect only: what other processes leave us
+    cpu_mem_available_bytes: int | None = None
+    pcie: str | None = None  # e.g. "gen3 x16"
+    source: str = "preset"  # "preset" | "detect" | "probe"
+    measured: tuple[str, ...] = ()  # RATE_FIELDS that were measured here rather than read off a datasheet
+
+    def __post_init__(self):
+        if self.gpu_count < 0 or self.cpu_cores <= 0:
+            raise ValueError(f"gpu_count must be >= 0 and cpu_cores > 0, got {self.gpu_count}, {self.cpu_cores}")
+        if (self.gpu_count == 0) != (self.gpu_name is None):
+            raise ValueError("gpu_name must be None exactly when gpu_count is 0")
+        if self.cpu_mem_bytes <= 0 or self.cpu_flops <= 0 or self.cpu_bw <= 0:
+            raise ValueError("cpu_mem_bytes, cpu_flops and cpu_bw must be positive")
+        if self.gpu_count:
+            for f in ("gpu_mem_bytes", "gpu_flops", "gpu_bw", "h2d_bw", "d2h_bw"):
+                if getattr(self, f) <= 0:
+                    raise ValueError(f"HardwareSpec.{f} must be positive on a machine with a GPU")
+        unknown = set(self.measured) - set(RATE_FIELDS)
+        if unknown:
+            raise ValueError(f"measured names unknown fields {sorted(unknown)}; expected some of {RATE_FIELDS}")
+        object.__setattr__(self, "measured", tuple(self.measured))
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu_count > 0
+
+    def with_link(self, gbps: float) -> "HardwareSpec":
+        """The same machine with a host↔device link of `gbps` GB/s each way (`--pcie-gbps`)."""
+        if gbps <= 0:
+            raise UsageError(f"--pcie-gbps must be positive, got {gbps}", "give the link bandwidth in GB/s, e.g. 16")
+        measured = tuple(m for m in self.measured if m not in ("h2d_bw", "d2h_bw"))
+        return dataclasses.replace(self, h2d_bw=gbps * GB, d2h_bw=gbps * GB, measured=measured)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["measured"] = list(self.measured)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareSpec":
+        d = dict(d)
+        d["measured"] = tuple(d.get("measured", ()))
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareSpec":
+        return cls.from_dict(json.loads(text))
+
+
+# ---- presets -----------------------------------------------------------------------------------
+# PCIe, one direction, after 128b/130b encoding: gen3 x16 15.75 GB/s, gen4 31.5, gen5 63 (PCI-SIG).
+_PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+
+# name: (marketing name, memory GiB, dense fp16/bf16 tensor TFLOP/s, memory GB/s, pcie gen, width)
+_GPUS = {
+    # NVIDIA T4 datasheet: 16 GB GDDR6, 320 GB/s, "mixed precision FP16/FP32" 65 TFLOPS, PCIe gen3 x16.
+    "t4": ("Tesla T4", 16, 65.0, 320.0, 3, 16),
+    # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, FP16 tensor 242 TFLOPS *with sparsity* → 121 dense, gen4 x16.
+    "l4": ("NVIDIA L4", 24, 121.0, 300.0, 4, 16),
+    # AWS publishes no A10G datasheet; the NVIDIA A10 sheet lists 125 dense FP16 at higher clocks and
+    # 600 GB/s. A10G runs lower clocks: 70 dense FP16 TFLOPS is the commonly quoted figure. gen4 x16.
+    "a10g": ("NVIDIA A10G", 24, 70.0, 600.0, 4, 16),
+    # NVIDIA Ampere GA102 whitepaper (RTX 3090): 936 GB/s GDDR6X, FP16 tensor with FP32 accumulate 71 TFLOPS.
+    "rtx3090": ("NVIDIA GeForce RTX 3090", 24, 71.0, 936.0, 4, 16),
+    # NVIDIA Ada whitepaper (RTX 4090): 1008 GB/s, FP16 tensor with FP32 accumulate 165.2 TFLOPS dense.
+    "rtx4090": ("NVIDIA GeForce RTX 4090", 24, 165.2, 1008.0, 4, 16),
+    # NVIDIA A100 datasheet (80GB PCIe): HBM2e 1935 GB/s, BF16 tensor 312 TFLOPS dense, gen4 x16.
+    "a100-80g": ("NVIDIA A100 80GB PCIe", 80, 312.0, 1935.0, 4, 16),
+    # NVIDIA H100 datasheet (SXM5 80GB): HBM3 3.35 TB/s, BF16 tensor 989 TFLOPS dense, gen5 x16.
+    "h100": ("NVIDIA H100 80GB HBM3", 80, 989.0, 3350.0, 5, 16),
+}
+
+# The paper's CPU hosts (MoE-Lightning §6, see shared/paper.md): S1/S2 24 cores, 192 GB, ≈76–100 GB/s
+# memory bandwidth (we take 90); S6–S9 (2×/4× T4) 32 cores, 416 GB. Their Xeons run AVX-512 at ≈2.2 GHz:
+# 32 fp32 FLOP/cycle/core (one FMA unit) → ≈70 GFLOP/s per core.
+# The paper assumes a 16 GB/s PCIe link for every setting; its own L4 KV-transfer latencies
+# (16.8 MB in 1.4 ms, 268 MB in 21.8 ms) imply ≈12.3 GB/s achieved, i.e. a gen3-class link, so the
+# host caps the GPU's own link at 16 GB/s. Use --pcie-gbps to plan for a faster host.
+_HOSTS = {
+    1: dict(cpu_cores=24, cpu_mem_bytes=192 * 10**9, cpu_bw=90.0 * GB, cpu_flops=24 * 70e9, link_gbps=16.0),
+    2: dict(cpu_cores=32, cpu_mem_bytes=416 * 10**9, cpu_bw=100.0 * GB, cpu_flops=32 * 70e9, link_gbps=16.0),
+}
+
+PRESET_NAMES = tuple(_GPUS) + tuple(f"{k}x{g}" for k in (2, 4) for g in _GPUS)
+
+
+def preset(name: str) -> HardwareSpec:
+    """A named machine: "t4" (one T4 in the paper's 24-core/192 GB host), "2xt4", "4xt4", ..."""
+    key = name.strip().lower().replace("_", "-")
+    count, gpu = 1, key
+    if "x" in key and key.split("x", 1)[0].isdigit():
+        c, gpu = key.split("x", 1)
+        count = int(c)
+    if gpu not in _GPUS or count < 1:
+        raise UsageError(f"unknown hardware preset {name!r}",
+                         f"use one of {', '.join(_GPUS)} (optionally as 2x<gpu> or 4x<gpu>) or 'local'")
+    full, mem_gib, tflops, gbps, gen, width = _GPUS[gpu]
+    host = _HOSTS[1 if count == 1 else 2]
+    link = min(_PCIE_GBPS_PER_LANE[gen] * width, host["link_gbps"]) * GB
+    return HardwareSpec(
+        name=key, gpu_name=full, gpu_count=count, gpu_mem_bytes=mem_gib * GiB,
+        gpu_flops=tflops * 1e12, gpu_bw=gbps * GB, h2d_bw=link, d2h_bw=link,
+        cpu_flops=host["cpu_flops"], cpu_bw=host["cpu_bw"], cpu_mem_bytes=host["cpu_mem_bytes"],
+        cpu_cores=host["cpu_cores"], pcie=f"gen{gen} x{width}", source="preset",
+    )
+
+
+def _match_gpu(name: str) -> str | None:
+    """The preset key whose GPU the NVML name refers to, e.g. "Tesla T4" → "t4"."""
+    n = name.lower().replace("-", " ")
+    for key, (full, *_rest) in _GPUS.items():
+        bare = key.replace("rtx", "rtx ").replace("-80g", "")
+        if full.lower() in n or f" {bare} " in f" {n} " or n.endswith(" " + bare):
+            return key
+    return None
+
+
+# ---- detect ------------------------------------------------------------------------------------
+def _cpu_defaults(cores: int) -> tuple[float, float]:
+    """Datasheet-free guesses for the CPU until a probe measures it: AVX2 ≈ 32 fp32 FLOP/cycle at
+    ≈2.5 GHz per core; ≈10 GB/s per core of memory bandwidth, capped at a dual-channel DDR4-3200 desktop's
+    51 GB/s × 4 (a server)."""
+    return cores * 80e9, min(cores * 10.0, 204.0) * GB
+
+
+def detect() -> HardwareSpec:
+    """What this machine has: GPUs through NVML (absent → CPU-only), RAM and cores through psutil."""
+    import psutil
+
+    cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
+    vm = psutil.virtual_memory()
+    cpu_flops, cpu_bw = _cpu_defaults(cores)
+    gpus = _nvml_gpus()
+    base = dict(cpu_flops=cpu_flops, cpu_bw=cpu_bw, cpu_mem_bytes=int(vm.total), cpu_cores=int(cores),
+                cpu_mem_available_bytes=int(vm.available), source="detect")
+    if not gpus:
+        return HardwareSpec(name="local", gpu_name=None, gpu_count=0, gpu_mem_bytes=0, gpu_flops=0.0, gpu_bw=0.0,
+                            h2d_bw=0.0, d2h_bw=0.0, **base)
+    g = gpus[0]  # planning assumes identical GPUs; the first one speaks for all
+    key = _match_gpu(g["name"])
+    if key:
+        _full, _mem, tflops, gbps, _gen, _width = _GPUS[key]
+        flops, bw = tflops * 1e12, gbps * GB
+    else:  # unknown GPU: bandwidth from NVML clocks, compute a conservative guess until probed
+        flops, bw = 30e12, g.get("mem_bw") or 300 * GB
+    gen, width = g.get("pcie_gen") or 3, g.get("pcie_width") or 16
+    link = _PCIE_GBPS_PER_LANE.get(gen, 0.985) * width * GB
+    return HardwareSpec(
+        name="local", gpu_name=g["name"], gpu_count=len(gpus), gpu_mem_bytes=g["mem_total"],
+        gpu_mem_free_bytes=min(x["mem_free"] for x in gpus), gpu_flops=flops, gpu_bw=bw, h2d_bw=link, d2h_bw=link,
+        pcie=f"gen{gen} x{width}", **base,
+    )
+
+
+def _nvml_gpus() -> list[dict]:
+    """One dict per GPU, or [] when NVML (library, driver or device) is not there."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no library, no driver, no device: the CPU-only case
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            d = {"name": name, "mem_total": int(mem.total), "mem_free": int(mem.free)}
+            for key, fn in (("pcie_gen", "nvmlDeviceGetMaxPcieLinkGeneration"),
+                            ("pcie_width", "nvmlDeviceGetMaxPcieLinkWidth")):
+                try:
+                    d[key] = int(getattr(pynvml, fn)(h))
+                except Exception:  # older drivers lack these queries; fall back to gen3 x16
+                    d[key] = None
+            try:
+                bus_bits = pynvml.nvmlDeviceGetMemoryBusWidth(h)
+                mhz = pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)
+                d["mem_bw"] = bus_bits / 8 * mhz * 1e6 * 2  # double data rate
+            except Exception:
+                d["mem_bw"] = None
+            out.append(d)
+        return out
+    except Exception:
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+# ---- probe -------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """Where mlight caches per-machine data: $MLIGHT_CACHE_DIR, else platformdirs' user cache dir."""
+    env = os.environ.get("MLIGHT_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("mlight"))
+
+
+def machine_key(hw: HardwareSpec) -> str:
+    """Identifies this machine's hardware so that a cache entry is not reused on another one."""
+    ident = f"{platform.node()}|{platform.processor()}|{hw.cpu_cores}|{hw.cpu_mem_bytes}|{hw.gpu_name}|{hw.gpu_count}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def probe_cache_path(hw: HardwareSpec) -> Path:
+    return cache_dir() / "probe" / f"{machine_key(hw)}.json"
+
+
+def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: float = 0.25,
+          measure=None) -> HardwareSpec:
+    """Detected hardware with measured rates, read from the cache unless `refresh`.
+
+    `measure(hw, seconds) -> {field: value}` does the measuring (default: `_measure`, torch); tests
+    pass a stub. Fields it returns are listed in `measured` and used by the HRM without derating.
+    """
+    hw = base or detect()
+    path = probe_cache_path(hw)
+    if not refresh and path.is_file():
+        try:
+            rates = json.loads(path.read_text(encoding="utf-8"))["rates"]
+            return _apply(hw, rates)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged cache entry is measured again and overwritten
+    rates = (measure or _measure)(hw, seconds)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rates": rates, "time": time.time(), "machine": hw.to_dict()}, indent=1),
+                   encoding="utf-8")
+    tmp.replace(path)  # atomic on POSIX and Windows: a reader never sees half a file
+    return _apply(hw, rates)
+
+
+def _apply(hw: HardwareSpec, rates: dict) -> HardwareSpec:
+    rates = {k: float(v) for k, v in rates.items() if k in RATE_FIELDS and v and v > 0}
+    if not hw.has_gpu:
+        rates = {k: v for k, v in rates.items() if k.startswith("cpu")}
+    measured = tuple(sorted(set(hw.measured) | set(rates)))
+    return dataclasses.replace(hw, **rates, measured=measured, source="probe")
+
+
+def _best(fn, seconds: float) -> float:
+    """Fastest of repeated runs of `fn` within about `seconds`: the least disturbed measurement."""
+    best, end = float("inf"), time.perf_counter() + seconds
+    fn()  # warm-up
+    while True:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        if time.perf_counter() > end:
+            return best
+
+
+def _measure(hw: HardwareSpec, seconds: float) -> dict:
+    """CPU fp32 matmul FLOP/s and memory read bandwidth; with CUDA, GPU matmul, GPU memory, pinned H2D/D2H."""
+    import torch
+
+    rates = {}
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    rates["cpu_flops"] = 2 * n**3 / _best(lambda: torch.mm(a, b), seconds)
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, beyond any last-level cache
+    rates["cpu_bw"] = big.numel() * 4 / _best(lambda: big.sum(), seconds)
+    if hw.has_gpu and torch.cuda.is_available():
+        dev = torch.device("cuda")
+        sync = torch.cuda.synchronize
+
+        def timed(fn):
+            def run():
+                fn()
+                sync()
+            return _best(run, seconds)
+
+        n = 4096
+        ga, gb = torch.randn(n, n, device=dev, dtype=torch.float16), torch.randn(n, n, device=dev, dtype=torch.float16)
+        rates["gpu_flops"] = 2 * n**3 / timed(lambda: torch.mm(ga, gb))
+        gbuf = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+        gdst = torch.empty_like(gbuf)
+        rates["gpu_bw"] = 2 * gbuf.numel() / timed(lambda: gdst.copy_(gbuf))  # a copy reads and writes
+        try:
+            host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:  # pinning refused (e.g. Windows caps it): measure pageable copies
+            host = torch.empty(256 * 2**20, dtype=torch.uint8)
+        rates["h2d_bw"] = host.numel() / timed(lambda: gbuf.copy_(host, non_blocking=True))
+        rates["d2h_bw"] = host.numel() / timed(lambda: host.copy_(gbuf, non_blocking=True))
+    return rates

@@ -1,0 +1,282 @@
+"""The Hierarchical Roofline Model: FLOPs and bytes of each decoder-layer task, roofline bounds,
+the paper's turning points P1/P2 and balance point, and the busy time of one layer on each resource.
+
+Boundary: pure functions of (ModelSpec, Rates, numbers). No search, no memory accounting (that is
+core.planner), no I/O. Times are per layer; resource names are core.telemetry.RESOURCES.
+Legend: t = tokens, c = context length, D = hidden, I = expert intermediate, E = experts, k = top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from core.hardware import HardwareSpec
+from core.spec import ModelSpec
+
+# Achieved fraction of a datasheet peak, for rates not measured on the machine (HardwareSpec.measured).
+# Calibrated on the paper's L4 + 24-core Xeon kernel latencies (shared/paper.md): the MoE FFN of one
+# Mixtral layer (2.82 GB of experts) took 12.2 ms → 0.77 of 300 GB/s; the KV copy moved 268 MB in
+# 21.8 ms → 0.77 of the 16 GB/s link; CPU attention read 16.8 MB in 0.44 ms and 2.15 GB in 44.6 ms →
+# ≈0.5 of 90 GB/s. Tensor-core matmuls reach about half their peak in practice (T4s also throttle at 70 W).
+DERATE = {"gpu_flops": 0.5, "gpu_bw": 0.77, "h2d_bw": 0.77, "d2h_bw": 0.77, "cpu_flops": 0.5, "cpu_bw": 0.5}
+
+# Fixed cost of launching one task, seconds: a CUDA kernel, a copy, a CPU attention call on a thread pool.
+GPU_LAUNCH = 10e-6
+COPY_LAUNCH = 10e-6
+CPU_LAUNCH = 30e-6
+GPU_KERNELS_PER_MICRO_BATCH = 8  # norm, qkv, rope, o, norm, router, top-k, combine
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Achievable rates of one machine, all GPUs together (tensor parallel splits every GPU task)."""
+
+    gpu_flops: float
+    gpu_bw: float
+    h2d_bw: float
+    d2h_bw: float
+    cpu_flops: float
+    cpu_bw: float
+    has_gpu: bool
+
+
+def effective_rates(hw: HardwareSpec) -> Rates:
+    def rate(name: str, per_gpu: bool) -> float:
+        v = getattr(hw, name) * (1.0 if name in hw.measured else DERATE[name])
+        return v * (hw.gpu_count if per_gpu else 1)
+
+    return Rates(gpu_flops=rate("gpu_flops", True), gpu_bw=rate("gpu_bw", True), h2d_bw=rate("h2d_bw", True),
+                 d2h_bw=rate("d2h_bw", True), cpu_flops=rate("cpu_flops", False), cpu_bw=rate("cpu_bw", False),
+                 has_gpu=hw.has_gpu)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One task: FLOPs, bytes read/written in the memory of the level that runs it."""
+
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.flops + other.flops, self.bytes + other.bytes)
+
+
+# ---- model dimensions as plain numbers -------------------------------------------------------------
+@dataclass(frozen=True)
+class Dims:
+    """The numbers of a ModelSpec the cost model uses, read once from its properties (which are
+    too slow to call in the planner's inner loop). Not a second model description: build it with `dims`."""
+
+    layers: int
+    D: int
+    q: int  # Hq·hd
+    kv: int  # Hkv·hd
+    heads: int
+    head_dim: int
+    E: int
+    k: int
+    I: int
+    Is: int
+    V: int
+    dt: int  # bytes per weight
+    expert_bytes: int
+    layer_expert_bytes: int
+    nonexpert_bytes: int
+    total_expert_bytes: int
+    total_bytes: int
+    kv_tok_layer: int  # K and V of one token in one layer
+    kv_tok: int  # all layers
+
+
+@lru_cache(maxsize=32)
+def _dims(m: ModelSpec) -> Dims:
+    return Dims(layers=m.num_layers, D=m.hidden_size, q=m.q_size, kv=m.kv_size, heads=m.num_heads,
+                head_dim=m.head_dim, E=m.num_experts, k=m.top_k, I=m.expert_intermediate, Is=m.shared_intermediate,
+                V=m.vocab_size, dt=m.dtype_bytes, expert_bytes=m.expert_bytes, layer_expert_bytes=m.layer_expert_bytes,
+                nonexpert_bytes=m.nonexpert_bytes, total_expert_bytes=m.total_expert_bytes, total_bytes=m.total_bytes,
+                kv_tok_layer=m.kv_bytes_per_token_layer, kv_tok=m.kv_bytes_per_token)
+
+
+def dims(m: "ModelSpec | Dims") -> Dims:
+    return m if isinstance(m, Dims) else _dims(m)
+
+
+# ---- tasks of one decoder layer ------------------------------------------------------------------
+def expected_experts(tokens: float, num_experts: int, top_k: int) -> float:
+    """Expected number of distinct experts that `tokens` routed tokens touch, with uniform routing:
+    an expert escapes one token with probability 1 − k/E, so E·(1 − (1 − k/E)^t) are touched. This,
+    not t·k, decides the expert bytes read at small batches."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def qkv_proj(m: "ModelSpec | Dims", t: float) -> Work:
+    d = dims(m)
+    out = d.q + 2 * d.kv
+    return Work(2 * t * d.D * out, (d.D * out + t * (d.D + out)) * d.dt)
+
+
+def o_proj(m: "ModelSpec | Dims", t: float) -> Work:
+    d = dims(m)
+    return Work(2 * t * d.q * d.D, (d.q * d.D + t * (d.q + d.D)) * d.dt)
+
+
+def router(m: "ModelSpec | Dims", t: float) -> Work:
+    d = dims(m)
+    return Work(2 * t * d.D * d.E, (d.E * d.D + t * d.D) * d.dt)
+
+
+def moe_ffn(m: "ModelSpec | Dims", t: float) -> Work:
+    """Routed experts for t tokens in one expert batch: each token runs k SwiGLU experts."""
+    d = dims(m)
+    touched = expected_experts(t, d.E, d.k)
+    acts = t * d.k * (2 * d.D + 3 * d.I) * d.dt
+    return Work(6 * t * d.k * d.D * d.I, touched * d.expert_bytes + acts)
+
+
+def shared_expert(m: "ModelSpec | Dims", t: float) -> Work:
+    d = dims(m)
+    if not d.Is:
+        return Work(0.0, 0.0)
+    return Work(6 * t * d.D * d.Is, (3 * d.D * d.Is + t * (2 * d.D + 3 * d.Is)) * d.dt)
+
+
+def decode_attention(m: "ModelSpec | Dims", t: float, c: float) -> Work:
+    """t queries of one new token each over c cached tokens (GQA): QKᵀ and PV. Each query reads its own
+    KV, so intensity is ≈ 2·(Hq/Hkv)/dtype_bytes whatever t is."""
+    d = dims(m)
+    return Work(4 * t * c * d.heads * d.head_dim, t * c * d.kv_tok_layer + 2 * t * d.q * d.dt)
+
+
+def prefill_attention(m: "ModelSpec | Dims", seqs: float, s: float) -> Work:
+    """Causal attention over seqs prompts of s tokens, flash-style (K, V read once per query block)."""
+    d = dims(m)
+    return Work(4 * seqs * (s * (s + 1) / 2) * d.heads * d.head_dim, seqs * s * (2 * d.q + 2 * d.kv) * d.dt)
+
+
+def lm_head(m: "ModelSpec | Dims", t: float) -> Work:
+    d = dims(m)
+    return Work(2 * t * d.D * d.V, (d.V * d.D + t * d.D) * d.dt)
+
+
+def dense_work(m: "ModelSpec | Dims", t: float) -> Work:
+    """Everything but attention and the routed experts for t tokens: projections, router, shared expert."""
+    return qkv_proj(m, t) + o_proj(m, t) + router(m, t) + shared_expert(m, t)
+
+
+# ---- roofline ------------------------------------------------------------------------------------
+def roofline_seconds(w: Work, flops: float, bw: float) -> float:
+    """max(FLOPs / peak, bytes / bandwidth): the task is compute- or bandwidth-bound, never both."""
+    return max(w.flops / flops, w.bytes / bw)
+
+
+def attainable(peak: float, bw: float, intensity: float, link_bw: float | None = None,
+               remote_intensity: float | None = None) -> float:
+    """The paper's P_x^i = min(P_i, B_i·I_x^i, B_{j→i}·I_x^j) (FLOP/s); without a link, min(P_i, B_i·I_x^i)."""
+    p = min(peak, bw * intensity)
+    if link_bw is not None and remote_intensity is not None:
+        p = min(p, link_bw * remote_intensity)
+    return p
+
+
+def turning_points(peak_i: float, bw_i: float, intensity_i: float, peak_j: float, bw_j: float,
+                   intensity_j: float, link_bw: float) -> tuple[float, float]:
+    """(P1, P2) as cross-level intensities: below P1, moving the data from level j to compute on level i
+    is slower than computing on j; below P2, level i is starved by the link."""
+    p1 = min(peak_j, bw_j * intensity_j) / link_bw
+    p2 = min(peak_i, bw_i * intensity_i) / link_bw
+    return p1, p2
+
+
+def balance_intensity(bw_i: float, intensity_i: float, link_bw: float) -> float:
+    """The cross-level intensity I^j at the balance point B_i·I^i = B_{j→i}·I^j."""
+    return bw_i * intensity_i / link_bw
+
+
+def ffn_intensities(m: "ModelSpec | Dims", expert_batch: float, batch: float, gpu_weight_fraction: float = 0.0) -> tuple[float, float]:
+    """(I^gpu, I^link) of one layer's MoE FFN: FLOPs per byte read from GPU memory (grows with the
+    expert batch) and per byte streamed over PCIe (grows with the whole batch N: weights cross once per step)."""
+    per_batch = moe_ffn(m, expert_batch)
+    flops = per_batch.flops * batch / expert_batch
+    gpu_bytes = per_batch.bytes * batch / expert_batch
+    link = (1 - gpu_weight_fraction) * dims(m).layer_expert_bytes
+    return flops / gpu_bytes, (flops / link if link else float("inf"))
+
+
+# ---- one layer's busy time on each resource -----------------------------------------------------
+def decode_layer_seconds(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, expert_batch: int,
+                         attention_on: str, ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
+                         context: float) -> dict[str, float]:
+    """Busy seconds of one decode layer (every micro-batch, one token each) per resource.
+
+    Affine in gpu_weight_fraction and gpu_kv_fraction (the planner's LP relies on it). In the CPU-only
+    placement "gpu" is the CPU doing the dense work, as in core.telemetry.
+    """
+    m = dims(m)
+    n_mb, n_eb = batch / micro_batch, batch / expert_batch
+    attn = decode_attention(m, micro_batch, context)
+    dense = dense_work(m, micro_batch)
+    ffn = moe_ffn(m, expert_batch)
+    t = {"gpu": 0.0, "cpu_attn": 0.0, "h2d": 0.0, "d2h": 0.0}
+    if ffn_on == "cpu":  # CPU-only: weights and KV in host memory, nothing crosses the link
+        t["gpu"] = n_mb * roofline_seconds(dense, r.cpu_flops, r.cpu_bw) + n_eb * roofline_seconds(ffn, r.cpu_flops, r.cpu_bw) \
+            + n_mb * CPU_LAUNCH
+        t["cpu_attn"] = n_mb * (roofline_seconds(attn, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH)
+        return t
+    t["gpu"] = n_mb * (roofline_seconds(dense, r.gpu_flops, r.gpu_bw) + GPU_KERNELS_PER_MICRO_BATCH * GPU_LAUNCH) \
+        + n_eb * (roofline_seconds(ffn, r.gpu_flops, r.gpu_bw) + 3 * GPU_LAUNCH)
+    weights = (1 - gpu_weight_fraction) * m.layer_expert_bytes
+    qkv_bytes, out_bytes = (m.q + 2 * m.kv) * m.dt, m.q * m.dt
+    if attention_on == "cpu":
+        t["cpu_attn"] = n_mb * (roofline_seconds(attn, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH)
+        d1 = batch * qkv_bytes  # QKV of the new token to the CPU
+        d2 = batch * out_bytes  # attention output back
+        t["d2h"] = d1 / r.d2h_bw + n_mb * COPY_LAUNCH
+        t["h2d"] = (weights + d2) / r.h2d_bw + n_mb * 2 * COPY_LAUNCH  # a D2 and a weight page per micro-batch
+    else:
+        t["gpu"] += n_mb * (roofline_seconds(attn, r.gpu_flops, r.gpu_bw) + GPU_LAUNCH)
+        cpu_kv = (1 - gpu_kv_fraction) * batch * context * m.kv_tok_layer  # D4
+        t["h2d"] = (weights + cpu_kv) / r.h2d_bw + n_mb * 2 * COPY_LAUNCH
+        t["d2h"] = (1 - gpu_kv_fraction) * batch * m.kv_tok_layer / r.d2h_bw + n_mb * COPY_LAUNCH
+    return t
+
+
+def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, attention_on: str,
+                          ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
+                          prompt_len: float) -> dict[str, float]:
+    """Busy seconds of one layer's prefill of `batch` prompts, micro-batch by micro-batch. Prefill
+    attention runs where the dense work runs; the KV cache goes to wherever decode keeps it."""
+    m = dims(m)
+    n_mb = batch / micro_batch
+    toks = micro_batch * prompt_len
+    work = dense_work(m, toks) + moe_ffn(m, toks) + prefill_attention(m, micro_batch, prompt_len)
+    t = {"gpu": 0.0, "cpu_attn": 0.0, "h2d": 0.0, "d2h": 0.0}
+    if ffn_on == "cpu":
+        t["gpu"] = n_mb * (roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH)
+        return t
+    t["gpu"] = n_mb * (roofline_seconds(work, r.gpu_flops, r.gpu_bw) + 2 * GPU_KERNELS_PER_MICRO_BATCH * GPU_LAUNCH)
+    t["h2d"] = (1 - gpu_weight_fraction) * m.layer_expert_bytes / r.h2d_bw + n_mb * COPY_LAUNCH
+    kv_to_cpu = 1.0 if attention_on == "cpu" else 1 - gpu_kv_fraction
+    t["d2h"] = kv_to_cpu * batch * prompt_len * m.kv_tok_layer / r.d2h_bw + n_mb * COPY_LAUNCH
+    return t
+
+
+def layer_time(busy: dict[str, float], ffn_on: str) -> float:
+    """Wall time of a layer: resources overlap (CGOPipe), except in the CPU-only placement where the
+    dense work and attention share the same cores."""
+    if ffn_on == "cpu":
+        return busy["gpu"] + busy["cpu_attn"]
+    return max(busy.values())
+
+
+def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches: int, on_gpu: bool) -> float:
+    """The LM head (and final norm) once per step over `tokens` tokens, in `micro_batches` pieces."""
+    w = lm_head(m, tokens / micro_batches)
+    flops, bw = (r.gpu_flops, r.gpu_bw) if on_gpu else (r.cpu_flops, r.cpu_bw)
+    return micro_batches * (roofline_seconds(w, flops, bw) + (GPU_LAUNCH if on_gpu else CPU_LAUNCH))

@@ -1,0 +1,477 @@
+"""Policy search: the best Policy for a model, a machine, a workload and a memory budget.
+
+`plan(model, hardware, workload, budget) -> (Policy, Prediction)`:
+1. integers enumerated as the paper does — placements (attention/FFN on CPU or GPU), μ ∈ {1, 2, 3, 4,
+   36, 68, …}, for each μ the largest number of micro-batches that fits (doubling, then binary search)
+   and a few smaller ones, and expert batches of 1, 2, 4, … micro-batches (module batching);
+2. for each integer candidate the continuous fractions (r_w, r_c) that minimise end-to-end time,
+   exactly: time is a convex piecewise-linear function of them (core.hrm is affine in each);
+3. the best few candidates re-solved as an LP over (r_w, r_c) jointly with pulp's bundled CBC, which
+   also serves as the reference the fast path is tested against.
+`validate(policy, ...)` says what does not fit and by how many bytes; `predict` costs a given policy.
+
+Boundary: memory accounting and search live here; task costs live in core.hrm. Never prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from core import hrm
+from core.errors import BudgetError, UsageError
+from core.hardware import HardwareSpec
+from core.policy import Policy, Prediction
+from core.spec import ModelSpec
+from core.telemetry import RESOURCES
+
+# Share of a budget the plan may use: the paper's 0.86 of GPU memory (CUDA context, allocator
+# fragmentation) and 0.8 of CPU memory (the OS, the page cache, the rest of the process).
+GPU_USABLE = 0.86
+CPU_USABLE = 0.80
+MAX_BATCH = 8192  # beyond this the KV cache of any real workload is the limit anyway
+PLACEMENTS_GPU = (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu"))
+RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # r_c values tried by the fast path; the LP refines them
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: int  # average prompt tokens (the paper's s)
+    gen_len: int  # tokens generated per request (n)
+    max_prompt_len: int | None = None  # longest prompt: sizes prefill activations; default prompt_len
+    num_requests: int | None = None  # requests to run: no point in a batch larger than this
+
+    def __post_init__(self):
+        if self.prompt_len < 1 or self.gen_len < 1:
+            raise UsageError(f"prompt and generation lengths must be at least 1, got {self.prompt_len} and {self.gen_len}",
+                             "give --prompt-len and --gen-len in tokens")
+        if self.max_prompt_len is not None and self.max_prompt_len < self.prompt_len:
+            raise UsageError(f"max prompt length {self.max_prompt_len} is below the average {self.prompt_len}",
+                             "give the longest prompt's length, or leave it out")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise UsageError(f"number of requests must be at least 1, got {self.num_requests}", "")
+
+    @property
+    def longest_prompt(self) -> int:
+        return self.max_prompt_len or self.prompt_len
+
+    @property
+    def decode_context(self) -> float:
+        """Average cached tokens a decode step attends over: the prompt plus half the generation."""
+        return self.prompt_len + self.gen_len / 2
+
+
+@dataclass(frozen=True)
+class Budget:
+    gpu_bytes: int  # all GPUs together
+    cpu_bytes: int
+
+    def __post_init__(self):
+        if self.gpu_bytes < 0 or self.cpu_bytes <= 0:
+            raise UsageError(f"memory budget must be positive, got GPU {self.gpu_bytes} and CPU {self.cpu_bytes} bytes",
+                             "give --gpu-mem and --cpu-mem in GB")
+
+    @classmethod
+    def for_hardware(cls, hw: HardwareSpec, gpu_gb: float | None = None, cpu_gb: float | None = None) -> "Budget":
+        """The machine's memory (what detect found free, else its total), or the user's GB figures."""
+        gpu = hw.gpu_count * (hw.gpu_mem_free_bytes if hw.gpu_mem_free_bytes is not None else hw.gpu_mem_bytes)
+        cpu = hw.cpu_mem_available_bytes if hw.cpu_mem_available_bytes is not None else hw.cpu_mem_bytes
+        return cls(gpu_bytes=int(gpu_gb * 1e9) if gpu_gb is not None else int(gpu),
+                   cpu_bytes=int(cpu_gb * 1e9) if cpu_gb is not None else int(cpu))
+
+
+@dataclass(frozen=True)
+class Overrun:
+    """One memory that a policy overfills."""
+
+    where: str  # "gpu" | "cpu"
+    needed: int  # bytes the policy uses there
+    limit: int  # usable bytes of the budget
+    breakdown: dict[str, int]
+
+    @property
+    def over(self) -> int:
+        return self.needed - self.limit
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {_gb(v)}" for k, v in self.breakdown.items() if v)
+        return (f"{self.where.upper()} memory: needs {_gb(self.needed)} ({parts}) but {_gb(self.limit)} is usable "
+                f"— {_gb(self.over)} ({self.over:,} bytes) over")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+# ---- memory ------------------------------------------------------------------------------------
+def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes on the GPU (all GPUs) and on the CPU, by purpose."""
+    d = hrm.dims(m)
+    kv_total = p.batch_size * (w.prompt_len + w.gen_len) * d.kv_tok
+    r_w, r_c = p.gpu_weight_fraction, p.gpu_kv_fraction
+    # Prefill runs μ prompts at a time, all at the longest length; decode keeps N hidden states,
+    # one micro-batch's QKV and one expert batch's SwiGLU intermediates, plus fp32 logits.
+    pre_tok = p.micro_batch_size * w.longest_prompt
+    prefill_act = pre_tok * (3 * d.D + d.q + 2 * d.kv + d.k * 3 * d.I) * d.dt
+    decode_act = (2 * p.batch_size * d.D + 2 * p.micro_batch_size * (d.q + 2 * d.kv)
+                  + p.expert_batch_size * d.k * (3 * d.I + d.D)) * d.dt
+    activations = max(prefill_act, decode_act) + p.micro_batch_size * d.V * 4  # + fp32 logits
+    cpu_attn_ws = p.micro_batch_size * d.heads * (w.longest_prompt + w.gen_len) * 4  # fp32 scores
+    if p.ffn_on == "cpu":
+        return {}, {"weights": d.total_bytes, "kv_cache": kv_total, "activations": activations + cpu_attn_ws}
+    streamed = (1 - r_w) * d.layer_expert_bytes
+    gpu = {
+        "non_expert_weights": d.nonexpert_bytes,
+        "resident_experts": int(r_w * d.total_expert_bytes),
+        "weight_double_buffer": int(2 * streamed),
+        "kv_cache": int(r_c * kv_total),
+        "activations": int(activations),
+    }
+    cpu = {
+        "experts": int((1 - r_w) * d.total_expert_bytes),
+        "kv_cache": int((1 - r_c) * kv_total),
+        "pinned_staging": int(2 * streamed / p.pages_per_layer) if streamed else 0,  # two pages in flight
+        "hidden_and_qkv": int(p.batch_size * (2 * d.q + 2 * d.kv) * d.dt + cpu_attn_ws),
+    }
+    return gpu, cpu
+
+
+def validate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload,
+             budget: Budget | None = None) -> list[Overrun]:
+    """What the policy overfills, by how many bytes; [] when it fits. Also refuses GPU placements on a
+    machine without a GPU."""
+    budget = budget or Budget.for_hardware(hardware)
+    if policy.ffn_on == "gpu" and not hardware.has_gpu:
+        raise UsageError("the policy puts the FFN on the GPU but this machine has none",
+                         "set ffn_on and attention_on to \"cpu\"")
+    gpu, cpu = memory_use(model, policy, workload)
+    out = []
+    for where, use, total, share in (("gpu", gpu, budget.gpu_bytes, GPU_USABLE), ("cpu", cpu, budget.cpu_bytes, CPU_USABLE)):
+        need, limit = int(sum(use.values())), int(total * share)
+        if need > limit:
+            out.append(Overrun(where, need, limit, use))
+    return out
+
+
+# ---- cost of one policy --------------------------------------------------------------------------
+def _busy(m: ModelSpec, r: hrm.Rates, w: Workload, place: tuple[str, str], n: int, mu: int, beta: int,
+          r_w: float, r_c: float) -> tuple[dict, dict]:
+    a, f = place
+    dec = hrm.decode_layer_seconds(m, r, batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f,
+                                   gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, context=w.decode_context)
+    pre = hrm.prefill_layer_seconds(m, r, batch=n, micro_batch=mu, attention_on=a, ffn_on=f,
+                                    gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, prompt_len=w.prompt_len)
+    return dec, pre
+
+
+def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> Prediction:
+    """The HRM's prediction for a given policy (memory is reported, not checked: see validate)."""
+    r = hrm.effective_rates(hardware)
+    p = policy
+    place = (p.attention_on, p.ffn_on)
+    dec, pre = _busy(model, r, workload, place, p.batch_size, p.micro_batch_size, p.expert_batch_size,
+                     p.gpu_weight_fraction, p.gpu_kv_fraction)
+    on_gpu = p.ffn_on == "gpu"
+    l = model.num_layers
+    step = l * hrm.layer_time(dec, p.ffn_on) + hrm.head_seconds(model, r, tokens=p.batch_size,
+                                                                micro_batches=p.num_micro_batches, on_gpu=on_gpu)
+    prefill = l * hrm.layer_time(pre, p.ffn_on) + hrm.head_seconds(model, r, tokens=p.batch_size,
+                                                                   micro_batches=p.num_micro_batches, on_gpu=on_gpu)
+    n = workload.gen_len
+    total = prefill + (n - 1) * step
+    gpu, cpu = memory_use(model, p, workload)
+    return Prediction(
+        tokens_per_s=p.batch_size * n / total,
+        decode_tokens_per_s=p.batch_size / step,
+        prefill_tokens_per_s=p.batch_size * workload.prompt_len / prefill,
+        bottleneck=max(RESOURCES, key=lambda k: dec[k]),
+        gpu_bytes=int(sum(gpu.values())), cpu_bytes=int(sum(cpu.values())),
+        layer_seconds={k: dec[k] for k in RESOURCES}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
+        step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu,
+    )
+
+
+# ---- the continuous part: fractions for fixed integers ------------------------------------------------
+@dataclass(frozen=True)
+class _Lin:
+    """Everything about one integer candidate that is affine in (r_w, r_c)."""
+
+    dec0: tuple[float, ...]  # decode busy per resource at r_w = r_c = 0
+    dec_w: tuple[float, ...]  # change per unit r_w
+    dec_c: tuple[float, ...]  # change per unit r_c
+    pre0: tuple[float, ...]
+    pre_w: tuple[float, ...]
+    pre_c: tuple[float, ...]
+    fixed: float  # seconds independent of the layers' overlap (LM head) over the whole batch
+    serial: bool  # CPU-only: resources add up instead of overlapping
+    gpu0: float  # GPU bytes at r = 0, and their change per unit r_w, r_c
+    gpu_w: float
+    gpu_c: float
+    cpu0: float
+    cpu_w: float
+    cpu_c: float
+
+
+def _memory_lin(d: hrm.Dims, w: Workload, place, n: int, mu: int, beta: int) -> tuple[float, ...]:
+    """(gpu0, gpu_w, gpu_c, cpu0, cpu_w, cpu_c): memory at r = 0 and its change per unit r_w, r_c.
+    Pinned staging is ∝ (1 − r_w)/pages, so affine too."""
+    a, f = place
+    probe = Policy(batch_size=n, micro_batch_size=mu, expert_batch_size=beta, attention_on=a, ffn_on=f,
+                   pages_per_layer=n // mu)
+    g00, c00 = (sum(x.values()) for x in memory_use(d, probe, w))
+    if f == "cpu":
+        return g00, 0.0, 0.0, c00, 0.0, 0.0
+    # memory is exactly linear in each fraction: the change per unit is the difference of two points
+    g10, c10 = (sum(x.values()) for x in memory_use(d, Policy(n, mu, beta, a, f, 1.0, 0.0, n // mu), w))
+    g01, c01 = g00, c00
+    if a == "gpu":
+        g01, c01 = (sum(x.values()) for x in memory_use(d, Policy(n, mu, beta, a, f, 0.0, 1.0, n // mu), w))
+    return g00, g10 - g00, g01 - g00, c00, c10 - c00, c01 - c00
+
+
+def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, beta: int, mem=None) -> _Lin:
+    def vec(x):
+        return tuple(x[k] for k in RESOURCES)
+
+    def sub(a, b):
+        return tuple(x - y for x, y in zip(a, b))
+
+    d00, p00 = _busy(d, r, w, place, n, mu, beta, 0.0, 0.0)
+    d10, p10 = _busy(d, r, w, place, n, mu, beta, 1.0, 0.0)
+    d01, p01 = _busy(d, r, w, place, n, mu, beta, 0.0, 1.0) if place[0] == "gpu" else (d00, p00)
+    g0, gw, gc, c0, cw, cc = mem or _memory_lin(d, w, place, n, mu, beta)
+    head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=place[1] == "gpu")
+    return _Lin(vec(d00), sub(vec(d10), vec(d00)), sub(vec(d01), vec(d00)), vec(p00), sub(vec(p10), vec(p00)),
+                sub(vec(p01), vec(p00)), fixed=head * w.gen_len, serial=place[1] == "cpu",
+                gpu0=g0, gpu_w=gw, gpu_c=gc, cpu0=c0, cpu_w=cw, cpu_c=cc)
+
+
+def _total(lin: _Lin, layers: int, gen: int, r_w: float, r_c: float) -> float:
+    """Seconds for one batch: prefill plus gen−1 decode steps (plus the LM head each step)."""
+    dec = [a + b * r_w + c * r_c for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c)]
+    pre = [a + b * r_w + c * r_c for a, b, c in zip(lin.pre0, lin.pre_w, lin.pre_c)]
+    agg = sum if lin.serial else max
+    return layers * (agg(pre) + (gen - 1) * agg(dec)) + lin.fixed
+
+
+def _rw_interval(mem: tuple[float, ...], r_c: float, gpu_limit: float, cpu_limit: float) -> tuple[float, float] | None:
+    """The r_w values for which both memories fit at this r_c, or None. `mem` as from _memory_lin."""
+    g0, gw, gc, c0, cw, cc = mem
+    lo, hi = 0.0, 1.0 if gw or cw else 0.0
+    for base, slope, limit in ((g0 + gc * r_c, gw, gpu_limit), (c0 + cc * r_c, cw, cpu_limit)):
+        if abs(slope) < 1e-9:
+            if base > limit:
+                return None
+        elif slope > 0:
+            hi = min(hi, (limit - base) / slope)
+        else:
+            lo = max(lo, (limit - base) / slope)
+    return (lo, hi) if lo <= hi + 1e-12 else None
+
+
+def _best_fractions(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_limit: float,
+                    gpu_attn: bool) -> tuple[float, float, float] | None:
+    """(seconds, r_w, r_c) minimising the batch time, or None when nothing fits. Exact in r_w for each r_c
+    of RC_GRID: a convex piecewise-linear function's minimum on an interval lies at an end or where
+    two of its affine pieces cross."""
+    best = None
+    for r_c in (RC_GRID if gpu_attn else (0.0,)):
+        iv = _rw_interval((lin.gpu0, lin.gpu_w, lin.gpu_c, lin.cpu0, lin.cpu_w, lin.cpu_c), r_c, gpu_limit, cpu_limit)
+        if iv is None:
+            continue
+        lo, hi = iv
+        hi = max(lo, min(hi, 1.0))
+        pts = {lo, hi}
+        for base, per_c, slope in ((lin.dec0, lin.dec_c, lin.dec_w), (lin.pre0, lin.pre_c, lin.pre_w)):
+            a = [x + y * r_c for x, y in zip(base, per_c)]
+            for i in range(len(a)):
+                for j in range(i + 1, len(a)):
+                    if slope[i] != slope[j]:
+                        x = (a[j] - a[i]) / (slope[i] - slope[j])
+                        if lo < x < hi:
+                            pts.add(x)
+        for r_w in pts:
+            t = _total(lin, layers, gen, r_w, r_c)
+            if best is None or t < best[0] - 1e-12:
+                best = (t, r_w, r_c)
+    return best
+
+
+def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_limit: float,
+                       gpu_attn: bool) -> tuple[float, float, float] | None:
+    """The same problem as `_best_fractions`, jointly in (r_w, r_c), as an LP solved by CBC."""
+    import pulp
+
+    prob = pulp.LpProblem("fractions", pulp.LpMinimize)
+    rw = pulp.LpVariable("r_w", 0, 1)
+    rc = pulp.LpVariable("r_c", 0, 1 if gpu_attn else 0)
+    td, tp = pulp.LpVariable("t_dec", 0), pulp.LpVariable("t_pre", 0)
+    prob += layers * (tp + (gen - 1) * td)
+    if lin.serial:
+        prob += td >= sum(a + b * rw + c * rc for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c))
+        prob += tp >= sum(a + b * rw + c * rc for a, b, c in zip(lin.pre0, lin.pre_w, lin.pre_c))
+    else:
+        for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c):
+            prob += td >= a + b * rw + c * rc
+        for a, b, c in zip(lin.pre0, lin.pre_w, lin.pre_c):
+            prob += tp >= a + b * rw + c * rc
+    # memory rows in GB keep CBC's coefficients well scaled
+    prob += (lin.gpu0 + lin.gpu_w * rw + lin.gpu_c * rc) / 1e9 <= gpu_limit / 1e9
+    prob += (lin.cpu0 + lin.cpu_w * rw + lin.cpu_c * rc) / 1e9 <= cpu_limit / 1e9
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    if pulp.LpStatus[status] != "Optimal":
+        return None
+    r_w = min(max(rw.value() or 0.0, 0.0), 1.0)
+    r_c = min(max(rc.value() or 0.0, 0.0), 1.0)
+    return _total(lin, layers, gen, r_w, r_c), r_w, r_c
+
+
+# ---- the integer part -------------------------------------------------------------------------------
+def micro_batch_sizes(limit: int) -> list[int]:
+    """The paper's μ candidates: 1, 2, 3, 4, then 36, 68, … in steps of 32, up to `limit`."""
+    return [mu for mu in (1, 2, 3, 4) if mu <= limit] + list(range(36, limit + 1, 32))
+
+
+def _expert_groups(n_mb: int) -> list[int]:
+    """Micro-batches per expert batch: powers of two dividing n_mb, and n_mb itself (all tokens at once)."""
+    gs, g = [], 1
+    while g <= n_mb:
+        if n_mb % g == 0:
+            gs.append(g)
+        g *= 2
+    if n_mb not in gs:
+        gs.append(n_mb)
+    return gs
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    seconds_per_token: float
+    place: tuple[str, str]
+    n: int
+    mu: int
+    beta: int
+    r_w: float
+    r_c: float
+    lin: _Lin
+
+
+def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: int = 4) -> list[_Candidate]:
+    d, r = hrm.dims(m), hrm.effective_rates(hw)
+    gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
+    places = PLACEMENTS_GPU if hw.has_gpu else (("cpu", "cpu"),)
+    n_cap = min(MAX_BATCH, w.num_requests or MAX_BATCH)
+    l, gen = d.layers, w.gen_len
+    found: list[_Candidate] = []
+
+    def fits(place, n, mu):
+        # memory grows with N; an expert batch of one micro-batch is the cheapest in activations
+        mem = _memory_lin(d, w, place, n, mu, mu)
+        grid = RC_GRID if place[0] == "gpu" else (0.0,)
+        return any(_rw_interval(mem, r_c, gpu_limit, cpu_limit) is not None for r_c in grid)
+
+    for place in places:
+        for mu in micro_batch_sizes(n_cap):
+            if not fits(place, mu, mu):
+                break  # a larger μ needs more memory still
+            hi = 1  # largest feasible number of micro-batches: doubling, then binary search
+            while hi * 2 * mu <= n_cap and fits(place, hi * 2 * mu, mu):
+                hi *= 2
+            lo, top = hi, min(hi * 2, n_cap // mu)
+            while lo < top:
+                mid = (lo + top + 1) // 2
+                if fits(place, mid * mu, mu):
+                    lo = mid
+                else:
+                    top = mid - 1
+            n_max = lo
+            # throughput usually peaks at the largest batch, but a smaller one can leave room for
+            # resident weights: try a few below it too
+            counts = {n_max, max(1, n_max - 1), max(1, (3 * n_max) // 4), max(1, n_max // 2)}
+            c = 1
+            while c < n_max // 2:
+                counts.add(c)
+                c *= 4
+            for n_mb in sorted(counts):
+                for g in _expert_groups(n_mb):
+                    n, beta = n_mb * mu, g * mu
+                    lin = _linearise(d, r, w, place, n, mu, beta)
+                    best = _best_fractions(lin, l, gen, gpu_limit, cpu_limit, place[0] == "gpu")
+                    if best is not None:
+                        t, r_w, r_c = best
+                        found.append(_Candidate(t / (n * gen), place, n, mu, beta, r_w, r_c, lin))
+    found.sort(key=lambda c: c.seconds_per_token)
+    return found[:keep]
+
+
+def _shortfall(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget) -> BudgetError:
+    """The error for a budget nothing fits in, naming what the smallest policy would need."""
+    places = PLACEMENTS_GPU if hw.has_gpu else (("cpu", "cpu"),)
+    best = None
+    for a, f in places:
+        r_w_options = (0.0,)
+        for r_w in r_w_options:
+            p = Policy(1, 1, 1, attention_on=a, ffn_on=f, gpu_weight_fraction=r_w)
+            over = validate(p, m, hw, w, budget)
+            total = sum(o.over for o in over)
+            if best is None or total < best[0]:
+                best = (total, over, p)
+    _, over, p = best
+    where = "; ".join(str(o) for o in over)
+    return BudgetError(
+        f"nothing fits in the memory budget, not even one request at a time (attention on {p.attention_on}, "
+        f"FFN on {p.ffn_on}): {where}",
+        "raise --gpu-mem / --cpu-mem, pick a machine with more memory, or shorten --prompt-len / --gen-len",
+    )
+
+
+def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: Budget | None = None) -> tuple[Policy, Prediction]:
+    """The policy with the highest predicted end-to-end tokens/s that fits the budget.
+
+    Raises BudgetError naming the shortfall when not even a batch of one fits.
+    """
+    budget = budget or Budget.for_hardware(hardware)
+    top = _search(model, hardware, workload, budget)
+    if not top:
+        raise _shortfall(model, hardware, workload, budget)
+    gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
+    best = None
+    for c in top:  # the joint LP may beat the fast path's r_c grid
+        lp = solve_fractions_lp(c.lin, model.num_layers, workload.gen_len, gpu_limit, cpu_limit, c.place[0] == "gpu")
+        t, r_w, r_c = lp if lp is not None and lp[0] < c.seconds_per_token * c.n * workload.gen_len else (
+            c.seconds_per_token * c.n * workload.gen_len, c.r_w, c.r_c)
+        if best is None or t / c.n < best[0]:
+            best = (t / c.n, c, r_w, r_c)
+    _, c, r_w, r_c = best
+    r_w, r_c = _settle(r_w), _settle(r_c)
+    n_mb = c.n // c.mu
+    policy = Policy(batch_size=c.n, micro_batch_size=c.mu, expert_batch_size=c.beta, attention_on=c.place[0],
+                    ffn_on=c.place[1], gpu_weight_fraction=r_w if c.place[1] == "gpu" else 0.0,
+                    gpu_kv_fraction=r_c if c.place[0] == "gpu" else 0.0,
+                    pages_per_layer=n_mb if r_w < 1.0 and c.place[1] == "gpu" else 1)
+    if validate(policy, model, hardware, workload, budget):  # rounding pushed it over: step back a hair
+        policy = _shrink(policy, model, hardware, workload, budget)
+    return policy, predict(policy, model, hardware, workload)
+
+
+def _settle(x: float) -> float:
+    """Round a fraction down to 4 decimals (down keeps GPU memory within the limit) and clamp to [0, 1]."""
+    return min(1.0, max(0.0, math.floor(x * 1e4 + 1e-6) / 1e4))
+
+
+def _shrink(p: Policy, m, hw, w, budget) -> Policy:
+    """Nudge fractions rounded past a memory limit back inside it."""
+    for _ in range(100):
+        over = validate(p, m, hw, w, budget)
+        if not over:
+            return p
+        if any(o.where == "gpu" for o in over) and p.gpu_weight_fraction > 0:
+            p = dataclasses.replace(p, gpu_weight_fraction=max(0.0, p.gpu_weight_fraction - 1e-3))
+        elif any(o.where == "gpu" for o in over) and p.gpu_kv_fraction > 0:
+            p = dataclasses.replace(p, gpu_kv_fraction=max(0.0, p.gpu_kv_fraction - 1e-3))
+        elif p.gpu_weight_fraction < 1 and p.ffn_on == "gpu":
+            p = dataclasses.replace(p, gpu_weight_fraction=min(1.0, p.gpu_weight_fraction + 1e-3))
+        else:
+            break
+    return p

@@ -1,0 +1,113 @@
+"""Policy (how to run a model on a machine) and Prediction (what the HRM expects of it).
+
+Boundary: plain validated data with a JSON round-trip. The planner makes both; the engine reads
+Policy; the app shows both. Names follow the paper (N, μ, A_g, F_g, r_w, r_c) in comments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+PLACES = ("cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class Policy:
+    batch_size: int  # N: requests decoded together in one step
+    micro_batch_size: int  # μ: requests per attention micro-batch; N / μ micro-batches per layer
+    expert_batch_size: int  # tokens meeting at the experts at once: a multiple of μ dividing N (MoE-Gen's module batching)
+    attention_on: str = "cpu"  # A_g: decode attention on "cpu" (next to the KV cache) or "gpu"
+    ffn_on: str = "gpu"  # F_g: MoE FFN (and the dense projections) on "gpu", or everything on "cpu"
+    gpu_weight_fraction: float = 0.0  # r_w: share of expert weights resident on the GPU; the rest is streamed
+    gpu_kv_fraction: float = 0.0  # r_c: share of the KV cache on the GPU (only with attention on the GPU)
+    pages_per_layer: int = 1  # the CPU-resident part of a layer's weights is sent in this many pages
+
+    def __post_init__(self):
+        for name in ("batch_size", "micro_batch_size", "expert_batch_size", "pages_per_layer"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Policy.{name} must be a positive integer, got {v!r}")
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch_size {self.batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
+        if self.expert_batch_size % self.micro_batch_size or self.batch_size % self.expert_batch_size:
+            raise ValueError(f"expert_batch_size {self.expert_batch_size} must be a multiple of micro_batch_size "
+                             f"{self.micro_batch_size} and divide batch_size {self.batch_size}")
+        for name in ("attention_on", "ffn_on"):
+            if getattr(self, name) not in PLACES:
+                raise ValueError(f"Policy.{name} must be 'cpu' or 'gpu', got {getattr(self, name)!r}")
+        if self.attention_on == "gpu" and self.ffn_on == "cpu":
+            raise ValueError("attention on the GPU with the FFN on the CPU is not a supported placement")
+        for name in ("gpu_weight_fraction", "gpu_kv_fraction"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"Policy.{name} must lie in [0, 1], got {v}")
+        if self.ffn_on == "cpu" and self.gpu_weight_fraction:
+            raise ValueError("gpu_weight_fraction must be 0 when the FFN runs on the CPU")
+        if self.attention_on == "cpu" and self.gpu_kv_fraction:
+            raise ValueError("gpu_kv_fraction must be 0 when attention runs on the CPU (the KV cache lives there)")
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.batch_size // self.micro_batch_size
+
+    @property
+    def micro_batches_per_expert_batch(self) -> int:
+        return self.expert_batch_size // self.micro_batch_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Policy":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown policy fields {sorted(unknown)}; expected {sorted(names)}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Policy":
+        return cls.from_dict(json.loads(text))
+
+
+BOTTLENECK_WORDS = {
+    "gpu": "GPU compute (the MoE FFN and projections)",
+    "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)",
+    "h2d": "PCIe host→device (streaming expert weights)",
+    "d2h": "PCIe device→host (sending QKV to the CPU)",
+}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    tokens_per_s: float  # end to end: generated tokens / (prefill + decode time) of one batch
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float  # prompt tokens per second during prefill
+    bottleneck: str  # the busiest decode resource, a key of core.telemetry.RESOURCES
+    gpu_bytes: int  # accounted GPU memory (all GPUs together)
+    cpu_bytes: int
+    layer_seconds: dict[str, float]  # decode: busy seconds of one layer on each resource
+    prefill_layer_seconds: dict[str, float] = field(default_factory=dict)
+    step_seconds: float = 0.0  # one decode step (all layers, all N requests, one token each)
+    prefill_seconds: float = 0.0  # the prefill of one batch
+    gpu_breakdown: dict[str, int] = field(default_factory=dict)  # what the GPU bytes are
+    cpu_breakdown: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bottleneck_text(self) -> str:
+        return BOTTLENECK_WORDS.get(self.bottleneck, self.bottleneck)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["bottleneck_text"] = self.bottleneck_text
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Prediction":
+        d = {k: v for k, v in d.items() if k != "bottleneck_text"}
+        return cls(**d)

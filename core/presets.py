@@ -1,0 +1,68 @@
+"""Model descriptions without weights: bundled config.json presets, and `resolve_spec` for `--model`.
+
+`--model M` may be a checkpoint folder, a Hugging Face repo id whose config.json is already in the
+local HF cache (looked up offline), or a bundled preset name (assets/configs/<name>/config.json).
+Boundary: reads config files only; never downloads, never loads weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.errors import ModelError
+from core.families import load_spec, spec_from_config
+from core.spec import ModelSpec
+
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "assets" / "configs"
+
+
+def preset_names() -> list[str]:
+    if not CONFIGS_DIR.is_dir():
+        return []
+    return sorted(p.parent.name for p in CONFIGS_DIR.glob("*/config.json"))
+
+
+def preset_config(name: str) -> dict:
+    path = CONFIGS_DIR / name.lower() / "config.json"
+    if not path.is_file():
+        raise ModelError(f"no bundled model preset {name!r}", f"presets: {', '.join(preset_names())}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def preset_spec(name: str) -> ModelSpec:
+    return spec_from_config(preset_config(name), source=f"preset {name}")
+
+
+def cached_hub_config(repo_id: str) -> Path | None:
+    """The config.json of `repo_id` if the local Hugging Face cache holds it; never goes online."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # hub client not installed: nothing can be cached
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # an invalid repo id is simply not in the cache
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def resolve_spec(model: str) -> ModelSpec:
+    """ModelSpec for a folder, a bundled preset name, or a repo id cached locally — in that order."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return load_spec(path)
+    if model.lower() in preset_names():
+        return preset_spec(model.lower())
+    if "/" in model:
+        cfg = cached_hub_config(model)
+        if cfg is not None:
+            try:
+                data = json.loads(cfg.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ModelError(f"cannot read cached {cfg}: {e}", f"run `mlight download {model}` again") from e
+            return spec_from_config(data, source=str(cfg))
+    raise ModelError(
+        f"{model!r} is not a checkpoint folder, a bundled preset, or a repo id in the local Hugging Face cache",
+        f"presets: {', '.join(preset_names())}; or `mlight download {model}` first",
+    )
