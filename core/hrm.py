@@ -25,7 +25,6 @@ DERATE = {"gpu_flops": 0.5, "gpu_bw": 0.77, "h2d_bw": 0.77, "d2h_bw": 0.77, "cpu
 GPU_LAUNCH = 10e-6
 COPY_LAUNCH = 10e-6
 CPU_LAUNCH = 30e-6
-GPU_KERNELS_PER_MICRO_BATCH = 8  # norm, qkv, rope, o, norm, router, top-k, combine
 
 
 @dataclass(frozen=True)
@@ -209,70 +208,133 @@ def ffn_intensities(m: "ModelSpec | Dims", expert_batch: float, batch: float, gp
     return flops / gpu_bytes, (flops / link if link else float("inf"))
 
 
-# ---- one layer's busy time on each resource -----------------------------------------------------
-def decode_layer_seconds(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, expert_batch: int,
-                         attention_on: str, ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
-                         context: float) -> dict[str, float]:
-    """Busy seconds of one decode layer (every micro-batch, one token each) per resource.
+LOOKAHEAD = 2  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU
 
-    Affine in gpu_weight_fraction and gpu_kv_fraction (the planner's LP relies on it). In the CPU-only
-    placement "gpu" is the CPU doing the dense work, as in core.telemetry.
+
+# ---- one layer's tasks and busy time on each resource ------------------------------------------------
+# A task kind's cost is defined once here; core.simulate replays core.schedule's graphs with these
+# same costs, so a simulated layer and decode_layer_seconds agree on every resource's busy time.
+@dataclass(frozen=True)
+class TaskCost:
+    resource: str  # a key of core.telemetry.RESOURCES
+    seconds: float  # one task
+    per_layer: float  # how many such tasks one layer runs
+
+
+def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, expert_batch: int,
+                 attention_on: str, ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
+                 context: float, pages: int | None = None) -> dict[str, TaskCost]:
+    """The tasks of one decode layer (one new token for each of `batch` requests), by kind.
+
+    Kinds: pre_attn (norm + QKV), d1 (QKV to the CPU), cpu_attn, d2 (attention output back), post_attn
+    (O-proj, router, shared expert), ffn (routed experts of one expert batch), weight_page (one page of
+    the streamed expert weights), kv_load (D4: CPU-held KV to the GPU), gpu_attn, kv_store (new token's
+    KV to the CPU). In the CPU-only placement the dense kinds run on the CPU under the "gpu" key.
     """
     m = dims(m)
     n_mb, n_eb = batch / micro_batch, batch / expert_batch
+    pages = pages or max(1, round(n_mb))
+    cpu_only = ffn_on == "cpu"
+    fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
+    post = o_proj(m, micro_batch) + router(m, micro_batch) + shared_expert(m, micro_batch)
+    # kernel launches: pre_attn 3 (norm, qkv, rope), post_attn 5 (o, norm, router, top-k, combine), ffn 3
+    t = {
+        "pre_attn": TaskCost("gpu", roofline_seconds(qkv_proj(m, micro_batch), fl, bw) + 3 * launch, n_mb),
+        "post_attn": TaskCost("gpu", roofline_seconds(post, fl, bw) + 5 * launch, n_mb),
+        "ffn": TaskCost("gpu", roofline_seconds(moe_ffn(m, expert_batch), fl, bw) + 3 * launch, n_eb),
+    }
     attn = decode_attention(m, micro_batch, context)
-    dense = dense_work(m, micro_batch)
-    ffn = moe_ffn(m, expert_batch)
-    t = {"gpu": 0.0, "cpu_attn": 0.0, "h2d": 0.0, "d2h": 0.0}
-    if ffn_on == "cpu":  # CPU-only: weights and KV in host memory, nothing crosses the link
-        t["gpu"] = n_mb * roofline_seconds(dense, r.cpu_flops, r.cpu_bw) + n_eb * roofline_seconds(ffn, r.cpu_flops, r.cpu_bw) \
-            + n_mb * CPU_LAUNCH
-        t["cpu_attn"] = n_mb * (roofline_seconds(attn, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH)
+    if cpu_only or attention_on == "cpu":
+        t["cpu_attn"] = TaskCost("cpu_attn", roofline_seconds(attn, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH, n_mb)
+    if cpu_only:
         return t
-    t["gpu"] = n_mb * (roofline_seconds(dense, r.gpu_flops, r.gpu_bw) + GPU_KERNELS_PER_MICRO_BATCH * GPU_LAUNCH) \
-        + n_eb * (roofline_seconds(ffn, r.gpu_flops, r.gpu_bw) + 3 * GPU_LAUNCH)
-    weights = (1 - gpu_weight_fraction) * m.layer_expert_bytes
-    qkv_bytes, out_bytes = (m.q + 2 * m.kv) * m.dt, m.q * m.dt
+    streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes
+    t["weight_page"] = TaskCost("h2d", streamed / pages / r.h2d_bw + COPY_LAUNCH, pages if streamed else 0)
     if attention_on == "cpu":
-        t["cpu_attn"] = n_mb * (roofline_seconds(attn, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH)
-        d1 = batch * qkv_bytes  # QKV of the new token to the CPU
-        d2 = batch * out_bytes  # attention output back
-        t["d2h"] = d1 / r.d2h_bw + n_mb * COPY_LAUNCH
-        t["h2d"] = (weights + d2) / r.h2d_bw + n_mb * 2 * COPY_LAUNCH  # a D2 and a weight page per micro-batch
+        t["d1"] = TaskCost("d2h", micro_batch * (m.q + 2 * m.kv) * m.dt / r.d2h_bw + COPY_LAUNCH, n_mb)
+        t["d2"] = TaskCost("h2d", micro_batch * m.q * m.dt / r.h2d_bw + COPY_LAUNCH, n_mb)
     else:
-        t["gpu"] += n_mb * (roofline_seconds(attn, r.gpu_flops, r.gpu_bw) + GPU_LAUNCH)
-        cpu_kv = (1 - gpu_kv_fraction) * batch * context * m.kv_tok_layer  # D4
-        t["h2d"] = (weights + cpu_kv) / r.h2d_bw + n_mb * 2 * COPY_LAUNCH
-        t["d2h"] = (1 - gpu_kv_fraction) * batch * m.kv_tok_layer / r.d2h_bw + n_mb * COPY_LAUNCH
+        cpu_share = 1 - gpu_kv_fraction
+        t["gpu_attn"] = TaskCost("gpu", roofline_seconds(attn, r.gpu_flops, r.gpu_bw) + GPU_LAUNCH, n_mb)
+        t["kv_load"] = TaskCost("h2d", cpu_share * micro_batch * context * m.kv_tok_layer / r.h2d_bw + COPY_LAUNCH, n_mb)
+        t["kv_store"] = TaskCost("d2h", cpu_share * micro_batch * m.kv_tok_layer / r.d2h_bw + COPY_LAUNCH, n_mb)
     return t
 
 
-def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, attention_on: str,
-                          ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
-                          prompt_len: float) -> dict[str, float]:
-    """Busy seconds of one layer's prefill of `batch` prompts, micro-batch by micro-batch. Prefill
-    attention runs where the dense work runs; the KV cache goes to wherever decode keeps it."""
+def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, attention_on: str, ffn_on: str,
+                  gpu_weight_fraction: float, gpu_kv_fraction: float, prompt_len: float,
+                  pages: int | None = None) -> dict[str, TaskCost]:
+    """The tasks of one layer's prefill of `batch` prompts: prefill (a whole layer for one micro-batch,
+    attention included), weight_page, kv_store (the micro-batch's KV to wherever decode keeps it)."""
     m = dims(m)
     n_mb = batch / micro_batch
     toks = micro_batch * prompt_len
     work = dense_work(m, toks) + moe_ffn(m, toks) + prefill_attention(m, micro_batch, prompt_len)
-    t = {"gpu": 0.0, "cpu_attn": 0.0, "h2d": 0.0, "d2h": 0.0}
     if ffn_on == "cpu":
-        t["gpu"] = n_mb * (roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH)
-        return t
-    t["gpu"] = n_mb * (roofline_seconds(work, r.gpu_flops, r.gpu_bw) + 2 * GPU_KERNELS_PER_MICRO_BATCH * GPU_LAUNCH)
-    t["h2d"] = (1 - gpu_weight_fraction) * m.layer_expert_bytes / r.h2d_bw + n_mb * COPY_LAUNCH
+        return {"prefill": TaskCost("gpu", roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH, n_mb)}
+    pages = pages or max(1, round(n_mb))
+    streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes
     kv_to_cpu = 1.0 if attention_on == "cpu" else 1 - gpu_kv_fraction
-    t["d2h"] = kv_to_cpu * batch * prompt_len * m.kv_tok_layer / r.d2h_bw + n_mb * COPY_LAUNCH
-    return t
+    return {
+        "prefill": TaskCost("gpu", roofline_seconds(work, r.gpu_flops, r.gpu_bw) + 16 * GPU_LAUNCH, n_mb),
+        "weight_page": TaskCost("h2d", streamed / pages / r.h2d_bw + COPY_LAUNCH, pages if streamed else 0),
+        "kv_store": TaskCost("d2h", kv_to_cpu * toks * m.kv_tok_layer / r.d2h_bw + COPY_LAUNCH, n_mb),
+    }
 
 
-def layer_time(busy: dict[str, float], ffn_on: str) -> float:
-    """Wall time of a layer: resources overlap (CGOPipe), except in the CPU-only placement where the
-    dense work and attention share the same cores."""
+def busy_seconds(tasks: dict[str, TaskCost]) -> dict[str, float]:
+    """Per-resource busy time of one layer: the sum of its tasks."""
+    out = {"gpu": 0.0, "cpu_attn": 0.0, "h2d": 0.0, "d2h": 0.0}
+    for c in tasks.values():
+        out[c.resource] += c.seconds * c.per_layer
+    return out
+
+
+def decode_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, float]:
+    """Busy seconds of one decode layer per resource (keyword arguments as decode_tasks), plus the
+    "pipeline" bound (see pipeline_seconds). Each is affine in gpu_weight_fraction and
+    gpu_kv_fraction, which the planner's LP relies on."""
+    tasks = decode_tasks(m, r, **kw)
+    bounds = pipeline_bounds(tasks) or (0.0, 0.0, 0.0)
+    return {**busy_seconds(tasks), "pipeline": max(bounds), **{f"pipeline{i}": b for i, b in enumerate(bounds)}}
+
+
+def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, float]:
+    return busy_seconds(prefill_tasks(m, r, **kw))
+
+
+def pipeline_bounds(tasks: dict[str, TaskCost]) -> tuple[float, ...]:
+    """Bounds on a CGOPipe layer beyond each resource's busy time; () where they do not apply.
+
+    Weight pages go out one D2 slot at a time and D2s are paced by the GPU's pre-attention, so while
+    the GPU runs one expert batch the link has only LOOKAHEAD micro-batches' pages queued and then
+    idles: n_eb − 1 times max(0, t_ffn − LOOKAHEAD·h2d/n_mb) per layer. The layer's last expert batch
+    also holds back the next pages (their buffer half is still in use) beyond the last slot's pages:
+    max(0, t_post + t_ffn − h2d/n_mb). Their sum, added to the link's busy time, is the max of the
+    affine pieces returned here (the planner's LP needs affine pieces). Checked against
+    core.simulate's replay of the same graph (tests/test_simulate.py).
+    """
+    if "d2" not in tasks or "ffn" not in tasks or not tasks.get("weight_page") or not tasks["weight_page"].per_layer:
+        return ()
+    n_mb, n_eb = tasks["d2"].per_layer, tasks["ffn"].per_layer
+    h2d = busy_seconds(tasks)["h2d"]
+    t_ffn, t_post = tasks["ffn"].seconds, tasks["post_attn"].seconds
+    middle = (n_eb - 1) * (t_ffn - LOOKAHEAD * h2d / n_mb)
+    last = t_post + t_ffn - h2d / n_mb
+    return h2d + middle, h2d + last, h2d + middle + last
+
+
+def pipeline_seconds(tasks: dict[str, TaskCost]) -> float:
+    """The pipeline bound of a CGOPipe layer (0 where none applies): see pipeline_bounds."""
+    return max(pipeline_bounds(tasks), default=0.0)
+
+
+def layer_time(busy: dict[str, float], ffn_on: str, pipeline: float = 0.0) -> float:
+    """Wall time of a layer: resources overlap (CGOPipe) up to the pipeline bound, except in the
+    CPU-only placement where the dense work and attention share the same cores."""
     if ffn_on == "cpu":
         return busy["gpu"] + busy["cpu_attn"]
-    return max(busy.values())
+    return max(max(busy.values()), pipeline)
 
 
 def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches: int, on_gpu: bool) -> float:

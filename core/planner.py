@@ -32,7 +32,9 @@ GPU_USABLE = 0.86
 CPU_USABLE = 0.80
 MAX_BATCH = 8192  # beyond this the KV cache of any real workload is the limit anyway
 PLACEMENTS_GPU = (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu"))
-RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # r_c values tried by the fast path; the LP refines them
+RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
+TIE_BREAK = 1e-6
+BOTTLENECKS = (*RESOURCES, "pipeline")  # decode layer bounds: each resource's busy time, and hrm.pipeline_seconds  # r_c values tried by the fast path; the LP refines them
 
 
 @dataclass(frozen=True)
@@ -156,12 +158,12 @@ def validate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
 
 # ---- cost of one policy --------------------------------------------------------------------------
 def _busy(m: ModelSpec, r: hrm.Rates, w: Workload, place: tuple[str, str], n: int, mu: int, beta: int,
-          r_w: float, r_c: float) -> tuple[dict, dict]:
+          r_w: float, r_c: float, pages: int | None = None) -> tuple[dict, dict]:
     a, f = place
     dec = hrm.decode_layer_seconds(m, r, batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f,
-                                   gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, context=w.decode_context)
+                                   gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, context=w.decode_context, pages=pages)
     pre = hrm.prefill_layer_seconds(m, r, batch=n, micro_batch=mu, attention_on=a, ffn_on=f,
-                                    gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, prompt_len=w.prompt_len)
+                                    gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, prompt_len=w.prompt_len, pages=pages)
     return dec, pre
 
 
@@ -171,10 +173,10 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
     p = policy
     place = (p.attention_on, p.ffn_on)
     dec, pre = _busy(model, r, workload, place, p.batch_size, p.micro_batch_size, p.expert_batch_size,
-                     p.gpu_weight_fraction, p.gpu_kv_fraction)
+                     p.gpu_weight_fraction, p.gpu_kv_fraction, p.pages_per_layer)
     on_gpu = p.ffn_on == "gpu"
     l = model.num_layers
-    step = l * hrm.layer_time(dec, p.ffn_on) + hrm.head_seconds(model, r, tokens=p.batch_size,
+    step = l * hrm.layer_time(dec, p.ffn_on, dec["pipeline"]) + hrm.head_seconds(model, r, tokens=p.batch_size,
                                                                 micro_batches=p.num_micro_batches, on_gpu=on_gpu)
     prefill = l * hrm.layer_time(pre, p.ffn_on) + hrm.head_seconds(model, r, tokens=p.batch_size,
                                                                    micro_batches=p.num_micro_batches, on_gpu=on_gpu)
@@ -185,9 +187,9 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
         tokens_per_s=p.batch_size * n / total,
         decode_tokens_per_s=p.batch_size / step,
         prefill_tokens_per_s=p.batch_size * workload.prompt_len / prefill,
-        bottleneck=max(RESOURCES, key=lambda k: dec[k]),
+        bottleneck=max(BOTTLENECKS, key=lambda k: dec[k]) if on_gpu else max(RESOURCES, key=lambda k: dec[k]),
         gpu_bytes=int(sum(gpu.values())), cpu_bytes=int(sum(cpu.values())),
-        layer_seconds={k: dec[k] for k in RESOURCES}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
+        layer_seconds={k: dec[k] for k in BOTTLENECKS}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
         step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu,
     )
 
@@ -231,8 +233,8 @@ def _memory_lin(d: hrm.Dims, w: Workload, place, n: int, mu: int, beta: int) -> 
 
 
 def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, beta: int, mem=None) -> _Lin:
-    def vec(x):
-        return tuple(x[k] for k in RESOURCES)
+    def vec(x):  # the resources, then the pipeline's affine pieces (hrm.pipeline_bounds)
+        return tuple(x.get(k, 0.0) for k in (*RESOURCES, "pipeline0", "pipeline1", "pipeline2"))
 
     def sub(a, b):
         return tuple(x - y for x, y in zip(a, b))
@@ -252,7 +254,8 @@ def _total(lin: _Lin, layers: int, gen: int, r_w: float, r_c: float) -> float:
     dec = [a + b * r_w + c * r_c for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c)]
     pre = [a + b * r_w + c * r_c for a, b, c in zip(lin.pre0, lin.pre_w, lin.pre_c)]
     agg = sum if lin.serial else max
-    return layers * (agg(pre) + (gen - 1) * agg(dec)) + lin.fixed
+    # a hair of the summed busy time breaks ties between equally fast policies toward less work
+    return layers * (agg(pre) + (gen - 1) * agg(dec) + TIE_BREAK * (gen - 1) * sum(dec)) + lin.fixed
 
 
 def _rw_interval(mem: tuple[float, ...], r_c: float, gpu_limit: float, cpu_limit: float) -> tuple[float, float] | None:
@@ -307,7 +310,8 @@ def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_l
     rw = pulp.LpVariable("r_w", 0, 1)
     rc = pulp.LpVariable("r_c", 0, 1 if gpu_attn else 0)
     td, tp = pulp.LpVariable("t_dec", 0), pulp.LpVariable("t_pre", 0)
-    prob += layers * (tp + (gen - 1) * td)
+    prob += layers * (tp + (gen - 1) * td
+                      + TIE_BREAK * (gen - 1) * sum(a + b * rw + c * rc for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c)))
     if lin.serial:
         prob += td >= sum(a + b * rw + c * rc for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c))
         prob += tp >= sum(a + b * rw + c * rc for a, b, c in zip(lin.pre0, lin.pre_w, lin.pre_c))
@@ -406,22 +410,24 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
 
 
 def _shortfall(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget) -> BudgetError:
-    """The error for a budget nothing fits in, naming what the smallest policy would need."""
-    places = PLACEMENTS_GPU if hw.has_gpu else (("cpu", "cpu"),)
+    """The error for a budget nothing fits in: what one request at a time would need, for the placement
+    that comes closest (with as many expert weights on the GPU as it can hold)."""
+    d = hrm.dims(m)
+    gpu_limit = budget.gpu_bytes * GPU_USABLE
     best = None
-    for a, f in places:
-        r_w_options = (0.0,)
-        for r_w in r_w_options:
-            p = Policy(1, 1, 1, attention_on=a, ffn_on=f, gpu_weight_fraction=r_w)
-            over = validate(p, m, hw, w, budget)
-            total = sum(o.over for o in over)
-            if best is None or total < best[0]:
-                best = (total, over, p)
+    for a, f in (PLACEMENTS_GPU if hw.has_gpu else (("cpu", "cpu"),)):
+        g0, gw, *_ = _memory_lin(d, w, (a, f), 1, 1, 1)
+        r_w = min(1.0, max(0.0, (gpu_limit - g0) / gw)) if gw > 0 else 0.0
+        p = Policy(1, 1, 1, attention_on=a, ffn_on=f, gpu_weight_fraction=r_w if f == "gpu" else 0.0)
+        over = validate(p, m, hw, w, budget)
+        total = sum(o.over for o in over)
+        if best is None or total < best[0]:
+            best = (total, over, p)
     _, over, p = best
-    where = "; ".join(str(o) for o in over)
     return BudgetError(
-        f"nothing fits in the memory budget, not even one request at a time (attention on {p.attention_on}, "
-        f"FFN on {p.ffn_on}): {where}",
+        f"nothing fits in the memory budget, not even one request at a time (closest: attention on {p.attention_on}, "
+        f"FFN on {p.ffn_on}, {p.gpu_weight_fraction:.0%} of expert weights on the GPU): "
+        + "; ".join(str(o) for o in over),
         "raise --gpu-mem / --cpu-mem, pick a machine with more memory, or shorten --prompt-len / --gen-len",
     )
 

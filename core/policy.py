@@ -80,6 +80,7 @@ BOTTLENECK_WORDS = {
     "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)",
     "h2d": "PCIe host→device (streaming expert weights)",
     "d2h": "PCIe device→host (sending QKV to the CPU)",
+    "pipeline": "the pipeline (the link idles while the GPU runs a large expert batch)",
 }
 
 
@@ -88,10 +89,10 @@ class Prediction:
     tokens_per_s: float  # end to end: generated tokens / (prefill + decode time) of one batch
     decode_tokens_per_s: float
     prefill_tokens_per_s: float  # prompt tokens per second during prefill
-    bottleneck: str  # the busiest decode resource, a key of core.telemetry.RESOURCES
+    bottleneck: str  # what bounds a decode layer: a key of core.telemetry.RESOURCES, or "pipeline"
     gpu_bytes: int  # accounted GPU memory (all GPUs together)
     cpu_bytes: int
-    layer_seconds: dict[str, float]  # decode: busy seconds of one layer on each resource
+    layer_seconds: dict[str, float]  # decode: busy seconds of one layer on each resource (+ "pipeline" bound)
     prefill_layer_seconds: dict[str, float] = field(default_factory=dict)
     step_seconds: float = 0.0  # one decode step (all layers, all N requests, one token each)
     prefill_seconds: float = 0.0  # the prefill of one batch

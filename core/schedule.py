@@ -1,0 +1,296 @@
+"""The decode step's (and prefill's) task graph, as data: one definition for the engine and the simulator.
+
+A schedule is a list of `Task`s. Execution rule, shared by every executor: the tasks of one resource
+run one at a time in list order (a CUDA stream, a copy stream, the CPU attention worker); a task
+starts when its resource is free and all its `deps` have finished. The list order is the schedule.
+
+Schedules (shared/paper.md):
+- "cgopipe": the paper's CGOPipe. CPU attention runs two micro-batches ahead of the GPU; page j of
+  layer i+1's weights is sent right after micro-batch j's D2 of layer i, so the hidden-state copies
+  never queue behind a whole layer of weights.
+- "s4": FlexGen-style. The whole next layer's weights go first on the host→device queue; the GPU works
+  micro-batch by micro-batch (pre-attention, wait for CPU attention, post-attention), no look-ahead.
+- "s3": nothing overlaps: one chain, layer by layer (weights, then each micro-batch in turn).
+
+Steady state: layer 0's streamed weights are sent during the previous step's last layer (its pages are
+in the graph with layer 0, after layer L−1's work); the first step of a run loads them beforehand.
+Boundary: pure data; no costs (core.hrm) and no execution (core.simulate, the engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.telemetry import RESOURCES
+
+# kind -> resource it runs on
+RESOURCE_OF = {
+    "pre_attn": "gpu",  # norm + QKV projection (+ RoPE) of one micro-batch
+    "post_attn": "gpu",  # O projection, norm, router, shared expert of one micro-batch
+    "ffn": "gpu",  # routed experts of one expert batch (one or more micro-batches)
+    "gpu_attn": "gpu",  # decode attention on the GPU
+    "prefill": "gpu",  # a whole layer's prefill of one micro-batch
+    "cpu_attn": "cpu_attn",  # decode attention on the CPU, next to the KV cache
+    "d1": "d2h",  # QKV of the new tokens to the CPU
+    "kv_store": "d2h",  # KV written back to the CPU cache
+    "d2": "h2d",  # attention output back to the GPU
+    "weight_page": "h2d",  # one page of a layer's streamed expert weights (D3)
+    "kv_load": "h2d",  # CPU-held KV to the GPU (D4)
+}
+KINDS = tuple(RESOURCE_OF)
+SCHEDULES = ("cgopipe", "s4", "s3")
+
+
+@dataclass(frozen=True)
+class Task:
+    id: int  # position in the list
+    kind: str  # a key of RESOURCE_OF
+    resource: str  # a key of core.telemetry.RESOURCES
+    layer: int
+    micro_batch: int = -1  # first micro-batch of an ffn task's expert batch; -1 for per-layer tasks
+    page: int = -1  # weight_page only
+    deps: tuple[int, ...] = ()  # ids of earlier tasks
+
+    def __post_init__(self):
+        if self.kind not in RESOURCE_OF:
+            raise ValueError(f"unknown task kind {self.kind!r}; expected one of {KINDS}")
+        if self.resource not in RESOURCES:
+            raise ValueError(f"unknown resource {self.resource!r}; expected one of {RESOURCES}")
+        if any(d >= self.id or d < 0 for d in self.deps):
+            raise ValueError(f"task {self.id} depends on a later or invalid task: {self.deps}")
+
+    @property
+    def name(self) -> str:
+        at = f"{self.layer}" + (f",{self.micro_batch}" if self.micro_batch >= 0 else "") + (
+            f",p{self.page}" if self.page >= 0 else "")
+        return f"{self.kind}({at})"
+
+
+class _Graph:
+    """Appends tasks in order and remembers them by (kind, layer, index)."""
+
+    def __init__(self):
+        self.tasks: list[Task] = []
+        self.ids: dict[tuple, int] = {}
+
+    def add(self, kind: str, layer: int, mb: int = -1, page: int = -1, deps=(), key=None) -> int:
+        tid = len(self.tasks)
+        deps = tuple(sorted({d for d in deps if d is not None}))
+        self.tasks.append(Task(tid, kind, RESOURCE_OF[kind], layer, mb, page, deps))
+        self.ids[key or (kind, layer, mb if page < 0 else page)] = tid
+        return tid
+
+    def get(self, kind: str, layer: int, idx: int) -> int | None:
+        return self.ids.get((kind, layer, idx))
+
+    def has(self, kind: str, layer: int, idx: int) -> bool:
+        return (kind, layer, idx) in self.ids
+
+
+def _page_slots(num_pages: int, n_mb: int) -> dict[int, list[int]]:
+    """Which pages follow which micro-batch's D2: page p after micro-batch ⌊p·n/P⌋."""
+    slots: dict[int, list[int]] = {j: [] for j in range(n_mb)}
+    for p in range(num_pages):
+        slots[p * n_mb // num_pages].append(p)
+    return slots
+
+
+def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1,
+                micro_batches_per_expert_batch: int = 1, attention_on: str = "cpu", ffn_on: str = "gpu",
+                streamed: bool = True) -> list[Task]:
+    """One decode step: every micro-batch through every layer, one token each.
+
+    `streamed` False: every expert weight is resident on the GPU (no weight pages).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    L, n, g = num_layers, num_micro_batches, micro_batches_per_expert_batch
+    if L < 1 or n < 1 or pages_per_layer < 1 or g < 1 or n % g:
+        raise ValueError(f"bad shape: layers {L}, micro-batches {n}, pages {pages_per_layer}, group {g}")
+    if ffn_on == "cpu":
+        return _cpu_only(L, n, g)
+    pages = pages_per_layer if streamed else 0
+    if attention_on == "gpu":
+        return _gpu_attention(schedule, L, n, g, pages)
+    if schedule == "cgopipe":
+        return _cgopipe(L, n, g, pages)
+    return _flexgen(L, n, g, pages, overlap=schedule == "s4")
+
+
+def _group(j: int, g: int) -> int:
+    return j // g
+
+
+def _ffn_deps_of_prev_layer(G: _Graph, i: int, j: int, g: int):
+    return (G.get("ffn", i - 1, _group(j, g) * g),) if i > 0 else ()
+
+
+def _buffer_free(G: _Graph, i: int, n: int, g: int):
+    """Pages for layer i+1 reuse layer i−1's half of the 2×layer buffer: wait for its last expert batch."""
+    return (G.get("ffn", i - 1, (n // g - 1) * g),) if i > 0 else ()
+
+
+def _layer_pages(G: _Graph, layer: int, pages: int):
+    return [G.get("weight_page", layer, p) for p in range(pages)]
+
+
+def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
+    G = _Graph()
+    pending: list[tuple[int, int]] = []  # (layer, micro-batch) whose pre-attention is due, in order
+
+    def pre(i, j):
+        a = G.add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
+        b = G.add("d1", i, j, deps=(a,))
+        G.add("cpu_attn", i, j, deps=(b,))
+
+    def flush():
+        # the look-ahead pre-attention of layer i+1 may need an expert batch of layer i not yet queued;
+        # keep the order and emit only what is ready, so no in-order queue waits on a later task
+        while pending:
+            i, j = pending[0]
+            if i > 0 and not G.has("ffn", i - 1, _group(j, g) * g):
+                return
+            pending.pop(0)
+            pre(i, j)
+
+    for j in range(min(2, n)):  # prologue: two micro-batches of layer 0 ahead
+        pending.append((0, j))
+    flush()
+    slots = _page_slots(pages, n)
+    for i in range(L):
+        nxt = (i + 1) % L  # the last layer prefetches the next step's layer 0
+        for j in range(n):
+            G.add("d2", i, j, deps=(G.get("cpu_attn", i, j),))
+            for p in slots[j]:
+                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
+            weights = _layer_pages(G, i, pages) if i > 0 else ()
+            G.add("post_attn", i, j, deps=(G.get("d2", i, j), *weights))
+            if (j + 1) % g == 0:
+                G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
+            ahead = j + 2
+            li, lj = (i, ahead) if ahead < n else (i + 1, ahead - n)
+            if li < L and (li, lj) not in pending and not G.has("pre_attn", li, lj):
+                pending.append((li, lj))
+            flush()
+    flush()
+    return G.tasks
+
+
+def _flexgen(L: int, n: int, g: int, pages: int, overlap: bool) -> list[Task]:
+    """S4 (overlap=True): next layer's weights first on the copy queue, GPU micro-batch by micro-batch.
+    S3 (overlap=False): every task waits for the one before it."""
+    G = _Graph()
+    last = None
+
+    def add(kind, i, j=-1, page=-1, deps=(), key=None):
+        nonlocal last
+        deps = tuple(deps) + ((last,) if not overlap and last is not None else ())
+        last = G.add(kind, i, j, page, deps, key)
+        return last
+
+    if not overlap:  # S3 loads each layer's weights right before using them, layer 0 included
+        for i in range(L):
+            for p in range(pages):
+                add("weight_page", i, page=p, key=("weight_page", i, p))
+            _flexgen_layer(G, add, i, n, g, pages)
+        return G.tasks
+    for i in range(L):
+        nxt = (i + 1) % L
+        for p in range(pages):  # the whole next layer at the head of the copy queue
+            add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
+        _flexgen_layer(G, add, i, n, g, pages)
+    return G.tasks
+
+
+def _flexgen_layer(G: _Graph, add, i: int, n: int, g: int, pages: int):
+    # the layer's pages already queued (S3: just before; S4: during layer i−1; layer 0's come at the end)
+    weights = [G.get("weight_page", i, p) for p in range(pages) if G.has("weight_page", i, p)]
+    for j in range(n):
+        a = add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
+        b = add("d1", i, j, deps=(a,))
+        c = add("cpu_attn", i, j, deps=(b,))
+        d = add("d2", i, j, deps=(c,))
+        add("post_attn", i, j, deps=(d, *weights))
+        if (j + 1) % g == 0:
+            add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
+
+
+def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Task]:
+    """Attention on the GPU: the CPU-held share of the KV cache comes over the link (D4) per micro-batch,
+    the new token's KV goes back. CGOPipe interleaves weight pages with the KV loads."""
+    G = _Graph()
+    slots = _page_slots(pages, n)
+    last = None
+    serial = schedule == "s3"
+    for i in range(L):
+        nxt = (i + 1) % L
+        if schedule == "s4":
+            for p in range(pages):
+                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
+        if serial:
+            for p in range(pages):
+                last = G.add("weight_page", i, page=p, deps=(last,), key=("weight_page", i, p))
+        weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or serial) else []
+        for j in range(n):
+            chain = (last,) if serial else ()
+            kv = G.add("kv_load", i, j, deps=chain)
+            if schedule == "cgopipe":
+                for p in slots[j]:
+                    G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
+            a = G.add("pre_attn", i, j, deps=(*_ffn_deps_of_prev_layer(G, i, j, g), *chain, kv))
+            b = G.add("gpu_attn", i, j, deps=(a, kv))
+            c = G.add("kv_store", i, j, deps=(b,))
+            last = G.add("post_attn", i, j, deps=(b, *weights, *((c,) if serial else ())))
+            if (j + 1) % g == 0:
+                last = G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
+    return G.tasks
+
+
+def _cpu_only(L: int, n: int, g: int) -> list[Task]:
+    """Everything on the CPU cores: one chain (dense work under "gpu", attention under "cpu_attn")."""
+    G = _Graph()
+    last = None
+    for i in range(L):
+        for j in range(n):
+            a = G.add("pre_attn", i, j, deps=(last,))
+            b = G.add("cpu_attn", i, j, deps=(a,))
+            last = G.add("post_attn", i, j, deps=(b,))
+            if (j + 1) % g == 0:
+                last = G.add("ffn", i, j + 1 - g, deps=(last,))
+    return G.tasks
+
+
+def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1, ffn_on: str = "gpu",
+            streamed: bool = True) -> list[Task]:
+    """Prefill of one batch, layer by layer, micro-batch by micro-batch on the GPU; layer i+1's weights
+    stream while layer i computes; each micro-batch's KV goes to the CPU cache as it is made."""
+    L, n = num_layers, num_micro_batches
+    G = _Graph()
+    if ffn_on == "cpu":
+        last = None
+        for i in range(L):
+            for j in range(n):
+                last = G.add("prefill", i, j, deps=(last,))
+        return G.tasks
+    pages = pages_per_layer if streamed else 0
+    for p in range(pages):
+        G.add("weight_page", 0, page=p, key=("weight_page", 0, p))
+    for i in range(L):
+        if i + 1 < L:
+            for p in range(pages):  # double buffer: layer i+1 overwrites layer i−1
+                free = (G.get("prefill", i - 1, n - 1),) if i > 0 else ()
+                G.add("weight_page", i + 1, page=p, deps=free, key=("weight_page", i + 1, p))
+        weights = _layer_pages(G, i, pages)
+        for j in range(n):
+            a = G.add("prefill", i, j, deps=(*weights, G.get("prefill", i - 1, j) if i > 0 else None))
+            G.add("kv_store", i, j, deps=(a,))
+    return G.tasks
+
+
+def for_policy(policy, num_layers: int, schedule: str = "cgopipe") -> list[Task]:
+    """The decode step a Policy runs (core.policy.Policy)."""
+    return decode_step(schedule, num_layers=num_layers, num_micro_batches=policy.num_micro_batches,
+                       pages_per_layer=policy.pages_per_layer,
+                       micro_batches_per_expert_batch=policy.micro_batches_per_expert_batch,
+                       attention_on=policy.attention_on, ffn_on=policy.ffn_on,
+                       streamed=policy.gpu_weight_fraction < 1.0)

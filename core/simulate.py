@@ -1,0 +1,93 @@
+"""Replay a task graph (core.schedule) with HRM task costs (core.hrm): a timeline and per-resource use.
+
+Execution rule (the one core.schedule defines): each resource runs its tasks one at a time in list
+order; a task starts when its resource is free and its dependencies have finished. Because every
+dependency and every same-resource predecessor comes earlier in the list, one pass in list order is
+an exact replay. Boundary: no real execution, no printing; results keyed by core.telemetry.RESOURCES.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core import hrm, schedule
+from core.hardware import HardwareSpec
+from core.policy import Policy
+from core.schedule import Task
+from core.spec import ModelSpec
+from core.telemetry import RESOURCES
+
+
+@dataclass(frozen=True)
+class Span:
+    task: Task
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    spans: tuple[Span, ...]
+    makespan: float  # seconds from the first start to the last end
+    busy: dict[str, float]  # resource -> seconds busy
+
+    @property
+    def utilization(self) -> dict[str, float]:
+        return {k: (v / self.makespan if self.makespan else 0.0) for k, v in self.busy.items()}
+
+    @property
+    def idle(self) -> dict[str, float]:
+        return {k: self.makespan - v for k, v in self.busy.items()}
+
+    def on(self, resource: str) -> list[Span]:
+        return [s for s in self.spans if s.task.resource == resource]
+
+    def to_dict(self) -> dict:
+        return {
+            "makespan": self.makespan, "busy": self.busy, "utilization": self.utilization,
+            "spans": [{"task": s.task.name, "kind": s.task.kind, "resource": s.task.resource,
+                       "start": s.start, "end": s.end} for s in self.spans],
+        }
+
+
+def replay(tasks: list[Task], seconds: dict[str, float]) -> Timeline:
+    """Run `tasks` with `seconds[kind]` per task; kinds missing from `seconds` take no time."""
+    free = {r: 0.0 for r in RESOURCES}
+    busy = {r: 0.0 for r in RESOURCES}
+    end: list[float] = []
+    spans = []
+    for t in tasks:
+        start = max([free[t.resource], *(end[d] for d in t.deps)])
+        dur = seconds.get(t.kind, 0.0)
+        end.append(start + dur)
+        free[t.resource] = start + dur
+        busy[t.resource] += dur
+        spans.append(Span(t, start, start + dur))
+    return Timeline(tuple(spans), max(end, default=0.0), busy)
+
+
+def _common(policy: Policy) -> dict:
+    return dict(batch=policy.batch_size, micro_batch=policy.micro_batch_size, attention_on=policy.attention_on,
+                ffn_on=policy.ffn_on, gpu_weight_fraction=policy.gpu_weight_fraction,
+                gpu_kv_fraction=policy.gpu_kv_fraction, pages=policy.pages_per_layer)
+
+
+def decode_costs(model: ModelSpec, hardware: HardwareSpec, policy: Policy, context: float) -> dict[str, float]:
+    tasks = hrm.decode_tasks(model, hrm.effective_rates(hardware), expert_batch=policy.expert_batch_size,
+                             context=context, **_common(policy))
+    return {k: c.seconds for k, c in tasks.items()}
+
+
+def simulate_decode(model: ModelSpec, hardware: HardwareSpec, policy: Policy, context: float,
+                    schedule_name: str = "cgopipe") -> Timeline:
+    """One decode step of `policy` at an average `context` (cached tokens) under the named schedule."""
+    tasks = schedule.for_policy(policy, model.num_layers, schedule_name)
+    return replay(tasks, decode_costs(model, hardware, policy, context))
+
+
+def simulate_prefill(model: ModelSpec, hardware: HardwareSpec, policy: Policy, prompt_len: float) -> Timeline:
+    costs = hrm.prefill_tasks(model, hrm.effective_rates(hardware), prompt_len=prompt_len, **_common(policy))
+    tasks = schedule.prefill(num_layers=model.num_layers, num_micro_batches=policy.num_micro_batches,
+                             pages_per_layer=policy.pages_per_layer, ffn_on=policy.ffn_on,
+                             streamed=policy.gpu_weight_fraction < 1.0)
+    return replay(tasks, {k: c.seconds for k, c in costs.items()})
