@@ -84,6 +84,7 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
     from huggingface_hub import constants
 
     kw = dict(cache_dir=str(cache_dir) if cache_dir else None, token=token)
+    endpoint = endpoint or constants.ENDPOINT  # resolved now: some hub helpers bind it at import time
     if constants.is_offline_mode():
         return _from_cache(repo_id, revision, kw, why="HF_HUB_OFFLINE is set")
     from huggingface_hub import HfApi
@@ -92,15 +93,17 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
         info = HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision, files_metadata=True)
     except Exception as e:  # noqa: BLE001 — every hub failure becomes one line for the user
         if _is_network(e):
-            return _from_cache(repo_id, revision, kw, why=f"the Hub ({endpoint or constants.ENDPOINT}) cannot be "
-                                                          f"reached", cause=e)
+            return _from_cache(repo_id, revision, kw, why=f"the Hub ({endpoint}) cannot be reached",
+                               cause=e)
         raise _hub_error(e, repo_id, revision) from e
     sizes = {s.rfilename: (s.size or 0) for s in (info.siblings or [])}
     sha = info.sha or revision or "main"
     fetch = functools.partial(_fetch, repo_id, sha, dict(kw, endpoint=endpoint))
 
     wanted = _choose_files(repo_id, sizes)
-    cfg_path = fetch("config.json", None)
+    # config.json by the name the user gave (so the hub cache records refs/<revision> for offline use),
+    # everything else by the commit it resolved to, so all files come from one commit
+    cfg_path = _fetch(repo_id, revision or "main", dict(kw, endpoint=endpoint), "config.json", None)
     _check_config(repo_id, cfg_path)
     if INDEX in wanted:
         shards = _index_shards(repo_id, fetch(INDEX, None))

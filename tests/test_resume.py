@@ -1,0 +1,231 @@
+"""Resume: the run store's file handling, and `mlight run` killed at random points (kill -9, SIGINT,
+SIGTERM) in a subprocess, rerun until done — every request ends up in the output exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from core.errors import MlightError, UsageError
+from core.runstore import RunStore
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = {"model": {"source": "m", "config_sha256": "c"}, "prompts": {"sha256": "p"}, "settings": {"t": 0},
+            "policy": {"batch": 4}}
+
+
+def rec(i) -> dict:
+    return {"id": str(i), "prompt": f"p{i}", "output": "o", "output_token_ids": [1], "prompt_tokens": 1,
+            "output_tokens": 1, "finish_reason": "length", "seconds": 0.1}
+
+
+# ------------------------------------------------------------------------------------------------
+# run store
+
+
+def test_fresh_run_append_finish(tmp_path):
+    out = tmp_path / "o.jsonl"
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        st.append(rec(1))
+        st.append(rec(2))
+        lines = st.run_path.read_text().splitlines()
+        assert json.loads(lines[0])["mlight_run"] == 1 and len(lines) == 3
+        st.finish([st.done["1"], st.done["2"]])
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["1", "2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]  # run file and lock file gone
+
+
+def test_resume_cuts_torn_line_and_dedupes(tmp_path):
+    out = tmp_path / "o.jsonl"
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        st.append(rec(1))
+        st.append(rec(2))
+    with open(out.with_name("o.jsonl.run.jsonl"), "ab") as f:  # a crash mid-write, after a duplicate
+        f.write(json.dumps(rec(1)).encode() + b"\n" + b'{"id": "3", "prom')
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        assert st.resumed and sorted(st.done) == ["1", "2"]
+        st.append(rec(3))
+        assert st.run_path.read_bytes().endswith(b"\n")
+        assert [json.loads(x).get("id") for x in st.run_path.read_text().splitlines()[1:]] == ["1", "2", "1", "3"]
+
+
+def test_changed_prompts_or_model_refused_unless_restart(tmp_path):
+    out = tmp_path / "o.jsonl"
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        st.append(rec(1))
+    for key, label in (("prompts", "prompts file"), ("model", "model"), ("settings", "generation settings")):
+        changed = {**MANIFEST, key: {"other": True}}
+        with RunStore(out) as st, pytest.raises(UsageError, match=f"different {label} .*--restart"):
+            st.start(changed)
+    with RunStore(out) as st:  # the policy may change between tries
+        st.start({**MANIFEST, "policy": {"batch": 64}})
+        assert st.resumed and list(st.done) == ["1"]
+    with RunStore(out) as st:
+        st.start({**MANIFEST, "prompts": {"sha256": "new"}}, restart=True)
+        assert not st.resumed and st.done == {}
+
+
+def test_existing_output_needs_restart_and_survives_until_finish(tmp_path):
+    out = tmp_path / "o.csv"
+    out.write_text("precious\n")
+    with RunStore(out) as st, pytest.raises(UsageError, match="already exists — pass --restart"):
+        st.start(MANIFEST)
+    with RunStore(out) as st:
+        st.start(MANIFEST, restart=True)
+        assert out.read_text() == "precious\n"  # replaced only by a finished run
+        st.append(rec(1))
+        st.finish([rec(1)])
+    assert out.read_text().startswith("id,prompt,output")
+
+
+def test_second_run_on_same_output_refuses(tmp_path):
+    out = tmp_path / "o.jsonl"
+    with RunStore(out):
+        with pytest.raises(MlightError, match="another mlight run is writing .*o.jsonl"):
+            RunStore(out).acquire()
+    with RunStore(out):  # free again once the first is done
+        pass
+
+
+def test_disk_full_on_append_leaves_clean_run_file(tmp_path):
+    out = tmp_path / "o.jsonl"
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            self.f.write(b[:5])  # a partial write, then the disk is full
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        st.append(rec(1))
+        st._file = Full(st._file)
+        with pytest.raises(MlightError, match=r"disk full while writing .*run.jsonl; the 1 results already saved"):
+            st.append(rec(2))
+        st._file = st._file.f
+        st.close()
+        assert st.run_path.read_bytes().endswith(b"\n") and len(st.run_path.read_text().splitlines()) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# killed at random points, in a subprocess
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env.pop("HF_HUB_OFFLINE", None)
+    return env
+
+
+def _cmd(prompts: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "app.cli", "run", "--prompts", str(prompts), "--out", str(out),
+            "--max-new-tokens", "8", "--batch", "1", *extra]
+
+
+def _results_in(run_file: Path) -> int:
+    try:
+        return max(0, run_file.read_bytes().count(b"\n") - 1)
+    except OSError:
+        return 0
+
+
+def _start_and_wait(cmd, run_file: Path, target: int, timeout: float = 120.0) -> subprocess.Popen:
+    """Start the run; return once the run file holds `target` results (or the run has ended)."""
+    proc = subprocess.Popen(cmd, cwd=run_file.parent, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and _results_in(run_file) < target:
+        assert time.monotonic() < deadline, "run did not progress"
+        time.sleep(0.002)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def many_prompts(tmp_path_factory, demo_model) -> Path:
+    d = tmp_path_factory.mktemp("resume data")
+    p = d / "prompts.txt"
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    rng = random.Random(0)
+    p.write_text("\n".join(" ".join(rng.choices(words, k=rng.randint(1, 12))) for _ in range(24)) + "\n")
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference(many_prompts, tmp_path_factory) -> dict:
+    """Outputs of an uninterrupted run (in-process)."""
+    from app.cli import main
+
+    out = tmp_path_factory.mktemp("ref") / "ref.jsonl"
+    assert main(["run", "--prompts", str(many_prompts), "--out", str(out), "--max-new-tokens", "8",
+                 "--batch", "1"]) == 0
+    return {r["id"]: r["output_token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+
+
+def _check_final(out: Path, reference: dict) -> None:
+    rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["id"] for r in rows] == list(reference)  # each exactly once, in input order
+    assert {r["id"]: r["output_token_ids"] for r in rows} == reference
+    assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(out.name)) == [out.name]
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_points_then_resume(many_prompts, reference, tmp_path):
+    rng = random.Random(int(os.environ.get("MLIGHT_TEST_SEED", "1234")))
+    out = tmp_path / "résultats finaux.jsonl"  # a space and non-ASCII on purpose
+    run_file = out.with_name(out.name + ".run.jsonl")
+    cmd = _cmd(many_prompts, out)
+    n = len(reference)
+    kills = 0
+    for _ in range(4):
+        target = rng.randint(_results_in(run_file), n - 1)
+        proc = _start_and_wait(cmd, run_file, target)
+        if proc.poll() is None:
+            proc.kill()  # SIGKILL: no cleanup of any kind
+            kills += 1
+        proc.communicate(timeout=60)
+        assert not out.exists() or proc.returncode == 0
+    assert kills >= 2
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    _check_final(out, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_signal_finishes_step_saves_and_exits_130(many_prompts, reference, tmp_path, sig):
+    if not hasattr(signal, sig) or os.name == "nt":
+        pytest.skip("POSIX signals")
+    out = tmp_path / "o.jsonl"
+    run_file = out.with_name("o.jsonl.run.jsonl")
+    proc = _start_and_wait(_cmd(many_prompts, out), run_file, 3)
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=60)
+    err = err.decode()
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal arrived")
+    assert proc.returncode == 130, err
+    saved = _results_in(run_file)
+    assert f"mlight run: interrupted: {saved} of {len(reference)} requests done, saved in o.jsonl.run.jsonl; " \
+           "rerun the same command to finish the rest" in err
+    assert err.strip().count("\n") == 0 and not out.exists() and saved >= 3
+    again = subprocess.run(_cmd(many_prompts, out), cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming: {saved} of {len(reference)} requests already done" in again.stderr
+    _check_final(out, reference)
