@@ -3,8 +3,8 @@
 Boundary: takes `Request`s (text or chat messages), tokenizes with the checkpoint's own tokenizer,
 and yields `Result`s; publishes telemetry events through a callback and never prints. It owns the
 step loop — admit waiting requests into free slots (Algorithm 2), prefill them, decode one token for
-every active request, retire finished ones — and delegates the per-layer work to a `DecodeRunner`
-(`core.runner`), which is where executors and schedules plug in.
+every active request, retire finished ones — and hands the per-layer work to a `PipelineRunner`
+(`core.pipeline`): the schedule's task graph run by the chosen executor.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from core.batching import SlotTable
 from core.errors import ModelError, UsageError
 from core.families import load_spec
 from core.kvcache import KVCache
-from core.runner import SequentialRunner
+from core.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
+from core.pipeline import PipelineRunner
 from core.sampling import greedy, sample
 from core.spec import DTYPES, ModelSpec
-from core.telemetry import EventSink, RequestDone, StepDone, ignore
+from core.telemetry import RESOURCES, EventSink, RequestDone, StepDone, WarningEvent, ignore
 from core.weights import ModelWeights, load_weights
 
 
@@ -79,37 +80,122 @@ class _Seq:
     text: str | None = None
     gen: torch.Generator | None = None
 
+    def reset(self) -> None:
+        """Back to not started: no output, a fresh generator for its seed."""
+        self.out.clear()
+        self.finish = self.text = None
+        if self.req.temperature > 0:
+            self.gen = torch.Generator().manual_seed(self.req.seed if self.req.seed is not None else 0)
+
     @property
     def next_position(self) -> int:  # where the last sampled token goes in the cache
         return len(self.prompt_ids) + len(self.out) - 1
 
 
+EXECUTORS = ("sequential", "threaded", "cuda")
+SCHEDULES = ("cgopipe", "s3", "s4")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How the engine runs the model: where, with which executor and schedule, what stays resident.
+
+    On the CPU the "device" is the CPU itself: the default is the plain CPU-only chain (no copies);
+    naming a schedule or the threaded executor runs that schedule's graph with real device/host copies.
+    """
+
+    device: str = "cpu"  # "cpu" | "cuda"
+    executor: str = "sequential"
+    schedule: str = "cgopipe"
+    attention_on: str = "cpu"  # "gpu" for S4 (FlexGen: KV prefetched to the device)
+    ffn_on: str = "gpu"  # "cpu": everything in one chain on the CPU
+    resident_layers: int | None = None  # layers whose experts stay on the device; None = all
+    expert_group: int = 1  # micro-batches whose tokens meet at the experts together
+
+    def __post_init__(self):
+        if self.executor not in EXECUTORS:
+            raise UsageError(f"unknown executor {self.executor!r}", f"use one of {', '.join(EXECUTORS)}")
+        if self.schedule not in SCHEDULES:
+            raise UsageError(f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        if self.executor == "cuda" and self.device != "cuda":
+            raise UsageError("--executor cuda needs a CUDA GPU, and none is available",
+                             "use --executor sequential or threaded")
+
+
+def run_config(device: str | None = None, executor: str | None = None, schedule: str | None = None,
+               resident_layers: int | None = None, expert_group: int = 1) -> RunConfig:
+    """Defaults: CUDA when present, else the CPU; the executor matching the device."""
+    if device is None:
+        device = "cuda" if executor == "cuda" or (executor is None and torch.cuda.is_available()) else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("CUDA was asked for but torch sees no CUDA GPU", "run on the CPU (omit --executor cuda)")
+    executor = executor or ("cuda" if device == "cuda" else "sequential")
+    plain_cpu = device == "cpu" and executor == "sequential" and schedule is None
+    schedule = schedule or "cgopipe"
+    return RunConfig(device=device, executor=executor, schedule=schedule,
+                     attention_on="gpu" if schedule == "s4" else "cpu", ffn_on="cpu" if plain_cpu else "gpu",
+                     resident_layers=resident_layers, expert_group=expert_group)
+
+
 class Engine:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, tokenizer, model_dir: Path, *,
-                 eos_ids: set[int], grouped: bool | None = None, prefill_chunk_tokens: int = 8192):
+                 eos_ids: set[int], config: RunConfig | None = None, grouped: bool | None = None,
+                 prefill_chunk_tokens: int = 8192):
         self.spec, self.weights, self.tokenizer, self.model_dir = spec, weights, tokenizer, model_dir
         self.eos_ids = eos_ids
+        self.config = config or RunConfig(ffn_on="cpu")
         self.grouped = grouped
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.context_length = spec.max_position
+        self.fault = None  # tests: passed to the runner to inject a failure into a task
+        self._executor = None
+
+    def executor(self):
+        if self._executor is None:
+            if self.config.executor == "threaded":
+                self._executor = ThreadedExecutor(RESOURCES)
+            elif self.config.executor == "cuda":
+                from core.cuda_executor import CudaExecutor
+
+                self._executor = CudaExecutor()
+            else:
+                self._executor = SequentialExecutor()
+        return self._executor
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.close()
+            self._executor = None
 
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
-    def load(cls, model_dir, *, dtype: str | torch.dtype | None = None, device: str = "cpu",
-             pages_per_layer: int = 1, executor: str | None = None, schedule: str = "cgopipe",
-             grouped: bool | None = None, progress: EventSink = ignore) -> "Engine":
+    def load(cls, model_dir, *, dtype: str | torch.dtype | None = None, device: str | None = None,
+             pages_per_layer: int = 1, executor: str | None = None, schedule: str | None = None,
+             resident_layers: int | None = None, expert_group: int = 1, grouped: bool | None = None,
+             progress: EventSink = ignore) -> "Engine":
         model_dir = Path(model_dir)
-        if device != "cpu" or executor not in (None, "sequential"):
-            raise UsageError(f"device {device!r} / executor {executor!r} is not available in this build",
-                             "use --executor sequential")
+        config = run_config(device, executor, schedule, resident_layers, expert_group)
         spec = load_spec(model_dir)
         tokenizer = _load_tokenizer(model_dir)
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise UsageError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPES))}")
             dtype = DTYPES[dtype]
-        weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer, progress=progress)
-        return cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), grouped=grouped)
+        weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer,
+                               pin=config.device == "cuda", progress=progress)
+        return cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
+                   grouped=grouped)
+
+    def runner(self, slots: int, micro_batch_size: int, max_tokens: int) -> PipelineRunner:
+        """A runner over a fresh KV cache for `slots` requests of up to `max_tokens` tokens."""
+        c = self.config
+        cache = KVCache(self.spec, slots, max_tokens, self.weights.dtype, pin=c.device == "cuda")
+        r = PipelineRunner(self.spec, self.weights, cache, executor=self.executor(), schedule=c.schedule,
+                           attention_on=c.attention_on, ffn_on=c.ffn_on, micro_batch_size=micro_batch_size,
+                           expert_group=c.expert_group, resident_layers=c.resident_layers, device=c.device,
+                           grouped=self.grouped)
+        r.fault = self.fault
+        return r
 
     # ---- tokenization ---------------------------------------------------------------------------
     def prompt_token_ids(self, req: Request) -> list[int]:
@@ -135,40 +221,67 @@ class Engine:
         if not seqs:
             return
         slots = max(1, min(batch_size, len(seqs)))
-        table = SlotTable(slots, micro_batch_size or slots)
-        cache = KVCache(self.spec, slots, max(s.max_total for s in seqs), self.weights.dtype)
-        runner = SequentialRunner(self.spec, self.weights, cache, grouped=self.grouped)
+        mu = min(micro_batch_size or slots, slots)
+        max_tokens = max(s.max_total for s in seqs)
+        table = SlotTable(slots, mu)
+        runner = self.runner(slots, mu, max_tokens)
         waiting = sorted(seqs, key=lambda s: -len(s.prompt_ids))  # longest first (Algorithm 2)
         active: list[_Seq] = []
         proc = psutil.Process()
         while waiting or active:
             if should_stop is not None and should_stop():
                 return
-            admitted = []
-            while waiting and table.free_slots():
-                s = waiting.pop(0)
-                s.slot = table.place(s, len(s.prompt_ids))
-                s.started = time.perf_counter()
-                admitted.append(s)
-            if admitted:
-                t0 = time.perf_counter()
-                logits, busy = runner.prefill([s.prompt_ids for s in admitted], [s.slot for s in admitted],
-                                              self.prefill_chunk_tokens)
-                self._choose(admitted, logits)
-                active += admitted
-                on_event(StepDone("prefill", sum(len(s.prompt_ids) for s in admitted), time.perf_counter() - t0,
-                                  busy, active=len(active), cpu_mem_bytes=proc.memory_info().rss))
-                yield from self._retire(active, table, on_event)
-                continue  # a freshly prefilled request may already be done; admit again before decoding
-            t0 = time.perf_counter()
-            groups = _by_micro_batch(active, table)
-            logits, busy = runner.decode(
-                [[s.out[-1] for s in g] for g in groups], [[s.slot for s in g] for g in groups],
-                [[s.next_position for s in g] for g in groups], [table.ranges[table.micro_batch_of(g[0].slot)] for g in groups])
-            self._choose([s for g in groups for s in g], logits)
-            on_event(StepDone("decode", len(active), time.perf_counter() - t0, busy, active=len(active),
-                              cpu_mem_bytes=proc.memory_info().rss))
-            yield from self._retire(active, table, on_event)
+            try:
+                finished = self._step(runner, table, waiting, active, proc, on_event)
+            except TaskFailed as e:
+                if not _is_oom(e) or slots == 1:
+                    raise
+                # Out of device memory: restart the unfinished requests with half the batch.
+                slots, mu = max(1, slots // 2), max(1, min(mu, slots // 2))
+                on_event(WarningEvent(f"out of GPU memory; continuing with batch {slots}, micro-batch {mu}"))
+                for s in active:
+                    s.reset()
+                waiting[:0] = sorted(active, key=lambda s: -len(s.prompt_ids))
+                active.clear()
+                runner = None
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                table = SlotTable(slots, mu)
+                runner = self.runner(slots, mu, max_tokens)
+                continue
+            yield from finished
+
+    def _step(self, runner, table, waiting, active, proc, on_event) -> list[Result]:
+        """Admit and prefill waiting requests if slots are free, else decode one token for every active one."""
+        admitted = []
+        while waiting and table.free_slots():
+            s = waiting.pop(0)
+            s.slot = table.place(s, len(s.prompt_ids))
+            s.started = time.perf_counter()
+            admitted.append(s)
+        t0, moved = time.perf_counter(), dict(runner.bytes)
+        if admitted:  # a freshly prefilled request may already be done; the next step admits again
+            groups = _by_micro_batch(admitted, table)
+            flat = [s for g in groups for s in g]
+            index = {id(s): i for i, s in enumerate(flat)}
+            logits, busy = runner.prefill([s.prompt_ids for s in flat], [s.slot for s in flat],
+                                          [[index[id(s)] for s in g] for g in groups])
+            self._choose(flat, logits)
+            active += admitted
+            on_event(self._step_event("prefill", sum(len(s.prompt_ids) for s in admitted), t0, busy, moved,
+                                      runner, len(active), proc))
+            return self._retire(active, table, on_event)
+        groups = _by_micro_batch(active, table)
+        logits, busy = runner.decode([[s.out[-1] for s in g] for g in groups], [[s.slot for s in g] for g in groups],
+                                     [[s.next_position for s in g] for g in groups])
+        self._choose([s for g in groups for s in g], logits)
+        on_event(self._step_event("decode", len(active), t0, busy, moved, runner, len(active), proc))
+        return self._retire(active, table, on_event)
+
+    def _step_event(self, kind, tokens, t0, busy, moved, runner, active, proc) -> StepDone:
+        gpu_mem = torch.cuda.memory_allocated() if self.config.device == "cuda" else 0
+        return StepDone(kind, tokens, time.perf_counter() - t0, busy, runner.bytes["h2d"] - moved["h2d"],
+                        runner.bytes["d2h"] - moved["d2h"], active, gpu_mem, proc.memory_info().rss)
 
     def _admit_check(self, req: Request) -> _Seq:
         ids = self.prompt_token_ids(req)
@@ -178,8 +291,7 @@ class Engine:
             raise UsageError(f"request {req.id!r} has {len(ids)} prompt tokens; the model's context is "
                              f"{self.context_length}", "shorten the prompt")
         s = _Seq(req, ids, min(len(ids) + req.max_new_tokens, self.context_length))
-        if req.temperature > 0:
-            s.gen = torch.Generator().manual_seed(req.seed if req.seed is not None else 0)
+        s.reset()
         return s
 
     def _choose(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
@@ -201,11 +313,12 @@ class Engine:
             if len(s.prompt_ids) + len(s.out) >= s.max_total:
                 s.finish = "length"
 
-    def _retire(self, active: list[_Seq], table: SlotTable, on_event: EventSink) -> Iterator[Result]:
+    def _retire(self, active: list[_Seq], table: SlotTable, on_event: EventSink) -> list[Result]:
         done = [s for s in active if s.finish]
         if not done:
-            return
+            return []
         active[:] = [s for s in active if not s.finish]
+        results = []
         now = time.perf_counter()
         for s in done:
             table.release(s.slot, len(s.prompt_ids))
@@ -213,7 +326,13 @@ class Engine:
             res = Result(s.req.id, self._prompt_text(s.req), text, list(s.out), len(s.prompt_ids), len(s.out),
                          s.finish, round(now - s.started, 6))
             on_event(RequestDone(res.id, res.prompt_tokens, res.output_tokens, res.seconds, res.finish_reason))
-            yield res
+            results.append(res)
+        return results
+
+
+def _is_oom(e: BaseException) -> bool:
+    cause = e.__cause__
+    return isinstance(cause, torch.cuda.OutOfMemoryError) or "out of memory" in str(cause).lower()
 
 
 def _by_micro_batch(active: list[_Seq], table: SlotTable) -> list[list[_Seq]]:

@@ -13,10 +13,10 @@ from core.spec import ModelSpec
 
 
 class KVCache:
-    def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, device="cpu"):
+    def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False):
         shape = (slots, spec.num_kv_heads, max_tokens, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.k = [_alloc(shape, dtype, pin) for _ in range(spec.num_layers)]
+        self.v = [_alloc(shape, dtype, pin) for _ in range(spec.num_layers)]
         self.slots, self.max_tokens = slots, max_tokens
 
     @property
@@ -33,3 +33,13 @@ class KVCache:
         T = k.shape[0]
         self.k[layer][slot, :, :T] = k.transpose(0, 1)
         self.v[layer][slot, :, :T] = v.transpose(0, 1)
+
+
+def _alloc(shape, dtype, pin: bool) -> torch.Tensor:
+    # pinned so KV rows can go to the GPU asynchronously (S4); pageable when pinning is refused
+    if pin:
+        try:
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError:
+            pass
+    return torch.zeros(shape, dtype=dtype)

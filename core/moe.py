@@ -76,8 +76,13 @@ def moe_ffn(spec: ModelSpec, w: dict, h: torch.Tensor, grouped: bool | None = No
     weights, idx = route(spec, h, w["router"])
     out = experts(h, w["w13"], w["w2"], weights, idx, grouped=grouped)
     if spec.shared_intermediate:
-        s = F.linear(_swiglu(F.linear(h, w["shared_w13"])), w["shared_w2"])
-        if spec.shared_gate:
-            s = torch.sigmoid(F.linear(h, w["shared_gate"])) * s
-        out = out + s
+        out = out + shared_expert(spec, w, h)
     return out
+
+
+def shared_expert(spec: ModelSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
+    """The always-on shared expert, behind a sigmoid gate where the family has one (Qwen2-MoE)."""
+    s = F.linear(_swiglu(F.linear(h, w["shared_w13"])), w["shared_w2"])
+    if spec.shared_gate:
+        s = torch.sigmoid(F.linear(h, w["shared_gate"])) * s
+    return s

@@ -1,9 +1,11 @@
 """Model weights laid out for paging: one flat buffer per decoder layer, cut into pages.
 
 Every decoder layer's tensors live in a single 1-D buffer (`LayerWeights.flat`) at offsets fixed by
-a `LayerLayout`; the named tensors are views into it, experts stacked `[E, ...]`. The buffer is cut
-into `n` equal pages (the paper's paged weights) so a layer can stream to the GPU page by page, and
-the same layout gives views over any other buffer of that size (a GPU double buffer, say).
+a `LayerLayout`; the named tensors are views into it, experts stacked `[E, ...]` at the end. The
+expert region — the part that stays in CPU memory and streams to the GPU — is cut into `n` equal
+pages (the paper's paged weights); the same layout gives views over any other buffer of that size,
+such as one half of the GPU's 2×layer expert buffer. The small non-expert part (norms, attention,
+router, shared expert) is what the GPU keeps resident.
 
 Memory: each buffer is allocated once and filled straight from the checkpoint's memory map, so peak
 RSS stays near the model's size. With CUDA present the buffers are pinned; when pinning fails
@@ -20,7 +22,7 @@ import torch
 from core.errors import ModelError
 from core.families import family_module
 from core.safetensors_io import Checkpoint
-from core.spec import ModelSpec
+from core.spec import EXPERT_TENSORS, ModelSpec
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
 _ALIGN = 64  # elements; keeps every view's start aligned for vector loads
@@ -32,22 +34,36 @@ class LayerLayout:
 
     entries: tuple[tuple[str, int, tuple[int, ...]], ...]
     numel: int
+    expert_start: int  # experts (w13, w2) occupy [expert_start, numel)
 
     @classmethod
     def for_spec(cls, spec: ModelSpec) -> "LayerLayout":
-        entries, off = [], 0
-        for name, shape in spec.layer_shapes().items():
+        entries, off, expert_start = [], 0, None
+        for name, shape in spec.layer_shapes().items():  # experts come last in layer_shapes
+            if name in EXPERT_TENSORS and expert_start is None:
+                expert_start = off
             entries.append((name, off, shape))
             off += math.ceil(math.prod(shape) / _ALIGN) * _ALIGN
-        return cls(tuple(entries), off)
+        return cls(tuple(entries), off, expert_start)
 
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {name: flat[off:off + math.prod(shape)].view(shape) for name, off, shape in self.entries}
+    @property
+    def expert_numel(self) -> int:
+        return self.numel - self.expert_start
+
+    def views(self, flat: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
+        return {name: flat[off:off + math.prod(shape)].view(shape) for name, off, shape in self.entries
+                if names is None or name in names}
+
+    def expert_views(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of w13 and w2 over a buffer holding only the expert region."""
+        return {name: region[off - self.expert_start:off - self.expert_start + math.prod(shape)].view(shape)
+                for name, off, shape in self.entries if name in EXPERT_TENSORS}
 
     def page_bounds(self, pages: int) -> list[tuple[int, int]]:
-        """Element ranges of `pages` near-equal cuts of the flat buffer."""
-        step = math.ceil(self.numel / pages)
-        return [(s, min(s + step, self.numel)) for s in range(0, self.numel, step)]
+        """Element ranges, relative to the expert region, of its `pages` near-equal cuts."""
+        n = self.expert_numel
+        step = math.ceil(n / pages)
+        return [(s, min(s + step, n)) for s in range(0, n, step)]
 
 
 class LayerWeights:
@@ -57,7 +73,8 @@ class LayerWeights:
         self.layout = layout
         self.flat = flat
         self.tensors = layout.views(flat)
-        self.pages = [flat[a:b] for a, b in layout.page_bounds(pages)]
+        self.experts = flat[layout.expert_start:]
+        self.pages = [self.experts[a:b] for a, b in layout.page_bounds(pages)]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]

@@ -51,16 +51,12 @@ def test_greedy_tokens_match_transformers(family, checkpoint_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_float64_reference(family, checkpoint_factory):
     """Prefill and one decode step, fp32 engine vs float64 transformers: max error / max |logit| < 1e-4."""
-    from core.kvcache import KVCache
-    from core.runner import SequentialRunner
-
     path = checkpoint_factory(family)
     engine = Engine.load(path)
     ref = hf_model(path, dtype=torch.float64)
     prompts = [engine.prompt_token_ids(Request(id=str(i), prompt=p)) for i, p in enumerate(PROMPTS[:4])]
-    cache = KVCache(engine.spec, len(prompts), 64, torch.float32)
-    runner = SequentialRunner(engine.spec, engine.weights, cache)
-    logits, _ = runner.prefill(prompts, list(range(len(prompts))))
+    runner = engine.runner(slots=4, micro_batch_size=2, max_tokens=64)
+    logits, _ = runner.prefill(prompts, [0, 1, 2, 3], [[0, 1], [2, 3]])
     nxt = logits.argmax(-1).tolist()
     step, _ = runner.decode([nxt[:2], nxt[2:]], [[0, 1], [2, 3]], [[len(p) for p in prompts[:2]],
                                                                      [len(p) for p in prompts[2:]]])

@@ -25,7 +25,9 @@ def test_layer_views_live_in_one_paged_buffer(checkpoint_factory):
     w = load_weights(path, spec, pages_per_layer=3)
     ref = hf_model(path).state_dict()
     lw = w.layers[1]
-    assert len(lw.pages) == 3 and sum(p.numel() for p in lw.pages) == lw.flat.numel()
+    layout = LayerLayout.for_spec(spec)
+    assert len(lw.pages) == 3 and sum(p.numel() for p in lw.pages) == layout.expert_numel
+    assert layout.expert_numel * lw.flat.element_size() >= spec.layer_expert_bytes
     assert all(p.untyped_storage().data_ptr() == lw.flat.untyped_storage().data_ptr() for p in lw.pages)
     for name, t in lw.tensors.items():
         assert t.untyped_storage().data_ptr() == lw.flat.untyped_storage().data_ptr(), name
@@ -35,10 +37,11 @@ def test_layer_views_live_in_one_paged_buffer(checkpoint_factory):
     torch.testing.assert_close(lw["w2"], ref["model.layers.1.mlp.experts.down_proj"], rtol=0, atol=0)
     torch.testing.assert_close(w.globals["embed"], ref["model.embed_tokens.weight"], rtol=0, atol=0)
     # the same layout gives views over any other buffer of that size (the GPU double buffer)
-    other = torch.zeros_like(lw.flat)
-    for page, (a, b) in zip(lw.pages, LayerLayout.for_spec(spec).page_bounds(3)):
+    other = torch.zeros(layout.expert_numel, dtype=lw.flat.dtype)
+    for page, (a, b) in zip(lw.pages, layout.page_bounds(3)):
         other[a:b].copy_(page)
-    assert torch.equal(LayerLayout.for_spec(spec).views(other)["w13"], lw["w13"])
+    assert torch.equal(layout.expert_views(other)["w13"], lw["w13"])
+    assert torch.equal(layout.expert_views(other)["w2"], lw["w2"])
 
 
 def test_sharded_checkpoint_loads_the_same(tmp_path, checkpoint_factory):
