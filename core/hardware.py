@@ -341,3 +341,10 @@ def _measure(hw: HardwareSpec, seconds: float) -> dict:
         rates["h2d_bw"] = host.numel() / timed(lambda: gbuf.copy_(host, non_blocking=True))
         rates["d2h_bw"] = host.numel() / timed(lambda: host.copy_(gbuf, non_blocking=True))
     return rates
+
+
+def resolve(name: str, *, pcie_gbps: float | None = None, refresh_probe: bool = False) -> HardwareSpec:
+    """`--hardware NAME`: "local" (detect, then probe through the cache) or a preset; `pcie_gbps`
+    overrides the host↔device link."""
+    hw = probe(detect(), refresh=refresh_probe) if name.strip().lower() == "local" else preset(name)
+    return hw.with_link(pcie_gbps) if pcie_gbps is not None else hw

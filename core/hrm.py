@@ -208,7 +208,7 @@ def ffn_intensities(m: "ModelSpec | Dims", expert_batch: float, batch: float, gp
     return flops / gpu_bytes, (flops / link if link else float("inf"))
 
 
-LOOKAHEAD = 2  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU
+LOOKAHEAD = 2  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU (= core.schedule.LOOKAHEAD)
 
 
 # ---- one layer's tasks and busy time on each resource ------------------------------------------------
@@ -249,7 +249,9 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
     if cpu_only:
         return t
     streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes
-    t["weight_page"] = TaskCost("h2d", streamed / pages / r.h2d_bw + COPY_LAUNCH, pages if streamed else 0)
+    # launch cost in proportion to the streamed share keeps the cost affine in r_w (the planner's LP
+    # relies on it) and makes it vanish when nothing is streamed
+    t["weight_page"] = TaskCost("h2d", (streamed / pages / r.h2d_bw + COPY_LAUNCH * (1 - gpu_weight_fraction)), pages)
     if attention_on == "cpu":
         t["d1"] = TaskCost("d2h", micro_batch * (m.q + 2 * m.kv) * m.dt / r.d2h_bw + COPY_LAUNCH, n_mb)
         t["d2"] = TaskCost("h2d", micro_batch * m.q * m.dt / r.h2d_bw + COPY_LAUNCH, n_mb)
@@ -277,7 +279,7 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
     kv_to_cpu = 1.0 if attention_on == "cpu" else 1 - gpu_kv_fraction
     return {
         "prefill": TaskCost("gpu", roofline_seconds(work, r.gpu_flops, r.gpu_bw) + 16 * GPU_LAUNCH, n_mb),
-        "weight_page": TaskCost("h2d", streamed / pages / r.h2d_bw + COPY_LAUNCH, pages if streamed else 0),
+        "weight_page": TaskCost("h2d", streamed / pages / r.h2d_bw + COPY_LAUNCH * (1 - gpu_weight_fraction), pages),
         "kv_store": TaskCost("d2h", kv_to_cpu * toks * m.kv_tok_layer / r.d2h_bw + COPY_LAUNCH, n_mb),
     }
 
@@ -314,7 +316,7 @@ def pipeline_bounds(tasks: dict[str, TaskCost]) -> tuple[float, ...]:
     affine pieces returned here (the planner's LP needs affine pieces). Checked against
     core.simulate's replay of the same graph (tests/test_simulate.py).
     """
-    if "d2" not in tasks or "ffn" not in tasks or not tasks.get("weight_page") or not tasks["weight_page"].per_layer:
+    if "d2" not in tasks or "ffn" not in tasks or "weight_page" not in tasks:
         return ()
     n_mb, n_eb = tasks["d2"].per_layer, tasks["ffn"].per_layer
     h2d = busy_seconds(tasks)["h2d"]

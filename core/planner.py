@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 
 from core import hrm
@@ -34,6 +35,8 @@ MAX_BATCH = 8192  # beyond this the KV cache of any real workload is the limit a
 PLACEMENTS_GPU = (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu"))
 RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 TIE_BREAK = 1e-6
+CPU_ONLY_WORDS = {"gpu": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
+                  "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)"}
 BOTTLENECKS = (*RESOURCES, "pipeline")  # decode layer bounds: each resource's busy time, and hrm.pipeline_seconds  # r_c values tried by the fast path; the LP refines them
 
 
@@ -191,6 +194,7 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
         gpu_bytes=int(sum(gpu.values())), cpu_bytes=int(sum(cpu.values())),
         layer_seconds={k: dec[k] for k in BOTTLENECKS}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
         step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu,
+        bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("gpu", "cpu_attn"), key=lambda k: dec[k])],
     )
 
 
@@ -307,9 +311,12 @@ def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_l
     import pulp
 
     prob = pulp.LpProblem("fractions", pulp.LpMinimize)
-    rw = pulp.LpVariable("r_w", 0, 1)
-    rc = pulp.LpVariable("r_c", 0, 1 if gpu_attn else 0)
-    td, tp = pulp.LpVariable("t_dec", 0), pulp.LpVariable("t_pre", 0)
+    # PuLP ≥ 3.3 prefers prob.add_variable and warns about PULP_CBC_CMD; the bundled CBC is what we
+    # want (HiGHS prints to the terminal), so silence those deprecations here only
+    var = getattr(prob, "add_variable", None) or (lambda name, lo=None, up=None: pulp.LpVariable(name, lo, up))
+    rw = var("r_w", 0, 1)
+    rc = var("r_c", 0, 1 if gpu_attn else 0)
+    td, tp = var("t_dec", 0), var("t_pre", 0)
     prob += layers * (tp + (gen - 1) * td
                       + TIE_BREAK * (gen - 1) * sum(a + b * rw + c * rc for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c)))
     if lin.serial:
@@ -323,7 +330,9 @@ def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_l
     # memory rows in GB keep CBC's coefficients well scaled
     prob += (lin.gpu0 + lin.gpu_w * rw + lin.gpu_c * rc) / 1e9 <= gpu_limit / 1e9
     prob += (lin.cpu0 + lin.cpu_w * rw + lin.cpu_c * rc) / 1e9 <= cpu_limit / 1e9
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        status = prob.solve(pulp.PULP_CBC_CMD(msg=False))
     if pulp.LpStatus[status] != "Optimal":
         return None
     r_w = min(max(rw.value() or 0.0, 0.0), 1.0)

@@ -98,17 +98,15 @@ class Prediction:
     prefill_seconds: float = 0.0  # the prefill of one batch
     gpu_breakdown: dict[str, int] = field(default_factory=dict)  # what the GPU bytes are
     cpu_breakdown: dict[str, int] = field(default_factory=dict)
+    bottleneck_text: str = ""  # the bottleneck in words; defaults from BOTTLENECK_WORDS
 
-    @property
-    def bottleneck_text(self) -> str:
-        return BOTTLENECK_WORDS.get(self.bottleneck, self.bottleneck)
+    def __post_init__(self):
+        if not self.bottleneck_text:
+            object.__setattr__(self, "bottleneck_text", BOTTLENECK_WORDS.get(self.bottleneck, self.bottleneck))
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["bottleneck_text"] = self.bottleneck_text
-        return d
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Prediction":
-        d = {k: v for k, v in d.items() if k != "bottleneck_text"}
         return cls(**d)

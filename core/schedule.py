@@ -39,6 +39,7 @@ RESOURCE_OF = {
 }
 KINDS = tuple(RESOURCE_OF)
 SCHEDULES = ("cgopipe", "s4", "s3")
+LOOKAHEAD = 2  # CGOPipe: CPU attention runs this many micro-batches ahead of the GPU (core.hrm uses the same)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ class _Graph:
 
     def add(self, kind: str, layer: int, mb: int = -1, page: int = -1, deps=(), key=None) -> int:
         tid = len(self.tasks)
-        deps = tuple(sorted({d for d in deps if d is not None}))
+        if any(d is None for d in deps):  # a dependency not queued yet would deadlock an in-order executor
+            raise ValueError(f"{kind}({layer},{mb}) depends on a task that is not in the graph yet")
+        deps = tuple(sorted(set(deps)))
         self.tasks.append(Task(tid, kind, RESOURCE_OF[kind], layer, mb, page, deps))
         self.ids[key or (kind, layer, mb if page < 0 else page)] = tid
         return tid
@@ -153,9 +156,16 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
             pending.pop(0)
             pre(i, j)
 
-    for j in range(min(2, n)):  # prologue: two micro-batches of layer 0 ahead
-        pending.append((0, j))
-    flush()
+    pushed = 0  # positions (layer·n + micro-batch) whose pre-attention has been scheduled
+
+    def push_until(pos: int):
+        nonlocal pushed
+        while pushed < min(pos, L * n):
+            pending.append(divmod(pushed, n))
+            pushed += 1
+        flush()
+
+    push_until(LOOKAHEAD)  # prologue: two micro-batches ahead
     slots = _page_slots(pages, n)
     for i in range(L):
         nxt = (i + 1) % L  # the last layer prefetches the next step's layer 0
@@ -167,11 +177,7 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
             G.add("post_attn", i, j, deps=(G.get("d2", i, j), *weights))
             if (j + 1) % g == 0:
                 G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
-            ahead = j + 2
-            li, lj = (i, ahead) if ahead < n else (i + 1, ahead - n)
-            if li < L and (li, lj) not in pending and not G.has("pre_attn", li, lj):
-                pending.append((li, lj))
-            flush()
+            push_until(i * n + j + 1 + LOOKAHEAD)  # PreAttn(i, j+2), wrapping into layer i+1
     flush()
     return G.tasks
 
@@ -229,10 +235,10 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
                 G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
         if serial:
             for p in range(pages):
-                last = G.add("weight_page", i, page=p, deps=(last,), key=("weight_page", i, p))
+                last = G.add("weight_page", i, page=p, deps=(last,) if last is not None else (), key=("weight_page", i, p))
         weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or serial) else []
         for j in range(n):
-            chain = (last,) if serial else ()
+            chain = (last,) if serial and last is not None else ()
             kv = G.add("kv_load", i, j, deps=chain)
             if schedule == "cgopipe":
                 for p in slots[j]:
@@ -252,7 +258,7 @@ def _cpu_only(L: int, n: int, g: int) -> list[Task]:
     last = None
     for i in range(L):
         for j in range(n):
-            a = G.add("pre_attn", i, j, deps=(last,))
+            a = G.add("pre_attn", i, j, deps=(last,) if last is not None else ())
             b = G.add("cpu_attn", i, j, deps=(a,))
             last = G.add("post_attn", i, j, deps=(b,))
             if (j + 1) % g == 0:
@@ -270,7 +276,7 @@ def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1
         last = None
         for i in range(L):
             for j in range(n):
-                last = G.add("prefill", i, j, deps=(last,))
+                last = G.add("prefill", i, j, deps=(last,) if last is not None else ())
         return G.tasks
     pages = pages_per_layer if streamed else 0
     for p in range(pages):
@@ -282,7 +288,7 @@ def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1
                 G.add("weight_page", i + 1, page=p, deps=free, key=("weight_page", i + 1, p))
         weights = _layer_pages(G, i, pages)
         for j in range(n):
-            a = G.add("prefill", i, j, deps=(*weights, G.get("prefill", i - 1, j) if i > 0 else None))
+            a = G.add("prefill", i, j, deps=(*weights, *((G.get("prefill", i - 1, j),) if i > 0 else ())))
             G.add("kv_store", i, j, deps=(a,))
     return G.tasks
 

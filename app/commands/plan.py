@@ -1,0 +1,151 @@
+"""`mlight plan`: the policy the HRM planner picks for a model, a machine and a workload, or the cost of
+a policy you give (`--policy`), with the prediction and the memory it uses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from core.errors import BudgetError, UsageError
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="choose batch sizes and placement for a model on a machine",
+        description="Search the batch size, micro-batch size, expert batch and where weights, KV cache, "
+                    "attention and FFN live, for the highest predicted tokens/s that fits in memory.")
+    p.add_argument("--model", required=True,
+                   help="checkpoint folder, Hugging Face repo id already in the local cache, or preset "
+                        "(mixtral-8x7b, mixtral-8x22b, dbrx, qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b)")
+    p.add_argument("--hardware", default="local",
+                   help="'local' (detect + probe) or a preset: t4, l4, a10g, rtx3090, rtx4090, a100-80g, h100, "
+                        "2xt4, 4xt4, ... (default: local)")
+    p.add_argument("--prompt-len", type=int, required=True, metavar="S", help="average prompt length in tokens")
+    p.add_argument("--gen-len", type=int, required=True, metavar="N", help="tokens to generate per request")
+    p.add_argument("--max-prompt-len", type=int, metavar="S", help="longest prompt (default: --prompt-len)")
+    p.add_argument("--num-requests", type=int, metavar="R", help="number of requests (caps the batch size)")
+    p.add_argument("--gpu-mem", type=float, metavar="GB", help="GPU memory budget, all GPUs (default: what is there)")
+    p.add_argument("--cpu-mem", type=float, metavar="GB", help="CPU memory budget (default: what is there)")
+    p.add_argument("--pcie-gbps", type=float, metavar="X", help="override the host↔device link, GB/s each way")
+    p.add_argument("--policy", metavar="JSON",
+                   help="check and cost this policy instead of searching (a .json file or inline JSON)")
+    p.add_argument("--simulate", action="store_true",
+                   help="also replay one decode step under CGOPipe, S4 and S3 and report each timeline's use")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _load_policy(text: str):
+    from core.policy import Policy
+
+    path = Path(text)
+    try:
+        raw = path.read_text(encoding="utf-8") if path.suffix == ".json" or path.is_file() else text
+    except OSError as e:
+        raise UsageError(f"cannot read policy file {path}: {e}", "give a readable .json file or inline JSON") from e
+    try:
+        return Policy.from_dict(json.loads(raw))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--policy is not valid JSON: {e}", "give a .json file or an inline JSON object") from e
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--policy is not a valid policy: {e}",
+                         "fields: batch_size, micro_batch_size, expert_batch_size, attention_on, ffn_on, "
+                         "gpu_weight_fraction, gpu_kv_fraction, pages_per_layer") from e
+
+
+def run(args) -> int:
+    from core import planner
+    from core.hardware import resolve
+    from core.presets import resolve_spec
+
+    model = resolve_spec(args.model)
+    hw = resolve(args.hardware, pcie_gbps=args.pcie_gbps)
+    workload = planner.Workload(args.prompt_len, args.gen_len, args.max_prompt_len, args.num_requests)
+    budget = planner.Budget.for_hardware(hw, args.gpu_mem, args.cpu_mem)
+    t0 = time.perf_counter()
+    if args.policy:
+        policy = _load_policy(args.policy)
+        over = planner.validate(policy, model, hw, workload, budget)
+        if over:
+            raise BudgetError("the policy does not fit: " + "; ".join(str(o) for o in over),
+                              "lower batch_size or the GPU fractions, or raise --gpu-mem / --cpu-mem")
+        prediction = planner.predict(policy, model, hw, workload)
+    else:
+        policy, prediction = planner.plan(model, hw, workload, budget)
+    seconds = time.perf_counter() - t0
+    sims = _simulate(model, hw, policy, workload) if args.simulate else None
+    if args.json:
+        out = {"policy": policy.to_dict(), "prediction": prediction.to_dict(), "plan_seconds": seconds}
+        if sims is not None:
+            out["simulation"] = sims
+        print(json.dumps(out))
+    else:
+        print(_human(args, model, hw, workload, budget, policy, prediction, seconds, sims))
+    return 0
+
+
+def _simulate(model, hw, policy, workload) -> dict:
+    from core.schedule import SCHEDULES
+    from core.simulate import simulate_decode
+
+    out = {}
+    for name in SCHEDULES:
+        tl = simulate_decode(model, hw, policy, workload.decode_context, name)
+        out[name] = {"step_seconds": tl.makespan, "decode_tokens_per_s": policy.batch_size / tl.makespan,
+                     "utilization": tl.utilization}
+    return out
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms"
+
+
+def _human(args, model, hw, workload, budget, p, pred, seconds, sims) -> str:
+    from core.planner import CPU_USABLE, GPU_USABLE
+
+    gpu = f"{hw.gpu_count}× {hw.gpu_name} {hw.gpu_mem_bytes / 2**30:.0f} GiB" if hw.has_gpu else "no GPU"
+    lines = [
+        f"model     {args.model}: {model.architecture}, {model.num_params / 1e9:.1f}B parameters, "
+        f"{_gb(model.total_bytes)} in {model.dtype}",
+        f"hardware  {hw.name}: {gpu}, {hw.cpu_cores} cores, {_gb(hw.cpu_mem_bytes)} RAM"
+        + (f", link {hw.h2d_bw / 1e9:.1f} GB/s" + (f" ({hw.pcie})" if hw.pcie else "") if hw.has_gpu else ""),
+        f"workload  prompts of {workload.prompt_len} tokens, {workload.gen_len} generated",
+        "",
+        "policy",
+        f"  batch size        {p.batch_size} requests = {p.num_micro_batches} micro-batch"
+        f"{'es' if p.num_micro_batches > 1 else ''} of {p.micro_batch_size}",
+        f"  expert batch      {p.expert_batch_size} tokens"
+        + (f" ({p.micro_batches_per_expert_batch} micro-batches meet at the experts)" if p.micro_batches_per_expert_batch > 1 else ""),
+        f"  attention         {p.attention_on.upper()}" + (" (next to the KV cache)" if p.attention_on == "cpu" else
+                                                          f", {p.gpu_kv_fraction:.0%} of the KV cache on the GPU"),
+        f"  MoE FFN           {p.ffn_on.upper()}" + (
+            f", {p.gpu_weight_fraction:.1%} of expert weights resident, the rest streamed in "
+            f"{p.pages_per_layer} pages per layer" if p.ffn_on == "gpu" else ""),
+        "",
+        "prediction",
+        f"  end to end        {pred.tokens_per_s:,.1f} tokens/s",
+        f"  decode            {pred.decode_tokens_per_s:,.1f} tokens/s ({pred.step_seconds:.2f} s per step)",
+        f"  prefill           {pred.prefill_tokens_per_s:,.1f} prompt tokens/s ({pred.prefill_seconds:.1f} s per batch)",
+        f"  bottleneck        {pred.bottleneck_text}",
+        "  decode layer      " + " | ".join(f"{k} {_ms(v)}" for k, v in pred.layer_seconds.items()),
+        "",
+        "memory",
+        (f"  GPU  {_gb(pred.gpu_bytes)} of {_gb(budget.gpu_bytes * GPU_USABLE)} usable: "
+         + ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in pred.gpu_breakdown.items() if v))
+        if p.ffn_on == "gpu" else "  GPU  unused",
+        f"  CPU  {_gb(pred.cpu_bytes)} of {_gb(budget.cpu_bytes * CPU_USABLE)} usable: "
+        + ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in pred.cpu_breakdown.items() if v),
+    ]
+    if sims:
+        lines += ["", "simulated decode step"]
+        for name, s in sims.items():
+            use = ", ".join(f"{k} {v:.0%}" for k, v in s["utilization"].items())
+            lines.append(f"  {name:8s} {s['step_seconds']:.2f} s ({s['decode_tokens_per_s']:,.0f} tokens/s); busy: {use}")
+    lines += ["", f"planned in {seconds:.2f} s"]
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""The HRM: task FLOPs/bytes, the paper's intensity findings, roofline bounds, affine layer costs."""
+
+import pytest
+
+from core import hrm
+from core.hardware import preset
+from core.presets import preset_spec
+
+MIXTRAL = preset_spec("mixtral-8x7b")
+
+
+def test_expected_experts_touched():
+    E, k = 8, 2
+    assert hrm.expected_experts(1, E, k) == pytest.approx(k)
+    assert hrm.expected_experts(2, E, k) == pytest.approx(E * (1 - (1 - k / E) ** 2))  # 3.5, not 4
+    assert hrm.expected_experts(64, E, k) == pytest.approx(E, rel=1e-6)
+    seq = [hrm.expected_experts(t, 128, 8) for t in (1, 4, 16, 64, 256)]
+    assert seq == sorted(seq) and seq[0] == pytest.approx(8) and seq[-1] < 128
+
+
+def test_moe_bytes_follow_distinct_experts_not_token_count():
+    one = hrm.moe_ffn(MIXTRAL, 1)
+    many = hrm.moe_ffn(MIXTRAL, 256)
+    assert one.bytes == pytest.approx(2 * MIXTRAL.expert_bytes, rel=0.01)
+    assert many.bytes == pytest.approx(MIXTRAL.layer_expert_bytes, rel=0.03)  # every expert once, + activations
+    assert many.flops == pytest.approx(256 * one.flops)
+
+
+def test_ffn_intensity_grows_with_micro_batch_but_decode_attention_does_not():
+    ffn = [hrm.moe_ffn(MIXTRAL, mu).intensity for mu in (1, 8, 32, 128, 512)]
+    assert all(b > a * 1.5 for a, b in zip(ffn, ffn[1:]))
+    attn = [hrm.decode_attention(MIXTRAL, mu, 512).intensity for mu in (1, 8, 32, 128, 512)]
+    assert max(attn) / min(attn) < 1.01
+    # GQA with 4 query heads per KV head in bf16: ≈ 2·4/2 = 4 FLOP per byte
+    assert attn[0] == pytest.approx(4.0, rel=0.05)
+    assert ffn[-1] > 25 * attn[-1]
+
+
+@pytest.mark.parametrize("gpu", ["t4", "l4"])
+def test_decode_attention_sits_below_p1_and_belongs_on_the_cpu(gpu):
+    r = hrm.effective_rates(preset(gpu))
+    attn = hrm.decode_attention(MIXTRAL, 64, 512)
+    # computing on the GPU with the KV coming over the link: the link bound uses the same bytes
+    p1, p2 = hrm.turning_points(r.gpu_flops, r.gpu_bw, attn.intensity, r.cpu_flops, r.cpu_bw, attn.intensity, r.h2d_bw)
+    assert attn.intensity < p1 <= p2
+    on_gpu = hrm.attainable(r.gpu_flops, r.gpu_bw, attn.intensity, r.h2d_bw, attn.intensity)
+    on_cpu = hrm.attainable(r.cpu_flops, r.cpu_bw, attn.intensity)
+    assert on_cpu > 2 * on_gpu  # the paper reports 3–4x
+
+
+def test_ffn_crosses_the_turning_point_with_the_batch():
+    r = hrm.effective_rates(preset("t4"))
+    small_i, small_link = hrm.ffn_intensities(MIXTRAL, 8, 8)
+    big_i, big_link = hrm.ffn_intensities(MIXTRAL, 256, 2048)
+    assert big_i > 10 * small_i and big_link > 100 * small_link
+    # with a big batch, streaming the weights to the GPU beats computing the FFN on the CPU
+    p1, _ = hrm.turning_points(r.gpu_flops, r.gpu_bw, big_i, r.cpu_flops, r.cpu_bw, big_i, r.h2d_bw)
+    assert big_link > p1
+    bal = hrm.balance_intensity(r.gpu_bw, big_i, r.h2d_bw)
+    assert r.gpu_bw * big_i == pytest.approx(r.h2d_bw * bal)
+
+
+def test_attainable_is_the_least_of_its_bounds():
+    assert hrm.attainable(100.0, 10.0, 2.0) == 20.0
+    assert hrm.attainable(100.0, 10.0, 50.0) == 100.0
+    assert hrm.attainable(100.0, 10.0, 50.0, link_bw=1.0, remote_intensity=30.0) == 30.0
+
+
+def test_datasheet_rates_are_derated_and_measured_ones_are_not():
+    hw = preset("t4")
+    r = hrm.effective_rates(hw)
+    assert r.gpu_bw == pytest.approx(hw.gpu_bw * hrm.DERATE["gpu_bw"])
+    from core.hardware import _apply
+
+    measured = hrm.effective_rates(_apply(hw, {"gpu_bw": 250e9}))
+    assert measured.gpu_bw == 250e9
+    assert hrm.effective_rates(preset("2xt4")).gpu_flops == pytest.approx(2 * r.gpu_flops)
+
+
+@pytest.mark.parametrize("attention_on", ["cpu", "gpu"])
+def test_layer_seconds_are_affine_in_the_fractions(attention_on):
+    r = hrm.effective_rates(preset("l4"))
+    kw = dict(batch=512, micro_batch=64, expert_batch=128, attention_on=attention_on, ffn_on="gpu", context=200.0)
+
+    def at(rw, rc):
+        return hrm.decode_layer_seconds(MIXTRAL, r, gpu_weight_fraction=rw, gpu_kv_fraction=rc, **kw)
+
+    a, b, c, mid = at(0, 0), at(1, 0.0), at(0, 1.0), at(0.3, 0.6)
+    for k in ("gpu", "cpu_attn", "h2d", "d2h", "pipeline0", "pipeline1", "pipeline2"):
+        assert mid[k] == pytest.approx(a[k] + 0.3 * (b[k] - a[k]) + 0.6 * (c[k] - a[k]), rel=1e-9, abs=1e-12)
+    assert b["h2d"] < a["h2d"]  # resident weights are not streamed
+
+
+def test_cpu_attention_placement_moves_hidden_states_not_kv():
+    r = hrm.effective_rates(preset("t4"))
+    kw = dict(batch=256, micro_batch=64, expert_batch=64, ffn_on="gpu", gpu_weight_fraction=1.0,
+              gpu_kv_fraction=0.0, context=1000.0)
+    cpu = hrm.decode_tasks(MIXTRAL, r, attention_on="cpu", **kw)
+    gpu = hrm.decode_tasks(MIXTRAL, r, attention_on="gpu", **kw)
+    assert "kv_load" not in cpu and "d1" in cpu and "d2" in cpu
+    # shipping the KV cache costs far more link time than the QKV / output hidden states
+    assert gpu["kv_load"].seconds * gpu["kv_load"].per_layer > 20 * cpu["d2"].seconds * cpu["d2"].per_layer
+
+
+def test_busy_time_is_sum_of_tasks_per_resource():
+    r = hrm.effective_rates(preset("t4"))
+    tasks = hrm.decode_tasks(MIXTRAL, r, batch=300, micro_batch=100, expert_batch=300, attention_on="cpu",
+                             ffn_on="gpu", gpu_weight_fraction=0.2, gpu_kv_fraction=0.0, context=150.0, pages=6)
+    busy = hrm.busy_seconds(tasks)
+    assert busy["gpu"] == pytest.approx(3 * tasks["pre_attn"].seconds + 3 * tasks["post_attn"].seconds + tasks["ffn"].seconds)
+    assert busy["h2d"] == pytest.approx(6 * tasks["weight_page"].seconds + 3 * tasks["d2"].seconds)
+    assert tasks["weight_page"].seconds * 6 == pytest.approx(
+        0.8 * MIXTRAL.layer_expert_bytes / r.h2d_bw + 6 * 0.8 * hrm.COPY_LAUNCH)

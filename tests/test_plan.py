@@ -1,0 +1,242 @@
+"""The policy search: the paper's findings as assertions, memory that fits, clear budget errors, speed."""
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from core import planner
+from core.errors import BudgetError, UsageError
+from core.hardware import detect, preset
+from core.planner import Budget, Workload, plan, predict, validate
+from core.policy import Policy, Prediction
+from core.presets import preset_names, preset_spec, resolve_spec
+
+MIXTRAL = preset_spec("mixtral-8x7b")
+MTBENCH = Workload(prompt_len=77, gen_len=128)
+
+
+@pytest.mark.parametrize("gpu", ["t4", "l4"])
+def test_mixtral_on_t4_and_l4_puts_decode_attention_on_cpu_and_ffn_on_gpu(gpu):
+    policy, pred = plan(MIXTRAL, preset(gpu), MTBENCH)
+    assert policy.attention_on == "cpu" and policy.ffn_on == "gpu"
+    assert policy.gpu_kv_fraction == 0.0
+    assert 0.0 <= policy.gpu_weight_fraction < 0.5  # most experts are streamed: they cannot fit
+    assert policy.batch_size >= 512 and policy.expert_batch_size >= policy.micro_batch_size
+    assert pred.tokens_per_s > 0 and pred.decode_tokens_per_s > pred.tokens_per_s * 0.9
+
+
+def test_plan_time_for_mixtral_on_t4_is_under_half_a_second():
+    plan(MIXTRAL, preset("t4"), MTBENCH)  # warm imports (pulp)
+    best = min(_timed(lambda: plan(MIXTRAL, preset("t4"), MTBENCH)) for _ in range(2))
+    assert best < 0.5
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+@pytest.mark.parametrize("gpu", ["t4", "l4"])
+def test_faster_pcie_never_lowers_throughput_and_moves_weights_off_the_gpu(gpu):
+    results = [plan(MIXTRAL, preset(gpu).with_link(g), MTBENCH) for g in (4, 8, 16, 32, 64, 128)]
+    tps = [pred.tokens_per_s for _, pred in results]
+    rw = [pol.gpu_weight_fraction for pol, _ in results]
+    assert all(b >= a * 0.999 for a, b in zip(tps, tps[1:])), tps
+    assert all(b <= a + 1e-9 for a, b in zip(rw, rw[1:])), rw  # paper Fig. 10
+    assert rw[-1] < rw[0]
+
+
+def test_more_cpu_memory_never_lowers_throughput():
+    hw = preset("l4")
+    tps = [plan(MIXTRAL, hw, MTBENCH, Budget.for_hardware(hw, cpu_gb=gb))[1].tokens_per_s
+           for gb in (110, 150, 192, 256, 384)]
+    assert all(b >= a * 0.999 for a, b in zip(tps, tps[1:])), tps
+    assert tps[-1] > 1.5 * tps[0]  # KV capacity limits the batch
+
+
+def test_more_gpu_memory_never_lowers_throughput_and_keeps_more_weights_resident():
+    hw = preset("l4")
+    out = [plan(MIXTRAL, hw, MTBENCH, Budget.for_hardware(hw, gpu_gb=gb)) for gb in (14, 24, 40, 80)]
+    tps = [p.tokens_per_s for _, p in out]
+    assert all(b >= a * 0.999 for a, b in zip(tps, tps[1:])), tps
+    assert out[-1][0].gpu_weight_fraction > out[0][0].gpu_weight_fraction
+
+
+CASES = [(m, h) for m in preset_names() for h in ("t4", "l4", "2xt4", "a100-80g")]
+
+
+@pytest.mark.parametrize("model,hw", CASES)
+def test_every_plan_fits_its_budget(model, hw):
+    spec, machine = preset_spec(model), preset(hw)
+    try:
+        policy, pred = plan(spec, machine, MTBENCH)
+    except BudgetError:
+        assert spec.total_bytes > 0.8 * machine.cpu_mem_bytes  # only models larger than the host
+        return
+    budget = Budget.for_hardware(machine)
+    assert validate(policy, spec, machine, MTBENCH, budget) == []
+    assert pred.gpu_bytes <= budget.gpu_bytes * planner.GPU_USABLE
+    assert pred.cpu_bytes <= budget.cpu_bytes * planner.CPU_USABLE
+    assert pred.gpu_bytes == sum(pred.gpu_breakdown.values())
+    # KV capacity covers the whole workload, wherever it lives
+    kv = policy.batch_size * (MTBENCH.prompt_len + MTBENCH.gen_len) * spec.kv_bytes_per_token
+    assert pred.gpu_breakdown.get("kv_cache", 0) + pred.cpu_breakdown["kv_cache"] == pytest.approx(kv, rel=1e-6, abs=2)
+
+
+def test_a_budget_nothing_fits_in_names_the_shortfall():
+    hw = preset("t4")
+    with pytest.raises(BudgetError) as e:
+        plan(MIXTRAL, hw, MTBENCH, Budget.for_hardware(hw, gpu_gb=4, cpu_gb=40))
+    msg = str(e.value)
+    assert "nothing fits" in msg and "over" in msg and "bytes" in msg and "--gpu-mem" in msg
+    # the shortfall it names is real: that many bytes more would be needed
+    over = [int(x.replace(",", "")) for x in __import__("re").findall(r"\(([\d,]+) bytes\) over", msg)]
+    assert over and all(o > 0 for o in over)
+
+
+def test_user_policy_validation_reports_bytes_over():
+    hw = preset("t4")
+    big = Policy(batch_size=8192, micro_batch_size=512, expert_batch_size=512, gpu_weight_fraction=0.5,
+                 pages_per_layer=16)
+    over = validate(big, MIXTRAL, hw, MTBENCH)
+    where = {o.where: o for o in over}
+    assert set(where) == {"gpu", "cpu"}
+    g = where["gpu"]
+    assert g.over == g.needed - g.limit > 0 and g.limit == int(Budget.for_hardware(hw).gpu_bytes * planner.GPU_USABLE)
+    assert f"{g.over:,} bytes" in str(g) and "resident_experts" in str(g)
+    fitting, _ = plan(MIXTRAL, hw, MTBENCH)
+    assert validate(fitting, MIXTRAL, hw, MTBENCH) == []
+
+
+def test_gpu_policy_on_a_cpu_only_machine_is_refused(monkeypatch):
+    cpu_only = dataclasses.replace(preset("t4"), name="cpu", gpu_name=None, gpu_count=0)
+    with pytest.raises(UsageError, match="no"):
+        validate(Policy(1, 1, 1), MIXTRAL, cpu_only, MTBENCH)
+
+
+def test_cpu_only_machine_gets_a_cpu_only_plan():
+    cpu_only = dataclasses.replace(preset("t4"), name="cpu", gpu_name=None, gpu_count=0)
+    policy, pred = plan(preset_spec("olmoe-1b-7b"), cpu_only, MTBENCH)
+    assert (policy.attention_on, policy.ffn_on, policy.gpu_weight_fraction) == ("cpu", "cpu", 0.0)
+    assert pred.gpu_bytes == 0 and pred.tokens_per_s > 0
+    assert "CPU" in pred.bottleneck_text
+
+
+def test_num_requests_caps_the_batch():
+    policy, _ = plan(MIXTRAL, preset("l4"), Workload(77, 128, num_requests=80))
+    assert policy.batch_size <= 80
+
+
+def test_fast_fractions_agree_with_the_cbc_lp():
+    d, r = planner.hrm.dims(MIXTRAL), planner.hrm.effective_rates(preset("t4"))
+    budget = Budget.for_hardware(preset("t4"))
+    g, c = budget.gpu_bytes * planner.GPU_USABLE, budget.cpu_bytes * planner.CPU_USABLE
+    for place, n, mu, beta in [(("cpu", "gpu"), 2048, 128, 256), (("cpu", "gpu"), 512, 64, 64),
+                               (("cpu", "gpu"), 36, 36, 36), (("gpu", "gpu"), 64, 32, 64)]:
+        lin = planner._linearise(d, r, MTBENCH, place, n, mu, beta)
+        fast = planner._best_fractions(lin, d.layers, MTBENCH.gen_len, g, c, place[0] == "gpu")
+        lp = planner.solve_fractions_lp(lin, d.layers, MTBENCH.gen_len, g, c, place[0] == "gpu")
+        assert (fast is None) == (lp is None)
+        if fast is None:
+            continue
+        if place[0] == "cpu":  # both exact: same optimum
+            assert lp[0] == pytest.approx(fast[0], rel=1e-5)
+        else:  # the joint LP can only improve on the grid over r_c
+            assert lp[0] <= fast[0] * (1 + 1e-6)
+
+
+def test_micro_batch_candidates_are_the_papers():
+    assert planner.micro_batch_sizes(200) == [1, 2, 3, 4, 36, 68, 100, 132, 164, 196]
+
+
+def test_prediction_is_self_consistent():
+    policy, pred = plan(MIXTRAL, preset("t4"), MTBENCH)
+    again = predict(policy, MIXTRAL, preset("t4"), MTBENCH)
+    assert again.tokens_per_s == pytest.approx(pred.tokens_per_s)
+    total = pred.prefill_seconds + (MTBENCH.gen_len - 1) * pred.step_seconds
+    assert pred.tokens_per_s == pytest.approx(policy.batch_size * MTBENCH.gen_len / total)
+    assert pred.decode_tokens_per_s == pytest.approx(policy.batch_size / pred.step_seconds)
+    assert pred.bottleneck in pred.layer_seconds
+    assert pred.layer_seconds[pred.bottleneck] == max(pred.layer_seconds.values())
+
+
+def test_policy_and_prediction_json_round_trip():
+    policy, pred = plan(MIXTRAL, preset("l4"), MTBENCH)
+    assert Policy.from_json(policy.to_json()) == policy
+    assert Prediction.from_dict(json.loads(json.dumps(pred.to_dict()))) == pred
+
+
+@pytest.mark.parametrize("bad", [
+    dict(batch_size=10, micro_batch_size=3, expert_batch_size=3),  # N not a multiple of μ
+    dict(batch_size=12, micro_batch_size=3, expert_batch_size=9),  # expert batch does not divide N
+    dict(batch_size=4, micro_batch_size=2, expert_batch_size=2, attention_on="tpu"),
+    dict(batch_size=4, micro_batch_size=2, expert_batch_size=2, gpu_weight_fraction=1.5),
+    dict(batch_size=4, micro_batch_size=2, expert_batch_size=2, attention_on="gpu", ffn_on="cpu"),
+    dict(batch_size=4, micro_batch_size=2, expert_batch_size=2, gpu_kv_fraction=0.5),  # KV on GPU, attention on CPU
+    dict(batch_size=0, micro_batch_size=1, expert_batch_size=1),
+])
+def test_policy_refuses_nonsense(bad):
+    with pytest.raises(ValueError):
+        Policy(**bad)
+
+
+def test_policy_from_dict_names_unknown_fields():
+    with pytest.raises(ValueError, match="bogus"):
+        Policy.from_dict({"batch_size": 1, "micro_batch_size": 1, "expert_batch_size": 1, "bogus": 3})
+
+
+def test_workload_refuses_nonsense():
+    with pytest.raises(UsageError):
+        Workload(0, 10)
+    with pytest.raises(UsageError):
+        Workload(100, 10, max_prompt_len=50)
+
+
+def test_budget_defaults_to_detected_free_memory():
+    hw = dataclasses.replace(preset("l4"), gpu_mem_free_bytes=10 * 2**30, cpu_mem_available_bytes=50 * 10**9)
+    b = Budget.for_hardware(hw)
+    assert (b.gpu_bytes, b.cpu_bytes) == (10 * 2**30, 50 * 10**9)
+    assert Budget.for_hardware(hw, gpu_gb=8, cpu_gb=64) == Budget(8 * 10**9, 64 * 10**9)
+
+
+# ---- model resolution ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "mixtral-8x22b", "dbrx", "qwen3-30b-a3b", "olmoe-1b-7b",
+                                  "qwen1.5-moe-a2.7b"])
+def test_bundled_presets_have_their_published_sizes(name):
+    spec = resolve_spec(name)
+    billions = {"mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6, "dbrx": 131.6, "qwen3-30b-a3b": 30.5,
+                "olmoe-1b-7b": 6.9, "qwen1.5-moe-a2.7b": 14.3}[name]
+    assert spec.num_params / 1e9 == pytest.approx(billions, rel=0.02)
+
+
+def test_model_from_folder_and_from_the_hf_cache(tmp_path, monkeypatch):
+    from core.presets import CONFIGS_DIR
+
+    cfg = (CONFIGS_DIR / "olmoe-1b-7b" / "config.json").read_text()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(cfg)
+    assert resolve_spec(str(folder)).family == "olmoe"
+
+    import huggingface_hub.constants as hc
+
+    snap = tmp_path / "hub" / "models--acme--tiny-moe" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(cfg)
+    (tmp_path / "hub" / "models--acme--tiny-moe" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny-moe" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve_spec("acme/tiny-moe").num_experts == 64
+
+    from core.errors import ModelError
+
+    with pytest.raises(ModelError, match="presets"):
+        resolve_spec("acme/not-cached")
+
+
+def test_detected_machine_plans_without_error(monkeypatch):
+    policy, pred = plan(preset_spec("olmoe-1b-7b"), detect(), Workload(32, 16))
+    assert pred.tokens_per_s > 0 and policy.batch_size >= 1

@@ -1,0 +1,121 @@
+"""`mlight plan` and `mlight hw` on the command line."""
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+from app.cli import main
+
+PLAN = ["plan", "--model", "mixtral-8x7b", "--hardware", "t4", "--prompt-len", "77", "--gen-len", "128"]
+POLICY_KEYS = {"batch_size", "micro_batch_size", "expert_batch_size", "attention_on", "ffn_on",
+               "gpu_weight_fraction", "gpu_kv_fraction", "pages_per_layer"}
+PREDICTION_KEYS = {"tokens_per_s", "decode_tokens_per_s", "prefill_tokens_per_s", "bottleneck", "gpu_bytes",
+                   "cpu_bytes", "layer_seconds"}
+
+
+def test_plan_json_is_one_object_with_the_contract_keys(capsys):
+    assert main(PLAN + ["--json"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out)  # exactly one JSON document
+    assert out.strip().count("\n") == 0
+    assert set(data) >= {"policy", "prediction", "plan_seconds"}
+    assert POLICY_KEYS <= set(data["policy"]) and PREDICTION_KEYS <= set(data["prediction"])
+    assert data["policy"]["attention_on"] == "cpu" and data["policy"]["ffn_on"] == "gpu"
+    assert {"gpu", "cpu_attn", "h2d", "d2h"} <= set(data["prediction"]["layer_seconds"])
+    assert 0 < data["plan_seconds"] < 0.5
+
+
+def test_plan_human_output_names_policy_prediction_and_memory(capsys):
+    assert main(PLAN) == 0
+    out = capsys.readouterr().out
+    for word in ("batch size", "attention         CPU", "MoE FFN           GPU", "tokens/s", "bottleneck",
+                 "GPU  ", "CPU  ", "planned in"):
+        assert word in out
+
+
+def test_pcie_override_and_budgets_change_the_plan(capsys):
+    main(PLAN + ["--json"])
+    base = json.loads(capsys.readouterr().out)
+    main(PLAN + ["--json", "--pcie-gbps", "64"])
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["prediction"]["tokens_per_s"] > base["prediction"]["tokens_per_s"]
+    main(PLAN + ["--json", "--gpu-mem", "12", "--cpu-mem", "150"])
+    small = json.loads(capsys.readouterr().out)
+    assert small["prediction"]["gpu_bytes"] <= 12e9 * 0.86 and small["prediction"]["cpu_bytes"] <= 150e9 * 0.8
+
+
+def test_user_policy_that_does_not_fit_reports_bytes_over(capsys):
+    policy = {"batch_size": 8192, "micro_batch_size": 512, "expert_batch_size": 512, "attention_on": "cpu",
+              "ffn_on": "gpu", "gpu_weight_fraction": 0.5, "gpu_kv_fraction": 0.0, "pages_per_layer": 16}
+    assert main(PLAN + ["--policy", json.dumps(policy)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mlight plan: error:") and "GPU memory" in err and "bytes) over" in err
+
+
+def test_user_policy_that_fits_is_costed(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"batch_size": 512, "micro_batch_size": 128, "expert_batch_size": 256,
+                                "attention_on": "cpu", "ffn_on": "gpu", "gpu_weight_fraction": 0.0,
+                                "gpu_kv_fraction": 0.0, "pages_per_layer": 4}))
+    assert main(PLAN + ["--policy", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["policy"]["batch_size"] == 512 and data["prediction"]["tokens_per_s"] > 0
+
+
+def test_bad_input_is_one_line_and_exit_2(capsys):
+    assert main(["plan", "--model", "mixtral-8x7b", "--hardware", "v100", "--prompt-len", "7", "--gen-len", "8"]) == 2
+    assert main(["plan", "--model", "no-such-model", "--hardware", "t4", "--prompt-len", "7", "--gen-len", "8"]) == 2
+    assert main(PLAN + ["--policy", '{"batch_size": 3, "micro_batch_size": 2}']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("mlight plan: error:") for line in err)
+
+
+def test_simulate_flag_reports_every_schedule(capsys):
+    assert main(PLAN + ["--json", "--simulate"]) == 0
+    sims = json.loads(capsys.readouterr().out)["simulation"]
+    assert set(sims) == {"cgopipe", "s4", "s3"}
+    assert sims["cgopipe"]["step_seconds"] < sims["s3"]["step_seconds"]
+
+
+@pytest.fixture
+def no_gpu(monkeypatch, tmp_path):
+    fake = types.ModuleType("pynvml")
+
+    def fail():
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    fake.nvmlInit = fail
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("MLIGHT_CACHE_DIR", str(tmp_path))
+    import core.hardware
+
+    monkeypatch.setattr(core.hardware, "_measure", lambda hw, s: {"cpu_flops": 2e11, "cpu_bw": 3e10})
+    return tmp_path
+
+
+def test_hw_json_on_a_machine_without_gpu(no_gpu, capsys):
+    assert main(["hw", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpu_count"] == 0 and data["gpu_name"] is None and data["cpu_bw"] == 3e10
+    assert sorted(data["measured"]) == ["cpu_bw", "cpu_flops"]
+    assert list((no_gpu / "probe").glob("*.json"))  # cached under MLIGHT_CACHE_DIR
+
+
+def test_hw_human_and_plan_on_local(no_gpu, capsys):
+    assert main(["hw"]) == 0
+    out = capsys.readouterr().out
+    assert "none found" in out and "measured" in out
+    assert main(["plan", "--model", "olmoe-1b-7b", "--hardware", "local", "--prompt-len", "50",
+                 "--gen-len", "20", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["policy"]["ffn_on"] == "cpu" and data["policy"]["attention_on"] == "cpu"
+
+
+def test_core_planner_is_headless():
+    code = ("import sys, core.planner, core.simulate, core.schedule, core.hardware, core.presets, core.hrm; "
+            "bad = [m for m in sys.modules if m == 'app' or m.startswith(('app.', 'textual'))]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
