@@ -14,13 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-from core.errors import UsageError
+from core.errors import BudgetError, UsageError
 from core.prompts import STDIN, FORMATS, PromptSet, iter_lines, read_prompts, reject_too_long
 from core.results import openai_batch_record, output_format
 from core.runstore import RunStore, model_fingerprint
 from core.telemetry import Progress
 
 EXECUTORS = ("sequential", "threaded", "cuda")
+BATCH = 64  # requests in flight when neither --batch nor a memory budget says otherwise
 SCHEDULES = ("cgopipe", "s3", "s4")
 
 
@@ -37,8 +38,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_probability, default=1.0, metavar="P", help="nucleus sampling, in (0, 1]")
     p.add_argument("--top-k", type=_whole, default=0, metavar="K", help="0 = off")
     p.add_argument("--seed", type=int, default=None, metavar="S")
-    p.add_argument("--batch", type=_positive, default=64, metavar="N", help="requests in flight")
+    p.add_argument("--batch", type=_positive, default=None, metavar="N",
+                   help=f"requests in flight (default: the planner's choice with --gpu-mem/--cpu-mem, else {BATCH})")
     p.add_argument("--micro-batch", type=_positive, default=None, metavar="M", help="requests per micro-batch")
+    p.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
+                   help="GPU memory budget: plan batch sizes with the HRM planner and refuse what cannot fit")
+    p.add_argument("--cpu-mem", type=float, default=None, metavar="GB", help="CPU memory budget (see --gpu-mem)")
     p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
     p.add_argument("--executor", choices=EXECUTORS, default=None)
     p.add_argument("--schedule", choices=SCHEDULES, default=None)
@@ -146,7 +151,7 @@ def run(args) -> int:
 
     out = Path(args.out)
     fmt = output_format(out)
-    if args.micro_batch and args.micro_batch > args.batch:
+    if args.micro_batch and args.batch and args.micro_batch > args.batch:
         raise UsageError(f"--micro-batch {args.micro_batch} is larger than --batch {args.batch}",
                          "use a micro-batch no larger than the batch")
     stopper = _Stopper().install()
@@ -157,6 +162,7 @@ def run(args) -> int:
         _refuse_rejects(prompts, args.skip_bad, out)
         progress = _ProgressLine()
         model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
+        _plan_batches(args, prompts, model_dir)
         store.start(_manifest(args, prompts, model_dir, model_name), restart=args.restart)
         try:
             return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
@@ -187,6 +193,31 @@ def _refuse_rejects(prompts: PromptSet, skip_bad: bool, out: Path) -> None:
     raise UsageError(f"{n} bad line{'s' if n > 1 else ''} in {prompts.source}, nothing was run",
                      f"fix {'them' if n > 1 else 'it'}, or pass --skip-bad to run the rest "
                      f"(rejects go to {out.name}.rejected.jsonl)")
+
+
+def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
+    """With a memory budget, let the planner pick the batch sizes the user left open — or refuse, before
+    any weight is loaded, a budget that nothing fits in (BudgetError, exit 2)."""
+    if args.gpu_mem is None and args.cpu_mem is None:
+        args.batch = args.batch or BATCH
+        return
+    from core import planner
+    from core.families import load_spec
+    from core.hardware import resolve
+
+    # prompt lengths before the tokenizer is loaded: ~3 bytes a token, on the safe (long) side
+    lens = [max(1, len((e.prompt or "".join(m["content"] for m in e.messages or ())).encode()) // 3 + 1)
+            for e in prompts.entries]
+    gen = max([e.max_new_tokens or args.max_new_tokens for e in prompts.entries] or [args.max_new_tokens])
+    workload = planner.Workload(max(1, sum(lens) // max(1, len(lens))), gen, max(lens + [1]), len(prompts.entries))
+    hw = resolve("local")
+    try:
+        policy, _ = planner.plan(load_spec(model_dir), hw, workload,
+                                 planner.Budget.for_hardware(hw, args.gpu_mem, args.cpu_mem))
+    except BudgetError as e:
+        raise BudgetError(e.problem, "raise --gpu-mem / --cpu-mem, or lower --max-new-tokens") from e
+    args.batch = args.batch or policy.batch_size
+    args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
 
 
 def _manifest(args, prompts: PromptSet, model_dir: Path, model_name: str) -> dict:

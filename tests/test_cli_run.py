@@ -1,0 +1,142 @@
+"""`mlight run` end to end on the demo model: every input format, JSONL/CSV/OpenAI Batch output, stdin,
+paths with spaces and non-ASCII names, flags passed through to the engine."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+from core.prompts import read_prompts
+
+DATA = Path(__file__).parent / "data" / "io"
+FIELDS = ["id", "prompt", "output", "output_token_ids", "prompt_tokens", "output_tokens", "finish_reason", "seconds"]
+
+
+def run_ok(capsys, *args: str) -> str:
+    code = main(["run", *args])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    return err
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture
+def out(tmp_path) -> Path:
+    d = tmp_path / "résultats 結果"
+    d.mkdir()
+    return d
+
+
+def test_txt_to_jsonl_fields_and_order(out, capsys, demo_model):
+    err = run_ok(capsys, "--prompts", str(DATA / "prompts.txt"), "--out", str(out / "o.jsonl"), "--max-new-tokens",
+                 "5", "--batch", "2", "--micro-batch", "1")
+    rows = jsonl(out / "o.jsonl")
+    assert [r["id"] for r in rows] == ["1", "3", "5", "6"]
+    for r in rows:
+        assert list(r) == FIELDS
+        assert r["finish_reason"] in ("stop", "length") and r["output_tokens"] == len(r["output_token_ids"]) <= 5
+        assert r["finish_reason"] == "stop" or r["output_tokens"] == 5
+    assert rows[2]["prompt"] == "مرحبا، كيف حالك؟"
+    assert re.fullmatch(rf"mlight run: 4 results in {re.escape(str(out / 'o.jsonl'))} \(4 generated, \d+ tokens, "
+                        r"[\d.]+ s\)", err.strip()), err
+    assert sorted(p.name for p in out.iterdir()) == ["o.jsonl"]
+
+
+def test_jsonl_messages_and_per_request_fields(out, capsys, demo_model):
+    run_ok(capsys, "--prompts", str(DATA / "prompts.jsonl"), "--out", str(out / "o.jsonl"), "--max-new-tokens", "6")
+    a, b, c = jsonl(out / "o.jsonl")
+    assert a["id"] == "a" and a["output_tokens"] <= 4  # its own max_new_tokens
+    assert b["prompt"].startswith("<|system|>\nBe brief.")  # rendered by the chat template
+    assert c["id"] == "3" and c["prompt"] == "No id here 😀"
+
+
+def test_openai_batch_in_batch_style_out(out, capsys, demo_model):
+    run_ok(capsys, "--prompts", str(DATA / "openai_batch.jsonl"), "--out", str(out / "o.jsonl"))
+    rows = jsonl(out / "o.jsonl")
+    assert [r["custom_id"] for r in rows] == ["request-1", "request-2", "request-3"]
+    r1, r2, r3 = rows
+    assert set(FIELDS) <= set(r1) and r1["error"] is None and r1["response"]["status_code"] == 200
+    body = r1["response"]["body"]
+    assert body["object"] == "chat.completion" and body["model"] == "mlight-demo"
+    assert body["choices"][0]["message"]["content"] == r1["output"]
+    assert body["usage"]["completion_tokens"] == r1["output_tokens"] <= 5 and r2["output_tokens"] <= 3
+    assert r3["response"]["body"]["choices"][0]["text"] == r3["output"]
+
+
+def test_csv_in_csv_out_round_trip_through_the_engine(out, tmp_path, capsys, demo_model):
+    nasty = ['with "quotes"', "comma, separated", "line\nbreak", "emoji 😀🍂", "עברית מימין לשמאל", "العربية"]
+    src = tmp_path / "nasty prompts.csv"
+    with open(src, "w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "prompt"])
+        w.writerows([[f"n{i}", p] for i, p in enumerate(nasty)])
+    run_ok(capsys, "--prompts", str(src), "--out", str(out / "o.csv"), "--max-new-tokens", "3")
+    back = read_prompts(out / "o.csv")
+    assert [(e.id, e.prompt) for e in back.entries] == [(f"n{i}", p) for i, p in enumerate(nasty)]
+    rows = list(csv.DictReader(io.StringIO((out / "o.csv").read_text(encoding="utf-8"), newline="")))
+    assert list(rows[0]) == ["id", "prompt", "output", "finish_reason", "prompt_tokens", "output_tokens", "seconds",
+                             "output_token_ids"]
+    assert all(len(json.loads(r["output_token_ids"])) == int(r["output_tokens"]) for r in rows)
+
+
+def test_tsv_and_stdin(out, capsys, monkeypatch, demo_model):
+    run_ok(capsys, "--prompts", str(DATA / "prompts.tsv"), "--out", str(out / "t.jsonl"), "--max-new-tokens", "2")
+    assert [r["id"] for r in jsonl(out / "t.jsonl")] == ["t1", "t2"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO('{"prompt": "from stdin ✓"}\n'.encode())))
+    run_ok(capsys, "--prompts", "-", "--out", str(out / "s.jsonl"), "--max-new-tokens", "2")
+    assert jsonl(out / "s.jsonl")[0]["prompt"] == "from stdin ✓"
+
+
+def test_model_and_files_in_folders_with_spaces_and_non_ascii(tmp_path, out, capsys, demo_model):
+    model = tmp_path / "my models ü" / "démo mixtral"
+    shutil.copytree(demo_model, model)
+    prompts = tmp_path / "my models ü" / "prompts ✓.txt"
+    prompts.write_text("hello\n", encoding="utf-8")
+    run_ok(capsys, "--model", str(model), "--prompts", str(prompts), "--out", str(out / "sortie ü.jsonl"),
+           "--max-new-tokens", "2")
+    assert len(jsonl(out / "sortie ü.jsonl")) == 1
+
+
+def test_same_results_as_uninterrupted_and_seeded_sampling_repeats(out, capsys, demo_model):
+    args = ["--prompts", str(DATA / "prompts.txt"), "--max-new-tokens", "6", "--temperature", "0.9", "--seed", "7"]
+    run_ok(capsys, *args, "--out", str(out / "a.jsonl"))
+    run_ok(capsys, *args, "--out", str(out / "b.jsonl"), "--batch", "1")
+    ids = lambda p: [r["output_token_ids"] for r in jsonl(p)]  # noqa: E731
+    assert ids(out / "a.jsonl") == ids(out / "b.jsonl")
+
+
+def test_executor_and_schedule_reach_engine_load(out, capsys, monkeypatch, demo_model):
+    from core.engine import Engine
+
+    seen = []
+    real = Engine.load.__func__
+
+    def load(cls, model_dir, **kw):
+        seen.append({k: kw.get(k) for k in ("executor", "schedule") if k in kw})
+        kw.pop("executor", None), kw.pop("schedule", None)
+        return real(cls, model_dir, **kw)
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    base = ["--prompts", str(DATA / "prompts.tsv"), "--max-new-tokens", "2"]
+    run_ok(capsys, *base, "--out", str(out / "a.jsonl"), "--executor", "threaded", "--schedule", "s3")
+    run_ok(capsys, *base, "--out", str(out / "b.jsonl"))
+    assert seen == [{"executor": "threaded", "schedule": "s3"}, {}]
+
+
+def test_restart_replaces_output(out, capsys, demo_model):
+    args = ["--prompts", str(DATA / "prompts.tsv"), "--out", str(out / "o.jsonl"), "--max-new-tokens", "2"]
+    run_ok(capsys, *args)
+    first = (out / "o.jsonl").read_text()
+    run_ok(capsys, *args, "--restart")
+    assert [r["id"] for r in jsonl(out / "o.jsonl")] == [r["id"] for r in map(json.loads, first.splitlines())]
