@@ -1,0 +1,57 @@
+"""MlightApp and `create_app`, the factory shared by the command line and the tests."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from textual.app import App
+from textual.app import SystemCommand
+from textual.screen import Screen
+
+from app.tui.backend import Backend
+from app.tui.session import Options, Session
+from core.errors import MlightError
+
+
+class MlightApp(App):
+    CSS_PATH = "mlight.tcss"
+    TITLE = "mlight"
+    SUB_TITLE = "MoE batch inference"
+
+    def __init__(self, options: Options, backend: Backend):
+        super().__init__()
+        self.session = Session(options)
+        self.backend = backend
+
+    def on_mount(self) -> None:
+        from app.tui.screens.machine import MachineScreen
+        from app.tui.screens.model import ModelScreen
+        from app.tui.screens.plan import PlanScreen
+        from app.tui.screens.prompts import PromptsScreen
+
+        opts = self.session.options
+        self.push_screen(MachineScreen())
+        if opts.model and opts.prompts:
+            # straight to Plan; the steps below stay on the stack so Esc walks back through them
+            self.push_screen(ModelScreen())
+            self.push_screen(PromptsScreen())
+            self.push_screen(PlanScreen())
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        palette = getattr(screen, "palette_commands", None)
+        if palette is not None:
+            yield from palette()
+
+    @staticmethod
+    def describe_error(error: BaseException | None) -> str:
+        """One line for the status bar: core's own message for user errors, the type for bugs."""
+        if isinstance(error, MlightError):
+            return str(error)
+        if isinstance(error, OSError):
+            return f"{error.strerror or error}: {error.filename}" if error.filename else str(error)
+        return f"unexpected error: {type(error).__name__}: {error}"
+
+
+def create_app(options: Options | None = None, backend: Backend | None = None) -> MlightApp:
+    return MlightApp(options or Options(), backend or Backend())

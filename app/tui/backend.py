@@ -1,0 +1,365 @@
+"""Every call the app makes into `core`, and the view-models the screens draw.
+
+Screens and the run job reach `core` only through a Backend, so a change in a core signature is
+fixed here once, and tests hand the app a Backend with pinned (preset) hardware and a frozen
+clock. Runs use the same run store, manifest and final records as `mlight run`, so a run started
+on the command line can be resumed in the app and the other way round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from core.errors import MlightError, ModelError
+from core.telemetry import EventSink, Progress, ignore
+
+GB = 1e9  # decimal, as the planner and `--gpu-mem/--cpu-mem` count
+DEFAULT_MAX_NEW_TOKENS = 128  # `mlight run`'s default, for prompts that do not set their own
+CHARS_PER_TOKEN = 4.0  # planning estimate before any tokenizer is loaded (English BPE averages ~4)
+
+
+class DownloadCancelled(MlightError):
+    """Raised from the download's progress callback when the user cancels."""
+
+
+# ---------------------------------------------------------------------------------------------
+# view-models
+
+
+@dataclass(frozen=True)
+class MachineView:
+    hardware: Any  # core.hardware.HardwareSpec, what the planner is given
+    gpu_rows: list[tuple[str, str]]
+    cpu_rows: list[tuple[str, str]]
+    cpu_mode: bool
+    source: str  # where the numbers came from (measured, detected, preset)
+    gpu_total: int = 0
+    gpu_free: int = 0
+    cpu_total: int = 0
+    cpu_available: int = 0
+
+
+@dataclass(frozen=True)
+class ModelView:
+    path: Path
+    name: str  # what the run manifest calls it: "mlight-demo", the folder's name, or the repo id
+    source: str  # demo | folder | hub
+    spec: Any  # core.spec.ModelSpec
+    disk_bytes: int
+    fits: bool | None  # fits in free GPU + CPU memory at all (None: machine not known yet)
+    fits_text: str
+
+    @property
+    def title(self) -> str:
+        return "demo model (random weights)" if self.source == "demo" else self.name
+
+
+@dataclass
+class PromptsView:
+    path: Path
+    prompts: Any  # core.prompts.PromptSet
+    preview: list[tuple[str, str, int]]  # (id, prompt text, max_new_tokens)
+    lengths: tuple[int, float, int]  # characters: min, mean, max
+    budget_tokens: int  # sum of max_new_tokens over the valid entries
+
+    @property
+    def count(self) -> int:
+        return len(self.prompts.entries)
+
+
+@dataclass
+class PlanView:
+    policy: Any  # core.policy.Policy
+    prediction: Any  # core.policy.Prediction, None when the policy cannot be costed
+    gpu_budget: int
+    cpu_budget: int
+    workload: Any  # core.planner.Workload
+    problems: list[str] = field(default_factory=list)
+    edited: bool = False
+
+    @property
+    def workload_text(self) -> str:
+        w = self.workload
+        return f"≈{w.prompt_len} prompt tokens (longest ≈{w.longest_prompt}), {w.gen_len} new tokens each"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Backend:
+    """The app's door into `core`. `hardware` pins a HardwareSpec (tests, planning for a preset);
+    `clock` drives the run meter's elapsed time and ETA (frozen in snapshot tests)."""
+
+    def __init__(self, hardware: Any = None, clock: Callable[[], float] = time.monotonic,
+                 max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS):
+        self.pinned_hardware = hardware
+        self.clock = clock
+        self.max_new_tokens = max_new_tokens
+        self._engine: tuple[Path, Any] | None = None
+
+    # ---- machine ------------------------------------------------------------------------------
+    def machine(self, refresh: bool = False, progress: EventSink = ignore) -> MachineView:
+        """Detected and measured hardware (core caches the probe per machine), or the pinned spec."""
+        from core import hardware
+
+        if self.pinned_hardware is not None:
+            return machine_view(self.pinned_hardware)
+        progress(Progress("detecting GPUs, RAM and cores", 0, 2))
+        base = hardware.detect()
+        progress(Progress("measuring compute and host↔device bandwidth", 1, 2))
+        return machine_view(hardware.probe(base, refresh=refresh))
+
+    # ---- model --------------------------------------------------------------------------------
+    def open_model(self, text: str | None, machine: MachineView | None, progress: EventSink = ignore,
+                   should_stop: Callable[[], bool] = lambda: False) -> ModelView:
+        """'demo' (or nothing), a checkpoint folder, or a repo id (downloaded into the hub cache)."""
+        from core.download import resolve_model
+
+        is_demo = text is None or text.strip().lower() in ("", "demo", ":demo")
+
+        def sink(ev) -> None:
+            if should_stop():
+                raise DownloadCancelled("download cancelled",
+                                        "open the same repo id again to resume; finished files are kept")
+            progress(ev)
+
+        path, name = resolve_model(None if is_demo else text.strip(), progress=sink)
+        source = "demo" if is_demo else ("folder" if Path(text).expanduser().exists() else "hub")
+        return self.inspect_model(path, name, source, machine)
+
+    def inspect_model(self, path: Path, name: str, source: str, machine: MachineView | None) -> ModelView:
+        from core.families import load_spec
+
+        spec = load_spec(path)
+        disk = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+        if disk == 0:
+            raise ModelError(f"{path} has no .safetensors files",
+                             "mlight reads safetensors only; get the safetensors version of the model")
+        fits, text = None, "machine not measured yet"
+        if machine is not None:
+            room = machine.gpu_free + machine.cpu_available
+            fits = spec.total_bytes <= room
+            text = (f"fits: {_size(spec.total_bytes)} of weights, {_size(room)} of free GPU + CPU memory" if fits
+                    else f"does not fit: {_size(spec.total_bytes)} of weights, only {_size(room)} of free "
+                         "GPU + CPU memory")
+        return ModelView(Path(path), name, source, spec, disk, fits, text)
+
+    @staticmethod
+    def classify_model_text(text: str) -> str:
+        """'demo', 'folder' (exists here), 'repo' (owner/name), or 'missing'."""
+        from core.download import looks_like_repo_id
+
+        if text.strip().lower() in ("", "demo", ":demo"):
+            return "demo"
+        if Path(text).expanduser().exists():
+            return "folder"
+        return "repo" if looks_like_repo_id(text) else "missing"
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def read_prompts(self, path: Path) -> PromptsView:
+        from core.prompts import read_prompts
+
+        ps = read_prompts(path)
+        texts = [_entry_text(e) for e in ps.entries]
+        lengths = [len(t) for t in texts]
+        stats = (min(lengths), sum(lengths) / len(lengths), max(lengths)) if lengths else (0, 0.0, 0)
+        preview = [(e.id, t, e.max_new_tokens or self.max_new_tokens) for e, t in zip(ps.entries[:100], texts)]
+        budget = sum(e.max_new_tokens or self.max_new_tokens for e in ps.entries)
+        return PromptsView(Path(path), ps, preview, stats, budget)
+
+    # ---- plan ---------------------------------------------------------------------------------
+    def workload(self, prompts: PromptsView) -> Any:
+        from core.planner import Workload
+
+        lo, mean, hi = prompts.lengths
+        gens = [e.max_new_tokens or self.max_new_tokens for e in prompts.prompts.entries] or [self.max_new_tokens]
+        return Workload(prompt_len=max(1, math.ceil(mean / CHARS_PER_TOKEN)),
+                        gen_len=max(1, round(sum(gens) / len(gens))),
+                        max_prompt_len=max(1, math.ceil(hi / CHARS_PER_TOKEN)), num_requests=max(1, prompts.count))
+
+    def budget(self, machine: MachineView, gpu_bytes: int | None, cpu_bytes: int | None) -> Any:
+        from core.planner import Budget
+
+        default = Budget.for_hardware(machine.hardware)
+        return Budget(gpu_bytes=default.gpu_bytes if gpu_bytes is None else gpu_bytes,
+                      cpu_bytes=default.cpu_bytes if cpu_bytes is None else cpu_bytes)
+
+    def plan(self, model: ModelView, machine: MachineView, prompts: PromptsView,
+             gpu_bytes: int | None, cpu_bytes: int | None) -> PlanView:
+        """The planner's policy for these budgets (None: what the machine has)."""
+        from core.planner import plan
+
+        budget = self.budget(machine, gpu_bytes, cpu_bytes)
+        workload = self.workload(prompts)
+        policy, prediction = plan(model.spec, machine.hardware, workload, budget)
+        return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, workload)
+
+    def check(self, model: ModelView, machine: MachineView, base: PlanView, fields: dict) -> PlanView:
+        """A user-edited policy, costed and validated: problems name what does not fit and by how much."""
+        from core.planner import predict, validate
+        from core.policy import Policy
+
+        budget = self.budget(machine, base.gpu_budget, base.cpu_budget)
+        try:
+            policy = Policy(**fields)
+        except (TypeError, ValueError) as e:
+            return dataclasses.replace(base, prediction=None, problems=[str(e)], edited=True)
+        try:
+            problems = [str(o) for o in validate(policy, model.spec, machine.hardware, base.workload, budget)]
+        except MlightError as e:
+            return dataclasses.replace(base, policy=policy, prediction=None, problems=[str(e)], edited=True)
+        prediction = predict(policy, model.spec, machine.hardware, base.workload)
+        return PlanView(policy, prediction, base.gpu_budget, base.cpu_budget, base.workload, problems, edited=True)
+
+    # ---- run ----------------------------------------------------------------------------------
+    def check_output(self, out: Path) -> None:
+        """Refuse, before any loading, an output that cannot be written or whose format is unknown."""
+        from core.results import output_format
+        from core.runstore import RunStore
+
+        output_format(out)
+        RunStore(out).check_writable()
+
+    @staticmethod
+    def resume_info(out: Path) -> str:
+        """A line about what a run on `out` will find there, or ''."""
+        run = out.with_name(out.name + ".run.jsonl")
+        if run.is_file():
+            try:
+                with run.open("rb") as f:
+                    n = max(0, sum(1 for _ in f) - 1)
+            except OSError:
+                return ""
+            return f"{run.name} holds {n} finished results of an unfinished run: kept, and the rest run"
+        return f"{out.name} exists: a new run replaces it" if out.exists() else ""
+
+    def manifest(self, model: ModelView, prompts: PromptsView, plan: PlanView) -> dict:
+        """The same identity `mlight run` writes, so either can resume the other's unfinished run."""
+        from core.runstore import model_fingerprint
+
+        return {
+            "model": model_fingerprint(model.path, model.name),
+            "prompts": {"sha256": prompts.prompts.sha256, "format": prompts.prompts.format},
+            "settings": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                         "seed": None, "revision": None},
+            "policy": {"batch": plan.policy.batch_size, "micro_batch": plan.policy.micro_batch_size,
+                       "executor": None, "schedule": None, "dtype": None, "planned": plan.policy.to_dict()},
+            "prompts_file": prompts.prompts.source,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+    def open_store(self, out: Path, model: ModelView, prompts: PromptsView, plan: PlanView, restart: bool = False):
+        """The run store on `out`, locked, resumed when it holds an unfinished run of the same job."""
+        from core.runstore import RunStore
+
+        store = RunStore(out)
+        store.acquire()
+        try:
+            store.start(self.manifest(model, prompts, plan), restart=restart)
+        except BaseException:
+            store.release()
+            raise
+        return store
+
+    def engine(self, path: Path, progress: EventSink = ignore) -> Any:
+        """The loaded engine, kept while the model stays the same (a resume does not reload weights)."""
+        from core.engine import Engine
+
+        if self._engine is not None and self._engine[0] == Path(path):
+            return self._engine[1]
+        engine = Engine.load(path, progress=progress)
+        self._engine = (Path(path), engine)
+        return engine
+
+    def requests(self, engine: Any, prompts: PromptsView, entries: list) -> tuple[list, list]:
+        """Engine requests for `entries`; prompts too long for the context become rejects (with their
+        token counts), added to the prompt set's rejects so that they reach OUT.rejected.jsonl."""
+        from core.engine import Request
+        from core.prompts import PromptSet, reject_too_long
+
+        defaults = {"max_new_tokens": self.max_new_tokens}
+        reqs = {e.id: Request(**e.request_kwargs(defaults)) for e in entries}
+        ps = prompts.prompts
+        subset = PromptSet(ps.source, ps.format, ps.sha256, list(entries))
+        reject_too_long(subset, lambda e: len(engine.prompt_token_ids(reqs[e.id])), engine.context_length)
+        known = {(r.line, r.reason) for r in ps.rejects}
+        ps.rejects.extend(r for r in subset.rejects if (r.line, r.reason) not in known)
+        return [reqs[e.id] for e in subset.entries], subset.rejects
+
+    def finish(self, store: Any, records: list[dict], prompts: PromptsView, model: ModelView) -> None:
+        """Write the final output (and the rejects) atomically; the run file goes away."""
+        from core.results import openai_batch_record
+
+        ps = prompts.prompts
+        if ps.is_openai_batch:
+            entries = {e.id: e for e in ps.entries}
+            records = [openai_batch_record(r, entries[r["id"]].custom_id, entries[r["id"]].endpoint, model.name)
+                       if r["id"] in entries else r for r in records]
+        store.finish(records, [r.to_dict() for r in ps.rejects])
+
+    # ---- export -------------------------------------------------------------------------------
+    @staticmethod
+    def export(records: list[dict], path: Path) -> str:
+        """Write `records` to `path` (format from the suffix, written atomically); returns the format."""
+        from core.results import output_format, write_records
+
+        fmt = output_format(path)
+        write_records(Path(path), records, fmt)
+        return fmt
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _entry_text(e: Any) -> str:
+    return e.prompt if e.prompt is not None else " / ".join(m["content"] for m in e.messages)
+
+
+def _size(n: float) -> str:
+    return f"{n / GB:.1f} GB" if n >= GB / 10 else f"{n / 1e6:.1f} MB"
+
+
+def _rate(hw: Any, name: str) -> str:
+    value = getattr(hw, name)
+    tag = "measured" if name in hw.measured else "datasheet"
+    unit = f"{value / 1e9:,.1f} GB/s" if name.endswith("_bw") else f"{value / 1e12:,.2f} TFLOP/s"
+    return f"{unit} ({tag})"
+
+
+def machine_view(hw: Any) -> MachineView:
+    """Rows for the Machine screen from a core.hardware.HardwareSpec."""
+    cpu_avail = hw.cpu_mem_available_bytes if hw.cpu_mem_available_bytes is not None else hw.cpu_mem_bytes
+    cpu_rows = [
+        ("RAM", f"{_size(cpu_avail)} available of {_size(hw.cpu_mem_bytes)}"),
+        ("Cores", str(hw.cpu_cores)),
+        ("Compute", _rate(hw, "cpu_flops")),
+        ("Memory read", _rate(hw, "cpu_bw")),
+    ]
+    if not hw.has_gpu:
+        gpu_rows = [("GPU", "none — CPU mode"),
+                    ("", "Every stage runs on the CPU: the demo model and small models work; "
+                         "large models need a GPU to be fast.")]
+        gpu_total = gpu_free = 0
+    else:
+        gpu_total = hw.gpu_mem_bytes * hw.gpu_count
+        free_each = hw.gpu_mem_free_bytes if hw.gpu_mem_free_bytes is not None else hw.gpu_mem_bytes
+        gpu_free = free_each * hw.gpu_count
+        many = f" × {hw.gpu_count}" if hw.gpu_count > 1 else ""
+        gpu_rows = [
+            ("GPU", f"{hw.gpu_name}{many}"),
+            ("Memory", f"{_size(free_each)} free of {_size(hw.gpu_mem_bytes)}" + (" each" if many else "")),
+            ("PCIe link", hw.pcie or "unknown"),
+            ("Host → device", _rate(hw, "h2d_bw")),
+            ("Device → host", _rate(hw, "d2h_bw")),
+            ("Compute", _rate(hw, "gpu_flops")),
+        ]
+    source = {"probe": "Detected and measured on this machine (cached; r measures again).",
+              "detect": "Detected on this machine; rates are datasheet estimates (r measures them).",
+              "preset": f"Preset machine “{hw.name}”: datasheet values, not this machine."}.get(hw.source, hw.source)
+    return MachineView(hw, gpu_rows, cpu_rows, not hw.has_gpu, source, gpu_total, gpu_free,
+                       hw.cpu_mem_bytes, cpu_avail)

@@ -1,0 +1,51 @@
+"""Human-readable numbers for the screens: bytes, rates, durations, counts."""
+
+from __future__ import annotations
+
+
+def human_bytes(n: float | int | None) -> str:
+    if n is None:
+        return "—"
+    n = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def gb(n: float | int | None) -> str:
+    return "—" if n is None else f"{n / 1024**3:.1f} GB"
+
+
+def rate(n_per_s: float | None, unit: str = "B") -> str:
+    if n_per_s is None:
+        return "—"
+    if unit == "B":
+        return human_bytes(n_per_s) + "/s"
+    return f"{n_per_s:,.1f} {unit}/s"
+
+
+def count(n: int | float) -> str:
+    n = float(n)
+    for suffix, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{suffix}"
+    return f"{n:.0f}"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds == float("inf"):
+        return "—"
+    seconds = max(0, int(round(seconds)))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def excerpt(text: str | None, width: int) -> str:
+    """One line of at most `width` characters (newlines shown as ⏎)."""
+    if not text:
+        return ""
+    flat = " ".join(text.replace("\r", "").replace("\n", " ⏎ ").split())
+    return flat if len(flat) <= width else flat[: max(0, width - 1)] + "…"

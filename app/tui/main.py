@@ -1,0 +1,39 @@
+"""`mlight-app [--model M] [--prompts F] [--out F] [--gpu-mem GB] [--cpu-mem GB]`.
+
+The flags pre-fill the screens; with both --model and --prompts the app opens on the Plan step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app.tui.session import Options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlight-app", description="The mlight terminal app: plan and run a batch of "
+                                "prompts through a Mixture-of-Experts model on this machine.")
+    p.add_argument("--model", metavar="M", help="checkpoint folder, Hugging Face repo id, or 'demo'")
+    p.add_argument("--prompts", metavar="F", help="prompts file (.txt, .jsonl, .csv, .tsv)")
+    p.add_argument("--out", metavar="F", help="results file (.jsonl or .csv)")
+    p.add_argument("--gpu-mem", metavar="GB", type=float, help="GPU memory budget in GB")
+    p.add_argument("--cpu-mem", metavar="GB", type=float, help="CPU memory budget in GB")
+    return p
+
+
+def parse_options(argv: list[str] | None = None) -> Options:
+    a = build_parser().parse_args(argv)
+    return Options(model=a.model, prompts=a.prompts, out=a.out, gpu_mem=a.gpu_mem, cpu_mem=a.cpu_mem)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from app.tui.app import create_app
+
+    options = parse_options(sys.argv[1:] if argv is None else argv)
+    create_app(options).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

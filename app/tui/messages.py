@@ -1,0 +1,83 @@
+"""Typed messages that thread workers post to the screens.
+
+Workers never touch widgets; they post one of these and the screen renders it on the main thread.
+Messages that can arrive in floods (run updates, download progress) define `can_replace` so that
+Textual keeps only the newest one in the queue: each of them carries cumulative state, so nothing
+is lost by dropping the older ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.message import Message
+
+from app.tui.meter import RunSnapshot
+
+
+class WorkProgress(Message):
+    """Progress of a long operation (probe, demo build, download, engine load)."""
+
+    def __init__(self, what: str, done: float, total: float, unit: str = "", rate: float | None = None):
+        super().__init__()
+        self.what, self.done, self.total, self.unit, self.rate = what, done, total, unit, rate
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, WorkProgress)
+
+
+class MachineReady(Message):
+    def __init__(self, machine: Any):
+        super().__init__()
+        self.machine = machine
+
+
+class ModelReady(Message):
+    def __init__(self, model: Any):
+        super().__init__()
+        self.model = model
+
+
+class PromptsReady(Message):
+    def __init__(self, prompts: Any):
+        super().__init__()
+        self.prompts = prompts
+
+
+class PlanReady(Message):
+    def __init__(self, plan: Any):
+        super().__init__()
+        self.plan = plan
+
+
+class Checked(Message):
+    """Live validation of a user-edited policy: a list of problems (empty = fits)."""
+
+    def __init__(self, plan: Any, problems: list[str]):
+        super().__init__()
+        self.plan, self.problems = plan, problems
+
+
+class RunUpdate(Message):
+    """The newest cumulative view of the run; older ones still queued are dropped."""
+
+    def __init__(self, snapshot: RunSnapshot):
+        super().__init__()
+        self.snapshot = snapshot
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, RunUpdate)
+
+
+class RunLog(Message):
+    """A line for the run's log (engine warnings, resume notes). Never coalesced."""
+
+    def __init__(self, text: str, level: str = "info"):
+        super().__init__()
+        self.text, self.level = text, level
+
+
+class RunEnded(Message):
+    def __init__(self, state: str, snapshot: RunSnapshot, error: str | None = None):
+        super().__init__()
+        self.state, self.snapshot, self.error = state, snapshot, error

@@ -1,0 +1,62 @@
+"""Turn what a terminal pastes when a file is dragged onto it into a plain path string.
+
+Terminals differ: some paste the path shell-quoted ('/a b/c.txt'), some backslash-escape spaces
+(/a\ b/c.txt), some paste a file:// URL with percent-encoding, Windows terminals paste "C:\\a b\\c.txt"
+in double quotes and PowerShell prefixes `& `. This module is pure string handling (no filesystem
+access) so that every form is testable on any OS.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from urllib.parse import unquote, urlparse
+
+# C:\ or C:/ (drive letter) or \\server\share (UNC): backslashes there are separators, not escapes.
+_WINDOWS = re.compile(r"^(?:[A-Za-z]:[\\/]|\\\\[^\\])")
+_QUOTES = ("'", '"')
+
+
+def looks_windows(path: str) -> bool:
+    return bool(_WINDOWS.match(path))
+
+
+def _strip_quotes(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in _QUOTES:
+        return text[1:-1]
+    return text
+
+
+def _from_file_url(url: str) -> str:
+    parsed = urlparse(url)
+    path = unquote(parsed.path, encoding="utf-8", errors="strict")
+    if re.match(r"^/[A-Za-z]:/", path):  # file:///C:/Users/x -> C:/Users/x
+        path = path[1:]
+    if parsed.netloc and parsed.netloc != "localhost":  # file://server/share/x -> \\server\share\x
+        return "\\\\" + parsed.netloc + path.replace("/", "\\")
+    return path
+
+
+def parse_dropped_path(text: str) -> str:
+    """The path in `text` as pasted by a terminal; the first one when several files were dropped."""
+    text = text.strip().strip("\r\n")
+    if not text:
+        return ""
+    text = text.splitlines()[0].strip()  # one file per line in some terminals: take the first
+    if text.startswith("& "):  # PowerShell's drag-and-drop: & 'C:\path'
+        text = text[2:].lstrip()
+    unquoted = _strip_quotes(text)
+    if unquoted.lower().startswith("file://"):
+        return _from_file_url(unquoted)
+    if looks_windows(unquoted):
+        return unquoted
+    if "\\" not in text and text[:1] not in _QUOTES:
+        return text  # a plain path, spaces and all
+    try:
+        parts = shlex.split(text)
+    except ValueError:  # unbalanced quote: keep what is there, minus the stray quote
+        return unquoted.strip("'\"")
+    if len(parts) == 1 or text[:1] in _QUOTES:
+        first = parts[0] if parts else ""
+        return _from_file_url(first) if first.lower().startswith("file://") else first
+    return text

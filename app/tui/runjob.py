@@ -1,0 +1,145 @@
+"""RunJob: one run of the engine over the prompts, on a worker thread, resumable through the run store.
+
+The job loads the engine (cached by the Backend between runs), opens the run store on the output
+(lock + run file; an unfinished run of the same model and prompts is resumed, its finished results
+kept), runs the requests not yet done, and appends each result to the run file as it finishes, so
+a stop or a crash loses nothing. Pause blocks the engine between steps inside `should_stop` (the
+engine checks it after every step); stop makes `should_stop` answer True, after which the engine
+returns at the end of the current step and the run file stays for a later resume.
+
+Telemetry is folded into a RunMeter on this thread and posted as a RunUpdate at most every
+POST_EVERY_S seconds (plus one at each state change), so the UI never sees a flood.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from textual.message import Message
+
+from app.tui.meter import RunMeter
+from app.tui.messages import RunEnded, RunLog, RunUpdate
+from core.telemetry import WarningEvent
+
+POST_EVERY_S = 0.2
+
+
+class RunJob:
+    def __init__(self, backend: Any, model: Any, prompts: Any, plan: Any, out: Path,
+                 post: Callable[[Message], None]):
+        self.backend, self.model, self.prompts, self.plan, self.out = backend, model, prompts, plan, Path(out)
+        self.post = post
+        self._go = threading.Event()  # cleared while paused
+        self._go.set()
+        self._stop = threading.Event()
+        self._last_post = 0.0
+        self.meter = RunMeter(prompts.count, prompts.budget_tokens, gpu_budget=plan.gpu_budget,
+                              cpu_budget=plan.cpu_budget, clock=backend.clock)
+        self.records: dict[str, dict] = {}  # id -> record, everything finished (earlier sessions too)
+        self.state = "loading"
+
+    # ---- controls (main thread) -----------------------------------------------------------------
+    def pause(self) -> None:
+        if self.state == "running":
+            self._go.clear()
+            self._set_state("paused")
+
+    def resume(self) -> None:
+        if self.state == "paused":
+            self._set_state("running")
+            self._go.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._go.set()  # a paused run must wake up to stop
+        if self.state in ("running", "paused", "loading"):
+            self._set_state("stopping")
+
+    @property
+    def paused(self) -> bool:
+        return not self._go.is_set()
+
+    # ---- the run (worker thread) ----------------------------------------------------------------
+    def _should_stop(self) -> bool:
+        self._go.wait()  # paused: hold the engine here, between two steps
+        return self._stop.is_set()
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        self.meter.set_state(state)
+        self._post_update(force=True)
+
+    def _post_update(self, force: bool = False) -> None:
+        now = time.monotonic()  # real time, even when the display clock is frozen in tests
+        if force or now - self._last_post >= POST_EVERY_S:
+            self._last_post = now
+            self.post(RunUpdate(self.meter.snapshot()))
+
+    def _sink(self, ev) -> None:
+        self.meter.on_event(ev)
+        if isinstance(ev, WarningEvent):
+            self.post(RunLog(ev.message, "warn"))
+        self._post_update()
+
+    def run(self) -> str:
+        """Run to the end or to a stop; returns "done" or "stopped". Errors propagate (the screen shows them)."""
+        b = self.backend
+        self._set_state("loading")
+        try:
+            store = b.open_store(self.out, self.model, self.prompts, self.plan)
+        except BaseException:
+            self._set_state("failed")
+            raise
+        try:
+            self.records = dict(store.done)
+            if store.resumed:
+                self.post(RunLog(f"Resuming: {len(store.done)} results already in {store.run_path.name} are kept; "
+                                 "running the rest.", "ok"))
+            self.meter.done = sum(1 for e in self.prompts.prompts.entries if e.id in self.records)
+            self.meter.tokens_out = sum(int(r.get("output_tokens", 0)) for r in self.records.values())
+            todo = [e for e in self.prompts.prompts.entries if e.id not in self.records]
+            self.meter.budget_tokens = sum(e.max_new_tokens or b.max_new_tokens for e in todo)
+            self._post_update(force=True)
+            engine = b.engine(self.model.path, progress=self._sink)
+            requests, rejects = b.requests(engine, self.prompts, todo)
+            for r in rejects:
+                self.post(RunLog(f"line {r.line}: {r.reason} — skipped", "warn"))
+            if self._stop.is_set():
+                return self._end("stopped", store)
+            self._set_state("running" if not self.paused else "paused")
+            max_new = {r.id: r.max_new_tokens for r in requests}
+            for result in engine.generate(requests, batch_size=self.plan.policy.batch_size,
+                                          micro_batch_size=self.plan.policy.micro_batch_size,
+                                          on_event=self._sink, should_stop=self._should_stop):
+                record = result.to_dict()
+                store.append(record)  # durable before it is counted
+                self.records[record["id"]] = record
+                self.meter.add_result(result.output_tokens, max_new.get(result.id, result.output_tokens))
+                self._post_update()
+            if self._stop.is_set() and len(self.records) < self.prompts.count:
+                return self._end("stopped", store)
+            b.finish(store, self.ordered_records(), self.prompts, self.model)
+            return self._end("done", None)
+        except BaseException:
+            self.state = "failed"
+            self.meter.set_state("failed")
+            store.close()
+            raise
+        finally:
+            store.release()
+
+    def _end(self, state: str, store) -> str:
+        if store is not None:
+            store.close()  # the run file stays: the next run on this output resumes it
+        self.state = state
+        self.meter.set_state(state)
+        self.post(RunEnded(state, self.meter.snapshot()))
+        return state
+
+    def ordered_records(self) -> list[dict]:
+        """Finished records in the prompts file's order."""
+        order = {e.id: i for i, e in enumerate(self.prompts.prompts.entries)}
+        return sorted(self.records.values(), key=lambda r: order.get(str(r["id"]), len(order)))

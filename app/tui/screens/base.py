@@ -1,0 +1,77 @@
+"""StepScreen: the breadcrumb, footer, back/next keys, status line and worker-error handling that
+every step of the flow shares (harlequin's pattern: workers fail into one handler, never a traceback).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.app import SystemCommand
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+from textual.worker import Worker, WorkerState
+
+from app.tui.widgets.steps import Steps
+
+if TYPE_CHECKING:
+    from app.tui.app import MlightApp
+
+
+class StatusLine(Static):
+    """One line under the body: what is happening, or what went wrong and what to do."""
+
+    def show(self, text: str, level: str = "info") -> None:
+        self.set_classes(f"-{level}")
+        self.update(text)
+
+
+class StepScreen(Screen):
+    STEP = ""
+    BINDINGS = [
+        Binding("escape", "back", "Back"),
+        Binding("ctrl+n", "next", "Next", priority=True),
+    ]
+
+    @property
+    def mapp(self) -> "MlightApp":
+        return self.app  # type: ignore[return-value]
+
+    @property
+    def session(self):
+        return self.mapp.session
+
+    @property
+    def backend(self):
+        return self.mapp.backend
+
+    def compose(self) -> ComposeResult:
+        yield Steps(self.STEP, id="steps")
+        yield from self.compose_body()
+        yield StatusLine(id="status")
+        yield Footer()
+
+    def compose_body(self) -> ComposeResult:
+        yield from ()
+
+    def status(self, text: str, level: str = "info") -> None:
+        self.query_one(StatusLine).show(text, level)
+
+    def action_back(self) -> None:
+        if len(self.app.screen_stack) > 2:  # [default, Machine, ...]: Machine is the first step
+            self.app.pop_screen()
+
+    def action_next(self) -> None:
+        """Go on to the next step when this one is complete (each screen says what is missing)."""
+
+    def palette_commands(self) -> Iterable[SystemCommand]:
+        """This screen's entries in the command palette (besides Textual's own)."""
+        return ()
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.state == WorkerState.ERROR:
+            self.worker_failed(event.worker, event.worker.error)
+
+    def worker_failed(self, worker: Worker, error: BaseException | None) -> None:
+        self.status(self.mapp.describe_error(error), "error")

@@ -1,0 +1,181 @@
+"""Step 2 — Model: the built-in demo model, a local checkpoint folder, or a Hugging Face repo id.
+
+A folder is validated on entry (architecture supported? safetensors present? size?); a repo id is
+downloaded in a worker with a progress bar (bytes and rate) that can be cancelled and resumed later
+(huggingface_hub keeps partial files). Loading the weights happens on the Run step, not here.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.app import SystemCommand
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Button, Input, ProgressBar, Static
+
+from app.tui import fmt
+from app.tui.messages import ModelReady, WorkProgress
+from app.tui.paths import parse_dropped_path
+from app.tui.screens.base import StepScreen
+from app.tui.widgets.facts import Facts
+
+DEMO_WORDS = ("demo", ":demo", "")
+
+
+class ModelScreen(StepScreen):
+    STEP = "Model"
+    BINDINGS = [
+        Binding("d", "demo", "Demo model"),
+        Binding("x", "cancel", "Cancel download", show=False),
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self._stop = threading.Event()
+
+    def compose_body(self) -> ComposeResult:
+        with Vertical(id="body"):
+            yield Static("Which model? A checkpoint folder, a Hugging Face repo id, or the demo model", classes="title")
+            with Horizontal(classes="field"):
+                yield Input(placeholder="folder (drag it here) or owner/name on the Hugging Face hub — Enter to open",
+                            id="model-input")
+                yield Button("Open ⏎", id="open")
+                yield Button("Demo model (d)", id="demo", variant="primary")
+            with Horizontal(classes="busy-row", id="download"):
+                yield ProgressBar(total=None, show_eta=False, id="dl-bar")
+                yield Static("", id="dl-text")
+                yield Button("Cancel (x)", id="cancel", variant="error")
+            yield Facts(id="model-facts", classes="panel")
+            with Horizontal(classes="actions"):
+                yield Button("Continue to Prompts", id="next", variant="primary", disabled=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#model-facts").border_title = "Model"
+        self.query_one("#download").display = False
+        self.query_one("#model-facts", Facts).set_rows([("", "No model chosen yet. Press d for the demo model, "
+                                                         "or type / drag a folder or repo id above.")])
+        opts = self.session.options
+        if self.session.model is not None:
+            self.show(self.session.model)
+        elif opts.model:
+            text = "" if opts.model.lower() in DEMO_WORDS else opts.model
+            self.query_one("#model-input", Input).value = text
+            self.open_text(text)
+        else:
+            self.query_one("#demo", Button).focus()  # Enter picks the demo; Tab reaches the path input
+
+    def on_paste(self, event) -> None:
+        """A folder dropped while the input is not focused: put it there and open it."""
+        event.stop()
+        self.query_one("#model-input", Input).value = parse_dropped_path(event.text)
+        self.open_text(event.text)
+
+    # ---- choosing -------------------------------------------------------------------------------
+    def action_demo(self) -> None:
+        self.query_one("#model-input", Input).value = ""
+        self.open_text("")
+
+    @on(Input.Submitted, "#model-input")
+    def submitted(self, event: Input.Submitted) -> None:
+        self.open_text(event.value)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        match event.button.id:
+            case "open":
+                self.open_text(self.query_one("#model-input", Input).value)
+            case "demo":
+                self.action_demo()
+            case "cancel":
+                self.action_cancel()
+            case "next":
+                self.action_next()
+
+    def open_text(self, raw: str) -> None:
+        text = parse_dropped_path(raw)
+        if raw.strip() != text:
+            self.query_one("#model-input", Input).value = text  # show the cleaned path
+        kind = self.backend.classify_model_text(text)
+        if kind == "missing":
+            self.status(f"{text}: no such folder, and not an owner/name repo id — check the path", "error")
+            return
+        self._stop.clear()
+        self.query_one("#next", Button).disabled = True
+        verb = {"demo": "Preparing the demo model", "folder": "Checking the folder", "repo": "Downloading"}[kind]
+        self.status(f"{verb}…")
+        if kind == "repo":
+            bar = self.query_one("#dl-bar", ProgressBar)
+            bar.update(total=None, progress=0)
+            self.query_one("#dl-text", Static).update(f"{text}: starting…")
+            self.query_one("#download").display = True
+        self.load(text)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="model", description="model")
+    def load(self, text: str) -> None:
+        def progress(ev) -> None:
+            self.post_message(WorkProgress(ev.what, ev.done, ev.total, getattr(ev, "unit", ""),
+                                           getattr(ev, "rate", None)))
+
+        model = self.backend.open_model(text, self.session.machine, progress, self._stop.is_set)
+        self.post_message(ModelReady(model))
+
+    def action_cancel(self) -> None:
+        if self.query_one("#download").display:
+            self._stop.set()
+            self.status("Cancelling the download… Open the same repo id again to resume it.", "warn")
+
+    def on_work_progress(self, msg: WorkProgress) -> None:
+        if msg.unit == "B" and msg.total:
+            bar = self.query_one("#dl-bar", ProgressBar)
+            bar.update(total=msg.total, progress=msg.done)
+            rate = f" at {fmt.rate(msg.rate)}" if msg.rate else ""
+            self.query_one("#dl-text", Static).update(
+                f"{fmt.human_bytes(msg.done)} of {fmt.human_bytes(msg.total)}{rate}")
+        else:
+            self.status(f"{msg.what}…")
+
+    def on_model_ready(self, msg: ModelReady) -> None:
+        self.query_one("#download").display = False
+        self.session.model = msg.model
+        self.session.plan = None  # a new model needs a new plan
+        self.show(msg.model)
+        level = "ok" if msg.model.fits is not False else "warn"
+        self.status(f"{msg.model.title}: {msg.model.fits_text}. Ctrl+N to choose prompts.", level)
+        self.query_one("#next", Button).focus()
+
+    def worker_failed(self, worker, error) -> None:
+        self.query_one("#download").display = False
+        super().worker_failed(worker, error)
+
+    def show(self, m) -> None:
+        s = m.spec
+        fits = Text(m.fits_text, style="bold green" if m.fits else ("bold red" if m.fits is False else ""))
+        rows = [
+            ("Model", m.title),
+            ("Path", str(m.path)),
+            ("Architecture", f"{s.architecture} ({s.family})"),
+            ("Layers", f"{s.num_layers} × hidden {s.hidden_size}, {s.num_heads} heads / {s.num_kv_heads} KV heads"),
+            ("Experts", f"{s.num_experts} per layer, top-{s.top_k}"
+                        + (f", shared expert {s.shared_intermediate}" if s.shared_intermediate else "")),
+            ("Parameters", f"{fmt.count(s.num_params)} total, {fmt.count(s.active_params)} active per token"),
+            ("Weights", f"{fmt.human_bytes(s.total_bytes)} in {s.dtype} "
+                        f"({fmt.human_bytes(s.total_expert_bytes)} experts)"),
+            ("Size on disk", fmt.human_bytes(m.disk_bytes)),
+            ("Fits?", fits),
+        ]
+        self.query_one("#model-facts", Facts).set_rows(rows)
+        self.query_one("#next", Button).disabled = False
+
+    def action_next(self) -> None:
+        if self.session.model is None:
+            self.status("Choose a model first (d for the demo model).", "warn")
+            return
+        from app.tui.screens.prompts import PromptsScreen
+
+        self.app.push_screen(PromptsScreen())
+
+    def palette_commands(self):
+        yield SystemCommand("Use the demo model", "Small random-weight Mixtral, built locally", self.action_demo)

@@ -1,0 +1,185 @@
+"""Step 3 — Prompts: a file typed, dragged onto the terminal, or picked from a tree; then a preview.
+
+Shows the first prompts, the count, length statistics and every bad line with its number (from
+core's reader, which never drops a line silently). Bad lines are skipped by the run, and say so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.app import SystemCommand
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Button, DataTable, DirectoryTree, Static
+
+from app.tui import fmt
+from app.tui.messages import PromptsReady
+from app.tui.screens.base import StepScreen
+from app.tui.widgets.facts import Facts
+from app.tui.widgets.path_input import PathInput
+
+PROMPT_SUFFIXES = {".txt", ".text", ".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".tab"}
+
+
+class PromptTree(DirectoryTree):
+    """Folders and prompt files only; hidden entries left out."""
+
+    def filter_paths(self, paths: Iterable[Path]) -> Iterable[Path]:
+        return [p for p in paths if not p.name.startswith(".")
+                and (p.is_dir() or p.suffix.lower() in PROMPT_SUFFIXES)]
+
+
+class PromptsScreen(StepScreen):
+    STEP = "Prompts"
+    BINDINGS = [Binding("ctrl+o", "browse", "Browse files", priority=True)]
+
+    def compose_body(self) -> ComposeResult:
+        with Vertical(id="body"):
+            yield Static("Prompts file: .txt (one a line), .jsonl, .csv or .tsv — type it, drag it here, "
+                         "or browse (Ctrl+O)", classes="title")
+            with Horizontal(classes="field"):
+                yield PathInput(placeholder="path to the prompts file — Enter to open", id="prompts-input")
+                yield Button("Open ⏎", id="open")
+                yield Button("Browse ^O", id="browse")
+            with Horizontal(id="prompts-main"):
+                with Vertical(id="prompts-right"):
+                    yield Facts(id="prompts-facts", classes="panel", label_width=14)
+                    yield DataTable(id="preview", cursor_type="row", zebra_stripes=True)
+                    yield Static("", id="rejects", classes="panel")
+            with Horizontal(classes="actions"):
+                yield Button("Continue to Plan", id="next", variant="primary", disabled=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#prompts-facts").border_title = "Summary"
+        self.query_one("#rejects").border_title = "Bad lines"
+        self.query_one("#rejects").display = False
+        self.query_one("#preview", DataTable).add_columns("id", "prompt", "max new")
+        self.query_one("#preview").border_title = "First prompts"
+        inp = self.query_one("#prompts-input", PathInput)
+        if self.session.prompts is not None:
+            inp.value = str(self.session.prompts.path)
+            self.show(self.session.prompts)
+        elif self.session.options.prompts:
+            inp.value = self.session.options.prompts
+            self.open(inp.path)
+        else:
+            self.query_one("#prompts-facts", Facts).set_rows([("", "No prompts file yet.")])
+            inp.focus()
+
+    # ---- choosing -------------------------------------------------------------------------------
+    @on(PathInput.Submitted, "#prompts-input")
+    @on(PathInput.Dropped, "#prompts-input")
+    def submitted(self, event) -> None:
+        self.open(self.query_one("#prompts-input", PathInput).path)
+
+    def on_paste(self, event) -> None:
+        """A file dropped while focus is elsewhere on the screen lands here."""
+        inp = self.query_one("#prompts-input", PathInput)
+        inp.value = ""
+        inp._on_paste(event)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        match event.button.id:
+            case "open":
+                self.open(self.query_one("#prompts-input", PathInput).path)
+            case "browse":
+                self.action_browse()
+            case "next":
+                self.action_next()
+
+    def action_browse(self) -> None:
+        # mounted only while open: the tree keeps a loader worker alive for as long as it exists
+        trees = self.query(PromptTree)
+        if trees:
+            trees.remove()
+            self.query_one("#prompts-input").focus()
+            return
+        start = self.query_one("#prompts-input", PathInput).path
+        root = start.parent if start.suffix and start.parent.is_dir() else (start if start.is_dir() else Path.cwd())
+        tree = PromptTree(root, id="tree")
+        self.query_one("#prompts-main").mount(tree, before=0)
+        tree.focus()
+
+    @on(DirectoryTree.FileSelected, "#tree")
+    def picked(self, event: DirectoryTree.FileSelected) -> None:
+        self.query_one("#prompts-input", PathInput).value = str(event.path)
+        self.open(Path(event.path))
+
+    def open(self, path: Path) -> None:
+        if not str(path).strip() or str(path) == ".":
+            self.status("Type or drop the path of a prompts file first.", "warn")
+            return
+        self.query_one("#next", Button).disabled = True
+        self.status(f"Reading {path}…")
+        self.read(path)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="prompts", description="read prompts")
+    def read(self, path: Path) -> None:
+        self.post_message(PromptsReady(self.backend.read_prompts(path)))
+
+    def on_prompts_ready(self, msg: PromptsReady) -> None:
+        self.session.prompts = msg.prompts
+        self.session.plan = None
+        self.show(msg.prompts)
+
+    def worker_failed(self, worker, error) -> None:
+        # a whole-file problem (missing, binary, not UTF-8, no prompt column): the old preview is stale
+        self.session.prompts = None
+        self.query_one("#preview", DataTable).clear()
+        self.query_one("#rejects").display = False
+        self.query_one("#prompts-facts", Facts).set_rows([("Problem", Text(self.mapp.describe_error(error),
+                                                                              style="bold red"))])
+        super().worker_failed(worker, error)
+
+    def show(self, view) -> None:
+        ps = view.prompts
+        lo, mean, hi = view.lengths
+        rows = [
+            ("File", f"{view.path.name} ({ps.format})"),
+            ("Prompts", f"{view.count} to run" + (f", {ps.blank_lines} blank lines skipped" if ps.blank_lines else "")),
+            ("Length", f"{lo}–{hi} characters, mean {mean:.0f}"),
+            ("Generate", f"up to {view.budget_tokens:,} new tokens in all"),
+            ("Bad lines", Text(f"{len(ps.rejects)} — listed below, will be skipped", style="bold red")
+             if ps.rejects else "none"),
+        ]
+        self.query_one("#prompts-facts", Facts).set_rows(rows)
+        table = self.query_one("#preview", DataTable)
+        table.clear()
+        width = max(20, (table.size.width or 80) - 22)
+        for rid, text, mnt in view.preview:
+            table.add_row(fmt.excerpt(rid, 10), fmt.excerpt(text, width), str(mnt))
+        rejects = self.query_one("#rejects", Static)
+        rejects.display = bool(ps.rejects)
+        if ps.rejects:
+            lines = Text()
+            for r in ps.rejects[:50]:
+                lines.append(f"line {r.line}: ", style="bold")
+                lines.append(f"{r.reason}\n")
+            if len(ps.rejects) > 50:
+                lines.append(f"… and {len(ps.rejects) - 50} more")
+            rejects.update(lines)
+        ok = view.count > 0
+        self.query_one("#next", Button).disabled = not ok
+        if not ok:
+            self.status(f"{view.path.name}: no usable prompts — every line is bad (see the list).", "error")
+        elif ps.rejects:
+            self.status(f"{view.count} prompts ready; {len(ps.rejects)} bad lines will be skipped. "
+                        "Ctrl+N to plan.", "warn")
+        else:
+            self.status(f"{view.count} prompts ready. Ctrl+N to plan.", "ok")
+
+    def action_next(self) -> None:
+        if self.session.prompts is None or self.session.prompts.count == 0:
+            self.status("Open a prompts file with at least one good prompt first.", "warn")
+            return
+        from app.tui.screens.plan import PlanScreen
+
+        self.app.push_screen(PlanScreen())
+
+    def palette_commands(self):
+        yield SystemCommand("Browse for a prompts file", "Show the file tree", self.action_browse)

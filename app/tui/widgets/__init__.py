@@ -1,0 +1,1 @@
+"""Small display widgets shared by the screens (no core calls, no workers)."""
