@@ -35,6 +35,7 @@ MAX_BATCH = 8192  # beyond this the KV cache of any real workload is the limit a
 PLACEMENTS_GPU = (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu"))
 RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 TIE_BREAK = 1e-6
+REFINE = 6  # (placement, μ) pairs whose smaller batches the search also tries
 CPU_ONLY_WORDS = {"gpu": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
                   "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)"}
 BOTTLENECKS = (*RESOURCES, "pipeline")  # decode layer bounds: each resource's busy time, and hrm.pipeline_seconds  # r_c values tried by the fast path; the LP refines them
@@ -236,21 +237,40 @@ def _memory_lin(d: hrm.Dims, w: Workload, place, n: int, mu: int, beta: int) -> 
     return g00, g10 - g00, g01 - g00, c00, c10 - c00, c01 - c00
 
 
-def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, beta: int, mem=None) -> _Lin:
-    def vec(x):  # the resources, then the pipeline's affine pieces (hrm.pipeline_bounds)
-        return tuple(x.get(k, 0.0) for k in (*RESOURCES, "pipeline0", "pipeline1", "pipeline2"))
-
-    def sub(a, b):
-        return tuple(x - y for x, y in zip(a, b))
-
-    d00, p00 = _busy(d, r, w, place, n, mu, beta, 0.0, 0.0)
-    d10, p10 = _busy(d, r, w, place, n, mu, beta, 1.0, 0.0)
-    d01, p01 = _busy(d, r, w, place, n, mu, beta, 0.0, 1.0) if place[0] == "gpu" else (d00, p00)
+def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, beta: int, mem=None,
+               prefill=None) -> _Lin:
+    """`mem` (from _memory_lin) and `prefill` (from _prefill_lin) may be passed in when already known:
+    neither depends on the expert batch."""
+    a, f = place
+    kw = dict(batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f, context=w.decode_context)
+    d00 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, **kw))
+    d10 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=1.0, gpu_kv_fraction=0.0, **kw))
+    d01 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=1.0, **kw)) if a == "gpu" else d00
+    p00, p10, p01 = prefill or _prefill_lin(d, r, w, place, n, mu)
     g0, gw, gc, c0, cw, cc = mem or _memory_lin(d, w, place, n, mu, beta)
-    head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=place[1] == "gpu")
-    return _Lin(vec(d00), sub(vec(d10), vec(d00)), sub(vec(d01), vec(d00)), vec(p00), sub(vec(p10), vec(p00)),
-                sub(vec(p01), vec(p00)), fixed=head * w.gen_len, serial=place[1] == "cpu",
-                gpu0=g0, gpu_w=gw, gpu_c=gc, cpu0=c0, cpu_w=cw, cpu_c=cc)
+    head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=f == "gpu")
+    return _Lin(d00, _sub(d10, d00), _sub(d01, d00), p00, _sub(p10, p00), _sub(p01, p00), fixed=head * w.gen_len,
+                serial=f == "cpu", gpu0=g0, gpu_w=gw, gpu_c=gc, cpu0=c0, cpu_w=cw, cpu_c=cc)
+
+
+def _prefill_lin(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int):
+    a, f = place
+    kw = dict(batch=n, micro_batch=mu, attention_on=a, ffn_on=f, prompt_len=w.prompt_len)
+    p00 = _vec(hrm.prefill_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, **kw))
+    p10 = _vec(hrm.prefill_layer_seconds(d, r, gpu_weight_fraction=1.0, gpu_kv_fraction=0.0, **kw))
+    p01 = _vec(hrm.prefill_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=1.0, **kw)) if a == "gpu" else p00
+    return p00, p10, p01
+
+
+_LIN_KEYS = (*RESOURCES, "pipeline0", "pipeline1", "pipeline2")  # resources, then hrm.pipeline_bounds' pieces
+
+
+def _vec(x: dict) -> tuple[float, ...]:
+    return tuple(x.get(k, 0.0) for k in _LIN_KEYS)
+
+
+def _sub(a, b):
+    return tuple(x - y for x, y in zip(a, b))
 
 
 def _total(lin: _Lin, layers: int, gen: int, r_w: float, r_c: float) -> float:
@@ -384,6 +404,30 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
         grid = RC_GRID if place[0] == "gpu" else (0.0,)
         return any(_rw_interval(mem, r_c, gpu_limit, cpu_limit) is not None for r_c in grid)
 
+    def expert_batches(place, n_mb, mu):
+        """Candidates for every expert batch size worth trying at this (N, μ); their best time."""
+        n = n_mb * mu
+        mem = _memory_lin(d, w, place, n, mu, mu)
+        pre = _prefill_lin(d, r, w, place, n, mu)
+        best_here, worse = None, 0
+        for g in _expert_groups(n_mb):  # time vs expert batch: falls, then rises (pipeline stalls)
+            beta = g * mu
+            lin = _linearise(d, r, w, place, n, mu, beta, mem=None if g > 1 else mem, prefill=pre)
+            best = _best_fractions(lin, l, gen, gpu_limit, cpu_limit, place[0] == "gpu")
+            if best is None:
+                break  # bigger expert batches need more memory still
+            t, r_w, r_c = best
+            found.append(_Candidate(t / (n * gen), place, n, mu, beta, r_w, r_c, lin))
+            if best_here is not None and t / n >= best_here:
+                worse += 1
+                if worse == 2:
+                    break
+            else:
+                best_here, worse = t / n, 0
+        return best_here
+
+    # phase 1: for each placement and μ, the largest batch that fits
+    largest = []
     for place in places:
         for mu in micro_batch_sizes(n_cap):
             if not fits(place, mu, mu):
@@ -398,22 +442,15 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
                     lo = mid
                 else:
                     top = mid - 1
-            n_max = lo
-            # throughput usually peaks at the largest batch, but a smaller one can leave room for
-            # resident weights: try a few below it too
-            counts = {n_max, max(1, n_max - 1), max(1, (3 * n_max) // 4), max(1, n_max // 2)}
-            c = 1
-            while c < n_max // 2:
-                counts.add(c)
-                c *= 4
-            for n_mb in sorted(counts):
-                for g in _expert_groups(n_mb):
-                    n, beta = n_mb * mu, g * mu
-                    lin = _linearise(d, r, w, place, n, mu, beta)
-                    best = _best_fractions(lin, l, gen, gpu_limit, cpu_limit, place[0] == "gpu")
-                    if best is not None:
-                        t, r_w, r_c = best
-                        found.append(_Candidate(t / (n * gen), place, n, mu, beta, r_w, r_c, lin))
+            t = expert_batches(place, lo, mu)
+            if t is not None:
+                largest.append((t, place, mu, lo))
+    # phase 2: throughput usually peaks at the largest batch, but a smaller one can leave room for
+    # resident weights or KV: around the best few (placement, μ), try smaller batches too
+    largest.sort(key=lambda x: x[0])
+    for _, place, mu, n_max in largest[:REFINE]:
+        for n_mb in sorted({max(1, n_max - 1), max(1, (3 * n_max) // 4), max(1, n_max // 2), max(1, n_max // 4)} - {n_max}):
+            expert_batches(place, n_mb, mu)
     found.sort(key=lambda c: c.seconds_per_token)
     return found[:keep]
 
@@ -452,7 +489,9 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
         raise _shortfall(model, hardware, workload, budget)
     gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
     best = None
-    for c in top:  # the joint LP may beat the fast path's r_c grid
+    # the fractions of the best candidate come from CBC; so do those of GPU-attention candidates,
+    # where the joint LP over (r_w, r_c) can beat the fast path's r_c grid
+    for c in [top[0]] + [c for c in top[1:] if c.place[0] == "gpu"]:
         lp = solve_fractions_lp(c.lin, model.num_layers, workload.gen_len, gpu_limit, cpu_limit, c.place[0] == "gpu")
         t, r_w, r_c = lp if lp is not None and lp[0] < c.seconds_per_token * c.n * workload.gen_len else (
             c.seconds_per_token * c.n * workload.gen_len, c.r_w, c.r_c)
