@@ -327,7 +327,10 @@ def _size(n: float) -> str:
 def _rate(hw: Any, name: str) -> str:
     value = getattr(hw, name)
     tag = "measured" if name in hw.measured else "datasheet"
-    unit = f"{value / 1e9:,.1f} GB/s" if name.endswith("_bw") else f"{value / 1e12:,.2f} TFLOP/s"
+    if name.endswith("_bw"):
+        unit = f"{value / 1e9:,.1f} GB/s"
+    else:
+        unit = f"{value / 1e12:,.1f} TFLOP/s" if value >= 1e12 else f"{value / 1e9:,.1f} GFLOP/s"
     return f"{unit} ({tag})"
 
 

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 
 def human_bytes(n: float | int | None) -> str:
+    """Decimal units, as the planner, `--gpu-mem` and disk vendors count."""
     if n is None:
         return "—"
     n = float(n)
     for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
+        if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        n /= 1000
     return f"{n:.1f} TB"
-
-
-def gb(n: float | int | None) -> str:
-    return "—" if n is None else f"{n / 1024**3:.1f} GB"
 
 
 def rate(n_per_s: float | None, unit: str = "B") -> str:

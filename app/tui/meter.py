@@ -106,6 +106,10 @@ class RunMeter:
     def add_result(self, output_tokens: int, max_new_tokens: int) -> None:
         with self._lock:
             self.done += 1
+            if output_tokens:
+                # a request's first token comes out of its prefill step, which counts prompt tokens only
+                self.tokens_out += 1
+                self._session_tokens += 1
             # the request will not use the tokens it did not generate: lower the ETA's upper bound
             self.budget_tokens = max(0, self.budget_tokens - max(0, max_new_tokens - output_tokens))
 

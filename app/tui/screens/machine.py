@@ -33,8 +33,8 @@ class MachineScreen(StepScreen):
                 yield Static("Detecting hardware and measuring bandwidth…", id="probe-what")
             yield Static("", id="source", classes="muted")
             with Horizontal(classes="actions"):
-                yield Button("Continue to Model  ⏎", id="next", variant="primary", disabled=True)
-                yield Button("Re-probe (r)", id="reprobe")
+                yield Button("Continue to Model  ⏎", compact=True, id="next", variant="primary", disabled=True)
+                yield Button("Re-probe (r)", compact=True, id="reprobe")
 
     def on_mount(self) -> None:
         self.query_one("#gpu").border_title = "GPU"

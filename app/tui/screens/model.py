@@ -42,16 +42,16 @@ class ModelScreen(StepScreen):
             yield Static("Which model? A checkpoint folder, a Hugging Face repo id, or the demo model", classes="title")
             with Horizontal(classes="field"):
                 yield Input(placeholder="folder (drag it here) or owner/name on the Hugging Face hub — Enter to open",
-                            id="model-input")
-                yield Button("Open ⏎", id="open")
-                yield Button("Demo model (d)", id="demo", variant="primary")
+                            compact=True, id="model-input")
+                yield Button("Open ⏎", compact=True, id="open")
+                yield Button("Demo model (d)", compact=True, id="demo", variant="primary")
             with Horizontal(classes="busy-row", id="download"):
                 yield ProgressBar(total=None, show_eta=False, id="dl-bar")
                 yield Static("", id="dl-text")
-                yield Button("Cancel (x)", id="cancel", variant="error")
+                yield Button("Cancel (x)", compact=True, id="cancel", variant="error")
             yield Facts(id="model-facts", classes="panel")
             with Horizontal(classes="actions"):
-                yield Button("Continue to Prompts", id="next", variant="primary", disabled=True)
+                yield Button("Continue to Prompts", compact=True, id="next", variant="primary", disabled=True)
 
     def on_mount(self) -> None:
         self.query_one("#model-facts").border_title = "Model"

@@ -46,19 +46,19 @@ class PlanScreen(StepScreen):
         with Horizontal(id="body"):
             with VerticalScroll(id="plan-form", classes="panel"):
                 yield Static("Memory budget", classes="form-head")
-                yield _row("GPU memory GB", Input(id="gpu-mem", type="number"))
-                yield _row("CPU memory GB", Input(id="cpu-mem", type="number"))
+                yield _row("GPU memory GB", Input(compact=True, id="gpu-mem", type="number"))
+                yield _row("CPU memory GB", Input(compact=True, id="cpu-mem", type="number"))
                 yield Static("Policy (edit to try your own)", classes="form-head")
-                yield _row("Batch N", Input(id="batch", type="integer"))
-                yield _row("Micro-batch μ", Input(id="micro", type="integer"))
-                yield _row("Expert batch", Input(id="expert", type="integer"))
-                yield _row("Attention on", Select(PLACES, id="attention", allow_blank=False, value="cpu"))
-                yield _row("FFN on", Select(PLACES, id="ffn", allow_blank=False, value="gpu"))
-                yield _row("GPU experts %", Input(id="gpu-weights", type="number"))
-                yield _row("GPU KV %", Input(id="gpu-kv", type="number"))
-                yield _row("Pages / layer", Input(id="pages", type="integer"))
+                yield _row("Batch N", Input(compact=True, id="batch", type="integer"))
+                yield _row("Micro-batch μ", Input(compact=True, id="micro", type="integer"))
+                yield _row("Expert batch", Input(compact=True, id="expert", type="integer"))
+                yield _row("Attention on", Select(PLACES, compact=True, id="attention", allow_blank=False, value="cpu"))
+                yield _row("FFN on", Select(PLACES, compact=True, id="ffn", allow_blank=False, value="gpu"))
+                yield _row("GPU experts %", Input(compact=True, id="gpu-weights", type="number"))
+                yield _row("GPU KV %", Input(compact=True, id="gpu-kv", type="number"))
+                yield _row("Pages / layer", Input(compact=True, id="pages", type="integer"))
                 yield Static("Results file (.jsonl or .csv)", classes="form-head")
-                yield PathInput(id="out")
+                yield PathInput(compact=True, id="out")
                 yield Static("", id="out-note", classes="muted")
             with Vertical(id="plan-right"):
                 yield Facts(id="prediction", classes="panel", label_width=16)
@@ -70,8 +70,8 @@ class PlanScreen(StepScreen):
                         yield LabelBar(label, id=f"res-{key}", value_width=12)
                 yield Static("", id="validation", classes="panel")
                 with Horizontal(classes="actions"):
-                    yield Button("Accept and run  ^N", id="accept", variant="primary", disabled=True)
-                    yield Button("Re-plan  ^R", id="replan")
+                    yield Button("Accept and run  ^N", compact=True, id="accept", variant="primary", disabled=True)
+                    yield Button("Re-plan  ^R", compact=True, id="replan")
 
     def on_mount(self) -> None:
         self.query_one("#plan-form").border_title = "Plan"
@@ -215,6 +215,7 @@ class PlanScreen(StepScreen):
         pred = plan.prediction
         machine = self.session.machine
         cpu_mode = machine is not None and machine.cpu_mode
+        self.query_one("#res-gpu", LabelBar).label = "Compute (CPU)" if cpu_mode else "GPU compute"
         if pred is not None:
             rows = [
                 ("Throughput", Text(f"{pred.tokens_per_s:,.1f} tokens/s end to end", style="bold")),
@@ -231,7 +232,7 @@ class PlanScreen(StepScreen):
             self.query_one("#prediction", Facts).set_rows(rows)
             self.query_one("#mem-gpu", LabelBar).update(
                 pred.gpu_bytes / plan.gpu_budget if plan.gpu_budget else 0.0,
-                f"{fmt.human_bytes(pred.gpu_bytes)} / {fmt.human_bytes(plan.gpu_budget)}")
+                "no GPU (CPU mode)" if cpu_mode else f"{fmt.human_bytes(pred.gpu_bytes)} / {fmt.human_bytes(plan.gpu_budget)}")
             self.query_one("#mem-cpu", LabelBar).update(
                 pred.cpu_bytes / plan.cpu_budget if plan.cpu_budget else 0.0,
                 f"{fmt.human_bytes(pred.cpu_bytes)} / {fmt.human_bytes(plan.cpu_budget)}")

@@ -43,16 +43,16 @@ class PromptsScreen(StepScreen):
             yield Static("Prompts file: .txt (one a line), .jsonl, .csv or .tsv — type it, drag it here, "
                          "or browse (Ctrl+O)", classes="title")
             with Horizontal(classes="field"):
-                yield PathInput(placeholder="path to the prompts file — Enter to open", id="prompts-input")
-                yield Button("Open ⏎", id="open")
-                yield Button("Browse ^O", id="browse")
+                yield PathInput(placeholder="path to the prompts file — Enter to open", compact=True, id="prompts-input")
+                yield Button("Open ⏎", compact=True, id="open")
+                yield Button("Browse ^O", compact=True, id="browse")
             with Horizontal(id="prompts-main"):
                 with Vertical(id="prompts-right"):
                     yield Facts(id="prompts-facts", classes="panel", label_width=14)
                     yield DataTable(id="preview", cursor_type="row", zebra_stripes=True)
                     yield Static("", id="rejects", classes="panel")
             with Horizontal(classes="actions"):
-                yield Button("Continue to Plan", id="next", variant="primary", disabled=True)
+                yield Button("Continue to Plan", compact=True, id="next", variant="primary", disabled=True)
 
     def on_mount(self) -> None:
         self.query_one("#prompts-facts").border_title = "Summary"
@@ -75,7 +75,11 @@ class PromptsScreen(StepScreen):
     @on(PathInput.Submitted, "#prompts-input")
     @on(PathInput.Dropped, "#prompts-input")
     def submitted(self, event) -> None:
-        self.open(self.query_one("#prompts-input", PathInput).path)
+        inp = self.query_one("#prompts-input", PathInput)
+        path = inp.path
+        if inp.value != str(path):
+            inp.value = str(path)  # show what was understood: quotes, escapes and file:// removed
+        self.open(path)
 
     def on_paste(self, event) -> None:
         """A file dropped while focus is elsewhere on the screen lands here."""
@@ -150,7 +154,7 @@ class PromptsScreen(StepScreen):
         self.query_one("#prompts-facts", Facts).set_rows(rows)
         table = self.query_one("#preview", DataTable)
         table.clear()
-        width = max(20, (table.size.width or 80) - 22)
+        width = max(20, (self.size.width or 80) - 34)  # id and "max new" columns, borders, padding
         for rid, text, mnt in view.preview:
             table.add_row(fmt.excerpt(rid, 10), fmt.excerpt(text, width), str(mnt))
         rejects = self.query_one("#rejects", Static)

@@ -60,7 +60,7 @@ class ResultsScreen(StepScreen):
 
     def _fill(self) -> None:
         table = self.query_one("#results", DataTable)
-        fixed = 10 + 9 + 7 + 6 + 6 * 2 + 2
+        fixed = 10 + 9 + 7 + 6 + 6 * 2 + 6  # other columns, cell padding, scrollbar
         text_w = max(12, ((self.size.width or 120) - fixed) // 2)
         for key in ("prompt", "output"):
             table.columns[key].width = text_w
@@ -141,11 +141,11 @@ class ExportScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="export", classes="modal"):
             yield Static("Export to (.csv or .jsonl); Enter writes, Esc cancels", classes="title")
-            yield PathInput(str(self.default), id="export-path")
+            yield PathInput(str(self.default), compact=True, id="export-path")
             yield Static("", id="export-note", classes="muted")
             with Horizontal(classes="actions"):
-                yield Button("Write  ⏎", id="write", variant="primary")
-                yield Button("Cancel", id="cancel")
+                yield Button("Write  ⏎", compact=True, id="write", variant="primary")
+                yield Button("Cancel", compact=True, id="cancel")
         yield Footer()
 
     def on_mount(self) -> None:

@@ -67,6 +67,8 @@ class RunScreen(StepScreen):
             yield RichLog(id="log", classes="panel", wrap=True, markup=False, max_lines=500)
 
     def on_mount(self) -> None:
+        if self.session.machine is not None and self.session.machine.cpu_mode:
+            self.query_one("#busy-gpu", LabelBar).label = "Compute (CPU)"  # telemetry's "gpu" is the CPU here
         for wid, title in (("throughput", "Throughput"), ("run-memory", "Memory (used / budget)"),
                            ("stages", "Pipeline stages (busy share)"), ("progress", "Progress"), ("log", "Log")):
             self.query_one(f"#{wid}").border_title = title
@@ -169,6 +171,9 @@ class RunScreen(StepScreen):
         self.query_one("#log", RichLog).write(line)
 
     def _redraw_if_dirty(self) -> None:
+        if not self._dirty and self.job is not None and self.job.state in ("loading", "running", "paused"):
+            # no news from the engine (a long prefill, a pause): still advance the clock and the ETA
+            self._latest, self._dirty = self.job.meter.snapshot(), True
         if self._dirty:
             self._redraw()
 
@@ -183,7 +188,7 @@ class RunScreen(StepScreen):
             tps.append(f"{snap.average_tps:,.1f}", style="bold")
             tps.append(" average")
             self.query_one("#tps", Static).update(tps)
-            self.query_one("#spark", Sparkline).data = list(snap.history) or [0.0]
+            self.query_one("#spark", Sparkline).data = list(snap.history)
             for key, used, budget in (("gpu", snap.gpu_used, snap.gpu_budget), ("cpu", snap.cpu_used, snap.cpu_budget)):
                 frac = used / budget if budget else 0.0
                 label = f"{fmt.human_bytes(used)} / {fmt.human_bytes(budget)}" if used or budget else "—"
