@@ -344,7 +344,20 @@ def _measure(hw: HardwareSpec, seconds: float) -> dict:
 
 
 def resolve(name: str, *, pcie_gbps: float | None = None, refresh_probe: bool = False) -> HardwareSpec:
-    """`--hardware NAME`: "local" (detect, then probe through the cache) or a preset; `pcie_gbps`
+    """`--hardware NAME`: "local" (detect, then probe through the cache), a preset, or a .json file
+    holding a HardwareSpec (what `mlight hw --json` prints, e.g. from another machine); `pcie_gbps`
     overrides the host↔device link."""
-    hw = probe(detect(), refresh=refresh_probe) if name.strip().lower() == "local" else preset(name)
+    if name.strip().lower() == "local":
+        hw = probe(detect(), refresh=refresh_probe)
+    elif name.lower().endswith(".json"):
+        path = Path(name).expanduser()
+        try:
+            hw = HardwareSpec.from_json(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise UsageError(f"cannot read hardware file {path}: {e}", "give a file written by `mlight hw --json`") from e
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"{path} is not a hardware description: {e}",
+                             "give a file written by `mlight hw --json`") from e
+    else:
+        hw = preset(name)
     return hw.with_link(pcie_gbps) if pcie_gbps is not None else hw

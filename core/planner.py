@@ -1,15 +1,20 @@
 """Policy search: the best Policy for a model, a machine, a workload and a memory budget.
 
 `plan(model, hardware, workload, budget) -> (Policy, Prediction)`:
-1. integers enumerated as the paper does — placements (attention/FFN on CPU or GPU), μ ∈ {1, 2, 3, 4,
-   36, 68, …}, for each μ the largest number of micro-batches that fits (doubling, then binary search)
-   and a few smaller ones, and expert batches of 1, 2, 4, … micro-batches (module batching);
+1. integers enumerated as the paper does, then refined — for each placement (attention on CPU or
+   GPU, FFN on GPU; or all on the CPU) and μ ∈ {1, 2, 3, 4, 36, 68, …}, the largest number of
+   micro-batches that fits (doubling, then binary search); for the best few (placement, μ) also
+   smaller batches; for each batch, expert batches of 1, 2, 4, … micro-batches (MoE-Gen's module
+   batching) while they keep helping;
 2. for each integer candidate the continuous fractions (r_w, r_c) that minimise end-to-end time,
    exactly: time is a convex piecewise-linear function of them (core.hrm is affine in each);
-3. the best few candidates re-solved as an LP over (r_w, r_c) jointly with pulp's bundled CBC, which
-   also serves as the reference the fast path is tested against.
+3. the winner's fractions (and those of GPU-attention candidates, where r_c matters) re-solved as an
+   LP with pulp's bundled CBC, which also serves as the reference the fast path is tested against.
 `validate(policy, ...)` says what does not fit and by how many bytes; `predict` costs a given policy.
 
+Memory counted: resident non-expert weights, r_w of the experts and the 2×layer double buffer on
+the GPU, activations (decode and prefill peaks); the rest of the experts, the pinned staging pages
+and the KV cache for prompt + generation on the CPU (or r_c of it on the GPU).
 Boundary: memory accounting and search live here; task costs live in core.hrm. Never prints.
 """
 
@@ -35,7 +40,8 @@ MAX_BATCH = 8192  # beyond this the KV cache of any real workload is the limit a
 PLACEMENTS_GPU = (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu"))
 RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 TIE_BREAK = 1e-6
-REFINE = 6  # (placement, μ) pairs whose smaller batches the search also tries
+REFINE = 6  # (placement, μ) pairs whose smaller batches and neighbouring μ the search also tries
+DENSE_MU = 1024  # μ up to here on the paper's full grid; beyond, sparser (then refined)
 CPU_ONLY_WORDS = {"gpu": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
                   "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)"}
 BOTTLENECKS = (*RESOURCES, "pipeline")  # decode layer bounds: each resource's busy time, and hrm.pipeline_seconds  # r_c values tried by the fast path; the LP refines them
@@ -361,9 +367,17 @@ def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_l
 
 
 # ---- the integer part -------------------------------------------------------------------------------
-def micro_batch_sizes(limit: int) -> list[int]:
-    """The paper's μ candidates: 1, 2, 3, 4, then 36, 68, … in steps of 32, up to `limit`."""
-    return [mu for mu in (1, 2, 3, 4) if mu <= limit] + list(range(36, limit + 1, 32))
+def micro_batch_sizes(limit: int, dense_until: int = DENSE_MU) -> list[int]:
+    """The paper's μ candidates: 1, 2, 3, 4, then 36, 68, … in steps of 32, up to `limit`. Beyond
+    `dense_until`, only every grid point ≥ 1/8 above the previous one (the search refines around
+    the best μ afterwards, on the full grid)."""
+    mus = [mu for mu in (1, 2, 3, 4) if mu <= limit] + list(range(36, min(limit, dense_until) + 1, 32))
+    mu = mus[-1] if mus else 0
+    while True:
+        mu = 4 + 32 * math.ceil((mu * 1.125 - 4) / 32)
+        if mu > limit:
+            return mus
+        mus.append(mu)
 
 
 def _expert_groups(n_mb: int) -> list[int]:
@@ -426,29 +440,40 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
                 best_here, worse = t / n, 0
         return best_here
 
+    def largest_batch(place, mu):
+        """(time per token, placement, μ, micro-batches) at the largest batch that fits, or None."""
+        if not fits(place, mu, mu):
+            return None
+        hi = 1  # largest feasible number of micro-batches: doubling, then binary search
+        while hi * 2 * mu <= n_cap and fits(place, hi * 2 * mu, mu):
+            hi *= 2
+        lo, top = hi, min(hi * 2, n_cap // mu)
+        while lo < top:
+            mid = (lo + top + 1) // 2
+            if fits(place, mid * mu, mu):
+                lo = mid
+            else:
+                top = mid - 1
+        t = expert_batches(place, lo, mu)
+        return None if t is None else (t, place, mu, lo)
+
     # phase 1: for each placement and μ, the largest batch that fits
-    largest = []
+    largest, tried = [], set()
     for place in places:
         for mu in micro_batch_sizes(n_cap):
-            if not fits(place, mu, mu):
+            tried.add((place, mu))
+            got = largest_batch(place, mu)
+            if got is None:
                 break  # a larger μ needs more memory still
-            hi = 1  # largest feasible number of micro-batches: doubling, then binary search
-            while hi * 2 * mu <= n_cap and fits(place, hi * 2 * mu, mu):
-                hi *= 2
-            lo, top = hi, min(hi * 2, n_cap // mu)
-            while lo < top:
-                mid = (lo + top + 1) // 2
-                if fits(place, mid * mu, mu):
-                    lo = mid
-                else:
-                    top = mid - 1
-            t = expert_batches(place, lo, mu)
-            if t is not None:
-                largest.append((t, place, mu, lo))
-    # phase 2: throughput usually peaks at the largest batch, but a smaller one can leave room for
-    # resident weights or KV: around the best few (placement, μ), try smaller batches too
+            largest.append(got)
+    # phase 2: around the best few (placement, μ): the full μ grid nearby (where phase 1 was sparse),
+    # and smaller batches, which can leave room for resident weights or KV
     largest.sort(key=lambda x: x[0])
     for _, place, mu, n_max in largest[:REFINE]:
+        for near in (mu - 64, mu - 32, mu + 32, mu + 64):
+            if near > DENSE_MU and near <= n_cap and (place, near) not in tried:
+                tried.add((place, near))
+                largest_batch(place, near)
         for n_mb in sorted({max(1, n_max - 1), max(1, (3 * n_max) // 4), max(1, n_max // 2), max(1, n_max // 4)} - {n_max}):
             expert_batches(place, n_mb, mu)
     found.sort(key=lambda c: c.seconds_per_token)

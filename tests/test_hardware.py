@@ -142,3 +142,15 @@ def test_damaged_cache_is_measured_again(monkeypatch, tmp_path):
 def test_real_cpu_measurement_is_positive_and_quick():
     rates = hardware._measure(hardware.detect(), seconds=0.02)
     assert rates["cpu_flops"] > 1e8 and rates["cpu_bw"] > 1e8
+
+
+def test_resolve_reads_presets_files_and_overrides_the_link(tmp_path):
+    f = tmp_path / "box.json"
+    f.write_text(preset("l4").to_json())
+    assert hardware.resolve(str(f)) == preset("l4")
+    assert hardware.resolve("t4", pcie_gbps=32).h2d_bw == 32 * GB
+    with pytest.raises(UsageError, match="hardware"):
+        hardware.resolve(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text('{"name": "x"}')
+    with pytest.raises(UsageError, match="not a hardware description"):
+        hardware.resolve(str(tmp_path / "bad.json"))

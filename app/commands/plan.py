@@ -20,7 +20,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="checkpoint folder, Hugging Face repo id already in the local cache, or preset "
                         "(mixtral-8x7b, mixtral-8x22b, dbrx, qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b)")
     p.add_argument("--hardware", default="local",
-                   help="'local' (detect + probe) or a preset: t4, l4, a10g, rtx3090, rtx4090, a100-80g, h100, "
+                   help="'local' (detect + probe), a file from `mlight hw --json`, or a preset: t4, l4, a10g, rtx3090, rtx4090, a100-80g, h100, "
                         "2xt4, 4xt4, ... (default: local)")
     p.add_argument("--prompt-len", type=int, required=True, metavar="S", help="average prompt length in tokens")
     p.add_argument("--gen-len", type=int, required=True, metavar="N", help="tokens to generate per request")
