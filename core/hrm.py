@@ -344,3 +344,35 @@ def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches:
     w = lm_head(m, tokens / micro_batches)
     flops, bw = (r.gpu_flops, r.gpu_bw) if on_gpu else (r.cpu_flops, r.cpu_bw)
     return micro_batches * (roofline_seconds(w, flops, bw) + (GPU_LAUNCH if on_gpu else CPU_LAUNCH))
+
+
+# ---- calibration -------------------------------------------------------------------------------------
+# resource -> the rates whose achieved values its busy time reveals (compute and bandwidth alike: a
+# measured busy time does not say which bound the task hit)
+_CALIBRATES = {"gpu": ("gpu_flops", "gpu_bw"), "cpu_attn": ("cpu_flops", "cpu_bw"), "h2d": ("h2d_bw",),
+               "d2h": ("d2h_bw",)}
+
+
+def calibrate(hw: HardwareSpec, predicted: dict[str, float], measured: dict[str, float],
+              min_seconds: float = 1e-4) -> HardwareSpec:
+    """The machine with its rates scaled so that predicted busy times would match measured ones.
+
+    `predicted` and `measured` map RESOURCES to busy seconds of the same work (e.g. a simulated step
+    and the engine's StepDone.busy). Resources with too little busy time on either side are left alone.
+    The scaled rates are marked measured, so they are used without derating from then on.
+    """
+    import dataclasses
+
+    r = effective_rates(hw)
+    if not hw.has_gpu:  # CPU-only: "gpu" is the CPU's dense work; both keys time the same cores
+        predicted = {"cpu_attn": predicted.get("gpu", 0.0) + predicted.get("cpu_attn", 0.0)}
+        measured = {"cpu_attn": measured.get("gpu", 0.0) + measured.get("cpu_attn", 0.0)}
+    changes: dict[str, float] = {}
+    for res, fields in _CALIBRATES.items():
+        p, m = predicted.get(res, 0.0), measured.get(res, 0.0)
+        if p < min_seconds or m < min_seconds:
+            continue
+        for f in fields:
+            per_gpu = not f.startswith("cpu")  # effective GPU and link rates are summed over GPUs
+            changes[f] = getattr(r, f) * (p / m) / (hw.gpu_count if per_gpu else 1)
+    return dataclasses.replace(hw, **changes, measured=tuple(sorted(set(hw.measured) | set(changes))))

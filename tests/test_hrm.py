@@ -111,3 +111,26 @@ def test_busy_time_is_sum_of_tasks_per_resource():
     assert busy["h2d"] == pytest.approx(6 * tasks["weight_page"].seconds + 3 * tasks["d2"].seconds)
     assert tasks["weight_page"].seconds * 6 == pytest.approx(
         0.8 * MIXTRAL.layer_expert_bytes / r.h2d_bw + 6 * 0.8 * hrm.COPY_LAUNCH)
+
+
+def test_calibration_makes_predicted_busy_times_match_measured_ones():
+    hw = preset("l4")
+    kw = dict(batch=512, micro_batch=64, expert_batch=128, attention_on="cpu", ffn_on="gpu",
+              gpu_weight_fraction=0.1, gpu_kv_fraction=0.0, context=200.0)
+    before = hrm.decode_layer_seconds(MIXTRAL, hrm.effective_rates(hw), **kw)
+    measured = {"gpu": before["gpu"] * 1.5, "cpu_attn": before["cpu_attn"] * 2, "h2d": before["h2d"] * 1.25,
+                "d2h": 0.0}
+    tuned = hrm.calibrate(hw, before, measured)
+    assert set(tuned.measured) == {"gpu_flops", "gpu_bw", "cpu_flops", "cpu_bw", "h2d_bw"}
+    after = hrm.decode_layer_seconds(MIXTRAL, hrm.effective_rates(tuned), **kw)
+    for k in ("gpu", "cpu_attn", "h2d"):  # launch overheads do not scale: close, not exact
+        assert after[k] == pytest.approx(measured[k], rel=0.05)
+    assert after["d2h"] == pytest.approx(before["d2h"])
+
+
+def test_calibration_on_a_cpu_only_machine_scales_the_cpu():
+    import dataclasses
+
+    hw = dataclasses.replace(preset("t4"), gpu_name=None, gpu_count=0)
+    tuned = hrm.calibrate(hw, {"gpu": 1.0, "cpu_attn": 1.0}, {"gpu": 3.0, "cpu_attn": 1.0})
+    assert tuned.cpu_bw == pytest.approx(hrm.effective_rates(hw).cpu_bw / 2) and tuned.gpu_flops == hw.gpu_flops
