@@ -1,4 +1,4 @@
-"""Turn what a terminal pastes when a file is dragged onto it into a plain path string.
+r"""Turn what a terminal pastes when a file is dragged onto it into a plain path string.
 
 Terminals differ: some paste the path shell-quoted ('/a b/c.txt'), some backslash-escape spaces
 (/a\ b/c.txt), some paste a file:// URL with percent-encoding, Windows terminals paste "C:\\a b\\c.txt"

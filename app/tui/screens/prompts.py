@@ -85,7 +85,8 @@ class PromptsScreen(StepScreen):
         """A file dropped while focus is elsewhere on the screen lands here."""
         inp = self.query_one("#prompts-input", PathInput)
         inp.value = ""
-        inp._on_paste(event)
+        inp.focus()
+        inp.post_message(event.__class__(event.text))
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         match event.button.id:

@@ -27,10 +27,10 @@ class PathInput(Input):
             return self.input
 
     def _on_paste(self, event: events.Paste) -> None:
-        whole = not self.value or (self.selection.end - self.selection.start) == len(self.value)
+        whole = not self.value or abs(self.selection.end - self.selection.start) == len(self.value)
         if not whole or not event.text.strip():
-            super()._on_paste(event)
-            return
+            return  # an edit inside a path: Input's own paste handler (called after this one) inserts it
+        event.prevent_default()  # Textual would otherwise also run Input._on_paste
         event.stop()
         path = parse_dropped_path(event.text)
         self.value = path

@@ -1,0 +1,252 @@
+"""The whole app, driven by keys with Textual's Pilot, on the real engine and the built-in demo model.
+
+pick demo → load a prompts file → accept the plan → run to completion → export CSV and JSONL →
+check both files; then stop-and-resume, and what the screens say about bad files and folders.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from textual import events
+
+from app.tui.app import create_app
+from app.tui.backend import Backend
+from app.tui.session import Options
+from app.tui.widgets.path_input import PathInput
+from test_app_support import settle, status_text, sync, write_prompts
+
+SIZE = (120, 40)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+async def _to_prompts(pilot) -> None:
+    """Machine → Model (demo) → Prompts, by keys only."""
+    app = pilot.app
+    await settle(pilot)
+    assert type(app.screen).__name__ == "MachineScreen"
+    await pilot.press("enter")  # "Continue to Model" has the focus
+    await settle(pilot)
+    assert type(app.screen).__name__ == "ModelScreen"
+    await pilot.press("enter")  # "Demo model" has the focus
+    await settle(pilot)
+    assert app.session.model is not None and app.session.model.source == "demo", status_text(app)
+    await pilot.press("ctrl+n")
+    await settle(pilot)
+    assert type(app.screen).__name__ == "PromptsScreen"
+
+
+async def _open_prompts(pilot, path: Path) -> None:
+    inp = pilot.app.screen.query_one("#prompts-input", PathInput)
+    inp.focus()
+    inp.value = str(path)
+    await pilot.press("enter")
+    await settle(pilot)
+
+
+@pytest.mark.timeout(240)
+@sync
+async def test_whole_flow_on_the_demo_model(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", n=4, max_new_tokens=4)
+    out = tmp_path / "run.jsonl"
+    app = create_app(Options(), Backend(max_new_tokens=4))
+    async with app.run_test(size=SIZE) as pilot:
+        await _to_prompts(pilot)
+        await _open_prompts(pilot, prompts)
+        assert app.session.prompts.count == 4, status_text(app)
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        assert type(app.screen).__name__ == "PlanScreen"
+        assert app.session.plan is not None and not app.session.plan.problems, status_text(app)
+        app.screen.query_one("#out", PathInput).value = str(out)
+        await pilot.press("ctrl+n")  # accept the plan: the run starts
+        await settle(pilot, rounds=3)
+        assert type(app.screen).__name__ == "RunScreen"
+        assert app.session.run_state == "done", status_text(app)
+        assert "Done: 4 results" in status_text(app)
+        run_records = _jsonl(out)
+        assert [r["id"] for r in run_records] == ["mtbench-81", "mtbench-82", "mtbench-83", "mtbench-84"]
+        assert all(1 <= r["output_tokens"] <= 4 for r in run_records)
+
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        assert type(app.screen).__name__ == "ResultsScreen"
+        for key, name in (("c", "export.csv"), ("j", "export.jsonl")):
+            await pilot.press(key)
+            await settle(pilot)
+            assert type(app.screen).__name__ == "ExportScreen"
+            app.screen.query_one("#export-path", PathInput).value = str(tmp_path / name)
+            await pilot.press("enter")
+            await settle(pilot)
+            assert type(app.screen).__name__ == "ResultsScreen"
+            assert f"Wrote 4 results as {name.split('.')[1].upper()}" in status_text(app)
+
+    exported = _jsonl(tmp_path / "export.jsonl")
+    assert exported == run_records
+    with open(tmp_path / "export.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["id"] for r in rows] == [r["id"] for r in run_records]
+    for row, rec in zip(rows, run_records):
+        assert row["prompt"] == rec["prompt"]
+        assert row["output"] == rec["output"]
+        assert int(row["output_tokens"]) == rec["output_tokens"]
+        assert row["finish_reason"] == rec["finish_reason"]
+
+
+class _StopAfterFirst(Backend):
+    """The real engine, wrapped so that the test presses `s` right after the first result arrives."""
+
+    def __init__(self, app_ref: list, **kw):
+        super().__init__(**kw)
+        self.app_ref = app_ref
+        self.asked: list[list[str]] = []  # request ids given to each generate call
+        self.stop_once = True
+
+    def engine(self, path, progress=lambda e: None):
+        real = super().engine(path, progress)
+        backend = self
+
+        class Wrapped:
+            context_length = real.context_length
+            prompt_token_ids = staticmethod(real.prompt_token_ids)
+
+            def generate(self, requests, **kw):
+                requests = list(requests)
+                backend.asked.append([r.id for r in requests])
+                for result in real.generate(requests, **kw):
+                    yield result
+                    if backend.stop_once:
+                        backend.stop_once = False
+                        app = backend.app_ref[0]
+                        app.call_from_thread(app.screen.action_stop)  # as if `s` were pressed
+
+        return Wrapped()
+
+
+@pytest.mark.timeout(240)
+@sync
+async def test_stop_is_clean_and_resume_finishes_the_rest(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", n=5, max_new_tokens=3)
+    out = tmp_path / "out.jsonl"
+    ref: list = []
+    backend = _StopAfterFirst(ref, max_new_tokens=3)
+    app = create_app(Options(model="demo", prompts=str(prompts), out=str(out)), backend)
+    ref.append(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, rounds=3)
+        assert type(app.screen).__name__ == "PlanScreen", status_text(app)  # --model + --prompts: straight to Plan
+        # one request at a time, so that the stop lands between requests
+        for wid, value in (("batch", "1"), ("micro", "1"), ("expert", "1")):
+            app.screen.query_one(f"#{wid}").value = value
+            await settle(pilot)
+        assert app.session.plan.policy.batch_size == 1, status_text(app)
+        await pilot.press("ctrl+n")
+        await settle(pilot, rounds=3)
+        assert app.session.run_state == "stopped", status_text(app)
+        assert "r resumes" in status_text(app)
+        run_file = out.with_name(out.name + ".run.jsonl")
+        kept = _jsonl(run_file)[1:]  # line 1 is the manifest
+        assert 1 <= len(kept) < 5
+        assert not out.exists()  # the final output is written only when every request is done
+
+        await pilot.press("r")
+        await settle(pilot, rounds=3)
+        assert app.session.run_state == "done", status_text(app)
+        log = "\n".join(str(line.text) for line in app.screen.query_one("#log").lines)
+        assert f"Resuming: {len(kept)} results" in log
+
+    final = _jsonl(out)
+    ids = [r["id"] for r in final]
+    assert ids == [f"mtbench-{81 + i}" for i in range(5)]  # every request exactly once, in file order
+    assert {r["id"]: r for r in final}[kept[0]["id"]] == kept[0]  # the stopped run's result is kept as is
+    assert len(backend.asked) == 2
+    assert set(backend.asked[1]).isdisjoint(r["id"] for r in kept)  # finished requests are not run again
+    assert not run_file.exists()
+
+
+@sync
+async def test_bad_prompt_files_say_what_is_wrong(tmp_path):
+    from core.hardware import preset
+
+    bad_lines = tmp_path / "some_bad.jsonl"
+    bad_lines.write_text('{"prompt": "fine"}\n{"prompt": \n{"text": "no prompt"}\n{"prompt": "also fine"}\n',
+                         encoding="utf-8")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"hello\x00world")
+    no_column = tmp_path / "no_column.csv"
+    no_column.write_text("question,id\nwhat?,1\n", encoding="utf-8")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9\n".encode("latin-1"))
+
+    app = create_app(Options(), Backend(hardware=preset("t4")))
+    async with app.run_test(size=SIZE) as pilot:
+        await _to_prompts(pilot)
+        await _open_prompts(pilot, tmp_path / "missing.jsonl")
+        assert "not found" in status_text(app)
+        await _open_prompts(pilot, binary)
+        assert "binary file" in status_text(app)
+        await _open_prompts(pilot, no_column)
+        assert "no `prompt` column" in status_text(app)
+        await _open_prompts(pilot, latin1)
+        assert "not UTF-8" in status_text(app) and "byte offset 3" in status_text(app)
+        assert app.screen.query_one("#next").disabled
+
+        await _open_prompts(pilot, bad_lines)
+        assert app.session.prompts.count == 2
+        rejects = str(app.screen.query_one("#rejects").render())
+        assert "line 2: bad JSON" in rejects
+        assert "line 3:" in rejects and "neither `prompt` nor `messages`" in rejects
+        assert "2 bad lines will be skipped" in status_text(app)
+        assert not app.screen.query_one("#next").disabled
+
+
+@sync
+async def test_dropping_a_file_onto_the_prompts_screen_opens_it(tmp_path):
+    from core.hardware import preset
+
+    folder = tmp_path / "my prompts été"
+    folder.mkdir()
+    prompts = write_prompts(folder / "drop me.jsonl", n=3, max_new_tokens=2)
+    app = create_app(Options(), Backend(hardware=preset("t4")))
+    async with app.run_test(size=SIZE) as pilot:
+        await _to_prompts(pilot)
+        inp = app.screen.query_one("#prompts-input", PathInput)
+        inp.focus()
+        await pilot.pause()
+        escaped = str(prompts).replace(" ", "\\ ")  # how iTerm2 / macOS Terminal paste a dropped file
+        inp.post_message(events.Paste(escaped))
+        await settle(pilot)
+        assert inp.value == str(prompts)
+        assert app.session.prompts is not None and app.session.prompts.count == 3, status_text(app)
+
+
+@sync
+async def test_bad_model_folders_say_what_is_wrong(tmp_path):
+    from core.hardware import preset
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"],
+                                                    "auto_map": {"AutoModel": "x.Y"}}), encoding="utf-8")
+    app = create_app(Options(), Backend(hardware=preset("t4")))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("enter")
+        await settle(pilot)
+        inp = app.screen.query_one("#model-input")
+        for path, expected in ((empty, "has no config.json"), (remote, "remote code"),
+                               (tmp_path / "nowhere" / "x" / "y", "no such folder")):
+            inp.value = str(path)
+            inp.focus()
+            await pilot.press("enter")
+            await settle(pilot)
+            assert expected in status_text(app), status_text(app)
+            assert app.session.model is None

@@ -1,0 +1,118 @@
+"""Helpers shared by the app's tests (no tests here; the name keeps it among the app's test files).
+
+- `sync`: runs an async test function under asyncio.run.
+- `settle(pilot)`: wait for every worker, then let messages land — no sleeps.
+- `write_prompts(path, n, max_new_tokens)`: a small prompts file from the MT-Bench demo prompts.
+- `ScriptedEngine` / `ScriptedBackend`: a stand-in engine that replays fixed telemetry and results,
+  for snapshots that must not depend on this machine's speed. The flow tests use the real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+from textual.worker import WorkerFailed
+
+from app.tui.backend import Backend
+from core.telemetry import MemorySample, StepDone, WarningEvent
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_PROMPTS = ROOT / "assets" / "demo_prompts.jsonl"
+
+
+def sync(test):
+    """Run an async test with asyncio.run (no pytest async plugin needed); fixtures pass through."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+
+    return run
+
+
+async def settle(pilot, rounds: int = 2) -> None:
+    """Wait until no worker is running and the messages they posted have been handled."""
+    app = pilot.app
+    for _ in range(rounds):
+        try:
+            await app.workers.wait_for_complete()
+        except WorkerFailed:
+            pass  # the screen shows the error; the test reads it from the status line
+        await pilot.pause()
+
+
+def status_text(app) -> str:
+    return str(app.screen.query_one("#status").render())
+
+
+def write_prompts(path: Path, n: int, max_new_tokens: int) -> Path:
+    lines = DEMO_PROMPTS.read_text(encoding="utf-8").splitlines()[:n]
+    out = []
+    for line in lines:
+        rec = json.loads(line)
+        rec["max_new_tokens"] = max_new_tokens
+        out.append(json.dumps(rec))
+    path.write_text("\n".join(out) + "\n", encoding="utf-8")
+    return path
+
+
+class FrozenClock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclasses.dataclass
+class _Result:
+    id: str
+    prompt: str
+    output: str
+    output_token_ids: list
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class ScriptedEngine:
+    """Replays a fixed run: a prefill, decode steps with set busy shares, a warning, then results."""
+
+    context_length = 4096
+
+    def prompt_token_ids(self, req) -> list[int]:
+        return list(range(10 + len(req.prompt or "") // 8))
+
+    def generate(self, requests, *, batch_size, micro_batch_size=None, on_event, should_stop=None):
+        requests = list(requests)
+        on_event(StepDone("prefill", 480, 0.5, {"gpu": 0.4, "cpu_attn": 0.05}, active=len(requests),
+                          cpu_mem_bytes=350_000_000))
+        on_event(MemorySample(gpu_used=0, gpu_budget=0, cpu_used=360_000_000, cpu_budget=20_000_000_000))
+        on_event(WarningEvent("pinned memory refused; using pageable memory (copies are slower)"))
+        for i in range(24):
+            on_event(StepDone("decode", len(requests), 0.1 + 0.01 * (i % 5),
+                              {"gpu": 0.07, "cpu_attn": 0.02, "h2d": 0.005, "d2h": 0.002}, active=len(requests),
+                              cpu_mem_bytes=360_000_000))
+        for i, r in enumerate(requests):
+            n = r.max_new_tokens if i % 3 else max(1, r.max_new_tokens // 2)
+            yield _Result(r.id, r.prompt, f"Scripted answer {i} to: {r.prompt[:40]}", list(range(n)),
+                          len(self.prompt_token_ids(r)), n, "length" if i % 3 else "stop", 2.5 + i / 10)
+
+
+class ScriptedBackend(Backend):
+    """A real Backend (planner, prompts, run store, writers) with a scripted engine and a stable model path."""
+
+    def open_model(self, text, machine, progress=lambda e: None, should_stop=lambda: False):
+        view = super().open_model(text, machine, progress, should_stop)
+        return dataclasses.replace(view, path=Path("~/.cache/mlight/demo-mixtral-v1"))
+
+    def engine(self, path, progress=lambda e: None):
+        return ScriptedEngine()
