@@ -38,13 +38,13 @@ GPU_USABLE = 0.86
 CPU_USABLE = 0.80
 MAX_BATCH = 8192  # beyond this the KV cache of any real workload is the limit anyway
 PLACEMENTS_GPU = (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu"))
-RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
-TIE_BREAK = 1e-6
+RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # r_c values tried by the fast path; the LP refines them
+TIE_BREAK = 1e-6  # weight of the summed busy time: among equally fast policies, prefer less work
 REFINE = 6  # (placement, μ) pairs whose smaller batches and neighbouring μ the search also tries
 DENSE_MU = 1024  # μ up to here on the paper's full grid; beyond, sparser (then refined)
 CPU_ONLY_WORDS = {"gpu": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
                   "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)"}
-BOTTLENECKS = (*RESOURCES, "pipeline")  # decode layer bounds: each resource's busy time, and hrm.pipeline_seconds  # r_c values tried by the fast path; the LP refines them
+BOTTLENECKS = (*RESOURCES, "pipeline")  # decode layer bounds: each resource's busy time, and hrm.pipeline_seconds
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,6 @@ def _total(lin: _Lin, layers: int, gen: int, r_w: float, r_c: float) -> float:
     dec = [a + b * r_w + c * r_c for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c)]
     pre = [a + b * r_w + c * r_c for a, b, c in zip(lin.pre0, lin.pre_w, lin.pre_c)]
     agg = sum if lin.serial else max
-    # a hair of the summed busy time breaks ties between equally fast policies toward less work
     return layers * (agg(pre) + (gen - 1) * agg(dec) + TIE_BREAK * (gen - 1) * sum(dec)) + lin.fixed
 
 
@@ -514,8 +513,8 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
         raise _shortfall(model, hardware, workload, budget)
     gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
     best = None
-    # the fractions of the best candidate come from CBC; so do those of GPU-attention candidates,
-    # where the joint LP over (r_w, r_c) can beat the fast path's r_c grid
+    # re-solve the best candidate's fractions with CBC, and those of GPU-attention candidates, where
+    # the joint LP over (r_w, r_c) can beat the fast path's r_c grid; keep the better answer of the two
     for c in [top[0]] + [c for c in top[1:] if c.place[0] == "gpu"]:
         lp = solve_fractions_lp(c.lin, model.num_layers, workload.gen_len, gpu_limit, cpu_limit, c.place[0] == "gpu")
         t, r_w, r_c = lp if lp is not None and lp[0] < c.seconds_per_token * c.n * workload.gen_len else (
