@@ -208,6 +208,42 @@ def ffn_intensities(m: "ModelSpec | Dims", expert_batch: float, batch: float, gp
     return flops / gpu_bytes, (flops / link if link else float("inf"))
 
 
+def task_table(m: "ModelSpec | Dims", r: Rates, *, micro_batch: int, context: float, expert_batch: int | None = None,
+               prompt_len: int = 128) -> list[dict]:
+    """The HRM view of one layer, per task: FLOPs, bytes read where it runs, bytes that cross the link if
+    its data (weights or KV) lives on the other level, both intensities, what the GPU and the CPU can
+    attain (the GPU with the data local and with the data streamed), and the turning points P1/P2
+    (in cross-level intensity; the task's I^link below P1 means: compute it where the data lives)."""
+    d = dims(m)
+    beta = expert_batch or micro_batch
+    rows = [
+        ("qkv_proj", qkv_proj(d, micro_batch), d.D * (d.q + 2 * d.kv) * d.dt),
+        ("o_proj", o_proj(d, micro_batch), d.q * d.D * d.dt),
+        ("router", router(d, micro_batch), d.E * d.D * d.dt),
+        ("moe_ffn", moe_ffn(d, beta), expected_experts(beta, d.E, d.k) * d.expert_bytes),
+        ("shared_expert", shared_expert(d, micro_batch), 3 * d.D * d.Is * d.dt),
+        ("decode_attention", decode_attention(d, micro_batch, context), micro_batch * context * d.kv_tok_layer),
+        ("prefill_attention", prefill_attention(d, 1, prompt_len), prompt_len * 2 * d.kv * d.dt),
+        ("lm_head", lm_head(d, micro_batch), d.V * d.D * d.dt),
+    ]
+    out = []
+    for name, w, remote in rows:
+        if not w.flops:
+            continue
+        i_remote = w.flops / remote if remote else float("inf")
+        p1, p2 = (turning_points(r.gpu_flops, r.gpu_bw, w.intensity, r.cpu_flops, r.cpu_bw, w.intensity, r.h2d_bw)
+                  if r.has_gpu else (float("nan"), float("nan")))
+        out.append({
+            "task": name, "flops": w.flops, "bytes": w.bytes, "intensity": w.intensity,
+            "link_bytes": remote, "link_intensity": i_remote,
+            "gpu_flops_local": attainable(r.gpu_flops, r.gpu_bw, w.intensity) if r.has_gpu else 0.0,
+            "gpu_flops_streamed": attainable(r.gpu_flops, r.gpu_bw, w.intensity, r.h2d_bw, i_remote) if r.has_gpu else 0.0,
+            "cpu_flops": attainable(r.cpu_flops, r.cpu_bw, w.intensity),
+            "p1": p1, "p2": p2,
+        })
+    return out
+
+
 LOOKAHEAD = 2  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU (= core.schedule.LOOKAHEAD)
 
 

@@ -134,3 +134,14 @@ def test_calibration_on_a_cpu_only_machine_scales_the_cpu():
     hw = dataclasses.replace(preset("t4"), gpu_name=None, gpu_count=0)
     tuned = hrm.calibrate(hw, {"gpu": 1.0, "cpu_attn": 1.0}, {"gpu": 3.0, "cpu_attn": 1.0})
     assert tuned.cpu_bw == pytest.approx(hrm.effective_rates(hw).cpu_bw / 2) and tuned.gpu_flops == hw.gpu_flops
+
+
+def test_task_table_says_where_each_task_belongs():
+    r = hrm.effective_rates(preset("t4"))
+    rows = {row["task"]: row for row in hrm.task_table(MIXTRAL, r, micro_batch=128, context=300, expert_batch=2048)}
+    attn, ffn = rows["decode_attention"], rows["moe_ffn"]
+    assert attn["link_intensity"] < attn["p1"] and attn["cpu_flops"] > attn["gpu_flops_streamed"]  # stays on CPU
+    assert ffn["link_intensity"] > ffn["p1"] and ffn["gpu_flops_streamed"] > ffn["cpu_flops"]  # goes to the GPU
+    assert "shared_expert" not in rows  # Mixtral has none
+    qwen = {row["task"] for row in hrm.task_table(preset_spec("qwen1.5-moe-a2.7b"), r, micro_batch=8, context=10)}
+    assert "shared_expert" in qwen
