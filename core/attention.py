@@ -12,15 +12,18 @@ import torch.nn.functional as F
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q [B, Hq, hd]; k/v_cache [B, Hkv, Tmax, hd] (rows of the cache); lengths [B] -> [B, Hq·hd]."""
+                     scale: float, span: tuple[int, int] | None = None) -> torch.Tensor:
+    """q [B, Hq, hd]; k/v_cache [B, Hkv, Tmax, hd] (rows of the cache); lengths [B] -> [B, Hq·hd].
+
+    `span` = (min, max) of `lengths`, known on the host, so a device-side `lengths` costs no sync.
+    """
     B, Hq, hd = q.shape
     Hkv = k_cache.shape[1]
-    T = int(lengths.max())
+    shortest, T = span if span is not None else (int(lengths.min()), int(lengths.max()))
     k, v = k_cache[:, :, :T], v_cache[:, :, :T]
     qg = q.view(B, Hkv, Hq // Hkv, hd)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, T]
-    if int(lengths.min()) < T:
+    if shortest < T:
         pad = torch.arange(T, device=q.device)[None, :] >= lengths[:, None]
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1).to(q.dtype)

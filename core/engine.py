@@ -9,6 +9,7 @@ every active request, retire finished ones — and hands the per-layer work to a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -148,6 +149,7 @@ class Engine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.context_length = spec.max_position
         self.fault = None  # tests: passed to the runner to inject a failure into a task
+        self.policy = None  # the planner's Policy this engine was loaded with, if any
         self._executor = None
 
     def executor(self):
@@ -172,10 +174,20 @@ class Engine:
     def load(cls, model_dir, *, dtype: str | torch.dtype | None = None, device: str | None = None,
              pages_per_layer: int = 1, executor: str | None = None, schedule: str | None = None,
              resident_layers: int | None = None, expert_group: int = 1, grouped: bool | None = None,
-             progress: EventSink = ignore) -> "Engine":
+             policy=None, progress: EventSink = ignore) -> "Engine":
+        """Load a checkpoint. A `core.policy.Policy` (the planner's) sets paging, resident experts, the
+        expert batch and attention placement; the explicit arguments are for tests and benchmarks."""
         model_dir = Path(model_dir)
-        config = run_config(device, executor, schedule, resident_layers, expert_group)
         spec = load_spec(model_dir)
+        if policy is not None:
+            pages_per_layer = policy.pages_per_layer
+            resident_layers = int(policy.gpu_weight_fraction * spec.num_layers + 1e-9)
+            expert_group = policy.micro_batches_per_expert_batch
+            if schedule is None and policy.attention_on == "gpu":
+                schedule = "s4"
+        config = run_config(device, executor, schedule, resident_layers, expert_group)
+        if config.device == "cuda" and config.resident_layers is None:
+            config = dataclasses.replace(config, resident_layers=_layers_that_fit(spec, dtype))
         tokenizer = _load_tokenizer(model_dir)
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -183,8 +195,10 @@ class Engine:
             dtype = DTYPES[dtype]
         weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer,
                                pin=config.device == "cuda", progress=progress)
-        return cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
-                   grouped=grouped)
+        engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
+                     grouped=grouped)
+        engine.policy = policy
+        return engine
 
     def runner(self, slots: int, micro_batch_size: int, max_tokens: int) -> PipelineRunner:
         """A runner over a fresh KV cache for `slots` requests of up to `max_tokens` tokens."""
@@ -215,8 +229,14 @@ class Engine:
         return self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, requests: Iterable[Request], *, batch_size: int = 64, micro_batch_size: int | None = None,
-                 on_event: EventSink = ignore, should_stop: Callable[[], bool] | None = None) -> Iterator[Result]:
+    def generate(self, requests: Iterable[Request], *, batch_size: int | None = None,
+                 micro_batch_size: int | None = None, on_event: EventSink = ignore,
+                 should_stop: Callable[[], bool] | None = None) -> Iterator[Result]:
+        """Yield each request's Result as it finishes. Batch sizes default to the policy's, else 64 / the batch."""
+        if batch_size is None:
+            batch_size = self.policy.batch_size if self.policy else 64
+        if micro_batch_size is None and self.policy is not None:
+            micro_batch_size = self.policy.micro_batch_size
         seqs = [self._admit_check(r) for r in requests]
         if not seqs:
             return
@@ -328,6 +348,14 @@ class Engine:
             on_event(RequestDone(res.id, res.prompt_tokens, res.output_tokens, res.seconds, res.finish_reason))
             results.append(res)
         return results
+
+
+def _layers_that_fit(spec: ModelSpec, dtype) -> int:
+    """Without a plan: keep as many layers' experts on the GPU as fit beside everything else."""
+    free, _ = torch.cuda.mem_get_info()
+    b = (DTYPES[dtype] if isinstance(dtype, str) else dtype or spec.torch_dtype).itemsize / spec.dtype_bytes
+    fixed = (spec.nonexpert_bytes + 2 * spec.layer_expert_bytes) * b + 2e9  # + activations and KV staging
+    return max(0, min(spec.num_layers, int((0.85 * free - fixed) // (spec.layer_expert_bytes * b))))
 
 
 def _is_oom(e: BaseException) -> bool:

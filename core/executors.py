@@ -91,26 +91,33 @@ class ThreadedExecutor:
     def _work(self, q: queue.SimpleQueue) -> None:
         if self._setup is not None:
             self._setup()
-        clock = time.perf_counter
         while True:
             item = q.get()
             if item is _STOP:
                 return
             step, task = item
-            for d in task.deps:
-                step.events[d].wait()
+            self._wait_deps(step, task)
             if not step.failed:
-                t0 = clock()
                 try:
-                    step.fn(task)
+                    self._execute(step, task)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                     step.fail(task, e)
-                step.add_busy(task.resource, clock() - t0)
             step.events[task.id].set()
+
+    def _wait_deps(self, step: "_Step", task) -> None:
+        for d in task.deps:
+            step.events[d].wait()
+
+    def _execute(self, step: "_Step", task) -> None:
+        t0 = time.perf_counter()
+        try:
+            step.fn(task)
+        finally:
+            step.add_busy(task.resource, time.perf_counter() - t0)
 
     def run(self, tasks: Iterable[TaskLike], fn: Callable[[TaskLike], None]) -> dict[str, float]:
         tasks = list(tasks)
-        step = _Step(tasks, fn)
+        step = self._new_step(tasks, fn)
         for t in tasks:
             if t.resource not in self._queues:
                 self._add_worker(t.resource)
@@ -118,9 +125,19 @@ class ThreadedExecutor:
         for t in tasks:
             step.events[t.id].wait()
         if step.error is not None:
+            self._after_failure()
             task, err = step.error
             raise TaskFailed(f"{_describe(task)} failed: {type(err).__name__}: {err}") from err
+        return self._finish(step)
+
+    def _new_step(self, tasks: list, fn: Callable) -> "_Step":
+        return _Step(tasks, fn)
+
+    def _finish(self, step: "_Step") -> dict[str, float]:
         return step.busy
+
+    def _after_failure(self) -> None:
+        pass
 
     def close(self) -> None:
         for q in self._queues.values():

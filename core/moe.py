@@ -32,6 +32,8 @@ def _grouped_ok(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     # grouped_mm wants fp32/bf16/fp16 and 16-byte aligned strides on every operand.
     if not HAS_GROUPED_MM or h.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
+    if h.is_cuda and (torch.cuda.get_device_capability(h.device) < (8, 0) or h.dtype != torch.bfloat16):
+        return False  # the CUDA kernel wants bf16 on SM80+ (a T4 takes the loop)
     es = h.element_size()
     return all((n * es) % 16 == 0 for n in (w13.shape[-1], w13.shape[-2], w2.shape[-1], w2.shape[-2]))
 
@@ -45,7 +47,8 @@ def experts(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token_of = order // k
     xs = h.index_select(0, token_of)  # [T·k, D] tokens in expert order
-    counts = torch.bincount(flat, minlength=E)
+    # scatter, not bincount: bincount reads its max back to the host, a sync on the GPU
+    counts = torch.zeros(E, dtype=torch.int64, device=h.device).index_add_(0, flat, torch.ones_like(flat))
     if grouped is None:
         grouped = _grouped_ok(h, w13, w2)
     if grouped:

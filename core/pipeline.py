@@ -38,6 +38,7 @@ class _MB:
         self.slots = torch.tensor(slots)
         self.positions = torch.tensor(positions)
         self.lengths = self.positions + 1
+        self.span = (min(positions) + 1, max(positions) + 1)  # on the host: attention needs no device sync
         self.tokens_d = torch.tensor(tokens, device=device)
         self.positions_d = self.positions.to(device)
         self.lengths_d = self.lengths.to(device)
@@ -237,7 +238,8 @@ class PipelineRunner:
         mb, i = self._step[t.micro_batch], t.layer
         q, k, v = (mb.hq, mb.hk, mb.hv) if mb.hq is not None else (mb.q, mb.k, mb.v)
         self.cache.write(i, mb.slots, mb.positions, k, v)
-        o = decode_attention(q, mb.cache_rows(self.cache.k[i]), mb.cache_rows(self.cache.v[i]), mb.lengths, self.scale)
+        o = decode_attention(q, mb.cache_rows(self.cache.k[i]), mb.cache_rows(self.cache.v[i]), mb.lengths, self.scale,
+                             mb.span)
         if self.ffn_on == "cpu":
             mb.o = o
         else:
@@ -299,7 +301,7 @@ class PipelineRunner:
 
     def _kv_load(self, t):
         mb, i = self._step[t.micro_batch], t.layer
-        T = int(mb.positions.max())  # tokens already cached
+        T = mb.span[1] - 1  # tokens already cached
         kd, vd = self.kv_d[(i % 2, t.micro_batch)]
         if T:
             kd[:mb.B, :, :T].copy_(mb.cache_rows(self.cache.k[i])[:, :, :T], **self._copy_kw)
@@ -312,7 +314,7 @@ class PipelineRunner:
         rows = torch.arange(mb.B, device=self.device)
         kd[rows, :, mb.positions_d] = mb.k
         vd[rows, :, mb.positions_d] = mb.v
-        mb.o = decode_attention(mb.q, kd[:mb.B], vd[:mb.B], mb.lengths_d, self.scale)
+        mb.o = decode_attention(mb.q, kd[:mb.B], vd[:mb.B], mb.lengths_d, self.scale, mb.span)
 
     def _kv_store(self, t):
         if self._pre is not None:  # prefill: the micro-batch's whole prompts
