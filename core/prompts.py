@@ -453,7 +453,7 @@ def _reject_duplicates(out: PromptSet) -> None:
     out.rejects.sort(key=lambda r: r.line)
 
 
-def iter_lines(rejects: Iterable[Reject], limit: int = 20) -> Iterable[str]:
+def reject_lines(rejects: Iterable[Reject], limit: int = 20) -> Iterable[str]:
     """The rejects as `file:line: reason` lines, at most `limit` of them and a count of the rest."""
     rejects = list(rejects)
     for r in rejects[:limit]:

@@ -129,6 +129,9 @@ class RunStore:
         manifest = {MANIFEST_KEY: MANIFEST_VERSION, **manifest}
         if self.run_path.exists():
             old, records = self._load()
+            if old is None and not restart:
+                raise UsageError(f"{self.run_path.name} is not a run file mlight can read (its first line is not a "
+                                 "manifest)", "move it away, or pass --restart to replace it")
             if old is not None and not restart:
                 diff = [label for key, label in IDENTITY.items() if old.get(key) != manifest.get(key)]
                 if diff:

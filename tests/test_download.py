@@ -260,7 +260,7 @@ def test_resolve_model_folder_repo_or_error(hub, tmp_path):
     assert resolve_model("org/tiny")[1] == "org/tiny"
 
 
-def test_cli_download_and_run_from_repo_id(hub, sharded_files, tmp_path):
+def test_cli_download_and_run_from_repo_id(hub, sharded_files, tmp_path, monkeypatch):
     """`mlight download` in a subprocess honours HF_ENDPOINT and HF_HOME; `mlight run --model REPO` reuses it."""
     env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf home"), PYTHONPATH=str(ROOT),
                HF_HUB_DISABLE_XET="1")
@@ -273,10 +273,14 @@ def test_cli_download_and_run_from_repo_id(hub, sharded_files, tmp_path):
     assert snap.is_relative_to(tmp_path / "hf home") and (snap / "config.json").is_file()
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\nworld\n")
-    env["HF_HUB_OFFLINE"] = "1"  # everything needed is cached now
-    p = subprocess.run([sys.executable, "-m", "app.cli", "run", "--model", "org/tiny", "--prompts", str(prompts),
-                        "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "3"], env=env, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
+    from huggingface_hub import constants
+
+    from app.cli import main
+
+    # as HF_HOME and HF_HUB_OFFLINE=1 would set them: everything needed is cached now
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf home" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main(["run", "--model", "org/tiny", "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"),
+                 "--max-new-tokens", "3"]) == 0
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 2
     shutil.rmtree(tmp_path / "hf home")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from core.errors import BudgetError, UsageError
-from core.prompts import STDIN, FORMATS, PromptSet, iter_lines, read_prompts, reject_too_long
+from core.prompts import STDIN, FORMATS, PromptSet, reject_lines, read_prompts, reject_too_long
 from core.results import openai_batch_record, output_format
 from core.runstore import RunStore, model_fingerprint
 from core.telemetry import Progress
@@ -185,7 +185,7 @@ def _refuse_rejects(prompts: PromptSet, skip_bad: bool, out: Path) -> None:
         return
     if skip_bad and prompts.entries:
         return
-    for line in iter_lines(prompts.rejects):
+    for line in reject_lines(prompts.rejects):
         print(line, file=sys.stderr)
     n = len(prompts.rejects)
     if not prompts.entries:
