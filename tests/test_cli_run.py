@@ -140,3 +140,20 @@ def test_restart_replaces_output(out, capsys, demo_model):
     first = (out / "o.jsonl").read_text()
     run_ok(capsys, *args, "--restart")
     assert [r["id"] for r in jsonl(out / "o.jsonl")] == [r["id"] for r in map(json.loads, first.splitlines())]
+
+
+def test_memory_budget_plans_the_batch_and_passes_the_policy(out, capsys, monkeypatch, demo_model):
+    from core.engine import Engine
+    from core.policy import Policy
+
+    seen = []
+    real = Engine.load.__func__
+
+    def load(cls, model_dir, **kw):
+        seen.append(kw.get("policy"))
+        return real(cls, model_dir, **kw)
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    run_ok(capsys, "--prompts", str(DATA / "prompts.tsv"), "--out", str(out / "o.jsonl"), "--max-new-tokens", "2",
+           "--cpu-mem", "4", "--gpu-mem", "0")
+    assert isinstance(seen[0], Policy) and len(jsonl(out / "o.jsonl")) == 2

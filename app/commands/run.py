@@ -198,6 +198,7 @@ def _refuse_rejects(prompts: PromptSet, skip_bad: bool, out: Path) -> None:
 def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     """With a memory budget, let the planner pick the batch sizes the user left open — or refuse, before
     any weight is loaded, a budget that nothing fits in (BudgetError, exit 2)."""
+    args.policy = None
     if args.gpu_mem is None and args.cpu_mem is None:
         args.batch = args.batch or BATCH
         return
@@ -216,6 +217,7 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
                                  planner.Budget.for_hardware(hw, args.gpu_mem, args.cpu_mem))
     except BudgetError as e:
         raise BudgetError(e.problem, "raise --gpu-mem / --cpu-mem, or lower --max-new-tokens") from e
+    args.policy = policy  # Engine.load takes paging, resident experts and placement from it
     args.batch = args.batch or policy.batch_size
     args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
 
@@ -227,7 +229,8 @@ def _manifest(args, prompts: PromptSet, model_dir: Path, model_name: str) -> dic
         "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                      "top_k": args.top_k, "seed": args.seed, "revision": args.revision},
         "policy": {"batch": args.batch, "micro_batch": args.micro_batch, "executor": args.executor,
-                   "schedule": args.schedule, "dtype": args.dtype},
+                   "schedule": args.schedule, "dtype": args.dtype,
+                   "planned": args.policy.to_dict() if getattr(args, "policy", None) is not None else None},
         "prompts_file": prompts.source,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -243,6 +246,8 @@ def _load_engine(args, model_dir: Path, progress):
         kw["schedule"] = args.schedule
     if args.dtype:
         kw["dtype"] = args.dtype
+    if getattr(args, "policy", None) is not None:
+        kw["policy"] = args.policy
     return Engine.load(model_dir, progress=progress, **kw)
 
 
