@@ -152,7 +152,11 @@ def reject_too_long(prompts: PromptSet, count_tokens: Callable[[PromptEntry], in
     """Move entries whose prompt (after the chat template) leaves no room in the context to rejects."""
     keep = []
     for e in prompts.entries:
-        n = count_tokens(e)
+        try:
+            n = count_tokens(e)
+        except UsageError as err:  # e.g. `messages` for a tokenizer without a chat template
+            prompts.rejects.append(Reject(prompts.source, e.line, err.problem, e.id, e.prompt or json.dumps(e.messages)))
+            continue
         if n >= context_length:
             prompts.rejects.append(Reject(prompts.source, e.line,
                                           f"prompt is {n} tokens (after the chat template); the model's context "

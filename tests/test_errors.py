@@ -283,6 +283,14 @@ def test_output_folder_read_only(prompts, outdir, capsys):
     assert_one_line(err, code, 2, "permission denied")
 
 
+def test_output_is_the_prompts_file(outdir, capsys):
+    p = outdir / "prompts.jsonl"
+    p.write_text('{"prompt": "hi"}\n')
+    code, err = run_cli(capsys, "--prompts", str(p), "--out", str(p))
+    assert_one_line(err, code, 2, "is the prompts file itself")
+    assert files(outdir) == ["prompts.jsonl"] and p.read_text() == '{"prompt": "hi"}\n'
+
+
 def test_two_runs_on_the_same_output(prompts, outdir, capsys):
     out = outdir / "o.jsonl"
     with RunStore(out):  # another run holds the output
@@ -368,3 +376,21 @@ def test_bad_flags(prompts, outdir, capsys):
         assert e.value.code == 2
         assert f"argument {flag}" in capsys.readouterr().err
     assert files(outdir) == []
+
+
+def test_messages_without_a_chat_template_are_rejects(broken_model, outdir, tmp_path, capsys):
+    model = broken_model()
+    (model / "chat_template.jinja").unlink()
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    p = tmp_path / "chat.jsonl"
+    p.write_text('{"prompt": "plain"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    out = outdir / "o.jsonl"
+    code, err = run_cli(capsys, "--model", str(model), "--prompts", str(p), "--out", str(out))
+    assert code == 2 and f"{p}:2: request '2' has `messages` but the model's tokenizer has no chat template" in err
+    assert files(outdir) == []
+    code, err = run_cli(capsys, "--model", str(model), "--prompts", str(p), "--out", str(out), "--skip-bad",
+                        "--max-new-tokens", "2")
+    assert code == 0, err
+    assert files(outdir) == ["o.jsonl", "o.jsonl.rejected.jsonl"]

@@ -154,6 +154,8 @@ def run(args) -> int:
     if args.micro_batch and args.batch and args.micro_batch > args.batch:
         raise UsageError(f"--micro-batch {args.micro_batch} is larger than --batch {args.batch}",
                          "use a micro-batch no larger than the batch")
+    if args.prompts != STDIN and _same_file(Path(args.prompts), out):
+        raise UsageError(f"--out {out} is the prompts file itself", "write the results to another file")
     stopper = _Stopper().install()
     store = RunStore(out)
     try:
@@ -172,6 +174,13 @@ def run(args) -> int:
     finally:
         stopper.restore()
         store.release()
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (b.exists() and a.samefile(b))
+    except OSError:
+        return False
 
 
 def _read(args) -> PromptSet:
@@ -265,15 +274,18 @@ def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_
     total, t0, before = len(prompts.entries), time.perf_counter(), len(store.done)
     if store.resumed:
         _say(f"resuming: {before} of {total} requests already done")
+    counter = _Counter()
     stopper.generating = True
     try:
         for result in engine.generate(pending, batch_size=args.batch, micro_batch_size=args.micro_batch,
                                       should_stop=lambda: stopper.requested):
             store.append(result.to_dict())
+            counter(len(store.done), total)
     except KeyboardInterrupt:
         stopper.requested = True
     finally:
         stopper.generating = False
+        counter.end()
     done = sum(1 for e in prompts.entries if e.id in store.done)
     if done < total:
         store.close()
@@ -287,6 +299,25 @@ def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_
     rej = f", {len(prompts.rejects)} rejected → {store.rejected_path.name}" if prompts.rejects else ""
     _say(f"{total} results in {out_name(store)}{rej} ({done - before} generated, {tokens} tokens, {secs:.1f} s)")
     return 0
+
+
+class _Counter:
+    """Requests done and tokens/s on one stderr line, on a terminal only (logs get the summary line)."""
+
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.tty:
+            rate = done / max(time.perf_counter() - self.t0, 1e-9)
+            print(f"\r{done}/{total} requests done ({rate:.1f}/s)", end="", file=sys.stderr, flush=True)
+            self.shown = True
+
+    def end(self) -> None:
+        if self.shown:
+            print(file=sys.stderr, flush=True)
 
 
 def out_name(store: RunStore) -> str:
