@@ -10,7 +10,9 @@ A run killed at any instant (Ctrl-C, SIGTERM, kill -9, power loss) leaves at wor
 in the run file; it is cut off on resume, and a result seen twice keeps its last copy, so every
 request ends up in the output exactly once.
 
-Boundary: file handling only. The caller builds the manifest and the records and runs the engine.
+Boundary: file handling, plus the three steps every front end (the CLI, the terminal app) shares:
+`prepare_requests` (entries → engine Requests, unrunnable ones to rejects), `run_pending` (generate
+what the run file lacks, saving each result as it finishes) and `finish_run` (final files).
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import filelock
 
 from core.errors import MlightError, UsageError
-from core.results import fsync_dir, jsonl_line, os_error, write_records
+from core.prompts import PromptSet, reject_too_long
+from core.results import fsync_dir, jsonl_line, openai_batch_record, os_error, write_records
+from core.telemetry import EventSink, ignore
 
 MANIFEST_KEY = "mlight_run"
 MANIFEST_VERSION = 1
@@ -255,3 +259,47 @@ class RunStore:
             pass
         except OSError as e:
             raise os_error(e, path) from e
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared run loop
+
+
+def prepare_requests(engine, prompts: PromptSet, defaults: dict[str, Any]) -> dict[str, Any]:
+    """`core.engine.Request`s by id; entries the engine cannot take (longer than its context, chat
+    messages without a chat template) move to `prompts.rejects` with the reason."""
+    from core.engine import Request
+
+    requests = {e.id: Request(**e.request_kwargs(defaults)) for e in prompts.entries}
+    reject_too_long(prompts, lambda e: len(engine.prompt_token_ids(requests[e.id])), engine.context_length)
+    return {e.id: requests[e.id] for e in prompts.entries}
+
+
+def run_pending(engine, prompts: PromptSet, store: RunStore, requests: dict[str, Any], *,
+                batch_size: int | None = None, micro_batch_size: int | None = None, on_event: EventSink = ignore,
+                should_stop: Callable[[], bool] | None = None,
+                on_result: Callable[[dict], None] | None = None) -> bool:
+    """Generate every entry the run file lacks, saving each result durably as it finishes.
+    True when every entry is done; False when `should_stop` ended it early (the rest resumes later)."""
+    pending = [requests[e.id] for e in prompts.entries if e.id not in store.done]
+    for result in engine.generate(pending, batch_size=batch_size, micro_batch_size=micro_batch_size,
+                                  on_event=on_event, should_stop=should_stop):
+        record = result.to_dict()
+        store.append(record)
+        if on_result is not None:
+            on_result(record)
+    return all(e.id in store.done for e in prompts.entries)
+
+
+def final_records(prompts: PromptSet, done: dict[str, dict], model_name: str) -> list[dict]:
+    """The output records in input order; OpenAI Batch-style when the input was a batch file."""
+    if prompts.is_openai_batch:
+        return [openai_batch_record(done[e.id], e.custom_id, e.endpoint, model_name) for e in prompts.entries]
+    return [done[e.id] for e in prompts.entries]
+
+
+def finish_run(store: RunStore, prompts: PromptSet, model_name: str, fmt: str | None = None) -> list[dict]:
+    """Write the output and the rejects file atomically, drop the run file; return the records."""
+    records = final_records(prompts, store.done, model_name)
+    store.finish(records, [r.to_dict() for r in prompts.rejects], fmt)
+    return records

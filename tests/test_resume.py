@@ -249,3 +249,46 @@ def test_signal_finishes_step_saves_and_exits_130(many_prompts, reference, tmp_p
     again = _finish_in_process(_cmd(many_prompts, out))
     assert f"resuming: {saved} of {len(reference)} requests already done" in again
     _check_final(out, reference)
+
+
+class _FakeEngine:
+    """Yields one result per request, checking should_stop before each (as the engine does per step)."""
+
+    context_length = 100
+
+    def __init__(self):
+        self.calls = []
+
+    def prompt_token_ids(self, req):
+        return [0] * len(req.prompt)
+
+    def generate(self, requests, *, batch_size=None, micro_batch_size=None, on_event=None, should_stop=None):
+        from core.engine import Result
+
+        self.calls.append([r.id for r in requests])
+        for r in requests:
+            if should_stop and should_stop():
+                return
+            yield Result(r.id, r.prompt, "out", [5], len(r.prompt), 1, "length", 0.0)
+
+
+def test_run_pending_stops_and_resumes_with_the_shared_loop(tmp_path):
+    from core.prompts import read_prompts
+    from core.runstore import finish_run, prepare_requests, run_pending
+
+    prompts = read_prompts("p.txt", data=b"a\nbb\n" + b"x" * 150 + b"\nccc\n")
+    engine, out = _FakeEngine(), tmp_path / "o.jsonl"
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        reqs = prepare_requests(engine, prompts, {"max_new_tokens": 4})
+        assert [r.line for r in prompts.rejects] == [3]  # 150 tokens > the context of 100
+        seen = []
+        assert not run_pending(engine, prompts, st, reqs, should_stop=lambda: len(seen) >= 2, on_result=seen.append)
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        reqs = prepare_requests(engine, prompts, {"max_new_tokens": 4})
+        assert run_pending(engine, prompts, st, reqs)
+        assert engine.calls[-1] == ["4"]  # only what was missing
+        records = finish_run(st, prompts, "m")
+    assert [r["id"] for r in records] == ["1", "2", "4"]
+    assert [json.loads(x)["id"] for x in out.with_name("o.jsonl.rejected.jsonl").read_text().splitlines()] == ["3"]

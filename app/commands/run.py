@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from core.errors import BudgetError, UsageError
-from core.prompts import STDIN, FORMATS, PromptSet, reject_lines, read_prompts, reject_too_long
-from core.results import openai_batch_record, output_format
-from core.runstore import RunStore, model_fingerprint
+from core.prompts import FORMATS, STDIN, PromptSet, read_prompts, reject_lines
+from core.results import output_format
+from core.runstore import RunStore, finish_run, model_fingerprint, prepare_requests, run_pending
 from core.telemetry import Progress
 
 EXECUTORS = ("sequential", "threaded", "cuda")
@@ -262,69 +262,57 @@ def _load_engine(args, model_dir: Path, progress):
 
 def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_name: str, fmt: str,
               progress, stopper: _Stopper) -> int:
-    from core.engine import Request
-
     engine = _load_engine(args, model_dir, progress)
     defaults = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "top_k": args.top_k, "seed": args.seed}
-    requests = {e.id: Request(**e.request_kwargs(defaults)) for e in prompts.entries}
-    reject_too_long(prompts, lambda e: len(engine.prompt_token_ids(requests[e.id])), engine.context_length)
+    requests = prepare_requests(engine, prompts, defaults)
     _refuse_rejects(prompts, args.skip_bad, store.out)
-    pending = [requests[e.id] for e in prompts.entries if e.id not in store.done]
     total, t0, before = len(prompts.entries), time.perf_counter(), len(store.done)
     if store.resumed:
         _say(f"resuming: {before} of {total} requests already done")
-    counter = _Counter()
+    counter = _Counter(total)
     stopper.generating = True
     try:
-        for result in engine.generate(pending, batch_size=args.batch, micro_batch_size=args.micro_batch,
-                                      should_stop=lambda: stopper.requested):
-            store.append(result.to_dict())
-            counter(len(store.done), total)
-    except KeyboardInterrupt:
-        stopper.requested = True
+        finished = run_pending(engine, prompts, store, requests, batch_size=args.batch,
+                               micro_batch_size=args.micro_batch, should_stop=lambda: stopper.requested,
+                               on_result=counter)
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped mid-step; every saved result is complete
+        finished = False
     finally:
         stopper.generating = False
         counter.end()
     done = sum(1 for e in prompts.entries if e.id in store.done)
-    if done < total:
+    if not finished:
         store.close()
         _say(f"interrupted: {done} of {total} requests done, saved in {store.run_path.name}; "
              "rerun the same command to finish the rest")
         return 130
-    records = [_final_record(store.done[e.id], e, prompts, model_name) for e in prompts.entries]
-    store.finish(records, [r.to_dict() for r in prompts.rejects], fmt)
+    records = finish_run(store, prompts, model_name, fmt)
     tokens = sum(r["output_tokens"] for r in records)
     secs = time.perf_counter() - t0
     rej = f", {len(prompts.rejects)} rejected → {store.rejected_path.name}" if prompts.rejects else ""
-    _say(f"{total} results in {out_name(store)}{rej} ({done - before} generated, {tokens} tokens, {secs:.1f} s)")
+    _say(f"{total} results in {store.out}{rej} ({done - before} generated, {tokens} tokens, {secs:.1f} s)")
     return 0
 
 
 class _Counter:
     """Requests done and tokens/s on one stderr line, on a terminal only (logs get the summary line)."""
 
-    def __init__(self):
+    def __init__(self, total: int):
         self.tty = sys.stderr.isatty()
         self.t0 = time.perf_counter()
+        self.total, self.done, self.tokens = total, 0, 0
         self.shown = False
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, record: dict) -> None:
+        self.done += 1
+        self.tokens += record["output_tokens"]
         if self.tty:
-            rate = done / max(time.perf_counter() - self.t0, 1e-9)
-            print(f"\r{done}/{total} requests done ({rate:.1f}/s)", end="", file=sys.stderr, flush=True)
+            rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+            print(f"\r{self.done}/{self.total} requests done ({rate:.1f} tokens/s)", end="", file=sys.stderr,
+                  flush=True)
             self.shown = True
 
     def end(self) -> None:
         if self.shown:
             print(file=sys.stderr, flush=True)
-
-
-def out_name(store: RunStore) -> str:
-    return str(store.out)
-
-
-def _final_record(rec: dict, entry, prompts: PromptSet, model_name: str) -> dict:
-    if prompts.is_openai_batch:
-        return openai_batch_record(rec, entry.custom_id, entry.endpoint, model_name)
-    return rec
