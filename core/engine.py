@@ -164,6 +164,13 @@ class Engine:
                 self._executor = SequentialExecutor()
         return self._executor
 
+    def configure(self, *, pages_per_layer: int | None = None, **changes) -> None:
+        """Change how the loaded model runs (schedule, placement, resident layers, paging) for later
+        `generate` calls; the weights stay where they are."""
+        self.config = dataclasses.replace(self.config, **changes)
+        if pages_per_layer is not None:
+            self.weights.repage(pages_per_layer)
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.close()

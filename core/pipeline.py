@@ -48,6 +48,7 @@ class _MB:
         self.q = self.k = self.v = None  # device, from pre-attention
         self.hq = self.hk = self.hv = None  # host copies (D1)
         self.h = self.rw = self.ridx = self.shared = None  # post-attention results, for the FFN
+        self.new_kv: dict[int, tuple] = {}  # layer -> this token's (k, v) awaiting the KV store (S4)
 
     def cache_rows(self, t: torch.Tensor) -> torch.Tensor:
         return t[self.rows] if isinstance(self.rows, slice) else t.index_select(0, self.rows)
@@ -294,8 +295,9 @@ class PipelineRunner:
         buf = self.kv_d.get(key)
         if buf is None or buf[0].shape[0] < B:
             shape = (B, self.spec.num_kv_heads, self.cache.max_tokens, self.spec.head_dim)
-            buf = (torch.empty(shape, dtype=self.w.dtype, device=self.device),
-                   torch.empty(shape, dtype=self.w.dtype, device=self.device))
+            # zeros, not empty: masked positions still enter p @ v (as 0 × v), and 0 × NaN is NaN
+            buf = (torch.zeros(shape, dtype=self.w.dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.w.dtype, device=self.device))
             self.kv_d[key] = buf
         return buf
 
@@ -314,6 +316,8 @@ class PipelineRunner:
         rows = torch.arange(mb.B, device=self.device)
         kd[rows, :, mb.positions_d] = mb.k
         vd[rows, :, mb.positions_d] = mb.v
+        # the store runs on another queue, possibly after the next layer's pre-attention replaced mb.k
+        mb.new_kv[i] = (mb.k, mb.v)
         mb.o = decode_attention(mb.q, kd[:mb.B], vd[:mb.B], mb.lengths_d, self.scale, mb.span)
 
     def _kv_store(self, t):
@@ -329,8 +333,9 @@ class PipelineRunner:
             self.bytes["d2h"] += 2 * k.numel() * k.element_size()
             return
         mb = self._step[t.micro_batch]
-        self.cache.write(t.layer, mb.slots, mb.positions, mb.k.to("cpu"), mb.v.to("cpu"))
-        self.bytes["d2h"] += 2 * mb.k.numel() * mb.k.element_size()
+        k, v = mb.new_kv.pop(t.layer)
+        self.cache.write(t.layer, mb.slots, mb.positions, k.to("cpu"), v.to("cpu"))
+        self.bytes["d2h"] += 2 * k.numel() * k.element_size()
 
     def _prefill(self, t):
         mb, i = self._pre[t.micro_batch], t.layer

@@ -239,7 +239,10 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
         weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or serial) else []
         for j in range(n):
             chain = (last,) if serial and last is not None else ()
-            kv = G.add("kv_load", i, j, deps=chain)
+            # KV rows of micro-batch j sit in one of two buffers by layer parity: layer i reuses
+            # layer i-2's, so its load waits until that layer's attention is done with it
+            reuse = (G.get("gpu_attn", i - 2, j),) if i >= 2 else ()
+            kv = G.add("kv_load", i, j, deps=chain + reuse)
             if schedule == "cgopipe":
                 for p in slots[j]:
                     G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))

@@ -74,7 +74,11 @@ class LayerWeights:
         self.flat = flat
         self.tensors = layout.views(flat)
         self.experts = flat[layout.expert_start:]
-        self.pages = [self.experts[a:b] for a, b in layout.page_bounds(pages)]
+        self.repage(pages)
+
+    def repage(self, pages: int) -> None:
+        """Cut the expert region into `pages` pages (views; nothing moves)."""
+        self.pages = [self.experts[a:b] for a, b in self.layout.page_bounds(pages)]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -89,6 +93,10 @@ class ModelWeights:
     def __init__(self, spec: ModelSpec, layers: list[LayerWeights], globals_: dict[str, torch.Tensor],
                  dtype: torch.dtype, pinned: bool):
         self.spec, self.layers, self.globals, self.dtype, self.pinned = spec, layers, globals_, dtype, pinned
+
+    def repage(self, pages: int) -> None:
+        for lw in self.layers:
+            lw.repage(pages)
 
     @property
     def lm_head(self) -> torch.Tensor:

@@ -50,7 +50,7 @@ def reference(model):
 
 @pytest.mark.parametrize("executor", ["sequential", "threaded"])
 @pytest.mark.parametrize("schedule", ["cgopipe", "s3", "s4"])
-@pytest.mark.parametrize("pages,resident", [(1, 0), (3, 0), (2, 1)])
+@pytest.mark.parametrize("pages,resident", [(1, 0), (3, 0), (2, 1), (1, None)])
 def test_every_executor_and_schedule_gives_the_same_tokens(model, reference, executor, schedule, pages, resident):
     engine = Engine.load(model, executor=executor, schedule=schedule, pages_per_layer=pages, resident_layers=resident)
     engine.eos_ids = set()
