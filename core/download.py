@@ -91,7 +91,7 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
 
     try:
         info = HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision, files_metadata=True)
-    except Exception as e:  # noqa: BLE001 — every hub failure becomes one line for the user
+    except Exception as e:
         if _is_network(e):
             return _from_cache(repo_id, revision, kw, why=f"the Hub ({endpoint}) cannot be reached",
                                cause=e)
@@ -161,13 +161,13 @@ def _index_shards(repo_id: str, index_path: str) -> set[str]:
         raise ModelError(f"{repo_id}/{INDEX} is not a valid index: {e}", "pick another revision or repo") from e
 
 
-def _fetch(repo_id: str, revision: str, kw: dict, filename: str, tracker: "_Tracker | None") -> str:
+def _fetch(repo_id: str, revision: str, kw: dict, filename: str, tracker: _Tracker | None) -> str:
     from huggingface_hub import hf_hub_download
 
     extra = {"tqdm_class": functools.partial(_Relay, tracker)} if tracker else {}
     try:
         return hf_hub_download(repo_id, filename, revision=revision, **kw, **extra)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _hub_error(e, repo_id, revision, filename) from e
 
 
@@ -285,15 +285,15 @@ class _Relay:
         if initial:
             tracker.add(initial)
 
-    def update(self, n: int | float | None = 1) -> None:
+    def update(self, n: float | None = 1) -> None:
         n = int(n or 0)
         self.n += n
         self.tracker.add(n)
 
-    def __enter__(self) -> "_Relay":
+    def __enter__(self) -> _Relay:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         pass
 
     def close(self) -> None:

@@ -16,8 +16,9 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable
+from typing import IO, Any
 
 from core.errors import MlightError, UsageError
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import filelock
 
@@ -119,7 +120,7 @@ class RunStore:
             except OSError:
                 pass  # another run holds it now (Windows), or it is gone already
 
-    def __enter__(self) -> "RunStore":
+    def __enter__(self) -> RunStore:
         self.acquire()
         return self
 

@@ -112,7 +112,7 @@ def test_same_results_as_uninterrupted_and_seeded_sampling_repeats(out, capsys, 
     args = ["--prompts", str(DATA / "prompts.txt"), "--max-new-tokens", "6", "--temperature", "0.9", "--seed", "7"]
     run_ok(capsys, *args, "--out", str(out / "a.jsonl"))
     run_ok(capsys, *args, "--out", str(out / "b.jsonl"), "--batch", "1")
-    ids = lambda p: [r["output_token_ids"] for r in jsonl(p)]  # noqa: E731
+    ids = lambda p: [r["output_token_ids"] for r in jsonl(p)]
     assert ids(out / "a.jsonl") == ids(out / "b.jsonl")
 
 

@@ -106,8 +106,8 @@ MODEL_CASES = {
                     ["asks for remote code (auto_map)"]),
     "truncated shard": (_damage_truncate, ["model.safetensors is truncated", "download the model again"]),
     "corrupt shard": (_damage_header, ["model.safetensors has a corrupt header"]),
-    "shard missing from the index": (_damage_index, ["shard model-00002-of-00002.safetensors listed in "
-                                                     "model.safetensors.index.json is missing"]),
+    "shard missing from the index": (_damage_index, [("shard model-00002-of-00002.safetensors listed in "
+                                                      "model.safetensors.index.json is missing")]),
     "tokenizer missing": (_damage_tokenizer, ["has no tokenizer files"]),
     "config not JSON": (lambda d: (d / "config.json").write_text("{oops"), ["cannot read", "config.json"]),
 }

@@ -102,9 +102,8 @@ def test_existing_output_needs_restart_and_survives_until_finish(tmp_path):
 
 def test_second_run_on_same_output_refuses(tmp_path):
     out = tmp_path / "o.jsonl"
-    with RunStore(out):
-        with pytest.raises(MlightError, match="another mlight run is writing .*o.jsonl"):
-            RunStore(out).acquire()
+    with RunStore(out), pytest.raises(MlightError, match="another mlight run is writing .*o.jsonl"):
+        RunStore(out).acquire()
     with RunStore(out):  # free again once the first is done
         pass
 
@@ -170,7 +169,7 @@ def _start_and_wait(cmd, run_file: Path, target: int, timeout: float = 120.0) ->
 def many_prompts(tmp_path_factory, demo_model) -> Path:
     d = tmp_path_factory.mktemp("resume data")
     p = d / "prompts.txt"
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
     rng = random.Random(0)
     p.write_text("\n".join(" ".join(rng.choices(words, k=rng.randint(1, 12))) for _ in range(12)) + "\n")
     return p
