@@ -186,9 +186,10 @@ def _from_cache(repo_id: str, revision: str | None, kw: dict, why: str, cause: E
         path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True,
                                       allow_patterns=list(SUPPORT_FILES) + ["*.safetensors"], **kw))
     except Exception:  # noqa: BLE001 — not cached (or a partial cache): say why we could not fetch it
-        raise MlightError(f"{why} and {repo_id} is not in the local cache",
-                          "check the network (or HF_ENDPOINT), or download it first with `mlight download "
-                          f"{repo_id}`") from cause
+        hint = ("unset HF_HUB_OFFLINE so that it can be downloaded" if cause is None else
+                "check the network (or HF_ENDPOINT), or download it first with `mlight download "
+                f"{repo_id}` where the Hub can be reached")
+        raise MlightError(f"{why} and {repo_id} is not in the local cache", hint) from cause
     if not (path / "config.json").is_file():
         raise MlightError(f"{why} and the cached copy of {repo_id} is incomplete",
                           f"rerun `mlight download {repo_id}` with the network on")

@@ -240,7 +240,7 @@ def test_offline_and_unreachable_use_the_cache(hub, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     n = len(hub.log)
     assert download_model("org/tiny") == path and len(hub.log) == n
-    with pytest.raises(MlightError, match="HF_HUB_OFFLINE is set and org/other is not in the local cache"):
+    with pytest.raises(MlightError, match="HF_HUB_OFFLINE is set and org/other is not in the local cache — unset HF_HUB_OFFLINE"):
         download_model("org/other")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     dead = "http://127.0.0.1:9"  # nothing listens on the discard port
