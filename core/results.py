@@ -140,10 +140,11 @@ def fsync_dir(folder: Path) -> None:
 
 def os_error(e: OSError, path: Path, done: int | None = None) -> MlightError:
     """A user-facing error for an OSError while writing `path`."""
-    kept = (f"; the {done} results already saved are kept — rerun the same command to finish"
+    kept = (f" ({done} finished result{'s' if done != 1 else ''} kept)"
             if done is not None else "")
     if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-        return MlightError(f"disk full while writing {path}{kept}", "free some disk space and rerun the same command")
+        return MlightError(f"disk full while writing {path}{kept}",
+                           "free some disk space and rerun the same command to finish")
     if isinstance(e, PermissionError):
         return UsageError(f"cannot write {path}: permission denied", "choose another --out or fix the permissions")
     return MlightError(f"cannot write {path}: {e.strerror or e}{kept}", "check the disk and rerun the same command")

@@ -233,8 +233,9 @@ class RunStore:
                 self._remove(self.rejected_path)  # stale, from an earlier run on this output
         except MlightError as e:
             if self.done:
-                raise MlightError(f"{e.problem}; the {len(self.done)} finished results stay in "
-                                  f"{self.run_path.name}", e.hint) from e
+                n = len(self.done)
+                raise MlightError(f"{e.problem} ({n} finished result{'s' if n != 1 else ''} kept in "
+                                  f"{self.run_path.name})", e.hint) from e
             raise
         self._remove(self.run_path)
 

@@ -337,8 +337,8 @@ def test_disk_full_while_saving_results(prompts, outdir, capsys, monkeypatch, de
 
     monkeypatch.setattr(RunStore, "_open_append", open_full)
     code, err = run_cli(capsys, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "2", "--batch", "1")
-    assert_one_line(err, code, 1, "disk full while writing", "o.jsonl.run.jsonl", "the 1 results already saved are kept",
-                    "free some disk space and rerun the same command")
+    assert_one_line(err, code, 1, "disk full while writing", "o.jsonl.run.jsonl", "(1 finished result kept)",
+                    "free some disk space and rerun the same command to finish")
     assert files(outdir) == ["o.jsonl.run.jsonl"]  # the finished result, for the rerun; no output, no torn line
     run_file = (outdir / "o.jsonl.run.jsonl").read_text()
     assert run_file.endswith("\n") and len(run_file.splitlines()) == 2
@@ -359,7 +359,7 @@ def test_disk_full_while_writing_the_final_file(prompts, outdir, capsys, monkeyp
     out = outdir / "o.csv"
     monkeypatch.setitem(core.results.WRITERS, "csv", full)
     code, err = run_cli(capsys, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "2")
-    assert_one_line(err, code, 1, "disk full while writing", "the 3 finished results stay in o.csv.run.jsonl")
+    assert_one_line(err, code, 1, "disk full while writing", "(3 finished results kept in o.csv.run.jsonl)")
     assert files(outdir) == ["o.csv.run.jsonl"]  # no partial o.csv, no temp file
     monkeypatch.undo()
     code, err = run_cli(capsys, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "2")

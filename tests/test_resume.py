@@ -126,7 +126,7 @@ def test_disk_full_on_append_leaves_clean_run_file(tmp_path):
         st.start(MANIFEST)
         st.append(rec(1))
         st._file = Full(st._file)
-        with pytest.raises(MlightError, match=r"disk full while writing .*run.jsonl; the 1 results already saved"):
+        with pytest.raises(MlightError, match=r"disk full while writing .*run.jsonl \(1 finished result kept\)"):
             st.append(rec(2))
         st._file = st._file.f
         st.close()
