@@ -26,7 +26,7 @@ from core.kvcache import KVCache
 from core.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
 from core.pipeline import PipelineRunner
 from core.sampling import greedy, sample
-from core.spec import DTYPES, ModelSpec
+from core.spec import DTYPE_BYTES, ModelSpec, torch_dtype
 from core.telemetry import RESOURCES, EventSink, RequestDone, StepDone, WarningEvent, ignore
 from core.weights import ModelWeights, load_weights
 
@@ -197,9 +197,9 @@ class Engine:
             config = dataclasses.replace(config, resident_layers=_layers_that_fit(spec, dtype))
         tokenizer = _load_tokenizer(model_dir)
         if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise UsageError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPES))}")
-            dtype = DTYPES[dtype]
+            if dtype not in DTYPE_BYTES:
+                raise UsageError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPE_BYTES))}")
+            dtype = torch_dtype(dtype)
         weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer,
                                pin=config.device == "cuda", progress=progress)
         engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
@@ -360,7 +360,7 @@ class Engine:
 def _layers_that_fit(spec: ModelSpec, dtype) -> int:
     """Without a plan: keep as many layers' experts on the GPU as fit beside everything else."""
     free, _ = torch.cuda.mem_get_info()
-    b = (DTYPES[dtype] if isinstance(dtype, str) else dtype or spec.torch_dtype).itemsize / spec.dtype_bytes
+    b = (torch_dtype(dtype) if isinstance(dtype, str) else dtype or spec.torch_dtype).itemsize / spec.dtype_bytes
     fixed = (spec.nonexpert_bytes + 2 * spec.layer_expert_bytes) * b + 2e9  # + activations and KV staging
     return max(0, min(spec.num_layers, int((0.85 * free - fixed) // (spec.layer_expert_bytes * b))))
 

@@ -18,14 +18,15 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
+# Bytes per element of the dtypes a checkpoint may use. torch is imported only where a tensor dtype
+# is needed, so planning (`mlight plan`) stays quick to start.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
 
 EXPERT_TENSORS = ("w13", "w2")
 
@@ -70,17 +71,17 @@ class ModelSpec:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
 
     # ---- derived shapes -------------------------------------------------------------------------
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        return torch_dtype(self.dtype)
 
     @property
     def dtype_bytes(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return DTYPE_BYTES[self.dtype]
 
     @property
     def q_size(self) -> int:
