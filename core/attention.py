@@ -12,10 +12,11 @@ import torch.nn.functional as F
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     scale: float, span: tuple[int, int] | None = None) -> torch.Tensor:
+                     scale: float, span: tuple[int, int] | None = None, pad: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, hd]; k/v_cache [B, Hkv, Tmax, hd] (rows of the cache); lengths [B] -> [B, Hq·hd].
 
-    `span` = (min, max) of `lengths`, known on the host, so a device-side `lengths` costs no sync.
+    `span` = (min, max) of `lengths`, known on the host, so a device-side `lengths` costs no sync;
+    `pad` [B, max] (True past each length) may be passed in, built once per step rather than per layer.
     """
     B, Hq, hd = q.shape
     Hkv = k_cache.shape[1]
@@ -24,7 +25,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     qg = q.view(B, Hkv, Hq // Hkv, hd)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, T]
     if shortest < T:
-        pad = torch.arange(T, device=q.device)[None, :] >= lengths[:, None]
+        if pad is None:
+            pad = padding_mask(lengths, T)
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(p, v).reshape(B, Hq * hd)
@@ -36,3 +38,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1).reshape(T, Hq * hd)
+
+
+def padding_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, T], True at the cache positions past each request's length."""
+    return torch.arange(T, device=lengths.device)[None, :] >= lengths[:, None]

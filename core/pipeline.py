@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from core import schedule as sched
-from core.attention import decode_attention, prefill_attention
+from core.attention import decode_attention, padding_mask, prefill_attention
 from core.kvcache import KVCache
 from core.layers import Rope, final_logits, norm
 from core.layers import pre_attn as dense_pre_attn
@@ -39,6 +39,9 @@ class _MB:
         self.positions = torch.tensor(positions)
         self.lengths = self.positions + 1
         self.span = (min(positions) + 1, max(positions) + 1)  # on the host: attention needs no device sync
+        ragged = self.span[0] < self.span[1]
+        self.pad = padding_mask(self.lengths, self.span[1]) if ragged else None  # same for every layer
+        self.pad_d = self.pad.to(device) if ragged else None
         self.tokens_d = torch.tensor(tokens, device=device)
         self.positions_d = self.positions.to(device)
         self.lengths_d = self.lengths.to(device)
@@ -240,7 +243,7 @@ class PipelineRunner:
         q, k, v = (mb.hq, mb.hk, mb.hv) if mb.hq is not None else (mb.q, mb.k, mb.v)
         self.cache.write(i, mb.slots, mb.positions, k, v)
         o = decode_attention(q, mb.cache_rows(self.cache.k[i]), mb.cache_rows(self.cache.v[i]), mb.lengths, self.scale,
-                             mb.span)
+                             mb.span, mb.pad)
         if self.ffn_on == "cpu":
             mb.o = o
         else:
@@ -318,7 +321,7 @@ class PipelineRunner:
         vd[rows, :, mb.positions_d] = mb.v
         # the store runs on another queue, possibly after the next layer's pre-attention replaced mb.k
         mb.new_kv[i] = (mb.k, mb.v)
-        mb.o = decode_attention(mb.q, kd[:mb.B], vd[:mb.B], mb.lengths_d, self.scale, mb.span)
+        mb.o = decode_attention(mb.q, kd[:mb.B], vd[:mb.B], mb.lengths_d, self.scale, mb.span, mb.pad_d)
 
     def _kv_store(self, t):
         if self._pre is not None:  # prefill: the micro-batch's whole prompts
