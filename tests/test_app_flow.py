@@ -17,7 +17,7 @@ from app.tui.app import create_app
 from app.tui.backend import Backend
 from app.tui.session import Options
 from app.tui.widgets.path_input import PathInput
-from test_app_support import settle, status_text, sync, write_prompts
+from test_app_support import run_over, settle, settle_until, status_text, sync, write_prompts
 
 SIZE = (120, 40)
 
@@ -61,12 +61,12 @@ async def test_whole_flow_on_the_demo_model(tmp_path):
         await _open_prompts(pilot, prompts)
         assert app.session.prompts.count == 4, status_text(app)
         await pilot.press("ctrl+n")
-        await settle(pilot)
+        await settle_until(pilot, lambda app: app.session.plan is not None)
         assert type(app.screen).__name__ == "PlanScreen"
         assert app.session.plan is not None and not app.session.plan.problems, status_text(app)
         app.screen.query_one("#out", PathInput).value = str(out)
         await pilot.press("ctrl+n")  # accept the plan: the run starts
-        await settle(pilot, rounds=3)
+        await settle_until(pilot, run_over)
         assert type(app.screen).__name__ == "RunScreen"
         assert app.session.run_state == "done", status_text(app)
         assert "Done: 4 results" in status_text(app)
@@ -139,7 +139,7 @@ async def test_stop_is_clean_and_resume_finishes_the_rest(tmp_path):
     app = create_app(Options(model="demo", prompts=str(prompts), out=str(out)), backend)
     ref.append(app)
     async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot, rounds=3)
+        await settle_until(pilot, lambda app: app.session.plan is not None)
         assert type(app.screen).__name__ == "PlanScreen", status_text(app)  # --model + --prompts: straight to Plan
         # one request at a time, so that the stop lands between requests
         for wid, value in (("batch", "1"), ("micro", "1"), ("expert", "1")):
@@ -147,7 +147,7 @@ async def test_stop_is_clean_and_resume_finishes_the_rest(tmp_path):
             await settle(pilot)
         assert app.session.plan.policy.batch_size == 1, status_text(app)
         await pilot.press("ctrl+n")
-        await settle(pilot, rounds=3)
+        await settle_until(pilot, run_over)
         assert app.session.run_state == "stopped", status_text(app)
         assert "r resumes" in status_text(app)
         run_file = out.with_name(out.name + ".run.jsonl")
@@ -156,7 +156,7 @@ async def test_stop_is_clean_and_resume_finishes_the_rest(tmp_path):
         assert not out.exists()  # the final output is written only when every request is done
 
         await pilot.press("r")
-        await settle(pilot, rounds=3)
+        await settle_until(pilot, lambda app: app.session.run_state == "done" or app.session.run_state == "failed")
         assert app.session.run_state == "done", status_text(app)
         log = "\n".join(str(line.text) for line in app.screen.query_one("#log").lines)
         assert f"Resuming: {len(kept)} results" in log

@@ -1,7 +1,8 @@
 """Helpers shared by the app's tests (no tests here; the name keeps it among the app's test files).
 
 - `sync`: runs an async test function under asyncio.run.
-- `settle(pilot)`: wait for every worker, then let messages land — no sleeps.
+- `settle(pilot)`: wait for every worker, then let messages land — no sleeps;
+  `settle_until(pilot, done)` repeats that until `done(app)` (e.g. `run_over`).
 - `write_prompts(path, n, max_new_tokens)`: a small prompts file from the MT-Bench demo prompts.
 - `ScriptedEngine` / `ScriptedBackend`: a stand-in engine that replays fixed telemetry and results,
   for snapshots that must not depend on this machine's speed. The flow tests use the real engine.
@@ -43,6 +44,20 @@ async def settle(pilot, rounds: int = 2) -> None:
         except WorkerFailed:
             pass  # the screen shows the error; the test reads it from the status line
         await pilot.pause()
+
+
+async def settle_until(pilot, done, limit: int = 500) -> None:
+    """Settle until `done(app)` holds: a screen's worker may start only after the screen has mounted."""
+    for _ in range(limit):
+        await settle(pilot, rounds=1)
+        if done(pilot.app):
+            await settle(pilot, rounds=1)
+            return
+    raise AssertionError(f"still waiting; status: {status_text(pilot.app)}")
+
+
+def run_over(app) -> bool:
+    return app.session.run_state in ("done", "stopped", "failed")
 
 
 def status_text(app) -> str:

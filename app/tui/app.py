@@ -17,6 +17,8 @@ class MlightApp(App):
     CSS_PATH = "mlight.tcss"
     TITLE = "mlight"
     SUB_TITLE = "MoE batch inference"
+    # the stylesheet tightens a few layouts on small terminals (80×24) through these classes
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
 
     def __init__(self, options: Options, backend: Backend):
         super().__init__()

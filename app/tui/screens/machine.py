@@ -26,8 +26,8 @@ class MachineScreen(StepScreen):
         with Vertical(id="body"):
             yield Static("What mlight found on this machine", classes="title")
             with Horizontal(classes="panels"):
-                yield Facts(id="gpu", classes="panel")
-                yield Facts(id="cpu", classes="panel")
+                yield Facts(id="gpu", classes="panel", label_width=14)
+                yield Facts(id="cpu", classes="panel", label_width=12)
             with Horizontal(classes="busy-row", id="probing"):
                 yield LoadingIndicator()
                 yield Static("Detecting hardware and measuring bandwidth…", id="probe-what")

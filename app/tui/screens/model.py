@@ -49,7 +49,7 @@ class ModelScreen(StepScreen):
                 yield ProgressBar(total=None, show_eta=False, id="dl-bar")
                 yield Static("", id="dl-text")
                 yield Button("Cancel (x)", compact=True, id="cancel", variant="error")
-            yield Facts(id="model-facts", classes="panel")
+            yield Facts(id="model-facts", classes="panel", label_width=13)
             with Horizontal(classes="actions"):
                 yield Button("Continue to Prompts", compact=True, id="next", variant="primary", disabled=True)
 

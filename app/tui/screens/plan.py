@@ -41,6 +41,7 @@ class PlanScreen(StepScreen):
         super().__init__()
         self._gen = 0  # bumps with every plan/check request; older answers are ignored
         self._replan_timer = None
+        self._asked: tuple[str, str] | None = None  # budget fields' text when the last plan was asked for
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(id="body"):
@@ -60,14 +61,14 @@ class PlanScreen(StepScreen):
                 yield Static("Results file (.jsonl or .csv)", classes="form-head")
                 yield PathInput(compact=True, id="out")
                 yield Static("", id="out-note", classes="muted")
-            with Vertical(id="plan-right"):
-                yield Facts(id="prediction", classes="panel", label_width=16)
+            with VerticalScroll(id="plan-right"):
+                yield Facts(id="prediction", classes="panel", label_width=11)
                 with Vertical(id="memory", classes="panel"):
-                    yield LabelBar("GPU memory", id="mem-gpu", value_width=22)
-                    yield LabelBar("CPU memory", id="mem-cpu", value_width=22)
+                    yield LabelBar("GPU", id="mem-gpu", label_width=5, value_width=22)
+                    yield LabelBar("CPU", id="mem-cpu", label_width=5, value_width=22)
                 with Vertical(id="layer", classes="panel"):
                     for key, label in RESOURCE_LABELS.items():
-                        yield LabelBar(label, id=f"res-{key}", value_width=12)
+                        yield LabelBar(label, id=f"res-{key}", value_width=10)
                 yield Static("", id="validation", classes="panel")
                 with Horizontal(classes="actions"):
                     yield Button("Accept and run  ^N", compact=True, id="accept", variant="primary", disabled=True)
@@ -77,7 +78,7 @@ class PlanScreen(StepScreen):
         self.query_one("#plan-form").border_title = "Plan"
         self.query_one("#prediction").border_title = "Prediction"
         self.query_one("#memory").border_title = "Memory (planned / budget)"
-        self.query_one("#layer").border_title = "One decode layer, busy time per resource"
+        self.query_one("#layer").border_title = "Decode layer: busy time"
         self.query_one("#validation").border_title = "Check"
         out = self.session.out_path or self.session.default_out()
         self.query_one("#out", PathInput).value = str(out)
@@ -95,6 +96,7 @@ class PlanScreen(StepScreen):
         return g, c
 
     def plan_now(self, budgets: tuple[int | None, int | None]) -> None:
+        self._asked = self._budget_texts()
         self._gen += 1
         self.query_one("#accept", Button).disabled = True
         self.status("Planning…")
@@ -124,6 +126,9 @@ class PlanScreen(StepScreen):
         self.fill(msg.plan)
 
     def action_replan(self) -> None:
+        if self._replan_timer is not None:
+            self._replan_timer.stop()  # a re-plan asked for now makes the pending one moot
+            self._replan_timer = None
         self.plan_now(self._budgets())
 
     # ---- the form -------------------------------------------------------------------------------
@@ -150,6 +155,9 @@ class PlanScreen(StepScreen):
 
         return gb("gpu-mem"), gb("cpu-mem")
 
+    def _budget_texts(self) -> tuple[str, str]:
+        return self.query_one("#gpu-mem", Input).value, self.query_one("#cpu-mem", Input).value
+
     def _policy_fields(self) -> dict:
         def num(wid: str, kind=int):
             text = self.query_one(f"#{wid}", Input).value.strip()
@@ -165,9 +173,9 @@ class PlanScreen(StepScreen):
     @on(Input.Changed, "#gpu-mem, #cpu-mem")
     def budget_changed(self) -> None:
         plan = self.session.plan
-        texts = (self.query_one("#gpu-mem", Input).value, self.query_one("#cpu-mem", Input).value)
-        if plan is None or texts == (_gb_text(plan.gpu_budget), _gb_text(plan.cpu_budget)):
-            return  # the form was filled from the plan, not edited
+        texts = self._budget_texts()
+        if plan is None or texts in ((_gb_text(plan.gpu_budget), _gb_text(plan.cpu_budget)), self._asked):
+            return  # filled from the plan, or already being planned for
         if self._replan_timer is not None:
             self._replan_timer.stop()
         self._replan_timer = self.set_timer(0.4, self.action_replan)  # re-plan once typing pauses
@@ -286,7 +294,7 @@ class PlanScreen(StepScreen):
 
 
 def _gb_text(n: int) -> str:
-    return f"{n / GB:.1f}"
+    return f"{n / GB:.1f}" if n >= GB else f"{n / GB:.2f}"
 
 
 def _pct(fraction: float) -> str:

@@ -16,7 +16,8 @@ class Steps(Static):
         self.current = current
 
     def render(self) -> Text:
-        wide = self.size.width == 0 or self.size.width >= 64
+        full = 10 + sum(len(n) + 4 for n in STEPS) + 3 * (len(STEPS) - 1)  # the line with every name
+        wide = self.size.width == 0 or self.size.width >= full
         text = Text(" mlight ", style="bold reverse")
         text.append("  ")
         for i, name in enumerate(STEPS):

@@ -1,0 +1,210 @@
+"""Snapshot tests (pytest-textual-snapshot) of every screen, with deterministic data.
+
+Preset hardware (a T4 machine from core's datasheet presets, or a fixed CPU-only machine), the demo
+model's real spec at a fixed display path, the bundled demo prompts, core's real planner, a frozen
+clock, and a scripted engine for the Run and Results screens (their numbers must not depend on this
+machine's speed; the real engine is exercised end to end in test_app_flow.py).
+Update after an intended change: `pytest tests/test_app_snapshots.py --snapshot-update`, then look.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from app.tui.app import create_app
+from app.tui.session import Options
+from test_app_support import DEMO_PROMPTS, FrozenClock, ScriptedBackend, run_over, settle, settle_until
+
+WIDE, SMALL = (120, 40), (80, 24)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch, demo_model):
+    """A temp working dir holding the demo prompts, so the paths on screen are the same everywhere."""
+    shutil.copy(DEMO_PROMPTS, tmp_path / "demo_prompts.jsonl")
+    bad = DEMO_PROMPTS.read_text(encoding="utf-8").splitlines()[:3]
+    bad.insert(1, '{"prompt": "unterminated')
+    bad.insert(3, '{"messages": []}')
+    (tmp_path / "some_bad.jsonl").write_text("\n".join(bad) + "\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _t4():
+    from core.hardware import preset
+
+    return preset("t4")
+
+
+def _cpu_only():
+    from core.hardware import HardwareSpec
+
+    return HardwareSpec(name="local", gpu_name=None, gpu_count=0, gpu_mem_bytes=0, gpu_flops=0.0, gpu_bw=0.0,
+                        h2d_bw=0.0, d2h_bw=0.0, cpu_flops=2.0e11, cpu_bw=2.0e10, cpu_mem_bytes=32 * 10**9,
+                        cpu_cores=8, cpu_mem_available_bytes=24 * 10**9, source="probe",
+                        measured=("cpu_bw", "cpu_flops"))
+
+
+def _app(hardware=None, theme: str | None = None, **options):
+    app = create_app(Options(**options), ScriptedBackend(hardware=hardware or _t4(), clock=FrozenClock()))
+    if theme:
+        app.theme = theme
+    return app
+
+
+def _direct(**kw):
+    """Started as `mlight-app --model demo --prompts demo_prompts.jsonl --out results.jsonl`: opens on Plan."""
+    return _app(model="demo", prompts="demo_prompts.jsonl", out="results.jsonl", **kw)
+
+
+async def still(pilot):
+    """Stop the text cursors blinking: a blink caught mid-way would make the picture differ run to run."""
+    from textual.widgets import Input
+
+    for screen in pilot.app.screen_stack:
+        for inp in screen.query(Input):
+            inp.cursor_blink = False
+    await pilot.pause()
+
+
+def _back(times: int):
+    async def run(pilot):
+        await _plan_ready(pilot)
+        for _ in range(times):
+            await pilot.press("escape")
+            await settle(pilot)
+        await still(pilot)
+
+    return run
+
+
+async def _settled(pilot):
+    await settle(pilot, rounds=3)
+    if pilot.app.session.options.prompts:
+        await _plan_ready(pilot)
+    await still(pilot)
+
+
+async def _plan_ready(pilot):
+    await settle_until(pilot, lambda app: app.session.plan is not None and type(app.screen).__name__ == "PlanScreen")
+
+
+async def _run(pilot):
+    await _plan_ready(pilot)
+    await pilot.press("ctrl+n")  # accept the plan: the scripted run goes to its end
+    await settle_until(pilot, run_over)
+
+
+async def _to_results(pilot):
+    await _run(pilot)
+    await pilot.press("ctrl+n")
+    await settle_until(pilot, lambda app: type(app.screen).__name__ == "ResultsScreen")
+    await still(pilot)
+
+
+def test_machine_t4(snap_compare, workdir):
+    assert snap_compare(_app(), terminal_size=WIDE, run_before=_settled)
+
+
+def test_machine_cpu_only(snap_compare, workdir):
+    assert snap_compare(_app(hardware=_cpu_only()), terminal_size=WIDE, run_before=_settled)
+
+
+def test_machine_small_terminal(snap_compare, workdir):
+    assert snap_compare(_app(hardware=_cpu_only()), terminal_size=SMALL, run_before=_settled)
+
+
+def test_model_demo(snap_compare, workdir):
+    assert snap_compare(_direct(), terminal_size=WIDE, run_before=_back(2))
+
+
+def test_prompts_demo(snap_compare, workdir):
+    assert snap_compare(_direct(), terminal_size=WIDE, run_before=_back(1))
+
+
+def test_prompts_with_bad_lines(snap_compare, workdir):
+    app = _app(model="demo", prompts="some_bad.jsonl", out="results.jsonl")
+    assert snap_compare(app, terminal_size=WIDE, run_before=_back(1))
+
+
+def test_plan_t4(snap_compare, workdir):
+    assert snap_compare(_direct(), terminal_size=WIDE, run_before=_settled)
+
+
+def test_plan_small_terminal(snap_compare, workdir):
+    assert snap_compare(_direct(), terminal_size=SMALL, run_before=_settled)
+
+
+def test_plan_edit_that_does_not_fit(snap_compare, workdir):
+    async def edit(pilot):
+        await _plan_ready(pilot)
+        screen = pilot.app.screen
+        screen.query_one("#gpu-mem").value = "0.02"
+        await pilot.press("ctrl+r")  # re-plan now rather than after the typing pause
+        await settle_until(pilot, lambda app: app.session.plan.gpu_budget == 20_000_000)
+        screen.query_one("#ffn").value = "gpu"
+        screen.query_one("#gpu-weights").value = "100"  # every expert on a 20 MB GPU: cannot fit
+        await settle_until(pilot, lambda app: "over" in str(screen.query_one("#validation").render()))
+        await still(pilot)
+
+    assert snap_compare(_direct(), terminal_size=WIDE, run_before=edit)
+
+
+def test_plan_invalid_micro_batch(snap_compare, workdir):
+    async def edit(pilot):
+        await _plan_ready(pilot)
+        screen = pilot.app.screen
+        screen.query_one("#micro").value = "5"  # does not divide N = 16
+        await settle_until(pilot, lambda app: "✗" in str(screen.query_one("#validation").render()))
+        await still(pilot)
+
+    assert snap_compare(_direct(), terminal_size=WIDE, run_before=edit)
+
+
+def test_plan_cpu_only(snap_compare, workdir):
+    assert snap_compare(_direct(hardware=_cpu_only()), terminal_size=WIDE, run_before=_settled)
+
+
+def test_run_done(snap_compare, workdir):
+    async def run(pilot):
+        await _run(pilot)
+        await still(pilot)
+
+    assert snap_compare(_direct(), terminal_size=WIDE, run_before=run)
+
+
+def test_run_small_terminal_light(snap_compare, workdir):
+    async def run(pilot):
+        await _run(pilot)
+        await still(pilot)
+
+    assert snap_compare(_direct(theme="textual-light"), terminal_size=SMALL, run_before=run)
+
+
+def test_results(snap_compare, workdir):
+    assert snap_compare(_direct(), terminal_size=WIDE, run_before=_to_results)
+
+
+def test_results_light(snap_compare, workdir):
+    assert snap_compare(_direct(theme="textual-light"), terminal_size=WIDE, run_before=_to_results)
+
+
+def test_result_detail(snap_compare, workdir):
+    async def detail(pilot):
+        await _to_results(pilot)
+        await pilot.press("down", "enter")
+        await settle(pilot)
+
+    assert snap_compare(_direct(), terminal_size=WIDE, run_before=detail)
+
+
+def test_export_dialog(snap_compare, workdir):
+    async def export(pilot):
+        await _to_results(pilot)
+        await pilot.press("c")
+        await settle(pilot)
+        await still(pilot)
+
+    assert snap_compare(_direct(), terminal_size=WIDE, run_before=export)
