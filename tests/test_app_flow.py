@@ -250,3 +250,54 @@ async def test_bad_model_folders_say_what_is_wrong(tmp_path):
             await settle(pilot)
             assert expected in status_text(app), status_text(app)
             assert app.session.model is None
+
+
+@sync
+async def test_download_shows_bytes_and_rate_cancels_and_resumes(tmp_path, monkeypatch, demo_model):
+    """The hub is replaced by a stand-in that reports progress and then waits for the test."""
+    import threading
+
+    import core.download as dl
+    from core.hardware import preset
+
+    gate = threading.Event()
+    calls = []
+
+    def fake_download(repo_id, revision=None, *, progress, **kw):
+        calls.append(repo_id)
+        total = 4_000_000
+        progress(dl.DownloadProgress(f"downloading {repo_id}", 1_000_000, total, "B", file="model.safetensors",
+                                     rate=2_000_000.0))
+        gate.wait(60)
+        progress(dl.DownloadProgress(f"downloading {repo_id}", total, total, "B", rate=2_000_000.0))
+        return demo_model
+
+    monkeypatch.setattr(dl, "download_model", fake_download)
+    app = create_app(Options(), Backend(hardware=preset("t4")))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("enter")
+        await settle(pilot)
+        inp = app.screen.query_one("#model-input")
+        inp.value = "some-org/some-moe"
+        inp.focus()
+        await pilot.press("enter")
+        text = app.screen.query_one("#dl-text")
+        for _ in range(1000):  # wait for the progress message, not for time
+            await pilot.pause()
+            if "MB" in str(text.render()):
+                break
+        assert str(text.render()) == "1.0 MB of 4.0 MB at 2.0 MB/s"
+        await pilot.press("x")  # cancel: the next progress callback stops the download
+        gate.set()
+        await settle(pilot)
+        assert "download cancelled" in status_text(app) and "resume" in status_text(app)
+        assert app.session.model is None and not app.screen.query_one("#download").display
+
+        inp.value = "some-org/some-moe"  # again: the stand-in finishes this time
+        inp.focus()
+        await pilot.press("enter")
+        await settle(pilot)
+        assert app.session.model is not None and app.session.model.source == "hub", status_text(app)
+        assert app.session.model.name == "some-org/some-moe"
+        assert calls == ["some-org/some-moe", "some-org/some-moe"]

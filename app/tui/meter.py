@@ -46,10 +46,10 @@ class RunMeter:
 
     def __init__(self, total_requests: int, budget_tokens: int, *, done_before: int = 0,
                  tokens_before: int = 0, gpu_budget: int = 0, cpu_budget: int = 0,
-                 clock: Clock = time.monotonic):
+                 clock: Clock = time.monotonic, started: float | None = None):
         self._lock = threading.Lock()
         self._clock = clock
-        self._start = clock()
+        self._start = clock() if started is None else started  # a resumed run keeps counting from its start
         self._first_step: float | None = None
         self.state = "loading"
         self.loading = ""

@@ -29,7 +29,7 @@ POST_EVERY_S = 0.2
 
 class RunJob:
     def __init__(self, backend: Any, model: Any, prompts: Any, plan: Any, out: Path,
-                 post: Callable[[Message], None]):
+                 post: Callable[[Message], None], started: float | None = None):
         self.backend, self.model, self.prompts, self.plan, self.out = backend, model, prompts, plan, Path(out)
         self.post = post
         self._go = threading.Event()  # cleared while paused
@@ -37,7 +37,7 @@ class RunJob:
         self._stop = threading.Event()
         self._last_post = 0.0
         self.meter = RunMeter(prompts.count, prompts.budget_tokens, gpu_budget=plan.gpu_budget,
-                              cpu_budget=plan.cpu_budget, clock=backend.clock)
+                              cpu_budget=plan.cpu_budget, clock=backend.clock, started=started)
         self.records: dict[str, dict] = {}  # id -> record, everything finished (earlier sessions too)
         self.state = "loading"
 
@@ -95,9 +95,11 @@ class RunJob:
             raise
         try:
             self.records = dict(store.done)
-            if store.resumed:
+            if store.resumed and store.done:
                 self.post(RunLog(f"Resuming: {len(store.done)} results already in {store.run_path.name} are kept; "
                                  "running the rest.", "ok"))
+            elif store.resumed:
+                self.post(RunLog("Resuming: nothing had finished yet, so every prompt runs.", "ok"))
             self.meter.done = sum(1 for e in self.prompts.prompts.entries if e.id in self.records)
             self.meter.tokens_out = sum(int(r.get("output_tokens", 0)) for r in self.records.values())
             todo = [e for e in self.prompts.prompts.entries if e.id not in self.records]
@@ -134,6 +136,8 @@ class RunJob:
     def _end(self, state: str, store) -> str:
         if store is not None:
             store.close()  # the run file stays: the next run on this output resumes it
+        if state == "done":  # steps count every sampled token, an end-of-text one too: records are the truth
+            self.meter.tokens_out = sum(int(r.get("output_tokens", 0)) for r in self.records.values())
         self.state = state
         self.meter.set_state(state)
         self.post(RunEnded(state, self.meter.snapshot()))

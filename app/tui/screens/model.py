@@ -41,7 +41,7 @@ class ModelScreen(StepScreen):
         with Vertical(id="body"):
             yield Static("Which model? A checkpoint folder, a Hugging Face repo id, or the demo model", classes="title")
             with Horizontal(classes="field"):
-                yield Input(placeholder="folder (drag it here) or owner/name on the Hugging Face hub — Enter to open",
+                yield Input(placeholder="checkpoint folder (or drop it here), or owner/name repo id",
                             compact=True, id="model-input")
                 yield Button("Open ⏎", compact=True, id="open")
                 yield Button("Demo model (d)", compact=True, id="demo", variant="primary")
@@ -111,6 +111,7 @@ class ModelScreen(StepScreen):
             bar.update(total=None, progress=0)
             self.query_one("#dl-text", Static).update(f"{text}: starting…")
             self.query_one("#download").display = True
+            self.query_one("#cancel", Button).focus()  # so that x (or Enter) cancels, not types
         self.load(text)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="model", description="model")

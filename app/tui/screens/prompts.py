@@ -155,7 +155,8 @@ class PromptsScreen(StepScreen):
         self.query_one("#prompts-facts", Facts).set_rows(rows)
         table = self.query_one("#preview", DataTable)
         table.clear()
-        width = max(20, (self.size.width or 80) - 34)  # id and "max new" columns, borders, padding
+        # the prompt column gets what the id and "max new" columns, borders and padding leave
+        width = max(20, (table.size.width or (self.size.width or 80) - 4) - 30)
         for rid, text, mnt in view.preview:
             table.add_row(fmt.excerpt(rid, 10), fmt.excerpt(text, width), str(mnt))
         rejects = self.query_one("#rejects", Static)

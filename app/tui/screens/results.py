@@ -42,7 +42,8 @@ class ResultsScreen(StepScreen):
 
     def on_mount(self) -> None:
         table = self.query_one("#results", DataTable)
-        table.add_column("id", key="id", width=10)
+        self.id_width = max(4, min(18, max((len(str(r["id"])) for r in self.records), default=4)))
+        table.add_column("id", key="id", width=self.id_width)
         table.add_column("prompt", key="prompt")
         table.add_column("output", key="output")
         table.add_column("tokens", key="tokens", width=9)
@@ -60,13 +61,13 @@ class ResultsScreen(StepScreen):
 
     def _fill(self) -> None:
         table = self.query_one("#results", DataTable)
-        fixed = 10 + 9 + 7 + 6 + 6 * 2 + 6  # other columns, cell padding, scrollbar
+        fixed = self.id_width + 9 + 7 + 6 + 6 * 2 + 6  # other columns, cell padding, scrollbar
         text_w = max(12, ((self.size.width or 120) - fixed) // 2)
         for key in ("prompt", "output"):
             table.columns[key].width = text_w
         table.clear()
         for r in self.records:
-            table.add_row(fmt.excerpt(str(r["id"]), 10), fmt.excerpt(r.get("prompt", ""), text_w),
+            table.add_row(fmt.excerpt(str(r["id"]), self.id_width), fmt.excerpt(r.get("prompt", ""), text_w),
                           fmt.excerpt(r.get("output", ""), text_w),
                           f"{r.get('prompt_tokens', 0)}→{r.get('output_tokens', 0)}",
                           f"{float(r.get('seconds', 0.0)):.2f}", r.get("finish_reason", ""), key=str(r["id"]))

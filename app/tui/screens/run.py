@@ -47,6 +47,8 @@ class RunScreen(StepScreen):
         self.job: RunJob | None = None
         self._latest: RunSnapshot | None = None
         self._dirty = False
+        self._shown_state = ""
+        self._t0: float | None = None  # set on mount
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="body"):
@@ -67,6 +69,7 @@ class RunScreen(StepScreen):
             yield RichLog(id="log", classes="panel", wrap=True, markup=False, max_lines=500)
 
     def on_mount(self) -> None:
+        self._t0 = self.backend.clock()  # log times count from the screen's start, across resumes
         if self.session.machine is not None and self.session.machine.cpu_mode:
             self.query_one("#busy-gpu", LabelBar).label = "Compute (CPU)"  # telemetry's "gpu" is the CPU here
         for wid, title in (("throughput", "Throughput"), ("run-memory", "Memory (used / budget)"),
@@ -78,7 +81,7 @@ class RunScreen(StepScreen):
     # ---- the job --------------------------------------------------------------------------------
     def start(self) -> None:
         s = self.session
-        self.job = RunJob(self.backend, s.model, s.prompts, s.plan, s.out_path, self.post_message)
+        self.job = RunJob(self.backend, s.model, s.prompts, s.plan, s.out_path, self.post_message, started=self._t0)
         s.run_state = "running"
         self.log_line(f"Run: {s.model.title} on {s.prompts.count} prompts → {s.out_path}")
         self._latest = self.job.meter.snapshot()
@@ -92,6 +95,11 @@ class RunScreen(StepScreen):
 
     def on_run_update(self, msg: RunUpdate) -> None:
         self._latest, self._dirty = msg.snapshot, True
+        state = msg.snapshot.state
+        if state != self._shown_state:
+            self._shown_state = state
+            if state == "running":
+                self.status("Running. Space pauses between two steps; s stops cleanly (finished results stay).")
 
     def on_run_log(self, msg: RunLog) -> None:
         self.log_line(msg.text, msg.level)
@@ -165,7 +173,7 @@ class RunScreen(StepScreen):
     # ---- drawing --------------------------------------------------------------------------------
     def log_line(self, text: str, level: str = "info") -> None:
         style = {"warn": "yellow", "error": "bold red", "ok": "green"}.get(level, "")
-        elapsed = self._latest.elapsed if self._latest is not None else 0.0
+        elapsed = self.backend.clock() - self._t0 if self._t0 is not None else 0.0
         line = Text(f"[{fmt.duration(elapsed)}] ", style="dim")
         line.append(text, style=style)
         self.query_one("#log", RichLog).write(line)
@@ -205,6 +213,6 @@ class RunScreen(StepScreen):
             self.query_one("#progress-facts", Facts).set_rows([
                 ("State", STATE_WORDS.get(snap.state, snap.state) + loading),
                 ("Requests", f"{snap.requests_done} / {snap.requests_total}"),
-                ("Tokens", f"{snap.tokens_out:,} generated, {snap.tokens_in:,} prompt"),
+                ("Tokens", f"{snap.tokens_out:,} new, {snap.tokens_in:,} prompt"),
                 ("Time", f"{fmt.duration(snap.elapsed)} elapsed, ETA {eta}"),
             ])
