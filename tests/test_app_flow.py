@@ -301,3 +301,31 @@ async def test_download_shows_bytes_and_rate_cancels_and_resumes(tmp_path, monke
         assert app.session.model is not None and app.session.model.source == "hub", status_text(app)
         assert app.session.model.name == "some-org/some-moe"
         assert calls == ["some-org/some-moe", "some-org/some-moe"]
+
+
+@sync
+async def test_a_run_stopped_in_the_app_is_finished_by_mlight_run(tmp_path, capsys):
+    """The app writes the same run file and manifest as `mlight run`, so either resumes the other."""
+    from app.cli import main as mlight
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", n=4, max_new_tokens=3)
+    out = tmp_path / "out.jsonl"
+    ref: list = []
+    app = create_app(Options(model="demo", prompts=str(prompts), out=str(out)), _StopAfterFirst(ref, max_new_tokens=3))
+    ref.append(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle_until(pilot, lambda app: app.session.plan is not None)
+        for wid in ("batch", "micro", "expert"):
+            app.screen.query_one(f"#{wid}").value = "1"
+            await settle(pilot)
+        await pilot.press("ctrl+n")
+        await settle_until(pilot, run_over)
+        assert app.session.run_state == "stopped", status_text(app)
+    kept = _jsonl(out.with_name(out.name + ".run.jsonl"))[1:]
+
+    code = mlight(["run", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "3"])
+    assert code == 0, capsys.readouterr().err
+    assert f"resuming: {len(kept)} of 4 requests already done" in capsys.readouterr().err
+    final = _jsonl(out)
+    assert [r["id"] for r in final] == [f"mtbench-{81 + i}" for i in range(4)]
+    assert {r["id"]: r for r in final}[kept[0]["id"]] == kept[0]

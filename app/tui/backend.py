@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,16 @@ class Backend:
         self.clock = clock
         self.max_new_tokens = max_new_tokens
         self._engine: tuple[Path, Any] | None = None
+        # Opened straight on Plan, the Machine, Model and Prompts screens and the Plan screen all ask
+        # for the same machine and model at once: one probe / one demo build, the others wait for it.
+        self._lock = threading.RLock()
+        self._memo: dict[tuple, Any] = {}
+
+    def _once(self, key: tuple, make: Callable[[], Any], fresh: bool = False) -> Any:
+        with self._lock:
+            if fresh or key not in self._memo:
+                self._memo[key] = make()  # an exception is not remembered: asking again retries
+            return self._memo[key]
 
     # ---- machine ------------------------------------------------------------------------------
     def machine(self, refresh: bool = False, progress: EventSink = ignore) -> MachineView:
@@ -109,10 +120,14 @@ class Backend:
 
         if self.pinned_hardware is not None:
             return machine_view(self.pinned_hardware)
-        progress(Progress("detecting GPUs, RAM and cores", 0, 2))
-        base = hardware.detect()
-        progress(Progress("measuring compute and host↔device bandwidth", 1, 2))
-        return machine_view(hardware.probe(base, refresh=refresh))
+
+        def measure() -> MachineView:
+            progress(Progress("detecting GPUs, RAM and cores", 0, 2))
+            base = hardware.detect()
+            progress(Progress("measuring compute and host↔device bandwidth", 1, 2))
+            return machine_view(hardware.probe(base, refresh=refresh))
+
+        return self._once(("machine",), measure, fresh=refresh)
 
     # ---- model --------------------------------------------------------------------------------
     def open_model(self, text: str | None, machine: MachineView | None, progress: EventSink = ignore,
@@ -128,7 +143,10 @@ class Backend:
                                         "open the same repo id again to resume; finished files are kept")
             progress(ev)
 
-        path, name = resolve_model(None if is_demo else text.strip(), progress=sink)
+        def resolve() -> tuple[Path, str]:
+            return resolve_model(None if is_demo else text.strip(), progress=sink)
+
+        path, name = self._once(("model", "demo" if is_demo else text.strip()), resolve)
         source = "demo" if is_demo else ("folder" if Path(text).expanduser().exists() else "hub")
         return self.inspect_model(path, name, source, machine)
 
