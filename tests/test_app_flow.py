@@ -329,3 +329,19 @@ async def test_a_run_stopped_in_the_app_is_finished_by_mlight_run(tmp_path, caps
     final = _jsonl(out)
     assert [r["id"] for r in final] == [f"mtbench-{81 + i}" for i in range(4)]
     assert {r["id"]: r for r in final}[kept[0]["id"]] == kept[0]
+
+
+@sync
+async def test_a_budget_nothing_fits_in_says_so_on_the_plan(tmp_path):
+    from core.hardware import preset
+
+    prompts = write_prompts(tmp_path / "p.jsonl", n=2, max_new_tokens=2)
+    app = create_app(Options(model="demo", prompts=str(prompts), out=str(tmp_path / "o.jsonl"), gpu_mem=0.0,
+                             cpu_mem=0.001), Backend(hardware=preset("t4")))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle_until(pilot, lambda app: "nothing fits" in status_text(app))
+        assert "nothing fits in the memory budget" in app.screen.query_one("#prediction").text
+        assert app.screen.query_one("#accept").disabled
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        assert type(app.screen).__name__ == "PlanScreen"  # no run without a plan that fits

@@ -45,17 +45,19 @@ class PromptsReady(Message):
 
 
 class PlanReady(Message):
-    def __init__(self, plan: Any):
+    """A plan for the budgets asked in request number `gen` (older requests' answers are dropped)."""
+
+    def __init__(self, plan: Any, gen: int = 0):
         super().__init__()
-        self.plan = plan
+        self.plan, self.gen = plan, gen
 
 
 class Checked(Message):
     """Live validation of a user-edited policy: a list of problems (empty = fits)."""
 
-    def __init__(self, plan: Any, problems: list[str]):
+    def __init__(self, plan: Any, problems: list[str], gen: int = 0):
         super().__init__()
-        self.plan, self.problems = plan, problems
+        self.plan, self.problems, self.gen = plan, problems, gen
 
 
 class RunUpdate(Message):

@@ -105,7 +105,8 @@ class PlanScreen(StepScreen):
     @work(thread=True, exclusive=True, exit_on_error=False, group="plan", description="plan")
     def make_plan(self, gen: int, gpu_budget: int | None, cpu_budget: int | None) -> None:
         s, b = self.session, self.backend
-        # reached straight from the command line: do the earlier steps' work here
+        # reached straight from the command line: do the earlier steps' work here (plain attribute
+        # writes; the backend makes concurrent asks for the same machine or model share one answer)
         if s.machine is None:
             s.machine = b.machine()
         if s.model is None:
@@ -113,17 +114,22 @@ class PlanScreen(StepScreen):
         if s.prompts is None:
             s.prompts = b.read_prompts(Path(s.options.prompts).expanduser())
         plan = b.plan(s.model, s.machine, s.prompts, gpu_budget, cpu_budget)
-        msg = PlanReady(plan)
-        msg.gen = gen
-        self.post_message(msg)
+        self.post_message(PlanReady(plan, gen))
 
     def on_plan_ready(self, msg: PlanReady) -> None:
-        if getattr(msg, "gen", self._gen) != self._gen:
+        if msg.gen != self._gen:
             return
         self.session.plan = msg.plan
         if self.query_one("#out", PathInput).value in ("", str(Path("results.jsonl"))):
             self.query_one("#out", PathInput).value = str(self.session.default_out())
         self.fill(msg.plan)
+
+    def worker_failed(self, worker, error) -> None:
+        if worker.group == "plan":  # no plan at all (nothing fits, a bad model or prompts file)
+            self.query_one("#prediction", Facts).set_rows([("No plan", Text(self.mapp.describe_error(error),
+                                                                            style="bold red"))])
+            self.query_one("#accept", Button).disabled = True
+        super().worker_failed(worker, error)
 
     def action_replan(self) -> None:
         if self._replan_timer is not None:
@@ -203,12 +209,10 @@ class PlanScreen(StepScreen):
     @work(thread=True, exclusive=True, exit_on_error=False, group="check", description="validate policy")
     def check(self, gen: int, fields: dict) -> None:
         plan = self.backend.check(self.session.model, self.session.machine, self.session.plan, fields)
-        msg = Checked(plan, plan.problems)
-        msg.gen = gen
-        self.post_message(msg)
+        self.post_message(Checked(plan, plan.problems, gen))
 
     def on_checked(self, msg: Checked) -> None:
-        if getattr(msg, "gen", self._gen) != self._gen:
+        if msg.gen != self._gen:
             return
         if msg.plan.prediction is not None and not msg.problems:
             self.session.plan = msg.plan

@@ -14,9 +14,15 @@ class Facts(Static):
         self.set_rows(rows or [])
 
     def set_rows(self, rows: list[tuple[str, str | Text]]) -> None:
+        self.rows = [(label, str(value)) for label, value in rows]
         table = Table.grid(padding=(0, 1), expand=True)
         table.add_column(style="bold", width=self.label_width, no_wrap=True)
         table.add_column(ratio=1, overflow="fold")
         for label, value in rows:
             table.add_row(label, value)
         self.update(table)
+
+    @property
+    def text(self) -> str:
+        """The facts as plain `label: value` lines (for tests and logs)."""
+        return "\n".join(f"{label}: {value}" if label else value for label, value in self.rows)
