@@ -1,0 +1,186 @@
+"""Shared benchmark helpers: a random Mixtral-shaped checkpoint, an MT-Bench-like workload, and the
+machine's roofline (bf16 matmul FLOP/s and memory read bandwidth) measured in the same process.
+
+Only the bench scripts import this; nothing in `core` or `app` does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MT_BENCH = ROOT / "assets" / "mt_bench_questions.jsonl"
+
+
+# ---- model ------------------------------------------------------------------------------------------
+def build_mixtral(out_dir: Path, *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                  experts: int = 8, top_k: int = 2, vocab: int = 4096, seed: int = 0) -> dict:
+    """A random-weight bf16 Mixtral checkpoint made by transformers' own classes, plus a BPE tokenizer.
+
+    The lm_head rows of EOS and PAD are zeroed: their logit is exactly 0 while the max over thousands of
+    random logits is positive, so greedy decoding never stops early and both systems generate exactly
+    `max_new_tokens` per request (the workload is the same for both by construction)."""
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from core.demo import build_tokenizer
+
+    hf_logging.disable_progress_bar()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out_dir, vocab_size=vocab)
+    tok = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
+    V = len(tok)
+    cfg = MixtralConfig(
+        vocab_size=V, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=experts,
+        num_experts_per_tok=top_k, max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+        initializer_range=0.02, dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = MixtralForCausalLM(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for t in (tok.eos_token_id, tok.pad_token_id):
+            model.lm_head.weight[t].zero_()
+    model.save_pretrained(str(out_dir))
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    return {"params": n, "vocab": V}
+
+
+# ---- workload -----------------------------------------------------------------------------------------
+def first_turns() -> list[str]:
+    with open(MT_BENCH, encoding="utf-8") as f:
+        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+
+
+def target_lengths(n: int, mean: float = 77.0, max_len: int = 418, min_len: int = 8, sigma: float = 0.8) -> list[int]:
+    """n prompt lengths with a long-tailed (log-normal) spread, clipped to [min_len, max_len], one request at
+    max_len, mean ≈ `mean` (the MT-Bench spread: mean ≈ 77, max ≈ 418)."""
+    from statistics import NormalDist
+
+    nd = NormalDist()
+    z = [nd.inv_cdf((i + 0.5) / n) for i in range(n)]
+    mu = math.log(mean) - sigma ** 2 / 2
+    for _ in range(30):  # re-centre after clipping
+        ls = [min(max_len, max(min_len, round(math.exp(mu + sigma * x)))) for x in z]
+        if n > 1:
+            ls[-1] = max_len
+        m = sum(ls) / n
+        if abs(m - mean) < 0.5:
+            break
+        mu += math.log(mean / m)
+    random.Random(1).shuffle(ls)
+    return ls
+
+
+def build_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[str]:
+    """Prompts made of MT-Bench first turns, concatenated until each reaches its target token length."""
+    turns = first_turns()
+    rng = random.Random(seed)
+    out = []
+    for target in lengths:
+        order = turns[:]
+        rng.shuffle(order)
+        ids: list[int] = []
+        i = 0
+        while len(ids) < target:
+            ids += tokenizer((("\n\n" if ids else "") + order[i % len(order)])).input_ids
+            i += 1
+        out.append(tokenizer.decode(ids[:target]))
+    return out
+
+
+# ---- roofline -----------------------------------------------------------------------------------------
+@dataclass
+class Roofline:
+    flops: float  # bf16 matmul FLOP/s
+    bandwidth: float  # bytes/s, read
+    gemm_detail: dict
+    bw_detail: dict
+
+    def time(self, flops: float, bytes_: float) -> float:
+        """Lower bound on time: attainable = min(peak, BW × intensity) <=> t = max(F/peak, B/BW)."""
+        return max(flops / self.flops, bytes_ / self.bandwidth)
+
+
+def _best(fn, reps: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_roofline(sizes=(2048, 4096), bw_bytes: int = 1 << 30, reps: int = 3) -> Roofline:
+    """Peak bf16 GEMM FLOP/s (best over square sizes) and read bandwidth (sum over a tensor far beyond L3)."""
+    gemm = {}
+    for n in sizes:
+        a = torch.randn(n, n, dtype=torch.bfloat16)
+        b = torch.randn(n, n, dtype=torch.bfloat16)
+        gemm[n] = 2 * n ** 3 / _best(lambda: torch.mm(a, b), reps)  # noqa: B023 (called before the next loop)
+    bw = {}
+    for dt in (torch.bfloat16, torch.float32):
+        x = torch.ones(bw_bytes // torch.tensor([], dtype=dt).element_size(), dtype=dt)
+        bw[str(dt).replace("torch.", "")] = bw_bytes / _best(lambda: x.sum(), reps)  # noqa: B023
+    return Roofline(max(gemm.values()), max(bw.values()), gemm, bw)
+
+
+def expected_distinct(E: int, k: int, tokens: int) -> float:
+    """Expected number of distinct experts hit when `tokens` tokens each pick k of E uniformly."""
+    return E * (1.0 - (1.0 - k / E) ** tokens)
+
+
+def decode_step_cost(spec, batch: int, ctx_total: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one decode step over `batch` requests whose cached lengths sum to ctx_total."""
+    L = spec.num_layers
+    d = spec.dtype_bytes
+    hit = expected_distinct(spec.num_experts, spec.top_k, batch)
+    lm = spec.vocab_size * spec.hidden_size * d
+    weight_bytes = L * (spec.layer_nonexpert_bytes + hit * spec.expert_bytes) + lm + spec.hidden_size * d
+    weight_bytes += batch * spec.hidden_size * d  # embedding rows
+    kv_bytes = ctx_total * spec.kv_bytes_per_token + batch * spec.kv_bytes_per_token  # read + the write
+    dense = spec.active_params - spec.vocab_size * spec.hidden_size  # no embedding matmul
+    attn = 4 * spec.num_heads * spec.head_dim * ctx_total * L
+    return 2.0 * batch * dense + attn, weight_bytes + kv_bytes
+
+
+def prefill_cost(spec, lengths: list[int]) -> tuple[float, float]:
+    """(FLOPs, bytes) of prefilling prompts of these lengths in one wave (weights read once)."""
+    L = spec.num_layers
+    T = sum(lengths)
+    dense = spec.active_params - spec.vocab_size * spec.hidden_size
+    lm = spec.vocab_size * spec.hidden_size
+    flops = 2.0 * T * (dense - lm) + 2.0 * len(lengths) * lm  # logits only for the last token
+    flops += sum(2 * spec.num_heads * spec.head_dim * n * n for n in lengths) * L  # causal QK^T + PV
+    hit = expected_distinct(spec.num_experts, spec.top_k, T)
+    bytes_ = L * (spec.layer_nonexpert_bytes + hit * spec.expert_bytes) + lm * spec.dtype_bytes
+    bytes_ += T * spec.kv_bytes_per_token
+    return flops, bytes_
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all threads): with wall time, shows how much of the
+    cores the run actually got on a shared machine."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"

@@ -1,0 +1,355 @@
+"""CPU mode vs transformers `generate`: tokens/s on the same workload, and our fraction of the roofline.
+
+Builds a ≈ 800M-parameter random bf16 Mixtral-shaped checkpoint (transformers' own classes +
+`save_pretrained`, tokenizer from `core.demo.build_tokenizer`), a workload of 256 requests whose
+prompts are MT-Bench first turns concatenated to an MT-Bench-like length spread (mean ≈ 77, max
+418 tokens) with max_new_tokens in {32, 64, 96, 128}, then in one process:
+
+1. measures the machine: bf16 GEMM FLOP/s and memory read bandwidth;
+2. runs our engine (`Engine.generate`, Algorithm-2 micro-batches with refill);
+3. tunes transformers on a probe (experts_implementation × batch size, sdpa attention, use_cache),
+   then runs its fastest setting on the full workload: left-padded batches of requests that share a
+   max_new_tokens value, sorted by prompt length (the least padding it can get);
+4. prints tokens/s (generated tokens / wall time, prefill included) for both, the ratio, and our
+   decode fraction of the roofline: per decode step, time ≥ max(FLOPs / peak, bytes / bandwidth)
+   with bytes = weights touched (non-expert + expected distinct experts for the step's routed
+   tokens, lm_head) + KV read; fraction = Σ lower bounds / Σ measured step times.
+
+EOS and PAD rows of the lm_head are zeroed, so greedy decoding never stops early: both systems
+generate exactly the requested tokens, and tokens are counted from the outputs (never assumed).
+
+    python bench/cpu_vs_hf.py                      # the issue's workload (about 10 minutes on 2 cores)
+    python bench/cpu_vs_hf.py --quick              # tiny smoke run (< 1 minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench import common  # noqa: E402
+
+FULL = dict(hidden=1024, intermediate=3840, layers=8, heads=16, kv_heads=4, experts=8, top_k=2, vocab=4096)
+QUICK = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, experts=8, top_k=2, vocab=1024)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=None, help="number of requests (default 256; 16 with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny model and workload, a smoke run under a minute")
+    p.add_argument("--batch", type=int, default=None, help="our engine's batch size (default 64; 8 with --quick)")
+    p.add_argument("--micro-batch", type=int, default=None, help="our micro-batch size (default: the batch)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (default: all cores)")
+    p.add_argument("--workdir", type=Path, default=None, help="where to build the model (default: a temp dir)")
+    p.add_argument("--max-new-tokens", default=None, help="comma list the requests cycle through (default 32,64,96,128)")
+    p.add_argument("--hf-impls", default=None, help="experts_implementation values to try (default eager,grouped_mm; batched_mm gathers a weight "
+                   "copy per routed token: 130x slower than grouped_mm in --quick and > 12 GB RSS on the full model)")
+    p.add_argument("--hf-batches", default=None, help="transformers batch sizes to try (default 16,32,64)")
+    p.add_argument("--hf-probe", type=int, default=None, help="requests in the transformers tuning probe (default 32)")
+    p.add_argument("--hf-probe-tokens", type=int, default=16, help="max_new_tokens in the tuning probe")
+    p.add_argument("--hf-setting", default=None, help="skip tuning: IMPL:BATCH, e.g. grouped_mm:64")
+    p.add_argument("--skip-hf", action="store_true", help="run our engine only")
+    p.add_argument("--json", type=Path, default=None, help="write all figures to this JSON file")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    q = a.quick
+    a.requests = a.requests or (16 if q else 256)
+    a.batch = a.batch or (8 if q else 64)
+    a.micro_batch = a.micro_batch or a.batch
+    a.max_new_tokens = [int(x) for x in (a.max_new_tokens or ("8,16" if q else "32,64,96,128")).split(",")]
+    a.hf_impls = (a.hf_impls or "eager,grouped_mm").split(",")
+    a.hf_batches = [int(x) for x in (a.hf_batches or ("4,8" if q else "16,32,64")).split(",")]
+    a.hf_probe = a.hf_probe or (8 if q else 32)
+    if q:
+        a.hf_probe_tokens = min(a.hf_probe_tokens, 8)
+    return a
+
+
+# ---- our engine ------------------------------------------------------------------------------------
+class _Recorder:
+    """Notes each step's shape (requests, Σ cached tokens) for the roofline, by wrapping the methods of the
+    runner the engine makes (`Engine.runner(...)`, with `decode(tokens, slots, positions, ...)` and
+    `prefill(prompts, ...)`); it changes nothing the engine computes."""
+
+    def __init__(self):
+        self.decode: list[tuple[int, int]] = []  # (requests, Σ cached lengths incl. the new token)
+        self.prefill: list[list[int]] = []  # prompt lengths of each prefill wave
+        self.events: list = []
+        self.shapes_known = False
+
+    def install(self, engine):
+        make = getattr(engine, "runner", None)
+        if make is None:  # another engine layout: the roofline falls back to the events alone
+            return lambda: None
+        rec = self
+
+        def runner(*a, **kw):
+            r = make(*a, **kw)
+            dec, pre = r.decode, r.prefill
+
+            def decode(tokens, slots, positions, *rest, **kw2):
+                rec.decode.append((sum(len(t) for t in tokens), sum(p + 1 for ps in positions for p in ps)))
+                return dec(tokens, slots, positions, *rest, **kw2)
+
+            def prefill(prompts, *rest, **kw2):
+                rec.prefill.append([len(p) for p in prompts])
+                return pre(prompts, *rest, **kw2)
+
+            r.decode, r.prefill = decode, prefill
+            rec.shapes_known = True
+            return r
+
+        engine.runner = runner
+        return lambda: engine.__dict__.pop("runner", None)
+
+    def sink(self, ev):
+        if type(ev).__name__ == "StepDone":
+            self.events.append((ev.kind, ev.tokens, ev.seconds))
+
+
+def run_ours(model_dir: Path, requests, batch: int, micro: int):
+    from core.engine import Engine, Request
+
+    t = time.perf_counter()
+    engine = Engine.load(model_dir)
+    load_s = time.perf_counter() - t
+    list(engine.generate([Request("w0", prompt=requests[0].prompt, max_new_tokens=4),
+                          Request("w1", prompt=requests[-1].prompt, max_new_tokens=4)], batch_size=2))  # warm-up
+    rec = _Recorder()
+    restore = rec.install(engine)
+    try:
+        t, c = time.perf_counter(), common.cpu_seconds()
+        results = list(engine.generate(requests, batch_size=batch, micro_batch_size=micro, on_event=rec.sink))
+        wall, cpu = time.perf_counter() - t, common.cpu_seconds() - c
+    finally:
+        restore()
+    spec = engine.spec
+    del engine
+    gc.collect()
+    return {"wall": wall, "cpu": cpu, "load_s": load_s, "results": {r.id: r for r in results}, "rec": rec, "spec": spec}
+
+
+# ---- transformers ------------------------------------------------------------------------------------
+def hf_batches(prompt_ids: dict, mnt: dict, ids: list[str], batch: int):
+    """Requests sharing a max_new_tokens value, longest prompt first, in chunks of `batch`."""
+    by_m: dict[int, list[str]] = {}
+    for i in ids:
+        by_m.setdefault(mnt[i], []).append(i)
+    for m in sorted(by_m, reverse=True):
+        group = sorted(by_m[m], key=lambda i: -len(prompt_ids[i]))
+        for lo in range(0, len(group), batch):
+            yield m, group[lo:lo + batch]
+
+
+def run_hf(model, prompt_ids: dict, mnt: dict, ids: list[str], batch: int, pad: int, eos: int):
+    outs = {}
+    t, c = time.perf_counter(), common.cpu_seconds()
+    for m, chunk in hf_batches(prompt_ids, mnt, ids, batch):
+        n = max(len(prompt_ids[i]) for i in chunk)
+        inp = torch.full((len(chunk), n), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), n), dtype=torch.long)
+        for r, i in enumerate(chunk):
+            p = prompt_ids[i]
+            inp[r, n - len(p):] = torch.tensor(p)
+            mask[r, n - len(p):] = 1
+        with torch.inference_mode():
+            gen = model.generate(input_ids=inp, attention_mask=mask, max_new_tokens=m, min_new_tokens=0,
+                                 do_sample=False, use_cache=True, pad_token_id=pad, eos_token_id=eos)
+        for r, i in enumerate(chunk):
+            toks = gen[r, n:].tolist()
+            outs[i] = toks[:toks.index(eos)] if eos in toks else toks
+    wall, cpu = time.perf_counter() - t, common.cpu_seconds() - c
+    run_hf.cpu = cpu
+    return wall, outs
+
+
+def load_hf(model_dir: Path):
+    from transformers import MixtralForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.generation_config.max_length = None
+    return model.eval()
+
+
+def set_impl(model, impl: str) -> bool:
+    try:
+        model.set_experts_implementation(impl)
+        return True
+    except Exception as e:  # not available on this torch / device
+        print(f"  transformers experts_implementation={impl}: unavailable ({str(e).splitlines()[0]})")
+        return False
+
+
+def tune_hf(model, prompt_ids, ids, args, pad, eos):
+    """Pick (experts_implementation, batch) by tokens/s on a probe of the workload's requests."""
+    rng = random.Random(args.seed + 7)
+    probe = rng.sample(ids, min(args.hf_probe, len(ids)))
+    pm = {i: args.hf_probe_tokens for i in probe}
+    trials = []
+
+    def trial(impl, b):
+        if not set_impl(model, impl):
+            return None
+        run_hf(model, prompt_ids, pm, probe[:2], 2, pad, eos)  # warm-up this implementation
+        wall, outs = run_hf(model, prompt_ids, pm, probe, b, pad, eos)
+        tps = sum(len(v) for v in outs.values()) / wall
+        trials.append({"impl": impl, "batch": b, "tok_s": tps})
+        print(f"  probe: experts_implementation={impl:<11} batch={b:<4} {tps:8.1f} tok/s", flush=True)
+        return tps
+
+    b0 = args.hf_batches[len(args.hf_batches) // 2]
+    scores = {impl: trial(impl, b0) for impl in args.hf_impls}
+    best_impl = max((i for i in scores if scores[i]), key=lambda i: scores[i])
+    bs = {b0: scores[best_impl]}
+    for b in args.hf_batches:
+        if b != b0:
+            bs[b] = trial(best_impl, b)
+    best_b = max(bs, key=lambda b: bs[b])
+    return best_impl, best_b, trials
+
+
+# ---- roofline ------------------------------------------------------------------------------------------
+def roofline_fraction(spec, rec: _Recorder, roof: common.Roofline) -> dict:
+    dec_s = [s for k, _, s in rec.events if k == "decode"]
+    pre_s = [s for k, _, s in rec.events if k == "prefill"]
+    if not rec.shapes_known:  # no cached lengths: count weights only (KV read taken as 0, flattering us)
+        rec.decode = [(n, 0) for k, n, _ in rec.events if k == "decode"]
+        rec.prefill = [[n] for k, n, _ in rec.events if k == "prefill"]
+    assert len(dec_s) == len(rec.decode) and len(pre_s) == len(rec.prefill), "step records out of step"
+    ideal_dec = sum(roof.time(*common.decode_step_cost(spec, b, ctx)) for b, ctx in rec.decode)
+    ideal_pre = sum(roof.time(*common.prefill_cost(spec, ls)) for ls in rec.prefill)
+    dec_flops = sum(common.decode_step_cost(spec, b, ctx)[0] for b, ctx in rec.decode)
+    dec_bytes = sum(common.decode_step_cost(spec, b, ctx)[1] for b, ctx in rec.decode)
+    toks = sum(b for b, _ in rec.decode)
+    return {
+        "decode_steps": len(dec_s), "decode_tokens": toks, "decode_s": sum(dec_s), "prefill_s": sum(pre_s),
+        "decode_ideal_s": ideal_dec, "prefill_ideal_s": ideal_pre,
+        "decode_fraction": ideal_dec / sum(dec_s) if dec_s else float("nan"),
+        "prefill_fraction": ideal_pre / sum(pre_s) if pre_s else float("nan"),
+        "decode_mean_batch": toks / max(1, len(dec_s)),
+        "decode_intensity_flop_per_byte": dec_flops / dec_bytes if dec_bytes else float("nan"),
+        "decode_achieved_gflops": dec_flops / sum(dec_s) / 1e9 if dec_s else float("nan"),
+        "decode_achieved_gbs": dec_bytes / sum(dec_s) / 1e9 if dec_s else float("nan"),
+    }
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from core.engine import Request
+    from core.families import load_spec
+
+    shape = QUICK if args.quick else FULL
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="mlight-bench-")
+        work = Path(tmp.name)
+    else:
+        work = args.workdir
+    model_dir = work / ("mixtral-quick" if args.quick else "mixtral-800m")
+    print(f"mlight bench cpu_vs_hf: torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}, "
+          f"load average {common.load_average()}", flush=True)
+    t = time.perf_counter()
+    if not (model_dir / "config.json").is_file():
+        info = common.build_mixtral(model_dir, **shape, seed=args.seed)
+        print(f"built {model_dir.name}: {info['params'] / 1e6:.0f}M params, vocab {info['vocab']}, bf16 "
+              f"({time.perf_counter() - t:.0f} s)", flush=True)
+    spec = load_spec(model_dir)
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+    lengths = common.target_lengths(args.requests, mean=20 if args.quick else 77, max_len=60 if args.quick else 418)
+    prompts = common.build_prompts(tok, lengths, seed=args.seed)
+    rng = random.Random(args.seed)
+    reqs = [Request(f"r{i:04d}", prompt=p, max_new_tokens=rng.choice(args.max_new_tokens)) for i, p in enumerate(prompts)]
+    prompt_ids = {r.id: list(tok(r.prompt).input_ids) for r in reqs}
+    mnt = {r.id: r.max_new_tokens for r in reqs}
+    plen = [len(v) for v in prompt_ids.values()]
+    want = sum(mnt.values())
+    print(f"workload: {len(reqs)} requests, prompt tokens mean {sum(plen) / len(plen):.1f} max {max(plen)} min {min(plen)}, "
+          f"max_new_tokens in {args.max_new_tokens} (sum {want})", flush=True)
+
+    roof = common.measure_roofline(sizes=(512, 1024) if args.quick else (2048, 4096),
+                                   bw_bytes=(1 << 28) if args.quick else (1 << 30))
+    print(f"machine: bf16 matmul {roof.flops / 1e9:.0f} GFLOP/s "
+          f"({', '.join(f'{n}³ {v / 1e9:.0f}' for n, v in roof.gemm_detail.items())}), read bandwidth "
+          f"{roof.bandwidth / 1e9:.1f} GB/s ({', '.join(f'{k} sum {v / 1e9:.1f}' for k, v in roof.bw_detail.items())}), "
+          f"ridge {roof.flops / roof.bandwidth:.0f} FLOP/B", flush=True)
+
+    out = {"command": "python bench/cpu_vs_hf.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "threads": args.threads, "torch": torch.__version__, "params": spec.num_params,
+           "active_params": spec.active_params, "requests": len(reqs), "prompt_mean": sum(plen) / len(plen),
+           "prompt_max": max(plen), "requested_tokens": want, "peak_flops": roof.flops, "bandwidth": roof.bandwidth,
+           "gemm_detail": roof.gemm_detail, "bw_detail": roof.bw_detail, "load_avg_start": common.load_average()}
+
+    ours = run_ours(model_dir, reqs, args.batch, args.micro_batch)
+    got = sum(r.output_tokens for r in ours["results"].values())
+    ours_tps = got / ours["wall"]
+    rf = roofline_fraction(ours["spec"], ours["rec"], roof)
+    print(f"ours:  {got} tokens in {ours['wall']:.1f} s = {ours_tps:.1f} tok/s  (batch {args.batch}, micro-batch "
+          f"{args.micro_batch}; prefill {rf['prefill_s']:.1f} s, decode {rf['decode_s']:.1f} s over {rf['decode_steps']} "
+          f"steps, mean batch {rf['decode_mean_batch']:.1f}; CPU time {ours['cpu']:.1f} s = "
+          f"{ours['cpu'] / ours['wall'] / args.threads * 100:.0f} % of {args.threads} core(s) × wall)", flush=True)
+    print(f"roofline (decode): {rf['decode_fraction'] * 100:.1f} % (ideal {rf['decode_ideal_s']:.1f} s vs "
+          f"{rf['decode_s']:.1f} s; intensity {rf['decode_intensity_flop_per_byte']:.0f} FLOP/B, achieved "
+          f"{rf['decode_achieved_gflops']:.0f} GFLOP/s, {rf['decode_achieved_gbs']:.1f} GB/s); prefill "
+          f"{rf['prefill_fraction'] * 100:.1f} %; end to end "
+          f"{(rf['decode_ideal_s'] + rf['prefill_ideal_s']) / ours['wall'] * 100:.1f} %", flush=True)
+    out.update({"ours_tokens": got, "ours_wall": ours["wall"], "ours_tok_s": ours_tps, "ours_cpu_s": ours["cpu"], "batch": args.batch,
+                "micro_batch": args.micro_batch, **{f"ours_{k}": v for k, v in rf.items()}})
+
+    if not args.skip_hf:
+        model = load_hf(model_dir)
+        pad, eos = tok.pad_token_id, tok.eos_token_id
+        ids = [r.id for r in reqs]
+        if args.hf_setting:
+            impl, b = args.hf_setting.split(":")
+            b, trials = int(b), []
+        else:
+            print("tuning transformers on a probe "
+                  f"({args.hf_probe} requests × {args.hf_probe_tokens} new tokens, sdpa, use_cache=True):", flush=True)
+            impl, b, trials = tune_hf(model, prompt_ids, ids, args, pad, eos)
+        set_impl(model, impl)
+        run_hf(model, prompt_ids, mnt, ids[:2], 2, pad, eos)  # warm-up
+        wall, outs = run_hf(model, prompt_ids, mnt, ids, b, pad, eos)
+        hf_got = sum(len(v) for v in outs.values())
+        hf_tps = hf_got / wall
+        same = sum(outs[i] == ours["results"][i].output_token_ids for i in ids) / len(ids)
+        print(f"hf:    {hf_got} tokens in {wall:.1f} s = {hf_tps:.1f} tok/s  (experts_implementation={impl}, batch {b}, "
+              f"sdpa, use_cache=True, left-padded, grouped by max_new_tokens, sorted by length; CPU time {run_hf.cpu:.1f} s = "
+              f"{run_hf.cpu / wall / args.threads * 100:.0f} % of {args.threads} core(s) × wall)", flush=True)
+        print(f"ratio: {ours_tps / hf_tps:.2f}× transformers; identical greedy outputs for {same * 100:.0f} % of requests",
+              flush=True)
+        out.update({"hf_impl": impl, "hf_batch": b, "hf_trials": trials, "hf_tokens": hf_got, "hf_wall": wall,
+                    "hf_tok_s": hf_tps, "hf_cpu_s": run_hf.cpu, "ratio": ours_tps / hf_tps, "identical_outputs": same})
+        del model
+    out["load_avg_end"] = common.load_average()
+    print(f"load average at the end: {out['load_avg_end']}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
