@@ -45,6 +45,14 @@ class MlightApp(App):
         if palette is not None:
             yield from palette()
 
+    def tone(self, level: str) -> str:
+        """A Rich style for ok / warn / error text in the current theme (readable on dark and light)."""
+        key = {"ok": "text-success", "warn": "text-warning", "error": "text-error"}.get(level)
+        if key is None:
+            return ""
+        color = self.theme_variables.get(key, "")
+        return f"bold {color}" if level == "error" else color
+
     @staticmethod
     def describe_error(error: BaseException | None) -> str:
         """One line for the status bar: core's own message for user errors, the type for bugs."""

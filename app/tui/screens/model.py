@@ -56,8 +56,8 @@ class ModelScreen(StepScreen):
     def on_mount(self) -> None:
         self.query_one("#model-facts").border_title = "Model"
         self.query_one("#download").display = False
-        self.query_one("#model-facts", Facts).set_rows([("", "No model chosen yet. Press d for the demo model, "
-                                                         "or type / drag a folder or repo id above.")])
+        self.query_one("#model-facts", Facts).set_rows([("Model", "none chosen yet — d (or Enter) takes the demo "
+                                                                  "model; Tab reaches the path field")])
         opts = self.session.options
         if self.session.model is not None:
             self.show(self.session.model)
@@ -153,7 +153,7 @@ class ModelScreen(StepScreen):
 
     def show(self, m) -> None:
         s = m.spec
-        fits = Text(m.fits_text, style="bold green" if m.fits else ("bold red" if m.fits is False else ""))
+        fits = Text(m.fits_text, style=self.mapp.tone("ok" if m.fits else ("error" if m.fits is False else "")))
         rows = [
             ("Model", m.title),
             ("Path", str(m.path)),

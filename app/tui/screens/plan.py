@@ -127,7 +127,7 @@ class PlanScreen(StepScreen):
     def worker_failed(self, worker, error) -> None:
         if worker.group == "plan":  # no plan at all (nothing fits, a bad model or prompts file)
             self.query_one("#prediction", Facts).set_rows([("No plan", Text(self.mapp.describe_error(error),
-                                                                            style="bold red"))])
+                                                                            style=self.mapp.tone("error")))])
             self.query_one("#accept", Button).disabled = True
         super().worker_failed(worker, error)
 
@@ -235,7 +235,7 @@ class PlanScreen(StepScreen):
                 ("Prefill", f"{pred.prefill_tokens_per_s:,.1f} prompt tokens/s"),
                 ("Bottleneck", pred.bottleneck_text),
                 ("Policy", f"N={plan.policy.batch_size}, μ={plan.policy.micro_batch_size} "
-                           f"({plan.policy.num_micro_batches} micro-batches), attention on "
+                           f"({_plural(plan.policy.num_micro_batches, 'micro-batch', 'micro-batches')}), attention on "
                            f"{plan.policy.attention_on.upper()}, FFN on {plan.policy.ffn_on.upper()}"),
                 ("Workload", f"{self.session.prompts.count} prompts, " + plan.workload_text),
             ]
@@ -260,13 +260,13 @@ class PlanScreen(StepScreen):
         if problems:
             text = Text()
             for p in problems:
-                text.append("✗ ", style="bold red")
+                text.append("✗ ", style=self.mapp.tone("error"))
                 text.append(p + "\n")
             box.update(text)
             accept.disabled = True
             self.status("This policy does not fit — fix the fields listed under Check, or Ctrl+R to re-plan.", "error")
         else:
-            box.update(Text("✓ fits the budget", style="bold green"))
+            box.update(Text("✓ fits the budget", style=self.mapp.tone("ok")))
             accept.disabled = False
             self.status("Ctrl+N accepts the plan and starts the run.", "ok")
 
@@ -295,6 +295,10 @@ class PlanScreen(StepScreen):
 
     def palette_commands(self):
         yield SystemCommand("Re-plan", "Ask the planner again for the current budgets", self.action_replan)
+
+
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _gb_text(n: int) -> str:

@@ -68,7 +68,8 @@ class PromptsScreen(StepScreen):
             inp.value = self.session.options.prompts
             self.open(inp.path)
         else:
-            self.query_one("#prompts-facts", Facts).set_rows([("", "No prompts file yet.")])
+            self.query_one("#prompts-facts", Facts).set_rows([("File", "none yet — type or drop a path above, "
+                                                                      "or Ctrl+O to browse")])
             inp.focus()
 
     # ---- choosing -------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ class PromptsScreen(StepScreen):
         self.query_one("#preview", DataTable).clear()
         self.query_one("#rejects").display = False
         self.query_one("#prompts-facts", Facts).set_rows([("Problem", Text(self.mapp.describe_error(error),
-                                                                              style="bold red"))])
+                                                                              style=self.mapp.tone("error")))])
         super().worker_failed(worker, error)
 
     def show(self, view) -> None:
@@ -149,7 +150,7 @@ class PromptsScreen(StepScreen):
             ("Prompts", f"{view.count} to run" + (f", {ps.blank_lines} blank lines skipped" if ps.blank_lines else "")),
             ("Length", f"{lo}–{hi} characters, mean {mean:.0f}"),
             ("Generate", f"up to {view.budget_tokens:,} new tokens in all"),
-            ("Bad lines", Text(f"{len(ps.rejects)} — listed below, will be skipped", style="bold red")
+            ("Bad lines", Text(f"{len(ps.rejects)} — listed below, will be skipped", style=self.mapp.tone("warn"))
              if ps.rejects else "none"),
         ]
         self.query_one("#prompts-facts", Facts).set_rows(rows)

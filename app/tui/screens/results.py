@@ -166,7 +166,7 @@ class ExportScreen(ModalScreen[str | None]):
         try:
             kind = self.app.backend.export(self.records, path)
         except Exception as e:  # user errors (suffix, folder, permission, disk full) stay in the dialog
-            self.query_one("#export-note", Static).update(Text(self.app.describe_error(e), style="bold red"))
+            self.query_one("#export-note", Static).update(Text(self.app.describe_error(e), style=self.app.tone("error")))
             return
         self.dismiss(f"Wrote {len(self.records)} results as {kind.upper()} to {path}")
 

@@ -66,7 +66,7 @@ class RunScreen(StepScreen):
                 with Vertical(id="progress", classes="panel"):
                     yield ProgressBar(total=1, show_eta=False, id="req-bar")
                     yield Facts(id="progress-facts", label_width=9)
-            yield RichLog(id="log", classes="panel", wrap=True, markup=False, max_lines=500)
+            yield RichLog(id="log", classes="panel", wrap=True, markup=False, max_lines=500, min_width=20)
 
     def on_mount(self) -> None:
         self._t0 = self.backend.clock()  # log times count from the screen's start, across resumes
@@ -172,7 +172,7 @@ class RunScreen(StepScreen):
 
     # ---- drawing --------------------------------------------------------------------------------
     def log_line(self, text: str, level: str = "info") -> None:
-        style = {"warn": "yellow", "error": "bold red", "ok": "green"}.get(level, "")
+        style = self.mapp.tone(level)
         elapsed = self.backend.clock() - self._t0 if self._t0 is not None else 0.0
         line = Text(f"[{fmt.duration(elapsed)}] ", style="dim")
         line.append(text, style=style)
