@@ -345,3 +345,22 @@ async def test_a_budget_nothing_fits_in_says_so_on_the_plan(tmp_path):
         await pilot.press("ctrl+n")
         await settle(pilot)
         assert type(app.screen).__name__ == "PlanScreen"  # no run without a plan that fits
+
+
+@sync
+async def test_an_existing_results_file_is_replaced_only_when_confirmed(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", n=2, max_new_tokens=2)
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"id": "old"}\n', encoding="utf-8")
+    app = create_app(Options(model="demo", prompts=str(prompts), out=str(out)), Backend(max_new_tokens=2))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle_until(pilot, lambda app: app.session.plan is not None)
+        assert "o.jsonl exists" in str(app.screen.query_one("#out-note").render())
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        assert type(app.screen).__name__ == "PlanScreen" and "Ctrl+N again replaces it" in status_text(app)
+        assert out.read_text(encoding="utf-8") == '{"id": "old"}\n'
+        await pilot.press("ctrl+n")
+        await settle_until(pilot, run_over)
+        assert app.session.run_state == "done", status_text(app)
+    assert [r["id"] for r in _jsonl(out)] == ["mtbench-81", "mtbench-82"]

@@ -254,7 +254,7 @@ class Backend:
             except OSError:
                 return ""
             return f"{run.name} holds {n} finished results of an unfinished run: kept, and the rest run"
-        return f"{out.name} exists: a new run replaces it" if out.exists() else ""
+        return f"{out.name} exists: Ctrl+N asks before replacing it" if out.exists() else ""
 
     def manifest(self, model: ModelView, prompts: PromptsView, plan: PlanView) -> dict:
         """The same identity `mlight run` writes, so either can resume the other's unfinished run."""

@@ -29,7 +29,7 @@ POST_EVERY_S = 0.2
 
 class RunJob:
     def __init__(self, backend: Any, model: Any, prompts: Any, plan: Any, out: Path,
-                 post: Callable[[Message], None], started: float | None = None):
+                 post: Callable[[Message], None], started: float | None = None, replace: bool = False):
         self.backend, self.model, self.prompts, self.plan, self.out = backend, model, prompts, plan, Path(out)
         self.post = post
         self._go = threading.Event()  # cleared while paused
@@ -40,6 +40,7 @@ class RunJob:
                               cpu_budget=plan.cpu_budget, clock=backend.clock, started=started)
         self.records: dict[str, dict] = {}  # id -> record, everything finished (earlier sessions too)
         self.state = "loading"
+        self.replace = replace  # start over on an output that already holds a finished run
 
     # ---- controls (main thread) -----------------------------------------------------------------
     def pause(self) -> None:
@@ -89,7 +90,7 @@ class RunJob:
         b = self.backend
         self._set_state("loading")
         try:
-            store = b.open_store(self.out, self.model, self.prompts, self.plan)
+            store = b.open_store(self.out, self.model, self.prompts, self.plan, restart=self.replace)
         except BaseException:
             self._set_state("failed")
             raise

@@ -42,6 +42,7 @@ class PlanScreen(StepScreen):
         self._gen = 0  # bumps with every plan/check request; older answers are ignored
         self._replan_timer = None
         self._asked: tuple[str, str] | None = None  # budget fields' text when the last plan was asked for
+        self._confirmed: Path | None = None  # an existing results file the user agreed to replace
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(id="body"):
@@ -288,10 +289,16 @@ class PlanScreen(StepScreen):
         except Exception as e:  # a user error (folder missing, not writable, unknown suffix)
             self.status(self.mapp.describe_error(e), "error")
             return
+        run_file = out.with_name(out.name + ".run.jsonl")
+        replace = out.exists() and not run_file.exists()
+        if replace and self._confirmed != out:
+            self._confirmed = out  # a second Ctrl+N on the same path confirms
+            self.status(f"{out.name} already exists: Ctrl+N again replaces it, or change the results file.", "warn")
+            return
         self.session.out_path = out
         from app.tui.screens.run import RunScreen
 
-        self.app.push_screen(RunScreen())
+        self.app.push_screen(RunScreen(replace=replace))
 
     def palette_commands(self):
         yield SystemCommand("Re-plan", "Ask the planner again for the current budgets", self.action_replan)

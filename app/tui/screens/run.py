@@ -42,8 +42,9 @@ class RunScreen(StepScreen):
         Binding("ctrl+n", "next", "Results", priority=True),
     ]
 
-    def __init__(self):
+    def __init__(self, replace: bool = False):
         super().__init__()
+        self.replace = replace  # the user agreed to replace an existing results file (first start only)
         self.job: RunJob | None = None
         self._latest: RunSnapshot | None = None
         self._dirty = False
@@ -81,7 +82,9 @@ class RunScreen(StepScreen):
     # ---- the job --------------------------------------------------------------------------------
     def start(self) -> None:
         s = self.session
-        self.job = RunJob(self.backend, s.model, s.prompts, s.plan, s.out_path, self.post_message, started=self._t0)
+        self.job = RunJob(self.backend, s.model, s.prompts, s.plan, s.out_path, self.post_message, started=self._t0,
+                          replace=self.replace)
+        self.replace = False  # a resume continues this run's file
         s.run_state = "running"
         self.log_line(f"Run: {s.model.title} on {s.prompts.count} prompts → {s.out_path}")
         self._latest = self.job.meter.snapshot()
