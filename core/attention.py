@@ -19,17 +19,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `pad` [B, max] (True past each length) may be passed in, built once per step rather than per layer.
     """
     B, Hq, hd = q.shape
-    Hkv = k_cache.shape[1]
+    Hkv, Tmax = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
     shortest, T = span if span is not None else (int(lengths.min()), int(lengths.max()))
-    k, v = k_cache[:, :, :T], v_cache[:, :, :T]
-    qg = q.view(B, Hkv, Hq // Hkv, hd)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, T]
+    qg = q.reshape(B * Hkv, G, hd)
+    if 3 * T >= Tmax and k_cache.is_contiguous():
+        # Scores over whole cache rows, cut to T after: bmm reads K^T as a view. Slicing K to T
+        # first makes bmm copy the strided, transposed slice, which costs more than the extra rows.
+        scores = torch.bmm(qg, k_cache.view(B * Hkv, Tmax, hd).transpose(1, 2))[:, :, :T]
+    else:
+        scores = torch.bmm(qg, k_cache[:, :, :T].reshape(B * Hkv, T, hd).transpose(1, 2))
+    scores = scores.view(B, Hkv, G, T).float() * scale
     if shortest < T:
         if pad is None:
             pad = padding_mask(lengths, T)
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(p, v).reshape(B, Hq * hd)
+    p = torch.softmax(scores, dim=-1).to(q.dtype).view(B * Hkv, G, T)
+    v = v_cache.view(B * Hkv, Tmax, hd)[:, :T] if v_cache.is_contiguous() else v_cache[:, :, :T].reshape(B * Hkv, T, hd)
+    return torch.bmm(p, v).reshape(B, Hq * hd)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
