@@ -364,3 +364,31 @@ async def test_an_existing_results_file_is_replaced_only_when_confirmed(tmp_path
         await settle_until(pilot, run_over)
         assert app.session.run_state == "done", status_text(app)
     assert [r["id"] for r in _jsonl(out)] == ["mtbench-81", "mtbench-82"]
+
+
+@sync
+async def test_an_edited_policy_is_checked_live_and_overruns_are_named(tmp_path):
+    from core.hardware import preset
+
+    prompts = write_prompts(tmp_path / "p.jsonl", n=4, max_new_tokens=4)
+    app = create_app(Options(model="demo", prompts=str(prompts), out=str(tmp_path / "o.jsonl")),
+                     Backend(hardware=preset("t4")))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle_until(pilot, lambda app: app.session.plan is not None)
+        screen = app.screen
+        check = screen.query_one("#validation")
+        screen.query_one("#gpu-mem").value = "0.005"
+        await pilot.press("ctrl+r")  # re-plan now rather than after the typing pause
+        await settle_until(pilot, lambda app: app.session.plan.gpu_budget == 5_000_000)
+        assert "fits the budget" in str(check.render())
+        screen.query_one("#attention").value = "cpu"
+        screen.query_one("#ffn").value = "gpu"
+        screen.query_one("#gpu-weights").value = "99"  # 12.6 MB of experts on a 5 MB GPU
+        await settle_until(pilot, lambda app: "✗" in str(check.render()))
+        assert "GPU memory: needs" in str(check.render()) and "over" in str(check.render())
+        assert screen.query_one("#accept").disabled
+        screen.query_one("#micro").value = "3"  # does not divide N
+        await settle_until(pilot, lambda app: "not a multiple" in str(check.render()))
+        await pilot.press("ctrl+r")  # back to the planner's choice
+        await settle_until(pilot, lambda app: "fits the budget" in str(check.render()))
+        assert not screen.query_one("#accept").disabled

@@ -123,7 +123,23 @@ class ScriptedEngine:
 
 
 class ScriptedBackend(Backend):
-    """A real Backend (planner, prompts, run store, writers) with a scripted engine and a stable model path."""
+    """A real Backend (prompts, budgets, policy checks, run store, writers) with a fixed plan, a scripted
+    engine and a stable model path: snapshots must not change when the planner's cost model is tuned."""
+
+    def plan(self, model, machine, prompts, gpu_bytes, cpu_bytes):
+        from app.tui.backend import PlanView
+        from core.policy import Policy, Prediction
+
+        budget = self.budget(machine, gpu_bytes, cpu_bytes)
+        gpu = machine.hardware.has_gpu
+        policy = Policy(batch_size=16, micro_batch_size=4, expert_batch_size=8, attention_on="cpu",
+                        ffn_on="gpu" if gpu else "cpu", gpu_weight_fraction=0.75 if gpu else 0.0,
+                        pages_per_layer=2 if gpu else 1)
+        layer = {"gpu": 0.00042, "cpu_attn": 0.00031, "h2d": 0.00012 if gpu else 0.0, "d2h": 0.00003 if gpu else 0.0}
+        prediction = Prediction(tokens_per_s=1234.5, decode_tokens_per_s=1502.25, prefill_tokens_per_s=20480.0,
+                                bottleneck="gpu", gpu_bytes=14_000_000 if gpu else 0, cpu_bytes=21_500_000,
+                                layer_seconds=layer)
+        return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, self.workload(prompts))
 
     def open_model(self, text, machine, progress=lambda e: None, should_stop=lambda: False):
         view = super().open_model(text, machine, progress, should_stop)

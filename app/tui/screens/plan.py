@@ -309,7 +309,7 @@ def _plural(n: int, one: str, many: str) -> str:
 
 
 def _gb_text(n: int) -> str:
-    return f"{n / GB:.1f}" if n >= GB else f"{n / GB:.2f}"
+    return f"{n / GB:.1f}" if n >= GB else f"{n / GB:.3g}"
 
 
 def _pct(fraction: float) -> str:
