@@ -23,6 +23,7 @@ from core.batching import SlotTable
 from core.errors import ModelError, UsageError
 from core.families import load_spec
 from core.kvcache import KVCache
+from core.moe import can_pack
 from core.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
 from core.pipeline import PipelineRunner
 from core.sampling import greedy, sample
@@ -167,7 +168,11 @@ class Engine:
     def configure(self, *, pages_per_layer: int | None = None, **changes) -> None:
         """Change how the loaded model runs (schedule, placement, resident layers, paging) for later
         `generate` calls; the weights stay where they are."""
-        self.config = dataclasses.replace(self.config, **changes)
+        config = dataclasses.replace(self.config, **changes)
+        if self.weights.packed and config.ffn_on != "cpu":
+            raise UsageError("this engine packed its experts for the CPU-only mode, so they cannot stream",
+                             "load the model again with the executor and schedule you want")
+        self.config = config
         if pages_per_layer is not None:
             self.weights.repage(pages_per_layer)
 
@@ -202,6 +207,8 @@ class Engine:
             dtype = torch_dtype(dtype)
         weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer,
                                pin=config.device == "cuda", progress=progress)
+        if config.ffn_on == "cpu" and can_pack(weights.dtype):  # the CPU-only chain never streams experts
+            weights.pack_for_cpu()
         engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
                      grouped=grouped)
         engine.policy = policy

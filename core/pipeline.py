@@ -83,7 +83,7 @@ class PipelineRunner:
         self.grouped = grouped
         self.expert_group = expert_group
         L = spec.num_layers
-        self.pages = len(weights.layers[0].pages)
+        self.pages = max(1, len(weights.layers[0].pages))  # packed CPU experts have no pages
         self.resident = L if resident_layers is None else max(0, min(L, resident_layers))
         self.streamed = self.resident < L and ffn_on == "gpu"
         self.layout: LayerLayout = weights.layers[0].layout
@@ -96,8 +96,8 @@ class PipelineRunner:
         self.globals = {n: self._to_dev(t) for n, t in weights.globals.items()}
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
         self.resident_experts = [
-            {n: self._to_dev(lw.tensors[n]) for n in EXPERT_TENSORS} if (i < self.resident or ffn_on == "cpu") else None
-            for i, lw in enumerate(weights.layers)]
+            ({"packed": lw.packed} if lw.packed is not None else {n: self._to_dev(lw.tensors[n]) for n in EXPERT_TENSORS})
+            if (i < self.resident or ffn_on == "cpu") else None for i, lw in enumerate(weights.layers)]
         self.ebuf = None
         if self.streamed:
             self.ebuf = [torch.empty(self.layout.expert_numel, dtype=weights.dtype, device=self.device)
@@ -269,10 +269,10 @@ class PipelineRunner:
         mbs = self._step[t.micro_batch:t.micro_batch + g]
         ew = self._expert_weights(t.layer)
         if g == 1:
-            parts = [experts(mbs[0].h, ew["w13"], ew["w2"], mbs[0].rw, mbs[0].ridx, grouped=self.grouped)]
+            parts = [_experts(ew, mbs[0].h, mbs[0].rw, mbs[0].ridx, self.grouped)]
         else:
-            out = experts(torch.cat([m.h for m in mbs]), ew["w13"], ew["w2"], torch.cat([m.rw for m in mbs]),
-                          torch.cat([m.ridx for m in mbs]), grouped=self.grouped)
+            out = _experts(ew, torch.cat([m.h for m in mbs]), torch.cat([m.rw for m in mbs]),
+                           torch.cat([m.ridx for m in mbs]), self.grouped)
             parts = out.split([m.B for m in mbs])
         for m, y in zip(mbs, parts):
             m.x = m.x + (y if m.shared is None else y + m.shared)
@@ -355,9 +355,13 @@ class PipelineRunner:
         h = norm(self.spec, x, w["ln2"])
         rw, ridx = route(self.spec, h, w["router"])
         ew = self._expert_weights(i)
-        y = experts(h, ew["w13"], ew["w2"], rw, ridx, grouped=self.grouped)
+        y = _experts(ew, h, rw, ridx, self.grouped)
         if self.spec.shared_intermediate:
             y = y + shared_expert(self.spec, w, h)
         mb.x = x + y
         if self.ffn_on == "cpu":  # the CPU-only chain has no kv_store task: write the cache here
             self._kv_store(t)
+
+
+def _experts(ew: dict, h, rw, ridx, grouped):
+    return experts(h, ew.get("w13"), ew.get("w2"), rw, ridx, grouped=grouped, packed=ew.get("packed"))

@@ -74,11 +74,25 @@ class LayerWeights:
         self.flat = flat
         self.tensors = layout.views(flat)
         self.experts = flat[layout.expert_start:]
+        self.packed = None  # experts prepacked for the CPU (then `experts` and `pages` are gone)
         self.repage(pages)
 
     def repage(self, pages: int) -> None:
         """Cut the expert region into `pages` pages (views; nothing moves)."""
+        if self.packed is not None:
+            raise RuntimeError("this layer's experts were packed for the CPU; they no longer stream")
         self.pages = [self.experts[a:b] for a, b in self.layout.page_bounds(pages)]
+
+    def pack_for_cpu(self) -> None:
+        """Prepack the experts for the CPU and keep only the non-expert part of the flat buffer.
+
+        One layer at a time, so memory peaks at the model plus one layer's experts, never two copies."""
+        from core.moe import pack_experts
+
+        self.packed = pack_experts(self.tensors["w13"], self.tensors["w2"])
+        dense = self.flat[:self.layout.expert_start].clone()
+        self.flat, self.experts, self.pages = dense, None, []
+        self.tensors = self.layout.views(dense, names={n for n, _, _ in self.layout.entries if n not in EXPERT_TENSORS})
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -97,6 +111,14 @@ class ModelWeights:
     def repage(self, pages: int) -> None:
         for lw in self.layers:
             lw.repage(pages)
+
+    @property
+    def packed(self) -> bool:
+        return self.layers[0].packed is not None
+
+    def pack_for_cpu(self) -> None:
+        for lw in self.layers:
+            lw.pack_for_cpu()
 
     @property
     def lm_head(self) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.moe import HAS_GROUPED_MM, experts
+from core.moe import HAS_GROUPED_MM, can_pack, experts, pack_experts
 
 
 def reference(h, w13, w2, weights, idx):
@@ -48,3 +48,34 @@ def test_grouped_and_loop_agree_in_bfloat16():
     b = experts(h, w13, w2, weights, idx, grouped=False).float()
     ref = reference(h, w13, w2, weights, idx).float()
     assert (a - ref).abs().max() <= 2 * (b - ref).abs().max() + 1e-2
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="this torch has no oneDNN weight packing")
+def test_packed_experts_match_the_loop_bit_for_bit():
+    g = torch.Generator().manual_seed(2)
+    T, E, k, D, I = 37, 8, 2, 64, 96
+    h = torch.randn(T, D, generator=g).bfloat16()
+    w13, w2 = (torch.randn(E, 2 * I, D, generator=g) / 8).bfloat16(), (torch.randn(E, D, I, generator=g) / 10).bfloat16()
+    idx = torch.randint(0, E, (T, k), generator=g)
+    weights = torch.rand(T, k, generator=g).bfloat16()
+    loop = experts(h, w13, w2, weights, idx, grouped=False)
+    packed = experts(h, None, None, weights, idx, packed=pack_experts(w13, w2))
+    assert torch.equal(loop, packed)
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="this torch has no oneDNN weight packing")
+def test_bf16_engine_with_packed_experts_gives_the_unpacked_tokens(tmp_path):
+    from checkpoints import make_checkpoint
+    from core.engine import Engine, Request
+
+    path = make_checkpoint("qwen2_moe", tmp_path / "bf16", dtype=torch.bfloat16)
+    packed, plain = Engine.load(path), Engine.load(path, executor="threaded")
+    assert packed.weights.packed and not plain.weights.packed
+    packed.eos_ids = plain.eos_ids = set()
+    reqs = [Request(id=str(i), prompt=p, max_new_tokens=6) for i, p in enumerate(["Hi", "Tell me a story", "x y"])]
+    try:
+        a = {r.id: r.output_token_ids for r in packed.generate(reqs, batch_size=2)}
+        b = {r.id: r.output_token_ids for r in plain.generate(reqs, batch_size=2)}
+    finally:
+        plain.close()
+    assert a == b
