@@ -124,3 +124,23 @@ def test_peak_rss_stays_within_1_1x_model_bytes(tmp_path):
     assert model_bytes >= 200e6
     assert grown <= 1.1 * model_bytes, f"peak RSS grew {grown / 1e6:.0f} MB for a {model_bytes / 1e6:.0f} MB model"
     print(f"peak RSS growth {grown / 1e6:.1f} MB = {grown / model_bytes:.3f} x model bytes")
+
+
+def test_pinning_failure_falls_back_to_pageable_memory_with_a_warning(checkpoint_factory, monkeypatch):
+    """Windows caps pinned memory: a refused pin must not stop the load."""
+    from core.telemetry import WarningEvent
+
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kw):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (pinned)")
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    path = checkpoint_factory("olmoe")
+    events = []
+    w = load_weights(path, load_spec(path), pin=True, progress=events.append)
+    warnings = [e for e in events if isinstance(e, WarningEvent)]
+    assert not w.pinned and len(warnings) == 1 and "pageable" in warnings[0].message
+    assert not w.layers[0].flat.is_pinned()
