@@ -7,7 +7,7 @@ it per machine); `r` probes again, ignoring the cache.
 from __future__ import annotations
 
 from textual import work
-from textual.app import ComposeResult
+from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, LoadingIndicator, Static
@@ -15,7 +15,6 @@ from textual.widgets import Button, LoadingIndicator, Static
 from app.tui.messages import MachineReady, WorkProgress
 from app.tui.screens.base import StepScreen
 from app.tui.widgets.facts import Facts
-from textual.app import SystemCommand
 
 
 class MachineScreen(StepScreen):
