@@ -103,3 +103,16 @@ def llama_style_globals(spec, keys: set[str]) -> list[Piece]:
     if not spec.tie_word_embeddings:
         pieces.append(Piece("lm_head.weight", "lm_head"))
     return pieces
+
+
+def llama_style_fields(cfg: dict, norm_eps: float) -> dict:
+    """ModelSpec fields that Llama-style configs (Mixtral, Qwen-MoE, OLMoE) name the same way."""
+    D, H = need(cfg, "hidden_size"), need(cfg, "num_attention_heads")
+    return dict(
+        architecture=cfg["architectures"][0], num_layers=need(cfg, "num_hidden_layers"), hidden_size=D,
+        num_heads=H, num_kv_heads=first(cfg, "num_key_value_heads", default=H),
+        head_dim=first(cfg, "head_dim", default=D // H), vocab_size=need(cfg, "vocab_size"),
+        top_k=need(cfg, "num_experts_per_tok"), norm_eps=first(cfg, "rms_norm_eps", default=norm_eps),
+        rope_theta=rope_theta(cfg), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        dtype=checkpoint_dtype(cfg), bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg),
+    )

@@ -8,8 +8,8 @@ of these families has them and mlight refuses such configs rather than guess.
 from __future__ import annotations
 
 from core.errors import ModelError
-from core.families._common import (Piece, checkpoint_dtype, eos_ids, first, llama_style_attention,
-                                   llama_style_globals, need, rope_theta, routed_experts)
+from core.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
+                                   need, routed_experts)
 from core.spec import ModelSpec
 
 ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -20,24 +20,16 @@ def spec(cfg: dict) -> ModelSpec:
     if cfg.get("mlp_only_layers") or first(cfg, "decoder_sparse_step", default=1) != 1:
         raise ModelError(f"{arch} with dense MLP layers (mlp_only_layers / decoder_sparse_step) is not supported",
                          "use a checkpoint whose every layer is an MoE layer")
-    D, H = need(cfg, "hidden_size"), need(cfg, "num_attention_heads")
     qwen2 = arch.startswith("Qwen2")
     shared = int(cfg.get("shared_expert_intermediate_size") or 0)
     return ModelSpec(
-        architecture=arch, family="qwen2_moe" if qwen2 else "qwen3_moe",
-        num_layers=need(cfg, "num_hidden_layers"), hidden_size=D, num_heads=H,
-        num_kv_heads=first(cfg, "num_key_value_heads", default=H), head_dim=first(cfg, "head_dim", default=D // H),
-        vocab_size=need(cfg, "vocab_size"),
+        **llama_style_fields(cfg, norm_eps=1e-6), family="qwen2_moe" if qwen2 else "qwen3_moe",
         num_experts=first(cfg, "num_experts", "num_local_experts") or need(cfg, "num_experts"),
-        top_k=need(cfg, "num_experts_per_tok"), expert_intermediate=need(cfg, "moe_intermediate_size"),
-        shared_intermediate=shared, shared_gate=bool(shared),
-        norm_eps=first(cfg, "rms_norm_eps", default=1e-6),
+        expert_intermediate=need(cfg, "moe_intermediate_size"), shared_intermediate=shared, shared_gate=bool(shared),
         qk_norm="none" if qwen2 else "head",
         qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else bool(cfg.get("attention_bias", False)),
         router_norm="sum" if cfg.get("norm_topk_prob") else "none",
-        rope_theta=rope_theta(cfg), max_position=first(cfg, "max_position_embeddings", default=32768),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), dtype=checkpoint_dtype(cfg),
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg),
+        max_position=first(cfg, "max_position_embeddings", default=32768),
     )
 
 
