@@ -22,6 +22,7 @@ from app.tui.messages import ModelReady, WorkProgress
 from app.tui.paths import parse_dropped_path
 from app.tui.screens.base import StepScreen
 from app.tui.widgets.facts import Facts
+from app.tui.widgets.path_input import PathInput
 
 DEMO_WORDS = ("demo", ":demo", "")
 
@@ -41,8 +42,8 @@ class ModelScreen(StepScreen):
         with Vertical(id="body"):
             yield Static("Which model? A checkpoint folder, a Hugging Face repo id, or the demo model", classes="title")
             with Horizontal(classes="field"):
-                yield Input(placeholder="checkpoint folder (or drop it here), or owner/name repo id",
-                            compact=True, id="model-input")
+                yield PathInput(placeholder="checkpoint folder (or drop it here), or owner/name repo id",
+                                compact=True, id="model-input")
                 yield Button("Open ⏎", compact=True, id="open")
                 yield Button("Demo model (d)", compact=True, id="demo", variant="primary")
             with Horizontal(classes="busy-row", id="download"):
@@ -82,6 +83,10 @@ class ModelScreen(StepScreen):
     @on(Input.Submitted, "#model-input")
     def submitted(self, event: Input.Submitted) -> None:
         self.open_text(event.value)
+
+    @on(PathInput.Dropped, "#model-input")
+    def dropped(self, event: PathInput.Dropped) -> None:
+        self.open_text(event.path)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         match event.button.id:
