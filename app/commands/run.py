@@ -47,6 +47,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
     p.add_argument("--executor", choices=EXECUTORS, default=None)
     p.add_argument("--schedule", choices=SCHEDULES, default=None)
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="CPU threads for torch (default: all cores; fewer when other work shares the machine)")
     p.add_argument("--skip-bad", action="store_true",
                    help="run the good lines and write the bad ones with reasons to OUT.rejected.jsonl")
     p.add_argument("--restart", action="store_true",
@@ -156,6 +158,10 @@ def run(args) -> int:
                          "use a micro-batch no larger than the batch")
     if args.prompts != STDIN and _same_file(Path(args.prompts), out):
         raise UsageError(f"--out {out} is the prompts file itself", "write the results to another file")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     stopper = _Stopper().install()
     store = RunStore(out)
     try:
