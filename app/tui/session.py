@@ -32,7 +32,6 @@ class Session:
     def default_out(self) -> Path:
         if self.options.out:
             return Path(self.options.out).expanduser()
-        if self.prompts is not None:
-            p = self.prompts.path
-            return p.with_name(p.stem + ".results.jsonl")
+        if self.prompts is not None:  # in the working folder: the prompts may sit somewhere read-only
+            return Path(self.prompts.path.stem + ".results.jsonl")
         return Path("results.jsonl")
