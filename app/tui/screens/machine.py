@@ -39,6 +39,8 @@ class MachineScreen(StepScreen):
         self.query_one("#gpu").border_title = "GPU"
         self.query_one("#cpu").border_title = "CPU"
         if self.session.machine is None:
+            self.query_one("#gpu", Facts).set_rows([("GPU", "looking…")])
+            self.query_one("#cpu", Facts).set_rows([("RAM", "looking…")])
             self.action_probe(False)
         else:
             self.show(self.session.machine)
