@@ -227,7 +227,7 @@ async def test_dropping_a_file_onto_the_prompts_screen_opens_it(tmp_path):
 
 
 @sync
-async def test_bad_model_folders_say_what_is_wrong(tmp_path):
+async def test_bad_model_folders_say_what_is_wrong_and_a_good_one_opens(tmp_path, demo_model):
     from core.hardware import preset
 
     empty = tmp_path / "empty"
@@ -250,6 +250,13 @@ async def test_bad_model_folders_say_what_is_wrong(tmp_path):
             await settle(pilot)
             assert expected in status_text(app), status_text(app)
             assert app.session.model is None
+        inp.value = f"'{demo_model}'"  # as a terminal pastes a dropped folder
+        inp.focus()
+        await pilot.press("enter")
+        await settle(pilot)
+        assert app.session.model is not None and app.session.model.source == "folder", status_text(app)
+        assert inp.value == str(demo_model)
+        assert "Mixtral" in app.screen.query_one("#model-facts").text
 
 
 @sync
