@@ -399,3 +399,16 @@ async def test_an_edited_policy_is_checked_live_and_overruns_are_named(tmp_path)
         await pilot.press("ctrl+r")  # back to the planner's choice
         await settle_until(pilot, lambda app: "fits the budget" in str(check.render()))
         assert not screen.query_one("#accept").disabled
+
+
+@sync
+async def test_the_demo_prompts_are_one_button_away(tmp_path):
+    from core.hardware import preset
+
+    app = create_app(Options(), Backend(hardware=preset("t4")))
+    async with app.run_test(size=SIZE) as pilot:
+        await _to_prompts(pilot)
+        await pilot.click("#demo-prompts")
+        await settle(pilot)
+        assert app.session.prompts is not None and app.session.prompts.count == 16, status_text(app)
+        assert app.session.prompts.path.name == "demo_prompts.jsonl"

@@ -179,6 +179,13 @@ class Backend:
         return "repo" if looks_like_repo_id(text) else "missing"
 
     # ---- prompts ------------------------------------------------------------------------------
+    @staticmethod
+    def demo_prompts_path() -> Path:
+        """The 16 MT-Bench questions bundled as a prompts file (assets/demo_prompts.jsonl)."""
+        from core.demo import ASSETS
+
+        return ASSETS / "demo_prompts.jsonl"
+
     def read_prompts(self, path: Path) -> PromptsView:
         from core.prompts import read_prompts
 

@@ -46,6 +46,7 @@ class PromptsScreen(StepScreen):
                 yield PathInput(placeholder="path to the prompts file — Enter to open", compact=True, id="prompts-input")
                 yield Button("Open ⏎", compact=True, id="open")
                 yield Button("Browse ^O", compact=True, id="browse")
+                yield Button("Demo prompts", compact=True, id="demo-prompts")
             with Horizontal(id="prompts-main"):
                 with Vertical(id="prompts-right"):
                     yield Facts(id="prompts-facts", classes="panel", label_width=14)
@@ -69,7 +70,7 @@ class PromptsScreen(StepScreen):
             self.open(inp.path)
         else:
             self.query_one("#prompts-facts", Facts).set_rows([("File", "none yet — type or drop a path above, "
-                                                                      "or Ctrl+O to browse")])
+                                                                      "Ctrl+O to browse, or try the demo prompts")])
             inp.focus()
 
     # ---- choosing -------------------------------------------------------------------------------
@@ -95,8 +96,15 @@ class PromptsScreen(StepScreen):
                 self.open(self.query_one("#prompts-input", PathInput).path)
             case "browse":
                 self.action_browse()
+            case "demo-prompts":
+                self.action_demo_prompts()
             case "next":
                 self.action_next()
+
+    def action_demo_prompts(self) -> None:
+        path = self.backend.demo_prompts_path()
+        self.query_one("#prompts-input", PathInput).value = str(path)
+        self.open(path)
 
     def action_browse(self) -> None:
         # mounted only while open: the tree keeps a loader worker alive for as long as it exists
@@ -190,3 +198,5 @@ class PromptsScreen(StepScreen):
 
     def palette_commands(self):
         yield SystemCommand("Browse for a prompts file", "Show the file tree", self.action_browse)
+        yield SystemCommand("Use the demo prompts", "16 MT-Bench questions bundled with mlight",
+                            self.action_demo_prompts)
