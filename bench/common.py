@@ -6,10 +6,8 @@ Only the bench scripts import this; nothing in `core` or `app` does.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +15,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-MT_BENCH = ROOT / "assets" / "mt_bench_questions.jsonl"
 
 
 # ---- model ------------------------------------------------------------------------------------------
@@ -57,47 +54,8 @@ def build_mixtral(out_dir: Path, *, hidden: int, intermediate: int, layers: int,
     return {"params": n, "vocab": V}
 
 
-# ---- workload -----------------------------------------------------------------------------------------
-def first_turns() -> list[str]:
-    with open(MT_BENCH, encoding="utf-8") as f:
-        return [json.loads(line)["turns"][0] for line in f if line.strip()]
-
-
-def target_lengths(n: int, mean: float = 77.0, max_len: int = 418, min_len: int = 8, sigma: float = 0.8) -> list[int]:
-    """n prompt lengths with a long-tailed (log-normal) spread, clipped to [min_len, max_len], one request at
-    max_len, mean ≈ `mean` (the MT-Bench spread: mean ≈ 77, max ≈ 418)."""
-    from statistics import NormalDist
-
-    nd = NormalDist()
-    z = [nd.inv_cdf((i + 0.5) / n) for i in range(n)]
-    mu = math.log(mean) - sigma ** 2 / 2
-    for _ in range(30):  # re-centre after clipping
-        ls = [min(max_len, max(min_len, round(math.exp(mu + sigma * x)))) for x in z]
-        if n > 1:
-            ls[-1] = max_len
-        m = sum(ls) / n
-        if abs(m - mean) < 0.5:
-            break
-        mu += math.log(mean / m)
-    random.Random(1).shuffle(ls)
-    return ls
-
-
-def build_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[str]:
-    """Prompts made of MT-Bench first turns, concatenated until each reaches its target token length."""
-    turns = first_turns()
-    rng = random.Random(seed)
-    out = []
-    for target in lengths:
-        order = turns[:]
-        rng.shuffle(order)
-        ids: list[int] = []
-        i = 0
-        while len(ids) < target:
-            ids += tokenizer((("\n\n" if ids else "") + order[i % len(order)])).input_ids
-            i += 1
-        out.append(tokenizer.decode(ids[:target]))
-    return out
+# ---- workload: MT-Bench-like prompt mixes, shared with `mlight bench` -------------------------------
+from core.workloads import build_prompts, first_turns, target_lengths  # noqa: E402,F401
 
 
 # ---- roofline -----------------------------------------------------------------------------------------
