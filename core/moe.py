@@ -87,7 +87,7 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # in place: one [T, I] buffer fewer
 
 
 def moe_ffn(spec: ModelSpec, w: dict, h: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
