@@ -165,6 +165,14 @@ class Engine:
                 self._executor = SequentialExecutor()
         return self._executor
 
+    def apply_policy(self, policy) -> None:
+        """Run later `generate` calls under a (new) planner Policy without reloading the weights."""
+        changes = {"expert_group": policy.micro_batches_per_expert_batch}
+        if policy.ffn_on == "gpu" and self.config.device == "cuda":
+            changes["resident_layers"] = _resident_layers(policy, self.spec)
+        self.configure(pages_per_layer=None if self.weights.packed else policy.pages_per_layer, **changes)
+        self.policy = policy
+
     def configure(self, *, pages_per_layer: int | None = None, **changes) -> None:
         """Change how the loaded model runs (schedule, placement, resident layers, paging) for later
         `generate` calls; the weights stay where they are."""
@@ -192,9 +200,9 @@ class Engine:
         model_dir = Path(model_dir)
         spec = load_spec(model_dir)
         if policy is not None:
-            pages_per_layer = policy.pages_per_layer
-            resident_layers = int(policy.gpu_weight_fraction * spec.num_layers + 1e-9)
-            expert_group = policy.micro_batches_per_expert_batch
+            pages_per_layer, expert_group = policy.pages_per_layer, policy.micro_batches_per_expert_batch
+            if policy.ffn_on == "gpu":  # on the CPU alone every expert is "resident"
+                resident_layers = _resident_layers(policy, spec)
             if schedule is None and policy.attention_on == "gpu":
                 schedule = "s4"
         config = run_config(device, executor, schedule, resident_layers, expert_group)
@@ -362,6 +370,11 @@ class Engine:
             on_event(RequestDone(res.id, res.prompt_tokens, res.output_tokens, res.seconds, res.finish_reason))
             results.append(res)
         return results
+
+
+def _resident_layers(policy, spec: ModelSpec) -> int:
+    """The policy's GPU share of expert weights, as whole layers (the runtime keeps layers resident)."""
+    return int(policy.gpu_weight_fraction * spec.num_layers + 1e-9)
 
 
 def _layers_that_fit(spec: ModelSpec, dtype) -> int:

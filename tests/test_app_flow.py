@@ -108,8 +108,8 @@ class _StopAfterFirst(Backend):
         self.asked: list[list[str]] = []  # request ids given to each generate call
         self.stop_once = True
 
-    def engine(self, path, progress=lambda e: None):
-        real = super().engine(path, progress)
+    def engine(self, path, policy=None, progress=lambda e: None):
+        real = super().engine(path, policy, progress)
         backend = self
 
         class Wrapped:

@@ -145,5 +145,5 @@ class ScriptedBackend(Backend):
         view = super().open_model(text, machine, progress, should_stop)
         return dataclasses.replace(view, path=Path("~/.cache/mlight/demo-mixtral-v1"))
 
-    def engine(self, path, progress=lambda e: None):
+    def engine(self, path, policy=None, progress=lambda e: None):
         return ScriptedEngine()

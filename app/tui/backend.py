@@ -291,13 +291,16 @@ class Backend:
             raise
         return store
 
-    def engine(self, path: Path, progress: EventSink = ignore) -> Any:
-        """The loaded engine, kept while the model stays the same (a resume does not reload weights)."""
+    def engine(self, path: Path, policy: Any = None, progress: EventSink = ignore) -> Any:
+        """The loaded engine, kept while the model stays the same (a resume does not reload weights);
+        the plan's policy decides paging, resident experts and the expert batch."""
         from core.engine import Engine
 
         if self._engine is not None and self._engine[0] == Path(path):
+            if policy is not None:
+                self._engine[1].apply_policy(policy)
             return self._engine[1]
-        engine = Engine.load(path, progress=progress)
+        engine = Engine.load(path, policy=policy, progress=progress)
         self._engine = (Path(path), engine)
         return engine
 

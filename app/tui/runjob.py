@@ -106,7 +106,7 @@ class RunJob:
             todo = [e for e in self.prompts.prompts.entries if e.id not in self.records]
             self.meter.budget_tokens = sum(e.max_new_tokens or b.max_new_tokens for e in todo)
             self._post_update(force=True)
-            engine = b.engine(self.model.path, progress=self._sink)
+            engine = b.engine(self.model.path, self.plan.policy, progress=self._sink)
             requests, rejects = b.requests(engine, self.prompts, todo)
             for r in rejects:
                 self.post(RunLog(f"line {r.line}: {r.reason} — skipped", "warn"))
