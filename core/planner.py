@@ -120,7 +120,9 @@ def _gb(n: float) -> str:
 def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes on the GPU (all GPUs) and on the CPU, by purpose."""
     d = hrm.dims(m)
-    kv_total = p.batch_size * (w.prompt_len + w.gen_len) * d.kv_tok
+    # The engine gives every batch slot room for the longest request (a slot is refilled with any
+    # waiting request), so capacity is sized by the longest prompt, not the average.
+    kv_total = p.batch_size * (w.longest_prompt + w.gen_len) * d.kv_tok
     r_w, r_c = p.gpu_weight_fraction, p.gpu_kv_fraction
     # Prefill runs μ prompts at a time, all at the longest length; decode keeps N hidden states,
     # one micro-batch's QKV and one expert batch's SwiGLU intermediates, plus fp32 logits.
