@@ -43,13 +43,3 @@ class SlotTable:
         self.owner[slot] = None
         self.tokens[self.micro_batch_of(slot)] -= tokens
 
-
-def deal(lengths: list[int], micro_batches: int) -> list[list[int]]:
-    """Algorithm 2 on its own: indices of `lengths` dealt into `micro_batches` balanced groups."""
-    groups: list[list[int]] = [[] for _ in range(micro_batches)]
-    load = [0] * micro_batches
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        j = min(range(micro_batches), key=lambda j: load[j])
-        groups[j].append(i)
-        load[j] += lengths[i]
-    return groups

@@ -141,13 +141,11 @@ def run_config(device: str | None = None, executor: str | None = None, schedule:
 
 class Engine:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, tokenizer, model_dir: Path, *,
-                 eos_ids: set[int], config: RunConfig | None = None, grouped: bool | None = None,
-                 prefill_chunk_tokens: int = 8192):
+                 eos_ids: set[int], config: RunConfig | None = None, grouped: bool | None = None):
         self.spec, self.weights, self.tokenizer, self.model_dir = spec, weights, tokenizer, model_dir
         self.eos_ids = eos_ids
         self.config = config or RunConfig(ffn_on="cpu")
         self.grouped = grouped
-        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.context_length = spec.max_position
         self.fault = None  # tests: passed to the runner to inject a failure into a task
         self.policy = None  # the planner's Policy this engine was loaded with, if any
@@ -177,6 +175,8 @@ class Engine:
         """Change how the loaded model runs (schedule, placement, resident layers, paging) for later
         `generate` calls; the weights stay where they are."""
         config = dataclasses.replace(self.config, **changes)
+        if config.executor != self.config.executor:
+            self.close()  # the next generate starts the new executor
         if self.weights.packed and config.ffn_on != "cpu":
             raise UsageError("this engine packed its experts for the CPU-only mode, so they cannot stream",
                              "load the model again with the executor and schedule you want")

@@ -39,11 +39,6 @@ class Rope:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [P, hd]
 
-    def to(self, device) -> "Rope":
-        other = object.__new__(Rope)
-        other.cos, other.sin = self.cos.to(device), self.sin.to(device)
-        return other
-
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H, hd], positions [T] -> x rotated."""
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
