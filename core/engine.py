@@ -216,7 +216,7 @@ class Engine:
         weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer,
                                pin=config.device == "cuda", progress=progress)
         if config.ffn_on == "cpu" and can_pack(weights.dtype):  # the CPU-only chain never streams experts
-            weights.pack_for_cpu()
+            weights.pack_for_cpu(progress)
         engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
                      grouped=grouped)
         engine.policy = policy

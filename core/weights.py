@@ -116,9 +116,10 @@ class ModelWeights:
     def packed(self) -> bool:
         return self.layers[0].packed is not None
 
-    def pack_for_cpu(self) -> None:
-        for lw in self.layers:
+    def pack_for_cpu(self, progress: EventSink = ignore) -> None:
+        for i, lw in enumerate(self.layers):
             lw.pack_for_cpu()
+            progress(Progress("packing experts for the CPU", i + 1, len(self.layers), "layers"))
 
     @property
     def lm_head(self) -> torch.Tensor:
