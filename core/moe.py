@@ -10,6 +10,8 @@ Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -41,9 +43,26 @@ def _grouped_ok(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    """oneDNN prepacking: bf16 on a CPU torch built with it (fp32 packing changes rounding)."""
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN prepacking: bf16 on a CPU torch built with it (fp32 packing changes rounding), on a CPU
+    whose ISA oneDNN's bf16 path accepts (AVX-512 BF16 or AVX-NE-CONVERT; AVX2-only CPUs refuse it)."""
+    return dtype == torch.bfloat16 and packing_supported()
+
+
+@functools.lru_cache(maxsize=None)
+def packing_supported() -> bool:
+    """Whether this CPU and torch can prepack bf16 weights: asked by trying it once on a tiny matrix,
+    since oneDNN decides from the CPU's features (and ONEDNN_MAX_CPU_ISA), which torch does not expose."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return try_pack(torch.ops.mkldnn._reorder_linear_weight)
+
+
+def try_pack(reorder) -> bool:
+    try:
+        reorder(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
+    except RuntimeError:  # "mkldnn_reorder_linear_weight: bf16 path needs the cpu support ..."
+        return False
+    return True
 
 
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, rows_hint: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -50,7 +50,7 @@ def test_grouped_and_loop_agree_in_bfloat16():
     assert (a - ref).abs().max() <= 2 * (b - ref).abs().max() + 1e-2
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="this torch has no oneDNN weight packing")
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="this CPU or torch cannot prepack bf16 weights (oneDNN wants AVX-512 BF16 or AVX-NE-CONVERT)")
 def test_packed_experts_match_the_loop_bit_for_bit():
     g = torch.Generator().manual_seed(2)
     T, E, k, D, I = 37, 8, 2, 64, 96
@@ -63,7 +63,7 @@ def test_packed_experts_match_the_loop_bit_for_bit():
     assert torch.equal(loop, packed)
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="this torch has no oneDNN weight packing")
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="this CPU or torch cannot prepack bf16 weights (oneDNN wants AVX-512 BF16 or AVX-NE-CONVERT)")
 def test_bf16_engine_with_packed_experts_gives_the_unpacked_tokens(tmp_path):
     from checkpoints import make_checkpoint
     from core.engine import Engine, Request
@@ -75,6 +75,37 @@ def test_bf16_engine_with_packed_experts_gives_the_unpacked_tokens(tmp_path):
     reqs = [Request(id=str(i), prompt=p, max_new_tokens=6) for i, p in enumerate(["Hi", "Tell me a story", "x y"])]
     try:
         a = {r.id: r.output_token_ids for r in packed.generate(reqs, batch_size=2)}
+        b = {r.id: r.output_token_ids for r in plain.generate(reqs, batch_size=2)}
+    finally:
+        plain.close()
+    assert a == b
+
+
+def test_a_cpu_that_refuses_packing_is_detected():
+    from core.moe import try_pack
+
+    def refuse(w, rows):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
+                           "avx512bw, avx512vl and avx512dq")
+
+    assert try_pack(refuse) is False
+    assert try_pack(lambda w, rows: w) is True
+
+
+def test_bf16_engine_runs_unpacked_where_the_cpu_cannot_pack(tmp_path, monkeypatch):
+    """An AVX2-only CPU: no prepacking, the plain loop instead, the same tokens as the threaded runtime."""
+    import core.moe
+    from checkpoints import make_checkpoint
+    from core.engine import Engine, Request
+
+    monkeypatch.setattr(core.moe, "packing_supported", lambda: False)
+    path = make_checkpoint("mixtral", tmp_path / "bf16", dtype=torch.bfloat16)
+    cpu, plain = Engine.load(path), Engine.load(path, executor="threaded")
+    assert not cpu.weights.packed
+    cpu.eos_ids = plain.eos_ids = set()
+    reqs = [Request(id=str(i), prompt=p, max_new_tokens=5) for i, p in enumerate(["Hi", "Tell me a story", "x y"])]
+    try:
+        a = {r.id: r.output_token_ids for r in cpu.generate(reqs, batch_size=2)}
         b = {r.id: r.output_token_ids for r in plain.generate(reqs, batch_size=2)}
     finally:
         plain.close()
