@@ -28,7 +28,7 @@ def build_mixtral(out_dir: Path, *, hidden: int, intermediate: int, layers: int,
     from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from core.demo import build_tokenizer
+    from core.model.demo import build_tokenizer
 
     hf_logging.disable_progress_bar()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -55,7 +55,7 @@ def build_mixtral(out_dir: Path, *, hidden: int, intermediate: int, layers: int,
 
 
 # ---- workload: MT-Bench-like prompt mixes, shared with `mlight bench` -------------------------------
-from core.workloads import build_prompts, first_turns, target_lengths  # noqa: E402,F401
+from core.io.workloads import build_prompts, first_turns, target_lengths  # noqa: E402,F401
 
 
 # ---- roofline -----------------------------------------------------------------------------------------

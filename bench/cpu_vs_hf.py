@@ -1,7 +1,7 @@
 """CPU mode vs transformers `generate`: tokens/s on the same workload, and our fraction of the roofline.
 
 Builds a ≈ 800M-parameter random bf16 Mixtral-shaped checkpoint (transformers' own classes +
-`save_pretrained`, tokenizer from `core.demo.build_tokenizer`), a workload of 256 requests whose
+`save_pretrained`, tokenizer from `core.model.demo.build_tokenizer`), a workload of 256 requests whose
 prompts are MT-Bench first turns concatenated to an MT-Bench-like length spread (mean ≈ 77, max
 418 tokens) with max_new_tokens in {32, 64, 96, 128}, then in one process:
 
@@ -122,7 +122,7 @@ class _Recorder:
 
 
 def run_ours(model_dir: Path, requests, batch: int, micro: int):
-    from core.engine import Engine, Request
+    from core.runtime.engine import Engine, Request
 
     t = time.perf_counter()
     engine = Engine.load(model_dir)
@@ -256,8 +256,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from core.engine import Request
-    from core.families import load_spec
+    from core.runtime.engine import Request
+    from core.model.families import load_spec
 
     shape = QUICK if args.quick else FULL
     tmp = None

@@ -36,7 +36,7 @@ for p in (ROOT, ROOT / "tests"):
 
 import torch  # noqa: E402
 
-from core.engine import Engine, Request  # noqa: E402
+from core.runtime.engine import Engine, Request  # noqa: E402
 from core.telemetry import RESOURCES, StepDone  # noqa: E402
 
 BIG = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, experts=8, top_k=2, vocab=32000)
@@ -105,7 +105,7 @@ def build_big(path: Path, layers: int, dims: dict, seed: int = 0) -> Path:
     from safetensors.torch import save_file
     from transformers import MixtralConfig
 
-    from core.demo import build_tokenizer
+    from core.model.demo import build_tokenizer
 
     if (path / "model.safetensors.index.json").is_file():
         return path
@@ -189,8 +189,8 @@ def cap_gpu(gb: float | None) -> None:
 
 def plan_for_cap(engine: Engine, cap_gb: float, args, pcie: dict):
     """The planner's policy and prediction for this model on this machine with the GPU capped."""
-    from core.hardware import resolve
-    from core.planner import Budget, Workload, plan
+    from core.plan.hardware import resolve
+    from core.plan.planner import Budget, Workload, plan
 
     hw = resolve("local")
     if pcie.get("h2d_gbps"):
@@ -252,7 +252,7 @@ def hf_offload(path: Path, cap_gb: float, reqs, gen_len: int, dry: bool) -> dict
 
 
 def big_model(args, work: Path, pcie: dict) -> list[dict]:
-    from core.workloads import build_prompts, target_lengths
+    from core.io.workloads import build_prompts, target_lengths
 
     dims = TINY if args.dry_run else BIG
     path = build_big(work / "big", args.layers, dims)

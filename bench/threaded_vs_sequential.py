@@ -23,8 +23,8 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from core.engine import Engine, Request  # noqa: E402
-from core.workloads import build_prompts, target_lengths  # noqa: E402
+from core.runtime.engine import Engine, Request  # noqa: E402
+from core.io.workloads import build_prompts, target_lengths  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args(argv)
     if a.quick:
-        from core.demo import demo_model_dir
+        from core.model.demo import demo_model_dir
 
         path, n, gen = demo_model_dir(), a.requests or 16, a.gen_len or 8
     else:

@@ -1,7 +1,7 @@
 """Tiny random-weight checkpoints of every supported family, made by transformers' own classes.
 
 Each is saved with `save_pretrained` (safetensors, the legacy per-expert layout real hub
-checkpoints use) next to a byte-level BPE tokenizer trained by `core.demo.build_tokenizer`, so
+checkpoints use) next to a byte-level BPE tokenizer trained by `core.model.demo.build_tokenizer`, so
 tests load them through mlight's real loading code. A larger init range than transformers'
 default keeps logits peaked, so greedy choices are not decided by rounding noise.
 """
@@ -51,7 +51,7 @@ def make_checkpoint(family: str, out_dir: Path, *, dtype=torch.float32, seed: in
     import transformers
     from transformers.utils import logging as hf_logging
 
-    from core.demo import build_tokenizer
+    from core.model.demo import build_tokenizer
 
     hf_logging.disable_progress_bar()
     cfg_cls, model_cls, kwargs = _configs()[family]

@@ -44,6 +44,6 @@ def checkpoint_factory(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_model(_isolated_cache):
-    from core.demo import demo_model_dir
+    from core.model.demo import demo_model_dir
 
     return demo_model_dir()

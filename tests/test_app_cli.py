@@ -28,7 +28,7 @@ def test_help_exits_cleanly(capsys):
 
 @sync
 async def test_model_prompts_and_budgets_go_straight_to_a_plan_for_those_budgets(tmp_path):
-    from core.hardware import preset
+    from core.plan.hardware import preset
 
     prompts = write_prompts(tmp_path / "p.jsonl", n=3, max_new_tokens=2)
     options = parse_options(["--model", "demo", "--prompts", str(prompts), "--out", str(tmp_path / "r.csv"),

@@ -172,7 +172,7 @@ async def test_stop_is_clean_and_resume_finishes_the_rest(tmp_path):
 
 @sync
 async def test_bad_prompt_files_say_what_is_wrong(tmp_path):
-    from core.hardware import preset
+    from core.plan.hardware import preset
 
     bad_lines = tmp_path / "some_bad.jsonl"
     bad_lines.write_text('{"prompt": "fine"}\n{"prompt": \n{"text": "no prompt"}\n{"prompt": "also fine"}\n',
@@ -208,7 +208,7 @@ async def test_bad_prompt_files_say_what_is_wrong(tmp_path):
 
 @sync
 async def test_dropping_a_file_onto_the_prompts_screen_opens_it(tmp_path):
-    from core.hardware import preset
+    from core.plan.hardware import preset
 
     folder = tmp_path / "my prompts été"
     folder.mkdir()
@@ -228,7 +228,7 @@ async def test_dropping_a_file_onto_the_prompts_screen_opens_it(tmp_path):
 
 @sync
 async def test_bad_model_folders_say_what_is_wrong_and_a_good_one_opens(tmp_path, demo_model):
-    from core.hardware import preset
+    from core.plan.hardware import preset
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -264,8 +264,8 @@ async def test_download_shows_bytes_and_rate_cancels_and_resumes(tmp_path, monke
     """The hub is replaced by a stand-in that reports progress and then waits for the test."""
     import threading
 
-    import core.download as dl
-    from core.hardware import preset
+    import core.io.download as dl
+    from core.plan.hardware import preset
 
     gate = threading.Event()
     calls = []
@@ -340,7 +340,7 @@ async def test_a_run_stopped_in_the_app_is_finished_by_mlight_run(tmp_path, caps
 
 @sync
 async def test_a_budget_nothing_fits_in_says_so_on_the_plan(tmp_path):
-    from core.hardware import preset
+    from core.plan.hardware import preset
 
     prompts = write_prompts(tmp_path / "p.jsonl", n=2, max_new_tokens=2)
     app = create_app(Options(model="demo", prompts=str(prompts), out=str(tmp_path / "o.jsonl"), gpu_mem=0.0,
@@ -375,7 +375,7 @@ async def test_an_existing_results_file_is_replaced_only_when_confirmed(tmp_path
 
 @sync
 async def test_an_edited_policy_is_checked_live_and_overruns_are_named(tmp_path):
-    from core.hardware import preset
+    from core.plan.hardware import preset
 
     prompts = write_prompts(tmp_path / "p.jsonl", n=4, max_new_tokens=4)
     app = create_app(Options(model="demo", prompts=str(prompts), out=str(tmp_path / "o.jsonl")),
@@ -403,7 +403,7 @@ async def test_an_edited_policy_is_checked_live_and_overruns_are_named(tmp_path)
 
 @sync
 async def test_the_demo_prompts_are_one_button_away(tmp_path):
-    from core.hardware import preset
+    from core.plan.hardware import preset
 
     app = create_app(Options(), Backend(hardware=preset("t4")))
     async with app.run_test(size=SIZE) as pilot:

@@ -48,7 +48,7 @@ def test_a_run_posts_few_updates_however_many_events(tmp_path, demo_model):
     from app.tui.backend import PlanView
     from app.tui.messages import RunEnded
     from app.tui.runjob import RunJob
-    from core.hardware import preset
+    from core.plan.hardware import preset
     from test_app_support import DEMO_PROMPTS, ScriptedBackend
 
     shutil.copy(DEMO_PROMPTS, tmp_path / "p.jsonl")

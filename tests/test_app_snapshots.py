@@ -34,13 +34,13 @@ def workdir(tmp_path, monkeypatch, demo_model):
 
 
 def _t4():
-    from core.hardware import preset
+    from core.plan.hardware import preset
 
     return preset("t4")
 
 
 def _cpu_only():
-    from core.hardware import HardwareSpec
+    from core.plan.hardware import HardwareSpec
 
     return HardwareSpec(name="local", gpu_name=None, gpu_count=0, gpu_mem_bytes=0, gpu_flops=0.0, gpu_bw=0.0,
                         h2d_bw=0.0, d2h_bw=0.0, cpu_flops=2.0e11, cpu_bw=2.0e10, cpu_mem_bytes=32 * 10**9,

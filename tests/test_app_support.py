@@ -128,7 +128,7 @@ class ScriptedBackend(Backend):
 
     def plan(self, model, machine, prompts, gpu_bytes, cpu_bytes):
         from app.tui.backend import PlanView
-        from core.policy import Policy, Prediction
+        from core.plan.policy import Policy, Prediction
 
         budget = self.budget(machine, gpu_bytes, cpu_bytes)
         gpu = machine.hardware.has_gpu

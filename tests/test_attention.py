@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.attention import decode_attention, padding_mask
+from core.model.attention import decode_attention, padding_mask
 
 
 def reference(q, k, v, lengths, scale):

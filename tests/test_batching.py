@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.batching import SlotTable
+from core.runtime.batching import SlotTable
 
 
 def test_requests_are_dealt_to_the_emptiest_micro_batch():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from core.prompts import read_prompts
+from core.io.prompts import read_prompts
 
 DATA = Path(__file__).parent / "data" / "io"
 FIELDS = ["id", "prompt", "output", "output_token_ids", "prompt_tokens", "output_tokens", "finish_reason", "seconds"]
@@ -117,7 +117,7 @@ def test_same_results_as_uninterrupted_and_seeded_sampling_repeats(out, capsys, 
 
 
 def test_executor_and_schedule_reach_engine_load(out, capsys, monkeypatch, demo_model):
-    from core.engine import Engine
+    from core.runtime.engine import Engine
 
     seen = []
     real = Engine.load.__func__
@@ -143,8 +143,8 @@ def test_restart_replaces_output(out, capsys, demo_model):
 
 
 def test_memory_budget_plans_the_batch_and_passes_the_policy(out, capsys, monkeypatch, demo_model):
-    from core.engine import Engine
-    from core.policy import Policy
+    from core.runtime.engine import Engine
+    from core.plan.policy import Policy
 
     seen = []
     real = Engine.load.__func__

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from core.download import DownloadProgress, download_model, resolve_model
+from core.io.download import DownloadProgress, download_model, resolve_model
 from core.errors import MlightError, ModelError, UnsupportedModelError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -225,9 +225,9 @@ def test_refusals_before_any_weight_is_fetched(hub, sharded_files):
 
 
 def test_free_disk_space_checked_first(hub, monkeypatch):
-    import core.download
+    import core.io.download
 
-    monkeypatch.setattr(core.download, "_free_bytes", lambda folder: 1000)
+    monkeypatch.setattr(core.io.download, "_free_bytes", lambda folder: 1000)
     with pytest.raises(MlightError, match=r"not enough disk space: the download needs .* MB and .* has 0.0 MB free"):
         download_model("org/tiny")
     assert not [p for m, p, _ in hub.log if m == "GET" and p.endswith(".safetensors")]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoints import FAMILIES, hf_model
-from core.engine import Engine, Request
+from core.runtime.engine import Engine, Request
 
 PROMPTS = [
     "Hi",

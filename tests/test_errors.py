@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from core.runstore import RunStore
+from core.io.runstore import RunStore
 
 DATA = Path(__file__).parent / "data" / "io"
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -350,14 +350,14 @@ def test_disk_full_while_saving_results(prompts, outdir, capsys, monkeypatch, de
 
 
 def test_disk_full_while_writing_the_final_file(prompts, outdir, capsys, monkeypatch, demo_model):
-    import core.results
+    import core.io.results
 
     def full(f, records):
         f.write(b"half a file")
         raise OSError(errno.ENOSPC, "No space left on device")
 
     out = outdir / "o.csv"
-    monkeypatch.setitem(core.results.WRITERS, "csv", full)
+    monkeypatch.setitem(core.io.results.WRITERS, "csv", full)
     code, err = run_cli(capsys, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "2")
     assert_one_line(err, code, 1, "disk full while writing", "(3 finished results kept in o.csv.run.jsonl)")
     assert files(outdir) == ["o.csv.run.jsonl"]  # no partial o.csv, no temp file

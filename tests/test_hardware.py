@@ -6,9 +6,9 @@ import types
 
 import pytest
 
-from core import hardware
+from core.plan import hardware
 from core.errors import UsageError
-from core.hardware import GB, GiB, HardwareSpec, preset
+from core.plan.hardware import GB, GiB, HardwareSpec, preset
 
 
 def test_bare_gpu_name_is_that_gpu_in_the_papers_host():

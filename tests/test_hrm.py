@@ -2,9 +2,9 @@
 
 import pytest
 
-from core import hrm
-from core.hardware import preset
-from core.presets import preset_spec
+from core.plan import hrm
+from core.plan.hardware import preset
+from core.plan.presets import preset_spec
 
 MIXTRAL = preset_spec("mixtral-8x7b")
 
@@ -70,7 +70,7 @@ def test_datasheet_rates_are_derated_and_measured_ones_are_not():
     hw = preset("t4")
     r = hrm.effective_rates(hw)
     assert r.gpu_bw == pytest.approx(hw.gpu_bw * hrm.DERATE["gpu_bw"])
-    from core.hardware import _apply
+    from core.plan.hardware import _apply
 
     measured = hrm.effective_rates(_apply(hw, {"gpu_bw": 250e9}))
     assert measured.gpu_bw == 250e9

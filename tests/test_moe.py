@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.moe import HAS_GROUPED_MM, can_pack, experts, pack_experts
+from core.model.moe import HAS_GROUPED_MM, can_pack, experts, pack_experts
 
 
 def reference(h, w13, w2, weights, idx):
@@ -66,7 +66,7 @@ def test_packed_experts_match_the_loop_bit_for_bit():
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason="this CPU or torch cannot prepack bf16 weights (oneDNN wants AVX-512 BF16 or AVX-NE-CONVERT)")
 def test_bf16_engine_with_packed_experts_gives_the_unpacked_tokens(tmp_path):
     from checkpoints import make_checkpoint
-    from core.engine import Engine, Request
+    from core.runtime.engine import Engine, Request
 
     path = make_checkpoint("qwen2_moe", tmp_path / "bf16", dtype=torch.bfloat16)
     packed, plain = Engine.load(path), Engine.load(path, executor="threaded")
@@ -82,7 +82,7 @@ def test_bf16_engine_with_packed_experts_gives_the_unpacked_tokens(tmp_path):
 
 
 def test_a_cpu_that_refuses_packing_is_detected():
-    from core.moe import try_pack
+    from core.model.moe import try_pack
 
     def refuse(w, rows):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
@@ -94,11 +94,11 @@ def test_a_cpu_that_refuses_packing_is_detected():
 
 def test_bf16_engine_runs_unpacked_where_the_cpu_cannot_pack(tmp_path, monkeypatch):
     """An AVX2-only CPU: no prepacking, the plain loop instead, the same tokens as the threaded runtime."""
-    import core.moe
+    import core.model.moe
     from checkpoints import make_checkpoint
-    from core.engine import Engine, Request
+    from core.runtime.engine import Engine, Request
 
-    monkeypatch.setattr(core.moe, "packing_supported", lambda: False)
+    monkeypatch.setattr(core.model.moe, "packing_supported", lambda: False)
     path = make_checkpoint("mixtral", tmp_path / "bf16", dtype=torch.bfloat16)
     cpu, plain = Engine.load(path), Engine.load(path, executor="threaded")
     assert not cpu.weights.packed

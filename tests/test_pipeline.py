@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from core.engine import Engine, Request
-from core.executors import TaskFailed
+from core.runtime.engine import Engine, Request
+from core.runtime.executors import TaskFailed
 
 PROMPTS = ["Hi", "Compose an engaging travel blog post about a recent trip to Hawaii.", "x y z",
            "What is the capital of France? Answer in one word please, and explain.", "Draft an email.",

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from core import planner
+from core.plan import planner
 from core.errors import BudgetError, UsageError
-from core.hardware import detect, preset
-from core.planner import Budget, Workload, plan, predict, validate
-from core.policy import Policy, Prediction
-from core.presets import preset_names, preset_spec, resolve_spec
+from core.plan.hardware import detect, preset
+from core.plan.planner import Budget, Workload, plan, predict, validate
+from core.plan.policy import Policy, Prediction
+from core.plan.presets import preset_names, preset_spec, resolve_spec
 
 MIXTRAL = preset_spec("mixtral-8x7b")
 MTBENCH = Workload(prompt_len=77, gen_len=128)
@@ -213,7 +213,7 @@ def test_bundled_presets_have_their_published_sizes(name):
 
 
 def test_model_from_folder_and_from_the_hf_cache(tmp_path, monkeypatch):
-    from core.presets import CONFIGS_DIR
+    from core.plan.presets import CONFIGS_DIR
 
     cfg = (CONFIGS_DIR / "olmoe-1b-7b" / "config.json").read_text()
     folder = tmp_path / "ckpt"

@@ -90,9 +90,9 @@ def no_gpu(monkeypatch, tmp_path):
     fake.nvmlInit = fail
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setenv("MLIGHT_CACHE_DIR", str(tmp_path))
-    import core.hardware
+    import core.plan.hardware
 
-    monkeypatch.setattr(core.hardware, "_measure", lambda hw, s: {"cpu_flops": 2e11, "cpu_bw": 3e10})
+    monkeypatch.setattr(core.plan.hardware, "_measure", lambda hw, s: {"cpu_flops": 2e11, "cpu_bw": 3e10})
     return tmp_path
 
 
@@ -115,7 +115,7 @@ def test_hw_human_and_plan_on_local(no_gpu, capsys):
 
 
 def test_core_planner_is_headless():
-    code = ("import sys, core.planner, core.simulate, core.schedule, core.hardware, core.presets, core.hrm; "
+    code = ("import sys, core.plan.planner, core.runtime.simulate, core.runtime.schedule, core.plan.hardware, core.plan.presets, core.plan.hrm; "
             "bad = [m for m in sys.modules if m == 'app' or m.startswith(('app.', 'textual'))]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

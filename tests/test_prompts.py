@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import UsageError
-from core.prompts import PromptEntry, read_prompts, reject_too_long
+from core.io.prompts import PromptEntry, read_prompts, reject_too_long
 
 DATA = Path(__file__).parent / "data" / "io"
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.errors import MlightError, UsageError
-from core.prompts import read_prompts
-from core.results import atomic_write, openai_batch_record, output_format, write_csv, write_jsonl, write_records
+from core.io.prompts import read_prompts
+from core.io.results import atomic_write, openai_batch_record, output_format, write_csv, write_jsonl, write_records
 
 NASTY = ["plain", 'with "quotes"', "comma, separated", "line\nbreak", "crlf\r\ninside", "lone\rcr",
          "emoji 😀🍂👩‍👩‍👧", "עברית מימין לשמאל", "العربية", "mixed ltr עברית rtl", "tab\there", "\u2028sep",

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import MlightError, UsageError
-from core.runstore import RunStore
+from core.io.runstore import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = {"model": {"source": "m", "config_sha256": "c"}, "prompts": {"sha256": "p"}, "settings": {"t": 0},
@@ -262,7 +262,7 @@ class _FakeEngine:
         return [0] * len(req.prompt)
 
     def generate(self, requests, *, batch_size=None, micro_batch_size=None, on_event=None, should_stop=None):
-        from core.engine import Result
+        from core.runtime.engine import Result
 
         self.calls.append([r.id for r in requests])
         for r in requests:
@@ -272,8 +272,8 @@ class _FakeEngine:
 
 
 def test_run_pending_stops_and_resumes_with_the_shared_loop(tmp_path):
-    from core.prompts import read_prompts
-    from core.runstore import finish_run, prepare_requests, run_pending
+    from core.io.prompts import read_prompts
+    from core.io.runstore import finish_run, prepare_requests, run_pending
 
     prompts = read_prompts("p.txt", data=b"a\nbb\n" + b"x" * 150 + b"\nccc\n")
     engine, out = _FakeEngine(), tmp_path / "o.jsonl"

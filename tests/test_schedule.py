@@ -4,9 +4,9 @@ from collections import Counter
 
 import pytest
 
-from core import schedule
-from core.policy import Policy
-from core.schedule import Task, decode_step
+from core.runtime import schedule
+from core.plan.policy import Policy
+from core.runtime.schedule import Task, decode_step
 from core.telemetry import RESOURCES
 
 

@@ -4,13 +4,15 @@ import dataclasses
 
 import pytest
 
-from core import hrm, schedule
-from core.hardware import preset
-from core.planner import Workload, plan, predict
-from core.policy import Policy
-from core.presets import preset_spec
-from core.schedule import Task
-from core.simulate import replay, simulate_decode, simulate_prefill
+from core.plan import hrm
+
+from core.runtime import schedule
+from core.plan.hardware import preset
+from core.plan.planner import Workload, plan, predict
+from core.plan.policy import Policy
+from core.plan.presets import preset_spec
+from core.runtime.schedule import Task
+from core.runtime.simulate import replay, simulate_decode, simulate_prefill
 from core.telemetry import RESOURCES
 
 MIXTRAL = preset_spec("mixtral-8x7b")

@@ -8,9 +8,9 @@ import pytest
 
 from checkpoints import FAMILIES
 from core.errors import ModelError, UnsupportedModelError
-from core.families import load_spec, spec_from_config
-from core.safetensors_io import Checkpoint
-from core.spec import ModelSpec
+from core.model.families import load_spec, spec_from_config
+from core.model.safetensors_io import Checkpoint
+from core.model.spec import ModelSpec
 
 
 @pytest.mark.parametrize("family", FAMILIES)

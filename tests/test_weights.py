@@ -13,8 +13,8 @@ import torch
 
 from checkpoints import hf_model, make_checkpoint
 from core.errors import ModelError
-from core.families import load_spec
-from core.weights import LayerLayout, load_weights
+from core.model.families import load_spec
+from core.model.weights import LayerLayout, load_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,8 +101,8 @@ def test_corrupt_header_and_pickles_and_missing_tensor(tmp_path, checkpoint_fact
 RSS_PROBE = """
 import sys, psutil
 sys.path.insert(0, {root!r})
-from core.families import load_spec
-from core.weights import load_weights
+from core.model.families import load_spec
+from core.model.weights import load_weights
 spec = load_spec({path!r})
 before = psutil.Process().memory_info().rss
 w = load_weights({path!r}, spec)

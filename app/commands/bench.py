@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from core.engine import SCHEDULES, Engine, Request
+from core.runtime.engine import SCHEDULES, Engine, Request
 from core.telemetry import RESOURCES, StepDone
 
 EXECUTORS = ("sequential", "threaded", "cuda")
@@ -36,8 +36,8 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from core.demo import demo_model_dir
-    from core.workloads import build_prompts, target_lengths
+    from core.model.demo import demo_model_dir
+    from core.io.workloads import build_prompts, target_lengths
 
     model = args.model or demo_model_dir()
     schedules = SCHEDULES if args.schedule == "all" else (args.schedule,)
@@ -87,10 +87,10 @@ def _measure(engine: Engine, name: str, reqs, args) -> dict:
 
 def _predict(engine: Engine, name: str, args, reqs) -> dict | None:
     """The planner's view of the same policy on this machine (None when it cannot say)."""
-    from core.hardware import resolve
-    from core.planner import Workload, predict
-    from core.policy import Policy
-    from core.simulate import simulate_decode
+    from core.plan.hardware import resolve
+    from core.plan.planner import Workload, predict
+    from core.plan.policy import Policy
+    from core.runtime.simulate import simulate_decode
 
     c = engine.config
     mu = min(args.micro_batch, args.batch)

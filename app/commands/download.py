@@ -38,7 +38,7 @@ class _Printer:
 
 
 def run(args) -> int:
-    from core.download import download_model, looks_like_repo_id
+    from core.io.download import download_model, looks_like_repo_id
 
     if not looks_like_repo_id(args.repo_id):
         raise UsageError(f"{args.repo_id!r} is not a Hugging Face repo id", "use the form org/name")

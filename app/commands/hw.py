@@ -18,7 +18,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from core.hardware import detect, probe, probe_cache_path
+    from core.plan.hardware import detect, probe, probe_cache_path
 
     hw = detect()
     if not args.no_probe:

@@ -38,7 +38,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _load_policy(text: str):
-    from core.policy import Policy
+    from core.plan.policy import Policy
 
     path = Path(text)
     try:
@@ -56,9 +56,9 @@ def _load_policy(text: str):
 
 
 def run(args) -> int:
-    from core import planner
-    from core.hardware import resolve
-    from core.presets import resolve_spec
+    from core.plan import planner
+    from core.plan.hardware import resolve
+    from core.plan.presets import resolve_spec
 
     model = resolve_spec(args.model)
     hw = resolve(args.hardware, pcie_gbps=args.pcie_gbps)
@@ -87,8 +87,8 @@ def run(args) -> int:
 
 
 def _simulate(model, hw, policy, workload) -> dict:
-    from core.schedule import SCHEDULES
-    from core.simulate import simulate_decode
+    from core.runtime.schedule import SCHEDULES
+    from core.runtime.simulate import simulate_decode
 
     out = {}
     for name in SCHEDULES:
@@ -107,7 +107,7 @@ def _ms(s: float) -> str:
 
 
 def _human(args, model, hw, workload, budget, p, pred, seconds, sims) -> str:
-    from core.planner import CPU_USABLE, GPU_USABLE
+    from core.plan.planner import CPU_USABLE, GPU_USABLE
 
     gpu = f"{hw.gpu_count}× {hw.gpu_name} {hw.gpu_mem_bytes / 2**30:.0f} GiB" if hw.has_gpu else "no GPU"
     lines = [

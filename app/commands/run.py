@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from core.errors import BudgetError, UsageError
-from core.prompts import FORMATS, STDIN, PromptSet, read_prompts, reject_lines
-from core.results import output_format
-from core.runstore import RunStore, finish_run, model_fingerprint, prepare_requests, run_pending
+from core.io.prompts import FORMATS, STDIN, PromptSet, read_prompts, reject_lines
+from core.io.results import output_format
+from core.io.runstore import RunStore, finish_run, model_fingerprint, prepare_requests, run_pending
 from core.telemetry import Progress
 
 EXECUTORS = ("sequential", "threaded", "cuda")
@@ -149,7 +149,7 @@ class _ProgressLine:
 
 
 def run(args) -> int:
-    from core.download import resolve_model
+    from core.io.download import resolve_model
 
     out = Path(args.out)
     fmt = output_format(out)
@@ -217,9 +217,9 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     if args.gpu_mem is None and args.cpu_mem is None:
         args.batch = args.batch or BATCH
         return
-    from core import planner
-    from core.families import load_spec
-    from core.hardware import resolve
+    from core.plan import planner
+    from core.model.families import load_spec
+    from core.plan.hardware import resolve
 
     # prompt lengths before the tokenizer is loaded: ~3 bytes a token, on the safe (long) side
     lens = [max(1, len((e.prompt or "".join(m["content"] for m in e.messages or ())).encode()) // 3 + 1)
@@ -252,7 +252,7 @@ def _manifest(args, prompts: PromptSet, model_dir: Path, model_name: str) -> dic
 
 
 def _load_engine(args, model_dir: Path, progress):
-    from core.engine import Engine
+    from core.runtime.engine import Engine
 
     kw = {}
     if args.executor:

@@ -10,6 +10,7 @@ from textual.screen import Screen
 
 from app.tui.backend import Backend
 from app.tui.session import Options, Session
+from app.tui.widgets.steps import STEPS
 from core.errors import MlightError
 
 
@@ -26,18 +27,16 @@ class MlightApp(App):
         self.backend = backend
 
     def on_mount(self) -> None:
-        from app.tui.screens.machine import MachineScreen
-        from app.tui.screens.model import ModelScreen
-        from app.tui.screens.plan import PlanScreen
-        from app.tui.screens.prompts import PromptsScreen
-
         opts = self.session.options
-        self.push_screen(MachineScreen())
+        self.push_screen(_step_screen("Machine"))
         if opts.model and opts.prompts:
             # straight to Plan; the steps below stay on the stack so Esc walks back through them
-            self.push_screen(ModelScreen())
-            self.push_screen(PromptsScreen())
-            self.push_screen(PlanScreen())
+            for step in ("Model", "Prompts", "Plan"):
+                self.push_screen(_step_screen(step))
+
+    def next_step(self, current: str, **kwargs) -> None:
+        """Open the step after `current` (a name in STEPS); screens know the flow only through this."""
+        self.push_screen(_step_screen(STEPS[STEPS.index(current) + 1], **kwargs))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
@@ -61,6 +60,20 @@ class MlightApp(App):
         if isinstance(error, OSError):
             return f"{error.strerror or error}: {error.filename}" if error.filename else str(error)
         return f"unexpected error: {type(error).__name__}: {error}"
+
+
+def _step_screen(step: str, **kwargs) -> Screen:
+    """The screen of one step. The app alone knows every screen; screens never import each other."""
+    from app.tui.screens.machine import MachineScreen
+    from app.tui.screens.model import ModelScreen
+    from app.tui.screens.plan import PlanScreen
+    from app.tui.screens.prompts import PromptsScreen
+    from app.tui.screens.results import ResultsScreen
+    from app.tui.screens.run import RunScreen
+
+    screens = {"Machine": MachineScreen, "Model": ModelScreen, "Prompts": PromptsScreen, "Plan": PlanScreen,
+               "Run": RunScreen, "Results": ResultsScreen}
+    return screens[step](**kwargs)
 
 
 def create_app(options: Options | None = None, backend: Backend | None = None) -> MlightApp:

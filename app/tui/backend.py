@@ -34,7 +34,7 @@ class DownloadCancelled(MlightError):
 
 @dataclass(frozen=True)
 class MachineView:
-    hardware: Any  # core.hardware.HardwareSpec, what the planner is given
+    hardware: Any  # core.plan.hardware.HardwareSpec, what the planner is given
     gpu_rows: list[tuple[str, str]]
     cpu_rows: list[tuple[str, str]]
     cpu_mode: bool
@@ -50,7 +50,7 @@ class ModelView:
     path: Path
     name: str  # what the run manifest calls it: "mlight-demo", the folder's name, or the repo id
     source: str  # demo | folder | hub
-    spec: Any  # core.spec.ModelSpec
+    spec: Any  # core.model.spec.ModelSpec
     disk_bytes: int
     fits: bool | None  # fits in free GPU + CPU memory at all (None: machine not known yet)
     fits_text: str
@@ -63,7 +63,7 @@ class ModelView:
 @dataclass
 class PromptsView:
     path: Path
-    prompts: Any  # core.prompts.PromptSet
+    prompts: Any  # core.io.prompts.PromptSet
     preview: list[tuple[str, str, int]]  # (id, prompt text, max_new_tokens)
     lengths: tuple[int, float, int]  # characters: min, mean, max
     budget_tokens: int  # sum of max_new_tokens over the valid entries
@@ -75,11 +75,11 @@ class PromptsView:
 
 @dataclass
 class PlanView:
-    policy: Any  # core.policy.Policy
-    prediction: Any  # core.policy.Prediction, None when the policy cannot be costed
+    policy: Any  # core.plan.policy.Policy
+    prediction: Any  # core.plan.policy.Prediction, None when the policy cannot be costed
     gpu_budget: int
     cpu_budget: int
-    workload: Any  # core.planner.Workload
+    workload: Any  # core.plan.planner.Workload
     problems: list[str] = field(default_factory=list)
     edited: bool = False
 
@@ -116,7 +116,7 @@ class Backend:
     # ---- machine ------------------------------------------------------------------------------
     def machine(self, refresh: bool = False, progress: EventSink = ignore) -> MachineView:
         """Detected and measured hardware (core caches the probe per machine), or the pinned spec."""
-        from core import hardware
+        from core.plan import hardware
 
         if self.pinned_hardware is not None:
             return machine_view(self.pinned_hardware)
@@ -133,7 +133,7 @@ class Backend:
     def open_model(self, text: str | None, machine: MachineView | None, progress: EventSink = ignore,
                    should_stop: Callable[[], bool] = lambda: False) -> ModelView:
         """'demo' (or nothing), a checkpoint folder, or a repo id (downloaded into the hub cache)."""
-        from core.download import resolve_model
+        from core.io.download import resolve_model
 
         is_demo = text is None or text.strip().lower() in ("", "demo", ":demo")
 
@@ -151,7 +151,7 @@ class Backend:
         return self.inspect_model(path, name, source, machine)
 
     def inspect_model(self, path: Path, name: str, source: str, machine: MachineView | None) -> ModelView:
-        from core.families import load_spec
+        from core.model.families import load_spec
 
         spec = load_spec(path)
         disk = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
@@ -170,7 +170,7 @@ class Backend:
     @staticmethod
     def classify_model_text(text: str) -> str:
         """'demo', 'folder' (exists here), 'repo' (owner/name), or 'missing'."""
-        from core.download import looks_like_repo_id
+        from core.io.download import looks_like_repo_id
 
         if text.strip().lower() in ("", "demo", ":demo"):
             return "demo"
@@ -182,12 +182,12 @@ class Backend:
     @staticmethod
     def demo_prompts_path() -> Path:
         """The 16 MT-Bench questions bundled as a prompts file (assets/demo_prompts.jsonl)."""
-        from core.demo import ASSETS
+        from core.model.demo import ASSETS
 
         return ASSETS / "demo_prompts.jsonl"
 
     def read_prompts(self, path: Path) -> PromptsView:
-        from core.prompts import read_prompts
+        from core.io.prompts import read_prompts
 
         ps = read_prompts(path)
         texts = [_entry_text(e) for e in ps.entries]
@@ -199,7 +199,7 @@ class Backend:
 
     # ---- plan ---------------------------------------------------------------------------------
     def workload(self, prompts: PromptsView) -> Any:
-        from core.planner import Workload
+        from core.plan.planner import Workload
 
         lo, mean, hi = prompts.lengths
         gens = [e.max_new_tokens or self.max_new_tokens for e in prompts.prompts.entries] or [self.max_new_tokens]
@@ -208,7 +208,7 @@ class Backend:
                         max_prompt_len=max(1, math.ceil(hi / CHARS_PER_TOKEN)), num_requests=max(1, prompts.count))
 
     def budget(self, machine: MachineView, gpu_bytes: int | None, cpu_bytes: int | None) -> Any:
-        from core.planner import Budget
+        from core.plan.planner import Budget
 
         default = Budget.for_hardware(machine.hardware)
         return Budget(gpu_bytes=default.gpu_bytes if gpu_bytes is None else gpu_bytes,
@@ -217,7 +217,7 @@ class Backend:
     def plan(self, model: ModelView, machine: MachineView, prompts: PromptsView,
              gpu_bytes: int | None, cpu_bytes: int | None) -> PlanView:
         """The planner's policy for these budgets (None: what the machine has)."""
-        from core.planner import plan
+        from core.plan.planner import plan
 
         budget = self.budget(machine, gpu_bytes, cpu_bytes)
         workload = self.workload(prompts)
@@ -226,8 +226,8 @@ class Backend:
 
     def check(self, model: ModelView, machine: MachineView, base: PlanView, fields: dict) -> PlanView:
         """A user-edited policy, costed and validated: problems name what does not fit and by how much."""
-        from core.planner import predict, validate
-        from core.policy import Policy
+        from core.plan.planner import predict, validate
+        from core.plan.policy import Policy
 
         budget = self.budget(machine, base.gpu_budget, base.cpu_budget)
         try:
@@ -244,8 +244,8 @@ class Backend:
     # ---- run ----------------------------------------------------------------------------------
     def check_output(self, out: Path) -> None:
         """Refuse, before any loading, an output that cannot be written or whose format is unknown."""
-        from core.results import output_format
-        from core.runstore import RunStore
+        from core.io.results import output_format
+        from core.io.runstore import RunStore
 
         output_format(out)
         RunStore(out).check_writable()
@@ -265,7 +265,7 @@ class Backend:
 
     def manifest(self, model: ModelView, prompts: PromptsView, plan: PlanView) -> dict:
         """The same identity `mlight run` writes, so either can resume the other's unfinished run."""
-        from core.runstore import model_fingerprint
+        from core.io.runstore import model_fingerprint
 
         return {
             "model": model_fingerprint(model.path, model.name),
@@ -280,7 +280,7 @@ class Backend:
 
     def open_store(self, out: Path, model: ModelView, prompts: PromptsView, plan: PlanView, restart: bool = False):
         """The run store on `out`, locked, resumed when it holds an unfinished run of the same job."""
-        from core.runstore import RunStore
+        from core.io.runstore import RunStore
 
         store = RunStore(out)
         store.acquire()
@@ -294,7 +294,7 @@ class Backend:
     def engine(self, path: Path, policy: Any = None, progress: EventSink = ignore) -> Any:
         """The loaded engine, kept while the model stays the same (a resume does not reload weights);
         the plan's policy decides paging, resident experts and the expert batch."""
-        from core.engine import Engine
+        from core.runtime.engine import Engine
 
         if self._engine is not None and self._engine[0] == Path(path):
             if policy is not None:
@@ -307,8 +307,8 @@ class Backend:
     def requests(self, engine: Any, prompts: PromptsView, entries: list) -> tuple[list, list]:
         """Engine requests for `entries`; prompts too long for the context become rejects (with their
         token counts), added to the prompt set's rejects so that they reach OUT.rejected.jsonl."""
-        from core.engine import Request
-        from core.prompts import PromptSet, reject_too_long
+        from core.runtime.engine import Request
+        from core.io.prompts import PromptSet, reject_too_long
 
         defaults = {"max_new_tokens": self.max_new_tokens}
         reqs = {e.id: Request(**e.request_kwargs(defaults)) for e in entries}
@@ -321,7 +321,7 @@ class Backend:
 
     def finish(self, store: Any, records: list[dict], prompts: PromptsView, model: ModelView) -> None:
         """Write the final output (and the rejects) atomically; the run file goes away."""
-        from core.results import openai_batch_record
+        from core.io.results import openai_batch_record
 
         ps = prompts.prompts
         if ps.is_openai_batch:
@@ -334,7 +334,7 @@ class Backend:
     @staticmethod
     def export(records: list[dict], path: Path) -> str:
         """Write `records` to `path` (format from the suffix, written atomically); returns the format."""
-        from core.results import output_format, write_records
+        from core.io.results import output_format, write_records
 
         fmt = output_format(path)
         write_records(Path(path), records, fmt)
@@ -363,7 +363,7 @@ def _rate(hw: Any, name: str) -> str:
 
 
 def machine_view(hw: Any) -> MachineView:
-    """Rows for the Machine screen from a core.hardware.HardwareSpec."""
+    """Rows for the Machine screen from a core.plan.hardware.HardwareSpec."""
     cpu_avail = hw.cpu_mem_available_bytes if hw.cpu_mem_available_bytes is not None else hw.cpu_mem_bytes
     cpu_rows = [
         ("RAM", f"{_size(cpu_avail)} available of {_size(hw.cpu_mem_bytes)}"),

@@ -4,7 +4,7 @@ every step of the flow shares (harlequin's pattern: workers fail into one handle
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable, Protocol
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -15,8 +15,18 @@ from textual.worker import Worker, WorkerState
 
 from app.tui.widgets.steps import Steps
 
-if TYPE_CHECKING:
-    from app.tui.app import MlightApp
+
+class StepHost(Protocol):
+    """What a step screen needs from the app (MlightApp provides it; screens never import the app)."""
+
+    session: object
+    backend: object
+
+    def next_step(self, current: str, **kwargs) -> None: ...
+
+    def tone(self, level: str) -> str: ...
+
+    def describe_error(self, error: BaseException | None) -> str: ...
 
 
 class StatusLine(Static):
@@ -35,7 +45,7 @@ class StepScreen(Screen):
     ]
 
     @property
-    def mapp(self) -> "MlightApp":
+    def mapp(self) -> StepHost:
         return self.app  # type: ignore[return-value]
 
     @property

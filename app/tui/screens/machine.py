@@ -88,9 +88,7 @@ class MachineScreen(StepScreen):
         if self.session.machine is None:
             self.status("Still probing the machine — a moment.", "warn")
             return
-        from app.tui.screens.model import ModelScreen
-
-        self.app.push_screen(ModelScreen())
+        self.mapp.next_step(self.STEP)
 
     def palette_commands(self):
         yield SystemCommand("Re-probe the machine", "Measure the hardware again, ignoring the cache",

@@ -179,9 +179,7 @@ class ModelScreen(StepScreen):
         if self.session.model is None:
             self.status("Choose a model first (d for the demo model).", "warn")
             return
-        from app.tui.screens.prompts import PromptsScreen
-
-        self.app.push_screen(PromptsScreen())
+        self.mapp.next_step(self.STEP)
 
     def palette_commands(self):
         yield SystemCommand("Use the demo model", "Small random-weight Mixtral, built locally", self.action_demo)

@@ -296,9 +296,7 @@ class PlanScreen(StepScreen):
             self.status(f"{out.name} already exists: Ctrl+N again replaces it, or change the results file.", "warn")
             return
         self.session.out_path = out
-        from app.tui.screens.run import RunScreen
-
-        self.app.push_screen(RunScreen(replace=replace))
+        self.mapp.next_step(self.STEP, replace=replace)
 
     def palette_commands(self):
         yield SystemCommand("Re-plan", "Ask the planner again for the current budgets", self.action_replan)

@@ -192,9 +192,7 @@ class PromptsScreen(StepScreen):
         if self.session.prompts is None or self.session.prompts.count == 0:
             self.status("Open a prompts file with at least one good prompt first.", "warn")
             return
-        from app.tui.screens.plan import PlanScreen
-
-        self.app.push_screen(PlanScreen())
+        self.mapp.next_step(self.STEP)
 
     def palette_commands(self):
         yield SystemCommand("Browse for a prompts file", "Show the file tree", self.action_browse)

@@ -160,9 +160,7 @@ class RunScreen(StepScreen):
         if self.job is None or not self.job.records:
             self.status("No results yet.", "warn")
             return
-        from app.tui.screens.results import ResultsScreen
-
-        self.app.push_screen(ResultsScreen(self.job.ordered_records()))
+        self.mapp.next_step(self.STEP, records=self.job.ordered_records())
 
     def on_unmount(self) -> None:
         if self.job is not None:

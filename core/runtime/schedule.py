@@ -14,7 +14,7 @@ Schedules (shared/paper.md):
 
 Steady state: layer 0's streamed weights are sent during the previous step's last layer (its pages are
 in the graph with layer 0, after layer L−1's work); the first step of a run loads them beforehand.
-Boundary: pure data; no costs (core.hrm) and no execution (core.simulate, the engine).
+Boundary: pure data; no costs (core.plan.hrm) and no execution (core.runtime.simulate, the engine).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ RESOURCE_OF = {
 }
 KINDS = tuple(RESOURCE_OF)
 SCHEDULES = ("cgopipe", "s4", "s3")
-LOOKAHEAD = 2  # CGOPipe: CPU attention runs this many micro-batches ahead of the GPU (core.hrm uses the same)
+LOOKAHEAD = 2  # CGOPipe: CPU attention runs this many micro-batches ahead of the GPU (core.plan.hrm uses the same)
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,7 @@ def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1
 
 
 def for_policy(policy, num_layers: int, schedule: str = "cgopipe") -> list[Task]:
-    """The decode step a Policy runs (core.policy.Policy)."""
+    """The decode step a Policy runs (core.plan.policy.Policy)."""
     return decode_step(schedule, num_layers=num_layers, num_micro_batches=policy.num_micro_batches,
                        pages_per_layer=policy.pages_per_layer,
                        micro_batches_per_expert_batch=policy.micro_batches_per_expert_batch,

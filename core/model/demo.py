@@ -19,7 +19,7 @@ import platformdirs
 from core.telemetry import EventSink, Progress, ignore
 
 DEMO_VERSION = "v1"
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

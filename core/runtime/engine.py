@@ -4,7 +4,7 @@ Boundary: takes `Request`s (text or chat messages), tokenizes with the checkpoin
 and yields `Result`s; publishes telemetry events through a callback and never prints. It owns the
 step loop — admit waiting requests into free slots (Algorithm 2), prefill them, decode one token for
 every active request, retire finished ones — and hands the per-layer work to a `PipelineRunner`
-(`core.pipeline`): the schedule's task graph run by the chosen executor.
+(`core.runtime.pipeline`): the schedule's task graph run by the chosen executor.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from typing import Callable, Iterable, Iterator
 import psutil
 import torch
 
-from core.batching import SlotTable
+from core.runtime.batching import SlotTable
 from core.errors import ModelError, UsageError
-from core.families import load_spec
-from core.kvcache import KVCache
-from core.moe import can_pack
-from core.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
-from core.pipeline import PipelineRunner
-from core.sampling import greedy, sample
-from core.spec import DTYPE_BYTES, ModelSpec, torch_dtype
+from core.model.families import load_spec
+from core.model.kvcache import KVCache
+from core.model.moe import can_pack
+from core.runtime.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
+from core.runtime.pipeline import PipelineRunner
+from core.model.sampling import greedy, sample
+from core.model.spec import DTYPE_BYTES, ModelSpec, torch_dtype
 from core.telemetry import RESOURCES, EventSink, RequestDone, StepDone, WarningEvent, ignore
-from core.weights import ModelWeights, load_weights
+from core.model.weights import ModelWeights, load_weights
 
 
 @dataclass
@@ -156,7 +156,7 @@ class Engine:
             if self.config.executor == "threaded":
                 self._executor = ThreadedExecutor(RESOURCES)
             elif self.config.executor == "cuda":
-                from core.cuda_executor import CudaExecutor
+                from core.runtime.cuda_executor import CudaExecutor
 
                 self._executor = CudaExecutor()
             else:
@@ -195,7 +195,7 @@ class Engine:
              pages_per_layer: int = 1, executor: str | None = None, schedule: str | None = None,
              resident_layers: int | None = None, expert_group: int = 1, grouped: bool | None = None,
              policy=None, progress: EventSink = ignore) -> "Engine":
-        """Load a checkpoint. A `core.policy.Policy` (the planner's) sets paging, resident experts, the
+        """Load a checkpoint. A `core.plan.policy.Policy` (the planner's) sets paging, resident experts, the
         expert batch and attention placement; the explicit arguments are for tests and benchmarks."""
         model_dir = Path(model_dir)
         spec = load_spec(model_dir)

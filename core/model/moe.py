@@ -15,7 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from core.spec import ModelSpec
+from core.model.spec import ModelSpec
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from core.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
+from core.model.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
                                    need, routed_experts)
-from core.spec import ModelSpec
+from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("OlmoeForCausalLM",)
 

@@ -2,7 +2,7 @@
 
 Split the way CGOPipe schedules them: `pre_attn` (norm + QKV + RoPE) and `post_attn` (O-proj +
 residual + norm + MoE + residual) run on the accelerator; attention itself lives in
-`core.attention` so it can run next to the KV cache. Family quirks come from ModelSpec fields.
+`core.model.attention` so it can run next to the KV cache. Family quirks come from ModelSpec fields.
 Legend: T = tokens, D = hidden, Hq/Hkv = query/kv heads, hd = head dim.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from core.moe import moe_ffn
-from core.spec import ModelSpec
+from core.model.moe import moe_ffn
+from core.model.spec import ModelSpec
 
 
 def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, eps: float | None = None) -> torch.Tensor:

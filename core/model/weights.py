@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from core.errors import ModelError
-from core.families import family_module
-from core.safetensors_io import Checkpoint
-from core.spec import EXPERT_TENSORS, ModelSpec
+from core.model.families import family_module
+from core.model.safetensors_io import Checkpoint
+from core.model.spec import EXPERT_TENSORS, ModelSpec
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
 _ALIGN = 64  # elements; keeps every view's start aligned for vector loads
@@ -87,7 +87,7 @@ class LayerWeights:
         """Prepack the experts for the CPU and keep only the non-expert part of the flat buffer.
 
         One layer at a time, so memory peaks at the model plus one layer's experts, never two copies."""
-        from core.moe import pack_experts
+        from core.model.moe import pack_experts
 
         self.packed = pack_experts(self.tensors["w13"], self.tensors["w2"])
         dense = self.flat[:self.layout.expert_start].clone()

@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 
 from core.errors import ModelError
-from core.families import load_spec, spec_from_config
-from core.spec import ModelSpec
+from core.model.families import load_spec, spec_from_config
+from core.model.spec import ModelSpec
 
 # The repo's assets/configs; inside an installed package, core/assets/configs if the build ships them there.
-_CANDIDATES = (Path(__file__).resolve().parents[1] / "assets" / "configs",
-               Path(__file__).resolve().parent / "assets" / "configs")
+_CANDIDATES = (Path(__file__).resolve().parents[2] / "assets" / "configs",
+               Path(__file__).resolve().parents[1] / "assets" / "configs")
 CONFIGS_DIR = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0])
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from types import ModuleType
 
 from core.errors import ModelError, UnsupportedModelError
-from core.families import dbrx, mixtral, olmoe, qwen_moe
-from core.spec import ModelSpec
+from core.model.families import dbrx, mixtral, olmoe, qwen_moe
+from core.model.spec import ModelSpec
 
 _MODULES: tuple[ModuleType, ...] = (mixtral, dbrx, qwen_moe, olmoe)
 REGISTRY: dict[str, ModuleType] = {arch: m for m in _MODULES for arch in m.ARCHITECTURES}

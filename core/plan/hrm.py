@@ -2,7 +2,7 @@
 the paper's turning points P1/P2 and balance point, and the busy time of one layer on each resource.
 
 Boundary: pure functions of (ModelSpec, Rates, numbers). No search, no memory accounting (that is
-core.planner), no I/O. Times are per layer; resource names are core.telemetry.RESOURCES.
+core.plan.planner), no I/O. Times are per layer; resource names are core.telemetry.RESOURCES.
 Legend: t = tokens, c = context length, D = hidden, I = expert intermediate, E = experts, k = top-k.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from core.hardware import HardwareSpec
-from core.spec import ModelSpec
+from core.plan.hardware import HardwareSpec
+from core.model.spec import ModelSpec
 
 # Achieved fraction of a datasheet peak, for rates not measured on the machine (HardwareSpec.measured).
 # Calibrated on the paper's L4 + 24-core Xeon kernel latencies (shared/paper.md): the MoE FFN of one
@@ -244,11 +244,11 @@ def task_table(m: "ModelSpec | Dims", r: Rates, *, micro_batch: int, context: fl
     return out
 
 
-LOOKAHEAD = 2  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU (= core.schedule.LOOKAHEAD)
+LOOKAHEAD = 2  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU (= core.runtime.schedule.LOOKAHEAD)
 
 
 # ---- one layer's tasks and busy time on each resource ------------------------------------------------
-# A task kind's cost is defined once here; core.simulate replays core.schedule's graphs with these
+# A task kind's cost is defined once here; core.runtime.simulate replays core.runtime.schedule's graphs with these
 # same costs, so a simulated layer and decode_layer_seconds agree on every resource's busy time.
 @dataclass(frozen=True)
 class TaskCost:
@@ -350,7 +350,7 @@ def pipeline_bounds(tasks: dict[str, TaskCost]) -> tuple[float, ...]:
     also holds back the next pages (their buffer half is still in use) beyond the last slot's pages:
     max(0, t_post + t_ffn − h2d/n_mb). Their sum, added to the link's busy time, is the max of the
     affine pieces returned here (the planner's LP needs affine pieces). Checked against
-    core.simulate's replay of the same graph (tests/test_simulate.py).
+    core.runtime.simulate's replay of the same graph (tests/test_simulate.py).
     """
     if "d2" not in tasks or "ffn" not in tasks or "weight_page" not in tasks:
         return ()

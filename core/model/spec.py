@@ -2,7 +2,7 @@
 
 One frozen dataclass for every family. Family quirks are fields (norm kind, q/k norm, clip_qkv,
 router normalisation, shared expert) so that the forward pass lives once in `core`; the per-family
-modules in `core.families` only translate a config and name the weights.
+modules in `core.model.families` only translate a config and name the weights.
 
 Canonical per-layer tensors (all families are laid out this way at load time):
   ln1, ln2 [D]; qkv [(Hq+2·Hkv)·hd, D] (+ qkv_bias); q_norm/k_norm [hd] or [H·hd]; o [D, Hq·hd];

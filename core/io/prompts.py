@@ -51,7 +51,7 @@ class PromptEntry:
     model: str | None = None  # OpenAI Batch body.model, echoed back in the response
 
     def request_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Keyword arguments for `core.engine.Request`: this entry's fields over `defaults`."""
+        """Keyword arguments for `core.runtime.engine.Request`: this entry's fields over `defaults`."""
         kw = dict(defaults or {})
         kw["id"] = self.id
         if self.messages is not None:

@@ -12,7 +12,7 @@ import math
 import random
 from pathlib import Path
 
-MT_BENCH = Path(__file__).resolve().parent.parent / "assets" / "mt_bench_questions.jsonl"
+MT_BENCH = Path(__file__).resolve().parents[2] / "assets" / "mt_bench_questions.jsonl"
 
 
 def first_turns() -> list[str]:

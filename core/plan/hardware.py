@@ -8,7 +8,7 @@
   and GPU matmul), cached per machine under the cache dir (`MLIGHT_CACHE_DIR` or platformdirs').
 
 Boundary: numbers only. Datasheet values are peaks; the HRM derates every field not listed in
-`measured` (see core.hrm.effective_rates). Never prints; torch is imported only by `probe`.
+`measured` (see core.plan.hrm.effective_rates). Never prints; torch is imported only by `probe`.
 """
 
 from __future__ import annotations

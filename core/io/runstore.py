@@ -28,8 +28,8 @@ from typing import Any
 import filelock
 
 from core.errors import MlightError, UsageError
-from core.prompts import PromptSet, reject_too_long
-from core.results import fsync_dir, jsonl_line, openai_batch_record, os_error, write_records
+from core.io.prompts import PromptSet, reject_too_long
+from core.io.results import fsync_dir, jsonl_line, openai_batch_record, os_error, write_records
 from core.telemetry import EventSink, ignore
 
 MANIFEST_KEY = "mlight_run"
@@ -268,9 +268,9 @@ class RunStore:
 
 
 def prepare_requests(engine, prompts: PromptSet, defaults: dict[str, Any]) -> dict[str, Any]:
-    """`core.engine.Request`s by id; entries the engine cannot take (longer than its context, chat
+    """`core.runtime.engine.Request`s by id; entries the engine cannot take (longer than its context, chat
     messages without a chat template) move to `prompts.rejects` with the reason."""
-    from core.engine import Request
+    from core.runtime.engine import Request
 
     requests = {e.id: Request(**e.request_kwargs(defaults)) for e in prompts.entries}
     reject_too_long(prompts, lambda e: len(engine.prompt_token_ids(requests[e.id])), engine.context_length)

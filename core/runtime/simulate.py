@@ -1,6 +1,6 @@
-"""Replay a task graph (core.schedule) with HRM task costs (core.hrm): a timeline and per-resource use.
+"""Replay a task graph (core.runtime.schedule) with HRM task costs (core.plan.hrm): a timeline and per-resource use.
 
-Execution rule (the one core.schedule defines): each resource runs its tasks one at a time in list
+Execution rule (the one core.runtime.schedule defines): each resource runs its tasks one at a time in list
 order; a task starts when its resource is free and its dependencies have finished. Because every
 dependency and every same-resource predecessor comes earlier in the list, one pass in list order is
 an exact replay. Boundary: no real execution, no printing; results keyed by core.telemetry.RESOURCES.
@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core import hrm, schedule
-from core.hardware import HardwareSpec
-from core.policy import Policy
-from core.schedule import Task
-from core.spec import ModelSpec
+from core.plan import hrm
+
+from core.runtime import schedule
+from core.plan.hardware import HardwareSpec
+from core.plan.policy import Policy
+from core.runtime.schedule import Task
+from core.model.spec import ModelSpec
 from core.telemetry import RESOURCES
 
 

@@ -8,9 +8,9 @@ of these families has them and mlight refuses such configs rather than guess.
 from __future__ import annotations
 
 from core.errors import ModelError
-from core.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
+from core.model.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
                                    need, routed_experts)
-from core.spec import ModelSpec
+from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 

@@ -7,7 +7,7 @@ an order where every dependency comes first) plus a function `run(task)` that do
 - `ThreadedExecutor` gives each resource a worker thread fed by a queue in list order; a task
   starts once the events of all its dependencies are set. Tensors stay on the CPU and copies are
   real copies, so a missing dependency shows up as wrong tokens.
-- `core.cuda_executor.CudaExecutor` keeps the same shape with CUDA streams and events.
+- `core.runtime.cuda_executor.CudaExecutor` keeps the same shape with CUDA streams and events.
 
 Failures never hang: the first exception sets every pending event, the other workers skip what
 is left, and the caller gets a `TaskFailed` naming the task, with the original error as cause.

@@ -6,8 +6,8 @@ Its router softmaxes in the weights' dtype and divides the top-k by their p-norm
 
 from __future__ import annotations
 
-from core.families._common import Piece, checkpoint_dtype, eos_ids, first, need, rope_theta
-from core.spec import ModelSpec
+from core.model.families._common import Piece, checkpoint_dtype, eos_ids, first, need, rope_theta
+from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("DbrxForCausalLM",)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from core.spec import ModelSpec
+from core.model.spec import ModelSpec
 
 
 class KVCache:

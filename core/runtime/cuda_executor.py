@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from core.executors import ThreadedExecutor, _Step
+from core.runtime.executors import ThreadedExecutor, _Step
 
 STREAMS = ("gpu", "h2d", "d2h")
 

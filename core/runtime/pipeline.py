@@ -1,6 +1,6 @@
 """The CGOPipe runtime: a decode step (or a prefill) as a task graph, run by an executor.
 
-`core.schedule` says which tasks run, on which resource, after which others; this module says what
+`core.runtime.schedule` says which tasks run, on which resource, after which others; this module says what
 each task does and owns the buffers they share. The same code runs on CUDA (dense work on the GPU,
 attention on the CPU next to the KV cache, weights streamed over PCIe) and on the CPU, where the
 "device" is the CPU itself and every copy between "device" and "host" buffers is still a real copy,
@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from core import schedule as sched
-from core.attention import decode_attention, padding_mask, prefill_attention
-from core.kvcache import KVCache
-from core.layers import Rope, final_logits, norm
-from core.layers import pre_attn as dense_pre_attn
-from core.moe import experts, route, shared_expert
-from core.spec import EXPERT_TENSORS, ModelSpec
-from core.weights import LayerLayout, ModelWeights
+from core.runtime import schedule as sched
+from core.model.attention import decode_attention, padding_mask, prefill_attention
+from core.model.kvcache import KVCache
+from core.model.layers import Rope, final_logits, norm
+from core.model.layers import pre_attn as dense_pre_attn
+from core.model.moe import experts, route, shared_expert
+from core.model.spec import EXPERT_TENSORS, ModelSpec
+from core.model.weights import LayerLayout, ModelWeights
 
 
 class _MB:

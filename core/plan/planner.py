@@ -7,7 +7,7 @@
    smaller batches; for each batch, expert batches of 1, 2, 4, … micro-batches (MoE-Gen's module
    batching) while they keep helping;
 2. for each integer candidate the continuous fractions (r_w, r_c) that minimise end-to-end time,
-   exactly: time is a convex piecewise-linear function of them (core.hrm is affine in each);
+   exactly: time is a convex piecewise-linear function of them (core.plan.hrm is affine in each);
 3. the winner's fractions (and those of GPU-attention candidates, where r_c matters) re-solved as an
    LP with pulp's bundled CBC, which also serves as the reference the fast path is tested against.
 `validate(policy, ...)` says what does not fit and by how many bytes; `predict` costs a given policy.
@@ -15,7 +15,7 @@
 Memory counted: resident non-expert weights, r_w of the experts and the 2×layer double buffer on
 the GPU, activations (decode and prefill peaks); the rest of the experts, the pinned staging pages
 and the KV cache for prompt + generation on the CPU (or r_c of it on the GPU).
-Boundary: memory accounting and search live here; task costs live in core.hrm. Never prints.
+Boundary: memory accounting and search live here; task costs live in core.plan.hrm. Never prints.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import math
 import warnings
 from dataclasses import dataclass
 
-from core import hrm
+from core.plan import hrm
 from core.errors import BudgetError, UsageError
-from core.hardware import HardwareSpec
-from core.policy import Policy, Prediction
-from core.spec import ModelSpec
+from core.plan.hardware import HardwareSpec
+from core.plan.policy import Policy, Prediction
+from core.model.spec import ModelSpec
 from core.telemetry import RESOURCES
 
 # Share of a budget the plan may use: the paper's 0.86 of GPU memory (CUDA context, allocator

@@ -57,7 +57,7 @@ def resolve_model(model: str | None, revision: str | None = None, progress: Even
                   **download_kw: Any) -> tuple[Path, str]:
     """(local checkpoint folder, a name for it) for `--model`: None → demo, a folder, or a repo id."""
     if model is None:
-        from core.demo import demo_model_dir
+        from core.model.demo import demo_model_dir
 
         return demo_model_dir(progress), "mlight-demo"
     path = Path(model).expanduser()
@@ -144,7 +144,7 @@ def _choose_files(repo_id: str, sizes: dict[str, int]) -> list[str]:
 
 
 def _check_config(repo_id: str, cfg_path: str) -> None:
-    from core.families import spec_from_config
+    from core.model.families import spec_from_config
 
     try:
         cfg = json.loads(Path(cfg_path).read_text(encoding="utf-8"))
