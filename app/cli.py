@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from core import platform
 from core.errors import MlightError
 
 # sub-command name -> module under app.commands; imported only when chosen so `mlight hw` stays quick.
@@ -46,6 +47,7 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    platform.utf8_console()
     parser, modules = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:

@@ -7,7 +7,6 @@ Only the bench scripts import this; nothing in `core` or `app` does.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,14 +130,14 @@ def prefill_cost(spec, lengths: list[int]) -> tuple[float, float]:
 def cpu_seconds() -> float:
     """User + system CPU seconds of this process (all threads): with wall time, shows how much of the
     cores the run actually got on a shared machine."""
-    import resource
+    import psutil
 
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
 
 
 def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
+    from core import platform
+
+    load = platform.load_average()
+    return " ".join(f"{x:.2f}" for x in load) if load else "n/a"

@@ -1,4 +1,4 @@
-"""core's packages import in one direction: model ← plan ← runtime ← io; errors and telemetry below all."""
+"""core's packages import in one direction: model ← plan ← runtime ← io; errors, telemetry and platform below all."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 CORE = Path(__file__).resolve().parent.parent / "core"
 ORDER = ("model", "plan", "runtime", "io")  # each may import those before it, never after
+LEAVES = ("errors.py", "platform.py", "telemetry.py")  # loose modules under all four packages
 
 
 def _core_imports(path: Path) -> set[str]:
@@ -43,13 +44,15 @@ def test_package_imports_only_downward(pkg):
 
 
 def test_shared_leaf_modules_import_no_package():
-    for leaf in ("errors.py", "telemetry.py"):
+    for leaf in LEAVES:
         assert not {m for m in _core_imports(CORE / leaf) if _package(m)}, leaf
+    # the OS module sits below everything, errors and telemetry included
+    assert not _core_imports(CORE / "platform.py")
 
 
 def test_core_is_a_handful_of_packages():
     loose = sorted(p.name for p in CORE.glob("*.py") if p.name != "__init__.py")
-    assert loose == ["errors.py", "telemetry.py"]
+    assert loose == list(LEAVES)
     for pkg in ORDER:
         doc = ast.get_docstring(ast.parse((CORE / pkg / "__init__.py").read_text(encoding="utf-8")))
         assert doc and "Imports:" in doc, f"core/{pkg}/__init__.py must say what it may import"

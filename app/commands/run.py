@@ -3,7 +3,7 @@
 Order of work, so that bad input is refused before anything is loaded or written:
 output path → lock → prompts → model folder (download) → run file (resume or start) → engine →
 too-long prompts → generate, saving each result as it finishes → final output renamed into place.
-Ctrl-C / SIGTERM: the engine finishes its current step, what finished is saved, exit 130.
+Ctrl-C / SIGTERM (Ctrl-Break on Windows): the engine finishes its current step, what finished is saved, exit 130.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from core import platform
 from core.errors import BudgetError, UsageError
 from core.io.prompts import FORMATS, STDIN, PromptSet, read_prompts, reject_lines
 from core.io.results import output_format
@@ -91,7 +92,7 @@ def _non_negative(text: str) -> float:
 
 
 class _Stopper:
-    """SIGINT/SIGTERM: while generating, ask the engine to stop after its step; otherwise (or on a
+    """Ctrl-C, SIGTERM or Ctrl-Break (`platform.stop_signals`): while generating, ask the engine to stop after its step; otherwise (or on a
     second signal) stop right away with KeyboardInterrupt."""
 
     def __init__(self):
@@ -106,13 +107,11 @@ class _Stopper:
         raise KeyboardInterrupt
 
     def install(self):
-        for name in ("SIGINT", "SIGTERM"):
-            sig = getattr(signal, name, None)
-            if sig is not None:
-                try:
-                    self.old[sig] = signal.signal(sig, self)
-                except (ValueError, OSError):  # not the main thread, or not settable here
-                    pass
+        for sig in platform.stop_signals():  # Ctrl-C, and SIGTERM (POSIX) or Ctrl-Break (Windows)
+            try:
+                self.old[sig] = signal.signal(sig, self)
+            except (ValueError, OSError):  # not the main thread, or not settable here
+                pass
         return self
 
     def restore(self):

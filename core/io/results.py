@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
+from core import platform
 from core.errors import MlightError, UsageError
 
 RESULT_FIELDS = ("id", "prompt", "output", "output_token_ids", "prompt_tokens", "output_tokens", "finish_reason",
@@ -106,7 +107,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        platform.replace(tmp, path)
     except OSError as e:
         raise os_error(e, path) from e
     finally:
@@ -126,10 +127,12 @@ def write_records(path: Path, records: Iterable[dict], fmt: str | None = None) -
 
 def fsync_dir(folder: Path) -> None:
     """Make a rename or a new file in `folder` survive power loss, where the OS allows it."""
+    if not platform.can_fsync_dir():
+        return  # Windows cannot open a folder; NTFS journals the rename itself
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
-        return  # Windows cannot open a folder; NTFS journals the rename itself
+        return
     try:
         os.fsync(fd)
     except OSError:
@@ -145,6 +148,14 @@ def os_error(e: OSError, path: Path, done: int | None = None) -> MlightError:
     if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
         return MlightError(f"disk full while writing {path}{kept}",
                            "free some disk space and rerun the same command to finish")
+    if platform.path_too_long(path):
+        return UsageError(f"cannot write {path}: the path is {len(str(path))} characters, past Windows' limit of "
+                          f"{platform.WINDOWS_MAX_PATH - 1}", "choose a shorter --out path, or enable long paths "
+                          "(LongPathsEnabled) in Windows")
     if isinstance(e, PermissionError):
+        if platform.is_windows():  # what Windows says when another program has the file open
+            return MlightError(f"cannot write {path}: it is open in another program (or permission is denied)"
+                               f"{kept}", "close the program that has it open (an editor, Excel) and rerun the "
+                               "same command")
         return UsageError(f"cannot write {path}: permission denied", "choose another --out or fix the permissions")
     return MlightError(f"cannot write {path}: {e.strerror or e}{kept}", "check the disk and rerun the same command")

@@ -27,6 +27,7 @@ from typing import Any
 
 import filelock
 
+from core import platform
 from core.errors import MlightError, UsageError
 from core.io.prompts import PromptSet, reject_too_long
 from core.io.results import fsync_dir, jsonl_line, openai_batch_record, os_error, write_records
@@ -188,7 +189,7 @@ class RunStore:
                 f.write(jsonl_line(manifest))
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.run_path)
+            platform.replace(tmp, self.run_path)
         except OSError as e:
             self._remove(tmp)
             raise os_error(e, self.run_path) from e
@@ -256,7 +257,7 @@ class RunStore:
     @staticmethod
     def _remove(path: Path) -> None:
         try:
-            path.unlink()
+            platform.remove(path)
         except FileNotFoundError:
             pass
         except OSError as e:
