@@ -23,8 +23,42 @@ COMMANDS = {
 }
 
 
+class VersionAction(argparse.Action):
+    """--version: mlight's version, then what a bug report needs (Python, OS, the torch build and its GPU)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_report())
+        parser.exit()
+
+
+def version_report() -> str:
+    import platform as stdlib_platform
+
+    from core import __version__
+
+    lines = [f"mlight {__version__}",
+             f"python {stdlib_platform.python_version()} on {stdlib_platform.system()} {stdlib_platform.machine()}"]
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 — a broken torch install is exactly what this should show
+        lines.append(f"torch: cannot be imported ({type(e).__name__}: {e})")
+        return "\n".join(lines)
+    if torch.version.cuda is None:
+        gpu = "CPU-only build"
+    elif torch.cuda.is_available():
+        gpu = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU: {torch.cuda.get_device_name(0)}"
+    else:
+        gpu = f"CUDA {torch.version.cuda} build, no usable GPU (driver missing or too old?)"
+    lines.append(f"torch {torch.__version__} ({gpu})")
+    return "\n".join(lines)
+
+
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
     parser = argparse.ArgumentParser(prog="mlight", description="Batch inference for MoE LLMs on one GPU + CPU RAM.")
+    parser.add_argument("--version", action=VersionAction, help="show the versions of mlight, Python and torch, and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if a in COMMANDS), None)

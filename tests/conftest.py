@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if os.environ.get("MLIGHT_TEST_INSTALLED"):  # packaging/check_wheel.sh: test the installed wheel, not this checkout
+    import core
+
+    assert not Path(core.__file__).resolve().is_relative_to(ROOT), f"{core.__file__} is the checkout's, not installed"
+else:
+    sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 

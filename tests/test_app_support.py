@@ -19,10 +19,9 @@ from pathlib import Path
 from textual.worker import WorkerFailed
 
 from app.tui.backend import Backend
+from core.assets import DEMO_PROMPTS
 from core.telemetry import MemorySample, StepDone, WarningEvent
 
-ROOT = Path(__file__).resolve().parent.parent
-DEMO_PROMPTS = ROOT / "assets" / "demo_prompts.jsonl"
 
 
 def sync(test):

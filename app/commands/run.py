@@ -31,7 +31,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint folder or Hugging Face repo id (default: the built-in demo model)")
     p.add_argument("--revision", help="repo revision (branch, tag or commit) when --model is a repo id")
     p.add_argument("--prompts", required=True, metavar="FILE",
-                   help=".txt (one prompt a line), .jsonl, .csv or .tsv; '-' reads stdin")
+                   help=".txt (one prompt a line), .jsonl, .csv or .tsv; '-' reads stdin; 'demo' the 16 bundled "
+                        "MT-Bench prompts")
     p.add_argument("--prompts-format", choices=FORMATS, help="format of --prompts when its suffix does not say")
     p.add_argument("--out", required=True, metavar="FILE", help="results file: .jsonl or .csv")
     p.add_argument("--max-new-tokens", type=_positive, default=128, metavar="N")

@@ -181,10 +181,10 @@ class Backend:
     # ---- prompts ------------------------------------------------------------------------------
     @staticmethod
     def demo_prompts_path() -> Path:
-        """The 16 MT-Bench questions bundled as a prompts file (assets/demo_prompts.jsonl)."""
-        from core.model.demo import ASSETS
+        """The 16 MT-Bench questions bundled as a prompts file (core/assets/demo_prompts.jsonl)."""
+        from core.assets import DEMO_PROMPTS
 
-        return ASSETS / "demo_prompts.jsonl"
+        return DEMO_PROMPTS
 
     def read_prompts(self, path: Path) -> PromptsView:
         from core.io.prompts import read_prompts

@@ -16,7 +16,7 @@ for size in "${SIZES[@]}"; do
   # 48 MT-Bench first turns, 64 new tokens each: a run long enough to pause and stop by hand
   python - "$work/mt_bench.jsonl" <<'PY'
 import json, sys
-with open("assets/mt_bench_questions.jsonl", encoding="utf-8") as f, open(sys.argv[1], "w", encoding="utf-8") as out:
+with open("core/assets/mt_bench_questions.jsonl", encoding="utf-8") as f, open(sys.argv[1], "w", encoding="utf-8") as out:
     for line in list(f)[:48]:
         q = json.loads(line)
         out.write(json.dumps({"id": f"mtbench-{q['question_id']}", "prompt": q["turns"][0], "max_new_tokens": 64}) + "\n")

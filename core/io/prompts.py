@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.assets import DEMO_PROMPTS
 from core.errors import UsageError
 
 FORMATS = ("txt", "jsonl", "csv", "tsv")
 SUFFIX_FORMAT = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
                  ".csv": "csv", ".tsv": "tsv", ".tab": "tsv"}
 STDIN = "-"
+DEMO = "demo"  # the bundled demo prompts, unless a file of that name is in the working folder
 HINT_FORMATS = "give a UTF-8 .txt (one prompt a line), .jsonl, .csv or .tsv file"
 # the per-request fields a file may set, each overriding the command's default
 REQUEST_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
@@ -106,6 +108,8 @@ class _Bad(Exception):
 
 def read_prompts(source: str | Path, *, data: bytes | None = None, fmt: str | None = None) -> PromptSet:
     """Read and validate a prompts file. `data` gives the bytes directly (stdin: source "-")."""
+    if data is None and str(source) == DEMO and not Path(source).exists():
+        source = DEMO_PROMPTS
     name = "<stdin>" if str(source) == STDIN else str(source)
     if data is None:
         data = _read_bytes(Path(source))

@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import math
 import random
-from pathlib import Path
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "assets" / "mt_bench_questions.jsonl"
+from core.assets import MT_BENCH
 
 
 def first_turns() -> list[str]:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import platformdirs
 
+from core.assets import MT_BENCH
 from core.telemetry import EventSink, Progress, ignore
 
 DEMO_VERSION = "v1"
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -33,7 +33,7 @@ def cache_dir() -> Path:
 
 def training_text() -> list[str]:
     lines = []
-    with open(ASSETS / "mt_bench_questions.jsonl", encoding="utf-8") as f:
+    with open(MT_BENCH, encoding="utf-8") as f:
         for line in f:
             q = json.loads(line)
             lines += q["turns"] + [r for r in q.get("reference", []) if isinstance(r, str)]

@@ -1,7 +1,7 @@
 """Model descriptions without weights: bundled config.json presets, and `resolve_spec` for `--model`.
 
 `--model M` may be a checkpoint folder, a Hugging Face repo id whose config.json is already in the
-local HF cache (looked up offline), or a bundled preset name (assets/configs/<name>/config.json).
+local HF cache (looked up offline), or a bundled preset name (core/assets/configs/<name>/config.json, shipped in the package).
 Boundary: reads config files only; never downloads, never loads weights.
 """
 
@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from core.assets import CONFIGS
 from core.errors import ModelError
 from core.model.families import load_spec, spec_from_config
 from core.model.spec import ModelSpec
 
-# The repo's assets/configs; inside an installed package, core/assets/configs if the build ships them there.
-_CANDIDATES = (Path(__file__).resolve().parents[2] / "assets" / "configs",
-               Path(__file__).resolve().parents[1] / "assets" / "configs")
-CONFIGS_DIR = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0])
+CONFIGS_DIR = CONFIGS  # one folder per preset, holding its config.json
 
 
 def preset_names() -> list[str]:

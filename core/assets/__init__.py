@@ -1,0 +1,21 @@
+"""Data files mlight reads at run time. They live here, inside the package, so that a wheel carries them.
+
+- `mt_bench_questions.jsonl`: the 80 MT-Bench questions (`question_id`, `category`, `turns`, some
+  `reference`) from the FastChat project's LLM-judge data, Apache License 2.0 (see NOTICE). They train
+  the demo model's tokenizer and make the benchmark prompt mixes.
+- `demo_prompts.jsonl`: the first turns of 16 of them, as an mlight prompts file (`--prompts demo`).
+- `configs/<name>/config.json`: the config.json of well-known MoE models — bundled presets, so that
+  `mlight plan --model mixtral-8x7b` works offline. A new preset is one more folder here.
+
+Nothing else in mlight reads a file shipped with it; tests/test_packaging.py keeps it that way.
+Imports: nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MT_BENCH = HERE / "mt_bench_questions.jsonl"
+DEMO_PROMPTS = HERE / "demo_prompts.jsonl"
+CONFIGS = HERE / "configs"
