@@ -130,7 +130,8 @@ def test_version_names_mlight_python_and_torch(capsys):
     assert e.value.code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"mlight {core.__version__}"
-    assert lines[1].startswith("python ") and lines[2].startswith("torch ") and ("CPU-only build" in lines[2] or "CUDA" in lines[2])
+    assert lines[1].startswith("python ") and lines[2].startswith("torch ")
+    assert "CPU-only build" in lines[2] or "CUDA" in lines[2]
 
 
 def test_demo_prompts_by_name_unless_a_file_has_that_name(tmp_path, monkeypatch):
