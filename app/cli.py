@@ -58,7 +58,8 @@ def version_report() -> str:
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
     parser = argparse.ArgumentParser(prog="mlight", description="Batch inference for MoE LLMs on one GPU + CPU RAM.")
-    parser.add_argument("--version", action=VersionAction, help="show the versions of mlight, Python and torch, and exit")
+    parser.add_argument("--version", action=VersionAction,
+                        help="show the versions of mlight, Python and torch, and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if a in COMMANDS), None)

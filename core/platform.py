@@ -7,6 +7,7 @@ every function here reads it at call time. A leaf: it imports nothing from core'
 - CPUs: `usable_cores` (the affinity mask and a container's CPU quota; Windows and macOS have no
   `os.sched_getaffinity`), `load_average` (None on Windows, which has none), `free_cores` (usable cores
   not busy with other work — the default thread count).
+- GPU copies: `pinned_budget` (WDDM on Windows caps page-locked memory at half the RAM).
 - Stopping: `stop_signals` (Ctrl-C everywhere; SIGTERM on POSIX; Ctrl-Break — SIGBREAK — on Windows,
   where SIGTERM is never delivered: `taskkill /F` and TerminateProcess end a process without a signal).
 - Files: `can_fsync_dir` (Windows cannot open a folder), `replace` / `remove` (Windows refuses while
@@ -104,6 +105,14 @@ def free_cores(sample_s: float = 0.1) -> int:
     # the load is machine-wide; count the share of it that falls on our cores
     busy_here = busy * usable / max(total, 1)
     return max(1, usable - int(busy_here + 0.5))
+
+
+def pinned_budget(ram_bytes: int) -> int:
+    """Host memory worth page-locking for GPU copies. Under Windows' WDDM driver model page-locked memory
+    is mapped as the GPU's shared system memory, which Windows caps at half the RAM (Task Manager's
+    "Shared GPU memory"): past that, registration fails or the machine starts paging. Elsewhere the OS
+    sets no such cap."""
+    return ram_bytes // 2 if SYSTEM == "windows" else ram_bytes
 
 
 # ---- stopping ----------------------------------------------------------------------------------

@@ -109,6 +109,13 @@ def test_free_cores_on_windows_samples_utilisation(windows, monkeypatch):
     assert seen == [0.05]
 
 
+def test_pinned_budget_is_half_the_ram_under_wddm(monkeypatch):
+    monkeypatch.setattr(platform, "SYSTEM", "windows")
+    assert platform.pinned_budget(64 * 2**30) == 32 * 2**30
+    monkeypatch.setattr(platform, "SYSTEM", "linux")
+    assert platform.pinned_budget(64 * 2**30) == 64 * 2**30
+
+
 # ---- signals -----------------------------------------------------------------------------------
 
 def test_stop_signals_posix(linux):

@@ -144,3 +144,161 @@ def test_cli_errors_print_on_a_cp1252_redirected_console(tmp_path):
     err = r.stderr.decode("utf-8")
     assert r.returncode == 2, err
     assert "données→.txt" in err and "Traceback" not in err
+
+
+# ---- text encodings: Windows' default is the ANSI code page, not UTF-8 ---------------------------
+
+def _implicit_encodings(path: Path) -> list[str]:
+    """Calls in `path` that would read or write text in the locale's encoding."""
+    import ast
+
+    found = []
+    for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(n, ast.Call):
+            continue
+        kws = {k.arg for k in n.keywords}
+        if "encoding" in kws:
+            continue
+        f = n.func
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+        owner = getattr(f.value, "id", None) if isinstance(f, ast.Attribute) else None
+        if name in ("read_text", "write_text", "TextIOWrapper"):
+            found.append(f"{path.name}:{n.lineno} {name}")
+        elif name == "open" and owner not in ("os", "self"):
+            args = n.args[1:] if isinstance(f, ast.Name) else n.args  # open(path, mode) / path.open(mode)
+            mode = args[0] if args else next((k.value for k in n.keywords if k.arg == "mode"), None)
+            if not (isinstance(mode, ast.Constant) and "b" in str(mode.value)):
+                found.append(f"{path.name}:{n.lineno} open")
+        elif name in ("run", "check_output", "Popen") and kws & {"text", "universal_newlines"}:
+            found.append(f"{path.name}:{n.lineno} {name}(text=True)")
+    return found
+
+
+def test_text_is_never_read_or_written_in_the_locale_encoding():
+    found = [x for d in ("core", "app") for p in sorted((ROOT / d).rglob("*.py")) for x in _implicit_encodings(p)]
+    assert not found, "pass encoding='utf-8' (Windows would use cp1252): " + ", ".join(found)
+
+
+def test_the_encoding_check_catches_a_plain_open(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("open('a.txt')\nopen('b', 'rb')\nPath('c').read_text()\np.open('w')\np.open('rb')\n"
+                 "subprocess.run(['x'], text=True)\n", encoding="utf-8")
+    assert _implicit_encodings(f) == ["x.py:1 open", "x.py:3 read_text", "x.py:4 open", "x.py:6 run(text=True)"]
+
+
+# ---- paths: drive letters, spaces, non-ASCII, backslashes that are not escapes ------------------
+
+@pytest.mark.parametrize("pasted, path", [
+    (r"C:\Users\José\My Prompts\p.jsonl", r"C:\Users\José\My Prompts\p.jsonl"),
+    (r'"C:\Users\José\My Prompts\p.jsonl"', r"C:\Users\José\My Prompts\p.jsonl"),  # Windows Terminal
+    (r"& 'D:\données\prompts v2.csv'", r"D:\données\prompts v2.csv"),  # PowerShell
+    (r"prompts\my file.txt", r"prompts\my file.txt"),  # relative: on POSIX this would be an escape
+    (r"prompts\batch\ 1.txt", r"prompts\batch\ 1.txt"),
+    (r'"C:\a b.txt" "C:\c d.txt"', r"C:\a b.txt"),  # two files dropped: the first
+    (r"\\nas\share\prompts.txt", r"\\nas\share\prompts.txt"),
+    ("file:///C:/Users/Jos%C3%A9/p.txt", "C:/Users/José/p.txt"),
+])
+def test_dropped_paths_on_windows(windows, pasted, path):
+    from app.tui.paths import parse_dropped_path
+
+    assert parse_dropped_path(pasted) == path
+
+
+def test_posix_still_unescapes_backslashes(monkeypatch):
+    from app.tui.paths import parse_dropped_path
+
+    monkeypatch.setattr(platform, "SYSTEM", "linux")
+    assert parse_dropped_path(r"prompts\ v2/my\ file.txt") == "prompts v2/my file.txt"
+
+
+# ---- the Hugging Face cache without symlinks (Windows without Developer Mode) --------------------
+
+from test_download import hub, sharded_files  # noqa: E402,F401  (fixtures: a fake Hub on localhost)
+
+
+def test_hub_cache_without_symlinks_says_so_once_and_downloads_copies(windows, hub, monkeypatch):  # noqa: F811
+    import warnings
+
+    from huggingface_hub import file_download
+
+    from core.io.download import download_model
+    from core.telemetry import WarningEvent
+
+    def refuse(*a, **k):
+        raise OSError(1314, "A required privilege is not held by the client")  # what Windows answers
+
+    monkeypatch.setattr(file_download.os, "symlink", refuse)
+    monkeypatch.setattr(file_download, "_are_symlinks_supported_in_dir", {})
+    events = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = download_model("org/tiny", progress=events.append)
+    notes = [e.message for e in events if isinstance(e, WarningEvent)]
+    assert len(notes) == 1 and "Developer Mode" in notes[0] and "plain copies" in notes[0]
+    assert not [w for w in caught if "symlink" in str(w.message)], [str(w.message)[:300] for w in caught]
+    shards = sorted(path.glob("*.safetensors"))
+    assert shards and not any(p.is_symlink() for p in path.iterdir())  # copies, and complete
+    from core.model.safetensors_io import Checkpoint
+
+    assert Checkpoint(path).keys()
+
+
+def test_no_symlink_note_off_windows(monkeypatch):
+    from huggingface_hub import file_download
+
+    from core.io.download import _note_symlinks
+
+    monkeypatch.setattr(platform, "SYSTEM", "linux")
+    monkeypatch.setattr(file_download, "are_symlinks_supported", lambda *a: pytest.fail("checked off Windows"))
+    events = []
+    _note_symlinks("org/tiny", None, events.append)
+    assert events == []
+
+
+def test_a_model_folder_past_the_path_limit_says_so(windows):
+    from core.errors import ModelError
+    from core.io.download import resolve_model
+
+    deep = "C:/models/" + "/".join(["a long folder name"] * 15) + "/Mixtral-8x7B"
+    with pytest.raises(ModelError) as e:
+        resolve_model(deep)
+    assert "past Windows' limit" in str(e.value) and "LongPathsEnabled" in e.value.hint
+
+
+def test_a_name_too_long_for_the_file_system_is_a_clear_error(monkeypatch):
+    from core.errors import ModelError
+    from core.io.download import resolve_model
+
+    monkeypatch.setattr(platform, "SYSTEM", "linux")
+    with pytest.raises(ModelError) as e:  # was a traceback: Path.exists() raises ENAMETOOLONG
+        resolve_model("x" * 300)
+    assert "cannot be opened" in str(e.value)
+
+
+# ---- the terminal app: Ctrl-Break ends it like quitting, not mid-screen ---------------------------
+
+def test_ctrl_break_quits_the_app_cleanly(windows, monkeypatch):
+    from app.tui.app import create_app
+    from app.tui.main import exit_on_stop_signals
+    from test_app_support import sync
+
+    monkeypatch.setattr(signal, "SIGBREAK", signal.SIGUSR1, raising=False)  # stands in for Ctrl-Break
+    old = signal.getsignal(signal.SIGUSR1)
+
+    @sync
+    async def run():
+        app = create_app()
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.pause()
+            exit_on_stop_signals(app)
+            assert not app._exit
+            os.kill(os.getpid(), signal.SIGUSR1)
+            await pilot.pause()
+            assert app._exit  # quitting, as Ctrl+Q would: the terminal is restored
+        return app
+
+    try:
+        app = run()
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert app.return_code == 0

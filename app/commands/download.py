@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from core.errors import UsageError
+from core.telemetry import WarningEvent
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -25,6 +26,9 @@ class _Printer:
         self.step = -1
 
     def __call__(self, ev) -> None:
+        if isinstance(ev, WarningEvent):
+            print(f"mlight download: warning: {ev.message}", file=sys.stderr, flush=True)
+            return
         if getattr(ev, "unit", None) != "B":
             return
         pct = 100 * ev.done // ev.total if ev.total else 100

@@ -19,7 +19,7 @@ from core.errors import BudgetError, UsageError
 from core.io.prompts import FORMATS, STDIN, PromptSet, read_prompts, reject_lines
 from core.io.results import output_format
 from core.io.runstore import RunStore, finish_run, model_fingerprint, prepare_requests, run_pending
-from core.telemetry import Progress
+from core.telemetry import Progress, WarningEvent
 
 EXECUTORS = ("sequential", "threaded", "cuda")
 BATCH = 64  # requests in flight when neither --batch nor a memory budget says otherwise
@@ -135,6 +135,11 @@ class _ProgressLine:
         self.open = False
 
     def __call__(self, ev) -> None:
+        if isinstance(ev, WarningEvent):
+            if self.open:  # end the progress line first
+                print(file=sys.stderr)
+            _say(f"warning: {ev.message}")
+            return
         if not isinstance(ev, Progress) or not self.tty:
             return
         if ev.unit == "B":

@@ -6,10 +6,12 @@ The flags pre-fill the screens; with both --model and --prompts the app opens on
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from app.cli import VersionAction
 from app.tui.session import Options
+from core import platform
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,8 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     from app.tui.app import create_app
 
     options = parse_options(sys.argv[1:] if argv is None else argv)
-    create_app(options).run()
+    app = create_app(options)
+    exit_on_stop_signals(app)
+    app.run()
+    if platform.terminal() == "legacy-console":
+        print("mlight-app: tip: Windows Terminal shows this app best; this console lacks some of its symbols")
     return 0
+
+
+def exit_on_stop_signals(app) -> None:
+    """SIGTERM (POSIX) or Ctrl-Break (Windows) would end the process with the terminal still in the app's
+    mode: end the app the way quitting does instead. Ctrl-C reaches the app as a key, not a signal."""
+    for sig in platform.stop_signals():
+        if sig != signal.SIGINT:
+            signal.signal(sig, lambda signum, frame: app.exit())
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@ r"""Turn what a terminal pastes when a file is dragged onto it into a plain path
 
 Terminals differ: some paste the path shell-quoted ('/a b/c.txt'), some backslash-escape spaces
 (/a\ b/c.txt), some paste a file:// URL with percent-encoding, Windows terminals paste "C:\\a b\\c.txt"
-in double quotes and PowerShell prefixes `& `. This module is pure string handling (no filesystem
-access) so that every form is testable on any OS.
+in double quotes and PowerShell prefixes `& `. On Windows (`core.platform`) a backslash is always a
+separator, never an escape, so relative paths (prompts\\my file.txt) survive too. This module is pure
+string handling (no filesystem access) so that every form is testable on any OS.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import re
 import shlex
 from urllib.parse import unquote, urlparse
+
+from core import platform
 
 # C:\ or C:/ (drive letter) or \\server\share (UNC): backslashes there are separators, not escapes.
 _WINDOWS = re.compile(r"^(?:[A-Za-z]:[\\/]|\\\\[^\\])")
@@ -48,6 +51,11 @@ def parse_dropped_path(text: str) -> str:
     unquoted = _strip_quotes(text)
     if unquoted.lower().startswith("file://"):
         return _from_file_url(unquoted)
+    if platform.is_windows():  # no shell escapes: the first (quoted) path as it stands
+        if text[:1] in _QUOTES:
+            end = text.find(text[0], 1)
+            return text[1:end] if end > 0 else text[1:]
+        return text
     if looks_windows(unquoted):
         return unquoted
     if "\\" not in text and text[:1] not in _QUOTES:

@@ -22,12 +22,14 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core import platform
 from core.errors import MlightError, ModelError
-from core.telemetry import EventSink, Progress, ignore
+from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
 # files mlight reads besides the weights (a tokenizer ships some subset of these)
 SUPPORT_FILES = (
@@ -61,7 +63,11 @@ def resolve_model(model: str | None, revision: str | None = None, progress: Even
 
         return demo_model_dir(progress), "mlight-demo"
     path = Path(model).expanduser()
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError as e:  # a name too long for the file system, say
+        raise ModelError(f"model folder {model} cannot be opened: {e.strerror}", "give a shorter path") from e
+    if exists:
         if not path.is_dir():
             raise ModelError(f"--model {model} is a file, not a model folder",
                              "give the folder holding config.json and the .safetensors files")
@@ -73,6 +79,10 @@ def resolve_model(model: str | None, revision: str | None = None, progress: Even
         return path, path.name
     if looks_like_repo_id(model):
         return download_model(model, revision, progress=progress, **download_kw), model
+    if platform.path_too_long(path):
+        raise ModelError(f"model folder {model} cannot be opened: its path is {len(str(path))} characters, past "
+                         f"Windows' limit of {platform.WINDOWS_MAX_PATH - 1}",
+                         "move the model to a shorter path, or enable long paths (LongPathsEnabled) in Windows")
     raise ModelError(f"model folder {model} does not exist",
                      "give a checkpoint folder, a Hugging Face repo id (org/name), or omit --model for the demo")
 
@@ -101,6 +111,9 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
     fetch = functools.partial(_fetch, repo_id, sha, dict(kw, endpoint=endpoint))
 
     wanted = _choose_files(repo_id, sizes)
+    noted = not all(_cached(repo_id, f, sha, kw) for f in wanted)
+    if noted:  # before the first file lands in the cache
+        _note_symlinks(repo_id, cache_dir, progress)
     # config.json by the name the user gave (so the hub cache records refs/<revision> for offline use),
     # everything else by the commit it resolved to, so all files come from one commit
     cfg_path = _fetch(repo_id, revision or "main", dict(kw, endpoint=endpoint), "config.json", None)
@@ -115,6 +128,8 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
     todo = [f for f in wanted if not _cached(repo_id, f, sha, kw)]
     total = sum(sizes.get(f, 0) for f in todo)
     _check_disk(total, cache_dir)
+    if todo and not noted:  # a resumed download: only shards were missing
+        _note_symlinks(repo_id, cache_dir, progress)
     tracker = _Tracker(f"downloading {repo_id}", total, progress)
     tracker.emit(force=True)
     for f in todo:
@@ -213,6 +228,26 @@ def _check_disk(needed: int, cache_dir: str | Path | None) -> None:
     if needed + DISK_MARGIN > free:
         raise MlightError(f"not enough disk space: the download needs {_gb(needed)} and {folder} has {_gb(free)} free",
                           "free some space, or point HF_HOME at a bigger disk")
+
+
+def _note_symlinks(repo_id: str, cache_dir: str | Path | None, progress: EventSink) -> None:
+    """Windows without Developer Mode cannot make symlinks, so the hub cache stores plain copies. Say so
+    once, as a WarningEvent, instead of huggingface_hub's warning printed through the progress line: the
+    hub probes (and remembers) the repo's own cache folder, so probing that same folder first, quietly,
+    leaves it nothing to warn about."""
+    if not platform.is_windows():
+        return
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import are_symlinks_supported, repo_folder_name
+
+    folder = Path(cache_dir or constants.HF_HUB_CACHE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ok = are_symlinks_supported(folder / repo_folder_name(repo_id=repo_id, repo_type="model"))
+    if not ok:
+        progress(WarningEvent(f"{folder} cannot hold symlinks (Windows without Developer Mode), so the Hugging Face "
+                              "cache keeps plain copies: each revision of a model takes its full size on disk. "
+                              "Turn on Developer Mode in Windows' settings to share files between revisions"))
 
 
 def _gb(n: int) -> str:
