@@ -33,7 +33,9 @@ def test_only_core_assets_locates_files_by_its_own_path():
     """Code that finds files next to itself is how data gets read from the checkout: one place does it."""
     users = sorted(str(p.relative_to(ROOT)) for d in ("core", "app") for p in (ROOT / d).rglob("*.py")
                    if "__file__" in p.read_text(encoding="utf-8"))
-    assert users == [os.path.join("core", "assets", "__init__.py")]
+    assert users == [os.path.join("core", "assets", "__init__.py")], (
+        "read runtime files through core.assets (data in core/assets/ ships in the wheel); a file that must sit "
+        "beside its module needs a package-data pattern in pyproject.toml and a place in this test")
 
 
 def test_every_bundled_preset_is_a_config_folder():

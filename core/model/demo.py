@@ -16,6 +16,7 @@ from pathlib import Path
 
 import platformdirs
 
+from core import platform
 from core.assets import MT_BENCH
 from core.telemetry import EventSink, Progress, ignore
 
@@ -86,7 +87,7 @@ def demo_model_dir(progress: EventSink = ignore) -> Path:
     try:
         build_demo_model(tmp)
         try:
-            os.replace(tmp, target)
+            platform.replace(tmp, target)  # waits out a virus scanner holding a new file (Windows)
         except OSError:  # another process finished first; theirs is identical
             if not (target / "config.json").is_file():
                 raise
