@@ -8,9 +8,13 @@ import pytest
 
 from checkpoints import FAMILIES
 from core.errors import ModelError, UnsupportedModelError
-from core.model.families import load_spec, spec_from_config
+from core.model.families import family_module, load_spec, spec_from_config
+from core.model.kvcache import KVCache
 from core.model.safetensors_io import Checkpoint
 from core.model.spec import ModelSpec
+
+
+UNREAD = {"qwen3_5_moe": "model.visual."}  # the vision tower beside the text model
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -19,11 +23,17 @@ def test_spec_sizes_match_the_checkpoint(family, checkpoint_factory):
     spec = load_spec(path)
     assert spec.family == family
     ckpt = Checkpoint(path)
-    on_disk = sum(t.end - t.start for t in ckpt.tensors.values())
-    assert spec.total_bytes == on_disk
-    assert spec.total_expert_bytes == spec.num_layers * spec.num_experts * spec.expert_bytes
+    keys, fam = ckpt.keys(), family_module(spec)
+    read = {p.src for p in fam.global_pieces(spec, keys)}
+    read |= {p.src for i in range(spec.num_layers) for p in fam.layer_pieces(spec, i, keys)}
+    assert all(k.startswith(UNREAD[family]) for k in keys - read) if family in UNREAD else keys == read
+    assert spec.total_bytes == sum(ckpt.info(k).end - ckpt.info(k).start for k in read)
+    assert spec.total_expert_bytes == spec.moe_layers * spec.num_experts * spec.expert_bytes
     assert spec.nonexpert_bytes + spec.total_expert_bytes == spec.total_bytes
-    assert spec.kv_bytes_per_token == spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+    if all(spec.layer_state(i).kind == "kv" for i in range(spec.num_layers)):
+        assert spec.kv_bytes_per_token == spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+    for tokens in (5, 40):  # what the planner counts per sequence is what the engine's stores hold
+        assert KVCache(spec, 3, tokens, spec.torch_dtype).nbytes == 3 * spec.state_bytes(tokens)
     assert ModelSpec.from_json(spec.to_json()) == spec
 
 
@@ -65,6 +75,9 @@ def test_missing_and_broken_config(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelError, match="cannot read"):
         load_spec(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["JambaForCausalLM"]}))
     with pytest.raises(UnsupportedModelError):
+        load_spec(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
+    with pytest.raises(ModelError, match="has no `kv_lora_rank`"):
         load_spec(tmp_path)

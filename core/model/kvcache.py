@@ -1,8 +1,17 @@
-"""The KV cache: preallocated per layer in CPU memory, one contiguous row per batch slot.
+"""The attention state: what each layer keeps per sequence, preallocated in CPU memory, one row per batch slot.
 
-Layout per layer: K and V `[S, Hkv, Tmax, hd]` (S = slots = the batch size). A slot belongs to one
-request at a time; a request's tokens occupy positions [0, length) of its row, so nothing is padded
-across requests and decode attention reads each row only up to its own length.
+A layer's store follows its `ModelSpec.layer_state(i)` (core.model.spec.StateSpec):
+- `KVStore` ("kv"): K and V `[S, Hkv, Tmax, hd]`; a request's tokens occupy positions [0, length)
+  of its row, so nothing is padded across requests and decode attention reads each row only up to
+  its own length.
+- `KVStore` with a window ("window", sliding layers): `[S, Hkv, W, hd]`, a ring — position p lives
+  at p mod W, so a row holds exactly the last W tokens and a long prompt costs W, not its length.
+- `LatentStore` ("latent", MLA): `[S, Tmax, R + dr]`, the compressed latent and the rope key of
+  every token (K and V are never expanded; attention absorbs the up-projections instead).
+- `LinearStore` ("linear", Gated DeltaNet): a recurrent state `[S, Hv, dk, dv]` in fp32 and the
+  last K−1 conv inputs `[S, conv, K−1]`, whatever the length; prefill overwrites both, so a slot
+  refilled with a new request starts from that request's own state.
+S = slots = the batch size. Legend: R = latent rank, dr = rope dims, K = conv kernel.
 """
 
 from __future__ import annotations
@@ -12,34 +21,174 @@ import torch
 from core.model.spec import ModelSpec
 
 
-class KVCache:
-    def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False):
-        shape = (slots, spec.num_kv_heads, max_tokens, spec.head_dim)
-        self.k = [_alloc(shape, dtype, pin) for _ in range(spec.num_layers)]
-        self.v = [_alloc(shape, dtype, pin) for _ in range(spec.num_layers)]
-        self.slots, self.max_tokens = slots, max_tokens
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * sum(t.numel() * t.element_size() for t in self.k)
-
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """One token per slot: k, v [B, Hkv, hd] at (slots[b], positions[b])."""
-        self.k[layer][slots, :, positions] = k
-        self.v[layer][slots, :, positions] = v
-
-    def write_prompt(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor):
-        """A whole prompt for one slot: k, v [T, Hkv, hd] at positions [0, T)."""
-        T = k.shape[0]
-        self.k[layer][slot, :, :T] = k.transpose(0, 1)
-        self.v[layer][slot, :, :T] = v.transpose(0, 1)
-
-
 def _alloc(shape, dtype, pin: bool) -> torch.Tensor:
-    # pinned so KV rows can go to the GPU asynchronously (S4); pageable when pinning is refused
+    # pinned so state rows can go to the GPU asynchronously (S4); pageable when pinning is refused
     if pin:
         try:
             return torch.zeros(shape, dtype=dtype, pin_memory=True)
         except RuntimeError:
             pass
     return torch.zeros(shape, dtype=dtype)
+
+
+class KVStore:
+    """K and V per token, for every token ("kv") or in a ring of the last `window` ("window")."""
+
+    kind = "kv"
+
+    def __init__(self, slots: int, heads: int, head_dim: int, max_tokens: int, dtype, pin: bool, window: int = 0):
+        self.window = window if window and window < max_tokens else 0
+        cap = self.window or max_tokens
+        if self.window:
+            self.kind = "window"
+        self.k = _alloc((slots, heads, cap, head_dim), dtype, pin)
+        self.v = _alloc((slots, heads, cap, head_dim), dtype, pin)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.v
+
+    def index(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions % self.window if self.window else positions
+
+    def kept(self, lengths):
+        """Cached tokens a row of `lengths` tokens holds (tensor or int)."""
+        if not self.window:
+            return lengths
+        return lengths.clamp(max=self.window) if isinstance(lengths, torch.Tensor) else min(lengths, self.window)
+
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """One token per slot: k, v [B, Hkv, hd] at (slots[b], positions[b])."""
+        at = self.index(positions)
+        self.k[slots, :, at] = k
+        self.v[slots, :, at] = v
+
+    def write_prompt(self, slot: int, k: torch.Tensor, v: torch.Tensor):
+        """A whole prompt for one slot: k, v [L, Hkv, hd] at positions [0, L) (the last W in a ring)."""
+        L = k.shape[0]
+        if self.window and L > self.window:
+            start = L - self.window
+            at = torch.arange(start, L) % self.window
+            self.k[slot][:, at] = k[start:].transpose(0, 1)
+            self.v[slot][:, at] = v[start:].transpose(0, 1)
+            return
+        self.k[slot, :, :L] = k.transpose(0, 1)
+        self.v[slot, :, :L] = v.transpose(0, 1)
+
+
+class LatentStore:
+    """MLA: the normed KV latent and the roped key of every token, side by side."""
+
+    kind = "latent"
+
+    def __init__(self, slots: int, width: int, max_tokens: int, dtype, pin: bool):
+        self.lat = _alloc((slots, max_tokens, width), dtype, pin)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.lat,)
+
+    def kept(self, lengths):
+        return lengths
+
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, lat: torch.Tensor):
+        """lat [B, R + dr] at (slots[b], positions[b])."""
+        self.lat[slots, positions] = lat
+
+    def write_prompt(self, slot: int, lat: torch.Tensor):
+        self.lat[slot, :lat.shape[0]] = lat
+
+
+class LinearStore:
+    """Gated DeltaNet: recurrent state (fp32) and conv state, fixed size per sequence."""
+
+    kind = "linear"
+
+    def __init__(self, slots: int, spec: ModelSpec, dtype, pin: bool):
+        la = spec.linear
+        self.rec = _alloc((slots, la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32, pin)
+        self.conv = _alloc((slots, la.conv_dim, la.conv_kernel - 1), dtype, pin)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.rec, self.conv
+
+    def kept(self, lengths):
+        return lengths
+
+    def write_prompt(self, slot: int, rec: torch.Tensor, conv: torch.Tensor):
+        self.rec[slot] = rec
+        self.conv[slot] = conv
+
+
+def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, pin: bool = False):
+    st = spec.layer_state(i)
+    if st.kind == "linear":
+        return LinearStore(slots, spec, dtype, pin)
+    if st.kind == "latent":
+        return LatentStore(slots, st.token_elems, max_tokens, dtype, pin)
+    return KVStore(slots, spec.num_kv_heads, spec.head_dim, max_tokens, dtype, pin, window=st.window)
+
+
+class KVCache:
+    """Every layer's store for `slots` sequences of up to `max_tokens` tokens."""
+
+    def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False):
+        self.layers = [layer_store(spec, i, slots, max_tokens, dtype, pin) for i in range(spec.num_layers)]
+        self.slots, self.max_tokens = slots, max_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.layers for t in s.tensors)
+
+    # grouped-query layers, as the runtime addresses them
+    @property
+    def k(self) -> list:
+        return [getattr(s, "k", None) for s in self.layers]
+
+    @property
+    def v(self) -> list:
+        return [getattr(s, "v", None) for s in self.layers]
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.layers[layer].write(slots, positions, k, v)
+
+    def write_prompt(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor):
+        self.layers[layer].write_prompt(slot, k, v)
+
+
+class Rows:
+    """One decode micro-batch's rows in the stores: its slots, where each new token goes, and the
+    lengths attention reads (per store kind: a window keeps fewer). Built once per step, on the host,
+    so no layer needs a device sync to know them."""
+
+    def __init__(self, slots: list[int], positions: list[int]):
+        self.B = len(slots)
+        self.slots = torch.tensor(slots)
+        self.positions = torch.tensor(positions)
+        self.lengths = self.positions + 1
+        self.span = (min(positions) + 1, max(positions) + 1)
+        lo = slots[0]
+        contiguous = list(slots) == list(range(lo, lo + len(slots)))
+        self.sel = slice(lo, lo + len(slots)) if contiguous else None
+        self._kept: dict[int, tuple] = {}
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's rows of a store tensor (a view when the slots are contiguous)."""
+        return t[self.sel] if self.sel is not None else t.index_select(0, self.slots)
+
+    def put(self, t: torch.Tensor, value: torch.Tensor) -> None:
+        if self.sel is not None:
+            t[self.sel] = value
+        else:
+            t.index_copy_(0, self.slots, value)
+
+    def kept(self, store) -> tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]:
+        """(lengths, (min, max) on the host, padding mask or None) of what `store` holds for these rows."""
+        window = getattr(store, "window", 0)
+        if window not in self._kept:
+            lengths = store.kept(self.lengths)
+            span = (min(self.span[0], window), min(self.span[1], window)) if window else self.span
+            pad = (torch.arange(span[1])[None, :] >= lengths[:, None]) if span[0] < span[1] else None
+            self._kept[window] = (lengths, span, pad)
+        return self._kept[window]

@@ -1,9 +1,10 @@
 """The decoder layer's dense pieces as plain functions over a layer's weight views.
 
-Split the way CGOPipe schedules them: `pre_attn` (norm + QKV + RoPE) and `post_attn` (O-proj +
-residual + norm + MoE + residual) run on the accelerator; attention itself lives in
-`core.model.attention` so it can run next to the KV cache. Family quirks come from ModelSpec fields.
-Legend: T = tokens, D = hidden, Hq/Hkv = query/kv heads, hd = head dim.
+Split the way CGOPipe schedules them: the token mixer (attention of the layer's kind, `mixer.py`)
+runs its projections on the accelerator and its attention next to the state on the CPU; `ffn_input`
+(residual + norm) and `ffn` (router + experts + shared expert, or a dense MLP) follow. Family quirks
+come from ModelSpec fields.
+Legend: T = tokens, D = hidden.
 """
 
 from __future__ import annotations
@@ -11,15 +12,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from core.model.moe import moe_ffn
+from core.model.moe import dense_mlp, moe_ffn
 from core.model.spec import ModelSpec
 
 
-def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+         eps: float | None = None) -> torch.Tensor:
+    """The model's norm over the last axis: RMSNorm in one of the reference's styles, or LayerNorm."""
     eps = spec.norm_eps if eps is None else eps
     if spec.norm == "layernorm":
-        return F.layer_norm(x, (x.shape[-1],), w, None, eps)
-    return rms_norm(x, w, eps)
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    if spec.norm == "rms":
+        return rms_norm(x, w, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    w32 = w.float() + 1.0 if spec.norm == "rms_offset" else w.float()
+    return (x32 * w32).to(x.dtype)  # weight applied in fp32, then cast (gpt-oss, Qwen3-Next)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,49 +37,33 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * x32.to(x.dtype)
 
 
-class Rope:
-    """cos/sin tables for every position up to the context length, computed once."""
-
-    def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype, device="cpu"):
-        hd = spec.head_dim
-        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
-        freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [P, hd]
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H, hd], positions [T] -> x rotated."""
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+def ffn(spec: ModelSpec, layer: int, w: dict, h: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
+    """The FFN of `layer` on normed h [T, D]: routed + shared experts, or the dense MLP."""
+    return moe_ffn(spec, w, h, grouped=grouped) if spec.is_moe(layer) else dense_mlp(w, h)
 
 
-def pre_attn(spec: ModelSpec, w: dict, x: torch.Tensor, positions: torch.Tensor, rope: Rope):
-    """x [T, D] -> q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd]."""
-    h = norm(spec, x, w["ln1"])
-    qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))
-    q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-    if spec.qk_norm == "full":  # OLMoE: one norm over all heads, before the head split and the clip
-        q, k = rms_norm(q, w["q_norm"], spec.norm_eps), rms_norm(k, w["k_norm"], spec.norm_eps)
-    if spec.clip_qkv is not None:
-        c = spec.clip_qkv
-        q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-    T = x.shape[0]
-    q = q.reshape(T, spec.num_heads, spec.head_dim)
-    k = k.reshape(T, spec.num_kv_heads, spec.head_dim)
-    v = v.reshape(T, spec.num_kv_heads, spec.head_dim)
-    if spec.qk_norm == "head":  # Qwen3: per-head norm after the split
-        q, k = rms_norm(q, w["q_norm"], spec.norm_eps), rms_norm(k, w["k_norm"], spec.norm_eps)
-    return rope.apply(q, positions), rope.apply(k, positions), v
+def final_logits(spec: ModelSpec, norm_w: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor,
+                 norm_b: torch.Tensor | None = None, head_b: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(norm(spec, x, norm_w, norm_b), lm_head, head_b).float()
 
 
-def post_attn(spec: ModelSpec, w: dict, x: torch.Tensor, attn_out: torch.Tensor, grouped: bool | None = None):
+def Rope(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device="cpu"):  # noqa: N802 - kept name
+    """The model's RoPE tables (core.model.rope)."""
+    from core.model.rope import for_spec
+
+    return for_spec(spec, max_positions, dtype, device)
+
+
+def pre_attn(spec: ModelSpec, w: dict, x: torch.Tensor, positions: torch.Tensor, rope):
+    """Grouped-query attention's projections for x [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd]."""
+    from core.model.gqa import project
+
+    q, k, v, _ = project(spec, w, norm(spec, x, w["ln1"], w.get("ln1_b")), positions, rope)
+    return q, k, v
+
+
+def post_attn(spec: ModelSpec, w: dict, x: torch.Tensor, attn_out: torch.Tensor, layer: int = 0,
+              grouped: bool | None = None):
     """x [T, D] residual stream, attn_out [T, Hq·hd] -> the layer's output [T, D]."""
-    x = x + F.linear(attn_out, w["o"])
-    h = norm(spec, x, w["ln2"])
-    return x + moe_ffn(spec, w, h, grouped=grouped)
-
-
-def final_logits(spec: ModelSpec, norm_w: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(norm(spec, x, norm_w), lm_head).float()
+    x = x + F.linear(attn_out, w["o"], w.get("o_bias"))
+    return x + ffn(spec, layer, w, norm(spec, x, w["ln2"], w.get("ln2_b")), grouped=grouped)

@@ -11,25 +11,20 @@ Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert i
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from core.model import routing
 from core.model.spec import ModelSpec
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
-def route(spec: ModelSpec, h: torch.Tensor, router: torch.Tensor):
-    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k])."""
-    logits = F.linear(h, router)
-    probs = torch.softmax(logits.float() if spec.router_softmax_fp32 else logits, dim=-1)
-    top, idx = torch.topk(probs, spec.top_k, dim=-1)
-    if spec.router_norm == "sum":
-        top = top / top.sum(dim=-1, keepdim=True)
-    elif spec.router_norm == "pnorm":
-        top = top / torch.norm(top, p=spec.router_pnorm, dim=-1, keepdim=True)
-    return top.to(h.dtype), idx
+def route(spec: ModelSpec, h: torch.Tensor, w: dict):
+    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k]); `w` holds the layer's router tensors."""
+    return routing.route(spec, h, w)
 
 
 def _grouped_ok(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -76,8 +71,13 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, weights: torch.Tensor,
-            idx: torch.Tensor, grouped: bool | None = None, packed: list | None = None) -> torch.Tensor:
-    """Routed experts. h [T, D], w13 [E, 2I, D], w2 [E, D, I] (or `packed` per expert), weights/idx [T, k] -> [T, D]."""
+            idx: torch.Tensor, grouped: bool | None = None, packed: list | None = None,
+            b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: Activation | None = None) -> torch.Tensor:
+    """Routed experts. h [T, D], w13 [E, 2I, D], w2 [E, D, I] (or `packed` per expert), weights/idx [T, k] -> [T, D].
+
+    `b13` [E, 2I], `b2` [E, D]: per-expert biases (gpt-oss); `act` turns [n, 2I] gate|up into [n, I]
+    (default SwiGLU)."""
+    act = act or _swiglu
     T, k = idx.shape
     E = len(packed) if packed is not None else w13.shape[0]
     flat = idx.reshape(-1)
@@ -88,7 +88,12 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
     counts = torch.zeros(E, dtype=torch.int64, device=h.device).index_add_(0, flat, torch.ones_like(flat))
     if packed is None and (grouped if grouped is not None else _grouped_ok(h, w13, w2)):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        ys = F.grouped_mm(_swiglu(F.grouped_mm(xs, w13.transpose(-2, -1), offs=offs)), w2.transpose(-2, -1), offs=offs)
+        gu = F.grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+        if b13 is not None:
+            gu = gu + b13.index_select(0, flat.index_select(0, order))
+        ys = F.grouped_mm(act(gu), w2.transpose(-2, -1), offs=offs)
+        if b2 is not None:
+            ys = ys + b2.index_select(0, flat.index_select(0, order))
     else:
         linear = F.linear if packed is None else _packed_linear
         ys = torch.empty_like(xs)
@@ -96,7 +101,11 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
         for e, n in enumerate(counts.tolist()):
             if n:
                 up, down = (w13[e], w2[e]) if packed is None else packed[e]
-                ys[start:start + n] = linear(_swiglu(linear(xs[start:start + n], up)), down)
+                gu = linear(xs[start:start + n], up)
+                if b13 is not None:
+                    gu = gu + b13[e]
+                y = linear(act(gu), down)
+                ys[start:start + n] = y if b2 is None else y + b2[e]
                 start += n
     ys = ys * weights.reshape(-1).index_select(0, order)[:, None]
     out = torch.zeros_like(h)
@@ -104,17 +113,39 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
     return out
 
 
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one [T, I] buffer fewer
 
 
+def clamped_swiglu(alpha: float, limit: float) -> Activation:
+    """gpt-oss's expert activation: gate clamped from above, up from both sides, gate·σ(α·gate)·(up + 1)."""
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        return (gate * torch.sigmoid(gate * alpha)).mul_(up.clamp(-limit, limit) + 1)
+    return act
+
+
+def activation(spec: ModelSpec) -> Activation:
+    return clamped_swiglu(spec.swiglu_alpha, spec.swiglu_limit) if spec.expert_act == "clamped_swiglu" else _swiglu
+
+
 def moe_ffn(spec: ModelSpec, w: dict, h: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
-    weights, idx = route(spec, h, w["router"])
-    out = experts(h, w["w13"], w["w2"], weights, idx, grouped=grouped)
+    weights, idx = route(spec, h, w)
+    out = experts(h, w["w13"], w["w2"], weights, idx, grouped=grouped, b13=w.get("b13"), b2=w.get("b2"),
+                  act=activation(spec))
     if spec.shared_intermediate:
         out = out + shared_expert(spec, w, h)
     return out
+
+
+def dense_mlp(w: dict, h: torch.Tensor) -> torch.Tensor:
+    """The dense SwiGLU MLP of a layer without experts (DeepSeek's and GLM's first layers)."""
+    return F.linear(_swiglu(F.linear(h, w["dense_w13"])), w["dense_w2"])
 
 
 def shared_expert(spec: ModelSpec, w: dict, h: torch.Tensor) -> torch.Tensor:

@@ -111,8 +111,11 @@ class Checkpoint:
                              "it is incomplete or not the architecture its config.json names") from None
 
     def copy_into(self, name: str, dest: torch.Tensor, view: tuple[int, ...] | None = None,
-                  transpose: bool = False) -> None:
-        """Copy tensor `name` into `dest` (converting dtype), reading it through its own mmap window."""
+                  transpose: bool = False, select: tuple | None = None, fit: bool = False) -> None:
+        """Copy tensor `name` into `dest` (converting dtype), reading it through its own mmap window.
+
+        `view` reshapes it, `transpose` swaps its last two axes, `select` indexes the result and `fit`
+        reshapes the selection to `dest`'s shape (same number of elements)."""
         t = self.info(name)
         nbytes = t.end - t.start
         aligned = t.start - t.start % _GRANULARITY
@@ -126,6 +129,10 @@ class Checkpoint:
                 src = src.view(view or t.shape)
                 if transpose:
                     src = src.transpose(-1, -2)
+                if select is not None:
+                    src = src[select]
+                if fit and src.numel() == dest.numel():
+                    src = src.reshape(dest.shape)
                 if tuple(src.shape) != tuple(dest.shape):
                     raise ModelError(f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}",
                                      "the config.json does not match the weights")

@@ -1,14 +1,27 @@
 """ModelSpec: what mlight needs to know about an MoE checkpoint, derived from its config.json.
 
 One frozen dataclass for every family. Family quirks are fields (norm kind, q/k norm, clip_qkv,
-router normalisation, shared expert) so that the forward pass lives once in `core`; the per-family
-modules in `core.model.families` only translate a config and name the weights.
+router kind, shared expert, attention kind per layer) so that the forward pass lives once in
+`core`; the per-family modules in `core.model.families` only translate a config and name the weights.
+
+Layers may differ: `layer_types` says which attention each layer runs ("full", "sliding" — a
+window of recent tokens — or "linear", a Gated-DeltaNet recurrence), `mla` replaces grouped-query
+attention by DeepSeek's multi-head latent attention, and `dense_layers` lists layers whose FFN is a
+dense MLP instead of experts. `layer_shapes(i)` and `layer_state(i)` describe each layer.
 
 Canonical per-layer tensors (all families are laid out this way at load time):
-  ln1, ln2 [D]; qkv [(Hq+2·Hkv)·hd, D] (+ qkv_bias); q_norm/k_norm [hd] or [H·hd]; o [D, Hq·hd];
-  router [E, D]; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I];
-  shared_w13 [2Is, D], shared_w2 [D, Is], shared_gate [1, D] when the family has a shared expert.
-Legend: D = hidden, E = experts, I = expert intermediate, Is = shared intermediate, hd = head dim.
+  ln1, ln2 [D] (+ ln1_b, ln2_b with LayerNorm bias);
+  attention, grouped-query: qkv [(Hq+2·Hkv)·hd (+ Hq·hd output-gate rows), D] (+ qkv_bias);
+    q_norm/k_norm [hd] or [H·hd]; o [D, Hq·hd] (+ o_bias); sinks [Hq];
+  attention, latent (MLA): q [H·(dn+dr), D] or q_a [Rq, D], q_a_norm [Rq], q_b [H·(dn+dr), Rq];
+    kv_a [R+dr, D], kv_a_norm [R], kv_b [H·(dn+dv), R]; o [D, H·dv];
+  attention, linear (Gated DeltaNet): lin_in [2·Hk·dk + 2·Hv·dv + 2·Hv, D] (rows q, k, v, z, b, a);
+    conv [2·Hk·dk + Hv·dv, K]; dt_bias, A_log [Hv]; gnorm [dv]; lin_out [D, Hv·dv];
+  FFN, MoE: router [E, D] (+ router_bias, e_bias [E]); w13 [E, 2I, D] (gate rows, then up rows)
+    (+ b13 [E, 2I]); w2 [E, D, I] (+ b2 [E, D]); shared_w13 [2Is, D], shared_w2 [D, Is], shared_gate [1, D];
+  FFN, dense: dense_w13 [2Id, D], dense_w2 [D, Id].
+Legend: D = hidden, E = experts, I = expert intermediate, Is = shared intermediate, Id = dense
+intermediate, hd = head dim, R = KV latent rank, dn/dr/dv = MLA no-rope/rope/value head dims.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from typing import Literal
 # Bytes per element of the dtypes a checkpoint may use. torch is imported only where a tensor dtype
 # is needed, so planning (`mlight plan`) stays quick to start.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+STATE_DTYPE_BYTES = 4  # linear-attention recurrent states are kept in fp32, as the reference does
 
 
 def torch_dtype(name: str):
@@ -28,7 +42,89 @@ def torch_dtype(name: str):
 
     return getattr(torch, name)
 
-EXPERT_TENSORS = ("w13", "w2")
+
+EXPERT_TENSORS = ("w13", "b13", "w2", "b2")
+LAYER_TYPES = ("full", "sliding", "linear")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding: frequencies, how much of a head it rotates, and its scaling."""
+
+    theta: float = 10000.0
+    dim: int = 0  # rotated dims of a head (partial rotary); 0 = the whole rope part of the head
+    pairs: bool = False  # rotate interleaved pairs (x0, x1), (x2, x3)… (DeepSeek) instead of halves
+    kind: Literal["default", "yarn", "longrope"] = "default"
+    factor: float = 1.0
+    original_max: int = 0  # pre-training context (YaRN, LongRoPE)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # scale on cos/sin; None: derived as the reference does
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    short_mscale: float | None = None
+    long_mscale: float | None = None
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """DeepSeek's multi-head latent attention: low-rank Q and a compressed KV latent."""
+
+    q_lora_rank: int  # Rq; 0 = a full-rank q projection
+    kv_lora_rank: int  # R
+    qk_nope_dim: int  # dn
+    qk_rope_dim: int  # dr
+    v_head_dim: int  # dv
+
+
+@dataclass(frozen=True)
+class LinearAttnSpec:
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5): a per-sequence recurrent state instead of a KV cache."""
+
+    num_k_heads: int  # Hk
+    num_v_heads: int  # Hv (a multiple of Hk)
+    k_head_dim: int  # dk
+    v_head_dim: int  # dv
+    conv_kernel: int  # K
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What one layer keeps per sequence, in elements: the KV store, the CPU attention task and the
+    planner all work from this.
+
+    kind: "kv" (K and V of every token), "window" (K and V of the last `window` tokens), "latent"
+    (MLA: the compressed latent and rope key of every token), "linear" (a fixed recurrent state in
+    fp32 and a short conv state in the model dtype, whatever the length)."""
+
+    kind: Literal["kv", "window", "latent", "linear"]
+    token_elems: int = 0  # per cached token, model dtype
+    window: int = 0  # "window": tokens kept at most
+    fixed_elems: int = 0  # per sequence, model dtype (conv state)
+    fixed_state_elems: int = 0  # per sequence, fp32 (recurrent state)
+
+    def tokens_kept(self, tokens: float) -> float:
+        return min(tokens, self.window) if self.window else tokens
+
+    def bytes(self, tokens: float, dtype_bytes: int) -> float:
+        """Bytes one sequence of `tokens` tokens keeps in this layer."""
+        return (self.token_elems * self.tokens_kept(tokens) + self.fixed_elems) * dtype_bytes \
+            + self.fixed_state_elems * STATE_DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -39,25 +135,51 @@ class ModelSpec:
     hidden_size: int  # D
     num_heads: int  # Hq
     num_kv_heads: int  # Hkv (GQA when < Hq)
-    head_dim: int  # hd
+    head_dim: int  # hd (MLA: dn + dr)
     vocab_size: int
     num_experts: int  # E
     top_k: int  # experts per token
     expert_intermediate: int  # I
     shared_intermediate: int = 0  # Is; 0 = no shared expert
-    shared_gate: bool = False  # sigmoid gate on the shared expert's output (Qwen2-MoE)
-    norm: Literal["rms", "layernorm"] = "rms"  # DBRX: LayerNorm without bias
+    shared_gate: bool = False  # sigmoid gate on the shared expert's output (Qwen2-MoE, Qwen3-Next)
+    norm: Literal["rms", "rms_fp32", "rms_offset", "layernorm"] = "rms"  # rms_fp32: weight applied in fp32
+    # (gpt-oss); rms_offset: x·(1 + w) in fp32 (Qwen3-Next); layernorm: DBRX (no bias), Phi (bias)
+    norm_bias: bool = False
     norm_eps: float = 1e-5
     qk_norm: Literal["none", "head", "full"] = "none"  # Qwen3: per head; OLMoE: over all heads
     qkv_bias: bool = False
     clip_qkv: float | None = None  # DBRX, OLMoE: clamp q, k, v to ±clip_qkv
+    router: Literal["softmax", "topk_softmax", "softmax_group", "sigmoid_group", "sparsemixer"] = "softmax"
     router_norm: Literal["none", "sum", "pnorm"] = "sum"  # renormalise the top-k probabilities
     router_pnorm: float = 1.0  # DBRX's moe_normalize_expert_weights
     router_softmax_fp32: bool = True  # DBRX keeps the softmax in the weights' dtype
-    rope_theta: float = 10000.0
+    router_fp32: bool = False  # DeepSeek, GLM: router logits computed in fp32
+    router_bias: bool = False  # gpt-oss: a bias on the router logits
+    router_correction: bool = False  # V3, GLM: e_score_correction_bias chooses, the plain score weighs
+    router_groups: int = 1  # group-limited routing: experts in n_group groups,
+    router_topk_groups: int = 1  # of which the top topk_group groups are eligible
+    routed_scale: float = 1.0  # routed_scaling_factor on the expert weights
+    router_jitter: float = 0.0  # sparsemixer's jitter_eps (inference form: a threshold, no noise)
+    expert_bias: bool = False  # gpt-oss: biases on the experts' projections
+    expert_act: Literal["swiglu", "clamped_swiglu"] = "swiglu"  # gpt-oss: clamped, α-sigmoid, (up + 1)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    dense_layers: tuple[int, ...] = ()  # layers whose FFN is a dense MLP (DeepSeek's first_k_dense_replace)
+    dense_intermediate: int = 0  # Id
+    layer_types: tuple[str, ...] = ()  # per layer, a LAYER_TYPES name; () = every layer "full"
+    sliding_window: int = 0  # tokens a "sliding" layer sees, its own included
+    attn_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax's denominator
+    attn_o_bias: bool = False
+    attn_gate: bool = False  # Qwen3-Next: attention output × sigmoid(a second half of q_proj)
+    attn_scale: float = 0.0  # softmax scale; 0 = head_dim ** -0.5
+    mla: MLASpec | None = None
+    linear: LinearAttnSpec | None = None
+    rope: RopeSpec = RopeSpec()
     max_position: int = 4096
     tie_word_embeddings: bool = False
+    lm_head_bias: bool = False
     dtype: str = "bfloat16"  # checkpoint dtype, a key of DTYPES
+    quant_method: str | None = None  # the checkpoint's quantization_config.quant_method (mxfp4, fp8, …)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -73,6 +195,22 @@ class ModelSpec:
             raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}")
+        if bad := [t for t in self.layer_types if t not in LAYER_TYPES]:
+            raise ValueError(f"unknown layer type {bad[0]!r}; expected one of {LAYER_TYPES}")
+        if "sliding" in self.layer_types and self.sliding_window <= 0:
+            raise ValueError("sliding layers need a positive sliding_window")
+        if "linear" in self.layer_types and self.linear is None:
+            raise ValueError("linear-attention layers need the linear-attention dimensions")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(f"dense_layers {self.dense_layers} name layers outside 0..{self.num_layers - 1}")
+        if self.dense_layers and self.dense_intermediate <= 0:
+            raise ValueError("dense MLP layers need a positive dense_intermediate")
+        if self.router_groups < 1 or self.num_experts % self.router_groups:
+            raise ValueError(f"{self.num_experts} experts do not split into {self.router_groups} routing groups")
+        if not 1 <= self.router_topk_groups <= self.router_groups:
+            raise ValueError(f"topk_group {self.router_topk_groups} must lie in 1..n_group {self.router_groups}")
 
     # ---- derived shapes -------------------------------------------------------------------------
     @property
@@ -91,22 +229,69 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Canonical tensors of one decoder layer, in their order in the layer's flat buffer."""
-        D, E, I, hd = self.hidden_size, self.num_experts, self.expert_intermediate, self.head_dim
-        shapes: dict[str, tuple[int, ...]] = {
-            "ln1": (D,),
-            "qkv": (self.q_size + 2 * self.kv_size, D),
-        }
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim ** -0.5
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims RoPE rotates in a query/key head."""
+        if self.rope.dim:
+            return self.rope.dim
+        return self.mla.qk_rope_dim if self.mla else self.head_dim
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full"
+
+    def is_moe(self, i: int) -> bool:
+        return i not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - len(set(self.dense_layers))
+
+    def attn_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        """The attention tensors of layer i (after ln1, before ln2)."""
+        D, hd = self.hidden_size, self.head_dim
+        if self.layer_type(i) == "linear":
+            la = self.linear
+            return {"lin_in": (la.conv_dim + la.value_dim + 2 * la.num_v_heads, D), "conv": (la.conv_dim, la.conv_kernel),
+                    "dt_bias": (la.num_v_heads,), "A_log": (la.num_v_heads,), "gnorm": (la.v_head_dim,),
+                    "lin_out": (D, la.value_dim)}
+        if self.mla is not None:
+            m, H = self.mla, self.num_heads
+            qk = m.qk_nope_dim + m.qk_rope_dim
+            shapes = ({"q_a": (m.q_lora_rank, D), "q_a_norm": (m.q_lora_rank,), "q_b": (H * qk, m.q_lora_rank)}
+                      if m.q_lora_rank else {"q": (H * qk, D)})
+            shapes.update({"kv_a": (m.kv_lora_rank + m.qk_rope_dim, D), "kv_a_norm": (m.kv_lora_rank,),
+                           "kv_b": (H * (m.qk_nope_dim + m.v_head_dim), m.kv_lora_rank), "o": (D, H * m.v_head_dim)})
+            return shapes
+        rows = self.q_size * (2 if self.attn_gate else 1) + 2 * self.kv_size
+        shapes = {"qkv": (rows, D)}
         if self.qkv_bias:
-            shapes["qkv_bias"] = (self.q_size + 2 * self.kv_size,)
+            shapes["qkv_bias"] = (rows,)
         if self.qk_norm == "head":
             shapes["q_norm"], shapes["k_norm"] = (hd,), (hd,)
         elif self.qk_norm == "full":
             shapes["q_norm"], shapes["k_norm"] = (self.q_size,), (self.kv_size,)
         shapes["o"] = (D, self.q_size)
-        shapes["ln2"] = (D,)
-        shapes["router"] = (E, D)
+        if self.attn_o_bias:
+            shapes["o_bias"] = (D,)
+        if self.attn_sinks:
+            shapes["sinks"] = (self.num_heads,)
+        return shapes
+
+    def ffn_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        """The FFN tensors of layer i (after ln2), experts last."""
+        D, E, I = self.hidden_size, self.num_experts, self.expert_intermediate
+        if not self.is_moe(i):
+            Id = self.dense_intermediate
+            return {"dense_w13": (2 * Id, D), "dense_w2": (D, Id)}
+        shapes: dict[str, tuple[int, ...]] = {"router": (E, D)}
+        if self.router_bias:
+            shapes["router_bias"] = (E,)
+        if self.router_correction:
+            shapes["e_bias"] = (E,)
         if self.shared_intermediate:
             Is = self.shared_intermediate
             shapes["shared_w13"] = (2 * Is, D)
@@ -114,28 +299,68 @@ class ModelSpec:
             if self.shared_gate:
                 shapes["shared_gate"] = (1, D)
         shapes["w13"] = (E, 2 * I, D)
+        if self.expert_bias:
+            shapes["b13"] = (E, 2 * I)
         shapes["w2"] = (E, D, I)
+        if self.expert_bias:
+            shapes["b2"] = (E, D)
+        return shapes
+
+    def layer_shapes(self, i: int = 0) -> dict[str, tuple[int, ...]]:
+        """Canonical tensors of decoder layer i, in their order in the layer's flat buffer (experts last)."""
+        D = self.hidden_size
+        shapes: dict[str, tuple[int, ...]] = {"ln1": (D,)}
+        if self.norm_bias:
+            shapes["ln1_b"] = (D,)
+        shapes.update(self.attn_shapes(i))
+        shapes["ln2"] = (D,)
+        if self.norm_bias:
+            shapes["ln2_b"] = (D,)
+        shapes.update(self.ffn_shapes(i))
         return shapes
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = {"embed": (self.vocab_size, self.hidden_size), "norm": (self.hidden_size,)}
+        if self.norm_bias:
+            shapes["norm_b"] = (self.hidden_size,)
         if not self.tie_word_embeddings:
             shapes["lm_head"] = (self.vocab_size, self.hidden_size)
+        if self.lm_head_bias:
+            shapes["lm_head_b"] = (self.vocab_size,)
         return shapes
+
+    def layer_state(self, i: int) -> StateSpec:
+        """What layer i keeps per sequence."""
+        kind = self.layer_type(i)
+        if kind == "linear":
+            la = self.linear
+            return StateSpec("linear", fixed_elems=la.conv_dim * (la.conv_kernel - 1),
+                             fixed_state_elems=la.num_v_heads * la.k_head_dim * la.v_head_dim)
+        if self.mla is not None:
+            return StateSpec("latent", token_elems=self.mla.kv_lora_rank + self.mla.qk_rope_dim)
+        if kind == "sliding":
+            return StateSpec("window", token_elems=2 * self.kv_size, window=self.sliding_window)
+        return StateSpec("kv", token_elems=2 * self.kv_size)
 
     # ---- sizes (bytes in the checkpoint dtype) ----------------------------------------------------
     @property
     def expert_bytes(self) -> int:
-        """One routed expert: gate, up and down projections."""
-        return 3 * self.hidden_size * self.expert_intermediate * self.dtype_bytes
+        """One routed expert: gate, up and down projections (and their biases)."""
+        D, I = self.hidden_size, self.expert_intermediate
+        return (3 * D * I + (2 * I + D if self.expert_bias else 0)) * self.dtype_bytes
 
     @property
     def layer_expert_bytes(self) -> int:
+        """The routed experts of one MoE layer (what streams over PCIe per layer)."""
         return self.num_experts * self.expert_bytes
+
+    def layer_nonexpert_bytes_of(self, i: int) -> int:
+        return sum(_numel(s) for n, s in self.layer_shapes(i).items() if n not in EXPERT_TENSORS) * self.dtype_bytes
 
     @property
     def layer_nonexpert_bytes(self) -> int:
-        return sum(_numel(s) for n, s in self.layer_shapes().items() if n not in EXPERT_TENSORS) * self.dtype_bytes
+        """The non-expert tensors of a decoder layer, averaged over the layers."""
+        return (self.nonexpert_bytes - self.global_bytes) // self.num_layers
 
     @property
     def layer_bytes(self) -> int:
@@ -147,12 +372,12 @@ class ModelSpec:
 
     @property
     def nonexpert_bytes(self) -> int:
-        """Everything but the routed experts: attention, norms, routers, shared experts, embeddings."""
-        return self.num_layers * self.layer_nonexpert_bytes + self.global_bytes
+        """Everything but the routed experts: attention, norms, routers, shared experts, dense MLPs, embeddings."""
+        return sum(self.layer_nonexpert_bytes_of(i) for i in range(self.num_layers)) + self.global_bytes
 
     @property
     def total_expert_bytes(self) -> int:
-        return self.num_layers * self.layer_expert_bytes
+        return self.moe_layers * self.layer_expert_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -165,17 +390,26 @@ class ModelSpec:
     @property
     def active_params(self) -> int:
         """Parameters one token touches: everything but the experts it is not routed to."""
-        unused = self.num_layers * (self.num_experts - self.top_k) * self.expert_bytes
+        unused = self.moe_layers * (self.num_experts - self.top_k) * self.expert_bytes
         return (self.total_bytes - unused) // self.dtype_bytes
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
-        return 2 * self.kv_size * self.dtype_bytes
+        """Bytes one cached token adds to a full-attention (or latent) layer."""
+        kinds = [self.layer_state(i) for i in range(self.num_layers)]
+        growing = [s for s in kinds if s.kind in ("kv", "latent")] or [s for s in kinds if s.token_elems] or kinds
+        return growing[0].token_elems * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers."""
-        return self.num_layers * self.kv_bytes_per_token_layer
+        """Bytes one more token adds over all layers, once sliding windows are full: the full-attention
+        and latent layers' share (sliding and linear layers stop growing)."""
+        return sum(s.token_elems for s in map(self.layer_state, range(self.num_layers))
+                   if s.kind in ("kv", "latent")) * self.dtype_bytes
+
+    def state_bytes(self, tokens: float) -> float:
+        """Bytes one sequence of `tokens` tokens keeps over all layers (KV, windows, latents, linear states)."""
+        return sum(self.layer_state(i).bytes(tokens, self.dtype_bytes) for i in range(self.num_layers))
 
     # ---- serialisation --------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -187,6 +421,15 @@ class ModelSpec:
     def from_dict(cls, d: dict) -> "ModelSpec":
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
+        d["dense_layers"] = tuple(d.get("dense_layers", ()))
+        if isinstance(d.get("rope"), dict):
+            r = dict(d["rope"])
+            r["short_factor"], r["long_factor"] = tuple(r.get("short_factor", ())), tuple(r.get("long_factor", ()))
+            d["rope"] = RopeSpec(**r)
+        for name, kind in (("mla", MLASpec), ("linear", LinearAttnSpec)):
+            if isinstance(d.get(name), dict):
+                d[name] = kind(**d[name])
         return cls(**d)
 
     def to_json(self) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.errors import ModelError
+from core.errors import ModelError, UnsupportedModelError
 from core.model.families import family_module
 from core.model.safetensors_io import Checkpoint
 from core.model.spec import EXPERT_TENSORS, ModelSpec
@@ -37,14 +37,17 @@ class LayerLayout:
     expert_start: int  # experts (w13, w2) occupy [expert_start, numel)
 
     @classmethod
-    def for_spec(cls, spec: ModelSpec) -> "LayerLayout":
+    def for_spec(cls, spec: ModelSpec, layer: int | None = None) -> "LayerLayout":
+        """The layout of `layer` (default: the first MoE layer, whose expert region every MoE layer shares)."""
+        if layer is None:
+            layer = next((i for i in range(spec.num_layers) if spec.is_moe(i)), 0)
         entries, off, expert_start = [], 0, None
-        for name, shape in spec.layer_shapes().items():  # experts come last in layer_shapes
+        for name, shape in spec.layer_shapes(layer).items():  # experts come last in layer_shapes
             if name in EXPERT_TENSORS and expert_start is None:
                 expert_start = off
             entries.append((name, off, shape))
             off += math.ceil(math.prod(shape) / _ALIGN) * _ALIGN
-        return cls(tuple(entries), off, expert_start)
+        return cls(tuple(entries), off, off if expert_start is None else expert_start)
 
     @property
     def expert_numel(self) -> int:
@@ -62,6 +65,8 @@ class LayerLayout:
     def page_bounds(self, pages: int) -> list[tuple[int, int]]:
         """Element ranges, relative to the expert region, of its `pages` near-equal cuts."""
         n = self.expert_numel
+        if not n:  # a dense layer streams nothing; its pages are empty
+            return [(0, 0)] * pages
         step = math.ceil(n / pages)
         return [(s, min(s + step, n)) for s in range(0, n, step)]
 
@@ -89,10 +94,13 @@ class LayerWeights:
         One layer at a time, so memory peaks at the model plus one layer's experts, never two copies."""
         from core.model.moe import pack_experts
 
-        self.packed = pack_experts(self.tensors["w13"], self.tensors["w2"])
+        has_experts = "w13" in self.tensors
+        self.packed = pack_experts(self.tensors["w13"], self.tensors["w2"]) if has_experts else []
+        biases = {n: self.tensors[n].clone() for n in ("b13", "b2") if n in self.tensors}  # not packed, still used
         dense = self.flat[:self.layout.expert_start].clone()
         self.flat, self.experts, self.pages = dense, None, []
         self.tensors = self.layout.views(dense, names={n for n, _, _ in self.layout.entries if n not in EXPERT_TENSORS})
+        self.tensors.update(biases)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -114,7 +122,12 @@ class ModelWeights:
 
     @property
     def packed(self) -> bool:
-        return self.layers[0].packed is not None
+        return any(lw.packed is not None for lw in self.layers)
+
+    @property
+    def expert_layout(self) -> LayerLayout:
+        """The layout of an MoE layer: its expert region is what streams (the same in every MoE layer)."""
+        return LayerLayout.for_spec(self.spec)
 
     def pack_for_cpu(self, progress: EventSink = ignore) -> None:
         for i, lw in enumerate(self.layers):
@@ -146,12 +159,18 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     """Read a checkpoint into paged per-layer buffers (and plain tensors for embeddings and head)."""
     if pages_per_layer < 1:
         raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
+    if spec.quant_method:
+        raise UnsupportedModelError(
+            f"this checkpoint's weights are quantized ({spec.quant_method}) and mlight cannot read {spec.quant_method} "
+            "weights yet", "use the model's bf16 release (for gpt-oss, a -BF16 checkpoint) or dequantize it to bf16")
     dtype = dtype or spec.torch_dtype
     pin = torch.cuda.is_available() if pin is None else pin
     ckpt = Checkpoint(model_dir)
     keys = ckpt.keys()
     fam = family_module(spec)
-    layout = LayerLayout.for_spec(spec)
+    for note in getattr(fam, "notes", lambda s, k: [])(spec, keys):
+        progress(WarningEvent(note))
+    layouts: dict[tuple, LayerLayout] = {}
     total = spec.num_layers + 1
     globals_ = {}
     for name, shape in spec.global_shapes().items():
@@ -160,6 +179,8 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     progress(Progress("loading weights", 1, total, "layers"))
     layers, pinned = [], pin
     for i in range(spec.num_layers):
+        shapes = tuple(spec.layer_shapes(i).items())
+        layout = layouts.setdefault(shapes, LayerLayout.for_spec(spec, i))
         flat, ok = _alloc(layout.numel, dtype, pinned, progress)
         pinned = pinned and ok
         lw = LayerWeights(layout, flat, pages_per_layer)
@@ -174,7 +195,7 @@ def _fill(ckpt: Checkpoint, pieces, dest: dict[str, torch.Tensor]) -> None:
     for p in pieces:
         target = dest[p.dest][p.index] if p.index else dest[p.dest]
         try:
-            ckpt.copy_into(p.src, target, view=p.view, transpose=p.transpose)
+            ckpt.copy_into(p.src, target, view=p.view, transpose=p.transpose, select=p.select, fit=p.fit)
         except RuntimeError as e:  # a reshape that does not fit: config and weights disagree
             raise ModelError(f"tensor {p.src} does not fit {p.dest}: {e}",
                              "the config.json does not match the weights") from e

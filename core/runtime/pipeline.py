@@ -96,7 +96,7 @@ class PipelineRunner:
         self.globals = {n: self._to_dev(t) for n, t in weights.globals.items()}
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
         self.resident_experts = [
-            ({"packed": lw.packed} if lw.packed is not None else {n: self._to_dev(lw.tensors[n]) for n in EXPERT_TENSORS})
+            ({"packed": lw.packed} if lw.packed is not None else {n: self._to_dev(lw.tensors[n]) for n in EXPERT_TENSORS if n in lw.tensors})
             if (i < self.resident or ffn_on == "cpu") else None for i, lw in enumerate(weights.layers)]
         self.ebuf = None
         if self.streamed:
@@ -259,7 +259,7 @@ class PipelineRunner:
         mb, w = self._step[t.micro_batch], self.dense[t.layer]
         x = mb.x + F.linear(mb.o, w["o"])
         h = norm(self.spec, x, w["ln2"])
-        mb.rw, mb.ridx = route(self.spec, h, w["router"])
+        mb.rw, mb.ridx = route(self.spec, h, w)
         # the shared expert's output joins the routed experts' before the residual add, as the reference does
         mb.shared = shared_expert(self.spec, w, h) if self.spec.shared_intermediate else None
         mb.x, mb.h = x, h
@@ -353,7 +353,7 @@ class PipelineRunner:
         mb.kv[i] = (k, v)
         x = mb.x + F.linear(torch.cat(parts), w["o"])
         h = norm(self.spec, x, w["ln2"])
-        rw, ridx = route(self.spec, h, w["router"])
+        rw, ridx = route(self.spec, h, w)
         ew = self._expert_weights(i)
         y = _experts(ew, h, rw, ridx, self.grouped)
         if self.spec.shared_intermediate:

@@ -7,10 +7,10 @@ from pathlib import Path
 from types import ModuleType
 
 from core.errors import ModelError, UnsupportedModelError
-from core.model.families import dbrx, mixtral, olmoe, qwen_moe
+from core.model.families import dbrx, deepseek, glm4_moe, gpt_oss, mixtral, olmoe, phimoe, qwen3_next, qwen_moe
 from core.model.spec import ModelSpec
 
-_MODULES: tuple[ModuleType, ...] = (mixtral, dbrx, qwen_moe, olmoe)
+_MODULES: tuple[ModuleType, ...] = (mixtral, dbrx, qwen_moe, olmoe, gpt_oss, deepseek, glm4_moe, qwen3_next, phimoe)
 REGISTRY: dict[str, ModuleType] = {arch: m for m in _MODULES for arch in m.ARCHITECTURES}
 
 
@@ -25,11 +25,17 @@ def spec_from_config(cfg: dict, source: str = "config.json") -> ModelSpec:
     if not archs:
         raise ModelError(f"{source} has no `architectures` field", "use the config.json that came with the checkpoint")
     arch = archs[0]
-    if cfg.get("auto_map"):
+    # Architectures mlight implements itself (as transformers does) run without the repo's code even
+    # when the published config names it; for any other, auto_map means "only its own code runs it".
+    if cfg.get("auto_map") and not getattr(REGISTRY.get(arch), "NATIVE_DESPITE_AUTO_MAP", False):
         raise UnsupportedModelError(
             f"{source} asks for remote code (auto_map) for {arch}; mlight never runs code from a model repo",
             f"use a checkpoint of a supported architecture: {', '.join(sorted(REGISTRY))}",
         )
+    if arch not in REGISTRY and cfg.get("vision_config"):
+        raise UnsupportedModelError(
+            f"{arch} is a vision-language model, and mlight runs text-only MoE language models",
+            f"supported: {', '.join(sorted(REGISTRY))} (Qwen3.5-MoE's text model is read from its vision-language checkpoint)")
     if arch not in REGISTRY:
         raise UnsupportedModelError(
             f"architecture {arch} is not supported", f"supported: {', '.join(sorted(REGISTRY))}"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from core.errors import ModelError
+from core.model.spec import RopeSpec
 
 
 @dataclass(frozen=True)
@@ -12,7 +14,9 @@ class Piece:
     """Copy checkpoint tensor `src` into canonical tensor `dest` at `index`.
 
     `view` reshapes the source first (DBRX stores experts as [E·I, D]); `transpose` swaps its last
-    two axes (DBRX's w2 is stored [I, D] per expert, ours is [D, I]).
+    two axes (DBRX's w2 is stored [I, D] per expert, ours is [D, I]); `select` then indexes the
+    source (gpt-oss interleaves gate and up columns, Qwen3-Next interleaves q/k/v/z rows per head
+    group) and `fit` reshapes the selection to the destination's shape.
     """
 
     src: str
@@ -20,6 +24,8 @@ class Piece:
     index: tuple = ()
     view: tuple[int, ...] | None = None
     transpose: bool = False
+    select: tuple | None = None
+    fit: bool = False
 
 
 def need(cfg: dict, key: str, where: str = "config.json"):
@@ -39,12 +45,36 @@ def first(cfg: dict, *keys: str, default=None):
 
 
 def rope_theta(cfg: dict, default: float = 10000.0) -> float:
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ModelError(f"rope scaling {kind!r} is not supported yet", "use a checkpoint with default RoPE")
-    return float(params.get("rope_theta") or cfg.get("rope_theta") or default)
+    return rope_spec(cfg, default).theta
+
+
+def rope_spec(cfg: dict, default_theta: float = 10000.0, head_dim: int | None = None,
+              kinds: tuple[str, ...] = ("default",)) -> RopeSpec:
+    """RoPE from a config's `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (hub
+    files); `kinds` are the scalings the family implements. `head_dim` turns partial_rotary_factor into dims."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in kinds:
+        raise ModelError(f"rope scaling {kind!r} is not supported for {cfg['architectures'][0]}",
+                         f"use a checkpoint with {' or '.join(kinds)} RoPE")
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or default_theta)
+    partial = params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+    dim = int(head_dim * partial) if partial and head_dim else 0
+    if kind == "default":
+        return RopeSpec(theta=theta, dim=dim)
+    original = int(params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or 0)
+    if not original:
+        raise ModelError(f"{kind} RoPE without original_max_position_embeddings", "use the checkpoint's own config.json")
+    if kind == "yarn":
+        return RopeSpec(theta=theta, dim=dim, kind="yarn", factor=float(params.get("factor") or 0.0),
+                        original_max=original, beta_fast=float(params.get("beta_fast") or 32),
+                        beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)),
+                        attention_factor=params.get("attention_factor"), mscale=float(params.get("mscale") or 0),
+                        mscale_all_dim=float(params.get("mscale_all_dim") or 0))
+    return RopeSpec(theta=theta, dim=dim, kind="longrope", original_max=original,
+                    short_factor=tuple(float(x) for x in need(params, "short_factor", "rope_scaling")),
+                    long_factor=tuple(float(x) for x in need(params, "long_factor", "rope_scaling")),
+                    short_mscale=params.get("short_mscale"), long_mscale=params.get("long_mscale"))
 
 
 def checkpoint_dtype(cfg: dict) -> str:
@@ -78,6 +108,8 @@ def llama_style_attention(prefix: str, spec, keys: set[str], attn: str = "self_a
         ]
     if spec.qk_norm != "none":
         pieces += [Piece(p + "q_norm.weight", "q_norm"), Piece(p + "k_norm.weight", "k_norm")]
+    if spec.attn_o_bias:
+        pieces.append(Piece(p + "o_proj.bias", "o_bias"))
     return pieces
 
 
@@ -98,21 +130,79 @@ def routed_experts(prefix: str, spec, keys: set[str], names=("gate_proj", "up_pr
     return pieces
 
 
-def llama_style_globals(spec, keys: set[str]) -> list[Piece]:
-    pieces = [Piece("model.embed_tokens.weight", "embed"), Piece("model.norm.weight", "norm")]
+def llama_style_globals(spec, keys: set[str], prefix: str = "model.") -> list[Piece]:
+    pieces = [Piece(prefix + "embed_tokens.weight", "embed"), Piece(prefix + "norm.weight", "norm")]
+    if spec.norm_bias:
+        pieces.append(Piece(prefix + "norm.bias", "norm_b"))
     if not spec.tie_word_embeddings:
         pieces.append(Piece("lm_head.weight", "lm_head"))
+    if spec.lm_head_bias:
+        pieces.append(Piece("lm_head.bias", "lm_head_b"))
     return pieces
 
 
-def llama_style_fields(cfg: dict, norm_eps: float) -> dict:
-    """ModelSpec fields that Llama-style configs (Mixtral, Qwen-MoE, OLMoE) name the same way."""
+def llama_style_fields(cfg: dict, norm_eps: float, rope: RopeSpec | None = None) -> dict:
+    """ModelSpec fields that Llama-style configs (Mixtral, Qwen-MoE, OLMoE, …) name the same way."""
     D, H = need(cfg, "hidden_size"), need(cfg, "num_attention_heads")
     return dict(
         architecture=cfg["architectures"][0], num_layers=need(cfg, "num_hidden_layers"), hidden_size=D,
         num_heads=H, num_kv_heads=first(cfg, "num_key_value_heads", default=H),
         head_dim=first(cfg, "head_dim", default=D // H), vocab_size=need(cfg, "vocab_size"),
         top_k=need(cfg, "num_experts_per_tok"), norm_eps=first(cfg, "rms_norm_eps", default=norm_eps),
-        rope_theta=rope_theta(cfg), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope=rope or rope_spec(cfg), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         dtype=checkpoint_dtype(cfg), bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg),
     )
+
+
+def yarn_softmax_scale(r: RopeSpec) -> float:
+    """DeepSeek's extra softmax scale with YaRN: mscale(factor, mscale_all_dim)² (1 without it)."""
+    if r.kind != "yarn" or not r.mscale_all_dim or r.factor <= 1:
+        return 1.0
+    m = 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
+    return m * m
+
+
+def quant_method(cfg: dict) -> str | None:
+    q = cfg.get("quantization_config") or {}
+    return q.get("quant_method") if isinstance(q, dict) else None
+
+
+def dense_mlp_pieces(prefix: str, spec) -> list[Piece]:
+    """A dense SwiGLU MLP named gate_proj / up_proj / down_proj, fused into dense_w13 / dense_w2."""
+    Id = spec.dense_intermediate
+    return [Piece(prefix + "gate_proj.weight", "dense_w13", (slice(0, Id),)),
+            Piece(prefix + "up_proj.weight", "dense_w13", (slice(Id, 2 * Id),)),
+            Piece(prefix + "down_proj.weight", "dense_w2")]
+
+
+def deepseek_style_ffn(prefix: str, spec, keys: set[str], layer: int) -> list[Piece]:
+    """DeepSeek-V2/V3 and GLM-4.5 FFNs: a dense MLP in the first layers, else a router (with the
+    score-correction bias where the family has one), routed experts and `shared_experts`."""
+    p = f"{prefix}mlp."
+    if not spec.is_moe(layer):
+        return dense_mlp_pieces(p, spec)
+    pieces = [Piece(p + "gate.weight", "router"), *routed_experts(p, spec, keys)]
+    if spec.router_correction:
+        pieces.append(Piece(p + "gate.e_score_correction_bias", "e_bias"))
+    if spec.shared_intermediate:
+        s, Is = p + "shared_experts.", spec.shared_intermediate
+        pieces += [Piece(s + "gate_proj.weight", "shared_w13", (slice(0, Is),)),
+                   Piece(s + "up_proj.weight", "shared_w13", (slice(Is, 2 * Is),)),
+                   Piece(s + "down_proj.weight", "shared_w2")]
+    return pieces
+
+
+def norm_pieces(prefix: str, spec) -> list[Piece]:
+    pieces = [Piece(prefix + "input_layernorm.weight", "ln1"), Piece(prefix + "post_attention_layernorm.weight", "ln2")]
+    if spec.norm_bias:
+        pieces += [Piece(prefix + "input_layernorm.bias", "ln1_b"), Piece(prefix + "post_attention_layernorm.bias", "ln2_b")]
+    return pieces
+
+
+def first_dense(cfg: dict) -> tuple[int, ...]:
+    """DeepSeek-style `first_k_dense_replace`: the first k layers have a dense MLP."""
+    k = int(cfg.get("first_k_dense_replace") or 0)
+    if int(cfg.get("moe_layer_freq") or 1) != 1:
+        raise ModelError(f"{cfg['architectures'][0]} with moe_layer_freq {cfg['moe_layer_freq']} is not supported",
+                         "use a checkpoint whose layers after the first dense ones are all MoE")
+    return tuple(range(min(k, need(cfg, "num_hidden_layers"))))

@@ -1,0 +1,75 @@
+"""DeepSeek-V2 / V3 (and the V3 architecture's offspring: R1, Kimi K2, Moonlight): multi-head latent
+attention (low-rank Q and a compressed KV latent, decoupled RoPE dims, YaRN whose mscale also
+scales the softmax), a latent KV cache, the first `first_k_dense_replace` layers dense, `n_shared`
+shared experts beside the routed ones.
+
+Routing: V2 softmax + greedy or group-limited greedy (n_group / topk_group), its weights never
+renormalised (transformers ignores norm_topk_prob for V2); V3 sigmoid scores, experts chosen with
+`e_score_correction_bias` within the best groups, weights renormalised when norm_topk_prob;
+both scaled by routed_scaling_factor. The published configs name remote code (auto_map); mlight,
+like transformers, implements the architecture itself and never runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from core.errors import ModelError
+from core.model.families._common import (Piece, checkpoint_dtype, deepseek_style_ffn, eos_ids, first, first_dense,
+                                         llama_style_globals, need, norm_pieces, quant_method, rope_spec,
+                                         yarn_softmax_scale)
+from core.model.spec import MLASpec, ModelSpec
+
+ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+NATIVE_DESPITE_AUTO_MAP = True
+
+
+def spec(cfg: dict) -> ModelSpec:
+    arch = cfg["architectures"][0]
+    v3 = arch.startswith("DeepseekV3")
+    if cfg.get("attention_bias"):
+        raise ModelError(f"{arch} with attention_bias is not supported", "no released checkpoint has it")
+    m = MLASpec(q_lora_rank=int(cfg.get("q_lora_rank") or 0), kv_lora_rank=need(cfg, "kv_lora_rank"),
+                qk_nope_dim=need(cfg, "qk_nope_head_dim"), qk_rope_dim=need(cfg, "qk_rope_head_dim"),
+                v_head_dim=need(cfg, "v_head_dim"))
+    rope = dataclasses.replace(rope_spec(cfg, 10000.0, kinds=("default", "yarn")),
+                               pairs=bool(cfg.get("rope_interleave", True)) if v3 else True)
+    H, E = need(cfg, "num_attention_heads"), need(cfg, "n_routed_experts")
+    groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if v3:
+        routing = dict(router="sigmoid_group", router_correction=True,
+                       router_norm="sum" if cfg.get("norm_topk_prob", True) else "none")
+    else:
+        limited = cfg.get("topk_method", "greedy") == "group_limited_greedy"
+        routing = dict(router="softmax_group", router_norm="none")
+        groups, topk_groups = (groups, topk_groups) if limited else (1, 1)
+    qk = m.qk_nope_dim + m.qk_rope_dim
+    return ModelSpec(
+        architecture=arch, family="deepseek_v3" if v3 else "deepseek_v2", num_layers=need(cfg, "num_hidden_layers"),
+        hidden_size=need(cfg, "hidden_size"), num_heads=H, num_kv_heads=H, head_dim=qk, vocab_size=need(cfg, "vocab_size"),
+        num_experts=E, top_k=need(cfg, "num_experts_per_tok"), expert_intermediate=need(cfg, "moe_intermediate_size"),
+        shared_intermediate=need(cfg, "moe_intermediate_size") * int(cfg.get("n_shared_experts") or 0),
+        norm_eps=first(cfg, "rms_norm_eps", default=1e-6), router_fp32=True, router_groups=groups,
+        router_topk_groups=topk_groups, routed_scale=float(cfg.get("routed_scaling_factor") or 1.0), **routing,
+        dense_layers=first_dense(cfg), dense_intermediate=need(cfg, "intermediate_size"), mla=m, rope=rope,
+        attn_scale=qk ** -0.5 * yarn_softmax_scale(rope), max_position=first(cfg, "max_position_embeddings", default=4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), dtype=checkpoint_dtype(cfg),
+        quant_method=quant_method(cfg), bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg),
+    )
+
+
+def mla_pieces(prefix: str, spec: ModelSpec) -> list[Piece]:
+    a = prefix + "self_attn."
+    q = ([Piece(a + "q_a_proj.weight", "q_a"), Piece(a + "q_a_layernorm.weight", "q_a_norm"),
+          Piece(a + "q_b_proj.weight", "q_b")] if spec.mla.q_lora_rank else [Piece(a + "q_proj.weight", "q")])
+    return q + [Piece(a + "kv_a_proj_with_mqa.weight", "kv_a"), Piece(a + "kv_a_layernorm.weight", "kv_a_norm"),
+                Piece(a + "kv_b_proj.weight", "kv_b"), Piece(a + "o_proj.weight", "o")]
+
+
+def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
+    p = f"model.layers.{i}."
+    return [*norm_pieces(p, spec), *mla_pieces(p, spec), *deepseek_style_ffn(p, spec, keys, i)]
+
+
+def global_pieces(spec: ModelSpec, keys: set[str]):
+    return llama_style_globals(spec, keys)

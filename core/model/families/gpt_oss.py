@@ -1,0 +1,60 @@
+"""gpt-oss (20b, 120b): alternating sliding-window (128) and full attention, attention sinks, q/k/v/o
+biases, YaRN RoPE; a router with a bias that takes the top-k logits before its softmax; experts
+with biases and a clamped SwiGLU whose gate and up columns are interleaved in `gate_up_proj`
+([E, D, 2I], gate = even columns) — de-interleaved on load into our [E, 2I, D] gate-then-up rows.
+
+The released checkpoints store experts in MXFP4 (`quantization_config.quant_method`); mlight reads
+the bf16 releases and refuses MXFP4 ones on load with a clear message (core.model.weights).
+"""
+
+from __future__ import annotations
+
+from core.model.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
+                                         need, norm_pieces, quant_method, rope_spec)
+from core.model.spec import ModelSpec
+
+ARCHITECTURES = ("GptOssForCausalLM",)
+TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+def spec(cfg: dict) -> ModelSpec:
+    L = need(cfg, "num_hidden_layers")
+    names = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
+    if bad := [t for t in names if t not in TYPES]:
+        raise ValueError(f"unknown gpt-oss layer type {bad[0]!r}")
+    bias = bool(cfg.get("attention_bias", True))
+    return ModelSpec(
+        **llama_style_fields(cfg, norm_eps=1e-5, rope=rope_spec(cfg, 150000.0, kinds=("default", "yarn"))),
+        family="gpt_oss", num_experts=need(cfg, "num_local_experts"), expert_intermediate=need(cfg, "intermediate_size"),
+        norm="rms_fp32", qkv_bias=bias, attn_o_bias=bias, attn_sinks=True,
+        layer_types=tuple(TYPES[t] for t in names), sliding_window=int(cfg.get("sliding_window") or 0),
+        router="topk_softmax", router_bias=True, expert_bias=True, expert_act="clamped_swiglu",
+        swiglu_alpha=float(first(cfg, "swiglu_alpha", default=1.702)),
+        swiglu_limit=float(first(cfg, "swiglu_limit", default=7.0)),
+        max_position=first(cfg, "max_position_embeddings", default=131072), quant_method=quant_method(cfg),
+    )
+
+
+def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
+    p = f"model.layers.{i}."
+    m = p + "mlp."
+    I = spec.expert_intermediate
+    every, gate, up = slice(None), slice(0, None, 2), slice(1, None, 2)
+    return [
+        *norm_pieces(p, spec),
+        *llama_style_attention(p, spec, keys),
+        Piece(p + "self_attn.sinks", "sinks"),
+        Piece(m + "router.weight", "router"),
+        Piece(m + "router.bias", "router_bias"),
+        # [E, D, 2I] with gate/up interleaved in the last axis -> rows of [E, 2I, D]
+        Piece(m + "experts.gate_up_proj", "w13", (every, slice(0, I)), transpose=True, select=(every, gate)),
+        Piece(m + "experts.gate_up_proj", "w13", (every, slice(I, 2 * I)), transpose=True, select=(every, up)),
+        Piece(m + "experts.gate_up_proj_bias", "b13", (every, slice(0, I)), select=(every, gate)),
+        Piece(m + "experts.gate_up_proj_bias", "b13", (every, slice(I, 2 * I)), select=(every, up)),
+        Piece(m + "experts.down_proj", "w2", transpose=True),
+        Piece(m + "experts.down_proj_bias", "b2"),
+    ]
+
+
+def global_pieces(spec: ModelSpec, keys: set[str]):
+    return llama_style_globals(spec, keys)

@@ -1,0 +1,49 @@
+"""Phi-3.5-MoE: LayerNorm with bias (pre-attention, post-attention, final), q/k/v/o biases, an LM-head
+bias, LongRoPE, and sparse-mixer routing: always top-2, each of the two experts weighted by a
+softmax over the experts whose router score lies within a relative `router_jitter_noise` threshold
+of it (the training-time Gumbel sampling and Heun correction are not part of inference).
+
+The published config names the remote-code class `PhiMoEForCausalLM`; transformers implements it
+natively as `PhimoeForCausalLM` and so does mlight. A `sliding_window` shorter than the context
+makes every layer a sliding one.
+"""
+
+from __future__ import annotations
+
+from core.errors import ModelError
+from core.model.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
+                                         need, norm_pieces, quant_method, routed_experts, rope_spec)
+from core.model.spec import ModelSpec
+
+ARCHITECTURES = ("PhimoeForCausalLM", "PhiMoEForCausalLM")
+NATIVE_DESPITE_AUTO_MAP = True
+
+
+def spec(cfg: dict) -> ModelSpec:
+    if need(cfg, "num_experts_per_tok") != 2:
+        raise ModelError(f"Phi-MoE routes to 2 experts (sparse mixer); this config asks for {cfg['num_experts_per_tok']}",
+                         "use the checkpoint's own config.json")
+    L, max_pos = need(cfg, "num_hidden_layers"), first(cfg, "max_position_embeddings", default=131072)
+    window = int(cfg.get("sliding_window") or 0)
+    sliding = 0 < window < max_pos
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(
+        **llama_style_fields(cfg, norm_eps=1e-5, rope=rope_spec(cfg, 10000.0, kinds=("default", "longrope"))),
+        family="phimoe", num_experts=need(cfg, "num_local_experts"), expert_intermediate=need(cfg, "intermediate_size"),
+        norm="layernorm", norm_bias=True, qkv_bias=bias, attn_o_bias=bias, router="sparsemixer",
+        router_jitter=float(first(cfg, "router_jitter_noise", default=0.01)),
+        layer_types=("sliding",) * L if sliding else (), sliding_window=window if sliding else 0,
+        lm_head_bias=bool(cfg.get("lm_head_bias", False)), max_position=max_pos, quant_method=quant_method(cfg),
+    )
+
+
+def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
+    p = f"model.layers.{i}."
+    moe = p + ("block_sparse_moe." if any(k.startswith(p + "block_sparse_moe.") for k in keys) else "mlp.")
+    router = moe + ("gate.weight" if moe + "gate.weight" in keys else "router.weight")
+    return [*norm_pieces(p, spec), *llama_style_attention(p, spec, keys), Piece(router, "router"),
+            *routed_experts(moe, spec, keys, names=("w1", "w3", "w2"))]
+
+
+def global_pieces(spec: ModelSpec, keys: set[str]):
+    return llama_style_globals(spec, keys)

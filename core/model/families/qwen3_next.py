@@ -1,0 +1,160 @@
+"""Qwen3-Next and Qwen3.5-MoE (text model): a hybrid stack — three Gated-DeltaNet linear-attention
+layers per full-attention layer (`layer_types`, or every `full_attention_interval`-th layer full).
+
+Full-attention layers: q_proj also yields an output gate (per head [q | gate], split on load into
+our [q, k, v, gate] rows), per-head q/k RMSNorm, partial RoPE (a quarter of the head). Linear layers
+keep a recurrent + conv state instead of a KV cache (core.model.linear_attention). RMSNorms are
+zero-centred: x·(1 + w). FFN: softmax router (renormalised), many small experts, a shared expert
+behind a sigmoid gate; Qwen3-Next may list dense `mlp_only_layers`.
+
+Qwen3-Next fuses its linear projections per key-head group (in_proj_qkvz: [q, k, v, z] per group;
+in_proj_ba: [b, a] per group); Qwen3.5 keeps them apart (in_proj_qkv, in_proj_z, in_proj_b,
+in_proj_a). Both load into one lin_in [q, k, v, z, b, a]. Qwen3.5 ships as a vision-language model
+(`Qwen3_5MoeForConditionalGeneration`, weights under model.language_model., config under
+text_config): mlight reads the text model and leaves the vision tower and the MTP head unread.
+"""
+
+from __future__ import annotations
+
+from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, first, need, norm_pieces, quant_method,
+                                         routed_experts, rope_spec)
+from core.model.spec import LinearAttnSpec, ModelSpec
+
+ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+TYPES = {"linear_attention": "linear", "full_attention": "full"}
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's config: nested under text_config in the vision-language checkpoints."""
+    text = cfg.get("text_config")
+    return {**text, "architectures": cfg["architectures"]} if isinstance(text, dict) else cfg
+
+
+def spec(cfg: dict) -> ModelSpec:
+    arch = cfg["architectures"][0]
+    top = cfg
+    cfg = text_config(cfg)
+    D, H, L = need(cfg, "hidden_size"), need(cfg, "num_attention_heads"), need(cfg, "num_hidden_layers")
+    hd = first(cfg, "head_dim", default=D // H)
+    interval = int(cfg.get("full_attention_interval") or 4)
+    names = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(L)]
+    if bad := [t for t in names if t not in TYPES]:
+        raise ValueError(f"unknown layer type {bad[0]!r}")
+    dense = tuple(sorted(set(cfg.get("mlp_only_layers") or ())))
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = tuple(sorted(set(dense) | {i for i in range(L) if (i + 1) % step}))
+    qwen35 = arch.startswith("Qwen3_5")
+    cfg = {"partial_rotary_factor": 0.25, **cfg}  # the reference's default when the config is silent
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(
+        architecture=arch, family="qwen3_5_moe" if qwen35 else "qwen3_next", num_layers=L, hidden_size=D,
+        num_heads=H, num_kv_heads=first(cfg, "num_key_value_heads", default=H), head_dim=hd,
+        vocab_size=need(cfg, "vocab_size"), num_experts=need(cfg, "num_experts"), top_k=need(cfg, "num_experts_per_tok"),
+        expert_intermediate=need(cfg, "moe_intermediate_size"),
+        shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0), shared_gate=True,
+        norm="rms_offset", norm_eps=first(cfg, "rms_norm_eps", default=1e-6), qk_norm="head", qkv_bias=bias,
+        attn_o_bias=bias, attn_gate=True,
+        router_norm="sum" if qwen35 or cfg.get("norm_topk_prob", True) else "none",
+        dense_layers=dense, dense_intermediate=int(cfg.get("intermediate_size") or 0) if dense else 0,
+        layer_types=tuple(TYPES[t] for t in names),
+        linear=LinearAttnSpec(num_k_heads=need(cfg, "linear_num_key_heads"), num_v_heads=need(cfg, "linear_num_value_heads"),
+                              k_head_dim=need(cfg, "linear_key_head_dim"), v_head_dim=need(cfg, "linear_value_head_dim"),
+                              conv_kernel=need(cfg, "linear_conv_kernel_dim")),
+        rope=rope_spec(cfg, 10000.0, head_dim=hd), max_position=first(cfg, "max_position_embeddings", default=32768),
+        tie_word_embeddings=bool(first(cfg, "tie_word_embeddings", default=top.get("tie_word_embeddings", False))),
+        dtype=checkpoint_dtype(cfg if ("torch_dtype" in cfg or "dtype" in cfg) else top),
+        quant_method=quant_method(top) or quant_method(cfg), bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids(cfg) or eos_ids(top),
+    )
+
+
+def _prefix(keys: set[str]) -> str:
+    return "model.language_model." if any(k.startswith("model.language_model.") for k in keys) else "model."
+
+
+def notes(spec: ModelSpec, keys: set[str]) -> list[str]:
+    if any(k.startswith(("model.visual.", "visual.")) for k in keys):
+        return ["this checkpoint's vision tower is not loaded: mlight runs its text model (images in prompts are not supported)"]
+    return []
+
+
+def _attention(p: str, spec: ModelSpec) -> list[Piece]:
+    a, H, hd, q, kv = p + "self_attn.", spec.num_heads, spec.head_dim, spec.q_size, spec.kv_size
+    every, query, gate = slice(None), slice(0, hd), slice(hd, 2 * hd)
+    pieces = [
+        # q_proj rows are [q | gate] per head
+        Piece(a + "q_proj.weight", "qkv", (slice(0, q),), view=(H, 2 * hd, spec.hidden_size), select=(every, query), fit=True),
+        Piece(a + "q_proj.weight", "qkv", (slice(q + 2 * kv, 2 * q + 2 * kv),), view=(H, 2 * hd, spec.hidden_size),
+              select=(every, gate), fit=True),
+        Piece(a + "k_proj.weight", "qkv", (slice(q, q + kv),)),
+        Piece(a + "v_proj.weight", "qkv", (slice(q + kv, q + 2 * kv),)),
+        Piece(a + "o_proj.weight", "o"),
+        Piece(a + "q_norm.weight", "q_norm"), Piece(a + "k_norm.weight", "k_norm"),
+    ]
+    if spec.qkv_bias:
+        pieces += [
+            Piece(a + "q_proj.bias", "qkv_bias", (slice(0, q),), view=(H, 2 * hd), select=(every, query), fit=True),
+            Piece(a + "q_proj.bias", "qkv_bias", (slice(q + 2 * kv, 2 * q + 2 * kv),), view=(H, 2 * hd),
+                  select=(every, gate), fit=True),
+            Piece(a + "k_proj.bias", "qkv_bias", (slice(q, q + kv),)),
+            Piece(a + "v_proj.bias", "qkv_bias", (slice(q + kv, q + 2 * kv),)),
+            Piece(a + "o_proj.bias", "o_bias"),
+        ]
+    return pieces
+
+
+def _linear(p: str, spec: ModelSpec, keys: set[str]) -> list[Piece]:
+    a, la, D = p + "linear_attn.", spec.linear, spec.hidden_size
+    kd, vd, Hv, Hk = la.key_dim, la.value_dim, la.num_v_heads, la.num_k_heads
+    at = {"q": 0, "k": kd, "v": 2 * kd, "z": 2 * kd + vd, "b": 2 * kd + 2 * vd, "a": 2 * kd + 2 * vd + Hv}
+    size = {"q": kd, "k": kd, "v": vd, "z": vd, "b": Hv, "a": Hv}
+
+    def rows(part):
+        return (slice(at[part], at[part] + size[part]),)
+
+    pieces = [Piece(a + "conv1d.weight", "conv", view=(la.conv_dim, la.conv_kernel)),
+              Piece(a + "dt_bias", "dt_bias"), Piece(a + "A_log", "A_log"), Piece(a + "norm.weight", "gnorm"),
+              Piece(a + "out_proj.weight", "lin_out")]
+    if a + "in_proj_qkvz.weight" in keys:  # Qwen3-Next: per key-head group [q, k, v, z] and [b, a]
+        r, dk, dv = Hv // Hk, la.k_head_dim, la.v_head_dim
+        group = {"q": (0, dk), "k": (dk, 2 * dk), "v": (2 * dk, 2 * dk + r * dv), "z": (2 * dk + r * dv, 2 * dk + 2 * r * dv)}
+        view = (Hk, 2 * dk + 2 * r * dv, D)
+        pieces += [Piece(a + "in_proj_qkvz.weight", "lin_in", rows(n), view=view, select=(slice(None), slice(*group[n])),
+                         fit=True) for n in ("q", "k", "v", "z")]
+        pieces += [Piece(a + "in_proj_ba.weight", "lin_in", rows(n), view=(Hk, 2 * r, D),
+                         select=(slice(None), slice(j * r, (j + 1) * r)), fit=True) for j, n in enumerate(("b", "a"))]
+    else:  # Qwen3.5: separate projections
+        pieces += [Piece(a + "in_proj_qkv.weight", "lin_in", (slice(0, la.conv_dim),)),
+                   Piece(a + "in_proj_z.weight", "lin_in", rows("z")),
+                   Piece(a + "in_proj_b.weight", "lin_in", rows("b")),
+                   Piece(a + "in_proj_a.weight", "lin_in", rows("a"))]
+    return pieces
+
+
+def _ffn(p: str, spec: ModelSpec, keys: set[str], i: int) -> list[Piece]:
+    m = p + "mlp."
+    if not spec.is_moe(i):
+        Id = spec.dense_intermediate
+        return [Piece(m + "gate_proj.weight", "dense_w13", (slice(0, Id),)),
+                Piece(m + "up_proj.weight", "dense_w13", (slice(Id, 2 * Id),)), Piece(m + "down_proj.weight", "dense_w2")]
+    s, Is = m + "shared_expert.", spec.shared_intermediate
+    pieces = [Piece(m + "gate.weight", "router"), *routed_experts(m, spec, keys)]
+    if Is:
+        pieces += [Piece(s + "gate_proj.weight", "shared_w13", (slice(0, Is),)),
+                   Piece(s + "up_proj.weight", "shared_w13", (slice(Is, 2 * Is),)),
+                   Piece(s + "down_proj.weight", "shared_w2"), Piece(m + "shared_expert_gate.weight", "shared_gate")]
+    return pieces
+
+
+def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
+    p = f"{_prefix(keys)}layers.{i}."
+    mixer = _linear(p, spec, keys) if spec.layer_type(i) == "linear" else _attention(p, spec)
+    return [*norm_pieces(p, spec), *mixer, *_ffn(p, spec, keys, i)]
+
+
+def global_pieces(spec: ModelSpec, keys: set[str]):
+    p = _prefix(keys)
+    pieces = [Piece(p + "embed_tokens.weight", "embed"), Piece(p + "norm.weight", "norm")]
+    if not spec.tie_word_embeddings:
+        pieces.append(Piece("lm_head.weight", "lm_head"))
+    return pieces

@@ -1,0 +1,85 @@
+"""Grouped-query attention as CGOPipe runs it: `pre` (QKV projection, q/k norm, RoPE) on the
+accelerator, `attend` (cache write + decode attention) next to the KV store on the CPU, `post`
+(output gate, O projection) back on the accelerator; `prefill` is a whole prompt at once.
+
+The D1 payload is [q | k | v] per token (Hq·hd + 2·Hkv·hd); D2 carries the attention output
+(Hq·hd). Quirks from ModelSpec: qkv bias, q/k norm per head or over all heads, clip_qkv, an output
+gate from a second half of q_proj (Qwen3-Next), sinks and sliding windows (gpt-oss), O bias.
+Legend: T = tokens, B = requests, D = hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from core.model.attention import decode_attention, prefill_attention
+from core.model.layers import norm, rms_norm
+from core.model.spec import ModelSpec
+
+
+def d1_width(spec: ModelSpec) -> int:
+    return spec.q_size + 2 * spec.kv_size
+
+
+def d2_width(spec: ModelSpec) -> int:
+    return spec.q_size
+
+
+def _qk_norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x, w, spec.norm_eps) if spec.norm == "layernorm" else norm(spec, x, w)
+
+
+def project(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None):
+    """Normed h [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd], output gate [T, Hq·hd] or None."""
+    qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))
+    sizes = [spec.q_size, spec.kv_size, spec.kv_size] + ([spec.q_size] if spec.attn_gate else [])
+    q, k, v, *gate = qkv.split(sizes, dim=-1)
+    if spec.qk_norm == "full":  # OLMoE: one norm over all heads, before the head split and the clip
+        q, k = _qk_norm(spec, q, w["q_norm"]), _qk_norm(spec, k, w["k_norm"])
+    if spec.clip_qkv is not None:
+        c = spec.clip_qkv
+        q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+    T = h.shape[0]
+    q = q.reshape(T, spec.num_heads, spec.head_dim)
+    k = k.reshape(T, spec.num_kv_heads, spec.head_dim)
+    v = v.reshape(T, spec.num_kv_heads, spec.head_dim)
+    if spec.qk_norm == "head":  # Qwen3, GLM, Qwen3-Next: per-head norm after the split
+        q, k = _qk_norm(spec, q, w["q_norm"]), _qk_norm(spec, k, w["k_norm"])
+    return rope.apply(q, positions, call_lengths), rope.apply(k, positions, call_lengths), v, (gate[0] if gate else None)
+
+
+def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None):
+    """-> (payload [T, d1] for the CPU, what stays on the device for `post`)."""
+    q, k, v, gate = project(spec, w, h, positions, rope, call_lengths)
+    T = h.shape[0]
+    return torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1), gate
+
+
+def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows) -> torch.Tensor:
+    """One new token per row: write its K/V, attend over the row. payload [B, d1] -> [B, Hq·hd]."""
+    B, H, Hkv, hd = rows.B, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q, k, v = payload.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    store.write(rows.slots, rows.positions, k.view(B, Hkv, hd), v.view(B, Hkv, hd))
+    lengths, span, pad = rows.kept(store)
+    return decode_attention(q.reshape(B, H, hd), rows.take(store.k), rows.take(store.v), lengths, spec.scale,
+                            span, pad, sinks=w.get("sinks"))
+
+
+def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep) -> torch.Tensor:
+    if keep is not None:
+        out = out * torch.sigmoid(keep)
+    return F.linear(out, w["o"], w.get("o_bias"))
+
+
+def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, lens: list[int],
+            call_lengths=None, window: int = 0):
+    """Whole prompts packed in h [T, D] -> (output [T, D], per prompt the (k, v) [L, Hkv, hd] to store)."""
+    q, k, v, gate = project(spec, w, h, positions, rope, call_lengths)
+    parts, outs, start = [], [], 0
+    for n in lens:
+        outs.append(prefill_attention(q[start:start + n], k[start:start + n], v[start:start + n], spec.scale,
+                                      window=window, sinks=w.get("sinks")))
+        parts.append((k[start:start + n], v[start:start + n]))
+        start += n
+    return post(spec, w, torch.cat(outs), gate), parts

@@ -1,0 +1,46 @@
+"""The token mixer of each layer — its attention kind — behind one interface the runtime calls.
+
+Kinds: "gqa" (grouped-query attention, full or sliding: gqa.py), "mla" (latent attention: mla.py),
+"linear" (Gated DeltaNet: linear_attention.py). Each module has
+  pre(spec, w, h, positions, rope, call_lengths) -> (payload [T, d1] for the CPU, what stays for post)
+  attend(spec, w_host, payload, store, rows) -> [B, d2]       (next to the state, one token per row)
+  post(spec, w, out, keep) -> [T, D]
+  prefill(spec, w, h, positions, rope, lens, call_lengths, window) -> ([T, D], per prompt the state parts)
+and d1_width / d2_width (elements per token crossing D1 and D2). `store.write_prompt(slot, *parts)`
+takes a prompt's state parts.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from core.model import gqa, linear_attention, mla
+from core.model.spec import ModelSpec
+
+
+def kind(spec: ModelSpec, layer: int) -> str:
+    if spec.layer_type(layer) == "linear":
+        return "linear"
+    return "mla" if spec.mla is not None else "gqa"
+
+
+def module(spec: ModelSpec, layer: int) -> ModuleType:
+    return {"gqa": gqa, "mla": mla, "linear": linear_attention}[kind(spec, layer)]
+
+
+def window(spec: ModelSpec, layer: int) -> int:
+    return spec.sliding_window if spec.layer_type(layer) == "sliding" else 0
+
+
+def d1_width(spec: ModelSpec, layer: int) -> int:
+    return module(spec, layer).d1_width(spec)
+
+
+def d2_width(spec: ModelSpec, layer: int) -> int:
+    return module(spec, layer).d2_width(spec)
+
+
+def max_widths(spec: ModelSpec) -> tuple[int, int]:
+    """The widest D1 and D2 payloads over the layers (the host buffers' widths)."""
+    layers = range(spec.num_layers)
+    return max(d1_width(spec, i) for i in layers), max(d2_width(spec, i) for i in layers)

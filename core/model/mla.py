@@ -1,0 +1,107 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) as CGOPipe runs it, over a latent cache.
+
+The cache keeps, per token, the normed KV latent c [R] and the roped shared key k_pe [dr] — R + dr
+numbers instead of 2·H·hd — and K/V are never expanded at decode. The up-projection kv_b splits
+per head into W_UK [dn, R] and W_UV [dv, R]; since q_nope·(W_UK c) = (W_UKᵀ q_nope)·c, the query is
+absorbed into latent space on the accelerator (`pre`: q_lat = W_UKᵀ q_nope), the CPU attends like
+multi-query attention with one "head" of width R + dr shared by all H query heads (`attend`:
+scores = [q_lat | q_pe]·[c | k_pe], output o_lat = p·c), and the accelerator applies W_UV and the
+O projection (`post`). Prefill is compute-bound, so it expands K/V for the prompt as the reference does.
+D1 payload: [q_lat | q_pe] per head (H·(R+dr)) and the token's [c | k_pe] (R+dr); D2: o_lat (H·R).
+Legend: T = tokens, B = requests, H = heads, R = latent rank, dn/dr/dv = no-rope/rope/value head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from core.model.attention import prefill_attention
+from core.model.layers import rms_norm
+from core.model.spec import ModelSpec
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
+
+
+def d1_width(spec: ModelSpec) -> int:
+    m = spec.mla
+    return (spec.num_heads + 1) * (m.kv_lora_rank + m.qk_rope_dim)
+
+
+def d2_width(spec: ModelSpec) -> int:
+    return spec.num_heads * spec.mla.kv_lora_rank
+
+
+def _up(spec: ModelSpec, w: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b as W_UK [H, dn, R] and W_UV [H, dv, R] (views)."""
+    m = spec.mla
+    kv_b = w["kv_b"].view(spec.num_heads, m.qk_nope_dim + m.v_head_dim, m.kv_lora_rank)
+    return kv_b[:, :m.qk_nope_dim], kv_b[:, m.qk_nope_dim:]
+
+
+def _queries(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_lengths):
+    """-> q_nope [T, H, dn], roped q_pe [T, H, dr]."""
+    m = spec.mla
+    q = F.linear(h, w["q"]) if "q" in w else F.linear(rms_norm(F.linear(h, w["q_a"]), w["q_a_norm"], LATENT_NORM_EPS), w["q_b"])
+    q_nope, q_pe = q.view(h.shape[0], spec.num_heads, -1).split([m.qk_nope_dim, m.qk_rope_dim], dim=-1)
+    return q_nope, rope.apply(q_pe, positions, call_lengths)
+
+
+def _latent(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_lengths) -> torch.Tensor:
+    """-> [T, R + dr]: the normed latent and the roped shared key, as cached."""
+    m = spec.mla
+    c, k_pe = F.linear(h, w["kv_a"]).split([m.kv_lora_rank, m.qk_rope_dim], dim=-1)
+    k_pe = rope.apply(k_pe[:, None, :], positions, call_lengths)[:, 0]
+    return torch.cat((rms_norm(c, w["kv_a_norm"], LATENT_NORM_EPS), k_pe), dim=-1)
+
+
+def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None):
+    q_nope, q_pe = _queries(spec, w, h, positions, rope, call_lengths)
+    w_uk, _ = _up(spec, w)
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
+    T = h.shape[0]
+    q = torch.cat((q_lat, q_pe), dim=-1).reshape(T, -1)
+    return torch.cat((q, _latent(spec, w, h, positions, rope, call_lengths)), dim=-1), None
+
+
+def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows) -> torch.Tensor:
+    """Write the new tokens' latents, attend over each row's latents. payload [B, d1] -> o_lat [B, H·R]."""
+    m, B, H = spec.mla, rows.B, spec.num_heads
+    width = m.kv_lora_rank + m.qk_rope_dim
+    q, lat_new = payload.split([H * width, width], dim=-1)
+    store.write(rows.slots, rows.positions, lat_new)
+    lengths, (shortest, T), pad = rows.kept(store)
+    lat = rows.take(store.lat)[:, :T]  # [B, T, R + dr]
+    scores = torch.bmm(q.reshape(B, H, width), lat.transpose(1, 2)).float() * spec.scale  # [B, H, T]
+    if shortest < T:
+        scores.masked_fill_(pad[:, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(q.dtype)
+    # p·[c | k_pe] and drop the rope columns: dr/R more FLOPs, but no copy of the strided c slice
+    return torch.bmm(p, lat)[:, :, :m.kv_lora_rank].reshape(B, H * m.kv_lora_rank)
+
+
+def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep) -> torch.Tensor:
+    """o_lat [B, H·R] -> W_UV per head -> O projection [B, D]."""
+    B, H = out.shape[0], spec.num_heads
+    _, w_uv = _up(spec, w)
+    o = torch.bmm(out.view(B, H, -1).transpose(0, 1), w_uv.transpose(1, 2))  # [H, B, dv]
+    return F.linear(o.transpose(0, 1).reshape(B, -1), w["o"])
+
+
+def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, lens: list[int],
+            call_lengths=None, window: int = 0):
+    """Whole prompts in h [T, D] -> (output [T, D], per prompt its latents [L, R + dr] to store)."""
+    m, T, H = spec.mla, h.shape[0], spec.num_heads
+    q_nope, q_pe = _queries(spec, w, h, positions, rope, call_lengths)
+    lat = _latent(spec, w, h, positions, rope, call_lengths)
+    c, k_pe = lat.split([m.kv_lora_rank, m.qk_rope_dim], dim=-1)
+    k_nope, v = F.linear(c, w["kv_b"]).view(T, H, -1).split([m.qk_nope_dim, m.v_head_dim], dim=-1)
+    q = torch.cat((q_nope, q_pe), dim=-1)
+    k = torch.cat((k_nope, k_pe[:, None, :].expand(T, H, m.qk_rope_dim)), dim=-1)
+    outs, parts, start = [], [], 0
+    for n in lens:
+        s = slice(start, start + n)
+        outs.append(prefill_attention(q[s], k[s], v[s], spec.scale))
+        parts.append((lat[s],))
+        start += n
+    return F.linear(torch.cat(outs), w["o"]), parts

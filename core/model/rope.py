@@ -1,0 +1,109 @@
+"""Rotary position embeddings: cos/sin tables built once, applied by position.
+
+Covers what the families use: full or partial rotation (the first `dim` dims of a head rotate, the
+rest pass through), halves (Llama: x·cos + rotate_half(x)·sin) or interleaved pairs (DeepSeek:
+(x0, x1), (x2, x3)… each rotated by one frequency, written back as [rotated evens, rotated odds] —
+q·k is the same in either layout as long as q and k share it), YaRN (gpt-oss, DeepSeek) and
+LongRoPE (Phi-3.5-MoE).
+
+LongRoPE picks its cos/sin scale by the length of the forward call a token belongs to (transformers'
+PhimoeRotaryEmbedding: `long_mscale` once max(position)+1 exceeds the pre-training context, with the
+short factors' frequencies either way); `Rope.apply` takes each token's call length for that.
+Legend: T = tokens, H = heads, P = positions, r = rotated dims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from core.model.spec import RopeSpec
+
+
+def inv_freq(r: RopeSpec, dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim/2] in fp32, cos/sin scale) for a rotation over `dim` dims."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    base = r.theta ** exponents
+    if r.kind == "default":
+        return 1.0 / base, 1.0
+    if r.kind == "yarn":
+        return _yarn(r, dim, base, max_position)
+    if r.kind == "longrope":
+        factors = torch.tensor(r.short_factor, dtype=torch.float32)
+        if factors.numel() != dim // 2:
+            raise ValueError(f"LongRoPE short_factor has {factors.numel()} entries, the head rotates {dim // 2} pairs")
+        return 1.0 / (factors * base), 1.0
+    raise ValueError(f"unknown RoPE kind {r.kind!r}")
+
+
+def _yarn(r: RopeSpec, dim: int, base: torch.Tensor, max_position: int) -> tuple[torch.Tensor, float]:
+    factor = r.factor or max_position / r.original_max
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if r.attention_factor is not None:
+        attention = r.attention_factor
+    elif r.mscale and r.mscale_all_dim:
+        attention = mscale(factor, r.mscale) / mscale(factor, r.mscale_all_dim)
+    else:
+        attention = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times
+        return dim * math.log(r.original_max / (rotations * 2 * math.pi)) / (2 * math.log(r.theta))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    freq = (1.0 / (factor * base)) * (1 - extrapolate) + (1.0 / base) * extrapolate
+    return freq, attention
+
+
+class Rope:
+    """cos/sin tables for every position up to the context length, computed once."""
+
+    def __init__(self, r: RopeSpec, dim: int, max_positions: int, dtype: torch.dtype, device="cpu",
+                 model_max_position: int | None = None):
+        self.dim, self.pairs = dim, r.pairs
+        freq, attention = inv_freq(r, dim, model_max_position or max_positions)
+        angles = torch.arange(max_positions).float()[:, None] * freq[None, :]  # [P, r/2]
+        scales = [attention]
+        self.switch = 0  # LongRoPE: tokens in calls longer than this use the second table
+        if r.kind == "longrope" and r.short_mscale is not None:
+            scales = [r.short_mscale, r.long_mscale if r.long_mscale is not None else r.short_mscale]
+            self.switch = r.original_max
+        half = angles if r.pairs else torch.cat((angles, angles), dim=-1)  # pairs: one angle per pair
+        self.cos = torch.cat([(half.cos() * s) for s in scales]).to(dtype).to(device)  # [P·tables, r or r/2]
+        self.sin = torch.cat([(half.sin() * s) for s in scales]).to(dtype).to(device)
+        self.positions = max_positions
+
+    def rows(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Table rows for tokens at `positions` [T]; `call_lengths` [T]: the length (max position + 1)
+        of the forward call each token belongs to, which LongRoPE's scale depends on."""
+        if not self.switch or call_lengths is None:
+            return positions
+        return positions + self.positions * (call_lengths > self.switch).to(positions.dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H, hd], positions [T] -> x with its first `dim` dims rotated."""
+        rows = self.rows(positions, call_lengths)
+        cos, sin = self.cos[rows][:, None, :], self.sin[rows][:, None, :]
+        d = self.dim
+        rot, rest = (x, None) if d == x.shape[-1] else (x[..., :d], x[..., d:])
+        if self.pairs:
+            even, odd = rot[..., 0::2], rot[..., 1::2]
+            out = torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+        else:
+            half = d // 2
+            out = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
+        return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+def for_spec(spec, max_positions: int, dtype: torch.dtype, device="cpu") -> Rope:
+    return Rope(spec.rope, spec.rope_dim, max_positions, dtype, device, model_max_position=spec.max_position)

@@ -1,0 +1,92 @@
+"""MoE routers: from a token's hidden state to its k experts and their weights.
+
+Kinds (ModelSpec.router), each the inference form of its reference:
+- softmax: softmax over all experts, top-k, optionally renormalised (Mixtral, Qwen, OLMoE, DBRX).
+- topk_softmax: top-k of the (biased) logits, softmax over those k only (gpt-oss).
+- softmax_group: softmax, then group-limited greedy: only the experts of the `topk_group` groups
+  with the best expert score stay eligible (DeepSeek-V2; one group = plain greedy).
+- sigmoid_group: sigmoid scores; `e_score_correction_bias` is added to choose the experts (groups
+  ranked by the sum of their two best) but the weights are the plain scores (DeepSeek-V3, GLM-4.5).
+- sparsemixer: Phi-3.5-MoE's top-2 — the best expert, then the best of the rest, each weighted by a
+  softmax over the experts within a relative `jitter_eps` threshold of it (no sampling at inference).
+Then `routed_scale` multiplies the weights. Legend: T = tokens, E = experts, k = experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from core.model.spec import ModelSpec
+
+
+def route(spec: ModelSpec, h: torch.Tensor, w: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k])."""
+    if spec.router_fp32:
+        logits = F.linear(h.float(), w["router"].float())
+    else:
+        logits = F.linear(h, w["router"], w.get("router_bias"))
+    kind = spec.router
+    if kind == "softmax":
+        probs = torch.softmax(logits.float() if spec.router_softmax_fp32 else logits, dim=-1)
+        top, idx = torch.topk(probs, spec.top_k, dim=-1)
+        top = _renormalise(spec, top)
+    elif kind == "topk_softmax":
+        top, idx = torch.topk(logits, spec.top_k, dim=-1)
+        top = torch.softmax(top, dim=-1)
+    elif kind == "softmax_group":
+        scores = torch.softmax(logits.float(), dim=-1)
+        if spec.router_groups > 1:
+            best = scores.view(-1, spec.router_groups, spec.num_experts // spec.router_groups).amax(dim=-1)
+            scores = scores.masked_fill(~_group_mask(spec, best), 0.0)
+        top, idx = torch.topk(scores, spec.top_k, dim=-1)
+        top = _renormalise(spec, top)
+    elif kind == "sigmoid_group":
+        scores = logits.float().sigmoid()
+        choice = scores + w["e_bias"].float() if spec.router_correction else scores
+        if spec.router_groups > 1:
+            per_group = choice.view(-1, spec.router_groups, spec.num_experts // spec.router_groups)
+            best = per_group.topk(2, dim=-1).values.sum(dim=-1)
+            choice = choice.masked_fill(~_group_mask(spec, best), float("-inf"))
+        idx = torch.topk(choice, spec.top_k, dim=-1).indices
+        top = scores.gather(1, idx)
+        if spec.router_norm == "sum":
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    elif kind == "sparsemixer":
+        top, idx = _sparsemixer(logits, spec.router_jitter)
+    else:
+        raise ValueError(f"unknown router {kind!r}")
+    if spec.routed_scale != 1.0:
+        top = top * spec.routed_scale
+    return top.to(h.dtype), idx
+
+
+def _renormalise(spec: ModelSpec, top: torch.Tensor) -> torch.Tensor:
+    if spec.router_norm == "sum":
+        return top / top.sum(dim=-1, keepdim=True)
+    if spec.router_norm == "pnorm":
+        return top / torch.norm(top, p=spec.router_pnorm, dim=-1, keepdim=True)
+    return top
+
+
+def _group_mask(spec: ModelSpec, group_scores: torch.Tensor) -> torch.Tensor:
+    """[T, E] True for experts in the `topk_group` best groups of each token."""
+    groups = torch.topk(group_scores, spec.router_topk_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    return keep.repeat_interleave(spec.num_experts // spec.router_groups, dim=1)
+
+
+def _sparsemixer(scores: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    first_val, first = scores.max(dim=-1, keepdim=True)
+    w1 = _within_threshold_softmax(scores, scores, first_val, eps).gather(-1, first)
+    rest = scores.scatter(-1, first, float("-inf"))
+    second_val, second = rest.max(dim=-1, keepdim=True)
+    w2 = _within_threshold_softmax(rest, scores, second_val, eps).gather(-1, second)
+    return torch.cat((w1, w2), dim=-1), torch.cat((first, second), dim=-1)
+
+
+def _within_threshold_softmax(candidates, scores, best, eps):
+    """softmax over the candidates whose score is within a relative 2·eps of `best` (the others −inf)."""
+    factor = scores.abs().clamp(min=best)
+    far = (best - scores) / factor > 2 * eps
+    return torch.softmax(candidates.masked_fill(far, float("-inf")), dim=-1)
