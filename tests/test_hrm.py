@@ -145,3 +145,41 @@ def test_task_table_says_where_each_task_belongs():
     assert "shared_expert" not in rows  # Mixtral has none
     qwen = {row["task"] for row in hrm.task_table(preset_spec("qwen1.5-moe-a2.7b"), r, micro_batch=8, context=10)}
     assert "shared_expert" in qwen
+
+
+def test_mla_decode_attention_reads_latents_once_for_all_heads():
+    """MLA at decode: per cached token one latent of R + dr numbers, shared by every query head (the
+    absorbed form), so its FLOPs per byte are ~H times GQA's — the HRM sees latent bytes, not K/V."""
+    ds = preset_spec("deepseek-v3")
+    t, c, width = 64, 4096, 512 + 64
+    a = hrm.decode_attention(ds, t, c)
+    assert a.flops == pytest.approx(t * c * 4 * 128 * width)
+    assert a.bytes == pytest.approx(t * (c * width + 2 * 128 * width) * 2)
+    assert a.intensity > 50 * hrm.decode_attention(MIXTRAL, t, c).intensity
+    # the D1/D2 payloads are latent-sized too: absorbed queries out, latent outputs back
+    assert hrm.dims(ds).d1 == (128 + 1) * width and hrm.dims(ds).d2 == 128 * 512
+
+
+def test_window_and_linear_layers_stop_growing_with_the_context():
+    oss, nxt = preset_spec("gpt-oss-20b"), preset_spec("qwen3-next-80b-a3b")
+    per_token = lambda s, c1, c2: (hrm.decode_attention(s, 8, c2).bytes - hrm.decode_attention(s, 8, c1).bytes) / (c2 - c1)  # noqa: E731
+    full = lambda s: 8 * 2 * s.num_kv_heads * s.head_dim * s.dtype_bytes  # noqa: E731
+    # below the window every gpt-oss layer grows; past it only the full-attention half does
+    assert per_token(oss, 16, 64) == pytest.approx(full(oss))
+    assert per_token(oss, 1000, 9000) == pytest.approx(full(oss) / 2)
+    # Qwen3-Next: 12 of 48 layers grow; the 36 linear ones cost the same at any length, and not nothing
+    assert per_token(nxt, 1000, 9000) == pytest.approx(full(nxt) * 12 / 48)
+    assert hrm.decode_attention(nxt, 8, 0).bytes > 8 * 36 / 48 * 2 * 32 * 128 * 128 * 4
+
+
+def test_dense_layers_have_no_experts_to_stream_or_run():
+    ds = preset_spec("deepseek-v3")
+    frac = 58 / 61  # first_k_dense_replace = 3
+    d = hrm.dims(ds)
+    assert d.moe_frac == pytest.approx(frac)
+    assert hrm.moe_ffn(ds, 16).flops == pytest.approx(frac * 6 * 16 * 8 * 7168 * 2048)
+    r = hrm.effective_rates(preset("t4"))
+    t = hrm.decode_tasks(ds, r, batch=64, micro_batch=16, expert_batch=16, attention_on="cpu", ffn_on="gpu",
+                         gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, context=512, pages=4)
+    streamed = t["weight_page"].seconds * t["weight_page"].per_layer - 4 * hrm.COPY_LAUNCH
+    assert streamed * r.h2d_bw == pytest.approx(frac * ds.layer_expert_bytes)

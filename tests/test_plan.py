@@ -82,7 +82,7 @@ def test_every_plan_fits_its_budget(model, hw):
     assert pred.cpu_bytes <= budget.cpu_bytes * planner.CPU_USABLE
     assert pred.gpu_bytes == sum(pred.gpu_breakdown.values())
     # KV capacity covers the whole workload, wherever it lives
-    kv = policy.batch_size * (MTBENCH.prompt_len + MTBENCH.gen_len) * spec.kv_bytes_per_token
+    kv = policy.batch_size * spec.state_bytes(MTBENCH.prompt_len + MTBENCH.gen_len)
     assert pred.gpu_breakdown.get("kv_cache", 0) + pred.cpu_breakdown["kv_cache"] == pytest.approx(kv, rel=1e-6, abs=2)
 
 
@@ -203,13 +203,31 @@ def test_budget_defaults_to_detected_free_memory():
 
 
 # ---- model resolution ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["mixtral-8x7b", "mixtral-8x22b", "dbrx", "qwen3-30b-a3b", "olmoe-1b-7b",
-                                  "qwen1.5-moe-a2.7b"])
+PUBLISHED_BILLIONS = {"mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6, "dbrx": 131.6, "qwen3-30b-a3b": 30.5,
+                      "olmoe-1b-7b": 6.9, "qwen1.5-moe-a2.7b": 14.3, "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8,
+                      "deepseek-v2-lite": 15.7, "deepseek-v3": 671.0, "glm-4.5-air": 106.0, "qwen3-next-80b-a3b": 80.0,
+                      "qwen3.5-35b-a3b": 35.0, "phi-3.5-moe": 41.9}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
 def test_bundled_presets_have_their_published_sizes(name):
     spec = resolve_spec(name)
-    billions = {"mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6, "dbrx": 131.6, "qwen3-30b-a3b": 30.5,
-                "olmoe-1b-7b": 6.9, "qwen1.5-moe-a2.7b": 14.3}[name]
-    assert spec.num_params / 1e9 == pytest.approx(billions, rel=0.02)
+    assert spec.num_params / 1e9 == pytest.approx(PUBLISHED_BILLIONS[name], rel=0.02)
+
+
+def test_state_per_sequence_follows_each_layers_kind():
+    """The KV-capacity term: sliding layers stop at their window, linear layers keep a fixed state, MLA
+    keeps one latent per token — so at long contexts these models keep far less than full K/V would."""
+    oss, ds, nxt = resolve_spec("gpt-oss-20b"), resolve_spec("deepseek-v3"), resolve_spec("qwen3-next-80b-a3b")
+    full_kv = lambda s, t: s.num_layers * 2 * s.num_kv_heads * s.head_dim * s.dtype_bytes * t  # noqa: E731
+    # gpt-oss: half the layers hold at most 128 tokens
+    assert oss.state_bytes(100) == full_kv(oss, 100)
+    assert oss.state_bytes(10_000) == pytest.approx(full_kv(oss, 10_000) / 2 + full_kv(oss, 128) / 2)
+    # MLA: 512 + 64 numbers per token and layer instead of 2·128 heads·192
+    assert ds.state_bytes(1000) == ds.num_layers * 576 * 2 * 1000
+    # Qwen3-Next: 36 linear layers hold 32·128·128 fp32 + a 3-token conv state whatever the length
+    fixed = 36 * (32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 2)
+    assert nxt.state_bytes(0) == fixed and nxt.state_bytes(1000) == fixed + 12 * 2 * 2 * 256 * 2 * 1000
 
 
 def test_model_from_folder_and_from_the_hf_cache(tmp_path, monkeypatch):

@@ -119,3 +119,26 @@ def test_core_planner_is_headless():
             "bad = [m for m in sys.modules if m == 'app' or m.startswith(('app.', 'textual'))]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+NEW_PRESETS = ["gpt-oss-20b", "gpt-oss-120b", "deepseek-v2-lite", "deepseek-v3", "glm-4.5-air", "qwen3-next-80b-a3b",
+               "qwen3.5-35b-a3b", "phi-3.5-moe"]
+
+
+@pytest.mark.parametrize("model", NEW_PRESETS)
+def test_plan_plans_every_new_family_preset_on_t4_and_l4(model, capsys):
+    """Each bundled real config plans on the T4 and L4 presets (192 GB hosts) — or, when its weights
+    alone exceed the host, says by how much; given the memory, every one plans."""
+    from core.plan.presets import preset_spec
+
+    need_gb = preset_spec(model).total_bytes / 1e9
+    for hw in ("t4", "l4"):
+        rc = main(["plan", "--model", model, "--hardware", hw, "--prompt-len", "77", "--gen-len", "128", "--json"])
+        out, err = capsys.readouterr()
+        if rc == 2:
+            assert need_gb > 0.8 * 192 * 0.9 and "nothing fits" in err and "over" in err
+        else:
+            assert rc == 0 and json.loads(out)["prediction"]["tokens_per_s"] > 0
+    assert main(["plan", "--model", model, "--hardware", "t4", "--prompt-len", "77", "--gen-len", "128", "--json",
+                 "--cpu-mem", str(int(need_gb * 1.6) + 64)]) == 0
+    assert json.loads(capsys.readouterr().out)["prediction"]["tokens_per_s"] > 0

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from core.plan.hardware import HardwareSpec
+from core.plan.mixer_costs import MixerCost, mixer_costs
 from core.model.spec import ModelSpec
 
 # Achieved fraction of a datasheet peak, for rates not measured on the machine (HardwareSpec.measured).
@@ -69,7 +70,10 @@ class Work:
 @dataclass(frozen=True)
 class Dims:
     """The numbers of a ModelSpec the cost model uses, read once from its properties (which are
-    too slow to call in the planner's inner loop). Not a second model description: build it with `dims`."""
+    too slow to call in the planner's inner loop). Not a second model description: build it with `dims`.
+
+    Layers may differ (attention kind, dense or MoE FFN): per-layer costs are of the average layer —
+    each kind weighted by its share of the layers — so `layers` × a layer's cost is the whole stack's."""
 
     layers: int
     D: int
@@ -90,6 +94,33 @@ class Dims:
     total_bytes: int
     kv_tok_layer: int  # K and V of one token in one layer
     kv_tok: int  # all layers
+    mixers: tuple[MixerCost, ...] = ()  # one per kind of token mixer, with its layer count
+    moe_frac: float = 1.0  # share of the layers with experts (the rest run a dense MLP)
+    Id: int = 0  # dense MLP intermediate
+
+    def avg(self, f) -> float:
+        """f(mixer cost) averaged over the layers."""
+        return sum(m.count * f(m) for m in self.mixers) / self.layers
+
+    @property
+    def d1(self) -> float:
+        return self.avg(lambda m: m.d1)
+
+    @property
+    def d2(self) -> float:
+        return self.avg(lambda m: m.d2)
+
+    def state_bytes(self, tokens: float) -> float:
+        """Bytes one sequence of `tokens` tokens keeps over all layers."""
+        return sum(m.count * m.state.bytes(tokens, self.dt) for m in self.mixers)
+
+    def state_layer_bytes(self, tokens: float) -> float:
+        """The same, for the average layer."""
+        return self.state_bytes(tokens) / self.layers
+
+    def new_token_bytes(self) -> float:
+        """State bytes one decode token writes back, in the average layer."""
+        return self.avg(lambda m: m.new_token_bytes(self.dt))
 
 
 @lru_cache(maxsize=32)
@@ -98,7 +129,8 @@ def _dims(m: ModelSpec) -> Dims:
                 head_dim=m.head_dim, E=m.num_experts, k=m.top_k, I=m.expert_intermediate, Is=m.shared_intermediate,
                 V=m.vocab_size, dt=m.dtype_bytes, expert_bytes=m.expert_bytes, layer_expert_bytes=m.layer_expert_bytes,
                 nonexpert_bytes=m.nonexpert_bytes, total_expert_bytes=m.total_expert_bytes, total_bytes=m.total_bytes,
-                kv_tok_layer=m.kv_bytes_per_token_layer, kv_tok=m.kv_bytes_per_token)
+                kv_tok_layer=m.kv_bytes_per_token_layer, kv_tok=m.kv_bytes_per_token, mixers=mixer_costs(m),
+                moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate)
 
 
 def dims(m: "ModelSpec | Dims") -> Dims:
@@ -116,47 +148,63 @@ def expected_experts(tokens: float, num_experts: int, top_k: int) -> float:
 
 
 def qkv_proj(m: "ModelSpec | Dims", t: float) -> Work:
+    """The projections before attention (norm + QKV, MLA's low-rank Q and absorbed W_UK, DeltaNet's in_proj)."""
     d = dims(m)
-    out = d.q + 2 * d.kv
-    return Work(2 * t * d.D * out, (d.D * out + t * (d.D + out)) * d.dt)
+    params = d.avg(lambda x: x.pre_params)
+    return Work(2 * t * params, (params + t * (d.D + d.d1)) * d.dt)
 
 
 def o_proj(m: "ModelSpec | Dims", t: float) -> Work:
+    """The projections after attention (O; MLA's W_UV; DeltaNet's out_proj)."""
     d = dims(m)
-    return Work(2 * t * d.q * d.D, (d.q * d.D + t * (d.q + d.D)) * d.dt)
+    params = d.avg(lambda x: x.post_params)
+    return Work(2 * t * params, (params + t * (d.d2 + d.D)) * d.dt)
 
 
 def router(m: "ModelSpec | Dims", t: float) -> Work:
     d = dims(m)
-    return Work(2 * t * d.D * d.E, (d.E * d.D + t * d.D) * d.dt)
+    return Work(d.moe_frac * 2 * t * d.D * d.E, d.moe_frac * (d.E * d.D + t * d.D) * d.dt)
 
 
 def moe_ffn(m: "ModelSpec | Dims", t: float) -> Work:
-    """Routed experts for t tokens in one expert batch: each token runs k SwiGLU experts."""
+    """Routed experts for t tokens in one expert batch: each token runs k SwiGLU experts (average layer:
+    dense layers have none)."""
     d = dims(m)
     touched = expected_experts(t, d.E, d.k)
     acts = t * d.k * (2 * d.D + 3 * d.I) * d.dt
-    return Work(6 * t * d.k * d.D * d.I, touched * d.expert_bytes + acts)
+    return Work(d.moe_frac * 6 * t * d.k * d.D * d.I, d.moe_frac * (touched * d.expert_bytes + acts))
 
 
 def shared_expert(m: "ModelSpec | Dims", t: float) -> Work:
+    """The shared expert of MoE layers and the dense MLP of dense layers (both always on)."""
     d = dims(m)
-    if not d.Is:
+    width = d.moe_frac * d.Is + (1 - d.moe_frac) * d.Id
+    if not width:
         return Work(0.0, 0.0)
-    return Work(6 * t * d.D * d.Is, (3 * d.D * d.Is + t * (2 * d.D + 3 * d.Is)) * d.dt)
+    return Work(6 * t * d.D * width, (3 * d.D * width + t * (2 * d.D + 3 * width)) * d.dt)
 
 
 def decode_attention(m: "ModelSpec | Dims", t: float, c: float) -> Work:
-    """t queries of one new token each over c cached tokens (GQA): QKᵀ and PV. Each query reads its own
-    KV, so intensity is ≈ 2·(Hq/Hkv)/dtype_bytes whatever t is."""
+    """t queries of one new token each over c cached tokens, next to the state (average layer): for GQA
+    QKᵀ and PV over the KV (a sliding layer over its window), for MLA over the latents, for DeltaNet
+    one recurrent step over a fixed state. Each query reads its own state, so intensity does not grow
+    with t: ≈ 2·(Hq/Hkv)/dtype_bytes for GQA, ≈ 2·H/dtype_bytes for MLA (one latent for all heads)."""
     d = dims(m)
-    return Work(4 * t * c * d.heads * d.head_dim, t * c * d.kv_tok_layer + 2 * t * d.q * d.dt)
+    fl = by = 0.0
+    for x in d.mixers:
+        f, b = x.decode(t, c, d.dt)
+        fl, by = fl + x.count * f, by + x.count * b
+    return Work(fl / d.layers, by / d.layers)
 
 
 def prefill_attention(m: "ModelSpec | Dims", seqs: float, s: float) -> Work:
     """Causal attention over seqs prompts of s tokens, flash-style (K, V read once per query block)."""
     d = dims(m)
-    return Work(4 * seqs * (s * (s + 1) / 2) * d.heads * d.head_dim, seqs * s * (2 * d.q + 2 * d.kv) * d.dt)
+    fl = by = 0.0
+    for x in d.mixers:
+        f, b = x.prefill(seqs, s, d.dt)
+        fl, by = fl + x.count * f, by + x.count * b
+    return Work(fl / d.layers, by / d.layers)
 
 
 def lm_head(m: "ModelSpec | Dims", t: float) -> Work:
@@ -204,7 +252,7 @@ def ffn_intensities(m: "ModelSpec | Dims", expert_batch: float, batch: float, gp
     per_batch = moe_ffn(m, expert_batch)
     flops = per_batch.flops * batch / expert_batch
     gpu_bytes = per_batch.bytes * batch / expert_batch
-    link = (1 - gpu_weight_fraction) * dims(m).layer_expert_bytes
+    link = (1 - gpu_weight_fraction) * dims(m).layer_expert_bytes * dims(m).moe_frac
     return flops / gpu_bytes, (flops / link if link else float("inf"))
 
 
@@ -217,13 +265,13 @@ def task_table(m: "ModelSpec | Dims", r: Rates, *, micro_batch: int, context: fl
     d = dims(m)
     beta = expert_batch or micro_batch
     rows = [
-        ("qkv_proj", qkv_proj(d, micro_batch), d.D * (d.q + 2 * d.kv) * d.dt),
-        ("o_proj", o_proj(d, micro_batch), d.q * d.D * d.dt),
-        ("router", router(d, micro_batch), d.E * d.D * d.dt),
-        ("moe_ffn", moe_ffn(d, beta), expected_experts(beta, d.E, d.k) * d.expert_bytes),
-        ("shared_expert", shared_expert(d, micro_batch), 3 * d.D * d.Is * d.dt),
-        ("decode_attention", decode_attention(d, micro_batch, context), micro_batch * context * d.kv_tok_layer),
-        ("prefill_attention", prefill_attention(d, 1, prompt_len), prompt_len * 2 * d.kv * d.dt),
+        ("qkv_proj", qkv_proj(d, micro_batch), d.avg(lambda x: x.pre_params) * d.dt),
+        ("o_proj", o_proj(d, micro_batch), d.avg(lambda x: x.post_params) * d.dt),
+        ("router", router(d, micro_batch), d.moe_frac * d.E * d.D * d.dt),
+        ("moe_ffn", moe_ffn(d, beta), d.moe_frac * expected_experts(beta, d.E, d.k) * d.expert_bytes),
+        ("shared_expert", shared_expert(d, micro_batch), 3 * d.D * (d.moe_frac * d.Is + (1 - d.moe_frac) * d.Id) * d.dt),
+        ("decode_attention", decode_attention(d, micro_batch, context), micro_batch * d.state_layer_bytes(context)),
+        ("prefill_attention", prefill_attention(d, 1, prompt_len), prompt_len * d.avg(lambda x: x.state.token_elems) * d.dt),
         ("lm_head", lm_head(d, micro_batch), d.V * d.D * d.dt),
     ]
     out = []
@@ -284,18 +332,19 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         t["cpu_attn"] = TaskCost("cpu_attn", roofline_seconds(attn, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH, n_mb)
     if cpu_only:
         return t
-    streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes
+    streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes * m.moe_frac  # dense layers stream nothing
     # launch cost in proportion to the streamed share keeps the cost affine in r_w (the planner's LP
     # relies on it) and makes it vanish when nothing is streamed
     t["weight_page"] = TaskCost("h2d", (streamed / pages / r.h2d_bw + COPY_LAUNCH * (1 - gpu_weight_fraction)), pages)
     if attention_on == "cpu":
-        t["d1"] = TaskCost("d2h", micro_batch * (m.q + 2 * m.kv) * m.dt / r.d2h_bw + COPY_LAUNCH, n_mb)
-        t["d2"] = TaskCost("h2d", micro_batch * m.q * m.dt / r.h2d_bw + COPY_LAUNCH, n_mb)
+        t["d1"] = TaskCost("d2h", micro_batch * m.d1 * m.dt / r.d2h_bw + COPY_LAUNCH, n_mb)
+        t["d2"] = TaskCost("h2d", micro_batch * m.d2 * m.dt / r.h2d_bw + COPY_LAUNCH, n_mb)
     else:
         cpu_share = 1 - gpu_kv_fraction
         t["gpu_attn"] = TaskCost("gpu", roofline_seconds(attn, r.gpu_flops, r.gpu_bw) + GPU_LAUNCH, n_mb)
-        t["kv_load"] = TaskCost("h2d", cpu_share * micro_batch * context * m.kv_tok_layer / r.h2d_bw + COPY_LAUNCH, n_mb)
-        t["kv_store"] = TaskCost("d2h", cpu_share * micro_batch * m.kv_tok_layer / r.d2h_bw + COPY_LAUNCH, n_mb)
+        t["kv_load"] = TaskCost("h2d", cpu_share * micro_batch * m.state_layer_bytes(context) / r.h2d_bw + COPY_LAUNCH,
+                                n_mb)
+        t["kv_store"] = TaskCost("d2h", cpu_share * micro_batch * m.new_token_bytes() / r.d2h_bw + COPY_LAUNCH, n_mb)
     return t
 
 
@@ -311,12 +360,13 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
     if ffn_on == "cpu":
         return {"prefill": TaskCost("gpu", roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH, n_mb)}
     pages = pages or max(1, round(n_mb))
-    streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes
+    streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes * m.moe_frac
     kv_to_cpu = 1.0 if attention_on == "cpu" else 1 - gpu_kv_fraction
     return {
         "prefill": TaskCost("gpu", roofline_seconds(work, r.gpu_flops, r.gpu_bw) + 16 * GPU_LAUNCH, n_mb),
         "weight_page": TaskCost("h2d", streamed / pages / r.h2d_bw + COPY_LAUNCH * (1 - gpu_weight_fraction), pages),
-        "kv_store": TaskCost("d2h", kv_to_cpu * toks * m.kv_tok_layer / r.d2h_bw + COPY_LAUNCH, n_mb),
+        "kv_store": TaskCost("d2h", kv_to_cpu * micro_batch * m.state_layer_bytes(prompt_len) / r.d2h_bw + COPY_LAUNCH,
+                             n_mb),
     }
 
 

@@ -122,13 +122,16 @@ def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[
     d = hrm.dims(m)
     # The engine gives every batch slot room for the longest request (a slot is refilled with any
     # waiting request), so capacity is sized by the longest prompt, not the average.
-    kv_total = p.batch_size * (w.longest_prompt + w.gen_len) * d.kv_tok
+    # What a sequence keeps depends on each layer's kind: K/V per token, a sliding window's worth, an
+    # MLA latent per token, or a fixed linear-attention state (ModelSpec.layer_state).
+    kv_total = p.batch_size * d.state_bytes(w.longest_prompt + w.gen_len)
     r_w, r_c = p.gpu_weight_fraction, p.gpu_kv_fraction
     # Prefill runs μ prompts at a time, all at the longest length; decode keeps N hidden states,
     # one micro-batch's QKV and one expert batch's SwiGLU intermediates, plus fp32 logits.
     pre_tok = p.micro_batch_size * w.longest_prompt
-    prefill_act = pre_tok * (3 * d.D + d.q + 2 * d.kv + d.k * 3 * d.I) * d.dt
-    decode_act = (2 * p.batch_size * d.D + 2 * p.micro_batch_size * (d.q + 2 * d.kv)
+    d1 = max(m.d1 for m in d.mixers)
+    prefill_act = pre_tok * (3 * d.D + d1 + d.k * 3 * d.I) * d.dt
+    decode_act = (2 * p.batch_size * d.D + 2 * p.micro_batch_size * d1
                   + p.expert_batch_size * d.k * (3 * d.I + d.D)) * d.dt
     activations = max(prefill_act, decode_act) + p.micro_batch_size * d.V * 4  # + fp32 logits
     cpu_attn_ws = p.micro_batch_size * d.heads * (w.longest_prompt + w.gen_len) * 4  # fp32 scores
@@ -146,7 +149,7 @@ def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[
         "experts": int((1 - r_w) * d.total_expert_bytes),
         "kv_cache": int((1 - r_c) * kv_total),
         "pinned_staging": int(2 * streamed / p.pages_per_layer) if streamed else 0,  # two pages in flight
-        "hidden_and_qkv": int(p.batch_size * (2 * d.q + 2 * d.kv) * d.dt + cpu_attn_ws),
+        "hidden_and_qkv": int(p.batch_size * (d1 + max(m.d2 for m in d.mixers)) * d.dt + cpu_attn_ws),
     }
     return gpu, cpu
 
