@@ -1,0 +1,159 @@
+"""Algorithm 2 and refill, seen through `Engine.generate` with more requests than slots; stop strings.
+
+What is asserted, on a tiny Mixtral (prompts of `n` words "a" are exactly `n` tokens long):
+- admission: requests enter longest prompt first (the first prefill takes the longest ones, and no
+  request is admitted before a longer one that waits);
+- refill: while requests wait, every decode step runs a full batch (a finished request's slot is
+  refilled before the next decode);
+- placement: each request joins the micro-batch holding the fewest prompt tokens, counting only the
+  requests still in it (a finished request's tokens leave its micro-batch's load);
+- stop strings: the output is cut at the earliest hit of any of them, whatever their order.
+
+Micro-batch membership is read from the runner the engine drives: `Engine.runner(...)` is wrapped
+so that each prefill reports slot → prompt length and each decode its micro-batches' slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from core.runtime.engine import Engine, Request
+from core.telemetry import RequestDone, StepDone
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_factory):
+    e = Engine.load(checkpoint_factory("mixtral"))
+    e.eos_ids = set()  # random weights may sample EOS: lengths must come from max_new_tokens alone
+    yield e
+    e.close()
+
+
+def words(n: int) -> str:
+    return " ".join(["a"] * n)
+
+
+class RunnerSpy:
+    """Records what the engine hands its runner: who is prefilled into which slot, and which slots
+    decode together (one list per micro-batch)."""
+
+    def __init__(self, engine: Engine, monkeypatch):
+        self.prefills: list[dict[int, int]] = []  # per prefill: slot -> prompt length
+        self.decodes: list[list[frozenset[int]]] = []  # per decode: the micro-batches, as sets of prompt lengths
+        self._occupant: dict[int, int] = {}
+        real = engine.runner
+
+        def runner(*args, **kwargs):
+            r = real(*args, **kwargs)
+            prefill, decode = r.prefill, r.decode
+
+            def spy_prefill(prompts, slots, micro_batches):
+                placed = {s: len(p) for p, s in zip(prompts, slots)}
+                self.prefills.append(placed)
+                self._occupant.update(placed)
+                return prefill(prompts, slots, micro_batches)
+
+            def spy_decode(tokens, slots, positions):
+                self.decodes.append([frozenset(self._occupant[s] for s in group) for group in slots])
+                return decode(tokens, slots, positions)
+
+            r.prefill, r.decode = spy_prefill, spy_decode
+            return r
+
+        monkeypatch.setattr(engine, "runner", runner)
+
+    def micro_batch_of(self, length: int, decode_index: int) -> frozenset[int]:
+        (group,) = [g for g in self.decodes[decode_index] if length in g]
+        return group
+
+    def first_decode_with(self, length: int) -> int:
+        return next(i for i, d in enumerate(self.decodes) if any(length in g for g in d))
+
+
+def test_requests_are_admitted_longest_prompt_first(engine, monkeypatch):
+    spy = RunnerSpy(engine, monkeypatch)
+    lengths = [5, 17, 9, 30, 12, 3, 21]
+    reqs = [Request(id=f"r{n}", prompt=words(n), max_new_tokens=2 + i % 3) for i, n in enumerate(lengths)]
+    assert [len(engine.prompt_token_ids(r)) for r in reqs] == lengths
+    events = []
+    results = list(engine.generate(reqs, batch_size=3, micro_batch_size=1, on_event=events.append))
+    assert sorted(r.id for r in results) == sorted(r.id for r in reqs)
+    prefill = [e for e in events if isinstance(e, StepDone) and e.kind == "prefill"]
+    assert prefill[0].tokens == 30 + 21 + 17  # the three longest go first
+    admitted = [sorted(p.values(), reverse=True) for p in spy.prefills]
+    assert admitted[0] == [30, 21, 17]
+    flat = [n for group in admitted for n in group]
+    assert flat == sorted(lengths, reverse=True)  # nobody overtakes a longer waiting request
+
+
+def test_the_batch_stays_full_while_requests_wait(engine):
+    events = []
+    max_new = [2, 6, 3, 4, 5, 2, 3]
+    reqs = [Request(id=f"r{i}", prompt=words(4 + i), max_new_tokens=n) for i, n in enumerate(max_new)]
+    batch = 3
+    results = list(engine.generate(reqs, batch_size=batch, micro_batch_size=1, on_event=events.append))
+    assert len(results) == len(reqs)
+    finished, checked = 0, 0
+    for e in events:
+        if isinstance(e, RequestDone):
+            finished += 1
+        elif isinstance(e, StepDone) and e.kind == "decode":
+            waiting = len(reqs) - finished - e.active
+            if waiting > 0:
+                assert e.active == batch, f"decode with {e.active} of {batch} slots busy while {waiting} wait"
+                checked += 1
+    assert checked >= 3  # the scenario does make requests wait through several steps
+    # every request ran to its own length: refill did not cut or extend anyone
+    assert {r.id: r.output_tokens for r in results} == {r.id: r.max_new_tokens for r in reqs}
+
+
+def test_a_refilled_request_joins_the_micro_batch_with_the_fewest_tokens(engine, monkeypatch):
+    """Two micro-batches of two: 40 and 12 share one (52 tokens), 30 and 20 the other (50). When 40
+    and 30 finish together, the loads are 12 and 20, so the next request (8) joins 12's micro-batch.
+    Counting the finished requests' tokens still (52 vs 50) would send it to 20's instead."""
+    spy = RunnerSpy(engine, monkeypatch)
+    plan = {40: 2, 30: 2, 20: 8, 12: 8, 8: 3, 5: 3}  # prompt length -> max_new_tokens
+    reqs = [Request(id=f"r{n}", prompt=words(n), max_new_tokens=m) for n, m in plan.items()]
+    out = {r.id: r for r in engine.generate(reqs, batch_size=4, micro_batch_size=2)}
+    assert {k: r.output_tokens for k, r in out.items()} == {f"r{n}": m for n, m in plan.items()}
+    # the first deal: longest first, each into the lighter micro-batch
+    assert set(spy.decodes[0]) == {frozenset({40, 12}), frozenset({30, 20})}
+    # the refill
+    i = spy.first_decode_with(8)
+    assert spy.micro_batch_of(8, i) == {8, 12}
+    assert spy.micro_batch_of(5, i) == {5, 20}
+
+
+def _stop_strings_ending_together(engine, ids: list[int]):
+    """A token count m and two stop strings, both suffixes of the text of ids[:m] and absent from every
+    shorter prefix's text, that start at different places: both first appear at the same step."""
+    dec = lambda k: engine.tokenizer.decode(ids[:k], skip_special_tokens=True)  # noqa: E731
+    for m in range(3, len(ids) + 1):
+        t = dec(m)
+        earlier = [dec(k) for k in range(1, m)]
+        for i in range(1, len(t) - 2):  # i >= 1: the cut keeps some text
+            a = t[i:]
+            if any(a in e for e in earlier):
+                continue
+            for j in range(len(t) - 1, i, -1):
+                b = t[j:]
+                if not any(b in e for e in earlier) and t.find(a) != t.find(b):
+                    return m, a, b, t
+    return None
+
+
+def test_the_earliest_of_several_stop_strings_cuts_the_output(engine):
+    prompt = words(6)
+    (free,) = engine.generate([Request(id="s", prompt=prompt, max_new_tokens=16)])
+    found = _stop_strings_ending_together(engine, free.output_token_ids)
+    assert found, f"no usable stop strings in {free.output!r}"
+    m, a, b, text = found
+    want = text[:min(text.find(a), text.find(b))]
+    for stop in ((a, b), (b, a), ("never in the output \u2603", b, a)):
+        (cut,) = engine.generate([Request(id="s", prompt=prompt, max_new_tokens=16, stop=stop)])
+        assert cut.finish_reason == "stop"
+        assert cut.output == want, f"stop={stop!r}: {cut.output!r}, want {want!r}"
+        assert a not in cut.output and b not in cut.output
+    # a stop string that only the later text contains lets the earlier text through
+    (late,) = engine.generate([Request(id="s", prompt=prompt, max_new_tokens=16, stop=(b,))])
+    assert late.output == text[:text.find(b)]
