@@ -1,0 +1,74 @@
+"""The run store's durability promise, checked at the system call: every finished result is fsynced,
+with its bytes already in the file, before `append` returns; the manifest likewise before the run
+file appears under its name; a result seen twice on resume keeps its last copy."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from core.io.runstore import RunStore
+
+MANIFEST = {"model": {"source": "m", "config_sha256": "c"}, "prompts": {"sha256": "p"}, "settings": {"t": 0},
+            "policy": {"batch": 4}}
+
+
+def rec(i, output="o") -> dict:
+    return {"id": str(i), "prompt": f"p{i}", "output": output, "output_token_ids": [1], "prompt_tokens": 1,
+            "output_tokens": 1, "finish_reason": "length", "seconds": 0.1}
+
+
+class FsyncSpy:
+    """os.fsync, recording (inode, size) of each file it syncs and whether `watch` exists then; then
+    syncing for real."""
+
+    def __init__(self, monkeypatch, watch=None):
+        self.calls: list[tuple[int, int]] = []
+        self.watched: list[bool] = []
+        real = os.fsync
+
+        def fsync(fd):
+            st = os.fstat(fd)
+            self.calls.append((st.st_ino, st.st_size))
+            self.watched.append(watch is not None and watch.exists())
+            return real(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_every_append_is_fsynced_with_its_bytes_before_it_returns(tmp_path, monkeypatch):
+    spy = FsyncSpy(monkeypatch)
+    with RunStore(tmp_path / "o.jsonl") as st:
+        st.start(MANIFEST)
+        ino = os.stat(st.run_path).st_ino
+        for i in range(4):
+            spy.calls.clear()
+            st.append(rec(i))
+            size = os.stat(st.run_path).st_size
+            assert (ino, size) in spy.calls, f"append {i}: no fsync of the run file holding the record"
+            assert json.loads(st.run_path.read_text(encoding="utf-8").splitlines()[-1]) == rec(i)
+
+
+def test_the_manifest_is_fsynced_before_the_run_file_takes_its_name(tmp_path, monkeypatch):
+    out = tmp_path / "o.jsonl"
+    spy = FsyncSpy(monkeypatch, watch=out.with_name("o.jsonl.run.jsonl"))
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        manifest_size = os.stat(st.run_path).st_size
+        ino = os.stat(st.run_path).st_ino
+        first = spy.calls.index((ino, manifest_size))  # the manifest, synced whole...
+        assert spy.watched[first] is False  # ...under its temporary name, before the rename
+        lines = st.run_path.read_text(encoding="utf-8").splitlines()
+        assert len(lines) == 1 and json.loads(lines[0])["mlight_run"] == 1
+
+
+def test_resume_keeps_the_last_copy_of_a_result_seen_twice(tmp_path):
+    out = tmp_path / "o.jsonl"
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        st.append(rec(1, "first"))
+        st.append(rec(2))
+        st.append(rec(1, "second"))
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        assert st.resumed and list(st.done) == ["1", "2"] and st.done["1"]["output"] == "second"
