@@ -253,11 +253,12 @@ class Backend:
     @staticmethod
     def resume_info(out: Path) -> str:
         """A line about what a run on `out` will find there, or ''."""
-        run = out.with_name(out.name + ".run.jsonl")
+        from core.io.runstore import RunStore, parse_run_file
+
+        run = RunStore(out).run_path
         if run.is_file():
             try:
-                with run.open("rb") as f:
-                    n = max(0, sum(1 for _ in f) - 1)
+                n = len(parse_run_file(run.read_bytes())[1])  # what a resume keeps
             except OSError:
                 return ""
             return f"{run.name} holds {n} finished results of an unfinished run: kept, and the rest run"

@@ -57,6 +57,24 @@ def model_fingerprint(model_dir: str | Path, source: str | None = None) -> dict[
     return {"source": source or str(model_dir), "config_sha256": config_sha, "weights": weights}
 
 
+def parse_run_file(data: bytes) -> tuple[dict | None, dict[str, dict]]:
+    """A run file's manifest (None when line 1 is not one) and finished records by id, as a resume keeps
+    them: the last copy of a result seen twice, nothing from a torn last line. Reads only."""
+    manifest, records = None, {}
+    for i, raw in enumerate(data[:data.rfind(b"\n") + 1].splitlines()):
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue  # only a crash can tear a line; its request is simply run again
+        if i == 0:
+            manifest = obj if isinstance(obj, dict) and obj.get(MANIFEST_KEY) == MANIFEST_VERSION else None
+            if manifest is None:
+                return None, {}
+        elif isinstance(obj, dict) and "id" in obj:
+            records[str(obj["id"])] = obj
+    return manifest, records
+
+
 @dataclass
 class RunStore:
     """The state of one output path: lock, run file, finished records."""
@@ -168,19 +186,7 @@ class RunStore:
                 f.truncate(end)
                 f.flush()
                 os.fsync(f.fileno())
-        manifest, records = None, {}
-        for i, raw in enumerate(data[:end].splitlines()):
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue  # only a crash can tear a line; its request is simply run again
-            if i == 0:
-                manifest = obj if isinstance(obj, dict) and obj.get(MANIFEST_KEY) == MANIFEST_VERSION else None
-                if manifest is None:
-                    return None, {}
-            elif isinstance(obj, dict) and "id" in obj:
-                records[str(obj["id"])] = obj
-        return manifest, records
+        return parse_run_file(data)
 
     def _create(self, manifest: dict) -> None:
         tmp = self.run_path.with_name(self.run_path.name + ".tmp")
