@@ -70,20 +70,34 @@ CASES = [(m, h) for m in preset_names() for h in ("t4", "l4", "2xt4", "a100-80g"
 
 @pytest.mark.parametrize("model,hw", CASES)
 def test_every_plan_fits_its_budget(model, hw):
+    """The plan fits when counted independently of the planner: the weights where the policy puts them,
+    the 2×layer double buffer of streamed experts, a KV cache with room for every slot at the longest
+    request. Only the activations are taken from the planner (its estimate of them)."""
     spec, machine = preset_spec(model), preset(hw)
+    work = dataclasses.replace(MTBENCH, max_prompt_len=2 * MTBENCH.prompt_len)  # MT-Bench's longest is ~2x
     try:
-        policy, pred = plan(spec, machine, MTBENCH)
+        policy, pred = plan(spec, machine, work)
     except BudgetError:
         assert spec.total_bytes > 0.8 * machine.cpu_mem_bytes  # only models larger than the host
         return
     budget = Budget.for_hardware(machine)
-    assert validate(policy, spec, machine, MTBENCH, budget) == []
-    assert pred.gpu_bytes <= budget.gpu_bytes * planner.GPU_USABLE
-    assert pred.cpu_bytes <= budget.cpu_bytes * planner.CPU_USABLE
-    assert pred.gpu_bytes == sum(pred.gpu_breakdown.values())
-    # KV capacity covers the whole workload, wherever it lives
-    kv = policy.batch_size * spec.state_bytes(MTBENCH.prompt_len + MTBENCH.gen_len)
-    assert pred.gpu_breakdown.get("kv_cache", 0) + pred.cpu_breakdown["kv_cache"] == pytest.approx(kv, rel=1e-6, abs=2)
+    gpu_limit, cpu_limit = budget.gpu_bytes * planner.GPU_USABLE, budget.cpu_bytes * planner.CPU_USABLE
+    r_w, r_c = policy.gpu_weight_fraction, policy.gpu_kv_fraction
+    experts, layer = spec.total_expert_bytes, spec.layer_expert_bytes
+    # what every slot keeps for the longest request: K/V, windows, latents or linear states, by layer kind
+    kv = policy.batch_size * spec.state_bytes(work.longest_prompt + work.gen_len)
+    if policy.ffn_on == "cpu":
+        cpu_need = spec.total_bytes + kv
+        assert pred.gpu_bytes == 0
+    else:
+        gpu_need = (spec.total_bytes - experts) + r_w * experts + 2 * (1 - r_w) * layer + r_c * kv \
+            + pred.gpu_breakdown["activations"]
+        cpu_need = (1 - r_w) * experts + (1 - r_c) * kv
+        assert gpu_need <= gpu_limit, f"{model} on {hw}: needs {gpu_need:,.0f} GPU bytes, {gpu_limit:,.0f} usable"
+        assert pred.gpu_bytes >= gpu_need - 2, "the planner counts less GPU memory than the policy needs"
+    assert cpu_need <= cpu_limit, f"{model} on {hw}: needs {cpu_need:,.0f} CPU bytes, {cpu_limit:,.0f} usable"
+    assert pred.cpu_bytes >= cpu_need - 2, "the planner counts less CPU memory than the policy needs"
+    assert validate(policy, spec, machine, work, budget) == []
 
 
 def test_a_budget_nothing_fits_in_names_the_shortfall():
@@ -152,15 +166,43 @@ def test_micro_batch_candidates_are_the_papers():
     assert planner.micro_batch_sizes(200) == [1, 2, 3, 4, 36, 68, 100, 132, 164, 196]
 
 
-def test_prediction_is_self_consistent():
-    policy, pred = plan(MIXTRAL, preset("t4"), MTBENCH)
-    again = predict(policy, MIXTRAL, preset("t4"), MTBENCH)
-    assert again.tokens_per_s == pytest.approx(pred.tokens_per_s)
-    total = pred.prefill_seconds + (MTBENCH.gen_len - 1) * pred.step_seconds
-    assert pred.tokens_per_s == pytest.approx(policy.batch_size * MTBENCH.gen_len / total)
-    assert pred.decode_tokens_per_s == pytest.approx(policy.batch_size / pred.step_seconds)
+def _neighbours(p: Policy):
+    """Policies one step away from p in each integer and continuous choice."""
+    mu, n_mb, g = p.micro_batch_size, p.num_micro_batches, p.micro_batches_per_expert_batch
+    for n2 in {max(1, n_mb - 1), n_mb + 1, max(1, n_mb // 2), 2 * n_mb}:
+        for g2 in {1, g, n2}:
+            if n2 % g2 == 0:
+                yield dataclasses.replace(p, batch_size=n2 * mu, expert_batch_size=g2 * mu, pages_per_layer=n2)
+    for g2 in (g // 2, 2 * g):
+        if g2 >= 1 and n_mb % g2 == 0:
+            yield dataclasses.replace(p, expert_batch_size=g2 * mu)
+    for r_w in (p.gpu_weight_fraction - 0.02, p.gpu_weight_fraction + 0.02):
+        if 0 <= r_w <= 1 and p.ffn_on == "gpu":
+            yield dataclasses.replace(p, gpu_weight_fraction=r_w)
+
+
+@pytest.mark.parametrize("gpu", ["t4", "l4"])
+def test_prediction_is_self_consistent(gpu):
+    """The reported figures follow from each other, and the search ranked policies by the same
+    prediction it reports: no fitting neighbour of the chosen policy is predicted to be faster."""
+    hw = preset(gpu)
+    policy, pred = plan(MIXTRAL, hw, MTBENCH)
+    n, N = MTBENCH.gen_len, policy.batch_size
+    assert pred.tokens_per_s == pytest.approx(N * n / (pred.prefill_seconds + (n - 1) * pred.step_seconds), rel=1e-9)
+    assert pred.decode_tokens_per_s == pytest.approx(N / pred.step_seconds, rel=1e-9)
+    assert pred.prefill_tokens_per_s == pytest.approx(N * MTBENCH.prompt_len / pred.prefill_seconds, rel=1e-9)
     assert pred.bottleneck in pred.layer_seconds
     assert pred.layer_seconds[pred.bottleneck] == max(pred.layer_seconds.values())
+    # a decode step is at least the layers' bottleneck resource, and not much more (the LM head)
+    layers = MIXTRAL.num_layers * pred.layer_seconds[pred.bottleneck]
+    assert layers <= pred.step_seconds <= 1.2 * layers
+    assert pred.gpu_bytes == sum(pred.gpu_breakdown.values()) and pred.cpu_bytes == sum(pred.cpu_breakdown.values())
+    checked = 0
+    for other in _neighbours(policy):
+        if validate(other, MIXTRAL, hw, MTBENCH) == []:
+            checked += 1
+            assert predict(other, MIXTRAL, hw, MTBENCH).tokens_per_s <= pred.tokens_per_s * (1 + 1e-6), other
+    assert checked >= 3
 
 
 def test_policy_and_prediction_json_round_trip():
