@@ -41,26 +41,74 @@ def test_run_updates_replace_each_other_but_logs_do_not():
     assert WorkProgress("download", 1, 10).can_replace(WorkProgress("download", 2, 10))
 
 
-def test_a_run_posts_few_updates_however_many_events(tmp_path, demo_model):
-    """The worker folds every event but posts a RunUpdate at most every POST_EVERY_S (plus state changes)."""
-    import shutil
+class _SteppingEngine:
+    """Posts `steps` decode events, each `dt` seconds apart on `clock`, then one result per request."""
 
-    from app.tui.backend import PlanView
+    context_length = 4096
+
+    def __init__(self, steps: int, clock, dt: float):
+        self.steps, self.clock, self.dt = steps, clock, dt
+
+    def prompt_token_ids(self, req) -> list[int]:
+        return [0] * 8
+
+    def generate(self, requests, *, batch_size=None, micro_batch_size=None, on_event, should_stop=None):
+        from core.runtime.engine import Result
+
+        requests = list(requests)
+        for _ in range(self.steps):
+            self.clock.t += self.dt
+            on_event(StepDone("decode", len(requests), self.dt, {"gpu": self.dt}, active=len(requests)))
+        for r in requests:
+            yield Result(r.id, r.prompt or "", "x", [1], 8, 1, "length", 0.0)
+
+
+def _run_job(tmp_path, monkeypatch, steps: int, dt: float) -> list:
+    """Run a RunJob over the 16 demo prompts with a stepping engine; the job's throttle reads `clock`."""
+    import shutil
+    import types
+
+    from app.tui import runjob
     from app.tui.messages import RunEnded
-    from app.tui.runjob import RunJob
     from core.plan.hardware import preset
     from test_app_support import DEMO_PROMPTS, ScriptedBackend
 
+    clock = FrozenClock(0.0)
+    monkeypatch.setattr(runjob, "time", types.SimpleNamespace(monotonic=clock))
+    engine = _SteppingEngine(steps, clock, dt)
+
+    class Backend(ScriptedBackend):
+        def engine(self, path, policy=None, progress=lambda e: None):
+            return engine
+
     shutil.copy(DEMO_PROMPTS, tmp_path / "p.jsonl")
-    b = ScriptedBackend(hardware=preset("t4"), clock=FrozenClock())
+    b = Backend(hardware=preset("t4"), clock=FrozenClock())
     machine = b.machine()
     model = b.open_model("demo", machine)
     prompts = b.read_prompts(tmp_path / "p.jsonl")
-    plan: PlanView = b.plan(model, machine, prompts, None, None)
     posted = []
-    job = RunJob(b, model, prompts, plan, tmp_path / "out.jsonl", posted.append)
+    out = tmp_path / f"out-{steps}-{dt}.jsonl"
+    job = runjob.RunJob(b, model, prompts, b.plan(model, machine, prompts, None, None), out, posted.append)
     assert job.run() == "done"
-    updates = [m for m in posted if isinstance(m, RunUpdate)]
-    assert 26 + 16 > 10 >= len(updates)  # 26 telemetry events and 16 results, a handful of redraws
     assert isinstance(posted[-1], RunEnded) and posted[-1].snapshot.requests_done == 16
-    assert (tmp_path / "out.jsonl").read_text(encoding="utf-8").count("\n") == 16
+    assert out.read_text(encoding="utf-8").count("\n") == 16
+    return [m.snapshot for m in posted if isinstance(m, RunUpdate)]
+
+
+def test_a_run_posts_few_updates_however_many_events(tmp_path, monkeypatch, demo_model):
+    """The worker folds every event into the meter but posts a RunUpdate only at a state change or when
+    POST_EVERY_S has passed since the last one: the count follows time, not the number of events."""
+    from app.tui.runjob import POST_EVERY_S
+
+    few = _run_job(tmp_path, monkeypatch, steps=10, dt=0.0)
+    many = _run_job(tmp_path, monkeypatch, steps=2000, dt=0.0)
+    # no time passes: only the state changes post (loading, the store opened, running)
+    assert 2 <= len(few) == len(many) <= 5
+    assert {"loading", "running"} <= {s.state for s in many}
+    # time passes: about one update per POST_EVERY_S, however many events fill it
+    dt = POST_EVERY_S / 50
+    slow = _run_job(tmp_path, monkeypatch, steps=500, dt=dt)  # 500 events over 10 intervals
+    assert len(few) + 8 <= len(slow) <= len(few) + 12, (len(few), len(slow))
+    # updates are cumulative: the newest posted during the steps has all but the last interval's tokens
+    tokens = [s.tokens_out for s in slow]
+    assert tokens == sorted(tokens) and tokens[-1] >= (500 - 50) * 16
