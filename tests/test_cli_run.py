@@ -108,12 +108,36 @@ def test_model_and_files_in_folders_with_spaces_and_non_ascii(tmp_path, out, cap
     assert len(jsonl(out / "sortie ü.jsonl")) == 1
 
 
-def test_same_results_as_uninterrupted_and_seeded_sampling_repeats(out, capsys, demo_model):
+def test_same_results_as_uninterrupted_and_seeded_sampling_repeats(out, capsys, monkeypatch, demo_model):
+    """Sampled run, Ctrl-C'd after two results and rerun with another batch size: the final file holds
+    every request once, with exactly the tokens of an uninterrupted run; another seed changes them."""
+    import signal
+
+    from core.io.runstore import RunStore
+
     args = ["--prompts", str(DATA / "prompts.txt"), "--max-new-tokens", "6", "--temperature", "0.9", "--seed", "7"]
     run_ok(capsys, *args, "--out", str(out / "a.jsonl"))
-    run_ok(capsys, *args, "--out", str(out / "b.jsonl"), "--batch", "1")
-    ids = lambda p: [r["output_token_ids"] for r in jsonl(p)]
+    append, saved = RunStore.append, []
+
+    def append_then_ctrl_c(store, record):
+        append(store, record)
+        saved.append(record["id"])
+        if len(saved) == 2:  # Ctrl-C, delivered to the handler `mlight run` installed
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+
+    monkeypatch.setattr(RunStore, "append", append_then_ctrl_c)
+    assert main(["run", *args, "--out", str(out / "b.jsonl"), "--batch", "2"]) == 130
+    err = capsys.readouterr().err
+    done = len(saved)
+    assert 2 <= done < 4 and f"interrupted: {done} of 4 requests done" in err, err
+    assert not (out / "b.jsonl").exists()
+    monkeypatch.setattr(RunStore, "append", append)
+    err = run_ok(capsys, *args, "--out", str(out / "b.jsonl"), "--batch", "1")
+    assert f"resuming: {done} of 4 requests already done" in err
+    ids = lambda p: [(r["id"], r["output_token_ids"]) for r in jsonl(p)]  # noqa: E731
     assert ids(out / "a.jsonl") == ids(out / "b.jsonl")
+    run_ok(capsys, *args[:-1], "8", "--out", str(out / "c.jsonl"))
+    assert ids(out / "c.jsonl") != ids(out / "a.jsonl")
 
 
 def test_executor_and_schedule_reach_engine_load(out, capsys, monkeypatch, demo_model):
