@@ -527,7 +527,11 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
         if best is None or t / c.n < best[0]:
             best = (t / c.n, c, r_w, r_c)
     _, c, r_w, r_c = best
-    r_w, r_c = _settle(r_w), _settle(r_c)
+    r_c = _settle(r_c)
+    # r_w as round as fits: a batch tight on both memories leaves an r_w window narrower than 1e-4
+    window = _rw_interval((c.lin.gpu0, c.lin.gpu_w, c.lin.gpu_c, c.lin.cpu0, c.lin.cpu_w, c.lin.cpu_c), r_c,
+                          gpu_limit, cpu_limit)
+    r_w = _settle(r_w) if window is None else _settle_within(r_w, *window)
     n_mb = c.n // c.mu
     policy = Policy(batch_size=c.n, micro_batch_size=c.mu, expert_batch_size=c.beta, attention_on=c.place[0],
                     ffn_on=c.place[1], gpu_weight_fraction=r_w if c.place[1] == "gpu" else 0.0,
@@ -541,6 +545,16 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
 def _settle(x: float) -> float:
     """Round a fraction down to 4 decimals (down keeps GPU memory within the limit) and clamp to [0, 1]."""
     return min(1.0, max(0.0, math.floor(x * 1e4 + 1e-6) / 1e4))
+
+
+def _settle_within(x: float, lo: float, hi: float) -> float:
+    """x with as few decimals (4 to 9) as keep it inside [lo, hi], rounded down where that fits."""
+    for digits in range(4, 10):
+        q = 10.0 ** digits
+        for v in (math.floor(x * q) / q, math.ceil(x * q) / q):
+            if lo <= v <= hi:
+                return min(1.0, max(0.0, v))
+    return _settle(x)
 
 
 def _shrink(p: Policy, m, hw, w, budget) -> Policy:
