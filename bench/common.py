@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---- model ------------------------------------------------------------------------------------------
 def build_mixtral(out_dir: Path, *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
-                  experts: int = 8, top_k: int = 2, vocab: int = 4096, seed: int = 0) -> dict:
+                  experts: int = 8, top_k: int = 2, vocab: int = 4096, seed: int = 0,
+                  initializer_range: float = 0.02) -> dict:
     """A random-weight bf16 Mixtral checkpoint made by transformers' own classes, plus a BPE tokenizer.
 
     The lm_head rows of EOS and PAD are zeroed: their logit is exactly 0 while the max over thousands of
@@ -39,7 +40,7 @@ def build_mixtral(out_dir: Path, *, hidden: int, intermediate: int, layers: int,
         num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=experts,
         num_experts_per_tok=top_k, max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
-        initializer_range=0.02, dtype="bfloat16",
+        initializer_range=initializer_range, dtype="bfloat16",
     )
     torch.manual_seed(seed)
     with torch.device("cpu"):

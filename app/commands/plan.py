@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from core.errors import BudgetError, UsageError
+from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,6 +30,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem", type=float, metavar="GB", help="GPU memory budget, all GPUs (default: what is there)")
     p.add_argument("--cpu-mem", type=float, metavar="GB", help="CPU memory budget (default: what is there)")
     p.add_argument("--pcie-gbps", type=float, metavar="X", help="override the host↔device link, GB/s each way")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
+                   help="expert weights: none (the checkpoint's dtype), int8, int4, or auto (the least lossy "
+                        "format that fits the budget); the plan also shows the speed-up over none")
+    p.add_argument("--group-size", type=int, choices=INT4_GROUPS, default=None, metavar="G",
+                   help=f"int4: weights per scale, one of {', '.join(map(str, INT4_GROUPS))} (default {DEFAULT_INT4_GROUP})")
     p.add_argument("--policy", metavar="JSON",
                    help="check and cost this policy instead of searching (a .json file or inline JSON)")
     p.add_argument("--simulate", action="store_true",
@@ -65,7 +71,14 @@ def run(args) -> int:
     workload = planner.Workload(args.prompt_len, args.gen_len, args.max_prompt_len, args.num_requests)
     budget = planner.Budget.for_hardware(hw, args.gpu_mem, args.cpu_mem)
     t0 = time.perf_counter()
+    choice = None
     if args.policy:
+        from core.model.quant.formats import parse_choice, quantized_spec
+
+        if args.quantize == "auto":
+            raise UsageError("--quantize auto chooses a format by planning; it cannot cost a given --policy",
+                             "give --quantize none, int8 or int4 with --policy")
+        model = quantized_spec(model, parse_choice(args.quantize, args.group_size))
         policy = _load_policy(args.policy)
         over = planner.validate(policy, model, hw, workload, budget)
         if over:
@@ -73,16 +86,21 @@ def run(args) -> int:
                               "lower batch_size or the GPU fractions, or raise --gpu-mem / --cpu-mem")
         prediction = planner.predict(policy, model, hw, workload)
     else:
-        policy, prediction = planner.plan(model, hw, workload, budget)
+        from core.plan.quantize import choose
+
+        choice = choose(model, hw, workload, budget, args.quantize, args.group_size)
+        model, policy, prediction = choice.spec, choice.policy, choice.prediction
     seconds = time.perf_counter() - t0
     sims = _simulate(model, hw, policy, workload) if args.simulate else None
     if args.json:
         out = {"policy": policy.to_dict(), "prediction": prediction.to_dict(), "plan_seconds": seconds}
+        if choice is not None:
+            out["quantize"] = choice.to_dict()
         if sims is not None:
             out["simulation"] = sims
         print(json.dumps(out))
     else:
-        print(_human(args, model, hw, workload, budget, policy, prediction, seconds, sims))
+        print(_human(args, model, hw, workload, budget, policy, prediction, seconds, sims, choice))
     return 0
 
 
@@ -106,17 +124,43 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms"
 
 
-def _human(args, model, hw, workload, budget, p, pred, seconds, sims) -> str:
+def _format_lines(model, choice, asked: str) -> list[str]:
+    """What the experts are stored as, why, and what it buys over the unquantized model."""
+    if choice is None or (asked == "none" and model.expert_format == "none"):
+        return []
+    if model.expert_format == "none":
+        head = f"format    experts in {model.dtype} (not quantized)"
+    else:
+        head = f"format    experts in {model.expert_format}, {model.expert_bits:.2f} bits per weight"
+    lines = [head, f"  why             {choice.why}"]
+    if choice.quantize != "none":
+        lines.append(f"  vs {model.dtype:13s} " + (
+            f"{choice.speedup:.2f}× the predicted tokens/s ({choice.baseline.tokens_per_s:,.1f} tokens/s unquantized)"
+            if choice.baseline is not None else f"unquantized, the model does not fit this budget ({_short(choice.tried['none'])})"))
+    return lines + [""]
+
+
+def _short(reason: str) -> str:
+    """'CPU memory: needs 89.16 GB but 51.20 GB is usable' out of a BudgetError's full text."""
+    import re
+
+    m = re.search(r"(\w+ memory): needs ([\d.]+ GB).*?but ([\d.]+ GB) is usable", reason)
+    return f"{m.group(1)} needs {m.group(2)}, {m.group(3)} usable" if m else reason
+
+
+def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=None) -> str:
     from core.plan.planner import CPU_USABLE, GPU_USABLE
 
     gpu = f"{hw.gpu_count}× {hw.gpu_name} {hw.gpu_mem_bytes / 2**30:.0f} GiB" if hw.has_gpu else "no GPU"
     lines = [
         f"model     {args.model}: {model.architecture}, {model.num_params / 1e9:.1f}B parameters, "
-        f"{_gb(model.total_bytes)} in {model.dtype}",
+        f"{_gb(model.total_bytes)} in {model.dtype}"
+        + (f" with {model.expert_format} experts" if model.expert_format != "none" else ""),
         f"hardware  {hw.name}: {gpu}, {hw.cpu_cores} cores, {_gb(hw.cpu_mem_bytes)} RAM"
         + (f", link {hw.h2d_bw / 1e9:.1f} GB/s" + (f" ({hw.pcie})" if hw.pcie else "") if hw.has_gpu else ""),
         f"workload  prompts of {workload.prompt_len} tokens, {workload.gen_len} generated",
         "",
+        *_format_lines(model, choice, getattr(args, "quantize", "none")),
         "policy",
         f"  batch size        {p.batch_size} requests = {p.num_micro_batches} micro-batch"
         f"{'es' if p.num_micro_batches > 1 else ''} of {p.micro_batch_size}",

@@ -19,6 +19,7 @@ from core.errors import BudgetError, UsageError
 from core.io.prompts import FORMATS, STDIN, PromptSet, read_prompts, reject_lines
 from core.io.results import output_format
 from core.io.runstore import RunStore, finish_run, model_fingerprint, prepare_requests, run_pending
+from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
 from core.telemetry import Progress, WarningEvent
 
 EXECUTORS = ("sequential", "threaded", "cuda")
@@ -47,6 +48,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="GPU memory budget: plan batch sizes with the HRM planner and refuse what cannot fit")
     p.add_argument("--cpu-mem", type=float, default=None, metavar="GB", help="CPU memory budget (see --gpu-mem)")
     p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
+                   help="expert weights: none (the checkpoint's dtype), int8 (per channel), int4 (group-wise), or "
+                        "auto: the least lossy format that fits the memory budget (--gpu-mem/--cpu-mem, else this "
+                        "machine's). Quantized once, then read from the cache")
+    p.add_argument("--group-size", type=int, choices=INT4_GROUPS, default=None, metavar="G",
+                   help=f"int4: weights per scale, one of {', '.join(map(str, INT4_GROUPS))} (default {DEFAULT_INT4_GROUP})")
     p.add_argument("--executor", choices=EXECUTORS, default=None)
     p.add_argument("--schedule", choices=SCHEDULES, default=None)
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
@@ -219,7 +226,8 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     """With a memory budget, let the planner pick the batch sizes the user left open — or refuse, before
     any weight is loaded, a budget that nothing fits in (BudgetError, exit 2)."""
     args.policy = None
-    if args.gpu_mem is None and args.cpu_mem is None:
+    quantize = getattr(args, "quantize", "none")
+    if args.gpu_mem is None and args.cpu_mem is None and quantize != "auto":
         args.batch = args.batch or BATCH
         return
     from core.plan import planner
@@ -232,11 +240,21 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     gen = max([e.max_new_tokens or args.max_new_tokens for e in prompts.entries] or [args.max_new_tokens])
     workload = planner.Workload(max(1, sum(lens) // max(1, len(lens))), gen, max(lens + [1]), len(prompts.entries))
     hw = resolve("local")
+    from core.plan.quantize import choose
+
     try:
-        policy, _ = planner.plan(load_spec(model_dir), hw, workload,
-                                 planner.Budget.for_hardware(hw, args.gpu_mem, args.cpu_mem))
+        choice = choose(load_spec(model_dir), hw, workload, planner.Budget.for_hardware(hw, args.gpu_mem, args.cpu_mem),
+                        quantize, args.group_size)
     except BudgetError as e:
-        raise BudgetError(e.problem, "raise --gpu-mem / --cpu-mem, or lower --max-new-tokens") from e
+        raise BudgetError(e.problem, "raise --gpu-mem / --cpu-mem, lower --max-new-tokens"
+                          + (", or pass --quantize int4" if quantize in ("none", "int8") else "")) from e
+    if quantize == "auto":
+        _say(f"--quantize auto: {choice.why}")
+        args.quantize = choice.quantize
+        if args.gpu_mem is None and args.cpu_mem is None:  # the format only: batch sizes as without a budget
+            args.batch = args.batch or BATCH
+            return
+    policy = choice.policy
     args.policy = policy  # Engine.load takes paging, resident experts and placement from it
     args.batch = args.batch or policy.batch_size
     args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
@@ -247,13 +265,22 @@ def _manifest(args, prompts: PromptSet, model_dir: Path, model_name: str) -> dic
         "model": model_fingerprint(model_dir, model_name),
         "prompts": {"sha256": prompts.sha256, "format": prompts.format},
         "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                     "top_k": args.top_k, "seed": args.seed, "revision": args.revision},
+                     "top_k": args.top_k, "seed": args.seed, "revision": args.revision,
+                     **_quant_settings(args)},
         "policy": {"batch": args.batch, "micro_batch": args.micro_batch, "executor": args.executor,
                    "schedule": args.schedule, "dtype": args.dtype,
                    "planned": args.policy.to_dict() if getattr(args, "policy", None) is not None else None},
         "prompts_file": prompts.source,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _quant_settings(args) -> dict:
+    """Part of the run's identity (other weights, other tokens); absent when unquantized, as before."""
+    q = getattr(args, "quantize", "none")
+    if q == "none":
+        return {}
+    return {"quantize": q, **({"group_size": args.group_size or DEFAULT_INT4_GROUP} if q == "int4" else {})}
 
 
 def _load_engine(args, model_dir: Path, progress):
@@ -268,6 +295,8 @@ def _load_engine(args, model_dir: Path, progress):
         kw["dtype"] = args.dtype
     if getattr(args, "policy", None) is not None:
         kw["policy"] = args.policy
+    if getattr(args, "quantize", "none") != "none":
+        kw["quantize"], kw["group_size"] = args.quantize, args.group_size
     return Engine.load(model_dir, progress=progress, **kw)
 
 

@@ -69,16 +69,21 @@ def resolve_model(model: str | None, revision: str | None = None, progress: Even
         raise ModelError(f"model folder {model} cannot be opened: {e.strerror}", "give a shorter path") from e
     if exists:
         if not path.is_dir():
+            if path.suffix.lower() == ".gguf":
+                return path, path.stem
             raise ModelError(f"--model {model} is a file, not a model folder",
-                             "give the folder holding config.json and the .safetensors files")
+                             "give the folder holding config.json and the .safetensors files, or a .gguf file")
         if not os.access(path, os.R_OK | os.X_OK):
             raise ModelError(f"cannot read model folder {model}: permission denied", "fix its permissions")
         if not (path / "config.json").is_file():
+            if any(path.glob("*.gguf")):
+                return path, path.name
             raise ModelError(f"{model} has no config.json, so it is not a model folder",
-                             "give the folder holding config.json and the .safetensors files")
+                             "give the folder holding config.json and the .safetensors files (or a .gguf file)")
         return path, path.name
-    if looks_like_repo_id(model):
-        return download_model(model, revision, progress=progress, **download_kw), model
+    repo, _, tag = model.partition(":")  # owner/name:Q4_K_M picks one GGUF of a repo holding several
+    if looks_like_repo_id(repo):
+        return download_model(repo, revision, progress=progress, gguf=tag or None, **download_kw), model
     if platform.path_too_long(path):
         raise ModelError(f"model folder {model} cannot be opened: its path is {len(str(path))} characters, past "
                          f"Windows' limit of {platform.WINDOWS_MAX_PATH - 1}",
@@ -89,14 +94,15 @@ def resolve_model(model: str | None, revision: str | None = None, progress: Even
 
 def download_model(repo_id: str, revision: str | None = None, *, progress: EventSink = ignore,
                    cache_dir: str | Path | None = None, endpoint: str | None = None,
-                   token: str | bool | None = None) -> Path:
-    """Fetch what mlight needs from `repo_id` into the hub cache; return the snapshot folder."""
+                   token: str | bool | None = None, gguf: str | None = None) -> Path:
+    """Fetch what mlight needs from `repo_id` into the hub cache; return the snapshot folder (for a repo of
+    GGUF files: the path of the one GGUF model chosen, by `gguf` — a tag such as Q4_K_M — when it holds several)."""
     from huggingface_hub import constants
 
     kw = dict(cache_dir=str(cache_dir) if cache_dir else None, token=token)
     endpoint = endpoint or constants.ENDPOINT  # resolved now: some hub helpers bind it at import time
     if constants.is_offline_mode():
-        return _from_cache(repo_id, revision, kw, why="HF_HUB_OFFLINE is set")
+        return _from_cache(repo_id, revision, kw, why="HF_HUB_OFFLINE is set", gguf=gguf)
     from huggingface_hub import HfApi
 
     try:
@@ -104,12 +110,24 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
     except Exception as e:
         if _is_network(e):
             return _from_cache(repo_id, revision, kw, why=f"the Hub ({endpoint}) cannot be reached",
-                               cause=e)
+                               cause=e, gguf=gguf)
         raise _hub_error(e, repo_id, revision) from e
     sizes = {s.rfilename: (s.size or 0) for s in (info.siblings or [])}
     sha = info.sha or revision or "main"
     fetch = functools.partial(_fetch, repo_id, sha, dict(kw, endpoint=endpoint))
 
+    if _gguf_repo(sizes):
+        files = _choose_gguf(repo_id, list(sizes), gguf)
+        _check_gguf_arch(repo_id, getattr(info, "gguf", None))
+        _check_disk(sum(sizes.get(f, 0) for f in files if not _cached(repo_id, f, sha, kw)), cache_dir)
+        tracker = _Tracker(f"downloading {repo_id}", sum(sizes.get(f, 0) for f in files), progress)
+        tracker.emit(force=True)
+        paths = []
+        for f in files:
+            tracker.file = f
+            paths.append(fetch(f, tracker))
+        tracker.emit(force=True)
+        return Path(paths[0])
     wanted = _choose_files(repo_id, sizes)
     noted = not all(_cached(repo_id, f, sha, kw) for f in wanted)
     if noted:  # before the first file lands in the cache
@@ -140,6 +158,48 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _gguf_repo(sizes: dict[str, int]) -> bool:
+    """A repo of GGUF files (llama.cpp's format) rather than a transformers checkpoint."""
+    top = [f for f in sizes if "/" not in f]
+    return any(f.lower().endswith(".gguf") for f in sizes) and not any(f.endswith(".safetensors") for f in top)
+
+
+def _choose_gguf(repo_id: str, names: list[str], tag: str | None) -> list[str]:
+    """The files of the one GGUF model to fetch: a single file or every part of a split one."""
+    from core.model.gguf.files import SPLIT
+
+    sets: dict[str, list[str]] = {}
+    for f in sorted(n for n in names if n.lower().endswith(".gguf")):
+        name = f.rsplit("/", 1)[-1]
+        if name.lower().startswith("mmproj"):
+            continue  # vision projectors ship beside the language model
+        m = SPLIT.match(name)
+        key = f[:len(f) - len(name)] + (m["base"] if m else name)
+        sets.setdefault(key, []).append(f)
+    listing = ", ".join(sorted(k.rsplit("/", 1)[-1] for k in sets)) or "none"
+    if tag:
+        sets = {k: v for k, v in sets.items() if tag.lower() in k.lower()}
+    if len(sets) == 1:
+        return next(iter(sets.values()))
+    if not sets:
+        raise ModelError(f"{repo_id} has no GGUF file matching {tag!r}", f"it has: {listing}")
+    listing = ", ".join(sorted(k.rsplit("/", 1)[-1] for k in sets))
+    raise ModelError(f"{repo_id} holds {len(sets)} GGUF models ({listing})",
+                     f"name one: --model {repo_id}:TAG (e.g. {repo_id}:Q4_K_M)")
+
+
+def _check_gguf_arch(repo_id: str, meta: dict | None) -> None:
+    """Refuse before downloading when the Hub already says which architecture the GGUF holds."""
+    from core.errors import UnsupportedModelError
+    from core.model.families import REGISTRY
+    from core.model.gguf.arch import ARCHS
+
+    arch = (meta or {}).get("architecture")
+    if arch and ARCHS.get(arch) not in REGISTRY:
+        raise UnsupportedModelError(f"{repo_id} is a GGUF of architecture {arch!r}, which mlight does not run",
+                                    f"supported GGUF architectures: {', '.join(a for a, h in ARCHS.items() if h in REGISTRY)}")
 
 
 def _choose_files(repo_id: str, sizes: dict[str, int]) -> list[str]:
@@ -193,18 +253,22 @@ def _cached(repo_id: str, filename: str, revision: str, kw: dict) -> bool:
     return isinstance(hit, str) and os.path.isfile(hit)
 
 
-def _from_cache(repo_id: str, revision: str | None, kw: dict, why: str, cause: Exception | None = None) -> Path:
+def _from_cache(repo_id: str, revision: str | None, kw: dict, why: str, cause: Exception | None = None,
+                gguf: str | None = None) -> Path:
     """The snapshot already in the cache, when the Hub is off limits."""
     from huggingface_hub import snapshot_download
 
     try:
         path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True,
-                                      allow_patterns=list(SUPPORT_FILES) + ["*.safetensors"], **kw))
+                                      allow_patterns=list(SUPPORT_FILES) + ["*.safetensors", "*.gguf"], **kw))
     except Exception:  # noqa: BLE001 — not cached (or a partial cache): say why we could not fetch it
         hint = ("unset HF_HUB_OFFLINE so that it can be downloaded" if cause is None else
                 "check the network (or HF_ENDPOINT), or download it first with `mlight download "
                 f"{repo_id}` where the Hub can be reached")
         raise MlightError(f"{why} and {repo_id} is not in the local cache", hint) from cause
+    if not (path / "config.json").is_file() and any(path.rglob("*.gguf")):
+        names = [str(p.relative_to(path)) for p in path.rglob("*.gguf")]
+        return path / _choose_gguf(repo_id, names, gguf)[0]
     if not (path / "config.json").is_file():
         raise MlightError(f"{why} and the cached copy of {repo_id} is incomplete",
                           f"rerun `mlight download {repo_id}` with the network on")

@@ -44,8 +44,16 @@ def model_fingerprint(model_dir: str | Path, source: str | None = None) -> dict[
     model_dir = Path(model_dir)
     cfg = model_dir / "config.json"
     weights = {}
-    for p in sorted(model_dir.iterdir()) if model_dir.is_dir() else ():
-        if p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json"):
+    files = sorted(model_dir.iterdir()) if model_dir.is_dir() else [model_dir] if model_dir.is_file() else []
+    if model_dir.suffix.lower() == ".gguf":  # a GGUF file: its split siblings too
+        from core.model.gguf.files import find_gguf
+
+        try:
+            files = find_gguf(model_dir) or files
+        except MlightError:
+            pass
+    for p in files:
+        if p.suffix in (".safetensors", ".gguf") or p.name.endswith(".safetensors.index.json"):
             try:
                 weights[p.name] = p.stat().st_size
             except OSError:

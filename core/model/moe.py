@@ -72,21 +72,34 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, weights: torch.Tensor,
             idx: torch.Tensor, grouped: bool | None = None, packed: list | None = None,
-            b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: Activation | None = None) -> torch.Tensor:
-    """Routed experts. h [T, D], w13 [E, 2I, D], w2 [E, D, I] (or `packed` per expert), weights/idx [T, k] -> [T, D].
+            b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: Activation | None = None,
+            quant=None) -> torch.Tensor:
+    """Routed experts. h [T, D], w13 [E, 2I, D], w2 [E, D, I] (or `packed` per expert, or `quant`, a
+    core.model.quant.experts.QuantExperts), weights/idx [T, k] -> [T, D].
 
     `b13` [E, 2I], `b2` [E, D]: per-expert biases (gpt-oss); `act` turns [n, 2I] gate|up into [n, I]
     (default SwiGLU)."""
     act = act or _swiglu
     T, k = idx.shape
-    E = len(packed) if packed is not None else w13.shape[0]
+    E = len(quant) if quant is not None else len(packed) if packed is not None else w13.shape[0]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token_of = order // k
     xs = h.index_select(0, token_of)  # [T·k, D] tokens in expert order
     # scatter, not bincount: bincount reads its max back to the host, a sync on the GPU
     counts = torch.zeros(E, dtype=torch.int64, device=h.device).index_add_(0, flat, torch.ones_like(flat))
-    if packed is None and (grouped if grouped is not None else _grouped_ok(h, w13, w2)):
+    if quant is not None:
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                gu = quant.up(e, xs[start:start + n])
+                if b13 is not None:
+                    gu = gu + b13[e]
+                y = quant.down(e, act(gu))
+                ys[start:start + n] = y if b2 is None else y + b2[e]
+                start += n
+    elif packed is None and (grouped if grouped is not None else _grouped_ok(h, w13, w2)):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         gu = F.grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
         if b13 is not None:

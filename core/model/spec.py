@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -182,6 +183,10 @@ class ModelSpec:
     quant_method: str | None = None  # the checkpoint's quantization_config.quant_method (mxfp4, fp8, …)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # how the routed experts are stored (core.model.quant): "none" = in `dtype`; else a label such as
+    # "int8", "int4-g64", "Q4_K/Q6_K", with `expert_bits` the bits per weight including scales
+    expert_format: str = "none"
+    expert_bits: float = 0.0
 
     def __post_init__(self):
         positive = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
@@ -344,10 +349,20 @@ class ModelSpec:
 
     # ---- sizes (bytes in the checkpoint dtype) ----------------------------------------------------
     @property
-    def expert_bytes(self) -> int:
-        """One routed expert: gate, up and down projections (and their biases)."""
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (with its biases, where the family has them)."""
         D, I = self.hidden_size, self.expert_intermediate
-        return (3 * D * I + (2 * I + D if self.expert_bias else 0)) * self.dtype_bytes
+        return 3 * D * I + (2 * I + D if self.expert_bias else 0)
+
+    @property
+    def expert_bytes(self) -> int:
+        """One routed expert: gate, up and down projections (and their biases), in the experts' storage
+        format (biases stay in the checkpoint dtype)."""
+        D, I = self.hidden_size, self.expert_intermediate
+        bias = (2 * I + D if self.expert_bias else 0) * self.dtype_bytes
+        if self.expert_bits:
+            return math.ceil(3 * D * I * self.expert_bits / 8) + bias
+        return 3 * D * I * self.dtype_bytes + bias
 
     @property
     def layer_expert_bytes(self) -> int:
@@ -385,13 +400,12 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        return self.total_bytes // self.dtype_bytes
+        return self.nonexpert_bytes // self.dtype_bytes + self.moe_layers * self.num_experts * self.expert_params
 
     @property
     def active_params(self) -> int:
         """Parameters one token touches: everything but the experts it is not routed to."""
-        unused = self.moe_layers * (self.num_experts - self.top_k) * self.expert_bytes
-        return (self.total_bytes - unused) // self.dtype_bytes
+        return self.num_params - self.moe_layers * (self.num_experts - self.top_k) * self.expert_params
 
     @property
     def kv_bytes_per_token_layer(self) -> int:

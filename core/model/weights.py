@@ -16,31 +16,46 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from core.errors import ModelError, UnsupportedModelError
 from core.model.families import family_module
 from core.model.safetensors_io import Checkpoint
+from core.model.quant.experts import _TORCH, ExpertScheme, QuantExperts
+from core.model.quant.cache import CacheEntry
+from core.model.quant.formats import _ITEMSIZE, Format, fit_group, quantize
 from core.model.spec import EXPERT_TENSORS, ModelSpec
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
-_ALIGN = 64  # elements; keeps every view's start aligned for vector loads
+_ALIGN = 64  # elements (bytes in a quantized layout); keeps every view's start aligned for vector loads
 
 
 @dataclass(frozen=True)
 class LayerLayout:
-    """Where each canonical tensor of a layer sits in the flat buffer: name -> (offset, shape)."""
+    """Where each canonical tensor of a layer sits in the flat buffer: name -> (offset, shape).
+
+    Unquantized, the buffer has the weights' dtype and offsets count its elements. With an
+    `ExpertScheme` the buffer is bytes (uint8): offsets count bytes, `dtypes` gives each entry's own
+    dtype (the dense tensors the compute dtype's, the experts' packed integers and scales theirs), and
+    the expert region is those parts, so a page is a run of quantized bytes."""
 
     entries: tuple[tuple[str, int, tuple[int, ...]], ...]
     numel: int
-    expert_start: int  # experts (w13, w2) occupy [expert_start, numel)
+    expert_start: int  # experts (w13, w2 — or their quantized parts) occupy [expert_start, numel)
+    dtypes: tuple[tuple[str, str], ...] = ()  # byte layouts: entry name -> dtype name
+    scheme: ExpertScheme | None = None
 
     @classmethod
-    def for_spec(cls, spec: ModelSpec, layer: int | None = None) -> "LayerLayout":
-        """The layout of `layer` (default: the first MoE layer, whose expert region every MoE layer shares)."""
+    def for_spec(cls, spec: ModelSpec, layer: int | None = None, scheme: ExpertScheme | None = None,
+                 dtype: torch.dtype | None = None) -> "LayerLayout":
+        """The layout of `layer` (default: the first MoE layer, whose expert region every MoE layer shares);
+        with `scheme`, its byte layout holding experts in that scheme and dense tensors in `dtype`."""
         if layer is None:
             layer = next((i for i in range(spec.num_layers) if spec.is_moe(i)), 0)
+        if scheme is not None:
+            return cls._bytes(spec, layer, scheme, dtype or spec.torch_dtype)
         entries, off, expert_start = [], 0, None
         for name, shape in spec.layer_shapes(layer).items():  # experts come last in layer_shapes
             if name in EXPERT_TENSORS and expert_start is None:
@@ -49,18 +64,54 @@ class LayerLayout:
             off += math.ceil(math.prod(shape) / _ALIGN) * _ALIGN
         return cls(tuple(entries), off, off if expert_start is None else expert_start)
 
+    @classmethod
+    def _bytes(cls, spec: ModelSpec, layer: int, scheme: ExpertScheme, dtype: torch.dtype) -> "LayerLayout":
+        dt = str(dtype).replace("torch.", "")
+        shapes = spec.layer_shapes(layer)
+        dense = [(n, dt, s) for n, s in shapes.items() if n not in EXPERT_TENSORS]
+        # the experts' parts, then their biases (gpt-oss) in the compute dtype; none in a dense layer
+        experts = (scheme.parts(spec.num_experts) + [(n, dt, shapes[n]) for n in ("b13", "b2") if n in shapes]
+                   if spec.is_moe(layer) else [])
+        entries, dtypes, off, expert_start = [], [], 0, None
+        for i, (name, dt, shape) in enumerate(dense + experts):
+            if i == len(dense):
+                expert_start = off
+            entries.append((name, off, shape))
+            dtypes.append((name, dt))
+            off += math.ceil(math.prod(shape) * _ITEMSIZE[dt] / _ALIGN) * _ALIGN
+        return cls(tuple(entries), off, off if expert_start is None else expert_start, tuple(dtypes), scheme)
+
+    @property
+    def storage_dtype(self) -> torch.dtype | None:
+        """uint8 for byte layouts; None: the weights' own dtype."""
+        return torch.uint8 if self.scheme is not None else None
+
     @property
     def expert_numel(self) -> int:
         return self.numel - self.expert_start
 
+    def _view(self, buf: torch.Tensor, name: str, off: int, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.scheme is None:
+            return buf[off:off + math.prod(shape)].view(shape)
+        dt = dict(self.dtypes)[name]
+        return buf[off:off + math.prod(shape) * _ITEMSIZE[dt]].view(_TORCH[dt]).view(shape)
+
     def views(self, flat: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
-        return {name: flat[off:off + math.prod(shape)].view(shape) for name, off, shape in self.entries
+        return {name: self._view(flat, name, off, shape) for name, off, shape in self.entries
                 if names is None or name in names}
 
-    def expert_views(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of w13 and w2 over a buffer holding only the expert region."""
-        return {name: region[off - self.expert_start:off - self.expert_start + math.prod(shape)].view(shape)
-                for name, off, shape in self.entries if name in EXPERT_TENSORS}
+    def expert_names(self) -> list[str]:
+        return [n for n, off, _ in self.entries if off >= self.expert_start]
+
+    def expert_views(self, region: torch.Tensor, dtype: torch.dtype | None = None, scratch: dict | None = None) -> dict:
+        """The experts over a buffer holding only the expert region: {"w13", "w2"} tensors, or for a
+        quantized layout {"quant": QuantExperts} computing in `dtype`."""
+        views = {name: self._view(region, name, off - self.expert_start, shape)
+                 for name, off, shape in self.entries if off >= self.expert_start}
+        if self.scheme is None or not views:
+            return views
+        biases = {n: views.pop(n) for n in ("b13", "b2") if n in views}
+        return {"quant": QuantExperts(self.scheme, views, dtype, scratch), **biases}
 
     def page_bounds(self, pages: int) -> list[tuple[int, int]]:
         """Element ranges, relative to the expert region, of its `pages` near-equal cuts."""
@@ -72,14 +123,17 @@ class LayerLayout:
 
 
 class LayerWeights:
-    """One decoder layer: its flat buffer, named views, and its pages."""
+    """One decoder layer: its flat buffer, named views, and its pages. Quantized layers also hold
+    `quant` (QuantExperts over the expert region), computing in `dtype`."""
 
-    def __init__(self, layout: LayerLayout, flat: torch.Tensor, pages: int):
+    def __init__(self, layout: LayerLayout, flat: torch.Tensor, pages: int, dtype: torch.dtype | None = None,
+                 scratch: dict | None = None):
         self.layout = layout
         self.flat = flat
         self.tensors = layout.views(flat)
         self.experts = flat[layout.expert_start:]
         self.packed = None  # experts prepacked for the CPU (then `experts` and `pages` are gone)
+        self.quant = layout.expert_views(self.experts, dtype, scratch).get("quant") if layout.scheme is not None else None
         self.repage(pages)
 
     def repage(self, pages: int) -> None:
@@ -91,16 +145,42 @@ class LayerWeights:
     def pack_for_cpu(self) -> None:
         """Prepack the experts for the CPU and keep only the non-expert part of the flat buffer.
 
-        One layer at a time, so memory peaks at the model plus one layer's experts, never two copies."""
+        One layer at a time, so memory peaks at the model plus one layer's experts, never two copies.
+        Quantized experts whose format has no CPU kernel (GGUF blocks) stay as they are and expand per use."""
         from core.model.moe import pack_experts
 
-        has_experts = "w13" in self.tensors
-        self.packed = pack_experts(self.tensors["w13"], self.tensors["w2"]) if has_experts else []
+        if self.quant is not None:
+            if not self.quant.pack_cpu():
+                return
+            self.quant.detach_parts()
+            self.packed = self.quant
+        else:
+            has_experts = "w13" in self.tensors
+            self.packed = pack_experts(self.tensors["w13"], self.tensors["w2"]) if has_experts else []
         biases = {n: self.tensors[n].clone() for n in ("b13", "b2") if n in self.tensors}  # not packed, still used
         dense = self.flat[:self.layout.expert_start].clone()
         self.flat, self.experts, self.pages = dense, None, []
-        self.tensors = self.layout.views(dense, names={n for n, _, _ in self.layout.entries if n not in EXPERT_TENSORS})
+        self.tensors = self.layout.views(dense, names=self._dense_names())
         self.tensors.update(biases)
+
+    def _dense_names(self) -> set[str]:
+        return {n for n, off, _ in self.layout.entries if off < self.layout.expert_start}
+
+    def dense(self) -> dict[str, torch.Tensor]:
+        """The non-expert tensors (what the device keeps resident)."""
+        names = self._dense_names()
+        return {n: t for n, t in self.tensors.items() if n in names}
+
+    def expert_set(self, to_dev=lambda t: t) -> dict:
+        """What the expert compute reads: {"w13", "w2"} (+ biases), {"packed": per-expert oneDNN weights}
+        or {"quant": QuantExperts} (+ biases); {} in a dense layer."""
+        biases = {n: to_dev(self.tensors[n]) for n in ("b13", "b2") if n in self.tensors}
+        if self.quant is not None:
+            q = to_dev(torch.empty(0))
+            return {"quant": self.quant if q.device == self.quant.device else self.quant.to(q.device), **biases}
+        if self.packed is not None:
+            return {"packed": self.packed, **biases}
+        return {n: to_dev(self.tensors[n]) for n in EXPERT_TENSORS if n in self.tensors}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -127,7 +207,12 @@ class ModelWeights:
     @property
     def expert_layout(self) -> LayerLayout:
         """The layout of an MoE layer: its expert region is what streams (the same in every MoE layer)."""
-        return LayerLayout.for_spec(self.spec)
+        return next((lw.layout for i, lw in enumerate(self.layers) if self.spec.is_moe(i)), self.layers[0].layout)
+
+    @property
+    def scheme(self):
+        """How the experts are stored (core.model.quant.experts.ExpertScheme), None when unquantized."""
+        return self.layers[0].layout.scheme
 
     def pack_for_cpu(self, progress: EventSink = ignore) -> None:
         for i, lw in enumerate(self.layers):
@@ -155,8 +240,13 @@ def _alloc(numel: int, dtype: torch.dtype, pin: bool, sink: EventSink) -> tuple[
 
 
 def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
-                 pin: bool | None = None, progress: EventSink = ignore) -> ModelWeights:
-    """Read a checkpoint into paged per-layer buffers (and plain tensors for embeddings and head)."""
+                 pin: bool | None = None, progress: EventSink = ignore, quant: Format | None = None,
+                 use_cache: bool = True) -> ModelWeights:
+    """Read a checkpoint into paged per-layer buffers (and plain tensors for embeddings and head).
+
+    With `quant` the experts are quantized layer by layer as they are read (or read back from the
+    quantized cache, see core.model.quant.cache): memory peaks at the quantized model plus one layer
+    in the compute dtype."""
     if pages_per_layer < 1:
         raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
     if spec.quant_method:
@@ -170,24 +260,86 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     fam = family_module(spec)
     for note in getattr(fam, "notes", lambda s, k: [])(spec, keys):
         progress(WarningEvent(note))
+    scheme = None
+    if quant is not None:
+        scheme = ExpertScheme.uniform(fit_group(quant, spec.hidden_size, spec.expert_intermediate),
+                                      spec.hidden_size, spec.expert_intermediate)
     layouts: dict[tuple, LayerLayout] = {}
+    plain_layouts: dict[tuple, LayerLayout] = {}
     total = spec.num_layers + 1
-    globals_ = {}
-    for name, shape in spec.global_shapes().items():
-        globals_[name] = torch.empty(shape, dtype=dtype)
-    _fill(ckpt, fam.global_pieces(spec, keys), globals_)
-    progress(Progress("loading weights", 1, total, "layers"))
-    layers, pinned = [], pin
-    for i in range(spec.num_layers):
+    entry = CacheEntry(Path(model_dir), {"scheme": repr(scheme), "dtype": str(dtype)}) if scheme and use_cache else None
+    cached = Checkpoint(entry.dir) if entry is not None and entry.complete else None
+
+    def layout_of(i: int, table: dict, with_scheme) -> LayerLayout:
         shapes = tuple(spec.layer_shapes(i).items())
-        layout = layouts.setdefault(shapes, LayerLayout.for_spec(spec, i))
-        flat, ok = _alloc(layout.numel, dtype, pinned, progress)
-        pinned = pinned and ok
-        lw = LayerWeights(layout, flat, pages_per_layer)
-        _fill(ckpt, fam.layer_pieces(spec, i, keys), lw.tensors)
-        layers.append(lw)
-        progress(Progress("loading weights", i + 2, total, "layers"))
+        key = (shapes, spec.is_moe(i))
+        if key not in table:
+            table[key] = LayerLayout.for_spec(spec, i, with_scheme, dtype)
+        return table[key]
+
+    globals_ = {name: torch.empty(shape, dtype=dtype) for name, shape in spec.global_shapes().items()}
+    writer = None
+    if cached is not None:
+        for name, t in globals_.items():
+            cached.copy_into(name, t)
+    else:
+        _fill(ckpt, fam.global_pieces(spec, keys), globals_)
+        if entry is not None:
+            writer = entry.writer([(n, dtype, tuple(t.shape)) for n, t in globals_.items()]
+                                  + [(f"layers.{i}", torch.uint8, (layout_of(i, layouts, scheme).numel,))
+                                     for i in range(spec.num_layers)])
+            for name, t in globals_.items():
+                writer.write(name, t)
+    what = "loading weights" if scheme is None else (
+        "loading quantized weights (cached)" if cached is not None else f"quantizing experts to {scheme.label}")
+    progress(Progress(what, 1, total, "layers"))
+    staging: dict[LayerLayout, LayerWeights] = {}  # one layer in the compute dtype, reused (per distinct shape)
+    layers, pinned, scratch = [], pin, {}
+    try:
+        for i in range(spec.num_layers):
+            layout = layout_of(i, layouts, scheme)
+            flat, ok = _alloc(layout.numel, layout.storage_dtype or dtype, pinned, progress)
+            pinned = pinned and ok
+            lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
+            if cached is not None:
+                cached.copy_into(f"layers.{i}", flat)
+            elif scheme is not None:
+                plain = layout_of(i, plain_layouts, None)
+                if plain not in staging:
+                    staging[plain] = LayerWeights(plain, torch.empty(plain.numel, dtype=dtype), 1)
+                _fill(ckpt, fam.layer_pieces(spec, i, keys), staging[plain].tensors)
+                _quantize_layer(staging[plain], lw)
+                if writer is not None:
+                    writer.write(f"layers.{i}", flat)
+            else:
+                _fill(ckpt, fam.layer_pieces(spec, i, keys), lw.tensors)
+            layers.append(lw)
+            progress(Progress(what, i + 2, total, "layers"))
+        if writer is not None:
+            writer.commit()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
     return ModelWeights(spec, layers, globals_, dtype, pinned)
+
+
+_QUANT_ROWS = 1024  # rows quantized at a time: bounds the float32 temporaries to a few MB per matrix
+
+
+def _quantize_layer(src: LayerWeights, dst: LayerWeights) -> None:
+    """Dense tensors copied, experts quantized into dst's parts, one expert and row block at a time."""
+    for name, t in dst.tensors.items():
+        if name in src.tensors:
+            t.copy_(src.tensors[name])
+    for m in dst.layout.scheme.matrices if dst.quant is not None else ():  # a dense layer has no experts
+        w = src.tensors[m.name]
+        parts = {p.suffix: dst.tensors[f"{m.name}.{p.suffix}"] for p in m.fmt.parts(m.n, m.k)}
+        for e in range(w.shape[0]):
+            for r in range(0, m.n, _QUANT_ROWS):
+                q = quantize(m.fmt, w[e, r:r + _QUANT_ROWS])
+                for suffix, t in q.items():
+                    parts[suffix][e, r:r + _QUANT_ROWS].copy_(t)
 
 
 def _fill(ckpt: Checkpoint, pieces, dest: dict[str, torch.Tensor]) -> None:

@@ -24,6 +24,10 @@ DERATE = {"gpu_flops": 0.5, "gpu_bw": 0.77, "h2d_bw": 0.77, "d2h_bw": 0.77, "cpu
 
 # Fixed cost of launching one task, seconds: a CUDA kernel, a copy, a CPU attention call on a thread pool.
 GPU_LAUNCH = 10e-6
+# Share of the CPU's matmul rate that torch's weight-only kernels reach on quantized experts: they
+# expand each weight in registers, so once enough tokens share an expert they are compute-bound well
+# below a bf16 GEMM (bench/quant_cpu.py; to be replaced by probed per-format rates).
+CPU_KERNEL_FLOPS = {"int8": 0.25, "int4": 0.25}
 COPY_LAUNCH = 10e-6
 CPU_LAUNCH = 30e-6
 
@@ -121,6 +125,8 @@ class Dims:
     def new_token_bytes(self) -> float:
         """State bytes one decode token writes back, in the average layer."""
         return self.avg(lambda m: m.new_token_bytes(self.dt))
+    scratch: int = 0  # quantized experts: one expert expanded to the compute dtype where it runs
+    qkind: str = "none"  # experts: none | int8 | int4 (CPU kernels) | blocks (GGUF/MXFP4: expanded everywhere)
 
 
 @lru_cache(maxsize=32)
@@ -130,7 +136,15 @@ def _dims(m: ModelSpec) -> Dims:
                 V=m.vocab_size, dt=m.dtype_bytes, expert_bytes=m.expert_bytes, layer_expert_bytes=m.layer_expert_bytes,
                 nonexpert_bytes=m.nonexpert_bytes, total_expert_bytes=m.total_expert_bytes, total_bytes=m.total_bytes,
                 kv_tok_layer=m.kv_bytes_per_token_layer, kv_tok=m.kv_bytes_per_token, mixers=mixer_costs(m),
-                moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate)
+                moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate,
+                scratch=m.expert_params * m.dtype_bytes if m.expert_format != "none" else 0, qkind=_qkind(m.expert_format))
+
+
+def _qkind(expert_format: str) -> str:
+    """none | int8 | int4 (torch's CPU kernels run them) | blocks (GGUF, MXFP4: expanded wherever they run)."""
+    if expert_format in ("none", "int8"):
+        return expert_format
+    return "int4" if expert_format.startswith("int4") else "blocks"
 
 
 def dims(m: "ModelSpec | Dims") -> Dims:
@@ -166,13 +180,15 @@ def router(m: "ModelSpec | Dims", t: float) -> Work:
     return Work(d.moe_frac * 2 * t * d.D * d.E, d.moe_frac * (d.E * d.D + t * d.D) * d.dt)
 
 
-def moe_ffn(m: "ModelSpec | Dims", t: float) -> Work:
+def moe_ffn(m: "ModelSpec | Dims", t: float, expand: bool = False) -> Work:
     """Routed experts for t tokens in one expert batch: each token runs k SwiGLU experts (average layer:
-    dense layers have none)."""
+    dense layers have none). `expand`: quantized experts are expanded into a scratch buffer first
+    (written, then read by the matmul)."""
     d = dims(m)
     touched = expected_experts(t, d.E, d.k)
     acts = t * d.k * (2 * d.D + 3 * d.I) * d.dt
-    return Work(d.moe_frac * 6 * t * d.k * d.D * d.I, d.moe_frac * (touched * d.expert_bytes + acts))
+    read = touched * (d.expert_bytes + (2 * d.scratch if expand else 0))
+    return Work(d.moe_frac * 6 * t * d.k * d.D * d.I, d.moe_frac * (read + acts))
 
 
 def shared_expert(m: "ModelSpec | Dims", t: float) -> Work:
@@ -320,12 +336,14 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
     pages = pages or max(1, round(n_mb))
     cpu_only = ffn_on == "cpu"
     fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
+    ffn = moe_ffn(m, expert_batch, expand=m.qkind != "none" and (not cpu_only or m.qkind == "blocks"))
+    ffn_fl = fl * CPU_KERNEL_FLOPS.get(m.qkind, 1.0) if cpu_only else fl
     post = o_proj(m, micro_batch) + router(m, micro_batch) + shared_expert(m, micro_batch)
     # kernel launches: pre_attn 3 (norm, qkv, rope), post_attn 5 (o, norm, router, top-k, combine), ffn 3
     t = {
         "pre_attn": TaskCost("gpu", roofline_seconds(qkv_proj(m, micro_batch), fl, bw) + 3 * launch, n_mb),
         "post_attn": TaskCost("gpu", roofline_seconds(post, fl, bw) + 5 * launch, n_mb),
-        "ffn": TaskCost("gpu", roofline_seconds(moe_ffn(m, expert_batch), fl, bw) + 3 * launch, n_eb),
+        "ffn": TaskCost("gpu", roofline_seconds(ffn, ffn_fl, bw) + 3 * launch, n_eb),
     }
     attn = decode_attention(m, micro_batch, context)
     if cpu_only or attention_on == "cpu":
@@ -356,7 +374,7 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
     m = dims(m)
     n_mb = batch / micro_batch
     toks = micro_batch * prompt_len
-    work = dense_work(m, toks) + moe_ffn(m, toks) + prefill_attention(m, micro_batch, prompt_len)
+    work = dense_work(m, toks) + moe_ffn(m, toks, expand=m.qkind != "none") + prefill_attention(m, micro_batch, prompt_len)
     if ffn_on == "cpu":
         return {"prefill": TaskCost("gpu", roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH, n_mb)}
     pages = pages or max(1, round(n_mb))

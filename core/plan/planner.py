@@ -136,12 +136,14 @@ def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[
     activations = max(prefill_act, decode_act) + p.micro_batch_size * d.V * 4  # + fp32 logits
     cpu_attn_ws = p.micro_batch_size * d.heads * (w.longest_prompt + w.gen_len) * 4  # fp32 scores
     if p.ffn_on == "cpu":
-        return {}, {"weights": d.total_bytes, "kv_cache": kv_total, "activations": activations + cpu_attn_ws}
+        return {}, {"weights": d.total_bytes, "kv_cache": kv_total, "activations": activations + cpu_attn_ws,
+                    "dequant_scratch": d.scratch}
     streamed = (1 - r_w) * d.layer_expert_bytes
     gpu = {
         "non_expert_weights": d.nonexpert_bytes,
         "resident_experts": int(r_w * d.total_expert_bytes),
         "weight_double_buffer": int(2 * streamed),
+        "dequant_scratch": d.scratch,  # quantized experts expand one at a time next to the matmul
         "kv_cache": int(r_c * kv_total),
         "activations": int(activations),
     }

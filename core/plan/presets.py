@@ -49,8 +49,14 @@ def cached_hub_config(repo_id: str) -> Path | None:
 
 
 def resolve_spec(model: str) -> ModelSpec:
-    """ModelSpec for a folder, a bundled preset name, or a repo id cached locally — in that order."""
+    """ModelSpec for a folder (or GGUF file), a bundled preset name, or a repo id cached locally — in that order."""
     path = Path(model).expanduser()
+    if path.exists() and not (path / "config.json").is_file():
+        from core.model.gguf.load import load_spec as gguf_spec, open_gguf
+        from core.model.gguf.files import find_gguf
+
+        if find_gguf(path) is not None:  # a .gguf file or a folder holding one: sized by its own tensor types
+            return gguf_spec(open_gguf(path))
     if path.is_dir():
         return load_spec(path)
     if model.lower() in preset_names():

@@ -24,6 +24,10 @@ from core.errors import ModelError, UnsupportedModelError, UsageError
 from core.model.families import load_spec
 from core.model.kvcache import KVCache
 from core.model.moe import can_pack
+from core.model.gguf.load import load_gguf_weights
+from core.model.gguf.load import load_spec as load_gguf_spec
+from core.model.gguf.load import load_tokenizer as load_gguf_tokenizer
+from core.model.quant.formats import parse_choice, quantized_spec
 from core.runtime.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
 from core.runtime.pipeline import PipelineRunner
 from core.model.sampling import greedy, sample
@@ -194,11 +198,15 @@ class Engine:
     def load(cls, model_dir, *, dtype: str | torch.dtype | None = None, device: str | None = None,
              pages_per_layer: int = 1, executor: str | None = None, schedule: str | None = None,
              resident_layers: int | None = None, expert_group: int = 1, grouped: bool | None = None,
-             policy=None, progress: EventSink = ignore) -> "Engine":
+             policy=None, quantize: str | None = None, group_size: int | None = None, use_cache: bool = True,
+             progress: EventSink = ignore) -> "Engine":
         """Load a checkpoint. A `core.plan.policy.Policy` (the planner's) sets paging, resident experts, the
-        expert batch and attention placement; the explicit arguments are for tests and benchmarks."""
+        expert batch and attention placement; the explicit arguments are for tests and benchmarks.
+        `quantize` ("none", "int8", "int4"; `group_size` for int4) stores the experts quantized, through
+        the quantized cache unless `use_cache` is False."""
         model_dir = Path(model_dir)
-        spec = load_spec(model_dir)
+        gguf = _gguf_model(model_dir)  # a GGUF file, or a folder holding one instead of config.json
+        spec = load_gguf_spec(gguf) if gguf is not None else load_spec(model_dir)
         if spec.family in _NOT_WIRED:
             raise UnsupportedModelError(f"{spec.architecture} is read and planned, but the engine does not run it yet",
                                         "plan it with `mlight plan`; running it comes with the next update")
@@ -211,14 +219,24 @@ class Engine:
         config = run_config(device, executor, schedule, resident_layers, expert_group)
         if config.device == "cuda" and config.resident_layers is None:
             config = dataclasses.replace(config, resident_layers=_layers_that_fit(spec, dtype))
-        tokenizer = _load_tokenizer(model_dir)
+        tokenizer = load_gguf_tokenizer(gguf) if gguf is not None else _load_tokenizer(model_dir)
         if isinstance(dtype, str):
             if dtype not in DTYPE_BYTES:
                 raise UsageError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPE_BYTES))}")
             dtype = torch_dtype(dtype)
-        weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer,
-                               pin=config.device == "cuda", progress=progress)
-        if config.ffn_on == "cpu" and can_pack(weights.dtype):  # the CPU-only chain never streams experts
+        quant = parse_choice(quantize, group_size)
+        if gguf is not None:
+            if quant is not None:
+                raise UsageError(f"--quantize {quantize} applies to safetensors checkpoints; {gguf.paths[0].name} "
+                                 "is a GGUF file and runs in its own format", "leave out --quantize")
+            weights = load_gguf_weights(gguf, spec, dtype=dtype, pages_per_layer=pages_per_layer,
+                                        pin=config.device == "cuda", progress=progress)
+        else:
+            weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer,
+                                   pin=config.device == "cuda", progress=progress, quant=quant, use_cache=use_cache)
+            spec = quantized_spec(spec, quant)
+        # the CPU-only chain never streams experts: pack them for the CPU's kernels
+        if config.ffn_on == "cpu" and (weights.scheme is not None or can_pack(weights.dtype)):
             weights.pack_for_cpu(progress)
         engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
                      grouped=grouped)
@@ -403,6 +421,15 @@ def _by_micro_batch(active: list[_Seq], table: SlotTable) -> list[list[_Seq]]:
     for s in active:
         groups.setdefault(table.micro_batch_of(s.slot), []).append(s)
     return [sorted(groups[j], key=lambda s: s.slot) for j in sorted(groups)]
+
+
+def _gguf_model(model_dir: Path):
+    from core.model.gguf.load import GGUFModel, find_gguf
+
+    if model_dir.is_dir() and (model_dir / "config.json").is_file():
+        return None
+    paths = find_gguf(model_dir)
+    return GGUFModel(paths) if paths is not None else None
 
 
 def _load_tokenizer(model_dir: Path):

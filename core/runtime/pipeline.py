@@ -26,7 +26,7 @@ from core.model.kvcache import KVCache
 from core.model.layers import Rope, final_logits, norm
 from core.model.layers import pre_attn as dense_pre_attn
 from core.model.moe import experts, route, shared_expert
-from core.model.spec import EXPERT_TENSORS, ModelSpec
+from core.model.spec import ModelSpec
 from core.model.weights import LayerLayout, ModelWeights
 
 
@@ -91,19 +91,25 @@ class PipelineRunner:
         self.rope = Rope(spec, cache.max_tokens, weights.dtype, device=self.device)
         on_host = self.device.type == "cpu"
         # dense (non-expert) weights and the globals live on the device for the whole run
-        self.dense = [{n: self._to_dev(t) for n, t in lw.tensors.items() if n not in EXPERT_TENSORS}
+        self.dense = [{n: self._to_dev(t) for n, t in lw.dense().items()}
                       for lw in weights.layers]
         self.globals = {n: self._to_dev(t) for n, t in weights.globals.items()}
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
-        self.resident_experts = [
-            ({"packed": lw.packed} if lw.packed is not None else {n: self._to_dev(lw.tensors[n]) for n in EXPERT_TENSORS if n in lw.tensors})
-            if (i < self.resident or ffn_on == "cpu") else None for i, lw in enumerate(weights.layers)]
+        self.resident_experts = [lw.expert_set(self._to_dev) if (i < self.resident or ffn_on == "cpu") else None
+                                 for i, lw in enumerate(weights.layers)]
         self.ebuf = None
+        # layers may differ in layout (a GGUF's expert types vary by layer): each layer indexes its own
+        self.layouts = list(dict.fromkeys(lw.layout for lw in weights.layers))
+        self._layout_of = [self.layouts.index(lw.layout) for lw in weights.layers]
         if self.streamed:
-            self.ebuf = [torch.empty(self.layout.expert_numel, dtype=weights.dtype, device=self.device)
+            # quantized layers stream their bytes as they are; the device expands them (QuantExperts)
+            size = max(layout.expert_numel for layout in self.layouts)
+            self.ebuf = [torch.empty(size, dtype=self.layout.storage_dtype or weights.dtype, device=self.device)
                          for _ in range(2)]
-            self.ebuf_views = [self.layout.expert_views(b) for b in self.ebuf]
-            self.page_bounds = self.layout.page_bounds(self.pages)
+            scratch = {}  # one expert's expansion, shared by both halves and every layout
+            self.ebuf_views = [[lo.expert_views(b[:lo.expert_numel], weights.dtype, scratch) for lo in self.layouts]
+                               for b in self.ebuf]
+            self.page_bounds = [lo.page_bounds(self.pages) for lo in self.layouts]
         self._layer0_half: int | None = None  # half holding layer 0's experts for the next step
         self._base = 0  # half of layer 0 in the current step
         self._graphs: dict[tuple, tuple[list, set]] = {}
@@ -156,7 +162,7 @@ class PipelineRunner:
     def _expert_weights(self, layer: int) -> dict:
         if self.resident_experts[layer] is not None:
             return self.resident_experts[layer]
-        return self.ebuf_views[self._half(layer)]
+        return self.ebuf_views[self._half(layer)][self._layout_of[layer]]
 
     # ---- steps ----------------------------------------------------------------------------------
     def decode(self, tokens, slots, positions):
@@ -207,8 +213,9 @@ class PipelineRunner:
         if self._layer0_half is None:  # first step, or after a prefill: load layer 0 now
             self._base = 0
             if self.resident == 0:
-                self.ebuf[0].copy_(self.w.layers[0].experts)
-                self.bytes["h2d"] += self.ebuf[0].numel() * self.ebuf[0].element_size()
+                src = self.w.layers[0].experts
+                self.ebuf[0][:src.numel()].copy_(src)
+                self.bytes["h2d"] += src.numel() * src.element_size()
         else:
             self._base = self._layer0_half
 
@@ -287,7 +294,7 @@ class PipelineRunner:
             return
         half = self._half(layer) if (layer != 0 or t.id in self._current_pages) else (
             (self._base + self.spec.num_layers) % 2)
-        a, b = self.page_bounds[t.page]
+        a, b = self.page_bounds[self._layout_of[layer]][t.page]
         dst = self.ebuf[half][a:b]
         dst.copy_(self.w.layers[layer].pages[t.page], **self._copy_kw)
         self.bytes["h2d"] += dst.numel() * dst.element_size()
@@ -364,4 +371,5 @@ class PipelineRunner:
 
 
 def _experts(ew: dict, h, rw, ridx, grouped):
-    return experts(h, ew.get("w13"), ew.get("w2"), rw, ridx, grouped=grouped, packed=ew.get("packed"))
+    return experts(h, ew.get("w13"), ew.get("w2"), rw, ridx, grouped=grouped, packed=ew.get("packed"),
+                   quant=ew.get("quant"))

@@ -1,0 +1,187 @@
+"""CPU mode, quantized experts: decode tokens/s at B = 1 and B = 64, int4 vs int8 vs bf16, same run, same model.
+
+Builds one random bf16 Mixtral-shaped checkpoint (transformers' classes), loads it three times in one
+process — bf16 (oneDNN-prepacked where the CPU takes it), int8 and int4 experts (torch's weight-only CPU
+kernels over experts prepacked at load) — and measures decode steps of each in interleaved rounds
+(bf16, int8, int4, bf16, …) so that load changes on a shared machine hit all three alike. Decode
+tokens/s = decode tokens / decode seconds from the engine's own StepDone events (prefill excluded).
+
+Also in the same run:
+- the expert backends head to head: the kernel vs expanding the expert into a scratch buffer and
+  multiplying in bf16, per expert, for 1..64 tokens routed to it (what KERNEL_ROWS is set from);
+- the HRM's predicted decode tokens/s per format for the CPU-only policy at each B, on this machine's
+  probed rates, next to the measured ones: the predicted int4/bf16 speed-up against the measured one.
+
+    python bench/quant_cpu.py                  # hidden 1024, I 3840, 4 layers, 8 experts (≈ 400M parameters)
+    python bench/quant_cpu.py --quick          # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench import common  # noqa: E402
+
+FULL = dict(hidden=1024, intermediate=3840, layers=4, heads=16, kv_heads=4, experts=8, top_k=2, vocab=4096)
+QUICK = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, experts=8, top_k=2, vocab=1024)
+FORMATS = ("none", "int8", "int4")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--batches", default="1,64", help="decode batch sizes (default 1,64)")
+    p.add_argument("--gen", type=int, default=None, help="tokens generated per request per round (default 24; 6 quick)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; 1 quick)")
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="also write the report here")
+    return p.parse_args(argv)
+
+
+def decode_rate(engine, batch: int, gen: int, prompt: str) -> float:
+    from core.runtime.engine import Request
+    from core.telemetry import StepDone
+
+    steps = []
+    reqs = [Request(id=str(i), prompt=f"{prompt} {i}", max_new_tokens=gen) for i in range(batch)]
+    for _ in engine.generate(reqs, batch_size=batch, micro_batch_size=batch, on_event=steps.append):
+        pass
+    dec = [e for e in steps if isinstance(e, StepDone) and e.kind == "decode"]
+    return sum(e.tokens for e in dec) / sum(e.seconds for e in dec)
+
+
+def backend_crossover(spec, fmt_name: str, group: int, rows=(1, 4, 16, 64), reps: int = 5) -> dict:
+    """Per expert: seconds of up + down for n routed tokens, on the kernel and by expanding into a scratch
+    buffer then multiplying in bf16 — over one layer's worth of experts quantized like the engine's."""
+    from core.model.quant.experts import ExpertScheme, QuantExperts
+    from core.model.quant.formats import Format, quantize
+
+    D, I, E = spec.hidden_size, spec.expert_intermediate, spec.num_experts
+    fmt = Format(fmt_name, group if fmt_name == "int4" else 0)
+    scheme = ExpertScheme.uniform(fmt, D, I)
+    parts = {}
+    for name, (n, k) in (("w13", (2 * I, D)), ("w2", (D, I))):
+        for suffix, t in quantize(fmt, torch.randn(E, n, k) / k ** 0.5).items():
+            parts[f"{name}.{suffix}"] = t
+    kernel = QuantExperts(scheme, parts, torch.bfloat16)
+    kernel.pack_cpu()
+    kernel.kernel_rows = 10**9
+    expand = QuantExperts(scheme, parts, torch.bfloat16)
+    out = {}
+    for n in rows:
+        x = torch.randn(n, D, dtype=torch.bfloat16)
+        res = {}
+        for name, q in (("kernel", kernel), ("expand", expand)):
+            def run():
+                for e in range(E):
+                    h = q.up(e, x)
+                    q.down(e, h[:, :I].contiguous())
+
+            run()
+            res[name] = min(_timed(run) for _ in range(reps)) / E
+        out[n] = res
+    return out
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def predicted(spec, batch: int, gen: int, prompt_len: int) -> float:
+    from core.plan import planner
+    from core.plan.hardware import resolve
+    from core.plan.policy import Policy
+
+    hw = resolve("local")
+    pol = Policy(batch, batch, batch, attention_on="cpu", ffn_on="cpu")
+    return planner.predict(pol, spec, hw, planner.Workload(prompt_len, gen)).decode_tokens_per_s
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dims = QUICK if args.quick else FULL
+    gen = args.gen or (6 if args.quick else 24)
+    rounds = args.rounds or (1 if args.quick else 3)
+    batches = [int(b) for b in args.batches.split(",")]
+    load_before = common.load_average()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="mlight-quant-bench-"))
+    os.environ.setdefault("MLIGHT_CACHE_DIR", str(work / "cache"))
+    model_dir = work / "model"
+    if not (model_dir / "config.json").is_file():
+        info = common.build_mixtral(model_dir, **dims)
+        print(f"built {info['params'] / 1e6:.0f}M-parameter bf16 Mixtral-shaped checkpoint in {model_dir}", flush=True)
+    from core.runtime.engine import Engine
+
+    engines, loads = {}, {}
+    for f in FORMATS:
+        t = time.perf_counter()
+        engines[f] = Engine.load(model_dir, dtype="bfloat16", quantize=f, group_size=args.group_size)
+        engines[f].eos_ids = set()
+        loads[f] = time.perf_counter() - t
+        gc.collect()
+    prompt = "Compose an engaging travel blog post about a recent trip to Hawaii"
+    prompt_len = len(engines["none"].prompt_token_ids(__import__("core.runtime.engine", fromlist=["Request"]).Request(
+        id="p", prompt=prompt)))
+    for f in FORMATS:  # warm-up: first calls pay for page faults and kernel dispatch
+        decode_rate(engines[f], 1, 2, prompt)
+    rates = {f: {b: [] for b in batches} for f in FORMATS}
+    for r in range(rounds):
+        for b in batches:
+            for f in FORMATS:
+                rates[f][b].append(decode_rate(engines[f], b, gen, prompt))
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{f} B={b} {rates[f][b][-1]:.1f}" for b in batches for f in FORMATS),
+              flush=True)
+    med = {f: {b: statistics.median(v) for b, v in bs.items()} for f, bs in rates.items()}
+    cross = {f: backend_crossover(engines["none"].spec, f, args.group_size) for f in ("int8", "int4")}
+    pred = {f: {b: predicted(engines[f].spec, b, gen, prompt_len) for b in batches} for f in FORMATS}
+    report = {
+        "cpu": platform.processor() or platform.machine(), "threads": args.threads, "capability":
+        torch.backends.cpu.get_cpu_capability(), "load_before": load_before, "load_after": common.load_average(),
+        "model": dims, "params": engines["none"].spec.num_params, "group_size": args.group_size, "gen": gen,
+        "rounds": rounds, "decode_tokens_per_s": rates, "median": med, "load_seconds": loads,
+        "backend_seconds_per_expert": cross, "predicted_decode_tokens_per_s": pred,
+        "bf16_packed": engines["none"].weights.packed,
+    }
+    print()
+    print(f"CPU {report['cpu']} ({report['capability']}), {args.threads} threads, load {load_before} -> {report['load_after']}")
+    print(f"model {dims} = {report['params'] / 1e6:.0f}M parameters; bf16 experts "
+          f"{'oneDNN-prepacked' if report['bf16_packed'] else 'plain'}; int4 group {args.group_size}")
+    print(f"{'B':>4} {'format':>6} {'decode tok/s':>13} {'vs bf16':>8} {'predicted':>10} {'pred. vs bf16':>14}")
+    for b in batches:
+        for f in FORMATS:
+            print(f"{b:>4} {f if f != 'none' else 'bf16':>6} {med[f][b]:>13.2f} {med[f][b] / med['none'][b]:>7.2f}x "
+                  f"{pred[f][b]:>10.2f} {pred[f][b] / pred['none'][b]:>13.2f}x")
+    print("\nper expert, up + down (ms): tokens  kernel  expand")
+    for f, c in cross.items():
+        for n, r in c.items():
+            print(f"  {f:5s} {n:>5}  {r['kernel'] * 1e3:7.3f} {r['expand'] * 1e3:7.3f}")
+    print(f"\nload seconds (first load quantizes and writes the cache): {json.dumps({k: round(v, 1) for k, v in loads.items()})}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    for e in engines.values():
+        e.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""GGUF architectures as our families: the config a family module reads, and where each tensor goes.
+
+llama.cpp names an architecture by `general.architecture` and its tensors `blk.N.attn_q.weight`,
+`blk.N.ffn_gate_exps.weight` ([E, I, D], experts stacked), … Mixtral files say "llama" (with an
+expert count); their converter permuted the rows of q and k for llama.cpp's interleaved RoPE, which
+`unpermute` reverses (a row permutation: block-quantized rows move as they are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.errors import UnsupportedModelError
+from core.model.families import REGISTRY
+from core.model.gguf.files import GGUFModel
+
+# GGUF architecture -> the transformers architecture our family registry knows
+ARCHS = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+         "olmoe": "OlmoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+
+
+def hf_architecture(g: GGUFModel) -> str:
+    arch = g.arch
+    hf = ARCHS.get(arch)
+    if arch == "llama" and not g.arch_meta("expert_count"):
+        hf = None  # a dense Llama: not a mixture of experts
+    if hf is None or hf not in REGISTRY:
+        known = sorted(a for a, h in ARCHS.items() if h in REGISTRY)
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported"
+                                    + (" (a dense model: mlight runs mixtures of experts)" if arch == "llama" else ""),
+                                    f"mlight reads GGUF files of these architectures: {', '.join(known)}")
+    return hf
+
+
+def config(g: GGUFModel) -> dict:
+    """A transformers-style config.json for our family modules, from the GGUF metadata and tensor shapes."""
+    hf = hf_architecture(g)
+    m = g.arch_meta
+    tokens = g.meta("tokenizer.ggml.tokens") or []
+    heads = int(m("attention.head_count"))
+    D = int(m("embedding_length"))
+    gate = g.tensors.get("blk.0.ffn_gate_exps.weight") or g.tensors.get("blk.0.ffn_gate.0.weight")
+    inter = gate.shape[-2] if gate is not None else int(m("expert_feed_forward_length") or m("feed_forward_length"))
+    cfg = {
+        "architectures": [hf],
+        "hidden_size": D,
+        "num_hidden_layers": int(m("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(m("attention.head_count_kv", heads)),
+        "head_dim": int(m("attention.key_length") or m("rope.dimension_count") or D // heads),
+        "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(m("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(m("context_length", 4096)),
+        "vocab_size": int(m("vocab_size") or len(tokens) or g.tensors["token_embd.weight"].shape[0]),
+        "num_experts_per_tok": int(m("expert_used_count")),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": g.meta("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": g.meta("tokenizer.ggml.eos_token_id"),
+    }
+    E = int(m("expert_count"))
+    if hf == "MixtralForCausalLM":
+        cfg.update(num_local_experts=E, intermediate_size=inter)
+    else:
+        cfg.update(num_experts=E, moe_intermediate_size=inter, intermediate_size=inter)
+    if hf == "Qwen3MoeForCausalLM":
+        cfg["norm_topk_prob"] = True  # llama.cpp always renormalises Qwen3-MoE's top-k weights
+    if hf == "Qwen2MoeForCausalLM":
+        shared = g.tensors.get("blk.0.ffn_up_shexp.weight")
+        cfg.update(shared_expert_intermediate_size=shared.shape[0] if shared else 0, norm_topk_prob=False,
+                   qkv_bias="blk.0.attn_q.bias" in g.tensors)
+    if hf == "OlmoeForCausalLM":
+        cfg.update(norm_topk_prob=False, clip_qkv=None)
+    return cfg
+
+
+@dataclass(frozen=True)
+class Place:
+    """GGUF tensor `src` goes to canonical tensor `dest`, rows [lo, hi) (None: all of it)."""
+
+    src: str
+    dest: str
+    rows: tuple[int, int] | None = None
+    unpermute: int = 0  # heads whose rows llama.cpp's converter interleaved (0: none)
+    unsqueeze: bool = False  # a 1-D GGUF tensor for a [1, D] canonical one
+
+
+def dense_places(spec, i: int, names: set[str]) -> list[Place]:
+    p = f"blk.{i}."
+    q, kv = spec.q_size, spec.kv_size
+    llama = spec.family == "mixtral"
+    out = [
+        Place(p + "attn_norm.weight", "ln1"), Place(p + "ffn_norm.weight", "ln2"),
+        Place(p + "attn_q.weight", "qkv", (0, q), spec.num_heads if llama else 0),
+        Place(p + "attn_k.weight", "qkv", (q, q + kv), spec.num_kv_heads if llama else 0),
+        Place(p + "attn_v.weight", "qkv", (q + kv, q + 2 * kv)),
+        Place(p + "attn_output.weight", "o"), Place(p + "ffn_gate_inp.weight", "router"),
+    ]
+    if spec.qkv_bias:
+        out += [Place(p + "attn_q.bias", "qkv_bias", (0, q)), Place(p + "attn_k.bias", "qkv_bias", (q, q + kv)),
+                Place(p + "attn_v.bias", "qkv_bias", (q + kv, q + 2 * kv))]
+    if spec.qk_norm != "none":
+        out += [Place(p + "attn_q_norm.weight", "q_norm"), Place(p + "attn_k_norm.weight", "k_norm")]
+    if spec.shared_intermediate:
+        Is = spec.shared_intermediate
+        out += [Place(p + "ffn_gate_shexp.weight", "shared_w13", (0, Is)),
+                Place(p + "ffn_up_shexp.weight", "shared_w13", (Is, 2 * Is)),
+                Place(p + "ffn_down_shexp.weight", "shared_w2")]
+        if spec.shared_gate:
+            out.append(Place(p + "ffn_gate_inp_shexp.weight", "shared_gate", unsqueeze=True))
+    return out
+
+
+def expert_sources(i: int, names: set[str], experts: int) -> dict[str, list[str]]:
+    """gate / up / down -> the GGUF tensor(s) holding them: one stacked [E, ...] tensor, or one per expert
+    (files converted before llama.cpp stacked experts)."""
+    p = f"blk.{i}."
+    out = {}
+    for w in ("gate", "up", "down"):
+        if p + f"ffn_{w}_exps.weight" in names:
+            out[w] = [p + f"ffn_{w}_exps.weight"]
+        else:
+            out[w] = [p + f"ffn_{w}.{e}.weight" for e in range(experts)]
+    return out
+
+
+def global_places(spec) -> list[Place]:
+    out = [Place("token_embd.weight", "embed"), Place("output_norm.weight", "norm")]
+    if not spec.tie_word_embeddings:
+        out.append(Place("output.weight", "lm_head"))
+    return out
+
+
+def unpermute(rows, heads: int):
+    """Undo the converter's q/k row order: per head, (2, hd/2) interleaved back to (hd/2, 2)."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)

@@ -1,0 +1,192 @@
+"""A GGUF model into mlight's per-layer flat buffers, its tokenizer, and its ModelSpec.
+
+Dense tensors (attention, norms, router, shared expert, embeddings, head) are expanded to the compute
+dtype one at a time. Routed experts in a block format we decode (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4)
+are copied byte for byte from the file into the layer's expert region: a Q4_K_M file's Q4_K gate/up
+and Q6_K down rows stay Q4_K and Q6_K in RAM, in pages and on the device, which expands one expert
+at a time. Gate and up of one type share one `w13` matrix (each expert's gate rows, then its up rows);
+of two types they stay `w1` and `w3`. Layers may differ in their types (Q4_K_M gives some layers Q6_K
+down projections): each layer has its own layout. Experts stored as floats are loaded as floats.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from core.errors import ModelError, UnsupportedModelError
+from core.model.families import spec_from_config
+from core.model.gguf import arch
+from core.model.gguf.files import GGUFModel, TensorRef, find_gguf, read_float, read_into  # noqa: F401 (re-exported)
+from core.model.quant.experts import ExpertScheme, Matrix
+from core.model.quant.formats import GGUF_BLOCKS, Format
+from core.model.spec import ModelSpec
+from core.telemetry import EventSink, Progress, ignore
+
+FLOAT_KINDS = ("F32", "F16", "BF16")
+
+
+def open_gguf(path: str | Path) -> GGUFModel:
+    paths = find_gguf(path)
+    if paths is None:
+        raise ModelError(f"{path} is not a GGUF file", "give a .gguf file or a folder holding one")
+    return GGUFModel(paths)
+
+
+def expert_kinds(g: GGUFModel, spec: ModelSpec, i: int) -> dict[str, str]:
+    src = arch.expert_sources(i, set(g.tensors), spec.num_experts)
+    out = {}
+    for w, names in src.items():
+        missing = [n for n in names if n not in g.tensors]
+        if missing:
+            raise ModelError(f"{g.paths[0].name} has no tensor {missing[0]}", "the GGUF file is incomplete or damaged")
+        kinds = {g.tensors[n].kind for n in names}
+        if len(kinds) > 1:
+            raise UnsupportedModelError(f"layer {i}'s {w} experts mix types {sorted(kinds)}",
+                                        "use a GGUF whose experts of one projection share a type")
+        out[w] = kinds.pop()
+    return out
+
+
+def _check_kind(g: GGUFModel, kind: str, what: str) -> None:
+    if kind not in GGUF_BLOCKS and kind not in FLOAT_KINDS:
+        raise UnsupportedModelError(
+            f"GGUF {g.arch} file {g.paths[0].name}: {what} are {kind}, a quantization mlight does not run",
+            f"use a GGUF whose experts are one of {', '.join(GGUF_BLOCKS)} (e.g. Q4_K_M, Q5_K_M, Q6_K, Q8_0) or F16/BF16")
+
+
+def expert_scheme(g: GGUFModel, spec: ModelSpec, i: int) -> ExpertScheme | None:
+    """Layer i's experts as stored in the file; None when they are floats (loaded like a safetensors model)."""
+    k = expert_kinds(g, spec, i)
+    for w, kind in k.items():
+        _check_kind(g, kind, f"the {w} projections of the experts")
+    if all(kind in FLOAT_KINDS for kind in k.values()):
+        return None
+    if any(kind in FLOAT_KINDS for kind in k.values()):
+        raise UnsupportedModelError(f"layer {i} mixes float and quantized experts ({k})",
+                                    "use a GGUF whose experts are all quantized or all float")
+    D, I = spec.hidden_size, spec.expert_intermediate
+    fg, fu, fd = Format(k["gate"]), Format(k["up"]), Format(k["down"])
+    for f, kk in ((fg, D), (fu, D), (fd, I)):
+        f.check(0, kk, "a GGUF expert tensor")
+    up = (Matrix("w13", fg, 2 * I, D),) if fg == fu else (Matrix("w1", fg, I, D), Matrix("w3", fu, I, D))
+    return ExpertScheme(up, Matrix("w2", fd, D, I))
+
+
+def load_spec(g: GGUFModel) -> ModelSpec:
+    """Our ModelSpec for the file, its expert format and bits per weight from the tensors' own types."""
+    import dataclasses
+
+    spec = spec_from_config(arch.config(g), source=f"{g.paths[0].name} (GGUF metadata)")
+    schemes = [expert_scheme(g, spec, i) for i in range(spec.num_layers)]
+    if schemes[0] is None:
+        return spec
+    if any(s is None for s in schemes):
+        raise UnsupportedModelError("some layers of the GGUF have float experts and others quantized ones",
+                                    "use a GGUF quantized the same way throughout")
+    label = "/".join(sorted({m.fmt.name for s in schemes for m in s.matrices}))
+    bits = sum(s.bits_per_weight() for s in schemes) / len(schemes)
+    return dataclasses.replace(spec, expert_format=label, expert_bits=bits)
+
+
+def load_tokenizer(g: GGUFModel):
+    """transformers' tokenizer rebuilt from the GGUF metadata (vocabulary, merges, special ids, chat template)."""
+    from transformers import AutoTokenizer
+
+    first = g.paths[0]
+    if not g.meta("tokenizer.ggml.model"):
+        raise ModelError(f"{first.name} carries no tokenizer", "use a GGUF file that includes its tokenizer")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name, local_files_only=True)
+    except Exception as e:  # transformers raises many types here; all mean the same to the user
+        raise ModelError(f"cannot build the tokenizer from {first.name}: {str(e).splitlines()[0]}",
+                         "the GGUF's tokenizer metadata is not one transformers can read") from e
+    template = g.meta("tokenizer.chat_template")
+    if template and not getattr(tok, "chat_template", None):
+        tok.chat_template = template
+    return tok
+
+
+def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Tensor]) -> None:
+    covered: dict[str, int] = {}
+    for p in places:
+        ref = _tensor(g, p.src)
+        w = read_float(ref)
+        if p.unpermute:
+            w = arch.unpermute(w, p.unpermute)
+        if p.unsqueeze:
+            w = w.reshape(1, -1)
+        target = dest[p.dest] if p.rows is None else dest[p.dest][p.rows[0]:p.rows[1]]
+        if tuple(w.shape) != tuple(target.shape):
+            raise ModelError(f"GGUF tensor {p.src} has shape {tuple(w.shape)}, expected {tuple(target.shape)}",
+                             "the GGUF metadata does not match its tensors")
+        target.copy_(w)
+        covered[p.dest] = covered.get(p.dest, 0) + target.numel()
+    for name, t in dest.items():
+        if covered.get(name, 0) != t.numel():
+            raise ModelError(f"the GGUF file does not provide all of {name}", "the file is incomplete or damaged")
+
+
+def fill_experts(g: GGUFModel, spec: ModelSpec, i: int, scheme: ExpertScheme | None, tensors: dict) -> None:
+    """Layer i's experts: raw blocks into the quantized parts, or floats into w13 / w2."""
+    src = arch.expert_sources(i, set(g.tensors), spec.num_experts)
+    I = spec.expert_intermediate
+    if scheme is None:
+        for w, names in src.items():
+            dest = tensors["w2"] if w == "down" else tensors["w13"][:, :I] if w == "gate" else tensors["w13"][:, I:]
+            for e, name in enumerate(names):  # one stacked tensor, or one per expert
+                x = read_float(g.tensors[name])
+                target = dest if len(names) == 1 else dest[e]
+                if tuple(x.shape) != tuple(target.shape):
+                    raise ModelError(f"GGUF tensor {name} has shape {tuple(x.shape)}, expected {tuple(target.shape)}",
+                                     "the GGUF metadata does not match its tensors")
+                target.copy_(x)
+        return
+    for w, names in src.items():
+        matrix = "w2" if w == "down" else ("w13" if scheme.up[0].name == "w13" else {"gate": "w1", "up": "w3"}[w])
+        raw = tensors[f"{matrix}.raw"]  # [E, rows, bytes per row]
+        lo = I if (matrix == "w13" and w == "up") else 0
+        rows = raw.shape[1] if matrix != "w13" else I
+        per_expert = rows * raw.shape[2]
+        for e in range(spec.num_experts):
+            ref = g.tensors[names[0] if len(names) == 1 else names[e]]
+            want = per_expert * (spec.num_experts if len(names) == 1 else 1)
+            if ref.nbytes != want:
+                raise ModelError(f"GGUF tensor {ref.name} has {ref.nbytes} bytes, expected {want}",
+                                 "the GGUF metadata does not match its tensors")
+            read_into(ref, raw[e, lo:lo + rows], start=e * per_expert if len(names) == 1 else 0)
+
+
+def _tensor(g: GGUFModel, name: str) -> TensorRef:
+    try:
+        return g.tensors[name]
+    except KeyError:
+        raise ModelError(f"{g.paths[0].name} has no tensor {name}", "the GGUF file is incomplete or damaged") from None
+
+
+def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
+                      pin: bool = False, progress: EventSink = ignore):
+    from core.model.weights import LayerLayout, LayerWeights, ModelWeights, _alloc
+
+    dtype = dtype or spec.torch_dtype
+    total = spec.num_layers + 1
+    globals_ = {name: torch.empty(shape, dtype=dtype) for name, shape in spec.global_shapes().items()}
+    fill_dense(g, arch.global_places(spec), globals_)
+    what = f"loading {g.name} ({spec.expert_format if spec.expert_format != 'none' else 'float'} experts)"
+    progress(Progress(what, 1, total, "layers"))
+    layouts: dict = {}
+    layers, pinned, scratch = [], pin, {}
+    names = set(g.tensors)
+    for i in range(spec.num_layers):
+        scheme = expert_scheme(g, spec, i)
+        key = (scheme, spec.is_moe(i))
+        layout = layouts.get(key) or layouts.setdefault(key, LayerLayout.for_spec(spec, i, scheme, dtype))
+        flat, ok = _alloc(layout.numel, layout.storage_dtype or dtype, pinned, progress)
+        pinned = pinned and ok
+        lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
+        fill_dense(g, arch.dense_places(spec, i, names), lw.dense())
+        fill_experts(g, spec, i, scheme, lw.tensors)
+        layers.append(lw)
+        progress(Progress(what, i + 2, total, "layers"))
+    return ModelWeights(spec, layers, globals_, dtype, pinned)

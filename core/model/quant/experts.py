@@ -1,0 +1,174 @@
+"""The routed experts of one layer held quantized, and how they compute.
+
+`ExpertScheme` says how a layer stores its experts: the up projection (gate rows, then up rows) as one
+matrix stack `w13` [E, 2I, D] or, when a GGUF file gives gate and up in different formats, as `w1` and
+`w3` [E, I, D]; the down projection `w2` [E, D, I]; each in its own `Format`.
+
+`QuantExperts` computes one expert's projections from those bytes, by one of two backends:
+- kernel (CPU, int8/int4): torch's weight-only kernels (`_weight_int8pack_mm`,
+  `_weight_int4pack_mm_for_cpu`) over each expert prepacked once by `pack_cpu` — the small-batch
+  decode path, where reading fewer bytes is what counts;
+- dequantize: the expert is expanded into a reused scratch buffer in the compute dtype and multiplied
+  by an ordinary matmul — every format, every device; what the accelerator does with streamed pages,
+  and what the CPU does with an expert that many tokens chose (above `kernel_rows`, where the
+  kernels' per-row cost outgrows one expansion).
+Legend: E = experts, D = hidden, I = expert intermediate, n = tokens routed to the expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from core.model.quant.blocks import decode
+from core.model.quant.formats import Format, dequantize
+
+# Above this many tokens on one expert the CPU kernels lose to expand-then-matmul (bench/quant_cpu.py).
+KERNEL_ROWS = 16
+_TORCH = {"uint8": torch.uint8, "int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Matrix:
+    name: str  # w13 | w1 | w3 | w2
+    fmt: Format
+    n: int  # output rows
+    k: int  # inputs
+
+
+@dataclass(frozen=True)
+class ExpertScheme:
+    up: tuple[Matrix, ...]  # gate rows then up rows
+    down: Matrix
+
+    @classmethod
+    def uniform(cls, fmt: Format, hidden: int, inter: int) -> "ExpertScheme":
+        fmt.check(2 * inter, hidden, "the experts' gate/up projection")
+        fmt.check(hidden, inter, "the experts' down projection")
+        return cls((Matrix("w13", fmt, 2 * inter, hidden),), Matrix("w2", fmt, hidden, inter))
+
+    @property
+    def matrices(self) -> tuple[Matrix, ...]:
+        return (*self.up, self.down)
+
+    def parts(self, experts: int):
+        """(entry name, dtype name, shape) of every stored tensor, experts stacked first."""
+        return [(f"{m.name}.{p.suffix}", p.dtype, (experts, *p.shape)) for m in self.matrices for p in m.fmt.parts(m.n, m.k)]
+
+    def expert_nbytes(self) -> int:
+        return sum(m.fmt.nbytes(m.n, m.k) for m in self.matrices)
+
+    def bits_per_weight(self) -> float:
+        return 8 * self.expert_nbytes() / sum(m.n * m.k for m in self.matrices)
+
+    @property
+    def label(self) -> str:
+        names = sorted({m.fmt.label for m in self.matrices})
+        return "/".join(names)
+
+
+class QuantExperts:
+    """One layer's quantized experts over views `parts` ({"w13.q": [E, ...], ...}) on one device."""
+
+    def __init__(self, scheme: ExpertScheme, parts: dict[str, torch.Tensor], dtype: torch.dtype,
+                 scratch: dict | None = None):
+        self.scheme, self.parts, self.dtype = scheme, parts, dtype
+        first = next(iter(parts.values()))
+        self.num_experts, self._device = first.shape[0], first.device
+        self.scratch = {} if scratch is None else scratch  # shared by the layers of a model: one expert's worth
+        self.packed: dict[str, list] | None = None  # per matrix, per expert: the CPU kernel's layout
+        self.kernel_rows = KERNEL_ROWS
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def matrix_parts(self, m: Matrix, e: int) -> dict[str, torch.Tensor]:
+        return {p.suffix: self.parts[f"{m.name}.{p.suffix}"][e] for p in m.fmt.parts(m.n, m.k)}
+
+    def to(self, device) -> "QuantExperts":
+        return QuantExperts(self.scheme, {k: v.to(device) for k, v in self.parts.items()}, self.dtype)
+
+    # ---- compute ---------------------------------------------------------------------------------
+    def up(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x [n, D] -> [n, 2I] (gate, then up)."""
+        if len(self.scheme.up) == 1:
+            return self._linear(self.scheme.up[0], e, x)
+        return torch.cat([self._linear(m, e, x) for m in self.scheme.up], -1)
+
+    def down(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """h [n, I] -> [n, D]."""
+        return self._linear(self.scheme.down, e, h)
+
+    def _linear(self, m: Matrix, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and (x.shape[0] <= self.kernel_rows or f"{m.name}.{m.fmt.parts(m.n, m.k)[0].suffix}"
+                                        not in self.parts):
+            return _kernel_linear(m.fmt, x, self.packed[m.name][e])
+        return F.linear(x, self.expand(m, e))
+
+    def expand(self, m: Matrix, e: int) -> torch.Tensor:
+        """Expert e's matrix m in the compute dtype, in a scratch buffer reused by every layer."""
+        key = (m.n, m.k, self.dtype, self.parts[f"{m.name}.{m.fmt.parts(m.n, m.k)[0].suffix}"].device)
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = torch.empty((m.n, m.k), dtype=self.dtype, device=key[3])
+        parts = self.matrix_parts(m, e)
+        if m.fmt.name in ("int8", "int4"):
+            buf.copy_(dequantize(m.fmt, parts))
+        else:
+            buf.copy_(decode(m.fmt, parts))
+        return buf
+
+    # ---- CPU kernels -----------------------------------------------------------------------------
+    def pack_cpu(self) -> bool:
+        """Prepack every expert for torch's CPU kernels where the format and shapes allow; False if not."""
+        if not all(cpu_kernel_ok(m.fmt, m.n, m.k, self.dtype) for m in self.scheme.matrices):
+            return False
+        self.packed = {m.name: [_kernel_pack(m.fmt, self.matrix_parts(m, e), self.dtype) for e in range(len(self))]
+                       for m in self.scheme.matrices}
+        return True
+
+    def detach_parts(self) -> None:
+        """After packing, stop reading the flat buffer (so it can go): int8 keeps expanding from its packed
+        copy; int4's kernel layout cannot be expanded, so its experts always take the kernel."""
+        kept = {}
+        for m in self.scheme.matrices:
+            if m.fmt.name == "int8":
+                kept[f"{m.name}.q"] = torch.stack([p[0] for p in self.packed[m.name]])
+                kept[f"{m.name}.scale"] = self.parts[f"{m.name}.scale"].clone()
+                self.packed[m.name] = [(kept[f"{m.name}.q"][e], p[1]) for e, p in enumerate(self.packed[m.name])]
+        self.parts = kept
+
+
+def cpu_kernel_ok(fmt: Format, n: int, k: int, dtype: torch.dtype) -> bool:
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if fmt.name == "int8":
+        return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    if fmt.name == "int4":
+        return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and n % 16 == 0 and k % fmt.group == 0
+    return False
+
+
+def _kernel_pack(fmt: Format, parts: dict, dtype: torch.dtype):
+    if fmt.name == "int8":
+        return parts["q"], parts["scale"].to(dtype)
+    q = parts["q"]
+    nib = torch.stack([q & 15, q >> 4], -1).reshape(q.shape[0], -1).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)
+    sz = parts["sz"].transpose(0, 1).contiguous().to(dtype)  # the kernel wants [K/g, N, 2]
+    return packed, sz, fmt.group
+
+
+def _kernel_linear(fmt: Format, x: torch.Tensor, packed) -> torch.Tensor:
+    x = x.contiguous()
+    if fmt.name == "int8":
+        return torch.ops.aten._weight_int8pack_mm(x, packed[0], packed[1])
+    w, sz, g = packed
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, g, sz)

@@ -1,0 +1,167 @@
+"""Weight formats: what a quantized matrix stores, how many bytes a weight costs, float references.
+
+A matrix W [N, K] (N output rows, K inputs; expert stacks add a leading E) is stored as parts:
+- int8: `q` int8 [N, K] and `scale` fp32 [N] — symmetric per output channel, W ≈ q · scale.
+- int4: `q` uint8 [N, K/2] (even k in the low nibble) and `sz` bf16 [N, K/g, 2] — asymmetric per group
+  of g inputs, W ≈ (q − 8) · scale + zero, the convention of torch's int4 kernels (their `zero` is the
+  group's value at q = 8), so the CPU kernel and the dequantizing path read the same numbers.
+- mxfp4 (gpt-oss checkpoints): `blocks` uint8 [N, K/32, 16] (e2m1 pairs, even k low) and `scales`
+  uint8 [N, K/32] (e8m0 exponents).
+- GGUF block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4): `raw` uint8 [N, K/block · type_size],
+  the file's bytes as they are; `core.model.quant.blocks` decodes them.
+Dtypes are names so that the planner can size formats without importing torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from core.errors import UsageError
+
+QUANTIZE_CHOICES = ("none", "int8", "int4", "auto")
+INT4_GROUPS = (32, 64, 128)  # torch's int4 kernels take 32, 64, 128 (and 256)
+DEFAULT_INT4_GROUP = 64
+# GGUF block formats decoded on the fly (kept as-is in RAM and on the wire): block size, bytes per block
+GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+               "MXFP4": (32, 17)}
+_ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Part:
+    suffix: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Format:
+    """A weight-only format. `group`: inputs sharing one scale (0 for int8's per-channel scale)."""
+
+    name: str
+    group: int = 0
+
+    def __post_init__(self):
+        if self.name == "int4" and self.group not in INT4_GROUPS:
+            raise UsageError(f"int4 group size {self.group} is not supported", f"use one of {INT4_GROUPS}")
+        if self.name not in ("int8", "int4", "mxfp4") and self.name not in GGUF_BLOCKS:
+            raise UsageError(f"unknown weight format {self.name!r}", "use int8 or int4")
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.name in GGUF_BLOCKS
+
+    @property
+    def label(self) -> str:
+        return f"int4-g{self.group}" if self.name == "int4" else self.name
+
+    def block(self) -> int:
+        if self.is_gguf:
+            return GGUF_BLOCKS[self.name][0]
+        return {"int4": self.group, "mxfp4": 32}.get(self.name, 1)
+
+    def check(self, n: int, k: int, what: str = "a matrix") -> None:
+        """Refuse shapes the format cannot hold: K must be a whole number of groups (and of byte pairs)."""
+        b = self.block()
+        if k % max(b, 2 if self.name == "int4" else 1):
+            raise UsageError(f"{what} has {k} inputs, not a multiple of the {self.label} block of {b}",
+                             f"use another group size ({', '.join(map(str, INT4_GROUPS))}) or --quantize int8")
+
+    def parts(self, n: int, k: int) -> tuple[Part, ...]:
+        if self.name == "int8":
+            return Part("q", "int8", (n, k)), Part("scale", "float32", (n,))
+        if self.name == "int4":
+            return Part("q", "uint8", (n, k // 2)), Part("sz", "bfloat16", (n, k // self.group, 2))
+        if self.name == "mxfp4":
+            return Part("blocks", "uint8", (n, k // 32, 16)), Part("scales", "uint8", (n, k // 32))
+        bs, ts = GGUF_BLOCKS[self.name]
+        return (Part("raw", "uint8", (n, k // bs * ts)),)
+
+    def nbytes(self, n: int, k: int) -> int:
+        return sum(p.nbytes for p in self.parts(n, k))
+
+    def bits_per_weight(self, n: int, k: int) -> float:
+        return 8 * self.nbytes(n, k) / (n * k)
+
+
+def parse_choice(quantize: str | None, group: int | None = None) -> Format | None:
+    """`--quantize` (none | int8 | int4; auto is the planner's) and `--group-size` as a Format, or None."""
+    if quantize in (None, "none"):
+        return None
+    if quantize == "int8":
+        return Format("int8")
+    if quantize == "int4":
+        return Format("int4", group or DEFAULT_INT4_GROUP)
+    raise UsageError(f"unknown --quantize {quantize!r}", f"use one of {', '.join(QUANTIZE_CHOICES)}")
+
+
+def fit_group(fmt: Format, *dims: int) -> Format:
+    """int4 with the largest group no larger than asked that divides every K the experts have."""
+    if fmt.name != "int4" or all(d % fmt.group == 0 for d in dims):
+        return fmt
+    for g in sorted(INT4_GROUPS, reverse=True):
+        if g <= fmt.group and all(d % g == 0 for d in dims):
+            return Format("int4", g)
+    raise UsageError(f"int4 needs the hidden and expert sizes ({', '.join(map(str, dims))}) to be multiples of 32",
+                     "use --quantize int8 for this model")
+
+
+def quantized_spec(spec, fmt: Format | None):
+    """The ModelSpec with its experts stored in `fmt` (sizes, and so every byte the planner counts, follow)."""
+    import dataclasses
+
+    if fmt is None:
+        return spec
+    D, I = spec.hidden_size, spec.expert_intermediate
+    fmt = fit_group(fmt, D, I)
+    bits = 8 * (fmt.nbytes(2 * I, D) + fmt.nbytes(D, I)) / (3 * D * I)
+    return dataclasses.replace(spec, expert_format=fmt.label, expert_bits=bits)
+
+
+# ---- float references (also the quantizers the loader uses) -------------------------------------------
+def quantize(fmt: Format, w):
+    """W [..., N, K] (any float dtype) -> {suffix: tensor} in `fmt` (int8 and int4 only)."""
+    import torch
+
+    w = w.float()
+    if fmt.name == "int8":
+        scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+        return {"q": q, "scale": scale}
+    if fmt.name != "int4":
+        raise ValueError(f"cannot quantize to {fmt.name}")
+    g = fmt.group
+    wg = w.reshape(*w.shape[:-1], w.shape[-1] // g, g)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    # the stored (bf16) scale and zero are the ones dequantization will use: round with them
+    scale = ((hi - lo) / 15).clamp_min(1e-20).to(torch.bfloat16).float()
+    zero = (lo + 8 * scale).to(torch.bfloat16).float()
+    q = torch.round((wg - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15).to(torch.uint8)
+    q = q.reshape(w.shape)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    return {"q": packed, "sz": torch.stack([scale, zero], -1).to(torch.bfloat16)}
+
+
+def dequantize(fmt: Format, parts: dict, dtype=None):
+    """The float32 (or `dtype`) matrix a format's parts stand for: the reference every kernel is tested against."""
+    import torch
+
+    if fmt.name == "int8":
+        w = parts["q"].float() * parts["scale"].float()[..., None]
+    elif fmt.name == "int4":
+        q = parts["q"]
+        nib = torch.stack([q & 15, q >> 4], -1).reshape(*q.shape[:-1], q.shape[-1] * 2).float()
+        sz = parts["sz"].float()
+        g = nib.shape[-1] // sz.shape[-2]
+        nib = nib.reshape(*nib.shape[:-1], sz.shape[-2], g)
+        w = ((nib - 8) * sz[..., 0:1] + sz[..., 1:2]).reshape(*q.shape[:-1], -1)
+    else:
+        from core.model.quant.blocks import decode
+
+        w = decode(fmt, parts)
+    return w if dtype is None else w.to(dtype)

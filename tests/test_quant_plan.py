@@ -1,0 +1,86 @@
+"""The planner counts bytes per weight of the expert format; --quantize auto picks the least lossy format that fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from core.errors import BudgetError
+from core.model.quant.formats import Format, quantized_spec
+from core.plan import hrm, planner
+from core.plan.hardware import preset
+from core.plan.presets import resolve_spec
+from core.plan.quantize import choose
+
+WORK = planner.Workload(77, 128)
+
+
+def test_quantized_spec_counts_bits_per_weight():
+    m = resolve_spec("mixtral-8x7b")
+    q = quantized_spec(m, Format("int4", 64))
+    assert q.expert_format == "int4-g64" and q.expert_bits == pytest.approx(4.5)
+    assert q.expert_bytes == pytest.approx(m.expert_bytes * 4.5 / 16, rel=1e-6)
+    assert q.num_params == m.num_params and q.active_params == m.active_params  # parameters are parameters
+    assert q.total_bytes == m.nonexpert_bytes + m.num_layers * m.num_experts * q.expert_bytes
+    D, I = m.hidden_size, m.expert_intermediate  # int8: one fp32 scale per output row of each matrix
+    assert quantized_spec(m, Format("int8")).expert_bits == pytest.approx(8 + 32 * (2 * I + D) / (3 * D * I))
+
+
+def test_memory_and_link_shrink_with_the_format():
+    """RAM for experts, the double buffer, resident experts and each streamed page: all in the format's bytes;
+    the device also holds one expert expanded to the compute dtype."""
+    m, hw = resolve_spec("mixtral-8x7b"), preset("t4")
+    q = quantized_spec(m, Format("int4", 64))
+    pol = planner.Policy(256, 64, 64, "cpu", "gpu", gpu_weight_fraction=0.1, pages_per_layer=4)
+    g0, c0 = planner.memory_use(m, pol, WORK)
+    g1, c1 = planner.memory_use(q, pol, WORK)
+    ratio = q.expert_bytes / m.expert_bytes
+    for name in ("weight_double_buffer", "resident_experts"):
+        assert g1[name] == pytest.approx(g0[name] * ratio, rel=1e-3)
+    assert c1["experts"] == pytest.approx(c0["experts"] * ratio, rel=1e-3)
+    assert g0["dequant_scratch"] == 0 and g1["dequant_scratch"] == m.expert_params * 2
+    r = hrm.effective_rates(hw)
+    kw = dict(batch=256, micro_batch=64, expert_batch=64, attention_on="cpu", ffn_on="gpu", gpu_weight_fraction=0.0,
+              gpu_kv_fraction=0.0, context=100, pages=4)
+    t0, t1 = hrm.decode_tasks(m, r, **kw), hrm.decode_tasks(q, r, **kw)
+    assert t1["weight_page"].seconds == pytest.approx(t0["weight_page"].seconds * ratio, rel=0.01)
+    # expanding on the device costs GPU traffic that bf16 experts do not have
+    assert hrm.moe_ffn(q, 64, expand=True).bytes > hrm.moe_ffn(q, 64).bytes
+
+
+def test_int4_plan_predicts_a_speedup_on_a_t4():
+    m, hw = resolve_spec("mixtral-8x7b"), preset("t4")
+    c = choose(m, hw, WORK, planner.Budget.for_hardware(hw), "int4")
+    assert c.quantize == "int4" and c.baseline is not None and c.speedup > 1.5
+    assert c.prediction.cpu_breakdown["experts"] < 0.3 * c.baseline.cpu_breakdown["experts"]
+
+
+@pytest.mark.parametrize("cpu_gb,want", [(200, "none"), (64, "int8"), (40, "int4")])
+def test_auto_takes_the_least_lossy_format_that_fits(cpu_gb, want):
+    m, hw = resolve_spec("mixtral-8x7b"), preset("t4")
+    c = choose(m, hw, WORK, planner.Budget.for_hardware(hw, cpu_gb=cpu_gb), "auto")
+    assert c.quantize == want
+    if want != "none":
+        assert "not fit" in c.why and "least lossy" in c.why
+        assert all(c.tried[q].startswith("does not fit") for q in ("none", "int8")[:("none", "int8", "int4").index(want)])
+
+
+def test_auto_refuses_what_not_even_int4_fits():
+    m, hw = resolve_spec("mixtral-8x7b"), preset("t4")
+    with pytest.raises(BudgetError, match="CPU memory"):
+        choose(m, hw, WORK, planner.Budget.for_hardware(hw, cpu_gb=12), "auto")
+
+
+def test_plan_cli_prints_format_and_speedup(capsys):
+    from app.cli import main
+
+    assert main(["plan", "--model", "mixtral-8x7b", "--hardware", "t4", "--prompt-len", "77", "--gen-len", "128",
+                 "--quantize", "int4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["quantize"]["format"] == "int4-g64" and out["quantize"]["speedup"] > 1.5
+    assert out["prediction"]["gpu_breakdown"]["dequant_scratch"] > 0
+    assert main(["plan", "--model", "mixtral-8x7b", "--hardware", "t4", "--prompt-len", "77", "--gen-len", "128",
+                 "--quantize", "auto", "--cpu-mem", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "experts in int8" in text and "least lossy" in text and "does not fit this budget" in text
