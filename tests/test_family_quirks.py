@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from core.errors import UnsupportedModelError
+from core.errors import ModelError, UnsupportedModelError
 from core.model.families import load_spec, spec_from_config
 from core.model.weights import load_weights
 from core.plan.presets import preset_config
@@ -24,12 +24,20 @@ def _copy(src, dst, **config_changes):
     return dst
 
 
-def test_mxfp4_gpt_oss_is_refused_with_what_to_do(checkpoint_factory, tmp_path):
-    path = _copy(checkpoint_factory("gpt_oss"), tmp_path / "oss", quantization_config={"quant_method": "mxfp4"})
+def test_quantized_checkpoints_mlight_cannot_read_are_refused_with_what_to_do(checkpoint_factory, tmp_path):
+    """gpt-oss MXFP4 loads (tests/test_quant_mxfp4.py); other quantizations are refused, and a config that says
+    MXFP4 over bf16 experts is named for the tensor it lacks."""
+    path = _copy(checkpoint_factory("gpt_oss"), tmp_path / "oss", quantization_config={"quant_method": "fp8"})
     spec = load_spec(path)  # planning still works: the spec is read
-    assert spec.quant_method == "mxfp4"
-    with pytest.raises(UnsupportedModelError, match=r"quantized \(mxfp4\).*bf16"):
+    assert spec.quant_method == "fp8"
+    with pytest.raises(UnsupportedModelError, match=r"quantized \(fp8\).*bf16"):
         load_weights(path, spec)
+    from checkpoints import make_checkpoint
+
+    path = _copy(make_checkpoint("gpt_oss", tmp_path / "oss64", intermediate_size=64), tmp_path / "oss4",
+                 quantization_config={"quant_method": "mxfp4"})  # MXFP4 blocks are 32 wide
+    with pytest.raises(ModelError, match="gate_up_proj_blocks"):
+        load_weights(path, load_spec(path))
 
 
 def test_glm_mtp_layer_in_the_checkpoint_is_not_read(checkpoint_factory, tmp_path):

@@ -20,12 +20,14 @@ from pathlib import Path
 
 import torch
 
-from core.errors import ModelError, UnsupportedModelError
+from core.errors import ModelError, UnsupportedModelError, UsageError
 from core.model.families import family_module
 from core.model.safetensors_io import Checkpoint
 from core.model.quant.experts import _TORCH, ExpertScheme, QuantExperts
 from core.model.quant.cache import CacheEntry
 from core.model.quant.formats import _ITEMSIZE, Format, fit_group, quantize
+from core.model.quant.mxfp4 import fill as fill_mxfp4
+from core.model.quant.mxfp4 import scheme as mxfp4_scheme
 from core.model.spec import EXPERT_TENSORS, ModelSpec
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
@@ -249,10 +251,14 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     in the compute dtype."""
     if pages_per_layer < 1:
         raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
-    if spec.quant_method:
+    mxfp4 = spec.quant_method == "mxfp4" and spec.family == "gpt_oss"  # experts read as the 4-bit blocks they are
+    if spec.quant_method and not mxfp4:
         raise UnsupportedModelError(
             f"this checkpoint's weights are quantized ({spec.quant_method}) and mlight cannot read {spec.quant_method} "
-            "weights yet", "use the model's bf16 release (for gpt-oss, a -BF16 checkpoint) or dequantize it to bf16")
+            "weights yet", "use the model's bf16 release or dequantize it to bf16")
+    if mxfp4 and quant is not None:
+        raise UsageError(f"this checkpoint's experts are already quantized ({spec.quant_method})",
+                         "leave out --quantize to run them as they are")
     dtype = dtype or spec.torch_dtype
     pin = torch.cuda.is_available() if pin is None else pin
     ckpt = Checkpoint(model_dir)
@@ -260,14 +266,15 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     fam = family_module(spec)
     for note in getattr(fam, "notes", lambda s, k: [])(spec, keys):
         progress(WarningEvent(note))
-    scheme = None
+    scheme = mxfp4_scheme(spec) if mxfp4 else None
     if quant is not None:
         scheme = ExpertScheme.uniform(fit_group(quant, spec.hidden_size, spec.expert_intermediate),
                                       spec.hidden_size, spec.expert_intermediate)
     layouts: dict[tuple, LayerLayout] = {}
     plain_layouts: dict[tuple, LayerLayout] = {}
     total = spec.num_layers + 1
-    entry = CacheEntry(Path(model_dir), {"scheme": repr(scheme), "dtype": str(dtype)}) if scheme and use_cache else None
+    entry = (CacheEntry(Path(model_dir), {"scheme": repr(scheme), "dtype": str(dtype)})
+             if quant is not None and use_cache else None)
     cached = Checkpoint(entry.dir) if entry is not None and entry.complete else None
 
     def layout_of(i: int, table: dict, with_scheme) -> LayerLayout:
@@ -290,7 +297,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
                                      for i in range(spec.num_layers)])
             for name, t in globals_.items():
                 writer.write(name, t)
-    what = "loading weights" if scheme is None else (
+    what = "loading weights" if scheme is None or mxfp4 else (
         "loading quantized weights (cached)" if cached is not None else f"quantizing experts to {scheme.label}")
     progress(Progress(what, 1, total, "layers"))
     staging: dict[LayerLayout, LayerWeights] = {}  # one layer in the compute dtype, reused (per distinct shape)
@@ -303,6 +310,11 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
             lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
             if cached is not None:
                 cached.copy_into(f"layers.{i}", flat)
+            elif mxfp4:
+                _fill(ckpt, [p for p in fam.layer_pieces(spec, i, keys) if p.dest not in ("w13", "w2")],
+                      {n: t for n, t in lw.tensors.items() if not n.startswith(("w13.", "w2."))})
+                if spec.is_moe(i):
+                    fill_mxfp4(ckpt, spec, i, lw.tensors)
             elif scheme is not None:
                 plain = layout_of(i, plain_layouts, None)
                 if plain not in staging:

@@ -3,8 +3,8 @@ biases, YaRN RoPE; a router with a bias that takes the top-k logits before its s
 with biases and a clamped SwiGLU whose gate and up columns are interleaved in `gate_up_proj`
 ([E, D, 2I], gate = even columns) — de-interleaved on load into our [E, 2I, D] gate-then-up rows.
 
-The released checkpoints store experts in MXFP4 (`quantization_config.quant_method`); mlight reads
-the bf16 releases and refuses MXFP4 ones on load with a clear message (core.model.weights).
+The released checkpoints store experts in MXFP4 (`quantization_config.quant_method`); mlight keeps them
+4-bit (core.model.quant.mxfp4 reads the blocks as they are); the bf16 releases load as usual.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ class Format:
         b = self.block()
         if k % max(b, 2 if self.name == "int4" else 1):
             raise UsageError(f"{what} has {k} inputs, not a multiple of the {self.label} block of {b}",
-                             f"use another group size ({', '.join(map(str, INT4_GROUPS))}) or --quantize int8")
+                             f"use another group size ({', '.join(map(str, INT4_GROUPS))}) or --quantize int8"
+                             if self.name == "int4" else "the checkpoint's shapes do not fit its own format; is it damaged?")
 
     def parts(self, n: int, k: int) -> tuple[Part, ...]:
         if self.name == "int8":
