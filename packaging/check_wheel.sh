@@ -58,6 +58,7 @@ export MLIGHT_CACHE_DIR="$WORK/cache"
 
 "$BIN/mlight" --version | tee version.txt
 grep -q "^mlight $("$VPY" -c 'import core; print(core.__version__)')$" version.txt || fail "mlight --version"
+"$BIN/mlight-app" --version | head -1 | grep -q "^mlight " || fail "mlight-app --version"
 
 step "mlight run on the demo model"
 "$BIN/mlight" run --prompts demo --out demo.jsonl --max-new-tokens 8

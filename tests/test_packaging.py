@@ -145,3 +145,26 @@ def test_demo_prompts_by_name_unless_a_file_has_that_name(tmp_path, monkeypatch)
     (tmp_path / "demo").write_text("my own prompt\n", encoding="utf-8")
     ps = read_prompts("demo", fmt="txt")
     assert [e.prompt for e in ps.entries] == ["my own prompt"]
+
+
+def test_version_says_when_a_cpu_only_torch_leaves_an_nvidia_gpu_idle(monkeypatch):
+    import pynvml
+    import torch
+
+    from app.cli import version_report
+
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch")
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA GeForce RTX 4070")
+    note = version_report().splitlines()[-1]
+    assert note.startswith("note: this machine has an NVIDIA GeForce RTX 4070") and "--torch-backend auto" in note
+
+    def no_driver():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
+    assert not version_report().splitlines()[-1].startswith("note:")
