@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     debug = args.debug or "--debug" in argv
+    args.argv = list(argv)  # `mlight run --tensor-parallel K` starts its ranks with the same arguments
     try:
         return int(modules[args.command].run(args) or 0)
     except MlightError as e:

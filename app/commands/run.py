@@ -62,6 +62,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="run the good lines and write the bad ones with reasons to OUT.rejected.jsonl")
     p.add_argument("--restart", action="store_true",
                    help="discard an unfinished run (or an existing OUT) for this output and start over")
+    p.add_argument("--tensor-parallel", type=_positive, default=1, metavar="K",
+                   help="split the model over K ranks (one per GPU; gloo on the CPU). Alone it starts K local "
+                        "ranks; under torchrun, K consecutive ranks share a model and the groups split the prompts")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run over a Ray cluster with Ray Data ('auto', or the cluster's address); needs mlight[ray]")
+    p.add_argument("--ray-actors", type=_positive, default=None, metavar="N",
+                   help="engine replicas on the Ray cluster (default: one per GPU, else one per node)")
     return p
 
 
@@ -161,6 +168,25 @@ class _ProgressLine:
 
 
 def run(args) -> int:
+    from core.runtime.distributed.world import from_env
+
+    if getattr(args, "ray", None):
+        from app.commands.run_ray import run as run_ray
+
+        return run_ray(args)
+    world = from_env(getattr(args, "tensor_parallel", 1))
+    if world is not None:  # a rank of a torchrun job, or of the ranks --tensor-parallel started
+        from app.commands.run_parallel import run as run_rank
+
+        return run_rank(args, world)
+    if getattr(args, "tensor_parallel", 1) > 1:
+        from core.runtime.distributed.launch import launch_local
+
+        return launch_local(args.tensor_parallel, [sys.executable, "-m", "app.cli", *args.argv])
+    return _run_single(args)
+
+
+def _run_single(args) -> int:
     from core.io.download import resolve_model
 
     out = Path(args.out)
@@ -283,10 +309,10 @@ def _quant_settings(args) -> dict:
     return {"quantize": q, **({"group_size": args.group_size or DEFAULT_INT4_GROUP} if q == "int4" else {})}
 
 
-def _load_engine(args, model_dir: Path, progress):
+def _load_engine(args, model_dir: Path, progress, tp=None):
     from core.runtime.engine import Engine
 
-    kw = {}
+    kw = {"tp": tp} if tp is not None else {}
     if args.executor:
         kw["executor"] = args.executor
     if args.schedule:

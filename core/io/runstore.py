@@ -90,6 +90,7 @@ class RunStore:
     out: Path
     done: dict[str, dict] = field(default_factory=dict)  # id -> finished record, in finish order
     resumed: bool = False
+    part: str = ""  # a data-parallel replica's tag (core.io.shards.part_name): its own run file and lock
     _lock: filelock.BaseFileLock | None = None
     _file: Any = None
 
@@ -97,12 +98,16 @@ class RunStore:
         self.out = Path(self.out)
 
     @property
+    def _stem(self) -> str:
+        return self.out.name + (f".{self.part}" if self.part else "")
+
+    @property
     def run_path(self) -> Path:
-        return self.out.with_name(self.out.name + ".run.jsonl")
+        return self.out.with_name(self._stem + ".run.jsonl")
 
     @property
     def lock_path(self) -> Path:
-        return self.out.with_name(self.out.name + ".lock")
+        return self.out.with_name(self._stem + ".lock")
 
     @property
     def rejected_path(self) -> Path:
@@ -252,6 +257,11 @@ class RunStore:
                 raise MlightError(f"{e.problem} ({n} finished result{'s' if n != 1 else ''} kept in "
                                   f"{self.run_path.name})", e.hint) from e
             raise
+        self._remove(self.run_path)
+
+    def drop_run_file(self) -> None:
+        """The merged output holds this replica's records now (data parallel): its run file goes."""
+        self.close()
         self._remove(self.run_path)
 
     def abandon(self) -> None:

@@ -30,12 +30,17 @@ def _qk_norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, w, spec.norm_eps) if spec.norm == "layernorm" else norm(spec, x, w)
 
 
-def project(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None):
-    """Normed h [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd], output gate [T, Hq·hd] or None."""
+def project(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None,
+            full_norm=None):
+    """Normed h [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd], output gate [T, Hq·hd] or None.
+    `full_norm(q, k, wq, wk, eps)` replaces the norm over all heads on a tensor-parallel rank that holds
+    only some of them (core.runtime.distributed.tensor_parallel.FullQKNorm)."""
     qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))
     sizes = [spec.q_size, spec.kv_size, spec.kv_size] + ([spec.q_size] if spec.attn_gate else [])
     q, k, v, *gate = qkv.split(sizes, dim=-1)
-    if spec.qk_norm == "full":  # OLMoE: one norm over all heads, before the head split and the clip
+    if spec.qk_norm == "full" and full_norm is not None:
+        q, k = full_norm(q, k, w["q_norm"], w["k_norm"], spec.norm_eps)
+    elif spec.qk_norm == "full":  # OLMoE: one norm over all heads, before the head split and the clip
         q, k = _qk_norm(spec, q, w["q_norm"]), _qk_norm(spec, k, w["k_norm"])
     if spec.clip_qkv is not None:
         c = spec.clip_qkv

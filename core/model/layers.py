@@ -54,11 +54,12 @@ def Rope(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device="cpu"):
     return for_spec(spec, max_positions, dtype, device)
 
 
-def pre_attn(spec: ModelSpec, w: dict, x: torch.Tensor, positions: torch.Tensor, rope):
-    """Grouped-query attention's projections for x [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd]."""
+def pre_attn(spec: ModelSpec, w: dict, x: torch.Tensor, positions: torch.Tensor, rope, full_norm=None):
+    """Grouped-query attention's projections for x [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd].
+    `full_norm`: see core.model.gqa.project (a tensor-parallel rank's norm over all heads)."""
     from core.model.gqa import project
 
-    q, k, v, _ = project(spec, w, norm(spec, x, w["ln1"], w.get("ln1_b")), positions, rope)
+    q, k, v, _ = project(spec, w, norm(spec, x, w["ln1"], w.get("ln1_b")), positions, rope, full_norm=full_norm)
     return q, k, v
 
 

@@ -111,11 +111,14 @@ class Checkpoint:
                              "it is incomplete or not the architecture its config.json names") from None
 
     def copy_into(self, name: str, dest: torch.Tensor, view: tuple[int, ...] | None = None,
-                  transpose: bool = False, select: tuple | None = None, fit: bool = False) -> None:
+                  transpose: bool = False, select: tuple | None = None, fit: bool = False,
+                  narrow: tuple[int, int, int] | None = None) -> None:
         """Copy tensor `name` into `dest` (converting dtype), reading it through its own mmap window.
 
         `view` reshapes it, `transpose` swaps its last two axes, `select` indexes the result and `fit`
-        reshapes the selection to `dest`'s shape (same number of elements)."""
+        reshapes the selection to `dest`'s shape (same number of elements). `narrow` = (dim, start, length)
+        then copies only that slice: the pages outside it are never read, so a tensor-parallel rank reads
+        only its part."""
         t = self.info(name)
         nbytes = t.end - t.start
         aligned = t.start - t.start % _GRANULARITY
@@ -133,6 +136,8 @@ class Checkpoint:
                     src = src[select]
                 if fit and src.numel() == dest.numel():
                     src = src.reshape(dest.shape)
+                if narrow is not None:
+                    src = src.narrow(*narrow)
                 if tuple(src.shape) != tuple(dest.shape):
                     raise ModelError(f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}",
                                      "the config.json does not match the weights")

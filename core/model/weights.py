@@ -243,8 +243,11 @@ def _alloc(numel: int, dtype: torch.dtype, pin: bool, sink: EventSink) -> tuple[
 
 def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
                  pin: bool | None = None, progress: EventSink = ignore, quant: Format | None = None,
-                 use_cache: bool = True) -> ModelWeights:
+                 use_cache: bool = True, shard=None) -> ModelWeights:
     """Read a checkpoint into paged per-layer buffers (and plain tensors for embeddings and head).
+
+    With a tensor-parallel `shard` (core.model.shard.Shard of `spec`), only that rank's part is read
+    and the result is laid out for `local_spec(spec, shard)`.
 
     With `quant` the experts are quantized layer by layer as they are read (or read back from the
     quantized cache, see core.model.quant.cache): memory peaks at the quantized model plus one layer
@@ -266,6 +269,14 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     fam = family_module(spec)
     for note in getattr(fam, "notes", lambda s, k: [])(spec, keys):
         progress(WarningEvent(note))
+    full, picks = spec, (lambda i: {})  # the checkpoint's model; a tensor-parallel rank's part of each layer
+    if shard is not None:
+        if mxfp4:
+            raise UsageError("tensor parallelism over a 4-bit MXFP4 checkpoint is not supported yet",
+                             "use the model's bf16 release, or run it without --tensor-parallel")
+        from core.model.shard import local_spec
+
+        spec, picks = local_spec(full, shard), (lambda i: shard.selections(full, i))
     scheme = mxfp4_scheme(spec) if mxfp4 else None
     if quant is not None:
         scheme = ExpertScheme.uniform(fit_group(quant, spec.hidden_size, spec.expert_intermediate),
@@ -273,8 +284,8 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     layouts: dict[tuple, LayerLayout] = {}
     plain_layouts: dict[tuple, LayerLayout] = {}
     total = spec.num_layers + 1
-    entry = (CacheEntry(Path(model_dir), {"scheme": repr(scheme), "dtype": str(dtype)})
-             if quant is not None and use_cache else None)
+    key = {"scheme": repr(scheme), "dtype": str(dtype)} | ({"shard": f"{shard.rank}/{shard.size}"} if shard else {})
+    entry = CacheEntry(Path(model_dir), key) if quant is not None and use_cache else None
     cached = Checkpoint(entry.dir) if entry is not None and entry.complete else None
 
     def layout_of(i: int, table: dict, with_scheme) -> LayerLayout:
@@ -290,7 +301,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         for name, t in globals_.items():
             cached.copy_into(name, t)
     else:
-        _fill(ckpt, fam.global_pieces(spec, keys), globals_)
+        _fill(ckpt, fam.global_pieces(full, keys), globals_)
         if entry is not None:
             writer = entry.writer([(n, dtype, tuple(t.shape)) for n, t in globals_.items()]
                                   + [(f"layers.{i}", torch.uint8, (layout_of(i, layouts, scheme).numel,))
@@ -319,12 +330,12 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
                 plain = layout_of(i, plain_layouts, None)
                 if plain not in staging:
                     staging[plain] = LayerWeights(plain, torch.empty(plain.numel, dtype=dtype), 1)
-                _fill(ckpt, fam.layer_pieces(spec, i, keys), staging[plain].tensors)
+                _fill_layer(ckpt, fam, full, i, keys, staging[plain].tensors, picks(i), shard)
                 _quantize_layer(staging[plain], lw)
                 if writer is not None:
                     writer.write(f"layers.{i}", flat)
             else:
-                _fill(ckpt, fam.layer_pieces(spec, i, keys), lw.tensors)
+                _fill_layer(ckpt, fam, full, i, keys, lw.tensors, picks(i), shard)
             layers.append(lw)
             progress(Progress(what, i + 2, total, "layers"))
         if writer is not None:
@@ -354,17 +365,45 @@ def _quantize_layer(src: LayerWeights, dst: LayerWeights) -> None:
                     parts[suffix][e, r:r + _QUANT_ROWS].copy_(t)
 
 
-def _fill(ckpt: Checkpoint, pieces, dest: dict[str, torch.Tensor]) -> None:
+def _fill_layer(ckpt: Checkpoint, fam, spec: ModelSpec, i: int, keys, dest: dict[str, torch.Tensor], picks,
+                shard) -> None:
+    """Layer i of the checkpoint (of `spec`, the whole model) into `dest`, cut to a rank's `picks`."""
+    _fill(ckpt, fam.layer_pieces(spec, i, keys), dest, picks, spec.layer_shapes(i))
+    if shard is not None and shard.rank:  # biases added once after the sum over ranks: rank 0 holds them
+        for name in shard.leader_only(spec, i):
+            dest[name].zero_()
+
+
+def _fill(ckpt: Checkpoint, pieces, dest: dict[str, torch.Tensor], picks=None, shapes=None) -> None:
+    """Copy the pieces into `dest`; `picks` (a tensor-parallel rank's selections of the canonical tensors,
+    whose full shapes are `shapes`) cut each piece to the rows and columns this rank keeps."""
     covered: dict[str, int] = {}
     for p in pieces:
-        target = dest[p.dest][p.index] if p.index else dest[p.dest]
-        try:
-            ckpt.copy_into(p.src, target, view=p.view, transpose=p.transpose, select=p.select, fit=p.fit)
-        except RuntimeError as e:  # a reshape that does not fit: config and weights disagree
-            raise ModelError(f"tensor {p.src} does not fit {p.dest}: {e}",
-                             "the config.json does not match the weights") from e
-        covered[p.dest] = covered.get(p.dest, 0) + target.numel()
+        for target, narrow in _targets(p, dest, picks, shapes):
+            try:
+                ckpt.copy_into(p.src, target, view=p.view, transpose=p.transpose, select=p.select,
+                               fit=p.fit, narrow=narrow)
+            except RuntimeError as e:  # a reshape that does not fit: config and weights disagree
+                raise ModelError(f"tensor {p.src} does not fit {p.dest}: {e}",
+                                 "the config.json does not match the weights") from e
+            covered[p.dest] = covered.get(p.dest, 0) + target.numel()
     for name, t in dest.items():
         if covered.get(name, 0) != t.numel():
             raise ModelError(f"the checkpoint does not provide all of {name}",
                              "it is incomplete or not the architecture its config.json names")
+
+
+def _targets(p, dest: dict[str, torch.Tensor], picks, shapes):
+    """(destination view, source narrow) pairs of one piece: itself, or this rank's runs of it."""
+    if not picks or p.dest not in picks:
+        yield (dest[p.dest][p.index] if p.index else dest[p.dest]), None
+        return
+    from core.model.shard import cuts
+
+    dim, keep = picks[p.dest]
+    for c in cuts(tuple(p.index), shapes[p.dest], dim, keep):
+        target = dest[p.dest][c.dst_index]
+        if c.dst_dim < 0:  # the whole piece lands at one local position
+            yield target, None
+        else:
+            yield target.narrow(c.dst_dim, c.dst_start, c.length), (c.src_dim, c.src_start, c.length)

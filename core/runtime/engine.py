@@ -153,6 +153,8 @@ class Engine:
         self.context_length = spec.max_position
         self.fault = None  # tests: passed to the runner to inject a failure into a task
         self.policy = None  # the planner's Policy this engine was loaded with, if any
+        self.tp = None  # tensor parallel: this rank's core.runtime.distributed.tensor_parallel.ShardOps
+        self.rank_spec = spec  # the model this process runs: with tensor parallelism, its heads and expert slices
         self._executor = None
 
     def executor(self):
@@ -199,17 +201,24 @@ class Engine:
              pages_per_layer: int = 1, executor: str | None = None, schedule: str | None = None,
              resident_layers: int | None = None, expert_group: int = 1, grouped: bool | None = None,
              policy=None, quantize: str | None = None, group_size: int | None = None, use_cache: bool = True,
-             progress: EventSink = ignore) -> "Engine":
+             progress: EventSink = ignore, tp=None) -> "Engine":
         """Load a checkpoint. A `core.plan.policy.Policy` (the planner's) sets paging, resident experts, the
         expert batch and attention placement; the explicit arguments are for tests and benchmarks.
         `quantize` ("none", "int8", "int4"; `group_size` for int4) stores the experts quantized, through
-        the quantized cache unless `use_cache` is False."""
+        the quantized cache unless `use_cache` is False. `tp` (a
+        core.runtime.distributed.tensor_parallel.TensorParallel) loads only this rank's shard; every rank
+        of the group then calls `generate` with the same requests."""
         model_dir = Path(model_dir)
         gguf = _gguf_model(model_dir)  # a GGUF file, or a folder holding one instead of config.json
         spec = load_gguf_spec(gguf) if gguf is not None else load_spec(model_dir)
         if spec.family in _NOT_WIRED:
             raise UnsupportedModelError(f"{spec.architecture} is read and planned, but the engine does not run it yet",
                                         "plan it with `mlight plan`; running it comes with the next update")
+        shard = None
+        if tp is not None:
+            from core.model.shard import local_spec, plan_shard
+
+            shard = plan_shard(spec, tp.rank, tp.size)
         if policy is not None:
             pages_per_layer, expert_group = policy.pages_per_layer, policy.micro_batches_per_expert_batch
             if policy.ffn_on == "gpu":  # on the CPU alone every expert is "resident"
@@ -218,13 +227,17 @@ class Engine:
                 schedule = "s4"
         config = run_config(device, executor, schedule, resident_layers, expert_group)
         if config.device == "cuda" and config.resident_layers is None:
-            config = dataclasses.replace(config, resident_layers=_layers_that_fit(spec, dtype))
+            mine = spec if shard is None else local_spec(spec, shard)
+            config = dataclasses.replace(config, resident_layers=_layers_that_fit(mine, dtype))
         tokenizer = load_gguf_tokenizer(gguf) if gguf is not None else _load_tokenizer(model_dir)
         if isinstance(dtype, str):
             if dtype not in DTYPE_BYTES:
                 raise UsageError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPE_BYTES))}")
             dtype = torch_dtype(dtype)
         quant = parse_choice(quantize, group_size)
+        if gguf is not None and shard is not None:
+            raise UsageError("tensor parallelism over a GGUF file is not supported yet",
+                             "run it without --tensor-parallel, or use the model's safetensors release")
         if gguf is not None:
             if quant is not None:
                 raise UsageError(f"--quantize {quantize} applies to safetensors checkpoints; {gguf.paths[0].name} "
@@ -233,7 +246,8 @@ class Engine:
                                         pin=config.device == "cuda", progress=progress)
         else:
             weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer,
-                                   pin=config.device == "cuda", progress=progress, quant=quant, use_cache=use_cache)
+                                   pin=config.device == "cuda", progress=progress, quant=quant, use_cache=use_cache,
+                                   shard=shard)
             spec = quantized_spec(spec, quant)
         # the CPU-only chain never streams experts: pack them for the CPU's kernels
         if config.ffn_on == "cpu" and (weights.scheme is not None or can_pack(weights.dtype)):
@@ -241,16 +255,21 @@ class Engine:
         engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
                      grouped=grouped)
         engine.policy = policy
+        if tp is not None:
+            from core.runtime.distributed.tensor_parallel import ShardOps
+
+            engine.tp = ShardOps(tp, shard, spec)
+            engine.rank_spec = quantized_spec(local_spec(spec, shard), quant)
         return engine
 
     def runner(self, slots: int, micro_batch_size: int, max_tokens: int) -> PipelineRunner:
         """A runner over a fresh KV cache for `slots` requests of up to `max_tokens` tokens."""
-        c = self.config
-        cache = KVCache(self.spec, slots, max_tokens, self.weights.dtype, pin=c.device == "cuda")
-        r = PipelineRunner(self.spec, self.weights, cache, executor=self.executor(), schedule=c.schedule,
+        c, spec = self.config, self.rank_spec
+        cache = KVCache(spec, slots, max_tokens, self.weights.dtype, pin=c.device == "cuda")
+        r = PipelineRunner(spec, self.weights, cache, executor=self.executor(), schedule=c.schedule,
                            attention_on=c.attention_on, ffn_on=c.ffn_on, micro_batch_size=micro_batch_size,
                            expert_group=c.expert_group, resident_layers=c.resident_layers, device=c.device,
-                           grouped=self.grouped)
+                           grouped=self.grouped, tp=self.tp)
         r.fault = self.fault
         return r
 
@@ -292,12 +311,15 @@ class Engine:
         active: list[_Seq] = []
         proc = psutil.Process()
         while waiting or active:
-            if should_stop is not None and should_stop():
+            stop = should_stop is not None and should_stop()
+            if self.tp is not None:  # every rank of the group stops at the same step, or none does
+                stop = self.tp.tp.any(stop)
+            if stop:
                 return
             try:
                 finished = self._step(runner, table, waiting, active, proc, on_event)
             except TaskFailed as e:
-                if not _is_oom(e) or slots == 1:
+                if not _is_oom(e) or slots == 1 or self.tp is not None:  # ranks cannot agree on a retry
                     raise
                 # Out of device memory: restart the unfinished requests with half the batch.
                 slots, mu = max(1, slots // 2), max(1, min(mu, slots // 2))
@@ -360,9 +382,12 @@ class Engine:
     def _choose(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         """Append each sequence's next token (logits [len(seqs), V], fp32) and mark finished ones."""
         best = greedy(logits).tolist()
-        for row, s in enumerate(seqs):
+        toks = [best[row] if s.req.temperature <= 0 else sample(logits[row], s.req.temperature, s.req.top_k,
+                                                                 s.req.top_p, s.gen) for row, s in enumerate(seqs)]
+        if self.tp is not None:
+            toks = self.tp.tp.tokens(toks)
+        for s, tok in zip(seqs, toks):
             r = s.req
-            tok = best[row] if r.temperature <= 0 else sample(logits[row], r.temperature, r.top_k, r.top_p, s.gen)
             if tok in self.eos_ids:
                 s.finish = "stop"
                 continue

@@ -74,7 +74,8 @@ class PipelineRunner:
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, cache: KVCache, *, executor, schedule: str = "cgopipe",
                  attention_on: str = "cpu", ffn_on: str = "gpu", micro_batch_size: int = 1, expert_group: int = 1,
-                 resident_layers: int | None = None, device: str | torch.device = "cpu", grouped: bool | None = None):
+                 resident_layers: int | None = None, device: str | torch.device = "cpu", grouped: bool | None = None,
+                 tp=None):
         if schedule not in sched.SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}")
         self.spec, self.w, self.cache, self.ex = spec, weights, cache, executor
@@ -82,6 +83,9 @@ class PipelineRunner:
         self.device = torch.device(device)
         self.grouped = grouped
         self.expert_group = expert_group
+        self.tp = tp  # tensor parallel: core.runtime.distributed.tensor_parallel.ShardOps, or None
+        self._full_norm = tp.full_norm if tp is not None else None
+        self._attention_out = tp.attention_out if tp is not None else _noop
         L = spec.num_layers
         self.pages = max(1, len(weights.layers[0].pages))  # packed CPU experts have no pages
         self.resident = L if resident_layers is None else max(0, min(L, resident_layers))
@@ -231,7 +235,8 @@ class PipelineRunner:
     # ---- tasks ----------------------------------------------------------------------------------
     def _pre_attn(self, t):
         mb = self._step[t.micro_batch]
-        mb.q, mb.k, mb.v = dense_pre_attn(self.spec, self.dense[t.layer], mb.x, mb.positions_d, self.rope)
+        mb.q, mb.k, mb.v = dense_pre_attn(self.spec, self.dense[t.layer], mb.x, mb.positions_d, self.rope,
+                                          self._full_norm)
 
     def _d1(self, t):
         mb = self._step[t.micro_batch]
@@ -264,7 +269,7 @@ class PipelineRunner:
 
     def _post_attn(self, t):
         mb, w = self._step[t.micro_batch], self.dense[t.layer]
-        x = mb.x + F.linear(mb.o, w["o"])
+        x = mb.x + self._attention_out(F.linear(mb.o, w["o"]))
         h = norm(self.spec, x, w["ln2"])
         mb.rw, mb.ridx = route(self.spec, h, w)
         # the shared expert's output joins the routed experts' before the residual add, as the reference does
@@ -281,8 +286,11 @@ class PipelineRunner:
             out = _experts(ew, torch.cat([m.h for m in mbs]), torch.cat([m.rw for m in mbs]),
                            torch.cat([m.ridx for m in mbs]), self.grouped)
             parts = out.split([m.B for m in mbs])
+        parts = [y if m.shared is None else y + m.shared for m, y in zip(mbs, parts)]
+        if self.tp is not None:  # each rank holds a slice of every expert: sum the partial outputs, once
+            parts = self.tp.ffn_out(torch.cat(parts)).split([m.B for m in mbs]) if g > 1 else [self.tp.ffn_out(parts[0])]
         for m, y in zip(mbs, parts):
-            m.x = m.x + (y if m.shared is None else y + m.shared)
+            m.x = m.x + y
 
     def _group_size(self, t) -> int:
         n = len(self._step)
@@ -350,7 +358,7 @@ class PipelineRunner:
     def _prefill(self, t):
         mb, i = self._pre[t.micro_batch], t.layer
         w = self.dense[i]
-        q, k, v = dense_pre_attn(self.spec, w, mb.x, mb.positions_d, self.rope)
+        q, k, v = dense_pre_attn(self.spec, w, mb.x, mb.positions_d, self.rope, self._full_norm)
         parts, start = [], 0
         for n in mb.lens:
             parts.append(prefill_attention(q[start:start + n], k[start:start + n], v[start:start + n], self.scale))
@@ -358,16 +366,20 @@ class PipelineRunner:
         while len(mb.kv) <= i:
             mb.kv.append(None)
         mb.kv[i] = (k, v)
-        x = mb.x + F.linear(torch.cat(parts), w["o"])
+        x = mb.x + self._attention_out(F.linear(torch.cat(parts), w["o"]))
         h = norm(self.spec, x, w["ln2"])
         rw, ridx = route(self.spec, h, w)
         ew = self._expert_weights(i)
         y = _experts(ew, h, rw, ridx, self.grouped)
         if self.spec.shared_intermediate:
             y = y + shared_expert(self.spec, w, h)
-        mb.x = x + y
+        mb.x = x + (y if self.tp is None else self.tp.ffn_out(y))
         if self.ffn_on == "cpu":  # the CPU-only chain has no kv_store task: write the cache here
             self._kv_store(t)
+
+
+def _noop(t):
+    return t
 
 
 def _experts(ew: dict, h, rw, ridx, grouped):

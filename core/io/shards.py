@@ -1,0 +1,33 @@
+"""Data parallelism's bookkeeping: which prompts a replica runs, where it saves them, how they merge.
+
+Replica d of D takes every D-th entry of the prompts file starting at d (the file's order after bad
+lines and too-long prompts are set aside, which every rank decides the same way), so the split is
+deterministic and balanced in count. Each replica keeps its own run file next to the output,
+`OUT.dp{d}of{D}.run.jsonl` (fsynced per result, resumable on its own), so replicas on different
+machines never share a file; with one replica the name is the plain `OUT.run.jsonl` of a
+single-process run, which either kind of run can resume. Rank 0 merges every replica's records
+into the output in input order.
+"""
+
+from __future__ import annotations
+
+from core.io.prompts import PromptEntry
+
+
+def part_name(dp_rank: int, dp_size: int) -> str:
+    """The run-file tag of one replica ("" for a single replica: the plain run file)."""
+    return "" if dp_size == 1 else f"dp{dp_rank}of{dp_size}"
+
+
+def shard_entries(entries: list[PromptEntry], dp_rank: int, dp_size: int) -> list[PromptEntry]:
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"replica {dp_rank} outside {dp_size}")
+    return entries[dp_rank::dp_size]
+
+
+def merge(entries: list[PromptEntry], parts: list[dict[str, dict]]) -> tuple[dict[str, dict], list[str]]:
+    """Every replica's finished records as one id -> record map, and the ids still missing."""
+    done: dict[str, dict] = {}
+    for p in parts:
+        done.update(p)
+    return done, [e.id for e in entries if e.id not in done]

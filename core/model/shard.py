@@ -1,0 +1,173 @@
+"""Tensor-parallel shards: what one of `size` ranks holds of a model, and how it is read from disk.
+
+Attention is split by query heads, in contiguous near-equal chunks; a rank keeps the KV heads its
+query heads use. When its query heads fall unevenly into KV groups (e.g. 8 heads over 3 ranks), it
+keeps one copy of the KV head per query head (plain multi-head attention locally), so any rank count
+up to the number of heads works and the KV-cache math is the ordinary one.
+The MoE FFN is split along every expert's intermediate dimension (and the shared expert's), not by
+assigning whole experts: each rank streams exactly 1/size of every layer's expert bytes whatever the
+routing, and the straggler of each step is no slower than the others (bench/tp_split.py measured both).
+A family whose layer holds tensors this module does not know (attention sinks, latent attention)
+keeps its attention whole on every rank and splits only the experts.
+
+A rank's model is an ordinary ModelSpec with fewer heads and a narrower intermediate size
+(`local_spec`), so the weights layout, KV cache and pipeline need no change; the partial outputs of
+the O projection and of the FFN are summed over the ranks (core.runtime.distributed.tensor_parallel).
+Loading reads only the rank's rows and columns of each checkpoint tensor through its memory map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from core.errors import UsageError
+from core.model.spec import ModelSpec
+
+# canonical tensors this module knows how to split, or keeps whole (norms, routers, gates, biases)
+_ATTENTION = {"qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "sinks"}
+_KNOWN = _ATTENTION | {"ln1", "ln1_b", "ln2", "ln2_b", "router", "router_bias", "e_bias", "shared_w13", "shared_w2",
+                      "shared_gate", "w13", "b13", "w2", "b2", "dense_w13", "dense_w2"}
+
+
+def chunk(n: int, size: int, rank: int) -> tuple[int, int]:
+    """[a, b) of rank's near-equal contiguous part of range(n); the first n % size ranks get one more."""
+    base, extra = divmod(n, size)
+    a = rank * base + min(rank, extra)
+    return a, a + base + (1 if rank < extra else 0)
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    size: int
+    split_attention: bool  # False: every rank computes all heads (a family this module cannot split)
+    q_heads: tuple[int, ...]
+    kv_heads: tuple[int, ...]  # global KV head of each local one; repeats where a rank expands GQA
+    kv_owned: tuple[bool, ...]  # per local KV head: the copy that counts in a norm over all KV heads
+    inter: tuple[int, int]  # [a, b) of each expert's intermediate dimension
+    shared: tuple[int, int]  # [a, b) of the shared expert's
+    dense: tuple[int, int] = (0, 0)  # [a, b) of a dense MLP layer's (DeepSeek's first layers)
+
+    def selections(self, spec: ModelSpec, layer: int = 0) -> dict[str, tuple[int, list[int]]]:
+        """Layer `layer`'s canonical tensor -> (dim, full indices this rank keeps, in local order);
+        absent: kept whole."""
+        hd, q, kv = spec.head_dim, spec.q_size, spec.kv_size
+        names = spec.layer_shapes(layer)
+        sel: dict[str, tuple[int, list[int]]] = {}
+        if self.split_attention:
+            qr = [h * hd + t for h in self.q_heads for t in range(hd)]
+            kr = [g * hd + t for g in self.kv_heads for t in range(hd)]
+            gate = [q + 2 * kv + r for r in qr] if spec.attn_gate else []  # Qwen3-Next's output gate rows
+            sel["qkv"] = (0, qr + [q + r for r in kr] + [q + kv + r for r in kr] + gate)
+            if "qkv_bias" in names:
+                sel["qkv_bias"] = sel["qkv"]
+            if spec.qk_norm == "full":
+                sel["q_norm"], sel["k_norm"] = (0, qr), (0, kr)
+            if "sinks" in names:
+                sel["sinks"] = (0, list(self.q_heads))
+            sel["o"] = (1, qr)
+        for name, dim, width, (a, b) in (("w13", 1, spec.expert_intermediate, self.inter),
+                                         ("shared_w13", 0, spec.shared_intermediate, self.shared),
+                                         ("dense_w13", 0, spec.dense_intermediate, self.dense)):
+            if name in names:  # gate rows then up rows; the down projection's matching columns
+                sel[name] = (dim, list(range(a, b)) + list(range(width + a, width + b)))
+                down = name.replace("13", "2")
+                sel[down] = (len(names[down]) - 1, list(range(a, b)))
+        if "b13" in names:
+            sel["b13"] = (1, sel["w13"][1])
+        return sel
+
+    def leader_only(self, spec: ModelSpec, layer: int = 0) -> list[str]:
+        """Biases added after a sum over the ranks: only rank 0 keeps them (the others hold zeros)."""
+        names = spec.layer_shapes(layer)
+        return [n for n in ("b2",) + (("o_bias",) if self.split_attention else ()) if n in names]
+
+
+def _kv_heads(spec: ModelSpec, q_heads: range) -> list[int]:
+    group = spec.num_heads // spec.num_kv_heads
+    needed = [h // group for h in q_heads]
+    uses = {g: needed.count(g) for g in needed}
+    if len(set(uses.values())) == 1:
+        return list(uses)  # whole groups of equal size: local GQA
+    return needed  # uneven groups: one KV copy per query head
+
+
+def plan_shard(spec: ModelSpec, rank: int, size: int) -> Shard:
+    """Rank `rank`'s part of `spec` in a group of `size`; refuses a group larger than the model allows."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} outside a group of {size}")
+    limit = min(spec.expert_intermediate, spec.num_heads, spec.shared_intermediate or spec.num_heads,
+                spec.dense_intermediate or spec.num_heads)
+    if size > limit:
+        raise UsageError(f"--tensor-parallel {size} is more than this model can be split into (at most {limit}: "
+                         f"{spec.num_heads} attention heads, expert width {spec.expert_intermediate})",
+                         f"use at most {limit} ranks")
+    split = all(set(spec.layer_shapes(i)) <= _KNOWN for i in range(spec.num_layers))
+    if split:
+        qa, qb = chunk(spec.num_heads, size, rank)
+        kv = _kv_heads(spec, range(qa, qb))
+        seen = {g for r in range(rank) for g in _kv_heads(spec, range(*chunk(spec.num_heads, size, r)))}
+        owned, firsts = [], set()
+        for g in kv:
+            owned.append(g not in seen and g not in firsts)
+            firsts.add(g)
+        q_heads = tuple(range(qa, qb))
+    else:
+        q_heads, kv, owned = tuple(range(spec.num_heads)), list(range(spec.num_kv_heads)), [True] * spec.num_kv_heads
+    shared = chunk(spec.shared_intermediate, size, rank) if spec.shared_intermediate else (0, 0)
+    dense = chunk(spec.dense_intermediate, size, rank) if spec.dense_intermediate else (0, 0)
+    return Shard(rank, size, split, q_heads, tuple(kv), tuple(owned), chunk(spec.expert_intermediate, size, rank),
+                 shared, dense)
+
+
+def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
+    """The model one rank runs: its heads, its slice of every expert (and of the shared expert)."""
+    changes = dict(expert_intermediate=shard.inter[1] - shard.inter[0])
+    if spec.shared_intermediate:
+        changes["shared_intermediate"] = shard.shared[1] - shard.shared[0]
+    if spec.dense_intermediate:
+        changes["dense_intermediate"] = shard.dense[1] - shard.dense[0]
+    if shard.split_attention:
+        changes.update(num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads))
+    return dataclasses.replace(spec, **changes)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Copy `length` rows from the source (after view/transpose) at `src_start` along `src_dim` into the
+    local destination at `dst_start` along `dst_dim` (dims of the indexed destination view)."""
+
+    dst_index: tuple
+    dst_dim: int
+    dst_start: int
+    src_dim: int
+    src_start: int
+    length: int
+
+
+def cuts(index: tuple, full_shape: tuple[int, ...], dim: int, keep: list[int]) -> list[Cut]:
+    """How one checkpoint piece, landing at `index` of a canonical tensor of `full_shape`, maps onto a
+    rank that keeps full indices `keep` (in local order) along `dim`: a list of contiguous runs."""
+    ints_before = sum(1 for i in index[:dim] if isinstance(i, int))
+    if dim < len(index) and isinstance(index[dim], int):
+        if index[dim] not in keep:
+            return []
+        local = list(index)
+        local[dim] = keep.index(index[dim])
+        return [Cut(tuple(local), -1, 0, -1, 0, 0)]  # the whole piece, at its local position
+    lo, hi = 0, full_shape[dim]
+    if dim < len(index):
+        lo, hi, _ = index[dim].indices(full_shape[dim])
+    pairs = [(p, g - lo) for p, g in enumerate(keep) if lo <= g < hi]
+    base = list(index)
+    if dim < len(index):  # the piece's slot along `dim` becomes the local positions it fills
+        base[dim] = slice(None)
+    runs: list[Cut] = []
+    for p, s in pairs:
+        last = runs[-1] if runs else None
+        if last is not None and p == last.dst_start + last.length and s == last.src_start + last.length:
+            runs[-1] = dataclasses.replace(last, length=last.length + 1)
+        else:
+            runs.append(Cut(tuple(base), dim - ints_before, p, dim - ints_before, s, 1))
+    return runs

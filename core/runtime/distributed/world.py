@@ -1,0 +1,128 @@
+"""Who this process is in a torch.distributed job, and the process groups mlight uses.
+
+The launcher (an external `torchrun`, or `mlight run --tensor-parallel K` through the same elastic
+launcher) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Layout:
+`tp` consecutive ranks of one node form a tensor-parallel group (one engine split across them); the
+groups are data-parallel replicas, `dp = world / tp`, each with its own shard of the prompts.
+
+Backends: the tensor-parallel group talks NCCL when the ranks have GPUs, gloo on the CPU.
+Coordination (agreeing on errors before work starts, gathering results to rank 0) runs on a gloo
+group with a long timeout, because data-parallel ranks finish their shards at different times.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+from core.errors import UsageError
+
+# A data-parallel rank may finish its shard hours before the slowest one; the gather that ends the
+# run waits for it. A dead peer is noticed at once (its connection closes), not after this timeout.
+COORDINATION_TIMEOUT = timedelta(days=7)
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # one all-reduce inside a step; a stuck peer ends the job
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    tp: int = 1  # ranks per tensor-parallel group
+
+    def __post_init__(self):
+        if self.tp < 1 or self.size % self.tp:
+            raise UsageError(f"--tensor-parallel {self.tp} does not divide the {self.size} ranks of this job",
+                             "start a multiple of --tensor-parallel ranks (torchrun --nproc-per-node)")
+        if self.local_size % self.tp:
+            raise UsageError(f"--tensor-parallel {self.tp} does not divide the {self.local_size} ranks on this node",
+                             "a tensor-parallel group lives on one machine: give --nproc-per-node a multiple of it")
+
+    @property
+    def dp_size(self) -> int:
+        return self.size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def tp_leader(self) -> bool:
+        """The rank of its tensor-parallel group that samples tokens and writes results."""
+        return self.tp_rank == 0
+
+    def tp_ranks(self, replica: int | None = None) -> list[int]:
+        r = self.dp_rank if replica is None else replica
+        return list(range(r * self.tp, (r + 1) * self.tp))
+
+
+def from_env(tp: int = 1, env=None) -> World | None:
+    """The World the launcher describes, or None when this process was not started by one."""
+    env = os.environ if env is None else env
+    if "WORLD_SIZE" not in env or "RANK" not in env:
+        return None
+    try:
+        size, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        local_size = int(env.get("LOCAL_WORLD_SIZE", size))
+    except ValueError:
+        raise UsageError("RANK / WORLD_SIZE / LOCAL_RANK in the environment are not numbers",
+                         "start mlight with torchrun, or unset those variables") from None
+    if size == 1 and tp == 1:
+        return None  # one process under torchrun: the plain single-process run
+    return World(rank, size, local_rank, local_size, tp)
+
+
+def use_cuda(world: World) -> bool:
+    """Whether this rank drives a GPU: CUDA present and one GPU for each local rank."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    n = torch.cuda.device_count()
+    if n < world.local_size:
+        raise UsageError(f"{world.local_size} ranks on this node but torch sees {n} GPU{'s' if n != 1 else ''}",
+                         "start one rank per GPU (--nproc-per-node), or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
+                         "to run on the CPU")
+    return True
+
+
+@dataclass
+class Groups:
+    coord: object  # gloo, every rank: agreement, gathering results
+    tp: object  # this rank's tensor-parallel group
+    tp_backend: str
+
+
+def init(world: World) -> Groups:
+    """Join the job's process groups (every rank calls this, in the same order)."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = use_cuda(world)
+    if cuda:
+        torch.cuda.set_device(world.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo", timeout=COORDINATION_TIMEOUT)
+    coord = dist.group.WORLD
+    backend = "nccl" if cuda else "gloo"
+    mine = None
+    for replica in range(world.dp_size):  # every rank creates every group, in the same order
+        ranks = world.tp_ranks(replica)
+        g = dist.new_group(ranks, backend=backend, timeout=COLLECTIVE_TIMEOUT)
+        if replica == world.dp_rank:
+            mine = g
+    return Groups(coord, mine, backend)
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

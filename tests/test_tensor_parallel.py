@@ -1,0 +1,132 @@
+"""Tensor parallelism over gloo ranks on the CPU: every family, 2 and 3 ranks, the same greedy tokens as
+one process. One set of three rank processes is started for the whole module (2 ranks use a subgroup
+of it), so the price of starting ranks is paid once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from checkpoints import FAMILIES
+from core.errors import UsageError
+from core.model.families import load_spec
+from core.model.shard import chunk, local_spec, plan_shard
+from core.runtime.engine import Engine, Request
+
+PROMPTS = ["Hi", "Compose an engaging travel blog post about a recent trip to Hawaii.",
+           "What is the capital of France? Answer in one word.", "x y z", "Draft a professional email seeking feedback."]
+# (ranks, engine settings): the plain CPU chain, and CGOPipe on the threaded executor with every layer's
+# expert slice streamed in two pages through the double buffer (real copies, real dependencies)
+CONFIGS = {
+    (2, "chain"): {},
+    (2, "cgopipe"): dict(executor="threaded", schedule="cgopipe", resident_layers=0, pages_per_layer=2),
+    (3, "cgopipe"): dict(executor="threaded", schedule="cgopipe", resident_layers=0, pages_per_layer=2),
+    (3, "chain"): {},
+}
+
+
+def generate(path, tp=None, **kw) -> dict[str, list[int]]:
+    engine = Engine.load(path, tp=tp, **kw)
+    engine.eos_ids = set()  # random weights may pick EOS early; compare full lengths
+    reqs = [Request(id=str(i), prompt=p, max_new_tokens=5 + i) for i, p in enumerate(PROMPTS)]
+    try:
+        return {r.id: r.output_token_ids for r in engine.generate(reqs, batch_size=4, micro_batch_size=2)}
+    finally:
+        engine.close()
+
+
+def _rank_main(rank: int, size: int, store: str, paths: dict, out) -> None:
+    """One rank: join the gloo job, then run every family under every configuration it takes part in."""
+    import torch.distributed as dist
+
+    from core.runtime.distributed.tensor_parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2])}
+    got = {}
+    try:
+        for family, path in paths.items():
+            for (k, name), kw in CONFIGS.items():
+                if rank < k:
+                    got[(family, k, name)] = generate(path, TensorParallel(groups[k]), **kw)
+    except BaseException as e:  # noqa: BLE001 - reported to the test process
+        got = e
+    out.put((rank, got))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp_results(checkpoint_factory, tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    paths = {f: str(checkpoint_factory(f)) for f in FAMILIES}
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    store = str(tmp_path_factory.mktemp("tp") / "store")
+    procs = [ctx.Process(target=_rank_main, args=(r, 3, store, paths, out), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, got = out.get()
+        if isinstance(got, BaseException):
+            raise AssertionError(f"rank {rank} failed: {got!r}")
+        results[rank] = got
+    for p in procs:
+        p.join(timeout=60)
+    return results
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_gives_one_process_tokens_on_2_and_3_ranks(family, tp_results, checkpoint_factory):
+    want = generate(checkpoint_factory(family))
+    for k, name in CONFIGS:
+        for rank in range(k):
+            assert tp_results[rank][(family, k, name)] == want, f"{family}: {k} ranks ({name}), rank {rank}"
+
+
+def test_heads_and_expert_width_split_evenly_with_uneven_groups_expanded(checkpoint_factory):
+    spec = load_spec(checkpoint_factory("mixtral"))  # 8 query heads over 2 KV heads, width 96
+    assert [chunk(8, 3, r) for r in range(3)] == [(0, 3), (3, 6), (6, 8)]
+    shards = [plan_shard(spec, r, 3) for r in range(3)]
+    assert [s.q_heads for s in shards] == [(0, 1, 2), (3, 4, 5), (6, 7)]
+    # rank 0's heads all use KV head 0 (local GQA); rank 1's straddle both groups (one KV copy per head)
+    assert [s.kv_heads for s in shards] == [(0,), (0, 1, 1), (1,)]
+    assert [s.kv_owned for s in shards] == [(True,), (False, True, False), (False,)]
+    local = [local_spec(spec, s) for s in shards]
+    assert [(m.num_heads, m.num_kv_heads, m.expert_intermediate) for m in local] == [(3, 1, 32), (3, 3, 32), (2, 1, 32)]
+    with pytest.raises(UsageError, match="at most 8"):
+        plan_shard(spec, 0, 9)
+
+
+def test_a_rank_reads_only_its_slice_of_the_experts(checkpoint_factory, monkeypatch):
+    from core.model.safetensors_io import Checkpoint
+    from core.model.weights import load_weights
+
+    path = checkpoint_factory("qwen2_moe")
+    spec = load_spec(path)
+    read = {"expert": 0}
+    real = Checkpoint.copy_into
+
+    def spy(self, name, dest, **kw):
+        if ".experts." in name:
+            read["expert"] += dest.numel()  # the source view copied has exactly dest's shape
+        return real(self, name, dest, **kw)
+
+    monkeypatch.setattr(Checkpoint, "copy_into", spy)
+    w = load_weights(path, spec, shard=plan_shard(spec, 1, 2))
+    full = spec.num_layers * spec.num_experts * 3 * spec.hidden_size * spec.expert_intermediate
+    assert read["expert"] == full // 2
+    assert w.layers[0].tensors["w2"].shape == (spec.num_experts, spec.hidden_size, spec.expert_intermediate // 2)
+    assert math.prod(w.layers[0].tensors["qkv"].shape) < math.prod(spec.layer_shapes()["qkv"])
+
+
+def test_local_spec_is_what_the_rank_runs(checkpoint_factory):
+    spec = load_spec(checkpoint_factory("olmoe"))
+    sh = plan_shard(spec, 0, 2)
+    m = local_spec(spec, sh)
+    assert m.q_size == spec.q_size // 2 and m.layer_shapes()["q_norm"] == (spec.q_size // 2,)  # OLMoE's full qk-norm
+    assert m.num_experts == spec.num_experts and m.expert_intermediate == spec.expert_intermediate // 2
