@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "tests"):
+for p in (ROOT, ROOT / "tests", ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--hf-gen-len", type=int, default=None, help="tokens per request for the baseline (8; 4 dry)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--multi-gpu", action="store_true",
+                   help="also (d): tensor-parallel scaling over this machine's GPUs (bench/multi_gpu.py)")
     a = p.parse_args(argv)
     a.layers = a.layers or (4 if a.dry_run else 10)
     a.requests = a.requests or (8 if a.dry_run else 256)
@@ -198,10 +200,11 @@ def plan_for_cap(engine: Engine, cap_gb: float, args, pcie: dict):
     if args.dry_run and not hw.has_gpu:  # the CPU plays the GPU: its own rates on both sides of a "link"
         hw = dataclasses.replace(hw, gpu_name="CPU (dry run)", gpu_count=1, gpu_mem_bytes=int(cap_gb * 1e9),
                                  gpu_flops=hw.cpu_flops, gpu_bw=hw.cpu_bw, h2d_bw=hw.cpu_bw, d2h_bw=hw.cpu_bw)
-    hw = dataclasses.replace(hw, gpu_mem_bytes=int(cap_gb * 1e9), gpu_mem_free_bytes=None)
+    hw = dataclasses.replace(hw, gpu_mem_bytes=int(cap_gb * 1e9), gpu_mem_free_bytes=None,
+                             gpu_count=min(1, hw.gpu_count))  # the check runs one GPU
     work = Workload(prompt_len=77, gen_len=args.gen_len, max_prompt_len=418, num_requests=args.requests)
     budget = Budget(gpu_bytes=int(cap_gb * 1e9), cpu_bytes=int(0.8 * hw.cpu_mem_bytes))
-    policy, pred = plan(engine.spec, hw, work, budget)
+    policy, pred = plan(engine.spec, hw, work, budget, ranks=1)  # one process on one GPU
     return policy, pred, hw, work
 
 
@@ -316,6 +319,10 @@ def table(report: dict) -> str:
                          f"{err:8.0%} {vs}  {u['gpu']:4.0%} {u['cpu_attn']:8.0%} {u['h2d']:4.0%} {u['d2h']:5.0%}")
         if hf:
             lines.append(f"    {row['cap_gb']:4.0f}  hf-offload {hf:8.2f}")
+    if "multi_gpu" in report:
+        from multi_gpu import table_lines
+
+        lines += table_lines(report["multi_gpu"])
     return "\n".join(lines)
 
 
@@ -333,6 +340,10 @@ def main(argv=None) -> int:
     report["parity"] = family_parity(args, work)
     report["pcie"] = pcie_bandwidth(args.dry_run)
     report["big"] = big_model(args, work, report["pcie"])
+    if args.multi_gpu:
+        from multi_gpu import multi_gpu
+
+        report["multi_gpu"] = multi_gpu(args, work, work / "big", log)
     report["seconds"] = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))

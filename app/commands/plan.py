@@ -35,6 +35,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "format that fits the budget); the plan also shows the speed-up over none")
     p.add_argument("--group-size", type=int, choices=INT4_GROUPS, default=None, metavar="G",
                    help=f"int4: weights per scale, one of {', '.join(map(str, INT4_GROUPS))} (default {DEFAULT_INT4_GROUP})")
+    p.add_argument("--gpus", type=int, metavar="K",
+                   help="plan for K GPUs of the machine, one tensor-parallel rank each (default: all it has); "
+                        "with more than one, also predict the scaling from 1 to K")
     p.add_argument("--policy", metavar="JSON",
                    help="check and cost this policy instead of searching (a .json file or inline JSON)")
     p.add_argument("--simulate", action="store_true",
@@ -68,6 +71,10 @@ def run(args) -> int:
 
     model = resolve_spec(args.model)
     hw = resolve(args.hardware, pcie_gbps=args.pcie_gbps)
+    if args.gpus is not None:
+        from core.plan.parallel import with_gpus
+
+        hw = with_gpus(hw, args.gpus)
     workload = planner.Workload(args.prompt_len, args.gen_len, args.max_prompt_len, args.num_requests)
     budget = planner.Budget.for_hardware(hw, args.gpu_mem, args.cpu_mem)
     t0 = time.perf_counter()
@@ -92,22 +99,47 @@ def run(args) -> int:
         model, policy, prediction = choice.spec, choice.policy, choice.prediction
     seconds = time.perf_counter() - t0
     sims = _simulate(model, hw, policy, workload) if args.simulate else None
+    scaling = _scaling(model, hw, workload, args) if hw.has_gpu and hw.gpu_count > 1 else None
     if args.json:
         out = {"policy": policy.to_dict(), "prediction": prediction.to_dict(), "plan_seconds": seconds}
         if choice is not None:
             out["quantize"] = choice.to_dict()
         if sims is not None:
             out["simulation"] = sims
+        if scaling is not None:
+            out["scaling"] = scaling
         print(json.dumps(out))
     else:
-        print(_human(args, model, hw, workload, budget, policy, prediction, seconds, sims, choice))
+        print(_human(args, model, hw, workload, budget, policy, prediction, seconds, sims, choice, scaling))
     return 0
 
 
+def _scaling(model, hw, workload, args) -> list[dict]:
+    """The best plan on 1, 2, 4, … up to all of the machine's GPUs (the same host, fewer GPUs)."""
+    from core.plan import planner
+    from core.plan.parallel import with_gpus
+
+    counts = sorted({k for k in (1, 2, 4, 8, 16) if k < hw.gpu_count} | {hw.gpu_count})
+    rows = []
+    for k in counts:
+        machine = with_gpus(hw, k)
+        budget = planner.Budget.for_hardware(machine, args.gpu_mem * k / hw.gpu_count if args.gpu_mem else None,
+                                             args.cpu_mem)
+        try:
+            p, pred = planner.plan(model, machine, workload, budget)
+            rows.append({"gpus": k, "tokens_per_s": pred.tokens_per_s, "batch_size": p.batch_size,
+                         "bottleneck": pred.bottleneck})
+        except BudgetError:
+            rows.append({"gpus": k, "tokens_per_s": 0.0, "batch_size": 0, "bottleneck": "memory"})
+    return rows
+
+
 def _simulate(model, hw, policy, workload) -> dict:
+    from core.plan.parallel import rank_view
     from core.runtime.schedule import SCHEDULES
     from core.runtime.simulate import simulate_decode
 
+    model, hw, _ = rank_view(model, hw, None, policy.tensor_parallel)  # one rank's timeline
     out = {}
     for name in SCHEDULES:
         tl = simulate_decode(model, hw, policy, workload.decode_context, name)
@@ -148,7 +180,7 @@ def _short(reason: str) -> str:
     return f"{m.group(1)} needs {m.group(2)}, {m.group(3)} usable" if m else reason
 
 
-def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=None) -> str:
+def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=None, scaling=None) -> str:
     from core.plan.planner import CPU_USABLE, GPU_USABLE
 
     gpu = f"{hw.gpu_count}× {hw.gpu_name} {hw.gpu_mem_bytes / 2**30:.0f} GiB" if hw.has_gpu else "no GPU"
@@ -168,6 +200,8 @@ def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=Non
         + (f" ({p.micro_batches_per_expert_batch} micro-batches meet at the experts)" if p.micro_batches_per_expert_batch > 1 else ""),
         f"  attention         {p.attention_on.upper()}" + (" (next to the KV cache)" if p.attention_on == "cpu" else
                                                           f", {p.gpu_kv_fraction:.0%} of the KV cache on the GPU"),
+        *([f"  tensor parallel   {p.tensor_parallel} ranks, one per GPU; each holds 1/{p.tensor_parallel} of the heads "
+           "and of every expert; sizes below are per rank"] if p.tensor_parallel > 1 else []),
         f"  MoE FFN           {p.ffn_on.upper()}" + (
             f", {p.gpu_weight_fraction:.1%} of expert weights resident, the rest streamed in "
             f"{p.pages_per_layer} pages per layer" if p.ffn_on == "gpu" else ""),
@@ -191,5 +225,13 @@ def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=Non
         for name, s in sims.items():
             use = ", ".join(f"{k} {v:.0%}" for k, v in s["utilization"].items())
             lines.append(f"  {name:8s} {s['step_seconds']:.2f} s ({s['decode_tokens_per_s']:,.0f} tokens/s); busy: {use}")
+    if scaling:
+        base = scaling[0]["tokens_per_s"]
+        lines += ["", "scaling (same host, tensor parallel over 1 … K GPUs)"]
+        for row in scaling:
+            ratio = f" ({row['tokens_per_s'] / base:.2f}× one GPU)" if base and row["tokens_per_s"] else ""
+            lines.append(f"  {row['gpus']} GPU{'s' if row['gpus'] > 1 else ' '}  " + (
+                f"{row['tokens_per_s']:,.1f} tokens/s, batch {row['batch_size']}{ratio}" if row["tokens_per_s"]
+                else "does not fit"))
     lines += ["", f"planned in {seconds:.2f} s"]
     return "\n".join(lines)

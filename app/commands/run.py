@@ -9,6 +9,7 @@ Ctrl-C / SIGTERM (Ctrl-Break on Windows): the engine finishes its current step, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import time
@@ -45,7 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"requests in flight (default: the planner's choice with --gpu-mem/--cpu-mem, else {BATCH})")
     p.add_argument("--micro-batch", type=_positive, default=None, metavar="M", help="requests per micro-batch")
     p.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
-                   help="GPU memory budget: plan batch sizes with the HRM planner and refuse what cannot fit")
+                   help="GPU memory budget (per GPU): plan batch sizes with the HRM planner and refuse what cannot fit")
     p.add_argument("--cpu-mem", type=float, default=None, metavar="GB", help="CPU memory budget (see --gpu-mem)")
     p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
@@ -268,9 +269,13 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     hw = resolve("local")
     from core.plan.quantize import choose
 
+    ranks = getattr(args, "tensor_parallel", 1)  # one engine over this many GPUs (ranks), each given --gpu-mem
+    budget = planner.Budget.for_hardware(hw, args.gpu_mem * max(1, hw.gpu_count) if args.gpu_mem is not None else None,
+                                         args.cpu_mem)
+    replicas = getattr(args, "replicas_here", 1)  # data-parallel replicas sharing this machine's memory
+    budget = dataclasses.replace(budget, cpu_bytes=budget.cpu_bytes // replicas)
     try:
-        choice = choose(load_spec(model_dir), hw, workload, planner.Budget.for_hardware(hw, args.gpu_mem, args.cpu_mem),
-                        quantize, args.group_size)
+        choice = choose(load_spec(model_dir), hw, workload, budget, quantize, args.group_size, ranks=ranks)
     except BudgetError as e:
         raise BudgetError(e.problem, "raise --gpu-mem / --cpu-mem, lower --max-new-tokens"
                           + (", or pass --quantize int4" if quantize in ("none", "int8") else "")) from e

@@ -115,6 +115,7 @@ class _Rank:
 
         progress = _ProgressLine() if w.local_rank == 0 else (lambda ev: None)
         model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
+        args.replicas_here = w.local_size // w.tp
         _plan_batches(args, prompts, model_dir)
         return prompts, model_dir, model_name
 

@@ -221,7 +221,8 @@ class Backend:
 
         budget = self.budget(machine, gpu_bytes, cpu_bytes)
         workload = self.workload(prompts)
-        policy, prediction = plan(model.spec, machine.hardware, workload, budget)
+        # the app runs one process on one GPU (ranks=1), however many the machine has
+        policy, prediction = plan(model.spec, machine.hardware, workload, budget, ranks=1)
         return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, workload)
 
     def check(self, model: ModelView, machine: MachineView, base: PlanView, fields: dict) -> PlanView:

@@ -50,6 +50,7 @@ class HardwareSpec:
     gpu_mem_free_bytes: int | None = None  # detect only: what other processes leave us
     cpu_mem_available_bytes: int | None = None
     pcie: str | None = None  # e.g. "gen3 x16"
+    host_link_bw: float | None = None  # all GPUs' host↔device traffic together (the PCIe root complex), bytes/s; None: each GPU's link is its own
     source: str = "preset"  # "preset" | "detect" | "probe"
     measured: tuple[str, ...] = ()  # RATE_FIELDS that were measured here rather than read off a datasheet
 

@@ -30,6 +30,10 @@ GPU_LAUNCH = 10e-6
 CPU_KERNEL_FLOPS = {"int8": 0.25, "int4": 0.25}
 COPY_LAUNCH = 10e-6
 CPU_LAUNCH = 30e-6
+# One all-reduce between tensor-parallel ranks: a fixed cost (NCCL between GPUs on PCIe, gloo between
+# CPU processes: tens of µs for the small messages of decode; an assumption until measured on the
+# machine, see bench/gpu_check.py --multi-gpu) plus a ring's 2·(K−1)/K of the bytes over each rank's link.
+ALLREDUCE_LATENCY = 50e-6
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Rates:
     cpu_flops: float
     cpu_bw: float
     has_gpu: bool
+    tp: int = 1  # tensor-parallel ranks summing their partial outputs (rates are then one rank's)
 
 
 def effective_rates(hw: HardwareSpec) -> Rates:
@@ -321,6 +326,15 @@ class TaskCost:
     per_layer: float  # how many such tasks one layer runs
 
 
+def all_reduce_seconds(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
+    """Summing `tokens` hidden states over r.tp ranks (0 without tensor parallelism)."""
+    if r.tp <= 1:
+        return 0.0
+    d = dims(m)
+    link = r.h2d_bw if r.has_gpu else r.cpu_bw
+    return ALLREDUCE_LATENCY + 2 * (r.tp - 1) / r.tp * tokens * d.D * d.dt / link
+
+
 def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, expert_batch: int,
                  attention_on: str, ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
                  context: float, pages: int | None = None) -> dict[str, TaskCost]:
@@ -339,11 +353,14 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
     ffn = moe_ffn(m, expert_batch, expand=m.qkind != "none" and (not cpu_only or m.qkind == "blocks"))
     ffn_fl = fl * CPU_KERNEL_FLOPS.get(m.qkind, 1.0) if cpu_only else fl
     post = o_proj(m, micro_batch) + router(m, micro_batch) + shared_expert(m, micro_batch)
-    # kernel launches: pre_attn 3 (norm, qkv, rope), post_attn 5 (o, norm, router, top-k, combine), ffn 3
+    # kernel launches: pre_attn 3 (norm, qkv, rope), post_attn 5 (o, norm, router, top-k, combine), ffn 3;
+    # tensor parallel: post_attn and ffn each end in an all-reduce on the compute stream
     t = {
         "pre_attn": TaskCost("gpu", roofline_seconds(qkv_proj(m, micro_batch), fl, bw) + 3 * launch, n_mb),
-        "post_attn": TaskCost("gpu", roofline_seconds(post, fl, bw) + 5 * launch, n_mb),
-        "ffn": TaskCost("gpu", roofline_seconds(ffn, ffn_fl, bw) + 3 * launch, n_eb),
+        "post_attn": TaskCost("gpu", roofline_seconds(post, fl, bw) + 5 * launch + all_reduce_seconds(m, r, micro_batch),
+                              n_mb),
+        "ffn": TaskCost("gpu", roofline_seconds(ffn, ffn_fl, bw) + 3 * launch + all_reduce_seconds(m, r, expert_batch),
+                        n_eb),
     }
     attn = decode_attention(m, micro_batch, context)
     if cpu_only or attention_on == "cpu":
@@ -375,13 +392,14 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
     n_mb = batch / micro_batch
     toks = micro_batch * prompt_len
     work = dense_work(m, toks) + moe_ffn(m, toks, expand=m.qkind != "none") + prefill_attention(m, micro_batch, prompt_len)
+    reduce = 2 * all_reduce_seconds(m, r, toks)  # after the O projection and after the FFN
     if ffn_on == "cpu":
-        return {"prefill": TaskCost("gpu", roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH, n_mb)}
+        return {"prefill": TaskCost("gpu", roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH + reduce, n_mb)}
     pages = pages or max(1, round(n_mb))
     streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes * m.moe_frac
     kv_to_cpu = 1.0 if attention_on == "cpu" else 1 - gpu_kv_fraction
     return {
-        "prefill": TaskCost("gpu", roofline_seconds(work, r.gpu_flops, r.gpu_bw) + 16 * GPU_LAUNCH, n_mb),
+        "prefill": TaskCost("gpu", roofline_seconds(work, r.gpu_flops, r.gpu_bw) + 16 * GPU_LAUNCH + reduce, n_mb),
         "weight_page": TaskCost("h2d", streamed / pages / r.h2d_bw + COPY_LAUNCH * (1 - gpu_weight_fraction), pages),
         "kv_store": TaskCost("d2h", kv_to_cpu * micro_batch * m.state_layer_bytes(prompt_len) / r.d2h_bw + COPY_LAUNCH,
                              n_mb),

@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass
 
 from core.plan import hrm
+from core.plan.parallel import default_ranks, rank_view
 from core.errors import BudgetError, UsageError
 from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy, Prediction
@@ -164,6 +165,7 @@ def validate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
     if policy.ffn_on == "gpu" and not hardware.has_gpu:
         raise UsageError("the policy puts the FFN on the GPU but this machine has none",
                          "set ffn_on and attention_on to \"cpu\"")
+    model, hardware, budget = rank_view(model, hardware, budget, policy.tensor_parallel)  # one rank's share
     gpu, cpu = memory_use(model, policy, workload)
     out = []
     for where, use, total, share in (("gpu", gpu, budget.gpu_bytes, GPU_USABLE), ("cpu", cpu, budget.cpu_bytes, CPU_USABLE)):
@@ -185,9 +187,11 @@ def _busy(m: ModelSpec, r: hrm.Rates, w: Workload, place: tuple[str, str], n: in
 
 
 def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> Prediction:
-    """The HRM's prediction for a given policy (memory is reported, not checked: see validate)."""
-    r = hrm.effective_rates(hardware)
-    p = policy
+    """The HRM's prediction for a given policy (memory is reported, not checked: see validate). With
+    tensor parallelism, the time is one rank's (they run in step) and the memory is summed over them."""
+    p, k = policy, policy.tensor_parallel
+    model, hardware, _ = rank_view(model, hardware, None, k)
+    r = _rates(hardware, k)
     place = (p.attention_on, p.ffn_on)
     dec, pre = _busy(model, r, workload, place, p.batch_size, p.micro_batch_size, p.expert_batch_size,
                      p.gpu_weight_fraction, p.gpu_kv_fraction, p.pages_per_layer)
@@ -199,7 +203,7 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
                                                                    micro_batches=p.num_micro_batches, on_gpu=on_gpu)
     n = workload.gen_len
     total = prefill + (n - 1) * step
-    gpu, cpu = memory_use(model, p, workload)
+    gpu, cpu = ({key: v * k for key, v in use.items()} for use in memory_use(model, p, workload))  # all ranks
     return Prediction(
         tokens_per_s=p.batch_size * n / total,
         decode_tokens_per_s=p.batch_size / step,
@@ -410,8 +414,12 @@ class _Candidate:
     lin: _Lin
 
 
-def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: int = 4) -> list[_Candidate]:
-    d, r = hrm.dims(m), hrm.effective_rates(hw)
+def _rates(hw: HardwareSpec, ranks: int) -> hrm.Rates:
+    return dataclasses.replace(hrm.effective_rates(hw), tp=ranks)
+
+
+def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: int = 4, ranks: int = 1) -> list[_Candidate]:
+    d, r = hrm.dims(m), _rates(hw, ranks)
     gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
     places = PLACEMENTS_GPU if hw.has_gpu else (("cpu", "cpu"),)
     n_cap = min(MAX_BATCH, w.num_requests or MAX_BATCH)
@@ -509,13 +517,19 @@ def _shortfall(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget) -> B
     )
 
 
-def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: Budget | None = None) -> tuple[Policy, Prediction]:
+def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: Budget | None = None,
+         ranks: int | None = None) -> tuple[Policy, Prediction]:
     """The policy with the highest predicted end-to-end tokens/s that fits the budget.
 
+    `ranks` tensor-parallel ranks (default: one per GPU) each plan their share of the model with one
+    GPU and their share of the host (core.plan.parallel); the policy's sizes are one rank's.
     Raises BudgetError naming the shortfall when not even a batch of one fits.
     """
     budget = budget or Budget.for_hardware(hardware)
-    top = _search(model, hardware, workload, budget)
+    ranks = ranks or default_ranks(hardware)
+    full_model, full_hw, full_budget = model, hardware, budget
+    model, hardware, budget = rank_view(model, hardware, budget, ranks)
+    top = _search(model, hardware, workload, budget, ranks=ranks)
     if not top:
         raise _shortfall(model, hardware, workload, budget)
     gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
@@ -538,10 +552,10 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
     policy = Policy(batch_size=c.n, micro_batch_size=c.mu, expert_batch_size=c.beta, attention_on=c.place[0],
                     ffn_on=c.place[1], gpu_weight_fraction=r_w if c.place[1] == "gpu" else 0.0,
                     gpu_kv_fraction=r_c if c.place[0] == "gpu" else 0.0,
-                    pages_per_layer=n_mb if r_w < 1.0 and c.place[1] == "gpu" else 1)
-    if validate(policy, model, hardware, workload, budget):  # rounding pushed it over: step back a hair
-        policy = _shrink(policy, model, hardware, workload, budget)
-    return policy, predict(policy, model, hardware, workload)
+                    pages_per_layer=n_mb if r_w < 1.0 and c.place[1] == "gpu" else 1, tensor_parallel=ranks)
+    if validate(policy, full_model, full_hw, workload, full_budget):  # rounding pushed it over: step back a hair
+        policy = _shrink(policy, full_model, full_hw, workload, full_budget)
+    return policy, predict(policy, full_model, full_hw, workload)
 
 
 def _settle(x: float) -> float:

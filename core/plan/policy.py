@@ -23,9 +23,10 @@ class Policy:
     gpu_weight_fraction: float = 0.0  # r_w: share of expert weights resident on the GPU; the rest is streamed
     gpu_kv_fraction: float = 0.0  # r_c: share of the KV cache on the GPU (only with attention on the GPU)
     pages_per_layer: int = 1  # the CPU-resident part of a layer's weights is sent in this many pages
+    tensor_parallel: int = 1  # ranks (GPUs) splitting the model; the sizes and fractions above are one rank's
 
     def __post_init__(self):
-        for name in ("batch_size", "micro_batch_size", "expert_batch_size", "pages_per_layer"):
+        for name in ("batch_size", "micro_batch_size", "expert_batch_size", "pages_per_layer", "tensor_parallel"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Policy.{name} must be a positive integer, got {v!r}")
@@ -90,7 +91,7 @@ class Prediction:
     decode_tokens_per_s: float
     prefill_tokens_per_s: float  # prompt tokens per second during prefill
     bottleneck: str  # what bounds a decode layer: a key of core.telemetry.RESOURCES, or "pipeline"
-    gpu_bytes: int  # accounted GPU memory (all GPUs together)
+    gpu_bytes: int  # accounted GPU memory (all GPUs together, as are the breakdowns below)
     cpu_bytes: int
     layer_seconds: dict[str, float]  # decode: busy seconds of one layer on each resource (+ "pipeline" bound)
     prefill_layer_seconds: dict[str, float] = field(default_factory=dict)

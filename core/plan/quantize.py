@@ -49,7 +49,7 @@ def _name(spec: ModelSpec, q: str) -> str:
 
 
 def choose(model: ModelSpec, hw: HardwareSpec, workload: planner.Workload, budget: planner.Budget,
-           quantize: str = "auto", group_size: int | None = None) -> FormatChoice:
+           quantize: str = "auto", group_size: int | None = None, ranks: int | None = None) -> FormatChoice:
     """Plan `model` in the asked format (or, for auto, the least lossy that fits). Raises BudgetError when
     the asked format (or, for auto, even int4) does not fit."""
     if quantize not in QUANTIZE_CHOICES:
@@ -58,7 +58,7 @@ def choose(model: ModelSpec, hw: HardwareSpec, workload: planner.Workload, budge
         if quantize in ("int8", "int4"):
             raise UsageError(f"this model's experts are already quantized ({model.expert_format})",
                              "leave out --quantize (or use auto) to run it as it is")
-        policy, pred = planner.plan(model, hw, workload, budget)
+        policy, pred = planner.plan(model, hw, workload, budget, ranks=ranks)
         return FormatChoice("none", model, policy, pred, f"the checkpoint's own {model.expert_format} experts")
     tried: dict[str, str] = {}
     plans: dict[str, tuple] = {}
@@ -66,7 +66,7 @@ def choose(model: ModelSpec, hw: HardwareSpec, workload: planner.Workload, budge
     for q in (ORDER if quantize == "auto" else tuple(dict.fromkeys(("none", quantize)))):
         spec = quantized_spec(model, parse_choice(q, group_size))
         try:
-            plans[q] = (spec, *planner.plan(spec, hw, workload, budget))
+            plans[q] = (spec, *planner.plan(spec, hw, workload, budget, ranks=ranks))
             tried[q] = f"fits: {plans[q][2].tokens_per_s:,.1f} tokens/s predicted"
         except BudgetError as e:
             errors[q] = e

@@ -1,0 +1,175 @@
+"""`mlight run --ray ADDRESS|auto`: the prompts file as a Ray dataset, one engine replica per actor.
+
+The driver reads and checks the prompts file the usual way (bad lines, ids, the manifest), turns
+the prompts not yet in the run file into a Ray dataset and maps it through
+`core.runtime.distributed.ray_data.MlightPredictor` with Ray Data's actor pool: as many actors as the
+cluster has GPUs (one each), or one per node on a CPU cluster (`--ray-actors` overrides), and a batch
+size from the plan made on a worker node. Results stream back to the driver, which saves each one
+(fsynced) in the run file as usual, so an interrupted run resumes, and writes the same output file.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from app.commands.run import (_Counter, _ProgressLine, _Stopper, _manifest, _read, _refuse_rejects, _same_file,
+                              _say)
+from core.errors import MlightError, UsageError
+from core.io.prompts import STDIN
+from core.io.results import output_format
+from core.io.runstore import RunStore, finish_run
+
+
+def _ray():
+    try:
+        import ray
+        import ray.data  # noqa: F401 - the Data library is part of the extra
+    except ImportError:
+        raise UsageError("--ray needs Ray Data, which is not installed",
+                         'install the extra: pip install "mlight[ray]"') from None
+    return ray
+
+
+def _connect(ray, address: str) -> None:
+    if ray.is_initialized():  # a driver that started Ray itself (tests, notebooks) keeps its instance
+        return
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise MlightError(f"cannot reach the Ray cluster at {address!r}: {str(e).splitlines()[0]}",
+                          "start one (`ray start --head`) or give its address, e.g. --ray ray://head:10001") from e
+
+
+def _actors(ray, wanted: int | None) -> tuple[int, float, float]:
+    """(actors, CPUs each, GPUs each) for this cluster."""
+    res = ray.cluster_resources()
+    gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 1))
+    nodes = max(1, sum(1 for n in ray.nodes() if n.get("Alive")))
+    if gpus:
+        n = wanted or gpus
+        return n, max(1.0, (cpus // n) or 1), max(1.0, gpus // n) if n <= gpus else gpus / n
+    n = wanted or nodes
+    return n, max(1, cpus // n), 0.0
+
+
+def run(args) -> int:
+    ray = _ray()
+    out = Path(args.out)
+    fmt = output_format(out)
+    if args.prompts == STDIN:
+        raise UsageError("--ray reads the prompts from a file", "give --prompts FILE")
+    if _same_file(Path(args.prompts), out):
+        raise UsageError(f"--out {out} is the prompts file itself", "write the results to another file")
+    if args.tensor_parallel > 1:
+        raise UsageError("--ray runs one engine per actor; --tensor-parallel is for torchrun or one machine",
+                         "drop --tensor-parallel, or use torchrun for tensor-parallel replicas")
+    stopper = _Stopper().install()
+    store = RunStore(out)
+    try:
+        store.acquire()
+        prompts = _read(args)
+        _refuse_rejects(prompts, args.skip_bad, out)
+        from core.io.download import resolve_model
+
+        model_dir, model_name = resolve_model(args.model, args.revision, progress=_ProgressLine())
+        args.policy = None
+        store.start(_manifest(args, prompts, model_dir, model_name), restart=args.restart)
+        try:
+            return _generate(ray, args, store, prompts, model_dir, model_name, fmt, stopper)
+        except BaseException:
+            store.abandon()
+            raise
+    finally:
+        stopper.restore()
+        store.release()
+
+
+def _workload(args, entries) -> dict:
+    lens = [max(1, len((e.prompt or "".join(m["content"] for m in e.messages or ())).encode()) // 3 + 1)
+            for e in entries]
+    gen = max([e.max_new_tokens or args.max_new_tokens for e in entries] or [args.max_new_tokens])
+    return {"prompt_len": max(1, sum(lens) // max(1, len(lens))), "gen_len": gen, "max_prompt_len": max(lens + [1]),
+            "num_requests": len(entries)}
+
+
+def _rows(entries, defaults) -> list[dict]:
+    rows = []
+    for e in entries:
+        kw = e.request_kwargs(defaults)
+        kw["stop"] = list(kw.get("stop") or ())
+        if "messages" in kw:
+            kw["messages"] = [dict(m) for m in kw["messages"]]
+        rows.append(kw)
+    return rows
+
+
+def _generate(ray, args, store: RunStore, prompts, model_dir: Path, model_name: str, fmt: str, stopper) -> int:
+    from core.runtime.distributed.ray_data import MlightPredictor, plan_here
+
+    defaults = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                "top_k": args.top_k, "seed": args.seed}
+    pending = [e for e in prompts.entries if e.id not in store.done]
+    total, before, t0 = len(prompts.entries), len(store.done), time.perf_counter()
+    if store.resumed:
+        _say(f"resuming: {before} of {total} requests already done")
+    if pending:
+        _connect(ray, args.ray)
+        actors, cpus, gpus = _actors(ray, args.ray_actors)
+        # plan where the engines run: a worker's GPU and memory, shared by the actors on its node (on a
+        # one-node cluster that is this machine, and a task would only pay for one more worker process)
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        share = max(1, actors // max(1, len(alive)))
+        plan_args = (str(model_dir), _workload(args, pending), share, args.gpu_mem, args.cpu_mem)
+        if len(alive) == 1 and alive[0].get("NodeManagerAddress") == ray.util.get_node_ip_address():
+            policy = plan_here(*plan_args)
+        else:
+            policy = ray.get(ray.remote(num_cpus=0.01, num_gpus=gpus)(plan_here).remote(*plan_args))
+        batch = args.batch or policy["batch_size"]
+        _say(f"Ray: {actors} actor{'s' if actors > 1 else ''} ({cpus:g} CPU{'s' if cpus != 1 else ''}"
+             + (f", {gpus:g} GPU" if gpus else "") + f" each), batches of {batch}")
+        ds = ray.data.from_items(_rows(pending, defaults))
+        mapped = ds.map_batches(MlightPredictor, batch_format="pandas", batch_size=batch, concurrency=actors,
+                                num_cpus=cpus, num_gpus=gpus or None,
+                                fn_constructor_kwargs={"model": str(model_dir), "policy": policy, "defaults": defaults,
+                                                       "threads": int(cpus), "executor": args.executor,
+                                                       "schedule": args.schedule, "dtype": args.dtype})
+        counter = _Counter(total)
+        stopper.generating = True
+        try:
+            for df in mapped.iter_batches(batch_format="pandas", batch_size=None):
+                for rec in df.to_dict("records"):
+                    rec = _record(rec)
+                    store.append(rec)
+                    counter(rec)
+                if stopper.requested:
+                    break
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stopper.generating = False
+            counter.end()
+    done = sum(1 for e in prompts.entries if e.id in store.done)
+    if done < total:
+        store.close()
+        _say(f"interrupted: {done} of {total} requests done, saved in {store.run_path.name}; "
+             "rerun the same command to finish the rest")
+        return 130
+    records = finish_run(store, prompts, model_name, fmt)
+    tokens = sum(r["output_tokens"] for r in records)
+    _say(f"{total} results in {store.out} ({done - before} generated on Ray, {tokens} tokens, "
+         f"{time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _record(rec: dict) -> dict:
+    """A result row from Ray as the plain record a single-process run writes."""
+    from core.runtime.distributed.ray_data import _plain
+
+    out = {k: _plain(v) for k, v in rec.items()}
+    for k in ("prompt_tokens", "output_tokens"):
+        out[k] = int(out[k])
+    out["output_token_ids"] = [int(t) for t in out["output_token_ids"]]
+    out["seconds"] = float(out["seconds"])
+    return out
+

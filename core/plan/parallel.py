@@ -1,0 +1,76 @@
+"""Planning for tensor parallelism: the model one rank runs and the machine one rank sees.
+
+With K ranks (one per GPU) every rank holds 1/K of the heads and of every expert's width
+(core.model.shard), so its GPU memory, its GPU compute and its PCIe link each serve a K-th of the
+model: bigger batches fit and the streamed bytes per link shrink (the paper's super-linear scaling).
+What the ranks share is the host: its memory (each rank's CPU share of weights and KV adds up), its
+memory bandwidth and cores (each rank's CPU attention covers its heads with a K-th of them, so CPU
+attention does not get faster with more GPUs) and, where the machine says so (`host_link_bw`), the
+PCIe root complex that all the links go through. The all-reduces after the O projection and the FFN
+are costed by core.plan.hrm from `Rates.tp`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from core.errors import UsageError
+from core.model.spec import ModelSpec
+from core.plan.hardware import HardwareSpec
+
+
+def default_ranks(hw: HardwareSpec) -> int:
+    """One rank per GPU; the CPU alone runs as one rank."""
+    return hw.gpu_count if hw.has_gpu else 1
+
+
+def with_gpus(hw: HardwareSpec, gpus: int) -> HardwareSpec:
+    """`--gpus K` on a preset or a detected machine: the same host with K of its GPU."""
+    if gpus < 1:
+        raise UsageError(f"--gpus must be at least 1, got {gpus}", "give the number of GPUs to use")
+    if not hw.has_gpu:
+        raise UsageError(f"--gpus {gpus} on a machine without a GPU", "use a GPU preset, e.g. --hardware t4")
+    return dataclasses.replace(hw, gpu_count=gpus)
+
+
+def rank_model(model: ModelSpec, ranks: int) -> ModelSpec:
+    """The largest rank's part of the model (rank 0 takes the extra head or column of an uneven split)."""
+    if ranks == 1:
+        return model
+    from core.model.shard import local_spec, plan_shard
+
+    return local_spec(model, plan_shard(model, 0, ranks))
+
+
+def _identity(hw: HardwareSpec, ranks: int) -> bool:
+    return ranks == 1 and hw.gpu_count <= 1
+
+
+def rank_hardware(hw: HardwareSpec, ranks: int) -> HardwareSpec:
+    """One GPU of `hw` with a `ranks`-th of its host (ranks may be fewer than the machine's GPUs: a
+    single process on a 4-GPU machine is one rank with one GPU and the whole host)."""
+    if _identity(hw, ranks):
+        return hw
+    if hw.has_gpu and ranks > hw.gpu_count:
+        raise UsageError(f"{ranks} tensor-parallel ranks need {ranks} GPUs; {hw.name} has {hw.gpu_count}",
+                         "use at most one rank per GPU")
+    link = hw.h2d_bw
+    shared = hw.host_link_bw
+    if shared:
+        link = min(link, shared / ranks)
+    return dataclasses.replace(
+        hw, gpu_count=1 if hw.has_gpu else 0, h2d_bw=min(hw.h2d_bw, link), d2h_bw=min(hw.d2h_bw, link),
+        cpu_flops=hw.cpu_flops / ranks, cpu_bw=hw.cpu_bw / ranks, cpu_cores=max(1, hw.cpu_cores // ranks),
+        cpu_mem_bytes=hw.cpu_mem_bytes // ranks,
+        cpu_mem_available_bytes=None if hw.cpu_mem_available_bytes is None else hw.cpu_mem_available_bytes // ranks)
+
+
+def rank_view(model: ModelSpec, hw: HardwareSpec, budget, ranks: int):
+    """(model, hardware, budget) as one of `ranks` ranks sees them; `budget` (all the machine's GPUs, its
+    host memory) may be None. Each rank gets one GPU's share of the GPU budget, a `ranks`-th of the CPU's."""
+    if _identity(hw, ranks):
+        return model, hw, budget
+    if budget is not None:
+        budget = dataclasses.replace(budget, gpu_bytes=budget.gpu_bytes // max(1, hw.gpu_count),
+                                     cpu_bytes=budget.cpu_bytes // ranks)
+    return rank_model(model, ranks), rank_hardware(hw, ranks), budget

@@ -1,0 +1,100 @@
+"""mlight over a Ray cluster with Ray Data (`pip install "mlight[ray]"`): one engine per actor.
+
+    import ray
+    from core.runtime.distributed.ray_data import MlightPredictor
+
+    ds = ray.data.from_items([{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Hi", "max_new_tokens": 16}])
+    out = ds.map_batches(MlightPredictor, fn_constructor_kwargs={"model": "/models/Mixtral-8x7B"},
+                         batch_format="pandas", batch_size=64, concurrency=2, num_gpus=1)
+    for row in out.iter_rows(): ...
+
+Each actor loads the engine (and, unless given a policy, plans for the machine it landed on) once,
+then runs every batch it receives through `Engine.generate`. Input columns: `prompt` or `messages`,
+optional `id` and the per-request settings (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
+`stop`); output: the fields of a `mlight run` result (`id`, `prompt`, `output`, `output_token_ids`,
+`prompt_tokens`, `output_tokens`, `finish_reason`, `seconds`), one row per input row, in input order.
+`mlight run --ray ADDRESS` (app/commands/run_ray.py) drives this from a prompts file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+REQUEST_COLUMNS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_INTS = ("max_new_tokens", "top_k", "seed")  # pandas makes an int column with gaps float
+
+
+def _plain(v: Any) -> Any:
+    """A pandas/numpy cell as plain Python: None for missing, lists for arrays, ints and floats."""
+    if v is None:
+        return None
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    if hasattr(v, "tolist"):  # numpy scalars and arrays
+        v = v.tolist()
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+def plan_here(model: str, workload: dict, cpu_share: int = 1, gpu_mem_gb: float | None = None,
+              cpu_mem_gb: float | None = None) -> dict:
+    """The policy for one engine on this machine (run where the actors will run), as a dict; `cpu_share`
+    engines share this machine's memory."""
+    import dataclasses
+
+    from core.model.families import load_spec
+    from core.plan import planner
+    from core.plan.hardware import resolve
+
+    hw = resolve("local")
+    budget = planner.Budget.for_hardware(hw, gpu_mem_gb * max(1, hw.gpu_count) if gpu_mem_gb else None, cpu_mem_gb)
+    budget = dataclasses.replace(budget, cpu_bytes=budget.cpu_bytes // max(1, cpu_share))
+    policy, _ = planner.plan(load_spec(model), hw, planner.Workload(**workload), budget, ranks=1)
+    return policy.to_dict()
+
+
+class MlightPredictor:
+    """A callable class for `Dataset.map_batches`: one engine per actor, loaded once."""
+
+    def __init__(self, model: str, *, policy: dict | None = None, workload: dict | None = None,
+                 defaults: dict | None = None, threads: int | None = None, **engine_kwargs):
+        import torch
+
+        from core.plan.policy import Policy
+        from core.runtime.engine import Engine
+
+        if threads:
+            torch.set_num_threads(threads)
+        if policy is None and workload is not None:
+            policy = plan_here(model, workload)
+        self.policy = Policy.from_dict(policy) if policy else None
+        self.defaults = dict(defaults or {})
+        self.engine = Engine.load(model, policy=self.policy, **engine_kwargs)
+
+    def requests(self, batch) -> list:
+        from core.runtime.engine import Request
+
+        out = []
+        for i, row in enumerate(batch.to_dict("records")):
+            kw = dict(self.defaults)
+            kw.update({k: _plain(row[k]) for k in REQUEST_COLUMNS if k in row and _plain(row[k]) is not None})
+            kw["id"] = str(_plain(row.get("id")) if _plain(row.get("id")) is not None else i)
+            kw["stop"] = tuple(kw.get("stop") or ())
+            for k in _INTS:
+                if kw.get(k) is not None:
+                    kw[k] = int(kw[k])
+            if kw.get("messages") is not None:
+                kw.pop("prompt", None)
+            out.append(Request(**kw))
+        return out
+
+    def __call__(self, batch):
+        import pandas as pd
+
+        reqs = self.requests(batch)
+        done = {r.id: r.to_dict() for r in self.engine.generate(reqs)}
+        return pd.DataFrame([done[r.id] for r in reqs])
