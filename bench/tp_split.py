@@ -21,14 +21,18 @@ import torch
 from core.model.moe import experts
 
 
-def best_time(fn, reps: int = 5) -> float:
-    fn()
-    out = float("inf")
+def best_times(fns: dict, reps: int = 9) -> dict:
+    """Fastest of `reps` runs of each function, interleaved so that a busy spell of the machine
+    hits every variant alike (the machines here are shared and noisy)."""
+    best = {k: float("inf") for k in fns}
+    for fn in fns.values():
+        fn()  # warm-up
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t)
-    return out
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t)
+    return best
 
 
 def routing(tokens: int, E: int, k: int, skew: float, gen: torch.Generator):
@@ -63,26 +67,30 @@ def main(argv=None) -> None:
             for T in args.tokens:
                 h = torch.randn(T, D, generator=gen)
                 rw, idx = routing(T, E, k, skew, gen)
-                base = best_time(lambda: experts(h, w13, w2, rw, idx, grouped=False))
-                t_inter = max(best_time(lambda a=a, b=b: experts(
-                    h, torch.cat([w13[:, a:b], w13[:, I + a:I + b]], 1).contiguous(), w2[:, :, a:b].contiguous(),
-                    rw, idx, grouped=False)) for a, b in inter)
-                t_whole = []
-                for ex in owned:
+                fns = {"base": lambda: experts(h, w13, w2, rw, idx, grouped=False)}
+                for r, (a, b) in enumerate(inter):
+                    w13_r = torch.cat([w13[:, a:b], w13[:, I + a:I + b]], 1).contiguous()
+                    w2_r = w2[:, :, a:b].contiguous()
+                    fns[("inter", r)] = lambda w13_r=w13_r, w2_r=w2_r: experts(h, w13_r, w2_r, rw, idx, grouped=False)
+                for r, ex in enumerate(owned):
                     mine = torch.isin(idx, torch.tensor(ex))
                     rows = mine.any(-1).nonzero().flatten()
                     if not len(rows):
-                        t_whole.append(0.0)
                         continue
-                    # a rank runs only its experts, for the tokens routed to them (others get weight 0)
+                    # a rank runs only its experts, for the tokens routed to them (others weigh 0)
                     local = {e: i for i, e in enumerate(ex)}
                     lidx = idx[rows].clone().apply_(lambda e: local.get(e, 0))
                     lw = torch.where(mine[rows], rw[rows], torch.zeros_like(rw[rows]))
-                    t_whole.append(best_time(lambda r=rows, li=lidx, lw=lw, ex=ex: experts(
-                        h[r], w13[ex], w2[ex], lw, li, grouped=False)))
+                    w13_r, w2_r = w13[ex].contiguous(), w2[ex].contiguous()
+                    fns[("whole", r)] = lambda rows=rows, lidx=lidx, lw=lw, w13_r=w13_r, w2_r=w2_r: experts(
+                        h[rows], w13_r, w2_r, lw, lidx, grouped=False)
+                t = best_times(fns)
+                base = t["base"]
+                t_inter = max(v for key, v in t.items() if key[0] == "inter")
+                t_whole = max((v for key, v in t.items() if key[0] == "whole"), default=0.0)
                 share_whole = max(len(ex) for ex in owned) / E
                 share_inter = max(b - a for a, b in inter) / I
-                print(f"{K:5d} {skew:4.1f} {T:6d} | {base * 1e3:10.2f} | {t_inter / base:33.2f} {max(t_whole) / base:14.2f}"
+                print(f"{K:5d} {skew:4.1f} {T:6d} | {base * 1e3:10.2f} | {t_inter / base:33.2f} {t_whole / base:14.2f}"
                       f" | {share_inter:22.2f} {share_whole:6.2f}")
         print()
 

@@ -52,10 +52,28 @@ def _rank_main(rank: int, size: int, store: str, paths: dict, out) -> None:
             for (k, name), kw in CONFIGS.items():
                 if rank < k:
                     got[(family, k, name)] = generate(path, TensorParallel(groups[k]), **kw)
+        got["coord"] = _coordination(rank)
     except BaseException as e:  # noqa: BLE001 - reported to the test process
         got = e
     out.put((rank, got))
     dist.destroy_process_group()
+
+
+def _coordination(rank: int) -> dict:
+    """The job-level agreement the CLI's ranks use, on the same three ranks."""
+    from core.runtime.distributed import coord
+
+    seen = {}
+    coord.agree(None, rank)  # nobody failed: nothing happens
+    try:
+        coord.agree(UsageError("bad prompts file", "fix it") if rank == 1 else None, rank)
+    except coord.Quiet as q:
+        seen["agree"] = ("quiet", q.code)
+    except UsageError as e:
+        seen["agree"] = ("raised", str(e))
+    seen["collect"] = coord.collect({"rank": rank}, rank)
+    seen["broadcast"] = coord.broadcast("merged" if rank == 0 else None, rank)
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +104,16 @@ def test_every_family_gives_one_process_tokens_on_2_and_3_ranks(family, tp_resul
     for k, name in CONFIGS:
         for rank in range(k):
             assert tp_results[rank][(family, k, name)] == want, f"{family}: {k} ranks ({name}), rank {rank}"
+
+
+def test_ranks_agree_on_one_error_and_collect_on_rank_0(tp_results):
+    """One rank's bad input: rank 0 raises it naming the rank (the one line a user sees), the others
+    leave quietly with its exit code; results gather on rank 0 in rank order."""
+    assert tp_results[0]["coord"]["agree"] == ("raised", "rank 1: bad prompts file — fix it")
+    assert tp_results[1]["coord"]["agree"] == tp_results[2]["coord"]["agree"] == ("quiet", 2)
+    assert tp_results[0]["coord"]["collect"] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+    assert tp_results[1]["coord"]["collect"] is None
+    assert all(tp_results[r]["coord"]["broadcast"] == "merged" for r in range(3))
 
 
 def test_heads_and_expert_width_split_evenly_with_uneven_groups_expanded(checkpoint_factory):

@@ -171,11 +171,14 @@ class _ProgressLine:
 def run(args) -> int:
     from core.runtime.distributed.world import from_env
 
+    world = from_env(getattr(args, "tensor_parallel", 1))
     if getattr(args, "ray", None):
+        if world is not None:
+            raise UsageError("--ray and torchrun are two ways to use several machines; use one",
+                             "run `mlight run --ray ...` once, outside torchrun")
         from app.commands.run_ray import run as run_ray
 
         return run_ray(args)
-    world = from_env(getattr(args, "tensor_parallel", 1))
     if world is not None:  # a rank of a torchrun job, or of the ranks --tensor-parallel started
         from app.commands.run_parallel import run as run_rank
 
