@@ -214,6 +214,7 @@ def _run_single(args) -> int:
         model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
         _plan_batches(args, prompts, model_dir)
         store.start(_manifest(args, prompts, model_dir, model_name), restart=args.restart)
+        _say_other_parts(out, 1)
         try:
             return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
         except BaseException:
@@ -222,6 +223,14 @@ def _run_single(args) -> int:
     finally:
         stopper.restore()
         store.release()
+
+
+def _say_other_parts(out: Path, replicas: int) -> None:
+    from core.io.shards import other_parts
+
+    for p in other_parts(out, replicas):
+        _say(f"note: {p.name} holds results of a run with another number of replicas; they are not reused "
+             "(rerun with that many ranks to resume it)")
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -20,8 +20,8 @@ import os
 import time
 from pathlib import Path
 
-from app.commands.run import (_Counter, _ProgressLine, _Stopper, _manifest, _plan_batches, _read, _refuse_rejects,
-                              _same_file, _say, _load_engine)
+from app.commands.run import (_Counter, _ProgressLine, _Stopper, _load_engine, _manifest, _plan_batches, _read,
+                              _refuse_rejects, _same_file, _say, _say_other_parts)
 from core.errors import MlightError, UsageError
 from core.io.prompts import STDIN, PromptSet
 from core.io.results import output_format
@@ -137,6 +137,8 @@ class _Rank:
         manifest = _manifest(self.args, prompts, model_dir, model_name)
         manifest["shard"] = {"replica": w.dp_rank, "replicas": w.dp_size, "tensor_parallel": w.tp}
         self.store.start(manifest, restart=self.args.restart)
+        if self.rank == 0:
+            _say_other_parts(self.out, w.dp_size)
 
     def _engine(self, prompts: PromptSet, model_dir: Path):
         args, w = self.args, self.world

@@ -11,6 +11,9 @@ into the output in input order.
 
 from __future__ import annotations
 
+import glob
+from pathlib import Path
+
 from core.io.prompts import PromptEntry
 
 
@@ -31,3 +34,11 @@ def merge(entries: list[PromptEntry], parts: list[dict[str, dict]]) -> tuple[dic
     for p in parts:
         done.update(p)
     return done, [e.id for e in entries if e.id not in done]
+
+
+def other_parts(out: Path, dp_size: int) -> list[Path]:
+    """Run files next to `out` left by a data-parallel run with another number of replicas: their
+    results resume only under that many replicas, so the user should hear about them."""
+    mine = f"of{dp_size}.run.jsonl"
+    return sorted(p for p in out.parent.glob(glob.escape(out.name) + ".dp*of*.run.jsonl")
+                  if dp_size == 1 or not p.name.endswith(mine))
