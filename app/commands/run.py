@@ -186,6 +186,12 @@ def run(args) -> int:
     if getattr(args, "tensor_parallel", 1) > 1:
         from core.runtime.distributed.launch import launch_local
 
+        # what is quick to check is checked before K processes start (the ranks check it all again)
+        RunStore(Path(args.out)).check_writable()
+        if args.prompts == STDIN:
+            raise UsageError("--tensor-parallel starts several ranks, which cannot share stdin",
+                             "give the prompts as a file")
+        _refuse_rejects(_read(args), args.skip_bad, Path(args.out))
         return launch_local(args.tensor_parallel, [sys.executable, "-m", "app.cli", *args.argv])
     return _run_single(args)
 

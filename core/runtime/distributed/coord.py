@@ -71,8 +71,10 @@ def collect(obj, rank: int) -> list | None:
         try:
             dist.recv_object_list(box, src=src)
         except RuntimeError as e:  # gloo: "Connection closed by peer" — the rank died
-            raise RankLost(src, f"rank {src} stopped before the end of the run (killed or crashed: "
-                                f"{str(e).splitlines()[0][:120]})") from e
+            raise RankLost(src, f"rank {src} stopped before the end of the run (killed or crashed; torchrun's "
+                                "report names its exit code)",
+                           "every finished result is saved in its replica's run file; rerun the same command to "
+                           "resume every rank") from e
         out.append(box[0])
     return out
 
