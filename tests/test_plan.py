@@ -8,6 +8,7 @@ import pytest
 
 from core.plan import planner
 from core.errors import BudgetError, UsageError
+from core.plan.parallel import state_copies
 from core.plan.hardware import detect, preset
 from core.plan.planner import Budget, Workload, plan, predict, validate
 from core.plan.policy import Policy, Prediction
@@ -85,7 +86,9 @@ def test_every_plan_fits_its_budget(model, hw):
     r_w, r_c = policy.gpu_weight_fraction, policy.gpu_kv_fraction
     experts, layer = spec.total_expert_bytes, spec.layer_expert_bytes
     # what every slot keeps for the longest request: K/V, windows, latents or linear states, by layer kind
-    kv = policy.batch_size * spec.state_bytes(work.longest_prompt + work.gen_len)
+    # (on every tensor-parallel rank, for attention whose heads cannot be split)
+    kv = policy.batch_size * spec.state_bytes(work.longest_prompt + work.gen_len) * state_copies(
+        spec, policy.tensor_parallel)
     if policy.ffn_on == "cpu":
         cpu_need = spec.total_bytes + kv
         assert pred.gpu_bytes == 0

@@ -85,3 +85,10 @@ def test_plan_command_shows_the_scaling_from_one_gpu(capsys):
     assert main(args[:-1] + ["--gpus", "2"]) == 0
     out = capsys.readouterr().out
     assert "tensor parallel   2 ranks" in out and "2 GPUs" in out and "× one GPU" in out
+
+
+def test_attention_that_cannot_be_split_keeps_a_state_copy_per_rank():
+    from core.plan.parallel import state_copies
+
+    assert state_copies(resolve_spec("mixtral-8x22b"), 4) == 1  # heads split: each rank caches its heads
+    assert state_copies(resolve_spec("deepseek-v2-lite"), 2) == 2  # MLA's latent serves every head: replicated

@@ -74,3 +74,14 @@ def rank_view(model: ModelSpec, hw: HardwareSpec, budget, ranks: int):
         budget = dataclasses.replace(budget, gpu_bytes=budget.gpu_bytes // max(1, hw.gpu_count),
                                      cpu_bytes=budget.cpu_bytes // ranks)
     return rank_model(model, ranks), rank_hardware(hw, ranks), budget
+
+
+def state_copies(model: ModelSpec, ranks: int) -> int:
+    """How many copies of each sequence's attention state (KV, latent, linear state) `ranks` ranks keep:
+    one when heads are split, one per rank when the family's attention stays whole on every rank (MLA's
+    latent serves all heads; core.model.shard)."""
+    if ranks == 1:
+        return 1
+    from core.model.shard import plan_shard
+
+    return 1 if plan_shard(model, 0, ranks).split_attention else ranks
