@@ -119,9 +119,9 @@ def multi_gpu(args, work: Path, model: Path, log) -> dict:
             f"(predicted {row.get('predicted_tokens_per_s', float('nan')):.1f}) {row.get('error', '')}")
         rows.append(row)
     same = [r for r in rows if "tokens" in r]
+    base = same[0]["tokens"] if same else None
     for r in same:
-        r["same_tokens_as_1"] = r["tokens"] == same[0]["tokens"]
-        r.pop("tokens")
+        r["same_tokens_as_1"] = r.pop("tokens") == base
     return {"rows": rows}
 
 
