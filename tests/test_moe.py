@@ -110,3 +110,44 @@ def test_bf16_engine_runs_unpacked_where_the_cpu_cannot_pack(tmp_path, monkeypat
     finally:
         plain.close()
     assert a == b
+
+
+def test_kernel_choice_is_measured_once_per_shape_and_picks_the_faster():
+    from core.model import expert_choice
+
+    ticks = iter(range(10_000))
+    calls = {"slow": 0, "fast": 0}
+
+    def clock():  # every call of "slow" takes 5 ticks, of "fast" 1
+        return next(ticks)
+
+    def slow():
+        calls["slow"] += 1
+        for _ in range(4):
+            clock()
+
+    def fast():
+        calls["fast"] += 1
+
+    key = ("test", 64)
+    assert expert_choice.choose(key, {"slow": slow, "fast": fast}, clock=clock) == "fast"
+    measured = dict(calls)
+    assert measured["slow"] == measured["fast"] == 1 + expert_choice.TRIALS  # a warm-up, then the trials
+    assert expert_choice.choose(key, {"slow": slow, "fast": fast}, clock=clock) == "fast"
+    assert calls == measured  # remembered: no second measurement
+    assert expert_choice.bucket(1) == 1 and expert_choice.bucket(33) == 64 and expert_choice.bucket(64) == 64
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no grouped_mm")
+def test_unspecified_kernel_is_chosen_and_still_correct():
+    from core.model import expert_choice
+
+    g = torch.Generator().manual_seed(3)
+    T, E, k, D, I = 24, 64, 8, 32, 16  # many small experts
+    h = torch.randn(T, D, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, D, generator=g) / D**0.5, torch.randn(E, D, I, generator=g) / I**0.5
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1)
+    got = experts(h, w13, w2, weights, idx)
+    assert any(key[2:3] == (E,) and choice in ("grouped", "loop") for key, choice in expert_choice.chosen().items())
+    torch.testing.assert_close(got.double(), reference(h, w13, w2, weights, idx), rtol=1e-5, atol=1e-5)

@@ -5,6 +5,9 @@ Backends for the routed experts, tested against each other: `grouped` uses
 and the shapes meet its layout rules; `loop` runs one matmul per expert that got tokens; `packed`
 is the loop over weights prepacked once into oneDNN's blocked layout (`pack_experts`), which runs
 the CPU's small-batch bf16 GEMMs ≈ 1.6× faster than plain row-major weights, bit for bit the same.
+Where both `grouped` and `loop` can run and the caller does not say, the faster on this machine is
+measured once per shape (core.model.expert_choice): with hundreds of small experts the loop's
+per-expert cost can dominate, with a few large ones grouped_mm's layout can.
 Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert intermediate.
 """
 
@@ -16,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.model import routing
+from core.model import expert_choice, routing
 from core.model.spec import ModelSpec
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
@@ -80,6 +83,8 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
     `b13` [E, 2I], `b2` [E, D]: per-expert biases (gpt-oss); `act` turns [n, 2I] gate|up into [n, I]
     (default SwiGLU)."""
     act = act or _swiglu
+    if packed is None and quant is None and grouped is None:
+        grouped = _grouped_ok(h, w13, w2) and _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act)
     T, k = idx.shape
     E = len(quant) if quant is not None else len(packed) if packed is not None else w13.shape[0]
     flat = idx.reshape(-1)
@@ -99,7 +104,7 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
                 y = quant.down(e, act(gu))
                 ys[start:start + n] = y if b2 is None else y + b2[e]
                 start += n
-    elif packed is None and (grouped if grouped is not None else _grouped_ok(h, w13, w2)):
+    elif packed is None and grouped:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         gu = F.grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
         if b13 is not None:
@@ -127,6 +132,16 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
 
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act) -> bool:
+    """Timed once per shape on this machine (core.model.expert_choice)."""
+    key = (h.device.type, h.dtype, *w13.shape, w2.shape[-1], b13 is not None, act is _swiglu,
+           expert_choice.bucket(h.shape[0]))
+    run = {name: functools.partial(experts, h, w13, w2, weights, idx, grouped=g, b13=b13, b2=b2, act=act)
+           for name, g in (("grouped", True), ("loop", False))}
+    sync = torch.cuda.synchronize if h.is_cuda else (lambda: None)
+    return expert_choice.choose(key, run, sync) == "grouped"
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
