@@ -54,16 +54,6 @@ def _torchrun(args: list[str], nproc: int = 2) -> list[str]:
             "-m", "app.cli", "run", *args]
 
 
-def test_torchrun_data_parallel_writes_the_one_process_output(job):
-    d, args, want = job
-    out = d / "dp.jsonl"
-    p = subprocess.run(_torchrun([*args, "--out", str(out)]), env=_env(), capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr
-    assert _records(out) == want
-    assert "2 replicas" in p.stderr
-    assert sorted(f.name for f in d.iterdir() if f.name.startswith("dp.jsonl")) == ["dp.jsonl"]  # run files merged
-
-
 def _rank_pid(launcher: psutil.Process, rank: int) -> int | None:
     for child in launcher.children(recursive=True):
         try:
@@ -82,6 +72,8 @@ def _results_in(path: Path) -> int:
 
 
 def test_a_killed_rank_is_named_and_a_rerun_resumes_every_rank(job):
+    """Two data-parallel ranks under torchrun; rank 1 is killed mid-shard. The job fails naming it,
+    every finished result is kept, and the same command again writes exactly the one-process output."""
     d, args, want = job
     out = d / "killed.jsonl"
     slow = [*args[:-1], "1", "--out", str(out)]  # one request at a time: rank 1 is mid-shard when killed
@@ -102,9 +94,9 @@ def test_a_killed_rank_is_named_and_a_rerun_resumes_every_rank(job):
 
     again = subprocess.run(_torchrun(slow), env=_env(), capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr
-    assert "resuming:" in again.stderr
-    assert _records(out) == want  # nothing lost, nothing twice, input order
-    assert not part1.exists()
+    assert "resuming:" in again.stderr and "2 replicas" in again.stderr
+    assert _records(out) == want  # the one-process output: nothing lost, nothing twice, input order
+    assert sorted(f.name for f in d.iterdir() if f.name.startswith("killed.jsonl")) == ["killed.jsonl"]  # merged
 
 
 def test_tensor_parallel_run_resumes_a_one_process_run(job):
