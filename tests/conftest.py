@@ -52,3 +52,17 @@ def demo_model(_isolated_cache):
     from core.model.demo import demo_model_dir
 
     return demo_model_dir()
+
+
+@pytest.fixture
+def roomy_ram(monkeypatch):
+    """The machine as a 24 GiB box with 20 GiB free, whatever else this host is running: planning on
+    "the detected machine" must not depend on how busy the test machine's memory happens to be."""
+    import collections
+
+    import psutil
+
+    vm = collections.namedtuple("svmem", "total available percent used free")
+    fake = vm(24 * 2**30, 20 * 2**30, 16.7, 4 * 2**30, 20 * 2**30)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: fake)
+    return fake

@@ -300,6 +300,8 @@ def test_model_from_folder_and_from_the_hf_cache(tmp_path, monkeypatch):
         resolve_spec("acme/not-cached")
 
 
-def test_detected_machine_plans_without_error(monkeypatch):
-    policy, pred = plan(preset_spec("olmoe-1b-7b"), detect(), Workload(32, 16))
+def test_detected_machine_plans_without_error(roomy_ram):
+    hw = detect()
+    assert hw.cpu_mem_available_bytes == roomy_ram.available  # the planner's budget is what is free
+    policy, pred = plan(preset_spec("olmoe-1b-7b"), hw, Workload(32, 16))
     assert pred.tokens_per_s > 0 and policy.batch_size >= 1

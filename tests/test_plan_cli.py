@@ -104,7 +104,7 @@ def test_hw_json_on_a_machine_without_gpu(no_gpu, capsys):
     assert list((no_gpu / "probe").glob("*.json"))  # cached under MLIGHT_CACHE_DIR
 
 
-def test_hw_human_and_plan_on_local(no_gpu, capsys):
+def test_hw_human_and_plan_on_local(no_gpu, roomy_ram, capsys):
     assert main(["hw"]) == 0
     out = capsys.readouterr().out
     assert "none found" in out and "measured" in out
