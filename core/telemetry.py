@@ -8,7 +8,7 @@ engine never prints or sleeps for them. Busy time is keyed by RESOURCES so that 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Sequence, Union
 
 # gpu: accelerator compute; cpu_attn: attention on the CPU; h2d / d2h: copies over the host link.
 # In the CPU-only mode "gpu" is the compute device that runs the dense work (the CPU itself).
@@ -28,6 +28,31 @@ class StepDone:
     active: int = 0  # requests in flight during the step
     gpu_mem_bytes: int = 0
     cpu_mem_bytes: int = 0
+    # The step's timeline: `tasks` is its task graph (core.runtime.schedule.Task: kind, resource, layer, …;
+    # one object per graph, shared by every step of that shape) and task i ran from times[2i] to
+    # times[2i+1] (time.perf_counter() seconds). `times` is the executor's own buffer, refilled by its next
+    # step so that timing costs no allocation: copy what you keep inside the callback (`task_spans`).
+    tasks: Sequence = ()
+    times: Sequence[float] = ()
+
+
+class TaskSpan(NamedTuple):
+    resource: str  # a key of RESOURCES
+    kind: str  # the task's kind (core.runtime.schedule.RESOURCE_OF)
+    layer: int
+    start: float  # seconds from the step's first task's start
+    end: float
+
+
+def task_spans(step: StepDone) -> list[TaskSpan]:
+    """Every task of `step` with when it ran, seconds from its first task's start; a copy to keep."""
+    n = min(len(step.tasks), len(step.times) // 2)
+    if n == 0:
+        return []
+    times = step.times
+    origin = min(times[0:2 * n:2])
+    return [TaskSpan(t.resource, t.kind, getattr(t, "layer", -1), times[2 * i] - origin, times[2 * i + 1] - origin)
+            for i, t in enumerate(step.tasks[:n])]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ events at the end, and reading the logits is the step's one sync point.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from core.runtime.executors import ThreadedExecutor, _Step
@@ -23,6 +25,9 @@ class _CudaStep(_Step):
         self.stream_of = {t.id: t.resource for t in tasks if t.resource in STREAMS}
         self.cuda_events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
         self.last_on: dict[str, int] = {}
+        self.index: dict[int, int] = {}  # task id -> position, for the timeline
+        self.origin = None
+        self.origin_host = 0.0
         for t in tasks:
             if t.resource in STREAMS:
                 self.last_on[t.resource] = t.id
@@ -41,6 +46,10 @@ class CudaExecutor(ThreadedExecutor):
         caller = torch.cuda.current_stream(self.device)
         for s in self.streams.values():  # see what the caller enqueued before the step (embeddings)
             s.wait_stream(caller)
+        # the device clock's zero for this step's timeline, next to the host clock's
+        step.origin = torch.cuda.Event(enable_timing=True)
+        step.origin.record(caller)
+        step.origin_host = time.perf_counter()
         return step
 
     def _wait_deps(self, step: _CudaStep, task) -> None:
@@ -55,9 +64,9 @@ class CudaExecutor(ThreadedExecutor):
             else:
                 step.cuda_events[d][1].synchronize()  # this host thread alone waits for that copy
 
-    def _execute(self, step: _CudaStep, task) -> None:
+    def _execute(self, step: _CudaStep, task, i: int) -> None:
         if task.resource not in STREAMS:
-            return super()._execute(step, task)
+            return super()._execute(step, task, i)
         stream = self.streams[task.resource]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
@@ -65,6 +74,7 @@ class CudaExecutor(ThreadedExecutor):
             step.fn(task)
             end.record(stream)
         step.cuda_events[task.id] = (start, end)
+        step.index[task.id] = i
 
     def _finish(self, step: _CudaStep) -> dict[str, float]:
         caller = torch.cuda.current_stream(self.device)
@@ -76,6 +86,9 @@ class CudaExecutor(ThreadedExecutor):
             b.synchronize()
             r = step.stream_of[tid]
             busy[r] = busy.get(r, 0.0) + a.elapsed_time(b) / 1e3
+            i = step.index[tid]  # the timeline: device times on the host clock, from the step's origin
+            self.times[2 * i] = step.origin_host + step.origin.elapsed_time(a) / 1e3
+            self.times[2 * i + 1] = step.origin_host + step.origin.elapsed_time(b) / 1e3
         return busy
 
     def _after_failure(self) -> None:

@@ -366,7 +366,8 @@ class Engine:
     def _step_event(self, kind, tokens, t0, busy, moved, runner, active, proc) -> StepDone:
         gpu_mem = torch.cuda.memory_allocated() if self.config.device == "cuda" else 0
         return StepDone(kind, tokens, time.perf_counter() - t0, busy, runner.bytes["h2d"] - moved["h2d"],
-                        runner.bytes["d2h"] - moved["d2h"], active, gpu_mem, proc.memory_info().rss)
+                        runner.bytes["d2h"] - moved["d2h"], active, gpu_mem, proc.memory_info().rss,
+                        tasks=runner.last_tasks, times=getattr(runner.ex, "times", ()))
 
     def _admit_check(self, req: Request) -> _Seq:
         ids = self.prompt_token_ids(req)

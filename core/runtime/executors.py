@@ -42,14 +42,26 @@ def _describe(task) -> str:
     return " ".join(parts)
 
 
+def _sized(times: list[float], n: int) -> list[float]:
+    """The executor's timing buffer with room for n tasks: grown once, then reused step after step."""
+    if len(times) < 2 * n:
+        times.extend([0.0] * (2 * n - len(times)))
+    return times
+
+
 class SequentialExecutor:
     name = "sequential"
+
+    def __init__(self):
+        self.times: list[float] = []  # task i of the last step ran from times[2i] to times[2i+1]
 
     def run(self, tasks: Iterable[TaskLike], fn: Callable[[TaskLike], None]) -> dict[str, float]:
         busy: dict[str, float] = {}
         done: set[int] = set()
         clock = time.perf_counter
-        for t in tasks:
+        tasks = tasks if isinstance(tasks, (list, tuple)) else list(tasks)
+        times = _sized(self.times, len(tasks))
+        for i, t in enumerate(tasks):
             missing = [d for d in t.deps if d not in done]
             if missing:
                 raise RuntimeError(f"task {t.id} ({_describe(t)}) listed before its dependencies {missing}")
@@ -58,7 +70,9 @@ class SequentialExecutor:
                 fn(t)
             except Exception as e:
                 raise TaskFailed(f"{_describe(t)} failed: {type(e).__name__}: {e}") from e
-            busy[t.resource] = busy.get(t.resource, 0.0) + clock() - t0
+            t1 = clock()
+            times[2 * i], times[2 * i + 1] = t0, t1
+            busy[t.resource] = busy.get(t.resource, 0.0) + t1 - t0
             done.add(t.id)
         return busy
 
@@ -78,6 +92,7 @@ class ThreadedExecutor:
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
         self._setup = setup
+        self.times: list[float] = []  # task i of the last step ran from times[2i] to times[2i+1]
         for r in resources:
             self._add_worker(r)
 
@@ -95,11 +110,11 @@ class ThreadedExecutor:
             item = q.get()
             if item is _STOP:
                 return
-            step, task = item
+            step, task, i = item
             self._wait_deps(step, task)
             if not step.failed:
                 try:
-                    self._execute(step, task)
+                    self._execute(step, task, i)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                     step.fail(task, e)
             step.events[task.id].set()
@@ -108,20 +123,23 @@ class ThreadedExecutor:
         for d in task.deps:
             step.events[d].wait()
 
-    def _execute(self, step: "_Step", task) -> None:
+    def _execute(self, step: "_Step", task, i: int) -> None:
         t0 = time.perf_counter()
         try:
             step.fn(task)
         finally:
-            step.add_busy(task.resource, time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self.times[2 * i], self.times[2 * i + 1] = t0, t1  # each task writes its own two slots
+            step.add_busy(task.resource, t1 - t0)
 
     def run(self, tasks: Iterable[TaskLike], fn: Callable[[TaskLike], None]) -> dict[str, float]:
         tasks = list(tasks)
+        _sized(self.times, len(tasks))
         step = self._new_step(tasks, fn)
-        for t in tasks:
+        for i, t in enumerate(tasks):
             if t.resource not in self._queues:
                 self._add_worker(t.resource)
-            self._queues[t.resource].put((step, t))
+            self._queues[t.resource].put((step, t, i))
         for t in tasks:
             step.events[t.id].wait()
         if step.error is not None:

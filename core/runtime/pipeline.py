@@ -127,6 +127,7 @@ class PipelineRunner:
         self.bytes = {"h2d": 0, "d2h": 0}
         self._step: list[_MB] | None = None
         self._pre: list[_PrefillMB] | None = None
+        self.last_tasks: list = []  # the last step's task graph
         self.fault = None  # tests: a callable run before every task, to inject failures
         self._copy_kw = {"non_blocking": not on_host}
         self._fns = {
@@ -181,6 +182,7 @@ class PipelineRunner:
         for mb in self._step:
             mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         busy = self.ex.run(tasks, self._run)
+        self.last_tasks = tasks  # with the executor's `times`: the step's timeline (telemetry)
         self._end_step(prefetched_layer0=any(t.kind == "weight_page" and t.layer == 0 and t.id not in
                                              self._current_pages for t in tasks))
         x = torch.cat([mb.x for mb in self._step])
@@ -196,6 +198,7 @@ class PipelineRunner:
         for mb in self._pre:
             mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         busy = self.ex.run(tasks, self._run)
+        self.last_tasks = tasks
         self._layer0_half = None  # prefill leaves the last layers in the buffer
         last = []
         for mb in self._pre:
