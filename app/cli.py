@@ -13,14 +13,17 @@ import sys
 from core import platform
 from core.errors import MlightError
 
-# sub-command name -> module under app.commands; imported only when chosen so `mlight hw` stays quick.
+# sub-command name -> (module under app.commands, its one-line help). A module is imported only when its
+# command is chosen, and imports torch & co. only when it runs: `mlight --help` and `mlight run --help`
+# stay well under a second (tests/test_app_commands.py checks that no heavy module is imported).
 COMMANDS = {
-    "run": "app.commands.run",
-    "plan": "app.commands.plan",
-    "hw": "app.commands.hw",
-    "bench": "app.commands.bench",
-    "download": "app.commands.download",
+    "run": ("app.commands.run", "generate for a prompts file into JSONL or CSV, resumably"),
+    "plan": ("app.commands.plan", "choose batch sizes and placement for a model on a machine"),
+    "hw": ("app.commands.hw", "show the detected and measured hardware"),
+    "bench": ("app.commands.bench", "measure schedules on a workload and compare with the planner's prediction"),
+    "download": ("app.commands.download", "download a model from the Hugging Face Hub"),
 }
+EPILOG = "`mlight COMMAND --help` for a command's options; `mlight-app` for the terminal app."
 
 
 class VersionAction(argparse.Action):
@@ -82,16 +85,17 @@ def nvidia_gpus() -> list[str]:
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(prog="mlight", description="Batch inference for MoE LLMs on one GPU + CPU RAM.")
+    parser = argparse.ArgumentParser(prog="mlight", description="Batch inference for MoE LLMs on one GPU + CPU RAM.",
+                                     epilog=EPILOG)
     parser.add_argument("--version", action=VersionAction,
                         help="show the versions of mlight, Python and torch, and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if a in COMMANDS), None)
     modules = {}
-    for name, modname in COMMANDS.items():
-        if wanted not in (None, name):
-            sub.add_parser(name)  # listed in --help; parsed fully only when chosen
+    for name, (modname, line) in COMMANDS.items():
+        if wanted != name:
+            sub.add_parser(name, help=line)  # listed in --help; parsed fully only when chosen
             continue
         try:
             mod = importlib.import_module(modname)

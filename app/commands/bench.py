@@ -10,33 +10,36 @@ from __future__ import annotations
 import json
 import time
 
-from core.runtime.engine import SCHEDULES, Engine, Request
 from core.telemetry import RESOURCES, StepDone
 
 EXECUTORS = ("sequential", "threaded", "cuda")
+SCHEDULES = ("cgopipe", "s3", "s4")  # core.runtime.engine.SCHEDULES, without importing torch for --help
 
 
 def add_parser(sub):
     p = sub.add_parser("bench", help="measure schedules on a workload and compare with the planner's prediction")
     p.add_argument("--model", help="checkpoint folder (default: the built-in demo model)")
     p.add_argument("--requests", type=int, default=32, metavar="N", help="requests in the workload (default 32)")
-    p.add_argument("--prompt-len", type=int, default=77, help="average prompt tokens (MT-Bench-like spread)")
+    p.add_argument("--prompt-len", type=int, default=77, help="average prompt tokens (MT-Bench-like spread) (default: 77)")
     p.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt (default: 418 capped by the model)")
-    p.add_argument("--gen-len", type=int, default=32, help="tokens generated per request")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--executor", choices=EXECUTORS, default=None)
-    p.add_argument("--schedule", choices=(*SCHEDULES, "all"), default="all")
-    p.add_argument("--pages", type=int, default=2, help="pages per layer for streamed experts")
+    p.add_argument("--gen-len", type=int, default=32, help="tokens generated per request (default: 32)")
+    p.add_argument("--batch", type=int, default=16, help="requests in flight (default: 16)")
+    p.add_argument("--micro-batch", type=int, default=4, help="requests per micro-batch (default: 4)")
+    p.add_argument("--executor", choices=EXECUTORS, default=None,
+                   help="how a step's tasks run (default: cuda when a GPU is present, else sequential)")
+    p.add_argument("--schedule", choices=(*SCHEDULES, "all"), default="all",
+                   help="one schedule, or all three side by side (default: all)")
+    p.add_argument("--pages", type=int, default=2, help="pages per layer for streamed experts (default: 2)")
     p.add_argument("--resident-layers", type=int, default=None,
                    help="layers whose experts stay on the device (default: all on the CPU, none on a GPU run)")
-    p.add_argument("--hardware", default="local", help="hardware for the prediction: local or a preset name")
+    p.add_argument("--hardware", default="local", help="hardware for the prediction: local or a preset name (default: local)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return p
 
 
 def run(args) -> int:
     from core.model.demo import demo_model_dir
+    from core.runtime.engine import Engine, Request
     from core.io.workloads import build_prompts, target_lengths
 
     model = args.model or demo_model_dir()

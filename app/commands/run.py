@@ -37,14 +37,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "MT-Bench prompts")
     p.add_argument("--prompts-format", choices=FORMATS, help="format of --prompts when its suffix does not say")
     p.add_argument("--out", required=True, metavar="FILE", help="results file: .jsonl or .csv")
-    p.add_argument("--max-new-tokens", type=_positive, default=128, metavar="N")
+    p.add_argument("--max-new-tokens", type=_positive, default=128, metavar="N",
+                   help="tokens to generate per prompt, unless its line sets max_new_tokens (default: 128)")
     p.add_argument("--temperature", type=_non_negative, default=0.0, metavar="T", help="0 = greedy (default)")
-    p.add_argument("--top-p", type=_probability, default=1.0, metavar="P", help="nucleus sampling, in (0, 1]")
+    p.add_argument("--top-p", type=_probability, default=1.0, metavar="P", help="nucleus sampling, in (0, 1] (default: 1.0, off)")
     p.add_argument("--top-k", type=_whole, default=0, metavar="K", help="0 = off")
-    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="random seed for sampling, unless a line sets its own (default: none; greedy needs none)")
     p.add_argument("--batch", type=_positive, default=None, metavar="N",
                    help=f"requests in flight (default: the planner's choice with --gpu-mem/--cpu-mem, else {BATCH})")
-    p.add_argument("--micro-batch", type=_positive, default=None, metavar="M", help="requests per micro-batch")
+    p.add_argument("--micro-batch", type=_positive, default=None, metavar="M", help="requests per micro-batch (default: the planner's with --gpu-mem/--cpu-mem, "
+                        "else the whole batch)")
     p.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
                    help="GPU memory budget (per GPU): plan batch sizes with the HRM planner and refuse what cannot fit")
     p.add_argument("--cpu-mem", type=float, default=None, metavar="GB", help="CPU memory budget (see --gpu-mem)")
@@ -52,11 +55,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
                    help="expert weights: none (the checkpoint's dtype), int8 (per channel), int4 (group-wise), or "
                         "auto: the least lossy format that fits the memory budget (--gpu-mem/--cpu-mem, else this "
-                        "machine's). Quantized once, then read from the cache")
+                        "machine's). Quantized once, then read from the cache (default: none)")
     p.add_argument("--group-size", type=int, choices=INT4_GROUPS, default=None, metavar="G",
                    help=f"int4: weights per scale, one of {', '.join(map(str, INT4_GROUPS))} (default {DEFAULT_INT4_GROUP})")
-    p.add_argument("--executor", choices=EXECUTORS, default=None)
-    p.add_argument("--schedule", choices=SCHEDULES, default=None)
+    p.add_argument("--executor", choices=EXECUTORS, default=None,
+                   help="how a step's tasks run (default: cuda when a GPU is present, else sequential)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="cgopipe (overlapped), s4 (FlexGen-style), s3 (no overlap) (default: cgopipe)")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="CPU threads for torch (default: all cores; fewer when other work shares the machine)")
     p.add_argument("--skip-bad", action="store_true",
@@ -220,6 +225,10 @@ def _run_single(args) -> int:
         model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
         _plan_batches(args, prompts, model_dir)
         store.start(_manifest(args, prompts, model_dir, model_name), restart=args.restart)
+        if store.finished is not None:  # rerun of a job that finished: a retry loop or scheduler did it again
+            _say(f"all {store.finished.get('results', len(prompts.entries))} requests are already done: "
+                 f"{store.out} holds their results (--restart runs them again)")
+            return 0
         _say_other_parts(out, 1)
         try:
             return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
@@ -359,7 +368,7 @@ def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_
     total, t0, before = len(prompts.entries), time.perf_counter(), len(store.done)
     if store.resumed:
         _say(f"resuming: {before} of {total} requests already done")
-    counter = _Counter(total)
+    counter = _Counter(total, before)
     stopper.generating = True
     try:
         finished = run_pending(engine, prompts, store, requests, batch_size=args.batch,
@@ -385,12 +394,13 @@ def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_
 
 
 class _Counter:
-    """Requests done and tokens/s on one stderr line, on a terminal only (logs get the summary line)."""
+    """Requests done (those of an earlier, resumed session too) and tokens/s on one stderr line, on a
+    terminal only (logs get the summary line)."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, before: int = 0):
         self.tty = sys.stderr.isatty()
         self.t0 = time.perf_counter()
-        self.total, self.done, self.tokens = total, 0, 0
+        self.total, self.done, self.tokens = total, before, 0
         self.shown = False
 
     def __call__(self, record: dict) -> None:

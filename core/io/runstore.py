@@ -6,6 +6,10 @@ Files next to the output `OUT`:
                         a line, appended, flushed and fsynced as each request finishes.
   `OUT`                 written once at the end, under a temporary name then renamed; the run file is
                         then removed. `OUT.rejected.jsonl` likewise, when lines were skipped.
+A finished run leaves only `OUT` (and the rejects) in the user's folder; its manifest, result count and
+OUT's sha256 go to a ledger entry in the cache dir, keyed by OUT's absolute path. Rerunning the same
+job finds it and has nothing to do (`finished`); a different job, or an OUT changed since (or a ledger
+gone with the cache), is refused as before.
 A run killed at any instant (Ctrl-C, SIGTERM, kill -9, power loss) leaves at worst a torn last line
 in the run file; it is cut off on resume, and a result seen twice keeps its last copy, so every
 request ends up in the output exactly once.
@@ -91,6 +95,8 @@ class RunStore:
     done: dict[str, dict] = field(default_factory=dict)  # id -> finished record, in finish order
     resumed: bool = False
     part: str = ""  # a data-parallel replica's tag (core.io.shards.part_name): its own run file and lock
+    finished: dict | None = None  # OUT holds this very job's finished output: its manifest file, nothing to do
+    manifest: dict | None = None
     _lock: filelock.BaseFileLock | None = None
     _file: Any = None
 
@@ -112,6 +118,14 @@ class RunStore:
     @property
     def rejected_path(self) -> Path:
         return self.out.with_name(self.out.name + ".rejected.jsonl")
+
+    @property
+    def ledger_path(self) -> Path:
+        """The ledger entry of the finished run that wrote OUT."""
+        from core.plan.hardware import cache_dir
+
+        key = hashlib.sha256(str(self.out.resolve()).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        return cache_dir() / "finished-runs" / f"{key}.json"
 
     # -- lock ---------------------------------------------------------------------------------
 
@@ -164,6 +178,7 @@ class RunStore:
     def start(self, manifest: dict, restart: bool = False) -> None:
         """Resume the run file if it belongs to this run, else start one. Call with the lock held."""
         manifest = {MANIFEST_KEY: MANIFEST_VERSION, **manifest}
+        self.manifest = manifest
         if self.run_path.exists():
             old, records = self._load()
             if old is None and not restart:
@@ -183,9 +198,24 @@ class RunStore:
                 return
             self._remove(self.run_path)
         elif self.out.exists() and not restart:
+            self.finished = None if self.part else self._finished_as(manifest)  # replicas: the merge decides
+            if self.finished is not None:
+                return  # the same job, already done: nothing to run, nothing to write
             raise UsageError(f"{self.out} already exists", "pass --restart to replace it, or choose another --out")
+        self._forget_finished()  # the ledger entry describes an output this run replaces
         self.done = {}
         self._create(manifest)
+
+    def _finished_as(self, manifest: dict) -> dict | None:
+        """OUT's manifest file when it says OUT is this job's untouched output, else None."""
+        try:
+            old = json.loads(self.ledger_path.read_text(encoding="utf-8"))
+            same_out = old.get("output") == str(self.out.resolve()) and old.get("output_sha256") == _sha256(self.out)
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(old, dict) or old.get(MANIFEST_KEY) != MANIFEST_VERSION or not same_out:
+            return None
+        return old if all(old.get(key) == manifest.get(key) for key in IDENTITY) else None
 
     def _load(self) -> tuple[dict | None, dict[str, dict]]:
         """The manifest and finished records; a torn last line (killed mid-write) is cut off."""
@@ -257,12 +287,38 @@ class RunStore:
                 raise MlightError(f"{e.problem} ({n} finished result{'s' if n != 1 else ''} kept in "
                                   f"{self.run_path.name})", e.hint) from e
             raise
+        self._write_ledger(len(records))
         self._remove(self.run_path)
 
     def drop_run_file(self) -> None:
         """The merged output holds this replica's records now (data parallel): its run file goes."""
         self.close()
         self._remove(self.run_path)
+
+    def _write_ledger(self, results: int) -> None:
+        """OUT's manifest file, so that rerunning the same job knows it is done. Best effort: without it a
+        rerun is refused as an existing output, which loses nothing."""
+        if self.manifest is None or self.part:
+            return
+        path = self.ledger_path
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        try:
+            info = {**self.manifest, "results": results, "output": str(self.out.resolve()),
+                    "output_sha256": _sha256(self.out)}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(jsonl_line(info))
+            platform.replace(tmp, path)
+        except OSError:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+
+    def _forget_finished(self) -> None:
+        try:
+            self.ledger_path.unlink()
+        except OSError:
+            pass  # none, or the cache is read-only: a stale entry cannot match a new OUT's sha256 anyway
 
     def abandon(self) -> None:
         """Drop the run file when it holds nothing worth keeping (an error before any result)."""
@@ -286,6 +342,14 @@ class RunStore:
             pass
         except OSError as e:
             raise os_error(e, path) from e
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

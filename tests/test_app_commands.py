@@ -1,0 +1,99 @@
+"""The `mlight` command line as a newcomer meets it (issue 12's defects 18 and 22).
+
+- `mlight --help` and `mlight COMMAND --help` import nothing heavy (2.4 s before: torch was imported
+  to list the commands), and every option says what it does and what its default is.
+- Rerunning the exact command of a run that finished has nothing to do: exit 0, say so, write nothing;
+  a changed job, or an output changed since, is still refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.cli import COMMANDS, main as mlight
+from test_app_support import write_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("torch", "transformers", "numpy", "huggingface_hub", "pulp", "textual", "safetensors")
+
+
+@pytest.mark.parametrize("argv", [["--help"], *[[name, "--help"] for name in COMMANDS]])
+def test_help_imports_nothing_heavy(argv):
+    """In a fresh interpreter, as the `mlight` script runs: help is quick because nothing heavy loads."""
+    code = ("import sys, contextlib, io\n"
+            "from app.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try:\n"
+            f"        main({argv!r})\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "assert 'usage: mlight' in out.getvalue(), out.getvalue()\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"`mlight {' '.join(argv)}` imported {done.stdout.strip()}"
+
+
+def test_top_level_help_lists_every_command_with_what_it_does(capsys):
+    with pytest.raises(SystemExit):
+        mlight(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps long lines
+    for name, (_, line) in COMMANDS.items():
+        assert name in out and line in out
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_option_says_what_it_does_and_its_default(name):
+    parser = importlib.import_module(COMMANDS[name][0]).add_parser(argparse.ArgumentParser().add_subparsers())
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = "/".join(action.option_strings) or action.dest
+        assert action.help, f"mlight {name} {flag} has no help text"
+        if action.default not in (None, False, 0, argparse.SUPPRESS):
+            assert "default" in action.help.lower(), f"mlight {name} {flag}: the default {action.default!r} is not shown"
+
+
+def _run(*argv) -> tuple[int, str]:
+    import io
+
+    err = io.StringIO()
+    old, sys.stderr = sys.stderr, err
+    try:
+        code = mlight(["run", *argv])
+    finally:
+        sys.stderr = old
+    return code, err.getvalue()
+
+
+def test_rerunning_a_finished_run_says_it_is_done_and_writes_nothing(tmp_path, demo_model):
+    prompts = write_prompts(tmp_path / "p.jsonl", n=2, max_new_tokens=2)
+    out = tmp_path / "out.jsonl"
+    args = ["--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "2"]
+    code, err = _run(*args)
+    assert code == 0, err
+    written, stat = out.read_bytes(), out.stat()
+    files = sorted(p.name for p in tmp_path.iterdir())
+
+    code, err = _run(*args)  # a retry loop or a scheduler runs the same job again
+    assert code == 0, err
+    assert "all 2 requests are already done" in err and str(out) in err
+    assert out.read_bytes() == written and out.stat().st_mtime_ns == stat.st_mtime_ns
+    assert sorted(p.name for p in tmp_path.iterdir()) == files  # nothing written, nothing left behind
+
+    code, err = _run(*args[:-1], "3")  # another job on the same output is still refused
+    assert code == 2 and "already exists" in err
+    out.write_bytes(written + b'{"id": "edited by hand"}\n')  # the output changed since: refused too
+    code, err = _run(*args)
+    assert code == 2 and "already exists" in err
+    out.write_bytes(written)
+    code, err = _run(*args, "--restart")  # and --restart still runs it again
+    assert code == 0 and "already done" not in err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["mtbench-81", "mtbench-82"]
