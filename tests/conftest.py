@@ -22,8 +22,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 def _isolated_cache(tmp_path_factory):
     """Demo model and probe cache go to a temp dir, never the user's."""
     cache = tmp_path_factory.mktemp("mlight-cache")
-    old = {k: os.environ.get(k) for k in ("MLIGHT_CACHE_DIR",)}
+    old = {k: os.environ.get(k) for k in ("MLIGHT_CACHE_DIR", "MLIGHT_RESULTS_DIR")}
     os.environ["MLIGHT_CACHE_DIR"] = str(cache)
+    os.environ["MLIGHT_RESULTS_DIR"] = str(tmp_path_factory.mktemp("mlight-results"))  # never ~/Documents
     yield cache
     for k, v in old.items():
         if v is None:

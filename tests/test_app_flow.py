@@ -7,7 +7,9 @@ check both files; then stop-and-resume, and what the screens say about bad files
 from __future__ import annotations
 
 import csv
+import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,8 +110,8 @@ class _StopAfterFirst(Backend):
         self.asked: list[list[str]] = []  # request ids given to each generate call
         self.stop_once = True
 
-    def engine(self, path, policy=None, progress=lambda e: None):
-        real = super().engine(path, policy, progress)
+    def engine(self, path, policy=None, progress=lambda e: None, **kw):
+        real = super().engine(path, policy, progress, **kw)
         backend = self
 
         class Wrapped:
@@ -160,8 +162,12 @@ async def test_stop_is_clean_and_resume_finishes_the_rest(tmp_path):
         assert app.session.run_state == "done", status_text(app)
         log = "\n".join(str(line.text) for line in app.screen.query_one("#log").lines)
         assert f"Resuming: {len(kept)} results" in log
+        tokens_row = app.screen.query_one("#progress-facts").text.split("Tokens: ")[1].splitlines()[0]
 
     final = _jsonl(out)
+    # defect 16: after a resume the counters are the file's (earlier sessions' results included)
+    assert tokens_row == (f"{sum(r['output_tokens'] for r in final):,} new, "
+                          f"{sum(r['prompt_tokens'] for r in final):,} prompt")
     ids = [r["id"] for r in final]
     assert ids == [f"mtbench-{81 + i}" for i in range(5)]  # every request exactly once, in file order
     assert {r["id"]: r for r in final}[kept[0]["id"]] == kept[0]  # the stopped run's result is kept as is
@@ -311,7 +317,7 @@ async def test_download_shows_bytes_and_rate_cancels_and_resumes(tmp_path, monke
 
 
 @sync
-async def test_a_run_stopped_in_the_app_is_finished_by_mlight_run(tmp_path, capsys):
+async def test_a_run_stopped_in_the_app_is_finished_by_mlight_run(tmp_path, monkeypatch):
     """The app writes the same run file and manifest as `mlight run`, so either resumes the other."""
     from app.cli import main as mlight
 
@@ -330,9 +336,17 @@ async def test_a_run_stopped_in_the_app_is_finished_by_mlight_run(tmp_path, caps
         assert app.session.run_state == "stopped", status_text(app)
     kept = _jsonl(out.with_name(out.name + ".run.jsonl"))[1:]
 
+    class Terminal(io.StringIO):  # a terminal's stderr, where `mlight run` keeps its progress line
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
     code = mlight(["run", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "3"])
-    assert code == 0, capsys.readouterr().err
-    assert f"resuming: {len(kept)} of 4 requests already done" in capsys.readouterr().err
+    err = sys.stderr.getvalue()
+    assert code == 0, err
+    assert f"resuming: {len(kept)} of 4 requests already done" in err
+    # defect 16: the progress line counts the resumed session's results too: it ends at 4 of 4
+    assert err.split("\r")[-1].startswith("4/4 requests done"), err.split("\r")[-1]
     final = _jsonl(out)
     assert [r["id"] for r in final] == [f"mtbench-{81 + i}" for i in range(4)]
     assert {r["id"]: r for r in final}[kept[0]["id"]] == kept[0]

@@ -5,7 +5,8 @@ model's real spec at a fixed display path, the bundled demo prompts, a fixed pla
 planner's cost model does not change these pictures), a frozen clock, and a scripted engine for the
 Run and Results screens (their numbers must not depend on this machine's speed). The real planner
 and the real engine are exercised in test_app_flow.py.
-Update after an intended change: `pytest tests/test_app_snapshots.py --snapshot-update`, then look.
+Update after an intended change: `pytest tests/test_app_snapshots.py --snapshot-update`, then look
+(`python tests/snapshots_to_png.py` draws them as PNG files in /tmp for that).
 """
 
 from __future__ import annotations
@@ -153,20 +154,70 @@ def test_plan_cpu_only(snap_compare, workdir):
     assert snap_compare(_direct(hardware=_cpu_only()), terminal_size=WIDE, run_before=_settled)
 
 
-def test_run_done(snap_compare, workdir):
+SIZES = pytest.mark.parametrize("size", [WIDE, SMALL], ids=["120x40", "80x24"])
+THEMES = pytest.mark.parametrize("theme", ["textual-dark", "textual-light"], ids=["dark", "light"])
+
+
+@SIZES
+@THEMES
+def test_run_throughput_chart(snap_compare, workdir, size, theme):
+    """The Run screen at the end of a run: progress, the throughput chart (measured against predicted,
+    with axes and units) and, at 120×40, the pipeline timelines below it."""
+
     async def run(pilot):
         await _run(pilot)
+        await still(pilot)
+
+    assert snap_compare(_direct(theme=theme), terminal_size=size, run_before=run)
+
+
+@THEMES
+def test_run_pipeline_timeline_small_terminal(snap_compare, workdir, theme):
+    """At 80×24, t jumps to the last decode step, lane by lane and task by task, above the planner's
+    simulation (at 120×40 both are on screen with the chart: test_run_throughput_chart)."""
+    size = SMALL
+
+    async def run(pilot):
+        await _run(pilot)
+        await pilot.press("t")
+        await settle(pilot)
+        await still(pilot)
+
+    assert snap_compare(_direct(theme=theme), terminal_size=size, run_before=run)
+
+
+def test_run_pipeline_zoomed_cpu_only(snap_compare, workdir):
+    """CPU-only: the lanes say CPU, there are no PCIe lanes; z z shows the first layer alone."""
+
+    async def run(pilot):
+        await _run(pilot)
+        await pilot.press("z", "z")
+        await settle(pilot)
+        await still(pilot)
+
+    assert snap_compare(_direct(hardware=_cpu_only()), terminal_size=WIDE, run_before=run)
+
+
+@SIZES
+@THEMES
+def test_help_screen(snap_compare, workdir, size, theme):
+    async def run(pilot):
+        await _plan_ready(pilot)
+        await pilot.press("f1")
+        await settle(pilot)
+        await still(pilot)
+
+    assert snap_compare(_direct(theme=theme), terminal_size=size, run_before=run)
+
+
+def test_plan_advanced_choices(snap_compare, workdir):
+    async def run(pilot):
+        await _plan_ready(pilot)
+        pilot.app.screen.query_one("#advanced").collapsed = False
+        await settle(pilot)
         await still(pilot)
 
     assert snap_compare(_direct(), terminal_size=WIDE, run_before=run)
-
-
-def test_run_small_terminal_light(snap_compare, workdir):
-    async def run(pilot):
-        await _run(pilot)
-        await still(pilot)
-
-    assert snap_compare(_direct(theme="textual-light"), terminal_size=SMALL, run_before=run)
 
 
 def test_results(snap_compare, workdir):

@@ -6,13 +6,14 @@ from typing import Iterable
 
 from textual.app import App
 from textual.app import SystemCommand
+from textual.binding import Binding
 from textual.screen import Screen
 
+from app.tui import wording
 from app.tui.backend import Backend
 from app.tui.session import Options, Session
 from app.tui.widgets.steps import STEPS
 from core.errors import MlightError
-
 
 class MlightApp(App):
     CSS_PATH = "mlight.tcss"
@@ -20,6 +21,13 @@ class MlightApp(App):
     SUB_TITLE = "MoE batch inference"
     # the stylesheet tightens a few layouts on small terminals (80×24) through these classes
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+        Binding("ctrl+c", "quit", "Quit", show=False),  # a text field keeps Ctrl+C for copy
+        Binding("q", "quit", "Quit", show=False),  # typed into a text field, q is a letter
+        Binding("question_mark", "help", "Help"),
+        Binding("f1", "help", "Help", show=False),
+    ]
 
     def __init__(self, options: Options, backend: Backend):
         super().__init__()
@@ -30,9 +38,15 @@ class MlightApp(App):
         opts = self.session.options
         self.push_screen(_step_screen("Machine"))
         if opts.model and opts.prompts:
-            # straight to Plan; the steps below stay on the stack so Esc walks back through them
-            for step in ("Model", "Prompts", "Plan"):
+            # straight to Plan, or to the first step the command line got wrong; the steps before stay
+            # on the stack so Esc walks back through them
+            problems = self.backend.check_options(opts.model, opts.prompts)
+            stop = next((step for step in ("Model", "Prompts") if step in problems), "Plan")
+            for step in STEPS[1:STEPS.index(stop) + 1]:
                 self.push_screen(_step_screen(step))
+            if problems:
+                self.notify("\n".join(problems.values()), title="Fix the command line's choices here",
+                            severity="error", timeout=20)
 
     def next_step(self, current: str, **kwargs) -> None:
         """Open the step after `current` (a name in STEPS); screens know the flow only through this."""
@@ -40,10 +54,32 @@ class MlightApp(App):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
+        yield SystemCommand("Help", "The steps and their keys (? or F1)", self.action_help)
         palette = getattr(screen, "palette_commands", None)
         if palette is not None:
             yield from palette()
 
+    # ---- help and quit ----------------------------------------------------------------------------
+    def action_help(self) -> None:
+        from app.tui.screens.help import HelpScreen
+
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.screen))
+
+    async def action_quit(self) -> None:
+        from app.tui.screens.confirm import ConfirmQuit
+
+        if isinstance(self.screen, ConfirmQuit):  # asked twice: that is a yes
+            self.exit()
+            return
+        if self.session.run_state not in ("running", "paused"):
+            self.exit()
+            return
+        out = self.session.out_path
+        run_file = out.name + ".run.jsonl" if out is not None else "the run file"
+        self.push_screen(ConfirmQuit(run_file), lambda yes: self.exit() if yes else None)
+
+    # ---- words ------------------------------------------------------------------------------------
     def tone(self, level: str) -> str:
         """A Rich style for ok / warn / error text in the current theme (readable on dark and light)."""
         key = {"ok": "text-success", "warn": "text-warning", "error": "text-error"}.get(level)
@@ -54,9 +90,17 @@ class MlightApp(App):
 
     @staticmethod
     def describe_error(error: BaseException | None) -> str:
-        """One line for the status bar: core's own message for user errors, the type for bugs."""
+        """One line for the status bar: core's own message for user errors (in the app's words, not the
+        command line's), what to do for a CPU that lacks a feature, the type for bugs."""
+        cause = error.__cause__ if isinstance(error, MlightError) else None  # a task's own error
+        if wording.missing_feature(error) or wording.missing_feature(cause):
+            root = error if cause is None else cause
+            first = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
+            return (f"this machine cannot compute the model in its stored dtype ({first[:90]}). "
+                    "Esc goes back to Plan: choose Compute dtype float32 under Advanced (or another executor), "
+                    "then Ctrl+N")
         if isinstance(error, MlightError):
-            return str(error)
+            return wording.for_screen(str(error))
         if isinstance(error, OSError):
             return f"{error.strerror or error}: {error.filename}" if error.filename else str(error)
         return f"unexpected error: {type(error).__name__}: {error}"
@@ -78,3 +122,4 @@ def _step_screen(step: str, **kwargs) -> Screen:
 
 def create_app(options: Options | None = None, backend: Backend | None = None) -> MlightApp:
     return MlightApp(options or Options(), backend or Backend())
+

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from app.tui import wording
 from core.errors import MlightError, ModelError
 from core.telemetry import EventSink, Progress, ignore
 
@@ -73,6 +74,19 @@ class PromptsView:
         return len(self.prompts.entries)
 
 
+@dataclass(frozen=True)
+class EngineChoices:
+    """The Plan screen's Advanced choices: how the engine computes (None: the engine's own default)."""
+
+    dtype: str | None = None  # compute dtype of the weights: float32 | bfloat16 | float16
+    executor: str | None = None  # sequential | threaded | cuda
+    schedule: str | None = None  # cgopipe | s4 | s3
+    quantize: str | None = None  # none | int8 | int4 | auto, where the engine offers it
+
+    def load_kwargs(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
 @dataclass
 class PlanView:
     policy: Any  # core.plan.policy.Policy
@@ -80,8 +94,11 @@ class PlanView:
     gpu_budget: int
     cpu_budget: int
     workload: Any  # core.plan.planner.Workload
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # what stops this policy from running
     edited: bool = False
+    warnings: list[str] = field(default_factory=list)  # what the user should know, but may go ahead with
+    quantize: str | None = None  # the experts' format the plan is for (none | int8 | int4), when one was asked
+    quant_why: str = ""  # why that format (for auto: the least lossy one that fits)
 
     @property
     def workload_text(self) -> str:
@@ -178,6 +195,20 @@ class Backend:
             return "folder"
         return "repo" if looks_like_repo_id(text) else "missing"
 
+    def check_options(self, model: str, prompts: str) -> dict[str, str]:
+        """What is plainly wrong with `mlight-app --model M --prompts F`, found without loading anything:
+        step name -> the problem (the app then opens on that step instead of Plan)."""
+        problems = {}
+        kind = self.classify_model_text(model)
+        if kind == "missing":
+            problems["Model"] = f"--model {model}: no such folder, and not an owner/name repo id"
+        elif kind == "folder" and not (Path(model).expanduser() / "config.json").is_file():
+            problems["Model"] = f"--model {model}: the folder has no config.json (not a checkpoint folder)"
+        path = Path(prompts).expanduser()
+        if not path.is_file():
+            problems["Prompts"] = f"--prompts {prompts}: " + ("a folder, not a file" if path.is_dir() else "not found")
+        return problems
+
     # ---- prompts ------------------------------------------------------------------------------
     @staticmethod
     def demo_prompts_path() -> Path:
@@ -215,32 +246,55 @@ class Backend:
                       cpu_bytes=default.cpu_bytes if cpu_bytes is None else cpu_bytes)
 
     def plan(self, model: ModelView, machine: MachineView, prompts: PromptsView,
-             gpu_bytes: int | None, cpu_bytes: int | None) -> PlanView:
+             gpu_bytes: int | None, cpu_bytes: int | None, choices: EngineChoices = EngineChoices()) -> PlanView:
         """The planner's policy for these budgets (None: what the machine has)."""
         from core.plan.planner import plan
 
         budget = self.budget(machine, gpu_bytes, cpu_bytes)
         workload = self.workload(prompts)
+        warnings = budget_warnings(machine, budget.gpu_bytes, budget.cpu_bytes)
+        spec = _spec_as_run(model.spec, choices)
         # the app runs one process on one GPU (ranks=1), however many the machine has
-        policy, prediction = plan(model.spec, machine.hardware, workload, budget, ranks=1)
-        return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, workload)
+        if choices.quantize:  # the planner's format choice, as `mlight run --quantize` makes it
+            from core.plan.quantize import choose
 
-    def check(self, model: ModelView, machine: MachineView, base: PlanView, fields: dict) -> PlanView:
-        """A user-edited policy, costed and validated: problems name what does not fit and by how much."""
-        from core.plan.planner import predict, validate
+            c = choose(spec, machine.hardware, workload, budget, choices.quantize, ranks=1)
+            return PlanView(c.policy, c.prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
+                            quantize=c.quantize, quant_why=c.why)
+        policy, prediction = plan(spec, machine.hardware, workload, budget, ranks=1)
+        return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings)
+
+    def check(self, model: ModelView, machine: MachineView, base: PlanView, fields: dict,
+              choices: EngineChoices = EngineChoices()) -> PlanView:
+        """A user-edited policy, costed and validated: problems name what does not fit and by how much,
+        in the Plan screen's words."""
+        from core.plan import planner
         from core.plan.policy import Policy
 
         budget = self.budget(machine, base.gpu_budget, base.cpu_budget)
+        spec = _spec_as_run(model.spec, choices, base.quantize)
         try:
             policy = Policy(**fields)
         except (TypeError, ValueError) as e:
-            return dataclasses.replace(base, prediction=None, problems=[str(e)], edited=True)
+            return dataclasses.replace(base, prediction=None, problems=[wording.policy_problem(str(e))], edited=True)
         try:
-            problems = [str(o) for o in validate(policy, model.spec, machine.hardware, base.workload, budget)]
+            overruns = planner.validate(policy, spec, machine.hardware, base.workload, budget)
         except MlightError as e:
-            return dataclasses.replace(base, policy=policy, prediction=None, problems=[str(e)], edited=True)
-        prediction = predict(policy, model.spec, machine.hardware, base.workload)
-        return PlanView(policy, prediction, base.gpu_budget, base.cpu_budget, base.workload, problems, edited=True)
+            return dataclasses.replace(base, policy=policy, prediction=None,
+                                       problems=[wording.policy_problem(wording.for_screen(str(e)))], edited=True)
+        share = {"gpu": (budget.gpu_bytes, planner.GPU_USABLE), "cpu": (budget.cpu_bytes, planner.CPU_USABLE)}
+        problems = [wording.overrun(o, *share[o.where]) for o in overruns]
+        prediction = planner.predict(policy, spec, machine.hardware, base.workload)
+        return PlanView(policy, prediction, base.gpu_budget, base.cpu_budget, base.workload, problems, edited=True,
+                        warnings=base.warnings, quantize=base.quantize, quant_why=base.quant_why)
+
+    @staticmethod
+    def usable_shares() -> tuple[float, float]:
+        """The shares of the GPU and CPU budgets a plan may fill (the rest is kept for the CUDA context,
+        allocator fragmentation, the OS and the page cache)."""
+        from core.plan.planner import CPU_USABLE, GPU_USABLE
+
+        return GPU_USABLE, CPU_USABLE
 
     # ---- run ----------------------------------------------------------------------------------
     def check_output(self, out: Path) -> None:
@@ -254,6 +308,8 @@ class Backend:
     @staticmethod
     def resume_info(out: Path) -> str:
         """A line about what a run on `out` will find there, or ''."""
+        if not out.name:  # an empty field (Path('') is '.')
+            return "Type the results file's name: .jsonl or .csv"
         from core.io.runstore import RunStore, parse_run_file
 
         run = RunStore(out).run_path
@@ -265,7 +321,8 @@ class Backend:
             return f"{run.name} holds {n} finished results of an unfinished run: kept, and the rest run"
         return f"{out.name} exists: Ctrl+N asks before replacing it" if out.exists() else ""
 
-    def manifest(self, model: ModelView, prompts: PromptsView, plan: PlanView) -> dict:
+    def manifest(self, model: ModelView, prompts: PromptsView, plan: PlanView,
+                 choices: EngineChoices = EngineChoices()) -> dict:
         """The same identity `mlight run` writes, so either can resume the other's unfinished run."""
         from core.io.runstore import model_fingerprint
 
@@ -273,38 +330,67 @@ class Backend:
             "model": model_fingerprint(model.path, model.name),
             "prompts": {"sha256": prompts.prompts.sha256, "format": prompts.prompts.format},
             "settings": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-                         "seed": None, "revision": None},
+                         "seed": None, "revision": None, **_quant_settings(plan.quantize)},
             "policy": {"batch": plan.policy.batch_size, "micro_batch": plan.policy.micro_batch_size,
-                       "executor": None, "schedule": None, "dtype": None, "planned": plan.policy.to_dict()},
+                       "executor": choices.executor, "schedule": choices.schedule, "dtype": choices.dtype,
+                       "planned": plan.policy.to_dict()},
             "prompts_file": prompts.prompts.source,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
 
-    def open_store(self, out: Path, model: ModelView, prompts: PromptsView, plan: PlanView, restart: bool = False):
+    def open_store(self, out: Path, model: ModelView, prompts: PromptsView, plan: PlanView, restart: bool = False,
+                   choices: EngineChoices = EngineChoices()):
         """The run store on `out`, locked, resumed when it holds an unfinished run of the same job."""
         from core.io.runstore import RunStore
 
         store = RunStore(out)
         store.acquire()
         try:
-            store.start(self.manifest(model, prompts, plan), restart=restart)
+            store.start(self.manifest(model, prompts, plan, choices), restart=restart)
         except BaseException:
             store.release()
             raise
         return store
 
-    def engine(self, path: Path, policy: Any = None, progress: EventSink = ignore) -> Any:
-        """The loaded engine, kept while the model stays the same (a resume does not reload weights);
-        the plan's policy decides paging, resident experts and the expert batch."""
+    def engine(self, path: Path, policy: Any = None, progress: EventSink = ignore,
+               choices: EngineChoices = EngineChoices()) -> Any:
+        """The loaded engine, kept while the model and the Advanced choices stay the same (a resume does
+        not reload weights); the plan's policy decides paging, resident experts and the expert batch."""
         from core.runtime.engine import Engine
 
-        if self._engine is not None and self._engine[0] == Path(path):
+        key = (Path(path), choices)
+        if self._engine is not None and self._engine[0] == key:
             if policy is not None:
                 self._engine[1].apply_policy(policy)
             return self._engine[1]
-        engine = Engine.load(path, policy=policy, progress=progress)
-        self._engine = (Path(path), engine)
+        if self._engine is not None:
+            self._engine[1].close()
+            self._engine = None
+        engine = Engine.load(path, policy=policy, progress=progress, **choices.load_kwargs())
+        self._engine = (key, engine)
         return engine
+
+    @staticmethod
+    def engine_offers(option: str) -> bool:
+        """Whether Engine.load takes `option` (quantization arrives with its own change)."""
+        import inspect
+
+        from core.runtime.engine import Engine
+
+        return option in inspect.signature(Engine.load).parameters
+
+    def simulate(self, model: ModelView, machine: MachineView, plan: PlanView, engine: Any) -> Any:
+        """The planner's replay of one decode step of this policy under the schedule the engine runs
+        (core.runtime.simulate.Timeline), to draw beside the measured one; None when it cannot be made."""
+        from core.runtime import simulate
+
+        config = getattr(engine, "config", None)
+        name = getattr(config, "schedule", None) or "cgopipe"
+        try:
+            return simulate.simulate_decode(model.spec, machine.hardware, plan.policy,
+                                            plan.workload.decode_context, name)
+        except (ValueError, KeyError, MlightError):
+            return None
 
     def requests(self, engine: Any, prompts: PromptsView, entries: list) -> tuple[list, list]:
         """Engine requests for `entries`; prompts too long for the context become rejects (with their
@@ -344,6 +430,41 @@ class Backend:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None) -> Any:
+    """The model as the engine will hold it: a compute dtype chosen under Advanced changes its bytes, and so
+    do quantized experts (`quantize`: the format a plan settled on)."""
+    if choices.dtype and choices.dtype != spec.dtype:
+        spec = dataclasses.replace(spec, dtype=choices.dtype)
+    if quantize and quantize != "none":
+        from core.model.quant.formats import parse_choice, quantized_spec
+
+        spec = quantized_spec(spec, parse_choice(quantize))
+    return spec
+
+
+def _quant_settings(quantize: str | None) -> dict:
+    """Quantized experts are other weights, so other tokens: part of the run's identity (as `mlight run`)."""
+    if not quantize or quantize == "none":
+        return {}
+    from core.model.quant.formats import DEFAULT_INT4_GROUP
+
+    return {"quantize": quantize, **({"group_size": DEFAULT_INT4_GROUP} if quantize == "int4" else {})}
+
+
+def budget_warnings(machine: MachineView, gpu_budget: int, cpu_budget: int) -> list[str]:
+    """Budgets above what the machine has: planning for them gives a plan this machine cannot run."""
+    out = []
+    if machine.cpu_mode and gpu_budget > 0:
+        out.append(f"GPU memory {_size(gpu_budget)}: this machine has no GPU, so that budget goes unused")
+    elif not machine.cpu_mode and gpu_budget > machine.gpu_total:
+        out.append(f"GPU memory {_size(gpu_budget)} is more than the {_size(machine.gpu_total)} this machine's "
+                   "GPU has: the run would run out of GPU memory")
+    if machine.cpu_total and cpu_budget > machine.cpu_total:
+        out.append(f"CPU memory {_size(cpu_budget)} is more than this machine's {_size(machine.cpu_total)} of "
+                   "RAM: a run planned for it would swap or be killed")
+    return out
 
 
 def _entry_text(e: Any) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.cells import cell_len, set_cell_size
+
 
 def human_bytes(n: float | int | None) -> str:
     """Decimal units, as the planner, `--gpu-mem` and disk vendors count."""
@@ -41,8 +43,11 @@ def duration(seconds: float | None) -> str:
 
 
 def excerpt(text: str | None, width: int) -> str:
-    """One line of at most `width` characters (newlines shown as ⏎)."""
+    """One line of at most `width` terminal cells (newlines shown as ⏎). Cells, not characters: a CJK
+    character or an emoji takes two, and a table column sized by characters would push the next one."""
     if not text:
         return ""
     flat = " ".join(text.replace("\r", "").replace("\n", " ⏎ ").split())
-    return flat if len(flat) <= width else flat[: max(0, width - 1)] + "…"
+    if cell_len(flat) <= width:
+        return flat
+    return set_cell_size(flat, max(0, width - 1)).rstrip() + "…"

@@ -83,3 +83,11 @@ class RunEnded(Message):
     def __init__(self, state: str, snapshot: RunSnapshot, error: str | None = None):
         super().__init__()
         self.state, self.snapshot, self.error = state, snapshot, error
+
+
+class SimulatedStep(Message):
+    """The planner's replay of one decode step for the running policy (a core.runtime.simulate.Timeline)."""
+
+    def __init__(self, timeline: Any):
+        super().__init__()
+        self.timeline = timeline

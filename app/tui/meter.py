@@ -2,7 +2,11 @@
 
 It runs on the worker thread (the engine's event sink) and is the reason the UI can drop all but the
 newest update: every snapshot is cumulative, so losing intermediate ones loses nothing. The clock is
-injected so that tests and snapshots are deterministic.
+injected so that tests and snapshots are deterministic. Time spent paused counts nowhere: not in the
+elapsed time, not in the average rate, so the ETA holds still while the run does.
+
+The last decode step's timeline is copied out of the event (the executor reuses its buffer) at most
+every TIMELINE_EVERY_S, so a fast engine pays for the copy a few times a second, not every step.
 """
 
 from __future__ import annotations
@@ -13,25 +17,38 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from core.telemetry import RESOURCES, MemorySample, Progress, RequestDone, StepDone, WarningEvent
+from core.telemetry import (RESOURCES, MemorySample, Progress, RequestDone, StepDone, TaskSpan, WarningEvent,
+                            task_spans)
 
-HISTORY = 120  # sparkline points (steps) kept
+HISTORY = 600  # chart points (decode steps) kept
 WINDOW_S = 2.0  # "current" throughput and busy shares are measured over the last WINDOW_S of steps
+TIMELINE_EVERY_S = 0.25  # the UI redraws at 4 Hz: a fresher timeline would never be seen
 
 Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
+class StepTimeline:
+    """One decode step as the executor ran it: every task's span, on the step's own clock."""
+
+    spans: tuple[TaskSpan, ...]
+    seconds: float  # the step's wall time
+    active: int  # requests decoded by it
+
+
+@dataclass(frozen=True)
 class RunSnapshot:
     state: str = "loading"  # loading | running | paused | stopping | done | stopped | failed
-    elapsed: float = 0.0
+    elapsed: float = 0.0  # seconds running (pauses left out)
     requests_done: int = 0
     requests_total: int = 0
     tokens_out: int = 0  # generated tokens (this session and earlier ones of a resumed run)
-    tokens_in: int = 0  # prompt tokens prefilled
+    tokens_in: int = 0  # prompt tokens (of finished results, plus those prefilled since)
     current_tps: float = 0.0
     average_tps: float = 0.0
-    history: tuple[float, ...] = ()
+    decode_tps: float = 0.0  # decode tokens / decode seconds over the window
+    full_batch: bool = False  # decode_tps was measured on steps with the whole planned batch in flight
+    history: tuple[tuple[float, float], ...] = ()  # (engine seconds so far, decode tokens/s) per decode step
     busy: dict[str, float] = field(default_factory=dict)  # resource -> share of wall time, 0..1
     gpu_used: int = 0
     gpu_budget: int = 0
@@ -39,6 +56,9 @@ class RunSnapshot:
     cpu_budget: int = 0
     eta: float | None = None
     loading: str = ""  # what is loading, with its progress, while state == "loading"
+    timeline: StepTimeline | None = None  # the last decode step (None before the first)
+    decode_steps: int = 0
+    engine_seconds: float = 0.0  # time the engine spent in steps (the chart's x axis)
 
 
 class RunMeter:
@@ -46,11 +66,16 @@ class RunMeter:
 
     def __init__(self, total_requests: int, budget_tokens: int, *, done_before: int = 0,
                  tokens_before: int = 0, gpu_budget: int = 0, cpu_budget: int = 0,
-                 clock: Clock = time.monotonic, started: float | None = None):
+                 clock: Clock = time.monotonic, previous: RunSnapshot | None = None, batch_size: int = 0):
         self._lock = threading.Lock()
         self._clock = clock
-        self._start = clock() if started is None else started  # a resumed run keeps counting from its start
+        self._start = clock()
+        # a run resumed on the same screen goes on from where the stopped one was: time and chart
+        self._before = previous.elapsed if previous is not None else 0.0
+        self._paused_total = 0.0
+        self._paused_at: float | None = None
         self._first_step: float | None = None
+        self._paused_before_first = 0.0
         self.state = "loading"
         self.loading = ""
         self.total = total_requests
@@ -59,14 +84,32 @@ class RunMeter:
         self.tokens_out = tokens_before
         self._session_tokens = 0
         self.tokens_in = 0
-        self._steps: deque[tuple[float, float, int, dict[str, float]]] = deque()  # (t, seconds, tokens, busy)
-        self._history: deque[float] = deque(maxlen=HISTORY)
+        self.batch_size = batch_size  # the plan's N: steps with this many in flight are comparable to it
+        self._steps: deque[tuple[float, float, int, dict[str, float], str, int]] = deque()
+        self._history: deque[tuple[float, float]] = deque(previous.history if previous else (), maxlen=HISTORY)
+        self._timeline: StepTimeline | None = None
+        self._timeline_at = float("-inf")
+        self._decode_steps = 0
+        self._engine_s = previous.engine_seconds if previous else 0.0  # seconds the engine spent in steps
         self.gpu_used = self.cpu_used = 0
         self.gpu_budget, self.cpu_budget = gpu_budget, cpu_budget
 
     def set_state(self, state: str) -> None:
         with self._lock:
+            now = self._clock()
+            if state == "paused" and self._paused_at is None:
+                self._paused_at = now
+            elif state != "paused" and self._paused_at is not None:
+                self._paused_total += now - self._paused_at
+                self._paused_at = None
             self.state = state
+
+    def _paused(self, now: float) -> float:
+        return self._paused_total + (now - self._paused_at if self._paused_at is not None else 0.0)
+
+    def _running(self, now: float) -> float:
+        """Seconds of this session spent not paused."""
+        return now - self._start - self._paused(now)
 
     def on_event(self, ev) -> None:
         with self._lock:
@@ -88,20 +131,37 @@ class RunMeter:
             self.state = "running"
         if self._first_step is None:
             self._first_step = now - ev.seconds
-        if ev.kind == "prefill":
-            self.tokens_in += ev.tokens
-        else:
+            self._paused_before_first = self._paused(now)
+        decode = ev.kind != "prefill"
+        if decode:
             self.tokens_out += ev.tokens
             self._session_tokens += ev.tokens
             self.budget_tokens = max(0, self.budget_tokens - ev.tokens)
-            self._history.append(ev.tokens / ev.seconds if ev.seconds > 0 else 0.0)
-        self._steps.append((now, ev.seconds, ev.tokens if ev.kind != "prefill" else 0, dict(ev.busy)))
+            self._decode_steps += 1
+            if ev.tasks and now - self._timeline_at >= TIMELINE_EVERY_S:
+                self._timeline_at = now
+                self._timeline = StepTimeline(tuple(task_spans(ev)), ev.seconds, ev.active)
+        else:
+            self.tokens_in += ev.tokens
+        self._steps.append((now, ev.seconds, ev.tokens if decode else 0, dict(ev.busy), ev.kind, ev.active))
         while self._steps and now - self._steps[0][0] > WINDOW_S and len(self._steps) > 1:
             self._steps.popleft()
+        self._engine_s += ev.seconds
+        if decode:
+            self._history.append((self._engine_s, self._decode_rate()[0]))
         if ev.gpu_mem_bytes:
             self.gpu_used = ev.gpu_mem_bytes
         if ev.cpu_mem_bytes:
             self.cpu_used = ev.cpu_mem_bytes
+
+    def _decode_rate(self) -> tuple[float, bool]:
+        """Decode tokens/s over the window, on full-batch steps when there are any (those are what the
+        plan's prediction describes); and whether it was."""
+        decode = [s for s in self._steps if s[4] != "prefill"]
+        full = [s for s in decode if self.batch_size and s[5] >= self.batch_size]
+        use = full or decode
+        secs = sum(s[1] for s in use)
+        return (sum(s[2] for s in use) / secs if secs > 0 else 0.0), bool(full)
 
     def add_result(self, output_tokens: int, max_new_tokens: int) -> None:
         with self._lock:
@@ -120,17 +180,22 @@ class RunMeter:
             toks = sum(s[2] for s in self._steps)
             busy = {r: min(1.0, sum(s[3].get(r, 0.0) for s in self._steps) / wall) if wall > 0 else 0.0
                     for r in RESOURCES}
-            run_s = now - self._first_step if self._first_step is not None else 0.0
+            run_s = 0.0
+            if self._first_step is not None:
+                run_s = now - self._first_step - (self._paused(now) - self._paused_before_first)
             avg = self._session_tokens / run_s if run_s > 0 else 0.0
             eta = None
             if self.state in ("done",):
                 eta = 0.0
             elif avg > 0:
                 eta = self.budget_tokens / avg
+            decode_tps, full = self._decode_rate()
             return RunSnapshot(
-                state=self.state, elapsed=now - self._start, requests_done=self.done,
+                state=self.state, elapsed=self._before + self._running(now), requests_done=self.done,
                 requests_total=self.total, tokens_out=self.tokens_out, tokens_in=self.tokens_in,
-                current_tps=toks / wall if wall > 0 else 0.0, average_tps=avg, history=tuple(self._history),
-                busy=busy, gpu_used=self.gpu_used, gpu_budget=self.gpu_budget, cpu_used=self.cpu_used,
-                cpu_budget=self.cpu_budget, eta=eta, loading=self.loading,
+                current_tps=toks / wall if wall > 0 else 0.0, average_tps=avg, decode_tps=decode_tps,
+                full_batch=full, history=tuple(self._history), busy=busy, gpu_used=self.gpu_used,
+                gpu_budget=self.gpu_budget, cpu_used=self.cpu_used, cpu_budget=self.cpu_budget, eta=eta,
+                loading=self.loading, timeline=self._timeline, decode_steps=self._decode_steps,
+                engine_seconds=self._engine_s,
             )

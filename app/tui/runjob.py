@@ -13,6 +13,7 @@ POST_EVERY_S seconds (plus one at each state change), so the UI never sees a flo
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any, Callable
 from textual.message import Message
 
 from app.tui.meter import RunMeter
-from app.tui.messages import RunEnded, RunLog, RunUpdate
+from app.tui.messages import RunEnded, RunLog, RunUpdate, SimulatedStep
 from core.telemetry import WarningEvent
 
 POST_EVERY_S = 0.2
@@ -29,15 +30,18 @@ POST_EVERY_S = 0.2
 
 class RunJob:
     def __init__(self, backend: Any, model: Any, prompts: Any, plan: Any, out: Path,
-                 post: Callable[[Message], None], started: float | None = None, replace: bool = False):
+                 post: Callable[[Message], None], previous: Any = None, replace: bool = False,
+                 choices: Any = None, machine: Any = None):
         self.backend, self.model, self.prompts, self.plan, self.out = backend, model, prompts, plan, Path(out)
+        self.choices, self.machine = choices, machine
         self.post = post
         self._go = threading.Event()  # cleared while paused
         self._go.set()
         self._stop = threading.Event()
         self._last_post = 0.0
         self.meter = RunMeter(prompts.count, prompts.budget_tokens, gpu_budget=plan.gpu_budget,
-                              cpu_budget=plan.cpu_budget, clock=backend.clock, started=started)
+                              cpu_budget=plan.cpu_budget, clock=backend.clock, previous=previous,
+                              batch_size=plan.policy.batch_size)
         self.records: dict[str, dict] = {}  # id -> record, everything finished (earlier sessions too)
         self.state = "loading"
         self.replace = replace  # start over on an output that already holds a finished run
@@ -90,7 +94,8 @@ class RunJob:
         b = self.backend
         self._set_state("loading")
         try:
-            store = b.open_store(self.out, self.model, self.prompts, self.plan, restart=self.replace)
+            store = b.open_store(self.out, self.model, self.prompts, self.plan, restart=self.replace,
+                                 **self._choices())
         except BaseException:
             self._set_state("failed")
             raise
@@ -102,11 +107,14 @@ class RunJob:
             elif store.resumed:
                 self.post(RunLog("Resuming: nothing had finished yet, so every prompt runs.", "ok"))
             self.meter.done = sum(1 for e in self.prompts.prompts.entries if e.id in self.records)
-            self.meter.tokens_out = sum(int(r.get("output_tokens", 0)) for r in self.records.values())
+            self._count_records()
             todo = [e for e in self.prompts.prompts.entries if e.id not in self.records]
             self.meter.budget_tokens = sum(e.max_new_tokens or b.max_new_tokens for e in todo)
+            self.meter.batch_size = min(self.plan.policy.batch_size, len(todo))
             self._post_update(force=True)
-            engine = b.engine(self.model.path, self.plan.policy, progress=self._sink)
+            engine = b.engine(self.model.path, self.plan.policy, progress=self._sink, **self._choices())
+            if self.machine is not None:
+                self.post(SimulatedStep(b.simulate(self.model, self.machine, self.plan, engine)))
             requests, rejects = b.requests(engine, self.prompts, todo)
             for r in rejects:
                 self.post(RunLog(f"line {r.line}: {r.reason} — skipped", "warn"))
@@ -134,11 +142,22 @@ class RunJob:
         finally:
             store.release()
 
+    def _choices(self) -> dict:
+        if self.choices is None:
+            return {}
+        # the plan settled "auto" on a format: the engine loads that one
+        return {"choices": dataclasses.replace(self.choices, quantize=self.plan.quantize or None)}
+
+    def _count_records(self) -> None:
+        """Token counters from the finished records: what the results file holds. Steps count every sampled
+        token (an end-of-text one too) and the prompts of requests a stop leaves unfinished."""
+        self.meter.tokens_out = sum(int(r.get("output_tokens", 0)) for r in self.records.values())
+        self.meter.tokens_in = sum(int(r.get("prompt_tokens", 0)) for r in self.records.values())
+
     def _end(self, state: str, store) -> str:
         if store is not None:
             store.close()  # the run file stays: the next run on this output resumes it
-        if state == "done":  # steps count every sampled token, an end-of-text one too: records are the truth
-            self.meter.tokens_out = sum(int(r.get("output_tokens", 0)) for r in self.records.values())
+        self._count_records()
         self.state = state
         self.meter.set_state(state)
         self.post(RunEnded(state, self.meter.snapshot()))

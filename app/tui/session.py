@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.tui.backend import MachineView, ModelView, PlanView, PromptsView
+from app.tui.backend import EngineChoices, MachineView, ModelView, PlanView, PromptsView
 
 
 @dataclass
@@ -19,6 +20,18 @@ class Options:
     cpu_mem: float | None = None  # GB
 
 
+def results_dir() -> Path:
+    """Where results go unless the user names a file: $MLIGHT_RESULTS_DIR, else the user's documents
+    folder (platformdirs), `mlight/` in it. Not the working folder: started from a source checkout (as
+    the README's quick start does) results would land untracked in the repository."""
+    env = os.environ.get("MLIGHT_RESULTS_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return platformdirs.user_documents_path() / "mlight"
+
+
 @dataclass
 class Session:
     options: Options
@@ -27,11 +40,19 @@ class Session:
     prompts: PromptsView | None = None
     plan: PlanView | None = None
     out_path: Path | None = None
+    out_auto: bool = True  # out_path is the default for the prompts file (it follows a newly chosen one)
+    choices: EngineChoices = field(default_factory=EngineChoices)  # the Plan screen's Advanced choices
     run_state: str = ""  # "" | running | paused | done | stopped | failed
+    failure: str = ""  # what the last failed run's error was about: "" | "dtype" (the CPU lacks a feature)
 
     def default_out(self) -> Path:
         if self.options.out:
             return Path(self.options.out).expanduser()
-        if self.prompts is not None:  # in the working folder: the prompts may sit somewhere read-only
-            return Path(self.prompts.path.stem + ".results.jsonl")
-        return Path("results.jsonl")
+        name = (self.prompts.path.stem if self.prompts is not None else "results") + ".results.jsonl"
+        return results_dir() / name
+
+    def chosen_out(self) -> Path:
+        """The results file to show: the one the user typed, else the default for the current prompts."""
+        if self.out_path is not None and not self.out_auto:
+            return self.out_path
+        return self.default_out()

@@ -24,7 +24,7 @@ PY
   s="mlight-shots-$size"
   tmux kill-session -t "$s" 2>/dev/null || true
   tmux new-session -d -s "$s" -x "$cols" -y "$rows" \
-    "cd $work && MLIGHT_CACHE_DIR=${MLIGHT_CACHE_DIR:-$work/cache} mlight-app; sleep 5"
+    "cd $work && MLIGHT_CACHE_DIR=${MLIGHT_CACHE_DIR:-$work/cache} MLIGHT_RESULTS_DIR=$work/results mlight-app; sleep 5"
 
   until_matches() {
     local t=0; while ! tmux capture-pane -p -t "$s" | grep -qE -- "$1"; do
@@ -45,17 +45,20 @@ PY
   keys Enter; until_shows "Ctrl+N to choose prompts"; shot 03-model-demo
   keys C-n; until_shows "none yet — type"
   keys "'$work/mt_bench.jsonl'" Enter; until_shows "prompts ready"; shot 04-prompts
-  keys C-o; sleep 1; shot 05-prompts-browse; keys C-o; sleep 0.5
+  keys C-o; sleep 1; shot 05-prompts-browse; keys Escape; sleep 0.5
   keys C-n; until_shows "accepts the plan"; shot 06-plan
-  keys C-n; until_shows "tokens/s now";   until_matches "Requests  [1-9]" 120; sleep 1; shot 07-run-running
-  keys Space; until_shows "Paused"; shot 08-run-paused
-  keys s; until_shows "r resumes" 120; shot 09-run-stopped
-  keys r; until_shows "Done:" 300; shot 10-run-done
-  keys C-n; until_shows "results, "; shot 11-results
-  keys Enter; until_shows "Output"; shot 12-result-detail
-  keys Escape; sleep 0.5; keys c; until_shows "Enter writes"; shot 13-export
-  keys Enter; until_shows "Wrote 48 results"; shot 14-exported
-  keys C-p; sleep 1; shot 15-command-palette; keys Escape
+  keys F1; until_shows "Keys everywhere"; shot 07-help; keys Escape; sleep 0.5
+  keys C-n; until_shows "tokens/s now";   until_matches "Requests +[1-9]" 120; sleep 1; shot 08-run-running
+  keys q; until_shows "Quit now?"; shot 09-run-quit-asks; keys n; sleep 0.5
+  keys Space; until_shows "Paused"; shot 10-run-paused
+  keys s; until_shows "r resumes" 120; shot 11-run-stopped
+  keys r; until_shows "Done:" 300; shot 12-run-done
+  keys t; sleep 1; shot 13-run-pipeline; keys z z; sleep 1; shot 14-run-pipeline-zoomed; keys t
+  keys C-n; until_shows "results, "; shot 15-results
+  keys Enter; until_shows "Output"; shot 16-result-detail
+  keys Escape; sleep 0.5; keys c; until_shows "Enter writes"; shot 17-export
+  keys Enter; until_shows "Wrote 48 results"; shot 18-exported
+  keys C-p; sleep 1; shot 19-command-palette; keys Escape
   keys C-q; sleep 1
   tmux kill-session -t "$s" 2>/dev/null || true
   rm -rf "$work"

@@ -90,6 +90,9 @@ class MachineScreen(StepScreen):
             return
         self.mapp.next_step(self.STEP)
 
+    def action_back(self) -> None:
+        self.status("This is the first step: Enter goes on, ? shows the keys and steps, q quits.")
+
     def palette_commands(self):
         yield SystemCommand("Re-probe the machine", "Measure the hardware again, ignoring the cache",
                             lambda: self.action_probe(True))

@@ -91,7 +91,9 @@ class ModelScreen(StepScreen):
     def on_button_pressed(self, event: Button.Pressed) -> None:
         match event.button.id:
             case "open":
-                self.open_text(self.query_one("#model-input", Input).value)
+                inp = self.query_one("#model-input", Input)
+                inp.focus()  # typing goes on in the field: a `d` there is a letter, not the demo key
+                self.open_text(inp.value)
             case "demo":
                 self.action_demo()
             case "cancel":
@@ -105,7 +107,7 @@ class ModelScreen(StepScreen):
             self.query_one("#model-input", Input).value = text  # show the cleaned path
         kind = self.backend.classify_model_text(text)
         if kind == "missing":
-            self.status(f"{text}: no such folder, and not an owner/name repo id — check the path", "error")
+            self.failed(f"{text}: no such folder, and not an owner/name repo id — check the path")
             return
         self._stop.clear()
         self.query_one("#next", Button).disabled = True
@@ -154,7 +156,19 @@ class ModelScreen(StepScreen):
 
     def worker_failed(self, worker, error) -> None:
         self.query_one("#download").display = False
-        super().worker_failed(worker, error)
+        self.failed(self.mapp.describe_error(error))
+
+    def failed(self, problem: str) -> None:
+        """The model could not be opened: say so in the Model panel too, and give the field back."""
+        self.session.model = None
+        self.query_one("#model-facts", Facts).set_rows([
+            ("Model", "none — the last one could not be opened"),
+            ("Problem", Text(problem, style=self.mapp.tone("error"))),
+            ("", "Fix the path or repo id and press Enter, or pick the Demo model button."),
+        ])
+        self.query_one("#next", Button).disabled = True
+        self.status(problem, "error")
+        self.query_one("#model-input", Input).focus()
 
     def show(self, m) -> None:
         s = m.spec

@@ -2,23 +2,25 @@
 
 Budgets (GPU and CPU GB) re-plan after a short pause in typing; edits to N, μ, placement and the
 resident fractions are validated by core's planner as they are typed, and what does not fit is
-listed with its shortfall. Planning and validation run in thread workers; a generation counter
-drops answers to questions that have since been replaced.
+listed with its shortfall in the form's own words. Advanced choices (compute dtype, executor,
+schedule, quantization where the engine offers it) say in one line what each does. Planning and
+validation run in thread workers; a generation counter drops answers to questions since replaced.
+The Check panel and the Accept button sit under the scrolling panels, so they stay on screen at 80×24.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Button, Input, Label, Select, Static
+from textual.widgets import Button, Collapsible, Input, Label, Select, Static
 
 from app.tui import fmt
-from app.tui.backend import GB
+from app.tui.backend import GB, EngineChoices
 from app.tui.messages import Checked, PlanReady
 from app.tui.screens.base import StepScreen
 from app.tui.widgets.bars import LabelBar
@@ -26,7 +28,40 @@ from app.tui.widgets.facts import Facts
 from app.tui.widgets.path_input import PathInput
 
 RESOURCE_LABELS = {"gpu": "GPU compute", "cpu_attn": "CPU attention", "h2d": "PCIe H→D", "d2h": "PCIe D→H"}
+CPU_MODE_LABELS = {"gpu": "CPU compute", "cpu_attn": "CPU attention"}
+CPU_MODE_BOTTLENECK = {"gpu": "CPU compute (dense layers and experts run on the CPU)",
+                       "cpu_attn": "CPU attention (memory bandwidth reading the KV cache)"}
 PLACES = [("CPU", "cpu"), ("GPU", "gpu")]
+AUTO = "auto"
+
+# Advanced choices: (value, label, what it does in one line); AUTO leaves it to the engine
+DTYPES = [
+    (AUTO, "auto", "as stored in the checkpoint, unless this CPU computes it slowly"),
+    ("float32", "float32", "runs on every CPU; twice the memory of bfloat16"),
+    ("bfloat16", "bfloat16", "half the memory; fast on GPUs and on CPUs with AVX-512 BF16 or AMX"),
+    ("float16", "float16", "half the memory; for GPUs (slow on most CPUs)"),
+]
+EXECUTORS = [
+    (AUTO, "auto", "CUDA streams when a GPU is present, else one CPU thread in order"),
+    ("sequential", "sequential", "every task in order on one thread: simplest, nothing overlaps"),
+    ("threaded", "threaded", "a thread per resource: copies and CPU attention overlap compute"),
+    ("cuda", "cuda", "CUDA streams and events (needs an NVIDIA GPU)"),
+]
+SCHEDULES = [
+    (AUTO, "auto", "CGOPipe, or FlexGen-style when the plan puts attention on the GPU"),
+    ("cgopipe", "CGOPipe", "CPU attention and weight pages overlap GPU work (the paper's pipeline)"),
+    ("s4", "FlexGen (S4)", "attention on the GPU; the next layer's weights go first"),
+    ("s3", "no overlap (S3)", "one chain, layer by layer: a baseline to compare with"),
+]
+QUANTIZE = [  # here "auto" is a choice of its own (the planner picks the format), and "none" the default
+    ("none", "none", "experts as stored in the checkpoint"),
+    ("int8", "int8", "8-bit experts: half of bfloat16 in RAM and over PCIe, near-lossless"),
+    ("int4", "int4", "4-bit experts: a quarter of bfloat16; some loss"),
+    ("auto", "auto", "the least lossy format that fits the budget (the plan says which)"),
+]
+DEFAULTS = {"dtype": AUTO, "executor": AUTO, "schedule": AUTO, "quantize": "none"}
+ADVANCED = {"dtype": DTYPES, "executor": EXECUTORS, "schedule": SCHEDULES, "quantize": QUANTIZE}
+REPLAN_ON = ("dtype", "quantize")  # choices that change the bytes the plan must fit
 
 
 def _row(label: str, widget) -> Horizontal:
@@ -42,7 +77,7 @@ class PlanScreen(StepScreen):
         self._gen = 0  # bumps with every plan/check request; older answers are ignored
         self._replan_timer = None
         self._asked: tuple[str, str] | None = None  # budget fields' text when the last plan was asked for
-        self._confirmed: Path | None = None  # an existing results file the user agreed to replace
+        self._confirmed = None  # an existing results file the user agreed to replace
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(id="body"):
@@ -59,35 +94,67 @@ class PlanScreen(StepScreen):
                 yield _row("GPU experts %", Input(compact=True, id="gpu-weights", type="number"))
                 yield _row("GPU KV %", Input(compact=True, id="gpu-kv", type="number"))
                 yield _row("Pages / layer", Input(compact=True, id="pages", type="integer"))
+                with Collapsible(title="Advanced: dtype, executor, …", id="advanced", collapsed=True):
+                    for key, label in (("dtype", "Compute dtype"), ("executor", "Executor"), ("schedule", "Schedule"),
+                                       ("quantize", "Quantize")):
+                        options = [(text, value) for value, text, _ in ADVANCED[key]]
+                        yield _row(label, Select(options, compact=True, id=key, allow_blank=False,
+                                                 value=DEFAULTS[key]))
+                        yield Static("", id=f"{key}-hint", classes="hint")
                 yield Static("Results file (.jsonl or .csv)", classes="form-head")
                 yield PathInput(compact=True, id="out")
                 yield Static("", id="out-note", classes="muted")
-            with VerticalScroll(id="plan-right"):
-                yield Facts(id="prediction", classes="panel", label_width=11)
-                with Vertical(id="memory", classes="panel"):
-                    yield LabelBar("GPU", id="mem-gpu", label_width=5, value_width=22)
-                    yield LabelBar("CPU", id="mem-cpu", label_width=5, value_width=22)
-                with Vertical(id="layer", classes="panel"):
-                    for key, label in RESOURCE_LABELS.items():
-                        yield LabelBar(label, id=f"res-{key}", value_width=10)
+            with Vertical(id="plan-right"):
+                with VerticalScroll(id="plan-facts"):
+                    yield Facts(id="prediction", classes="panel", label_width=11)
+                    with Vertical(id="memory", classes="panel"):
+                        yield LabelBar("GPU", id="mem-gpu", label_width=5, value_width=24)
+                        yield LabelBar("CPU", id="mem-cpu", label_width=5, value_width=24)
+                        yield Static("", id="usable", classes="muted")
+                    with Vertical(id="layer", classes="panel"):
+                        for key, label in RESOURCE_LABELS.items():
+                            yield LabelBar(label, id=f"res-{key}", value_width=10)
                 yield Static("", id="validation", classes="panel")
-                with Horizontal(classes="actions"):
+                with Horizontal(classes="actions", id="plan-actions"):
                     yield Button("Accept and run  ^N", compact=True, id="accept", variant="primary", disabled=True)
                     yield Button("Re-plan  ^R", compact=True, id="replan")
 
     def on_mount(self) -> None:
         self.query_one("#plan-form").border_title = "Plan"
         self.query_one("#prediction").border_title = "Prediction"
-        self.query_one("#memory").border_title = "Memory (planned / budget)"
+        self.query_one("#memory").border_title = "Memory (planned / usable)"
         self.query_one("#layer").border_title = "Decode layer: busy time"
         self.query_one("#validation").border_title = "Check"
-        out = self.session.out_path or self.session.default_out()
-        self.query_one("#out", PathInput).value = str(out)
+        self._set_choices(self.session.choices)
+        if not self.backend.engine_offers("quantize"):
+            for wid in ("#quantize", "#quantize-hint"):
+                (self.query_one(wid).parent if wid == "#quantize" else self.query_one(wid)).display = False
+        if self.cpu_mode:
+            for key in ("h2d", "d2h"):  # no PCIe link without a GPU
+                self.query_one(f"#res-{key}").display = False
+            for key, label in CPU_MODE_LABELS.items():
+                self.query_one(f"#res-{key}", LabelBar).label = label
+            self.query_one("#layer").border_title = "Decode layer: CPU time"
+        self.query_one("#out", PathInput).value = str(self.session.chosen_out())
         if self.session.plan is not None:
             self.fill(self.session.plan)
         else:
             self.query_one("#prediction", Facts).set_rows([("", "Planning…")])
             self.plan_now(self._budgets_from_options())
+
+    def on_screen_resume(self) -> None:
+        """Back from a run that failed for want of a CPU feature: the dtype choice is the way out."""
+        if self.session.failure == "dtype":
+            self.session.failure = ""
+            self.query_one("#advanced", Collapsible).collapsed = False
+            self.query_one("#dtype", Select).focus()
+            self.status("This machine could not run the model in its stored dtype: choose float32 here, "
+                        "then Ctrl+N.", "warn")
+
+    @property
+    def cpu_mode(self) -> bool:
+        m = self.session.machine
+        return m is not None and m.cpu_mode
 
     # ---- planning -------------------------------------------------------------------------------
     def _budgets_from_options(self) -> tuple[int | None, int | None]:
@@ -113,16 +180,19 @@ class PlanScreen(StepScreen):
         if s.model is None:
             s.model = b.open_model(s.options.model, s.machine)
         if s.prompts is None:
+            from pathlib import Path
+
             s.prompts = b.read_prompts(Path(s.options.prompts).expanduser())
-        plan = b.plan(s.model, s.machine, s.prompts, gpu_budget, cpu_budget)
+        plan = b.plan(s.model, s.machine, s.prompts, gpu_budget, cpu_budget, s.choices)
         self.post_message(PlanReady(plan, gen))
 
     def on_plan_ready(self, msg: PlanReady) -> None:
         if msg.gen != self._gen:
             return
         self.session.plan = msg.plan
-        if self.query_one("#out", PathInput).value in ("", str(Path("results.jsonl"))):
-            self.query_one("#out", PathInput).value = str(self.session.default_out())
+        out = self.query_one("#out", PathInput)
+        if self.session.out_auto and out.value != str(self.session.default_out()):
+            out.value = str(self.session.default_out())  # reached from the command line: prompts now known
         self.fill(msg.plan)
 
     def worker_failed(self, worker, error) -> None:
@@ -188,7 +258,7 @@ class PlanScreen(StepScreen):
         self._replan_timer = self.set_timer(0.4, self.action_replan)  # re-plan once typing pauses
 
     @on(Input.Changed, "#batch, #micro, #expert, #gpu-weights, #gpu-kv, #pages")
-    @on(Select.Changed)
+    @on(Select.Changed, "#attention, #ffn")
     def policy_changed(self) -> None:
         plan = self.session.plan
         if plan is None:
@@ -199,17 +269,47 @@ class PlanScreen(StepScreen):
             self.show_problems(["a field holds something that is not a number"])
             return
         if any(v is None for v in fields.values()):
-            self.show_problems(["fill in every field"])
+            labels = {"batch_size": "Batch N", "micro_batch_size": "Micro-batch μ", "expert_batch_size": "Expert batch",
+                      "pages_per_layer": "Pages / layer"}
+            empty = [labels.get(k, k) for k, v in fields.items() if v is None]
+            self._gen += 1  # a check still under way is moot
+            self.show_problems([f"fill in {', '.join(empty)}"])
             return
-        if _same(fields, {k: getattr(plan.policy, k) for k in fields}):
-            return  # the form was filled from the plan, not edited
         self._gen += 1
+        if _same(fields, {k: getattr(plan.policy, k) for k in fields}):
+            self.show(plan)  # back to the plan's own values (filled in, or typed back): it stands again
+            return
         self.query_one("#accept", Button).disabled = True
         self.check(self._gen, fields)
 
+    @on(Select.Changed, "#dtype, #executor, #schedule, #quantize")
+    def choice_changed(self, event: Select.Changed) -> None:
+        key = event.select.id
+        self.query_one(f"#{key}-hint", Static).update(_hint(key, event.value))
+        choices = self._choices()
+        if choices == self.session.choices:
+            return
+        self.session.choices = choices
+        if key in REPLAN_ON and self.session.plan is not None:
+            self.action_replan()  # a wider dtype or a quantized format changes what fits
+
+    def _choices(self) -> EngineChoices:
+        def value(key: str) -> str | None:
+            v = self.query_one(f"#{key}", Select).value
+            return None if v == DEFAULTS[key] or v == Select.BLANK else v
+
+        return EngineChoices(dtype=value("dtype"), executor=value("executor"), schedule=value("schedule"),
+                             quantize=value("quantize") if self.backend.engine_offers("quantize") else None)
+
+    def _set_choices(self, choices: EngineChoices) -> None:
+        for key, value in dataclasses.asdict(choices).items():
+            self.query_one(f"#{key}", Select).value = value or DEFAULTS[key]
+            self.query_one(f"#{key}-hint", Static).update(_hint(key, value or DEFAULTS[key]))
+
     @work(thread=True, exclusive=True, exit_on_error=False, group="check", description="validate policy")
     def check(self, gen: int, fields: dict) -> None:
-        plan = self.backend.check(self.session.model, self.session.machine, self.session.plan, fields)
+        s = self.session
+        plan = self.backend.check(s.model, s.machine, s.plan, fields, s.choices)
         self.post_message(Checked(plan, plan.problems, gen))
 
     def on_checked(self, msg: Checked) -> None:
@@ -226,49 +326,77 @@ class PlanScreen(StepScreen):
     # ---- drawing --------------------------------------------------------------------------------
     def show(self, plan) -> None:
         pred = plan.prediction
-        machine = self.session.machine
-        cpu_mode = machine is not None and machine.cpu_mode
-        self.query_one("#res-gpu", LabelBar).label = "Compute (CPU)" if cpu_mode else "GPU compute"
-        if pred is not None:
-            rows = [
-                ("Throughput", Text(f"{pred.tokens_per_s:,.1f} tokens/s end to end", style="bold")),
-                ("Decode", f"{pred.decode_tokens_per_s:,.1f} tokens/s"),
-                ("Prefill", f"{pred.prefill_tokens_per_s:,.1f} prompt tokens/s"),
-                ("Bottleneck", pred.bottleneck_text),
-                ("Policy", f"N={plan.policy.batch_size}, μ={plan.policy.micro_batch_size} "
-                           f"({_plural(plan.policy.num_micro_batches, 'micro-batch', 'micro-batches')}), attention on "
-                           f"{plan.policy.attention_on.upper()}, FFN on {plan.policy.ffn_on.upper()}"),
-                ("Workload", f"{self.session.prompts.count} prompts, " + plan.workload_text),
-            ]
-            if cpu_mode:
-                rows.append(("CPU mode", "no GPU: every stage runs on the CPU; N and μ are used as planned"))
-            self.query_one("#prediction", Facts).set_rows(rows)
-            self.query_one("#mem-gpu", LabelBar).update(
-                pred.gpu_bytes / plan.gpu_budget if plan.gpu_budget else 0.0,
-                "no GPU (CPU mode)" if cpu_mode else f"{fmt.human_bytes(pred.gpu_bytes)} / {fmt.human_bytes(plan.gpu_budget)}")
-            self.query_one("#mem-cpu", LabelBar).update(
-                pred.cpu_bytes / plan.cpu_budget if plan.cpu_budget else 0.0,
-                f"{fmt.human_bytes(pred.cpu_bytes)} / {fmt.human_bytes(plan.cpu_budget)}")
-            top = max(pred.layer_seconds.values(), default=0.0) or 1.0
-            for key in RESOURCE_LABELS:
-                sec = pred.layer_seconds.get(key, 0.0)
-                self.query_one(f"#res-{key}", LabelBar).update(sec / top, _ms(sec))
-        self.show_problems(plan.problems)
+        if pred is None:
+            self.query_one("#prediction", Facts).set_rows([
+                ("Prediction", Text("none: the policy is not valid — see Check", style=self.mapp.tone("warn")))])
+            for wid in ("mem-gpu", "mem-cpu", *(f"res-{k}" for k in RESOURCE_LABELS)):
+                self.query_one(f"#{wid}", LabelBar).update(0.0, "—")
+            self.query_one("#usable", Static).update("")
+        else:
+            self._show_prediction(plan, pred)
+        self.show_problems(plan.problems, plan.warnings)
 
-    def show_problems(self, problems: list[str]) -> None:
+    def _show_prediction(self, plan, pred) -> None:
+        cpu_mode = self.cpu_mode
+        p = plan.policy
+        bottleneck = CPU_MODE_BOTTLENECK.get(pred.bottleneck, CPU_MODE_BOTTLENECK["gpu"]) if cpu_mode \
+            else pred.bottleneck_text
+        rows = [
+            ("Throughput", Text(f"{pred.tokens_per_s:,.1f} tokens/s end to end", style="bold")),
+            ("Decode", f"{pred.decode_tokens_per_s:,.1f} tokens/s"),
+            ("Prefill", f"{pred.prefill_tokens_per_s:,.1f} prompt tokens/s"),
+            ("Bottleneck", bottleneck),
+            ("Policy", f"N={p.batch_size}, μ={p.micro_batch_size} "
+                       f"({_plural(p.num_micro_batches, 'micro-batch', 'micro-batches')}), attention on "
+                       f"{p.attention_on.upper()}, FFN on {p.ffn_on.upper()}"),
+            ("Workload", f"{self.session.prompts.count} prompts, " + plan.workload_text),
+        ]
+        if plan.quantize:
+            rows.insert(4, ("Experts", f"{plan.quantize}: {plan.quant_why}"))
+        if plan.problems:
+            rows[0] = ("Throughput", Text(f"{pred.tokens_per_s:,.1f} tokens/s, if it fitted (see Check)",
+                                          style=self.mapp.tone("warn")))
+        if cpu_mode:
+            rows.append(("CPU mode", "no GPU: every stage runs on the CPU"))
+        self.query_one("#prediction", Facts).set_rows(rows)
+        gpu_share, cpu_share = self.backend.usable_shares()
+        for key, used, budget, share in (("gpu", pred.gpu_bytes, plan.gpu_budget, gpu_share),
+                                         ("cpu", pred.cpu_bytes, plan.cpu_budget, cpu_share)):
+            usable = int(budget * share)
+            text = f"{fmt.human_bytes(used)} / {fmt.human_bytes(usable)}"
+            if key == "gpu" and cpu_mode:
+                self.query_one("#mem-gpu", LabelBar).update(0.0, "no GPU (CPU mode)")
+            else:
+                self.query_one(f"#mem-{key}", LabelBar).update(used / usable if usable else 0.0, text)
+        gpu_part = "" if cpu_mode else f"{gpu_share:.0%} of the GPU budget ({fmt.human_bytes(plan.gpu_budget)}), "
+        keep = "the OS and the page cache" if cpu_mode else "the CUDA context, the OS and the page cache"
+        self.query_one("#usable", Static).update(
+            f"usable: {gpu_part}{cpu_share:.0%} of the CPU budget ({fmt.human_bytes(plan.cpu_budget)}); "
+            f"the rest is left for {keep}")
+        top = max(pred.layer_seconds.values(), default=0.0) or 1.0
+        for key in RESOURCE_LABELS:
+            sec = pred.layer_seconds.get(key, 0.0)
+            self.query_one(f"#res-{key}", LabelBar).update(sec / top, _ms(sec))
+
+    def show_problems(self, problems: list[str], warnings: list[str] = ()) -> None:
         box = self.query_one("#validation", Static)
         accept = self.query_one("#accept", Button)
+        text = Text()
+        for p in problems:
+            text.append("✗ ", style=self.mapp.tone("error"))
+            text.append(p + "\n")
+        if not problems:
+            text.append("✓ fits the budget\n", style=self.mapp.tone("ok"))
+        for w in warnings:
+            text.append("⚠ ", style=self.mapp.tone("warn"))
+            text.append(w + "\n", style=self.mapp.tone("warn"))
+        box.update(text[:-1] if text.plain.endswith("\n") else text)
+        accept.disabled = bool(problems)
         if problems:
-            text = Text()
-            for p in problems:
-                text.append("✗ ", style=self.mapp.tone("error"))
-                text.append(p + "\n")
-            box.update(text)
-            accept.disabled = True
             self.status("This policy does not fit — fix the fields listed under Check, or Ctrl+R to re-plan.", "error")
+        elif warnings:
+            self.status("Ctrl+N accepts the plan — but read the warning under Check first.", "warn")
         else:
-            box.update(Text("✓ fits the budget", style=self.mapp.tone("ok")))
-            accept.disabled = False
             self.status("Ctrl+N accepts the plan and starts the run.", "ok")
 
     # ---- leaving --------------------------------------------------------------------------------
@@ -283,7 +411,18 @@ class PlanScreen(StepScreen):
         if plan is None or plan.problems or self.query_one("#accept", Button).disabled:
             self.status("No plan that fits yet — see Check.", "warn")
             return
+        if not self.query_one("#out", PathInput).value.strip():
+            self.status("Type the results file's name first (.jsonl or .csv).", "warn")
+            self.query_one("#out", PathInput).focus()
+            return
         out = self.query_one("#out", PathInput).path
+        auto = out == self.session.default_out()
+        if auto and not out.parent.exists():
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)  # the default results folder, made on first use
+            except OSError as e:
+                self.status(self.mapp.describe_error(e), "error")
+                return
         try:
             self.backend.check_output(out)
         except Exception as e:  # a user error (folder missing, not writable, unknown suffix)
@@ -295,11 +434,15 @@ class PlanScreen(StepScreen):
             self._confirmed = out  # a second Ctrl+N on the same path confirms
             self.status(f"{out.name} already exists: Ctrl+N again replaces it, or change the results file.", "warn")
             return
-        self.session.out_path = out
+        self.session.out_path, self.session.out_auto = out, auto
         self.mapp.next_step(self.STEP, replace=replace)
 
     def palette_commands(self):
         yield SystemCommand("Re-plan", "Ask the planner again for the current budgets", self.action_replan)
+
+
+def _hint(key: str, value) -> str:
+    return next((line for v, _, line in ADVANCED[key] if v == value), "")
 
 
 def _plural(n: int, one: str, many: str) -> str:

@@ -27,11 +27,26 @@ PROMPT_SUFFIXES = {".txt", ".text", ".jsonl", ".ndjson", ".json", ".csv", ".tsv"
 
 
 class PromptTree(DirectoryTree):
-    """Folders and prompt files only; hidden entries left out."""
+    """Folders and prompt files only; hidden entries left out. Backspace climbs to the parent folder."""
+
+    BINDINGS = [Binding("backspace", "up", "Parent folder")]
 
     def filter_paths(self, paths: Iterable[Path]) -> Iterable[Path]:
         return [p for p in paths if not p.name.startswith(".")
                 and (p.is_dir() or p.suffix.lower() in PROMPT_SUFFIXES)]
+
+    def on_mount(self) -> None:
+        self._title()
+
+    def action_up(self) -> None:
+        here = Path(self.path).resolve()
+        if here.parent != here:
+            self.path = here.parent
+            self._title()
+
+    def _title(self) -> None:
+        self.border_title = fmt.excerpt(str(Path(self.path).resolve()), 30)
+        self.border_subtitle = "⌫ parent folder"
 
 
 class PromptsScreen(StepScreen):
@@ -187,6 +202,12 @@ class PromptsScreen(StepScreen):
                         "Ctrl+N to plan.", "warn")
         else:
             self.status(f"{view.count} prompts ready. Ctrl+N to plan.", "ok")
+
+    def action_back(self) -> None:
+        if self.query(PromptTree):  # Esc closes the open file tree first
+            self.action_browse()
+            return
+        super().action_back()
 
     def action_next(self) -> None:
         if self.session.prompts is None or self.session.prompts.count == 0:

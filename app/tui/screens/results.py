@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult, SystemCommand
@@ -42,13 +43,8 @@ class ResultsScreen(StepScreen):
 
     def on_mount(self) -> None:
         table = self.query_one("#results", DataTable)
-        self.id_width = max(4, min(18, max((len(str(r["id"])) for r in self.records), default=4)))
-        table.add_column("id", key="id", width=self.id_width)
-        table.add_column("prompt", key="prompt")
-        table.add_column("output", key="output")
-        table.add_column("tokens", key="tokens", width=9)
-        table.add_column("seconds", key="seconds", width=7)
-        table.add_column("finish", key="finish", width=6)
+        self.id_width = max(4, min(18, max((cell_len(str(r["id"])) for r in self.records), default=4)))
+        self._width = 0
         self._fill()
         table.focus()
         total_out = sum(int(r.get("output_tokens", 0)) for r in self.records)
@@ -60,17 +56,27 @@ class ResultsScreen(StepScreen):
         self._fill()
 
     def _fill(self) -> None:
+        """Columns sized to the terminal (prompt and output share what the fixed ones leave), rebuilt on
+        resize: DataTable keeps a column's widest content otherwise, and the last columns fall off."""
+        width = self.size.width or 120
+        if width == self._width:
+            return
+        self._width = width
         table = self.query_one("#results", DataTable)
+        row = table.cursor_row
         fixed = self.id_width + 9 + 7 + 6 + 6 * 2 + 6  # other columns, cell padding, scrollbar
-        text_w = max(12, ((self.size.width or 120) - fixed) // 2)
-        for key in ("prompt", "output"):
-            table.columns[key].width = text_w
-        table.clear()
+        text_w = max(12, (width - fixed) // 2)
+        table.clear(columns=True)
+        for key, label, w in (("id", "id", self.id_width), ("prompt", "prompt", text_w), ("output", "output", text_w),
+                              ("tokens", "tokens", 9), ("seconds", "seconds", 7), ("finish", "finish", 6)):
+            table.add_column(label, key=key, width=w)
         for r in self.records:
             table.add_row(fmt.excerpt(str(r["id"]), self.id_width), fmt.excerpt(r.get("prompt", ""), text_w),
                           fmt.excerpt(r.get("output", ""), text_w),
                           f"{r.get('prompt_tokens', 0)}→{r.get('output_tokens', 0)}",
                           f"{float(r.get('seconds', 0.0)):.2f}", r.get("finish_reason", ""), key=str(r["id"]))
+        if self.records:
+            table.move_cursor(row=min(row, len(self.records) - 1))
 
     @on(DataTable.RowSelected, "#results")
     def selected(self, event: DataTable.RowSelected) -> None:

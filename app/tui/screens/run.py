@@ -1,10 +1,12 @@
 """Step 5 — Run: the engine in a thread worker, live panels fed by coalesced telemetry.
 
-Panels: throughput (now, average, sparkline), memory used / budget, pipeline stage busy share
-(GPU compute, CPU attention, H2D, D2H), progress (requests, tokens, elapsed, ETA) and a log of
-warnings. RunUpdate messages replace each other in the queue (`can_replace`); the screen keeps
-only the newest and redraws on a 4 Hz timer, so the display costs the same however fast the
-engine steps. Space pauses between steps, s stops cleanly (results so far are on disk), r resumes.
+Panels: progress (requests, tokens, running time, ETA) with memory used / budget; decode throughput
+as a chart, measured against the plan's prediction, saying when the two part by more than
+PARTED; the pipeline — the last decode step as the executor ran it, lane by lane and task by task,
+beside the planner's simulation of the same policy; a log of warnings. RunUpdate messages replace each
+other in the queue (`can_replace`); the screen keeps only the newest and redraws on a 4 Hz timer,
+so the display costs the same however fast the engine steps. Space pauses between steps, s stops
+cleanly (results so far are on disk), r resumes, z zooms the timelines, t jumps to them and back.
 """
 
 from __future__ import annotations
@@ -13,32 +15,38 @@ from rich.text import Text
 from textual import work
 from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
-from textual.widgets import ProgressBar, RichLog, Sparkline, Static
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import ProgressBar, RichLog, Static
 
-from app.tui import fmt
-from app.tui.messages import RunEnded, RunLog, RunUpdate
+from app.tui import fmt, wording
+from app.tui.messages import RunEnded, RunLog, RunUpdate, SimulatedStep
 from app.tui.meter import RunSnapshot
 from app.tui.runjob import RunJob
 from app.tui.screens.base import StepScreen
 from app.tui.widgets.bars import LabelBar
+from app.tui.widgets.chart import ThroughputChart
 from app.tui.widgets.facts import Facts
+from app.tui.widgets.timeline import LANES, ZOOMS, Span, Timeline, legend, spans_of_simulation, time_unit
 
 REDRAW_S = 0.25  # at most 4 redraws a second
-STAGES = {"gpu": "GPU compute", "cpu_attn": "CPU attention", "h2d": "H2D copies", "d2h": "D2H copies"}
+PARTED = 0.25  # measured and predicted decode rates further apart than this (relative) are called out
+MIN_STEPS = 5  # decode steps measured before the comparison is trusted
 STATE_WORDS = {
     "loading": "loading the model", "running": "running", "paused": "paused (space to continue)",
     "stopping": "stopping after this step…", "done": "done", "stopped": "stopped — r resumes",
     "failed": "failed — see the message below",
 }
+ZOOM_WORDS = {None: "whole step", 2: "first 2 layers", 1: "first layer"}
 
 
 class RunScreen(StepScreen):
     STEP = "Run"
     BINDINGS = [
-        Binding("space", "pause", "Pause/continue"),
+        Binding("space", "pause", "Pause"),
         Binding("s", "stop", "Stop"),
         Binding("r", "resume_run", "Resume"),
+        Binding("t", "timeline", "Timeline"),
+        Binding("z", "zoom", "Zoom timeline", show=False),
         Binding("ctrl+n", "next", "Results", priority=True),
     ]
 
@@ -50,40 +58,49 @@ class RunScreen(StepScreen):
         self._dirty = False
         self._shown_state = ""
         self._t0: float | None = None  # set on mount
+        self._simulated: list[Span] = []
+        self._simulated_s = 0.0
+        self._parted_logged = False
+        self._zoom = 0
+
+    @property
+    def cpu_mode(self) -> bool:
+        m = self.session.machine
+        return m is not None and m.cpu_mode
 
     def compose_body(self) -> ComposeResult:
-        with Vertical(id="body"):
-            with Horizontal(classes="run-row"):
-                with Vertical(id="throughput", classes="panel"):
-                    yield Static("", id="tps")
-                    yield Sparkline([], id="spark")
-                with Vertical(id="run-memory", classes="panel"):
-                    yield LabelBar("GPU", id="run-gpu", label_width=5, value_width=21)
-                    yield LabelBar("CPU", id="run-cpu", label_width=5, value_width=21)
-            with Horizontal(classes="run-row"):
-                with Vertical(id="stages", classes="panel"):
-                    for key, label in STAGES.items():
-                        yield LabelBar(label, id=f"busy-{key}", label_width=15, value_width=5)
+        with VerticalScroll(id="body"):
+            with Horizontal(classes="run-row", id="run-top"):
                 with Vertical(id="progress", classes="panel"):
                     yield ProgressBar(total=1, show_eta=False, id="req-bar")
                     yield Facts(id="progress-facts", label_width=9)
+                    yield LabelBar("GPU", id="run-gpu", label_width=9, value_width=21)
+                    yield LabelBar("CPU", id="run-cpu", label_width=9, value_width=21)
+                with Vertical(id="throughput", classes="panel"):
+                    yield Static("", id="tps")
+                    yield ThroughputChart(id="chart")
+            with Vertical(id="pipeline", classes="panel"):
+                with Horizontal(id="timelines"):
+                    yield Timeline(id="tl-measured", cpu_mode=self.cpu_mode)
+                    yield Timeline(id="tl-simulated", cpu_mode=self.cpu_mode)
+                yield Static("", id="legend")
             yield RichLog(id="log", classes="panel", wrap=True, markup=False, max_lines=500, min_width=20)
 
     def on_mount(self) -> None:
         self._t0 = self.backend.clock()  # log times count from the screen's start, across resumes
-        if self.session.machine is not None and self.session.machine.cpu_mode:
-            self.query_one("#busy-gpu", LabelBar).label = "Compute (CPU)"  # telemetry's "gpu" is the CPU here
-        for wid, title in (("throughput", "Throughput"), ("run-memory", "Memory (used / budget)"),
-                           ("stages", "Pipeline stages (busy share)"), ("progress", "Progress"), ("log", "Log")):
+        for wid, title in (("throughput", "Decode throughput: measured and predicted"), ("progress", "Progress"),
+                           ("pipeline", "Pipeline: the last decode step"), ("log", "Log")):
             self.query_one(f"#{wid}").border_title = title
+        self.query_one("#pipeline").border_subtitle = "z zoom · t jump here and back"
         self.set_interval(REDRAW_S, self._redraw_if_dirty)
         self.start()
 
     # ---- the job --------------------------------------------------------------------------------
     def start(self) -> None:
         s = self.session
-        self.job = RunJob(self.backend, s.model, s.prompts, s.plan, s.out_path, self.post_message, started=self._t0,
-                          replace=self.replace)
+        previous = self._latest if self.job is not None else None  # a resume goes on from the stopped run
+        self.job = RunJob(self.backend, s.model, s.prompts, s.plan, s.out_path, self.post_message, previous=previous,
+                          replace=self.replace, choices=s.choices, machine=s.machine)
         self.replace = False  # a resume continues this run's file
         s.run_state = "running"
         self.log_line(f"Run: {s.model.title} on {s.prompts.count} prompts → {s.out_path}")
@@ -101,8 +118,15 @@ class RunScreen(StepScreen):
         state = msg.snapshot.state
         if state != self._shown_state:
             self._shown_state = state
+            self.refresh_bindings()
             if state == "running":
                 self.status("Running. Space pauses between two steps; s stops cleanly (finished results stay).")
+
+    def on_simulated_step(self, msg: SimulatedStep) -> None:
+        if msg.timeline is not None:
+            self._simulated = spans_of_simulation(msg.timeline)
+            self._simulated_s = msg.timeline.makespan
+            self._dirty = True
 
     def on_run_log(self, msg: RunLog) -> None:
         self.log_line(msg.text, msg.level)
@@ -111,6 +135,7 @@ class RunScreen(StepScreen):
         self._latest = msg.snapshot
         self._redraw()
         self.session.run_state = msg.state
+        self.refresh_bindings()
         n, total = len(self.job.records), self.session.prompts.count
         if msg.state == "done":
             self.log_line(f"Done: {n} results written to {self.session.out_path}", "ok")
@@ -123,22 +148,41 @@ class RunScreen(StepScreen):
 
     def worker_failed(self, worker, error) -> None:
         self.session.run_state = "failed"
+        cause = getattr(error, "__cause__", None)
+        if wording.missing_feature(error) or wording.missing_feature(cause):
+            self.session.failure = "dtype"  # the Plan screen opens its Advanced choices on the way back
         self.log_line(self.mapp.describe_error(error), "error")
         super().worker_failed(worker, error)
+        self.refresh_bindings()
         if self.job is not None:
             self._latest = self.job.meter.snapshot()
             self._redraw()
 
     # ---- keys -----------------------------------------------------------------------------------
+    def check_action(self, action: str, parameters) -> bool | None:
+        """The footer lists only the keys that do something now (and so has room for ^q and ?)."""
+        state = self.job.state if self.job is not None else ""
+        going = state in ("loading", "running", "paused", "stopping")
+        if action in ("pause", "stop"):
+            return going
+        if action == "resume_run":
+            return state in ("stopped", "failed")
+        if action == "back":
+            return not going
+        return True
+
     def action_pause(self) -> None:
         if self.job is None:
             return
         if self.job.state == "running":
             self.job.pause()
+            self.session.run_state = "paused"
             self.status("Paused between two steps. Space continues, s stops.", "warn")
         elif self.job.state == "paused":
             self.job.resume()
+            self.session.run_state = "running"
             self.status("Running.")
+        self._latest, self._dirty = self.job.meter.snapshot(), True
 
     def action_stop(self) -> None:
         if self.job is not None and self.job.state in ("running", "paused", "loading"):
@@ -146,9 +190,30 @@ class RunScreen(StepScreen):
             self.status("Stopping after the current step…", "warn")
 
     def action_resume_run(self) -> None:
+        if self.session.run_state == "failed" and self.session.failure == "dtype":
+            self.status("Retrying would fail the same way: Esc goes back to Plan; choose Compute dtype float32 "
+                        "under Advanced, then Ctrl+N.", "warn")
+            return
         if self.session.run_state in ("stopped", "failed"):
             self.log_line("Resuming the stopped run…")
             self.start()
+
+    def action_timeline(self) -> None:
+        body = self.query_one("#body", VerticalScroll)
+        pipeline = self.query_one("#pipeline")
+        if body.max_scroll_y == 0:
+            return  # everything is on screen already
+        if body.scroll_y >= min(pipeline.virtual_region.y, body.max_scroll_y) - 1:
+            body.scroll_home(animate=False)
+        else:
+            body.scroll_to_widget(pipeline, animate=False, top=True)
+
+    def action_zoom(self) -> None:
+        self._zoom = (self._zoom + 1) % len(ZOOMS)
+        for tl in self.query(Timeline):
+            tl.zoom = self._zoom
+        self._draw_pipeline(self._latest)
+        self.status(f"Timelines: {ZOOM_WORDS[ZOOMS[self._zoom]]} (z for more).")
 
     def action_back(self) -> None:
         if self.session.run_state in ("running", "paused"):
@@ -170,6 +235,7 @@ class RunScreen(StepScreen):
         yield SystemCommand("Pause or continue the run", "Hold the engine between two steps", self.action_pause)
         yield SystemCommand("Stop the run", "Stop cleanly; finished results stay on disk", self.action_stop)
         yield SystemCommand("Resume the run", "Run the prompts a stopped run left", self.action_resume_run)
+        yield SystemCommand("Zoom the timelines", "Whole step, first two layers, first layer", self.action_zoom)
 
     # ---- drawing --------------------------------------------------------------------------------
     def log_line(self, text: str, level: str = "info") -> None:
@@ -192,28 +258,95 @@ class RunScreen(StepScreen):
             return
         self._dirty = False
         with self.app.batch_update():
-            tps = Text(f"{snap.current_tps:,.1f}", style="bold")
-            tps.append(" tokens/s now   ")
-            tps.append(f"{snap.average_tps:,.1f}", style="bold")
-            tps.append(" average")
-            self.query_one("#tps", Static).update(tps)
-            self.query_one("#spark", Sparkline).data = list(snap.history)
-            for key, used, budget in (("gpu", snap.gpu_used, snap.gpu_budget), ("cpu", snap.cpu_used, snap.cpu_budget)):
-                frac = used / budget if budget else 0.0
-                label = f"{fmt.human_bytes(used)} / {fmt.human_bytes(budget)}" if used or budget else "—"
-                if key == "gpu" and self.session.machine is not None and self.session.machine.cpu_mode:
-                    label, frac = "no GPU (CPU mode)", 0.0
-                self.query_one(f"#run-{key}", LabelBar).update(frac, label)
-            for key in STAGES:
-                share = snap.busy.get(key, 0.0)
-                self.query_one(f"#busy-{key}", LabelBar).update(share, f"{share * 100:3.0f}%")
-            bar = self.query_one("#req-bar", ProgressBar)
-            bar.update(total=max(1, snap.requests_total), progress=snap.requests_done)
-            eta = "—" if snap.eta is None else ("0:00" if snap.state == "done" else f"≤ {fmt.duration(snap.eta)}")
-            loading = f" ({snap.loading})" if snap.state == "loading" and snap.loading else ""
-            self.query_one("#progress-facts", Facts).set_rows([
-                ("State", STATE_WORDS.get(snap.state, snap.state) + loading),
-                ("Requests", f"{snap.requests_done} / {snap.requests_total}"),
-                ("Tokens", f"{snap.tokens_out:,} new, {snap.tokens_in:,} prompt"),
-                ("Time", f"{fmt.duration(snap.elapsed)} elapsed, ETA {eta}"),
-            ])
+            self._draw_progress(snap)
+            self._draw_throughput(snap)
+            self._draw_pipeline(snap)
+
+    def _draw_progress(self, snap: RunSnapshot) -> None:
+        for key, used, budget in (("gpu", snap.gpu_used, snap.gpu_budget), ("cpu", snap.cpu_used, snap.cpu_budget)):
+            frac = used / budget if budget else 0.0
+            label = f"{fmt.human_bytes(used)} / {fmt.human_bytes(budget)}" if used or budget else "—"
+            if key == "gpu" and self.cpu_mode:
+                label, frac = "no GPU (CPU mode)", 0.0
+            self.query_one(f"#run-{key}", LabelBar).update(frac, label)
+        bar = self.query_one("#req-bar", ProgressBar)
+        bar.update(total=max(1, snap.requests_total), progress=snap.requests_done)
+        eta = "—" if snap.eta is None else ("0:00" if snap.state == "done" else f"≤ {fmt.duration(snap.eta)}")
+        loading = f" ({snap.loading})" if snap.state == "loading" and snap.loading else ""
+        self.query_one("#progress-facts", Facts).set_rows([
+            ("State", STATE_WORDS.get(snap.state, snap.state) + loading),
+            ("Requests", f"{snap.requests_done} / {snap.requests_total}"),
+            ("Tokens", f"{snap.tokens_out:,} new, {snap.tokens_in:,} prompt"),
+            ("Time", f"{fmt.duration(snap.elapsed)} running, ETA {eta}"),
+        ])
+
+    def _predicted(self) -> float | None:
+        pred = self.session.plan.prediction if self.session.plan is not None else None
+        return pred.decode_tokens_per_s if pred is not None else None
+
+    def _draw_throughput(self, snap: RunSnapshot) -> None:
+        predicted = self._predicted()
+        text = Text()
+        text.append(f"{snap.decode_tps:,.1f}", style="bold")
+        text.append(" tokens/s now · ")
+        text.append(f"{snap.average_tps:,.1f}", style="bold")
+        text.append(" average · ")
+        text.append(f"{predicted:,.1f}" if predicted else "—", style="bold")
+        text.append(" predicted")
+        parted = self._parted(snap, predicted)
+        if parted:
+            text.append("\n⚠ " + parted, style=self.mapp.tone("warn"))
+            if not self._parted_logged:
+                self._parted_logged = True
+                self.log_line(f"{parted}: the planner's model of this machine is off — `mlight bench --calibrate` "
+                              "measures this machine and fits it.", "warn")
+        self.query_one("#tps", Static).update(text)
+        self.query_one("#chart", ThroughputChart).show(snap.history, predicted)
+
+    @staticmethod
+    def _parted(snap: RunSnapshot, predicted: float | None) -> str:
+        """'measured is 4.7× below the prediction' when they part by more than PARTED, else ''."""
+        if not predicted or snap.decode_steps < MIN_STEPS or snap.decode_tps <= 0:
+            return ""
+        ratio = snap.decode_tps / predicted
+        if abs(ratio - 1) <= PARTED:
+            return ""
+        how = f"{1 / ratio:.1f}× below" if ratio < 1 else f"{ratio:.1f}× above"
+        tail = "" if snap.full_batch else " (fewer requests in flight than the plan's batch)"
+        return f"measured decode is {how} the prediction{tail}"
+
+    def _draw_pipeline(self, snap: RunSnapshot | None) -> None:
+        measured = self.query_one("#tl-measured", Timeline)
+        simulated = self.query_one("#tl-simulated", Timeline)
+        step = snap.timeline if snap is not None else None
+        m_spans = [Span(*s) for s in step.spans] if step is not None else []
+        present = {s.resource for s in m_spans} | {s.resource for s in self._simulated}
+        lanes = tuple(r for r in LANES if r in present) or (("gpu", "cpu_attn") if self.cpu_mode else LANES)
+        if step is not None:
+            head = Text("Measured", style="bold")
+            head.append(f" · {_time(step.seconds)} · {step.active} requests")
+            if self._simulated_s > 0:
+                head.append(f" · {step.seconds / self._simulated_s:.1f}× the simulation", style="dim")
+        else:
+            head = Text("Measured", style="bold")
+            head.append(" · waiting for the first decode step", style="dim")
+        measured.show(m_spans, step.seconds if step is not None else 0.0, head, lanes)
+        sim_head = Text("Planner's simulation", style="bold")
+        if self._simulated:
+            n = self.session.plan.policy.batch_size if self.session.plan is not None else 0
+            sim_head.append(f" · {_time(self._simulated_s)} · {n} requests")
+        else:
+            sim_head.append(" · not available", style="dim")
+        simulated.show(self._simulated, self._simulated_s, sim_head, lanes)
+        kinds = [s.kind for s in m_spans] + [s.kind for s in self._simulated]
+        order = {k: i for i, k in enumerate(_KIND_ORDER)}
+        self.query_one("#legend", Static).update(legend(sorted(set(kinds), key=lambda k: order.get(k, 99))))
+
+
+_KIND_ORDER = ["pre_attn", "d1", "cpu_attn", "gpu_attn", "d2", "post_attn", "ffn", "weight_page", "kv_load",
+               "kv_store", "prefill"]
+
+
+def _time(seconds: float) -> str:
+    mult, unit = time_unit(seconds)
+    return f"{seconds * mult:,.1f} {unit}"

@@ -1,0 +1,97 @@
+"""The help screen (`?` or F1 anywhere): the six steps in a line each, the keys that work everywhere, and
+the keys of the screen it was opened from (read from that screen's own bindings, so it never drifts)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer, Static
+
+from app.tui.widgets.steps import STEPS
+
+STEP_LINES = {
+    "Machine": "what mlight found: GPU, RAM, cores, PCIe link and measured bandwidth (r measures again)",
+    "Model": "the demo model, a checkpoint folder (type it or drop it), or a Hugging Face repo id",
+    "Prompts": "a .txt, .jsonl, .csv or .tsv file: type the path, drop the file, browse (Ctrl+O) or the demo prompts",
+    "Plan": "memory budgets in, the planner's policy and predicted tokens/s out; edit it, Advanced for dtype",
+    "Run": "live throughput against the prediction, the pipeline timeline, memory and progress",
+    "Results": "every result, Enter for one in full, c / j to export CSV / JSONL",
+}
+GLOBAL_KEYS = [
+    ("Ctrl+N", "next step (accepts the plan on Plan)"),
+    ("Esc", "previous step (closes a dialog or the file tree first)"),
+    ("Tab", "next field or button"),
+    ("Ctrl+P", "command palette: every action by name"),
+    ("? or F1", "this help"),
+    ("q or Ctrl+Q", "quit (asks first while a run is going; finished results are always kept)"),
+]
+_KEY_NAMES = {"ctrl": "Ctrl", "shift": "Shift", "space": "Space", "escape": "Esc", "enter": "Enter",
+              "backspace": "Backspace"}
+
+
+def key_text(key: str) -> str:
+    """'ctrl+r' -> 'Ctrl+R', 'space' -> 'Space' (the way the help writes keys)."""
+    first = key.split(",")[0]
+    parts = [_KEY_NAMES.get(p, p.upper() if len(p) == 1 and "ctrl" in first else p) for p in first.split("+")]
+    return "+".join(parts)
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark,f1", "dismiss", "Close")]
+
+    def __init__(self, under: Screen | None = None):
+        super().__init__()
+        self.under = under
+
+    def compose(self) -> ComposeResult:
+        step = getattr(self.under, "STEP", "")
+        with Vertical(id="help", classes="modal"):
+            with VerticalScroll(id="help-text"):
+                yield Static(Text("Steps", style="bold"), classes="help-head")
+                yield Static(self._steps(step))
+                yield Static(Text("Keys everywhere", style="bold"), classes="help-head")
+                yield Static(self._table(GLOBAL_KEYS))
+                own = self._screen_keys()
+                if own:
+                    yield Static(Text(f"Keys on this screen ({step})" if step else "Keys on this screen",
+                                      style="bold"), classes="help-head")
+                    yield Static(self._table(own))
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#help").border_title = "mlight — help"
+        self.query_one("#help").border_subtitle = "Esc closes"
+
+    def _steps(self, current: str) -> Table:
+        table = Table.grid(padding=(0, 1), expand=True)
+        table.add_column(no_wrap=True, min_width=11)
+        table.add_column(ratio=1)
+        for i, name in enumerate(STEPS):
+            table.add_row(Text(f"{i + 1} {name}", style="bold reverse" if name == current else "bold"),
+                          STEP_LINES[name])
+        return table
+
+    @staticmethod
+    def _table(keys: list[tuple[str, str]]) -> Table:
+        table = Table.grid(padding=(0, 1), expand=True)
+        table.add_column(style="bold", no_wrap=True, min_width=12)
+        table.add_column(ratio=1)
+        for key, what in keys:
+            table.add_row(key, what)
+        return table
+
+    def _screen_keys(self) -> list[tuple[str, str]]:
+        if self.under is None:
+            return []
+        seen, out = {"ctrl+n", "escape"}, []
+        for b in getattr(self.under, "BINDINGS", []):
+            key, desc = (b.key, b.description) if isinstance(b, Binding) else (b[0], b[2] if len(b) > 2 else "")
+            if key in seen or not desc:
+                continue
+            seen.add(key)
+            out.append((key_text(key), desc))
+        return out

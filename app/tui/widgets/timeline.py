@@ -1,0 +1,171 @@
+"""A decode step drawn as the paper's CGOPipe figure: one lane per resource, one bar per task, coloured
+by the task's kind, on a time axis with units.
+
+Each lane is a row of character cells; a cell shows the task that covers most of its slice of time
+(consecutive tasks of a lane alternate between a full and a shaded block, so two bars of the same kind
+stay two bars). The right margin gives each lane's busy share of the time shown. `zoom` shows the
+whole step, or only its first layers, where the tasks of a big model are too many for the width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, NamedTuple
+
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+LANES = ("gpu", "cpu_attn", "h2d", "d2h")
+LANE_LABELS = {"gpu": "GPU compute", "cpu_attn": "CPU attention", "h2d": "H→D copies", "d2h": "D→H copies"}
+CPU_LANE_LABELS = {"gpu": "CPU compute", "cpu_attn": "CPU attention", "h2d": "copies in", "d2h": "copies out"}
+KIND_NAMES = {
+    "pre_attn": "pre-attention", "post_attn": "post-attention", "ffn": "experts", "gpu_attn": "GPU attention",
+    "prefill": "prefill", "cpu_attn": "CPU attention", "d1": "QKV out", "kv_store": "KV out", "d2": "attention in",
+    "weight_page": "weight pages", "kv_load": "KV in",
+}
+# distinct hues that read on dark and light backgrounds alike
+KIND_COLORS = {
+    "pre_attn": "#3498db", "post_attn": "#9b59b6", "ffn": "#e67e22", "gpu_attn": "#e74c3c", "prefill": "#e67e22",
+    "cpu_attn": "#27ae60", "d1": "#16a085", "kv_store": "#8e44ad", "d2": "#e84393", "weight_page": "#d4ac0d",
+    "kv_load": "#a04000",
+}
+ZOOMS = (None, 2, 1)  # layers shown: every layer, the first two, the first one
+LABEL_W = 14
+SHARE_W = 5
+
+
+class Span(NamedTuple):
+    resource: str
+    kind: str
+    layer: int
+    start: float  # seconds from the step's start
+    end: float
+
+
+def spans_of_simulation(timeline) -> list[Span]:
+    """A core.runtime.simulate.Timeline as spans."""
+    return [Span(s.task.resource, s.task.kind, s.task.layer, s.start, s.end) for s in timeline.spans]
+
+
+def time_unit(seconds: float) -> tuple[float, str]:
+    if seconds >= 1:
+        return 1.0, "s"
+    if seconds >= 1e-3:
+        return 1e3, "ms"
+    return 1e6, "µs"
+
+
+def nice_step(span: float, ticks: int) -> float:
+    """A 1-2-5 step that cuts `span` into about `ticks` parts."""
+    if span <= 0 or ticks < 1:
+        return 1.0
+    raw = span / ticks
+    base = 10 ** math.floor(math.log10(raw))
+    return next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
+
+
+def legend(kinds: Iterable[str]) -> Text:
+    """`■ name` for each kind, in its colour, each once."""
+    text = Text()
+    for k in dict.fromkeys(kinds):
+        text.append("■\u00a0", style=KIND_COLORS.get(k, ""))  # no-break: a name never wraps away from its colour
+        text.append(KIND_NAMES.get(k, k).replace(" ", "\u00a0") + "  ")
+    return text
+
+
+class Timeline(Widget):
+    """Lanes of one step: `show(spans, seconds, header)`; `lanes` picks which resources get a row."""
+
+    DEFAULT_CSS = """
+    Timeline { height: auto; }
+    Timeline > .timeline--idle { color: $foreground 30%; }
+    Timeline > .timeline--axis { color: $text-muted; }
+    """
+    COMPONENT_CLASSES = {"timeline--idle", "timeline--axis"}
+
+    zoom: reactive[int] = reactive(0)
+
+    def __init__(self, *, cpu_mode: bool = False, **kw):
+        super().__init__(**kw)
+        self.spans: list[Span] = []
+        self.seconds = 0.0
+        self.header: Text | str = ""
+        self.lanes: tuple[str, ...] = LANES
+        self.labels = CPU_LANE_LABELS if cpu_mode else LANE_LABELS
+
+    def show(self, spans: list[Span], seconds: float, header: Text | str, lanes: tuple[str, ...] | None = None) -> None:
+        self.spans, self.seconds, self.header = list(spans), seconds, header
+        if lanes is not None:
+            self.lanes = lanes
+        self.refresh(layout=True)
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return 2 + len(self.lanes)
+
+    def window(self) -> float:
+        """Seconds shown: the whole step, or up to the end of the first ZOOMS[zoom] layers."""
+        layers = ZOOMS[self.zoom % len(ZOOMS)]
+        ends = [s.end for s in self.spans if layers is None or 0 <= s.layer < layers]
+        return max(ends, default=0.0) or max(self.seconds, 1e-12)
+
+    def render(self) -> Text:
+        out = Text(no_wrap=True, overflow="crop")
+        out.append_text(self.header if isinstance(self.header, Text) else Text(self.header, style="bold"))
+        width = max(20, self.size.width or 80)
+        bar_w = width - LABEL_W - SHARE_W
+        idle = self.get_component_rich_style("timeline--idle")
+        if not self.spans:
+            for r in self.lanes:
+                out.append("\n" + f"{self.labels[r]:<{LABEL_W}}"[:LABEL_W], style="bold")
+                out.append("·" * bar_w, style=idle)
+            out.append("\n")
+            return out
+        window = self.window()
+        for r in self.lanes:
+            out.append("\n")
+            out.append_text(self._lane(r, window, bar_w, idle))
+        out.append("\n")
+        out.append_text(self._axis(window, bar_w))
+        return out
+
+    def _lane(self, resource: str, window: float, bar_w: int, idle) -> Text:
+        scale = bar_w / window
+        cover = [0.0] * bar_w
+        cell: list[tuple[str, int] | None] = [None] * bar_w
+        busy = 0.0
+        mine = sorted((s for s in self.spans if s.resource == resource), key=lambda s: s.start)
+        for n, s in enumerate(mine):
+            if s.start >= window:
+                break
+            end = min(s.end, window)
+            busy += end - s.start
+            a, b = s.start * scale, end * scale
+            for c in range(int(a), min(bar_w, max(int(a) + 1, math.ceil(b)))):
+                overlap = max(min(b, c + 1) - max(a, c), 1e-9)  # a task shorter than a cell still counts
+                if overlap > cover[c]:
+                    cover[c], cell[c] = overlap, (s.kind, n)
+        text = Text(f"{self.labels.get(resource, resource):<{LABEL_W}}"[:LABEL_W], style="bold")
+        for c in cell:
+            if c is None:
+                text.append("·", style=idle)
+            else:
+                text.append("█" if c[1] % 2 == 0 else "▓", style=KIND_COLORS.get(c[0], ""))
+        text.append(f"{min(1.0, busy / window):>{SHARE_W}.0%}")
+        return text
+
+    def _axis(self, window: float, bar_w: int) -> Text:
+        mult, unit = time_unit(window)
+        step = nice_step(window * mult, max(1, bar_w // 10))
+        line = [" "] * bar_w
+        k = 0
+        while k * step <= window * mult + 1e-9:
+            t = k * step
+            label = f"{t:.3g}"
+            pos = min(int(round(t / (window * mult) * (bar_w - 1))), bar_w - len(label))  # the last one ends flush
+            if all(ch == " " for ch in line[max(0, pos - 1):pos + len(label) + 1]):
+                line[pos:pos + len(label)] = label
+            k += 1
+        axis = Text(f"{'time (' + unit + ')':<{LABEL_W}}", style=self.get_component_rich_style("timeline--axis"))
+        axis.append("".join(line), style=self.get_component_rich_style("timeline--axis"))
+        return axis
