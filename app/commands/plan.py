@@ -32,7 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--pcie-gbps", type=float, metavar="X", help="override the host↔device link, GB/s each way")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
                    help="expert weights: none (the checkpoint's dtype), int8, int4, or auto (the least lossy "
-                        "format that fits the budget); the plan also shows the speed-up over none")
+                        "format that fits the budget); the plan also shows the speed-up over none (default: none)")
     p.add_argument("--group-size", type=int, choices=INT4_GROUPS, default=None, metavar="G",
                    help=f"int4: weights per scale, one of {', '.join(map(str, INT4_GROUPS))} (default {DEFAULT_INT4_GROUP})")
     p.add_argument("--gpus", type=int, metavar="K",
