@@ -70,7 +70,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="discard an unfinished run (or an existing OUT) for this output and start over")
     p.add_argument("--tensor-parallel", type=_positive, default=1, metavar="K",
                    help="split the model over K ranks (one per GPU; gloo on the CPU). Alone it starts K local "
-                        "ranks; under torchrun, K consecutive ranks share a model and the groups split the prompts")
+                        "ranks; under torchrun, K consecutive ranks share a model and the groups split the prompts (default: 1)")
     p.add_argument("--ray", metavar="ADDRESS",
                    help="run over a Ray cluster with Ray Data ('auto', or the cluster's address); needs mlight[ray]")
     p.add_argument("--ray-actors", type=_positive, default=None, metavar="N",

@@ -179,9 +179,9 @@ class Backend:
         if machine is not None:
             room = machine.gpu_free + machine.cpu_available
             fits = spec.total_bytes <= room
-            text = (f"fits: {_size(spec.total_bytes)} of weights, {_size(room)} of free GPU + CPU memory" if fits
-                    else f"does not fit: {_size(spec.total_bytes)} of weights, only {_size(room)} of free "
-                         "GPU + CPU memory")
+            where = "CPU memory" if machine.cpu_mode else "GPU + CPU memory"
+            text = (f"fits: {_size(spec.total_bytes)} of weights, {_size(room)} of free {where}" if fits
+                    else f"does not fit: {_size(spec.total_bytes)} of weights, only {_size(room)} of free {where}")
         return ModelView(Path(path), name, source, spec, disk, fits, text)
 
     @staticmethod

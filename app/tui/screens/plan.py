@@ -135,7 +135,7 @@ class PlanScreen(StepScreen):
             for key, label in CPU_MODE_LABELS.items():
                 self.query_one(f"#res-{key}", LabelBar).label = label
             self.query_one("#layer").border_title = "Decode layer: CPU time"
-        self.query_one("#out", PathInput).value = str(self.session.chosen_out())
+        self._show_out(str(self.session.chosen_out()))
         if self.session.plan is not None:
             self.fill(self.session.plan)
         else:
@@ -192,7 +192,7 @@ class PlanScreen(StepScreen):
         self.session.plan = msg.plan
         out = self.query_one("#out", PathInput)
         if self.session.out_auto and out.value != str(self.session.default_out()):
-            out.value = str(self.session.default_out())  # reached from the command line: prompts now known
+            self._show_out(str(self.session.default_out()))  # reached from the command line: prompts now known
         self.fill(msg.plan)
 
     def worker_failed(self, worker, error) -> None:
@@ -318,6 +318,11 @@ class PlanScreen(StepScreen):
         if msg.plan.prediction is not None and not msg.problems:
             self.session.plan = msg.plan
         self.show(msg.plan)
+
+    def _show_out(self, path: str) -> None:
+        out = self.query_one("#out", PathInput)
+        out.value = path
+        out.cursor_position = len(path)  # a long path shows its end: the file's name
 
     @on(PathInput.Changed, "#out")
     def out_changed(self) -> None:
