@@ -157,3 +157,51 @@ def test_the_earliest_of_several_stop_strings_cuts_the_output(engine):
     # a stop string that only the later text contains lets the earlier text through
     (late,) = engine.generate([Request(id="s", prompt=prompt, max_new_tokens=16, stop=(b,))])
     assert late.output == text[:text.find(b)]
+
+
+def test_requests_refuse_nonsense_at_the_boundaries():
+    from core.errors import UsageError
+
+    ok = [dict(prompt="x"), dict(messages=[{"role": "user", "content": "x"}]), dict(prompt="x", max_new_tokens=1),
+          dict(prompt="x", temperature=0.0, top_p=1.0, top_k=0), dict(prompt="x", top_p=1e-6)]
+    for kw in ok:
+        Request(id="r", **kw)
+    bad = [dict(), dict(prompt="x", messages=[{"role": "user", "content": "x"}]), dict(prompt="x", max_new_tokens=0),
+           dict(prompt="x", temperature=-0.1), dict(prompt="x", top_p=0.0), dict(prompt="x", top_p=1.01),
+           dict(prompt="x", top_k=-1)]
+    for kw in bad:
+        with pytest.raises(UsageError):
+            Request(id="r", **kw)
+
+
+def test_prompts_at_the_context_edge(engine, monkeypatch):
+    """A prompt one token short of the context runs and stops at the context ("length"); a prompt that
+    fills it, or an empty one, is refused before anything runs."""
+    from core.errors import UsageError
+
+    monkeypatch.setattr(engine, "context_length", 12)
+    (r,) = engine.generate([Request(id="edge", prompt=words(11), max_new_tokens=5)])
+    assert (r.output_tokens, r.finish_reason, r.prompt_tokens) == (1, "length", 11)
+    (r,) = engine.generate([Request(id="room", prompt=words(8), max_new_tokens=5)])
+    assert (r.output_tokens, r.finish_reason) == (4, "length")
+    for prompt in (words(12), ""):
+        with pytest.raises(UsageError):
+            list(engine.generate([Request(id="ok", prompt=words(2)), Request(id="bad", prompt=prompt)]))
+
+
+def test_slot_table_splits_an_uneven_batch_and_refuses_empty_shapes():
+    from core.runtime.batching import SlotTable
+
+    t = SlotTable(slots=5, micro_batch_size=2)
+    slots = [t.place(f"r{i}", n) for i, n in enumerate([50, 40, 30, 20, 10])]
+    assert sorted(slots) == [0, 1, 2, 3, 4] and t.free_slots() == 0
+    assert [t.micro_batch_of(s) for s in range(5)] == [0, 0, 1, 1, 2]
+    assert t.tokens == [50 + 10, 40 + 20, 30]  # 20 into the lighter of the two with room, 10 where room is left
+    with pytest.raises(RuntimeError):
+        t.place("extra", 1)
+    t.release(slots[4], 10)
+    assert t.free_slots() == 1 and t.place("again", 7) == slots[4]
+    assert SlotTable(slots=1, micro_batch_size=4).micro_batch_size == 1
+    for bad in ((0, 1), (1, 0), (-1, 2), (2, -1)):
+        with pytest.raises(ValueError):
+            SlotTable(*bad)

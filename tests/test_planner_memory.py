@@ -121,3 +121,47 @@ def test_the_planned_kv_cache_is_what_the_engine_allocates(checkpoint_factory, m
     g1 = predict(dataclasses.replace(p, gpu_kv_fraction=1.0), engine.spec, HW, work).gpu_bytes
     assert caches == [4 * (19 + 3) * engine.spec.kv_bytes_per_token]
     assert g1 - g0 == pytest.approx(caches[0], abs=2)
+
+
+def test_activations_and_host_buffers_count_what_the_planner_documents():
+    """The estimate beyond weights and KV, by hand for BASE (N 16, μ 4, expert batch 8; longest prompt
+    200, 28 new tokens): prefill holds μ whole prompts at the longest length (hidden ×3, QKV, k experts'
+    SwiGLU rows); decode holds N hidden states ×2, one micro-batch's QKV ×2 and one expert batch's
+    intermediates; plus a micro-batch's fp32 logits. The CPU keeps two pinned pages in flight, every
+    request's QKV and attention output, and one micro-batch's fp32 attention scores."""
+    D, qkv, q, k, I, V, H, N, mu, beta = 64, 64 + 2 * 16, 64, 2, 128, 1000, 8, 16, 4, 8
+    prefill = mu * 200 * (3 * D + qkv + k * 3 * I) * 2  # 1_689_600
+    decode = (2 * N * D + 2 * mu * qkv + beta * k * (3 * I + D)) * 2  # 19_968
+    acts = max(prefill, decode) + mu * V * 4
+    assert acts == 1_705_600
+    g, c = mem(BASE)
+    assert g == NON_EXPERT + 2 * LAYER_EXPERTS + acts
+    scores = mu * H * (200 + 28) * 4
+    staging = 2 * LAYER_EXPERTS // 4  # 4 pages a layer, two in flight
+    assert c == EXPERTS + 16 * (200 + 28) * KV_TOKEN + staging + N * (qkv + q) * 2 + scores
+    # CPU-only: everything in CPU memory, the attention scores with the activations
+    g, c = mem(Policy(batch_size=16, micro_batch_size=4, expert_batch_size=8, attention_on="cpu", ffn_on="cpu"))
+    assert g == 0 and c == NON_EXPERT + EXPERTS + 16 * (200 + 28) * KV_TOKEN + acts + scores
+
+
+def test_a_policy_that_needs_exactly_the_usable_bytes_fits_and_one_byte_more_does_not():
+    g, c = mem(BASE)
+    fits = next(b for b in range(int(g / 0.86) - 3, int(g / 0.86) + 4) if int(b * 0.86) == g)
+    assert validate(BASE, SPEC, HW, WORK, Budget(gpu_bytes=fits, cpu_bytes=10**12)) == []
+    (over,) = validate(BASE, SPEC, HW, WORK, Budget(gpu_bytes=fits - 2, cpu_bytes=10**12))
+    assert over.where == "gpu" and over.needed == g and over.over == g - int((fits - 2) * 0.86) > 0
+    cpu_fits = next(b for b in range(int(c / 0.8) - 3, int(c / 0.8) + 4) if int(b * 0.8) == c)
+    assert validate(BASE, SPEC, HW, WORK, Budget(gpu_bytes=10**12, cpu_bytes=cpu_fits)) == []
+    (over,) = validate(BASE, SPEC, HW, WORK, Budget(gpu_bytes=10**12, cpu_bytes=cpu_fits - 2))
+    assert over.where == "cpu" and over.needed == c
+
+
+def test_budgets_and_workloads_refuse_nonsense_at_the_boundaries():
+    from core.errors import UsageError
+
+    Budget(gpu_bytes=0, cpu_bytes=1)  # a machine without a GPU
+    Workload(prompt_len=1, gen_len=1, max_prompt_len=1, num_requests=1)
+    for bad in (lambda: Budget(-1, 1), lambda: Budget(0, 0), lambda: Workload(0, 1), lambda: Workload(1, 0),
+                lambda: Workload(5, 1, max_prompt_len=4), lambda: Workload(1, 1, num_requests=0)):
+        with pytest.raises(UsageError):
+            bad()
