@@ -72,7 +72,8 @@ SCOPES = {
                        "tests/test_cli_run.py", "tests/test_errors.py")),
     "planner-memory": Scope("core.plan.planner", (
         "x_memory_use", "x_validate", "x__memory_lin", "x__rw_interval", "xǁBudgetǁ*", "xǁWorkloadǁ*",
-        "xǁOverrunǁ*"), ("tests/test_plan.py", "tests/test_planner_memory.py")),
+        "xǁOverrunǁ*"), ("tests/test_plan.py", "tests/test_planner_memory.py"),
+        skip=("tests/test_plan.py::test_plan_time_for_mixtral_on_t4_is_under_half_a_second",)),  # traced: slower
 }
 
 # Lines whose mutants are message wording, not behaviour (see the module docstring).
@@ -166,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         write_config(work, scopes)
         globs = [g for s in scopes for g in s.globs()]
         print(f"mutmut {MUTMUT} on {', '.join(names)} in {work} ...", flush=True)
-        run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children), *globs], work,
-            log=work / "mutmut-run.log")
+        out = run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children), *globs], work,
+                  log=work / "mutmut-run.log")
+        if "failed to collect stats" in out or "Failed to run clean test" in out:
+            print("mutmut could not run the tests unmutated (a failing or time-bound test?); its log ends:")
+            print("\n".join((work / "mutmut-run.log").read_text(encoding="utf-8").replace("\r", "\n").splitlines()[-30:]))
         status = results(work)
         report(work, names, status)
     finally:
