@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import random
 import re
 import shutil
 import subprocess
@@ -73,7 +74,9 @@ SCOPES = {
     "planner-memory": Scope("core.plan.planner", (
         "x_memory_use", "x_validate", "x__memory_lin", "x__rw_interval", "xǁBudgetǁ*", "xǁWorkloadǁ*",
         "xǁOverrunǁ*"), ("tests/test_plan.py", "tests/test_planner_memory.py"),
-        skip=("tests/test_plan.py::test_plan_time_for_mixtral_on_t4_is_under_half_a_second",)),  # traced: slower
+        # time-bound under tracing, and dependent on this machine's free memory
+        skip=("tests/test_plan.py::test_plan_time_for_mixtral_on_t4_is_under_half_a_second",
+              "tests/test_plan.py::test_detected_machine_plans_without_error")),
 }
 
 # Lines whose mutants are message wording, not behaviour (see the module docstring).
@@ -135,6 +138,10 @@ def diff_lines(cwd: Path, name: str) -> list[str]:
     return [x for x in out.splitlines() if x[:1] in "+-" and not x.startswith(("+++", "---"))]
 
 
+def in_scope(name: str, s: Scope) -> bool:
+    return any(fnmatch.fnmatch(name, g + "__mutmut_*") for g in s.globs())
+
+
 def equivalent(scope: str, diff: list[str]) -> str | None:
     added = "\n".join(x for x in diff if x.startswith("+"))
     for s, text, why in EQUIVALENT:
@@ -148,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("scopes", nargs="*", metavar="SCOPE", help=f"some of {', '.join(SCOPES)} (default: all)")
     ap.add_argument("--max-children", type=int, default=2, help="parallel mutant runs (default 2)")
     ap.add_argument("--keep", type=Path, help="copy into this folder and keep it (default: a temporary one)")
+    ap.add_argument("--sample", type=int, metavar="N", help="run a fixed random sample of N mutants per scope")
+    ap.add_argument("--report", type=Path, metavar="DIR", help="only report on a kept copy (also while it runs)")
     args = ap.parse_args(argv)
     try:
         import mutmut  # noqa: F401
@@ -158,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SCOPES]
     if unknown:
         ap.error(f"unknown scope {', '.join(unknown)}; choose from {', '.join(SCOPES)}")
+    if args.report:
+        report(args.report, names, results(args.report))
+        return 0
     scopes = [SCOPES[n] for n in names]
     work = args.keep or Path(tempfile.mkdtemp(prefix="mlight-mutation-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -166,6 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         copy_tree(work)
         write_config(work, scopes)
         globs = [g for s in scopes for g in s.globs()]
+        if args.sample:
+            # generate the mutants and collect the test mapping (mutmut then refuses the empty filter) ...
+            run([sys.executable, "-m", "mutmut", "run", "--max-children", "1", "no-such-mutant"], work)
+            # ... and run a fixed sample of each scope's mutants (a survival-rate estimate, not a census)
+            rng, picked = random.Random(17), []
+            for s in scopes:
+                mine = sorted(k for k in results(work) if in_scope(k, s))
+                picked += rng.sample(mine, min(args.sample, len(mine)))
+            globs = sorted(picked)
         print(f"mutmut {MUTMUT} on {', '.join(names)} in {work} ...", flush=True)
         out = run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children), *globs], work,
                   log=work / "mutmut-run.log")
@@ -186,7 +207,7 @@ def report(work: Path, names: list[str], status: dict[str, str]) -> None:
     rows = []
     for n in names:
         s = SCOPES[n]
-        mine = {k: v for k, v in status.items() if any(fnmatch.fnmatch(k, g + "__mutmut_*") for g in s.globs())}
+        mine = {k: v for k, v in status.items() if in_scope(k, s)}
         counted = {k: v for k, v in mine.items() if v not in ("not checked", "skipped")}
         alive = sorted(k for k, v in counted.items() if v in ("survived", "no tests", "suspicious"))
         print(f"\n== {n}: {s.path}: {len(counted)} mutants, {len(counted) - len(alive)} killed, {len(alive)} alive")

@@ -67,3 +67,30 @@ def test_every_task_runs_once_after_what_it_reads(name, attention_on, ffn_on, L,
                 page = at[("weight_page", i, p)]
                 if i > 0 or page < first_use:  # layer 0's later pages prefetch the next step
                     before(("weight_page", i, p), ("ffn", i, j0))
+
+
+@pytest.mark.parametrize("ffn_on,streamed", [("gpu", True), ("gpu", False), ("cpu", True)])
+@pytest.mark.parametrize("L,n,pages", [(1, 1, 1), (3, 2, 2), (4, 3, 5)])
+def test_prefill_runs_each_layer_of_each_micro_batch_once_after_its_inputs(ffn_on, streamed, L, n, pages):
+    tasks = schedule.prefill(num_layers=L, num_micro_batches=n, pages_per_layer=pages, ffn_on=ffn_on,
+                             streamed=streamed)
+    at = {(t.kind, t.layer, t.page if t.kind == "weight_page" else t.micro_batch): t.id for t in tasks}
+    assert len(at) == len(tasks)  # nothing twice
+    cells = set(itertools.product(range(L), range(n)))
+    assert {(i, j) for (k, i, j) in at if k == "prefill"} == cells
+    stores = {(i, j) for (k, i, j) in at if k == "kv_store"}
+    loads = {(i, p) for (k, i, p) in at if k == "weight_page"}
+    if ffn_on == "cpu":  # one chain on the CPU: the cache is written in place, nothing is copied
+        assert not stores and not loads
+        assert all(prev.id in t.deps for prev, t in zip(tasks, tasks[1:]))
+        return
+    assert stores == cells
+    assert loads == (set(itertools.product(range(L), range(pages))) if streamed else set())
+    anc = ancestors(tasks)
+    for i, j in cells:
+        here = at[("prefill", i, j)]
+        assert anc[at[("kv_store", i, j)]] >> here & 1
+        if i > 0:
+            assert anc[here] >> at[("prefill", i - 1, j)] & 1
+        for p in range(pages if streamed else 0):
+            assert anc[here] >> at[("weight_page", i, p)] & 1
