@@ -3,6 +3,9 @@
     pip install mutmut==3.8.1          # once, into the project's venv (not a test dependency)
     python tests/mutation.py           # every scope below; ~30-60 min on 2 busy cores
     python tests/mutation.py sampling batching --max-children 2
+    python tests/mutation.py schedule --sample 100   # a fixed random sample: an estimate, sooner
+    python tests/mutation.py engine --keep /tmp/m    # keep the copy; meanwhile, from another shell:
+    python tests/mutation.py engine --report /tmp/m  # the report so far
 
 Each scope names a module, the functions of it that are mutated (mutmut's names: `x_<function>`,
 `xǁ<Class>ǁ<method>`) and the test files that may kill them (mutmut runs, for each mutant, only
@@ -67,7 +70,8 @@ SCOPES = {
         + tuple(f"tests/test_pipeline.py::test_threaded_matches_sequential_for_every_family[{f}]"
                 for f in ("dbrx", "qwen3_moe", "olmoe"))),
     "schedule": Scope("core.runtime.schedule", ("x_*", "xǁTaskǁ*", "xǁ_Graphǁ*"),
-                      ("tests/test_schedule.py", "tests/test_schedule_buffers.py", "tests/test_simulate.py")),
+                      ("tests/test_schedule.py", "tests/test_schedule_buffers.py", "tests/test_schedule_dataflow.py",
+                       "tests/test_simulate.py")),
     "runstore": Scope("core.io.runstore", ("x_*", "xǁRunStoreǁ*"),
                       ("tests/test_resume.py", "tests/test_runstore_durability.py", "tests/test_tui_backend.py",
                        "tests/test_cli_run.py", "tests/test_errors.py")),
@@ -90,6 +94,10 @@ EQUIVALENT = [
     ("sampling", "top_p <= 1.0", "top_p == 1 keeps a nucleus of all tokens: the same distribution"),
     ("sampling", "top_p < 2.0", "top_p <= 1 (Request checks it): as `top_p <= 1.0`"),
     ("sampling", "- sorted_p > top_p", "differs only when a cumulative sum equals top_p exactly in float32"),
+    ("schedule", "key=None)", "a weight page's default key is the same (kind, layer, page)"),
+    ("schedule", "if (i >= 0 or serial)", "layer 0's pages are not in the graph yet when layer 0 is built (they prefetch "
+     "the next step), so its weight list stays empty"),
+    ("runstore", "if end <= len(data):", "cutting a run file at its own length changes nothing (one more fsync)"),
 ]
 
 
