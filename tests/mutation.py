@@ -95,6 +95,11 @@ EQUIVALENT = [
     ("sampling", "top_p < 2.0", "top_p <= 1 (Request checks it): as `top_p <= 1.0`"),
     ("sampling", "- sorted_p > top_p", "differs only when a cumulative sum equals top_p exactly in float32"),
     ("schedule", "key=None)", "a weight page's default key is the same (kind, layer, page)"),
+    ("schedule", "deps=_buffer_free(G, i, n, g), )", "a weight page's default key is the same (kind, layer, page)"),
+    ("schedule", 'key=("XXweight_pageXX", nxt, p))', "attention on the GPU: the pages' only readers follow them "
+     "on the in-order copy queue (see the `if t is None` mutant)"),
+    ("schedule", "for k in range(j + 1 - g, j - 1)])", "S3/S4: a group's post-attentions precede its FFN on the "
+     "same in-order GPU queue"),
     ("schedule", "if (i >= 0 or serial)", "layer 0's pages are not in the graph yet when layer 0 is built (they prefetch "
      "the next step), so its weight list stays empty"),
     ("schedule", 'if G.has("XXweight_pageXX", i, p)]', "S4: each D2 of the layer follows its pages on the same "
