@@ -347,7 +347,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     return ModelWeights(spec, layers, globals_, dtype, pinned)
 
 
-_QUANT_ROWS = 1024  # rows quantized at a time: bounds the float32 temporaries to a few MB per matrix
+_QUANT_ROWS = 256  # rows quantized at a time: bounds the float32 temporaries to about a MB per matrix
 
 
 def _quantize_layer(src: LayerWeights, dst: LayerWeights) -> None:
