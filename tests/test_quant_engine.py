@@ -119,9 +119,10 @@ def test_peak_rss_while_quantizing_is_the_quantized_model_plus_one_bf16_layer(tm
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    # + 8 MB: the allocator's and the checkpoint window's fixed overhead, which only a model this small
-    # notices (bench/quant_cache.py measures the bound itself on an 800 MB checkpoint)
-    bound = 1.1 * r["model"] + r["layer"] + 8e6
+    # + 16 MB: the allocator's and the checkpoint window's fixed overhead (it varies by a few MB run to run with
+    # the threads' malloc arenas), which only a model this small notices; bench/quant_cache.py measures the
+    # bound itself on an 800 MB checkpoint
+    bound = 1.1 * r["model"] + r["layer"] + 16e6
     assert r["grown"] <= bound, f"peak RSS grew {r['grown'] / 1e6:.0f} MB, bound {bound / 1e6:.0f} MB ({r})"
     print(f"peak RSS growth {r['grown'] / 1e6:.1f} MB = {r['grown'] / bound:.2f} x (1.1 x {r['model'] / 1e6:.1f} MB "
           f"+ {r['layer'] / 1e6:.1f} MB)")
