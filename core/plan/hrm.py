@@ -24,10 +24,11 @@ DERATE = {"gpu_flops": 0.5, "gpu_bw": 0.77, "h2d_bw": 0.77, "d2h_bw": 0.77, "cpu
 
 # Fixed cost of launching one task, seconds: a CUDA kernel, a copy, a CPU attention call on a thread pool.
 GPU_LAUNCH = 10e-6
-# Share of the CPU's matmul rate that torch's weight-only kernels reach on quantized experts: they
-# expand each weight in registers, so once enough tokens share an expert they are compute-bound well
-# below a bf16 GEMM (bench/quant_cpu.py; to be replaced by probed per-format rates).
-CPU_KERNEL_FLOPS = {"int8": 0.25, "int4": 0.25}
+# Share of the CPU's matmul rate that torch's weight-only kernels reach on quantized experts once
+# several tokens share an expert (they expand each weight in registers): ≈ 170 GFLOP/s a Zen 5 core at
+# 16-64 rows for int4 and int8 against ≈ 380 for oneDNN's bf16 GEMM (bench/quant_cpu.py, RESULTS.md).
+# To be replaced by the probe's per-format rates.
+CPU_KERNEL_FLOPS = {"int8": 0.45, "int4": 0.45}
 COPY_LAUNCH = 10e-6
 CPU_LAUNCH = 30e-6
 # One all-reduce between tensor-parallel ranks: a fixed cost (NCCL between GPUs on PCIe, gloo between
