@@ -112,8 +112,8 @@ def test_peak_rss_while_quantizing_is_the_quantized_model_plus_one_bf16_layer(tm
 
     from test_weights import ROOT
 
-    path = make_checkpoint("mixtral", tmp_path / "big", hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                           num_local_experts=8, num_attention_heads=8, num_key_value_heads=2)
+    path = make_checkpoint("mixtral", tmp_path / "big", dtype=torch.bfloat16, hidden_size=512, intermediate_size=1024,
+                           num_hidden_layers=3, num_local_experts=8, num_attention_heads=8, num_key_value_heads=2)
     out = subprocess.run([sys.executable, "-c", RSS_PROBE.format(root=str(ROOT), path=str(path),
                                                                  cache=str(tmp_path / "cache"))],
                          capture_output=True, text=True, timeout=300)

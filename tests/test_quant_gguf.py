@@ -62,7 +62,8 @@ def files(tmp_path_factory):
         # Mixtral (GGUF "llama"): gate and up of different types stay apart (w1, w3); q/k rows permuted
         "mixtral": write_gguf("mixtral", mix, root / "mix" / "tiny-mixtral.gguf",
                               lambda n: next((k for p, k in mix_kinds.items() if p in n), "Q8_0")),
-        "split": write_gguf("qwen3_moe", qwen, root / "split" / "tiny.gguf", "Q8_0", split_max_tensors=20),
+        "split": write_gguf("mixtral", mix, root / "split" / "tiny.gguf",
+                            lambda n: "F32" if "norm" in n or "inp" in n else "Q8_0", split_max_tensors=10),
     }
 
 
@@ -169,10 +170,10 @@ def test_run_and_plan_take_a_gguf_file(files, tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\nwhat is up\n")
     out = tmp_path / "o.jsonl"
-    assert main(["run", "--model", str(files["q4_k_m"]), "--prompts", str(prompts), "--out", str(out),
+    assert main(["run", "--model", str(files["mixtral"]), "--prompts", str(prompts), "--out", str(out),
                  "--max-new-tokens", "3", "--dtype", "float32"]) == 0
     assert len(out.read_text().splitlines()) == 2
-    assert main(["run", "--model", str(files["q4_k_m"]), "--prompts", str(prompts), "--out", str(tmp_path / "q.jsonl"),
+    assert main(["run", "--model", str(files["mixtral"]), "--prompts", str(prompts), "--out", str(tmp_path / "q.jsonl"),
                  "--quantize", "int4"]) == 2
     assert "is a GGUF file" in capsys.readouterr().err
     assert main(["plan", "--model", str(files["q4_k_m"]), "--hardware", "t4", "--prompt-len", "77", "--gen-len", "128",

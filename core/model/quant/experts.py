@@ -81,6 +81,7 @@ class QuantExperts:
         self.scratch = {} if scratch is None else scratch  # shared by the layers of a model: one expert's worth
         self.packed: dict[str, list] | None = None  # per matrix, per expert: the CPU kernel's layout
         self.kernel_rows = KERNEL_ROWS
+        self._key = {m.name: f"{m.name}.{m.fmt.parts(m.n, m.k)[0].suffix}" for m in scheme.matrices}
 
     def __len__(self) -> int:
         return self.num_experts
@@ -107,14 +108,13 @@ class QuantExperts:
         return self._linear(self.scheme.down, e, h)
 
     def _linear(self, m: Matrix, e: int, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and (x.shape[0] <= self.kernel_rows or f"{m.name}.{m.fmt.parts(m.n, m.k)[0].suffix}"
-                                        not in self.parts):
+        if self.packed is not None and (x.shape[0] <= self.kernel_rows or self._key[m.name] not in self.parts):
             return _kernel_linear(m.fmt, x, self.packed[m.name][e])
         return F.linear(x, self.expand(m, e))
 
     def expand(self, m: Matrix, e: int) -> torch.Tensor:
         """Expert e's matrix m in the compute dtype, in a scratch buffer reused by every layer."""
-        key = (m.n, m.k, self.dtype, self.parts[f"{m.name}.{m.fmt.parts(m.n, m.k)[0].suffix}"].device)
+        key = (m.n, m.k, self.dtype, self._device)
         buf = self.scratch.get(key)
         if buf is None:
             buf = self.scratch[key] = torch.empty((m.n, m.k), dtype=self.dtype, device=key[3])
