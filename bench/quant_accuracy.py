@@ -102,7 +102,7 @@ def layer_errors(model_dir: Path, seqs, formats) -> dict:
     for i, layer in enumerate(hf.model.layers):
         h = torch.cat(inputs[i])
         w13, w2 = layer.mlp.experts.gate_up_proj.data, layer.mlp.experts.down_proj.data
-        rw, ridx = route(spec, h, layer.mlp.gate.weight.data)
+        rw, ridx = route(spec, h, {"router": layer.mlp.gate.weight.data})
         want = experts(h.float(), w13.float(), w2.float(), rw.float(), ridx, grouped=False).double()
         row = {}
         for name, group in formats:
