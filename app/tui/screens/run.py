@@ -212,6 +212,8 @@ class RunScreen(StepScreen):
         self._zoom = (self._zoom + 1) % len(ZOOMS)
         for tl in self.query(Timeline):
             tl.zoom = self._zoom
+        shown = "" if ZOOMS[self._zoom] is None else f"{ZOOM_WORDS[ZOOMS[self._zoom]]} shown · "
+        self.query_one("#pipeline").border_subtitle = f"{shown}z zoom · t jump here and back"
         self._draw_pipeline(self._latest)
         self.status(f"Timelines: {ZOOM_WORDS[ZOOMS[self._zoom]]} (z for more).")
 
@@ -330,13 +332,13 @@ class RunScreen(StepScreen):
         else:
             head = Text("Measured", style="bold")
             head.append(" · waiting for the first decode step", style="dim")
-        measured.show(m_spans, step.seconds if step is not None else 0.0, head, lanes)
         sim_head = Text("Planner's simulation", style="bold")
         if self._simulated:
             n = self.session.plan.policy.batch_size if self.session.plan is not None else 0
             sim_head.append(f" · {_time(self._simulated_s)} · {n} requests")
         else:
             sim_head.append(" · not available", style="dim")
+        measured.show(m_spans, step.seconds if step is not None else 0.0, head, lanes)
         simulated.show(self._simulated, self._simulated_s, sim_head, lanes)
         kinds = [s.kind for s in m_spans] + [s.kind for s in self._simulated]
         order = {k: i for i, k in enumerate(_KIND_ORDER)}
