@@ -13,13 +13,13 @@ for size in "${SIZES[@]}"; do
   cols=${size%x*}; rows=${size#*x}
   out="$ROOT/assets/screens/$size"; mkdir -p "$out"; rm -f "$out"/*.txt
   work=$(mktemp -d)
-  # 48 MT-Bench first turns, 64 new tokens each: a run long enough to pause and stop by hand
+  # 32 MT-Bench first turns, 32 new tokens each: a run long enough to pause and stop by hand
   python - "$work/mt_bench.jsonl" <<'PY'
 import json, sys
 with open("core/assets/mt_bench_questions.jsonl", encoding="utf-8") as f, open(sys.argv[1], "w", encoding="utf-8") as out:
-    for line in list(f)[:48]:
+    for line in list(f)[:32]:
         q = json.loads(line)
-        out.write(json.dumps({"id": f"mtbench-{q['question_id']}", "prompt": q["turns"][0], "max_new_tokens": 64}) + "\n")
+        out.write(json.dumps({"id": f"mtbench-{q['question_id']}", "prompt": q["turns"][0], "max_new_tokens": 32}) + "\n")
 PY
   s="mlight-shots-$size"
   tmux kill-session -t "$s" 2>/dev/null || true
@@ -48,16 +48,16 @@ PY
   keys C-o; sleep 1; shot 05-prompts-browse; keys Escape; sleep 0.5
   keys C-n; until_shows "accepts the plan"; shot 06-plan
   keys F1; until_shows "Keys everywhere"; shot 07-help; keys Escape; sleep 0.5
-  keys C-n; until_shows "tokens/s now";   until_matches "Requests +[1-9]" 120; sleep 1; shot 08-run-running
+  keys C-n; until_shows "tokens/s now";   until_matches "Requests +[1-9]" 600; sleep 1; shot 08-run-running
   keys q; until_shows "Quit now?"; shot 09-run-quit-asks; keys n; sleep 0.5
   keys Space; until_shows "Paused"; shot 10-run-paused
-  keys s; until_shows "r resumes" 120; shot 11-run-stopped
-  keys r; until_shows "Done:" 300; shot 12-run-done
+  keys s; until_shows "r resumes" 300; shot 11-run-stopped
+  keys r; until_shows "Done:" 1200; shot 12-run-done
   keys t; sleep 1; shot 13-run-pipeline; keys z z; sleep 1; shot 14-run-pipeline-zoomed; keys t
   keys C-n; until_shows "results, "; shot 15-results
   keys Enter; until_shows "Output"; shot 16-result-detail
   keys Escape; sleep 0.5; keys c; until_shows "Enter writes"; shot 17-export
-  keys Enter; until_shows "Wrote 48 results"; shot 18-exported
+  keys Enter; until_shows "Wrote 32 results"; shot 18-exported
   keys C-p; sleep 1; shot 19-command-palette; keys Escape
   keys C-q; sleep 1
   tmux kill-session -t "$s" 2>/dev/null || true
