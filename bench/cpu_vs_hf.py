@@ -18,8 +18,17 @@ prompts are MT-Bench first turns concatenated to an MT-Bench-like length spread 
 EOS and PAD rows of the lm_head are zeroed, so greedy decoding never stops early: both systems
 generate exactly the requested tokens, and tokens are counted from the outputs (never assumed).
 
+5. measures batch-1 decode (one request, `--single-tokens` new tokens) for both: decode tokens/s
+   and the bound from reading the active weights at the measured bandwidth.
+
+transformers runs in its best dtype for the machine (`--hf-dtype auto`: bf16 where the CPU has native
+bf16 matmuls, fp32 on an AVX2 CPU, where torch's bf16 matmul is 10-100x slower). Threads default to the
+cores other work leaves free (both systems get the same count); `--clock cpu` times by this process's
+CPU seconds instead of the wall (with one thread on a shared machine: what a quiet machine would show).
+
     python bench/cpu_vs_hf.py                      # the issue's workload (about 10 minutes on 2 cores)
     python bench/cpu_vs_hf.py --quick              # tiny smoke run (< 1 minute)
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_vs_hf.py   # as on an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -53,7 +62,15 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny model and workload, a smoke run under a minute")
     p.add_argument("--batch", type=int, default=None, help="our engine's batch size (default 64; 8 with --quick)")
     p.add_argument("--micro-batch", type=int, default=None, help="our micro-batch size (default: the batch)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for both systems (default: the cores other work leaves free)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: time by this process's CPU seconds (with --threads 1 on a shared machine)")
+    p.add_argument("--hf-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="transformers' dtype (auto: bf16 where the CPU runs it natively, else fp32)")
+    p.add_argument("--single-tokens", type=int, default=None,
+                   help="new tokens of the batch-1 decode measurement (default 64; 16 with --quick; 0 skips it)")
+    p.add_argument("--skip-batch", action="store_true", help="skip the batched workload (batch-1 only)")
     p.add_argument("--workdir", type=Path, default=None, help="where to build the model (default: a temp dir)")
     p.add_argument("--max-new-tokens", default=None, help="comma list the requests cycle through (default 32,64,96,128)")
     p.add_argument("--hf-impls", default=None, help="experts_implementation values to try (default eager,grouped_mm; batched_mm gathers a weight "
@@ -74,6 +91,7 @@ def parse_args(argv=None):
     a.hf_impls = (a.hf_impls or "eager,grouped_mm").split(",")
     a.hf_batches = [int(x) for x in (a.hf_batches or ("4,8" if q else "16,32,64")).split(",")]
     a.hf_probe = a.hf_probe or (8 if q else 32)
+    a.single_tokens = (16 if q else 64) if a.single_tokens is None else a.single_tokens
     if q:
         a.hf_probe_tokens = min(a.hf_probe_tokens, 8)
     return a
@@ -121,20 +139,23 @@ class _Recorder:
             self.events.append((ev.kind, ev.tokens, ev.seconds))
 
 
-def run_ours(model_dir: Path, requests, batch: int, micro: int):
+def run_ours(model_dir: Path, requests, batch: int, micro: int, threads: int):
     from core.runtime.engine import Engine, Request
 
+    from core.runtime.calibrate import StepClock
+
     t = time.perf_counter()
-    engine = Engine.load(model_dir)
+    engine = Engine.load(model_dir, threads=threads)
     load_s = time.perf_counter() - t
     list(engine.generate([Request("w0", prompt=requests[0].prompt, max_new_tokens=4),
                           Request("w1", prompt=requests[-1].prompt, max_new_tokens=4)], batch_size=2))  # warm-up
     rec = _Recorder()
     restore = rec.install(engine)
     try:
-        t, c = time.perf_counter(), common.cpu_seconds()
-        results = list(engine.generate(requests, batch_size=batch, micro_batch_size=micro, on_event=rec.sink))
-        wall, cpu = time.perf_counter() - t, common.cpu_seconds() - c
+        sink = StepClock(engine, common.clock, forward=rec.sink)
+        t, c = common.clock(), common.cpu_seconds()
+        results = list(engine.generate(requests, batch_size=batch, micro_batch_size=micro, on_event=sink))
+        wall, cpu = common.clock() - t, common.cpu_seconds() - c
     finally:
         restore()
     spec = engine.spec
@@ -157,7 +178,7 @@ def hf_batches(prompt_ids: dict, mnt: dict, ids: list[str], batch: int):
 
 def run_hf(model, prompt_ids: dict, mnt: dict, ids: list[str], batch: int, pad: int, eos: int):
     outs = {}
-    t, c = time.perf_counter(), common.cpu_seconds()
+    t, c = common.clock(), common.cpu_seconds()
     for m, chunk in hf_batches(prompt_ids, mnt, ids, batch):
         n = max(len(prompt_ids[i]) for i in chunk)
         inp = torch.full((len(chunk), n), pad, dtype=torch.long)
@@ -172,18 +193,27 @@ def run_hf(model, prompt_ids: dict, mnt: dict, ids: list[str], batch: int, pad: 
         for r, i in enumerate(chunk):
             toks = gen[r, n:].tolist()
             outs[i] = toks[:toks.index(eos)] if eos in toks else toks
-    wall, cpu = time.perf_counter() - t, common.cpu_seconds() - c
+    wall, cpu = common.clock() - t, common.cpu_seconds() - c
     run_hf.cpu = cpu
     return wall, outs
 
 
-def load_hf(model_dir: Path):
+def hf_dtype(choice: str) -> torch.dtype:
+    """transformers' best dtype here: bf16 where the CPU runs bf16 matmuls natively, fp32 elsewhere."""
+    if choice != "auto":
+        return getattr(torch, choice)
+    from core.model.cpu.isa import cpu_isa
+
+    return torch.bfloat16 if cpu_isa().bf16_native else torch.float32
+
+
+def load_hf(model_dir: Path, dtype: torch.dtype = torch.bfloat16):
     from transformers import MixtralForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = MixtralForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
     model.generation_config.max_length = None
     return model.eval()
 
@@ -251,12 +281,59 @@ def roofline_fraction(spec, rec: _Recorder, roof: common.Roofline) -> dict:
 
 
 # ---- main ------------------------------------------------------------------------------------------------
+def single_stream(model_dir: Path, tok, prompt: str, new: int, threads: int, hf_model, roof: common.Roofline) -> dict:
+    """Batch-1 decode: one request, `new` tokens. Ours: decode steps' seconds from the engine's events;
+    transformers: generate(new + 1) minus generate(1) (its prefill), over `new` decode tokens."""
+    from core.runtime.calibrate import StepClock
+    from core.runtime.engine import Engine, Request
+
+    engine = Engine.load(model_dir, threads=threads)
+    engine.eos_ids = set()
+    list(engine.generate([Request("w", prompt=prompt, max_new_tokens=4)]))  # warm-up
+    sink = StepClock(engine, common.clock)
+    (res,) = engine.generate([Request("s", prompt=prompt, max_new_tokens=new + 1)], batch_size=1, on_event=sink)
+    dec = [e for e in sink.steps if e.kind == "decode"]
+    ours = sum(e.tokens for e in dec) / sum(e.seconds for e in dec)
+    spec = engine.spec
+    del engine
+    gc.collect()
+    # the bound: every decode token reads the non-expert weights, top-k experts per layer and the LM head
+    active = spec.num_layers * (spec.layer_nonexpert_bytes + spec.top_k * spec.expert_bytes)
+    active += spec.vocab_size * spec.hidden_size * spec.dtype_bytes
+    out = {"single_new_tokens": new, "single_ours_tok_s": ours, "single_bound_tok_s": roof.bandwidth / active,
+           "single_active_gb": active / 1e9, "single_ours_tokens": res.output_tokens}
+    if hf_model is not None:
+        ids = torch.tensor([tok(prompt).input_ids])
+        eos = tok.eos_token_id
+
+        def gen(n):
+            with torch.inference_mode():
+                hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, use_cache=True, pad_token_id=tok.pad_token_id, eos_token_id=eos)
+
+        gen(4)  # warm-up
+        t = common.clock()
+        gen(1)
+        pre = common.clock() - t
+        t = common.clock()
+        gen(new + 1)
+        out["single_hf_tok_s"] = new / max(1e-9, common.clock() - t - pre)
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.clock == "cpu":
+        common.use_cpu_clock()
+    if args.threads is None:
+        from core.model.cpu.threads import free_cores
+
+        args.threads = free_cores()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
     from core.runtime.engine import Request
+    from core.model.cpu.isa import cpu_isa
     from core.model.families import load_spec
 
     shape = QUICK if args.quick else FULL
@@ -267,8 +344,8 @@ def main(argv=None) -> int:
     else:
         work = args.workdir
     model_dir = work / ("mixtral-quick" if args.quick else "mixtral-800m")
-    print(f"mlight bench cpu_vs_hf: torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}, "
-          f"load average {common.load_average()}", flush=True)
+    print(f"mlight bench cpu_vs_hf: torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()} "
+          f"({cpu_isa().label}), {args.clock} clock, load average {common.load_average()}", flush=True)
     t = time.perf_counter()
     if not (model_dir / "config.json").is_file():
         info = common.build_mixtral(model_dir, **shape, seed=args.seed)
@@ -290,35 +367,41 @@ def main(argv=None) -> int:
 
     roof = common.measure_roofline(sizes=(512, 1024) if args.quick else (2048, 4096),
                                    bw_bytes=(1 << 28) if args.quick else (1 << 30))
-    print(f"machine: bf16 matmul {roof.flops / 1e9:.0f} GFLOP/s "
+    print(f"machine: peak matmul {roof.flops / 1e9:.0f} GFLOP/s "
           f"({', '.join(f'{n}³ {v / 1e9:.0f}' for n, v in roof.gemm_detail.items())}), read bandwidth "
           f"{roof.bandwidth / 1e9:.1f} GB/s ({', '.join(f'{k} sum {v / 1e9:.1f}' for k, v in roof.bw_detail.items())}), "
           f"ridge {roof.flops / roof.bandwidth:.0f} FLOP/B", flush=True)
 
     out = {"command": "python bench/cpu_vs_hf.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "threads": args.threads, "torch": torch.__version__, "params": spec.num_params,
-           "active_params": spec.active_params, "requests": len(reqs), "prompt_mean": sum(plen) / len(plen),
-           "prompt_max": max(plen), "requested_tokens": want, "peak_flops": roof.flops, "bandwidth": roof.bandwidth,
-           "gemm_detail": roof.gemm_detail, "bw_detail": roof.bw_detail, "load_avg_start": common.load_average()}
+           "threads": args.threads, "clock": args.clock, "isa": cpu_isa().label, "torch": torch.__version__,
+           "params": spec.num_params, "active_params": spec.active_params, "requests": len(reqs),
+           "prompt_mean": sum(plen) / len(plen), "prompt_max": max(plen), "requested_tokens": want,
+           "peak_flops": roof.flops, "bandwidth": roof.bandwidth, "gemm_detail": roof.gemm_detail,
+           "bw_detail": roof.bw_detail, "load_avg_start": common.load_average()}
 
-    ours = run_ours(model_dir, reqs, args.batch, args.micro_batch)
-    got = sum(r.output_tokens for r in ours["results"].values())
-    ours_tps = got / ours["wall"]
-    rf = roofline_fraction(ours["spec"], ours["rec"], roof)
-    print(f"ours:  {got} tokens in {ours['wall']:.1f} s = {ours_tps:.1f} tok/s  (batch {args.batch}, micro-batch "
-          f"{args.micro_batch}; prefill {rf['prefill_s']:.1f} s, decode {rf['decode_s']:.1f} s over {rf['decode_steps']} "
-          f"steps, mean batch {rf['decode_mean_batch']:.1f}; CPU time {ours['cpu']:.1f} s = "
-          f"{ours['cpu'] / ours['wall'] / args.threads * 100:.0f} % of {args.threads} core(s) × wall)", flush=True)
-    print(f"roofline (decode): {rf['decode_fraction'] * 100:.1f} % (ideal {rf['decode_ideal_s']:.1f} s vs "
-          f"{rf['decode_s']:.1f} s; intensity {rf['decode_intensity_flop_per_byte']:.0f} FLOP/B, achieved "
-          f"{rf['decode_achieved_gflops']:.0f} GFLOP/s, {rf['decode_achieved_gbs']:.1f} GB/s); prefill "
-          f"{rf['prefill_fraction'] * 100:.1f} %; end to end "
-          f"{(rf['decode_ideal_s'] + rf['prefill_ideal_s']) / ours['wall'] * 100:.1f} %", flush=True)
-    out.update({"ours_tokens": got, "ours_wall": ours["wall"], "ours_tok_s": ours_tps, "ours_cpu_s": ours["cpu"], "batch": args.batch,
-                "micro_batch": args.micro_batch, **{f"ours_{k}": v for k, v in rf.items()}})
+    if not args.skip_batch:
+        ours = run_ours(model_dir, reqs, args.batch, args.micro_batch, args.threads)
+        got = sum(r.output_tokens for r in ours["results"].values())
+        ours_tps = got / ours["wall"]
+        rf = roofline_fraction(ours["spec"], ours["rec"], roof)
+        print(f"ours:  {got} tokens in {ours['wall']:.1f} s = {ours_tps:.1f} tok/s  (batch {args.batch}, micro-batch "
+              f"{args.micro_batch}; prefill {rf['prefill_s']:.1f} s, decode {rf['decode_s']:.1f} s over {rf['decode_steps']} "
+              f"steps, mean batch {rf['decode_mean_batch']:.1f}; CPU time {ours['cpu']:.1f} s = "
+              f"{ours['cpu'] / ours['wall'] / args.threads * 100:.0f} % of {args.threads} core(s) × {args.clock})", flush=True)
+        print(f"roofline (decode): {rf['decode_fraction'] * 100:.1f} % (ideal {rf['decode_ideal_s']:.1f} s vs "
+              f"{rf['decode_s']:.1f} s; intensity {rf['decode_intensity_flop_per_byte']:.0f} FLOP/B, achieved "
+              f"{rf['decode_achieved_gflops']:.0f} GFLOP/s, {rf['decode_achieved_gbs']:.1f} GB/s); prefill "
+              f"{rf['prefill_fraction'] * 100:.1f} %; end to end "
+              f"{(rf['decode_ideal_s'] + rf['prefill_ideal_s']) / ours['wall'] * 100:.1f} %", flush=True)
+        out.update({"ours_tokens": got, "ours_wall": ours["wall"], "ours_tok_s": ours_tps, "ours_cpu_s": ours["cpu"],
+                    "batch": args.batch, "micro_batch": args.micro_batch, **{f"ours_{k}": v for k, v in rf.items()}})
 
+    model = None
     if not args.skip_hf:
-        model = load_hf(model_dir)
+        dtype = hf_dtype(args.hf_dtype)
+        model = load_hf(model_dir, dtype)
+        out["hf_dtype"] = str(dtype).removeprefix("torch.")
+    if not args.skip_hf and not args.skip_batch:
         pad, eos = tok.pad_token_id, tok.eos_token_id
         ids = [r.id for r in reqs]
         if args.hf_setting:
@@ -334,14 +417,23 @@ def main(argv=None) -> int:
         hf_got = sum(len(v) for v in outs.values())
         hf_tps = hf_got / wall
         same = sum(outs[i] == ours["results"][i].output_token_ids for i in ids) / len(ids)
-        print(f"hf:    {hf_got} tokens in {wall:.1f} s = {hf_tps:.1f} tok/s  (experts_implementation={impl}, batch {b}, "
-              f"sdpa, use_cache=True, left-padded, grouped by max_new_tokens, sorted by length; CPU time {run_hf.cpu:.1f} s = "
-              f"{run_hf.cpu / wall / args.threads * 100:.0f} % of {args.threads} core(s) × wall)", flush=True)
+        print(f"hf:    {hf_got} tokens in {wall:.1f} s = {hf_tps:.1f} tok/s  ({out['hf_dtype']}, experts_implementation="
+              f"{impl}, batch {b}, sdpa, use_cache=True, left-padded, grouped by max_new_tokens, sorted by length; CPU "
+              f"time {run_hf.cpu:.1f} s = {run_hf.cpu / wall / args.threads * 100:.0f} % of {args.threads} core(s) × "
+              f"{args.clock})", flush=True)
         print(f"ratio: {ours_tps / hf_tps:.2f}× transformers; identical greedy outputs for {same * 100:.0f} % of requests",
               flush=True)
         out.update({"hf_impl": impl, "hf_batch": b, "hf_trials": trials, "hf_tokens": hf_got, "hf_wall": wall,
                     "hf_tok_s": hf_tps, "hf_cpu_s": run_hf.cpu, "ratio": ours_tps / hf_tps, "identical_outputs": same})
-        del model
+    if args.single_tokens:
+        single = single_stream(model_dir, tok, prompts[len(prompts) // 2], args.single_tokens, args.threads, model, roof)
+        hf = f", transformers {single['single_hf_tok_s']:.1f} tok/s ({single['single_ours_tok_s'] / single['single_hf_tok_s']:.2f}×)" \
+            if "single_hf_tok_s" in single else ""
+        print(f"batch 1: ours {single['single_ours_tok_s']:.1f} tok/s decode{hf}; bound {single['single_bound_tok_s']:.1f} "
+              f"tok/s ({single['single_active_gb']:.2f} GB of active weights per token at {roof.bandwidth / 1e9:.1f} GB/s)",
+              flush=True)
+        out.update(single)
+    del model
     out["load_avg_end"] = common.load_average()
     print(f"load average at the end: {out['load_avg_end']}")
     if args.json:

@@ -100,7 +100,8 @@ def test_bf16_engine_runs_unpacked_where_the_cpu_cannot_pack(tmp_path, monkeypat
 
     monkeypatch.setattr(core.model.moe, "packing_supported", lambda: False)
     path = make_checkpoint("mixtral", tmp_path / "bf16", dtype=torch.bfloat16)
-    cpu, plain = Engine.load(path), Engine.load(path, executor="threaded")
+    # bf16 math on both sides (on an AVX2 CPU the engine would widen to fp32: tests/test_cpu_compute.py)
+    cpu, plain = Engine.load(path, cpu_math="bfloat16"), Engine.load(path, executor="threaded", cpu_math="bfloat16")
     assert not cpu.weights.packed
     cpu.eos_ids = plain.eos_ids = set()
     reqs = [Request(id=str(i), prompt=p, max_new_tokens=5) for i, p in enumerate(["Hi", "Tell me a story", "x y"])]

@@ -2,7 +2,10 @@
 
 Measured: tokens/s end to end and in decode, and each resource's busy seconds per decode layer,
 from the engine's StepDone events. Predicted: the planner's HRM for the same policy on this
-machine (`--hardware local`: detected and probed) or a preset, and the simulated step time.
+machine (`--hardware local`: detected and probed) or a preset, and the simulated step time; the
+error between them (core.plan.tracking). `--calibrate` first measures this machine's CPU cost model
+with the model's own kernels and steps (core.runtime.calibrate) and caches it per machine, so every
+later plan and prediction on this machine uses it.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import json
 import time
 
-from core.telemetry import RESOURCES, StepDone
+from core.runtime.engine import SCHEDULES, Engine, Request
+from core.telemetry import RESOURCES
 
 EXECUTORS = ("sequential", "threaded", "cuda")
 SCHEDULES = ("cgopipe", "s3", "s4")  # core.runtime.engine.SCHEDULES, without importing torch for --help
@@ -21,18 +25,28 @@ def add_parser(sub):
     p.add_argument("--model", help="checkpoint folder (default: the built-in demo model)")
     p.add_argument("--requests", type=int, default=32, metavar="N", help="requests in the workload (default 32)")
     p.add_argument("--prompt-len", type=int, default=77, help="average prompt tokens (MT-Bench-like spread) (default: 77)")
-    p.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt (default: 418 capped by the model)")
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help="longest prompt (default: MT-Bench's 418 scaled by --prompt-len / 77, capped by the model)")
     p.add_argument("--gen-len", type=int, default=32, help="tokens generated per request (default: 32)")
     p.add_argument("--batch", type=int, default=16, help="requests in flight (default: 16)")
     p.add_argument("--micro-batch", type=int, default=4, help="requests per micro-batch (default: 4)")
     p.add_argument("--executor", choices=EXECUTORS, default=None,
                    help="how a step's tasks run (default: cuda when a GPU is present, else sequential)")
-    p.add_argument("--schedule", choices=(*SCHEDULES, "all"), default="all",
-                   help="one schedule, or all three side by side (default: all)")
+    p.add_argument("--schedule", choices=("cpu", *SCHEDULES, "all"), default=None,
+                   help="cpu: the CPU-only chain (the default without a GPU); all: cgopipe, s3 and s4 side by side "
+                        "(the default with a GPU or a GPU --hardware; without a GPU the CPU stands in for the device)")
     p.add_argument("--pages", type=int, default=2, help="pages per layer for streamed experts (default: 2)")
     p.add_argument("--resident-layers", type=int, default=None,
                    help="layers whose experts stay on the device (default: all on the CPU, none on a GPU run)")
     p.add_argument("--hardware", default="local", help="hardware for the prediction: local or a preset name (default: local)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="first measure this machine's CPU cost model on the model (about a minute) and cache it; "
+                        "later plans and predictions on this machine use it")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: the cores other work leaves free)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: time by this process's CPU seconds (with --threads 1 on a shared machine: what a "
+                        "quiet machine's wall clock would say) (default: wall)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return p
 
@@ -43,14 +57,17 @@ def run(args) -> int:
     from core.io.workloads import build_prompts, target_lengths
 
     model = args.model or demo_model_dir()
-    schedules = SCHEDULES if args.schedule == "all" else (args.schedule,)
-    report = {"model": str(model), "runs": []}
+    schedules = _schedules(args)
+    report = {"model": str(model), "runs": [], "load_average": _load()}
+    if args.calibrate:
+        report["calibration"] = _calibrate(model, args)
     for name in schedules:
-        engine = Engine.load(model, executor=args.executor, schedule=name, pages_per_layer=args.pages,
-                             resident_layers=args.resident_layers)
+        engine = Engine.load(model, executor=args.executor, schedule=None if name == "cpu" else name,
+                             pages_per_layer=args.pages, resident_layers=args.resident_layers, threads=args.threads)
         try:
             if not report["runs"]:
-                longest = min(args.max_prompt_len or 418, engine.context_length - args.gen_len - 1)
+                longest = args.max_prompt_len or round(418 * args.prompt_len / 77)
+                longest = min(longest, engine.context_length - args.gen_len - 1)
                 lengths = target_lengths(args.requests, mean=min(args.prompt_len, longest), max_len=longest)
                 prompts = build_prompts(engine.tokenizer, lengths)
             reqs = [Request(id=str(i), prompt=p, max_new_tokens=args.gen_len) for i, p in enumerate(prompts)]
@@ -65,12 +82,64 @@ def run(args) -> int:
     return 0
 
 
-def _measure(engine: Engine, name: str, reqs, args) -> dict:
-    events: list[StepDone] = []
-    sink = lambda e: events.append(e) if isinstance(e, StepDone) else None  # noqa: E731
+def _load() -> str:
+    from core import platform
+
+    load = platform.load_average()
+    return " ".join(f"{x:.2f}" for x in load) if load else "n/a"
+
+
+def _calibrate(model, args) -> dict:
+    """Measure the CPU cost model with a CPU-only engine of `model`; cache it for this machine."""
+    import sys
+
+    from core.plan import cpu_cost
+    from core.plan.hardware import detect
+    from core.runtime.calibrate import calibrate
+
+    engine = Engine.load(model, threads=args.threads)
+
+    def show(ev):
+        if not args.json and sys.stderr.isatty() and hasattr(ev, "done"):
+            print(f"\r{ev.what}: {ev.done}/{ev.total}".ljust(60), end="", file=sys.stderr, flush=True)
+
     t0 = time.perf_counter()
+    costs = calibrate(engine, progress=show, clock=_clock(args))
+    if not args.json and sys.stderr.isatty():
+        print(file=sys.stderr)
+    path = cpu_cost.save(detect(), costs)
+    out = {"path": str(path), "seconds": time.perf_counter() - t0, "costs": costs.to_dict()}
+    if not args.json:
+        print(f"calibrated the CPU cost model ({costs.math} math, {costs.threads} thread"
+              f"{'s' if costs.threads != 1 else ''}) in {out['seconds']:.0f} s: {path}")
+    return out
+
+
+def _clock(args):
+    return time.process_time if args.clock == "cpu" else time.perf_counter
+
+
+def _schedules(args) -> tuple[str, ...]:
+    if args.schedule == "all":
+        return SCHEDULES
+    if args.schedule is not None:
+        return (args.schedule,)
+    import torch
+
+    gpu_hw = args.hardware not in ("local",) and not args.hardware.lower().endswith(".json")
+    return SCHEDULES if torch.cuda.is_available() or gpu_hw else ("cpu",)
+
+
+def _measure(engine: Engine, name: str, reqs, args) -> dict:
+    from core.runtime.calibrate import StepClock
+
+    clock = _clock(args)
+    sink = StepClock(engine, clock)
+    t0 = clock()
     results = list(engine.generate(reqs, batch_size=args.batch, micro_batch_size=args.micro_batch, on_event=sink))
-    wall = time.perf_counter() - t0
+    wall = clock() - t0
+    events = sink.steps
+    threads = engine.threads.threads
     decode = [e for e in events if e.kind == "decode"]
     L = engine.spec.num_layers
     steps = max(1, len(decode))
@@ -83,13 +152,18 @@ def _measure(engine: Engine, name: str, reqs, args) -> dict:
         "layer_seconds": measured,
         "bytes_h2d_per_step": sum(e.bytes_h2d for e in decode) / steps,
         "bytes_d2h_per_step": sum(e.bytes_d2h for e in decode) / steps,
+        "threads": threads, "cpu_math": engine.cpu.math, "clock": args.clock,
     }
-    out["predicted"] = _predict(engine, name, args, reqs)
+    out["predicted"] = p = _predict(engine, name, args, reqs)
+    if p:
+        out["error"] = {"tokens_per_s": out["tokens_per_s"] / p["tokens_per_s"] - 1,
+                        "decode_tokens_per_s": out["decode_tokens_per_s"] / p["decode_tokens_per_s"] - 1}
     return out
 
 
 def _predict(engine: Engine, name: str, args, reqs) -> dict | None:
     """The planner's view of the same policy on this machine (None when it cannot say)."""
+    from core.plan import hrm
     from core.plan.hardware import resolve
     from core.plan.planner import Workload, predict
     from core.plan.policy import Policy
@@ -111,22 +185,45 @@ def _predict(engine: Engine, name: str, args, reqs) -> dict | None:
                     max_prompt_len=max(prompt_tokens), num_requests=len(reqs))
     pred = predict(policy, engine.spec, hw, work)
     sim = simulate_decode(engine.spec, hw, policy, work.decode_context, name if on_gpu else "cgopipe")
-    return {"hardware": hw.name, "tokens_per_s": pred.tokens_per_s, "decode_tokens_per_s": pred.decode_tokens_per_s,
+    return {"hardware": hw.name, "calibrated": bool(hrm.effective_rates(hw, engine.spec.dtype, engine.spec).cpu_costs),
+            "tokens_per_s": pred.tokens_per_s, "decode_tokens_per_s": pred.decode_tokens_per_s,
             "layer_seconds": {r: pred.layer_seconds.get(r, 0.0) for r in RESOURCES},
-            "simulated_step_seconds": sim.makespan, "bottleneck": pred.bottleneck}
+            "simulated_step_seconds": sim.makespan, "bottleneck": pred.bottleneck,
+            "bottleneck_text": pred.bottleneck_text}
+
+
+def _labels(run: dict) -> dict[str, str]:
+    """Row names for the resources: on the CPU there is no GPU to name (a CPU-only run has no copies;
+    a GPU schedule run without a GPU has the CPU standing in for the device)."""
+    if run["device"] == "cuda":
+        return {"gpu": "gpu ms/layer", "cpu_attn": "cpu_attn ms/layer", "h2d": "h2d ms/layer", "d2h": "d2h ms/layer"}
+    if run["schedule"] == "cpu":
+        return {"gpu": "CPU compute ms/layer", "cpu_attn": "CPU attention ms/layer"}
+    return {"gpu": "device (CPU) ms/layer", "cpu_attn": "CPU attention ms/layer", "h2d": "copy in ms/layer",
+            "d2h": "copy out ms/layer"}
 
 
 def _print(report: dict) -> None:
-    print(f"model: {report['model']}")
+    print(f"model: {report['model']}; load average {report['load_average']}")
     for r in report["runs"]:
         p = r["predicted"] or {}
-        print(f"\nschedule {r['schedule']} ({r['executor']} on {r['device']}): {r['tokens']} tokens in "
-              f"{r['seconds']:.2f} s")
-        print(f"  {'':22}{'measured':>12}{'predicted':>12}")
-        print(f"  {'tokens/s end to end':22}{r['tokens_per_s']:12.1f}{p.get('tokens_per_s', float('nan')):12.1f}")
-        print(f"  {'tokens/s decode':22}{r['decode_tokens_per_s']:12.1f}{p.get('decode_tokens_per_s', float('nan')):12.1f}")
-        for res in RESOURCES:
+        where = ("the CPU-only chain" if r["schedule"] == "cpu" else
+                 f"schedule {r['schedule']}" + ("" if r["device"] == "cuda" else ", the CPU standing in for the GPU"))
+        print(f"\n{r['schedule']} ({where}; {r['executor']} executor on {r['device']}, {r['threads']} CPU thread"
+              f"{'s' if r['threads'] != 1 else ''}, {r['cpu_math']} math): {r['tokens']} tokens in {r['seconds']:.2f} s")
+        print(f"  {'':24}{'measured':>12}{'predicted':>12}")
+        print(f"  {'tokens/s end to end':24}{r['tokens_per_s']:12.1f}{p.get('tokens_per_s', float('nan')):12.1f}")
+        print(f"  {'tokens/s decode':24}{r['decode_tokens_per_s']:12.1f}{p.get('decode_tokens_per_s', float('nan')):12.1f}")
+        for res, label in _labels(r).items():
             m, q = r["layer_seconds"][res] * 1e3, p.get("layer_seconds", {}).get(res, float("nan")) * 1e3
-            print(f"  {res + ' ms/layer':22}{m:12.3f}{q:12.3f}")
-        print(f"  h2d / d2h per step: {r['bytes_h2d_per_step'] / 1e6:.2f} / {r['bytes_d2h_per_step'] / 1e6:.2f} MB;"
-              f" predicted bottleneck: {p.get('bottleneck', '?')} on {p.get('hardware', '?')}")
+            print(f"  {label:24}{m:12.3f}{q:12.3f}")
+        if r["device"] == "cuda":
+            print(f"  h2d / d2h per step: {r['bytes_h2d_per_step'] / 1e6:.2f} / {r['bytes_d2h_per_step'] / 1e6:.2f} MB")
+        elif r["schedule"] != "cpu":
+            print(f"  copied in / out per step: {r['bytes_h2d_per_step'] / 1e6:.2f} / {r['bytes_d2h_per_step'] / 1e6:.2f} MB")
+        print(f"  predicted bottleneck on {p.get('hardware', '?')}: {p.get('bottleneck_text') or p.get('bottleneck', '?')}")
+        if "error" in r:
+            e = r["error"]
+            how = "calibrated" if p.get("calibrated") else "not calibrated: run `mlight bench --calibrate`"
+            print(f"  prediction error: {e['tokens_per_s']:+.1%} end to end, {e['decode_tokens_per_s']:+.1%} in decode "
+                  f"(measured vs predicted; {how})")

@@ -1,4 +1,5 @@
-"""`mlight hw`: what this machine has (GPUs, memory, cores, PCIe link) and what a short probe measured."""
+"""`mlight hw`: what this machine has (GPUs, memory, cores, PCIe link, the CPU's instruction set) and what
+a short probe measured (matmul rates per dtype, memory bandwidth), with the CPU compute the engine picks."""
 
 from __future__ import annotations
 
@@ -44,12 +45,34 @@ def run(args) -> int:
     else:
         lines.append("GPU        none found (no NVML library, driver or device): CPU-only mode")
     avail = f", {hw.cpu_mem_available_bytes / 1e9:.1f} GB available" if hw.cpu_mem_available_bytes is not None else ""
-    lines += [
-        f"CPU        {hw.cpu_cores} cores, {hw.cpu_mem_bytes / 1e9:.1f} GB RAM{avail}",
-        f"  compute  {hw.cpu_flops / 1e9:.0f} GFLOP/s fp32 ({tag('cpu_flops')})",
-        f"  memory   {hw.cpu_bw / 1e9:.1f} GB/s ({tag('cpu_bw')})",
-    ]
+    lines += [f"CPU        {hw.cpu_cores} cores, {hw.cpu_mem_bytes / 1e9:.1f} GB RAM{avail}",
+              f"  ISA      {_isa_label(hw)}"]
+    if hw.cpu_matmul:
+        threads = f", {hw.cpu_threads} thread{'s' if hw.cpu_threads != 1 else ''}" if hw.cpu_threads else ""
+        lines.append(f"  matmul   " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in hw.cpu_matmul.items())
+                     + f" GFLOP/s (measured{threads})")
+    else:
+        lines.append(f"  compute  {hw.cpu_flops / 1e9:.0f} GFLOP/s fp32 ({tag('cpu_flops')})")
+    lines.append(f"  memory   {hw.cpu_bw / 1e9:.1f} GB/s ({tag('cpu_bw')})")
+    for storage, short in (("bfloat16", "bf16"), ("float16", "fp16")):
+        math, why = hw.cpu_math(storage) if hw.cpu_isa else _local_math(storage)
+        lines.append(f"  {short} weights compute in {math}: {why}")
     if not args.no_probe:
         lines.append(f"cache      {probe_cache_path(hw)}")
     print("\n".join(lines))
     return 0
+
+
+def _isa_label(hw) -> str:
+    if hw.cpu_isa:
+        return hw.cpu_isa_label
+    from core.model.cpu.isa import cpu_isa
+
+    return cpu_isa().label
+
+
+def _local_math(storage: str) -> tuple[str, str]:
+    from core.model.cpu.compute import choose
+
+    c = choose(storage)
+    return c.math, c.reason

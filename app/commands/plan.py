@@ -180,6 +180,13 @@ def _short(reason: str) -> str:
     return f"{m.group(1)} needs {m.group(2)}, {m.group(3)} usable" if m else reason
 
 
+def _cpu_math_line(hw, model) -> str:
+    """What the CPU computes in for this model on this machine, at which rate (the one the HRM used)."""
+    flops, math, measured = hw.cpu_flops_for(model.dtype)
+    return (f"  CPU math          {math} for {model.dtype} weights at {flops / 1e9:,.0f} GFLOP/s "
+            f"({'measured' if measured else 'estimate'})")
+
+
 def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=None, scaling=None) -> str:
     from core.plan.planner import CPU_USABLE, GPU_USABLE
 
@@ -205,6 +212,7 @@ def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=Non
         f"  MoE FFN           {p.ffn_on.upper()}" + (
             f", {p.gpu_weight_fraction:.1%} of expert weights resident, the rest streamed in "
             f"{p.pages_per_layer} pages per layer" if p.ffn_on == "gpu" else ""),
+        _cpu_math_line(hw, model),
         "",
         "prediction",
         f"  end to end        {pred.tokens_per_s:,.1f} tokens/s",

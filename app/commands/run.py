@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from core import platform
-from core.errors import BudgetError, UsageError
+from core.errors import BudgetError, MlightError, UsageError
 from core.io.prompts import FORMATS, STDIN, PromptSet, read_prompts, reject_lines
 from core.io.results import output_format
 from core.io.runstore import RunStore, finish_run, model_fingerprint, prepare_requests, run_pending
@@ -45,7 +45,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, metavar="S",
                    help="random seed for sampling, unless a line sets its own (default: none; greedy needs none)")
     p.add_argument("--batch", type=_positive, default=None, metavar="N",
-                   help=f"requests in flight (default: the planner's choice with --gpu-mem/--cpu-mem, else {BATCH})")
+                   help="requests in flight (default: the planner's choice for --gpu-mem/--cpu-mem or, without a GPU, "
+                        f"for this machine's memory; else {BATCH})")
     p.add_argument("--micro-batch", type=_positive, default=None, metavar="M", help="requests per micro-batch (default: the planner's with --gpu-mem/--cpu-mem, "
                         "else the whole batch)")
     p.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
@@ -63,7 +64,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=SCHEDULES, default=None,
                    help="cgopipe (overlapped), s4 (FlexGen-style), s3 (no overlap) (default: cgopipe)")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
-                   help="CPU threads for torch (default: all cores; fewer when other work shares the machine)")
+                   help="CPU threads for torch (default: the cores other work leaves free, re-checked as it runs)")
     p.add_argument("--skip-bad", action="store_true",
                    help="run the good lines and write the bad ones with reasons to OUT.rejected.jsonl")
     p.add_argument("--restart", action="store_true",
@@ -211,10 +212,6 @@ def _run_single(args) -> int:
                          "use a micro-batch no larger than the batch")
     if args.prompts != STDIN and _same_file(Path(args.prompts), out):
         raise UsageError(f"--out {out} is the prompts file itself", "write the results to another file")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     stopper = _Stopper().install()
     store = RunStore(out)
     try:
@@ -278,21 +275,22 @@ def _refuse_rejects(prompts: PromptSet, skip_bad: bool, out: Path) -> None:
 
 def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     """With a memory budget, let the planner pick the batch sizes the user left open — or refuse, before
-    any weight is loaded, a budget that nothing fits in (BudgetError, exit 2)."""
+    any weight is loaded, a budget that nothing fits in (BudgetError, exit 2). On a machine without a GPU
+    the planner picks the CPU batch for the machine's memory even without a budget (more rows per
+    expert run the CPU's GEMMs nearer their peak); should nothing fit, the default batch is kept and
+    loading says what it says."""
     args.policy = None
     quantize = getattr(args, "quantize", "none")
     if args.gpu_mem is None and args.cpu_mem is None and quantize != "auto":
+        if args.batch is None and args.executor in (None, "sequential") and args.schedule is None and not _has_cuda():
+            _plan_cpu_batch(args, prompts, model_dir)
         args.batch = args.batch or BATCH
         return
     from core.plan import planner
     from core.model.families import load_spec
     from core.plan.hardware import resolve
 
-    # prompt lengths before the tokenizer is loaded: ~3 bytes a token, on the safe (long) side
-    lens = [max(1, len((e.prompt or "".join(m["content"] for m in e.messages or ())).encode()) // 3 + 1)
-            for e in prompts.entries]
-    gen = max([e.max_new_tokens or args.max_new_tokens for e in prompts.entries] or [args.max_new_tokens])
-    workload = planner.Workload(max(1, sum(lens) // max(1, len(lens))), gen, max(lens + [1]), len(prompts.entries))
+    workload = _workload(args, prompts)
     hw = resolve("local")
     from core.plan.quantize import choose
 
@@ -316,6 +314,38 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     args.policy = policy  # Engine.load takes paging, resident experts and placement from it
     args.batch = args.batch or policy.batch_size
     args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _plan_cpu_batch(args, prompts: PromptSet, model_dir: Path) -> None:
+    from core.plan import planner
+    from core.model.families import load_spec
+    from core.plan.hardware import resolve
+
+    workload = _workload(args, prompts)
+    try:  # best effort: a model the planner cannot read (a GGUF file) or cannot fit runs at the default batch
+        spec = load_spec(model_dir)
+        hw = resolve("local")
+        policy, _ = planner.plan(spec, hw, workload, planner.Budget.for_hardware(hw))
+    except MlightError:
+        return
+    args.batch = policy.batch_size
+    args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
+
+
+def _workload(args, prompts: PromptSet):
+    from core.plan import planner
+
+    # prompt lengths before the tokenizer is loaded: ~3 bytes a token, on the safe (long) side
+    lens = [max(1, len((e.prompt or "".join(m["content"] for m in e.messages or ())).encode()) // 3 + 1)
+            for e in prompts.entries]
+    gen = max([e.max_new_tokens or args.max_new_tokens for e in prompts.entries] or [args.max_new_tokens])
+    return planner.Workload(max(1, sum(lens) // max(1, len(lens))), gen, max(lens + [1]), len(prompts.entries))
 
 
 def _manifest(args, prompts: PromptSet, model_dir: Path, model_name: str) -> dict:
@@ -355,6 +385,8 @@ def _load_engine(args, model_dir: Path, progress, tp=None):
         kw["policy"] = args.policy
     if getattr(args, "quantize", "none") != "none":
         kw["quantize"], kw["group_size"] = args.quantize, args.group_size
+    if args.threads:
+        kw["threads"] = args.threads
     return Engine.load(model_dir, progress=progress, **kw)
 
 

@@ -5,7 +5,9 @@ Decode attention's arithmetic intensity does not grow with the batch (each query
 which is why it runs on the CPU beside the cache. Query heads are grouped onto their KV head with a
 view, never by copying K/V. A sink is a learned per-head logit that joins every softmax's
 denominator and contributes no value. A sliding layer's cache keeps the last `window` tokens in a
-ring (kvcache.py); here a window only shortens the rows read.
+ring (kvcache.py); here a window only shortens the rows read. The cache keeps its storage dtype;
+where the CPU computes slowly in it (bf16 on AVX2), `widen` gives the math dtype and attention
+converts K/V a few rows at a time into a reused buffer that stays in cache.
 Legend: B = requests, G = Hq / Hkv, T = cached tokens, L = prompt tokens.
 """
 
@@ -15,37 +17,66 @@ import torch
 import torch.nn.functional as F
 
 _BLOCK_ELEMS = 1 << 24  # score elements per block of the explicit prefill (64 MB in fp32)
+ATTN_TILE_BYTES = 4 << 20  # widened K and V of the rows attended together: L2 + a share of L3
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                      scale: float, span: tuple[int, int] | None = None, pad: torch.Tensor | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, Hq, hd]; k/v_cache [B, Hkv, Tmax, hd] (rows of the cache); lengths [B] -> [B, Hq·hd].
+                     sinks: torch.Tensor | None = None, widen=None) -> torch.Tensor:
+    """q [B, Hq, hd]; k/v_cache [B, Hkv, Tmax, hd] (rows of the cache); lengths [B] -> [B, Hq·dv] in q's dtype.
 
     `span` = (min, max) of `lengths`, known on the host, so a device-side `lengths` costs no sync;
     `pad` [B, max] (True past each length) may be passed in, built once per step rather than per layer.
     `sinks` [Hq]: per-head logits added to each softmax's denominator (gpt-oss).
+    `widen` (a core.model.cpu.kernels.Widen) computes in its math dtype when the cache is narrower.
     """
     B, Hq, hd = q.shape
-    Hkv, Tmax = k_cache.shape[1], k_cache.shape[2]
+    Hkv, Tmax, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     G = Hq // Hkv
     shortest, T = span if span is not None else (int(lengths.min()), int(lengths.max()))
-    qg = q.reshape(B * Hkv, G, hd)
-    if 3 * T >= Tmax and k_cache.is_contiguous():
-        # Scores over whole cache rows, cut to T after: bmm reads K^T as a view. Slicing K to T
-        # first makes bmm copy the strided, transposed slice, which costs more than the extra rows.
-        scores = torch.bmm(qg, k_cache.view(B * Hkv, Tmax, hd).transpose(1, 2))[:, :, :T]
-    else:
-        scores = torch.bmm(qg, k_cache[:, :, :T].reshape(B * Hkv, T, hd).transpose(1, 2))
-    scores = scores.view(B, Hkv, G, T).float() * scale
-    if shortest < T:
-        if pad is None:
+    sink = sinks.view(Hkv, G, 1) if sinks is not None else None
+    if widen is not None and k_cache.dtype != widen.math:
+        if shortest < T and pad is None:
             pad = padding_mask(lengths, T)
+        return _widened(q, k_cache, v_cache, scale, shortest, T, pad, sink, widen)
+    qg = q.reshape(B * Hkv, G, hd)
+    if 3 * T >= Tmax and k_cache.is_contiguous() and v_cache.is_contiguous():
+        # Whole cache rows as views, masked past each length: bmm reads K^T and V in place. Slicing them
+        # to T first makes bmm copy the strided slices (at B = 256 that tripled attention's time), which
+        # costs more than the extra rows; past a length the cache holds zeros or an old request's values,
+        # and p = 0 there.
+        n, k, v = Tmax, k_cache.view(B * Hkv, Tmax, hd), v_cache.view(B * Hkv, Tmax, dv)
+        pad = padding_mask(lengths, Tmax) if shortest < Tmax else None
+    else:  # short rows in a long cache: copying the slices beats reading whole rows
+        n, k, v = T, k_cache[:, :, :T].reshape(B * Hkv, T, hd), v_cache[:, :, :T].reshape(B * Hkv, T, dv)
+        pad = (pad if pad is not None else padding_mask(lengths, T)) if shortest < T else None
+    scores = torch.bmm(qg, k.transpose(1, 2)).view(B, Hkv, G, n).float().mul_(scale)
+    if pad is not None:
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    p = softmax_with_sinks(scores, sinks.view(Hkv, G, 1) if sinks is not None else None)
-    p = p.to(q.dtype).view(B * Hkv, G, T)
-    v = v_cache.view(B * Hkv, Tmax, hd)[:, :T] if v_cache.is_contiguous() else v_cache[:, :, :T].reshape(B * Hkv, T, hd)
-    return torch.bmm(p, v).reshape(B, Hq * hd)
+    p = softmax_with_sinks(scores, sink).to(q.dtype).view(B * Hkv, G, n)
+    return torch.bmm(p, v).reshape(B, Hq * dv)
+
+
+def _widened(q, k_rows, v_rows, scale: float, shortest: int, T: int, pad, sink, widen) -> torch.Tensor:
+    """decode_attention in `widen.math` over a narrower cache: a few rows at a time, K/V converted into
+    one reused buffer, so each widened tile is read back from cache rather than from RAM."""
+    B, Hq, hd = q.shape
+    Hkv, dv = k_rows.shape[1], v_rows.shape[-1]
+    m = widen.math
+    qm = q.to(m).view(B, Hkv, Hq // Hkv, hd)
+    per_k, per_v = Hkv * T * hd, Hkv * T * dv
+    n = max(1, ATTN_TILE_BYTES // ((per_k + per_v) * m.itemsize))
+    out = torch.empty((B, Hkv, Hq // Hkv, dv), dtype=m, device=q.device)
+    for b0 in range(0, B, n):
+        r = min(n, B - b0)
+        buf = widen.scratch(r * (per_k + per_v))
+        kt = buf[:r * per_k].view(r, Hkv, T, hd).copy_(k_rows[b0:b0 + r, :, :T])
+        vt = buf[r * per_k:].view(r, Hkv, T, dv).copy_(v_rows[b0:b0 + r, :, :T])
+        s = torch.matmul(qm[b0:b0 + r], kt.transpose(-1, -2)).mul_(scale)  # [r, Hkv, G, T]
+        if shortest < T:
+            s.masked_fill_(pad[b0:b0 + r, None, None, :], float("-inf"))
+        torch.matmul(softmax_with_sinks(s, sink), vt, out=out[b0:b0 + r])
+    return out.view(B, Hq * dv).to(q.dtype)
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

@@ -58,10 +58,11 @@ class KVStore:
         return lengths.clamp(max=self.window) if isinstance(lengths, torch.Tensor) else min(lengths, self.window)
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """One token per slot: k, v [B, Hkv, hd] at (slots[b], positions[b])."""
+        """One token per slot: k, v [B, Hkv, hd] at (slots[b], positions[b]), in the store's dtype (the CPU may
+        compute in a wider one where its bf16 math is slow)."""
         at = self.index(positions)
-        self.k[slots, :, at] = k
-        self.v[slots, :, at] = v
+        self.k[slots, :, at] = k.to(self.k.dtype)
+        self.v[slots, :, at] = v.to(self.v.dtype)
 
     def write_prompt(self, slot: int, k: torch.Tensor, v: torch.Tensor):
         """A whole prompt for one slot: k, v [L, Hkv, hd] at positions [0, L) (the last W in a ring)."""
@@ -93,7 +94,7 @@ class LatentStore:
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, lat: torch.Tensor):
         """lat [B, R + dr] at (slots[b], positions[b])."""
-        self.lat[slots, positions] = lat
+        self.lat[slots, positions] = lat.to(self.lat.dtype)
 
     def write_prompt(self, slot: int, lat: torch.Tensor):
         self.lat[slot, :lat.shape[0]] = lat

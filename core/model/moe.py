@@ -4,7 +4,9 @@ Backends for the routed experts, tested against each other: `grouped` uses
 `torch.nn.functional.grouped_mm` (one call per projection over all experts) where this torch has it
 and the shapes meet its layout rules; `loop` runs one matmul per expert that got tokens; `packed`
 is the loop over weights prepacked once into oneDNN's blocked layout (`pack_experts`), which runs
-the CPU's small-batch bf16 GEMMs ≈ 1.6× faster than plain row-major weights, bit for bit the same.
+the CPU's small-batch bf16 GEMMs ≈ 1.6× faster than plain row-major weights, bit for bit the same;
+`widen` (a core.model.cpu.kernels.Widen) runs the loop in a wider math dtype than the weights
+(bf16 experts on an AVX2 CPU, computed in fp32 one cache-sized tile at a time).
 Where both `grouped` and `loop` can run and the caller does not say, the faster on this machine is
 measured once per shape (core.model.expert_choice): with hundreds of small experts the loop's
 per-expert cost can dominate, with a few large ones grouped_mm's layout can.
@@ -32,7 +34,7 @@ def route(spec: ModelSpec, h: torch.Tensor, w: dict):
 
 def _grouped_ok(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     # grouped_mm wants fp32/bf16/fp16 and 16-byte aligned strides on every operand.
-    if not HAS_GROUPED_MM or h.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if not HAS_GROUPED_MM or h.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w13.dtype != h.dtype:
         return False
     if h.is_cuda and (torch.cuda.get_device_capability(h.device) < (8, 0) or h.dtype != torch.bfloat16):
         return False  # the CUDA kernel wants bf16 on SM80+ (a T4 takes the loop)
@@ -63,9 +65,14 @@ def try_pack(reorder) -> bool:
     return True
 
 
+def _reorder():
+    return torch.ops.mkldnn._reorder_linear_weight
+
+
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, rows_hint: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each expert's two matrices in oneDNN's blocked layout (valid for any number of rows)."""
-    reorder = torch.ops.mkldnn._reorder_linear_weight
+    """Each expert's two matrices in oneDNN's blocked layout (valid for any number of rows).
+    Raises RuntimeError where oneDNN refuses (the caller falls back to the unpacked loop)."""
+    reorder = _reorder()
     return [(reorder(w13[e], rows_hint), reorder(w2[e], rows_hint)) for e in range(w13.shape[0])]
 
 
@@ -76,13 +83,16 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, weights: torch.Tensor,
             idx: torch.Tensor, grouped: bool | None = None, packed: list | None = None,
             b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: Activation | None = None,
-            quant=None) -> torch.Tensor:
+            quant=None, widen=None) -> torch.Tensor:
     """Routed experts. h [T, D], w13 [E, 2I, D], w2 [E, D, I] (or `packed` per expert, or `quant`, a
     core.model.quant.experts.QuantExperts), weights/idx [T, k] -> [T, D].
 
     `b13` [E, 2I], `b2` [E, D]: per-expert biases (gpt-oss); `act` turns [n, 2I] gate|up into [n, I]
-    (default SwiGLU)."""
+    (default SwiGLU); `widen` computes weights narrower than h in its math dtype, tile by tile."""
     act = act or _swiglu
+    widened = widen is not None and packed is None and quant is None and w13.dtype != h.dtype
+    if widened:
+        grouped = False
     if packed is None and quant is None and grouped is None:
         grouped = _grouped_ok(h, w13, w2) and _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act)
     T, k = idx.shape
@@ -113,7 +123,7 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
         if b2 is not None:
             ys = ys + b2.index_select(0, flat.index_select(0, order))
     else:
-        linear = F.linear if packed is None else _packed_linear
+        linear = widen.linear if widened else F.linear if packed is None else _packed_linear
         ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts.tolist()):

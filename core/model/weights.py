@@ -32,6 +32,8 @@ from core.model.spec import EXPERT_TENSORS, ModelSpec
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
 _ALIGN = 64  # elements (bytes in a quantized layout); keeps every view's start aligned for vector loads
+# dense weights the CPU-only mode prepacks with the experts: each is only ever used through F.linear
+PACKED_DENSE = ("qkv", "o", "shared_w13", "shared_w2")
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class LayerWeights:
         self.experts = flat[layout.expert_start:]
         self.packed = None  # experts prepacked for the CPU (then `experts` and `pages` are gone)
         self.quant = layout.expert_views(self.experts, dtype, scratch).get("quant") if layout.scheme is not None else None
+        self.dense_flat = None  # the non-expert part converted to the math dtype (widen_dense)
         self.repage(pages)
 
     def repage(self, pages: int) -> None:
@@ -164,6 +167,11 @@ class LayerWeights:
         self.flat, self.experts, self.pages = dense, None, []
         self.tensors = self.layout.views(dense, names=self._dense_names())
         self.tensors.update(biases)
+        from core.model.cpu.kernels import pack_dense
+
+        for name in PACKED_DENSE:  # used through F.linear only; the flat buffer keeps their bytes for nbytes
+            if name in self.tensors:
+                self.tensors[name] = pack_dense(self.tensors[name])
 
     def _dense_names(self) -> set[str]:
         return {n for n, off, _ in self.layout.entries if off < self.layout.expert_start}
@@ -184,6 +192,16 @@ class LayerWeights:
             return {"packed": self.packed, **biases}
         return {n: to_dev(self.tensors[n]) for n in EXPERT_TENSORS if n in self.tensors}
 
+    def widen_dense(self, math: torch.dtype) -> None:
+        """Keep the experts in their storage dtype (views of the flat buffer, still paged) and convert the
+        small non-expert part to `math`: on a CPU whose low-precision matmuls are slow, the dense layers
+        then compute in `math` for a few % more memory, while experts widen tile by tile as they run."""
+        dense_names = self._dense_names()
+        dense = self.flat[:self.layout.expert_start].to(math)
+        self.tensors = {**self.layout.views(self.flat, names={n for n, _, _ in self.layout.entries} - dense_names),
+                        **self.layout.views(dense, names=dense_names)}
+        self.dense_flat = dense
+
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
@@ -197,6 +215,11 @@ class ModelWeights:
     def __init__(self, spec: ModelSpec, layers: list[LayerWeights], globals_: dict[str, torch.Tensor],
                  dtype: torch.dtype, pinned: bool):
         self.spec, self.layers, self.globals, self.dtype, self.pinned = spec, layers, globals_, dtype, pinned
+        self.math_dtype = dtype  # what the non-expert weights and the activations compute in (see widen_dense)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
 
     def repage(self, pages: int) -> None:
         for lw in self.layers:
@@ -217,9 +240,22 @@ class ModelWeights:
         return self.layers[0].layout.scheme
 
     def pack_for_cpu(self, progress: EventSink = ignore) -> None:
+        from core.model.cpu.kernels import pack_dense
+
         for i, lw in enumerate(self.layers):
             lw.pack_for_cpu()
             progress(Progress("packing experts for the CPU", i + 1, len(self.layers), "layers"))
+        if "lm_head" in self.globals:  # a tied head is the embedding too: that one stays a plain tensor
+            self.globals["lm_head"] = pack_dense(self.globals["lm_head"])
+
+    def widen_dense(self, math: torch.dtype) -> None:
+        """Non-expert weights and embeddings in `math`, experts left in `dtype` (LayerWeights.widen_dense)."""
+        if math == self.math_dtype:
+            return
+        for lw in self.layers:
+            lw.widen_dense(math)
+        self.globals = {n: t.to(math) for n, t in self.globals.items()}
+        self.math_dtype = math
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -227,7 +263,9 @@ class ModelWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(lw.flat.numel() * lw.flat.element_size() for lw in self.layers) + sum(
+        dense = sum(lw.dense_flat.numel() * lw.dense_flat.element_size() for lw in self.layers
+                    if lw.dense_flat is not None)
+        return dense + sum(lw.flat.numel() * lw.flat.element_size() for lw in self.layers) + sum(
             t.numel() * t.element_size() for t in self.globals.values())
 
 

@@ -4,8 +4,11 @@
   a bare GPU name means that GPU in the paper's CPU host.
 - `detect()`: pynvml (GPUs, memory, PCIe link) + psutil (RAM, cores). No NVML, no driver or no GPU is
   the normal CPU-only case, never an error.
-- `probe()`: a few seconds of measurement (CPU matmul, memory read; with CUDA also pinned H2D/D2H
-  and GPU matmul), cached per machine under the cache dir (`MLIGHT_CACHE_DIR` or platformdirs').
+- `probe()`: a few seconds of measurement (CPU matmul per dtype, memory read, the instruction set
+  torch may use; with CUDA also pinned H2D/D2H and GPU matmul), cached per machine and per
+  ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA setting under the cache dir (`MLIGHT_CACHE_DIR` or
+  platformdirs'). CPU matmul kernels are measured through `CPU_MATMUL_PROBES` (one entry per dtype
+  or quantized format: "float32", "bfloat16", "float16"; quantized kernels add theirs there).
 
 Boundary: numbers only. Datasheet values are peaks; the HRM derates every field not listed in
 `measured` (see core.plan.hrm.effective_rates). Never prints; torch is imported only by `probe`.
@@ -43,7 +46,7 @@ class HardwareSpec:
     gpu_bw: float  # per GPU, device memory bandwidth, bytes/s
     h2d_bw: float  # host→device link per GPU, bytes/s, one direction
     d2h_bw: float  # device→host link per GPU, bytes/s
-    cpu_flops: float  # all cores, fp32 FLOP/s (attention on the CPU runs in fp32)
+    cpu_flops: float  # all cores, fp32 FLOP/s (the per-dtype rates are in cpu_matmul)
     cpu_bw: float  # host memory read bandwidth, bytes/s
     cpu_mem_bytes: int
     cpu_cores: int
@@ -53,6 +56,15 @@ class HardwareSpec:
     host_link_bw: float | None = None  # all GPUs' host↔device traffic together (the PCIe root complex), bytes/s; None: each GPU's link is its own
     source: str = "preset"  # "preset" | "detect" | "probe"
     measured: tuple[str, ...] = ()  # RATE_FIELDS that were measured here rather than read off a datasheet
+    # the CPU's instruction set as torch may use it (core.model.cpu.isa levels: "avx2", "avx512",
+    # "avx512_bf16", "amx", ...), what the CPU itself has, and the environment settings that lower it
+    cpu_isa: str | None = None
+    cpu_isa_hw: str | None = None
+    cpu_isa_limits: tuple[str, ...] = ()
+    cpu_matmul: dict = dataclasses.field(default_factory=dict)  # measured matmul FLOP/s, all cores, by dtype/kernel
+    cpu_threads: int | None = None  # threads the CPU rates were measured with
+    # `mlight bench --calibrate`'s CPU cost models: {math dtype: {model key: core.plan.cpu_cost.CpuCosts dict}}
+    cpu_costs: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.gpu_count < 0 or self.cpu_cores <= 0:
@@ -69,6 +81,45 @@ class HardwareSpec:
         if unknown:
             raise ValueError(f"measured names unknown fields {sorted(unknown)}; expected some of {RATE_FIELDS}")
         object.__setattr__(self, "measured", tuple(self.measured))
+        object.__setattr__(self, "cpu_isa_limits", tuple(self.cpu_isa_limits))
+        object.__setattr__(self, "cpu_matmul", {str(k): float(v) for k, v in dict(self.cpu_matmul).items()})
+        object.__setattr__(self, "cpu_costs", {str(k): {str(m): dict(c) for m, c in dict(v).items()}
+                                               for k, v in dict(self.cpu_costs).items()})
+
+    def cpu_rate(self, dtype: str) -> float | None:
+        """Measured CPU matmul FLOP/s in `dtype` (a dtype or quantized-kernel name), None if not measured."""
+        v = self.cpu_matmul.get(dtype)
+        return float(v) if v else None
+
+    def cpu_math(self, storage: str) -> tuple[str, str]:
+        """(dtype the CPU computes in, why) for weights stored in `storage` on this machine: the rule the
+        engine applies (core.model.cpu.compute), from the recorded ISA or the measured rates. A machine
+        whose ISA is unknown (a file from an old probe) is taken to run the storage dtype natively."""
+        from core.model.cpu.compute import math_for, native
+        from core.model.cpu.isa import CpuIsa
+
+        if self.cpu_isa is None:
+            return math_for(storage, self.cpu_matmul, True, "an unknown CPU")
+        isa = CpuIsa(self.cpu_isa_hw or self.cpu_isa, self.cpu_isa, self.cpu_isa in ("avx512_bf16", "amx"),
+                     self.cpu_isa == "amx", self.cpu_isa_limits)
+        return math_for(storage, self.cpu_matmul, native(storage, isa), self.cpu_isa_label)
+
+    def cpu_flops_for(self, storage: str) -> tuple[float, str, bool]:
+        """(FLOP/s, math dtype, measured?) of the CPU's matmuls for weights stored in `storage`."""
+        math, _ = self.cpu_math(storage)
+        rate = self.cpu_rate(math)
+        if rate is not None:
+            return rate, math, True
+        return self.cpu_flops, math, "cpu_flops" in self.measured
+
+    @property
+    def cpu_isa_label(self) -> str:
+        """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"; "unknown" before a probe."""
+        if not self.cpu_isa:
+            return "unknown"
+        from core.model.cpu.isa import CpuIsa
+
+        return CpuIsa(self.cpu_isa_hw or self.cpu_isa, self.cpu_isa, False, False, self.cpu_isa_limits).label
 
     @property
     def has_gpu(self) -> bool:
@@ -84,12 +135,14 @@ class HardwareSpec:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["measured"] = list(self.measured)
+        d["cpu_isa_limits"] = list(self.cpu_isa_limits)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
         d = dict(d)
         d["measured"] = tuple(d.get("measured", ()))
+        d["cpu_isa_limits"] = tuple(d.get("cpu_isa_limits", ()))
         return cls(**d)
 
     def to_json(self) -> str:
@@ -154,7 +207,7 @@ def preset(name: str) -> HardwareSpec:
         name=key, gpu_name=full, gpu_count=count, gpu_mem_bytes=mem_gib * GiB,
         gpu_flops=tflops * 1e12, gpu_bw=gbps * GB, h2d_bw=link, d2h_bw=link,
         cpu_flops=host["cpu_flops"], cpu_bw=host["cpu_bw"], cpu_mem_bytes=host["cpu_mem_bytes"],
-        cpu_cores=host["cpu_cores"], pcie=f"gen{gen} x{width}", source="preset",
+        cpu_cores=host["cpu_cores"], pcie=f"gen{gen} x{width}", source="preset", cpu_isa="avx512",
     )
 
 
@@ -256,13 +309,19 @@ def cache_dir() -> Path:
 
 
 def machine_key(hw: HardwareSpec) -> str:
-    """Identifies this machine's hardware so that a cache entry is not reused on another one."""
-    ident = f"{platform.node()}|{platform.processor()}|{hw.cpu_cores}|{hw.cpu_mem_bytes}|{hw.gpu_name}|{hw.gpu_count}"
+    """Identifies this machine's hardware so that a cache entry is not reused on another one; the
+    ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA limits are part of it (they change the CPU's rates)."""
+    limits = "|".join(f"{k}={os.environ.get(k, '')}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+    ident = (f"{platform.node()}|{platform.processor()}|{hw.cpu_cores}|{hw.cpu_mem_bytes}|{hw.gpu_name}|"
+             f"{hw.gpu_count}|{limits}")
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
+PROBE_VERSION = 2  # bump when the probe measures something new: older cache entries are measured again
+
+
 def probe_cache_path(hw: HardwareSpec) -> Path:
-    return cache_dir() / "probe" / f"{machine_key(hw)}.json"
+    return cache_dir() / "probe" / f"v{PROBE_VERSION}-{machine_key(hw)}.json"
 
 
 def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: float = 0.25,
@@ -270,31 +329,64 @@ def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: f
     """Detected hardware with measured rates, read from the cache unless `refresh`.
 
     `measure(hw, seconds) -> {field: value}` does the measuring (default: `_measure`, torch); tests
-    pass a stub. Fields it returns are listed in `measured` and used by the HRM without derating.
+    pass a stub. Fields it returns are listed in `measured` and used by the HRM without derating;
+    it may also return "cpu_matmul" ({dtype: FLOP/s}), "cpu_isa", "cpu_isa_hw", "cpu_isa_limits"
+    and "cpu_threads".
     """
     hw = base or detect()
     path = probe_cache_path(hw)
     if not refresh and path.is_file():
         try:
             rates = json.loads(path.read_text(encoding="utf-8"))["rates"]
-            return _apply(hw, rates)
+            return _with_costs(_apply(hw, rates))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged cache entry is measured again and overwritten
     rates = (measure or _measure)(hw, seconds)
+    _write_json(path, {"rates": rates, "time": time.time(), "machine": hw.to_dict()})
+    return _with_costs(_apply(hw, rates))
+
+
+def _with_costs(hw: HardwareSpec) -> HardwareSpec:
+    """The machine with its calibrated CPU cost model (`mlight bench --calibrate`), when there is one."""
+    from core.plan import cpu_cost
+
+    costs = cpu_cost.load(hw)
+    return dataclasses.replace(hw, cpu_costs=costs) if costs else hw
+
+
+def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:
+    """This machine as the probe last measured it, or None when it never was (measures nothing)."""
+    hw = base or detect()
+    path = probe_cache_path(hw)
+    try:
+        return _with_costs(_apply(hw, json.loads(path.read_text(encoding="utf-8"))["rates"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def cached_cpu_rates() -> dict[str, float] | None:
+    """The probe's per-dtype CPU matmul rates for this machine, if it was probed (measures nothing)."""
+    hw = cached_probe()
+    return dict(hw.cpu_matmul) if hw is not None and hw.cpu_matmul else None
+
+
+def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"rates": rates, "time": time.time(), "machine": hw.to_dict()}, indent=1),
-                   encoding="utf-8")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
     tmp.replace(path)  # atomic on POSIX and Windows: a reader never sees half a file
-    return _apply(hw, rates)
+
+
+_CPU_EXTRA = ("cpu_isa", "cpu_isa_hw", "cpu_isa_limits", "cpu_matmul", "cpu_threads")
 
 
 def _apply(hw: HardwareSpec, rates: dict) -> HardwareSpec:
+    extra = {k: rates[k] for k in _CPU_EXTRA if rates.get(k) is not None}
     rates = {k: float(v) for k, v in rates.items() if k in RATE_FIELDS and v and v > 0}
     if not hw.has_gpu:
         rates = {k: v for k, v in rates.items() if k.startswith("cpu")}
     measured = tuple(sorted(set(hw.measured) | set(rates)))
-    return dataclasses.replace(hw, **rates, measured=measured, source="probe")
+    return dataclasses.replace(hw, **rates, **extra, measured=measured, source="probe")
 
 
 def _best(fn, seconds: float) -> float:
@@ -309,16 +401,58 @@ def _best(fn, seconds: float) -> float:
             return best
 
 
+def _matmul_rate(dtype_name: str):
+    """A probe of square `dtype` matmuls: the size grows until one takes ≥ 20 ms (a slow dtype, such as
+    bf16 on AVX2, is measured on a small matrix rather than left running for seconds)."""
+
+    def run(seconds: float) -> float:
+        import torch
+
+        dt = getattr(torch, dtype_name)
+        n = 256
+        while True:
+            a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+            t = _best(lambda: torch.mm(a, b), 0.0)
+            if t >= 0.02 or n >= 2048:
+                return 2 * n**3 / min(t, _best(lambda: torch.mm(a, b), seconds))
+            n *= 2
+
+    return run
+
+
+# Matmul kernels the probe measures on the CPU, by the name HardwareSpec.cpu_matmul and the engine's
+# CPU compute choice (core.model.cpu.compute) use: dtype names, and later quantized kernels
+# ("int8", "int4", ...) registered by their module. Each takes a time budget and returns FLOP/s.
+CPU_MATMUL_PROBES = {name: _matmul_rate(name) for name in ("float32", "bfloat16", "float16")}
+
+
 def _measure(hw: HardwareSpec, seconds: float) -> dict:
-    """CPU fp32 matmul FLOP/s and memory read bandwidth; with CUDA, GPU matmul, GPU memory, pinned H2D/D2H."""
+    """CPU matmul FLOP/s per dtype and memory read bandwidth, the instruction set; with CUDA, GPU
+    matmul, GPU memory, pinned H2D/D2H."""
     import torch
 
-    rates = {}
-    n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    rates["cpu_flops"] = 2 * n**3 / _best(lambda: torch.mm(a, b), seconds)
-    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, beyond any last-level cache
-    rates["cpu_bw"] = big.numel() * 4 / _best(lambda: big.sum(), seconds)
+    from core.model.cpu.isa import cpu_isa
+    from core.model.cpu.threads import free_cores
+
+    isa = cpu_isa()
+    before = torch.get_num_threads()
+    threads = free_cores()  # a core busy elsewhere would stall every OpenMP barrier of the measurement
+    torch.set_num_threads(threads)
+    try:
+        rates = {"cpu_isa": isa.usable, "cpu_isa_hw": isa.hardware, "cpu_isa_limits": list(isa.limited_by),
+                 "cpu_threads": threads}
+        matmul = {}
+        for name, measure_one in CPU_MATMUL_PROBES.items():
+            try:
+                matmul[name] = measure_one(seconds)
+            except (RuntimeError, TypeError, AttributeError):  # a kernel this torch or CPU lacks: not measured
+                continue
+        rates["cpu_matmul"] = matmul
+        rates["cpu_flops"] = matmul.get("float32") or _matmul_rate("float32")(seconds)
+        big = torch.ones(64 * 2**20 // 4)  # 64 MiB, beyond any last-level cache
+        rates["cpu_bw"] = big.numel() * 4 / _best(lambda: big.sum(), seconds)
+    finally:
+        torch.set_num_threads(before)
     if hw.has_gpu and torch.cuda.is_available():
         dev = torch.device("cuda")
         sync = torch.cuda.synchronize

@@ -49,16 +49,28 @@ class Rates:
     cpu_bw: float
     has_gpu: bool
     tp: int = 1  # tensor-parallel ranks summing their partial outputs (rates are then one rank's)
+    cpu_costs: object = None  # core.plan.cpu_cost.CpuCosts measured on this machine for the CPU's math dtype
 
 
-def effective_rates(hw: HardwareSpec) -> Rates:
+def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> Rates:
+    """Achievable rates; `dtype` (the weights' storage dtype) picks the CPU matmul rate of the dtype the
+    CPU will actually compute in (HardwareSpec.cpu_flops_for: bf16 where native, else fp32) and the
+    machine's calibrated CPU costs in that dtype (for `model`, a ModelSpec or Dims, or the nearest)."""
     def rate(name: str, per_gpu: bool) -> float:
         v = getattr(hw, name) * (1.0 if name in hw.measured else DERATE[name])
         return v * (hw.gpu_count if per_gpu else 1)
 
+    cpu_flops, costs = rate("cpu_flops", False), None
+    if dtype is not None:
+        v, math, measured = hw.cpu_flops_for(dtype)
+        cpu_flops = v * (1.0 if measured else DERATE["cpu_flops"])
+        if hw.cpu_costs.get(math):
+            from core.plan.cpu_cost import pick
+
+            costs = pick(hw.cpu_costs[math], dims(model) if model is not None else None)
     return Rates(gpu_flops=rate("gpu_flops", True), gpu_bw=rate("gpu_bw", True), h2d_bw=rate("h2d_bw", True),
-                 d2h_bw=rate("d2h_bw", True), cpu_flops=rate("cpu_flops", False), cpu_bw=rate("cpu_bw", False),
-                 has_gpu=hw.has_gpu)
+                 d2h_bw=rate("d2h_bw", True), cpu_flops=cpu_flops, cpu_bw=rate("cpu_bw", False),
+                 has_gpu=hw.has_gpu, cpu_costs=costs)
 
 
 @dataclass(frozen=True)
@@ -338,8 +350,10 @@ def all_reduce_seconds(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
 
 def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, expert_batch: int,
                  attention_on: str, ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
-                 context: float, pages: int | None = None) -> dict[str, TaskCost]:
+                 context: float, pages: int | None = None, row_tokens: float | None = None) -> dict[str, TaskCost]:
     """The tasks of one decode layer (one new token for each of `batch` requests), by kind.
+    `row_tokens`: the KV cache row a request has (longest prompt + generation), which CPU decode
+    attention reads whole (core.model.attention) — the calibrated CPU costs count it.
 
     Kinds: pre_attn (norm + QKV), d1 (QKV to the CPU), cpu_attn, d2 (attention output back), post_attn
     (O-proj, router, shared expert), ffn (routed experts of one expert batch), weight_page (one page of
@@ -350,6 +364,14 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
     n_mb, n_eb = batch / micro_batch, batch / expert_batch
     pages = pages or max(1, round(n_mb))
     cpu_only = ffn_on == "cpu"
+    if cpu_only and r.cpu_costs is not None:  # measured on this machine: core.plan.cpu_cost
+        from core.plan import cpu_cost
+
+        costs = r.cpu_costs.for_step(batch * max(context, row_tokens or 0.0) * m.kv_tok)
+        secs = cpu_cost.decode_tasks(m, costs, micro_batch=micro_batch, expert_batch=expert_batch,
+                                     context=context, row_tokens=row_tokens)
+        return {k: TaskCost("cpu_attn" if k == "cpu_attn" else "gpu", v, n_eb if k == "ffn" else n_mb)
+                for k, v in secs.items()}
     fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
     ffn = moe_ffn(m, expert_batch, expand=m.qkind != "none" and (not cpu_only or m.qkind == "blocks"))
     ffn_fl = fl * CPU_KERNEL_FLOPS.get(m.qkind, 1.0) if cpu_only else fl
@@ -394,6 +416,11 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
     toks = micro_batch * prompt_len
     work = dense_work(m, toks) + moe_ffn(m, toks, expand=m.qkind != "none") + prefill_attention(m, micro_batch, prompt_len)
     reduce = 2 * all_reduce_seconds(m, r, toks)  # after the O projection and after the FFN
+    if ffn_on == "cpu" and r.cpu_costs is not None:
+        from core.plan import cpu_cost
+
+        costs = r.cpu_costs.for_step(batch * prompt_len * m.kv_tok)
+        return {"prefill": TaskCost("gpu", cpu_cost.prefill_seconds(m, costs, micro_batch, prompt_len), n_mb)}
     if ffn_on == "cpu":
         return {"prefill": TaskCost("gpu", roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH + reduce, n_mb)}
     pages = pages or max(1, round(n_mb))
@@ -464,6 +491,10 @@ def layer_time(busy: dict[str, float], ffn_on: str, pipeline: float = 0.0) -> fl
 
 def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches: int, on_gpu: bool) -> float:
     """The LM head (and final norm) once per step over `tokens` tokens, in `micro_batches` pieces."""
+    if not on_gpu and r.cpu_costs is not None:
+        from core.plan import cpu_cost
+
+        return cpu_cost.head_seconds(dims(m), r.cpu_costs, tokens)
     w = lm_head(m, tokens / micro_batches)
     flops, bw = (r.gpu_flops, r.gpu_bw) if on_gpu else (r.cpu_flops, r.cpu_bw)
     return micro_batches * (roofline_seconds(w, flops, bw) + (GPU_LAUNCH if on_gpu else CPU_LAUNCH))

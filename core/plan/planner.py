@@ -180,7 +180,8 @@ def _busy(m: ModelSpec, r: hrm.Rates, w: Workload, place: tuple[str, str], n: in
           r_w: float, r_c: float, pages: int | None = None) -> tuple[dict, dict]:
     a, f = place
     dec = hrm.decode_layer_seconds(m, r, batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f,
-                                   gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, context=w.decode_context, pages=pages)
+                                   gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, context=w.decode_context, pages=pages,
+                                   row_tokens=w.longest_prompt + w.gen_len)
     pre = hrm.prefill_layer_seconds(m, r, batch=n, micro_batch=mu, attention_on=a, ffn_on=f,
                                     gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, prompt_len=w.prompt_len, pages=pages)
     return dec, pre
@@ -191,7 +192,7 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
     tensor parallelism, the time is one rank's (they run in step) and the memory is summed over them."""
     p, k = policy, policy.tensor_parallel
     model, hardware, _ = rank_view(model, hardware, None, k)
-    r = _rates(hardware, k)
+    r = _rates(hardware, k, model)
     place = (p.attention_on, p.ffn_on)
     dec, pre = _busy(model, r, workload, place, p.batch_size, p.micro_batch_size, p.expert_batch_size,
                      p.gpu_weight_fraction, p.gpu_kv_fraction, p.pages_per_layer)
@@ -259,7 +260,8 @@ def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, b
     """`mem` (from _memory_lin) and `prefill` (from _prefill_lin) may be passed in when already known:
     neither depends on the expert batch."""
     a, f = place
-    kw = dict(batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f, context=w.decode_context)
+    kw = dict(batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f, context=w.decode_context,
+              row_tokens=w.longest_prompt + w.gen_len)
     d00 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, **kw))
     d10 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=1.0, gpu_kv_fraction=0.0, **kw))
     d01 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=1.0, **kw)) if a == "gpu" else d00
@@ -390,6 +392,18 @@ def micro_batch_sizes(limit: int, dense_until: int = DENSE_MU) -> list[int]:
         mus.append(mu)
 
 
+def _mus(place: tuple[str, str], n_cap: int, has_gpu: bool = True) -> list[int]:
+    """μ candidates. On a machine without a GPU, the CPU-only placement also tries powers of two and the
+    whole request count in one micro-batch: there a micro-batch is only a slice of one chain, so the best
+    μ is usually the batch itself, and a batch that covers every request leaves no tail wave (the paper's
+    grid offers 228 for 256 requests)."""
+    mus = micro_batch_sizes(n_cap)
+    if place != ("cpu", "cpu") or has_gpu:
+        return mus
+    twos = [1 << i for i in range(n_cap.bit_length()) if 1 << i <= n_cap]
+    return sorted(set(mus) | set(twos) | {n_cap})
+
+
 def _expert_groups(n_mb: int) -> list[int]:
     """Micro-batches per expert batch: powers of two dividing n_mb, and n_mb itself (all tokens at once)."""
     gs, g = [], 1
@@ -414,12 +428,13 @@ class _Candidate:
     lin: _Lin
 
 
-def _rates(hw: HardwareSpec, ranks: int) -> hrm.Rates:
-    return dataclasses.replace(hrm.effective_rates(hw), tp=ranks)
+def _rates(hw: HardwareSpec, ranks: int, model: ModelSpec | None = None) -> hrm.Rates:
+    """The HRM's rates for one rank; the CPU at the rate of the dtype `model`'s weights compute in."""
+    return dataclasses.replace(hrm.effective_rates(hw, model.dtype if model is not None else None, model), tp=ranks)
 
 
 def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: int = 4, ranks: int = 1) -> list[_Candidate]:
-    d, r = hrm.dims(m), _rates(hw, ranks)
+    d, r = hrm.dims(m), _rates(hw, ranks, m)
     gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
     places = PLACEMENTS_GPU if hw.has_gpu else (("cpu", "cpu"),)
     n_cap = min(MAX_BATCH, w.num_requests or MAX_BATCH)
@@ -474,7 +489,7 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
     # phase 1: for each placement and μ, the largest batch that fits
     largest, tried = [], set()
     for place in places:
-        for mu in micro_batch_sizes(n_cap):
+        for mu in _mus(place, n_cap, hw.has_gpu):
             tried.add((place, mu))
             got = largest_batch(place, mu)
             if got is None:

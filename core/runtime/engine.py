@@ -23,11 +23,12 @@ from core.runtime.batching import SlotTable
 from core.errors import ModelError, UnsupportedModelError, UsageError
 from core.model.families import load_spec
 from core.model.kvcache import KVCache
-from core.model.moe import can_pack
 from core.model.gguf.load import load_gguf_weights
 from core.model.gguf.load import load_spec as load_gguf_spec
 from core.model.gguf.load import load_tokenizer as load_gguf_tokenizer
 from core.model.quant.formats import parse_choice, quantized_spec
+from core.model.cpu import compute as cpu_compute
+from core.model.cpu.threads import Governor, worker_setup
 from core.runtime.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
 from core.runtime.pipeline import PipelineRunner
 from core.model.sampling import greedy, sample
@@ -155,12 +156,20 @@ class Engine:
         self.policy = None  # the planner's Policy this engine was loaded with, if any
         self.tp = None  # tensor parallel: this rank's core.runtime.distributed.tensor_parallel.ShardOps
         self.rank_spec = spec  # the model this process runs: with tensor parallelism, its heads and expert slices
+        math = str(weights.math_dtype).removeprefix("torch.")
+        self.cpu = cpu_compute.CpuCompute(weights.dtype_name, math, pack=weights.packed,
+                                          direct_rows=cpu_compute.DIRECT_ROWS, reason="as loaded")
+        self.threads = Governor()  # torch threads = the free cores, re-checked between steps
         self._executor = None
 
     def executor(self):
         if self._executor is None:
             if self.config.executor == "threaded":
-                self._executor = ThreadedExecutor(RESOURCES)
+                # attention and the "device" work on disjoint cores, not one OpenMP team fighting over all
+                setup = worker_setup(self.config.device)
+                if self.threads.fixed is None:
+                    self.threads = Governor(fixed=setup.threads)
+                self._executor = ThreadedExecutor(RESOURCES, setup=setup)
             elif self.config.executor == "cuda":
                 from core.runtime.cuda_executor import CudaExecutor
 
@@ -201,13 +210,17 @@ class Engine:
              pages_per_layer: int = 1, executor: str | None = None, schedule: str | None = None,
              resident_layers: int | None = None, expert_group: int = 1, grouped: bool | None = None,
              policy=None, quantize: str | None = None, group_size: int | None = None, use_cache: bool = True,
+             cpu_math: str | None = None, threads: int | None = None,
              progress: EventSink = ignore, tp=None) -> "Engine":
         """Load a checkpoint. A `core.plan.policy.Policy` (the planner's) sets paging, resident experts, the
         expert batch and attention placement; the explicit arguments are for tests and benchmarks.
         `quantize` ("none", "int8", "int4"; `group_size` for int4) stores the experts quantized, through
         the quantized cache unless `use_cache` is False. `tp` (a
         core.runtime.distributed.tensor_parallel.TensorParallel) loads only this rank's shard; every rank
-        of the group then calls `generate` with the same requests."""
+        of the group then calls `generate` with the same requests.
+        `cpu_math` forces the CPU's compute dtype (default: core.model.cpu.compute.choose, from the probe's
+        cached per-dtype rates, else the instruction set); `threads` fixes torch's CPU threads (default:
+        the cores free of other work, re-checked between steps: core.model.cpu.threads.Governor)."""
         model_dir = Path(model_dir)
         gguf = _gguf_model(model_dir)  # a GGUF file, or a folder holding one instead of config.json
         spec = load_gguf_spec(gguf) if gguf is not None else load_spec(model_dir)
@@ -249,12 +262,19 @@ class Engine:
                                    pin=config.device == "cuda", progress=progress, quant=quant, use_cache=use_cache,
                                    shard=shard)
             spec = quantized_spec(spec, quant)
-        # the CPU-only chain never streams experts: pack them for the CPU's kernels
-        if config.ffn_on == "cpu" and (weights.scheme is not None or can_pack(weights.dtype)):
-            weights.pack_for_cpu(progress)
+        cpu = cpu_compute.choose(weights.dtype_name, rates=_probed_cpu_rates(), math=cpu_math)
+        if config.ffn_on == "cpu":  # the CPU-only chain never streams experts: ready them for the CPU
+            if weights.scheme is not None:  # quantized experts: their own CPU kernels (core.model.quant)
+                weights.pack_for_cpu(progress)
+            elif cpu.pack:
+                cpu = _pack_or_fall_back(weights, cpu, progress)
+            if cpu.widens and weights.scheme is None:
+                weights.widen_dense(torch_dtype(cpu.math))
         engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
                      grouped=grouped)
-        engine.policy = policy
+        engine.cpu, engine.policy = cpu, policy
+        if threads is not None:
+            engine.threads = Governor(fixed=threads)
         if tp is not None:
             from core.runtime.distributed.tensor_parallel import ShardOps
 
@@ -269,7 +289,8 @@ class Engine:
         r = PipelineRunner(spec, self.weights, cache, executor=self.executor(), schedule=c.schedule,
                            attention_on=c.attention_on, ffn_on=c.ffn_on, micro_batch_size=micro_batch_size,
                            expert_group=c.expert_group, resident_layers=c.resident_layers, device=c.device,
-                           grouped=self.grouped, tp=self.tp)
+                           grouped=self.grouped, tp=self.tp, cpu_math=torch_dtype(self.cpu.math),
+                           direct_rows=self.cpu.direct_rows)
         r.fault = self.fault
         return r
 
@@ -316,6 +337,7 @@ class Engine:
                 stop = self.tp.tp.any(stop)
             if stop:
                 return
+            self.threads.tick()
             try:
                 finished = self._step(runner, table, waiting, active, proc, on_event)
             except TaskFailed as e:
@@ -422,6 +444,25 @@ class Engine:
 # families whose model side (spec, weights, layers, planner) exists but whose states the pipeline does
 # not drive yet
 _NOT_WIRED = {"gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe", "phimoe"}
+
+
+def _pack_or_fall_back(weights: ModelWeights, cpu, progress: EventSink):
+    """Prepack the experts for oneDNN; where it refuses after all, say so and run them unpacked."""
+    try:
+        weights.pack_for_cpu(progress)
+        return cpu
+    except RuntimeError as e:  # e.g. "bf16 path needs the cpu support avx512bw ..."
+        progress(WarningEvent(f"oneDNN refused to prepack the experts ({str(e).splitlines()[0]}); computing in "
+                              "float32 over the unpacked weights instead"))
+        return dataclasses.replace(cpu, pack=False, math="float32", direct_rows=cpu_compute.DIRECT_ROWS,
+                                   reason=cpu.reason + "; but oneDNN refused to prepack, so not natively after all")
+
+
+def _probed_cpu_rates() -> dict[str, float] | None:
+    """The probe's measured per-dtype CPU matmul rates when this machine was probed (never measures)."""
+    from core.plan.hardware import cached_cpu_rates
+
+    return cached_cpu_rates()
 
 
 def _resident_layers(policy, spec: ModelSpec) -> int:

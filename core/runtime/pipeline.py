@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from core.runtime import schedule as sched
 from core.model.attention import decode_attention, padding_mask, prefill_attention
+from core.model.cpu.kernels import Widen
 from core.model.kvcache import KVCache
 from core.model.layers import Rope, final_logits, norm
 from core.model.layers import pre_attn as dense_pre_attn
@@ -75,7 +76,7 @@ class PipelineRunner:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, cache: KVCache, *, executor, schedule: str = "cgopipe",
                  attention_on: str = "cpu", ffn_on: str = "gpu", micro_batch_size: int = 1, expert_group: int = 1,
                  resident_layers: int | None = None, device: str | torch.device = "cpu", grouped: bool | None = None,
-                 tp=None):
+                 tp=None, cpu_math: torch.dtype | None = None, direct_rows: int = 2):
         if schedule not in sched.SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}")
         self.spec, self.w, self.cache, self.ex = spec, weights, cache, executor
@@ -92,8 +93,15 @@ class PipelineRunner:
         self.streamed = self.resident < L and ffn_on == "gpu"
         self.layout: LayerLayout = weights.layers[0].layout
         self.scale = spec.head_dim ** -0.5
-        self.rope = Rope(spec, cache.max_tokens, weights.dtype, device=self.device)
         on_host = self.device.type == "cpu"
+        self.rope = Rope(spec, cache.max_tokens, weights.math_dtype, device=self.device)
+        # the CPU computes in `cpu_math` where it is slow in the storage dtype: attention widens the KV
+        # it reads (any schedule), the CPU-only FFN widens expert tiles; one Widen per thread using it
+        cpu_math = cpu_math or weights.math_dtype
+        kv_dtype = next((t.dtype for t in cache.k if t is not None), weights.dtype)
+        self.widen_attn = Widen(cpu_math, direct_rows) if cpu_math != kv_dtype else None
+        self.widen_ffn = (Widen(weights.math_dtype, direct_rows) if on_host and weights.math_dtype != weights.dtype
+                          else None)
         # dense (non-expert) weights and the globals live on the device for the whole run
         self.dense = [{n: self._to_dev(t) for n, t in lw.dense().items()}
                       for lw in weights.layers]
@@ -258,7 +266,7 @@ class PipelineRunner:
         q, k, v = (mb.hq, mb.hk, mb.hv) if mb.hq is not None else (mb.q, mb.k, mb.v)
         self.cache.write(i, mb.slots, mb.positions, k, v)
         o = decode_attention(q, mb.cache_rows(self.cache.k[i]), mb.cache_rows(self.cache.v[i]), mb.lengths, self.scale,
-                             mb.span, mb.pad)
+                             mb.span, mb.pad, widen=self.widen_attn)
         if self.ffn_on == "cpu":
             mb.o = o
         else:
@@ -284,10 +292,10 @@ class PipelineRunner:
         mbs = self._step[t.micro_batch:t.micro_batch + g]
         ew = self._expert_weights(t.layer)
         if g == 1:
-            parts = [_experts(ew, mbs[0].h, mbs[0].rw, mbs[0].ridx, self.grouped)]
+            parts = [_experts(ew, mbs[0].h, mbs[0].rw, mbs[0].ridx, self.grouped, self.widen_ffn)]
         else:
             out = _experts(ew, torch.cat([m.h for m in mbs]), torch.cat([m.rw for m in mbs]),
-                           torch.cat([m.ridx for m in mbs]), self.grouped)
+                           torch.cat([m.ridx for m in mbs]), self.grouped, self.widen_ffn)
             parts = out.split([m.B for m in mbs])
         parts = [y if m.shared is None else y + m.shared for m, y in zip(mbs, parts)]
         if self.tp is not None:  # each rank holds a slice of every expert: sum the partial outputs, once
@@ -373,7 +381,7 @@ class PipelineRunner:
         h = norm(self.spec, x, w["ln2"])
         rw, ridx = route(self.spec, h, w)
         ew = self._expert_weights(i)
-        y = _experts(ew, h, rw, ridx, self.grouped)
+        y = _experts(ew, h, rw, ridx, self.grouped, self.widen_ffn)
         if self.spec.shared_intermediate:
             y = y + shared_expert(self.spec, w, h)
         mb.x = x + (y if self.tp is None else self.tp.ffn_out(y))
@@ -385,6 +393,6 @@ def _noop(t):
     return t
 
 
-def _experts(ew: dict, h, rw, ridx, grouped):
+def _experts(ew: dict, h, rw, ridx, grouped, widen=None):
     return experts(h, ew.get("w13"), ew.get("w2"), rw, ridx, grouped=grouped, packed=ew.get("packed"),
-                   quant=ew.get("quant"))
+                   quant=ew.get("quant"), widen=widen)

@@ -75,7 +75,7 @@ def _common(policy: Policy) -> dict:
 
 
 def decode_costs(model: ModelSpec, hardware: HardwareSpec, policy: Policy, context: float) -> dict[str, float]:
-    tasks = hrm.decode_tasks(model, hrm.effective_rates(hardware), expert_batch=policy.expert_batch_size,
+    tasks = hrm.decode_tasks(model, hrm.effective_rates(hardware, model.dtype, model), expert_batch=policy.expert_batch_size,
                              context=context, **_common(policy))
     return {k: c.seconds for k, c in tasks.items()}
 
@@ -88,7 +88,7 @@ def simulate_decode(model: ModelSpec, hardware: HardwareSpec, policy: Policy, co
 
 
 def simulate_prefill(model: ModelSpec, hardware: HardwareSpec, policy: Policy, prompt_len: float) -> Timeline:
-    costs = hrm.prefill_tasks(model, hrm.effective_rates(hardware), prompt_len=prompt_len, **_common(policy))
+    costs = hrm.prefill_tasks(model, hrm.effective_rates(hardware, model.dtype, model), prompt_len=prompt_len, **_common(policy))
     tasks = schedule.prefill(num_layers=model.num_layers, num_micro_batches=policy.num_micro_batches,
                              pages_per_layer=policy.pages_per_layer, ffn_on=policy.ffn_on,
                              streamed=policy.gpu_weight_fraction < 1.0)

@@ -1,0 +1,149 @@
+"""The CPU's instruction set as our kernels see it: what the silicon has, and what torch may use.
+
+Two answers, because they differ: the CPU may have AVX-512 BF16 while torch runs under
+`ATEN_CPU_CAPABILITY=avx2` and oneDNN under `ONEDNN_MAX_CPU_ISA=AVX2` (CI's AVX2 lane, or a user
+pinning them). Kernels act on `usable`; `hardware` is shown to the user beside it.
+Levels, lowest to highest: "baseline" < "avx2" < "avx512" < "avx512_bf16" < "amx" (x86); other
+architectures report torch's own capability name ("sve256", "vsx", ...) with no bf16 fast path assumed.
+
+Tests fake the answer with `monkeypatch.setattr(isa, "cpu_isa", lambda: CpuIsa(...))`: every caller
+goes through this module attribute, so the fallback paths run on any CI machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
+LABELS = {"baseline": "SSE/baseline", "avx2": "AVX2", "avx512": "AVX-512", "avx512_bf16": "AVX-512 BF16",
+          "amx": "AMX"}
+ENV_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+@dataclass(frozen=True)
+class CpuIsa:
+    hardware: str  # best level the CPU itself has
+    usable: str  # best level torch's kernels and oneDNN will actually use here
+    bf16_native: bool  # oneDNN runs bf16 matmuls natively (and can prepack bf16 weights)
+    fp16_native: bool  # hardware fp16 matmul (AMX-FP16 / AVX-512 FP16) that torch uses
+    limited_by: tuple[str, ...] = ()  # "NAME=value" of the environment settings that lower `usable`
+    name: str = ""  # the CPU's marketing name, when known
+
+    @property
+    def label(self) -> str:
+        """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"."""
+        text = LABELS.get(self.usable, self.usable.upper())
+        if self.hardware != self.usable:
+            why = f"; limited by {', '.join(self.limited_by)}" if self.limited_by else ""
+            text += f" (CPU has {LABELS.get(self.hardware, self.hardware.upper())}{why})"
+        return text
+
+    def at_least(self, level: str) -> bool:
+        return self.usable in LEVELS and LEVELS.index(self.usable) >= LEVELS.index(level)
+
+
+def _features() -> dict:
+    """The CPU's feature flags from torch's cpuinfo (x86 names; empty elsewhere)."""
+    import torch
+
+    get = getattr(torch.cpu, "get_capabilities", None)
+    if get is not None:
+        try:
+            return dict(get())
+        except Exception:  # an older torch or an unusual platform: fall back to the probes below
+            pass
+    out = {}
+    for key, fn in (("avx2", "_is_avx2_supported"), ("avx512_f", "_is_avx512_supported"),
+                    ("avx512_bf16", "_is_avx512_bf16_supported"), ("amx_tile", "_is_amx_tile_supported"),
+                    ("amx_fp16", "_is_amx_fp16_supported")):
+        f = getattr(torch.cpu, fn, None)
+        out[key] = bool(f()) if f is not None else False
+    return out
+
+
+# (level, features that imply it), best first
+_HW_LEVELS = (("amx", ("amx_bf16", "amx_tile")), ("avx512_bf16", ("avx512_bf16",)), ("avx512", ("avx512_f",)),
+              ("avx2", ("avx2",)))
+
+
+def _level(f: dict) -> str:
+    return next((level for level, flags in _HW_LEVELS if any(f.get(x) for x in flags)), "baseline")
+
+
+def _aten_level() -> str | None:
+    """ATen's vectorised kernels: "AVX512" / "AVX2" / "DEFAULT" on x86, other names elsewhere."""
+    import torch
+
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        return None
+    return {"AVX512": "avx512", "AVX2": "avx2", "DEFAULT": "baseline", "NO AVX": "baseline"}.get(cap.upper(), cap.lower())
+
+
+def _onednn_bf16() -> bool:
+    """oneDNN's own answer (it honours ONEDNN_MAX_CPU_ISA): bf16 matmul without emulation."""
+    import torch
+
+    fn = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if fn is None or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(fn())
+    except Exception:
+        return False
+
+
+def _idx(level: str) -> int:
+    return LEVELS.index(level) if level in LEVELS else 0
+
+
+# ONEDNN_MAX_CPU_ISA values (prefixes, most specific first) as our levels
+_ONEDNN_CAPS = (("AVX512_CORE_AMX", "amx"), ("AVX512_CORE_BF16", "avx512_bf16"), ("AVX10", "avx512_bf16"),
+                ("AVX512", "avx512"), ("AVX2", "avx2"), ("SSE", "baseline"), ("DEFAULT", "baseline"))
+
+
+def _onednn_cap(name: str | None) -> str | None:
+    """ONEDNN_MAX_CPU_ISA as one of our levels (None when unset, ALL or unknown)."""
+    n = (name or "").strip().upper()
+    return next((level for prefix, level in _ONEDNN_CAPS if n.startswith(prefix)), None) if n else None
+
+
+def detect(features: dict | None = None, aten: str | None = None, onednn_bf16: bool | None = None,
+           env: dict | None = None) -> CpuIsa:
+    """The CpuIsa of this process; the arguments stand in for the machine in tests."""
+    f = _features() if features is None else features
+    env = os.environ if env is None else env
+    hw = _level(f)
+    limited = []
+    # oneDNN (matmuls, prepacking) honours ONEDNN_MAX_CPU_ISA; ATen's vector kernels (elementwise,
+    # softmax, the bf16 conversions) honour ATEN_CPU_CAPABILITY and top out at AVX-512
+    onednn = hw
+    cap = _onednn_cap(env.get("ONEDNN_MAX_CPU_ISA"))
+    if cap is not None and _idx(cap) < _idx(hw):
+        onednn = cap
+        limited.append(f"ONEDNN_MAX_CPU_ISA={env['ONEDNN_MAX_CPU_ISA']}")
+    aten = _aten_level() if aten is None else aten
+    usable = onednn
+    if aten in LEVELS and _idx(aten) < min(_idx(hw), _idx("avx512")):
+        usable = aten if _idx(aten) < _idx(usable) else usable
+        if env.get("ATEN_CPU_CAPABILITY"):
+            limited.append(f"ATEN_CPU_CAPABILITY={env['ATEN_CPU_CAPABILITY']}")
+    bf16 = _onednn_bf16() if onednn_bf16 is None else onednn_bf16
+    # oneDNN's bf16 is native from AVX-512 BF16 up; below that it emulates (slowly) or refuses
+    bf16_native = bf16 and _idx(onednn) >= _idx("avx512_bf16")
+    fp16_native = bool(f.get("amx_fp16") or f.get("avx512_fp16")) and _idx(onednn) >= _idx("avx512_bf16")
+    return CpuIsa(hardware=hw, usable=usable, bf16_native=bf16_native, fp16_native=fp16_native,
+                  limited_by=tuple(dict.fromkeys(limited)), name=str(f.get("cpu_name") or ""))
+
+
+@functools.lru_cache(maxsize=1)
+def _cached() -> CpuIsa:
+    return detect()
+
+
+def cpu_isa() -> CpuIsa:
+    """This process's CPU, read once (env limits are read by torch and oneDNN at start-up too)."""
+    return _cached()

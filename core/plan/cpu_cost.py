@@ -1,0 +1,200 @@
+"""The CPU's measured cost model: what each task of a CPU-only step costs on *this* machine.
+
+A roofline with one efficiency factor cannot hold both a batch-1 GEMV (bandwidth-bound), a decode
+GEMM with 16 rows per expert and a prefill GEMM with thousands; so a GEMM of M rows over an N×K
+weight is costed as  flop_s·2MNK + weight_s·NK + call_s  — affine in M, the smoothed roofline whose
+intercept is reading the weight (its bandwidth and the small-M loss of the kernel). Decode attention
+costs kv_s per K/V element read plus attn_row_s per (request, KV head) row; elementwise work elem_s
+per activation element; and every task, step and request its measured overhead. `mlight bench
+--calibrate` measures the coefficients (core.runtime.calibrate), this module stores them per machine
+and per CPU math dtype (cached like the probe) and turns them into the HRM's TaskCosts for the
+CPU-only placement, so the planner, `predict` and the simulator all use them.
+
+Boundary: pure functions of (Dims, CpuCosts, numbers) plus the cache file. Legend as in core.plan.hrm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class CpuCosts:
+    math: str  # the CPU math dtype (kernel) these were measured with
+    flop_s: float  # dense GEMMs (QKV, O, router, shared expert, LM head): seconds per FLOP (1 / sustained peak)
+    weight_s: float  # ... per weight element a call reads
+    call_s: float  # ... per call
+    expert_flop_s: float = 0.0  # the routed experts' kernel (prepacked, widened or plain): per FLOP
+    expert_weight_s: float = 0.0  # ... per weight element
+    expert_call_s: float = 0.0  # ... per call
+    gemv_s: float = 0.0  # an expert call of ≤ direct_rows rows reads its narrow weights directly: per element
+    direct_rows: int = 0
+    # weights that stay in the last-level cache between steps cost less to read: per element when
+    # cached (0 = not measured: the model is larger than the cache), and the cache's size
+    weight_hot_s: float = 0.0
+    expert_weight_hot_s: float = 0.0
+    cache_bytes: int = 0
+    elem_s: float = 0.0  # seconds per activation element of elementwise work (norms, RoPE, SwiGLU, gathers)
+    kv_s: float = 0.0  # seconds per K or V element decode attention reads
+    attn_row_s: float = 0.0  # seconds per (request, KV head) row of decode attention
+    sdpa_flop_s: float = 0.0  # seconds per FLOP of prefill attention
+    task_s: float = 0.0  # overhead per task of the step graph (Python, dispatch, small ops)
+    prompt_s: float = 0.0  # overhead per prompt in a prefill task (its own attention call)
+    step_s: float = 0.0  # overhead per engine step (embedding, sampling set-up, bookkeeping)
+    seq_s: float = 0.0  # overhead per request per step (sampling, stop checks)
+    threads: int = 0  # torch threads when measured
+    model: str = ""  # model_key() of the model the costs were measured on
+    model_bytes: int = 0  # its weights, for picking the nearest calibration for another model
+
+    def gemm(self, rows: float, n: int, k: int, mats: float = 1.0, expert: bool = False) -> float:
+        """`mats` GEMMs over N×K weights with `rows` rows between them (dense, or the experts' kernel)."""
+        if not expert:
+            return self.flop_s * 2 * rows * n * k + (self.weight_s * n * k + self.call_s) * mats
+        return self.expert_flop_s * 2 * rows * n * k + (self.expert_weight_s * n * k + self.expert_call_s) * mats
+
+    def gemv(self, n: int, k: int, mats: float = 1.0) -> float:
+        """`mats` expert calls of ≤ direct_rows rows: they read the narrow weights directly."""
+        return (self.gemv_s * n * k + self.expert_call_s) * mats
+
+    def for_step(self, kv_bytes: float) -> "CpuCosts":
+        """The costs of a step that streams `kv_bytes` of KV cache: the weights stay cached only as far as
+        the cache holds them beside that stream (a model larger than the cache never does)."""
+        if not self.cache_bytes or not self.model_bytes or not (self.weight_hot_s or self.expert_weight_hot_s):
+            return self
+        hot = min(1.0, max(0.0, (self.cache_bytes - kv_bytes) / self.model_bytes))
+        blend = lambda cold, warm: warm * hot + cold * (1 - hot) if warm else cold  # noqa: E731
+        return dataclasses.replace(self, weight_s=blend(self.weight_s, self.weight_hot_s),
+                                   expert_weight_s=blend(self.expert_weight_s, self.expert_weight_hot_s),
+                                   weight_hot_s=0.0, expert_weight_hot_s=0.0)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CpuCosts":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# ---- the CPU-only layer's tasks --------------------------------------------------------------------
+def _experts(d, tokens: float) -> tuple[float, float]:
+    """(distinct experts touched, rows each) for `tokens` routed tokens (uniform routing)."""
+    from core.plan.hrm import expected_experts
+
+    e = max(expected_experts(tokens, d.E, d.k), 1e-9)
+    return e, tokens * d.k / e
+
+
+def dense_seconds(d, c: CpuCosts, t: float) -> tuple[float, float]:
+    """(pre-attention, post-attention) of t tokens: QKV + norm + RoPE; O + norm + router + shared expert."""
+    qkv = d.q + 2 * d.kv
+    pre = c.gemm(t, qkv, d.D) + c.elem_s * t * (3 * d.D + 3 * qkv)
+    post = c.gemm(t, d.D, d.q) + c.gemm(t, d.E, d.D) + c.elem_s * t * (5 * d.D + 3 * d.E)
+    if d.Is:
+        post += c.gemm(t, 2 * d.Is, d.D) + c.gemm(t, d.D, d.Is) + c.elem_s * t * (3 * d.Is + 2 * d.D)
+    return pre, post
+
+
+def _direct(d, t: float, direct_rows: int) -> tuple[float, float]:
+    """(experts, rows) expected among the experts that get 1..direct_rows of t tokens: an expert's rows are
+    Binomial(t, k/E) under uniform routing, so even at 1.5 rows per expert on average some get four."""
+    if not direct_rows or t < 1:
+        return 0.0, 0.0
+    from math import comb
+
+    n, p = int(round(t)), d.k / d.E
+    probs = [comb(n, r) * p ** r * (1 - p) ** (n - r) for r in range(1, min(direct_rows, n) + 1)]
+    return d.E * sum(probs), d.E * sum(r * q for r, q in enumerate(probs, 1))
+
+
+def experts_seconds(d, c: CpuCosts, t: float) -> float:
+    """Routed experts of t tokens in one expert batch: each touched expert's two GEMMs (GEMVs for the
+    experts with ≤ direct_rows rows, where narrow weights are read directly), plus the gather, SwiGLU,
+    scaling and scatter of the t·k routed rows."""
+    e, _rows = _experts(d, t)
+    rows = t * d.k
+    few_e, few_rows = _direct(d, t, c.direct_rows)
+    many_e, many_rows = max(0.0, e - few_e), max(0.0, rows - few_rows)
+    return (c.gemm(many_rows, 2 * d.I, d.D, many_e, expert=True) + c.gemm(many_rows, d.D, d.I, many_e, expert=True)
+            + c.gemv(2 * d.I, d.D, few_e) + c.gemv(d.D, d.I, few_e) + c.elem_s * rows * (3 * d.D + 3 * d.I))
+
+
+def attention_seconds(d, c: CpuCosts, b: float, context: float, row_tokens: float | None = None) -> float:
+    """Decode attention of b requests over `context` cached tokens each (and the new token's KV write).
+    Where the cache rows are `row_tokens` long, attention reads them whole (a view, masked past each
+    length: cheaper than copying strided slices), so that is what it costs."""
+    hkv = d.kv // d.head_dim
+    n = max(context, row_tokens or 0.0)
+    return c.kv_s * b * n * 2 * d.kv + c.attn_row_s * b * hkv + c.elem_s * b * (2 * d.kv + 4 * d.heads * n)
+
+
+def head_seconds(d, c: CpuCosts, tokens: float) -> float:
+    """Per step: final norm + LM head over `tokens` rows, sampling, and the step's own overhead."""
+    return c.gemm(tokens, d.V, d.D) + c.elem_s * tokens * (4 * d.D + 2 * d.V) + c.step_s + c.seq_s * tokens
+
+
+def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float) -> float:
+    """One CPU-only prefill task: a micro-batch of `prompts` prompts of `prompt_len` tokens through one layer."""
+    t = prompts * prompt_len
+    pre, post = dense_seconds(d, c, t)
+    flops = 4 * prompts * (prompt_len * (prompt_len + 1) / 2) * d.heads * d.head_dim
+    return pre + post + experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts + c.task_s
+
+
+def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,
+                 row_tokens: float | None = None) -> dict[str, float]:
+    """Seconds of one task of each kind of a CPU-only decode layer (core.runtime.schedule._cpu_only)."""
+    pre, post = dense_seconds(d, c, micro_batch)
+    attn = attention_seconds(d, c, micro_batch, context, row_tokens)
+    return {"pre_attn": pre + c.task_s, "cpu_attn": attn + c.task_s,
+            "post_attn": post + c.task_s, "ffn": experts_seconds(d, c, expert_batch) + c.task_s}
+
+
+# ---- the cache: per machine, by math dtype and model -------------------------------------------------
+def model_key(d) -> str:
+    """The shapes that decide a model's CPU costs (a core.plan.hrm.Dims)."""
+    return f"L{d.layers}-D{d.D}-q{d.q}-kv{d.kv}-E{d.E}x{d.I}-k{d.k}-s{d.Is}-V{d.V}-b{d.dt}"
+
+
+def pick(entries: dict, d=None) -> CpuCosts | None:
+    """From {model_key: costs dict}, the costs measured on this model, else on the model nearest in size."""
+    if not entries:
+        return None
+    if d is not None and model_key(d) in entries:
+        return CpuCosts.from_dict(entries[model_key(d)])
+    import math
+
+    size = d.total_bytes if d is not None else 0
+    best = min(entries.values(), key=lambda c: abs(math.log(max(c.get("model_bytes") or 1, 1) / max(size, 1))))
+    return CpuCosts.from_dict(best)
+
+
+def cache_path(hw) -> Path:
+    from core.plan.hardware import cache_dir, machine_key
+
+    return cache_dir() / "calibration" / f"v{VERSION}-{machine_key(hw)}.json"
+
+
+def load(hw) -> dict[str, dict[str, dict]]:
+    """This machine's calibrations: {math dtype: {model_key: costs dict}} ({} when never calibrated)."""
+    try:
+        raw = json.loads(cache_path(hw).read_text(encoding="utf-8"))["cpu"]
+        return {m: {k: CpuCosts.from_dict(v).to_dict() for k, v in per.items()} for m, per in raw.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def save(hw, costs: CpuCosts) -> Path:
+    """Add (or replace) the costs of `costs.math` on `costs.model`, keeping every other entry."""
+    from core.plan.hardware import _write_json
+
+    known = load(hw)
+    known.setdefault(costs.math, {})[costs.model] = costs.to_dict()
+    path = cache_path(hw)
+    _write_json(path, {"cpu": known})
+    return path

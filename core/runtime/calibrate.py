@@ -1,0 +1,347 @@
+"""Measure this machine's CPU cost model (core.plan.cpu_cost.CpuCosts) with the engine's own kernels and steps.
+
+Three stages, each fitting few coefficients from many measurements (weighted least squares on
+relative error, coefficients kept ≥ 0):
+1. GEMMs: the engine's dense and expert kernels (plain, oneDNN-prepacked or widened from bf16) timed
+   in isolation on this model's weight shapes over a spread of row counts, cycling through as many
+   weights as the model has (capped past any last-level cache), so they come from RAM exactly when
+   the model's do → flop_s, weight_s, call_s (+ gemv_s below `direct_rows`).
+2. The engine's runner on this model: decode steps over KV rows filled with random values (so any
+   batch and context can be had without prefilling it) and small prefills → per-activation, per-task,
+   attention and prefill-attention terms, from what the GEMMs leave unexplained.
+3. A few `Engine.generate` steps → the engine's per-step and per-request overhead.
+Every cost function is linear in the coefficients, so a coefficient's feature is the cost function
+evaluated with that coefficient at 1 and the others at 0: the fit and the prediction cannot drift apart.
+
+`clock` is what seconds are: wall time (time.perf_counter, the default) or this process's CPU time
+(time.process_time: on a shared machine, with one thread, what a quiet machine's wall time would
+be). With a CPU clock, each task is timed by it as it runs (`TaskClock`), since the executor's own
+busy times are wall seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.nn.functional as F
+
+from core.model.cpu.kernels import Widen
+from core.plan import cpu_cost, hrm
+from core.plan.cpu_cost import CpuCosts
+from core.telemetry import EventSink, Progress, ignore
+
+LLC_BYTES = 64 << 20  # cycling through this much weight defeats any last-level cache: they come from RAM
+ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 1024)
+MAX_GEMM_FLOPS = 2e9  # skip points slower than this per call: they add time, not information
+POINT_FLOPS = 4e9  # FLOPs of one timed point (all its copies): at large M a weight is reused, cache or not
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+DECODE_CONTEXTS = (48, 384)
+PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256))  # (prompts, tokens each)
+
+
+# ---- fitting ---------------------------------------------------------------------------------------
+def fit(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Non-negative least squares on relative error: min Σ ((X·c − y) / y)², c ≥ 0, by dropping the most
+    negative coefficient and refitting (few unknowns, so this active-set loop is exact enough)."""
+    n = len(rows[0])
+    active = list(range(n))
+    while active:
+        X = torch.tensor([[r[i] / t for i in active] for r, t in zip(rows, y)], dtype=torch.float64)
+        ones = torch.ones(len(y), 1, dtype=torch.float64)
+        scale = X.abs().amax(0).clamp_min(1e-300)  # column scaling keeps the solve well conditioned
+        c = torch.linalg.lstsq(X / scale, ones).solution[:, 0] / scale
+        if (c >= 0).all():
+            out = [0.0] * n
+            for i, v in zip(active, c.tolist()):
+                out[i] = v
+            return out
+        active.pop(int(c.argmin()))
+    return [0.0] * n
+
+
+def _feature(fn, base: CpuCosts, name: str) -> float:
+    """The cost function's coefficient on `name`: evaluated with that field at 1 and the fitted ones at 0."""
+    zero = {f.name: 0.0 for f in dataclasses.fields(CpuCosts) if f.type in ("float", float)}
+    return fn(dataclasses.replace(base, **{**zero, name: 1.0}))
+
+
+# ---- 1. GEMM kernels ---------------------------------------------------------------------------------
+def _best(fn, reps: int = 3, clock=time.perf_counter) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = clock()
+        fn()
+        best = min(best, clock() - t)
+    return best
+
+
+class TaskClock:
+    """Per-resource busy seconds by `clock`, timed around every task of the runners it is installed on
+    (sequential executor: the tasks run on this thread). With the wall clock it changes nothing."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock, self.busy = clock, {}
+
+    @property
+    def wall(self) -> bool:
+        return self.clock is time.perf_counter
+
+    def install(self, runner):
+        if self.wall:
+            return runner
+        run, clock = runner._run, self.clock
+
+        def timed_run(task):
+            t = clock()
+            try:
+                run(task)
+            finally:
+                self.busy[task.resource] = self.busy.get(task.resource, 0.0) + clock() - t
+
+        runner._run = timed_run
+        return runner
+
+    def take(self, measured: dict) -> dict:
+        """This step's busy seconds: ours, or `measured` (the executor's) with the wall clock."""
+        busy, self.busy = self.busy, {}
+        return measured if self.wall else busy
+
+    def engine(self, engine):
+        """Time every runner `engine` makes from now on."""
+        make = engine.runner
+        engine.runner = lambda *a, **kw: self.install(make(*a, **kw))
+        return engine
+
+
+def engine_kernels(engine):
+    """(dense, expert) kernels the engine runs: each is (prepare(w_fp32 [N, K]) -> weight, apply(x, weight))
+    and the dtype of its inputs."""
+    w = engine.weights
+    math = w.math_dtype
+    dense = (lambda t: t.to(math).contiguous(), F.linear)
+    if w.packed:
+        from core.model.moe import _packed_linear, _reorder
+
+        reorder = _reorder()
+        expert = (lambda t: reorder(t.to(w.dtype).contiguous(), 16), _packed_linear)
+    elif math != w.dtype:
+        widen = Widen(math, engine.cpu.direct_rows)
+        expert = (lambda t: t.to(w.dtype).contiguous(), widen.linear)
+    else:
+        expert = dense
+    return dense, expert, math
+
+
+def model_shapes(spec) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(dense, expert) weight shapes (N, K) of a model's GEMMs."""
+    D, I, Is = spec.hidden_size, spec.expert_intermediate, spec.shared_intermediate
+    dense = [(spec.q_size + 2 * spec.kv_size, D), (D, spec.q_size), (spec.num_experts, D), (spec.vocab_size, D)]
+    if Is:
+        dense += [(2 * Is, D), (D, Is)]
+    return dense, [(2 * I, D), (D, I)]
+
+
+def gemm_terms(kernel, math: torch.dtype, shapes, resident: int, direct_rows: int = 0, rows=ROWS,
+               clock=time.perf_counter):
+    """(flop_s, weight_s, call_s, gemv_s) of one kernel: seconds per FLOP, per weight element, per call;
+    gemv_s per weight element for calls of ≤ direct_rows rows (they read the narrow weight directly).
+    The weights cycle through `resident` bytes: more than the cache holds, or a model's that fits."""
+    prepare, apply = kernel
+    obs, gemv = [], []
+    for n, k in shapes:
+        ws = [prepare(torch.randn(n, k) / k ** 0.5) for _ in range(max(1, resident // (n * k * 4)))]
+        for m in rows:
+            if 2 * m * n * k > MAX_GEMM_FLOPS:
+                continue
+            x = torch.randn(m, k, dtype=math)
+            use = ws[:max(1, min(len(ws), int(POINT_FLOPS // (2 * m * n * k))))]
+
+            def run():
+                for w in use:
+                    apply(x, w)
+
+            t = _best(run, reps=2, clock=clock) / len(use)
+            (gemv if m <= direct_rows else obs).append((m, n, k, t))
+        del ws
+    flop_s, weight_s, call_s = fit([[2 * m * n * k, n * k, 1.0] for m, n, k, _ in obs], [t for *_, t in obs])
+    gemv_s = 0.0
+    if gemv:
+        gemv_s = sum(max(0.0, t - call_s) / (n * k) for m, n, k, t in gemv) / len(gemv)
+    return flop_s, weight_s, call_s, gemv_s
+
+
+# ---- 2. the engine's runner ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Obs:
+    kind: str  # "decode" | "prefill"
+    b: int  # requests in the step (decode) or prompts (prefill)
+    length: int  # cached tokens per request after the step (decode) / prompt tokens (prefill)
+    busy: dict  # resource -> seconds, the whole step
+    wall: float
+    rows: int = 0  # tokens a KV cache row holds (decode)
+
+
+def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS, prefills=PREFILLS,
+                        steps: int = 3, progress: EventSink = ignore, clock=time.perf_counter) -> list[Obs]:
+    spec, out = engine.spec, []
+    limit = spec.max_position - steps - 2
+    plan = [(b, c) for b in batches for c in contexts if c <= limit]
+    g = torch.Generator().manual_seed(0)
+    tc = TaskClock(clock)
+    for i, (b, c) in enumerate(plan):
+        runner = tc.install(engine.runner(slots=b, micro_batch_size=b, max_tokens=c + steps + 1))
+        for t in (*runner.cache.k, *runner.cache.v):  # a filled cache without a prefill: timing only
+            t[:, :, :c].normal_(generator=g)
+        tokens = [torch.randint(0, spec.vocab_size, (b,), generator=g).tolist()]
+        runner.decode(tokens, [list(range(b))], [[c] * b])  # warm-up
+        tc.take({})
+        for s in range(steps):
+            t0 = clock()
+            _, busy = runner.decode(tokens, [list(range(b))], [[c + s] * b])
+            out.append(Obs("decode", b, c + s + 1, tc.take(busy), clock() - t0, c + steps + 1))
+        del runner
+        progress(Progress("calibrating: decode steps", i + 1, len(plan), "shapes"))
+    for i, (p, n) in enumerate(pf for pf in prefills if pf[1] <= limit):
+        runner = tc.install(engine.runner(slots=p, micro_batch_size=p, max_tokens=n + 1))
+        prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for _ in range(p)]
+        runner.prefill(prompts[:1], [0], [[0]])  # warm-up
+        tc.take({})
+        t0 = clock()
+        _, busy = runner.prefill(prompts, list(range(p)), [list(range(p))])
+        out.append(Obs("prefill", p, n, tc.take(busy), clock() - t0))
+        progress(Progress("calibrating: prefills", i + 1, len(prefills), "shapes"))
+    return out
+
+
+def _layer_decode(d, c: CpuCosts, o: Obs) -> tuple[float, float]:
+    """(dense + experts, attention) seconds of one layer for an observed decode step (one micro-batch)."""
+    c = c.for_step(o.b * max(o.length, o.rows) * d.kv_tok)
+    t = cpu_cost.decode_tasks(d, c, micro_batch=o.b, expert_batch=o.b, context=o.length, row_tokens=o.rows)
+    return t["pre_attn"] + t["post_attn"] + t["ffn"], t["cpu_attn"]
+
+
+def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs]) -> CpuCosts:
+    """elem_s and task_s from the dense work, kv_s and attn_row_s from attention, sdpa_flop_s and prompt_s
+    from prefills — each from what the terms already known leave unexplained."""
+    d, L = hrm.dims(engine.spec), engine.spec.num_layers
+    dec = [o for o in obs if o.kind == "decode"]
+
+    def residual_fit(items, names, measured, known):
+        rows = [[_feature(lambda c, o=o: fn(c, o), base, n) for n in names] for o, fn in items]
+        y = [max(1e-9, measured(o) - known(o)) for o, _ in items]
+        return dict(zip(names, fit(rows, y)))
+
+    dense = lambda c, o: _layer_decode(d, c, o)[0]  # noqa: E731
+    got = residual_fit([(o, dense) for o in dec], ("elem_s", "task_s"), lambda o: o.busy.get("gpu", 0) / L,
+                       lambda o: dense(base, o))
+    base = dataclasses.replace(base, **got)
+    attn = lambda c, o: _layer_decode(d, c, o)[1]  # noqa: E731
+    got = residual_fit([(o, attn) for o in dec], ("kv_s", "attn_row_s"), lambda o: o.busy.get("cpu_attn", 0) / L,
+                       lambda o: attn(base, o))
+    base = dataclasses.replace(base, **got)
+    pre = [o for o in obs if o.kind == "prefill"]
+    if pre:
+        fn = lambda c, o: cpu_cost.prefill_seconds(d, c.for_step(o.b * o.length * d.kv_tok), o.b, o.length)  # noqa: E731
+        got = residual_fit([(o, fn) for o in pre], ("sdpa_flop_s", "prompt_s"), lambda o: o.busy.get("gpu", 0) / L,
+                           lambda o: fn(base, o))
+        base = dataclasses.replace(base, **got)
+    return base
+
+
+# ---- 3. the engine's own step overhead -------------------------------------------------------------------
+def fit_step_terms(engine, base: CpuCosts, batches=(1, 8, 32), clock=time.perf_counter) -> CpuCosts:
+    """step_s and seq_s: what a decode step of `Engine.generate` costs beyond its tasks and its LM head."""
+    from core.runtime.engine import Request
+    from core.telemetry import StepDone
+
+    d, rows, y = hrm.dims(engine.spec), [], []
+    eos, engine.eos_ids = engine.eos_ids, set()
+    make = engine.runner
+    try:
+        for b in batches:
+            events = StepClock(engine, clock)
+            reqs = [Request(id=str(i), prompt="Hello", max_new_tokens=5) for i in range(b)]
+            list(engine.generate(reqs, batch_size=b, micro_batch_size=b, on_event=events))
+            engine.runner = make
+            for e in events.steps:
+                if e.kind == "decode":
+                    head = cpu_cost.head_seconds(d, dataclasses.replace(base, step_s=0.0, seq_s=0.0), e.tokens)
+                    rows.append([1.0, float(e.tokens)])
+                    y.append(max(1e-9, e.seconds - sum(e.busy.values()) - head))
+    finally:
+        engine.eos_ids = eos
+        engine.runner = make
+    step_s, seq_s = fit(rows, y)
+    return dataclasses.replace(base, step_s=step_s, seq_s=seq_s)
+
+
+def llc_bytes() -> int:
+    """The last-level cache's size (Linux sysfs; elsewhere a typical desktop's 16 MiB)."""
+    from pathlib import Path
+
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text(encoding="ascii").strip().upper()
+            best = max(best, int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1) if text[-1] in "KM"
+                       else int(text))
+        except (OSError, ValueError):
+            continue
+    return best or 16 << 20
+
+
+class StepClock:
+    """An event sink keeping an engine's StepDone events with their seconds and busy times in `clock`'s
+    seconds: the clock's time between consecutive events is the step's (the engine emits one at each
+    step's end), and a TaskClock on the engine times its tasks."""
+
+    def __init__(self, engine, clock=time.perf_counter, forward: EventSink = ignore):
+        self.clock, self.forward = clock, forward
+        self.tasks = TaskClock(clock)
+        self.tasks.engine(engine)
+        self.steps: list = []
+        self._last = clock()
+
+    def __call__(self, e) -> None:
+        from core.telemetry import StepDone
+
+        if isinstance(e, StepDone):
+            now = self.clock()
+            if not self.tasks.wall:
+                e = dataclasses.replace(e, seconds=now - self._last, busy=self.tasks.take(e.busy))
+            self._last = now
+            self.steps.append(e)
+        self.forward(e)
+
+
+def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, clock=time.perf_counter) -> CpuCosts:
+    """The CPU cost model of this machine, measured with `engine` (a CPU-only engine) and its model."""
+    engine.threads.tick()  # measure with the threads the engine will run with
+    dense, expert, math = engine_kernels(engine)
+    spec = engine.spec
+    d = hrm.dims(spec)
+    dense_shapes, expert_shapes = model_shapes(spec)
+    rows = ROWS[:8] if quick else ROWS
+    direct = engine.cpu.direct_rows if engine.cpu.widens else 0
+    cache = llc_bytes()
+    fits = spec.total_bytes < cache  # a model this small can stay cached between steps: measure both ways
+    progress(Progress("calibrating: GEMM kernels", 0, 2, "kernels"))
+    fd, wd, cd, _ = gemm_terms(dense, math, dense_shapes, LLC_BYTES, 0, rows, clock)
+    fx, wx, cx, gx = gemm_terms(expert, math, expert_shapes, LLC_BYTES, direct, rows, clock)
+    progress(Progress("calibrating: GEMM kernels", 1, 2, "kernels"))
+    hot_d = hot_x = 0.0
+    if fits:
+        hot_d = gemm_terms(dense, math, dense_shapes, spec.total_bytes, 0, rows, clock)[1]
+        hot_x = gemm_terms(expert, math, expert_shapes, spec.total_bytes, direct, rows, clock)[1]
+    progress(Progress("calibrating: GEMM kernels", 2, 2, "kernels"))
+    base = CpuCosts(math=engine.cpu.math, flop_s=fd, weight_s=wd, call_s=cd, expert_flop_s=fx, expert_weight_s=wx,
+                    expert_call_s=cx, gemv_s=gx, direct_rows=direct, weight_hot_s=hot_d, expert_weight_hot_s=hot_x,
+                    cache_bytes=cache, threads=torch.get_num_threads(), model=cpu_cost.model_key(d),
+                    model_bytes=spec.total_bytes)
+    kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2) if quick else {}
+    obs = runner_observations(engine, progress=progress, clock=clock, **kw)
+    base = fit_engine_terms(engine, base, obs)
+    return fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)

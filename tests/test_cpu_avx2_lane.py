@@ -1,0 +1,44 @@
+"""The AVX2 lane: the CPU-mode and CPU-attention parity tests again, with torch and oneDNN limited to AVX2.
+
+Most CPUs our users have are AVX2-only (most desktop Intel from 12th gen on, AMD Zen 2/3), where
+torch's bf16 matmuls are 10–100× slower and oneDNN refuses to prepack bf16 weights. CI and dev
+machines often have AVX-512 BF16, so this runs the parity tests in a child pytest under
+ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 (read at start-up, hence the subprocess):
+the fp32 and bf16 engines against transformers and float64, decode attention, the expert kernels,
+the compute choice, and the threaded CGOPipe graph whose CPU attention runs beside a "device".
+`test_the_avx2_limits_take_effect` in the child fails if the limits did not take.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+LANE = [
+    "test_cpu_compute.py",
+    "test_attention.py",
+    "test_moe.py",
+    "test_engine_parity.py::test_greedy_tokens_match_transformers",
+    "test_engine_parity.py::test_logits_match_float64_reference",
+    "test_pipeline.py::test_threaded_matches_sequential_for_every_family",
+]
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MLIGHT_AVX2_LANE": "1"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a child pytest: on a loaded machine it can outlast the suite's 300 s default
+@pytest.mark.skipif(os.environ.get("MLIGHT_AVX2_LANE") == "1", reason="already inside the lane")
+def test_cpu_parity_under_avx2_limits(tmp_path):
+    env = {**os.environ, **AVX2_ENV, "MLIGHT_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+         "-o", "addopts=", "-rs", *(str(TESTS / t) for t in LANE)],
+        cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=850)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    assert "test_the_avx2_limits_take_effect" not in tail.split("short test summary")[-1], tail  # it ran
