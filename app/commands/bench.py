@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import time
 
-from core.runtime.engine import SCHEDULES, Engine, Request
 from core.telemetry import RESOURCES
 
 EXECUTORS = ("sequential", "threaded", "cuda")
@@ -97,6 +96,8 @@ def _calibrate(model, args) -> dict:
     from core.plan.hardware import detect
     from core.runtime.calibrate import calibrate
 
+    from core.runtime.engine import Engine
+
     engine = Engine.load(model, threads=args.threads)
 
     def show(ev):
@@ -130,7 +131,7 @@ def _schedules(args) -> tuple[str, ...]:
     return SCHEDULES if torch.cuda.is_available() or gpu_hw else ("cpu",)
 
 
-def _measure(engine: Engine, name: str, reqs, args) -> dict:
+def _measure(engine, name: str, reqs, args) -> dict:
     from core.runtime.calibrate import StepClock
 
     clock = _clock(args)
@@ -161,7 +162,7 @@ def _measure(engine: Engine, name: str, reqs, args) -> dict:
     return out
 
 
-def _predict(engine: Engine, name: str, args, reqs) -> dict | None:
+def _predict(engine, name: str, args, reqs) -> dict | None:
     """The planner's view of the same policy on this machine (None when it cannot say)."""
     from core.plan import hrm
     from core.plan.hardware import resolve
