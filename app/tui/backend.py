@@ -371,6 +371,16 @@ class Backend:
         return engine
 
     @staticmethod
+    def tracker(model: ModelView, plan: PlanView) -> Any:
+        """core's measured-against-predicted tracker for this plan (the numbers `mlight bench` prints), or
+        None without a prediction."""
+        if plan.prediction is None:
+            return None
+        from core.plan.tracking import Tracker
+
+        return Tracker(plan.prediction, model.spec.num_layers)
+
+    @staticmethod
     def engine_offers(option: str) -> bool:
         """Whether Engine.load takes `option` (quantization arrives with its own change)."""
         import inspect

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from core.telemetry import (RESOURCES, MemorySample, Progress, RequestDone, StepDone, TaskSpan, WarningEvent,
                             task_spans)
@@ -58,6 +58,7 @@ class RunSnapshot:
     loading: str = ""  # what is loading, with its progress, while state == "loading"
     timeline: StepTimeline | None = None  # the last decode step (None before the first)
     decode_steps: int = 0
+    comparison: Any = None  # core.plan.tracking.Comparison: measured against the plan, as `mlight bench` says it
     engine_seconds: float = 0.0  # time the engine spent in steps (the chart's x axis)
 
 
@@ -66,7 +67,8 @@ class RunMeter:
 
     def __init__(self, total_requests: int, budget_tokens: int, *, done_before: int = 0,
                  tokens_before: int = 0, gpu_budget: int = 0, cpu_budget: int = 0,
-                 clock: Clock = time.monotonic, previous: RunSnapshot | None = None, batch_size: int = 0):
+                 clock: Clock = time.monotonic, previous: RunSnapshot | None = None, batch_size: int = 0,
+                 tracker: Callable | None = None):
         self._lock = threading.Lock()
         self._clock = clock
         self._start = clock()
@@ -93,6 +95,7 @@ class RunMeter:
         self._engine_s = previous.engine_seconds if previous else 0.0  # seconds the engine spent in steps
         self.gpu_used = self.cpu_used = 0
         self.gpu_budget, self.cpu_budget = gpu_budget, cpu_budget
+        self.tracker = tracker  # core.plan.tracking.Tracker of the plan's prediction, fed every event
 
     def set_state(self, state: str) -> None:
         with self._lock:
@@ -114,6 +117,8 @@ class RunMeter:
     def on_event(self, ev) -> None:
         with self._lock:
             now = self._clock()
+            if self.tracker is not None:
+                self.tracker(ev)
             if isinstance(ev, StepDone):
                 self._step(now, ev)
             elif isinstance(ev, MemorySample):
@@ -198,4 +203,5 @@ class RunMeter:
                 gpu_budget=self.gpu_budget, cpu_used=self.cpu_used, cpu_budget=self.cpu_budget, eta=eta,
                 loading=self.loading, timeline=self._timeline, decode_steps=self._decode_steps,
                 engine_seconds=self._engine_s,
+                comparison=self.tracker.comparison() if self.tracker is not None else None,
             )

@@ -41,7 +41,7 @@ class RunJob:
         self._last_post = 0.0
         self.meter = RunMeter(prompts.count, prompts.budget_tokens, gpu_budget=plan.gpu_budget,
                               cpu_budget=plan.cpu_budget, clock=backend.clock, previous=previous,
-                              batch_size=plan.policy.batch_size)
+                              batch_size=plan.policy.batch_size, tracker=backend.tracker(model, plan))
         self.records: dict[str, dict] = {}  # id -> record, everything finished (earlier sessions too)
         self.state = "loading"
         self.replace = replace  # start over on an output that already holds a finished run

@@ -1,8 +1,8 @@
 """Step 5 — Run: the engine in a thread worker, live panels fed by coalesced telemetry.
 
 Panels: progress (requests, tokens, running time, ETA) with memory used / budget; decode throughput
-as a chart, measured against the plan's prediction, saying when the two part by more than
-PARTED; the pipeline — the last decode step as the executor ran it, lane by lane and task by task,
+as a chart, measured against the plan's prediction, saying when the two part (core.plan.tracking
+decides, as for `mlight bench`); the pipeline — the last decode step as the executor ran it, lane by lane and task by task,
 beside the planner's simulation of the same policy; a log of warnings. RunUpdate messages replace each
 other in the queue (`can_replace`); the screen keeps only the newest and redraws on a 4 Hz timer,
 so the display costs the same however fast the engine steps. Space pauses between steps, s stops
@@ -29,8 +29,6 @@ from app.tui.widgets.facts import Facts
 from app.tui.widgets.timeline import LANES, ZOOMS, Span, Timeline, legend, spans_of_simulation, time_unit
 
 REDRAW_S = 0.25  # at most 4 redraws a second
-PARTED = 0.25  # measured and predicted decode rates further apart than this (relative) are called out
-MIN_STEPS = 5  # decode steps measured before the comparison is trusted
 STATE_WORDS = {
     "loading": "loading the model", "running": "running", "paused": "paused (space to continue)",
     "stopping": "stopping after this step…", "done": "done", "stopped": "stopped — r resumes",
@@ -295,7 +293,7 @@ class RunScreen(StepScreen):
         text.append(" average · ")
         text.append(f"{predicted:,.1f}" if predicted else "—", style="bold")
         text.append(" predicted")
-        parted = self._parted(snap, predicted)
+        parted = self._parted(snap)
         if parted:
             text.append("\n⚠ " + parted, style=self.mapp.tone("warn"))
             if not self._parted_logged:
@@ -306,13 +304,13 @@ class RunScreen(StepScreen):
         self.query_one("#chart", ThroughputChart).show(snap.history, predicted)
 
     @staticmethod
-    def _parted(snap: RunSnapshot, predicted: float | None) -> str:
-        """'measured is 4.7× below the prediction' when they part by more than PARTED, else ''."""
-        if not predicted or snap.decode_steps < MIN_STEPS or snap.decode_tps <= 0:
+    def _parted(snap: RunSnapshot) -> str:
+        """'measured decode is 4.7× below the prediction' once core's tracker says measured and predicted
+        part (by more than 25 %, as `mlight bench` judges it), else ''."""
+        c = snap.comparison
+        if c is None or not c.parted or c.error is None or c.error <= -1:
             return ""
-        ratio = snap.decode_tps / predicted
-        if abs(ratio - 1) <= PARTED:
-            return ""
+        ratio = 1 + c.error
         how = f"{1 / ratio:.1f}× below" if ratio < 1 else f"{ratio:.1f}× above"
         tail = "" if snap.full_batch else " (fewer requests in flight than the plan's batch)"
         return f"measured decode is {how} the prediction{tail}"
