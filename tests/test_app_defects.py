@@ -16,8 +16,8 @@ from app.tui.app import create_app
 from app.tui.backend import Backend
 from app.tui.session import Options
 from test_app_snapshots import _cpu_only, _t4, workdir  # noqa: F401 - the fixture
-from test_app_support import (FrozenClock, ScriptedBackend, run_over, settle, settle_until, status_text, sync,
-                              wait_event)
+from test_app_support import (FrozenClock, ScriptedBackend, pause_until, run_over, settle, settle_until, status_text,
+                              sync, wait_event)
 
 WIDE, SMALL = (120, 40), (80, 24)
 
@@ -293,6 +293,10 @@ async def test_17_elapsed_time_and_eta_stand_still_while_paused(workdir):
         await pilot.press("ctrl+n")
         await wait_event(pilot, backend.held)  # the engine is between two decode steps, held there
         screen = app.screen
+        # every step before the gate has reached the screen (its snapshots were taken before the clock
+        # moves), and is drawn, so the next redraw takes a fresh snapshot
+        await pause_until(pilot, lambda app: app.screen._latest.decode_steps == backend.last_engine.hold_after)
+        screen._redraw_if_dirty()
         clock.t += 30
         screen._redraw_if_dirty()
         before = _facts(app, "progress-facts")

@@ -65,6 +65,16 @@ async def wait_event(pilot, event: threading.Event, timeout: float = 60) -> None
         await pilot.pause()
 
 
+async def pause_until(pilot, done, limit: int = 500) -> None:
+    """Pause until `done(app)` holds, without waiting for workers (one may be held at a gate): on a loaded
+    machine the messages a worker posted before it stopped can take more than a few pauses to land."""
+    for _ in range(limit):
+        if done(pilot.app):
+            return
+        await pilot.pause()
+    raise AssertionError(f"still waiting; status: {status_text(pilot.app)}")
+
+
 def run_over(app) -> bool:
     return app.session.run_state in ("done", "stopped", "failed")
 
