@@ -1,20 +1,24 @@
-"""The one-shot GPU check: correctness on CUDA, then CGOPipe vs S3 vs S4 vs HF accelerate offload.
+"""The GPU check: a few minutes on a real GPU, staged so that a cut-off run still leaves every figure
+it got. Run it under `timeout` with its own deadline a little shorter:
 
-Prepared to run once on a single-GPU machine in under 8 minutes with nothing to fetch:
-  (a) tiny random checkpoints of every family: tokens of the CUDA pipeline (every schedule) equal the
-      CPU engine's tokens;
-  (b) a Mixtral-shaped bf16 model larger than a GPU memory cap set with
-      `torch.cuda.set_per_process_memory_fraction` (16 GB = a T4, 24 GB = an L4): tokens/s of the
-      CGOPipe, S3 and S4 schedules under the planner's policy for that cap, HF accelerate offload
-      (`device_map="auto"` + `max_memory`) on the same model and cap, the planner's prediction, the
-      measured PCIe bandwidth, and per-resource utilisation;
-  (c) a table printed last; every figure written to $OUT/gpu_check.json (or --out).
+    timeout 540 python bench/gpu_check.py --deadline 480 --out "$OUT"      # on the GPU machine
+    python bench/gpu_check.py --dry-run --out /tmp/gc                       # anywhere: the emulated GPU
 
-`--dry-run` runs the same code on the CPU with tiny sizes (threaded executor instead of CUDA streams,
-no memory cap, transformers on the CPU as the baseline) so CI proves the script end to end.
-
-    python bench/gpu_check.py --dry-run
-    python bench/gpu_check.py                       # on the GPU machine
+Stages, in order; each is skipped (and says so) when too little of the deadline is left, and each
+writes gpu_check.json and gpu_check.txt (a short table) into --out as soon as it finishes:
+  smoke    one tiny model through the CUDA executor: tokens equal the CPU engine's (≈ 30 s at most)
+  parity   every family × schedule (CGOPipe, S3, S4) × paging on the GPU against the CPU engine
+  offload  a Mixtral-shaped bf16 model larger than a memory cap (16 GB = a T4, 24 GB = an L4, set with
+           torch.cuda.set_per_process_memory_fraction): the planner's policy for the cap, tokens/s of
+           CGOPipe, S3 and S4 under it with measured vs predicted busy time per resource and peak GPU
+           memory vs the plan's; then HF accelerate offload (device_map="auto", max_memory at the cap)
+           on the same model, started only once our runs have given their memory back
+  pcie     host↔device bandwidth through memory page-locked the way the runtime does it
+  host     the executor's host cost per task and per op on this machine (the planner's TASK_SECONDS
+           and OP_SECONDS)
+  multi    (with --multi-gpu) tensor-parallel scaling over this machine's GPUs (bench/multi_gpu.py)
+`--dry-run` runs the same code on the emulated device (core.runtime.device_emulated) with tiny
+models and caps scaled to the model, so CI proves the script end to end; its figures are not speeds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,29 +46,41 @@ from core.telemetry import RESOURCES, StepDone  # noqa: E402
 
 BIG = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, experts=8, top_k=2, vocab=32000)
 TINY = dict(hidden=256, intermediate=512, heads=8, kv_heads=2, experts=8, top_k=2, vocab=512)
-GIB = 1 << 30
+MIXTRAL_LAYER_BYTES = 2 * (3 * 8 * 4096 * 14336 + 4096 * (4096 + 2 * 1024 + 4096) + 8 * 4096)  # bf16
+PROMPTS = ["Hi", "Compose an engaging travel blog post about Hawaii.", "x y z", "What is 2+2? Explain.",
+           "Draft an email to a colleague.", "Tell me a story about a cat and a dog"]
+# seconds a stage needs at least to be worth starting, and at most may take (the deadline caps both)
+STAGES = {"smoke": (20, 60), "parity": (30, 120), "offload": (90, 400), "pcie": (5, 30), "host": (5, 30),
+          "multi": (60, 300)}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU, same code paths except CUDA")
-    p.add_argument("--out", type=Path, default=None, help="where to write gpu_check.json (default $OUT or .)")
-    p.add_argument("--layers", type=int, default=None, help="layers of the big model (default 10: 29 GB)")
+    p.add_argument("--dry-run", action="store_true", help="the emulated GPU and tiny models (CI)")
+    p.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json/.txt (default $OUT or .)")
+    p.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole check (default 480)")
+    p.add_argument("--stages", default=None, help=f"comma-separated subset of {', '.join(STAGES)} (default: all "
+                   "but multi, which --multi-gpu adds)")
+    p.add_argument("--layers", type=int, default=None, help="layers of the offload model (default 10 ≈ 29 GB; 4 dry)")
     p.add_argument("--caps", default="16,24", help="GPU memory caps in GB (default 16,24: a T4 and an L4)")
-    p.add_argument("--requests", type=int, default=None, help="requests per run (default 256; 8 dry)")
-    p.add_argument("--gen-len", type=int, default=None, help="tokens per request (default 32; 4 dry)")
-    p.add_argument("--hf-requests", type=int, default=8, help="requests for the accelerate baseline")
-    p.add_argument("--hf-gen-len", type=int, default=None, help="tokens per request for the baseline (8; 4 dry)")
+    p.add_argument("--requests", type=int, default=None, help="requests per offload run (default 128; 8 dry)")
+    p.add_argument("--gen-len", type=int, default=None, help="tokens per request (default 16; 4 dry)")
+    p.add_argument("--hf-requests", type=int, default=None, help="requests for the accelerate baseline (8; 2 dry)")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--workdir", type=Path, default=None, help="where models are built (default: a temp dir)")
     p.add_argument("--multi-gpu", action="store_true",
-                   help="also (d): tensor-parallel scaling over this machine's GPUs (bench/multi_gpu.py)")
+                   help="also the multi stage: tensor-parallel scaling over this machine's GPUs (bench/multi_gpu.py)")
     a = p.parse_args(argv)
     a.layers = a.layers or (4 if a.dry_run else 10)
-    a.requests = a.requests or (8 if a.dry_run else 256)
-    a.gen_len = a.gen_len or (4 if a.dry_run else 32)
-    a.hf_gen_len = a.hf_gen_len or (4 if a.dry_run else 8)
+    a.requests = a.requests or (8 if a.dry_run else 128)
+    a.gen_len = a.gen_len or (4 if a.dry_run else 16)
+    a.hf_requests = a.hf_requests or (2 if a.dry_run else 8)
     a.caps = [float(c) for c in a.caps.split(",")]
+    a.stages = [s.strip() for s in a.stages.split(",") if s.strip()] if a.stages else [
+        s for s in STAGES if s != "multi" or a.multi_gpu]
+    unknown = set(a.stages) - set(STAGES)
+    if unknown:
+        p.error(f"unknown stage(s) {', '.join(sorted(unknown))}; choose from {', '.join(STAGES)}")
     a.out = a.out or Path(os.environ.get("OUT", "."))
     return a
 
@@ -72,34 +89,106 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-# ---- (a) correctness ------------------------------------------------------------------------------
-def family_parity(args, work: Path) -> list[dict]:
-    from checkpoints import FAMILIES, make_checkpoint
+class Check:
+    """Shared state of the run: the deadline, the device factory, and the report written after each stage."""
 
-    executor = "threaded" if args.dry_run else "cuda"
+    def __init__(self, args):
+        self.args, self.dry = args, args.dry_run
+        self.start = time.monotonic()
+        self.deadline = self.start + args.deadline
+        self.work = args.workdir or Path(tempfile.mkdtemp(prefix="mlight-gpu-check-"))
+        self.report = {"device": "emulated GPU (dry run)" if self.dry else torch.cuda.get_device_name(0),
+                       "torch": torch.__version__, "dry_run": self.dry, "deadline_s": args.deadline,
+                       "args": {k: str(v) for k, v in vars(args).items()}, "stages": {}}
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def device(self, cap_bytes: int | None = None):
+        """A fresh device for one engine: the emulated GPU (its memory = the cap), or CUDA."""
+        if self.dry:
+            from core.runtime.device_emulated import EmulatedCuda
+
+            return EmulatedCuda(cap_bytes or (1 << 34))
+        return "cuda"
+
+    def save(self, name: str, result: dict) -> None:
+        self.report["stages"][name] = result
+        self.report["seconds"] = round(time.monotonic() - self.start, 1)
+        out = self.args.out
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(self.report, indent=1, default=str), encoding="utf-8")
+        tmp.replace(out / "gpu_check.json")  # a reader never sees half a file
+        (out / "gpu_check.txt").write_text(table(self.report) + "\n", encoding="utf-8")
+
+
+# ---- stages -------------------------------------------------------------------------------------------
+def requests(n: int, new: int) -> list[Request]:
+    return [Request(id=str(i), prompt=PROMPTS[i % len(PROMPTS)], max_new_tokens=new) for i in range(n)]
+
+
+def tokens(engine: Engine, reqs, until: float | None = None, **kw) -> dict:
+    stop = (lambda: time.monotonic() > until) if until else None
+    return {r.id: r.output_token_ids for r in engine.generate(reqs, should_stop=stop, **kw)}
+
+
+def cpu_reference(path: Path, reqs) -> dict:
+    ref = Engine.load(path, device="cpu")  # named: on a GPU machine the default would be the GPU
+    ref.eos_ids = set()
+    return tokens(ref, reqs, batch_size=4, micro_batch_size=2)
+
+
+def tiny_model(c: Check, family: str) -> Path:
+    from checkpoints import make_checkpoint
+
+    path = c.work / f"tiny-{family}"
+    if not (path / "config.json").is_file():
+        layers = dict(n_layers=3) if family == "dbrx" else dict(num_hidden_layers=3)
+        make_checkpoint(family, path, **layers)
+    return path
+
+
+def on_device(c: Check, path: Path, reqs, until: float, **load) -> dict:
+    engine = Engine.load(path, device=c.device(), executor="cuda", **load)
+    engine.eos_ids = set()
+    try:
+        return tokens(engine, reqs, until, batch_size=4, micro_batch_size=2)
+    finally:
+        engine.close()
+
+
+def stage_smoke(c: Check, until: float) -> dict:
+    t0 = time.monotonic()
+    path, reqs = tiny_model(c, "mixtral"), requests(6, 6)
+    want = cpu_reference(path, reqs)
+    got = on_device(c, path, reqs, until, schedule="cgopipe", pages_per_layer=2, resident_layers=1)
+    return {"equal": got == want, "requests": len(got), "seconds": round(time.monotonic() - t0, 1)}
+
+
+PAGINGS = {"streamed": dict(pages_per_layer=1, resident_layers=0), "paged+resident": dict(pages_per_layer=3,
+                                                                                         resident_layers=1)}
+
+
+def stage_parity(c: Check, until: float) -> dict:
+    from checkpoints import FAMILIES
+
     rows = []
-    prompts = ["Hi", "Compose an engaging travel blog post about Hawaii.", "x y z", "What is 2+2? Explain.",
-               "Draft an email to a colleague.", "Tell me a story about a cat and a dog"]
     for fam in FAMILIES:
-        path = make_checkpoint(fam, work / f"tiny-{fam}", num_hidden_layers=3) if fam != "dbrx" else \
-            make_checkpoint(fam, work / f"tiny-{fam}", n_layers=3)
-        reqs = [Request(id=str(i), prompt=p, max_new_tokens=6) for i, p in enumerate(prompts)]
-        ref = Engine.load(path)
-        ref.eos_ids = set()
-        want = {r.id: r.output_token_ids for r in ref.generate(reqs, batch_size=4, micro_batch_size=2)}
-        for schedule in ("cgopipe", "s3", "s4"):
-            eng = Engine.load(path, executor=executor, schedule=schedule, pages_per_layer=2, resident_layers=1)
-            eng.eos_ids = set()
-            try:
-                got = {r.id: r.output_token_ids for r in eng.generate(reqs, batch_size=4, micro_batch_size=2)}
-            finally:
-                eng.close()
-            rows.append({"family": fam, "schedule": schedule, "executor": executor, "equal": got == want})
-            log(f"parity {fam:9} {schedule:7} {executor}: {'OK' if got == want else 'MISMATCH'}")
-    return rows
+        path, reqs = tiny_model(c, fam), requests(6, 6)
+        want = cpu_reference(path, reqs)
+        # dry: every family through CGOPipe and one through all schedules, one paging (CI runs every
+        # combination on the emulated GPU in tests/test_cuda_executor.py)
+        for schedule in ("cgopipe", "s3", "s4") if not c.dry or fam == "mixtral" else ("cgopipe",):
+            for paging, kw in list(PAGINGS.items())[1 if c.dry else 0:]:
+                if time.monotonic() > until:
+                    return {"rows": rows, "cut_short": True}
+                got = on_device(c, path, reqs, until, schedule=schedule, **kw)
+                rows.append({"family": fam, "schedule": schedule, "paging": paging, "equal": got == want})
+                log(f"parity {fam:9} {schedule:7} {paging:14} {'OK' if got == want else 'MISMATCH'}")
+    return {"rows": rows, "cut_short": False}
 
 
-# ---- (b) speed under a memory cap -----------------------------------------------------------------
 def build_big(path: Path, layers: int, dims: dict, seed: int = 0) -> Path:
     """A Mixtral-shaped bf16 checkpoint written shard by shard (per-expert layout, as on the hub).
 
@@ -123,7 +212,7 @@ def build_big(path: Path, layers: int, dims: dict, seed: int = 0) -> Path:
     cfg.architectures = ["MixtralForCausalLM"]
     cfg.save_pretrained(str(path))
     g = torch.Generator().manual_seed(seed)
-    bank = (torch.randn(1 << 26, generator=g) * 0.02).to(torch.bfloat16)
+    bank = (torch.randn(1 << 24, generator=g) * 0.02).to(torch.bfloat16)
 
     def rand(*shape):
         n = 1
@@ -162,194 +251,298 @@ def build_big(path: Path, layers: int, dims: dict, seed: int = 0) -> Path:
     return path
 
 
-def pcie_bandwidth(dry: bool) -> dict:
-    if dry:
-        return {"h2d_gbps": None, "d2h_gbps": None}
-    n = 1 << 30
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    out = {}
-    for name, (dst, src) in {"h2d_gbps": (dev, host), "d2h_gbps": (host, dev)}.items():
-        best = 0.0
-        for _ in range(3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src, non_blocking=True)
-            b.record()
-            b.synchronize()
-            best = max(best, n / (a.elapsed_time(b) / 1e3) / 1e9)
-        out[name] = best
-    del host, dev
-    return out
-
-
-def cap_gpu(gb: float | None) -> None:
-    if gb is not None and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 1e9 / total))
-
-
-def plan_for_cap(engine: Engine, cap_gb: float, args, pcie: dict):
-    """The planner's policy and prediction for this model on this machine with the GPU capped."""
+def plan_for_cap(c: Check, spec, cap_bytes: int, work):
+    """The planner's policy and prediction for this model with the GPU capped at `cap_bytes`."""
     from core.plan.hardware import resolve
-    from core.plan.planner import Budget, Workload, plan
+    from core.plan.planner import Budget, plan
 
     hw = resolve("local")
-    if pcie.get("h2d_gbps"):
-        hw = dataclasses.replace(hw, h2d_bw=pcie["h2d_gbps"] * 1e9, d2h_bw=pcie["d2h_gbps"] * 1e9)
-    if args.dry_run and not hw.has_gpu:  # the CPU plays the GPU: its own rates on both sides of a "link"
-        hw = dataclasses.replace(hw, gpu_name="CPU (dry run)", gpu_count=1, gpu_mem_bytes=int(cap_gb * 1e9),
-                                 gpu_flops=hw.cpu_flops, gpu_bw=hw.cpu_bw, h2d_bw=hw.cpu_bw, d2h_bw=hw.cpu_bw)
-    hw = dataclasses.replace(hw, gpu_mem_bytes=int(cap_gb * 1e9), gpu_mem_free_bytes=None,
+    pcie = c.report["stages"].get("pcie", {})
+    if pcie.get("h2d_gbps") and not c.dry:
+        hw = dataclasses.replace(hw, h2d_bw=pcie["h2d_gbps"] * 1e9, d2h_bw=pcie["d2h_gbps"] * 1e9,
+                                 measured=tuple(sorted(set(hw.measured) | {"h2d_bw", "d2h_bw"})))
+    if c.dry:  # the CPU plays a GPU ten times its speed, behind a link as fast as its memory
+        hw = dataclasses.replace(hw, gpu_name="emulated GPU", gpu_count=1, gpu_mem_bytes=cap_bytes,
+                                 gpu_flops=10 * hw.cpu_flops, gpu_bw=10 * hw.cpu_bw, h2d_bw=hw.cpu_bw,
+                                 d2h_bw=hw.cpu_bw)
+    hw = dataclasses.replace(hw, gpu_mem_bytes=cap_bytes, gpu_mem_free_bytes=None,
                              gpu_count=min(1, hw.gpu_count))  # the check runs one GPU
-    work = Workload(prompt_len=77, gen_len=args.gen_len, max_prompt_len=418, num_requests=args.requests)
-    budget = Budget(gpu_bytes=int(cap_gb * 1e9), cpu_bytes=int(0.8 * hw.cpu_mem_bytes))
-    policy, pred = plan(engine.spec, hw, work, budget, ranks=1)  # one process on one GPU
-    return policy, pred, hw, work
+    budget = Budget(gpu_bytes=cap_bytes, cpu_bytes=int(0.8 * hw.cpu_mem_bytes))
+    return (*plan(spec, hw, work, budget, ranks=1), hw)  # one process on one GPU
 
 
-def run_schedule(engine: Engine, policy, schedule: str, reqs, dry: bool) -> dict:
-    L = engine.spec.num_layers
-    engine.configure(schedule=schedule, attention_on="gpu" if schedule == "s4" else "cpu",
-                     resident_layers=int(policy.gpu_weight_fraction * L + 1e-9),
-                     expert_group=policy.micro_batches_per_expert_batch, pages_per_layer=policy.pages_per_layer)
+def gpu_policy(spec, hw, work, cap: int):
+    """The most resident experts that fit, with the FFN on the GPU (dry runs only)."""
+    from core.plan.planner import Budget, predict, validate
+    from core.plan.policy import Policy
+
+    n = min(8, work.num_requests)
+    for r_w in (0.5, 0.25, 0.0):
+        policy = Policy(n, max(1, n // 2), max(1, n // 2), "cpu", "gpu", r_w, 0.0, 2)
+        if not validate(policy, spec, hw, work, Budget(cap, int(0.8 * hw.cpu_mem_bytes))) or r_w == 0.0:
+            return policy, predict(policy, spec, hw, work)
+
+
+def run_schedule(c: Check, path: Path, layers: int, policy, schedule: str, reqs, cap_bytes: int, until: float) -> dict:
+    dev = c.device(cap_bytes)
+    engine = Engine.load(path, device=dev, executor="cuda", policy=policy, schedule=schedule)
+    engine.eos_ids = set()
+    if not c.dry:
+        torch.cuda.reset_peak_memory_stats()
     events: list[StepDone] = []
     t0 = time.perf_counter()
-    results = list(engine.generate(reqs, batch_size=policy.batch_size, micro_batch_size=policy.micro_batch_size,
-                                   on_event=lambda e: events.append(e) if isinstance(e, StepDone) else None))
+    try:
+        results = list(engine.generate(reqs, on_event=lambda e: events.append(e) if isinstance(e, StepDone) else None,
+                                       should_stop=lambda: time.monotonic() > until))
+    finally:
+        engine.close()
     wall = time.perf_counter() - t0
+    peak = engine.dev.max_memory_allocated()
+    del engine
+    gc.collect()
     decode = [e for e in events if e.kind == "decode"]
     dsec = sum(e.seconds for e in decode) or 1e-9
-    tokens = sum(r.output_tokens for r in results)
-    return {"schedule": schedule, "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
-            "decode_tokens_per_s": sum(e.tokens for e in decode) / dsec,
-            "utilization": {r: sum(e.busy.get(r, 0.0) for e in decode) / dsec for r in RESOURCES},
-            "h2d_gb_per_step": sum(e.bytes_h2d for e in decode) / max(1, len(decode)) / 1e9,
-            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if not dry else 0.0}
+    tokens_out = sum(r.output_tokens for r in results)
+    return {"schedule": schedule, "requests_done": len(results), "tokens": tokens_out, "seconds": round(wall, 2),
+            "tokens_per_s": tokens_out / wall, "decode_tokens_per_s": sum(e.tokens for e in decode) / dsec,
+            "layer_seconds": {r: sum(e.busy.get(r, 0.0) for e in decode) / max(1, len(decode)) / layers
+                              for r in RESOURCES},
+            "peak_gpu_bytes": peak, "cut_short": time.monotonic() > until}
 
 
-def hf_offload(path: Path, cap_gb: float, reqs, gen_len: int, dry: bool) -> dict:
+def hf_offload(c: Check, path: Path, cap_bytes: int, reqs, gen_len: int, until: float) -> dict:
     """transformers + accelerate offload: device_map="auto" with max_memory at the cap."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
     tok.padding_side = "left"
-    kw = dict(device_map={"": "cpu"}) if dry else dict(
-        device_map="auto", max_memory={0: f"{max(1.0, cap_gb - 2):.0f}GiB", "cpu": "400GiB"})
+    gib = cap_bytes / 2**30
+    kw = dict(device_map={"": "cpu"}) if c.dry else dict(
+        device_map="auto", max_memory={0: f"{max(1.0, gib - 2):.1f}GiB", "cpu": "400GiB"})
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, **kw).eval()
     load = time.perf_counter() - t0
     batch = tok([r.prompt for r in reqs], return_tensors="pt", padding=True)
-    dev = "cpu" if dry else "cuda"
+    dev = "cpu" if c.dry else "cuda"
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**{k: v.to(dev) for k, v in batch.items()}, max_new_tokens=gen_len, min_new_tokens=gen_len,
-                             do_sample=False, pad_token_id=tok.pad_token_id)
+        out = model.generate(**{k: v.to(dev) for k, v in batch.items()}, max_new_tokens=gen_len, do_sample=False,
+                             pad_token_id=tok.pad_token_id, max_time=max(1.0, until - time.monotonic()))
     wall = time.perf_counter() - t0
-    tokens = (out.shape[1] - batch["input_ids"].shape[1]) * len(reqs)
+    n = (out.shape[1] - batch["input_ids"].shape[1]) * len(reqs)
     del model
     gc.collect()
-    if not dry:
+    if not c.dry:
         torch.cuda.empty_cache()
-    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "load_seconds": load}
+    return {"tokens": n, "seconds": round(wall, 2), "tokens_per_s": n / wall, "load_seconds": round(load, 1)}
 
 
-def big_model(args, work: Path, pcie: dict) -> list[dict]:
+def gpu_bytes_in_use(c: Check) -> int:
+    gc.collect()
+    if c.dry:
+        return 0  # every emulated device is the engine's own, gone with it
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+def stage_offload(c: Check, until: float) -> dict:
     from core.io.workloads import build_prompts, target_lengths
+    from core.model.families import load_spec
+    from core.plan.planner import Workload
 
-    dims = TINY if args.dry_run else BIG
-    path = build_big(work / "big", args.layers, dims)
-    size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
-    log(f"model: {size:.1f} GB on disk, {args.layers} layers")
-    engine = Engine.load(path, executor="threaded" if args.dry_run else "cuda", schedule="cgopipe", pages_per_layer=1,
-                         resident_layers=0)
-    engine.eos_ids = set()
-    prompts = build_prompts(engine.tokenizer, target_lengths(args.requests, max_len=418))
-    reqs = [Request(id=str(i), prompt=p, max_new_tokens=args.gen_len) for i, p in enumerate(prompts)]
+    a = c.args
+    path = build_big(c.work / "big", a.layers, TINY if c.dry else BIG)
+    spec = load_spec(path)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    log(f"offload model: {size / 1e9:.2f} GB on disk, {a.layers} layers")
+    tok = Engine.load(path, device="cpu").tokenizer
+    longest = 48 if c.dry else min(418, spec.max_position - a.gen_len - 1)  # MT-Bench-like: mean 77, up to 418
+    lengths = target_lengths(a.requests, mean=16 if c.dry else 77, max_len=longest)
+    prompts = build_prompts(tok, lengths)
+    reqs = [Request(id=str(i), prompt=p, max_new_tokens=a.gen_len) for i, p in enumerate(prompts)]
+    ids = [len(tok(p).input_ids) for p in prompts]
+    work = Workload(prompt_len=round(sum(ids) / len(ids)), gen_len=a.gen_len, max_prompt_len=max(ids),
+                    num_requests=len(reqs))
     rows = []
-    try:
-        for cap in args.caps:
-            cap_gpu(None if args.dry_run else cap)
-            policy, pred, hw, workload = plan_for_cap(engine, cap, args, pcie)
-            log(f"cap {cap:g} GB: plan N={policy.batch_size} mu={policy.micro_batch_size} "
-                f"resident={policy.gpu_weight_fraction:.2f} pages={policy.pages_per_layer}; "
-                f"predicts {pred.tokens_per_s:.1f} tok/s")
-            row = {"cap_gb": cap, "model_gb": size, "policy": policy.to_dict(), "prediction": pred.to_dict(),
-                   "runs": []}
-            for schedule in ("cgopipe", "s4", "s3"):
-                if not args.dry_run:
-                    torch.cuda.reset_peak_memory_stats()
-                try:
-                    r = run_schedule(engine, policy, schedule, reqs, args.dry_run)
-                except Exception as e:  # a baseline that cannot run at this cap is a result, not a crash
-                    r = {"schedule": schedule, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-                row["runs"].append(r)
-                log(f"  {schedule:7} {r.get('tokens_per_s', float('nan')):8.1f} tok/s  {r.get('error', '')}")
-            if not args.skip_hf:
-                try:
-                    row["hf_offload"] = hf_offload(path, cap, reqs[:args.hf_requests], args.hf_gen_len, args.dry_run)
-                except Exception as e:
-                    row["hf_offload"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                log(f"  hf-offload {row['hf_offload'].get('tokens_per_s', float('nan')):8.2f} tok/s")
-            rows.append(row)
-    finally:
-        engine.close()
-    return rows
-
-
-def table(report: dict) -> str:
-    lines = ["", "GPU check — " + report["device"], ""]
-    ok = all(r["equal"] for r in report["parity"])
-    lines.append(f"(a) CUDA pipeline tokens == CPU engine tokens: {'all equal' if ok else 'MISMATCH'} "
-                 f"({len(report['parity'])} family × schedule runs)")
-    lines.append(f"    PCIe measured: H2D {report['pcie'].get('h2d_gbps') or 0:.1f} GB/s, "
-                 f"D2H {report['pcie'].get('d2h_gbps') or 0:.1f} GB/s")
-    lines.append("(b) cap   schedule    tok/s  predicted  pred.err  vs-HF   gpu  cpu_attn  h2d   d2h")
-    for row in report["big"]:
-        hf = row.get("hf_offload", {}).get("tokens_per_s")
-        pred = row["prediction"]["tokens_per_s"]
-        for r in row["runs"]:
-            if "error" in r:
-                lines.append(f"    {row['cap_gb']:4.0f}  {r['schedule']:8}  error: {r['error'][:60]}")
+    for cap_gb in a.caps:
+        # the same regime dry: the cap is the same share of the model as cap GB is of the 10-layer model
+        cap = int(cap_gb * 1e9 if not c.dry else size * cap_gb * 1e9 / (10 * MIXTRAL_LAYER_BYTES))
+        if not c.dry:
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+        policy, pred, hw = plan_for_cap(c, spec, cap, work)
+        if c.dry and policy.ffn_on != "gpu":  # a tiny model runs fastest on the CPU alone: take a GPU policy
+            policy, pred = gpu_policy(spec, hw, work, cap)
+        log(f"cap {cap_gb:g} GB: plan N={policy.batch_size} mu={policy.micro_batch_size} r_w="
+            f"{policy.gpu_weight_fraction:.3f} pages={policy.pages_per_layer}; predicts {pred.tokens_per_s:.1f} tok/s")
+        row = {"cap_gb": cap_gb, "cap_bytes": cap, "model_bytes": size, "policy": policy.to_dict(),
+               "prediction": pred.to_dict(), "runs": []}
+        rows.append(row)
+        if policy.ffn_on != "gpu":
+            row["note"] = "the planner keeps everything on the CPU at this cap: no GPU run to measure"
+            continue
+        for schedule in ("cgopipe", "s4", "s3"):
+            if time.monotonic() > until:
+                row["runs"].append({"schedule": schedule, "skipped": "deadline"})
                 continue
-            u = r["utilization"]
-            err = abs(pred - r["tokens_per_s"]) / r["tokens_per_s"]
-            vs = f"{r['tokens_per_s'] / hf:6.1f}x" if hf else "   n/a"
-            lines.append(f"    {row['cap_gb']:4.0f}  {r['schedule']:8} {r['tokens_per_s']:8.1f} {pred:10.1f} "
-                         f"{err:8.0%} {vs}  {u['gpu']:4.0%} {u['cpu_attn']:8.0%} {u['h2d']:4.0%} {u['d2h']:5.0%}")
-        if hf:
-            lines.append(f"    {row['cap_gb']:4.0f}  hf-offload {hf:8.2f}")
-    if "multi_gpu" in report:
-        from multi_gpu import table_lines
+            try:
+                r = run_schedule(c, path, spec.num_layers, policy, schedule, reqs, cap, until)
+            except Exception as e:  # a schedule that cannot run at this cap is a result, not a crash
+                r = {"schedule": schedule, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row["runs"].append(r)
+            c.save("offload", {"rows": rows, "partial": True})
+            log(f"  {schedule:7} {r.get('tokens_per_s', float('nan')):8.1f} tok/s  {r.get('error', '')}")
+        # our runners are gone: HF's baseline gets the whole cap, as ours did
+        row["gpu_bytes_before_hf"] = gpu_bytes_in_use(c)
+        if not a.skip_hf and time.monotonic() < until:
+            try:
+                row["hf_offload"] = hf_offload(c, path, cap, reqs[:a.hf_requests], a.gen_len, until)
+            except Exception as e:
+                row["hf_offload"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            log(f"  hf-offload {row['hf_offload'].get('tokens_per_s', float('nan')):8.2f} tok/s")
+        c.save("offload", {"rows": rows, "partial": True})
+    if not c.dry:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return {"rows": rows, "partial": False}
 
-        lines += table_lines(report["multi_gpu"])
+
+def stage_pcie(c: Check, until: float) -> dict:
+    """Copies through memory page-locked as the runtime does it (cudaHostRegister at the exact size)."""
+    from core.runtime.device import resolve_device
+
+    dev = resolve_device("emulated" if c.dry else "cuda")
+    n = (64 << 20) if c.dry else (1 << 30)
+    host = torch.empty(n, dtype=torch.uint8)
+    pinned = dev.pin(host)
+    devbuf = dev.empty(n, torch.uint8)
+    out = {"pinned": pinned, "bytes": n}
+    s = dev.stream("copy")
+    for name, (dst, src) in {"h2d_gbps": (devbuf, host), "d2h_gbps": (host, devbuf)}.items():
+        best = 0.0
+        for _ in range(3):
+            a, b = dev.event(timing=True), dev.event(timing=True)
+            a.record(s)
+            dev.launch(s, lambda dst=dst, src=src: dev.copy(dst, src))
+            b.record(s)
+            b.synchronize()
+            best = max(best, n / (a.elapsed_time(b) / 1e3) / 1e9)
+        out[name] = best
+    if pinned:
+        dev.unpin(host)
+    dev.release_stream(s)
+    if c.dry:
+        out["note"] = "emulated: a host memcpy, not a link"
+    return out
+
+
+def stage_host(c: Check, until: float) -> dict:
+    from core.plan import hrm
+    from core.runtime import schedule as sched
+    from core.runtime.cuda_executor import CudaExecutor
+    from core.runtime.device import resolve_device
+
+    from task_overhead import per_op, per_task
+
+    tasks = sched.decode_step("cgopipe", num_layers=4, num_micro_batches=16, pages_per_layer=16)
+    ex = CudaExecutor(resolve_device("emulated" if c.dry else "cuda"))
+    try:
+        task = per_task(ex, tasks, 3)
+    finally:
+        ex.close()
+    op = per_op("cpu" if c.dry else "cuda")
+    return {"task_seconds": task, "op_seconds": op, "planner_task_seconds": hrm.TASK_SECONDS,
+            "planner_op_seconds": hrm.OP_SECONDS}
+
+
+def stage_multi(c: Check, until: float) -> dict:
+    from multi_gpu import multi_gpu
+
+    return multi_gpu(c.args, c.work, build_big(c.work / "big", c.args.layers, TINY if c.dry else BIG), log)
+
+
+RUN = {"smoke": stage_smoke, "parity": stage_parity, "offload": stage_offload, "pcie": stage_pcie,
+       "host": stage_host, "multi": stage_multi}
+
+
+# ---- the report -----------------------------------------------------------------------------------------
+def table(report: dict) -> str:
+    st = report["stages"]
+    lines = [f"GPU check — {report['device']} (torch {report['torch']}), {report.get('seconds', 0):.0f} s "
+             f"of a {report['deadline_s']:.0f} s deadline"]
+    for name in STAGES:
+        r = st.get(name)
+        if r is None:
+            continue
+        if "skipped" in r or "error" in r:
+            lines.append(f"{name:8} {r.get('skipped') or r.get('error')}")
+        elif name == "smoke":
+            lines.append(f"smoke    tokens {'equal' if r['equal'] else 'DIFFER'} ({r['seconds']} s)")
+        elif name == "parity":
+            bad = [f"{x['family']}/{x['schedule']}/{x['paging']}" for x in r["rows"] if not x["equal"]]
+            lines.append(f"parity   {len(r['rows']) - len(bad)}/{len(r['rows'])} equal"
+                         + (f"; differ: {', '.join(bad)}" if bad else "") + (" (cut short)" if r["cut_short"] else ""))
+        elif name == "pcie":
+            lines.append(f"pcie     H2D {r['h2d_gbps']:.1f} GB/s, D2H {r['d2h_gbps']:.1f} GB/s "
+                         f"(pinned: {r['pinned']})" + (f" — {r['note']}" if "note" in r else ""))
+        elif name == "multi":
+            from multi_gpu import table_lines
+
+            lines += table_lines(r)
+        elif name == "host":
+            lines.append(f"host     {r['task_seconds'] * 1e6:.1f} µs/task (planner {r['planner_task_seconds'] * 1e6:.0f}), "
+                         f"{r['op_seconds'] * 1e6:.1f} µs/op (planner {r['planner_op_seconds'] * 1e6:.0f})")
+        elif name == "offload":
+            lines.append("offload  cap  schedule    tok/s  predicted  vs-HF  peak/plan   gpu  cpu_attn  h2d   d2h"
+                         "   (ms/layer measured:predicted)")
+            for row in r["rows"]:
+                pred = row["prediction"]
+                hf = row.get("hf_offload", {}).get("tokens_per_s")
+                for x in row["runs"]:
+                    if "tokens_per_s" not in x:
+                        lines.append(f"         {row['cap_gb']:4.0f}  {x['schedule']:8}  "
+                                     f"{x.get('error') or x.get('skipped')}"[:110])
+                        continue
+                    ls, pl = x["layer_seconds"], pred["layer_seconds"]
+                    per = " ".join(f"{ls[k] * 1e3:.1f}:{pl.get(k, 0) * 1e3:.1f}" for k in RESOURCES)
+                    vs = f"{x['tokens_per_s'] / hf:5.1f}x" if hf else "  n/a "
+                    lines.append(f"         {row['cap_gb']:4.0f}  {x['schedule']:8} {x['tokens_per_s']:8.1f} "
+                                 f"{pred['tokens_per_s']:10.1f} {vs} {x['peak_gpu_bytes'] / max(1, pred['gpu_bytes']):9.2f}  "
+                                 f"{per}")
+                if hf:
+                    lines.append(f"         {row['cap_gb']:4.0f}  hf-offload {hf:6.2f} tok/s "
+                                 f"(GPU bytes in use before it: {row.get('gpu_bytes_before_hf', 0):,})")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
-        print("no CUDA GPU: run with --dry-run on the CPU", file=sys.stderr)
+        print("no CUDA GPU: run with --dry-run for the emulated one", file=sys.stderr)
         return 2
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="mlight-gpu-check-"))
-    os.environ.setdefault("MLIGHT_CACHE_DIR", str(work / "cache"))
-    device = "CPU dry run" if args.dry_run else torch.cuda.get_device_name(0)
-    report = {"device": device, "torch": torch.__version__, "dry_run": args.dry_run, "args": {
-        k: str(v) for k, v in vars(args).items()}}
-    t0 = time.perf_counter()
-    report["parity"] = family_parity(args, work)
-    report["pcie"] = pcie_bandwidth(args.dry_run)
-    report["big"] = big_model(args, work, report["pcie"])
-    if args.multi_gpu:
-        from multi_gpu import multi_gpu
-
-        report["multi_gpu"] = multi_gpu(args, work, work / "big", log)
-    report["seconds"] = time.perf_counter() - t0
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
-    print(table(report))
-    print(f"\nfull figures: {args.out / 'gpu_check.json'} ({report['seconds']:.0f} s)")
-    return 0 if all(r["equal"] for r in report["parity"]) else 1
+    c = Check(args)
+    os.environ.setdefault("MLIGHT_CACHE_DIR", str(c.work / "cache"))
+    log(f"GPU check on {c.report['device']}; deadline {args.deadline:.0f} s; results in {args.out}")
+    for name in args.stages:
+        least, most = STAGES[name]
+        left = c.left()
+        if left < least:
+            c.save(name, {"skipped": f"deadline: {left:.0f} s left, the stage needs {least} s"})
+            log(f"{name}: skipped (deadline)")
+            continue
+        log(f"{name}: starting ({left:.0f} s left)")
+        t0 = time.monotonic()
+        try:
+            result = RUN[name](c, until=time.monotonic() + min(left, most) - 5)
+        except Exception as e:  # a stage that breaks is reported; the next stages still run
+            result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        result["stage_seconds"] = round(time.monotonic() - t0, 1)
+        c.save(name, result)
+        log(f"{name}: done in {result['stage_seconds']} s")
+    print(table(c.report))
+    print(f"\nfull figures: {args.out / 'gpu_check.json'}")
+    st = c.report["stages"]
+    ok = st.get("smoke", {}).get("equal", True) and all(x["equal"] for x in st.get("parity", {}).get("rows", []))
+    return 0 if ok and not any("error" in r for r in st.values()) else 1
 
 
 if __name__ == "__main__":

@@ -47,8 +47,8 @@ def main(argv=None) -> int:
                                num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
                                num_local_experts=8, max_position_embeddings=1024)
         n, gen = a.requests or 48, a.gen_len or 32
-    seq = Engine.load(path)
-    thr = Engine.load(path, executor="threaded", schedule="cgopipe")
+    seq = Engine.load(path, device="cpu")  # both on the CPU, even on a machine with a GPU
+    thr = Engine.load(path, device="cpu", executor="threaded", schedule="cgopipe")
     prompts = build_prompts(seq.tokenizer, target_lengths(n, max_len=min(418, seq.context_length - gen - 1)))
     reqs = [Request(id=str(i), prompt=p, max_new_tokens=gen) for i, p in enumerate(prompts)]
     for e in (seq, thr):

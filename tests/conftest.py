@@ -67,3 +67,25 @@ def roomy_ram(monkeypatch):
     fake = vm(24 * 2**30, 20 * 2**30, 16.7, 4 * 2**30, 20 * 2**30)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: fake)
     return fake
+
+
+# ---- device choice: the suite runs on the CPU everywhere; `--cuda` adds the real-GPU subset ---------
+def pytest_addoption(parser):
+    parser.addoption("--cuda", action="store_true", default=False,
+                     help="also run the tests marked `cuda` on this machine's GPU (they are skipped otherwise)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: runs on a real CUDA GPU; only with --cuda")
+    # Engine.load's default device is CUDA when present: tests that mean the CPU must get the CPU,
+    # in this process and in the subprocesses they start (tests that want a GPU name it)
+    os.environ["MLIGHT_DEVICE"] = "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--cuda"):
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run with --cuda")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

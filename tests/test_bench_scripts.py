@@ -6,26 +6,51 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from app.cli import main
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from gpu_check import STAGES  # noqa: E402
+
+DEFAULT_STAGES = [s for s in STAGES if s != "multi"]  # multi only with --multi-gpu
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_gpu_check_dry_run_end_to_end(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path),
-                          "--workdir", str(tmp_path / "work"), "--caps", "16", "--requests", "6"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+def gpu_check(tmp_path, *args, timeout=600):
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path),
+                           "--workdir", str(tmp_path / "work"), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpu_check_dry_run_end_to_end_on_the_emulated_gpu(tmp_path):
+    out = gpu_check(tmp_path, "--caps", "16", "--requests", "6")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["dry_run"] and all(r["equal"] for r in report["parity"])
-    assert {r["family"] for r in report["parity"]} == {"mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe"}
-    (row,) = report["big"]
+    st = report["stages"]
+    assert report["dry_run"] and report["device"].startswith("emulated") and list(st) == DEFAULT_STAGES
+    assert st["smoke"]["equal"] and all(r["equal"] for r in st["parity"]["rows"])
+    assert {r["family"] for r in st["parity"]["rows"]} == {"mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe"}
+    (row,) = st["offload"]["rows"]
     assert {r["schedule"] for r in row["runs"]} == {"cgopipe", "s3", "s4"}
     assert all(r.get("tokens_per_s", 0) > 0 for r in row["runs"]), row["runs"]
-    assert row["hf_offload"]["tokens_per_s"] > 0 and row["prediction"]["tokens_per_s"] > 0
-    assert "(b) cap" in out.stdout  # the table is printed
+    cgopipe = next(r for r in row["runs"] if r["schedule"] == "cgopipe")
+    assert 0 < cgopipe["peak_gpu_bytes"] <= row["prediction"]["gpu_bytes"]  # under the cap, as planned
+    assert row["gpu_bytes_before_hf"] == 0 and row["hf_offload"]["tokens_per_s"] > 0  # finding 6
+    assert st["pcie"]["pinned"] and st["host"]["task_seconds"] > 0
+    table = (tmp_path / "gpu_check.txt").read_text()
+    assert "offload  cap  schedule" in table and table in out.stdout  # the table, printed and written
+
+
+def test_gpu_check_keeps_its_deadline_and_says_what_it_skipped(tmp_path):
+    """Finding 19: no global deadline, full-size defaults. A deadline too short for any stage skips them
+    all, quickly, and still writes the report."""
+    t0 = time.monotonic()
+    out = gpu_check(tmp_path, "--deadline", "3", timeout=120)
+    assert time.monotonic() - t0 < 60 and out.returncode == 0, out.stderr[-2000:]
+    st = json.loads((tmp_path / "gpu_check.json").read_text())["stages"]
+    assert list(st) == DEFAULT_STAGES and all("deadline" in r["skipped"] for r in st.values())
 
 
 def test_mlight_bench_prints_measured_and_predicted(capsys, demo_model):

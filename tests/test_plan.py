@@ -52,8 +52,9 @@ def test_faster_pcie_never_lowers_throughput_and_moves_weights_off_the_gpu(gpu):
 
 def test_more_cpu_memory_never_lowers_throughput():
     hw = preset("l4")
+    # from 120 GB: the runtime keeps all 93 GB of weights in host memory (the GPU holds copies)
     tps = [plan(MIXTRAL, hw, MTBENCH, Budget.for_hardware(hw, cpu_gb=gb))[1].tokens_per_s
-           for gb in (110, 150, 192, 256, 384)]
+           for gb in (120, 150, 192, 256, 384)]
     assert all(b >= a * 0.999 for a, b in zip(tps, tps[1:])), tps
     assert tps[-1] > 1.5 * tps[0]  # KV capacity limits the batch
 

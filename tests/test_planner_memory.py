@@ -1,11 +1,14 @@
 """The planner's memory accounting against bytes computed by hand, and against what the engine allocates.
 
-A small Mixtral-shaped model whose sizes are worked out below line by line. The planner's totals
-(`predict(...).gpu_bytes / cpu_bytes`) are affine in the weight and KV fractions, so differences
-between two policies isolate one term exactly, whatever the activation estimate is:
-- GPU(r_w = 1) − GPU(r_w = 0) = all experts − the 2×layer double buffer of streamed experts;
-- GPU(r_c = 1) − GPU(r_c = 0) = the whole KV cache: every slot of the batch sized for the longest
-  prompt plus the generation (the engine gives each slot room for any waiting request).
+A small Mixtral-shaped model whose sizes are worked out below line by line. The planner names each
+buffer the runtime allocates (`Prediction.gpu_breakdown` / `cpu_breakdown`), so each is checked alone,
+whatever the activation estimate is:
+- resident experts: r_w of all experts, in whole experts per layer; the streaming buffer: two halves
+  of the experts a layer streams, (1 − r_w) of a layer each;
+- the KV cache: every slot of the batch sized for the longest prompt plus the generation (the engine
+  gives each slot room for any waiting request), r_c of it on the GPU in whole layers.
+The runtime keeps every weight in host memory (the GPU holds copies), so CPU memory does not shrink
+with r_w. (tests/test_gpu_memory.py measures the totals against an emulated GPU's peak.)
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ def mem(policy: Policy, work: Workload = WORK) -> tuple[int, int]:
     return p.gpu_bytes, p.cpu_bytes
 
 
+def parts(policy: Policy, work: Workload = WORK) -> tuple[dict, dict]:
+    p = predict(policy, SPEC, HW, work)
+    return p.gpu_breakdown, p.cpu_breakdown
+
+
 BASE = Policy(batch_size=16, micro_batch_size=4, expert_batch_size=8, attention_on="cpu", ffn_on="gpu",
               gpu_weight_fraction=0.0, pages_per_layer=4)
 
@@ -56,10 +64,13 @@ def test_streamed_experts_take_a_two_layer_buffer_on_the_gpu():
     g0, c0 = mem(BASE)
     g1, c1 = mem(dataclasses.replace(BASE, gpu_weight_fraction=1.0))
     assert g1 - g0 == EXPERTS - 2 * LAYER_EXPERTS  # all experts resident, no buffer vs a 2-layer buffer
-    assert c0 - c1 >= EXPERTS  # the streamed experts live in CPU memory
-    for r_w in (0.25, 0.5, 0.75):  # in between: r_w of the experts resident, 2 layers of the rest streamed
-        g, _ = mem(dataclasses.replace(BASE, gpu_weight_fraction=r_w))
-        assert g - g0 == pytest.approx(r_w * EXPERTS - r_w * 2 * LAYER_EXPERTS, abs=2)
+    assert c0 == c1 and parts(BASE)[1]["weights"] == NON_EXPERT + EXPERTS  # host memory keeps every weight
+    for r_w in (0.25, 0.5, 0.75):  # in between: r_w of the experts resident, 2 × (1 − r_w) of a layer streamed
+        g, _ = parts(dataclasses.replace(BASE, gpu_weight_fraction=r_w))
+        assert g["resident_experts"] == r_w * EXPERTS and g["weight_double_buffer"] == 2 * (1 - r_w) * LAYER_EXPERTS
+    # a share that is not whole experts in every layer: the buffer is sized for the layer streaming most
+    g, _ = parts(dataclasses.replace(BASE, gpu_weight_fraction=9 / 32))  # 9 experts: 3, 2, 2, 2 per layer
+    assert g["resident_experts"] == 9 * EXPERT and g["weight_double_buffer"] == 2 * 6 * EXPERT
     # and the GPU holds every non-expert weight, plus activations that grow with the micro-batch
     assert g1 > NON_EXPERT + EXPERTS
 
@@ -69,10 +80,15 @@ def test_the_kv_cache_has_room_for_every_slot_at_the_longest_request(longest, ge
     work = Workload(prompt_len=50, gen_len=gen, max_prompt_len=longest)
     gpu_attn = Policy(batch_size=batch, micro_batch_size=4, expert_batch_size=4, attention_on="gpu", ffn_on="gpu",
                       gpu_weight_fraction=1.0, gpu_kv_fraction=0.0)
-    g0, c0 = mem(gpu_attn, work)
-    g1, c1 = mem(dataclasses.replace(gpu_attn, gpu_kv_fraction=1.0), work)
+    g0, c0 = parts(gpu_attn, work)
+    g1, c1 = parts(dataclasses.replace(gpu_attn, gpu_kv_fraction=1.0), work)
     kv = batch * (longest + gen) * KV_TOKEN
-    assert g1 - g0 == pytest.approx(kv, abs=2) and c0 - c1 == pytest.approx(kv, abs=2)
+    assert g1["kv_cache"] == pytest.approx(kv, abs=2) and c0["kv_cache"] == pytest.approx(kv, abs=2)
+    assert g0["kv_cache"] == c1["kv_cache"] == 0
+    # with the cache on the CPU, two micro-batches' worth of it are on the GPU at a time (a ring)
+    assert g0["kv_buffers"] == 2 * 4 * (longest + gen) * KV_TOKEN // 4 and g1["kv_buffers"] == 0
+    half, _ = parts(dataclasses.replace(gpu_attn, gpu_kv_fraction=0.5), work)  # two of four layers
+    assert half["kv_cache"] == pytest.approx(kv / 2, abs=2)
 
 
 def test_cpu_only_keeps_every_weight_and_the_kv_cache_in_cpu_memory():
@@ -85,9 +101,10 @@ def test_validate_refuses_a_gpu_budget_short_of_the_hand_counted_bytes():
     """Budget the GPU for exactly the hand count (weights, half the experts resident, the 2-layer buffer
     of the other half) plus the activations (what the GPU holds beyond the weights when every expert is
     resident): it fits; half a layer less: refused, naming the GPU."""
-    acts = mem(dataclasses.replace(BASE, gpu_weight_fraction=1.0))[0] - (NON_EXPERT + EXPERTS)
-    assert acts > 0
     policy = dataclasses.replace(BASE, gpu_weight_fraction=0.5)
+    g, _ = parts(policy)
+    acts = g["activations"] + g["staging"]  # beyond the weights: activations, D1/D2 buffers, RoPE tables
+    assert acts > 0
     need = NON_EXPERT + EXPERTS // 2 + 2 * (LAYER_EXPERTS // 2) + acts
     ok = Budget(gpu_bytes=int(need / 0.86) + 2, cpu_bytes=10**12)
     assert validate(policy, SPEC, HW, WORK, ok) == []
@@ -117,31 +134,43 @@ def test_the_planned_kv_cache_is_what_the_engine_allocates(checkpoint_factory, m
     work = Workload(prompt_len=sum(lengths) // len(lengths), gen_len=max_new, max_prompt_len=max(lengths))
     p = Policy(batch_size=4, micro_batch_size=2, expert_batch_size=2, attention_on="gpu", ffn_on="gpu",
                gpu_weight_fraction=1.0)
-    g0 = predict(p, engine.spec, HW, work).gpu_bytes
-    g1 = predict(dataclasses.replace(p, gpu_kv_fraction=1.0), engine.spec, HW, work).gpu_bytes
+    g1 = predict(dataclasses.replace(p, gpu_kv_fraction=1.0), engine.spec, HW, work).gpu_breakdown["kv_cache"]
     assert caches == [4 * (19 + 3) * engine.spec.kv_bytes_per_token]
-    assert g1 - g0 == pytest.approx(caches[0], abs=2)
+    assert g1 == pytest.approx(caches[0], abs=2)
 
 
 def test_activations_and_host_buffers_count_what_the_planner_documents():
-    """The estimate beyond weights and KV, by hand for BASE (N 16, μ 4, expert batch 8; longest prompt
-    200, 28 new tokens): prefill holds μ whole prompts at the longest length (hidden ×3, QKV, k experts'
-    SwiGLU rows); decode holds N hidden states ×2, one micro-batch's QKV ×2 and one expert batch's
-    intermediates; plus a micro-batch's fp32 logits. The CPU keeps two pinned pages in flight, every
-    request's QKV and attention output, and one micro-batch's fp32 attention scores."""
-    D, qkv, q, k, I, V, H, N, mu, beta = 64, 64 + 2 * 16, 64, 2, 128, 1000, 8, 16, 4, 8
-    prefill = mu * 200 * (3 * D + qkv + k * 3 * I) * 2  # 1_689_600
-    decode = (2 * N * D + 2 * mu * qkv + beta * k * (3 * I + D)) * 2  # 19_968
-    acts = max(prefill, decode) + mu * V * 4
-    assert acts == 1_705_600
-    g, c = mem(BASE)
-    assert g == NON_EXPERT + 2 * LAYER_EXPERTS + acts
-    scores = mu * H * (200 + 28) * 4
-    staging = 2 * LAYER_EXPERTS // 4  # 4 pages a layer, two in flight
-    assert c == EXPERTS + 16 * (200 + 28) * KV_TOKEN + staging + N * (qkv + q) * 2 + scores
-    # CPU-only: everything in CPU memory, the attention scores with the activations
+    """Every named term beyond weights and KV, by hand for BASE (N 16, μ 4, expert batch 8, 4 pages;
+    longest prompt 200 + 28 new tokens = 228 per slot; bf16, so grouped matmuls for the FFN):
+    - GPU staging: each micro-batch's QKV (D1 source) and attention output (D2 target), RoPE tables;
+    - activations, the larger of decode (every request's hidden state; one expert batch's normed input
+      twice, routing, one hidden-state block of margin; the largest of the FFN's intermediates, a
+      micro-batch's pre-attention or its fp32 logits; per-step ids) and prefill (every prompt's hidden
+      states; a micro-batch's normed input, two layers' K/V and its ids; the largest of the FFN's
+      intermediates, the pre-attention with one prompt's fp32 scores, the logits);
+    - host: the pinned arena (D1/D2 buffers, decode and prefill logits), one micro-batch's fp32 attention
+      scores. (tests/test_gpu_memory.py holds these against what an emulated GPU sees allocated.)"""
+    D, q, kv, k, I, V, H, hd, N, mu, beta, T, s, dt = 64, 64, 16, 2, 128, 1000, 8, 8, 16, 4, 8, 228, 200, 2
+    staging = N * (q + 2 * kv + q) * dt + 2 * T * hd * dt
+    ffn = lambda t: t * k * 33 + t * k * (D + 3 * I) * dt  # noqa: E731 - ids and masks, then in, gate/up, product
+    pre = lambda t: t * (D * (8 + dt) + 3 * (q + kv) * dt)  # noqa: E731
+    logits = mu * (V * 4 + 3 * D * 4)
+    decode = N * D * dt + beta * (3 * D * dt + 2 * k * (8 + dt)) + max(ffn(beta), pre(mu), logits) + N * (40 + T)
+    tok = mu * s
+    prefill = (N * s * D * dt + tok * (2 * D + 4 * kv) * dt + N * (2 * s + 1) * 8
+               + max(ffn(tok), pre(tok) + H * s * s * 4, logits))
+    assert (decode, prefill) == (28_800, 2_944_128)
+    g, c = parts(BASE)
+    assert g == {"non_expert_weights": NON_EXPERT, "resident_experts": 0, "weight_double_buffer": 2 * LAYER_EXPERTS,
+                 "kv_cache": 0, "kv_buffers": 0, "staging": staging, "dequant_scratch": 0, "activations": prefill}
+    scores = mu * H * T * 4
+    assert c == {"non_expert_weights": NON_EXPERT, "experts": EXPERTS, "kv_cache": N * T * KV_TOKEN,
+                 "pinned_staging": N * (q + 2 * kv + q) * dt + 2 * N * V * 4, "attention_workspace": scores}
+    # CPU-only: everything in CPU memory, the CPU mode's own working-set estimate plus the scores
+    cpu_acts = max(tok * (3 * D + q + 2 * kv + k * 3 * I) * dt,
+                   (2 * N * D + 2 * mu * (q + 2 * kv) + beta * k * (3 * I + D)) * dt) + mu * V * 4
     g, c = mem(Policy(batch_size=16, micro_batch_size=4, expert_batch_size=8, attention_on="cpu", ffn_on="cpu"))
-    assert g == 0 and c == NON_EXPERT + EXPERTS + 16 * (200 + 28) * KV_TOKEN + acts + scores
+    assert g == 0 and c == NON_EXPERT + EXPERTS + N * T * KV_TOKEN + cpu_acts + scores
 
 
 def test_a_policy_that_needs_exactly_the_usable_bytes_fits_and_one_byte_more_does_not():

@@ -135,9 +135,14 @@ def test_prefill_streams_the_next_layer_and_stores_kv():
     tasks = schedule.prefill(num_layers=3, num_micro_batches=2, pages_per_layer=2)
     _valid(tasks)
     kinds = Counter(t.kind for t in tasks)
-    assert kinds == {"prefill": 6, "kv_store": 6, "weight_page": 6}
+    assert kinds == {"prefill": 6, "kv_store": 6, "weight_page": 8}  # 3 layers' pages, then layer 0's again
     first = _one(tasks, kind="prefill", layer=1, micro_batch=0)
     assert {t.id for t in _by(tasks, kind="weight_page", layer=1)} <= set(first.deps)
+    # the next decode step's layer 0 arrives during the last layer, into the half layer 1 is done with
+    nxt = [t for t in _by(tasks, kind="weight_page", layer=0) if t.id > first.id]
+    assert len(nxt) == 2 and all(_one(tasks, kind="prefill", layer=1, micro_batch=1).id in t.deps for t in nxt)
+    assert Counter(t.kind for t in schedule.prefill(num_layers=1, num_micro_batches=2, pages_per_layer=2)) == {
+        "prefill": 2, "kv_store": 2, "weight_page": 2}  # one layer: it is still in place for the decode
 
 
 def test_bad_shapes_and_names_are_refused():

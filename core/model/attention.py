@@ -79,6 +79,14 @@ def _widened(q, k_rows, v_rows, scale: float, shortest: int, T: int, pad, sink, 
     return out.view(B, Hq * dv).to(q.dtype)
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    v = torch.__version__.split("+")[0].split(".")
+    return (int(v[0]), int(v[1])) >= (major, minor)
+
+
+SDPA_GQA = _torch_at_least(2, 5)  # scaled_dot_product_attention's enable_gqa came with torch 2.5; we support 2.4
+
+
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """softmax over the last axis of fp32 `scores`, with `sinks` (broadcast to scores[..., :1]) as extra
     logits in the denominator whose probability is dropped."""
@@ -98,8 +106,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """
     L, Hq, _ = q.shape
     if sinks is None and (not window or window >= L):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                             is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        gqa = {}
+        if Hq != k.shape[1]:
+            if SDPA_GQA:
+                gqa = {"enable_gqa": True}
+            else:  # older torch: give every query head its KV head (one prompt's K and V, copied G times)
+                G = Hq // k.shape[1]
+                kh, vh = kh.repeat_interleave(G, dim=1), vh.repeat_interleave(G, dim=1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, **gqa)
         return out[0].transpose(0, 1).reshape(L, -1)
     return _explicit_prefill(q, k, v, scale, window, sinks)
 

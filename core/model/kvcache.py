@@ -132,15 +132,21 @@ def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, pin
 
 
 class KVCache:
-    """Every layer's store for `slots` sequences of up to `max_tokens` tokens."""
+    """Every layer's store for `slots` sequences of up to `max_tokens` tokens.
 
-    def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False):
-        self.layers = [layer_store(spec, i, slots, max_tokens, dtype, pin) for i in range(spec.num_layers)]
+    `gpu_layers`: the first layers keep their state on the GPU (the runner's), so none is allocated here
+    (None). Pageable by default: the runtime copies to a GPU through its own pinned staging, since a
+    cache of hundreds of GB would be too much page-locked memory."""
+
+    def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False,
+                 gpu_layers: int = 0):
+        self.layers = [None if i < gpu_layers else layer_store(spec, i, slots, max_tokens, dtype, pin)
+                       for i in range(spec.num_layers)]
         self.slots, self.max_tokens = slots, max_tokens
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.layers for t in s.tensors)
+        return sum(t.numel() * t.element_size() for s in self.layers if s is not None for t in s.tensors)
 
     # grouped-query layers, as the runtime addresses them
     @property

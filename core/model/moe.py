@@ -36,10 +36,31 @@ def _grouped_ok(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     # grouped_mm wants fp32/bf16/fp16 and 16-byte aligned strides on every operand.
     if not HAS_GROUPED_MM or h.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w13.dtype != h.dtype:
         return False
-    if h.is_cuda and (torch.cuda.get_device_capability(h.device) < (8, 0) or h.dtype != torch.bfloat16):
-        return False  # the CUDA kernel wants bf16 on SM80+ (a T4 takes the loop)
+    if h.is_cuda and not cuda_grouped_mm_works(h.device.index or 0, h.dtype):
+        return False
+    return _aligned(h, w13, w2)
+
+
+def _aligned(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     es = h.element_size()
     return all((n * es) % 16 == 0 for n in (w13.shape[-1], w13.shape[-2], w2.shape[-1], w2.shape[-2]))
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_grouped_mm_works(index: int, dtype: torch.dtype) -> bool:
+    """Whether grouped_mm runs on this GPU for this dtype, asked by trying it once on tiny operands: its
+    kernels exist for some architectures and dtypes only (bf16 on SM80+ today), and a fixed list of
+    compute capabilities would go stale with every torch release and every new GPU."""
+    if not HAS_GROUPED_MM:
+        return False
+    try:
+        a = torch.zeros(16, 16, dtype=dtype, device=f"cuda:{index}")
+        b = torch.zeros(2, 16, 16, dtype=dtype, device=f"cuda:{index}")
+        F.grouped_mm(a, b.transpose(-2, -1), offs=torch.tensor([8, 16], dtype=torch.int32, device=a.device))
+        torch.cuda.synchronize(index)
+    except RuntimeError:
+        return False
+    return True
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -192,3 +213,122 @@ def shared_expert(spec: ModelSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
     if spec.shared_gate:
         s = torch.sigmoid(F.linear(h, w["shared_gate"])) * s
     return s
+
+
+# ---- on an accelerator: no host sync, weights in parts -------------------------------------------------
+PADDED_MAX_TOKENS = 128  # up to here, every expert over all tokens costs no more than reading its weights
+
+
+def device_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, *, grouped: bool,
+                   act: Activation | None = None) -> torch.Tensor:
+    """Routed experts where they run on an accelerator: the same result as `experts`, without reading
+    anything back to the host where a sync-free form exists.
+
+    `parts` are dicts of stacks — w13 [e, 2I, D], w2 [e, D, I], and b13 [e, 2I], b2 [e, D] where the family
+    has expert biases — covering experts 0..E−1 in order: a layer's experts kept on the GPU, then those
+    streamed into the expert buffer (one part when all are in one place). Forms: `grouped` (grouped_mm
+    over each part: no sync); padded (every expert over a [T, D] slot table, when T ≤
+    PADDED_MAX_TOKENS: decode, memory-bound, where the extra FLOPs are free: no sync); else the loop
+    over experts with one read-back of the counts per call.
+    """
+    act = act or _swiglu
+    T, k = idx.shape
+    E = sum(_part_size(p) for p in parts)
+    D = h.shape[-1]
+    grouped = grouped and not any("quant" in p for p in parts)  # quantized experts expand one at a time
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    token_of = order // k
+    counts = torch.zeros(E, dtype=torch.int64, device=h.device).index_add_(0, flat, torch.ones_like(flat))
+    if grouped:
+        ys = _grouped_parts(h.index_select(0, token_of), parts, counts, flat.index_select(0, order), act)
+    elif T <= PADDED_MAX_TOKENS:
+        ys = _padded_parts(h, parts, flat, order, counts, T, k, act)
+    else:
+        xs = h.index_select(0, token_of)
+        ys = torch.empty_like(xs)
+        start, base = 0, 0
+        sizes = counts.tolist()  # the one host sync of this call
+        rows = -(-T * k // E)  # a busy expert's tokens go in pieces of the mean load: bounded intermediates
+        for p in parts:
+            n, up, down = _part_ops(p)
+            for e in range(n):
+                end = start + sizes[base + e]
+                for a in range(start, end, rows):
+                    b = min(end, a + rows)
+                    mid = act(up(e, xs[a:b]))  # gate/up freed here
+                    ys[a:b] = down(e, mid)
+                start = end
+            base += n
+    ys = ys * weights.reshape(-1).index_select(0, order)[:, None]
+    out = torch.zeros((T, D), dtype=h.dtype, device=h.device)
+    out.index_add_(0, token_of, ys)
+    return out
+
+
+def _grouped_parts(xs: torch.Tensor, parts, counts: torch.Tensor, sorted_e: torch.Tensor, act) -> torch.Tensor:
+    """grouped_mm per part. Part p's groups must start at row 0, so its first group also covers the rows
+    of the parts before it; those rows are computed with that group's weights and then ignored (a
+    `where` on the row index against an offset that stays on the device)."""
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    rows = torch.arange(xs.shape[0], device=xs.device)[:, None]
+
+    def each(x, which, bias):
+        out, base = None, 0
+        for p in parts:
+            w = p[which]
+            n = w.shape[0]
+            y = F.grouped_mm(x, w.transpose(-2, -1), offs=ends[base:base + n])
+            out = y if out is None else torch.where(rows < ends[base - 1], out, y, out=y)
+            base += n
+        if bias in parts[0]:  # per-expert biases, row by row
+            out = out + torch.cat([p[bias] for p in parts]).index_select(0, sorted_e)
+        return out
+
+    return each(act(each(xs, "w13", "b13")), "w2", "b2")
+
+
+def _padded_parts(h, parts, flat, order, counts, T: int, k: int, act) -> torch.Tensor:
+    """Every expert over a [T, D] table of the tokens routed to it (an expert gets each token at most
+    once, so T rows always suffice): batched matmuls with static shapes, no sync."""
+    E, D = counts.shape[0], h.shape[-1]
+    sorted_e = flat.index_select(0, order)
+    first = torch.cumsum(counts, 0) - counts  # row of each expert's first pair in `order`
+    slot = torch.arange(T * k, device=h.device) - first.index_select(0, sorted_e)
+    table = torch.zeros((E, T, D), dtype=h.dtype, device=h.device)
+    table[sorted_e, slot] = h.index_select(0, order // k)
+    outs, base = [], 0
+    for p in parts:
+        n = _part_size(p)
+        if "quant" in p:  # quantized: expert by expert (each expanded once), still over static shapes
+            _, up, down = _part_ops(p)
+            outs.append(torch.stack([down(e, act(up(e, table[base + e]))) for e in range(n)]))
+            base += n
+            continue
+        gu = torch.bmm(table[base:base + n], p["w13"].transpose(1, 2))
+        if "b13" in p:
+            gu += p["b13"][:, None, :]
+        mid, gu = act(gu), None  # gate/up freed before the down projection allocates
+        y = torch.bmm(mid, p["w2"].transpose(1, 2))
+        outs.append(y if "b2" not in p else y + p["b2"][:, None, :])
+        base += n
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return y[sorted_e, slot]
+
+
+def _part_size(p: dict) -> int:
+    return len(p["quant"]) if "quant" in p else p["w13"].shape[0]
+
+
+def _part_ops(p: dict):
+    """(experts, up(e, x) -> [n, 2I], down(e, y) -> [n, D]) of one part, biases included."""
+    if "quant" in p:
+        q = p["quant"]
+        up0, down0 = q.up, q.down
+    else:
+        w13, w2 = p["w13"], p["w2"]
+        up0, down0 = (lambda e, x: F.linear(x, w13[e])), (lambda e, y: F.linear(y, w2[e]))
+    b13, b2 = p.get("b13"), p.get("b2")
+    up = up0 if b13 is None else (lambda e, x: up0(e, x) + b13[e])
+    down = down0 if b2 is None else (lambda e, y: down0(e, y) + b2[e])
+    return _part_size(p), up, down

@@ -8,8 +8,10 @@ such as one half of the GPU's 2×layer expert buffer. The small non-expert part 
 router, shared expert) is what the GPU keeps resident.
 
 Memory: each buffer is allocated once and filled straight from the checkpoint's memory map, so peak
-RSS stays near the model's size. With CUDA present the buffers are pinned; when pinning fails
-(Windows caps pinned memory) they fall back to pageable memory and a warning is published.
+RSS stays near the model's size. Layer buffers start and end on page boundaries so that the part of
+each that streams to a GPU can be page-locked on its own, at its exact size (`pin_streamed`, through
+the runtime's device: torch's pinned allocator would round every buffer up to a power of two). When
+pinning is refused (Windows caps pinned memory) the buffers stay pageable and copies are slower.
 """
 
 from __future__ import annotations
@@ -103,6 +105,16 @@ class LayerLayout:
     def views(self, flat: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
         return {name: self._view(flat, name, off, shape) for name, off, shape in self.entries
                 if names is None or name in names}
+
+    def expert_entries(self) -> list[tuple[str, int, tuple[int, ...], int]]:
+        """(name, offset, shape, one expert's size) of each expert tensor, offsets and sizes in the flat
+        buffer's units (elements; bytes in a quantized layout). Experts are stacked first."""
+        out = []
+        for name, off, shape in self.entries:
+            if off >= self.expert_start:
+                unit = _ITEMSIZE[dict(self.dtypes)[name]] if self.scheme is not None else 1
+                out.append((name, off, shape, math.prod(shape[1:]) * unit))
+        return out
 
     def expert_names(self) -> list[str]:
         return [n for n, off, _ in self.entries if off >= self.expert_start]
@@ -213,13 +225,49 @@ class ModelWeights:
     """All weights of a model in the layout the engine runs from."""
 
     def __init__(self, spec: ModelSpec, layers: list[LayerWeights], globals_: dict[str, torch.Tensor],
-                 dtype: torch.dtype, pinned: bool):
-        self.spec, self.layers, self.globals, self.dtype, self.pinned = spec, layers, globals_, dtype, pinned
+                 dtype: torch.dtype):
+        self.spec, self.layers, self.globals, self.dtype = spec, layers, globals_, dtype
         self.math_dtype = dtype  # what the non-expert weights and the activations compute in (see widen_dense)
+        self.pins: dict[int, tuple] = {}  # layer -> (device, page-locked view of its streamed experts)
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.pins)
+
+    def pin_streamed(self, dev, layer: int, first_expert: int) -> bool:
+        """Page-lock layer `layer`'s expert bytes from expert `first_expert`'s first tensor to the end of
+        its buffer (what streams, plus the resident experts' later tensors between them), once."""
+        lw = self.layers[layer]
+        if lw.packed is not None:
+            return False
+        experts = lw.layout.expert_entries()
+        if not experts:
+            return True  # a layer without experts streams nothing
+        start = min(off + first_expert * per for _, off, _, per in experts)
+        held = self.pins.get(layer)
+        if held is not None and held[0] is dev and held[1].data_ptr() <= lw.flat[start:].data_ptr():
+            return True
+        if held is not None:  # a shorter range: registrations must not overlap, so replace it
+            held[0].unpin(held[1])
+            del self.pins[layer]
+        view = lw.flat[start:]
+        if not dev.pin(view):
+            return False
+        self.pins[layer] = (dev, view)
+        return True
+
+    def unpin(self) -> None:
+        for dev, view in self.pins.values():
+            dev.unpin(view)
+        self.pins.clear()
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for _, v in self.pins.values())
 
     def repage(self, pages: int) -> None:
         for lw in self.layers:
@@ -269,14 +317,16 @@ class ModelWeights:
             t.numel() * t.element_size() for t in self.globals.values())
 
 
-def _alloc(numel: int, dtype: torch.dtype, pin: bool, sink: EventSink) -> tuple[torch.Tensor, bool]:
-    if pin:
-        try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True), True
-        except RuntimeError as e:
-            sink(WarningEvent(f"pinned memory unavailable ({str(e).splitlines()[0]}); using pageable memory, "
-                              "host-to-device copies will be slower"))
-    return torch.empty(numel, dtype=dtype), False
+PAGE = 4096
+
+
+def _page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer that starts and ends on page boundaries (whole pages of its own), so that a part of it can
+    be page-locked without touching a neighbour's pages."""
+    size = dtype.itemsize
+    raw = torch.empty(-(-(numel * size) // PAGE) * PAGE + PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip:skip + numel * size].view(dtype)
 
 
 def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
@@ -289,7 +339,8 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
 
     With `quant` the experts are quantized layer by layer as they are read (or read back from the
     quantized cache, see core.model.quant.cache): memory peaks at the quantized model plus one layer
-    in the compute dtype."""
+    in the compute dtype. `pin` is accepted and unused: the runtime page-locks what streams, at its exact
+    size (ModelWeights.pin_streamed)."""
     if pages_per_layer < 1:
         raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
     mxfp4 = spec.quant_method == "mxfp4" and spec.family == "gpt_oss"  # experts read as the 4-bit blocks they are
@@ -301,7 +352,6 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         raise UsageError(f"this checkpoint's experts are already quantized ({spec.quant_method})",
                          "leave out --quantize to run them as they are")
     dtype = dtype or spec.torch_dtype
-    pin = torch.cuda.is_available() if pin is None else pin
     ckpt = Checkpoint(model_dir)
     keys = ckpt.keys()
     fam = family_module(spec)
@@ -350,12 +400,11 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         "loading quantized weights (cached)" if cached is not None else f"quantizing experts to {scheme.label}")
     progress(Progress(what, 1, total, "layers"))
     staging: dict[LayerLayout, LayerWeights] = {}  # one layer in the compute dtype, reused (per distinct shape)
-    layers, pinned, scratch = [], pin, {}
+    layers, scratch = [], {}
     try:
         for i in range(spec.num_layers):
             layout = layout_of(i, layouts, scheme)
-            flat, ok = _alloc(layout.numel, layout.storage_dtype or dtype, pinned, progress)
-            pinned = pinned and ok
+            flat = _page_aligned(layout.numel, layout.storage_dtype or dtype)
             lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
             if cached is not None:
                 cached.copy_into(f"layers.{i}", flat)
@@ -382,7 +431,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         if writer is not None:
             writer.abort()
         raise
-    return ModelWeights(spec, layers, globals_, dtype, pinned)
+    return ModelWeights(spec, layers, globals_, dtype)
 
 
 _QUANT_ROWS = 256  # rows quantized at a time: bounds the float32 temporaries to about a MB per matrix

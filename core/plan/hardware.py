@@ -221,6 +221,17 @@ def _match_gpu(name: str) -> str | None:
     return None
 
 
+def gpu_compute_dtype(dtype, capability: tuple[int, int] | None):
+    """The dtype a GPU of this compute capability computes a checkpoint of `dtype` in: bf16 has tensor
+    cores from SM80 (Ampere) on; before that (a T4 is SM75) bf16 matmuls are emulated, many times
+    slower, so bf16 checkpoints run in fp16 (the engine checks the range)."""
+    import torch
+
+    if dtype == torch.bfloat16 and capability is not None and tuple(capability) < (8, 0):
+        return torch.float16
+    return dtype
+
+
 # ---- detect ------------------------------------------------------------------------------------
 def _cpu_defaults(cores: int) -> tuple[float, float]:
     """Datasheet-free guesses for the CPU until a probe measures it: AVX2 ≈ 32 fp32 FLOP/cycle at
@@ -464,7 +475,9 @@ def _measure(hw: HardwareSpec, seconds: float) -> dict:
             return _best(run, seconds)
 
         n = 4096
-        ga, gb = torch.randn(n, n, device=dev, dtype=torch.float16), torch.randn(n, n, device=dev, dtype=torch.float16)
+        # the dtype a bf16 checkpoint actually computes in on this GPU (fp16 where bf16 is not native)
+        dt = gpu_compute_dtype(torch.bfloat16, torch.cuda.get_device_capability(dev))
+        ga, gb = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
         rates["gpu_flops"] = 2 * n**3 / timed(lambda: torch.mm(ga, gb))
         gbuf = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
         gdst = torch.empty_like(gbuf)

@@ -36,6 +36,18 @@ CPU_LAUNCH = 30e-6
 # machine, see bench/gpu_check.py --multi-gpu) plus a ring's 2·(K−1)/K of the bytes over each rank's link.
 ALLREDUCE_LATENCY = 50e-6
 
+# The host side of a task, serialised across the executor's threads by Python's GIL: the executor's
+# own cost per task (queue handoff, dependency events, timing events; measured by
+# bench/task_overhead.py: 16.5 µs threaded, 19.2 µs for the CUDA executor's code over the emulated
+# device, on a loaded 2-core EPYC, see bench/RESULTS.md) plus, for every torch op the task issues, its
+# Python dispatch (3.9 µs measured on the same CPU) and CUDA launch (≈4 µs).
+TASK_SECONDS = 20e-6
+OP_SECONDS = 8e-6
+# torch ops each task kind issues, views included (counted on the emulated device for a Qwen2-MoE layer,
+# the family with the most parts; tests/test_gpu_plan.py recounts them)
+HOST_OPS = {"pre_attn": 40, "post_attn": 24, "ffn": 33, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 23,
+            "weight_page": 2, "kv_load": 14, "kv_store": 10, "prefill": 118}
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -50,6 +62,7 @@ class Rates:
     has_gpu: bool
     tp: int = 1  # tensor-parallel ranks summing their partial outputs (rates are then one rank's)
     cpu_costs: object = None  # core.plan.cpu_cost.CpuCosts measured on this machine for the CPU's math dtype
+    task_seconds: float = TASK_SECONDS  # the executor's host cost per task
 
 
 def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> Rates:
@@ -119,6 +132,7 @@ class Dims:
     mixers: tuple[MixerCost, ...] = ()  # one per kind of token mixer, with its layer count
     moe_frac: float = 1.0  # share of the layers with experts (the rest run a dense MLP)
     Id: int = 0  # dense MLP intermediate
+    dtype: str = "bfloat16"
 
     def avg(self, f) -> float:
         """f(mixer cost) averaged over the layers."""
@@ -155,7 +169,8 @@ def _dims(m: ModelSpec) -> Dims:
                 nonexpert_bytes=m.nonexpert_bytes, total_expert_bytes=m.total_expert_bytes, total_bytes=m.total_bytes,
                 kv_tok_layer=m.kv_bytes_per_token_layer, kv_tok=m.kv_bytes_per_token, mixers=mixer_costs(m),
                 moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate,
-                scratch=m.expert_params * m.dtype_bytes if m.expert_format != "none" else 0, qkind=_qkind(m.expert_format))
+                scratch=m.expert_params * m.dtype_bytes if m.expert_format != "none" else 0, qkind=_qkind(m.expert_format),
+                dtype=m.dtype)
 
 
 def _qkind(expert_format: str) -> str:
@@ -444,15 +459,32 @@ def busy_seconds(tasks: dict[str, TaskCost]) -> dict[str, float]:
 
 def decode_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, float]:
     """Busy seconds of one decode layer per resource (keyword arguments as decode_tasks), plus the
-    "pipeline" bound (see pipeline_seconds). Each is affine in gpu_weight_fraction and
-    gpu_kv_fraction, which the planner's LP relies on."""
+    "pipeline" bound (see pipeline_seconds) and the "host" bound (see host_seconds). Each is affine in
+    gpu_weight_fraction and gpu_kv_fraction, which the planner's LP relies on."""
     tasks = decode_tasks(m, r, **kw)
     bounds = pipeline_bounds(tasks) or (0.0, 0.0, 0.0)
-    return {**busy_seconds(tasks), "pipeline": max(bounds), **{f"pipeline{i}": b for i, b in enumerate(bounds)}}
+    host = host_seconds(tasks, r) if kw.get("ffn_on") == "gpu" else 0.0
+    return {**busy_seconds(tasks), "pipeline": max(bounds), **{f"pipeline{i}": b for i, b in enumerate(bounds)},
+            "host": host}
 
 
 def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, float]:
-    return busy_seconds(prefill_tasks(m, r, **kw))
+    tasks = prefill_tasks(m, r, **kw)
+    return {**busy_seconds(tasks), "host": host_seconds(tasks, r) if kw.get("ffn_on") == "gpu" else 0.0}
+
+
+def host_task_seconds(r: Rates) -> dict[str, float]:
+    """Host seconds to run one task of each kind: the executor's cost plus its ops' dispatch."""
+    return {kind: r.task_seconds + ops * OP_SECONDS for kind, ops in HOST_OPS.items()}
+
+
+def host_seconds(tasks: dict[str, TaskCost], r: Rates) -> float:
+    """The host bound of a layer with the GPU placements: its tasks one after another on the host (the
+    threads feeding the GPU share one Python interpreter), however idle the GPU. Tiny micro-batches
+    mean many tasks: this is what keeps the search from choosing them (μ = 4 made thousands of
+    tasks per step, each costing more host time than GPU time)."""
+    per = host_task_seconds(r)
+    return sum(c.per_layer * per.get(kind, r.task_seconds) for kind, c in tasks.items())
 
 
 def pipeline_bounds(tasks: dict[str, TaskCost]) -> tuple[float, ...]:

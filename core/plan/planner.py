@@ -29,7 +29,7 @@ from core.plan import hrm
 from core.plan.parallel import default_ranks, rank_view
 from core.errors import BudgetError, UsageError
 from core.plan.hardware import HardwareSpec
-from core.plan.policy import Policy, Prediction
+from core.plan.policy import Policy, Prediction, expert_split, kv_gpu_layers
 from core.model.spec import ModelSpec
 from core.telemetry import RESOURCES
 
@@ -38,6 +38,7 @@ from core.telemetry import RESOURCES
 GPU_USABLE = 0.86
 CPU_USABLE = 0.80
 MAX_BATCH = 8192  # beyond this the KV cache of any real workload is the limit anyway
+PADDED_TOKENS = 128  # = core.model.moe.PADDED_MAX_TOKENS: expert batches this small run every expert (no grouped mm)
 PLACEMENTS_GPU = (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu"))
 RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # r_c values tried by the fast path; the LP refines them
 TIE_BREAK = 1e-6  # weight of the summed busy time: among equally fast policies, prefer less work
@@ -45,7 +46,7 @@ REFINE = 6  # (placement, μ) pairs whose smaller batches and neighbouring μ th
 DENSE_MU = 1024  # μ up to here on the paper's full grid; beyond, sparser (then refined)
 CPU_ONLY_WORDS = {"gpu": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
                   "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)"}
-BOTTLENECKS = (*RESOURCES, "pipeline")  # decode layer bounds: each resource's busy time, and hrm.pipeline_seconds
+BOTTLENECKS = (*RESOURCES, "pipeline", "host")  # decode layer bounds: each resource's busy time, hrm's pipeline and host bounds
 
 
 @dataclass(frozen=True)
@@ -118,43 +119,128 @@ def _gb(n: float) -> str:
 
 
 # ---- memory ------------------------------------------------------------------------------------
+# These are the runtime's own allocations (core.runtime.pipeline), item by item, so that what a plan
+# says is what a run holds: tests/test_gpu_memory.py runs plans on the emulated device and checks
+# peak device bytes ≤ the plan's figure ≤ 1.1 × the peak.
+ALIGN = 64  # bytes: the runtime's host staging arena aligns each buffer to this
+
+
+def tokens_per_slot(w: Workload) -> int:
+    """Cached tokens a batch slot has room for: the longest prompt plus the generation (the engine sizes
+    every slot for the longest request, since a slot is refilled with any waiting one)."""
+    return w.longest_prompt + w.gen_len
+
+
 def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes on the GPU (all GPUs) and on the CPU, by purpose."""
-    d = hrm.dims(m)
-    # The engine gives every batch slot room for the longest request (a slot is refilled with any
-    # waiting request), so capacity is sized by the longest prompt, not the average.
-    # What a sequence keeps depends on each layer's kind: K/V per token, a sliding window's worth, an
-    # MLA latent per token, or a fixed linear-attention state (ModelSpec.layer_state).
-    kv_total = p.batch_size * d.state_bytes(w.longest_prompt + w.gen_len)
-    r_w, r_c = p.gpu_weight_fraction, p.gpu_kv_fraction
-    # Prefill runs μ prompts at a time, all at the longest length; decode keeps N hidden states,
-    # one micro-batch's QKV and one expert batch's SwiGLU intermediates, plus fp32 logits.
+    gpu, cpu, _ = _memory(hrm.dims(m), p, w)
+    return gpu, cpu
+
+
+def pinned_bytes(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> int:
+    """Page-locked host bytes: the streamed experts' part of each layer's buffer and the staging arena."""
+    return _memory(hrm.dims(m), p, w)[2]
+
+
+def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[str, int], int]:
+    T = tokens_per_slot(w)
+    N, mu, beta = p.batch_size, p.micro_batch_size, p.expert_batch_size
+    # what a sequence keeps depends on each layer's kind (K/V per token, a window's worth, an MLA latent,
+    # a fixed linear-attention state: ModelSpec.layer_state); per layer, the average layer's
+    kv_layer = N * d.state_layer_bytes(T)
+    cpu_attn_ws = mu * d.heads * T * 4  # fp32 scores of one micro-batch
+    if p.ffn_on == "cpu":
+        return {}, {"weights": d.total_bytes, "kv_cache": int(d.layers * kv_layer),
+                    "activations": _cpu_activations(d, p, w) + cpu_attn_ws, "dequant_scratch": d.scratch}, 0
+    L, E, eb = d.layers, d.E, d.expert_bytes
+    resident = expert_split(p.gpu_weight_fraction, L, E)
+    width = E - min(resident)  # experts in each half of the streaming buffer
+    gpu_attn = p.attention_on == "gpu"
+    kv_gpu = kv_gpu_layers(p.gpu_kv_fraction, L) if gpu_attn else 0
+    kv_ring = 2 * mu * T * d.kv_tok_layer if gpu_attn and kv_gpu < L else 0  # two micro-batches' KV in flight
+    d1, d2 = max(x.d1 for x in d.mixers), max(x.d2 for x in d.mixers)  # per token: QKV out, attention back
+    qkv_o = N * (d1 + d2) * d.dt if not gpu_attn else 0  # D1 source, D2 target per micro-batch
+    gpu = {
+        "non_expert_weights": d.nonexpert_bytes,
+        "resident_experts": sum(resident) * eb,
+        "weight_double_buffer": 2 * width * eb,
+        "kv_cache": int(kv_gpu * kv_layer),
+        "kv_buffers": kv_ring,
+        "staging": qkv_o + 2 * T * d.head_dim * d.dt,  # + the RoPE tables
+        "dequant_scratch": d.scratch,  # quantized experts expand one at a time next to the matmul
+        "activations": _gpu_activations(d, p, w, split=any(0 < r < E for r in resident)),
+    }
+    host = [qkv_o, 2 * N * d.V * 4]  # D1/D2 buffers, decode and prefill logits (fp32)
+    if kv_ring:
+        host += [kv_ring // 4] * 4 + [mu * d.kv * d.dt] * 2  # per ring slot K and V; the KV store's K and V
+    staging = sum(-(-x // ALIGN) * ALIGN for x in host if x)
+    cpu = {
+        "weights": d.total_bytes,  # the runtime keeps every weight in host memory; the GPU holds copies
+        "kv_cache": int((L - kv_gpu) * kv_layer),
+        "pinned_staging": staging,
+        "attention_workspace": cpu_attn_ws if not gpu_attn else 0,
+    }
+    # what streams is page-locked: from each streaming layer's first streamed expert to its buffer's end
+    # (the resident experts' w2 rows in between included, as one registration)
+    w2 = d.D * d.I * d.dt
+    pinned = sum((E - r) * eb + r * w2 for r in resident if r < E) + staging
+    return gpu, cpu, pinned
+
+
+def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -> int:
+    """Transient device memory at its peak, decode or prefill: what the runtime's tasks hold at once.
+
+    Held through a step: every request's hidden state (decode: one token; prefill: its whole prompt),
+    one expert batch's normed input (twice: per micro-batch, and joined), routing and shared-expert
+    output awaiting the FFN (decode), one
+    micro-batch's normed input and two layers' K and V awaiting the store (prefill). On top, the
+    largest of: an FFN call's intermediates (core.model.moe.device_experts: grouped matmuls for bf16
+    checkpoints — the input, gate/up and product of k experts per token; else every expert over a
+    slot table for calls of at most PADDED_TOKENS tokens, or the expert loop), a pre-attention's (fp32
+    norm, QKV, RoPE, one prompt's fp32 attention scores in prefill), or a micro-batch's fp32 logits.
+    `split`: some layer's experts are part resident, part streamed (grouped matmuls then hold one more
+    gate/up output, that of the other part).
+    """
+    N, mu, beta, dt = p.batch_size, p.micro_batch_size, p.expert_batch_size, d.dt
+    D, k, I, q, kv, E, V = d.D, d.k, d.I, d.q, d.kv, d.E, d.V
+    shared = 3 * d.Is * dt
+    # grouped_mm's kernels are bf16 (on SM80+; a T4's fp16 loop needs less); quantized experts expand one by one
+    grouped = d.dtype == "bfloat16" and d.qkind == "none"
+
+    def ffn(t):  # + the routing's sort indices (int64) and masks
+        return t * k * 33 + _ffn(t)
+
+    def _ffn(t):
+        if grouped:
+            return t * k * (D + (4 if split else 3) * I) * dt
+        if t <= PADDED_TOKENS:
+            return t * E * (D + 3 * I) * dt
+        return (t * (2 * k * D + D) + -(-t * k // E) * 3 * I) * dt  # all pairs in and out; one piece of work
+
+    def pre(t):  # fp32 norm; QKV, roped q and k, attention output
+        return t * (D * (8 + dt) + 3 * (q + kv) * dt)
+
+    logits = mu * (V * 4 + 3 * D * 4)
+    metadata = N * (5 * 8 + tokens_per_slot(w))  # per-step ids, positions, lengths, slots; padding mask
+    routing = 2 * k * (8 + dt)  # expert ids and weights per token, and their concatenation for the expert batch
+    # + one more hidden-state block than the tasks' own accounting: how long a stream's last reference to
+    # a tensor lives depends on the threads' timing (a margin, measured on the emulated GPU)
+    decode = N * D * dt + beta * (3 * D * dt + shared + routing) + max(ffn(beta), pre(mu), logits) + metadata
+    s = w.longest_prompt
+    tok = mu * s
+    held = N * s * D * dt + tok * (2 * D + 4 * kv) * dt + N * (2 * s + 1) * 8  # + token ids, positions, last rows
+    prefill = held + max(ffn(tok) + tok * shared, pre(tok) + d.heads * s * s * 4, logits)
+    return int(max(decode, prefill))
+
+
+def _cpu_activations(d: hrm.Dims, p: Policy, w: Workload) -> int:
+    """The CPU-only mode's working memory (the same shapes as on a GPU, all in host memory)."""
     pre_tok = p.micro_batch_size * w.longest_prompt
     d1 = max(m.d1 for m in d.mixers)
     prefill_act = pre_tok * (3 * d.D + d1 + d.k * 3 * d.I) * d.dt
     decode_act = (2 * p.batch_size * d.D + 2 * p.micro_batch_size * d1
                   + p.expert_batch_size * d.k * (3 * d.I + d.D)) * d.dt
-    activations = max(prefill_act, decode_act) + p.micro_batch_size * d.V * 4  # + fp32 logits
-    cpu_attn_ws = p.micro_batch_size * d.heads * (w.longest_prompt + w.gen_len) * 4  # fp32 scores
-    if p.ffn_on == "cpu":
-        return {}, {"weights": d.total_bytes, "kv_cache": kv_total, "activations": activations + cpu_attn_ws,
-                    "dequant_scratch": d.scratch}
-    streamed = (1 - r_w) * d.layer_expert_bytes
-    gpu = {
-        "non_expert_weights": d.nonexpert_bytes,
-        "resident_experts": int(r_w * d.total_expert_bytes),
-        "weight_double_buffer": int(2 * streamed),
-        "dequant_scratch": d.scratch,  # quantized experts expand one at a time next to the matmul
-        "kv_cache": int(r_c * kv_total),
-        "activations": int(activations),
-    }
-    cpu = {
-        "experts": int((1 - r_w) * d.total_expert_bytes),
-        "kv_cache": int((1 - r_c) * kv_total),
-        "pinned_staging": int(2 * streamed / p.pages_per_layer) if streamed else 0,  # two pages in flight
-        "hidden_and_qkv": int(p.batch_size * (d1 + max(m.d2 for m in d.mixers)) * d.dt + cpu_attn_ws),
-    }
-    return gpu, cpu
+    return int(max(prefill_act, decode_act) + p.micro_batch_size * d.V * 4)  # + fp32 logits
 
 
 def validate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload,
@@ -204,7 +290,9 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
                                                                    micro_batches=p.num_micro_batches, on_gpu=on_gpu)
     n = workload.gen_len
     total = prefill + (n - 1) * step
-    gpu, cpu = ({key: v * k for key, v in use.items()} for use in memory_use(model, p, workload))  # all ranks
+    gpu, cpu, pinned = (x if isinstance(x, int) else {key: v * k for key, v in x.items()}
+                        for x in _memory(hrm.dims(model), p, workload))  # all ranks
+    pinned *= k
     return Prediction(
         tokens_per_s=p.batch_size * n / total,
         decode_tokens_per_s=p.batch_size / step,
@@ -212,7 +300,7 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
         bottleneck=max(BOTTLENECKS, key=lambda k: dec[k]) if on_gpu else max(RESOURCES, key=lambda k: dec[k]),
         gpu_bytes=int(sum(gpu.values())), cpu_bytes=int(sum(cpu.values())),
         layer_seconds={k: dec[k] for k in BOTTLENECKS}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
-        step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu,
+        step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu, pinned_bytes=pinned,
         bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("gpu", "cpu_attn"), key=lambda k: dec[k])],
     )
 
@@ -281,7 +369,7 @@ def _prefill_lin(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int)
     return p00, p10, p01
 
 
-_LIN_KEYS = (*RESOURCES, "pipeline0", "pipeline1", "pipeline2")  # resources, then hrm.pipeline_bounds' pieces
+_LIN_KEYS = (*RESOURCES, "pipeline0", "pipeline1", "pipeline2", "host")  # resources, pipeline_bounds' pieces, host
 
 
 def _vec(x: dict) -> tuple[float, ...]:
@@ -399,7 +487,7 @@ def _mus(place: tuple[str, str], n_cap: int, has_gpu: bool = True) -> list[int]:
     grid offers 228 for 256 requests)."""
     mus = micro_batch_sizes(n_cap)
     if place != ("cpu", "cpu") or has_gpu:
-        return mus
+        return mus + ([n_cap] if n_cap < MAX_BATCH and n_cap not in mus else [])  # all requests at once too
     twos = [1 << i for i in range(n_cap.bit_length()) if 1 << i <= n_cap]
     return sorted(set(mus) | set(twos) | {n_cap})
 
@@ -558,11 +646,9 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
         if best is None or t / c.n < best[0]:
             best = (t / c.n, c, r_w, r_c)
     _, c, r_w, r_c = best
-    r_c = _settle(r_c)
-    # r_w as round as fits: a batch tight on both memories leaves an r_w window narrower than 1e-4
-    window = _rw_interval((c.lin.gpu0, c.lin.gpu_w, c.lin.gpu_c, c.lin.cpu0, c.lin.cpu_w, c.lin.cpu_c), r_c,
-                          gpu_limit, cpu_limit)
-    r_w = _settle(r_w) if window is None else _settle_within(r_w, *window)
+    # whole experts and whole layers: what the runtime can place (core.plan.policy.expert_split)
+    L, E = model.num_layers, model.num_experts
+    r_w, r_c = math.floor(r_w * L * E + 1e-6) / (L * E), math.floor(r_c * L + 1e-6) / L
     n_mb = c.n // c.mu
     policy = Policy(batch_size=c.n, micro_batch_size=c.mu, expert_batch_size=c.beta, attention_on=c.place[0],
                     ffn_on=c.place[1], gpu_weight_fraction=r_w if c.place[1] == "gpu" else 0.0,
@@ -573,33 +659,17 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
     return policy, predict(policy, full_model, full_hw, workload)
 
 
-def _settle(x: float) -> float:
-    """Round a fraction down to 4 decimals (down keeps GPU memory within the limit) and clamp to [0, 1]."""
-    return min(1.0, max(0.0, math.floor(x * 1e4 + 1e-6) / 1e4))
-
-
-def _settle_within(x: float, lo: float, hi: float) -> float:
-    """x with as few decimals (4 to 9) as keep it inside [lo, hi], rounded down where that fits."""
-    for digits in range(4, 10):
-        q = 10.0 ** digits
-        for v in (math.floor(x * q) / q, math.ceil(x * q) / q):
-            if lo <= v <= hi:
-                return min(1.0, max(0.0, v))
-    return _settle(x)
-
-
 def _shrink(p: Policy, m, hw, w, budget) -> Policy:
-    """Nudge fractions rounded past a memory limit back inside it."""
-    for _ in range(100):
+    """Step fractions pushed past a memory limit by rounding to whole experts/layers back inside it."""
+    step_w, step_c = 1 / (m.num_layers * m.num_experts), 1 / m.num_layers
+    for _ in range(m.num_layers * (m.num_experts + 1)):
         over = validate(p, m, hw, w, budget)
         if not over:
             return p
         if any(o.where == "gpu" for o in over) and p.gpu_weight_fraction > 0:
-            p = dataclasses.replace(p, gpu_weight_fraction=max(0.0, p.gpu_weight_fraction - 1e-3))
+            p = dataclasses.replace(p, gpu_weight_fraction=max(0.0, p.gpu_weight_fraction - step_w))
         elif any(o.where == "gpu" for o in over) and p.gpu_kv_fraction > 0:
-            p = dataclasses.replace(p, gpu_kv_fraction=max(0.0, p.gpu_kv_fraction - 1e-3))
-        elif p.gpu_weight_fraction < 1 and p.ffn_on == "gpu":
-            p = dataclasses.replace(p, gpu_weight_fraction=min(1.0, p.gpu_weight_fraction + 1e-3))
+            p = dataclasses.replace(p, gpu_kv_fraction=max(0.0, p.gpu_kv_fraction - step_c))
         else:
             break
     return p

@@ -76,12 +76,28 @@ class Policy:
         return cls.from_dict(json.loads(text))
 
 
+def expert_split(gpu_weight_fraction: float, num_layers: int, num_experts: int) -> list[int]:
+    """How many of each layer's experts stay on the GPU for a resident share r_w: round(r_w·L·E) experts
+    in all (to the nearest whole expert), spread evenly, the earlier layers taking the remainder. The
+    runtime keeps these and streams the rest; the planner counts the same (the streaming buffer holds
+    the most any layer streams)."""
+    total = int(gpu_weight_fraction * num_layers * num_experts + 0.5)
+    base, extra = divmod(min(total, num_layers * num_experts), num_layers)
+    return [base + (i < extra) for i in range(num_layers)]
+
+
+def kv_gpu_layers(gpu_kv_fraction: float, num_layers: int) -> int:
+    """Layers whose whole KV cache is on the GPU for a share r_c (the runtime splits the cache by layer)."""
+    return int(gpu_kv_fraction * num_layers + 1e-9)
+
+
 BOTTLENECK_WORDS = {
     "gpu": "GPU compute (the MoE FFN and projections)",
     "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)",
     "h2d": "PCIe host→device (streaming expert weights)",
     "d2h": "PCIe device→host (sending QKV to the CPU)",
     "pipeline": "the pipeline (the link idles while the GPU runs a large expert batch)",
+    "host": "the host launching the GPU's tasks (many small tasks: a larger micro-batch needs fewer)",
 }
 
 
@@ -100,6 +116,7 @@ class Prediction:
     gpu_breakdown: dict[str, int] = field(default_factory=dict)  # what the GPU bytes are
     cpu_breakdown: dict[str, int] = field(default_factory=dict)
     bottleneck_text: str = ""  # the bottleneck in words; defaults from BOTTLENECK_WORDS
+    pinned_bytes: int = 0  # page-locked host memory (part of cpu_bytes)
 
     def __post_init__(self):
         if not self.bottleneck_text:

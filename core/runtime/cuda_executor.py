@@ -1,89 +1,122 @@
-"""The CUDA executor: the threaded executor's shape, with the GPU's work on CUDA streams.
+"""The CUDA executor: the threaded executor's shape, with the device's work on streams.
 
-Resources "gpu", "h2d" and "d2h" are CUDA streams (compute, host→device copies, device→host
-copies); each has a host thread that only *enqueues* its tasks, in list order. A dependency on
-another stream becomes `stream.wait_event`, so the host never blocks on the device for it; a host
-task (CPU attention) that needs a copy to have landed waits on that copy's event alone. There is
-no device-wide synchronisation inside a step: the caller's stream waits on the streams' last
-events at the end, and reading the logits is the step's one sync point.
+Resources "gpu", "h2d" and "d2h" are streams of a `core.runtime.device.Device` (compute, host→device
+copies, device→host copies); each has a host thread that only *launches* its tasks, in list order.
+A dependency on another stream becomes `stream.wait_event`, so the host never blocks on the device
+for it; a host task (CPU attention) that needs a copy to have landed waits on that copy's event
+alone, with a blocking event (the waiting thread sleeps rather than spin a core). There is no
+device-wide synchronisation inside a step: the caller's stream waits on the streams' last events at
+the end, and the step's timings are read after one host sync per stream.
+
+Runs unchanged over `CudaDevice` and over the emulated device (CI), which is how it is tested.
+Timing: one start/end event pair per stream task, from a pool reused step after step (creating
+events costs a driver call each); a task's busy time is end − start, read once the step is done.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
-import torch
-
-from core.runtime.executors import ThreadedExecutor, _Step
+from core.runtime.device import Device
+from core.runtime.executors import STALL_SECONDS, ThreadedExecutor, _Step
 
 STREAMS = ("gpu", "h2d", "d2h")
 
 
+class _EventPool:
+    """Timing event pairs, created once and reused: pair i serves the step's i-th stream task."""
+
+    def __init__(self, dev: Device):
+        self.dev = dev
+        self.pairs: list[tuple] = []
+        self.origin = dev.event(timing=True)
+
+    def pair(self, i: int):
+        while len(self.pairs) <= i:
+            self.pairs.append((self.dev.event(timing=True), self.dev.event(timing=True)))
+        return self.pairs[i]
+
+
 class _CudaStep(_Step):
-    def __init__(self, tasks, fn):
+    def __init__(self, tasks, fn, pool: _EventPool):
         super().__init__(tasks, fn)
         self.stream_of = {t.id: t.resource for t in tasks if t.resource in STREAMS}
-        self.cuda_events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
-        self.last_on: dict[str, int] = {}
+        self.timer = {tid: pool.pair(i) for i, tid in enumerate(self.stream_of)}  # task -> (start, end)
         self.index: dict[int, int] = {}  # task id -> position, for the timeline
-        self.origin = None
-        self.origin_host = 0.0
+        self.origin = pool.origin  # the device clock's zero for this step's timeline
+        self.origin_host = 0.0  # ... and the host clock's, at the same moment
+        self.last_on: dict[str, int] = {}
         for t in tasks:
             if t.resource in STREAMS:
                 self.last_on[t.resource] = t.id
 
 
+def attention_threads(cores: int) -> int:
+    """Intra-op threads for CPU attention beside a GPU: all cores but one, which the threads feeding
+    the GPU need (an OpenMP team on every core oversubscribes a 4-vCPU cloud box)."""
+    return max(1, cores - 1)
+
+
 class CudaExecutor(ThreadedExecutor):
     name = "cuda"
 
-    def __init__(self, device: torch.device | str = "cuda"):
-        self.device = torch.device(device)
-        self.streams = {r: torch.cuda.Stream(device=self.device) for r in STREAMS}
-        super().__init__(STREAMS + ("cpu_attn",), setup=lambda: torch.cuda.set_device(self.device))
+    def __init__(self, device: Device, *, stall_seconds: float = STALL_SECONDS, leave_a_core: bool = True):
+        self.dev = device
+        self.streams = {r: device.stream(r, compute=r == "gpu") for r in STREAMS}
+        self._pool = _EventPool(device)
+        if leave_a_core and device.kind == "cuda":
+            _leave_a_core()
+        super().__init__(STREAMS + ("cpu_attn",), setup=self._setup, stall_seconds=stall_seconds)
+
+    def _setup(self, resource: str) -> None:
+        self.dev.set_device()
 
     def _new_step(self, tasks, fn):
-        step = _CudaStep(tasks, fn)
-        caller = torch.cuda.current_stream(self.device)
+        step = _CudaStep(tasks, fn, self._pool)
+        caller = self.dev.current_stream()
         for s in self.streams.values():  # see what the caller enqueued before the step (embeddings)
             s.wait_stream(caller)
-        # the device clock's zero for this step's timeline, next to the host clock's
-        step.origin = torch.cuda.Event(enable_timing=True)
-        step.origin.record(caller)
+        step.origin.record(caller)  # the step's timeline: device times from here, on the host clock
         step.origin_host = time.perf_counter()
         return step
 
-    def _wait_deps(self, step: _CudaStep, task) -> None:
+    def _wait_deps(self, step: _CudaStep, task) -> bool:
         mine = task.resource
         for d in task.deps:
-            step.events[d].wait()  # enqueued (stream task) or finished (host task)
+            step.events[d].wait()  # launched (stream task) or finished (host task)
+            if step.failed:
+                return False
             other = step.stream_of.get(d)
-            if other is None or other == mine or step.failed:
+            if other is None or other == mine:
                 continue
+            end = step.timer[d][1]
             if mine in STREAMS:
-                self.streams[mine].wait_event(step.cuda_events[d][1])
-            else:
-                step.cuda_events[d][1].synchronize()  # this host thread alone waits for that copy
+                self.streams[mine].wait_event(end)
+            else:  # this host thread alone waits for that stream's task
+                self.dev.host_wait(end, cancel=lambda: step.failed)
+                if step.failed:
+                    return False
+        return True
 
     def _execute(self, step: _CudaStep, task, i: int) -> None:
         if task.resource not in STREAMS:
             return super()._execute(step, task, i)
-        stream = self.streams[task.resource]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            step.fn(task)
-            end.record(stream)
-        step.cuda_events[task.id] = (start, end)
         step.index[task.id] = i
+        stream = self.streams[task.resource]
+        start, end = step.timer[task.id]
+        start.record(stream)
+        self.dev.launch(stream, functools.partial(step.fn, task), label=task)
+        end.record(stream)
 
     def _finish(self, step: _CudaStep) -> dict[str, float]:
-        caller = torch.cuda.current_stream(self.device)
-        for r, tid in step.last_on.items():
-            caller.wait_event(step.cuda_events[tid][1])
+        caller = self.dev.current_stream()
+        for tid in step.last_on.values():
+            caller.wait_event(step.timer[tid][1])
+        for tid in step.last_on.values():  # one host sync per stream; the caller syncs on the logits anyway
+            self.dev.host_wait(step.timer[tid][1])
         busy = dict(step.busy)
-        # Timings are read once the step's last events are done (the caller syncs on the logits anyway).
-        for tid, (a, b) in step.cuda_events.items():
-            b.synchronize()
+        for tid, (a, b) in step.timer.items():
             r = step.stream_of[tid]
             busy[r] = busy.get(r, 0.0) + a.elapsed_time(b) / 1e3
             i = step.index[tid]  # the timeline: device times on the host clock, from the step's origin
@@ -92,4 +125,26 @@ class CudaExecutor(ThreadedExecutor):
         return busy
 
     def _after_failure(self) -> None:
-        torch.cuda.synchronize(self.device)  # let in-flight copies land before buffers are dropped
+        try:  # let in-flight work land before buffers are dropped; its errors are already reported
+            self.dev.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+        self._pool = _EventPool(self.dev)  # fresh events: none may keep the failure (and its frames) alive
+
+    def close(self) -> None:
+        super().close()
+        for s in self.streams.values():
+            self.dev.release_stream(s)
+
+
+def _leave_a_core() -> None:
+    import torch
+
+    try:
+        import psutil
+
+        cores = psutil.cpu_count(logical=False) or torch.get_num_threads()
+    except Exception:  # noqa: BLE001 - psutil cannot always count cores (containers)
+        cores = torch.get_num_threads()
+    if torch.get_num_threads() >= cores:  # the default: the user did not choose (mlight run --threads)
+        torch.set_num_threads(attention_threads(cores))

@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from core.runtime.batching import SlotTable
-from core.errors import ModelError, UnsupportedModelError, UsageError
+from core.errors import MlightError, ModelError, UnsupportedModelError, UsageError
 from core.model.families import load_spec
 from core.model.kvcache import KVCache
 from core.model.gguf.load import load_gguf_weights
@@ -29,6 +29,9 @@ from core.model.gguf.load import load_tokenizer as load_gguf_tokenizer
 from core.model.quant.formats import parse_choice, quantized_spec
 from core.model.cpu import compute as cpu_compute
 from core.model.cpu.threads import Governor, worker_setup
+from core.plan.hardware import gpu_compute_dtype
+from core.plan.policy import expert_split, kv_gpu_layers
+from core.runtime.device import Device, resolve_device
 from core.runtime.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
 from core.runtime.pipeline import PipelineRunner
 from core.model.sampling import greedy, sample
@@ -111,32 +114,51 @@ class RunConfig:
     naming a schedule or the threaded executor runs that schedule's graph with real device/host copies.
     """
 
-    device: str = "cpu"  # "cpu" | "cuda"
+    device: str = "cpu"  # "cpu" | "cuda" | "emulated" (core.runtime.device)
     executor: str = "sequential"
     schedule: str = "cgopipe"
     attention_on: str = "cpu"  # "gpu" for S4 (FlexGen: KV prefetched to the device)
     ffn_on: str = "gpu"  # "cpu": everything in one chain on the CPU
-    resident_layers: int | None = None  # layers whose experts stay on the device; None = all
+    resident_layers: int | None = None  # layers whose experts all stay on the device; None = all
     expert_group: int = 1  # micro-batches whose tokens meet at the experts together
+    resident_experts: tuple[int, ...] | None = None  # per layer, experts kept on the device (wins over resident_layers)
+    kv_gpu_layers: int = 0  # attention on the GPU: layers whose KV cache lives there (the policy's r_c)
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
             raise UsageError(f"unknown executor {self.executor!r}", f"use one of {', '.join(EXECUTORS)}")
         if self.schedule not in SCHEDULES:
             raise UsageError(f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
-        if self.executor == "cuda" and self.device != "cuda":
+        if self.executor == "cuda" and self.device == "cpu":
             raise UsageError("--executor cuda needs a CUDA GPU, and none is available",
                              "use --executor sequential or threaded")
+
+    def resident(self, num_layers: int, num_experts: int) -> list[int] | None:
+        """Experts kept on the device per layer; None when every expert is."""
+        if self.resident_experts is not None:
+            return list(self.resident_experts)
+        if self.resident_layers is None:
+            return None
+        return [num_experts if i < self.resident_layers else 0 for i in range(num_layers)]
+
+    def gpu_weight_fraction(self, num_layers: int, num_experts: int) -> float:
+        r = self.resident(num_layers, num_experts)
+        return 1.0 if r is None else sum(r) / (num_layers * num_experts)
 
 
 def run_config(device: str | None = None, executor: str | None = None, schedule: str | None = None,
                resident_layers: int | None = None, expert_group: int = 1) -> RunConfig:
-    """Defaults: CUDA when present, else the CPU; the executor matching the device."""
+    """Defaults: the default device (core.runtime.device.default_device_kind: $MLIGHT_DEVICE, else CUDA
+    when present, else the CPU); the executor matching the device."""
+    from core.runtime.device import default_device_kind
+
     if device is None:
-        device = "cuda" if executor == "cuda" or (executor is None and torch.cuda.is_available()) else "cpu"
+        device = "cuda" if executor == "cuda" and default_device_kind() == "cpu" else (
+            "cpu" if executor in ("sequential", "threaded") else default_device_kind())
+    device = "cuda" if device.startswith("cuda") else device
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("CUDA was asked for but torch sees no CUDA GPU", "run on the CPU (omit --executor cuda)")
-    executor = executor or ("cuda" if device == "cuda" else "sequential")
+    executor = executor or ("sequential" if device == "cpu" else "cuda")
     plain_cpu = device == "cpu" and executor == "sequential" and schedule is None
     schedule = schedule or "cgopipe"
     return RunConfig(device=device, executor=executor, schedule=schedule,
@@ -146,10 +168,12 @@ def run_config(device: str | None = None, executor: str | None = None, schedule:
 
 class Engine:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, tokenizer, model_dir: Path, *,
-                 eos_ids: set[int], config: RunConfig | None = None, grouped: bool | None = None):
+                 eos_ids: set[int], config: RunConfig | None = None, grouped: bool | None = None,
+                 device: Device | None = None):
         self.spec, self.weights, self.tokenizer, self.model_dir = spec, weights, tokenizer, model_dir
         self.eos_ids = eos_ids
         self.config = config or RunConfig(ffn_on="cpu")
+        self.dev = device or resolve_device("cpu" if self.config.device == "cpu" else None)
         self.grouped = grouped
         self.context_length = spec.max_position
         self.fault = None  # tests: passed to the runner to inject a failure into a task
@@ -173,7 +197,7 @@ class Engine:
             elif self.config.executor == "cuda":
                 from core.runtime.cuda_executor import CudaExecutor
 
-                self._executor = CudaExecutor()
+                self._executor = CudaExecutor(self.dev)
             else:
                 self._executor = SequentialExecutor()
         return self._executor
@@ -181,14 +205,16 @@ class Engine:
     def apply_policy(self, policy) -> None:
         """Run later `generate` calls under a (new) planner Policy without reloading the weights."""
         changes = {"expert_group": policy.micro_batches_per_expert_batch}
-        if policy.ffn_on == "gpu" and self.config.device == "cuda":
-            changes["resident_layers"] = _resident_layers(policy, self.spec)
+        if policy.ffn_on == "gpu" and self.dev.accelerator:
+            changes.update(_placement(policy, self.spec))
         self.configure(pages_per_layer=None if self.weights.packed else policy.pages_per_layer, **changes)
         self.policy = policy
 
     def configure(self, *, pages_per_layer: int | None = None, **changes) -> None:
         """Change how the loaded model runs (schedule, placement, resident layers, paging) for later
         `generate` calls; the weights stay where they are."""
+        if "resident_layers" in changes and "resident_experts" not in changes:
+            changes["resident_experts"] = None
         config = dataclasses.replace(self.config, **changes)
         if config.executor != self.config.executor:
             self.close()  # the next generate starts the new executor
@@ -206,11 +232,11 @@ class Engine:
 
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
-    def load(cls, model_dir, *, dtype: str | torch.dtype | None = None, device: str | None = None,
+    def load(cls, model_dir, *, dtype: str | torch.dtype | None = None, device: "str | Device | None" = None,
              pages_per_layer: int = 1, executor: str | None = None, schedule: str | None = None,
              resident_layers: int | None = None, expert_group: int = 1, grouped: bool | None = None,
-             policy=None, quantize: str | None = None, group_size: int | None = None, use_cache: bool = True,
-             cpu_math: str | None = None, threads: int | None = None,
+             policy=None, resident_experts=None, quantize: str | None = None, group_size: int | None = None,
+             use_cache: bool = True, cpu_math: str | None = None, threads: int | None = None,
              progress: EventSink = ignore, tp=None) -> "Engine":
         """Load a checkpoint. A `core.plan.policy.Policy` (the planner's) sets paging, resident experts, the
         expert batch and attention placement; the explicit arguments are for tests and benchmarks.
@@ -220,7 +246,10 @@ class Engine:
         of the group then calls `generate` with the same requests.
         `cpu_math` forces the CPU's compute dtype (default: core.model.cpu.compute.choose, from the probe's
         cached per-dtype rates, else the instruction set); `threads` fixes torch's CPU threads (default:
-        the cores free of other work, re-checked between steps: core.model.cpu.threads.Governor)."""
+        the cores free of other work, re-checked between steps: core.model.cpu.threads.Governor).
+
+        `device`: "cpu", "cuda[:N]", "emulated", a core.runtime.device.Device, or None for the default
+        ($MLIGHT_DEVICE, else CUDA when present; tests and benchmarks name theirs)."""
         model_dir = Path(model_dir)
         gguf = _gguf_model(model_dir)  # a GGUF file, or a folder holding one instead of config.json
         spec = load_gguf_spec(gguf) if gguf is not None else load_spec(model_dir)
@@ -232,22 +261,31 @@ class Engine:
             from core.model.shard import local_spec, plan_shard
 
             shard = plan_shard(spec, tp.rank, tp.size)
+        placement = {}
         if policy is not None:
             pages_per_layer, expert_group = policy.pages_per_layer, policy.micro_batches_per_expert_batch
             if policy.ffn_on == "gpu":  # on the CPU alone every expert is "resident"
-                resident_layers = _resident_layers(policy, spec)
+                placement = _placement(policy, spec)
+            elif device is None and executor is None:  # a CPU-only plan runs the CPU-only mode
+                device = "cpu"
             if schedule is None and policy.attention_on == "gpu":
                 schedule = "s4"
-        config = run_config(device, executor, schedule, resident_layers, expert_group)
-        if config.device == "cuda" and config.resident_layers is None:
-            mine = spec if shard is None else local_spec(spec, shard)
-            config = dataclasses.replace(config, resident_layers=_layers_that_fit(mine, dtype))
+        dev = device if isinstance(device, Device) else None
+        config = run_config(dev.kind if dev else device, executor, schedule, resident_layers, expert_group)
+        dev = dev or resolve_device(device if device is not None else config.device)
+        mine = spec if shard is None else local_spec(spec, shard)  # what this process holds
+        if resident_experts is not None:  # explicit: also for the CPU as a device (threaded executor)
+            placement = {"resident_experts": tuple(resident_experts)}
+        if placement and (dev.accelerator or resident_experts is not None):
+            config = dataclasses.replace(config, **placement)
         tokenizer = load_gguf_tokenizer(gguf) if gguf is not None else _load_tokenizer(model_dir)
         if isinstance(dtype, str):
             if dtype not in DTYPE_BYTES:
                 raise UsageError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPE_BYTES))}")
             dtype = torch_dtype(dtype)
         quant = parse_choice(quantize, group_size)
+        if dev.accelerator:
+            dtype = _accelerator_dtype(dev, dtype or spec.torch_dtype, progress)
         if gguf is not None and shard is not None:
             raise UsageError("tensor parallelism over a GGUF file is not supported yet",
                              "run it without --tensor-parallel, or use the model's safetensors release")
@@ -255,13 +293,16 @@ class Engine:
             if quant is not None:
                 raise UsageError(f"--quantize {quantize} applies to safetensors checkpoints; {gguf.paths[0].name} "
                                  "is a GGUF file and runs in its own format", "leave out --quantize")
-            weights = load_gguf_weights(gguf, spec, dtype=dtype, pages_per_layer=pages_per_layer,
-                                        pin=config.device == "cuda", progress=progress)
+            weights = load_gguf_weights(gguf, spec, dtype=dtype, pages_per_layer=pages_per_layer, progress=progress)
         else:
-            weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer,
-                                   pin=config.device == "cuda", progress=progress, quant=quant, use_cache=use_cache,
-                                   shard=shard)
+            weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer, progress=progress,
+                                   quant=quant, use_cache=use_cache, shard=shard)
             spec = quantized_spec(spec, quant)
+        if dev.accelerator and config.resident(mine.num_layers, mine.num_experts) is None:
+            config = dataclasses.replace(config, resident_experts=_experts_that_fit(
+                quantized_spec(mine, quant), weights.dtype, dev))
+        if dev.accelerator and weights.dtype == torch.float16 and spec.torch_dtype != torch.float16:
+            _check_fp16_range(weights)
         cpu = cpu_compute.choose(weights.dtype_name, rates=_probed_cpu_rates(), math=cpu_math)
         if config.ffn_on == "cpu":  # the CPU-only chain never streams experts: ready them for the CPU
             if weights.scheme is not None:  # quantized experts: their own CPU kernels (core.model.quant)
@@ -271,7 +312,7 @@ class Engine:
             if cpu.widens and weights.scheme is None:
                 weights.widen_dense(torch_dtype(cpu.math))
         engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
-                     grouped=grouped)
+                     grouped=grouped, device=dev)
         engine.cpu, engine.policy = cpu, policy
         if threads is not None:
             engine.threads = Governor(fixed=threads)
@@ -282,15 +323,16 @@ class Engine:
             engine.rank_spec = quantized_spec(local_spec(spec, shard), quant)
         return engine
 
-    def runner(self, slots: int, micro_batch_size: int, max_tokens: int) -> PipelineRunner:
+    def runner(self, slots: int, micro_batch_size: int, max_tokens: int, on_event: EventSink = ignore) -> PipelineRunner:
         """A runner over a fresh KV cache for `slots` requests of up to `max_tokens` tokens."""
         c, spec = self.config, self.rank_spec
-        cache = KVCache(spec, slots, max_tokens, self.weights.dtype, pin=c.device == "cuda")
+        kv_gpu = c.kv_gpu_layers if c.attention_on == "gpu" else 0
+        cache = KVCache(spec, slots, max_tokens, self.weights.dtype, gpu_layers=kv_gpu)
         r = PipelineRunner(spec, self.weights, cache, executor=self.executor(), schedule=c.schedule,
                            attention_on=c.attention_on, ffn_on=c.ffn_on, micro_batch_size=micro_batch_size,
-                           expert_group=c.expert_group, resident_layers=c.resident_layers, device=c.device,
-                           grouped=self.grouped, tp=self.tp, cpu_math=torch_dtype(self.cpu.math),
-                           direct_rows=self.cpu.direct_rows)
+                           expert_group=c.expert_group, resident_experts=c.resident(spec.num_layers, spec.num_experts),
+                           kv_gpu_layers=kv_gpu, device=self.dev, grouped=self.grouped, warn=on_event, tp=self.tp,
+                           cpu_math=torch_dtype(self.cpu.math), direct_rows=self.cpu.direct_rows)
         r.fault = self.fault
         return r
 
@@ -326,37 +368,53 @@ class Engine:
         slots = max(1, min(batch_size, len(seqs)))
         mu = min(micro_batch_size or slots, slots)
         max_tokens = max(s.max_total for s in seqs)
-        table = SlotTable(slots, mu)
-        runner = self.runner(slots, mu, max_tokens)
         waiting = sorted(seqs, key=lambda s: -len(s.prompt_ids))  # longest first (Algorithm 2)
         active: list[_Seq] = []
         proc = psutil.Process()
         while waiting or active:
-            stop = should_stop is not None and should_stop()
-            if self.tp is not None:  # every rank of the group stops at the same step, or none does
-                stop = self.tp.tp.any(stop)
-            if stop:
-                return
-            self.threads.tick()
+            oom = False
             try:
-                finished = self._step(runner, table, waiting, active, proc, on_event)
-            except TaskFailed as e:
-                if not _is_oom(e) or slots == 1 or self.tp is not None:  # ranks cannot agree on a retry
-                    raise
-                # Out of device memory: restart the unfinished requests with half the batch.
-                slots, mu = max(1, slots // 2), max(1, min(mu, slots // 2))
-                on_event(WarningEvent(f"out of GPU memory; continuing with batch {slots}, micro-batch {mu}"))
-                for s in active:
-                    s.reset()
-                waiting[:0] = sorted(active, key=lambda s: -len(s.prompt_ids))
-                active.clear()
-                runner = None
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
                 table = SlotTable(slots, mu)
-                runner = self.runner(slots, mu, max_tokens)
-                continue
-            yield from finished
+                runner = self.runner(slots, mu, max_tokens, on_event)
+            except torch.cuda.OutOfMemoryError:  # this batch's buffers do not fit
+                if slots == 1 or self.tp is not None:
+                    raise
+                oom = True
+            while not oom and (waiting or active):
+                stop = should_stop is not None and should_stop()
+                if self.tp is not None:  # every rank of the group stops at the same step, or none does
+                    stop = self.tp.tp.any(stop)
+                if stop:
+                    return
+                self.threads.tick()
+                try:
+                    finished = self._step(runner, table, waiting, active, proc, on_event)
+                except TaskFailed as e:
+                    if not _is_oom(e) or slots == 1 or self.tp is not None:  # ranks cannot agree on a retry
+                        raise
+                    oom = True
+                    break
+                yield from finished
+            if not oom:
+                return
+            # Out of device memory: restart the unfinished requests with half the batch. The failed
+            # step's runner (and the exception, whose traceback holds it) are gone before the next is
+            # built, so the retry has the device to itself.
+            runner = table = None
+            self._release_device()
+            slots, mu = max(1, slots // 2), max(1, min(mu, slots // 2))
+            on_event(WarningEvent(f"out of GPU memory; continuing with batch {slots}, micro-batch {mu}"))
+            for s in active:
+                s.reset()
+            waiting[:0] = sorted(active, key=lambda s: -len(s.prompt_ids))
+            active.clear()
+
+    def _release_device(self) -> None:
+        """Give back device memory that nothing references any more (cycles included)."""
+        import gc
+
+        gc.collect()
+        self.dev.empty_cache()
 
     def _step(self, runner, table, waiting, active, proc, on_event) -> list[Result]:
         """Admit and prefill waiting requests if slots are free, else decode one token for every active one."""
@@ -366,6 +424,7 @@ class Engine:
             s.slot = table.place(s, len(s.prompt_ids))
             s.started = time.perf_counter()
             admitted.append(s)
+        active += admitted  # before the prefill: a step that fails (out of memory) restarts them too
         t0, moved = time.perf_counter(), dict(runner.bytes)
         if admitted:  # a freshly prefilled request may already be done; the next step admits again
             groups = _by_micro_batch(admitted, table)
@@ -373,20 +432,21 @@ class Engine:
             index = {id(s): i for i, s in enumerate(flat)}
             logits, busy = runner.prefill([s.prompt_ids for s in flat], [s.slot for s in flat],
                                           [[index[id(s)] for s in g] for g in groups])
+            self._check_finite(logits)
             self._choose(flat, logits)
-            active += admitted
             on_event(self._step_event("prefill", sum(len(s.prompt_ids) for s in admitted), t0, busy, moved,
                                       runner, len(active), proc))
             return self._retire(active, table, on_event)
         groups = _by_micro_batch(active, table)
         logits, busy = runner.decode([[s.out[-1] for s in g] for g in groups], [[s.slot for s in g] for g in groups],
                                      [[s.next_position for s in g] for g in groups])
+        self._check_finite(logits)
         self._choose([s for g in groups for s in g], logits)
         on_event(self._step_event("decode", len(active), t0, busy, moved, runner, len(active), proc))
         return self._retire(active, table, on_event)
 
     def _step_event(self, kind, tokens, t0, busy, moved, runner, active, proc) -> StepDone:
-        gpu_mem = torch.cuda.memory_allocated() if self.config.device == "cuda" else 0
+        gpu_mem = self.dev.memory_allocated()
         return StepDone(kind, tokens, time.perf_counter() - t0, busy, runner.bytes["h2d"] - moved["h2d"],
                         runner.bytes["d2h"] - moved["d2h"], active, gpu_mem, proc.memory_info().rss,
                         tasks=runner.last_tasks, times=getattr(runner.ex, "times", ()))
@@ -401,6 +461,13 @@ class Engine:
         s = _Seq(req, ids, min(len(ids) + req.max_new_tokens, self.context_length))
         s.reset()
         return s
+
+    def _check_finite(self, logits: torch.Tensor) -> None:
+        """A checkpoint computed in float16 in place of bf16 (a GPU without bf16) can overflow."""
+        if self.weights.dtype == torch.float16 and self.spec.torch_dtype != torch.float16 and \
+                not torch.isfinite(logits).all():
+            raise MlightError("the model overflowed float16 (this GPU has no bf16, so the bf16 checkpoint runs in "
+                              "float16) and its outputs are no longer numbers", "run with --dtype float32")
 
     def _choose(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         """Append each sequence's next token (logits [len(seqs), V], fp32) and mark finished ones."""
@@ -465,17 +532,43 @@ def _probed_cpu_rates() -> dict[str, float] | None:
     return cached_cpu_rates()
 
 
-def _resident_layers(policy, spec: ModelSpec) -> int:
-    """The policy's GPU share of expert weights, as whole layers (the runtime keeps layers resident)."""
-    return int(policy.gpu_weight_fraction * spec.num_layers + 1e-9)
+
+def _placement(policy, spec: ModelSpec) -> dict:
+    """RunConfig fields for a policy's resident experts (r_w) and GPU-held KV layers (r_c)."""
+    return {"resident_experts": tuple(expert_split(policy.gpu_weight_fraction, spec.num_layers, spec.num_experts)),
+            "kv_gpu_layers": kv_gpu_layers(policy.gpu_kv_fraction, spec.num_layers)}
 
 
-def _layers_that_fit(spec: ModelSpec, dtype) -> int:
-    """Without a plan: keep as many layers' experts on the GPU as fit beside everything else."""
-    free, _ = torch.cuda.mem_get_info()
-    b = (torch_dtype(dtype) if isinstance(dtype, str) else dtype or spec.torch_dtype).itemsize / spec.dtype_bytes
-    fixed = (spec.nonexpert_bytes + 2 * spec.layer_expert_bytes) * b + 2e9  # + activations and KV staging
-    return max(0, min(spec.num_layers, int((0.85 * free - fixed) // (spec.layer_expert_bytes * b))))
+def _experts_that_fit(spec: ModelSpec, dtype, dev: Device) -> tuple[int, ...]:
+    """Without a plan: keep as many experts on the GPU as fit beside everything else."""
+    free, _ = dev.mem_get_info()
+    b = torch_dtype(dtype).itemsize if isinstance(dtype, str) else (dtype or spec.torch_dtype).itemsize
+    scale = b / spec.dtype_bytes
+    L, E, eb = spec.num_layers, spec.num_experts, spec.expert_bytes * scale
+    fixed = (spec.nonexpert_bytes + 2 * spec.layer_expert_bytes) * scale + min(2e9, 0.1 * free)  # + activations, KV
+    n = max(0, min(L * E, int((0.85 * free - fixed) // eb)))
+    return tuple(expert_split(n / (L * E), L, E))
+
+
+def _accelerator_dtype(dev: Device, dtype: torch.dtype, progress: EventSink) -> torch.dtype:
+    """The dtype the GPU computes in: bf16 becomes fp16 where there are no bf16 tensor cores (a T4)."""
+    use = gpu_compute_dtype(dtype, dev.capability)
+    if use != dtype:
+        progress(WarningEvent(f"{dev.name} (compute capability {dev.capability[0]}.{dev.capability[1]}) has no "
+                              f"bf16 tensor cores: computing in float16"))
+    return use
+
+
+def _check_fp16_range(weights: ModelWeights) -> None:
+    """bf16 weights beyond fp16's range would turn into inf: refuse with a way out."""
+    for i, lw in enumerate(weights.layers):
+        if not torch.isfinite(lw.flat).all():
+            raise ModelError(f"layer {i} has weights beyond float16's range (±65504), and this GPU computes "
+                             "bf16 checkpoints in float16", "run with --dtype float32")
+    for name, t in weights.globals.items():
+        if not torch.isfinite(t).all():
+            raise ModelError(f"{name} has weights beyond float16's range (±65504), and this GPU computes "
+                             "bf16 checkpoints in float16", "run with --dtype float32")
 
 
 def _is_oom(e: BaseException) -> bool:

@@ -7,10 +7,14 @@ an order where every dependency comes first) plus a function `run(task)` that do
 - `ThreadedExecutor` gives each resource a worker thread fed by a queue in list order; a task
   starts once the events of all its dependencies are set. Tensors stay on the CPU and copies are
   real copies, so a missing dependency shows up as wrong tokens.
-- `core.runtime.cuda_executor.CudaExecutor` keeps the same shape with CUDA streams and events.
+- `core.runtime.cuda_executor.CudaExecutor` keeps the same shape with streams and events of a
+  `core.runtime.device.Device` (CUDA, or the emulated device in CI).
 
-Failures never hang: the first exception sets every pending event, the other workers skip what
-is left, and the caller gets a `TaskFailed` naming the task, with the original error as cause.
+Never a hang: every worker catches whatever its task, its dependency waits or its setup raise; the
+first failure wakes every waiter and the others skip what is left; `run` watches its workers
+(a dead one fails the step with its cause) and fails a step in which no task has finished for
+`stall_seconds`. The caller gets a `TaskFailed` naming the task, with the original error as cause.
+Workers hold no reference to a step once its tasks are done, so a finished step's buffers go.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from typing import Callable, Iterable, Protocol
 
 from core.errors import MlightError
 
+POLL = 0.05  # seconds between the caller's checks of its workers
+STALL_SECONDS = 600.0  # a step in which no task finishes for this long has hung
+GRACE = 2.0  # after a failure, how long the caller waits for busy workers to notice it
+
 
 class TaskLike(Protocol):
     id: int
@@ -30,10 +38,20 @@ class TaskLike(Protocol):
 
 
 class TaskFailed(MlightError):
-    """A task of the step raised; `__cause__` is the original exception."""
+    """A task of the step raised (or could not run); `__cause__` is the original exception."""
 
 
-def _describe(task) -> str:
+class WorkerDied(RuntimeError):
+    """A worker thread could not start or stopped running tasks."""
+
+
+class Stalled(RuntimeError):
+    """No task of the step finished within the executor's stall limit."""
+
+
+def describe(task) -> str:
+    if task is None:
+        return "the step"
     parts = [getattr(task, "kind", "task")]
     for name in ("layer", "micro_batch", "page"):
         v = getattr(task, name, None)
@@ -47,6 +65,12 @@ def _sized(times: list[float], n: int) -> list[float]:
     if len(times) < 2 * n:
         times.extend([0.0] * (2 * n - len(times)))
     return times
+
+
+def _failed(task, err: BaseException) -> TaskFailed:
+    e = TaskFailed(f"{describe(task)} failed: {type(err).__name__}: {err}")
+    e.__cause__ = err
+    return e
 
 
 class SequentialExecutor:
@@ -64,12 +88,12 @@ class SequentialExecutor:
         for i, t in enumerate(tasks):
             missing = [d for d in t.deps if d not in done]
             if missing:
-                raise RuntimeError(f"task {t.id} ({_describe(t)}) listed before its dependencies {missing}")
+                raise RuntimeError(f"task {t.id} ({describe(t)}) listed before its dependencies {missing}")
             t0 = clock()
             try:
                 fn(t)
             except Exception as e:
-                raise TaskFailed(f"{_describe(t)} failed: {type(e).__name__}: {e}") from e
+                raise _failed(t, e) from e
             t1 = clock()
             times[2 * i], times[2 * i + 1] = t0, t1
             busy[t.resource] = busy.get(t.resource, 0.0) + t1 - t0
@@ -88,40 +112,59 @@ class ThreadedExecutor:
 
     name = "threaded"
 
-    def __init__(self, resources: Iterable[str], setup: Callable[[], None] | None = None):
+    def __init__(self, resources: Iterable[str], setup: Callable[[str], None] | None = None,
+                 stall_seconds: float = STALL_SECONDS):
         self._queues: dict[str, queue.SimpleQueue] = {}
-        self._threads: list[threading.Thread] = []
+        self._threads: dict[str, threading.Thread] = {}
+        self._dead: dict[str, BaseException] = {}  # resource -> why its worker stopped
         self._setup = setup
+        self.stall_seconds = stall_seconds
+        self._broken: str | None = None  # a worker stuck in a task: this executor cannot run more steps
         self.times: list[float] = []  # task i of the last step ran from times[2i] to times[2i+1]
         for r in resources:
             self._add_worker(r)
 
     def _add_worker(self, resource: str) -> None:
         q: queue.SimpleQueue = queue.SimpleQueue()
-        th = threading.Thread(target=self._work, args=(q,), name=f"mlight-{resource}", daemon=True)
+        th = threading.Thread(target=self._work, args=(resource, q), name=f"mlight-{resource}", daemon=True)
         self._queues[resource] = q
-        self._threads.append(th)
+        self._threads[resource] = th
         th.start()
 
-    def _work(self, q: queue.SimpleQueue) -> None:
-        if self._setup is not None:
-            self._setup()
+    def _work(self, resource: str, q: queue.SimpleQueue) -> None:
+        try:
+            if self._setup is not None:
+                self._setup(resource)
+        except BaseException as e:  # noqa: BLE001 - the caller's watch turns it into TaskFailed
+            self._dead[resource] = e
+            return
         while True:
             item = q.get()
             if item is _STOP:
                 return
             step, task, i = item
-            self._wait_deps(step, task)
-            if not step.failed:
-                try:
+            item = None
+            try:
+                if self._wait_deps(step, task) and not step.failed:
                     self._execute(step, task, i)
-                except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                if _is_device_error(e):  # launched work failed; name it, not the task that noticed
+                    step.fail(e.label or task, e.__cause__)
+                else:
                     step.fail(task, e)
-            step.events[task.id].set()
+            finally:
+                step.finished(task)
+            # nothing of the step may outlive its tasks here: its runner and device buffers would
+            # stay alive until this worker's next task (a second run would sit on top of them)
+            step = task = None
 
-    def _wait_deps(self, step: "_Step", task) -> None:
+    def _wait_deps(self, step: "_Step", task) -> bool:
+        """Wait for the task's dependencies; False when the step failed meanwhile."""
         for d in task.deps:
             step.events[d].wait()
+            if step.failed:
+                return False
+        return True
 
     def _execute(self, step: "_Step", task, i: int) -> None:
         t0 = time.perf_counter()
@@ -133,6 +176,8 @@ class ThreadedExecutor:
             step.add_busy(task.resource, t1 - t0)
 
     def run(self, tasks: Iterable[TaskLike], fn: Callable[[TaskLike], None]) -> dict[str, float]:
+        if self._broken:
+            raise TaskFailed(f"the executor is stuck ({self._broken})", "restart mlight")
         tasks = list(tasks)
         _sized(self.times, len(tasks))
         step = self._new_step(tasks, fn)
@@ -140,13 +185,41 @@ class ThreadedExecutor:
             if t.resource not in self._queues:
                 self._add_worker(t.resource)
             self._queues[t.resource].put((step, t, i))
-        for t in tasks:
-            step.events[t.id].wait()
-        if step.error is not None:
-            self._after_failure()
-            task, err = step.error
-            raise TaskFailed(f"{_describe(task)} failed: {type(err).__name__}: {err}") from err
-        return self._finish(step)
+        self._watch(step)
+        if step.error is None:
+            try:
+                return self._finish(step)
+            except BaseException as e:  # noqa: BLE001 - work launched on a device failed after the fact
+                if not _is_device_error(e):
+                    raise
+                step.fail(e.label, e.__cause__)
+        self._after_failure()
+        task, err = step.error
+        step = None
+        raise _failed(task, err)
+
+    def _watch(self, step: "_Step") -> None:
+        """Return once every task of the step has finished (or been skipped after a failure)."""
+        seen, since = -1, time.monotonic()
+        while not step.all_done.wait(POLL):
+            for r, th in list(self._threads.items()):
+                if not th.is_alive() and not step.failed:
+                    why = self._dead.get(r)
+                    died = WorkerDied(f"the {r} worker " + (f"could not start: {type(why).__name__}: {why}"
+                                                            if why is not None else "stopped"))
+                    died.__cause__ = why
+                    self._broken = str(died)
+                    step.fail(None, died)
+            if step.count != seen:
+                seen, since = step.count, time.monotonic()
+            elif not step.failed and time.monotonic() - since > self.stall_seconds:
+                step.fail(None, Stalled(f"no task finished in {self.stall_seconds:g} s; waiting on "
+                                        + ", ".join(describe(t) for t in step.running())))
+            if step.failed:
+                if not step.all_done.wait(GRACE):
+                    stuck = step.running()
+                    self._broken = "a worker is stuck in " + ", ".join(describe(t) for t in stuck[:3])
+                return
 
     def _new_step(self, tasks: list, fn: Callable) -> "_Step":
         return _Step(tasks, fn)
@@ -160,24 +233,48 @@ class ThreadedExecutor:
     def close(self) -> None:
         for q in self._queues.values():
             q.put(_STOP)
-        for th in self._threads:
+        for th in self._threads.values():
             th.join(timeout=5)
 
 
+def _is_device_error(e: BaseException) -> bool:
+    from core.runtime.device import DeviceTaskError
+
+    return isinstance(e, DeviceTaskError)
+
+
 class _Step:
-    """Shared state of one graph run: an event per task, busy time, and the first failure."""
+    """Shared state of one graph run: an event per task, busy time, progress, and the first failure."""
 
     def __init__(self, tasks: list, fn: Callable):
         self.fn = fn
+        self.tasks = {t.id: t for t in tasks}
         self.events = {t.id: threading.Event() for t in tasks}
         self.busy: dict[str, float] = {}
         self.error = None
         self.failed = False
+        self.count = 0  # tasks finished or skipped
+        self.all_done = threading.Event()
+        self._left = set(self.tasks)
         self._lock = threading.Lock()
+        if not tasks:
+            self.all_done.set()
 
     def add_busy(self, resource: str, seconds: float) -> None:
         with self._lock:
             self.busy[resource] = self.busy.get(resource, 0.0) + seconds
+
+    def finished(self, task) -> None:
+        self.events[task.id].set()
+        with self._lock:
+            self._left.discard(task.id)
+            self.count += 1
+            if not self._left:
+                self.all_done.set()
+
+    def running(self) -> list:
+        with self._lock:
+            return [self.tasks[i] for i in sorted(self._left)[:5]]
 
     def fail(self, task, err: BaseException) -> None:
         with self._lock:

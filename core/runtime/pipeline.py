@@ -1,40 +1,60 @@
 """The CGOPipe runtime: a decode step (or a prefill) as a task graph, run by an executor.
 
 `core.runtime.schedule` says which tasks run, on which resource, after which others; this module says what
-each task does and owns the buffers they share. The same code runs on CUDA (dense work on the GPU,
-attention on the CPU next to the KV cache, weights streamed over PCIe) and on the CPU, where the
-"device" is the CPU itself and every copy between "device" and "host" buffers is still a real copy,
-so the threaded executor proves the graph's dependencies: a missing one gives wrong tokens.
+each task does and owns the buffers they share. Everything reaches the accelerator through a
+`core.runtime.device.Device`: CUDA, the emulated device (CI), or the CPU itself (the CPU-only mode and
+the threaded executor, where every copy between "device" and "host" buffers is still a real copy, so
+the threaded executor proves the graph's dependencies: a missing one gives wrong tokens).
+
+Device memory, allocated once per runner and named as the planner counts it (core.plan.planner):
+- dense weights and globals; RoPE tables;
+- per layer, its first `resident[i]` experts (the policy's r_w, spread over layers by
+  core.plan.policy.expert_split); the other experts of each layer stream through a 2-half buffer
+  sized for the layer that streams most: 2 · (E − min resident) experts;
+- with attention on the CPU: each micro-batch's QKV (D1 source, one contiguous block) and attention
+  output (D2 target); with attention on the GPU: the KV cache of the first `kv_gpu_layers` layers
+  (the policy's r_c) and a ring of two micro-batch KV buffers for the layers whose KV is on the CPU;
+- transient activations (hidden states, one task's intermediates, one micro-batch's logits).
+Host staging (pinned at its exact size, one arena): D1/D2 buffers, logits, KV staging for S4.
 
 Buffers and why they are safe to reuse (the graph orders every reuse after the last reader):
-- per micro-batch j: `qkv_h[j]` (D1 target, read by CPU attention), `o_h[j]` (attention output),
-  `o_d[j]` (D2 target, read by post-attention); the next writer of each is downstream of its reader.
-- the 2×layer expert buffer: halves alternate layer by layer (across steps too); a page for layer
+- per micro-batch j: `qkv_d[j]`/`qkv_h[j]` (pre-attention writes, D1 copies, CPU attention reads),
+  `o_h[j]`, `o_d[j]`; the next writer of each is downstream of its reader.
+- the 2-half expert buffer: halves alternate layer by layer (across steps too); a page for layer
   i+1 overwrites layer i−1's half only after that layer's last FFN (`schedule._buffer_free`).
-- layers below `resident_layers` keep their experts on the device and are never transferred.
-Legend: B = requests in a micro-batch, D = hidden, T = cached tokens.
+- the KV ring (attention on the GPU): micro-batch position p = i·n + j uses buffer p mod 2; its load
+  waits for the attention of position p − 2 (schedule._gpu_attention).
+Legend: B = requests in a micro-batch, D = hidden, T = cached tokens, E = experts.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
+
 import torch
 import torch.nn.functional as F
 
-from core.runtime import schedule as sched
 from core.model.attention import decode_attention, padding_mask, prefill_attention
 from core.model.cpu.kernels import Widen
 from core.model.kvcache import KVCache
 from core.model.layers import Rope, final_logits, norm
 from core.model.layers import pre_attn as dense_pre_attn
-from core.model.moe import experts, route, shared_expert
+from core.model.moe import activation, device_experts, experts, route, shared_expert
+from core.model.quant.experts import _TORCH, QuantExperts
 from core.model.spec import ModelSpec
 from core.model.weights import LayerLayout, ModelWeights
+from core.runtime import schedule as sched
+from core.runtime.device import Device, HostDevice
+from core.telemetry import EventSink, WarningEvent, ignore
+
+_ALIGN = 64  # bytes between buffers of the staging arena
 
 
 class _MB:
     """State of one micro-batch through a step."""
 
-    def __init__(self, tokens, slots, positions, device):
+    def __init__(self, tokens, slots, positions, dev: Device):
         self.B = len(slots)
         self.slots = torch.tensor(slots)
         self.positions = torch.tensor(positions)
@@ -42,32 +62,88 @@ class _MB:
         self.span = (min(positions) + 1, max(positions) + 1)  # on the host: attention needs no device sync
         ragged = self.span[0] < self.span[1]
         self.pad = padding_mask(self.lengths, self.span[1]) if ragged else None  # same for every layer
-        self.pad_d = self.pad.to(device) if ragged else None
-        self.tokens_d = torch.tensor(tokens, device=device)
-        self.positions_d = self.positions.to(device)
-        self.lengths_d = self.lengths.to(device)
+        self.pad_d = dev.to_device(self.pad) if ragged else None
+        self.tokens_d = dev.tensor(tokens)
+        self.positions_d = dev.to_device(self.positions)
+        self.lengths_d = dev.to_device(self.lengths)
+        self.slots_d = dev.to_device(self.slots)
         lo = slots[0]
         self.rows = slice(lo, lo + len(slots)) if list(slots) == list(range(lo, lo + len(slots))) else self.slots
         self.x = None  # device hidden [B, D]
         self.q = self.k = self.v = None  # device, from pre-attention
         self.hq = self.hk = self.hv = None  # host copies (D1)
+        self.o = None
         self.h = self.rw = self.ridx = self.shared = None  # post-attention results, for the FFN
         self.new_kv: dict[int, tuple] = {}  # layer -> this token's (k, v) awaiting the KV store (S4)
 
     def cache_rows(self, t: torch.Tensor) -> torch.Tensor:
         return t[self.rows] if isinstance(self.rows, slice) else t.index_select(0, self.rows)
 
+    def cache_rows_d(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.rows] if isinstance(self.rows, slice) else t.index_select(0, self.slots_d)
+
 
 class _PrefillMB:
     """A prefill micro-batch: whole prompts packed without padding."""
 
-    def __init__(self, prompts, slots, device):
+    def __init__(self, prompts, slots, dev: Device):
         self.lens = [len(p) for p in prompts]
         self.slots = list(slots)
-        self.tokens_d = torch.tensor([t for p in prompts for t in p], device=device)
-        self.positions_d = torch.cat([torch.arange(n) for n in self.lens]).to(device)
+        self.tokens_d = dev.tensor([t for p in prompts for t in p])
+        self.positions_d = dev.to_device(torch.cat([torch.arange(n) for n in self.lens]))
+        self.ends_d = dev.to_device(torch.tensor(self.lens).cumsum(0) - 1)
         self.x = None
         self.kv = []  # per layer: (k, v) device tensors [T, Hkv, hd] for the KV store
+
+
+class ExpertSlab:
+    """`count` experts of a layer in one buffer: each expert tensor's rows for those experts, back to back.
+
+    The same layout serves a layer's resident experts and each half of the streaming buffer. Works on
+    the layer's own units: elements of the weights' dtype, or bytes of a quantized layout (whose parts
+    are then viewed in their own dtypes and computed through core.model.quant.experts.QuantExperts)."""
+
+    def __init__(self, layout: LayerLayout, count: int):
+        self.layout, self.count = layout, count
+        self.parts = layout.expert_entries()  # (name, offset in the layer buffer, shape, one expert's size)
+        self.per_expert = sum(per for *_, per in self.parts)
+        self.numel = count * self.per_expert
+
+    def views(self, buf: torch.Tensor, n: int, dtype: torch.dtype, scratch: dict) -> dict:
+        """The first n experts in `buf` (a slab of `count`): {"w13", "w2"} (+ biases), or {"quant"} (+ biases)."""
+        out, off = {}, 0
+        for name, _, shape, per in self.parts:
+            region = buf[off:off + n * per]
+            if self.layout.scheme is not None:  # bytes: view them as this part's own dtype
+                region = region.view(_TORCH[dict(self.layout.dtypes)[name]])
+            out[name] = region.view(n, *shape[1:])
+            off += self.count * per
+        if self.layout.scheme is None:
+            return out
+        biases = {b: out.pop(b) for b in ("b13", "b2") if b in out}
+        return {"quant": QuantExperts(self.layout.scheme, out, dtype, scratch), **biases}
+
+    def pieces(self, buf: torch.Tensor, flat: torch.Tensor, first: int, last: int, pages: int) -> list[list[tuple]]:
+        """Copies filling this slab's first slots with experts first..last−1 of a layer buffer `flat`, cut
+        into `pages` near-equal pages; per page a list of (dst, src) pairs."""
+        n = last - first
+        spans, off, cum = [], 0, 0  # (start in the stream, length, dst, src) per expert tensor
+        for _, at, _, per in self.parts:
+            length = n * per
+            spans.append((cum, length, buf[off:off + length], flat[at + first * per:at + last * per]))
+            off += self.count * per
+            cum += length
+        step = max(1, math.ceil(cum / pages))
+        out = []
+        for p in range(pages):
+            a, b = p * step, min(cum, (p + 1) * step)
+            page = []
+            for start, length, dst, s in spans:
+                lo, hi = max(a, start), min(b, start + length)
+                if lo < hi:
+                    page.append((dst[lo - start:hi - start], s[lo - start:hi - start]))
+            out.append(page)
+        return out
 
 
 class PipelineRunner:
@@ -75,69 +151,56 @@ class PipelineRunner:
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, cache: KVCache, *, executor, schedule: str = "cgopipe",
                  attention_on: str = "cpu", ffn_on: str = "gpu", micro_batch_size: int = 1, expert_group: int = 1,
-                 resident_layers: int | None = None, device: str | torch.device = "cpu", grouped: bool | None = None,
-                 tp=None, cpu_math: torch.dtype | None = None, direct_rows: int = 2):
+                 resident_experts=None, kv_gpu_layers: int = 0, device: Device | None = None,
+                 grouped: bool | None = None, warn: EventSink = ignore, tp=None, cpu_math: torch.dtype | None = None,
+                 direct_rows: int = 2):
         if schedule not in sched.SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}")
         self.spec, self.w, self.cache, self.ex = spec, weights, cache, executor
         self.schedule, self.attention_on, self.ffn_on = schedule, attention_on, ffn_on
-        self.device = torch.device(device)
+        self.dev = dev = device or HostDevice()
+        self.warn = warn
+        self.act = activation(spec)  # the experts' gate activation (gpt-oss clamps its SwiGLU)
         self.grouped = grouped
         self.expert_group = expert_group
         self.tp = tp  # tensor parallel: core.runtime.distributed.tensor_parallel.ShardOps, or None
         self._full_norm = tp.full_norm if tp is not None else None
         self._attention_out = tp.attention_out if tp is not None else _noop
-        L = spec.num_layers
+        L, E = spec.num_layers, spec.num_experts
         self.pages = max(1, len(weights.layers[0].pages))  # packed CPU experts have no pages
-        self.resident = L if resident_layers is None else max(0, min(L, resident_layers))
-        self.streamed = self.resident < L and ffn_on == "gpu"
-        self.layout: LayerLayout = weights.layers[0].layout
+        # experts kept on the device per layer (a layer without experts has nothing to stream)
+        self.resident = [E if resident_experts is None or ffn_on == "cpu" or not spec.is_moe(i) else
+                         max(0, min(E, int(resident_experts[i]))) for i in range(L)]
+        self.streamed = ffn_on == "gpu" and min(self.resident) < E
+        self.kv_gpu_layers = kv_gpu_layers if attention_on == "gpu" else 0
         self.scale = spec.head_dim ** -0.5
-        on_host = self.device.type == "cpu"
-        self.rope = Rope(spec, cache.max_tokens, weights.math_dtype, device=self.device)
+        mu, n_mb = micro_batch_size, -(-cache.slots // micro_batch_size)
+        self.mu = mu
+        self.rope = Rope(spec, cache.max_tokens, weights.math_dtype)
+        self.rope.cos, self.rope.sin = dev.to_device(self.rope.cos), dev.to_device(self.rope.sin)
         # the CPU computes in `cpu_math` where it is slow in the storage dtype: attention widens the KV
         # it reads (any schedule), the CPU-only FFN widens expert tiles; one Widen per thread using it
         cpu_math = cpu_math or weights.math_dtype
         kv_dtype = next((t.dtype for t in cache.k if t is not None), weights.dtype)
         self.widen_attn = Widen(cpu_math, direct_rows) if cpu_math != kv_dtype else None
-        self.widen_ffn = (Widen(weights.math_dtype, direct_rows) if on_host and weights.math_dtype != weights.dtype
-                          else None)
+        self.widen_ffn = (Widen(weights.math_dtype, direct_rows) if not dev.accelerator
+                          and weights.math_dtype != weights.dtype else None)
         # dense (non-expert) weights and the globals live on the device for the whole run
-        self.dense = [{n: self._to_dev(t) for n, t in lw.dense().items()}
-                      for lw in weights.layers]
-        self.globals = {n: self._to_dev(t) for n, t in weights.globals.items()}
+        self.dense = [{n: dev.to_device(t) for n, t in lw.dense().items()} for lw in weights.layers]
+        self.globals = {n: dev.to_device(t) for n, t in weights.globals.items()}
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
-        self.resident_experts = [lw.expert_set(self._to_dev) if (i < self.resident or ffn_on == "cpu") else None
-                                 for i, lw in enumerate(weights.layers)]
-        self.ebuf = None
-        # layers may differ in layout (a GGUF's expert types vary by layer): each layer indexes its own
-        self.layouts = list(dict.fromkeys(lw.layout for lw in weights.layers))
-        self._layout_of = [self.layouts.index(lw.layout) for lw in weights.layers]
-        if self.streamed:
-            # quantized layers stream their bytes as they are; the device expands them (QuantExperts)
-            size = max(layout.expert_numel for layout in self.layouts)
-            self.ebuf = [torch.empty(size, dtype=self.layout.storage_dtype or weights.dtype, device=self.device)
-                         for _ in range(2)]
-            scratch = {}  # one expert's expansion, shared by both halves and every layout
-            self.ebuf_views = [[lo.expert_views(b[:lo.expert_numel], weights.dtype, scratch) for lo in self.layouts]
-                               for b in self.ebuf]
-            self.page_bounds = [lo.page_bounds(self.pages) for lo in self.layouts]
+        self._place_experts()
         self._layer0_half: int | None = None  # half holding layer 0's experts for the next step
+        self.layer0_loads = 0  # synchronous loads of layer 0 before a step (the first step's, ideally only)
         self._base = 0  # half of layer 0 in the current step
         self._graphs: dict[tuple, tuple[list, set]] = {}
-        pin = self.device.type == "cuda"
-        mu, n_mb = micro_batch_size, -(-cache.slots // micro_batch_size)
-        qkv = spec.q_size + 2 * spec.kv_size
-        self.qkv_h = [torch.empty((mu, qkv), dtype=weights.dtype, pin_memory=pin) for _ in range(n_mb)]
-        self.o_h = [torch.empty((mu, spec.q_size), dtype=weights.dtype, pin_memory=pin) for _ in range(n_mb)]
-        self.o_d = [torch.empty((mu, spec.q_size), dtype=weights.dtype, device=self.device) for _ in range(n_mb)]
-        self.kv_d = {}  # (layer parity, micro-batch) -> (k, v) device buffers, attention on the GPU only
+        self._host_buffers(n_mb)
+        self._device_buffers(n_mb)
         self.bytes = {"h2d": 0, "d2h": 0}
         self._step: list[_MB] | None = None
         self._pre: list[_PrefillMB] | None = None
-        self.last_tasks: list = []  # the last step's task graph
+        self.last_tasks: list = []  # the last step's task graph (with the executor's `times`: its timeline)
         self.fault = None  # tests: a callable run before every task, to inject failures
-        self._copy_kw = {"non_blocking": not on_host}
         self._fns = {
             "pre_attn": self._pre_attn, "d1": self._d1, "cpu_attn": self._cpu_attn, "d2": self._d2,
             "post_attn": self._post_attn, "ffn": self._ffn, "weight_page": self._weight_page,
@@ -145,8 +208,87 @@ class PipelineRunner:
             "prefill": self._prefill,
         }
 
-    def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.device.type == "cpu" else t.to(self.device)
+    # ---- memory -------------------------------------------------------------------------------------
+    def _place_experts(self) -> None:
+        """Resident experts on the device; the streaming buffer's halves and their page copies. Each layer
+        uses its own layout (a GGUF file's formats may differ by layer)."""
+        dev, E, w, spec = self.dev, self.spec.num_experts, self.w, self.spec
+        self.ebuf = None
+        scratch: dict = {}  # quantized experts: one expert's expansion, shared by every layer
+        if self.ffn_on == "cpu":  # the host's own tensors: plain, packed for its kernels, or quantized
+            self.resident_parts = [[lw.expert_set()] if spec.is_moe(i) else [] for i, lw in enumerate(w.layers)]
+            return
+        self.resident_parts = []
+        for i, (lw, r) in enumerate(zip(w.layers, self.resident)):
+            if r == 0 or not spec.is_moe(i):
+                self.resident_parts.append([])
+            elif not dev.accelerator and r == E:  # the CPU as device: its own tensors are "resident"
+                self.resident_parts.append([lw.expert_set()])
+            else:
+                slab = ExpertSlab(lw.layout, r)
+                buf = dev.empty(slab.numel, lw.flat.dtype)
+                for dst, src in slab.pieces(buf, lw.flat, 0, r, 1)[0]:
+                    dev.copy(dst, src, non_blocking=False)
+                self.resident_parts.append([slab.views(buf, r, w.dtype, scratch)])
+        if not self.streamed:
+            return
+        slabs = [ExpertSlab(lw.layout, E - r) if r < E else None for lw, r in zip(w.layers, self.resident)]
+        size = max(sl.numel for sl in slabs if sl is not None)  # the layer that streams most
+        storage = next(lw.flat.dtype for lw, sl in zip(w.layers, slabs) if sl is not None)
+        self.ebuf = [dev.empty(size, storage) for _ in range(2)]
+        # per half, per layer: views of its streamed experts, and the page copies that fill them
+        self.stream_views = [[sl.views(b, sl.count, w.dtype, scratch) if sl else None for sl in slabs]
+                             for b in self.ebuf]
+        self.page_copies = [[sl.pieces(b, lw.flat, E - sl.count, E, self.pages) if sl else None
+                             for lw, sl in zip(w.layers, slabs)] for b in self.ebuf]
+        if dev.accelerator:  # page-lock what streams, at its exact size
+            ok = [w.pin_streamed(dev, i, r) for i, r in enumerate(self.resident) if r < E]
+            if not all(ok):
+                self.warn(WarningEvent("could not page-lock the streamed expert weights (the system caps pinned "
+                                       "memory); copies to the GPU will be slower"))
+
+    def _host_buffers(self, n_mb: int) -> None:
+        """Host staging in one arena, pinned once at its exact size: D1/D2 buffers, logits, S4's KV staging."""
+        s, dt, mu = self.spec, self.w.dtype, self.mu
+        qkv = s.q_size + 2 * s.kv_size
+        want: list[tuple[str, tuple, torch.dtype]] = []
+        cpu_attn = self.attention_on == "cpu" and self.ffn_on == "gpu"
+        if cpu_attn:
+            want += [(f"qkv_h{j}", (mu, qkv), dt) for j in range(n_mb)]
+            want += [(f"o_h{j}", (mu, s.q_size), dt) for j in range(n_mb)]
+        if self.dev.accelerator:
+            want += [("logits_dec", (self.cache.slots, s.vocab_size), torch.float32),
+                     ("logits_pre", (self.cache.slots, s.vocab_size), torch.float32)]
+        kv_on_cpu = self.attention_on == "gpu" and self.kv_gpu_layers < s.num_layers
+        if kv_on_cpu:
+            ring = (mu * s.num_kv_heads * self.cache.max_tokens * s.head_dim,)
+            want += [(f"kv_in{r}{x}", ring, dt) for r in range(2) for x in "kv"]
+            want += [(f"kv_out{x}", (mu, s.num_kv_heads, s.head_dim), dt) for x in "kv"]
+        arena, self.host = _arena(want)
+        if want and self.dev.accelerator and self.dev.pin(arena):
+            weakref.finalize(self, self.dev.unpin, arena)  # unpinned when this runner is gone
+        self.qkv_h = [self.host[f"qkv_h{j}"] for j in range(n_mb)] if cpu_attn else []
+        self.o_h = [self.host[f"o_h{j}"] for j in range(n_mb)] if cpu_attn else []
+        if kv_on_cpu:
+            self._stage_free = [self.dev.event() for _ in range(2)]  # last copy out of each KV staging slot
+            self._kv_out_done = self.dev.event()
+
+    def _device_buffers(self, n_mb: int) -> None:
+        s, dt, mu, dev = self.spec, self.w.dtype, self.mu, self.dev
+        self.qkv_d, self.o_d = [], []
+        if self.attention_on == "cpu" and self.ffn_on == "gpu":
+            self.qkv_d = [dev.empty((mu, s.q_size + 2 * s.kv_size), dt) for _ in range(n_mb)]
+            self.o_d = [dev.empty((mu, s.q_size), dt) for _ in range(n_mb)]
+        self.kv_dev: list[tuple] = []  # KV cache of the layers whose KV lives on the GPU
+        self.kv_ring: list[tuple] = []
+        if self.attention_on != "gpu":
+            return
+        shape = (self.cache.slots, s.num_kv_heads, self.cache.max_tokens, s.head_dim)
+        # zeros, not empty: masked positions still enter p @ v (as 0 × v), and 0 × NaN is NaN
+        self.kv_dev = [(dev.zeros(shape, dt), dev.zeros(shape, dt)) for _ in range(self.kv_gpu_layers)]
+        if self.kv_gpu_layers < s.num_layers:
+            n = mu * s.num_kv_heads * self.cache.max_tokens * s.head_dim
+            self.kv_ring = [(dev.zeros(n, dt), dev.zeros(n, dt)) for _ in range(2)]
 
     # ---- graphs ---------------------------------------------------------------------------------
     def _graph(self, kind: str, n: int):
@@ -164,7 +306,7 @@ class PipelineRunner:
             first_use = min((t.id for t in tasks if t.layer == 0 and t.kind in ("pre_attn", "prefill", "kv_load")),
                             default=0)
             # pages of layer 0 listed before layer 0's first use are for this step (S3, prefill);
-            # listed after, they prefetch the next step's layer 0 (CGOPipe, S4)
+            # listed after, they prefetch the next step's layer 0 (CGOPipe, S4, the end of a prefill)
             current = {t.id for t in tasks if t.kind == "weight_page" and t.layer == 0 and t.id < first_use}
             self._graphs[key] = (tasks, current)
         return self._graphs[key]
@@ -172,52 +314,73 @@ class PipelineRunner:
     def _half(self, layer: int) -> int:
         return (self._base + layer) % 2
 
-    def _expert_weights(self, layer: int) -> dict:
-        if self.resident_experts[layer] is not None:
-            return self.resident_experts[layer]
-        return self.ebuf_views[self._half(layer)][self._layout_of[layer]]
+    def _expert_parts(self, layer: int) -> list[dict]:
+        parts = list(self.resident_parts[layer])
+        if self.streamed and self.resident[layer] < self.spec.num_experts:
+            parts.append(self.stream_views[self._half(layer)][layer])
+        return parts
 
     # ---- steps ----------------------------------------------------------------------------------
     def decode(self, tokens, slots, positions):
-        """One token for every active request; per-micro-batch lists. Returns (logits [B, V] on the CPU, busy)."""
-        self._step = [_MB(t, s, p, self.device) for t, s, p in zip(tokens, slots, positions)]
+        """One token for every active request; per-micro-batch lists. Returns (logits [B, V] on the CPU, busy).
+        The logits are valid until the next decode step."""
+        self._step = [_MB(t, s, p, self.dev) for t, s, p in zip(tokens, slots, positions)]
+        for j, mb in enumerate(self._step[:len(self.qkv_h)]):  # where D1 and D2 land: fixed buffers
+            mb.hq, mb.hk, mb.hv = self._qkv_views(j, mb.B)
+            mb.o = self.o_d[j][:mb.B]
+        with self.dev.compute():
+            for mb in self._step:
+                mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         tasks, self._current_pages = self._graph("decode", len(self._step))
-        if self.attention_on == "gpu":
-            for j, mb in enumerate(self._step):
-                for parity in (0, 1):
-                    self._kv_buffers(parity, j, mb.B)
         self._start_step(needs_layer0=not self._current_pages)
-        for mb in self._step:
-            mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         busy = self.ex.run(tasks, self._run)
-        self.last_tasks = tasks  # with the executor's `times`: the step's timeline (telemetry)
-        self._end_step(prefetched_layer0=any(t.kind == "weight_page" and t.layer == 0 and t.id not in
-                                             self._current_pages for t in tasks))
-        x = torch.cat([mb.x for mb in self._step])
-        logits = final_logits(self.spec, self.globals["norm"], self.lm_head, x).cpu()
+        self.last_tasks = tasks
+        self._end_step(prefetched_layer0=self._prefetches_layer0(tasks))
+        logits = self._logits([mb.x for mb in self._step], "logits_dec")
         self._step = None
         return logits, busy
 
     def prefill(self, prompts, slots, micro_batches):
         """Whole prompts (grouped into `micro_batches` lists of indices). Returns (last-token logits, busy)."""
-        self._pre = [_PrefillMB([prompts[i] for i in idx], [slots[i] for i in idx], self.device) for idx in micro_batches]
+        self._pre = [_PrefillMB([prompts[i] for i in idx], [slots[i] for i in idx], self.dev)
+                     for idx in micro_batches]
+        with self.dev.compute():
+            for mb in self._pre:
+                mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         tasks, self._current_pages = self._graph("prefill", len(self._pre))
         self._start_step(needs_layer0=not self._current_pages)
-        for mb in self._pre:
-            mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         busy = self.ex.run(tasks, self._run)
         self.last_tasks = tasks
-        self._layer0_half = None  # prefill leaves the last layers in the buffer
-        last = []
-        for mb in self._pre:
-            ends = torch.tensor(mb.lens, device=self.device).cumsum(0) - 1
-            last.append(mb.x.index_select(0, ends))
-        logits = final_logits(self.spec, self.globals["norm"], self.lm_head, torch.cat(last)).cpu()
-        order = [i for idx in micro_batches for i in idx]
-        out = torch.empty_like(logits)
-        out[torch.tensor(order)] = logits
+        # the graph prefetched the next decode step's layer 0 (a one-layer model keeps it where it is)
+        if self.streamed:
+            self._layer0_half = self._base if self.spec.num_layers == 1 else (
+                (self._base + self.spec.num_layers) % 2 if self._prefetches_layer0(tasks) else None)
+        with self.dev.compute():
+            last = [mb.x.index_select(0, mb.ends_d) for mb in self._pre]
+        staged = self._logits(last, "logits_pre")
+        order = torch.tensor([i for idx in micro_batches for i in idx])
+        out = torch.empty_like(staged)
+        out[order] = staged
         self._pre = None
         return out, busy
+
+    def _prefetches_layer0(self, tasks) -> bool:
+        return any(t.kind == "weight_page" and t.layer == 0 and t.id not in self._current_pages for t in tasks)
+
+    def _logits(self, xs: list[torch.Tensor], buffer: str) -> torch.Tensor:
+        """fp32 logits of the final hidden states, micro-batch by micro-batch into one host buffer (the
+        device holds one micro-batch's logits at a time); one sync for all of them."""
+        spec, norm_w = self.spec, self.globals["norm"]
+        if not self.dev.accelerator:
+            return torch.cat([final_logits(spec, norm_w, self.lm_head, x) for x in xs])
+        out, row = self.host[buffer], 0
+        with self.dev.compute():
+            for x in xs:
+                n = x.shape[0]
+                self.dev.copy(out[row:row + n], final_logits(spec, norm_w, self.lm_head, x))
+                row += n
+        self.dev.current_stream().synchronize()
+        return out[:row]
 
     def _start_step(self, needs_layer0: bool) -> None:
         if not self.streamed:
@@ -225,12 +388,14 @@ class PipelineRunner:
         if not needs_layer0:  # this graph loads layer 0 itself
             self._base = 0
             return
-        if self._layer0_half is None:  # first step, or after a prefill: load layer 0 now
+        if self._layer0_half is None:  # first step, or after a prefill that could not prefetch it
             self._base = 0
-            if self.resident == 0:
-                src = self.w.layers[0].experts
-                self.ebuf[0][:src.numel()].copy_(src)
-                self.bytes["h2d"] += src.numel() * src.element_size()
+            self.layer0_loads += 1
+            if self.resident[0] < self.spec.num_experts:
+                for page in self.page_copies[0][0]:
+                    for dst, src in page:
+                        self.dev.copy(dst, src)
+                        self.bytes["h2d"] += dst.numel() * dst.element_size()
         else:
             self._base = self._layer0_half
 
@@ -246,19 +411,27 @@ class PipelineRunner:
     # ---- tasks ----------------------------------------------------------------------------------
     def _pre_attn(self, t):
         mb = self._step[t.micro_batch]
-        mb.q, mb.k, mb.v = dense_pre_attn(self.spec, self.dense[t.layer], mb.x, mb.positions_d, self.rope,
-                                          self._full_norm)
+        q, k, v = dense_pre_attn(self.spec, self.dense[t.layer], mb.x, mb.positions_d, self.rope, self._full_norm)
+        if not self.qkv_d:
+            mb.q, mb.k, mb.v = q, k, v
+            return
+        # D1 sends one contiguous block: gather q, k, v into this micro-batch's device buffer
+        Q, KV, B = self.spec.q_size, self.spec.kv_size, mb.B
+        buf = self.qkv_d[t.micro_batch][:B]
+        buf[:, :Q].copy_(q.reshape(B, Q))
+        buf[:, Q:Q + KV].copy_(k.reshape(B, KV))
+        buf[:, Q + KV:].copy_(v.reshape(B, KV))
+
+    def _qkv_views(self, j: int, B: int):
+        """q, k, v of micro-batch j in its host D1 buffer: [B, H, hd], [B, Hkv, hd], [B, Hkv, hd]."""
+        q, kv, buf = self.spec.q_size, self.spec.kv_size, self.qkv_h[j][:B]
+        H, Hkv, hd = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
+        return buf[:, :q].view(B, H, hd), buf[:, q:q + kv].view(B, Hkv, hd), buf[:, q + kv:].view(B, Hkv, hd)
 
     def _d1(self, t):
         mb = self._step[t.micro_batch]
-        q, kv = self.spec.q_size, self.spec.kv_size
         buf = self.qkv_h[t.micro_batch][:mb.B]
-        buf[:, :q].copy_(mb.q.reshape(mb.B, -1), **self._copy_kw)
-        buf[:, q:q + kv].copy_(mb.k.reshape(mb.B, -1), **self._copy_kw)
-        buf[:, q + kv:].copy_(mb.v.reshape(mb.B, -1), **self._copy_kw)
-        H, Hkv, hd = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
-        mb.hq, mb.hk, mb.hv = (buf[:, :q].view(mb.B, H, hd), buf[:, q:q + kv].view(mb.B, Hkv, hd),
-                               buf[:, q + kv:].view(mb.B, Hkv, hd))
+        self.dev.copy(buf, self.qkv_d[t.micro_batch][:mb.B])
         self.bytes["d2h"] += buf.numel() * buf.element_size()
 
     def _cpu_attn(self, t):
@@ -274,8 +447,7 @@ class PipelineRunner:
 
     def _d2(self, t):
         mb = self._step[t.micro_batch]
-        self.o_d[t.micro_batch][:mb.B].copy_(self.o_h[t.micro_batch][:mb.B], **self._copy_kw)
-        mb.o = self.o_d[t.micro_batch][:mb.B]
+        self.dev.copy(self.o_d[t.micro_batch][:mb.B], self.o_h[t.micro_batch][:mb.B])
         self.bytes["h2d"] += mb.o.numel() * mb.o.element_size()
 
     def _post_attn(self, t):
@@ -290,18 +462,38 @@ class PipelineRunner:
     def _ffn(self, t):
         g = self._group_size(t)
         mbs = self._step[t.micro_batch:t.micro_batch + g]
-        ew = self._expert_weights(t.layer)
+        parts = self._expert_parts(t.layer)
         if g == 1:
-            parts = [_experts(ew, mbs[0].h, mbs[0].rw, mbs[0].ridx, self.grouped, self.widen_ffn)]
+            outs = [self._experts(parts, mbs[0].h, mbs[0].rw, mbs[0].ridx)]
         else:
-            out = _experts(ew, torch.cat([m.h for m in mbs]), torch.cat([m.rw for m in mbs]),
-                           torch.cat([m.ridx for m in mbs]), self.grouped, self.widen_ffn)
-            parts = out.split([m.B for m in mbs])
-        parts = [y if m.shared is None else y + m.shared for m, y in zip(mbs, parts)]
+            out = self._experts(parts, torch.cat([m.h for m in mbs]), torch.cat([m.rw for m in mbs]),
+                                torch.cat([m.ridx for m in mbs]))
+            outs = out.split([m.B for m in mbs])
+        outs = [y if m.shared is None else y + m.shared for m, y in zip(mbs, outs)]
         if self.tp is not None:  # each rank holds a slice of every expert: sum the partial outputs, once
-            parts = self.tp.ffn_out(torch.cat(parts)).split([m.B for m in mbs]) if g > 1 else [self.tp.ffn_out(parts[0])]
-        for m, y in zip(mbs, parts):
+            outs = self.tp.ffn_out(torch.cat(outs)).split([m.B for m in mbs]) if g > 1 else [self.tp.ffn_out(outs[0])]
+        for m, y in zip(mbs, outs):
             m.x = m.x + y
+            m.h = m.shared = None
+
+    def _experts(self, parts: list[dict], h, rw, ridx):
+        if len(parts) == 1 and not self.dev.accelerator:
+            p = parts[0]
+            return experts(h, p.get("w13"), p.get("w2"), rw, ridx, grouped=self.grouped, packed=p.get("packed"),
+                           b13=p.get("b13"), b2=p.get("b2"), act=self.act, quant=p.get("quant"), widen=self.widen_ffn)
+        grouped = self.grouped if self.grouped is not None else self._grouped_default(h)
+        return device_experts(h, parts, rw, ridx, grouped=grouped, act=self.act)
+
+    def _grouped_default(self, h) -> bool:
+        from core.model.moe import HAS_GROUPED_MM, cuda_grouped_mm_works
+
+        if not HAS_GROUPED_MM:
+            return False
+        if self.dev.kind == "cuda":
+            return cuda_grouped_mm_works(self.dev.index, h.dtype)
+        if self.dev.kind == "emulated":  # as CUDA's kernels: bf16 on SM80+
+            return h.dtype == torch.bfloat16 and self.dev.capability >= (8, 0)
+        return h.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def _group_size(self, t) -> int:
         n = len(self._step)
@@ -309,61 +501,87 @@ class PipelineRunner:
 
     def _weight_page(self, t):
         layer = t.layer
-        if self.resident_experts[layer] is not None:
+        if self.resident[layer] >= self.spec.num_experts:
             return
         half = self._half(layer) if (layer != 0 or t.id in self._current_pages) else (
             (self._base + self.spec.num_layers) % 2)
-        a, b = self.page_bounds[self._layout_of[layer]][t.page]
-        dst = self.ebuf[half][a:b]
-        dst.copy_(self.w.layers[layer].pages[t.page], **self._copy_kw)
-        self.bytes["h2d"] += dst.numel() * dst.element_size()
+        for dst, src in self.page_copies[half][layer][t.page]:
+            self.dev.copy(dst, src)
+            self.bytes["h2d"] += dst.numel() * dst.element_size()
 
-    def _kv_buffers(self, layer: int, j: int, B: int):
-        """Device KV rows of micro-batch j for layers of one parity; sized before the step's tasks run."""
-        key = (layer % 2, j)
-        buf = self.kv_d.get(key)
-        if buf is None or buf[0].shape[0] < B:
-            shape = (B, self.spec.num_kv_heads, self.cache.max_tokens, self.spec.head_dim)
-            # zeros, not empty: masked positions still enter p @ v (as 0 × v), and 0 × NaN is NaN
-            buf = (torch.zeros(shape, dtype=self.w.dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.w.dtype, device=self.device))
-            self.kv_d[key] = buf
-        return buf
+    def _ring(self, mb: _MB, layer: int, j: int):
+        """This micro-batch's KV buffers for a layer whose KV is on the CPU: device and host staging
+        views [B, Hkv, T, hd], T = its longest cached length + the new token."""
+        s = self.spec
+        slot = (layer * len(self._step) + j) % 2
+        shape = (mb.B, s.num_kv_heads, mb.span[1], s.head_dim)
+        n = math.prod(shape)
+        dk, dv = self.kv_ring[slot]
+        hk, hv = self.host[f"kv_in{slot}k"], self.host[f"kv_in{slot}v"]
+        return slot, dk[:n].view(shape), dv[:n].view(shape), hk[:n].view(shape), hv[:n].view(shape)
 
     def _kv_load(self, t):
         mb, i = self._step[t.micro_batch], t.layer
-        T = mb.span[1] - 1  # tokens already cached
-        kd, vd = self.kv_d[(i % 2, t.micro_batch)]
-        if T:
-            kd[:mb.B, :, :T].copy_(mb.cache_rows(self.cache.k[i])[:, :, :T], **self._copy_kw)
-            vd[:mb.B, :, :T].copy_(mb.cache_rows(self.cache.v[i])[:, :, :T], **self._copy_kw)
-            self.bytes["h2d"] += 2 * mb.B * T * self.spec.kv_size * self.w.dtype.itemsize
+        if i < self.kv_gpu_layers:
+            return
+        slot, dk, dv, hk, hv = self._ring(mb, i, t.micro_batch)
+        T = mb.span[1]
+        self.dev.host_wait(self._stage_free[slot])  # the copy out of this staging slot two loads ago
+        hk.copy_(mb.cache_rows(self.cache.k[i])[:, :, :T])  # gather on the host into pinned staging ...
+        hv.copy_(mb.cache_rows(self.cache.v[i])[:, :, :T])
+        self.dev.copy(dk, hk)  # ... then one contiguous asynchronous copy each
+        self.dev.copy(dv, hv)
+        self._stage_free[slot].record(self.dev.current_stream())
+        self.bytes["h2d"] += 2 * hk.numel() * hk.element_size()
 
     def _gpu_attn(self, t):
         mb, i = self._step[t.micro_batch], t.layer
-        kd, vd = self.kv_d[(i % 2, t.micro_batch)]
-        rows = torch.arange(mb.B, device=self.device)
-        kd[rows, :, mb.positions_d] = mb.k
-        vd[rows, :, mb.positions_d] = mb.v
-        # the store runs on another queue, possibly after the next layer's pre-attention replaced mb.k
-        mb.new_kv[i] = (mb.k, mb.v)
-        mb.o = decode_attention(mb.q, kd[:mb.B], vd[:mb.B], mb.lengths_d, self.scale, mb.span, mb.pad_d)
+        if i < self.kv_gpu_layers:
+            K, V = self.kv_dev[i]
+            K[mb.slots_d, :, mb.positions_d] = mb.k
+            V[mb.slots_d, :, mb.positions_d] = mb.v
+            kd, vd = mb.cache_rows_d(K), mb.cache_rows_d(V)
+        else:
+            _, kd, vd, _, _ = self._ring(mb, i, t.micro_batch)
+            rows = torch.arange(mb.B, device=self.dev.torch_device)
+            kd[rows, :, mb.positions_d] = mb.k
+            vd[rows, :, mb.positions_d] = mb.v
+            # the store runs on another queue, possibly after the next layer's pre-attention replaced mb.k
+            mb.new_kv[i] = (mb.k, mb.v)
+        mb.o = decode_attention(mb.q, kd, vd, mb.lengths_d, self.scale, mb.span, mb.pad_d)
 
     def _kv_store(self, t):
         if self._pre is not None:  # prefill: the micro-batch's whole prompts
-            mb = self._pre[t.micro_batch]
-            k, v = mb.kv[t.layer]
-            k, v = k.to("cpu"), v.to("cpu")
-            start = 0
-            for n, slot in zip(mb.lens, mb.slots):
-                self.cache.write_prompt(t.layer, slot, k[start:start + n], v[start:start + n])
-                start += n
-            mb.kv[t.layer] = None
-            self.bytes["d2h"] += 2 * k.numel() * k.element_size()
-            return
+            return self._store_prompts(t)
+        if t.layer < self.kv_gpu_layers:
+            return  # attention wrote the device cache
         mb = self._step[t.micro_batch]
         k, v = mb.new_kv.pop(t.layer)
-        self.cache.write(t.layer, mb.slots, mb.positions, k.to("cpu"), v.to("cpu"))
+        hk, hv = self.host["kv_outk"][:mb.B], self.host["kv_outv"][:mb.B]
+        self.dev.copy(hk, k)
+        self.dev.copy(hv, v)
+        self._kv_out_done.record(self.dev.current_stream())
+        self.dev.host_wait(self._kv_out_done)  # the CPU cache write needs the bytes on the host
+        self.cache.write(t.layer, mb.slots, mb.positions, hk, hv)
+        self.bytes["d2h"] += 2 * hk.numel() * hk.element_size()
+
+    def _store_prompts(self, t):
+        mb, i = self._pre[t.micro_batch], t.layer
+        k, v = mb.kv[i]
+        mb.kv[i] = None
+        if i < self.kv_gpu_layers:
+            K, V = self.kv_dev[i]
+            start = 0
+            for n, slot in zip(mb.lens, mb.slots):
+                K[slot, :, :n] = k[start:start + n].transpose(0, 1)
+                V[slot, :, :n] = v[start:start + n].transpose(0, 1)
+                start += n
+            return
+        k, v = self.dev.to_host(k), self.dev.to_host(v)  # prefill only: a blocking copy is fine here
+        start = 0
+        for n, slot in zip(mb.lens, mb.slots):
+            self.cache.write_prompt(i, slot, k[start:start + n], v[start:start + n])
+            start += n
         self.bytes["d2h"] += 2 * k.numel() * k.element_size()
 
     def _prefill(self, t):
@@ -376,23 +594,32 @@ class PipelineRunner:
             start += n
         while len(mb.kv) <= i:
             mb.kv.append(None)
-        mb.kv[i] = (k, v)
-        x = mb.x + self._attention_out(F.linear(torch.cat(parts), w["o"]))
-        h = norm(self.spec, x, w["ln2"])
+        mb.kv[i] = (k, v.contiguous())  # v is a view of the whole QKV projection: keep only v until the store
+        attn = torch.cat(parts)
+        q = k = v = parts = None  # the FFN's intermediates are the peak: hold nothing else (the planner counts on it)
+        mb.x = mb.x + self._attention_out(F.linear(attn, w["o"]))
+        attn = None
+        h = norm(self.spec, mb.x, w["ln2"])
         rw, ridx = route(self.spec, h, w)
-        ew = self._expert_weights(i)
-        y = _experts(ew, h, rw, ridx, self.grouped, self.widen_ffn)
+        y = self._experts(self._expert_parts(i), h, rw, ridx)
         if self.spec.shared_intermediate:
             y = y + shared_expert(self.spec, w, h)
-        mb.x = x + (y if self.tp is None else self.tp.ffn_out(y))
+        mb.x = mb.x + (y if self.tp is None else self.tp.ffn_out(y))
         if self.ffn_on == "cpu":  # the CPU-only chain has no kv_store task: write the cache here
-            self._kv_store(t)
+            self._store_prompts(t)
+
+
+def _arena(want: list[tuple[str, tuple, torch.dtype]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Host buffers carved from one allocation, so that they are page-locked once, at their exact size."""
+    offs, total = [], 0
+    for name, shape, dtype in want:
+        total = -(-total // _ALIGN) * _ALIGN
+        offs.append(total)
+        total += math.prod(shape) * dtype.itemsize
+    arena = torch.empty(max(total, 1), dtype=torch.uint8)
+    return arena, {name: arena[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                   for (name, shape, dtype), o in zip(want, offs)}
 
 
 def _noop(t):
     return t
-
-
-def _experts(ew: dict, h, rw, ridx, grouped, widen=None):
-    return experts(h, ew.get("w13"), ew.get("w2"), rw, ridx, grouped=grouped, packed=ew.get("packed"),
-                   quant=ew.get("quant"), widen=widen)

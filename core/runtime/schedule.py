@@ -236,12 +236,17 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
         if serial:
             for p in range(pages):
                 last = G.add("weight_page", i, page=p, deps=(last,) if last is not None else (), key=("weight_page", i, p))
-        weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or serial) else []
+        # this layer's pages when they are in the graph before its first use: always past layer 0; at
+        # layer 0 in S3, and in S4 with one layer (its "next layer" pages are this step's own)
+        weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or serial or L == 1) else []
         for j in range(n):
             chain = (last,) if serial and last is not None else ()
-            # KV rows of micro-batch j sit in one of two buffers by layer parity: layer i reuses
-            # layer i-2's, so its load waits until that layer's attention is done with it
-            reuse = (G.get("gpu_attn", i - 2, j),) if i >= 2 else ()
+            # micro-batch position p = i·n + j loads the CPU-held KV into ring buffer p mod 2: it
+            # reuses position p − 2's buffer, so it waits until that attention is done with it
+            back = divmod(i * n + j - 2, n)
+            reuse = (G.get("gpu_attn", *back),) if i * n + j >= 2 else ()
+            # at most two layers' new K/V of a micro-batch wait for the store
+            reuse += (G.get("kv_store", i - 2, j),) if i > 1 else ()
             kv = G.add("kv_load", i, j, deps=chain + reuse)
             if schedule == "cgopipe":
                 for p in slots[j]:
@@ -285,13 +290,18 @@ def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1
     for p in range(pages):
         G.add("weight_page", 0, page=p, key=("weight_page", 0, p))
     for i in range(L):
-        if i + 1 < L:
-            for p in range(pages):  # double buffer: layer i+1 overwrites layer i−1
+        # double buffer: layer i+1 overwrites layer i−1; after the last layer, the next decode step's
+        # layer 0 goes in, so that step does not load it synchronously (one layer: it is still there)
+        if L > 1:
+            nxt = (i + 1) % L
+            for p in range(pages):
                 free = (G.get("prefill", i - 1, n - 1),) if i > 0 else ()
-                G.add("weight_page", i + 1, page=p, deps=free, key=("weight_page", i + 1, p))
+                G.add("weight_page", nxt, page=p, deps=free, key=("weight_page", nxt, p) if nxt else ("next0", p))
         weights = _layer_pages(G, i, pages)
         for j in range(n):
-            a = G.add("prefill", i, j, deps=(*weights, *((G.get("prefill", i - 1, j),) if i > 0 else ())))
+            # and the store of two layers back: at most two layers' K/V of a micro-batch wait for the link
+            stored = (G.get("kv_store", i - 2, j),) if i > 1 else ()
+            a = G.add("prefill", i, j, deps=(*weights, *((G.get("prefill", i - 1, j),) if i > 0 else ()), *stored))
             G.add("kv_store", i, j, deps=(a,))
     return G.tasks
 

@@ -52,14 +52,18 @@ class Timeline:
         }
 
 
-def replay(tasks: list[Task], seconds: dict[str, float]) -> Timeline:
-    """Run `tasks` with `seconds[kind]` per task; kinds missing from `seconds` take no time."""
+def replay(tasks: list[Task], seconds: dict[str, float], host: dict[str, float] | None = None) -> Timeline:
+    """Run `tasks` with `seconds[kind]` per task; kinds missing from `seconds` take no time. `host[kind]`:
+    the host's time to launch a task, one task at a time in list order (the executor's threads share
+    one interpreter); a task cannot start before it is launched."""
     free = {r: 0.0 for r in RESOURCES}
     busy = {r: 0.0 for r in RESOURCES}
     end: list[float] = []
     spans = []
+    launched = 0.0
     for t in tasks:
-        start = max([free[t.resource], *(end[d] for d in t.deps)])
+        launched += host.get(t.kind, 0.0) if host else 0.0
+        start = max([free[t.resource], launched, *(end[d] for d in t.deps)])
         dur = seconds.get(t.kind, 0.0)
         end.append(start + dur)
         free[t.resource] = start + dur
@@ -84,7 +88,8 @@ def simulate_decode(model: ModelSpec, hardware: HardwareSpec, policy: Policy, co
                     schedule_name: str = "cgopipe") -> Timeline:
     """One decode step of `policy` at an average `context` (cached tokens) under the named schedule."""
     tasks = schedule.for_policy(policy, model.num_layers, schedule_name)
-    return replay(tasks, decode_costs(model, hardware, policy, context))
+    host = hrm.host_task_seconds(hrm.effective_rates(hardware)) if policy.ffn_on == "gpu" else None
+    return replay(tasks, decode_costs(model, hardware, policy, context), host)
 
 
 def simulate_prefill(model: ModelSpec, hardware: HardwareSpec, policy: Policy, prompt_len: float) -> Timeline:
@@ -92,4 +97,5 @@ def simulate_prefill(model: ModelSpec, hardware: HardwareSpec, policy: Policy, p
     tasks = schedule.prefill(num_layers=model.num_layers, num_micro_batches=policy.num_micro_batches,
                              pages_per_layer=policy.pages_per_layer, ffn_on=policy.ffn_on,
                              streamed=policy.gpu_weight_fraction < 1.0)
-    return replay(tasks, {k: c.seconds for k, c in costs.items()})
+    host = hrm.host_task_seconds(hrm.effective_rates(hardware)) if policy.ffn_on == "gpu" else None
+    return replay(tasks, {k: c.seconds for k, c in costs.items()}, host)

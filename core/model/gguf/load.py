@@ -167,7 +167,7 @@ def _tensor(g: GGUFModel, name: str) -> TensorRef:
 
 def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
                       pin: bool = False, progress: EventSink = ignore):
-    from core.model.weights import LayerLayout, LayerWeights, ModelWeights, _alloc
+    from core.model.weights import LayerLayout, LayerWeights, ModelWeights, _page_aligned
 
     dtype = dtype or spec.torch_dtype
     total = spec.num_layers + 1
@@ -176,17 +176,16 @@ def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | Non
     what = f"loading {g.name} ({spec.expert_format if spec.expert_format != 'none' else 'float'} experts)"
     progress(Progress(what, 1, total, "layers"))
     layouts: dict = {}
-    layers, pinned, scratch = [], pin, {}
+    layers, scratch = [], {}  # `pin` unused: the runtime page-locks what streams (ModelWeights.pin_streamed)
     names = set(g.tensors)
     for i in range(spec.num_layers):
         scheme = expert_scheme(g, spec, i)
         key = (scheme, spec.is_moe(i))
         layout = layouts.get(key) or layouts.setdefault(key, LayerLayout.for_spec(spec, i, scheme, dtype))
-        flat, ok = _alloc(layout.numel, layout.storage_dtype or dtype, pinned, progress)
-        pinned = pinned and ok
+        flat = _page_aligned(layout.numel, layout.storage_dtype or dtype)
         lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
         fill_dense(g, arch.dense_places(spec, i, names), lw.dense())
         fill_experts(g, spec, i, scheme, lw.tensors)
         layers.append(lw)
         progress(Progress(what, i + 2, total, "layers"))
-    return ModelWeights(spec, layers, globals_, dtype, pinned)
+    return ModelWeights(spec, layers, globals_, dtype)

@@ -1,0 +1,321 @@
+"""The accelerator as the runtime sees it: one small interface, three implementations.
+
+The CUDA executor and the pipeline reach the device only through a `Device`: streams, events,
+launching work onto a stream, copies, allocation, pinned host memory, memory figures and
+synchronisation. So the same executor and pipeline code runs on
+- `CudaDevice`: torch.cuda, a thin mapping and nothing else (the only code CI cannot run);
+- `core.runtime.device_emulated.EmulatedCuda`: the CPU playing a GPU — streams are worker threads
+  that run their queue later than the host enqueues it, copies land late, events record, wait and
+  time as CUDA's do, allocations count against a memory cap and raise torch's OutOfMemoryError;
+- `HostDevice`: the CPU as its own "device" (the CPU-only mode and the threaded executor): no
+  streams, copies are plain copies, nothing is pinned.
+
+Semantics every implementation keeps (the CUDA ones):
+- `launch(stream, fn)` enqueues `fn`'s device work on `stream` and returns; on CUDA `fn` runs on the
+  calling thread under `torch.cuda.stream(stream)`, in the emulation on the stream's own thread.
+- An event completes when its stream reaches the point where it was recorded; `stream.wait_event`
+  orders the stream after it without blocking the host; `event.synchronize()` blocks the host
+  (yielding the CPU for events made with `blocking=True`).
+- `copy(dst, src)` copies on the calling thread's current stream; with pinned host memory and
+  contiguous tensors it is one asynchronous transfer, otherwise it is staged through pageable
+  memory and blocks the host (the emulation counts those in `stats`).
+- An error raised by launched work surfaces at the next synchronisation on that stream as
+  `DeviceTaskError` (cause: the original exception, `label`: what was launched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable
+
+import torch
+
+PAGE = 4096  # bytes; host memory is registered (pinned) in whole pages
+
+
+class DeviceTaskError(RuntimeError):
+    """Work launched on a stream failed; raised where the host next synchronises with it."""
+
+    def __init__(self, label, cause: BaseException):
+        super().__init__(f"{label!r} failed on the device: {type(cause).__name__}: {cause}")
+        self.label = label
+        self.__cause__ = cause
+
+
+def device_index(spec: str | torch.device | int | None, current: Callable[[], int]) -> int:
+    """The index of a CUDA device spec: "cuda" and None mean the current device (torch.cuda.set_device
+    refuses an index-less torch.device("cuda"), which is why every worker needs the number)."""
+    if isinstance(spec, int):
+        return spec
+    d = torch.device(spec if spec is not None else "cuda")
+    if d.type != "cuda":
+        raise ValueError(f"not a CUDA device: {spec!r}")
+    return d.index if d.index is not None else current()
+
+
+class Device:
+    """The interface (see the module docstring); `HostDevice` below is its simplest implementation."""
+
+    kind = "cpu"  # "cpu" | "cuda" | "emulated"
+    accelerator = False  # False: the CPU is the device (no streams, no transfers)
+    torch_device = torch.device("cpu")  # where device tensors live
+    name = "CPU"
+    capability: tuple[int, int] | None = None
+    index = 0
+
+    # ---- threads and streams ----
+    def set_device(self) -> None:
+        """Make this device current on the calling thread (every worker thread calls it once)."""
+
+    def stream(self, name: str, compute: bool = False):
+        raise NotImplementedError(f"{self.name} has no streams")
+
+    def release_stream(self, stream) -> None:
+        pass
+
+    def current_stream(self):
+        raise NotImplementedError(f"{self.name} has no streams")
+
+    def event(self, timing: bool = False, blocking: bool = True):
+        raise NotImplementedError(f"{self.name} has no events")
+
+    def launch(self, stream, fn: Callable[[], None], label=None) -> None:
+        fn()
+
+    def host_wait(self, event, cancel: Callable[[], bool] | None = None) -> None:
+        """Block this host thread until `event` completes (raises DeviceTaskError for failed work)."""
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        """Wait for all work on the device; raise (once) the first error of launched work."""
+
+    # ---- memory ----
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.torch_device)
+
+    def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.torch_device)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A device tensor with `t`'s contents (the host tensor itself where the host is the device)."""
+        return t
+
+    def tensor(self, data, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Small host data (lists) as a device tensor, for per-step metadata."""
+        return self.to_device(torch.tensor(data, dtype=dtype))
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of a device tensor, once the work producing it is done (a sync point)."""
+        return t.clone()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
+        dst.copy_(src)
+
+    def pin(self, t: torch.Tensor) -> bool:
+        """Page-lock the memory of a contiguous host tensor at its exact size (no rounding); False when
+        it cannot be (then copies from it are staged). Undo with `unpin`."""
+        return False
+
+    def unpin(self, t: torch.Tensor) -> None:
+        pass
+
+    @property
+    def pinned_bytes(self) -> int:
+        return 0
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return False
+
+    def mem_get_info(self) -> tuple[int, int]:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+
+    def memory_allocated(self) -> int:
+        return 0
+
+    def max_memory_allocated(self) -> int:
+        return 0
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def compute(self):
+        """Context for device compute issued from a host thread outside any launch (embeddings, logits)."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+class _Done:
+    """The host device's stream and event: work is done when it returns, so there is nothing to wait for."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+class HostDevice(Device):
+    """The CPU as the device: the CPU-only mode and the threaded executor's real copies."""
+
+    def current_stream(self):
+        return _Done()
+
+    def event(self, timing: bool = False, blocking: bool = True):
+        return _Done()
+
+
+class CudaDevice(Device):
+    """torch.cuda behind the Device interface. Deliberately thin: its logic is exercised in CI through
+    the emulation, which implements the same methods with the same semantics."""
+
+    kind = "cuda"
+    accelerator = True
+
+    def __init__(self, device: str | torch.device | int | None = None):
+        self.index = device_index(device, torch.cuda.current_device)
+        self.torch_device = torch.device("cuda", self.index)
+        self.name = torch.cuda.get_device_name(self.index)
+        self.capability = tuple(torch.cuda.get_device_capability(self.index))
+        self._pins: dict[int, int] = {}  # registered base address -> bytes
+        self._lock = threading.Lock()
+
+    def set_device(self) -> None:
+        torch.cuda.set_device(self.index)
+
+    def stream(self, name: str, compute: bool = False):
+        return torch.cuda.Stream(device=self.torch_device)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.torch_device)
+
+    def event(self, timing: bool = False, blocking: bool = True):
+        # blocking: a host thread waiting on it sleeps instead of spinning a core (cudaEventBlockingSync)
+        return torch.cuda.Event(enable_timing=timing, blocking=blocking)
+
+    def launch(self, stream, fn, label=None) -> None:
+        with torch.cuda.stream(stream):
+            fn()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    def empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=self.torch_device)
+
+    def zeros(self, shape, dtype):
+        return torch.zeros(shape, dtype=dtype, device=self.torch_device)
+
+    def to_device(self, t):
+        return t.to(self.torch_device)
+
+    def to_host(self, t):
+        return t.cpu()
+
+    def copy(self, dst, src, non_blocking=True) -> None:
+        dst.copy_(src, non_blocking=non_blocking)
+        stream = torch.cuda.current_stream(self.torch_device)
+        for t in (src, dst):  # keep the caching allocator from reusing it before this stream is past the copy
+            if t.is_cuda:
+                t.record_stream(stream)
+
+    def pin(self, t) -> bool:
+        """cudaHostRegister over exactly the tensor's pages: torch's pinned allocator would round every
+        buffer up to a power of two (a 2.9 GB layer would lock 4 GiB)."""
+        if not t.is_contiguous() or t.numel() == 0:
+            return False
+        start = t.data_ptr() // PAGE * PAGE
+        end = -(-(t.data_ptr() + t.numel() * t.element_size()) // PAGE) * PAGE
+        with self._lock:
+            if start in self._pins:
+                return True
+            err = torch.cuda.cudart().cudaHostRegister(start, end - start, 0)
+            if int(err) != 0:
+                return False
+            self._pins[start] = end - start
+        return True
+
+    def unpin(self, t) -> None:
+        start = t.data_ptr() // PAGE * PAGE
+        with self._lock:
+            if self._pins.pop(start, None) is not None:
+                torch.cuda.cudart().cudaHostUnregister(start)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self._pins.values())
+
+    def is_pinned(self, t) -> bool:
+        return t.is_pinned()
+
+    def mem_get_info(self):
+        return torch.cuda.mem_get_info(self.index)
+
+    def memory_allocated(self):
+        return torch.cuda.memory_allocated(self.index)
+
+    def max_memory_allocated(self):
+        return torch.cuda.max_memory_allocated(self.index)
+
+    def reset_peak_memory_stats(self):
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+    def empty_cache(self):
+        torch.cuda.empty_cache()
+
+
+DEVICE_KINDS = ("cpu", "cuda", "emulated")
+
+
+def default_device_kind() -> str:
+    """$MLIGHT_DEVICE (cpu | cuda | emulated) if set — the test suite sets cpu so that nothing runs on
+    a GPU by accident — else CUDA when torch sees one, else the CPU."""
+    import os
+
+    env = os.environ.get("MLIGHT_DEVICE", "").strip().lower()
+    if env:
+        return env
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(device: "str | torch.device | Device | None" = None) -> Device:
+    """A Device from a name ("cpu", "cuda", "cuda:1", "emulated") or None (default_device_kind())."""
+    if isinstance(device, Device):
+        return device
+    name = str(device) if device is not None else default_device_kind()
+    if name == "cpu":
+        return HostDevice()
+    if name == "emulated":
+        from core.runtime.device_emulated import EmulatedCuda
+
+        return EmulatedCuda()
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            from core.errors import UsageError
+
+            raise UsageError("CUDA was asked for but torch sees no CUDA GPU",
+                             "run on the CPU (omit --executor cuda), or install a CUDA build of torch")
+        return CudaDevice(name)
+    from core.errors import UsageError
+
+    raise UsageError(f"unknown device {name!r}", f"use one of {', '.join(DEVICE_KINDS)} (or cuda:N)")

@@ -1,0 +1,456 @@
+"""An emulated CUDA device on the CPU, so that the GPU path's own code runs in CI.
+
+What it reproduces of a GPU (see core.runtime.device for the contract):
+- Asynchrony: each stream is a worker thread that runs its queue in order, later than the host
+  enqueued it; `copy_delay` makes every copy land later still (a number of seconds, or a callable
+  returning one, for jitter). A host that reads a copy's destination before the copy's event
+  completes reads stale data, as on a GPU.
+- Events: record (on a stream, or at once from inside that stream's own work), wait (a stream
+  waits, the host does not), synchronize, query, elapsed_time (milliseconds, both must be done).
+  A host waiting on a non-blocking event spins a core as CUDA's default events do.
+- Errors: an exception in launched work is kept by its stream and raised, once, at the next host
+  synchronisation that covers it (`DeviceTaskError`, cause = the original exception).
+- Memory: allocations made through the device (`empty`, `zeros`, `to_device`, `tensor`) and every
+  tensor that device compute creates (ops run on a compute stream or inside `compute()`) count
+  against `memory_bytes`; going over raises torch.cuda.OutOfMemoryError, like the caching
+  allocator. Memory is released when the last view of it is gone. `max_memory_allocated` is the
+  peak of all of it: weights, buffers and transient activations.
+- Placement: compute on the device that reads a host tensor raises, as CUDA's "Expected all tensors
+  to be on the same device" does (0-dim scalars excepted).
+- Pinned memory: `pin` registers a host range at its exact size; copies whose host side is not
+  pinned, or that are not contiguous, are counted in `stats["staged_copies"]` (on a GPU they block
+  the host and go through a pageable bounce buffer).
+- Faults: `fault(point)` is called at "set_device", "launch", "wait_event", "host_wait", "copy" and
+  "alloc" and may raise, so tests can break each of them.
+It does not model bandwidth, kernel concurrency within a stream, or the caching allocator's reuse of
+a block across streams (CudaDevice.copy records the stream for that).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import queue
+import threading
+import time
+import weakref
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+from core.runtime.device import Device, DeviceTaskError, device_index
+
+GiB = 1 << 30
+
+
+class _Event:
+    def __init__(self, dev: "EmulatedCuda", timing: bool, blocking: bool):
+        self.dev, self.timing, self.blocking = dev, timing, blocking
+        self._cond = threading.Condition()
+        self._issued = 0  # records made
+        self._done = 0  # records completed
+        self.time: float | None = None
+        self.error = None  # (label, exception) of failed work before the record
+
+    def record(self, stream=None) -> None:
+        stream = stream if stream is not None else self.dev.current_stream()
+        with self._cond:
+            self._issued += 1
+            gen = self._issued
+        stream._record(self, gen)
+
+    def _complete(self, gen: int, error) -> None:
+        with self._cond:
+            if gen > self._done:
+                self._done, self.time, self.error = gen, time.perf_counter(), error
+            self._cond.notify_all()
+
+    def _wait_gen(self, gen: int, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._done >= gen, timeout)
+
+    def query(self) -> bool:
+        with self._cond:
+            return self._done >= self._issued
+
+    def synchronize(self) -> None:
+        self.dev._host_sync(self, None)
+
+    def wait(self, stream=None) -> None:
+        (stream if stream is not None else self.dev.current_stream()).wait_event(self)
+
+    def elapsed_time(self, end: "_Event") -> float:
+        if not (self.timing and end.timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.time is None or end.time is None or not (self.query() and end.query()):
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        return (end.time - self.time) * 1e3
+
+
+class _Stream:
+    """A queue of work run in order by one thread; `inline` streams run it on the caller at once."""
+
+    def __init__(self, dev: "EmulatedCuda", name: str, compute: bool, inline: bool = False):
+        self.dev, self.name, self.compute, self.inline = dev, name, compute, inline
+        self.error = None  # (label, exception): the first failure since the host last saw it
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._thread = None
+        if not inline:
+            self._thread = threading.Thread(target=self._loop, name=f"emulated-{name}", daemon=True)
+            self._thread.start()
+
+    def _own(self) -> bool:
+        return self.inline or threading.current_thread() is self._thread
+
+    def _put(self, item) -> None:
+        with self._idle:
+            self._pending += 1
+        self._q.put(item)
+
+    def _loop(self) -> None:
+        self.dev._tls.stream = self
+        mode = _Track(self.dev) if self.compute else contextlib.nullcontext()
+        with mode:
+            while True:
+                item = self._q.get()
+                if item is None:
+                    return
+                try:
+                    self._run(item)
+                finally:
+                    item = None  # drop the work's references (and through them its buffers) now
+                    with self._idle:
+                        self._pending -= 1
+                        self._idle.notify_all()
+
+    def _run(self, item) -> None:
+        kind, a, b = item
+        if kind == "fn":
+            self.dev._tls.label = b
+            try:
+                a()
+            except BaseException as e:  # noqa: BLE001 - kept for the host, as a GPU keeps a kernel's error
+                if self.error is None:
+                    self.error = (b, e)
+            finally:
+                self.dev._tls.label = None
+        elif kind == "record":
+            a._complete(b, self.error)
+        elif kind == "wait":
+            a._wait_gen(b)
+            if a.error is not None and self.error is None:
+                self.error = a.error
+
+    # ---- the CUDA stream API ----
+    def _record(self, event: _Event, gen: int) -> None:
+        if self._own():
+            event._complete(gen, self.error)
+        else:
+            self._put(("record", event, gen))
+
+    def wait_event(self, event: _Event) -> None:
+        self.dev._fault("wait_event")
+        with event._cond:
+            gen = event._issued
+        if gen == 0:
+            return  # never recorded: nothing to wait for, as in CUDA
+        if self._own():
+            event._wait_gen(gen)
+            if event.error is not None and self.error is None:
+                self.error = event.error
+        else:
+            self._put(("wait", event, gen))
+
+    def wait_stream(self, other: "_Stream") -> None:
+        ev = _Event(self.dev, False, True)
+        ev.record(other)
+        self.wait_event(ev)
+
+    def synchronize(self) -> None:
+        ev = _Event(self.dev, False, True)
+        ev.record(self)
+        self.dev._host_sync(ev, None)
+
+    def _drain(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout=5)
+
+
+class EmulatedCuda(Device):
+    kind = "emulated"
+    accelerator = True
+
+    def __init__(self, memory_bytes: int = 16 * GiB, *, device: str | int | None = "cuda", capability=(8, 9),
+                 name: str = "emulated GPU", copy_delay: float | Callable[[], float] = 0.0,
+                 strict: bool = True, pin_limit_bytes: int | None = None):
+        self.index = device_index(device, lambda: 0)
+        self.torch_device = torch.device("cpu")
+        self.name, self.capability = name, tuple(capability)
+        self.total = int(memory_bytes)
+        self.copy_delay = copy_delay
+        self.strict = strict  # placement check: device compute must not read host tensors
+        self.pin_limit_bytes = pin_limit_bytes  # like Windows' cap on page-locked memory
+        self.fault: Callable[[str], None] | None = None
+        self.stats: collections.Counter = collections.Counter()
+        self._lock = threading.RLock()  # re-entered when a finalizer releases memory during an allocation
+        self._blocks: dict[int, int] = {}  # storage address -> bytes, all live device memory
+        self.allocated = self.peak = 0
+        self.transient = self.peak_transient = 0  # what device compute made (activations), now / at the peak
+        self.peak_during = None
+        self.trace_peak, self.peak_blocks, self._transient_ptrs = False, [], set()
+        self._pins: dict[int, int] = {}  # host address -> bytes
+        self._tls = threading.local()
+        self._streams: list[_Stream] = []
+        self._inline = _Stream(self, "host", compute=False, inline=True)
+
+    # ---- threads and streams ----
+    def _fault(self, point: str) -> None:
+        if self.fault is not None:
+            self.fault(point)
+
+    def set_device(self) -> None:
+        self._fault("set_device")
+        device_index(self.index, lambda: 0)  # an int; refuses what torch.cuda.set_device refuses
+
+    def stream(self, name: str, compute: bool = False) -> _Stream:
+        s = _Stream(self, name, compute)
+        self._streams.append(s)
+        return s
+
+    def release_stream(self, stream: _Stream) -> None:
+        stream.close()
+        if stream in self._streams:
+            self._streams.remove(stream)
+
+    def current_stream(self) -> _Stream:
+        return getattr(self._tls, "stream", None) or self._inline
+
+    def event(self, timing: bool = False, blocking: bool = True) -> _Event:
+        self.stats["events_created"] += 1
+        return _Event(self, timing, blocking)
+
+    def launch(self, stream: _Stream, fn: Callable[[], None], label=None) -> None:
+        self._fault("launch")
+        if stream._own():
+            fn()
+        else:
+            stream._put(("fn", fn, label))
+
+    def host_wait(self, event: _Event, cancel: Callable[[], bool] | None = None) -> None:
+        self._host_sync(event, cancel)
+
+    def _host_sync(self, event: _Event, cancel) -> None:
+        self._fault("host_wait")
+        self.stats["host_syncs"] += 1
+        with event._cond:
+            gen = event._issued
+        if not event.blocking:  # CUDA's default: the waiting thread spins on a core
+            self.stats["spin_waits"] += 1
+            while not event._wait_gen(gen, 0):
+                if cancel is not None and cancel():
+                    return
+        else:
+            while not event._wait_gen(gen, 0.05):
+                if cancel is not None and cancel():
+                    return
+        if event.error is not None:
+            label, err = event.error
+            self._clear(event.error)
+            raise DeviceTaskError(label, err)
+
+    def _clear(self, error) -> None:
+        for s in [*self._streams, self._inline]:
+            if s.error is error:
+                s.error = None
+
+    def synchronize(self) -> None:
+        for s in list(self._streams):
+            s._drain()
+        errors = [s.error for s in [*self._streams, self._inline] if s.error is not None]
+        for s in [*self._streams, self._inline]:
+            s.error = None
+        if errors:
+            raise DeviceTaskError(*errors[0])
+
+    # ---- memory ----
+    def _account(self, t: torch.Tensor, transient: bool = False) -> torch.Tensor:
+        s = t.untyped_storage()
+        ptr, n = s.data_ptr(), s.nbytes()
+        if not n:
+            return t
+        with self._lock:
+            if ptr in self._blocks:
+                return t
+            self._blocks[ptr] = n
+            if transient:
+                self._transient_ptrs.add(ptr)
+            self.allocated += n
+            self.transient += n if transient else 0
+            over = self.allocated > self.total
+            if not over and self.allocated > self.peak:
+                self.peak, self.peak_transient = self.allocated, self.transient
+                self.peak_during = getattr(self._tls, "label", None)  # what was running (diagnostics)
+                if self.trace_peak:
+                    self.peak_blocks = sorted(n for p, n in self._blocks.items() if p in self._transient_ptrs)
+        weakref.finalize(s, self._release, ptr, n, transient)
+        if over:
+            free = self.total - (self.allocated - n)
+            self.stats["ooms"] += 1
+            raise torch.cuda.OutOfMemoryError(
+                f"CUDA out of memory (emulated). Tried to allocate {n / 2**20:.2f} MiB; {self.name} has "
+                f"{self.total / 2**20:.2f} MiB in total of which {max(0, free) / 2**20:.2f} MiB is free.")
+        return t
+
+    def _release(self, ptr: int, n: int, transient: bool) -> None:
+        with self._lock:
+            if self._blocks.get(ptr) == n:
+                del self._blocks[ptr]
+                self._transient_ptrs.discard(ptr)
+                self.allocated -= n
+                self.transient -= n if transient else 0
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self._blocks
+
+    def _new(self, make) -> torch.Tensor:
+        self._fault("alloc")
+        with _disable_current_modes():
+            t = make()
+        return self._account(t)
+
+    def empty(self, shape, dtype):
+        return self._new(lambda: torch.empty(shape, dtype=dtype))
+
+    def zeros(self, shape, dtype):
+        return self._new(lambda: torch.zeros(shape, dtype=dtype))
+
+    def to_device(self, t):
+        if self.is_device(t):
+            raise ValueError("to_device of a tensor already on the device")
+        return self._new(lambda: t.detach().clone(memory_format=torch.contiguous_format))
+
+    def to_host(self, t):
+        with _disable_current_modes():
+            return t.clone()
+
+    def copy(self, dst, src, non_blocking=True) -> None:
+        self._fault("copy")
+        host = [x for x in (dst, src) if not self.is_device(x)]
+        if self.strict and len(host) == 2:
+            raise RuntimeError("emulated device: copy between two host tensors through the device")
+        if host and not non_blocking:
+            self.stats["blocking_copies"] += 1  # asked for: setup-time uploads
+        elif any(not self.is_pinned(x) or not x.is_contiguous() for x in host):
+            # on a GPU: staged through a pageable bounce buffer, the host blocked behind the stream's queue
+            # (a strided *device* side only costs a device-side gather, which is fine)
+            self.stats["staged_copies"] += 1
+        delay = self.copy_delay() if callable(self.copy_delay) else self.copy_delay
+        if delay:
+            time.sleep(delay)
+        with _disable_current_modes():
+            dst.copy_(src)
+        self.stats["copies"] += 1
+
+    def pin(self, t) -> bool:
+        if not t.is_contiguous() or t.numel() == 0:
+            return False
+        n = t.numel() * t.element_size()
+        with self._lock:
+            if t.data_ptr() in self._pins:
+                return True
+            if self.pin_limit_bytes is not None and sum(self._pins.values()) + n > self.pin_limit_bytes:
+                return False
+            self._pins[t.data_ptr()] = n
+        return True
+
+    def unpin(self, t) -> None:
+        with self._lock:
+            self._pins.pop(t.data_ptr(), None)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self._pins.values())
+
+    def is_pinned(self, t) -> bool:
+        lo = t.data_ptr()
+        hi = lo + (t.numel() and (max((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1)) * t.element_size()
+        with self._lock:
+            return any(p <= lo and hi <= p + n for p, n in self._pins.items())
+
+    def mem_get_info(self):
+        return self.total - self.allocated, self.total
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def reset_peak_memory_stats(self):
+        self.peak, self.peak_transient = self.allocated, self.transient
+
+    def compute(self):
+        return _Track(self)
+
+    def close(self) -> None:
+        for s in list(self._streams):
+            self.release_stream(s)
+
+
+class _Track(TorchDispatchMode):
+    """Counts what device compute allocates, and refuses host tensors as its inputs."""
+
+    _depth = threading.local()
+
+    def __init__(self, dev: EmulatedCuda):
+        super().__init__()
+        self.dev = dev
+
+    def __enter__(self):
+        d = getattr(_Track._depth, "n", 0)
+        _Track._depth.n = d + 1
+        if d:  # already tracking on this thread
+            return self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _Track._depth.n -= 1
+        if _Track._depth.n:
+            return None
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        dev = self.dev
+        on_device = [a for a in flat_in if dev.is_device(a)]
+        host = [a for a in flat_in if a.dim() and not dev.is_device(a)]  # 0-dim CPU scalars are fine on CUDA
+        if on_device and host:
+            if func in _CROSS_DEVICE_OK:  # CUDA moves the host operand itself (a hidden transfer)
+                dev.stats["implicit_transfers"] += 1
+            elif dev.strict:
+                raise RuntimeError(
+                    f"Expected all tensors to be on the same device (emulated): {func} mixes device tensors "
+                    f"with a host tensor {tuple(host[0].shape)} {host[0].dtype}; move it with Device.to_device")
+        if func is torch.ops.aten._local_scalar_dense.default and on_device:
+            dev.stats["item_syncs"] += 1  # .item() on device data: a host sync on a GPU
+        out = func(*args, **kwargs)
+        if on_device or not flat_in:  # device compute (or a factory on the device): its new memory counts
+            inputs = {a.untyped_storage().data_ptr() for a in flat_in}
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    dev._account(t, transient=True)
+        return out
+
+
+_CROSS_DEVICE_OK = {torch.ops.aten.copy_.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default,
+                    torch.ops.aten.index_put.default, torch.ops.aten._index_put_impl_.default}

@@ -1,0 +1,280 @@
+"""The CUDA executor's own code, run over the emulated device: right tokens, no hang, no leak.
+
+`CudaExecutor` (setup, stream waits, event timing, failure handling) and the pipeline's device code
+run here exactly as on a GPU, over `EmulatedCuda`, whose streams run later than the host launches
+and whose copies land late. Tokens must equal transformers' for every family, schedule and paging;
+removing one copy's event wait must break them (the dependencies are load-bearing); a failure at a
+worker's setup, at a wait or in a task must come back as TaskFailed within seconds.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+from checkpoints import FAMILIES, hf_model
+from core.runtime import schedule as sched
+from core.runtime.cuda_executor import CudaExecutor, attention_threads
+from core.runtime.device_emulated import EmulatedCuda
+from core.runtime.engine import Engine, Request
+from core.runtime.executors import Stalled, TaskFailed, ThreadedExecutor
+
+PROMPTS = ["Hi", "Compose an engaging travel blog post about a recent trip to Hawaii.", "x y z",
+           "What is the capital of France? Answer in one word please, and explain.", "Draft an email.",
+           "Tell me a story about a cat"]
+MAX_NEW = (4, 6, 3, 5, 7, 4)
+MiB = 1 << 20
+
+
+def requests(n=6):
+    return [Request(id=f"r{i}", prompt=PROMPTS[i], max_new_tokens=MAX_NEW[i]) for i in range(n)]
+
+
+def tokens(engine, reqs=None, batch=4, micro=2):
+    return {r.id: r.output_token_ids for r in engine.generate(reqs or requests(), batch_size=batch,
+                                                               micro_batch_size=micro)}
+
+
+def emulated(jitter=0.0005, **kw):
+    rng = random.Random(0)
+    return EmulatedCuda(kw.pop("memory_bytes", 256 * MiB), copy_delay=lambda: rng.random() * jitter, **kw)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(checkpoint_factory):
+    """family -> {request id: transformers' greedy tokens}, each computed once."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            path = checkpoint_factory(family)
+            model = hf_model(path)
+            tok = Engine.load(path, device="cpu").tokenizer
+            out = {}
+            for r in requests():
+                ids = tok(r.prompt).input_ids
+                gen = model.generate(torch.tensor([ids]), max_new_tokens=r.max_new_tokens, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)
+                out[r.id] = gen[0, len(ids):].tolist()
+            cache[family] = out
+        return cache[family]
+
+    return get
+
+
+# paging: every expert streamed in one page; three pages with some experts resident on the device
+PAGINGS = {"streamed": dict(pages_per_layer=1, resident_experts=(0, 0)),
+           "paged+resident": dict(pages_per_layer=3, resident_experts=(1, 3))}
+
+
+@pytest.mark.parametrize("paging", PAGINGS)
+@pytest.mark.parametrize("schedule", ["cgopipe", "s3", "s4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_executor_on_the_emulated_device_matches_transformers(checkpoint_factory, hf_reference, family,
+                                                                     schedule, paging):
+    dev = emulated()
+    engine = Engine.load(checkpoint_factory(family), device=dev, executor="cuda", schedule=schedule, **PAGINGS[paging])
+    engine.eos_ids = set()
+    try:
+        assert tokens(engine) == hf_reference(family)
+    finally:
+        engine.close()
+    assert dev.stats["staged_copies"] == 0  # every transfer of a step was one asynchronous copy
+    assert dev.stats["spin_waits"] == 0  # host waits sleep (finding 14)
+
+
+@pytest.mark.parametrize("removed", ["host waits for D1", "gpu stream waits for D2"])
+def test_without_one_copy_event_wait_the_tokens_are_wrong(checkpoint_factory, hf_reference, monkeypatch, removed):
+    """Mutation: the waits are what make the late copies safe. Drop the CPU attention thread's wait on
+    its D1 copy, or the compute stream's wait on D2, and stale buffers are read."""
+    dev = EmulatedCuda(256 * MiB, copy_delay=0.002)
+    engine = Engine.load(checkpoint_factory("mixtral"), device=dev, executor="cuda", schedule="cgopipe",
+                         resident_experts=(0, 0))
+    engine.eos_ids = set()
+    ex = engine.executor()
+    if removed == "host waits for D1":
+        real = dev.host_wait
+        monkeypatch.setattr(dev, "host_wait", lambda ev, cancel=None: None if
+                            threading.current_thread().name == "mlight-cpu_attn" else real(ev, cancel))
+    else:
+        gpu = ex.streams["gpu"]
+        monkeypatch.setattr(gpu, "wait_event", lambda ev: None)
+    try:
+        assert tokens(engine) != hf_reference("mixtral")
+    finally:
+        engine.close()
+
+
+# ---- never hang: each failure point gives TaskFailed, quickly -----------------------------------------
+def graph():
+    return sched.decode_step("cgopipe", num_layers=2, num_micro_batches=2, pages_per_layer=2)
+
+
+def run_bounded(ex, tasks, fn, limit=20.0):
+    """ex.run in a thread, so that a hang fails the test instead of hanging it; (error, seconds)."""
+    out = {}
+
+    def target():
+        t0 = time.perf_counter()
+        try:
+            ex.run(tasks, fn)
+        except BaseException as e:  # noqa: BLE001
+            out["err"] = e
+        out["s"] = time.perf_counter() - t0
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    th.join(limit)
+    assert not th.is_alive(), f"the executor hung for {limit} s"
+    return out.get("err"), out["s"]
+
+
+def device_work(dev):
+    x = dev.to_device(torch.ones(8))
+
+    def fn(task):
+        if task.resource == "gpu":
+            (x * 2).sum()
+
+    return fn
+
+
+def test_a_worker_that_cannot_start_fails_the_step_with_its_cause():
+    dev = emulated()
+
+    def fault(point):
+        if point == "set_device" and threading.current_thread().name == "mlight-h2d":
+            raise RuntimeError("injected: no such device")
+
+    dev.fault = fault
+    ex = CudaExecutor(dev)
+    err, secs = run_bounded(ex, graph(), device_work(dev))
+    ex.close()
+    assert isinstance(err, TaskFailed) and "h2d worker could not start" in str(err)
+    assert "injected: no such device" in str(err.__cause__.__cause__) and secs < 5
+    err, secs = run_bounded(ex, graph(), device_work(dev))  # and it stays refused, at once
+    assert isinstance(err, TaskFailed) and secs < 1
+
+
+@pytest.mark.parametrize("point", ["wait_event", "host_wait"])
+def test_a_failing_wait_fails_the_step_with_its_cause(point):
+    dev = emulated()
+    fired = []
+
+    def fault(p):
+        if p == point and threading.current_thread().name.startswith("mlight-") and not fired:
+            fired.append(p)
+            raise RuntimeError(f"injected {p} failure")
+
+    dev.fault = fault
+    ex = CudaExecutor(dev)
+    err, secs = run_bounded(ex, graph(), device_work(dev))
+    assert fired and isinstance(err, TaskFailed) and f"injected {point}" in str(err.__cause__) and secs < 5
+    err, _ = run_bounded(ex, graph(), device_work(dev))  # the executor recovers for the next step
+    ex.close()
+    assert err is None
+
+
+def test_a_task_failing_on_the_device_fails_the_step_naming_it():
+    dev = emulated()
+    ex = CudaExecutor(dev)
+    work = device_work(dev)
+
+    def fn(task):
+        if task.kind == "post_attn" and task.layer == 1:
+            raise ValueError("injected task failure")  # on the emulated stream's thread, after launch
+        work(task)
+
+    err, secs = run_bounded(ex, graph(), fn)
+    ex.close()
+    assert isinstance(err, TaskFailed) and "post_attn layer=1" in str(err)
+    assert isinstance(err.__cause__, ValueError) and secs < 5
+
+
+def test_a_failing_dependency_wait_in_the_threaded_executor_fails_the_step(monkeypatch):
+    """Finding 2: the wait sat outside the worker's try; an error there killed the thread and hung run()."""
+    ex = ThreadedExecutor(("gpu", "cpu_attn", "h2d", "d2h"))
+    real = ThreadedExecutor._wait_deps
+
+    def wait(self, step, task):
+        if task.kind == "cpu_attn":
+            raise RuntimeError("injected wait failure")
+        return real(self, step, task)
+
+    monkeypatch.setattr(ThreadedExecutor, "_wait_deps", wait)
+    err, secs = run_bounded(ex, graph(), lambda t: None)
+    ex.close()
+    assert isinstance(err, TaskFailed) and "cpu_attn" in str(err) and secs < 5
+
+
+def test_a_stalled_step_fails_and_the_stuck_executor_says_so():
+    dev = emulated()
+    ex = CudaExecutor(dev, stall_seconds=0.5)
+    release = threading.Event()
+
+    def fn(task):
+        if task.kind == "cpu_attn":
+            release.wait(30)  # a host task that never returns
+
+    err, secs = run_bounded(ex, graph(), fn)
+    assert isinstance(err, TaskFailed) and isinstance(err.__cause__, Stalled) and secs < 5
+    err, secs = run_bounded(ex, graph(), fn)
+    release.set()
+    ex.close()
+    assert isinstance(err, TaskFailed) and "stuck" in str(err) and secs < 1
+
+
+# ---- what a step leaves behind ------------------------------------------------------------------------
+def test_timing_events_are_pooled_and_synced_once_per_stream():
+    """Finding 13: two fresh events per stream task per step, each synchronised, were thousands per step."""
+    dev = emulated()
+    ex = CudaExecutor(dev)
+    tasks = graph()
+    stream_tasks = sum(t.resource in ("gpu", "h2d", "d2h") for t in tasks)
+    host_waits = sum(1 for t in tasks if t.resource == "cpu_attn" for d in t.deps if tasks[d].resource != "cpu_attn")
+    for step in range(3):
+        syncs = dev.stats["host_syncs"]
+        busy = ex.run(tasks, device_work(dev))
+        assert dev.stats["host_syncs"] - syncs == 3 + host_waits  # one per stream, plus the attention's waits
+        assert busy["gpu"] > 0
+    ex.close()
+    assert dev.stats["events_created"] <= 2 * stream_tasks + 3 * 3  # the pool, plus wait_stream's markers
+
+
+def test_attention_leaves_a_core_to_the_threads_feeding_the_gpu():
+    assert [attention_threads(c) for c in (1, 2, 4, 16)] == [1, 1, 3, 15]
+
+
+@pytest.mark.parametrize("executor", ["threaded", "cuda"])
+def test_a_finished_generate_leaves_nothing_alive(checkpoint_factory, executor):
+    """Finding 3: workers kept the last step, and through it the runner and its device buffers, until
+    their next task; a second generate() then sat on top of the first one's memory."""
+    dev = emulated() if executor == "cuda" else "cpu"
+    engine = Engine.load(checkpoint_factory("qwen2_moe"), device=dev, executor=executor, schedule="cgopipe",
+                         resident_layers=0)
+    engine.eos_ids = set()
+    made = []
+    real = engine.runner
+
+    def spy(*a, **kw):
+        r = real(*a, **kw)
+        made.append(weakref.ref(r))
+        return r
+
+    engine.runner = spy
+    first = tokens(engine)
+    gc.collect()
+    assert made and all(r() is None for r in made), "a runner outlived its generate()"
+    if executor == "cuda":
+        peak = dev.max_memory_allocated()
+        assert dev.memory_allocated() == 0
+        dev.reset_peak_memory_stats()
+        assert tokens(engine) == first
+        assert dev.max_memory_allocated() == peak  # the second run peaks where the first did
+    engine.close()

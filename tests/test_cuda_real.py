@@ -1,0 +1,94 @@
+"""The CUDA subset: the same checks as the emulated-device tests, on a real GPU.
+
+Skipped unless pytest runs with `--cuda` on a machine with a CUDA GPU (tests/conftest.py); everything
+here also runs in CI over the emulated device (test_cuda_executor.py, test_gpu_memory.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from core.runtime.engine import Engine, Request
+from core.runtime.executors import TaskFailed
+
+pytestmark = pytest.mark.cuda
+
+PROMPTS = ["Hi", "Compose an engaging travel blog post about Hawaii.", "x y z", "What is 2+2? Explain.",
+           "Draft an email to a colleague.", "Tell me a story about a cat and a dog"]
+
+
+@pytest.fixture(autouse=True)
+def _gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+
+
+def tokens(engine, batch=4, micro=2):
+    reqs = [Request(id=str(i), prompt=p, max_new_tokens=5) for i, p in enumerate(PROMPTS)]
+    return {r.id: r.output_token_ids for r in engine.generate(reqs, batch_size=batch, micro_batch_size=micro)}
+
+
+@pytest.mark.parametrize("schedule", ["cgopipe", "s3", "s4"])
+def test_cuda_executor_matches_the_cpu_engine(checkpoint_factory, schedule):
+    path = checkpoint_factory("qwen2_moe")
+    want = tokens(Engine.load(path, device="cpu"))
+    engine = Engine.load(path, device="cuda", executor="cuda", schedule=schedule, pages_per_layer=2,
+                         resident_experts=(1, 3))
+    engine.eos_ids = set()
+    try:
+        assert tokens(engine) == want
+    finally:
+        engine.close()
+
+
+def test_a_failing_task_on_the_gpu_fails_the_step_quickly(checkpoint_factory):
+    engine = Engine.load(checkpoint_factory("mixtral"), device="cuda", executor="cuda", resident_layers=0)
+
+    def fault(task):
+        if task.kind == "ffn" and task.layer == 1:
+            raise ValueError("injected")
+
+    engine.fault = fault
+    out = {}
+
+    def run():
+        try:
+            tokens(engine)
+        except TaskFailed as e:
+            out["err"] = e
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(30)
+    engine.close()
+    assert not th.is_alive() and isinstance(out["err"].__cause__, ValueError) and time.monotonic() - t0 < 30
+
+
+def test_pinning_registers_exactly_what_streams(checkpoint_factory):
+    from core.runtime.device import CudaDevice
+
+    dev = CudaDevice("cuda")
+    engine = Engine.load(checkpoint_factory("mixtral"), device=dev, executor="cuda", resident_layers=0)
+    engine.eos_ids = set()
+    tokens(engine)
+    engine.close()
+    assert engine.weights.pinned
+    streamed = sum(v.numel() * v.element_size() for _, v in engine.weights.pins.values())
+    assert streamed <= dev.pinned_bytes <= streamed + 2 * 4096 * len(engine.weights.pins)  # whole pages, no more
+
+
+def test_two_runs_peak_where_one_does(checkpoint_factory):
+    engine = Engine.load(checkpoint_factory("mixtral"), device="cuda", executor="cuda", resident_layers=0)
+    engine.eos_ids = set()
+    torch.cuda.reset_peak_memory_stats()
+    tokens(engine)
+    first = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    tokens(engine)
+    engine.close()
+    assert torch.cuda.max_memory_allocated() <= first
