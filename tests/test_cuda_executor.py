@@ -278,3 +278,25 @@ def test_a_finished_generate_leaves_nothing_alive(checkpoint_factory, executor):
         assert tokens(engine) == first
         assert dev.max_memory_allocated() == peak  # the second run peaks where the first did
     engine.close()
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_experts_stream_and_stay_resident_in_part(tmp_path, quantize):
+    """Quantized pages carry their bytes; a layer's resident experts and its streamed ones are two parts of
+    the same QuantExperts computation: tokens equal the host's threaded run of the same quantized model."""
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint("mixtral", tmp_path / "q", hidden_size=64, intermediate_size=128, num_hidden_layers=3)
+    ref = Engine.load(path, device="cpu", executor="threaded", quantize=quantize, use_cache=False, resident_layers=0)
+    ref.eos_ids = set()
+    want = tokens(ref)
+    ref.close()
+    dev = emulated()
+    engine = Engine.load(path, device=dev, executor="cuda", quantize=quantize, use_cache=False,
+                         resident_experts=(1, 3, 4), pages_per_layer=2)
+    engine.eos_ids = set()
+    try:
+        assert tokens(engine) == want
+    finally:
+        engine.close()
+    assert dev.stats["staged_copies"] == 0

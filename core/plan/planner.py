@@ -174,8 +174,9 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     if kv_ring:
         host += [kv_ring // 4] * 4 + [mu * d.kv * d.dt] * 2  # per ring slot K and V; the KV store's K and V
     staging = sum(-(-x // ALIGN) * ALIGN for x in host if x)
-    cpu = {
-        "weights": d.total_bytes,  # the runtime keeps every weight in host memory; the GPU holds copies
+    cpu = {  # the runtime keeps every weight in host memory; the GPU holds copies
+        "non_expert_weights": d.nonexpert_bytes,
+        "experts": d.total_expert_bytes,
         "kv_cache": int((L - kv_gpu) * kv_layer),
         "pinned_staging": staging,
         "attention_workspace": cpu_attn_ws if not gpu_attn else 0,
@@ -666,10 +667,14 @@ def _shrink(p: Policy, m, hw, w, budget) -> Policy:
         over = validate(p, m, hw, w, budget)
         if not over:
             return p
-        if any(o.where == "gpu" for o in over) and p.gpu_weight_fraction > 0:
+        gpu_over = any(o.where == "gpu" for o in over)
+        if gpu_over and p.gpu_weight_fraction > 0:
             p = dataclasses.replace(p, gpu_weight_fraction=max(0.0, p.gpu_weight_fraction - step_w))
-        elif any(o.where == "gpu" for o in over) and p.gpu_kv_fraction > 0:
+        elif gpu_over and p.gpu_kv_fraction > 0:
             p = dataclasses.replace(p, gpu_kv_fraction=max(0.0, p.gpu_kv_fraction - step_c))
+        elif not gpu_over and p.attention_on == "gpu" and p.gpu_kv_fraction < 1:
+            # the host is over: whole layers of KV rounded back onto the CPU go to the GPU again
+            p = dataclasses.replace(p, gpu_kv_fraction=min(1.0, p.gpu_kv_fraction + step_c))
         else:
             break
     return p
