@@ -29,10 +29,11 @@ def _decode_steps(engine) -> list[tuple[StepDone, list]]:
     return steps
 
 
-@pytest.mark.parametrize("executor,schedule", [("sequential", None), ("threaded", "cgopipe"), ("threaded", "s4")])
+@pytest.mark.parametrize("executor,schedule", [("sequential", None), ("threaded", "cgopipe"), ("threaded", "s4"),
+                                               ("cuda", "cgopipe")])  # the CUDA executor's events, emulated GPU
 def test_every_task_of_a_decode_step_has_its_span(demo_model, executor, schedule):
     engine = Engine.load(demo_model, executor=executor, schedule=schedule, pages_per_layer=2,
-                         resident_layers=0 if schedule else None)
+                         resident_layers=0 if schedule else None, device="emulated" if executor == "cuda" else None)
     engine.eos_ids = set()
     try:
         steps = _decode_steps(engine)
