@@ -276,7 +276,9 @@ def test_a_finished_generate_leaves_nothing_alive(checkpoint_factory, executor):
         assert dev.memory_allocated() == 0
         dev.reset_peak_memory_stats()
         assert tokens(engine) == first
-        assert dev.max_memory_allocated() == peak  # the second run peaks where the first did
+        # the second run peaks where the first did (not on top of it); the streams' interleaving moves
+        # the peak by a few activations between runs
+        assert abs(dev.max_memory_allocated() - peak) <= 0.05 * peak
     engine.close()
 
 
