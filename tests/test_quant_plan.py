@@ -7,7 +7,7 @@ import json
 import pytest
 
 from core.errors import BudgetError
-from core.model.quant.formats import Format, quantized_spec
+from core.model.quant.formats import Format, quantized_spec, workspace_bytes
 from core.plan import hrm, planner
 from core.plan.hardware import preset
 from core.plan.presets import resolve_spec
@@ -39,7 +39,8 @@ def test_memory_and_link_shrink_with_the_format():
     for name in ("weight_double_buffer", "resident_experts"):
         assert g1[name] == pytest.approx(g0[name] * ratio, rel=1e-3)
     assert c1["experts"] == pytest.approx(c0["experts"] * ratio, rel=1e-3)
-    assert g0["dequant_scratch"] == 0 and g1["dequant_scratch"] == m.expert_params * 2
+    assert g0["dequant_scratch"] == 0
+    assert g1["dequant_scratch"] == m.expert_params * 2 + workspace_bytes(2 * m.expert_intermediate, m.hidden_size)
     r = hrm.effective_rates(hw)
     kw = dict(batch=256, micro_batch=64, expert_batch=64, attention_on="cpu", ffn_on="gpu", gpu_weight_fraction=0.0,
               gpu_kv_fraction=0.0, context=100, pages=4)
@@ -84,3 +85,40 @@ def test_plan_cli_prints_format_and_speedup(capsys):
                  "--quantize", "auto", "--cpu-mem", "64"]) == 0
     text = capsys.readouterr().out
     assert "experts in int8" in text and "least lossy" in text and "does not fit this budget" in text
+
+
+def test_cpu_int4_rate_is_the_probes_where_measured_else_the_share():
+    """The HRM's quantized-expert CPU rate: the probe's measured int4 kernel FLOP/s when the machine has
+    one (HardwareSpec.cpu_matmul["int4"]), else CPU_KERNEL_FLOPS × the matmul rate."""
+    import dataclasses
+
+    m = quantized_spec(resolve_spec("mixtral-8x7b"), Format("int4", 64))
+    hw = preset("t4")
+    kw = dict(batch=256, micro_batch=256, expert_batch=256, attention_on="cpu", ffn_on="cpu", gpu_weight_fraction=0.0,
+              gpu_kv_fraction=0.0, context=100)
+
+    def ffn(h):
+        r = hrm.effective_rates(h)
+        return r, hrm.decode_tasks(m, r, **kw)["ffn"].seconds
+
+    r0, t0 = ffn(hw)
+    assert r0.kernel_flops("int4") == pytest.approx(hrm.CPU_KERNEL_FLOPS["int4"] * r0.cpu_flops)
+    slow = 0.05 * r0.cpu_flops  # far below the fallback: the FFN turns compute-bound on the measured rate
+    r1, t1 = ffn(dataclasses.replace(hw, cpu_matmul={"int4": slow}))
+    r2, t2 = ffn(dataclasses.replace(hw, cpu_matmul={"int4": slow / 2}))
+    assert r1.kernel_flops("int4") == slow and t1 > t0
+    assert t2 - 3 * hrm.CPU_LAUNCH == pytest.approx(2 * (t1 - 3 * hrm.CPU_LAUNCH), rel=1e-6)
+
+
+def test_probe_measures_the_quantized_kernels(monkeypatch):
+    import torch
+
+    from core.model.quant import experts
+    from core.plan.hardware import CPU_MATMUL_PROBES
+
+    small = experts.kernel_probe
+    monkeypatch.setattr(experts, "kernel_probe", lambda name: small(name, rows=16, n=256, k=256))
+    for name in ("int8", "int4"):
+        assert CPU_MATMUL_PROBES[name](0.0) > 1e7  # FLOP/s of one timed call: any CPU does 0.01 GFLOP/s
+        run, flops = small(name, rows=4, n=64, k=128)
+        assert run().shape == (4, 64) and run().dtype == torch.bfloat16 and flops == 2 * 4 * 64 * 128

@@ -437,6 +437,22 @@ def _matmul_rate(dtype_name: str):
 CPU_MATMUL_PROBES = {name: _matmul_rate(name) for name in ("float32", "bfloat16", "float16")}
 
 
+def _quant_rate(name: str):
+    """torch's weight-only CPU kernel for quantized experts (`name`: int8, int4) at 64 rows, as the engine
+    runs it (core.model.quant.experts.kernel_probe): the HRM's rate for quantized experts on the CPU."""
+
+    def run(seconds: float) -> float:
+        from core.model.quant.experts import kernel_probe
+
+        fn, flops = kernel_probe(name)
+        return flops / _best(fn, seconds)
+
+    return run
+
+
+CPU_MATMUL_PROBES.update({name: _quant_rate(name) for name in ("int8", "int4")})
+
+
 def _measure(hw: HardwareSpec, seconds: float) -> dict:
     """CPU matmul FLOP/s per dtype and memory read bandwidth, the instruction set; with CUDA, GPU
     matmul, GPU memory, pinned H2D/D2H."""

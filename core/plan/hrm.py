@@ -13,6 +13,7 @@ from functools import lru_cache
 
 from core.plan.hardware import HardwareSpec
 from core.plan.mixer_costs import MixerCost, mixer_costs
+from core.model.quant.formats import workspace_bytes
 from core.model.spec import ModelSpec
 
 # Achieved fraction of a datasheet peak, for rates not measured on the machine (HardwareSpec.measured).
@@ -27,7 +28,7 @@ GPU_LAUNCH = 10e-6
 # Share of the CPU's matmul rate that torch's weight-only kernels reach on quantized experts once
 # several tokens share an expert (they expand each weight in registers): ≈ 170 GFLOP/s a Zen 5 core at
 # 16-64 rows for int4 and int8 against ≈ 380 for oneDNN's bf16 GEMM (bench/quant_cpu.py, RESULTS.md).
-# To be replaced by the probe's per-format rates.
+# Used only where the hardware probe has not measured the kernel itself (HardwareSpec.cpu_matmul["int4"]).
 CPU_KERNEL_FLOPS = {"int8": 0.45, "int4": 0.45}
 COPY_LAUNCH = 10e-6
 CPU_LAUNCH = 30e-6
@@ -63,6 +64,11 @@ class Rates:
     tp: int = 1  # tensor-parallel ranks summing their partial outputs (rates are then one rank's)
     cpu_costs: object = None  # core.plan.cpu_cost.CpuCosts measured on this machine for the CPU's math dtype
     task_seconds: float = TASK_SECONDS  # the executor's host cost per task
+    cpu_kernel_flops: tuple = ()  # (("int4", FLOP/s), ...): the probe's weight-only kernel rates, if measured
+
+    def kernel_flops(self, qkind: str) -> float:
+        """CPU FLOP/s of quantized experts of kind `qkind`: measured, else a share of the matmul rate."""
+        return dict(self.cpu_kernel_flops).get(qkind) or self.cpu_flops * CPU_KERNEL_FLOPS.get(qkind, 1.0)
 
 
 def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> Rates:
@@ -83,7 +89,8 @@ def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> R
             costs = pick(hw.cpu_costs[math], dims(model) if model is not None else None)
     return Rates(gpu_flops=rate("gpu_flops", True), gpu_bw=rate("gpu_bw", True), h2d_bw=rate("h2d_bw", True),
                  d2h_bw=rate("d2h_bw", True), cpu_flops=cpu_flops, cpu_bw=rate("cpu_bw", False),
-                 has_gpu=hw.has_gpu, cpu_costs=costs)
+                 has_gpu=hw.has_gpu, cpu_costs=costs,
+                 cpu_kernel_flops=tuple((k, hw.cpu_rate(k)) for k in CPU_KERNEL_FLOPS if hw.cpu_rate(k)))
 
 
 @dataclass(frozen=True)
@@ -157,7 +164,7 @@ class Dims:
     def new_token_bytes(self) -> float:
         """State bytes one decode token writes back, in the average layer."""
         return self.avg(lambda m: m.new_token_bytes(self.dt))
-    scratch: int = 0  # quantized experts: one expert expanded to the compute dtype where it runs
+    scratch: int = 0  # quantized experts: one expert expanded to the compute dtype where it runs + workspace
     qkind: str = "none"  # experts: none | int8 | int4 (CPU kernels) | blocks (GGUF/MXFP4: expanded everywhere)
 
 
@@ -169,8 +176,15 @@ def _dims(m: ModelSpec) -> Dims:
                 nonexpert_bytes=m.nonexpert_bytes, total_expert_bytes=m.total_expert_bytes, total_bytes=m.total_bytes,
                 kv_tok_layer=m.kv_bytes_per_token_layer, kv_tok=m.kv_bytes_per_token, mixers=mixer_costs(m),
                 moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate,
-                scratch=m.expert_params * m.dtype_bytes if m.expert_format != "none" else 0, qkind=_qkind(m.expert_format),
-                dtype=m.dtype)
+                scratch=_scratch(m), qkind=_qkind(m.expert_format), dtype=m.dtype)
+
+
+def _scratch(m: ModelSpec) -> int:
+    """Device bytes for expanding quantized experts: one expert in the compute dtype (the two matrices'
+    reused outputs) and the chunk workspace they are expanded through (core.model.quant.expand)."""
+    if m.expert_format == "none":
+        return 0
+    return m.expert_params * m.dtype_bytes + workspace_bytes(2 * m.expert_intermediate, m.hidden_size)
 
 
 def _qkind(expert_format: str) -> str:
@@ -389,7 +403,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
                 for k, v in secs.items()}
     fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
     ffn = moe_ffn(m, expert_batch, expand=m.qkind != "none" and (not cpu_only or m.qkind == "blocks"))
-    ffn_fl = fl * CPU_KERNEL_FLOPS.get(m.qkind, 1.0) if cpu_only else fl
+    ffn_fl = r.kernel_flops(m.qkind) if cpu_only else fl
     post = o_proj(m, micro_batch) + router(m, micro_batch) + shared_expert(m, micro_batch)
     # kernel launches: pre_attn 3 (norm, qkv, rope), post_attn 5 (o, norm, router, top-k, combine), ffn 3;
     # tensor parallel: post_attn and ffn each end in an all-reduce on the compute stream

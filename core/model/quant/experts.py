@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core.model.quant.blocks import decode
-from core.model.quant.formats import Format, dequantize
+from core.model.quant.expand import Workspace, expand_into
+from core.model.quant.formats import DEFAULT_INT4_GROUP, Format, quantize
 
 # Above this many tokens on one expert the CPU kernels lose to expand-then-matmul (bench/quant_cpu.py).
 KERNEL_ROWS = 16
@@ -78,7 +78,9 @@ class QuantExperts:
         self.scheme, self.parts, self.dtype = scheme, parts, dtype
         first = next(iter(parts.values()))
         self.num_experts, self._device = first.shape[0], first.device
-        self.scratch = {} if scratch is None else scratch  # shared by the layers of a model: one expert's worth
+        # shared by the layers of a model: one expert's expansion and its workspaces, per device
+        self.scratch = {} if scratch is None else scratch
+        self.workspace: Workspace = self.scratch.setdefault(("workspace", str(self._device)), Workspace(self._device))
         self.packed: dict[str, list] | None = None  # per matrix, per expert: the CPU kernel's layout
         self.kernel_rows = KERNEL_ROWS
         self._key = {m.name: f"{m.name}.{m.fmt.parts(m.n, m.k)[0].suffix}" for m in scheme.matrices}
@@ -113,17 +115,9 @@ class QuantExperts:
         return F.linear(x, self.expand(m, e))
 
     def expand(self, m: Matrix, e: int) -> torch.Tensor:
-        """Expert e's matrix m in the compute dtype, in a scratch buffer reused by every layer."""
-        key = (m.n, m.k, self.dtype, self._device)
-        buf = self.scratch.get(key)
-        if buf is None:
-            buf = self.scratch[key] = torch.empty((m.n, m.k), dtype=self.dtype, device=key[3])
-        parts = self.matrix_parts(m, e)
-        if m.fmt.name in ("int8", "int4"):
-            buf.copy_(dequantize(m.fmt, parts))
-        else:
-            buf.copy_(decode(m.fmt, parts))
-        return buf
+        """Expert e's matrix m in the compute dtype, in a buffer reused by every layer and step
+        (int8 and int4 allocate nothing once each shape has been seen: core.model.quant.expand)."""
+        return expand_into(self.workspace, m.fmt, self.matrix_parts(m, e), m.n, m.k, self.dtype)
 
     # ---- CPU kernels -----------------------------------------------------------------------------
     def pack_cpu(self) -> bool:
@@ -144,6 +138,19 @@ class QuantExperts:
                 kept[f"{m.name}.scale"] = self.parts[f"{m.name}.scale"].clone()
                 self.packed[m.name] = [(kept[f"{m.name}.q"][e], p[1]) for e, p in enumerate(self.packed[m.name])]
         self.parts = kept
+
+
+def kernel_probe(name: str, rows: int = 64, n: int = 2048, k: int = 1024, dtype: torch.dtype = torch.bfloat16):
+    """(run, flops): one call of torch's weight-only CPU kernel for `name` (int8, or int4 at the default
+    group) on `rows` tokens, as the engine calls it — what the hardware probe times for the planner.
+    RuntimeError where this torch or CPU has no such kernel."""
+    fmt = Format("int4", DEFAULT_INT4_GROUP) if name == "int4" else Format(name)
+    if not cpu_kernel_ok(fmt, n, k, dtype):
+        raise RuntimeError(f"this torch has no CPU {name} kernel for {dtype}")
+    g = torch.Generator().manual_seed(0)
+    packed = _kernel_pack(fmt, quantize(fmt, torch.randn(n, k, generator=g) / k ** 0.5), dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    return (lambda: _kernel_linear(fmt, x, packed)), 2.0 * rows * n * k
 
 
 def cpu_kernel_ok(fmt: Format, n: int, k: int, dtype: torch.dtype) -> bool:

@@ -25,6 +25,9 @@ DEFAULT_INT4_GROUP = 64
 # GGUF block formats decoded on the fly (kept as-is in RAM and on the wire): block size, bytes per block
 GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
                "MXFP4": (32, 17)}
+# Expanding a quantized matrix goes a chunk of rows at a time through a float32 workspace (expand.py)
+CHUNK_ELEMS_CPU = 1 << 18  # 1 MB: the expanded rows are read back from L2
+CHUNK_ELEMS_DEVICE = 1 << 23  # 32 MB: a Mixtral expert's up projection in 14 chunks of a few launches each
 _ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -88,6 +91,13 @@ class Format:
 
     def bits_per_weight(self, n: int, k: int) -> float:
         return 8 * self.nbytes(n, k) / (n * k)
+
+
+def workspace_bytes(n: int, k: int, chunk_elems: int = CHUNK_ELEMS_DEVICE) -> int:
+    """Bytes of expansion workspace beside the expanded matrix, for matrices of up to n·k weights: a
+    float32 chunk, its packed bytes, and its int4 scales and zeros (at the smallest group, 32)."""
+    e = min(n * k, chunk_elems)
+    return e * 4 + e // 2 + e // 32 * 2 * 4
 
 
 def parse_choice(quantize: str | None, group: int | None = None) -> Format | None:

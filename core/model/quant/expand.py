@@ -1,0 +1,113 @@
+"""One quantized matrix expanded into the compute dtype, in buffers made once and reused by every call.
+
+The device computes streamed quantized experts by expanding each one into a scratch buffer and
+multiplying there (and the CPU does the same for an int8 expert that many tokens chose, and for GGUF
+blocks). That runs per expert per layer per step, so for int8 and int4 nothing here allocates after
+the first call: the output buffer, the workspaces and even the scalar operands (a Python number
+becomes a fresh 0-dim tensor on every op) live in a `Workspace` shared by all layers of a model.
+
+The arithmetic is `formats.dequantize`'s, op for op in float32, so the result is bit for bit the
+reference's: rows are expanded a chunk at a time through a float32 workspace (small enough to stay
+in cache on the CPU, large enough on an accelerator that an expert takes a few launches), then
+rounded once into the output. GGUF and MXFP4 blocks go through `blocks.decode` a chunk at a time: their
+temporaries are allocated, but bounded by the chunk rather than the matrix.
+Legend: n = output rows, k = inputs, g = int4 group, r = rows in a chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.model.quant.blocks import decode
+from core.model.quant.formats import CHUNK_ELEMS_CPU, CHUNK_ELEMS_DEVICE, Format
+
+class Workspace:
+    """Buffers for expanding matrices, by role and shape, on one device: made on first use, then reused."""
+
+    def __init__(self, device, chunk_elems: int | None = None):
+        self.device = torch.device(device)
+        self.chunk_elems = chunk_elems or (CHUNK_ELEMS_CPU if self.device.type == "cpu" else CHUNK_ELEMS_DEVICE)
+        self._bufs: dict[tuple, torch.Tensor] = {}
+        self.allocations = 0  # buffers made so far (tests: stays put once every shape has been seen)
+
+    def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The output buffer of one shape (a whole expert matrix), kept for every later call."""
+        key = (role, shape, dtype)
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = torch.empty(shape, dtype=dtype, device=self.device)
+            self.allocations += 1
+        return buf
+
+    def chunk(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A view of one flat buffer per role, shared by every shape (grown only for a larger chunk)."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = self._bufs.get((role, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = self._bufs[(role, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
+            self.allocations += 1
+        return buf[:numel].view(shape)
+
+    def const(self, value, dtype: torch.dtype) -> torch.Tensor:
+        """A 0-dim tensor holding `value`: an operand that costs no allocation per op."""
+        key = ("const", value, dtype)
+        t = self._bufs.get(key)
+        if t is None:
+            t = self._bufs[key] = torch.tensor(value, dtype=dtype, device=self.device)
+            self.allocations += 1
+        return t
+
+    def rows(self, n: int, k: int) -> int:
+        return max(1, min(n, self.chunk_elems // k))
+
+
+def expand_into(ws: Workspace, fmt: Format, parts: dict[str, torch.Tensor], n: int, k: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The matrix `parts` stand for ([n, k], one expert) in `dtype`, in the workspace's output buffer."""
+    out = ws.get("out", (n, k), dtype)
+    rows = ws.rows(n, k)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        dst = out[r0:r1]
+        if fmt.name == "int8":
+            _int8(ws, parts, r0, r1, k, dst)
+        elif fmt.name == "int4":
+            _int4(ws, parts, r0, r1, k, fmt.group, dst)
+        else:
+            dst.copy_(decode(fmt, {s: t[r0:r1] for s, t in parts.items()}))
+    return out
+
+
+def _f32(ws: Workspace, dst: torch.Tensor, k: int) -> torch.Tensor:
+    """Where a chunk's float32 values are computed: `dst` itself when it is float32, else the workspace."""
+    if dst.dtype == torch.float32:
+        return dst
+    return ws.chunk("f32", (dst.shape[0], k), torch.float32)
+
+
+def _int8(ws, parts, r0, r1, k, dst):
+    w = _f32(ws, dst, k)
+    w.copy_(parts["q"][r0:r1])
+    w.mul_(parts["scale"][r0:r1, None])  # fp32 scale: same dtype, so no promoted copy of either side
+    if w is not dst:
+        dst.copy_(w)
+
+
+def _int4(ws, parts, r0, r1, k, g, dst):
+    r = r1 - r0
+    q = parts["q"][r0:r1]
+    nib = ws.chunk("u8", (r, k // 2), torch.uint8)
+    w = _f32(ws, dst, k)
+    pairs = w.view(r, k // 2, 2)
+    torch.bitwise_and(q, ws.const(15, torch.uint8), out=nib)
+    pairs[..., 0].copy_(nib)  # even k: low nibble
+    torch.bitwise_right_shift(q, ws.const(4, torch.uint8), out=nib)
+    pairs[..., 1].copy_(nib)
+    sz = ws.chunk("sz", (r, k // g, 2), torch.float32)
+    sz.copy_(parts["sz"][r0:r1])
+    groups = w.view(r, k // g, g)
+    groups.sub_(ws.const(8.0, torch.float32)).mul_(sz[..., 0:1]).add_(sz[..., 1:2])
+    if w is not dst:
+        dst.copy_(w)
