@@ -1,6 +1,6 @@
 """Mixtral- and Qwen3-MoE-shaped models run int8 and int4: in CPU mode (torch's weight-only kernels) and
-with the experts streamed as quantized pages to the device (which expands them), against transformers
-running the same dequantized weights; and the quantized cache."""
+on the emulated CUDA device with the experts streamed as quantized pages (which the device expands),
+against transformers running the same dequantized weights; and the quantized cache."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import torch
 
 from checkpoints import make_checkpoint
 from core.model.quant.formats import Format
+from core.runtime.device_emulated import EmulatedCuda
 from core.runtime.engine import Engine, Request
 from core.telemetry import Progress
 from quant_ref import dequantized_hf
 from test_engine_parity import PROMPTS
 
 FAMILIES = {"mixtral": {}, "qwen3_moe": {"moe_intermediate_size": 64}}  # int4 groups need I % 32 == 0
-MODES = {"cpu": {}, "streamed": dict(executor="threaded", schedule="cgopipe", resident_layers=0, pages_per_layer=3)}
+MODES = {"cpu": {}, "emulated-gpu": dict(executor="cuda", schedule="cgopipe", resident_layers=0, pages_per_layer=3)}
 
 
 @pytest.fixture(scope="module")
@@ -29,18 +30,30 @@ def ckpts(tmp_path_factory):
 def test_quantized_logits_match_transformers_on_the_dequantized_weights(family, mode, quant, ckpts):
     path = ckpts[family]
     fmt = Format("int8") if quant == "int8" else Format("int4", 32)
-    engine = Engine.load(path, quantize=quant, group_size=32, **MODES[mode])
+    dev = EmulatedCuda(256 << 20, copy_delay=0.0005) if mode != "cpu" else None
+    engine = Engine.load(path, quantize=quant, group_size=32, **MODES[mode], **({"device": dev} if dev else {}))
     assert engine.weights.scheme.label == fmt.label
     assert engine.weights.packed == (mode == "cpu")  # CPU mode prepacks for the kernels
     ref = dequantized_hf(path, fmt)
     prompts = [engine.prompt_token_ids(Request(id=str(i), prompt=p)) for i, p in enumerate(PROMPTS[:4])]
-    runner = engine.runner(slots=4, micro_batch_size=2, max_tokens=64)
+    runner = engine.runner(slots=4, micro_batch_size=2, max_tokens=max(map(len, prompts)) + 2)
     logits, _ = runner.prefill(prompts, [0, 1, 2, 3], [[0, 1], [2, 3]])
     nxt = logits.argmax(-1).tolist()
     step, _ = runner.decode([nxt[:2], nxt[2:]], [[0, 1], [2, 3]], [[len(p) for p in prompts[:2]],
                                                                      [len(p) for p in prompts[2:]]])
-    if mode == "streamed":
+    if dev is not None:
         assert runner.bytes["h2d"] >= 2 * engine.weights.layers[0].experts.numel()  # quantized pages crossed
+        assert dev.stats["copies"] and dev.stats["staged_copies"] == 0 and dev.stats["ooms"] == 0
+        # every layer's streamed experts expand through one workspace, whose buffers the next step reuses
+        workspaces = {id(v["quant"].workspace): v["quant"].workspace for half in runner.stream_views for v in half if v}
+        assert len(workspaces) == 1
+        (workspace,) = workspaces.values()
+        made = workspace.allocations
+        step = step.clone()  # the runner returns logits in a buffer the next step reuses
+        nxt2 = step.argmax(-1).tolist()
+        runner.decode([nxt2[:2], nxt2[2:]], [[0, 1], [2, 3]], [[len(p) + 1 for p in prompts[:2]],
+                                                               [len(p) + 1 for p in prompts[2:]]])
+        assert workspace.allocations == made
     engine.close()
     for i, p in enumerate(prompts):
         with torch.no_grad():
@@ -51,18 +64,23 @@ def test_quantized_logits_match_transformers_on_the_dequantized_weights(family, 
 
 
 def test_streamed_pages_carry_quantized_bytes(ckpts):
-    """The expert region of an int4 layer is ≈ 4.5/32 of its fp32 size, and that is what crosses per layer."""
+    """What crosses to the (emulated) GPU per decode step is the int4 experts' bytes: ≈ 5/32 of fp32's at group 32."""
+    from core.telemetry import StepDone
+
     path = ckpts["mixtral"]
-    plain = Engine.load(path, executor="threaded", resident_layers=0, pages_per_layer=2)
-    q = Engine.load(path, quantize="int4", group_size=32, executor="threaded", resident_layers=0, pages_per_layer=2)
     moved = {}
-    for name, e in (("fp32", plain), ("int4", q)):
+    for name, kw in (("fp32", {}), ("int4", dict(quantize="int4", group_size=32))):
+        e = Engine.load(path, device=EmulatedCuda(256 << 20), executor="cuda", resident_layers=0, pages_per_layer=2,
+                        **kw)
         e.eos_ids = set()
-        (r,) = e.generate([Request(id="a", prompt="Hello there", max_new_tokens=4)])
-        layer = e.weights.layers[0]
-        moved[name] = layer.experts.numel() * layer.experts.element_size()
+        steps = []
+        (r,) = e.generate([Request(id="a", prompt="Hello there", max_new_tokens=4)], on_event=steps.append)
+        moved[name] = [s.bytes_h2d for s in steps if isinstance(s, StepDone) and s.kind == "decode"]
         e.close()
-    assert moved["int4"] / moved["fp32"] == pytest.approx(5.0 / 32, rel=0.02)
+    assert len(moved["int4"]) == len(moved["fp32"]) == 3
+    # every expert streams each step; the rest (a token's activations) is a few hundred bytes
+    ratio = [q / f for q, f in zip(moved["int4"], moved["fp32"])]
+    assert all(r == pytest.approx(5.0 / 32, rel=0.05) for r in ratio), ratio
 
 
 def test_cache_is_written_once_then_read_back(ckpts, tmp_path, monkeypatch):

@@ -100,8 +100,11 @@ def test_q4_k_m_file_matches_transformers_reading_it(files):
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
                                                experts_implementation="eager", attn_implementation="eager").double()
     prompts, got = _matches(engine, ref)
-    # the same through quantized pages streamed to the (CPU-emulated) device, expanded there
-    streamed = Engine.load(path, dtype="float32", executor="threaded", resident_layers=0, pages_per_layer=3)
+    # the same through quantized pages streamed to the emulated GPU, expanded there
+    from core.runtime.device_emulated import EmulatedCuda
+
+    streamed = Engine.load(path, dtype="float32", device=EmulatedCuda(256 << 20), executor="cuda", resident_layers=0,
+                           pages_per_layer=3)
     assert _rel(_logits(streamed, prompts), got) < 1e-5
     streamed.close()
 
