@@ -117,8 +117,30 @@ def test_probe_measures_the_quantized_kernels(monkeypatch):
     from core.plan.hardware import CPU_MATMUL_PROBES
 
     small = experts.kernel_probe
-    monkeypatch.setattr(experts, "kernel_probe", lambda name: small(name, rows=16, n=256, k=256))
+    monkeypatch.setattr(experts, "kernel_probe", lambda name, rows: small(name, rows=rows, n=256, k=256))
+    for name in ("int8", "int4", "int8@1", "int4@1"):
+        assert CPU_MATMUL_PROBES[name](0.0) > 1e6  # FLOP/s of one timed call (a tiny one: call overhead rules)
     for name in ("int8", "int4"):
-        assert CPU_MATMUL_PROBES[name](0.0) > 1e7  # FLOP/s of one timed call: any CPU does 0.01 GFLOP/s
         run, flops = small(name, rows=4, n=64, k=128)
         assert run().shape == (4, 64) and run().dtype == torch.bfloat16 and flops == 2 * 4 * 64 * 128
+
+
+def test_one_row_rate_decides_batch_one_and_calibrated_costs_defer_to_it():
+    """At one token the kernel's cost is expanding every weight (its one-row rate, "int4@1"); a machine with
+    calibrated CPU costs (measured on its dtype's matmuls) still takes quantized experts from the kernels."""
+    import dataclasses
+
+    from core.plan.cpu_cost import CpuCosts
+
+    m = quantized_spec(resolve_spec("mixtral-8x7b"), Format("int4", 64))
+    base = hrm.effective_rates(preset("t4"))
+    kw = dict(batch=1, micro_batch=1, expert_batch=1, attention_on="cpu", ffn_on="cpu", gpu_weight_fraction=0.0,
+              gpu_kv_fraction=0.0, context=100)
+    slow = 1e-3 * base.cpu_flops  # far below any bandwidth bound: the kernel decides
+    costs = CpuCosts("bfloat16", flop_s=1e-12, weight_s=1e-12, call_s=1e-6, expert_weight_s=1e-12, task_s=1e-5)
+    for c in (None, costs):
+        t = [hrm.decode_tasks(m, dataclasses.replace(base, cpu_costs=c, cpu_kernel_flops=(("int4", 1e15), ("int4@1", x))),
+                              **kw)["ffn"].seconds for x in (slow, slow / 2)]
+        # halving the one-row rate adds one more pass over the two touched experts' weights, 2 FLOP each
+        extra = m.top_k * 2 * 3 * m.hidden_size * m.expert_intermediate / slow
+        assert t[1] - t[0] == pytest.approx(extra, rel=1e-3), c

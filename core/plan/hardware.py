@@ -437,20 +437,22 @@ def _matmul_rate(dtype_name: str):
 CPU_MATMUL_PROBES = {name: _matmul_rate(name) for name in ("float32", "bfloat16", "float16")}
 
 
-def _quant_rate(name: str):
-    """torch's weight-only CPU kernel for quantized experts (`name`: int8, int4) at 64 rows, as the engine
-    runs it (core.model.quant.experts.kernel_probe): the HRM's rate for quantized experts on the CPU."""
+def _quant_rate(name: str, rows: int):
+    """torch's weight-only CPU kernel for quantized experts (`name`: int8, int4) at `rows` rows, as the engine
+    runs it (core.model.quant.experts.kernel_probe): the HRM's rates for quantized experts on the CPU."""
 
     def run(seconds: float) -> float:
         from core.model.quant.experts import kernel_probe
 
-        fn, flops = kernel_probe(name)
+        fn, flops = kernel_probe(name, rows=rows)
         return flops / _best(fn, seconds)
 
     return run
 
 
-CPU_MATMUL_PROBES.update({name: _quant_rate(name) for name in ("int8", "int4")})
+# "int4": at 64 rows (FLOP-bound); "int4@1": one row, where expanding each weight is the cost
+CPU_MATMUL_PROBES.update({f"{name}{suffix}": _quant_rate(name, rows) for name in ("int8", "int4")
+                          for suffix, rows in (("", 64), ("@1", 1))})
 
 
 def _measure(hw: HardwareSpec, seconds: float) -> dict:

@@ -64,11 +64,21 @@ class Rates:
     tp: int = 1  # tensor-parallel ranks summing their partial outputs (rates are then one rank's)
     cpu_costs: object = None  # core.plan.cpu_cost.CpuCosts measured on this machine for the CPU's math dtype
     task_seconds: float = TASK_SECONDS  # the executor's host cost per task
-    cpu_kernel_flops: tuple = ()  # (("int4", FLOP/s), ...): the probe's weight-only kernel rates, if measured
+    # (("int4", FLOP/s), ("int4@1", FLOP/s), ...): the probe's weight-only kernel rates at 64 rows and at one
+    cpu_kernel_flops: tuple = ()
 
-    def kernel_flops(self, qkind: str) -> float:
-        """CPU FLOP/s of quantized experts of kind `qkind`: measured, else a share of the matmul rate."""
-        return dict(self.cpu_kernel_flops).get(qkind) or self.cpu_flops * CPU_KERNEL_FLOPS.get(qkind, 1.0)
+    def kernel_flops(self, qkind: str, rows: int | None = None) -> float:
+        """CPU FLOP/s of quantized experts of kind `qkind` (at 64 rows, or `rows=1`): measured, else a share
+        of the matmul rate (the one-row rate then falls back to the 64-row one)."""
+        rates = dict(self.cpu_kernel_flops)
+        if rows == 1 and rates.get(f"{qkind}@1"):
+            return rates[f"{qkind}@1"]
+        return rates.get(qkind) or self.cpu_flops * CPU_KERNEL_FLOPS.get(qkind, 1.0)
+
+    def kernel_seconds(self, qkind: str, rows: float, weights: float) -> float:
+        """One call of the CPU's weight-only kernel over `weights` weights with `rows` rows: it expands every
+        weight whatever the rows (its one-row rate bounds it below) and multiplies at its 64-row rate."""
+        return 2 * weights * max(rows / self.kernel_flops(qkind), 1 / self.kernel_flops(qkind, rows=1))
 
 
 def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> Rates:
@@ -90,7 +100,8 @@ def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> R
     return Rates(gpu_flops=rate("gpu_flops", True), gpu_bw=rate("gpu_bw", True), h2d_bw=rate("h2d_bw", True),
                  d2h_bw=rate("d2h_bw", True), cpu_flops=cpu_flops, cpu_bw=rate("cpu_bw", False),
                  has_gpu=hw.has_gpu, cpu_costs=costs,
-                 cpu_kernel_flops=tuple((k, hw.cpu_rate(k)) for k in CPU_KERNEL_FLOPS if hw.cpu_rate(k)))
+                 cpu_kernel_flops=tuple((k, hw.cpu_rate(k)) for q in CPU_KERNEL_FLOPS for k in (q, f"{q}@1")
+                                        if hw.cpu_rate(k)))
 
 
 @dataclass(frozen=True)
@@ -165,6 +176,7 @@ class Dims:
         """State bytes one decode token writes back, in the average layer."""
         return self.avg(lambda m: m.new_token_bytes(self.dt))
     scratch: int = 0  # quantized experts: one expert expanded to the compute dtype where it runs + workspace
+    expanded: int = 0  # bytes of one quantized expert expanded to the compute dtype (written, then read)
     qkind: str = "none"  # experts: none | int8 | int4 (CPU kernels) | blocks (GGUF/MXFP4: expanded everywhere)
 
 
@@ -176,7 +188,8 @@ def _dims(m: ModelSpec) -> Dims:
                 nonexpert_bytes=m.nonexpert_bytes, total_expert_bytes=m.total_expert_bytes, total_bytes=m.total_bytes,
                 kv_tok_layer=m.kv_bytes_per_token_layer, kv_tok=m.kv_bytes_per_token, mixers=mixer_costs(m),
                 moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate,
-                scratch=_scratch(m), qkind=_qkind(m.expert_format), dtype=m.dtype)
+                scratch=_scratch(m), qkind=_qkind(m.expert_format), dtype=m.dtype,
+                expanded=m.expert_params * m.dtype_bytes if m.expert_format != "none" else 0)
 
 
 def _scratch(m: ModelSpec) -> int:
@@ -234,8 +247,18 @@ def moe_ffn(m: "ModelSpec | Dims", t: float, expand: bool = False) -> Work:
     d = dims(m)
     touched = expected_experts(t, d.E, d.k)
     acts = t * d.k * (2 * d.D + 3 * d.I) * d.dt
-    read = touched * (d.expert_bytes + (2 * d.scratch if expand else 0))
+    read = touched * (d.expert_bytes + (2 * d.expanded if expand else 0))
     return Work(d.moe_frac * 6 * t * d.k * d.D * d.I, d.moe_frac * (read + acts))
+
+
+def quant_cpu_ffn(m: "ModelSpec | Dims", r: Rates, t: float) -> float:
+    """CPU seconds of the weight-only kernels over the routed experts of t tokens (int8/int4 experts in CPU
+    mode): each touched expert's two matrices, at the rows it gets on average (Rates.kernel_seconds)."""
+    d = dims(m)
+    touched = expected_experts(t, d.E, d.k)
+    if not touched:
+        return 0.0
+    return d.moe_frac * touched * r.kernel_seconds(d.qkind, t * d.k / touched, 3 * d.D * d.I)
 
 
 def shared_expert(m: "ModelSpec | Dims", t: float) -> Work:
@@ -399,6 +422,9 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         costs = r.cpu_costs.for_step(batch * max(context, row_tokens or 0.0) * m.kv_tok)
         secs = cpu_cost.decode_tasks(m, costs, micro_batch=micro_batch, expert_batch=expert_batch,
                                      context=context, row_tokens=row_tokens)
+        if m.qkind in CPU_KERNEL_FLOPS:  # calibrated on the dtype's matmuls: quantized experts run other kernels
+            secs["ffn"] = quant_cpu_ffn(m, r, expert_batch) + costs.elem_s * expert_batch * m.k * (3 * m.D + 3 * m.I) \
+                + costs.task_s
         return {k: TaskCost("cpu_attn" if k == "cpu_attn" else "gpu", v, n_eb if k == "ffn" else n_mb)
                 for k, v in secs.items()}
     fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
@@ -411,8 +437,9 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         "pre_attn": TaskCost("gpu", roofline_seconds(qkv_proj(m, micro_batch), fl, bw) + 3 * launch, n_mb),
         "post_attn": TaskCost("gpu", roofline_seconds(post, fl, bw) + 5 * launch + all_reduce_seconds(m, r, micro_batch),
                               n_mb),
-        "ffn": TaskCost("gpu", roofline_seconds(ffn, ffn_fl, bw) + 3 * launch + all_reduce_seconds(m, r, expert_batch),
-                        n_eb),
+        "ffn": TaskCost("gpu", (max(quant_cpu_ffn(m, r, expert_batch), ffn.bytes / bw) if cpu_only and m.qkind in
+                                CPU_KERNEL_FLOPS else roofline_seconds(ffn, ffn_fl, bw))
+                        + 3 * launch + all_reduce_seconds(m, r, expert_batch), n_eb),
     }
     attn = decode_attention(m, micro_batch, context)
     if cpu_only or attention_on == "cpu":
