@@ -154,3 +154,72 @@ def test_resolve_reads_presets_files_and_overrides_the_link(tmp_path):
     (tmp_path / "bad.json").write_text('{"name": "x"}')
     with pytest.raises(UsageError, match="not a hardware description"):
         hardware.resolve(str(tmp_path / "bad.json"))
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from core.plan.hardware import _write_json
+path, tag = Path(sys.argv[1]), sys.argv[2]
+for i in range(100):
+    _write_json(path, {"writer": tag, "i": i, "pad": "x" * 4000})
+"""
+
+
+def test_concurrent_probe_cache_writers_never_collide(tmp_path):
+    """Two data-parallel ranks probing at once (two processes), and two threads of one process: every
+    write lands whole, none fails, no temporary file is left behind."""
+    import os
+    import subprocess
+    import threading
+
+    path = tmp_path / "probe" / "v2-machine.json"
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), f"p{n}"], env={**os.environ, "PYTHONPATH": os.getcwd()})
+             for n in range(2)]
+    errors = []
+
+    def write(tag):
+        try:
+            for i in range(100):
+                hardware._write_json(path, {"writer": tag, "i": i, "pad": "x" * 4000})
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(f"t{n}",)) for n in range(2)]
+    for t in threads:
+        t.start()
+    seen = set()
+    while any(t.is_alive() for t in threads) or any(p.poll() is None for p in procs):
+        if path.is_file():
+            seen.add(json.loads(path.read_text(encoding="utf-8"))["writer"])  # never half a file
+    for t in threads:
+        t.join()
+    assert [p.wait() for p in procs] == [0, 0]
+    assert errors == []
+    assert json.loads(path.read_text(encoding="utf-8"))["i"] == 99
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert seen  # the reader did look while they wrote
+
+
+def test_probe_cache_is_replaced_while_windows_holds_it_open(monkeypatch, tmp_path):
+    """On Windows a reader holding the old file makes the rename fail for a moment; the write waits."""
+    import os
+
+    from core import platform as plat
+
+    monkeypatch.setattr(plat, "SYSTEM", "windows")
+    monkeypatch.setattr(plat, "_sleep", lambda s: None)
+    real, calls = os.replace, []
+
+    def busy_once(src, dst):
+        calls.append(dst)
+        if len(calls) == 1:
+            raise PermissionError(13, "The process cannot access the file because it is being used by another process")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", busy_once)
+    path = tmp_path / "probe.json"
+    path.write_text("{}")
+    hardware._write_json(path, {"rates": {"cpu_bw": 1.0}})
+    assert json.loads(path.read_text())["rates"] == {"cpu_bw": 1.0} and len(calls) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["probe.json"]

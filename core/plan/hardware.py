@@ -382,10 +382,21 @@ def cached_cpu_rates() -> dict[str, float] | None:
 
 
 def _write_json(path: Path, data: dict) -> None:
+    """Write `path` whole or not at all. Several writers may race (data-parallel ranks probing at once,
+    threads): each writes its own temporary file, and the last rename wins."""
+    import tempfile
+
+    from core.platform import replace
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    tmp.replace(path)  # atomic on POSIX and Windows: a reader never sees half a file
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=1))
+        replace(tmp, path)  # atomic: a reader never sees half a file; on Windows it waits out a reader
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 _CPU_EXTRA = ("cpu_isa", "cpu_isa_hw", "cpu_isa_limits", "cpu_matmul", "cpu_threads")
