@@ -87,8 +87,14 @@ def test_plan_command_shows_the_scaling_from_one_gpu(capsys):
     assert "tensor parallel   2 ranks" in out and "2 GPUs" in out and "× one GPU" in out
 
 
-def test_attention_that_cannot_be_split_keeps_a_state_copy_per_rank():
+def test_state_split_with_the_heads_except_mla_latents():
     from core.plan.parallel import state_copies
 
     assert state_copies(resolve_spec("mixtral-8x22b"), 4) == 1  # heads split: each rank caches its heads
     assert state_copies(resolve_spec("deepseek-v2-lite"), 2) == 2  # MLA's latent serves every head: replicated
+    mla = resolve_spec("deepseek-v3")
+    assert rank_model(mla, 4).num_heads == mla.num_heads // 4  # but its heads are split
+    assert rank_model(mla, 4).state_bytes(1000) == mla.state_bytes(1000)
+    hybrid = resolve_spec("qwen3-next-80b-a3b")  # linear-attention states go with their value heads
+    assert state_copies(hybrid, 2) == 1  # (2 ranks: its full-attention layers have 2 KV heads)
+    assert rank_model(hybrid, 2).state_bytes(1000) == hybrid.state_bytes(1000) / 2

@@ -158,3 +158,46 @@ def test_local_spec_is_what_the_rank_runs(checkpoint_factory):
     m = local_spec(spec, sh)
     assert m.q_size == spec.q_size // 2 and m.layer_shapes()["q_norm"] == (spec.q_size // 2,)  # OLMoE's full qk-norm
     assert m.num_experts == spec.num_experts and m.expert_intermediate == spec.expert_intermediate // 2
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v2", "deepseek_v3", "qwen3_next", "qwen3_5_moe"])
+def test_each_rank_holds_exactly_its_rows_of_every_tensor(family, checkpoint_factory):
+    """Rank r of 3 loads, through the memory map, the selected rows and columns of every layer tensor
+    of the whole model (MLA's per-head up-projections, linear attention's q/k/v/z/b/a rows and conv
+    channels, sinks, output-gate rows, expert and dense widths), and zeros for biases rank 0 adds."""
+    from core.model.weights import load_weights
+
+    path = checkpoint_factory(family)
+    spec = load_spec(path)
+    full = load_weights(path, spec)
+    kinds = set()
+    for rank in range(3):
+        shard = plan_shard(spec, rank, 3)
+        assert shard.split_attention
+        mine = load_weights(path, spec, shard=shard)
+        for i in range(spec.num_layers):
+            sel, zero = shard.selections(spec, i), shard.leader_only(spec, i)
+            kinds |= {n for n in sel if n in ("q", "q_b", "kv_b", "lin_in", "conv", "sinks")}
+            for name, t in mine.layers[i].tensors.items():
+                want = full.layers[i].tensors[name]
+                if name in sel:
+                    dim, keep = sel[name]
+                    want = want.index_select(dim, torch.tensor(keep))
+                if rank and name in zero:
+                    want = torch.zeros_like(want)
+                assert torch.equal(t, want), f"{family} rank {rank} layer {i} {name}"
+    expected = {"deepseek_v2": {"q", "kv_b"}, "deepseek_v3": {"q_b", "kv_b"}, "qwen3_next": {"lin_in", "conv"},
+                "qwen3_5_moe": {"lin_in", "conv"}, "gpt_oss": {"sinks"}}.get(family, set())
+    assert expected <= kinds
+
+
+def test_linear_attention_value_heads_take_the_key_heads_they_read(checkpoint_factory):
+    spec = load_spec(checkpoint_factory("qwen3_next"))  # 4 value heads reading 2 key heads
+    shards = [plan_shard(spec, r, 3) for r in range(3)]
+    assert [s.lin_v_heads for s in shards] == [(0, 1), (2,), (3,)]
+    assert [s.lin_k_heads for s in shards] == [(0,), (1,), (1,)]
+    local = [local_spec(spec, s) for s in shards]
+    assert [(m.linear.num_k_heads, m.linear.num_v_heads) for m in local] == [(1, 2), (1, 1), (1, 1)]
+    assert [m.layer_state(0).fixed_state_elems for m in local] == [2 * 16 * 16, 16 * 16, 16 * 16]
+    with pytest.raises(UsageError, match="4 linear-attention heads"):
+        plan_shard(spec, 0, 5)

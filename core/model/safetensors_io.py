@@ -134,6 +134,8 @@ class Checkpoint:
                     src = src.transpose(-1, -2)
                 if select is not None:
                     src = src[select]
+                if fit and narrow is not None and src.numel() != dest.numel():
+                    src, narrow = _fit_narrowed(src, dest.shape, narrow), None
                 if fit and src.numel() == dest.numel():
                     src = src.reshape(dest.shape)
                 if narrow is not None:
@@ -145,3 +147,17 @@ class Checkpoint:
             del src
         finally:
             mm.close()
+
+
+def _fit_narrowed(src: torch.Tensor, shape, narrow: tuple[int, int, int]) -> torch.Tensor:
+    """A selection `src` fitted to the whole destination piece (of which `shape` is the narrowed part),
+    then narrowed: e.g. Qwen3-Next's per-head [q | gate] rows, a tensor-parallel rank keeping some heads.
+    Where the piece's first dim merges src's first two, only the rows kept are gathered (no copy of
+    the whole selection, and the mapped pages of other ranks' rows are never read)."""
+    dim, start, length = narrow
+    if dim == 0 and src.dim() == len(shape) + 1 and tuple(src.shape[2:]) == tuple(shape[1:]):
+        rows = torch.arange(start, start + length)
+        return src[rows // src.shape[1], rows % src.shape[1]]
+    full = list(shape)
+    full[dim] = -1
+    return src.reshape(full).narrow(dim, start, length)

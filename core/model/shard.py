@@ -7,8 +7,13 @@ up to the number of heads works and the KV-cache math is the ordinary one.
 The MoE FFN is split along every expert's intermediate dimension (and the shared expert's), not by
 assigning whole experts: each rank streams exactly 1/size of every layer's expert bytes whatever the
 routing, and the straggler of each step is no slower than the others (bench/tp_split.py measured both).
-A family whose layer holds tensors this module does not know (attention sinks, latent attention)
-keeps its attention whole on every rank and splits only the experts.
+Latent attention (MLA) is split by heads too: a rank keeps its heads' rows of the query and KV
+up-projections (so the absorbed W_UK/W_UV are its heads') and their O-projection columns, and
+computes the shared latent itself, so every rank caches the whole latent (it serves all heads).
+Linear attention (Gated DeltaNet) is split by value heads, each with the key heads it reads (the
+same rule as query over KV heads), and so is its recurrent and conv state. A family whose layer
+holds tensors this module does not know keeps its attention whole on every rank and splits only
+the experts.
 
 A rank's model is an ordinary ModelSpec with fewer heads and a narrower intermediate size
 (`local_spec`), so the weights layout, KV cache and pipeline need no change; the partial outputs of
@@ -25,7 +30,9 @@ from core.errors import UsageError
 from core.model.spec import ModelSpec
 
 # canonical tensors this module knows how to split, or keeps whole (norms, routers, gates, biases)
-_ATTENTION = {"qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "sinks"}
+_ATTENTION = {"qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "sinks",
+              "q", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b",  # latent (MLA)
+              "lin_in", "conv", "dt_bias", "A_log", "gnorm", "lin_out"}  # linear (Gated DeltaNet)
 _KNOWN = _ATTENTION | {"ln1", "ln1_b", "ln2", "ln2_b", "router", "router_bias", "e_bias", "shared_w13", "shared_w2",
                       "shared_gate", "w13", "b13", "w2", "b2", "dense_w13", "dense_w2"}
 
@@ -48,6 +55,8 @@ class Shard:
     inter: tuple[int, int]  # [a, b) of each expert's intermediate dimension
     shared: tuple[int, int]  # [a, b) of the shared expert's
     dense: tuple[int, int] = (0, 0)  # [a, b) of a dense MLP layer's (DeepSeek's first layers)
+    lin_v_heads: tuple[int, ...] = ()  # linear attention: this rank's value heads
+    lin_k_heads: tuple[int, ...] = ()  # global key head of each local one (repeats as kv_heads does)
 
     def selections(self, spec: ModelSpec, layer: int = 0) -> dict[str, tuple[int, list[int]]]:
         """Layer `layer`'s canonical tensor -> (dim, full indices this rank keeps, in local order);
@@ -55,7 +64,16 @@ class Shard:
         hd, q, kv = spec.head_dim, spec.q_size, spec.kv_size
         names = spec.layer_shapes(layer)
         sel: dict[str, tuple[int, list[int]]] = {}
-        if self.split_attention:
+        if self.split_attention and spec.layer_type(layer) == "linear":
+            sel.update(self._linear(spec))
+        elif self.split_attention and spec.mla is not None:
+            m = spec.mla
+            rows = (0, [h * hd + t for h in self.q_heads for t in range(hd)])  # hd = dn + dr
+            sel["q_b" if m.q_lora_rank else "q"] = rows
+            up = m.qk_nope_dim + m.v_head_dim
+            sel["kv_b"] = (0, [h * up + t for h in self.q_heads for t in range(up)])
+            sel["o"] = (1, [h * m.v_head_dim + t for h in self.q_heads for t in range(m.v_head_dim)])
+        elif self.split_attention:
             qr = [h * hd + t for h in self.q_heads for t in range(hd)]
             kr = [g * hd + t for g in self.kv_heads for t in range(hd)]
             gate = [q + 2 * kv + r for r in qr] if spec.attn_gate else []  # Qwen3-Next's output gate rows
@@ -78,14 +96,27 @@ class Shard:
             sel["b13"] = (1, sel["w13"][1])
         return sel
 
+    def _linear(self, spec: ModelSpec) -> dict[str, tuple[int, list[int]]]:
+        """A linear-attention layer's rows: lin_in is [q, k, v, z, b, a], conv is [q, k, v]."""
+        la = spec.linear
+        kd, vd, Hv = la.key_dim, la.value_dim, la.num_v_heads
+        q = [g * la.k_head_dim + t for g in self.lin_k_heads for t in range(la.k_head_dim)]
+        v = [h * la.v_head_dim + t for h in self.lin_v_heads for t in range(la.v_head_dim)]
+        heads = list(self.lin_v_heads)
+        conv = q + [kd + r for r in q] + [2 * kd + r for r in v]
+        gates = [2 * kd + 2 * vd + h for h in heads] + [2 * kd + 2 * vd + Hv + h for h in heads]
+        return {"lin_in": (0, conv + [2 * kd + vd + r for r in v] + gates), "conv": (0, conv),
+                "dt_bias": (0, heads), "A_log": (0, heads), "lin_out": (1, v)}
+
     def leader_only(self, spec: ModelSpec, layer: int = 0) -> list[str]:
         """Biases added after a sum over the ranks: only rank 0 keeps them (the others hold zeros)."""
         names = spec.layer_shapes(layer)
         return [n for n in ("b2",) + (("o_bias",) if self.split_attention else ()) if n in names]
 
 
-def _kv_heads(spec: ModelSpec, q_heads: range) -> list[int]:
-    group = spec.num_heads // spec.num_kv_heads
+def _kv_heads(num_heads: int, num_kv_heads: int, q_heads: range) -> list[int]:
+    """The KV (key) heads a rank's query (value) heads read, one per local KV head."""
+    group = num_heads // num_kv_heads
     needed = [h // group for h in q_heads]
     uses = {g: needed.count(g) for g in needed}
     if len(set(uses.values())) == 1:
@@ -97,17 +128,19 @@ def plan_shard(spec: ModelSpec, rank: int, size: int) -> Shard:
     """Rank `rank`'s part of `spec` in a group of `size`; refuses a group larger than the model allows."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} outside a group of {size}")
+    linear = spec.linear if "linear" in spec.layer_types else None
     limit = min(spec.expert_intermediate, spec.num_heads, spec.shared_intermediate or spec.num_heads,
-                spec.dense_intermediate or spec.num_heads)
+                spec.dense_intermediate or spec.num_heads, linear.num_v_heads if linear else spec.num_heads)
     if size > limit:
+        heads = f"{spec.num_heads} attention heads" + (f", {linear.num_v_heads} linear-attention heads" if linear else "")
         raise UsageError(f"--tensor-parallel {size} is more than this model can be split into (at most {limit}: "
-                         f"{spec.num_heads} attention heads, expert width {spec.expert_intermediate})",
-                         f"use at most {limit} ranks")
+                         f"{heads}, expert width {spec.expert_intermediate})", f"use at most {limit} ranks")
     split = all(set(spec.layer_shapes(i)) <= _KNOWN for i in range(spec.num_layers))
     if split:
         qa, qb = chunk(spec.num_heads, size, rank)
-        kv = _kv_heads(spec, range(qa, qb))
-        seen = {g for r in range(rank) for g in _kv_heads(spec, range(*chunk(spec.num_heads, size, r)))}
+        kv = _kv_heads(spec.num_heads, spec.num_kv_heads, range(qa, qb))
+        seen = {g for r in range(rank)
+                for g in _kv_heads(spec.num_heads, spec.num_kv_heads, range(*chunk(spec.num_heads, size, r)))}
         owned, firsts = [], set()
         for g in kv:
             owned.append(g not in seen and g not in firsts)
@@ -117,8 +150,12 @@ def plan_shard(spec: ModelSpec, rank: int, size: int) -> Shard:
         q_heads, kv, owned = tuple(range(spec.num_heads)), list(range(spec.num_kv_heads)), [True] * spec.num_kv_heads
     shared = chunk(spec.shared_intermediate, size, rank) if spec.shared_intermediate else (0, 0)
     dense = chunk(spec.dense_intermediate, size, rank) if spec.dense_intermediate else (0, 0)
+    lin_v, lin_k = (), ()
+    if linear and split:
+        va, vb = chunk(linear.num_v_heads, size, rank)
+        lin_v, lin_k = tuple(range(va, vb)), tuple(_kv_heads(linear.num_v_heads, linear.num_k_heads, range(va, vb)))
     return Shard(rank, size, split, q_heads, tuple(kv), tuple(owned), chunk(spec.expert_intermediate, size, rank),
-                 shared, dense)
+                 shared, dense, lin_v, lin_k)
 
 
 def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
@@ -130,6 +167,9 @@ def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
         changes["dense_intermediate"] = shard.dense[1] - shard.dense[0]
     if shard.split_attention:
         changes.update(num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads))
+    if shard.lin_v_heads:
+        changes["linear"] = dataclasses.replace(spec.linear, num_v_heads=len(shard.lin_v_heads),
+                                                num_k_heads=len(shard.lin_k_heads))
     return dataclasses.replace(spec, **changes)
 
 

@@ -78,10 +78,11 @@ def rank_view(model: ModelSpec, hw: HardwareSpec, budget, ranks: int):
 
 def state_copies(model: ModelSpec, ranks: int) -> int:
     """How many copies of each sequence's attention state (KV, latent, linear state) `ranks` ranks keep:
-    one when heads are split, one per rank when the family's attention stays whole on every rank (MLA's
-    latent serves all heads; core.model.shard)."""
+    one when it is split with the heads (KV and linear-attention states), one per rank for MLA's latent
+    (it serves every head, so each rank caches all of it) and where a family's attention stays whole
+    on every rank (core.model.shard)."""
     if ranks == 1:
         return 1
     from core.model.shard import plan_shard
 
-    return 1 if plan_shard(model, 0, ranks).split_attention else ranks
+    return 1 if plan_shard(model, 0, ranks).split_attention and model.mla is None else ranks
