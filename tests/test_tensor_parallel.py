@@ -4,6 +4,7 @@ of it), so the price of starting ranks is paid once."""
 
 from __future__ import annotations
 
+import datetime
 import math
 
 import pytest
@@ -45,18 +46,84 @@ def _rank_main(rank: int, size: int, store: str, paths: dict, out) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
-    groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2])}
+    # a collective that waits this long has hung: the rank fails (and the test with it) instead of CI
+    wait = datetime.timedelta(seconds=120)
+    groups = {2: dist.new_group([0, 1], timeout=wait), 3: dist.new_group([0, 1, 2], timeout=wait)}
     got = {}
     try:
+        steps = _watch_collectives()
         for family, path in paths.items():
             for (k, name), kw in CONFIGS.items():
                 if rank < k:
                     got[(family, k, name)] = generate(path, TensorParallel(groups[k]), **kw)
+        got["collectives"] = steps
+        got["oom"] = _out_of_memory(rank, TensorParallel(groups[3]), paths)
         got["coord"] = _coordination(rank)
     except BaseException as e:  # noqa: BLE001 - reported to the test process
         got = e
     out.put((rank, got))
     dist.destroy_process_group()
+
+
+def _watch_collectives() -> list:
+    """Every step's all-reduces as issued, beside what `step_collectives` says the step issues (what a
+    rank out of memory drains): (issued, predicted) per step."""
+    from core.runtime.distributed.tensor_parallel import TensorParallel, step_collectives
+    from core.runtime.pipeline import PipelineRunner
+
+    steps, log = [], []
+    reduce, start, logits = TensorParallel.all_reduce, PipelineRunner._start_step, PipelineRunner._logits
+
+    def all_reduce(self, t):
+        log.append((tuple(t.shape), t.dtype))
+        return reduce(self, t)
+
+    def start_step(self, *a, **kw):
+        log.clear()
+        return start(self, *a, **kw)
+
+    def final(self, *a, **kw):  # the step's tasks are done, its micro-batches still there
+        if self.tp is not None:
+            steps.append((list(log), step_collectives(self)))
+        return logits(self, *a, **kw)
+
+    TensorParallel.all_reduce, PipelineRunner._start_step, PipelineRunner._logits = all_reduce, start_step, final
+    return steps
+
+
+def _out_of_memory(rank: int, tp, paths: dict) -> dict:
+    """Rank 1 runs out of memory once mid-decode (the plain chain: before an O-projection sum the others
+    wait in; CGOPipe: in CPU attention, on another thread); rank 2 runs out in every step (prefill)."""
+    from core.runtime.distributed.tensor_parallel import GroupOutOfMemory
+
+    seen = {}
+    for name, kw, where in (("chain", {}, "post_attn"), ("cgopipe", CONFIGS[(3, "cgopipe")], "cpu_attn")):
+        for case, who, when in (("once", 1, {3}), ("always", 2, None)):
+            engine = Engine.load(paths["olmoe" if name == "chain" else "mixtral"], tp=tp, **kw)
+            engine.eos_ids = set()
+            count = [0]
+
+            def fault(task, who=who, when=when, where=where):
+                if rank != who:
+                    return
+                if when is None and task.kind in (where, "prefill"):
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+                if when is not None and task.kind == where and task.layer == 1:
+                    count[0] += 1
+                    if count[0] in when:  # the second decode step's first micro-batch
+                        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+            engine.fault, warnings = fault, []
+            reqs = [Request(id=str(i), prompt=p, max_new_tokens=5 + i) for i, p in enumerate(PROMPTS)]
+            try:
+                out = {r.id: r.output_token_ids for r in engine.generate(
+                    reqs, batch_size=4, micro_batch_size=2, on_event=lambda ev: warnings.append(getattr(ev, "message", "")))}
+            except GroupOutOfMemory as e:
+                out = str(e)
+            finally:
+                engine.close()
+            seen[(name, case)] = (out, [w for w in warnings if w])
+    return seen
 
 
 def _coordination(rank: int) -> dict:
@@ -82,14 +149,14 @@ def tp_results(checkpoint_factory, tmp_path_factory):
 
     paths = {f: str(checkpoint_factory(f)) for f in FAMILIES}
     ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
+    out = ctx.Queue()
     store = str(tmp_path_factory.mktemp("tp") / "store")
     procs = [ctx.Process(target=_rank_main, args=(r, 3, store, paths, out), daemon=True) for r in range(3)]
     for p in procs:
         p.start()
     results = {}
     for _ in procs:
-        rank, got = out.get()
+        rank, got = out.get(timeout=900)  # a rank stuck anywhere fails the test instead of hanging CI
         if isinstance(got, BaseException):
             raise AssertionError(f"rank {rank} failed: {got!r}")
         results[rank] = got
@@ -104,6 +171,33 @@ def test_every_family_gives_one_process_tokens_on_2_and_3_ranks(family, tp_resul
     for k, name in CONFIGS:
         for rank in range(k):
             assert tp_results[rank][(family, k, name)] == want, f"{family}: {k} ranks ({name}), rank {rank}"
+
+
+def test_a_failed_step_drains_exactly_the_collectives_the_others_issue(tp_results):
+    """What `step_collectives` predicts for a step is what its tasks issued, every family and schedule,
+    prefill and decode (a rank out of memory issues the rest of this list with zeros)."""
+    for rank in range(3):
+        steps = tp_results[rank]["collectives"]
+        assert len(steps) > 100
+        for issued, predicted in steps:
+            assert issued == predicted
+
+
+def test_a_rank_out_of_memory_retries_with_the_group_or_all_stop(tp_results, checkpoint_factory):
+    """Rank 1 out of memory once: every rank goes on with the same halved batch and the tokens are one
+    process's; rank 2 out of memory at every step: the batch halves to one on every rank, then all stop
+    with one message naming it. No rank waits in a collective (the groups' 120 s timeout would fail it)."""
+    for name, family in (("chain", "olmoe"), ("cgopipe", "mixtral")):
+        want = generate(checkpoint_factory(family), **({} if name == "chain" else CONFIGS[(3, "cgopipe")]))
+        for rank in range(3):
+            out, warnings = tp_results[rank]["oom"][(name, "once")]
+            assert out == want, f"{name}: rank {rank}"
+            assert warnings == ["out of GPU memory; continuing with batch 2, micro-batch 2"]
+            out, warnings = tp_results[rank]["oom"][(name, "always")]
+            assert out == "rank 2 ran out of GPU memory with a batch of one request — give each rank more GPU " \
+                          "memory (more GPUs: --tensor-parallel), or shorten the prompts and --max-new-tokens"
+            assert warnings == ["out of GPU memory; continuing with batch 2, micro-batch 2",
+                                "out of GPU memory; continuing with batch 1, micro-batch 1"]
 
 
 def test_ranks_agree_on_one_error_and_collect_on_rank_0(tp_results):

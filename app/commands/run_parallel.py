@@ -192,7 +192,9 @@ class _Rank:
         except KeyboardInterrupt:
             status = "stopped"
         except MlightError as e:
-            if w.tp > 1:  # the group's other ranks wait in a collective for this one: leave, so that they see it
+            # the group's other ranks may wait in a collective for this one: leave, so that they see it
+            # (unless every rank of the group agreed on this error: then the run ends as for any other)
+            if w.tp > 1 and not getattr(e, "agreed", False):
                 raise
             status, error = "error", str(e)
         finally:

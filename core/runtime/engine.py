@@ -372,37 +372,45 @@ class Engine:
         active: list[_Seq] = []
         proc = psutil.Process()
         while waiting or active:
-            oom = False
+            new, failed_rank = None, -1  # out of memory: the batch to go on with, a rank that ran out
             try:
                 table = SlotTable(slots, mu)
                 runner = self.runner(slots, mu, max_tokens, on_event)
             except torch.cuda.OutOfMemoryError:  # this batch's buffers do not fit
-                if slots == 1 or self.tp is not None:
+                if slots == 1 and self.tp is None:
                     raise
-                oom = True
-            while not oom and (waiting or active):
+                runner, new = None, slots // 2
+            if self.tp is not None:  # the group's ranks all built their runners, or all retry alike
+                agreed = self.tp.tp.outcome(False, slots, slots if new is None else new)
+                new, failed_rank = (agreed.slots, agreed.failed_rank) if agreed.slots < slots else (None, -1)
+            while new is None and (waiting or active):
                 stop = should_stop is not None and should_stop()
-                if self.tp is not None:  # every rank of the group stops at the same step, or none does
-                    stop = self.tp.tp.any(stop)
-                if stop:
+                if stop and self.tp is None:  # tensor parallel: the group agrees on stopping after the step
                     return
                 self.threads.tick()
                 try:
-                    finished = self._step(runner, table, waiting, active, proc, on_event)
+                    finished = self._step(runner, table, waiting, active, proc, on_event, stop, slots)
+                except _GroupStop:  # every rank of the group stops at the same step
+                    return
+                except _GroupShrink as e:  # a rank ran out of memory: the batch the ranks agreed on
+                    new, failed_rank = e.slots, e.rank
+                    break
                 except TaskFailed as e:
-                    if not _is_oom(e) or slots == 1 or self.tp is not None:  # ranks cannot agree on a retry
+                    if not _is_oom(e) or slots == 1 or self.tp is not None:
                         raise
-                    oom = True
+                    new = slots // 2
                     break
                 yield from finished
-            if not oom:
+            if new is None:
                 return
-            # Out of device memory: restart the unfinished requests with half the batch. The failed
-            # step's runner (and the exception, whose traceback holds it) are gone before the next is
-            # built, so the retry has the device to itself.
+            if new < 1:  # tensor parallel: some rank cannot run even one request; every rank stops here
+                raise _give_up(failed_rank)
+            # Out of device memory: restart the unfinished requests with half the batch (tensor parallel:
+            # the batch the ranks agreed on). The failed step's runner (and the exception, whose traceback
+            # holds it) are gone before the next is built, so the retry has the device to itself.
             runner = table = None
             self._release_device()
-            slots, mu = max(1, slots // 2), max(1, min(mu, slots // 2))
+            slots, mu = new, max(1, min(mu, new))
             on_event(WarningEvent(f"out of GPU memory; continuing with batch {slots}, micro-batch {mu}"))
             for s in active:
                 s.reset()
@@ -416,7 +424,7 @@ class Engine:
         gc.collect()
         self.dev.empty_cache()
 
-    def _step(self, runner, table, waiting, active, proc, on_event) -> list[Result]:
+    def _step(self, runner, table, waiting, active, proc, on_event, stop=False, slots=0) -> list[Result]:
         """Admit and prefill waiting requests if slots are free, else decode one token for every active one."""
         admitted = []
         while waiting and table.free_slots():
@@ -430,20 +438,44 @@ class Engine:
             groups = _by_micro_batch(admitted, table)
             flat = [s for g in groups for s in g]
             index = {id(s): i for i, s in enumerate(flat)}
-            logits, busy = runner.prefill([s.prompt_ids for s in flat], [s.slot for s in flat],
-                                          [[index[id(s)] for s in g] for g in groups])
+            logits, busy = self._agreed(runner, stop, slots, lambda: runner.prefill(
+                [s.prompt_ids for s in flat], [s.slot for s in flat], [[index[id(s)] for s in g] for g in groups]))
             self._check_finite(logits)
             self._choose(flat, logits)
             on_event(self._step_event("prefill", sum(len(s.prompt_ids) for s in admitted), t0, busy, moved,
                                       runner, len(active), proc))
             return self._retire(active, table, on_event)
         groups = _by_micro_batch(active, table)
-        logits, busy = runner.decode([[s.out[-1] for s in g] for g in groups], [[s.slot for s in g] for g in groups],
-                                     [[s.next_position for s in g] for g in groups])
+        logits, busy = self._agreed(runner, stop, slots, lambda: runner.decode(
+            [[s.out[-1] for s in g] for g in groups], [[s.slot for s in g] for g in groups],
+            [[s.next_position for s in g] for g in groups]))
         self._check_finite(logits)
         self._choose([s for g in groups for s in g], logits)
         on_event(self._step_event("decode", len(active), t0, busy, moved, runner, len(active), proc))
         return self._retire(active, table, on_event)
+
+    def _agreed(self, runner, stop: bool, slots: int, compute):
+        """Run a step's compute; tensor parallel, agree with the group on its outcome before any of its
+        tokens is used: a rank out of memory drains the step's collectives and asks for half the batch."""
+        if self.tp is None:
+            return compute()
+        from core.runtime.distributed.tensor_parallel import step_collectives
+
+        tp, want, out = self.tp.tp, slots, None
+        start = tp.issued
+        try:
+            out = compute()
+        except (TaskFailed, torch.cuda.OutOfMemoryError) as e:
+            if not (isinstance(e, torch.cuda.OutOfMemoryError) or _is_oom(e)):
+                raise
+            tp.drain(step_collectives(runner)[tp.issued - start:])
+            want = slots // 2  # 0: not even one request fits
+        agreed = tp.outcome(stop, slots, want)
+        if agreed.stop:
+            raise _GroupStop
+        if agreed.slots < slots:
+            raise _GroupShrink(agreed.slots, agreed.failed_rank)
+        return out
 
     def _step_event(self, kind, tokens, t0, busy, moved, runner, active, proc) -> StepDone:
         gpu_mem = self.dev.memory_allocated()
@@ -569,6 +601,26 @@ def _check_fp16_range(weights: ModelWeights) -> None:
         if not torch.isfinite(t).all():
             raise ModelError(f"{name} has weights beyond float16's range (±65504), and this GPU computes "
                              "bf16 checkpoints in float16", "run with --dtype float32")
+
+
+class _GroupStop(Exception):
+    """Tensor parallel: the group agreed to stop after this step."""
+
+
+class _GroupShrink(Exception):
+    """Tensor parallel: a rank ran out of memory; the group agreed to go on with `slots` requests."""
+
+    def __init__(self, slots: int, rank: int):
+        super().__init__(slots, rank)
+        self.slots, self.rank = slots, rank
+
+
+def _give_up(rank: int):
+    from core.runtime.distributed.tensor_parallel import GroupOutOfMemory
+
+    return GroupOutOfMemory(f"rank {rank} ran out of GPU memory with a batch of one request",
+                            "give each rank more GPU memory (more GPUs: --tensor-parallel), or shorten the "
+                            "prompts and --max-new-tokens")
 
 
 def _is_oom(e: BaseException) -> bool:

@@ -4,12 +4,36 @@ Every rank of the group runs the same engine over its shard (core.model.shard) a
 graph, so it issues these calls in the same order: the pipeline's dense tasks all run on one
 resource's queue, in graph order. The group's first rank samples; the others take its tokens, so
 the ranks can never disagree about which requests finish (a disagreement would hang a collective).
+
+A step that fails on one rank only (out of GPU memory) must not leave the others waiting in a
+collective: the failing rank `drain`s the step, issuing the all-reduces it did not reach (zeros of
+the shapes the step graph gives, `step_collectives`), and then every rank learns the outcome from one
+small all-reduce after each step (`outcome`: stop, and the smallest batch any rank asks for), before
+any token of the step is used. So all ranks retry with the same smaller batch, or all stop together.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+from core.errors import MlightError
+
+
+class GroupOutOfMemory(MlightError):
+    """Every rank of a tensor-parallel group stops: one ran out of device memory with a batch of one.
+    Raised alike on every rank, after they agreed (no rank waits in a collective)."""
+
+    agreed = True
+
+
+@dataclass(frozen=True)
+class Outcome:
+    stop: bool  # some rank was asked to stop
+    slots: int  # the batch every rank continues with (smaller than now: some rank ran out of memory)
+    failed_rank: int  # a rank (of the job) that ran out of memory, or -1
 
 
 class TensorParallel:
@@ -21,6 +45,7 @@ class TensorParallel:
         self.size = dist.get_world_size(group)
         self.device = torch.device(device)  # where NCCL wants its tensors; the CPU for gloo
         self._src = dist.get_global_rank(group, 0)
+        self.issued = 0  # all-reduces issued so far (the step's are counted from its start)
 
     @property
     def leader(self) -> bool:
@@ -28,8 +53,24 @@ class TensorParallel:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the group, in place (partial O-projection or FFN outputs)."""
+        self.issued += 1  # counted as it starts: one in flight on another thread when a step fails is issued
         dist.all_reduce(t, group=self.group)
         return t
+
+    def drain(self, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Take part, with zeros, in the all-reduces of a step this rank could not finish, so the
+        others complete it (its results are thrown away once the ranks agree on the outcome)."""
+        for shape, dtype in shapes:
+            self.all_reduce(torch.zeros(shape, dtype=dtype, device=self.device))
+
+    def outcome(self, stop: bool, slots: int, want: int) -> Outcome:
+        """After each step, on every rank: `want` is the batch this rank can go on with (`slots` when it
+        did not run out of memory). One all-reduce of three numbers."""
+        failed = want < slots
+        t = torch.tensor([int(stop), dist.get_rank() + 1 if failed else 0, -want], dtype=torch.int64,
+                         device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # any stop, a failed rank, the least batch
+        return Outcome(bool(t[0]), int(-t[2]), int(t[1]) - 1)
 
     def tokens(self, toks: list[int]) -> list[int]:
         """The leader's sampled tokens, on every rank."""
@@ -78,3 +119,30 @@ class ShardOps:
 
     def ffn_out(self, t: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(t)
+
+
+def step_collectives(runner) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The all-reduces a PipelineRunner's current step issues, in order, as (shape, dtype): what each
+    dense task sums over the ranks (core.runtime.pipeline; tests check this list against a real step)."""
+    spec, D, dt = runner.spec, runner.spec.hidden_size, runner.w.math_dtype
+    norm = runner._full_norm is not None  # OLMoE: sums of squares [tokens, 2] in fp32 before the attention
+    attn = runner.tp.shard.split_attention  # else the attention output is whole on every rank: no sum
+    out = []
+    if runner._pre is not None:
+        tasks, _ = runner._graph("prefill", len(runner._pre))
+        for t in tasks:
+            if t.kind == "prefill":
+                T = sum(runner._pre[t.micro_batch].lens)
+                out += ([((T, 2), torch.float32)] if norm else []) + ([((T, D), dt)] if attn else []) + [((T, D), dt)]
+        return out
+    mbs = runner._step
+    tasks, _ = runner._graph("decode", len(mbs))
+    for t in tasks:
+        if t.kind == "pre_attn" and norm:
+            out.append(((mbs[t.micro_batch].B, 2), torch.float32))
+        elif t.kind == "post_attn" and attn:
+            out.append(((mbs[t.micro_batch].B, D), dt))
+        elif t.kind == "ffn":
+            g = runner._group_size(t)
+            out.append(((sum(m.B for m in mbs[t.micro_batch:t.micro_batch + g]), D), dt))
+    return out
