@@ -97,6 +97,7 @@ class Check:
         self.start = time.monotonic()
         self.deadline = self.start + args.deadline
         self.work = args.workdir or Path(tempfile.mkdtemp(prefix="mlight-gpu-check-"))
+        self.devices: list = []  # dry: every emulated GPU made, to read what is still allocated on them
         self.report = {"device": "emulated GPU (dry run)" if self.dry else torch.cuda.get_device_name(0),
                        "torch": torch.__version__, "dry_run": self.dry, "deadline_s": args.deadline,
                        "args": {k: str(v) for k, v in vars(args).items()}, "stages": {}}
@@ -109,7 +110,9 @@ class Check:
         if self.dry:
             from core.runtime.device_emulated import EmulatedCuda
 
-            return EmulatedCuda(cap_bytes or (1 << 34))
+            dev = EmulatedCuda(cap_bytes or (1 << 34))
+            self.devices.append(dev)
+            return dev
         return "cuda"
 
     def save(self, name: str, result: dict) -> None:
@@ -339,8 +342,8 @@ def hf_offload(c: Check, path: Path, cap_bytes: int, reqs, gen_len: int, until: 
 
 def gpu_bytes_in_use(c: Check) -> int:
     gc.collect()
-    if c.dry:
-        return 0  # every emulated device is the engine's own, gone with it
+    if c.dry:  # what the engines left allocated on their emulated GPUs (0 once every runner is gone)
+        return sum(d.memory_allocated() for d in c.devices)
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated()
 

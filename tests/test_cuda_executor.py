@@ -10,6 +10,7 @@ worker's setup, at a wait or in a task must come back as TaskFailed within secon
 from __future__ import annotations
 
 import gc
+import os
 import random
 import threading
 import time
@@ -19,8 +20,9 @@ import pytest
 import torch
 
 from checkpoints import FAMILIES, hf_model
+from core.model.cpu.threads import allowed_cores, split, worker_setup
 from core.runtime import schedule as sched
-from core.runtime.cuda_executor import CudaExecutor, attention_threads
+from core.runtime.cuda_executor import CudaExecutor
 from core.runtime.device_emulated import EmulatedCuda
 from core.runtime.engine import Engine, Request
 from core.runtime.executors import Stalled, TaskFailed, ThreadedExecutor
@@ -248,7 +250,24 @@ def test_timing_events_are_pooled_and_synced_once_per_stream():
 
 
 def test_attention_leaves_a_core_to_the_threads_feeding_the_gpu():
-    assert [attention_threads(c) for c in (1, 2, 4, 16)] == [1, 1, 3, 15]
+    """Finding 14, the cores: on a 4-vCPU T4 box the GPU's feeders get one core, attention three."""
+    assert [split(list(range(c)), "cuda") for c in (1, 2, 4)] == [([0], [0]), ([0], [1]), ([0], [1, 2, 3])]
+    assert worker_setup("cuda", cores=[0, 1, 2, 3]).threads == 3
+
+
+@pytest.mark.skipif(len(allowed_cores()) < 2 or not hasattr(os, "sched_setaffinity"),
+                    reason="needs two cores and per-thread affinity (Linux)")
+def test_the_cuda_executor_keeps_attention_off_the_cores_feeding_the_device(checkpoint_factory):
+    """The engine's thread governor would otherwise give torch every free core, attention's team included."""
+    engine = Engine.load(checkpoint_factory("mixtral"), device=emulated(), executor="cuda", resident_layers=0)
+    try:
+        tokens(engine)
+        pinned = engine._executor.placement.pinned
+        assert set(pinned) == {"gpu", "h2d", "d2h", "cpu_attn"} and pinned["h2d"] == pinned["gpu"]
+        assert not set(pinned["gpu"]) & set(pinned["cpu_attn"])
+        assert engine.threads.fixed == len(pinned["cpu_attn"])
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("executor", ["threaded", "cuda"])

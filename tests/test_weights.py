@@ -154,3 +154,57 @@ def test_layer_buffers_own_their_pages(checkpoint_factory):
         start, size = lw.flat.data_ptr(), lw.flat.numel() * lw.flat.element_size()
         assert start % 4096 == 0
         assert all(other.flat.data_ptr() // 4096 != (start + size - 1) // 4096 for other in w.layers if other is not lw)
+
+def _pinned_run(path, dev, reqs):
+    """Tokens, warnings and the page-locked bytes while the runner was alive."""
+    from core.runtime.engine import Engine
+    from core.telemetry import WarningEvent
+
+    engine = Engine.load(path, device=dev, executor="cuda", resident_layers=0)
+    held, real = [], engine.runner
+
+    def spy(*a, **kw):
+        r = real(*a, **kw)
+        held.append(dev.pinned_bytes)
+        return r
+
+    engine.runner = spy
+    events = []
+    got = [r.output_token_ids for r in engine.generate(reqs, on_event=events.append)]
+    engine.close()
+    return got, [e.message for e in events if isinstance(e, WarningEvent)], max(held)
+
+
+def test_pinned_memory_stays_within_the_systems_budget_and_a_refusal_falls_back(checkpoint_factory, monkeypatch):
+    """core.platform.pinned_budget: Windows (WDDM) lets a process page-lock half the RAM. Past the budget,
+    or when the OS refuses, the rest stays pageable, the run is still right and says so once."""
+    import types
+
+    import psutil
+
+    from core import platform
+    from core.runtime.device_emulated import EmulatedCuda
+    from core.runtime.engine import Engine, Request
+
+    path = checkpoint_factory("olmoe")
+    reqs = [Request(id=str(i), prompt=p, max_new_tokens=3) for i, p in enumerate(["Hello there", "x y"])]
+    want = [r.output_token_ids for r in Engine.load(path, device="cpu").generate(reqs)]
+    got, warned, everything = _pinned_run(path, EmulatedCuda(1 << 30), reqs)
+    assert got == want and not warned and everything > 0
+    with monkeypatch.context() as m:  # a Windows box whose RAM is what this run page-locks
+        m.setattr(platform, "SYSTEM", "windows")
+        m.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=everything, available=everything))
+        dev = EmulatedCuda(1 << 30)
+    assert dev.pin_limit_bytes == everything // 2
+    got, warned, held = _pinned_run(path, dev, reqs)
+    assert got == want and 0 < held <= everything // 2 and dev.stats["staged_copies"] > 0
+    assert len(warned) == 1 and "page-lock" in warned[0] and "lets a process page-lock" in warned[0]
+    dev = EmulatedCuda(1 << 30)  # Linux: no cap, but the OS refuses every registration
+
+    def refuse(point):
+        if point == "pin":
+            raise OSError("cudaErrorMemoryAllocation (injected)")
+
+    dev.fault = refuse
+    got, warned, held = _pinned_run(path, dev, reqs)
+    assert got == want and held == 0 and len(warned) == 1 and "refused" in warned[0]

@@ -52,25 +52,23 @@ class _CudaStep(_Step):
                 self.last_on[t.resource] = t.id
 
 
-def attention_threads(cores: int) -> int:
-    """Intra-op threads for CPU attention beside a GPU: all cores but one, which the threads feeding
-    the GPU need (an OpenMP team on every core oversubscribes a 4-vCPU cloud box)."""
-    return max(1, cores - 1)
-
-
 class CudaExecutor(ThreadedExecutor):
     name = "cuda"
 
-    def __init__(self, device: Device, *, stall_seconds: float = STALL_SECONDS, leave_a_core: bool = True):
+    def __init__(self, device: Device, *, stall_seconds: float = STALL_SECONDS, placement=None):
+        """`placement(resource)` runs on each worker first (core.model.cpu.threads.worker_setup: the threads
+        feeding the GPU on one core, CPU attention's OpenMP team on the others, rather than one team
+        spinning over every core of a 4-vCPU cloud box)."""
         self.dev = device
+        self.placement = placement
         self.streams = {r: device.stream(r, compute=r == "gpu") for r in STREAMS}
         self._pool = _EventPool(device)
-        if leave_a_core and device.kind == "cuda":
-            _leave_a_core()
         super().__init__(STREAMS + ("cpu_attn",), setup=self._setup, stall_seconds=stall_seconds)
 
     def _setup(self, resource: str) -> None:
         self.dev.set_device()
+        if self.placement is not None:
+            self.placement(resource)
 
     def _new_step(self, tasks, fn):
         step = _CudaStep(tasks, fn, self._pool)
@@ -135,16 +133,3 @@ class CudaExecutor(ThreadedExecutor):
         super().close()
         for s in self.streams.values():
             self.dev.release_stream(s)
-
-
-def _leave_a_core() -> None:
-    import torch
-
-    try:
-        import psutil
-
-        cores = psutil.cpu_count(logical=False) or torch.get_num_threads()
-    except Exception:  # noqa: BLE001 - psutil cannot always count cores (containers)
-        cores = torch.get_num_threads()
-    if torch.get_num_threads() >= cores:  # the default: the user did not choose (mlight run --threads)
-        torch.set_num_threads(attention_threads(cores))

@@ -34,6 +34,17 @@ import torch
 PAGE = 4096  # bytes; host memory is registered (pinned) in whole pages
 
 
+def pin_budget() -> int:
+    """Host bytes this process may page-lock for GPU copies: core.platform.pinned_budget of the RAM
+    (Windows' WDDM caps page-locked memory at half of it; past the cap registration fails or the machine
+    pages). Beyond it `Device.pin` refuses and the caller copies from pageable memory."""
+    import psutil
+
+    from core import platform
+
+    return platform.pinned_budget(int(psutil.virtual_memory().total))
+
+
 class DeviceTaskError(RuntimeError):
     """Work launched on a stream failed; raised where the host next synchronises with it."""
 
@@ -63,6 +74,7 @@ class Device:
     name = "CPU"
     capability: tuple[int, int] | None = None
     index = 0
+    pin_limit_bytes: int | None = None  # page-locked host bytes allowed (None: no limit; see pin_budget)
 
     # ---- threads and streams ----
     def set_device(self) -> None:
@@ -114,8 +126,12 @@ class Device:
 
     def pin(self, t: torch.Tensor) -> bool:
         """Page-lock the memory of a contiguous host tensor at its exact size (no rounding); False when
-        it cannot be (then copies from it are staged). Undo with `unpin`."""
+        it cannot be — past `pin_limit_bytes`, or the OS refuses — and then copies from it are staged
+        through pageable memory (slower, still right). Undo with `unpin`."""
         return False
+
+    def _pin_fits(self, nbytes: int) -> bool:
+        return self.pin_limit_bytes is None or self.pinned_bytes + nbytes <= self.pin_limit_bytes
 
     def unpin(self, t: torch.Tensor) -> None:
         pass
@@ -191,14 +207,16 @@ class CudaDevice(Device):
 
     kind = "cuda"
     accelerator = True
+    # registrations are the process's, not one device's: every CudaDevice shares them and the budget
+    _pins: dict[int, int] = {}  # registered base address -> bytes
+    _lock = threading.Lock()
 
-    def __init__(self, device: str | torch.device | int | None = None):
+    def __init__(self, device: str | torch.device | int | None = None, pin_limit_bytes: int | None = None):
         self.index = device_index(device, torch.cuda.current_device)
         self.torch_device = torch.device("cuda", self.index)
         self.name = torch.cuda.get_device_name(self.index)
         self.capability = tuple(torch.cuda.get_device_capability(self.index))
-        self._pins: dict[int, int] = {}  # registered base address -> bytes
-        self._lock = threading.Lock()
+        self.pin_limit_bytes = pin_budget() if pin_limit_bytes is None else pin_limit_bytes
 
     def set_device(self) -> None:
         torch.cuda.set_device(self.index)
@@ -249,8 +267,10 @@ class CudaDevice(Device):
         with self._lock:
             if start in self._pins:
                 return True
+            if not self._pin_fits(end - start):
+                return False
             err = torch.cuda.cudart().cudaHostRegister(start, end - start, 0)
-            if int(err) != 0:
+            if int(err) != 0:  # the OS or driver refused (out of lockable memory)
                 return False
             self._pins[start] = end - start
         return True

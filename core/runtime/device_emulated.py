@@ -17,11 +17,12 @@ What it reproduces of a GPU (see core.runtime.device for the contract):
   peak of all of it: weights, buffers and transient activations.
 - Placement: compute on the device that reads a host tensor raises, as CUDA's "Expected all tensors
   to be on the same device" does (0-dim scalars excepted).
-- Pinned memory: `pin` registers a host range at its exact size; copies whose host side is not
-  pinned, or that are not contiguous, are counted in `stats["staged_copies"]` (on a GPU they block
-  the host and go through a pageable bounce buffer).
-- Faults: `fault(point)` is called at "set_device", "launch", "wait_event", "host_wait", "copy" and
-  "alloc" and may raise, so tests can break each of them.
+- Pinned memory: `pin` registers a host range at its exact size, within `pin_limit_bytes` (default:
+  the OS's budget, core.runtime.device.pin_budget); a "pin" fault that raises is the OS refusing. Copies
+  whose host side is not pinned, or that are not contiguous, are counted in `stats["staged_copies"]`
+  (on a GPU they block the host and go through a pageable bounce buffer).
+- Faults: `fault(point)` is called at "set_device", "launch", "wait_event", "host_wait", "copy",
+  "alloc" and "pin" and may raise, so tests can break each of them.
 It does not model bandwidth, kernel concurrency within a stream, or the caching allocator's reuse of
 a block across streams (CudaDevice.copy records the stream for that).
 """
@@ -40,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from core.runtime.device import Device, DeviceTaskError, device_index
+from core.runtime.device import Device, DeviceTaskError, device_index, pin_budget
 
 GiB = 1 << 30
 
@@ -198,7 +199,7 @@ class EmulatedCuda(Device):
         self.total = int(memory_bytes)
         self.copy_delay = copy_delay
         self.strict = strict  # placement check: device compute must not read host tensors
-        self.pin_limit_bytes = pin_limit_bytes  # like Windows' cap on page-locked memory
+        self.pin_limit_bytes = pin_budget() if pin_limit_bytes is None else pin_limit_bytes
         self.fault: Callable[[str], None] | None = None
         self.stats: collections.Counter = collections.Counter()
         self._lock = threading.RLock()  # re-entered when a finalizer releases memory during an allocation
@@ -367,7 +368,11 @@ class EmulatedCuda(Device):
         with self._lock:
             if t.data_ptr() in self._pins:
                 return True
-            if self.pin_limit_bytes is not None and sum(self._pins.values()) + n > self.pin_limit_bytes:
+            if not self._pin_fits(n):
+                return False
+            try:
+                self._fault("pin")
+            except Exception:  # noqa: BLE001 - the OS refused, as cudaHostRegister can
                 return False
             self._pins[t.data_ptr()] = n
         return True

@@ -197,7 +197,12 @@ class Engine:
             elif self.config.executor == "cuda":
                 from core.runtime.cuda_executor import CudaExecutor
 
-                self._executor = CudaExecutor(self.dev)
+                # the threads feeding the device share one core (on CUDA; half the cores when the CPU
+                # plays the GPU), CPU attention's team the rest: no OpenMP team spinning over all of them
+                setup = worker_setup(self.dev.kind)
+                if self.threads.fixed is None:
+                    self.threads = Governor(fixed=setup.threads)
+                self._executor = CudaExecutor(self.dev, placement=setup)
             else:
                 self._executor = SequentialExecutor()
         return self._executor

@@ -189,12 +189,15 @@ class PipelineRunner:
         self.dense = [{n: dev.to_device(t) for n, t in lw.dense().items()} for lw in weights.layers]
         self.globals = {n: dev.to_device(t) for n, t in weights.globals.items()}
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
+        self._unpinned = 0  # host bytes for GPU copies that could not be page-locked
         self._place_experts()
         self._layer0_half: int | None = None  # half holding layer 0's experts for the next step
         self.layer0_loads = 0  # synchronous loads of layer 0 before a step (the first step's, ideally only)
         self._base = 0  # half of layer 0 in the current step
         self._graphs: dict[tuple, tuple[list, set]] = {}
         self._host_buffers(n_mb)
+        if self._unpinned:
+            self._warn_unpinned()
         self._device_buffers(n_mb)
         self.bytes = {"h2d": 0, "d2h": 0}
         self._step: list[_MB] | None = None
@@ -242,10 +245,18 @@ class PipelineRunner:
         self.page_copies = [[sl.pieces(b, lw.flat, E - sl.count, E, self.pages) if sl else None
                              for lw, sl in zip(w.layers, slabs)] for b in self.ebuf]
         if dev.accelerator:  # page-lock what streams, at its exact size
-            ok = [w.pin_streamed(dev, i, r) for i, r in enumerate(self.resident) if r < E]
-            if not all(ok):
-                self.warn(WarningEvent("could not page-lock the streamed expert weights (the system caps pinned "
-                                       "memory); copies to the GPU will be slower"))
+            for i, r in enumerate(self.resident):
+                if r < E and not w.pin_streamed(dev, i, r):
+                    self._unpinned += ExpertSlab(w.layers[i].layout, E - r).numel * w.layers[i].flat.element_size()
+
+    def _warn_unpinned(self) -> None:
+        limit = self.dev.pin_limit_bytes
+        why = (f"this system lets a process page-lock {limit / 1e9:.1f} GB and {self.dev.pinned_bytes / 1e9:.1f} GB "
+               "already are" if limit is not None and self.dev.pinned_bytes + self._unpinned > limit
+               else "the operating system refused")
+        self.warn(WarningEvent(f"could not page-lock {self._unpinned / 1e6:,.0f} MB of host memory for GPU copies "
+                               f"({why}); those copies go through pageable memory and will be slower — a smaller "
+                               "batch or more resident experts need less"))
 
     def _host_buffers(self, n_mb: int) -> None:
         """Host staging in one arena, pinned once at its exact size: D1/D2 buffers, logits, S4's KV staging."""
@@ -265,8 +276,11 @@ class PipelineRunner:
             want += [(f"kv_in{r}{x}", ring, dt) for r in range(2) for x in "kv"]
             want += [(f"kv_out{x}", (mu, s.num_kv_heads, s.head_dim), dt) for x in "kv"]
         arena, self.host = _arena(want)
-        if want and self.dev.accelerator and self.dev.pin(arena):
-            weakref.finalize(self, self.dev.unpin, arena)  # unpinned when this runner is gone
+        if want and self.dev.accelerator:
+            if self.dev.pin(arena):
+                weakref.finalize(self, self.dev.unpin, arena)  # unpinned when this runner is gone
+            else:
+                self._unpinned += arena.numel()
         self.qkv_h = [self.host[f"qkv_h{j}"] for j in range(n_mb)] if cpu_attn else []
         self.o_h = [self.host[f"o_h{j}"] for j in range(n_mb)] if cpu_attn else []
         if kv_on_cpu:
