@@ -183,6 +183,37 @@ def test_a_failing_wait_fails_the_step_with_its_cause(point):
     assert err is None
 
 
+@pytest.mark.parametrize("point", ["launch", "copy", "alloc"])
+def test_a_failing_launch_copy_or_allocation_fails_the_step_with_its_cause(point):
+    """The device calls a task makes: a launch (on the worker), a copy and an allocation (in launched work,
+    on the stream, surfacing at the next sync). Each fails the step quickly; the next step runs."""
+    dev = emulated()
+    host = torch.ones(8)
+    dev.pin(host)
+    dbuf = dev.empty(8, torch.float32)
+    fired = []
+
+    def fault(p):
+        if p == point and not fired and threading.current_thread().name.startswith(("mlight-", "emulated-")):
+            fired.append(threading.current_thread().name)
+            raise RuntimeError(f"injected {p} failure")
+
+    def fn(task):
+        if task.resource == "h2d":
+            dev.copy(dbuf, host)
+        elif task.resource == "gpu":
+            dev.empty(8, torch.float32).copy_(dbuf)
+
+    ex = CudaExecutor(dev)
+    dev.fault = fault
+    err, secs = run_bounded(ex, graph(), fn)
+    assert fired and isinstance(err, TaskFailed) and secs < 5
+    assert f"injected {point} failure" in str(err.__cause__)
+    err, _ = run_bounded(ex, graph(), fn)
+    ex.close()
+    assert err is None
+
+
 def test_a_task_failing_on_the_device_fails_the_step_naming_it():
     dev = emulated()
     ex = CudaExecutor(dev)
