@@ -25,7 +25,7 @@ def _configs():
     mla = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
                first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-               n_group=4, topk_group=2, max_position_embeddings=512, **common)
+               n_group=4, max_position_embeddings=512, **common)
     linear = dict(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
@@ -55,13 +55,14 @@ def _configs():
             head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5,
             max_position_embeddings=512, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
             beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=128), **common)),
-        # 8 experts in 4 groups, 2 groups eligible; YaRN with mscale ≠ mscale_all_dim scales cos/sin and softmax
+        # 8 experts in 4 groups, 1 (V2) or 2 (V3) groups eligible; YaRN with mscale ≠ mscale_all_dim scales cos/sin
+        # and the softmax
         "deepseek_v2": (DeepseekV2Config, "DeepseekV2ForCausalLM", dict(
-            q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+            q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5, topk_group=1,
             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=0.8,
                                  original_max_position_embeddings=128), **mla)),
         "deepseek_v3": (DeepseekV3Config, "DeepseekV3ForCausalLM", dict(
-            q_lora_rank=24, norm_topk_prob=True, routed_scaling_factor=2.5,
+            q_lora_rank=24, norm_topk_prob=True, routed_scaling_factor=2.5, topk_group=2,
             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.9, mscale_all_dim=0.7,
                                  original_max_position_embeddings=128), **mla)),
         "glm4_moe": (Glm4MoeConfig, "Glm4MoeForCausalLM", dict(
@@ -87,9 +88,9 @@ def _configs():
     }
 
 
-FAMILIES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe")  # the engine runs these
-MODEL_ONLY = ("gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe", "phimoe")  # read, planned
-ALL_FAMILIES = FAMILIES + MODEL_ONLY
+FAMILIES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
+            "qwen3_next", "qwen3_5_moe", "phimoe")
+NEW_FAMILIES = FAMILIES[5:]  # issue 14's: each with a quirk the first five lack
 
 
 def make_checkpoint(family: str, out_dir: Path, *, dtype=torch.float32, seed: int = 0,
@@ -102,6 +103,8 @@ def make_checkpoint(family: str, out_dir: Path, *, dtype=torch.float32, seed: in
 
     hf_logging.disable_progress_bar()
     cfg_cls, model_cls, kwargs = _configs()[family]
+    if "text_config" in kwargs:  # a vision-language checkpoint: the overrides are the text model's
+        kwargs, overrides = {**kwargs, "text_config": {**kwargs["text_config"], **overrides}}, {}
     cfg = cfg_cls(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).to(dtype).eval()
@@ -129,3 +132,19 @@ def hf_model(path: Path, dtype=torch.float32):
     # eager experts and attention: the plain reference loops (grouped_mm has no float64 kernel)
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, experts_implementation="eager",
                                                 attn_implementation="eager").eval()
+
+
+_MODELS: dict[str, object] = {}
+_GREEDY: dict[tuple, list[int]] = {}
+
+
+def reference_greedy(path: Path, ids: list[int], max_new: int) -> list[int]:
+    """transformers' greedy continuation of `ids` (no EOS stop), computed once per session and reused by
+    every parity test (a stop at EOS is this with the tail cut at the first EOS)."""
+    key = (str(path), tuple(ids), max_new)
+    if key not in _GREEDY:
+        model = _MODELS.get(str(path)) or _MODELS.setdefault(str(path), hf_model(path))
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+        _GREEDY[key] = out[0, len(ids):].tolist()
+    return _GREEDY[key]

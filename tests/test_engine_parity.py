@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import FAMILIES, hf_model
+from checkpoints import FAMILIES, hf_model, reference_greedy
 from core.runtime.engine import Engine, Request
 
 PROMPTS = [
@@ -25,12 +25,6 @@ PROMPTS = [
 MAX_NEW = [6, 9, 4, 7, 12, 5, 8]
 
 
-def hf_greedy(model, ids: list[int], max_new: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                         pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_match_transformers(family, checkpoint_factory):
     path = checkpoint_factory(family)
@@ -40,9 +34,8 @@ def test_greedy_tokens_match_transformers(family, checkpoint_factory):
     lengths = {len(engine.prompt_token_ids(r)) for r in reqs}
     assert len(lengths) >= 6, "prompts must differ in length"
     results = {r.id: r for r in engine.generate(reqs, batch_size=4, micro_batch_size=2)}
-    ref = hf_model(path)
     for r in reqs:
-        want = hf_greedy(ref, engine.prompt_token_ids(r), r.max_new_tokens)
+        want = reference_greedy(path, engine.prompt_token_ids(r), r.max_new_tokens)
         got = results[r.id]
         assert got.output_token_ids == want, f"{family} {r.id}"
         assert got.finish_reason == "length" and got.output_tokens == r.max_new_tokens

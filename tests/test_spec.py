@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from checkpoints import ALL_FAMILIES
+from checkpoints import FAMILIES
 from core.errors import ModelError, UnsupportedModelError
 from core.model.families import family_module, load_spec, spec_from_config
 from core.model.kvcache import KVCache
@@ -17,7 +17,7 @@ from core.model.spec import ModelSpec
 UNREAD = {"qwen3_5_moe": "model.visual."}  # the vision tower beside the text model
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_spec_sizes_match_the_checkpoint(family, checkpoint_factory):
     path = checkpoint_factory(family)
     spec = load_spec(path)

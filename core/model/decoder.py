@@ -24,15 +24,17 @@ from core.model.spec import ModelSpec
 
 
 def pre_attn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor, rope,
-             call_lengths: torch.Tensor | None = None):
-    """x [T, D] -> (payload [T, d1] for the CPU, what stays for post_attn)."""
+             call_lengths: torch.Tensor | None = None, full_norm=None):
+    """x [T, D] -> (payload [T, d1] for the CPU, what stays for post_attn). `full_norm`: a tensor-parallel
+    rank's q/k norm over all heads (core.model.gqa.project)."""
     h = norm(spec, x, w["ln1"], w.get("ln1_b"))
-    return mixer.module(spec, layer).pre(spec, w, h, positions, rope, call_lengths)
+    return mixer.module(spec, layer).pre(spec, w, h, positions, rope, call_lengths, full_norm=full_norm)
 
 
-def attend(spec: ModelSpec, layer: int, w: dict, payload: torch.Tensor, store, rows) -> torch.Tensor:
-    """Next to the state: payload [B, d1] -> [B, d2]. `w` holds the layer's tensors on this side."""
-    return mixer.module(spec, layer).attend(spec, w, payload, store, rows)
+def attend(spec: ModelSpec, layer: int, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:
+    """Next to the state: payload [B, d1] -> [B, d2]. `w` holds the layer's tensors on this side; `widen`
+    (core.model.cpu.kernels.Widen) computes in a wider dtype than the stored state where the CPU is slow in it."""
+    return mixer.module(spec, layer).attend(spec, w, payload, store, rows, widen)
 
 
 @dataclass
@@ -46,9 +48,12 @@ class FfnInput:
     dense: torch.Tensor | None = None  # shared expert (MoE) or the dense MLP's output [T, D]
 
 
-def post_attn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, out: torch.Tensor, keep) -> FfnInput:
-    """out [T, d2] from attend -> residual, norm, and the FFN's dense part."""
-    x = x + mixer.module(spec, layer).post(spec, w, out, keep)
+def post_attn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, out: torch.Tensor, keep,
+              attention_out=None) -> FfnInput:
+    """out [T, d2] from attend -> residual, norm, and the FFN's dense part. `attention_out` sums a
+    tensor-parallel rank's partial attention output over the ranks."""
+    y = mixer.module(spec, layer).post(spec, w, out, keep)
+    x = x + (y if attention_out is None else attention_out(y))
     h = norm(spec, x, w["ln2"], w.get("ln2_b"))
     if not spec.is_moe(layer):
         return FfnInput(x, h, dense=dense_mlp(w, h))
@@ -56,27 +61,36 @@ def post_attn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, out: torch.
     return FfnInput(x, h, weights, idx, shared_expert(spec, w, h) if spec.shared_intermediate else None)
 
 
+def ffn_output(f: FfnInput, routed: torch.Tensor | None) -> torch.Tensor:
+    """The FFN's output: routed experts (+ shared expert), or the dense MLP."""
+    return f.dense if routed is None else (routed if f.dense is None else routed + f.dense)
+
+
 def finish(f: FfnInput, routed: torch.Tensor | None) -> torch.Tensor:
-    """The layer's output: residual + routed experts (+ shared expert), or + the dense MLP."""
-    y = f.dense if routed is None else (routed if f.dense is None else routed + f.dense)
-    return f.x + y
+    """The layer's output: residual + the FFN's output."""
+    return f.x + ffn_output(f, routed)
 
 
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (h, weights, idx) -> [T, D]
 
 
 def prefill_layer(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor, rope,
-                  lens: list[int], experts: Experts, call_lengths: torch.Tensor | None = None):
-    """Whole prompts packed in x [T, D] -> (layer output [T, D], per prompt its state parts)."""
+                  lens: list[int], experts: Experts, call_lengths: torch.Tensor | None = None, full_norm=None,
+                  attention_out=None, ffn_out=None):
+    """Whole prompts packed in x [T, D] -> (layer output [T, D], per prompt its state parts).
+    Tensor parallel: `full_norm` as in pre_attn; `attention_out` / `ffn_out` sum a rank's partial outputs."""
     m = mixer.module(spec, layer)
     h = norm(spec, x, w["ln1"], w.get("ln1_b"))
-    out, parts = m.prefill(spec, w, h, positions, rope, lens, call_lengths, mixer.window(spec, layer))
-    x = x + out
+    out, parts = m.prefill(spec, w, h, positions, rope, lens, call_lengths, mixer.window(spec, layer),
+                           full_norm=full_norm)
+    x = x + (out if attention_out is None else attention_out(out))
+    out = None  # the FFN's intermediates are the peak: hold nothing else then
     h = norm(spec, x, w["ln2"], w.get("ln2_b"))
     if not spec.is_moe(layer):
-        return x + dense_mlp(w, h), parts
-    weights, idx = route(spec, h, w)
-    y = experts(h, weights, idx)
-    if spec.shared_intermediate:
-        y = y + shared_expert(spec, w, h)
-    return x + y, parts
+        y = dense_mlp(w, h)
+    else:
+        weights, idx = route(spec, h, w)
+        y = experts(h, weights, idx)
+        if spec.shared_intermediate:
+            y = y + shared_expert(spec, w, h)
+    return x + (y if ffn_out is None else ffn_out(y)), parts

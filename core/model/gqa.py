@@ -54,21 +54,21 @@ def project(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, 
     return rope.apply(q, positions, call_lengths), rope.apply(k, positions, call_lengths), v, (gate[0] if gate else None)
 
 
-def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None):
+def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None, full_norm=None):
     """-> (payload [T, d1] for the CPU, what stays on the device for `post`)."""
-    q, k, v, gate = project(spec, w, h, positions, rope, call_lengths)
+    q, k, v, gate = project(spec, w, h, positions, rope, call_lengths, full_norm)
     T = h.shape[0]
     return torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1), gate
 
 
-def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows) -> torch.Tensor:
+def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:
     """One new token per row: write its K/V, attend over the row. payload [B, d1] -> [B, Hq·hd]."""
     B, H, Hkv, hd = rows.B, spec.num_heads, spec.num_kv_heads, spec.head_dim
     q, k, v = payload.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     store.write(rows.slots, rows.positions, k.view(B, Hkv, hd), v.view(B, Hkv, hd))
     lengths, span, pad = rows.kept(store)
     return decode_attention(q.reshape(B, H, hd), rows.take(store.k), rows.take(store.v), lengths, spec.scale,
-                            span, pad, sinks=w.get("sinks"))
+                            span, pad, sinks=w.get("sinks"), widen=widen)
 
 
 def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep) -> torch.Tensor:
@@ -78,9 +78,9 @@ def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep) -> torch.Tensor:
 
 
 def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, lens: list[int],
-            call_lengths=None, window: int = 0):
+            call_lengths=None, window: int = 0, full_norm=None):
     """Whole prompts packed in h [T, D] -> (output [T, D], per prompt the (k, v) [L, Hkv, hd] to store)."""
-    q, k, v, gate = project(spec, w, h, positions, rope, call_lengths)
+    q, k, v, gate = project(spec, w, h, positions, rope, call_lengths, full_norm)
     parts, outs, start = [], [], 0
     for n in lens:
         outs.append(prefill_attention(q[start:start + n], k[start:start + n], v[start:start + n], spec.scale,

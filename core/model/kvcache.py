@@ -21,8 +21,11 @@ import torch
 from core.model.spec import ModelSpec
 
 
-def _alloc(shape, dtype, pin: bool) -> torch.Tensor:
-    # pinned so state rows can go to the GPU asynchronously (S4); pageable when pinning is refused
+def _alloc(shape, dtype, pin: bool, alloc=None) -> torch.Tensor:
+    # pinned so state rows can go to the GPU asynchronously (S4); pageable when pinning is refused.
+    # zeros, not empty: masked positions still enter p @ v (as 0 × v), and 0 × NaN is NaN
+    if alloc is not None:  # elsewhere (the runtime's device: alloc(shape, dtype) gives zeros there)
+        return alloc(shape, dtype)
     if pin:
         try:
             return torch.zeros(shape, dtype=dtype, pin_memory=True)
@@ -31,22 +34,80 @@ def _alloc(shape, dtype, pin: bool) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype)
 
 
-class KVStore:
+def _copy_rows(src: torch.Tensor, dst: torch.Tensor, rows, axis: int | None, tokens: int, non_blocking: bool) -> None:
+    """rows of `src` into dst[:B]; along a token `axis` only the first `tokens` entries."""
+    part = rows.take(src)
+    if axis is not None:
+        part = part.narrow(axis, 0, tokens)
+        dst = dst[:rows.B].narrow(axis, 0, tokens)
+    else:
+        dst = dst[:rows.B]
+    dst.copy_(part, non_blocking=non_blocking)
+
+
+class _Store:
+    """What every store shares: its tensors by name, and views of the same kind over other memory."""
+
+    names: tuple[str, ...] = ()
+    token_axes: tuple = ()  # per tensor: the axis of cached tokens, or None (a fixed-size state)
+    window = 0
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, n) for n in self.names)
+
+    def over(self, tensors) -> "_Store":
+        """A store of this kind and shape whose tensors are `tensors` (views elsewhere: a device ring
+        buffer, host staging); nothing is allocated."""
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)
+        for n, t in zip(self.names, tensors):
+            setattr(view, n, t)
+        return view
+
+    def shapes(self, rows: int, tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each tensor of a store with `rows` rows holding room for `tokens` tokens (a
+        window: at most its ring)."""
+        out = []
+        for t, axis in zip(self.tensors, self.token_axes):
+            shape = [rows, *t.shape[1:]]
+            if axis is not None:
+                shape[axis] = self.kept(tokens)
+            out.append((tuple(shape), t.dtype))
+        return out
+
+    def new_shapes(self, rows: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each part `new_entries` gives for `rows` rows."""
+        return [((rows, *(d for a, d in enumerate(t.shape[1:], 1) if a != axis)), t.dtype)
+                for t, axis in zip(self.tensors, self.token_axes)]
+
+    def kept(self, lengths):
+        return lengths
+
+
+class KVStore(_Store):
     """K and V per token, for every token ("kv") or in a ring of the last `window` ("window")."""
 
     kind = "kv"
+    names = ("k", "v")
+    token_axes = (2, 2)
 
-    def __init__(self, slots: int, heads: int, head_dim: int, max_tokens: int, dtype, pin: bool, window: int = 0):
+    def __init__(self, slots: int, heads: int, head_dim: int, max_tokens: int, dtype, pin: bool, window: int = 0,
+                 alloc=None):
         self.window = window if window and window < max_tokens else 0
         cap = self.window or max_tokens
         if self.window:
             self.kind = "window"
-        self.k = _alloc((slots, heads, cap, head_dim), dtype, pin)
-        self.v = _alloc((slots, heads, cap, head_dim), dtype, pin)
+        self.k = _alloc((slots, heads, cap, head_dim), dtype, pin, alloc)
+        self.v = _alloc((slots, heads, cap, head_dim), dtype, pin, alloc)
 
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.k, self.v
+    def new_entries(self, rows) -> tuple:
+        """This step's token of each row (fresh tensors), for the host store (attention on the GPU)."""
+        at, every = self.index(rows.positions), torch.arange(rows.B, device=self.k.device)
+        return self.k[every, :, at], self.v[every, :, at]
+
+    def put_new(self, rows, parts) -> None:
+        self.write(rows.slots, rows.positions, *parts)
 
     def index(self, positions: torch.Tensor) -> torch.Tensor:
         return positions % self.window if self.window else positions
@@ -69,28 +130,29 @@ class KVStore:
         L = k.shape[0]
         if self.window and L > self.window:
             start = L - self.window
-            at = torch.arange(start, L) % self.window
-            self.k[slot][:, at] = k[start:].transpose(0, 1)
-            self.v[slot][:, at] = v[start:].transpose(0, 1)
+            at = torch.arange(start, L, device=self.k.device) % self.window
+            self.k[slot][:, at] = k[start:].transpose(0, 1).to(self.k.dtype)
+            self.v[slot][:, at] = v[start:].transpose(0, 1).to(self.v.dtype)
             return
         self.k[slot, :, :L] = k.transpose(0, 1)
         self.v[slot, :, :L] = v.transpose(0, 1)
 
 
-class LatentStore:
+class LatentStore(_Store):
     """MLA: the normed KV latent and the roped key of every token, side by side."""
 
     kind = "latent"
+    names = ("lat",)
+    token_axes = (1,)
 
-    def __init__(self, slots: int, width: int, max_tokens: int, dtype, pin: bool):
-        self.lat = _alloc((slots, max_tokens, width), dtype, pin)
+    def __init__(self, slots: int, width: int, max_tokens: int, dtype, pin: bool, alloc=None):
+        self.lat = _alloc((slots, max_tokens, width), dtype, pin, alloc)
 
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.lat,)
+    def new_entries(self, rows) -> tuple:
+        return (self.lat[torch.arange(rows.B, device=self.lat.device), rows.positions],)
 
-    def kept(self, lengths):
-        return lengths
+    def put_new(self, rows, parts) -> None:
+        self.write(rows.slots, rows.positions, *parts)
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, lat: torch.Tensor):
         """lat [B, R + dr] at (slots[b], positions[b])."""
@@ -100,35 +162,53 @@ class LatentStore:
         self.lat[slot, :lat.shape[0]] = lat
 
 
-class LinearStore:
+class LinearStore(_Store):
     """Gated DeltaNet: recurrent state (fp32) and conv state, fixed size per sequence."""
 
     kind = "linear"
+    names = ("rec", "conv")
+    token_axes = (None, None)
 
-    def __init__(self, slots: int, spec: ModelSpec, dtype, pin: bool):
+    def __init__(self, slots: int, spec: ModelSpec, dtype, pin: bool, alloc=None):
         la = spec.linear
-        self.rec = _alloc((slots, la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32, pin)
-        self.conv = _alloc((slots, la.conv_dim, la.conv_kernel - 1), dtype, pin)
+        self.rec = _alloc((slots, la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32, pin, alloc)
+        self.conv = _alloc((slots, la.conv_dim, la.conv_kernel - 1), dtype, pin, alloc)
 
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.rec, self.conv
+    def new_entries(self, rows) -> tuple:
+        """The whole updated state of each row: a linear layer rewrites all of it every token."""
+        return self.rec[:rows.B].clone(), self.conv[:rows.B].clone()
 
-    def kept(self, lengths):
-        return lengths
+    def put_new(self, rows, parts) -> None:
+        rows.put(self.rec, parts[0])
+        rows.put(self.conv, parts[1])
 
     def write_prompt(self, slot: int, rec: torch.Tensor, conv: torch.Tensor):
         self.rec[slot] = rec
         self.conv[slot] = conv
 
 
-def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, pin: bool = False):
+def load_rows(src, dst, rows, cached: int, non_blocking: bool = False) -> int:
+    """Copy the state of `rows` (`cached` tokens each at most) from store `src` into dst's first rows
+    (a mirror on the accelerator, or host staging for one). Returns the bytes moved."""
+    moved = 0
+    tokens = src.kept(cached)
+    for a, b, axis in zip(src.tensors, dst.tensors, src.token_axes):
+        if axis is not None and tokens == 0:
+            continue
+        _copy_rows(a, b, rows, axis, tokens, non_blocking)
+        per_row = a[0].numel() // (a.shape[axis] if axis is not None else 1) * (tokens if axis is not None else 1)
+        moved += rows.B * per_row * a.element_size()
+    return moved
+
+
+def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, pin: bool = False, alloc=None):
+    """Layer i's store; `alloc(shape, dtype)` puts it elsewhere than host memory (zero-filled)."""
     st = spec.layer_state(i)
     if st.kind == "linear":
-        return LinearStore(slots, spec, dtype, pin)
+        return LinearStore(slots, spec, dtype, pin, alloc)
     if st.kind == "latent":
-        return LatentStore(slots, st.token_elems, max_tokens, dtype, pin)
-    return KVStore(slots, spec.num_kv_heads, spec.head_dim, max_tokens, dtype, pin, window=st.window)
+        return LatentStore(slots, st.token_elems, max_tokens, dtype, pin, alloc)
+    return KVStore(slots, spec.num_kv_heads, spec.head_dim, max_tokens, dtype, pin, window=st.window, alloc=alloc)
 
 
 class KVCache:
@@ -169,11 +249,13 @@ class Rows:
     lengths attention reads (per store kind: a window keeps fewer). Built once per step, on the host,
     so no layer needs a device sync to know them."""
 
-    def __init__(self, slots: list[int], positions: list[int]):
+    def __init__(self, slots: list[int], positions: list[int], move=None, device=None):
+        """`move` puts the host tensors where the state lives (a device's to_device), `device` is that place."""
         self.B = len(slots)
-        self.slots = torch.tensor(slots)
-        self.positions = torch.tensor(positions)
-        self.lengths = self.positions + 1
+        self.device = device
+        slots_t, positions_t = torch.tensor(list(slots)), torch.tensor(list(positions))
+        move = move or (lambda t: t)
+        self.slots, self.positions, self.lengths = move(slots_t), move(positions_t), move(positions_t + 1)
         self.span = (min(positions) + 1, max(positions) + 1)
         lo = slots[0]
         contiguous = list(slots) == list(range(lo, lo + len(slots)))
@@ -188,7 +270,7 @@ class Rows:
         if self.sel is not None:
             t[self.sel] = value
         else:
-            t.index_copy_(0, self.slots, value)
+            t.index_copy_(0, self.slots, value.to(t.dtype))
 
     def kept(self, store) -> tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]:
         """(lengths, (min, max) on the host, padding mask or None) of what `store` holds for these rows."""
@@ -196,6 +278,6 @@ class Rows:
         if window not in self._kept:
             lengths = store.kept(self.lengths)
             span = (min(self.span[0], window), min(self.span[1], window)) if window else self.span
-            pad = (torch.arange(span[1])[None, :] >= lengths[:, None]) if span[0] < span[1] else None
+            pad = (torch.arange(span[1], device=self.device)[None, :] >= lengths[:, None]) if span[0] < span[1] else None
             self._kept[window] = (lengths, span, pad)
         return self._kept[window]

@@ -33,7 +33,7 @@ def d2_width(spec: ModelSpec) -> int:
     return spec.linear.value_dim
 
 
-def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions=None, rope=None, call_lengths=None):
+def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions=None, rope=None, call_lengths=None, full_norm=None):
     la = spec.linear
     mixed, z, b, a = F.linear(h, w["lin_in"]).split([la.conv_dim, la.value_dim, la.num_v_heads, la.num_v_heads], dim=-1)
     return torch.cat((mixed, b, a), dim=-1), z
@@ -59,8 +59,9 @@ def _gates(w: dict, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, tor
     return g, torch.sigmoid(b).float()
 
 
-def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows) -> torch.Tensor:
-    """One token per row: conv step and recurrence over the rows' states. payload [B, d1] -> o [B, Hv·dv]."""
+def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:
+    """One token per row: conv step and recurrence over the rows' states. payload [B, d1] -> o [B, Hv·dv].
+    (The recurrence is fp32 whatever `widen` says; the conv runs in its weight's dtype.)"""
     la, B = spec.linear, rows.B
     mixed, b, a = payload.split([la.conv_dim, la.num_v_heads, la.num_v_heads], dim=-1)
     window = torch.cat((rows.take(store.conv), mixed[:, :, None].to(store.conv.dtype)), dim=-1)  # [B, C, K]
@@ -88,7 +89,7 @@ def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep: torch.Tensor) -> tor
 
 
 def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions=None, rope=None, lens: list[int] = (),
-            call_lengths=None, window: int = 0):
+            call_lengths=None, window: int = 0, full_norm=None):
     """Whole prompts in h [T, D] -> (output [T, D], per prompt its (recurrent, conv) states to store)."""
     la = spec.linear
     payload, z = pre(spec, w, h)

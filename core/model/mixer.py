@@ -2,10 +2,11 @@
 
 Kinds: "gqa" (grouped-query attention, full or sliding: gqa.py), "mla" (latent attention: mla.py),
 "linear" (Gated DeltaNet: linear_attention.py). Each module has
-  pre(spec, w, h, positions, rope, call_lengths) -> (payload [T, d1] for the CPU, what stays for post)
+  pre(spec, w, h, positions, rope, call_lengths, full_norm) -> (payload [T, d1] for the CPU, what stays for post)
   attend(spec, w_host, payload, store, rows) -> [B, d2]       (next to the state, one token per row)
   post(spec, w, out, keep) -> [T, D]
-  prefill(spec, w, h, positions, rope, lens, call_lengths, window) -> ([T, D], per prompt the state parts)
+  prefill(spec, w, h, positions, rope, lens, call_lengths, window, full_norm) -> ([T, D], per prompt the state parts)
+(`full_norm`: a tensor-parallel rank's q/k norm over all heads; only grouped-query layers split heads)
 and d1_width / d2_width (elements per token crossing D1 and D2). `store.write_prompt(slot, *parts)`
 takes a prompt's state parts.
 """

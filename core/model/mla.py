@@ -55,7 +55,7 @@ def _latent(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_len
     return torch.cat((rms_norm(c, w["kv_a_norm"], LATENT_NORM_EPS), k_pe), dim=-1)
 
 
-def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None):
+def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None, full_norm=None):
     q_nope, q_pe = _queries(spec, w, h, positions, rope, call_lengths)
     w_uk, _ = _up(spec, w)
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
@@ -64,20 +64,25 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
     return torch.cat((q, _latent(spec, w, h, positions, rope, call_lengths)), dim=-1), None
 
 
-def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows) -> torch.Tensor:
-    """Write the new tokens' latents, attend over each row's latents. payload [B, d1] -> o_lat [B, H·R]."""
+def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:
+    """Write the new tokens' latents, attend over each row's latents. payload [B, d1] -> o_lat [B, H·R].
+    `widen` (core.model.cpu.kernels.Widen): compute in its dtype, the latents converted into its buffer."""
     m, B, H = spec.mla, rows.B, spec.num_heads
     width = m.kv_lora_rank + m.qk_rope_dim
     q, lat_new = payload.split([H * width, width], dim=-1)
     store.write(rows.slots, rows.positions, lat_new)
     lengths, (shortest, T), pad = rows.kept(store)
     lat = rows.take(store.lat)[:, :T]  # [B, T, R + dr]
-    scores = torch.bmm(q.reshape(B, H, width), lat.transpose(1, 2)).float() * spec.scale  # [B, H, T]
+    math = widen.math if widen is not None else q.dtype
+    if lat.dtype != math:  # a narrower cache than the math: convert these rows once, into a reused buffer
+        lat = (widen.scratch(lat.numel()).view(lat.shape) if widen is not None else torch.empty(
+            lat.shape, dtype=math, device=lat.device)).copy_(lat)
+    scores = torch.bmm(q.reshape(B, H, width).to(math), lat.transpose(1, 2)).float() * spec.scale  # [B, H, T]
     if shortest < T:
         scores.masked_fill_(pad[:, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(q.dtype)
+    p = torch.softmax(scores, dim=-1).to(math)
     # p·[c | k_pe] and drop the rope columns: dr/R more FLOPs, but no copy of the strided c slice
-    return torch.bmm(p, lat)[:, :, :m.kv_lora_rank].reshape(B, H * m.kv_lora_rank)
+    return torch.bmm(p, lat)[:, :, :m.kv_lora_rank].reshape(B, H * m.kv_lora_rank).to(payload.dtype)
 
 
 def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep) -> torch.Tensor:
@@ -89,7 +94,7 @@ def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep) -> torch.Tensor:
 
 
 def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, lens: list[int],
-            call_lengths=None, window: int = 0):
+            call_lengths=None, window: int = 0, full_norm=None):
     """Whole prompts in h [T, D] -> (output [T, D], per prompt its latents [L, R + dr] to store)."""
     m, T, H = spec.mla, h.shape[0], spec.num_heads
     q_nope, q_pe = _queries(spec, w, h, positions, rope, call_lengths)

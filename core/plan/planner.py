@@ -157,7 +157,9 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     width = E - min(resident)  # experts in each half of the streaming buffer
     gpu_attn = p.attention_on == "gpu"
     kv_gpu = kv_gpu_layers(p.gpu_kv_fraction, L) if gpu_attn else 0
-    kv_ring = 2 * mu * T * d.kv_tok_layer if gpu_attn and kv_gpu < L else 0  # two micro-batches' KV in flight
+    # two micro-batches' state in flight, each slot sized for the layer kind that keeps most
+    ring_seq = max(x.state.bytes(T, d.dt) for x in d.mixers) if d.mixers else T * d.kv_tok_layer
+    kv_ring = int(2 * mu * ring_seq) if gpu_attn and kv_gpu < L else 0
     d1, d2 = max(x.d1 for x in d.mixers), max(x.d2 for x in d.mixers)  # per token: QKV out, attention back
     qkv_o = N * (d1 + d2) * d.dt if not gpu_attn else 0  # D1 source, D2 target per micro-batch
     gpu = {
@@ -172,7 +174,8 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     }
     host = [qkv_o, 2 * N * d.V * 4]  # D1/D2 buffers, decode and prefill logits (fp32)
     if kv_ring:
-        host += [kv_ring // 4] * 4 + [mu * d.kv * d.dt] * 2  # per ring slot K and V; the KV store's K and V
+        new_tok = max(x.new_token_bytes(d.dt) for x in d.mixers) if d.mixers else d.kv_tok_layer
+        host += [kv_ring // 2] * 2 + [int(mu * new_tok)]  # per ring slot its state; the store's new entries
     staging = sum(-(-x // ALIGN) * ALIGN for x in host if x)
     cpu = {  # the runtime keeps every weight in host memory; the GPU holds copies
         "non_expert_weights": d.nonexpert_bytes,

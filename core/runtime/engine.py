@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from core.runtime.batching import SlotTable
-from core.errors import MlightError, ModelError, UnsupportedModelError, UsageError
+from core.errors import MlightError, ModelError, UsageError
 from core.model.families import load_spec
 from core.model.kvcache import KVCache
 from core.model.gguf.load import load_gguf_weights
@@ -258,9 +258,6 @@ class Engine:
         model_dir = Path(model_dir)
         gguf = _gguf_model(model_dir)  # a GGUF file, or a folder holding one instead of config.json
         spec = load_gguf_spec(gguf) if gguf is not None else load_spec(model_dir)
-        if spec.family in _NOT_WIRED:
-            raise UnsupportedModelError(f"{spec.architecture} is read and planned, but the engine does not run it yet",
-                                        "plan it with `mlight plan`; running it comes with the next update")
         shard = None
         if tp is not None:
             from core.model.shard import local_spec, plan_shard
@@ -543,11 +540,6 @@ class Engine:
             on_event(RequestDone(res.id, res.prompt_tokens, res.output_tokens, res.seconds, res.finish_reason))
             results.append(res)
         return results
-
-
-# families whose model side (spec, weights, layers, planner) exists but whose states the pipeline does
-# not drive yet
-_NOT_WIRED = {"gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe", "phimoe"}
 
 
 def _pack_or_fall_back(weights: ModelWeights, cpu, progress: EventSink):

@@ -11,19 +11,23 @@ Device memory, allocated once per runner and named as the planner counts it (cor
 - per layer, its first `resident[i]` experts (the policy's r_w, spread over layers by
   core.plan.policy.expert_split); the other experts of each layer stream through a 2-half buffer
   sized for the layer that streams most: 2 · (E − min resident) experts;
-- with attention on the CPU: each micro-batch's QKV (D1 source, one contiguous block) and attention
-  output (D2 target); with attention on the GPU: the KV cache of the first `kv_gpu_layers` layers
-  (the policy's r_c) and a ring of two micro-batch KV buffers for the layers whose KV is on the CPU;
+- with attention on the CPU: each micro-batch's pre-attention payload (D1 source, one contiguous
+  block: a layer's [B, width] is the buffer's first B·width elements; core.model.mixer says the
+  widths, e.g. MLA's latent-sized one) and attention output (D2 target); with attention on the GPU:
+  the state of the first `kv_gpu_layers` layers (the policy's r_c; K/V, a window's ring, an MLA
+  latent or a linear layer's recurrent state: core.model.kvcache) and a ring of two micro-batch
+  state buffers for the layers whose state is on the CPU, sized for the layer kind that needs most;
 - transient activations (hidden states, one task's intermediates, one micro-batch's logits).
-Host staging (pinned at its exact size, one arena): D1/D2 buffers, logits, KV staging for S4.
+Host staging (pinned at its exact size, one arena): D1/D2 buffers, logits, state staging for S4.
 
 Buffers and why they are safe to reuse (the graph orders every reuse after the last reader):
 - per micro-batch j: `qkv_d[j]`/`qkv_h[j]` (pre-attention writes, D1 copies, CPU attention reads),
   `o_h[j]`, `o_d[j]`; the next writer of each is downstream of its reader.
 - the 2-half expert buffer: halves alternate layer by layer (across steps too); a page for layer
   i+1 overwrites layer i−1's half only after that layer's last FFN (`schedule._buffer_free`).
-- the KV ring (attention on the GPU): micro-batch position p = i·n + j uses buffer p mod 2; its load
+- the state ring (attention on the GPU): micro-batch position p = i·n + j uses buffer p mod 2; its load
   waits for the attention of position p − 2 (schedule._gpu_attention).
+Each task runs one step of core.model.decoder, so every layer kind (any family) takes the same path.
 Legend: B = requests in a micro-batch, D = hidden, T = cached tokens, E = experts.
 """
 
@@ -35,13 +39,13 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from core.model.attention import decode_attention, padding_mask, prefill_attention
+from core.model import decoder, mixer
 from core.model.cpu.kernels import Widen
-from core.model.kvcache import KVCache
-from core.model.layers import Rope, final_logits, norm
-from core.model.layers import pre_attn as dense_pre_attn
-from core.model.moe import activation, device_experts, experts, route, shared_expert
+from core.model.kvcache import KVCache, Rows, layer_store, load_rows
+from core.model.layers import final_logits
+from core.model.moe import activation, device_experts, experts
 from core.model.quant.experts import _TORCH, QuantExperts
+from core.model.rope import for_spec
 from core.model.spec import ModelSpec
 from core.model.weights import LayerLayout, ModelWeights
 from core.runtime import schedule as sched
@@ -54,33 +58,23 @@ _ALIGN = 64  # bytes between buffers of the staging arena
 class _MB:
     """State of one micro-batch through a step."""
 
-    def __init__(self, tokens, slots, positions, dev: Device):
+    def __init__(self, tokens, slots, positions, dev: Device, on_device: bool, ring: bool):
         self.B = len(slots)
-        self.slots = torch.tensor(slots)
-        self.positions = torch.tensor(positions)
-        self.lengths = self.positions + 1
         self.span = (min(positions) + 1, max(positions) + 1)  # on the host: attention needs no device sync
-        ragged = self.span[0] < self.span[1]
-        self.pad = padding_mask(self.lengths, self.span[1]) if ragged else None  # same for every layer
-        self.pad_d = dev.to_device(self.pad) if ragged else None
         self.tokens_d = dev.tensor(tokens)
-        self.positions_d = dev.to_device(self.positions)
-        self.lengths_d = dev.to_device(self.lengths)
-        self.slots_d = dev.to_device(self.slots)
-        lo = slots[0]
-        self.rows = slice(lo, lo + len(slots)) if list(slots) == list(range(lo, lo + len(slots))) else self.slots
+        self.positions_d = dev.tensor(positions)
+        self.lengths_d = dev.to_device(torch.tensor(positions) + 1)  # LongRoPE picks its table by them
+        self.rows = Rows(slots, positions)  # in the host stores
+        move, where = dev.to_device, dev.torch_device
+        # in the device-resident stores (attention on the GPU), and in a ring buffer's first B rows
+        self.rows_d = Rows(slots, positions, move, where) if on_device else None
+        self.rows_ring = Rows(range(self.B), positions, move, where) if ring else None
         self.x = None  # device hidden [B, D]
-        self.q = self.k = self.v = None  # device, from pre-attention
-        self.hq = self.hk = self.hv = None  # host copies (D1)
+        self.payload = self.keep = None  # device, from pre-attention: for attention / for post-attention
+        self.hpayload = None  # host copy (D1)
         self.o = None
-        self.h = self.rw = self.ridx = self.shared = None  # post-attention results, for the FFN
-        self.new_kv: dict[int, tuple] = {}  # layer -> this token's (k, v) awaiting the KV store (S4)
-
-    def cache_rows(self, t: torch.Tensor) -> torch.Tensor:
-        return t[self.rows] if isinstance(self.rows, slice) else t.index_select(0, self.rows)
-
-    def cache_rows_d(self, t: torch.Tensor) -> torch.Tensor:
-        return t[self.rows] if isinstance(self.rows, slice) else t.index_select(0, self.slots_d)
+        self.ffn: decoder.FfnInput | None = None  # post-attention results, for the FFN
+        self.new_state: dict[int, tuple] = {}  # layer -> this token's state awaiting the host store (S4)
 
 
 class _PrefillMB:
@@ -91,9 +85,10 @@ class _PrefillMB:
         self.slots = list(slots)
         self.tokens_d = dev.tensor([t for p in prompts for t in p])
         self.positions_d = dev.to_device(torch.cat([torch.arange(n) for n in self.lens]))
+        self.calls_d = dev.to_device(torch.cat([torch.full((n,), n) for n in self.lens]))  # LongRoPE: prompt lengths
         self.ends_d = dev.to_device(torch.tensor(self.lens).cumsum(0) - 1)
         self.x = None
-        self.kv = []  # per layer: (k, v) device tensors [T, Hkv, hd] for the KV store
+        self.kv = []  # per layer: per prompt its state parts (device tensors) for the store
 
 
 class ExpertSlab:
@@ -165,7 +160,8 @@ class PipelineRunner:
         self.expert_group = expert_group
         self.tp = tp  # tensor parallel: core.runtime.distributed.tensor_parallel.ShardOps, or None
         self._full_norm = tp.full_norm if tp is not None else None
-        self._attention_out = tp.attention_out if tp is not None else _noop
+        self._attention_out = tp.attention_out if tp is not None else None
+        self._ffn_out = tp.ffn_out if tp is not None else None
         L, E = spec.num_layers, spec.num_experts
         self.pages = max(1, len(weights.layers[0].pages))  # packed CPU experts have no pages
         # experts kept on the device per layer (a layer without experts has nothing to stream)
@@ -173,10 +169,9 @@ class PipelineRunner:
                          max(0, min(E, int(resident_experts[i]))) for i in range(L)]
         self.streamed = ffn_on == "gpu" and min(self.resident) < E
         self.kv_gpu_layers = kv_gpu_layers if attention_on == "gpu" else 0
-        self.scale = spec.head_dim ** -0.5
         mu, n_mb = micro_batch_size, -(-cache.slots // micro_batch_size)
         self.mu = mu
-        self.rope = Rope(spec, cache.max_tokens, weights.math_dtype)
+        self.rope = for_spec(spec, cache.max_tokens, weights.math_dtype)
         self.rope.cos, self.rope.sin = dev.to_device(self.rope.cos), dev.to_device(self.rope.sin)
         # the CPU computes in `cpu_math` where it is slow in the storage dtype: attention widens the KV
         # it reads (any schedule), the CPU-only FFN widens expert tiles; one Widen per thread using it
@@ -190,6 +185,7 @@ class PipelineRunner:
         self.globals = {n: dev.to_device(t) for n, t in weights.globals.items()}
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
         self._unpinned = 0  # host bytes for GPU copies that could not be page-locked
+        self.host_w = [lw.tensors for lw in weights.layers]  # CPU attention reads sinks, conv and decay weights here
         self._place_experts()
         self._layer0_half: int | None = None  # half holding layer 0's experts for the next step
         self.layer0_loads = 0  # synchronous loads of layer 0 before a step (the first step's, ideally only)
@@ -261,20 +257,22 @@ class PipelineRunner:
     def _host_buffers(self, n_mb: int) -> None:
         """Host staging in one arena, pinned once at its exact size: D1/D2 buffers, logits, S4's KV staging."""
         s, dt, mu = self.spec, self.w.dtype, self.mu
-        qkv = s.q_size + 2 * s.kv_size
+        d1, d2 = mixer.max_widths(s)  # the widest layer's payloads
         want: list[tuple[str, tuple, torch.dtype]] = []
         cpu_attn = self.attention_on == "cpu" and self.ffn_on == "gpu"
         if cpu_attn:
-            want += [(f"qkv_h{j}", (mu, qkv), dt) for j in range(n_mb)]
-            want += [(f"o_h{j}", (mu, s.q_size), dt) for j in range(n_mb)]
+            want += [(f"qkv_h{j}", (mu * d1,), dt) for j in range(n_mb)]
+            want += [(f"o_h{j}", (mu * d2,), dt) for j in range(n_mb)]
         if self.dev.accelerator:
             want += [("logits_dec", (self.cache.slots, s.vocab_size), torch.float32),
                      ("logits_pre", (self.cache.slots, s.vocab_size), torch.float32)]
         kv_on_cpu = self.attention_on == "gpu" and self.kv_gpu_layers < s.num_layers
         if kv_on_cpu:
-            ring = (mu * s.num_kv_heads * self.cache.max_tokens * s.head_dim,)
-            want += [(f"kv_in{r}{x}", ring, dt) for r in range(2) for x in "kv"]
-            want += [(f"kv_out{x}", (mu, s.num_kv_heads, s.head_dim), dt) for x in "kv"]
+            # a ring slot holds one micro-batch's state of any layer (its tensors back to back), the out
+            # buffer one token's new entries; each sized for the layer kind that needs most
+            self._ring_bytes, self._out_bytes = self._state_buffer_bytes()
+            want += [(f"state_in{r}", (self._ring_bytes,), torch.uint8) for r in range(2)]
+            want += [("state_out", (self._out_bytes,), torch.uint8)]
         arena, self.host = _arena(want)
         if want and self.dev.accelerator:
             if self.dev.pin(arena):
@@ -284,25 +282,35 @@ class PipelineRunner:
         self.qkv_h = [self.host[f"qkv_h{j}"] for j in range(n_mb)] if cpu_attn else []
         self.o_h = [self.host[f"o_h{j}"] for j in range(n_mb)] if cpu_attn else []
         if kv_on_cpu:
-            self._stage_free = [self.dev.event() for _ in range(2)]  # last copy out of each KV staging slot
+            self._stage_free = [self.dev.event() for _ in range(2)]  # last copy out of each state staging slot
             self._kv_out_done = self.dev.event()
+
+    def _state_buffer_bytes(self) -> tuple[int, int]:
+        """Bytes of a ring slot (μ rows of the largest layer state, `max_tokens` tokens) and of the new
+        entries of μ rows (a linear layer's are its whole state)."""
+        mu, T = self.mu, self.cache.max_tokens
+        # every layer's kind, as the planner counts them (zero-row stores: shapes, no memory)
+        stores = [layer_store(self.spec, i, 0, T, self.w.dtype) for i in range(self.spec.num_layers)]
+        kinds = {(st.kind, st.window): st for st in stores}.values()
+        return (max(_packed_bytes(st.shapes(mu, T)) for st in kinds),
+                max(_packed_bytes(st.new_shapes(mu)) for st in kinds))
 
     def _device_buffers(self, n_mb: int) -> None:
         s, dt, mu, dev = self.spec, self.w.dtype, self.mu, self.dev
         self.qkv_d, self.o_d = [], []
         if self.attention_on == "cpu" and self.ffn_on == "gpu":
-            self.qkv_d = [dev.empty((mu, s.q_size + 2 * s.kv_size), dt) for _ in range(n_mb)]
-            self.o_d = [dev.empty((mu, s.q_size), dt) for _ in range(n_mb)]
-        self.kv_dev: list[tuple] = []  # KV cache of the layers whose KV lives on the GPU
-        self.kv_ring: list[tuple] = []
+            d1, d2 = mixer.max_widths(s)
+            self.qkv_d = [dev.empty((mu * d1,), dt) for _ in range(n_mb)]
+            self.o_d = [dev.empty((mu * d2,), dt) for _ in range(n_mb)]
+        self.state_dev: list = []  # the stores of the layers whose state lives on the GPU
+        self.state_ring: list[torch.Tensor] = []
         if self.attention_on != "gpu":
             return
-        shape = (self.cache.slots, s.num_kv_heads, self.cache.max_tokens, s.head_dim)
         # zeros, not empty: masked positions still enter p @ v (as 0 × v), and 0 × NaN is NaN
-        self.kv_dev = [(dev.zeros(shape, dt), dev.zeros(shape, dt)) for _ in range(self.kv_gpu_layers)]
+        self.state_dev = [layer_store(s, i, self.cache.slots, self.cache.max_tokens, dt, alloc=dev.zeros)
+                          for i in range(self.kv_gpu_layers)]
         if self.kv_gpu_layers < s.num_layers:
-            n = mu * s.num_kv_heads * self.cache.max_tokens * s.head_dim
-            self.kv_ring = [(dev.zeros(n, dt), dev.zeros(n, dt)) for _ in range(2)]
+            self.state_ring = [dev.zeros(self._ring_bytes, torch.uint8) for _ in range(2)]
 
     # ---- graphs ---------------------------------------------------------------------------------
     def _graph(self, kind: str, n: int):
@@ -338,10 +346,8 @@ class PipelineRunner:
     def decode(self, tokens, slots, positions):
         """One token for every active request; per-micro-batch lists. Returns (logits [B, V] on the CPU, busy).
         The logits are valid until the next decode step."""
-        self._step = [_MB(t, s, p, self.dev) for t, s, p in zip(tokens, slots, positions)]
-        for j, mb in enumerate(self._step[:len(self.qkv_h)]):  # where D1 and D2 land: fixed buffers
-            mb.hq, mb.hk, mb.hv = self._qkv_views(j, mb.B)
-            mb.o = self.o_d[j][:mb.B]
+        on_device, ring = bool(self.state_dev), bool(self.state_ring)
+        self._step = [_MB(t, s, p, self.dev, on_device, ring) for t, s, p in zip(tokens, slots, positions)]
         with self.dev.compute():
             for mb in self._step:
                 mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
@@ -384,14 +390,18 @@ class PipelineRunner:
     def _logits(self, xs: list[torch.Tensor], buffer: str) -> torch.Tensor:
         """fp32 logits of the final hidden states, micro-batch by micro-batch into one host buffer (the
         device holds one micro-batch's logits at a time); one sync for all of them."""
-        spec, norm_w = self.spec, self.globals["norm"]
+        g = self.globals
+
+        def logits(x):
+            return final_logits(self.spec, g["norm"], self.lm_head, x, g.get("norm_b"), g.get("lm_head_b"))
+
         if not self.dev.accelerator:
-            return torch.cat([final_logits(spec, norm_w, self.lm_head, x) for x in xs])
+            return torch.cat([logits(x) for x in xs])
         out, row = self.host[buffer], 0
         with self.dev.compute():
             for x in xs:
                 n = x.shape[0]
-                self.dev.copy(out[row:row + n], final_logits(spec, norm_w, self.lm_head, x))
+                self.dev.copy(out[row:row + n], logits(x))
                 row += n
         self.dev.current_stream().synchronize()
         return out[:row]
@@ -424,71 +434,68 @@ class PipelineRunner:
 
     # ---- tasks ----------------------------------------------------------------------------------
     def _pre_attn(self, t):
-        mb = self._step[t.micro_batch]
-        q, k, v = dense_pre_attn(self.spec, self.dense[t.layer], mb.x, mb.positions_d, self.rope, self._full_norm)
+        mb, i = self._step[t.micro_batch], t.layer
+        payload, mb.keep = decoder.pre_attn(self.spec, i, self.dense[i], mb.x, mb.positions_d, self.rope, mb.lengths_d,
+                                            self._full_norm)
         if not self.qkv_d:
-            mb.q, mb.k, mb.v = q, k, v
+            mb.payload = payload
             return
-        # D1 sends one contiguous block: gather q, k, v into this micro-batch's device buffer
-        Q, KV, B = self.spec.q_size, self.spec.kv_size, mb.B
-        buf = self.qkv_d[t.micro_batch][:B]
-        buf[:, :Q].copy_(q.reshape(B, Q))
-        buf[:, Q:Q + KV].copy_(k.reshape(B, KV))
-        buf[:, Q + KV:].copy_(v.reshape(B, KV))
+        # D1 sends one contiguous block: the payload into this micro-batch's device buffer
+        self._payload(self.qkv_d, t.micro_batch, mb.B, payload.shape[1]).copy_(payload)
 
-    def _qkv_views(self, j: int, B: int):
-        """q, k, v of micro-batch j in its host D1 buffer: [B, H, hd], [B, Hkv, hd], [B, Hkv, hd]."""
-        q, kv, buf = self.spec.q_size, self.spec.kv_size, self.qkv_h[j][:B]
-        H, Hkv, hd = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
-        return buf[:, :q].view(B, H, hd), buf[:, q:q + kv].view(B, Hkv, hd), buf[:, q + kv:].view(B, Hkv, hd)
+    @staticmethod
+    def _payload(bufs: list[torch.Tensor], j: int, B: int, width: int) -> torch.Tensor:
+        """Micro-batch j's [B, width] block at the start of its flat buffer (contiguous, whatever the width)."""
+        return bufs[j][:B * width].view(B, width)
 
     def _d1(self, t):
-        mb = self._step[t.micro_batch]
-        buf = self.qkv_h[t.micro_batch][:mb.B]
-        self.dev.copy(buf, self.qkv_d[t.micro_batch][:mb.B])
-        self.bytes["d2h"] += buf.numel() * buf.element_size()
+        mb, j = self._step[t.micro_batch], t.micro_batch
+        width = mixer.d1_width(self.spec, t.layer)
+        mb.hpayload = self._payload(self.qkv_h, j, mb.B, width)
+        self.dev.copy(mb.hpayload, self._payload(self.qkv_d, j, mb.B, width))
+        self.bytes["d2h"] += mb.hpayload.numel() * mb.hpayload.element_size()
 
     def _cpu_attn(self, t):
         mb, i = self._step[t.micro_batch], t.layer
-        q, k, v = (mb.hq, mb.hk, mb.hv) if mb.hq is not None else (mb.q, mb.k, mb.v)
-        self.cache.write(i, mb.slots, mb.positions, k, v)
-        o = decode_attention(q, mb.cache_rows(self.cache.k[i]), mb.cache_rows(self.cache.v[i]), mb.lengths, self.scale,
-                             mb.span, mb.pad, widen=self.widen_attn)
+        payload = mb.hpayload if mb.hpayload is not None else mb.payload
+        o = decoder.attend(self.spec, i, self.host_w[i], payload, self.cache.layers[i], mb.rows, self.widen_attn)
         if self.ffn_on == "cpu":
             mb.o = o
         else:
-            self.o_h[t.micro_batch][:mb.B].copy_(o)
+            self._payload(self.o_h, t.micro_batch, mb.B, o.shape[1]).copy_(o)
 
     def _d2(self, t):
-        mb = self._step[t.micro_batch]
-        self.dev.copy(self.o_d[t.micro_batch][:mb.B], self.o_h[t.micro_batch][:mb.B])
+        mb, j = self._step[t.micro_batch], t.micro_batch
+        width = mixer.d2_width(self.spec, t.layer)
+        mb.o = self._payload(self.o_d, j, mb.B, width)
+        self.dev.copy(mb.o, self._payload(self.o_h, j, mb.B, width))
         self.bytes["h2d"] += mb.o.numel() * mb.o.element_size()
 
     def _post_attn(self, t):
-        mb, w = self._step[t.micro_batch], self.dense[t.layer]
-        x = mb.x + self._attention_out(F.linear(mb.o, w["o"]))
-        h = norm(self.spec, x, w["ln2"])
-        mb.rw, mb.ridx = route(self.spec, h, w)
+        mb, i = self._step[t.micro_batch], t.layer
         # the shared expert's output joins the routed experts' before the residual add, as the reference does
-        mb.shared = shared_expert(self.spec, w, h) if self.spec.shared_intermediate else None
-        mb.x, mb.h = x, h
+        mb.ffn = decoder.post_attn(self.spec, i, self.dense[i], mb.x, mb.o, mb.keep, self._attention_out)
+        mb.keep = None
 
     def _ffn(self, t):
         g = self._group_size(t)
         mbs = self._step[t.micro_batch:t.micro_batch + g]
-        parts = self._expert_parts(t.layer)
-        if g == 1:
-            outs = [self._experts(parts, mbs[0].h, mbs[0].rw, mbs[0].ridx)]
+        if not self.spec.is_moe(t.layer):  # a dense layer: its MLP ran with the post-attention work
+            outs = [None] * len(mbs)
+        elif g == 1:
+            f = mbs[0].ffn
+            outs = [self._experts(self._expert_parts(t.layer), f.h, f.weights, f.idx)]
         else:
-            out = self._experts(parts, torch.cat([m.h for m in mbs]), torch.cat([m.rw for m in mbs]),
-                                torch.cat([m.ridx for m in mbs]))
+            fs = [m.ffn for m in mbs]
+            out = self._experts(self._expert_parts(t.layer), torch.cat([f.h for f in fs]),
+                                torch.cat([f.weights for f in fs]), torch.cat([f.idx for f in fs]))
             outs = out.split([m.B for m in mbs])
-        outs = [y if m.shared is None else y + m.shared for m, y in zip(mbs, outs)]
-        if self.tp is not None:  # each rank holds a slice of every expert: sum the partial outputs, once
-            outs = self.tp.ffn_out(torch.cat(outs)).split([m.B for m in mbs]) if g > 1 else [self.tp.ffn_out(outs[0])]
-        for m, y in zip(mbs, outs):
-            m.x = m.x + y
-            m.h = m.shared = None
+        ys = [decoder.ffn_output(m.ffn, y) for m, y in zip(mbs, outs)]
+        if self._ffn_out is not None:  # each rank holds a slice of every expert: sum the partial outputs, once
+            ys = self._ffn_out(torch.cat(ys)).split([m.B for m in mbs]) if g > 1 else [self._ffn_out(ys[0])]
+        for m, y in zip(mbs, ys):
+            m.x = m.ffn.x + y
+            m.ffn = None
 
     def _experts(self, parts: list[dict], h, rw, ridx):
         if len(parts) == 1 and not self.dev.accelerator:
@@ -524,103 +531,93 @@ class PipelineRunner:
             self.bytes["h2d"] += dst.numel() * dst.element_size()
 
     def _ring(self, mb: _MB, layer: int, j: int):
-        """This micro-batch's KV buffers for a layer whose KV is on the CPU: device and host staging
-        views [B, Hkv, T, hd], T = its longest cached length + the new token."""
-        s = self.spec
+        """This micro-batch's state buffers for a layer whose state is on the CPU: (ring slot, a store over
+        the device buffer, one over its host staging), rows for the longest cached length + the new token."""
         slot = (layer * len(self._step) + j) % 2
-        shape = (mb.B, s.num_kv_heads, mb.span[1], s.head_dim)
-        n = math.prod(shape)
-        dk, dv = self.kv_ring[slot]
-        hk, hv = self.host[f"kv_in{slot}k"], self.host[f"kv_in{slot}v"]
-        return slot, dk[:n].view(shape), dv[:n].view(shape), hk[:n].view(shape), hv[:n].view(shape)
+        store = self.cache.layers[layer]
+        shapes = store.shapes(mb.B, mb.span[1])
+        return slot, store.over(_carve(self.state_ring[slot], shapes)), store.over(
+            _carve(self.host[f"state_in{slot}"], shapes))
 
     def _kv_load(self, t):
         mb, i = self._step[t.micro_batch], t.layer
         if i < self.kv_gpu_layers:
             return
-        slot, dk, dv, hk, hv = self._ring(mb, i, t.micro_batch)
-        T = mb.span[1]
+        slot, dev_view, host_view = self._ring(mb, i, t.micro_batch)
         self.dev.host_wait(self._stage_free[slot])  # the copy out of this staging slot two loads ago
-        hk.copy_(mb.cache_rows(self.cache.k[i])[:, :, :T])  # gather on the host into pinned staging ...
-        hv.copy_(mb.cache_rows(self.cache.v[i])[:, :, :T])
-        self.dev.copy(dk, hk)  # ... then one contiguous asynchronous copy each
-        self.dev.copy(dv, hv)
+        # gather on the host into pinned staging, the new token's place included (overwritten on the device;
+        # copied so that nothing uninitialised enters attention: 0 × NaN is NaN) ...
+        load_rows(self.cache.layers[i], host_view, mb.rows, mb.span[1])
+        for d, h in zip(dev_view.tensors, host_view.tensors):  # ... then one contiguous asynchronous copy each
+            self.dev.copy(d, h)
+            self.bytes["h2d"] += h.numel() * h.element_size()
         self._stage_free[slot].record(self.dev.current_stream())
-        self.bytes["h2d"] += 2 * hk.numel() * hk.element_size()
 
     def _gpu_attn(self, t):
         mb, i = self._step[t.micro_batch], t.layer
         if i < self.kv_gpu_layers:
-            K, V = self.kv_dev[i]
-            K[mb.slots_d, :, mb.positions_d] = mb.k
-            V[mb.slots_d, :, mb.positions_d] = mb.v
-            kd, vd = mb.cache_rows_d(K), mb.cache_rows_d(V)
-        else:
-            _, kd, vd, _, _ = self._ring(mb, i, t.micro_batch)
-            rows = torch.arange(mb.B, device=self.dev.torch_device)
-            kd[rows, :, mb.positions_d] = mb.k
-            vd[rows, :, mb.positions_d] = mb.v
-            # the store runs on another queue, possibly after the next layer's pre-attention replaced mb.k
-            mb.new_kv[i] = (mb.k, mb.v)
-        mb.o = decode_attention(mb.q, kd, vd, mb.lengths_d, self.scale, mb.span, mb.pad_d)
+            mb.o = decoder.attend(self.spec, i, self.dense[i], mb.payload, self.state_dev[i], mb.rows_d)
+            return
+        store = self._ring(mb, i, t.micro_batch)[1]
+        mb.o = decoder.attend(self.spec, i, self.dense[i], mb.payload, store, mb.rows_ring)
+        # the store runs on another queue, possibly after the position two on reused this ring slot
+        mb.new_state[i] = store.new_entries(mb.rows_ring)
 
     def _kv_store(self, t):
         if self._pre is not None:  # prefill: the micro-batch's whole prompts
             return self._store_prompts(t)
         if t.layer < self.kv_gpu_layers:
-            return  # attention wrote the device cache
-        mb = self._step[t.micro_batch]
-        k, v = mb.new_kv.pop(t.layer)
-        hk, hv = self.host["kv_outk"][:mb.B], self.host["kv_outv"][:mb.B]
-        self.dev.copy(hk, k)
-        self.dev.copy(hv, v)
+            return  # attention wrote the device store
+        mb, store = self._step[t.micro_batch], self.cache.layers[t.layer]
+        parts = mb.new_state.pop(t.layer)
+        staged = _carve(self.host["state_out"], [(p.shape, p.dtype) for p in parts])
+        for h, p in zip(staged, parts):
+            self.dev.copy(h, p)
+            self.bytes["d2h"] += h.numel() * h.element_size()
         self._kv_out_done.record(self.dev.current_stream())
-        self.dev.host_wait(self._kv_out_done)  # the CPU cache write needs the bytes on the host
-        self.cache.write(t.layer, mb.slots, mb.positions, hk, hv)
-        self.bytes["d2h"] += 2 * hk.numel() * hk.element_size()
+        self.dev.host_wait(self._kv_out_done)  # the CPU store's write needs the bytes on the host
+        store.put_new(mb.rows, staged)
 
     def _store_prompts(self, t):
         mb, i = self._pre[t.micro_batch], t.layer
-        k, v = mb.kv[i]
-        mb.kv[i] = None
+        prompts, mb.kv[i] = mb.kv[i], None
         if i < self.kv_gpu_layers:
-            K, V = self.kv_dev[i]
-            start = 0
-            for n, slot in zip(mb.lens, mb.slots):
-                K[slot, :, :n] = k[start:start + n].transpose(0, 1)
-                V[slot, :, :n] = v[start:start + n].transpose(0, 1)
-                start += n
+            for slot, parts in zip(mb.slots, prompts):
+                self.state_dev[i].write_prompt(slot, *parts)
             return
-        k, v = self.dev.to_host(k), self.dev.to_host(v)  # prefill only: a blocking copy is fine here
-        start = 0
-        for n, slot in zip(mb.lens, mb.slots):
-            self.cache.write_prompt(i, slot, k[start:start + n], v[start:start + n])
-            start += n
-        self.bytes["d2h"] += 2 * k.numel() * k.element_size()
+        store = self.cache.layers[i]
+        for slot, parts in zip(mb.slots, prompts):
+            parts = [self.dev.to_host(p) for p in parts]  # prefill only: a blocking copy is fine here
+            store.write_prompt(slot, *parts)
+            self.bytes["d2h"] += sum(p.numel() * p.element_size() for p in parts)
 
     def _prefill(self, t):
         mb, i = self._pre[t.micro_batch], t.layer
-        w = self.dense[i]
-        q, k, v = dense_pre_attn(self.spec, w, mb.x, mb.positions_d, self.rope, self._full_norm)
-        parts, start = [], 0
-        for n in mb.lens:
-            parts.append(prefill_attention(q[start:start + n], k[start:start + n], v[start:start + n], self.scale))
-            start += n
+        parts = self._expert_parts(i) if self.spec.is_moe(i) else None
+        # the FFN's intermediates are the peak: the layer holds nothing else then (the planner counts on it)
+        mb.x, states = decoder.prefill_layer(self.spec, i, self.dense[i], mb.x, mb.positions_d, self.rope, mb.lens,
+                                             lambda h, w, idx: self._experts(parts, h, w, idx), mb.calls_d,
+                                             self._full_norm, self._attention_out, self._ffn_out)
         while len(mb.kv) <= i:
             mb.kv.append(None)
-        mb.kv[i] = (k, v.contiguous())  # v is a view of the whole QKV projection: keep only v until the store
-        attn = torch.cat(parts)
-        q = k = v = parts = None  # the FFN's intermediates are the peak: hold nothing else (the planner counts on it)
-        mb.x = mb.x + self._attention_out(F.linear(attn, w["o"]))
-        attn = None
-        h = norm(self.spec, mb.x, w["ln2"])
-        rw, ridx = route(self.spec, h, w)
-        y = self._experts(self._expert_parts(i), h, rw, ridx)
-        if self.spec.shared_intermediate:
-            y = y + shared_expert(self.spec, w, h)
-        mb.x = mb.x + (y if self.tp is None else self.tp.ffn_out(y))
+        mb.kv[i] = states
         if self.ffn_on == "cpu":  # the CPU-only chain has no kv_store task: write the cache here
             self._store_prompts(t)
+
+
+def _packed_bytes(shapes) -> int:
+    """Bytes of tensors of these (shape, dtype) laid back to back, each start aligned to _ALIGN."""
+    return sum(-(-math.prod(s) * d.itemsize // _ALIGN) * _ALIGN for s, d in shapes)
+
+
+def _carve(buf: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """Contiguous tensors of these (shape, dtype) at the start of a uint8 buffer, back to back, aligned."""
+    out, off = [], 0
+    for shape, dtype in shapes:
+        n = math.prod(shape) * dtype.itemsize
+        out.append(buf[off:off + n].view(dtype).view(shape))
+        off += -(-n // _ALIGN) * _ALIGN
+    return out
 
 
 def _arena(want: list[tuple[str, tuple, torch.dtype]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -634,6 +631,3 @@ def _arena(want: list[tuple[str, tuple, torch.dtype]]) -> tuple[torch.Tensor, di
     return arena, {name: arena[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
                    for (name, shape, dtype), o in zip(want, offs)}
 
-
-def _noop(t):
-    return t
