@@ -76,3 +76,63 @@ def test_mxfp4_experts_load_as_four_bit_blocks(mxfp4_ckpt):
     ref = experts(h.double(), want13.double(), want2.double(), rw.double(), idx, grouped=False, b13=b13.double(),
                   b2=b2.double(), act=act)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+
+@pytest.fixture(scope="module")
+def dequantized_ckpt(mxfp4_ckpt, tmp_path_factory):
+    """The same checkpoint with its experts expanded by transformers' own MXFP4 decoder (bf16 layout)."""
+    import shutil
+
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    ref = shutil.copytree(mxfp4_ckpt, tmp_path_factory.mktemp("gpt-oss-dequantized") / "m")
+    (st,) = ref.glob("*.safetensors")
+    sd = load_file(st)
+    for name in [k[:-len("_blocks")] for k in sd if k.endswith("_blocks")]:
+        sd[name] = convert_moe_packed_tensors(sd.pop(name + "_blocks"), sd.pop(name + "_scales"), dtype=torch.float32)
+    save_file(sd, st)
+    cfg = json.loads((ref / "config.json").read_text())
+    del cfg["quantization_config"]
+    (ref / "config.json").write_text(json.dumps(cfg))
+    return ref
+
+
+def test_mlight_run_on_mxfp4_gives_transformers_tokens_on_what_the_blocks_hold(mxfp4_ckpt, dequantized_ckpt, tmp_path):
+    """The released gpt-oss format end to end through `mlight run` (CPU mode: the 4-bit experts computed
+    where they lie), 7 prompts through 4 slots, against transformers running the dequantized experts."""
+    from checkpoints import reference_greedy
+    from test_cli_parity import run_cli
+    from test_engine_parity import MAX_NEW, PROMPTS
+    from transformers import AutoTokenizer
+
+    rows = run_cli(tmp_path, mxfp4_ckpt)
+    tok = AutoTokenizer.from_pretrained(str(mxfp4_ckpt))
+    for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW)):
+        want = reference_greedy(dequantized_ckpt, tok(p).input_ids, n)
+        got = rows[f"r{i}"]["output_token_ids"]
+        assert got == want[:len(got)] and (len(got) == n or rows[f"r{i}"]["finish_reason"] == "stop"), f"r{i}"
+
+
+def test_mxfp4_pages_stream_to_the_device_as_four_bit_bytes(mxfp4_ckpt, dequantized_ckpt):
+    """CGOPipe with every layer's experts streamed in pages: the bytes that cross are the MXFP4 blocks, and
+    the tokens are transformers' on the dequantized experts."""
+    from checkpoints import reference_greedy
+    from core.runtime.engine import Engine, Request
+    from test_engine_parity import MAX_NEW, PROMPTS
+
+    engine = Engine.load(mxfp4_ckpt, executor="threaded", schedule="cgopipe", resident_layers=0, pages_per_layer=2)
+    engine.eos_ids = set()
+    reqs = [Request(id=str(i), prompt=p, max_new_tokens=n) for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))]
+    steps = []
+    try:
+        got = {r.id: r.output_token_ids for r in engine.generate(reqs, batch_size=4, micro_batch_size=2,
+                                                                 on_event=steps.append)}
+    finally:
+        engine.close()
+    # a decode step streams every layer's expert region (uint8: 4-bit blocks, scales, biases) and little else
+    least = min(s.bytes_h2d for s in steps if getattr(s, "kind", None) == "decode")
+    blocks = sum(lw.experts.numel() for lw in engine.weights.layers)
+    assert engine.weights.layers[0].experts.dtype == torch.uint8 and blocks <= least < 1.2 * blocks
+    for r in reqs:
+        assert got[r.id] == reference_greedy(dequantized_ckpt, engine.prompt_token_ids(r), r.max_new_tokens), r.id
