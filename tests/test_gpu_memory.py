@@ -146,3 +146,20 @@ def test_a_batch_too_big_for_the_device_halves_until_it_fits(model):
     engine.close()
     assert got == want and dev.stats["ooms"] >= 1
     assert [e.message for e in events if isinstance(e, WarningEvent)][-1].startswith("out of GPU memory; continuing")
+
+
+def test_dense_layers_hold_no_experts_in_the_plan_or_the_run(checkpoint_factory):
+    """DeepSeek's first layer is a dense MLP: r_w is a share of the routed experts only, the runtime keeps
+    exactly those on the device, and what it page-locks (the MoE layers' streamed experts) is the plan's."""
+    from core.plan.policy import expert_split
+
+    path = checkpoint_factory("deepseek_v2")  # 3 layers, layer 0 dense, 8 experts each in layers 1 and 2
+    spec = load_spec(path)
+    assert expert_split(0.25, 3, 8, dense=[0]) == [0, 2, 2]  # 0.25 × 16 routed experts, none in layer 0
+    tok = Engine.load(path, device="cpu").tokenizer
+    policy = Policy(16, 4, 16, "cpu", "gpu", 0.25, 0.0, 2)
+    prompts, w = workload(tok, policy.batch_size, 16, 4)
+    pred = predict(policy, spec, preset("t4"), w)
+    dev, _, pinned = run(path, policy, prompts, 4, 1 << 30)
+    assert pinned == [pred.pinned_bytes]
+    assert pred.gpu_breakdown["resident_experts"] == 4 * spec.expert_bytes

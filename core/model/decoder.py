@@ -6,7 +6,8 @@ Decode, one token per request:
   post_attn (accelerator): the mixer's output projection + residual, norm -> h for the FFN, and the
             FFN's dense part (router + shared expert, or the whole dense MLP of a dense layer)
   routed experts (accelerator, per expert batch): core.model.moe.experts
-Prefill: `prefill_layer` runs a whole layer for packed prompts and returns their state parts.
+Prefill: `prefill_mix` (the token mixer, returning each prompt's state parts) then `prefill_ffn`, for
+packed prompts.
 The token mixer of each kind lives in core.model.mixer. Legend: T = tokens, D = hidden.
 """
 
@@ -66,25 +67,24 @@ def ffn_output(f: FfnInput, routed: torch.Tensor | None) -> torch.Tensor:
     return f.dense if routed is None else (routed if f.dense is None else routed + f.dense)
 
 
-def finish(f: FfnInput, routed: torch.Tensor | None) -> torch.Tensor:
-    """The layer's output: residual + the FFN's output."""
-    return f.x + ffn_output(f, routed)
-
-
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (h, weights, idx) -> [T, D]
 
 
-def prefill_layer(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor, rope,
-                  lens: list[int], experts: Experts, call_lengths: torch.Tensor | None = None, full_norm=None,
-                  attention_out=None, ffn_out=None):
-    """Whole prompts packed in x [T, D] -> (layer output [T, D], per prompt its state parts).
-    Tensor parallel: `full_norm` as in pre_attn; `attention_out` / `ffn_out` sum a rank's partial outputs."""
+def prefill_mix(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor, rope, lens: list[int],
+                call_lengths: torch.Tensor | None = None, full_norm=None, attention_out=None):
+    """Whole prompts packed in x [T, D] -> (residual stream after the token mixer [T, D], per prompt its
+    state parts). Tensor parallel: `full_norm` as in pre_attn; `attention_out` sums a rank's partial output."""
     m = mixer.module(spec, layer)
     h = norm(spec, x, w["ln1"], w.get("ln1_b"))
     out, parts = m.prefill(spec, w, h, positions, rope, lens, call_lengths, mixer.window(spec, layer),
                            full_norm=full_norm)
-    x = x + (out if attention_out is None else attention_out(out))
-    out = None  # the FFN's intermediates are the peak: hold nothing else then
+    return x + (out if attention_out is None else attention_out(out)), parts
+
+
+def prefill_ffn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, experts: Experts, ffn_out=None) -> torch.Tensor:
+    """x [T, D] after the mixer -> the layer's output. The caller holds nothing else of the layer then:
+    the FFN's intermediates are a prefill's peak (core.plan.planner counts it so). `ffn_out` sums a
+    tensor-parallel rank's partial output."""
     h = norm(spec, x, w["ln2"], w.get("ln2_b"))
     if not spec.is_moe(layer):
         y = dense_mlp(w, h)
@@ -93,4 +93,4 @@ def prefill_layer(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, positio
         y = experts(h, weights, idx)
         if spec.shared_intermediate:
             y = y + shared_expert(spec, w, h)
-    return x + (y if ffn_out is None else ffn_out(y)), parts
+    return x + (y if ffn_out is None else ffn_out(y))

@@ -81,6 +81,7 @@ def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, 
             call_lengths=None, window: int = 0, full_norm=None):
     """Whole prompts packed in h [T, D] -> (output [T, D], per prompt the (k, v) [L, Hkv, hd] to store)."""
     q, k, v, gate = project(spec, w, h, positions, rope, call_lengths, full_norm)
+    v = v.contiguous()  # v is a view of the whole QKV projection: the stored parts keep only v, not it
     parts, outs, start = [], [], 0
     for n in lens:
         outs.append(prefill_attention(q[start:start + n], k[start:start + n], v[start:start + n], spec.scale,

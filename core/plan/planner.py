@@ -29,7 +29,7 @@ from core.plan import hrm
 from core.plan.parallel import default_ranks, rank_view
 from core.errors import BudgetError, UsageError
 from core.plan.hardware import HardwareSpec
-from core.plan.policy import Policy, Prediction, expert_split, kv_gpu_layers
+from core.plan.policy import Policy, Prediction, dense_layers, expert_split, kv_gpu_layers
 from core.model.spec import ModelSpec
 from core.telemetry import RESOURCES
 
@@ -153,7 +153,8 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
         return {}, {"weights": d.total_bytes, "kv_cache": int(d.layers * kv_layer),
                     "activations": _cpu_activations(d, p, w) + cpu_attn_ws, "dequant_scratch": d.scratch}, 0
     L, E, eb = d.layers, d.E, d.expert_bytes
-    resident = expert_split(p.gpu_weight_fraction, L, E)
+    dense = dense_layers(L, d.moe_frac)
+    resident = [r for i, r in enumerate(expert_split(p.gpu_weight_fraction, L, E, dense)) if i not in dense]
     width = E - min(resident)  # experts in each half of the streaming buffer
     gpu_attn = p.attention_on == "gpu"
     kv_gpu = kv_gpu_layers(p.gpu_kv_fraction, L) if gpu_attn else 0
@@ -652,7 +653,8 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
     _, c, r_w, r_c = best
     # whole experts and whole layers: what the runtime can place (core.plan.policy.expert_split)
     L, E = model.num_layers, model.num_experts
-    r_w, r_c = math.floor(r_w * L * E + 1e-6) / (L * E), math.floor(r_c * L + 1e-6) / L
+    LE = model.moe_layers * E  # routed experts in all (dense layers hold none)
+    r_w, r_c = math.floor(r_w * LE + 1e-6) / LE, math.floor(r_c * L + 1e-6) / L
     n_mb = c.n // c.mu
     policy = Policy(batch_size=c.n, micro_batch_size=c.mu, expert_batch_size=c.beta, attention_on=c.place[0],
                     ffn_on=c.place[1], gpu_weight_fraction=r_w if c.place[1] == "gpu" else 0.0,
@@ -665,7 +667,7 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
 
 def _shrink(p: Policy, m, hw, w, budget) -> Policy:
     """Step fractions pushed past a memory limit by rounding to whole experts/layers back inside it."""
-    step_w, step_c = 1 / (m.num_layers * m.num_experts), 1 / m.num_layers
+    step_w, step_c = 1 / (m.moe_layers * m.num_experts), 1 / m.num_layers
     for _ in range(m.num_layers * (m.num_experts + 1)):
         over = validate(p, m, hw, w, budget)
         if not over:

@@ -76,14 +76,25 @@ class Policy:
         return cls.from_dict(json.loads(text))
 
 
-def expert_split(gpu_weight_fraction: float, num_layers: int, num_experts: int) -> list[int]:
-    """How many of each layer's experts stay on the GPU for a resident share r_w: round(r_w·L·E) experts
-    in all (to the nearest whole expert), spread evenly, the earlier layers taking the remainder. The
-    runtime keeps these and streams the rest; the planner counts the same (the streaming buffer holds
-    the most any layer streams)."""
-    total = int(gpu_weight_fraction * num_layers * num_experts + 0.5)
-    base, extra = divmod(min(total, num_layers * num_experts), num_layers)
-    return [base + (i < extra) for i in range(num_layers)]
+def expert_split(gpu_weight_fraction: float, num_layers: int, num_experts: int, dense=()) -> list[int]:
+    """How many of each layer's experts stay on the GPU for a resident share r_w of the routed experts:
+    round(r_w·L'·E) experts in all (L' = the layers with experts; to the nearest whole expert), spread
+    evenly, the earlier of those layers taking the remainder; the layers in `dense` (a dense MLP, no
+    experts: DeepSeek's and GLM's first layers) get 0. The runtime keeps these and streams the rest;
+    the planner counts the same (the streaming buffer holds the most any layer streams)."""
+    moe = [i for i in range(num_layers) if i not in set(dense)]
+    total = int(gpu_weight_fraction * len(moe) * num_experts + 0.5)
+    base, extra = divmod(min(total, len(moe) * num_experts), max(1, len(moe)))
+    out = [0] * num_layers
+    for n, i in enumerate(moe):
+        out[i] = base + (n < extra)
+    return out
+
+
+def dense_layers(num_layers: int, moe_share: float) -> range:
+    """The layers without experts as the planner sees them: the first ones (DeepSeek's and GLM's
+    `first_k_dense_replace`), as many as the share of MoE layers leaves."""
+    return range(num_layers - round(moe_share * num_layers))
 
 
 def kv_gpu_layers(gpu_kv_fraction: float, num_layers: int) -> int:

@@ -564,7 +564,9 @@ def _probed_cpu_rates() -> dict[str, float] | None:
 
 def _placement(policy, spec: ModelSpec) -> dict:
     """RunConfig fields for a policy's resident experts (r_w) and GPU-held KV layers (r_c)."""
-    return {"resident_experts": tuple(expert_split(policy.gpu_weight_fraction, spec.num_layers, spec.num_experts)),
+    dense = [i for i in range(spec.num_layers) if not spec.is_moe(i)]
+    return {"resident_experts": tuple(expert_split(policy.gpu_weight_fraction, spec.num_layers, spec.num_experts,
+                                                   dense)),
             "kv_gpu_layers": kv_gpu_layers(policy.gpu_kv_fraction, spec.num_layers)}
 
 
@@ -575,8 +577,9 @@ def _experts_that_fit(spec: ModelSpec, dtype, dev: Device) -> tuple[int, ...]:
     scale = b / spec.dtype_bytes
     L, E, eb = spec.num_layers, spec.num_experts, spec.expert_bytes * scale
     fixed = (spec.nonexpert_bytes + 2 * spec.layer_expert_bytes) * scale + min(2e9, 0.1 * free)  # + activations, KV
-    n = max(0, min(L * E, int((0.85 * free - fixed) // eb)))
-    return tuple(expert_split(n / (L * E), L, E))
+    LE = spec.moe_layers * E  # routed experts in all (dense layers hold none)
+    n = max(0, min(LE, int((0.85 * free - fixed) // eb)))
+    return tuple(expert_split(n / LE, L, E, [i for i in range(L) if not spec.is_moe(i)]))
 
 
 def _accelerator_dtype(dev: Device, dtype: torch.dtype, progress: EventSink) -> torch.dtype:

@@ -80,12 +80,13 @@ class _MB:
 class _PrefillMB:
     """A prefill micro-batch: whole prompts packed without padding."""
 
-    def __init__(self, prompts, slots, dev: Device):
+    def __init__(self, prompts, slots, dev: Device, call_lengths: bool = False):
         self.lens = [len(p) for p in prompts]
         self.slots = list(slots)
         self.tokens_d = dev.tensor([t for p in prompts for t in p])
         self.positions_d = dev.to_device(torch.cat([torch.arange(n) for n in self.lens]))
-        self.calls_d = dev.to_device(torch.cat([torch.full((n,), n) for n in self.lens]))  # LongRoPE: prompt lengths
+        # LongRoPE picks its table by each token's prompt length
+        self.calls_d = dev.to_device(torch.cat([torch.full((n,), n) for n in self.lens])) if call_lengths else None
         self.ends_d = dev.to_device(torch.tensor(self.lens).cumsum(0) - 1)
         self.x = None
         self.kv = []  # per layer: per prompt its state parts (device tensors) for the store
@@ -362,7 +363,7 @@ class PipelineRunner:
 
     def prefill(self, prompts, slots, micro_batches):
         """Whole prompts (grouped into `micro_batches` lists of indices). Returns (last-token logits, busy)."""
-        self._pre = [_PrefillMB([prompts[i] for i in idx], [slots[i] for i in idx], self.dev)
+        self._pre = [_PrefillMB([prompts[i] for i in idx], [slots[i] for i in idx], self.dev, bool(self.rope.switch))
                      for idx in micro_batches]
         with self.dev.compute():
             for mb in self._pre:
@@ -594,10 +595,12 @@ class PipelineRunner:
     def _prefill(self, t):
         mb, i = self._pre[t.micro_batch], t.layer
         parts = self._expert_parts(i) if self.spec.is_moe(i) else None
+        w = self.dense[i]
+        mb.x, states = decoder.prefill_mix(self.spec, i, w, mb.x, mb.positions_d, self.rope, mb.lens, mb.calls_d,
+                                           self._full_norm, self._attention_out)
         # the FFN's intermediates are the peak: the layer holds nothing else then (the planner counts on it)
-        mb.x, states = decoder.prefill_layer(self.spec, i, self.dense[i], mb.x, mb.positions_d, self.rope, mb.lens,
-                                             lambda h, w, idx: self._experts(parts, h, w, idx), mb.calls_d,
-                                             self._full_norm, self._attention_out, self._ffn_out)
+        mb.x = decoder.prefill_ffn(self.spec, i, w, mb.x, lambda h, rw, idx: self._experts(parts, h, rw, idx),
+                                   self._ffn_out)
         while len(mb.kv) <= i:
             mb.kv.append(None)
         mb.kv[i] = states
