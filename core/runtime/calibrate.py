@@ -193,8 +193,9 @@ def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTE
     tc = TaskClock(clock)
     for i, (b, c) in enumerate(plan):
         runner = tc.install(engine.runner(slots=b, micro_batch_size=b, max_tokens=c + steps + 1))
-        for t in (*runner.cache.k, *runner.cache.v):  # a filled cache without a prefill: timing only
-            t[:, :, :c].normal_(generator=g)
+        for store in runner.cache.layers:  # a filled state without a prefill: timing only (any layer kind)
+            for t, axis in zip(store.tensors if store is not None else (), store.token_axes if store else ()):
+                (t if axis is None else t.narrow(axis, 0, store.kept(c))).normal_(generator=g)
         tokens = [torch.randint(0, spec.vocab_size, (b,), generator=g).tolist()]
         runner.decode(tokens, [list(range(b))], [[c] * b])  # warm-up
         tc.take({})
