@@ -71,7 +71,6 @@ class _MB:
         self.rows_ring = Rows(range(self.B), positions, move, where) if ring else None
         self.x = None  # device hidden [B, D]
         self.payload = self.keep = None  # device, from pre-attention: for attention / for post-attention
-        self.hpayload = None  # host copy (D1)
         self.o = None
         self.ffn: decoder.FfnInput | None = None  # post-attention results, for the FFN
         self.new_state: dict[int, tuple] = {}  # layer -> this token's state awaiting the host store (S4)
@@ -291,10 +290,17 @@ class PipelineRunner:
         entries of μ rows (a linear layer's are its whole state)."""
         mu, T = self.mu, self.cache.max_tokens
         # every layer's kind, as the planner counts them (zero-row stores: shapes, no memory)
-        stores = [layer_store(self.spec, i, 0, T, self.w.dtype) for i in range(self.spec.num_layers)]
-        kinds = {(st.kind, st.window): st for st in stores}.values()
-        return (max(_packed_bytes(st.shapes(mu, T)) for st in kinds),
-                max(_packed_bytes(st.new_shapes(mu)) for st in kinds))
+        self._kinds = {_kind(st): st for st in (layer_store(self.spec, i, 0, T, self.w.dtype)
+                                                 for i in range(self.spec.num_layers))}
+        return (max(_packed_bytes(st.shapes(mu, T)) for st in self._kinds.values()),
+                max(_packed_bytes(st.new_shapes(mu)) for st in self._kinds.values()))
+
+    def _typed_parts(self, buf: torch.Tensor, new: bool) -> dict:
+        """Per layer kind, its tensors' flat typed regions in a uint8 buffer (carved once: a step views
+        the first elements of each, contiguous, with 2 ops a tensor)."""
+        mu, T = self.mu, self.cache.max_tokens
+        return {key: [t.view(-1) for t in _carve(buf, st.new_shapes(mu) if new else st.shapes(mu, T))]
+                for key, st in self._kinds.items()}
 
     def _device_buffers(self, n_mb: int) -> None:
         s, dt, mu, dev = self.spec, self.w.dtype, self.mu, self.dev
@@ -312,6 +318,10 @@ class PipelineRunner:
                           for i in range(self.kv_gpu_layers)]
         if self.kv_gpu_layers < s.num_layers:
             self.state_ring = [dev.zeros(self._ring_bytes, torch.uint8) for _ in range(2)]
+            # per ring slot: (device, host staging) typed regions per layer kind; the new entries' staging
+            self._ring_parts = [(self._typed_parts(b, False), self._typed_parts(self.host[f"state_in{r}"], False))
+                                for r, b in enumerate(self.state_ring)]
+            self._out_parts = self._typed_parts(self.host["state_out"], True)
 
     # ---- graphs ---------------------------------------------------------------------------------
     def _graph(self, kind: str, n: int):
@@ -349,9 +359,17 @@ class PipelineRunner:
         The logits are valid until the next decode step."""
         on_device, ring = bool(self.state_dev), bool(self.state_ring)
         self._step = [_MB(t, s, p, self.dev, on_device, ring) for t, s, p in zip(tokens, slots, positions)]
+        self._ring_views = {}  # (layer, micro-batch) -> the device view its kv_load filled, for its attention
+        kinds = {_kind(st): st for st in self.cache.layers if st is not None}.values()
+        for mb in self._step:  # each store kind's lengths and padding mask, once per step, outside the tasks
+            for st in kinds:
+                mb.rows.kept(st)
         with self.dev.compute():
             for mb in self._step:
                 mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
+                for rows in (mb.rows_d, mb.rows_ring):
+                    for st in self._kinds.values() if rows is not None and self.state_ring else ():
+                        rows.kept(st)
         tasks, self._current_pages = self._graph("decode", len(self._step))
         self._start_step(needs_layer0=not self._current_pages)
         busy = self.ex.run(tasks, self._run)
@@ -449,16 +467,19 @@ class PipelineRunner:
         """Micro-batch j's [B, width] block at the start of its flat buffer (contiguous, whatever the width)."""
         return bufs[j][:B * width].view(B, width)
 
+    # D1 and D2 land in fixed buffers: the task reading one takes its view there, by the layer's width,
+    # whether or not the copy has run (only the event waits order them: tests remove one to see it matter)
     def _d1(self, t):
         mb, j = self._step[t.micro_batch], t.micro_batch
         width = mixer.d1_width(self.spec, t.layer)
-        mb.hpayload = self._payload(self.qkv_h, j, mb.B, width)
-        self.dev.copy(mb.hpayload, self._payload(self.qkv_d, j, mb.B, width))
-        self.bytes["d2h"] += mb.hpayload.numel() * mb.hpayload.element_size()
+        dst = self._payload(self.qkv_h, j, mb.B, width)
+        self.dev.copy(dst, self._payload(self.qkv_d, j, mb.B, width))
+        self.bytes["d2h"] += dst.numel() * dst.element_size()
 
     def _cpu_attn(self, t):
         mb, i = self._step[t.micro_batch], t.layer
-        payload = mb.hpayload if mb.hpayload is not None else mb.payload
+        payload = (self._payload(self.qkv_h, t.micro_batch, mb.B, mixer.d1_width(self.spec, i)) if self.qkv_h
+                   else mb.payload)
         o = decoder.attend(self.spec, i, self.host_w[i], payload, self.cache.layers[i], mb.rows, self.widen_attn)
         if self.ffn_on == "cpu":
             mb.o = o
@@ -468,14 +489,15 @@ class PipelineRunner:
     def _d2(self, t):
         mb, j = self._step[t.micro_batch], t.micro_batch
         width = mixer.d2_width(self.spec, t.layer)
-        mb.o = self._payload(self.o_d, j, mb.B, width)
-        self.dev.copy(mb.o, self._payload(self.o_h, j, mb.B, width))
-        self.bytes["h2d"] += mb.o.numel() * mb.o.element_size()
+        dst = self._payload(self.o_d, j, mb.B, width)
+        self.dev.copy(dst, self._payload(self.o_h, j, mb.B, width))
+        self.bytes["h2d"] += dst.numel() * dst.element_size()
 
     def _post_attn(self, t):
         mb, i = self._step[t.micro_batch], t.layer
+        o = self._payload(self.o_d, t.micro_batch, mb.B, mixer.d2_width(self.spec, i)) if self.o_d else mb.o
         # the shared expert's output joins the routed experts' before the residual add, as the reference does
-        mb.ffn = decoder.post_attn(self.spec, i, self.dense[i], mb.x, mb.o, mb.keep, self._attention_out)
+        mb.ffn = decoder.post_attn(self.spec, i, self.dense[i], mb.x, o, mb.keep, self._attention_out)
         mb.keep = None
 
     def _ffn(self, t):
@@ -537,14 +559,16 @@ class PipelineRunner:
         slot = (layer * len(self._step) + j) % 2
         store = self.cache.layers[layer]
         shapes = store.shapes(mb.B, mb.span[1])
-        return slot, store.over(_carve(self.state_ring[slot], shapes)), store.over(
-            _carve(self.host[f"state_in{slot}"], shapes))
+        dev_parts, host_parts = (p[_kind(store)] for p in self._ring_parts[slot])
+        return slot, store.over([p[:math.prod(s)].view(s) for p, (s, _) in zip(dev_parts, shapes)]), store.over(
+            [p[:math.prod(s)].view(s) for p, (s, _) in zip(host_parts, shapes)])
 
     def _kv_load(self, t):
         mb, i = self._step[t.micro_batch], t.layer
         if i < self.kv_gpu_layers:
             return
         slot, dev_view, host_view = self._ring(mb, i, t.micro_batch)
+        self._ring_views[(i, t.micro_batch)] = dev_view
         self.dev.host_wait(self._stage_free[slot])  # the copy out of this staging slot two loads ago
         # gather on the host into pinned staging, the new token's place included (overwritten on the device;
         # copied so that nothing uninitialised enters attention: 0 × NaN is NaN) ...
@@ -559,7 +583,7 @@ class PipelineRunner:
         if i < self.kv_gpu_layers:
             mb.o = decoder.attend(self.spec, i, self.dense[i], mb.payload, self.state_dev[i], mb.rows_d)
             return
-        store = self._ring(mb, i, t.micro_batch)[1]
+        store = self._ring_views.pop((i, t.micro_batch))
         mb.o = decoder.attend(self.spec, i, self.dense[i], mb.payload, store, mb.rows_ring)
         # the store runs on another queue, possibly after the position two on reused this ring slot
         mb.new_state[i] = store.new_entries(mb.rows_ring)
@@ -571,7 +595,7 @@ class PipelineRunner:
             return  # attention wrote the device store
         mb, store = self._step[t.micro_batch], self.cache.layers[t.layer]
         parts = mb.new_state.pop(t.layer)
-        staged = _carve(self.host["state_out"], [(p.shape, p.dtype) for p in parts])
+        staged = [h[:p.numel()].view(p.shape) for h, p in zip(self._out_parts[_kind(store)], parts)]
         for h, p in zip(staged, parts):
             self.dev.copy(h, p)
             self.bytes["d2h"] += h.numel() * h.element_size()
@@ -606,6 +630,10 @@ class PipelineRunner:
         mb.kv[i] = states
         if self.ffn_on == "cpu":  # the CPU-only chain has no kv_store task: write the cache here
             self._store_prompts(t)
+
+
+def _kind(store) -> tuple[str, int]:
+    return store.kind, store.window
 
 
 def _packed_bytes(shapes) -> int:
