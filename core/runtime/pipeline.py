@@ -186,6 +186,7 @@ class PipelineRunner:
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
         self._unpinned = 0  # host bytes for GPU copies that could not be page-locked
         self.host_w = [lw.tensors for lw in weights.layers]  # CPU attention reads sinks, conv and decay weights here
+        self._host_kinds = list({_kind(st): st for st in cache.layers if st is not None}.values())
         self._place_experts()
         self._layer0_half: int | None = None  # half holding layer 0's experts for the next step
         self.layer0_loads = 0  # synchronous loads of layer 0 before a step (the first step's, ideally only)
@@ -360,9 +361,8 @@ class PipelineRunner:
         on_device, ring = bool(self.state_dev), bool(self.state_ring)
         self._step = [_MB(t, s, p, self.dev, on_device, ring) for t, s, p in zip(tokens, slots, positions)]
         self._ring_views = {}  # (layer, micro-batch) -> the device view its kv_load filled, for its attention
-        kinds = {_kind(st): st for st in self.cache.layers if st is not None}.values()
         for mb in self._step:  # each store kind's lengths and padding mask, once per step, outside the tasks
-            for st in kinds:
+            for st in self._host_kinds:
                 mb.rows.kept(st)
         with self.dev.compute():
             for mb in self._step:
