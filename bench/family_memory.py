@@ -25,8 +25,8 @@ from core.model.families import load_spec  # noqa: E402
 from core.plan.hardware import preset  # noqa: E402
 from core.plan.planner import Workload, predict  # noqa: E402
 from core.plan.policy import Policy  # noqa: E402
-from core.runtime.device_emulated import EmulatedCuda  # noqa: E402
-from core.runtime.engine import Engine, Request  # noqa: E402
+from core.runtime.engine import Engine  # noqa: E402
+from emulated_memory import run  # noqa: E402  (bench/: one line per policy, peak and page-locked bytes vs plan)
 
 POLICIES = [Policy(16, 4, 8, "gpu", "gpu", 0.5, 0.5, 2), Policy(16, 4, 16, "cpu", "gpu", 0.25, 0.0, 2),
             Policy(16, 8, 16, "gpu", "gpu", 0.0, 0.0, 2)]
@@ -39,8 +39,6 @@ def main() -> None:
     ap.add_argument("--families", nargs="*", default=list(NEW_FAMILIES))
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mlight-fam-mem-"))
-    print(f"{'family':12} {'attention':9} {'r_c':>4} {'peak B':>11} {'plan B':>11} {'plan/peak':>9} "
-          f"{'peak during':>12} {'pinned':>9} {'planned':>9}")
     for fam in args.families:
         path = work / fam
         if not (path / "config.json").is_file():
@@ -52,15 +50,7 @@ def main() -> None:
             longest = max(len(tok(p).input_ids) for p in prompts)
             w = Workload(prompt_len=longest, gen_len=GEN, max_prompt_len=longest, num_requests=policy.batch_size)
             pred = predict(policy, spec, preset("t4"), w)
-            dev = EmulatedCuda(1 << 30)
-            engine = Engine.load(path, device=dev, policy=policy)
-            engine.eos_ids = set()
-            list(engine.generate([Request(id=str(i), prompt=p, max_new_tokens=GEN) for i, p in enumerate(prompts)]))
-            engine.close()
-            peak = dev.max_memory_allocated()
-            during = dev.peak_during.kind if dev.peak_during is not None else "-"
-            print(f"{fam:12} {policy.attention_on:9} {policy.gpu_kv_fraction:4.2f} {peak:11,} {pred.gpu_bytes:11,} "
-                  f"{pred.gpu_bytes / peak:9.3f} {during:>12} {dev.pinned_bytes:9,} {pred.pinned_bytes:9,}", flush=True)
+            print(f"{fam:12} " + run(path, policy, pred, prompts, GEN, 1 << 30), flush=True)
 
 
 if __name__ == "__main__":
