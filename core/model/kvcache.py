@@ -223,19 +223,22 @@ class KVCache:
         self.layers = [None if i < gpu_layers else layer_store(spec, i, slots, max_tokens, dtype, pin)
                        for i in range(spec.num_layers)]
         self.slots, self.max_tokens = slots, max_tokens
+        # grouped-query layers' tensors, as the runtime addresses them; built once because the pipeline
+        # reads them per layer per micro-batch and the stores never change after construction
+        self._k = [getattr(s, "k", None) for s in self.layers]
+        self._v = [getattr(s, "v", None) for s in self.layers]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.layers if s is not None for t in s.tensors)
 
-    # grouped-query layers, as the runtime addresses them
     @property
     def k(self) -> list:
-        return [getattr(s, "k", None) for s in self.layers]
+        return self._k
 
     @property
     def v(self) -> list:
-        return [getattr(s, "v", None) for s in self.layers]
+        return self._v
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         self.layers[layer].write(slots, positions, k, v)
