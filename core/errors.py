@@ -34,3 +34,7 @@ class UnsupportedModelError(ModelError):
 
 class BudgetError(UsageError):
     """Nothing fits in the memory budget the user gave."""
+
+
+class GpuMemoryError(MlightError):
+    """The GPU cannot hold the run's fixed buffers (resident experts, weight pages) even at a batch of one."""

@@ -163,3 +163,25 @@ def test_dense_layers_hold_no_experts_in_the_plan_or_the_run(checkpoint_factory)
     dev, _, pinned = run(path, policy, prompts, 4, 1 << 30)
     assert pinned == [pred.pinned_bytes]
     assert pred.gpu_breakdown["resident_experts"] == 4 * spec.expert_bytes
+
+
+def test_no_room_at_batch_one_is_a_user_error_not_a_traceback(checkpoint_factory):
+    """Building the runner runs out of device memory with a batch of one: nothing smaller to retry, so the
+    user gets an MlightError (one line from the CLI) saying what does not fit and what to do."""
+    from core.errors import GpuMemoryError
+
+    engine = Engine.load(checkpoint_factory("mixtral"), device=EmulatedCuda(1 << 30))
+    tried = []
+
+    def no_room(slots, *a, **kw):
+        tried.append(slots)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+
+    engine.runner = no_room
+    with pytest.raises(GpuMemoryError, match="batch of one.*fixed GPU buffers") as info:
+        list(engine.generate([Request(id=str(i), prompt="hello world", max_new_tokens=2) for i in range(2)],
+                             batch_size=2))
+    engine.close()
+    assert tried == [2, 1]  # halved first, gave up only at one
+    assert isinstance(info.value.__cause__, torch.cuda.OutOfMemoryError)
+    assert "--gpu-mem" in str(info.value) and "CPU" in str(info.value)

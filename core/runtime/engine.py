@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from core.runtime.batching import SlotTable
-from core.errors import MlightError, ModelError, UsageError
+from core.errors import GpuMemoryError, MlightError, ModelError, UsageError
 from core.model.families import load_spec
 from core.model.kvcache import KVCache
 from core.model.gguf.load import load_gguf_weights
@@ -378,9 +378,9 @@ class Engine:
             try:
                 table = SlotTable(slots, mu)
                 runner = self.runner(slots, mu, max_tokens, on_event)
-            except torch.cuda.OutOfMemoryError:  # this batch's buffers do not fit
+            except torch.cuda.OutOfMemoryError as e:  # this batch's buffers do not fit
                 if slots == 1 and self.tp is None:
-                    raise
+                    raise _no_room_at_batch_one() from e
                 runner, new = None, slots // 2
             if self.tp is not None:  # the group's ranks all built their runners, or all retry alike
                 agreed = self.tp.tp.outcome(False, slots, slots if new is None else new)
@@ -621,6 +621,13 @@ def _give_up(rank: int):
     return GroupOutOfMemory(f"rank {rank} ran out of GPU memory with a batch of one request",
                             "give each rank more GPU memory (more GPUs: --tensor-parallel), or shorten the "
                             "prompts and --max-new-tokens")
+
+
+def _no_room_at_batch_one() -> GpuMemoryError:
+    return GpuMemoryError("out of GPU memory with a batch of one request: the model's fixed GPU buffers "
+                          "(resident experts, weight pages) do not fit",
+                          "keep fewer experts on the GPU (plan with a smaller --gpu-mem, or a policy with a lower "
+                          "GPU expert share), or run on the CPU (hide the GPU: CUDA_VISIBLE_DEVICES=)")
 
 
 def _is_oom(e: BaseException) -> bool:
