@@ -8,7 +8,10 @@ this layout's version, so a changed checkpoint or format never reads a stale ent
 
 The file is written front to back while the loader quantizes layer by layer (the header is known
 up front: every size follows from the spec), under a temporary name renamed into place when
-complete, so an interrupted first load leaves nothing that a later load would trust.
+complete, so an interrupted first load leaves nothing that a later load would trust. Two processes
+may quantize the same model at once: each writes its own temporary file, and the commit runs under
+the entry's file lock, so the first to finish commits and the other, finding the entry complete,
+drops its copy (never replacing a file that a reader may have mapped).
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import hashlib
 import json
 import os
 import struct
+import tempfile
 from pathlib import Path
 
+import filelock
 import torch
 
+from core import platform
 from core.errors import MlightError
 
 VERSION = 1  # bump when the flat-buffer layout of quantized layers changes
@@ -78,21 +84,31 @@ class CacheEntry:
         return self.file.is_file() and (self.dir / "meta.json").is_file()
 
     def writer(self, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> "StreamWriter":
-        self.dir.mkdir(parents=True, exist_ok=True)
-        return StreamWriter(self.file, tensors, on_commit=self._write_meta)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _cache_error(self.dir, e) from e
+        return StreamWriter(self.file, tensors, entry=self)
+
+    def lock(self) -> filelock.BaseFileLock:
+        return filelock.FileLock(self.dir / "entry.lock")
 
     def _write_meta(self) -> None:
         meta = {"source": self.source, "version": VERSION, **self.what}
-        tmp = self.dir / "meta.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, self.dir / "meta.json")
+        tmp = _temp_in(self.dir, "meta.")
+        try:
+            tmp.write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
+            platform.replace(tmp, self.dir / "meta.json")
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 class StreamWriter:
     """A safetensors file written tensor by tensor in a fixed order, its header computed up front."""
 
-    def __init__(self, path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], on_commit=None):
-        self.path, self.tmp = path, path.with_suffix(".tmp")
+    def __init__(self, path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 entry: CacheEntry | None = None):
+        self.path, self.tmp, self.fh = path, None, None
         self.order = [name for name, _, _ in tensors]
         header, off = {}, 0
         for name, dtype, shape in tensors:
@@ -103,13 +119,14 @@ class StreamWriter:
         raw += b" " * (-len(raw) % 8)  # data starts 8-aligned
         self.sizes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()}
         self.next = 0
-        self.on_commit = on_commit
-        try:
+        self.entry = entry
+        try:  # a name of its own: another process may be writing this entry too
+            self.tmp = _temp_in(path.parent, path.stem + ".")
             self.fh = open(self.tmp, "wb")
             self.fh.write(struct.pack("<Q", len(raw)) + raw)
         except OSError as e:
-            raise MlightError(f"cannot write the quantized cache at {self.tmp}: {e}",
-                              "free disk space or set MLIGHT_CACHE_DIR to a writable folder") from e
+            self.abort()
+            raise _cache_error(self.tmp or path, e) from e
 
     def write(self, name: str, t: torch.Tensor) -> None:
         if self.order[self.next] != name:
@@ -121,26 +138,48 @@ class StreamWriter:
             self.fh.write(memoryview(data))
         except OSError as e:
             self.abort()
-            raise MlightError(f"cannot write the quantized cache at {self.tmp}: {e}",
-                              "free disk space or set MLIGHT_CACHE_DIR to a writable folder") from e
+            raise _cache_error(self.tmp, e) from e
         self.next += 1
 
     def commit(self) -> None:
+        """Rename the file into place and write meta.json, unless another writer completed the entry first."""
         if self.next != len(self.order):
             raise RuntimeError("cache writer closed before every tensor was written")
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
-        os.replace(self.tmp, self.path)
-        if self.on_commit:
-            self.on_commit()
+        try:
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+            self.fh.close()
+            if self.entry is None:
+                platform.replace(self.tmp, self.path)
+                return
+            with self.entry.lock():
+                if not self.entry.complete:  # else: an identical entry is there, maybe mapped by a reader
+                    platform.replace(self.tmp, self.path)
+                    self.entry._write_meta()
+        except (OSError, filelock.Timeout) as e:
+            raise _cache_error(self.path, e) from e
+        finally:
+            self.abort()
 
     def abort(self) -> None:
         try:
-            self.fh.close()
-            self.tmp.unlink(missing_ok=True)
+            if self.fh is not None:
+                self.fh.close()
+            if self.tmp is not None:
+                self.tmp.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def _temp_in(folder: Path, prefix: str) -> Path:
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=folder)
+    os.close(fd)
+    return Path(name)
+
+
+def _cache_error(where: Path, e: BaseException) -> MlightError:
+    return MlightError(f"cannot write the quantized cache at {where}: {e}",
+                       "free disk space, or set MLIGHT_CACHE_DIR to a writable folder")
 
 
 def _numel(shape) -> int:
