@@ -181,3 +181,33 @@ def test_mlight_run_on_a_cpu_lets_the_planner_pick_the_batch(no_gpu, monkeypatch
     args = argparse.Namespace(**{**vars(args), "batch": 7, "micro_batch": None})
     run._plan_batches(args, read_prompts(str(f)), demo_model)
     assert args.batch == 7  # the user's batch stands
+
+
+class CoarseClock:
+    """The CPU clock as Windows has it: it says 100 ns but moves in whole ticks (2 ms here, 15.6 ms there)."""
+
+    resolution = 1e-7
+
+    def __init__(self, tick: float = 0.002):
+        self.tick = tick
+
+    def __call__(self) -> float:
+        return (time.process_time() // self.tick) * self.tick
+
+
+def test_a_coarse_clock_times_small_points_by_repeating_them():
+    """Before: the small GEMMs timed as 0 s and `fit` divided by zero."""
+    import torch
+
+    clock = CoarseClock()
+    kernel = (lambda w: w, lambda x, w: x @ w.T)
+    got = cal.gemm_terms(kernel, torch.float32, [(32, 32)], 0, rows=(1, 2, 4), clock=clock)
+    assert all(0 <= v < float("inf") for v in got) and sum(got[:3]) > 0
+    assert cal.clock_tick(clock) >= 0.999 * clock.tick  # seen, not what the clock claims
+
+
+def test_fit_refuses_times_of_zero_with_a_clear_error():
+    from core.errors import MlightError
+
+    with pytest.raises(MlightError, match="0 seconds.*--clock wall"):
+        cal.fit([[1.0, 1.0], [2.0, 1.0]], [1e-6, 0.0])

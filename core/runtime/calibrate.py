@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from core.errors import MlightError
 from core.model.cpu.kernels import Widen
 from core.plan import cpu_cost, hrm
 from core.plan.cpu_cost import CpuCosts
@@ -45,6 +46,9 @@ PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256))  # (prompts, tokens each)
 def fit(rows: list[list[float]], y: list[float]) -> list[float]:
     """Non-negative least squares on relative error: min Σ ((X·c − y) / y)², c ≥ 0, by dropping the most
     negative coefficient and refitting (few unknowns, so this active-set loop is exact enough)."""
+    if any(not t > 0 for t in y):  # each row is divided by its time: a zero would divide by zero
+        raise MlightError(f"calibration timed {sum(not t > 0 for t in y)} of {len(y)} points as 0 seconds or less "
+                          "(a clock coarser than the work)", "calibrate with the wall clock (--clock wall)")
     n = len(rows[0])
     active = list(range(n))
     while active:
@@ -68,14 +72,42 @@ def _feature(fn, base: CpuCosts, name: str) -> float:
 
 
 # ---- 1. GEMM kernels ---------------------------------------------------------------------------------
-def _best(fn, reps: int = 3, clock=time.perf_counter) -> float:
+TICKS = 10  # a timed point spans at least this many clock ticks, so one tick's rounding is ≤ 10 %
+MAX_REPEAT = 1 << 20
+
+
+def clock_tick(clock=time.perf_counter, limit_s: float = 0.1) -> float:
+    """The smallest step `clock` moves by: the larger of what it reports and what it is seen to do. Windows'
+    process_time reports 100 ns but moves in 15.6 ms steps (the scheduler's tick)."""
+    names = {time.perf_counter: "perf_counter", time.process_time: "process_time", time.monotonic: "monotonic",
+             time.thread_time: "thread_time"}
+    told = time.get_clock_info(names[clock]).resolution if clock in names else getattr(clock, "resolution", 0.0)
+    steps, last, end = [], clock(), time.perf_counter() + limit_s
+    while len(steps) < 3 and time.perf_counter() < end:  # the clock's own steps (a CPU clock advances as this spins)
+        now = clock()
+        if now != last:
+            steps.append(now - last)
+            last = now
+    return max(told, min(steps, default=0.0))
+
+
+def _best(fn, reps: int = 3, clock=time.perf_counter, tick: float = 0.0) -> float | None:
+    """Seconds per call of `fn`, the best of `reps`; calls are repeated until a timing spans TICKS clock
+    ticks (a coarse clock would time small points as 0). None: too fast for the clock even repeated."""
     fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = clock()
-        fn()
-        best = min(best, clock() - t)
-    return best
+    n = 1
+    while True:
+        best = float("inf")
+        for _ in range(reps):
+            t = clock()
+            for _ in range(n):
+                fn()
+            best = min(best, clock() - t)
+        if best > TICKS * tick:
+            return best / n
+        if n >= MAX_REPEAT:
+            return None
+        n = min(MAX_REPEAT, n * 8 if best <= 0 else max(2 * n, int(n * TICKS * tick / best) + 1))
 
 
 class TaskClock:
@@ -151,6 +183,7 @@ def gemm_terms(kernel, math: torch.dtype, shapes, resident: int, direct_rows: in
     The weights cycle through `resident` bytes: more than the cache holds, or a model's that fits."""
     prepare, apply = kernel
     obs, gemv = [], []
+    tick = clock_tick(clock)
     for n, k in shapes:
         ws = [prepare(torch.randn(n, k) / k ** 0.5) for _ in range(max(1, resident // (n * k * 4)))]
         for m in rows:
@@ -163,8 +196,9 @@ def gemm_terms(kernel, math: torch.dtype, shapes, resident: int, direct_rows: in
                 for w in use:
                     apply(x, w)
 
-            t = _best(run, reps=2, clock=clock) / len(use)
-            (gemv if m <= direct_rows else obs).append((m, n, k, t))
+            t = _best(run, reps=2, clock=clock, tick=tick)
+            if t is not None:  # dropped: below the clock's resolution even repeated
+                (gemv if m <= direct_rows else obs).append((m, n, k, t / len(use)))
         del ws
     flop_s, weight_s, call_s = fit([[2 * m * n * k, n * k, 1.0] for m, n, k, _ in obs], [t for *_, t in obs])
     gemv_s = 0.0
