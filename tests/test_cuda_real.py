@@ -76,10 +76,11 @@ def test_pinning_registers_exactly_what_streams(checkpoint_factory):
     engine = Engine.load(checkpoint_factory("mixtral"), device=dev, executor="cuda", resident_layers=0)
     engine.eos_ids = set()
     tokens(engine)
-    engine.close()
     assert engine.weights.pinned
     streamed = sum(v.numel() * v.element_size() for _, v in engine.weights.pins.values())
     assert streamed <= dev.pinned_bytes <= streamed + 2 * 4096 * len(engine.weights.pins)  # whole pages, no more
+    engine.close()
+    assert not engine.weights.pinned
 
 
 def test_two_runs_peak_where_one_does(checkpoint_factory):
@@ -92,3 +93,21 @@ def test_two_runs_peak_where_one_does(checkpoint_factory):
     tokens(engine)
     engine.close()
     assert torch.cuda.max_memory_allocated() <= first
+
+
+def test_a_refused_registration_falls_back_and_leaves_cuda_working():
+    """cudaHostRegister refused (here: the range is already registered behind the device's back) returns
+    False, and its error must not surface as the next kernel's failure; past the budget nothing is asked."""
+    from core.runtime.device import CudaDevice
+
+    dev = CudaDevice("cuda")
+    host = torch.empty(1 << 20, dtype=torch.uint8)
+    start = host.data_ptr() // 4096 * 4096
+    assert int(torch.cuda.cudart().cudaHostRegister(start, (1 << 20) - 4096, 0)) == 0
+    try:
+        assert not dev.pin(host) and dev.pinned_bytes == 0
+        assert (torch.ones(4, device="cuda") * 2).sum().item() == 8  # no stale error from the refusal
+    finally:
+        torch.cuda.cudart().cudaHostUnregister(start)
+    small = CudaDevice("cuda", pin_limit_bytes=4096)
+    assert not small.pin(torch.empty(1 << 20, dtype=torch.uint8)) and small.pinned_bytes == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import json
 import shutil
 import subprocess
@@ -172,6 +174,8 @@ def _pinned_run(path, dev, reqs):
     events = []
     got = [r.output_token_ids for r in engine.generate(reqs, on_event=events.append)]
     engine.close()
+    gc.collect()
+    assert dev.pinned_bytes == 0  # closed: nothing left page-locked (freed memory must not stay registered)
     return got, [e.message for e in events if isinstance(e, WarningEvent)], max(held)
 
 

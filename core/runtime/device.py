@@ -207,8 +207,9 @@ class CudaDevice(Device):
 
     kind = "cuda"
     accelerator = True
-    # registrations are the process's, not one device's: every CudaDevice shares them and the budget
-    _pins: dict[int, int] = {}  # registered base address -> bytes
+    # registrations are the process's, not one device's: the budget counts them all, and a range is
+    # registered once (CUDA refuses a second registration of the same memory)
+    _registered: dict[int, int] = {}  # registered base address -> bytes, this process
     _lock = threading.Lock()
 
     def __init__(self, device: str | torch.device | int | None = None, pin_limit_bytes: int | None = None):
@@ -217,6 +218,7 @@ class CudaDevice(Device):
         self.name = torch.cuda.get_device_name(self.index)
         self.capability = tuple(torch.cuda.get_device_capability(self.index))
         self.pin_limit_bytes = pin_budget() if pin_limit_bytes is None else pin_limit_bytes
+        self._mine: set[int] = set()  # the registrations this device made
 
     def set_device(self) -> None:
         torch.cuda.set_device(self.index)
@@ -265,25 +267,42 @@ class CudaDevice(Device):
         start = t.data_ptr() // PAGE * PAGE
         end = -(-(t.data_ptr() + t.numel() * t.element_size()) // PAGE) * PAGE
         with self._lock:
-            if start in self._pins:
+            if start in self._registered:
+                self._mine.add(start)
                 return True
             if not self._pin_fits(end - start):
                 return False
             err = torch.cuda.cudart().cudaHostRegister(start, end - start, 0)
-            if int(err) != 0:  # the OS or driver refused (out of lockable memory)
+            if int(err) != 0:  # the OS or driver refused (out of lockable memory, or already registered)
+                self._drain_last_error()
                 return False
-            self._pins[start] = end - start
+            self._registered[start] = end - start
+            self._mine.add(start)
         return True
+
+    def _pin_fits(self, nbytes: int) -> bool:
+        return self.pin_limit_bytes is None or sum(self._registered.values()) + nbytes <= self.pin_limit_bytes
+
+    def _drain_last_error(self) -> None:
+        """A failed runtime call leaves its error as CUDA's "last error", which torch's check after the next
+        kernel launch would report as that kernel's failure: launch one tiny kernel now and let its check
+        take (and clear) it."""
+        try:
+            torch.zeros(1, device=self.torch_device).add_(1)
+        except RuntimeError:
+            pass
 
     def unpin(self, t) -> None:
         start = t.data_ptr() // PAGE * PAGE
         with self._lock:
-            if self._pins.pop(start, None) is not None:
-                torch.cuda.cudart().cudaHostUnregister(start)
+            if start in self._mine:
+                self._mine.discard(start)
+                if self._registered.pop(start, None) is not None:
+                    torch.cuda.cudart().cudaHostUnregister(start)
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(self._pins.values())
+        return sum(self._registered.get(a, 0) for a in self._mine)
 
     def is_pinned(self, t) -> bool:
         return t.is_pinned()

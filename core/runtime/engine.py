@@ -231,9 +231,12 @@ class Engine:
             self.weights.repage(pages_per_layer)
 
     def close(self) -> None:
+        """Stop the executor's threads and give back the page-locked memory (memory freed while still
+        registered would stay locked); the engine can run again, re-pinning what its next run streams."""
         if self._executor is not None:
             self._executor.close()
             self._executor = None
+        self.weights.unpin()
 
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
