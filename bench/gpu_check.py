@@ -13,7 +13,8 @@ writes gpu_check.json and gpu_check.txt (a short table) into --out as soon as it
            CGOPipe, S3 and S4 under it with measured vs predicted busy time per resource and peak GPU
            memory vs the plan's; then HF accelerate offload (device_map="auto", max_memory at the cap)
            on the same model, started only once our runs have given their memory back
-  pcie     host↔device bandwidth through memory page-locked the way the runtime does it
+  pcie     host↔device bandwidth through memory page-locked the way the runtime does it, and host→device
+           from pageable memory (what streaming past the pinned budget, core.platform.pinned_budget, gets)
   host     the executor's host cost per task and per op on this machine (the planner's TASK_SECONDS
            and OP_SECONDS)
   multi    (with --multi-gpu) tensor-parallel scaling over this machine's GPUs (bench/multi_gpu.py)
@@ -420,18 +421,23 @@ def stage_pcie(c: Check, until: float) -> dict:
     devbuf = dev.empty(n, torch.uint8)
     out = {"pinned": pinned, "bytes": n}
     s = dev.stream("copy")
-    for name, (dst, src) in {"h2d_gbps": (devbuf, host), "d2h_gbps": (host, devbuf)}.items():
+
+    def best_gbps(dst, src) -> float:
         best = 0.0
         for _ in range(3):
             a, b = dev.event(timing=True), dev.event(timing=True)
             a.record(s)
-            dev.launch(s, lambda dst=dst, src=src: dev.copy(dst, src))
+            dev.launch(s, lambda: dev.copy(dst, src))
             b.record(s)
             b.synchronize()
             best = max(best, n / (a.elapsed_time(b) / 1e3) / 1e9)
-        out[name] = best
+        return best
+
+    out["h2d_gbps"], out["d2h_gbps"] = best_gbps(devbuf, host), best_gbps(host, devbuf)
     if pinned:
         dev.unpin(host)
+    # what streaming costs past the pinned budget (core.platform.pinned_budget): the same copy, pageable
+    out["h2d_pageable_gbps"] = best_gbps(devbuf, host)
     dev.release_stream(s)
     if c.dry:
         out["note"] = "emulated: a host memcpy, not a link"
@@ -486,7 +492,8 @@ def table(report: dict) -> str:
                          + (f"; differ: {', '.join(bad)}" if bad else "") + (" (cut short)" if r["cut_short"] else ""))
         elif name == "pcie":
             lines.append(f"pcie     H2D {r['h2d_gbps']:.1f} GB/s, D2H {r['d2h_gbps']:.1f} GB/s "
-                         f"(pinned: {r['pinned']})" + (f" — {r['note']}" if "note" in r else ""))
+                         f"(pinned: {r['pinned']}); H2D from pageable memory {r.get('h2d_pageable_gbps', 0):.1f} GB/s"
+                         + (f" — {r['note']}" if "note" in r else ""))
         elif name == "multi":
             from multi_gpu import table_lines
 
