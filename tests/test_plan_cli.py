@@ -142,3 +142,14 @@ def test_plan_plans_every_new_family_preset_on_t4_and_l4(model, capsys):
     assert main(["plan", "--model", model, "--hardware", "t4", "--prompt-len", "77", "--gen-len", "128", "--json",
                  "--cpu-mem", str(int(need_gb * 1.6) + 64)]) == 0
     assert json.loads(capsys.readouterr().out)["prediction"]["tokens_per_s"] > 0
+
+
+def test_plan_help_lists_every_bundled_preset(capsys):
+    from core.plan.presets import preset_names
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps long lines
+    names = preset_names()
+    assert {"gpt-oss-20b", "deepseek-v3", "glm-4.5-air", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "phi-3.5-moe"} <= set(names)
+    assert f"preset ({', '.join(names)})" in out

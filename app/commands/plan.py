@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+from core.assets import config_presets
 from core.errors import BudgetError, UsageError
 from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
 
@@ -19,7 +20,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "attention and FFN live, for the highest predicted tokens/s that fits in memory.")
     p.add_argument("--model", required=True,
                    help="checkpoint folder, Hugging Face repo id already in the local cache, or preset "
-                        "(mixtral-8x7b, mixtral-8x22b, dbrx, qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b)")
+                        f"({', '.join(config_presets())})")
     p.add_argument("--hardware", default="local",
                    help="'local' (detect + probe), a file from `mlight hw --json`, or a preset: t4, l4, a10g, rtx3090, rtx4090, a100-80g, h100, "
                         "2xt4, 4xt4, ... (default: local)")

@@ -19,3 +19,8 @@ HERE = Path(__file__).resolve().parent
 MT_BENCH = HERE / "mt_bench_questions.jsonl"
 DEMO_PROMPTS = HERE / "demo_prompts.jsonl"
 CONFIGS = HERE / "configs"
+
+
+def config_presets() -> list[str]:
+    """The bundled presets' names (a folder listing: cheap enough for `--help`)."""
+    return sorted(p.parent.name for p in CONFIGS.glob("*/config.json")) if CONFIGS.is_dir() else []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.assets import CONFIGS
+from core.assets import CONFIGS, config_presets
 from core.errors import ModelError
 from core.model.families import load_spec, spec_from_config
 from core.model.spec import ModelSpec
@@ -19,9 +19,7 @@ CONFIGS_DIR = CONFIGS  # one folder per preset, holding its config.json
 
 
 def preset_names() -> list[str]:
-    if not CONFIGS_DIR.is_dir():
-        return []
-    return sorted(p.parent.name for p in CONFIGS_DIR.glob("*/config.json"))
+    return config_presets()
 
 
 def preset_config(name: str) -> dict:
