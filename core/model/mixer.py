@@ -6,7 +6,7 @@ Kinds: "gqa" (grouped-query attention, full or sliding: gqa.py), "mla" (latent a
   attend(spec, w_host, payload, store, rows) -> [B, d2]       (next to the state, one token per row)
   post(spec, w, out, keep) -> [T, D]
   prefill(spec, w, h, positions, rope, lens, call_lengths, window, full_norm) -> ([T, D], per prompt the state parts)
-(`full_norm`: a tensor-parallel rank's q/k norm over all heads; only grouped-query layers split heads)
+(`full_norm`: a tensor-parallel rank's q/k norm over all heads, OLMoE's; every kind splits by heads: core.model.shard)
 and d1_width / d2_width (elements per token crossing D1 and D2). `store.write_prompt(slot, *parts)`
 takes a prompt's state parts.
 """
