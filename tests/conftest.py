@@ -39,13 +39,35 @@ def checkpoint_factory(tmp_path_factory):
     from checkpoints import make_checkpoint
 
     made: dict[str, Path] = {}
+    # tests/mutation.py: one pytest session per mutant; building the checkpoints once for all of them
+    # (they are deterministic: fixed seed) halves the time a mutant of the engine takes
+    shared = os.environ.get("MLIGHT_TEST_CHECKPOINTS")
 
     def get(family: str) -> Path:
         if family not in made:
-            made[family] = make_checkpoint(family, tmp_path_factory.mktemp(f"ckpt-{family}"))
+            made[family] = (_shared_checkpoint(Path(shared), family, make_checkpoint) if shared else
+                            make_checkpoint(family, tmp_path_factory.mktemp(f"ckpt-{family}")))
         return made[family]
 
     return get
+
+
+def _shared_checkpoint(root: Path, family: str, make) -> Path:
+    """`family`'s checkpoint under root, built by the first session that asks (into a private folder,
+    then renamed: a concurrent session never reads a half-written one)."""
+    import shutil
+    import tempfile
+
+    final = root / family
+    if not final.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=root))
+        make(family, tmp)
+        try:
+            tmp.rename(final)
+        except OSError:  # another session got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 @pytest.fixture(scope="session")
