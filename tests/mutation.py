@@ -98,7 +98,6 @@ EQUIVALENT = [
     ("sampling", "top_k <= logits.shape[-1]", "top_k == V keeps every logit either way"),
     ("sampling", "top_p <= 1.0", "top_p == 1 keeps a nucleus of all tokens: the same distribution"),
     ("sampling", "top_p < 2.0", "top_p <= 1 (Request checks it): as `top_p <= 1.0`"),
-    ("sampling", "- sorted_p > top_p", "differs only when a cumulative sum equals top_p exactly in float32"),
     ("schedule", "key=None)", "a weight page's default key is the same (kind, layer, page)"),
     ("schedule", "deps=_buffer_free(G, i, n, g), )", "a weight page's default key is the same (kind, layer, page)"),
     ("schedule", 'key=("XXweight_pageXX", nxt, p))', "attention on the GPU: the pages' only readers follow them "

@@ -71,6 +71,14 @@ def test_top_p_draws_exactly_the_smallest_nucleus_reaching_p(top_p, size):
     assert_frequencies(counts, {t: float(PROBS[t]) / mass for t in nucleus})
 
 
+def test_a_nucleus_whose_mass_reaches_p_exactly_stops_there():
+    # four equal logits: each probability is exactly 0.25 in float32, so two tokens reach 0.5 exactly
+    # and the smallest nucleus is those two (a third would be one too many)
+    counts = draws(torch.zeros(4), 2000, top_p=0.5)
+    assert len(counts) == 2, f"drew {sorted(counts)}"
+    assert_frequencies(counts, {t: 0.5 for t in counts})
+
+
 def test_top_k_applies_before_top_p():
     # top-3 renormalised: 0.506, 0.307, 0.186, so a nucleus of 0.8 keeps two; over the whole
     # distribution (0.403, 0.244, 0.148, ...) it would keep three of the top three
