@@ -205,3 +205,32 @@ def test_slot_table_splits_an_uneven_batch_and_refuses_empty_shapes():
     for bad in ((0, 1), (1, 0), (-1, 2), (2, -1)):
         with pytest.raises(ValueError):
             SlotTable(*bad)
+
+
+def test_batch_sizes_come_from_the_call_then_the_policy_and_never_exceed_the_requests(engine, monkeypatch):
+    """What `generate` asks its runner for: (slots, micro-batch size, tokens a slot must hold)."""
+    from core.plan.policy import Policy
+
+    asked = []
+    real = engine.runner
+
+    def runner(slots, micro_batch_size, max_tokens):
+        asked.append((slots, micro_batch_size, max_tokens))
+        return real(slots, micro_batch_size, max_tokens)
+
+    monkeypatch.setattr(engine, "runner", runner)
+
+    def sizes(n, **kw):
+        # prompt + new tokens: 4 + 3 for most, 2 + 9 = 11 for the last (the longest a slot must hold)
+        reqs = [Request(id=f"r{i}", prompt=words(4), max_new_tokens=3) for i in range(n - 1)]
+        list(engine.generate(reqs + [Request(id="long", prompt=words(2), max_new_tokens=9)], **kw))
+        return asked.pop()
+
+    assert sizes(3) == (3, 3, 11)  # no policy: the whole (small) batch, one micro-batch
+    assert sizes(1, batch_size=8, micro_batch_size=4) == (1, 1, 11)  # one request needs one slot
+    monkeypatch.setattr(engine, "policy", Policy(batch_size=4, micro_batch_size=2, expert_batch_size=2,
+                                                 attention_on="cpu", ffn_on="cpu"))
+    assert sizes(6) == (4, 2, 11)  # the policy's batch and micro-batch
+    assert sizes(6, micro_batch_size=1) == (4, 1, 11)  # the call's micro-batch wins
+    assert sizes(6, batch_size=6, micro_batch_size=3) == (6, 3, 11)
+    assert sizes(3) == (3, 2, 11)  # fewer requests than the policy's batch: fewer slots, same micro-batch
