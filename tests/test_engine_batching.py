@@ -80,6 +80,7 @@ def test_requests_are_admitted_longest_prompt_first(engine, monkeypatch):
     assert sorted(r.id for r in results) == sorted(r.id for r in reqs)
     prefill = [e for e in events if isinstance(e, StepDone) and e.kind == "prefill"]
     assert prefill[0].tokens == 30 + 21 + 17  # the three longest go first
+    assert prefill[0].active == 3  # and the step reports the batch they fill
     admitted = [sorted(p.values(), reverse=True) for p in spy.prefills]
     assert admitted[0] == [30, 21, 17]
     flat = [n for group in admitted for n in group]
