@@ -15,6 +15,8 @@ so that each prefill reports slot → prompt length and each decode its micro-ba
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from core.runtime.engine import Engine, Request
@@ -92,8 +94,15 @@ def test_the_batch_stays_full_while_requests_wait(engine):
     max_new = [2, 6, 3, 4, 5, 2, 3]
     reqs = [Request(id=f"r{i}", prompt=words(4 + i), max_new_tokens=n) for i, n in enumerate(max_new)]
     batch = 3
+    t0 = time.perf_counter()
     results = list(engine.generate(reqs, batch_size=batch, micro_batch_size=1, on_event=events.append))
+    wall = time.perf_counter() - t0
     assert len(results) == len(reqs)
+    # each finish is announced once, with the result's own figures; its time lies within the call's
+    done = [e for e in events if isinstance(e, RequestDone)]
+    assert [(e.id, e.prompt_tokens, e.output_tokens, e.seconds, e.finish_reason) for e in done] == [
+        (r.id, r.prompt_tokens, r.output_tokens, r.seconds, r.finish_reason) for r in results]
+    assert all(0 < r.seconds <= wall for r in results)
     finished, checked = 0, 0
     for e in events:
         if isinstance(e, RequestDone):
