@@ -113,6 +113,11 @@ EQUIVALENT = [
     ("schedule", "if t is None] if (i > 0 or serial)", "attention on the GPU: each KV load follows the layer's "
      "pages on the same in-order copy queue, and the FFN waits for its attention"),
     ("runstore", "if end <= len(data):", "cutting a run file at its own length changes nothing (one more fsync)"),
+    ("planner-memory", "1.0 if gw or cw else 1.0", "neither memory depends on r_w only with the FFN on the CPU, "
+     "where r_w changes no time either and plan() sets the policy's r_w to 0"),
+    ("planner-memory", "abs(slope) < 1.000000001", "slopes are differences of whole byte counts: 0 or at least one "
+     "byte per unit fraction; the two differ only at exactly one byte"),
+    ("planner-memory", "elif slope >= 0:", "a zero slope took the branch above (abs(slope) < 1e-9)"),
     ("engine", "round(now - s.started, 7))", "a result's seconds to 0.1 µs instead of 1 µs: nothing reads the 7th "
      "decimal of a measured duration"),
 ]

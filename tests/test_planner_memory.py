@@ -112,6 +112,7 @@ def test_validate_refuses_a_gpu_budget_short_of_the_hand_counted_bytes():
     short = Budget(gpu_bytes=int((need - LAYER_EXPERTS // 2) / 0.86), cpu_bytes=10**12)
     (over,) = validate(policy, SPEC, HW, WORK, short)
     assert over.where == "gpu" and over.needed == pytest.approx(need, abs=2) and over.over > 0
+    assert str(over).startswith("GPU memory: needs ") and str(over).endswith(f"({over.over:,} bytes) over")
 
 
 def test_the_planned_kv_cache_is_what_the_engine_allocates(checkpoint_factory, monkeypatch):
@@ -172,6 +173,37 @@ def test_activations_and_host_buffers_count_what_the_planner_documents():
                    (2 * N * D + 2 * mu * (q + 2 * kv) + beta * k * (3 * I + D)) * dt) + mu * V * 4
     g, c = mem(Policy(batch_size=16, micro_batch_size=4, expert_batch_size=8, attention_on="cpu", ffn_on="cpu"))
     assert g == 0 and c == NON_EXPERT + EXPERTS + N * T * KV_TOKEN + cpu_acts + scores
+
+
+def test_decode_activations_count_when_they_outweigh_prefill():
+    """A short prompt and a wide batch: decode's N hidden states ×2, one micro-batch's QKV ×2 and one
+    expert batch's intermediates (N 64, μ 1, expert batch 64) outweigh prefilling one 2-token prompt."""
+    D, qkv, k, I, V, N, mu, beta = 64, 64 + 2 * 16, 2, 128, 1000, 64, 1, 64
+    work = Workload(prompt_len=2, gen_len=28)
+    prefill = mu * 2 * (3 * D + qkv + k * 3 * I) * 2  # 4_224
+    decode = (2 * N * D + 2 * mu * qkv + beta * k * (3 * I + D)) * 2  # 131_456
+    assert decode > prefill
+    policy = Policy(batch_size=N, micro_batch_size=mu, expert_batch_size=beta, attention_on="cpu", ffn_on="gpu",
+                    pages_per_layer=4)
+    assert mem(policy, work)[0] == NON_EXPERT + 2 * LAYER_EXPERTS + decode + mu * V * 4
+
+
+def test_the_searchs_linear_memory_model_is_the_accounting_at_every_fraction():
+    """The policy search sizes memory as m0 + m_w·r_w + m_c·r_c on each side (`_memory_lin`); at any
+    fractions that must be what `memory_use` counts (itself checked by hand above)."""
+    from core.plan import hrm
+    from core.plan.planner import _memory_lin, memory_use
+
+    d = hrm.dims(SPEC)
+    for place in (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu")):
+        g0, gw, gc, c0, cw, cc = _memory_lin(d, WORK, place, 16, 4, 8)
+        for r_w, r_c in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (0.3, 0.7), (1.0, 1.0)):
+            if (r_w and place[1] == "cpu") or (r_c and place[0] == "cpu"):
+                continue
+            policy = Policy(16, 4, 8, *place, r_w, r_c, 4)
+            g, c = (sum(x.values()) for x in memory_use(d, policy, WORK))
+            assert g == pytest.approx(g0 + gw * r_w + gc * r_c, abs=3), (place, r_w, r_c)
+            assert c == pytest.approx(c0 + cw * r_w + cc * r_c, abs=3), (place, r_w, r_c)
 
 
 def test_a_policy_that_needs_exactly_the_usable_bytes_fits_and_one_byte_more_does_not():
