@@ -177,11 +177,11 @@ def test_activations_and_host_buffers_count_what_the_planner_documents():
 
 def test_decode_activations_count_when_they_outweigh_prefill():
     """A short prompt and a wide batch: decode's N hidden states ×2, one micro-batch's QKV ×2 and one
-    expert batch's intermediates (N 64, μ 1, expert batch 64) outweigh prefilling one 2-token prompt."""
-    D, qkv, k, I, V, N, mu, beta = 64, 64 + 2 * 16, 2, 128, 1000, 64, 1, 64
+    expert batch's intermediates (N 64, μ 2, expert batch 64) outweigh prefilling two 2-token prompts."""
+    D, qkv, k, I, V, N, mu, beta = 64, 64 + 2 * 16, 2, 128, 1000, 64, 2, 64
     work = Workload(prompt_len=2, gen_len=28)
-    prefill = mu * 2 * (3 * D + qkv + k * 3 * I) * 2  # 4_224
-    decode = (2 * N * D + 2 * mu * qkv + beta * k * (3 * I + D)) * 2  # 131_456
+    prefill = mu * 2 * (3 * D + qkv + k * 3 * I) * 2  # 8_448
+    decode = (2 * N * D + 2 * mu * qkv + beta * k * (3 * I + D)) * 2  # 131_840
     assert decode > prefill
     policy = Policy(batch_size=N, micro_batch_size=mu, expert_batch_size=beta, attention_on="cpu", ffn_on="gpu",
                     pages_per_layer=4)
