@@ -130,6 +130,9 @@ ELSEWHERE = [
 ]
 
 
+ALIVE = ("survived", "no tests", "suspicious")
+
+
 def run(cmd: list[str], cwd: Path, log: Path | None = None) -> str:
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if log is not None:
@@ -137,9 +140,9 @@ def run(cmd: list[str], cwd: Path, log: Path | None = None) -> str:
     return r.stdout
 
 
-def copy_tree(dst: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
-                           check=True).stdout.decode().split("\0")
+def copy_tree(dst: Path, under: str = "") -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z", *([under] if under else [])],
+                           cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
     for rel in filter(None, files):
         src = ROOT / rel
         if src.is_file():
@@ -199,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, help="copy into this folder and keep it (default: a temporary one)")
     ap.add_argument("--sample", type=int, metavar="N", help="run a fixed random sample of N mutants per scope")
     ap.add_argument("--report", type=Path, metavar="DIR", help="only report on a kept copy (also while it runs)")
+    ap.add_argument("--recheck", type=Path, metavar="DIR",
+                    help="rerun only the survivors of a kept copy, with this tree's tests (after writing a test)")
     args = ap.parse_args(argv)
     try:
         import mutmut  # noqa: F401
@@ -213,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         report(args.report, names, results(args.report))
         return 0
     scopes = [SCOPES[n] for n in names]
+    if args.recheck:
+        return recheck(args.recheck, names, args.max_children)
     work = args.keep or Path(tempfile.mkdtemp(prefix="mlight-mutation-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -246,13 +253,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def recheck(work: Path, names: list[str], max_children: int) -> int:
+    """Copy this tree's tests into a kept copy and rerun its survivors there (same mutants, same sample)."""
+    t0 = time.perf_counter()
+    os.environ["MLIGHT_TEST_CHECKPOINTS"] = str(work / ".test-checkpoints")
+    for rel in ("tests", "mutants/tests"):
+        shutil.rmtree(work / rel, ignore_errors=True)
+    copy_tree(work, under="tests/")
+    write_config(work, [SCOPES[n] for n in names])
+    (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)  # map the new tests too
+    status = results(work)
+    alive = sorted(k for k, v in status.items() if v in ALIVE and any(in_scope(k, SCOPES[n]) for n in names))
+    print(f"mutmut {MUTMUT}: rechecking {len(alive)} survivors in {work} ...", flush=True)
+    if alive:
+        run([sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children), *alive], work,
+            log=work / "mutmut-recheck.log")
+    report(work, names, results(work))
+    print(f"\n{time.perf_counter() - t0:.0f} s")
+    return 0
+
+
 def report(work: Path, names: list[str], status: dict[str, str]) -> None:
     rows = []
     for n in names:
         s = SCOPES[n]
         mine = {k: v for k, v in status.items() if in_scope(k, s)}
         counted = {k: v for k, v in mine.items() if v not in ("not checked", "skipped")}
-        alive = sorted(k for k, v in counted.items() if v in ("survived", "no tests", "suspicious"))
+        alive = sorted(k for k, v in counted.items() if v in ALIVE)
         hung = sorted(k for k, v in counted.items() if v == "timeout")
         print(f"\n== {n}: {s.path}: {len(counted)} mutants, {len(counted) - len(alive)} killed "
               f"({len(hung)} of them by the time limit), {len(alive)} alive")
