@@ -224,9 +224,9 @@ def test_batch_sizes_come_from_the_call_then_the_policy_and_never_exceed_the_req
     asked = []
     real = engine.runner
 
-    def runner(slots, micro_batch_size, max_tokens):
+    def runner(slots, micro_batch_size, max_tokens, *args, **kwargs):
         asked.append((slots, micro_batch_size, max_tokens))
-        return real(slots, micro_batch_size, max_tokens)
+        return real(slots, micro_batch_size, max_tokens, *args, **kwargs)
 
     monkeypatch.setattr(engine, "runner", runner)
 

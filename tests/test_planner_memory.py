@@ -175,35 +175,24 @@ def test_activations_and_host_buffers_count_what_the_planner_documents():
     assert g == 0 and c == NON_EXPERT + EXPERTS + N * T * KV_TOKEN + cpu_acts + scores
 
 
-def test_decode_activations_count_when_they_outweigh_prefill():
-    """A short prompt and a wide batch: decode's N hidden states ×2, one micro-batch's QKV ×2 and one
-    expert batch's intermediates (N 64, μ 2, expert batch 64) outweigh prefilling two 2-token prompts."""
-    D, qkv, k, I, V, N, mu, beta = 64, 64 + 2 * 16, 2, 128, 1000, 64, 2, 64
-    work = Workload(prompt_len=2, gen_len=28)
-    prefill = mu * 2 * (3 * D + qkv + k * 3 * I) * 2  # 8_448
-    decode = (2 * N * D + 2 * mu * qkv + beta * k * (3 * I + D)) * 2  # 131_840
-    assert decode > prefill
-    policy = Policy(batch_size=N, micro_batch_size=mu, expert_batch_size=beta, attention_on="cpu", ffn_on="gpu",
-                    pages_per_layer=4)
-    assert mem(policy, work)[0] == NON_EXPERT + 2 * LAYER_EXPERTS + decode + mu * V * 4
-
-
-def test_the_searchs_linear_memory_model_is_the_accounting_at_every_fraction():
-    """The policy search sizes memory as m0 + m_w·r_w + m_c·r_c on each side (`_memory_lin`); at any
-    fractions that must be what `memory_use` counts (itself checked by hand above)."""
+def test_the_searchs_linear_memory_model_is_the_accounting_at_whole_experts_and_kv_layers():
+    """The policy search sizes memory as m0 + m_w·r_w + m_c·r_c on each side (`_memory_lin`). Where the
+    fractions are whole experts a layer (r_w of 0, 1/4, 1/2, 1: 0, 2, 4, 8 of 8) and the KV cache is all
+    on one side (r_c 0 or 1), that must be what `memory_use` counts (itself checked by hand above)."""
     from core.plan import hrm
     from core.plan.planner import _memory_lin, memory_use
 
     d = hrm.dims(SPEC)
     for place in (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu")):
         g0, gw, gc, c0, cw, cc = _memory_lin(d, WORK, place, 16, 4, 8)
-        for r_w, r_c in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (0.3, 0.7), (1.0, 1.0)):
-            if (r_w and place[1] == "cpu") or (r_c and place[0] == "cpu"):
-                continue
-            policy = Policy(16, 4, 8, *place, r_w, r_c, 4)
-            g, c = (sum(x.values()) for x in memory_use(d, policy, WORK))
-            assert g == pytest.approx(g0 + gw * r_w + gc * r_c, abs=3), (place, r_w, r_c)
-            assert c == pytest.approx(c0 + cw * r_w + cc * r_c, abs=3), (place, r_w, r_c)
+        for r_w in (0.0, 0.25, 0.5, 1.0):
+            for r_c in (0.0, 1.0):
+                if (r_w and place[1] == "cpu") or (r_c and place[0] == "cpu"):
+                    continue
+                policy = Policy(16, 4, 8, *place, r_w, r_c, 4)
+                g, c = (sum(x.values()) for x in memory_use(d, policy, WORK))
+                assert g == pytest.approx(g0 + gw * r_w + gc * r_c, abs=3), (place, r_w, r_c)
+                assert c == pytest.approx(c0 + cw * r_w + cc * r_c, abs=3), (place, r_w, r_c)
 
 
 def test_a_policy_that_needs_exactly_the_usable_bytes_fits_and_one_byte_more_does_not():
