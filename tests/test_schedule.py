@@ -1,5 +1,6 @@
 """The decode step's task graph: the paper's CGOPipe order, FlexGen-style S4, serial S3, prefill."""
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -129,6 +130,9 @@ def test_for_policy_matches_the_policy_shape():
     tasks = schedule.for_policy(p, num_layers=2)
     kinds = Counter(t.kind for t in tasks)
     assert kinds["cpu_attn"] == 8 and kinds["ffn"] == 4 and kinds["weight_page"] == 10
+    # every expert resident: nothing streams, so no weight pages
+    resident = schedule.for_policy(dataclasses.replace(p, gpu_weight_fraction=1.0), num_layers=2)
+    assert not [t for t in resident if t.kind == "weight_page"] and len(resident) == len(tasks) - 10
 
 
 def test_prefill_streams_the_next_layer_and_stores_kv():
