@@ -80,7 +80,8 @@ SCOPES = {
                        "tests/test_simulate.py")),
     "runstore": Scope("core.io.runstore", ("x_*", "xǁRunStoreǁ*"),
                       ("tests/test_resume.py", "tests/test_runstore_durability.py", "tests/test_tui_backend.py",
-                       "tests/test_cli_run.py", "tests/test_errors.py")),
+                       "tests/test_cli_run.py", "tests/test_errors.py",
+                       "tests/test_app_commands.py::test_rerunning_a_finished_run_says_it_is_done_and_writes_nothing")),
     "planner-memory": Scope("core.plan.planner", (
         "x_memory_use", "x_validate", "x__memory_lin", "x__rw_interval", "xǁBudgetǁ*", "xǁWorkloadǁ*",
         "xǁOverrunǁ*"), ("tests/test_plan.py", "tests/test_planner_memory.py"),
@@ -118,6 +119,7 @@ EQUIVALENT = [
     ("planner-memory", "abs(slope) < 1.000000001", "slopes are differences of whole byte counts: 0 or at least one "
      "byte per unit fraction; the two differ only at exactly one byte"),
     ("planner-memory", "elif slope >= 0:", "a zero slope took the branch above (abs(slope) < 1e-9)"),
+    ("runstore", 'read_text(encoding="UTF-8")', "codec names are case-insensitive"),
     ("engine", "round(now - s.started, 7))", "a result's seconds to 0.1 µs instead of 1 µs: nothing reads the 7th "
      "decimal of a measured duration"),
 ]
@@ -125,6 +127,8 @@ EQUIVALENT = [
 # Survivors that the whole suite kills, with tests the scope cannot run under mutmut: (scope, text in
 # the mutated line, the test). Spawned processes import the unmutated package.
 ELSEWHERE = [
+    ("runstore", "ǁdrop_run_file__mutmut_", "tests/test_data_parallel.py::test_a_killed_rank_is_named_and_a_rerun_resumes_"
+     "every_rank (slow: torchrun ranks; only the merged output is left)"),
     ("engine", "toks = None", "tests/test_tensor_parallel.py::test_every_family_gives_one_process_tokens_on_2_and_3_"
      "ranks (its ranks run in spawned processes)"),
 ]
@@ -185,12 +189,13 @@ def in_scope(name: str, s: Scope) -> bool:
     return any(fnmatch.fnmatch(name, g) for g in s.globs())
 
 
-def explained(scope: str, diff: list[str]) -> tuple[str, str] | None:
-    """("equivalent", why) or ("killed elsewhere", by which test) for a known survivor, else None."""
+def explained(scope: str, name: str, diff: list[str]) -> tuple[str, str] | None:
+    """("equivalent", why) or ("killed elsewhere", by which test) for a known survivor, else None. An
+    entry's text is looked for in the mutated line, else in the mutant's name."""
     added = "\n".join(x for x in diff if x.startswith("+"))
     for kind, table in (("equivalent", EQUIVALENT), ("killed elsewhere", ELSEWHERE)):
         for s, text, why in table:
-            if s == scope and text in added:
+            if s == scope and (text in added or text in name):
                 return kind, why
     return None
 
@@ -288,7 +293,7 @@ def report(work: Path, names: list[str], status: dict[str, str]) -> None:
         eq = away = 0
         for k in alive:
             d = diff_lines(work, k)
-            known = explained(n, d)
+            known = explained(n, k, d)
             eq += known is not None and known[0] == "equivalent"
             away += known is not None and known[0] == "killed elsewhere"
             print(f"  {k} ({counted[k]})" + (f" — {known[0]}: {known[1]}" if known else ""))
