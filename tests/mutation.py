@@ -1,11 +1,12 @@
 """Mutation testing of the hot modules with mutmut, in a temporary copy of the repository.
 
     pip install mutmut==3.8.1          # once, into the project's venv (not a test dependency)
-    python tests/mutation.py           # every scope below; ~30-60 min on 2 busy cores
+    python tests/mutation.py           # every scope below; hours on 2 busy cores (see --sample)
     python tests/mutation.py sampling batching --max-children 2
     python tests/mutation.py schedule --sample 100   # a fixed random sample: an estimate, sooner
     python tests/mutation.py engine --keep /tmp/m    # keep the copy; meanwhile, from another shell:
     python tests/mutation.py engine --report /tmp/m  # the report so far
+    python tests/mutation.py engine --recheck /tmp/m # after writing tests: rerun only its survivors
 
 Each scope names a module, the functions of it that are mutated (mutmut's names: `x_<function>`,
 `xǁ<Class>ǁ<method>`) and the test files that may kill them (mutmut runs, for each mutant, only
