@@ -121,6 +121,10 @@ EQUIVALENT = [
      "byte per unit fraction; the two differ only at exactly one byte"),
     ("planner-memory", "elif slope >= 0:", "a zero slope took the branch above (abs(slope) < 1e-9)"),
     ("runstore", 'read_text(encoding="UTF-8")', "codec names are case-insensitive"),
+    ("runstore", "write_records(self.out, records, None)", "every caller passes output_format(out), which is what "
+     "None infers from the suffix"),
+    ("runstore", "write_records(self.rejected_path, rejects, None)", "the rejects file ends in .jsonl: None infers "
+     "jsonl"),
     ("engine", "round(now - s.started, 7))", "a result's seconds to 0.1 µs instead of 1 µs: nothing reads the 7th "
      "decimal of a measured duration"),
 ]

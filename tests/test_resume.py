@@ -27,6 +27,33 @@ def rec(i) -> dict:
             "output_tokens": 1, "finish_reason": "length", "seconds": 0.1}
 
 
+def test_a_model_is_identified_by_its_config_and_its_weight_files_sizes(tmp_path):
+    """The manifest's model section, which a resume must match: config.json's sha256 and the size of each
+    weight file (safetensors, their index, GGUF); other files do not count."""
+    import hashlib
+
+    from core.io.runstore import model_fingerprint
+
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "config.json").write_bytes(b'{"layers": 2}')
+    (m / "model-00001-of-00002.safetensors").write_bytes(b"w" * 10)
+    (m / "model.safetensors.index.json").write_bytes(b"{}")
+    (m / "model-q4.gguf").write_bytes(b"g" * 7)
+    (m / "tokenizer.json").write_bytes(b"{}")
+    (m / "README.md").write_bytes(b"# not weights")
+    fp = model_fingerprint(m)
+    assert fp == {"source": str(m), "config_sha256": hashlib.sha256(b'{"layers": 2}').hexdigest(),
+                  "weights": {"model-00001-of-00002.safetensors": 10, "model.safetensors.index.json": 2,
+                              "model-q4.gguf": 7}}
+    assert model_fingerprint(m, source="org/name")["source"] == "org/name"
+    try:  # a weight file that cannot be read (a dangling link) is named, with no size
+        (m / "gone.safetensors").symlink_to(m / "nowhere.safetensors")
+    except OSError:
+        return  # Windows without the right to make links
+    assert model_fingerprint(m)["weights"]["gone.safetensors"] is None
+
+
 # ------------------------------------------------------------------------------------------------
 # run store
 
