@@ -99,3 +99,5 @@ def test_rerunning_a_finished_run_says_it_is_done_and_writes_nothing(tmp_path, d
     code, err = _run(*args, "--restart")  # and --restart still runs it again
     assert code == 0 and "already done" not in err
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["mtbench-81", "mtbench-82"]
+    code, err = _run(*args)  # and the job it finished is known as done in turn
+    assert code == 0 and "all 2 requests are already done" in err
