@@ -244,3 +244,31 @@ def test_batch_sizes_come_from_the_call_then_the_policy_and_never_exceed_the_req
     assert sizes(6, micro_batch_size=1) == (4, 1, 11)  # the call's micro-batch wins
     assert sizes(6, batch_size=6, micro_batch_size=3) == (6, 3, 11)
     assert sizes(3) == (3, 2, 11)  # fewer requests than the policy's batch: fewer slots, same micro-batch
+
+
+def test_out_of_memory_restarts_the_unfinished_longest_first_in_half_the_batch(engine, monkeypatch):
+    """An OOM in the first decode: the four requests in flight go back to the head of the queue, longest
+    first, and the batch halves (to 2), so the two longest are prefilled again first; nothing is lost."""
+    import torch
+
+    from core.telemetry import WarningEvent
+
+    spy = RunnerSpy(engine, monkeypatch)
+    fired = []
+
+    def fault(task):
+        if len(spy.decodes) == 1 and not fired:  # inside the first decode step
+            fired.append(task)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(engine, "fault", fault)
+    lengths = [5, 17, 9, 30, 12, 3]
+    reqs = [Request(id=f"r{n}", prompt=words(n), max_new_tokens=3) for n in lengths]
+    events = []
+    results = list(engine.generate(reqs, batch_size=4, micro_batch_size=1, on_event=events.append))
+    assert fired and sorted(r.id for r in results) == sorted(r.id for r in reqs)
+    assert all(r.output_tokens == 3 for r in results)
+    warnings = [e.message for e in events if isinstance(e, WarningEvent)]
+    assert len(warnings) == 1 and "continuing with batch 2, micro-batch 1" in warnings[0]
+    assert sorted(spy.prefills[0].values()) == [9, 12, 17, 30]
+    assert sorted(spy.prefills[1].values()) == [17, 30]
