@@ -114,6 +114,11 @@ EQUIVALENT = [
     ("schedule", 'if G.has("WEIGHT_PAGE", i, p)]', "as the XXweight_pageXX mutant"),
     ("schedule", "if t is None] if (i > 0 or serial)", "attention on the GPU: each KV load follows the layer's "
      "pages on the same in-order copy queue, and the FFN waits for its attention"),
+    ("schedule", 'a = add("pre_attn", i, j, )', "S3: the one chain orders it; S4: the previous layer's FFN precedes "
+     "it on the same in-order GPU queue"),
+    ("schedule", "if (i > 0 or serial and L == 1) else []", "S3's layer 0: its pages head the one chain; S4 with one "
+     "layer: they precede the KV loads on the in-order copy queue, and post-attention waits for the attention that "
+     "waits for its KV load; CGOPipe with one layer: the pages are not in the graph yet there (next step's prefetch)"),
     ("runstore", "if end <= len(data):", "cutting a run file at its own length changes nothing (one more fsync)"),
     ("planner-memory", "1.0 if gw or cw else 1.0", "neither memory depends on r_w only with the FFN on the CPU, "
      "where r_w changes no time either and plan() sets the policy's r_w to 0"),

@@ -98,8 +98,9 @@ def test_s4_queues_the_whole_next_layer_before_the_hidden_states():
     assert gpu[:3] == [("pre_attn", 0), ("post_attn", 0), ("ffn", 0)]  # no look-ahead
 
 
-def test_s3_is_one_chain():
-    tasks = decode_step("s3", num_layers=2, num_micro_batches=3, pages_per_layer=2)
+@pytest.mark.parametrize("attention_on", ["cpu", "gpu"])
+def test_s3_is_one_chain(attention_on):
+    tasks = decode_step("s3", num_layers=2, num_micro_batches=3, pages_per_layer=2, attention_on=attention_on)
     for prev, t in zip(tasks, tasks[1:]):
         assert prev.id in t.deps
 

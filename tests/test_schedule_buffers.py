@@ -107,6 +107,22 @@ def test_staging_buffers_are_rewritten_only_after_their_last_read(name, attentio
     assert bad == []
 
 
+@pytest.mark.parametrize("name", schedule.SCHEDULES)
+@pytest.mark.parametrize("L,n,pages,g", SHAPES)
+def test_kv_ring_buffers_are_reloaded_only_after_the_attention_two_positions_back(name, L, n, pages, g):
+    """Attention on the GPU: micro-batch position p = i·n + j loads the CPU-held KV into ring buffer
+    p mod 2 (core.runtime.pipeline), which position p − 2's attention reads: that load waits for it."""
+    tasks = _step(name, "gpu", L, n, pages, g)
+    anc = ancestors(tasks)
+    bad = []
+    for p in range(2, L * n):
+        (load,) = _ids(tasks, "kv_load", *divmod(p, n))
+        for r in _ids(tasks, "gpu_attn", *divmod(p - 2, n)):
+            if not _before(anc, r, load):
+                bad.append(f"{tasks[load].name} may overwrite the KV {tasks[r].name} still reads")
+    assert bad == []
+
+
 def test_the_check_sees_a_missing_buffer_dependency():
     """The checker itself: drop the buffer-free edge of one page and it must report the race."""
     tasks = decode_step("s4", num_layers=4, num_micro_batches=2, pages_per_layer=2)
