@@ -17,7 +17,7 @@ from core.telemetry import RequestDone, StepDone
 from test_plan_cli import no_gpu  # noqa: F401 - the fixture: no NVML, an isolated cache dir
 
 COSTS = CpuCosts(math="float32", flop_s=1e-11, weight_s=2e-10, call_s=3e-6, expert_flop_s=2e-11,
-                 expert_weight_s=4e-10, expert_call_s=5e-6, elem_s=1e-9, kv_s=3e-11, attn_row_s=1e-7,
+                 expert_weight_s=4e-10, expert_call_s=5e-6, elem_s=1e-9, kv_s=3e-11, kv_copy_s=7e-11, attn_row_s=1e-7,
                  sdpa_flop_s=2e-11, task_s=5e-5, prompt_s=2e-5, step_s=3e-4, seq_s=1e-6)
 
 
@@ -211,3 +211,37 @@ def test_fit_refuses_times_of_zero_with_a_clear_error():
 
     with pytest.raises(MlightError, match="0 seconds.*--clock wall"):
         cal.fit([[1.0, 1.0], [2.0, 1.0]], [1e-6, 0.0])
+
+
+def test_attention_costs_the_path_the_kernel_takes():
+    """Whole cache rows while the micro-batch's longest context is a third of a row or more, else the sliced
+    positions; a widening engine always slices (core.model.attention.decode_attention)."""
+    from core.plan.presets import resolve_spec
+
+    d = hrm.dims(resolve_spec("mixtral-8x7b"))
+    at = lambda c, longest: cpu_cost.attention_seconds(d, c, 8, 100, row_tokens=900, longest=longest)  # noqa: E731
+    kv = lambda s, n: s * 8 * n * 2 * d.kv  # noqa: E731
+    assert at(COSTS, 300) - at(dataclasses.replace(COSTS, kv_s=0.0), 300) == pytest.approx(kv(COSTS.kv_s, 900))
+    assert at(COSTS, 299) - at(dataclasses.replace(COSTS, kv_copy_s=0.0), 299) == pytest.approx(kv(COSTS.kv_copy_s, 299))
+    widened = dataclasses.replace(COSTS, widens=True)
+    assert at(widened, 300) - at(dataclasses.replace(widened, kv_copy_s=0.0), 300) == pytest.approx(kv(COSTS.kv_copy_s, 300))
+
+
+def test_the_workloads_spread_estimates_match_the_spread_the_bench_builds():
+    """Mean squared prompt (prefill attention) and the longest of μ requests (decode attention's slices),
+    estimated from mean and maximum, against the MT-Bench-like lengths core.io.workloads builds."""
+    import random
+
+    from core.io.workloads import target_lengths
+    from core.plan.planner import Workload
+
+    for mean, top in ((77, 418), (308, 1672)):
+        ls = target_lengths(256, mean=mean, max_len=top)
+        w = Workload(prompt_len=mean, gen_len=32, max_prompt_len=top)
+        assert w.prompt_sq_mean == pytest.approx(sum(x * x for x in ls) / len(ls), rel=0.15)
+        rng = random.Random(0)
+        for mu in (4, 16):
+            draws = [max(rng.sample(ls, mu)) for _ in range(2000)]
+            assert w.micro_batch_context(mu) - 16 == pytest.approx(sum(draws) / len(draws), rel=0.2)
+    flat = Workload(prompt_len=100, gen_len=10)
+    assert flat.prompt_sq_mean == 100 * 100 and flat.micro_batch_context(8) == flat.decode_context

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-VERSION = 1
+VERSION = 2  # 2: attention costs whole rows and slices apart (kv_copy_s)
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,9 @@ class CpuCosts:
     expert_weight_hot_s: float = 0.0
     cache_bytes: int = 0
     elem_s: float = 0.0  # seconds per activation element of elementwise work (norms, RoPE, SwiGLU, gathers)
-    kv_s: float = 0.0  # seconds per K or V element decode attention reads
+    kv_s: float = 0.0  # seconds per K or V element decode attention reads (whole cache rows, as views)
+    kv_copy_s: float = 0.0  # ... per element of the first T positions, sliced (copied) out of longer rows
+    widens: bool = False  # attention widens the KV (bf16 on AVX2): it always slices, never reads whole rows
     attn_row_s: float = 0.0  # seconds per (request, KV head) row of decode attention
     sdpa_flop_s: float = 0.0  # seconds per FLOP of prefill attention
     task_s: float = 0.0  # overhead per task of the step graph (Python, dispatch, small ops)
@@ -124,13 +126,20 @@ def experts_seconds(d, c: CpuCosts, t: float) -> float:
             + c.gemv(2 * d.I, d.D, few_e) + c.gemv(d.D, d.I, few_e) + c.elem_s * rows * (3 * d.D + 3 * d.I))
 
 
-def attention_seconds(d, c: CpuCosts, b: float, context: float, row_tokens: float | None = None) -> float:
+def attention_seconds(d, c: CpuCosts, b: float, context: float, row_tokens: float | None = None,
+                      longest: float | None = None) -> float:
     """Decode attention of b requests over `context` cached tokens each (and the new token's KV write).
-    Where the cache rows are `row_tokens` long, attention reads them whole (a view, masked past each
-    length: cheaper than copying strided slices), so that is what it costs."""
+    As core.model.attention.decode_attention chooses: while the micro-batch's `longest` context is at
+    least a third of the `row_tokens` a cache row holds, it reads the rows whole (views, masked past each
+    length), else it slices out the first `longest` positions (a copy); a widening engine always slices."""
     hkv = d.kv // d.head_dim
-    n = max(context, row_tokens or 0.0)
-    return c.kv_s * b * n * 2 * d.kv + c.attn_row_s * b * hkv + c.elem_s * b * (2 * d.kv + 4 * d.heads * n)
+    row = max(context, row_tokens or 0.0)
+    t = max(context, longest or context)
+    if c.widens or 3 * t < row:
+        kv, n = c.kv_copy_s * b * t * 2 * d.kv, t
+    else:
+        kv, n = c.kv_s * b * row * 2 * d.kv, row
+    return kv + c.attn_row_s * b * hkv + c.elem_s * b * (2 * d.kv + 4 * d.heads * n)
 
 
 def head_seconds(d, c: CpuCosts, tokens: float) -> float:
@@ -138,19 +147,23 @@ def head_seconds(d, c: CpuCosts, tokens: float) -> float:
     return c.gemm(tokens, d.V, d.D) + c.elem_s * tokens * (4 * d.D + 2 * d.V) + c.step_s + c.seq_s * tokens
 
 
-def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float) -> float:
-    """One CPU-only prefill task: a micro-batch of `prompts` prompts of `prompt_len` tokens through one layer."""
+def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> float:
+    """One CPU-only prefill task: a micro-batch of `prompts` prompts of `prompt_len` tokens on average
+    through one layer; `prompt_sq` is the mean of the squared prompt lengths (causal attention grows
+    with it: a spread of lengths costs more than equal prompts of the same mean)."""
     t = prompts * prompt_len
     pre, post = dense_seconds(d, c, t)
-    flops = 4 * prompts * (prompt_len * (prompt_len + 1) / 2) * d.heads * d.head_dim
+    sq = prompt_sq if prompt_sq is not None else prompt_len * prompt_len
+    flops = 4 * prompts * ((sq + prompt_len) / 2) * d.heads * d.head_dim
     return pre + post + experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts + c.task_s
 
 
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,
-                 row_tokens: float | None = None) -> dict[str, float]:
-    """Seconds of one task of each kind of a CPU-only decode layer (core.runtime.schedule._cpu_only)."""
+                 row_tokens: float | None = None, longest: float | None = None) -> dict[str, float]:
+    """Seconds of one task of each kind of a CPU-only decode layer (core.runtime.schedule._cpu_only);
+    `longest`: the longest context in a micro-batch (attention_seconds)."""
     pre, post = dense_seconds(d, c, micro_batch)
-    attn = attention_seconds(d, c, micro_batch, context, row_tokens)
+    attn = attention_seconds(d, c, micro_batch, context, row_tokens, longest)
     return {"pre_attn": pre + c.task_s, "cpu_attn": attn + c.task_s,
             "post_attn": post + c.task_s, "ffn": experts_seconds(d, c, expert_batch) + c.task_s}
 

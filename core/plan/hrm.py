@@ -402,10 +402,12 @@ def all_reduce_seconds(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
 
 def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, expert_batch: int,
                  attention_on: str, ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
-                 context: float, pages: int | None = None, row_tokens: float | None = None) -> dict[str, TaskCost]:
+                 context: float, pages: int | None = None, row_tokens: float | None = None,
+                 longest: float | None = None) -> dict[str, TaskCost]:
     """The tasks of one decode layer (one new token for each of `batch` requests), by kind.
     `row_tokens`: the KV cache row a request has (longest prompt + generation), which CPU decode
-    attention reads whole (core.model.attention) — the calibrated CPU costs count it.
+    attention reads whole (core.model.attention) unless a micro-batch's `longest` context is under a
+    third of it — the calibrated CPU costs count which.
 
     Kinds: pre_attn (norm + QKV), d1 (QKV to the CPU), cpu_attn, d2 (attention output back), post_attn
     (O-proj, router, shared expert), ffn (routed experts of one expert batch), weight_page (one page of
@@ -421,7 +423,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
 
         costs = r.cpu_costs.for_step(batch * max(context, row_tokens or 0.0) * m.kv_tok)
         secs = cpu_cost.decode_tasks(m, costs, micro_batch=micro_batch, expert_batch=expert_batch,
-                                     context=context, row_tokens=row_tokens)
+                                     context=context, row_tokens=row_tokens, longest=longest)
         if m.qkind in CPU_KERNEL_FLOPS:  # calibrated on the dtype's matmuls: quantized experts run other kernels
             secs["ffn"] = quant_cpu_ffn(m, r, expert_batch) + costs.elem_s * expert_batch * m.k * (3 * m.D + 3 * m.I) \
                 + costs.task_s
@@ -464,7 +466,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
 
 def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, attention_on: str, ffn_on: str,
                   gpu_weight_fraction: float, gpu_kv_fraction: float, prompt_len: float,
-                  pages: int | None = None) -> dict[str, TaskCost]:
+                  pages: int | None = None, prompt_sq: float | None = None) -> dict[str, TaskCost]:
     """The tasks of one layer's prefill of `batch` prompts: prefill (a whole layer for one micro-batch,
     attention included), weight_page, kv_store (the micro-batch's KV to wherever decode keeps it)."""
     m = dims(m)
@@ -476,7 +478,7 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
         from core.plan import cpu_cost
 
         costs = r.cpu_costs.for_step(batch * prompt_len * m.kv_tok)
-        return {"prefill": TaskCost("gpu", cpu_cost.prefill_seconds(m, costs, micro_batch, prompt_len), n_mb)}
+        return {"prefill": TaskCost("gpu", cpu_cost.prefill_seconds(m, costs, micro_batch, prompt_len, prompt_sq), n_mb)}
     if ffn_on == "cpu":
         return {"prefill": TaskCost("gpu", roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH + reduce, n_mb)}
     pages = pages or max(1, round(n_mb))

@@ -24,6 +24,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from core.plan import hrm
 from core.plan.parallel import default_ranks, rank_view
@@ -43,6 +44,7 @@ PLACEMENTS_GPU = (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu"))
 RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # r_c values tried by the fast path; the LP refines them
 TIE_BREAK = 1e-6  # weight of the summed busy time: among equally fast policies, prefer less work
 REFINE = 6  # (placement, μ) pairs whose smaller batches and neighbouring μ the search also tries
+SPREAD_SIGMA = 0.8  # log-normal spread of prompt lengths (MT-Bench's; core.io.workloads builds the same)
 DENSE_MU = 1024  # μ up to here on the paper's full grid; beyond, sparser (then refined)
 CPU_ONLY_WORDS = {"gpu": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
                   "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)"}
@@ -74,6 +76,24 @@ class Workload:
     def decode_context(self) -> float:
         """Average cached tokens a decode step attends over: the prompt plus half the generation."""
         return self.prompt_len + self.gen_len / 2
+
+    @property
+    def prompt_sq_mean(self) -> float:
+        """Mean squared prompt length (prefill attention grows with it): equal prompts unless a longer
+        longest prompt says the lengths spread; then MT-Bench's log-normal spread, E[L²] = E[L]²·e^(σ²)."""
+        s, top = self.prompt_len, self.longest_prompt
+        return float(s * s) if top <= s else min(s * top, s * s * math.exp(SPREAD_SIGMA ** 2))
+
+    def micro_batch_context(self, mu: int) -> float:
+        """Expected longest cached context among `mu` requests decoding together (the rows attention
+        slices): the expected largest of `mu` prompts drawn from the spread (Blom's approximation of the
+        normal order statistic), capped at the longest prompt, plus half the generation."""
+        s, top = self.prompt_len, self.longest_prompt
+        if top <= s or mu <= 1:
+            return self.decode_context
+        z = NormalDist().inv_cdf((mu - 0.375) / (mu + 0.25))
+        grow = max(1.0, math.exp(SPREAD_SIGMA * z - SPREAD_SIGMA ** 2 / 2))
+        return min(top, s * grow) + self.gen_len / 2
 
 
 @dataclass(frozen=True)
@@ -272,9 +292,10 @@ def _busy(m: ModelSpec, r: hrm.Rates, w: Workload, place: tuple[str, str], n: in
     a, f = place
     dec = hrm.decode_layer_seconds(m, r, batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f,
                                    gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, context=w.decode_context, pages=pages,
-                                   row_tokens=w.longest_prompt + w.gen_len)
+                                   row_tokens=w.longest_prompt + w.gen_len, longest=w.micro_batch_context(mu))
     pre = hrm.prefill_layer_seconds(m, r, batch=n, micro_batch=mu, attention_on=a, ffn_on=f,
-                                    gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, prompt_len=w.prompt_len, pages=pages)
+                                    gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, prompt_len=w.prompt_len, pages=pages,
+                                    prompt_sq=w.prompt_sq_mean)
     return dec, pre
 
 
@@ -354,7 +375,7 @@ def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, b
     neither depends on the expert batch."""
     a, f = place
     kw = dict(batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f, context=w.decode_context,
-              row_tokens=w.longest_prompt + w.gen_len)
+              row_tokens=w.longest_prompt + w.gen_len, longest=w.micro_batch_context(mu))
     d00 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, **kw))
     d10 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=1.0, gpu_kv_fraction=0.0, **kw))
     d01 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=1.0, **kw)) if a == "gpu" else d00
@@ -367,7 +388,7 @@ def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, b
 
 def _prefill_lin(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int):
     a, f = place
-    kw = dict(batch=n, micro_batch=mu, attention_on=a, ffn_on=f, prompt_len=w.prompt_len)
+    kw = dict(batch=n, micro_batch=mu, attention_on=a, ffn_on=f, prompt_len=w.prompt_len, prompt_sq=w.prompt_sq_mean)
     p00 = _vec(hrm.prefill_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, **kw))
     p10 = _vec(hrm.prefill_layer_seconds(d, r, gpu_weight_fraction=1.0, gpu_kv_fraction=0.0, **kw))
     p01 = _vec(hrm.prefill_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=1.0, **kw)) if a == "gpu" else p00

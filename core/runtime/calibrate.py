@@ -33,13 +33,17 @@ from core.plan import cpu_cost, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.telemetry import EventSink, Progress, ignore
 
-LLC_BYTES = 64 << 20  # cycling through this much weight defeats any last-level cache: they come from RAM
+# Weights cycle through up to this many times the last-level cache (or the model's bytes, if fewer, but at
+# least twice the cache) so they come from RAM as the model's do: cycling through the 32 MB L3's worth, a
+# Zen 5 core read packed bf16 experts at 45.8 GB/s, through 8x at 31-35 GB/s, what a 1.5 GB model's decode gets.
+COLD_FACTOR = 8
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 1024)
 MAX_GEMM_FLOPS = 2e9  # skip points slower than this per call: they add time, not information
 POINT_FLOPS = 4e9  # FLOPs of one timed point (all its copies): at large M a weight is reused, cache or not
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_CONTEXTS = (48, 384)
-PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256))  # (prompts, tokens each)
+SLICED = (48, 400)  # (context, cache row): under a third of the row, attention slices rather than reading it whole
+PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256), (1, 1024))  # (prompts, tokens each)
 
 
 # ---- fitting ---------------------------------------------------------------------------------------
@@ -155,7 +159,10 @@ def engine_kernels(engine):
     math = w.math_dtype
     dense = (lambda t: t.to(math).contiguous(), F.linear)
     if w.packed:
+        from core.model.cpu.kernels import pack_dense
         from core.model.moe import _packed_linear, _reorder
+
+        dense = (lambda t: pack_dense(t.to(w.dtype).contiguous()), F.linear)  # as LayerWeights.pack_for_cpu does
 
         reorder = _reorder()
         expert = (lambda t: reorder(t.to(w.dtype).contiguous(), 16), _packed_linear)
@@ -185,7 +192,9 @@ def gemm_terms(kernel, math: torch.dtype, shapes, resident: int, direct_rows: in
     obs, gemv = [], []
     tick = clock_tick(clock)
     for n, k in shapes:
-        ws = [prepare(torch.randn(n, k) / k ** 0.5) for _ in range(max(1, resident // (n * k * 4)))]
+        first = prepare(torch.randn(n, k) / k ** 0.5)
+        ws = [first] + [prepare(torch.randn(n, k) / k ** 0.5)
+                        for _ in range(max(1, resident // (n * k * first.dtype.itemsize)) - 1)]
         for m in rows:
             if 2 * m * n * k > MAX_GEMM_FLOPS:
                 continue
@@ -219,14 +228,17 @@ class Obs:
 
 
 def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS, prefills=PREFILLS,
-                        steps: int = 3, progress: EventSink = ignore, clock=time.perf_counter) -> list[Obs]:
+                        steps: int = 3, sliced=SLICED, progress: EventSink = ignore,
+                        clock=time.perf_counter) -> list[Obs]:
     spec, out = engine.spec, []
     limit = spec.max_position - steps - 2
-    plan = [(b, c) for b in batches for c in contexts if c <= limit]
+    plan = [(b, c, c + steps + 1) for b in batches for c in contexts if c <= limit]
+    if sliced and sliced[1] <= limit:
+        plan += [(b, sliced[0], sliced[1]) for b in batches]
     g = torch.Generator().manual_seed(0)
     tc = TaskClock(clock)
-    for i, (b, c) in enumerate(plan):
-        runner = tc.install(engine.runner(slots=b, micro_batch_size=b, max_tokens=c + steps + 1))
+    for i, (b, c, row) in enumerate(plan):
+        runner = tc.install(engine.runner(slots=b, micro_batch_size=b, max_tokens=row))
         for store in runner.cache.layers:  # a filled state without a prefill: timing only (any layer kind)
             for t, axis in zip(store.tensors if store is not None else (), store.token_axes if store else ()):
                 (t if axis is None else t.narrow(axis, 0, store.kept(c))).normal_(generator=g)
@@ -236,7 +248,7 @@ def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTE
         for s in range(steps):
             t0 = clock()
             _, busy = runner.decode(tokens, [list(range(b))], [[c + s] * b])
-            out.append(Obs("decode", b, c + s + 1, tc.take(busy), clock() - t0, c + steps + 1))
+            out.append(Obs("decode", b, c + s + 1, tc.take(busy), clock() - t0, row))
         del runner
         progress(Progress("calibrating: decode steps", i + 1, len(plan), "shapes"))
     for i, (p, n) in enumerate(pf for pf in prefills if pf[1] <= limit):
@@ -254,12 +266,13 @@ def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTE
 def _layer_decode(d, c: CpuCosts, o: Obs) -> tuple[float, float]:
     """(dense + experts, attention) seconds of one layer for an observed decode step (one micro-batch)."""
     c = c.for_step(o.b * max(o.length, o.rows) * d.kv_tok)
-    t = cpu_cost.decode_tasks(d, c, micro_batch=o.b, expert_batch=o.b, context=o.length, row_tokens=o.rows)
+    t = cpu_cost.decode_tasks(d, c, micro_batch=o.b, expert_batch=o.b, context=o.length, row_tokens=o.rows,
+                              longest=o.length)
     return t["pre_attn"] + t["post_attn"] + t["ffn"], t["cpu_attn"]
 
 
 def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs]) -> CpuCosts:
-    """elem_s and task_s from the dense work, kv_s and attn_row_s from attention, sdpa_flop_s and prompt_s
+    """elem_s and task_s from the dense work, kv_s, kv_copy_s and attn_row_s from attention, sdpa_flop_s and prompt_s
     from prefills — each from what the terms already known leave unexplained."""
     d, L = hrm.dims(engine.spec), engine.spec.num_layers
     dec = [o for o in obs if o.kind == "decode"]
@@ -274,7 +287,8 @@ def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs]) -> CpuCosts:
                        lambda o: dense(base, o))
     base = dataclasses.replace(base, **got)
     attn = lambda c, o: _layer_decode(d, c, o)[1]  # noqa: E731
-    got = residual_fit([(o, attn) for o in dec], ("kv_s", "attn_row_s"), lambda o: o.busy.get("cpu_attn", 0) / L,
+    kv = ("kv_copy_s",) if base.widens else ("kv_s", "kv_copy_s")  # a widening engine always slices
+    got = residual_fit([(o, attn) for o in dec], (*kv, "attn_row_s"), lambda o: o.busy.get("cpu_attn", 0) / L,
                        lambda o: attn(base, o))
     base = dataclasses.replace(base, **got)
     pre = [o for o in obs if o.kind == "prefill"]
@@ -364,8 +378,9 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     cache = llc_bytes()
     fits = spec.total_bytes < cache  # a model this small can stay cached between steps: measure both ways
     progress(Progress("calibrating: GEMM kernels", 0, 2, "kernels"))
-    fd, wd, cd, _ = gemm_terms(dense, math, dense_shapes, LLC_BYTES, 0, rows, clock)
-    fx, wx, cx, gx = gemm_terms(expert, math, expert_shapes, LLC_BYTES, direct, rows, clock)
+    cold = min(COLD_FACTOR * cache, max(2 * cache, spec.total_bytes))
+    fd, wd, cd, _ = gemm_terms(dense, math, dense_shapes, cold, 0, rows, clock)
+    fx, wx, cx, gx = gemm_terms(expert, math, expert_shapes, cold, direct, rows, clock)
     progress(Progress("calibrating: GEMM kernels", 1, 2, "kernels"))
     hot_d = hot_x = 0.0
     if fits:
@@ -375,8 +390,8 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     base = CpuCosts(math=engine.cpu.math, flop_s=fd, weight_s=wd, call_s=cd, expert_flop_s=fx, expert_weight_s=wx,
                     expert_call_s=cx, gemv_s=gx, direct_rows=direct, weight_hot_s=hot_d, expert_weight_hot_s=hot_x,
                     cache_bytes=cache, threads=torch.get_num_threads(), model=cpu_cost.model_key(d),
-                    model_bytes=spec.total_bytes)
-    kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2) if quick else {}
+                    model_bytes=spec.total_bytes, widens=engine.cpu.widens)
+    kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2, sliced=(16, 64)) if quick else {}
     obs = runner_observations(engine, progress=progress, clock=clock, **kw)
     base = fit_engine_terms(engine, base, obs)
     return fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)
