@@ -66,6 +66,9 @@ def parse_args(argv=None):
                    help="torch intra-op threads for both systems (default: the cores other work leaves free)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: time by this process's CPU seconds (with --threads 1 on a shared machine)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="our engine's weights (default: the checkpoint's bf16; float32 widens them at load, the "
+                        "baseline a bf16 checkpoint under the AVX2 limits is compared with)")
     p.add_argument("--hf-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="transformers' dtype (auto: bf16 where the CPU runs it natively, else fp32)")
     p.add_argument("--single-tokens", type=int, default=None,
@@ -139,13 +142,13 @@ class _Recorder:
             self.events.append((ev.kind, ev.tokens, ev.seconds))
 
 
-def run_ours(model_dir: Path, requests, batch: int, micro: int, threads: int):
+def run_ours(model_dir: Path, requests, batch: int, micro: int, threads: int, dtype: str | None = None):
     from core.runtime.engine import Engine, Request
 
     from core.runtime.calibrate import StepClock
 
     t = time.perf_counter()
-    engine = Engine.load(model_dir, device="cpu", threads=threads)  # the CPU mode, even on a machine with a GPU
+    engine = Engine.load(model_dir, device="cpu", threads=threads, dtype=dtype)  # the CPU mode, even on a machine with a GPU
     load_s = time.perf_counter() - t
     list(engine.generate([Request("w0", prompt=requests[0].prompt, max_new_tokens=4),
                           Request("w1", prompt=requests[-1].prompt, max_new_tokens=4)], batch_size=2))  # warm-up
@@ -281,13 +284,14 @@ def roofline_fraction(spec, rec: _Recorder, roof: common.Roofline) -> dict:
 
 
 # ---- main ------------------------------------------------------------------------------------------------
-def single_stream(model_dir: Path, tok, prompt: str, new: int, threads: int, hf_model, roof: common.Roofline) -> dict:
+def single_stream(model_dir: Path, tok, prompt: str, new: int, threads: int, hf_model, roof: common.Roofline,
+                  dtype: str | None = None) -> dict:
     """Batch-1 decode: one request, `new` tokens. Ours: decode steps' seconds from the engine's events;
     transformers: generate(new + 1) minus generate(1) (its prefill), over `new` decode tokens."""
     from core.runtime.calibrate import StepClock
     from core.runtime.engine import Engine, Request
 
-    engine = Engine.load(model_dir, threads=threads)
+    engine = Engine.load(model_dir, threads=threads, dtype=dtype)
     engine.eos_ids = set()
     list(engine.generate([Request("w", prompt=prompt, max_new_tokens=4)]))  # warm-up
     sink = StepClock(engine, common.clock)
@@ -374,17 +378,18 @@ def main(argv=None) -> int:
 
     out = {"command": "python bench/cpu_vs_hf.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "threads": args.threads, "clock": args.clock, "isa": cpu_isa().label, "torch": torch.__version__,
+           "dtype": args.dtype or "bfloat16",
            "params": spec.num_params, "active_params": spec.active_params, "requests": len(reqs),
            "prompt_mean": sum(plen) / len(plen), "prompt_max": max(plen), "requested_tokens": want,
            "peak_flops": roof.flops, "bandwidth": roof.bandwidth, "gemm_detail": roof.gemm_detail,
            "bw_detail": roof.bw_detail, "load_avg_start": common.load_average()}
 
     if not args.skip_batch:
-        ours = run_ours(model_dir, reqs, args.batch, args.micro_batch, args.threads)
+        ours = run_ours(model_dir, reqs, args.batch, args.micro_batch, args.threads, args.dtype)
         got = sum(r.output_tokens for r in ours["results"].values())
         ours_tps = got / ours["wall"]
         rf = roofline_fraction(ours["spec"], ours["rec"], roof)
-        print(f"ours:  {got} tokens in {ours['wall']:.1f} s = {ours_tps:.1f} tok/s  (batch {args.batch}, micro-batch "
+        print(f"ours:  {got} tokens in {ours['wall']:.1f} s = {ours_tps:.1f} tok/s  ({args.dtype or 'bfloat16'} weights, batch {args.batch}, micro-batch "
               f"{args.micro_batch}; prefill {rf['prefill_s']:.1f} s, decode {rf['decode_s']:.1f} s over {rf['decode_steps']} "
               f"steps, mean batch {rf['decode_mean_batch']:.1f}; CPU time {ours['cpu']:.1f} s = "
               f"{ours['cpu'] / ours['wall'] / args.threads * 100:.0f} % of {args.threads} core(s) × {args.clock})", flush=True)
@@ -426,7 +431,8 @@ def main(argv=None) -> int:
         out.update({"hf_impl": impl, "hf_batch": b, "hf_trials": trials, "hf_tokens": hf_got, "hf_wall": wall,
                     "hf_tok_s": hf_tps, "hf_cpu_s": run_hf.cpu, "ratio": ours_tps / hf_tps, "identical_outputs": same})
     if args.single_tokens:
-        single = single_stream(model_dir, tok, prompts[len(prompts) // 2], args.single_tokens, args.threads, model, roof)
+        single = single_stream(model_dir, tok, prompts[len(prompts) // 2], args.single_tokens, args.threads, model, roof,
+                               args.dtype)
         hf = f", transformers {single['single_hf_tok_s']:.1f} tok/s ({single['single_ours_tok_s'] / single['single_hf_tok_s']:.2f}×)" \
             if "single_hf_tok_s" in single else ""
         print(f"batch 1: ours {single['single_ours_tok_s']:.1f} tok/s decode{hf}; bound {single['single_bound_tok_s']:.1f} "
