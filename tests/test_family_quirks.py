@@ -82,5 +82,5 @@ def test_cpu_calibration_times_decode_over_any_layer_kind(checkpoint_factory):
     from core.runtime.engine import Engine
 
     engine = Engine.load(checkpoint_factory("qwen3_next"), device="cpu")
-    obs = calibrate.runner_observations(engine, batches=(2,), contexts=(16,), prefills=((2, 8),), steps=1)
+    obs = calibrate.runner_observations(engine, batches=(2,), contexts=(16,), prefills=((2, 8),), steps=1, sliced=None)
     assert [o.kind for o in obs].count("decode") == 1
