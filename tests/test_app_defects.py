@@ -495,15 +495,53 @@ async def test_19_results_go_to_the_results_folder_not_the_working_folder(workdi
 
 
 # ---- beyond the defects: Advanced choices reach the planner and the engine ----------------------------
+class _LoadRecorder(Backend):
+    """The real backend and engine, noting the choices each engine was loaded with."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.loaded: list = []
+
+    def engine(self, path, policy=None, progress=lambda e: None, choices=None):
+        self.loaded.append(choices)
+        return super().engine(path, policy, progress, choices=choices)
+
+
 @sync
 async def test_advanced_quantization_replans_for_that_format_and_the_run_loads_it(workdir):
-    app = create_app(Options(model="demo", prompts="demo_prompts.jsonl", out="r.jsonl"), Backend(hardware=_t4()))
+    from test_app_support import write_prompts
+
+    write_prompts(workdir / "two.jsonl", n=2, max_new_tokens=3)
+    backend = _LoadRecorder(hardware=_cpu_only(), max_new_tokens=3)
+    app = create_app(Options(model="demo", prompts="two.jsonl", out="r.jsonl"), backend)
     async with app.run_test(size=WIDE) as pilot:
         await _plan(pilot)
+        screen = app.screen
         assert "Experts" not in _facts(app, "prediction")
-        app.screen.query_one("#advanced", Collapsible).collapsed = False
-        app.screen.query_one("#quantize", Select).value = "int4"
-        await settle_until(pilot, lambda app: app.session.plan is not None and app.session.plan.quantize == "int4")
-        assert "Experts: int4: asked for" in _facts(app, "prediction")
-        assert "4-bit experts" in str(app.screen.query_one("#quantize-hint").render())
-        assert app.session.choices.quantize == "int4"
+        screen.query_one("#advanced", Collapsible).collapsed = False
+        assert not screen.query_one("#group_size").parent.display  # int4's group only once int4 may be chosen
+        screen.query_one("#quantize", Select).value = "int4"
+        await settle_until(pilot, lambda app: app.session.plan.quantize == "int4")
+        assert screen.query_one("#group_size").parent.display
+        assert "4-bit experts" in str(screen.query_one("#quantize-hint").render())
+        screen.query_one("#group_size", Select).value = 32
+        await settle_until(pilot, lambda app: app.session.plan.group_size == 32)
+        facts = _facts(app, "prediction")
+        assert "Experts: int4, group 32: asked for int4-g32" in facts, facts
+        plan = app.session.plan
+        assert plan.quant_speedup == plan.prediction.tokens_per_s / plan.quant_baseline_tps  # core's choose, shown
+        assert f"Speed-up: {plan.quant_speedup:.2f}× the unquantized model's" in facts, facts
+        assert app.session.choices.quantize == "int4" and app.session.choices.group_size == 32
+        manifest = backend.manifest(app.session.model, app.session.prompts, plan, app.session.choices)
+        assert manifest["settings"]["quantize"] == "int4" and manifest["settings"]["group_size"] == 32  # as mlight run
+        await pilot.press("ctrl+n")
+        await settle_until(pilot, run_over)
+        assert app.session.run_state == "done", status_text(app)
+        assert backend.loaded[-1].load_kwargs() == {"quantize": "int4", "group_size": 32}
+        assert backend._engine[1].spec.expert_format == "int4-g32"  # the engine holds its experts in that format
+    import json
+
+    records = [json.loads(line) for line in (workdir / "r.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["id"] for r in records] == ["mtbench-81", "mtbench-82"]
+    assert set(records[0]) == {"id", "prompt", "output", "output_token_ids", "prompt_tokens", "output_tokens",
+                               "finish_reason", "seconds"}  # the results look as they do unquantized

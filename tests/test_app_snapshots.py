@@ -220,6 +220,24 @@ def test_plan_advanced_choices(snap_compare, workdir):
     assert snap_compare(_direct(), terminal_size=WIDE, run_before=run)
 
 
+def test_plan_quantized_int4(snap_compare, workdir):
+    """Advanced: int4 experts in groups of 32: the group's row appears, the plan says why and what it buys."""
+
+    async def run(pilot):
+        await _plan_ready(pilot)
+        screen = pilot.app.screen
+        screen.query_one("#advanced").collapsed = False
+        screen.query_one("#quantize").value = "int4"
+        await settle_until(pilot, lambda app: app.session.plan.quantize == "int4")
+        screen.query_one("#group_size").value = 32
+        await settle_until(pilot, lambda app: app.session.plan.group_size == 32)
+        screen.query_one("#plan-form").scroll_end(animate=False)
+        await settle(pilot)
+        await still(pilot)
+
+    assert snap_compare(_direct(), terminal_size=WIDE, run_before=run)
+
+
 def test_results(snap_compare, workdir):
     assert snap_compare(_direct(), terminal_size=WIDE, run_before=_to_results)
 

@@ -186,8 +186,15 @@ class ScriptedBackend(Backend):
         prediction = Prediction(tokens_per_s=1234.5, decode_tokens_per_s=1502.25, prefill_tokens_per_s=20480.0,
                                 bottleneck="gpu", gpu_bytes=14_000_000 if gpu else 0, cpu_bytes=21_500_000,
                                 layer_seconds=layer)
+        quant = {}
+        if choices is not None and choices.quantize:  # a fixed account of the format: the baseline at half the speed
+            q = "int4" if choices.quantize == "auto" else choices.quantize
+            label = f"int4-g{choices.group_size or 64}" if q == "int4" else q
+            quant = {"quantize": q, "group_size": choices.group_size, "quant_baseline_tps": 617.25,
+                     "quant_why": f"asked for {label}" if q == choices.quantize else
+                     f"bfloat16 and int8 do not fit the budget; {label} is the least lossy format that does"}
         return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, self.workload(prompts),
-                        warnings=budget_warnings(machine, budget.gpu_bytes, budget.cpu_bytes))
+                        warnings=budget_warnings(machine, budget.gpu_bytes, budget.cpu_bytes), **quant)
 
     def open_model(self, text, machine, progress=lambda e: None, should_stop=lambda: False):
         view = super().open_model(text, machine, progress, should_stop)

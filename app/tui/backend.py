@@ -82,6 +82,7 @@ class EngineChoices:
     executor: str | None = None  # sequential | threaded | cuda
     schedule: str | None = None  # cgopipe | s4 | s3
     quantize: str | None = None  # none | int8 | int4 | auto, where the engine offers it
+    group_size: int | None = None  # int4's weights per scale (None: core's default, 64)
 
     def load_kwargs(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -99,6 +100,15 @@ class PlanView:
     warnings: list[str] = field(default_factory=list)  # what the user should know, but may go ahead with
     quantize: str | None = None  # the experts' format the plan is for (none | int8 | int4), when one was asked
     quant_why: str = ""  # why that format (for auto: the least lossy one that fits)
+    group_size: int | None = None  # int4's weights per scale, as asked (None: core's default)
+    quant_baseline_tps: float | None = None  # the unquantized model's planned tokens/s on this budget (None: unfit)
+
+    @property
+    def quant_speedup(self) -> float | None:
+        """The quantized plan's predicted speed against the unquantized model's on the same budget."""
+        if not self.quantize or self.quantize == "none" or not self.quant_baseline_tps or self.prediction is None:
+            return None
+        return self.prediction.tokens_per_s / self.quant_baseline_tps
 
     @property
     def workload_text(self) -> str:
@@ -258,9 +268,10 @@ class Backend:
         if choices.quantize:  # the planner's format choice, as `mlight run --quantize` makes it
             from core.plan.quantize import choose
 
-            c = choose(spec, machine.hardware, workload, budget, choices.quantize, ranks=1)
+            c = choose(spec, machine.hardware, workload, budget, choices.quantize, choices.group_size, ranks=1)
             return PlanView(c.policy, c.prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
-                            quantize=c.quantize, quant_why=c.why)
+                            quantize=c.quantize, quant_why=c.why, group_size=choices.group_size,
+                            quant_baseline_tps=c.baseline.tokens_per_s if c.baseline is not None else None)
         policy, prediction = plan(spec, machine.hardware, workload, budget, ranks=1)
         return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings)
 
@@ -272,7 +283,7 @@ class Backend:
         from core.plan.policy import Policy
 
         budget = self.budget(machine, base.gpu_budget, base.cpu_budget)
-        spec = _spec_as_run(model.spec, choices, base.quantize)
+        spec = _spec_as_run(model.spec, choices, base.quantize, base.group_size)
         try:
             policy = Policy(**fields)
         except (TypeError, ValueError) as e:
@@ -285,8 +296,7 @@ class Backend:
         share = {"gpu": (budget.gpu_bytes, planner.GPU_USABLE), "cpu": (budget.cpu_bytes, planner.CPU_USABLE)}
         problems = [wording.overrun(o, *share[o.where]) for o in overruns]
         prediction = planner.predict(policy, spec, machine.hardware, base.workload)
-        return PlanView(policy, prediction, base.gpu_budget, base.cpu_budget, base.workload, problems, edited=True,
-                        warnings=base.warnings, quantize=base.quantize, quant_why=base.quant_why)
+        return dataclasses.replace(base, policy=policy, prediction=prediction, problems=problems, edited=True)
 
     @staticmethod
     def usable_shares() -> tuple[float, float]:
@@ -330,7 +340,7 @@ class Backend:
             "model": model_fingerprint(model.path, model.name),
             "prompts": {"sha256": prompts.prompts.sha256, "format": prompts.prompts.format},
             "settings": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-                         "seed": None, "revision": None, **_quant_settings(plan.quantize)},
+                         "seed": None, "revision": None, **_quant_settings(plan.quantize, plan.group_size)},
             "policy": {"batch": plan.policy.batch_size, "micro_batch": plan.policy.micro_batch_size,
                        "executor": choices.executor, "schedule": choices.schedule, "dtype": choices.dtype,
                        "planned": plan.policy.to_dict()},
@@ -442,7 +452,7 @@ class Backend:
 # ---------------------------------------------------------------------------------------------
 
 
-def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None) -> Any:
+def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None, group_size: int | None = None) -> Any:
     """The model as the engine will hold it: a compute dtype chosen under Advanced changes its bytes, and so
     do quantized experts (`quantize`: the format a plan settled on)."""
     if choices.dtype and choices.dtype != spec.dtype:
@@ -450,17 +460,18 @@ def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None)
     if quantize and quantize != "none":
         from core.model.quant.formats import parse_choice, quantized_spec
 
-        spec = quantized_spec(spec, parse_choice(quantize))
+        spec = quantized_spec(spec, parse_choice(quantize, group_size))
     return spec
 
 
-def _quant_settings(quantize: str | None) -> dict:
+def _quant_settings(quantize: str | None, group_size: int | None = None) -> dict:
     """Quantized experts are other weights, so other tokens: part of the run's identity (as `mlight run`)."""
     if not quantize or quantize == "none":
         return {}
     from core.model.quant.formats import DEFAULT_INT4_GROUP
 
-    return {"quantize": quantize, **({"group_size": DEFAULT_INT4_GROUP} if quantize == "int4" else {})}
+    return {"quantize": quantize,
+            **({"group_size": group_size or DEFAULT_INT4_GROUP} if quantize == "int4" else {})}
 
 
 def budget_warnings(machine: MachineView, gpu_budget: int, cpu_budget: int) -> list[str]:

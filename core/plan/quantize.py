@@ -44,8 +44,8 @@ class FormatChoice:
                 "speedup": self.speedup}
 
 
-def _name(spec: ModelSpec, q: str) -> str:
-    return spec.dtype if q == "none" else quantized_spec(spec, parse_choice(q)).expert_format
+def _name(spec: ModelSpec, q: str, group_size: int | None = None) -> str:
+    return spec.dtype if q == "none" else quantized_spec(spec, parse_choice(q, group_size)).expert_format
 
 
 def choose(model: ModelSpec, hw: HardwareSpec, workload: planner.Workload, budget: planner.Budget,
@@ -79,11 +79,11 @@ def choose(model: ModelSpec, hw: HardwareSpec, workload: planner.Workload, budge
     spec, policy, pred = plans[want]
     base = plans["none"][2] if "none" in plans else None
     if quantize != "auto":
-        why = f"asked for {_name(model, want)}"
+        why = f"asked for {_name(model, want, group_size)}"
     elif want == "none":
         why = f"{model.dtype} fits the budget: no quantization needed"
     else:
         passed = [q for q in ORDER[:ORDER.index(want)]]
-        why = (f"{' and '.join(_name(model, q) for q in passed)} {'do' if len(passed) > 1 else 'does'} not fit the "
-               f"budget; {_name(model, want)} is the least lossy format that does")
+        why = (f"{' and '.join(_name(model, q, group_size) for q in passed)} {'do' if len(passed) > 1 else 'does'} "
+               f"not fit the budget; {_name(model, want, group_size)} is the least lossy format that does")
     return FormatChoice(want, spec, policy, pred, why, base, tried)

@@ -59,9 +59,17 @@ QUANTIZE = [  # here "auto" is a choice of its own (the planner picks the format
     ("int4", "int4", "4-bit experts: a quarter of bfloat16; some loss"),
     ("auto", "auto", "the least lossy format that fits the budget (the plan says which)"),
 ]
-DEFAULTS = {"dtype": AUTO, "executor": AUTO, "schedule": AUTO, "quantize": "none"}
-ADVANCED = {"dtype": DTYPES, "executor": EXECUTORS, "schedule": SCHEDULES, "quantize": QUANTIZE}
-REPLAN_ON = ("dtype", "quantize")  # choices that change the bytes the plan must fit
+GROUPS = [  # int4's weights per scale (core's INT4_GROUPS); the row shows only when int4 may be chosen
+    (32, "32", "a scale per 32 weights: the least loss, the most bytes"),
+    (64, "64", "a scale per 64 weights: the usual balance"),
+    (128, "128", "a scale per 128 weights: the fewest bytes, a little more loss"),
+]
+DEFAULTS = {"dtype": AUTO, "executor": AUTO, "schedule": AUTO, "quantize": "none", "group_size": 64}
+ADVANCED = {"dtype": DTYPES, "executor": EXECUTORS, "schedule": SCHEDULES, "quantize": QUANTIZE, "group_size": GROUPS}
+ADVANCED_LABELS = {"dtype": "Compute dtype", "executor": "Executor", "schedule": "Schedule", "quantize": "Quantize",
+                   "group_size": "int4 group"}
+REPLAN_ON = ("dtype", "quantize", "group_size")  # choices that change the bytes the plan must fit
+QUANTIZED = ("quantize", "group_size")  # shown where the engine can quantize
 
 
 def _row(label: str, widget) -> Horizontal:
@@ -95,8 +103,7 @@ class PlanScreen(StepScreen):
                 yield _row("GPU KV %", Input(compact=True, id="gpu-kv", type="number"))
                 yield _row("Pages / layer", Input(compact=True, id="pages", type="integer"))
                 with Collapsible(title="Advanced: dtype, executor, …", id="advanced", collapsed=True):
-                    for key, label in (("dtype", "Compute dtype"), ("executor", "Executor"), ("schedule", "Schedule"),
-                                       ("quantize", "Quantize")):
+                    for key, label in ADVANCED_LABELS.items():
                         options = [(text, value) for value, text, _ in ADVANCED[key]]
                         yield _row(label, Select(options, compact=True, id=key, allow_blank=False,
                                                  value=DEFAULTS[key]))
@@ -126,9 +133,7 @@ class PlanScreen(StepScreen):
         self.query_one("#layer").border_title = "Decode layer: busy time"
         self.query_one("#validation").border_title = "Check"
         self._set_choices(self.session.choices)
-        if not self.backend.engine_offers("quantize"):
-            for wid in ("#quantize", "#quantize-hint"):
-                (self.query_one(wid).parent if wid == "#quantize" else self.query_one(wid)).display = False
+        self._show_group_row()
         if self.cpu_mode:
             for key in ("h2d", "d2h"):  # no PCIe link without a GPU
                 self.query_one(f"#res-{key}").display = False
@@ -224,13 +229,18 @@ class PlanScreen(StepScreen):
         self.show(plan)
 
     def _budgets(self) -> tuple[int | None, int | None]:
-        def gb(wid: str) -> int | None:
+        plan = self.session.plan
+
+        def gb(wid: str, planned: int | None) -> int | None:
+            text = self.query_one(f"#{wid}", Input).value
+            if planned is not None and text == _gb_text(planned):
+                return planned  # as filled in: the exact budget, not its rounding (17.2 GB is above a T4's 17.18)
             try:
-                return int(float(self.query_one(f"#{wid}", Input).value) * GB)
+                return int(float(text) * GB)
             except ValueError:
                 return None
 
-        return gb("gpu-mem"), gb("cpu-mem")
+        return (gb("gpu-mem", plan and plan.gpu_budget), gb("cpu-mem", plan and plan.cpu_budget))
 
     def _budget_texts(self) -> tuple[str, str]:
         return self.query_one("#gpu-mem", Input).value, self.query_one("#cpu-mem", Input).value
@@ -282,10 +292,21 @@ class PlanScreen(StepScreen):
         self.query_one("#accept", Button).disabled = True
         self.check(self._gen, fields)
 
-    @on(Select.Changed, "#dtype, #executor, #schedule, #quantize")
+    def _show_group_row(self) -> None:
+        """Quantization's rows only where the engine quantizes; the int4 group only where int4 may be chosen."""
+        offered = self.backend.engine_offers("quantize")
+        int4 = self.query_one("#quantize", Select).value in ("int4", "auto")
+        for key in QUANTIZED:
+            shown = offered and (key == "quantize" or int4)
+            self.query_one(f"#{key}", Select).parent.display = shown
+            self.query_one(f"#{key}-hint", Static).display = shown
+
+    @on(Select.Changed, "#dtype, #executor, #schedule, #quantize, #group_size")
     def choice_changed(self, event: Select.Changed) -> None:
         key = event.select.id
         self.query_one(f"#{key}-hint", Static).update(_hint(key, event.value))
+        if key == "quantize":
+            self._show_group_row()
         choices = self._choices()
         if choices == self.session.choices:
             return
@@ -298,8 +319,9 @@ class PlanScreen(StepScreen):
             v = self.query_one(f"#{key}", Select).value
             return None if v == DEFAULTS[key] or v == Select.BLANK else v
 
+        quantize = value("quantize") if self.backend.engine_offers("quantize") else None
         return EngineChoices(dtype=value("dtype"), executor=value("executor"), schedule=value("schedule"),
-                             quantize=value("quantize") if self.backend.engine_offers("quantize") else None)
+                             quantize=quantize, group_size=value("group_size") if quantize in ("int4", "auto") else None)
 
     def _set_choices(self, choices: EngineChoices) -> None:
         for key, value in dataclasses.asdict(choices).items():
@@ -357,7 +379,7 @@ class PlanScreen(StepScreen):
             ("Workload", f"{self.session.prompts.count} prompts, " + plan.workload_text),
         ]
         if plan.quantize:
-            rows.insert(4, ("Experts", f"{plan.quantize}: {plan.quant_why}"))
+            rows[4:4] = _quant_rows(plan)
         if plan.problems:
             rows[0] = ("Throughput", Text(f"{pred.tokens_per_s:,.1f} tokens/s, if it fitted (see Check)",
                                           style=self.mapp.tone("warn")))
@@ -444,6 +466,20 @@ class PlanScreen(StepScreen):
 
     def palette_commands(self):
         yield SystemCommand("Re-plan", "Ask the planner again for the current budgets", self.action_replan)
+
+
+def _quant_rows(plan) -> list[tuple[str, str]]:
+    """What the quantization choice settled on, why, and what it buys against the unquantized model."""
+    group = f", group {plan.group_size or DEFAULTS['group_size']}" if plan.quantize == "int4" else ""
+    rows = [("Experts", f"{plan.quantize}{group}: {plan.quant_why}")]
+    if plan.quantize == "none":
+        return rows
+    if plan.quant_speedup is not None:
+        rows.append(("Speed-up", f"{plan.quant_speedup:.2f}× the unquantized model's "
+                                 f"{plan.quant_baseline_tps:,.1f} tokens/s on this budget"))
+    else:
+        rows.append(("Speed-up", "unquantized, the model does not fit this budget at all"))
+    return rows
 
 
 def _hint(key: str, value) -> str:
