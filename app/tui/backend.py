@@ -214,7 +214,7 @@ class Backend:
             problems["Model"] = f"--model {model}: no such folder, and not an owner/name repo id"
         elif kind == "folder" and not (Path(model).expanduser() / "config.json").is_file():
             problems["Model"] = f"--model {model}: the folder has no config.json (not a checkpoint folder)"
-        path = Path(prompts).expanduser()
+        path = self.prompts_path(prompts)
         if not path.is_file():
             problems["Prompts"] = f"--prompts {prompts}: " + ("a folder, not a file" if path.is_dir() else "not found")
         return problems
@@ -227,9 +227,18 @@ class Backend:
 
         return DEMO_PROMPTS
 
+    def prompts_path(self, text: str | Path) -> Path:
+        """A prompts file as typed: 'demo' (`mlight run --prompts demo`, as `mlight-app --help` says) is the
+        bundled demo prompts unless a file of that name is in the working folder."""
+        from core.io.prompts import DEMO
+
+        path = Path(text).expanduser()
+        return self.demo_prompts_path() if str(text) == DEMO and not path.exists() else path
+
     def read_prompts(self, path: Path) -> PromptsView:
         from core.io.prompts import read_prompts
 
+        path = self.prompts_path(path)
         ps = read_prompts(path)
         texts = [_entry_text(e) for e in ps.entries]
         lengths = [len(t) for t in texts]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from rich.cells import cell_len, set_cell_size
 
+from app.tui.glyphs import glyph
+
 
 def human_bytes(n: float | int | None) -> str:
     """Decimal units, as the planner, `--gpu-mem` and disk vendors count."""
@@ -47,7 +49,7 @@ def excerpt(text: str | None, width: int) -> str:
     character or an emoji takes two, and a table column sized by characters would push the next one."""
     if not text:
         return ""
-    flat = " ".join(text.replace("\r", "").replace("\n", " ⏎ ").split())
+    flat = " ".join(text.replace("\r", "").replace("\n", f" {glyph.newline} ").split())
     if cell_len(flat) <= width:
         return flat
     return set_cell_size(flat, max(0, width - 1)).rstrip() + "…"

@@ -32,9 +32,11 @@ def parse_options(argv: list[str] | None = None) -> Options:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from app.tui import glyphs
     from app.tui.app import create_app
 
     options = parse_options(sys.argv[1:] if argv is None else argv)
+    glyphs.setup()  # ASCII where the console cannot show ✓ ✗ ⏎ (before any screen is built)
     app = create_app(options)
     exit_on_stop_signals(app)
     app.run()

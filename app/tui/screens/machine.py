@@ -12,6 +12,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, LoadingIndicator, Static
 
+from app.tui.glyphs import glyph
 from app.tui.messages import MachineReady, WorkProgress
 from app.tui.screens.base import StepScreen
 from app.tui.widgets.facts import Facts
@@ -32,7 +33,7 @@ class MachineScreen(StepScreen):
                 yield Static("Detecting hardware and measuring bandwidth…", id="probe-what")
             yield Static("", id="source", classes="muted")
             with Horizontal(classes="actions"):
-                yield Button("Continue to Model  ⏎", compact=True, id="next", variant="primary", disabled=True)
+                yield Button(f"Continue to Model  {glyph.enter}", compact=True, id="next", variant="primary", disabled=True)
                 yield Button("Re-probe (r)", compact=True, id="reprobe")
 
     def on_mount(self) -> None:

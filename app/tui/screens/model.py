@@ -18,6 +18,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, ProgressBar, Static
 
 from app.tui import fmt
+from app.tui.glyphs import glyph
 from app.tui.messages import ModelReady, WorkProgress
 from app.tui.paths import parse_dropped_path
 from app.tui.screens.base import StepScreen
@@ -44,7 +45,7 @@ class ModelScreen(StepScreen):
             with Horizontal(classes="field"):
                 yield PathInput(placeholder="checkpoint folder (or drop it here), or owner/name repo id",
                                 compact=True, id="model-input")
-                yield Button("Open ⏎", compact=True, id="open")
+                yield Button(f"Open {glyph.enter}", compact=True, id="open")
                 yield Button("Demo model (d)", compact=True, id="demo", variant="primary")
             with Horizontal(classes="busy-row", id="download"):
                 yield ProgressBar(total=None, show_eta=False, id="dl-bar")

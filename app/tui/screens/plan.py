@@ -21,6 +21,7 @@ from textual.widgets import Button, Collapsible, Input, Label, Select, Static
 
 from app.tui import fmt
 from app.tui.backend import GB, EngineChoices
+from app.tui.glyphs import glyph
 from app.tui.messages import Checked, PlanReady
 from app.tui.screens.base import StepScreen
 from app.tui.widgets.bars import LabelBar
@@ -410,12 +411,12 @@ class PlanScreen(StepScreen):
         accept = self.query_one("#accept", Button)
         text = Text()
         for p in problems:
-            text.append("✗ ", style=self.mapp.tone("error"))
+            text.append(f"{glyph.bad} ", style=self.mapp.tone("error"))
             text.append(p + "\n")
         if not problems:
-            text.append("✓ fits the budget\n", style=self.mapp.tone("ok"))
+            text.append(f"{glyph.ok} fits the budget\n", style=self.mapp.tone("ok"))
         for w in warnings:
-            text.append("⚠ ", style=self.mapp.tone("warn"))
+            text.append(f"{glyph.warn} ", style=self.mapp.tone("warn"))
             text.append(w + "\n", style=self.mapp.tone("warn"))
         box.update(text[:-1] if text.plain.endswith("\n") else text)
         accept.disabled = bool(problems)

@@ -18,6 +18,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, DataTable, DirectoryTree, Static
 
 from app.tui import fmt
+from app.tui.glyphs import glyph
 from app.tui.messages import PromptsReady
 from app.tui.screens.base import StepScreen
 from app.tui.widgets.facts import Facts
@@ -46,7 +47,7 @@ class PromptTree(DirectoryTree):
 
     def _title(self) -> None:
         self.border_title = fmt.excerpt(str(Path(self.path).resolve()), 30)
-        self.border_subtitle = "⌫ parent folder"
+        self.border_subtitle = f"{glyph.backspace} parent folder"
 
 
 class PromptsScreen(StepScreen):
@@ -59,7 +60,7 @@ class PromptsScreen(StepScreen):
                          "or browse (Ctrl+O)", classes="title")
             with Horizontal(classes="field"):
                 yield PathInput(placeholder="path to the prompts file — Enter to open", compact=True, id="prompts-input")
-                yield Button("Open ⏎", compact=True, id="open")
+                yield Button(f"Open {glyph.enter}", compact=True, id="open")
                 yield Button("Browse ^O", compact=True, id="browse")
                 yield Button("Demo prompts", compact=True, id="demo-prompts")
             with Horizontal(id="prompts-main"):

@@ -18,6 +18,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Footer, Static
 
 from app.tui import fmt
+from app.tui.glyphs import glyph
 from app.tui.screens.base import StepScreen
 from app.tui.widgets.facts import Facts
 from app.tui.widgets.path_input import PathInput
@@ -151,7 +152,7 @@ class ExportScreen(ModalScreen[str | None]):
             yield PathInput(str(self.default), compact=True, id="export-path")
             yield Static("", id="export-note", classes="muted")
             with Horizontal(classes="actions"):
-                yield Button("Write  ⏎", compact=True, id="write", variant="primary")
+                yield Button(f"Write  {glyph.enter}", compact=True, id="write", variant="primary")
                 yield Button("Cancel", compact=True, id="cancel")
         yield Footer()
 

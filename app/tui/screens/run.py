@@ -19,6 +19,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import ProgressBar, RichLog, Static
 
 from app.tui import fmt, wording
+from app.tui.glyphs import glyph
 from app.tui.messages import RunEnded, RunLog, RunUpdate, SimulatedStep
 from app.tui.meter import RunSnapshot
 from app.tui.runjob import RunJob
@@ -295,7 +296,7 @@ class RunScreen(StepScreen):
         text.append(" predicted")
         parted = self._parted(snap)
         if parted:
-            text.append("\n⚠ " + parted, style=self.mapp.tone("warn"))
+            text.append(f"\n{glyph.warn} " + parted, style=self.mapp.tone("warn"))
             if not self._parted_logged:
                 self._parted_logged = True
                 self.log_line(f"{parted}: the planner's model of this machine is off — `mlight bench --calibrate` "

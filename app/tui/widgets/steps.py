@@ -5,6 +5,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from app.tui.glyphs import glyph
+
 STEPS = ("Machine", "Model", "Prompts", "Plan", "Run", "Results")
 
 
@@ -23,7 +25,7 @@ class Steps(Static):
         for i, name in enumerate(STEPS):
             label = f"{i + 1} {name}" if wide or name == self.current else f"{i + 1}"
             if i:
-                text.append(" › ", style="dim")
+                text.append(f" {glyph.crumb} ", style="dim")
             style = "bold reverse" if name == self.current else ("" if wide else "dim")
             text.append(f" {label} ", style=style)
         return text

@@ -16,6 +16,8 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from app.tui.glyphs import glyph
+
 LANES = ("gpu", "cpu_attn", "h2d", "d2h")
 LANE_LABELS = {"gpu": "GPU compute", "cpu_attn": "CPU attention", "h2d": "H→D copies", "d2h": "D→H copies"}
 CPU_LANE_LABELS = {"gpu": "CPU compute", "cpu_attn": "CPU attention", "h2d": "copies in", "d2h": "copies out"}
@@ -69,7 +71,7 @@ def legend(kinds: Iterable[str]) -> Text:
     """`■ name` for each kind, in its colour, each once."""
     text = Text()
     for k in dict.fromkeys(kinds):
-        text.append("■\u00a0", style=KIND_COLORS.get(k, ""))  # no-break: a name never wraps away from its colour
+        text.append(f"{glyph.swatch}\u00a0", style=KIND_COLORS.get(k, ""))  # no-break: a name never wraps away from its colour
         text.append(KIND_NAMES.get(k, k).replace(" ", "\u00a0") + "  ")
     return text
 

@@ -1,0 +1,103 @@
+"""Symbols for consoles that cannot show them: Windows' legacy console, a cp437/cp1252 code page, a latin-1 locale.
+
+Two layers. The app's own signs (✓ ✗ ⚠ ⏎ ⌫ › ■) carry meaning, so where they cannot be shown they become
+words or ASCII (`glyph.ok` is "OK" there), chosen once at start-up by `setup()`. Everything else drawn —
+Textual's borders, scroll bars and block bars, a dash in a message — goes out through the terminal stream
+with the "mlight-ascii" error handler, which puts one ASCII look-alike per terminal cell in place of what
+the encoding lacks: nothing raises (Textual writes with errors="strict" on Windows, where a ✓ in cp437 ends
+the output thread and hangs the app) and nothing shifts (backslash escapes, Python's default on stderr,
+take six cells for one).
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import sys
+import unicodedata
+
+# name -> (the sign, its ASCII stand-in)
+SIGNS = {
+    "ok": ("✓", "OK"),
+    "bad": ("✗", "X"),
+    "warn": ("⚠", "!"),
+    "enter": ("⏎", "Enter"),
+    "backspace": ("⌫", "Backspace"),
+    "newline": ("⏎", "|"),  # a line break inside a one-line excerpt
+    "crumb": ("›", ">"),
+    "swatch": ("■", "#"),
+}
+
+
+class _Glyphs:
+    """`glyph.ok` and so on: the sign, or its ASCII stand-in once `use_ascii(True)`."""
+
+    ascii = False
+
+    def __getattr__(self, name: str) -> str:
+        fancy, plain = SIGNS[name]
+        return plain if self.ascii else fancy
+
+
+glyph = _Glyphs()
+
+# one character for one cell: what a stream's encoding lacks becomes the nearest ASCII shape
+_LOOKALIKE = {
+    **dict.fromkeys("─━═╌╍┄┅┈┉╴╶╸╺▔▁", "-"), **dict.fromkeys("│┃║╎╏┆┇┊┋╵╷╹╻▕▏▎", "|"),
+    **dict.fromkeys("┌┐└┘╭╮╯╰┏┓┗┛╔╗╚╝├┤┬┴┼┣┫┳┻╋╠╣╦╩╬╞╡╤╧╪╒╕╘╛", "+"),
+    **dict.fromkeys("█▉▊▋▌▍▐▓▇▆▅▄▃▂■▀", "#"), **dict.fromkeys("░▒", "."),
+    "—": "-", "–": "-", "…": ".", "·": ".", "•": "*", "“": '"', "”": '"', "‘": "'", "’": "'", "×": "x",
+    "→": ">", "←": "<", "↔": "-", "↑": "^", "↓": "v", "≈": "~", "≤": "<", "≥": ">", "μ": "u", "µ": "u",
+    "▼": "v", "▲": "^", "▶": ">", "◀": "<", "►": ">", "◄": "<", "›": ">", "‹": "<", "✓": "+", "✗": "x",
+    "⚠": "!", "⏎": "<", "⌫": "<", "\u00a0": " ", "\ufffd": "?",
+}
+
+
+def _cells(ch: str) -> int:
+    if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+
+
+def _ascii_lookalike(error: UnicodeError):
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    text = error.object[error.start:error.end]
+    return "".join(_LOOKALIKE.get(ch) or "?" * _cells(ch) for ch in text), error.end
+
+
+codecs.register_error("mlight-ascii", _ascii_lookalike)
+
+
+def can_show(encoding: str | None) -> bool:
+    """Whether an output stream in `encoding` can carry every sign."""
+    try:
+        "".join(fancy for fancy, _ in SIGNS.values()).encode(encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
+def use_ascii(on: bool) -> None:
+    glyph.ascii = on
+
+
+def setup(streams=None, legacy_console: bool | None = None, env=None) -> bool:
+    """Before the app starts: ASCII signs where the terminal stream's encoding lacks them (or the console is
+    Windows' legacy one, whose fonts lack them, or MLIGHT_ASCII=1 asks), and the look-alike handler on every
+    stream that cannot encode them. Returns whether the signs are ASCII."""
+    env = os.environ if env is None else env
+    streams = [s for s in (streams if streams is not None else (sys.__stdout__, sys.__stderr__)) if s is not None]
+    short = [s for s in streams if not can_show(getattr(s, "encoding", None))]
+    for s in short:
+        try:
+            s.reconfigure(errors="mlight-ascii")
+        except (AttributeError, ValueError, OSError):
+            pass  # not a text stream we may change: the signs below are ASCII anyway
+    if legacy_console is None:
+        from core import platform
+
+        legacy_console = platform.terminal(env) == "legacy-console"
+    plain = bool(short) or legacy_console or env.get("MLIGHT_ASCII", "") not in ("", "0")
+    use_ascii(plain)
+    return plain
