@@ -33,3 +33,85 @@ async def test_prompts_demo_on_the_command_line_opens_on_plan_without_an_error(w
         assert not app._notifications, [n.message for n in app._notifications]
         assert app.session.prompts.path.name == "demo_prompts.jsonl" and app.session.prompts.count == 16
         assert app.screen.query_one("#out").value.endswith("demo_prompts.results.jsonl")
+
+
+def _line(app, wid: str) -> str:
+    widget = app.screen.query_one(f"#{wid}")
+    return "".join(seg.text for seg in widget.render_line(0))
+
+
+@sync
+async def test_long_paths_show_their_file_name_and_placeholders_fit_at_80x24(workdir):
+    """A path set by the app (the default results file, the demo prompts) shows its end: the file's name, not
+    the folders it starts with; the empty fields' hints are whole at 80 columns."""
+    from test_app_defects import _to_model
+
+    app = _app(model="demo", prompts="demo_prompts.jsonl")  # the results file in the (long) results folder
+    async with app.run_test(size=WIDE) as pilot:
+        await _plan(pilot)
+        out = app.screen.query_one("#out")
+        assert len(out.value) > out.size.width  # the path is longer than the field
+        assert "demo_prompts.results.jsonl" in _line(app, "out"), _line(app, "out")
+    app = _app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _to_model(pilot)
+        assert "checkpoint folder or owner/name repo id" in _line(app, "model-input"), _line(app, "model-input")
+        await pilot.press("enter")  # the demo model
+        await settle(pilot)
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        assert "prompts file (Enter opens)" in _line(app, "prompts-input"), _line(app, "prompts-input")
+        app.screen.action_demo_prompts()
+        await settle(pilot)
+        assert "demo_prompts.jsonl" in _line(app, "prompts-input"), _line(app, "prompts-input")
+
+
+def test_the_parting_names_the_measured_rate_its_ratio_is_of():
+    """The panel shows 'now' (the last steps) and 'average' (end to end); the tracker's ratio is of neither, so
+    its warning says the decode rate it was taken from (before: '6.7× below' beside 713.2, 237.5 and 5,677.1)."""
+    from app.tui.meter import RunSnapshot
+    from app.tui.screens.run import RunScreen
+    from core.plan.policy import Prediction
+    from core.plan.tracking import Tracker
+    from core.telemetry import StepDone
+
+    tracker = Tracker(Prediction(1000.0, 1500.0, 9000.0, "gpu", 0, 0, {}), num_layers=2)
+    for _ in range(10):
+        tracker(StepDone("decode", 100, 0.1))  # 1,000 tokens/s against 1,500 predicted
+    said = RunScreen._parted(RunSnapshot(comparison=tracker.comparison(), full_batch=True))
+    assert said == "decode measured at 1,000.0 tokens/s: 1.5× below the prediction", said
+
+
+def test_the_first_batchs_prefill_is_named_while_nothing_can_be_counted():
+    """int4 experts on a slow CPU: 16 s of prefill showed 'running', 0 tokens, 0 % and no sign of what it did."""
+    from app.tui.meter import RunMeter
+    from app.tui.screens.run import RunScreen
+    from core.telemetry import StepDone
+
+    meter = RunMeter(16, 384, batch_size=16)
+    meter.set_state("running")
+    assert "prefilling the first batch" in RunScreen._state_text(meter.snapshot())
+    meter.on_event(StepDone("prefill", 0, 0.5, active=16))
+    assert RunScreen._state_text(meter.snapshot()) == "running"
+
+
+@sync
+async def test_a_short_chart_far_below_its_prediction_still_labels_its_axis():
+    """A 7-row chart, 131 tokens/s measured against 4,003 predicted: the y axis said only '0'."""
+    from textual.app import App
+
+    from app.tui.widgets.chart import ThroughputChart
+
+    class One(App):
+        CSS = "ThroughputChart { height: 7; }"
+
+        def compose(self):
+            yield ThroughputChart(id="c")
+
+    app = One()
+    async with app.run_test(size=(66, 9)) as pilot:
+        chart = app.query_one(ThroughputChart)
+        chart.show(((16.0, 120.0), (17.0, 131.0), (18.0, 131.4)), 4003.2)
+        await pilot.pause()
+        text = "\n".join("".join(seg.text for seg in line) for line in app.screen._compositor.render_strips())
+        assert "5,000┤" in text and "0┤" in text, text

@@ -60,6 +60,7 @@ class RunSnapshot:
     decode_steps: int = 0
     comparison: Any = None  # core.plan.tracking.Comparison: measured against the plan, as `mlight bench` says it
     engine_seconds: float = 0.0  # time the engine spent in steps (the chart's x axis)
+    stepped: bool = False  # a step has ended in this session (before it, the first batch is being prefilled)
 
 
 class RunMeter:
@@ -202,6 +203,6 @@ class RunMeter:
                 full_batch=full, history=tuple(self._history), busy=busy, gpu_used=self.gpu_used,
                 gpu_budget=self.gpu_budget, cpu_used=self.cpu_used, cpu_budget=self.cpu_budget, eta=eta,
                 loading=self.loading, timeline=self._timeline, decode_steps=self._decode_steps,
-                engine_seconds=self._engine_s,
+                engine_seconds=self._engine_s, stepped=self._first_step is not None,
                 comparison=self.tracker.comparison() if self.tracker is not None else None,
             )

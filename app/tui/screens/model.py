@@ -43,7 +43,7 @@ class ModelScreen(StepScreen):
         with Vertical(id="body"):
             yield Static("Which model? A checkpoint folder, a Hugging Face repo id, or the demo model", classes="title")
             with Horizontal(classes="field"):
-                yield PathInput(placeholder="checkpoint folder (or drop it here), or owner/name repo id",
+                yield PathInput(placeholder="checkpoint folder or owner/name repo id",
                                 compact=True, id="model-input")
                 yield Button(f"Open {glyph.enter}", compact=True, id="open")
                 yield Button("Demo model (d)", compact=True, id="demo", variant="primary")

@@ -343,9 +343,7 @@ class PlanScreen(StepScreen):
         self.show(msg.plan)
 
     def _show_out(self, path: str) -> None:
-        out = self.query_one("#out", PathInput)
-        out.value = path
-        out.cursor_position = len(path)  # a long path shows its end: the file's name
+        self.query_one("#out", PathInput).show(path)
 
     @on(PathInput.Changed, "#out")
     def out_changed(self) -> None:
@@ -475,8 +473,9 @@ def _quant_rows(plan) -> list[tuple[str, str]]:
     rows = [("Experts", f"{plan.quantize}{group}: {plan.quant_why}")]
     if plan.quantize == "none":
         return rows
-    if plan.quant_speedup is not None:
-        rows.append(("Speed-up", f"{plan.quant_speedup:.2f}× the unquantized model's "
+    if plan.quant_speedup is not None:  # below 1 where this machine computes the format slower than it saves
+        none = "none: " if plan.quant_speedup < 1 else ""
+        rows.append(("Speed-up", f"{none}{plan.quant_speedup:.2f}× the unquantized model's "
                                  f"{plan.quant_baseline_tps:,.1f} tokens/s on this budget"))
     else:
         rows.append(("Speed-up", "unquantized, the model does not fit this budget at all"))

@@ -59,7 +59,7 @@ class PromptsScreen(StepScreen):
             yield Static("Prompts file: .txt (one a line), .jsonl, .csv or .tsv — type it, drag it here, "
                          "or browse (Ctrl+O)", classes="title")
             with Horizontal(classes="field"):
-                yield PathInput(placeholder="path to the prompts file — Enter to open", compact=True, id="prompts-input")
+                yield PathInput(placeholder="prompts file (Enter opens)", compact=True, id="prompts-input")
                 yield Button(f"Open {glyph.enter}", compact=True, id="open")
                 yield Button("Browse ^O", compact=True, id="browse")
                 yield Button("Demo prompts", compact=True, id="demo-prompts")
@@ -79,7 +79,7 @@ class PromptsScreen(StepScreen):
         self.query_one("#preview").border_title = "First prompts"
         inp = self.query_one("#prompts-input", PathInput)
         if self.session.prompts is not None:
-            inp.value = str(self.session.prompts.path)
+            inp.show(str(self.session.prompts.path))
             self.show(self.session.prompts)
         elif self.session.options.prompts:
             inp.value = self.session.options.prompts
@@ -96,7 +96,7 @@ class PromptsScreen(StepScreen):
         inp = self.query_one("#prompts-input", PathInput)
         path = inp.path
         if inp.value != str(path):
-            inp.value = str(path)  # show what was understood: quotes, escapes and file:// removed
+            inp.show(str(path))  # show what was understood: quotes, escapes and file:// removed
         self.open(path)
 
     def on_paste(self, event) -> None:
@@ -119,7 +119,7 @@ class PromptsScreen(StepScreen):
 
     def action_demo_prompts(self) -> None:
         path = self.backend.demo_prompts_path()
-        self.query_one("#prompts-input", PathInput).value = str(path)
+        self.query_one("#prompts-input", PathInput).show(str(path))
         self.open(path)
 
     def action_browse(self) -> None:
@@ -137,7 +137,7 @@ class PromptsScreen(StepScreen):
 
     @on(DirectoryTree.FileSelected, "#tree")
     def picked(self, event: DirectoryTree.FileSelected) -> None:
-        self.query_one("#prompts-input", PathInput).value = str(event.path)
+        self.query_one("#prompts-input", PathInput).show(str(event.path))
         self.open(Path(event.path))
 
     def open(self, path: Path) -> None:

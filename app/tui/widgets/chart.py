@@ -55,6 +55,7 @@ class ThroughputChart(PlotextPlot):
         rows, cols = max(1, (self.size.height or 8) - 3), max(1, (self.size.width or 60) - 8)
         top = max(ys + [self._predicted or 0.0, 1.0]) * 1.15
         step = nice_step(top, max(1, rows // 2))
+        top = max(top, step)  # a short chart: up to its first tick, or 0 would be the only label on the axis
         ticks = [i * step for i in range(int(top // step) + 1)]
         plt.ylim(0, top)
         plt.yticks(ticks, [f"{t:,.0f}" if step >= 1 else f"{t:g}" for t in ticks])

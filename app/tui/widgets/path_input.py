@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich.cells import cell_len
 from textual import events
+from textual.geometry import Region
 from textual.message import Message
 from textual.widgets import Input
 
@@ -33,9 +35,21 @@ class PathInput(Input):
         event.prevent_default()  # Textual would otherwise also run Input._on_paste
         event.stop()
         path = parse_dropped_path(event.text)
-        self.value = path
-        self.cursor_position = len(path)
+        self.show(path)
         self.post_message(self.Dropped(self, path))
+
+    def show(self, text: str) -> None:
+        """Set the value with its end in view: a long path shows its file's name, not the folders it starts with."""
+        self.value = text
+        self.cursor_position = len(text)
+        self._end_in_view()
+
+    def _on_resize(self, event: events.Resize) -> None:
+        self._end_in_view()  # set before the field had a width (on mount), or the terminal narrowed since
+
+    def _end_in_view(self) -> None:
+        if self.cursor_at_end and self.size.width:
+            self.scroll_to_region(Region(cell_len(self.value), 0, 1, 1), force=True, animate=False)
 
     @property
     def path(self) -> Path:
