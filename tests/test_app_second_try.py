@@ -115,3 +115,28 @@ async def test_a_short_chart_far_below_its_prediction_still_labels_its_axis():
         await pilot.pause()
         text = "\n".join("".join(seg.text for seg in line) for line in app.screen._compositor.render_strips())
         assert "5,000┤" in text and "0┤" in text, text
+
+
+@sync
+async def test_the_first_step_does_not_offer_esc_back(workdir):
+    """On Machine, the footer said 'esc Back' and Esc did nothing; the next step offers it and it works."""
+    from test_app_defects import _screen_text, _to_model
+
+    app = _app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert "esc Back" not in _screen_text(app).splitlines()[-1]
+        await _to_model(pilot)
+        assert "esc Back" in _screen_text(app).splitlines()[-1]
+        await pilot.press("escape")
+        await settle(pilot)
+        assert type(app.screen).__name__ == "MachineScreen"
+
+
+def test_mlight_app_help_says_every_options_default():
+    """As `mlight`'s commands do (issue 12's defect 18): what happens without the flag."""
+    from app.tui.main import build_parser
+
+    for action in build_parser()._actions:
+        if action.dest not in ("help", "version"):
+            assert "(default: " in action.help, action.dest

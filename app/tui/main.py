@@ -17,11 +17,12 @@ from core import platform
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlight-app", description="The mlight terminal app: plan and run a batch of "
                                 "prompts through a Mixture-of-Experts model on this machine.")
-    p.add_argument("--model", metavar="M", help="checkpoint folder, Hugging Face repo id, or 'demo'")
-    p.add_argument("--prompts", metavar="F", help="prompts file (.txt, .jsonl, .csv, .tsv), or 'demo'")
-    p.add_argument("--out", metavar="F", help="results file (.jsonl or .csv)")
-    p.add_argument("--gpu-mem", metavar="GB", type=float, help="GPU memory budget in GB")
-    p.add_argument("--cpu-mem", metavar="GB", type=float, help="CPU memory budget in GB")
+    p.add_argument("--model", metavar="M", help="checkpoint folder, Hugging Face repo id, or 'demo' (default: chosen on the Model step)")
+    p.add_argument("--prompts", metavar="F", help="prompts file (.txt, .jsonl, .csv, .tsv), or 'demo' (default: chosen on the Prompts step)")
+    p.add_argument("--out", metavar="F", help="results file (.jsonl or .csv) (default: NAME.results.jsonl for prompts file NAME, in "
+                   "$MLIGHT_RESULTS_DIR or Documents/mlight)")
+    p.add_argument("--gpu-mem", metavar="GB", type=float, help="GPU memory budget in GB (default: the GPU's free memory)")
+    p.add_argument("--cpu-mem", metavar="GB", type=float, help="CPU memory budget in GB (default: the RAM available now)")
     p.add_argument("--version", action=VersionAction, help="show the versions of mlight, Python and torch, and exit")
     return p
 

@@ -61,6 +61,21 @@ PY
   keys C-p; sleep 1; shot 19-command-palette; keys Escape
   keys C-q; sleep 1
   tmux kill-session -t "$s" 2>/dev/null || true
+
+  # Plan's Advanced choices with int4 experts: Tab to "Advanced", open it, Tab to Quantize, pick int4
+  tmux new-session -d -s "$s" -x "$cols" -y "$rows" \
+    "cd $work && MLIGHT_CACHE_DIR=${MLIGHT_CACHE_DIR:-$work/cache} MLIGHT_RESULTS_DIR=$work/results mlight-app --model demo --prompts demo; sleep 5"
+  until_shows "accepts the plan"
+  for _ in $(seq 11); do keys Tab; done; keys Enter; sleep 0.5
+  for _ in $(seq 4); do keys Tab; done; keys Enter; sleep 0.5; keys Down Down Enter
+  until_shows "Speed-up"; shot 20-plan-int4; keys C-q; sleep 1
+  tmux kill-session -t "$s" 2>/dev/null || true
+
+  # a console whose encoding lacks ✓ ✗ ⏎ and the box drawing: ASCII signs and look-alikes, nothing shifted
+  tmux new-session -d -s "$s" -x "$cols" -y "$rows" \
+    "cd $work && PYTHONIOENCODING=ascii MLIGHT_CACHE_DIR=${MLIGHT_CACHE_DIR:-$work/cache} MLIGHT_RESULTS_DIR=$work/results mlight-app --model demo --prompts demo; sleep 5"
+  until_shows "accepts the plan"; shot 21-plan-ascii-console; keys C-q; sleep 1
+  tmux kill-session -t "$s" 2>/dev/null || true
   rm -rf "$work"
   echo "$size: $(ls "$out" | wc -l) captures in $out"
 done

@@ -68,8 +68,15 @@ class StepScreen(Screen):
     def status(self, text: str, level: str = "info") -> None:
         self.query_one(StatusLine).show(text, level)
 
+    def _first(self) -> bool:
+        return len(self.app.screen_stack) <= 2  # [default, Machine, ...]: Machine is the first step
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        """The first step has nothing to go back to: its footer does not offer Esc."""
+        return not (action == "back" and self._first())
+
     def action_back(self) -> None:
-        if len(self.app.screen_stack) > 2:  # [default, Machine, ...]: Machine is the first step
+        if not self._first():
             self.app.pop_screen()
 
     def action_next(self) -> None:

@@ -168,7 +168,7 @@ class RunScreen(StepScreen):
             return state in ("stopped", "failed")
         if action == "back":
             return not going
-        return True
+        return super().check_action(action, parameters)
 
     def action_pause(self) -> None:
         if self.job is None:
