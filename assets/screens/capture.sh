@@ -13,13 +13,13 @@ for size in "${SIZES[@]}"; do
   cols=${size%x*}; rows=${size#*x}
   out="$ROOT/assets/screens/$size"; mkdir -p "$out"; rm -f "$out"/*.txt
   work=$(mktemp -d)
-  # 32 MT-Bench first turns, 32 new tokens each: a run long enough to pause and stop by hand
+  # 32 MT-Bench first turns, 256 new tokens each: a run long enough to pause and stop by hand on a fast box
   python - "$work/mt_bench.jsonl" <<'PY'
 import json, sys
 with open("core/assets/mt_bench_questions.jsonl", encoding="utf-8") as f, open(sys.argv[1], "w", encoding="utf-8") as out:
     for line in list(f)[:32]:
         q = json.loads(line)
-        out.write(json.dumps({"id": f"mtbench-{q['question_id']}", "prompt": q["turns"][0], "max_new_tokens": 32}) + "\n")
+        out.write(json.dumps({"id": f"mtbench-{q['question_id']}", "prompt": q["turns"][0], "max_new_tokens": 256}) + "\n")
 PY
   s="mlight-shots-$size"
   tmux kill-session -t "$s" 2>/dev/null || true
@@ -66,8 +66,9 @@ PY
   tmux new-session -d -s "$s" -x "$cols" -y "$rows" \
     "cd $work && MLIGHT_CACHE_DIR=${MLIGHT_CACHE_DIR:-$work/cache} MLIGHT_RESULTS_DIR=$work/results mlight-app --model demo --prompts demo; sleep 5"
   until_shows "accepts the plan"
-  for _ in $(seq 11); do keys Tab; done; keys Enter; sleep 0.5
-  for _ in $(seq 4); do keys Tab; done; keys Enter; sleep 0.5; keys Down Down Enter
+  for _ in $(seq 11); do keys Tab; sleep 0.1; done; keys Enter; until_shows "Compute dtype"; sleep 1
+  for _ in $(seq 4); do keys Tab; sleep 0.1; done; keys Enter; until_shows "int8"; sleep 1
+  keys Down; sleep 0.5; keys Down; sleep 0.5; keys Enter
   until_shows "Speed-up"; shot 20-plan-int4; keys C-q; sleep 1
   tmux kill-session -t "$s" 2>/dev/null || true
 
