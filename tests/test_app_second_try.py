@@ -140,3 +140,17 @@ def test_mlight_app_help_says_every_options_default():
     for action in build_parser()._actions:
         if action.dest not in ("help", "version"):
             assert "(default: " in action.help, action.dest
+
+
+def test_the_timelines_legend_never_parts_a_colour_from_its_name():
+    """At 80×24 the legend wrapped between '■' and 'post-attention' (Rich breaks at a no-break space too)."""
+    from rich.cells import cell_len
+
+    from app.tui.widgets.timeline import KIND_NAMES, legend
+
+    kinds = list(KIND_NAMES)
+    for width in (30, 60, 74, 118):
+        lines = legend(kinds, width).plain.split("\n")
+        assert all(cell_len(line) <= width for line in lines), lines
+        items = [item for line in lines for item in line.split("  ")]
+        assert items == [f"■ {KIND_NAMES[k]}" for k in kinds], lines  # each whole, on one line, in order

@@ -27,7 +27,7 @@ from app.tui.screens.base import StepScreen
 from app.tui.widgets.bars import LabelBar
 from app.tui.widgets.chart import ThroughputChart
 from app.tui.widgets.facts import Facts
-from app.tui.widgets.timeline import LANES, ZOOMS, Span, Timeline, legend, spans_of_simulation, time_unit
+from app.tui.widgets.timeline import LANES, ZOOMS, Legend, Span, Timeline, spans_of_simulation, time_unit
 
 REDRAW_S = 0.25  # at most 4 redraws a second
 STATE_WORDS = {
@@ -82,7 +82,7 @@ class RunScreen(StepScreen):
                 with Horizontal(id="timelines"):
                     yield Timeline(id="tl-measured", cpu_mode=self.cpu_mode)
                     yield Timeline(id="tl-simulated", cpu_mode=self.cpu_mode)
-                yield Static("", id="legend")
+                yield Legend(id="legend")
             yield RichLog(id="log", classes="panel", wrap=True, markup=False, max_lines=500, min_width=20)
 
     def on_mount(self) -> None:
@@ -352,7 +352,7 @@ class RunScreen(StepScreen):
         simulated.show(self._simulated, self._simulated_s, sim_head, lanes)
         kinds = [s.kind for s in m_spans] + [s.kind for s in self._simulated]
         order = {k: i for i, k in enumerate(_KIND_ORDER)}
-        self.query_one("#legend", Static).update(legend(sorted(set(kinds), key=lambda k: order.get(k, 99))))
+        self.query_one("#legend", Legend).show(sorted(set(kinds), key=lambda k: order.get(k, 99)))
 
 
 _KIND_ORDER = ["pre_attn", "d1", "cpu_attn", "gpu_attn", "d2", "post_attn", "ffn", "weight_page", "kv_load",

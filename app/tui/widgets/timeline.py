@@ -15,6 +15,7 @@ from typing import Iterable, NamedTuple
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
+from textual.widgets import Static
 
 from app.tui.glyphs import glyph
 
@@ -67,13 +68,39 @@ def nice_step(span: float, ticks: int) -> float:
     return next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
 
 
-def legend(kinds: Iterable[str]) -> Text:
-    """`■ name` for each kind, in its colour, each once."""
+def legend(kinds: Iterable[str], width: int = 0) -> Text:
+    """`■ name` for each kind, in its colour, each once; lines of at most `width` cells (0: one line) broken
+    between items only: Rich wraps at any whitespace, a no-break space included, which left a colour at the
+    end of one line and its name on the next."""
     text = Text()
+    used = 0
     for k in dict.fromkeys(kinds):
-        text.append(f"{glyph.swatch}\u00a0", style=KIND_COLORS.get(k, ""))  # no-break: a name never wraps away from its colour
-        text.append(KIND_NAMES.get(k, k).replace(" ", "\u00a0") + "  ")
+        name = KIND_NAMES.get(k, k)
+        cells = 2 + len(name)
+        if width and used and used + 2 + cells > width:  # two spaces between items
+            text.append("\n")
+            used = 0
+        elif used:
+            text.append("  ")
+            used += 2
+        text.append(f"{glyph.swatch} ", style=KIND_COLORS.get(k, ""))
+        text.append(name)
+        used += cells
     return text
+
+
+class Legend(Static):
+    """The timeline's legend, packed into the width it is given."""
+
+    def show(self, kinds: Iterable[str]) -> None:
+        self._kinds = list(dict.fromkeys(kinds))
+        self.refresh(layout=True)
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return len(legend(getattr(self, "_kinds", ()), width).plain.split("\n"))
+
+    def render(self) -> Text:
+        return legend(getattr(self, "_kinds", ()), self.size.width)
 
 
 class Timeline(Widget):
