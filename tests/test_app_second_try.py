@@ -154,3 +154,33 @@ def test_the_timelines_legend_never_parts_a_colour_from_its_name():
         assert all(cell_len(line) <= width for line in lines), lines
         items = [item for line in lines for item in line.split("  ")]
         assert items == [f"■ {KIND_NAMES[k]}" for k in kinds], lines  # each whole, on one line, in order
+
+
+@sync
+async def test_while_paused_the_footer_offers_space_to_continue(workdir):
+    """Paused, the footer still said 'space Pause'."""
+    import threading
+
+    from test_app_defects import _screen_text
+    from test_app_snapshots import _t4
+    from test_app_support import FrozenClock, ScriptedBackend, run_over, settle_until, wait_event
+
+    gate = threading.Event()
+    backend = ScriptedBackend(hardware=_t4(), clock=FrozenClock(), gate=gate)
+    app = _direct(backend=backend)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _plan(pilot)
+        await pilot.press("ctrl+n")
+        await wait_event(pilot, backend.held)
+        footer = _screen_text(app).splitlines()[-1]
+        assert "space Pause" in footer and "Continue" not in footer, footer
+        await pilot.press("space")
+        await pilot.pause()
+        footer = _screen_text(app).splitlines()[-1]
+        assert app.session.run_state == "paused" and "space Continue" in footer and "Pause" not in footer, footer
+        await pilot.press("space")
+        await pilot.pause()
+        assert app.session.run_state == "running" and "space Pause" in _screen_text(app).splitlines()[-1]
+        gate.set()
+        await settle_until(pilot, run_over)
+        assert app.session.run_state == "done"

@@ -42,6 +42,7 @@ class RunScreen(StepScreen):
     STEP = "Run"
     BINDINGS = [
         Binding("space", "pause", "Pause"),
+        Binding("space", "unpause", "Continue"),  # the same key: the footer says what it does now
         Binding("s", "stop", "Stop"),
         Binding("r", "resume_run", "Resume"),
         Binding("t", "timeline", "Timeline"),
@@ -162,7 +163,11 @@ class RunScreen(StepScreen):
         """The footer lists only the keys that do something now (and so has room for ^q and ?)."""
         state = self.job.state if self.job is not None else ""
         going = state in ("loading", "running", "paused", "stopping")
-        if action in ("pause", "stop"):
+        if action == "pause":
+            return going and state != "paused"
+        if action == "unpause":
+            return state == "paused"
+        if action == "stop":
             return going
         if action == "resume_run":
             return state in ("stopped", "failed")
@@ -182,6 +187,10 @@ class RunScreen(StepScreen):
             self.session.run_state = "running"
             self.status("Running.")
         self._latest, self._dirty = self.job.meter.snapshot(), True
+        self.refresh_bindings()
+
+    def action_unpause(self) -> None:
+        self.action_pause()  # space toggles; two bindings only so that the footer names what it does
 
     def action_stop(self) -> None:
         if self.job is not None and self.job.state in ("running", "paused", "loading"):
