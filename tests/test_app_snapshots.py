@@ -5,8 +5,8 @@ model's real spec at a fixed display path, the bundled demo prompts, a fixed pla
 planner's cost model does not change these pictures), a frozen clock, and a scripted engine for the
 Run and Results screens (their numbers must not depend on this machine's speed). The real planner
 and the real engine are exercised in test_app_flow.py.
-Update after an intended change: `pytest tests/test_app_snapshots.py --snapshot-update`, then look
-(`python tests/snapshots_to_png.py` draws them as PNG files in /tmp for that).
+Update after an intended change: `pytest tests/test_app_snapshots.py --snapshot-update`, then look at the
+SVGs (a browser opens them; cairosvg turns one into a PNG).
 """
 
 from __future__ import annotations
