@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from core.model.attention import decode_attention, prefill_attention
+from core.model.attention import decode_over_rows, prefill_attention
 from core.model.layers import norm, rms_norm
 from core.model.spec import ModelSpec
 
@@ -66,9 +66,7 @@ def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=N
     B, H, Hkv, hd = rows.B, spec.num_heads, spec.num_kv_heads, spec.head_dim
     q, k, v = payload.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     store.write(rows.slots, rows.positions, k.view(B, Hkv, hd), v.view(B, Hkv, hd))
-    lengths, span, pad = rows.kept(store)
-    return decode_attention(q.reshape(B, H, hd), rows.take(store.k), rows.take(store.v), lengths, spec.scale,
-                            span, pad, sinks=w.get("sinks"), widen=widen)
+    return decode_over_rows(q.reshape(B, H, hd), store, rows, spec.scale, w.get("sinks"), widen)
 
 
 def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep) -> torch.Tensor:
