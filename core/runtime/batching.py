@@ -2,7 +2,8 @@
 
 Longest prompt first, each into the micro-batch that holds the fewest tokens so far and still has
 a free slot. The same rule places a waiting request into a slot freed by a finished one, so the
-micro-batches stay balanced as the batch turns over.
+micro-batches stay balanced as the batch turns over. Once nothing waits, `compact` moves each
+micro-batch's requests into its first slots, so CPU attention reads neighbouring cache rows in place.
 """
 
 from __future__ import annotations
@@ -43,3 +44,16 @@ class SlotTable:
         self.owner[slot] = None
         self.tokens[self.micro_batch_of(slot)] -= tokens
 
+    def compact(self) -> list[tuple[int, int]]:
+        """Move requests so that each micro-batch's occupy its first slots (the batch's tail, nobody
+        waiting): the highest occupied slot fills the lowest free one, so as few move as possible.
+        Returns the (from, to) slot moves made; the caller moves their state."""
+        moves = []
+        for lo, hi in self.ranges:
+            used = [s for s in range(lo, hi) if self.owner[s] is not None]
+            holes = [s for s in range(lo, lo + len(used)) if self.owner[s] is None]
+            movers = [s for s in reversed(used) if s >= lo + len(used)]
+            for src, dst in zip(movers, holes):
+                self.owner[dst], self.owner[src] = self.owner[src], None
+                moves.append((src, dst))
+        return moves

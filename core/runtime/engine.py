@@ -450,6 +450,8 @@ class Engine:
             on_event(self._step_event("prefill", sum(len(s.prompt_ids) for s in admitted), t0, busy, moved,
                                       runner, len(active), proc))
             return self._retire(active, table, on_event)
+        if not waiting:
+            self._compact(runner, table, active)
         groups = _by_micro_batch(active, table)
         logits, busy = self._agreed(runner, stop, slots, lambda: runner.decode(
             [[s.out[-1] for s in g] for g in groups], [[s.slot for s in g] for g in groups],
@@ -458,6 +460,18 @@ class Engine:
         self._choose([s for g in groups for s in g], logits)
         on_event(self._step_event("decode", len(active), t0, busy, moved, runner, len(active), proc))
         return self._retire(active, table, on_event)
+
+    @staticmethod
+    def _compact(runner, table, active) -> None:
+        """Nothing waits to fill the slots finished requests left: move the requests into each micro-batch's
+        first slots (their cached state with them), so attention reads neighbouring rows in place rather
+        than gathering every row's K/V in every layer. A move copies one request's cached tokens once."""
+        moves = table.compact()
+        if moves:
+            at = {s.slot: s for s in active}
+            runner.move_rows([(a, b, at[a].next_position) for a, b in moves])
+            for a, b in moves:
+                at[a].slot = b
 
     def _agreed(self, runner, stop: bool, slots: int, compute):
         """Run a step's compute; tensor parallel, agree with the group on its outcome before any of its

@@ -361,9 +361,11 @@ class PipelineRunner:
         on_device, ring = bool(self.state_dev), bool(self.state_ring)
         self._step = [_MB(t, s, p, self.dev, on_device, ring) for t, s, p in zip(tokens, slots, positions)]
         self._ring_views = {}  # (layer, micro-batch) -> the device view its kv_load filled, for its attention
-        for mb in self._step:  # each store kind's lengths and padding mask, once per step, outside the tasks
+        for mb in self._step:  # each store kind's lengths, padding mask and reading, once per step, outside the tasks
             for st in self._host_kinds:
                 mb.rows.kept(st)
+                if st.kind in ("kv", "window"):
+                    mb.rows.plan(st, self.widen_attn is not None and st.k.dtype != self.widen_attn.math)
         with self.dev.compute():
             for mb in self._step:
                 mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
@@ -378,6 +380,15 @@ class PipelineRunner:
         logits = self._logits([mb.x for mb in self._step], "logits_dec")
         self._step = None
         return logits, busy
+
+    def move_rows(self, moves) -> None:
+        """[(from slot, to slot, cached tokens)]: move requests' state between slots, in every store (the
+        host's and the device's), between steps (SlotTable.compact)."""
+        with self.dev.compute():
+            for store in (*self.cache.layers, *self.state_dev):
+                if store is not None:
+                    for src, dst, tokens in moves:
+                        store.move(src, dst, tokens)
 
     def prefill(self, prompts, slots, micro_batches):
         """Whole prompts (grouped into `micro_batches` lists of indices). Returns (last-token logits, busy)."""
