@@ -117,6 +117,12 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
     if packed is None and quant is None and grouped is None:
         grouped = _grouped_ok(h, w13, w2) and _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act)
     T, k = idx.shape
+    if T == 1 and (quant is not None or not grouped):  # decode at batch 1: no sort, no scatter
+        linear = widen.linear if widened else F.linear if packed is None else _packed_linear
+        up, down = ((quant.up, quant.down) if quant is not None else
+                    (lambda e, x: linear(x, packed[e][0]), lambda e, y: linear(y, packed[e][1])) if packed is not None
+                    else (lambda e, x: linear(x, w13[e]), lambda e, y: linear(y, w2[e])))
+        return _one_token(h, weights, idx, up, down, b13, b2, act)
     E = len(quant) if quant is not None else len(packed) if packed is not None else w13.shape[0]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -163,6 +169,21 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
 
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _one_token(h, weights, idx, up, down, b13, b2, act) -> torch.Tensor:
+    """`experts` for one token: its k experts in id order, each output scaled and summed into the first —
+    bit for bit the general path (the same products, added in the same order, rounded alike) with a
+    third of its ops (a decode step at batch 1 runs this once per layer)."""
+    out = None
+    for e, w in sorted(zip(idx.tolist()[0], weights.tolist()[0])):
+        gu = up(e, h)
+        if b13 is not None:
+            gu = gu + b13[e]
+        y = down(e, act(gu))
+        y = (y if b2 is None else y + b2[e]).mul_(w)  # a fresh output: scaled in place
+        out = y if out is None else out.add_(y)
+    return out
 
 
 def _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act) -> bool:
