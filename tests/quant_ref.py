@@ -8,13 +8,23 @@ from checkpoints import hf_model
 from core.model.quant.formats import dequantize, quantize
 
 
-def dequantized_hf(path, fmt, dtype=torch.float64):
+def dequantized_hf(path, fmt, dtype=torch.float64, dense=()):
     """transformers' model of `path` whose routed experts hold dequantize(quantize(w)) — what a quantized
-    engine computes with, so the two must agree to rounding."""
+    engine computes with, so the two must agree to rounding. `dense`: also these attention projections
+    (q_proj, k_proj, v_proj, o_proj) and "lm_head" (every format quantizes rows independently, so q, k
+    and v one by one equal our fused qkv)."""
     model = hf_model(path, dtype=torch.float32)
+
+    def requant(p):
+        p.data = dequantize(fmt, quantize(fmt, p.data)).to(torch.float32)
+
     for layer in model.model.layers:
         ex = layer.mlp.experts
         for name in ("gate_up_proj", "down_proj"):
-            p = getattr(ex, name)
-            p.data = dequantize(fmt, quantize(fmt, p.data)).to(torch.float32)
+            requant(getattr(ex, name))
+        for name in dense:
+            if name != "lm_head":
+                requant(getattr(layer.self_attn, name).weight)
+    if "lm_head" in dense:
+        requant(model.lm_head.weight)
     return model.to(dtype)

@@ -159,11 +159,13 @@ class LayerWeights:
             raise RuntimeError("this layer's experts were packed for the CPU; they no longer stream")
         self.pages = [self.experts[a:b] for a, b in self.layout.page_bounds(pages)]
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, dense_format=None) -> None:
         """Prepack the experts for the CPU and keep only the non-expert part of the flat buffer.
 
         One layer at a time, so memory peaks at the model plus one layer's experts, never two copies.
-        Quantized experts whose format has no CPU kernel (GGUF blocks) stay as they are and expand per use."""
+        Quantized experts whose format has no CPU kernel (GGUF blocks) stay as they are and expand per use.
+        `dense_format` (a core.model.quant.formats.Format): the attention and shared-expert projections
+        quantized too, for the CPU's weight-only kernels (core.model.quant.dense)."""
         from core.model.moe import pack_experts
 
         if self.quant is not None:
@@ -183,7 +185,7 @@ class LayerWeights:
 
         for name in PACKED_DENSE:  # used through F.linear only; the flat buffer keeps their bytes for nbytes
             if name in self.tensors:
-                self.tensors[name] = pack_dense(self.tensors[name])
+                self.tensors[name] = _pack_dense(self.tensors[name], dense_format, pack_dense)
 
     def _dense_names(self) -> set[str]:
         return {n for n, off, _ in self.layout.entries if off < self.layout.expert_start}
@@ -287,14 +289,15 @@ class ModelWeights:
         """How the experts are stored (core.model.quant.experts.ExpertScheme), None when unquantized."""
         return self.layers[0].layout.scheme
 
-    def pack_for_cpu(self, progress: EventSink = ignore) -> None:
+    def pack_for_cpu(self, progress: EventSink = ignore, dense_format=None) -> None:
+        """Every layer's LayerWeights.pack_for_cpu, and the LM head (quantized too with `dense_format`)."""
         from core.model.cpu.kernels import pack_dense
 
         for i, lw in enumerate(self.layers):
-            lw.pack_for_cpu()
+            lw.pack_for_cpu(dense_format)
             progress(Progress("packing experts for the CPU", i + 1, len(self.layers), "layers"))
         if "lm_head" in self.globals:  # a tied head is the embedding too: that one stays a plain tensor
-            self.globals["lm_head"] = pack_dense(self.globals["lm_head"])
+            self.globals["lm_head"] = _pack_dense(self.globals["lm_head"], dense_format, pack_dense)
 
     def widen_dense(self, math: torch.dtype) -> None:
         """Non-expert weights and embeddings in `math`, experts left in `dtype` (LayerWeights.widen_dense)."""
@@ -315,6 +318,18 @@ class ModelWeights:
                     if lw.dense_flat is not None)
         return dense + sum(lw.flat.numel() * lw.flat.element_size() for lw in self.layers) + sum(
             t.numel() * t.element_size() for t in self.globals.values())
+
+
+def _pack_dense(w: torch.Tensor, fmt, pack_dense) -> torch.Tensor:
+    """A dense weight ready for F.linear on the CPU: quantized in `fmt` where its kernel takes it, else
+    oneDNN-prepacked where that works, else as it is."""
+    if fmt is not None:
+        from core.model.quant.dense import quantize_dense
+
+        q = quantize_dense(w, fmt)
+        if q is not w:
+            return q
+    return pack_dense(w)
 
 
 PAGE = 4096

@@ -245,11 +245,12 @@ class Engine:
              resident_layers: int | None = None, expert_group: int = 1, grouped: bool | None = None,
              policy=None, resident_experts=None, quantize: str | None = None, group_size: int | None = None,
              use_cache: bool = True, cpu_math: str | None = None, threads: int | None = None,
-             progress: EventSink = ignore, tp=None) -> "Engine":
+             progress: EventSink = ignore, tp=None, quantize_dense: bool = False) -> "Engine":
         """Load a checkpoint. A `core.plan.policy.Policy` (the planner's) sets paging, resident experts, the
         expert batch and attention placement; the explicit arguments are for tests and benchmarks.
         `quantize` ("none", "int8", "int4"; `group_size` for int4) stores the experts quantized, through
-        the quantized cache unless `use_cache` is False. `tp` (a
+        the quantized cache unless `use_cache` is False; `quantize_dense` stores the attention and
+        shared-expert projections and the LM head in that format too (CPU-only mode). `tp` (a
         core.runtime.distributed.tensor_parallel.TensorParallel) loads only this rank's shard; every rank
         of the group then calls `generate` with the same requests.
         `cpu_math` forces the CPU's compute dtype (default: core.model.cpu.compute.choose, from the probe's
@@ -289,6 +290,8 @@ class Engine:
                 raise UsageError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPE_BYTES))}")
             dtype = torch_dtype(dtype)
         quant = parse_choice(quantize, group_size)
+        if quantize_dense and quant is None:
+            raise UsageError("--quantize-dense needs a format", "pass --quantize int8 or --quantize int4 with it")
         if dev.accelerator:
             dtype = _accelerator_dtype(dev, dtype or spec.torch_dtype, progress)
         if gguf is not None and shard is not None:
@@ -311,11 +314,14 @@ class Engine:
         cpu = cpu_compute.choose(weights.dtype_name, rates=_probed_cpu_rates(), math=cpu_math)
         if config.ffn_on == "cpu":  # the CPU-only chain never streams experts: ready them for the CPU
             if weights.scheme is not None:  # quantized experts: their own CPU kernels (core.model.quant)
-                weights.pack_for_cpu(progress)
+                weights.pack_for_cpu(progress, dense_format=quant if quantize_dense else None)
             elif cpu.pack:
                 cpu = _pack_or_fall_back(weights, cpu, progress)
             if cpu.widens and weights.scheme is None:
                 weights.widen_dense(torch_dtype(cpu.math))
+        elif quantize_dense:
+            progress(WarningEvent("--quantize-dense applies to the CPU-only mode; the dense weights stay in "
+                                  f"{weights.dtype_name} on the device"))
         engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
                      grouped=grouped, device=dev)
         engine.cpu, engine.policy = cpu, policy
