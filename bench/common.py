@@ -19,12 +19,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # ---- model ------------------------------------------------------------------------------------------
 def build_mixtral(out_dir: Path, *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
                   experts: int = 8, top_k: int = 2, vocab: int = 4096, seed: int = 0,
-                  initializer_range: float = 0.02) -> dict:
+                  initializer_range: float = 0.02, init_dtype: torch.dtype | None = None) -> dict:
     """A random-weight bf16 Mixtral checkpoint made by transformers' own classes, plus a BPE tokenizer.
 
     The lm_head rows of EOS and PAD are zeroed: their logit is exactly 0 while the max over thousands of
     random logits is positive, so greedy decoding never stops early and both systems generate exactly
-    `max_new_tokens` per request (the workload is the same for both by construction)."""
+    `max_new_tokens` per request (the workload is the same for both by construction). `init_dtype`
+    (bf16 for models of billions of parameters): build the model in that dtype, not fp32 then bf16,
+    which halves the peak memory (other random weights than the default's)."""
     from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -43,8 +45,13 @@ def build_mixtral(out_dir: Path, *, hidden: int, intermediate: int, layers: int,
         initializer_range=initializer_range, dtype="bfloat16",
     )
     torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = MixtralForCausalLM(cfg).to(torch.bfloat16).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(init_dtype or default)
+    try:
+        with torch.device("cpu"):
+            model = MixtralForCausalLM(cfg).to(torch.bfloat16).eval()
+    finally:
+        torch.set_default_dtype(default)
     with torch.no_grad():
         for t in (tok.eos_token_id, tok.pad_token_id):
             model.lm_head.weight[t].zero_()

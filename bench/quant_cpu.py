@@ -1,10 +1,18 @@
 """CPU mode, quantized experts: decode tokens/s at B = 1 and B = 64, int4 vs int8 vs bf16, same run, same model.
 
-Builds one random bf16 Mixtral-shaped checkpoint (transformers' classes), loads it three times in one
+Builds one random bf16 Mixtral-shaped checkpoint (transformers' classes), loads it four times in one
 process — bf16 (oneDNN-prepacked where the CPU takes it), int8 and int4 experts (torch's weight-only CPU
-kernels over experts prepacked at load) — and measures decode steps of each in interleaved rounds
-(bf16, int8, int4, bf16, …) so that load changes on a shared machine hit all three alike. Decode
-tokens/s = decode tokens / decode seconds from the engine's own StepDone events (prefill excluded).
+kernels over experts prepacked at load), and int4 experts with the dense weights in int4 too
+(`--quantize-dense`: attention projections and LM head) — and measures decode steps of each in
+interleaved rounds (bf16, int8, int4, int4+dense, bf16, …) so that load changes on a shared machine hit
+all alike. Decode tokens/s = decode tokens / decode seconds from the engine's own StepDone events
+(prefill excluded). Ratios: of the medians, and the median of each round's ratio to the bf16 round just
+before it (which cancels slow drifts in what the machine's neighbours take).
+
+Models (`--size`): small, hidden 1024, I 3840, 4 layers, vocab 4096 (396M parameters; the routed
+experts are 86.5 % of the weights a token reads at batch 1); large, hidden 2048, I 7168, 4 layers,
+vocab 4096 (1.47B; 87.5 %; Mixtral 8x7B: 88.5 %): about the same share of bytes, but each layer's work
+4× larger against the per-layer cost of dispatching its ops, which in a real model is smaller still.
 
 Also in the same run:
 - the expert backends head to head: the kernel vs expanding the expert into a scratch buffer and
@@ -13,6 +21,7 @@ Also in the same run:
   probed rates, next to the measured ones: the predicted int4/bf16 speed-up against the measured one.
 
     python bench/quant_cpu.py --threads 1      # hidden 1024, I 3840, 4 layers, 8 experts (≈ 400M parameters)
+    python bench/quant_cpu.py --threads 2 --size large --batches 1 --skip-crossover
     python bench/quant_cpu.py --quick          # a smoke run
 
 Clocks: with one thread (`--threads 1`) the default is this process's CPU seconds (`--clock cpu`): on a
@@ -43,13 +52,17 @@ import torch  # noqa: E402
 from bench import common  # noqa: E402
 
 FULL = dict(hidden=1024, intermediate=3840, layers=4, heads=16, kv_heads=4, experts=8, top_k=2, vocab=4096)
+LARGE = dict(hidden=2048, intermediate=7168, layers=4, heads=32, kv_heads=8, experts=8, top_k=2, vocab=4096)
 QUICK = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, experts=8, top_k=2, vocab=1024)
-FORMATS = ("none", "int8", "int4")
+SIZES = {"small": FULL, "large": LARGE}
+FORMATS = ("none", "int8", "int4", "int4+dense")  # int4+dense: --quantize int4 --quantize-dense
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--size", choices=tuple(SIZES), default="small", help="the model (see above; default small)")
+    p.add_argument("--skip-crossover", action="store_true", help="leave out the per-expert backend table")
     p.add_argument("--batches", default="1,64", help="decode batch sizes (default 1,64)")
     p.add_argument("--gen", type=int, default=None, help="tokens generated per request per round (default 24; 6 quick)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; 1 quick)")
@@ -140,7 +153,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     clock = args.clock or ("cpu" if args.threads == 1 else "wall")
-    dims = QUICK if args.quick else FULL
+    dims = QUICK if args.quick else SIZES[args.size]
     gen = args.gen or (6 if args.quick else 24)
     rounds = args.rounds or (1 if args.quick else 3)
     batches = [int(b) for b in args.batches.split(",")]
@@ -149,14 +162,15 @@ def main(argv=None) -> int:
     os.environ.setdefault("MLIGHT_CACHE_DIR", str(work / "cache"))
     model_dir = work / "model"
     if not (model_dir / "config.json").is_file():
-        info = common.build_mixtral(model_dir, **dims)
+        info = common.build_mixtral(model_dir, **dims, init_dtype=torch.bfloat16 if dims is LARGE else None)
         print(f"built {info['params'] / 1e6:.0f}M-parameter bf16 Mixtral-shaped checkpoint in {model_dir}", flush=True)
     from core.runtime.engine import Engine
 
     engines, loads = {}, {}
     for f in FORMATS:
         t = time.perf_counter()
-        engines[f] = Engine.load(model_dir, dtype="bfloat16", quantize=f, group_size=args.group_size,
+        engines[f] = Engine.load(model_dir, dtype="bfloat16", quantize=f.removesuffix("+dense"),
+                                 group_size=args.group_size, quantize_dense=f.endswith("+dense"),
                                  threads=args.threads)  # fixed: the engine's governor would follow the load
         engines[f].eos_ids = set()
         loads[f] = time.perf_counter() - t
@@ -177,13 +191,18 @@ def main(argv=None) -> int:
         print(f"round {r + 1}/{rounds}: " + ", ".join(f"{f} B={b} {rates[f][b][-1]:.1f}" for b in batches for f in FORMATS),
               flush=True)
     med = {f: {b: statistics.median(v) for b, v in bs.items()} for f, bs in rates.items()}
-    cross = {f: backend_crossover(engines["none"].spec, f, args.group_size, clock=clock) for f in ("int8", "int4")}
+    paired = {f: {b: statistics.median(x / y for x, y in zip(rates[f][b], rates["none"][b])) for b in batches}
+              for f in FORMATS}
+    cross = {} if args.skip_crossover else {
+        f: backend_crossover(engines["none"].spec, f, args.group_size, clock=clock) for f in ("int8", "int4")}
+    # the planner does not model --quantize-dense: its bf16 dense bytes (int4's prediction) bound it below
     pred = {f: {b: predicted(engines[f].spec, b, gen, prompt_len) for b in batches} for f in FORMATS}
     report = {
         "cpu": platform.processor() or platform.machine(), "threads": args.threads, "clock": clock, "capability":
         torch.backends.cpu.get_cpu_capability(), "load_before": load_before, "load_after": common.load_average(),
         "model": dims, "params": engines["none"].spec.num_params, "group_size": args.group_size, "gen": gen,
-        "rounds": rounds, "decode_tokens_per_s": rates, "median": med, "best_step": best, "load_seconds": loads,
+        "rounds": rounds, "decode_tokens_per_s": rates, "median": med, "paired_ratio": paired, "best_step": best,
+        "load_seconds": loads, "size": "quick" if args.quick else args.size,
         "backend_seconds_per_expert": cross, "predicted_decode_tokens_per_s": pred,
         "bf16_packed": engines["none"].weights.packed,
     }
@@ -192,13 +211,15 @@ def main(argv=None) -> int:
     print(f"model {dims} = {report['params'] / 1e6:.0f}M parameters; bf16 experts "
           f"{'oneDNN-prepacked' if report['bf16_packed'] else 'plain'}; int4 group {args.group_size}")
     print("decode tok/s: the median of the rounds' median steps; best: the fastest step of all rounds")
-    print(f"{'B':>4} {'format':>6} {'decode tok/s':>13} {'vs bf16':>8} {'best step':>10} {'vs bf16':>8} "
+    print("paired: the median over rounds of a round's tok/s over the bf16 round's")
+    print(f"{'B':>4} {'format':>10} {'decode tok/s':>13} {'vs bf16':>8} {'paired':>7} {'best step':>10} {'vs bf16':>8} "
           f"{'predicted':>10} {'pred. vs bf16':>14}")
     for b in batches:
         for f in FORMATS:
-            print(f"{b:>4} {f if f != 'none' else 'bf16':>6} {med[f][b]:>13.2f} {med[f][b] / med['none'][b]:>7.2f}x "
-                  f"{best[f][b]:>10.2f} {best[f][b] / best['none'][b]:>7.2f}x "
+            print(f"{b:>4} {f if f != 'none' else 'bf16':>10} {med[f][b]:>13.2f} {med[f][b] / med['none'][b]:>7.2f}x "
+                  f"{paired[f][b]:>6.2f}x {best[f][b]:>10.2f} {best[f][b] / best['none'][b]:>7.2f}x "
                   f"{pred[f][b]:>10.2f} {pred[f][b] / pred['none'][b]:>13.2f}x")
+    print("(int4+dense's prediction is int4's: the planner counts the dense weights in bf16)")
     print("\nper expert, up + down (ms): tokens  kernel  expand")
     for f, c in cross.items():
         for n, r in c.items():
