@@ -114,8 +114,8 @@ def test_without_one_copy_event_wait_the_tokens_are_wrong(checkpoint_factory, hf
     ex = engine.executor()
     if removed == "host waits for D1":
         real = dev.host_wait
-        monkeypatch.setattr(dev, "host_wait", lambda ev, cancel=None: None if
-                            threading.current_thread().name == "mlight-cpu_attn" else real(ev, cancel))
+        monkeypatch.setattr(dev, "host_wait", lambda ev, cancel=None, **kw: None if
+                            threading.current_thread().name == "mlight-cpu_attn" else real(ev, cancel, **kw))
     else:
         gpu = ex.streams["gpu"]
         monkeypatch.setattr(gpu, "wait_event", lambda ev: None)
@@ -364,3 +364,154 @@ def test_quantized_experts_stream_and_stay_resident_in_part(tmp_path, quantize):
     finally:
         engine.close()
     assert dev.stats["staged_copies"] == 0
+
+
+# ---- never hang on the device: every host wait on device work has a deadline ---------------------------
+def hang_on(dev, point, when):
+    """A fault that blocks (a hung kernel or copy) on an emulated stream's thread while `when(label)` holds;
+    returns the gate that releases it (set it at the end, so that the stream's thread ends)."""
+    gate = threading.Event()
+    gate.hung = threading.Event()
+
+    def fault(p):
+        if p == point and threading.current_thread().name.startswith("emulated-") and when(dev.running()):
+            gate.hung.set()
+            gate.wait(30)
+
+    dev.fault = fault
+    return gate
+
+
+def is_task(kind, layer):
+    return lambda label: getattr(label, "kind", None) == kind and label.layer == layer
+
+
+@pytest.mark.parametrize("hang", ["kernel", "copy"])
+def test_a_hung_kernel_or_copy_fails_the_step_naming_it_within_the_device_deadline(hang):
+    """Launch-time stalls were caught; work that hangs once launched was not: the step's end waited on the
+    streams' last events with no deadline, and generate() hung. The executor's own stall limit (600 s) is
+    not what catches it here: the device's wait_seconds is."""
+    dev = emulated(wait_seconds=0.5)
+    host = torch.ones(8)
+    dev.pin(host)
+    dbuf = dev.empty(8, torch.float32)
+    work = device_work(dev)
+
+    def fn(task):
+        if task.resource == "h2d":
+            dev.copy(dbuf, host)
+        work(task)
+
+    if hang == "kernel":
+        gate, stuck = hang_on(dev, "kernel", is_task("ffn", 1)), "the gpu stream has not finished ffn layer=1"
+    else:
+        gate, stuck = hang_on(dev, "copy", lambda label: True), "the h2d stream has not finished"
+    ex = CudaExecutor(dev)
+    try:
+        err, secs = run_bounded(ex, graph(), fn)
+        assert isinstance(err, TaskFailed) and isinstance(err.__cause__, Stalled), err
+        assert stuck in str(err) and "it started" in str(err) and "0.5 s" in str(err)
+        assert secs < 5  # the deadline, plus the failure's grace
+        err, secs = run_bounded(ex, graph(), fn)  # the stream is stuck: further steps are refused at once
+        assert isinstance(err, TaskFailed) and "stuck" in str(err) and secs < 1
+    finally:
+        gate.set()
+        ex.close()
+
+
+def test_generate_with_a_hung_kernel_fails_within_seconds(checkpoint_factory):
+    """The headline: the GPU path never hangs. A kernel of the second layer's FFN never returns; generate()
+    raises a TaskFailed naming it, in about the device's deadline."""
+    dev = emulated(wait_seconds=1.0)
+    engine = Engine.load(checkpoint_factory("mixtral"), device=dev, executor="cuda", resident_layers=0)
+    gate = threading.Event()
+    hung = []
+
+    def fault(task):  # the runner's fault hook runs inside the launched work: on the stream's thread here
+        if task.kind == "ffn" and task.layer == 1 and threading.current_thread().name == "emulated-gpu":
+            hung.append(task)
+            gate.wait(30)
+
+    engine.fault = fault
+    out = {}
+
+    def target():
+        t0 = time.perf_counter()
+        try:
+            tokens(engine)
+        except BaseException as e:  # noqa: BLE001
+            out["err"] = e
+        out["s"] = time.perf_counter() - t0
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    th.join(20)
+    try:
+        assert not th.is_alive(), "generate() hung on a hung kernel"
+        assert hung and isinstance(out.get("err"), TaskFailed), out
+        assert "ffn layer=1" in str(out["err"]) and "1 s" in str(out["err"]) and out["s"] < 8
+    finally:
+        gate.set()
+        engine.close()
+
+
+def test_the_wait_for_the_steps_logits_is_bounded(checkpoint_factory):
+    """The logits wait was a stream synchronise with no deadline. Here the caller's stream (on CUDA the default
+    stream, where the logits' kernels queue) is one whose work hangs: the wait raises DeviceStalled."""
+    from core.runtime.device import DeviceStalled
+
+    dev = emulated(wait_seconds=0.5)
+    engine = Engine.load(checkpoint_factory("mixtral"), device=dev, executor="cuda", resident_layers=0)
+    runner = engine.runner(2, 2, 16, lambda e: None)
+    caller = dev.stream("default")
+    gate = threading.Event()
+    dev.launch(caller, lambda: gate.wait(30), label="a hung kernel")
+    x = dev.to_device(torch.randn(2, engine.spec.hidden_size, dtype=engine.weights.dtype))
+    real = dev.current_stream
+    dev.current_stream = lambda: caller
+    out = {}
+
+    def target():
+        try:
+            runner._logits([x], "logits_dec")
+        except BaseException as e:  # noqa: BLE001
+            out["err"] = e
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    th.join(10)
+    try:
+        assert not th.is_alive(), "the logits' wait hung"
+        assert isinstance(out.get("err"), DeviceStalled) and "logits" in str(out["err"])
+    finally:
+        dev.current_stream = real
+        gate.set()
+        engine.close()
+
+
+def test_a_failed_step_does_not_wait_forever_for_a_stream_that_hangs():
+    """After a failure the executor drains the device before buffers go; a stream hung meanwhile made that
+    drain (the emulated device's, like torch.cuda.synchronize) wait forever."""
+    dev = emulated(wait_seconds=0.5)
+    host = torch.ones(8)
+    dev.pin(host)
+    dbuf = dev.empty(8, torch.float32)
+    # layer 1's first page hangs (no task waits on it before the second micro-batch's attention fails)
+    gate = hang_on(dev, "copy", lambda label: label.kind == "weight_page" and label.layer == 1 and label.page == 0)
+
+    def fn(task):
+        if task.resource == "h2d":
+            dev.copy(dbuf, host)
+        if task.kind == "cpu_attn" and task.layer == 0 and task.micro_batch == 1:
+            assert gate.hung.wait(5)
+            raise ValueError("injected host task failure")
+
+    ex = CudaExecutor(dev)
+    try:
+        err, secs = run_bounded(ex, graph(), fn)
+        assert isinstance(err, TaskFailed) and "injected host task failure" in str(err) and secs < 5
+        err, secs = run_bounded(ex, graph(), fn)
+        assert isinstance(err, TaskFailed) and "did not drain" in str(err) and "h2d" in str(err) and secs < 1
+    finally:
+        gate.set()
+        ex.close()

@@ -206,3 +206,63 @@ def test_cuda_device_and_its_emulation_offer_the_same_interface():
             mine, theirs = inspect.signature(getattr(impl, name)), inspect.signature(getattr(Device, name))
             assert list(mine.parameters) == list(theirs.parameters), f"{impl.__name__}.{name}{mine}"
     assert isinstance(resolve_device("cpu"), HostDevice) and isinstance(resolve_device("emulated"), EmulatedCuda)
+
+
+# ---- every host wait on device work has a deadline ------------------------------------------------------
+def test_the_devices_host_waits_give_up_at_its_deadline_naming_what_stalled():
+    """A hung kernel made host_wait and the device's synchronize (the drain after a failure) wait forever."""
+    from core.runtime.device import DeviceStalled
+
+    dev = EmulatedCuda(1 << 20, wait_seconds=0.3)
+    s = dev.stream("h2d")
+    gate = threading.Event()
+    dev.launch(s, lambda: gate.wait(30), label="a hung copy")
+    ev = dev.event()
+    ev.record(s)
+    try:
+        for wait, what in ((lambda: dev.host_wait(ev, what="the pages"), "the pages"),
+                           (dev.synchronize, "the h2d stream"),
+                           (lambda: dev.current_stream().wait_event(ev), "the host's stream")):
+            t0 = time.perf_counter()
+            with pytest.raises(DeviceStalled, match=what) as info:
+                wait()
+            assert 0.3 <= time.perf_counter() - t0 < 2 and "0.3 s" in str(info.value)
+        assert not ev.query()
+    finally:
+        gate.set()
+    dev.host_wait(ev)  # the work ended: the same waits return
+    dev.synchronize()
+    dev.close()
+
+
+class _FakeCudaEvent:
+    """A CUDA event as Device.host_wait sees it (CudaDevice uses that base method): only `query`."""
+
+    def __init__(self, done_after: float):
+        self.at = time.monotonic() + done_after
+        self.queries = 0
+
+    def query(self):
+        self.queries += 1
+        return time.monotonic() >= self.at
+
+
+def test_the_cuda_host_wait_polls_the_event_within_the_deadline():
+    """CudaDevice's wait cannot be cudaEventSynchronize (no deadline): it polls query(), sleeping between polls."""
+    from core.runtime.device import DeviceStalled
+
+    d = Device()
+    d.wait_seconds = 0.3
+    ev = _FakeCudaEvent(0.05)
+    d.host_wait(ev)  # ends when the work does ...
+    assert ev.query() and ev.queries < 200  # ... without spinning a core (sleeps grow to 1 ms)
+    done = _FakeCudaEvent(0)
+    d.host_wait(done)
+    assert done.queries == 1  # finished work costs one query
+    t0 = time.perf_counter()
+    with pytest.raises(DeviceStalled, match="the logits did not complete on the device within 0.3 s"):
+        d.host_wait(_FakeCudaEvent(60), what="the logits")
+    assert time.perf_counter() - t0 < 1
+    stop = threading.Event()
+    threading.Timer(0.05, stop.set).start()
+    d.host_wait(_FakeCudaEvent(60), cancel=stop.is_set)  # a failed step cancels the wait: no error

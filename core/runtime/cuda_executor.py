@@ -8,6 +8,11 @@ alone, with a blocking event (the waiting thread sleeps rather than spin a core)
 device-wide synchronisation inside a step: the caller's stream waits on the streams' last events at
 the end, and the step's timings are read after one host sync per stream.
 
+Never a hang on the device either: every host wait on a stream (a host task's dependency, the step's
+end) is bounded by the device's `wait_seconds`. Past it the step fails naming the first task of that
+stream that has not completed (a hung kernel or copy), and the executor refuses further steps: the
+stream is stuck, and nothing queued behind it will run.
+
 Runs unchanged over `CudaDevice` and over the emulated device (CI), which is how it is tested.
 Timing: one start/end event pair per stream task, from a pool reused step after step (creating
 events costs a driver call each); a task's busy time is end − start, read once the step is done.
@@ -18,8 +23,8 @@ from __future__ import annotations
 import functools
 import time
 
-from core.runtime.device import Device
-from core.runtime.executors import STALL_SECONDS, ThreadedExecutor, _Step
+from core.runtime.device import Device, DeviceStalled, DeviceTaskError
+from core.runtime.executors import STALL_SECONDS, Stalled, ThreadedExecutor, _Step, describe
 
 STREAMS = ("gpu", "h2d", "d2h")
 
@@ -51,6 +56,19 @@ class _CudaStep(_Step):
             if t.resource in STREAMS:
                 self.last_on[t.resource] = t.id
 
+    def stuck(self, stream: str, err: DeviceStalled) -> DeviceTaskError:
+        """The failure to report for a wait on `stream` that ran past its deadline, as a device error: the task
+        that started and never ended on any stream (a hung kernel or copy; what the waited-on stream waits
+        for, perhaps), else the first of `stream`'s tasks that has not ended."""
+        running = [t for t in self.stream_of if self.timer[t][0].query() and not self.timer[t][1].query()]
+        mine = [t for t, r in self.stream_of.items() if r == stream]
+        tid = running[0] if running else next((t for t in mine if not self.timer[t][1].query()), mine[-1])
+        why = Stalled(f"the {self.stream_of[tid]} stream has not finished {describe(self.tasks[tid])} in "
+                      f"{err.seconds:g} s " + ("(it started: a hung kernel or copy)" if running else
+                                               "(it never started: its stream waits on work that does not end)"))
+        why.__cause__ = err
+        return DeviceTaskError(self.tasks[tid], why)
+
 
 class CudaExecutor(ThreadedExecutor):
     name = "cuda"
@@ -63,6 +81,7 @@ class CudaExecutor(ThreadedExecutor):
         self.placement = placement
         self.streams = {r: device.stream(r, compute=r == "gpu") for r in STREAMS}
         self._pool = _EventPool(device)
+        self._hung: str | None = None  # a stream that ran past the device's deadline: what is stuck on it
         super().__init__(STREAMS + ("cpu_attn",), setup=self._setup, stall_seconds=stall_seconds)
 
     def _setup(self, resource: str) -> None:
@@ -92,10 +111,18 @@ class CudaExecutor(ThreadedExecutor):
             if mine in STREAMS:
                 self.streams[mine].wait_event(end)
             else:  # this host thread alone waits for that stream's task
-                self.dev.host_wait(end, cancel=lambda: step.failed)
+                self._bounded(step, other, end, cancel=lambda: step.failed)
                 if step.failed:
                     return False
         return True
+
+    def _bounded(self, step: _CudaStep, stream: str, event, cancel=None) -> None:
+        try:
+            self.dev.host_wait(event, cancel=cancel)
+        except DeviceStalled as e:
+            err = step.stuck(stream, e)
+            self._hung = f"the {stream} stream is stuck in {describe(err.label)}"
+            raise err  # (its cause: Stalled, whose cause is the DeviceStalled)
 
     def _execute(self, step: _CudaStep, task, i: int) -> None:
         if task.resource not in STREAMS:
@@ -108,11 +135,11 @@ class CudaExecutor(ThreadedExecutor):
         end.record(stream)
 
     def _finish(self, step: _CudaStep) -> dict[str, float]:
+        for r, tid in step.last_on.items():  # one host sync per stream, bounded; the caller syncs on the logits anyway
+            self._bounded(step, r, step.timer[tid][1])
         caller = self.dev.current_stream()
-        for tid in step.last_on.values():
+        for tid in step.last_on.values():  # done by now: orders the caller's later work (logits) on the device
             caller.wait_event(step.timer[tid][1])
-        for tid in step.last_on.values():  # one host sync per stream; the caller syncs on the logits anyway
-            self.dev.host_wait(step.timer[tid][1])
         busy = dict(step.busy)
         for tid, (a, b) in step.timer.items():
             r = step.stream_of[tid]
@@ -123,10 +150,15 @@ class CudaExecutor(ThreadedExecutor):
         return busy
 
     def _after_failure(self) -> None:
-        try:  # let in-flight work land before buffers are dropped; its errors are already reported
-            self.dev.synchronize()
-        except Exception:  # noqa: BLE001
-            pass
+        if self._hung is not None:  # waiting for the device again would only run into the deadline again
+            self._broken = self._hung
+        else:
+            try:  # let in-flight work land before buffers are dropped; its errors are already reported
+                self.dev.synchronize()
+            except DeviceStalled as e:
+                self._broken = f"the device did not drain after a failure: {e.problem}"
+            except Exception:  # noqa: BLE001
+                pass
         self._pool = _EventPool(self.dev)  # fresh events: none may keep the failure (and its frames) alive
 
     def close(self) -> None:

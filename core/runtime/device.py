@@ -21,17 +21,24 @@ Semantics every implementation keeps (the CUDA ones):
   memory and blocks the host (the emulation counts those in `stats`).
 - An error raised by launched work surfaces at the next synchronisation on that stream as
   `DeviceTaskError` (cause: the original exception, `label`: what was launched).
+- Every host wait on the device (`host_wait`, `synchronize`) is bounded by `wait_seconds`: a hung kernel
+  or copy raises `DeviceStalled` instead of hanging the run. On CUDA the wait polls the event's query
+  (sleeping between polls) because a blocking cudaEventSynchronize cannot be given a deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Callable
 
 import torch
 
+from core.errors import MlightError
+
 PAGE = 4096  # bytes; host memory is registered (pinned) in whole pages
+WAIT_SECONDS = 600.0  # the longest a host waits on device work before calling it hung (Device.wait_seconds)
 
 
 def pin_budget() -> int:
@@ -43,6 +50,41 @@ def pin_budget() -> int:
     from core import platform
 
     return platform.pinned_budget(int(psutil.virtual_memory().total))
+
+
+class DeviceStalled(MlightError):
+    """Device work the host waited on did not complete within the device's `wait_seconds`."""
+
+    def __init__(self, what: str, seconds: float):
+        super().__init__(f"{what} did not complete on the device within {seconds:g} s",
+                         "a kernel or a copy hung (or the GPU is shared and starved): check nvidia-smi and restart "
+                         "mlight; a slow GPU may need a longer wait (MLIGHT_DEVICE_WAIT_S)")
+        self.what, self.seconds = what, seconds
+
+
+def poll(done: Callable[[], bool], seconds: float, what: str, cancel: Callable[[], bool] | None = None) -> bool:
+    """Wait until `done()` with a deadline; False if `cancel()` said stop first, DeviceStalled past the
+    deadline. The sleep between polls grows from 20 µs to 1 ms: a wait that is already over costs one
+    query, a long one wakes a thousand times a second at most."""
+    if done():
+        return True
+    deadline, pause = time.monotonic() + seconds, 2e-5
+    while not done():
+        if cancel is not None and cancel():
+            return False
+        if time.monotonic() > deadline:
+            raise DeviceStalled(what, seconds)
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+    return True
+
+
+def wait_seconds_default() -> float:
+    """$MLIGHT_DEVICE_WAIT_S if set (a slow or shared GPU), else WAIT_SECONDS."""
+    import os
+
+    env = os.environ.get("MLIGHT_DEVICE_WAIT_S", "").strip()
+    return float(env) if env else WAIT_SECONDS
 
 
 class DeviceTaskError(RuntimeError):
@@ -75,6 +117,7 @@ class Device:
     capability: tuple[int, int] | None = None
     index = 0
     pin_limit_bytes: int | None = None  # page-locked host bytes allowed (None: no limit; see pin_budget)
+    wait_seconds = WAIT_SECONDS  # the deadline of every host wait on device work (DeviceStalled past it)
 
     # ---- threads and streams ----
     def set_device(self) -> None:
@@ -95,12 +138,13 @@ class Device:
     def launch(self, stream, fn: Callable[[], None], label=None) -> None:
         fn()
 
-    def host_wait(self, event, cancel: Callable[[], bool] | None = None) -> None:
-        """Block this host thread until `event` completes (raises DeviceTaskError for failed work)."""
-        event.synchronize()
+    def host_wait(self, event, cancel: Callable[[], bool] | None = None, what: str = "the work before an event") -> None:
+        """Block this host thread until `event` completes, or `cancel()` says stop (raises DeviceTaskError
+        for failed work, DeviceStalled naming `what` past `wait_seconds`)."""
+        poll(event.query, self.wait_seconds, what, cancel)
 
     def synchronize(self) -> None:
-        """Wait for all work on the device; raise (once) the first error of launched work."""
+        """Wait for all work on the device, within `wait_seconds`; raise (once) the first error of launched work."""
 
     # ---- memory ----
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -212,8 +256,11 @@ class CudaDevice(Device):
     _registered: dict[int, int] = {}  # registered base address -> bytes, this process
     _lock = threading.Lock()
 
-    def __init__(self, device: str | torch.device | int | None = None, pin_limit_bytes: int | None = None):
+    def __init__(self, device: str | torch.device | int | None = None, pin_limit_bytes: int | None = None,
+                 wait_seconds: float | None = None):
         self.index = device_index(device, torch.cuda.current_device)
+        self.wait_seconds = wait_seconds_default() if wait_seconds is None else wait_seconds
+        self._streams: list = []  # the streams made here: what `synchronize` waits for
         self.torch_device = torch.device("cuda", self.index)
         self.name = torch.cuda.get_device_name(self.index)
         self.capability = tuple(torch.cuda.get_device_capability(self.index))
@@ -224,7 +271,13 @@ class CudaDevice(Device):
         torch.cuda.set_device(self.index)
 
     def stream(self, name: str, compute: bool = False):
-        return torch.cuda.Stream(device=self.torch_device)
+        s = torch.cuda.Stream(device=self.torch_device)
+        self._streams.append(s)
+        return s
+
+    def release_stream(self, stream) -> None:
+        if stream in self._streams:
+            self._streams.remove(stream)
 
     def current_stream(self):
         return torch.cuda.current_stream(self.torch_device)
@@ -238,7 +291,12 @@ class CudaDevice(Device):
             fn()
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.index)
+        """The streams made here and the current one, each polled within the deadline (torch.cuda.synchronize
+        would block without one)."""
+        for i, s in enumerate([*self._streams, self.current_stream()]):
+            ev = torch.cuda.Event()
+            ev.record(s)
+            poll(ev.query, self.wait_seconds, f"the work queued on stream {i}")
 
     def empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, device=self.torch_device)

@@ -22,7 +22,12 @@ What it reproduces of a GPU (see core.runtime.device for the contract):
   whose host side is not pinned, or that are not contiguous, are counted in `stats["staged_copies"]`
   (on a GPU they block the host and go through a pageable bounce buffer).
 - Faults: `fault(point)` is called at "set_device", "launch", "wait_event", "host_wait", "copy",
-  "alloc" and "pin" and may raise, so tests can break each of them.
+  "alloc" and "pin" and may raise, so tests can break each of them; at "kernel" it is called on the
+  stream's own thread before each piece of launched work (its label in `running()`), where blocking
+  is a hung kernel.
+- Bounded waits: the Device's host waits (`host_wait`, `synchronize`, the host stream's `wait_event`)
+  give up after `wait_seconds` with DeviceStalled, as CudaDevice's do; an event's or a stream's own
+  `synchronize` has no deadline, as torch's has none, so code that calls them hangs here as on a GPU.
 It does not model bandwidth, kernel concurrency within a stream, or the caching allocator's reuse of
 a block across streams (CudaDevice.copy records the stream for that).
 """
@@ -41,7 +46,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from core.runtime.device import Device, DeviceTaskError, device_index, pin_budget
+from core.runtime.device import (Device, DeviceStalled, DeviceTaskError, device_index, pin_budget,
+                                 wait_seconds_default)
 
 GiB = 1 << 30
 
@@ -133,6 +139,7 @@ class _Stream:
         if kind == "fn":
             self.dev._tls.label = b
             try:
+                self.dev._fault("kernel")
                 a()
             except BaseException as e:  # noqa: BLE001 - kept for the host, as a GPU keeps a kernel's error
                 if self.error is None:
@@ -159,8 +166,9 @@ class _Stream:
             gen = event._issued
         if gen == 0:
             return  # never recorded: nothing to wait for, as in CUDA
-        if self._own():
-            event._wait_gen(gen)
+        if self._own():  # the host's inline stream: a host wait, bounded like the others
+            if not event._wait_gen(gen, self.dev.wait_seconds if self.inline else None):
+                raise DeviceStalled("the work before an event the host's stream waits on", self.dev.wait_seconds)
             if event.error is not None and self.error is None:
                 self.error = event.error
         else:
@@ -176,9 +184,10 @@ class _Stream:
         ev.record(self)
         self.dev._host_sync(ev, None)
 
-    def _drain(self) -> None:
+    def _drain(self, deadline: float) -> None:
         with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0)
+            if not self._idle.wait_for(lambda: self._pending == 0, max(0.0, deadline - time.monotonic())):
+                raise DeviceStalled(f"the {self.name} stream's queue", self.dev.wait_seconds)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -192,7 +201,7 @@ class EmulatedCuda(Device):
 
     def __init__(self, memory_bytes: int = 16 * GiB, *, device: str | int | None = "cuda", capability=(8, 9),
                  name: str = "emulated GPU", copy_delay: float | Callable[[], float] = 0.0,
-                 strict: bool = True, pin_limit_bytes: int | None = None):
+                 strict: bool = True, pin_limit_bytes: int | None = None, wait_seconds: float | None = None):
         self.index = device_index(device, lambda: 0)
         self.torch_device = torch.device("cpu")
         self.name, self.capability = name, tuple(capability)
@@ -200,6 +209,7 @@ class EmulatedCuda(Device):
         self.copy_delay = copy_delay
         self.strict = strict  # placement check: device compute must not read host tensors
         self.pin_limit_bytes = pin_budget() if pin_limit_bytes is None else pin_limit_bytes
+        self.wait_seconds = wait_seconds_default() if wait_seconds is None else wait_seconds
         self.fault: Callable[[str], None] | None = None
         self.stats: collections.Counter = collections.Counter()
         self._lock = threading.RLock()  # re-entered when a finalizer releases memory during an allocation
@@ -246,23 +256,25 @@ class EmulatedCuda(Device):
         else:
             stream._put(("fn", fn, label))
 
-    def host_wait(self, event: _Event, cancel: Callable[[], bool] | None = None) -> None:
-        self._host_sync(event, cancel)
+    def host_wait(self, event: _Event, cancel: Callable[[], bool] | None = None,
+                  what: str = "the work before an event") -> None:
+        self._host_sync(event, cancel, what, self.wait_seconds)
 
-    def _host_sync(self, event: _Event, cancel) -> None:
+    def _host_sync(self, event: _Event, cancel, what: str = "", seconds: float | None = None) -> None:
+        """`seconds` None: no deadline, as torch's Event.synchronize and Stream.synchronize have none (code
+        calling those directly hangs here as it would on a GPU; the Device's waits pass `wait_seconds`)."""
         self._fault("host_wait")
         self.stats["host_syncs"] += 1
         with event._cond:
             gen = event._issued
+        deadline = time.monotonic() + seconds if seconds is not None else float("inf")
         if not event.blocking:  # CUDA's default: the waiting thread spins on a core
             self.stats["spin_waits"] += 1
-            while not event._wait_gen(gen, 0):
-                if cancel is not None and cancel():
-                    return
-        else:
-            while not event._wait_gen(gen, 0.05):
-                if cancel is not None and cancel():
-                    return
+        while not event._wait_gen(gen, 0 if not event.blocking else 0.05):
+            if cancel is not None and cancel():
+                return
+            if time.monotonic() > deadline:
+                raise DeviceStalled(what, seconds)
         if event.error is not None:
             label, err = event.error
             self._clear(event.error)
@@ -274,8 +286,9 @@ class EmulatedCuda(Device):
                 s.error = None
 
     def synchronize(self) -> None:
+        deadline = time.monotonic() + self.wait_seconds
         for s in list(self._streams):
-            s._drain()
+            s._drain(deadline)
         errors = [s.error for s in [*self._streams, self._inline] if s.error is not None]
         for s in [*self._streams, self._inline]:
             s.error = None
@@ -318,6 +331,10 @@ class EmulatedCuda(Device):
                 self._transient_ptrs.discard(ptr)
                 self.allocated -= n
                 self.transient -= n if transient else 0
+
+    def running(self):
+        """The label of the launched work running on the calling stream thread (None elsewhere)."""
+        return getattr(self._tls, "label", None)
 
     def is_device(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._blocks

@@ -201,6 +201,7 @@ class PipelineRunner:
         self._pre: list[_PrefillMB] | None = None
         self.last_tasks: list = []  # the last step's task graph (with the executor's `times`: its timeline)
         self.fault = None  # tests: a callable run before every task, to inject failures
+        self._logits_done = dev.event() if dev.accelerator else None
         self._fns = {
             "pre_attn": self._pre_attn, "d1": self._d1, "cpu_attn": self._cpu_attn, "d2": self._d2,
             "post_attn": self._post_attn, "ffn": self._ffn, "weight_page": self._weight_page,
@@ -433,7 +434,8 @@ class PipelineRunner:
                 n = x.shape[0]
                 self.dev.copy(out[row:row + n], logits(x))
                 row += n
-        self.dev.current_stream().synchronize()
+        self._logits_done.record(self.dev.current_stream())  # bounded: a hung kernel is DeviceStalled, not a hang
+        self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
         return out[:row]
 
     def _start_step(self, needs_layer0: bool) -> None:
