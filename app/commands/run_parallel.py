@@ -72,7 +72,7 @@ class _Rank:
                 value = fn()
         except (Exception, KeyboardInterrupt) as e:  # handed to coord.agree, which re-raises it on rank 0
             err = e
-        coord.agree(err, self.rank)
+        coord.agree(err, self.rank, self.groups.phase)
         return value
 
     def run(self) -> int:
@@ -208,7 +208,7 @@ class _Rank:
         reports = coord.collect(report, self.rank)
         decision = self._merge(reports, prompts, model_name, total, t0) if self.rank == 0 else None
         try:
-            decision = coord.broadcast(decision, self.rank)
+            decision = coord.broadcast(decision, self.rank, self.groups.phase)
         except RuntimeError:  # rank 0 is gone
             raise coord.Quiet(1) from None
         if decision == "merged" and self.store is not None and self.rank != 0:
@@ -219,7 +219,8 @@ class _Rank:
         import torch.distributed as dist
 
         counts: list = [None] * self.world.size
-        dist.all_gather_object(counts, len(self.store.done) if self.store and self.store.resumed else 0)
+        dist.all_gather_object(counts, len(self.store.done) if self.store and self.store.resumed else 0,
+                               group=self.groups.phase.group)
         if sum(counts):
             self.say(f"resuming: {sum(counts)} of {total} requests already done")
 

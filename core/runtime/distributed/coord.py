@@ -4,14 +4,42 @@ collecting results on rank 0, and naming the rank that is gone when one dies.
 Errors a user can cause are usually seen by every rank alike (a bad prompts file); `agree` makes
 sure exactly one line is printed, by rank 0, and every rank exits with the same code. A rank that
 dies mid-run closes its connections, so rank 0 learns which one at once (`RankLost`), however long
-the others still have to work.
+the others still have to work. A rank alive but stuck short of a phase's end is waited for only as
+long as the `Phase` group's timeout (`PhaseTimeout`, naming it); gathering the results at the end of the
+run (`collect`) waits as long as the slowest replica's shard takes.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
 import torch.distributed as dist
 
 from core.errors import MlightError, UsageError
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A gloo group of every rank, for agreements, and how long one waits for the others there (torch's
+    monitored barrier takes it explicitly: it does not read the group's own timeout)."""
+
+    group: object
+    timeout: timedelta
+
+
+class PhaseTimeout(MlightError):
+    """Some rank did not reach the end of a phase within the phase timeout (alive but stuck, or far slower)."""
+
+    def __init__(self, ranks: list[int] | None, timeout: timedelta):
+        who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks
+               else "rank 0 (or a rank it waits for)")
+        super().__init__(f"{who} did not reach the end of this phase within {timeout.total_seconds():g} s "
+                         "(stuck, or far slower than the others)",
+                         "stop the job and rerun it (finished results are kept); if a rank is merely slow "
+                         "(downloading the model, a slow disk), set MLIGHT_PHASE_TIMEOUT_S to more seconds")
+        self.ranks = ranks or []
 
 
 class Quiet(Exception):
@@ -40,11 +68,24 @@ def _describe(e: BaseException | None):
     return (1, f"{type(e).__name__}: {e}", "", False)
 
 
-def agree(error: BaseException | None, rank: int) -> None:
+def arrive(phase: Phase, rank: int) -> None:
+    """Wait, at most `phase.timeout`, until every rank is here; PhaseTimeout naming the ranks that are not."""
+    try:
+        dist.monitored_barrier(group=phase.group, timeout=phase.timeout, wait_all_ranks=True)
+    except RuntimeError as e:  # rank 0: "Ranks 1, 2 failed to pass monitoredBarrier"; others: rank 0 never answered
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass", str(e)) if rank == 0 else None
+        raise PhaseTimeout([int(r) for r in found.group(1).replace(",", " ").split()] if found else None,
+                           phase.timeout) from e
+
+
+def agree(error: BaseException | None, rank: int, phase: Phase | None = None) -> None:
     """Every rank passes what went wrong in the last phase (or None); if anything did, rank 0 raises
-    the first rank's error (naming the rank) and the others raise Quiet with its exit code."""
+    the first rank's error (naming the rank) and the others raise Quiet with its exit code. With a
+    `phase`, a rank that does not arrive within its timeout fails every rank (PhaseTimeout)."""
+    if phase is not None:
+        arrive(phase, rank)
     got: list = [None] * dist.get_world_size()
-    dist.all_gather_object(got, _describe(error))
+    dist.all_gather_object(got, _describe(error), group=phase.group if phase is not None else None)
     failed = [(r, d) for r, d in enumerate(got) if d is not None]
     if not failed:
         return
@@ -79,8 +120,8 @@ def collect(obj, rank: int) -> list | None:
     return out
 
 
-def broadcast(obj, rank: int):
-    """Rank 0's `obj` on every rank."""
+def broadcast(obj, rank: int, phase: Phase | None = None):
+    """Rank 0's `obj` on every rank (within the phase's timeout, given one)."""
     box = [obj if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=phase.group if phase is not None else None)
     return box[0]

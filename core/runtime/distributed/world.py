@@ -6,8 +6,10 @@ launcher) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and M
 groups are data-parallel replicas, `dp = world / tp`, each with its own shard of the prompts.
 
 Backends: the tensor-parallel group talks NCCL when the ranks have GPUs, gloo on the CPU.
-Coordination (agreeing on errors before work starts, gathering results to rank 0) runs on a gloo
-group with a long timeout, because data-parallel ranks finish their shards at different times.
+Coordination runs on gloo: gathering results to rank 0 on the default group, with a long timeout,
+because data-parallel ranks finish their shards at different times; agreeing that a phase went well
+(core.runtime.distributed.coord.agree) on a `phase` group whose timeout is short (`phase_timeout`), so
+that a rank alive but stuck short of a phase's end fails the job instead of holding it for days.
 """
 
 from __future__ import annotations
@@ -22,6 +24,25 @@ from core.errors import UsageError
 # run waits for it. A dead peer is noticed at once (its connection closes), not after this timeout.
 COORDINATION_TIMEOUT = timedelta(days=7)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # one all-reduce inside a step; a stuck peer ends the job
+# the ranks end a phase (read the prompts, open the run file, load the engine) at about the same time;
+# this is the most one may lag behind the first to finish it. Generous: a slow disk loading a 90 GB model
+PHASE_TIMEOUT = timedelta(minutes=30)
+
+
+def phase_timeout(env=None) -> timedelta:
+    """$MLIGHT_PHASE_TIMEOUT_S (seconds) if set, else PHASE_TIMEOUT."""
+    env = os.environ if env is None else env
+    raw = env.get("MLIGHT_PHASE_TIMEOUT_S", "").strip()
+    if not raw:
+        return PHASE_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise UsageError(f"MLIGHT_PHASE_TIMEOUT_S={raw!r} is not a positive number of seconds",
+                         "set it to how long a rank may lag behind the others at the end of a phase, e.g. 3600")
+    return timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -95,9 +116,10 @@ def use_cuda(world: World) -> bool:
 
 @dataclass
 class Groups:
-    coord: object  # gloo, every rank: agreement, gathering results
+    coord: object  # gloo, every rank: gathering results (long timeout)
     tp: object  # this rank's tensor-parallel group
     tp_backend: str
+    phase: object = None  # gloo, every rank: agreeing on each phase (core.runtime.distributed.coord.Phase)
 
 
 def init(world: World) -> Groups:
@@ -108,9 +130,13 @@ def init(world: World) -> Groups:
     cuda = use_cuda(world)
     if cuda:
         torch.cuda.set_device(world.local_rank)
+    from core.runtime.distributed.coord import Phase
+
+    wait = phase_timeout()
     if not dist.is_initialized():
         dist.init_process_group(backend="gloo", timeout=COORDINATION_TIMEOUT)
     coord = dist.group.WORLD
+    phase = Phase(dist.new_group(backend="gloo", timeout=wait), wait)
     backend = "nccl" if cuda else "gloo"
     mine = None
     for replica in range(world.dp_size):  # every rank creates every group, in the same order
@@ -118,7 +144,7 @@ def init(world: World) -> Groups:
         g = dist.new_group(ranks, backend=backend, timeout=COLLECTIVE_TIMEOUT)
         if replica == world.dp_rank:
             mine = g
-    return Groups(coord, mine, backend)
+    return Groups(coord, mine, backend, phase)
 
 
 def shutdown() -> None:
