@@ -150,6 +150,22 @@ def test_prefill_streams_the_next_layer_and_stores_kv():
         "prefill": 2, "kv_store": 2, "weight_page": 2}  # one layer: it is still in place for the decode
 
 
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_a_prefill_waits_for_the_store_two_prefills_before_it(n):
+    """At most two micro-batches' state await the link at once, whatever the number of micro-batches (the
+    planner counts two): the store of the prefill two places earlier in the GPU's order precedes each."""
+    tasks = schedule.prefill(num_layers=3, num_micro_batches=n, pages_per_layer=2)
+    order = [t for t in tasks if t.kind == "prefill"]
+    assert [(t.layer, t.micro_batch) for t in order] == [(i, j) for i in range(3) for j in range(n)]
+    for p, t in enumerate(order):
+        stores = [d for d in t.deps if tasks[d].kind == "kv_store"]
+        if p < 2:
+            assert not stores
+        else:
+            assert [(tasks[d].layer, tasks[d].micro_batch) for d in stores] == [(order[p - 2].layer,
+                                                                                 order[p - 2].micro_batch)]
+
+
 def test_bad_shapes_and_names_are_refused():
     with pytest.raises(ValueError):
         decode_step("s5", num_layers=1, num_micro_batches=1)

@@ -2,7 +2,7 @@
 
 What it reproduces of a GPU (see core.runtime.device for the contract):
 - Asynchrony: each stream is a worker thread that runs its queue in order, later than the host
-  enqueued it; `copy_delay` makes every copy land later still (a number of seconds, or a callable
+  enqueued it; `copy_delay` makes every copy (`copy`, `to_host`) land later still (a number of seconds, or a callable
   returning one, for jitter). A host that reads a copy's destination before the copy's event
   completes reads stale data, as on a GPU.
 - Events: record (on a stream, or at once from inside that stream's own work), wait (a stream
@@ -357,8 +357,14 @@ class EmulatedCuda(Device):
         return self._new(lambda: t.detach().clone(memory_format=torch.contiguous_format))
 
     def to_host(self, t):
+        self._delay()  # a copy over the link, as `copy`'s
         with _disable_current_modes():
             return t.clone()
+
+    def _delay(self) -> None:
+        delay = self.copy_delay() if callable(self.copy_delay) else self.copy_delay
+        if delay:
+            time.sleep(delay)
 
     def copy(self, dst, src, non_blocking=True) -> None:
         self._fault("copy")
@@ -371,9 +377,7 @@ class EmulatedCuda(Device):
             # on a GPU: staged through a pageable bounce buffer, the host blocked behind the stream's queue
             # (a strided *device* side only costs a device-side gather, which is fine)
             self.stats["staged_copies"] += 1
-        delay = self.copy_delay() if callable(self.copy_delay) else self.copy_delay
-        if delay:
-            time.sleep(delay)
+        self._delay()
         with _disable_current_modes():
             dst.copy_(src)
         self.stats["copies"] += 1

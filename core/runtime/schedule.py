@@ -299,8 +299,11 @@ def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1
                 G.add("weight_page", nxt, page=p, deps=free, key=("weight_page", nxt, p) if nxt else ("next0", p))
         weights = _layer_pages(G, i, pages)
         for j in range(n):
-            # and the store of two layers back: at most two layers' K/V of a micro-batch wait for the link
-            stored = (G.get("kv_store", i - 2, j),) if i > 1 else ()
+            # and the store of the prefill two before it on the GPU (layer by layer, micro-batch by micro-batch):
+            # one micro-batch's state awaits the link while the next is made, as the planner counts it. Two
+            # layers back for the same micro-batch let a link that lags hold 2n micro-batches' state on the GPU
+            p = i * n + j - 2
+            stored = (G.get("kv_store", p // n, p % n),) if p >= 0 else ()
             a = G.add("prefill", i, j, deps=(*weights, *((G.get("prefill", i - 1, j),) if i > 0 else ()), *stored))
             G.add("kv_store", i, j, deps=(a,))
     return G.tasks
