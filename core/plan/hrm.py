@@ -178,6 +178,8 @@ class Dims:
     scratch: int = 0  # quantized experts: one expert expanded to the compute dtype where it runs + workspace
     expanded: int = 0  # bytes of one quantized expert expanded to the compute dtype (written, then read)
     qkind: str = "none"  # experts: none | int8 | int4 (CPU kernels) | blocks (GGUF/MXFP4: expanded everywhere)
+    act_temps: int = 1  # [tokens, I] arrays the experts' activation makes besides its input (gpt-oss's clamped: 4)
+    expert_bias: bool = False  # biases on the experts' projections (gpt-oss)
 
 
 @lru_cache(maxsize=32)
@@ -189,6 +191,7 @@ def _dims(m: ModelSpec) -> Dims:
                 kv_tok_layer=m.kv_bytes_per_token_layer, kv_tok=m.kv_bytes_per_token, mixers=mixer_costs(m),
                 moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate,
                 scratch=_scratch(m), qkind=_qkind(m.expert_format), dtype=m.dtype,
+                act_temps=4 if m.expert_act == "clamped_swiglu" else 1, expert_bias=m.expert_bias,
                 expanded=m.expert_params * m.dtype_bytes if m.expert_format != "none" else 0)
 
 

@@ -31,6 +31,8 @@ from core.plan.parallel import default_ranks, rank_view
 from core.errors import BudgetError, UsageError
 from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy, Prediction, dense_layers, expert_split, kv_gpu_layers
+from core.model.limits import PADDED_MAX_TOKENS as PADDED_TOKENS  # expert calls this small run every expert
+from core.model.limits import STAGING_ALIGN as ALIGN  # the runtime's host staging arena aligns each buffer to this
 from core.model.spec import ModelSpec
 from core.telemetry import RESOURCES
 
@@ -39,7 +41,6 @@ from core.telemetry import RESOURCES
 GPU_USABLE = 0.86
 CPU_USABLE = 0.80
 MAX_BATCH = 8192  # beyond this the KV cache of any real workload is the limit anyway
-PADDED_TOKENS = 128  # = core.model.moe.PADDED_MAX_TOKENS: expert batches this small run every expert (no grouped mm)
 PLACEMENTS_GPU = (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu"))
 RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # r_c values tried by the fast path; the LP refines them
 TIE_BREAK = 1e-6  # weight of the summed busy time: among equally fast policies, prefer less work
@@ -142,7 +143,6 @@ def _gb(n: float) -> str:
 # These are the runtime's own allocations (core.runtime.pipeline), item by item, so that what a plan
 # says is what a run holds: tests/test_gpu_memory.py runs plans on the emulated device and checks
 # peak device bytes ≤ the plan's figure ≤ 1.1 × the peak.
-ALIGN = 64  # bytes: the runtime's host staging arena aligns each buffer to this
 
 
 def tokens_per_slot(w: Workload) -> int:
@@ -193,11 +193,13 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
         "dequant_scratch": d.scratch,  # quantized experts expand one at a time next to the matmul
         "activations": _gpu_activations(d, p, w, split=any(0 < r < E for r in resident)),
     }
-    host = [qkv_o, 2 * N * d.V * 4]  # D1/D2 buffers, decode and prefill logits (fp32)
+    # the runtime's arena, in its order: per micro-batch its D1 and D2 buffers, decode and prefill logits (fp32)
+    n_mb = -(-N // mu)
+    host = ([mu * d1 * d.dt] * n_mb + [mu * d2 * d.dt] * n_mb if qkv_o else []) + [N * d.V * 4] * 2
     if kv_ring:
         new_tok = max(x.new_token_bytes(d.dt) for x in d.mixers) if d.mixers else d.kv_tok_layer
         host += [kv_ring // 2] * 2 + [int(mu * new_tok)]  # per ring slot its state; the store's new entries
-    staging = sum(-(-x // ALIGN) * ALIGN for x in host if x)
+    staging = _arena_bytes(host)
     cpu = {  # the runtime keeps every weight in host memory; the GPU holds copies
         "non_expert_weights": d.nonexpert_bytes,
         "experts": d.total_expert_bytes,
@@ -206,10 +208,20 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
         "attention_workspace": cpu_attn_ws if not gpu_attn else 0,
     }
     # what streams is page-locked: from each streaming layer's first streamed expert to its buffer's end
-    # (the resident experts' w2 rows in between included, as one registration)
-    w2 = d.D * d.I * d.dt
-    pinned = sum((E - r) * eb + r * w2 for r in resident if r < E) + staging
+    # (the resident experts' later tensors in between included, as one registration: w2, and with expert
+    # biases b13 and b2 — all of a plain expert but its w13 rows)
+    tail = eb - 2 * d.D * d.I * d.dt if d.qkind == "none" else d.D * d.I * d.dt
+    pinned = sum((E - r) * eb + r * tail for r in resident if r < E) + staging
     return gpu, cpu, pinned
+
+
+def _arena_bytes(sizes: list[int]) -> int:
+    """Bytes of the runtime's pinned staging arena (core.runtime.pipeline._arena): buffers back to back,
+    each starting at a multiple of STAGING_ALIGN, the last one not padded."""
+    total = 0
+    for x in sizes:
+        total = -(-total // ALIGN) * ALIGN + x
+    return total
 
 
 def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -> int:
@@ -232,15 +244,19 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
     # grouped_mm's kernels are bf16 (on SM80+; a T4's fp16 loop needs less); quantized experts expand one by one
     grouped = d.dtype == "bfloat16" and d.qkind == "none"
 
+    a, bias = d.act_temps, d.expert_bias
+
     def ffn(t):  # + the routing's sort indices (int64) and masks
         return t * k * 33 + _ffn(t)
 
     def _ffn(t):
-        if grouped:
-            return t * k * (D + (4 if split else 3) * I) * dt
-        if t <= PADDED_TOKENS:
-            return t * E * (D + 3 * I) * dt
-        return (t * (2 * k * D + D) + -(-t * k // E) * 3 * I) * dt  # all pairs in and out; one piece of work
+        if grouped:  # the pairs' input, gate/up (two with parts), the activation's arrays; biases' rows and sums
+            return t * k * (D + ((4 if split else 3) + a - 1) * I + (4 * I if bias else 0)) * dt
+        if t <= PADDED_TOKENS:  # the slot table, then the larger of: a part's gate/up and activation over
+            # the outputs of the parts before it, or the outputs, their join, the last activation and the pairs
+            return t * (E * D + max(E * max(D, (2 + a) * I), 2 * E * D + E * I + k * D)) * dt
+        # all pairs in and out; one piece of work
+        return (t * (2 * k * D + D) + -(-t * k // E) * ((2 + a) * I + (D if bias else 0))) * dt
 
     def pre(t):  # fp32 norm; QKV, roped q and k, attention output
         return t * (D * (8 + dt) + 3 * (q + kv) * dt)
@@ -253,8 +269,12 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
     decode = N * D * dt + beta * (3 * D * dt + shared + routing) + max(ffn(beta), pre(mu), logits) + metadata
     s = w.longest_prompt
     tok = mu * s
-    held = N * s * D * dt + tok * (2 * D + 4 * kv) * dt + N * (2 * s + 1) * 8  # + token ids, positions, last rows
-    prefill = held + max(ffn(tok) + tok * shared, pre(tok) + d.heads * s * s * 4, logits)
+    # two micro-batches' state await the link (core.runtime.schedule.prefill), in the kind that keeps most
+    stored = 2 * mu * max((x.state.bytes(s, dt) for x in d.mixers), default=s * d.kv_tok_layer)
+    held = N * s * D * dt + tok * 2 * D * dt + stored + N * (2 * s + 1) * 8  # + token ids, positions, last rows
+    # the token mixer's own working set, by kind (core.plan.mixer_costs): the largest kind's
+    mix = max((x.prefill_bytes(tok, s) for x in d.mixers), default=pre(tok) + d.heads * s * s * 4)
+    prefill = held + max(ffn(tok) + tok * shared, mix, logits)
     return int(max(decode, prefill))
 
 
