@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from core.model.limits import SCORE_BLOCK_ELEMS as _BLOCK_ELEMS  # score elements per explicit prefill block
+
 RUN_ROWS = 32  # decode attention in runs of this many cache rows, each to its own longest length, where that reads less
-_BLOCK_ELEMS = 1 << 24  # score elements per block of the explicit prefill (64 MB in fp32)
 ATTN_TILE_BYTES = 4 << 20  # widened K and V of the rows attended together: L2 + a share of L3
 
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from core.model.limits import LINEAR_CHUNK as CHUNK  # the prefill's chunk (the planner counts its systems)
 from core.model.spec import ModelSpec
-
-CHUNK = 64
 
 
 def d1_width(spec: ModelSpec) -> int:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from core.model import expert_choice, routing
+from core.model.limits import PADDED_MAX_TOKENS  # calls this small run every expert over a slot table
 from core.model.spec import ModelSpec
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
@@ -237,7 +238,6 @@ def shared_expert(spec: ModelSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
 
 
 # ---- on an accelerator: no host sync, weights in parts -------------------------------------------------
-PADDED_MAX_TOKENS = 128  # up to here, every expert over all tokens costs no more than reading its weights
 
 
 def device_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, *, grouped: bool,

@@ -13,6 +13,7 @@ from functools import lru_cache
 
 from core.plan.hardware import HardwareSpec
 from core.plan.mixer_costs import MixerCost, mixer_costs
+from core.model.limits import LOOKAHEAD  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU
 from core.model.quant.formats import workspace_bytes
 from core.model.spec import ModelSpec
 
@@ -381,7 +382,6 @@ def task_table(m: "ModelSpec | Dims", r: Rates, *, micro_batch: int, context: fl
     return out
 
 
-LOOKAHEAD = 2  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU (= core.runtime.schedule.LOOKAHEAD)
 
 
 # ---- one layer's tasks and busy time on each resource ------------------------------------------------

@@ -43,6 +43,7 @@ from core.model import decoder, mixer
 from core.model.cpu.kernels import Widen
 from core.model.kvcache import KVCache, Rows, layer_store, load_rows
 from core.model.layers import final_logits
+from core.model.limits import STAGING_ALIGN as _ALIGN  # bytes between buffers of the staging arena
 from core.model.moe import activation, device_experts, experts
 from core.model.quant.experts import _TORCH, QuantExperts
 from core.model.rope import for_spec
@@ -52,7 +53,6 @@ from core.runtime import schedule as sched
 from core.runtime.device import Device, HostDevice
 from core.telemetry import EventSink, WarningEvent, ignore
 
-_ALIGN = 64  # bytes between buffers of the staging arena
 
 
 class _MB:

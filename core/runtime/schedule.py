@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.model.limits import LOOKAHEAD  # CGOPipe: CPU attention this many micro-batches ahead (core.plan.hrm too)
 from core.telemetry import RESOURCES
 
 # kind -> resource it runs on
@@ -39,7 +40,6 @@ RESOURCE_OF = {
 }
 KINDS = tuple(RESOURCE_OF)
 SCHEDULES = ("cgopipe", "s4", "s3")
-LOOKAHEAD = 2  # CGOPipe: CPU attention runs this many micro-batches ahead of the GPU (core.plan.hrm uses the same)
 
 
 @dataclass(frozen=True)
