@@ -330,7 +330,7 @@ def main(argv=None) -> int:
     if args.clock == "cpu":
         common.use_cpu_clock()
     if args.threads is None:
-        from core.model.cpu.threads import free_cores
+        from core.platform import free_cores
 
         args.threads = free_cores()
     torch.set_num_threads(args.threads)

@@ -6,7 +6,8 @@ every function here reads it at call time. A leaf: it imports nothing from core'
 
 - CPUs: `usable_cores` (the affinity mask and a container's CPU quota; Windows and macOS have no
   `os.sched_getaffinity`), `load_average` (None on Windows, which has none), `free_cores` (usable cores
-  not busy with other work — the default thread count).
+  not busy with other work — the default thread count), `llc_bytes` (the last-level cache, from each
+  OS's own interface).
 - GPU copies: `pinned_budget` (WDDM on Windows caps page-locked memory at half the RAM).
 - Stopping: `stop_signals` (Ctrl-C everywhere; SIGTERM on POSIX; Ctrl-Break — SIGBREAK — on Windows,
   where SIGTERM is never delivered: `taskkill /F` and TerminateProcess end a process without a signal).
@@ -105,6 +106,77 @@ def free_cores(sample_s: float = 0.1) -> int:
     # the load is machine-wide; count the share of it that falls on our cores
     busy_here = busy * usable / max(total, 1)
     return max(1, usable - int(busy_here + 0.5))
+
+
+DEFAULT_LLC = 16 << 20  # a typical desktop's last-level cache, where the OS does not say
+LINUX_CACHE = "/sys/devices/system/cpu/cpu0/cache"
+RELATION_CACHE = 2  # LOGICAL_PROCESSOR_RELATIONSHIP.RelationCache (Windows)
+
+
+def llc_bytes() -> int:
+    """The last-level cache's size as the OS reports it: Linux's sysfs, macOS's sysctl (L3, else the
+    performance cores' L2 on Apple silicon, which has no L3), Windows' GetLogicalProcessorInformation;
+    DEFAULT_LLC where it cannot be read."""
+    read = {"linux": _llc_linux, "macos": _llc_macos, "windows": _llc_windows}.get(SYSTEM)
+    try:
+        n = read() if read is not None else 0
+    except (OSError, ValueError, AttributeError):  # AttributeError: no such library call on this system
+        n = 0
+    return n or DEFAULT_LLC
+
+
+def _llc_linux() -> int:
+    best = 0
+    for f in Path(LINUX_CACHE).glob("index*/size"):
+        try:
+            text = f.read_text(encoding="ascii").strip().upper()
+            if not text:
+                continue
+            best = max(best, int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM"
+                       else int(text))
+        except (OSError, ValueError):
+            continue
+    return best
+
+
+def _llc_macos(libc=None) -> int:
+    import ctypes
+    import ctypes.util
+
+    libc = libc or ctypes.CDLL(ctypes.util.find_library("c"))
+    for name in (b"hw.l3cachesize", b"hw.perflevel0.l2cachesize", b"hw.l2cachesize"):
+        value, size = ctypes.c_uint64(0), ctypes.c_size_t(8)  # 4- or 8-byte integers: little-endian either way
+        if libc.sysctlbyname(name, ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) == 0 \
+                and value.value:
+            return int(value.value)
+    return 0
+
+
+def _llc_windows(kernel32=None) -> int:
+    """The largest cache GetLogicalProcessorInformation lists (its fixed-size records)."""
+    import ctypes
+
+    class Cache(ctypes.Structure):  # CACHE_DESCRIPTOR
+        _fields_ = [("Level", ctypes.c_ubyte), ("Associativity", ctypes.c_ubyte), ("LineSize", ctypes.c_ushort),
+                    ("Size", ctypes.c_uint32), ("Type", ctypes.c_uint32)]
+
+    class Union(ctypes.Union):
+        _fields_ = [("Cache", Cache), ("Reserved", ctypes.c_uint64 * 2)]
+
+    class Info(ctypes.Structure):  # SYSTEM_LOGICAL_PROCESSOR_INFORMATION
+        _fields_ = [("ProcessorMask", ctypes.c_size_t), ("Relationship", ctypes.c_uint32), ("u", Union)]
+
+    k32 = kernel32 or ctypes.windll.kernel32  # AttributeError off Windows
+    length = ctypes.c_uint32(0)
+    k32.GetLogicalProcessorInformation(None, ctypes.byref(length))  # fails, saying how many bytes it needs
+    count = length.value // ctypes.sizeof(Info)
+    if not count:
+        return 0
+    buf = (Info * count)()
+    if not k32.GetLogicalProcessorInformation(buf, ctypes.byref(length)):
+        return 0
+    records = buf[:min(count, length.value // ctypes.sizeof(Info))]
+    return max((r.u.Cache.Size for r in records if r.Relationship == RELATION_CACHE), default=0)
 
 
 def pinned_budget(ram_bytes: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import signal
@@ -79,6 +80,69 @@ def test_usable_cores_on_windows_without_affinity_support_counts_cpus(windows, m
 def test_load_average_is_none_on_windows(windows, monkeypatch):
     _forbid(monkeypatch, os, "getloadavg")
     assert platform.load_average() is None
+
+
+def test_llc_bytes_reads_linux_sysfs(linux, monkeypatch, tmp_path):
+    for i, size in enumerate(("48K", "2048K", "32M", "")):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n", encoding="ascii")
+    monkeypatch.setattr(platform, "LINUX_CACHE", str(tmp_path))
+    assert platform.llc_bytes() == 32 << 20
+
+
+class _FakeKernel32:
+    """GetLogicalProcessorInformation as Windows answers it: a first call saying how many bytes it needs,
+    then the records — here an L1, an L2 and a 36 MB L3, and a core record that is no cache."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def GetLogicalProcessorInformation(self, buf, length):  # noqa: N802 - the Win32 name
+        self.calls += 1
+        rows = [(1, 2, 48 << 10), (1, 2, 48 << 10), (1, 2, 2 << 20), (0, 0, 0), (1, 2, 36 << 20)]
+        size = 32  # the 64-bit record: mask, relationship, 16-byte union
+        if buf is None:
+            length._obj.value = size * len(rows)
+            return 0
+        for r, (relation_is_cache, level, cache) in zip(buf, rows):
+            r.Relationship = 2 if relation_is_cache else 0
+            r.u.Cache.Level, r.u.Cache.Size = level, cache
+        return 1
+
+
+class _FakeLibc:
+    """sysctlbyname with Apple silicon's keys: no hw.l3cachesize; the performance cores' L2 is 16 MB."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def sysctlbyname(self, name, value, size, new, new_size):
+        if name not in self.values:
+            return -1
+        value._obj.value = self.values[name]
+        return 0
+
+
+def test_llc_bytes_asks_windows_and_macos_themselves(windows, monkeypatch):
+    """Elsewhere than Linux the answer was always 16 MiB: Windows' record list and macOS's sysctl give the
+    machine's own (no POSIX call on Windows: only kernel32, through ctypes)."""
+    k32 = _FakeKernel32()
+    monkeypatch.setattr(platform, "_llc_windows", functools.partial(platform._llc_windows, k32))
+    assert platform.llc_bytes() == 36 << 20 and k32.calls == 2
+    monkeypatch.setattr(platform, "SYSTEM", "macos")
+    macos = platform._llc_macos
+    monkeypatch.setattr(platform, "_llc_macos", functools.partial(macos, _FakeLibc({
+        b"hw.perflevel0.l2cachesize": 16 << 20, b"hw.l2cachesize": 4 << 20})))
+    assert platform.llc_bytes() == 16 << 20
+    monkeypatch.setattr(platform, "_llc_macos", functools.partial(macos, _FakeLibc({b"hw.l3cachesize": 12 << 20})))
+    assert platform.llc_bytes() == 12 << 20
+    monkeypatch.setattr(platform, "_llc_macos", functools.partial(macos, _FakeLibc({})))
+    assert platform.llc_bytes() == platform.DEFAULT_LLC  # nothing to read: the typical desktop's
+
+
+@pytest.mark.skipif(hasattr(__import__("ctypes"), "windll"), reason="on Windows the call exists")
+def test_llc_bytes_falls_back_where_the_call_is_missing(windows):
+    assert platform.llc_bytes() == platform.DEFAULT_LLC  # the Windows branch off Windows: no ctypes.windll
 
 
 def test_free_cores_subtracts_the_load_on_linux(linux, monkeypatch):

@@ -472,7 +472,7 @@ def _measure(hw: HardwareSpec, seconds: float) -> dict:
     import torch
 
     from core.model.cpu.isa import cpu_isa
-    from core.model.cpu.threads import free_cores
+    from core.platform import free_cores
 
     isa = cpu_isa()
     before = torch.get_num_threads()

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from core.errors import MlightError
 from core.model.cpu.kernels import Widen
+from core.platform import llc_bytes
 from core.plan import cpu_cost, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.telemetry import EventSink, Progress, ignore
@@ -335,21 +336,6 @@ def fit_step_terms(engine, base: CpuCosts, batches=(1, 8, 32), clock=time.perf_c
         engine.runner = make
     step_s, seq_s = fit(rows, y)
     return dataclasses.replace(base, step_s=step_s, seq_s=seq_s)
-
-
-def llc_bytes() -> int:
-    """The last-level cache's size (Linux sysfs; elsewhere a typical desktop's 16 MiB)."""
-    from pathlib import Path
-
-    best = 0
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        try:
-            text = f.read_text(encoding="ascii").strip().upper()
-            best = max(best, int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1) if text[-1] in "KM"
-                       else int(text))
-        except (OSError, ValueError):
-            continue
-    return best or 16 << 20
 
 
 class StepClock:

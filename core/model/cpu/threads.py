@@ -71,13 +71,6 @@ def free_threads(busy_elsewhere: float, cores: int) -> int:
     return max(1, min(cores, math.floor(cores - busy_elsewhere + 0.75)))
 
 
-def free_cores(sample_s: float = SAMPLE_S) -> int:
-    """Cores free for us now: affinity minus what others use, measured over `sample_s` seconds."""
-    meter = LoadMeter()
-    time.sleep(sample_s)
-    return free_threads(meter.others(), len(meter.cores))
-
-
 class Governor:
     """Keeps torch's intra-op thread count at the free cores (or at `fixed`), checked between steps.
 
