@@ -65,6 +65,25 @@ def test_user_policy_that_fits_is_costed(tmp_path, capsys):
     assert data["policy"]["batch_size"] == 512 and data["prediction"]["tokens_per_s"] > 0
 
 
+def test_a_cpu_only_plan_does_not_call_its_layer_times_gpu(capsys):
+    """CPU-only, the dense layers and experts run on the CPU: the per-layer line said "gpu 1174.1 ms" and
+    listed link times of zero. The JSON keeps its contract keys."""
+    cpu_only = ["plan", "--model", "olmoe-1b-7b", "--hardware", "t4", "--gpu-mem", "0.1", "--prompt-len", "50",
+                "--gen-len", "20"]
+    assert main(cpu_only) == 0
+    out = capsys.readouterr().out
+    assert "MoE FFN           CPU" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("  decode layer")]
+    assert "gpu" not in line.lower() and "h2d" not in line
+    assert "CPU dense layers + experts " in line and "CPU attention " in line
+    assert main(cpu_only + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["policy"]["ffn_on"] == "cpu" and set(data["prediction"]["layer_seconds"]) >= {"gpu", "cpu_attn"}
+    assert main(PLAN) == 0  # with the GPU the resources keep their names
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  decode layer")]
+    assert line.startswith("  decode layer      gpu ") and "h2d" in line
+
+
 def test_bad_input_is_one_line_and_exit_2(capsys):
     assert main(["plan", "--model", "mixtral-8x7b", "--hardware", "v100", "--prompt-len", "7", "--gen-len", "8"]) == 2
     assert main(["plan", "--model", "no-such-model", "--hardware", "t4", "--prompt-len", "7", "--gen-len", "8"]) == 2

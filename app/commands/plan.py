@@ -188,6 +188,16 @@ def _cpu_math_line(hw, model) -> str:
             f"({'measured' if measured else 'estimate'})")
 
 
+def _layer_line(p, pred) -> str:
+    """One decode layer's time by resource. CPU-only, the "gpu" resource's work (dense layers and experts)
+    runs on the CPU and nothing crosses a link: say so rather than print "gpu" and zero link times."""
+    items = list(pred.layer_seconds.items())
+    if p.ffn_on == "cpu":
+        names = {"gpu": "CPU dense layers + experts", "cpu_attn": "CPU attention"}
+        items = [(names[k], v) for k, v in items if k in names]
+    return "  decode layer      " + " | ".join(f"{k} {_ms(v)}" for k, v in items)
+
+
 def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=None, scaling=None) -> str:
     from core.plan.planner import CPU_USABLE, GPU_USABLE
 
@@ -220,7 +230,7 @@ def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=Non
         f"  decode            {pred.decode_tokens_per_s:,.1f} tokens/s ({pred.step_seconds:.2f} s per step)",
         f"  prefill           {pred.prefill_tokens_per_s:,.1f} prompt tokens/s ({pred.prefill_seconds:.1f} s per batch)",
         f"  bottleneck        {pred.bottleneck_text}",
-        "  decode layer      " + " | ".join(f"{k} {_ms(v)}" for k, v in pred.layer_seconds.items()),
+        _layer_line(p, pred),
         "",
         "memory",
         (f"  GPU  {_gb(pred.gpu_bytes)} of {_gb(budget.gpu_bytes * GPU_USABLE)} usable: "
