@@ -206,8 +206,6 @@ def run(args) -> int:
 
 
 def _run_single(args) -> int:
-    from core.io.download import resolve_model
-
     out = Path(args.out)
     fmt = output_format(out)
     if args.micro_batch and args.batch and args.micro_batch > args.batch:
@@ -215,6 +213,26 @@ def _run_single(args) -> int:
                          "use a micro-batch no larger than the batch")
     if args.prompts != STDIN and _same_file(Path(args.prompts), out):
         raise UsageError(f"--out {out} is the prompts file itself", "write the results to another file")
+
+    def generate(store, prompts, model_dir, model_name, progress, stopper) -> int:
+        if store.finished is not None:  # rerun of a job that finished: a retry loop or scheduler did it again
+            _say(f"all {store.finished.get('results', len(prompts.entries))} requests are already done: "
+                 f"{store.out} holds their results (--restart runs them again)")
+            return 0
+        _say_other_parts(out, 1)
+        return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
+
+    return with_run(args, out, _plan_batches, generate)
+
+
+def with_run(args, out: Path, plan, generate) -> int:
+    """The run file's life around one job, as `mlight run` and `mlight run --ray` share it: lock it, read
+    and check the prompts (bad lines refused unless --skip-bad), resolve the model, `plan(args, prompts,
+    model_dir)` (the batch sizes, args.policy), start or resume the run, then `generate(store, prompts,
+    model_dir, model_name, progress, stopper)`. A failure from there on drops a run file that holds no
+    result yet and keeps one that does; the lock and the signal handlers are always given back."""
+    from core.io.download import resolve_model
+
     stopper = _Stopper().install()
     store = RunStore(out)
     try:
@@ -223,17 +241,12 @@ def _run_single(args) -> int:
         _refuse_rejects(prompts, args.skip_bad, out)
         progress = _ProgressLine()
         model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
-        _plan_batches(args, prompts, model_dir)
+        plan(args, prompts, model_dir)
         store.start(_manifest(args, prompts, model_dir, model_name), restart=args.restart)
-        if store.finished is not None:  # rerun of a job that finished: a retry loop or scheduler did it again
-            _say(f"all {store.finished.get('results', len(prompts.entries))} requests are already done: "
-                 f"{store.out} holds their results (--restart runs them again)")
-            return 0
-        _say_other_parts(out, 1)
         try:
-            return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
+            return generate(store, prompts, model_dir, model_name, progress, stopper)
         except BaseException:
-            store.abandon()  # drops a run file that holds no result yet; keeps one that does
+            store.abandon()
             raise
     finally:
         stopper.restore()

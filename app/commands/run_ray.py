@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from app.commands.run import (_Counter, _ProgressLine, _Stopper, _manifest, _read, _refuse_rejects, _same_file,
-                              _say)
+from app.commands.run import _Counter, _same_file, _say, with_run
 from core.errors import MlightError, UsageError
 from core.io.prompts import STDIN
 from core.io.results import output_format
@@ -64,25 +63,12 @@ def run(args) -> int:
     if args.tensor_parallel > 1:
         raise UsageError("--ray runs one engine per actor; --tensor-parallel is for torchrun or one machine",
                          "drop --tensor-parallel, or use torchrun for tensor-parallel replicas")
-    stopper = _Stopper().install()
-    store = RunStore(out)
-    try:
-        store.acquire()
-        prompts = _read(args)
-        _refuse_rejects(prompts, args.skip_bad, out)
-        from core.io.download import resolve_model
 
-        model_dir, model_name = resolve_model(args.model, args.revision, progress=_ProgressLine())
-        args.policy = None
-        store.start(_manifest(args, prompts, model_dir, model_name), restart=args.restart)
-        try:
-            return _generate(ray, args, store, prompts, model_dir, model_name, fmt, stopper)
-        except BaseException:
-            store.abandon()
-            raise
-    finally:
-        stopper.restore()
-        store.release()
+    def plan(args, prompts, model_dir) -> None:
+        args.policy = None  # each actor plans for the node it lands on
+
+    return with_run(args, out, plan, lambda store, prompts, model_dir, model_name, progress, stopper: _generate(
+        ray, args, store, prompts, model_dir, model_name, fmt, stopper))
 
 
 def _workload(args, entries) -> dict:
