@@ -67,7 +67,7 @@ def teacher_forced_logits(engine, seqs: list[list[int]]) -> torch.Tensor:
     out = [first]
     for t in range(1, length - 1):
         logits, _ = runner.decode([[s[t] for s in seqs]], [list(range(n))], [[t] * n])
-        out.append(logits)
+        out.append(logits.clone())  # the runner reuses its logits buffer the next step
     return torch.stack(out, 1).reshape(-1, first.shape[-1]).float()
 
 

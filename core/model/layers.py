@@ -42,9 +42,26 @@ def ffn(spec: ModelSpec, layer: int, w: dict, h: torch.Tensor, grouped: bool | N
     return moe_ffn(spec, w, h, grouped=grouped) if spec.is_moe(layer) else dense_mlp(w, h)
 
 
+LOGIT_CHUNK_BYTES = 4 << 20  # a prepacked head's output rows at a time: memory malloc keeps, not fresh pages
+
+
 def final_logits(spec: ModelSpec, norm_w: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor,
-                 norm_b: torch.Tensor | None = None, head_b: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(norm(spec, x, norm_w, norm_b), lm_head, head_b).float()
+                 norm_b: torch.Tensor | None = None, head_b: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 logits [T, V]; into `out` when given (a decode step's reused buffer: at B = 64 and a 152k
+    vocabulary a fresh one is 39 MB of new pages a micro-batch). A plain head of out's dtype is multiplied
+    straight into it; otherwise (bf16, a prepacked head: oneDNN's packed linear has no out= form) a few
+    rows at a time, each chunk under glibc's mmap threshold so its memory is reused, not faulted in."""
+    h = norm(spec, x, norm_w, norm_b)
+    if out is None:
+        return F.linear(h, lm_head, head_b).float()
+    if type(lm_head) is torch.Tensor and lm_head.dtype == h.dtype == out.dtype:
+        torch.mm(h, lm_head.t(), out=out)
+        return out if head_b is None else out.add_(head_b)
+    rows = max(1, LOGIT_CHUNK_BYTES // (lm_head.shape[0] * h.element_size()))
+    for a in range(0, h.shape[0], rows):
+        out[a:a + rows].copy_(F.linear(h[a:a + rows], lm_head, head_b))
+    return out
 
 
 def Rope(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device="cpu"):  # noqa: N802 - kept name

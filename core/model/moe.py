@@ -105,12 +105,14 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, weights: torch.Tensor,
             idx: torch.Tensor, grouped: bool | None = None, packed: list | None = None,
             b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: Activation | None = None,
-            quant=None, widen=None) -> torch.Tensor:
+            quant=None, widen=None, scratch: "Scratch | None" = None) -> torch.Tensor:
     """Routed experts. h [T, D], w13 [E, 2I, D], w2 [E, D, I] (or `packed` per expert, or `quant`, a
     core.model.quant.experts.QuantExperts), weights/idx [T, k] -> [T, D].
 
     `b13` [E, 2I], `b2` [E, D]: per-expert biases (gpt-oss); `act` turns [n, 2I] gate|up into [n, I]
-    (default SwiGLU); `widen` computes weights narrower than h in its math dtype, tile by tile."""
+    (default SwiGLU); `widen` computes weights narrower than h in its math dtype, tile by tile.
+    `scratch`: reused buffers for the gathered tokens, their outputs and the result (a decode step's
+    FFN; the result is then valid until the next call with the same scratch)."""
     act = act or _swiglu
     widened = widen is not None and packed is None and quant is None and w13.dtype != h.dtype
     if widened:
@@ -128,7 +130,8 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token_of = order // k
-    xs = h.index_select(0, token_of)  # [T·k, D] tokens in expert order
+    xs = h.index_select(0, token_of) if scratch is None else torch.index_select(
+        h, 0, token_of, out=scratch.get("xs", (T * k, h.shape[1]), h.dtype))  # [T·k, D] tokens in expert order
     # scatter, not bincount: bincount reads its max back to the host, a sync on the GPU
     counts = torch.zeros(E, dtype=torch.int64, device=h.device).index_add_(0, flat, torch.ones_like(flat))
     if quant is not None:
@@ -152,7 +155,7 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
             ys = ys + b2.index_select(0, flat.index_select(0, order))
     else:
         linear = widen.linear if widened else F.linear if packed is None else _packed_linear
-        ys = torch.empty_like(xs)
+        ys = torch.empty_like(xs) if scratch is None else scratch.get("ys", xs.shape, xs.dtype)
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
@@ -163,10 +166,27 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
                 y = linear(act(gu), down)
                 ys[start:start + n] = y if b2 is None else y + b2[e]
                 start += n
-    ys = ys * weights.reshape(-1).index_select(0, order)[:, None]
-    out = torch.zeros_like(h)
+    ys.mul_(weights.reshape(-1).index_select(0, order)[:, None])  # every path's ys is its own: weigh in place
+    out = torch.zeros_like(h) if scratch is None else scratch.get("out", h.shape, h.dtype).zero_()
     out.index_add_(0, token_of, ys)
     return out
+
+
+class Scratch:
+    """Buffers reused call after call (each grows to the largest size asked, then never allocates): a
+    decode step's expert gather/scatter would otherwise fault in fresh pages every layer."""
+
+    def __init__(self):
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        t = self._bufs.get(name)
+        if t is None or t.numel() < n or t.dtype != dtype:
+            t = self._bufs[name] = torch.empty(max(n, 1), dtype=dtype)
+        return t[:n].view(shape)
 
 
 Activation = Callable[[torch.Tensor], torch.Tensor]

@@ -44,7 +44,7 @@ from core.model.cpu.kernels import Widen
 from core.model.kvcache import KVCache, Rows, layer_store, load_rows
 from core.model.layers import final_logits
 from core.model.limits import STAGING_ALIGN as _ALIGN  # bytes between buffers of the staging arena
-from core.model.moe import activation, device_experts, experts
+from core.model.moe import Scratch as ExpertScratch, activation, device_experts, experts
 from core.model.quant.experts import _TORCH, QuantExperts
 from core.model.rope import for_spec
 from core.model.spec import ModelSpec
@@ -62,13 +62,16 @@ class _MB:
         self.B = len(slots)
         self.span = (min(positions) + 1, max(positions) + 1)  # on the host: attention needs no device sync
         self.tokens_d = dev.tensor(tokens)
-        self.positions_d = dev.tensor(positions)
-        self.lengths_d = dev.to_device(torch.tensor(positions) + 1)  # LongRoPE picks its table by them
         self.rows = Rows(slots, positions)  # in the host stores
         move, where = dev.to_device, dev.torch_device
         # in the device-resident stores (attention on the GPU), and in a ring buffer's first B rows
         self.rows_d = Rows(slots, positions, move, where) if on_device else None
         self.rows_ring = Rows(range(self.B), positions, move, where) if ring else None
+        # positions for RoPE, lengths for LongRoPE's table: uploaded once, with whichever rows live on the device
+        on_dev = self.rows if not dev.accelerator else self.rows_d or self.rows_ring
+        if on_dev is None:
+            on_dev = Rows(slots, positions, move, where)
+        self.positions_d, self.lengths_d = on_dev.positions, on_dev.lengths
         self.x = None  # device hidden [B, D]
         self.payload = self.keep = None  # device, from pre-attention: for attention / for post-attention
         self.o = None
@@ -198,6 +201,7 @@ class PipelineRunner:
         self._device_buffers(n_mb)
         self.bytes = {"h2d": 0, "d2h": 0}
         self._step: list[_MB] | None = None
+        self._scratch = ExpertScratch()  # the decode FFN's gather/scatter buffers (FFN tasks run one at a time)
         self._pre: list[_PrefillMB] | None = None
         self.last_tasks: list = []  # the last step's task graph (with the executor's `times`: its timeline)
         self.fault = None  # tests: a callable run before every task, to inject failures
@@ -265,9 +269,8 @@ class PipelineRunner:
         if cpu_attn:
             want += [(f"qkv_h{j}", (mu * d1,), dt) for j in range(n_mb)]
             want += [(f"o_h{j}", (mu * d2,), dt) for j in range(n_mb)]
-        if self.dev.accelerator:
-            want += [("logits_dec", (self.cache.slots, s.vocab_size), torch.float32),
-                     ("logits_pre", (self.cache.slots, s.vocab_size), torch.float32)]
+        want += [("logits_dec", (self.cache.slots, s.vocab_size), torch.float32),
+                 ("logits_pre", (self.cache.slots, s.vocab_size), torch.float32)]
         kv_on_cpu = self.attention_on == "gpu" and self.kv_gpu_layers < s.num_layers
         if kv_on_cpu:
             # a ring slot holds one micro-batch's state of any layer (its tensors back to back), the out
@@ -419,16 +422,21 @@ class PipelineRunner:
         return any(t.kind == "weight_page" and t.layer == 0 and t.id not in self._current_pages for t in tasks)
 
     def _logits(self, xs: list[torch.Tensor], buffer: str) -> torch.Tensor:
-        """fp32 logits of the final hidden states, micro-batch by micro-batch into one host buffer (the
-        device holds one micro-batch's logits at a time); one sync for all of them."""
+        """fp32 logits of the final hidden states, micro-batch by micro-batch into one reused host buffer
+        (a device holds one micro-batch's logits at a time; one sync for all of them)."""
         g = self.globals
 
         def logits(x):
             return final_logits(self.spec, g["norm"], self.lm_head, x, g.get("norm_b"), g.get("lm_head_b"))
 
-        if not self.dev.accelerator:
-            return torch.cat([logits(x) for x in xs])
         out, row = self.host[buffer], 0
+        if not self.dev.accelerator:  # the CPU is the device: straight into the reused host buffer
+            for x in xs:
+                n = x.shape[0]
+                final_logits(self.spec, g["norm"], self.lm_head, x, g.get("norm_b"), g.get("lm_head_b"),
+                             out=out[row:row + n])
+                row += n
+            return out[:row]
         with self.dev.compute():
             for x in xs:
                 n = x.shape[0]
@@ -520,24 +528,26 @@ class PipelineRunner:
             outs = [None] * len(mbs)
         elif g == 1:
             f = mbs[0].ffn
-            outs = [self._experts(self._expert_parts(t.layer), f.h, f.weights, f.idx)]
-        else:
-            fs = [m.ffn for m in mbs]
-            out = self._experts(self._expert_parts(t.layer), torch.cat([f.h for f in fs]),
-                                torch.cat([f.weights for f in fs]), torch.cat([f.idx for f in fs]))
-            outs = out.split([m.B for m in mbs])
+            outs = [self._experts(self._expert_parts(t.layer), f.h, f.weights, f.idx, self._scratch)]
+        else:  # the expert batch's inputs side by side, in reused buffers
+            fs, sc, rows = [m.ffn for m in mbs], self._scratch, sum(m.B for m in mbs)
+            h, rw, ridx = (torch.cat([getattr(f, n) for f in fs],
+                                     out=sc.get("cat_" + n, (rows, getattr(fs[0], n).shape[1]), getattr(fs[0], n).dtype))
+                           for n in ("h", "weights", "idx"))
+            outs = self._experts(self._expert_parts(t.layer), h, rw, ridx, sc).split([m.B for m in mbs])
         ys = [decoder.ffn_output(m.ffn, y) for m, y in zip(mbs, outs)]
         if self._ffn_out is not None:  # each rank holds a slice of every expert: sum the partial outputs, once
             ys = self._ffn_out(torch.cat(ys)).split([m.B for m in mbs]) if g > 1 else [self._ffn_out(ys[0])]
         for m, y in zip(mbs, ys):
-            m.x = m.ffn.x + y
+            m.x = m.ffn.x.add_(y)  # post_attn's residual stream is this task's own
             m.ffn = None
 
-    def _experts(self, parts: list[dict], h, rw, ridx):
+    def _experts(self, parts: list[dict], h, rw, ridx, scratch=None):
         if len(parts) == 1 and not self.dev.accelerator:
             p = parts[0]
             return experts(h, p.get("w13"), p.get("w2"), rw, ridx, grouped=self.grouped, packed=p.get("packed"),
-                           b13=p.get("b13"), b2=p.get("b2"), act=self.act, quant=p.get("quant"), widen=self.widen_ffn)
+                           b13=p.get("b13"), b2=p.get("b2"), act=self.act, quant=p.get("quant"), widen=self.widen_ffn,
+                           scratch=scratch)
         grouped = self.grouped if self.grouped is not None else self._grouped_default(h)
         return device_experts(h, parts, rw, ridx, grouped=grouped, act=self.act)
 
