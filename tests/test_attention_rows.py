@@ -2,7 +2,7 @@
 each way Rows.plan reads them, against a per-request float64 reference (tolerance 1e-5 in fp32,
 2e-2 from a bf16 cache): contiguous rows in place, slots with gaps over their covering rows, runs of
 neighbouring rows each read to its own longest length, gathered rows; sliding windows; the widened
-path (bf16 cache, fp32 math). Each case also asserts the reading it meant to exercise was taken.
+path (bf16 cache, fp32 math) and bf16 math itself. Each case also asserts the reading it meant to exercise was taken.
 """
 
 from __future__ import annotations
@@ -45,12 +45,13 @@ CASES = {  # name: (slots, lengths) — lengths are the tokens cached, the new o
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype,window", [(torch.float32, 0), (torch.float32, 10), (torch.bfloat16, 0)])
-def test_each_reading_matches_the_float64_reference(case, dtype, window, monkeypatch):
+@pytest.mark.parametrize("dtype,window,widened", [(torch.float32, 0, False), (torch.float32, 10, False),
+                                                  (torch.bfloat16, 0, False), (torch.bfloat16, 0, True)])
+def test_each_reading_matches_the_float64_reference(case, dtype, window, widened, monkeypatch):
     monkeypatch.setattr(attention, "RUN_ROWS", 2)
     slots, lengths = CASES[case]
     st = _store(dtype, window)
-    widen = Widen(torch.float32) if dtype == torch.bfloat16 else None
+    widen = Widen(torch.float32) if widened else None
     rows = Rows(slots, [n - 1 for n in lengths])
     g = torch.Generator().manual_seed(1)
     q = torch.randn(len(slots), Hq, hd, generator=g).to(dtype if widen is None else torch.float32)
