@@ -88,3 +88,30 @@ def test_bench_on_a_cpu_only_machine_never_says_gpu(no_gpu, monkeypatch, capsys,
     out = capsys.readouterr().out
     assert "CPU-only chain" in out and "CPU compute ms/layer" in out
     assert "gpu" not in out.lower().replace("ms/layer", "") and "h2d" not in out and "MB" not in out
+
+
+def test_a_probe_on_a_busy_machine_reads_what_a_quiet_one_does():
+    """Other processes on every core take most of the wall clock; the probe times its matmuls by the lesser
+    of the wall clock and this process's CPU seconds, so its rate stays near the quiet one (before: a
+    loaded 2-core box read 75 GFLOP/s where a quiet one read 380). One thread, a few hogs per core."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if not hardware._CPU_CLOCK:
+        pytest.skip("this platform's process clock is too coarse to time a probe's runs")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    hogs = []
+    try:
+        quiet = hardware._matmul_rate("float32")(0.3)
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * (os.cpu_count() or 1))]
+        busy = hardware._matmul_rate("float32")(0.3)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+        torch.set_num_threads(before)
+    assert busy > 0.6 * quiet, f"{busy / 1e9:.1f} GFLOP/s busy vs {quiet / 1e9:.1f} quiet"
