@@ -66,7 +66,7 @@ def test_calibrations_are_cached_per_machine_and_picked_per_model(no_gpu, monkey
                                                             "cpu_matmul": {"float32": 1e11, "bfloat16": 1e10}})
     small, big = resolve_spec("olmoe-1b-7b"), resolve_spec("mixtral-8x7b")
     hw = hardware.probe()
-    assert hrm.effective_rates(hw, "bfloat16", big).cpu_costs is None  # never calibrated: the roofline
+    assert not hrm.effective_rates(hw, "bfloat16", big).cpu_costs.measured  # never calibrated: the defaults
     for spec, flop_s in ((small, 1e-11), (big, 2e-11)):
         d = hrm.dims(spec)
         cpu_cost.save(hw, dataclasses.replace(COSTS, flop_s=flop_s, model=cpu_cost.model_key(d),
@@ -110,6 +110,32 @@ def test_cpu_only_predictions_use_the_calibrated_costs(no_gpu, monkeypatch):
     assert pred.layer_seconds["cpu_attn"] == pytest.approx(4 * tasks["cpu_attn"], rel=1e-9)
     best, _ = planner.plan(spec, hw, work, planner.Budget(0, 200 * 10**9))
     assert best.ffn_on == "cpu" and best.batch_size > 1  # the planner picks the CPU batch from these costs
+
+
+def test_an_uncalibrated_cpu_prediction_counts_the_engines_overheads(no_gpu, monkeypatch, demo_model):
+    """Never calibrated, a CPU-only prediction is the probe's rates through the same cost model with the
+    default shares and overheads (cpu_cost.defaults), not a bare roofline: the demo model's steps are
+    mostly Python and dispatch, which the roofline plus 30 µs a task put at ~7x too fast."""
+    from core.model.families import load_spec
+    from core.plan import hardware, planner
+    from core.plan.policy import Policy
+
+    monkeypatch.setattr(hardware, "_measure", lambda hw, s: {"cpu_flops": 2e11, "cpu_bw": 7e10, "cpu_isa": "avx512_bf16",
+                                                            "cpu_matmul": {"float32": 2e11, "bfloat16": 9e11}})
+    spec = load_spec(demo_model)
+    d = hrm.dims(spec)
+    hw = hardware.probe()
+    policy = Policy(batch_size=16, micro_batch_size=4, expert_batch_size=4, attention_on="cpu", ffn_on="cpu")
+    work = planner.Workload(prompt_len=77, gen_len=32)
+    pred = planner.predict(policy, spec, hw, work)
+    costs = hrm.effective_rates(hw, spec.dtype, spec).cpu_costs
+    assert costs == cpu_cost.defaults("float32", 2e11, 7e10, 4, 4)
+    tasks = cpu_cost.decode_tasks(d, costs, micro_batch=4, expert_batch=4, context=work.decode_context,
+                                  row_tokens=work.longest_prompt + work.gen_len)
+    step = spec.num_layers * 4 * sum(tasks.values()) + cpu_cost.head_seconds(d, costs, 16)
+    assert pred.step_seconds == pytest.approx(step, rel=1e-9)
+    overhead = spec.num_layers * 16 * cpu_cost.DEFAULT_TASK + cpu_cost.DEFAULT_STEP
+    assert pred.step_seconds > overhead > 0.5 * pred.step_seconds  # the demo's step is mostly overhead
 
 
 def test_calibrate_on_the_demo_model_measures_every_term(demo_model):

@@ -190,7 +190,7 @@ def _predict(engine, name: str, args, reqs) -> dict | None:
                     max_prompt_len=max(prompt_tokens), num_requests=len(reqs))
     pred = predict(policy, engine.spec, hw, work)
     sim = simulate_decode(engine.spec, hw, policy, work.decode_context, name if on_gpu else "cgopipe")
-    return {"hardware": hw.name, "calibrated": bool(hrm.effective_rates(hw, engine.spec.dtype, engine.spec).cpu_costs),
+    return {"hardware": hw.name, "calibrated": getattr(hrm.effective_rates(hw, engine.spec.dtype, engine.spec).cpu_costs, "measured", False),
             "tokens_per_s": pred.tokens_per_s, "decode_tokens_per_s": pred.decode_tokens_per_s,
             "layer_seconds": {r: pred.layer_seconds.get(r, 0.0) for r in RESOURCES},
             "simulated_step_seconds": sim.makespan, "bottleneck": pred.bottleneck,

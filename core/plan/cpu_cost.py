@@ -52,6 +52,7 @@ class CpuCosts:
     threads: int = 0  # torch threads when measured
     model: str = ""  # model_key() of the model the costs were measured on
     model_bytes: int = 0  # its weights, for picking the nearest calibration for another model
+    measured: bool = True  # False: `defaults`, the model of a machine never calibrated
 
     def gemm(self, rows: float, n: int, k: int, mats: float = 1.0, expert: bool = False) -> float:
         """`mats` GEMMs over N×K weights with `rows` rows between them (dense, or the experts' kernel)."""
@@ -81,6 +82,39 @@ class CpuCosts:
     def from_dict(cls, d: dict) -> "CpuCosts":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# ---- before any calibration -------------------------------------------------------------------------
+# Before a machine is calibrated its CPU-only predictions use the probe's rates with the shares and
+# overheads below, fitted to what `mlight bench --calibrate` measured on a Zen 5 box (2 threads, quiet: the
+# demo model in fp32 and the 784M Mixtral of bench/cpu_vs_hf.py in bf16; bench/RESULTS.md, issue 11). The
+# overheads are the engine's Python and dispatch, CPU-bound, so they do not shrink with cores. Before them
+# the uncalibrated prediction was the probe's roofline plus 30 µs a task: ~7x too fast on the demo model
+# (5,700 tok/s predicted, 600-850 measured), whose steps are mostly overhead.
+DEFAULT_READ = 0.45  # dense weights, and experts outside oneDNN's prepacked layout: a share of the bandwidth
+DEFAULT_PACKED_READ = 1.2  # prepacked bf16 experts (oneDNN's blocked layout streams better than the probe's sum)
+DEFAULT_KV_READ = 0.5  # decode attention's K/V
+DEFAULT_SDPA = 0.5  # prefill attention: a share of the matmul rate
+DEFAULT_CALL = {"plain": 2.2e-6, "packed": 18e-6}  # per GEMM call (a prepacked weight dispatches through Python)
+DEFAULT_ELEM = 1.0e-9  # per activation element of elementwise work
+DEFAULT_ROW = 0.2e-6  # per (request, KV head) row of decode attention
+DEFAULT_TASK, DEFAULT_STEP, DEFAULT_SEQ, DEFAULT_PROMPT = 85e-6, 200e-6, 5e-6, 350e-6
+
+
+def defaults(math: str, flops: float, bw: float, storage_bytes: int, kv_bytes: int, threads: int = 0) -> CpuCosts:
+    """The cost model of a machine never calibrated: the probe's `flops` (matmuls in `math`) and read
+    bandwidth `bw`, with the shares and overheads above. Weights stored narrower than the math (bf16 on
+    AVX2) are read at their own width and widened in cache."""
+    packed = math == "bfloat16"  # bf16 math is chosen only where it is native, and then oneDNN prepacks
+    read = storage_bytes / (DEFAULT_READ * bw)
+    expert_read = storage_bytes / ((DEFAULT_PACKED_READ if packed else DEFAULT_READ) * bw)
+    call = DEFAULT_CALL["packed" if packed else "plain"]
+    kv = kv_bytes / (DEFAULT_KV_READ * bw)
+    return CpuCosts(math=math, flop_s=1 / flops, weight_s=read, call_s=call, expert_flop_s=1 / flops,
+                    expert_weight_s=expert_read, expert_call_s=call, elem_s=DEFAULT_ELEM, kv_s=kv,
+                    kv_copy_s=3 * kv, widens=math == "float32" and kv_bytes < 4,
+                    attn_row_s=DEFAULT_ROW, sdpa_flop_s=1 / (DEFAULT_SDPA * flops), task_s=DEFAULT_TASK,
+                    prompt_s=DEFAULT_PROMPT, step_s=DEFAULT_STEP, seq_s=DEFAULT_SEQ, threads=threads, measured=False)
 
 
 # ---- the CPU-only layer's tasks --------------------------------------------------------------------

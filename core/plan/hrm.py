@@ -94,10 +94,13 @@ def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> R
     if dtype is not None:
         v, math, measured = hw.cpu_flops_for(dtype)
         cpu_flops = v * (1.0 if measured else DERATE["cpu_flops"])
-        if hw.cpu_costs.get(math):
-            from core.plan.cpu_cost import pick
+        from core.plan import cpu_cost
 
-            costs = pick(hw.cpu_costs[math], dims(model) if model is not None else None)
+        if hw.cpu_costs.get(math):
+            costs = cpu_cost.pick(hw.cpu_costs[math], dims(model) if model is not None else None)
+        else:  # never calibrated: the probe's rates with what calibration learned on other machines
+            width = 4 if dtype in ("float32", "torch.float32") else 2
+            costs = cpu_cost.defaults(math, cpu_flops, rate("cpu_bw", False), width, width, hw.cpu_threads or 0)
     return Rates(gpu_flops=rate("gpu_flops", True), gpu_bw=rate("gpu_bw", True), h2d_bw=rate("h2d_bw", True),
                  d2h_bw=rate("d2h_bw", True), cpu_flops=cpu_flops, cpu_bw=rate("cpu_bw", False),
                  has_gpu=hw.has_gpu, cpu_costs=costs,
