@@ -240,15 +240,15 @@ def test_fit_refuses_times_of_zero_with_a_clear_error():
 
 
 def test_attention_costs_the_path_the_kernel_takes():
-    """Whole cache rows while the micro-batch's longest context is a third of a row or more, else the sliced
-    positions; a widening engine always slices (core.model.attention.decode_attention)."""
+    """Whole cache rows while the micro-batch's longest context is 0.6 of a row or more, else the sliced
+    positions; a widening engine always slices (core.model.attention.slices)."""
     from core.plan.presets import resolve_spec
 
     d = hrm.dims(resolve_spec("mixtral-8x7b"))
     at = lambda c, longest: cpu_cost.attention_seconds(d, c, 8, 100, row_tokens=900, longest=longest)  # noqa: E731
     kv = lambda s, n: s * 8 * n * 2 * d.kv  # noqa: E731
-    assert at(COSTS, 300) - at(dataclasses.replace(COSTS, kv_s=0.0), 300) == pytest.approx(kv(COSTS.kv_s, 900))
-    assert at(COSTS, 299) - at(dataclasses.replace(COSTS, kv_copy_s=0.0), 299) == pytest.approx(kv(COSTS.kv_copy_s, 299))
+    assert at(COSTS, 540) - at(dataclasses.replace(COSTS, kv_s=0.0), 540) == pytest.approx(kv(COSTS.kv_s, 900))
+    assert at(COSTS, 539) - at(dataclasses.replace(COSTS, kv_copy_s=0.0), 539) == pytest.approx(kv(COSTS.kv_copy_s, 539))
     widened = dataclasses.replace(COSTS, widens=True)
     assert at(widened, 300) - at(dataclasses.replace(widened, kv_copy_s=0.0), 300) == pytest.approx(kv(COSTS.kv_copy_s, 300))
 

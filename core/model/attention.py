@@ -13,6 +13,8 @@ Legend: B = requests, G = Hq / Hkv, T = cached tokens, L = prompt tokens.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -42,15 +44,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             pad = padding_mask(lengths, T)
         return _widened(q, k_cache, v_cache, scale, shortest, T, pad, sink, widen)
     qg = q.reshape(B * Hkv, G, hd)
-    if 3 * T >= Tmax and k_cache.is_contiguous() and v_cache.is_contiguous():
-        # Whole cache rows as views, masked past each length: bmm reads K^T and V in place. Slicing them
-        # to T first makes bmm copy the strided slices (at B = 256 that tripled attention's time), which
-        # costs more than the extra rows; past a length the cache holds zeros or an old request's values,
-        # and p = 0 there.
+    if not slices(T, Tmax) and k_cache.is_contiguous() and v_cache.is_contiguous():
+        # Whole cache rows as views, masked past each length: bmm reads K^T and V in place. Past a length
+        # the cache holds zeros or an old request's values, and p = 0 there.
         n, k, v = Tmax, k_cache.view(B * Hkv, Tmax, hd), v_cache.view(B * Hkv, Tmax, dv)
         pad = padding_mask(lengths, Tmax) if shortest < Tmax else None
-    else:  # short rows in a long cache: copying the slices beats reading whole rows
-        n, k, v = T, k_cache[:, :, :T].reshape(B * Hkv, T, hd), v_cache[:, :, :T].reshape(B * Hkv, T, dv)
+    else:  # short rows in a long cache: the first T positions copied out (bmm over strided views is 3-5x slower)
+        n = T
+        k, v = _copied(k_cache[:, :, :T], v_cache[:, :, :T])
+        k, v = k.view(B * Hkv, T, hd), v.view(B * Hkv, T, dv)
         pad = (pad if pad is not None else padding_mask(lengths, T)) if shortest < T else None
     if sink is None:
         # Scale and padding inside one baddbmm, softmax in the scores' dtype (its kernel accumulates in
@@ -69,6 +71,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     p = softmax_with_sinks(scores, sink).to(q.dtype).view(B * Hkv, G, n)
     return torch.bmm(p, v).reshape(B, Hq * dv)
+
+
+SLICE_BELOW = 0.6  # copy out the first T positions of longer cache rows when T is under this share of a row
+_slice_bufs = threading.local()  # per thread (attention runs on its own worker): K and V slices, grown once
+
+
+def slices(T: int, row: int) -> bool:
+    """Whether decode attention copies out the first T positions of rows of `row` tokens rather than read
+    the rows whole: a copy costs about 1.7 passes over T (bf16, B = 32 and 256, one Zen 5 core: equal to
+    whole rows of 546 at T = 0.6-0.8 of them)."""
+    return T < SLICE_BELOW * row
+
+
+def _copied(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous copies of K and V slices in this thread's reused buffers (valid until its next call)."""
+    nk, nv = k.numel(), v.numel()
+    buf = getattr(_slice_bufs, "buf", None)
+    if buf is None or buf.numel() < nk + nv or buf.dtype != k.dtype or buf.device != k.device:
+        buf = _slice_bufs.buf = torch.empty(nk + nv, dtype=k.dtype, device=k.device)
+    return buf[:nk].view(k.shape).copy_(k), buf[nk:nk + nv].view(v.shape).copy_(v)
 
 
 def decode_over_rows(q: torch.Tensor, store, rows, scale: float, sinks: torch.Tensor | None = None,
@@ -97,16 +119,16 @@ def attention_runs(lengths: list[int], row: int, widened: bool = False, rows: in
     for decode attention, each read to its own longest length, or [] when one call over all reads no
     less. Algorithm 2 admits the longest prompts first, so neighbouring slots hold similar lengths while
     a batch of 256 spans 25-435 tokens (a B = 256 step of the 784M Mixtral: 79 vs 243 ms of attention).
-    Cost in positions read, as decode_attention chooses: a call whose longest length is a third of the
-    row or more reads whole rows in place, else it copies out its longest length (about three passes); a
-    widening call always copies. Runs are taken where they read under 3/4 of one call's positions."""
+    Cost in positions read, as decode_attention chooses (`slices`): whole rows in place, or its longest
+    length copied out (about 1.7 passes); a widening call always copies (about three). Runs are taken
+    where they read under 3/4 of one call's positions."""
     rows = rows or RUN_ROWS
     if len(lengths) < 2 * rows:
         return []
 
     def cost(ls):
         top = max(ls)
-        return len(ls) * (3 * top if widened or 3 * top < row else row)
+        return len(ls) * (3 * top if widened else 1.7 * top if slices(top, row) else row)
 
     runs = [(a, min(a + rows, len(lengths))) for a in range(0, len(lengths), rows)]
     if sum(cost(lengths[a:b]) for a, b in runs) > 0.75 * cost(lengths):

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.model.attention import slices
+
 VERSION = 2  # 2: attention costs whole rows and slices apart (kv_copy_s)
 
 
@@ -163,13 +165,12 @@ def experts_seconds(d, c: CpuCosts, t: float) -> float:
 def attention_seconds(d, c: CpuCosts, b: float, context: float, row_tokens: float | None = None,
                       longest: float | None = None) -> float:
     """Decode attention of b requests over `context` cached tokens each (and the new token's KV write).
-    As core.model.attention.decode_attention chooses: while the micro-batch's `longest` context is at
-    least a third of the `row_tokens` a cache row holds, it reads the rows whole (views, masked past each
-    length), else it slices out the first `longest` positions (a copy); a widening engine always slices."""
+    As core.model.attention.decode_attention chooses (`slices`): rows whole (views, masked past each
+    length), or the first `longest` positions copied out; a widening engine always copies."""
     hkv = d.kv // d.head_dim
     row = max(context, row_tokens or 0.0)
     t = max(context, longest or context)
-    if c.widens or 3 * t < row:
+    if c.widens or slices(t, row):
         kv, n = c.kv_copy_s * b * t * 2 * d.kv, t
     else:
         kv, n = c.kv_s * b * row * 2 * d.kv, row

@@ -412,8 +412,8 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
                  longest: float | None = None) -> dict[str, TaskCost]:
     """The tasks of one decode layer (one new token for each of `batch` requests), by kind.
     `row_tokens`: the KV cache row a request has (longest prompt + generation), which CPU decode
-    attention reads whole (core.model.attention) unless a micro-batch's `longest` context is under a
-    third of it — the calibrated CPU costs count which.
+    attention reads whole (core.model.attention) unless a micro-batch's `longest` context is well under
+    it (core.model.attention.slices) — the calibrated CPU costs count which.
 
     Kinds: pre_attn (norm + QKV), d1 (QKV to the CPU), cpu_attn, d2 (attention output back), post_attn
     (O-proj, router, shared expert), ffn (routed experts of one expert batch), weight_page (one page of

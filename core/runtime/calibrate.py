@@ -44,7 +44,7 @@ POINT_FLOPS = 4e9  # FLOPs of one timed point (all its copies): at large M a wei
 RESIDUAL_MIN = 0.05  # a step's unexplained share below this is noise, not a term to fit
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_CONTEXTS = (48, 384)
-SLICED = (48, 400)  # (context, cache row): under a third of the row, attention slices rather than reading it whole
+SLICED = (48, 400)  # (context, cache row): well under the row, attention copies out the slice rather than read it whole
 PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256), (1, 1024))  # (prompts, tokens each)
 
 
