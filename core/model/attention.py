@@ -26,13 +26,15 @@ ATTN_TILE_BYTES = 4 << 20  # widened K and V of the rows attended together: L2 +
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                      scale: float, span: tuple[int, int] | None = None, pad: torch.Tensor | None = None,
-                     sinks: torch.Tensor | None = None, widen=None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, widen=None, memo: dict | None = None) -> torch.Tensor:
     """q [B, Hq, hd]; k/v_cache [B, Hkv, Tmax, hd] (rows of the cache); lengths [B] -> [B, Hq·dv] in q's dtype.
 
     `span` = (min, max) of `lengths`, known on the host, so a device-side `lengths` costs no sync;
     `pad` [B, max] (True past each length) may be passed in, built once per step rather than per layer.
     `sinks` [Hq]: per-head logits added to each softmax's denominator (gpt-oss).
     `widen` (a core.model.cpu.kernels.Widen) computes in its math dtype when the cache is narrower.
+    `memo`: a dict kept for one step's calls over the same rows (every layer's): the padding's additive
+    mask is built once there, not per layer.
     """
     B, Hq, hd = q.shape
     Hkv, Tmax, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
@@ -48,7 +50,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # Whole cache rows as views, masked past each length: bmm reads K^T and V in place. Past a length
         # the cache holds zeros or an old request's values, and p = 0 there.
         n, k, v = Tmax, k_cache.view(B * Hkv, Tmax, hd), v_cache.view(B * Hkv, Tmax, dv)
-        pad = padding_mask(lengths, Tmax) if shortest < Tmax else None
+        pad = (_memo(memo, ("pad", Tmax), lambda: padding_mask(lengths, Tmax))) if shortest < Tmax else None
     else:  # short rows in a long cache: the first T positions copied out (bmm over strided views is 3-5x slower)
         n = T
         k, v = _copied(k_cache[:, :, :T], v_cache[:, :, :T])
@@ -61,10 +63,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if pad is None:
             scores = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)
         else:
-            bias = torch.zeros((B, 1, 1, n), dtype=q.dtype, device=q.device).masked_fill_(pad[:, None, None, :],
-                                                                                           float("-inf"))
-            scores = torch.baddbmm(bias.expand(B, Hkv, 1, n).reshape(B * Hkv, 1, n), qg, k.transpose(1, 2),
-                                   alpha=scale)
+            key = ("bias", n, q.dtype, Hkv)
+            bias = memo.get(key) if memo is not None else None
+            if bias is None:
+                bias = torch.zeros((B, 1, 1, n), dtype=q.dtype, device=q.device).masked_fill_(
+                    pad[:, None, None, :], float("-inf")).expand(B, Hkv, 1, n).reshape(B * Hkv, 1, n)
+                if memo is not None:
+                    memo[key] = bias
+            scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=scale)
         return torch.bmm(torch.softmax(scores, dim=-1), v).reshape(B, Hq * dv)
     scores = torch.bmm(qg, k.transpose(1, 2)).view(B, Hkv, G, n).float().mul_(scale)
     if pad is not None:
@@ -84,6 +90,14 @@ def slices(T: int, row: int) -> bool:
     return T < SLICE_BELOW * row
 
 
+def _memo(memo: dict | None, key, make):
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def _copied(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Contiguous copies of K and V slices in this thread's reused buffers (valid until its next call)."""
     nk, nv = k.numel(), v.numel()
@@ -101,16 +115,17 @@ def decode_over_rows(q: torch.Tensor, store, rows, scale: float, sinks: torch.Te
     p = rows.plan(store, widen is not None and store.k.dtype != widen.math)
     if p.rows is None:
         return decode_attention(q, rows.take(store.k), rows.take(store.v), p.lengths, scale, p.span, p.pad,
-                                sinks, widen)
+                                sinks, widen, p.memo)
     k, v = store.k[p.rows], store.v[p.rows]
     if p.at is not None:
         q = rows.covering_queries(q)
     if not p.runs:
-        o = decode_attention(q, k, v, p.lengths, scale, p.span, p.pad, sinks, widen)
+        o = decode_attention(q, k, v, p.lengths, scale, p.span, p.pad, sinks, widen, p.memo)
     else:
         o = torch.empty((q.shape[0], q.shape[1] * v.shape[-1]), dtype=q.dtype, device=q.device)
         for a, b, span in p.runs:
-            o[a:b] = decode_attention(q[a:b], k[a:b], v[a:b], p.lengths[a:b], scale, span, None, sinks, widen)
+            o[a:b] = decode_attention(q[a:b], k[a:b], v[a:b], p.lengths[a:b], scale, span, None, sinks, widen,
+                                      p.memo.setdefault(("run", a), {}))
     return o if p.at is None else o.index_select(0, p.at)
 
 

@@ -351,9 +351,11 @@ class Rows:
 class RowPlan:
     """Decode attention's reading of one store for one micro-batch (Rows.plan): `rows` a slice of the
     store's rows read in place (None: gathered), `at` each request's row in it when it covers gaps,
-    lengths/span/pad over those rows, and `runs` [(first, end, span)] of rows attended separately."""
+    lengths/span/pad over those rows, `runs` [(first, end, span)] of rows attended separately, and `memo`
+    what attention builds once for every layer."""
 
-    __slots__ = ("rows", "at", "lengths", "span", "pad", "runs")
+    __slots__ = ("rows", "at", "lengths", "span", "pad", "runs", "memo")
 
     def __init__(self, rows, at, lengths, span, pad, runs):
         self.rows, self.at, self.lengths, self.span, self.pad, self.runs = rows, at, lengths, span, pad, runs
+        self.memo: dict = {}  # what decode attention builds once per step for these rows (its padding masks)
