@@ -95,6 +95,7 @@ class CpuCosts:
 # (5,700 tok/s predicted, 600-850 measured), whose steps are mostly overhead.
 DEFAULT_READ = 0.45  # dense weights, and experts outside oneDNN's prepacked layout: a share of the bandwidth
 DEFAULT_PACKED_READ = 1.2  # prepacked bf16 experts (oneDNN's blocked layout streams better than the probe's sum)
+DEFAULT_WIDEN_READ = 0.2  # weights stored narrower than the math (bf16 on AVX2), widened tile by tile
 DEFAULT_KV_READ = 0.5  # decode attention's K/V
 DEFAULT_SDPA = 0.5  # prefill attention: a share of the matmul rate
 DEFAULT_CALL = {"plain": 2.2e-6, "packed": 18e-6}  # per GEMM call (a prepacked weight dispatches through Python)
@@ -108,8 +109,10 @@ def defaults(math: str, flops: float, bw: float, storage_bytes: int, kv_bytes: i
     bandwidth `bw`, with the shares and overheads above. Weights stored narrower than the math (bf16 on
     AVX2) are read at their own width and widened in cache."""
     packed = math == "bfloat16"  # bf16 math is chosen only where it is native, and then oneDNN prepacks
-    read = storage_bytes / (DEFAULT_READ * bw)
-    expert_read = storage_bytes / ((DEFAULT_PACKED_READ if packed else DEFAULT_READ) * bw)
+    widened = math == "float32" and storage_bytes < 4
+    read = storage_bytes / ((DEFAULT_WIDEN_READ if widened else DEFAULT_READ) * bw)
+    expert_read = storage_bytes / ((DEFAULT_PACKED_READ if packed else DEFAULT_WIDEN_READ if widened
+                                    else DEFAULT_READ) * bw)
     call = DEFAULT_CALL["packed" if packed else "plain"]
     kv = kv_bytes / (DEFAULT_KV_READ * bw)
     return CpuCosts(math=math, flop_s=1 / flops, weight_s=read, call_s=call, expert_flop_s=1 / flops,
