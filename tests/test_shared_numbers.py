@@ -9,9 +9,8 @@ from pathlib import Path
 
 CORE = Path(__file__).resolve().parent.parent / "core"
 SHARED = {"PADDED_MAX_TOKENS", "PADDED_TOKENS", "LOOKAHEAD", "ALIGN", "_ALIGN", "_BLOCK_ELEMS", "CHUNK",
-          "SCORE_BLOCK_ELEMS", "LINEAR_CHUNK", "STAGING_ALIGN"}
-# weights.py's _ALIGN is the flat layout's, in elements: nothing else computes with it
-OWN = {("model/weights.py", "_ALIGN")}
+          "SCORE_BLOCK_ELEMS", "LINEAR_CHUNK", "STAGING_ALIGN", "LAYOUT_ALIGN"}
+OWN: set = set()  # (module, name) pairs allowed their own copy
 
 
 def _module_numbers(path: Path) -> set[str]:
@@ -46,11 +45,12 @@ def test_one_free_cores_helper():
 
 
 def test_the_runtime_uses_the_shared_numbers():
-    from core.model import attention, limits, linear_attention, moe
+    from core.model import attention, limits, linear_attention, moe, weights
     from core.plan import hrm, mixer_costs, planner
     from core.runtime import pipeline, schedule
 
     assert moe.PADDED_MAX_TOKENS == planner.PADDED_TOKENS == limits.PADDED_MAX_TOKENS
     assert schedule.LOOKAHEAD == hrm.LOOKAHEAD == limits.LOOKAHEAD
     assert pipeline._ALIGN == planner.ALIGN == limits.STAGING_ALIGN
+    assert weights._ALIGN == hrm.LAYOUT_ALIGN == limits.LAYOUT_ALIGN  # the planner counts the layout's padding
     assert attention._BLOCK_ELEMS == mixer_costs.SCORE_BLOCK_ELEMS and linear_attention.CHUNK == mixer_costs.CHUNK

@@ -8,3 +8,6 @@ SCORE_BLOCK_ELEMS = 1 << 24  # score elements per block of the explicit prefill 
 LINEAR_CHUNK = 64  # Gated DeltaNet's prefill chunk
 LOOKAHEAD = 2  # CGOPipe: CPU attention runs this many micro-batches ahead of the GPU
 STAGING_ALIGN = 64  # bytes: each buffer of the runtime's pinned host staging arena starts at a multiple of this
+# each tensor of a layer's flat weight buffer starts at a multiple of this many elements (bytes in a quantized
+# layout): keeps every view aligned for vector loads; the planner counts the padding in what it page-locks
+LAYOUT_ALIGN = 64

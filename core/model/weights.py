@@ -24,6 +24,7 @@ import torch
 
 from core.errors import ModelError, UnsupportedModelError, UsageError
 from core.model.families import family_module
+from core.model.limits import LAYOUT_ALIGN as _ALIGN  # elements (bytes in a quantized layout)
 from core.model.safetensors_io import Checkpoint
 from core.model.quant.experts import _TORCH, ExpertScheme, QuantExperts
 from core.model.quant.cache import CacheEntry
@@ -33,7 +34,6 @@ from core.model.quant.mxfp4 import scheme as mxfp4_scheme
 from core.model.spec import EXPERT_TENSORS, ModelSpec
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
-_ALIGN = 64  # elements (bytes in a quantized layout); keeps every view's start aligned for vector loads
 # dense weights the CPU-only mode prepacks with the experts: each is only ever used through F.linear
 PACKED_DENSE = ("qkv", "o", "shared_w13", "shared_w2")
 

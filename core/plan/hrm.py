@@ -14,7 +14,8 @@ from functools import lru_cache
 from core.plan.hardware import HardwareSpec
 from core.plan.mixer_costs import MixerCost, mixer_costs
 from core.model.limits import LOOKAHEAD  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU
-from core.model.quant.formats import workspace_bytes
+from core.model.limits import LAYOUT_ALIGN  # each stacked expert tensor of a layer buffer starts at a multiple of this
+from core.model.quant.formats import GGUF_BLOCKS, Format, workspace_bytes
 from core.model.spec import ModelSpec
 
 # Achieved fraction of a datasheet peak, for rates not measured on the machine (HardwareSpec.measured).
@@ -184,6 +185,10 @@ class Dims:
     qkind: str = "none"  # experts: none | int8 | int4 (CPU kernels) | blocks (GGUF/MXFP4: expanded everywhere)
     act_temps: int = 1  # [tokens, I] arrays the experts' activation makes besides its input (gpt-oss's clamped: 4)
     expert_bias: bool = False  # biases on the experts' projections (gpt-oss)
+    # one MoE layer's expert region in its host buffer (each stacked tensor padded to LAYOUT_ALIGN), and
+    # one expert's share of its first tensor (w13, or its packed integers): what page-locking starts after
+    expert_region: int = 0
+    expert_lead: int = 0
 
 
 @lru_cache(maxsize=32)
@@ -196,15 +201,48 @@ def _dims(m: ModelSpec) -> Dims:
                 moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate,
                 scratch=_scratch(m), qkind=_qkind(m.expert_format), dtype=m.dtype,
                 act_temps=4 if m.expert_act == "clamped_swiglu" else 1, expert_bias=m.expert_bias,
-                expanded=m.expert_params * m.dtype_bytes if m.expert_format != "none" else 0)
+                expanded=m.expert_params * m.dtype_bytes if m.expert_format != "none" else 0,
+                **_expert_layout(m))
 
 
 def _scratch(m: ModelSpec) -> int:
-    """Device bytes for expanding quantized experts: one expert in the compute dtype (the two matrices'
-    reused outputs) and the chunk workspace they are expanded through (core.model.quant.expand)."""
+    """Device bytes for expanding quantized experts: the Workspace's output buffers (one expert's matrices
+    in the compute dtype, reused by every layer) and the chunk buffers they are expanded through
+    (core.model.quant.expand)."""
     if m.expert_format == "none":
         return 0
-    return m.expert_params * m.dtype_bytes + workspace_bytes(2 * m.expert_intermediate, m.hidden_size)
+    D, I = m.hidden_size, m.expert_intermediate
+    fmt = expert_format(m.expert_format) or Format(m.expert_format.split("/")[0])  # mixed GGUF: as blocks
+    return workspace_bytes(fmt, ((2 * I, D), (D, I)), m.dtype_bytes)
+
+
+def expert_format(label: str) -> Format | None:
+    """The one Format of a ModelSpec's `expert_format` label; None unquantized or for a GGUF file whose
+    experts mix formats (its label, e.g. "Q4_K/Q6_K", does not say which matrix has which)."""
+    if label.startswith("int4-g"):
+        return Format("int4", int(label[len("int4-g"):]))
+    return Format(label) if label in ("int8", "mxfp4", *GGUF_BLOCKS) else None
+
+
+def _expert_layout(m: ModelSpec) -> dict[str, int]:
+    """expert_region and expert_lead as core.model.weights.LayerLayout lays out a layer: each expert tensor
+    (or quantized part) stacked over the experts and padded to LAYOUT_ALIGN units (elements of the
+    weights' dtype; bytes in a quantized layout), biases last in the compute dtype."""
+    E, D, I, dt = m.num_experts, m.hidden_size, m.expert_intermediate, m.dtype_bytes
+    biases = [2 * I * dt, D * dt] if m.expert_bias else []
+
+    def padded(per_expert_bytes: int, unit: int) -> int:
+        return -(-E * per_expert_bytes // (LAYOUT_ALIGN * unit)) * LAYOUT_ALIGN * unit
+
+    if m.expert_format == "none":
+        tensors = [2 * I * D * dt, D * I * dt] + biases
+        return dict(expert_region=sum(padded(b, dt) for b in tensors), expert_lead=tensors[0])
+    fmt = expert_format(m.expert_format)
+    if fmt is None:  # mixed GGUF formats: the spec's bytes, and a lead no larger than the smallest format's w1
+        lead = min(Format(f).nbytes(I, D) for f in m.expert_format.split("/"))
+        return dict(expert_region=E * m.expert_bytes, expert_lead=lead)
+    parts = [p.nbytes for n, k in ((2 * I, D), (D, I)) for p in fmt.parts(n, k)] + biases
+    return dict(expert_region=sum(padded(b, 1) for b in parts), expert_lead=parts[0])
 
 
 def _qkind(expert_format: str) -> str:

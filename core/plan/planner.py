@@ -207,11 +207,10 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
         "pinned_staging": staging,
         "attention_workspace": cpu_attn_ws if not gpu_attn else 0,
     }
-    # what streams is page-locked: from each streaming layer's first streamed expert to its buffer's end
-    # (the resident experts' later tensors in between included, as one registration: w2, and with expert
-    # biases b13 and b2 — all of a plain expert but its w13 rows)
-    tail = eb - 2 * d.D * d.I * d.dt if d.qkind == "none" else d.D * d.I * d.dt
-    pinned = sum((E - r) * eb + r * tail for r in resident if r < E) + staging
+    # what streams is page-locked: from each streaming layer's first streamed expert to its buffer's end —
+    # the resident experts' later tensors in between included, as one registration (their w2, or every
+    # quantized part after the w13 integers, and expert biases), with the layout's padding
+    pinned = sum(d.expert_region - r * d.expert_lead for r in resident if r < E) + staging
     return gpu, cpu, pinned
 
 
@@ -233,7 +232,8 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
     micro-batch's normed input and two layers' K and V awaiting the store (prefill). On top, the
     largest of: an FFN call's intermediates (core.model.moe.device_experts: grouped matmuls for bf16
     checkpoints — the input, gate/up and product of k experts per token; else every expert over a
-    slot table for calls of at most PADDED_TOKENS tokens, or the expert loop), a pre-attention's (fp32
+    slot table for calls of at most PADDED_TOKENS tokens — quantized experts one at a time over it, each
+    expanded once — or the expert loop), a pre-attention's (fp32
     norm, QKV, RoPE, one prompt's fp32 attention scores in prefill), or a micro-batch's fp32 logits.
     `split`: some layer's experts are part resident, part streamed (grouped matmuls then hold one more
     gate/up output, that of the other part).
@@ -242,7 +242,8 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
     D, k, I, q, kv, E, V = d.D, d.k, d.I, d.q, d.kv, d.E, d.V
     shared = 3 * d.Is * dt
     # grouped_mm's kernels are bf16 (on SM80+; a T4's fp16 loop needs less); quantized experts expand one by one
-    grouped = d.dtype == "bfloat16" and d.qkind == "none"
+    quant = d.qkind != "none"
+    grouped = d.dtype == "bfloat16" and not quant
 
     a, bias = d.act_temps, d.expert_bias
 
@@ -252,6 +253,11 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
     def _ffn(t):
         if grouped:  # the pairs' input, gate/up (two with parts), the activation's arrays; biases' rows and sums
             return t * k * (D + ((4 if split else 3) + a - 1) * I + (4 * I if bias else 0)) * dt
+        if t <= PADDED_TOKENS and quant:  # the slot table, then the larger of: one expert's gate/up and
+            # activation (or its down projection) beside the outputs before it, or the stacked outputs and
+            # their stack (with parts: the stacks, their join and the pairs)
+            one = max((2 + a) * I + (2 * I if bias else 0), I + (2 if bias else 1) * D)
+            return t * (E * D + max((E - 1) * D + one, 2 * E * D + (k * D if split else 0))) * dt
         if t <= PADDED_TOKENS:  # the slot table, then the larger of: a part's gate/up and activation over
             # the outputs of the parts before it, or the outputs, their join, the last activation and the pairs
             return t * (E * D + max(E * max(D, (2 + a) * I), 2 * E * D + E * I + k * D)) * dt

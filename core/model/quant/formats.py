@@ -93,11 +93,22 @@ class Format:
         return 8 * self.nbytes(n, k) / (n * k)
 
 
-def workspace_bytes(n: int, k: int, chunk_elems: int = CHUNK_ELEMS_DEVICE) -> int:
-    """Bytes of expansion workspace beside the expanded matrix, for matrices of up to n·k weights: a
-    float32 chunk, its packed bytes, and its int4 scales and zeros (at the smallest group, 32)."""
-    e = min(n * k, chunk_elems)
-    return e * 4 + e // 2 + e // 32 * 2 * 4
+def workspace_bytes(fmt: Format, shapes, compute_bytes: int, chunk_elems: int = CHUNK_ELEMS_DEVICE) -> int:
+    """Device bytes a `Workspace` (core.model.quant.expand) holds once matrices of these (n, k) shapes in
+    `fmt` have been expanded to a compute dtype of `compute_bytes`: an output buffer per shape, and the
+    chunk buffers that only grow — float32 rows (unless the output is float32 itself), int4's unpacked
+    nibbles and scales, its scalar operands. Block formats decode a chunk at a time into temporaries
+    bounded by the chunk: those are counted as a float32 chunk, its bytes and its scales."""
+    shapes = sorted(set(shapes))
+    out = sum(n * k for n, k in shapes) * compute_bytes
+    if fmt.name not in ("int8", "int4"):
+        e = max(min(n * k, chunk_elems) for n, k in shapes)
+        return out + e * 4 + e // 2 + e // 32 * 2 * 4
+    chunks = [max(1, min(n, chunk_elems // k)) * k for n, k in shapes]  # Workspace.rows × k
+    f32 = 0 if compute_bytes == 4 else max(chunks) * 4
+    if fmt.name == "int8":
+        return out + f32
+    return out + f32 + max(chunks) // 2 + max(chunks) // fmt.group * 2 * 4 + 1 + 1 + 4  # + 15, 4 (uint8), 8.0
 
 
 def parse_choice(quantize: str | None, group: int | None = None) -> Format | None:
