@@ -75,6 +75,31 @@ def _run(*argv) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+def test_rerunning_a_finished_run_on_ray_says_it_is_done_and_writes_nothing(tmp_path, demo_model, monkeypatch):
+    """`mlight run --ray` shared run.py's run-file sequence but not its "already finished" check: a rerun of
+    a finished job (whose run file is gone) connected to the cluster and ran every prompt again."""
+    import app.commands.run_ray as run_ray
+
+    prompts = write_prompts(tmp_path / "p.jsonl", n=2, max_new_tokens=2)
+    out = tmp_path / "out.jsonl"
+    args = ["--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "2"]
+    code, err = _run(*args)
+    assert code == 0, err
+    written, stat = out.read_bytes(), out.stat()
+    files = sorted(p.name for p in tmp_path.iterdir())
+
+    class NoCluster:  # Ray itself is not needed: a finished job must not reach for the cluster at all
+        def __getattr__(self, name):
+            raise AssertionError(f"a finished run used ray.{name}")
+
+    monkeypatch.setattr(run_ray, "_ray", NoCluster)
+    code, err = _run(*args, "--ray", "auto")
+    assert code == 0, err
+    assert "all 2 requests are already done" in err and str(out) in err and "generated on Ray" not in err
+    assert out.read_bytes() == written and out.stat().st_mtime_ns == stat.st_mtime_ns
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
+
+
 def test_rerunning_a_finished_run_says_it_is_done_and_writes_nothing(tmp_path, demo_model):
     prompts = write_prompts(tmp_path / "p.jsonl", n=2, max_new_tokens=2)
     out = tmp_path / "out.jsonl"

@@ -215,10 +215,6 @@ def _run_single(args) -> int:
         raise UsageError(f"--out {out} is the prompts file itself", "write the results to another file")
 
     def generate(store, prompts, model_dir, model_name, progress, stopper) -> int:
-        if store.finished is not None:  # rerun of a job that finished: a retry loop or scheduler did it again
-            _say(f"all {store.finished.get('results', len(prompts.entries))} requests are already done: "
-                 f"{store.out} holds their results (--restart runs them again)")
-            return 0
         _say_other_parts(out, 1)
         return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
 
@@ -228,8 +224,9 @@ def _run_single(args) -> int:
 def with_run(args, out: Path, plan, generate) -> int:
     """The run file's life around one job, as `mlight run` and `mlight run --ray` share it: lock it, read
     and check the prompts (bad lines refused unless --skip-bad), resolve the model, `plan(args, prompts,
-    model_dir)` (the batch sizes, args.policy), start or resume the run, then `generate(store, prompts,
-    model_dir, model_name, progress, stopper)`. A failure from there on drops a run file that holds no
+    model_dir)` (the batch sizes, args.policy), start or resume the run, then — unless the run already
+    finished (a retry loop or a scheduler ran the same job again: say so, write nothing, exit 0) —
+    `generate(store, prompts, model_dir, model_name, progress, stopper)`. A failure from there on drops a run file that holds no
     result yet and keeps one that does; the lock and the signal handlers are always given back."""
     from core.io.download import resolve_model
 
@@ -243,6 +240,10 @@ def with_run(args, out: Path, plan, generate) -> int:
         model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
         plan(args, prompts, model_dir)
         store.start(_manifest(args, prompts, model_dir, model_name), restart=args.restart)
+        if store.finished is not None:
+            _say(f"all {store.finished.get('results', len(prompts.entries))} requests are already done: "
+                 f"{store.out} holds their results (--restart runs them again)")
+            return 0
         try:
             return generate(store, prompts, model_dir, model_name, progress, stopper)
         except BaseException:
