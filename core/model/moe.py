@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from core.model import expert_choice, routing
+from core.model.device_wait import synchronize  # bounded: a hung probe kernel raises DeviceStalled
 from core.model.limits import PADDED_MAX_TOKENS  # calls this small run every expert over a slot table
 from core.model.spec import ModelSpec
 
@@ -58,7 +59,7 @@ def cuda_grouped_mm_works(index: int, dtype: torch.dtype) -> bool:
         a = torch.zeros(16, 16, dtype=dtype, device=f"cuda:{index}")
         b = torch.zeros(2, 16, 16, dtype=dtype, device=f"cuda:{index}")
         F.grouped_mm(a, b.transpose(-2, -1), offs=torch.tensor([8, 16], dtype=torch.int32, device=a.device))
-        torch.cuda.synchronize(index)
+        synchronize("the grouped_mm probe", index)
     except RuntimeError:
         return False
     return True
@@ -213,7 +214,7 @@ def _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act) -> bool:
            expert_choice.bucket(h.shape[0]))
     run = {name: functools.partial(experts, h, w13, w2, weights, idx, grouped=g, b13=b13, b2=b2, act=act)
            for name, g in (("grouped", True), ("loop", False))}
-    sync = torch.cuda.synchronize if h.is_cuda else (lambda: None)
+    sync = (lambda: synchronize("timing the experts' forms", h.device.index)) if h.is_cuda else (lambda: None)
     return expert_choice.choose(key, run, sync) == "grouped"
 
 

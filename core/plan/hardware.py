@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import UsageError
+from core.model.device_wait import synchronize  # bounded: a hung probe kernel raises DeviceStalled
 
 GB = 1e9  # vendors quote decimal gigabytes per second
 GiB = 1 << 30
@@ -513,7 +514,8 @@ def _gpu_rates(torch, seconds: float) -> dict:
     """GPU matmul, GPU memory, pinned H2D/D2H; its buffers are this frame's, freed when it returns."""
     rates = {}
     dev = torch.device("cuda")
-    sync = torch.cuda.synchronize
+    def sync():
+        synchronize("the GPU probe's timed work")
 
     def timed(fn):
         def run():
@@ -542,7 +544,7 @@ def _release_cached(torch) -> None:
     """Hand the probe's freed blocks back: ~0.6 GB stays reserved in torch's CUDA caching allocator and the
     256 MiB pinned buffer in its host caching allocator until emptied, and the engine would keep fewer
     experts resident for the memory it no longer sees free."""
-    torch.cuda.synchronize()  # the last non-blocking copies are done with the buffers
+    synchronize("the GPU probe's last copies")  # they are done with the buffers
     torch.cuda.empty_cache()
     empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
         or getattr(torch._C, "_host_emptyCache", None)  # the public name is newer than some supported torch

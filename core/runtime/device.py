@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from typing import Callable
 
 import torch
 
-from core.errors import MlightError
+from core.model.device_wait import (WAIT_SECONDS, DeviceStalled, poll,  # noqa: F401 - the runtime's names for them
+                                    wait_seconds_default)
 
 PAGE = 4096  # bytes; host memory is registered (pinned) in whole pages
-WAIT_SECONDS = 600.0  # the longest a host waits on device work before calling it hung (Device.wait_seconds)
 
 
 def pin_budget() -> int:
@@ -50,41 +49,6 @@ def pin_budget() -> int:
     from core import platform
 
     return platform.pinned_budget(int(psutil.virtual_memory().total))
-
-
-class DeviceStalled(MlightError):
-    """Device work the host waited on did not complete within the device's `wait_seconds`."""
-
-    def __init__(self, what: str, seconds: float):
-        super().__init__(f"{what} did not complete on the device within {seconds:g} s",
-                         "a kernel or a copy hung (or the GPU is shared and starved): check nvidia-smi and restart "
-                         "mlight; a slow GPU may need a longer wait (MLIGHT_DEVICE_WAIT_S)")
-        self.what, self.seconds = what, seconds
-
-
-def poll(done: Callable[[], bool], seconds: float, what: str, cancel: Callable[[], bool] | None = None) -> bool:
-    """Wait until `done()` with a deadline; False if `cancel()` said stop first, DeviceStalled past the
-    deadline. The sleep between polls grows from 20 µs to 1 ms: a wait that is already over costs one
-    query, a long one wakes a thousand times a second at most."""
-    if done():
-        return True
-    deadline, pause = time.monotonic() + seconds, 2e-5
-    while not done():
-        if cancel is not None and cancel():
-            return False
-        if time.monotonic() > deadline:
-            raise DeviceStalled(what, seconds)
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
-    return True
-
-
-def wait_seconds_default() -> float:
-    """$MLIGHT_DEVICE_WAIT_S if set (a slow or shared GPU), else WAIT_SECONDS."""
-    import os
-
-    env = os.environ.get("MLIGHT_DEVICE_WAIT_S", "").strip()
-    return float(env) if env else WAIT_SECONDS
 
 
 class DeviceTaskError(RuntimeError):

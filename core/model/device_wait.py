@@ -1,0 +1,65 @@
+"""Host waits on device work with a deadline: what every wait on a GPU goes through, setup probes included.
+
+torch.cuda.synchronize and a blocking cudaEventSynchronize cannot be given a deadline: a hung kernel or
+copy hangs the process with them. Here the host records an event and polls its query until it
+completes or `seconds` pass (DeviceStalled). The runtime's `Device` waits this way
+(core.runtime.device re-exports these names); the setup probes of core.model and core.plan, which
+sit below the runtime, wait through `synchronize` here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+from core.errors import MlightError
+
+WAIT_SECONDS = 600.0  # the longest a host waits on device work before calling it hung (Device.wait_seconds)
+
+
+class DeviceStalled(MlightError):
+    """Device work the host waited on did not complete within the device's `wait_seconds`."""
+
+    def __init__(self, what: str, seconds: float):
+        super().__init__(f"{what} did not complete on the device within {seconds:g} s",
+                         "a kernel or a copy hung (or the GPU is shared and starved): check nvidia-smi and restart "
+                         "mlight; a slow GPU may need a longer wait (MLIGHT_DEVICE_WAIT_S)")
+        self.what, self.seconds = what, seconds
+
+
+def wait_seconds_default() -> float:
+    """$MLIGHT_DEVICE_WAIT_S if set (a slow or shared GPU), else WAIT_SECONDS."""
+    env = os.environ.get("MLIGHT_DEVICE_WAIT_S", "").strip()
+    return float(env) if env else WAIT_SECONDS
+
+
+def poll(done: Callable[[], bool], seconds: float, what: str, cancel: Callable[[], bool] | None = None,
+         max_pause: float = 1e-3) -> bool:
+    """Wait until `done()` with a deadline; False if `cancel()` said stop first, DeviceStalled past the
+    deadline. The sleep between polls grows from 20 µs to `max_pause` (1 ms): a wait that is already over
+    costs one query, a long one wakes a thousand times a second at most. `max_pause=0` spins (yielding
+    the GIL), as a CUDA synchronize does: for waits inside a timing."""
+    if done():
+        return True
+    deadline, pause = time.monotonic() + seconds, min(2e-5, max_pause)
+    while not done():
+        if cancel is not None and cancel():
+            return False
+        if time.monotonic() > deadline:
+            raise DeviceStalled(what, seconds)
+        time.sleep(pause)
+        pause = min(2 * pause, max_pause)
+    return True
+
+
+def synchronize(what: str, index: int | None = None, seconds: float | None = None, *, event=None,
+                stream=None) -> None:
+    """torch.cuda.synchronize's wait for the work queued on the current stream of GPU `index`, within
+    `seconds` (default: wait_seconds_default()); it spins, so a probe that times its work reads the time
+    the work took. `event` (a class, default torch.cuda.Event) and `stream`: what to record (tests)."""
+    import torch
+
+    ev = (event or torch.cuda.Event)()
+    ev.record(stream if stream is not None else torch.cuda.current_stream(index))
+    poll(ev.query, wait_seconds_default() if seconds is None else seconds, what, max_pause=0.0)
