@@ -6,9 +6,10 @@ its tasks create — with the plan's budget as the device's memory. Policies: th
 several GPU budgets (a slow CPU, so the GPU placements win), and hand-picked ones the search rarely
 picks (attention and KV on the GPU, expert batches over micro-batches, many pages). Prints peak, plan,
 their ratio (the target: 1.0 ≤ plan/peak ≤ 1.1), what was running at the peak, the transient part
-against the plan's activation term, and the page-locked bytes against the plan's.
+against the plan's activation term, and the page-locked bytes against the plan's. `--quantize int8,int4`
+runs the same with the experts stored in those formats (int4 at group 32), planned as quantized.
 
-    python bench/emulated_memory.py [--workdir DIR]
+    python bench/emulated_memory.py [--workdir DIR] [--quantize none,int8,int4]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch  # noqa: E402
 
 from core.io.workloads import build_prompts  # noqa: E402
 from core.model.families import load_spec  # noqa: E402
+from core.model.quant.formats import parse_choice, quantized_spec  # noqa: E402
 from core.plan.hardware import preset  # noqa: E402
 from core.plan.planner import Budget, Workload, plan, predict  # noqa: E402
 from core.plan.policy import Policy  # noqa: E402
@@ -50,9 +52,9 @@ def model(work: Path, dtype: str) -> Path:
     return path
 
 
-def run(path: Path, policy: Policy, pred, prompts, gen: int, memory: int) -> str:
+def run(path: Path, policy: Policy, pred, prompts, gen: int, memory: int, quantize: str = "none") -> str:
     dev = EmulatedCuda(memory)
-    engine = Engine.load(path, device=dev, policy=policy)
+    engine = Engine.load(path, device=dev, policy=policy, quantize=quantize, group_size=32, use_cache=False)
     engine.eos_ids = set()
     pinned, real = [], engine.runner
 
@@ -77,12 +79,15 @@ def run(path: Path, policy: Policy, pred, prompts, gen: int, memory: int) -> str
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--quantize", default="none", help="formats to run, comma-separated (none, int8, int4)")
     args = p.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mlight-mem-"))
-    for dtype in ("float32", "bfloat16"):
+    for dtype, quantize in [(d, q) for q in args.quantize.split(",") for d in ("float32", "bfloat16")]:
         path = model(work, dtype)
-        spec, tok = load_spec(path), Engine.load(path, device="cpu").tokenizer
-        print(f"\n{dtype}: {spec.total_bytes / 1e6:.1f} MB of weights")
+        spec = quantized_spec(load_spec(path), parse_choice(quantize, 32))
+        tok = Engine.load(path, device="cpu").tokenizer
+        print(f"\n{dtype}, experts {spec.expert_format if quantize != 'none' else dtype}: "
+              f"{spec.total_bytes / 1e6:.1f} MB of weights")
 
         def workload(n, length, gen):
             prompts = build_prompts(tok, [length] * n)
@@ -93,11 +98,11 @@ def main(argv=None) -> int:
             prompts, w = workload(n, length, gen)
             hw = dataclasses.replace(preset("t4"), gpu_mem_bytes=gpu_mib * MiB, cpu_flops=2e10, cpu_bw=2e10)
             policy, pred = plan(spec, hw, w, Budget(gpu_mib * MiB, 1 << 30))
-            print(f"  planned for {gpu_mib:2} MiB: " + run(path, policy, pred, prompts, gen, gpu_mib * MiB))
+            print(f"  planned for {gpu_mib:2} MiB: " + run(path, policy, pred, prompts, gen, gpu_mib * MiB, quantize))
         for policy in GIVEN:
             prompts, w = workload(policy.batch_size, 16, 6)
             print("  given:              " + run(path, policy, predict(policy, spec, preset("t4"), w), prompts, 6,
-                                                 1 << 30))
+                                                 1 << 30, quantize))
     return 0
 
 
