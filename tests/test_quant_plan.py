@@ -147,3 +147,36 @@ def test_one_row_rate_decides_batch_one_and_calibrated_costs_defer_to_it():
         # halving the one-row rate adds one more pass over the two touched experts' weights, 2 FLOP each
         extra = m.top_k * 2 * 3 * m.hidden_size * m.expert_intermediate / slow
         assert t[1] - t[0] == pytest.approx(extra, rel=1e-3), c
+
+
+def test_int8_experts_with_many_rows_are_priced_as_the_engine_runs_them():
+    """The engine expands an int8 expert that more than KERNEL_ROWS tokens chose and multiplies it in the
+    compute dtype (core.model.quant.experts); the HRM prices that — expansion bytes written and read, the
+    matmul at the CPU's rate — not the int8 kernel, whose rate then no longer matters. int4 always runs
+    its kernel. With and without calibrated CPU costs."""
+    import dataclasses
+
+    from core.model.quant.formats import KERNEL_ROWS
+    from core.plan.cpu_cost import CpuCosts
+
+    base = hrm.effective_rates(preset("t4"))
+    costs = CpuCosts("bfloat16", flop_s=1e-12, weight_s=1e-12, call_s=1e-6, expert_weight_s=1e-12, task_s=1e-5)
+    kw = dict(attention_on="cpu", ffn_on="cpu", gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, context=100)
+    for fmt in (Format("int8"), Format("int4", 64)):
+        m = quantized_spec(resolve_spec("mixtral-8x7b"), fmt)
+        q = "int8" if fmt.name == "int8" else "int4"
+
+        def ffn(batch, rate, c):
+            r = dataclasses.replace(base, cpu_costs=c, cpu_kernel_flops=((q, rate), (f"{q}@1", rate)))
+            return hrm.decode_tasks(m, r, batch=batch, micro_batch=batch, expert_batch=batch, **kw)["ffn"].seconds
+
+        few, many = 4, 32 * m.num_experts // m.top_k  # ≈ 1 and 32 rows an expert
+        assert few * m.top_k / m.num_experts <= KERNEL_ROWS < many * m.top_k / m.num_experts
+        for c in (None, costs):
+            assert ffn(few, 1e9, c) > 1.5 * ffn(few, 2e9, c)  # the kernel's rate decides
+            if fmt.name == "int8":
+                assert ffn(many, 1e9, c) == ffn(many, 2e9, c)  # expanded: the kernel plays no part
+                expand = hrm.roofline_seconds(hrm.moe_ffn(m, many, expand=True), base.cpu_flops, base.cpu_bw)
+                assert ffn(many, 1e9, c) >= expand
+            else:
+                assert ffn(many, 1e9, c) > 1.5 * ffn(many, 2e9, c)

@@ -15,7 +15,7 @@ from core.plan.hardware import HardwareSpec
 from core.plan.mixer_costs import MixerCost, mixer_costs
 from core.model.limits import LOOKAHEAD  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU
 from core.model.limits import LAYOUT_ALIGN  # each stacked expert tensor of a layer buffer starts at a multiple of this
-from core.model.quant.formats import GGUF_BLOCKS, Format, workspace_bytes
+from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, Format, workspace_bytes
 from core.model.spec import ModelSpec
 
 # Achieved fraction of a datasheet peak, for rates not measured on the machine (HardwareSpec.measured).
@@ -297,13 +297,18 @@ def moe_ffn(m: "ModelSpec | Dims", t: float, expand: bool = False) -> Work:
 
 
 def quant_cpu_ffn(m: "ModelSpec | Dims", r: Rates, t: float) -> float:
-    """CPU seconds of the weight-only kernels over the routed experts of t tokens (int8/int4 experts in CPU
-    mode): each touched expert's two matrices, at the rows it gets on average (Rates.kernel_seconds)."""
+    """CPU seconds of the routed experts of t tokens in CPU mode, int8/int4 experts: each touched expert's
+    two matrices on the weight-only kernels at the rows it gets on average (Rates.kernel_seconds) — except
+    int8 experts with more than KERNEL_ROWS rows, which the engine expands into the compute dtype and
+    multiplies with the ordinary matmul (core.model.quant.experts), priced so here."""
     d = dims(m)
     touched = expected_experts(t, d.E, d.k)
     if not touched:
         return 0.0
-    return d.moe_frac * touched * r.kernel_seconds(d.qkind, t * d.k / touched, 3 * d.D * d.I)
+    rows = t * d.k / touched
+    if d.qkind == "int8" and rows > KERNEL_ROWS:
+        return roofline_seconds(moe_ffn(m, t, expand=True), r.cpu_flops, r.cpu_bw)
+    return d.moe_frac * touched * r.kernel_seconds(d.qkind, rows, 3 * d.D * d.I)
 
 
 def shared_expert(m: "ModelSpec | Dims", t: float) -> Work:

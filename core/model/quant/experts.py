@@ -23,10 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from core.model.quant.expand import Workspace, expand_into
-from core.model.quant.formats import DEFAULT_INT4_GROUP, Format, quantize
+from core.model.quant.formats import DEFAULT_INT4_GROUP, KERNEL_ROWS, Format, quantize
 
-# Above this many tokens on one expert the CPU kernels lose to expand-then-matmul (bench/quant_cpu.py).
-KERNEL_ROWS = 16
 _TORCH = {"uint8": torch.uint8, "int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float32": torch.float32}
 

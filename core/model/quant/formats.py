@@ -28,6 +28,9 @@ GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (
 # Expanding a quantized matrix goes a chunk of rows at a time through a float32 workspace (expand.py)
 CHUNK_ELEMS_CPU = 1 << 18  # 1 MB: the expanded rows are read back from L2
 CHUNK_ELEMS_DEVICE = 1 << 23  # 32 MB: a Mixtral expert's up projection in 14 chunks of a few launches each
+# Above this many tokens on one expert the CPU's int8 kernel loses to expand-then-matmul (bench/quant_cpu.py);
+# here, not in experts.py, so that the planner (which never imports torch) prices what the engine runs.
+KERNEL_ROWS = 16
 _ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
