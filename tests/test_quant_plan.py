@@ -180,3 +180,21 @@ def test_int8_experts_with_many_rows_are_priced_as_the_engine_runs_them():
                 assert ffn(many, 1e9, c) >= expand
             else:
                 assert ffn(many, 1e9, c) > 1.5 * ffn(many, 2e9, c)
+
+
+@pytest.mark.parametrize("int4_speed,warned", [(0.7, True), (1.8, False)])
+def test_an_asked_format_slower_than_the_unquantized_plan_says_so(monkeypatch, int4_speed, warned):
+    """int4 at batch 64 in CPU mode runs ≈ 0.7x bf16 (bench/quant_cpu.py): where bf16 fits too, the plan's
+    why says the format buys memory there, not speed (auto never picks it then: bf16 fits)."""
+    import types
+
+    m, hw = resolve_spec("mixtral-8x7b"), preset("t4")
+
+    def plan(spec, *a, **k):
+        return "policy", types.SimpleNamespace(tokens_per_s=100.0 * (int4_speed if spec.expert_format != "none" else 1))
+
+    monkeypatch.setattr(planner, "plan", plan)
+    c = choose(m, hw, WORK, planner.Budget.for_hardware(hw), "int4")
+    assert c.quantize == "int4" and c.speedup == pytest.approx(int4_speed)
+    assert ("predicted faster at this batch (0.70x)" in c.why) == warned, c.why
+    assert choose(m, hw, WORK, planner.Budget.for_hardware(hw), "auto").quantize == "none"

@@ -1,7 +1,11 @@
 """Which format the experts run in: `--quantize none | int8 | int4 | auto`, planned, with the reason.
 
 `auto` takes the least lossy format whose plan fits the memory budget (bf16/the checkpoint's dtype,
-then int8, then int4) and says why the more faithful ones were passed over. Every choice also plans
+then int8, then int4) and says why the more faithful ones were passed over: it never trades accuracy
+for speed, so where bf16 fits it runs bf16 even at batch 1 (where int4 is faster on a CPU), and it
+picks int4 only when nothing less lossy fits (even at large batches, where int4 is slower on a CPU
+than bf16 would be: bf16 is then not an option). An explicit int8/int4 whose plan is slower than the
+unquantized one that also fits says so. Every choice also plans
 the unquantized model on the same budget, so the speed-up a format buys is a prediction the user sees
 (or the statement that the unquantized model does not fit at all). A checkpoint that arrives
 quantized (GGUF, MXFP4) runs as it is: `auto` keeps it, int8/int4 are refused.
@@ -80,6 +84,10 @@ def choose(model: ModelSpec, hw: HardwareSpec, workload: planner.Workload, budge
     base = plans["none"][2] if "none" in plans else None
     if quantize != "auto":
         why = f"asked for {_name(model, want, group_size)}"
+        if base is not None and want != "none" and pred.tokens_per_s < base.tokens_per_s:
+            # e.g. int4 at batch 64 on a CPU: the weight-only kernels lose to the bf16 matmul there
+            why += (f"; {model.dtype} fits too and is predicted faster at this batch "
+                    f"({pred.tokens_per_s / base.tokens_per_s:.2f}x): the format saves memory here, not time")
     elif want == "none":
         why = f"{model.dtype} fits the budget: no quantization needed"
     else:
