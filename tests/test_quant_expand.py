@@ -77,6 +77,51 @@ def test_expansion_allocates_nothing_after_the_first_call(fmt):
     assert layers[1].workspace is ws and ws.allocations == made
 
 
+def _block_parts(kind: str, rows: int, k: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A [rows, k] matrix in a block format: real quantized rows and arbitrary bytes (finite scales), for
+    GGUF (through gguf's quantizer where it has one) and gpt-oss's MXFP4 (blocks + exponents)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    if kind == "mxfp4":
+        blocks = torch.from_numpy(rng.integers(0, 256, (rows, k // 32, 16), dtype=np.uint8))
+        scales = torch.from_numpy(rng.integers(100, 140, (rows, k // 32), dtype=np.uint8))
+        scales[0, 0], scales[1, 1] = 0, 255  # extreme exponents too
+        return {"blocks": blocks, "scales": scales}
+    from gguf_files import quantize as gquant
+    from test_quant_gguf import _random_blocks
+
+    x = (rng.standard_normal((rows // 2, k)) * np.linspace(1e-3, 30, rows // 2)[:, None]).astype(np.float32)
+    real = gquant(x, kind)
+    return {"raw": torch.from_numpy(np.concatenate([real, _random_blocks(kind, rng, real.shape)]))}
+
+
+BLOCK_KINDS = ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "mxfp4"]
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_block_formats_expand_bit_for_bit_and_allocate_nothing_after_the_first_call(kind):
+    """GGUF blocks and gpt-oss MXFP4 expand, a few rows a chunk, to exactly blocks.decode's values (the
+    float reference bit-equal to gguf's own dequantization, tests/test_quant_gguf.py), in bf16 and fp32;
+    once every buffer has been made, a second layer's expansion makes no tensor at all — before, each
+    chunk's decode allocated its intermediates (a fresh lookup table among them: on a GPU a copy from
+    the host per expert)."""
+    pytest.importorskip("gguf")
+    from core.model.quant.blocks import decode
+
+    fmt = Format(kind)
+    rows, k = 12, 512
+    layers = [_block_parts(kind, rows, k, seed) for seed in (0, 1)]
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        ws = Workspace("cpu", chunk_elems=5 * k)  # chunks of 5, 5 and 2 rows
+        want = [decode(fmt, p).to(dtype).view(bits) for p in layers]  # bits: NaN-proof and -0.0-aware
+        first = expand_into(ws, fmt, layers[0], rows, k, dtype)
+        assert torch.equal(first.view(bits), want[0])
+        assert _allocations(lambda: expand_into(ws, fmt, layers[1], rows, k, dtype)) == []
+        again = expand_into(ws, fmt, layers[1], rows, k, dtype)
+        assert again is first and torch.equal(again.view(bits), want[1])
+
+
 def test_gguf_blocks_expand_in_bounded_chunks():
     """Block formats decode a chunk of rows at a time into the same reused output (their decoders'
     temporaries scale with the chunk, not the matrix)."""
@@ -91,3 +136,16 @@ def test_gguf_blocks_expand_in_bounded_chunks():
     again = expand_into(ws, fmt, {"raw": raw}, 40, 256, torch.float32)
     assert again is got
     torch.testing.assert_close(got, dequantize(fmt, {"raw": raw}), rtol=0, atol=0)
+
+
+def test_block_decoders_build_their_lookup_tables_once_per_device():
+    """blocks.decode (the reference, and what loading converts with) keeps its MXFP4 tables: a table made
+    per call is a host-to-device copy per expert on a GPU (torch.tensor from a Python tuple: lift_fresh)."""
+    from core.model.quant.blocks import decode
+
+    for kind in ("mxfp4", "MXFP4"):
+        parts = _block_parts(kind, 4, 64)
+        decode(Format(kind), parts)
+        with torch.autograd.profiler.profile(use_kineto=False) as prof:
+            decode(Format(kind), parts)
+        assert not [ev.name for ev in prof.function_events if ev.name == "aten::lift_fresh"], kind

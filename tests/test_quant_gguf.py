@@ -37,10 +37,10 @@ def test_block_decoders_are_bit_equal_to_gguf(kind):
         assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)), kind
 
 
-def _random_blocks(kind, rng):
+def _random_blocks(kind, rng, shape=None):
     """Arbitrary bytes with finite fp16 scales: every bit pattern of the quants and packed scales."""
     bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
-    raw = rng.integers(0, 256, (8, 2 * ts), dtype=np.uint8)
+    raw = rng.integers(0, 256, shape or (8, 2 * ts), dtype=np.uint8)
     blocks = raw.reshape(-1, ts)
     for at in {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (ts - 2,)}.get(kind, ()):
         blocks[:, at:at + 2] = np.float16(rng.uniform(-2, 2, (len(blocks), 1))).view(np.uint8)

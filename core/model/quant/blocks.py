@@ -25,6 +25,19 @@ _MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _const(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant table on `device`, made on first use and kept: built per call it was a fresh
+    tensor, and on a GPU a host-to-device copy, for every expert decoded."""
+    key = (values, dtype, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(values, dtype=dtype, device=device)
+    return t
+
+
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """Two bytes per row -> float32 [n, 1]."""
     return b.contiguous().view(torch.float16).float()
@@ -86,7 +99,7 @@ def _q6_k(b):
 def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
     """2^(e − 128) as float32, built from its bits like ggml (subnormal for e < 2)."""
     e = e.to(torch.int32)
-    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=e.device) << e, (e - 1) << 23)
+    bits = torch.where(e < 2, _const(0x00200000, torch.int32, e.device) << e, (e - 1) << 23)
     return bits.view(torch.float32)
 
 
@@ -94,7 +107,7 @@ def _mxfp4_gguf(b):
     n = b.shape[0]
     d = _e8m0_half(b[:, :1])
     idx = _nibbles(b[:, None, 1:], 16).reshape(n, 32).long()
-    lut = torch.tensor(_MXFP4_DOUBLED, dtype=torch.int8, device=b.device)
+    lut = _const(_MXFP4_DOUBLED, torch.int8, b.device)
     return d * lut[idx].float()
 
 
@@ -111,7 +124,7 @@ def decode_gguf(name: str, raw: torch.Tensor) -> torch.Tensor:
 
 def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """gpt-oss MXFP4: blocks [..., G, 16] uint8, scales [..., G] uint8 (biased 127) -> float32 [..., G·32]."""
-    lut = torch.tensor(_E2M1, dtype=torch.float32, device=blocks.device)
+    lut = _const(_E2M1, torch.float32, blocks.device)
     vals = lut[torch.stack([blocks & 15, blocks >> 4], -1).long()]  # [..., G, 16, 2]: even k low
     vals = vals.reshape(*blocks.shape[:-1], 32)
     out = torch.ldexp(vals, scales.to(torch.int32)[..., None] - 127)

@@ -9,8 +9,8 @@ becomes a fresh 0-dim tensor on every op) live in a `Workspace` shared by all la
 The arithmetic is `formats.dequantize`'s, op for op in float32, so the result is bit for bit the
 reference's: rows are expanded a chunk at a time through a float32 workspace (small enough to stay
 in cache on the CPU, large enough on an accelerator that an expert takes a few launches), then
-rounded once into the output. GGUF and MXFP4 blocks go through `blocks.decode` a chunk at a time: their
-temporaries are allocated, but bounded by the chunk rather than the matrix.
+rounded once into the output. GGUF and MXFP4 blocks likewise, through `expand_blocks` (blocks.decode's
+arithmetic with its intermediates in the workspace): no format allocates after its first call.
 Legend: n = output rows, k = inputs, g = int4 group, r = rows in a chunk.
 """
 
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from core.model.quant.blocks import decode
+from core.model.quant.expand_blocks import expand_blocks
 from core.model.quant.formats import CHUNK_ELEMS_CPU, CHUNK_ELEMS_DEVICE, Format
+
 
 class Workspace:
     """Buffers for expanding matrices, by role and shape, on one device: made on first use, then reused."""
@@ -76,7 +77,10 @@ def expand_into(ws: Workspace, fmt: Format, parts: dict[str, torch.Tensor], n: i
         elif fmt.name == "int4":
             _int4(ws, parts, r0, r1, k, fmt.group, dst)
         else:
-            dst.copy_(decode(fmt, {s: t[r0:r1] for s, t in parts.items()}))
+            w = _f32(ws, dst, k)
+            expand_blocks(ws, fmt, parts, r0, r1, w)
+            if w is not dst:
+                dst.copy_(w)
     return out
 
 
