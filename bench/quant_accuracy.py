@@ -4,7 +4,8 @@ A ≥ 100M-parameter random bf16 Mixtral-shaped checkpoint (transformers' classe
 than the default so that logits are peaked and a changed top-1 means something) reads MT-Bench text
 (the 80 questions' first turns, concatenated, cut into sequences) teacher-forced through our engine:
 bf16 experts (the reference), then int8 and int4 at group sizes 32, 64 and 128. Also the fp32 engine,
-to show how far bf16 itself sits from full precision. Per position: top-1 agreement with the bf16
+to show how far bf16 itself sits from full precision, and int8 / int4-g64 experts with the dense
+weights (attention projections, LM head) quantized too (`--quantize-dense [int8|int4]`, CPU-only mode). Per position: top-1 agreement with the bf16
 reference and KL(reference ‖ format) of the next-token distributions (float64). Per layer: the routed
 experts' relative output error ‖y_q − y‖ / ‖y‖ on that layer's real inputs (captured from transformers'
 bf16 model on the same text), routing held fixed.
@@ -37,6 +38,7 @@ from bench import common  # noqa: E402
 FULL = dict(hidden=768, intermediate=2048, layers=4, heads=12, kv_heads=4, experts=8, top_k=2, vocab=4096)
 QUICK = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, experts=4, top_k=2, vocab=1024)
 FORMATS = (("int8", None), ("int4", 32), ("int4", 64), ("int4", 128))
+DENSE = (("int8", None, True), ("int4", 64, "int8"), ("int4", 64, True))  # --quantize-dense [FORMAT]
 
 
 def parse_args(argv=None):
@@ -47,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--len", type=int, default=None, help="tokens per sequence (default 256; 32 quick)")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--only-dense", action="store_true", help="only the reference and the --quantize-dense rows")
     return p.parse_args(argv)
 
 
@@ -137,17 +140,20 @@ def main(argv=None) -> int:
     ref_engine.close()
     del ref_engine
     rows = {}
-    fp32 = Engine.load(model_dir, dtype="float32")
-    rows["float32 (no quantization)"] = compare(ref, teacher_forced_logits(fp32, seqs))
-    fp32.close()
-    del fp32
-    for name, group in FORMATS:
-        e = Engine.load(model_dir, dtype="bfloat16", quantize=name, group_size=group)
-        rows[e.weights.scheme.label] = compare(ref, teacher_forced_logits(e, seqs))
-        rows[e.weights.scheme.label]["bits_per_weight"] = e.spec.expert_bits
+    if not args.only_dense:
+        fp32 = Engine.load(model_dir, dtype="float32")
+        rows["float32 (no quantization)"] = compare(ref, teacher_forced_logits(fp32, seqs))
+        fp32.close()
+        del fp32
+    runs = list(DENSE) if args.only_dense else [(n, g, False) for n, g in FORMATS] + list(DENSE)
+    for name, group, dense in runs:
+        e = Engine.load(model_dir, dtype="bfloat16", quantize=name, group_size=group, quantize_dense=dense, device="cpu")
+        label = e.weights.scheme.label + ("" if not dense else " + dense " + (name if dense is True else dense))
+        rows[label] = compare(ref, teacher_forced_logits(e, seqs))
+        rows[label]["bits_per_weight"] = e.spec.expert_bits
         e.close()
-        print(f"{e.weights.scheme.label}: {rows[e.weights.scheme.label]}", flush=True)
-    layers = layer_errors(model_dir, seqs, FORMATS)
+        print(f"{label}: {rows[label]}", flush=True)
+    layers = layer_errors(model_dir, seqs, () if args.only_dense else FORMATS)
     print(f"\nmodel: {params / 1e6:.0f}M parameters {dims if args.model is None else model_dir}; "
           f"{ref.shape[0]} positions of MT-Bench text; reference: the bf16 engine")
     print(f"{'format':>26} {'bits/w':>7} {'top-1 agree':>12} {'mean KL':>10} {'p99 KL':>10}")

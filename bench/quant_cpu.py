@@ -2,10 +2,10 @@
 
 Builds one random bf16 Mixtral-shaped checkpoint (transformers' classes), loads it four times in one
 process — bf16 (oneDNN-prepacked where the CPU takes it), int8 and int4 experts (torch's weight-only CPU
-kernels over experts prepacked at load), and int4 experts with the dense weights in int4 too
-(`--quantize-dense`: attention projections and LM head) — and measures decode steps of each in
-interleaved rounds (bf16, int8, int4, int4+dense, bf16, …) so that load changes on a shared machine hit
-all alike. Decode tokens/s = decode tokens / decode seconds from the engine's own StepDone events
+kernels over experts prepacked at load), and int4 experts with the dense weights (attention
+projections, LM head) quantized too: int4+d8 (`--quantize int4 --quantize-dense int8`) and int4+d4
+(`--quantize int4 --quantize-dense`) — and measures decode steps of each in interleaved rounds (bf16,
+int8, int4, int4+d8, int4+d4, bf16, …) so that load changes on a shared machine hit all alike. Decode tokens/s = decode tokens / decode seconds from the engine's own StepDone events
 (prefill excluded). Ratios: of the medians, and the median of each round's ratio to the bf16 round just
 before it (which cancels slow drifts in what the machine's neighbours take).
 
@@ -55,7 +55,8 @@ FULL = dict(hidden=1024, intermediate=3840, layers=4, heads=16, kv_heads=4, expe
 LARGE = dict(hidden=2048, intermediate=7168, layers=4, heads=32, kv_heads=8, experts=8, top_k=2, vocab=4096)
 QUICK = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, experts=8, top_k=2, vocab=1024)
 SIZES = {"small": FULL, "large": LARGE}
-FORMATS = ("none", "int8", "int4", "int4+dense")  # int4+dense: --quantize int4 --quantize-dense
+FORMATS = {"none": {}, "int8": dict(quantize="int8"), "int4": dict(quantize="int4"),  # Engine.load's arguments
+           "int4+d8": dict(quantize="int4", quantize_dense="int8"), "int4+d4": dict(quantize="int4", quantize_dense=True)}
 
 
 def parse_args(argv=None):
@@ -169,8 +170,7 @@ def main(argv=None) -> int:
     engines, loads = {}, {}
     for f in FORMATS:
         t = time.perf_counter()
-        engines[f] = Engine.load(model_dir, dtype="bfloat16", quantize=f.removesuffix("+dense"),
-                                 group_size=args.group_size, quantize_dense=f.endswith("+dense"),
+        engines[f] = Engine.load(model_dir, dtype="bfloat16", **FORMATS[f], group_size=args.group_size,
                                  threads=args.threads)  # fixed: the engine's governor would follow the load
         engines[f].eos_ids = set()
         loads[f] = time.perf_counter() - t
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
             print(f"{b:>4} {f if f != 'none' else 'bf16':>10} {med[f][b]:>13.2f} {med[f][b] / med['none'][b]:>7.2f}x "
                   f"{paired[f][b]:>6.2f}x {best[f][b]:>10.2f} {best[f][b] / best['none'][b]:>7.2f}x "
                   f"{pred[f][b]:>10.2f} {pred[f][b] / pred['none'][b]:>13.2f}x")
-    print("(int4+dense's prediction is int4's: the planner counts the dense weights in bf16)")
+    print("(int4+d8's and int4+d4's predictions are int4's: the planner counts the dense weights in bf16)")
     print("\nper expert, up + down (ms): tokens  kernel  expand")
     for f, c in cross.items():
         for n, r in c.items():

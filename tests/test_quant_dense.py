@@ -47,15 +47,17 @@ def mixtral(tmp_path_factory):
     return make_checkpoint("mixtral", tmp_path_factory.mktemp("q-dense"))
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_model_with_quantized_dense_weights_matches_transformers_on_them(quant, mixtral):
+@pytest.mark.parametrize("quant,dense", [("int8", True), ("int4", True), ("int4", "int8")])
+def test_model_with_quantized_dense_weights_matches_transformers_on_them(quant, dense, mixtral):
+    """True: the dense weights in the experts' format; "int8": int8 beside int4 experts."""
     fmt = Format("int8") if quant == "int8" else Format("int4", 32)
-    engine = Engine.load(mixtral, quantize=quant, group_size=32, quantize_dense=True, device="cpu")
+    dense_fmt = fmt if dense is True else Format(dense)
+    engine = Engine.load(mixtral, quantize=quant, group_size=32, quantize_dense=dense, device="cpu")
     layer = engine.weights.layers[0].tensors
-    held = {n for n in ("qkv", "o") if isinstance(layer[n], QuantWeight)}
-    head = isinstance(engine.weights.globals["lm_head"], QuantWeight)
-    assert held == {"qkv", "o"} and head
-    ref = dequantized_hf(mixtral, fmt, dense=("q_proj", "k_proj", "v_proj", "o_proj", "lm_head"))
+    held = {n: layer[n].fmt for n in ("qkv", "o") if isinstance(layer[n], QuantWeight)}
+    head = engine.weights.globals["lm_head"]
+    assert held == {"qkv": dense_fmt, "o": dense_fmt} and isinstance(head, QuantWeight) and head.fmt == dense_fmt
+    ref = dequantized_hf(mixtral, fmt, dense=("q_proj", "k_proj", "v_proj", "o_proj", "lm_head"), dense_fmt=dense_fmt)
     plain = dequantized_hf(mixtral, fmt)  # experts only: the dense quantization must show
     prompts = [engine.prompt_token_ids(Request(id=str(i), prompt=p)) for i, p in enumerate(PROMPTS[:2])]
     runner = engine.runner(slots=2, micro_batch_size=1, max_tokens=max(map(len, prompts)) + 2)
@@ -76,3 +78,18 @@ def test_model_with_quantized_dense_weights_matches_transformers_on_them(quant, 
 def test_dense_quantization_needs_a_format(mixtral):
     with pytest.raises(UsageError, match="needs a format"):
         Engine.load(mixtral, quantize_dense=True, device="cpu")
+
+
+def test_run_passes_the_dense_format_to_the_engine(monkeypatch):
+    """`mlight run --quantize int4 --quantize-dense [int8]`: the flag alone means the experts' format."""
+    from app.cli import build_parser
+    from app.commands import run
+
+    seen = []
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, **kw: seen.append(kw)))
+    for extra, want in (([], None), (["--quantize-dense"], True), (["--quantize-dense", "int8"], "int8")):
+        argv = ["run", "--model", "m", "--prompts", "p.txt", "--out", "o.jsonl", "--quantize", "int4", *extra]
+        args = build_parser(argv)[0].parse_args(argv)
+        run._load_engine(args, "m", progress=None)
+        assert seen[-1].get("quantize_dense") == want
+        assert run._quant_settings(args).get("quantize_dense") == want

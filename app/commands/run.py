@@ -59,9 +59,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "machine's). Quantized once, then read from the cache (default: none)")
     p.add_argument("--group-size", type=int, choices=INT4_GROUPS, default=None, metavar="G",
                    help=f"int4: weights per scale, one of {', '.join(map(str, INT4_GROUPS))} (default {DEFAULT_INT4_GROUP})")
-    p.add_argument("--quantize-dense", action="store_true",
-                   help="CPU-only mode: also store the attention projections and the LM head in --quantize's format "
-                        "(faster decode at small batches, less accurate; see README)")
+    p.add_argument("--quantize-dense", nargs="?", const=True, choices=("int8", "int4"), default=None,
+                   metavar="FORMAT", help="CPU-only mode: also store the attention projections and the LM head "
+                        "quantized, in FORMAT (int8 or int4; default: --quantize's): faster decode at small batches, "
+                        "less accurate, int4 far more so than int8 (see README)")
     p.add_argument("--executor", choices=EXECUTORS, default=None,
                    help="how a step's tasks run (default: cuda when a GPU is present, else sequential)")
     p.add_argument("--schedule", choices=SCHEDULES, default=None,
@@ -386,7 +387,7 @@ def _quant_settings(args) -> dict:
     if q == "none":
         return {}
     return {"quantize": q, **({"group_size": args.group_size or DEFAULT_INT4_GROUP} if q == "int4" else {}),
-            **({"quantize_dense": True} if getattr(args, "quantize_dense", False) else {})}
+            **({"quantize_dense": args.quantize_dense} if getattr(args, "quantize_dense", None) else {})}
 
 
 def _load_engine(args, model_dir: Path, progress, tp=None):
@@ -403,8 +404,8 @@ def _load_engine(args, model_dir: Path, progress, tp=None):
         kw["policy"] = args.policy
     if getattr(args, "quantize", "none") != "none":
         kw["quantize"], kw["group_size"] = args.quantize, args.group_size
-    if getattr(args, "quantize_dense", False):  # without a format Engine.load says what to pass
-        kw["quantize_dense"] = True
+    if getattr(args, "quantize_dense", None):  # without --quantize Engine.load says what to pass
+        kw["quantize_dense"] = args.quantize_dense
     if args.threads:
         kw["threads"] = args.threads
     return Engine.load(model_dir, progress=progress, **kw)

@@ -245,12 +245,13 @@ class Engine:
              resident_layers: int | None = None, expert_group: int = 1, grouped: bool | None = None,
              policy=None, resident_experts=None, quantize: str | None = None, group_size: int | None = None,
              use_cache: bool = True, cpu_math: str | None = None, threads: int | None = None,
-             progress: EventSink = ignore, tp=None, quantize_dense: bool = False) -> "Engine":
+             progress: EventSink = ignore, tp=None, quantize_dense: bool | str = False) -> "Engine":
         """Load a checkpoint. A `core.plan.policy.Policy` (the planner's) sets paging, resident experts, the
         expert batch and attention placement; the explicit arguments are for tests and benchmarks.
         `quantize` ("none", "int8", "int4"; `group_size` for int4) stores the experts quantized, through
         the quantized cache unless `use_cache` is False; `quantize_dense` stores the attention and
-        shared-expert projections and the LM head in that format too (CPU-only mode). `tp` (a
+        shared-expert projections and the LM head quantized too (CPU-only mode): True in the experts'
+        format, or "int8" / "int4" (int8 dense weights cost far less accuracy than int4). `tp` (a
         core.runtime.distributed.tensor_parallel.TensorParallel) loads only this rank's shard; every rank
         of the group then calls `generate` with the same requests.
         `cpu_math` forces the CPU's compute dtype (default: core.model.cpu.compute.choose, from the probe's
@@ -292,6 +293,8 @@ class Engine:
         quant = parse_choice(quantize, group_size)
         if quantize_dense and quant is None:
             raise UsageError("--quantize-dense needs a format", "pass --quantize int8 or --quantize int4 with it")
+        dense_fmt = (quant if quantize_dense is True else parse_choice(quantize_dense, group_size)) if quantize_dense \
+            else None
         if dev.accelerator:
             dtype = _accelerator_dtype(dev, dtype or spec.torch_dtype, progress)
         if gguf is not None and shard is not None:
@@ -314,7 +317,7 @@ class Engine:
         cpu = cpu_compute.choose(weights.dtype_name, rates=_probed_cpu_rates(), math=cpu_math)
         if config.ffn_on == "cpu":  # the CPU-only chain never streams experts: ready them for the CPU
             if weights.scheme is not None:  # quantized experts: their own CPU kernels (core.model.quant)
-                weights.pack_for_cpu(progress, dense_format=quant if quantize_dense else None)
+                weights.pack_for_cpu(progress, dense_format=dense_fmt)
             elif cpu.pack:
                 cpu = _pack_or_fall_back(weights, cpu, progress)
             if cpu.widens and weights.scheme is None:
