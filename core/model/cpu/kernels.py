@@ -44,12 +44,31 @@ class Widen:
         return out_t.t()
 
 
-class PackedWeight(torch.Tensor):
-    """A bf16 weight prepacked into oneDNN's blocked layout that `F.linear` takes like the weight it
-    replaces (same shape and dtype, through __torch_function__); anything else is refused. oneDNN's
-    kernel on packed weights reads them at ≈ 2× torch's bf16 GEMV speed (25–35 vs 13 GB/s on one
-    Zen 5 core for a 1536×1024 QKV, M = 1 and 4), which is most of a batch-1 decode step's dense work.
-    No row-major copy is kept."""
+class LinearOnlyWeight(torch.Tensor):
+    """A weight held only in some kernel's own layout that `F.linear` takes like the weight it replaces
+    (same shape and dtype, through __torch_function__); anything else is refused. Subclasses make the
+    layout in __new__ and compute in `linear`."""
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return args[1].linear(args[0], args[2] if len(args) > 2 else kwargs.get("bias"))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"{cls.__name__}: a weight in a kernel's layout is only for F.linear, not {func}")
+
+
+class PackedWeight(LinearOnlyWeight):
+    """A bf16 weight prepacked into oneDNN's blocked layout. oneDNN's kernel on packed weights reads
+    them at ≈ 2× torch's bf16 GEMV speed (25–35 vs 13 GB/s on one Zen 5 core for a 1536×1024 QKV,
+    M = 1 and 4), which is most of a batch-1 decode step's dense work. No row-major copy is kept."""
 
     @staticmethod
     def __new__(cls, w: torch.Tensor, rows_hint: int = 1):
@@ -57,19 +76,8 @@ class PackedWeight(torch.Tensor):
         obj.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows_hint)
         return obj
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
-            return torch.ops.mkldnn._linear_pointwise(x, w.packed, b, "none", [], "")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(f"a prepacked weight is only for F.linear, not {func}")
+    def linear(self, x, bias):
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def __repr__(self) -> str:
         return f"PackedWeight(shape={tuple(self.shape)}, dtype={self.dtype})"

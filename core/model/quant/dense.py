@@ -5,21 +5,21 @@ layer's attention projections and the LM head, and those cost the same in bf16 a
 model. `--quantize-dense` stores them in the experts' format too (int8 per channel or int4 group-wise),
 for the CPU-only mode, where torch's weight-only kernels read a half or a quarter of bf16's bytes.
 
-`QuantWeight` stands where the bf16 weight stood: same shape and dtype, taken by `F.linear` (through
-__torch_function__, like core.model.cpu.kernels.PackedWeight), anything else refused. Its numbers are
+`QuantWeight` stands where the bf16 weight stood: same shape and dtype, taken by `F.linear` and nothing
+else (a core.model.cpu.kernels.LinearOnlyWeight, like oneDNN's PackedWeight). Its numbers are
 `formats.quantize`'s, in the kernel's prepacked layout (core.model.quant.experts): the experts' format.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from core.model.cpu.kernels import LinearOnlyWeight
 from core.model.quant.experts import _kernel_linear, _kernel_pack, cpu_kernel_ok
 from core.model.quant.formats import Format, quantize
 
 
-class QuantWeight(torch.Tensor):
+class QuantWeight(LinearOnlyWeight):
     """A [N, K] weight held only as int8/int4 in the CPU kernel's prepacked layout."""
 
     @staticmethod
@@ -29,20 +29,9 @@ class QuantWeight(torch.Tensor):
         obj.kernel = _kernel_pack(fmt, quantize(fmt, w), w.dtype)
         return obj
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
-            y = _kernel_linear(w.fmt, x.reshape(-1, x.shape[-1]), w.kernel).view(*x.shape[:-1], w.shape[0])
-            return y if b is None else y.add_(b)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(f"a quantized dense weight is only for F.linear, not {func}")
+    def linear(self, x, bias):
+        y = _kernel_linear(self.fmt, x.reshape(-1, x.shape[-1]), self.kernel).view(*x.shape[:-1], self.shape[0])
+        return y if bias is None else y.add_(bias)
 
     def __repr__(self) -> str:
         return f"QuantWeight(shape={tuple(self.shape)}, dtype={self.dtype}, {self.fmt.label})"
