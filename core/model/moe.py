@@ -339,24 +339,22 @@ def _padded_parts(h, parts, flat, order, counts, T: int, k: int, act) -> torch.T
     slot = torch.arange(T * k, device=h.device) - first.index_select(0, sorted_e)
     table = torch.zeros((E, T, D), dtype=h.dtype, device=h.device)
     table[sorted_e, slot] = h.index_select(0, order // k)
-    y = torch.empty((E, T, D), dtype=h.dtype, device=h.device)  # every part's outputs land here: no stack, no cat
-    base = 0
+    outs, base = [], 0
     for p in parts:
         n = _part_size(p)
         if "quant" in p:  # quantized: expert by expert (each expanded once), still over static shapes
             _, up, down = _part_ops(p)
-            for e in range(n):
-                y[base + e].copy_(down(e, act(up(e, table[base + e]))))
+            outs.append(torch.stack([down(e, act(up(e, table[base + e]))) for e in range(n)]))
             base += n
             continue
         gu = torch.bmm(table[base:base + n], p["w13"].transpose(1, 2))
         if "b13" in p:
             gu += p["b13"][:, None, :]
         mid, gu = act(gu), None  # gate/up freed before the down projection allocates
-        torch.bmm(mid, p["w2"].transpose(1, 2), out=y[base:base + n])
-        if "b2" in p:
-            y[base:base + n] += p["b2"][:, None, :]
+        y = torch.bmm(mid, p["w2"].transpose(1, 2))
+        outs.append(y if "b2" not in p else y + p["b2"][:, None, :])
         base += n
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return y[sorted_e, slot]
 
 
