@@ -141,6 +141,33 @@ def test_the_planned_kv_cache_is_what_the_engine_allocates(checkpoint_factory, m
     assert g1 == pytest.approx(caches[0], abs=2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_only_plans_count_the_logits_buffers_the_runner_keeps(checkpoint_factory, monkeypatch, dtype):
+    """In CPU-only mode the runner keeps a decode and a prefill logits buffer, fp32, a row per batch slot
+    (reused every step); the plan's CPU memory names them at their bytes (at B = 256 and a 152k
+    vocabulary they are 311 MB, which the plan once left out)."""
+    from core.runtime.engine import Engine, Request
+
+    engine = Engine.load(checkpoint_factory("mixtral"), dtype=dtype)
+    held = []
+    real = engine.runner
+
+    def runner(*a, **kw):
+        r = real(*a, **kw)
+        held.append(sum(r.host[name].nbytes for name in ("logits_dec", "logits_pre")))
+        return r
+
+    monkeypatch.setattr(engine, "runner", runner)
+    lengths, max_new = [7, 19, 12, 4, 9, 5], 3  # a request per slot: the runner sizes its slots for those it has
+    reqs = [Request(id=str(n), prompt=" ".join(["a"] * n), max_new_tokens=max_new) for n in lengths]
+    list(engine.generate(reqs, batch_size=6, micro_batch_size=3))
+    work = Workload(prompt_len=sum(lengths) // len(lengths), gen_len=max_new, max_prompt_len=max(lengths))
+    p = Policy(batch_size=6, micro_batch_size=3, expert_batch_size=3, attention_on="cpu", ffn_on="cpu")
+    planned = predict(p, engine.spec, HW, work).cpu_breakdown["logits_buffers"]
+    assert held == [2 * 6 * engine.spec.vocab_size * 4]
+    assert planned == pytest.approx(held[0], abs=64)  # the arena aligns the second buffer
+
+
 def test_activations_and_host_buffers_count_what_the_planner_documents():
     """Every named term beyond weights and KV, by hand for BASE (N 16, μ 4, expert batch 8, 4 pages;
     longest prompt 200 + 28 new tokens = 228 per slot; bf16, so grouped matmuls for the FFN):
@@ -170,9 +197,10 @@ def test_activations_and_host_buffers_count_what_the_planner_documents():
                  "pinned_staging": N * (q + 2 * kv + q) * dt + 2 * N * V * 4, "attention_workspace": scores}
     # CPU-only: everything in CPU memory, the CPU mode's own working-set estimate plus the scores
     cpu_acts = max(tok * (3 * D + q + 2 * kv + k * 3 * I) * dt,
-                   (2 * N * D + 2 * mu * (q + 2 * kv) + beta * k * (3 * I + D)) * dt) + mu * V * 4
+                   (2 * N * D + 2 * mu * (q + 2 * kv) + beta * k * (3 * I + D)) * dt) + mu * V * dt
+    # (+ one micro-batch's bf16 head output on its way into the fp32 logits buffers, decode and prefill)
     g, c = mem(Policy(batch_size=16, micro_batch_size=4, expert_batch_size=8, attention_on="cpu", ffn_on="cpu"))
-    assert g == 0 and c == NON_EXPERT + EXPERTS + N * T * KV_TOKEN + cpu_acts + scores
+    assert g == 0 and c == NON_EXPERT + EXPERTS + N * T * KV_TOKEN + cpu_acts + scores + 2 * N * V * 4
 
 
 def test_the_searchs_linear_memory_model_is_the_accounting_at_whole_experts_and_kv_layers():

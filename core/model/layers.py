@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from core.model.limits import LOGIT_CHUNK_BYTES
 from core.model.moe import dense_mlp, moe_ffn
 from core.model.spec import ModelSpec
 
@@ -42,7 +43,6 @@ def ffn(spec: ModelSpec, layer: int, w: dict, h: torch.Tensor, grouped: bool | N
     return moe_ffn(spec, w, h, grouped=grouped) if spec.is_moe(layer) else dense_mlp(w, h)
 
 
-LOGIT_CHUNK_BYTES = 4 << 20  # a prepacked head's output rows at a time: memory malloc keeps, not fresh pages
 
 
 def final_logits(spec: ModelSpec, norm_w: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor,

@@ -11,3 +11,4 @@ STAGING_ALIGN = 64  # bytes: each buffer of the runtime's pinned host staging ar
 # each tensor of a layer's flat weight buffer starts at a multiple of this many elements (bytes in a quantized
 # layout): keeps every view aligned for vector loads; the planner counts the padding in what it page-locks
 LAYOUT_ALIGN = 64
+LOGIT_CHUNK_BYTES = 4 << 20  # a prepacked LM head's output rows at a time: memory malloc keeps, not fresh pages

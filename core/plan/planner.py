@@ -31,6 +31,7 @@ from core.plan.parallel import default_ranks, rank_view
 from core.errors import BudgetError, UsageError
 from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy, Prediction, dense_layers, expert_split, kv_gpu_layers
+from core.model.limits import LOGIT_CHUNK_BYTES
 from core.model.limits import PADDED_MAX_TOKENS as PADDED_TOKENS  # expert calls this small run every expert
 from core.model.limits import STAGING_ALIGN as ALIGN  # the runtime's host staging arena aligns each buffer to this
 from core.model.spec import ModelSpec
@@ -170,8 +171,10 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     kv_layer = N * d.state_layer_bytes(T)
     cpu_attn_ws = mu * d.heads * T * 4  # fp32 scores of one micro-batch
     if p.ffn_on == "cpu":
+        # the runner's decode and prefill logits buffers (fp32, a row per batch slot), reused every step
         return {}, {"weights": d.total_bytes, "kv_cache": int(d.layers * kv_layer),
-                    "activations": _cpu_activations(d, p, w) + cpu_attn_ws, "dequant_scratch": d.scratch}, 0
+                    "activations": _cpu_activations(d, p, w) + cpu_attn_ws, "dequant_scratch": d.scratch,
+                    "logits_buffers": _arena_bytes([N * d.V * 4] * 2)}, 0
     L, E, eb = d.layers, d.E, d.expert_bytes
     dense = dense_layers(L, d.moe_frac)
     resident = [r for i, r in enumerate(expert_split(p.gpu_weight_fraction, L, E, dense)) if i not in dense]
@@ -291,7 +294,10 @@ def _cpu_activations(d: hrm.Dims, p: Policy, w: Workload) -> int:
     prefill_act = pre_tok * (3 * d.D + d1 + d.k * 3 * d.I) * d.dt
     decode_act = (2 * p.batch_size * d.D + 2 * p.micro_batch_size * d1
                   + p.expert_batch_size * d.k * (3 * d.I + d.D)) * d.dt
-    return int(max(prefill_act, decode_act) + p.micro_batch_size * d.V * 4)  # + fp32 logits
+    # + the head's output on its way into the logits buffer: nothing for a plain head of the buffer's
+    # dtype, else a chunk of rows at a time (core.model.layers.final_logits)
+    head_out = 0 if d.dt == 4 else min(p.micro_batch_size * d.V * d.dt, max(LOGIT_CHUNK_BYTES, d.V * d.dt))
+    return int(max(prefill_act, decode_act) + head_out)
 
 
 def validate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload,
