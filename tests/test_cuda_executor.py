@@ -515,3 +515,23 @@ def test_a_failed_step_does_not_wait_forever_for_a_stream_that_hangs():
     finally:
         gate.set()
         ex.close()
+
+
+def test_an_expert_batch_on_a_device_keeps_its_inputs_in_device_memory(checkpoint_factory, hf_reference, monkeypatch):
+    """The CPU mode's reused host buffers (core.model.moe.Scratch) are host memory: an expert batch of two
+    micro-batches on a device concatenates its inputs where they are (a host `out=` for CUDA tensors is a
+    device mismatch on a real GPU, which the emulated device's host-backed tensors cannot show)."""
+    from core.model.moe import Scratch
+
+    def host_only(self, *a, **kw):
+        raise AssertionError("a device's FFN asked the host scratch for a buffer")
+
+    monkeypatch.setattr(Scratch, "get", host_only)
+    dev = emulated()
+    engine = Engine.load(checkpoint_factory("mixtral"), device=dev, executor="cuda", schedule="cgopipe",
+                         expert_group=2)
+    engine.eos_ids = set()
+    try:
+        assert tokens(engine) == hf_reference("mixtral")  # batch 4 in micro-batches of 2: one expert batch of 2
+    finally:
+        engine.close()

@@ -175,7 +175,8 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
 
 class Scratch:
     """Buffers reused call after call (each grows to the largest size asked, then never allocates): a
-    decode step's expert gather/scatter would otherwise fault in fresh pages every layer."""
+    decode step's expert gather/scatter would otherwise fault in fresh pages every layer. Host memory
+    only: the CPU-mode FFN's (a device's caching allocator already reuses its blocks)."""
 
     def __init__(self):
         self._bufs: dict[str, torch.Tensor] = {}

@@ -529,6 +529,10 @@ class PipelineRunner:
         elif g == 1:
             f = mbs[0].ffn
             outs = [self._experts(self._expert_parts(t.layer), f.h, f.weights, f.idx, self._scratch)]
+        elif self.dev.accelerator:  # the device's caching allocator reuses these; the scratch is host memory
+            fs = [m.ffn for m in mbs]
+            h, rw, ridx = (torch.cat([getattr(f, n) for f in fs]) for n in ("h", "weights", "idx"))
+            outs = self._experts(self._expert_parts(t.layer), h, rw, ridx).split([m.B for m in mbs])
         else:  # the expert batch's inputs side by side, in reused buffers
             fs, sc, rows = [m.ffn for m in mbs], self._scratch, sum(m.B for m in mbs)
             h, rw, ridx = (torch.cat([getattr(f, n) for f in fs],
