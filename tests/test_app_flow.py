@@ -426,3 +426,22 @@ async def test_the_demo_prompts_are_one_button_away(tmp_path):
         await settle(pilot)
         assert app.session.prompts is not None and app.session.prompts.count == 16, status_text(app)
         assert app.session.prompts.path.name == "demo_prompts.jsonl"
+
+
+@sync
+async def test_the_demo_prompts_have_a_key_named_in_the_footer_at_80_columns(tmp_path):
+    """At 80×24 the button row can be off to the side of the eye: the footer names Ctrl+T, and Ctrl+T works
+    while the path field has the focus (it is a priority binding, not a letter typed into the field)."""
+    from textual.widgets import Footer
+
+    from core.plan.hardware import preset
+
+    app = create_app(Options(), Backend(hardware=preset("t4")))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _to_prompts(pilot)
+        footer_keys = {b.binding.action for b in app.screen.active_bindings.values() if b.binding.show}
+        assert "demo_prompts" in footer_keys and app.screen.query(Footer)
+        assert app.focused is app.screen.query_one("#prompts-input")
+        await pilot.press("ctrl+t")
+        await settle(pilot)
+        assert app.session.prompts is not None and app.session.prompts.count == 16, status_text(app)

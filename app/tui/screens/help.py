@@ -16,7 +16,7 @@ from app.tui.widgets.steps import STEPS
 STEP_LINES = {
     "Machine": "what mlight found: GPU, RAM, cores, PCIe link and measured bandwidth (r measures again)",
     "Model": "the demo model, a checkpoint folder (type it or drop it), or a Hugging Face repo id",
-    "Prompts": "a .txt, .jsonl, .csv or .tsv file: type the path, drop the file, browse (Ctrl+O) or the demo prompts",
+    "Prompts": "a .txt, .jsonl, .csv or .tsv file: type the path, drop the file, browse (Ctrl+O) or the demo prompts (Ctrl+T)",
     "Plan": "memory budgets in, the planner's policy and predicted tokens/s out; edit it, Advanced for dtype",
     "Run": "live throughput against the prediction, the pipeline timeline, memory and progress",
     "Results": "every result, Enter for one in full, c / j to export CSV / JSONL",

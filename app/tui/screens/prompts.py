@@ -52,7 +52,8 @@ class PromptTree(DirectoryTree):
 
 class PromptsScreen(StepScreen):
     STEP = "Prompts"
-    BINDINGS = [Binding("ctrl+o", "browse", "Browse files", priority=True)]
+    BINDINGS = [Binding("ctrl+o", "browse", "Browse files", priority=True),
+                Binding("ctrl+t", "demo_prompts", "Demo prompts", priority=True)]
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="body"):
@@ -62,7 +63,7 @@ class PromptsScreen(StepScreen):
                 yield PathInput(placeholder="prompts file (Enter opens)", compact=True, id="prompts-input")
                 yield Button(f"Open {glyph.enter}", compact=True, id="open")
                 yield Button("Browse ^O", compact=True, id="browse")
-                yield Button("Demo prompts", compact=True, id="demo-prompts")
+                yield Button("Demo ^T", compact=True, id="demo-prompts")
             with Horizontal(id="prompts-main"):
                 with Vertical(id="prompts-right"):
                     yield Facts(id="prompts-facts", classes="panel", label_width=14)
@@ -86,7 +87,7 @@ class PromptsScreen(StepScreen):
             self.open(inp.path)
         else:
             self.query_one("#prompts-facts", Facts).set_rows([("File", "none yet — type or drop a path above, "
-                                                                      "Ctrl+O to browse, or try the demo prompts")])
+                                                                      "Ctrl+O to browse, or Ctrl+T for the demo prompts")])
             inp.focus()
 
     # ---- choosing -------------------------------------------------------------------------------
