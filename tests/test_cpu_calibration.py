@@ -38,7 +38,7 @@ def test_a_coefficients_feature_is_the_cost_function_at_one():
 
     d = hrm.dims(resolve_spec("mixtral-8x7b"))
     fn = lambda c: sum(cpu_cost.decode_tasks(d, c, micro_batch=24, expert_batch=48, context=300).values())  # noqa: E731
-    names = [f.name for f in dataclasses.fields(CpuCosts) if f.type == "float"]
+    names = [f.name for f in dataclasses.fields(CpuCosts) if f.type == "float" and f.name not in cpu_cost.EFFICIENCIES]
     assert fn(COSTS) == pytest.approx(sum(getattr(COSTS, n) * cal._feature(fn, COSTS, n) for n in names), rel=1e-9)
 
 
@@ -142,7 +142,7 @@ def test_calibrate_on_the_demo_model_measures_every_term(demo_model):
     from core.runtime.engine import Engine
 
     engine = Engine.load(demo_model, threads=1)
-    costs = cal.calibrate(engine, quick=True, clock=time.process_time)
+    costs = cal.calibrate(engine, quick=True, clock=time.process_time, batch=4, micro_batch=2)
     assert costs.math == "float32" and costs.threads == 1 and costs.model == cpu_cost.model_key(hrm.dims(engine.spec))
     assert costs.flop_s > 0 and costs.expert_flop_s > 0 and costs.task_s > 0 and costs.step_s > 0
     # the fitted model explains fresh steps of the same shapes to within a factor of two (CPU time on a
@@ -186,6 +186,10 @@ def test_mlight_bench_calibrate_caches_the_model_and_reports_the_error(no_gpu, m
     (run,) = report["runs"]
     assert run["schedule"] == "cpu" and run["predicted"]["calibrated"] and run["clock"] == "cpu"
     assert set(run["error"]) == {"tokens_per_s", "decode_tokens_per_s"} and report["calibration"]["costs"]["task_s"] > 0
+    # its last stage ran the engine at the bench's batch and folded the run back
+    ran = report["calibration"]["run"]
+    assert report["calibration"]["costs"]["run_batch"] == [2, 1] and ran["steps"] > 2
+    assert set(ran["factors"]) == set(cpu_cost.EFFICIENCIES) and all(v > 0 for v in ran["factors"].values())
 
 
 def test_mlight_run_on_a_cpu_lets_the_planner_pick_the_batch(no_gpu, monkeypatch, tmp_path, demo_model):

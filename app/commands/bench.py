@@ -109,15 +109,39 @@ def _calibrate(model, args) -> dict:
             print(f"\r{ev.what}: {ev.done}/{ev.total}".ljust(60), end="", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    costs = calibrate(engine, progress=show, clock=_clock(args))
+    notes: dict = {}
+    try:  # the run at the batch this bench runs (and the planner's factors then apply from there)
+        costs = calibrate(engine, progress=show, clock=_clock(args), batch=args.batch,
+                          micro_batch=min(args.micro_batch, args.batch), prompts=_run_prompts(engine, args.batch),
+                          notes=notes)
+    finally:
+        engine.close()
     if not args.json and sys.stderr.isatty():
         print(file=sys.stderr)
     path = cpu_cost.save(detect(), costs)
-    out = {"path": str(path), "seconds": time.perf_counter() - t0, "costs": costs.to_dict()}
+    out = {"path": str(path), "seconds": time.perf_counter() - t0, "costs": costs.to_dict(), "run": notes}
     if not args.json:
         print(f"calibrated the CPU cost model ({costs.math} math, {costs.threads} thread"
               f"{'s' if costs.threads != 1 else ''}) in {out['seconds']:.0f} s: {path}")
+        f = notes.get("factors", {})
+        if f:
+            print(f"  a short run at batch {costs.run_batch[0]}, micro-batch {costs.run_batch[1]}: its tasks took "
+                  f"{f['pre_eff']:.2f}x / {f['attn_eff']:.2f}x / {f['post_eff']:.2f}x / {f['ffn_eff']:.2f}x what the "
+                  f"pieces say (pre-attention / attention / post-attention / experts), prefill {f['prefill_eff']:.2f}x; "
+                  f"predictions use these")
     return out
+
+
+def _run_prompts(engine, batch: int) -> list[str]:
+    """The calibration's short run: a wave of MT-Bench-like prompts at MT-Bench's mean length and one at
+    three times it (other text than the bench's workload: another seed)."""
+    from core.io.workloads import build_prompts, target_lengths
+    from core.runtime.calibrate import RUN_GEN, RUN_PROMPT_MEANS
+
+    cap = engine.context_length - RUN_GEN - 1
+    lengths = [n for mean in RUN_PROMPT_MEANS
+               for n in target_lengths(batch, mean=min(mean, cap), max_len=min(cap, round(mean * 418 / 77)))]
+    return build_prompts(engine.tokenizer, lengths, seed=1)
 
 
 def _clock(args):

@@ -6,7 +6,10 @@ weight is costed as  flop_s·2MNK + weight_s·NK + call_s  — affine in M, the 
 intercept is reading the weight (its bandwidth and the small-M loss of the kernel). Decode attention
 costs kv_s per K/V element read plus attn_row_s per (request, KV head) row; elementwise work elem_s
 per activation element; and every task, step and request its measured overhead. `mlight bench
---calibrate` measures the coefficients (core.runtime.calibrate), this module stores them per machine
+--calibrate` measures the coefficients (core.runtime.calibrate) and then how much slower each kind of
+task runs inside a short run of the whole engine than those pieces say (the `*_eff` factors: in a run
+the tasks follow one another over a working set the isolated measurements never see together); this
+module stores them per machine
 and per CPU math dtype (cached like the probe) and turns them into the HRM's TaskCosts for the
 CPU-only placement, so the planner, `predict` and the simulator all use them.
 
@@ -22,7 +25,11 @@ from pathlib import Path
 
 from core.model.attention import slices
 
-VERSION = 2  # 2: attention costs whole rows and slices apart (kv_copy_s)
+VERSION = 3  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back
+
+# A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
+# the run over what the fitted coefficients say for the same steps. 1.0 = not measured.
+EFFICIENCIES = ("pre_eff", "attn_eff", "post_eff", "ffn_eff", "prefill_eff")
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,12 @@ class CpuCosts:
     prompt_s: float = 0.0  # overhead per prompt in a prefill task (its own attention call)
     step_s: float = 0.0  # overhead per engine step (embedding, sampling set-up, bookkeeping)
     seq_s: float = 0.0  # overhead per request per step (sampling, stop checks)
+    pre_eff: float = 1.0  # decode tasks in a run of the engine / the coefficients' prediction: pre-attention,
+    attn_eff: float = 1.0  # ... attention,
+    post_eff: float = 1.0  # ... post-attention,
+    ffn_eff: float = 1.0  # ... routed experts,
+    prefill_eff: float = 1.0  # ... and prefill tasks
+    run_batch: tuple = ()  # (batch, micro-batch) of the run the factors were measured in; () = never
     threads: int = 0  # torch threads when measured
     model: str = ""  # model_key() of the model the costs were measured on
     model_bytes: int = 0  # its weights, for picking the nearest calibration for another model
@@ -67,8 +80,9 @@ class CpuCosts:
         return (self.gemv_s * n * k + self.expert_call_s) * mats
 
     def for_step(self, kv_bytes: float) -> "CpuCosts":
-        """The costs of a step that streams `kv_bytes` of KV cache: the weights stay cached only as far as
-        the cache holds them beside that stream (a model larger than the cache never does)."""
+        """The costs of a step that streams `kv_bytes` of KV cache (what attention reads, not the rows
+        allocated: read_tokens): the weights stay cached only as far as the cache holds them beside that
+        stream (a model larger than the cache never does)."""
         if not self.cache_bytes or not self.model_bytes or not (self.weight_hot_s or self.expert_weight_hot_s):
             return self
         hot = min(1.0, max(0.0, (self.cache_bytes - kv_bytes) / self.model_bytes))
@@ -78,12 +92,15 @@ class CpuCosts:
                                    weight_hot_s=0.0, expert_weight_hot_s=0.0)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "run_batch": list(self.run_batch)}  # as JSON has it
 
     @classmethod
     def from_dict(cls, d: dict) -> "CpuCosts":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        d = {k: v for k, v in d.items() if k in names}
+        if "run_batch" in d:  # JSON has lists; the dataclass is frozen and hashable
+            d["run_batch"] = tuple(d["run_batch"] or ())
+        return cls(**d)
 
 
 # ---- before any calibration -------------------------------------------------------------------------
@@ -171,13 +188,18 @@ def attention_seconds(d, c: CpuCosts, b: float, context: float, row_tokens: floa
     As core.model.attention.decode_attention chooses (`slices`): rows whole (views, masked past each
     length), or the first `longest` positions copied out; a widening engine always copies."""
     hkv = d.kv // d.head_dim
+    n = read_tokens(c, context, row_tokens, longest)
+    whole = n == max(context, row_tokens or 0.0) and not c.widens  # rows read in place, else a slice copied out
+    kv = (c.kv_s if whole else c.kv_copy_s) * b * n * 2 * d.kv
+    return kv + c.attn_row_s * b * hkv + c.elem_s * b * (2 * d.kv + 4 * d.heads * n)
+
+
+def read_tokens(c: CpuCosts, context: float, row_tokens: float | None = None, longest: float | None = None) -> float:
+    """Cached tokens decode attention reads per request: the micro-batch's `longest` context, copied out,
+    or whole rows (attention_seconds). What a step streams through the cache beside the weights (for_step)."""
     row = max(context, row_tokens or 0.0)
     t = max(context, longest or context)
-    if c.widens or slices(t, row):
-        kv, n = c.kv_copy_s * b * t * 2 * d.kv, t
-    else:
-        kv, n = c.kv_s * b * row * 2 * d.kv, row
-    return kv + c.attn_row_s * b * hkv + c.elem_s * b * (2 * d.kv + 4 * d.heads * n)
+    return t if c.widens or slices(t, row) else row
 
 
 def head_seconds(d, c: CpuCosts, tokens: float) -> float:
@@ -193,7 +215,7 @@ def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq
     pre, post = dense_seconds(d, c, t)
     sq = prompt_sq if prompt_sq is not None else prompt_len * prompt_len
     flops = 4 * prompts * ((sq + prompt_len) / 2) * d.heads * d.head_dim
-    return pre + post + experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts + c.task_s
+    return (pre + post + experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts + c.task_s) * c.prefill_eff
 
 
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,
@@ -202,8 +224,8 @@ def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, con
     `longest`: the longest context in a micro-batch (attention_seconds)."""
     pre, post = dense_seconds(d, c, micro_batch)
     attn = attention_seconds(d, c, micro_batch, context, row_tokens, longest)
-    return {"pre_attn": pre + c.task_s, "cpu_attn": attn + c.task_s,
-            "post_attn": post + c.task_s, "ffn": experts_seconds(d, c, expert_batch) + c.task_s}
+    return {"pre_attn": (pre + c.task_s) * c.pre_eff, "cpu_attn": (attn + c.task_s) * c.attn_eff,
+            "post_attn": (post + c.task_s) * c.post_eff, "ffn": (experts_seconds(d, c, expert_batch) + c.task_s) * c.ffn_eff}
 
 
 # ---- the cache: per machine, by math dtype and model -------------------------------------------------

@@ -470,7 +470,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
     if cpu_only and r.cpu_costs is not None:  # measured on this machine: core.plan.cpu_cost
         from core.plan import cpu_cost
 
-        costs = r.cpu_costs.for_step(batch * max(context, row_tokens or 0.0) * m.kv_tok)
+        costs = r.cpu_costs.for_step(batch * cpu_cost.read_tokens(r.cpu_costs, context, row_tokens, longest) * m.kv_tok)
         secs = cpu_cost.decode_tasks(m, costs, micro_batch=micro_batch, expert_batch=expert_batch,
                                      context=context, row_tokens=row_tokens, longest=longest)
         if m.qkind in CPU_KERNEL_FLOPS:  # calibrated on the dtype's matmuls: quantized experts run other kernels

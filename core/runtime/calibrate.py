@@ -22,6 +22,7 @@ busy times are wall seconds.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import torch
@@ -72,8 +73,10 @@ def fit(rows: list[list[float]], y: list[float]) -> list[float]:
 
 
 def _feature(fn, base: CpuCosts, name: str) -> float:
-    """The cost function's coefficient on `name`: evaluated with that field at 1 and the fitted ones at 0."""
-    zero = {f.name: 0.0 for f in dataclasses.fields(CpuCosts) if f.type in ("float", float)}
+    """The cost function's coefficient on `name`: evaluated with that field at 1 and the other coefficients
+    at 0 (the run's efficiency factors, which multiply them, as in `base`)."""
+    zero = {f.name: 0.0 for f in dataclasses.fields(CpuCosts)
+            if f.type in ("float", float) and f.name not in cpu_cost.EFFICIENCIES}
     return fn(dataclasses.replace(base, **{**zero, name: 1.0}))
 
 
@@ -271,7 +274,7 @@ def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTE
 
 def _layer_decode(d, c: CpuCosts, o: Obs) -> tuple[float, float]:
     """(dense + experts, attention) seconds of one layer for an observed decode step (one micro-batch)."""
-    c = c.for_step(o.b * max(o.length, o.rows) * d.kv_tok)
+    c = c.for_step(o.b * cpu_cost.read_tokens(c, o.length, o.rows, o.length) * d.kv_tok)
     t = cpu_cost.decode_tasks(d, c, micro_batch=o.b, expert_batch=o.b, context=o.length, row_tokens=o.rows,
                               longest=o.length)
     return t["pre_attn"] + t["post_attn"] + t["ffn"], t["cpu_attn"]
@@ -326,11 +329,11 @@ def fit_step_terms(engine, base: CpuCosts, batches=(1, 8, 32), clock=time.perf_c
             reqs = [Request(id=str(i), prompt="Hello", max_new_tokens=5) for i in range(b)]
             list(engine.generate(reqs, batch_size=b, micro_batch_size=b, on_event=events))
             engine.runner = make
-            for e in events.steps:
-                if e.kind == "decode":
+            for e, span in zip(events.steps, events.spans):
+                if e.kind == "decode":  # the whole span: the engine's bookkeeping between steps is a step's cost too
                     head = cpu_cost.head_seconds(d, dataclasses.replace(base, step_s=0.0, seq_s=0.0), e.tokens)
                     rows.append([1.0, float(e.tokens)])
-                    y.append(max(1e-9, e.seconds - sum(e.busy.values()) - head))
+                    y.append(max(1e-9, span - sum(e.busy.values()) - head))
     finally:
         engine.eos_ids = eos
         engine.runner = make
@@ -341,13 +344,16 @@ def fit_step_terms(engine, base: CpuCosts, batches=(1, 8, 32), clock=time.perf_c
 class StepClock:
     """An event sink keeping an engine's StepDone events with their seconds and busy times in `clock`'s
     seconds: the clock's time between consecutive events is the step's (the engine emits one at each
-    step's end), and a TaskClock on the engine times its tasks."""
+    step's end), and a TaskClock on the engine times its tasks. `spans[i]`: the clock's time from the
+    previous event (or the sink's making) to step i's, the engine's work between steps included; with
+    the wall clock a StepDone's own seconds start at the step's compute and leave that out."""
 
     def __init__(self, engine, clock=time.perf_counter, forward: EventSink = ignore):
         self.clock, self.forward = clock, forward
         self.tasks = TaskClock(clock)
         self.tasks.engine(engine)
         self.steps: list = []
+        self.spans: list[float] = []
         self._last = clock()
 
     def __call__(self, e) -> None:
@@ -357,14 +363,193 @@ class StepClock:
             now = self.clock()
             if not self.tasks.wall:
                 e = dataclasses.replace(e, seconds=now - self._last, busy=self.tasks.take(e.busy))
+            self.spans.append(now - self._last)
             self._last = now
             self.steps.append(e)
         self.forward(e)
 
 
-def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, clock=time.perf_counter) -> CpuCosts:
-    """The CPU cost model of this machine, measured with `engine` (a CPU-only engine) and its model."""
+# ---- 4. a short run of the whole engine -------------------------------------------------------------------
+# Timed apart, the pieces explain a run only so far: on two Zen 5 threads a run's decode tasks took 7-40 %
+# longer than the coefficients fitted in stages 1-3 said for the very same steps (attention most, with its
+# micro-batches' spread of lengths; experts least), so every calibrated prediction was optimistic. A short
+# run at the batch the user runs measures that, per task kind, and folds it back (CpuCosts.*_eff).
+RUN_PROMPT_MEANS = (77, 231)  # mean prompt tokens of the run's waves: MT-Bench's, and three times it
+RUN_GEN = 16  # tokens each request of the run generates: one-time costs (fresh buffers) spread as in a run
+
+
+@dataclasses.dataclass
+class RunStep:
+    """One step of a run, by `clock`: its tasks' seconds by kind, its whole span (from the previous step's
+    end: the engine's work between steps included) and what it held."""
+
+    kind: str  # "decode" | "prefill"
+    seconds: float
+    tasks: dict  # task kind -> seconds
+    groups: list  # per micro-batch: each request's cached tokens after the step (decode) / prompt tokens (prefill)
+    row: int  # tokens a cache row holds
+    slots: int
+
+
+def run_lengths(n: int, mean: float, longest: int, sigma: float | None = None) -> list[int]:
+    """n prompt lengths spread log-normally about `mean` as the planner assumes MT-Bench's are
+    (core.plan.planner.SPREAD_SIGMA), at evenly spaced quantiles, within [4, longest]."""
+    from statistics import NormalDist
+
+    from core.plan.planner import SPREAD_SIGMA
+
+    s = SPREAD_SIGMA if sigma is None else sigma
+    z = [NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
+    return [min(longest, max(4, round(mean * math.exp(s * x - s * s / 2)))) for x in z]
+
+
+def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: int = RUN_GEN,
+              clock=time.perf_counter, progress: EventSink = ignore) -> list[RunStep]:
+    """Run `prompts` through `engine.generate` at `batch`/`micro_batch`, each to `gen` tokens, and time
+    every step (its span and its tasks by kind) with what it held."""
+    from core.runtime.engine import Request
+    from core.telemetry import StepDone
+
+    steps: list[RunStep] = []
+    kinds: dict[str, float] = {}
+    pending: dict = {}
+    make = engine.runner
+
+    def runner(slots, micro_batch_size, max_tokens, on_event=ignore):
+        rn = make(slots, micro_batch_size, max_tokens, on_event)
+        run, dec, pre = rn._run, rn.decode, rn.prefill
+
+        def timed(task):
+            t = clock()
+            try:
+                run(task)
+            finally:
+                dt = clock() - t
+                kinds[task.kind] = kinds.get(task.kind, 0.0) + dt
+
+        def decode(tokens, slot_ids, positions):
+            pending.update(kind="decode", groups=[[p + 1 for p in g] for g in positions], row=max_tokens, slots=slots)
+            return dec(tokens, slot_ids, positions)
+
+        def prefill(ps, slot_ids, mbs):
+            pending.update(kind="prefill", groups=[[len(ps[i]) for i in g] for g in mbs], row=max_tokens, slots=slots)
+            return pre(ps, slot_ids, mbs)
+
+        rn._run, rn.decode, rn.prefill = timed, decode, prefill
+        return rn
+
+    last = [clock()]
+    total = len(prompts) // max(1, batch) * gen + 1
+
+    def sink(e):
+        if isinstance(e, StepDone):
+            now = clock()
+            steps.append(RunStep(seconds=now - last[0], tasks=dict(kinds), **pending))
+            last[0] = now
+            kinds.clear(), pending.clear()
+            progress(Progress("calibrating: a short run", min(len(steps), total), total, "steps"))
+
+    reqs = [Request(id=str(i), prompt=p, max_new_tokens=gen) for i, p in enumerate(prompts)]
+    eos, engine.eos_ids = engine.eos_ids, set()  # random weights may emit EOS early: every request runs to `gen`
+    engine.runner = runner
+    try:
+        last[0] = clock()
+        for _ in engine.generate(reqs, batch_size=batch, micro_batch_size=micro_batch, on_event=sink):
+            pass
+    finally:
+        engine.eos_ids, engine.runner = eos, make
+    return steps
+
+
+def _text(tok, ids: list[int], most: int) -> str:
+    """A prompt of about these tokens (decoded text re-tokenizes a little differently), at most `most`."""
+    text = tok.decode(ids)
+    again = tok(text).input_ids
+    return text if len(again) <= most else tok.decode(again[:most])
+
+
+def step_model(d, L: int, c: CpuCosts, s: RunStep, group: int = 1) -> dict[str, float]:
+    """What `c` says the tasks of a run's step cost, by kind, for the step's own micro-batches and lengths
+    (`group`: micro-batches per expert batch)."""
+    out: dict[str, float] = {}
+    if s.kind == "decode":
+        read = sum(len(g) * cpu_cost.read_tokens(c, sum(g) / len(g), s.row, max(g)) for g in s.groups)
+        cc = c.for_step(read * d.kv_tok)
+        for j in range(0, len(s.groups), group):
+            eb = sum(len(g) for g in s.groups[j:j + group])
+            for g in s.groups[j:j + group]:
+                t = cpu_cost.decode_tasks(d, cc, micro_batch=len(g), expert_batch=eb, context=sum(g) / len(g),
+                                          row_tokens=s.row, longest=max(g))
+                for k, v in t.items():
+                    if k != "ffn" or g is s.groups[j]:  # one experts task per expert batch
+                        out[k] = out.get(k, 0.0) + v * L
+        return out
+    for g in s.groups:
+        n, mean = len(g), sum(g) / len(g)
+        cc = c.for_step(sum(g) * d.kv_tok)
+        out["prefill"] = out.get("prefill", 0.0) + cpu_cost.prefill_seconds(d, cc, n, mean, sum(x * x for x in g) / n) * L
+    return out
+
+
+DECODE_EFF = {"pre_attn": "pre_eff", "cpu_attn": "attn_eff", "post_attn": "post_eff", "ffn": "ffn_eff"}
+
+
+def fit_run_terms(engine, base: CpuCosts, steps: list[RunStep], notes: dict | None = None) -> CpuCosts:
+    """The run's efficiency factors and per-step overhead: per task kind (decode's four, prefill), the
+    seconds its tasks took over what `base` says for the same steps; step_s from the decode steps' spans
+    beyond their tasks and head (the median step)."""
+    d, L = hrm.dims(engine.spec), engine.spec.num_layers
+    group = max(1, getattr(engine.config, "expert_group", 1))
+    base = dataclasses.replace(base, **{n: 1.0 for n in cpu_cost.EFFICIENCIES})
+    kinds = {**DECODE_EFF, "prefill": "prefill_eff"}
+    model = {k: 0.0 for k in kinds}
+    measured = dict(model)
+    for s in steps:
+        for k, v in step_model(d, L, base, s, group).items():
+            model[k] += v
+        for k in kinds:
+            measured[k] += s.tasks.get(k, 0.0)
+    costs = dataclasses.replace(base, **{kinds[k]: measured[k] / model[k] for k in kinds
+                                         if model[k] > 0 and measured[k] > 0})
+    head0 = dataclasses.replace(costs, step_s=0.0, seq_s=0.0)
+    dec = [s for s in steps if s.kind == "decode"]
+    over = sorted(s.seconds - sum(s.tasks.values()) - cpu_cost.head_seconds(d, head0, sum(len(g) for g in s.groups))
+                  - costs.seq_s * sum(len(g) for g in s.groups) for s in dec)
+    if over:
+        costs = dataclasses.replace(costs, step_s=max(0.0, over[len(over) // 2]))
+    if steps:
+        costs = dataclasses.replace(costs, run_batch=(steps[0].slots, max(len(g) for g in steps[0].groups)))
+    if notes is not None:
+        notes.update(tasks={k: {"run": measured[k], "pieces": model[k]} for k in kinds},
+                     step_s={"run": costs.step_s, "pieces": base.step_s}, steps=len(steps),
+                     seconds=sum(s.seconds for s in steps), factors={n: getattr(costs, n) for n in cpu_cost.EFFICIENCIES})
+    return costs
+
+
+def run_workload(engine, batch: int, means=RUN_PROMPT_MEANS, gen: int = RUN_GEN, seed: int = 0) -> list[str]:
+    """A wave of `batch` prompts per mean length, spread as MT-Bench's, within the context: random tokens
+    (the app passes MT-Bench text: core.io.workloads)."""
+    g = torch.Generator().manual_seed(seed)
+    longest = max(4, engine.context_length - gen - 1)
+    out = []
+    for mean in means:
+        for n in run_lengths(batch, min(mean, longest), min(longest, round(mean * 418 / 77))):
+            ids = torch.randint(0, engine.spec.vocab_size, (n,), generator=g).tolist()
+            out.append(_text(engine.tokenizer, ids, longest))
+    return out
+
+
+def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, clock=time.perf_counter,
+              batch: int = 16, micro_batch: int = 4, prompts: list[str] | None = None,
+              notes: dict | None = None) -> CpuCosts:
+    """The CPU cost model of this machine, measured with `engine` (a CPU-only engine) and its model, then
+    its efficiency in a short run of `prompts` (default: run_workload's) at `batch`/`micro_batch`
+    (`notes`, when given, get what the run measured against the pieces)."""
     engine.threads.tick()  # measure with the threads the engine will run with
+    gen = 3 if quick else RUN_GEN
+    # the run first, while the process is as fresh as a user's run's is (no buffers yet to reuse)
+    prompts = prompts or run_workload(engine, batch, means=(8, 24) if quick else RUN_PROMPT_MEANS, gen=gen)
+    run = run_steps(engine, prompts, batch=batch, micro_batch=micro_batch, gen=gen, clock=clock, progress=progress)
     dense, expert, math = engine_kernels(engine)
     spec = engine.spec
     d = hrm.dims(spec)
@@ -390,4 +575,5 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2, sliced=(16, 64)) if quick else {}
     obs = runner_observations(engine, progress=progress, clock=clock, **kw)
     base = fit_engine_terms(engine, base, obs)
-    return fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)
+    base = fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)
+    return fit_run_terms(engine, base, run, notes)

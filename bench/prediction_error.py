@@ -1,0 +1,125 @@
+"""Predicted vs measured tokens/s of CPU-only runs after one `mlight bench --calibrate` (issue 11 item 6).
+
+For each model: a fresh cache, one `mlight bench --calibrate` (its own run is reported too, but a run in
+the calibrating process is warmer than a user's), then `--repeats` rounds of `mlight bench` in their own
+processes, the workloads interleaved round by round (default prompts, then `--prompt-len 308`). Prints
+each run's error (measured / predicted − 1) and per workload the median and spread, with the load average.
+
+    python bench/prediction_error.py --threads 2 --repeats 3 --model demo --model /path/to/mixtral-800m
+
+`--checkout before=/path/to/old/checkout --checkout after=` compares two checkouts on the same box: each
+calibrates in its own fresh cache, then their runs alternate round by round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common  # noqa: E402
+
+MLIGHT = "import sys; from app.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", default=None, help="checkpoint folder, or 'demo' (repeatable)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-lens", default="77,308", help="workloads' mean prompt tokens (default 77,308)")
+    p.add_argument("--checkout", action="append", default=None, metavar="NAME=DIR",
+                   help="run mlight from DIR (PYTHONPATH; empty: this checkout) as NAME; several: A/B, interleaved")
+    p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    return p.parse_args(argv)
+
+
+def mlight(args, extra: list[str], env: dict) -> dict:
+    cmd = [sys.executable, "-c", MLIGHT, "bench", *extra, "--threads", str(args.threads), "--json"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def bandwidth(threads: int) -> float:
+    """Read bandwidth now (GB/s, median of 5 sums over 512 MB): on a VM it moves by tens of percent from
+    minute to minute, and a memory-bound model's tokens/s with it."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(1 << 28, dtype=torch.bfloat16)
+    times = []
+    for _ in range(6):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 2 / statistics.median(times[1:]) / 1e9
+
+
+def figures(report: dict) -> dict:
+    (run,) = report["runs"]
+    p = run["predicted"]
+    return {"measured": run["tokens_per_s"], "predicted": p["tokens_per_s"], "error": run["error"]["tokens_per_s"],
+            "decode_measured": run["decode_tokens_per_s"], "decode_predicted": p["decode_tokens_per_s"],
+            "decode_error": run["error"]["decode_tokens_per_s"], "calibrated": p["calibrated"],
+            "load": report["load_average"]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    models = args.model or ["demo"]
+    lens = [int(x) for x in args.prompt_lens.split(",")]
+    sides = dict(x.split("=", 1) for x in args.checkout) if args.checkout else {"this checkout": ""}
+    print(f"bench prediction_error: {args.threads} threads, load average {common.load_average()}, "
+          f"mlight from {sides}", flush=True)
+    out = {"command": "python bench/prediction_error.py " + " ".join(sys.argv[1:] if argv is None else argv), "models": {}}
+    for model in models:
+        base = [] if model == "demo" else ["--model", model]
+        rows, envs = {}, {}
+        for side, path in sides.items():  # one calibration each, in its own cache
+            cache = Path(tempfile.mkdtemp(prefix="mlight-pred-"))
+            envs[side] = {**os.environ, "MLIGHT_CACHE_DIR": str(cache), **({"PYTHONPATH": path} if path else {})}
+            t = time.perf_counter()
+            bw0 = bandwidth(args.threads)
+            cal = mlight(args, [*base, "--calibrate"], envs[side])
+            rows[side] = {"calibration_seconds": time.perf_counter() - t, "in_calibrating_process": figures(cal),
+                          "run": cal.get("calibration", {}).get("run", {}),
+                          "costs": cal.get("calibration", {}).get("costs", {}),
+                          "bandwidth_around_calibration": (bw0, bandwidth(args.threads)),
+                          "workloads": {n: [] for n in lens}, "cache": str(cache)}
+            r = rows[side]
+            print(f"\n{model} [{side}]: calibrated in {r['calibration_seconds']:.0f} s (read bandwidth before / after: "
+                  f"{bw0:.1f} / {r['bandwidth_around_calibration'][1]:.1f} GB/s); the calibrating process's own run: "
+                  f"{r['in_calibrating_process']['error']:+.1%}", flush=True)
+        for rnd in range(args.repeats):  # the sides interleaved, round by round
+            for n in lens:
+                for side in sides:
+                    bw = bandwidth(args.threads)
+                    f = {**figures(mlight(args, [*base, "--prompt-len", str(n)], envs[side])), "bandwidth": bw}
+                    rows[side]["workloads"][n].append(f)
+                    print(f"  round {rnd + 1}, prompts {n} [{side}]: measured {f['measured']:8.1f} tok/s, predicted "
+                          f"{f['predicted']:8.1f}: {f['error']:+6.1%} (decode {f['decode_error']:+6.1%}), bandwidth "
+                          f"before {bw:.1f} GB/s, load {f['load']}", flush=True)
+        for side, row in rows.items():
+            for n, fs in row["workloads"].items():
+                errs, meas = [f["error"] for f in fs], [f["measured"] for f in fs]
+                print(f"  {model} [{side}] prompts {n}: median error {statistics.median(errs):+.1%} (runs {min(errs):+.1%} "
+                      f"… {max(errs):+.1%}); measured {min(meas):.1f} … {max(meas):.1f} tok/s (median "
+                      f"{statistics.median(meas):.1f}), predicted {fs[0]['predicted']:.1f}", flush=True)
+            shutil.rmtree(row.pop("cache"), ignore_errors=True)
+        out["models"][model] = rows
+    print(f"\nload average at the end {common.load_average()}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
