@@ -44,7 +44,8 @@ def parse_args(argv=None):
 
 def mlight(args, extra: list[str], env: dict) -> dict:
     cmd = [sys.executable, "-c", MLIGHT, "bench", *extra, "--threads", str(args.threads), "--json"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    # from a neutral folder: `python -c` puts the working folder first on sys.path, ahead of PYTHONPATH
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=tempfile.gettempdir()).stdout
     return json.loads(out)
 
 
