@@ -18,6 +18,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from core.model.cpu import native
 from core.model.limits import SCORE_BLOCK_ELEMS as _BLOCK_ELEMS  # score elements per explicit prefill block
 
 RUN_ROWS = 32  # decode attention in runs of this many cache rows, each to its own longest length, where that reads less
@@ -110,8 +111,13 @@ def _copied(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def decode_over_rows(q: torch.Tensor, store, rows, scale: float, sinks: torch.Tensor | None = None,
                      widen=None) -> torch.Tensor:
     """q [B, Hq, hd] -> [B, Hq·dv]: decode attention over a KV store's rows for one micro-batch
-    (a core.model.kvcache.Rows), read as its `plan` says: contiguous or covering rows in place, in runs
-    of neighbouring rows where that reads less, else the rows gathered."""
+    (a core.model.kvcache.Rows): by the fused C kernel where it is built and takes the call (each
+    request's own row to its own length, in place: core.model.cpu.native), else with torch ops as its
+    `plan` says: contiguous or covering rows in place, in runs of neighbouring rows where that reads
+    less, else the rows gathered."""
+    if rows.device is None and native.usable(q, store.k, store.v, sinks):
+        lengths, host, bounds = _native_rows(rows, store)
+        return native.decode_attention(q, store.k, store.v, rows.slots, lengths, host, scale, bounds)
     p = rows.plan(store, widen is not None and store.k.dtype != widen.math)
     if p.rows is None:
         return decode_attention(q, rows.take(store.k), rows.take(store.v), p.lengths, scale, p.span, p.pad,
@@ -127,6 +133,18 @@ def decode_over_rows(q: torch.Tensor, store, rows, scale: float, sinks: torch.Te
             o[a:b] = decode_attention(q[a:b], k[a:b], v[a:b], p.lengths[a:b], scale, span, None, sinks, widen,
                                       p.memo.setdefault(("run", a), {}))
     return o if p.at is None else o.index_select(0, p.at)
+
+
+def _native_rows(rows, store):
+    """(kept lengths as a tensor and a list, the request split over threads) of `rows` in `store`, made
+    once a step for every layer's call."""
+    memo = rows.__dict__.setdefault("_native", {})
+    if store.window not in memo:
+        lengths = rows.kept(store)[0]
+        host = [store.kept(n) for n in rows._host_lengths]
+        n = max(1, min(torch.get_num_threads(), len(host)))
+        memo[store.window] = (lengths, host, native.cuts(host, n))
+    return memo[store.window]
 
 
 def attention_runs(lengths: list[int], row: int, widened: bool = False, rows: int | None = None) -> list:
