@@ -36,6 +36,7 @@ from core import platform
 SOURCE = Path(__file__).with_name("decode_attention.c")
 DTYPES = (torch.bfloat16, torch.float32)
 MAX_G, MAX_D = 16, 256
+HELPER_IDLE_S = 2.0  # how often an idle helper checks that the thread it serves still runs
 
 _reason = "not built yet"
 
@@ -157,6 +158,7 @@ class _Pool:
 
     def __init__(self, n: int):
         self.n = n
+        self.owner = threading.current_thread()
         self.jobs = [queue.SimpleQueue() for _ in range(n - 1)]
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.scratch = [torch.empty(0) for _ in range(n)]
@@ -164,12 +166,24 @@ class _Pool:
             threading.Thread(target=self._serve, args=(j,), name=f"mlight-attn-{j + 1}", daemon=True).start()
 
     def _serve(self, j: int) -> None:
+        """Run jobs until told to stop (None) or the thread that made this pool has ended."""
         while True:
-            job = self.jobs[j].get()
+            try:
+                job = self.jobs[j].get(timeout=HELPER_IDLE_S)
+            except queue.Empty:
+                if self.owner.is_alive():
+                    continue
+                return
+            if job is None:
+                return
             try:
                 job()
             finally:
                 self.done.put(None)
+
+    def close(self) -> None:
+        for q in self.jobs:
+            q.put(None)
 
     def run(self, jobs) -> None:
         for j, job in enumerate(jobs[1:]):
@@ -189,8 +203,10 @@ _local = threading.local()
 
 def _pool(n: int) -> _Pool:
     p = getattr(_local, "pool", None)
-    if p is None or p.n != n:
-        p = _local.pool = _Pool(n)  # an old pool's helpers wait on their queues for good: cheap
+    if p is None or p.n != n:  # the thread count moved (core.model.cpu.threads.Governor): new helpers
+        if p is not None:
+            p.close()
+        p = _local.pool = _Pool(n)
     return p
 
 

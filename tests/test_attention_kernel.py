@@ -1,0 +1,143 @@
+"""The fused C decode attention (core.model.cpu.native) against float64, and its fallbacks.
+
+Each build the engine can make is checked: the usable ISA's (AVX-512 or AVX2 here; under CI's AVX2
+lane the AVX2 one), an AVX2 and a baseline build by faking the ISA answer, in every kernel form (G
+and D known at compile time, any G/D in vectors, scalar for a head size no multiple of the vector),
+over bf16 and fp32 caches, with gaps between rows, a sliding window's ring, and threads. Where no
+compiler exists, or the build fails, decode attention runs torch ops with the same numbers.
+"""
+
+from __future__ import annotations
+
+import platform as py_platform
+import shutil
+
+import pytest
+import torch
+
+from core.model import attention
+from core.model.cpu import isa, native
+from core.model.kvcache import KVStore, Rows
+
+X86 = py_platform.machine().lower() in ("x86_64", "amd64")
+needs_cc = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """Each test builds (or fails to build) its own kernel into its own cache dir."""
+    monkeypatch.setenv("MLIGHT_CACHE_DIR", str(tmp_path / "cache"))
+    native._build.cache_clear()
+    yield
+    native._build.cache_clear()
+
+
+def _reference(q, store, slots, lengths, scale):
+    """float64 attention of each request over its cache row's first `length` positions."""
+    B, Hq, D = q.shape
+    Hkv = store.k.shape[1]
+    out = []
+    for b, (row, n) in enumerate(zip(slots, lengths)):
+        k, v = store.k[row, :, :n].double(), store.v[row, :, :n].double()
+        qq = q[b].double().view(Hkv, Hq // Hkv, D)
+        p = torch.softmax(torch.einsum("hgd,htd->hgt", qq, k) * scale, dim=-1)
+        out.append(torch.einsum("hgt,htd->hgd", p, v).reshape(-1))
+    return torch.stack(out)
+
+
+def _case(G, D, dtype, q_dtype=None, B=9, slots=None, window=0, cap=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Hkv = 2
+    nslots = 16
+    store = KVStore(nslots, Hkv, D, cap, dtype, False, window=window)
+    store.k.copy_(torch.randn(store.k.shape, generator=g))
+    store.v.copy_(torch.randn(store.v.shape, generator=g))
+    slots = slots or list(range(B))
+    positions = [int(x) for x in torch.randint(0, 2 * cap if window else cap, (len(slots),), generator=g)]
+    q = torch.randn(len(slots), Hkv * G, D, generator=g).to(q_dtype or dtype)
+    return q, store, Rows(slots, positions)
+
+
+def _check(q, store, rows, out):
+    kept = [store.kept(p + 1) for p in rows.positions.tolist()]
+    ref = _reference(q, store, rows.slots.tolist(), kept, 0.3)
+    tol = 1e-5 if q.dtype == torch.float32 else 8e-3  # bf16: the output's rounding
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@needs_cc
+@pytest.mark.parametrize("G,D", [(4, 64), (1, 128), (8, 64), (3, 32), (4, 8), (2, 24)])
+@pytest.mark.parametrize("dtype,q_dtype", [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, torch.float32)])
+def test_kernel_matches_float64(G, D, dtype, q_dtype):
+    """Compile-time (4, 64), (1, 128), (8, 64); vectors of any size (3, 32); scalar (4, 8), (2, 24). A bf16
+    cache with fp32 queries is the AVX2 CPU's widened math over a cache kept in bf16."""
+    q, store, rows = _case(G, D, dtype, q_dtype)
+    assert native.usable(q, store.k, store.v, None), native.status()
+    _check(q, store, rows, attention.decode_over_rows(q, store, rows, 0.3))
+
+
+@needs_cc
+@pytest.mark.parametrize("window", [0, 16])
+def test_rows_with_gaps_a_window_and_threads(window):
+    """Requests in scattered, unsorted rows (no gather: each reads its own row), a sliding window's ring
+    (its kept length), one call split over two threads bit for bit equal to one thread's."""
+    q, store, rows = _case(4, 64, torch.bfloat16, slots=[11, 2, 7, 0, 15, 5], window=window)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = attention.decode_over_rows(q, store, rows, 0.3)
+        torch.set_num_threads(2)
+        two = attention.decode_over_rows(q, store, Rows(rows.slots.tolist(), rows.positions.tolist()), 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    _check(q, store, rows, one)
+    assert torch.equal(one, two)
+
+
+def test_cuts_split_by_length():
+    assert native.cuts([10, 10, 10, 10], 2) == [0, 2, 4]
+    assert native.cuts([100, 1, 1, 1], 2) == [0, 1, 4]
+    assert native.cuts([5], 3) == [0, 1, 1, 1]
+    assert native.cuts([0, 0], 2) == [0, 1, 2]
+
+
+@needs_cc
+@pytest.mark.skipif(not X86 or not torch.cpu._is_avx2_supported(), reason="an x86 CPU with AVX2")
+@pytest.mark.parametrize("usable,vw", [("avx2", 8), ("baseline", 4)])
+def test_builds_for_lower_isas(fresh_build, monkeypatch, usable, vw):
+    """The AVX2 build (the CPUs most users have) and the baseline one, faked on any x86 machine."""
+    fake = isa.CpuIsa(hardware=usable, usable=usable, bf16_native=False, fp16_native=False)
+    monkeypatch.setattr(isa, "cpu_isa", lambda: fake)
+    lib = native.library()
+    assert lib is not None and lib.dll.mlight_decode_attention_vw() == vw
+    for G, D in ((4, 64), (2, 128), (4, 8)):
+        q, store, rows = _case(G, D, torch.bfloat16, seed=G + D)
+        _check(q, store, rows, attention.decode_over_rows(q, store, rows, 0.3))
+
+
+@pytest.mark.parametrize("why", ["no compiler", "compiler fails", "disabled"])
+def test_without_the_kernel_attention_runs_torch_ops(fresh_build, monkeypatch, tmp_path, why):
+    if why == "no compiler":
+        monkeypatch.setattr(native, "_compiler", lambda: None)
+    elif why == "compiler fails":
+        false = shutil.which("false")
+        if false is None:
+            pytest.skip("no `false` program to stand in for a broken compiler")
+        monkeypatch.setattr(native, "_compiler", lambda: false)
+    else:
+        monkeypatch.setenv("MLIGHT_NATIVE", "0")
+    q, store, rows = _case(4, 64, torch.bfloat16)
+    assert native.library() is None and not native.usable(q, store.k, store.v, None)
+    assert native.status().startswith("torch ops (") and {"no compiler": "no C compiler", "compiler fails": "failed",
+                                                          "disabled": "MLIGHT_NATIVE=0"}[why] in native.status()
+    _check(q, store, rows, attention.decode_over_rows(q, store, rows, 0.3))
+
+
+@needs_cc
+def test_sinks_fp16_and_other_shapes_stay_on_torch_ops():
+    q, store, rows = _case(4, 64, torch.bfloat16)
+    assert native.usable(q, store.k, store.v, None)
+    assert not native.usable(q, store.k, store.v, torch.zeros(8))  # gpt-oss's sinks: torch ops
+    assert not native.usable(q.half(), store.k.half(), store.v.half(), None)  # fp16: torch ops
+    assert not native.usable(q, store.k, store.v[..., :32].contiguous(), None)  # V narrower than K (MLA-like)
