@@ -190,8 +190,7 @@ static void NAME(const void *q, int q_bf16, int64_t q_stride, const KVT *k, cons
     KERNEL(k_bf16_##G##_##D, G, (D / VW), LD_BF16, uint16_t)                                               \
     KERNEL(k_f32_##G##_##D, G, (D / VW), LD_F32, float)
 
-BOTH(1, 64) BOTH(2, 64) BOTH(4, 64) BOTH(8, 64)
-BOTH(1, 128) BOTH(2, 128) BOTH(4, 128) BOTH(8, 128)
+BOTH(4, 64) BOTH(8, 64) BOTH(4, 128) BOTH(8, 128) /* the common GQA shapes; others take k_*_any */
 KERNEL(k_bf16_any, 0, 0, LD_BF16, uint16_t)
 KERNEL(k_f32_any, 0, 0, LD_F32, float)
 
@@ -254,8 +253,7 @@ typedef void (*kernel_fn)(const void *, int, int64_t, const void *, const void *
     if (Gq == G && Dq == D) return kv_bf16 ? (kernel_fn)k_bf16_##G##_##D : (kernel_fn)k_f32_##G##_##D;
 
 static kernel_fn pick(int64_t Gq, int64_t Dq, int kv_bf16) {
-    PICK(1, 64) PICK(2, 64) PICK(4, 64) PICK(8, 64)
-    PICK(1, 128) PICK(2, 128) PICK(4, 128) PICK(8, 128)
+    PICK(4, 64) PICK(8, 64) PICK(4, 128) PICK(8, 128)
     if (Gq <= 16 && Dq % VW == 0 && Dq / VW <= 16) return kv_bf16 ? (kernel_fn)k_bf16_any : (kernel_fn)k_f32_any;
     if (Gq <= 16 && Dq <= 256) return kv_bf16 ? (kernel_fn)k_bf16_scalar : (kernel_fn)k_f32_scalar;
     return 0;
