@@ -57,6 +57,9 @@ def run(args) -> int:
     for storage, short in (("bfloat16", "bf16"), ("float16", "fp16")):
         math, why = hw.cpu_math(storage) if hw.cpu_isa else _local_math(storage)
         lines.append(f"  {short} weights compute in {math}: {why}")
+    from core.model.cpu import native
+
+    lines.append(f"  decode attention: {native.status()}")
     if not args.no_probe:
         lines.append(f"cache      {probe_cache_path(hw)}")
     print("\n".join(lines))

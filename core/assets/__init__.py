@@ -6,6 +6,8 @@
 - `demo_prompts.jsonl`: the first turns of 16 of them, as an mlight prompts file (`--prompts demo`).
 - `configs/<name>/config.json`: the config.json of well-known MoE models — bundled presets, so that
   `mlight plan --model mixtral-8x7b` works offline. A new preset is one more folder here.
+- `kernels/decode_attention.c`: the fused CPU decode attention, compiled on the user's machine where a C
+  compiler exists (core.model.cpu.native).
 
 Nothing else in mlight reads a file shipped with it; tests/test_packaging.py keeps it that way.
 Imports: nothing.
@@ -19,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 MT_BENCH = HERE / "mt_bench_questions.jsonl"
 DEMO_PROMPTS = HERE / "demo_prompts.jsonl"
 CONFIGS = HERE / "configs"
+DECODE_ATTENTION_C = HERE / "kernels" / "decode_attention.c"
 
 
 def config_presets() -> list[str]:

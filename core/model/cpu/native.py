@@ -1,4 +1,4 @@
-"""Fused decode attention in C (decode_attention.c), built once per machine with the C compiler at hand.
+"""Fused decode attention in C (core/assets/kernels/decode_attention.c), built once per machine with the C compiler at hand.
 
 Decode attention is a GEMV per request and KV head (G query rows against T cached keys): torch's bf16
 `bmm` runs it at a third of the memory bandwidth, after copying the rows' slices out, and the softmax
@@ -32,8 +32,7 @@ from pathlib import Path
 import torch
 
 from core import platform
-
-SOURCE = Path(__file__).with_name("decode_attention.c")
+from core.assets import DECODE_ATTENTION_C as SOURCE
 DTYPES = (torch.bfloat16, torch.float32)
 MAX_G, MAX_D = 16, 256
 HELPER_IDLE_S = 2.0  # how often an idle helper checks that the thread it serves still runs
