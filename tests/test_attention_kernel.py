@@ -80,10 +80,14 @@ def test_kernel_matches_float64(G, D, dtype, q_dtype):
 
 
 @needs_cc
-@pytest.mark.parametrize("window", [0, 16])
-def test_rows_with_gaps_a_window_and_threads(window):
+@pytest.mark.parametrize("window,openmp", [(0, True), (16, True), (0, False)])
+def test_rows_with_gaps_a_window_and_threads(window, openmp, fresh_build, monkeypatch):
     """Requests in scattered, unsorted rows (no gather: each reads its own row), a sliding window's ring
-    (its kept length), one call split over two threads bit for bit equal to one thread's."""
+    (its kept length), one call split over two threads bit for bit equal to one thread's: torch's own
+    OpenMP threads where torch runs on libgomp, else helper threads of ours (macOS, Windows)."""
+    if not openmp:
+        monkeypatch.setattr(native, "_torch_uses_gomp", lambda: False)
+    assert native.library().openmp == (openmp and native._torch_uses_gomp())
     q, store, rows = _case(4, 64, torch.bfloat16, slots=[11, 2, 7, 0, 15, 5], window=window)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -270,3 +270,30 @@ int mlight_decode_attention(const void *q, int q_bf16, int64_t q_stride, const v
     f(q, q_bf16, q_stride, k, v, row, len, i0, i1, Hkv, G, D, s_row, s_head, scale, out, out_bf16, scratch, sstride);
     return 0;
 }
+
+/* The same call split over an OpenMP team (built with -fopenmp, which links the libgomp torch has
+   loaded: its threads, not more of them): part j takes requests [bounds[j], bounds[j+1]) and scratch
+   + j * G * sstride. */
+int mlight_decode_attention_parts(const void *q, int q_bf16, int64_t q_stride, const void *k, const void *v,
+                                  int kv_bf16, const int64_t *row, const int64_t *len, const int64_t *bounds,
+                                  int parts, int64_t Hkv, int64_t G, int64_t D, int64_t s_row, int64_t s_head,
+                                  float scale, void *out, int out_bf16, float *scratch, int64_t sstride) {
+    kernel_fn f = pick(G, D, kv_bf16);
+    if (!f) return -1;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static, 1) num_threads(parts)
+#endif
+    for (int j = 0; j < parts; j++)
+        if (bounds[j] < bounds[j + 1])
+            f(q, q_bf16, q_stride, k, v, row, len, bounds[j], bounds[j + 1], Hkv, G, D, s_row, s_head, scale, out,
+              out_bf16, scratch + (int64_t)j * G * sstride, sstride);
+    return 0;
+}
+
+int mlight_decode_attention_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -80,13 +80,16 @@ def _compiler() -> str | None:
 class _Lib:
     def __init__(self, path: Path, flags: str):
         self.dll = ctypes.CDLL(str(path))
-        f = self.dll.mlight_decode_attention
         P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         C = ctypes.c_int
-        f.argtypes = [P, C, I, P, P, C, P, P, I, I, I, I, I, I, I, F, P, C, P, I]
-        f.restype = C
-        self.fn = f
-        self.flags = flags
+        self.fn = self.dll.mlight_decode_attention
+        self.fn.argtypes = [P, C, I, P, P, C, P, P, I, I, I, I, I, I, I, F, P, C, P, I]
+        self.fn.restype = C
+        self.parts = self.dll.mlight_decode_attention_parts
+        self.parts.argtypes = [P, C, I, P, P, C, P, P, P, C, I, I, I, I, I, F, P, C, P, I]
+        self.parts.restype = C
+        self.openmp = bool(self.dll.mlight_decode_attention_openmp())
+        self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,25 +103,16 @@ def _build(level: str) -> _Lib | None:
         _reason = "no C compiler found (cc, gcc, clang or $CC)"
         return None
     flags, vw = _flags()
-    args = ["-O3", "-shared", "-fPIC", f"-DVW={vw}", *flags]
-    src = SOURCE.read_bytes()
-    tag = hashlib.sha256(src + " ".join([cc, *args]).encode()).hexdigest()[:16]
-    suffix = ".dll" if platform.is_windows() else ".so"
-    out = _cache_dir() / "kernels" / f"decode_attention-{tag}{suffix}"
-    if not out.is_file():
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=suffix, dir=out.parent)
-            os.close(fd)
-            r = subprocess.run([cc, *args, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
-            if r.returncode != 0:
-                platform.remove(tmp)
-                _reason = f"the C compiler failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
-                return None
-            platform.replace(tmp, out)
-        except (OSError, subprocess.SubprocessError) as e:
-            _reason = f"could not build the kernel: {e}"
-            return None
+    base = ["-O3", "-shared", "-fPIC", f"-DVW={vw}", *flags]
+    out = None
+    # OpenMP where torch runs on libgomp (Linux wheels: its libgomp.so.1 is the one our library binds
+    # to, so the kernel runs on torch's own threads); else the Python helper threads split the call
+    for args in ([*base, "-fopenmp"], base) if _torch_uses_gomp() else (base,):
+        out = _compile(cc, args, vw)
+        if out is not None:
+            break
+    if out is None:
+        return None
     try:
         lib = _Lib(out, " ".join(flags) or "baseline")
     except (OSError, AttributeError) as e:
@@ -128,6 +122,35 @@ def _build(level: str) -> _Lib | None:
         _reason = "the kernel in the cache was built for another vector width"
         return None
     return lib
+
+
+def _compile(cc: str, args: list[str], vw: int) -> Path | None:
+    """The library built with `args` in the cache dir (built now unless there), or None with `_reason`."""
+    global _reason
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *args]).encode()).hexdigest()[:16]
+    suffix = ".dll" if platform.is_windows() else ".so"
+    out = _cache_dir() / "kernels" / f"decode_attention-{tag}{suffix}"
+    if out.is_file():
+        return out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=suffix, dir=out.parent)
+        os.close(fd)
+        r = subprocess.run([cc, *args, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            platform.remove(tmp)
+            _reason = f"the C compiler failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
+            return None
+        platform.replace(tmp, out)
+    except (OSError, subprocess.SubprocessError) as e:
+        _reason = f"could not build the kernel: {e}"
+        return None
+    return out
+
+
+def _torch_uses_gomp() -> bool:
+    """Whether torch's CPU threads are GNU OpenMP's (a libgomp.so.1 in its lib folder, Linux wheels)."""
+    return platform.SYSTEM == "linux" and (Path(torch.__file__).parent / "lib" / "libgomp.so.1").is_file()
 
 
 def library() -> _Lib | None:
@@ -224,6 +247,17 @@ def cuts(lengths: list[int], parts: int) -> list[int]:
     return out
 
 
+_bounds = threading.local()
+
+
+def _bounds_tensor(bounds: list[int]) -> torch.Tensor:
+    """`bounds` as an int64 tensor, kept per thread while the same list comes back (every layer of a step)."""
+    kept = getattr(_bounds, "kept", None)
+    if kept is None or kept[0] is not bounds:
+        kept = _bounds.kept = (bounds, torch.tensor(bounds, dtype=torch.int64))
+    return kept[1]
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
                      host_lengths: list[int], scale: float, bounds: list[int] | None = None) -> torch.Tensor:
     """q [B, Hq, D]; k/v [slots, Hkv, cap, D]; request b reads cache row rows[b] to lengths[b] (int64
@@ -237,7 +271,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
         return out
     n = max(1, min(torch.get_num_threads(), B))
     bounds = bounds if bounds is not None and len(bounds) == n + 1 else cuts(host_lengths, n)
-    pool = _pool(n)
+    pool = _pool(1 if lib.openmp else n)
     longest = max(host_lengths)
     G = Hq // Hkv
     qb, kb, ob = int(q.dtype == torch.bfloat16), int(k.dtype == torch.bfloat16), int(q.dtype == torch.bfloat16)
@@ -252,7 +286,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
                                    out.data_ptr(), ob, s.data_ptr(), longest)
         return job
 
-    pool.run([part(j) for j in range(n)])
+    if lib.openmp and n > 1:  # torch's own OpenMP threads run the parts
+        b = _bounds_tensor(bounds)
+        s = pool.buffer(0, n * G * longest)
+        status[0] = lib.parts(*args, b.data_ptr(), n, Hkv, G, D, k.stride(0), k.stride(1), scale, out.data_ptr(), ob,
+                              s.data_ptr(), longest)
+    else:
+        pool.run([part(j) for j in range(n)])
     if any(status):
         raise RuntimeError(f"decode attention kernel refused G={G}, D={D}")
     return out
