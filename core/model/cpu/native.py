@@ -136,7 +136,8 @@ def _compile(cc: str, args: list[str], vw: int) -> Path | None:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=suffix, dir=out.parent)
         os.close(fd)
-        r = subprocess.run([cc, *args, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *args, "-o", tmp, str(SOURCE)], capture_output=True, text=True, encoding="utf-8",
+                           errors="replace", timeout=120)
         if r.returncode != 0:
             platform.remove(tmp)
             _reason = f"the C compiler failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
@@ -150,7 +151,7 @@ def _compile(cc: str, args: list[str], vw: int) -> Path | None:
 
 def _torch_uses_gomp() -> bool:
     """Whether torch's CPU threads are GNU OpenMP's (a libgomp.so.1 in its lib folder, Linux wheels)."""
-    return platform.SYSTEM == "linux" and (Path(torch.__file__).parent / "lib" / "libgomp.so.1").is_file()
+    return platform.SYSTEM == "linux" and (Path(torch.__spec__.origin).parent / "lib" / "libgomp.so.1").is_file()
 
 
 def library() -> _Lib | None:
