@@ -259,8 +259,8 @@ def test_quantized_experts_peak_within_their_plan_and_pin_what_it_says(quant_mod
     every quantized part after the w13 integers: pinned int8 3,512,320 planned vs 2,746,368), the slot
     table's bmm intermediates of all experts at once (they run one by one), and a float32 workspace the
     fp32 expansion never makes: GPU peaks 25–46 % under the plan. The planner's own policy too, within
-    1.15: its 384-token prefill micro-batch meets the GQA prefill term's own excess (the norm's fp32 arrays
-    summed with the QKV phase's), which the plain model's larger weights hide (1.05 there, 1.105 here)."""
+    the same 1.1: its 384-token prefill micro-batch peaks in the GQA prefill, whose term summed the input
+    norm's fp32 arrays with the QKV phase's although one is freed before the other (1.105 here before)."""
     from core.model.quant.formats import parse_choice, quantized_spec
 
     path, tok = quant_model
@@ -268,7 +268,7 @@ def test_quantized_experts_peak_within_their_plan_and_pin_what_it_says(quant_mod
     prompts, w = workload(tok, 16, 24, 4)
     hw = dataclasses.replace(preset("t4"), gpu_mem_bytes=6 * MiB, cpu_flops=2e10, cpu_bw=2e10)
     planned, _ = plan(spec, hw, w, Budget(6 * MiB, 1 << 30))
-    for policy, slack in [(p, 1.1) for p in QUANT_POLICIES] + [(planned, 1.15)]:
+    for policy, slack in [(p, 1.1) for p in QUANT_POLICIES] + [(planned, 1.1)]:
         prompts, w = workload(tok, policy.batch_size, 24, 4)
         pred = predict(policy, spec, preset("t4"), w)
         dev = EmulatedCuda(1 << 30)

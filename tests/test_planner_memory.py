@@ -176,19 +176,21 @@ def test_activations_and_host_buffers_count_what_the_planner_documents():
       twice, routing, one hidden-state block of margin; the largest of the FFN's intermediates, a
       micro-batch's pre-attention or its fp32 logits; per-step ids) and prefill (every prompt's hidden
       states; a micro-batch's normed input, two layers' K/V and its ids; the largest of the FFN's
-      intermediates, the pre-attention with one prompt's fp32 scores, the logits);
+      intermediates, the pre-attention (the norm's fp32 arrays, then the QKV phase: never both) with one
+      prompt's fp32 scores, the logits);
     - host: the pinned arena (D1/D2 buffers, decode and prefill logits), one micro-batch's fp32 attention
       scores. (tests/test_gpu_memory.py holds these against what an emulated GPU sees allocated.)"""
     D, q, kv, k, I, V, H, hd, N, mu, beta, T, s, dt = 64, 64, 16, 2, 128, 1000, 8, 8, 16, 4, 8, 228, 200, 2
     staging = N * (q + 2 * kv + q) * dt + 2 * T * hd * dt
     ffn = lambda t: t * k * 33 + t * k * (D + 3 * I) * dt  # noqa: E731 - ids and masks, then in, gate/up, product
-    pre = lambda t: t * (D * (8 + dt) + 3 * (q + kv) * dt)  # noqa: E731
+    pre = lambda t: t * (D * (8 + dt) + 3 * (q + kv) * dt)  # noqa: E731 - decode: its arrays as one
+    mix = lambda t: t * max(D * (8 + dt), D * dt + 3 * (q + kv) * dt)  # noqa: E731 - the norm, then the QKV phase
     logits = mu * (V * 4 + 3 * D * 4)
     decode = N * D * dt + beta * (3 * D * dt + 2 * k * (8 + dt)) + max(ffn(beta), pre(mu), logits) + N * (40 + T)
     tok = mu * s
     prefill = (N * s * D * dt + tok * (2 * D + 4 * kv) * dt + N * (2 * s + 1) * 8
-               + max(ffn(tok), pre(tok) + H * s * s * 4, logits))
-    assert (decode, prefill) == (28_800, 2_944_128)
+               + max(ffn(tok), mix(tok) + H * s * s * 4, logits))
+    assert (decode, prefill) == (28_800, 2_560_128)
     g, c = parts(BASE)
     assert g == {"non_expert_weights": NON_EXPERT, "resident_experts": 0, "weight_double_buffer": 2 * LAYER_EXPERTS,
                  "kv_cache": 0, "kv_buffers": 0, "staging": staging, "dequant_scratch": 0, "activations": prefill}
@@ -206,11 +208,16 @@ def test_activations_and_host_buffers_count_what_the_planner_documents():
 def test_the_searchs_linear_memory_model_is_the_accounting_at_whole_experts_and_kv_layers():
     """The policy search sizes memory as m0 + m_w·r_w + m_c·r_c on each side (`_memory_lin`). Where the
     fractions are whole experts a layer (r_w of 0, 1/4, 1/2, 1: 0, 2, 4, 8 of 8) and the KV cache is all
-    on one side (r_c 0 or 1), that must be what `memory_use` counts (itself checked by hand above)."""
+    on one side (r_c 0 or 1), that must be what `memory_use` counts (itself checked by hand above) — but
+    where a layer is split between resident and streamed experts (r_w of 1/4, 1/2), which needs one more
+    gate/up output (bf16's grouped matmuls) than the line through the whole layers says: there the
+    accounting is above the line by at most that output, the same step at every split point (the search
+    may then pick a fraction a little over the budget; plan() validates its policy and steps back)."""
     from core.plan import hrm
     from core.plan.planner import _memory_lin, memory_use
 
     d = hrm.dims(SPEC)
+    split = set()
     for place in (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu")):
         g0, gw, gc, c0, cw, cc = _memory_lin(d, WORK, place, 16, 4, 8)
         for r_w in (0.0, 0.25, 0.5, 1.0):
@@ -219,8 +226,14 @@ def test_the_searchs_linear_memory_model_is_the_accounting_at_whole_experts_and_
                     continue
                 policy = Policy(16, 4, 8, *place, r_w, r_c, 4)
                 g, c = (sum(x.values()) for x in memory_use(d, policy, WORK))
-                assert g == pytest.approx(g0 + gw * r_w + gc * r_c, abs=3), (place, r_w, r_c)
+                under = g - (g0 + gw * r_w + gc * r_c)
+                if place[1] == "cpu" or not 0 < r_w < 1:
+                    assert under == pytest.approx(0, abs=3), (place, r_w, r_c)
+                else:  # at most the prefill micro-batch's one more gate/up output (4 prompts of 200 tokens)
+                    assert 0 <= under <= 4 * 200 * SPEC.top_k * SPEC.expert_intermediate * 2, (place, r_w, r_c)
+                    split.add(round(under))
                 assert c == pytest.approx(c0 + cw * r_w + cc * r_c, abs=3), (place, r_w, r_c)
+    assert len(split) == 1  # one step, the same at every split fraction and in either placement
 
 
 def test_a_policy_that_needs_exactly_the_usable_bytes_fits_and_one_byte_more_does_not():

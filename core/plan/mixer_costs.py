@@ -118,11 +118,13 @@ def _cost(spec: ModelSpec, st: StateSpec, count: int) -> MixerCost:
                          pair_flops=2 * H * (qk + m.v_head_dim), pf_tok=pf_tok, pf_pair=4 * H)
     q, kv = spec.q_size, spec.kv_size
     gate = q if spec.attn_gate else 0
-    # core.model.gqa.prefill: the fp32 norm, the QKV projection, roped q and k, the attention output (and
-    # the output gate's sigmoid and product); per prompt its fp32 scores, made block by block and held
-    # twice over (and once in the weights' dtype) in the explicit form that sinks and windows take
+    # core.model.gqa.prefill, two phases one after the other: the input norm (its fp32 arrays, two at a
+    # time, and the normed output), then — the fp32 arrays gone — the normed input under the QKV projection,
+    # roped q and k, the attention output (and the output gate's sigmoid and product); per prompt its fp32
+    # scores, made block by block and held twice over (and once in the weights' dtype) in the explicit
+    # form that sinks and windows take
     explicit = spec.attn_sinks or bool(st.window)
-    pf_tok = D * (8 + dt) + 3 * (q + kv) * dt + 2 * gate * dt
+    pf_tok = max(D * (8 + dt), D * dt + 3 * (q + kv) * dt + 2 * gate * dt)
     return MixerCost(count, "gqa", st, pre_params=D * (q * (2 if spec.attn_gate else 1) + 2 * kv),
                      post_params=q * D, d1=q + 2 * kv, d2=q, ctx_flops=4 * q, query_flops=0.0, query_elems=2 * q,
                      prefill_tok_flops=0.0, pair_flops=4 * q, pf_tok=pf_tok,
