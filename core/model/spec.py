@@ -187,6 +187,9 @@ class ModelSpec:
     # "int8", "int4-g64", "Q4_K/Q6_K", with `expert_bits` the bits per weight including scales
     expert_format: str = "none"
     expert_bits: float = 0.0
+    # the dense weights the CPU-only mode holds in a weight-only format (--quantize-dense): a Format label
+    # ("int8", "int4-g64") or "none"; which ones and their bytes: core.model.quant.dense_spec
+    dense_format: str = "none"
 
     def __post_init__(self):
         positive = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",

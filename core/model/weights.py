@@ -151,6 +151,7 @@ class LayerWeights:
         self.packed = None  # experts prepacked for the CPU (then `experts` and `pages` are gone)
         self.quant = layout.expert_views(self.experts, dtype, scratch).get("quant") if layout.scheme is not None else None
         self.dense_flat = None  # the non-expert part converted to the math dtype (widen_dense)
+        self.held = 0  # bytes of quantized dense weights held outside the flat buffer (--quantize-dense)
         self.repage(pages)
 
     def repage(self, pages: int) -> None:
@@ -159,13 +160,14 @@ class LayerWeights:
             raise RuntimeError("this layer's experts were packed for the CPU; they no longer stream")
         self.pages = [self.experts[a:b] for a, b in self.layout.page_bounds(pages)]
 
-    def pack_for_cpu(self, dense_format=None) -> None:
+    def pack_for_cpu(self, quantize_dense=None) -> None:
         """Prepack the experts for the CPU and keep only the non-expert part of the flat buffer.
 
         One layer at a time, so memory peaks at the model plus one layer's experts, never two copies.
         Quantized experts whose format has no CPU kernel (GGUF blocks) stay as they are and expand per use.
-        `dense_format` (a core.model.quant.formats.Format): the attention and shared-expert projections
-        quantized too, for the CPU's weight-only kernels (core.model.quant.dense)."""
+        `quantize_dense(name, w)`: the attention and shared-expert projections quantized too, for the CPU's
+        weight-only kernels (core.model.quant.dense; `w` itself where the kernel does not take it) — and
+        then their bf16 bytes are not kept."""
         from core.model.moe import pack_experts
 
         if self.quant is not None:
@@ -177,6 +179,9 @@ class LayerWeights:
             has_experts = "w13" in self.tensors
             self.packed = pack_experts(self.tensors["w13"], self.tensors["w2"]) if has_experts else []
         biases = {n: self.tensors[n].clone() for n in ("b13", "b2") if n in self.tensors}  # not packed, still used
+        if quantize_dense is not None:
+            self._quantize_dense(quantize_dense, biases)
+            return
         dense = self.flat[:self.layout.expert_start].clone()
         self.flat, self.experts, self.pages = dense, None, []
         self.tensors = self.layout.views(dense, names=self._dense_names())
@@ -185,7 +190,33 @@ class LayerWeights:
 
         for name in PACKED_DENSE:  # used through F.linear only; the flat buffer keeps their bytes for nbytes
             if name in self.tensors:
-                self.tensors[name] = _pack_dense(self.tensors[name], dense_format, pack_dense)
+                self.tensors[name] = pack_dense(self.tensors[name])
+
+    def _quantize_dense(self, quantize_dense, biases: dict) -> None:
+        """The dense part with the projections quantized: the other tensors copied into a buffer of their
+        own, the projections' bf16 bytes let go (the quantized model is smaller in RAM, not larger)."""
+        from core.model.cpu.kernels import pack_dense
+
+        views = self.layout.views(self.flat, names=self._dense_names())
+        packed = {}
+        for name in PACKED_DENSE:
+            if name in views:
+                q = quantize_dense(name, views[name])
+                packed[name] = q if q is not views[name] else pack_dense(views[name].clone())
+        rest = [(n, t) for n, t in views.items() if n not in packed]
+        offsets, total = [], 0
+        for _, t in rest:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // 64) * 64
+        buf = torch.empty(total, dtype=torch.uint8)
+        self.tensors = {}
+        for (n, t), off in zip(rest, offsets):
+            nb = t.numel() * t.element_size()
+            self.tensors[n] = buf[off:off + nb].view(t.dtype).view(t.shape).copy_(t)
+        self.flat, self.experts, self.pages = buf, None, []
+        self.tensors.update(packed)
+        self.tensors.update(biases)
+        self.held = sum(getattr(q, "held_bytes", 0) for q in packed.values())
 
     def _dense_names(self) -> set[str]:
         return {n for n, off, _ in self.layout.entries if off < self.layout.expert_start}
@@ -289,15 +320,37 @@ class ModelWeights:
         """How the experts are stored (core.model.quant.experts.ExpertScheme), None when unquantized."""
         return self.layers[0].layout.scheme
 
-    def pack_for_cpu(self, progress: EventSink = ignore, dense_format=None) -> None:
-        """Every layer's LayerWeights.pack_for_cpu, and the LM head (quantized too with `dense_format`)."""
+    def pack_for_cpu(self, progress: EventSink = ignore, dense_format=None, dense_cache=None) -> None:
+        """Every layer's LayerWeights.pack_for_cpu, and the LM head (quantized too with `dense_format`,
+        through `dense_cache`, a core.model.quant.dense.DenseCache, where given)."""
         from core.model.cpu.kernels import pack_dense
 
-        for i, lw in enumerate(self.layers):
-            lw.pack_for_cpu(dense_format)
-            progress(Progress("packing experts for the CPU", i + 1, len(self.layers), "layers"))
-        if "lm_head" in self.globals:  # a tied head is the embedding too: that one stays a plain tensor
-            self.globals["lm_head"] = _pack_dense(self.globals["lm_head"], dense_format, pack_dense)
+        quant, what = None, "packing experts for the CPU"
+        if dense_format is not None:
+            from core.model.quant.dense import quantize_dense, takes
+
+            def quant(name, w):
+                if dense_cache is None or not takes(w, dense_format):
+                    return quantize_dense(w, dense_format)
+                return dense_cache.weight(name, w)
+
+            what = (f"quantizing dense weights to {dense_format.label}" if dense_cache is None or not dense_cache.cached
+                    else "loading quantized dense weights (cached)")
+        try:
+            for i, lw in enumerate(self.layers):
+                lw.pack_for_cpu(None if quant is None else lambda name, w, i=i: quant(f"layers.{i}.{name}", w))
+                progress(Progress(what, i + 1, len(self.layers) + 1, "layers"))
+            if "lm_head" in self.globals:  # a tied head is the embedding too: that one stays a plain tensor
+                head = self.globals["lm_head"]
+                q = quant("lm_head", head) if quant is not None else head
+                self.globals["lm_head"] = q if q is not head else pack_dense(head)
+            if dense_cache is not None:
+                dense_cache.commit()
+        except BaseException:
+            if dense_cache is not None:
+                dense_cache.abort()
+            raise
+        progress(Progress(what, len(self.layers) + 1, len(self.layers) + 1, "layers"))
 
     def widen_dense(self, math: torch.dtype) -> None:
         """Non-expert weights and embeddings in `math`, experts left in `dtype` (LayerWeights.widen_dense)."""
@@ -316,20 +369,8 @@ class ModelWeights:
     def nbytes(self) -> int:
         dense = sum(lw.dense_flat.numel() * lw.dense_flat.element_size() for lw in self.layers
                     if lw.dense_flat is not None)
-        return dense + sum(lw.flat.numel() * lw.flat.element_size() for lw in self.layers) + sum(
-            t.numel() * t.element_size() for t in self.globals.values())
-
-
-def _pack_dense(w: torch.Tensor, fmt, pack_dense) -> torch.Tensor:
-    """A dense weight ready for F.linear on the CPU: quantized in `fmt` where its kernel takes it, else
-    oneDNN-prepacked where that works, else as it is."""
-    if fmt is not None:
-        from core.model.quant.dense import quantize_dense
-
-        q = quantize_dense(w, fmt)
-        if q is not w:
-            return q
-    return pack_dense(w)
+        return dense + sum(lw.flat.numel() * lw.flat.element_size() + lw.held for lw in self.layers) + sum(
+            getattr(t, "held_bytes", t.numel() * t.element_size()) for t in self.globals.values())
 
 
 PAGE = 4096

@@ -15,6 +15,7 @@ from core.plan.hardware import HardwareSpec
 from core.plan.mixer_costs import MixerCost, mixer_costs
 from core.model.limits import LOOKAHEAD  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU
 from core.model.limits import LAYOUT_ALIGN  # each stacked expert tensor of a layer buffer starts at a multiple of this
+from core.model.quant import dense_spec
 from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, Format, workspace_bytes
 from core.model.spec import ModelSpec
 
@@ -192,6 +193,17 @@ class Dims:
     # one expert's share of its first tensor (w13, or its packed integers): what page-locking starts after
     expert_region: int = 0
     expert_lead: int = 0
+    # --quantize-dense (CPU-only mode): the dense weights' kernel (none | int8 | int4), the non-expert bytes
+    # the CPU-only mode holds, and per matrix kind the share of layers whose weight the kernel runs
+    # (core.model.quant.dense_spec.layer_shares)
+    dense_qkind: str = "none"
+    cpu_nonexpert_bytes: int = 0
+    dense_shares: tuple = ()
+
+    @property
+    def cpu_total_bytes(self) -> int:
+        """Every weight as the CPU-only mode holds it (quantized dense weights at their format's bytes)."""
+        return (self.cpu_nonexpert_bytes or self.nonexpert_bytes) + self.total_expert_bytes
 
 
 @lru_cache(maxsize=32)
@@ -205,7 +217,14 @@ def _dims(m: ModelSpec) -> Dims:
                 scratch=_scratch(m), qkind=_qkind(m.expert_format), dtype=m.dtype,
                 act_temps=4 if m.expert_act == "clamped_swiglu" else 1, expert_bias=m.expert_bias,
                 expanded=m.expert_params * m.dtype_bytes if m.expert_format != "none" else 0,
-                **_expert_layout(m))
+                **_expert_layout(m), **_dense_quant(m))
+
+
+def _dense_quant(m: ModelSpec) -> dict:
+    if m.dense_format == "none":
+        return {}
+    return dict(dense_qkind=_qkind(m.dense_format), cpu_nonexpert_bytes=dense_spec.cpu_nonexpert_bytes(m),
+                dense_shares=tuple(dense_spec.layer_shares(m).items()))
 
 
 def _scratch(m: ModelSpec) -> int:
@@ -312,6 +331,25 @@ def quant_cpu_ffn(m: "ModelSpec | Dims", r: Rates, t: float) -> float:
     if d.qkind == "int8" and rows > KERNEL_ROWS:
         return roofline_seconds(moe_ffn(m, t, expand=True), r.cpu_flops, r.cpu_bw)
     return d.moe_frac * touched * r.kernel_seconds(d.qkind, rows, 3 * d.D * d.I)
+
+
+def quant_dense_swap(m: "ModelSpec | Dims", r: Rates, c, t: float) -> dict[str, float]:
+    """CPU-only mode, --quantize-dense: seconds that running the dense weights on the weight-only kernel
+    (Rates.kernel_seconds, t rows) adds to what the CPU cost model `c` (core.plan.cpu_cost) charges for
+    the dtype's GEMMs — negative where the kernel is faster. Per task kind: "pre" (QKV), "post" (O,
+    shared expert), "head" (the LM head); a GEMM's per-call overhead stays as `c` has it."""
+    d = dims(m)
+    if d.dense_qkind not in CPU_KERNEL_FLOPS or t <= 0:
+        return {"pre": 0.0, "post": 0.0, "head": 0.0}
+    share = dict(d.dense_shares)
+
+    def swap(n: int, k: int) -> float:
+        return r.kernel_seconds(d.dense_qkind, t, n * k) - (c.flop_s * 2 * t * n * k + c.weight_s * n * k)
+
+    return {"pre": share["qkv"] * swap(d.q + 2 * d.kv, d.D),
+            "post": share["o"] * swap(d.D, d.q) + share["shared_w13"] * swap(2 * d.Is, d.D)
+            + share["shared_w2"] * swap(d.D, d.Is),
+            "head": share["lm_head"] * swap(d.V, d.D)}
 
 
 def shared_expert(m: "ModelSpec | Dims", t: float) -> Work:
@@ -479,6 +517,9 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         if m.qkind in CPU_KERNEL_FLOPS:  # calibrated on the dtype's matmuls: quantized experts run other kernels
             secs["ffn"] = quant_cpu_ffn(m, r, expert_batch) + costs.elem_s * expert_batch * m.k * (3 * m.D + 3 * m.I) \
                 + costs.task_s
+        swap = quant_dense_swap(m, r, costs, micro_batch)  # so do quantized dense weights
+        secs["pre_attn"] += swap["pre"]
+        secs["post_attn"] += swap["post"]
         return {k: TaskCost("cpu_attn" if k == "cpu_attn" else "gpu", v, n_eb if k == "ffn" else n_mb)
                 for k, v in secs.items()}
     fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
@@ -530,7 +571,9 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
         from core.plan import cpu_cost
 
         costs = r.cpu_costs.for_step(batch * prompt_len * m.kv_tok)
-        return {"prefill": TaskCost("gpu", cpu_cost.prefill_seconds(m, costs, micro_batch, prompt_len, prompt_sq), n_mb)}
+        swap = quant_dense_swap(m, r, costs, toks)
+        return {"prefill": TaskCost("gpu", cpu_cost.prefill_seconds(m, costs, micro_batch, prompt_len, prompt_sq)
+                                    + swap["pre"] + swap["post"], n_mb)}
     if ffn_on == "cpu":
         return {"prefill": TaskCost("gpu", roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH + reduce, n_mb)}
     pages = pages or max(1, round(n_mb))
@@ -621,7 +664,7 @@ def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches:
     if not on_gpu and r.cpu_costs is not None:
         from core.plan import cpu_cost
 
-        return cpu_cost.head_seconds(dims(m), r.cpu_costs, tokens)
+        return cpu_cost.head_seconds(dims(m), r.cpu_costs, tokens) + quant_dense_swap(m, r, r.cpu_costs, tokens)["head"]
     w = lm_head(m, tokens / micro_batches)
     flops, bw = (r.gpu_flops, r.gpu_bw) if on_gpu else (r.cpu_flops, r.cpu_bw)
     return micro_batches * (roofline_seconds(w, flops, bw) + (GPU_LAUNCH if on_gpu else CPU_LAUNCH))

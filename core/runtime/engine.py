@@ -26,6 +26,8 @@ from core.model.kvcache import KVCache
 from core.model.gguf.load import load_gguf_weights
 from core.model.gguf.load import load_spec as load_gguf_spec
 from core.model.gguf.load import load_tokenizer as load_gguf_tokenizer
+from core.model.quant.dense import dense_cache
+from core.model.quant.dense_spec import with_dense
 from core.model.quant.formats import parse_choice, quantized_spec
 from core.model.cpu import compute as cpu_compute
 from core.model.cpu.threads import Governor, worker_setup
@@ -317,7 +319,10 @@ class Engine:
         cpu = cpu_compute.choose(weights.dtype_name, rates=_probed_cpu_rates(), math=cpu_math)
         if config.ffn_on == "cpu":  # the CPU-only chain never streams experts: ready them for the CPU
             if weights.scheme is not None:  # quantized experts: their own CPU kernels (core.model.quant)
-                weights.pack_for_cpu(progress, dense_format=dense_fmt)
+                cache = dense_cache(model_dir, mine, dense_fmt, weights.dtype, {"shard": f"{shard.rank}/{shard.size}"}
+                                    if shard else None) if use_cache else None
+                weights.pack_for_cpu(progress, dense_format=dense_fmt, dense_cache=cache)
+                spec = with_dense(spec, dense_fmt)
             elif cpu.pack:
                 cpu = _pack_or_fall_back(weights, cpu, progress)
             if cpu.widens and weights.scheme is None:
