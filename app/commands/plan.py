@@ -36,6 +36,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "format that fits the budget); the plan also shows the speed-up over none (default: none)")
     p.add_argument("--group-size", type=int, choices=INT4_GROUPS, default=None, metavar="G",
                    help=f"int4: weights per scale, one of {', '.join(map(str, INT4_GROUPS))} (default {DEFAULT_INT4_GROUP})")
+    p.add_argument("--quantize-dense", nargs="?", const=True, choices=("int8", "int4"), default=None,
+                   metavar="FORMAT", help="CPU-only mode: plan the attention projections and the LM head "
+                        "quantized too, in FORMAT (int8 or int4; default: --quantize's), as `mlight run` takes it; "
+                        "with --quantize auto on a machine without a GPU, auto considers them by itself")
     p.add_argument("--gpus", type=int, metavar="K",
                    help="plan for K GPUs of the machine, one tensor-parallel rank each (default: all it has); "
                         "with more than one, also predict the scaling from 1 to K")
@@ -86,7 +90,14 @@ def run(args) -> int:
         if args.quantize == "auto":
             raise UsageError("--quantize auto chooses a format by planning; it cannot cost a given --policy",
                              "give --quantize none, int8 or int4 with --policy")
+        if args.quantize_dense and args.quantize == "none":
+            raise UsageError("--quantize-dense needs a format", "pass --quantize int8 or --quantize int4 with it")
         model = quantized_spec(model, parse_choice(args.quantize, args.group_size))
+        if args.quantize_dense:
+            from core.model.quant.dense_spec import with_dense
+
+            dense = args.quantize if args.quantize_dense is True else args.quantize_dense
+            model = with_dense(model, parse_choice(dense, args.group_size))
         policy = _load_policy(args.policy)
         over = planner.validate(policy, model, hw, workload, budget)
         if over:
@@ -96,7 +107,7 @@ def run(args) -> int:
     else:
         from core.plan.quantize import choose
 
-        choice = choose(model, hw, workload, budget, args.quantize, args.group_size)
+        choice = choose(model, hw, workload, budget, args.quantize, args.group_size, dense=args.quantize_dense)
         model, policy, prediction = choice.spec, choice.policy, choice.prediction
     seconds = time.perf_counter() - t0
     sims = _simulate(model, hw, policy, workload) if args.simulate else None
@@ -165,7 +176,13 @@ def _format_lines(model, choice, asked: str) -> list[str]:
         head = f"format    experts in {model.dtype} (not quantized)"
     else:
         head = f"format    experts in {model.expert_format}, {model.expert_bits:.2f} bits per weight"
-    lines = [head, f"  why             {choice.why}"]
+    lines = [head]
+    if choice.dense:
+        from core.model.quant.dense_spec import bits_per_weight
+
+        lines.append(f"          dense weights in {model.dense_format}, {bits_per_weight(model):.2f} bits per weight "
+                     "(attention projections and LM head, CPU-only mode)")
+    lines.append(f"  why             {choice.why}")
     if choice.quantize != "none":
         lines.append(f"  vs {model.dtype:13s} " + (
             f"{choice.speedup:.2f}× the predicted tokens/s ({choice.baseline.tokens_per_s:,.1f} tokens/s unquantized)"

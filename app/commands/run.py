@@ -318,13 +318,16 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     replicas = getattr(args, "replicas_here", 1)  # data-parallel replicas sharing this machine's memory
     budget = dataclasses.replace(budget, cpu_bytes=budget.cpu_bytes // replicas)
     try:
-        choice = choose(load_spec(model_dir), hw, workload, budget, quantize, args.group_size, ranks=ranks)
+        choice = choose(load_spec(model_dir), hw, workload, budget, quantize, args.group_size, ranks=ranks,
+                        dense=getattr(args, "quantize_dense", None))
     except BudgetError as e:
         raise BudgetError(e.problem, "raise --gpu-mem / --cpu-mem, lower --max-new-tokens"
                           + (", or pass --quantize int4" if quantize in ("none", "int8") else "")) from e
     if quantize == "auto":
         _say(f"--quantize auto: {choice.why}")
         args.quantize = choice.quantize
+        if hasattr(args, "quantize_dense"):  # what auto chose for the dense weights (none with unquantized experts)
+            args.quantize_dense = choice.dense
         if args.gpu_mem is None and args.cpu_mem is None:  # the format only: batch sizes as without a budget
             args.batch = args.batch or BATCH
             return

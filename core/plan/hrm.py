@@ -199,6 +199,7 @@ class Dims:
     dense_qkind: str = "none"
     cpu_nonexpert_bytes: int = 0
     dense_shares: tuple = ()
+    dense_bytes_per_weight: float = 0.0  # in the kernel's layout, scales included
 
     @property
     def cpu_total_bytes(self) -> int:
@@ -224,7 +225,8 @@ def _dense_quant(m: ModelSpec) -> dict:
     if m.dense_format == "none":
         return {}
     return dict(dense_qkind=_qkind(m.dense_format), cpu_nonexpert_bytes=dense_spec.cpu_nonexpert_bytes(m),
-                dense_shares=tuple(dense_spec.layer_shares(m).items()))
+                dense_shares=tuple(dense_spec.layer_shares(m).items()),
+                dense_bytes_per_weight=dense_spec.bits_per_weight(m) / 8)
 
 
 def _scratch(m: ModelSpec) -> int:
@@ -337,14 +339,16 @@ def quant_dense_swap(m: "ModelSpec | Dims", r: Rates, c, t: float) -> dict[str, 
     """CPU-only mode, --quantize-dense: seconds that running the dense weights on the weight-only kernel
     (Rates.kernel_seconds, t rows) adds to what the CPU cost model `c` (core.plan.cpu_cost) charges for
     the dtype's GEMMs — negative where the kernel is faster. Per task kind: "pre" (QKV), "post" (O,
-    shared expert), "head" (the LM head); a GEMM's per-call overhead stays as `c` has it."""
+    shared expert), "head" (the LM head); a GEMM's per-call overhead stays as `c` has it. The kernel is
+    bound by its own rate or by reading its bytes at the memory bandwidth, whichever is slower."""
     d = dims(m)
     if d.dense_qkind not in CPU_KERNEL_FLOPS or t <= 0:
         return {"pre": 0.0, "post": 0.0, "head": 0.0}
     share = dict(d.dense_shares)
 
     def swap(n: int, k: int) -> float:
-        return r.kernel_seconds(d.dense_qkind, t, n * k) - (c.flop_s * 2 * t * n * k + c.weight_s * n * k)
+        kernel = max(r.kernel_seconds(d.dense_qkind, t, n * k), d.dense_bytes_per_weight * n * k / r.cpu_bw)
+        return kernel - (c.flop_s * 2 * t * n * k + c.weight_s * n * k)
 
     return {"pre": share["qkv"] * swap(d.q + 2 * d.kv, d.D),
             "post": share["o"] * swap(d.D, d.q) + share["shared_w13"] * swap(2 * d.Is, d.D)
@@ -515,8 +519,8 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         secs = cpu_cost.decode_tasks(m, costs, micro_batch=micro_batch, expert_batch=expert_batch,
                                      context=context, row_tokens=row_tokens, longest=longest)
         if m.qkind in CPU_KERNEL_FLOPS:  # calibrated on the dtype's matmuls: quantized experts run other kernels
-            secs["ffn"] = quant_cpu_ffn(m, r, expert_batch) + costs.elem_s * expert_batch * m.k * (3 * m.D + 3 * m.I) \
-                + costs.task_s
+            secs["ffn"] = max(quant_cpu_ffn(m, r, expert_batch), moe_ffn(m, expert_batch).bytes / r.cpu_bw) \
+                + costs.elem_s * expert_batch * m.k * (3 * m.D + 3 * m.I) + costs.task_s
         swap = quant_dense_swap(m, r, costs, micro_batch)  # so do quantized dense weights
         secs["pre_attn"] += swap["pre"]
         secs["post_attn"] += swap["post"]

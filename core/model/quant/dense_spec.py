@@ -25,6 +25,14 @@ def kernel_takes(fmt: Format, n: int, k: int) -> bool:
     return fmt.name == "int4" and k % fmt.group == 0 and n % INT4_ROWS == 0
 
 
+def kernel_nbytes(fmt: Format, n: int, k: int, dtype_bytes: int) -> int:
+    """Bytes of an [n, k] weight in the CPU kernel's layout (core.model.quant.dense.kernel_layout): its
+    integers, and its scales (int4: and zeros) in the compute dtype."""
+    if fmt.name == "int8":
+        return n * k + n * dtype_bytes
+    return n * k // 2 + k // fmt.group * n * 2 * dtype_bytes
+
+
 def dense_format(spec) -> Format | None:
     label = spec.dense_format
     if label == "none":
@@ -56,7 +64,7 @@ def cpu_nonexpert_bytes(spec) -> int:
     fmt = dense_format(spec)
     mats = quantized_matrices(spec)
     plain = sum(n * k for _, _, n, k in mats) * spec.dtype_bytes
-    return spec.nonexpert_bytes - plain + sum(fmt.nbytes(n, k) for _, _, n, k in mats)
+    return spec.nonexpert_bytes - plain + sum(kernel_nbytes(fmt, n, k, spec.dtype_bytes) for _, _, n, k in mats)
 
 
 def layer_shares(spec) -> dict[str, float]:
@@ -72,4 +80,4 @@ def bits_per_weight(spec) -> float:
     """The quantized dense weights' bits per weight, scales included (0 when none)."""
     fmt, mats = dense_format(spec), quantized_matrices(spec)
     weights = sum(n * k for _, _, n, k in mats)
-    return 8 * sum(fmt.nbytes(n, k) for _, _, n, k in mats) / weights if weights else 0.0
+    return 8 * sum(kernel_nbytes(fmt, n, k, spec.dtype_bytes) for _, _, n, k in mats) / weights if weights else 0.0
