@@ -238,6 +238,29 @@ def test_plan_quantized_int4(snap_compare, workdir):
     assert snap_compare(_direct(), terminal_size=WIDE, run_before=run)
 
 
+@SIZES
+def test_plan_quantized_dense(snap_compare, workdir, size):
+    """Advanced on a machine without a GPU: int4 experts, then "Dense weights" (shown only beside quantized
+    experts) set to int8; the plan names both, as `mlight plan --quantize int4 --quantize-dense int8`."""
+
+    async def run(pilot):
+        await _plan_ready(pilot)
+        screen = pilot.app.screen
+        screen.query_one("#advanced").collapsed = False
+        await settle(pilot)
+        assert not screen.query_one("#quantize_dense").parent.display  # hidden beside unquantized experts
+        screen.query_one("#quantize").value = "int4"
+        await settle_until(pilot, lambda app: app.session.plan.quantize == "int4")
+        assert screen.query_one("#quantize_dense").parent.display
+        screen.query_one("#quantize_dense").value = "int8"
+        await settle_until(pilot, lambda app: app.session.plan.quant_dense == "int8")
+        screen.query_one("#plan-form").scroll_end(animate=False)
+        await settle(pilot)
+        await still(pilot)
+
+    assert snap_compare(_direct(hardware=_cpu_only()), terminal_size=size, run_before=run)
+
+
 def test_results(snap_compare, workdir):
     assert snap_compare(_direct(), terminal_size=WIDE, run_before=_to_results)
 

@@ -190,8 +190,10 @@ class ScriptedBackend(Backend):
         if choices is not None and choices.quantize:  # a fixed account of the format: the baseline at half the speed
             q = "int4" if choices.quantize == "auto" else choices.quantize
             label = f"int4-g{choices.group_size or 64}" if q == "int4" else q
+            dense = getattr(choices, "quantize_dense", None)
+            label += f" with {dense} dense weights" if dense else ""
             quant = {"quantize": q, "group_size": choices.group_size, "quant_baseline_tps": 617.25,
-                     "quant_why": f"asked for {label}" if q == choices.quantize else
+                     "quant_dense": dense, "quant_why": f"asked for {label}" if q == choices.quantize else
                      f"bfloat16 and int8 do not fit the budget; {label} is the least lossy format that does"}
         return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, self.workload(prompts),
                         warnings=budget_warnings(machine, budget.gpu_bytes, budget.cpu_bytes), **quant)

@@ -83,6 +83,7 @@ class EngineChoices:
     schedule: str | None = None  # cgopipe | s4 | s3
     quantize: str | None = None  # none | int8 | int4 | auto, where the engine offers it
     group_size: int | None = None  # int4's weights per scale (None: core's default, 64)
+    quantize_dense: str | None = None  # int8 | int4: the dense weights too (CPU-only mode; `--quantize-dense`)
 
     def load_kwargs(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -102,6 +103,7 @@ class PlanView:
     quant_why: str = ""  # why that format (for auto: the least lossy one that fits)
     group_size: int | None = None  # int4's weights per scale, as asked (None: core's default)
     quant_baseline_tps: float | None = None  # the unquantized model's planned tokens/s on this budget (None: unfit)
+    quant_dense: str | None = None  # the dense weights' format the plan is for (int8 | int4; None: not quantized)
 
     @property
     def quant_speedup(self) -> float | None:
@@ -277,10 +279,12 @@ class Backend:
         if choices.quantize:  # the planner's format choice, as `mlight run --quantize` makes it
             from core.plan.quantize import choose
 
-            c = choose(spec, machine.hardware, workload, budget, choices.quantize, choices.group_size, ranks=1)
+            c = choose(spec, machine.hardware, workload, budget, choices.quantize, choices.group_size, ranks=1,
+                       dense=choices.quantize_dense)
             return PlanView(c.policy, c.prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
                             quantize=c.quantize, quant_why=c.why, group_size=choices.group_size,
-                            quant_baseline_tps=c.baseline.tokens_per_s if c.baseline is not None else None)
+                            quant_baseline_tps=c.baseline.tokens_per_s if c.baseline is not None else None,
+                            quant_dense=c.dense)
         policy, prediction = plan(spec, machine.hardware, workload, budget, ranks=1)
         return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings)
 
@@ -292,7 +296,7 @@ class Backend:
         from core.plan.policy import Policy
 
         budget = self.budget(machine, base.gpu_budget, base.cpu_budget)
-        spec = _spec_as_run(model.spec, choices, base.quantize, base.group_size)
+        spec = _spec_as_run(model.spec, choices, base.quantize, base.group_size, base.quant_dense)
         try:
             policy = Policy(**fields)
         except (TypeError, ValueError) as e:
@@ -349,7 +353,8 @@ class Backend:
             "model": model_fingerprint(model.path, model.name),
             "prompts": {"sha256": prompts.prompts.sha256, "format": prompts.prompts.format},
             "settings": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-                         "seed": None, "revision": None, **_quant_settings(plan.quantize, plan.group_size)},
+                         "seed": None, "revision": None,
+                         **_quant_settings(plan.quantize, plan.group_size, plan.quant_dense)},
             "policy": {"batch": plan.policy.batch_size, "micro_batch": plan.policy.micro_batch_size,
                        "executor": choices.executor, "schedule": choices.schedule, "dtype": choices.dtype,
                        "planned": plan.policy.to_dict()},
@@ -461,26 +466,31 @@ class Backend:
 # ---------------------------------------------------------------------------------------------
 
 
-def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None, group_size: int | None = None) -> Any:
+def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None, group_size: int | None = None,
+                 dense: str | None = None) -> Any:
     """The model as the engine will hold it: a compute dtype chosen under Advanced changes its bytes, and so
-    do quantized experts (`quantize`: the format a plan settled on)."""
+    do quantized experts (`quantize`: the format a plan settled on) and dense weights (`dense`)."""
     if choices.dtype and choices.dtype != spec.dtype:
         spec = dataclasses.replace(spec, dtype=choices.dtype)
     if quantize and quantize != "none":
+        from core.model.quant.dense_spec import with_dense
         from core.model.quant.formats import parse_choice, quantized_spec
 
         spec = quantized_spec(spec, parse_choice(quantize, group_size))
+        if dense:
+            spec = with_dense(spec, parse_choice(dense, group_size))
     return spec
 
 
-def _quant_settings(quantize: str | None, group_size: int | None = None) -> dict:
+def _quant_settings(quantize: str | None, group_size: int | None = None, dense: str | None = None) -> dict:
     """Quantized experts are other weights, so other tokens: part of the run's identity (as `mlight run`)."""
     if not quantize or quantize == "none":
         return {}
     from core.model.quant.formats import DEFAULT_INT4_GROUP
 
     return {"quantize": quantize,
-            **({"group_size": group_size or DEFAULT_INT4_GROUP} if quantize == "int4" else {})}
+            **({"group_size": group_size or DEFAULT_INT4_GROUP} if quantize == "int4" else {}),
+            **({"quantize_dense": dense} if dense else {})}
 
 
 def budget_warnings(machine: MachineView, gpu_budget: int, cpu_budget: int) -> list[str]:

@@ -148,7 +148,8 @@ class RunJob:
         # the plan settled "auto" on a format: the engine loads that one (a group size only for int4)
         q = self.plan.quantize if self.plan.quantize not in (None, "none") else None
         return {"choices": dataclasses.replace(self.choices, quantize=q,
-                                               group_size=self.plan.group_size if q == "int4" else None)}
+                                               group_size=self.plan.group_size if q == "int4" else None,
+                                               quantize_dense=self.plan.quant_dense if q else None)}
 
     def _count_records(self) -> None:
         """Token counters from the finished records: what the results file holds. Steps count every sampled

@@ -60,17 +60,24 @@ QUANTIZE = [  # here "auto" is a choice of its own (the planner picks the format
     ("int4", "int4", "4-bit experts: a quarter of bfloat16; some loss"),
     ("auto", "auto", "the least lossy format that fits the budget (the plan says which)"),
 ]
+DENSE = [  # --quantize-dense: the row shows only beside quantized experts
+    ("none", "none", "attention and LM head as stored in the checkpoint"),
+    ("int8", "int8", "attention and LM head in 8 bits (CPU-only): faster at small batches, some loss"),
+    ("int4", "int4", "attention and LM head in 4 bits (CPU-only): fastest at batch 1, much more loss"),
+]
 GROUPS = [  # int4's weights per scale (core's INT4_GROUPS); the row shows only when int4 may be chosen
     (32, "32", "a scale per 32 weights: the least loss, the most bytes"),
     (64, "64", "a scale per 64 weights: the usual balance"),
     (128, "128", "a scale per 128 weights: the fewest bytes, a little more loss"),
 ]
-DEFAULTS = {"dtype": AUTO, "executor": AUTO, "schedule": AUTO, "quantize": "none", "group_size": 64}
-ADVANCED = {"dtype": DTYPES, "executor": EXECUTORS, "schedule": SCHEDULES, "quantize": QUANTIZE, "group_size": GROUPS}
+DEFAULTS = {"dtype": AUTO, "executor": AUTO, "schedule": AUTO, "quantize": "none", "quantize_dense": "none",
+            "group_size": 64}
+ADVANCED = {"dtype": DTYPES, "executor": EXECUTORS, "schedule": SCHEDULES, "quantize": QUANTIZE,
+            "quantize_dense": DENSE, "group_size": GROUPS}
 ADVANCED_LABELS = {"dtype": "Compute dtype", "executor": "Executor", "schedule": "Schedule", "quantize": "Quantize",
-                   "group_size": "int4 group"}
-REPLAN_ON = ("dtype", "quantize", "group_size")  # choices that change the bytes the plan must fit
-QUANTIZED = ("quantize", "group_size")  # shown where the engine can quantize
+                   "quantize_dense": "Dense weights", "group_size": "int4 group"}
+REPLAN_ON = ("dtype", "quantize", "quantize_dense", "group_size")  # choices that change the bytes the plan must fit
+QUANTIZED = ("quantize", "quantize_dense", "group_size")  # shown where the engine can quantize
 
 
 def _row(label: str, widget) -> Horizontal:
@@ -296,17 +303,19 @@ class PlanScreen(StepScreen):
     def _show_group_row(self) -> None:
         """Quantization's rows only where the engine quantizes; the int4 group only where int4 may be chosen."""
         offered = self.backend.engine_offers("quantize")
-        int4 = self.query_one("#quantize", Select).value in ("int4", "auto")
+        experts = self.query_one("#quantize", Select).value
+        int4 = experts in ("int4", "auto") or self.query_one("#quantize_dense", Select).value == "int4"
+        beside = {"quantize": True, "quantize_dense": experts != "none", "group_size": int4}
         for key in QUANTIZED:
-            shown = offered and (key == "quantize" or int4)
+            shown = offered and beside[key]
             self.query_one(f"#{key}", Select).parent.display = shown
             self.query_one(f"#{key}-hint", Static).display = shown
 
-    @on(Select.Changed, "#dtype, #executor, #schedule, #quantize, #group_size")
+    @on(Select.Changed, "#dtype, #executor, #schedule, #quantize, #quantize_dense, #group_size")
     def choice_changed(self, event: Select.Changed) -> None:
         key = event.select.id
         self.query_one(f"#{key}-hint", Static).update(_hint(key, event.value))
-        if key == "quantize":
+        if key in ("quantize", "quantize_dense"):
             self._show_group_row()
         choices = self._choices()
         if choices == self.session.choices:
@@ -321,8 +330,10 @@ class PlanScreen(StepScreen):
             return None if v == DEFAULTS[key] or v == Select.BLANK else v
 
         quantize = value("quantize") if self.backend.engine_offers("quantize") else None
+        dense = value("quantize_dense") if quantize else None
         return EngineChoices(dtype=value("dtype"), executor=value("executor"), schedule=value("schedule"),
-                             quantize=quantize, group_size=value("group_size") if quantize in ("int4", "auto") else None)
+                             quantize=quantize, quantize_dense=dense,
+                             group_size=value("group_size") if quantize in ("int4", "auto") or dense == "int4" else None)
 
     def _set_choices(self, choices: EngineChoices) -> None:
         for key, value in dataclasses.asdict(choices).items():
@@ -473,6 +484,8 @@ def _quant_rows(plan) -> list[tuple[str, str]]:
     rows = [("Experts", f"{plan.quantize}{group}: {plan.quant_why}")]
     if plan.quantize == "none":
         return rows
+    if plan.quant_dense:
+        rows.append(("Dense", f"{plan.quant_dense}: attention projections and LM head, CPU-only mode"))
     if plan.quant_speedup is not None:  # below 1 where this machine computes the format slower than it saves
         none = "none: " if plan.quant_speedup < 1 else ""
         rows.append(("Speed-up", f"{none}{plan.quant_speedup:.2f}× the unquantized model's "

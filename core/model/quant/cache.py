@@ -83,12 +83,12 @@ class CacheEntry:
     def complete(self) -> bool:
         return self.file.is_file() and (self.dir / "meta.json").is_file()
 
-    def writer(self, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> "StreamWriter":
+    def writer(self, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], align: int = 8) -> "StreamWriter":
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise _cache_error(self.dir, e) from e
-        return StreamWriter(self.file, tensors, entry=self)
+        return StreamWriter(self.file, tensors, entry=self, align=align)
 
     def lock(self) -> filelock.BaseFileLock:
         return filelock.FileLock(self.dir / "entry.lock")
@@ -107,16 +107,24 @@ class StreamWriter:
     """A safetensors file written tensor by tensor in a fixed order, its header computed up front."""
 
     def __init__(self, path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 entry: CacheEntry | None = None):
+                 entry: CacheEntry | None = None, align: int = 8):
+        """`align`: each tensor's bytes start at a multiple of it in the file (so in a map of it: kernels
+        with aligned vector loads read mapped tensors in place); the gaps are `__pad.<i>` byte tensors,
+        so the file stays a plain safetensors file without holes."""
         self.path, self.tmp, self.fh = path, None, None
-        self.order = [name for name, _, _ in tensors]
-        header, off = {}, 0
+        header, off, self.pads = {}, 0, {}
         for name, dtype, shape in tensors:
+            if off % align:
+                gap = align - off % align
+                self.pads[name] = f"__pad.{len(self.pads)}"
+                header[self.pads[name]] = {"dtype": "U8", "shape": [gap], "data_offsets": [off, off + gap]}
+                off += gap
             n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
             header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
             off += n
+        self.order = list(header)
         raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # data starts 8-aligned
+        raw += b" " * (-(8 + len(raw)) % align)  # data starts aligned too
         self.sizes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()}
         self.next = 0
         self.entry = entry
@@ -129,17 +137,23 @@ class StreamWriter:
             raise _cache_error(self.tmp or path, e) from e
 
     def write(self, name: str, t: torch.Tensor) -> None:
+        if name in self.pads and self.order[self.next] == self.pads[name]:
+            self._put(bytes(self.sizes[self.pads[name]]))
+            self.next += 1
         if self.order[self.next] != name:
             raise RuntimeError(f"cache writer expected {self.order[self.next]}, got {name}")
         data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         if data.nbytes != self.sizes[name]:
             raise RuntimeError(f"cache writer: {name} has {data.nbytes} bytes, expected {self.sizes[name]}")
+        self._put(memoryview(data))
+        self.next += 1
+
+    def _put(self, data) -> None:
         try:
-            self.fh.write(memoryview(data))
+            self.fh.write(data)
         except OSError as e:
             self.abort()
             raise _cache_error(self.tmp, e) from e
-        self.next += 1
 
     def commit(self) -> None:
         """Rename the file into place and write meta.json, unless another writer completed the entry first."""
