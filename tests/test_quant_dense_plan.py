@@ -109,3 +109,32 @@ def test_plan_cli_takes_quantize_dense(capsys):
     assert cpu[1] < cpu[2] < cpu[0]
     assert main(argv[:-1] + ["--quantize-dense", "int8"]) == 0
     assert "dense weights in int8" in capsys.readouterr().out
+
+
+def test_batch_one_experts_are_priced_as_measured_bf16_against_int4():
+    """bench/quant_predict.py on two quiet Zen 5 cores (bench/RESULTS.md, issue 13, third session): at batch 1
+    the bf16 experts of its 396M model took 5.54 ms a step and the int4 ones 2.33 (2.38x). Uncalibrated, the
+    HRM read one-row bf16 experts at the packed layout's streaming rate (1.2x the probe's bandwidth,
+    fitted at large batches): 3.91 ms against int4's 2.51 (1.56x), so it predicted int4 1.24x bf16 where
+    1.75x was measured. The probe's figures of that machine, then the model's split within 15 %."""
+    from core.plan import hrm
+    from core.plan.hardware import HardwareSpec
+
+    hw = HardwareSpec(name="zen5-2c", gpu_name=None, gpu_count=0, gpu_mem_bytes=0, gpu_flops=0.0, gpu_bw=0.0,
+                      h2d_bw=0.0, d2h_bw=0.0, cpu_flops=110.7e9, cpu_bw=50.69e9, cpu_mem_bytes=24 * 10**9,
+                      cpu_cores=2, cpu_threads=1, source="probe", measured=("cpu_bw", "cpu_flops"),
+                      cpu_matmul={"float32": 110.7e9, "bfloat16": 468.6e9, "int8": 171.3e9, "int8@1": 85.4e9,
+                                  "int4": 176.6e9, "int4@1": 78.7e9})
+    m = resolve_spec("mixtral-8x7b")
+    small = dataclasses.replace(m, num_layers=4, hidden_size=1024, expert_intermediate=3840, num_heads=16,
+                                num_kv_heads=4, head_dim=64, vocab_size=4096)
+    kw = dict(batch=1, micro_batch=1, expert_batch=1, attention_on="cpu", ffn_on="cpu", gpu_weight_fraction=0.0,
+              gpu_kv_fraction=0.0, context=32.0)
+
+    def experts(spec):
+        r = planner._rates(hw, 1, spec)
+        return spec.num_layers * (hrm.decode_tasks(spec, r, **kw)["ffn"].seconds - r.cpu_costs.task_s)
+
+    bf16, int4 = experts(small), experts(quantized_spec(small, Format("int4", 64)))
+    assert bf16 == pytest.approx(5.54e-3, rel=0.15) and int4 == pytest.approx(2.33e-3, rel=0.15)
+    assert bf16 / int4 == pytest.approx(5.54 / 2.33, rel=0.15)

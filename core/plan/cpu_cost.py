@@ -112,6 +112,10 @@ class CpuCosts:
 # (5,700 tok/s predicted, 600-850 measured), whose steps are mostly overhead.
 DEFAULT_READ = 0.45  # dense weights, and experts outside oneDNN's prepacked layout: a share of the bandwidth
 DEFAULT_PACKED_READ = 1.2  # prepacked bf16 experts (oneDNN's blocked layout streams better than the probe's sum)
+# ... but not one token at a time: an expert call of one row is a GEMV over the blocked layout, which read
+# 36 GB/s of a 50.7 GB/s probe on two Zen 5 cores (bench/quant_predict.py, batch 1: priced at 1.2 it made
+# bf16's experts 1.4x too fast there, and so int4's speed-up over bf16 at batch 1 1.24x against 1.75x)
+DEFAULT_PACKED_GEMV_READ = 0.7
 DEFAULT_WIDEN_READ = 0.2  # weights stored narrower than the math (bf16 on AVX2), widened tile by tile
 DEFAULT_KV_READ = 0.5  # decode attention's K/V
 DEFAULT_SDPA = 0.5  # prefill attention: a share of the matmul rate
@@ -132,8 +136,9 @@ def defaults(math: str, flops: float, bw: float, storage_bytes: int, kv_bytes: i
                                     else DEFAULT_READ) * bw)
     call = DEFAULT_CALL["packed" if packed else "plain"]
     kv = kv_bytes / (DEFAULT_KV_READ * bw)
+    gemv = dict(gemv_s=storage_bytes / (DEFAULT_PACKED_GEMV_READ * bw), direct_rows=1) if packed else {}
     return CpuCosts(math=math, flop_s=1 / flops, weight_s=read, call_s=call, expert_flop_s=1 / flops,
-                    expert_weight_s=expert_read, expert_call_s=call, elem_s=DEFAULT_ELEM, kv_s=kv,
+                    expert_weight_s=expert_read, expert_call_s=call, **gemv, elem_s=DEFAULT_ELEM, kv_s=kv,
                     kv_copy_s=3 * kv, widens=math == "float32" and kv_bytes < 4,
                     attn_row_s=DEFAULT_ROW, sdpa_flop_s=1 / (DEFAULT_SDPA * flops), task_s=DEFAULT_TASK,
                     prompt_s=DEFAULT_PROMPT, step_s=DEFAULT_STEP, seq_s=DEFAULT_SEQ, threads=threads, measured=False)
