@@ -66,7 +66,7 @@ def test_the_second_load_maps_the_cached_dense_weights_and_computes_the_same(mix
     ptrs = [t.data_ptr() for q in held for t in q.kernel if isinstance(t, torch.Tensor)]
     assert max(ptrs) - min(ptrs) < size
     # aligned as the kernels' vector loads want them (8-byte aligned, the int8 kernel crashed on a larger model)
-    assert all(p % dense.ALIGN == 0 for p in ptrs)
+    assert all(p % dense.KERNEL_ALIGN == 0 for p in ptrs)
     got = _logits(second)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     second.close()

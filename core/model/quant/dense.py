@@ -31,7 +31,7 @@ from core.model.quant.experts import _kernel_linear, _kernel_pack, cpu_kernel_ok
 from core.model.quant.formats import Format, quantize
 
 ROWS = 256  # rows quantized and packed at a time: a multiple of the int4 layout's 64-row tiles
-ALIGN = 64  # the kernels' vector loads want their operands aligned: so are the cached tensors in the file
+KERNEL_ALIGN = 64  # the kernels' vector loads want their operands aligned: so are the cached tensors in the file
 
 
 class QuantWeight(LinearOnlyWeight):
@@ -105,7 +105,7 @@ class DenseCache:
         self.writer = None
         if self.mapped is None:
             self.writer = self.entry.writer([(f"{name}.{s}", dt, shape) for name, n, k in names
-                                             for s, dt, shape in kernel_layout(fmt, n, k, dtype)], align=ALIGN)
+                                             for s, dt, shape in kernel_layout(fmt, n, k, dtype)], align=KERNEL_ALIGN)
 
     @property
     def cached(self) -> bool:
@@ -143,7 +143,7 @@ def _map(path: Path) -> dict[str, torch.Tensor]:
     for name, t in infos.items():
         count = (t.end - t.start) // torch.empty((), dtype=t.dtype).element_size()
         out[name] = torch.frombuffer(mm, dtype=t.dtype, count=count, offset=t.start).view(t.shape)
-        if out[name].data_ptr() % ALIGN:  # not written by this version's writer: a copy, never a crash
+        if out[name].data_ptr() % KERNEL_ALIGN:  # not written by this version's writer: a copy, never a crash
             out[name] = out[name].clone()
     return out
 
