@@ -171,3 +171,26 @@ def test_cpu_mode_decodes_through_the_kernel_equal_to_transformers(tmp_path, mon
     assert len(calls) >= engine.spec.num_layers * (max(MAX_NEW) - 1)
     for r in reqs:
         assert results[r.id].output_token_ids == reference_greedy(path, engine.prompt_token_ids(r), r.max_new_tokens)
+
+
+@needs_cc
+def test_the_kernel_is_built_while_loading_with_progress_not_in_the_first_decode_step(tmp_path, fresh_build):
+    """A first build takes about a second: a silent pause in the first decode step looked like a hang
+    and landed in the step's timing. Engine.load builds it and says so; a second load, from the cache,
+    says nothing."""
+    from checkpoints import make_checkpoint
+
+    from core.runtime.engine import Engine
+    from core.telemetry import Progress
+
+    path = make_checkpoint("mixtral", tmp_path)
+    seen = []
+    Engine.load(path, progress=seen.append)
+    built = [e for e in seen if isinstance(e, Progress) and "decode attention kernel" in e.what]
+    assert built and built[-1].done == built[-1].total, seen
+    assert native._build.cache_info().currsize == 1  # built and loaded before any step ran
+    native._build.cache_clear()
+    again = []
+    Engine.load(path, progress=again.append)
+    assert not [e for e in again if isinstance(e, Progress) and "decode attention kernel" in e.what]
+    assert native.library() is not None

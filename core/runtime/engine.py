@@ -330,6 +330,10 @@ class Engine:
         elif quantize_dense:
             progress(WarningEvent("--quantize-dense applies to the CPU-only mode; the dense weights stay in "
                                   f"{weights.dtype_name} on the device"))
+        if config.attention_on == "cpu":
+            from core.model.cpu import native
+
+            native.prepare(progress)  # a compile here, with progress, not inside the first decode step
         engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
                      grouped=grouped, device=dev)
         engine.cpu, engine.policy = cpu, policy

@@ -38,6 +38,7 @@ MAX_G, MAX_D = 16, 256
 HELPER_IDLE_S = 2.0  # how often an idle helper checks that the thread it serves still runs
 
 _reason = "not built yet"
+_announce = None  # prepare()'s progress sink while it builds
 
 
 def status() -> str:
@@ -132,6 +133,8 @@ def _compile(cc: str, args: list[str], vw: int) -> Path | None:
     out = _cache_dir() / "kernels" / f"decode_attention-{tag}{suffix}"
     if out.is_file():
         return out
+    if _announce is not None:
+        _announce(0)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=suffix, dir=out.parent)
@@ -158,6 +161,24 @@ def library() -> _Lib | None:
     from core.model.cpu import isa
 
     return _build(isa.cpu_isa().usable)
+
+
+def prepare(progress=None) -> None:
+    """Build (or load) the kernel now rather than inside the first decode step, saying so through
+    `progress` (a core.telemetry sink) when it compiles: about a second, once per machine."""
+    global _announce
+    from core.telemetry import Progress
+
+    what = "building the CPU decode attention kernel (once per machine)"
+    built = []
+    if progress is not None:
+        _announce = lambda n: (built.append(n), progress(Progress(what, n, 1)))  # noqa: E731
+    try:
+        library()
+    finally:
+        _announce = None
+    if built and progress is not None:
+        progress(Progress(what, 1, 1))
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks) -> bool:
