@@ -197,6 +197,33 @@ def test_a_refused_prepack_falls_back_to_the_plain_loop(bf16_model, monkeypatch)
     assert any(isinstance(e, WarningEvent) and "prepack" in e.message for e in events)
 
 
+def test_prepacked_projections_are_held_once(bf16_model):
+    """CPU mode prepacks the projections for oneDNN: the packed copy replaces the row-major bytes in the
+    layer's flat buffer instead of sitting beside them (the dense weights were in RAM twice, where the
+    planner counts them once). Where oneDNN refuses, the plain weight is held apart the same way."""
+    from checkpoints import hf_model
+    from core.model.weights import PACKED_DENSE
+    from core.runtime.engine import Engine, Request
+
+    engine = Engine.load(bf16_model)
+    if not engine.cpu.pack:  # the AVX2 lane: bf16 widened to fp32, nothing prepacked
+        pytest.skip("this CPU computes bf16 widened, without prepacking")
+    for lw in engine.weights.layers:
+        proj = [lw.tensors[n] for n in PACKED_DENSE if n in lw.tensors]
+        assert len(proj) >= 3  # qkv, o and the shared expert's
+        proj_bytes = sum(t.numel() * t.element_size() for t in proj)
+        dense_bytes = lw.layout.expert_start * 2  # elements of the bf16 flat buffer it was loaded as
+        rest = len(lw.tensors) - len(proj)
+        assert lw.flat.numel() * lw.flat.element_size() <= dense_bytes - proj_bytes + 64 * rest
+        assert lw.held == proj_bytes
+    ref = hf_model(bf16_model)
+    ids = [engine.prompt_token_ids(Request(id="a", prompt=PROMPTS[1], max_new_tokens=1))]
+    logits, _ = engine.runner(slots=1, micro_batch_size=1, max_tokens=64).prefill(ids, [0], [[0]])
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)).logits[0, -1]
+    assert (logits[0] - want).abs().max() / want.abs().max() < 2e-2
+
+
 @pytest.mark.skipif(not AVX2_LANE, reason="runs in the AVX2 lane (tests/test_cpu_avx2_lane.py)")
 def test_the_avx2_limits_take_effect(bf16_model):
     from core.runtime.engine import Engine

@@ -179,22 +179,15 @@ class LayerWeights:
             has_experts = "w13" in self.tensors
             self.packed = pack_experts(self.tensors["w13"], self.tensors["w2"]) if has_experts else []
         biases = {n: self.tensors[n].clone() for n in ("b13", "b2") if n in self.tensors}  # not packed, still used
-        if quantize_dense is not None:
-            self._quantize_dense(quantize_dense, biases)
-            return
-        dense = self.flat[:self.layout.expert_start].clone()
-        self.flat, self.experts, self.pages = dense, None, []
-        self.tensors = self.layout.views(dense, names=self._dense_names())
-        self.tensors.update(biases)
-        from core.model.cpu.kernels import pack_dense
-
-        for name in PACKED_DENSE:  # used through F.linear only; the flat buffer keeps their bytes for nbytes
-            if name in self.tensors:
-                self.tensors[name] = pack_dense(self.tensors[name])
+        # the projections prepacked for oneDNN (or plain where it refuses) and held apart from the flat
+        # buffer, which keeps only the rest: their row-major bytes beside the packed copy were the dense
+        # weights twice in RAM, where the planner counts them once
+        self._quantize_dense(quantize_dense or (lambda name, w: w), biases)
 
     def _quantize_dense(self, quantize_dense, biases: dict) -> None:
-        """The dense part with the projections quantized: the other tensors copied into a buffer of their
-        own, the projections' bf16 bytes let go (the quantized model is smaller in RAM, not larger)."""
+        """The dense part with the projections quantized (or prepacked where `quantize_dense` gives a weight
+        back as it is): the other tensors copied into a buffer of their own, the projections' row-major
+        bytes let go (the quantized model is smaller in RAM, not larger)."""
         from core.model.cpu.kernels import pack_dense
 
         views = self.layout.views(self.flat, names=self._dense_names())
@@ -216,7 +209,7 @@ class LayerWeights:
         self.flat, self.experts, self.pages = buf, None, []
         self.tensors.update(packed)
         self.tensors.update(biases)
-        self.held = sum(getattr(q, "held_bytes", 0) for q in packed.values())
+        self.held = sum(getattr(q, "held_bytes", q.numel() * q.element_size()) for q in packed.values())
 
     def _dense_names(self) -> set[str]:
         return {n for n, off, _ in self.layout.entries if off < self.layout.expert_start}

@@ -79,6 +79,12 @@ class PackedWeight(LinearOnlyWeight):
     def linear(self, x, bias):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
+    @property
+    def held_bytes(self) -> int:
+        """RAM the packed copy holds: the weight's own bytes (oneDNN's blocked layout of these shapes adds
+        no padding worth counting; the planner counts the weight once)."""
+        return self.numel() * self.element_size()
+
     def __repr__(self) -> str:
         return f"PackedWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
 
