@@ -48,10 +48,11 @@ ALLREDUCE_LATENCY = 50e-6
 TASK_SECONDS = 20e-6
 OP_SECONDS = 8e-6
 # torch ops each task kind issues, views included (counted on the emulated device for a Qwen2-MoE layer,
-# the family with the most parts; tests/test_gpu_findings.py recounts them). CPU attention: 12 ops and
-# one call of the fused C kernel with its thread hand-off (core.model.cpu.native) where it is built;
-# CPU_ATTN_TORCH_OPS where attention runs torch ops instead (no C compiler).
-HOST_OPS = {"pre_attn": 40, "post_attn": 24, "ffn": 33, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 14,
+# the family with the most parts; tests/test_gpu_findings.py recounts them). Pre-attention: 26 with one
+# RoPE over q and k (gqa.pre; 40 before). CPU attention: 12 ops and one call of the fused C kernel with
+# its thread hand-off (core.model.cpu.native) where it is built; CPU_ATTN_TORCH_OPS where attention runs
+# torch ops instead (no C compiler).
+HOST_OPS = {"pre_attn": 26, "post_attn": 24, "ffn": 33, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 14,
             "weight_page": 2, "kv_load": 14, "kv_store": 10, "prefill": 118}
 CPU_ATTN_TORCH_OPS = 23
 
