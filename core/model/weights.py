@@ -182,19 +182,19 @@ class LayerWeights:
         # the projections prepacked for oneDNN (or plain where it refuses) and held apart from the flat
         # buffer, which keeps only the rest: their row-major bytes beside the packed copy were the dense
         # weights twice in RAM, where the planner counts them once
-        self._quantize_dense(quantize_dense or (lambda name, w: w), biases)
+        self._hold_dense_apart(quantize_dense or (lambda name, w: w), biases)
 
-    def _quantize_dense(self, quantize_dense, biases: dict) -> None:
-        """The dense part with the projections quantized (or prepacked where `quantize_dense` gives a weight
-        back as it is): the other tensors copied into a buffer of their own, the projections' row-major
-        bytes let go (the quantized model is smaller in RAM, not larger)."""
+    def _hold_dense_apart(self, convert, biases: dict) -> None:
+        """The dense part with the projections in their kernel's layout — `convert(name, w)`'s quantized
+        weight, or prepacked where it gives `w` back as it is — and the other tensors copied into a buffer
+        of their own; the projections' row-major bytes let go (never held twice)."""
         from core.model.cpu.kernels import pack_dense
 
         views = self.layout.views(self.flat, names=self._dense_names())
         packed = {}
         for name in PACKED_DENSE:
             if name in views:
-                q = quantize_dense(name, views[name])
+                q = convert(name, views[name])
                 packed[name] = q if q is not views[name] else pack_dense(views[name].clone())
         rest = [(n, t) for n, t in views.items() if n not in packed]
         offsets, total = [], 0

@@ -38,7 +38,7 @@ MAX_G, MAX_D = 16, 256
 HELPER_IDLE_S = 2.0  # how often an idle helper checks that the thread it serves still runs
 
 _reason = "not built yet"
-_announce = None  # prepare()'s progress sink while it builds
+_announce = None  # set by prepare() while it loads the kernel: called when a compile starts
 
 
 def status() -> str:
@@ -134,7 +134,7 @@ def _compile(cc: str, args: list[str], vw: int) -> Path | None:
     if out.is_file():
         return out
     if _announce is not None:
-        _announce(0)
+        _announce()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=suffix, dir=out.parent)
@@ -169,15 +169,22 @@ def prepare(progress=None) -> None:
     global _announce
     from core.telemetry import Progress
 
+    if progress is None:
+        library()
+        return
     what = "building the CPU decode attention kernel (once per machine)"
     built = []
-    if progress is not None:
-        _announce = lambda n: (built.append(n), progress(Progress(what, n, 1)))  # noqa: E731
+
+    def announce() -> None:
+        built.append(True)
+        progress(Progress(what, 0, 1))
+
+    _announce = announce
     try:
         library()
     finally:
         _announce = None
-    if built and progress is not None:
+    if built:
         progress(Progress(what, 1, 1))
 
 
