@@ -359,7 +359,9 @@ def stage_offload(c: Check, until: float) -> dict:
     spec = load_spec(path)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     log(f"offload model: {size / 1e9:.2f} GB on disk, {a.layers} layers")
-    tok = Engine.load(path, device="cpu").tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))  # not Engine.load on the CPU: that reads all of the model
     longest = 48 if c.dry else min(418, spec.max_position - a.gen_len - 1)  # MT-Bench-like: mean 77, up to 418
     lengths = target_lengths(a.requests, mean=16 if c.dry else 77, max_len=longest)
     prompts = build_prompts(tok, lengths)
@@ -531,6 +533,8 @@ def main(argv=None) -> int:
         return 2
     c = Check(args)
     os.environ.setdefault("MLIGHT_CACHE_DIR", str(c.work / "cache"))
+    # a hung copy or kernel raises DeviceStalled within two minutes instead of eating the whole lease
+    os.environ.setdefault("MLIGHT_DEVICE_WAIT_S", "120")
     log(f"GPU check on {c.report['device']}; deadline {args.deadline:.0f} s; results in {args.out}")
     for name in args.stages:
         least, most = STAGES[name]
