@@ -111,3 +111,20 @@ def test_a_refused_registration_falls_back_and_leaves_cuda_working():
         torch.cuda.cudart().cudaHostUnregister(start)
     small = CudaDevice("cuda", pin_limit_bytes=4096)
     assert not small.pin(torch.empty(1 << 20, dtype=torch.uint8)) and small.pinned_bytes == 0
+
+
+def test_engines_of_several_families_one_after_another_leave_no_cuda_error_behind(checkpoint_factory):
+    """Found on the first real-GPU run (bench/gpu_check.py parity): after Mixtral's and DBRX's engines had run
+    and closed, Qwen2-MoE's first copy failed with "CUDA error: invalid argument" — an error from work outside
+    torch (page-locking) surfacing far from its cause. Each engine closes leaving no error pending."""
+    from core.runtime.device import resolve_device
+
+    for family in ("mixtral", "dbrx", "qwen2_moe"):
+        path = checkpoint_factory(family)
+        want = tokens(Engine.load(path, device="cpu"))
+        for paging in (dict(pages_per_layer=1, resident_layers=0), dict(pages_per_layer=3, resident_layers=1)):
+            engine = Engine.load(path, device="cuda", executor="cuda", **paging)
+            assert tokens(engine) == want, (family, paging)
+            engine.close()
+            assert engine.dev.runtime_errors == [], (family, paging)
+            assert resolve_device("cuda").pending_error() is None, (family, paging)

@@ -369,7 +369,7 @@ class ModelWeights:
 PAGE = 4096
 
 
-def _page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A buffer that starts and ends on page boundaries (whole pages of its own), so that a part of it can
     be page-locked without touching a neighbour's pages."""
     size = dtype.itemsize
@@ -453,7 +453,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     try:
         for i in range(spec.num_layers):
             layout = layout_of(i, layouts, scheme)
-            flat = _page_aligned(layout.numel, layout.storage_dtype or dtype)
+            flat = page_aligned(layout.numel, layout.storage_dtype or dtype)
             lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
             if cached is not None:
                 cached.copy_into(f"layers.{i}", flat)

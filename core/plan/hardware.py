@@ -66,6 +66,10 @@ class HardwareSpec:
     cpu_threads: int | None = None  # threads the CPU rates were measured with
     # `mlight bench --calibrate`'s CPU cost models: {math dtype: {model key: core.plan.cpu_cost.CpuCosts dict}}
     cpu_costs: dict = dataclasses.field(default_factory=dict)
+    # the GPU executor's host seconds per task and per torch op as measured on this machine (None: the
+    # planner's hrm.TASK_SECONDS / OP_SECONDS); bench/gpu_check.py measures them on a real GPU
+    host_task_seconds: float | None = None
+    host_op_seconds: float | None = None
 
     def __post_init__(self):
         if self.gpu_count < 0 or self.cpu_cores <= 0:

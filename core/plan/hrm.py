@@ -71,6 +71,7 @@ class Rates:
     tp: int = 1  # tensor-parallel ranks summing their partial outputs (rates are then one rank's)
     cpu_costs: object = None  # core.plan.cpu_cost.CpuCosts measured on this machine for the CPU's math dtype
     task_seconds: float = TASK_SECONDS  # the executor's host cost per task
+    op_seconds: float = OP_SECONDS  # ... and per torch op a task issues
     # (("int4", FLOP/s), ("int4@1", FLOP/s), ...): the probe's weight-only kernel rates at 64 rows and at one
     cpu_kernel_flops: tuple = ()
 
@@ -109,7 +110,8 @@ def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> R
             costs = cpu_cost.defaults(math, cpu_flops, rate("cpu_bw", False), width, width, hw.cpu_threads or 0)
     return Rates(gpu_flops=rate("gpu_flops", True), gpu_bw=rate("gpu_bw", True), h2d_bw=rate("h2d_bw", True),
                  d2h_bw=rate("d2h_bw", True), cpu_flops=cpu_flops, cpu_bw=rate("cpu_bw", False),
-                 has_gpu=hw.has_gpu, cpu_costs=costs,
+                 has_gpu=hw.has_gpu, cpu_costs=costs, task_seconds=hw.host_task_seconds or TASK_SECONDS,
+                 op_seconds=hw.host_op_seconds or OP_SECONDS,
                  cpu_kernel_flops=tuple((k, hw.cpu_rate(k)) for q in CPU_KERNEL_FLOPS for k in (q, f"{q}@1")
                                         if hw.cpu_rate(k)))
 
@@ -618,7 +620,7 @@ def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, fl
 
 def host_task_seconds(r: Rates) -> dict[str, float]:
     """Host seconds to run one task of each kind: the executor's cost plus its ops' dispatch."""
-    return {kind: r.task_seconds + ops * OP_SECONDS for kind, ops in HOST_OPS.items()}
+    return {kind: r.task_seconds + ops * r.op_seconds for kind, ops in HOST_OPS.items()}
 
 
 def host_seconds(tasks: dict[str, TaskCost], r: Rates) -> float:

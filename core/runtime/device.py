@@ -151,6 +151,10 @@ class Device:
     def is_pinned(self, t: torch.Tensor) -> bool:
         return False
 
+    def pending_error(self) -> str | None:
+        """An error left pending on this device by work outside torch (CUDA's "last error"), taken and cleared."""
+        return None
+
     def mem_get_info(self) -> tuple[int, int]:
         import psutil
 
@@ -230,6 +234,7 @@ class CudaDevice(Device):
         self.capability = tuple(torch.cuda.get_device_capability(self.index))
         self.pin_limit_bytes = pin_budget() if pin_limit_bytes is None else pin_limit_bytes
         self._mine: set[int] = set()  # the registrations this device made
+        self.runtime_errors: list[str] = []  # failed cudaHostRegister/Unregister calls (each also cleared)
 
     def set_device(self) -> None:
         torch.cuda.set_device(self.index)
@@ -296,7 +301,7 @@ class CudaDevice(Device):
                 return False
             err = torch.cuda.cudart().cudaHostRegister(start, end - start, 0)
             if int(err) != 0:  # the OS or driver refused (out of lockable memory, or already registered)
-                self._drain_last_error()
+                self._runtime_failed("cudaHostRegister", err, end - start)
                 return False
             self._registered[start] = end - start
             self._mine.add(start)
@@ -305,22 +310,32 @@ class CudaDevice(Device):
     def _pin_fits(self, nbytes: int) -> bool:
         return self.pin_limit_bytes is None or sum(self._registered.values()) + nbytes <= self.pin_limit_bytes
 
-    def _drain_last_error(self) -> None:
-        """A failed runtime call leaves its error as CUDA's "last error", which torch's check after the next
-        kernel launch would report as that kernel's failure: launch one tiny kernel now and let its check
-        take (and clear) it."""
+    def _runtime_failed(self, call: str, err, nbytes: int) -> None:
+        """A runtime call made outside torch failed: note it (runtime_errors) and clear CUDA's "last error",
+        which torch's check after the next kernel launch — on this thread, in any later engine — would
+        otherwise report as that kernel's failure ("CUDA error: invalid argument" far from its cause)."""
+        self.runtime_errors.append(f"{call} of {nbytes:,} bytes: error {int(err)}")
+        self.pending_error()
+
+    def pending_error(self) -> str | None:
+        """Take CUDA's last error on this thread, if one is pending, by launching one tiny kernel and letting
+        torch's launch check read (and clear) it; None when there was none."""
         try:
             torch.zeros(1, device=self.torch_device).add_(1)
-        except RuntimeError:
-            pass
+        except RuntimeError as e:
+            return str(e).splitlines()[0]
+        return None
 
     def unpin(self, t) -> None:
         start = t.data_ptr() // PAGE * PAGE
         with self._lock:
             if start in self._mine:
                 self._mine.discard(start)
-                if self._registered.pop(start, None) is not None:
-                    torch.cuda.cudart().cudaHostUnregister(start)
+                nbytes = self._registered.pop(start, None)
+                if nbytes is not None:
+                    err = torch.cuda.cudart().cudaHostUnregister(start)
+                    if int(err) != 0:
+                        self._runtime_failed("cudaHostUnregister", err, nbytes)
 
     @property
     def pinned_bytes(self) -> int:

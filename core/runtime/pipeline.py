@@ -48,7 +48,7 @@ from core.model.moe import Scratch as ExpertScratch, activation, device_experts,
 from core.model.quant.experts import _TORCH, QuantExperts
 from core.model.rope import for_spec
 from core.model.spec import ModelSpec
-from core.model.weights import LayerLayout, ModelWeights
+from core.model.weights import LayerLayout, ModelWeights, page_aligned
 from core.runtime import schedule as sched
 from core.runtime.device import Device, HostDevice
 from core.telemetry import EventSink, WarningEvent, ignore
@@ -685,7 +685,9 @@ def _arena(want: list[tuple[str, tuple, torch.dtype]]) -> tuple[torch.Tensor, di
         total = -(-total // _ALIGN) * _ALIGN
         offs.append(total)
         total += math.prod(shape) * dtype.itemsize
-    arena = torch.empty(max(total, 1), dtype=torch.uint8)
+    # whole pages of its own: page-locking rounds out to pages, and a neighbour's pages locked with it could
+    # be freed back to the OS while still registered (the next copy or unregistration then fails)
+    arena = page_aligned(max(total, 1), torch.uint8)
     return arena, {name: arena[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
                    for (name, shape, dtype), o in zip(want, offs)}
 

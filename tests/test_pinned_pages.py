@@ -1,0 +1,68 @@
+"""Page-locked host memory never reaches past its own allocation, and a refused CUDA registration call is
+noted and cleared where it happened (found on the first real GPU run: a Qwen2-MoE engine built after others
+failed with "CUDA error: invalid argument" in its first copy)."""
+
+from __future__ import annotations
+
+import torch
+
+from core.runtime.device import PAGE, CudaDevice
+from core.runtime.pipeline import _arena
+
+
+def test_the_staging_arena_is_whole_pages_of_its_own():
+    """Registration rounds out to whole pages: an arena sharing a page with a neighbour would lock that
+    neighbour's bytes too, which can be handed back to the OS while still registered."""
+    for total in (1, 100, 5000, 70_000):
+        arena, views = _arena([("a", (total,), torch.uint8), ("b", (3, 7), torch.float32)])
+        storage = arena.untyped_storage()
+        first = arena.data_ptr() // PAGE * PAGE
+        last = -(-(arena.data_ptr() + arena.numel()) // PAGE) * PAGE
+        assert arena.data_ptr() % PAGE == 0
+        assert storage.data_ptr() <= first and last <= storage.data_ptr() + storage.nbytes()
+        assert views["b"].shape == (3, 7) and views["a"].numel() == total
+
+
+class _Cudart:
+    def __init__(self, register=0, unregister=0):
+        self.codes = {"register": register, "unregister": unregister}
+        self.calls: list[str] = []
+
+    def cudaHostRegister(self, start, size, flags):
+        self.calls.append("register")
+        return self.codes["register"]
+
+    def cudaHostUnregister(self, start):
+        self.calls.append("unregister")
+        return self.codes["unregister"]
+
+
+def _device(monkeypatch, cudart: _Cudart) -> tuple[CudaDevice, list]:
+    """A CudaDevice without a GPU: its bookkeeping over a fake runtime whose pending error is counted."""
+    dev = object.__new__(CudaDevice)
+    dev.pin_limit_bytes, dev._mine, dev.runtime_errors = None, set(), []
+    taken: list = []
+    monkeypatch.setattr(CudaDevice, "_registered", {})
+    monkeypatch.setattr(CudaDevice, "pending_error", lambda self: taken.append(1))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    return dev, taken
+
+
+def test_a_refused_unregistration_is_noted_and_its_error_cleared(monkeypatch):
+    cudart = _Cudart(unregister=1)
+    dev, taken = _device(monkeypatch, cudart)
+    host = torch.empty(3 * PAGE, dtype=torch.uint8)
+    assert dev.pin(host) and dev.pinned_bytes >= host.numel()
+    dev.unpin(host)
+    assert cudart.calls == ["register", "unregister"]
+    assert dev.pinned_bytes == 0 and len(dev.runtime_errors) == 1 and "cudaHostUnregister" in dev.runtime_errors[0]
+    assert taken == [1]  # cleared on this thread, not left for the next kernel launch to report
+
+
+def test_a_refused_registration_is_noted_cleared_and_falls_back(monkeypatch):
+    cudart = _Cudart(register=712)
+    dev, taken = _device(monkeypatch, cudart)
+    assert not dev.pin(torch.empty(2 * PAGE, dtype=torch.uint8))
+    assert dev.pinned_bytes == 0 and taken == [1] and "cudaHostRegister" in dev.runtime_errors[0]
+    dev.unpin(torch.empty(1))  # nothing registered: nothing to undo, no call
+    assert cudart.calls == ["register"]
