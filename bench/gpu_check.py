@@ -453,7 +453,7 @@ def stage_offload(c: Check, until: float) -> dict:
         log(f"cap {cap_gb:g} GB: plan N={policy.batch_size} mu={policy.micro_batch_size} r_w="
             f"{policy.gpu_weight_fraction:.3f} pages={policy.pages_per_layer}; predicts {pred.tokens_per_s:.1f} tok/s")
         row = {"cap_gb": cap_gb, "cap_bytes": cap, "model_bytes": size, "policy": policy.to_dict(),
-               "prediction": pred.to_dict(), "runs": []}
+               "prediction": pred.to_dict(), "hardware": hw.to_dict(), "runs": []}
         rows.append(row)
         if policy.ffn_on != "gpu":
             row["note"] = "the planner keeps everything on the CPU at this cap: no GPU run to measure"

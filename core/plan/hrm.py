@@ -41,12 +41,16 @@ CPU_LAUNCH = 30e-6
 ALLREDUCE_LATENCY = 50e-6
 
 # The host side of a task, serialised across the executor's threads by Python's GIL: the executor's
-# own cost per task (queue handoff, dependency events, timing events; measured by
-# bench/task_overhead.py: 16.5 µs threaded, 19.2 µs for the CUDA executor's code over the emulated
-# device, on a loaded 2-core EPYC, see bench/RESULTS.md) plus, for every torch op the task issues, its
-# Python dispatch (3.9 µs measured on the same CPU) and CUDA launch (≈4 µs).
-TASK_SECONDS = 20e-6
-OP_SECONDS = 8e-6
+# own cost per task (queue handoff, dependency and timing events) plus, for every torch op the task
+# issues, its Python dispatch and CUDA launch. Set from the first real-GPU run (bench/gpu_check.py on an
+# H200 host, 16 vCPUs, bench/RESULTS.md "GPU path on a real GPU"): the CUDA executor's empty task cost
+# 82 µs there (19 µs over the emulated device on a 2-core EPYC: real event calls are dearer), and the
+# decode steps' GPU stream, launch-bound at μ = 4, took 22–29 µs per op across the three schedules — a
+# real layer's ops under the executor's threads, not the 7.4 µs of one tiny add_ alone. With 8 µs the
+# planner promised 393 ms decode steps where 985 ms were measured; with these, 1,010 ms.
+# HardwareSpec.host_task_seconds / host_op_seconds replace them where a machine measured its own.
+TASK_SECONDS = 80e-6
+OP_SECONDS = 25e-6
 # torch ops each task kind issues, views included (counted on the emulated device for a Qwen2-MoE layer,
 # the family with the most parts; tests/test_gpu_findings.py recounts them). Pre-attention: 26 with one
 # RoPE over q and k (gqa.pre; 40 before). CPU attention: 12 ops and one call of the fused C kernel with
