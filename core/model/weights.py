@@ -264,19 +264,34 @@ class ModelWeights:
     def pinned(self) -> bool:
         return bool(self.pins)
 
+    def _stream_start(self, layer: int, first_expert: int) -> int | None:
+        """Offset in layer `layer`'s buffer where its streamed experts' bytes begin; None: nothing to lock."""
+        lw = self.layers[layer]
+        experts = lw.layout.expert_entries()
+        if lw.packed is not None or not experts:
+            return None
+        return min(off + first_expert * per for _, off, _, per in experts)
+
+    def is_pinned_from(self, dev, layer: int, first_expert: int) -> bool:
+        """Whether `pin_streamed(dev, layer, first_expert)` has nothing left to do."""
+        if self.layers[layer].packed is not None:
+            return False  # packed for the CPU's kernels: never locked (pin_streamed says so)
+        start, held = self._stream_start(layer, first_expert), self.pins.get(layer)
+        return start is None or (held is not None and held[0] is dev
+                                 and held[1].data_ptr() <= self.layers[layer].flat[start:].data_ptr())
+
     def pin_streamed(self, dev, layer: int, first_expert: int) -> bool:
         """Page-lock layer `layer`'s expert bytes from expert `first_expert`'s first tensor to the end of
         its buffer (what streams, plus the resident experts' later tensors between them), once."""
         lw = self.layers[layer]
         if lw.packed is not None:
             return False
-        experts = lw.layout.expert_entries()
-        if not experts:
+        start = self._stream_start(layer, first_expert)
+        if start is None:
             return True  # a layer without experts streams nothing
-        start = min(off + first_expert * per for _, off, _, per in experts)
-        held = self.pins.get(layer)
-        if held is not None and held[0] is dev and held[1].data_ptr() <= lw.flat[start:].data_ptr():
+        if self.is_pinned_from(dev, layer, first_expert):
             return True
+        held = self.pins.get(layer)
         if held is not None:  # a shorter range: registrations must not overlap, so replace it
             held[0].unpin(held[1])
             del self.pins[layer]
