@@ -98,7 +98,10 @@ def main(argv=None) -> int:
             r = rows[side]
             print(f"\n{model} [{side}]: calibrated in {r['calibration_seconds']:.0f} s (read bandwidth before / after: "
                   f"{bw0:.1f} / {r['bandwidth_around_calibration'][1]:.1f} GB/s); the calibrating process's own run: "
-                  f"{r['in_calibrating_process']['error']:+.1%}", flush=True)
+                  f"{r['in_calibrating_process']['error']:+.1%}; its short run's windows: "
+                  + ", ".join(f"{w['tokens_per_s']:.1f} ({w.get('decode_task_seconds', 0):.2f} s decode tasks)"
+                              for w in r["run"].get("windows", [])) + " tok/s; factors "
+                  + " ".join(f"{k[:-4]} {v:.2f}" for k, v in r["run"].get("factors", {}).items()), flush=True)
         for rnd in range(args.repeats):  # the sides interleaved, round by round
             for n in lens:
                 for side in sides:

@@ -137,3 +137,81 @@ def test_the_run_records_each_steps_micro_batches_and_lengths(demo_model):
     costs = cal.fit_run_terms(engine, dataclasses.replace(COSTS, math="float32"), steps, notes)
     assert all(0 < getattr(costs, n) < float("inf") for n in cpu_cost.EFFICIENCIES) and costs.run_batch == (4, 2)
     assert notes["steps"] == 3
+
+
+def test_the_run_is_timed_in_windows_and_one_slow_window_is_outvoted():
+    """Defect: the run's factors came from one window, a snapshot of a machine that moves; a calibration whose
+    window fell in a slow stretch (784M: decode 25-30 % slower for tens of seconds) predicted every later run
+    that much slow. Decode factors and step_s are now the windows' median; prefill is the first window's (a
+    fresh process's, as a user's run is)."""
+    spec = _mixtral()
+    truth = dataclasses.replace(COSTS, **TRUE, step_s=4e-4)
+    slow = dataclasses.replace(truth, **{n: 1.4 * TRUE[n] for n in cal.DECODE_EFF.values()}, step_s=6e-4)
+    cold = dataclasses.replace(truth, prefill_eff=1.6)  # the first window faults in fresh buffers
+    warm = dataclasses.replace(truth, prefill_eff=1.0)
+    engine = SimpleNamespace(spec=spec, config=SimpleNamespace(expert_group=1))
+    base = dataclasses.replace(COSTS, step_s=1e-5)
+    for order in ((cold, slow, warm), (cold, warm, slow)):
+        windows = [_steps(spec, t, t.step_s) for t in order]
+        notes: dict = {}
+        got = cal.fit_run_windows(engine, base, windows, notes)
+        for name in cal.DECODE_EFF.values():
+            assert getattr(got, name) == pytest.approx(TRUE[name], rel=1e-9), name
+        assert got.prefill_eff == pytest.approx(1.6, rel=1e-9) and got.step_s == pytest.approx(4e-4, rel=1e-6)
+        assert got.run_windows == 3 and len(notes["windows"]) == 3 and notes["factors"]["ffn_eff"] == pytest.approx(1.1)
+        assert [w["tokens_per_s"] > 0 for w in notes["windows"]] == [True] * 3
+    alone = cal.fit_run_terms(engine, base, _steps(spec, slow, slow.step_s))  # what one window in the slow stretch said
+    assert alone.ffn_eff == pytest.approx(1.4 * TRUE["ffn_eff"], rel=1e-9)
+
+
+def test_more_windows_while_they_disagree():
+    """Three windows when a majority agree with their median; more, up to RUN_WINDOWS_MOST, while none does."""
+    spec = _mixtral()
+    truth = dataclasses.replace(COSTS, **TRUE)
+    fast, mid, slow = (_steps(spec, dataclasses.replace(truth, ffn_eff=f, attn_eff=f)) for f in (1.0, 1.3, 1.8))
+    assert cal.agreeing([fast, fast, slow]) == 2 and cal.agreeing([fast, mid, slow]) == 1
+
+    def windows(*seq):
+        it = iter(seq)
+        return lambda: next(it)
+
+    assert len(cal.more_windows([fast], windows(fast, fast))) == cal.RUN_WINDOWS
+    assert len(cal.more_windows([fast], windows(slow, fast))) == cal.RUN_WINDOWS  # the slow one is outvoted
+    assert len(cal.more_windows([fast], windows(mid, fast))) == cal.RUN_WINDOWS
+    assert len(cal.more_windows([fast], windows(mid, slow, fast, mid))) == cal.RUN_WINDOWS_MOST
+    assert len(cal.more_windows([slow], windows(), windows=1)) == 1
+
+
+def test_admitting_a_wave_is_measured_and_predicted():
+    """Defect: a prefill step's time beyond its tasks (the runner and its cache made, prompts tokenized, a fresh
+    process's first buffers) was in no term: the demo model's prefill measured 0.145-0.157 s a run against
+    0.106 predicted. The run's prefill steps give wave_s (the first window's), and every prediction adds it once a wave."""
+    from core.plan.planner import Workload, predict
+    from core.plan.policy import Policy
+
+    spec = _mixtral()
+    truth = dataclasses.replace(COSTS, **TRUE, step_s=4e-4)
+    steps = [dataclasses.replace(s, seconds=s.seconds + (0.03 if s.kind == "prefill" else 0.0)) for s in _steps(spec, truth)]
+    engine = SimpleNamespace(spec=spec, config=SimpleNamespace(expert_group=1))
+    base = dataclasses.replace(COSTS, step_s=1e-5)
+    got = cal.fit_run_windows(engine, base, [steps, _steps(spec, truth), _steps(spec, truth)])
+    assert got.wave_s == pytest.approx(0.03, rel=1e-6) and got.step_s == pytest.approx(4e-4, rel=1e-6)
+    assert cal.fit_run_terms(engine, base, _steps(spec, truth)).wave_s == pytest.approx(0.0, abs=1e-9)
+
+    policy = Policy(batch_size=8, micro_batch_size=4, expert_batch_size=4, attention_on="cpu", ffn_on="cpu")
+    work = Workload(prompt_len=200, gen_len=16, max_prompt_len=700)
+    mp = pytest.MonkeyPatch()
+    try:
+        from core.plan import planner
+
+        mp.setattr(planner, "rank_view", lambda m, h, b, k: (m, h, b))
+        mp.setattr(planner, "_memory", lambda *a: ({}, {}, 0))
+        seconds = {}
+        for wave in (0.0, 0.03):
+            costs = dataclasses.replace(got, wave_s=wave)
+            mp.setattr(planner, "_rates", lambda *a, c=costs, **kw: hrm.Rates(
+                gpu_flops=1, gpu_bw=1, h2d_bw=1, d2h_bw=1, cpu_flops=1e11, cpu_bw=1e10, has_gpu=False, cpu_costs=c))
+            seconds[wave] = predict(policy, spec, SimpleNamespace(), work).prefill_seconds
+    finally:
+        mp.undo()
+    assert seconds[0.03] - seconds[0.0] == pytest.approx(0.03, rel=1e-9)

@@ -129,6 +129,10 @@ def _calibrate(model, args) -> dict:
                   f"{f['pre_eff']:.2f}x / {f['attn_eff']:.2f}x / {f['post_eff']:.2f}x / {f['ffn_eff']:.2f}x what the "
                   f"pieces say (pre-attention / attention / post-attention / experts), prefill {f['prefill_eff']:.2f}x; "
                   f"predictions use these")
+        w = notes.get("windows", [])
+        if len(w) > 1:
+            print(f"  (decode: the median of {len(w)} windows of that run, at "
+                  + " / ".join(f"{x['tokens_per_s']:.1f}" for x in w) + " tokens/s; prefill: the first, a fresh process's)")
     return out
 
 

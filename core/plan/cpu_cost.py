@@ -58,12 +58,15 @@ class CpuCosts:
     prompt_s: float = 0.0  # overhead per prompt in a prefill task (its own attention call)
     step_s: float = 0.0  # overhead per engine step (embedding, sampling set-up, bookkeeping)
     seq_s: float = 0.0  # overhead per request per step (sampling, stop checks)
+    wave_s: float = 0.0  # overhead per prefill step beyond step_s: admitting a wave (its runner and cache made,
+    # prompts tokenized, in a fresh process the first buffers faulted in), measured in the calibration's run
     pre_eff: float = 1.0  # decode tasks in a run of the engine / the coefficients' prediction: pre-attention,
     attn_eff: float = 1.0  # ... attention,
     post_eff: float = 1.0  # ... post-attention,
     ffn_eff: float = 1.0  # ... routed experts,
     prefill_eff: float = 1.0  # ... and prefill tasks
     run_batch: tuple = ()  # (batch, micro-batch) of the run the factors were measured in; () = never
+    run_windows: int = 0  # windows of that run the decode factors are the median of (0: never measured)
     threads: int = 0  # torch threads when measured
     model: str = ""  # model_key() of the model the costs were measured on
     model_bytes: int = 0  # its weights, for picking the nearest calibration for another model

@@ -681,6 +681,11 @@ def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches:
     return micro_batches * (roofline_seconds(w, flops, bw) + (GPU_LAUNCH if on_gpu else CPU_LAUNCH))
 
 
+def wave_seconds(r: Rates, *, on_gpu: bool) -> float:
+    """Once a wave, beside its prefill's layers and LM head: admitting it (CPU-only, as calibrated: CpuCosts.wave_s)."""
+    return r.cpu_costs.wave_s if not on_gpu and r.cpu_costs is not None else 0.0
+
+
 # ---- calibration -------------------------------------------------------------------------------------
 # resource -> the rates whose achieved values its busy time reveals (compute and bandwidth alike: a
 # measured busy time does not say which bound the task hit)

@@ -376,6 +376,15 @@ class StepClock:
 # run at the batch the user runs measures that, per task kind, and folds it back (CpuCosts.*_eff).
 RUN_PROMPT_MEANS = (77, 231)  # mean prompt tokens of the run's waves: MT-Bench's, and three times it
 RUN_GEN = 16  # tokens each request of the run generates: one-time costs (fresh buffers) spread as in a run
+# The run is timed in this many windows spread over the calibration (its start, after the GEMMs, its end) and
+# each decode factor is their median. One window was one snapshot of a machine that moves: on a 2-core Zen 5
+# VM the 784M Mixtral's decode ran 25-30 % slower for tens of seconds at a time (read bandwidth 45 against
+# 68 GB/s), and a calibration whose only window fell in such a stretch predicted every later run 30 % slow
+# (in a fast one, 20 % fast when the stretch came later); a median of three needs two of them to be unlucky.
+RUN_WINDOWS = 3
+# ... and while fewer than a majority of them have their decode within RUN_AGREE of the windows' median (the
+# machine moved during the calibration), more, up to RUN_WINDOWS_MOST: the median then stands on a majority
+RUN_AGREE, RUN_WINDOWS_MOST = 0.1, 5
 
 
 @dataclasses.dataclass
@@ -517,13 +526,62 @@ def fit_run_terms(engine, base: CpuCosts, steps: list[RunStep], notes: dict | No
                   - costs.seq_s * sum(len(g) for g in s.groups) for s in dec)
     if over:
         costs = dataclasses.replace(costs, step_s=max(0.0, over[len(over) // 2]))
+    # a prefill step's span beyond its tasks, head and step_s: admitting a wave (the runner and its cache
+    # made, prompts tokenized; the first in a process faults in its buffers). The mean: a run has few waves.
+    waves = [s.seconds - sum(s.tasks.values()) - cpu_cost.head_seconds(d, costs, sum(len(g) for g in s.groups))
+             for s in steps if s.kind == "prefill"]
+    if waves:
+        costs = dataclasses.replace(costs, wave_s=max(0.0, sum(waves) / len(waves)))
     if steps:
         costs = dataclasses.replace(costs, run_batch=(steps[0].slots, max(len(g) for g in steps[0].groups)))
     if notes is not None:
         notes.update(tasks={k: {"run": measured[k], "pieces": model[k]} for k in kinds},
-                     step_s={"run": costs.step_s, "pieces": base.step_s}, steps=len(steps),
-                     seconds=sum(s.seconds for s in steps), factors={n: getattr(costs, n) for n in cpu_cost.EFFICIENCIES})
+                     step_s={"run": costs.step_s, "pieces": base.step_s}, wave_s=costs.wave_s, steps=len(steps),
+                     seconds=sum(s.seconds for s in steps), factors={n: getattr(costs, n) for n in cpu_cost.EFFICIENCIES},
+                     tokens=sum(len(g) for s in steps for g in s.groups))  # a token per request a step
     return costs
+
+
+def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes: dict | None = None) -> CpuCosts:
+    """fit_run_terms over several windows of the same run: each decode factor and step_s the median of the
+    windows', prefill_eff and wave_s the first window's. The first window runs first in its process, as a
+    user's run does: its prefill faults in the fresh buffers the later windows reuse (its prefill factor
+    read 1.0-1.5x the later windows' on the demo model and the 784M), and prefill, compute-bound, moved
+    little with the machine's slow stretches (0.89-1.01 within one calibration)."""
+    from statistics import median
+
+    per = []
+    fits = []
+    for w in windows:
+        n: dict = {}
+        fits.append(fit_run_terms(engine, base, w, n))
+        per.append(n)
+    if not fits:
+        return base
+    pick = {name: median(getattr(f, name) for f in fits) for name in DECODE_EFF.values()}
+    costs = dataclasses.replace(fits[0], **pick, step_s=median(f.step_s for f in fits), run_windows=len(fits))
+    if notes is not None:
+        notes.update(per[0], windows=[{"factors": n["factors"], "step_s": f.step_s, "seconds": n["seconds"],
+                                       "decode_task_seconds": decode_seconds(w),
+                                       "tokens_per_s": n["tokens"] / n["seconds"] if n["seconds"] else 0.0}
+                                      for n, f, w in zip(per, fits, windows)],
+                     step_s={"run": costs.step_s, "pieces": per[0]["step_s"]["pieces"]},
+                     factors={name: getattr(costs, name) for name in cpu_cost.EFFICIENCIES})
+    return costs
+
+
+def decode_seconds(window: list[RunStep]) -> float:
+    """Seconds a window's decode tasks took."""
+    return sum(v for s in window if s.kind == "decode" for v in s.tasks.values())
+
+
+def agreeing(windows: list[list[RunStep]]) -> int:
+    """How many windows' decode tasks took within RUN_AGREE of the median window's seconds."""
+    from statistics import median
+
+    secs = [decode_seconds(w) for w in windows]
+    mid = median(secs) if secs else 0.0
+    return sum(abs(t - mid) <= RUN_AGREE * mid for t in secs)
 
 
 def run_workload(engine, batch: int, means=RUN_PROMPT_MEANS, gen: int = RUN_GEN, seed: int = 0) -> list[str]:
@@ -541,18 +599,22 @@ def run_workload(engine, batch: int, means=RUN_PROMPT_MEANS, gen: int = RUN_GEN,
 
 def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, clock=time.perf_counter,
               batch: int = 16, micro_batch: int = 4, prompts: list[str] | None = None,
-              notes: dict | None = None) -> CpuCosts:
+              notes: dict | None = None, windows: int = RUN_WINDOWS) -> CpuCosts:
     """The CPU cost model of this machine, measured with `engine` (a CPU-only engine) and its model, then
-    its efficiency in a short run of `prompts` (default: run_workload's) at `batch`/`micro_batch`
-    (`notes`, when given, get what the run measured against the pieces)."""
+    its efficiency in a short run of `prompts` (default: run_workload's) at `batch`/`micro_batch`, timed in
+    `windows` windows (fit_run_windows; `notes`, when given, get what the run measured against the pieces)."""
     engine.threads.tick()  # measure with the threads the engine will run with
     gen = 3 if quick else RUN_GEN
     prompts = prompts or run_workload(engine, batch, means=(8, 24) if quick else RUN_PROMPT_MEANS, gen=gen)
     # one request through first, untimed: set-up done once per process or machine (a native kernel's build,
     # lazy imports) is no step's cost — it made the run's attention 7-29x the pieces'
     run_steps(engine, prompts[:1], batch=1, micro_batch=1, gen=2, clock=clock)
-    # then the run, while the process is otherwise as fresh as a user's run's is (no buffers yet to reuse)
-    run = run_steps(engine, prompts, batch=batch, micro_batch=micro_batch, gen=gen, clock=clock, progress=progress)
+    # then the run, while the process is otherwise as fresh as a user's run's is (no buffers yet to reuse),
+    # and again after the GEMMs and at the end (RUN_WINDOWS)
+    def window():
+        return run_steps(engine, prompts, batch=batch, micro_batch=micro_batch, gen=gen, clock=clock, progress=progress)
+
+    runs = [window()]
     dense, expert, math = engine_kernels(engine)
     spec = engine.spec
     d = hrm.dims(spec)
@@ -571,6 +633,8 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
         hot_d = gemm_terms(dense, math, dense_shapes, spec.total_bytes, 0, rows, clock)[1]
         hot_x = gemm_terms(expert, math, expert_shapes, spec.total_bytes, direct, rows, clock)[1]
     progress(Progress("calibrating: GEMM kernels", 2, 2, "kernels"))
+    if windows > 1:
+        runs.append(window())
     base = CpuCosts(math=engine.cpu.math, flop_s=fd, weight_s=wd, call_s=cd, expert_flop_s=fx, expert_weight_s=wx,
                     expert_call_s=cx, gemv_s=gx, direct_rows=direct, weight_hot_s=hot_d, expert_weight_hot_s=hot_x,
                     cache_bytes=cache, threads=torch.get_num_threads(), model=cpu_cost.model_key(d),
@@ -579,4 +643,13 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     obs = runner_observations(engine, progress=progress, clock=clock, **kw)
     base = fit_engine_terms(engine, base, obs)
     base = fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)
-    return fit_run_terms(engine, base, run, notes)
+    return fit_run_windows(engine, base, more_windows(runs, window, windows), notes)
+
+
+def more_windows(runs: list, window, windows: int = RUN_WINDOWS) -> list:
+    """`runs` with windows run by `window()` added until there are `windows`, and while fewer than a
+    majority of them agree with their median (`agreeing`), up to RUN_WINDOWS_MOST."""
+    most = max(windows, RUN_WINDOWS_MOST) if windows > 1 else windows
+    while len(runs) < windows or (len(runs) < most and agreeing(runs) <= len(runs) // 2):
+        runs.append(window())
+    return runs
