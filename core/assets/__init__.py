@@ -8,6 +8,8 @@
   `mlight plan --model mixtral-8x7b` works offline. A new preset is one more folder here.
 - `kernels/decode_attention.c`: the fused CPU decode attention, compiled on the user's machine where a C
   compiler exists (core.model.cpu.native).
+- `kernels/moe_ffn.c`: a layer's bf16 routed experts in one call on AVX-512 BF16 CPUs, compiled the same
+  way (core.model.cpu.ffn).
 
 Nothing else in mlight reads a file shipped with it; tests/test_packaging.py keeps it that way.
 Imports: nothing.
@@ -22,6 +24,7 @@ MT_BENCH = HERE / "mt_bench_questions.jsonl"
 DEMO_PROMPTS = HERE / "demo_prompts.jsonl"
 CONFIGS = HERE / "configs"
 DECODE_ATTENTION_C = HERE / "kernels" / "decode_attention.c"
+MOE_FFN_C = HERE / "kernels" / "moe_ffn.c"
 
 
 def config_presets() -> list[str]:

@@ -74,7 +74,11 @@ def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=N
     """One new token per row: write its K/V, attend over the row. payload [B, d1] -> [B, Hq·hd]."""
     B, H, Hkv, hd = rows.B, spec.num_heads, spec.num_kv_heads, spec.head_dim
     q, k, v = payload.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-    store.write(rows.slots, rows.positions, k.view(B, Hkv, hd), v.view(B, Hkv, hd))
+    k, v = k.view(B, Hkv, hd), v.view(B, Hkv, hd)
+    if hasattr(store, "write_rows"):
+        store.write_rows(rows, k, v)
+    else:
+        store.write(rows.slots, rows.positions, k, v)
     return decode_over_rows(q.reshape(B, H, hd), store, rows, spec.scale, w.get("sinks"), widen)
 
 

@@ -120,6 +120,23 @@ class KVStore(_Store):
     def put_new(self, rows, parts) -> None:
         self.write(rows.slots, rows.positions, *parts)
 
+    def write_rows(self, rows: "Rows", k: torch.Tensor, v: torch.Tensor) -> None:
+        """`write` for a decode micro-batch's rows. A contiguous host store copies each token's heads to their
+        flat rows by one index kept on `rows` for the step (every layer of a kind reuses it): the
+        two-index `index_put` took 0.25 ms a call in a B = 256 step on two threads, 8 layers × K and V."""
+        hd = self.k.shape[-1]
+        if self.k.device.type != "cpu" or not (self.k.is_contiguous() and self.v.is_contiguous()):
+            return self.write(rows.slots, rows.positions, k, v)
+        at = rows.memo(("kv_rows", self.k.shape, self.window), lambda: self._flat_rows(rows))
+        self.k.view(-1, hd).index_copy_(0, at, k.reshape(-1, hd).to(self.k.dtype))
+        self.v.view(-1, hd).index_copy_(0, at, v.reshape(-1, hd).to(self.v.dtype))
+
+    def _flat_rows(self, rows: "Rows") -> torch.Tensor:
+        """Row of (slot, head, position) in the store viewed as [slots·heads·cap, hd], [B·heads] in token order."""
+        _, heads, cap, _ = self.k.shape
+        first = (rows.slots * heads * cap + self.index(rows.positions))[:, None]
+        return (first + torch.arange(heads, device=first.device)[None, :] * cap).reshape(-1)
+
     def index(self, positions: torch.Tensor) -> torch.Tensor:
         return positions % self.window if self.window else positions
 
@@ -296,7 +313,15 @@ class Rows:
             self.cover = (slice(lo, lo + n), torch.tensor(at), lengths)
         self._kept: dict[int, tuple] = {}
         self._plans: dict[tuple, "RowPlan"] = {}
+        self._memo: dict = {}
         self._q: torch.Tensor | None = None  # queries at their covering rows, zeros in the gaps
+
+    def memo(self, key, make):
+        """`make()` once per key for these rows (what every layer of a step would compute alike)."""
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = make()
+        return got
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """This micro-batch's rows of a store tensor (a view when the slots are contiguous)."""

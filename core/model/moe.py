@@ -99,6 +99,16 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor, rows_hint: int = 16) -> li
     return [(reorder(w13[e], rows_hint), reorder(w2[e], rows_hint)) for e in range(w13.shape[0])]
 
 
+def pack_cpu_experts(w13: torch.Tensor, w2: torch.Tensor, fused: bool):
+    """The experts in the fastest CPU layout here: the fused C kernel's (core.model.cpu.ffn.NativeExperts) where
+    it runs them — `fused`: plain SwiGLU without biases — else oneDNN's (`pack_experts`)."""
+    from core.model.cpu import ffn
+
+    if fused and ffn.takes(w13, w2):
+        return ffn.NativeExperts(w13, w2)
+    return pack_experts(w13, w2)
+
+
 def _packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
@@ -113,7 +123,12 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
     `b13` [E, 2I], `b2` [E, D]: per-expert biases (gpt-oss); `act` turns [n, 2I] gate|up into [n, I]
     (default SwiGLU); `widen` computes weights narrower than h in its math dtype, tile by tile.
     `scratch`: reused buffers for the gathered tokens, their outputs and the result (a decode step's
-    FFN; the result is then valid until the next call with the same scratch)."""
+    FFN; the result is then valid until the next call with the same scratch). `packed` may also be a
+    core.model.cpu.ffn.NativeExperts (`pack_cpu_experts`): the whole call is then one C kernel."""
+    if hasattr(packed, "fused_swiglu"):  # the fused C kernel's layout: nothing else can read it
+        if (act not in (None, _swiglu)) or b13 is not None or b2 is not None:
+            raise ValueError("experts in the fused kernel's layout are plain SwiGLU without biases")
+        return packed(h, weights, idx, None if scratch is None else scratch.get("out", h.shape, h.dtype))
     act = act or _swiglu
     widened = widen is not None and packed is None and quant is None and w13.dtype != h.dtype
     if widened:

@@ -160,15 +160,16 @@ class LayerWeights:
             raise RuntimeError("this layer's experts were packed for the CPU; they no longer stream")
         self.pages = [self.experts[a:b] for a, b in self.layout.page_bounds(pages)]
 
-    def pack_for_cpu(self, quantize_dense=None) -> None:
+    def pack_for_cpu(self, quantize_dense=None, swiglu: bool = False) -> None:
         """Prepack the experts for the CPU and keep only the non-expert part of the flat buffer.
 
         One layer at a time, so memory peaks at the model plus one layer's experts, never two copies.
         Quantized experts whose format has no CPU kernel (GGUF blocks) stay as they are and expand per use.
         `quantize_dense(name, w)`: the attention and shared-expert projections quantized too, for the CPU's
         weight-only kernels (core.model.quant.dense; `w` itself where the kernel does not take it) — and
-        then their bf16 bytes are not kept."""
-        from core.model.moe import pack_experts
+        then their bf16 bytes are not kept. `swiglu`: the experts are plain SwiGLU, which the fused C
+        kernel runs (core.model.cpu.ffn) where it can."""
+        from core.model.moe import pack_cpu_experts
 
         if self.quant is not None:
             if not self.quant.pack_cpu():
@@ -177,7 +178,8 @@ class LayerWeights:
             self.packed = self.quant
         else:
             has_experts = "w13" in self.tensors
-            self.packed = pack_experts(self.tensors["w13"], self.tensors["w2"]) if has_experts else []
+            fused = swiglu and "b13" not in self.tensors and "b2" not in self.tensors
+            self.packed = pack_cpu_experts(self.tensors["w13"], self.tensors["w2"], fused) if has_experts else []
         biases = {n: self.tensors[n].clone() for n in ("b13", "b2") if n in self.tensors}  # not packed, still used
         # the projections prepacked for oneDNN (or plain where it refuses) and held apart from the flat
         # buffer, which keeps only the rest: their row-major bytes beside the packed copy were the dense
@@ -220,7 +222,8 @@ class LayerWeights:
         return {n: t for n, t in self.tensors.items() if n in names}
 
     def expert_set(self, to_dev=lambda t: t) -> dict:
-        """What the expert compute reads: {"w13", "w2"} (+ biases), {"packed": per-expert oneDNN weights}
+        """What the expert compute reads: {"w13", "w2"} (+ biases), {"packed": per-expert oneDNN weights, or
+        the fused kernel's NativeExperts}
         or {"quant": QuantExperts} (+ biases); {} in a dense layer."""
         biases = {n: to_dev(self.tensors[n]) for n in ("b13", "b2") if n in self.tensors}
         if self.quant is not None:
@@ -346,7 +349,8 @@ class ModelWeights:
                     else "loading quantized dense weights (cached)")
         try:
             for i, lw in enumerate(self.layers):
-                lw.pack_for_cpu(None if quant is None else lambda name, w, i=i: quant(f"layers.{i}.{name}", w))
+                lw.pack_for_cpu(None if quant is None else lambda name, w, i=i: quant(f"layers.{i}.{name}", w),
+                                swiglu=self.spec.expert_act == "swiglu")
                 progress(Progress(what, i + 1, len(self.layers) + 1, "layers"))
             if "lm_head" in self.globals:  # a tied head is the embedding too: that one stays a plain tensor
                 head = self.globals["lm_head"]

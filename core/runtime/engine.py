@@ -324,6 +324,9 @@ class Engine:
                 weights.pack_for_cpu(progress, dense_format=dense_fmt, dense_cache=cache)
                 spec = with_dense(spec, dense_fmt)
             elif cpu.pack:
+                from core.model.cpu import ffn
+
+                ffn.prepare(progress)  # a compile here, with progress, not inside the packing
                 cpu = _pack_or_fall_back(weights, cpu, progress)
             if cpu.widens and weights.scheme is None:
                 weights.widen_dense(torch_dtype(cpu.math))

@@ -18,6 +18,7 @@ new thread inherits its creator's affinity); ctypes releases the GIL during each
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -105,14 +106,9 @@ def _build(level: str) -> _Lib | None:
         return None
     flags, vw = _flags()
     base = ["-O3", "-shared", "-fPIC", f"-DVW={vw}", *flags]
-    out = None
-    # OpenMP where torch runs on libgomp (Linux wheels: its libgomp.so.1 is the one our library binds
-    # to, so the kernel runs on torch's own threads); else the Python helper threads split the call
-    for args in ([*base, "-fopenmp"], base) if _torch_uses_gomp() else (base,):
-        out = _compile(cc, args, vw)
-        if out is not None:
-            break
-    if out is None:
+    out = compile_openmp(cc, base, vw)
+    if isinstance(out, str):
+        _reason = out
         return None
     try:
         lib = _Lib(out, " ".join(flags) or "baseline")
@@ -125,30 +121,43 @@ def _build(level: str) -> _Lib | None:
     return lib
 
 
-def _compile(cc: str, args: list[str], vw: int) -> Path | None:
-    """The library built with `args` in the cache dir (built now unless there), or None with `_reason`."""
-    global _reason
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *args]).encode()).hexdigest()[:16]
+def compile_openmp(cc: str, base: list[str], vw: int, source: Path = SOURCE, name: str = "decode_attention",
+                   announce=None) -> Path | str:
+    """`_compile` with OpenMP where torch runs on libgomp (Linux wheels: its libgomp.so.1 is the one our
+    library binds to, so the kernel runs on torch's own threads), else or where that fails without it
+    (this kernel then splits calls over Python helper threads; others run one thread)."""
+    out = "no build tried"
+    for args in ([*base, "-fopenmp"], base) if _torch_uses_gomp() else (base,):
+        out = _compile(cc, args, vw, source, name, announce)
+        if not isinstance(out, str):
+            break
+    return out
+
+
+def _compile(cc: str, args: list[str], vw: int, source: Path = SOURCE, name: str = "decode_attention",
+             announce=None) -> Path | str:
+    """The library of `source` built with `args` in the cache dir (built now unless there, calling
+    `announce` first), or why not (core.model.cpu.int4 builds its own kernel through here too)."""
+    tag = hashlib.sha256(source.read_bytes() + " ".join([cc, *args]).encode()).hexdigest()[:16]
     suffix = ".dll" if platform.is_windows() else ".so"
-    out = _cache_dir() / "kernels" / f"decode_attention-{tag}{suffix}"
+    out = _cache_dir() / "kernels" / f"{name}-{tag}{suffix}"
     if out.is_file():
         return out
-    if _announce is not None:
-        _announce()
+    announce = announce or _announce
+    if announce is not None:
+        announce()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=suffix, dir=out.parent)
         os.close(fd)
-        r = subprocess.run([cc, *args, "-o", tmp, str(SOURCE)], capture_output=True, text=True, encoding="utf-8",
+        r = subprocess.run([cc, *args, "-o", tmp, str(source)], capture_output=True, text=True, encoding="utf-8",
                            errors="replace", timeout=120)
         if r.returncode != 0:
             platform.remove(tmp)
-            _reason = f"the C compiler failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
-            return None
+            return f"the C compiler failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
         platform.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as e:
-        _reason = f"could not build the kernel: {e}"
-        return None
+        return f"could not build the kernel: {e}"
     return out
 
 
@@ -167,24 +176,28 @@ def prepare(progress=None) -> None:
     """Build (or load) the kernel now rather than inside the first decode step, saying so through
     `progress` (a core.telemetry sink) when it compiles: about a second, once per machine."""
     global _announce
+    try:
+        with announcing("building the CPU decode attention kernel (once per machine)", progress) as _announce:
+            library()
+    finally:
+        _announce = None
+
+
+@contextlib.contextmanager
+def announcing(what: str, progress=None):
+    """Yields the `announce()` a kernel's build calls as a compile starts: it tells `progress` (a
+    core.telemetry sink, or None) `what` is being built, and its end when the block ends."""
     from core.telemetry import Progress
 
-    if progress is None:
-        library()
-        return
-    what = "building the CPU decode attention kernel (once per machine)"
     built = []
 
     def announce() -> None:
         built.append(True)
-        progress(Progress(what, 0, 1))
+        if progress is not None:
+            progress(Progress(what, 0, 1))
 
-    _announce = announce
-    try:
-        library()
-    finally:
-        _announce = None
-    if built:
+    yield announce
+    if built and progress is not None:
         progress(Progress(what, 1, 1))
 
 

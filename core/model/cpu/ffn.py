@@ -1,0 +1,182 @@
+"""A layer's routed experts in one C call (core/assets/kernels/moe_ffn.c), bf16 on AVX-512 BF16 CPUs.
+
+In a CPU decode step each expert sees 16-64 rows, where oneDNN's packed bf16 GEMM reaches 62-91 % of
+the machine's peak (two Zen 5 cores; 100 %+ from 128 rows) and the routed experts are ≈ 80 % of the
+step. The kernel runs the whole layer in one call: the tokens grouped by expert, gate/up with
+SiLU(gate)·up fused, down with the routing weight and the sum over experts, all in fp32 sums rounded
+once to bf16 (torch's path rounds after each op), on weights packed once at load into the kernel's
+layout in place of oneDNN's (no second copy), split over torch's own OpenMP threads.
+
+It is optional: it runs only where the CPU executes vdpbf16ps (core.model.cpu.isa's usable level is
+AVX-512 BF16 or AMX, so never under the AVX2 limits, where bf16 weights are widened to fp32 instead),
+with a C compiler, OpenMP in the build or one torch thread, SwiGLU experts without biases, hidden
+sizes that are multiples of 64 and intermediate sizes of 32, and neither `MLIGHT_NATIVE` nor
+`MLIGHT_NATIVE_EXPERTS` (this kernel alone: an A/B switch) set to 0. Elsewhere
+`pack_experts` gives oneDNN's packing as before (core.model.moe), which the tests check it against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+
+import torch
+
+from core.assets import MOE_FFN_C as SOURCE
+from core.model.cpu import native
+
+CHUNK_TOKENS = 512  # tokens per call: a long prefill's intermediate stays at 2·512·I bf16
+FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+
+_reason = "not built yet"
+_announce = None
+
+
+class _Lib:
+    def __init__(self, path):
+        self.dll = ctypes.CDLL(str(path))
+        P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.ffn = self.dll.mlight_moe_ffn
+        self.ffn.argtypes = [P, I, I, P, P, C, I, I, I, P, I, P, I, P, P, C]
+        self.ffn.restype = C
+        self.scratch = self.dll.mlight_moe_scratch
+        self.scratch.argtypes = [I, I, I, I, I]
+        self.scratch.restype = I
+        self.openmp = bool(self.dll.mlight_moe_openmp())
+        self.flags = " ".join(FLAGS) + (" -fopenmp" if self.openmp else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _build(level: str) -> _Lib | None:
+    global _reason
+    from core.model.cpu import isa
+
+    for var in ("MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS"):
+        if os.environ.get(var, "1") == "0":
+            _reason = f"{var}=0"
+            return None
+    if level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16"):
+        _reason = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX-512 BF16 dot product"
+        return None
+    cc = native._compiler()
+    if cc is None:
+        _reason = "no C compiler found (cc, gcc, clang or $CC)"
+        return None
+    base = ["-O3", "-shared", "-fPIC", *FLAGS]
+    out = native.compile_openmp(cc, base, 16, SOURCE, "moe_ffn", _announce or (lambda: None))
+    if isinstance(out, str):
+        _reason = out
+        return None
+    try:
+        return _Lib(out)
+    except (OSError, AttributeError) as e:
+        _reason = f"could not load the kernel: {e}"
+        return None
+
+
+def library() -> _Lib | None:
+    from core.model.cpu import isa
+
+    return _build(isa.cpu_isa().usable)
+
+
+def status() -> str:
+    """One line for `mlight hw` and the bench: which kernel runs the bf16 routed experts, and why."""
+    lib = library()
+    if lib is None:
+        return f"oneDNN's packed GEMMs ({_reason})"
+    return f"fused C kernel ({lib.flags})" + ("" if lib.openmp else "; one thread: oneDNN when torch runs more")
+
+
+def prepare(progress=None) -> None:
+    """Build (or load) the kernel now, saying so through `progress` when it compiles (once per machine)."""
+    global _announce
+    try:
+        with native.announcing("building the CPU expert kernel (once per machine)", progress) as _announce:
+            library()
+    finally:
+        _announce = None
+
+
+def takes(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the kernel runs experts w13 [E, 2I, D], w2 [E, D, I] here (SwiGLU, no biases: the caller's part)."""
+    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or w13.dim() != 3 or w13.device.type != "cpu":
+        return False
+    E, two_i, D = w13.shape
+    if two_i % 64 or D % 64 or tuple(w2.shape) != (E, D, two_i // 2):
+        return False
+    lib = library()
+    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+
+
+class NativeExperts:
+    """A layer's experts in the kernel's layout (see moe_ffn.c): w13 [E, I/32, D/2, 4, 16, 2] (gate and up
+    columns interleaved per panel) and w2 [E, D/64, I/2, 4, 16, 2], bf16. Held instead of the row-major
+    weights: the same bytes."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+        E, two_i, D = w13.shape
+        I = two_i // 2
+        self.E, self.D, self.I = E, D, I
+        self.w13 = torch.empty((E, I // 32, D // 2, 4, 16, 2), dtype=torch.bfloat16)
+        self.w2 = torch.empty((E, D // 64, I // 2, 4, 16, 2), dtype=torch.bfloat16)
+        for e in range(E):  # one expert at a time: no whole-layer temporary
+            self.w13[e].copy_(pack_gate_up(w13[e]))
+            self.w2[e].copy_(pack_rows(w2[e]))
+
+    fused_swiglu = True  # what core.model.moe.experts recognises this layout by
+
+    def __len__(self) -> int:
+        return self.E
+
+    @property
+    def held_bytes(self) -> int:
+        return 2 * (self.w13.numel() + self.w2.numel())
+
+    def __call__(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """h [T, D] bf16, routing weights [T, k] (bf16/fp32) and expert ids [T, k] -> [T, D] bf16 (into `out`)."""
+        lib = library()
+        T, k = idx.shape
+        h, idx = h.contiguous(), idx.contiguous()
+        if weights.dtype not in (torch.bfloat16, torch.float32):
+            weights = weights.float()
+        weights = weights.contiguous()
+        out = torch.empty((T, self.D), dtype=torch.bfloat16) if out is None else out
+        if T == 0:
+            return out
+        n = torch.get_num_threads() if lib.openmp else 1
+        for a in range(0, T, CHUNK_TOKENS):
+            b = min(T, a + CHUNK_TOKENS)
+            s = _scratch(lib.scratch(b - a, k, self.E, self.I, n))
+            if lib.ffn(h[a].data_ptr(), b - a, k, idx[a].data_ptr(), weights[a].data_ptr(),
+                       int(weights.dtype == torch.bfloat16), self.E, self.D, self.I, self.w13.data_ptr(),
+                       self.w13[0].numel(), self.w2.data_ptr(), self.w2[0].numel(), out[a].data_ptr(), s.data_ptr(), n):
+                raise ValueError(f"expert ids outside 0..{self.E - 1}")
+        return out
+
+
+def pack_rows(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (output rows) -> [N/64, K/2, 4, 16, 2]: 64-column panels, bf16 pairs along K."""
+    N, K = w.shape
+    return w.view(N // 64, 4, 16, K // 2, 2).permute(0, 3, 1, 2, 4)
+
+
+def pack_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """w13 [2I, D] (gate rows, then up rows) -> [I/32, D/2, 4, 16, 2]: each panel 32 gate then 32 up columns."""
+    two_i, D = w13.shape
+    I = two_i // 2
+    return pack_rows(w13.view(2, I // 32, 32, D).transpose(0, 1).reshape(two_i, D))
+
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """This thread's scratch, grown once to the largest call, then reused (no allocation per step)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
