@@ -127,15 +127,19 @@ class KVStore(_Store):
         hd = self.k.shape[-1]
         if self.k.device.type != "cpu" or not (self.k.is_contiguous() and self.v.is_contiguous()):
             return self.write(rows.slots, rows.positions, k, v)
-        at = rows.memo(("kv_rows", self.k.shape, self.window), lambda: self._flat_rows(rows))
+        at = self.write_index(rows)
         self.k.view(-1, hd).index_copy_(0, at, k.reshape(-1, hd).to(self.k.dtype))
         self.v.view(-1, hd).index_copy_(0, at, v.reshape(-1, hd).to(self.v.dtype))
 
-    def _flat_rows(self, rows: "Rows") -> torch.Tensor:
-        """Row of (slot, head, position) in the store viewed as [slots·heads·cap, hd], [B·heads] in token order."""
-        _, heads, cap, _ = self.k.shape
-        first = (rows.slots * heads * cap + self.index(rows.positions))[:, None]
-        return (first + torch.arange(heads, device=first.device)[None, :] * cap).reshape(-1)
+    def write_index(self, rows: "Rows") -> torch.Tensor:
+        """Row of each new (slot, head, position) in the store viewed as [slots·heads·cap, hd], [B·heads] in
+        token order; made once per step for every store of this shape (Rows.plan makes it before the tasks)."""
+        def make():
+            _, heads, cap, _ = self.k.shape
+            first = (rows.slots * heads * cap + self.index(rows.positions))[:, None]
+            return (first + torch.arange(heads, device=first.device)[None, :] * cap).reshape(-1)
+
+        return rows.memo(("kv_rows", self.k.shape, self.window), make)
 
     def index(self, positions: torch.Tensor) -> torch.Tensor:
         return positions % self.window if self.window else positions
@@ -349,6 +353,8 @@ class Rows:
         key = (store.window, widened)
         if key not in self._plans:
             self._plans[key] = self._plan(store, widened)
+            if store.k.device.type == "cpu":
+                store.write_index(self)  # the step's KV write index too, outside the tasks
         return self._plans[key]
 
     def _plan(self, store, widened: bool) -> "RowPlan":
