@@ -82,6 +82,7 @@ class Rope:
         self.cos = torch.cat([(half.cos() * s) for s in scales]).to(dtype).to(device)  # [P·tables, r or r/2]
         self.sin = torch.cat([(half.sin() * s) for s in scales]).to(dtype).to(device)
         self.positions = max_positions
+        self._kept = None  # (positions, its version, call_lengths, its version, cos, sin) of the last call
 
     def rows(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Table rows for tokens at `positions` [T]; `call_lengths` [T]: the length (max position + 1)
@@ -90,10 +91,21 @@ class Rope:
             return positions
         return positions + self.positions * (call_lengths > self.switch).to(positions.dtype)
 
+    def tables(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None):
+        """(cos, sin) [T, 1, r or r/2] of these tokens. The last call's are kept while the same tensors come
+        back unchanged (every layer of a step, and q and k): two gathers a step instead of two a layer."""
+        kept = self._kept
+        if (kept is None or kept[0] is not positions or kept[1] != positions._version or kept[2] is not call_lengths
+                or (call_lengths is not None and kept[3] != call_lengths._version)):
+            rows = self.rows(positions, call_lengths)
+            kept = self._kept = (positions, positions._version, call_lengths,
+                                 None if call_lengths is None else call_lengths._version,
+                                 self.cos[rows][:, None, :], self.sin[rows][:, None, :])
+        return kept[4], kept[5]
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H, hd], positions [T] -> x with its first `dim` dims rotated."""
-        rows = self.rows(positions, call_lengths)
-        cos, sin = self.cos[rows][:, None, :], self.sin[rows][:, None, :]
+        cos, sin = self.tables(positions, call_lengths)
         d = self.dim
         rot, rest = (x, None) if d == x.shape[-1] else (x[..., :d], x[..., d:])
         if self.pairs:
