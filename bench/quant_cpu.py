@@ -56,7 +56,9 @@ LARGE = dict(hidden=2048, intermediate=7168, layers=4, heads=32, kv_heads=8, exp
 QUICK = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, experts=8, top_k=2, vocab=1024)
 SIZES = {"small": FULL, "large": LARGE}
 FORMATS = {"none": {}, "int8": dict(quantize="int8"), "int4": dict(quantize="int4"),  # Engine.load's arguments
+           "int4-torch": dict(quantize="int4"),
            "int4+d8": dict(quantize="int4", quantize_dense="int8"), "int4+d4": dict(quantize="int4", quantize_dense=True)}
+TORCH_INT4 = ("int4-torch",)  # loaded with mlight's C int4 kernel off: torch's weight-only kernel, the A/B
 
 
 def parse_args(argv=None):
@@ -73,7 +75,23 @@ def parse_args(argv=None):
                    help="time decode steps by CPU seconds (default with --threads 1) or the wall clock")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="also write the report here")
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help=f"formats to run, bf16 ('none') always among them (default {','.join(FORMATS)})")
     return p.parse_args(argv)
+
+
+def load(model_dir, f: str, group: int, threads: int):
+    """The engine of format `f`; int4-torch with the C int4 kernel refused, so torch's kernel runs."""
+    from core.model.quant.experts import QuantExperts
+    from core.runtime.engine import Engine
+
+    real = QuantExperts._native_ok
+    if f in TORCH_INT4:
+        QuantExperts._native_ok = lambda self: False
+    try:  # threads fixed: the engine's governor would follow the load
+        return Engine.load(model_dir, dtype="bfloat16", **FORMATS[f], group_size=group, threads=threads)
+    finally:
+        QuantExperts._native_ok = real
 
 
 def decode_rate(engine, batch: int, gen: int, prompt: str, clock: str = "wall") -> list[float]:
@@ -113,15 +131,21 @@ def backend_crossover(spec, fmt_name: str, group: int, rows=(1, 4, 16, 64), reps
     for name, (n, k) in (("w13", (2 * I, D)), ("w2", (D, I))):
         for suffix, t in quantize(fmt, torch.randn(E, n, k) / k ** 0.5).items():
             parts[f"{name}.{suffix}"] = t
-    kernel = QuantExperts(scheme, parts, torch.bfloat16)
-    kernel.pack_cpu()
-    kernel.kernel_rows = 10**9
-    expand = QuantExperts(scheme, parts, torch.bfloat16)
+    backends = {}
+    for name, native in (("kernel", True), ("torch-kernel", False)):
+        kernel = QuantExperts(scheme, parts, torch.bfloat16)
+        if not native:
+            kernel._native_ok = lambda: False
+        kernel.pack_cpu()
+        kernel.kernel_rows = 10**9
+        if native or fmt_name == "int4":  # int8 has one kernel, torch's
+            backends[name] = kernel
+    backends["expand"] = QuantExperts(scheme, parts, torch.bfloat16)
     out = {}
     for n in rows:
         x = torch.randn(n, D, dtype=torch.bfloat16)
         res = {}
-        for name, q in (("kernel", kernel), ("expand", expand)):
+        for name, q in backends.items():
             def run():
                 for e in range(E):
                     h = q.up(e, x)
@@ -165,38 +189,38 @@ def main(argv=None) -> int:
     if not (model_dir / "config.json").is_file():
         info = common.build_mixtral(model_dir, **dims, init_dtype=torch.bfloat16 if dims is LARGE else None)
         print(f"built {info['params'] / 1e6:.0f}M-parameter bf16 Mixtral-shaped checkpoint in {model_dir}", flush=True)
-    from core.runtime.engine import Engine
+    from core.model.cpu import int4
 
+    formats = ["none", *(f for f in args.formats.split(",") if f != "none")]
     engines, loads = {}, {}
-    for f in FORMATS:
+    for f in formats:
         t = time.perf_counter()
-        engines[f] = Engine.load(model_dir, dtype="bfloat16", **FORMATS[f], group_size=args.group_size,
-                                 threads=args.threads)  # fixed: the engine's governor would follow the load
+        engines[f] = load(model_dir, f, args.group_size, args.threads)
         engines[f].eos_ids = set()
         loads[f] = time.perf_counter() - t
         gc.collect()
     prompt = "Compose an engaging travel blog post about a recent trip to Hawaii"
     prompt_len = len(engines["none"].prompt_token_ids(__import__("core.runtime.engine", fromlist=["Request"]).Request(
         id="p", prompt=prompt)))
-    for f in FORMATS:  # warm-up: first calls pay for page faults and kernel dispatch
+    for f in formats:  # warm-up: first calls pay for page faults and kernel dispatch
         decode_rate(engines[f], 1, 2, prompt, clock)
-    rates = {f: {b: [] for b in batches} for f in FORMATS}  # per round: the median step's tokens/s
-    best = {f: {b: 0.0 for b in batches} for f in FORMATS}  # the fastest step of all rounds
+    rates = {f: {b: [] for b in batches} for f in formats}  # per round: the median step's tokens/s
+    best = {f: {b: 0.0 for b in batches} for f in formats}  # the fastest step of all rounds
     for r in range(rounds):
         for b in batches:
-            for f in FORMATS:
+            for f in formats:
                 steps = decode_rate(engines[f], b, gen, prompt, clock)
                 rates[f][b].append(statistics.median(steps))
                 best[f][b] = max(best[f][b], max(steps))
-        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{f} B={b} {rates[f][b][-1]:.1f}" for b in batches for f in FORMATS),
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{f} B={b} {rates[f][b][-1]:.1f}" for b in batches for f in formats),
               flush=True)
     med = {f: {b: statistics.median(v) for b, v in bs.items()} for f, bs in rates.items()}
     paired = {f: {b: statistics.median(x / y for x, y in zip(rates[f][b], rates["none"][b])) for b in batches}
-              for f in FORMATS}
+              for f in formats}
     cross = {} if args.skip_crossover else {
         f: backend_crossover(engines["none"].spec, f, args.group_size, clock=clock) for f in ("int8", "int4")}
     # the planner does not model --quantize-dense: its bf16 dense bytes (int4's prediction) bound it below
-    pred = {f: {b: predicted(engines[f].spec, b, gen, prompt_len) for b in batches} for f in FORMATS}
+    pred = {f: {b: predicted(engines[f].spec, b, gen, prompt_len) for b in batches} for f in formats}
     report = {
         "cpu": platform.processor() or platform.machine(), "threads": args.threads, "clock": clock, "capability":
         torch.backends.cpu.get_cpu_capability(), "load_before": load_before, "load_after": common.load_average(),
@@ -204,26 +228,28 @@ def main(argv=None) -> int:
         "rounds": rounds, "decode_tokens_per_s": rates, "median": med, "paired_ratio": paired, "best_step": best,
         "load_seconds": loads, "size": "quick" if args.quick else args.size,
         "backend_seconds_per_expert": cross, "predicted_decode_tokens_per_s": pred,
-        "bf16_packed": engines["none"].weights.packed,
+        "bf16_packed": engines["none"].weights.packed, "int4_kernel": int4.status(),
     }
     print()
     print(f"CPU {report['cpu']} ({report['capability']}), {args.threads} threads, {clock} clock, load {load_before} -> {report['load_after']}")
     print(f"model {dims} = {report['params'] / 1e6:.0f}M parameters; bf16 experts "
           f"{'oneDNN-prepacked' if report['bf16_packed'] else 'plain'}; int4 group {args.group_size}")
+    print(f"int4 experts: {report['int4_kernel']}; int4-torch: torch's weight-only kernel")
     print("decode tok/s: the median of the rounds' median steps; best: the fastest step of all rounds")
     print("paired: the median over rounds of a round's tok/s over the bf16 round's")
     print(f"{'B':>4} {'format':>10} {'decode tok/s':>13} {'vs bf16':>8} {'paired':>7} {'best step':>10} {'vs bf16':>8} "
           f"{'predicted':>10} {'pred. vs bf16':>14}")
     for b in batches:
-        for f in FORMATS:
+        for f in formats:
             print(f"{b:>4} {f if f != 'none' else 'bf16':>10} {med[f][b]:>13.2f} {med[f][b] / med['none'][b]:>7.2f}x "
                   f"{paired[f][b]:>6.2f}x {best[f][b]:>10.2f} {best[f][b] / best['none'][b]:>7.2f}x "
                   f"{pred[f][b]:>10.2f} {pred[f][b] / pred['none'][b]:>13.2f}x")
     print("(int4+d8's and int4+d4's predictions are int4's: the planner counts the dense weights in bf16)")
-    print("\nper expert, up + down (ms): tokens  kernel  expand")
+    print("\nper expert, up + down (ms): tokens  kernel (int4: mlight's C kernel where it runs)  torch's kernel  expand")
     for f, c in cross.items():
         for n, r in c.items():
-            print(f"  {f:5s} {n:>5}  {r['kernel'] * 1e3:7.3f} {r['expand'] * 1e3:7.3f}")
+            print(f"  {f:5s} {n:>5}  {r['kernel'] * 1e3:7.3f} {r.get('torch-kernel', r['kernel']) * 1e3:7.3f} "
+                  f"{r['expand'] * 1e3:7.3f}")
     print(f"\nload seconds (first load quantizes and writes the cache): {json.dumps({k: round(v, 1) for k, v in loads.items()})}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))

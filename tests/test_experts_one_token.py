@@ -34,6 +34,11 @@ def _backends():
                dequantize(fmt, {s[3:]: t for s, t in parts.items() if s.startswith("w2.")}))
         if q.pack_cpu():
             out[f"{fmt.label}-kernel"] = (dict(w13=None, w2=None, quant=q), *ref)
+        if q.native:  # int4 on mlight's C kernel above: torch's int4 kernel as well
+            t = QuantExperts(q.scheme, parts, torch.bfloat16)
+            t._native_ok = lambda: False
+            if t.pack_cpu():
+                out[f"{fmt.label}-torch-kernel"] = (dict(w13=None, w2=None, quant=t), *ref)
         expand = QuantExperts(q.scheme, parts, torch.bfloat16)
         out[f"{fmt.label}-expand"] = (dict(w13=None, w2=None, quant=expand), *ref)
     return out
@@ -58,12 +63,17 @@ def test_one_token_equals_the_general_path_and_float64(name):
     # the same token in a batch of two whose other token chose other experts: the general path, where
     # every expert of token 0 still multiplies one row
     two = moe.experts(h, weights=w, idx=torch.cat([IDX, torch.tensor([[0, 5]])]), **kw)
-    assert torch.equal(one[0], two[0])
     x = h[0].double()
     ref = sum(float(wj) * (torch.nn.functional.silu(w13[e].double()[:I] @ x) * (w13[e].double()[I:] @ x)) @ w2[e].double().T
               for e, wj in zip(IDX[0].tolist(), w[0].tolist()))
     err = (one[0].double() - ref).abs().max() / ref.abs().max()
-    assert err < 2e-2, err  # bf16 activations and outputs between the two projections
+    fused = getattr(kw.get("quant"), "native", False)
+    if fused:  # one C call keeps every intermediate in fp32: only the output rounds to bf16
+        assert err < 8e-3, err
+        assert ((one[0].double() - two[0].double()).abs().max() / ref.abs().max()) < 2e-2
+    else:
+        assert torch.equal(one[0], two[0])
+        assert err < 2e-2, err  # bf16 activations and outputs between the two projections
 
 
 def _ops(fn) -> list[str]:
@@ -82,4 +92,7 @@ def test_one_token_dispatches_only_the_experts_own_ops(name):
     moe.experts(h, weights=w, idx=IDX, **kw)
     ops = _ops(lambda: moe.experts(h, weights=w, idx=IDX, **kw))
     assert not {"aten::argsort", "aten::sort", "aten::index_select", "aten::index_add_", "aten::zeros_like"} & set(ops), ops
-    assert len(ops) <= 4 + 7 * IDX.shape[1], ops
+    if getattr(kw.get("quant"), "native", False):  # one C call: its output, and nothing per expert
+        assert len(ops) <= 2, ops
+    else:
+        assert len(ops) <= 4 + 7 * IDX.shape[1], ops

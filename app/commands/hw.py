@@ -57,10 +57,11 @@ def run(args) -> int:
     for storage, short in (("bfloat16", "bf16"), ("float16", "fp16")):
         math, why = hw.cpu_math(storage) if hw.cpu_isa else _local_math(storage)
         lines.append(f"  {short} weights compute in {math}: {why}")
-    from core.model.cpu import ffn, native
+    from core.model.cpu import ffn, int4, native
 
     lines.append(f"  decode attention: {native.status()}")
     lines.append(f"  bf16 experts: {ffn.status()}")
+    lines.append(f"  int4 experts: {int4.status()}")
     if not args.no_probe:
         lines.append(f"cache      {probe_cache_path(hw)}")
     print("\n".join(lines))

@@ -10,6 +10,8 @@
   compiler exists (core.model.cpu.native).
 - `kernels/moe_ffn.c`: a layer's bf16 routed experts in one call on AVX-512 BF16 CPUs, compiled the same
   way (core.model.cpu.ffn).
+- `kernels/int4_matmul.c`: the CPU's int4 weight-only matmul for few rows (decode), compiled the same way
+  (core.model.cpu.int4).
 
 Nothing else in mlight reads a file shipped with it; tests/test_packaging.py keeps it that way.
 Imports: nothing.
@@ -25,6 +27,7 @@ DEMO_PROMPTS = HERE / "demo_prompts.jsonl"
 CONFIGS = HERE / "configs"
 DECODE_ATTENTION_C = HERE / "kernels" / "decode_attention.c"
 MOE_FFN_C = HERE / "kernels" / "moe_ffn.c"
+INT4_MATMUL_C = HERE / "kernels" / "int4_matmul.c"
 
 
 def config_presets() -> list[str]:

@@ -136,6 +136,10 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
     if packed is None and quant is None and grouped is None:
         grouped = _grouped_ok(h, w13, w2) and _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act)
     T, k = idx.shape
+    if T == 1 and quant is not None and b13 is None and b2 is None and act is _swiglu:
+        out = quant.one_token(h, weights, idx)  # int4 on the C kernel: the layer's experts in one call
+        if out is not None:
+            return out
     if T == 1 and (quant is not None or not grouped):  # decode at batch 1: no sort, no scatter
         linear = widen.linear if widened else F.linear if packed is None else _packed_linear
         up, down = ((quant.up, quant.down) if quant is not None else

@@ -319,6 +319,10 @@ class Engine:
         cpu = cpu_compute.choose(weights.dtype_name, rates=_probed_cpu_rates(), math=cpu_math)
         if config.ffn_on == "cpu":  # the CPU-only chain never streams experts: ready them for the CPU
             if weights.scheme is not None:  # quantized experts: their own CPU kernels (core.model.quant)
+                if quant is not None and quant.name == "int4":
+                    from core.model.cpu import int4
+
+                    int4.prepare(progress)  # its C kernel built here, with progress, before the experts ask for it
                 cache = dense_cache(model_dir, mine, dense_fmt, weights.dtype, {"shard": f"{shard.rank}/{shard.size}"}
                                     if shard else None) if use_cache else None
                 weights.pack_for_cpu(progress, dense_format=dense_fmt, dense_cache=cache)

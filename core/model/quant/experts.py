@@ -5,9 +5,10 @@ matrix stack `w13` [E, 2I, D] or, when a GGUF file gives gate and up in differen
 `w3` [E, I, D]; the down projection `w2` [E, D, I]; each in its own `Format`.
 
 `QuantExperts` computes one expert's projections from those bytes, by one of two backends:
-- kernel (CPU, int8/int4): torch's weight-only kernels (`_weight_int8pack_mm`,
-  `_weight_int4pack_mm_for_cpu`) over each expert prepacked once by `pack_cpu` — the small-batch
-  decode path, where reading fewer bytes is what counts;
+- kernel (CPU, int8/int4): for int4 mlight's own C kernel (core.model.cpu.int4) on the bytes as stored,
+  where it builds — and then one token's routed experts run as one fused call (`one_token`); else
+  torch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) over each expert
+  prepacked once by `pack_cpu` — the small-batch decode path, where reading fewer bytes is what counts;
 - dequantize: the expert is expanded into a reused scratch buffer in the compute dtype and multiplied
   by an ordinary matmul — every format, every device; what the accelerator does with streamed pages,
   and what the CPU does with an expert that many tokens chose (above `kernel_rows`, where the
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from core.model.cpu import int4
 from core.model.quant.expand import Workspace, expand_into
 from core.model.quant.formats import DEFAULT_INT4_GROUP, KERNEL_ROWS, Format, quantize
 
@@ -80,6 +82,7 @@ class QuantExperts:
         self.scratch = {} if scratch is None else scratch
         self.workspace: Workspace = self.scratch.setdefault(("workspace", str(self._device)), Workspace(self._device))
         self.packed: dict[str, list] | None = None  # per matrix, per expert: the CPU kernel's layout
+        self.native = False  # int4 on core.model.cpu.int4's kernel: `parts` are its operands as they are
         self.kernel_rows = KERNEL_ROWS
         self._key = {m.name: f"{m.name}.{m.fmt.parts(m.n, m.k)[0].suffix}" for m in scheme.matrices}
 
@@ -107,7 +110,21 @@ class QuantExperts:
         """h [n, I] -> [n, D]."""
         return self._linear(self.scheme.down, e, h)
 
+    def one_token(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+        """One token's k routed experts with SwiGLU, weighed and summed (h [1, D], weights/idx [1, k]), in
+        one call of the C kernel; None where it does not run (then the caller goes expert by expert)."""
+        if not self.native or not int4.runs(h.dtype, *(m.k for m in self.scheme.matrices), group=self._group):
+            return None
+        p = self.parts
+        return int4.moe(h, idx, weights, (p["w13.q"], p["w13.sz"]), (p["w2.q"], p["w2.sz"]), self._group)
+
+    @property
+    def _group(self) -> int:
+        return self.scheme.down.fmt.group
+
     def _linear(self, m: Matrix, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.shape[0] <= self.kernel_rows and int4.runs(x.dtype, m.k, group=m.fmt.group):
+            return int4.linear(x, self.parts[f"{m.name}.q"][e], self.parts[f"{m.name}.sz"][e], m.fmt.group)
         if self.packed is not None and (x.shape[0] <= self.kernel_rows or self._key[m.name] not in self.parts):
             return _kernel_linear(m.fmt, x, self.packed[m.name][e])
         return F.linear(x, self.expand(m, e))
@@ -119,16 +136,31 @@ class QuantExperts:
 
     # ---- CPU kernels -----------------------------------------------------------------------------
     def pack_cpu(self) -> bool:
-        """Prepack every expert for torch's CPU kernels where the format and shapes allow; False if not."""
+        """Ready the experts for a CPU kernel where the format and shapes allow; False if not. int4 on the C
+        kernel needs nothing done (it reads the stored layout); torch's kernels get every expert prepacked."""
+        if self._native_ok():
+            self.native = True
+            return True
         if not all(cpu_kernel_ok(m.fmt, m.n, m.k, self.dtype) for m in self.scheme.matrices):
             return False
         self.packed = {m.name: [_kernel_pack(m.fmt, self.matrix_parts(m, e), self.dtype) for e in range(len(self))]
                        for m in self.scheme.matrices}
         return True
 
+    def _native_ok(self) -> bool:
+        """int4 gate/up as one matrix and down, each at a group the C kernel takes, and the kernel here."""
+        up, down = self.scheme.up, self.scheme.down
+        return (self._device.type == "cpu" and len(up) == 1 and up[0].name == "w13" and
+                all(m.fmt.name == "int4" for m in self.scheme.matrices) and up[0].fmt == down.fmt and
+                int4.runs(self.dtype, up[0].k, down.k, group=down.fmt.group))
+
     def detach_parts(self) -> None:
-        """After packing, stop reading the flat buffer (so it can go): int8 keeps expanding from its packed
-        copy; int4's kernel layout cannot be expanded, so its experts always take the kernel."""
+        """After packing, stop reading the flat buffer (so it can go): the C kernel's int4 keeps its parts
+        (copied out: they also expand, for many tokens); int8 keeps expanding from its packed copy; the
+        torch kernel's int4 layout cannot be expanded, so its experts always take the kernel."""
+        if self.native:
+            self.parts = {k: v.clone() for k, v in self.parts.items()}
+            return
         kept = {}
         for m in self.scheme.matrices:
             if m.fmt.name == "int8":
@@ -139,15 +171,22 @@ class QuantExperts:
 
 
 def kernel_probe(name: str, rows: int = 64, n: int = 2048, k: int = 1024, dtype: torch.dtype = torch.bfloat16):
-    """(run, flops): one call of torch's weight-only CPU kernel for `name` (int8, or int4 at the default
-    group) on `rows` tokens, as the engine calls it — what the hardware probe times for the planner.
+    """(run, flops): one call of the CPU kernel for `name` (int8, or int4 at the default group) on `rows`
+    tokens, as the engine calls it — mlight's C int4 kernel where it runs (expanding above KERNEL_ROWS rows),
+    else torch's weight-only kernel — what the hardware probe times for the planner.
     RuntimeError where this torch or CPU has no such kernel."""
     fmt = Format("int4", DEFAULT_INT4_GROUP) if name == "int4" else Format(name)
+    g = torch.Generator().manual_seed(0)
+    parts = quantize(fmt, torch.randn(n, k, generator=g) / k ** 0.5)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    if fmt.name == "int4" and int4.runs(dtype, k, group=fmt.group):  # as QuantExperts._linear on the C kernel
+        if rows <= KERNEL_ROWS:
+            return (lambda: int4.linear(x, parts["q"], parts["sz"], fmt.group)), 2.0 * rows * n * k
+        ws = Workspace(torch.device("cpu"))
+        return (lambda: F.linear(x, expand_into(ws, fmt, parts, n, k, dtype))), 2.0 * rows * n * k
     if not cpu_kernel_ok(fmt, n, k, dtype):
         raise RuntimeError(f"this torch has no CPU {name} kernel for {dtype}")
-    g = torch.Generator().manual_seed(0)
-    packed = _kernel_pack(fmt, quantize(fmt, torch.randn(n, k, generator=g) / k ** 0.5), dtype)
-    x = torch.randn(rows, k, generator=g).to(dtype)
+    packed = _kernel_pack(fmt, parts, dtype)
     return (lambda: _kernel_linear(fmt, x, packed)), 2.0 * rows * n * k
 
 

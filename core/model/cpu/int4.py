@@ -1,0 +1,185 @@
+"""The int4 weight-only matmul in C (core/assets/kernels/int4_matmul.c), built once per machine like the
+decode attention kernel (core.model.cpu.native: the same compiler search, cache dir and OpenMP rule).
+
+Decode at batch 1 reads every routed expert's weights once per token: int4 should take a quarter of
+bf16's time there. torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) converts every weight to a
+float before its multiply and runs at ≈ 36 G weights/s a Zen 5 core — compute-bound, ≈ 2.3× bf16's
+bandwidth-bound GEMV instead of 3.5×. This kernel quantizes the few activation rows instead (two int8
+digits per input, a scale per 8 inputs: finer than bf16) and keeps the weights integers (AVX512_VNNI,
+else vpmaddubsw), on mlight's own int4 layout as stored — no repacking, the quantized cache's bytes.
+
+`linear` is one matrix; `moe` is one token's routed experts with SwiGLU in one call (gate/up rows,
+the activation, the down rows, the routing weights' sum: the ≈ 18 torch ops of a layer's experts at
+batch 1 become one). Both return None where they do not run — no compiler (most Windows machines),
+a failed build, `MLIGHT_NATIVE=0`, a shape or dtype they do not take, or more than one torch thread
+with no OpenMP in the build (one C thread would lose to torch's threaded kernel) — and the caller
+runs torch's kernels, which the tests check it against. The ISA is core.model.cpu.isa's usable one
+(AVX-512, + VNNI where the CPU has it; AVX2, also under the AVX2 limits; or portable C).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+import torch
+
+from core.assets import INT4_MATMUL_C as SOURCE
+from core.model.cpu import native
+
+GROUPS = (32, 64, 128)
+MAX_EXPERTS = 64  # routed experts of one token the fused call takes
+
+_reason = "not built yet"
+
+
+class _Lib:
+    def __init__(self, path, flags: str):
+        self.dll = ctypes.CDLL(str(path))
+        P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.linear = self.dll.mlight_int4_linear
+        self.linear.argtypes = [P, C, I, I, I, P, I, P, I, I, I, P, C, I, P, C]
+        self.linear.restype = C
+        self.moe = self.dll.mlight_int4_moe
+        self.moe.argtypes = [P, C, I, I, I, C, P, P, C, P, I, P, I, P, I, P, I, P, C, P, C]
+        self.moe.restype = C
+        self.scratch = self.dll.mlight_int4_scratch
+        self.scratch.argtypes = [I, I, I, I, I]
+        self.scratch.restype = I
+        self.vw = self.dll.mlight_int4_vw()
+        self.openmp = bool(self.dll.mlight_int4_openmp())
+        self.flags = flags + (" -fopenmp" if self.openmp else "")
+
+
+@functools.lru_cache(maxsize=1)
+def _vnni() -> bool:
+    """Whether the CPU has AVX512_VNNI (its int8 dot product); a module attribute so tests can say no."""
+    from core.model.cpu import isa
+
+    return bool(isa._features().get("avx512_vnni"))
+
+
+def _flags() -> tuple[list[str], int]:
+    flags, vw = native._flags()
+    if vw == 16 and _vnni():
+        flags = [*flags, "-mavx512vnni"]
+    return flags, vw
+
+
+@functools.lru_cache(maxsize=None)
+def _build(level: str, vnni: bool) -> _Lib | None:
+    import os
+
+    global _reason
+    if os.environ.get("MLIGHT_NATIVE", "1") == "0":
+        _reason = "MLIGHT_NATIVE=0"
+        return None
+    cc = native._compiler()
+    if cc is None:
+        _reason = "no C compiler found (cc, gcc, clang or $CC)"
+        return None
+    flags, vw = _flags()
+    out = native.compile_openmp(cc, ["-O3", "-shared", "-fPIC", f"-DVW={vw}", *flags], vw, SOURCE, "int4_matmul",
+                                _announce or (lambda: None))
+    if isinstance(out, str):
+        _reason = out
+        return None
+    try:
+        lib = _Lib(out, " ".join(flags) or "baseline")
+    except (OSError, AttributeError) as e:
+        _reason = f"could not load the kernel: {e}"
+        return None
+    if lib.vw != vw:
+        _reason = "the kernel in the cache was built for another vector width"
+        return None
+    return lib
+
+
+_announce = None
+
+
+def library() -> _Lib | None:
+    from core.model.cpu import isa
+
+    return _build(isa.cpu_isa().usable, _vnni())
+
+
+def status() -> str:
+    """One line for `mlight hw`: which int4 matmul runs at small batches, and why."""
+    lib = library()
+    if lib is None:
+        return f"torch's weight-only kernel ({_reason})"
+    return f"C kernel ({lib.flags})" + ("" if lib.openmp else "; one thread: torch's kernel when torch runs more")
+
+
+def prepare(progress=None) -> None:
+    """Build (or load) the kernel now, saying so through `progress` when it compiles (once per machine)."""
+    global _announce
+    try:
+        with native.announcing("building the CPU int4 kernel (once per machine)", progress) as _announce:
+            library()
+    finally:
+        _announce = None
+
+
+def runs(dtype: torch.dtype, *ks: int, group: int) -> bool:
+    """Whether the kernel takes inputs of these sizes at this group, computing in `dtype`, here."""
+    if dtype not in (torch.bfloat16, torch.float32) or group not in GROUPS or any(k % 32 or k % group for k in ks):
+        return False
+    lib = library()
+    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """This thread's scratch (a CPU tensor's storage is 64-byte aligned), grown once to the largest call."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] (bf16/fp32, rows contiguous) · Wᵀ -> [M, N] in x's dtype; W [N, K] as q uint8 [N, K/2] and
+    sz bf16 [N, K/group, 2], each with contiguous rows. The caller checked `runs`."""
+    lib = library()
+    M, K = x.shape
+    N = q.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((M, N), dtype=x.dtype)
+    s = _scratch(lib.scratch(M, K, 0, 0, 0))
+    if lib.linear(x.data_ptr(), _is_bf16(x), x.stride(0), M, K, q.data_ptr(), q.stride(0), sz.data_ptr(), sz.stride(0),
+                  N, group, y.data_ptr(), _is_bf16(y), N, s.data_ptr(), torch.get_num_threads()):
+        raise RuntimeError(f"the int4 kernel refused K={K}, group {group}")
+    return y
+
+
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w2: tuple, group: int) -> torch.Tensor:
+    """One token's routed experts: x [1, D]; ids int64 [1, k] and weights [1, k] (fp32/bf16) on the host; w13 =
+    (q [E, 2I, D/2], sz [E, 2I, D/g, 2]) gate rows then up rows, w2 = (q [E, D, I/2], sz [E, D, I/g, 2]),
+    every expert's rows contiguous -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype."""
+    lib = library()
+    D = x.shape[-1]
+    I = w2[0].shape[-1] * 2
+    k = ids.shape[-1]
+    if weights.dtype not in (torch.float32, torch.bfloat16):
+        weights = weights.float()
+    if ids.dtype != torch.int64:
+        ids = ids.long()
+    ids, weights, x = (t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
+    out = torch.empty((1, D), dtype=x.dtype)
+    s = _scratch(lib.scratch(0, 0, k, D, I))
+    (q13, s13), (q2, s2) = w13, w2
+    if lib.moe(x.data_ptr(), _is_bf16(x), D, I, group, k, ids.data_ptr(), weights.data_ptr(), _is_bf16(weights),
+               q13.data_ptr(), q13.stride(0), s13.data_ptr(), s13.stride(0), q2.data_ptr(), q2.stride(0),
+               s2.data_ptr(), s2.stride(0), out.data_ptr(), _is_bf16(out), s.data_ptr(), torch.get_num_threads()):
+        raise RuntimeError(f"the int4 kernel refused D={D}, I={I}, group {group}, {k} experts")
+    return out
