@@ -90,10 +90,13 @@ def test_quantized_experts_match_the_float64_moe(fmt, dtype, T, E, k, D, I):
     kern = QuantExperts(scheme, parts, dtype)
     assert kern.pack_cpu()
     kern.kernel_rows = 10**9  # every expert through the kernel
-    for q in (dq, kern):
+    # mlight's C int4 kernel quantizes the activations to ~15 bits (core.model.cpu.int4): in fp32, within
+    # 1e-4 of the largest output rather than 1e-5 (in bf16 the output's own rounding is the larger)
+    ktol = 1e-4 if kern.native and dtype == torch.float32 else tol
+    for q, t in ((dq, tol), (kern, ktol)):
         got = experts(hx, None, None, wx, idx, quant=q)
-        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
-    kern.detach_parts()  # the flat buffer gone: large batches still run (int4 on the kernel, int8 expanded)
+        torch.testing.assert_close(got.double(), want, rtol=t, atol=t * want.abs().max().item())
+    kern.detach_parts()  # the flat buffer gone: large batches still run (int4 expanded, or on torch's kernel)
     kern.kernel_rows = 0
     torch.testing.assert_close(experts(hx, None, None, wx, idx, quant=kern).double(), want, rtol=tol,
                                atol=tol * want.abs().max().item())

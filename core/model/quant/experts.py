@@ -113,7 +113,8 @@ class QuantExperts:
     def one_token(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
         """One token's k routed experts with SwiGLU, weighed and summed (h [1, D], weights/idx [1, k]), in
         one call of the C kernel; None where it does not run (then the caller goes expert by expert)."""
-        if not self.native or not int4.runs(h.dtype, *(m.k for m in self.scheme.matrices), group=self._group):
+        if not self.native or self.kernel_rows < 1 or not int4.runs(h.dtype, *(m.k for m in self.scheme.matrices),
+                                                                      group=self._group):
             return None
         p = self.parts
         return int4.moe(h, idx, weights, (p["w13.q"], p["w13.sz"]), (p["w2.q"], p["w2.sz"]), self._group)
