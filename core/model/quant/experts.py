@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from core.model.cpu import int4
 from core.model.quant.expand import Workspace, expand_into
-from core.model.quant.formats import DEFAULT_INT4_GROUP, KERNEL_ROWS, Format, quantize
+from core.model.quant.formats import DEFAULT_INT4_GROUP, KERNEL_ROWS, NATIVE_INT4_ROWS, Format, quantize
 
 _TORCH = {"uint8": torch.uint8, "int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float32": torch.float32}
@@ -141,6 +141,7 @@ class QuantExperts:
         kernel needs nothing done (it reads the stored layout); torch's kernels get every expert prepacked."""
         if self._native_ok():
             self.native = True
+            self.kernel_rows = NATIVE_INT4_ROWS
             return True
         if not all(cpu_kernel_ok(m.fmt, m.n, m.k, self.dtype) for m in self.scheme.matrices):
             return False
