@@ -31,7 +31,6 @@ CHUNK_TOKENS = 512  # tokens per call: a long prefill's intermediate stays at 2Â
 FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
 
 _reason = "not built yet"
-_announce = None
 
 
 class _Lib:
@@ -65,15 +64,11 @@ def _build(level: str) -> _Lib | None:
         _reason = "no C compiler found (cc, gcc, clang or $CC)"
         return None
     base = ["-O3", "-shared", "-fPIC", *FLAGS]
-    out = native.compile_openmp(cc, base, 16, SOURCE, "moe_ffn", _announce or (lambda: None))
-    if isinstance(out, str):
-        _reason = out
+    lib = native.load_built(native.compile_openmp(cc, base, 16, SOURCE, "moe_ffn"), _Lib)
+    if isinstance(lib, str):
+        _reason = lib
         return None
-    try:
-        return _Lib(out)
-    except (OSError, AttributeError) as e:
-        _reason = f"could not load the kernel: {e}"
-        return None
+    return lib
 
 
 def library() -> _Lib | None:
@@ -92,12 +87,7 @@ def status() -> str:
 
 def prepare(progress=None) -> None:
     """Build (or load) the kernel now, saying so through `progress` when it compiles (once per machine)."""
-    global _announce
-    try:
-        with native.announcing("building the CPU expert kernel (once per machine)", progress) as _announce:
-            library()
-    finally:
-        _announce = None
+    native.build_announced("building the CPU expert kernel (once per machine)", library, progress)
 
 
 def takes(w13: torch.Tensor, w2: torch.Tensor) -> bool:

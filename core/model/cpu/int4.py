@@ -80,23 +80,15 @@ def _build(level: str, vnni: bool) -> _Lib | None:
         _reason = "no C compiler found (cc, gcc, clang or $CC)"
         return None
     flags, vw = _flags()
-    out = native.compile_openmp(cc, ["-O3", "-shared", "-fPIC", f"-DVW={vw}", *flags], vw, SOURCE, "int4_matmul",
-                                _announce or (lambda: None))
-    if isinstance(out, str):
-        _reason = out
-        return None
-    try:
-        lib = _Lib(out, " ".join(flags) or "baseline")
-    except (OSError, AttributeError) as e:
-        _reason = f"could not load the kernel: {e}"
+    out = native.compile_openmp(cc, ["-O3", "-shared", "-fPIC", f"-DVW={vw}", *flags], vw, SOURCE, "int4_matmul")
+    lib = native.load_built(out, lambda path: _Lib(path, " ".join(flags) or "baseline"))
+    if isinstance(lib, str):
+        _reason = lib
         return None
     if lib.vw != vw:
         _reason = "the kernel in the cache was built for another vector width"
         return None
     return lib
-
-
-_announce = None
 
 
 def library() -> _Lib | None:
@@ -115,12 +107,7 @@ def status() -> str:
 
 def prepare(progress=None) -> None:
     """Build (or load) the kernel now, saying so through `progress` when it compiles (once per machine)."""
-    global _announce
-    try:
-        with native.announcing("building the CPU int4 kernel (once per machine)", progress) as _announce:
-            library()
-    finally:
-        _announce = None
+    native.build_announced("building the CPU int4 kernel (once per machine)", library, progress)
 
 
 def runs(dtype: torch.dtype, *ks: int, group: int) -> bool:

@@ -39,7 +39,7 @@ MAX_G, MAX_D = 16, 256
 HELPER_IDLE_S = 2.0  # how often an idle helper checks that the thread it serves still runs
 
 _reason = "not built yet"
-_announce = None  # set by prepare() while it loads the kernel: called when a compile starts
+_announce = None  # set by build_announced() while a kernel loads: called when a compile starts (any kernel)
 
 
 def status() -> str:
@@ -106,19 +106,25 @@ def _build(level: str) -> _Lib | None:
         return None
     flags, vw = _flags()
     base = ["-O3", "-shared", "-fPIC", f"-DVW={vw}", *flags]
-    out = compile_openmp(cc, base, vw)
-    if isinstance(out, str):
-        _reason = out
-        return None
-    try:
-        lib = _Lib(out, " ".join(flags) or "baseline")
-    except (OSError, AttributeError) as e:
-        _reason = f"could not load the kernel: {e}"
+    lib = load_built(compile_openmp(cc, base, vw), lambda path: _Lib(path, " ".join(flags) or "baseline"))
+    if isinstance(lib, str):
+        _reason = lib
         return None
     if lib.dll.mlight_decode_attention_vw() != vw:
         _reason = "the kernel in the cache was built for another vector width"
         return None
     return lib
+
+
+def load_built(out: Path | str, make):
+    """`make(path)` over a build's library (one kernel's ctypes wrapper), or why there is none: the build's
+    reason, or the load's."""
+    if isinstance(out, str):
+        return out
+    try:
+        return make(out)
+    except (OSError, AttributeError) as e:
+        return f"could not load the kernel: {e}"
 
 
 def compile_openmp(cc: str, base: list[str], vw: int, source: Path = SOURCE, name: str = "decode_attention",
@@ -175,9 +181,15 @@ def library() -> _Lib | None:
 def prepare(progress=None) -> None:
     """Build (or load) the kernel now rather than inside the first decode step, saying so through
     `progress` (a core.telemetry sink) when it compiles: about a second, once per machine."""
+    build_announced("building the CPU decode attention kernel (once per machine)", library, progress)
+
+
+def build_announced(what: str, library, progress=None) -> None:
+    """Call a kernel's `library()` now; a compile it starts (through `_compile`, any kernel) tells
+    `progress` `what` is being built."""
     global _announce
     try:
-        with announcing("building the CPU decode attention kernel (once per machine)", progress) as _announce:
+        with announcing(what, progress) as _announce:
             library()
     finally:
         _announce = None
