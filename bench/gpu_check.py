@@ -527,17 +527,18 @@ def stage_host(c: Check, until: float) -> dict:
     from core.runtime.cuda_executor import CudaExecutor
     from core.runtime.device import resolve_device
 
-    from task_overhead import per_op, per_task
+    from task_overhead import breakdown, per_op, per_task
 
     tasks = sched.decode_step("cgopipe", num_layers=4, num_micro_batches=16, pages_per_layer=16)
-    ex = CudaExecutor(resolve_device("emulated" if c.dry else "cuda"))
+    dev = resolve_device("emulated" if c.dry else "cuda")
+    ex = CudaExecutor(dev)
     try:
         task = per_task(ex, tasks, 3)
     finally:
         ex.close()
     op = per_op("cpu" if c.dry else "cuda")
     return {"task_seconds": task, "op_seconds": op, "planner_task_seconds": hrm.TASK_SECONDS,
-            "planner_op_seconds": hrm.OP_SECONDS}
+            "planner_op_seconds": hrm.OP_SECONDS, "per_call": breakdown(dev)}
 
 
 def stage_multi(c: Check, until: float) -> dict:
@@ -579,6 +580,8 @@ def table(report: dict) -> str:
         elif name == "host":
             lines.append(f"host     {r['task_seconds'] * 1e6:.1f} µs/task (planner {r['planner_task_seconds'] * 1e6:.0f}), "
                          f"{r['op_seconds'] * 1e6:.1f} µs/op (planner {r['planner_op_seconds'] * 1e6:.0f})")
+            if "per_call" in r:
+                lines.append("         per call: " + ", ".join(f"{k} {v * 1e6:.1f} µs" for k, v in r["per_call"].items()))
         elif name == "offload":
             lines.append("offload  cap  schedule    tok/s  predicted  vs-HF  peak/plan   gpu  cpu_attn  h2d   d2h"
                          "   (ms/layer measured:predicted)")

@@ -52,6 +52,63 @@ def per_op(device: str, n: int = 2000) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def _each(fn, n: int) -> float:
+    """Seconds per call of `fn`, best of three rounds of `n` calls."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def breakdown(dev, n: int = 500) -> dict:
+    """What one stream task's host cost is made of, call by call, on `dev` (a core.runtime.device Device):
+    the CUDA executor records a start and an end event, enters the stream to launch, makes the stream
+    wait on another's event per cross-stream dependency, and copies with `dev.copy`; its stream threads
+    launch while other Python threads launch too (one GIL). Seconds per call."""
+    import threading
+
+    s, other = dev.stream("a", compute=True), dev.stream("b")
+    ev = dev.event(timing=True)
+    x = dev.zeros(16, torch.float32)
+    src = torch.ones(1024)
+    dev.pin(src)
+    dst = dev.empty(1024, torch.float32)
+    out = {
+        "event_record": _each(lambda: ev.record(s), n),
+        "launch_noop": _each(lambda: dev.launch(s, lambda: None), n),
+        "wait_event": _each(lambda: other.wait_event(ev), n),
+        "launch_op": _each(lambda: dev.launch(s, lambda: x.add_(1)), n),
+        "copy_4k": _each(lambda: dev.launch(other, lambda: dev.copy(dst, src)), n),
+    }
+    # the same op launched by four threads at once, as the executor's gpu, h2d, d2h and cpu_attn threads
+    # do: the wall time per op over all of them against one thread alone shows what the GIL adds
+    go = threading.Barrier(4)
+
+    def worker():
+        go.wait()
+        for _ in range(n):
+            dev.launch(s, lambda: x.add_(1))
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        dev.launch(s, lambda: x.add_(1))
+    for t in threads:
+        t.join()
+    out["launch_op_4_threads"] = (time.perf_counter() - t0) / (4 * n)
+    dev.synchronize()
+    dev.unpin(src)
+    for st in (s, other):
+        dev.release_stream(st)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5)
@@ -72,6 +129,7 @@ def main(argv=None) -> int:
     out["cuda_executor_on"] = dev.name
     out["cuda"] = per_task(cuda, tasks, args.steps)
     cuda.close()
+    out["breakdown"] = breakdown(dev)
     out["op_cpu"] = per_op("cpu")
     if torch.cuda.is_available():
         out["op_cuda"] = per_op("cuda")
@@ -83,6 +141,7 @@ def main(argv=None) -> int:
     for k in ("sequential", "threaded", "cuda"):
         extra = f" ({out['cuda_executor_on']})" if k == "cuda" else ""
         print(f"  {k:10} {out[k] * 1e6:8.1f} µs per empty task  {out[k] / base:6.1f}x sequential{extra}")
+    print(f"  per call on {dev.name}: " + ", ".join(f"{k} {v * 1e6:.1f} µs" for k, v in out["breakdown"].items()))
     print(f"  one small torch op from Python: {out['op_cpu'] * 1e6:.1f} µs on the CPU"
           + (f", {out['op_cuda'] * 1e6:.1f} µs on CUDA" if "op_cuda" in out else ""))
     return 0

@@ -40,6 +40,9 @@ def test_gpu_check_dry_run_end_to_end_on_the_emulated_gpu(tmp_path):
     assert 0 < cgopipe["peak_gpu_bytes"] <= row["prediction"]["gpu_bytes"]  # under the cap, as planned
     assert row["gpu_bytes_before_hf"] == 0 and row["hf_offload"]["tokens_per_s"] > 0  # finding 6
     assert st["pcie"]["pinned"] and st["pcie"]["h2d_pageable_gbps"] > 0 and st["host"]["task_seconds"] > 0
+    per_call = st["host"]["per_call"]  # the next GPU's breakdown of a task's host cost, call by call
+    assert {"event_record", "launch_noop", "wait_event", "launch_op", "copy_4k", "launch_op_4_threads"} <= set(per_call)
+    assert all(v > 0 for v in per_call.values())
     table = (tmp_path / "gpu_check.txt").read_text()
     assert "offload  cap  schedule" in table and table in out.stdout  # the table, printed and written
 
