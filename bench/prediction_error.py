@@ -9,6 +9,15 @@ each run's error (measured / predicted − 1) and per workload the median and sp
 
 `--checkout before=/path/to/old/checkout --checkout after=` compares two checkouts on the same box: each
 calibrates in its own fresh cache, then their runs alternate round by round.
+
+Robustness (issue 11 item 6, fifth session): `--cache DIR` keeps one cache across invocations, so that K jobs
+spread over time each add a calibration (and their runs) to this machine's history, as a user's machine
+accumulates them; each job appends its calibrations to `--json`. `--summary FILE...` then prints, for every
+calibration, the prediction right after it (history-backed, and what that calibration alone would have
+said) against the median of the M runs that followed, and the spread of those runs themselves:
+
+    python bench/prediction_error.py --threads 2 --repeats 3 --cache /tmp/c --json /tmp/k1.json --model demo --model M
+    python bench/prediction_error.py --summary /tmp/k1.json /tmp/k2.json ...
 """
 
 from __future__ import annotations
@@ -38,7 +47,11 @@ def parse_args(argv=None):
     p.add_argument("--prompt-lens", default="77,308", help="workloads' mean prompt tokens (default 77,308)")
     p.add_argument("--checkout", action="append", default=None, metavar="NAME=DIR",
                    help="run mlight from DIR (PYTHONPATH; empty: this checkout) as NAME; several: A/B, interleaved")
-    p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    p.add_argument("--json", type=Path, default=None, help="write every run's figures here (with --cache: append)")
+    p.add_argument("--cache", type=Path, default=None,
+                   help="one cache kept across invocations (the machine's history accumulates) instead of a fresh one")
+    p.add_argument("--summary", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="print the per-calibration table of earlier --cache runs' --json files, and stop")
     return p.parse_args(argv)
 
 
@@ -70,11 +83,16 @@ def figures(report: dict) -> dict:
     return {"measured": run["tokens_per_s"], "predicted": p["tokens_per_s"], "error": run["error"]["tokens_per_s"],
             "decode_measured": run["decode_tokens_per_s"], "decode_predicted": p["decode_tokens_per_s"],
             "decode_error": run["error"]["decode_tokens_per_s"], "calibrated": p["calibrated"],
-            "load": report["load_average"]}
+            "load": report["load_average"], "history": p.get("history", {}),
+            "predicted_alone": p.get("tokens_per_s_last_calibration_alone"), "time": time.time()}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.summary:
+        return summary(args.summary)
+    if args.cache:
+        return kept_cache(args)
     models = args.model or ["demo"]
     lens = [int(x) for x in args.prompt_lens.split(",")]
     sides = dict(x.split("=", 1) for x in args.checkout) if args.checkout else {"this checkout": ""}
@@ -122,6 +140,77 @@ def main(argv=None) -> int:
     print(f"\nload average at the end {common.load_average()}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def kept_cache(args) -> int:
+    """One calibration per model in the kept cache, then `--repeats` rounds of each workload; appended to --json."""
+    models = args.model or ["demo"]
+    lens = [int(x) for x in args.prompt_lens.split(",")]
+    env = {**os.environ, "MLIGHT_CACHE_DIR": str(args.cache)}
+    print(f"bench prediction_error (kept cache {args.cache}): {args.threads} threads, load average "
+          f"{common.load_average()}", flush=True)
+    done = json.loads(args.json.read_text()) if args.json and args.json.is_file() else []
+    for model in models:
+        base = [] if model == "demo" else ["--model", model]
+        t = time.perf_counter()
+        cal = mlight(args, [*base, "--calibrate"], env)["calibration"]
+        row = {"model": model, "time": time.time(), "calibration_seconds": time.perf_counter() - t,
+               "windows": [w["tokens_per_s"] for w in cal["run"].get("windows", [])], "history": cal["history"],
+               "factors": {n: cal["costs"][n] for n in ("pre_eff", "attn_eff", "post_eff", "ffn_eff", "prefill_eff")},
+               "factors_alone": {n: cal["this_calibration"][n] for n in ("pre_eff", "attn_eff", "post_eff", "ffn_eff",
+                                                                         "prefill_eff")},
+               "workloads": {str(n): [] for n in lens}}
+        h = row["history"]
+        print(f"\n{model}: calibrated in {row['calibration_seconds']:.0f} s, windows "
+              + ", ".join(f"{w:.1f}" for w in row["windows"]) + f" tok/s; history {h['entries']} entries "
+              f"({h['calibration_windows']} calibration windows, {h['runs']} runs), speed {h['low']:+.1%} … {h['high']:+.1%}",
+              flush=True)
+        for rnd in range(args.repeats):
+            for n in lens:
+                bw = bandwidth(args.threads)
+                f = {**figures(mlight(args, [*base, "--prompt-len", str(n)], env)), "bandwidth": bw}
+                row["workloads"][str(n)].append(f)
+                print(f"  round {rnd + 1}, prompts {n}: measured {f['measured']:8.1f} tok/s, predicted {f['predicted']:8.1f} "
+                      f"({f['error']:+6.1%}; the last calibration alone: {f['predicted_alone'] or float('nan'):8.1f}), "
+                      f"bandwidth {bw:.1f} GB/s, load {f['load']}", flush=True)
+        done.append(row)
+        print_rows([row])
+        if args.json:
+            args.json.write_text(json.dumps(done, indent=1))
+    print(f"\nload average at the end {common.load_average()}")
+    return 0
+
+
+def print_rows(rows: list[dict]) -> None:
+    """Per calibration and workload: the prediction right after it (its first run's), and what the calibration
+    alone would have predicted, against the median of the runs after it; the spread of those runs."""
+    print("| time (UTC) | model | prompts | history behind it | predicted (history) | error | predicted (this "
+          "calibration alone) | error | runs' median tok/s | runs' spread |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for n, fs in r["workloads"].items():
+            if not fs:
+                continue
+            meas = [f["measured"] for f in fs]
+            mid = statistics.median(meas)
+            first = fs[0]
+            alone = first.get("predicted_alone")
+            h = first.get("history") or r["history"]
+            print(f"| {time.strftime('%H:%M', time.gmtime(r['time']))} | {Path(r['model']).name} | {n} | "
+                  f"{h.get('calibration_windows', 0)} windows, {h.get('runs', 0)} runs | {first['predicted']:.1f} | "
+                  f"**{mid / first['predicted'] - 1:+.1%}** | "
+                  + (f"{alone:.1f} | {mid / alone - 1:+.1%}" if alone else "— | —")
+                  + f" | {mid:.1f} ({len(meas)}) | {min(meas) / mid - 1:+.1%} … {max(meas) / mid - 1:+.1%} |")
+
+
+def summary(paths: list[Path]) -> int:
+    rows = [r for p in paths for r in json.loads(p.read_text())]
+    print_rows(sorted(rows, key=lambda r: (r["model"], r["time"])))
+    for model in sorted({r["model"] for r in rows}):
+        errs = [statistics.median(f["measured"] for f in fs) / fs[0]["predicted"] - 1
+                for r in rows if r["model"] == model for fs in r["workloads"].values() if fs]
+        print(f"{Path(model).name}: {sum(abs(e) <= 0.10 for e in errs)} of {len(errs)} calibration-workloads within 10 %")
     return 0
 
 

@@ -179,7 +179,7 @@ def test_mlight_bench_calibrate_caches_the_model_and_reports_the_error(no_gpu, m
 
     real = cal.calibrate
     monkeypatch.setattr(cal, "calibrate", lambda engine, **kw: real(engine, **{**kw, "quick": True}))
-    assert main(["bench", "--model", str(demo_model), "--calibrate", "--requests", "4", "--gen-len", "4", "--batch",
+    assert main(["bench", "--model", str(demo_model), "--calibrate", "--requests", "4", "--gen-len", "6", "--batch",
                  "2", "--micro-batch", "1", "--threads", "1", "--clock", "cpu", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert json.loads((no_gpu / "calibration").glob("*.json").__next__().read_text())["cpu"]["float32"]
@@ -190,6 +190,19 @@ def test_mlight_bench_calibrate_caches_the_model_and_reports_the_error(no_gpu, m
     ran = report["calibration"]["run"]
     assert report["calibration"]["costs"]["run_batch"] == [2, 1] and ran["steps"] > 2
     assert set(ran["factors"]) == set(cpu_cost.EFFICIENCIES) and all(v > 0 for v in ran["factors"].values())
+    # its windows joined this machine's history; the factors are the history's median, the calibration's own beside
+    hist = report["calibration"]["history"]
+    assert hist["entries"] == hist["calibration_windows"] == len(ran["windows"]) and hist["runs"] == 0
+    assert {"low", "high", "spread", "since"} <= set(hist) and report["calibration"]["this_calibration"]["task_s"] > 0
+    assert run["predicted"]["history"]["entries"] == hist["entries"]
+    assert run["predicted"]["tokens_per_s_last_calibration_alone"] > 0
+    # and the bench's own run was folded back: the next prediction stands on it too
+    assert run["folded_back"]["runs"] == 1 and set(run["folded_back"]["ratios"]) == {"compute", "attention", "prefill"}
+    assert main(["plan", "--model", str(demo_model), "--prompt-len", "20", "--gen-len", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["policy"]["ffn_on"] == "cpu" and plan["history"]["runs"] == 1
+    assert main(["plan", "--model", str(demo_model), "--prompt-len", "20", "--gen-len", "8"]) == 0
+    assert "this machine's runs spread ±" in capsys.readouterr().out
 
 
 def test_mlight_run_on_a_cpu_lets_the_planner_pick_the_batch(no_gpu, monkeypatch, tmp_path, demo_model):

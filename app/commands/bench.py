@@ -96,13 +96,14 @@ def _calibrate(model, args) -> dict:
     """Measure the CPU cost model with a CPU-only engine of `model`; cache it for this machine."""
     import sys
 
-    from core.plan import cpu_cost
+    from core.plan import cpu_cost, cpu_history, hrm
     from core.plan.hardware import detect
-    from core.runtime.calibrate import calibrate
+    from core.runtime.calibrate import calibrate, window_entries
 
     from core.runtime.engine import Engine
 
     engine = Engine.load(model, threads=args.threads)
+    d = hrm.dims(engine.spec)
 
     def show(ev):
         if not args.json and sys.stderr.isatty() and hasattr(ev, "done"):
@@ -118,8 +119,13 @@ def _calibrate(model, args) -> dict:
         engine.close()
     if not args.json and sys.stderr.isatty():
         print(file=sys.stderr)
-    path = cpu_cost.save(detect(), costs)
-    out = {"path": str(path), "seconds": time.perf_counter() - t0, "costs": costs.to_dict(), "run": notes}
+    # the factors the planner uses: the median over this machine's history, this calibration's windows added
+    hw = detect()
+    own = costs
+    costs, history = cpu_history.record(hw, d, own, window_entries(d, own, notes), calibration=own)
+    path = cpu_cost.cache_path(hw)
+    out = {"path": str(path), "seconds": time.perf_counter() - t0, "costs": costs.to_dict(), "run": notes,
+           "this_calibration": own.to_dict(), "history": history}
     if not args.json:
         print(f"calibrated the CPU cost model ({costs.math} math, {costs.threads} thread"
               f"{'s' if costs.threads != 1 else ''}) in {out['seconds']:.0f} s: {path}")
@@ -133,6 +139,15 @@ def _calibrate(model, args) -> dict:
         if len(w) > 1:
             print(f"  (decode: the median of {len(w)} windows of that run, at "
                   + " / ".join(f"{x['tokens_per_s']:.1f}" for x in w) + " tokens/s; prefill: the first, a fresh process's)")
+        if f and history["entries"] > len(w):
+            g = {n: getattr(costs, n) for n in f}
+            print(f"  with this machine's history: the median of {history['entries']} entries "
+                  f"({history['calibration_windows']} calibration windows, {history['runs']} runs): "
+                  + " / ".join(f"{g[n]:.2f}x" for n in ("pre_eff", "attn_eff", "post_eff", "ffn_eff"))
+                  + f", prefill {g['prefill_eff']:.2f}x; predictions use these")
+        words = cpu_history.spread_words(history)
+        if words:
+            print(f"  {words}")
     return out
 
 
@@ -166,8 +181,11 @@ def _schedules(args) -> tuple[str, ...]:
 def _measure(engine, name: str, reqs, args) -> dict:
     from core.runtime.calibrate import StepClock
 
+    from core.runtime.fold_back import RunMeter
+
     clock = _clock(args)
-    sink = StepClock(engine, clock)
+    meter = RunMeter()
+    sink = StepClock(engine, clock, forward=meter)
     t0 = clock()
     results = list(engine.generate(reqs, batch_size=args.batch, micro_batch_size=args.micro_batch, on_event=sink))
     wall = clock() - t0
@@ -191,6 +209,10 @@ def _measure(engine, name: str, reqs, args) -> dict:
     if p:
         out["error"] = {"tokens_per_s": out["tokens_per_s"] / p["tokens_per_s"] - 1,
                         "decode_tokens_per_s": out["decode_tokens_per_s"] / p["decode_tokens_per_s"] - 1}
+    if name == "cpu":  # this run joins the machine's history: the next prediction stands on it too
+        from core.runtime.fold_back import fold_back
+
+        out["folded_back"] = fold_back(engine, meter, min(args.micro_batch, args.batch))
     return out
 
 
@@ -218,11 +240,35 @@ def _predict(engine, name: str, args, reqs) -> dict | None:
                     max_prompt_len=max(prompt_tokens), num_requests=len(reqs))
     pred = predict(policy, engine.spec, hw, work)
     sim = simulate_decode(engine.spec, hw, policy, work.decode_context, name if on_gpu else "cgopipe")
-    return {"hardware": hw.name, "calibrated": getattr(hrm.effective_rates(hw, engine.spec.dtype, engine.spec).cpu_costs, "measured", False),
-            "tokens_per_s": pred.tokens_per_s, "decode_tokens_per_s": pred.decode_tokens_per_s,
-            "layer_seconds": {r: pred.layer_seconds.get(r, 0.0) for r in RESOURCES},
-            "simulated_step_seconds": sim.makespan, "bottleneck": pred.bottleneck,
-            "bottleneck_text": pred.bottleneck_text}
+    out = {"hardware": hw.name, "calibrated": getattr(hrm.effective_rates(hw, engine.spec.dtype, engine.spec).cpu_costs, "measured", False),
+           "tokens_per_s": pred.tokens_per_s, "decode_tokens_per_s": pred.decode_tokens_per_s,
+           "layer_seconds": {r: pred.layer_seconds.get(r, 0.0) for r in RESOURCES},
+           "simulated_step_seconds": sim.makespan, "bottleneck": pred.bottleneck,
+           "bottleneck_text": pred.bottleneck_text}
+    if not on_gpu:
+        out.update(_history_view(engine, hw, policy, work))
+    return out
+
+
+def _history_view(engine, hw, policy, work) -> dict:
+    """What backs a CPU-only prediction: this machine's history (cpu_history.summary) and, beside it, what the
+    last calibration alone (its own windows) would have predicted."""
+    import dataclasses
+
+    from core.plan import cpu_history, hrm
+    from core.plan.planner import predict
+
+    d = hrm.dims(engine.spec)
+    got = cpu_history.stored(hw, d, engine.cpu.math)
+    if got is None:
+        return {}
+    costs, entries = got
+    out = {"history": cpu_history.summary(entries)}
+    alone = cpu_history.last_calibration(hw, costs.math, costs.model)
+    if alone is not None:
+        one = dataclasses.replace(hw, cpu_costs={**hw.cpu_costs, costs.math: {costs.model: alone.to_dict()}})
+        out["tokens_per_s_last_calibration_alone"] = predict(policy, engine.spec, one, work).tokens_per_s
+    return out
 
 
 def _labels(run: dict) -> dict[str, str]:
@@ -237,6 +283,8 @@ def _labels(run: dict) -> dict[str, str]:
 
 
 def _print(report: dict) -> None:
+    from core.plan import cpu_history
+
     print(f"model: {report['model']}; load average {report['load_average']}")
     for r in report["runs"]:
         p = r["predicted"] or {}
@@ -260,3 +308,8 @@ def _print(report: dict) -> None:
             how = "calibrated" if p.get("calibrated") else "not calibrated: run `mlight bench --calibrate`"
             print(f"  prediction error: {e['tokens_per_s']:+.1%} end to end, {e['decode_tokens_per_s']:+.1%} in decode "
                   f"(measured vs predicted; {how})")
+        words = cpu_history.spread_words(p.get("history") or {})
+        if words:
+            print(f"  predicted {p['tokens_per_s']:,.1f} tokens/s: {words}")
+        if r.get("folded_back"):
+            print(f"  this run joined the machine's history ({r['folded_back']['entries']} entries)")

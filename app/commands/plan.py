@@ -120,10 +120,25 @@ def run(args) -> int:
             out["simulation"] = sims
         if scaling is not None:
             out["scaling"] = scaling
+        if policy.ffn_on == "cpu":
+            out["history"] = _history(hw, model)
         print(json.dumps(out))
     else:
         print(_human(args, model, hw, workload, budget, policy, prediction, seconds, sims, choice, scaling))
     return 0
+
+
+def _history(hw, model) -> dict:
+    """What backs a CPU-only prediction: this machine's calibration windows and runs (core.plan.cpu_history)."""
+    from core.plan import cpu_history
+
+    return cpu_history.behind(hw, model)
+
+
+def _spread(hw, model, policy) -> str:
+    from core.plan import cpu_history
+
+    return cpu_history.spread_words(_history(hw, model)) if policy.ffn_on == "cpu" else ""
 
 
 def _scaling(model, hw, workload, args) -> list[dict]:
@@ -243,7 +258,8 @@ def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=Non
         _cpu_math_line(hw, model),
         "",
         "prediction",
-        f"  end to end        {pred.tokens_per_s:,.1f} tokens/s",
+        f"  end to end        {pred.tokens_per_s:,.1f} tokens/s"
+        + (f" ({words})" if (words := _spread(hw, model, p)) else ""),
         f"  decode            {pred.decode_tokens_per_s:,.1f} tokens/s ({pred.step_seconds:.2f} s per step)",
         f"  prefill           {pred.prefill_tokens_per_s:,.1f} prompt tokens/s ({pred.prefill_seconds:.1f} s per batch)",
         f"  bottleneck        {pred.bottleneck_text}",

@@ -352,11 +352,16 @@ def _plan_cpu_batch(args, prompts: PromptSet, model_dir: Path) -> None:
     try:  # best effort: a model the planner cannot read (a GGUF file) or cannot fit runs at the default batch
         spec = load_spec(model_dir)
         hw = resolve("local")
-        policy, _ = planner.plan(spec, hw, workload, planner.Budget.for_hardware(hw))
+        policy, pred = planner.plan(spec, hw, workload, planner.Budget.for_hardware(hw))
     except MlightError:
         return
     args.batch = policy.batch_size
     args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
+    from core.plan import cpu_history
+
+    words = cpu_history.spread_words(cpu_history.behind(hw, spec))
+    if words:  # calibrated: the prediction and how far this machine's own runs have strayed from theirs
+        _say(f"planned batch {args.batch}: predicted {pred.tokens_per_s:,.1f} tokens/s ({words})")
 
 
 def _workload(args, prompts: PromptSet):
@@ -424,12 +429,15 @@ def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_
     total, t0, before = len(prompts.entries), time.perf_counter(), len(store.done)
     if store.resumed:
         _say(f"resuming: {before} of {total} requests already done")
+    from core.runtime.fold_back import RunMeter, fold_back
+
     counter = _Counter(total, before)
+    meter = RunMeter()  # sums of the engine's own step figures: folded into the machine's history at the end
     stopper.generating = True
     try:
         finished = run_pending(engine, prompts, store, requests, batch_size=args.batch,
                                micro_batch_size=args.micro_batch, should_stop=lambda: stopper.requested,
-                               on_result=counter)
+                               on_result=counter, on_event=meter)
     except KeyboardInterrupt:  # a second Ctrl-C: stopped mid-step; every saved result is complete
         finished = False
     finally:
@@ -442,6 +450,7 @@ def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_
              "rerun the same command to finish the rest")
         return 130
     records = finish_run(store, prompts, model_name, fmt)
+    fold_back(engine, meter, args.micro_batch or (engine.policy.micro_batch_size if engine.policy else args.batch))
     tokens = sum(r["output_tokens"] for r in records)
     secs = time.perf_counter() - t0
     rej = f", {len(prompts.rejects)} rejected → {store.rejected_path.name}" if prompts.rejects else ""

@@ -19,6 +19,8 @@ Boundary: pure functions of (Dims, CpuCosts, numbers) plus the cache file. Legen
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,21 +263,59 @@ def cache_path(hw) -> Path:
     return cache_dir() / "calibration" / f"v{VERSION}-{machine_key(hw)}.json"
 
 
+# What a calibration measured depends on more than the machine (machine_key): the engine's CPU kernels (their
+# C sources and the Python that dispatches them), torch, and mlight's version. Any of them changed, the
+# calibration and its history (core.plan.cpu_history) describe another engine, and are measured again.
+_ROOT = Path(__file__).resolve().parents[1]  # core/
+FINGERPRINT_FILES = ("assets/kernels/*.c", "model/cpu/*.py", "model/moe.py", "model/attention.py")
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of what decides the CPU's speed besides the hardware: the kernels' sources, torch, mlight."""
+    from importlib import metadata
+
+    h = hashlib.sha256(str(VERSION).encode())
+    for dist in ("torch", "mlight"):
+        try:
+            h.update(f"{dist}={metadata.version(dist)};".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{dist}=?;".encode())
+    for pattern in FINGERPRINT_FILES:
+        for f in sorted(_ROOT.glob(pattern)):
+            h.update(f.relative_to(_ROOT).as_posix().encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def read(hw) -> dict:
+    """This machine's calibration file as stored ({} when absent, damaged, or of other code: code_fingerprint)."""
+    try:
+        raw = json.loads(cache_path(hw).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) and raw.get("fingerprint") == code_fingerprint() else {}
+
+
+def write(hw, data: dict) -> Path:
+    from core.plan.hardware import _write_json
+
+    path = cache_path(hw)
+    _write_json(path, {**data, "fingerprint": code_fingerprint()})
+    return path
+
+
 def load(hw) -> dict[str, dict[str, dict]]:
     """This machine's calibrations: {math dtype: {model_key: costs dict}} ({} when never calibrated)."""
     try:
-        raw = json.loads(cache_path(hw).read_text(encoding="utf-8"))["cpu"]
+        raw = read(hw)["cpu"]
         return {m: {k: CpuCosts.from_dict(v).to_dict() for k, v in per.items()} for m, per in raw.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         return {}
 
 
 def save(hw, costs: CpuCosts) -> Path:
-    """Add (or replace) the costs of `costs.math` on `costs.model`, keeping every other entry."""
-    from core.plan.hardware import _write_json
-
+    """Add (or replace) the costs of `costs.math` on `costs.model`, keeping every other entry (and the history)."""
+    data = read(hw)
     known = load(hw)
     known.setdefault(costs.math, {})[costs.model] = costs.to_dict()
-    path = cache_path(hw)
-    _write_json(path, {"cpu": known})
-    return path
+    return write(hw, {**data, "cpu": known})

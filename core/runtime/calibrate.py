@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from core.errors import MlightError
 from core.model.cpu.kernels import Widen
 from core.platform import llc_bytes
-from core.plan import cpu_cost, hrm
+from core.plan import cpu_cost, cpu_history, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.telemetry import EventSink, Progress, ignore
 
@@ -500,7 +500,7 @@ def step_model(d, L: int, c: CpuCosts, s: RunStep, group: int = 1) -> dict[str, 
     return out
 
 
-DECODE_EFF = {"pre_attn": "pre_eff", "cpu_attn": "attn_eff", "post_attn": "post_eff", "ffn": "ffn_eff"}
+DECODE_EFF = cpu_history.DECODE_EFF
 
 
 def fit_run_terms(engine, base: CpuCosts, steps: list[RunStep], notes: dict | None = None) -> CpuCosts:
@@ -568,6 +568,18 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
                      step_s={"run": costs.step_s, "pieces": per[0]["step_s"]["pieces"]},
                      factors={name: getattr(costs, name) for name in cpu_cost.EFFICIENCIES})
     return costs
+
+
+def window_entries(d, costs: CpuCosts, notes: dict) -> list[dict]:
+    """The calibration's windows (fit_run_windows' `notes`) as history entries (core.plan.cpu_history), each
+    against `costs`' coefficients: every window's decode factors and step_s; the first window's prefill
+    and wave_s only (a fresh process's, as a user's run is: later windows reuse its buffers)."""
+    out = []
+    for i, w in enumerate(notes.get("windows", [])):
+        f = {n: v for n, v in w["factors"].items() if i == 0 or n != "prefill_eff"}
+        out.append(cpu_history.entry(d, costs, f, "calibration", step_s=w["step_s"],
+                                     wave_s=costs.wave_s if i == 0 else None, batch=costs.run_batch))
+    return out
 
 
 def decode_seconds(window: list[RunStep]) -> float:
