@@ -189,3 +189,24 @@ def test_mlight_run_says_the_spread_and_folds_its_run_back(no_gpu, monkeypatch, 
                      r"\(6 calibration windows, 0 runs\)\)", err), err
     kept = cpu_history.load(hw, "float32", base.model)
     assert len(kept) == 7 and kept[-1]["source"] == "run" and set(kept[-1]["seconds"]) == set(cpu_cost.EFFICIENCIES)
+
+
+def test_prediction_error_reports_each_calibration_against_its_runs_median(tmp_path, capsys):
+    """bench/prediction_error.py --summary: per calibration and workload, the prediction right after it (its first
+    run's) and the calibration-alone one against the median of the runs after it, and those runs' own spread."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import prediction_error
+
+    run = lambda m, p, alone: {"measured": m, "predicted": p, "predicted_alone": alone,  # noqa: E731
+                               "history": {"calibration_windows": 6, "runs": 2}}
+    rows = [{"model": "/m/mixtral-800m", "time": 0.0, "history": {},
+             "workloads": {"77": [run(110.0, 100.0, 80.0), run(100.0, 104.0, 80.0), run(90.0, 101.0, 80.0)]}}]
+    (tmp_path / "k.json").write_text(json.dumps(rows))
+    assert prediction_error.main(["--summary", str(tmp_path / "k.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| 00:00 | mixtral-800m | 77 | 6 windows, 2 runs | 100.0 | **+0.0%** | 80.0 | +25.0% | 100.0 (3) | -10.0% … +10.0% |" in out
+    assert "mixtral-800m: 1 of 1 calibration-workloads within 10 %" in out

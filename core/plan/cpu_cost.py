@@ -266,8 +266,19 @@ def cache_path(hw) -> Path:
 # What a calibration measured depends on more than the machine (machine_key): the engine's CPU kernels (their
 # C sources and the Python that dispatches them), torch, and mlight's version. Any of them changed, the
 # calibration and its history (core.plan.cpu_history) describe another engine, and are measured again.
-_ROOT = Path(__file__).resolve().parents[1]  # core/
-FINGERPRINT_FILES = ("assets/kernels/*.c", "model/cpu/*.py", "model/moe.py", "model/attention.py")
+FINGERPRINT_MODULES = ("core.model.moe", "core.model.attention")  # besides every module of core.model.cpu
+
+
+def _fingerprint_files() -> list[Path]:
+    """The files whose contents the fingerprint hashes (found without importing them: no torch here)."""
+    from importlib.util import find_spec
+
+    from core.assets import HERE
+
+    files = sorted((HERE / "kernels").glob("*.c"))
+    files += sorted(Path(next(iter(find_spec("core.model.cpu").submodule_search_locations))).glob("*.py"))
+    # the int4 kernel computes quantized experts only, which the calibration does not measure (nor folds back)
+    return [f for f in files if not f.name.startswith("int4")] + [Path(find_spec(m).origin) for m in FINGERPRINT_MODULES]
 
 
 @functools.lru_cache(maxsize=1)
@@ -281,9 +292,8 @@ def code_fingerprint() -> str:
             h.update(f"{dist}={metadata.version(dist)};".encode())
         except metadata.PackageNotFoundError:
             h.update(f"{dist}=?;".encode())
-    for pattern in FINGERPRINT_FILES:
-        for f in sorted(_ROOT.glob(pattern)):
-            h.update(f.relative_to(_ROOT).as_posix().encode() + f.read_bytes())
+    for f in _fingerprint_files():
+        h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:16]
 
 
