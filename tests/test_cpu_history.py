@@ -138,7 +138,7 @@ def test_a_runs_own_measurements_are_folded_back(no_gpu, monkeypatch):
     usual = dataclasses.replace(hw, cpu_costs={"float32": {base.model: truth.to_dict()}})
     scale = 1.4
     for i in range(4):  # runs at the machine's usual speed
-        meter = fb.RunMeter()
+        meter = fb.RunSums()
         for e in _run_events(spec, usual, policy, work, {"compute": 1.0, "attention": 1.0, "prefill": 1.0}):
             meter(e)
         got = fb.fold_back(engine, meter, 4, hw=hardware.probe())
@@ -153,11 +153,11 @@ def test_a_runs_own_measurements_are_folded_back(no_gpu, monkeypatch):
     last = cpu_history.load(hw, "float32", base.model)[-1]
     assert last["source"] == "run" and last["batch"] == [16, 4]
     # not folded: too short, quantized, on a GPU, or a model never calibrated here
-    meter = fb.RunMeter()
+    meter = fb.RunSums()
     for e in _run_events(spec, hw, policy, work, {"compute": 1, "attention": 1, "prefill": 1}, steps=3):
         meter(e)
     assert fb.fold_back(engine, meter, 4, hw=hw) is None
-    meter = fb.RunMeter()
+    meter = fb.RunSums()
     for e in _run_events(spec, hw, policy, work, {"compute": 1, "attention": 1, "prefill": 1}):
         meter(e)
     gpu = SimpleNamespace(**{**vars(engine), "config": SimpleNamespace(**{**vars(engine.config), "device": "cuda"})})

@@ -5,7 +5,9 @@ from the engine's StepDone events. Predicted: the planner's HRM for the same pol
 machine (`--hardware local`: detected and probed) or a preset, and the simulated step time; the
 error between them (core.plan.tracking). `--calibrate` first measures this machine's CPU cost model
 with the model's own kernels and steps (core.runtime.calibrate) and caches it per machine, so every
-later plan and prediction on this machine uses it.
+later plan and prediction on this machine uses it. Its windows, and every CPU-only run measured here
+(core.runtime.fold_back), join the machine's history (core.plan.cpu_history): the factors predictions use
+are the median over it, and the output says how many windows and runs back them and how they spread.
 """
 
 from __future__ import annotations
@@ -181,10 +183,10 @@ def _schedules(args) -> tuple[str, ...]:
 def _measure(engine, name: str, reqs, args) -> dict:
     from core.runtime.calibrate import StepClock
 
-    from core.runtime.fold_back import RunMeter
+    from core.runtime.fold_back import RunSums
 
     clock = _clock(args)
-    meter = RunMeter()
+    meter = RunSums()
     sink = StepClock(engine, clock, forward=meter)
     t0 = clock()
     results = list(engine.generate(reqs, batch_size=args.batch, micro_batch_size=args.micro_batch, on_event=sink))

@@ -429,10 +429,10 @@ def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_
     total, t0, before = len(prompts.entries), time.perf_counter(), len(store.done)
     if store.resumed:
         _say(f"resuming: {before} of {total} requests already done")
-    from core.runtime.fold_back import RunMeter, fold_back
+    from core.runtime.fold_back import RunSums, fold_back
 
     counter = _Counter(total, before)
-    meter = RunMeter()  # sums of the engine's own step figures: folded into the machine's history at the end
+    meter = RunSums()  # sums of the engine's own step figures: folded into the machine's history at the end
     stopper.generating = True
     try:
         finished = run_pending(engine, prompts, store, requests, batch_size=args.batch,

@@ -122,9 +122,12 @@ class RunJob:
                 return self._end("stopped", store)
             self._set_state("running" if not self.paused else "paused")
             max_new = {r.id: r.max_new_tokens for r in requests}
+            from core.runtime.fold_back import RunSums, fold_back
+
+            sums = RunSums(forward=self._sink)  # the run's own figures, for this machine's history at its end
             for result in engine.generate(requests, batch_size=self.plan.policy.batch_size,
                                           micro_batch_size=self.plan.policy.micro_batch_size,
-                                          on_event=self._sink, should_stop=self._should_stop):
+                                          on_event=sums, should_stop=self._should_stop):
                 record = result.to_dict()
                 store.append(record)  # durable before it is counted
                 self.records[record["id"]] = record
@@ -133,6 +136,7 @@ class RunJob:
             if self._stop.is_set() and len(self.records) < self.prompts.count:
                 return self._end("stopped", store)
             b.finish(store, self.ordered_records(), self.prompts, self.model)
+            fold_back(engine, sums, self.plan.policy.micro_batch_size)
             return self._end("done", None)
         except BaseException:
             self.state = "failed"

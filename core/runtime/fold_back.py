@@ -1,6 +1,6 @@
 """A measured CPU-only run, folded back into this machine's calibration history (core.plan.cpu_history).
 
-`RunMeter` is an event sink: per step it adds up a few of the engine's own figures (the busy seconds the
+`RunSums` is an event sink: per step it adds up a few of the engine's own figures (the busy seconds the
 executor already measured, by resource; prompt and output tokens as requests finish) — no clock of its
 own, nothing kept per step. At the end of the run, `fold_back` sets them beside what the planner predicts
 for the same workload and batch with this machine's current factors: compute (pre-attention, post-attention,
@@ -20,7 +20,7 @@ from core.telemetry import EventSink, RequestDone, StepDone, ignore
 MIN_DECODE_STEPS = 8  # fewer: a run too short to say anything about the machine's speed
 
 
-class RunMeter:
+class RunSums:
     """An EventSink that keeps the sums fold_back needs, and forwards every event to `forward`."""
 
     def __init__(self, forward: EventSink = ignore):
@@ -67,13 +67,15 @@ def foldable(engine) -> bool:
     """A run the CPU calibration describes: CPU-only, unquantized, one process."""
     from core.plan import hrm
 
-    c = engine.config
+    c = getattr(engine, "config", None)
+    if c is None or getattr(engine, "tp", None) is not None:
+        return False
     d = hrm.dims(engine.spec)
-    return (c.device == "cpu" and c.ffn_on == "cpu" and getattr(c, "attention_on", "cpu") == "cpu"
-            and engine.tp is None and d.qkind == "none" and d.dense_qkind == "none")
+    return (getattr(c, "device", "") == "cpu" and getattr(c, "ffn_on", "") == "cpu"
+            and getattr(c, "attention_on", "cpu") == "cpu" and d.qkind == "none" and d.dense_qkind == "none")
 
 
-def fold_back(engine, meter: RunMeter, micro_batch: int, hw=None) -> dict | None:
+def fold_back(engine, meter: RunSums, micro_batch: int, hw=None) -> dict | None:
     """Fold the run `meter` watched into this machine's history; the summary (cpu_history.summary, with the
     run's `ratios` to the prediction) or None when the run is not one to fold (see the module's doc)."""
     from core.plan import cpu_history, hrm
