@@ -208,9 +208,24 @@ def summary(paths: list[Path]) -> int:
     rows = [r for p in paths for r in json.loads(p.read_text())]
     print_rows(sorted(rows, key=lambda r: (r["model"], r["time"])))
     for model in sorted({r["model"] for r in rows}):
-        errs = [statistics.median(f["measured"] for f in fs) / fs[0]["predicted"] - 1
-                for r in rows if r["model"] == model for fs in r["workloads"].values() if fs]
-        print(f"{Path(model).name}: {sum(abs(e) <= 0.10 for e in errs)} of {len(errs)} calibration-workloads within 10 %")
+        mine = [r for r in rows if r["model"] == model]
+        pairs = [(statistics.median(f["measured"] for f in fs), fs[0]) for r in mine for fs in r["workloads"].values() if fs]
+        errs = [m / f["predicted"] - 1 for m, f in pairs]
+        alone = [m / f["predicted_alone"] - 1 for m, f in pairs if f.get("predicted_alone")]
+        print(f"{Path(model).name}: {sum(abs(e) <= 0.10 for e in errs)} of {len(errs)} calibration-workloads within 10 % "
+              f"of their runs' median (the last calibration alone: {sum(abs(e) <= 0.10 for e in alone)} of {len(alone)})")
+        # against the machine's typical state: the median of every run of the workload, all jobs together
+        for n in sorted({n for r in mine for n in r["workloads"]}, key=int):
+            every = [f["measured"] for r in mine for f in r["workloads"].get(n, [])]
+            if not every:
+                continue
+            mid = statistics.median(every)
+            firsts = [r["workloads"][n][0] for r in mine if r["workloads"].get(n)]
+            print(f"  prompts {n}: all {len(every)} runs {min(every):.1f} … {max(every):.1f} tok/s (median {mid:.1f}, "
+                  f"{min(every) / mid - 1:+.1%} … {max(every) / mid - 1:+.1%}); each calibration's prediction against "
+                  "that median: " + ", ".join(f"{mid / f['predicted'] - 1:+.1%}" for f in firsts)
+                  + " (alone: " + ", ".join(f"{mid / f['predicted_alone'] - 1:+.1%}" for f in firsts if f.get("predicted_alone"))
+                  + ")")
     return 0
 
 
