@@ -1,7 +1,9 @@
 """mlight's C int4 kernel (core.model.cpu.int4) against float64, every build it can make, and its fallbacks.
 
 The kernel quantizes the activations (two int8 digits per input, a scale per 8 inputs: about 15 bits)
-and keeps the weights integers; its only other rounding is fp32 summation and a bf16 output. So against
+and keeps the weights integers; its only other rounding is fp32 summation (the weights' offset of 8 and
+their zeros are applied per group from fp32 sums of the quantized and of the exact inputs) and a bf16
+output. So against
 float64 over the dequantized weights: fp32 within 5e-5 of the largest output, bf16 within its output's
 rounding (8e-3). Checked on the usable ISA's build, and by faking the CPU's answer on AVX-512 without
 VNNI, AVX2 and portable C; over K with a tail chunk, every group size, 1..9 rows; one token's fused
@@ -47,9 +49,10 @@ def _close(got, ref, dtype):
     assert err < TOL[dtype], err
 
 
-def _check_linear(dtype, cases=((1, 48, 96, 32), (3, 40, 1024, 64), (9, 16, 384, 128), (2, 64, 64, 32))):
-    """(M, N, K, g): K = 96 and 64 end in a part chunk (AVX-512 reads 128 inputs a chunk), M = 9 past the 4
-    rows computed per pass over a weight row."""
+def _check_linear(dtype, cases=((1, 48, 96, 32), (3, 40, 1024, 64), (9, 16, 384, 128), (2, 64, 64, 32),
+                                (17, 15, 256, 64))):
+    """(M, N, K, g): K = 96 and 64 end in a part chunk (AVX-512 reads 128 inputs a chunk), M = 9 and 17 past
+    the 8 rows of a tile (a part tile after them), N = 15 a weight row short of the tiles' 2."""
     for M, N, K, g in cases:
         parts, W = _matrix(N, K, g, seed=K + M)
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
@@ -103,7 +106,7 @@ def test_builds_for_lower_isas(fresh_build, monkeypatch, usable, vnni, vw):
     monkeypatch.setattr(int4, "_vnni", lambda: vnni)
     lib = int4.library()
     assert lib is not None and lib.vw == vw and ("-mavx512vnni" in lib.flags) == vnni, int4.status()
-    _check_linear(torch.float32, cases=((1, 48, 96, 32), (5, 16, 256, 64), (2, 8, 384, 128)))
+    _check_linear(torch.float32, cases=((1, 48, 96, 32), (5, 16, 256, 64), (2, 8, 384, 128), (11, 7, 128, 32)))
     _check_moe(torch.bfloat16)
 
 

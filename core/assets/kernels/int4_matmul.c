@@ -37,9 +37,6 @@
 #define VW 4
 #endif
 #define CH (8 * VW) /* inputs per chunk */
-#define MB 4         /* activation rows computed against one load of a weight row */
-#define MM 16        /* activation rows per pass over a block of RB weight rows (M > MB) */
-#define RB 16
 /* bytes of weights ahead that the row loops prefetch (into L1): with the hardware's prefetcher alone one
    core streamed ~21 GB/s through this kernel, where a plain read loop takes ~42; 8 KB ahead ~28, and two
    cores 39 -> 46-61 GB/s (Zen 5, 2 vCPUs, 63 MB of weights, K = 3840; K = 7168 stays lower, ~34) */
@@ -62,15 +59,24 @@ static inline int64_t chunks(int64_t K) { return (K + CH - 1) / CH; }
 /* ---- prep: activation rows as digits in the kernel's order -----------------------------------------
    One block of CB bytes per (chunk c, row m), at prep + (c * M + m) * CB, so that one pointer and fixed
    displacements reach every row's operands of a chunk: x1 low | x1 high | x2 low | x2 high (CH/2 int8 each)
-   | off [VW] int32 | a [VW] f32 | s [VW] f32. Byte 4j+i of a "low" part holds input c*CH + 8j + 2i (the
-   partner of the low nibbles), of a "high" part input c*CH + 8j + 2i + 1. */
-#define CB (2 * CH + 12 * VW)
+   | a [VW] f32. Byte 4j+i of a "low" part holds input c*CH + 8j + 2i (the partner of the low nibbles), of a
+   "high" part input c*CH + 8j + 2i + 1. After the blocks, per row, two arrays of nl = chunks * VW floats:
+   first per lane, then (fold_groups) per group of g inputs, -8 * the sum of the digits' values (xq) and the
+   sum of the inputs themselves (x). The weights' -8 and zero are applied per group, once a row, from these:
+       y[n] = sum over lanes L of scale(L) * a(L) * (256 * q.x1 + q.x2)
+            + sum over groups G of scale(G) * (-8 * sum xq) + zero(G) * sum x          (group_dot)
+   which keeps a chunk's work per row to its four dot products and one fp32 multiply-add, and the bytes of
+   activations a weight row reads to 2.5 per input (from 3.5 with per-lane offsets and sums). */
+#define CB (2 * CH + 4 * VW)
 #define X1 0
 #define X2 CH
-#define OFF (2 * CH)
-#define SA (2 * CH + 4 * VW)
-#define SS (2 * CH + 8 * VW)
-static inline int64_t prep_bytes(int64_t M, int64_t K) { return chunks(K) * CB * M; }
+#define SA (2 * CH)
+static inline int64_t lanes(int64_t K) { return chunks(K) * VW; }
+static inline int64_t prep_bytes(int64_t M, int64_t K) { return chunks(K) * CB * M + M * 2 * lanes(K) * 4; }
+/* row m's sums: -8 * sum xq at [0, nl), sum x at [nl, 2 nl) (per lane, then per group) */
+static inline float *sums(uint8_t *prep, int64_t M, int64_t K, int64_t m) {
+    return (float *)(prep + chunks(K) * CB * M) + m * 2 * lanes(K);
+}
 
 static inline float bf16f(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t f32bf(float f) {
@@ -121,6 +127,7 @@ static inline vpi bytes4(vpi a, vpi b, vpi c, vpi d) {
 
 static void prep_chunks(const float *v, int64_t K, uint8_t *prep, int64_t M, int64_t m, int64_t c0, int64_t c1) {
     const vpi lane = LANE_IDX, lo = V(set1_epi32)(-127), hi = V(set1_epi32)(127);
+    float *sq = sums(prep, M, K, m), *sx = sq + lanes(K);
     for (int64_t c = c0; c < c1; c++) {
         const float *p = v + c * CH;
         int64_t left = (K - c * CH) / 8; /* lanes with inputs */
@@ -141,23 +148,24 @@ static void prep_chunks(const float *v, int64_t K, uint8_t *prep, int64_t M, int
             s2 = V(add_epi32)(s2, d2[t]);
         }
         uint8_t *b = prep + (c * M + m) * CB;
+        vps a = V(mul_ps)(amax, V(set1_ps)(1.f / (127.f * 256.f)));
         STORE(b + X1, bytes4(d1[0], d1[2], d1[4], d1[6]));
         STORE(b + X1 + CH / 2, bytes4(d1[1], d1[3], d1[5], d1[7]));
         STORE(b + X2, bytes4(d2[0], d2[2], d2[4], d2[6]));
         STORE(b + X2 + CH / 2, bytes4(d2[1], d2[3], d2[5], d2[7]));
-        STORE(b + OFF, V(sub_epi32)(V(sub_epi32)(lo, lo), V(slli_epi32)(V(add_epi32)(V(slli_epi32)(s1, 8), s2), 3)));
-        STOREF((float *)(b + SA), V(mul_ps)(amax, V(set1_ps)(1.f / (127.f * 256.f))));
-        STOREF((float *)(b + SS), sum);
+        STOREF((float *)(b + SA), a);
+        STOREF(sq + c * VW, V(mul_ps)(V(mul_ps)(a, V(set1_ps)(-8.f)), V(cvtepi32_ps)(V(add_epi32)(V(slli_epi32)(s1, 8), s2))));
+        STOREF(sx + c * VW, sum);
     }
 }
 #else
 static void prep_chunks(const float *v, int64_t K, uint8_t *prep, int64_t M, int64_t m, int64_t c0, int64_t c1) {
+    float *sq = sums(prep, M, K, m), *sx = sq + lanes(K);
     for (int64_t L = c0 * VW; L < c1 * VW; L++) {
         int64_t c = L / VW, j = L % VW, k0 = 8 * L;
         uint8_t *b = prep + (c * M + m) * CB;
         int8_t *lo1 = (int8_t *)b + X1 + 4 * j, *hi1 = lo1 + CH / 2, *lo2 = (int8_t *)b + X2 + 4 * j, *hi2 = lo2 + CH / 2;
-        int32_t *off = (int32_t *)(b + OFF);
-        float *a = (float *)(b + SA), *s = (float *)(b + SS);
+        float *a = (float *)(b + SA);
         float amax = 0.f, sum = 0.f;
         if (k0 < K)
             for (int i = 0; i < 8; i++) { float t = fabsf(v[k0 + i]); amax = t > amax ? t : amax; sum += v[k0 + i]; }
@@ -170,12 +178,42 @@ static void prep_chunks(const float *v, int64_t K, uint8_t *prep, int64_t M, int
             *p1 = (int8_t)d1, *p2 = (int8_t)d2;
             s1 += (int32_t)d1, s2 += (int32_t)d2;
         }
-        off[j] = -8 * (256 * s1 + s2);
         a[j] = amax / (127.f * 256.f);
-        s[j] = sum;
+        sq[L] = a[j] * -8.f * (float)(256 * s1 + s2);
+        sx[L] = sum;
     }
 }
 #endif
+
+/* row m's lane sums into group sums (g / 8 lanes a group), in place: group G's at index G */
+static void fold_groups(uint8_t *prep, int64_t M, int64_t K, int64_t g, int64_t m) {
+    float *sq = sums(prep, M, K, m), *sx = sq + lanes(K);
+    int64_t per = g / 8;
+    for (int64_t G = 0; G < K / g; G++) {
+        float tq = 0.f, tx = 0.f;
+        for (int64_t i = 0; i < per; i++) tq += sq[G * per + i], tx += sx[G * per + i];
+        sq[G] = tq, sx[G] = tx;
+    }
+}
+
+/* the per-group terms of one weight row against one prepped row: sum over groups of scale * sq + zero * sx */
+static inline float group_dot(const uint16_t *sz, int64_t ng, const float *sq, const float *sx) {
+#if VW == 16
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t G = 0; G < ng; G += 16) { /* a dword per group: scale in the low half, zero in the high */
+        __mmask16 k = (__mmask16)(ng - G >= 16 ? 0xffff : (1u << (ng - G)) - 1);
+        __m512i w = _mm512_maskz_loadu_epi32(k, sz + 2 * G);
+        acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), _mm512_maskz_loadu_ps(k, sq + G), acc);
+        acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, top)), _mm512_maskz_loadu_ps(k, sx + G), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+#else
+    float t = 0.f;
+    for (int64_t G = 0; G < ng; G++) t += bf16f(sz[2 * G]) * sq[G] + bf16f(sz[2 * G + 1]) * sx[G];
+    return t;
+#endif
+}
 
 /* row m of x (fp32 or bf16, rows ldx elements apart) inputs [k0, k0 + n) into buf */
 static inline void load_row(const void *x, int x_bf16, int64_t off, int64_t n, float *buf) {
@@ -183,7 +221,17 @@ static inline void load_row(const void *x, int x_bf16, int64_t off, int64_t n, f
     else memcpy(buf, (const float *)x + off, n * sizeof(float));
 }
 
-/* ---- one weight row against `mb` prepped rows: out[m] = W[n] . x[m] --------------------------------- */
+/* ---- a tile: nr weight rows (nr = 1 or NR) against mr (<= MR) prepped rows --------------------------
+   out[r * MR + m] = W[r] . x[m] without the per-group terms (tile adds them). A weight chunk is loaded
+   and unpacked once for the tile's mr rows and a row's prepped chunk once for its nr weight rows, so that
+   at many tokens a chunk's weights cost their unpacking once per MR rows and the activations' loads once
+   per NR weight rows. */
+#ifndef NR
+#define NR 2
+#endif
+#ifndef MR
+#define MR 8
+#endif
 #if VW == 16
 #ifdef __AVX512VNNI__
 #define DOT(acc, lo, xl, hi, xh) _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, xl), hi, xh)
@@ -191,57 +239,73 @@ static inline void load_row(const void *x, int x_bf16, int64_t off, int64_t n, f
 #define DOT(acc, lo, xl, hi, xh) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_add_epi16( \
         _mm512_maddubs_epi16(lo, xl), _mm512_maddubs_epi16(hi, xh)), _mm512_set1_epi16(1)))
 #endif
-/* one chunk: the nibbles of 128 weights (w, masked for a tail), lanes' scales / zeros from the words at
-   p (masked to the chunk's groups), against the chunk's prepped blocks of mb rows at b */
-static inline __attribute__((always_inline)) void chunk_dot(__m512i w, const uint16_t *p, __mmask32 smask,
-                                                            __m512i idx_s, __m512i idx_z, const uint8_t *b, int mb,
-                                                            __m512 *acc, __m512 *accz) {
+/* one chunk of the tile: the nibbles of 128 weights a row (wmask: a tail's bytes), lanes' scales from the
+   words at sz (smask: the chunk's groups), against the chunk's prepped blocks of mr rows at b */
+static inline __attribute__((always_inline)) void tile_chunk(const uint8_t *q, int64_t ldq, const uint16_t *sz,
+                                                             int64_t ldsz, int nr, __mmask64 wmask, __mmask32 smask,
+                                                             __m512i idx_s, const uint8_t *b, int mr,
+                                                             __m512 acc[NR][MR]) {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
-    __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
-    __m512i sw = _mm512_maskz_loadu_epi16(smask, p);
-    __m512 S = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx_s, sw));
-    __m512 Z = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx_z, sw));
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; m++) {
-        if (m >= mb) break;
-        const uint8_t *r = b + m * CB;
-        __m512i d1 = DOT(_mm512_setzero_si512(), lo, _mm512_loadu_si512(r + X1), hi, _mm512_loadu_si512(r + X1 + 64));
-        __m512i d2 = DOT(_mm512_loadu_si512(r + OFF), lo, _mm512_loadu_si512(r + X2), hi, _mm512_loadu_si512(r + X2 + 64));
-        __m512i d = _mm512_add_epi32(_mm512_slli_epi32(d1, 8), d2);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(S, _mm512_loadu_ps(r + SA)), acc[m]);
-        accz[m] = _mm512_fmadd_ps(Z, _mm512_loadu_ps(r + SS), accz[m]);
+    __m512i lo[NR], hi[NR];
+    __m512 S[NR];
+    for (int r = 0; r < NR; r++) {
+        if (r >= nr) break;
+        __m512i w = _mm512_maskz_loadu_epi8(wmask, q + r * ldq);
+        lo[r] = _mm512_and_si512(w, m4), hi[r] = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+        S[r] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx_s,
+                                                                  _mm512_maskz_loadu_epi16(smask, sz + r * ldsz)));
+    }
+    for (int m = 0; m < MR; m++) {
+        if (m >= mr) break;
+        const uint8_t *x = b + m * CB;
+        __m512 a = _mm512_loadu_ps(x + SA);
+        for (int r = 0; r < NR; r++) {
+            if (r >= nr) break;
+            __m512i d1 = DOT(_mm512_setzero_si512(), lo[r], _mm512_loadu_si512(x + X1), hi[r], _mm512_loadu_si512(x + X1 + 64));
+            __m512i d2 = DOT(_mm512_setzero_si512(), lo[r], _mm512_loadu_si512(x + X2), hi[r], _mm512_loadu_si512(x + X2 + 64));
+            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(d1, 8), d2);
+            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(S[r], a), acc[r][m]);
+        }
     }
 }
 
-/* out[m] = W's row (q, sz) . x[m] over chunks [c0, c1), m < mb; prep at row m0's chunk 0, cs bytes a chunk */
-static inline __attribute__((always_inline)) void row_dot(const uint8_t *q, const uint16_t *sz, int64_t K, int lg,
-                                                          const uint8_t *prep, int64_t cs, int mb, float *out,
-                                                          int64_t c0, int64_t c1) {
+static inline __attribute__((always_inline)) void tile_dot(const uint8_t *q, int64_t ldq, const uint16_t *sz,
+                                                           int64_t ldsz, int nr, int64_t K, int lg, const uint8_t *prep,
+                                                           int64_t cs, int mr, float *out) {
     int64_t full = K / CH, tail = K % CH;
-    /* lane j's scale and zero: words 2 * (8j / g) and + 1 of the chunk's groups, each into the high half of
-       lane j's dword (a bf16 there is its float); the even words are zeroed by the permute's mask */
+    /* lane j's scale: word 2 * (8j / g) of the chunk's groups, into the high half of lane j's dword (a bf16
+       there is its float); the even words are zeroed by the permute's mask */
     const __m512i words = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
                                            12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i idx_s = _mm512_slli_epi16(_mm512_srl_epi16(_mm512_srli_epi16(words, 1), _mm_cvtsi32_si128(lg - 3)), 1);
-    const __m512i idx_z = _mm512_add_epi16(idx_s, _mm512_set1_epi16(1));
     const __mmask32 full_mask = (__mmask32)((1u << (2 * (CH >> lg))) - 1);
-    __m512 acc[MB], accz[MB];
-    for (int m = 0; m < MB; m++) acc[m] = accz[m] = _mm512_setzero_ps();
-    for (int64_t c = c0; c < min64(c1, full); c++) {
-        __builtin_prefetch(q + c * (CH / 2) + PF, 0, PFL);
-        __builtin_prefetch(sz + 2 * ((c * CH) >> lg) + PF / 16, 0, PFL);
-        chunk_dot(_mm512_loadu_si512(q + c * (CH / 2)), sz + 2 * ((c * CH) >> lg), full_mask, idx_s, idx_z,
-                  prep + c * cs, mb, acc, accz);
+    __m512 acc[NR][MR];
+    for (int r = 0; r < NR; r++)
+        for (int m = 0; m < MR; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < full; c++) {
+        for (int r = 0; r < NR; r++) {
+            if (r >= nr) break;
+            __builtin_prefetch(q + r * ldq + c * (CH / 2) + PF, 0, PFL);
+            __builtin_prefetch(sz + r * ldsz + 2 * ((c * CH) >> lg) + PF / 16, 0, PFL);
+        }
+        tile_chunk(q + c * (CH / 2), ldq, sz + 2 * ((c * CH) >> lg), ldsz, nr, ~(__mmask64)0, full_mask, idx_s,
+                   prep + c * cs, mr, acc);
     }
-    if (tail && c1 > full) {
+    if (tail) {
         int64_t ng = tail >> lg ? tail >> lg : 1;
-        chunk_dot(_mm512_maskz_loadu_epi8(((__mmask64)1 << (tail / 2)) - 1, q + full * (CH / 2)),
-                  sz + 2 * ((full * CH) >> lg), (__mmask32)((1u << (2 * ng)) - 1), idx_s, idx_z, prep + full * cs,
-                  mb, acc, accz);
+        tile_chunk(q + full * (CH / 2), ldq, sz + 2 * ((full * CH) >> lg), ldsz, nr, ((__mmask64)1 << (tail / 2)) - 1,
+                   (__mmask32)((1u << (2 * ng)) - 1), idx_s, prep + full * cs, mr, acc);
     }
-    for (int m = 0; m < mb && m < MB; m++) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], accz[m]));
+    for (int r = 0; r < NR; r++) {
+        if (r >= nr) break;
+        for (int m = 0; m < MR; m++) {
+            if (m >= mr) break;
+            out[r * MR + m] = _mm512_reduce_add_ps(acc[r][m]);
+        }
+    }
 }
-#elif VW == 8
+#else
+#if VW == 8
 static inline __m256i dot8(__m256i acc, __m256i lo, __m256i xl, __m256i hi, __m256i xh) {
     __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
@@ -252,63 +316,53 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+/* out[m] = one weight row . mb prepped rows (AVX2 has 16 vector registers: one row at a time) */
 static inline __attribute__((always_inline)) void row_dot(const uint8_t *q, const uint16_t *sz, int64_t K, int lg,
-                                                          const uint8_t *prep, int64_t cs, int mb, float *out,
-                                                          int64_t c0, int64_t c1) {
+                                                          const uint8_t *prep, int64_t cs, int mb, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m256 acc[MB], accz[MB];
-    for (int m = 0; m < MB; m++) acc[m] = accz[m] = _mm256_setzero_ps();
-    for (int64_t c = c0; c < c1; c++) {
+    __m256 acc[MR];
+    for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks(K); c++) {
         int64_t kc = c * CH, nk = min64(CH, K - kc);
         __builtin_prefetch(q + kc / 2 + PF);
-        __builtin_prefetch(sz + 2 * (kc >> lg) + PF / 8);
         __m256i w = nk == CH ? _mm256_loadu_si256((const __m256i *)(q + kc / 2))
                              : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + kc / 2)));
         __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
         const uint16_t *p = sz + 2 * (kc >> lg);
-        __m256 S, Z;
-        if ((1 << lg) < CH && nk == CH) { /* g = 32: lanes 0-3 group one, 4-7 group two */
-            S = _mm256_setr_m128(_mm_set1_ps(bf16f(p[0])), _mm_set1_ps(bf16f(p[2])));
-            Z = _mm256_setr_m128(_mm_set1_ps(bf16f(p[1])), _mm_set1_ps(bf16f(p[3])));
-        } else {
-            S = _mm256_set1_ps(bf16f(p[0]));
-            Z = _mm256_set1_ps(bf16f(p[1]));
-        }
-        for (int m = 0; m < MB; m++) {
+        __m256 S = (1 << lg) < CH && nk == CH /* g = 32: lanes 0-3 group one, 4-7 group two */
+                       ? _mm256_setr_m128(_mm_set1_ps(bf16f(p[0])), _mm_set1_ps(bf16f(p[2])))
+                       : _mm256_set1_ps(bf16f(p[0]));
+        for (int m = 0; m < MR; m++) {
             if (m >= mb) break;
             const uint8_t *r = prep + c * cs + m * CB;
             __m256i d1 = dot8(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(r + X1)), hi,
                               _mm256_loadu_si256((const __m256i *)(r + X1 + 32)));
-            __m256i d2 = dot8(_mm256_loadu_si256((const __m256i *)(r + OFF)), lo, _mm256_loadu_si256((const __m256i *)(r + X2)),
-                              hi, _mm256_loadu_si256((const __m256i *)(r + X2 + 32)));
-            __m256i d = _mm256_add_epi32(_mm256_slli_epi32(d1, 8), d2);
+            __m256i d = dot8(_mm256_slli_epi32(d1, 8), lo, _mm256_loadu_si256((const __m256i *)(r + X2)), hi,
+                             _mm256_loadu_si256((const __m256i *)(r + X2 + 32)));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(S, _mm256_loadu_ps((const float *)(r + SA))), acc[m]);
-            accz[m] = _mm256_fmadd_ps(Z, _mm256_loadu_ps((const float *)(r + SS)), accz[m]);
         }
     }
-    for (int m = 0; m < mb && m < MB; m++) out[m] = hsum8(_mm256_add_ps(acc[m], accz[m]));
+    for (int m = 0; m < mb && m < MR; m++) out[m] = hsum8(acc[m]);
 }
 #else
 /* portable C: the same sums lane by lane */
-static inline void row_dot(const uint8_t *q, const uint16_t *sz, int64_t K, int lg, const uint8_t *prep,
-                           int64_t cs, int mb, float *out, int64_t c0, int64_t c1) {
+static inline void row_dot(const uint8_t *q, const uint16_t *sz, int64_t K, int lg, const uint8_t *prep, int64_t cs,
+                           int mb, float *out) {
     for (int m = 0; m < mb; m++) {
         float acc[VW] = {0};
-        for (int64_t c = c0; c < c1; c++) {
+        for (int64_t c = 0; c < chunks(K); c++) {
             int64_t kc = c * CH, nk = min64(CH, K - kc);
             for (int j = 0; j < VW; j++) {
                 if (8 * j >= nk) break;
                 const uint8_t *qb = q + kc / 2 + 4 * j, *r = prep + c * cs + m * CB;
                 const int8_t *x1 = (const int8_t *)r + X1 + 4 * j, *x2 = (const int8_t *)r + X2 + 4 * j;
-                int64_t gi = (kc + 8 * j) >> lg;
-                int32_t d1 = 0, d2 = ((const int32_t *)(r + OFF))[j];
+                int32_t d1 = 0, d2 = 0;
                 for (int i = 0; i < 4; i++) {
                     int32_t l = qb[i] & 15, h = qb[i] >> 4;
                     d1 += l * x1[i] + h * x1[CH / 2 + i];
                     d2 += l * x2[i] + h * x2[CH / 2 + i];
                 }
-                acc[j] += (float)(d1 * 256 + d2) * (bf16f(sz[2 * gi]) * ((const float *)(r + SA))[j]) +
-                          bf16f(sz[2 * gi + 1]) * ((const float *)(r + SS))[j];
+                acc[j] += (float)(d1 * 256 + d2) * (bf16f(sz[2 * ((kc + 8 * j) >> lg)]) * ((const float *)(r + SA))[j]);
             }
         }
         float t = 0.f;
@@ -317,16 +371,57 @@ static inline void row_dot(const uint8_t *q, const uint16_t *sz, int64_t K, int 
     }
 }
 #endif
+static inline __attribute__((always_inline)) void tile_dot(const uint8_t *q, int64_t ldq, const uint16_t *sz,
+                                                           int64_t ldsz, int nr, int64_t K, int lg, const uint8_t *prep,
+                                                           int64_t cs, int mr, float *out) {
+    for (int r = 0; r < nr; r++) row_dot(q + r * ldq, sz + r * ldsz, K, lg, prep, cs, mr, out + r * MR);
+}
+#endif
 
-/* row_dot with mb (1..MB) known at compile time in each branch: the accumulators stay in registers */
-static inline void row_dots(const uint8_t *q, const uint16_t *sz, int64_t K, int lg, const uint8_t *prep, int64_t cs,
-                            int mb, float *out, int64_t c0, int64_t c1) {
-    switch (mb) {
-    case 1: row_dot(q, sz, K, lg, prep, cs, 1, out, c0, c1); break;
-    case 2: row_dot(q, sz, K, lg, prep, cs, 2, out, c0, c1); break;
-    case 3: row_dot(q, sz, K, lg, prep, cs, 3, out, c0, c1); break;
-    default: row_dot(q, sz, K, lg, prep, cs, 4, out, c0, c1); break;
+/* one weight row against one activation row: its own function, so that every build runs the same code for
+   it (one token's decode, the hot path) whatever the tile sizes */
+__attribute__((noinline)) static void dot1(const uint8_t *q, const uint16_t *sz, int64_t K, int lg, const uint8_t *prep,
+                                           int64_t cs, float *out) {
+    tile_dot(q, 0, sz, 0, 1, K, lg, prep, cs, 1, out);
+}
+
+/* out[r * MR + m] = W[r] . x[m], r < nr (1..NR), m < mr (1..MR); W's rows ldq bytes / ldsz words apart
+   from (q, sz); x's prepped chunks cs bytes apart from prep, its group sums gst floats apart from gs.
+   Each (nr, mr) a compile-time pair, so that the accumulators stay in registers. */
+static void tile(const uint8_t *q, int64_t ldq, const uint16_t *sz, int64_t ldsz, int nr, int64_t K, int lg,
+                 const uint8_t *prep, int64_t cs, int mr, const float *gs, int64_t gst, float *out) {
+#define TILE(R, M) tile_dot(q + r * ldq, ldq, sz + r * ldsz, ldsz, R, K, lg, prep, cs, M, out + r * MR)
+#define TILES(R)                                                                                                   \
+    switch (mr) {                                                                                                  \
+    case 1: TILE(R, 1); break;                                                                                     \
+    case 2: TILE(R, 2); break;                                                                                     \
+    case 3: TILE(R, 3); break;                                                                                     \
+    case 4: TILE(R, 4); break;                                                                                     \
+    case 5: TILE(R, 5); break;                                                                                     \
+    case 6: TILE(R, 6); break;                                                                                     \
+    case 7: TILE(R, 7); break;                                                                                     \
+    case 8: TILE(R, 8); break;                                                                                     \
+    case 9: TILE(R, 9); break;                                                                                     \
+    case 10: TILE(R, 10); break;                                                                                   \
+    case 11: TILE(R, 11); break;                                                                                   \
+    case 12: TILE(R, 12); break;                                                                                   \
+    case 13: TILE(R, 13); break;                                                                                   \
+    case 14: TILE(R, 14); break;                                                                                   \
+    case 15: TILE(R, 15); break;                                                                                   \
+    default: TILE(R, 16); break;                                                                                   \
     }
+    if (mr == 1) /* one activation row: a weight row at a time (one prefetched stream a thread streams fastest) */
+        for (int r = 0; r < nr; r++) dot1(q + r * ldq, sz + r * ldsz, K, lg, prep, cs, out + r * MR);
+    else if (nr == NR) {
+        int r = 0;
+        TILES(NR)
+    } else
+        for (int r = 0; r < nr; r++) TILES(1)
+#undef TILES
+#undef TILE
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mr; m++)
+            out[r * MR + m] += group_dot(sz + r * ldsz, K >> lg, gs + m * gst, gs + m * gst + lanes(K));
 }
 
 static inline void store(void *y, int y_bf16, int64_t i, float v) {
@@ -383,36 +478,21 @@ int mlight_int4_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
         for (int64_t m = 0; m < M; m++) {
             load_row(x, x_bf16, m * ldx, K, xf + m * K);
             prep_chunks(xf + m * K, K, scratch, M, m, 0, nch);
+            fold_groups(scratch, M, K, g, m);
         }
-        if (M == 1 || (M <= MB && prep_bytes(M, K) <= 40960)) { /* the prepped rows stay in L1 (48 KB on Zen 5) */
-            OMP(omp for schedule(static))
-            for (int64_t n = 0; n < N; n++) {
-                float out[MB];
-                row_dots(q + n * ldq, sz + n * ldsz, K, lg, scratch, cs, (int)M, out, 0, nch);
-                for (int m = 0; m < M; m++) store(y, y_bf16, m * ldy + n, out[m]);
-            }
-        } else { /* a block of rows at a time, over slices of K whose prepped rows stay in L1 */
-            int64_t sl = 24576 / (min64(M, MM) * CB), nb = (N + RB - 1) / RB;
-            sl = sl ? sl : 1;
-            OMP(omp for schedule(static))
-            for (int64_t b = 0; b < nb; b++) {
-                float part[RB * MM], out[MB];
-                int64_t n0 = b * RB, rows = min64(RB, N - n0);
-                for (int64_t m16 = 0; m16 < M; m16 += MM) {
-                    int64_t mm = min64(MM, M - m16);
-                    memset(part, 0, sizeof part);
-                    for (int64_t c0 = 0; c0 < nch; c0 += sl)
-                        for (int64_t r = 0; r < rows; r++)
-                            for (int64_t m0 = 0; m0 < mm; m0 += MB) {
-                                int mb = (int)min64(MB, mm - m0);
-                                row_dots(q + (n0 + r) * ldq, sz + (n0 + r) * ldsz, K, lg, scratch + (m16 + m0) * CB,
-                                         cs, mb, out, c0, min64(nch, c0 + sl));
-                                for (int m = 0; m < mb; m++) part[r * MM + m0 + m] += out[m];
-                            }
-                    for (int64_t r = 0; r < rows; r++)
-                        for (int64_t m = 0; m < mm; m++) store(y, y_bf16, (m16 + m) * ldy + n0 + r, part[r * MM + m]);
+        /* a tile's NR weight rows stay in L1 while its rows of activations pass, MR at a time */
+        OMP(omp for schedule(static))
+        for (int64_t n0 = 0; n0 < N; n0 += NR) {
+            int nr = N - n0 >= NR ? NR : 1;
+            for (int64_t n = n0; n < min64(n0 + NR, N); n += nr)
+                for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                    float out[NR * MR];
+                    int mr = (int)min64(MR, M - m0);
+                    tile(q + n * ldq, ldq, sz + n * ldsz, ldsz, nr, K, lg, scratch + m0 * CB, cs, mr,
+                         sums(scratch, M, K, m0), 2 * lanes(K), out);
+                    for (int r = 0; r < nr; r++)
+                        for (int m = 0; m < mr; m++) store(y, y_bf16, (m0 + m) * ldy + n + r, out[r * MR + m]);
                 }
-            }
         }
     }
     return 0;
@@ -440,15 +520,15 @@ int mlight_int4_moe(const void *x, int x_bf16, int64_t D, int64_t I, int64_t g, 
     {
         OMP(omp for schedule(static))
         for (int64_t c = 0; c < ncd; c++) prep_chunks(xf, D, px, 1, 0, c, c + 1);
-        OMP(omp for schedule(static) collapse(2))
+        OMP(omp single)
+        fold_groups(px, 1, D, g, 0);
+        OMP(omp for schedule(static) collapse(2)) /* NR of the 2I gate/up rows a tile (2I and D: multiples of 32) */
         for (int e = 0; e < nexp; e++)
-            for (int64_t i = 0; i < I; i++) {
-                const uint8_t *q = q13 + ids[e] * q13_es;
-                const uint16_t *s = s13 + ids[e] * s13_es;
-                float gt, up;
-                row_dot(q + i * (D / 2), s + i * lsd, D, lg, px, CB, 1, &gt, 0, ncd);
-                row_dot(q + (I + i) * (D / 2), s + (I + i) * lsd, D, lg, px, CB, 1, &up, 0, ncd);
-                gu[e * 2 * I + i] = gt, gu[e * 2 * I + I + i] = up;
+            for (int64_t i = 0; i < 2 * I; i += NR) {
+                float o[NR * MR];
+                tile(q13 + ids[e] * q13_es + i * (D / 2), D / 2, s13 + ids[e] * s13_es + i * lsd, lsd, NR, D, lg, px, CB,
+                     1, sums(px, 1, D, 0), 0, o);
+                for (int r = 0; r < NR; r++) gu[e * 2 * I + i + r] = o[r * MR];
             }
         OMP(omp for schedule(static) collapse(2))
         for (int e = 0; e < nexp; e++)
@@ -457,18 +537,23 @@ int mlight_int4_moe(const void *x, int x_bf16, int64_t D, int64_t I, int64_t g, 
                 for (int64_t k = c * CH; k < min64((c + 1) * CH, I); k++) h[k] = silu_mul(h[k], h[I + k]);
                 prep_chunks(h, I, ph + e * psi, 1, 0, c, c + 1);
             }
-        /* expert by expert, so that one expert's prepped activations (25 KB at I = 7168) stay in L1; each
+        OMP(omp for schedule(static))
+        for (int e = 0; e < nexp; e++) fold_groups(ph + e * psi, 1, I, g, 0);
+        /* expert by expert, so that one expert's prepped activations (18 KB at I = 7168) stay in L1; each
            thread owns the same rows d for every expert (static schedules of equal loops), so it adds into
            its own sums without waiting for the others */
         for (int e = 0; e < nexp; e++) {
             OMP(omp for schedule(static) nowait)
-            for (int64_t d = 0; d < D; d++) {
-                float y;
-                row_dot(q2 + ids[e] * q2_es + d * (I / 2), s2 + ids[e] * s2_es + d * lsi, I, lg, ph + e * psi, CB, 1,
-                        &y, 0, nci);
-                float t = (e ? acc[d] : 0.f) + w[e] * y;
-                if (e + 1 < nexp) acc[d] = t;
-                else store(out, out_bf16, d, t);
+            for (int64_t d0 = 0; d0 < D; d0 += NR) {
+                float o[NR * MR];
+                tile(q2 + ids[e] * q2_es + d0 * (I / 2), I / 2, s2 + ids[e] * s2_es + d0 * lsi, lsi, NR, I, lg,
+                     ph + e * psi, CB, 1, sums(ph + e * psi, 1, I, 0), 0, o);
+                for (int r = 0; r < NR; r++) {
+                    int64_t d = d0 + r;
+                    float t = (e ? acc[d] : 0.f) + w[e] * o[r * MR];
+                    if (e + 1 < nexp) acc[d] = t;
+                    else store(out, out_bf16, d, t);
+                }
             }
         }
     }
