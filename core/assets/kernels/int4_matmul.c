@@ -57,25 +57,29 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t chunks(int64_t K) { return (K + CH - 1) / CH; }
 
 /* ---- prep: activation rows as digits in the kernel's order -----------------------------------------
-   One block of CB bytes per (chunk c, row m), at prep + (c * M + m) * CB, so that one pointer and fixed
-   displacements reach every row's operands of a chunk: x1 low | x1 high | x2 low | x2 high (CH/2 int8 each)
-   | a [VW] f32. Byte 4j+i of a "low" part holds input c*CH + 8j + 2i (the partner of the low nibbles), of a
+   One block of CB(dg) bytes per (chunk c, row m), at prep + (c * M + m) * CB(dg), so that one pointer and
+   fixed displacements reach every row's operands of a chunk: x1 low | x1 high | x2 low | x2 high (CH/2 int8
+   each) | a [VW] f32 — or, with one digit (dg = 1), x1 low | x1 high | a. Byte 4j+i of a "low" part holds input c*CH + 8j + 2i (the partner of the low nibbles), of a
    "high" part input c*CH + 8j + 2i + 1. After the blocks, per row, two arrays of nl = chunks * VW floats:
    first per lane, then (fold_groups) per group of g inputs, -8 * the sum of the digits' values (xq) and the
    sum of the inputs themselves (x). The weights' -8 and zero are applied per group, once a row, from these:
        y[n] = sum over lanes L of scale(L) * a(L) * (256 * q.x1 + q.x2)
             + sum over groups G of scale(G) * (-8 * sum xq) + zero(G) * sum x          (group_dot)
-   which keeps a chunk's work per row to its four dot products and one fp32 multiply-add, and the bytes of
-   activations a weight row reads to 2.5 per input (from 3.5 with per-lane offsets and sums). */
-#define CB (2 * CH + 4 * VW)
+   which keeps a chunk's work per row to its dot products and one fp32 multiply-add, and the bytes of
+   activations a weight row reads to 2.5 per input (from 3.5 with per-lane offsets and sums).
+   Digits: two (x ~ a * (256 x1 + x2), ~15 bits) for fp32 inputs; one (x ~ a * x1, 8 bits a lane: bf16's
+   own precision at the lane's largest input) for bf16 inputs — half the dot products, which bound a
+   call at many tokens, and 1.5 prepped bytes an input. */
+#define CB(dg) ((dg) * CH + 4 * VW)
 #define X1 0
 #define X2 CH
-#define SA (2 * CH)
+#define SA(dg) ((dg) * CH)
 static inline int64_t lanes(int64_t K) { return chunks(K) * VW; }
-static inline int64_t prep_bytes(int64_t M, int64_t K) { return chunks(K) * CB * M + M * 2 * lanes(K) * 4; }
-/* row m's sums: -8 * sum xq at [0, nl), sum x at [nl, 2 nl) (per lane, then per group) */
+static inline int64_t prep_bytes(int64_t M, int64_t K) { return chunks(K) * CB(2) * M + M * 2 * lanes(K) * 4; }
+/* row m's sums: -8 * sum xq at [0, nl), sum x at [nl, 2 nl) (per lane, then per group); where two digits'
+   blocks would end, whatever the digits */
 static inline float *sums(uint8_t *prep, int64_t M, int64_t K, int64_t m) {
-    return (float *)(prep + chunks(K) * CB * M) + m * 2 * lanes(K);
+    return (float *)(prep + chunks(K) * CB(2) * M) + m * 2 * lanes(K);
 }
 
 static inline float bf16f(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -125,7 +129,8 @@ static inline vpi bytes4(vpi a, vpi b, vpi c, vpi d) {
     return OR(OR(AND(a, ff), V(slli_epi32)(AND(b, ff), 8)), OR(V(slli_epi32)(AND(c, ff), 16), V(slli_epi32)(d, 24)));
 }
 
-static void prep_chunks(const float *v, int64_t K, uint8_t *prep, int64_t M, int64_t m, int64_t c0, int64_t c1) {
+static void prep_chunks(const float *v, int64_t K, uint8_t *prep, int64_t M, int64_t m, int64_t c0, int64_t c1,
+                        int dg) {
     const vpi lane = LANE_IDX, lo = V(set1_epi32)(-127), hi = V(set1_epi32)(127);
     float *sq = sums(prep, M, K, m), *sx = sq + lanes(K);
     for (int64_t c = c0; c < c1; c++) {
@@ -147,25 +152,29 @@ static void prep_chunks(const float *v, int64_t K, uint8_t *prep, int64_t M, int
             s1 = V(add_epi32)(s1, d1[t]);
             s2 = V(add_epi32)(s2, d2[t]);
         }
-        uint8_t *b = prep + (c * M + m) * CB;
-        vps a = V(mul_ps)(amax, V(set1_ps)(1.f / (127.f * 256.f)));
+        uint8_t *b = prep + (c * M + m) * CB(dg);
+        vps a = V(mul_ps)(amax, V(set1_ps)(dg == 2 ? 1.f / (127.f * 256.f) : 1.f / 127.f));
         STORE(b + X1, bytes4(d1[0], d1[2], d1[4], d1[6]));
         STORE(b + X1 + CH / 2, bytes4(d1[1], d1[3], d1[5], d1[7]));
-        STORE(b + X2, bytes4(d2[0], d2[2], d2[4], d2[6]));
-        STORE(b + X2 + CH / 2, bytes4(d2[1], d2[3], d2[5], d2[7]));
-        STOREF((float *)(b + SA), a);
-        STOREF(sq + c * VW, V(mul_ps)(V(mul_ps)(a, V(set1_ps)(-8.f)), V(cvtepi32_ps)(V(add_epi32)(V(slli_epi32)(s1, 8), s2))));
+        if (dg == 2) {
+            STORE(b + X2, bytes4(d2[0], d2[2], d2[4], d2[6]));
+            STORE(b + X2 + CH / 2, bytes4(d2[1], d2[3], d2[5], d2[7]));
+        }
+        STOREF((float *)(b + SA(dg)), a);
+        vpi d = dg == 2 ? V(add_epi32)(V(slli_epi32)(s1, 8), s2) : s1;
+        STOREF(sq + c * VW, V(mul_ps)(V(mul_ps)(a, V(set1_ps)(-8.f)), V(cvtepi32_ps)(d)));
         STOREF(sx + c * VW, sum);
     }
 }
 #else
-static void prep_chunks(const float *v, int64_t K, uint8_t *prep, int64_t M, int64_t m, int64_t c0, int64_t c1) {
+static void prep_chunks(const float *v, int64_t K, uint8_t *prep, int64_t M, int64_t m, int64_t c0, int64_t c1,
+                        int dg) {
     float *sq = sums(prep, M, K, m), *sx = sq + lanes(K);
     for (int64_t L = c0 * VW; L < c1 * VW; L++) {
         int64_t c = L / VW, j = L % VW, k0 = 8 * L;
-        uint8_t *b = prep + (c * M + m) * CB;
+        uint8_t *b = prep + (c * M + m) * CB(dg);
         int8_t *lo1 = (int8_t *)b + X1 + 4 * j, *hi1 = lo1 + CH / 2, *lo2 = (int8_t *)b + X2 + 4 * j, *hi2 = lo2 + CH / 2;
-        float *a = (float *)(b + SA);
+        float *a = (float *)(b + SA(dg));
         float amax = 0.f, sum = 0.f;
         if (k0 < K)
             for (int i = 0; i < 8; i++) { float t = fabsf(v[k0 + i]); amax = t > amax ? t : amax; sum += v[k0 + i]; }
@@ -174,12 +183,12 @@ static void prep_chunks(const float *v, int64_t K, uint8_t *prep, int64_t M, int
         for (int i = 0; i < 8; i++) {
             float t = k0 < K ? v[k0 + i] * inv : 0.f, d1 = rintf(t), d2 = rintf((t - d1) * 256.f);
             d2 = d2 > 127.f ? 127.f : d2 < -127.f ? -127.f : d2;
-            int8_t *p1 = (i & 1 ? hi1 : lo1) + i / 2, *p2 = (i & 1 ? hi2 : lo2) + i / 2;
-            *p1 = (int8_t)d1, *p2 = (int8_t)d2;
+            *((i & 1 ? hi1 : lo1) + i / 2) = (int8_t)d1;
+            if (dg == 2) *((i & 1 ? hi2 : lo2) + i / 2) = (int8_t)d2;
             s1 += (int32_t)d1, s2 += (int32_t)d2;
         }
-        a[j] = amax / (127.f * 256.f);
-        sq[L] = a[j] * -8.f * (float)(256 * s1 + s2);
+        a[j] = dg == 2 ? amax / (127.f * 256.f) : amax / 127.f;
+        sq[L] = a[j] * -8.f * (float)(dg == 2 ? 256 * s1 + s2 : s1);
         sx[L] = sum;
     }
 }
@@ -196,10 +205,10 @@ static void fold_groups(uint8_t *prep, int64_t M, int64_t K, int64_t g, int64_t 
     }
 }
 
-/* the per-group terms of one weight row against one prepped row: sum over groups of scale * sq + zero * sx */
-static inline float group_dot(const uint16_t *sz, int64_t ng, const float *sq, const float *sx) {
+/* the per-group terms of one weight row against one prepped row: sum over groups of scale * sq + zero * sx
+   (AVX-512: into a row's vector of sums, before its one reduction) */
 #if VW == 16
-    __m512 acc = _mm512_setzero_ps();
+static inline __m512 group_acc(__m512 acc, const uint16_t *sz, int64_t ng, const float *sq, const float *sx) {
     const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
     for (int64_t G = 0; G < ng; G += 16) { /* a dword per group: scale in the low half, zero in the high */
         __mmask16 k = (__mmask16)(ng - G >= 16 ? 0xffff : (1u << (ng - G)) - 1);
@@ -207,13 +216,15 @@ static inline float group_dot(const uint16_t *sz, int64_t ng, const float *sq, c
         acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), _mm512_maskz_loadu_ps(k, sq + G), acc);
         acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, top)), _mm512_maskz_loadu_ps(k, sx + G), acc);
     }
-    return _mm512_reduce_add_ps(acc);
+    return acc;
+}
 #else
+static inline float group_dot(const uint16_t *sz, int64_t ng, const float *sq, const float *sx) {
     float t = 0.f;
     for (int64_t G = 0; G < ng; G++) t += bf16f(sz[2 * G]) * sq[G] + bf16f(sz[2 * G + 1]) * sx[G];
     return t;
-#endif
 }
+#endif
 
 /* row m of x (fp32 or bf16, rows ldx elements apart) inputs [k0, k0 + n) into buf */
 static inline void load_row(const void *x, int x_bf16, int64_t off, int64_t n, float *buf) {
@@ -243,7 +254,7 @@ static inline void load_row(const void *x, int x_bf16, int64_t off, int64_t n, f
    words at sz (smask: the chunk's groups), against the chunk's prepped blocks of mr rows at b */
 static inline __attribute__((always_inline)) void tile_chunk(const uint8_t *q, int64_t ldq, const uint16_t *sz,
                                                              int64_t ldsz, int nr, __mmask64 wmask, __mmask32 smask,
-                                                             __m512i idx_s, const uint8_t *b, int mr,
+                                                             __m512i idx_s, const uint8_t *b, int mr, int dg,
                                                              __m512 acc[NR][MR]) {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     __m512i lo[NR], hi[NR];
@@ -257,13 +268,14 @@ static inline __attribute__((always_inline)) void tile_chunk(const uint8_t *q, i
     }
     for (int m = 0; m < MR; m++) {
         if (m >= mr) break;
-        const uint8_t *x = b + m * CB;
-        __m512 a = _mm512_loadu_ps(x + SA);
+        const uint8_t *x = b + m * CB(dg);
+        __m512 a = _mm512_loadu_ps(x + SA(dg));
         for (int r = 0; r < NR; r++) {
             if (r >= nr) break;
-            __m512i d1 = DOT(_mm512_setzero_si512(), lo[r], _mm512_loadu_si512(x + X1), hi[r], _mm512_loadu_si512(x + X1 + 64));
-            __m512i d2 = DOT(_mm512_setzero_si512(), lo[r], _mm512_loadu_si512(x + X2), hi[r], _mm512_loadu_si512(x + X2 + 64));
-            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(d1, 8), d2);
+            __m512i d = DOT(_mm512_setzero_si512(), lo[r], _mm512_loadu_si512(x + X1), hi[r], _mm512_loadu_si512(x + X1 + 64));
+            if (dg == 2)
+                d = _mm512_add_epi32(_mm512_slli_epi32(d, 8), DOT(_mm512_setzero_si512(), lo[r], _mm512_loadu_si512(x + X2),
+                                                                  hi[r], _mm512_loadu_si512(x + X2 + 64)));
             acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(S[r], a), acc[r][m]);
         }
     }
@@ -271,7 +283,8 @@ static inline __attribute__((always_inline)) void tile_chunk(const uint8_t *q, i
 
 static inline __attribute__((always_inline)) void tile_dot(const uint8_t *q, int64_t ldq, const uint16_t *sz,
                                                            int64_t ldsz, int nr, int64_t K, int lg, const uint8_t *prep,
-                                                           int64_t cs, int mr, float *out) {
+                                                           int64_t cs, int mr, int dg, const float *gs, int64_t gst,
+                                                           float *out) {
     int64_t full = K / CH, tail = K % CH;
     /* lane j's scale: word 2 * (8j / g) of the chunk's groups, into the high half of lane j's dword (a bf16
        there is its float); the even words are zeroed by the permute's mask */
@@ -289,18 +302,19 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *q, int
             __builtin_prefetch(sz + r * ldsz + 2 * ((c * CH) >> lg) + PF / 16, 0, PFL);
         }
         tile_chunk(q + c * (CH / 2), ldq, sz + 2 * ((c * CH) >> lg), ldsz, nr, ~(__mmask64)0, full_mask, idx_s,
-                   prep + c * cs, mr, acc);
+                   prep + c * cs, mr, dg, acc);
     }
     if (tail) {
         int64_t ng = tail >> lg ? tail >> lg : 1;
         tile_chunk(q + full * (CH / 2), ldq, sz + 2 * ((full * CH) >> lg), ldsz, nr, ((__mmask64)1 << (tail / 2)) - 1,
-                   (__mmask32)((1u << (2 * ng)) - 1), idx_s, prep + full * cs, mr, acc);
+                   (__mmask32)((1u << (2 * ng)) - 1), idx_s, prep + full * cs, mr, dg, acc);
     }
     for (int r = 0; r < NR; r++) {
         if (r >= nr) break;
         for (int m = 0; m < MR; m++) {
             if (m >= mr) break;
-            out[r * MR + m] = _mm512_reduce_add_ps(acc[r][m]);
+            const float *sq = gs + m * gst;
+            out[r * MR + m] = _mm512_reduce_add_ps(group_acc(acc[r][m], sz + r * ldsz, K >> lg, sq, sq + lanes(K)));
         }
     }
 }
@@ -318,7 +332,7 @@ static inline float hsum8(__m256 v) {
 }
 /* out[m] = one weight row . mb prepped rows (AVX2 has 16 vector registers: one row at a time) */
 static inline __attribute__((always_inline)) void row_dot(const uint8_t *q, const uint16_t *sz, int64_t K, int lg,
-                                                          const uint8_t *prep, int64_t cs, int mb, float *out) {
+                                                          const uint8_t *prep, int64_t cs, int mb, int dg, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256 acc[MR];
     for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
@@ -334,12 +348,13 @@ static inline __attribute__((always_inline)) void row_dot(const uint8_t *q, cons
                        : _mm256_set1_ps(bf16f(p[0]));
         for (int m = 0; m < MR; m++) {
             if (m >= mb) break;
-            const uint8_t *r = prep + c * cs + m * CB;
-            __m256i d1 = dot8(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(r + X1)), hi,
-                              _mm256_loadu_si256((const __m256i *)(r + X1 + 32)));
-            __m256i d = dot8(_mm256_slli_epi32(d1, 8), lo, _mm256_loadu_si256((const __m256i *)(r + X2)), hi,
-                             _mm256_loadu_si256((const __m256i *)(r + X2 + 32)));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(S, _mm256_loadu_ps((const float *)(r + SA))), acc[m]);
+            const uint8_t *r = prep + c * cs + m * CB(dg);
+            __m256i d = dot8(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(r + X1)), hi,
+                             _mm256_loadu_si256((const __m256i *)(r + X1 + 32)));
+            if (dg == 2)
+                d = dot8(_mm256_slli_epi32(d, 8), lo, _mm256_loadu_si256((const __m256i *)(r + X2)), hi,
+                         _mm256_loadu_si256((const __m256i *)(r + X2 + 32)));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(S, _mm256_loadu_ps((const float *)(r + SA(dg)))), acc[m]);
         }
     }
     for (int m = 0; m < mb && m < MR; m++) out[m] = hsum8(acc[m]);
@@ -347,22 +362,23 @@ static inline __attribute__((always_inline)) void row_dot(const uint8_t *q, cons
 #else
 /* portable C: the same sums lane by lane */
 static inline void row_dot(const uint8_t *q, const uint16_t *sz, int64_t K, int lg, const uint8_t *prep, int64_t cs,
-                           int mb, float *out) {
+                           int mb, int dg, float *out) {
     for (int m = 0; m < mb; m++) {
         float acc[VW] = {0};
         for (int64_t c = 0; c < chunks(K); c++) {
             int64_t kc = c * CH, nk = min64(CH, K - kc);
             for (int j = 0; j < VW; j++) {
                 if (8 * j >= nk) break;
-                const uint8_t *qb = q + kc / 2 + 4 * j, *r = prep + c * cs + m * CB;
+                const uint8_t *qb = q + kc / 2 + 4 * j, *r = prep + c * cs + m * CB(dg);
                 const int8_t *x1 = (const int8_t *)r + X1 + 4 * j, *x2 = (const int8_t *)r + X2 + 4 * j;
                 int32_t d1 = 0, d2 = 0;
                 for (int i = 0; i < 4; i++) {
                     int32_t l = qb[i] & 15, h = qb[i] >> 4;
                     d1 += l * x1[i] + h * x1[CH / 2 + i];
-                    d2 += l * x2[i] + h * x2[CH / 2 + i];
+                    if (dg == 2) d2 += l * x2[i] + h * x2[CH / 2 + i];
                 }
-                acc[j] += (float)(d1 * 256 + d2) * (bf16f(sz[2 * ((kc + 8 * j) >> lg)]) * ((const float *)(r + SA))[j]);
+                acc[j] += (float)(dg == 2 ? d1 * 256 + d2 : d1) * (bf16f(sz[2 * ((kc + 8 * j) >> lg)]) *
+                                                                  ((const float *)(r + SA(dg)))[j]);
             }
         }
         float t = 0.f;
@@ -373,24 +389,34 @@ static inline void row_dot(const uint8_t *q, const uint16_t *sz, int64_t K, int 
 #endif
 static inline __attribute__((always_inline)) void tile_dot(const uint8_t *q, int64_t ldq, const uint16_t *sz,
                                                            int64_t ldsz, int nr, int64_t K, int lg, const uint8_t *prep,
-                                                           int64_t cs, int mr, float *out) {
-    for (int r = 0; r < nr; r++) row_dot(q + r * ldq, sz + r * ldsz, K, lg, prep, cs, mr, out + r * MR);
+                                                           int64_t cs, int mr, int dg, const float *gs, int64_t gst,
+                                                           float *out) {
+    for (int r = 0; r < nr; r++) {
+        row_dot(q + r * ldq, sz + r * ldsz, K, lg, prep, cs, mr, dg, out + r * MR);
+        for (int m = 0; m < mr; m++)
+            out[r * MR + m] += group_dot(sz + r * ldsz, K >> lg, gs + m * gst, gs + m * gst + lanes(K));
+    }
 }
 #endif
 
 /* one weight row against one activation row: its own function, so that every build runs the same code for
    it (one token's decode, the hot path) whatever the tile sizes */
 __attribute__((noinline)) static void dot1(const uint8_t *q, const uint16_t *sz, int64_t K, int lg, const uint8_t *prep,
-                                           int64_t cs, float *out) {
-    tile_dot(q, 0, sz, 0, 1, K, lg, prep, cs, 1, out);
+                                           int64_t cs, int dg, const float *gs, float *out) {
+    if (dg == 2) tile_dot(q, 0, sz, 0, 1, K, lg, prep, cs, 1, 2, gs, 0, out);
+    else tile_dot(q, 0, sz, 0, 1, K, lg, prep, cs, 1, 1, gs, 0, out);
 }
 
 /* out[r * MR + m] = W[r] . x[m], r < nr (1..NR), m < mr (1..MR); W's rows ldq bytes / ldsz words apart
    from (q, sz); x's prepped chunks cs bytes apart from prep, its group sums gst floats apart from gs.
    Each (nr, mr) a compile-time pair, so that the accumulators stay in registers. */
 static void tile(const uint8_t *q, int64_t ldq, const uint16_t *sz, int64_t ldsz, int nr, int64_t K, int lg,
-                 const uint8_t *prep, int64_t cs, int mr, const float *gs, int64_t gst, float *out) {
-#define TILE(R, M) tile_dot(q + r * ldq, ldq, sz + r * ldsz, ldsz, R, K, lg, prep, cs, M, out + r * MR)
+                 const uint8_t *prep, int64_t cs, int mr, int dg, const float *gs, int64_t gst, float *out) {
+#define TILE(R, M)                                                                                                 \
+    do {                                                                                                           \
+        if (dg == 2) tile_dot(q + r * ldq, ldq, sz + r * ldsz, ldsz, R, K, lg, prep, cs, M, 2, gs, gst, out + r * MR); \
+        else tile_dot(q + r * ldq, ldq, sz + r * ldsz, ldsz, R, K, lg, prep, cs, M, 1, gs, gst, out + r * MR);        \
+    } while (0)
 #define TILES(R)                                                                                                   \
     switch (mr) {                                                                                                  \
     case 1: TILE(R, 1); break;                                                                                     \
@@ -400,18 +426,10 @@ static void tile(const uint8_t *q, int64_t ldq, const uint16_t *sz, int64_t ldsz
     case 5: TILE(R, 5); break;                                                                                     \
     case 6: TILE(R, 6); break;                                                                                     \
     case 7: TILE(R, 7); break;                                                                                     \
-    case 8: TILE(R, 8); break;                                                                                     \
-    case 9: TILE(R, 9); break;                                                                                     \
-    case 10: TILE(R, 10); break;                                                                                   \
-    case 11: TILE(R, 11); break;                                                                                   \
-    case 12: TILE(R, 12); break;                                                                                   \
-    case 13: TILE(R, 13); break;                                                                                   \
-    case 14: TILE(R, 14); break;                                                                                   \
-    case 15: TILE(R, 15); break;                                                                                   \
-    default: TILE(R, 16); break;                                                                                   \
+    default: TILE(R, MR); break;                                                                                   \
     }
     if (mr == 1) /* one activation row: a weight row at a time (one prefetched stream a thread streams fastest) */
-        for (int r = 0; r < nr; r++) dot1(q + r * ldq, sz + r * ldsz, K, lg, prep, cs, out + r * MR);
+        for (int r = 0; r < nr; r++) dot1(q + r * ldq, sz + r * ldsz, K, lg, prep, cs, dg, gs, out + r * MR);
     else if (nr == NR) {
         int r = 0;
         TILES(NR)
@@ -419,9 +437,6 @@ static void tile(const uint8_t *q, int64_t ldq, const uint16_t *sz, int64_t ldsz
         for (int r = 0; r < nr; r++) TILES(1)
 #undef TILES
 #undef TILE
-    for (int r = 0; r < nr; r++)
-        for (int m = 0; m < mr; m++)
-            out[r * MR + m] += group_dot(sz + r * ldsz, K >> lg, gs + m * gst, gs + m * gst + lanes(K));
 }
 
 static inline void store(void *y, int y_bf16, int64_t i, float v) {
@@ -469,7 +484,8 @@ int mlight_int4_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
                        const uint16_t *sz, int64_t ldsz, int64_t N, int64_t g, void *y, int y_bf16, int64_t ldy,
                        uint8_t *scratch, int threads) {
     if (!shape_ok(K, g) || M < 1) return -1;
-    int64_t nch = chunks(K), cs = M * CB; /* prep: row m's chunk c at scratch + c * cs + m * CB */
+    int dg = x_bf16 ? 1 : 2; /* digits an input: see prep */
+    int64_t nch = chunks(K), cs = M * CB(dg); /* prep: row m's chunk c at scratch + c * cs + m * CB(dg) */
     int lg = log2g(g);
     float *xf = (float *)(scratch + prep_bytes(M, K));
     OMP(omp parallel num_threads(threads))
@@ -477,7 +493,7 @@ int mlight_int4_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
         OMP(omp for schedule(static))
         for (int64_t m = 0; m < M; m++) {
             load_row(x, x_bf16, m * ldx, K, xf + m * K);
-            prep_chunks(xf + m * K, K, scratch, M, m, 0, nch);
+            prep_chunks(xf + m * K, K, scratch, M, m, 0, nch, dg);
             fold_groups(scratch, M, K, g, m);
         }
         /* a tile's NR weight rows stay in L1 while its rows of activations pass, MR at a time */
@@ -488,7 +504,7 @@ int mlight_int4_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
                 for (int64_t m0 = 0; m0 < M; m0 += MR) {
                     float out[NR * MR];
                     int mr = (int)min64(MR, M - m0);
-                    tile(q + n * ldq, ldq, sz + n * ldsz, ldsz, nr, K, lg, scratch + m0 * CB, cs, mr,
+                    tile(q + n * ldq, ldq, sz + n * ldsz, ldsz, nr, K, lg, scratch + m0 * CB(dg), cs, mr, dg,
                          sums(scratch, M, K, m0), 2 * lanes(K), out);
                     for (int r = 0; r < nr; r++)
                         for (int m = 0; m < mr; m++) store(y, y_bf16, (m0 + m) * ldy + n + r, out[r * MR + m]);
@@ -509,7 +525,7 @@ int mlight_int4_moe(const void *x, int x_bf16, int64_t D, int64_t I, int64_t g, 
     if (!shape_ok(D, g) || !shape_ok(I, g) || nexp < 1 || nexp > 64) return -1;
     int64_t psd = prep_bytes(1, D), psi = prep_bytes(1, I), ncd = chunks(D), nci = chunks(I);
     int64_t lsd = 2 * D / g, lsi = 2 * I / g; /* words between rows of scales */
-    int lg = log2g(g);
+    int lg = log2g(g), dg = x_bf16 ? 1 : 2; /* digits an input, for x and the expert activations alike */
     uint8_t *px = scratch, *ph = scratch + psd;
     float *gu = (float *)(ph + nexp * psi), *xf = gu + nexp * 2 * I, *acc = xf + D;
     float w[64];
@@ -519,15 +535,15 @@ int mlight_int4_moe(const void *x, int x_bf16, int64_t D, int64_t I, int64_t g, 
     OMP(omp parallel num_threads(threads))
     {
         OMP(omp for schedule(static))
-        for (int64_t c = 0; c < ncd; c++) prep_chunks(xf, D, px, 1, 0, c, c + 1);
+        for (int64_t c = 0; c < ncd; c++) prep_chunks(xf, D, px, 1, 0, c, c + 1, dg);
         OMP(omp single)
         fold_groups(px, 1, D, g, 0);
         OMP(omp for schedule(static) collapse(2)) /* NR of the 2I gate/up rows a tile (2I and D: multiples of 32) */
         for (int e = 0; e < nexp; e++)
             for (int64_t i = 0; i < 2 * I; i += NR) {
                 float o[NR * MR];
-                tile(q13 + ids[e] * q13_es + i * (D / 2), D / 2, s13 + ids[e] * s13_es + i * lsd, lsd, NR, D, lg, px, CB,
-                     1, sums(px, 1, D, 0), 0, o);
+                tile(q13 + ids[e] * q13_es + i * (D / 2), D / 2, s13 + ids[e] * s13_es + i * lsd, lsd, NR, D, lg, px,
+                     CB(dg), 1, dg, sums(px, 1, D, 0), 0, o);
                 for (int r = 0; r < NR; r++) gu[e * 2 * I + i + r] = o[r * MR];
             }
         OMP(omp for schedule(static) collapse(2))
@@ -535,7 +551,7 @@ int mlight_int4_moe(const void *x, int x_bf16, int64_t D, int64_t I, int64_t g, 
             for (int64_t c = 0; c < nci; c++) {
                 float *h = gu + e * 2 * I; /* silu(gate) * up over this chunk, in place of the gates */
                 for (int64_t k = c * CH; k < min64((c + 1) * CH, I); k++) h[k] = silu_mul(h[k], h[I + k]);
-                prep_chunks(h, I, ph + e * psi, 1, 0, c, c + 1);
+                prep_chunks(h, I, ph + e * psi, 1, 0, c, c + 1, dg);
             }
         OMP(omp for schedule(static))
         for (int e = 0; e < nexp; e++) fold_groups(ph + e * psi, 1, I, g, 0);
@@ -547,7 +563,7 @@ int mlight_int4_moe(const void *x, int x_bf16, int64_t D, int64_t I, int64_t g, 
             for (int64_t d0 = 0; d0 < D; d0 += NR) {
                 float o[NR * MR];
                 tile(q2 + ids[e] * q2_es + d0 * (I / 2), I / 2, s2 + ids[e] * s2_es + d0 * lsi, lsi, NR, I, lg,
-                     ph + e * psi, CB, 1, sums(ph + e * psi, 1, I, 0), 0, o);
+                     ph + e * psi, CB(dg), 1, dg, sums(ph + e * psi, 1, I, 0), 0, o);
                 for (int r = 0; r < NR; r++) {
                     int64_t d = d0 + r;
                     float t = (e ? acc[d] : 0.f) + w[e] * o[r * MR];

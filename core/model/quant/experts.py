@@ -174,15 +174,24 @@ class QuantExperts:
 
 def kernel_probe(name: str, rows: int = 64, n: int = 2048, k: int = 1024, dtype: torch.dtype = torch.bfloat16):
     """(run, flops): one call of the CPU kernel for `name` (int8, or int4 at the default group) on `rows`
-    tokens, as the engine calls it — mlight's C int4 kernel where it runs (expanding above KERNEL_ROWS rows),
-    else torch's weight-only kernel — what the hardware probe times for the planner.
+    tokens, as the engine calls it — mlight's C int4 kernel where it runs (expanding above NATIVE_INT4_ROWS
+    rows), else torch's weight-only kernel — what the hardware probe times for the planner. One token on
+    the C kernel is the engine's fused call (QuantExperts.one_token): two of four experts with hidden k and
+    width n / 2 (an expert's gate/up matrix n × k), so the rate is that call's, not one small matrix's,
+    whose fixed cost per call would read as a slower kernel.
     RuntimeError where this torch or CPU has no such kernel."""
     fmt = Format("int4", DEFAULT_INT4_GROUP) if name == "int4" else Format(name)
     g = torch.Generator().manual_seed(0)
+    if fmt.name == "int4" and rows == 1 and int4.runs(dtype, k, n // 2, group=fmt.group):
+        E, D, I = 4, k, n // 2
+        w13 = quantize(fmt, torch.randn(E, 2 * I, D, generator=g) / D ** 0.5)
+        w2 = quantize(fmt, torch.randn(E, D, I, generator=g) / I ** 0.5)
+        h, idx, wts = torch.randn(1, D, generator=g).to(dtype), torch.tensor([[1, 3]]), torch.tensor([[0.5, 0.5]])
+        return (lambda: int4.moe(h, idx, wts, (w13["q"], w13["sz"]), (w2["q"], w2["sz"]), fmt.group)), 2.0 * 2 * 3 * D * I
     parts = quantize(fmt, torch.randn(n, k, generator=g) / k ** 0.5)
     x = torch.randn(rows, k, generator=g).to(dtype)
     if fmt.name == "int4" and int4.runs(dtype, k, group=fmt.group):  # as QuantExperts._linear on the C kernel
-        if rows <= KERNEL_ROWS:
+        if rows <= NATIVE_INT4_ROWS:
             return (lambda: int4.linear(x, parts["q"], parts["sz"], fmt.group)), 2.0 * rows * n * k
         ws = Workspace(torch.device("cpu"))
         return (lambda: F.linear(x, expand_into(ws, fmt, parts, n, k, dtype))), 2.0 * rows * n * k
