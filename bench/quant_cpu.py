@@ -127,7 +127,7 @@ def decode_rate(engine, batch: int, gen: int, prompt: str, clock: str = "wall") 
     return [batch / t for t in steps]
 
 
-def backend_crossover(spec, fmt_name: str, group: int, rows=(1, 4, 16, 32, 64, 96), reps: int = 5,
+def backend_crossover(spec, fmt_name: str, group: int, rows=(1, 4, 16, 32, 64, 96, 128, 192), reps: int = 5,
                       clock: str = "wall") -> dict:
     """Per expert: seconds of up + down for n routed tokens, on the kernel and by expanding into a scratch
     buffer then multiplying in bf16 — over one layer's worth of experts quantized like the engine's."""

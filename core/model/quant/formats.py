@@ -31,9 +31,10 @@ CHUNK_ELEMS_DEVICE = 1 << 23  # 32 MB: a Mixtral expert's up projection in 14 ch
 # Above this many tokens on one expert the CPU's int8 kernel loses to expand-then-matmul (bench/quant_cpu.py);
 # here, not in experts.py, so that the planner (which never imports torch) prices what the engine runs.
 KERNEL_ROWS = 16
-# mlight's C int4 kernel (core.model.cpu.int4) stays ahead of expanding up to ≈ 64 tokens on one expert
-# (bench/quant_cpu.py's per-expert table: 1.7 vs 5.3 ms at 16 tokens, 6.7 vs 6.4 at 64, small model)
-NATIVE_INT4_ROWS = 48
+# mlight's C int4 kernel (core.model.cpu.int4) stays ahead of expanding the expert into bf16 well past 64
+# tokens on one expert since its tiles of 2 weight rows x 8 token rows (bench/quant_cpu.py's per-expert
+# table, small model, bf16: 0.97 vs 7.2 ms at 16 tokens, 3.5 vs 8.4 at 64, 5.2 vs 9.1 at 96)
+NATIVE_INT4_ROWS = 128
 _ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
