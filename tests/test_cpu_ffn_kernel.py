@@ -86,6 +86,24 @@ def test_uneven_loads_idle_experts_and_one_taking_every_token():
 
 
 @runs
+def test_long_k_in_several_blocks_and_every_row_count_of_an_expert():
+    """K runs in blocks of 64 pairs with each tile's sums carried between them: D = 320 (160 pairs: 64,
+    64, 32) and I = 224 (112: 64, 48); expert 0 gets 1..20 rows across calls, split into balanced tiles
+    (13 rows: 5, 4, 4), the other slot spread over experts 1-3. Within the same 6e-3 of float64."""
+    g = torch.Generator().manual_seed(5)
+    E, D, I = 4, 320, 224
+    w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).bfloat16()
+    w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).bfloat16()
+    nat = ffn.NativeExperts(w13, w2)
+    for T in (1, 2, 6, 7, 13, 20):
+        h = torch.randn(T, D, generator=g).bfloat16()
+        idx = torch.stack([torch.zeros(T, dtype=torch.int64), 1 + torch.arange(T) % 3], 1)
+        w = torch.rand(T, 2, generator=g).bfloat16()
+        ref = _reference(h, w13, w2, w, idx)
+        assert _rel(nat(h, w, idx), ref) < 6e-3, T
+
+
+@runs
 def test_a_long_prefill_runs_in_chunks_with_the_same_result(monkeypatch):
     w13, w2 = _experts()
     h, w, idx = _route(29, 6)
