@@ -165,6 +165,15 @@ def test_a_runs_own_measurements_are_folded_back(no_gpu, monkeypatch):
     other = SimpleNamespace(**{**vars(engine), "spec": __import__("core.plan.presets", fromlist=["x"]).resolve_spec("mixtral-8x7b")})
     assert fb.fold_back(other, meter, 4, hw=hw) is None
     assert len(cpu_history.load(hw, "float32", base.model)) == 7
+    # folding runs after a finished run's results are saved: its failure costs the next prediction, not the run
+    meter = fb.RunSums()
+    for e in _run_events(spec, hw, policy, work, {"compute": 1, "attention": 1, "prefill": 1}):
+        meter(e)
+    for broken in (OSError("read-only cache"), ValueError("a damaged calibration file")):
+        def refuse(*a, err=broken, **k):
+            raise err
+        monkeypatch.setattr(cpu_history, "record", refuse)
+        assert fb.fold_back(engine, meter, 4, hw=hw) is None
 
 
 def test_mlight_run_says_the_spread_and_folds_its_run_back(no_gpu, monkeypatch, capsys, tmp_path, demo_model):

@@ -77,7 +77,16 @@ def foldable(engine) -> bool:
 
 def fold_back(engine, meter: RunSums, micro_batch: int, hw=None) -> dict | None:
     """Fold the run `meter` watched into this machine's history; the summary (cpu_history.summary, with the
-    run's `ratios` to the prediction) or None when the run is not one to fold (see the module's doc)."""
+    run's `ratios` to the prediction) or None when the run is not one to fold (see the module's doc) or the
+    folding failed: it runs after a finished run's results are saved, and bookkeeping for the next
+    prediction must never turn that run into a failed one."""
+    try:
+        return _fold_back(engine, meter, micro_batch, hw)
+    except Exception:  # noqa: BLE001 - a cache that cannot be written or read, a model the planner refuses, ...
+        return None
+
+
+def _fold_back(engine, meter: RunSums, micro_batch: int, hw) -> dict | None:
     from core.plan import cpu_history, hrm
     from core.plan.hardware import cached_probe
     from core.plan.planner import Workload, predict
@@ -112,8 +121,5 @@ def fold_back(engine, meter: RunSums, micro_batch: int, hw=None) -> dict | None:
     if not factors:
         return None
     new = cpu_history.entry(d, costs, factors, "run", batch=(policy.batch_size, policy.micro_batch_size))
-    try:
-        _, summary = cpu_history.record(hw, d, costs, [new])
-    except OSError:  # a cache that cannot be written costs the next prediction this run, not the run itself
-        return None
+    _, summary = cpu_history.record(hw, d, costs, [new])
     return {**summary, "ratios": ratios}
