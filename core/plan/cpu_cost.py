@@ -27,7 +27,8 @@ from pathlib import Path
 
 from core.model.attention import slices
 
-VERSION = 3  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back
+VERSION = 4  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
+# 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.
@@ -45,6 +46,10 @@ class CpuCosts:
     expert_call_s: float = 0.0  # ... per call
     gemv_s: float = 0.0  # an expert call of ≤ direct_rows rows reads its narrow weights directly: per element
     direct_rows: int = 0
+    # the fused expert kernel (core.model.cpu.ffn) takes at most this many tokens a call, each call reading every
+    # expert it routes to again; its SwiGLU, gathers and scatter run inside it (in the expert terms, not elem_s).
+    # 0: per-expert GEMMs (oneDNN's or widened), one call per expert whatever the tokens
+    expert_chunk: int = 0
     # weights that stay in the last-level cache between steps cost less to read: per element when
     # cached (0 = not measured: the model is larger than the cache), and the cache's size
     weight_hot_s: float = 0.0
@@ -58,6 +63,7 @@ class CpuCosts:
     sdpa_flop_s: float = 0.0  # seconds per FLOP of prefill attention
     task_s: float = 0.0  # overhead per task of the step graph (Python, dispatch, small ops)
     prompt_s: float = 0.0  # overhead per prompt in a prefill task (its own attention call)
+    prefill_act_s: float = 0.0  # per activation element (token x hidden) of a prefill call mapped fresh (fresh_tokens)
     step_s: float = 0.0  # overhead per engine step (embedding, sampling set-up, bookkeeping)
     seq_s: float = 0.0  # overhead per request per step (sampling, stop checks)
     wave_s: float = 0.0  # overhead per prefill step beyond step_s: admitting a wave (its runner and cache made,
@@ -183,13 +189,33 @@ def _direct(d, t: float, direct_rows: int) -> tuple[float, float]:
 def experts_seconds(d, c: CpuCosts, t: float) -> float:
     """Routed experts of t tokens in one expert batch: each touched expert's two GEMMs (GEMVs for the
     experts with ≤ direct_rows rows, where narrow weights are read directly), plus the gather, SwiGLU,
-    scaling and scatter of the t·k routed rows."""
+    scaling and scatter of the t·k routed rows; or the fused kernel's calls (fused_experts_seconds)."""
+    if c.expert_chunk:
+        return fused_experts_seconds(d, c, t)
     e, _rows = _experts(d, t)
     rows = t * d.k
     few_e, few_rows = _direct(d, t, c.direct_rows)
     many_e, many_rows = max(0.0, e - few_e), max(0.0, rows - few_rows)
     return (c.gemm(many_rows, 2 * d.I, d.D, many_e, expert=True) + c.gemm(many_rows, d.D, d.I, many_e, expert=True)
             + c.gemv(2 * d.I, d.D, few_e) + c.gemv(d.D, d.I, few_e) + c.elem_s * rows * (3 * d.D + 3 * d.I))
+
+
+def fused_experts_seconds(d, c: CpuCosts, t: float) -> float:
+    """The fused kernel's routed experts of t tokens: `expert_chunk` tokens a call — a prefill of 4,900 tokens
+    is ten calls, each reading the experts' weights again (priced as one, a prefill's experts per token
+    looked 17 % cheaper at 64 prompts a call than at 4; measured: the same) — and in a call, the slower of
+    its arithmetic and its weights: it streams the weights while it computes. On two Zen 5 cores the
+    784M's layer took 4.0-4.4 ms from 8 to 64 tokens (the weights) and 7, 14, 28 ms at 128, 256, 512
+    (the arithmetic): their sum, the per-expert GEMMs' shape, was 20-29 % off at both ends."""
+    whole = int(t // c.expert_chunk)
+    rest = t - whole * c.expert_chunk
+    return whole * _fused_call(d, c, c.expert_chunk) + (_fused_call(d, c, rest) if rest > 0 else 0.0)
+
+
+def _fused_call(d, c: CpuCosts, t: float) -> float:
+    e, _rows = _experts(d, t)
+    per = 3 * d.I * d.D  # weight elements of one expert (gate and up, down)
+    return max(c.expert_flop_s * 2 * t * d.k * per, c.expert_weight_s * e * per) + c.expert_call_s * e
 
 
 def attention_seconds(d, c: CpuCosts, b: float, context: float, row_tokens: float | None = None,
@@ -217,6 +243,22 @@ def head_seconds(d, c: CpuCosts, tokens: float) -> float:
     return c.gemm(tokens, d.V, d.D) + c.elem_s * tokens * (4 * d.D + 2 * d.V) + c.step_s + c.seq_s * tokens
 
 
+# A tensor larger than this is mapped fresh from the OS at every allocation and page-faulted as it is first
+# written (glibc's largest mmap threshold; smaller ones are reused from the heap). A prefill layer makes a dozen
+# [tokens, hidden] activations a call: on two Zen 5 cores the 784M's prefill ran 67-69 µs a token per layer
+# from 277 to 4,879 tokens a call and 77-85 µs at 19,497 — its norms, sums and copies 4x slower a token —
+# and 67-68 µs again at 19,497 with the allocator told to keep its memory.
+FRESH_BYTES = 32 << 20
+
+
+def fresh_tokens(d, c: CpuCosts, t: float) -> float:
+    """Tokens of a prefill call of t tokens whose activations are mapped fresh (FRESH_BYTES): none while a
+    [t, hidden] activation in the math dtype is under half of it, all from the whole of it, in between a ramp
+    (its fp32 temporaries and the wider QKV cross first)."""
+    hi = FRESH_BYTES / (d.D * (2 if c.math == "bfloat16" else 4))
+    return t * min(1.0, max(0.0, 2 * t / hi - 1))
+
+
 def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> float:
     """One CPU-only prefill task: a micro-batch of `prompts` prompts of `prompt_len` tokens on average
     through one layer; `prompt_sq` is the mean of the squared prompt lengths (causal attention grows
@@ -225,7 +267,9 @@ def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq
     pre, post = dense_seconds(d, c, t)
     sq = prompt_sq if prompt_sq is not None else prompt_len * prompt_len
     flops = 4 * prompts * ((sq + prompt_len) / 2) * d.heads * d.head_dim
-    return (pre + post + experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts + c.task_s) * c.prefill_eff
+    spill = c.prefill_act_s * fresh_tokens(d, c, t) * d.D
+    return (pre + post + experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts + spill
+            + c.task_s) * c.prefill_eff
 
 
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,

@@ -5,10 +5,12 @@ relative error, coefficients kept ≥ 0):
 1. GEMMs: the engine's dense and expert kernels (plain, oneDNN-prepacked or widened from bf16) timed
    in isolation on this model's weight shapes over a spread of row counts, cycling through as many
    weights as the model has (capped past any last-level cache), so they come from RAM exactly when
-   the model's do → flop_s, weight_s, call_s (+ gemv_s below `direct_rows`).
+   the model's do → flop_s, weight_s, call_s (+ gemv_s below `direct_rows`). Where the fused expert
+   kernel runs the experts (core.model.cpu.ffn), it is timed instead, whole layers a call (fused_terms).
 2. The engine's runner on this model: decode steps over KV rows filled with random values (so any
-   batch and context can be had without prefilling it) and small prefills → per-activation, per-task,
-   attention and prefill-attention terms, from what the GEMMs leave unexplained.
+   batch and context can be had without prefilling it) and prefills, small ones and two of many prompts
+   (one past the allocator's threshold, cpu_cost.fresh_tokens) → per-activation, per-task, attention,
+   prefill-attention and fresh-activation terms, from what the GEMMs leave unexplained.
 3. A few `Engine.generate` steps → the engine's per-step and per-request overhead.
 Every cost function is linear in the coefficients, so a coefficient's feature is the cost function
 evaluated with that coefficient at 1 and the others at 0: the fit and the prediction cannot drift apart.
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import MlightError
+from core.model.cpu.ffn import CHUNK_TOKENS
 from core.model.cpu.kernels import Widen
 from core.platform import llc_bytes
 from core.plan import cpu_cost, cpu_history, hrm
@@ -47,6 +50,13 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_CONTEXTS = (48, 384)
 SLICED = (48, 400)  # (context, cache row): well under the row, attention copies out the slice rather than read it whole
 PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256), (1, 1024))  # (prompts, tokens each)
+# ... and a call whose activations are mapped fresh (cpu_cost.fresh_tokens): FRESH_OVER times the tokens from
+# which all of them are, in prompts of FRESH_PROMPT tokens, beside one of a quarter of them, where the pieces
+# say both take at most FRESH_MOST_S (the 784M: 17,280 and 4,096 tokens, 13-16 s of its calibration;
+# a model too slow for them leaves the term 0)
+FRESH_PROMPT, FRESH_OVER, FRESH_MOST_S = 128, 1.05, 15.0
+# The fused expert kernel is timed whole, a layer's experts a call, over these tokens (up to its chunk)
+LAYER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 # ---- fitting ---------------------------------------------------------------------------------------
@@ -183,6 +193,72 @@ def engine_kernels(engine):
     return dense, expert, math
 
 
+def fused_layers(engine) -> list:
+    """The engine's layers' experts where the fused kernel runs them (core.model.cpu.ffn.NativeExperts); []
+    elsewhere. Timing oneDNN's packed GEMMs in their place made the expert terms another kernel's: its cost
+    falls with rows per expert where the fused kernel's, 512 tokens a call, does not."""
+    return [lw.packed for lw in engine.weights.layers if hasattr(lw.packed, "fused_swiglu")]
+
+
+def fused_terms(layers: list, d, resident: int, tokens=LAYER_TOKENS,
+                clock=time.perf_counter) -> tuple[float, float, float]:
+    """(expert_flop_s, expert_weight_s, expert_call_s) of the fused kernel (cpu_cost.fused_experts_seconds):
+    whole-layer calls over `tokens` tokens routed uniformly (as the cost model assumes), cycling through
+    `resident` bytes of layers — the engine's own, and copies at other addresses where they hold fewer (a
+    model the cache holds) — so they come from memory as a run's do. The call's time is the slower of its
+    arithmetic and its weights: a roofline fitted as one (`roofline`); expert_call_s stays 0 (a call's own
+    overhead is its task's, task_s)."""
+    import copy
+
+    from core.plan.hrm import expected_experts
+
+    first = layers[0]
+    use = list(layers)
+    while sum(x.held_bytes for x in use) < resident:  # a small model: copies at other addresses, read cold
+        twin = copy.copy(use[len(use) % len(layers)])
+        twin.w13, twin.w2 = twin.w13.clone(), twin.w2.clone()
+        use.append(twin)
+    while len(use) > 1 and sum(x.held_bytes for x in use[:-1]) >= resident:
+        use.pop()
+    g = torch.Generator().manual_seed(0)
+    tick = clock_tick(clock)
+    per = 3 * first.I * first.D  # weight elements of one expert
+    obs = []
+    for t in tokens:
+        h = torch.randn(t, first.D, generator=g).bfloat16()
+        idx = torch.rand(t, first.E, generator=g).topk(d.k, dim=-1).indices
+        w = torch.full((t, d.k), 1.0 / d.k)
+        out = torch.empty(t, first.D, dtype=torch.bfloat16)
+        n = max(1, min(len(use), int(POINT_FLOPS // (2 * t * d.k * per))))
+
+        def run(n=n, h=h, idx=idx, w=w, out=out):
+            for x in use[:n]:
+                x(h, w, idx, out)
+
+        sec = _typical(run, reps=3, clock=clock, tick=tick)
+        if sec is not None:
+            obs.append((2 * t * d.k * per, expected_experts(t, d.E, d.k) * per, sec / n))
+    return (*roofline(obs), 0.0)
+
+
+def roofline(obs: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, b) with seconds ≈ max(a·flops, b·weights) over (flops, weights, seconds) points: each split of the
+    points by arithmetic intensity, the lower ones fitted by their weights and the upper by their flops
+    (a median ratio each), and the split that fits all of them best by relative error."""
+    from statistics import median
+
+    pts = sorted(obs, key=lambda o: o[0] / o[1])
+    best = None
+    for i in range(len(pts) + 1):
+        lo, hi = pts[:i], pts[i:]
+        b = median(s / w for _, w, s in lo) if lo else 0.0
+        a = median(s / f for f, _, s in hi) if hi else 0.0
+        err = sum((max(a * f, b * w) / s - 1) ** 2 for f, w, s in pts)
+        if best is None or err < best[0]:
+            best = (err, a, b)
+    return (best[1], best[2]) if best else (0.0, 0.0)
+
+
 def model_shapes(spec) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(dense, expert) weight shapes (N, K) of a model's GEMMs."""
     D, I, Is = spec.hidden_size, spec.expert_intermediate, spec.shared_intermediate
@@ -260,7 +336,8 @@ def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTE
             out.append(Obs("decode", b, c + s + 1, tc.take(busy), clock() - t0, row))
         del runner
         progress(Progress("calibrating: decode steps", i + 1, len(plan), "shapes"))
-    for i, (p, n) in enumerate(pf for pf in prefills if pf[1] <= limit):
+    prefills = [pf for pf in prefills if pf[1] <= limit]
+    for i, (p, n) in enumerate(prefills):
         runner = tc.install(engine.runner(slots=p, micro_batch_size=p, max_tokens=n + 1))
         prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for _ in range(p)]
         runner.prefill(prompts[:1], [0], [[0]])  # warm-up
@@ -270,6 +347,16 @@ def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTE
         out.append(Obs("prefill", p, n, tc.take(busy), clock() - t0))
         progress(Progress("calibrating: prefills", i + 1, len(prefills), "shapes"))
     return out
+
+
+def fresh_prefills(d, c: CpuCosts, layers: int, limit: int) -> list[tuple[int, int]]:
+    """Two prefill calls of many prompts of the same length: one past the allocator's threshold (FRESH_OVER),
+    one at a quarter of it (nothing fresh; it anchors the per-prompt term at many prompts a call) — if the
+    pieces `c` say they are short enough."""
+    n = min(FRESH_PROMPT, limit)
+    hi = cpu_cost.FRESH_BYTES / (d.D * (2 if c.math == "bfloat16" else 4))
+    calls = [(max(1, math.ceil(x / n)), n) for x in (hi / 4, FRESH_OVER * hi)]
+    return calls if layers * sum(cpu_cost.prefill_seconds(d, c, p, n) for p, n in calls) <= FRESH_MOST_S else []
 
 
 def _layer_decode(d, c: CpuCosts, o: Obs) -> tuple[float, float]:
@@ -308,8 +395,15 @@ def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs]) -> CpuCosts:
     pre = [o for o in obs if o.kind == "prefill"]
     if pre:
         fn = lambda c, o: cpu_cost.prefill_seconds(d, c.for_step(o.b * o.length * d.kv_tok), o.b, o.length)  # noqa: E731
-        got = residual_fit([(o, fn) for o in pre], ("sdpa_flop_s", "prompt_s"), lambda o: o.busy.get("gpu", 0) / L,
+        busy = lambda o: o.busy.get("gpu", 0) / L  # noqa: E731
+        # attention and the per-prompt term from the calls whose activations are reused, then the fresh
+        # activations' term from what those leave of the calls past the threshold: fitted together, one call
+        # of 148 prompts let an inflated per-prompt term explain it (prefill_act_s 0 in one calibration of two)
+        fresh = [o for o in pre if cpu_cost.fresh_tokens(d, base, o.b * o.length) > 0]
+        got = residual_fit([(o, fn) for o in pre if o not in fresh], ("sdpa_flop_s", "prompt_s"), busy,
                            lambda o: fn(base, o))
+        base = dataclasses.replace(base, **got)
+        got = residual_fit([(o, fn) for o in fresh], ("prefill_act_s",), busy, lambda o: fn(base, o))
         base = dataclasses.replace(base, **got)
     return base
 
@@ -638,20 +732,30 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     progress(Progress("calibrating: GEMM kernels", 0, 2, "kernels"))
     cold = min(COLD_FACTOR * cache, max(2 * cache, spec.total_bytes))
     fd, wd, cd, _ = gemm_terms(dense, math, dense_shapes, cold, 0, rows, clock)
-    fx, wx, cx, gx = gemm_terms(expert, math, expert_shapes, cold, direct, rows, clock)
+    fused = fused_layers(engine)
+    base = CpuCosts(math=engine.cpu.math, flop_s=fd, weight_s=wd, call_s=cd, direct_rows=direct, cache_bytes=cache,
+                    expert_chunk=CHUNK_TOKENS if fused else 0, threads=torch.get_num_threads(),
+                    model=cpu_cost.model_key(d), model_bytes=spec.total_bytes, widens=engine.cpu.widens)
+    tokens = LAYER_TOKENS[:6] if quick else LAYER_TOKENS
+    if fused:
+        fx, wx, cx = fused_terms(fused, d, cold, tokens, clock)
+        gx = 0.0
+    else:
+        fx, wx, cx, gx = gemm_terms(expert, math, expert_shapes, cold, direct, rows, clock)
     progress(Progress("calibrating: GEMM kernels", 1, 2, "kernels"))
     hot_d = hot_x = 0.0
     if fits:
         hot_d = gemm_terms(dense, math, dense_shapes, spec.total_bytes, 0, rows, clock)[1]
-        hot_x = gemm_terms(expert, math, expert_shapes, spec.total_bytes, direct, rows, clock)[1]
+        hot_x = (fused_terms(fused, d, sum(x.held_bytes for x in fused), tokens, clock)[1] if fused
+                 else gemm_terms(expert, math, expert_shapes, spec.total_bytes, direct, rows, clock)[1])
     progress(Progress("calibrating: GEMM kernels", 2, 2, "kernels"))
     if windows > 1:
         runs.append(window())
-    base = CpuCosts(math=engine.cpu.math, flop_s=fd, weight_s=wd, call_s=cd, expert_flop_s=fx, expert_weight_s=wx,
-                    expert_call_s=cx, gemv_s=gx, direct_rows=direct, weight_hot_s=hot_d, expert_weight_hot_s=hot_x,
-                    cache_bytes=cache, threads=torch.get_num_threads(), model=cpu_cost.model_key(d),
-                    model_bytes=spec.total_bytes, widens=engine.cpu.widens)
-    kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2, sliced=(16, 64)) if quick else {}
+    base = dataclasses.replace(base, expert_flop_s=fx, expert_weight_s=wx, expert_call_s=cx, gemv_s=gx,
+                               weight_hot_s=hot_d, expert_weight_hot_s=hot_x)
+    limit = spec.max_position - 2
+    kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2, sliced=(16, 64)) if quick \
+        else dict(prefills=PREFILLS + tuple(fresh_prefills(d, base, spec.num_layers, limit)))
     obs = runner_observations(engine, progress=progress, clock=clock, **kw)
     base = fit_engine_terms(engine, base, obs)
     base = fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)

@@ -1,0 +1,163 @@
+"""Predictions at the planner's own batch (issue 11 item 6): a CPU-only run's micro-batches are 16-100x the
+calibration's, and its prefill calls tens of thousands of tokens.
+
+The cost model: the fused expert kernel takes 512 tokens a call and reads every routed expert again in
+each (per-expert GEMMs amortise their weights over any rows), and a prefill call whose activations outgrow
+the last-level cache pays per spilled token. The calibration: it times the expert kernel the engine
+runs (the fused one where it runs, not oneDNN's packed GEMMs), and it fits the spill term from prefill
+calls past the cache, recovering a synthetic per-call-size slowdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from core.model.cpu import ffn
+from core.plan import cpu_cost, hrm
+from core.plan.cpu_cost import CpuCosts
+from core.plan.presets import resolve_spec
+from core.runtime import calibrate as cal
+
+TRUTH = CpuCosts(math="bfloat16", flop_s=1e-12, weight_s=3e-11, call_s=2e-5, expert_flop_s=1e-12,
+                 expert_weight_s=3e-11, expert_call_s=1e-5, elem_s=1.7e-10, sdpa_flop_s=1.5e-10, task_s=8e-5,
+                 prompt_s=2e-3, prefill_act_s=5e-8, cache_bytes=32 << 20, expert_chunk=512)
+
+
+def _dims():
+    return hrm.dims(resolve_spec("mixtral-8x7b"))
+
+
+def test_the_fused_kernels_experts_cost_the_same_per_token_past_its_chunk():
+    d = _dims()
+    per = lambda c, t: cpu_cost.experts_seconds(d, c, t) / t  # noqa: E731
+    assert per(TRUTH, 4096) == pytest.approx(per(TRUTH, 512), rel=1e-9)  # 8 calls, each reading the weights
+    assert cpu_cost.experts_seconds(d, TRUTH, 1100) == pytest.approx(
+        2 * cpu_cost.experts_seconds(d, TRUTH, 512) + cpu_cost.experts_seconds(d, TRUTH, 76), rel=1e-9)
+    # in a call, the slower of the weights (few tokens) and the arithmetic (many): a roofline, not their sum
+    per_expert = 3 * d.I * d.D
+    e16, _ = cpu_cost._experts(d, 16)
+    assert cpu_cost.experts_seconds(d, TRUTH, 16) == pytest.approx(
+        TRUTH.expert_weight_s * e16 * per_expert + TRUTH.expert_call_s * e16, rel=1e-9)
+    e512, _ = cpu_cost._experts(d, 512)
+    assert cpu_cost.experts_seconds(d, TRUTH, 512) == pytest.approx(
+        TRUTH.expert_flop_s * 2 * 512 * d.k * per_expert + TRUTH.expert_call_s * e512, rel=1e-9)
+    # per-expert GEMMs (oneDNN's) read each expert once whatever the rows: the weights' share falls with tokens
+    gemms = dataclasses.replace(TRUTH, expert_chunk=0)
+    assert per(gemms, 4096) < 0.97 * per(gemms, 512)
+    # ... and their SwiGLU and gathers are elementwise work beside the GEMMs, inside the fused kernel
+    assert cpu_cost.experts_seconds(d, gemms, 64) > cpu_cost.experts_seconds(d, TRUTH, 64)
+
+
+def test_a_prefill_call_pays_for_activations_too_large_to_reuse():
+    d = _dims()
+    hi = cpu_cost.FRESH_BYTES / (d.D * 2)  # bf16 activations: from here every one is mapped fresh
+    assert cpu_cost.fresh_tokens(d, TRUTH, hi / 2) == 0.0 and cpu_cost.fresh_tokens(d, TRUTH, hi) == hi
+    assert cpu_cost.fresh_tokens(d, TRUTH, 0.75 * hi) == pytest.approx(0.75 * hi / 2)  # the ramp between
+    assert cpu_cost.fresh_tokens(d, dataclasses.replace(TRUTH, math="float32"), hi / 2) == hi / 2  # fp32: twice the bytes
+    without = dataclasses.replace(TRUTH, prefill_act_s=0.0)
+    for prompts, n in ((2, 64), (64, 77), (452, 77)):
+        t = prompts * n
+        extra = cpu_cost.prefill_seconds(d, TRUTH, prompts, n) - cpu_cost.prefill_seconds(d, without, prompts, n)
+        assert extra == pytest.approx(TRUTH.prefill_act_s * d.D * cpu_cost.fresh_tokens(d, TRUTH, t), rel=1e-9, abs=1e-15)
+    # the calibration's micro-batch of 4 prompts pays nothing for it, a planner's of 452 does, per token
+    ratio = lambda p, n: cpu_cost.prefill_seconds(d, TRUTH, p, n) / cpu_cost.prefill_seconds(d, without, p, n)  # noqa: E731
+    assert ratio(4, 77) == 1.0 and ratio(452, 77) > 1.01
+
+
+def test_calibration_fits_a_per_call_size_slowdown_of_prefill():
+    """Prefill steps timed as a machine with the fresh-activation term would run them: the fit recovers it (and
+    attention's and the per-prompt terms) from the calibration's prefills, one of which is past the threshold."""
+    spec = resolve_spec("mixtral-8x7b")
+    d, L = hrm.dims(spec), spec.num_layers
+    # a machine fast enough that the calibration can afford a prefill past the threshold on this model
+    truth = dataclasses.replace(TRUTH, **{f.name: getattr(TRUTH, f.name) / 1000 for f in dataclasses.fields(CpuCosts)
+                                          if f.type == "float" and f.name not in cpu_cost.EFFICIENCIES})
+    base = dataclasses.replace(truth, sdpa_flop_s=0.0, prompt_s=0.0, prefill_act_s=0.0)
+    big = cal.fresh_prefills(d, base, L, spec.max_position - 2)
+    (p0, n0), (p, n) = big
+    assert cpu_cost.fresh_tokens(d, base, p * n) == p * n  # past the threshold, where a planner's prefill runs
+    assert cpu_cost.fresh_tokens(d, base, p0 * n0) == 0 and n0 == n and p0 >= 8  # the same prompts, fewer
+    obs = [cal.Obs("prefill", p, n, {"gpu": L * cpu_cost.prefill_seconds(d, truth.for_step(p * n * d.kv_tok), p, n)}, 0.0)
+           for p, n in cal.PREFILLS + tuple(big)]
+    got = cal.fit_engine_terms(SimpleNamespace(spec=spec), base, obs)
+    for name in ("sdpa_flop_s", "prompt_s", "prefill_act_s"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
+    # a machine on which that prefill would take too long: no such point, the term stays unmeasured
+    assert cal.fresh_prefills(d, TRUTH, L, spec.max_position - 2) == []
+
+
+class _Clock:
+    """A clock the fake kernel advances by what the cost model says: the fit must give the coefficients back."""
+    resolution = 1e-9
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_fused_kernels_terms_fit_whole_layer_calls():
+    d = _dims()
+    clock = _Clock()
+
+    class Layer:
+        fused_swiglu, E, D, I, held_bytes = True, d.E, d.D, d.I, 1
+
+        def __call__(self, h, w, idx, out):
+            assert idx.shape == (h.shape[0], d.k) and len(set(idx[0].tolist())) == d.k  # distinct experts a token
+            clock.now += clock.cost(h.shape[0])
+
+    # a whole-layer call: the slower of its arithmetic and its weights (its call's overhead is its task's)
+    truth = dataclasses.replace(TRUTH, expert_call_s=0.0)
+    clock.cost = lambda t: cpu_cost.experts_seconds(d, truth, t)
+    got = cal.fused_terms([Layer()], d, 0, tokens=(1, 2, 4, 8, 16, 64, 256, 512), clock=clock)
+    assert got == pytest.approx((truth.expert_flop_s, truth.expert_weight_s, 0.0), rel=1e-6)
+
+
+@pytest.mark.skipif(ffn.library() is None, reason=f"the fused expert kernel does not run here: {ffn.status()}")
+@pytest.mark.parametrize("fused", [True, False])
+def test_calibration_times_the_expert_kernel_the_engine_runs(tmp_path, monkeypatch, fused):
+    """A bf16 engine on a CPU with AVX-512 BF16 runs its experts in the fused kernel: the calibration times that
+    kernel, whole layers a call (not oneDNN's packed GEMMs on the experts' shapes), and prices its chunks;
+    with the kernel switched off (MLIGHT_NATIVE_EXPERTS=0) it times oneDNN's GEMMs, as the engine then runs."""
+    from checkpoints import make_checkpoint
+    from core.runtime.engine import Engine
+
+    path = make_checkpoint("mixtral", tmp_path / "bf16", dtype=torch.bfloat16)
+    monkeypatch.setenv("MLIGHT_CACHE_DIR", str(tmp_path / "cache"))
+    if not fused:
+        monkeypatch.setenv("MLIGHT_NATIVE_EXPERTS", "0")
+    ffn._build.cache_clear()
+    try:
+        engine = Engine.load(path, threads=1)
+        assert bool(cal.fused_layers(engine)) is fused
+        monkeypatch.setattr(cal, "llc_bytes", lambda: 64 << 10)  # a tiny cache: the GEMM stage cycles few copies
+        timed, layers = [], []
+        real_gemm, real_fused = cal.gemm_terms, cal.fused_terms
+        monkeypatch.setattr(cal, "gemm_terms", lambda kernel, math, shapes, *a, **kw: (
+            timed.append(list(shapes)), real_gemm(kernel, math, shapes, *a, **kw))[1])
+        monkeypatch.setattr(cal, "fused_terms", lambda ls, *a, **kw: (layers.append(ls), real_fused(ls, *a, **kw))[1])
+
+        class Stop(Exception):
+            pass
+
+        def stop(engine, base, obs):
+            raise Stop(base)
+
+        monkeypatch.setattr(cal, "fit_engine_terms", stop)
+        with pytest.raises(Stop) as got:
+            cal.calibrate(engine, quick=True, clock=time.perf_counter, batch=2, micro_batch=1, windows=1)
+        base = got.value.args[0]
+        expert_shapes = cal.model_shapes(engine.spec)[1]
+        assert (expert_shapes in timed) is not fused
+        assert bool(layers) is fused and base.expert_chunk == (ffn.CHUNK_TOKENS if fused else 0)
+        assert base.expert_flop_s + base.expert_weight_s > 0
+        engine.close()
+    finally:
+        ffn._build.cache_clear()
