@@ -74,11 +74,10 @@ def test_calibration_fits_a_per_call_size_slowdown_of_prefill():
     attention's and the per-prompt terms) from the calibration's prefills, one of which is past the threshold."""
     spec = resolve_spec("mixtral-8x7b")
     d, L = hrm.dims(spec), spec.num_layers
-    # a machine fast enough that the calibration can afford a prefill past the threshold on this model
     truth = dataclasses.replace(TRUTH, **{f.name: getattr(TRUTH, f.name) / 1000 for f in dataclasses.fields(CpuCosts)
                                           if f.type == "float" and f.name not in cpu_cost.EFFICIENCIES})
     base = dataclasses.replace(truth, sdpa_flop_s=0.0, prompt_s=0.0, prefill_act_s=0.0)
-    big = cal.fresh_prefills(d, base, L, spec.max_position - 2)
+    big = cal.fresh_prefills(d, "bfloat16", 1e-5, spec.max_position - 2)
     (p0, n0), (p, n) = big
     assert cpu_cost.fresh_tokens(d, base, p * n) == p * n  # past the threshold, where a planner's prefill runs
     assert cpu_cost.fresh_tokens(d, base, p0 * n0) == 0 and n0 == n and p0 >= 8  # the same prompts, fewer
@@ -87,8 +86,8 @@ def test_calibration_fits_a_per_call_size_slowdown_of_prefill():
     got = cal.fit_engine_terms(SimpleNamespace(spec=spec), base, obs)
     for name in ("sdpa_flop_s", "prompt_s", "prefill_act_s"):
         assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
-    # a machine on which that prefill would take too long: no such point, the term stays unmeasured
-    assert cal.fresh_prefills(d, TRUTH, L, spec.max_position - 2) == []
+    # a machine on which those prefills would take too long: no such points, the term stays unmeasured
+    assert cal.fresh_prefills(d, "bfloat16", 1e-2, spec.max_position - 2) == []
 
 
 class _Clock:

@@ -51,8 +51,8 @@ DECODE_CONTEXTS = (48, 384)
 SLICED = (48, 400)  # (context, cache row): well under the row, attention copies out the slice rather than read it whole
 PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256), (1, 1024))  # (prompts, tokens each)
 # ... and a call whose activations are mapped fresh (cpu_cost.fresh_tokens): FRESH_OVER times the tokens from
-# which all of them are, in prompts of FRESH_PROMPT tokens, beside one of a quarter of them, where the pieces
-# say both take at most FRESH_MOST_S (the 784M: 17,280 and 4,096 tokens, 13-16 s of its calibration;
+# which all of them are, in prompts of FRESH_PROMPT tokens, beside one of a quarter of them, where the first
+# window's prefill says both take at most FRESH_MOST_S (the 784M: 17,280 and 4,096 tokens, 13-16 s of its calibration;
 # a model too slow for them leaves the term 0)
 FRESH_PROMPT, FRESH_OVER, FRESH_MOST_S = 128, 1.05, 15.0
 # The fused expert kernel is timed whole, a layer's experts a call, over these tokens (up to its chunk)
@@ -349,14 +349,14 @@ def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTE
     return out
 
 
-def fresh_prefills(d, c: CpuCosts, layers: int, limit: int) -> list[tuple[int, int]]:
+def fresh_prefills(d, math_dtype: str, token_s: float, limit: int) -> list[tuple[int, int]]:
     """Two prefill calls of many prompts of the same length: one past the allocator's threshold (FRESH_OVER),
-    one at a quarter of it (nothing fresh; it anchors the per-prompt term at many prompts a call) — if the
-    pieces `c` say they are short enough."""
+    one at a quarter of it (nothing fresh; it anchors the per-prompt term at many prompts a call) — if at
+    `token_s` seconds a prompt token (a whole prefill's, as a run measured it) they take FRESH_MOST_S at most."""
     n = min(FRESH_PROMPT, limit)
-    hi = cpu_cost.FRESH_BYTES / (d.D * (2 if c.math == "bfloat16" else 4))
+    hi = cpu_cost.FRESH_BYTES / (d.D * (2 if math_dtype == "bfloat16" else 4))
     calls = [(max(1, math.ceil(x / n)), n) for x in (hi / 4, FRESH_OVER * hi)]
-    return calls if layers * sum(cpu_cost.prefill_seconds(d, c, p, n) for p, n in calls) <= FRESH_MOST_S else []
+    return calls if token_s * sum(p * n for p, n in calls) <= FRESH_MOST_S else []
 
 
 def _layer_decode(d, c: CpuCosts, o: Obs) -> tuple[float, float]:
@@ -721,9 +721,17 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
         return run_steps(engine, prompts, batch=batch, micro_batch=micro_batch, gen=gen, clock=clock, progress=progress)
 
     runs = [window()]
-    dense, expert, math = engine_kernels(engine)
     spec = engine.spec
     d = hrm.dims(spec)
+    # the calls past the allocator's threshold now, while the process holds no large free memory, as a user's
+    # run's does not: after the GEMM stage its freed weights served them, and a call of 19,000 tokens took no
+    # longer a token than one of 4,000 (prefill_act_s fitted 0) where the runs that followed took 11-12 % longer
+    pre = [s for s in runs[0] if s.kind == "prefill"]
+    token_s = sum(s.tasks.get("prefill", 0.0) for s in pre) / max(1, sum(sum(g) for s in pre for g in s.groups))
+    fresh = [] if quick else runner_observations(
+        engine, batches=(), contexts=(), sliced=None, progress=progress, clock=clock,
+        prefills=fresh_prefills(d, engine.cpu.math, token_s, spec.max_position - 2))
+    dense, expert, math = engine_kernels(engine)
     dense_shapes, expert_shapes = model_shapes(spec)
     rows = ROWS[:8] if quick else ROWS
     direct = engine.cpu.direct_rows if engine.cpu.widens else 0
@@ -753,10 +761,8 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
         runs.append(window())
     base = dataclasses.replace(base, expert_flop_s=fx, expert_weight_s=wx, expert_call_s=cx, gemv_s=gx,
                                weight_hot_s=hot_d, expert_weight_hot_s=hot_x)
-    limit = spec.max_position - 2
-    kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2, sliced=(16, 64)) if quick \
-        else dict(prefills=PREFILLS + tuple(fresh_prefills(d, base, spec.num_layers, limit)))
-    obs = runner_observations(engine, progress=progress, clock=clock, **kw)
+    kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2, sliced=(16, 64)) if quick else {}
+    obs = runner_observations(engine, progress=progress, clock=clock, **kw) + fresh
     base = fit_engine_terms(engine, base, obs)
     base = fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)
     return fit_run_windows(engine, base, more_windows(runs, window, windows), notes)
