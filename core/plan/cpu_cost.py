@@ -60,6 +60,11 @@ class CpuCosts:
     kv_copy_s: float = 0.0  # ... per element of the first T positions, sliced (copied) out of longer rows
     widens: bool = False  # attention widens the KV (bf16 on AVX2): it always slices, never reads whole rows
     attn_row_s: float = 0.0  # seconds per (request, KV head) row of decode attention
+    # Decode attention in the fused C kernel (core.model.cpu.native) reads each request's own cached tokens in
+    # place, whatever the row or the micro-batch's longest, widening in registers; its requests are split over
+    # `threads` threads by Σ length, so a call takes as long as its largest share (own_seconds)
+    own_rows: bool = False
+    attn_call_s: float = 0.0  # ... and each of its calls costs this (handing the requests to its threads)
     sdpa_flop_s: float = 0.0  # seconds per FLOP of prefill attention
     task_s: float = 0.0  # overhead per task of the step graph (Python, dispatch, small ops)
     prompt_s: float = 0.0  # overhead per prompt in a prefill task (its own attention call)
@@ -219,20 +224,52 @@ def _fused_call(d, c: CpuCosts, t: float) -> float:
 
 
 def attention_seconds(d, c: CpuCosts, b: float, context: float, row_tokens: float | None = None,
-                      longest: float | None = None) -> float:
+                      longest: float | None = None, lengths: list[int] | None = None) -> float:
     """Decode attention of b requests over `context` cached tokens each (and the new token's KV write).
-    As core.model.attention.decode_attention chooses (`slices`): rows whole (views, masked past each
-    length), or the first `longest` positions copied out; a widening engine always copies."""
+    The fused kernel (`own_rows`) reads each request's own tokens, `lengths` when known, else a workload's
+    spread (own_shares). Otherwise as core.model.attention.decode_attention chooses (`slices`): rows
+    whole (views, masked past each length), or the first `longest` positions copied out; a widening
+    engine always copies."""
     hkv = d.kv // d.head_dim
+    if c.own_rows:
+        tokens, rows = own_shares(c, b, context, longest, lengths)
+        return (c.kv_s * tokens * 2 * d.kv + c.attn_row_s * rows * hkv + c.attn_call_s
+                + c.elem_s * b * (2 * d.kv + 4 * d.heads * context))
     n = read_tokens(c, context, row_tokens, longest)
     whole = n == max(context, row_tokens or 0.0) and not c.widens  # rows read in place, else a slice copied out
     kv = (c.kv_s if whole else c.kv_copy_s) * b * n * 2 * d.kv
     return kv + c.attn_row_s * b * hkv + c.elem_s * b * (2 * d.kv + 4 * d.heads * n)
 
 
+def own_shares(c: CpuCosts, b: float, context: float, longest: float | None = None,
+               lengths: list[int] | None = None) -> tuple[float, float]:
+    """(tokens, requests) the fused kernel's slowest thread reads in a call, times the threads: the call's
+    span in units of a token (a request) read by all of them at once. Its threads each take a run of
+    requests by Σ length (native.cuts), the request that crosses a share going whole to the earlier run,
+    so a share overshoots by part of a request, and a call of fewer requests than threads leaves some idle.
+    Known `lengths` are split as the kernel splits them; a workload's spread (`longest` above `context`:
+    the planner's micro-batch) overshoots by half a mean request, as the engine's micro-batches do
+    (longest-first into the emptiest, cut by length: 1.26-1.30x the mean at 4 requests, 2 threads)."""
+    from core.model.cpu.native import cuts
+
+    threads = max(1, c.threads)
+    if lengths:
+        parts = min(threads, len(lengths))
+        bounds = cuts(lengths, parts)
+        share = max(range(parts), key=lambda j: sum(lengths[bounds[j]:bounds[j + 1]]))
+        return (threads * sum(lengths[bounds[share]:bounds[share + 1]]),
+                float(threads * (bounds[share + 1] - bounds[share])))
+    parts = max(1.0, min(float(threads), b))
+    uneven = (longest or context) > context or b % parts
+    return threads * (b * context / parts + (context / 2 if uneven else 0.0)), threads * b / parts
+
+
 def read_tokens(c: CpuCosts, context: float, row_tokens: float | None = None, longest: float | None = None) -> float:
-    """Cached tokens decode attention reads per request: the micro-batch's `longest` context, copied out,
-    or whole rows (attention_seconds). What a step streams through the cache beside the weights (for_step)."""
+    """Cached tokens decode attention reads per request: its own (the fused kernel), the micro-batch's
+    `longest` context, copied out, or whole rows (attention_seconds). What a step streams through the
+    cache beside the weights (for_step)."""
+    if c.own_rows:
+        return context
     row = max(context, row_tokens or 0.0)
     t = max(context, longest or context)
     return t if c.widens or slices(t, row) else row
@@ -273,11 +310,12 @@ def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq
 
 
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,
-                 row_tokens: float | None = None, longest: float | None = None) -> dict[str, float]:
+                 row_tokens: float | None = None, longest: float | None = None,
+                 lengths: list[int] | None = None) -> dict[str, float]:
     """Seconds of one task of each kind of a CPU-only decode layer (core.runtime.schedule._cpu_only);
-    `longest`: the longest context in a micro-batch (attention_seconds)."""
+    `longest`: the longest context in a micro-batch, `lengths` its requests' own when known (attention_seconds)."""
     pre, post = dense_seconds(d, c, micro_batch)
-    attn = attention_seconds(d, c, micro_batch, context, row_tokens, longest)
+    attn = attention_seconds(d, c, micro_batch, context, row_tokens, longest, lengths)
     return {"pre_attn": (pre + c.task_s) * c.pre_eff, "cpu_attn": (attn + c.task_s) * c.attn_eff,
             "post_attn": (post + c.task_s) * c.post_eff, "ffn": (experts_seconds(d, c, expert_batch) + c.task_s) * c.ffn_eff}
 

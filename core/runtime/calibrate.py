@@ -363,8 +363,18 @@ def _layer_decode(d, c: CpuCosts, o: Obs) -> tuple[float, float]:
     """(dense + experts, attention) seconds of one layer for an observed decode step (one micro-batch)."""
     c = c.for_step(o.b * cpu_cost.read_tokens(c, o.length, o.rows, o.length) * d.kv_tok)
     t = cpu_cost.decode_tasks(d, c, micro_batch=o.b, expert_batch=o.b, context=o.length, row_tokens=o.rows,
-                              longest=o.length)
+                              longest=o.length, lengths=[o.length] * o.b)
     return t["pre_attn"] + t["post_attn"] + t["ffn"], t["cpu_attn"]
+
+
+def own_rows(spec) -> bool:
+    """Whether the engine's decode attention runs in the fused C kernel (core.model.attention.decode_over_rows:
+    built here, no sinks, heads in its range), which reads each request's own tokens (cpu_cost.own_shares)."""
+    from core.model.cpu import native
+
+    plain = not spec.attn_sinks and spec.mla is None and all(t != "linear" for t in spec.layer_types)
+    return (plain and spec.num_heads % spec.num_kv_heads == 0 and spec.num_heads // spec.num_kv_heads <= native.MAX_G
+            and spec.head_dim <= native.MAX_D and native.library() is not None)
 
 
 def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs]) -> CpuCosts:
@@ -388,7 +398,8 @@ def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs]) -> CpuCosts:
                        lambda o: dense(base, o))
     base = dataclasses.replace(base, **got)
     attn = lambda c, o: _layer_decode(d, c, o)[1]  # noqa: E731
-    kv = ("kv_copy_s",) if base.widens else ("kv_s", "kv_copy_s")  # a widening engine always slices
+    # the fused kernel reads own tokens (kv_s alone; its calls cost attn_call_s); a widening engine always slices
+    kv = ("kv_s", "attn_call_s") if base.own_rows else ("kv_copy_s",) if base.widens else ("kv_s", "kv_copy_s")
     got = residual_fit([(o, attn) for o in dec], (*kv, "attn_row_s"), lambda o: o.busy.get("cpu_attn", 0) / L,
                        lambda o: attn(base, o))
     base = dataclasses.replace(base, **got)
@@ -582,7 +593,7 @@ def step_model(d, L: int, c: CpuCosts, s: RunStep, group: int = 1) -> dict[str, 
             eb = sum(len(g) for g in s.groups[j:j + group])
             for g in s.groups[j:j + group]:
                 t = cpu_cost.decode_tasks(d, cc, micro_batch=len(g), expert_batch=eb, context=sum(g) / len(g),
-                                          row_tokens=s.row, longest=max(g))
+                                          row_tokens=s.row, longest=max(g), lengths=g)
                 for k, v in t.items():
                     if k != "ffn" or g is s.groups[j]:  # one experts task per expert batch
                         out[k] = out.get(k, 0.0) + v * L
@@ -644,6 +655,8 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
     little with the machine's slow stretches (0.89-1.01 within one calibration)."""
     from statistics import median
 
+    if base.own_rows:
+        base = run_call_cost(engine, base, windows)
     per = []
     fits = []
     for w in windows:
@@ -662,6 +675,28 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
                      step_s={"run": costs.step_s, "pieces": per[0]["step_s"]["pieces"]},
                      factors={name: getattr(costs, name) for name in cpu_cost.EFFICIENCIES})
     return costs
+
+
+def run_call_cost(engine, base: CpuCosts, windows: list[list[RunStep]]) -> CpuCosts:
+    """The fused attention kernel's calls, as a run makes them: what the run's attention took beyond the pieces,
+    per call (the windows' median), joins attn_call_s rather than scaling attention (attn_eff). A run's
+    attention task cost about the same per call whatever its requests and contexts (the 784M: 0.24 ms a
+    call in quiet runs of 94- and 324-token contexts; 1.2-1.4 ms on a busy box, 4 or 16 requests a call)
+    while the kernel reads its tokens in tens of µs: scaled, that fixed cost made longer contexts and larger
+    micro-batches 1.5-3x too slow in attention (bench/RESULTS.md, issue 11, sixth session)."""
+    from statistics import median
+
+    d, L = hrm.dims(engine.spec), engine.spec.num_layers
+    group = max(1, getattr(engine.config, "expert_group", 1))
+    unit = dataclasses.replace(base, **{n: 1.0 for n in cpu_cost.EFFICIENCIES})
+    extra = []
+    for w in windows:
+        dec = [s for s in w if s.kind == "decode"]
+        calls = sum(len(s.groups) for s in dec) * L
+        if calls:
+            run = sum(s.tasks.get("cpu_attn", 0.0) for s in dec)
+            extra.append((run - sum(step_model(d, L, unit, s, group).get("cpu_attn", 0.0) for s in dec)) / calls)
+    return dataclasses.replace(base, attn_call_s=max(0.0, base.attn_call_s + median(extra))) if extra else base
 
 
 def window_entries(d, costs: CpuCosts, notes: dict) -> list[dict]:
@@ -743,7 +778,8 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     fused = fused_layers(engine)
     base = CpuCosts(math=engine.cpu.math, flop_s=fd, weight_s=wd, call_s=cd, direct_rows=direct, cache_bytes=cache,
                     expert_chunk=CHUNK_TOKENS if fused else 0, threads=torch.get_num_threads(),
-                    model=cpu_cost.model_key(d), model_bytes=spec.total_bytes, widens=engine.cpu.widens)
+                    model=cpu_cost.model_key(d), model_bytes=spec.total_bytes, widens=engine.cpu.widens,
+                    own_rows=own_rows(spec))
     tokens = LAYER_TOKENS[:6] if quick else LAYER_TOKENS
     if fused:
         fx, wx, cx = fused_terms(fused, d, cold, tokens, clock)
