@@ -84,7 +84,11 @@ def figures(report: dict) -> dict:
             "decode_measured": run["decode_tokens_per_s"], "decode_predicted": p["decode_tokens_per_s"],
             "decode_error": run["error"]["decode_tokens_per_s"], "calibrated": p["calibrated"],
             "load": report["load_average"], "history": p.get("history", {}),
-            "predicted_alone": p.get("tokens_per_s_last_calibration_alone"), "time": time.time()}
+            "predicted_alone": p.get("tokens_per_s_last_calibration_alone"), "time": time.time(),
+            # per resource (CPU compute, CPU attention), a layer's decode seconds measured and predicted, and what
+            # the run folded back: the model's error by task kind, apart from the machine's speed as a whole
+            "layer_seconds": run.get("layer_seconds", {}), "layer_seconds_predicted": p.get("layer_seconds", {}),
+            "ratios": (run.get("folded_back") or {}).get("ratios", {})}
 
 
 def main(argv=None) -> int:
@@ -127,20 +131,31 @@ def main(argv=None) -> int:
                     f = {**figures(mlight(args, [*base, "--prompt-len", str(n)], envs[side])), "bandwidth": bw}
                     rows[side]["workloads"][n].append(f)
                     print(f"  round {rnd + 1}, prompts {n} [{side}]: measured {f['measured']:8.1f} tok/s, predicted "
-                          f"{f['predicted']:8.1f}: {f['error']:+6.1%} (decode {f['decode_error']:+6.1%}), bandwidth "
-                          f"before {bw:.1f} GB/s, load {f['load']}", flush=True)
+                          f"{f['predicted']:8.1f}: {f['error']:+6.1%} (decode {f['decode_error']:+6.1%}; {by_kind(f)}), "
+                          f"bandwidth before {bw:.1f} GB/s, load {f['load']}", flush=True)
         for side, row in rows.items():
             for n, fs in row["workloads"].items():
                 errs, meas = [f["error"] for f in fs], [f["measured"] for f in fs]
+                attn = [f["layer_seconds"]["cpu_attn"] / f["layer_seconds_predicted"]["cpu_attn"] for f in fs
+                        if f["layer_seconds"].get("cpu_attn") and f["layer_seconds_predicted"].get("cpu_attn")]
                 print(f"  {model} [{side}] prompts {n}: median error {statistics.median(errs):+.1%} (runs {min(errs):+.1%} "
                       f"… {max(errs):+.1%}); measured {min(meas):.1f} … {max(meas):.1f} tok/s (median "
-                      f"{statistics.median(meas):.1f}), predicted {fs[0]['predicted']:.1f}", flush=True)
+                      f"{statistics.median(meas):.1f}), predicted {fs[0]['predicted']:.1f}"
+                      + (f"; attention measured / predicted x{statistics.median(attn):.2f}" if attn else ""), flush=True)
             shutil.rmtree(row.pop("cache"), ignore_errors=True)
         out["models"][model] = rows
     print(f"\nload average at the end {common.load_average()}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0
+
+
+def by_kind(f: dict) -> str:
+    """A run's decode seconds per layer over the prediction, CPU compute and attention apart: the model's shape
+    (one kind wrong for one workload) shows here, where the machine's speed moves both alike."""
+    m, p = f.get("layer_seconds", {}), f.get("layer_seconds_predicted", {})
+    return " ".join(f"{name} x{m[k] / p[k]:.2f}" for k, name in (("gpu", "compute"), ("cpu_attn", "attention"))
+                    if m.get(k) and p.get(k))
 
 
 def kept_cache(args) -> int:
@@ -173,7 +188,7 @@ def kept_cache(args) -> int:
                 row["workloads"][str(n)].append(f)
                 print(f"  round {rnd + 1}, prompts {n}: measured {f['measured']:8.1f} tok/s, predicted {f['predicted']:8.1f} "
                       f"({f['error']:+6.1%}; the last calibration alone: {f['predicted_alone'] or float('nan'):8.1f}), "
-                      f"bandwidth {bw:.1f} GB/s, load {f['load']}", flush=True)
+                      f"bandwidth {bw:.1f} GB/s, load {f['load']}; {by_kind(f)}", flush=True)
         done.append(row)
         print_rows([row])
         if args.json:
@@ -226,6 +241,9 @@ def summary(paths: list[Path]) -> int:
                   "that median: " + ", ".join(f"{mid / f['predicted'] - 1:+.1%}" for f in firsts)
                   + " (alone: " + ", ".join(f"{mid / f['predicted_alone'] - 1:+.1%}" for f in firsts if f.get("predicted_alone"))
                   + ")")
+            kinds = [by_kind(f) for r in mine for f in r["workloads"].get(n, [])]
+            if any(kinds):  # recorded since the sixth session
+                print(f"    each run's decode seconds over the prediction: " + "; ".join(k for k in kinds if k))
     return 0
 
 
