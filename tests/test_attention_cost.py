@@ -32,14 +32,14 @@ def _dims():
     return hrm.dims(resolve_spec("mixtral-8x7b"))
 
 
-def _kernel(d, lengths, call=15e-6, row=1.5e-6, token=2e-9) -> float:
-    """What the kernel takes for one call (the machine's truth in these tests): its fixed cost, then its
-    threads each run a share of the requests as native.cuts splits them (per KV-head row, per cached token
-    and KV head), the call as long as its longest share."""
+def _kernel(d, lengths, call=150e-6, row=1.5e-6, token=2e-9) -> float:
+    """What the kernel takes for one call (the machine's truth in these tests): waking its threads (a call of
+    one request runs on its caller: none), then its threads each run a share of the requests as native.cuts
+    splits them (per KV-head row, per cached token and KV head), the call as long as its longest share."""
     hkv = d.kv // d.head_dim
     parts = min(THREADS, len(lengths))
     b = cuts(lengths, parts)
-    return call + max(sum(hkv * (row + token * n) for n in lengths[b[j]:b[j + 1]]) for j in range(parts))
+    return (call if parts > 1 else 0.0) + max(sum(hkv * (row + token * n) for n in lengths[b[j]:b[j + 1]]) for j in range(parts))
 
 
 def test_the_kernel_is_priced_by_the_tokens_it_reads_and_how_its_threads_share_them():
@@ -53,9 +53,12 @@ def test_the_kernel_is_priced_by_the_tokens_it_reads_and_how_its_threads_share_t
     # ... and last in line, the first thread takes all four (native.cuts), so the call is one thread's work
     assert kv([100, 100, 100, 800]) == pytest.approx(per_token * 1100)
     assert kv([275] * 4) == pytest.approx(per_token * 550)
-    # one request: one thread reads it while the other waits
+    # one request: one thread reads it while the other waits, and no threads are woken for it
     assert cpu_cost.attention_seconds(d, OWN, 1, 300, lengths=[300]) - cpu_cost.attention_seconds(
         d, no_kv, 1, 300, lengths=[300]) == pytest.approx(per_token * 300)
+    no_call = dataclasses.replace(OWN, attn_call_s=0.0)
+    assert at(OWN, lengths=[275] * 4) - at(no_call, lengths=[275] * 4) == pytest.approx(OWN.attn_call_s)
+    assert cpu_cost.attention_seconds(d, OWN, 1, 300) == cpu_cost.attention_seconds(d, no_call, 1, 300)
     # the row it sits in, the micro-batch's longest and widening do not change what it reads
     rows = {at(OWN, row_tokens=r, longest=lo, lengths=[275] * 4) for r in (300, 4000) for lo in (275, 290)}
     assert len(rows) == 1 and at(dataclasses.replace(OWN, widens=True), lengths=[275] * 4) in rows

@@ -64,7 +64,9 @@ class CpuCosts:
     # place, whatever the row or the micro-batch's longest, widening in registers; its requests are split over
     # `threads` threads by Σ length, so a call takes as long as its largest share (own_seconds)
     own_rows: bool = False
-    attn_call_s: float = 0.0  # ... and each of its calls costs this (handing the requests to its threads)
+    # ... and each of its calls over more than one thread costs this: waking its threads and joining them (on
+    # this VM 0.1-0.2 ms a call, flat in requests and tokens; a one-request call runs on its caller alone)
+    attn_call_s: float = 0.0
     sdpa_flop_s: float = 0.0  # seconds per FLOP of prefill attention
     task_s: float = 0.0  # overhead per task of the step graph (Python, dispatch, small ops)
     prompt_s: float = 0.0  # overhead per prompt in a prefill task (its own attention call)
@@ -232,8 +234,8 @@ def attention_seconds(d, c: CpuCosts, b: float, context: float, row_tokens: floa
     engine always copies."""
     hkv = d.kv // d.head_dim
     if c.own_rows:
-        tokens, rows = own_shares(c, b, context, longest, lengths)
-        return (c.kv_s * tokens * 2 * d.kv + c.attn_row_s * rows * hkv + c.attn_call_s
+        tokens, rows, parts = own_shares(c, b, context, longest, lengths)
+        return (c.kv_s * tokens * 2 * d.kv + c.attn_row_s * rows * hkv + (c.attn_call_s if parts > 1 else 0.0)
                 + c.elem_s * b * (2 * d.kv + 4 * d.heads * context))
     n = read_tokens(c, context, row_tokens, longest)
     whole = n == max(context, row_tokens or 0.0) and not c.widens  # rows read in place, else a slice copied out
@@ -242,9 +244,9 @@ def attention_seconds(d, c: CpuCosts, b: float, context: float, row_tokens: floa
 
 
 def own_shares(c: CpuCosts, b: float, context: float, longest: float | None = None,
-               lengths: list[int] | None = None) -> tuple[float, float]:
+               lengths: list[int] | None = None) -> tuple[float, float, float]:
     """(tokens, requests) the fused kernel's slowest thread reads in a call, times the threads: the call's
-    span in units of a token (a request) read by all of them at once. Its threads each take a run of
+    span in units of a token (a request) read by all of them at once; and the threads the call uses. Its threads each take a run of
     requests by Σ length (native.cuts), the request that crosses a share going whole to the earlier run,
     so a share overshoots by part of a request, and a call of fewer requests than threads leaves some idle.
     Known `lengths` are split as the kernel splits them; a workload's spread (`longest` above `context`:
@@ -258,10 +260,10 @@ def own_shares(c: CpuCosts, b: float, context: float, longest: float | None = No
         bounds = cuts(lengths, parts)
         share = max(range(parts), key=lambda j: sum(lengths[bounds[j]:bounds[j + 1]]))
         return (threads * sum(lengths[bounds[share]:bounds[share + 1]]),
-                float(threads * (bounds[share + 1] - bounds[share])))
+                float(threads * (bounds[share + 1] - bounds[share])), float(parts))
     parts = max(1.0, min(float(threads), b))
     uneven = (longest or context) > context or b % parts
-    return threads * (b * context / parts + (context / 2 if uneven else 0.0)), threads * b / parts
+    return threads * (b * context / parts + (context / 2 if uneven else 0.0)), threads * b / parts, parts
 
 
 def read_tokens(c: CpuCosts, context: float, row_tokens: float | None = None, longest: float | None = None) -> float:

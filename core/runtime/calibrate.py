@@ -692,7 +692,7 @@ def run_call_cost(engine, base: CpuCosts, windows: list[list[RunStep]]) -> CpuCo
     extra = []
     for w in windows:
         dec = [s for s in w if s.kind == "decode"]
-        calls = sum(len(s.groups) for s in dec) * L
+        calls = sum(min(base.threads, len(g)) > 1 for s in dec for g in s.groups) * L  # a one-request call has none
         if calls:
             run = sum(s.tasks.get("cpu_attn", 0.0) for s in dec)
             extra.append((run - sum(step_model(d, L, unit, s, group).get("cpu_attn", 0.0) for s in dec)) / calls)
