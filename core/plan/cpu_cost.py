@@ -290,11 +290,16 @@ def head_seconds(d, c: CpuCosts, tokens: float) -> float:
 FRESH_BYTES = 32 << 20
 
 
+def fresh_from(d, math: str) -> float:
+    """Tokens of a prefill call from which a [tokens, hidden] activation in `math` is over FRESH_BYTES."""
+    return FRESH_BYTES / (d.D * (2 if math == "bfloat16" else 4))
+
+
 def fresh_tokens(d, c: CpuCosts, t: float) -> float:
     """Tokens of a prefill call of t tokens whose activations are mapped fresh (FRESH_BYTES): none while a
     [t, hidden] activation in the math dtype is under half of it, all from the whole of it, in between a ramp
     (its fp32 temporaries and the wider QKV cross first)."""
-    hi = FRESH_BYTES / (d.D * (2 if c.math == "bfloat16" else 4))
+    hi = fresh_from(d, c.math)
     return t * min(1.0, max(0.0, 2 * t / hi - 1))
 
 

@@ -354,7 +354,7 @@ def fresh_prefills(d, math_dtype: str, token_s: float, limit: int) -> list[tuple
     one at a quarter of it (nothing fresh; it anchors the per-prompt term at many prompts a call) — if at
     `token_s` seconds a prompt token (a whole prefill's, as a run measured it) they take FRESH_MOST_S at most."""
     n = min(FRESH_PROMPT, limit)
-    hi = cpu_cost.FRESH_BYTES / (d.D * (2 if math_dtype == "bfloat16" else 4))
+    hi = cpu_cost.fresh_from(d, math_dtype)
     calls = [(max(1, math.ceil(x / n)), n) for x in (hi / 4, FRESH_OVER * hi)]
     return calls if token_s * sum(p * n for p, n in calls) <= FRESH_MOST_S else []
 
