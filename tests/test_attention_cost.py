@@ -19,6 +19,7 @@ from core.plan import cpu_cost, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.plan.planner import Workload
 from core.runtime import calibrate as cal
+from core.runtime import calibrate_pieces as pieces
 from core.runtime.batching import SlotTable
 
 THREADS = 2
@@ -74,19 +75,19 @@ def test_calibrated_attention_follows_the_workload_it_is_asked_about():
     L = 2
     base = CpuCosts(math="bfloat16", flop_s=1e-12, weight_s=1e-10, call_s=1e-6, task_s=5e-5, threads=THREADS,
                     own_rows=True)
-    plan = [(b, c, c + 4) for b in cal.DECODE_BATCHES for c in cal.DECODE_CONTEXTS]
-    plan += [(b, cal.SLICED[0], cal.SLICED[1]) for b in cal.DECODE_BATCHES]
+    plan = [(b, c, c + 4) for b in pieces.DECODE_BATCHES for c in pieces.DECODE_CONTEXTS]
+    plan += [(b, pieces.SLICED[0], pieces.SLICED[1]) for b in pieces.DECODE_BATCHES]
     obs = []
     for b, c, row in plan:
-        o = cal.Obs("decode", b, c, {}, 0.0, row)
-        dense = cal._layer_decode(d, base, o)[0]
+        o = pieces.Obs("decode", b, c, {}, 0.0, row)
+        dense = pieces._layer_decode(d, base, o)[0]
         obs.append(dataclasses.replace(o, busy={"gpu": L * dense, "cpu_attn": L * (base.task_s + _kernel(d, [c] * b))}))
 
     class Engine:
         spec = dataclasses.replace(__import__("core.plan.presets", fromlist=["x"]).resolve_spec("mixtral-8x7b"),
                                    num_layers=L)
 
-    fitted = cal.fit_engine_terms(Engine(), base, obs)
+    fitted = pieces.fit_engine_terms(Engine(), base, obs)
     per_step = {}
     for mean in (77, 308):
         from core.io.workloads import target_lengths

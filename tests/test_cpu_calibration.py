@@ -13,6 +13,7 @@ from core.plan import cpu_cost, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.plan.tracking import Tracker
 from core.runtime import calibrate as cal
+from core.runtime import calibrate_pieces as pieces
 from core.telemetry import RequestDone, StepDone
 from test_plan_cli import no_gpu  # noqa: F401 - the fixture: no NVML, an isolated cache dir
 
@@ -25,10 +26,10 @@ def test_fit_recovers_coefficients_and_keeps_them_non_negative():
     truth = [2.0, 0.5, 3.0]
     rows = [[x, x * x % 7 + 1, 1.0] for x in range(1, 12)]
     y = [sum(c * f for c, f in zip(truth, r)) for r in rows]
-    assert cal.fit(rows, y) == pytest.approx(truth, rel=1e-6)
+    assert pieces.fit(rows, y) == pytest.approx(truth, rel=1e-6)
     # data that a negative coefficient would fit better: it is dropped, the others refit
     y2 = [r[0] * 2.0 for r in rows]
-    got = cal.fit([[r[0], r[1], -r[1]] for r in rows], y2)
+    got = pieces.fit([[r[0], r[1], -r[1]] for r in rows], y2)
     assert min(got) >= 0 and got[0] == pytest.approx(2.0, rel=1e-6)
 
 
@@ -39,7 +40,7 @@ def test_a_coefficients_feature_is_the_cost_function_at_one():
     d = hrm.dims(resolve_spec("mixtral-8x7b"))
     fn = lambda c: sum(cpu_cost.decode_tasks(d, c, micro_batch=24, expert_batch=48, context=300).values())  # noqa: E731
     names = [f.name for f in dataclasses.fields(CpuCosts) if f.type == "float" and f.name not in cpu_cost.EFFICIENCIES]
-    assert fn(COSTS) == pytest.approx(sum(getattr(COSTS, n) * cal._feature(fn, COSTS, n) for n in names), rel=1e-9)
+    assert fn(COSTS) == pytest.approx(sum(getattr(COSTS, n) * pieces._feature(fn, COSTS, n) for n in names), rel=1e-9)
 
 
 def test_gemm_cost_is_affine_in_rows_and_gemv_experts_follow_the_routing_odds():
@@ -147,9 +148,9 @@ def test_calibrate_on_the_demo_model_measures_every_term(demo_model):
     assert costs.flop_s > 0 and costs.expert_flop_s > 0 and costs.task_s > 0 and costs.step_s > 0
     # the fitted model explains fresh steps of the same shapes to within a factor of two (CPU time on a
     # shared machine still varies with what the neighbours do to the caches)
-    obs = cal.runner_observations(engine, batches=(4, 16), contexts=(32,), prefills=(), steps=3, clock=time.process_time)
+    obs = pieces.runner_observations(engine, batches=(4, 16), contexts=(32,), prefills=(), steps=3, clock=time.process_time)
     d, L = hrm.dims(engine.spec), engine.spec.num_layers
-    predicted = sum(sum(cal._layer_decode(d, costs, o)) * L for o in obs)
+    predicted = sum(sum(pieces._layer_decode(d, costs, o)) * L for o in obs)
     assert 0.5 < predicted / sum(o.busy["gpu"] + o.busy["cpu_attn"] for o in obs) < 2.0, obs
 
 
@@ -244,16 +245,16 @@ def test_a_coarse_clock_times_small_points_by_repeating_them():
 
     clock = CoarseClock()
     kernel = (lambda w: w, lambda x, w: x @ w.T)
-    got = cal.gemm_terms(kernel, torch.float32, [(32, 32)], 0, rows=(1, 2, 4), clock=clock)
+    got = pieces.gemm_terms(kernel, torch.float32, [(32, 32)], 0, rows=(1, 2, 4), clock=clock)
     assert all(0 <= v < float("inf") for v in got) and sum(got[:3]) > 0
-    assert cal.clock_tick(clock) >= 0.999 * clock.tick  # seen, not what the clock claims
+    assert pieces.clock_tick(clock) >= 0.999 * clock.tick  # seen, not what the clock claims
 
 
 def test_fit_refuses_times_of_zero_with_a_clear_error():
     from core.errors import MlightError
 
     with pytest.raises(MlightError, match="0 seconds.*--clock wall"):
-        cal.fit([[1.0, 1.0], [2.0, 1.0]], [1e-6, 0.0])
+        pieces.fit([[1.0, 1.0], [2.0, 1.0]], [1e-6, 0.0])
 
 
 def test_attention_costs_the_path_the_kernel_takes():

@@ -22,6 +22,7 @@ from core.plan import cpu_cost, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.plan.presets import resolve_spec
 from core.runtime import calibrate as cal
+from core.runtime import calibrate_pieces as pieces
 
 TRUTH = CpuCosts(math="bfloat16", flop_s=1e-12, weight_s=3e-11, call_s=2e-5, expert_flop_s=1e-12,
                  expert_weight_s=3e-11, expert_call_s=1e-5, elem_s=1.7e-10, sdpa_flop_s=1.5e-10, task_s=8e-5,
@@ -77,17 +78,17 @@ def test_calibration_fits_a_per_call_size_slowdown_of_prefill():
     truth = dataclasses.replace(TRUTH, **{f.name: getattr(TRUTH, f.name) / 1000 for f in dataclasses.fields(CpuCosts)
                                           if f.type == "float" and f.name not in cpu_cost.EFFICIENCIES})
     base = dataclasses.replace(truth, sdpa_flop_s=0.0, prompt_s=0.0, prefill_act_s=0.0)
-    big = cal.fresh_prefills(d, "bfloat16", 1e-5, spec.max_position - 2)
+    big = pieces.fresh_prefills(d, "bfloat16", 1e-5, spec.max_position - 2)
     (p0, n0), (p, n) = big
     assert cpu_cost.fresh_tokens(d, base, p * n) == p * n  # past the threshold, where a planner's prefill runs
     assert cpu_cost.fresh_tokens(d, base, p0 * n0) == 0 and n0 == n and p0 >= 8  # the same prompts, fewer
-    obs = [cal.Obs("prefill", p, n, {"gpu": L * cpu_cost.prefill_seconds(d, truth.for_step(p * n * d.kv_tok), p, n)}, 0.0)
-           for p, n in cal.PREFILLS + tuple(big)]
-    got = cal.fit_engine_terms(SimpleNamespace(spec=spec), base, obs)
+    obs = [pieces.Obs("prefill", p, n, {"gpu": L * cpu_cost.prefill_seconds(d, truth.for_step(p * n * d.kv_tok), p, n)}, 0.0)
+           for p, n in pieces.PREFILLS + tuple(big)]
+    got = pieces.fit_engine_terms(SimpleNamespace(spec=spec), base, obs)
     for name in ("sdpa_flop_s", "prompt_s", "prefill_act_s"):
         assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
     # a machine on which those prefills would take too long: no such points, the term stays unmeasured
-    assert cal.fresh_prefills(d, "bfloat16", 1e-2, spec.max_position - 2) == []
+    assert pieces.fresh_prefills(d, "bfloat16", 1e-2, spec.max_position - 2) == []
 
 
 class _Clock:
@@ -115,7 +116,7 @@ def test_the_fused_kernels_terms_fit_whole_layer_calls():
     # a whole-layer call: the slower of its arithmetic and its weights (its call's overhead is its task's)
     truth = dataclasses.replace(TRUTH, expert_call_s=0.0)
     clock.cost = lambda t: cpu_cost.experts_seconds(d, truth, t)
-    got = cal.fused_terms([Layer()], d, 0, tokens=(1, 2, 4, 8, 16, 64, 256, 512), clock=clock)
+    got = pieces.fused_terms([Layer()], d, 0, tokens=(1, 2, 4, 8, 16, 64, 256, 512), clock=clock)
     assert got == pytest.approx((truth.expert_flop_s, truth.expert_weight_s, 0.0), rel=1e-6)
 
 
@@ -138,10 +139,10 @@ def test_calibration_times_the_expert_kernel_the_engine_runs(tmp_path, monkeypat
     ffn._build.cache_clear()
     try:
         engine = Engine.load(path, threads=1)
-        assert bool(cal.fused_layers(engine)) is fused
+        assert bool(pieces.fused_layers(engine)) is fused
         monkeypatch.setattr(cal, "llc_bytes", lambda: 64 << 10)  # a tiny cache: the GEMM stage cycles few copies
         timed, layers = [], []
-        real_gemm, real_fused = cal.gemm_terms, cal.fused_terms
+        real_gemm, real_fused = pieces.gemm_terms, pieces.fused_terms
         monkeypatch.setattr(cal, "gemm_terms", lambda kernel, math, shapes, *a, **kw: (
             timed.append(list(shapes)), real_gemm(kernel, math, shapes, *a, **kw))[1])
         monkeypatch.setattr(cal, "fused_terms", lambda ls, *a, **kw: (layers.append(ls), real_fused(ls, *a, **kw))[1])
@@ -156,7 +157,7 @@ def test_calibration_times_the_expert_kernel_the_engine_runs(tmp_path, monkeypat
         with pytest.raises(Stop) as got:
             cal.calibrate(engine, quick=True, clock=time.perf_counter, batch=2, micro_batch=1, windows=1)
         base = got.value.args[0]
-        expert_shapes = cal.model_shapes(engine.spec)[1]
+        expert_shapes = pieces.model_shapes(engine.spec)[1]
         assert (expert_shapes in timed) is not fused
         assert bool(layers) is fused and base.expert_chunk == (ffn.CHUNK_TOKENS if fused else 0)
         assert base.expert_flop_s + base.expert_weight_s > 0

@@ -78,9 +78,9 @@ def test_published_configs_naming_remote_code_run_natively(name):
 def test_cpu_calibration_times_decode_over_any_layer_kind(checkpoint_factory):
     """`mlight bench --calibrate` fills each layer's state without a prefill: a linear-attention layer's
     fixed-size state too, not only K/V."""
-    from core.runtime import calibrate
+    from core.runtime import calibrate_pieces
     from core.runtime.engine import Engine
 
     engine = Engine.load(checkpoint_factory("qwen3_next"), device="cpu")
-    obs = calibrate.runner_observations(engine, batches=(2,), contexts=(16,), prefills=((2, 8),), steps=1, sliced=None)
+    obs = calibrate_pieces.runner_observations(engine, batches=(2,), contexts=(16,), prefills=((2, 8),), steps=1, sliced=None)
     assert [o.kind for o in obs].count("decode") == 1

@@ -181,7 +181,7 @@ def _schedules(args) -> tuple[str, ...]:
 
 
 def _measure(engine, name: str, reqs, args) -> dict:
-    from core.runtime.calibrate import StepClock
+    from core.runtime.calibrate_pieces import StepClock
 
     from core.runtime.fold_back import RunSums
 
