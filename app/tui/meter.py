@@ -61,6 +61,10 @@ class RunSnapshot:
     comparison: Any = None  # core.plan.tracking.Comparison: measured against the plan, as `mlight bench` says it
     engine_seconds: float = 0.0  # time the engine spent in steps (the chart's x axis)
     stepped: bool = False  # a step has ended in this session (before it, the first batch is being prefilled)
+    # the median decode step of the window (full-batch steps when there are any, as decode_tps) and how many
+    # steps it is of: one step is a snapshot of a machine that moves; this is what to set beside the simulation
+    typical_step_s: float = 0.0
+    typical_steps: int = 0
 
 
 class RunMeter:
@@ -160,14 +164,23 @@ class RunMeter:
         if ev.cpu_mem_bytes:
             self.cpu_used = ev.cpu_mem_bytes
 
-    def _decode_rate(self) -> tuple[float, bool]:
-        """Decode tokens/s over the window, on full-batch steps when there are any (those are what the
-        plan's prediction describes); and whether it was."""
+    def _comparable(self) -> tuple[list, bool]:
+        """The window's decode steps, only its full-batch ones when there are any (those are what the plan's
+        prediction describes); and whether they were."""
         decode = [s for s in self._steps if s[4] != "prefill"]
         full = [s for s in decode if self.batch_size and s[5] >= self.batch_size]
-        use = full or decode
+        return full or decode, bool(full)
+
+    def _decode_rate(self) -> tuple[float, bool]:
+        """Decode tokens/s over the window's comparable steps; and whether they were full-batch."""
+        use, full = self._comparable()
         secs = sum(s[1] for s in use)
-        return (sum(s[2] for s in use) / secs if secs > 0 else 0.0), bool(full)
+        return (sum(s[2] for s in use) / secs if secs > 0 else 0.0), full
+
+    def _typical_step(self) -> tuple[float, int]:
+        """(median seconds, steps) of the window's comparable decode steps."""
+        secs = sorted(s[1] for s in self._comparable()[0])
+        return (secs[len(secs) // 2], len(secs)) if secs else (0.0, 0)
 
     def add_result(self, output_tokens: int, max_new_tokens: int) -> None:
         with self._lock:
@@ -196,6 +209,7 @@ class RunMeter:
             elif avg > 0:
                 eta = self.budget_tokens / avg
             decode_tps, full = self._decode_rate()
+            typical_s, typical_n = self._typical_step()
             return RunSnapshot(
                 state=self.state, elapsed=self._before + self._running(now), requests_done=self.done,
                 requests_total=self.total, tokens_out=self.tokens_out, tokens_in=self.tokens_in,
@@ -204,5 +218,6 @@ class RunMeter:
                 gpu_budget=self.gpu_budget, cpu_used=self.cpu_used, cpu_budget=self.cpu_budget, eta=eta,
                 loading=self.loading, timeline=self._timeline, decode_steps=self._decode_steps,
                 engine_seconds=self._engine_s, stepped=self._first_step is not None,
+                typical_step_s=typical_s, typical_steps=typical_n,
                 comparison=self.tracker.comparison() if self.tracker is not None else None,
             )
