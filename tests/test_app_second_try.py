@@ -206,7 +206,7 @@ def test_the_pipeline_sets_the_median_step_beside_the_simulation_not_one_step():
     snap = meter.snapshot()
     assert snap.timeline.seconds == 0.0073 and snap.typical_steps == 5 and snap.typical_step_s == 0.0030
     head = RunScreen._measured_head(snap, 0.0028).plain
-    assert head.startswith("Measured · median of 5 steps 3.0 ms = 1.1× simulated · drawn"), head
+    assert head.startswith("Measured · 1.1× simulated: median of 5 steps 3.0 ms · drawn"), head
     assert head.endswith("drawn: 7.3 ms, 16 requests") and "fewer" not in head, head
     # steps with fewer requests in flight than the plan's batch are not what the simulation describes: said so
     meter = RunMeter(16, 1000, batch_size=16, clock=clock)

@@ -348,8 +348,8 @@ class RunScreen(StepScreen):
             return head
         if snap.typical_steps and simulated_s > 0:  # first: the title is cropped at the panel's width
             fewer = ", fewer requests than planned" if not snap.full_batch else ""
-            head.append(f" · median of {snap.typical_steps} steps {_time(snap.typical_step_s)} = "
-                        f"{snap.typical_step_s / simulated_s:.1f}× simulated{fewer}")
+            head.append(f" · {snap.typical_step_s / simulated_s:.1f}× simulated: median of {snap.typical_steps} "
+                        f"steps {_time(snap.typical_step_s)}{fewer}")
         head.append(f" · drawn: {_time(step.seconds)}, {step.active} requests", style="dim")
         return head
 
