@@ -100,7 +100,7 @@ def _calibrate(model, args) -> dict:
 
     from core.plan import cpu_cost, cpu_history, hrm
     from core.plan.hardware import detect
-    from core.runtime.calibrate import calibrate, window_entries
+    from core.runtime.calibrate import RUN_PROMPT_MEANS, calibrate, window_entries
 
     from core.runtime.engine import Engine
 
@@ -116,7 +116,7 @@ def _calibrate(model, args) -> dict:
     try:  # the run at the batch this bench runs (and the planner's factors then apply from there)
         costs = calibrate(engine, progress=show, clock=_clock(args), batch=args.batch,
                           micro_batch=min(args.micro_batch, args.batch), prompts=_run_prompts(engine, args.batch),
-                          notes=notes)
+                          notes=notes, large_prompts=lambda n: _run_prompts(engine, n, means=RUN_PROMPT_MEANS[:1]))
     finally:
         engine.close()
     if not args.json and sys.stderr.isatty():
@@ -137,6 +137,12 @@ def _calibrate(model, args) -> dict:
                   f"{f['pre_eff']:.2f}x / {f['attn_eff']:.2f}x / {f['post_eff']:.2f}x / {f['ffn_eff']:.2f}x what the "
                   f"pieces say (pre-attention / attention / post-attention / experts), prefill {f['prefill_eff']:.2f}x; "
                   f"predictions use these")
+        big = notes.get("large")
+        if big:
+            g = big["factors"]
+            print(f"  and at micro-batch {big['batch'][1]}: "
+                  + " / ".join(f"{g[cpu_cost.LARGE[n]]:.2f}x" for n in ("pre_eff", "attn_eff", "post_eff", "ffn_eff"))
+                  + f", prefill {g['prefill_eff_large']:.2f}x (tasks of sizes between the two: in between)")
         w = notes.get("windows", [])
         if len(w) > 1:
             print(f"  (decode: the median of {len(w)} windows of that run, at "
@@ -153,14 +159,14 @@ def _calibrate(model, args) -> dict:
     return out
 
 
-def _run_prompts(engine, batch: int) -> list[str]:
+def _run_prompts(engine, batch: int, means=None) -> list[str]:
     """The calibration's short run: a wave of MT-Bench-like prompts at MT-Bench's mean length and one at
-    three times it (other text than the bench's workload: another seed)."""
+    three times it (`means`; other text than the bench's workload: another seed)."""
     from core.io.workloads import build_prompts, target_lengths
     from core.runtime.calibrate import RUN_GEN, RUN_PROMPT_MEANS
 
     cap = engine.context_length - RUN_GEN - 1
-    lengths = [n for mean in RUN_PROMPT_MEANS
+    lengths = [n for mean in (means or RUN_PROMPT_MEANS)
                for n in target_lengths(batch, mean=min(mean, cap), max_len=min(cap, round(mean * 418 / 77)))]
     return build_prompts(engine.tokenizer, lengths, seed=1)
 

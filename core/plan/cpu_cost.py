@@ -22,17 +22,23 @@ import dataclasses
 import functools
 import hashlib
 import json
+from math import log
 from dataclasses import dataclass
 from pathlib import Path
 
 from core.model.attention import slices
 
-VERSION = 4  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
-# 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations
+VERSION = 5  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
+# 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations;
+# 5: the run's efficiency measured at a second, large micro-batch too (the *_eff_large factors)
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.
 EFFICIENCIES = ("pre_eff", "attn_eff", "post_eff", "ffn_eff", "prefill_eff")
+# ... and the same factors measured in a run at a large micro-batch (`large_rows` requests a micro-batch, prompts a
+# prefill call): a factor measured at 4 scaled a task's per-call overheads as if they grew with its rows, and the
+# demo model's tasks, mostly overhead, ran 0.4-0.6x that at 256 (its prefill, in a fresh process, 1.5-1.8x)
+LARGE = {n: n + "_large" for n in EFFICIENCIES}
 
 
 @dataclass(frozen=True)
@@ -75,12 +81,24 @@ class CpuCosts:
     seq_s: float = 0.0  # overhead per request per step (sampling, stop checks)
     wave_s: float = 0.0  # overhead per prefill step beyond step_s: admitting a wave (its runner and cache made,
     # prompts tokenized, in a fresh process the first buffers faulted in), measured in the calibration's run
+    # once a run, per token of its prefill calls (a micro-batch's prompts): a fresh process's first large call maps
+    # and faults in its memory — the demo's first call of 256 prompts (19,700 tokens) took 2.1 s, the next 0.9 s,
+    # one of 4 prompts 0.07 then 0.06 (bench/RESULTS.md, issue 11, seventh session)
+    fresh_s: float = 0.0
     pre_eff: float = 1.0  # decode tasks in a run of the engine / the coefficients' prediction: pre-attention,
     attn_eff: float = 1.0  # ... attention,
     post_eff: float = 1.0  # ... post-attention,
     ffn_eff: float = 1.0  # ... routed experts,
     prefill_eff: float = 1.0  # ... and prefill tasks
     run_batch: tuple = ()  # (batch, micro-batch) of the run the factors were measured in; () = never
+    # the factors in a run at `large_rows` requests a micro-batch (0: not measured, the factors above hold at any
+    # size); between the two micro-batches a factor moves with the log of the rows (`eff`), and stays past either
+    large_rows: int = 0
+    pre_eff_large: float = 1.0
+    attn_eff_large: float = 1.0
+    post_eff_large: float = 1.0
+    ffn_eff_large: float = 1.0
+    prefill_eff_large: float = 1.0
     run_windows: int = 0  # windows of that run the decode factors are the median of (0: never measured)
     threads: int = 0  # torch threads when measured
     model: str = ""  # model_key() of the model the costs were measured on
@@ -108,6 +126,26 @@ class CpuCosts:
         return dataclasses.replace(self, weight_s=blend(self.weight_s, self.weight_hot_s),
                                    expert_weight_s=blend(self.expert_weight_s, self.expert_weight_hot_s),
                                    weight_hot_s=0.0, expert_weight_hot_s=0.0)
+
+    def share(self, rows: float) -> float:
+        """How far `rows` requests a micro-batch (prompts a prefill call) are from the run's small micro-batch to
+        its large one, 0..1 in the log of the rows (0 when the large one was not measured)."""
+        small = self.run_batch[1] if len(self.run_batch) > 1 else 0
+        if not self.large_rows or not small or self.large_rows <= small or rows <= small:
+            return 0.0
+        if rows >= self.large_rows:
+            return 1.0
+        return log(rows / small) / log(self.large_rows / small)
+
+    def eff(self, name: str, rows: float) -> float:
+        """The run's efficiency factor `name` (EFFICIENCIES) for a task of `rows` requests (prompts)."""
+        w = self.share(rows)
+        small, large = getattr(self, name), getattr(self, LARGE[name])
+        return small if w == 0 else large if w == 1 else small + (large - small) * w
+
+    def unscaled(self) -> "CpuCosts":
+        """These coefficients with every run factor 1 at every size: the pieces alone."""
+        return dataclasses.replace(self, **{n: 1.0 for n in EFFICIENCIES}, large_rows=0)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "run_batch": list(self.run_batch)}  # as JSON has it
@@ -313,7 +351,7 @@ def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq
     flops = 4 * prompts * ((sq + prompt_len) / 2) * d.heads * d.head_dim
     spill = c.prefill_act_s * fresh_tokens(d, c, t) * d.D
     return (pre + post + experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts + spill
-            + c.task_s) * c.prefill_eff
+            + c.task_s) * c.eff("prefill_eff", prompts)
 
 
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,
@@ -323,8 +361,10 @@ def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, con
     `longest`: the longest context in a micro-batch, `lengths` its requests' own when known (attention_seconds)."""
     pre, post = dense_seconds(d, c, micro_batch)
     attn = attention_seconds(d, c, micro_batch, context, row_tokens, longest, lengths)
-    return {"pre_attn": (pre + c.task_s) * c.pre_eff, "cpu_attn": (attn + c.task_s) * c.attn_eff,
-            "post_attn": (post + c.task_s) * c.post_eff, "ffn": (experts_seconds(d, c, expert_batch) + c.task_s) * c.ffn_eff}
+    mb = micro_batch
+    return {"pre_attn": (pre + c.task_s) * c.eff("pre_eff", mb), "cpu_attn": (attn + c.task_s) * c.eff("attn_eff", mb),
+            "post_attn": (post + c.task_s) * c.eff("post_eff", mb),
+            "ffn": (experts_seconds(d, c, expert_batch) + c.task_s) * c.eff("ffn_eff", expert_batch)}
 
 
 # ---- the cache: per machine, by math dtype and model -------------------------------------------------

@@ -681,9 +681,13 @@ def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches:
     return micro_batches * (roofline_seconds(w, flops, bw) + (GPU_LAUNCH if on_gpu else CPU_LAUNCH))
 
 
-def wave_seconds(r: Rates, *, on_gpu: bool) -> float:
-    """Once a wave, beside its prefill's layers and LM head: admitting it (CPU-only, as calibrated: CpuCosts.wave_s)."""
-    return r.cpu_costs.wave_s if not on_gpu and r.cpu_costs is not None else 0.0
+def wave_seconds(r: Rates, *, on_gpu: bool, call_tokens: float = 0.0, waves: float = 1.0) -> float:
+    """Once a wave, beside its prefill's layers and LM head: admitting it (CPU-only, as calibrated: CpuCosts.wave_s),
+    and a wave's share of `waves` of what a run pays once for its prefill calls' fresh memory, `call_tokens` a
+    call (CpuCosts.fresh_s)."""
+    if on_gpu or r.cpu_costs is None:
+        return 0.0
+    return r.cpu_costs.wave_s + r.cpu_costs.fresh_s * call_tokens / max(1.0, waves)
 
 
 # ---- calibration -------------------------------------------------------------------------------------

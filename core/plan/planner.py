@@ -74,6 +74,10 @@ class Workload:
     def longest_prompt(self) -> int:
         return self.max_prompt_len or self.prompt_len
 
+    def waves(self, batch: int) -> int:
+        """Waves of `batch` requests the run takes (1 when the requests are not known)."""
+        return -(-self.num_requests // max(1, batch)) if self.num_requests else 1
+
     @property
     def decode_context(self) -> float:
         """Average cached tokens a decode step attends over: the prompt plus half the generation."""
@@ -346,7 +350,8 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
                                                                 micro_batches=p.num_micro_batches, on_gpu=on_gpu)
     prefill = l * hrm.layer_time(pre, p.ffn_on) + hrm.head_seconds(model, r, tokens=p.batch_size,
                                                                    micro_batches=p.num_micro_batches, on_gpu=on_gpu)
-    prefill += hrm.wave_seconds(r, on_gpu=on_gpu)
+    prefill += hrm.wave_seconds(r, on_gpu=on_gpu, call_tokens=p.micro_batch_size * workload.prompt_len,
+                                waves=workload.waves(p.batch_size))
     n = workload.gen_len
     total = prefill + (n - 1) * step
     gpu, cpu, pinned = (x if isinstance(x, int) else {key: v * k for key, v in x.items()}
@@ -415,7 +420,7 @@ def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, b
     p00, p10, p01 = prefill or _prefill_lin(d, r, w, place, n, mu)
     g0, gw, gc, c0, cw, cc = mem or _memory_lin(d, w, place, n, mu, beta)
     head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=f == "gpu")
-    fixed = head * w.gen_len + hrm.wave_seconds(r, on_gpu=f == "gpu")
+    fixed = head * w.gen_len + hrm.wave_seconds(r, on_gpu=f == "gpu", call_tokens=mu * w.prompt_len, waves=w.waves(n))
     return _Lin(d00, _sub(d10, d00), _sub(d01, d00), p00, _sub(p10, p00), _sub(p01, p00), fixed=fixed,
                 serial=f == "cpu", gpu0=g0, gpu_w=gw, gpu_c=gc, cpu0=c0, cpu_w=cw, cpu_c=cc)
 

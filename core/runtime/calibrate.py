@@ -38,6 +38,17 @@ RUN_WINDOWS = 3
 # ... and while fewer than a majority of them have their decode within RUN_AGREE of the windows' median (the
 # machine moved during the calibration), more, up to RUN_WINDOWS_MOST: the median then stands on a majority
 RUN_AGREE, RUN_WINDOWS_MOST = 0.1, 5
+# The same run at a large micro-batch too: a factor measured at 4 requests a micro-batch also scales the tasks'
+# per-call overheads, which do not grow with the rows, so at the planner's micro-batches (16-256, prefill calls of
+# tens of thousands of tokens) an overhead-bound model was mispriced: the demo's decode tasks at 256 took 0.4-0.6x
+# what the factors measured at 4 said, its prefill in a fresh process 1.5-1.8x; the 784M's dense tasks 0.33-0.39x
+# and its experts 1.13x (bench/RESULTS.md, issue 11, seventh session). At most LARGE_ROWS requests, one wave of
+# MT-Bench's mean prompt, each to LARGE_GEN tokens, fewer while the first window says a window would take more
+# than LARGE_WINDOW_S. Run right after the first window, and at once again to REPEAT_GEN tokens: a fresh process
+# pays for its first large prefill call's memory once (the demo: 2.1 s for 256 prompts, 0.9 s the same call
+# again), the repeat does not — CpuCosts.fresh_s, prefill_eff_large. Then once more after the GEMMs: decode's
+# factors are the median of the three.
+LARGE_ROWS, LARGE_GEN, REPEAT_GEN, LARGE_WINDOW_S, LARGE_WINDOWS = 256, 8, 3, 60.0, 3
 
 
 @dataclasses.dataclass
@@ -66,7 +77,7 @@ def run_lengths(n: int, mean: float, longest: int, sigma: float | None = None) -
 
 
 def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: int = RUN_GEN,
-              clock=time.perf_counter, progress: EventSink = ignore) -> list[RunStep]:
+              clock=time.perf_counter, progress: EventSink = ignore, what: str = "a short run") -> list[RunStep]:
     """Run `prompts` through `engine.generate` at `batch`/`micro_batch`, each to `gen` tokens, and time
     every step (its span and its tasks by kind) with what it held."""
     from core.runtime.engine import Request
@@ -109,7 +120,7 @@ def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: 
             steps.append(RunStep(seconds=now - last[0], tasks=dict(kinds), **pending))
             last[0] = now
             kinds.clear(), pending.clear()
-            progress(Progress("calibrating: a short run", min(len(steps), total), total, "steps"))
+            progress(Progress(f"calibrating: {what}", min(len(steps), total), total, "steps"))
 
     reqs = [Request(id=str(i), prompt=p, max_new_tokens=gen) for i, p in enumerate(prompts)]
     eos, engine.eos_ids = engine.eos_ids, set()  # random weights may emit EOS early: every request runs to `gen`
@@ -162,7 +173,7 @@ def fit_run_terms(engine, base: CpuCosts, steps: list[RunStep], notes: dict | No
     beyond their tasks and head (the median step)."""
     d, L = hrm.dims(engine.spec), engine.spec.num_layers
     group = max(1, getattr(engine.config, "expert_group", 1))
-    base = dataclasses.replace(base, **{n: 1.0 for n in cpu_cost.EFFICIENCIES})
+    base = base.unscaled()
     kinds = {**DECODE_EFF, "prefill": "prefill_eff"}
     model = {k: 0.0 for k in kinds}
     measured = dict(model)
@@ -195,12 +206,16 @@ def fit_run_terms(engine, base: CpuCosts, steps: list[RunStep], notes: dict | No
     return costs
 
 
-def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes: dict | None = None) -> CpuCosts:
+def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes: dict | None = None,
+                    large: list[list[RunStep]] = ()) -> CpuCosts:
     """fit_run_terms over several windows of the same run: each decode factor and step_s the median of the
     windows', prefill_eff and wave_s the first window's. The first window runs first in its process, as a
     user's run does: its prefill faults in the fresh buffers the later windows reuse (its prefill factor
     read 1.0-1.5x the later windows' on the demo model and the 784M), and prefill, compute-bound, moved
-    little with the machine's slow stretches (0.89-1.01 within one calibration)."""
+    little with the machine's slow stretches (0.89-1.01 within one calibration). `large`: windows of the run
+    at a large micro-batch — the *_eff_large factors, decode's the median of theirs — the first in a process
+    fresh at that size, the second the same prompts at once again: prefill_eff_large the second's, and what the
+    first's prefill took beyond it, a token of its largest call, fresh_s (CpuCosts)."""
     from statistics import median
 
     if base.own_rows:
@@ -215,6 +230,19 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
         return base
     pick = {name: median(getattr(f, name) for f in fits) for name in DECODE_EFF.values()}
     costs = dataclasses.replace(fits[0], **pick, step_s=median(f.step_s for f in fits), run_windows=len(fits))
+    large = [w for w in large if w]
+    nl = [{} for _ in large]
+    big = [fit_run_terms(engine, base, w, n) for w, n in zip(large, nl)]
+    if big:
+        got = {cpu_cost.LARGE[name]: median(getattr(f, name) for f in big) for name in DECODE_EFF.values()}
+        warm = big[1] if len(big) > 1 else big[0]
+        costs = dataclasses.replace(costs, **got, prefill_eff_large=warm.prefill_eff, large_rows=big[0].run_batch[1],
+                                    fresh_s=fresh_seconds(large[0], large[1]) if len(big) > 1 else 0.0)
+    if notes is not None and big:
+        notes["large"] = {"batch": list(big[0].run_batch), "fresh_s": costs.fresh_s,
+                          "factors": {n: getattr(costs, n) for n in cpu_cost.LARGE.values()},
+                          "windows": [{"factors": n["factors"], "seconds": n["seconds"],
+                                       "tokens_per_s": n["tokens"] / n["seconds"] if n["seconds"] else 0.0} for n in nl]}
     if notes is not None:
         notes.update(per[0], windows=[{"factors": n["factors"], "step_s": f.step_s, "seconds": n["seconds"],
                                        "decode_task_seconds": decode_seconds(w),
@@ -223,6 +251,16 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
                      step_s={"run": costs.step_s, "pieces": per[0]["step_s"]["pieces"]},
                      factors={name: getattr(costs, name) for name in cpu_cost.EFFICIENCIES})
     return costs
+
+
+def fresh_seconds(first: list[RunStep], again: list[RunStep]) -> float:
+    """A fresh process's one-time cost a token of its largest prefill call: what the prefill of `first` took
+    beyond that of `again`, the same prompts at once again (≥ 0)."""
+    def prefill(w):
+        return sum(s.tasks.get("prefill", 0.0) for s in w if s.kind == "prefill")
+
+    call = max((sum(g) for s in first if s.kind == "prefill" for g in s.groups), default=0)
+    return max(0.0, prefill(first) - prefill(again)) / call if call else 0.0
 
 
 def run_call_cost(engine, base: CpuCosts, windows: list[list[RunStep]]) -> CpuCosts:
@@ -250,12 +288,17 @@ def run_call_cost(engine, base: CpuCosts, windows: list[list[RunStep]]) -> CpuCo
 def window_entries(d, costs: CpuCosts, notes: dict) -> list[dict]:
     """The calibration's windows (fit_run_windows' `notes`) as history entries (core.plan.cpu_history), each
     against `costs`' coefficients: every window's decode factors and step_s; the first window's prefill
-    and wave_s only (a fresh process's, as a user's run is: later windows reuse its buffers)."""
+    and wave_s only (a fresh process's, as a user's run is: later windows reuse its buffers); the large
+    micro-batch's windows as their *_eff_large factors (prefill the second's: the warm repeat, fit_run_windows)."""
     out = []
     for i, w in enumerate(notes.get("windows", [])):
         f = {n: v for n, v in w["factors"].items() if i == 0 or n != "prefill_eff"}
         out.append(cpu_history.entry(d, costs, f, "calibration", step_s=w["step_s"],
                                      wave_s=costs.wave_s if i == 0 else None, batch=costs.run_batch))
+    big = notes.get("large", {})
+    for i, w in enumerate(big.get("windows", [])):
+        f = {cpu_cost.LARGE[n]: v for n, v in w["factors"].items() if i == 1 or n != "prefill_eff"}
+        out.append(cpu_history.entry(d, costs, f, "calibration", batch=big["batch"]))
     return out
 
 
@@ -286,12 +329,33 @@ def run_workload(engine, batch: int, means=RUN_PROMPT_MEANS, gen: int = RUN_GEN,
     return out
 
 
+def large_rows(first: list[RunStep], gen: int = LARGE_GEN, mean: float = RUN_PROMPT_MEANS[0], most: int = LARGE_ROWS,
+               least: int = 16, budget: float = LARGE_WINDOW_S) -> int:
+    """Requests of the large window (one micro-batch): `most`, halved while the speeds of the run's first window
+    (its prefill a prompt token, its decode a request a step) say a wave of them, prompts of `mean` tokens each
+    generating `gen`, would take over `budget` seconds; 0 under `least`."""
+    pre = [s for s in first if s.kind == "prefill"]
+    dec = [s for s in first if s.kind == "decode"]
+    tokens = sum(sum(g) for s in pre for g in s.groups)
+    rows = sum(len(g) for s in dec for g in s.groups)
+    if not tokens or not rows:
+        return 0
+    per = mean * sum(s.seconds for s in pre) / tokens + (gen - 1) * sum(s.seconds for s in dec) / rows
+    n = most
+    while n >= least and n * per > budget:
+        n //= 2
+    return n if n >= least else 0
+
+
 def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, clock=time.perf_counter,
               batch: int = 16, micro_batch: int = 4, prompts: list[str] | None = None,
-              notes: dict | None = None, windows: int = RUN_WINDOWS) -> CpuCosts:
+              notes: dict | None = None, windows: int = RUN_WINDOWS, large: int = LARGE_ROWS,
+              large_prompts=None) -> CpuCosts:
     """The CPU cost model of this machine, measured with `engine` (a CPU-only engine) and its model, then
     its efficiency in a short run of `prompts` (default: run_workload's) at `batch`/`micro_batch`, timed in
-    `windows` windows (fit_run_windows; `notes`, when given, get what the run measured against the pieces)."""
+    `windows` windows (fit_run_windows; `notes`, when given, get what the run measured against the pieces),
+    and at a large micro-batch of at most `large` requests (large_rows; 0: none), whose prompts
+    `large_prompts(n)` gives (default: run_workload's, MT-Bench's mean length)."""
     engine.threads.tick()  # measure with the threads the engine will run with
     gen = 3 if quick else RUN_GEN
     prompts = prompts or run_workload(engine, batch, means=(8, 24) if quick else RUN_PROMPT_MEANS, gen=gen)
@@ -304,6 +368,19 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
         return run_steps(engine, prompts, batch=batch, micro_batch=micro_batch, gen=gen, clock=clock, progress=progress)
 
     runs = [window()]
+    # the large micro-batch right after it, while the process is still fresh at that size too (a 256-prompt
+    # prefill in a process that ran one before took half as long on the demo model)
+    gen_large = gen if quick else LARGE_GEN
+    n_large = large_rows(runs[0], gen_large, most=min(large, 4 * micro_batch) if quick else large,
+                         least=4 * micro_batch) if large else 0
+    big_prompts = ((large_prompts or (lambda n: run_workload(engine, n, means=RUN_PROMPT_MEANS[:1], gen=gen_large,
+                                                              seed=1)))(n_large) if n_large else [])
+
+    def large_window(gen=gen_large):
+        return run_steps(engine, big_prompts, batch=n_large, micro_batch=n_large, gen=gen, clock=clock,
+                         progress=progress, what=f"a short run at micro-batch {n_large}")
+
+    bigs = [large_window(), large_window(min(gen_large, REPEAT_GEN))] if n_large else []
     spec = engine.spec
     d = hrm.dims(spec)
     # the calls past the allocator's threshold now, while the process holds no large free memory, as a user's
@@ -343,13 +420,14 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     progress(Progress("calibrating: GEMM kernels", 2, 2, "kernels"))
     if windows > 1:
         runs.append(window())
+        bigs += [large_window() for _ in range(LARGE_WINDOWS - 2) if n_large]
     base = dataclasses.replace(base, expert_flop_s=fx, expert_weight_s=wx, expert_call_s=cx, gemv_s=gx,
                                weight_hot_s=hot_d, expert_weight_hot_s=hot_x)
     kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2, sliced=(16, 64)) if quick else {}
     obs = runner_observations(engine, progress=progress, clock=clock, **kw) + fresh
     base = fit_engine_terms(engine, base, obs)
     base = fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)
-    return fit_run_windows(engine, base, more_windows(runs, window, windows), notes)
+    return fit_run_windows(engine, base, more_windows(runs, window, windows), notes, large=bigs)
 
 
 def more_windows(runs: list, window, windows: int = RUN_WINDOWS) -> list:
