@@ -182,6 +182,35 @@ def test_more_windows_while_they_disagree():
     assert len(cal.more_windows([slow], windows(), windows=1)) == 1
 
 
+def test_a_short_window_runs_its_waves_again_until_it_lasts():
+    """Defect: a window was two waves however short they ran: the demo model's took 0.5-1.1 s, and five windows of
+    one calibration read decode factors 0.91-2.03 (the VM's jitter), so the median stood on two lucky ones. A
+    window now runs its waves again until it lasts RUN_MIN_S (at most RUN_REPEATS_MOST times); a long one once."""
+    spec = _mixtral()
+    truth = dataclasses.replace(COSTS, **TRUE, step_s=4e-4)
+    waves = _steps(spec, truth, truth.step_s)
+    once = sum(s.seconds for s in waves)
+    calls = []
+
+    def run(steps=waves):
+        calls.append(1)
+        return list(steps)
+
+    got = cal.lasting(run, min_s=3.5 * once)
+    assert len(calls) == 4 and len(got) == 4 * len(waves) and sum(s.seconds for s in got) >= 3.5 * once
+    calls.clear()
+    assert len(cal.lasting(run, min_s=0.5 * once)) == len(waves) and len(calls) == 1  # long enough: once
+    calls.clear()
+    assert len(cal.lasting(run, min_s=1e9, most=3)) == 3 * len(waves) and len(calls) == 3  # bounded
+    # a joined window fits as the waves do: the same factors from four repeats as from one
+    engine = SimpleNamespace(spec=spec, config=SimpleNamespace(expert_group=1))
+    base = dataclasses.replace(COSTS, step_s=1e-5)
+    four = cal.fit_run_terms(engine, base, cal.lasting(run, min_s=3.5 * once))
+    for name, v in TRUE.items():
+        assert getattr(four, name) == pytest.approx(v, rel=1e-9), name
+    assert cal.RUN_MIN_S > 1.0 and cal.RUN_REPEATS_MOST > 1
+
+
 def test_admitting_a_wave_is_measured_and_predicted():
     """Defect: a prefill step's time beyond its tasks (the runner and its cache made, prompts tokenized, a fresh
     process's first buffers) was in no term: the demo model's prefill measured 0.145-0.157 s a run against
@@ -292,6 +321,12 @@ def test_a_fresh_processs_first_large_prefill_is_paid_once_a_run(demo_model):
     assert got.fresh_s == pytest.approx(1.2 / sum(lengths), rel=1e-9)
     assert got.prefill_eff_large == pytest.approx(1.0, rel=1e-9) and got.pre_eff_large == pytest.approx(1.0, rel=1e-9)
     assert cal.fresh_seconds(again, first) == 0.0  # never below nothing
+    # windows that ran their wave again to last (cal.lasting): only the first wave in the process was fresh, and the
+    # repeat's waves are the warm reference — the old sums over every wave charged the first window's warm waves too
+    assert cal.fresh_seconds(first + again, again + again + again) == pytest.approx(1.2 / sum(lengths), rel=1e-9)
+    joined = cal.fit_run_windows(engine, base, small, large=[first + later, again + again, later + later])
+    assert joined.fresh_s == pytest.approx(got.fresh_s, rel=1e-9)
+    assert joined.prefill_eff_large == pytest.approx(1.0, rel=1e-9)
 
     policy = Policy(batch_size=256, micro_batch_size=256, expert_batch_size=256, attention_on="cpu", ffn_on="cpu")
     mp = pytest.MonkeyPatch()

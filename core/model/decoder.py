@@ -70,6 +70,14 @@ def ffn_output(f: FfnInput, routed: torch.Tensor | None) -> torch.Tensor:
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (h, weights, idx) -> [T, D]
 
 
+# A CPU prefill runs its layer's FFN on at most this many tokens at a time. Whole, a wave's call (the demo's 200
+# prompts: 15,400 tokens) made intermediates of tens of MB, past glibc's mmap threshold: mapped fresh and faulted
+# in at every layer, the first wave of a process took 2.0-2.1 s where the same call again took 0.85-0.91 s; in
+# chunks of 2,048 it took 1.03-1.04 s, again 0.74-0.92 s (2 Xeon threads; bench/RESULTS.md, issue 11, eighth
+# session). A device's caching allocator reuses its blocks: there the call stays whole (core.runtime.pipeline).
+PREFILL_FFN_TOKENS = 2048
+
+
 def prefill_mix(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor, rope, lens: list[int],
                 call_lengths: torch.Tensor | None = None, full_norm=None, attention_out=None):
     """Whole prompts packed in x [T, D] -> (residual stream after the token mixer [T, D], per prompt its
@@ -81,10 +89,16 @@ def prefill_mix(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, positions
     return x + (out if attention_out is None else attention_out(out)), parts
 
 
-def prefill_ffn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, experts: Experts, ffn_out=None) -> torch.Tensor:
+def prefill_ffn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, experts: Experts, ffn_out=None,
+                chunk: int = 0) -> torch.Tensor:
     """x [T, D] after the mixer -> the layer's output. The caller holds nothing else of the layer then:
     the FFN's intermediates are a prefill's peak (core.plan.planner counts it so). `ffn_out` sums a
-    tensor-parallel rank's partial output."""
+    tensor-parallel rank's partial output. `chunk` > 0: at most that many tokens at a time, each chunk's
+    output written back over its rows of x (the FFN is per token), so the intermediates stay that small."""
+    if 0 < chunk < x.shape[0]:
+        for a in range(0, x.shape[0], chunk):
+            x[a:a + chunk] = prefill_ffn(spec, layer, w, x[a:a + chunk], experts, ffn_out)
+        return x
     h = norm(spec, x, w["ln2"], w.get("ln2_b"))
     if not spec.is_moe(layer):
         y = dense_mlp(w, h)

@@ -28,9 +28,10 @@ from pathlib import Path
 
 from core.model.attention import slices
 
-VERSION = 5  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
+VERSION = 6  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
 # 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations;
-# 5: the run's efficiency measured at a second, large micro-batch too (the *_eff_large factors)
+# 5: the run's efficiency measured at a second, large micro-batch too (the *_eff_large factors); 6: a CPU prefill's
+# FFN runs PREFILL_FFN_TOKENS at a time (core.model.decoder), and the run's windows last RUN_MIN_S
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.
@@ -350,8 +351,17 @@ def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq
     sq = prompt_sq if prompt_sq is not None else prompt_len * prompt_len
     flops = 4 * prompts * ((sq + prompt_len) / 2) * d.heads * d.head_dim
     spill = c.prefill_act_s * fresh_tokens(d, c, t) * d.D
-    return (pre + post + experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts + spill
+    return (pre + post + prefill_experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts + spill
             + c.task_s) * c.eff("prefill_eff", prompts)
+
+
+def prefill_experts_seconds(d, c: CpuCosts, t: float) -> float:
+    """A CPU prefill call's routed experts of t tokens: PREFILL_FFN_TOKENS at a time (core.model.decoder)."""
+    from core.model.decoder import PREFILL_FFN_TOKENS as chunk
+
+    whole = int(t // chunk)
+    rest = t - whole * chunk
+    return whole * experts_seconds(d, c, chunk) + (experts_seconds(d, c, rest) if rest > 0 else 0.0)
 
 
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,

@@ -38,6 +38,12 @@ RUN_WINDOWS = 3
 # ... and while fewer than a majority of them have their decode within RUN_AGREE of the windows' median (the
 # machine moved during the calibration), more, up to RUN_WINDOWS_MOST: the median then stands on a majority
 RUN_AGREE, RUN_WINDOWS_MOST = 0.1, 5
+# A window runs its waves again, up to RUN_REPEATS_MOST times, until it has lasted RUN_MIN_S: the demo model's
+# two waves took 0.5-1.1 s, and five such windows of one calibration (2 Xeon threads) read decode factors
+# 0.91-2.03 and prefill 0.40-0.94 — the VM's jitter, not the engine — so the median stood on whichever two
+# windows were lucky, while a user's run of 256 requests lasts 2-13 s (bench/RESULTS.md, issue 11, eighth
+# session). A model whose waves take longer (the 784M: tens of seconds) runs them once, as before.
+RUN_MIN_S, RUN_REPEATS_MOST = 3.0, 8
 # The same run at a large micro-batch too: a factor measured at 4 requests a micro-batch also scales the tasks'
 # per-call overheads, which do not grow with the rows, so at the planner's micro-batches (16-256, prefill calls of
 # tens of thousands of tokens) an overhead-bound model was mispriced: the demo's decode tasks at 256 took 0.4-0.6x
@@ -47,7 +53,9 @@ RUN_AGREE, RUN_WINDOWS_MOST = 0.1, 5
 # than LARGE_WINDOW_S. Run right after the first window, and at once again to REPEAT_GEN tokens: a fresh process
 # pays for its first large prefill call's memory once (the demo: 2.1 s for 256 prompts, 0.9 s the same call
 # again), the repeat does not — CpuCosts.fresh_s, prefill_eff_large. Then once more after the GEMMs: decode's
-# factors are the median of the three.
+# factors are the median of the three. Each lasts RUN_MIN_S as the small run's windows do (its wave again): the
+# demo's large windows took 0.8-1.6 s, and two calibrations' factors there differed by up to 2x (attention 0.23
+# against 0.48), which moved the prediction at the planner's batch from +10 % to -28 % of the same runs.
 LARGE_ROWS, LARGE_GEN, REPEAT_GEN, LARGE_WINDOW_S, LARGE_WINDOWS = 256, 8, 3, 60.0, 3
 
 
@@ -134,6 +142,16 @@ def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: 
     return steps
 
 
+def lasting(run, min_s: float = RUN_MIN_S, most: int = RUN_REPEATS_MOST) -> list[RunStep]:
+    """`run()`'s steps, run again and joined (one window) until they last `min_s` seconds or it ran `most` times."""
+    steps = run()
+    for _ in range(most - 1):
+        if sum(s.seconds for s in steps) >= min_s:
+            break
+        steps += run()
+    return steps
+
+
 def _text(tok, ids: list[int], most: int) -> str:
     """A prompt of about these tokens (decoded text re-tokenizes a little differently), at most `most`."""
     text = tok.decode(ids)
@@ -215,7 +233,7 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
     little with the machine's slow stretches (0.89-1.01 within one calibration). `large`: windows of the run
     at a large micro-batch — the *_eff_large factors, decode's the median of theirs — the first in a process
     fresh at that size, the second the same prompts at once again: prefill_eff_large the second's, and what the
-    first's prefill took beyond it, a token of its largest call, fresh_s (CpuCosts)."""
+    first's first wave's prefill took beyond the second's waves', a token of its call, fresh_s (CpuCosts)."""
     from statistics import median
 
     if base.own_rows:
@@ -254,13 +272,16 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
 
 
 def fresh_seconds(first: list[RunStep], again: list[RunStep]) -> float:
-    """A fresh process's one-time cost a token of its largest prefill call: what the prefill of `first` took
-    beyond that of `again`, the same prompts at once again (≥ 0)."""
-    def prefill(w):
-        return sum(s.tasks.get("prefill", 0.0) for s in w if s.kind == "prefill")
+    """A fresh process's one-time cost a token of its largest prefill call: what the first prefill step of `first`
+    took beyond the median prefill step of `again` (the same prompts at once again, a wave a step) (≥ 0)."""
+    from statistics import median
 
-    call = max((sum(g) for s in first if s.kind == "prefill" for g in s.groups), default=0)
-    return max(0.0, prefill(first) - prefill(again)) / call if call else 0.0
+    pre = [s for s in first if s.kind == "prefill"]
+    rep = [s.tasks.get("prefill", 0.0) for s in again if s.kind == "prefill"]
+    call = max((sum(g) for g in pre[0].groups), default=0) if pre else 0
+    if not call or not rep:
+        return 0.0
+    return max(0.0, pre[0].tasks.get("prefill", 0.0) - median(rep)) / call
 
 
 def run_call_cost(engine, base: CpuCosts, windows: list[list[RunStep]]) -> CpuCosts:
@@ -350,10 +371,11 @@ def large_rows(first: list[RunStep], gen: int = LARGE_GEN, mean: float = RUN_PRO
 def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, clock=time.perf_counter,
               batch: int = 16, micro_batch: int = 4, prompts: list[str] | None = None,
               notes: dict | None = None, windows: int = RUN_WINDOWS, large: int = LARGE_ROWS,
-              large_prompts=None) -> CpuCosts:
+              large_prompts=None, window_s: float = RUN_MIN_S) -> CpuCosts:
     """The CPU cost model of this machine, measured with `engine` (a CPU-only engine) and its model, then
     its efficiency in a short run of `prompts` (default: run_workload's) at `batch`/`micro_batch`, timed in
-    `windows` windows (fit_run_windows; `notes`, when given, get what the run measured against the pieces),
+    `windows` windows of at least `window_s` seconds each (lasting; 0 in `quick`) (fit_run_windows; `notes`, when
+    given, get what the run measured against the pieces),
     and at a large micro-batch of at most `large` requests (large_rows; 0: none), whose prompts
     `large_prompts(n)` gives (default: run_workload's, MT-Bench's mean length)."""
     engine.threads.tick()  # measure with the threads the engine will run with
@@ -365,7 +387,8 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     # then the run, while the process is otherwise as fresh as a user's run's is (no buffers yet to reuse),
     # and again after the GEMMs and at the end (RUN_WINDOWS)
     def window():
-        return run_steps(engine, prompts, batch=batch, micro_batch=micro_batch, gen=gen, clock=clock, progress=progress)
+        return lasting(lambda: run_steps(engine, prompts, batch=batch, micro_batch=micro_batch, gen=gen, clock=clock,
+                                         progress=progress), 0.0 if quick else window_s)
 
     runs = [window()]
     # the large micro-batch right after it, while the process is still fresh at that size too (a 256-prompt
@@ -377,8 +400,9 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
                                                               seed=1)))(n_large) if n_large else [])
 
     def large_window(gen=gen_large):
-        return run_steps(engine, big_prompts, batch=n_large, micro_batch=n_large, gen=gen, clock=clock,
-                         progress=progress, what=f"a short run at micro-batch {n_large}")
+        return lasting(lambda: run_steps(engine, big_prompts, batch=n_large, micro_batch=n_large, gen=gen, clock=clock,
+                                         progress=progress, what=f"a short run at micro-batch {n_large}"),
+                       0.0 if quick else window_s)
 
     bigs = [large_window(), large_window(min(gen_large, REPEAT_GEN))] if n_large else []
     spec = engine.spec

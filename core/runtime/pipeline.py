@@ -54,7 +54,6 @@ from core.runtime.device import Device, HostDevice
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
 
-
 class _MB:
     """State of one micro-batch through a step."""
 
@@ -658,7 +657,7 @@ class PipelineRunner:
                                            self._full_norm, self._attention_out)
         # the FFN's intermediates are the peak: the layer holds nothing else then (the planner counts on it)
         mb.x = decoder.prefill_ffn(self.spec, i, w, mb.x, lambda h, rw, idx: self._experts(parts, h, rw, idx),
-                                   self._ffn_out)
+                                   self._ffn_out, 0 if self.dev.accelerator else decoder.PREFILL_FFN_TOKENS)
         while len(mb.kv) <= i:
             mb.kv.append(None)
         mb.kv[i] = states
