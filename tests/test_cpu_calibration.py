@@ -291,3 +291,33 @@ def test_the_workloads_spread_estimates_match_the_spread_the_bench_builds():
             assert w.micro_batch_context(mu) - 16 == pytest.approx(sum(draws) / len(draws), rel=0.2)
     flat = Workload(prompt_len=100, gen_len=10)
     assert flat.prompt_sq_mean == 100 * 100 and flat.micro_batch_context(8) == flat.decode_context
+
+
+def test_prefill_shapes_include_many_short_prompts_and_each_is_the_median_of_repeats(demo_model):
+    """Defect: each prefill shape was one call, and no shape had many short prompts: on a jittery VM the demo's
+    per-prompt term fitted 0 and the attention term took its place (a run's prefill at 77-token prompts 1.1-1.4x its
+    prediction, at 308 0.5-0.7x). Now shapes of 8 and 16 prompts too, each timed PREFILL_REPEATS times, the median kept."""
+    from core.runtime.engine import Engine
+
+    assert any(p >= 8 and n <= 64 for p, n in pieces.PREFILLS) and pieces.PREFILL_REPEATS >= 3
+    engine = Engine.load(demo_model, threads=1)
+    now = [0.0]
+    durations = iter([0.0, 5.0, 1.0, 3.0])  # the warm-up call, then the three timed ones
+    make = engine.runner
+
+    def runner(*a, **kw):
+        rn = make(*a, **kw)
+        inner = rn.prefill
+
+        def prefill(*pa, **pk):
+            out = inner(*pa, **pk)
+            now[0] += next(durations)
+            return out
+
+        rn.prefill = prefill
+        return rn
+
+    engine.runner = runner
+    (obs,) = pieces.runner_observations(engine, batches=(), contexts=(), sliced=None, prefills=((3, 8),),
+                                        clock=lambda: now[0], repeats=3)
+    assert obs.kind == "prefill" and obs.b == 3 and obs.length == 8 and obs.wall == 3.0  # the median, not the last

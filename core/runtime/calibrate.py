@@ -413,7 +413,7 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     pre = [s for s in runs[0] if s.kind == "prefill"]
     token_s = sum(s.tasks.get("prefill", 0.0) for s in pre) / max(1, sum(sum(g) for s in pre for g in s.groups))
     fresh = [] if quick else runner_observations(
-        engine, batches=(), contexts=(), sliced=None, progress=progress, clock=clock,
+        engine, batches=(), contexts=(), sliced=None, progress=progress, clock=clock, repeats=1,  # once: fresh
         prefills=fresh_prefills(d, engine.cpu.math, token_s, spec.max_position - 2))
     dense, expert, math = engine_kernels(engine)
     dense_shapes, expert_shapes = model_shapes(spec)

@@ -50,7 +50,12 @@ RESIDUAL_MIN = 0.05  # a step's unexplained share below this is noise, not a ter
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_CONTEXTS = (48, 384)
 SLICED = (48, 400)  # (context, cache row): well under the row, attention copies out the slice rather than read it whole
-PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256), (1, 1024))  # (prompts, tokens each)
+PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256), (1, 1024), (16, 16), (8, 64))  # (prompts, tokens each)
+# Each timed PREFILL_REPEATS times, the median kept. One call a shape, and no shape of many short prompts: on two
+# Xeon threads the demo's per-prompt term fitted 0 and attention 9.7e-11 s a FLOP took its place, so a run's
+# prefill at prompts of 77 tokens took 1.1-1.4x its prediction and at 308 tokens 0.5-0.7x (bench/RESULTS.md,
+# issue 11, eighth session)
+PREFILL_REPEATS = 3
 # ... and a call whose activations are mapped fresh (cpu_cost.fresh_tokens): FRESH_OVER times the tokens from
 # which all of them are, in prompts of FRESH_PROMPT tokens, beside one of a quarter of them, where the first
 # window's prefill says both take at most FRESH_MOST_S (the 784M: 17,280 and 4,096 tokens, 13-16 s of its calibration;
@@ -315,7 +320,7 @@ class Obs:
 
 def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS, prefills=PREFILLS,
                         steps: int = 3, sliced=SLICED, progress: EventSink = ignore,
-                        clock=time.perf_counter) -> list[Obs]:
+                        clock=time.perf_counter, repeats: int = PREFILL_REPEATS) -> list[Obs]:
     spec, out = engine.spec, []
     limit = spec.max_position - steps - 2
     plan = [(b, c, c + steps + 1) for b in batches for c in contexts if c <= limit]
@@ -343,9 +348,13 @@ def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTE
         prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for _ in range(p)]
         runner.prefill(prompts[:1], [0], [[0]])  # warm-up
         tc.take({})
-        t0 = clock()
-        _, busy = runner.prefill(prompts, list(range(p)), [list(range(p))])
-        out.append(Obs("prefill", p, n, tc.take(busy), clock() - t0))
+        timed = []
+        for _ in range(repeats):
+            t0 = clock()
+            _, busy = runner.prefill(prompts, list(range(p)), [list(range(p))])
+            timed.append((clock() - t0, tc.take(busy)))
+        wall, busy = sorted(timed, key=lambda x: x[0])[len(timed) // 2]
+        out.append(Obs("prefill", p, n, busy, wall))
         progress(Progress("calibrating: prefills", i + 1, len(prefills), "shapes"))
     return out
 
