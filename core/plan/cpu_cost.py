@@ -253,9 +253,14 @@ def fused_experts_seconds(d, c: CpuCosts, t: float) -> float:
     its arithmetic and its weights: it streams the weights while it computes. On two Zen 5 cores the
     784M's layer took 4.0-4.4 ms from 8 to 64 tokens (the weights) and 7, 14, 28 ms at 128, 256, 512
     (the arithmetic): their sum, the per-expert GEMMs' shape, was 20-29 % off at both ends."""
-    whole = int(t // c.expert_chunk)
-    rest = t - whole * c.expert_chunk
-    return whole * _fused_call(d, c, c.expert_chunk) + (_fused_call(d, c, rest) if rest > 0 else 0.0)
+    return _in_chunks(t, c.expert_chunk, lambda n: _fused_call(d, c, n))
+
+
+def _in_chunks(t: float, chunk: int, cost) -> float:
+    """`cost(n)` summed over t tokens taken `chunk` at a time (whole chunks, then the rest)."""
+    whole = int(t // chunk)
+    rest = t - whole * chunk
+    return whole * cost(chunk) + (cost(rest) if rest > 0 else 0.0)
 
 
 def _fused_call(d, c: CpuCosts, t: float) -> float:
@@ -357,11 +362,9 @@ def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq
 
 def prefill_experts_seconds(d, c: CpuCosts, t: float) -> float:
     """A CPU prefill call's routed experts of t tokens: PREFILL_FFN_TOKENS at a time (core.model.decoder)."""
-    from core.model.decoder import PREFILL_FFN_TOKENS as chunk
+    from core.model.decoder import PREFILL_FFN_TOKENS
 
-    whole = int(t // chunk)
-    rest = t - whole * chunk
-    return whole * experts_seconds(d, c, chunk) + (experts_seconds(d, c, rest) if rest > 0 else 0.0)
+    return _in_chunks(t, PREFILL_FFN_TOKENS, lambda n: experts_seconds(d, c, n))
 
 
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,
