@@ -91,6 +91,30 @@ def test_calibration_fits_a_per_call_size_slowdown_of_prefill():
     assert pieces.fresh_prefills(d, "bfloat16", 1e-2, spec.max_position - 2) == []
 
 
+def test_calibration_tells_a_per_token_prefill_cost_from_attentions():
+    """A machine whose prefill costs more a token than its GEMMs and elementwise terms say (the demo's routing
+    over a whole call: 2.2x them), whatever the prompts' lengths. The fit must price it per token, not as
+    attention (which grows with the square of a prompt): fitted as attention, the same tokens in prompts 4x
+    longer were priced 1.5-2x what they took."""
+    spec = resolve_spec("mixtral-8x7b")
+    d, L = hrm.dims(spec), spec.num_layers
+    truth = dataclasses.replace(TRUTH, **{f.name: getattr(TRUTH, f.name) / 1000 for f in dataclasses.fields(CpuCosts)
+                                          if f.type == "float" and f.name not in cpu_cost.EFFICIENCIES})
+    base = dataclasses.replace(truth, sdpa_flop_s=0.0, prompt_s=0.0, prefill_act_s=0.0)
+    per_token = 0.5 * cpu_cost.prefill_seconds(d, base, 16, 64) / (16 * 64)  # a third of a token's whole cost
+
+    def took(c, p, n):  # seconds of a layer: the cost model's, plus the per-token work it has no other term for
+        return cpu_cost.prefill_seconds(d, c.for_step(p * n * d.kv_tok), p, n) + per_token * p * n
+
+    obs = [pieces.Obs("prefill", p, n, {"gpu": L * took(truth, p, n)}, 0.0) for p, n in pieces.PREFILLS]
+    got = pieces.fit_engine_terms(SimpleNamespace(spec=spec), base, obs)
+    # unseen shapes: MT-Bench's prompts and 4x them, the same tokens a call, and prompts longer than any timed
+    for p, n in ((16, 77), (4, 308), (2, 1000)):  # (none of their activations mapped fresh)
+        assert cpu_cost.prefill_seconds(d, got.for_step(p * n * d.kv_tok), p, n) == pytest.approx(took(truth, p, n),
+                                                                                               rel=0.03), (p, n)
+    assert got.sdpa_flop_s == pytest.approx(truth.sdpa_flop_s, rel=0.05)
+
+
 class _Clock:
     """A clock the fake kernel advances by what the cost model says: the fit must give the coefficients back."""
     resolution = 1e-9

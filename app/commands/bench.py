@@ -142,7 +142,8 @@ def _calibrate(model, args) -> dict:
             g = big["factors"]
             print(f"  and at micro-batch {big['batch'][1]}: "
                   + " / ".join(f"{g[cpu_cost.LARGE[n]]:.2f}x" for n in ("pre_eff", "attn_eff", "post_eff", "ffn_eff"))
-                  + f", prefill {g['prefill_eff_large']:.2f}x (tasks of sizes between the two: in between)")
+                  + f", prefill {g['prefill_eff_large']:.2f}x (tasks of sizes between the two: in between); a fresh "
+                  f"process's first wave {big['fresh_s'] * 1e6:.1f} µs a prompt token more, once a run")
         w = notes.get("windows", [])
         if len(w) > 1:
             print(f"  (decode: the median of {len(w)} windows of that run, at "

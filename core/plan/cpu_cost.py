@@ -28,10 +28,11 @@ from pathlib import Path
 
 from core.model.attention import slices
 
-VERSION = 6  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
+VERSION = 7  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
 # 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations;
 # 5: the run's efficiency measured at a second, large micro-batch too (the *_eff_large factors); 6: a CPU prefill's
-# FFN runs PREFILL_FFN_TOKENS at a time (core.model.decoder), and the run's windows last RUN_MIN_S
+# FFN runs PREFILL_FFN_TOKENS at a time (core.model.decoder), and the run's windows last RUN_MIN_S; 7: a prefill's
+# per-token term (prefill_tok_s)
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.
@@ -77,6 +78,12 @@ class CpuCosts:
     sdpa_flop_s: float = 0.0  # seconds per FLOP of prefill attention
     task_s: float = 0.0  # overhead per task of the step graph (Python, dispatch, small ops)
     prompt_s: float = 0.0  # overhead per prompt in a prefill task (its own attention call)
+    # per token of a prefill call: work the decode steps' pieces do not show, which grows with a call's tokens
+    # (routing's sort and gathers over the whole call, the experts' scatter back). The demo's prefill ran 38-42 µs
+    # a token at 1,237-19,708 tokens a call whatever the prompts' lengths, 2.2x what its GEMMs and elementwise
+    # terms say; without this term the fit gave the gap to attention, 8x its measured cost a FLOP, and priced
+    # prompts of 308 tokens at 1.5-2x what they took (bench/RESULTS.md, issue 11, ninth session)
+    prefill_tok_s: float = 0.0
     prefill_act_s: float = 0.0  # per activation element (token x hidden) of a prefill call mapped fresh (fresh_tokens)
     step_s: float = 0.0  # overhead per engine step (embedding, sampling set-up, bookkeeping)
     seq_s: float = 0.0  # overhead per request per step (sampling, stop checks)
@@ -356,8 +363,8 @@ def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq
     sq = prompt_sq if prompt_sq is not None else prompt_len * prompt_len
     flops = 4 * prompts * ((sq + prompt_len) / 2) * d.heads * d.head_dim
     spill = c.prefill_act_s * fresh_tokens(d, c, t) * d.D
-    return (pre + post + prefill_experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts + spill
-            + c.task_s) * c.eff("prefill_eff", prompts)
+    return (pre + post + prefill_experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts
+            + c.prefill_tok_s * t + spill + c.task_s) * c.eff("prefill_eff", prompts)
 
 
 def prefill_experts_seconds(d, c: CpuCosts, t: float) -> float:

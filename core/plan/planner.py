@@ -339,6 +339,7 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
     """The HRM's prediction for a given policy (memory is reported, not checked: see validate). With
     tensor parallelism, the time is one rank's (they run in step) and the memory is summed over them."""
     p, k = policy, policy.tensor_parallel
+    last = _last_wave(policy, model, hardware, workload)
     model, hardware, _ = rank_view(model, hardware, None, k)
     r = _rates(hardware, k, model)
     place = (p.attention_on, p.ffn_on)
@@ -351,22 +352,44 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
     prefill = l * hrm.layer_time(pre, p.ffn_on) + hrm.head_seconds(model, r, tokens=p.batch_size,
                                                                    micro_batches=p.num_micro_batches, on_gpu=on_gpu)
     prefill += hrm.wave_seconds(r, on_gpu=on_gpu, call_tokens=p.micro_batch_size * workload.prompt_len,
-                                waves=workload.waves(p.batch_size))
+                                waves=workload.waves(p.batch_size), model=model)
     n = workload.gen_len
     total = prefill + (n - 1) * step
     gpu, cpu, pinned = (x if isinstance(x, int) else {key: v * k for key, v in x.items()}
                         for x in _memory(hrm.dims(model), p, workload))  # all ranks
     pinned *= k
+    # a run whose requests are not a multiple of the batch ends with a smaller wave, whose steps carry the same
+    # per-step and per-layer costs for fewer tokens: 256 requests at 228 ran 15-26 % slower in decode than full
+    # waves of 228 predict (the demo, two Zen 4 threads; bench/RESULTS.md, issue 11, ninth session)
+    full, rest = (workload.num_requests // p.batch_size, workload.num_requests % p.batch_size) if last else (1, 0)
+    seconds = full * total + (last.prefill_seconds + (n - 1) * last.step_seconds if last else 0.0)
+    decode_s = full * (n - 1) * step + ((n - 1) * last.step_seconds if last else 0.0)
+    prefill_s = full * prefill + (last.prefill_seconds if last else 0.0)
+    tokens = full * p.batch_size + rest
     return Prediction(
-        tokens_per_s=p.batch_size * n / total,
-        decode_tokens_per_s=p.batch_size / step,
-        prefill_tokens_per_s=p.batch_size * workload.prompt_len / prefill,
+        tokens_per_s=tokens * n / seconds,
+        decode_tokens_per_s=tokens * (n - 1) / decode_s if n > 1 else p.batch_size / step,
+        prefill_tokens_per_s=tokens * workload.prompt_len / prefill_s,
         bottleneck=max(BOTTLENECKS, key=lambda k: dec[k]) if on_gpu else max(RESOURCES, key=lambda k: dec[k]),
         gpu_bytes=int(sum(gpu.values())), cpu_bytes=int(sum(cpu.values())),
         layer_seconds={k: dec[k] for k in BOTTLENECKS}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
         step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu, pinned_bytes=pinned,
         bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("gpu", "cpu_attn"), key=lambda k: dec[k])],
     )
+
+
+def _last_wave(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> "Prediction | None":
+    """The prediction for a run's last wave where its requests leave one smaller than the batch (None where they
+    do not, or are not known): the rest in as few micro-batches of at most the policy's as hold them."""
+    p, n = policy, workload.num_requests
+    rest = n % p.batch_size if n and n > p.batch_size else 0
+    if not rest:
+        return None
+    groups = -(-rest // p.micro_batch_size)
+    mu = -(-rest // groups)
+    per = p.expert_batch_size // p.micro_batch_size
+    wave = dataclasses.replace(p, batch_size=mu * groups, micro_batch_size=mu, expert_batch_size=mu * per)
+    return predict(wave, model, hardware, dataclasses.replace(workload, num_requests=mu * groups))
 
 
 # ---- the continuous part: fractions for fixed integers ------------------------------------------------
@@ -420,7 +443,8 @@ def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, b
     p00, p10, p01 = prefill or _prefill_lin(d, r, w, place, n, mu)
     g0, gw, gc, c0, cw, cc = mem or _memory_lin(d, w, place, n, mu, beta)
     head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=f == "gpu")
-    fixed = head * w.gen_len + hrm.wave_seconds(r, on_gpu=f == "gpu", call_tokens=mu * w.prompt_len, waves=w.waves(n))
+    fixed = head * w.gen_len + hrm.wave_seconds(r, on_gpu=f == "gpu", call_tokens=mu * w.prompt_len,
+                                                waves=w.waves(n), model=d)
     return _Lin(d00, _sub(d10, d00), _sub(d01, d00), p00, _sub(p10, p00), _sub(p01, p00), fixed=fixed,
                 serial=f == "cpu", gpu0=g0, gpu_w=gw, gpu_c=gc, cpu0=c0, cpu_w=cw, cpu_c=cc)
 

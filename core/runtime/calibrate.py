@@ -17,6 +17,7 @@ from core.model.cpu.ffn import CHUNK_TOKENS
 from core.platform import llc_bytes
 from core.plan import cpu_cost, cpu_history, hrm
 from core.plan.cpu_cost import CpuCosts
+from core.runtime.calibrate_fresh import fresh_first_wave
 from core.runtime.calibrate_pieces import (COLD_FACTOR, LAYER_TOKENS, ROWS, engine_kernels, fit_engine_terms,
                                            fit_step_terms, fresh_prefills, fused_layers, fused_terms, gemm_terms,
                                            model_shapes, own_rows, runner_observations)
@@ -225,7 +226,7 @@ def fit_run_terms(engine, base: CpuCosts, steps: list[RunStep], notes: dict | No
 
 
 def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes: dict | None = None,
-                    large: list[list[RunStep]] = ()) -> CpuCosts:
+                    large: list[list[RunStep]] = (), fresh: dict | None = None) -> CpuCosts:
     """fit_run_terms over several windows of the same run: each decode factor and step_s the median of the
     windows', prefill_eff and wave_s the first window's. The first window runs first in its process, as a
     user's run does: its prefill faults in the fresh buffers the later windows reuse (its prefill factor
@@ -233,7 +234,9 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
     little with the machine's slow stretches (0.89-1.01 within one calibration). `large`: windows of the run
     at a large micro-batch — the *_eff_large factors, decode's the median of theirs — the first in a process
     fresh at that size, the second the same prompts at once again: prefill_eff_large the second's, and what the
-    first's first wave's prefill took beyond the second's waves', a token of its call, fresh_s (CpuCosts)."""
+    first's first wave's prefill took beyond the second's waves', a token of its call, fresh_s (CpuCosts) — or, where
+    `fresh` (calibrate_fresh.fresh_first_wave) measured it in a fresh process, what that one's first wave took
+    beyond its second."""
     from statistics import median
 
     if base.own_rows:
@@ -254,10 +257,12 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
     if big:
         got = {cpu_cost.LARGE[name]: median(getattr(f, name) for f in big) for name in DECODE_EFF.values()}
         warm = big[1] if len(big) > 1 else big[0]
+        once = (max(0.0, fresh["first"] - fresh["again"]) / fresh["tokens"] if fresh
+                else fresh_seconds(large[0], large[1]) if len(big) > 1 else 0.0)
         costs = dataclasses.replace(costs, **got, prefill_eff_large=warm.prefill_eff, large_rows=big[0].run_batch[1],
-                                    fresh_s=fresh_seconds(large[0], large[1]) if len(big) > 1 else 0.0)
+                                    fresh_s=once)
     if notes is not None and big:
-        notes["large"] = {"batch": list(big[0].run_batch), "fresh_s": costs.fresh_s,
+        notes["large"] = {"batch": list(big[0].run_batch), "fresh_s": costs.fresh_s, "fresh_process": fresh,
                           "factors": {n: getattr(costs, n) for n in cpu_cost.LARGE.values()},
                           "windows": [{"factors": n["factors"], "seconds": n["seconds"],
                                        "tokens_per_s": n["tokens"] / n["seconds"] if n["seconds"] else 0.0} for n in nl]}
@@ -405,6 +410,11 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
                        0.0 if quick else window_s)
 
     bigs = [large_window(), large_window(min(gen_large, REPEAT_GEN))] if n_large else []
+    fresh_wave = None
+    if n_large and not quick:  # what this process, no longer fresh, cannot show: a fresh one's first large wave
+        progress(Progress("calibrating: a fresh process's first large wave", 0, 1, "runs"))
+        fresh_wave = fresh_first_wave(engine, big_prompts, wall=clock is time.perf_counter)
+        progress(Progress("calibrating: a fresh process's first large wave", 1, 1, "runs"))
     spec = engine.spec
     d = hrm.dims(spec)
     # the calls past the allocator's threshold now, while the process holds no large free memory, as a user's
@@ -451,7 +461,7 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     obs = runner_observations(engine, progress=progress, clock=clock, **kw) + fresh
     base = fit_engine_terms(engine, base, obs)
     base = fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)
-    return fit_run_windows(engine, base, more_windows(runs, window, windows), notes, large=bigs)
+    return fit_run_windows(engine, base, more_windows(runs, window, windows), notes, large=bigs, fresh=fresh_wave)
 
 
 def more_windows(runs: list, window, windows: int = RUN_WINDOWS) -> list:

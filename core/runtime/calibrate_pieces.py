@@ -50,7 +50,9 @@ RESIDUAL_MIN = 0.05  # a step's unexplained share below this is noise, not a ter
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_CONTEXTS = (48, 384)
 SLICED = (48, 400)  # (context, cache row): well under the row, attention copies out the slice rather than read it whole
-PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256), (1, 1024), (16, 16), (8, 64))  # (prompts, tokens each)
+PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256), (1, 1024), (16, 16), (8, 64), (64, 16), (4, 256))  # (prompts, tokens each)
+# Pairs of the same tokens a call in few long prompts and many short ones (256, 512, 1,024 tokens) tell the
+# per-token term (prefill_tok_s) from attention's, which grows with the square of a prompt's length
 # Each timed PREFILL_REPEATS times, the median kept. One call a shape, and no shape of many short prompts: on two
 # Xeon threads the demo's per-prompt term fitted 0 and attention 9.7e-11 s a FLOP took its place, so a run's
 # prefill at prompts of 77 tokens took 1.1-1.4x its prediction and at 308 tokens 0.5-0.7x (bench/RESULTS.md,
@@ -388,8 +390,8 @@ def own_rows(spec) -> bool:
 
 
 def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs]) -> CpuCosts:
-    """elem_s and task_s from the dense work, kv_s, kv_copy_s and attn_row_s from attention, sdpa_flop_s and prompt_s
-    from prefills — each from what the terms already known leave unexplained."""
+    """elem_s and task_s from the dense work, kv_s, kv_copy_s and attn_row_s from attention, sdpa_flop_s, prompt_s
+    and prefill_tok_s from prefills — each from what the terms already known leave unexplained."""
     d, L = hrm.dims(engine.spec), engine.spec.num_layers
     dec = [o for o in obs if o.kind == "decode"]
 
@@ -421,8 +423,8 @@ def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs]) -> CpuCosts:
         # activations' term from what those leave of the calls past the threshold: fitted together, one call
         # of 148 prompts let an inflated per-prompt term explain it (prefill_act_s 0 in one calibration of two)
         fresh = [o for o in pre if cpu_cost.fresh_tokens(d, base, o.b * o.length) > 0]
-        got = residual_fit([(o, fn) for o in pre if o not in fresh], ("sdpa_flop_s", "prompt_s"), busy,
-                           lambda o: fn(base, o))
+        got = residual_fit([(o, fn) for o in pre if o not in fresh], ("sdpa_flop_s", "prompt_s", "prefill_tok_s"),
+                           busy, lambda o: fn(base, o))
         base = dataclasses.replace(base, **got)
         got = residual_fit([(o, fn) for o in fresh], ("prefill_act_s",), busy, lambda o: fn(base, o))
         base = dataclasses.replace(base, **got)

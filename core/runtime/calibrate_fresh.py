@@ -1,0 +1,69 @@
+"""What a fresh process pays for its first large prefill call (CpuCosts.fresh_s), measured in a fresh process.
+
+A user's `mlight run` or `mlight bench` is a fresh process, and its first large prefill faults in memory that
+its later calls reuse: on two Zen 4 threads the demo model's first call of 256 prompts (19,700 tokens) took
+0.99-1.08 s in a fresh process, the same call again 0.73-0.89 s. The calibrating process is not fresh by the
+time its large window runs (the pieces and the small run came first), so it measured 0-3 µs a token where a
+user's run paid 10-15, and every prediction of a run's first wave was 10-25 % fast (bench/RESULTS.md, issue 11,
+ninth session). So a child process loads the model as the calibration's engine was loaded, runs one short
+request (imports and set-up, which wave_s covers), then the large window's prompts as one wave, twice, and
+reports both waves' prefill seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# The child holds a second copy of the model beside the calibrating process's: only where memory has room for it
+# with this margin (a model near the machine's memory measures nothing here; its fresh_s stays the in-process one)
+ROOM = 2.0
+TIMEOUT_S = 600.0
+
+
+def fresh_first_wave(engine, prompts: list[str], *, wall: bool = True, timeout: float = TIMEOUT_S) -> dict | None:
+    """{"first", "again": a wave's prefill seconds, "tokens": its prompt tokens} of `prompts` as the first large
+    wave of a fresh process running `engine`'s model; None where the child cannot run (no room, it failed or ran
+    past `timeout`: the calibration goes on without it)."""
+    import psutil
+
+    if not prompts or psutil.virtual_memory().available < ROOM * engine.spec.total_bytes:
+        return None
+    job = {"model": str(engine.model_dir), "threads": engine.threads.threads, "device": engine.config.device,
+           "cpu_math": engine.cpu.math, "prompts": prompts, "wall": wall}
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding `core`: the child imports this copy
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    try:
+        out = subprocess.run([sys.executable, "-m", "core.runtime.calibrate_fresh"], input=json.dumps(job),
+                             capture_output=True, text=True, timeout=timeout, env=env, check=True).stdout
+        got = json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return None
+    return got if got.get("tokens") else None
+
+
+def _child(job: dict) -> dict:
+    from core.runtime.calibrate import run_steps
+    from core.runtime.engine import Engine
+
+    engine = Engine.load(job["model"], device=job["device"], threads=job["threads"], cpu_math=job["cpu_math"])
+    try:
+        clock = time.perf_counter if job["wall"] else time.process_time
+        prompts = job["prompts"]
+        run_steps(engine, prompts[:1], batch=1, micro_batch=1, gen=2, clock=clock)  # set-up, not size: wave_s's
+        waves = []
+        for _ in range(2):
+            steps = run_steps(engine, prompts, batch=len(prompts), micro_batch=len(prompts), gen=1, clock=clock)
+            pre = [s for s in steps if s.kind == "prefill"]
+            waves.append((sum(s.tasks.get("prefill", 0.0) for s in pre), sum(sum(g) for s in pre for g in s.groups)))
+        return {"first": waves[0][0], "again": waves[1][0], "tokens": waves[0][1]}
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.stdin.read()))))
