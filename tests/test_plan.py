@@ -176,6 +176,13 @@ def test_a_runs_smaller_last_wave_is_predicted_as_it_runs():
     rest = predict(cpu(156, 78), spec, cpu_only, work(156))
     assert two.tokens_per_s == pytest.approx(356 * n / (seconds(predict(cpu(200, 100), spec, cpu_only, work(200)))
                                                         + seconds(rest)), rel=1e-9)
+    # ... and the planner weighs it: 600 requests of Mixtral on the CPU alone were planned at 584 a wave (full waves
+    # of 584 priced best), whose 16-request last wave costs more than waves of 600
+    policy, pred = plan(MIXTRAL, cpu_only, Workload(prompt_len=77, gen_len=n, max_prompt_len=418, num_requests=600))
+    assert 600 % policy.batch_size == 0
+    assert pred.tokens_per_s > predict(cpu(584, 292), MIXTRAL, cpu_only, Workload(prompt_len=77, gen_len=n,
+                                                                                  max_prompt_len=418,
+                                                                                  num_requests=600)).tokens_per_s
     # whole waves, or requests not known: as before
     assert predict(cpu(128, 64), spec, cpu_only, work(256)).tokens_per_s == pytest.approx(
         predict(cpu(128, 64), spec, cpu_only, work(128)).tokens_per_s, rel=0.02)

@@ -387,7 +387,7 @@ def _last_wave(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workloa
         return None
     groups = -(-rest // p.micro_batch_size)
     mu = -(-rest // groups)
-    per = p.expert_batch_size // p.micro_batch_size
+    per = math.gcd(p.expert_batch_size // p.micro_batch_size, groups)  # micro-batches an expert batch, of these
     wave = dataclasses.replace(p, batch_size=mu * groups, micro_batch_size=mu, expert_batch_size=mu * per)
     return predict(wave, model, hardware, dataclasses.replace(workload, num_requests=mu * groups))
 
@@ -725,6 +725,11 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
     if not top:
         raise _shortfall(model, hardware, workload, budget)
     gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
+    if workload.num_requests and any(workload.num_requests % c.n for c in top):
+        # the search prices full waves; a batch that leaves a smaller last wave pays for it (predict's _last_wave):
+        # 256 requests at 228 a wave ran slower than at 256, which the search ranked first
+        top.sort(key=lambda c: -predict(_policy(c, c.r_w, c.r_c, model, ranks), full_model, full_hw,
+                                        workload).tokens_per_s)
     best = None
     # re-solve the best candidate's fractions with CBC, and those of GPU-attention candidates, where
     # the joint LP over (r_w, r_c) can beat the fast path's r_c grid; keep the better answer of the two
@@ -735,18 +740,23 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
         if best is None or t / c.n < best[0]:
             best = (t / c.n, c, r_w, r_c)
     _, c, r_w, r_c = best
-    # whole experts and whole layers: what the runtime can place (core.plan.policy.expert_split)
+    policy = _policy(c, r_w, r_c, model, ranks)
+    if validate(policy, full_model, full_hw, workload, full_budget):  # rounding pushed it over: step back a hair
+        policy = _shrink(policy, full_model, full_hw, workload, full_budget)
+    return policy, predict(policy, full_model, full_hw, workload)
+
+
+def _policy(c: _Candidate, r_w: float, r_c: float, model: ModelSpec, ranks: int) -> Policy:
+    """A candidate's policy, its fractions in whole experts and whole layers: what the runtime can place
+    (core.plan.policy.expert_split)."""
     L, E = model.num_layers, model.num_experts
     LE = model.moe_layers * E  # routed experts in all (dense layers hold none)
     r_w, r_c = math.floor(r_w * LE + 1e-6) / LE, math.floor(r_c * L + 1e-6) / L
     n_mb = c.n // c.mu
-    policy = Policy(batch_size=c.n, micro_batch_size=c.mu, expert_batch_size=c.beta, attention_on=c.place[0],
-                    ffn_on=c.place[1], gpu_weight_fraction=r_w if c.place[1] == "gpu" else 0.0,
-                    gpu_kv_fraction=r_c if c.place[0] == "gpu" else 0.0,
-                    pages_per_layer=n_mb if r_w < 1.0 and c.place[1] == "gpu" else 1, tensor_parallel=ranks)
-    if validate(policy, full_model, full_hw, workload, full_budget):  # rounding pushed it over: step back a hair
-        policy = _shrink(policy, full_model, full_hw, workload, full_budget)
-    return policy, predict(policy, full_model, full_hw, workload)
+    return Policy(batch_size=c.n, micro_batch_size=c.mu, expert_batch_size=c.beta, attention_on=c.place[0],
+                  ffn_on=c.place[1], gpu_weight_fraction=r_w if c.place[1] == "gpu" else 0.0,
+                  gpu_kv_fraction=r_c if c.place[0] == "gpu" else 0.0,
+                  pages_per_layer=n_mb if r_w < 1.0 and c.place[1] == "gpu" else 1, tensor_parallel=ranks)
 
 
 def _shrink(p: Policy, m, hw, w, budget) -> Policy:

@@ -35,11 +35,14 @@ def fresh_first_wave(engine, prompts: list[str], *, wall: bool = True, timeout: 
         return None
     job = {"model": str(engine.model_dir), "threads": engine.threads.threads, "device": engine.config.device,
            "cpu_math": engine.cpu.math, "prompts": prompts, "wall": wall}
-    root = str(Path(__file__).resolve().parents[2])  # the folder holding `core`: the child imports this copy
+    import core
+
+    root = str(Path(core.__path__[0]).resolve().parent)  # the folder holding `core`: the child imports this copy
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     try:
         out = subprocess.run([sys.executable, "-m", "core.runtime.calibrate_fresh"], input=json.dumps(job),
-                             capture_output=True, text=True, timeout=timeout, env=env, check=True).stdout
+                             capture_output=True, text=True, encoding="utf-8", timeout=timeout, env=env,
+                             check=True).stdout
         got = json.loads(out.strip().splitlines()[-1])
     except (subprocess.SubprocessError, OSError, ValueError, IndexError):
         return None
@@ -66,4 +69,4 @@ def _child(job: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.stdin.read()))))
+    print(json.dumps(_child(json.loads(sys.stdin.buffer.read().decode("utf-8")))))  # the parent writes UTF-8
