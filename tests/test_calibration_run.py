@@ -376,9 +376,9 @@ def test_a_calls_activations_mapped_fresh_at_every_call_are_not_paid_again_once_
 
 def test_a_fresh_process_measures_the_first_large_wave_the_calibrating_one_cannot(demo_model):
     """Defect: the calibrating process is no longer fresh when its large window runs (the pieces and the small
-    run came first), so the first wave's extra cost it measured was 0-3 µs a token where a user's fresh run paid
-    10-15 (the demo on two Zen 4 threads), and runs at the planner's batch were predicted 10-25 % fast. A child
-    process runs the large window's prompts as its first wave and again; the fit takes that difference."""
+    run came first), so the first wave's extra cost it measured was not the one a user's fresh run pays (the demo
+    on two Zen 4 threads: 0-3 µs a token in the calibrating process, 0-15 in fresh ones). A child process runs the
+    large window's prompts as its first wave and again; the fit takes that difference."""
     from core.runtime.calibrate_fresh import fresh_first_wave
     from core.runtime.engine import Engine, Request
 
