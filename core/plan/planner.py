@@ -359,7 +359,7 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
                         for x in _memory(hrm.dims(model), p, workload))  # all ranks
     pinned *= k
     # a run whose requests are not a multiple of the batch ends with a smaller wave, whose steps carry the same
-    # per-step and per-layer costs for fewer tokens: 256 requests at 228 ran 15-26 % slower in decode than full
+    # per-step and per-layer costs for fewer tokens: 256 requests at 228 ran 19-35 % under the decode speed full
     # waves of 228 predict (the demo, two Zen 4 threads; bench/RESULTS.md, issue 11, ninth session)
     full, rest = (workload.num_requests // p.batch_size, workload.num_requests % p.batch_size) if last else (1, 0)
     seconds = full * total + (last.prefill_seconds + (n - 1) * last.step_seconds if last else 0.0)

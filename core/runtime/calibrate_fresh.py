@@ -36,12 +36,12 @@ def fresh_first_wave(engine, prompts: list[str], *, wall: bool = True, timeout: 
     past `timeout`: the calibration goes on without it)."""
     import psutil
 
+    import core
+
     if not prompts or psutil.virtual_memory().available < ROOM * engine.spec.total_bytes:
         return None
     job = {"model": str(engine.model_dir), "threads": engine.threads.threads, "device": engine.config.device,
            "cpu_math": engine.cpu.math, "prompts": prompts, "wall": wall}
-    import core
-
     root = str(Path(core.__path__[0]).resolve().parent)  # the folder holding `core`: the child imports this copy
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     try:

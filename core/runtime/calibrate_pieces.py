@@ -50,7 +50,8 @@ RESIDUAL_MIN = 0.05  # a step's unexplained share below this is noise, not a ter
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_CONTEXTS = (48, 384)
 SLICED = (48, 400)  # (context, cache row): well under the row, attention copies out the slice rather than read it whole
-PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256), (1, 1024), (16, 16), (8, 64), (64, 16), (4, 256))  # (prompts, tokens each)
+PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256), (1, 1024), (16, 16), (8, 64),
+            (64, 16), (4, 256))  # (prompts, tokens each)
 # Pairs of the same tokens a call in few long prompts and many short ones (256, 512, 1,024 tokens) tell the
 # per-token term (prefill_tok_s) from attention's, which grows with the square of a prompt's length
 # Each timed PREFILL_REPEATS times, the median kept. One call a shape, and no shape of many short prompts: on two
