@@ -361,10 +361,11 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
     # a run whose requests are not a multiple of the batch ends with a smaller wave, whose steps carry the same
     # per-step and per-layer costs for fewer tokens: 256 requests at 228 ran 19-35 % under the decode speed full
     # waves of 228 predict (the demo, two Zen 4 threads; bench/RESULTS.md, issue 11, ninth session)
-    full, rest = (workload.num_requests // p.batch_size, workload.num_requests % p.batch_size) if last else (1, 0)
-    seconds = full * total + (last.prefill_seconds + (n - 1) * last.step_seconds if last else 0.0)
-    decode_s = full * (n - 1) * step + ((n - 1) * last.step_seconds if last else 0.0)
-    prefill_s = full * prefill + (last.prefill_seconds if last else 0.0)
+    full, rest = divmod(workload.num_requests, p.batch_size) if last else (1, 0)
+    last_prefill, last_step = (last.prefill_seconds, last.step_seconds) if last else (0.0, 0.0)
+    seconds = full * total + last_prefill + (n - 1) * last_step
+    decode_s = (n - 1) * (full * step + last_step)
+    prefill_s = full * prefill + last_prefill
     tokens = full * p.batch_size + rest
     return Prediction(
         tokens_per_s=tokens * n / seconds,
