@@ -379,18 +379,25 @@ def test_a_fresh_process_measures_the_first_large_wave_the_calibrating_one_canno
     run came first), so the first wave's extra cost it measured was not the one a user's fresh run pays (the demo
     on two Zen 4 threads: 0-3 µs a token in the calibrating process, 0-15 in fresh ones). A child process runs the
     large window's prompts as its first wave and again; the fit takes that difference."""
-    from core.runtime.calibrate_fresh import fresh_first_wave
+    from core.runtime.calibrate_fresh import AGAIN, fresh_first_wave
     from core.runtime.engine import Engine, Request
 
     engine = Engine.load(demo_model, device="cpu", threads=1)
     try:
         prompts = cal.run_workload(engine, 12, means=(40,), gen=1)
-        got = fresh_first_wave(engine, prompts, timeout=300)
-        tokens = sum(len(engine.prompt_token_ids(Request(id=str(i), prompt=p))) for i, p in enumerate(prompts))
+        got = fresh_first_wave(engine, prompts, gen=3, timeout=300)
+        lengths = [len(engine.prompt_token_ids(Request(id=str(i), prompt=p))) for i, p in enumerate(prompts)]
     finally:
         engine.close()
-    assert got is not None and got["tokens"] == tokens  # the child's one wave: every prompt's tokens, once
+    assert got is not None and got["tokens"] == sum(lengths)  # the child's one wave: every prompt's tokens, once
     assert got["first"] > 0 and got["again"] > 0
+    # and every wave's steps, as the calibration's own windows record them: a prefill of those prompts, two decodes
+    assert len(got["waves"]) == 1 + AGAIN
+    for wave in got["waves"]:
+        steps = [cal.RunStep(**s) for s in wave]
+        assert [s.kind for s in steps] == ["prefill", "decode", "decode"]
+        assert sorted(steps[0].groups[0]) == sorted(lengths) and steps[0].tasks["prefill"] > 0
+        assert sorted(steps[2].groups[0]) == sorted(n + 2 for n in lengths) and steps[2].tasks["ffn"] > 0
 
     spec = engine.spec
     base = dataclasses.replace(COSTS, step_s=4e-4)
@@ -413,3 +420,54 @@ def test_a_fresh_process_measures_the_first_large_wave_the_calibrating_one_canno
         assert fresh_first_wave(SimpleNamespace(spec=spec), prompts) is None
     finally:
         mp.undo()
+
+
+def _scaled(steps, **by):
+    """`steps` with the seconds of each task kind in `by` times its factor (the step's span with them)."""
+    out = []
+    for s in steps:
+        tasks = {k: v * by.get(k, 1.0) for k, v in s.tasks.items()}
+        out.append(dataclasses.replace(s, tasks=tasks, seconds=s.seconds + sum(tasks.values()) - sum(s.tasks.values())))
+    return out
+
+
+def test_a_fresh_processs_waves_are_windows_of_the_large_run_too(demo_model):
+    """Defect: the large micro-batch's prefill factor was one wave's, the in-process repeat's, and its decode factors
+    the median of windows of a process no longer fresh, two of them run back to back: a wave that read a fifth slow
+    (the 784M on two Zen 4 threads: 0.81 of the runs' prefill in two calibrations) priced every later run's prefill
+    so. The fresh child's waves (calibrate_fresh) are windows too: decode's factors the median over all of them,
+    prefill's over the warm waves (the repeat's, the child's after its first); the history's entries agree."""
+    from statistics import median
+
+    from core.model.families import load_spec
+    from core.plan import cpu_history
+
+    spec = load_spec(demo_model)
+    d = hrm.dims(spec)
+    base = dataclasses.replace(COSTS, step_s=4e-4)
+    engine = SimpleNamespace(spec=spec, config=SimpleNamespace(expert_group=1))
+    small = [_wave(spec, base, cal.run_lengths(16, 77, 418), 4) for _ in range(3)]
+    lengths = cal.run_lengths(256, 77, 418)
+    slow = dict(prefill=1.25, pre_attn=1.3, cpu_attn=1.3, post_attn=1.3, ffn=1.3)
+    first, again, later = (_wave(spec, base, lengths, 256, gen) for gen in (6, 3, 6))
+    large = [_scaled(first, **slow), _scaled(again, **slow), later]  # a slow stretch at the start
+    waves = [_scaled(_wave(spec, base, lengths, 256, 6), ffn=f) for f in (0.9, 1.0, 1.1)]
+    child = {"first": 1.0, "again": 1.0, "tokens": sum(lengths), "waves": [[dataclasses.asdict(s) for s in w] for w in waves]}
+
+    old = cal.fit_run_windows(engine, base, small, large=large, fresh={k: v for k, v in child.items() if k != "waves"})
+    assert old.prefill_eff_large == pytest.approx(1.25, rel=1e-9)  # the repeat's alone: the slow stretch's
+    notes: dict = {}
+    got = cal.fit_run_windows(engine, base, small, notes, large=large, fresh=child)
+    assert got.prefill_eff_large == pytest.approx(1.0, rel=1e-9)  # the median of 1.25 and the child's two warm 1.0s
+    assert got.pre_eff_large == pytest.approx(1.0, rel=1e-9)  # 1.3, 1.3, 1.0 and the child's three 1.0s
+    assert old.pre_eff_large == pytest.approx(1.3, rel=1e-9)
+    assert got.ffn_eff_large == pytest.approx(median([1.3, 1.3, 1.0, 0.9, 1.0, 1.1]), rel=1e-9)
+    assert got.fresh_s == 0.0 and got.large_rows == 256
+    assert "waves" not in notes["large"]["fresh_process"]  # the report keeps the figures, not every step
+    w = notes["large"]["windows"]
+    assert [x["prefill"] for x in w] == [False, True, False, False, True, True]
+    assert [x["fresh_process"] for x in w] == [False] * 3 + [True] * 3
+    # the factors the planner uses after one calibration, the median over its windows' history entries: the same
+    held = cpu_history.apply(d, got, cal.window_entries(d, got, notes))
+    for name in ("prefill_eff_large", "pre_eff_large", "ffn_eff_large"):
+        assert getattr(held, name) == pytest.approx(getattr(got, name), rel=1e-9), name

@@ -28,11 +28,11 @@ from pathlib import Path
 
 from core.model.attention import slices
 
-VERSION = 7  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
+VERSION = 8  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
 # 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations;
 # 5: the run's efficiency measured at a second, large micro-batch too (the *_eff_large factors); 6: a CPU prefill's
 # FFN runs PREFILL_FFN_TOKENS at a time (core.model.decoder), and the run's windows last RUN_MIN_S; 7: a prefill's
-# per-token term (prefill_tok_s)
+# per-token term (prefill_tok_s); 8: the large micro-batch's factors over a fresh process's waves too
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.

@@ -236,7 +236,9 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
     fresh at that size, the second the same prompts at once again: prefill_eff_large the second's, and what the
     first's first wave's prefill took beyond the second's waves', a token of its call, fresh_s (CpuCosts) — or, where
     `fresh` (calibrate_fresh.fresh_first_wave) measured it in a fresh process, what that one's first wave took
-    beyond its second."""
+    beyond its second; and its waves' steps (`fresh["waves"]`) are large windows too, the fresh process's own:
+    decode's factors the median over all of them, prefill_eff_large over the warm ones (the repeat's, the child's
+    after its first). One warm wave alone moved the 784M's predicted prefill by a fifth between calibrations."""
     from statistics import median
 
     if base.own_rows:
@@ -252,20 +254,26 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
     pick = {name: median(getattr(f, name) for f in fits) for name in DECODE_EFF.values()}
     costs = dataclasses.replace(fits[0], **pick, step_s=median(f.step_s for f in fits), run_windows=len(fits))
     large = [w for w in large if w]
-    nl = [{} for _ in large]
-    big = [fit_run_terms(engine, base, w, n) for w, n in zip(large, nl)]
+    child = [w for w in ([RunStep(**s) for s in wave] for wave in (fresh or {}).get("waves", [])) if w]
+    nl = [{} for _ in large + child]
+    big = [fit_run_terms(engine, base, w, n) for w, n in zip(large + child, nl)]
+    # the windows whose prefill is a warm wave's, as a run's after its first: the in-process repeat, the child's
+    # waves after its first (its first pays a fresh process's one-time cost: fresh_s)
+    warm = ([1] if len(large) > 1 else [0] if large else []) + [len(large) + i for i in range(1, len(child))]
     if big:
         got = {cpu_cost.LARGE[name]: median(getattr(f, name) for f in big) for name in DECODE_EFF.values()}
-        warm = big[1] if len(big) > 1 else big[0]
         once = (max(0.0, fresh["first"] - fresh["again"]) / fresh["tokens"] if fresh
-                else fresh_seconds(large[0], large[1]) if len(big) > 1 else 0.0)
-        costs = dataclasses.replace(costs, **got, prefill_eff_large=warm.prefill_eff, large_rows=big[0].run_batch[1],
-                                    fresh_s=once)
+                else fresh_seconds(large[0], large[1]) if len(large) > 1 else 0.0)
+        costs = dataclasses.replace(costs, **got, prefill_eff_large=median(big[i].prefill_eff for i in warm),
+                                    large_rows=big[0].run_batch[1], fresh_s=once)
     if notes is not None and big:
-        notes["large"] = {"batch": list(big[0].run_batch), "fresh_s": costs.fresh_s, "fresh_process": fresh,
+        notes["large"] = {"batch": list(big[0].run_batch), "fresh_s": costs.fresh_s,
+                          "fresh_process": fresh and {k: v for k, v in fresh.items() if k != "waves"},
                           "factors": {n: getattr(costs, n) for n in cpu_cost.LARGE.values()},
-                          "windows": [{"factors": n["factors"], "seconds": n["seconds"],
-                                       "tokens_per_s": n["tokens"] / n["seconds"] if n["seconds"] else 0.0} for n in nl]}
+                          "windows": [{"factors": n["factors"], "seconds": n["seconds"], "prefill": i in warm,
+                                       "fresh_process": i >= len(large),
+                                       "tokens_per_s": n["tokens"] / n["seconds"] if n["seconds"] else 0.0}
+                                      for i, n in enumerate(nl)]}
     if notes is not None:
         notes.update(per[0], windows=[{"factors": n["factors"], "step_s": f.step_s, "seconds": n["seconds"],
                                        "decode_task_seconds": decode_seconds(w),
@@ -315,7 +323,8 @@ def window_entries(d, costs: CpuCosts, notes: dict) -> list[dict]:
     """The calibration's windows (fit_run_windows' `notes`) as history entries (core.plan.cpu_history), each
     against `costs`' coefficients: every window's decode factors and step_s; the first window's prefill
     and wave_s only (a fresh process's, as a user's run is: later windows reuse its buffers); the large
-    micro-batch's windows as their *_eff_large factors (prefill the second's: the warm repeat, fit_run_windows)."""
+    micro-batch's windows as their *_eff_large factors (prefill the warm waves': the repeat and a fresh process's
+    after its first, fit_run_windows)."""
     out = []
     for i, w in enumerate(notes.get("windows", [])):
         f = {n: v for n, v in w["factors"].items() if i == 0 or n != "prefill_eff"}
@@ -323,7 +332,7 @@ def window_entries(d, costs: CpuCosts, notes: dict) -> list[dict]:
                                      wave_s=costs.wave_s if i == 0 else None, batch=costs.run_batch))
     big = notes.get("large", {})
     for i, w in enumerate(big.get("windows", [])):
-        f = {cpu_cost.LARGE[n]: v for n, v in w["factors"].items() if i == 1 or n != "prefill_eff"}
+        f = {cpu_cost.LARGE[n]: v for n, v in w["factors"].items() if w.get("prefill", i == 1) or n != "prefill_eff"}
         out.append(cpu_history.entry(d, costs, f, "calibration", batch=big["batch"]))
     return out
 
@@ -413,7 +422,7 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     fresh_wave = None
     if n_large and not quick:  # what this process, no longer fresh, cannot show: a fresh one's first large wave
         progress(Progress("calibrating: a fresh process's first large wave", 0, 1, "runs"))
-        fresh_wave = fresh_first_wave(engine, big_prompts, wall=clock is time.perf_counter)
+        fresh_wave = fresh_first_wave(engine, big_prompts, gen=gen_large, wall=clock is time.perf_counter)
         progress(Progress("calibrating: a fresh process's first large wave", 1, 1, "runs"))
     spec = engine.spec
     d = hrm.dims(spec)

@@ -8,11 +8,13 @@ on the machine's allocator and page faults. The calibrating process is not fresh
 (the pieces and the small run came first), so what it measured of this stood for nothing a user's run pays. So
 a child process loads the model as the calibration's engine was loaded, runs one short request (imports and
 set-up, which wave_s covers), then the large window's prompts as one wave, and again, and reports the first
-wave's prefill seconds and the later ones'.
+wave's prefill seconds and the later ones', and every wave's steps: the calibration takes them as more windows of
+its run at the large micro-batch, the only ones run in a process as fresh as a user's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -30,10 +32,12 @@ TIMEOUT_S = 600.0
 AGAIN = 2
 
 
-def fresh_first_wave(engine, prompts: list[str], *, wall: bool = True, timeout: float = TIMEOUT_S) -> dict | None:
-    """{"first", "again": a wave's prefill seconds, "tokens": its prompt tokens} of `prompts` as the first large
-    wave of a fresh process running `engine`'s model; None where the child cannot run (no room, it failed or ran
-    past `timeout`: the calibration goes on without it)."""
+def fresh_first_wave(engine, prompts: list[str], *, gen: int = 1, wall: bool = True,
+                     timeout: float = TIMEOUT_S) -> dict | None:
+    """{"first", "again": a wave's prefill seconds, "tokens": its prompt tokens, "waves": each wave's steps
+    (calibrate.RunStep as dicts)} of `prompts`, each to `gen` tokens, as the first large wave of a fresh process
+    running `engine`'s model and AGAIN more; None where the child cannot run (no room, it failed or ran past
+    `timeout`: the calibration goes on without it)."""
     import psutil
 
     import core
@@ -41,7 +45,7 @@ def fresh_first_wave(engine, prompts: list[str], *, wall: bool = True, timeout: 
     if not prompts or psutil.virtual_memory().available < ROOM * engine.spec.total_bytes:
         return None
     job = {"model": str(engine.model_dir), "threads": engine.threads.threads, "device": engine.config.device,
-           "cpu_math": engine.cpu.math, "prompts": prompts, "wall": wall}
+           "cpu_math": engine.cpu.math, "prompts": prompts, "wall": wall, "gen": gen}
     root = str(Path(core.__path__[0]).resolve().parent)  # the folder holding `core`: the child imports this copy
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     try:
@@ -63,12 +67,14 @@ def _child(job: dict) -> dict:
         clock = time.perf_counter if job["wall"] else time.process_time
         prompts = job["prompts"]
         run_steps(engine, prompts[:1], batch=1, micro_batch=1, gen=2, clock=clock)  # set-up, not size: wave_s's
-        waves = []
+        waves, runs = [], []
         for _ in range(1 + AGAIN):
-            steps = run_steps(engine, prompts, batch=len(prompts), micro_batch=len(prompts), gen=1, clock=clock)
+            steps = run_steps(engine, prompts, batch=len(prompts), micro_batch=len(prompts), gen=job.get("gen", 1),
+                              clock=clock)
             pre = [s for s in steps if s.kind == "prefill"]
             waves.append((sum(s.tasks.get("prefill", 0.0) for s in pre), sum(sum(g) for s in pre for g in s.groups)))
-        return {"first": waves[0][0], "again": median(w for w, _ in waves[1:]), "tokens": waves[0][1]}
+            runs.append([dataclasses.asdict(s) for s in steps])
+        return {"first": waves[0][0], "again": median(w for w, _ in waves[1:]), "tokens": waves[0][1], "waves": runs}
     finally:
         engine.close()
 
