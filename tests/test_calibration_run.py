@@ -471,3 +471,33 @@ def test_a_fresh_processs_waves_are_windows_of_the_large_run_too(demo_model):
     held = cpu_history.apply(d, got, cal.window_entries(d, got, notes))
     for name in ("prefill_eff_large", "pre_eff_large", "ffn_eff_large"):
         assert getattr(held, name) == pytest.approx(getattr(got, name), rel=1e-9), name
+
+
+def test_noise_between_a_fresh_processs_waves_is_no_one_time_cost(demo_model):
+    """Defect: a fresh process's one-time cost was its first wave's prefill beyond the warm waves' median, never
+    below nothing — so on a box whose same 20 s call moves by a fifth a minute apart, noise alone read as a cost
+    (the 784M on two Zen 5 threads: 2.3 and 4.9 s once a run, where two other calibrations' children saw none).
+    What the first wave took beyond the warm waves counts only past their own spread."""
+    from core.model.families import load_spec
+
+    spec = load_spec(demo_model)
+    base = dataclasses.replace(COSTS, step_s=4e-4)
+    engine = SimpleNamespace(spec=spec, config=SimpleNamespace(expert_group=1))
+    small = [_wave(spec, base, cal.run_lengths(16, 77, 418), 4) for _ in range(3)]
+    lengths = cal.run_lengths(256, 77, 418)
+    large = [_wave(spec, base, lengths, 256, gen) for gen in (6, 3, 6)]  # the in-process repeat's prefill: 1.0
+
+    def child(first: float):
+        waves = [_scaled(_wave(spec, base, lengths, 256, 6), prefill=f) for f in (first, 1.0, 0.8)]
+        pre = [w[0].tasks["prefill"] for w in waves]
+        return {"first": pre[0], "again": (pre[1] + pre[2]) / 2, "tokens": sum(lengths),
+                "waves": [[dataclasses.asdict(s) for s in w] for w in waves]}
+
+    one = large[1][0].tasks["prefill"]  # a warm wave's prefill seconds at factor 1
+    noise = child(1.0)  # the first wave no slower than the slowest warm one: the warm waves spread 0.8-1.0
+    assert noise["first"] > noise["again"]  # what the old fit counted: 0.1 of a wave
+    assert cal.fit_run_windows(engine, base, small, large=large, fresh=noise).fresh_s == 0.0
+    real = child(2.0)  # a first wave twice a warm one: a cost no spread explains, kept less that spread
+    got = cal.fit_run_windows(engine, base, small, large=large, fresh=real)
+    assert got.fresh_s == pytest.approx((2.0 - 0.9 - 0.2 * 0.9) * one / sum(lengths), rel=1e-9)
+    assert got.prefill_eff_large == pytest.approx(1.0, rel=1e-9)  # the warm waves' median: 1.0, 1.0, 0.8
