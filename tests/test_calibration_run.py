@@ -452,7 +452,8 @@ def test_a_fresh_processs_waves_are_windows_of_the_large_run_too(demo_model):
     first, again, later = (_wave(spec, base, lengths, 256, gen) for gen in (6, 3, 6))
     large = [_scaled(first, **slow), _scaled(again, **slow), later]  # a slow stretch at the start
     waves = [_scaled(_wave(spec, base, lengths, 256, 6), ffn=f) for f in (0.9, 1.0, 1.1)]
-    child = {"first": 1.0, "again": 1.0, "tokens": sum(lengths), "waves": [[dataclasses.asdict(s) for s in w] for w in waves]}
+    child = {"first": 1.0, "again": 1.0, "tokens": sum(lengths),
+             "waves": [[dataclasses.asdict(s) for s in w] for w in waves]}
 
     old = cal.fit_run_windows(engine, base, small, large=large, fresh={k: v for k, v in child.items() if k != "waves"})
     assert old.prefill_eff_large == pytest.approx(1.25, rel=1e-9)  # the repeat's alone: the slow stretch's

@@ -139,13 +139,13 @@ def _calibrate(model, args) -> dict:
                   f"predictions use these")
         big = notes.get("large")
         if big:
-            g = big["factors"]
+            g, bw = big["factors"], big["windows"]
             print(f"  and at micro-batch {big['batch'][1]}: "
                   + " / ".join(f"{g[cpu_cost.LARGE[n]]:.2f}x" for n in ("pre_eff", "attn_eff", "post_eff", "ffn_eff"))
                   + f", prefill {g['prefill_eff_large']:.2f}x (tasks of sizes between the two: in between; decode the "
-                  f"median of {len(big['windows'])} windows, {sum(w.get('fresh_process', False) for w in big['windows'])}"
-                  f" of them a fresh process's, prefill of their {sum(w.get('prefill', False) for w in big['windows'])} "
-                  f"warm waves); a fresh process's first wave {big['fresh_s'] * 1e6:.1f} µs a prompt token more, once a run")
+                  f"median of {len(bw)} windows, {sum(w.get('fresh_process', False) for w in bw)} of them a fresh "
+                  f"process's, prefill of their {sum(w.get('prefill', False) for w in bw)} warm waves); a fresh "
+                  f"process's first wave {big['fresh_s'] * 1e6:.1f} µs a prompt token more, once a run")
         w = notes.get("windows", [])
         if len(w) > 1:
             print(f"  (decode: the median of {len(w)} windows of that run, at "

@@ -232,13 +232,13 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
     user's run does: its prefill faults in the fresh buffers the later windows reuse (its prefill factor
     read 1.0-1.5x the later windows' on the demo model and the 784M), and prefill, compute-bound, moved
     little with the machine's slow stretches (0.89-1.01 within one calibration). `large`: windows of the run
-    at a large micro-batch — the *_eff_large factors, decode's the median of theirs — the first in a process
-    fresh at that size, the second the same prompts at once again: prefill_eff_large the second's, and what the
-    first's first wave's prefill took beyond the second's waves', a token of its call, fresh_s (CpuCosts) — or, where
-    `fresh` (calibrate_fresh.fresh_first_wave) measured it in a fresh process, what that one's first wave took
-    beyond its warm waves and their spread (fresh_beyond); and its waves' steps (`fresh["waves"]`) are large windows too, the fresh process's own:
-    decode's factors the median over all of them, prefill_eff_large over the warm ones (the repeat's, the child's
-    after its first). One warm wave alone moved the 784M's predicted prefill by a fifth between calibrations."""
+    at a large micro-batch — the *_eff_large factors — the first in a process fresh at that size, the second the
+    same prompts at once again. `fresh` (calibrate_fresh.fresh_first_wave): the same prompts as the first waves of
+    a fresh process; its waves' steps (`fresh["waves"]`) are large windows too. Decode's *_eff_large: the median
+    over all of them; prefill_eff_large: over the warm waves (the repeat's, the child's after its first: one warm
+    wave alone moved the 784M's predicted prefill by a fifth between calibrations); fresh_s (CpuCosts): what the
+    child's first wave's prefill took beyond its warm waves and their spread, a token of its call (fresh_beyond) —
+    without a child, what the first window's first wave took beyond the repeat's waves (fresh_seconds)."""
     from statistics import median
 
     if base.own_rows:
