@@ -351,10 +351,10 @@ def test_a_fresh_processs_first_large_prefill_is_paid_once_a_run(demo_model):
 
 
 def test_a_calls_activations_mapped_fresh_at_every_call_are_not_paid_again_once_a_run(demo_model):
-    """Defect: the once-a-run cost was charged for every token of the planner's call, also for a call whose
-    activations are past the allocator's threshold — mapped fresh at every call, priced in each call already
-    (prefill_act_s) — where the demo's first call of 256 prompts of 308 tokens took no longer than the same
-    call again (4.4-4.7 s, again 4.1-5.6)."""
+    """Defect: the once-a-run cost was charged for every token of the planner's call, also for activations past
+    the allocator's threshold — mapped fresh at every call, priced in each call already (prefill_act_s). Since a
+    CPU prefill runs a chunk of whole prompts at a time, only a prompt longer than a chunk reaches it: a call of
+    many short prompts, however large, reuses its chunks' memory after its first and pays that once a run."""
     from core.model.families import load_spec
     from core.plan.planner import Workload
 
@@ -363,15 +363,15 @@ def test_a_calls_activations_mapped_fresh_at_every_call_are_not_paid_again_once_
     costs = dataclasses.replace(COSTS, fresh_s=1e-5, wave_s=0.0)
     rates = hrm.Rates(gpu_flops=1, gpu_bw=1, h2d_bw=1, d2h_bw=1, cpu_flops=1e11, cpu_bw=1e10, has_gpu=False,
                       cpu_costs=costs)
-    hi = cpu_cost.fresh_from(d, costs.math)  # from here every activation of a call is mapped fresh
-    for tokens in (hi / 4, hi / 2, 0.75 * hi, hi, 2 * hi):
-        want = costs.fresh_s * (tokens - cpu_cost.fresh_tokens(d, costs, tokens))
-        assert hrm.wave_seconds(rates, on_gpu=False, call_tokens=tokens, model=spec) == pytest.approx(want, abs=1e-12)
-    assert hrm.wave_seconds(rates, on_gpu=False, call_tokens=2 * hi, model=spec) == 0.0
-    assert hrm.wave_seconds(rates, on_gpu=False, call_tokens=hi / 4, model=spec) == pytest.approx(costs.fresh_s * hi / 4)
+    wave = lambda t, n: hrm.wave_seconds(rates, on_gpu=False, call_tokens=t, model=spec, prompt_len=n)  # noqa: E731
+    hi = cpu_cost.fresh_from(d, costs.math)  # a prompt this long is mapped fresh at every call
+    for n in (hi / 4, hi / 2, 0.75 * hi, hi, 2 * hi):  # a call of one such prompt
+        assert wave(n, n) == pytest.approx(costs.fresh_s * (n - cpu_cost.fresh_tokens(d, costs, n, n)), abs=1e-12)
+    assert wave(2 * hi, 2 * hi) == 0.0 and wave(hi / 4, hi / 4) == pytest.approx(costs.fresh_s * hi / 4)
     work = Workload(prompt_len=308, gen_len=16, max_prompt_len=1672, num_requests=256)
-    assert 256 * work.prompt_len > hi  # the demo's 4x prompts at the planner's batch: nothing once a run
-    assert hrm.wave_seconds(rates, on_gpu=False, call_tokens=256 * work.prompt_len, model=spec) == 0.0
+    assert 256 * work.prompt_len > hi  # the demo's 4x prompts at the planner's batch: past it as one piece, ...
+    call = 256 * work.prompt_len  # ... but in chunks: once a run, every token
+    assert wave(call, work.prompt_len) == pytest.approx(costs.fresh_s * call)
 
 
 def test_a_fresh_process_measures_the_first_large_wave_the_calibrating_one_cannot(demo_model):

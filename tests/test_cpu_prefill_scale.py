@@ -2,10 +2,10 @@
 calibration's, and its prefill calls tens of thousands of tokens.
 
 The cost model: the fused expert kernel takes 512 tokens a call and reads every routed expert again in
-each (per-expert GEMMs amortise their weights over any rows), and a prefill call whose activations outgrow
-the last-level cache pays per spilled token. The calibration: it times the expert kernel the engine
-runs (the fused one where it runs, not oneDNN's packed GEMMs), and it fits the spill term from prefill
-calls past the cache, recovering a synthetic per-call-size slowdown.
+each (per-expert GEMMs amortise their weights over any rows), and a prefill chunk whose activations pass the
+allocator's threshold (only a prompt longer than a chunk) pays per fresh token. The calibration: it times the
+expert kernel the engine runs (the fused one where it runs, not oneDNN's packed GEMMs), and it fits the
+fresh term from calls past the threshold where it has any, recovering a synthetic slowdown.
 """
 
 from __future__ import annotations
@@ -57,22 +57,29 @@ def test_the_fused_kernels_experts_cost_the_same_per_token_past_its_chunk():
 def test_a_prefill_call_pays_for_activations_too_large_to_reuse():
     d = _dims()
     hi = cpu_cost.FRESH_BYTES / (d.D * 2)  # bf16 activations: from here every one is mapped fresh
-    assert cpu_cost.fresh_tokens(d, TRUTH, hi / 2) == 0.0 and cpu_cost.fresh_tokens(d, TRUTH, hi) == hi
-    assert cpu_cost.fresh_tokens(d, TRUTH, 0.75 * hi) == pytest.approx(0.75 * hi / 2)  # the ramp between
-    assert cpu_cost.fresh_tokens(d, dataclasses.replace(TRUTH, math="float32"), hi / 2) == hi / 2  # fp32: twice the bytes
+    fresh = lambda c, t, n: cpu_cost.fresh_tokens(d, c, t, n)  # noqa: E731
+    assert cpu_cost.prefill_chunk(d) < hi / 2  # the engine's chunk stays under the threshold
+    # one prompt alone spans what it spans: past the threshold, every token fresh; under half of it, none
+    assert fresh(TRUTH, hi / 2, hi / 2) == 0.0 and fresh(TRUTH, hi, hi) == hi
+    assert fresh(TRUTH, 0.75 * hi, 0.75 * hi) == pytest.approx(0.75 * hi / 2)  # the ramp between
+    assert fresh(dataclasses.replace(TRUTH, math="float32"), hi / 2, hi / 2) == hi / 2  # fp32: twice the bytes
+    # many short prompts run a chunk at a time: a call's size alone maps nothing fresh (it did, as one piece)
+    assert fresh(TRUTH, 4 * hi, 77) == 0.0 and fresh(TRUTH, 4 * hi, hi) == 4 * hi
     without = dataclasses.replace(TRUTH, prefill_act_s=0.0)
-    for prompts, n in ((2, 64), (64, 77), (452, 77)):
+    for prompts, n in ((2, 64), (64, 77), (452, 77), (1, int(hi)), (3, int(hi))):
         t = prompts * n
         extra = cpu_cost.prefill_seconds(d, TRUTH, prompts, n) - cpu_cost.prefill_seconds(d, without, prompts, n)
-        assert extra == pytest.approx(TRUTH.prefill_act_s * d.D * cpu_cost.fresh_tokens(d, TRUTH, t), rel=1e-9, abs=1e-15)
-    # the calibration's micro-batch of 4 prompts pays nothing for it, a planner's of 452 does, per token
+        assert extra == pytest.approx(TRUTH.prefill_act_s * d.D * fresh(TRUTH, t, n), rel=1e-9, abs=1e-15)
+    # neither the calibration's micro-batch of 4 prompts nor a planner's of 452 pays for it; a prompt past it does
     ratio = lambda p, n: cpu_cost.prefill_seconds(d, TRUTH, p, n) / cpu_cost.prefill_seconds(d, without, p, n)  # noqa: E731
-    assert ratio(4, 77) == 1.0 and ratio(452, 77) > 1.01
+    assert ratio(4, 77) == 1.0 and ratio(452, 77) == 1.0 and ratio(1, 2 * hi) > 1.01
 
 
 def test_calibration_fits_a_per_call_size_slowdown_of_prefill():
-    """Prefill steps timed as a machine with the fresh-activation term would run them: the fit recovers it (and
-    attention's and the per-prompt terms) from the calibration's prefills, one of which is past the threshold."""
+    """Prefill steps timed as a machine with the fresh-activation term would run them. The calibration's large
+    calls of many short prompts run in chunks and map nothing fresh: the fit recovers attention's and the
+    per-prompt terms from them and leaves the fresh term as it was. Calls of prompts past the threshold
+    (which only a prompt longer than a chunk reaches) would tell it apart."""
     spec = resolve_spec("mixtral-8x7b")
     d, L = hrm.dims(spec), spec.num_layers
     truth = dataclasses.replace(TRUTH, **{f.name: getattr(TRUTH, f.name) / 1000 for f in dataclasses.fields(CpuCosts)
@@ -80,14 +87,25 @@ def test_calibration_fits_a_per_call_size_slowdown_of_prefill():
     base = dataclasses.replace(truth, sdpa_flop_s=0.0, prompt_s=0.0, prefill_act_s=0.0)
     big = pieces.fresh_prefills(d, "bfloat16", 1e-5, spec.max_position - 2)
     (p0, n0), (p, n) = big
-    assert cpu_cost.fresh_tokens(d, base, p * n) == p * n  # past the threshold, where a planner's prefill runs
-    assert cpu_cost.fresh_tokens(d, base, p0 * n0) == 0 and n0 == n and p0 >= 8  # the same prompts, fewer
-    obs = [pieces.Obs("prefill", p, n, {"gpu": L * cpu_cost.prefill_seconds(d, truth.for_step(p * n * d.kv_tok), p, n)}, 0.0)
-           for p, n in pieces.PREFILLS + tuple(big)]
-    got = pieces.fit_engine_terms(SimpleNamespace(spec=spec), base, obs)
-    for name in ("sdpa_flop_s", "prompt_s", "prefill_act_s"):
+    assert p * n > cpu_cost.fresh_from(d, "bfloat16") and n0 == n and p0 >= 8  # a call as large as a planner's
+    assert cpu_cost.fresh_tokens(d, base, p * n, n) == 0 == cpu_cost.fresh_tokens(d, base, p0 * n0, n0)
+
+    def observed(c, shapes):
+        took = lambda p, n: L * cpu_cost.prefill_seconds(d, c.for_step(p * n * d.kv_tok), p, n)  # noqa: E731
+        return [pieces.Obs("prefill", p, n, {"gpu": took(p, n)}, 0.0) for p, n in shapes]
+
+    got = pieces.fit_engine_terms(SimpleNamespace(spec=spec), base, observed(truth, pieces.PREFILLS + tuple(big)))
+    for name in ("sdpa_flop_s", "prompt_s"):
         assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
-    # a machine on which those prefills would take too long: no such points, the term stays unmeasured
+    assert got.prefill_act_s == 0.0
+    # prompts of the threshold's length, on a machine where mapping them costs a seventh of their prefill
+    hi = int(cpu_cost.fresh_from(d, "bfloat16"))
+    slow = dataclasses.replace(truth, prefill_act_s=4 * truth.prefill_act_s)
+    shapes = pieces.PREFILLS + tuple(big) + ((4, hi),)
+    got = pieces.fit_engine_terms(SimpleNamespace(spec=spec), base, observed(slow, shapes))
+    for name in ("sdpa_flop_s", "prompt_s", "prefill_act_s"):
+        assert getattr(got, name) == pytest.approx(getattr(slow, name), rel=1e-3), name
+    # a machine on which those prefills would take too long: no such points
     assert pieces.fresh_prefills(d, "bfloat16", 1e-2, spec.max_position - 2) == []
 
 

@@ -62,31 +62,44 @@ def test_logits_match_float64_reference(family, checkpoint_factory):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_cpu_prefill_runs_its_ffn_in_chunks_and_matches_the_reference(family, checkpoint_factory, monkeypatch):
-    """Defect: a CPU prefill ran its layer's FFN on the whole call at once (the demo's first wave of 200 prompts:
-    intermediates of tens of MB mapped fresh at every layer, 2.0-2.1 s against 1.0 in chunks). Now at most
-    PREFILL_FFN_TOKENS tokens at a time (5 here, so that these short prompts span several chunks, a chunk
-    crossing prompts), and the logits still match float64 transformers."""
-    from core.model import decoder
+def test_a_cpu_prefill_runs_its_layers_in_chunks_and_matches_the_reference(family, checkpoint_factory, monkeypatch):
+    """Defects: a CPU prefill ran its layer's FFN, then its token mixer, on the whole call at once (the demo's first
+    wave of 200 prompts: intermediates of tens of MB mapped fresh at every layer, 2.0-2.1 s against 1.0 with the FFN
+    in chunks; the 784M's call of 256 prompts faulted in 5 GB and took 21.5-25.9 s against 16.6-18.4 with the mixer
+    in chunks too). Now a chunk at a time (core.model.limits.prefill_chunk; here the longest prompt's length, so
+    that one chunk holds two prompts, an FFN chunk crosses prompts and a layer takes several), and the logits still
+    match float64 transformers."""
+    from core.model import gqa, limits, linear_attention, mla
     from core.runtime import pipeline
 
-    monkeypatch.setattr(decoder, "PREFILL_FFN_TOKENS", 5)
-    seen = []
-    inner = pipeline.experts
-
-    def counting(h, *a, **kw):
-        seen.append(h.shape[0])
-        return inner(h, *a, **kw)
-
-    monkeypatch.setattr(pipeline, "experts", counting)
     path = checkpoint_factory(family)
     engine = Engine.load(path)
     ref = hf_model(path, dtype=torch.float64)
     prompts = [engine.prompt_token_ids(Request(id=str(i), prompt=p)) for i, p in enumerate(PROMPTS[:4])]
+    lens = [len(p) for p in prompts]
+    chunk = max(lens)
+    monkeypatch.setattr(limits, "prefill_chunk", lambda *sizes: chunk)
+    ffn, mix = [], []
+    inner = pipeline.experts
+
+    def counting(h, *a, **kw):
+        ffn.append(h.shape[0])
+        return inner(h, *a, **kw)
+
+    monkeypatch.setattr(pipeline, "experts", counting)
+    for module in (gqa, mla, linear_attention):
+        def mixing(spec, w, h, positions, rope, group, *a, _inner=module.prefill, **kw):
+            mix.append((h.shape[0], list(group)))
+            return _inner(spec, w, h, positions, rope, group, *a, **kw)
+
+        monkeypatch.setattr(module, "prefill", mixing)
     logits, _ = engine.runner(slots=4, micro_batch_size=4, max_tokens=64).prefill(prompts, [0, 1, 2, 3], [[0, 1, 2, 3]])
-    total = sum(len(p) for p in prompts)
-    moe = sum(engine.spec.is_moe(i) for i in range(engine.spec.num_layers))
-    assert seen and max(seen) <= 5 and sum(seen) == total * moe  # every token once a MoE layer, 5 at most a call
+    total, layers = sum(lens), engine.spec.num_layers
+    moe = sum(engine.spec.is_moe(i) for i in range(layers))
+    assert ffn and max(ffn) <= chunk and sum(ffn) == total * moe  # every token once a MoE layer, a chunk at most
+    assert len(mix) > layers and sum(t for t, _ in mix) == total * layers  # several whole-prompt groups a layer
+    assert all(t == sum(g) and (t <= chunk or len(g) == 1) for t, g in mix) and max(len(g) for _, g in mix) > 1
+    assert [n for _, g in mix[:len(mix) // layers] for n in g] == lens  # the prompts in order, each once
     for i, p in enumerate(prompts):
         with torch.no_grad():
             want = ref(torch.tensor([p])).logits[0, -1]

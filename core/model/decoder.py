@@ -70,23 +70,40 @@ def ffn_output(f: FfnInput, routed: torch.Tensor | None) -> torch.Tensor:
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (h, weights, idx) -> [T, D]
 
 
-# A CPU prefill runs its layer's FFN on at most this many tokens at a time. Whole, a wave's call (the demo's 200
-# prompts: 15,400 tokens) made intermediates of tens of MB, past glibc's mmap threshold: mapped fresh and faulted
-# in at every layer, the first wave of a process took 2.0-2.1 s where the same call again took 0.85-0.91 s; in
-# chunks of 2,048 it took 1.03-1.04 s, again 0.74-0.92 s (2 Xeon threads; bench/RESULTS.md, issue 11, eighth
-# session). A device's caching allocator reuses its blocks: there the call stays whole (core.runtime.pipeline).
-PREFILL_FFN_TOKENS = 2048
-
-
 def prefill_mix(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor, rope, lens: list[int],
-                call_lengths: torch.Tensor | None = None, full_norm=None, attention_out=None):
+                call_lengths: torch.Tensor | None = None, full_norm=None, attention_out=None, chunk: int = 0):
     """Whole prompts packed in x [T, D] -> (residual stream after the token mixer [T, D], per prompt its
-    state parts). Tensor parallel: `full_norm` as in pre_attn; `attention_out` sums a rank's partial output."""
+    state parts). Tensor parallel: `full_norm` as in pre_attn; `attention_out` sums a rank's partial output.
+    `chunk` > 0: whole prompts of at most that many tokens together at a time (one longer prompt alone), each
+    group's output added in place over its rows of x, so that no intermediate spans the whole call
+    (core.model.limits.prefill_chunk)."""
+    if 0 < chunk < x.shape[0]:
+        parts, a = [], 0
+        for group in prompt_groups(lens, chunk):
+            b = a + sum(group)
+            got, more = prefill_mix(spec, layer, w, x[a:b], positions[a:b], rope, group,
+                                    None if call_lengths is None else call_lengths[a:b], full_norm, attention_out)
+            x[a:b] = got
+            parts += more
+            a = b
+        return x, parts
     m = mixer.module(spec, layer)
     h = norm(spec, x, w["ln1"], w.get("ln1_b"))
     out, parts = m.prefill(spec, w, h, positions, rope, lens, call_lengths, mixer.window(spec, layer),
                            full_norm=full_norm)
     return x + (out if attention_out is None else attention_out(out)), parts
+
+
+def prompt_groups(lens: list[int], most: int) -> list[list[int]]:
+    """`lens` in order, cut into runs of at most `most` tokens (a longer prompt alone)."""
+    groups, n = [], most + 1
+    for L in lens:
+        if n + L > most:
+            groups.append([])
+            n = 0
+        groups[-1].append(L)
+        n += L
+    return groups
 
 
 def prefill_ffn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, experts: Experts, ffn_out=None,

@@ -26,13 +26,15 @@ from math import log
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.model import limits
 from core.model.attention import slices
 
-VERSION = 8  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
+VERSION = 9  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
 # 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations;
 # 5: the run's efficiency measured at a second, large micro-batch too (the *_eff_large factors); 6: a CPU prefill's
-# FFN runs PREFILL_FFN_TOKENS at a time (core.model.decoder), and the run's windows last RUN_MIN_S; 7: a prefill's
-# per-token term (prefill_tok_s); 8: the large micro-batch's factors over a fresh process's waves too
+# FFN runs 2,048 tokens at a time, and the run's windows last RUN_MIN_S; 7: a prefill's per-token term
+# (prefill_tok_s); 8: the large micro-batch's factors over a fresh process's waves too; 9: a CPU prefill's token
+# mixer runs in chunks too, of the model's size (core.model.limits.prefill_chunk)
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.
@@ -335,9 +337,10 @@ def head_seconds(d, c: CpuCosts, tokens: float) -> float:
 
 # A tensor larger than this is mapped fresh from the OS at every allocation and page-faulted as it is first
 # written (glibc's largest mmap threshold; smaller ones are reused from the heap). A prefill layer makes a dozen
-# [tokens, hidden] activations a call: on two Zen 5 cores the 784M's prefill ran 67-69 µs a token per layer
-# from 277 to 4,879 tokens a call and 77-85 µs at 19,497 — its norms, sums and copies 4x slower a token —
-# and 67-68 µs again at 19,497 with the allocator told to keep its memory.
+# [tokens, hidden] activations a chunk (fresh_tokens): when it made them a call, on two Zen 5 cores the 784M's
+# prefill ran 67-69 µs a token per layer from 277 to 4,879 tokens a call and 77-85 µs at 19,497 — its norms, sums
+# and copies 4x slower a token — and 67-68 µs again at 19,497 with the allocator told to keep its memory. In
+# chunks only a prompt longer than one can reach it.
 FRESH_BYTES = 32 << 20
 
 
@@ -346,12 +349,19 @@ def fresh_from(d, math: str) -> float:
     return FRESH_BYTES / (d.D * (2 if math == "bfloat16" else 4))
 
 
-def fresh_tokens(d, c: CpuCosts, t: float) -> float:
-    """Tokens of a prefill call of t tokens whose activations are mapped fresh (FRESH_BYTES): none while a
-    [t, hidden] activation in the math dtype is under half of it, all from the whole of it, in between a ramp
-    (its fp32 temporaries and the wider QKV cross first)."""
+def fresh_tokens(d, c: CpuCosts, t: float, prompt_len: float = 0.0) -> float:
+    """Tokens of a prefill call of t tokens in prompts of `prompt_len` whose activations are mapped fresh
+    (FRESH_BYTES): the engine runs a call a chunk at a time (prefill_chunk), a longer prompt alone, so by what
+    a chunk spans — none while a [span, hidden] activation in the math dtype is under half of FRESH_BYTES, all
+    from the whole of it, in between a ramp (its fp32 temporaries and the wider QKV cross first)."""
     hi = fresh_from(d, c.math)
-    return t * min(1.0, max(0.0, 2 * t / hi - 1))
+    span = min(t, max(prefill_chunk(d), prompt_len))
+    return t * min(1.0, max(0.0, 2 * span / hi - 1))
+
+
+def prefill_chunk(d) -> int:
+    """Tokens a CPU prefill runs a layer on at a time for a model of dims `d` (core.model.limits)."""
+    return limits.prefill_chunk(d.D, d.q, d.kv, d.I, d.Is, d.Id, d.E, d.k)
 
 
 def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> float:
@@ -362,16 +372,14 @@ def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq
     pre, post = dense_seconds(d, c, t)
     sq = prompt_sq if prompt_sq is not None else prompt_len * prompt_len
     flops = 4 * prompts * ((sq + prompt_len) / 2) * d.heads * d.head_dim
-    spill = c.prefill_act_s * fresh_tokens(d, c, t) * d.D
+    spill = c.prefill_act_s * fresh_tokens(d, c, t, prompt_len) * d.D
     return (pre + post + prefill_experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts
             + c.prefill_tok_s * t + spill + c.task_s) * c.eff("prefill_eff", prompts)
 
 
 def prefill_experts_seconds(d, c: CpuCosts, t: float) -> float:
-    """A CPU prefill call's routed experts of t tokens: PREFILL_FFN_TOKENS at a time (core.model.decoder)."""
-    from core.model.decoder import PREFILL_FFN_TOKENS
-
-    return _in_chunks(t, PREFILL_FFN_TOKENS, lambda n: experts_seconds(d, c, n))
+    """A CPU prefill call's routed experts of t tokens: a chunk at a time (prefill_chunk)."""
+    return _in_chunks(t, prefill_chunk(d), lambda n: experts_seconds(d, c, n))
 
 
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,

@@ -681,18 +681,19 @@ def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches:
     return micro_batches * (roofline_seconds(w, flops, bw) + (GPU_LAUNCH if on_gpu else CPU_LAUNCH))
 
 
-def wave_seconds(r: Rates, *, on_gpu: bool, call_tokens: float = 0.0, waves: float = 1.0, model=None) -> float:
+def wave_seconds(r: Rates, *, on_gpu: bool, call_tokens: float = 0.0, waves: float = 1.0, model=None,
+                 prompt_len: float = 0.0) -> float:
     """Once a wave, beside its prefill's layers and LM head: admitting it (CPU-only, as calibrated: CpuCosts.wave_s),
     and a wave's share of `waves` of what a run pays once for its prefill calls' fresh memory, `call_tokens` a
-    call (CpuCosts.fresh_s) — of `model`'s, only the tokens whose activations its calls reuse: those mapped fresh
-    at every call (cpu_cost.fresh_tokens) are in each call's prefill already (the demo's first call of 256
-    prompts of 308 tokens took no longer than the same call again)."""
+    call in prompts of `prompt_len` (CpuCosts.fresh_s) — of `model`'s, only the tokens whose activations its calls
+    reuse: those mapped fresh at every call (cpu_cost.fresh_tokens: a prompt longer than a chunk) are in each
+    call's prefill already."""
     if on_gpu or r.cpu_costs is None:
         return 0.0
     from core.plan import cpu_cost
 
     c = r.cpu_costs
-    once = call_tokens - (cpu_cost.fresh_tokens(dims(model), c, call_tokens) if model is not None else 0.0)
+    once = call_tokens - (cpu_cost.fresh_tokens(dims(model), c, call_tokens, prompt_len) if model is not None else 0.0)
     return c.wave_s + c.fresh_s * once / max(1.0, waves)
 
 

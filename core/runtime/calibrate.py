@@ -440,9 +440,10 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
         progress(Progress("calibrating: a fresh process's first large wave", 1, 1, "runs"))
     spec = engine.spec
     d = hrm.dims(spec)
-    # the calls past the allocator's threshold now, while the process holds no large free memory, as a user's
-    # run's does not: after the GEMM stage its freed weights served them, and a call of 19,000 tokens took no
-    # longer a token than one of 4,000 (prefill_act_s fitted 0) where the runs that followed took 11-12 % longer
+    # the calls as large as a planner's (fresh_prefills) before the GEMM stage: when a call's activations were
+    # one piece its freed weights served them after it, and a call of 19,000 tokens took no longer a token than
+    # one of 4,000 where the runs that followed took 11-12 % longer (in chunks, limits.prefill_chunk, neither maps
+    # anything fresh)
     pre = [s for s in runs[0] if s.kind == "prefill"]
     token_s = sum(s.tasks.get("prefill", 0.0) for s in pre) / max(1, sum(sum(g) for s in pre for g in s.groups))
     fresh = [] if quick else runner_observations(

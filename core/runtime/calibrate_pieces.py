@@ -11,8 +11,9 @@ coefficients kept ≥ 0):
    kernel runs the experts (core.model.cpu.ffn), it is timed instead, whole layers a call (fused_terms).
 2. The engine's runner on this model: decode steps over KV rows filled with random values (so any
    batch and context can be had without prefilling it) and prefills, small ones and two of many prompts
-   (one past the allocator's threshold, cpu_cost.fresh_tokens) → per-activation, per-task, attention,
-   prefill-attention and fresh-activation terms, from what the GEMMs leave unexplained.
+   (one as large as a planner's call) → per-activation, per-task, attention and prefill-attention terms, and
+   the fresh-activation one where a call spans past the allocator's threshold (cpu_cost.fresh_tokens), from
+   what the GEMMs leave unexplained.
 3. A few `Engine.generate` steps → the engine's per-step and per-request overhead.
 Every cost function is linear in the coefficients, so a coefficient's feature is the cost function
 evaluated with that coefficient at 1 and the others at 0: the fit and the prediction cannot drift apart.
@@ -59,10 +60,11 @@ PREFILLS = ((1, 16), (1, 128), (4, 64), (2, 256), (1, 1024), (16, 16), (8, 64),
 # prefill at prompts of 77 tokens took 1.1-1.4x its prediction and at 308 tokens 0.5-0.7x (bench/RESULTS.md,
 # issue 11, eighth session)
 PREFILL_REPEATS = 3
-# ... and a call whose activations are mapped fresh (cpu_cost.fresh_tokens): FRESH_OVER times the tokens from
-# which all of them are, in prompts of FRESH_PROMPT tokens, beside one of a quarter of them, where the first
-# window's prefill says both take at most FRESH_MOST_S (the 784M: 17,280 and 4,096 tokens, 13-16 s of its calibration;
-# a model too slow for them leaves the term 0)
+# ... and a call as large as a planner's: FRESH_OVER times the tokens from which a whole call's activations would
+# be mapped fresh (cpu_cost.fresh_from), in prompts of FRESH_PROMPT tokens, beside one of a quarter of them, where
+# the first window's prefill says both take at most FRESH_MOST_S (the 784M: 17,280 and 4,096 tokens, 13-16 s of its
+# calibration). The engine runs them a chunk at a time, so they map nothing fresh: they price a large call by its
+# chunks; the fresh term is fitted only where a call's prompts pass the threshold
 FRESH_PROMPT, FRESH_OVER, FRESH_MOST_S = 128, 1.05, 15.0
 # The fused expert kernel is timed whole, a layer's experts a call, over these tokens (up to its chunk)
 LAYER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -363,8 +365,8 @@ def runner_observations(engine, *, batches=DECODE_BATCHES, contexts=DECODE_CONTE
 
 
 def fresh_prefills(d, math_dtype: str, token_s: float, limit: int) -> list[tuple[int, int]]:
-    """Two prefill calls of many prompts of the same length: one past the allocator's threshold (FRESH_OVER),
-    one at a quarter of it (nothing fresh; it anchors the per-prompt term at many prompts a call) — if at
+    """Two prefill calls of many prompts of the same length: one past the allocator's threshold as one piece
+    (FRESH_OVER), one at a quarter of it (they anchor the per-prompt term at many prompts a call) — if at
     `token_s` seconds a prompt token (a whole prefill's, as a run measured it) they take FRESH_MOST_S at most."""
     n = min(FRESH_PROMPT, limit)
     hi = cpu_cost.fresh_from(d, math_dtype)
@@ -423,7 +425,7 @@ def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs]) -> CpuCosts:
         # attention and the per-prompt term from the calls whose activations are reused, then the fresh
         # activations' term from what those leave of the calls past the threshold: fitted together, one call
         # of 148 prompts let an inflated per-prompt term explain it (prefill_act_s 0 in one calibration of two)
-        fresh = [o for o in pre if cpu_cost.fresh_tokens(d, base, o.b * o.length) > 0]
+        fresh = [o for o in pre if cpu_cost.fresh_tokens(d, base, o.b * o.length, o.length) > 0]
         got = residual_fit([(o, fn) for o in pre if o not in fresh], ("sdpa_flop_s", "prompt_s", "prefill_tok_s"),
                            busy, lambda o: fn(base, o))
         base = dataclasses.replace(base, **got)

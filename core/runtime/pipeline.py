@@ -39,7 +39,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from core.model import decoder, mixer
+from core.model import decoder, limits, mixer
 from core.model.cpu.kernels import Widen
 from core.model.kvcache import KVCache, Rows, layer_store, load_rows
 from core.model.layers import final_logits
@@ -156,6 +156,11 @@ class PipelineRunner:
         self.spec, self.w, self.cache, self.ex = spec, weights, cache, executor
         self.schedule, self.attention_on, self.ffn_on = schedule, attention_on, ffn_on
         self.dev = dev = device or HostDevice()
+        # a host prefill runs a layer a chunk at a time (limits.prefill_chunk); a device's allocator reuses a call's.
+        # Tensor-parallel ranks sum each chunk's output together: one size for all (their shards' sizes may differ)
+        self._prefill_chunk = 0 if dev.accelerator else limits.PREFILL_CHUNK_TOKENS if tp is not None else (
+            limits.prefill_chunk(spec.hidden_size, spec.q_size, spec.kv_size, spec.expert_intermediate,
+                                 spec.shared_intermediate, spec.dense_intermediate, spec.num_experts, spec.top_k))
         self.warn = warn
         self.act = activation(spec)  # the experts' gate activation (gpt-oss clamps its SwiGLU)
         self.grouped = grouped
@@ -654,10 +659,10 @@ class PipelineRunner:
         parts = self._expert_parts(i) if self.spec.is_moe(i) else None
         w = self.dense[i]
         mb.x, states = decoder.prefill_mix(self.spec, i, w, mb.x, mb.positions_d, self.rope, mb.lens, mb.calls_d,
-                                           self._full_norm, self._attention_out)
+                                           self._full_norm, self._attention_out, self._prefill_chunk)
         # the FFN's intermediates are the peak: the layer holds nothing else then (the planner counts on it)
         mb.x = decoder.prefill_ffn(self.spec, i, w, mb.x, lambda h, rw, idx: self._experts(parts, h, rw, idx),
-                                   self._ffn_out, 0 if self.dev.accelerator else decoder.PREFILL_FFN_TOKENS)
+                                   self._ffn_out, self._prefill_chunk)
         while len(mb.kv) <= i:
             mb.kv.append(None)
         mb.kv[i] = states
