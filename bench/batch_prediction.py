@@ -131,7 +131,8 @@ def main(argv=None) -> int:
                   + " ".join(f"{k[:-4]} {v:.2f}" for k, v in r["factors"].items())
                   + ("; at micro-batch {}: ".format(r["large"]["batch"][1]) + " ".join(
                       f"{k[:-10]} {v:.2f}" for k, v in r["large"]["factors"].items())
-                      + f", once a run {r['large']['fresh_s'] * 1e6:.1f} µs a call's token" if r["large"] else "")
+                      + f", once a run {r['large']['fresh_s'] * 1e6:.1f} µs a call's token"
+                      + f" and {r['large'].get('kv_alloc_s', 0.0) * 1e9:.2f} s a GB of cache" if r["large"] else "")
                   + f"; its own run at batch 16/4: {r['at_calibration_batch']:+.1%}; shapes "
                   + ", ".join(f"{s} (prompts {n}) = {b}/{m}" for (s, n), (b, m) in r["shapes"].items()), flush=True)
         for rnd in range(args.repeats):  # the sides interleaved, run by run

@@ -246,6 +246,53 @@ def test_admitting_a_wave_is_measured_and_predicted():
     assert seconds[0.03] - seconds[0.0] == pytest.approx(0.03, rel=1e-9)
 
 
+def test_a_runs_state_cache_is_measured_and_priced_once_a_run(demo_model):
+    """Defect: the runner's state cache, made once a run and zeroed (every page faulted in), was priced only as
+    the calibration's 16 short rows made it (in wave_s): the 784M's 3.6 GB for 256 slots of 1,704 tokens took 5.9 s,
+    7 % of the 4x prompts' run, and was in no prediction. The large windows' waves (each made its runner) give its
+    cost a byte beyond the first window's wave_s; every prediction adds it once a run, shared by the waves."""
+    from core.model.families import load_spec
+    from core.plan import planner
+    from core.plan.planner import Workload, predict, tokens_per_slot
+    from core.plan.policy import Policy
+
+    spec = load_spec(demo_model)
+    d = hrm.dims(spec)
+    base = dataclasses.replace(COSTS, step_s=4e-4)
+    engine = SimpleNamespace(spec=spec, config=SimpleNamespace(expert_group=1))
+    per_byte, wave = 2e-10, 0.03
+
+    def admitted(steps, extra):  # a prefill step's span: its wave's admission and its runner's cache on top
+        return [dataclasses.replace(x, seconds=x.seconds + (extra if x.kind == "prefill" else 0.0)) for x in steps]
+
+    small = [admitted(_wave(spec, base, cal.run_lengths(16, 77, 418), 4), wave) for _ in range(3)]
+    lengths = cal.run_lengths(256, 77, 418)
+    large = []
+    for gen in (6, 3, 6):
+        w = _wave(spec, base, lengths, 256, gen)
+        large.append(admitted(w, wave + per_byte * 256 * d.state_bytes(w[0].row)))
+    got = cal.fit_run_windows(engine, base, small, large=large)
+    assert got.wave_s == pytest.approx(wave, rel=1e-6) and got.kv_alloc_s == pytest.approx(per_byte, rel=1e-6)
+    assert cal.fit_run_windows(engine, base, small, large=[_wave(spec, base, lengths, 256)]).kv_alloc_s == 0.0
+
+    policy = Policy(batch_size=128, micro_batch_size=64, expert_batch_size=64, attention_on="cpu", ffn_on="cpu")
+    work = Workload(prompt_len=308, gen_len=32, max_prompt_len=1672, num_requests=256)
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(planner, "rank_view", lambda m, h, b, k: (m, h, b))
+        mp.setattr(planner, "_memory", lambda *a: ({}, {}, 0))
+        seconds = {}
+        for alloc in (0.0, per_byte):
+            costs = dataclasses.replace(got, kv_alloc_s=alloc)
+            mp.setattr(planner, "_rates", lambda *a, c=costs, **kw: hrm.Rates(
+                gpu_flops=1, gpu_bw=1, h2d_bw=1, d2h_bw=1, cpu_flops=1e11, cpu_bw=1e10, has_gpu=False, cpu_costs=c))
+            seconds[alloc] = predict(policy, spec, SimpleNamespace(), work).prefill_seconds
+    finally:
+        mp.undo()
+    cache = 128 * d.state_bytes(tokens_per_slot(work))  # the run's cache, made once: each of its 2 waves a half
+    assert seconds[per_byte] - seconds[0.0] == pytest.approx(per_byte * cache / 2, rel=1e-9)
+
+
 def _wave(spec, truth, lengths, micro_batch, gen=6):
     """One wave of prompts of `lengths` in micro-batches of `micro_batch`, each to `gen` tokens, timed as the
     engine would if `truth` were this machine."""

@@ -145,7 +145,8 @@ def _calibrate(model, args) -> dict:
                   + f", prefill {g['prefill_eff_large']:.2f}x (tasks of sizes between the two: in between; decode the "
                   f"median of {len(bw)} windows, {sum(w.get('fresh_process', False) for w in bw)} of them a fresh "
                   f"process's, prefill of their {sum(w.get('prefill', False) for w in bw)} warm waves); a fresh "
-                  f"process's first wave {big['fresh_s'] * 1e6:.1f} µs a prompt token more, once a run")
+                  f"process's first wave {big['fresh_s'] * 1e6:.1f} µs a prompt token more, once a run; a run's "
+                  f"state cache {big.get('kv_alloc_s', 0.0) * 1e9:.2f} s a GB to make, once a run")
         w = notes.get("windows", [])
         if len(w) > 1:
             print(f"  (decode: the median of {len(w)} windows of that run, at "

@@ -682,19 +682,19 @@ def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches:
 
 
 def wave_seconds(r: Rates, *, on_gpu: bool, call_tokens: float = 0.0, waves: float = 1.0, model=None,
-                 prompt_len: float = 0.0) -> float:
+                 prompt_len: float = 0.0, cache_bytes: float = 0.0) -> float:
     """Once a wave, beside its prefill's layers and LM head: admitting it (CPU-only, as calibrated: CpuCosts.wave_s),
-    and a wave's share of `waves` of what a run pays once for its prefill calls' fresh memory, `call_tokens` a
-    call in prompts of `prompt_len` (CpuCosts.fresh_s) — of `model`'s, only the tokens whose activations its calls
-    reuse: those mapped fresh at every call (cpu_cost.fresh_tokens: a prompt longer than a chunk) are in each
-    call's prefill already."""
+    and a wave's share of `waves` of what a run pays once: its prefill calls' fresh memory, `call_tokens` a call in
+    prompts of `prompt_len` (CpuCosts.fresh_s) — of `model`'s, only the tokens whose activations its calls reuse:
+    those mapped fresh at every call (cpu_cost.fresh_tokens: a prompt longer than a chunk) are in each call's
+    prefill already — and its state cache of `cache_bytes` made (CpuCosts.kv_alloc_s)."""
     if on_gpu or r.cpu_costs is None:
         return 0.0
     from core.plan import cpu_cost
 
     c = r.cpu_costs
     once = call_tokens - (cpu_cost.fresh_tokens(dims(model), c, call_tokens, prompt_len) if model is not None else 0.0)
-    return c.wave_s + c.fresh_s * once / max(1.0, waves)
+    return c.wave_s + (c.fresh_s * once + c.kv_alloc_s * cache_bytes) / max(1.0, waves)
 
 
 # ---- calibration -------------------------------------------------------------------------------------

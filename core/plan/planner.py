@@ -352,7 +352,8 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
     prefill = l * hrm.layer_time(pre, p.ffn_on) + hrm.head_seconds(model, r, tokens=p.batch_size,
                                                                    micro_batches=p.num_micro_batches, on_gpu=on_gpu)
     prefill += hrm.wave_seconds(r, on_gpu=on_gpu, call_tokens=p.micro_batch_size * workload.prompt_len,
-                                waves=workload.waves(p.batch_size), model=model, prompt_len=workload.prompt_len)
+                                waves=workload.waves(p.batch_size), model=model, prompt_len=workload.prompt_len,
+                                cache_bytes=p.batch_size * hrm.dims(model).state_bytes(tokens_per_slot(workload)))
     n = workload.gen_len
     total = prefill + (n - 1) * step
     gpu, cpu, pinned = (x if isinstance(x, int) else {key: v * k for key, v in x.items()}
@@ -445,7 +446,8 @@ def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, b
     g0, gw, gc, c0, cw, cc = mem or _memory_lin(d, w, place, n, mu, beta)
     head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=f == "gpu")
     fixed = head * w.gen_len + hrm.wave_seconds(r, on_gpu=f == "gpu", call_tokens=mu * w.prompt_len,
-                                                waves=w.waves(n), model=d, prompt_len=w.prompt_len)
+                                                waves=w.waves(n), model=d, prompt_len=w.prompt_len,
+                                                cache_bytes=n * d.state_bytes(tokens_per_slot(w)))
     return _Lin(d00, _sub(d10, d00), _sub(d01, d00), p00, _sub(p10, p00), _sub(p01, p00), fixed=fixed,
                 serial=f == "cpu", gpu0=g0, gpu_w=gw, gpu_c=gc, cpu0=c0, cpu_w=cw, cpu_c=cc)
 

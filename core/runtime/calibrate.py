@@ -265,9 +265,10 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
         hot = [big[i].prefill_eff for i in warm]
         once = (fresh_beyond(fresh, hot) if fresh else fresh_seconds(large[0], large[1]) if len(large) > 1 else 0.0)
         costs = dataclasses.replace(costs, **got, prefill_eff_large=median(hot), large_rows=big[0].run_batch[1],
-                                    fresh_s=once)
+                                    fresh_s=once, kv_alloc_s=kv_alloc_seconds(hrm.dims(engine.spec), costs, big,
+                                                                              large + child))
     if notes is not None and big:
-        notes["large"] = {"batch": list(big[0].run_batch), "fresh_s": costs.fresh_s,
+        notes["large"] = {"batch": list(big[0].run_batch), "fresh_s": costs.fresh_s, "kv_alloc_s": costs.kv_alloc_s,
                           "fresh_process": fresh and {k: v for k, v in fresh.items() if k != "waves"},
                           "factors": {n: getattr(costs, n) for n in cpu_cost.LARGE.values()},
                           "windows": [{"factors": n["factors"], "seconds": n["seconds"], "prefill": i in warm,
@@ -282,6 +283,21 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
                      step_s={"run": costs.step_s, "pieces": per[0]["step_s"]["pieces"]},
                      factors={name: getattr(costs, name) for name in cpu_cost.EFFICIENCIES})
     return costs
+
+
+def kv_alloc_seconds(d, small: CpuCosts, big: list[CpuCosts], windows: list[list[RunStep]]) -> float:
+    """Seconds a byte of a run's state cache takes to make (the runner's, once a run, zeroed: every page faulted
+    in): what admitting a large window's wave took beyond the first window's (wave_s: a wave of 16 short rows),
+    over its cache's bytes — the median over the large windows, each of which made its runner."""
+    from statistics import median
+
+    per = []
+    for f, w in zip(big, windows):
+        pre = next((s for s in w if s.kind == "prefill"), None)
+        size = pre.slots * d.state_bytes(pre.row) if pre is not None else 0.0
+        if size > 0:
+            per.append(max(0.0, f.wave_s - small.wave_s) / size)
+    return median(per) if per else 0.0
 
 
 def fresh_beyond(fresh: dict, warm: list[float]) -> float:
