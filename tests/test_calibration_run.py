@@ -215,7 +215,7 @@ def test_admitting_a_wave_is_measured_and_predicted():
     """Defect: a prefill step's time beyond its tasks (the runner and its cache made, prompts tokenized, a fresh
     process's first buffers) was in no term: the demo model's prefill measured 0.145-0.157 s a run against
     0.106 predicted. The run's prefill steps give wave_s (the first window's), and every prediction adds it once a wave."""
-    from core.plan.planner import Workload, predict
+    from core.plan.planner import Workload
     from core.plan.policy import Policy
 
     spec = _mixtral()
@@ -229,21 +229,23 @@ def test_admitting_a_wave_is_measured_and_predicted():
 
     policy = Policy(batch_size=8, micro_batch_size=4, expert_batch_size=4, attention_on="cpu", ffn_on="cpu")
     work = Workload(prompt_len=200, gen_len=16, max_prompt_len=700)
+    seconds = {w: _predicted_prefill(spec, policy, work, dataclasses.replace(got, wave_s=w)) for w in (0.0, 0.03)}
+    assert seconds[0.03] - seconds[0.0] == pytest.approx(0.03, rel=1e-9)
+
+
+def _predicted_prefill(spec, policy, work, costs) -> float:
+    """The planner's prefill seconds a wave of `policy` on a CPU of these costs, nothing else in the way."""
+    from core.plan import planner
+
     mp = pytest.MonkeyPatch()
     try:
-        from core.plan import planner
-
         mp.setattr(planner, "rank_view", lambda m, h, b, k: (m, h, b))
         mp.setattr(planner, "_memory", lambda *a: ({}, {}, 0))
-        seconds = {}
-        for wave in (0.0, 0.03):
-            costs = dataclasses.replace(got, wave_s=wave)
-            mp.setattr(planner, "_rates", lambda *a, c=costs, **kw: hrm.Rates(
-                gpu_flops=1, gpu_bw=1, h2d_bw=1, d2h_bw=1, cpu_flops=1e11, cpu_bw=1e10, has_gpu=False, cpu_costs=c))
-            seconds[wave] = predict(policy, spec, SimpleNamespace(), work).prefill_seconds
+        mp.setattr(planner, "_rates", lambda *a, **kw: hrm.Rates(
+            gpu_flops=1, gpu_bw=1, h2d_bw=1, d2h_bw=1, cpu_flops=1e11, cpu_bw=1e10, has_gpu=False, cpu_costs=costs))
+        return planner.predict(policy, spec, SimpleNamespace(), work).prefill_seconds
     finally:
         mp.undo()
-    assert seconds[0.03] - seconds[0.0] == pytest.approx(0.03, rel=1e-9)
 
 
 def test_a_runs_state_cache_is_measured_and_priced_once_a_run(demo_model):
@@ -252,8 +254,7 @@ def test_a_runs_state_cache_is_measured_and_priced_once_a_run(demo_model):
     7 % of the 4x prompts' run, and was in no prediction. The large windows' waves (each made its runner) give its
     cost a byte beyond the first window's wave_s; every prediction adds it once a run, shared by the waves."""
     from core.model.families import load_spec
-    from core.plan import planner
-    from core.plan.planner import Workload, predict, tokens_per_slot
+    from core.plan.planner import Workload, tokens_per_slot
     from core.plan.policy import Policy
 
     spec = load_spec(demo_model)
@@ -277,18 +278,8 @@ def test_a_runs_state_cache_is_measured_and_priced_once_a_run(demo_model):
 
     policy = Policy(batch_size=128, micro_batch_size=64, expert_batch_size=64, attention_on="cpu", ffn_on="cpu")
     work = Workload(prompt_len=308, gen_len=32, max_prompt_len=1672, num_requests=256)
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setattr(planner, "rank_view", lambda m, h, b, k: (m, h, b))
-        mp.setattr(planner, "_memory", lambda *a: ({}, {}, 0))
-        seconds = {}
-        for alloc in (0.0, per_byte):
-            costs = dataclasses.replace(got, kv_alloc_s=alloc)
-            mp.setattr(planner, "_rates", lambda *a, c=costs, **kw: hrm.Rates(
-                gpu_flops=1, gpu_bw=1, h2d_bw=1, d2h_bw=1, cpu_flops=1e11, cpu_bw=1e10, has_gpu=False, cpu_costs=c))
-            seconds[alloc] = predict(policy, spec, SimpleNamespace(), work).prefill_seconds
-    finally:
-        mp.undo()
+    seconds = {a: _predicted_prefill(spec, policy, work, dataclasses.replace(got, kv_alloc_s=a))
+               for a in (0.0, per_byte)}
     cache = 128 * d.state_bytes(tokens_per_slot(work))  # the run's cache, made once: each of its 2 waves a half
     assert seconds[per_byte] - seconds[0.0] == pytest.approx(per_byte * cache / 2, rel=1e-9)
 
