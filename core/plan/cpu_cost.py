@@ -29,13 +29,14 @@ from pathlib import Path
 from core.model import limits
 from core.model.attention import slices
 
-VERSION = 10  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
+VERSION = 11  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
 # 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations;
 # 5: the run's efficiency measured at a second, large micro-batch too (the *_eff_large factors); 6: a CPU prefill's
 # FFN runs 2,048 tokens at a time, and the run's windows last RUN_MIN_S; 7: a prefill's per-token term
 # (prefill_tok_s); 8: the large micro-batch's factors over a fresh process's waves too; 9: a CPU prefill's token
 # mixer runs in chunks too, of the model's size (core.model.limits.prefill_chunk); 10: a run's state cache made
-# (kv_alloc_s)
+# (kv_alloc_s); 11: the state cache made untouched (kvcache.untouched_zeros): a 10's kv_alloc_s priced what runs
+# no longer pay
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.
@@ -96,8 +97,10 @@ class CpuCosts:
     # and faults in its memory — the demo's first call of 256 prompts (19,700 tokens) took 2.1 s, the next 0.9 s,
     # one of 4 prompts 0.07 then 0.06 (bench/RESULTS.md, issue 11, seventh session)
     fresh_s: float = 0.0
-    # once a run, per byte of its state cache: the runner makes it zeroed, every page faulted in (the 784M's 3.6 GB
-    # for 256 slots of 1,704 tokens: 5.9 s, 7 % of that run, bench/RESULTS.md, issue 11, eleventh session)
+    # once a run, per byte of its state cache: what making it takes at admission. Zeroed, every page faulted in, it
+    # was 5.9 s of the 784M's 4x-prompts run (3.6 GB for 256 slots of 1,704 tokens; bench/RESULTS.md, issue 11,
+    # eleventh session); made untouched (core.model.kvcache.untouched_zeros) its pages fault in where requests
+    # write them, inside their prefill and decode tasks, and this measures what admission still pays (~0)
     kv_alloc_s: float = 0.0
     pre_eff: float = 1.0  # decode tasks in a run of the engine / the coefficients' prediction: pre-attention,
     attn_eff: float = 1.0  # ... attention,

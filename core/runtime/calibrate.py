@@ -286,9 +286,10 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
 
 
 def kv_alloc_seconds(d, small: CpuCosts, big: list[CpuCosts], windows: list[list[RunStep]]) -> float:
-    """Seconds a byte of a run's state cache takes to make (the runner's, once a run, zeroed: every page faulted
-    in): what admitting a large window's wave took beyond the first window's (wave_s: a wave of 16 short rows),
-    over its cache's bytes — the median over the large windows, each of which made its runner."""
+    """Seconds a byte of a run's state cache takes to make (the runner's, once a run; made untouched, its pages
+    fault in inside the tasks that write them, which their factors price): what admitting a large window's wave
+    took beyond the first window's (wave_s: a wave of 16 short rows), over its cache's bytes — the median over
+    the large windows, each of which made its runner."""
     from statistics import median
 
     per = []
