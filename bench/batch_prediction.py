@@ -120,7 +120,7 @@ def main(argv=None) -> int:
             run = cal["runs"][0]
             rows[side] = {"env": env, "cache": cache, "calibration_seconds": time.perf_counter() - t,
                           "factors": c["run"].get("factors", {}), "costs": c["costs"],
-                          "large": c["run"].get("large", {}),
+                          "large": c["run"].get("large", {}), "mid": c["run"].get("mid", {}),
                           "at_calibration_batch": run["error"]["tokens_per_s"],
                           "shapes": {(s, n): (planned(args, margs, n, env) if s == "plan" else
                                               tuple(min(int(x), requests(args, n)) for x in s.split("/")))
@@ -133,6 +133,8 @@ def main(argv=None) -> int:
                       f"{k[:-10]} {v:.2f}" for k, v in r["large"]["factors"].items())
                       + f", once a run {r['large']['fresh_s'] * 1e6:.1f} µs a call's token"
                       + f" and {r['large'].get('kv_alloc_s', 0.0) * 1e9:.2f} s a GB of cache" if r["large"] else "")
+                  + ("; at micro-batch {}: ".format(r["mid"]["batch"][1]) + " ".join(
+                      f"{k[:-8]} {v:.2f}" for k, v in r["mid"]["factors"].items()) if r.get("mid") else "")
                   + f"; its own run at batch 16/4: {r['at_calibration_batch']:+.1%}; shapes "
                   + ", ".join(f"{s} (prompts {n}) = {b}/{m}" for (s, n), (b, m) in r["shapes"].items()), flush=True)
         for rnd in range(args.repeats):  # the sides interleaved, run by run

@@ -300,6 +300,26 @@ def _wave(spec, truth, lengths, micro_batch, gen=6):
     return out
 
 
+def _demo_run(demo_model):
+    """(spec, dims, pieces, engine, the small run's three windows) of the demo model's calibration as these tests
+    time it: the pieces' coefficients, each window a wave of 16 requests at micro-batches of 4 run as they say."""
+    from core.model.families import load_spec
+
+    spec = load_spec(demo_model)
+    base = dataclasses.replace(COSTS, step_s=4e-4)
+    engine = SimpleNamespace(spec=spec, config=SimpleNamespace(expert_group=1))
+    return spec, hrm.dims(spec), base, engine, [_wave(spec, base, cal.run_lengths(16, 77, 418), 4) for _ in range(3)]
+
+
+def _task_seconds(spec, costs, steps) -> dict:
+    """What `costs` say the tasks of `steps` take, by kind."""
+    d, out = hrm.dims(spec), {}
+    for s in steps:
+        for k, v in cal.step_model(d, spec.num_layers, costs, s).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def test_the_runs_factors_hold_at_the_planners_micro_batch_too(demo_model):
     """Defect: the run's factors were measured at micro-batches of 4 only, and a factor scales a task's per-call
     overhead as if it grew with the rows: on a machine whose tasks pay more per call than the pieces say (the
@@ -319,23 +339,63 @@ def test_the_runs_factors_hold_at_the_planners_micro_batch_too(demo_model):
     old = cal.fit_run_windows(engine, base, small)
     assert got.large_rows == 256 and notes["large"]["batch"] == [256, 256] and old.large_rows == 0
 
-    def seconds(costs, steps):
-        out: dict = {}
-        for s in steps:
-            for k, v in cal.step_model(d, spec.num_layers, costs, s).items():
-                out[k] = out.get(k, 0.0) + v
-        return out
-
     for steps in (small[0], big[0]):  # what the fitted costs say each run's tasks took: what they took
-        want = {k: sum(s.tasks.get(k, 0.0) for s in steps) for k in seconds(got, steps)}
-        for k, v in seconds(got, steps).items():
+        want = {k: sum(s.tasks.get(k, 0.0) for s in steps) for k in _task_seconds(spec, got, steps)}
+        for k, v in _task_seconds(spec, got, steps).items():
             assert v == pytest.approx(want[k], rel=1e-9), k
-    at = {k: v / sum(s.tasks.get(k, 0.0) for s in big[0]) for k, v in seconds(old, big[0]).items()}
+    at = {k: v / sum(s.tasks.get(k, 0.0) for s in big[0]) for k, v in _task_seconds(spec, old, big[0]).items()}
     assert max(at.values()) > 1.5  # the factors of micro-batch 4 alone: the overhead priced as rows
     assert got.eff("pre_eff", 1) == got.eff("pre_eff", 4) == got.pre_eff
     assert got.eff("pre_eff", 1024) == got.eff("pre_eff", 256) == got.pre_eff_large < got.pre_eff
     assert got.eff("pre_eff", 32) == pytest.approx((got.pre_eff + got.pre_eff_large) / 2, rel=1e-12)  # 32: halfway in log
     assert dataclasses.replace(got, large_rows=0).eff("pre_eff", 256) == got.pre_eff  # no large micro-batch measured: one factor at any size
+
+
+def test_a_micro_batch_between_the_two_is_measured_too(demo_model):
+    """Defect: between the small and the large micro-batch a factor moved with the log of the rows, but the demo's
+    decode at 36 requests a micro-batch (the planner's pick for 256 requests) took 0.78-0.97x what the two ends'
+    factors said there (two Zen 5 threads, five processes), and runs at 252/36 read 18-24 % off their prediction. The
+    large run's requests at the micro-batch between them are measured too: the prediction holds
+    at all three, and between two of them moves with the log of the rows; the history and a run's fold-back use
+    the nearest one's factors."""
+    from core.plan import cpu_history
+
+    spec, d, base, engine, small = _demo_run(demo_model)
+    lengths = cal.run_lengths(256, 77, 418)
+    big = [_wave(spec, base, lengths, 256) for _ in range(2)]
+    dip = dict(prefill=0.9, pre_attn=0.8, cpu_attn=0.85, post_attn=0.8, ffn=0.7)
+    assert cal.mid_rows(4, 256) == 32 and cal.mid_rows(1, 4) == 2 and cal.mid_rows(4, 8) == 6
+    assert cal.mid_rows(1, 2) == cal.mid_rows(4, 4) == cal.mid_rows(4, 0) == 0  # nothing strictly between
+    mid = [_scaled(_wave(spec, base, lengths, 32), **dip) for _ in range(2)]
+    notes: dict = {}
+    got = cal.fit_run_windows(engine, base, small, notes, large=big, mid=mid)
+    old = cal.fit_run_windows(engine, base, small, large=big)
+    assert got.mid_rows == 32 and notes["mid"]["batch"] == [256, 32] and old.mid_rows == 0
+    assert len(notes["mid"]["windows"]) == 2
+
+    for steps in (small[0], mid[0], big[0]):  # what the fitted costs say each run's tasks took: what they took
+        want = {k: sum(s.tasks.get(k, 0.0) for s in steps) for k in _task_seconds(spec, got, steps)}
+        for k, v in _task_seconds(spec, got, steps).items():
+            assert v == pytest.approx(want[k], rel=1e-9), k
+    over = {k: v / sum(s.tasks.get(k, 0.0) for s in mid[0]) for k, v in _task_seconds(spec, old, mid[0]).items()}
+    assert over["ffn"] > 1.3 and over["pre_attn"] > 1.2  # the two ends alone: the dip priced as their log-mean
+    for name, f in (("pre_eff", 0.8), ("ffn_eff", 0.7)):
+        assert getattr(got, cpu_cost.MID[name]) == pytest.approx(f, rel=1e-9)
+        assert got.eff(name, 32) == pytest.approx(f, rel=1e-9)
+        assert got.eff(name, 4) == got.eff(name, 1) == pytest.approx(1.0, rel=1e-9)
+        assert got.eff(name, 256) == got.eff(name, 4096) == pytest.approx(1.0, rel=1e-9)
+        assert got.eff(name, 64) == pytest.approx(f + (1.0 - f) / 3, rel=1e-9)  # 64: a third of the way in log, 32 to 256
+        assert got.eff(name, 8) == pytest.approx(1.0 + (f - 1.0) / 3, rel=1e-9)  # 8: a third of the way, 4 to 32
+    assert got.unscaled().eff("ffn_eff", 32) == 1.0
+    # a mid run outside the two ends (a large run never measured) is no anchor: one factor at any size
+    assert dataclasses.replace(got, large_rows=0).eff("ffn_eff", 32) == got.ffn_eff
+    # the history's entries hold the mid factors: the planner's after one calibration are the same
+    held = cpu_history.apply(d, got, cal.window_entries(d, got, notes))
+    for name in cpu_cost.MID.values():
+        assert getattr(held, name) == pytest.approx(getattr(got, name), rel=1e-9), name
+    # a run folds back into the factors of the calibration's micro-batch nearest its own
+    assert got.nearest(36) == cpu_cost.MID and got.nearest(200) == cpu_cost.LARGE
+    assert got.nearest(6)["pre_eff"] == "pre_eff" and old.nearest(12)["pre_eff"] == "pre_eff" and old.nearest(36) == cpu_cost.LARGE
 
 
 def test_a_fresh_processs_first_large_prefill_is_paid_once_a_run(demo_model):
@@ -477,14 +537,9 @@ def test_a_fresh_processs_waves_are_windows_of_the_large_run_too(demo_model):
     prefill's over the warm waves (the repeat's, the child's after its first); the history's entries agree."""
     from statistics import median
 
-    from core.model.families import load_spec
     from core.plan import cpu_history
 
-    spec = load_spec(demo_model)
-    d = hrm.dims(spec)
-    base = dataclasses.replace(COSTS, step_s=4e-4)
-    engine = SimpleNamespace(spec=spec, config=SimpleNamespace(expert_group=1))
-    small = [_wave(spec, base, cal.run_lengths(16, 77, 418), 4) for _ in range(3)]
+    spec, d, base, engine, small = _demo_run(demo_model)
     lengths = cal.run_lengths(256, 77, 418)
     slow = dict(prefill=1.25, pre_attn=1.3, cpu_attn=1.3, post_attn=1.3, ffn=1.3)
     first, again, later = (_wave(spec, base, lengths, 256, gen) for gen in (6, 3, 6))

@@ -193,9 +193,13 @@ def test_mlight_bench_calibrate_caches_the_model_and_reports_the_error(no_gpu, m
     assert set(ran["factors"]) == set(cpu_cost.EFFICIENCIES) and all(v > 0 for v in ran["factors"].values())
     # its windows joined this machine's history; the factors are the history's median, the calibration's own beside
     hist = report["calibration"]["history"]
-    assert hist["entries"] == hist["calibration_windows"] == len(ran["windows"]) + len(ran["large"]["windows"])
+    assert hist["entries"] == hist["calibration_windows"] == (len(ran["windows"]) + len(ran["large"]["windows"])
+                                                              + len(ran["mid"]["windows"]))
     assert hist["runs"] == 0 and ran["large"]["batch"] == [4, 4]  # and at a large micro-batch (quick: 4x the bench's)
     assert report["calibration"]["costs"]["large_rows"] == 4
+    # and between the two: the large run's requests at their geometric middle
+    assert ran["mid"]["batch"] == [4, 2] and report["calibration"]["costs"]["mid_rows"] == 2
+    assert set(ran["mid"]["factors"]) == set(cpu_cost.MID.values()) and all(v > 0 for v in ran["mid"]["factors"].values())
     assert {"low", "high", "spread", "since"} <= set(hist) and report["calibration"]["this_calibration"]["task_s"] > 0
     assert run["predicted"]["history"]["entries"] == hist["entries"]
     assert run["predicted"]["tokens_per_s_last_calibration_alone"] > 0

@@ -147,6 +147,12 @@ def _calibrate(model, args) -> dict:
                   f"process's, prefill of their {sum(w.get('prefill', False) for w in bw)} warm waves); a fresh "
                   f"process's first wave {big['fresh_s'] * 1e6:.1f} µs a prompt token more, once a run; a run's "
                   f"state cache {big.get('kv_alloc_s', 0.0) * 1e9:.2f} s a GB to make, once a run")
+        mid = notes.get("mid")
+        if mid:
+            g = mid["factors"]
+            print(f"  and at micro-batch {mid['batch'][1]}, between them: "
+                  + " / ".join(f"{g[cpu_cost.MID[n]]:.2f}x" for n in ("pre_eff", "attn_eff", "post_eff", "ffn_eff"))
+                  + f", prefill {g['prefill_eff_mid']:.2f}x (the median of {len(mid['windows'])} windows)")
         w = notes.get("windows", [])
         if len(w) > 1:
             print(f"  (decode: the median of {len(w)} windows of that run, at "

@@ -46,7 +46,7 @@ def untouched_zeros(shape, dtype) -> torch.Tensor:
     Linux does not make it shared memory; small pages, asked for: a cache row's heads lie ~0.4 MB apart, so a
     2 MB page would fault in what no request uses (numpy's zeros asks for those, and first stalled
     2.5 s compacting memory for them here)."""
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape) * dtype.itemsize
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
     private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # Windows: no flags

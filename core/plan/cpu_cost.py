@@ -29,14 +29,15 @@ from pathlib import Path
 from core.model import limits
 from core.model.attention import slices
 
-VERSION = 11  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
+VERSION = 12  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
 # 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations;
 # 5: the run's efficiency measured at a second, large micro-batch too (the *_eff_large factors); 6: a CPU prefill's
 # FFN runs 2,048 tokens at a time, and the run's windows last RUN_MIN_S; 7: a prefill's per-token term
 # (prefill_tok_s); 8: the large micro-batch's factors over a fresh process's waves too; 9: a CPU prefill's token
 # mixer runs in chunks too, of the model's size (core.model.limits.prefill_chunk); 10: a run's state cache made
 # (kv_alloc_s); 11: the state cache made untouched (kvcache.untouched_zeros): a 10's kv_alloc_s priced what runs
-# no longer pay
+# no longer pay; 12: the factors at a micro-batch between the two too (*_eff_mid); the fused attention
+# kernel's scores priced by its own per-token term, not elem_s
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.
@@ -45,6 +46,12 @@ EFFICIENCIES = ("pre_eff", "attn_eff", "post_eff", "ffn_eff", "prefill_eff")
 # prefill call): a factor measured at 4 scaled a task's per-call overheads as if they grew with its rows, and the
 # demo model's tasks, mostly overhead, ran 0.4-0.6x that at 256 (its prefill, in a fresh process, 1.5-1.8x)
 LARGE = {n: n + "_large" for n in EFFICIENCIES}
+# ... and at a micro-batch between the two (`mid_rows`): the factors do not move with the log of the rows between
+# 4 and 256. The demo model's decode at 36 requests a micro-batch (a planner's batch for 256 requests, seven
+# micro-batches a layer) took 0.78-0.97x (mean 0.86) what the two ends' factors said there, in five processes on
+# two Zen 5 threads; runs at 252/36 read -17.6 / -23.8 % off the ends' prediction, -8.0 / -12.2 % off one with
+# this anchor (bench/RESULTS.md, issue 11, thirteenth session)
+MID = {n: n + "_mid" for n in EFFICIENCIES}
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,14 @@ class CpuCosts:
     post_eff_large: float = 1.0
     ffn_eff_large: float = 1.0
     prefill_eff_large: float = 1.0
+    # ... and in a run at `mid_rows` requests a micro-batch, between the two (0: not measured); `eff` then moves
+    # with the log of the rows from the small micro-batch's factors to these, and on to the large one's
+    mid_rows: int = 0
+    pre_eff_mid: float = 1.0
+    attn_eff_mid: float = 1.0
+    post_eff_mid: float = 1.0
+    ffn_eff_mid: float = 1.0
+    prefill_eff_mid: float = 1.0
     run_windows: int = 0  # windows of that run the decode factors are the median of (0: never measured)
     threads: int = 0  # torch threads when measured
     model: str = ""  # model_key() of the model the costs were measured on
@@ -144,25 +159,36 @@ class CpuCosts:
                                    expert_weight_s=blend(self.expert_weight_s, self.expert_weight_hot_s),
                                    weight_hot_s=0.0, expert_weight_hot_s=0.0)
 
-    def share(self, rows: float) -> float:
-        """How far `rows` requests a micro-batch (prompts a prefill call) are from the run's small micro-batch to
-        its large one, 0..1 in the log of the rows (0 when the large one was not measured)."""
+    def anchors(self) -> list[tuple[int, dict]]:
+        """The micro-batches the run's factors were measured at, ascending, each with its factors' names
+        (EFFICIENCIES' own, MID's, LARGE's): the small run's, and the mid and large ones' where measured."""
         small = self.run_batch[1] if len(self.run_batch) > 1 else 0
-        if not self.large_rows or not small or self.large_rows <= small or rows <= small:
-            return 0.0
-        if rows >= self.large_rows:
-            return 1.0
-        return log(rows / small) / log(self.large_rows / small)
+        out = [(small, {n: n for n in EFFICIENCIES})]
+        if small and self.large_rows > small:
+            if small < self.mid_rows < self.large_rows:
+                out.append((self.mid_rows, MID))
+            out.append((self.large_rows, LARGE))
+        return out
+
+    def nearest(self, rows: float) -> dict:
+        """The factors' names (as `anchors`) of the measured micro-batch nearest `rows` in the log of the rows."""
+        at = [(abs(log(max(rows, 1) / max(m, 1))), names) for m, names in self.anchors()]
+        return min(at, key=lambda x: x[0])[1]
 
     def eff(self, name: str, rows: float) -> float:
-        """The run's efficiency factor `name` (EFFICIENCIES) for a task of `rows` requests (prompts)."""
-        w = self.share(rows)
-        small, large = getattr(self, name), getattr(self, LARGE[name])
-        return small if w == 0 else large if w == 1 else small + (large - small) * w
+        """The run's efficiency factor `name` (EFFICIENCIES) for a task of `rows` requests (prompts): a measured
+        micro-batch's, or between two of them with the log of the rows; past either end, that end's."""
+        pts = [(m, getattr(self, names[name])) for m, names in self.anchors()]
+        if len(pts) == 1 or rows <= pts[0][0]:
+            return pts[0][1]
+        for (m0, f0), (m1, f1) in zip(pts, pts[1:]):
+            if rows < m1:
+                return f0 + (f1 - f0) * log(rows / m0) / log(m1 / m0)
+        return pts[-1][1]
 
     def unscaled(self) -> "CpuCosts":
         """These coefficients with every run factor 1 at every size: the pieces alone."""
-        return dataclasses.replace(self, **{n: 1.0 for n in EFFICIENCIES}, large_rows=0)
+        return dataclasses.replace(self, **{n: 1.0 for n in EFFICIENCIES}, large_rows=0, mid_rows=0)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "run_batch": list(self.run_batch)}  # as JSON has it
@@ -294,9 +320,13 @@ def attention_seconds(d, c: CpuCosts, b: float, context: float, row_tokens: floa
     engine always copies."""
     hkv = d.kv // d.head_dim
     if c.own_rows:
+        # scores and softmax run inside the kernel, in its per-token term (kv_s), not as torch's elementwise ops:
+        # priced at elem_s a score they made the 784M's attention cost per token 3x what the kernel's fit said,
+        # the 4x prompts' attention read 0.44-0.69 of predicted and the demo's 0.33-0.54 (elem_s, fitted from
+        # the dense work, left the per-token fit nothing: kv_s 0); only the new token's K and V are torch's
         tokens, rows, parts = own_shares(c, b, context, longest, lengths)
         return (c.kv_s * tokens * 2 * d.kv + c.attn_row_s * rows * hkv + (c.attn_call_s if parts > 1 else 0.0)
-                + c.elem_s * b * (2 * d.kv + 4 * d.heads * context))
+                + c.elem_s * b * 2 * d.kv)
     n = read_tokens(c, context, row_tokens, longest)
     whole = n == max(context, row_tokens or 0.0) and not c.widens  # rows read in place, else a slice copied out
     kv = (c.kv_s if whole else c.kv_copy_s) * b * n * 2 * d.kv

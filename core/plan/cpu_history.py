@@ -36,13 +36,14 @@ REF_PREFILL = (4, 77)
 
 def reference(d, c: CpuCosts) -> dict[str, float]:
     """Seconds the coefficients of `c` (its factors taken as 1) give the reference task of each kind, by factor name
-    (a large micro-batch's factor, *_eff_large, on the same scale as its kind's)."""
+    (a mid or large micro-batch's factor, *_eff_mid, *_eff_large, on the same scale as its kind's)."""
     c = c.unscaled()
     t = cpu_cost.decode_tasks(d, c.for_step(REF_DECODE["micro_batch"] * REF_DECODE["longest"] * d.kv_tok), **REF_DECODE)
     out = {eff: t[kind] for kind, eff in DECODE_EFF.items()}
     n, length = REF_PREFILL
     out["prefill_eff"] = cpu_cost.prefill_seconds(d, c.for_step(n * length * d.kv_tok), n, length)
-    return {**out, **{cpu_cost.LARGE[k]: v for k, v in out.items()}}  # the same scale for the large micro-batch's
+    # the same scale for the mid and large micro-batches' factors
+    return {**out, **{cpu_cost.LARGE[k]: v for k, v in out.items()}, **{cpu_cost.MID[k]: v for k, v in out.items()}}
 
 
 def entry(d, base: CpuCosts, factors: dict[str, float], source: str, *, step_s: float | None = None,
@@ -66,7 +67,7 @@ def apply(d, base: CpuCosts, entries: list[dict]) -> CpuCosts:
         return base
     ref = reference(d, base)
     got = {}
-    for n in (*EFFICIENCIES, *cpu_cost.LARGE.values()):
+    for n in (*EFFICIENCIES, *cpu_cost.LARGE.values(), *cpu_cost.MID.values()):
         xs = [e["seconds"][n] for e in entries if n in e.get("seconds", {})]
         if xs and ref[n] > 0:
             got[n] = median(xs) / ref[n]

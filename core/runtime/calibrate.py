@@ -58,6 +58,11 @@ RUN_MIN_S, RUN_REPEATS_MOST = 3.0, 8
 # demo's large windows took 0.8-1.6 s, and two calibrations' factors there differed by up to 2x (attention 0.23
 # against 0.48), which moved the prediction at the planner's batch from +10 % to -28 % of the same runs.
 LARGE_ROWS, LARGE_GEN, REPEAT_GEN, LARGE_WINDOW_S, LARGE_WINDOWS = 256, 8, 3, 60.0, 3
+# And the large run's requests at a micro-batch between the two, the geometric middle (4 and 256: 32), in this many
+# windows (one after the large ones, one after the GEMMs): between the two ends a factor did not move with the log of
+# the rows — the demo's decode at 36 requests a micro-batch, the planner's pick for 256 requests, took 0.78-0.97x
+# what the ends' factors said there (CpuCosts.mid_rows)
+MID_WINDOWS = 2
 
 
 @dataclasses.dataclass
@@ -226,7 +231,8 @@ def fit_run_terms(engine, base: CpuCosts, steps: list[RunStep], notes: dict | No
 
 
 def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes: dict | None = None,
-                    large: list[list[RunStep]] = (), fresh: dict | None = None) -> CpuCosts:
+                    large: list[list[RunStep]] = (), fresh: dict | None = None,
+                    mid: list[list[RunStep]] = ()) -> CpuCosts:
     """fit_run_terms over several windows of the same run: each decode factor and step_s the median of the
     windows', prefill_eff and wave_s the first window's. The first window runs first in its process, as a
     user's run does: its prefill faults in the fresh buffers the later windows reuse (its prefill factor
@@ -238,7 +244,8 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
     over all of them; prefill_eff_large: over the warm waves (the repeat's, the child's after its first: one warm
     wave alone moved the 784M's predicted prefill by a fifth between calibrations); fresh_s (CpuCosts): what the
     child's first wave's prefill took beyond its warm waves and their spread, a token of its call (fresh_beyond) —
-    without a child, what the first window's first wave took beyond the repeat's waves (fresh_seconds)."""
+    without a child, what the first window's first wave took beyond the repeat's waves (fresh_seconds). `mid`: windows
+    of the run at a micro-batch between the two (a warm process's): the *_eff_mid factors, each the median over them."""
     from statistics import median
 
     if base.own_rows:
@@ -267,6 +274,19 @@ def fit_run_windows(engine, base: CpuCosts, windows: list[list[RunStep]], notes:
         costs = dataclasses.replace(costs, **got, prefill_eff_large=median(hot), large_rows=big[0].run_batch[1],
                                     fresh_s=once, kv_alloc_s=kv_alloc_seconds(hrm.dims(engine.spec), costs, big,
                                                                               large + child))
+    mid = [w for w in mid if w]
+    nm = [{} for _ in mid]
+    between = [fit_run_terms(engine, base, w, n) for w, n in zip(mid, nm)]
+    if between:
+        costs = dataclasses.replace(costs, mid_rows=between[0].run_batch[1],
+                                    **{cpu_cost.MID[name]: median(getattr(f, name) for f in between)
+                                       for name in cpu_cost.EFFICIENCIES})
+        if notes is not None:
+            notes["mid"] = {"batch": list(between[0].run_batch),
+                            "factors": {n: getattr(costs, n) for n in cpu_cost.MID.values()},
+                            "windows": [{"factors": n["factors"], "seconds": n["seconds"],
+                                         "tokens_per_s": n["tokens"] / n["seconds"] if n["seconds"] else 0.0}
+                                        for n in nm]}
     if notes is not None and big:
         notes["large"] = {"batch": list(big[0].run_batch), "fresh_s": costs.fresh_s, "kv_alloc_s": costs.kv_alloc_s,
                           "fresh_process": fresh and {k: v for k, v in fresh.items() if k != "waves"},
@@ -355,7 +375,7 @@ def window_entries(d, costs: CpuCosts, notes: dict) -> list[dict]:
     against `costs`' coefficients: every window's decode factors and step_s; the first window's prefill
     and wave_s only (a fresh process's, as a user's run is: later windows reuse its buffers); the large
     micro-batch's windows as their *_eff_large factors (prefill the warm waves': the repeat and a fresh process's
-    after its first, fit_run_windows)."""
+    after its first, fit_run_windows); the mid micro-batch's as their *_eff_mid."""
     out = []
     for i, w in enumerate(notes.get("windows", [])):
         f = {n: v for n, v in w["factors"].items() if i == 0 or n != "prefill_eff"}
@@ -365,6 +385,10 @@ def window_entries(d, costs: CpuCosts, notes: dict) -> list[dict]:
     for i, w in enumerate(big.get("windows", [])):
         f = {cpu_cost.LARGE[n]: v for n, v in w["factors"].items() if w.get("prefill", i == 1) or n != "prefill_eff"}
         out.append(cpu_history.entry(d, costs, f, "calibration", batch=big["batch"]))
+    between = notes.get("mid", {})
+    for w in between.get("windows", []):
+        out.append(cpu_history.entry(d, costs, {cpu_cost.MID[n]: v for n, v in w["factors"].items()}, "calibration",
+                                     batch=between["batch"]))
     return out
 
 
@@ -422,7 +446,8 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     `windows` windows of at least `window_s` seconds each (lasting; 0 in `quick`) (fit_run_windows; `notes`, when
     given, get what the run measured against the pieces),
     and at a large micro-batch of at most `large` requests (large_rows; 0: none), whose prompts
-    `large_prompts(n)` gives (default: run_workload's, MT-Bench's mean length)."""
+    `large_prompts(n)` gives (default: run_workload's, MT-Bench's mean length), and those requests at the micro-batch
+    between the two (mid_rows)."""
     engine.threads.tick()  # measure with the threads the engine will run with
     gen = 3 if quick else RUN_GEN
     prompts = prompts or run_workload(engine, batch, means=(8, 24) if quick else RUN_PROMPT_MEANS, gen=gen)
@@ -450,6 +475,14 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
                        0.0 if quick else window_s)
 
     bigs = [large_window(), large_window(min(gen_large, REPEAT_GEN))] if n_large else []
+    n_mid = mid_rows(micro_batch, n_large)
+
+    def mid_window():
+        return lasting(lambda: run_steps(engine, big_prompts, batch=n_large, micro_batch=n_mid, gen=gen_large,
+                                         clock=clock, progress=progress, what=f"a short run at micro-batch {n_mid}"),
+                       0.0 if quick else window_s)
+
+    mids = [mid_window()] if n_mid else []
     fresh_wave = None
     if n_large and not quick:  # what this process, no longer fresh, cannot show: a fresh one's first large wave
         progress(Progress("calibrating: a fresh process's first large wave", 0, 1, "runs"))
@@ -496,13 +529,22 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     if windows > 1:
         runs.append(window())
         bigs += [large_window() for _ in range(LARGE_WINDOWS - 2) if n_large]
+        mids += [mid_window() for _ in range(MID_WINDOWS - 1) if n_mid]
     base = dataclasses.replace(base, expert_flop_s=fx, expert_weight_s=wx, expert_call_s=cx, gemv_s=gx,
                                weight_hot_s=hot_d, expert_weight_hot_s=hot_x)
     kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2, sliced=(16, 64)) if quick else {}
     obs = runner_observations(engine, progress=progress, clock=clock, **kw) + fresh
     base = fit_engine_terms(engine, base, obs)
     base = fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)
-    return fit_run_windows(engine, base, more_windows(runs, window, windows), notes, large=bigs, fresh=fresh_wave)
+    return fit_run_windows(engine, base, more_windows(runs, window, windows), notes, large=bigs, fresh=fresh_wave,
+                           mid=mids)
+
+
+def mid_rows(small: int, large: int) -> int:
+    """The micro-batch between `small` and `large` the run is also measured at (their geometric middle), or 0 where
+    no whole number lies strictly between them."""
+    m = round((small * large) ** 0.5) if small > 0 and large > 0 else 0
+    return m if small < m < large else 0
 
 
 def more_windows(runs: list, window, windows: int = RUN_WINDOWS) -> list:

@@ -87,7 +87,7 @@ def fold_back(engine, meter: RunSums, micro_batch: int, hw=None) -> dict | None:
 
 
 def _fold_back(engine, meter: RunSums, micro_batch: int, hw) -> dict | None:
-    from core.plan import cpu_cost, cpu_history, hrm
+    from core.plan import cpu_history, hrm
     from core.plan.hardware import cached_probe
     from core.plan.planner import Workload, predict
 
@@ -117,8 +117,8 @@ def _fold_back(engine, meter: RunSums, micro_batch: int, hw) -> dict | None:
         ratios["prefill"] = meter.prefill / meter.prefill_tokens / pre
     kind = {"pre_eff": "compute", "post_eff": "compute", "ffn_eff": "compute", "attn_eff": "attention",
             "prefill_eff": "prefill"}
-    if costs.share(policy.micro_batch_size) >= 0.5:  # nearer the calibration's large micro-batch: its factors
-        kind = {cpu_cost.LARGE[n]: k for n, k in kind.items()}
+    names = costs.nearest(policy.micro_batch_size)  # the factors of the calibration's micro-batch nearest the run's
+    kind = {names[n]: k for n, k in kind.items()}
     factors = {n: getattr(costs, n) * ratios[k] for n, k in kind.items() if k in ratios}
     if not factors:
         return None
