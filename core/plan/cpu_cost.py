@@ -52,6 +52,7 @@ LARGE = {n: n + "_large" for n in EFFICIENCIES}
 # two Zen 5 threads; runs at 252/36 read -17.6 / -23.8 % off the ends' prediction, -8.0 / -12.2 % off one with
 # this anchor (bench/RESULTS.md, issue 11, thirteenth session)
 MID = {n: n + "_mid" for n in EFFICIENCIES}
+FACTORS = (*EFFICIENCIES, *LARGE.values(), *MID.values())  # every run factor, at every anchor
 
 
 @dataclass(frozen=True)

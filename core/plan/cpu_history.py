@@ -24,7 +24,7 @@ import time
 from statistics import median
 
 from core.plan import cpu_cost
-from core.plan.cpu_cost import EFFICIENCIES, CpuCosts
+from core.plan.cpu_cost import CpuCosts
 
 HISTORY_MAX = 40  # entries kept per (math dtype, model): about eight calibrations' windows, or their runs
 DECODE_EFF = {"pre_attn": "pre_eff", "cpu_attn": "attn_eff", "post_attn": "post_eff", "ffn": "ffn_eff"}
@@ -67,7 +67,7 @@ def apply(d, base: CpuCosts, entries: list[dict]) -> CpuCosts:
         return base
     ref = reference(d, base)
     got = {}
-    for n in (*EFFICIENCIES, *cpu_cost.LARGE.values(), *cpu_cost.MID.values()):
+    for n in cpu_cost.FACTORS:
         xs = [e["seconds"][n] for e in entries if n in e.get("seconds", {})]
         if xs and ref[n] > 0:
             got[n] = median(xs) / ref[n]

@@ -97,8 +97,7 @@ def _feature(fn, base: CpuCosts, name: str) -> float:
     """The cost function's coefficient on `name`: evaluated with that field at 1 and the other coefficients
     at 0 (the run's efficiency factors, which multiply them, as in `base`)."""
     zero = {f.name: 0.0 for f in dataclasses.fields(CpuCosts)
-            if f.type in ("float", float) and f.name not in cpu_cost.EFFICIENCIES
-            and f.name not in cpu_cost.LARGE.values() and f.name not in cpu_cost.MID.values()}
+            if f.type in ("float", float) and f.name not in cpu_cost.FACTORS}
     return fn(dataclasses.replace(base, **{**zero, name: 1.0}))
 
 
