@@ -203,6 +203,11 @@ def test_mlight_bench_calibrate_caches_the_model_and_reports_the_error(no_gpu, m
     assert {"low", "high", "spread", "since"} <= set(hist) and report["calibration"]["this_calibration"]["task_s"] > 0
     assert run["predicted"]["history"]["entries"] == hist["entries"]
     assert run["predicted"]["tokens_per_s_last_calibration_alone"] > 0
+    # every window and stage was stamped with the CPU's speed; the run was predicted at the speed measured before it
+    assert {"run", "large", "mid", "pieces"} <= set(ran["speed"]["stamps"]) and ran["speed"]["reference"] > 0
+    assert report["calibration"]["costs"]["speed"] == ran["speed"]["reference"]
+    assert run["predicted"]["cpu_speed"]["calibrated"] == ran["speed"]["reference"]
+    assert run["predicted"]["cpu_speed"]["now"] > 0
     # and the bench's own run was folded back: the next prediction stands on it too
     assert run["folded_back"]["runs"] == 1 and set(run["folded_back"]["ratios"]) == {"compute", "attention", "prefill"}
     assert main(["plan", "--model", str(demo_model), "--prompt-len", "20", "--gen-len", "8", "--json"]) == 0

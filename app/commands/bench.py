@@ -153,6 +153,12 @@ def _calibrate(model, args) -> dict:
             print(f"  and at micro-batch {mid['batch'][1]}, between them: "
                   + " / ".join(f"{g[cpu_cost.MID[n]]:.2f}x" for n in ("pre_eff", "attn_eff", "post_eff", "ffn_eff"))
                   + f", prefill {g['prefill_eff_mid']:.2f}x (the median of {len(mid['windows'])} windows)")
+        sp = notes.get("speed")
+        if sp and sp.get("reference"):
+            every = [r for v in sp["stamps"].values() for r in v]
+            print(f"  the CPU's speed probe read {min(every) / 1e9:.0f}-{max(every) / 1e9:.0f} GFLOP/s over the "
+                  f"calibration, {sp['reference'] / 1e9:.0f} while the pieces were measured: every window was brought "
+                  f"to that, and predictions scale to the speed measured when they are made")
         w = notes.get("windows", [])
         if len(w) > 1:
             print(f"  (decode: the median of {len(w)} windows of that run, at "
@@ -236,7 +242,7 @@ def _measure(engine, name: str, reqs, args) -> dict:
 
 def _predict(engine, name: str, args, reqs) -> dict | None:
     """The planner's view of the same policy on this machine (None when it cannot say)."""
-    from core.plan import hrm
+    from core.plan import cpu_history, hrm
     from core.plan.hardware import resolve
     from core.plan.planner import Workload, predict
     from core.plan.policy import Policy
@@ -265,6 +271,10 @@ def _predict(engine, name: str, args, reqs) -> dict | None:
            "bottleneck_text": pred.bottleneck_text}
     if not on_gpu:
         out.update(_history_view(engine, hw, policy, work))
+        c = hrm.effective_rates(hw, engine.spec.dtype, engine.spec).cpu_costs
+        stored = cpu_history.stored(hw, hrm.dims(engine.spec), engine.cpu.math)
+        if hw.cpu_speed and c is not None and stored is not None and stored[0].speed:
+            out["cpu_speed"] = {"now": c.speed, "calibrated": stored[0].speed}
     return out
 
 
@@ -326,6 +336,10 @@ def _print(report: dict) -> None:
             how = "calibrated" if p.get("calibrated") else "not calibrated: run `mlight bench --calibrate`"
             print(f"  prediction error: {e['tokens_per_s']:+.1%} end to end, {e['decode_tokens_per_s']:+.1%} in decode "
                   f"(measured vs predicted; {how})")
+        sp = p.get("cpu_speed")
+        if sp:
+            print(f"  predicted at the CPU's speed before the run: {sp['now'] / 1e9:.0f} GFLOP/s, "
+                  f"{sp['now'] / sp['calibrated']:.2f}x the calibration's")
         words = cpu_history.spread_words(p.get("history") or {})
         if words:
             print(f"  predicted {p['tokens_per_s']:,.1f} tokens/s: {words}")

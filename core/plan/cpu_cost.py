@@ -29,7 +29,7 @@ from pathlib import Path
 from core.model import limits
 from core.model.attention import slices
 
-VERSION = 12  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
+VERSION = 13  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
 # 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations;
 # 5: the run's efficiency measured at a second, large micro-batch too (the *_eff_large factors); 6: a CPU prefill's
 # FFN runs 2,048 tokens at a time, and the run's windows last RUN_MIN_S; 7: a prefill's per-token term
@@ -37,7 +37,8 @@ VERSION = 12  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a
 # mixer runs in chunks too, of the model's size (core.model.limits.prefill_chunk); 10: a run's state cache made
 # (kv_alloc_s); 11: the state cache made untouched (kvcache.untouched_zeros): a 10's kv_alloc_s priced what runs
 # no longer pay; 12: the factors at a micro-batch between the two too (*_eff_mid); the fused attention
-# kernel's scores priced by its own per-token term, not elem_s
+# kernel's scores priced by its own per-token term, not elem_s; 13: the CPU's speed stamped (`speed`) and every
+# window brought to the pieces' speed (core.plan.cpu_speed)
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.
@@ -137,6 +138,9 @@ class CpuCosts:
     model: str = ""  # model_key() of the model the costs were measured on
     model_bytes: int = 0  # its weights, for picking the nearest calibration for another model
     measured: bool = True  # False: `defaults`, the model of a machine never calibrated
+    # the CPU's speed (core.plan.cpu_speed.measure, FLOP/s) these seconds hold at: the calibration's pieces were
+    # measured at it and its run's windows brought to it; 0 = not measured (seconds as measured, whenever)
+    speed: float = 0.0
 
     def gemm(self, rows: float, n: int, k: int, mats: float = 1.0, expert: bool = False) -> float:
         """`mats` GEMMs over N×K weights with `rows` rows between them (dense, or the experts' kernel)."""
@@ -187,6 +191,15 @@ class CpuCosts:
                 return f0 + (f1 - f0) * log(rows / m0) / log(m1 / m0)
         return pts[-1][1]
 
+    def at_speed(self, now: float) -> "CpuCosts":
+        """These costs on a CPU running at `now` (cpu_speed.measure's FLOP/s) rather than at `speed`: every
+        seconds term scaled by speed / now (the run's factors are ratios and stay); unchanged where either is
+        unknown."""
+        if not (self.speed > 0 and now > 0):
+            return self
+        r = self.speed / now
+        return dataclasses.replace(self, speed=now, **{n: getattr(self, n) * r for n in SECONDS})
+
     def unscaled(self) -> "CpuCosts":
         """These coefficients with every run factor 1 at every size: the pieces alone."""
         return dataclasses.replace(self, **{n: 1.0 for n in EFFICIENCIES}, large_rows=0, mid_rows=0)
@@ -201,6 +214,11 @@ class CpuCosts:
         if "run_batch" in d:  # JSON has lists; the dataclass is frozen and hashable
             d["run_batch"] = tuple(d["run_batch"] or ())
         return cls(**d)
+
+
+# every seconds term of CpuCosts (what a slower or faster CPU scales: CpuCosts.at_speed, the pieces' fit's unknowns)
+SECONDS = tuple(f.name for f in dataclasses.fields(CpuCosts)
+                if f.type in ("float", float) and f.name not in FACTORS and f.name != "speed")
 
 
 # ---- before any calibration -------------------------------------------------------------------------

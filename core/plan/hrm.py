@@ -105,10 +105,12 @@ def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> R
     if dtype is not None:
         v, math, measured = hw.cpu_flops_for(dtype)
         cpu_flops = v * (1.0 if measured else DERATE["cpu_flops"])
-        from core.plan import cpu_cost
+        from core.plan import cpu_cost, cpu_speed
 
         if hw.cpu_costs.get(math):
             costs = cpu_cost.pick(hw.cpu_costs[math], dims(model) if model is not None else None)
+            if costs is not None:  # at the speed the CPU runs at now, where that was measured
+                costs = costs.at_speed(hw.cpu_speed.get(cpu_speed.key(costs.math, costs.threads), 0.0))
         else:  # never calibrated: the probe's rates with what calibration learned on other machines
             width = 4 if dtype in ("float32", "torch.float32") else 2
             costs = cpu_cost.defaults(math, cpu_flops, rate("cpu_bw", False), width, width, hw.cpu_threads or 0)

@@ -1,7 +1,8 @@
 """Measure this machine's CPU cost model (core.plan.cpu_cost.CpuCosts): the pieces (core.runtime.calibrate_pieces:
 GEMMs, the engine's runner, its step overhead), then a short run of the whole engine against them — how much
 slower each kind of task runs inside a run than its pieces say (the `*_eff` factors), timed in several
-windows spread over the calibration. `calibrate` does all of it; `mlight bench --calibrate` caches the result
+windows spread over the calibration, each brought to the speed the CPU ran the pieces at (core.plan.cpu_speed).
+`calibrate` does all of it; `mlight bench --calibrate` caches the result
 per machine (core.plan.cpu_history).
 """
 
@@ -15,7 +16,7 @@ import torch
 
 from core.model.cpu.ffn import CHUNK_TOKENS
 from core.platform import llc_bytes
-from core.plan import cpu_cost, cpu_history, hrm
+from core.plan import cpu_cost, cpu_history, cpu_speed, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.runtime.calibrate_fresh import fresh_first_wave
 from core.runtime.calibrate_pieces import (COLD_FACTOR, LAYER_TOKENS, ROWS, engine_kernels, fit_engine_terms,
@@ -447,8 +448,11 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     given, get what the run measured against the pieces),
     and at a large micro-batch of at most `large` requests (large_rows; 0: none), whose prompts
     `large_prompts(n)` gives (default: run_workload's, MT-Bench's mean length), and those requests at the micro-batch
-    between the two (mid_rows)."""
+    between the two (mid_rows). Every window and stage runs between two of the CPU's speed probes (cpu_speed.Stamps):
+    the costs hold at the pieces' mean speed (CpuCosts.speed), and each window and stage is brought to it (at_rate)."""
     engine.threads.tick()  # measure with the threads the engine will run with
+    # the CPU's speed around every window and stage: the windows are brought to the pieces' speed (at_rate)
+    stamps = cpu_speed.Stamps(engine.cpu.math, cpu_speed.QUICK_S if quick else cpu_speed.STAMP_S)
     gen = 3 if quick else RUN_GEN
     prompts = prompts or run_workload(engine, batch, means=(8, 24) if quick else RUN_PROMPT_MEANS, gen=gen)
     # one request through first, untimed: set-up done once per process or machine (a native kernel's build,
@@ -457,36 +461,38 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     # then the run, while the process is otherwise as fresh as a user's run's is (no buffers yet to reuse),
     # and again after the GEMMs and at the end (RUN_WINDOWS)
     def window():
-        return lasting(lambda: run_steps(engine, prompts, batch=batch, micro_batch=micro_batch, gen=gen, clock=clock,
-                                         progress=progress), 0.0 if quick else window_s)
+        return stamps.around("run", lambda: lasting(lambda: run_steps(
+            engine, prompts, batch=batch, micro_batch=micro_batch, gen=gen, clock=clock, progress=progress),
+            0.0 if quick else window_s))
 
     runs = [window()]
     # the large micro-batch right after it, while the process is still fresh at that size too (a 256-prompt
     # prefill in a process that ran one before took half as long on the demo model)
     gen_large = gen if quick else LARGE_GEN
-    n_large = large_rows(runs[0], gen_large, most=min(large, 4 * micro_batch) if quick else large,
+    n_large = large_rows(runs[0][0], gen_large, most=min(large, 4 * micro_batch) if quick else large,
                          least=4 * micro_batch) if large else 0
     big_prompts = ((large_prompts or (lambda n: run_workload(engine, n, means=RUN_PROMPT_MEANS[:1], gen=gen_large,
                                                               seed=1)))(n_large) if n_large else [])
 
     def large_window(gen=gen_large):
-        return lasting(lambda: run_steps(engine, big_prompts, batch=n_large, micro_batch=n_large, gen=gen, clock=clock,
-                                         progress=progress, what=f"a short run at micro-batch {n_large}"),
-                       0.0 if quick else window_s)
+        return stamps.around("large", lambda: lasting(lambda: run_steps(
+            engine, big_prompts, batch=n_large, micro_batch=n_large, gen=gen, clock=clock, progress=progress,
+            what=f"a short run at micro-batch {n_large}"), 0.0 if quick else window_s))
 
     bigs = [large_window(), large_window(min(gen_large, REPEAT_GEN))] if n_large else []
     n_mid = mid_rows(micro_batch, n_large)
 
     def mid_window():
-        return lasting(lambda: run_steps(engine, big_prompts, batch=n_large, micro_batch=n_mid, gen=gen_large,
-                                         clock=clock, progress=progress, what=f"a short run at micro-batch {n_mid}"),
-                       0.0 if quick else window_s)
+        return stamps.around("mid", lambda: lasting(lambda: run_steps(
+            engine, big_prompts, batch=n_large, micro_batch=n_mid, gen=gen_large, clock=clock, progress=progress,
+            what=f"a short run at micro-batch {n_mid}"), 0.0 if quick else window_s))
 
     mids = [mid_window()] if n_mid else []
     fresh_wave = None
     if n_large and not quick:  # what this process, no longer fresh, cannot show: a fresh one's first large wave
         progress(Progress("calibrating: a fresh process's first large wave", 0, 1, "runs"))
-        fresh_wave = fresh_first_wave(engine, big_prompts, gen=gen_large, wall=clock is time.perf_counter)
+        fresh_wave = stamps.around("fresh", lambda: fresh_first_wave(engine, big_prompts, gen=gen_large,
+                                                                     wall=clock is time.perf_counter))
         progress(Progress("calibrating: a fresh process's first large wave", 1, 1, "runs"))
     spec = engine.spec
     d = hrm.dims(spec)
@@ -494,11 +500,62 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     # one piece its freed weights served them after it, and a call of 19,000 tokens took no longer a token than
     # one of 4,000 where the runs that followed took 11-12 % longer (in chunks, limits.prefill_chunk, neither maps
     # anything fresh)
-    pre = [s for s in runs[0] if s.kind == "prefill"]
+    pre = [s for s in runs[0][0] if s.kind == "prefill"]
     token_s = sum(s.tasks.get("prefill", 0.0) for s in pre) / max(1, sum(sum(g) for s in pre for g in s.groups))
-    fresh = [] if quick else runner_observations(
+    fresh, fresh_rate = ([], 0.0) if quick else stamps.around("pieces", lambda: runner_observations(
         engine, batches=(), contexts=(), sliced=None, progress=progress, clock=clock, repeats=1,  # once: fresh
-        prefills=fresh_prefills(d, engine.cpu.math, token_s, spec.max_position - 2))
+        prefills=fresh_prefills(d, engine.cpu.math, token_s, spec.max_position - 2)))
+    kernels, kernel_rate = stamps.around("pieces", lambda: kernel_costs(engine, quick=quick, clock=clock,
+                                                                        progress=progress))
+    if windows > 1:
+        runs.append(window())
+        bigs += [large_window() for _ in range(LARGE_WINDOWS - 2) if n_large]
+        mids += [mid_window() for _ in range(MID_WINDOWS - 1) if n_mid]
+    kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2, sliced=(16, 64)) if quick else {}
+    obs, obs_rate = stamps.around("pieces", lambda: runner_observations(engine, progress=progress, clock=clock, **kw))
+    # the speed the pieces hold at, and every stage and window brought to it
+    ref = stamps.mean("pieces")
+    if notes is not None:
+        notes["speed"] = {"reference": ref, "stamps": {k: list(v) for k, v in stamps.rates.items()}}
+    base = dataclasses.replace(kernels, speed=kernel_rate).at_speed(ref) if kernel_rate > 0 else kernels
+    base = fit_engine_terms(engine, base, obs_at_rate(obs, obs_rate, ref) + obs_at_rate(fresh, fresh_rate, ref))
+    base = fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)
+    at = lambda pairs: [at_rate(w, r, ref) for w, r in pairs]  # noqa: E731
+    wave, rate = fresh_wave if fresh_wave else (None, 0.0)
+    return fit_run_windows(engine, base, more_windows(at(runs), lambda: at_rate(*window(), ref), windows), notes,
+                           large=at(bigs), fresh=fresh_at_rate(wave, rate, ref), mid=at(mids))
+
+
+def at_rate(steps: list[RunStep], rate: float, ref: float) -> list[RunStep]:
+    """`steps`, timed while the CPU's speed probe read `rate`, as they would have taken at `ref` (cpu_speed's
+    FLOP/s): a stretch the box ran fast in takes longer at the reference. As timed where either is unknown."""
+    if not (rate > 0 and ref > 0):
+        return steps
+    r = rate / ref
+    return [dataclasses.replace(s, seconds=s.seconds * r, tasks={k: v * r for k, v in s.tasks.items()}) for s in steps]
+
+
+def obs_at_rate(obs: list, rate: float, ref: float) -> list:
+    """The pieces' observations (calibrate_pieces.Obs) brought to `ref` as at_rate does a window's steps."""
+    if not (rate > 0 and ref > 0):
+        return obs
+    r = rate / ref
+    return [dataclasses.replace(o, wall=o.wall * r, busy={k: v * r for k, v in o.busy.items()}) for o in obs]
+
+
+def fresh_at_rate(fresh: dict | None, rate: float, ref: float) -> dict | None:
+    """A fresh process's waves (calibrate_fresh.fresh_first_wave) brought to `ref` as at_rate does a window."""
+    if not fresh or not (rate > 0 and ref > 0):
+        return fresh
+    r = rate / ref
+    waves = [[dataclasses.asdict(s) for s in at_rate([RunStep(**x) for x in w], rate, ref)] for w in fresh["waves"]]
+    return {**fresh, "first": fresh["first"] * r, "again": fresh["again"] * r, "waves": waves}
+
+
+def kernel_costs(engine, *, quick: bool = False, clock=time.perf_counter, progress: EventSink = ignore) -> CpuCosts:
+    """The GEMM kernels' terms (dense and experts', from RAM and, for a model the cache holds, from the cache)."""
+    spec = engine.spec
+    d = hrm.dims(spec)
     dense, expert, math = engine_kernels(engine)
     dense_shapes, expert_shapes = model_shapes(spec)
     rows = ROWS[:8] if quick else ROWS
@@ -526,18 +583,9 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
         hot_x = (fused_terms(fused, d, sum(x.held_bytes for x in fused), tokens, clock)[1] if fused
                  else gemm_terms(expert, math, expert_shapes, spec.total_bytes, direct, rows, clock)[1])
     progress(Progress("calibrating: GEMM kernels", 2, 2, "kernels"))
-    if windows > 1:
-        runs.append(window())
-        bigs += [large_window() for _ in range(LARGE_WINDOWS - 2) if n_large]
-        mids += [mid_window() for _ in range(MID_WINDOWS - 1) if n_mid]
-    base = dataclasses.replace(base, expert_flop_s=fx, expert_weight_s=wx, expert_call_s=cx, gemv_s=gx,
+    return dataclasses.replace(base, expert_flop_s=fx, expert_weight_s=wx, expert_call_s=cx, gemv_s=gx,
                                weight_hot_s=hot_d, expert_weight_hot_s=hot_x)
-    kw = dict(batches=(1, 4, 16), contexts=(32,), prefills=((1, 16), (2, 32)), steps=2, sliced=(16, 64)) if quick else {}
-    obs = runner_observations(engine, progress=progress, clock=clock, **kw) + fresh
-    base = fit_engine_terms(engine, base, obs)
-    base = fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)
-    return fit_run_windows(engine, base, more_windows(runs, window, windows), notes, large=bigs, fresh=fresh_wave,
-                           mid=mids)
+
 
 
 def mid_rows(small: int, large: int) -> int:

@@ -96,8 +96,7 @@ def fit(rows: list[list[float]], y: list[float]) -> list[float]:
 def _feature(fn, base: CpuCosts, name: str) -> float:
     """The cost function's coefficient on `name`: evaluated with that field at 1 and the other coefficients
     at 0 (the run's efficiency factors, which multiply them, as in `base`)."""
-    zero = {f.name: 0.0 for f in dataclasses.fields(CpuCosts)
-            if f.type in ("float", float) and f.name not in cpu_cost.FACTORS}
+    zero = {n: 0.0 for n in cpu_cost.SECONDS}
     return fn(dataclasses.replace(base, **{**zero, name: 1.0}))
 
 

@@ -3,7 +3,8 @@
 `RunSums` is an event sink: per step it adds up a few of the engine's own figures (the busy seconds the
 executor already measured, by resource; prompt and output tokens as requests finish) — no clock of its
 own, nothing kept per step. At the end of the run, `fold_back` sets them beside what the planner predicts
-for the same workload and batch with this machine's current factors: compute (pre-attention, post-attention,
+for the same workload and batch with this machine's current factors, at the speed its CPU runs at as the run ends
+(core.plan.cpu_speed): compute (pre-attention, post-attention,
 experts) and attention per decode step and layer, prefill per prompt token. Their ratios times the current
 factors are the run's factors, one history entry; the stored factors become the median over the history.
 
@@ -88,12 +89,14 @@ def fold_back(engine, meter: RunSums, micro_batch: int, hw=None) -> dict | None:
 
 def _fold_back(engine, meter: RunSums, micro_batch: int, hw) -> dict | None:
     from core.plan import cpu_history, hrm
-    from core.plan.hardware import cached_probe
+    from core.plan.hardware import cached_probe, with_speed
     from core.plan.planner import Workload, predict
 
     if meter.decode_steps < MIN_DECODE_STEPS or not meter.requests or not foldable(engine):
         return None
     hw = hw if hw is not None else cached_probe()
+    if hw is not None and not hw.cpu_speed:  # the run's factors against its pieces at the speed the CPU runs at now
+        hw = with_speed(hw)
     d = hrm.dims(engine.spec)
     known = cpu_history.stored(hw, d, engine.cpu.math) if hw is not None else None
     if known is None:  # never calibrated on this model: nothing to be relative to
