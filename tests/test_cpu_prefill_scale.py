@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from core.model.cpu import ffn
-from core.plan import cpu_cost, hrm
+from core.plan import cpu_cost, cpu_speed, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.plan.presets import resolve_spec
 from core.runtime import calibrate as cal
@@ -183,11 +183,21 @@ def test_calibration_times_the_expert_kernel_the_engine_runs(tmp_path, monkeypat
         engine = Engine.load(path, threads=1)
         assert bool(pieces.fused_layers(engine)) is fused
         monkeypatch.setattr(cal, "llc_bytes", lambda: 64 << 10)  # a tiny cache: the GEMM stage cycles few copies
-        timed, layers = [], []
+        timed, layers, terms = [], [], []
         real_gemm, real_fused = pieces.gemm_terms, pieces.fused_terms
-        monkeypatch.setattr(cal, "gemm_terms", lambda kernel, math, shapes, *a, **kw: (
-            timed.append(list(shapes)), real_gemm(kernel, math, shapes, *a, **kw))[1])
-        monkeypatch.setattr(cal, "fused_terms", lambda ls, *a, **kw: (layers.append(ls), real_fused(ls, *a, **kw))[1])
+        def gemms(kernel, math, shapes, *a, **kw):
+            timed.append(list(shapes))
+            terms.append(real_gemm(kernel, math, shapes, *a, **kw))
+            return terms[-1]
+
+        def fused_layers(ls, *a, **kw):
+            layers.append(ls)
+            terms.append(real_fused(ls, *a, **kw))
+            return terms[-1]
+
+        monkeypatch.setattr(cal, "gemm_terms", gemms)
+        monkeypatch.setattr(cal, "fused_terms", fused_layers)
+        monkeypatch.setattr(cpu_speed, "measure", lambda *a, **kw: 1e11)  # one speed: the terms reach the fit as timed
 
         class Stop(Exception):
             pass
@@ -202,7 +212,9 @@ def test_calibration_times_the_expert_kernel_the_engine_runs(tmp_path, monkeypat
         expert_shapes = pieces.model_shapes(engine.spec)[1]
         assert (expert_shapes in timed) is not fused
         assert bool(layers) is fused and base.expert_chunk == (ffn.CHUNK_TOKENS if fused else 0)
-        assert base.expert_flop_s + base.expert_weight_s > 0
+        # the experts' terms are that kernel's, as it was timed (the second timing: the first is the dense GEMMs')
+        assert (base.expert_flop_s, base.expert_weight_s, base.expert_call_s) == terms[1][:3]
+        assert base.expert_call_s + base.expert_flop_s + base.expert_weight_s > 0
         engine.close()
     finally:
         ffn._build.cache_clear()
