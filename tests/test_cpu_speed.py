@@ -79,6 +79,28 @@ def test_costs_at_a_speed_scale_every_seconds_term_and_no_factor():
     assert COSTS.at_speed(1e11) is COSTS and c.at_speed(0.0) is c  # a speed unknown on either side: as measured
 
 
+def test_back_to_back_stretches_share_their_boundary_probe():
+    """A calibration's windows follow one another: the probe closing one opens the next (REUSE_S), so a window costs
+    one probe, not two; after a gap (work between them) the next stretch probes afresh."""
+    now, calls = [0.0], []
+
+    def probe(math, threads, seconds):
+        calls.append(now[0])
+        return 1e11 * (1 + len(calls))
+
+    st = cpu_speed.Stamps("float32", probe=probe, clock=lambda: now[0])
+
+    def work(seconds):
+        now[0] += seconds
+
+    assert st.around("run", lambda: work(5.0)) == (None, 2.5e11)  # probes 2e11 then 3e11
+    assert st.around("large", lambda: work(5.0)) == (None, 3.5e11)  # opens on the 3e11 that closed "run"
+    assert len(calls) == 3
+    work(cpu_speed.REUSE_S + 0.5)  # a stage between them, unstamped
+    assert st.around("pieces", lambda: work(1.0)) == (None, 5.5e11) and len(calls) == 5
+    assert st.rates == {"run": [2.5e11], "large": [3.5e11], "pieces": [5.5e11]} and st.mean("run", "large") == 3e11
+
+
 def test_a_window_timed_in_a_fast_stretch_is_brought_to_the_pieces_speed():
     s = cal.RunStep("decode", 2.0, {"ffn": 1.0, "cpu_attn": 0.5}, [[10, 11]], 64, 2)
     got = cal.at_rate([s], rate=2e11, ref=1e11)[0]  # the box ran twice as fast as while the pieces were measured
@@ -122,6 +144,7 @@ def test_a_calibration_whose_windows_ran_fast_gets_the_factors_of_the_pieces_spe
     from core.runtime.engine import Engine
 
     state = {"in": False}
+    monkeypatch.setattr(cpu_speed, "REUSE_S", -1.0)  # each stretch its own two stamps: the fast one's both fast
     monkeypatch.setattr(cpu_speed, "measure", lambda math, threads, seconds: 1.5e11 if state["in"] else 1e11)
     around = cpu_speed.Stamps.around
 

@@ -22,6 +22,9 @@ SHAPE = (512, 1024, 4096)  # rows, K, N: a prefill chunk's GEMM of a small MoE, 
 PROBE_S = 1.5  # a prediction's probe: 0.6 s of it tracked a run's speed at 0.6 of its moves, ~3 s at 0.9
 STAMP_S = 0.5  # each stamp of a calibration (before and after every window and stage: two a stamp)
 QUICK_S = 0.0  # a quick calibration's stamps: one call each
+# A stamp this recent (the stretch before's closing one) opens the next stretch too: back to back, two probes a
+# window made the demo model's calibration 95 s against 65-73 (its windows last ~3 s)
+REUSE_S = 1.0
 
 
 def key(math: str, threads: int) -> str:
@@ -61,16 +64,20 @@ class Stamps:
     """The probe's rate around each stretch of a calibration: `around(fn)` runs fn between two probes and keeps
     their mean; `mean(names)` the mean rate of the stretches so named."""
 
-    def __init__(self, math: str, seconds: float = STAMP_S, probe=None):
-        self.math, self.seconds, self.probe = math, seconds, probe or measure
+    def __init__(self, math: str, seconds: float = STAMP_S, probe=None, clock=time.monotonic):
+        self.math, self.seconds, self.probe, self.clock = math, seconds, probe or measure, clock
         self.rates: dict[str, list[float]] = {}
+        self.last: tuple[float, float] | None = None  # (rate, when) of the latest probe's end
 
     def take(self) -> float:
-        return self.probe(self.math, None, self.seconds)
+        rate = self.probe(self.math, None, self.seconds)
+        self.last = (rate, self.clock())
+        return rate
 
     def around(self, name: str, fn):
         """(fn(), the probe's mean rate before and after it), the rate kept under `name`."""
-        before = self.take()
+        recent = self.last is not None and self.clock() - self.last[1] <= REUSE_S
+        before = self.last[0] if recent else self.take()
         out = fn()
         rate = (before + self.take()) / 2
         self.rates.setdefault(name, []).append(rate)
