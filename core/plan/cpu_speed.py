@@ -20,7 +20,7 @@ import time
 
 SHAPE = (512, 1024, 4096)  # rows, K, N: a prefill chunk's GEMM of a small MoE, tens of ms on two cores
 PROBE_S = 1.5  # a prediction's probe: 0.6 s of it tracked a run's speed at 0.6 of its moves, ~3 s at 0.9
-STAMP_S = 0.5  # each stamp of a calibration (before and after every window and stage: two a stamp)
+STAMP_S = 0.5  # each probe of a calibration (one opens and one closes every window and stage; REUSE_S)
 QUICK_S = 0.0  # a quick calibration's stamps: one call each
 # A stamp this recent (the stretch before's closing one) opens the next stretch too: back to back, two probes a
 # window made the demo model's calibration 95 s against 65-73 (its windows last ~3 s)
