@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from core import platform
@@ -110,7 +111,26 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    return until_the_reader_leaves(run_command, sys.argv[1:] if argv is None else argv)
+
+
+def until_the_reader_leaves(fn, argv: list[str]) -> int:
+    """Run a console script's body; a reader that stops early (`mlight --version | head -1`) closed the pipe
+    by choice, so that ends the command quietly and successfully, not with a BrokenPipeError traceback."""
+    try:
+        try:
+            return fn(argv)
+        finally:  # also before SystemExit (--help, --version): the flush at exit would raise past us
+            sys.stdout.flush()
+    except BrokenPipeError:
+        try:  # the interpreter flushes stdout once more at exit: give it somewhere harmless to go
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+
+
+def run_command(argv: list[str]) -> int:
     platform.utf8_console()
     parser, modules = build_parser(argv)
     args = parser.parse_args(argv)

@@ -168,3 +168,25 @@ def test_version_says_when_a_cpu_only_torch_leaves_an_nvidia_gpu_idle(monkeypatc
 
     monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
     assert not version_report().splitlines()[-1].startswith("note:")
+
+
+@pytest.mark.parametrize("module", ["app.cli", "app.tui.main"])
+@pytest.mark.parametrize("unbuffered", [False, True])
+@pytest.mark.parametrize("args", [["--version"], ["--help"]])
+def test_a_reader_that_stops_early_is_not_an_error(module, unbuffered, args):
+    """`mlight --version | head -1` under `set -o pipefail`: head closes the pipe after one line. CI once
+    failed on that race (BrokenPipeError, exit 1, a traceback). Here the reader closes before a byte is
+    written, so the write always meets a closed pipe, buffered or not."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("PYTHONUNBUFFERED", None)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, *args], stdout=w, stderr=subprocess.PIPE,
+                              env=env, timeout=120)
+    finally:
+        os.close(w)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 0 and "Traceback" not in err and "BrokenPipe" not in err, (proc.returncode, err)

@@ -9,7 +9,7 @@ import argparse
 import signal
 import sys
 
-from app.cli import VersionAction
+from app.cli import VersionAction, until_the_reader_leaves
 from app.tui.session import Options
 from core import platform
 
@@ -33,10 +33,14 @@ def parse_options(argv: list[str] | None = None) -> Options:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return until_the_reader_leaves(run_app, sys.argv[1:] if argv is None else argv)
+
+
+def run_app(argv: list[str]) -> int:
     from app.tui import glyphs
     from app.tui.app import create_app
 
-    options = parse_options(sys.argv[1:] if argv is None else argv)
+    options = parse_options(argv)
     glyphs.setup()  # ASCII where the console cannot show ✓ ✗ ⏎ (before any screen is built)
     app = create_app(options)
     exit_on_stop_signals(app)
