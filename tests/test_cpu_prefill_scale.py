@@ -202,7 +202,7 @@ def test_calibration_times_the_expert_kernel_the_engine_runs(tmp_path, monkeypat
         class Stop(Exception):
             pass
 
-        def stop(engine, base, obs):
+        def stop(engine, base, obs, bounds=None):
             raise Stop(base)
 
         monkeypatch.setattr(cal, "fit_engine_terms", stop)

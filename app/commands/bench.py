@@ -159,6 +159,14 @@ def _calibrate(model, args) -> dict:
             print(f"  the CPU's speed probe read {min(every) / 1e9:.0f}-{max(every) / 1e9:.0f} GFLOP/s over the "
                   f"calibration, {sp['reference'] / 1e9:.0f} while the pieces were measured: every window was brought "
                   f"to that, and predictions scale to the speed measured when they are made")
+        pa = notes.get("prefill_attention")
+        if pa and pa.get("timed_flop_s"):
+            from core.runtime.calibrate_pieces import SDPA_SPAN
+
+            held = " (held at that bound: the whole prefills alone fitted it beyond)" if pa["flop_s"] in (
+                pa["timed_flop_s"] / SDPA_SPAN, pa["timed_flop_s"] * SDPA_SPAN) else ""
+            print(f"  prefill attention timed alone at {1 / pa['timed_flop_s'] / 1e9:.0f} GFLOP/s; priced at "
+                  f"{1 / pa['flop_s'] / 1e9:.0f}, fitted from whole prefills within {SDPA_SPAN:g}x of that{held}")
         w = notes.get("windows", [])
         if len(w) > 1:
             print(f"  (decode: the median of {len(w)} windows of that run, at "

@@ -29,7 +29,7 @@ from pathlib import Path
 from core.model import limits
 from core.model.attention import slices
 
-VERSION = 13  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
+VERSION = 14  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
 # 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations;
 # 5: the run's efficiency measured at a second, large micro-batch too (the *_eff_large factors); 6: a CPU prefill's
 # FFN runs 2,048 tokens at a time, and the run's windows last RUN_MIN_S; 7: a prefill's per-token term
@@ -38,7 +38,8 @@ VERSION = 13  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a
 # (kv_alloc_s); 11: the state cache made untouched (kvcache.untouched_zeros): a 10's kv_alloc_s priced what runs
 # no longer pay; 12: the factors at a micro-batch between the two too (*_eff_mid); the fused attention
 # kernel's scores priced by its own per-token term, not elem_s; 13: the CPU's speed stamped (`speed`) and every
-# window brought to the pieces' speed (core.plan.cpu_speed)
+# window brought to the pieces' speed (core.plan.cpu_speed); 14: prefill attention timed alone (sdpa_flop_s),
+# no longer fitted from the whole prefills' residual
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.
@@ -426,11 +427,17 @@ def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq
     with it: a spread of lengths costs more than equal prompts of the same mean)."""
     t = prompts * prompt_len
     pre, post = dense_seconds(d, c, t)
-    sq = prompt_sq if prompt_sq is not None else prompt_len * prompt_len
-    flops = 4 * prompts * ((sq + prompt_len) / 2) * d.heads * d.head_dim
+    flops = prefill_attention_flops(d, prompts, prompt_len, prompt_sq)
     spill = c.prefill_act_s * fresh_tokens(d, c, t, prompt_len) * d.D
     return (pre + post + prefill_experts_seconds(d, c, t) + c.sdpa_flop_s * flops + c.prompt_s * prompts
             + c.prefill_tok_s * t + spill + c.task_s) * c.eff("prefill_eff", prompts)
+
+
+def prefill_attention_flops(d, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> float:
+    """FLOPs of one layer's causal attention over `prompts` prompts of `prompt_len` tokens (`prompt_sq`: the
+    mean of their squared lengths), as sdpa_flop_s prices them."""
+    sq = prompt_sq if prompt_sq is not None else prompt_len * prompt_len
+    return 4 * prompts * ((sq + prompt_len) / 2) * d.heads * d.head_dim
 
 
 def prefill_experts_seconds(d, c: CpuCosts, t: float) -> float:

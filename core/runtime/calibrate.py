@@ -19,9 +19,10 @@ from core.platform import llc_bytes
 from core.plan import cpu_cost, cpu_history, cpu_speed, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.runtime.calibrate_fresh import fresh_first_wave
-from core.runtime.calibrate_pieces import (COLD_FACTOR, LAYER_TOKENS, ROWS, engine_kernels, fit_engine_terms,
-                                           fit_step_terms, fresh_prefills, fused_layers, fused_terms, gemm_terms,
-                                           model_shapes, own_rows, runner_observations)
+from core.runtime.calibrate_pieces import (ATTN_LENGTHS, COLD_FACTOR, LAYER_TOKENS, ROWS, engine_kernels,
+                                           fit_engine_terms, fit_step_terms, fresh_prefills, fused_layers, fused_terms,
+                                           gemm_terms, model_shapes, own_rows, plain_attention, prefill_attention_terms,
+                                           runner_observations, sdpa_range)
 from core.telemetry import EventSink, Progress, ignore
 
 # ---- 4. a short run of the whole engine -------------------------------------------------------------------
@@ -518,7 +519,11 @@ def calibrate(engine, *, progress: EventSink = ignore, quick: bool = False, cloc
     if notes is not None:
         notes["speed"] = {"reference": ref, "stamps": {k: list(v) for k, v in stamps.rates.items()}}
     base = dataclasses.replace(kernels, speed=kernel_rate).at_speed(ref) if kernel_rate > 0 else kernels
-    base = fit_engine_terms(engine, base, obs_at_rate(obs, obs_rate, ref) + obs_at_rate(fresh, fresh_rate, ref))
+    timed = base.sdpa_flop_s  # kernel_costs timed the prefill attention alone: it bounds the prefills' fit
+    base = fit_engine_terms(engine, base, obs_at_rate(obs, obs_rate, ref) + obs_at_rate(fresh, fresh_rate, ref),
+                            sdpa_range(timed))
+    if notes is not None:
+        notes["prefill_attention"] = {"timed_flop_s": timed, "flop_s": base.sdpa_flop_s}
     base = fit_step_terms(engine, base, batches=(1, 4) if quick else (1, 8, 32), clock=clock)
     at = lambda pairs: [at_rate(w, r, ref) for w, r in pairs]  # noqa: E731
     wave, rate = fresh_wave if fresh_wave else (None, 0.0)
@@ -583,8 +588,11 @@ def kernel_costs(engine, *, quick: bool = False, clock=time.perf_counter, progre
         hot_x = (fused_terms(fused, d, sum(x.held_bytes for x in fused), tokens, clock)[1] if fused
                  else gemm_terms(expert, math, expert_shapes, spec.total_bytes, direct, rows, clock)[1])
     progress(Progress("calibrating: GEMM kernels", 2, 2, "kernels"))
+    sdpa = 0.0
+    if plain_attention(spec):  # other mixers' prefill is fitted from the whole prefills' residual alone
+        sdpa = prefill_attention_terms(spec, math, ATTN_LENGTHS[::2] if quick else ATTN_LENGTHS, clock)[0]
     return dataclasses.replace(base, expert_flop_s=fx, expert_weight_s=wx, expert_call_s=cx, gemv_s=gx,
-                               weight_hot_s=hot_d, expert_weight_hot_s=hot_x)
+                               weight_hot_s=hot_d, expert_weight_hot_s=hot_x, sdpa_flop_s=sdpa)
 
 
 

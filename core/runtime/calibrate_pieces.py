@@ -311,6 +311,59 @@ def gemm_terms(kernel, math: torch.dtype, shapes, resident: int, direct_rows: in
     return flop_s, weight_s, call_s, gemv_s
 
 
+# ---- 1b. prefill attention -------------------------------------------------------------------------------
+# Prompt lengths the engine's prefill attention is timed at alone, one prompt a call (prefill_attention_terms)
+ATTN_LENGTHS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def plain_attention(spec) -> bool:
+    """Whether every layer's prefill attention is core.model.attention's causal SDPA over grouped-query heads (no
+    window, sinks, latent or linear layers): the one kernel prefill_attention_terms times."""
+    return (not spec.attn_sinks and spec.mla is None
+            and all(spec.layer_type(i) == "full" for i in range(spec.num_layers)))
+
+
+# The range the prefill's fit may put sdpa_flop_s in: within this factor of the kernel's own timing. Timed inside
+# real prefills, the kernel took 0.94-1.64x (the 784M) and 1.08-1.29x (the demo) its time alone at 16-1,024
+# tokens, and its cost a FLOP moves 0.6-1.6x along those lengths (torch's CPU attention blocks by length), which a
+# linear term cannot follow: the whole prefills' fit, at the lengths runs have, prices it; the timing bounds it
+SDPA_SPAN = 2.0
+
+
+def sdpa_range(timed: float) -> dict[str, tuple[float, float]]:
+    """fit_engine_terms' bounds for sdpa_flop_s from the kernel's own timing (none without one)."""
+    return {"sdpa_flop_s": (timed / SDPA_SPAN, timed * SDPA_SPAN)} if timed > 0 else {}
+
+
+def prefill_attention_terms(spec, math: torch.dtype, lengths=ATTN_LENGTHS,
+                            clock=time.perf_counter) -> tuple[float, float]:
+    """(sdpa_flop_s, a call's own seconds) of the engine's prefill attention (core.model.attention.prefill_attention)
+    timed alone, one prompt a call at each of `lengths`, in the math dtype the engine's activations have. Fitted
+    only from what a whole prefill's other terms left unexplained, sdpa_flop_s came out 0 in two of five
+    calibrations of the 784M and 1.7e-10 s a FLOP in one of four of the demo's (0.5-2.6e-11 in the others), and
+    the runs' prefill at 308-token prompts took 0.56 of that calibration's prediction (bench/RESULTS.md, issue 11,
+    fourteenth session): this timing bounds that fit (sdpa_range)."""
+    from core.model.attention import prefill_attention
+
+    d = hrm.dims(spec)
+    g = torch.Generator().manual_seed(0)
+    tick = clock_tick(clock)
+    obs = []
+    for n in lengths:
+        if n > spec.max_position:
+            continue
+        q = torch.randn(n, spec.num_heads, spec.head_dim, generator=g).to(math)
+        k = torch.randn(n, spec.num_kv_heads, spec.head_dim, generator=g).to(math)
+        v = torch.randn(n, spec.num_kv_heads, spec.head_dim, generator=g).to(math)
+        sec = _typical(lambda q=q, k=k, v=v: prefill_attention(q, k, v, spec.scale), reps=3, clock=clock, tick=tick)
+        if sec is not None:
+            obs.append((cpu_cost.prefill_attention_flops(d, 1, n), sec))
+    if len(obs) < 2:
+        return 0.0, 0.0
+    flop_s, call_s = fit([[f, 1.0] for f, _ in obs], [t for _, t in obs])
+    return flop_s, call_s
+
+
 # ---- 2. the engine's runner ----------------------------------------------------------------------------
 @dataclasses.dataclass
 class Obs:
@@ -391,9 +444,12 @@ def own_rows(spec) -> bool:
             and spec.head_dim <= native.MAX_D and native.library() is not None)
 
 
-def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs]) -> CpuCosts:
+def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs],
+                     bounds: dict[str, tuple[float, float]] | None = None) -> CpuCosts:
     """elem_s and task_s from the dense work, kv_s, kv_copy_s and attn_row_s from attention, sdpa_flop_s, prompt_s
-    and prefill_tok_s from prefills — each from what the terms already known leave unexplained."""
+    and prefill_tok_s from prefills — each from what the terms already known leave unexplained. `bounds`: a prefill
+    term's range from its own kernel's timing (sdpa_range): fitted outside it, the term is held at the nearer bound
+    and the others are fitted around it."""
     d, L = hrm.dims(engine.spec), engine.spec.num_layers
     dec = [o for o in obs if o.kind == "decode"]
 
@@ -425,8 +481,16 @@ def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs]) -> CpuCosts:
         # activations' term from what those leave of the calls past the threshold: fitted together, one call
         # of 148 prompts let an inflated per-prompt term explain it (prefill_act_s 0 in one calibration of two)
         fresh = [o for o in pre if cpu_cost.fresh_tokens(d, base, o.b * o.length, o.length) > 0]
-        got = residual_fit([(o, fn) for o in pre if o not in fresh], ("sdpa_flop_s", "prompt_s", "prefill_tok_s"),
-                           busy, lambda o: fn(base, o))
+        names = ("sdpa_flop_s", "prompt_s", "prefill_tok_s")
+        base = dataclasses.replace(base, **{n: 0.0 for n in names})
+        warm = [(o, fn) for o in pre if o not in fresh]
+        got = residual_fit(warm, names, busy, lambda o: fn(base, o))
+        for name, (lo, hi) in (bounds or {}).items():
+            v = got.get(name, 0.0)
+            if not lo <= v <= hi:
+                held = dataclasses.replace(base, **{name: min(hi, max(lo, v))})
+                rest = residual_fit(warm, tuple(n for n in names if n != name), busy, lambda o, c=held: fn(c, o))
+                got = {name: getattr(held, name), **rest}
         base = dataclasses.replace(base, **got)
         got = residual_fit([(o, fn) for o in fresh], ("prefill_act_s",), busy, lambda o: fn(base, o))
         base = dataclasses.replace(base, **got)
