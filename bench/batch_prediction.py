@@ -121,6 +121,7 @@ def main(argv=None) -> int:
             rows[side] = {"env": env, "cache": cache, "calibration_seconds": time.perf_counter() - t,
                           "factors": c["run"].get("factors", {}), "costs": c["costs"],
                           "large": c["run"].get("large", {}), "mid": c["run"].get("mid", {}),
+                          "speed": c["run"].get("speed"), "prefill_attention": c["run"].get("prefill_attention"),
                           "at_calibration_batch": run["error"]["tokens_per_s"],
                           "shapes": {(s, n): (planned(args, margs, n, env) if s == "plan" else
                                               tuple(min(int(x), requests(args, n)) for x in s.split("/")))
