@@ -38,8 +38,8 @@ VERSION = 14  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a
 # (kv_alloc_s); 11: the state cache made untouched (kvcache.untouched_zeros): a 10's kv_alloc_s priced what runs
 # no longer pay; 12: the factors at a micro-batch between the two too (*_eff_mid); the fused attention
 # kernel's scores priced by its own per-token term, not elem_s; 13: the CPU's speed stamped (`speed`) and every
-# window brought to the pieces' speed (core.plan.cpu_speed); 14: prefill attention timed alone (sdpa_flop_s),
-# no longer fitted from the whole prefills' residual
+# window brought to the pieces' speed (core.plan.cpu_speed); 14: the prefills' fit of sdpa_flop_s bounded by
+# the prefill attention timed alone (core.runtime.calibrate_pieces.sdpa_range)
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.

@@ -323,10 +323,11 @@ def plain_attention(spec) -> bool:
             and all(spec.layer_type(i) == "full" for i in range(spec.num_layers)))
 
 
-# The range the prefill's fit may put sdpa_flop_s in: within this factor of the kernel's own timing. Timed inside
-# real prefills, the kernel took 0.94-1.64x (the 784M) and 1.08-1.29x (the demo) its time alone at 16-1,024
-# tokens, and its cost a FLOP moves 0.6-1.6x along those lengths (torch's CPU attention blocks by length), which a
-# linear term cannot follow: the whole prefills' fit, at the lengths runs have, prices it; the timing bounds it
+# The range the prefills' fit may put sdpa_flop_s in: within this factor of the kernel's own timing. Timed inside
+# real prefills, the kernel took 0.82-1.64x its time alone from 64 to 1,024 tokens (2.4x at 16) on the 784M and
+# 0.92-1.47x on the demo (bench/prefill_attention.py), and its cost a FLOP falls by almost half from 128 to 1,024
+# tokens (torch's CPU attention blocks by length), which one linear term cannot follow: the whole prefills' fit, at
+# the lengths runs have, prices it; the timing bounds it
 SDPA_SPAN = 2.0
 
 
@@ -339,10 +340,10 @@ def prefill_attention_terms(spec, math: torch.dtype, lengths=ATTN_LENGTHS,
                             clock=time.perf_counter) -> tuple[float, float]:
     """(sdpa_flop_s, a call's own seconds) of the engine's prefill attention (core.model.attention.prefill_attention)
     timed alone, one prompt a call at each of `lengths`, in the math dtype the engine's activations have. Fitted
-    only from what a whole prefill's other terms left unexplained, sdpa_flop_s came out 0 in two of five
+    only from what a whole prefill's other terms left unexplained, sdpa_flop_s came out 0 in three of six
     calibrations of the 784M and 1.7e-10 s a FLOP in one of four of the demo's (0.5-2.6e-11 in the others), and
     the runs' prefill at 308-token prompts took 0.56 of that calibration's prediction (bench/RESULTS.md, issue 11,
-    fourteenth session): this timing bounds that fit (sdpa_range)."""
+    fourteenth and fifteenth sessions): this timing bounds that fit (sdpa_range)."""
     from core.model.attention import prefill_attention
 
     d = hrm.dims(spec)
