@@ -161,10 +161,10 @@ def _calibrate(model, args) -> dict:
                   f"to that, and predictions scale to the speed measured when they are made")
         pa = notes.get("prefill_attention")
         if pa and pa.get("timed_flop_s"):
-            from core.runtime.calibrate_pieces import SDPA_SPAN
+            from core.runtime.calibrate_pieces import SDPA_SPAN, sdpa_range
 
-            held = " (held at that bound: the whole prefills alone fitted it beyond)" if pa["flop_s"] in (
-                pa["timed_flop_s"] / SDPA_SPAN, pa["timed_flop_s"] * SDPA_SPAN) else ""
+            held = (" (held at that bound: the whole prefills alone fitted it beyond)"
+                    if pa["flop_s"] in sdpa_range(pa["timed_flop_s"])["sdpa_flop_s"] else "")
             print(f"  prefill attention timed alone at {1 / pa['timed_flop_s'] / 1e9:.0f} GFLOP/s; priced at "
                   f"{1 / pa['flop_s'] / 1e9:.0f}, fitted from whole prefills within {SDPA_SPAN:g}x of that{held}")
         w = notes.get("windows", [])
