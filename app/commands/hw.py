@@ -60,9 +60,10 @@ def run(args) -> int:
     for storage, short in (("bfloat16", "bf16"), ("float16", "fp16")):
         math, why = hw.cpu_math(storage) if hw.cpu_isa else _local_math(storage)
         lines.append(f"  {short} weights compute in {math}: {why}")
-    from core.model.cpu import ffn, int4, native
+    from core.model.cpu import ffn, int4, native, row_ops
 
     lines.append(f"  decode attention: {native.status()}")
+    lines.append(f"  norm, RoPE, cache write: {row_ops.status()}")
     lines.append(f"  bf16 experts: {ffn.status()}")
     lines.append(f"  int4 experts: {int4.status()}")
     if not args.no_probe:

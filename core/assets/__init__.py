@@ -28,6 +28,7 @@ CONFIGS = HERE / "configs"
 DECODE_ATTENTION_C = HERE / "kernels" / "decode_attention.c"
 MOE_FFN_C = HERE / "kernels" / "moe_ffn.c"
 INT4_MATMUL_C = HERE / "kernels" / "int4_matmul.c"
+ROW_OPS_C = HERE / "kernels" / "row_ops.c"
 
 
 def config_presets() -> list[str]:

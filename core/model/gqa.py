@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from core.model.attention import decode_over_rows, prefill_attention
+from core.model.cpu import row_ops
 from core.model.layers import norm, rms_norm
 from core.model.spec import ModelSpec
 
@@ -63,9 +64,15 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
         # more than their arithmetic: core.model.quant's speed figures, bench/RESULTS.md)
         qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))
         qk, kv = spec.q_size + spec.kv_size, spec.q_size + 2 * spec.kv_size
+        gate = qkv[:, kv:] if spec.attn_gate else None
+        if rope.joins_in_c(qkv):  # the same roundings in one C pass (core.model.cpu.row_ops)
+            cos, sin = rope.tables(positions, call_lengths)
+            out = row_ops.rope_join(qkv, spec.num_heads + spec.num_kv_heads, spec.head_dim, cos, sin, spec.kv_size)
+            if out is not None:
+                return out, gate
         roped = rope.apply(qkv[:, :qk].view(T, spec.num_heads + spec.num_kv_heads, spec.head_dim), positions,
                            call_lengths)
-        return torch.cat((roped.view(T, qk), qkv[:, qk:kv]), dim=-1), (qkv[:, kv:] if spec.attn_gate else None)
+        return torch.cat((roped.view(T, qk), qkv[:, qk:kv]), dim=-1), gate
     q, k, v, gate = project(spec, w, h, positions, rope, call_lengths, full_norm)
     return torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1), gate
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from core.model.cpu import row_ops
 from core.model.limits import LOGIT_CHUNK_BYTES
 from core.model.moe import dense_mlp, moe_ffn
 from core.model.spec import ModelSpec
@@ -32,7 +33,12 @@ def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # Statistics in fp32 then back to the input dtype before the scale, as the reference models do.
+    # Statistics in fp32 then back to the input dtype before the scale, as the reference models do; in one
+    # C pass where it applies (bf16 on the CPU: core.model.cpu.row_ops), the same roundings.
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        out = row_ops.rms_norm(x, w, eps)
+        if out is not None:
+            return out
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return w * x32.to(x.dtype)

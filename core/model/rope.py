@@ -103,6 +103,12 @@ class Rope:
                                  self.cos[rows][:, None, :], self.sin[rows][:, None, :])
         return kept[4], kept[5]
 
+    def joins_in_c(self, x: torch.Tensor) -> bool:
+        """Whether core.model.cpu.row_ops.rope_join may rotate these heads: halves over the whole head, bf16 on
+        the CPU (its other conditions it checks itself)."""
+        return (not self.pairs and x.dtype == self.cos.dtype == torch.bfloat16
+                and x.device.type == "cpu")
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H, hd], positions [T] -> x with its first `dim` dims rotated."""
         cos, sin = self.tables(positions, call_lengths)

@@ -341,6 +341,10 @@ class Engine:
             from core.model.cpu import native
 
             native.prepare(progress)  # a compile here, with progress, not inside the first decode step
+        if config.attention_on == "cpu" or config.ffn_on == "cpu":
+            from core.model.cpu import row_ops
+
+            row_ops.prepare(progress)  # the same for the step's norms, RoPE and cache writes
         engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
                      grouped=grouped, device=dev)
         engine.cpu, engine.policy = cpu, policy

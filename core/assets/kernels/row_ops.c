@@ -1,0 +1,147 @@
+/* A decode step's small per-row operations in one pass each, bf16: the KV cache write, RMSNorm, and
+   RoPE (halves) joined with v into the attention payload.
+
+   In a decode step these run on a few hundred rows between the big GEMMs; as torch ops each is 4-7
+   kernels with a fresh tensor apiece and a cold start on lines the experts' weights have just evicted
+   (a B = 256 step of the 784M Mixtral: the cache write 7.8 ms, the norms 4.8-6.5, RoPE with its joins
+   3-5, against 1-2 ms of arithmetic and bytes). Each function here reproduces the torch expression it
+   replaces rounding for rounding: every bf16 op of the reference is an fp32 op rounded to nearest even,
+   in the same order, so RoPE and the cache write are bit for bit torch's, and RMSNorm differs only where
+   its fp32 sum of squares is added in another order (at most one bf16 step, rarely).
+   Built by core/model/cpu/row_ops.py with the C compiler at hand, like decode_attention.c: GCC/Clang
+   vector extensions, no intrinsics, VW floats per vector for the ISA the build targets. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef VW
+#define VW 16
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+
+static inline vf load_bf16(const uint16_t *p) {
+    vh h; memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf f; memcpy(&f, &u, sizeof f); return f;
+}
+/* fp32 -> bf16, round to nearest even; a NaN stays a (quiet) NaN — torch's conversion */
+static inline vf round_bf16(vf f) {
+    vu u; memcpy(&u, &f, sizeof u);
+    vu r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    vu nan = (u & 0x7fffffffu) > 0x7f800000u;
+    r = (r & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan);
+    vf o; memcpy(&o, &r, sizeof o); return o;
+}
+static inline void store_bf16(uint16_t *p, vf f) { /* f already rounded: its high halves */
+    vu u; memcpy(&u, &f, sizeof u);
+    vh h = __builtin_convertvector(u >> 16, vh);
+    memcpy(p, &h, sizeof h);
+}
+static inline float bf16f(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float rbf(float f) { vf v = (vf){0} + f; return round_bf16(v)[0]; }
+static inline uint16_t tobf(float rounded) { uint32_t u; memcpy(&u, &rounded, 4); return (uint16_t)(u >> 16); }
+
+/* ---- the KV cache write ------------------------------------------------------------------------------
+   Row r = b * heads + h of the new tokens is at ks/vs + b * src_stride + h * row_bytes (bytes: the QKV
+   payload's slices, no copy) and goes to row at[r] of k/v. The cache rows are scattered over the whole
+   cache and cold (torch's index_copy_ waited on each line in turn: 0.5-1 ms a layer at B = 256, 3-5x the
+   same call on cached lines); prefetching the destinations PW rows ahead keeps that many misses in flight. */
+#define PW 16
+static inline void prefetch_write(const char *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 1);
+}
+
+void mlight_kv_write(char *k, char *v, const char *ks, const char *vs, const int64_t *at, int64_t n, int64_t heads,
+                     int64_t src_stride, int64_t row_bytes) {
+    for (int64_t r = 0; r < n + PW; r++) { /* prefetch row r, write row r - PW */
+        if (r < n) {
+            prefetch_write(k + at[r] * row_bytes, row_bytes);
+            prefetch_write(v + at[r] * row_bytes, row_bytes);
+        }
+        if (r >= PW) {
+            const int64_t w = r - PW, src = (w / heads) * src_stride + (w % heads) * row_bytes;
+            memcpy(k + at[w] * row_bytes, ks + src, row_bytes);
+            memcpy(v + at[w] * row_bytes, vs + src, row_bytes);
+        }
+    }
+}
+
+/* ---- RMSNorm ------------------------------------------------------------------------------------------
+   core.model.layers.rms_norm: x32 = float(x); y = bf16(x32 * rsqrt(mean(x32²) + eps)); out = bf16(w * y).
+   Rows of x and out are ldx / ldo elements apart. */
+void mlight_rms_norm(const uint16_t *x, int64_t T, int64_t D, int64_t ldx, const uint16_t *w, float eps,
+                     uint16_t *out, int64_t ldo, int threads) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T * D >= 32768)
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *xr = x + t * ldx;
+        uint16_t *o = out + t * ldo;
+        const int64_t Dv = D - D % VW;
+        vf acc = {0};
+        for (int64_t d = 0; d < Dv; d += VW) {
+            vf a = load_bf16(xr + d);
+            acc += a * a;
+        }
+        float ss = 0.f;
+        for (int j = 0; j < VW; j++) ss += acc[j];
+        for (int64_t d = Dv; d < D; d++) ss += bf16f(xr[d]) * bf16f(xr[d]);
+        const float r = 1.f / sqrtf(ss / (float)D + eps);
+        for (int64_t d = 0; d < Dv; d += VW) {
+            vf y = round_bf16(load_bf16(xr + d) * r);
+            store_bf16(o + d, round_bf16(load_bf16(w + d) * y));
+        }
+        for (int64_t d = Dv; d < D; d++) o[d] = tobf(rbf(bf16f(w[d]) * rbf(bf16f(xr[d]) * r)));
+    }
+}
+
+/* ---- RoPE (halves) joined with v ---------------------------------------------------------------------
+   core.model.gqa.pre's fast path: for each token t the first `heads` heads of qkv (hd each) rotated by
+   its cos/sin rows (hd each: the two halves' tables side by side) as core.model.rope.Rope.apply does it,
+   x·cos + cat(-x[half:], x[:half])·sin with each product and the sum rounded to bf16, then the next
+   `rest` elements (v) copied: out[t] = [rope(q, k heads) | v]. qkv rows ld_in apart, out rows ld_out. */
+void mlight_rope_join(const uint16_t *qkv, int64_t T, int64_t ld_in, int64_t heads, int64_t hd,
+                      const uint16_t *cos, const uint16_t *sin, int64_t ld_cs, int64_t rest, uint16_t *out,
+                      int64_t ld_out, int threads) {
+    const int64_t half = hd / 2;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T * heads * hd >= 32768)
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = cos + t * ld_cs, *s = sin + t * ld_cs;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *x = qkv + t * ld_in + h * hd;
+            uint16_t *o = out + t * ld_out + h * hd;
+            int64_t i = 0;
+            if (half % VW == 0) {
+                for (; i < half; i += VW) { /* first half: x·cos - x[i + half]·sin; second: x·cos + x[i - half]·sin */
+                    vf x1 = load_bf16(x + i), x2 = load_bf16(x + i + half);
+                    vf lo = round_bf16(round_bf16(x1 * load_bf16(c + i)) + round_bf16(-x2 * load_bf16(s + i)));
+                    vf hi = round_bf16(round_bf16(x2 * load_bf16(c + i + half)) + round_bf16(x1 * load_bf16(s + i + half)));
+                    store_bf16(o + i, lo);
+                    store_bf16(o + i + half, hi);
+                }
+            }
+            for (; i < half; i++) {
+                const float x1 = bf16f(x[i]), x2 = bf16f(x[i + half]);
+                o[i] = tobf(rbf(rbf(x1 * bf16f(c[i])) + rbf(-x2 * bf16f(s[i]))));
+                o[i + half] = tobf(rbf(rbf(x2 * bf16f(c[i + half])) + rbf(x1 * bf16f(s[i + half]))));
+            }
+        }
+        memcpy(out + t * ld_out + heads * hd, qkv + t * ld_in + heads * hd, 2 * rest);
+    }
+}
+
+int mlight_row_ops_vw(void) { return VW; }
+
+int mlight_row_ops_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}

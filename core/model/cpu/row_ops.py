@@ -1,0 +1,132 @@
+"""A decode step's small per-row bf16 operations in C (core/assets/kernels/row_ops.c): the KV cache write,
+RMSNorm, and RoPE joined with v into the attention payload.
+
+Between a decode step's GEMMs these ran as 4-7 torch ops each, every one a fresh tensor and a pass over
+lines the experts' weights had just pushed out of the caches; at B = 256 on the 784M Mixtral (two Zen 5
+cores) the cache write took 7.8 ms a step, the norms 4.8-6.5 and RoPE with its joins 3-5, against 1-2 ms
+of work. Each C function reproduces its torch expression rounding for rounding (see the source), and
+each wrapper says False (or None) where it does not apply — no kernel built (no compiler, a failed build,
+`MLIGHT_NATIVE=0`), another dtype, an unusual layout — so the caller runs torch's ops, which the tests
+check these against. Built per ISA like the decode attention kernel (core.model.cpu.native).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from core.assets import ROW_OPS_C as SOURCE
+from core.model.cpu import native
+
+_reason = "not built yet"
+
+
+class _Lib:
+    def __init__(self, path, flags: str):
+        self.dll = ctypes.CDLL(str(path))
+        P, I, F, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self.kv_write = self.dll.mlight_kv_write
+        self.kv_write.argtypes = [P, P, P, P, P, I, I, I, I]
+        self.kv_write.restype = None
+        self.rms_norm = self.dll.mlight_rms_norm
+        self.rms_norm.argtypes = [P, I, I, I, P, F, P, I, C]
+        self.rms_norm.restype = None
+        self.rope_join = self.dll.mlight_rope_join
+        self.rope_join.argtypes = [P, I, I, I, I, P, P, I, I, P, I, C]
+        self.rope_join.restype = None
+        self.vw = self.dll.mlight_row_ops_vw()
+        self.openmp = bool(self.dll.mlight_row_ops_openmp())
+        self.flags = flags + (" -fopenmp" if self.openmp else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _build(level: str) -> _Lib | None:
+    global _reason
+    if os.environ.get("MLIGHT_NATIVE", "1") == "0":
+        _reason = "MLIGHT_NATIVE=0"
+        return None
+    cc = native._compiler()
+    if cc is None:
+        _reason = "no C compiler found (cc, gcc, clang or $CC)"
+        return None
+    flags, vw = native._flags()
+    out = native.compile_openmp(cc, ["-O3", "-shared", "-fPIC", f"-DVW={vw}", *flags], vw, SOURCE, "row_ops")
+    lib = native.load_built(out, lambda path: _Lib(path, " ".join(flags) or "baseline"))
+    if isinstance(lib, str):
+        _reason = lib
+        return None
+    if lib.vw != vw:
+        _reason = "the kernel in the cache was built for another vector width"
+        return None
+    return lib
+
+
+def library() -> _Lib | None:
+    from core.model.cpu import isa
+
+    return _build(isa.cpu_isa().usable)
+
+
+def status() -> str:
+    lib = library()
+    return f"C kernels ({lib.flags})" if lib is not None else f"torch ops ({_reason})"
+
+
+def prepare(progress=None) -> None:
+    """Build (or load) the kernels now, saying so through `progress` when they compile (once per machine)."""
+    native.build_announced("building the CPU row kernels (once per machine)", library, progress)
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> bool:
+    """A decode step's new rows k, v [B, heads, hd] (one payload's slices: unit stride within a head, heads hd
+    apart, tokens any stride) into rows `at` [B·heads] of contiguous caches viewed as [rows, hd]. False, with
+    nothing written, where the C loop does not apply."""
+    lib = library()
+    if (lib is None or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k.dtype != v.dtype
+            or k.device.type != "cpu" or k.dim() != 3 or k.shape != v.shape or k.stride() != v.stride()
+            or k.stride(2) != 1 or k.stride(1) != k.shape[2] or at.dtype != torch.int64 or not at.is_contiguous()
+            or at.numel() != k.shape[0] * k.shape[1] or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return False
+    es = k.element_size()
+    lib.kv_write(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), at.data_ptr(), at.numel(),
+                 k.shape[1], k.stride(0) * es, k.shape[2] * es)
+    return True
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """core.model.layers.rms_norm for bf16 x [..., D] (rows of unit stride) and weight [D], or None."""
+    lib = library()
+    if (lib is None or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or x.dim() < 1 or w.dim() != 1 or x.shape[-1] != w.shape[0] or x.stride(-1) != 1 or not w.is_contiguous()):
+        return None
+    D = x.shape[-1]
+    rows = x.view(-1, D) if x.dim() != 2 and x.is_contiguous() else x
+    if rows.dim() != 2:
+        return None
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    lib.rms_norm(rows.data_ptr(), rows.shape[0], D, rows.stride(0), w.data_ptr(), eps, out.data_ptr(), D, _threads())
+    return out.view(x.shape)
+
+
+def rope_join(qkv: torch.Tensor, heads: int, hd: int, cos: torch.Tensor, sin: torch.Tensor,
+              rest: int) -> torch.Tensor | None:
+    """[RoPE (halves, the whole head) of the first `heads` heads of qkv [T, ≥ heads·hd + rest] | the next
+    `rest` elements] as one new [T, heads·hd + rest] tensor, with cos/sin [T, 1, hd] (Rope.tables'), or None."""
+    lib = library()
+    T = qkv.shape[0]
+    if (lib is None or qkv.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16
+            or qkv.device.type != "cpu" or qkv.dim() != 2 or qkv.stride(1) != 1 or hd % 2
+            or qkv.shape[1] < heads * hd + rest or cos.shape != (T, 1, hd) or sin.shape != cos.shape
+            or not (cos.is_contiguous() and sin.is_contiguous())):
+        return None
+    out = torch.empty((T, heads * hd + rest), dtype=qkv.dtype)
+    lib.rope_join(qkv.data_ptr(), T, qkv.stride(0), heads, hd, cos.data_ptr(), sin.data_ptr(), hd, rest,
+                  out.data_ptr(), out.shape[1], _threads())
+    return out

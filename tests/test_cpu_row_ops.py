@@ -1,0 +1,118 @@
+"""The decode step's C row operations (core.model.cpu.row_ops, core/assets/kernels/row_ops.c) against the
+torch expressions they replace: the KV cache write and RoPE bit for bit, RMSNorm within one bf16 step
+where its fp32 sum of squares adds in another order; and every caller's torch path where they do not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.model import gqa, kvcache, layers
+from core.model.cpu import row_ops
+from core.model.rope import Rope, for_spec
+from core.model.spec import ModelSpec, RopeSpec
+
+needs_kernel = pytest.mark.skipif(row_ops.library() is None, reason="no C compiler here: the torch path runs")
+
+
+def _torch_rms(x, w, eps):
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 64), (7, 1024), (256, 1024), (1638, 1024), (3, 5, 128)])
+def test_rms_norm_rounds_as_torch_does(shape):
+    g = torch.Generator().manual_seed(len(shape) * 1000 + shape[0])
+    x = (torch.randn(shape, generator=g) * 3).bfloat16()
+    w = (torch.rand(shape[-1], generator=g) + 0.5).bfloat16()
+    ref, got = _torch_rms(x, w, 1e-5), row_ops.rms_norm(x, w, 1e-5)
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16
+    ulp = torch.ldexp(torch.ones(()), torch.frexp(ref.float()).exponent - 8)  # a bf16 step at |ref|
+    # the sum of squares in another order moves rsqrt by an fp32 ulp: the normed row by one bf16 step at
+    # most, which the weight's product (rounded again) turns into at most two
+    assert ((got.float() - ref.float()).abs() / ulp).max().item() <= 2.0
+    assert (got == ref).float().mean().item() >= 0.999
+    assert torch.equal(layers.rms_norm(x, w, 1e-5), got)  # the model's norm takes this path
+
+
+@needs_kernel
+def test_rms_norm_reads_strided_rows_and_declines_what_it_cannot():
+    x = torch.randn(16, 1536).bfloat16()[:, :1024]  # rows 1536 apart, as a slice of a projection
+    w = torch.ones(1024).bfloat16()
+    assert torch.equal(row_ops.rms_norm(x, w, 1e-6), _torch_rms(x.contiguous(), w, 1e-6))
+    assert row_ops.rms_norm(x.float(), w.float(), 1e-6) is None  # fp32: torch's ops
+    odd = torch.randn(4, 1001).bfloat16()  # a width no vector divides: the C loop's scalar tail
+    assert (row_ops.rms_norm(odd, torch.ones(1001).bfloat16(), 1e-6) != _torch_rms(odd, torch.ones(1001).bfloat16(),
+                                                                                   1e-6)).sum() <= 4
+    assert row_ops.rms_norm(torch.randn(8, 64).bfloat16().t(), torch.ones(8).bfloat16(), 1e-6) is None
+
+
+def _torch_rope_join(rope, qkv, heads, hd, positions, rest):
+    T = qkv.shape[0]
+    roped = rope.apply(qkv[:, :heads * hd].view(T, heads, hd), positions)
+    return torch.cat((roped.reshape(T, heads * hd), qkv[:, heads * hd:heads * hd + rest]), dim=-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("hd,heads,kv", [(64, 20, 256), (128, 12, 512), (24, 3, 48)])
+def test_rope_join_is_torch_bit_for_bit(hd, heads, kv):
+    g = torch.Generator().manual_seed(hd)
+    T = 37
+    rope = Rope(RopeSpec(theta=1e6), hd, 4096, torch.bfloat16)
+    qkv = (torch.randn(T, heads * hd + kv + 40, generator=g) * 4).bfloat16()  # + an output gate's columns
+    positions = torch.randint(0, 4000, (T,), generator=g)
+    cos, sin = rope.tables(positions)
+    got = row_ops.rope_join(qkv, heads, hd, cos, sin, kv)
+    assert torch.equal(got, _torch_rope_join(rope, qkv, heads, hd, positions, kv))
+
+
+@needs_kernel
+def test_rope_join_declines_partial_and_pair_rotations():
+    qkv = torch.randn(4, 6 * 64).bfloat16()
+    partial = Rope(RopeSpec(), 32, 64, torch.bfloat16)  # 32 of 64 dims rotate: torch's path
+    cos, sin = partial.tables(torch.arange(4))
+    assert row_ops.rope_join(qkv, 4, 64, cos, sin, 128) is None
+    assert not Rope(RopeSpec(pairs=True), 64, 64, torch.bfloat16).joins_in_c(qkv)
+    assert not Rope(RopeSpec(), 64, 64, torch.float32).joins_in_c(qkv.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_write_puts_each_row_where_index_copy_does(dtype):
+    g = torch.Generator().manual_seed(1)
+    slots, heads, cap, hd, B = 9, 4, 33, 64, 6
+    store = kvcache.KVStore(slots, heads, hd, cap, dtype, pin=False)
+    store.k.normal_(generator=g), store.v.normal_(generator=g)
+    payload = torch.randn(B, 3 * heads * hd + 16, generator=g).to(dtype)  # k and v as slices of one payload
+    k = payload[:, :heads * hd].view(B, heads, hd)
+    v = payload[:, heads * hd:2 * heads * hd].view(B, heads, hd)
+    rows = torch.randperm(slots, generator=g)[:B]
+    at = (rows[:, None] * heads * cap + torch.arange(heads)[None, :] * cap
+          + torch.randint(0, cap, (B,), generator=g)[:, None]).reshape(-1)
+    want_k, want_v = store.k.clone(), store.v.clone()
+    want_k.view(-1, hd).index_copy_(0, at, k.reshape(-1, hd))
+    want_v.view(-1, hd).index_copy_(0, at, v.reshape(-1, hd))
+    assert row_ops.kv_write(store.k, store.v, k, v, at)
+    assert torch.equal(store.k, want_k) and torch.equal(store.v, want_v)
+    assert not row_ops.kv_write(store.k, store.v, k.to(torch.float16), v.to(torch.float16), at)  # another dtype
+
+
+def test_without_the_kernels_every_caller_runs_torch(monkeypatch):
+    """No compiler (most Windows machines) or MLIGHT_NATIVE=0: the same results from torch's ops."""
+    g = torch.Generator().manual_seed(2)
+    spec = ModelSpec(architecture="MixtralForCausalLM", family="mixtral", num_layers=1, hidden_size=256,
+                     num_heads=4, num_kv_heads=2, head_dim=64, expert_intermediate=64, num_experts=4, top_k=2,
+                     vocab_size=64, max_position=256)
+    w = {"qkv": torch.randn(8 * 64, 256, generator=g).bfloat16()}
+    h, positions = torch.randn(3, 256, generator=g).bfloat16(), torch.tensor([0, 9, 200])
+    rope = for_spec(spec, 256, torch.bfloat16)
+    x, nw = (torch.randn(5, 128, generator=g) * 2).bfloat16(), (torch.rand(128, generator=g) + 0.5).bfloat16()
+    with_c = gqa.pre(spec, w, h, positions, rope)[0], layers.rms_norm(x, nw, 1e-6)
+    monkeypatch.setattr(row_ops, "library", lambda: None)
+    assert torch.equal(gqa.pre(spec, w, h, positions, rope)[0], with_c[0])
+    assert torch.equal(layers.rms_norm(x, nw, 1e-6), _torch_rms(x, nw, 1e-6))
+    assert (layers.rms_norm(x, nw, 1e-6) != with_c[1]).sum() <= x.numel() // 1000 + 1
+    store = kvcache.KVStore(3, 2, 64, 8, torch.bfloat16, pin=False)
+    k, v = torch.randn(2, 2, 64, generator=g).bfloat16(), torch.randn(2, 2, 64, generator=g).bfloat16()
+    assert not row_ops.kv_write(store.k, store.v, k, v, torch.tensor([0, 8, 17, 25]))
