@@ -4,7 +4,8 @@ Most CPUs our users have are AVX2-only (most desktop Intel from 12th gen on, AMD
 torch's bf16 matmuls are 10–100× slower and oneDNN refuses to prepack bf16 weights. CI and dev
 machines often have AVX-512 BF16, so this runs the parity tests in a child pytest under
 ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 (read at start-up, hence the subprocess):
-the fp32 and bf16 engines against transformers and float64, decode attention, the expert kernels,
+the fp32 and bf16 engines against transformers and float64, decode attention, the expert kernels (the
+fp32-math one an AVX2 CPU runs bf16 experts on), the row ops,
 the compute choice, and the threaded CGOPipe graph whose CPU attention runs beside a "device".
 `test_the_avx2_limits_take_effect` in the child fails if the limits did not take.
 """
@@ -23,6 +24,8 @@ LANE = [
     "test_cpu_compute.py",
     "test_attention.py",
     "test_moe.py",
+    "test_cpu_ffn_avx2.py",
+    "test_cpu_row_ops.py",
     "test_engine_parity.py::test_greedy_tokens_match_transformers",
     "test_engine_parity.py::test_logits_match_float64_reference",
     "test_pipeline.py::test_threaded_matches_sequential_for_every_family",

@@ -57,14 +57,16 @@ def run(args) -> int:
     for key, rate in hw.cpu_speed.items():  # what calibrated predictions are scaled to (core.plan.cpu_speed)
         lines.append(f"  speed    {rate / 1e9:.0f} GFLOP/s now ({key.replace('@', ' math, ')} threads; "
                      "calibrated predictions scale to it)")
+    bf16_math = "bfloat16"
     for storage, short in (("bfloat16", "bf16"), ("float16", "fp16")):
         math, why = hw.cpu_math(storage) if hw.cpu_isa else _local_math(storage)
         lines.append(f"  {short} weights compute in {math}: {why}")
+        bf16_math = math if storage == "bfloat16" else bf16_math
     from core.model.cpu import ffn, int4, native, row_ops
 
     lines.append(f"  decode attention: {native.status()}")
     lines.append(f"  norm, RoPE, cache write: {row_ops.status()}")
-    lines.append(f"  bf16 experts: {ffn.status()}")
+    lines.append(f"  bf16 experts: {ffn.status(bf16_math)}")
     lines.append(f"  int4 experts: {int4.status()}")
     if not args.no_probe:
         lines.append(f"cache      {probe_cache_path(hw)}")

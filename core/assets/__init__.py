@@ -9,7 +9,8 @@
 - `kernels/decode_attention.c`: the fused CPU decode attention, compiled on the user's machine where a C
   compiler exists (core.model.cpu.native).
 - `kernels/moe_ffn.c`: a layer's bf16 routed experts in one call on AVX-512 BF16 CPUs, compiled the same
-  way (core.model.cpu.ffn).
+  way (core.model.cpu.ffn); `kernels/moe_ffn_avx2.c`: the same over the same packed bf16 weights in fp32
+  math, for AVX2 CPUs.
 - `kernels/int4_matmul.c`: the CPU's int4 weight-only matmul for few rows (decode), compiled the same way
   (core.model.cpu.int4).
 
@@ -27,6 +28,7 @@ DEMO_PROMPTS = HERE / "demo_prompts.jsonl"
 CONFIGS = HERE / "configs"
 DECODE_ATTENTION_C = HERE / "kernels" / "decode_attention.c"
 MOE_FFN_C = HERE / "kernels" / "moe_ffn.c"
+MOE_FFN_AVX2_C = HERE / "kernels" / "moe_ffn_avx2.c"
 INT4_MATMUL_C = HERE / "kernels" / "int4_matmul.c"
 ROW_OPS_C = HERE / "kernels" / "row_ops.c"
 

@@ -233,6 +233,18 @@ class LayerWeights:
             return {"packed": self.packed, **biases}
         return {n: to_dev(self.tensors[n]) for n in EXPERT_TENSORS if n in self.tensors}
 
+    def pack_widened(self, math: torch.dtype) -> None:
+        """The experts into the fp32-math C kernel's layout (core.model.cpu.ffn.NativeExperts: the same bf16
+        bytes, held instead of the flat buffer's) and the non-expert part in `math`: an AVX2 CPU's experts then
+        widen in registers, not tile by tile through torch (widen_dense). One layer at a time: memory peaks at
+        the model plus one layer's experts."""
+        from core.model.cpu import ffn
+
+        self.packed = ffn.NativeExperts(self.tensors["w13"], self.tensors["w2"])
+        dense = self.flat[:self.layout.expert_start].to(math)
+        self.tensors = self.layout.views(dense, names=self._dense_names())
+        self.flat, self.experts, self.pages = dense, None, []
+
     def widen_dense(self, math: torch.dtype) -> None:
         """Keep the experts in their storage dtype (views of the flat buffer, still paged) and convert the
         small non-expert part to `math`: on a CPU whose low-precision matmuls are slow, the dense layers
@@ -370,6 +382,23 @@ class ModelWeights:
             return
         for lw in self.layers:
             lw.widen_dense(math)
+        self.globals = {n: t.to(math) for n, t in self.globals.items()}
+        self.math_dtype = math
+
+    def packs_widened(self) -> bool:
+        """Whether the fp32-math C kernel takes every MoE layer's experts (plain SwiGLU, no biases, unquantized)."""
+        from core.model.cpu import ffn
+
+        moe = [lw for lw in self.layers if "w13" in lw.tensors]
+        return (self.scheme is None and self.spec.expert_act == "swiglu" and bool(moe)
+                and all("b13" not in lw.tensors and "b2" not in lw.tensors and lw.packed is None
+                        and ffn.takes_widened(lw.tensors["w13"], lw.tensors["w2"]) for lw in moe))
+
+    def pack_widened(self, math: torch.dtype, progress: EventSink = ignore) -> None:
+        """`widen_dense` with every MoE layer's experts in the fp32-math C kernel's layout (LayerWeights.pack_widened)."""
+        for i, lw in enumerate(self.layers):
+            lw.pack_widened(math) if "w13" in lw.tensors else lw.widen_dense(math)
+            progress(Progress("packing experts for the CPU", i + 1, len(self.layers), "layers"))
         self.globals = {n: t.to(math) for n, t in self.globals.items()}
         self.math_dtype = math
 

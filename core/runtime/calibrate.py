@@ -577,7 +577,7 @@ def kernel_costs(engine, *, quick: bool = False, clock=time.perf_counter, progre
                     own_rows=own_rows(spec))
     tokens = LAYER_TOKENS[:6] if quick else LAYER_TOKENS
     if fused:
-        fx, wx, cx = fused_terms(fused, d, cold, tokens, clock)
+        fx, wx, cx = fused_terms(fused, d, cold, tokens, clock, math)
         gx = 0.0
     else:
         fx, wx, cx, gx = gemm_terms(expert, math, expert_shapes, cold, direct, rows, clock)
@@ -585,7 +585,7 @@ def kernel_costs(engine, *, quick: bool = False, clock=time.perf_counter, progre
     hot_d = hot_x = 0.0
     if fits:
         hot_d = gemm_terms(dense, math, dense_shapes, spec.total_bytes, 0, rows, clock)[1]
-        hot_x = (fused_terms(fused, d, sum(x.held_bytes for x in fused), tokens, clock)[1] if fused
+        hot_x = (fused_terms(fused, d, sum(x.held_bytes for x in fused), tokens, clock, math)[1] if fused
                  else gemm_terms(expert, math, expert_shapes, spec.total_bytes, direct, rows, clock)[1])
     progress(Progress("calibrating: GEMM kernels", 2, 2, "kernels"))
     sdpa = 0.0

@@ -187,7 +187,7 @@ def engine_kernels(engine):
     w = engine.weights
     math = w.math_dtype
     dense = (lambda t: t.to(math).contiguous(), F.linear)
-    if w.packed:
+    if w.packed and math == w.dtype:  # bf16 math, experts prepacked (AVX2's fused experts leave the dense in fp32)
         from core.model.cpu.kernels import pack_dense
         from core.model.moe import _packed_linear, _reorder
 
@@ -211,13 +211,13 @@ def fused_layers(engine) -> list:
 
 
 def fused_terms(layers: list, d, resident: int, tokens=LAYER_TOKENS,
-                clock=time.perf_counter) -> tuple[float, float, float]:
+                clock=time.perf_counter, math: torch.dtype = torch.bfloat16) -> tuple[float, float, float]:
     """(expert_flop_s, expert_weight_s, expert_call_s) of the fused kernel (cpu_cost.fused_experts_seconds):
     whole-layer calls over `tokens` tokens routed uniformly (as the cost model assumes), cycling through
     `resident` bytes of layers — the engine's own, and copies at other addresses where they hold fewer (a
     model the cache holds) — so they come from memory as a run's do. The call's time is the slower of its
     arithmetic and its weights: a roofline fitted as one (`roofline`); expert_call_s stays 0 (a call's own
-    overhead is its task's, task_s)."""
+    overhead is its task's, task_s). `math`: the activations' dtype (fp32: the AVX2 kernel's)."""
     import copy
 
     from core.plan.hrm import expected_experts
@@ -235,10 +235,10 @@ def fused_terms(layers: list, d, resident: int, tokens=LAYER_TOKENS,
     per = 3 * first.I * first.D  # weight elements of one expert
     obs = []
     for t in tokens:
-        h = torch.randn(t, first.D, generator=g).bfloat16()
+        h = torch.randn(t, first.D, generator=g).to(math)
         idx = torch.rand(t, first.E, generator=g).topk(d.k, dim=-1).indices
         w = torch.full((t, d.k), 1.0 / d.k)
-        out = torch.empty(t, first.D, dtype=torch.bfloat16)
+        out = torch.empty(t, first.D, dtype=math)
         n = max(1, min(len(use), int(POINT_FLOPS // (2 * t * d.k * per))))
 
         def run(n=n, h=h, idx=idx, w=w, out=out):

@@ -333,7 +333,14 @@ class Engine:
                 ffn.prepare(progress)  # a compile here, with progress, not inside the packing
                 cpu = _pack_or_fall_back(weights, cpu, progress)
             if cpu.widens and weights.scheme is None:
-                weights.widen_dense(torch_dtype(cpu.math))
+                from core.model.cpu import ffn
+
+                ffn.prepare_widened(progress)
+                if weights.packs_widened():  # the experts widen in registers in one C call a layer
+                    weights.pack_widened(torch_dtype(cpu.math), progress)
+                    cpu = dataclasses.replace(cpu, fused=True)
+                else:
+                    weights.widen_dense(torch_dtype(cpu.math))
         elif quantize_dense:
             progress(WarningEvent("--quantize-dense applies to the CPU-only mode; the dense weights stay in "
                                   f"{weights.dtype_name} on the device"))

@@ -37,6 +37,7 @@ class CpuCompute:
     pack: bool  # experts prepacked for oneDNN (bf16 math on a CPU that accepts it)
     direct_rows: int  # up to this many rows, storage-dtype weights are used without widening
     reason: str  # one line for the user: why this choice
+    fused: bool = False  # widened math: the experts widen in registers in mlight's C kernel (core.model.cpu.ffn)
 
     @property
     def widens(self) -> bool:
@@ -46,6 +47,8 @@ class CpuCompute:
         how = f"{self.storage} weights, {self.math} math"
         if self.pack:
             how += ", experts prepacked for oneDNN"
+        elif self.widens and self.fused:
+            how += " (experts widened in registers by mlight's C kernel, dense weights once at load)"
         elif self.widens:
             how += f" (widened tile by tile; {self.direct_rows}-row GEMVs direct)"
         return f"{how}: {self.reason}"

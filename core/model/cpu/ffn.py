@@ -24,13 +24,16 @@ import threading
 
 import torch
 
+from core.assets import MOE_FFN_AVX2_C as SOURCE_AVX2
 from core.assets import MOE_FFN_C as SOURCE
 from core.model.cpu import native
 
 CHUNK_TOKENS = 512  # tokens per call: a long prefill's intermediate stays at 2·512·I bf16
 FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+FLAGS_AVX2 = ["-mavx2", "-mfma"]
 
 _reason = "not built yet"
+_reason_avx2 = "not built yet"
 
 
 class _Lib:
@@ -45,6 +48,22 @@ class _Lib:
         self.scratch.restype = I
         self.openmp = bool(self.dll.mlight_moe_openmp())
         self.flags = " ".join(FLAGS) + (" -fopenmp" if self.openmp else "")
+
+
+class _LibAvx2:
+    """moe_ffn_avx2.c: fp32 activations over the same packed bf16 weights."""
+
+    def __init__(self, path):
+        self.dll = ctypes.CDLL(str(path))
+        P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.ffn = self.dll.mlight_moe_avx2
+        self.ffn.argtypes = [P, I, I, P, P, I, I, I, P, I, P, I, P, P, C]
+        self.ffn.restype = C
+        self.scratch = self.dll.mlight_moe_avx2_scratch
+        self.scratch.argtypes = [I, I, I, I, I]
+        self.scratch.restype = I
+        self.openmp = bool(self.dll.mlight_moe_avx2_openmp())
+        self.flags = " ".join(FLAGS_AVX2) + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,8 +96,48 @@ def library() -> _Lib | None:
     return _build(isa.cpu_isa().usable)
 
 
-def status() -> str:
-    """One line for `mlight hw` and the bench: which kernel runs the bf16 routed experts, and why."""
+@functools.lru_cache(maxsize=None)
+def _build_avx2(level: str) -> _LibAvx2 | None:
+    global _reason_avx2
+    import platform as py_platform
+
+    from core.model.cpu import isa
+
+    for var in ("MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS"):
+        if os.environ.get(var, "1") == "0":
+            _reason_avx2 = f"{var}=0"
+            return None
+    if py_platform.machine().lower() not in ("x86_64", "amd64", "x86-64") or level not in isa.LEVELS \
+            or isa.LEVELS.index(level) < isa.LEVELS.index("avx2"):
+        _reason_avx2 = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX2"
+        return None
+    cc = native._compiler()
+    if cc is None:
+        _reason_avx2 = "no C compiler found (cc, gcc, clang or $CC)"
+        return None
+    out = native.compile_openmp(cc, ["-O3", "-shared", "-fPIC", *FLAGS_AVX2], 8, SOURCE_AVX2, "moe_ffn_avx2")
+    lib = native.load_built(out, _LibAvx2)
+    if isinstance(lib, str):
+        _reason_avx2 = lib
+        return None
+    return lib
+
+
+def library_avx2() -> _LibAvx2 | None:
+    """The fp32-math kernel over packed bf16 experts: AVX2 CPUs, where bf16 matmuls are slow."""
+    from core.model.cpu import isa
+
+    return _build_avx2(isa.cpu_isa().usable)
+
+
+def status(math: str = "bfloat16") -> str:
+    """One line for `mlight hw` and the bench: which kernel runs the bf16 routed experts when the CPU computes
+    in `math` (bfloat16 where it is native, else float32), and why."""
+    if math == "float32":
+        wide = library_avx2()
+        if wide is None:
+            return f"torch's GEMMs on tiles widened to fp32 ({_reason_avx2})"
+        return f"fused C kernel in fp32 math ({wide.flags})" + ("" if wide.openmp else "; one thread")
     lib = library()
     if lib is None:
         return f"oneDNN's packed GEMMs ({_reason})"
@@ -90,6 +149,11 @@ def prepare(progress=None) -> None:
     native.build_announced("building the CPU expert kernel (once per machine)", library, progress)
 
 
+def prepare_widened(progress=None) -> None:
+    """`prepare` for the fp32-math kernel."""
+    native.build_announced("building the CPU expert kernel (once per machine)", library_avx2, progress)
+
+
 def takes(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the kernel runs experts w13 [E, 2I, D], w2 [E, D, I] here (SwiGLU, no biases: the caller's part)."""
     if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or w13.dim() != 3 or w13.device.type != "cpu":
@@ -98,6 +162,18 @@ def takes(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     if two_i % 64 or D % 64 or tuple(w2.shape) != (E, D, two_i // 2):
         return False
     lib = library()
+    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+
+
+def takes_widened(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the fp32-math kernel runs bf16 experts w13 [E, 2I, D], w2 [E, D, I] here (SwiGLU, no biases:
+    the caller's part) — the CPU computes in fp32 because its bf16 matmuls are slow (AVX2)."""
+    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or w13.dim() != 3 or w13.device.type != "cpu":
+        return False
+    E, two_i, D = w13.shape
+    if two_i % 64 or D % 64 or tuple(w2.shape) != (E, D, two_i // 2):
+        return False
+    lib = library_avx2()
     return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
 
 
@@ -127,7 +203,10 @@ class NativeExperts:
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """h [T, D] bf16, routing weights [T, k] (bf16/fp32) and expert ids [T, k] -> [T, D] bf16 (into `out`)."""
+        """h [T, D] bf16, routing weights [T, k] (bf16/fp32) and expert ids [T, k] -> [T, D] bf16 (into `out`);
+        h in fp32 (an AVX2 CPU's math) -> fp32, by the fp32-math kernel."""
+        if h.dtype == torch.float32:
+            return self._fp32(h, weights, idx, out)
         lib = library()
         T, k = idx.shape
         h, idx = h.contiguous(), idx.contiguous()
@@ -144,6 +223,23 @@ class NativeExperts:
             if lib.ffn(h[a].data_ptr(), b - a, k, idx[a].data_ptr(), weights[a].data_ptr(),
                        int(weights.dtype == torch.bfloat16), self.E, self.D, self.I, self.w13.data_ptr(),
                        self.w13[0].numel(), self.w2.data_ptr(), self.w2[0].numel(), out[a].data_ptr(), s.data_ptr(), n):
+                raise ValueError(f"expert ids outside 0..{self.E - 1}")
+        return out
+
+    def _fp32(self, h, weights, idx, out):
+        lib = library_avx2()
+        if lib is None:
+            raise RuntimeError(f"fp32 activations need the AVX2 expert kernel, which is not available here ({_reason_avx2})")
+        T, k = idx.shape
+        h, idx, weights = h.contiguous(), idx.contiguous(), weights.float().contiguous()
+        out = torch.empty((T, self.D), dtype=torch.float32) if out is None else out
+        n = torch.get_num_threads() if lib.openmp else 1
+        for a in range(0, T, CHUNK_TOKENS):
+            b = min(T, a + CHUNK_TOKENS)
+            s = _scratch(lib.scratch(b - a, k, self.E, self.I, n))
+            if lib.ffn(h[a].data_ptr(), b - a, k, idx[a].data_ptr(), weights[a].data_ptr(), self.E, self.D, self.I,
+                       self.w13.data_ptr(), self.w13[0].numel(), self.w2.data_ptr(), self.w2[0].numel(),
+                       out[a].data_ptr(), s.data_ptr(), n):
                 raise ValueError(f"expert ids outside 0..{self.E - 1}")
         return out
 
