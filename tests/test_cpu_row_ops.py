@@ -1,6 +1,7 @@
 """The decode step's C row operations (core.model.cpu.row_ops, core/assets/kernels/row_ops.c) against the
-torch expressions they replace: the KV cache write and RoPE bit for bit, RMSNorm within one bf16 step
-where its fp32 sum of squares adds in another order; and every caller's torch path where they do not apply."""
+torch expressions they replace, in bf16 and in fp32 (an AVX2 CPU's math): the KV cache write (also fp32 rows
+narrowed into a bf16 cache) and RoPE bit for bit, RMSNorm within two bf16 steps / a few fp32 ulps where its
+sum of squares adds in another order; and every caller's torch path where they do not apply."""
 
 from __future__ import annotations
 
@@ -37,11 +38,22 @@ def test_rms_norm_rounds_as_torch_does(shape):
 
 
 @needs_kernel
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 64), (256, 1024), (3, 5, 128), (4, 1001)])
+def test_rms_norm_in_fp32_is_torch_to_a_few_ulps(shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    x, w = torch.randn(shape, generator=g) * 3, torch.rand(shape[-1], generator=g) + 0.5
+    ref, got = _torch_rms(x, w, 1e-5), row_ops.rms_norm(x, w, 1e-5)
+    assert got.dtype == torch.float32 and torch.allclose(got, ref, rtol=4e-7 * 4, atol=0)
+    assert torch.equal(layers.rms_norm(x, w, 1e-5), got)
+
+
 def test_rms_norm_reads_strided_rows_and_declines_what_it_cannot():
     x = torch.randn(16, 1536).bfloat16()[:, :1024]  # rows 1536 apart, as a slice of a projection
     w = torch.ones(1024).bfloat16()
     assert torch.equal(row_ops.rms_norm(x, w, 1e-6), _torch_rms(x.contiguous(), w, 1e-6))
-    assert row_ops.rms_norm(x.float(), w.float(), 1e-6) is None  # fp32: torch's ops
+    assert row_ops.rms_norm(x.float(), w, 1e-6) is None  # mixed dtypes: torch's ops
+    assert row_ops.rms_norm(x.double(), w.double(), 1e-6) is None
     odd = torch.randn(4, 1001).bfloat16()  # a width no vector divides: the C loop's scalar tail
     assert (row_ops.rms_norm(odd, torch.ones(1001).bfloat16(), 1e-6) != _torch_rms(odd, torch.ones(1001).bfloat16(),
                                                                                    1e-6)).sum() <= 4
@@ -55,12 +67,13 @@ def _torch_rope_join(rope, qkv, heads, hd, positions, rest):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hd,heads,kv", [(64, 20, 256), (128, 12, 512), (24, 3, 48)])
-def test_rope_join_is_torch_bit_for_bit(hd, heads, kv):
+def test_rope_join_is_torch_bit_for_bit(hd, heads, kv, dtype):
     g = torch.Generator().manual_seed(hd)
     T = 37
-    rope = Rope(RopeSpec(theta=1e6), hd, 4096, torch.bfloat16)
-    qkv = (torch.randn(T, heads * hd + kv + 40, generator=g) * 4).bfloat16()  # + an output gate's columns
+    rope = Rope(RopeSpec(theta=1e6), hd, 4096, dtype)
+    qkv = (torch.randn(T, heads * hd + kv + 40, generator=g) * 4).to(dtype)  # + an output gate's columns
     positions = torch.randint(0, 4000, (T,), generator=g)
     cos, sin = rope.tables(positions)
     got = row_ops.rope_join(qkv, heads, hd, cos, sin, kv)
@@ -74,7 +87,7 @@ def test_rope_join_declines_partial_and_pair_rotations():
     cos, sin = partial.tables(torch.arange(4))
     assert row_ops.rope_join(qkv, 4, 64, cos, sin, 128) is None
     assert not Rope(RopeSpec(pairs=True), 64, 64, torch.bfloat16).joins_in_c(qkv)
-    assert not Rope(RopeSpec(), 64, 64, torch.float32).joins_in_c(qkv.float())
+    assert not Rope(RopeSpec(), 64, 64, torch.float32).joins_in_c(qkv)  # tables and heads in other dtypes
 
 
 @needs_kernel
@@ -96,6 +109,20 @@ def test_kv_write_puts_each_row_where_index_copy_does(dtype):
     assert row_ops.kv_write(store.k, store.v, k, v, at)
     assert torch.equal(store.k, want_k) and torch.equal(store.v, want_v)
     assert not row_ops.kv_write(store.k, store.v, k.to(torch.float16), v.to(torch.float16), at)  # another dtype
+
+
+@needs_kernel
+def test_kv_write_narrows_fp32_rows_into_a_bf16_cache_as_to_does():
+    g = torch.Generator().manual_seed(4)
+    store = kvcache.KVStore(5, 2, 64, 16, torch.bfloat16, pin=False)
+    payload = torch.randn(3, 3 * 128, generator=g) * 100  # fp32: an AVX2 CPU's math
+    k, v = payload[:, :128].view(3, 2, 64), payload[:, 128:256].view(3, 2, 64)
+    at = torch.tensor([0, 16, 33, 49, 70, 86])
+    want_k, want_v = store.k.clone(), store.v.clone()
+    want_k.view(-1, 64).index_copy_(0, at, k.reshape(-1, 64).to(torch.bfloat16))
+    want_v.view(-1, 64).index_copy_(0, at, v.reshape(-1, 64).to(torch.bfloat16))
+    assert row_ops.kv_write(store.k, store.v, k, v, at)
+    assert torch.equal(store.k, want_k) and torch.equal(store.v, want_v)
 
 
 def test_without_the_kernels_every_caller_runs_torch(monkeypatch):

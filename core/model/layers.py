@@ -34,8 +34,8 @@ def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # Statistics in fp32 then back to the input dtype before the scale, as the reference models do; in one
-    # C pass where it applies (bf16 on the CPU: core.model.cpu.row_ops), the same roundings.
-    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+    # C pass where it applies (bf16 or fp32 on the CPU: core.model.cpu.row_ops), the same roundings.
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32):
         out = row_ops.rms_norm(x, w, eps)
         if out is not None:
             return out

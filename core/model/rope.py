@@ -104,9 +104,9 @@ class Rope:
         return kept[4], kept[5]
 
     def joins_in_c(self, x: torch.Tensor) -> bool:
-        """Whether core.model.cpu.row_ops.rope_join may rotate these heads: halves over the whole head, bf16 on
-        the CPU (its other conditions it checks itself)."""
-        return (not self.pairs and x.dtype == self.cos.dtype == torch.bfloat16
+        """Whether core.model.cpu.row_ops.rope_join may rotate these heads: halves over the whole head, bf16 or
+        fp32 on the CPU (its other conditions it checks itself)."""
+        return (not self.pairs and x.dtype == self.cos.dtype and x.dtype in (torch.bfloat16, torch.float32)
                 and x.device.type == "cpu")
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,8 +8,11 @@
    replaces rounding for rounding: every bf16 op of the reference is an fp32 op rounded to nearest even,
    in the same order, so RoPE and the cache write are bit for bit torch's, and RMSNorm differs only where
    its fp32 sum of squares is added in another order (at most one bf16 step, rarely).
-   Built by core/model/cpu/row_ops.py with the C compiler at hand, like decode_attention.c: GCC/Clang
-   vector extensions, no intrinsics, VW floats per vector for the ISA the build targets. */
+   The fp32 forms (an AVX2 CPU's math over bf16 checkpoints) do the same without the roundings to bf16, and
+   the cache write narrows fp32 rows to a bf16 cache as torch's .to() does. Built by core/model/cpu/row_ops.py
+   with the C compiler at hand, like decode_attention.c (GCC/Clang vector extensions, no intrinsics, VW
+   floats per vector for the ISA the build targets), and with -ffp-contract=off: a product and a sum that
+   torch rounds apart must not become one fused multiply-add. */
 
 #include <math.h>
 #include <stdint.h>
@@ -70,6 +73,35 @@ void mlight_kv_write(char *k, char *v, const char *ks, const char *vs, const int
     }
 }
 
+/* The same from fp32 rows (the math of an AVX2 CPU) into a bf16 cache, each value rounded to nearest even. */
+void mlight_kv_write_narrow(uint16_t *k, uint16_t *v, const char *ks, const char *vs, const int64_t *at, int64_t n,
+                            int64_t heads, int64_t src_stride, int64_t hd) {
+    const int64_t row_bytes = 2 * hd;
+    for (int64_t r = 0; r < n + PW; r++) {
+        if (r < n) {
+            prefetch_write((const char *)(k + at[r] * hd), row_bytes);
+            prefetch_write((const char *)(v + at[r] * hd), row_bytes);
+        }
+        if (r >= PW) {
+            const int64_t w = r - PW, src = (w / heads) * src_stride + (w % heads) * 4 * hd;
+            const float *kr = (const float *)(ks + src), *vr = (const float *)(vs + src);
+            uint16_t *kd = k + at[w] * hd, *vd = v + at[w] * hd;
+            int64_t d = 0;
+            for (; d + VW <= hd; d += VW) {
+                vf a, b;
+                memcpy(&a, kr + d, sizeof a);
+                memcpy(&b, vr + d, sizeof b);
+                store_bf16(kd + d, round_bf16(a));
+                store_bf16(vd + d, round_bf16(b));
+            }
+            for (; d < hd; d++) {
+                kd[d] = tobf(rbf(kr[d]));
+                vd[d] = tobf(rbf(vr[d]));
+            }
+        }
+    }
+}
+
 /* ---- RMSNorm ------------------------------------------------------------------------------------------
    core.model.layers.rms_norm: x32 = float(x); y = bf16(x32 * rsqrt(mean(x32²) + eps)); out = bf16(w * y).
    Rows of x and out are ldx / ldo elements apart. */
@@ -96,6 +128,30 @@ void mlight_rms_norm(const uint16_t *x, int64_t T, int64_t D, int64_t ldx, const
             store_bf16(o + d, round_bf16(load_bf16(w + d) * y));
         }
         for (int64_t d = Dv; d < D; d++) o[d] = tobf(rbf(bf16f(w[d]) * rbf(bf16f(xr[d]) * r)));
+    }
+}
+
+/* fp32: y = x * rsqrt(mean(x²) + eps); out = w * y (the same expression, nothing to round). */
+void mlight_rms_norm_f32(const float *x, int64_t T, int64_t D, int64_t ldx, const float *w, float eps, float *out,
+                         int64_t ldo, int threads) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T * D >= 32768)
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * ldx;
+        float *o = out + t * ldo;
+        const int64_t Dv = D - D % VW;
+        vf acc = {0};
+        for (int64_t d = 0; d < Dv; d += VW) {
+            vf a;
+            memcpy(&a, xr + d, sizeof a);
+            acc += a * a;
+        }
+        float ss = 0.f;
+        for (int j = 0; j < VW; j++) ss += acc[j];
+        for (int64_t d = Dv; d < D; d++) ss += xr[d] * xr[d];
+        const float r = 1.f / sqrtf(ss / (float)D + eps);
+        for (int64_t d = 0; d < D; d++) o[d] = w[d] * (xr[d] * r);
     }
 }
 
@@ -133,6 +189,29 @@ void mlight_rope_join(const uint16_t *qkv, int64_t T, int64_t ld_in, int64_t hea
             }
         }
         memcpy(out + t * ld_out + heads * hd, qkv + t * ld_in + heads * hd, 2 * rest);
+    }
+}
+
+/* fp32: the same join, each product and the sum rounded to fp32 (no fused multiply-add: see the top). */
+void mlight_rope_join_f32(const float *qkv, int64_t T, int64_t ld_in, int64_t heads, int64_t hd, const float *cos,
+                          const float *sin, int64_t ld_cs, int64_t rest, float *out, int64_t ld_out, int threads) {
+    const int64_t half = hd / 2;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T * heads * hd >= 32768)
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * ld_cs, *s = sin + t * ld_cs;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *x = qkv + t * ld_in + h * hd;
+            float *o = out + t * ld_out + h * hd;
+            for (int64_t i = 0; i < half; i++) {
+                const float lo_a = x[i] * c[i], lo_b = -x[i + half] * s[i];
+                const float hi_a = x[i + half] * c[i + half], hi_b = x[i] * s[i + half];
+                o[i] = lo_a + lo_b;
+                o[i + half] = hi_a + hi_b;
+            }
+        }
+        memcpy(out + t * ld_out + heads * hd, qkv + t * ld_in + heads * hd, 4 * rest);
     }
 }
 

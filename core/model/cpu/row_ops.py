@@ -1,5 +1,5 @@
-"""A decode step's small per-row bf16 operations in C (core/assets/kernels/row_ops.c): the KV cache write,
-RMSNorm, and RoPE joined with v into the attention payload.
+"""A decode step's small per-row operations in C (core/assets/kernels/row_ops.c), bf16 and fp32: the KV cache
+write, RMSNorm, and RoPE joined with v into the attention payload.
 
 Between a decode step's GEMMs these ran as 4-7 torch ops each, every one a fresh tensor and a pass over
 lines the experts' weights had just pushed out of the caches; at B = 256 on the 784M Mixtral (two Zen 5
@@ -37,6 +37,15 @@ class _Lib:
         self.rope_join = self.dll.mlight_rope_join
         self.rope_join.argtypes = [P, I, I, I, I, P, P, I, I, P, I, C]
         self.rope_join.restype = None
+        self.kv_write_narrow = self.dll.mlight_kv_write_narrow
+        self.kv_write_narrow.argtypes = [P, P, P, P, P, I, I, I, I]
+        self.kv_write_narrow.restype = None
+        self.rms_norm_f32 = self.dll.mlight_rms_norm_f32
+        self.rms_norm_f32.argtypes = [P, I, I, I, P, F, P, I, C]
+        self.rms_norm_f32.restype = None
+        self.rope_join_f32 = self.dll.mlight_rope_join_f32
+        self.rope_join_f32.argtypes = [P, I, I, I, I, P, P, I, I, P, I, C]
+        self.rope_join_f32.restype = None
         self.vw = self.dll.mlight_row_ops_vw()
         self.openmp = bool(self.dll.mlight_row_ops_openmp())
         self.flags = flags + (" -fopenmp" if self.openmp else "")
@@ -53,7 +62,8 @@ def _build(level: str) -> _Lib | None:
         _reason = "no C compiler found (cc, gcc, clang or $CC)"
         return None
     flags, vw = native._flags()
-    out = native.compile_openmp(cc, ["-O3", "-shared", "-fPIC", f"-DVW={vw}", *flags], vw, SOURCE, "row_ops")
+    out = native.compile_openmp(cc, ["-O3", "-ffp-contract=off", "-shared", "-fPIC", f"-DVW={vw}", *flags], vw, SOURCE,
+                                "row_ops")
     lib = native.load_built(out, lambda path: _Lib(path, " ".join(flags) or "baseline"))
     if isinstance(lib, str):
         _reason = lib
@@ -86,24 +96,28 @@ def _threads() -> int:
 
 def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> bool:
     """A decode step's new rows k, v [B, heads, hd] (one payload's slices: unit stride within a head, heads hd
-    apart, tokens any stride) into rows `at` [B·heads] of contiguous caches viewed as [rows, hd]. False, with
-    nothing written, where the C loop does not apply."""
+    apart, tokens any stride) into rows `at` [B·heads] of contiguous caches viewed as [rows, hd]: copied, or
+    fp32 rows narrowed to a bf16 cache (an AVX2 CPU's math). False, with nothing written, where the C loop
+    does not apply."""
     lib = library()
-    if (lib is None or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k.dtype != v.dtype
+    narrow = k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
+    if (lib is None or not (k.dtype == k_cache.dtype or narrow) or v.dtype != k.dtype or v_cache.dtype != k_cache.dtype
             or k.device.type != "cpu" or k.dim() != 3 or k.shape != v.shape or k.stride() != v.stride()
             or k.stride(2) != 1 or k.stride(1) != k.shape[2] or at.dtype != torch.int64 or not at.is_contiguous()
             or at.numel() != k.shape[0] * k.shape[1] or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return False
-    es = k.element_size()
-    lib.kv_write(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), at.data_ptr(), at.numel(),
-                 k.shape[1], k.stride(0) * es, k.shape[2] * es)
+    es, hd = k.element_size(), k.shape[2]
+    write = lib.kv_write_narrow if narrow else lib.kv_write
+    write(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), at.data_ptr(), at.numel(), k.shape[1],
+          k.stride(0) * es, hd if narrow else hd * es)
     return True
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """core.model.layers.rms_norm for bf16 x [..., D] (rows of unit stride) and weight [D], or None."""
+    """core.model.layers.rms_norm for x [..., D] (rows of unit stride) and weight [D], both bf16 or both fp32,
+    or None."""
     lib = library()
-    if (lib is None or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu"
+    if (lib is None or x.dtype not in (torch.bfloat16, torch.float32) or w.dtype != x.dtype or x.device.type != "cpu"
             or x.dim() < 1 or w.dim() != 1 or x.shape[-1] != w.shape[0] or x.stride(-1) != 1 or not w.is_contiguous()):
         return None
     D = x.shape[-1]
@@ -111,22 +125,25 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | Non
     if rows.dim() != 2:
         return None
     out = torch.empty(rows.shape, dtype=x.dtype)
-    lib.rms_norm(rows.data_ptr(), rows.shape[0], D, rows.stride(0), w.data_ptr(), eps, out.data_ptr(), D, _threads())
+    norm = lib.rms_norm if x.dtype == torch.bfloat16 else lib.rms_norm_f32
+    norm(rows.data_ptr(), rows.shape[0], D, rows.stride(0), w.data_ptr(), eps, out.data_ptr(), D, _threads())
     return out.view(x.shape)
 
 
 def rope_join(qkv: torch.Tensor, heads: int, hd: int, cos: torch.Tensor, sin: torch.Tensor,
               rest: int) -> torch.Tensor | None:
     """[RoPE (halves, the whole head) of the first `heads` heads of qkv [T, ≥ heads·hd + rest] | the next
-    `rest` elements] as one new [T, heads·hd + rest] tensor, with cos/sin [T, 1, hd] (Rope.tables'), or None."""
+    `rest` elements] as one new [T, heads·hd + rest] tensor, with cos/sin [T, 1, hd] (Rope.tables'), all bf16
+    or all fp32, or None."""
     lib = library()
     T = qkv.shape[0]
-    if (lib is None or qkv.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16
-            or qkv.device.type != "cpu" or qkv.dim() != 2 or qkv.stride(1) != 1 or hd % 2
+    if (lib is None or qkv.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != qkv.dtype
+            or sin.dtype != qkv.dtype or qkv.device.type != "cpu" or qkv.dim() != 2 or qkv.stride(1) != 1 or hd % 2
             or qkv.shape[1] < heads * hd + rest or cos.shape != (T, 1, hd) or sin.shape != cos.shape
             or not (cos.is_contiguous() and sin.is_contiguous())):
         return None
     out = torch.empty((T, heads * hd + rest), dtype=qkv.dtype)
-    lib.rope_join(qkv.data_ptr(), T, qkv.stride(0), heads, hd, cos.data_ptr(), sin.data_ptr(), hd, rest,
-                  out.data_ptr(), out.shape[1], _threads())
+    join = lib.rope_join if qkv.dtype == torch.bfloat16 else lib.rope_join_f32
+    join(qkv.data_ptr(), T, qkv.stride(0), heads, hd, cos.data_ptr(), sin.data_ptr(), hd, rest, out.data_ptr(),
+         out.shape[1], _threads())
     return out
