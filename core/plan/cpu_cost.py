@@ -29,7 +29,7 @@ from pathlib import Path
 from core.model import limits
 from core.model.attention import slices
 
-VERSION = 14  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
+VERSION = 15  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a run's efficiency folded back;
 # 4: the experts' terms are the fused kernel's where it runs (expert_chunk), prefill's fresh activations;
 # 5: the run's efficiency measured at a second, large micro-batch too (the *_eff_large factors); 6: a CPU prefill's
 # FFN runs 2,048 tokens at a time, and the run's windows last RUN_MIN_S; 7: a prefill's per-token term
@@ -39,7 +39,9 @@ VERSION = 14  # 2: attention costs whole rows and slices apart (kv_copy_s); 3: a
 # no longer pay; 12: the factors at a micro-batch between the two too (*_eff_mid); the fused attention
 # kernel's scores priced by its own per-token term, not elem_s; 13: the CPU's speed stamped (`speed`) and every
 # window brought to the pieces' speed (core.plan.cpu_speed); 14: the prefills' fit of sdpa_flop_s bounded by
-# the prefill attention timed alone (core.runtime.calibrate_pieces.sdpa_range)
+# the prefill attention timed alone (core.runtime.calibrate_pieces.sdpa_range); 15: a decode step's norms, RoPE
+# and cache writes in C (core.model.cpu.row_ops), and an AVX2 CPU's experts in its fp32-math C kernel (3-4x
+# the widened tiles): a 14's terms priced kernels that no longer run
 
 # A run of the engine against its pieces (core.runtime.calibrate.fit_run_terms): seconds a task kind took in
 # the run over what the fitted coefficients say for the same steps. 1.0 = not measured.
