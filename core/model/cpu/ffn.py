@@ -31,6 +31,7 @@ from core.model.cpu import native
 CHUNK_TOKENS = 512  # tokens per call: a long prefill's intermediate stays at 2·512·I bf16
 FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
 FLAGS_AVX2 = ["-mavx2", "-mfma"]
+SWITCHES = ("MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS")  # either set to 0: no expert kernel
 
 _reason = "not built yet"
 _reason_avx2 = "not built yet"
@@ -66,27 +67,19 @@ class _LibAvx2:
         self.flags = " ".join(FLAGS_AVX2) + (" -fopenmp" if self.openmp else "")
 
 
+def _switched_off() -> bool:
+    return any(os.environ.get(v, "1") == "0" for v in SWITCHES)
+
+
 @functools.lru_cache(maxsize=None)
 def _build(level: str) -> _Lib | None:
     global _reason
     from core.model.cpu import isa
 
-    for var in ("MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS"):
-        if os.environ.get(var, "1") == "0":
-            _reason = f"{var}=0"
-            return None
-    if level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16"):
+    if not _switched_off() and (level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16")):
         _reason = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX-512 BF16 dot product"
         return None
-    cc = native._compiler()
-    if cc is None:
-        _reason = "no C compiler found (cc, gcc, clang or $CC)"
-        return None
-    base = ["-O3", "-shared", "-fPIC", *FLAGS]
-    lib = native.load_built(native.compile_openmp(cc, base, 16, SOURCE, "moe_ffn"), _Lib)
-    if isinstance(lib, str):
-        _reason = lib
-        return None
+    lib, _reason = native.build_kernel(SOURCE, "moe_ffn", FLAGS, 16, _Lib, SWITCHES)
     return lib
 
 
@@ -103,23 +96,11 @@ def _build_avx2(level: str) -> _LibAvx2 | None:
 
     from core.model.cpu import isa
 
-    for var in ("MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS"):
-        if os.environ.get(var, "1") == "0":
-            _reason_avx2 = f"{var}=0"
-            return None
-    if py_platform.machine().lower() not in ("x86_64", "amd64", "x86-64") or level not in isa.LEVELS \
-            or isa.LEVELS.index(level) < isa.LEVELS.index("avx2"):
+    if not _switched_off() and (py_platform.machine().lower() not in ("x86_64", "amd64", "x86-64")
+                                or level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx2")):
         _reason_avx2 = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX2"
         return None
-    cc = native._compiler()
-    if cc is None:
-        _reason_avx2 = "no C compiler found (cc, gcc, clang or $CC)"
-        return None
-    out = native.compile_openmp(cc, ["-O3", "-shared", "-fPIC", *FLAGS_AVX2], 8, SOURCE_AVX2, "moe_ffn_avx2")
-    lib = native.load_built(out, _LibAvx2)
-    if isinstance(lib, str):
-        _reason_avx2 = lib
-        return None
+    lib, _reason_avx2 = native.build_kernel(SOURCE_AVX2, "moe_ffn_avx2", FLAGS_AVX2, 8, _LibAvx2, SWITCHES)
     return lib
 
 

@@ -97,23 +97,31 @@ class _Lib:
 @functools.lru_cache(maxsize=None)
 def _build(level: str) -> _Lib | None:
     global _reason
-    if os.environ.get("MLIGHT_NATIVE", "1") == "0":
-        _reason = "MLIGHT_NATIVE=0"
-        return None
+    flags, vw = _flags()
+    lib, _reason = build_kernel(SOURCE, "decode_attention", [f"-DVW={vw}", *flags], vw,
+                                lambda path: _Lib(path, " ".join(flags) or "baseline"),
+                                vw_of=lambda lib: lib.dll.mlight_decode_attention_vw())
+    return lib
+
+
+def build_kernel(source: Path, name: str, flags: list[str], vw: int, make, switches=("MLIGHT_NATIVE",),
+                 vw_of=None):
+    """(`make(path)` — a kernel's ctypes wrapper over `source` built with `flags`, or loaded from the cache —,
+    "") or (None, why not): one of `switches` set to 0, no compiler, the build's or the load's failure, or
+    (`vw_of(lib)`, the vector width it was built for) a library of another width in the cache. Every C
+    kernel of mlight builds through here."""
+    for var in switches:
+        if os.environ.get(var, "1") == "0":
+            return None, f"{var}=0"
     cc = _compiler()
     if cc is None:
-        _reason = "no C compiler found (cc, gcc, clang or $CC)"
-        return None
-    flags, vw = _flags()
-    base = ["-O3", "-shared", "-fPIC", f"-DVW={vw}", *flags]
-    lib = load_built(compile_openmp(cc, base, vw), lambda path: _Lib(path, " ".join(flags) or "baseline"))
+        return None, "no C compiler found (cc, gcc, clang or $CC)"
+    lib = load_built(compile_openmp(cc, ["-O3", "-shared", "-fPIC", *flags], vw, source, name), make)
     if isinstance(lib, str):
-        _reason = lib
-        return None
-    if lib.dll.mlight_decode_attention_vw() != vw:
-        _reason = "the kernel in the cache was built for another vector width"
-        return None
-    return lib
+        return None, lib
+    if vw_of is not None and vw_of(lib) != vw:
+        return None, "the kernel in the cache was built for another vector width"
+    return lib, ""
 
 
 def load_built(out: Path | str, make):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
@@ -54,23 +53,9 @@ class _Lib:
 @functools.lru_cache(maxsize=None)
 def _build(level: str) -> _Lib | None:
     global _reason
-    if os.environ.get("MLIGHT_NATIVE", "1") == "0":
-        _reason = "MLIGHT_NATIVE=0"
-        return None
-    cc = native._compiler()
-    if cc is None:
-        _reason = "no C compiler found (cc, gcc, clang or $CC)"
-        return None
     flags, vw = native._flags()
-    out = native.compile_openmp(cc, ["-O3", "-ffp-contract=off", "-shared", "-fPIC", f"-DVW={vw}", *flags], vw, SOURCE,
-                                "row_ops")
-    lib = native.load_built(out, lambda path: _Lib(path, " ".join(flags) or "baseline"))
-    if isinstance(lib, str):
-        _reason = lib
-        return None
-    if lib.vw != vw:
-        _reason = "the kernel in the cache was built for another vector width"
-        return None
+    lib, _reason = native.build_kernel(SOURCE, "row_ops", ["-ffp-contract=off", f"-DVW={vw}", *flags], vw,
+                                       lambda path: _Lib(path, " ".join(flags) or "baseline"), vw_of=lambda lib: lib.vw)
     return lib
 
 
