@@ -148,7 +148,8 @@ class KVStore(_Store):
         flat rows by one index kept on `rows` for the step (every layer of a kind reuses it): the
         two-index `index_put` took 0.25 ms a call in a B = 256 step on two threads, 8 layers × K and V.
         The C loop (core.model.cpu.row_ops.kv_write) does it where built: the rows' lines are cold after the
-        experts' weights streamed by, and it keeps their misses in flight (7.8 → … ms a B = 256 step)."""
+        experts' weights streamed by, and it keeps their misses in flight (the 784M at B = 256: 7.8 → 2.2-3.0 ms
+        a step)."""
         hd = self.k.shape[-1]
         if self.k.device.type != "cpu" or not (self.k.is_contiguous() and self.v.is_contiguous()):
             return self.write(rows.slots, rows.positions, k, v)
