@@ -8,11 +8,15 @@ once to bf16 (torch's path rounds after each op), on weights packed once at load
 layout in place of oneDNN's (no second copy), split over torch's own OpenMP threads.
 
 It is optional: it runs only where the CPU executes vdpbf16ps (core.model.cpu.isa's usable level is
-AVX-512 BF16 or AMX, so never under the AVX2 limits, where bf16 weights are widened to fp32 instead),
-with a C compiler, OpenMP in the build or one torch thread, SwiGLU experts without biases, hidden
-sizes that are multiples of 64 and intermediate sizes of 32, and neither `MLIGHT_NATIVE` nor
-`MLIGHT_NATIVE_EXPERTS` (this kernel alone: an A/B switch) set to 0. Elsewhere
-`pack_experts` gives oneDNN's packing as before (core.model.moe), which the tests check it against.
+AVX-512 BF16 or AMX), with a C compiler, OpenMP in the build or one torch thread, SwiGLU experts without
+biases, hidden sizes that are multiples of 64 and intermediate sizes of 32, and neither `MLIGHT_NATIVE`
+nor `MLIGHT_NATIVE_EXPERTS` (the expert kernels alone: an A/B switch) set to 0. Elsewhere `pack_experts`
+gives oneDNN's packing as before (core.model.moe), which the tests check it against.
+
+Where bf16 matmuls are slow (AVX2, also under the AVX2 limits) the CPU computes in fp32: there a second
+kernel (core/assets/kernels/moe_ffn_avx2.c, `library_avx2`) runs the same packed bf16 weights with fp32
+activations, widening them in registers (`ModelWeights.pack_widened`; torch's 1 MB widened tiles ran a
+B = 64 step's experts at 39 GFLOP/s, it at 103-121). Under the same conditions, AVX2 for AVX-512 BF16.
 """
 
 from __future__ import annotations
