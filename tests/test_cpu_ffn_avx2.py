@@ -10,34 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_cpu_ffn_kernel import _experts, _reference, _rel  # the bf16 kernel's own helpers
 
 from core.model import moe
 from core.model.cpu import ffn, native
 
 runs = pytest.mark.skipif(ffn.library_avx2() is None, reason=f"the fp32 expert kernel does not run here: {ffn.status('float32')}")
 TOL = 2e-5  # fp32 sums in another order than float64's: measured 2-3e-6 of the largest output
-
-
-def _experts(E=6, D=128, I=96, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return ((torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).bfloat16(),
-            (torch.randn(E, D, I, generator=g) / I ** 0.5).bfloat16())
-
-
-def _reference(h, w13, w2, weights, idx):
-    I = w2.shape[-1]
-    out = torch.zeros(h.shape[0], w2.shape[1], dtype=torch.float64)
-    for t in range(h.shape[0]):
-        x = h[t].double()
-        for e, wj in zip(idx[t].tolist(), weights[t].double().tolist()):
-            gu = w13[e].double() @ x
-            out[t] += wj * (w2[e].double() @ (F.silu(gu[:I]) * gu[I:]))
-    return out
-
-
-def _rel(a, ref):
-    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
 
 
 @runs
