@@ -1,5 +1,5 @@
-/* A decode step's small per-row operations in one pass each, bf16: the KV cache write, RMSNorm, and
-   RoPE (halves) joined with v into the attention payload.
+/* A decode step's small per-row operations in one pass each, bf16 and fp32: the KV cache write, RMSNorm,
+   and RoPE (halves) joined with v into the attention payload.
 
    In a decode step these run on a few hundred rows between the big GEMMs; as torch ops each is 4-7
    kernels with a fresh tensor apiece and a cold start on lines the experts' weights have just evicted
@@ -7,7 +7,8 @@
    3-5, against 1-2 ms of arithmetic and bytes). Each function here reproduces the torch expression it
    replaces rounding for rounding: every bf16 op of the reference is an fp32 op rounded to nearest even,
    in the same order, so RoPE and the cache write are bit for bit torch's, and RMSNorm differs only where
-   its fp32 sum of squares is added in another order (at most one bf16 step, rarely).
+   its fp32 sum of squares is added in another order (rarely; one bf16 step in the normed row, at most two
+   after the weight's product).
    The fp32 forms (an AVX2 CPU's math over bf16 checkpoints) do the same without the roundings to bf16, and
    the cache write narrows fp32 rows to a bf16 cache as torch's .to() does. Built by core/model/cpu/row_ops.py
    with the C compiler at hand, like decode_attention.c (GCC/Clang vector extensions, no intrinsics, VW
@@ -31,7 +32,7 @@ static inline vf load_bf16(const uint16_t *p) {
     vu u = __builtin_convertvector(h, vu) << 16;
     vf f; memcpy(&f, &u, sizeof f); return f;
 }
-/* fp32 -> bf16, round to nearest even; a NaN stays a (quiet) NaN — torch's conversion */
+/* fp32 -> bf16, round to nearest even (torch's rounding); a NaN stays a (quiet) NaN */
 static inline vf round_bf16(vf f) {
     vu u; memcpy(&u, &f, sizeof u);
     vu r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
