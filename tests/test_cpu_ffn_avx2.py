@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_ffn_kernel import _experts, _reference, _rel  # the bf16 kernel's own helpers
+from test_cpu_ffn_kernel import _engine_error, _experts, _reference, _rel  # the bf16 kernel's own helpers
 
 from core.model import moe
 from core.model.cpu import ffn, native
@@ -98,7 +98,7 @@ def test_engine_in_fp32_math_runs_it_as_close_to_float64_as_the_widened_tiles(tm
     the dense part widened; prefill and a decode step's logits against float64 transformers, beside the same
     engine on torch's widened tiles."""
     from checkpoints import hf_model, make_checkpoint
-    from core.runtime.engine import Engine, Request
+    from core.runtime.engine import Engine
 
     path = make_checkpoint("mixtral", tmp_path / "bf16", dtype=torch.bfloat16)
     ref = hf_model(path, dtype=torch.float64)
@@ -111,17 +111,6 @@ def test_engine_in_fp32_math_runs_it_as_close_to_float64_as_the_widened_tiles(tm
         kinds = {type(lw.packed).__name__ for lw in engine.weights.layers}
         assert kinds == ({"NativeExperts"} if fused else {"NoneType"})
         assert "in registers" in engine.cpu.describe() if fused else "tile by tile" in engine.cpu.describe()
-        prompts = [engine.prompt_token_ids(Request(id=str(i), prompt=p))
-                   for i, p in enumerate(["Hi there", "Tell me a story about a cat", "x y z"])]
-        runner = engine.runner(slots=3, micro_batch_size=3, max_tokens=32)
-        logits, _ = runner.prefill(prompts, [0, 1, 2], [[0, 1, 2]])
-        nxt = [3, 4, 5]
-        step, _ = runner.decode([nxt], [[0, 1, 2]], [[len(p) for p in prompts]])
-        err = 0.0
-        for i, p in enumerate(prompts):
-            with torch.no_grad():
-                want = ref(torch.tensor([p + [nxt[i]]])).logits[0, -2:]
-            err = max(err, _rel(logits[i], want[0]), _rel(step[i], want[1]))
-        errors[fused] = err
+        errors[fused] = _engine_error(engine, ref)
     # both within what the bf16 KV cache leaves (2-4e-3 here); the kernel no further from float64 than torch's tiles
     assert errors[True] < 1e-2 and errors[True] <= 1.25 * errors[False] + 1e-6, errors

@@ -60,6 +60,25 @@ def _rel(a, ref):
     return ((a.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+def _engine_error(engine, ref) -> float:
+    """The largest relative error of a prefill's and one decode step's logits of three prompts against `ref`
+    (float64 transformers over the same weights)."""
+    from core.runtime.engine import Request
+
+    prompts = [engine.prompt_token_ids(Request(id=str(i), prompt=p))
+               for i, p in enumerate(["Hi there", "Tell me a story about a cat", "x y z"])]
+    runner = engine.runner(slots=3, micro_batch_size=3, max_tokens=32)
+    logits, _ = runner.prefill(prompts, [0, 1, 2], [[0, 1, 2]])
+    nxt = [3, 4, 5]
+    step, _ = runner.decode([nxt], [[0, 1, 2]], [[len(p) for p in prompts]])
+    err = 0.0
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            want = ref(torch.tensor([p + [nxt[i]]])).logits[0, -2:]
+        err = max(err, _rel(logits[i], want[0]), _rel(step[i], want[1]))
+    return err
+
+
 @runs
 @pytest.mark.parametrize("T", [1, 7, 37])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
@@ -209,7 +228,7 @@ def test_bf16_engine_runs_the_kernel_as_close_to_float64_as_onednn(tmp_path, mon
     """Prefill and one decode step of a bf16 Mixtral in CPU mode: the kernel's logits against float64
     transformers over the same bf16 weights, beside the same engine on oneDNN's packing."""
     from checkpoints import hf_model, make_checkpoint
-    from core.runtime.engine import Engine, Request
+    from core.runtime.engine import Engine
 
     path = make_checkpoint("mixtral", tmp_path / "bf16", dtype=torch.bfloat16)
     ref = hf_model(path, dtype=torch.float64)
@@ -220,16 +239,5 @@ def test_bf16_engine_runs_the_kernel_as_close_to_float64_as_onednn(tmp_path, mon
         engine = Engine.load(path)
         kinds = {type(lw.packed).__name__ for lw in engine.weights.layers}
         assert kinds == ({"NativeExperts"} if fused else {"list"})
-        prompts = [engine.prompt_token_ids(Request(id=str(i), prompt=p))
-                   for i, p in enumerate(["Hi there", "Tell me a story about a cat", "x y z"])]
-        runner = engine.runner(slots=3, micro_batch_size=3, max_tokens=32)
-        logits, _ = runner.prefill(prompts, [0, 1, 2], [[0, 1, 2]])
-        nxt = [3, 4, 5]
-        step, _ = runner.decode([nxt], [[0, 1, 2]], [[len(p) for p in prompts]])
-        err = 0.0
-        for i, p in enumerate(prompts):
-            with torch.no_grad():
-                want = ref(torch.tensor([p + [nxt[i]]])).logits[0, -2:]
-            err = max(err, _rel(logits[i], want[0]), _rel(step[i], want[1]))
-        errors[fused] = err
+        errors[fused] = _engine_error(engine, ref)
     assert errors[True] < 3e-2 and errors[True] <= 1.25 * errors[False], errors
