@@ -4,7 +4,7 @@
    down_e(silu(gate_e(x)) * up_e(x)), e = idx[t, j]. oneDNN's packed bf16 GEMM reaches 62-79 % of the
    machine's peak at the 16-32 rows an expert sees in a decode step (two Zen 5 cores); this kernel
    keeps a tile of up to 6 rows x 64 columns of fp32 sums in registers, streams each weight panel once
-   in the order it is stored, block by block (software prefetch one block ahead), and fuses what torch runs as separate passes: the
+   in the order it is stored, block by block (software prefetch one block ahead, to L2), and fuses what torch runs as separate passes: the
    gather of each expert's rows (read in place through the token index), SiLU(gate) * up (in fp32,
    rounded once to bf16), the routing weight and the sum over experts (in fp32, rounded once).
 
@@ -61,7 +61,10 @@ static inline void store_bf16(uint16_t *p, __m512 v) {
    in `acc` (fp32 [M][64]; zeros before the first block), the epilogue after the last. GATE_UP: rows of
    x, gathered through tok; out[r] = silu(gate) * up (32 bf16). Else: rows of the intermediate;
    sum[tok[r]] += weight * y (64 fp32). Meanwhile it prefetches its share (`lines` from `next`) of the
-   block that follows, spread over its K steps. */
+   block that follows, spread over its K steps, into L2 (T2), not L1: a prefetch to L1 holds one of the
+   core's few L1 miss buffers for a whole trip to memory, and at the 8-16 rows an expert sees in a B = 32-64
+   step those ran out (the stream stalled the arithmetic: 1.2-1.5x slower there on two Zen 4 cores, the
+   same from 32 rows up); the first tile's loads bring the block from L2 to L1. */
 enum { GATE_UP, DOWN };
 
 static inline __attribute__((always_inline)) void tile(const int M, const int mode, const uint16_t *in, int64_t ld,
@@ -78,7 +81,7 @@ static inline __attribute__((always_inline)) void tile(const int M, const int mo
             acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_buf + m * 64 + 16 * v);
     }
     for (int64_t k2 = 0; k2 < kn; k2++, w += 32 * NR) {
-        for (int64_t j = 0; j < per_step && lines > 0; j++, lines--, next += 64) _mm_prefetch(next, _MM_HINT_T0);
+        for (int64_t j = 0; j < per_step && lines > 0; j++, lines--, next += 64) _mm_prefetch(next, _MM_HINT_T2);
         __m512bh wv[NR];
         for (int v = 0; v < NR; v++) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
         for (int m = 0; m < M; m++) {

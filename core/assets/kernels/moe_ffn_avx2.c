@@ -58,7 +58,8 @@ enum { GATE_UP, DOWN };
    first columns in the tile's 64), sums carried in acc (fp32 [M][64]), the epilogue after the last block.
    GATE_UP: rows of x gathered through tok; mid[r, col] = silu(gate) * up (gate group a, up group b; col
    = the gate column). DOWN: rows of the intermediate; sum[tok[r], col] += weight * y. Meanwhile it
-   prefetches `lines` lines from `next` (the block after), spread over its K pairs. */
+   prefetches `lines` lines from `next` (the block after), spread over its K pairs, into L2 (T2: see
+   moe_ffn.c; 1.1x faster at 16 rows an expert, the same at 64). */
 static inline __attribute__((always_inline)) void tile(const int M, const int mode, const float *in, int64_t ld,
                                                        const int32_t *tok, const float *wt, const uint16_t *w,
                                                        int64_t k0, int64_t kn, int ga, int gb, int ca, int cb,
@@ -74,7 +75,7 @@ static inline __attribute__((always_inline)) void tile(const int M, const int mo
         b[m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + m * 64 + cb);
     }
     for (int64_t k2 = 0; k2 < kn; k2++, w += 128) {
-        for (int64_t j = 0; j < per_step && lines > 0; j++, lines--, next += 64) _mm_prefetch(next, _MM_HINT_T0);
+        for (int64_t j = 0; j < per_step && lines > 0; j++, lines--, next += 64) _mm_prefetch(next, _MM_HINT_T2);
         const __m256i ra = _mm256_loadu_si256((const __m256i *)(w + ga));
         const __m256i rb = _mm256_loadu_si256((const __m256i *)(w + gb));
         const __m256 a0 = _mm256_castsi256_ps(_mm256_slli_epi32(ra, 16)), a1 = _mm256_castsi256_ps(_mm256_and_si256(ra, hi));
