@@ -29,7 +29,7 @@ def test_rms_norm_rounds_as_torch_does(shape):
     w = (torch.rand(shape[-1], generator=g) + 0.5).bfloat16()
     ref, got = _torch_rms(x, w, 1e-5), row_ops.rms_norm(x, w, 1e-5)
     assert got.shape == ref.shape and got.dtype == torch.bfloat16
-    ulp = torch.ldexp(torch.ones(()), torch.frexp(ref.float()).exponent - 8)  # a bf16 step at |ref|
+    ulp = torch.ldexp(torch.ones(ref.shape), torch.frexp(ref.float()).exponent - 8)  # a bf16 step at |ref|
     # the sum of squares in another order moves rsqrt by an fp32 ulp: the normed row by one bf16 step at
     # most, which the weight's product (rounded again) turns into at most two
     assert ((got.float() - ref.float()).abs() / ulp).max().item() <= 2.0
@@ -90,11 +90,23 @@ def test_rope_join_declines_partial_and_pair_rotations():
     assert not Rope(RopeSpec(), 64, 64, torch.float32).joins_in_c(qkv)  # tables and heads in other dtypes
 
 
+@pytest.fixture
+def threads(request):
+    """torch's thread count for the test (the C loops split their rows over that many), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kv_write_puts_each_row_where_index_copy_does(dtype):
+@pytest.mark.parametrize("B, threads", [(6, 1), (6, 2), (40, 2), (37, 3)], indirect=["threads"])
+def test_kv_write_puts_each_row_where_index_copy_does(dtype, B, threads):
+    """Few rows in one loop; from 64 rows (B = 40 × 4 heads) split over the threads, in runs that do not
+    divide evenly at 3."""
     g = torch.Generator().manual_seed(1)
-    slots, heads, cap, hd, B = 9, 4, 33, 64, 6
+    slots, heads, cap, hd = 48, 4, 33, 64
     store = kvcache.KVStore(slots, heads, hd, cap, dtype, pin=False)
     store.k.normal_(generator=g), store.v.normal_(generator=g)
     payload = torch.randn(B, 3 * heads * hd + 16, generator=g).to(dtype)  # k and v as slices of one payload
@@ -112,12 +124,15 @@ def test_kv_write_puts_each_row_where_index_copy_does(dtype):
 
 
 @needs_kernel
-def test_kv_write_narrows_fp32_rows_into_a_bf16_cache_as_to_does():
+@pytest.mark.parametrize("B, threads", [(3, 1), (45, 2)], indirect=["threads"])
+def test_kv_write_narrows_fp32_rows_into_a_bf16_cache_as_to_does(B, threads):
     g = torch.Generator().manual_seed(4)
-    store = kvcache.KVStore(5, 2, 64, 16, torch.bfloat16, pin=False)
-    payload = torch.randn(3, 3 * 128, generator=g) * 100  # fp32: an AVX2 CPU's math
-    k, v = payload[:, :128].view(3, 2, 64), payload[:, 128:256].view(3, 2, 64)
-    at = torch.tensor([0, 16, 33, 49, 70, 86])
+    store = kvcache.KVStore(B + 2, 2, 64, 16, torch.bfloat16, pin=False)
+    payload = torch.randn(B, 3 * 128, generator=g) * 100  # fp32: an AVX2 CPU's math
+    k, v = payload[:, :128].view(B, 2, 64), payload[:, 128:256].view(B, 2, 64)
+    slots = torch.randperm(B + 2, generator=g)[:B]
+    at = (slots[:, None] * 2 * 16 + torch.arange(2)[None, :] * 16 + torch.randint(0, 16, (B,), generator=g)[:, None])
+    at = at.reshape(-1)
     want_k, want_v = store.k.clone(), store.v.clone()
     want_k.view(-1, 64).index_copy_(0, at, k.reshape(-1, 64).to(torch.bfloat16))
     want_v.view(-1, 64).index_copy_(0, at, v.reshape(-1, 64).to(torch.bfloat16))

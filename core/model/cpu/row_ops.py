@@ -28,7 +28,7 @@ class _Lib:
         self.dll = ctypes.CDLL(str(path))
         P, I, F, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self.kv_write = self.dll.mlight_kv_write
-        self.kv_write.argtypes = [P, P, P, P, P, I, I, I, I]
+        self.kv_write.argtypes = [P, P, P, P, P, I, I, I, I, C]
         self.kv_write.restype = None
         self.rms_norm = self.dll.mlight_rms_norm
         self.rms_norm.argtypes = [P, I, I, I, P, F, P, I, C]
@@ -37,7 +37,7 @@ class _Lib:
         self.rope_join.argtypes = [P, I, I, I, I, P, P, I, I, P, I, C]
         self.rope_join.restype = None
         self.kv_write_narrow = self.dll.mlight_kv_write_narrow
-        self.kv_write_narrow.argtypes = [P, P, P, P, P, I, I, I, I]
+        self.kv_write_narrow.argtypes = [P, P, P, P, P, I, I, I, I, C]
         self.kv_write_narrow.restype = None
         self.rms_norm_f32 = self.dll.mlight_rms_norm_f32
         self.rms_norm_f32.argtypes = [P, I, I, I, P, F, P, I, C]
@@ -94,7 +94,7 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     es, hd = k.element_size(), k.shape[2]
     write = lib.kv_write_narrow if narrow else lib.kv_write
     write(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), at.data_ptr(), at.numel(), k.shape[1],
-          k.stride(0) * es, hd if narrow else hd * es)
+          k.stride(0) * es, hd if narrow else hd * es, _threads())
     return True
 
 
