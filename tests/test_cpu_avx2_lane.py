@@ -5,7 +5,7 @@ torch's bf16 matmuls are 10–100× slower and oneDNN refuses to prepack bf16 we
 machines often have AVX-512 BF16, so this runs the parity tests in a child pytest under
 ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 (read at start-up, hence the subprocess):
 the fp32 and bf16 engines against transformers and float64, decode attention, the expert kernels (the
-fp32-math one an AVX2 CPU runs bf16 experts on), the row ops,
+fp32-math one an AVX2 CPU runs bf16 experts on), the row ops, the dense projections' choice of kernel,
 the compute choice, and the threaded CGOPipe graph whose CPU attention runs beside a "device".
 `test_the_avx2_limits_take_effect` in the child fails if the limits did not take.
 """
@@ -26,6 +26,7 @@ LANE = [
     "test_moe.py",
     "test_cpu_ffn_avx2.py",
     "test_cpu_row_ops.py",
+    "test_cpu_panel_linear.py",
     "test_engine_parity.py::test_greedy_tokens_match_transformers",
     "test_engine_parity.py::test_logits_match_float64_reference",
     "test_pipeline.py::test_threaded_matches_sequential_for_every_family",

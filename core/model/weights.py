@@ -181,7 +181,8 @@ class LayerWeights:
             fused = swiglu and "b13" not in self.tensors and "b2" not in self.tensors
             self.packed = pack_cpu_experts(self.tensors["w13"], self.tensors["w2"], fused) if has_experts else []
         biases = {n: self.tensors[n].clone() for n in ("b13", "b2") if n in self.tensors}  # not packed, still used
-        # the projections prepacked for oneDNN (or plain where it refuses) and held apart from the flat
+        # the projections in their kernel's layout (core.model.cpu.kernels.pack_dense: the expert kernel's
+        # panels, oneDNN's packing, or plain where neither takes them) and held apart from the flat
         # buffer, which keeps only the rest: their row-major bytes beside the packed copy were the dense
         # weights twice in RAM, where the planner counts them once
         self._hold_dense_apart(quantize_dense or (lambda name, w: w), biases)

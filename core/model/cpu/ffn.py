@@ -51,6 +51,12 @@ class _Lib:
         self.scratch = self.dll.mlight_moe_scratch
         self.scratch.argtypes = [I, I, I, I, I]
         self.scratch.restype = I
+        self.linear = self.dll.mlight_linear  # the dense projections on the same panels (core.model.cpu.panel_linear)
+        self.linear.argtypes = [P, I, I, I, P, I, P, P, I, P, C]
+        self.linear.restype = None
+        self.linear_scratch = self.dll.mlight_linear_scratch
+        self.linear_scratch.argtypes = [I, I]
+        self.linear_scratch.restype = I
         self.openmp = bool(self.dll.mlight_moe_openmp())
         self.flags = " ".join(FLAGS) + (" -fopenmp" if self.openmp else "")
 
@@ -204,7 +210,7 @@ class NativeExperts:
         n = torch.get_num_threads() if lib.openmp else 1
         for a in range(0, T, CHUNK_TOKENS):
             b = min(T, a + CHUNK_TOKENS)
-            s = _scratch(lib.scratch(b - a, k, self.E, self.I, n))
+            s = scratch(lib.scratch(b - a, k, self.E, self.I, n))
             if lib.ffn(h[a].data_ptr(), b - a, k, idx[a].data_ptr(), weights[a].data_ptr(),
                        int(weights.dtype == torch.bfloat16), self.E, self.D, self.I, self.w13.data_ptr(),
                        self.w13[0].numel(), self.w2.data_ptr(), self.w2[0].numel(), out[a].data_ptr(), s.data_ptr(), n):
@@ -221,7 +227,7 @@ class NativeExperts:
         n = torch.get_num_threads() if lib.openmp else 1
         for a in range(0, T, CHUNK_TOKENS):
             b = min(T, a + CHUNK_TOKENS)
-            s = _scratch(lib.scratch(b - a, k, self.E, self.I, n))
+            s = scratch(lib.scratch(b - a, k, self.E, self.I, n))
             if lib.ffn(h[a].data_ptr(), b - a, k, idx[a].data_ptr(), weights[a].data_ptr(), self.E, self.D, self.I,
                        self.w13.data_ptr(), self.w13[0].numel(), self.w2.data_ptr(), self.w2[0].numel(),
                        out[a].data_ptr(), s.data_ptr(), n):
@@ -245,7 +251,7 @@ def pack_gate_up(w13: torch.Tensor) -> torch.Tensor:
 _local = threading.local()
 
 
-def _scratch(nbytes: int) -> torch.Tensor:
+def scratch(nbytes: int) -> torch.Tensor:
     """This thread's scratch, grown once to the largest call, then reused (no allocation per step)."""
     buf = getattr(_local, "buf", None)
     if buf is None or buf.numel() < nbytes:

@@ -1,0 +1,74 @@
+"""Dense bf16 projections on the expert kernel's panels (core/assets/kernels/moe_ffn.c, `mlight_linear`).
+
+A decode step of one stream multiplies one row by each projection: a read of the weight, no more.
+oneDNN's packed bf16 GEMV read a cold 1536 × 1024 QKV at 10-12 GB/s on two Zen 4 cores, where the
+expert kernel streams its panels at 27 GB/s; the QKV and O projections were 3.5 of a 22-26 ms step of
+the 784M Mixtral. So where that kernel is built (AVX-512 BF16, a C compiler, OpenMP or one thread),
+`pack_dense` (core.model.cpu.kernels) holds a bf16 weight whose output features are a multiple of 64 in
+its panel layout instead of oneDNN's: the same bytes, one copy. Sums in fp32 rounded once to bf16,
+bias added before the rounding, as oneDNN's GEMM does; the summation order differs (an fp32 ulp).
+At 64-512 rows the same tiles run at 85-93 % of the machine's peak, about oneDNN's there.
+`MLIGHT_NATIVE_DENSE=0` keeps the projections on oneDNN (an A/B switch; the expert kernel's own
+switches, MLIGHT_NATIVE and MLIGHT_NATIVE_EXPERTS, turn these off too).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from core.model.cpu import ffn
+from core.model.cpu.kernels import LinearOnlyWeight
+
+CHUNK_ROWS = 512  # rows per call: the per-thread fp32 sums stay 2 × 128 KB
+
+
+def takes(w: torch.Tensor) -> bool:
+    """Whether `w` [N, K] can be held in panels here."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.device.type != "cpu" or w.shape[0] % 64 or w.shape[1] % 2:
+        return False
+    if os.environ.get("MLIGHT_NATIVE_DENSE", "1") == "0":
+        return False
+    lib = ffn.library()
+    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+
+
+class PanelWeight(LinearOnlyWeight):
+    """A bf16 weight [N, K] as N/64 panels [K/2][4][16][2] (core.model.cpu.ffn.pack_rows)."""
+
+    @staticmethod
+    def __new__(cls, w: torch.Tensor):
+        obj = torch.Tensor._make_wrapper_subclass(cls, w.shape, dtype=w.dtype, device=w.device, requires_grad=False)
+        N, K = w.shape
+        obj.panels = torch.empty((N // 64, K // 2, 4, 16, 2), dtype=torch.bfloat16).copy_(ffn.pack_rows(w))
+        return obj
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        N, K = self.shape
+        if x.dtype != torch.bfloat16 or x.shape[-1] != K or (bias is not None and bias.dtype != torch.bfloat16):
+            raise TypeError(f"PanelWeight {N}x{K} bf16 takes bf16 inputs [..., {K}] and a bf16 bias; got "
+                            f"{x.dtype} {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, K)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        T = rows.shape[0]
+        out = torch.empty((T, N), dtype=torch.bfloat16)
+        if T:
+            lib = ffn.library()
+            n = torch.get_num_threads() if lib.openmp else 1
+            b = None if bias is None else bias.contiguous()
+            for a in range(0, T, CHUNK_ROWS):
+                m = min(CHUNK_ROWS, T - a)
+                s = ffn.scratch(lib.linear_scratch(m, n))
+                lib.linear(rows[a].data_ptr(), m, rows.stride(0), K, self.panels.data_ptr(), N,
+                           None if b is None else b.data_ptr(), out[a].data_ptr(), N, s.data_ptr(), n)
+        return out.view(*lead, N)
+
+    @property
+    def held_bytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+    def __repr__(self) -> str:
+        return f"PanelWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
