@@ -271,6 +271,12 @@ def roofline_fraction(spec, rec: _Recorder, roof: common.Roofline) -> dict:
     dec_flops = sum(common.decode_step_cost(spec, b, ctx)[0] for b, ctx in rec.decode)
     dec_bytes = sum(common.decode_step_cost(spec, b, ctx)[1] for b, ctx in rec.decode)
     toks = sum(b for b, _ in rec.decode)
+    by_batch: dict[str, list[float]] = {}  # where the fraction is lost: [steps, ideal s, measured s] per batch
+    for (b, ctx), s in zip(rec.decode, dec_s):
+        row = by_batch.setdefault(f"{(b + 15) // 16 * 16}", [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += roof.time(*common.decode_step_cost(spec, b, ctx))
+        row[2] += s
     return {
         "decode_steps": len(dec_s), "decode_tokens": toks, "decode_s": sum(dec_s), "prefill_s": sum(pre_s),
         "decode_ideal_s": ideal_dec, "prefill_ideal_s": ideal_pre,
@@ -280,6 +286,7 @@ def roofline_fraction(spec, rec: _Recorder, roof: common.Roofline) -> dict:
         "decode_intensity_flop_per_byte": dec_flops / dec_bytes if dec_bytes else float("nan"),
         "decode_achieved_gflops": dec_flops / sum(dec_s) / 1e9 if dec_s else float("nan"),
         "decode_achieved_gbs": dec_bytes / sum(dec_s) / 1e9 if dec_s else float("nan"),
+        "decode_by_batch": dict(sorted(by_batch.items(), key=lambda kv: int(kv[0]))),
     }
 
 
@@ -414,6 +421,9 @@ def main(argv=None) -> int:
               f"{rf['decode_achieved_gflops']:.0f} GFLOP/s, {rf['decode_achieved_gbs']:.1f} GB/s); prefill "
               f"{rf['prefill_fraction'] * 100:.1f} %; end to end "
               f"{(rf['decode_ideal_s'] + rf['prefill_ideal_s']) / ours['wall'] * 100:.1f} %", flush=True)
+        print("roofline by batch (up to, steps, fraction, share of decode): " + "; ".join(
+            f"{b}: {n}, {i / m * 100:.0f} %, {m / rf['decode_s'] * 100:.0f} %"
+            for b, (n, i, m) in rf["decode_by_batch"].items()), flush=True)
         out.update({"ours_tokens": got, "ours_wall": ours["wall"], "ours_tok_s": ours_tps, "ours_cpu_s": ours["cpu"],
                     "batch": args.batch, "micro_batch": args.micro_batch, **{f"ours_{k}": v for k, v in rf.items()}})
 
