@@ -355,12 +355,13 @@ def main(argv=None) -> int:
     else:
         work = args.workdir
     model_dir = work / ("mixtral-quick" if args.quick else "mixtral-800m")
-    from core.model.cpu import compute, ffn, native, row_ops
+    from core.model.cpu import compute, ffn, native, panel_linear, row_ops
 
     bf16_math = compute.choose(args.dtype or "bfloat16").math  # what the checkpoint computes in here
     print(f"mlight bench cpu_vs_hf: torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()} "
           f"({cpu_isa().label}), {args.clock} clock, load average {common.load_average()}; decode attention: "
-          f"{native.status()}; bf16 experts: {ffn.status(bf16_math)}; row ops: {row_ops.status()}", flush=True)
+          f"{native.status()}; bf16 experts: {ffn.status(bf16_math)}; bf16 projections: "
+          f"{panel_linear.status(bf16_math)}; row ops: {row_ops.status()}", flush=True)
     t = time.perf_counter()
     if not (model_dir / "config.json").is_file():
         info = common.build_mixtral(model_dir, **shape, seed=args.seed)
@@ -393,7 +394,7 @@ def main(argv=None) -> int:
     out = {"command": "python bench/cpu_vs_hf.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "threads": args.threads, "clock": args.clock, "isa": cpu_isa().label, "torch": torch.__version__,
            "dtype": args.dtype or "bfloat16", "decode_attention": native.status(), "experts_kernel": ffn.status(bf16_math),
-           "row_ops": row_ops.status(),
+           "row_ops": row_ops.status(), "projections": panel_linear.status(bf16_math),
            "params": spec.num_params, "active_params": spec.active_params, "requests": len(reqs),
            "prompt_mean": sum(plen) / len(plen), "prompt_max": max(plen), "requested_tokens": want,
            "peak_flops": roof.flops, "bandwidth": roof.bandwidth, "gemm_detail": roof.gemm_detail,

@@ -51,6 +51,7 @@ def test_strided_and_3d_inputs():
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(128, 64, generator=g) / 8).bfloat16()
     pw = panel_linear.PanelWeight(w)
+    assert panel_linear.status().startswith("the expert kernel's panels")
     wide = torch.randn(9, 100, generator=g).bfloat16()
     x = wide[:, 10:74]  # rows 100 apart: a slice of a wider payload
     assert torch.equal(F.linear(x, pw), F.linear(x.contiguous(), pw))
@@ -65,7 +66,8 @@ def test_strided_and_3d_inputs():
 
 def test_pack_dense_takes_panels_only_where_they_run(monkeypatch):
     """Output features not a multiple of 64 (a router), fp32, or no kernel (an AVX2 CPU, no compiler,
-    MLIGHT_NATIVE=0): oneDNN's packing where it takes the weight, else the weight itself."""
+    MLIGHT_NATIVE=0): oneDNN's packing where it takes the weight, else the weight itself; `mlight hw`'s line
+    says which."""
     g = torch.Generator().manual_seed(1)
     router = torch.randn(8, 64, generator=g).bfloat16()
     assert not isinstance(kernels.pack_dense(router), panel_linear.PanelWeight)
@@ -74,8 +76,11 @@ def test_pack_dense_takes_panels_only_where_they_run(monkeypatch):
     w = torch.randn(128, 64, generator=g).bfloat16()
     monkeypatch.setenv("MLIGHT_NATIVE_DENSE", "0")  # the A/B switch
     assert not isinstance(kernels.pack_dense(w), panel_linear.PanelWeight)
+    assert panel_linear.status() == "oneDNN's packed GEMMs (MLIGHT_NATIVE_DENSE=0)"
     monkeypatch.delenv("MLIGHT_NATIVE_DENSE")
     monkeypatch.setattr(ffn, "library", lambda: None)
+    assert panel_linear.status().startswith("oneDNN's packed GEMMs (no expert kernel: ")
+    assert panel_linear.status("float32") == "oneDNN's fp32 GEMMs over weights widened at load"
     got = kernels.pack_dense(w)
     assert not isinstance(got, panel_linear.PanelWeight)
     x = torch.randn(3, 64, generator=g).bfloat16()

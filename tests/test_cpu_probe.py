@@ -55,10 +55,12 @@ def test_hw_shows_the_isa_rates_and_the_compute_choice(no_gpu, monkeypatch, caps
     assert "float32 110, bfloat16 9, float16 8 GFLOP/s (measured, 2 threads)" in out
     assert "bf16 weights compute in float32: AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2) has " \
            "no native bfloat16 matmul" in out
-    from core.model.cpu import native, row_ops
+    from core.model.cpu import native, panel_linear, row_ops
 
     assert f"decode attention: {native.status()}" in out  # the fused C kernel, or why torch ops run
     assert f"norm, RoPE, cache write: {row_ops.status()}" in out
+    assert "bf16 projections: oneDNN's fp32 GEMMs over weights widened at load" in out  # fp32 math here
+    assert panel_linear.status("float32") in out
     assert main(["hw", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["cpu_matmul"]["bfloat16"] == 9e9 and data["cpu_isa"] == "avx2"

@@ -62,11 +62,12 @@ def run(args) -> int:
         math, why = hw.cpu_math(storage) if hw.cpu_isa else _local_math(storage)
         lines.append(f"  {short} weights compute in {math}: {why}")
         bf16_math = math if storage == "bfloat16" else bf16_math
-    from core.model.cpu import ffn, int4, native, row_ops
+    from core.model.cpu import ffn, int4, native, panel_linear, row_ops
 
     lines.append(f"  decode attention: {native.status()}")
     lines.append(f"  norm, RoPE, cache write: {row_ops.status()}")
     lines.append(f"  bf16 experts: {ffn.status(bf16_math)}")
+    lines.append(f"  bf16 projections: {panel_linear.status(bf16_math)}")
     lines.append(f"  int4 experts: {int4.status()}")
     if not args.no_probe:
         lines.append(f"cache      {probe_cache_path(hw)}")

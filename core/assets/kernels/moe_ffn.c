@@ -4,9 +4,10 @@
    down_e(silu(gate_e(x)) * up_e(x)), e = idx[t, j]. oneDNN's packed bf16 GEMM reaches 62-79 % of the
    machine's peak at the 16-32 rows an expert sees in a decode step (two Zen 5 cores); this kernel
    keeps a tile of up to 6 rows x 64 columns of fp32 sums in registers, streams each weight panel once
-   in the order it is stored, block by block (software prefetch one block ahead, to L2), and fuses what torch runs as separate passes: the
-   gather of each expert's rows (read in place through the token index), SiLU(gate) * up (in fp32,
-   rounded once to bf16), the routing weight and the sum over experts (in fp32, rounded once).
+   in the order it is stored, block by block (software prefetch one block ahead, to L2), and fuses what
+   torch runs as separate passes: the gather of each expert's rows (read in place through the token
+   index), SiLU(gate) * up (in fp32, rounded once to bf16), the routing weight and the sum over experts
+   (in fp32, rounded once). `mlight_linear` runs a dense projection on the same panels.
 
    Packed layouts, made once at load by core/model/cpu/ffn.py (bf16 pairs along K, as vdpbf16ps reads),
    expert e's at w13 + e * s13 and w2 + e * s2 (elements):

@@ -34,6 +34,19 @@ def takes(w: torch.Tensor) -> bool:
     return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
 
 
+def status(math: str = "bfloat16") -> str:
+    """One line for `mlight hw` and the bench: what runs a bf16 checkpoint's dense projections when the CPU
+    computes in `math`."""
+    if math == "float32":
+        return "oneDNN's fp32 GEMMs over weights widened at load"
+    if os.environ.get("MLIGHT_NATIVE_DENSE", "1") == "0":
+        return "oneDNN's packed GEMMs (MLIGHT_NATIVE_DENSE=0)"
+    lib = ffn.library()
+    if lib is None:
+        return f"oneDNN's packed GEMMs (no expert kernel: {ffn.status()})"
+    return "the expert kernel's panels" + ("" if lib.openmp else "; one thread: oneDNN when torch runs more")
+
+
 class PanelWeight(LinearOnlyWeight):
     """A bf16 weight [N, K] as N/64 panels [K/2][4][16][2] (core.model.cpu.ffn.pack_rows)."""
 
