@@ -29,6 +29,26 @@ def test_the_probe_measures_a_gemm_rate_on_the_threads_it_is_given():
     assert cpu_speed.measure("no-such-dtype", seconds=0.0) > 0  # an unknown math name measures fp32
 
 
+def test_a_process_first_probe_warms_up_before_it_times(monkeypatch):
+    """A fresh process's first probe (per math and threads) runs the GEMM WARM_S untimed first — one in six read
+    half the rate of the next two on a 2-core VM — and later probes do not spend that again."""
+    monkeypatch.setattr(cpu_speed, "_warmed", set())
+    now = [0.0]
+
+    def clock():  # every reading advances 1 ms: a call's time is the readings around it
+        now[0] += 1e-3
+        return now[0]
+
+    cpu_speed.measure("float32", threads=1, seconds=0.01, clock=clock)
+    first = now[0]
+    now[0] = 0.0
+    cpu_speed.measure("float32", threads=1, seconds=0.01, clock=clock)
+    assert first >= cpu_speed.WARM_S + 0.01 and now[0] < 0.05 < cpu_speed.WARM_S  # 0.01 s timed, no warm-up
+    now[0] = 0.0
+    cpu_speed.measure("float32", threads=2, seconds=0.01, clock=clock)  # other threads: their own first probe
+    assert now[0] >= cpu_speed.WARM_S
+
+
 def test_a_prediction_follows_the_speed_the_cpu_runs_at_now(no_gpu, monkeypatch):
     """Defect: a calibration's seconds were used whenever a prediction was made; this VM's speed moves 15-20 % over
     tens of minutes, and the 784M's 4x-prompt runs after three of five calibrations ran 10-15 % slower than
