@@ -94,9 +94,20 @@ def run_once(args, model_args, n: int, shape: tuple[int, int], side: dict) -> di
     (run,) = r["runs"]
     p = run["predicted"]
     return {"measured": run["tokens_per_s"], "predicted": p["tokens_per_s"], "error": run["error"]["tokens_per_s"],
+            "cpu_speed": p.get("cpu_speed"),
             "decode_measured": run["decode_tokens_per_s"], "decode_predicted": p["decode_tokens_per_s"],
             "decode_error": run["error"]["decode_tokens_per_s"], "seconds": run["seconds"],
             "ratios": (run.get("folded_back") or {}).get("ratios", {}), "load": r["load_average"], "time": time.time()}
+
+
+def probe_words(f: dict) -> str:
+    """The speed probe's reading before the run against the calibration's, and the run's error had the prediction
+    not been scaled by it (CpuCosts.at_speed): which of the two the probe helped."""
+    sp = f.get("cpu_speed") or {}
+    if not (sp.get("now") and sp.get("calibrated")):
+        return ""
+    r = sp["now"] / sp["calibrated"]
+    return f"probe {r:.2f}x the calibration's (unscaled {f['measured'] * r / f['predicted'] - 1:+.1%}); "
 
 
 def main(argv=None) -> int:
@@ -153,7 +164,7 @@ def main(argv=None) -> int:
                               f"{f['measured']:8.1f} tok/s, predicted {f['predicted']:8.1f}: {f['error']:+6.1%} "
                               f"(decode {f['decode_error']:+6.1%}); tasks / predicted: compute "
                               f"{q.get('compute', float('nan')):.2f}, attention {q.get('attention', float('nan')):.2f}, "
-                              f"prefill {q.get('prefill', float('nan')):.2f}; {f['seconds']:.0f} s, bandwidth "
+                              f"prefill {q.get('prefill', float('nan')):.2f}; {probe_words(f)}{f['seconds']:.0f} s, bandwidth "
                               f"{bw:.1f} GB/s, load {f['load']}", flush=True)
         for side, r in rows.items():
             for key, fs in r["runs"].items():

@@ -232,3 +232,20 @@ def test_the_drift_bench_divides_the_probe_out():
     prefill, decode = cpu_speed_drift.summary(rows, 2)[1:]
     assert "±0.0% times the probe's rate; slope on the probe 1.00" in prefill and "alone" in prefill
     assert "±0.0% alone" in decode and "slope on the probe 0.00" in decode
+
+
+def test_the_probe_noise_bench_reads_a_box_that_moves_in_stretches_and_one_that_jitters():
+    """bench/probe_noise.py's `follow`: on a trace whose speed changes in 20-second stretches a reading foretells the
+    next seconds (slope near 1); on one that alternates fast and slow every half-second, nothing (slope near 0)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import probe_noise
+
+    calls = lambda speed: [(i * 0.01, 0.01 / speed(i * 0.01)) for i in range(12000)]  # noqa: E731 - 120 s, 10 ms a call
+    stretches = probe_noise.follow(calls(lambda t: 1.0 if int(t // 20) % 2 else 1.5), probe=1.5, run=2.0)
+    jitter = probe_noise.follow(calls(lambda t: 1.0 if int(t // 0.5) % 2 else 1.5), probe=1.5, run=2.0)
+    assert stretches["slope"] > 0.7 and stretches["corr"] > 0.7  # off only where a reading straddles a change
+    assert abs(jitter.get("slope", 0.0)) < 0.2
+    assert probe_noise.follow(calls(lambda t: 1.0)[:50], probe=1.5, run=2.0) == {"n": 0}
