@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+
 class Pieces:
     """Seconds and calls per named piece, counted only while `on`."""
 
@@ -35,38 +36,27 @@ class Pieces:
         self.calls = collections.Counter()
         self.on = False
 
+    def _charge(self, name, f, *a, **k):
+        """f(*a, **k), its seconds charged to `name` (a callable: named from the call's arguments) while `on`."""
+        if not self.on:
+            return f(*a, **k)
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            key = name(*a) if callable(name) else name
+            self.seconds[key] += time.perf_counter() - t
+            self.calls[key] += 1
+
     def wrap(self, owner, attr: str, name: str) -> None:
         f = getattr(owner, attr)
-
-        @functools.wraps(f)
-        def timed(*a, **k):
-            if not self.on:
-                return f(*a, **k)
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                self.seconds[name] += time.perf_counter() - t
-                self.calls[name] += 1
-
-        setattr(owner, attr, timed)
+        setattr(owner, attr, functools.wraps(f)(lambda *a, **k: self._charge(name, f, *a, **k)))
 
     def wrap_linear(self, cls, label: str) -> None:
         """A weight class's `linear(self, x, bias)`, keyed by the call's shapes."""
         f = cls.linear
-
-        def timed(w, x, bias):
-            if not self.on:
-                return f(w, x, bias)
-            t = time.perf_counter()
-            try:
-                return f(w, x, bias)
-            finally:
-                name = f"{label} {tuple(x.shape)} x {tuple(w.shape)}"
-                self.seconds[name] += time.perf_counter() - t
-                self.calls[name] += 1
-
-        cls.linear = timed
+        cls.linear = lambda w, x, bias: self._charge(lambda w, x, b: f"{label} {tuple(x.shape)} x {tuple(w.shape)}",
+                                                     f, w, x, bias)
 
 
 def prompts(n: int) -> list[str]:

@@ -179,7 +179,8 @@ def test_calibration_times_the_expert_kernel_the_engine_runs(tmp_path, monkeypat
     if not fused:
         monkeypatch.setenv("MLIGHT_NATIVE_EXPERTS", "0")
     # both kernels' builds: under the AVX2 limits the fp32-math one, built by an earlier test, would outlive the switch
-    ffn._build.cache_clear(), ffn._build_avx2.cache_clear()
+    ffn._build.cache_clear()
+    ffn._build_avx2.cache_clear()
     try:
         engine = Engine.load(path, threads=1)
         assert bool(pieces.fused_layers(engine)) is fused
@@ -218,4 +219,5 @@ def test_calibration_times_the_expert_kernel_the_engine_runs(tmp_path, monkeypat
         assert base.expert_call_s + base.expert_flop_s + base.expert_weight_s > 0
         engine.close()
     finally:
-        ffn._build.cache_clear(), ffn._build_avx2.cache_clear()
+        ffn._build.cache_clear()
+        ffn._build_avx2.cache_clear()
