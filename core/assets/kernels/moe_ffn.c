@@ -17,11 +17,22 @@
    Threads (OpenMP, on the libgomp torch has loaded): gate/up panels then down panels are split into
    contiguous runs, one per thread, with one barrier between; each thread owns its output columns.
    Scratch (bytes from mlight_moe_scratch): routing order, the bf16 [T*k, I] intermediate, and per thread
-   a fp32 [T, 64] sum and the [T*k, 64] sums a panel's tiles carry between K blocks. Returns 0, or -1 for an expert id out of range. */
+   a fp32 [T, 64] sum and the [T*k, 64] sums a panel's tiles carry between K blocks. Returns 0, or -1 for an expert id out of range.
+   Built with -mamx-tile -mamx-bf16 (an AMX CPU), experts with AMX_MIN_ROWS rows or more run on AMX tiles instead
+   (`panel_amx`), over the same panels, the rows gathered first into the scratch. */
 
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MLIGHT_AMX 1
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#else
+#define MLIGHT_AMX 0
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -148,6 +159,143 @@ static void panel(int mode, const uint16_t *in, int64_t ld, const int32_t *tok, 
     }
 }
 
+#if MLIGHT_AMX
+/* AMX (built with -mamx-tile -mamx-bf16 where the CPU has it): the same panels as 16 x 16 bf16-pair tiles.
+   A panel block of K pairs is [K][4][16][2], so the 16 columns j of 16 pairs are one B tile, rows 256 bytes
+   apart; the input rows, 16 at a time, are A tiles; each 16-row block's 64 sums are four C tiles. On the
+   Xeon of the nineteenth session oneDNN's AMX GEMM ran a layer's experts 2.3-5x faster than the vector
+   tiles from 16 rows an expert up: those are compute-bound there, and a tile does 16 rows x 16 columns x 32
+   in one instruction. Rows are read 16 at a time, past n where n is not a multiple of 16: the callers keep
+   those readable (scratch padding); their sums are never used. */
+#define KC_AMX 256 /* K pairs a block: 64 KB of a panel, read from L2 by every 16-row block */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 8 /* fewer rows an expert: the vector tiles */
+#endif
+
+static int amx_ready = 0;
+
+/* Linux hands a process the AMX state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA);
+   without it the first tile instruction faults. Windows enables it for every process. 0: ready. */
+int mlight_moe_amx_init(void) {
+    if ((_xgetbv(0) & 0x60000) != 0x60000) return -1; /* the OS saves no tile state (XCR0 bits 17-18) */
+#ifdef __linux__
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */)) return -1;
+#endif
+    amx_ready = 1;
+    return 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void amx_begin(void) { /* every tile 16 rows x 64 bytes, in this thread */
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* One 16-row block against K pairs [k0, k0 + kn) of a panel block `w`: sums carried in acc ([16][64] fp32). */
+static inline void amx_block(const uint16_t *in, int64_t ld, const uint16_t *w, int64_t k0, int64_t kn, float *acc,
+                             int first, const char *next, int64_t lines) {
+    if (first) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+        _tile_loadd(0, acc, 256); _tile_loadd(1, acc + 16, 256); _tile_loadd(2, acc + 32, 256); _tile_loadd(3, acc + 48, 256);
+    }
+    const int64_t steps = kn / 16, per_step = (lines + steps - 1) / (steps ? steps : 1);
+    for (int64_t s = 0; s < steps; s++) {
+        for (int64_t j = 0; j < per_step && lines > 0; j++, lines--, next += 64) _mm_prefetch(next, _MM_HINT_T2);
+        const uint16_t *b = w + s * 16 * 128;
+        _tile_loadd(4, in + 2 * (k0 + 16 * s), 2 * ld);
+        _tile_loadd(5, b, 256);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 32, 256);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, b + 64, 256);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b + 96, 256);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, acc, 256); _tile_stored(1, acc + 16, 256); _tile_stored(2, acc + 32, 256); _tile_stored(3, acc + 48, 256);
+}
+
+/* Two 16-row blocks at once, in two passes over the panel's column halves: per K step two A and two B tiles feed
+   four products (2 x 2), so each B tile, the stream from L2, is loaded once for 32 rows, not twice. */
+static inline void amx_block2(const uint16_t *in, int64_t ld, const uint16_t *w, int64_t k0, int64_t kn, float *acc,
+                              int first, const char *next, int64_t lines) {
+    const int64_t steps = kn / 16, per_step = (lines + 2 * steps - 1) / (steps ? 2 * steps : 1);
+    float *a1 = acc + 16 * 64;
+    for (int h = 0; h < 64; h += 32) {
+        if (first) {
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        } else {
+            _tile_loadd(0, acc + h, 256); _tile_loadd(1, acc + h + 16, 256);
+            _tile_loadd(2, a1 + h, 256); _tile_loadd(3, a1 + h + 16, 256);
+        }
+        for (int64_t s = 0; s < steps; s++) {
+            for (int64_t j = 0; j < per_step && lines > 0; j++, lines--, next += 64) _mm_prefetch(next, _MM_HINT_T2);
+            const uint16_t *b = w + s * 16 * 128 + 2 * h; /* columns h..h+31: B tiles h/16 and h/16 + 1 */
+            _tile_loadd(4, in + 2 * (k0 + 16 * s), 2 * ld);
+            _tile_loadd(6, b, 256);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b + 32, 256);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, in + 16 * ld + 2 * (k0 + 16 * s), 2 * ld);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, acc + h, 256); _tile_stored(1, acc + h + 16, 256);
+        _tile_stored(2, a1 + h, 256); _tile_stored(3, a1 + h + 16, 256);
+    }
+}
+
+/* `panel` on tiles: `in` holds the n rows contiguously (ld apart, readable to a multiple of 16), K2 a multiple of
+   16; the epilogue as the vector tiles' (GATE_UP: mid rows; DOWN: sum[tok] += weight * y) from acc. */
+static void panel_amx(int mode, const uint16_t *in, int64_t ld, const int32_t *tok, const float *wt, int64_t n,
+                      const uint16_t *w, int64_t K2, float *acc, uint16_t *mid, int64_t I, float *sum,
+                      const uint16_t *next, int64_t bytes) {
+    const int64_t blocks = (n + 15) / 16;
+    for (int64_t k0 = 0; k0 < K2; k0 += KC_AMX) {
+        const int64_t kn = K2 - k0 < KC_AMX ? K2 - k0 : KC_AMX;
+        const int more = k0 + KC_AMX < K2;
+        const char *nb = more ? (const char *)(w + (k0 + KC_AMX) * 128) : (const char *)next;
+        const int64_t lines = more ? (K2 - k0 - KC_AMX < KC_AMX ? K2 - k0 - KC_AMX : KC_AMX) * 4
+                                   : (bytes < KC_AMX * 256 ? bytes : KC_AMX * 256) / 64;
+        for (int64_t r = 0; r < blocks; r += 2) {
+            const int64_t a = lines * r / blocks, b = lines * (r + 2 < blocks ? r + 2 : blocks) / blocks;
+            if (r + 1 < blocks)
+                amx_block2(in + r * 16 * ld, ld, w + k0 * 128, k0, kn, acc + r * 16 * 64, k0 == 0, nb + 64 * a, b - a);
+            else
+                amx_block(in + r * 16 * ld, ld, w + k0 * 128, k0, kn, acc + r * 16 * 64, k0 == 0, nb + 64 * a, b - a);
+        }
+    }
+    for (int64_t m = 0; m < n; m++) {
+        const float *a = acc + m * 64;
+        if (mode == GATE_UP) {
+            store_bf16(mid + m * I, silu_mul(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 32)));
+            store_bf16(mid + m * I + 16, silu_mul(_mm512_loadu_ps(a + 16), _mm512_loadu_ps(a + 48)));
+        } else {
+            float *s = sum + (int64_t)tok[m] * 64;
+            __m512 g = _mm512_set1_ps(wt[m]);
+            for (int v = 0; v < NR; v++) _mm512_storeu_ps(s + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * v), g, _mm512_loadu_ps(s + 16 * v)));
+        }
+    }
+}
+#endif
+
+int mlight_moe_amx(void) { /* 1: built with the tile path and the process may use it */
+#if MLIGHT_AMX
+    return amx_ready;
+#else
+    return 0;
+#endif
+}
+
 /* the first expert after e that got rows, or E */
 static inline int64_t next_expert(const int32_t *start, int64_t E, int64_t e) {
     for (e++; e < E && start[e + 1] == start[e]; e++) {}
@@ -156,9 +304,12 @@ static inline int64_t next_expert(const int32_t *start, int64_t E, int64_t e) {
 
 static inline int64_t align64(int64_t b) { return (b + 63) & ~(int64_t)63; }
 
-int64_t mlight_moe_scratch(int64_t T, int64_t k, int64_t E, int64_t I, int64_t threads) {
-    return 2 * align64(4 * (E + 1)) + align64(4 * T * k) + align64(4 * T * k) + align64(2 * T * k * I) +
-           (align64(4 * T * 64) + align64(4 * T * k * 64)) * threads + 64;
+/* 16 rows past T * k in the intermediate, the gathered rows and the carried sums: the tiles read and write
+   16 rows at a time */
+int64_t mlight_moe_scratch(int64_t T, int64_t k, int64_t E, int64_t D, int64_t I, int64_t threads) {
+    return 2 * align64(4 * (E + 1)) + align64(4 * T * k) + align64(4 * T * k) + align64(2 * (T * k + 16) * I) +
+           (MLIGHT_AMX ? align64(2 * (T * k + 16) * D) : 0) +
+           (align64(4 * T * 64) + align64(4 * (T * k + 16) * 64)) * threads + 64;
 }
 
 int mlight_moe_ffn(const uint16_t *x, int64_t T, int64_t k, const int64_t *idx, const void *wts, int wts_bf16,
@@ -172,7 +323,9 @@ int mlight_moe_ffn(const uint16_t *x, int64_t T, int64_t k, const int64_t *idx, 
     float *wt = (float *)s;
     s += align64(4 * T * k);
     uint16_t *mid = (uint16_t *)s;
-    s += align64(2 * T * k * I);
+    s += align64(2 * (T * k + 16) * I);
+    uint16_t *xs = (uint16_t *)s; /* the rows in expert order, for the tiles */
+    s += MLIGHT_AMX ? align64(2 * (T * k + 16) * D) : 0;
     float *sums = (float *)s;
     /* the (token, slot) pairs grouped by expert, tokens ascending within each (a counting sort) */
     memset(start, 0, 4 * (E + 1));
@@ -193,6 +346,12 @@ int mlight_moe_ffn(const uint16_t *x, int64_t T, int64_t k, const int64_t *idx, 
         }
     }
     const int64_t PA = I / 32, PB = D / 64;
+    int amx = 0; /* some expert has rows enough for the tiles */
+#if MLIGHT_AMX
+    for (int64_t e = 0; amx_ready && e < E; e++) amx |= start[e + 1] - start[e] >= AMX_MIN_ROWS;
+    if (amx)
+        for (int64_t i = 0; i < T * k; i++) memcpy(xs + i * D, x + (int64_t)tok[i] * D, 2 * D);
+#endif
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
@@ -202,9 +361,12 @@ int mlight_moe_ffn(const uint16_t *x, int64_t T, int64_t k, const int64_t *idx, 
 #else
         const int nt = 1, id = 0;
 #endif
+#if MLIGHT_AMX
+        if (amx) amx_begin();
+#endif
         const int64_t a0 = PA * id / nt, a1 = PA * (id + 1) / nt, b0 = PB * id / nt, b1 = PB * (id + 1) / nt;
         const int64_t first = next_expert(start, E, -1);
-        float *sum = sums + (int64_t)id * ((align64(4 * T * 64) + align64(4 * T * k * 64)) / 4);
+        float *sum = sums + (int64_t)id * ((align64(4 * T * 64) + align64(4 * (T * k + 16) * 64)) / 4);
         float *acc = sum + align64(4 * T * 64) / 4; /* a panel's sums between K blocks, [rows][64] */
         for (int64_t e = first; e < E; e = next_expert(start, E, e)) {
             const int64_t n = start[e + 1] - start[e], en = next_expert(start, E, e);
@@ -212,8 +374,16 @@ int mlight_moe_ffn(const uint16_t *x, int64_t T, int64_t k, const int64_t *idx, 
                 /* what this thread reads next: the following panel, the next expert's first, or its first down panel */
                 const uint16_t *nx = p + 1 < a1 ? w13 + e * s13 + (p + 1) * D * 64
                                    : en < E ? w13 + en * s13 + a0 * D * 64 : w2 + first * s2 + b0 * I * 64;
+                const int64_t nb = p + 1 < a1 || en < E ? D * 128 : (b0 < b1 ? I * 128 : 0);
+#if MLIGHT_AMX
+                if (amx && n >= AMX_MIN_ROWS) {
+                    panel_amx(GATE_UP, xs + start[e] * D, D, 0, 0, n, w13 + e * s13 + p * D * 64, D / 2, acc,
+                              mid + start[e] * I + p * 32, I, 0, nx, nb);
+                    continue;
+                }
+#endif
                 panel(GATE_UP, x, D, tok + start[e], 0, n, w13 + e * s13 + p * D * 64, D / 2, acc,
-                      mid + start[e] * I + p * 32, I, 0, nx, p + 1 < a1 || en < E ? D * 128 : (b0 < b1 ? I * 128 : 0));
+                      mid + start[e] * I + p * 32, I, 0, nx, nb);
             }
         }
 #ifdef _OPENMP
@@ -224,12 +394,23 @@ int mlight_moe_ffn(const uint16_t *x, int64_t T, int64_t k, const int64_t *idx, 
             for (int64_t e = first; e < E; e = next_expert(start, E, e)) {
                 const int64_t en = next_expert(start, E, e);
                 const uint16_t *nx = en < E ? w2 + en * s2 + p * I * 64 : w2 + first * s2 + (p + 1) * I * 64;
-                panel(DOWN, mid + start[e] * I, I, tok + start[e], wt + start[e], start[e + 1] - start[e],
+                const int64_t n = start[e + 1] - start[e];
+#if MLIGHT_AMX
+                if (amx && n >= AMX_MIN_ROWS) {
+                    panel_amx(DOWN, mid + start[e] * I, I, tok + start[e], wt + start[e], n, w2 + e * s2 + p * I * 64,
+                              I / 2, acc, 0, I, sum, nx, en < E || p + 1 < b1 ? I * 128 : 0);
+                    continue;
+                }
+#endif
+                panel(DOWN, mid + start[e] * I, I, tok + start[e], wt + start[e], n,
                       w2 + e * s2 + p * I * 64, I / 2, acc, 0, I, sum, nx, en < E || p + 1 < b1 ? I * 128 : 0);
             }
             for (int64_t t = 0; t < T; t++)
                 for (int v = 0; v < NR; v++) store_bf16(out + t * D + p * 64 + 16 * v, _mm512_loadu_ps(sum + t * 64 + 16 * v));
         }
+#if MLIGHT_AMX
+        if (amx) _tile_release();
+#endif
     }
     return 0;
 }
@@ -239,8 +420,8 @@ int mlight_moe_ffn(const uint16_t *x, int64_t T, int64_t k, const int64_t *idx, 
    ldx apart, out rows ldo apart; bias bf16 [N] or null. The DOWN tiles with every row its own token and a
    weight of 1 (sum + 1 * acc is acc exactly); threads split the panels. At one row, the decode step of a
    single stream, oneDNN's packed GEMV read a cold 1536 x 1024 QKV at 10-12 GB/s on two Zen 4 cores. */
-int64_t mlight_linear_scratch(int64_t T, int64_t threads) {
-    return 2 * align64(4 * T) + 2 * align64(4 * T * 64) * threads + 64;
+int64_t mlight_linear_scratch(int64_t T, int64_t K, int64_t threads) {
+    return 2 * align64(4 * T) + (MLIGHT_AMX ? align64(2 * (T + 16) * K) : 0) + 2 * align64(4 * (T + 16) * 64) * threads + 64;
 }
 
 void mlight_linear(const uint16_t *x, int64_t T, int64_t ldx, int64_t K, const uint16_t *w, int64_t N,
@@ -248,9 +429,18 @@ void mlight_linear(const uint16_t *x, int64_t T, int64_t ldx, int64_t K, const u
     char *s = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     int32_t *tok = (int32_t *)s;
     float *one = (float *)(s + align64(4 * T));
-    float *sums = (float *)(s + 2 * align64(4 * T));
+    s += 2 * align64(4 * T);
+    uint16_t *xp = (uint16_t *)s; /* the rows, contiguous and readable to a multiple of 16, for the tiles */
+    s += MLIGHT_AMX ? align64(2 * (T + 16) * K) : 0;
+    float *sums = (float *)s;
     for (int64_t t = 0; t < T; t++) tok[t] = (int32_t)t, one[t] = 1.f;
     const int64_t P = N / 64;
+    int amx = 0;
+#if MLIGHT_AMX
+    amx = amx_ready && T >= AMX_MIN_ROWS && (K / 2) % 16 == 0;
+    if (amx)
+        for (int64_t t = 0; t < T; t++) memcpy(xp + t * K, x + t * ldx, 2 * K);
+#endif
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
@@ -261,9 +451,18 @@ void mlight_linear(const uint16_t *x, int64_t T, int64_t ldx, int64_t K, const u
         const int nt = 1, id = 0;
 #endif
         const int64_t p0 = P * id / nt, p1 = P * (id + 1) / nt;
-        float *sum = sums + (int64_t)id * 2 * (align64(4 * T * 64) / 4), *acc = sum + align64(4 * T * 64) / 4;
+        float *sum = sums + (int64_t)id * 2 * (align64(4 * (T + 16) * 64) / 4), *acc = sum + align64(4 * (T + 16) * 64) / 4;
+#if MLIGHT_AMX
+        if (amx) amx_begin();
+#endif
         for (int64_t p = p0; p < p1; p++) {
             memset(sum, 0, 4 * T * 64);
+#if MLIGHT_AMX
+            if (amx)
+                panel_amx(DOWN, xp, K, tok, one, T, w + p * K * 64, K / 2, acc, 0, 0, sum, w + (p + 1) * K * 64,
+                          p + 1 < p1 ? K * 128 : 0);
+            else
+#endif
             panel(DOWN, x, ldx, tok, one, T, w + p * K * 64, K / 2, acc, 0, 0, sum, w + (p + 1) * K * 64,
                   p + 1 < p1 ? K * 128 : 0);
             for (int64_t t = 0; t < T; t++)
@@ -276,6 +475,9 @@ void mlight_linear(const uint16_t *x, int64_t T, int64_t ldx, int64_t K, const u
                     store_bf16(out + t * ldo + p * 64 + 16 * v, y);
                 }
         }
+#if MLIGHT_AMX
+        if (amx) _tile_release();
+#endif
     }
 }
 

@@ -13,6 +13,12 @@ biases, hidden sizes that are multiples of 64 and intermediate sizes of 32, and 
 nor `MLIGHT_NATIVE_EXPERTS` (the expert kernels alone: an A/B switch) set to 0. Elsewhere `pack_experts`
 gives oneDNN's packing as before (core.model.moe), which the tests check it against.
 
+Where the usable ISA is AMX the kernel is built with its tile path too (`FLAGS_AMX`): experts with 8 rows
+or more run as 16-row AMX tiles over the same panels (vector tiles were compute-bound there: oneDNN's AMX
+GEMM ran a layer's experts 2.3-5x faster from 16 rows an expert on a 2-core Xeon), fewer on the vector
+tiles. Linux grants a process the tile state only on request (`mlight_moe_amx_init`); refused, or with
+`MLIGHT_NATIVE_AMX=0`, the vector tiles run alone (`_Lib.amx` says which).
+
 Where bf16 matmuls are slow (AVX2, also under the AVX2 limits) the CPU computes in fp32: there a second
 kernel (core/assets/kernels/moe_ffn_avx2.c, `library_avx2`) runs the same packed bf16 weights with fp32
 activations, widening them in registers (`ModelWeights.pack_widened`; torch's 1 MB widened tiles ran a
@@ -34,31 +40,36 @@ from core.model.cpu import native
 
 CHUNK_TOKENS = 512  # tokens per call: a long prefill's intermediate stays at 2·512·I bf16
 FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+FLAGS_AMX = ["-mamx-tile", "-mamx-bf16", "-mxsave"]  # where the usable ISA is AMX: the kernel's tile path (moe_ffn.c)
 FLAGS_AVX2 = ["-mavx2", "-mfma"]
 SWITCHES = ("MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS")  # either set to 0: no expert kernel
+AMX_SWITCH = "MLIGHT_NATIVE_AMX"  # 0: the kernel keeps to its vector tiles on an AMX CPU (an A/B switch)
 
 _reason = "not built yet"
 _reason_avx2 = "not built yet"
 
 
 class _Lib:
-    def __init__(self, path):
+    def __init__(self, path, flags_amx: bool = False):
         self.dll = ctypes.CDLL(str(path))
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.ffn = self.dll.mlight_moe_ffn
         self.ffn.argtypes = [P, I, I, P, P, C, I, I, I, P, I, P, I, P, P, C]
         self.ffn.restype = C
         self.scratch = self.dll.mlight_moe_scratch
-        self.scratch.argtypes = [I, I, I, I, I]
+        self.scratch.argtypes = [I, I, I, I, I, I]
         self.scratch.restype = I
         self.linear = self.dll.mlight_linear  # the dense projections on the same panels (core.model.cpu.panel_linear)
         self.linear.argtypes = [P, I, I, I, P, I, P, P, I, P, C]
         self.linear.restype = None
         self.linear_scratch = self.dll.mlight_linear_scratch
-        self.linear_scratch.argtypes = [I, I]
+        self.linear_scratch.argtypes = [I, I, I]
         self.linear_scratch.restype = I
         self.openmp = bool(self.dll.mlight_moe_openmp())
-        self.flags = " ".join(FLAGS) + (" -fopenmp" if self.openmp else "")
+        self.dll.mlight_moe_amx.restype = C
+        # the OS's leave to use the tiles (Linux asks once per process); refused, the vector tiles run
+        self.amx = flags_amx and self.dll.mlight_moe_amx_init() == 0 and bool(self.dll.mlight_moe_amx())
+        self.flags = " ".join(FLAGS + (FLAGS_AMX if self.amx else [])) + (" -fopenmp" if self.openmp else "")
 
 
 class _LibAvx2:
@@ -89,7 +100,11 @@ def _build(level: str) -> _Lib | None:
     if not _switched_off() and (level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16")):
         _reason = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX-512 BF16 dot product"
         return None
-    lib, _reason = native.build_kernel(SOURCE, "moe_ffn", FLAGS, 16, _Lib, SWITCHES)
+    amx = level == "amx" and os.environ.get(AMX_SWITCH, "1") != "0"
+    lib, _reason = native.build_kernel(SOURCE, "moe_ffn", FLAGS + (FLAGS_AMX if amx else []), 16,
+                                       lambda path: _Lib(path, amx), SWITCHES)
+    if lib is None and amx:  # a compiler without the AMX flags: the vector tiles alone
+        lib, _reason = native.build_kernel(SOURCE, "moe_ffn", FLAGS, 16, _Lib, SWITCHES)
     return lib
 
 
@@ -132,7 +147,8 @@ def status(math: str = "bfloat16") -> str:
     lib = library()
     if lib is None:
         return f"oneDNN's packed GEMMs ({_reason})"
-    return f"fused C kernel ({lib.flags})" + ("" if lib.openmp else "; one thread: oneDNN when torch runs more")
+    tiles = "; AMX tiles from 8 rows an expert" if lib.amx else ""
+    return f"fused C kernel ({lib.flags}){tiles}" + ("" if lib.openmp else "; one thread: oneDNN when torch runs more")
 
 
 def prepare(progress=None) -> None:
@@ -210,7 +226,7 @@ class NativeExperts:
         n = torch.get_num_threads() if lib.openmp else 1
         for a in range(0, T, CHUNK_TOKENS):
             b = min(T, a + CHUNK_TOKENS)
-            s = scratch(lib.scratch(b - a, k, self.E, self.I, n))
+            s = scratch(lib.scratch(b - a, k, self.E, self.D, self.I, n))
             if lib.ffn(h[a].data_ptr(), b - a, k, idx[a].data_ptr(), weights[a].data_ptr(),
                        int(weights.dtype == torch.bfloat16), self.E, self.D, self.I, self.w13.data_ptr(),
                        self.w13[0].numel(), self.w2.data_ptr(), self.w2[0].numel(), out[a].data_ptr(), s.data_ptr(), n):
@@ -227,7 +243,7 @@ class NativeExperts:
         n = torch.get_num_threads() if lib.openmp else 1
         for a in range(0, T, CHUNK_TOKENS):
             b = min(T, a + CHUNK_TOKENS)
-            s = scratch(lib.scratch(b - a, k, self.E, self.I, n))
+            s = scratch(lib.scratch(b - a, k, self.E, self.D, self.I, n))
             if lib.ffn(h[a].data_ptr(), b - a, k, idx[a].data_ptr(), weights[a].data_ptr(), self.E, self.D, self.I,
                        self.w13.data_ptr(), self.w13[0].numel(), self.w2.data_ptr(), self.w2[0].numel(),
                        out[a].data_ptr(), s.data_ptr(), n):

@@ -74,7 +74,7 @@ class PanelWeight(LinearOnlyWeight):
             b = None if bias is None else bias.contiguous()
             for a in range(0, T, CHUNK_ROWS):
                 m = min(CHUNK_ROWS, T - a)
-                s = ffn.scratch(lib.linear_scratch(m, n))
+                s = ffn.scratch(lib.linear_scratch(m, K, n))
                 lib.linear(rows[a].data_ptr(), m, rows.stride(0), K, self.panels.data_ptr(), N,
                            None if b is None else b.data_ptr(), out[a].data_ptr(), N, s.data_ptr(), n)
         return out.view(*lead, N)
