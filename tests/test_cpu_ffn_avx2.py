@@ -71,6 +71,21 @@ def test_chunks_threads_out_and_bad_ids(monkeypatch):
         nat(h, w, idx)
 
 
+@runs
+def test_it_asks_for_its_own_scratch(monkeypatch):
+    """The fp32-math kernel's scratch is sized by its own formula (T, k, E, I, threads): ctypes passes extra
+    arguments through unchecked, and once the bf16 kernel's (T, k, E, D, I, threads) was handed to it — D read as
+    I, I as the thread count: a 1.5 GB scratch for a 512-token chunk of the 784M, and an intermediate sized by D."""
+    w13, w2 = _experts(E=6, D=128, I=96)
+    g = torch.Generator().manual_seed(4)
+    h, (w, idx) = torch.randn(11, 128, generator=g), torch.softmax(torch.randn(11, 6, generator=g), -1).topk(2)
+    asked, real = [], ffn.scratch
+    monkeypatch.setattr(ffn, "scratch", lambda nbytes: asked.append(nbytes) or real(nbytes))
+    ffn.NativeExperts(w13, w2)(h, w, idx)
+    lib = ffn.library_avx2()
+    assert asked == [lib.scratch(11, 2, 6, 96, torch.get_num_threads() if lib.openmp else 1)]
+
+
 def test_what_it_takes_and_when_it_is_not_built(monkeypatch, tmp_path):
     monkeypatch.setattr(ffn, "library_avx2", lambda: type("L", (), {"openmp": True})())
     w13, w2 = _experts()

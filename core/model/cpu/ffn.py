@@ -243,7 +243,7 @@ class NativeExperts:
         n = torch.get_num_threads() if lib.openmp else 1
         for a in range(0, T, CHUNK_TOKENS):
             b = min(T, a + CHUNK_TOKENS)
-            s = scratch(lib.scratch(b - a, k, self.E, self.D, self.I, n))
+            s = scratch(lib.scratch(b - a, k, self.E, self.I, n))
             if lib.ffn(h[a].data_ptr(), b - a, k, idx[a].data_ptr(), weights[a].data_ptr(), self.E, self.D, self.I,
                        self.w13.data_ptr(), self.w13[0].numel(), self.w2.data_ptr(), self.w2[0].numel(),
                        out[a].data_ptr(), s.data_ptr(), n):
