@@ -110,3 +110,20 @@ def test_the_app_plans_for_its_longest_prompt(tmp_path):
     assert w.longest_prompt * CHARS_PER_TOKEN >= max(lengths)  # KV room for the longest prompt
     assert w.prompt_len * CHARS_PER_TOKEN < max(lengths) / 2  # the average is far below it
     assert w.num_requests == len(lengths)
+
+
+def test_the_machine_screen_shows_the_instruction_set_and_each_dtypes_rate():
+    """An AVX2 CPU's bf16 matmuls run at a hundredth of its fp32 ones: the Machine screen says which (the rates a
+    probe measured), beside the ISA; a preset without measured rates keeps its one datasheet figure."""
+    import dataclasses
+
+    from app.tui.backend import machine_view
+
+    t4 = preset("t4")
+    measured = dataclasses.replace(t4, cpu_isa="avx2", cpu_isa_hw="avx512_bf16", cpu_isa_limits=("ONEDNN_MAX_CPU_ISA=AVX2",),
+                                   cpu_matmul={"float32": 1.22e11, "bfloat16": 1.0e9, "int8": 8e10})
+    rows = dict(machine_view(measured).cpu_rows)
+    assert rows["Instructions"].startswith("AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2")
+    assert rows["Compute"] == "fp32 122 · bf16 1 GFLOP/s (measured)"
+    rows = dict(machine_view(t4).cpu_rows)
+    assert rows["Compute"] == "1.7 TFLOP/s (datasheet)" and rows["Instructions"] == "AVX-512"
