@@ -16,6 +16,7 @@ if os.environ.get("MLIGHT_TEST_INSTALLED"):  # packaging/check_wheel.sh: test th
 else:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+os.environ["MLIGHT_STRICT_KERNEL_CALLS"] = "1"  # core.model.cpu.native.bind: a C kernel called with a wrong count fails
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -86,6 +86,21 @@ def test_it_asks_for_its_own_scratch(monkeypatch):
     assert asked == [lib.scratch(11, 2, 6, 96, torch.get_num_threads() if lib.openmp else 1)]
 
 
+@runs
+def test_a_kernel_called_with_a_wrong_count_fails_in_the_tests(monkeypatch):
+    """The tests bind every C kernel strictly (conftest: MLIGHT_STRICT_KERNEL_CALLS=1), so the defect above raises;
+    elsewhere the bare ctypes function runs, with nothing added to a call."""
+    import ctypes
+
+    lib = ffn.library_avx2()
+    with pytest.raises(TypeError, match="mlight_moe_avx2_scratch takes 5 arguments, got 6"):
+        lib.scratch(11, 2, 6, 128, 96, 1)
+    assert lib.scratch(11, 2, 6, 96, 1) > 0
+    monkeypatch.delenv(native.STRICT_ENV)
+    bare = native.bind(lib.dll, "mlight_moe_avx2_scratch", [ctypes.c_int64] * 5, ctypes.c_int64)
+    assert isinstance(bare, ctypes._CFuncPtr) and bare(11, 2, 6, 96, 1) == lib.scratch(11, 2, 6, 96, 1)
+
+
 def test_what_it_takes_and_when_it_is_not_built(monkeypatch, tmp_path):
     monkeypatch.setattr(ffn, "library_avx2", lambda: type("L", (), {"openmp": True})())
     w13, w2 = _experts()

@@ -53,18 +53,11 @@ class _Lib:
     def __init__(self, path, flags_amx: bool = False):
         self.dll = ctypes.CDLL(str(path))
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self.ffn = self.dll.mlight_moe_ffn
-        self.ffn.argtypes = [P, I, I, P, P, C, I, I, I, P, I, P, I, P, P, C]
-        self.ffn.restype = C
-        self.scratch = self.dll.mlight_moe_scratch
-        self.scratch.argtypes = [I, I, I, I, I, I]
-        self.scratch.restype = I
-        self.linear = self.dll.mlight_linear  # the dense projections on the same panels (core.model.cpu.panel_linear)
-        self.linear.argtypes = [P, I, I, I, P, I, P, P, I, P, C]
-        self.linear.restype = None
-        self.linear_scratch = self.dll.mlight_linear_scratch
-        self.linear_scratch.argtypes = [I, I, I]
-        self.linear_scratch.restype = I
+        self.ffn = native.bind(self.dll, "mlight_moe_ffn", [P, I, I, P, P, C, I, I, I, P, I, P, I, P, P, C], C)
+        self.scratch = native.bind(self.dll, "mlight_moe_scratch", [I, I, I, I, I, I], I)
+        # the dense projections on the same panels (core.model.cpu.panel_linear)
+        self.linear = native.bind(self.dll, "mlight_linear", [P, I, I, I, P, I, P, P, I, P, C], None)
+        self.linear_scratch = native.bind(self.dll, "mlight_linear_scratch", [I, I, I], I)
         self.openmp = bool(self.dll.mlight_moe_openmp())
         self.dll.mlight_moe_amx.restype = C
         # the OS's leave to use the tiles (Linux asks once per process); refused, the vector tiles run
@@ -78,12 +71,8 @@ class _LibAvx2:
     def __init__(self, path):
         self.dll = ctypes.CDLL(str(path))
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self.ffn = self.dll.mlight_moe_avx2
-        self.ffn.argtypes = [P, I, I, P, P, I, I, I, P, I, P, I, P, P, C]
-        self.ffn.restype = C
-        self.scratch = self.dll.mlight_moe_avx2_scratch
-        self.scratch.argtypes = [I, I, I, I, I]
-        self.scratch.restype = I
+        self.ffn = native.bind(self.dll, "mlight_moe_avx2", [P, I, I, P, P, I, I, I, P, I, P, I, P, P, C], C)
+        self.scratch = native.bind(self.dll, "mlight_moe_avx2_scratch", [I, I, I, I, I], I)
         self.openmp = bool(self.dll.mlight_moe_avx2_openmp())
         self.flags = " ".join(FLAGS_AVX2) + (" -fopenmp" if self.openmp else "")
 

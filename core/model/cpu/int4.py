@@ -38,15 +38,9 @@ class _Lib:
     def __init__(self, path, flags: str):
         self.dll = ctypes.CDLL(str(path))
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self.linear = self.dll.mlight_int4_linear
-        self.linear.argtypes = [P, C, I, I, I, P, I, P, I, I, I, P, C, I, P, C]
-        self.linear.restype = C
-        self.moe = self.dll.mlight_int4_moe
-        self.moe.argtypes = [P, C, I, I, I, C, P, P, C, P, I, P, I, P, I, P, I, P, C, P, C]
-        self.moe.restype = C
-        self.scratch = self.dll.mlight_int4_scratch
-        self.scratch.argtypes = [I, I, I, I, I]
-        self.scratch.restype = I
+        self.linear = native.bind(self.dll, "mlight_int4_linear", [P, C, I, I, I, P, I, P, I, I, I, P, C, I, P, C], C)
+        self.moe = native.bind(self.dll, "mlight_int4_moe", [P, C, I, I, I, C, P, P, C, P, I, P, I, P, I, P, I, P, C, P, C], C)
+        self.scratch = native.bind(self.dll, "mlight_int4_scratch", [I, I, I, I, I], I)
         self.vw = self.dll.mlight_int4_vw()
         self.openmp = bool(self.dll.mlight_int4_openmp())
         self.flags = flags + (" -fopenmp" if self.openmp else "")

@@ -79,17 +79,35 @@ def _compiler() -> str | None:
     return None
 
 
+STRICT_ENV = "MLIGHT_STRICT_KERNEL_CALLS"  # 1 (the tests set it): every C kernel call checks its argument count
+
+
+def bind(dll, name: str, argtypes: list, restype):
+    """`dll`'s function `name` with its argument and result types. ctypes passes arguments beyond `argtypes`
+    through unchecked (one such call handed the fp32 expert kernel the bf16 kernel's arguments: D read as I,
+    I as the thread count); under MLIGHT_STRICT_KERNEL_CALLS=1 each call checks its count, elsewhere the bare
+    function runs (nothing added to the decode step's calls)."""
+    fn = getattr(dll, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    if os.environ.get(STRICT_ENV) != "1":
+        return fn
+    n = len(argtypes)
+
+    def strict(*args):
+        if len(args) != n:
+            raise TypeError(f"{name} takes {n} arguments, got {len(args)}")
+        return fn(*args)
+
+    return strict
+
+
 class _Lib:
     def __init__(self, path: Path, flags: str):
         self.dll = ctypes.CDLL(str(path))
         P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         C = ctypes.c_int
-        self.fn = self.dll.mlight_decode_attention
-        self.fn.argtypes = [P, C, I, P, P, C, P, P, I, I, I, I, I, I, I, F, P, C, P, I]
-        self.fn.restype = C
-        self.parts = self.dll.mlight_decode_attention_parts
-        self.parts.argtypes = [P, C, I, P, P, C, P, P, P, C, I, I, I, I, I, F, P, C, P, I]
-        self.parts.restype = C
+        self.fn = bind(self.dll, "mlight_decode_attention", [P, C, I, P, P, C, P, P, I, I, I, I, I, I, I, F, P, C, P, I], C)
+        self.parts = bind(self.dll, "mlight_decode_attention_parts", [P, C, I, P, P, C, P, P, P, C, I, I, I, I, I, F, P, C, P, I], C)
         self.openmp = bool(self.dll.mlight_decode_attention_openmp())
         self.flags = flags + (" -fopenmp" if self.openmp else "")
 
