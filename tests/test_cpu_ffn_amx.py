@@ -34,9 +34,9 @@ def _reference(h, w13, w2, weights, idx):
     return out
 
 
-def _case(n, E=4, D=640, I=544, seed=0):
+def _case(n, E=4, D=1152, I=1056, seed=0):
     """Expert 0 takes all n tokens in slot 0; slot 1 spreads them over experts 1..E-1 (some under 8 rows).
-    D = 640: 320 K pairs, tile blocks of 256 + 64; I = 544: 272, 256 + 16."""
+    D = 1152: 576 K pairs, tile blocks of 512 + 64; I = 1056: 528, 512 + 16."""
     g = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).bfloat16()
     w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).bfloat16()
@@ -71,9 +71,10 @@ def test_tiles_and_vector_tiles_agree(monkeypatch, fresh_build):
 
 
 @tiles
-@pytest.mark.parametrize("T, K, N", [(8, 1024, 128), (37, 640, 192), (520, 64, 64)])
+@pytest.mark.parametrize("T, K, N", [(8, 1152, 128), (37, 640, 192), (520, 64, 64)])
 def test_dense_projections_on_tiles_give_linear(T, K, N):
-    """T = 520: a chunk of 512 and one of 8, both on tiles; rows of x 3K/2 apart (a wider payload's slice)."""
+    """K = 1152: tile blocks of 512 + 64 K pairs; T = 520: a chunk of 512 and one of 8, both on tiles; rows of x
+    3K/2 apart (a wider payload's slice)."""
     g = torch.Generator().manual_seed(T)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
     wide = torch.randn(T, K + K // 2, generator=g).bfloat16()
