@@ -69,6 +69,9 @@ static inline __attribute__((always_inline)) void tile(const int M, const int mo
     const float *rows[MR];
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     const int64_t per_step = (lines + kn - 1) / kn;
+    /* The row loops unrolled before GCC decides where the sums live: left to itself (GCC 12, -O3) it kept a[]
+       and b[] in memory, storing all 2M sums every K pair beside the 4M FMAs (bench/RESULTS.md, twentieth session). */
+#pragma GCC unroll 8
     for (int m = 0; m < M; m++) {
         rows[m] = (mode == GATE_UP ? in + (int64_t)tok[m] * ld : in + m * ld) + 2 * k0;
         a[m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + m * 64 + ca);
@@ -80,6 +83,7 @@ static inline __attribute__((always_inline)) void tile(const int M, const int mo
         const __m256i rb = _mm256_loadu_si256((const __m256i *)(w + gb));
         const __m256 a0 = _mm256_castsi256_ps(_mm256_slli_epi32(ra, 16)), a1 = _mm256_castsi256_ps(_mm256_and_si256(ra, hi));
         const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(rb, 16)), b1 = _mm256_castsi256_ps(_mm256_and_si256(rb, hi));
+#pragma GCC unroll 8
         for (int m = 0; m < M; m++) {
             const __m256 x0 = _mm256_broadcast_ss(rows[m] + 2 * k2), x1 = _mm256_broadcast_ss(rows[m] + 2 * k2 + 1);
             a[m] = _mm256_fmadd_ps(x0, a0, a[m]);
@@ -88,6 +92,7 @@ static inline __attribute__((always_inline)) void tile(const int M, const int mo
             b[m] = _mm256_fmadd_ps(x1, b1, b[m]);
         }
     }
+#pragma GCC unroll 8
     for (int m = 0; m < M; m++) {
         if (!last) {
             _mm256_storeu_ps(acc + m * 64 + ca, a[m]);
