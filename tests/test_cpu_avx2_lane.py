@@ -3,7 +3,8 @@
 Most CPUs our users have are AVX2-only (most desktop Intel from 12th gen on, AMD Zen 2/3), where
 torch's bf16 matmuls are 10–100× slower and oneDNN refuses to prepack bf16 weights. CI and dev
 machines often have AVX-512 BF16, so this runs the parity tests in a child pytest under
-ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 (read at start-up, hence the subprocess):
+ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2 (MKL, torch's fp32 GEMM,
+heeds neither of the others; all are read at start-up, hence the subprocess):
 the fp32 and bf16 engines against transformers and float64, decode attention, the expert kernels (the
 fp32-math one an AVX2 CPU runs bf16 experts on), the row ops, the dense projections' choice of kernel,
 the compute choice, and the threaded CGOPipe graph whose CPU attention runs beside a "device".
@@ -31,7 +32,8 @@ LANE = [
     "test_engine_parity.py::test_logits_match_float64_reference",
     "test_pipeline.py::test_threaded_matches_sequential_for_every_family",
 ]
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MLIGHT_AVX2_LANE": "1"}
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "MLIGHT_AVX2_LANE": "1"}
 
 
 @pytest.mark.slow

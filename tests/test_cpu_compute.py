@@ -49,6 +49,14 @@ def test_env_limits_lower_the_usable_isa_and_say_so():
     assert only_onednn.usable == "avx512" and not only_onednn.bf16_native
 
 
+def test_mkl_limit_counts_too():
+    """MKL runs torch's fp32 GEMMs on x86 and reads the CPU itself: only MKL_ENABLE_INSTRUCTIONS limits it."""
+    z = isa.detect(ZEN5, aten="avx512", onednn_bf16=True, env={"MKL_ENABLE_INSTRUCTIONS": "AVX2"})
+    assert (z.usable, z.limited_by) == ("avx2", ("MKL_ENABLE_INSTRUCTIONS=AVX2",))
+    assert isa.detect(ZEN5, aten="avx512", onednn_bf16=True, env={"MKL_ENABLE_INSTRUCTIONS": "avx512"}).usable == "avx512_bf16"
+    assert isa.detect(HASWELL, aten="avx2", onednn_bf16=False, env={"MKL_ENABLE_INSTRUCTIONS": "AVX2"}).limited_by == ()
+
+
 # ---- the compute choice -----------------------------------------------------------------------------
 AVX512_CPU = CpuIsa(hardware="avx512", usable="avx512", bf16_native=False, fp16_native=False)  # bf16 emulated
 
@@ -225,11 +233,16 @@ def test_prepacked_projections_are_held_once(bf16_model):
 
 
 @pytest.mark.skipif(not AVX2_LANE, reason="runs in the AVX2 lane (tests/test_cpu_avx2_lane.py)")
-def test_the_avx2_limits_take_effect(bf16_model):
+def test_the_avx2_limits_take_effect(bf16_model, capfd):
     from core.runtime.engine import Engine
 
     cpu = isa.cpu_isa()
     assert cpu.usable == "avx2" and not cpu.bf16_native, cpu
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+    if torch.backends.mkl.is_available():  # MKL's fp32 GEMM on its AVX2 code, as on an AVX2 CPU (it says which)
+        with torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+        said = capfd.readouterr().out
+        assert "AVX2" in said and "AVX-512" not in said, said[:300]
     engine = Engine.load(bf16_model, threads=1)
     assert engine.cpu.math == "float32" and not engine.weights.packed

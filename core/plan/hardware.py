@@ -330,8 +330,11 @@ def cache_dir() -> Path:
 
 def machine_key(hw: HardwareSpec) -> str:
     """Identifies this machine's hardware so that a cache entry is not reused on another one; the
-    ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA limits are part of it (they change the CPU's rates)."""
-    limits = "|".join(f"{k}={os.environ.get(k, '')}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+    ISA limits in the environment (core.model.cpu.isa.ENV_LIMITS) are part of it (they change the CPU's rates)."""
+    from core.model.cpu.isa import ENV_LIMITS
+
+    # the first two always, the later ones only when set: keys (and calibrations) made before them stay valid
+    limits = "|".join(f"{k}={os.environ.get(k, '')}" for k in ENV_LIMITS if k in ENV_LIMITS[:2] or os.environ.get(k))
     ident = (f"{platform.node()}|{platform.processor()}|{hw.cpu_cores}|{hw.cpu_mem_bytes}|{hw.gpu_name}|"
              f"{hw.gpu_count}|{limits}")
     return hashlib.sha256(ident.encode()).hexdigest()[:16]

@@ -1,7 +1,8 @@
 """The CPU's instruction set as our kernels see it: what the silicon has, and what torch may use.
 
 Two answers, because they differ: the CPU may have AVX-512 BF16 while torch runs under
-`ATEN_CPU_CAPABILITY=avx2` and oneDNN under `ONEDNN_MAX_CPU_ISA=AVX2` (CI's AVX2 lane, or a user
+`ATEN_CPU_CAPABILITY=avx2`, oneDNN under `ONEDNN_MAX_CPU_ISA=AVX2` and MKL (torch's fp32 GEMM on x86, which
+reads the CPU itself and heeds neither) under `MKL_ENABLE_INSTRUCTIONS=AVX2` (CI's AVX2 lane, or a user
 pinning them). Kernels act on `usable`; `hardware` is shown to the user beside it.
 Levels, lowest to highest: "baseline" < "avx2" < "avx512" < "avx512_bf16" < "amx" (x86); other
 architectures report torch's own capability name ("sve256", "vsx", ...) with no bf16 fast path assumed.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
 LABELS = {"baseline": "SSE/baseline", "avx2": "AVX2", "avx512": "AVX-512", "avx512_bf16": "AVX-512 BF16",
           "amx": "AMX"}
-ENV_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+ENV_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,15 @@ def _onednn_cap(name: str | None) -> str | None:
     return next((level for prefix, level in _ONEDNN_CAPS if n.startswith(prefix)), None) if n else None
 
 
+# MKL_ENABLE_INSTRUCTIONS values below AVX-512 as our levels (MKL's AVX-512 paths do no bf16 math torch uses)
+_MKL_CAPS = (("AVX512", None), ("AVX2", "avx2"), ("AVX", "baseline"), ("SSE", "baseline"))
+
+
+def _mkl_cap(name: str | None) -> str | None:
+    n = (name or "").strip().upper()
+    return next((level for prefix, level in _MKL_CAPS if n.startswith(prefix)), None) if n else None
+
+
 def detect(features: dict | None = None, aten: str | None = None, onednn_bf16: bool | None = None,
            env: dict | None = None) -> CpuIsa:
     """The CpuIsa of this process; the arguments stand in for the machine in tests."""
@@ -131,6 +141,12 @@ def detect(features: dict | None = None, aten: str | None = None, onednn_bf16: b
         usable = aten if _idx(aten) < _idx(usable) else usable
         if env.get("ATEN_CPU_CAPABILITY"):
             limited.append(f"ATEN_CPU_CAPABILITY={env['ATEN_CPU_CAPABILITY']}")
+    # without this one an AVX2 lane on an AVX-512 box ran its fp32 GEMMs on MKL's AVX-512 code at 1.7x an
+    # AVX2 CPU's rate (bench/RESULTS.md, twentieth session)
+    mkl = _mkl_cap(env.get("MKL_ENABLE_INSTRUCTIONS"))
+    if mkl is not None and _idx(mkl) < _idx(hw):
+        usable = mkl if _idx(mkl) < _idx(usable) else usable
+        limited.append(f"MKL_ENABLE_INSTRUCTIONS={env['MKL_ENABLE_INSTRUCTIONS']}")
     bf16 = _onednn_bf16() if onednn_bf16 is None else onednn_bf16
     # oneDNN's bf16 is native from AVX-512 BF16 up; below that it emulates (slowly) or refuses
     bf16_native = bf16 and _idx(onednn) >= _idx("avx512_bf16")
