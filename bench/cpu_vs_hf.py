@@ -28,7 +28,7 @@ CPU seconds instead of the wall (with one thread on a shared machine: what a qui
 
     python bench/cpu_vs_hf.py                      # the issue's workload (about 10 minutes on 2 cores)
     python bench/cpu_vs_hf.py --quick              # tiny smoke run (< 1 minute)
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_vs_hf.py   # as on an AVX2-only CPU
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/cpu_vs_hf.py   # as on an AVX2-only CPU
 """
 
 from __future__ import annotations
