@@ -35,14 +35,15 @@ def test_fp32_experts_match_float64(T):
 
 @runs
 def test_long_k_uneven_loads_and_every_row_count():
-    """D = 320 (160 K pairs: blocks of 64, 64, 32), I = 224; expert 0 takes 1..21 rows (tiles of at most 4,
-    balanced), experts 4-5 none; bf16 routing weights are taken too."""
+    """D = 320 (160 K pairs: blocks of 64, 64, 32), I = 224; expert 0 takes 1..40 rows (below 16: tiles of at
+    most 4 over weights widened in registers; from 16: tiles of at most 6 over each block widened once),
+    experts 4-5 none; bf16 routing weights are taken too."""
     g = torch.Generator().manual_seed(5)
     E, D, I = 6, 320, 224
     w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).bfloat16()
     w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).bfloat16()
     nat = ffn.NativeExperts(w13, w2)
-    for T in (1, 2, 3, 5, 7, 13, 21):
+    for T in (1, 2, 3, 5, 7, 13, 15, 16, 17, 21, 40):
         h = torch.randn(T, D, generator=g)
         idx = torch.stack([torch.zeros(T, dtype=torch.int64), 1 + torch.arange(T) % 3], 1)
         w = torch.rand(T, 2, generator=g).bfloat16()

@@ -15,6 +15,9 @@
    bf16 = one 256-bit load: the low halves are K's even index, the high halves its odd one.
    A tile is MR rows x 16 columns (two groups of 8: a gate group and its up group, or 16 neighbouring
    down columns) over a block of KC K pairs, its sums carried between blocks in `acc` (fp32 [rows][64]).
+   An expert with WIDE_ROWS rows or more has each block widened once into a per-thread fp32 buffer and
+   runs MRW-row tiles over it (a 784M layer at 64 rows an expert: 176 against 146 GFLOP/s; at 4 rows the
+   extra pass cost 12 %, at 16 it broke even: bench/RESULTS.md, twentieth session).
    Threads (OpenMP on torch's libgomp) split gate/up panels, then down panels, one barrier between.
    Returns 0, or -1 for an expert id out of range. */
 
@@ -26,6 +29,10 @@
 #endif
 
 #define MR 4 /* rows per tile: 8 accumulators + 4 widened weight vectors + 2 broadcasts of 16 registers */
+#define MRW 6 /* rows per tile over a block widened once: 12 accumulators + 2 weight vectors + a broadcast */
+#ifndef WIDE_ROWS
+#define WIDE_ROWS 16 /* an expert with this many rows or more has each block widened once, not in every tile */
+#endif
 #ifndef KC
 #define KC 64 /* K pairs a block: 16 KB of a 64-column panel, read by every tile from L1 */
 #endif
@@ -59,14 +66,16 @@ enum { GATE_UP, DOWN };
    GATE_UP: rows of x gathered through tok; mid[r, col] = silu(gate) * up (gate group a, up group b; col
    = the gate column). DOWN: rows of the intermediate; sum[tok[r], col] += weight * y. Meanwhile it
    prefetches `lines` lines from `next` (the block after), spread over its K pairs, into L2 (T2: see
-   moe_ffn.c; 1.1x faster at 16 rows an expert, the same at 64). */
-static inline __attribute__((always_inline)) void tile(const int M, const int mode, const float *in, int64_t ld,
-                                                       const int32_t *tok, const float *wt, const uint16_t *w,
-                                                       int64_t k0, int64_t kn, int ga, int gb, int ca, int cb,
-                                                       float *acc, int first, int last, float *mid, int64_t I,
-                                                       float *sum, const char *next, int64_t lines) {
-    __m256 a[MR], b[MR];
-    const float *rows[MR];
+   moe_ffn.c; 1.1x faster at 16 rows an expert, the same at 64). `wide`: the block is read from `wf`, widened
+   once by `panel` ([2 kn][64] fp32: K's even index, then its odd one, for each K pair), not from `w`. */
+static inline __attribute__((always_inline)) void tile(const int M, const int mode, const int wide, const float *in,
+                                                       int64_t ld, const int32_t *tok, const float *wt,
+                                                       const uint16_t *w, const float *wf, int64_t k0, int64_t kn,
+                                                       int ga, int gb, int ca, int cb, float *acc, int first,
+                                                       int last, float *mid, int64_t I, float *sum,
+                                                       const char *next, int64_t lines) {
+    __m256 a[MRW], b[MRW];
+    const float *rows[MRW];
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     const int64_t per_step = (lines + kn - 1) / kn;
     /* The row loops unrolled before GCC decides where the sums live: left to itself (GCC 12, -O3) it kept a[]
@@ -77,7 +86,19 @@ static inline __attribute__((always_inline)) void tile(const int M, const int mo
         a[m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + m * 64 + ca);
         b[m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + m * 64 + cb);
     }
-    for (int64_t k2 = 0; k2 < kn; k2++, w += 128) {
+    for (int64_t k2 = 0; wide && k2 < kn; k2++) {
+        for (int64_t j = 0; j < per_step && lines > 0; j++, lines--, next += 64) _mm_prefetch(next, _MM_HINT_T2);
+        for (int h = 0; h < 2; h++) {
+            const __m256 a0 = _mm256_load_ps(wf + 128 * k2 + 64 * h + ga / 2), b0 = _mm256_load_ps(wf + 128 * k2 + 64 * h + gb / 2);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const __m256 x = _mm256_broadcast_ss(rows[m] + 2 * k2 + h);
+                a[m] = _mm256_fmadd_ps(x, a0, a[m]);
+                b[m] = _mm256_fmadd_ps(x, b0, b[m]);
+            }
+        }
+    }
+    for (int64_t k2 = 0; !wide && k2 < kn; k2++, w += 128) {
         for (int64_t j = 0; j < per_step && lines > 0; j++, lines--, next += 64) _mm_prefetch(next, _MM_HINT_T2);
         const __m256i ra = _mm256_loadu_si256((const __m256i *)(w + ga));
         const __m256i rb = _mm256_loadu_si256((const __m256i *)(w + gb));
@@ -110,23 +131,26 @@ static inline __attribute__((always_inline)) void tile(const int M, const int mo
 
 #pragma GCC push_options
 #pragma GCC optimize("unroll-loops")
-#define TILES(M)                                                                                           \
-static void tile_##M(int mode, const float *in, int64_t ld, const int32_t *tok, const float *wt,           \
-                     const uint16_t *w, int64_t k0, int64_t kn, int ga, int gb, int ca, int cb, float *acc, \
-                     int first, int last, float *mid, int64_t I, float *sum, const char *next,             \
-                     int64_t lines) {                                                                      \
+#define TILES(NAME, M, WIDE)                                                                               \
+static void NAME(int mode, const float *in, int64_t ld, const int32_t *tok, const float *wt, const uint16_t *w, \
+                 const float *wf, int64_t k0, int64_t kn, int ga, int gb, int ca, int cb, float *acc, int first, \
+                 int last, float *mid, int64_t I, float *sum, const char *next, int64_t lines) {             \
     if (mode == GATE_UP)                                                                                   \
-        tile(M, GATE_UP, in, ld, tok, 0, w, k0, kn, ga, gb, ca, cb, acc, first, last, mid, I, 0, next, lines); \
+        tile(M, GATE_UP, WIDE, in, ld, tok, 0, w, wf, k0, kn, ga, gb, ca, cb, acc, first, last, mid, I, 0, next, \
+             lines);                                                                                       \
     else                                                                                                   \
-        tile(M, DOWN, in, ld, tok, wt, w, k0, kn, ga, gb, ca, cb, acc, first, last, 0, I, sum, next, lines); \
+        tile(M, DOWN, WIDE, in, ld, tok, wt, w, wf, k0, kn, ga, gb, ca, cb, acc, first, last, 0, I, sum, next, \
+             lines);                                                                                       \
 }
-TILES(1) TILES(2) TILES(3) TILES(4)
+TILES(tile_1, 1, 0) TILES(tile_2, 2, 0) TILES(tile_3, 3, 0) TILES(tile_4, 4, 0)
+TILES(wide_3, 3, 1) TILES(wide_4, 4, 1) TILES(wide_5, 5, 1) TILES(wide_6, 6, 1)
 #pragma GCC pop_options
 
-typedef void (*tile_fn)(int, const float *, int64_t, const int32_t *, const float *, const uint16_t *, int64_t,
-                        int64_t, int, int, int, int, float *, int, int, float *, int64_t, float *, const char *,
-                        int64_t);
+typedef void (*tile_fn)(int, const float *, int64_t, const int32_t *, const float *, const uint16_t *, const float *,
+                        int64_t, int64_t, int, int, int, int, float *, int, int, float *, int64_t, float *,
+                        const char *, int64_t);
 static const tile_fn TILE[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4};
+static const tile_fn WIDE[MRW + 1] = {0, 0, 0, wide_3, wide_4, wide_5, wide_6}; /* n >= 16: tiles of 3 rows or more */
 
 /* A panel for an expert's n rows, K pairs in blocks of KC, four 16-column passes over each block while it
    is in L1; the first pass's tiles prefetch the next block (this panel's, or `bytes` of `next`: the
@@ -134,10 +158,18 @@ static const tile_fn TILE[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4};
    16q .. 16q + 15] += weight * (mid row @ panel) for q = 0..3. */
 static void panel(int mode, const float *in, int64_t ld, const int32_t *tok, const float *wt, int64_t n,
                   const uint16_t *w, int64_t K2, float *acc, float *mid, int64_t I, float *sum,
-                  const uint16_t *next, int64_t bytes) {
-    const int64_t tiles = (n + MR - 1) / MR;
+                  const uint16_t *next, int64_t bytes, float *wf) {
+    const int wide = n >= WIDE_ROWS;
+    const int64_t tiles = wide ? (n + MRW - 1) / MRW : (n + MR - 1) / MR;
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t k0 = 0; k0 < K2; k0 += KC) {
         const int64_t kn = K2 - k0 < KC ? K2 - k0 : KC;
+        for (int64_t k2 = 0; wide && k2 < kn; k2++) /* [2 kn][64] fp32, the column groups in the panel's order */
+            for (int g = 0; g < 8; g++) {
+                const __m256i r = _mm256_loadu_si256((const __m256i *)(w + (k0 + k2) * 128 + 16 * g));
+                _mm256_store_ps(wf + 128 * k2 + 8 * g, _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)));
+                _mm256_store_ps(wf + 128 * k2 + 64 + 8 * g, _mm256_castsi256_ps(_mm256_and_si256(r, hi)));
+            }
         const int more = k0 + KC < K2;
         const char *nb = more ? (const char *)(w + (k0 + KC) * 128) : (const char *)next;
         const int64_t lines = more ? (K2 - k0 - KC < KC ? K2 - k0 - KC : KC) * 4 : (bytes < KC * 256 ? bytes : KC * 256) / 64;
@@ -149,9 +181,9 @@ static void panel(int mode, const float *in, int64_t ld, const int32_t *tok, con
             for (int64_t t = 0; t < tiles; t++) { /* balanced: 7 rows are tiles of 4 and 3, not 4, 3 */
                 const int64_t r = n * t / tiles, m = n * (t + 1) / tiles - r;
                 const int64_t a = q ? 0 : lines * t / tiles, c = q ? 0 : lines * (t + 1) / tiles;
-                TILE[m](mode, mode == GATE_UP ? in : in + r * ld, ld, tok + r, wt ? wt + r : 0, w + k0 * 128, k0, kn,
-                        ga, gb, ca, cb, acc + r * 64, k0 == 0, k0 + kn == K2, mode == GATE_UP ? mid + r * I : 0, I,
-                        sum, nb + 64 * a, c - a);
+                (wide ? WIDE : TILE)[m](mode, mode == GATE_UP ? in : in + r * ld, ld, tok + r, wt ? wt + r : 0,
+                                        w + k0 * 128, wf, k0, kn, ga, gb, ca, cb, acc + r * 64, k0 == 0, k0 + kn == K2,
+                                        mode == GATE_UP ? mid + r * I : 0, I, sum, nb + 64 * a, c - a);
             }
         }
     }
@@ -166,7 +198,7 @@ static inline int64_t align64(int64_t b) { return (b + 63) & ~(int64_t)63; }
 
 int64_t mlight_moe_avx2_scratch(int64_t T, int64_t k, int64_t E, int64_t I, int64_t threads) {
     return 2 * align64(4 * (E + 1)) + align64(4 * T * k) + align64(4 * T * k) + align64(4 * T * k * I) +
-           (align64(4 * T * 64) + align64(4 * T * k * 64)) * threads + 64;
+           (align64(4 * T * 64) + align64(4 * T * k * 64) + 512 * KC) * threads + 64;
 }
 
 int mlight_moe_avx2(const float *x, int64_t T, int64_t k, const int64_t *idx, const float *wts, int64_t E,
@@ -207,15 +239,16 @@ int mlight_moe_avx2(const float *x, int64_t T, int64_t k, const int64_t *idx, co
 #endif
         const int64_t a0 = PA * id / nt, a1 = PA * (id + 1) / nt, b0 = PB * id / nt, b1 = PB * (id + 1) / nt;
         const int64_t first = next_expert(start, E, -1);
-        float *sum = sums + (int64_t)id * ((align64(4 * T * 64) + align64(4 * T * k * 64)) / 4);
+        float *sum = sums + (int64_t)id * ((align64(4 * T * 64) + align64(4 * T * k * 64) + 512 * KC) / 4);
         float *acc = sum + align64(4 * T * 64) / 4;
+        float *wf = acc + align64(4 * T * k * 64) / 4; /* a block widened once, for the experts with many rows */
         for (int64_t e = first; e < E; e = next_expert(start, E, e)) {
             const int64_t n = start[e + 1] - start[e], en = next_expert(start, E, e);
             for (int64_t p = a0; p < a1; p++) {
                 const uint16_t *nx = p + 1 < a1 ? w13 + e * s13 + (p + 1) * D * 64
                                    : en < E ? w13 + en * s13 + a0 * D * 64 : w2 + first * s2 + b0 * I * 64;
                 panel(GATE_UP, x, D, tok + start[e], 0, n, w13 + e * s13 + p * D * 64, D / 2, acc,
-                      mid + start[e] * I + p * 32, I, 0, nx, p + 1 < a1 || en < E ? D * 128 : (b0 < b1 ? I * 128 : 0));
+                      mid + start[e] * I + p * 32, I, 0, nx, p + 1 < a1 || en < E ? D * 128 : (b0 < b1 ? I * 128 : 0), wf);
             }
         }
 #ifdef _OPENMP
@@ -227,7 +260,7 @@ int mlight_moe_avx2(const float *x, int64_t T, int64_t k, const int64_t *idx, co
                 const int64_t en = next_expert(start, E, e);
                 const uint16_t *nx = en < E ? w2 + en * s2 + p * I * 64 : w2 + first * s2 + (p + 1) * I * 64;
                 panel(DOWN, mid + start[e] * I, I, tok + start[e], wt + start[e], start[e + 1] - start[e],
-                      w2 + e * s2 + p * I * 64, I / 2, acc, 0, I, sum, nx, en < E || p + 1 < b1 ? I * 128 : 0);
+                      w2 + e * s2 + p * I * 64, I / 2, acc, 0, I, sum, nx, en < E || p + 1 < b1 ? I * 128 : 0, wf);
             }
             for (int64_t t = 0; t < T; t++) memcpy(out + t * D + p * 64, sum + t * 64, 64 * 4);
         }
