@@ -127,3 +127,7 @@ def test_the_machine_screen_shows_the_instruction_set_and_each_dtypes_rate():
     assert rows["Compute"] == "fp32 122 · bf16 1 GFLOP/s (measured)"
     rows = dict(machine_view(t4).cpu_rows)
     assert rows["Compute"] == "1.7 TFLOP/s (datasheet)" and rows["Instructions"] == "AVX-512"
+    three = dataclasses.replace(measured, cpu_isa_limits=("ONEDNN_MAX_CPU_ISA=AVX2", "ATEN_CPU_CAPABILITY=avx2",
+                                                          "MKL_ENABLE_INSTRUCTIONS=AVX2"))
+    assert dict(machine_view(three).cpu_rows)["Instructions"] == \
+        "AVX2 (CPU has AVX-512 BF16; limited by 3 settings in the environment)"
