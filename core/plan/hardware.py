@@ -447,7 +447,7 @@ def last_level_cache_bytes() -> int | None:
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         try:
-            text = f.read_text().strip().upper()
+            text = f.read_text(encoding="ascii").strip().upper()
             sizes.append(int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1))
         except (OSError, ValueError):
             continue
