@@ -442,25 +442,15 @@ def _apply(hw: HardwareSpec, rates: dict) -> HardwareSpec:
 _CPU_CLOCK = time.get_clock_info("process_time").resolution <= 1e-4
 
 
-def last_level_cache_bytes() -> int | None:
-    """The largest CPU cache's size where the OS says (Linux sysfs), else None."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        try:
-            text = f.read_text(encoding="ascii").strip().upper()
-            sizes.append(int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1))
-        except (OSError, ValueError):
-            continue
-    return max(sizes) if sizes else None
-
-
 def bandwidth_probe_bytes(llc: int | None = None, available: int | None = None) -> int:
     """The buffer the memory-read probe sums: twice the last-level cache (a stream through twice its size misses
     it), at least 256 MiB (desktop CPUs with stacked cache have 96-128 MB; a 64 MiB buffer read 36-48 GB/s from a
     Xeon VM's 480 MB L3 where memory gives 29), at most an eighth of the free memory."""
     import psutil
 
-    llc = last_level_cache_bytes() if llc is None else llc
+    from core.platform import llc_bytes
+
+    llc = llc_bytes() if llc is None else llc
     available = psutil.virtual_memory().available if available is None else available
     return max(64 * 2**20, min(max(256 * 2**20, 2 * (llc or 0)), available // 8))
 
