@@ -139,6 +139,28 @@ def test_an_uncalibrated_cpu_prediction_counts_the_engines_overheads(no_gpu, mon
     assert pred.step_seconds > overhead > 0.5 * pred.step_seconds  # the demo's step is mostly overhead
 
 
+def test_a_quick_calibration_cycles_through_little_memory_whatever_the_cache(demo_model, monkeypatch):
+    """A full calibration's weights cycle through up to 8x the last-level cache so they come from RAM; a quick one
+    (the tests') keeps to QUICK_COLD_BYTES: on a VM reporting a 480 MB L3 it made ~290,000 copies of the demo's
+    router and took 49 s, most of CI's calibration tests' time."""
+    from core.runtime.engine import Engine
+
+    monkeypatch.setattr(cal, "llc_bytes", lambda: 480 << 20)
+    seen = []
+    monkeypatch.setattr(cal, "gemm_terms", lambda kernel, math, shapes, resident, *a: seen.append(resident)
+                        or (1e-11, 1e-10, 1e-6, 0.0))
+    monkeypatch.setattr(cal, "prefill_attention_terms", lambda *a: (1e-11, 0.0))
+    engine = Engine.load(demo_model, threads=1)
+    try:
+        cal.kernel_costs(engine, quick=True)
+        assert seen and max(seen) <= pieces.QUICK_COLD_BYTES
+        seen.clear()
+        cal.kernel_costs(engine)
+        assert max(seen) == 2 * (480 << 20)  # the demo is small: twice the cache
+    finally:
+        engine.close()
+
+
 def test_calibrate_on_the_demo_model_measures_every_term(demo_model):
     from core.runtime.engine import Engine
 

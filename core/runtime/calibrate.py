@@ -19,10 +19,10 @@ from core.platform import llc_bytes
 from core.plan import cpu_cost, cpu_history, cpu_speed, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.runtime.calibrate_fresh import fresh_first_wave
-from core.runtime.calibrate_pieces import (ATTN_LENGTHS, COLD_FACTOR, LAYER_TOKENS, ROWS, engine_kernels,
-                                           fit_engine_terms, fit_step_terms, fresh_prefills, fused_layers, fused_terms,
-                                           gemm_terms, model_shapes, own_rows, plain_attention, prefill_attention_terms,
-                                           runner_observations, sdpa_range)
+from core.runtime.calibrate_pieces import (ATTN_LENGTHS, COLD_FACTOR, LAYER_TOKENS, QUICK_COLD_BYTES, ROWS,
+                                           engine_kernels, fit_engine_terms, fit_step_terms, fresh_prefills,
+                                           fused_layers, fused_terms, gemm_terms, model_shapes, own_rows,
+                                           plain_attention, prefill_attention_terms, runner_observations, sdpa_range)
 from core.telemetry import EventSink, Progress, ignore
 
 # ---- 4. a short run of the whole engine -------------------------------------------------------------------
@@ -569,6 +569,8 @@ def kernel_costs(engine, *, quick: bool = False, clock=time.perf_counter, progre
     fits = spec.total_bytes < cache  # a model this small can stay cached between steps: measure both ways
     progress(Progress("calibrating: GEMM kernels", 0, 2, "kernels"))
     cold = min(COLD_FACTOR * cache, max(2 * cache, spec.total_bytes))
+    if quick:  # test-size: every term measured, not from RAM
+        cold = min(cold, QUICK_COLD_BYTES)
     fd, wd, cd, _ = gemm_terms(dense, math, dense_shapes, cold, 0, rows, clock)
     fused = fused_layers(engine)
     base = CpuCosts(math=engine.cpu.math, flop_s=fd, weight_s=wd, call_s=cd, direct_rows=direct, cache_bytes=cache,

@@ -44,6 +44,9 @@ from core.telemetry import EventSink, Progress, ignore
 # Zen 5 core read packed bf16 experts at 45.8 GB/s, through 8x at 31-35 GB/s, what a 1.5 GB model's decode gets.
 
 COLD_FACTOR = 8
+# A quick calibration (the tests') cycles through at most this much: on a VM reporting a 480 MB L3, a quick
+# calibration of the demo model made ~290,000 copies of its 4 KB router and spent 47 of its 49 s calling them.
+QUICK_COLD_BYTES = 32 << 20
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 1024)
 MAX_GEMM_FLOPS = 2e9  # skip points slower than this per call: they add time, not information
 POINT_FLOPS = 4e9  # FLOPs of one timed point (all its copies): at large M a weight is reused, cache or not
