@@ -155,8 +155,9 @@ def test_a_quick_calibration_cycles_through_little_memory_whatever_the_cache(dem
         cal.kernel_costs(engine, quick=True)
         assert seen and max(seen) <= pieces.QUICK_COLD_BYTES
         seen.clear()
+        monkeypatch.setattr(cal, "effective_cache_bytes", lambda reported: 64 << 20)  # as measured on that VM
         cal.kernel_costs(engine)
-        assert max(seen) == 2 * (480 << 20)  # the demo is small: twice the cache
+        assert max(seen) == 2 * (64 << 20)  # the demo is small: twice the cache a run can count on
     finally:
         engine.close()
 

@@ -18,6 +18,7 @@ from core.model.cpu.ffn import CHUNK_TOKENS
 from core.platform import llc_bytes
 from core.plan import cpu_cost, cpu_history, cpu_speed, hrm
 from core.plan.cpu_cost import CpuCosts
+from core.runtime.calibrate_cache import effective_cache_bytes
 from core.runtime.calibrate_fresh import fresh_first_wave
 from core.runtime.calibrate_pieces import (ATTN_LENGTHS, COLD_FACTOR, LAYER_TOKENS, QUICK_COLD_BYTES, ROWS,
                                            engine_kernels, fit_engine_terms, fit_step_terms, fresh_prefills,
@@ -565,7 +566,7 @@ def kernel_costs(engine, *, quick: bool = False, clock=time.perf_counter, progre
     dense_shapes, expert_shapes = model_shapes(spec)
     rows = ROWS[:8] if quick else ROWS
     direct = engine.cpu.direct_rows if engine.cpu.widens else 0
-    cache = llc_bytes()
+    cache = llc_bytes() if quick else effective_cache_bytes(llc_bytes())  # measured: what a run can count on
     fits = spec.total_bytes < cache  # a model this small can stay cached between steps: measure both ways
     progress(Progress("calibrating: GEMM kernels", 0, 2, "kernels"))
     cold = min(COLD_FACTOR * cache, max(2 * cache, spec.total_bytes))
