@@ -80,7 +80,7 @@ def test_pack_dense_takes_panels_only_where_they_run(monkeypatch):
     monkeypatch.delenv("MLIGHT_NATIVE_DENSE")
     monkeypatch.setattr(ffn, "library", lambda: None)
     assert panel_linear.status().startswith("oneDNN's packed GEMMs (no expert kernel: ")
-    assert panel_linear.status("float32") == "oneDNN's fp32 GEMMs over weights widened at load"
+    assert panel_linear.status("float32") == "torch's fp32 GEMMs (MKL on x86) over weights widened at load"
     got = kernels.pack_dense(w)
     assert not isinstance(got, panel_linear.PanelWeight)
     x = torch.randn(3, 64, generator=g).bfloat16()

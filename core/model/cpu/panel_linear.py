@@ -38,7 +38,7 @@ def status(math: str = "bfloat16") -> str:
     """One line for `mlight hw` and the bench: what runs a bf16 checkpoint's dense projections when the CPU
     computes in `math`."""
     if math == "float32":
-        return "oneDNN's fp32 GEMMs over weights widened at load"
+        return "torch's fp32 GEMMs (MKL on x86) over weights widened at load"
     if os.environ.get("MLIGHT_NATIVE_DENSE", "1") == "0":
         return "oneDNN's packed GEMMs (MLIGHT_NATIVE_DENSE=0)"
     lib = ffn.library()
