@@ -89,20 +89,18 @@ def load_average() -> tuple[float, float, float] | None:
 
 
 def free_cores(sample_s: float = 0.1) -> int:
-    """Usable cores not busy with other work: a sensible default for CPU threads. POSIX reads the
-    1-minute load average; Windows, which has none, samples CPU utilisation for `sample_s` seconds."""
+    """Usable cores not busy with other work now: CPU utilisation sampled for `sample_s` seconds, on every OS (the
+    engine's thread governor, core.model.cpu.threads, looks the same way). Not the 1-minute load average: right
+    after a run ends it still counts that run for a minute, and a probe started then ran on one thread of two (on a
+    2-core VM it then read one core's 14 GB/s of memory bandwidth against the two cores' 29)."""
     usable = usable_cores()
     total = os.cpu_count() or usable
-    load = load_average()
-    if load is not None:
-        busy = load[0]
-    else:
-        try:
-            import psutil
+    try:
+        import psutil
 
-            busy = psutil.cpu_percent(interval=sample_s) / 100.0 * total
-        except (ImportError, OSError):
-            return usable
+        busy = psutil.cpu_percent(interval=sample_s) / 100.0 * total
+    except (ImportError, OSError):
+        return usable
     # the load is machine-wide; count the share of it that falls on our cores
     busy_here = busy * usable / max(total, 1)
     return max(1, usable - int(busy_here + 0.5))

@@ -145,19 +145,27 @@ def test_llc_bytes_falls_back_where_the_call_is_missing(windows):
     assert platform.llc_bytes() == platform.DEFAULT_LLC  # the Windows branch off Windows: no ctypes.windll
 
 
-def test_free_cores_subtracts_the_load_on_linux(linux, monkeypatch):
+def test_free_cores_subtracts_the_busy_cores_on_linux(linux, monkeypatch):
+    """Utilisation now, not the 1-minute load average: that still counts a run that ended seconds ago, and a probe
+    started then measured one core's memory bandwidth."""
+    import psutil
+
+    _forbid(monkeypatch, os, "getloadavg")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    monkeypatch.setattr(os, "getloadavg", lambda: (2.6, 1.0, 0.5))
-    assert platform.free_cores() == 5
-    monkeypatch.setattr(os, "getloadavg", lambda: (40.0, 1.0, 0.5))
+    seen = []
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: seen.append(interval) or 32.5)  # 2.6 cores
+    assert platform.free_cores(sample_s=0.05) == 5 and seen == [0.05]
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 100.0)
     assert platform.free_cores() == 1  # never zero
 
 
 def test_free_cores_counts_only_our_share_of_the_load(linux, monkeypatch):
+    import psutil
+
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)  # 4 of 16 cores
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 0.0, 0.0))
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 50.0)  # 8 cores' worth, machine-wide
     assert platform.free_cores() == 2
 
 
