@@ -1,4 +1,4 @@
-"""The cache a run can count on (core.runtime.calibrate_cache): measured by re-reading buffers, not taken from the OS."""
+"""The cache a run can count on (core.runtime.calibrate_cache): measured by re-reading buffers, not the OS's figure."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ The cost model prices a decode step's weights as read from the cache while they 
 (core.plan.cpu_cost.CpuCosts.for_step), so the size it is told decides when a long context starts costing weight
 reads from RAM. The OS's figure can be far from what a process gets: a 2-core Xeon VM reports its host's 480 MB L3,
 yet re-reading a buffer there ran at 50-54 GB/s from 8 to 64 MB, 33 at 96 MB and 23-27 from 128 MB (RAM). Priced
-with 480 MB, the demo model's decode at 308-token prompts (84 MB of KV a step) kept its weights "cached", and its
-steps ran 17-24 % slower than predicted; its tasks took what the cold weights cost (bench/RESULTS.md, issue 11,
+with 480 MB, the demo model's decode at 308-token prompts (84 MB of KV a step) kept its weights "cached" and ran
+21-23 % under its predicted speed; its tasks took what the cold weights cost (bench/RESULTS.md, issue 11,
 twenty-first session).
 """
 
@@ -25,8 +25,9 @@ def effective_cache_bytes(reported: int, rate: Callable[[int], float] | None = N
                           top: int | None = None) -> int:
     """The largest buffer, at most `reported`, that re-reads at least CACHED times as fast as a buffer of `top`
     bytes (by default core.plan.hardware.bandwidth_probe_bytes: twice the reported cache, from RAM), every smaller
-    size trying as well (the median of SWEEPS sweeps); SMALLEST where even that does not. `rate(nbytes)`: bytes a second re-reading that many
-    (default: a torch sum over a prefix of one buffer, the best of REPEATS, on torch's threads)."""
+    size doing so as well; SMALLEST where even that does not; the median of SWEEPS sweeps. `rate(nbytes)`: bytes
+    a second re-reading that many (default: a torch sum over a prefix of one buffer, the best of REPEATS, on
+    torch's threads)."""
     if top is None:
         from core.plan.hardware import bandwidth_probe_bytes
 
