@@ -1,5 +1,6 @@
-"""The benchmark entry points run end to end on the CPU (tiny sizes): `bench/gpu_check.py --dry-run`
-and `mlight bench`. They are measurement tools, so these tests check that they run and report, not speed."""
+"""The benchmark entry points run end to end on the CPU (tiny sizes): `bench/gpu_check.py --dry-run`,
+`mlight bench` and `bench/task_prices.py`. They are measurement tools, so these tests check that they run and
+report, not speed."""
 
 from __future__ import annotations
 
@@ -67,3 +68,18 @@ def test_mlight_bench_prints_measured_and_predicted(capsys, demo_model):
         assert r["tokens"] == 12 and r["tokens_per_s"] > 0
         assert set(r["layer_seconds"]) == set(r["predicted"]["layer_seconds"]) == {"gpu", "cpu_attn", "h2d", "d2h"}
         assert r["predicted"]["decode_tokens_per_s"] > 0
+
+
+def test_task_prices_puts_each_task_kind_beside_its_price(capsys, demo_model):
+    import task_prices
+
+    assert task_prices.main(["--requests", "4", "--gen-len", "4", "--batch", "4", "--micro-batch", "2", "--threads",
+                             "1", "--cache-mib", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:] if line.startswith("  ")}
+    for kind in ("pre_attn", "cpu_attn", "post_attn", "ffn"):
+        tasks, measured, price, ratio = rows[kind]
+        assert int(tasks) == 2 * 4 and float(measured) > 0 and float(price) > 0  # 2 micro-batches x 4 layers
+        m, q = float(measured), float(price)  # printed to 0.001 ms, the ratio to 0.01 from the unrounded seconds
+        assert (m - 5e-4) / (q + 5e-4) - 0.005 <= float(ratio) <= (m + 5e-4) / (q - 5e-4) + 0.005
+    assert "costs uncalibrated" in out and "with the cache at 1 MiB" in out
