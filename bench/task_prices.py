@@ -126,9 +126,10 @@ def main(argv=None) -> int:
     finally:
         engine.close()
     calibrated = bool(costs is not None and costs.measured)
+    cache_mib = (costs.cache_bytes if costs else 0) / 2**20
     print(f"{Path(a.model).name if a.model else 'demo'}: {a.requests} requests, prompts {a.prompt_len}, "
           f"{policy.batch_size}/{policy.micro_batch_size}, {a.threads} threads; costs "
-          f"{'calibrated' if calibrated else 'uncalibrated'}, cache {(costs.cache_bytes if costs else 0) / 2**20:.0f} MiB")
+          f"{'calibrated' if calibrated else 'uncalibrated'}, cache {cache_mib:.0f} MiB")
     print(f"  {'task':10s} {'a step':>6s} {'measured ms':>12s} {'priced ms':>10s} {'ratio':>6s}")
     for k, (n, s) in sorted(kinds.items()):
         p = price.get(k, 0.0)
