@@ -43,17 +43,16 @@ def measure(engine, reqs, batch: int, micro_batch: int) -> tuple[dict, float, fl
     """({task kind: (tasks a step, median seconds a task)}, median seconds of a full-wave decode step, decode tokens/s
     over every decode step) of one run."""
     from core.runtime.calibrate_pieces import StepClock
-    from core.telemetry import StepDone
+    from core.telemetry import StepDone, task_spans
 
-    per_kind, steps = defaultdict(list), []
+    per_kind = defaultdict(list)
 
     def each(e):
         if isinstance(e, StepDone) and e.kind == "decode" and e.active == min(batch, len(reqs)):
-            n = min(len(e.tasks), len(e.times) // 2)
             secs, count = defaultdict(float), defaultdict(int)
-            for i in range(n):  # the executor refills `times` next step: read it now
-                secs[e.tasks[i].kind] += e.times[2 * i + 1] - e.times[2 * i]
-                count[e.tasks[i].kind] += 1
+            for t in task_spans(e):  # a copy: the executor refills its timing buffer next step
+                secs[t.kind] += t.end - t.start
+                count[t.kind] += 1
             for k in secs:
                 per_kind[k].append((count[k], secs[k] / count[k]))
 
@@ -101,9 +100,8 @@ def main(argv=None) -> int:
     from core.io.workloads import build_prompts, target_lengths
     from core.model.demo import demo_model_dir
     from core.plan import hrm
+    from app.commands.bench import policy_and_workload  # the policy and workload `mlight bench` predicts
     from core.plan.hardware import resolve
-    from core.plan.planner import Workload
-    from core.plan.policy import Policy
     from core.runtime.engine import Engine, Request
 
     engine = Engine.load(a.model or demo_model_dir(), threads=a.threads)
@@ -114,12 +112,7 @@ def main(argv=None) -> int:
         reqs = [Request(id=str(i), prompt=p, max_new_tokens=a.gen_len) for i, p in enumerate(prompts)]
         engine.eos_ids = set()  # full generations, as `mlight bench` measures
         kinds, step, speed = measure(engine, reqs, a.batch, a.micro_batch)
-        lengths = [len(engine.prompt_token_ids(r)) for r in reqs]
-        mu = min(a.micro_batch, a.batch)
-        policy = Policy(batch_size=max(mu, a.batch // mu * mu), micro_batch_size=mu,
-                        expert_batch_size=mu * engine.config.expert_group, attention_on="cpu", ffn_on="cpu")
-        work = Workload(prompt_len=round(sum(lengths) / len(lengths)), gen_len=a.gen_len, max_prompt_len=max(lengths),
-                        num_requests=len(reqs))
+        policy, work = policy_and_workload(engine, reqs, batch=a.batch, micro_batch=a.micro_batch, gen_len=a.gen_len)
         hw = resolve("local")
         costs = hrm.effective_rates(hw, engine.spec.dtype, engine.spec).cpu_costs
         pred, price = priced(engine.spec, hw, policy, work)

@@ -525,15 +525,6 @@ def _rate(hw: Any, name: str) -> str:
     return f"{unit} ({tag})"
 
 
-def _isa_row(hw: Any) -> str:
-    """The ISA and what limits it; with several limits their NAME=value words do not fit the panel's column at 80
-    wide (they broke mid-word), so the row counts them and `mlight hw` lists them."""
-    limits = hw.cpu_isa_limits or ()
-    if len(limits) <= 1:
-        return hw.cpu_isa_label
-    return f"{hw.cpu_isa_label.split(';')[0]}; limited by {len(limits)} settings in the environment)"
-
-
 def _cpu_compute(hw: Any) -> str:
     """The matmul rates of the dtypes checkpoints compute in, each as measured: bf16 and fp32 part by 10-100x
     between an AVX2 CPU and one with AMX, and a bf16 checkpoint runs in whichever is fast here."""
@@ -550,7 +541,7 @@ def machine_view(hw: Any) -> MachineView:
     cpu_rows = [
         ("RAM", f"{_size(cpu_avail)} available of {_size(hw.cpu_mem_bytes)}"),
         ("Cores", str(hw.cpu_cores)),
-        *([("Instructions", _isa_row(hw))] if hw.cpu_isa else []),
+        *([("Instructions", hw.cpu_isa_text(name_up_to=1))] if hw.cpu_isa else []),  # `mlight hw` names them all
         ("Compute", _cpu_compute(hw)),
         ("Memory read", _rate(hw, "cpu_bw")),
     ]

@@ -124,11 +124,16 @@ class HardwareSpec:
     @property
     def cpu_isa_label(self) -> str:
         """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"; "unknown" before a probe."""
+        return self.cpu_isa_text()
+
+    def cpu_isa_text(self, name_up_to: int | None = None) -> str:
+        """cpu_isa_label, with more than `name_up_to` limits counted rather than named (CpuIsa.describe)."""
         if not self.cpu_isa:
             return "unknown"
         from core.model.cpu.isa import CpuIsa
 
-        return CpuIsa(self.cpu_isa_hw or self.cpu_isa, self.cpu_isa, False, False, self.cpu_isa_limits).label
+        return CpuIsa(self.cpu_isa_hw or self.cpu_isa, self.cpu_isa, False, False,
+                      self.cpu_isa_limits).describe(name_up_to)
 
     @property
     def has_gpu(self) -> bool:

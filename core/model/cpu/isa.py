@@ -35,9 +35,16 @@ class CpuIsa:
     @property
     def label(self) -> str:
         """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"."""
+        return self.describe()
+
+    def describe(self, name_up_to: int | None = None) -> str:
+        """`label`, with more than `name_up_to` limits counted rather than named (their NAME=value words do not fit
+        the app's Machine panel at 80 columns: they broke mid-word)."""
         text = LABELS.get(self.usable, self.usable.upper())
         if self.hardware != self.usable:
-            why = f"; limited by {', '.join(self.limited_by)}" if self.limited_by else ""
+            named = name_up_to is None or len(self.limited_by) <= name_up_to
+            why = ("" if not self.limited_by else f"; limited by {', '.join(self.limited_by)}" if named
+                   else f"; limited by {len(self.limited_by)} settings in the environment")
             text += f" (CPU has {LABELS.get(self.hardware, self.hardware.upper())}{why})"
         return text
 
