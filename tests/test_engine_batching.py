@@ -134,6 +134,21 @@ def test_a_refilled_request_joins_the_micro_batch_with_the_fewest_tokens(engine,
     assert spy.micro_batch_of(5, i) == {5, 20}
 
 
+def test_a_runs_last_smaller_wave_runs_in_as_few_micro_batches_as_hold_it(engine, monkeypatch):
+    """Defect: the last wave of a run (fewer requests than the batch) was dealt over every micro-batch, one
+    request each here, so each decode step ran as many micro-batches (each reading every layer's weights) as a
+    full wave: the demo's last 52 requests over three micro-batches of 68 took 9.9 ms a step where the planner
+    priced one micro-batch of 52 at 6.1."""
+    spy = RunnerSpy(engine, monkeypatch)
+    lengths = [40, 36, 32, 28, 24, 20, 16, 12, 10, 9, 8]  # 8 a wave, then 3
+    reqs = [Request(id=f"r{n}", prompt=words(n), max_new_tokens=3) for n in lengths]
+    out = list(engine.generate(reqs, batch_size=8, micro_batch_size=2))
+    assert sorted(r.output_tokens for r in out) == [3] * len(lengths)
+    first = spy.first_decode_with(10)
+    assert spy.decodes[0] == [frozenset(g) for g in ({40, 12}, {36, 16}, {32, 20}, {28, 24})]  # a full wave
+    assert sorted(map(sorted, spy.decodes[first])) == [[8, 9], [10]]  # 3 requests in two micro-batches, not three
+
+
 def _stop_strings_ending_together(engine, ids: list[int]):
     """A token count m and two stop strings, both suffixes of the text of ids[:m] and absent from every
     shorter prefix's text, that start at different places: both first appear at the same step."""

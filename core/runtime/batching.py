@@ -26,10 +26,11 @@ class SlotTable:
     def free_slots(self) -> int:
         return sum(o is None for o in self.owner)
 
-    def place(self, request, tokens: int) -> int:
-        """Put `request` (needing `tokens` cache positions) into the emptiest micro-batch; return its slot."""
+    def place(self, request, tokens: int, among: int | None = None) -> int:
+        """Put `request` (needing `tokens` cache positions) into the emptiest micro-batch — of the first `among`
+        where given — and return its slot."""
         best = None
-        for j, (lo, hi) in enumerate(self.ranges):
+        for j, (lo, hi) in enumerate(self.ranges[:among]):
             if any(self.owner[s] is None for s in range(lo, hi)) and (best is None or self.tokens[j] < self.tokens[best]):
                 best = j
         if best is None:

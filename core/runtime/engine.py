@@ -468,9 +468,16 @@ class Engine:
     def _step(self, runner, table, waiting, active, proc, on_event, stop=False, slots=0) -> list[Result]:
         """Admit and prefill waiting requests if slots are free, else decode one token for every active one."""
         admitted = []
+        among = None
+        if not active and 0 < len(waiting) <= table.free_slots():
+            # the run's last wave, smaller than the batch: in as few micro-batches as hold it, as the planner
+            # prices it (planner._last_wave). Each micro-batch a step runs reads every layer's weights again:
+            # the demo's last 52 requests dealt over three micro-batches of 68 took 9.9 ms a decode step, the
+            # planner's one micro-batch of 52 6.1 (AVX2 limits, two threads; bench/RESULTS.md, issue 11)
+            among = -(-len(waiting) // table.micro_batch_size)
         while waiting and table.free_slots():
             s = waiting.pop(0)
-            s.slot = table.place(s, len(s.prompt_ids))
+            s.slot = table.place(s, len(s.prompt_ids), among)
             s.started = time.perf_counter()
             admitted.append(s)
         active += admitted  # before the prefill: a step that fails (out of memory) restarts them too
