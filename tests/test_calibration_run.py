@@ -284,6 +284,39 @@ def test_a_runs_state_cache_is_measured_and_priced_once_a_run(demo_model):
     assert seconds[per_byte] - seconds[0.0] == pytest.approx(per_byte * cache / 2, rel=1e-9)
 
 
+def test_a_runs_smaller_last_wave_pays_none_of_its_once_a_run_costs(demo_model):
+    """Defect: a run with a smaller last wave paid its once-a-run costs (a fresh process's first large call, its
+    state cache made) a share in each full wave and once more, whole, in the last: 256 requests at 204 paid
+    1.5 times, though the last wave reuses the runner and the memory the first made."""
+    from core.model.families import load_spec
+    from core.plan import planner
+    from core.plan.planner import Workload, tokens_per_slot
+    from core.plan.policy import Policy
+
+    spec = load_spec(demo_model)
+    d = hrm.dims(spec)
+    policy = Policy(batch_size=204, micro_batch_size=68, expert_batch_size=68, attention_on="cpu", ffn_on="cpu")
+    work = Workload(prompt_len=77, gen_len=16, max_prompt_len=418, num_requests=256)
+    mp = pytest.MonkeyPatch()
+    seconds = {}
+    try:
+        mp.setattr(planner, "rank_view", lambda m, h, b, k: (m, h, b))
+        mp.setattr(planner, "_memory", lambda *a: ({}, {}, 0))
+        for once in ("none", "fresh", "cache"):
+            costs = dataclasses.replace(COSTS, fresh_s=1e-5 if once == "fresh" else 0.0,
+                                        kv_alloc_s=2e-10 if once == "cache" else 0.0)
+            mp.setattr(planner, "_rates", lambda *a, c=costs, **kw: hrm.Rates(
+                gpu_flops=1, gpu_bw=1, h2d_bw=1, d2h_bw=1, cpu_flops=1e11, cpu_bw=1e10, has_gpu=False, cpu_costs=c))
+            got = planner.predict(policy, spec, SimpleNamespace(), work)
+            seconds[once] = 256 * 16 / got.tokens_per_s
+    finally:
+        mp.undo()
+    long, _ = work.longest_first(204)
+    assert seconds["fresh"] - seconds["none"] == pytest.approx(1e-5 * 68 * long.prompt_len, rel=1e-9)  # its first call
+    assert seconds["cache"] - seconds["none"] == pytest.approx(2e-10 * 204 * d.state_bytes(tokens_per_slot(work)),
+                                                               rel=1e-9)  # its runner's cache
+
+
 def _wave(spec, truth, lengths, micro_batch, gen=6):
     """One wave of prompts of `lengths` in micro-batches of `micro_batch`, each to `gen` tokens, timed as the
     engine would if `truth` were this machine."""

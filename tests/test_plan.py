@@ -166,15 +166,17 @@ def test_a_runs_smaller_last_wave_is_predicted_as_it_runs():
     n = 32
     work = lambda r: Workload(prompt_len=77, gen_len=n, max_prompt_len=418, num_requests=r)  # noqa: E731
     got = predict(cpu(228, 228), spec, cpu_only, work(256))
-    full, last = predict(cpu(228, 228), spec, cpu_only, work(228)), predict(cpu(28, 28), spec, cpu_only, work(28))
+    long, short = work(256).longest_first(228)  # the full wave holds the longest prompts (the next test)
+    full, last = predict(cpu(228, 228), spec, cpu_only, long), predict(cpu(28, 28), spec, cpu_only, short)
     seconds = lambda q: q.prefill_seconds + (n - 1) * q.step_seconds  # noqa: E731
     assert got.tokens_per_s == pytest.approx(256 * n / (seconds(full) + seconds(last)), rel=1e-9)
     assert got.decode_tokens_per_s == pytest.approx(256 / (full.step_seconds + last.step_seconds), rel=1e-9)
     assert got.tokens_per_s < 0.95 * full.tokens_per_s  # the 28's steps cost more a token
     # a last wave over several micro-batches: as few of at most the policy's size as hold it (100 + 56 -> 2 of 78)
     two = predict(cpu(200, 100), spec, cpu_only, work(356))
-    rest = predict(cpu(156, 78), spec, cpu_only, work(156))
-    assert two.tokens_per_s == pytest.approx(356 * n / (seconds(predict(cpu(200, 100), spec, cpu_only, work(200)))
+    long, short = work(356).longest_first(200)
+    rest = predict(cpu(156, 78), spec, cpu_only, short)
+    assert two.tokens_per_s == pytest.approx(356 * n / (seconds(predict(cpu(200, 100), spec, cpu_only, long))
                                                         + seconds(rest)), rel=1e-9)
     # ... and the planner weighs it: 600 requests of Mixtral on the CPU alone were planned at 584 a wave (full waves
     # of 584 priced best), whose 16-request last wave costs more than waves of 600
@@ -186,6 +188,51 @@ def test_a_runs_smaller_last_wave_is_predicted_as_it_runs():
     # whole waves, or requests not known: as before
     assert predict(cpu(128, 64), spec, cpu_only, work(256)).tokens_per_s == pytest.approx(
         predict(cpu(128, 64), spec, cpu_only, work(128)).tokens_per_s, rel=0.02)
+
+
+def test_a_runs_full_waves_hold_its_longest_prompts_and_its_last_wave_the_shortest():
+    """Defect: a run's waves were all priced at the workload's mean prompt, but the engine admits the longest
+    prompts first: 256 requests of mean 308 at 204 a wave ran a first wave of mean 366 (its prefill 2.34-2.73 s
+    against 1.92 predicted, its decode attention 16 % over) and a last of mean 79 (prefill 0.107 s against 0.556)."""
+    from core.io.workloads import target_lengths
+
+    for s, top, n, k in [(308, 1672, 256, 204), (77, 418, 256, 228), (77, 418, 600, 584), (308, 1672, 256, 128)]:
+        work = Workload(prompt_len=s, gen_len=32, max_prompt_len=top, num_requests=n)
+        long, short = work.longest_first(k)
+        got = sorted(target_lengths(n, mean=s, max_len=top), reverse=True)  # what `mlight bench` runs
+        a, b = got[:k], got[k:]
+        assert (long.num_requests, short.num_requests, long.longest_prompt) == (k, n - k, top)
+        assert long.prompt_len == pytest.approx(sum(a) / k, rel=0.02)
+        assert short.prompt_len == pytest.approx(sum(b) / len(b), rel=0.07)
+        assert long.prompt_sq_mean == pytest.approx(sum(x * x for x in a) / k, rel=0.1)  # the spread clipped at top
+        assert short.prompt_sq_mean == pytest.approx(sum(x * x for x in b) / len(b), rel=0.1)
+        assert short.longest_prompt == pytest.approx(b[0], abs=2)
+        # the parts keep the workload's prompt tokens
+        assert k * long.prompt_len + (n - k) * short.prompt_len == pytest.approx(n * s, rel=0.01)
+    same = Workload(prompt_len=100, gen_len=8, num_requests=10)  # equal prompts: both parts the same
+    assert same.longest_first(8) == (same, same)
+    unknown = Workload(prompt_len=77, gen_len=8, max_prompt_len=418)
+    assert unknown.longest_first(8) == (unknown, unknown)
+
+    cpu_only = dataclasses.replace(preset("t4"), name="cpu", gpu_name=None, gpu_count=0)
+    spec = preset_spec("olmoe-1b-7b")
+    policy = Policy(batch_size=204, micro_batch_size=68, expert_batch_size=68, attention_on="cpu", ffn_on="cpu")
+    work = Workload(prompt_len=308, gen_len=32, max_prompt_len=1672, num_requests=256)
+    got = predict(policy, spec, cpu_only, work)
+    mean = predict(policy, spec, cpu_only, dataclasses.replace(work, num_requests=204))  # a wave at the mean
+    assert got.prefill_seconds > 1.15 * mean.prefill_seconds  # the first wave's 366-token prompts
+    assert got.step_seconds > mean.step_seconds  # and their longer contexts
+    # the run's sums, every wave's: what a measured run's busy seconds fold back against
+    long, short = work.longest_first(204)
+    first = predict(policy, spec, cpu_only, long)
+    tail = predict(dataclasses.replace(policy, batch_size=52, micro_batch_size=52, expert_batch_size=52), spec,
+                   cpu_only, short)
+    assert got.decode_steps == 2 * 31 and got.prompt_tokens == 204 * long.prompt_len + 52 * short.prompt_len
+    for key in ("gpu", "cpu_attn"):
+        assert got.decode_busy[key] == pytest.approx(first.decode_busy[key] + tail.decode_busy[key], rel=1e-9)
+        assert first.decode_busy[key] == pytest.approx(31 * spec.num_layers * first.layer_seconds[key], rel=1e-9)
+    assert got.prefill_busy["gpu"] == pytest.approx(
+        spec.num_layers * (first.prefill_layer_seconds["gpu"] + tail.prefill_layer_seconds["gpu"]), rel=1e-9)
 
 
 def test_num_requests_caps_the_batch():

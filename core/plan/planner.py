@@ -24,13 +24,13 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from statistics import NormalDist
 
 from core.plan import hrm
 from core.plan.parallel import default_ranks, rank_view
 from core.errors import BudgetError, UsageError
 from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy, Prediction, dense_layers, expert_split, kv_gpu_layers
+from core.plan.workload import SPREAD_SIGMA, Workload  # noqa: F401 (planner.Workload: the planner's input)
 from core.model.limits import LOGIT_CHUNK_BYTES
 from core.model.limits import PADDED_MAX_TOKENS as PADDED_TOKENS  # expert calls this small run every expert
 from core.model.limits import STAGING_ALIGN as ALIGN  # the runtime's host staging arena aligns each buffer to this
@@ -46,60 +46,10 @@ PLACEMENTS_GPU = (("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu"))
 RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # r_c values tried by the fast path; the LP refines them
 TIE_BREAK = 1e-6  # weight of the summed busy time: among equally fast policies, prefer less work
 REFINE = 6  # (placement, μ) pairs whose smaller batches and neighbouring μ the search also tries
-SPREAD_SIGMA = 0.8  # log-normal spread of prompt lengths (MT-Bench's; core.io.workloads builds the same)
 DENSE_MU = 1024  # μ up to here on the paper's full grid; beyond, sparser (then refined)
 CPU_ONLY_WORDS = {"gpu": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
                   "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)"}
 BOTTLENECKS = (*RESOURCES, "pipeline", "host")  # decode layer bounds: each resource's busy time, hrm's pipeline and host bounds
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompt_len: int  # average prompt tokens (the paper's s)
-    gen_len: int  # tokens generated per request (n)
-    max_prompt_len: int | None = None  # longest prompt: sizes prefill activations; default prompt_len
-    num_requests: int | None = None  # requests to run: no point in a batch larger than this
-
-    def __post_init__(self):
-        if self.prompt_len < 1 or self.gen_len < 1:
-            raise UsageError(f"prompt and generation lengths must be at least 1, got {self.prompt_len} and {self.gen_len}",
-                             "give --prompt-len and --gen-len in tokens")
-        if self.max_prompt_len is not None and self.max_prompt_len < self.prompt_len:
-            raise UsageError(f"max prompt length {self.max_prompt_len} is below the average {self.prompt_len}",
-                             "give the longest prompt's length, or leave it out")
-        if self.num_requests is not None and self.num_requests < 1:
-            raise UsageError(f"number of requests must be at least 1, got {self.num_requests}", "")
-
-    @property
-    def longest_prompt(self) -> int:
-        return self.max_prompt_len or self.prompt_len
-
-    def waves(self, batch: int) -> int:
-        """Waves of `batch` requests the run takes (1 when the requests are not known)."""
-        return -(-self.num_requests // max(1, batch)) if self.num_requests else 1
-
-    @property
-    def decode_context(self) -> float:
-        """Average cached tokens a decode step attends over: the prompt plus half the generation."""
-        return self.prompt_len + self.gen_len / 2
-
-    @property
-    def prompt_sq_mean(self) -> float:
-        """Mean squared prompt length (prefill attention grows with it): equal prompts unless a longer
-        longest prompt says the lengths spread; then MT-Bench's log-normal spread, E[L²] = E[L]²·e^(σ²)."""
-        s, top = self.prompt_len, self.longest_prompt
-        return float(s * s) if top <= s else min(s * top, s * s * math.exp(SPREAD_SIGMA ** 2))
-
-    def micro_batch_context(self, mu: int) -> float:
-        """Expected longest cached context among `mu` requests decoding together (the rows attention
-        slices): the expected largest of `mu` prompts drawn from the spread (Blom's approximation of the
-        normal order statistic), capped at the longest prompt, plus half the generation."""
-        s, top = self.prompt_len, self.longest_prompt
-        if top <= s or mu <= 1:
-            return self.decode_context
-        z = NormalDist().inv_cdf((mu - 0.375) / (mu + 0.25))
-        grow = max(1.0, math.exp(SPREAD_SIGMA * z - SPREAD_SIGMA ** 2 / 2))
-        return min(top, s * grow) + self.gen_len / 2
 
 
 @dataclass(frozen=True)
@@ -338,12 +288,24 @@ def _busy(m: ModelSpec, r: hrm.Rates, w: Workload, place: tuple[str, str], n: in
 def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> Prediction:
     """The HRM's prediction for a given policy (memory is reported, not checked: see validate). With
     tensor parallelism, the time is one rank's (they run in step) and the memory is summed over them."""
+    return _predict(policy, model, hardware, workload)
+
+
+def _predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload, *,
+             first: bool = True) -> Prediction:
+    """predict's; `first`: these waves are the run's first, which pay its once-a-run costs (a run's smaller
+    last wave reuses the runner and the memory its first wave made: it pays none of them)."""
     p, k = policy, policy.tensor_parallel
-    last = _last_wave(policy, model, hardware, workload)
+    n_req = workload.num_requests
+    full, rest = divmod(n_req, p.batch_size) if n_req and n_req > p.batch_size else (1, 0)
+    # the engine admits the longest prompts first: a run with a smaller last wave runs its full waves over the
+    # long prompts and the last over the short ones (Workload.longest_first)
+    front, tail = workload.longest_first(full * p.batch_size) if rest else (workload, None)
+    last = _last_wave(policy, model, hardware, tail) if rest else None
     model, hardware, _ = rank_view(model, hardware, None, k)
     r = _rates(hardware, k, model)
     place = (p.attention_on, p.ffn_on)
-    dec, pre = _busy(model, r, workload, place, p.batch_size, p.micro_batch_size, p.expert_batch_size,
+    dec, pre = _busy(model, r, front, place, p.batch_size, p.micro_batch_size, p.expert_batch_size,
                      p.gpu_weight_fraction, p.gpu_kv_fraction, p.pages_per_layer)
     on_gpu = p.ffn_on == "gpu"
     l = model.num_layers
@@ -351,9 +313,10 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
                                                                 micro_batches=p.num_micro_batches, on_gpu=on_gpu)
     prefill = l * hrm.layer_time(pre, p.ffn_on) + hrm.head_seconds(model, r, tokens=p.batch_size,
                                                                    micro_batches=p.num_micro_batches, on_gpu=on_gpu)
-    prefill += hrm.wave_seconds(r, on_gpu=on_gpu, call_tokens=p.micro_batch_size * workload.prompt_len,
-                                waves=workload.waves(p.batch_size), model=model, prompt_len=workload.prompt_len,
-                                cache_bytes=p.batch_size * hrm.dims(model).state_bytes(tokens_per_slot(workload)))
+    prefill += hrm.wave_seconds(r, on_gpu=on_gpu, call_tokens=p.micro_batch_size * front.prompt_len if first else 0,
+                                waves=front.waves(p.batch_size), model=model, prompt_len=front.prompt_len,
+                                cache_bytes=p.batch_size * hrm.dims(model).state_bytes(tokens_per_slot(workload))
+                                if first else 0)
     n = workload.gen_len
     total = prefill + (n - 1) * step
     gpu, cpu, pinned = (x if isinstance(x, int) else {key: v * k for key, v in x.items()}
@@ -362,36 +325,37 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
     # a run whose requests are not a multiple of the batch ends with a smaller wave, whose steps carry the same
     # per-step and per-layer costs for fewer tokens: 256 requests at 228 ran 19-35 % under the decode speed full
     # waves of 228 predict (the demo, two Zen 4 threads; bench/RESULTS.md, issue 11, ninth session)
-    full, rest = divmod(workload.num_requests, p.batch_size) if last else (1, 0)
     last_prefill, last_step = (last.prefill_seconds, last.step_seconds) if last else (0.0, 0.0)
     seconds = full * total + last_prefill + (n - 1) * last_step
     decode_s = (n - 1) * (full * step + last_step)
     prefill_s = full * prefill + last_prefill
     tokens = full * p.batch_size + rest
+    prompt_tokens = full * p.batch_size * front.prompt_len + (rest * tail.prompt_len if tail else 0)
+    decode_busy = {key: full * (n - 1) * l * dec[key] + (last.decode_busy[key] if last else 0.0) for key in RESOURCES}
+    prefill_busy = {key: full * l * pre[key] + (last.prefill_busy[key] if last else 0.0) for key in RESOURCES}
     return Prediction(
         tokens_per_s=tokens * n / seconds,
         decode_tokens_per_s=tokens * (n - 1) / decode_s if n > 1 else p.batch_size / step,
-        prefill_tokens_per_s=tokens * workload.prompt_len / prefill_s,
+        prefill_tokens_per_s=prompt_tokens / prefill_s,
         bottleneck=max(BOTTLENECKS, key=lambda k: dec[k]) if on_gpu else max(RESOURCES, key=lambda k: dec[k]),
         gpu_bytes=int(sum(gpu.values())), cpu_bytes=int(sum(cpu.values())),
         layer_seconds={k: dec[k] for k in BOTTLENECKS}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
         step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu, pinned_bytes=pinned,
         bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("gpu", "cpu_attn"), key=lambda k: dec[k])],
+        decode_busy=decode_busy, prefill_busy=prefill_busy, decode_steps=(n - 1) * (full + (1 if last else 0)),
+        prompt_tokens=prompt_tokens,
     )
 
 
-def _last_wave(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> "Prediction | None":
-    """The prediction for a run's last wave where its requests leave one smaller than the batch (None where they
-    do not, or are not known): the rest in as few micro-batches of at most the policy's as hold them."""
-    p, n = policy, workload.num_requests
-    rest = n % p.batch_size if n and n > p.batch_size else 0
-    if not rest:
-        return None
+def _last_wave(policy: Policy, model: ModelSpec, hardware: HardwareSpec, tail: Workload) -> Prediction:
+    """The prediction for a run's last wave, smaller than the batch: its requests (`tail`, the run's shortest
+    prompts) in as few micro-batches of at most the policy's as hold them, as the engine deals them."""
+    p, rest = policy, tail.num_requests
     groups = -(-rest // p.micro_batch_size)
     mu = -(-rest // groups)
     per = math.gcd(p.expert_batch_size // p.micro_batch_size, groups)  # micro-batches an expert batch, of these
     wave = dataclasses.replace(p, batch_size=mu * groups, micro_batch_size=mu, expert_batch_size=mu * per)
-    return predict(wave, model, hardware, dataclasses.replace(workload, num_requests=mu * groups))
+    return _predict(wave, model, hardware, dataclasses.replace(tail, num_requests=mu * groups), first=False)
 
 
 # ---- the continuous part: fractions for fixed integers ------------------------------------------------

@@ -128,6 +128,12 @@ class Prediction:
     cpu_breakdown: dict[str, int] = field(default_factory=dict)
     bottleneck_text: str = ""  # the bottleneck in words; defaults from BOTTLENECK_WORDS
     pinned_bytes: int = 0  # page-locked host memory (part of cpu_bytes)
+    # busy seconds on each resource over the whole run (every wave: the full ones and a smaller last one), all
+    # layers, beside the run's decode steps and prompt tokens: what a measured run's sums compare with
+    decode_busy: dict[str, float] = field(default_factory=dict)
+    prefill_busy: dict[str, float] = field(default_factory=dict)
+    decode_steps: int = 0
+    prompt_tokens: float = 0.0
 
     def __post_init__(self):
         if not self.bottleneck_text:

@@ -1,0 +1,93 @@
+"""What a run asks for, as the planner sees it: prompt and generation lengths, how many requests, and how the
+prompts spread (MT-Bench's log-normal) — the mean, the mean square, the longest of a micro-batch, and which
+requests a run's waves hold."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+from core.errors import UsageError
+
+SPREAD_SIGMA = 0.8  # log-normal spread of prompt lengths (MT-Bench's; core.io.workloads builds the same)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: int  # average prompt tokens (the paper's s)
+    gen_len: int  # tokens generated per request (n)
+    max_prompt_len: int | None = None  # longest prompt: sizes prefill activations; default prompt_len
+    num_requests: int | None = None  # requests to run: no point in a batch larger than this
+    prompt_sq: float | None = None  # mean squared prompt tokens where known (a part of a run: longest_first)
+
+    def __post_init__(self):
+        if self.prompt_len < 1 or self.gen_len < 1:
+            raise UsageError(f"prompt and generation lengths must be at least 1, got {self.prompt_len} and {self.gen_len}",
+                             "give --prompt-len and --gen-len in tokens")
+        if self.max_prompt_len is not None and self.max_prompt_len < self.prompt_len:
+            raise UsageError(f"max prompt length {self.max_prompt_len} is below the average {self.prompt_len}",
+                             "give the longest prompt's length, or leave it out")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise UsageError(f"number of requests must be at least 1, got {self.num_requests}", "")
+
+    @property
+    def longest_prompt(self) -> int:
+        return self.max_prompt_len or self.prompt_len
+
+    def waves(self, batch: int) -> int:
+        """Waves of `batch` requests the run takes (1 when the requests are not known)."""
+        return -(-self.num_requests // max(1, batch)) if self.num_requests else 1
+
+    @property
+    def decode_context(self) -> float:
+        """Average cached tokens a decode step attends over: the prompt plus half the generation."""
+        return self.prompt_len + self.gen_len / 2
+
+    @property
+    def spread(self) -> bool:
+        """Whether the prompts spread (a longest prompt above the mean), or are all of the mean's length."""
+        return self.longest_prompt > self.prompt_len
+
+    @property
+    def prompt_sq_mean(self) -> float:
+        """Mean squared prompt length (prefill attention grows with it): equal prompts unless a longer
+        longest prompt says the lengths spread; then MT-Bench's log-normal spread, E[L²] = E[L]²·e^(σ²)."""
+        if self.prompt_sq is not None:
+            return self.prompt_sq
+        s, top = self.prompt_len, self.longest_prompt
+        return float(s * s) if not self.spread else min(s * top, s * s * math.exp(SPREAD_SIGMA ** 2))
+
+    def micro_batch_context(self, mu: int) -> float:
+        """Expected longest cached context among `mu` requests decoding together (the rows attention
+        slices): the expected largest of `mu` prompts drawn from the spread (Blom's approximation of the
+        normal order statistic), capped at the longest prompt, plus half the generation."""
+        s, top = self.prompt_len, self.longest_prompt
+        if not self.spread or mu <= 1:
+            return self.decode_context
+        z = NormalDist().inv_cdf((mu - 0.375) / (mu + 0.25))
+        grow = max(1.0, math.exp(SPREAD_SIGMA * z - SPREAD_SIGMA ** 2 / 2))
+        return min(top, s * grow) + self.gen_len / 2
+
+    def longest_first(self, count: int) -> tuple["Workload", "Workload"]:
+        """The workloads of this one's `count` longest requests and of the rest. The engine admits the longest
+        prompts first (Algorithm 2), so a run's full waves hold the long prompts and a smaller last wave the
+        short ones: 256 requests of mean 308 at 204 a wave ran waves of mean 366 and 79 tokens. From the
+        log-normal spread, a part above the quantile z holds E[L·1(L>z)] = E[L]·(1 − Φ(z − σ)) and
+        E[L²·1(L>z)] = E[L²]·(1 − Φ(z − 2σ)); the part below, the rest (those workloads' 367 and 78). Equal
+        prompts, or the requests not known: this workload for both."""
+        n = self.num_requests or 0
+        if not (self.spread and 0 < count < n):
+            return self, self
+        p = count / n  # the share of the long part
+        z = NormalDist().inv_cdf(1.0 - p)
+        s, sq, sigma = self.prompt_len, self.prompt_sq_mean, SPREAD_SIGMA
+        below, below_sq = NormalDist().cdf(z - sigma), NormalDist().cdf(z - 2 * sigma)
+        edge = s * math.exp(sigma * z - sigma ** 2 / 2)  # the quantile's length: the short part's longest
+        long_len = max(1, round(s * (1 - below) / p))
+        short_len = max(1, min(long_len, round(s * below / (1 - p))))
+        long = Workload(long_len, self.gen_len, max(long_len, self.longest_prompt), count,
+                        prompt_sq=max(long_len ** 2, sq * (1 - below_sq) / p))
+        short = Workload(short_len, self.gen_len, max(short_len, min(self.longest_prompt, round(edge))), n - count,
+                         prompt_sq=max(short_len ** 2, sq * below_sq / (1 - p)))
+        return long, short
