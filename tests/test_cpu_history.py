@@ -176,6 +176,47 @@ def test_a_runs_own_measurements_are_folded_back(no_gpu, monkeypatch):
         assert fb.fold_back(engine, meter, 4, hw=hw) is None
 
 
+def test_a_run_with_a_smaller_last_wave_is_folded_back_against_every_waves_prediction(no_gpu, monkeypatch):
+    """Defect: a run's busy seconds a decode step (every wave's) were set beside a full wave's predicted step, so a
+    run with a smaller last wave (whose steps cost less) folded factors back too low: the demo's 256 requests at
+    204 read compute 0.90 and attention 0.72 of predicted where its full wave's tasks ran 1.0-1.2 of their prices."""
+    from core.plan import hardware
+    from core.plan.planner import Workload, predict
+
+    spec = _spec()
+    d = hrm.dims(spec)
+    hw = _machine(monkeypatch)
+    base = _base(spec)
+    cpu_history.record(hw, d, base, _windows(d, base))
+    hw = hardware.probe()
+    engine = SimpleNamespace(spec=spec, tp=None, cpu=SimpleNamespace(math="float32"), policy=None,
+                             config=SimpleNamespace(device="cpu", ffn_on="cpu", attention_on="cpu", expert_group=1))
+    work = Workload(prompt_len=77, gen_len=13, max_prompt_len=418, num_requests=20)
+    long, short = work.longest_first(16)
+    # the run exactly as priced: a wave of the 16 longest at 16/4, then the 4 shortest in one micro-batch of 4
+    waves = [(fb.cpu_policy(16, 4), long), (fb.cpu_policy(4, 4), short)]
+    L = spec.num_layers
+    meter = fb.RunSums()
+    for policy, part in waves:
+        p = predict(policy, spec, hw, part)
+        meter(StepDone("prefill", policy.batch_size * part.prompt_len, 1.0, {"gpu": p.prefill_layer_seconds["gpu"] * L}))
+        for _ in range(work.gen_len - 1):
+            meter(StepDone("decode", policy.batch_size, 0.1, {"gpu": p.layer_seconds["gpu"] * L,
+                                                              "cpu_attn": p.layer_seconds["cpu_attn"] * L},
+                           active=policy.batch_size))
+    lengths = [77] * 20
+    lengths[0] = 418
+    for i in range(1, 20):  # the mean stays 77
+        lengths[i] -= (418 - 77) // 19 + (1 if i <= (418 - 77) % 19 else 0)
+    assert sum(lengths) == 20 * 77
+    for i, n in enumerate(lengths):
+        meter(RequestDone(str(i), n, work.gen_len, 1.0, "length"))
+    got = fb.fold_back(engine, meter, 4, hw=hw)
+    for key in ("compute", "attention"):
+        assert got["ratios"][key] == pytest.approx(1.0, rel=1e-6), key
+    assert got["ratios"]["prefill"] == pytest.approx(1.0, rel=0.02)  # the parts' prompt tokens, rounded
+
+
 def test_mlight_run_says_the_spread_and_folds_its_run_back(no_gpu, monkeypatch, capsys, tmp_path, demo_model):
     """`mlight run` on a calibrated CPU: the planned batch's prediction with this machine's spread, and the run's
     own figures join the history at its end (after the results are saved)."""
