@@ -66,8 +66,8 @@ def measure(engine, reqs, batch: int, micro_batch: int) -> tuple[dict, float, fl
 
 
 def priced(spec, hw, policy, work, cache_bytes: int | None = None):
-    """(the planner's Prediction, {task kind: seconds a task}) for `policy`, the cost model's cache at `cache_bytes`
-    where given."""
+    """(the planner's Prediction, {task kind: seconds a task of a full wave}) for `policy`, the cost model's cache at
+    `cache_bytes` where given."""
     from core.plan import hrm
     from core.plan.planner import predict
 
@@ -80,8 +80,12 @@ def priced(spec, hw, policy, work, cache_bytes: int | None = None):
         return dataclasses.replace(r, cpu_costs=dataclasses.replace(r.cpu_costs, cache_bytes=cache_bytes))
 
     hrm.effective_rates = rates
+    n = work.num_requests or 0
+    full = n // policy.batch_size * policy.batch_size
     try:
         pred = predict(policy, spec, hw, work)
+        if n > policy.batch_size and n % policy.batch_size:  # the full waves hold the longest prompts (engine's order)
+            work = work.longest_first(full)[0]
         tasks = hrm.decode_tasks(spec, rates(hw, spec.dtype, spec), batch=policy.batch_size,
                                  micro_batch=policy.micro_batch_size, expert_batch=policy.expert_batch_size,
                                  attention_on="cpu", ffn_on="cpu", gpu_weight_fraction=0.0, gpu_kv_fraction=0.0,
