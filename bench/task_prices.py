@@ -4,9 +4,10 @@ Runs `mlight bench`'s workload (MT-Bench-like prompts of mean `--prompt-len`, `-
 process at `--batch`/`--micro-batch` on this machine's calibrated costs (`mlight bench --calibrate` first, or the
 uncalibrated model), takes every decode step of a full wave from the engine's step timeline, and prints per task
 kind the median milliseconds a task against the HRM's price for the same policy (core.plan.hrm.decode_tasks, as
-the planner calls it), then the step and the decode speed against the planner's. `--cache-mib` prices the same
-run again with the cost model's cache (CpuCosts.cache_bytes) at that size: what the weights' cached/cold blend
-moves.
+the planner calls it), then the step and the decode speed against the planner's, and each wave's prefill and decode
+step beside the planner's (the full waves hold the longest prompts, a smaller last wave the shortest). `--cache-mib`
+prices the same run again with the cost model's cache (CpuCosts.cache_bytes) at that size: what the weights'
+cached/cold blend moves.
 
     python bench/task_prices.py --prompt-len 308 --batch 252 --micro-batch 36 --cache-mib 480 --cache-mib 64
 """
@@ -39,9 +40,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def measure(engine, reqs, batch: int, micro_batch: int) -> tuple[dict, float, float]:
+def measure(engine, reqs, batch: int, micro_batch: int) -> tuple[dict, float, float, list]:
     """({task kind: (tasks a step, median seconds a task)}, median seconds of a full-wave decode step, decode tokens/s
-    over every decode step) of one run."""
+    over every decode step, and each wave's (requests, prefill seconds, decode steps, median seconds a decode step))
+    of one run."""
     from core.runtime.calibrate_pieces import StepClock
     from core.telemetry import StepDone, task_spans
 
@@ -62,7 +64,14 @@ def measure(engine, reqs, batch: int, micro_batch: int) -> tuple[dict, float, fl
     steps = [e.seconds for e in decode if e.active == min(batch, len(reqs))]
     kinds = {k: (xs[0][0], statistics.median(s for _, s in xs)) for k, xs in per_kind.items()}
     speed = sum(e.tokens for e in decode) / max(1e-9, sum(e.seconds for e in decode))
-    return kinds, statistics.median(steps) if steps else 0.0, speed
+    waves = []  # a wave: its prefill step, then its decode steps (all its requests generate alike here)
+    for e in sink.steps:
+        if e.kind == "prefill":
+            waves.append((e.active, e.seconds, []))
+        elif waves:
+            waves[-1][2].append(e.seconds)
+    waves = [(n, pre, len(xs), statistics.median(xs) if xs else 0.0) for n, pre, xs in waves]
+    return kinds, statistics.median(steps) if steps else 0.0, speed, waves
 
 
 def priced(spec, hw, policy, work, cache_bytes: int | None = None):
@@ -96,6 +105,16 @@ def priced(spec, hw, policy, work, cache_bytes: int | None = None):
     return pred, {k: t.seconds for k, t in tasks.items()}
 
 
+def last_wave(spec, hw, policy, work):
+    """The planner's prediction for the run's smaller last wave (its shortest prompts), None where it has none."""
+    from core.plan import planner
+
+    n = work.num_requests or 0
+    if n <= policy.batch_size or not n % policy.batch_size:
+        return None
+    return planner._last_wave(policy, spec, hw, work.longest_first(n // policy.batch_size * policy.batch_size)[1])
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     import torch
@@ -115,11 +134,12 @@ def main(argv=None) -> int:
                                                                  max_len=longest))
         reqs = [Request(id=str(i), prompt=p, max_new_tokens=a.gen_len) for i, p in enumerate(prompts)]
         engine.eos_ids = set()  # full generations, as `mlight bench` measures
-        kinds, step, speed = measure(engine, reqs, a.batch, a.micro_batch)
+        kinds, step, speed, waves = measure(engine, reqs, a.batch, a.micro_batch)
         policy, work = policy_and_workload(engine, reqs, batch=a.batch, micro_batch=a.micro_batch, gen_len=a.gen_len)
         hw = resolve("local")
         costs = hrm.effective_rates(hw, engine.spec.dtype, engine.spec).cpu_costs
         pred, price = priced(engine.spec, hw, policy, work)
+        last = last_wave(engine.spec, hw, policy, work)
     finally:
         engine.close()
     calibrated = bool(costs is not None and costs.measured)
@@ -133,6 +153,10 @@ def main(argv=None) -> int:
         print(f"  {k:10s} {n:6d} {s * 1e3:12.3f} {p * 1e3:10.3f} {s / p if p else float('nan'):6.2f}")
     print(f"  step {step * 1e3:.2f} ms measured, {pred.step_seconds * 1e3:.2f} priced; decode {speed:,.0f} tok/s "
           f"measured, {pred.decode_tokens_per_s:,.0f} predicted ({speed / pred.decode_tokens_per_s - 1:+.1%})")
+    for i, (n, pre, count, dec) in enumerate(waves):
+        p = pred if n == policy.batch_size else last if i == len(waves) - 1 else None
+        priced_words = f" (priced {p.prefill_seconds:.3f} s and {p.step_seconds * 1e3:.2f} ms)" if p else ""
+        print(f"  wave {i + 1}, {n} requests: prefill {pre:.3f} s, {count} decode steps of {dec * 1e3:.2f} ms{priced_words}")
     for mib in a.cache_mib:
         p2, _ = priced(engine.spec, hw, policy, work, int(mib * 2**20))
         print(f"  with the cache at {mib:g} MiB: step {p2.step_seconds * 1e3:.2f} ms priced, decode "

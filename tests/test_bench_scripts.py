@@ -73,13 +73,17 @@ def test_mlight_bench_prints_measured_and_predicted(capsys, demo_model):
 def test_task_prices_puts_each_task_kind_beside_its_price(capsys, demo_model):
     import task_prices
 
-    assert task_prices.main(["--requests", "4", "--gen-len", "4", "--batch", "4", "--micro-batch", "2", "--threads",
+    assert task_prices.main(["--requests", "5", "--gen-len", "4", "--batch", "4", "--micro-batch", "2", "--threads",
                              "1", "--cache-mib", "1"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:] if line.startswith("  ")}
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:] if line.startswith("  ")
+            and not line.startswith("  wave")}
     for kind in ("pre_attn", "cpu_attn", "post_attn", "ffn"):
         tasks, measured, price, ratio = rows[kind]
         assert int(tasks) == 2 * 4 and float(measured) > 0 and float(price) > 0  # 2 micro-batches x 4 layers
         m, q = float(measured), float(price)  # printed to 0.001 ms, the ratio to 0.01 from the unrounded seconds
         assert (m - 5e-4) / (q + 5e-4) - 0.005 <= float(ratio) <= (m + 5e-4) / (q - 5e-4) + 0.005
     assert "costs uncalibrated" in out and "with the cache at 1 MiB" in out
+    waves = [line for line in out.splitlines() if line.startswith("  wave")]  # 4 requests a wave, then the last 1
+    assert len(waves) == 2 and "4 requests" in waves[0] and "1 requests" in waves[1]
+    assert all("3 decode steps" in w and "priced" in w for w in waves)
