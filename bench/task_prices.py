@@ -78,7 +78,7 @@ def priced(spec, hw, policy, work, cache_bytes: int | None = None):
     """(the planner's Prediction, {task kind: seconds a task of a full wave}) for `policy`, the cost model's cache at
     `cache_bytes` where given."""
     from core.plan import hrm
-    from core.plan.planner import predict
+    from core.plan.planner import predict, waves_of
 
     real = hrm.effective_rates
 
@@ -89,12 +89,9 @@ def priced(spec, hw, policy, work, cache_bytes: int | None = None):
         return dataclasses.replace(r, cpu_costs=dataclasses.replace(r.cpu_costs, cache_bytes=cache_bytes))
 
     hrm.effective_rates = rates
-    n = work.num_requests or 0
-    full = n // policy.batch_size * policy.batch_size
     try:
         pred = predict(policy, spec, hw, work)
-        if n > policy.batch_size and n % policy.batch_size:  # the full waves hold the longest prompts (engine's order)
-            work = work.longest_first(full)[0]
+        _, work, _ = waves_of(policy, work)  # the full waves hold the longest prompts (the engine's order)
         tasks = hrm.decode_tasks(spec, rates(hw, spec.dtype, spec), batch=policy.batch_size,
                                  micro_batch=policy.micro_batch_size, expert_batch=policy.expert_batch_size,
                                  attention_on="cpu", ffn_on="cpu", gpu_weight_fraction=0.0, gpu_kv_fraction=0.0,
@@ -109,10 +106,8 @@ def last_wave(spec, hw, policy, work):
     """The planner's prediction for the run's smaller last wave (its shortest prompts), None where it has none."""
     from core.plan import planner
 
-    n = work.num_requests or 0
-    if n <= policy.batch_size or not n % policy.batch_size:
-        return None
-    return planner._last_wave(policy, spec, hw, work.longest_first(n // policy.batch_size * policy.batch_size)[1])
+    _, _, tail = planner.waves_of(policy, work)
+    return planner.last_wave(policy, spec, hw, tail) if tail else None
 
 
 def main(argv=None) -> int:
@@ -156,7 +151,8 @@ def main(argv=None) -> int:
     for i, (n, pre, count, dec) in enumerate(waves):
         p = pred if n == policy.batch_size else last if i == len(waves) - 1 else None
         priced_words = f" (priced {p.prefill_seconds:.3f} s and {p.step_seconds * 1e3:.2f} ms)" if p else ""
-        print(f"  wave {i + 1}, {n} requests: prefill {pre:.3f} s, {count} decode steps of {dec * 1e3:.2f} ms{priced_words}")
+        print(f"  wave {i + 1}, {n} requests: prefill {pre:.3f} s, {count} decode steps of {dec * 1e3:.2f} ms"
+              + priced_words)
     for mib in a.cache_mib:
         p2, _ = priced(engine.spec, hw, policy, work, int(mib * 2**20))
         print(f"  with the cache at {mib:g} MiB: step {p2.step_seconds * 1e3:.2f} ms priced, decode "

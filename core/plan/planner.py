@@ -296,12 +296,9 @@ def _predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
     """predict's; `first`: these waves are the run's first, which pay its once-a-run costs (a run's smaller
     last wave reuses the runner and the memory its first wave made: it pays none of them)."""
     p, k = policy, policy.tensor_parallel
-    n_req = workload.num_requests
-    full, rest = divmod(n_req, p.batch_size) if n_req and n_req > p.batch_size else (1, 0)
-    # the engine admits the longest prompts first: a run with a smaller last wave runs its full waves over the
-    # long prompts and the last over the short ones (Workload.longest_first)
-    front, tail = workload.longest_first(full * p.batch_size) if rest else (workload, None)
-    last = _last_wave(policy, model, hardware, tail) if rest else None
+    full, front, tail = waves_of(p, workload)
+    rest = tail.num_requests if tail else 0
+    last = last_wave(policy, model, hardware, tail) if tail else None
     model, hardware, _ = rank_view(model, hardware, None, k)
     r = _rates(hardware, k, model)
     place = (p.attention_on, p.ffn_on)
@@ -347,7 +344,19 @@ def _predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
     )
 
 
-def _last_wave(policy: Policy, model: ModelSpec, hardware: HardwareSpec, tail: Workload) -> Prediction:
+def waves_of(policy: Policy, workload: Workload) -> tuple[int, Workload, Workload | None]:
+    """(the run's full waves, their workload, the workload of its smaller last wave or None). The engine admits
+    the longest prompts first, so where a smaller last wave is left the full waves hold the long prompts and the
+    last the short ones (Workload.longest_first); without the requests known, one wave of the workload."""
+    n, b = workload.num_requests, policy.batch_size
+    full, rest = divmod(n, b) if n and n > b else (1, 0)
+    if not rest:
+        return full, workload, None
+    front, tail = workload.longest_first(full * b)
+    return full, front, tail
+
+
+def last_wave(policy: Policy, model: ModelSpec, hardware: HardwareSpec, tail: Workload) -> Prediction:
     """The prediction for a run's last wave, smaller than the batch: its requests (`tail`, the run's shortest
     prompts) in as few micro-batches of at most the policy's as hold them, as the engine deals them."""
     p, rest = policy, tail.num_requests
@@ -693,7 +702,7 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
         raise _shortfall(model, hardware, workload, budget)
     gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
     if workload.num_requests and any(workload.num_requests % c.n for c in top):
-        # the search prices full waves; a batch that leaves a smaller last wave pays for it (predict's _last_wave):
+        # the search prices full waves; a batch that leaves a smaller last wave pays for it (last_wave):
         # 256 requests at 228 a wave ran slower than at 256, which the search ranked first
         top.sort(key=lambda c: -predict(_policy(c, c.r_w, c.r_c, model, ranks), full_model, full_hw,
                                         workload).tokens_per_s)

@@ -23,8 +23,8 @@ class Workload:
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.gen_len < 1:
-            raise UsageError(f"prompt and generation lengths must be at least 1, got {self.prompt_len} and {self.gen_len}",
-                             "give --prompt-len and --gen-len in tokens")
+            raise UsageError(f"prompt and generation lengths must be at least 1, got {self.prompt_len} and "
+                             f"{self.gen_len}", "give --prompt-len and --gen-len in tokens")
         if self.max_prompt_len is not None and self.max_prompt_len < self.prompt_len:
             raise UsageError(f"max prompt length {self.max_prompt_len} is below the average {self.prompt_len}",
                              "give the longest prompt's length, or leave it out")

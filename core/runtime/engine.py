@@ -471,7 +471,7 @@ class Engine:
         among = None
         if not active and 0 < len(waiting) <= table.free_slots():
             # the run's last wave, smaller than the batch: in as few micro-batches as hold it, as the planner
-            # prices it (planner._last_wave). Each micro-batch a step runs reads every layer's weights again:
+            # prices it (planner.last_wave). Each micro-batch a step runs reads every layer's weights again:
             # the demo's last 52 requests dealt over three micro-batches of 68 took 9.9 ms a decode step, the
             # planner's one micro-batch of 52 6.1 (AVX2 limits, two threads; bench/RESULTS.md, issue 11)
             among = -(-len(waiting) // table.micro_batch_size)
