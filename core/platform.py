@@ -123,26 +123,70 @@ def llc_bytes() -> int:
     return n or DEFAULT_LLC
 
 
+# One core's L2 where the OS does not say: Zen 4's 1 MB (Intel's desktop cores 1.25-2 MB, Zen 2/3 512 KB)
+DEFAULT_L2 = 1 << 20
+
+
+def l2_bytes() -> int:
+    """One core's L2 cache as the OS reports it: Linux's sysfs (the level-2 data or unified cache of cpu0), macOS's
+    sysctl, Windows' GetLogicalProcessorInformation; DEFAULT_L2 where it cannot be read."""
+    read = {"linux": _l2_linux, "macos": _l2_macos, "windows": _l2_windows}.get(SYSTEM)
+    try:
+        n = read() if read is not None else 0
+    except (OSError, ValueError, AttributeError):  # AttributeError: no such library call on this system
+        n = 0
+    return n or DEFAULT_L2
+
+
+def _l2_linux() -> int:
+    for d in Path(LINUX_CACHE).glob("index*"):
+        try:
+            level = (d / "level").read_text(encoding="ascii").strip()
+            kind = (d / "type").read_text(encoding="ascii").strip()
+            if level == "2" and kind in ("Unified", "Data"):
+                return _sysfs_size((d / "size").read_text(encoding="ascii"))
+        except (OSError, ValueError):
+            continue
+    return 0
+
+
+def _sysfs_size(text: str) -> int:
+    """sysfs's cache size ("2048K", "32M", or bytes) in bytes; 0 for an empty file."""
+    text = text.strip().upper()
+    if not text:
+        return 0
+    return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
+
+
+def _l2_macos(libc=None) -> int:
+    return _sysctl_first((b"hw.perflevel0.l2cachesize", b"hw.l2cachesize"), libc)
+
+
+def _l2_windows(kernel32=None) -> int:
+    return max((size for level, size in _windows_caches(kernel32) if level == 2), default=0)
+
+
 def _llc_linux() -> int:
     best = 0
     for f in Path(LINUX_CACHE).glob("index*/size"):
         try:
-            text = f.read_text(encoding="ascii").strip().upper()
-            if not text:
-                continue
-            best = max(best, int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM"
-                       else int(text))
+            best = max(best, _sysfs_size(f.read_text(encoding="ascii")))
         except (OSError, ValueError):
             continue
     return best
 
 
 def _llc_macos(libc=None) -> int:
+    return _sysctl_first((b"hw.l3cachesize", b"hw.perflevel0.l2cachesize", b"hw.l2cachesize"), libc)
+
+
+def _sysctl_first(names, libc=None) -> int:
+    """The first of these sysctl integers macOS has (non-zero), else 0."""
     import ctypes
     import ctypes.util
 
     libc = libc or ctypes.CDLL(ctypes.util.find_library("c"))
-    for name in (b"hw.l3cachesize", b"hw.perflevel0.l2cachesize", b"hw.l2cachesize"):
+    for name in names:
         value, size = ctypes.c_uint64(0), ctypes.c_size_t(8)  # 4- or 8-byte integers: little-endian either way
         if libc.sysctlbyname(name, ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) == 0 \
                 and value.value:
@@ -151,7 +195,12 @@ def _llc_macos(libc=None) -> int:
 
 
 def _llc_windows(kernel32=None) -> int:
-    """The largest cache GetLogicalProcessorInformation lists (its fixed-size records)."""
+    """The largest cache GetLogicalProcessorInformation lists."""
+    return max((size for _, size in _windows_caches(kernel32)), default=0)
+
+
+def _windows_caches(kernel32=None) -> list[tuple[int, int]]:
+    """(level, bytes) of every cache GetLogicalProcessorInformation lists (its fixed-size records)."""
     import ctypes
 
     class Cache(ctypes.Structure):  # CACHE_DESCRIPTOR
@@ -169,12 +218,12 @@ def _llc_windows(kernel32=None) -> int:
     k32.GetLogicalProcessorInformation(None, ctypes.byref(length))  # fails, saying how many bytes it needs
     count = length.value // ctypes.sizeof(Info)
     if not count:
-        return 0
+        return []
     buf = (Info * count)()
     if not k32.GetLogicalProcessorInformation(buf, ctypes.byref(length)):
-        return 0
+        return []
     records = buf[:min(count, length.value // ctypes.sizeof(Info))]
-    return max((r.u.Cache.Size for r in records if r.Relationship == RELATION_CACHE), default=0)
+    return [(r.u.Cache.Level, r.u.Cache.Size) for r in records if r.Relationship == RELATION_CACHE]
 
 
 def pinned_budget(ram_bytes: int) -> int:

@@ -93,6 +93,13 @@ class CpuCosts:
     attn_call_s: float = 0.0
     sdpa_flop_s: float = 0.0  # seconds per FLOP of prefill attention
     task_s: float = 0.0  # overhead per task of the step graph (Python, dispatch, small ops)
+    # A micro-batch's decode attention streams its KV through each core's L2 (`l2_bytes`), and the tasks after it
+    # then fetch their weights, code and buffers again: the demo's post-attention tasks took +70 µs each at 64 and
+    # 128 requests of ~380 tokens (6-12 MB of KV a call), none at 64 of ~90 (1.5 MB; AVX2 limits, two Xeon
+    # threads with 2 MB of L2 each; bench/RESULTS.md, issue 11, twenty-second session). Seconds a decode layer's
+    # post-attention and expert tasks pay after a stream that fills the L2 (flush_share); 0: not measured
+    flush_s: float = 0.0
+    l2_bytes: int = 0  # one core's L2 (core.platform.l2_bytes); 0: not known, no flush priced
     prompt_s: float = 0.0  # overhead per prompt in a prefill task (its own attention call)
     # per token of a prefill call: work the decode steps' pieces do not show, which grows with a call's tokens
     # (routing's sort and gathers over the whole call, the experts' scatter back). The demo's prefill ran 38-42 µs
@@ -451,13 +458,25 @@ def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, con
                  row_tokens: float | None = None, longest: float | None = None,
                  lengths: list[int] | None = None) -> dict[str, float]:
     """Seconds of one task of each kind of a CPU-only decode layer (core.runtime.schedule._cpu_only);
-    `longest`: the longest context in a micro-batch, `lengths` its requests' own when known (attention_seconds)."""
+    `longest`: the longest context in a micro-batch, `lengths` its requests' own when known (attention_seconds).
+    Post-attention carries what the tasks after the attention pay once its KV stream evicted the L2 (flush_s)."""
     pre, post = dense_seconds(d, c, micro_batch)
     attn = attention_seconds(d, c, micro_batch, context, row_tokens, longest, lengths)
     mb = micro_batch
+    flush = c.flush_s * flush_share(c, micro_batch * context * d.kv_tok_layer) if c.flush_s else 0.0
     return {"pre_attn": (pre + c.task_s) * c.eff("pre_eff", mb), "cpu_attn": (attn + c.task_s) * c.eff("attn_eff", mb),
-            "post_attn": (post + c.task_s) * c.eff("post_eff", mb),
+            "post_attn": (post + c.task_s + flush) * c.eff("post_eff", mb),
             "ffn": (experts_seconds(d, c, expert_batch) + c.task_s) * c.eff("ffn_eff", expert_batch)}
+
+
+def flush_share(c: CpuCosts, stream_bytes: float) -> float:
+    """How much of flush_s a decode layer pays after an attention task streaming `stream_bytes` of KV over
+    c.threads cores: none while a core's share is under half its L2, all from one and a half L2s, a ramp between
+    (at 1.5 MB a core of a 2 MB L2 the demo's tasks after it took +8 µs, at 3 MB +70)."""
+    if not c.l2_bytes:
+        return 0.0
+    per_core = stream_bytes / max(1, c.threads)
+    return min(1.0, max(0.0, per_core / c.l2_bytes - 0.5))
 
 
 # ---- the cache: per machine, by math dtype and model -------------------------------------------------

@@ -15,7 +15,7 @@ import time
 import torch
 
 from core.model.cpu.ffn import CHUNK_TOKENS
-from core.platform import llc_bytes
+from core.platform import l2_bytes, llc_bytes
 from core.plan import cpu_cost, cpu_history, cpu_speed, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.runtime.calibrate_cache import effective_cache_bytes
@@ -577,7 +577,7 @@ def kernel_costs(engine, *, quick: bool = False, clock=time.perf_counter, progre
     base = CpuCosts(math=engine.cpu.math, flop_s=fd, weight_s=wd, call_s=cd, direct_rows=direct, cache_bytes=cache,
                     expert_chunk=CHUNK_TOKENS if fused else 0, threads=torch.get_num_threads(),
                     model=cpu_cost.model_key(d), model_bytes=spec.total_bytes, widens=engine.cpu.widens,
-                    own_rows=own_rows(spec))
+                    own_rows=own_rows(spec), l2_bytes=l2_bytes())
     tokens = LAYER_TOKENS[:6] if quick else LAYER_TOKENS
     if fused:
         fx, wx, cx = fused_terms(fused, d, cold, tokens, clock, math)

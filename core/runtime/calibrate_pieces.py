@@ -450,8 +450,9 @@ def own_rows(spec) -> bool:
 
 def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs],
                      bounds: dict[str, tuple[float, float]] | None = None) -> CpuCosts:
-    """elem_s and task_s from the dense work, kv_s, kv_copy_s and attn_row_s from attention, sdpa_flop_s, prompt_s
-    and prefill_tok_s from prefills — each from what the terms already known leave unexplained. `bounds`: a prefill
+    """elem_s and task_s (and flush_s, where the L2 is known) from the dense work, kv_s, kv_copy_s and attn_row_s
+    from attention, sdpa_flop_s, prompt_s and prefill_tok_s from prefills — each from what the terms already known
+    leave unexplained. `bounds`: a prefill
     term's range from its own kernel's timing (sdpa_range): fitted outside it, the term is held at the nearer bound
     and the others are fitted around it."""
     d, L = hrm.dims(engine.spec), engine.spec.num_layers
@@ -468,7 +469,10 @@ def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs],
         return dict(zip(names, fit(rows, [r for *_, r in kept])))
 
     dense = lambda c, o: _layer_decode(d, c, o)[0]  # noqa: E731
-    got = residual_fit([(o, dense) for o in dec], ("elem_s", "task_s"), lambda o: o.busy.get("gpu", 0) / L,
+    # the dense work and experts do not grow with the context: what they took more at 384 tokens than at 48 is
+    # the L2 the attention's longer stream evicted (flush_s, where the L2 is known)
+    names = ("elem_s", "task_s", "flush_s") if base.l2_bytes else ("elem_s", "task_s")
+    got = residual_fit([(o, dense) for o in dec], names, lambda o: o.busy.get("gpu", 0) / L,
                        lambda o: dense(base, o))
     base = dataclasses.replace(base, **got)
     attn = lambda c, o: _layer_decode(d, c, o)[1]  # noqa: E731
