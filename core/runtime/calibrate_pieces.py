@@ -452,9 +452,8 @@ def fit_engine_terms(engine, base: CpuCosts, obs: list[Obs],
                      bounds: dict[str, tuple[float, float]] | None = None) -> CpuCosts:
     """elem_s and task_s (and flush_s, where the L2 is known) from the dense work, kv_s, kv_copy_s and attn_row_s
     from attention, sdpa_flop_s, prompt_s and prefill_tok_s from prefills — each from what the terms already known
-    leave unexplained. `bounds`: a prefill
-    term's range from its own kernel's timing (sdpa_range): fitted outside it, the term is held at the nearer bound
-    and the others are fitted around it."""
+    leave unexplained. `bounds`: a prefill term's range from its own kernel's timing (sdpa_range): fitted outside it,
+    the term is held at the nearer bound and the others are fitted around it."""
     d, L = hrm.dims(engine.spec), engine.spec.num_layers
     dec = [o for o in obs if o.kind == "decode"]
 
