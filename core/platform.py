@@ -115,12 +115,16 @@ def llc_bytes() -> int:
     """The last-level cache's size as the OS reports it: Linux's sysfs, macOS's sysctl (L3, else the
     performance cores' L2 on Apple silicon, which has no L3), Windows' GetLogicalProcessorInformation;
     DEFAULT_LLC where it cannot be read."""
-    read = {"linux": _llc_linux, "macos": _llc_macos, "windows": _llc_windows}.get(SYSTEM)
+    return _os_answer({"linux": _llc_linux, "macos": _llc_macos, "windows": _llc_windows}) or DEFAULT_LLC
+
+
+def _os_answer(readers: dict) -> int:
+    """What this OS's reader in `readers` says; 0 where there is none or it fails."""
+    read = readers.get(SYSTEM)
     try:
-        n = read() if read is not None else 0
+        return read() if read is not None else 0
     except (OSError, ValueError, AttributeError):  # AttributeError: no such library call on this system
-        n = 0
-    return n or DEFAULT_LLC
+        return 0
 
 
 # One core's L2 where the OS does not say: Zen 4's 1 MB (Intel's desktop cores 1.25-2 MB, Zen 2/3 512 KB)
@@ -130,12 +134,7 @@ DEFAULT_L2 = 1 << 20
 def l2_bytes() -> int:
     """One core's L2 cache as the OS reports it: Linux's sysfs (the level-2 data or unified cache of cpu0), macOS's
     sysctl, Windows' GetLogicalProcessorInformation; DEFAULT_L2 where it cannot be read."""
-    read = {"linux": _l2_linux, "macos": _l2_macos, "windows": _l2_windows}.get(SYSTEM)
-    try:
-        n = read() if read is not None else 0
-    except (OSError, ValueError, AttributeError):  # AttributeError: no such library call on this system
-        n = 0
-    return n or DEFAULT_L2
+    return _os_answer({"linux": _l2_linux, "macos": _l2_macos, "windows": _l2_windows}) or DEFAULT_L2
 
 
 def _l2_linux() -> int:
