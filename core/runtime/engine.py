@@ -472,8 +472,8 @@ class Engine:
         if not active and 0 < len(waiting) <= table.free_slots():
             # the run's last wave, smaller than the batch: in as few micro-batches as hold it, as the planner
             # prices it (planner.last_wave). Each micro-batch a step runs reads every layer's weights again:
-            # the demo's last 52 requests dealt over three micro-batches of 68 took 9.9 ms a decode step, the
-            # planner's one micro-batch of 52 6.1 (AVX2 limits, two threads; bench/RESULTS.md, issue 11)
+            # the demo's last 52 requests dealt over three micro-batches of 68 took 9.9 ms a decode step, in one
+            # micro-batch of 52 4.5-4.8 (AVX2 limits, two threads; bench/RESULTS.md, issue 11)
             among = -(-len(waiting) // table.micro_batch_size)
         while waiting and table.free_slots():
             s = waiting.pop(0)
