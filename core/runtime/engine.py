@@ -35,6 +35,7 @@ from core.plan.hardware import gpu_compute_dtype
 from core.plan.policy import expert_split, kv_gpu_layers
 from core.runtime.device import Device, resolve_device
 from core.runtime.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
+from core.runtime.frozen_heap import frozen_heap
 from core.runtime.pipeline import PipelineRunner
 from core.model.sampling import greedy, sample
 from core.model.spec import DTYPE_BYTES, ModelSpec, torch_dtype
@@ -398,7 +399,12 @@ class Engine:
     def generate(self, requests: Iterable[Request], *, batch_size: int | None = None,
                  micro_batch_size: int | None = None, on_event: EventSink = ignore,
                  should_stop: Callable[[], bool] | None = None) -> Iterator[Result]:
-        """Yield each request's Result as it finishes. Batch sizes default to the policy's, else 64 / the batch."""
+        """Yield each request's Result as it finishes. Batch sizes default to the policy's, else 64 / the batch.
+        The garbage collector leaves the objects made before the run alone while it runs (frozen_heap)."""
+        with frozen_heap():
+            yield from self._generate(requests, batch_size, micro_batch_size, on_event, should_stop)
+
+    def _generate(self, requests, batch_size, micro_batch_size, on_event, should_stop) -> Iterator[Result]:
         if batch_size is None:
             batch_size = self.policy.batch_size if self.policy else 64
         if micro_batch_size is None and self.policy is not None:
