@@ -16,6 +16,7 @@ every function here reads it at call time. A leaf: it imports nothing from core'
   `path_too_long` (Windows' 260-character limit unless long paths are enabled).
 - Console: `utf8_console` (a redirected Windows console encodes cp1252 and would crash on "→").
 - Terminal: `terminal` (Windows Terminal, the legacy console, or anything else).
+- Caches: `cache_dir` (per-machine data: $MLIGHT_CACHE_DIR, else the OS's user cache folder).
 """
 
 from __future__ import annotations
@@ -265,6 +266,17 @@ def _retry_shared(op, *args) -> None:
                 raise
             _sleep(delay)
             delay = min(delay * 2, 0.25)
+
+
+def cache_dir() -> Path:
+    """Where mlight caches per-machine data (probe, calibration, kernels, choices): $MLIGHT_CACHE_DIR, else
+    platformdirs' user cache folder."""
+    env = os.environ.get("MLIGHT_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("mlight"))
 
 
 def replace(src: str | Path, dst: str | Path) -> None:

@@ -5,17 +5,32 @@ Neither wins everywhere. The loop pays a fixed cost per expert that got tokens, 
 small experts (Qwen3-Next, Qwen3.5, DeepSeek-V3) dominates small batches; grouped_mm pays for its
 layout and, on some CPUs and dtypes, a slower inner kernel. So the first call for a shape — device,
 dtype, experts, sizes, biases, and the token count rounded up to a power of two — times both on the
-real inputs (interleaved, best of a few), and the faster is used for that shape from then on in this
-process. A measurement costs a few kernel calls once per shape; later calls only look the choice up.
+real inputs (interleaved, best of a few), and the faster is used for that shape from then on.
+
+A measurement runs the experts eight times over (a warm-up and three trials of each form), and a prefill's
+calls are its largest: the demo model's first 2,048-token chunk paid 38 ms for it and the next size 31 ms, in the
+first layer of a process's first large call (AVX2 limits, two threads) — about a seventh of the ~1 s run a user's
+`mlight bench` of 256 short prompts is, in every fresh process. So the CPU's choices are kept on disk, per machine,
+torch build, thread count and version of the experts' code (`_context`), and a process measures only the shapes no
+process before it on this machine did. A GPU's are timed in each process (its measurements take milliseconds).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 _CHOICE: dict[tuple, str] = {}
 TRIALS = 3
+_lock = threading.Lock()
+_saved: dict[Path, dict[str, str]] = {}  # each context's choices on disk, read at its first CPU choice
 
 
 def bucket(tokens: int) -> int:
@@ -25,22 +40,103 @@ def bucket(tokens: int) -> int:
 
 def choose(key: tuple, candidates: dict[str, Callable[[], object]], sync: Callable[[], None] = lambda: None,
            clock: Callable[[], float] = time.perf_counter) -> str:
-    """The name of the fastest candidate for `key`, timing each (after a warm-up call) on first use."""
-    if key not in _CHOICE:
-        for fn in candidates.values():
-            fn()
-        sync()
-        best = {name: float("inf") for name in candidates}
-        for _ in range(TRIALS):
-            for name, fn in candidates.items():
-                t0 = clock()
-                fn()
-                sync()
-                best[name] = min(best[name], clock() - t0)
-        _CHOICE[key] = min(best, key=best.get)
-    return _CHOICE[key]
+    """The name of the fastest candidate for `key`, timing each (after a warm-up call) on first use — on the
+    CPU (key[0] == "cpu"), first use on this machine: a choice a process before this one made is read back."""
+    if key in _CHOICE:
+        return _CHOICE[key]
+    cpu = key[:1] == ("cpu",)
+    name = _saved_choice(key) if cpu else None
+    if name not in candidates:
+        name = _measure(candidates, sync, clock)
+        if cpu:
+            _save(key, name)
+    _CHOICE[key] = name
+    return name
 
 
 def chosen() -> dict[tuple, str]:
-    """What has been measured so far (for `mlight bench` and tests)."""
+    """What this process uses so far, measured or read back (for `mlight bench` and tests)."""
     return dict(_CHOICE)
+
+
+def _measure(candidates, sync, clock) -> str:
+    for fn in candidates.values():
+        fn()
+    sync()
+    best = {name: float("inf") for name in candidates}
+    for _ in range(TRIALS):
+        for name, fn in candidates.items():
+            t0 = clock()
+            fn()
+            sync()
+            best[name] = min(best[name], clock() - t0)
+    return min(best, key=best.get)
+
+
+def _entry(key: tuple) -> str:
+    import torch
+
+    # the thread count is read at each choice: the engine follows the free cores between steps
+    return f"{torch.get_num_threads()}|{key!r}"
+
+
+def _context() -> str:
+    """What a saved choice holds for besides its shape: this machine (host, processor, cores, the ISA limits in
+    the environment), torch's build and the experts' code (this module and core.model.moe)."""
+    import platform
+
+    import torch
+
+    from core.model.cpu.isa import ENV_LIMITS
+
+    ident = "|".join([platform.node(), platform.processor(), platform.machine(), str(os.cpu_count()),
+                      torch.__version__, _code(), *(f"{k}={os.environ.get(k, '')}" for k in ENV_LIMITS)])
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def _code() -> str:
+    here = Path(__file__)
+    return hashlib.sha256(here.read_bytes() + here.with_name("moe.py").read_bytes()).hexdigest()
+
+
+def _path() -> Path:
+    from core.platform import cache_dir
+
+    return cache_dir() / "expert_choice" / f"{_context()}.json"
+
+
+def _read(path: Path) -> dict[str, str]:
+    try:
+        got = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none yet, or a torn or foreign file: measured again
+        return {}
+    return {k: v for k, v in got.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(got, dict) else {}
+
+
+def _saved_choice(key: tuple) -> str | None:
+    with _lock:
+        path = _path()
+        if path not in _saved:
+            _saved[path] = _read(path)
+        return _saved[path].get(_entry(key))
+
+
+def _save(key: tuple, name: str) -> None:
+    """Adds the choice to this context's file (merged with what other processes wrote since it was read; written
+    whole, then renamed over the old). A cache that cannot be written costs a measurement a process, nothing more."""
+    from core.platform import replace
+
+    with _lock:
+        path = _path()
+        _saved[path] = merged = {**_read(path), **_saved.get(path, {}), _entry(key): name}
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(merged, f, indent=0, sort_keys=True)
+            replace(tmp, path)
+        except OSError:
+            if tmp is not None and os.path.exists(tmp):
+                os.remove(tmp)

@@ -324,13 +324,10 @@ def _nvml_gpus() -> list[dict]:
 
 # ---- probe -------------------------------------------------------------------------------------
 def cache_dir() -> Path:
-    """Where mlight caches per-machine data: $MLIGHT_CACHE_DIR, else platformdirs' user cache dir."""
-    env = os.environ.get("MLIGHT_CACHE_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
+    """Where mlight caches per-machine data (core.platform.cache_dir)."""
+    from core import platform as os_platform
 
-    return Path(platformdirs.user_cache_dir("mlight"))
+    return os_platform.cache_dir()
 
 
 def machine_key(hw: HardwareSpec) -> str:

@@ -49,12 +49,9 @@ def status() -> str:
 
 
 def _cache_dir() -> Path:
-    env = os.environ.get("MLIGHT_CACHE_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
+    from core.platform import cache_dir
 
-    return Path(platformdirs.user_cache_dir("mlight"))
+    return cache_dir()
 
 
 def _flags() -> tuple[list[str], int]:
