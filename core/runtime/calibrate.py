@@ -194,17 +194,33 @@ def step_model(d, L: int, c: CpuCosts, s: RunStep, group: int = 1) -> dict[str, 
 DECODE_EFF = cpu_history.DECODE_EFF
 
 
+def first_decodes(steps: list[RunStep]) -> set[int]:
+    """The indices of each wave's first decode step (the one right after a prefill), where a window has steadier
+    decode steps too. That step pays what a wave's first decode does once: on the demo at 256 rows 1.18x the
+    attention and 1.22x the experts of the steps after it in a warm process (2.4x and 3.3x in a process that met
+    that size first, timing its experts), the 784M's +4 %. A calibration's large windows have 7 decode steps where
+    a user's run of 32 tokens has 31: counted in the factors, it priced every step of a run as a seventh of it
+    (bench/RESULTS.md, issue 11, twenty-third session)."""
+    first = {i for i, s in enumerate(steps) if s.kind == "decode" and i and steps[i - 1].kind == "prefill"}
+    decodes = sum(s.kind == "decode" for s in steps)
+    return first if decodes > len(first) else set()
+
+
 def fit_run_terms(engine, base: CpuCosts, steps: list[RunStep], notes: dict | None = None) -> CpuCosts:
     """The run's efficiency factors and per-step overhead: per task kind (decode's four, prefill), the
-    seconds its tasks took over what `base` says for the same steps; step_s from the decode steps' spans
-    beyond their tasks and head (the median step)."""
+    seconds its tasks took over what `base` says for the same steps (decode's: the steps after each wave's
+    first, first_decodes); step_s from those decode steps' spans beyond their tasks and head (the median step);
+    wave_s from the prefill steps' spans beyond theirs, with what the first decode steps took beyond the next."""
     d, L = hrm.dims(engine.spec), engine.spec.num_layers
     group = max(1, getattr(engine.config, "expert_group", 1))
     base = base.unscaled()
     kinds = {**DECODE_EFF, "prefill": "prefill_eff"}
     model = {k: 0.0 for k in kinds}
     measured = dict(model)
-    for s in steps:
+    first = first_decodes(steps)
+    for i, s in enumerate(steps):
+        if i in first:  # a wave's first decode step: wave_s's (below), not the steady steps' factors
+            continue
         for k, v in step_model(d, L, base, s, group).items():
             model[k] += v
         for k in kinds:
@@ -212,7 +228,7 @@ def fit_run_terms(engine, base: CpuCosts, steps: list[RunStep], notes: dict | No
     costs = dataclasses.replace(base, **{kinds[k]: measured[k] / model[k] for k in kinds
                                          if model[k] > 0 and measured[k] > 0})
     head0 = dataclasses.replace(costs, step_s=0.0, seq_s=0.0)
-    dec = [s for s in steps if s.kind == "decode"]
+    dec = [s for i, s in enumerate(steps) if s.kind == "decode" and i not in first]
     over = sorted(s.seconds - sum(s.tasks.values()) - cpu_cost.head_seconds(d, head0, sum(len(g) for g in s.groups))
                   - costs.seq_s * sum(len(g) for g in s.groups) for s in dec)
     if over:
@@ -221,6 +237,9 @@ def fit_run_terms(engine, base: CpuCosts, steps: list[RunStep], notes: dict | No
     # made, prompts tokenized; the first in a process faults in its buffers). The mean: a run has few waves.
     waves = [s.seconds - sum(s.tasks.values()) - cpu_cost.head_seconds(d, costs, sum(len(g) for g in s.groups))
              for s in steps if s.kind == "prefill"]
+    if waves and first:  # and what each wave's first decode step took beyond the step after it
+        waves = [w + sum(max(0.0, steps[i].seconds - steps[i + 1].seconds) for i in first
+                         if i + 1 < len(steps) and steps[i + 1].kind == "decode") / len(waves) for w in waves]
     if waves:
         costs = dataclasses.replace(costs, wave_s=max(0.0, sum(waves) / len(waves)))
     if steps:
