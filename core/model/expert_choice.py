@@ -96,8 +96,10 @@ def _context() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _code() -> str:
-    here = Path(__file__)
-    return hashlib.sha256(here.read_bytes() + here.with_name("moe.py").read_bytes()).hexdigest()
+    from importlib.util import find_spec
+
+    return hashlib.sha256(b"".join(Path(find_spec(m).origin).read_bytes()
+                                   for m in ("core.model.expert_choice", "core.model.moe"))).hexdigest()
 
 
 def _path() -> Path:
