@@ -507,7 +507,8 @@ def cache_path(hw) -> Path:
 # What a calibration measured depends on more than the machine (machine_key): the engine's CPU kernels (their
 # C sources and the Python that dispatches them), torch, and mlight's version. Any of them changed, the
 # calibration and its history (core.plan.cpu_history) describe another engine, and are measured again.
-FINGERPRINT_MODULES = ("core.model.moe", "core.model.attention", "core.model.expert_choice")  # besides every module of core.model.cpu
+# besides every module of core.model.cpu:
+FINGERPRINT_MODULES = ("core.model.moe", "core.model.attention", "core.model.expert_choice")
 
 
 def _fingerprint_files() -> list[Path]:
