@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import UsageError
+from core.platform import cache_dir  # noqa: F401  (callers and tests reach it here: core.plan.hardware.cache_dir)
 from core.model.device_wait import synchronize  # bounded: a hung probe kernel raises DeviceStalled
 
 GB = 1e9  # vendors quote decimal gigabytes per second
@@ -323,13 +324,6 @@ def _nvml_gpus() -> list[dict]:
 
 
 # ---- probe -------------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """Where mlight caches per-machine data (core.platform.cache_dir)."""
-    from core import platform as os_platform
-
-    return os_platform.cache_dir()
-
-
 def machine_key(hw: HardwareSpec) -> str:
     """Identifies this machine's hardware so that a cache entry is not reused on another one; the
     ISA limits in the environment (core.model.cpu.isa.ENV_LIMITS) are part of it (they change the CPU's rates)."""

@@ -199,8 +199,8 @@ def first_decodes(steps: list[RunStep]) -> set[int]:
     decode steps too. That step pays what a wave's first decode does once: on the demo at 256 rows 1.18x the
     attention and 1.22x the experts of the steps after it in a warm process (2.4x and 3.3x in a process that met
     that size first, timing its experts), the 784M's +4 %. A calibration's large windows have 7 decode steps where
-    a user's run of 32 tokens has 31: counted in the factors, it priced every step of a run as a seventh of it
-    (bench/RESULTS.md, issue 11, twenty-third session)."""
+    a user's run of 32 tokens has 31: counted in the factors, it weighed a seventh of the windows' decode and was
+    priced into every step of a run (bench/RESULTS.md, issue 11, twenty-third session)."""
     first = {i for i, s in enumerate(steps) if s.kind == "decode" and i and steps[i - 1].kind == "prefill"}
     decodes = sum(s.kind == "decode" for s in steps)
     return first if decodes > len(first) else set()

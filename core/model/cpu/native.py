@@ -48,12 +48,6 @@ def status() -> str:
     return f"fused C kernel ({lib.flags})" if lib is not None else f"torch ops ({_reason})"
 
 
-def _cache_dir() -> Path:
-    from core.platform import cache_dir
-
-    return cache_dir()
-
-
 def _flags() -> tuple[list[str], int]:
     """(compiler flags, floats per vector) for the ISA our kernels may use here."""
     import platform as py_platform
@@ -169,7 +163,7 @@ def _compile(cc: str, args: list[str], vw: int, source: Path = SOURCE, name: str
     `announce` first), or why not (core.model.cpu.int4 builds its own kernel through here too)."""
     tag = hashlib.sha256(source.read_bytes() + " ".join([cc, *args]).encode()).hexdigest()[:16]
     suffix = ".dll" if platform.is_windows() else ".so"
-    out = _cache_dir() / "kernels" / f"{name}-{tag}{suffix}"
+    out = platform.cache_dir() / "kernels" / f"{name}-{tag}{suffix}"
     if out.is_file():
         return out
     announce = announce or _announce
