@@ -70,7 +70,7 @@ def test_bad_lines_reported_with_file_and_line():
     assert [e.prompt for e in ps.entries] == ["fine", "dup 1"]
     got = {r.line: r.reason for r in ps.rejects}
     assert got[2].startswith("bad JSON: ")
-    assert got[4] == "has neither `prompt` nor `messages`"
+    assert got[4] == "has neither `prompt` nor `messages` (nor MT-Bench's `turns`)"
     assert got[5] == "expected a JSON object, got list"
     assert got[6] == "max_new_tokens must be at least 1, got -3"
     assert got[7] == "`prompt` is empty"

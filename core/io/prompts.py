@@ -7,6 +7,10 @@ from the caller. Whole-file problems (missing, binary, not UTF-8, empty, no `pro
 
 Ids: an explicit `id` (or OpenAI `custom_id`) is used as given; otherwise the line number where the
 prompt starts, so an id always points back into the file. Duplicate ids are rejects.
+
+Multi-turn lines (FastChat's MT-Bench format: `question_id`, `category`, `turns`, a list of user turns)
+become one entry per turn, with ids `QUESTION:TURN` (`81:1`, `81:2`). A later turn names the entries of
+the turns before it (`earlier`); its request needs their answers (`core.io.turns` runs the turns in waves).
 """
 
 from __future__ import annotations
@@ -51,13 +55,21 @@ class PromptEntry:
     custom_id: str | None = None  # set when read from an OpenAI Batch file
     endpoint: str | None = None  # OpenAI Batch `url`, e.g. /v1/chat/completions
     model: str | None = None  # OpenAI Batch body.model, echoed back in the response
+    turn: int | None = None  # 1-based turn of a multi-turn question; `messages` then holds its user turns so far
+    earlier: tuple[str, ...] = ()  # ids of the question's earlier turns, whose answers this turn's request needs
 
-    def request_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Keyword arguments for `core.runtime.engine.Request`: this entry's fields over `defaults`."""
+    def request_kwargs(self, defaults: dict[str, Any] | None = None,
+                       answers: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
+        """Keyword arguments for `core.runtime.engine.Request`: this entry's fields over `defaults`. A later
+        turn takes the model's `answers` to the earlier turns, which go between the user turns."""
+        if len(answers) != len(self.earlier):
+            raise ValueError(f"entry {self.id!r} needs {len(self.earlier)} earlier answers, got {len(answers)}")
         kw = dict(defaults or {})
         kw["id"] = self.id
         if self.messages is not None:
             kw["messages"] = [dict(m) for m in self.messages]
+            for i, answer in enumerate(answers):  # user, assistant, user, assistant, ..., user
+                kw["messages"].insert(2 * i + 1, {"role": "assistant", "content": answer})
         else:
             kw["prompt"] = self.prompt
         for name in REQUEST_FIELDS:
@@ -169,6 +181,22 @@ def reject_too_long(prompts: PromptSet, count_tokens: Callable[[PromptEntry], in
         else:
             keep.append(e)
     prompts.entries = keep
+    reject_orphan_turns(prompts)
+
+
+def reject_orphan_turns(prompts: PromptSet, reason: str = "set aside") -> None:
+    """Move a question's later turns to rejects once one of its earlier turns is gone from the entries:
+    without that answer the conversation cannot go on."""
+    kept, keep = set(), []
+    for e in prompts.entries:
+        missing = next((i for i in e.earlier if i not in kept), None)
+        if missing is None:
+            kept.add(e.id)
+            keep.append(e)
+            continue
+        prompts.rejects.append(Reject(prompts.source, e.line, f"turn {e.turn} cannot run: turn {missing} of the same "
+                                      f"question was {reason}", e.id, json.dumps(list(e.messages or ()))))
+    prompts.entries = keep
     prompts.rejects.sort(key=lambda r: r.line)
 
 
@@ -246,15 +274,35 @@ def _read_jsonl(text: str, out: PromptSet) -> None:
             rid = obj.get("custom_id", obj.get("id")) if isinstance(obj, dict) else None
             out.rejects.append(Reject(out.source, n, str(e), _str_or_none(rid), line))
             continue
-        out.entries.append(entry)
+        if isinstance(entry, list):
+            out.entries.extend(entry)
+        else:
+            out.entries.append(entry)
     if batch:
         out.format = "openai-batch"
 
 
-def _plain_entry(obj: dict, n: int) -> PromptEntry:
+def _plain_entry(obj: dict, n: int) -> PromptEntry | list[PromptEntry]:
+    if "turns" in obj and obj.get("prompt") is None and obj.get("messages") is None:
+        return _turn_entries(obj, n)
     prompt, messages = _prompt_or_messages(obj.get("prompt"), obj.get("messages"))
     return PromptEntry(id=_id(obj.get("id"), n), line=n, prompt=prompt, messages=messages,
                        **_fields(obj, max_tokens_key="max_new_tokens"))
+
+
+def _turn_entries(obj: dict, n: int) -> list[PromptEntry]:
+    """A FastChat (MT-Bench) question: one entry per user turn, each with the user turns so far."""
+    turns = obj["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise _Bad("`turns` must be a non-empty list of non-empty strings (the user's turns)")
+    if obj.get("question_id") is not None and obj.get("id") is not None:
+        raise _Bad("has both `question_id` and `id`; give one")
+    qid = _id(obj.get("question_id", obj.get("id")), n)
+    fields = _fields(obj, max_tokens_key="max_new_tokens")
+    users = tuple({"role": "user", "content": t} for t in turns)
+    ids = [f"{qid}:{k}" for k in range(1, len(turns) + 1)]
+    return [PromptEntry(id=ids[k], line=n, messages=users[:k + 1], turn=k + 1, earlier=tuple(ids[:k]), **fields)
+            for k in range(len(turns))]
 
 
 def _batch_entry(obj: dict, n: int) -> PromptEntry:
@@ -344,7 +392,7 @@ def _prompt_or_messages(prompt: Any, messages: Any) -> tuple[str | None, tuple[d
     if messages is not None:
         return None, _check_messages(messages)
     if prompt is None:
-        raise _Bad("has neither `prompt` nor `messages`")
+        raise _Bad("has neither `prompt` nor `messages` (nor MT-Bench's `turns`)")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]  # OpenAI completions accept a one-element list
     return _check_prompt(prompt), None

@@ -33,6 +33,7 @@ import filelock
 
 from core import platform
 from core.errors import MlightError, UsageError
+from core.io import turns
 from core.io.prompts import PromptSet, reject_too_long
 from core.io.results import fsync_dir, jsonl_line, openai_batch_record, os_error, write_records
 from core.telemetry import EventSink, ignore
@@ -358,10 +359,13 @@ def _sha256(path: Path) -> str:
 
 def prepare_requests(engine, prompts: PromptSet, defaults: dict[str, Any]) -> dict[str, Any]:
     """`core.runtime.engine.Request`s by id; entries the engine cannot take (longer than its context, chat
-    messages without a chat template) move to `prompts.rejects` with the reason."""
+    messages without a chat template) move to `prompts.rejects` with the reason. A later turn of a
+    multi-turn question gets empty answers here (checked as the shortest its conversation can be);
+    `run_pending` puts the real ones in before it runs."""
     from core.runtime.engine import Request
 
-    requests = {e.id: Request(**e.request_kwargs(defaults)) for e in prompts.entries}
+    requests = {e.id: Request(**e.request_kwargs(defaults, answers=turns.placeholder_answers(e)))
+                for e in prompts.entries}
     reject_too_long(prompts, lambda e: len(engine.prompt_token_ids(requests[e.id])), engine.context_length)
     return {e.id: requests[e.id] for e in prompts.entries}
 
@@ -370,15 +374,23 @@ def run_pending(engine, prompts: PromptSet, store: RunStore, requests: dict[str,
                 batch_size: int | None = None, micro_batch_size: int | None = None, on_event: EventSink = ignore,
                 should_stop: Callable[[], bool] | None = None,
                 on_result: Callable[[dict], None] | None = None) -> bool:
-    """Generate every entry the run file lacks, saving each result durably as it finishes.
-    True when every entry is done; False when `should_stop` ended it early (the rest resumes later)."""
-    pending = [requests[e.id] for e in prompts.entries if e.id not in store.done]
-    for result in engine.generate(pending, batch_size=batch_size, micro_batch_size=micro_batch_size,
-                                  on_event=on_event, should_stop=should_stop):
-        record = result.to_dict()
-        store.append(record)
-        if on_result is not None:
-            on_result(record)
+    """Generate every entry the run file lacks, saving each result durably as it finishes: one wave per
+    turn (`core.io.turns`), a later turn with the answers saved before it. True when every entry is done;
+    False when `should_stop` ended it early (the rest resumes later)."""
+    for wave in turns.waves(prompts.entries):
+        pending = [e for e in wave if e.id not in store.done]
+        if not pending:
+            continue
+        entries = {e.id: e for e in pending}
+        wave_requests = turns.wave_requests(engine, prompts, pending, requests, store.done, on_event)
+        for result in engine.generate(wave_requests, batch_size=batch_size, micro_batch_size=micro_batch_size,
+                                      on_event=on_event, should_stop=should_stop):
+            record = turns.record(result.to_dict(), entries[result.id])
+            store.append(record)
+            if on_result is not None:
+                on_result(record)
+        if should_stop is not None and should_stop():  # stopped in this wave: the next needs its answers
+            break
     return all(e.id in store.done for e in prompts.entries)
 
 
