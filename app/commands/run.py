@@ -201,7 +201,9 @@ def run(args) -> int:
         if args.prompts == STDIN:
             raise UsageError("--tensor-parallel starts several ranks, which cannot share stdin",
                              "give the prompts as a file")
-        _refuse_rejects(_read(args), args.skip_bad, Path(args.out))
+        prompts = _read(args)
+        _refuse_rejects(prompts, args.skip_bad, Path(args.out))
+        refuse_turns(prompts, "--tensor-parallel")
         return launch_local(args.tensor_parallel, [sys.executable, "-m", "app.cli", *args.argv])
     return _run_single(args)
 
@@ -289,6 +291,13 @@ def _refuse_rejects(prompts: PromptSet, skip_bad: bool, out: Path) -> None:
     raise UsageError(f"{n} bad line{'s' if n > 1 else ''} in {prompts.source}, nothing was run",
                      f"fix {'them' if n > 1 else 'it'}, or pass --skip-bad to run the rest "
                      f"(rejects go to {out.name}.rejected.jsonl)")
+
+
+def refuse_turns(prompts: PromptSet, how: str) -> None:
+    """Multi-turn questions run in waves within one process (core.io.turns); `how` splits the work."""
+    if any(e.turn is not None for e in prompts.entries):
+        raise UsageError(f"{prompts.source} has multi-turn questions (`turns`), which {how} cannot run yet: each "
+                         "later turn waits for the answer to the one before", f"run them without {how}")
 
 
 def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:

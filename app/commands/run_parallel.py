@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from app.commands.run import (_Counter, _ProgressLine, _Stopper, _load_engine, _manifest, _plan_batches, _read,
-                              _refuse_rejects, _same_file, _say, _say_other_parts)
+                              _refuse_rejects, _same_file, _say, _say_other_parts, refuse_turns)
 from core.errors import MlightError, UsageError
 from core.io.prompts import STDIN, PromptSet
 from core.io.results import output_format
@@ -111,6 +111,7 @@ class _Rank:
             RunStore(self.out, part=part_name(w.dp_rank, w.dp_size)).check_writable()
         prompts = _read(args)
         _refuse_rejects(prompts, args.skip_bad, self.out)
+        refuse_turns(prompts, "torchrun or --tensor-parallel")
         from core.io.download import resolve_model
 
         progress = _ProgressLine() if w.local_rank == 0 else (lambda ev: None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from app.commands.run import _Counter, _same_file, _say, with_run
+from app.commands.run import _Counter, _same_file, _say, refuse_turns, with_run
 from core.errors import MlightError, UsageError
 from core.io.prompts import STDIN
 from core.io.results import output_format
@@ -65,6 +65,7 @@ def run(args) -> int:
                          "drop --tensor-parallel, or use torchrun for tensor-parallel replicas")
 
     def plan(args, prompts, model_dir) -> None:
+        refuse_turns(prompts, "--ray")
         args.policy = None  # each actor plans for the node it lands on
 
     return with_run(args, out, plan, lambda store, prompts, model_dir, model_name, progress, stopper: _generate(

@@ -378,7 +378,8 @@ def run_pending(engine, prompts: PromptSet, store: RunStore, requests: dict[str,
     turn (`core.io.turns`), a later turn with the answers saved before it. True when every entry is done;
     False when `should_stop` ended it early (the rest resumes later)."""
     for wave in turns.waves(prompts.entries):
-        pending = [e for e in wave if e.id not in store.done]
+        kept = {e.id for e in prompts.entries}  # an earlier wave may have set a later turn aside
+        pending = [e for e in wave if e.id in kept and e.id not in store.done]
         if not pending:
             continue
         entries = {e.id: e for e in pending}
