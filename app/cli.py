@@ -27,6 +27,14 @@ COMMANDS = {
 EPILOG = "`mlight COMMAND --help` for a command's options; `mlight-app` for the terminal app."
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line, like every other error a user can cause: what is wrong and where the
+    options are listed, not the whole usage first. Sub-command parsers are made of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} — `{self.prog} --help` lists the options\n")
+
+
 class VersionAction(argparse.Action):
     """--version: mlight's version, then what a bug report needs (Python, OS, the torch build and its GPU)."""
 
@@ -86,8 +94,8 @@ def nvidia_gpus() -> list[str]:
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(prog="mlight", description="Batch inference for MoE LLMs on one GPU + CPU RAM.",
-                                     epilog=EPILOG)
+    parser = OneLineParser(prog="mlight", description="Batch inference for MoE LLMs on one GPU + CPU RAM.",
+                           epilog=EPILOG)
     parser.add_argument("--version", action=VersionAction,
                         help="show the versions of mlight, Python and torch, and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -63,6 +63,22 @@ def test_every_option_says_what_it_does_and_its_default(name):
             assert "default" in action.help.lower(), f"mlight {name} {flag}: the default {action.default!r} is not shown"
 
 
+def test_every_command_says_what_it_is_and_names_its_values_alike():
+    """`mlight CMD --help` opens with what the command does; a flag that takes a number shows a short
+    name for it (not argparse's PROMPT_LEN), the same one in every command that has the flag."""
+    names: dict[str, set[str]] = {}
+    for name, (module, _) in COMMANDS.items():
+        parser = importlib.import_module(module).add_parser(argparse.ArgumentParser().add_subparsers())
+        assert parser.description, f"`mlight {name} --help` does not say what the command does"
+        for action in parser._actions:
+            if not action.option_strings or action.nargs == 0 or action.choices or action.type is None:
+                continue
+            flag = action.option_strings[0]
+            assert action.metavar, f"mlight {name} {flag} shows argparse's {flag[2:].upper().replace('-', '_')}"
+            names.setdefault(flag, set()).add(action.metavar)
+    assert {flag: m for flag, m in names.items() if len(m) > 1} == {}
+
+
 def _run(*argv) -> tuple[int, str]:
     import io
 

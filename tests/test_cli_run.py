@@ -48,8 +48,8 @@ def test_txt_to_jsonl_fields_and_order(out, capsys, demo_model):
         assert r["finish_reason"] in ("stop", "length") and r["output_tokens"] == len(r["output_token_ids"]) <= 5
         assert r["finish_reason"] == "stop" or r["output_tokens"] == 5
     assert rows[2]["prompt"] == "مرحبا، كيف حالك؟"
-    assert re.fullmatch(rf"mlight run: 4 results in {re.escape(str(out / 'o.jsonl'))} \(4 generated, \d+ tokens, "
-                        r"[\d.]+ s\)", err.strip()), err
+    assert re.fullmatch(rf"mlight run: 4 results in {re.escape(str(out / 'o.jsonl'))} \(this run: 4 generated, "
+                        r"\d+ new tokens, [\d.]+ s\)", err.strip()), err
     assert sorted(p.name for p in out.iterdir()) == ["o.jsonl"]
 
 
@@ -59,6 +59,11 @@ def test_jsonl_messages_and_per_request_fields(out, capsys, demo_model):
     assert a["id"] == "a" and a["output_tokens"] <= 4  # its own max_new_tokens
     assert b["prompt"].startswith("<|system|>\nBe brief.")  # rendered by the chat template
     assert c["id"] == "3" and c["prompt"] == "No id here 😀"
+    from transformers import AutoTokenizer
+
+    # README: `prompt` is the text the model was given, whichever the input: its tokens are the prompt's
+    tok = AutoTokenizer.from_pretrained(demo_model)
+    assert [len(tok(r["prompt"]).input_ids) for r in (a, b, c)] == [r["prompt_tokens"] for r in (a, b, c)]
 
 
 def test_openai_batch_in_batch_style_out(out, capsys, demo_model):
@@ -85,8 +90,7 @@ def test_csv_in_csv_out_round_trip_through_the_engine(out, tmp_path, capsys, dem
     back = read_prompts(out / "o.csv")
     assert [(e.id, e.prompt) for e in back.entries] == [(f"n{i}", p) for i, p in enumerate(nasty)]
     rows = list(csv.DictReader(io.StringIO((out / "o.csv").read_text(encoding="utf-8"), newline="")))
-    assert list(rows[0]) == ["id", "prompt", "output", "finish_reason", "prompt_tokens", "output_tokens", "seconds",
-                             "output_token_ids"]
+    assert list(rows[0]) == FIELDS  # the JSONL's order, README's list
     assert all(len(json.loads(r["output_token_ids"])) == int(r["output_tokens"]) for r in rows)
 
 
@@ -133,7 +137,7 @@ def test_same_results_as_uninterrupted_and_seeded_sampling_repeats(out, capsys, 
     assert not (out / "b.jsonl").exists()
     monkeypatch.setattr(RunStore, "append", append)
     err = run_ok(capsys, *args, "--out", str(out / "b.jsonl"), "--batch", "1")
-    assert f"resuming: {done} of 4 requests already done" in err
+    assert f"resuming: {done} of 4 requests already done by an earlier run" in err
     ids = lambda p: [(r["id"], r["output_token_ids"]) for r in jsonl(p)]  # noqa: E731
     assert ids(out / "a.jsonl") == ids(out / "b.jsonl")
     run_ok(capsys, *args[:-1], "8", "--out", str(out / "c.jsonl"))
@@ -181,3 +185,27 @@ def test_memory_budget_plans_the_batch_and_passes_the_policy(out, capsys, monkey
     run_ok(capsys, "--prompts", str(DATA / "prompts.tsv"), "--out", str(out / "o.jsonl"), "--max-new-tokens", "2",
            "--cpu-mem", "4", "--gpu-mem", "0")
     assert isinstance(seen[0], Policy) and len(jsonl(out / "o.jsonl")) == 2
+
+
+def test_progress_lines_fit_the_terminal_so_a_carriage_return_redraws_them(monkeypatch):
+    """On an 80-column terminal (here 40) each redraw is one line narrower than the terminal, padded to
+    cover a longer line before it: a line that wraps cannot be redrawn by `\\r` (a new line per update)."""
+    from app.commands.run import _Counter, _ProgressLine
+    from core.telemetry import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = _ProgressLine()
+    for done in (1, 5):
+        bar(Progress("loading the weights of layer 17 of a model with a long name", done, 10))
+        bar(Progress("downloading model-00001-of-00019.safetensors", done * 10**8, 10**9, unit="B"))
+    counter = _Counter(12345)
+    counter({"output_tokens": 7})
+    counter.end()
+    redraws = sys.stderr.getvalue().replace("\n", "").split("\r")[1:]
+    assert len(redraws) == 5 and all(len(r) == 39 for r in redraws), redraws
+    assert redraws[-1].startswith("1/12,345 requests done (")

@@ -295,7 +295,7 @@ def test_two_runs_on_the_same_output(prompts, outdir, capsys):
     out = outdir / "o.jsonl"
     with RunStore(out):  # another run holds the output
         code, err = run_cli(capsys, "--prompts", str(prompts), "--out", str(out))
-    assert_one_line(err, code, 1, "another mlight run is writing", "o.jsonl.lock")
+    assert_one_line(err, code, 2, "another mlight run is writing", "o.jsonl.lock")  # the user chose --out
     assert files(outdir) == []
 
 
@@ -370,12 +370,32 @@ def test_bad_flags(prompts, outdir, capsys):
     code, err = run_cli(capsys, "--prompts", str(prompts), "--out", str(outdir / "o.jsonl"), "--batch", "2",
                         "--micro-batch", "4")
     assert_one_line(err, code, 2, "--micro-batch 4 is larger than --batch 2")
-    for flag, value in (("--max-new-tokens", "0"), ("--temperature", "-1"), ("--top-p", "1.5"), ("--batch", "x")):
+    for flag, value, says in (("--max-new-tokens", "0", "must be at least 1, got 0"),
+                              ("--temperature", "-1", "must be 0 or more, got -1"),
+                              ("--top-p", "2", "must be in (0, 1], got 2"), ("--batch", "0", "must be at least 1, got 0"),
+                              ("--batch", "x", "expected a whole number, got 'x'"),
+                              ("--gpu-mem", "-3", "must be 0 or more GB, got -3 GB"),
+                              ("--cpu-mem", "0", "must be more than 0 GB, got 0 GB")):
         with pytest.raises(SystemExit) as e:
             main(["run", "--prompts", str(prompts), "--out", str(outdir / "o.jsonl"), flag, value])
-        assert e.value.code == 2
-        assert f"argument {flag}" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "usage" not in err, err  # one line, no usage first
+        assert err == f"mlight run: error: argument {flag}: {says} — `mlight run --help` lists the options\n"
     assert files(outdir) == []
+
+
+def test_a_negative_budget_is_said_back_in_gb_on_every_path():
+    """`mlight plan` and the app hand the GB figures to the planner's budget: it answers in GB too."""
+    from core.errors import UsageError
+    from core.plan.hardware import resolve
+    from core.plan.planner import Budget
+
+    with pytest.raises(UsageError, match=r"^--gpu-mem must be 0 or more GB, got -3 — ") as e:
+        Budget.for_hardware(resolve("t4"), -3, None)
+    assert "bytes" not in str(e.value)
+    with pytest.raises(UsageError, match=r"^--cpu-mem must be more than 0 GB, got -0.5 — "):
+        Budget.for_hardware(resolve("t4"), 8, -0.5)
+    assert Budget.for_hardware(resolve("t4"), 0, 2).gpu_bytes == 0  # no GPU memory: a CPU-only plan
 
 
 def test_messages_without_a_chat_template_are_rejects(broken_model, outdir, tmp_path, capsys):

@@ -273,7 +273,7 @@ def test_signal_finishes_step_saves_and_exits_130(many_prompts, reference, tmp_p
            "rerun the same command to finish the rest" in err
     assert err.strip().count("\n") == 0 and not out.exists() and saved >= 3
     again = _finish_in_process(_cmd(many_prompts, out))
-    assert f"resuming: {saved} of {len(reference)} requests already done" in again
+    assert f"resuming: {saved} of {len(reference)} requests already done by an earlier run" in again
     _check_final(out, reference)
 
 
@@ -318,3 +318,59 @@ def test_run_pending_stops_and_resumes_with_the_shared_loop(tmp_path):
         records = finish_run(st, prompts, "m")
     assert [r["id"] for r in records] == ["1", "2", "4"]
     assert [json.loads(x)["id"] for x in out.with_name("o.jsonl.rejected.jsonl").read_text().splitlines()] == ["3"]
+
+
+def test_a_run_file_of_another_job_is_refused_in_plain_words(tmp_path):
+    out = tmp_path / "o.jsonl"
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        st.append(rec(1))
+    for changed, says in (({"settings": {"t": 1}}, "made with other generation settings"),
+                          ({"model": {"source": "n"}, "settings": {"t": 1}},
+                           "made with another model and other generation settings"),
+                          ({"prompts": {"sha256": "q"}}, "made with another prompts file")):
+        with RunStore(out) as st, pytest.raises(UsageError) as e:
+            st.start({**MANIFEST, **changed})
+        assert e.value.problem == f"o.jsonl.run.jsonl holds an unfinished run (1 results) {says}"
+
+
+def test_resuming_says_what_this_run_did_and_what_an_earlier_one_did(tmp_path, capsys, monkeypatch, demo_model):
+    """Stopped before any result, then after two: the next run says what was done before, and its last
+    line counts this run's results and new tokens (never an earlier session's) with thousands separators."""
+    import app.commands.run as run_cmd
+    from app.cli import main
+
+    prompts, out = tmp_path / "p.txt", tmp_path / "o.jsonl"
+    prompts.write_text("one\ntwo\nthree\n", encoding="utf-8")
+    cmd = ["run", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4", "--batch", "1"]
+    real = run_cmd.run_pending
+
+    def stopped_after(n):
+        def fake(*a, on_result, should_stop, **kw):
+            seen = []
+            return real(*a, **kw, on_result=lambda r: (seen.append(r), on_result(r)),
+                        should_stop=lambda: len(seen) >= n)
+        return fake
+
+    monkeypatch.setattr(run_cmd, "run_pending", stopped_after(0))
+    assert main(cmd) == 130
+    capsys.readouterr()
+    monkeypatch.setattr(run_cmd, "run_pending", stopped_after(2))
+    assert main(cmd) == 130
+    assert "mlight run: resuming: the earlier run on this output finished none of the 3 requests; running them " \
+           "all\n" in capsys.readouterr().err
+    first = {r["id"] for r in _records_in(out.with_name("o.jsonl.run.jsonl"))}
+    monkeypatch.setattr(run_cmd, "run_pending", real)
+    assert main(cmd) == 0
+    err = capsys.readouterr().err
+    assert "mlight run: resuming: 2 of 3 requests already done by an earlier run; running the other 1\n" in err
+    new = [r for r in map(json.loads, out.read_text().splitlines()) if r["id"] not in first]
+    assert len(first) == 2 and len(new) == 1
+    assert f"results in {out} (this run: 1 generated, {new[0]['output_tokens']} new tokens, " in err
+    line = run_cmd.final_line(12345, RunStore(out), 1200, 4321, 1234567, 2.0)
+    assert line == f"12,345 results in {out}, 1,200 rejected → o.jsonl.rejected.jsonl (this run: 4,321 generated, " \
+                   "1,234,567 new tokens, 2.0 s)"
+
+
+def _records_in(run_file: Path) -> list[dict]:
+    return [json.loads(x) for x in run_file.read_text().splitlines()[1:]]

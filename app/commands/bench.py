@@ -26,28 +26,36 @@ SCHEDULES = ("cgopipe", "s3", "s4")  # core.runtime.engine.SCHEDULES, without im
 
 
 def add_parser(sub):
-    p = sub.add_parser("bench", help="measure schedules on a workload and compare with the planner's prediction")
-    p.add_argument("--model", help="checkpoint folder (default: the built-in demo model)")
-    p.add_argument("--requests", type=int, default=32, metavar="N", help="requests in the workload (default 32)")
-    p.add_argument("--prompt-len", type=int, default=77, help="average prompt tokens (MT-Bench-like spread) (default: 77)")
-    p.add_argument("--max-prompt-len", type=int, default=None,
+    from app.commands.run import _positive
+
+    p = sub.add_parser("bench", help="measure schedules on a workload and compare with the planner's prediction",
+                       description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the built-in demo model)")
+    p.add_argument("--requests", type=_positive, default=32, metavar="R", help="requests in the workload (default: 32)")
+    p.add_argument("--prompt-len", type=_positive, default=77, metavar="S",
+                   help="average prompt length in tokens, with MT-Bench's spread (default: 77)")
+    p.add_argument("--max-prompt-len", type=_positive, default=None, metavar="S",
                    help="longest prompt (default: MT-Bench's 418 scaled by --prompt-len / 77, capped by the model)")
-    p.add_argument("--gen-len", type=int, default=32, help="tokens generated per request (default: 32)")
-    p.add_argument("--batch", type=int, default=16, help="requests in flight (default: 16)")
-    p.add_argument("--micro-batch", type=int, default=4, help="requests per micro-batch (default: 4)")
+    p.add_argument("--gen-len", type=_positive, default=32, metavar="N",
+                   help="tokens to generate per request (default: 32)")
+    p.add_argument("--batch", type=_positive, default=16, metavar="N", help="requests in flight (default: 16)")
+    p.add_argument("--micro-batch", type=_positive, default=4, metavar="M",
+                   help="requests per micro-batch (default: 4)")
     p.add_argument("--executor", choices=EXECUTORS, default=None,
                    help="how a step's tasks run (default: cuda when a GPU is present, else sequential)")
     p.add_argument("--schedule", choices=("cpu", *SCHEDULES, "all"), default=None,
                    help="cpu: the CPU-only chain (the default without a GPU); all: cgopipe, s3 and s4 side by side "
                         "(the default with a GPU or a GPU --hardware; without a GPU the CPU stands in for the device)")
-    p.add_argument("--pages", type=int, default=2, help="pages per layer for streamed experts (default: 2)")
-    p.add_argument("--resident-layers", type=int, default=None,
+    p.add_argument("--pages", type=_positive, default=2, metavar="P",
+                   help="pages per layer for streamed experts (default: 2)")
+    p.add_argument("--resident-layers", type=int, default=None, metavar="L",
                    help="layers whose experts stay on the device (default: all on the CPU, none on a GPU run)")
-    p.add_argument("--hardware", default="local", help="hardware for the prediction: local or a preset name (default: local)")
+    p.add_argument("--hardware", default="local", metavar="NAME",
+                   help="hardware for the prediction: local or a preset name (default: local)")
     p.add_argument("--calibrate", action="store_true",
                    help="first measure this machine's CPU cost model on the model (about a minute) and cache it; "
                         "later plans and predictions on this machine use it")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="CPU threads (default: the cores other work leaves free)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: time by this process's CPU seconds (with --threads 1 on a shared machine: what a "

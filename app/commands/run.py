@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import shutil
 import signal
 import sys
 import time
@@ -49,9 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"for this machine's memory; else {BATCH})")
     p.add_argument("--micro-batch", type=_positive, default=None, metavar="M", help="requests per micro-batch (default: the planner's with --gpu-mem/--cpu-mem, "
                         "else the whole batch)")
-    p.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
+    p.add_argument("--gpu-mem", type=gigabytes(0), default=None, metavar="GB",
                    help="GPU memory budget (per GPU): plan batch sizes with the HRM planner and refuse what cannot fit")
-    p.add_argument("--cpu-mem", type=float, default=None, metavar="GB", help="CPU memory budget (see --gpu-mem)")
+    p.add_argument("--cpu-mem", type=gigabytes(None), default=None, metavar="GB", help="CPU memory budget (see --gpu-mem)")
     p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
                    help="expert weights: none (the checkpoint's dtype), int8 (per channel), int4 (group-wise), or "
@@ -91,6 +93,22 @@ def _positive(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
     return v
+
+
+def gigabytes(least: float | None):
+    """A memory budget in GB as typed: at least `least` (None: more than 0), said back in GB."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of GB, got {text!r}") from None
+        if not (v >= least if least is not None else v > 0) or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {'more than 0' if least is None else f'{least:g} or more'} "
+                                             f"GB, got {text} GB")
+        return v
+
+    return parse
 
 
 def _whole(text: str) -> int:
@@ -172,10 +190,21 @@ class _ProgressLine:
             text = f"{ev.what}: {ev.done / 1e6:.1f}/{ev.total / 1e6:.1f} MB" + (f" {rate / 1e6:.1f} MB/s" if rate else "")
         else:
             text = f"{ev.what}: {ev.done}/{ev.total}"
-        print("\r" + text[:100].ljust(100), end="", file=sys.stderr, flush=True)
+        print("\r" + one_line(text), end="", file=sys.stderr, flush=True)
         self.open = ev.done < ev.total
         if not self.open:
             print(file=sys.stderr, flush=True)
+
+
+def one_line(text: str) -> str:
+    """`text` cut and padded to the terminal's width less a column: a line that never wraps, so that `\r`
+    redraws it in place, and that covers the longer line before it."""
+    try:
+        width = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):  # not a terminal (a test, a pipe): $COLUMNS, else 80
+        width = shutil.get_terminal_size().columns
+    width = max(width - 1, 1)
+    return text[:width].ljust(width)
 
 
 def run(args) -> int:
@@ -437,7 +466,7 @@ def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_
     _refuse_rejects(prompts, args.skip_bad, store.out)
     total, t0, before = len(prompts.entries), time.perf_counter(), len(store.done)
     if store.resumed:
-        _say(f"resuming: {before} of {total} requests already done")
+        _say(resuming_line(before, total))
     from core.runtime.fold_back import RunSums, fold_back
 
     counter = _Counter(total, before)
@@ -460,11 +489,23 @@ def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_
         return 130
     records = finish_run(store, prompts, model_name, fmt)
     fold_back(engine, meter, args.micro_batch or (engine.policy.micro_batch_size if engine.policy else args.batch))
-    tokens = sum(r["output_tokens"] for r in records)
-    secs = time.perf_counter() - t0
-    rej = f", {len(prompts.rejects)} rejected → {store.rejected_path.name}" if prompts.rejects else ""
-    _say(f"{total} results in {store.out}{rej} ({done - before} generated, {tokens} tokens, {secs:.1f} s)")
+    _say(final_line(len(records), store, len(prompts.rejects), done - before, counter.tokens,
+                    time.perf_counter() - t0))
     return 0
+
+
+def resuming_line(before: int, total: int) -> str:
+    if not before:
+        return f"resuming: the earlier run on this output finished none of the {total:,} requests; running them all"
+    return (f"resuming: {before:,} of {total:,} requests already done by an earlier run; running the other "
+            f"{total - before:,}")
+
+
+def final_line(results: int, store: RunStore, rejects: int, generated: int, tokens: int, secs: float) -> str:
+    """The summary: what the output holds, then what this run (not an earlier, resumed one) did."""
+    rej = f", {rejects:,} rejected → {store.rejected_path.name}" if rejects else ""
+    return (f"{results:,} results in {store.out}{rej} (this run: {generated:,} generated, {tokens:,} new tokens, "
+            f"{secs:.1f} s)")
 
 
 class _Counter:
@@ -482,8 +523,8 @@ class _Counter:
         self.tokens += record["output_tokens"]
         if self.tty:
             rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-            print(f"\r{self.done}/{self.total} requests done ({rate:.1f} tokens/s)", end="", file=sys.stderr,
-                  flush=True)
+            print("\r" + one_line(f"{self.done:,}/{self.total:,} requests done ({rate:,.1f} tokens/s)"), end="",
+                  file=sys.stderr, flush=True)
             self.shown = True
 
     def end(self) -> None:

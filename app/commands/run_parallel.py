@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from app.commands.run import (_Counter, _ProgressLine, _Stopper, _load_engine, _manifest, _plan_batches, _read,
-                              _refuse_rejects, _same_file, _say, _say_other_parts, refuse_turns)
+                              _refuse_rejects, _same_file, _say, _say_other_parts, refuse_turns, resuming_line)
 from core.errors import MlightError, UsageError
 from core.io.prompts import STDIN, PromptSet
 from core.io.results import output_format
@@ -223,7 +223,7 @@ class _Rank:
         dist.all_gather_object(counts, len(self.store.done) if self.store and self.store.resumed else 0,
                                group=self.groups.phase.group)
         if sum(counts):
-            self.say(f"resuming: {sum(counts)} of {total} requests already done")
+            self.say(resuming_line(sum(counts), total))
 
     def _merge(self, reports: list[dict], prompts: PromptSet, model_name: str, total: int, t0: float) -> str:
         """Rank 0: write the output when every replica finished; otherwise say what is left where."""
@@ -250,7 +250,7 @@ class _Rank:
         tokens = sum(r["output_tokens"] for r in done.values())
         rej = f", {len(prompts.rejects)} rejected → {self.store.rejected_path.name}" if prompts.rejects else ""
         _say(f"{total} results in {self.out}{rej} ({self.world.dp_size} replica{'s' if self.world.dp_size > 1 else ''}"
-             f" × {self.world.tp} rank{'s' if self.world.tp > 1 else ''}, {tokens} tokens, "
+             f" × {self.world.tp} rank{'s' if self.world.tp > 1 else ''}, {tokens:,} tokens in all, "
              f"{time.perf_counter() - t0:.1f} s)")
         self._code = 0
         return "merged"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from app.commands.run import _Counter, _same_file, _say, refuse_turns, with_run
+from app.commands.run import _Counter, _same_file, _say, final_line, refuse_turns, resuming_line, with_run
 from core.errors import MlightError, UsageError
 from core.io.prompts import STDIN
 from core.io.results import output_format
@@ -99,7 +99,7 @@ def _generate(ray, args, store: RunStore, prompts, model_dir: Path, model_name: 
     pending = [e for e in prompts.entries if e.id not in store.done]
     total, before, t0 = len(prompts.entries), len(store.done), time.perf_counter()
     if store.resumed:
-        _say(f"resuming: {before} of {total} requests already done")
+        _say(resuming_line(before, total))
     if pending:
         _connect(ray, args.ray)
         actors, cpus, gpus = _actors(ray, args.ray_actors)
@@ -143,9 +143,9 @@ def _generate(ray, args, store: RunStore, prompts, model_dir: Path, model_name: 
              "rerun the same command to finish the rest")
         return 130
     records = finish_run(store, prompts, model_name, fmt)
-    tokens = sum(r["output_tokens"] for r in records)
-    _say(f"{total} results in {store.out} ({done - before} generated on Ray, {tokens} tokens, "
-         f"{time.perf_counter() - t0:.1f} s)")
+    tokens = counter.tokens if pending else 0
+    _say(final_line(len(records), store, len(prompts.rejects), done - before, tokens,
+                    time.perf_counter() - t0).replace(" generated,", " generated on Ray,"))
     return 0
 
 

@@ -1,8 +1,10 @@
 """Result writers: the `mlight run` record, JSONL and CSV files, OpenAI Batch-style output.
 
 Boundary: plain dicts in, files out. A record is `Result.to_dict()` (id, prompt, output,
-output_token_ids, prompt_tokens, output_tokens, finish_reason, seconds) — plus `custom_id`,
-`response` and `error` shaped like the OpenAI Batch API's output when the input was a batch file.
+output_token_ids, prompt_tokens, output_tokens, finish_reason, seconds) — plus `turn` for a turn of a
+multi-turn question, and `custom_id`, `response` and `error` shaped like the OpenAI Batch API's output
+when the input was a batch file. `prompt` is the text the model was given: a `prompt` as written, or
+`messages` (and a question's turns so far, with the model's answers) after the chat template.
 Finished files are only ever written under a temporary name and renamed over the target, so a
 reader never sees half a file. OS errors become one-line `MlightError`s (disk full, permission).
 """
@@ -25,8 +27,8 @@ from core.errors import MlightError, UsageError
 
 RESULT_FIELDS = ("id", "prompt", "output", "output_token_ids", "prompt_tokens", "output_tokens", "finish_reason",
                  "seconds")
-CSV_COLUMNS = ("id", "prompt", "output", "finish_reason", "prompt_tokens", "output_tokens", "seconds",
-               "output_token_ids")
+CSV_COLUMNS = RESULT_FIELDS  # the JSONL's order, as README lists it
+EXTRA_COLUMNS = ("turn", "custom_id")  # appended when some record has them (multi-turn, OpenAI Batch input)
 OUTPUT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
 
 
@@ -74,7 +76,7 @@ def write_jsonl(f: IO[bytes], records: Iterable[dict]) -> None:
 def write_csv(f: IO[bytes], records: Iterable[dict]) -> None:
     """One row per record; newlines, quotes and commas inside a field are quoted per RFC 4180."""
     records = list(records)
-    extra = [k for k in ("custom_id",) if any(k in r for r in records)]
+    extra = [k for k in EXTRA_COLUMNS if any(k in r for r in records)]
     columns = list(CSV_COLUMNS) + extra
     text = io.TextIOWrapper(f, encoding="utf-8", newline="", write_through=True)
     try:

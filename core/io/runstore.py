@@ -1,7 +1,8 @@
 """The run store: what makes an interrupted `mlight run` resumable without losing or repeating work.
 
 Files next to the output `OUT`:
-  `OUT.lock`            held (filelock) for the whole run: a second run on the same output refuses.
+  `OUT.lock`            held (filelock) for the whole run: a second run on the same output refuses (a
+                        usage error: the user chose the output).
   `OUT.run.jsonl`       line 1 a manifest (model, policy, prompts hash, settings), then one result record
                         a line, appended, flushed and fsynced as each request finishes.
   `OUT`                 written once at the end, under a temporary name then renamed; the run file is
@@ -41,7 +42,7 @@ from core.telemetry import EventSink, ignore
 MANIFEST_KEY = "mlight_run"
 MANIFEST_VERSION = 1
 # manifest sections that must match to resume; "policy" (batch sizes, executor) may change freely
-IDENTITY = {"model": "model", "prompts": "prompts file", "settings": "generation settings"}
+IDENTITY = {"model": "another model", "prompts": "another prompts file", "settings": "other generation settings"}
 
 
 def model_fingerprint(model_dir: str | Path, source: str | None = None) -> dict[str, Any]:
@@ -148,7 +149,7 @@ class RunStore:
         try:
             lock.acquire()
         except filelock.Timeout:
-            raise MlightError(f"another mlight run is writing {self.out} (lock {self.lock_path.name} is held)",
+            raise UsageError(f"another mlight run is writing {self.out} (lock {self.lock_path.name} is held)",
                               "wait for it to finish, or choose another --out") from None
         except PermissionError:
             raise UsageError(f"cannot write to {self.out.parent}: permission denied", "choose another --out") from None
@@ -189,8 +190,8 @@ class RunStore:
                 diff = [label for key, label in IDENTITY.items() if old.get(key) != manifest.get(key)]
                 if diff:
                     raise UsageError(
-                        f"{self.run_path.name} holds an unfinished run with a different {' and '.join(diff)} "
-                        f"({len(records)} results)",
+                        f"{self.run_path.name} holds an unfinished run ({len(records):,} results) made with "
+                        f"{' and '.join(diff)}",
                         "rerun with --restart to discard them and start over, or choose another --out")
             if old is not None and not restart:
                 self.done = records

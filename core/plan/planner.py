@@ -65,6 +65,10 @@ class Budget:
     @classmethod
     def for_hardware(cls, hw: HardwareSpec, gpu_gb: float | None = None, cpu_gb: float | None = None) -> "Budget":
         """The machine's memory (what detect found free, else its total), or the user's GB figures."""
+        if gpu_gb is not None and not gpu_gb >= 0:  # said back in the GB the user typed, not in bytes
+            raise UsageError(f"--gpu-mem must be 0 or more GB, got {gpu_gb:g}", "give the GPU memory to use, in GB")
+        if cpu_gb is not None and not cpu_gb > 0:
+            raise UsageError(f"--cpu-mem must be more than 0 GB, got {cpu_gb:g}", "give the CPU memory to use, in GB")
         gpu = hw.gpu_count * (hw.gpu_mem_free_bytes if hw.gpu_mem_free_bytes is not None else hw.gpu_mem_bytes)
         cpu = hw.cpu_mem_available_bytes if hw.cpu_mem_available_bytes is not None else hw.cpu_mem_bytes
         return cls(gpu_bytes=int(gpu_gb * 1e9) if gpu_gb is not None else int(gpu),
