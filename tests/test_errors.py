@@ -230,6 +230,23 @@ def test_skip_bad_writes_rejects_with_reasons(outdir, capsys, demo_model):
     assert [r["line"] for r in rejects] == [2, 4, 5, 6, 7, 9, 10, 11]
     assert rejects[0]["input"] == '{"prompt": "missing brace"' and rejects[0]["reason"].startswith("bad JSON")
     assert files(outdir) == ["o.jsonl", "o.jsonl.rejected.jsonl"]
+    assert f"mlight run: 2 results in {out}, 8 rejected → o.jsonl.rejected.jsonl (this run: 2 generated, " in err
+
+
+def test_the_rule_for_bad_lines_is_cores_and_the_cli_says_it(outdir, tmp_path, capsys):
+    """One malformed line: nothing runs, exit 2, in the words of core's rule (which the app follows too,
+    naming the same rejects file)."""
+    from core.io.prompts import bad_lines_error, read_prompts
+
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "a"}\n{"prompt": \n{"prompt": "b"}\n', encoding="utf-8")
+    code, err = run_cli(capsys, "--prompts", str(src), "--out", str(outdir / "o.jsonl"))
+    rule = bad_lines_error(read_prompts(src), "o.jsonl.rejected.jsonl")
+    assert code == 2 and files(outdir) == []
+    assert err.splitlines() == [f"{src}:2: bad JSON: Expecting value at column 12", f"mlight run: error: {rule}"]
+    assert str(rule) == (f"1 bad line in {src}, nothing was run — fix it, or pass --skip-bad to run the rest "
+                         "(rejects go to o.jsonl.rejected.jsonl)")
+    assert bad_lines_error(read_prompts("ok.jsonl", data=b'{"prompt": "a"}\n'), "x") is None
 
 
 def test_prompt_longer_than_context_is_a_reject(outdir, tmp_path, capsys, demo_model):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from core import platform
 from core.errors import BudgetError, MlightError, UsageError
-from core.io.prompts import FORMATS, STDIN, PromptSet, read_prompts, reject_lines
+from core.io.prompts import FORMATS, STDIN, PromptSet, bad_lines_error, read_prompts, reject_lines
 from core.io.results import output_format
 from core.io.runstore import RunStore, finish_run, model_fingerprint, prepare_requests, run_pending
 from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
@@ -308,18 +308,12 @@ def _read(args) -> PromptSet:
 
 
 def _refuse_rejects(prompts: PromptSet, skip_bad: bool, out: Path) -> None:
-    if not prompts.rejects:
-        return
-    if skip_bad and prompts.entries:
+    error = bad_lines_error(prompts, RunStore(out).rejected_path.name)
+    if error is None or (skip_bad and prompts.entries):
         return
     for line in reject_lines(prompts.rejects):
         print(line, file=sys.stderr)
-    n = len(prompts.rejects)
-    if not prompts.entries:
-        raise UsageError(f"no prompt in {prompts.source} can be run ({n} bad)", "fix the lines listed above")
-    raise UsageError(f"{n} bad line{'s' if n > 1 else ''} in {prompts.source}, nothing was run",
-                     f"fix {'them' if n > 1 else 'it'}, or pass --skip-bad to run the rest "
-                     f"(rejects go to {out.name}.rejected.jsonl)")
+    raise error
 
 
 def refuse_turns(prompts: PromptSet, how: str) -> None:

@@ -510,6 +510,19 @@ def _reject_duplicates(out: PromptSet) -> None:
     out.rejects.sort(key=lambda r: r.line)
 
 
+def bad_lines_error(prompts: PromptSet, rejects_file: str, skip: str = "pass --skip-bad") -> UsageError | None:
+    """The rule for bad lines that every front end follows (the CLI, the app): a file with bad lines runs
+    nothing until the user chooses to `skip` them, and the skipped lines go to `rejects_file`. The error
+    that says so (after the lines are shown), or None when no line is bad."""
+    n = len(prompts.rejects)
+    if not n:
+        return None
+    if not prompts.entries:
+        return UsageError(f"no prompt in {prompts.source} can be run ({n} bad)", "fix the lines listed above")
+    return UsageError(f"{n} bad line{'s' if n > 1 else ''} in {prompts.source}, nothing was run",
+                      f"fix {'them' if n > 1 else 'it'}, or {skip} to run the rest (rejects go to {rejects_file})")
+
+
 def reject_lines(rejects: Iterable[Reject], limit: int = 20) -> Iterable[str]:
     """The rejects as `file:line: reason` lines, at most `limit` of them and a count of the rest."""
     rejects = list(rejects)
