@@ -92,9 +92,10 @@ def test_changed_prompts_or_model_refused_unless_restart(tmp_path):
     with RunStore(out) as st:
         st.start(MANIFEST)
         st.append(rec(1))
-    for key, label in (("prompts", "prompts file"), ("model", "model"), ("settings", "generation settings")):
+    for key, label in (("prompts", "another prompts file"), ("model", "another model"),
+                       ("settings", "other generation settings")):
         changed = {**MANIFEST, key: {"other": True}}
-        with RunStore(out) as st, pytest.raises(UsageError, match=f"different {label} .*--restart"):
+        with RunStore(out) as st, pytest.raises(UsageError, match=f"made with {label} — .*--restart"):
             st.start(changed)
     with RunStore(out) as st:  # the policy may change between tries
         st.start({**MANIFEST, "policy": {"batch": 64}})
@@ -331,7 +332,7 @@ def test_a_run_file_of_another_job_is_refused_in_plain_words(tmp_path):
                           ({"prompts": {"sha256": "q"}}, "made with another prompts file")):
         with RunStore(out) as st, pytest.raises(UsageError) as e:
             st.start({**MANIFEST, **changed})
-        assert e.value.problem == f"o.jsonl.run.jsonl holds an unfinished run (1 results) {says}"
+        assert e.value.problem == f"o.jsonl.run.jsonl holds an unfinished run (1 result) {says}"
 
 
 def test_resuming_says_what_this_run_did_and_what_an_earlier_one_did(tmp_path, capsys, monkeypatch, demo_model):

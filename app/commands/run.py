@@ -35,8 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint folder or Hugging Face repo id (default: the built-in demo model)")
     p.add_argument("--revision", help="repo revision (branch, tag or commit) when --model is a repo id")
     p.add_argument("--prompts", required=True, metavar="FILE",
-                   help=".txt (one prompt a line), .jsonl, .csv or .tsv; '-' reads stdin; 'demo' the 16 bundled "
-                        "MT-Bench prompts")
+                   help=".txt (one prompt a line), .jsonl (MT-Bench's question file too: every turn, each with the "
+                        "earlier answers), .csv or .tsv; '-' reads stdin; 'demo' the 16 bundled MT-Bench prompts")
     p.add_argument("--prompts-format", choices=FORMATS, help="format of --prompts when its suffix does not say")
     p.add_argument("--out", required=True, metavar="FILE", help="results file: .jsonl or .csv")
     p.add_argument("--max-new-tokens", type=_positive, default=128, metavar="N",
@@ -399,10 +399,11 @@ def _plan_cpu_batch(args, prompts: PromptSet, model_dir: Path) -> None:
 def _workload(args, prompts: PromptSet):
     from core.plan import planner
 
-    # prompt lengths before the tokenizer is loaded: ~3 bytes a token, on the safe (long) side
-    lens = [max(1, len((e.prompt or "".join(m["content"] for m in e.messages or ())).encode()) // 3 + 1)
-            for e in prompts.entries]
+    # prompt lengths before the tokenizer is loaded: ~3 bytes a token, on the safe (long) side; a later
+    # turn also holds the answers to the turns before it, at most `gen` tokens each
     gen = max([e.max_new_tokens or args.max_new_tokens for e in prompts.entries] or [args.max_new_tokens])
+    lens = [max(1, len((e.prompt or "".join(m["content"] for m in e.messages or ())).encode()) // 3 + 1)
+            + gen * len(e.earlier) for e in prompts.entries]
     return planner.Workload(max(1, sum(lens) // max(1, len(lens))), gen, max(lens + [1]), len(prompts.entries))
 
 

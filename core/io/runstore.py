@@ -190,7 +190,8 @@ class RunStore:
                 diff = [label for key, label in IDENTITY.items() if old.get(key) != manifest.get(key)]
                 if diff:
                     raise UsageError(
-                        f"{self.run_path.name} holds an unfinished run ({len(records):,} results) made with "
+                        f"{self.run_path.name} holds an unfinished run ({len(records):,} result"
+                        f"{'s' if len(records) != 1 else ''}) made with "
                         f"{' and '.join(diff)}",
                         "rerun with --restart to discard them and start over, or choose another --out")
             if old is not None and not restart:
