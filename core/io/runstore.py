@@ -150,7 +150,7 @@ class RunStore:
             lock.acquire()
         except filelock.Timeout:
             raise UsageError(f"another mlight run is writing {self.out} (lock {self.lock_path.name} is held)",
-                              "wait for it to finish, or choose another --out") from None
+                             "wait for it to finish, or choose another --out") from None
         except PermissionError:
             raise UsageError(f"cannot write to {self.out.parent}: permission denied", "choose another --out") from None
         except OSError as e:
@@ -191,8 +191,7 @@ class RunStore:
                 if diff:
                     raise UsageError(
                         f"{self.run_path.name} holds an unfinished run ({len(records):,} result"
-                        f"{'s' if len(records) != 1 else ''}) made with "
-                        f"{' and '.join(diff)}",
+                        f"{'s' if len(records) != 1 else ''}) made with {' and '.join(diff)}",
                         "rerun with --restart to discard them and start over, or choose another --out")
             if old is not None and not restart:
                 self.done = records
