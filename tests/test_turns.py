@@ -178,3 +178,34 @@ def test_splitting_the_work_refuses_multi_turn_questions_in_one_line(tmp_path, c
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "has multi-turn questions (`turns`), which --tensor-parallel cannot run yet" in err
+
+
+def test_interrupted_in_the_second_wave_the_rerun_gives_the_uninterrupted_answers(tmp_path, capsys, monkeypatch,
+                                                                                   demo_model):
+    """Stopped after every first turn and one second turn: the rerun builds the other second turns from
+    the first answers saved in the run file, and the output equals an uninterrupted run's (greedy)."""
+    import app.commands.run as run_cmd
+
+    src = _mt_subset(tmp_path, 3)
+    args = ["run", "--prompts", str(src), "--max-new-tokens", "5", "--batch", "1"]  # one result a step
+    assert main([*args, "--out", str(tmp_path / "whole.jsonl")]) == 0
+    real = run_cmd.run_pending
+
+    def stop_after_four(*a, on_result, should_stop, **kw):
+        seen = []
+        return real(*a, **kw, on_result=lambda r: (seen.append(r), on_result(r)), should_stop=lambda: len(seen) >= 4)
+
+    monkeypatch.setattr(run_cmd, "run_pending", stop_after_four)
+    assert main([*args, "--out", str(tmp_path / "o.jsonl")]) == 130
+    saved = [json.loads(x) for x in (tmp_path / "o.jsonl.run.jsonl").read_text().splitlines()[1:]]
+    assert sorted(r["turn"] for r in saved) == [1, 1, 1, 2]
+    monkeypatch.setattr(run_cmd, "run_pending", real)
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "o.jsonl")]) == 0
+    assert "resuming: 4 of 6 requests already done by an earlier run; running the other 2" in capsys.readouterr().err
+
+    def answers(name):
+        return [(r["id"], r["prompt"], r["output_token_ids"]) for r in
+                map(json.loads, (tmp_path / name).read_text(encoding="utf-8").splitlines())]
+
+    assert answers("o.jsonl") == answers("whole.jsonl")
