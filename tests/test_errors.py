@@ -389,7 +389,8 @@ def test_bad_flags(prompts, outdir, capsys):
     assert_one_line(err, code, 2, "--micro-batch 4 is larger than --batch 2")
     for flag, value, says in (("--max-new-tokens", "0", "must be at least 1, got 0"),
                               ("--temperature", "-1", "must be 0 or more, got -1"),
-                              ("--top-p", "2", "must be in (0, 1], got 2"), ("--batch", "0", "must be at least 1, got 0"),
+                              ("--top-p", "2", "must be in (0, 1], got 2"),
+                              ("--batch", "0", "must be at least 1, got 0"),
                               ("--batch", "x", "expected a whole number, got 'x'"),
                               ("--gpu-mem", "-3", "must be 0 or more GB, got -3 GB"),
                               ("--cpu-mem", "0", "must be more than 0 GB, got 0 GB")):

@@ -161,7 +161,7 @@ def test_mlight_run_answers_both_turns_with_the_first_answer_in_the_chat_templat
 
 @pytest.mark.slow
 def test_mlight_run_on_the_whole_mt_bench_file(tmp_path, capsys, demo_model):
-    """The issue's check: both turns of all 80 questions on the demo model (35 to 70 s on 2 shared cores: marked slow)."""
+    """The issue's check: both turns of all 80 questions on the demo model (35 to 70 s on 2 shared cores)."""
     out = tmp_path / "o.jsonl"
     t0 = time.perf_counter()
     assert main(["run", "--prompts", str(MT_BENCH), "--out", str(out)]) == 0, capsys.readouterr().err

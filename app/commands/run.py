@@ -53,7 +53,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "else the whole batch)")
     p.add_argument("--gpu-mem", type=gigabytes(0), default=None, metavar="GB",
                    help="GPU memory budget (per GPU): plan batch sizes with the HRM planner and refuse what cannot fit")
-    p.add_argument("--cpu-mem", type=gigabytes(None), default=None, metavar="GB", help="CPU memory budget (see --gpu-mem)")
+    p.add_argument("--cpu-mem", type=gigabytes(None), default=None, metavar="GB",
+                   help="CPU memory budget (see --gpu-mem)")
     p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
                    help="expert weights: none (the checkpoint's dtype), int8 (per channel), int4 (group-wise), or "
