@@ -175,8 +175,10 @@ def _gpu_unused(model, hw, workload, budget) -> str:
                       gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, pages_per_layer=1)
     over = [o for o in planner.validate(smallest, model, hw, workload, budget) if o.where == "gpu"]
     if over:
-        return (f"the smallest GPU plan (one request, every expert streamed) does not fit: {over[0]}; "
-                "raise --gpu-mem (or quantize: --quantize int4)")
+        o = over[0]
+        parts = ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in o.breakdown.items() if v >= 0.05e9)
+        return (f"the smallest GPU plan (one request, every expert streamed) needs {_gb(o.needed)} ({parts}), "
+                f"{_gb(o.limit)} usable; it needs --gpu-mem {o.needed / planner.GPU_USABLE / 1e9:.1f} or more")
     return "the CPU alone is predicted faster than any GPU placement that fits"
 
 
