@@ -131,6 +131,7 @@ class Check:
         self.devices: list = []  # dry: every emulated GPU made, to read what is still allocated on them
         self.base = None  # this machine as detected / probed, before the stages' measurements
         self.user_cache: str | None = None  # MLIGHT_CACHE_DIR as the user had it (None: the default folder)
+        self.op_seconds: float | None = None  # host seconds a GPU-stream op costs, from a launch-bound run here
         self.report = {"device": "emulated GPU (dry run)" if self.dry else torch.cuda.get_device_name(0),
                        "torch": torch.__version__, "dry_run": self.dry, "deadline_s": args.deadline,
                        "plan": dict(real_run_plan(args.stages)), "args": {k: str(v) for k, v in vars(args).items()},
@@ -169,7 +170,9 @@ class Check:
                                      measured=tuple(sorted(set(hw.measured) | {"h2d_bw", "d2h_bw"})))
         host, pin = st.get("host", {}), st.get("pcie", {}).get("pin_gbps")
         if host.get("task_seconds"):
-            hw = dataclasses.replace(hw, host_task_seconds=host["task_seconds"], host_op_seconds=host["op_seconds"])
+            hw = dataclasses.replace(hw, host_task_seconds=host["task_seconds"])
+        if self.op_seconds:
+            hw = dataclasses.replace(hw, host_op_seconds=self.op_seconds)
         if pin:
             hw = dataclasses.replace(hw, pin_bw=pin * 1e9)
         return dataclasses.replace(hw, gpu_mem_bytes=cap_bytes, gpu_mem_free_bytes=None,
@@ -461,25 +464,43 @@ _WAITS = ("cudaStreamWaitEvent",)
 _SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 
 
+# the decode steps torch.profiler records on a GPU (after the prefill and one warm-up step): enough to count a
+# layer's calls, few enough that reading the trace back takes seconds, not minutes
+PROFILED_STEPS = 2
+
+
 @contextlib.contextmanager
 def counting(c: Check, on: bool = True):
-    """Launches, event waits and host syncs while the block runs: torch.profiler's CUDA runtime calls on a GPU;
-    on the emulated device its own calls (a task's launch onto a stream, a stream's wait on an event, a host
-    wait or synchronize) — per task, not per torch op: the runtime's op counter (core.runtime.op_count, issue 42
-    item 2) is the place for per-op counts there (OP_COUNTER_HOOK)."""
-    counts = {"launches": 0, "waits": 0, "syncs": 0, "source": None}
+    """Launches, event waits and host syncs while the block runs, and over how many steps: on a GPU,
+    torch.profiler's CUDA runtime calls over PROFILED_STEPS decode steps (call counts["step"]() after each step);
+    on the emulated device its own calls over the whole run (a task's launch onto a stream, a stream's wait on an
+    event, a host wait or synchronize) — per task, not per torch op: the runtime's op counter
+    (core.runtime.op_count, issue 42 item 2) is the place for per-op counts there (OP_COUNTER_HOOK). Host waits
+    on a GPU poll events (cudaEventQuery), which are not counted as syncs."""
+    counts = {"launches": 0, "waits": 0, "syncs": 0, "source": None, "steps": None, "step": lambda: None}
     if not on:
         yield counts
         return
     if not c.dry:
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, schedule
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                       schedule=schedule(wait=1, warmup=1, active=PROFILED_STEPS, repeat=1))
+        taken = []
+        counts["step"] = lambda: taken.append(1) or prof.step()
+        prof.start()
+        try:
             yield counts
+        finally:
+            prof.stop()
+        if len(taken) < 2 + PROFILED_STEPS:
+            counts["source"] = f"torch.profiler: the run had {len(taken)} steps, too few to profile"
+            return
         names = {e.key: e.count for e in prof.key_averages()}
         for key, group in (("launches", _LAUNCHES), ("waits", _WAITS), ("syncs", _SYNCS)):
             counts[key] = sum(names.get(n, 0) for n in group)
-        counts["source"] = "torch.profiler (CUDA runtime calls)"
+        counts.update(source=f"torch.profiler (CUDA runtime calls over {PROFILED_STEPS} decode steps)",
+                      steps=PROFILED_STEPS)
         return
     from core.runtime import device_emulated as emu
 
@@ -533,9 +554,12 @@ def run_variant(c: Check, engine, spec, pol, prd, schedule: str, reqs, until: fl
     events: list[StepDone] = []
     first: list[float] = []
 
+    counts: dict = {}
+
     def on_event(e):
         if isinstance(e, StepDone):
             events.append(e)
+            counts.get("step", lambda: None)()
             if not first:
                 first.append(time.perf_counter())
 
@@ -550,7 +574,7 @@ def run_variant(c: Check, engine, spec, pol, prd, schedule: str, reqs, until: fl
     tokens_out = sum(r.output_tokens for r in results)
     decode_tps = sum(e.tokens for e in decode) / dsec
     bound = pcie_bound(spec, pol, h2d_bw)
-    steps = max(1, len(events))
+    steps = max(1, counts.get("steps") or len(events))
     return {"schedule": schedule, "requests_done": len(results), "tokens": tokens_out, "seconds": round(wall, 2),
             "tokens_per_s": tokens_out / wall, "decode_tokens_per_s": decode_tps,
             "predicted_tokens_per_s": prd.tokens_per_s, "predicted_decode_tokens_per_s": prd.decode_tokens_per_s,
@@ -620,6 +644,16 @@ def run_cap(c: Check, path: Path, spec, cap: int, runs: list, reqs, until: float
     return out
 
 
+def op_seconds_from_run(run: dict, pred) -> float | None:
+    """Host seconds a GPU-stream op costs, from a profiled run that was launch-bound (its GPU stream busy over
+    twice what the GPU's own work takes by the model): the stream's busy time a layer over its calls a layer."""
+    launches = run.get("launches_per_layer_step", 0) + run.get("waits_per_layer_step", 0)
+    busy = run.get("layer_seconds", {}).get("gpu", 0.0)
+    if not launches or busy <= 2 * pred.layer_seconds.get("gpu", 0.0):
+        return None
+    return busy / launches
+
+
 def stage_offload(c: Check, until: float) -> dict:
     from core.model.families import load_spec
 
@@ -645,6 +679,10 @@ def stage_offload(c: Check, until: float) -> dict:
         for x in row["not_run"]:
             log(f"  not run: {x['variant']}: {x['why']}")
         row.update(run_cap(c, path, spec, cap, runs, reqs, until))
+        op = op_seconds_from_run(row["runs"][0], pred)
+        if op and not c.dry:
+            row["op_seconds_from_run"], c.op_seconds = op, op
+            row["kept_in"] = keep_costs(c, host_op_seconds=op)
         c.save("offload", {"rows": rows, "partial": True})
     c.offload = (path, reqs, rows)
     return {"rows": rows, "partial": False}
@@ -819,7 +857,9 @@ def stage_host(c: Check, until: float) -> dict:
     finally:
         ex.close()
     op = per_op("cpu" if c.dry else "cuda")
-    kept = keep_costs(c, host_task_seconds=task, host_op_seconds=op) if not c.dry else None
+    # one tiny op from Python (7.4 µs on the H200) is not a layer's op under the executor's threads (22-29 µs there):
+    # only the task cost is kept here; an op's comes from the offload stage's profiled run (op_seconds_from_run)
+    kept = keep_costs(c, host_task_seconds=task) if not c.dry else None
     return {"task_seconds": task, "op_seconds": op, "planner_task_seconds": hrm.TASK_SECONDS,
             "planner_op_seconds": hrm.OP_SECONDS, "per_call": breakdown(dev), "kept_in": kept}
 
