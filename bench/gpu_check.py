@@ -351,7 +351,8 @@ def build_model(path: Path, family: str, layers: int, dims: dict, seed: int = 0)
             t.update({p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd)})
         for e in range(E):
             q = f"{p}{moe}experts.{e}."
-            t.update({q + f"{gate}.weight": rand(I, D), q + f"{up}.weight": rand(I, D), q + f"{down}.weight": rand(D, I)})
+            t.update({q + f"{gate}.weight": rand(I, D), q + f"{up}.weight": rand(I, D),
+                      q + f"{down}.weight": rand(D, I)})
         shard(f"model-layer-{i:03d}.safetensors", t)
         log(f"built {family} layer {i + 1}/{layers}")
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -431,8 +432,10 @@ def variants(spec, cap: int, work, policy, pred, hw) -> tuple[list, list]:
             not_run.append({"variant": name, "why": f"its expert batch {eb} does not divide N = {N}"})
             continue
         # a larger micro-batch's prefill activations take room: fewer resident experts where needed
-        fits = [p for rw in (policy.gpu_weight_fraction, policy.gpu_weight_fraction / 2, 0.0)
-                for p in [dataclasses.replace(policy, micro_batch_size=mu, expert_batch_size=eb, gpu_weight_fraction=rw)]
+        shares = (policy.gpu_weight_fraction, policy.gpu_weight_fraction / 2, 0.0)
+        fits = [p for rw in shares
+                for p in [dataclasses.replace(policy, micro_batch_size=mu, expert_batch_size=eb,
+                                              gpu_weight_fraction=rw)]
                 if not validate(p, spec, hw, work, budget)]
         if fits:
             out.append((name, "cgopipe", fits[0], predict(fits[0], spec, hw, work)))
@@ -504,9 +507,9 @@ def counting(c: Check, on: bool = True):
         return
     from core.runtime import device_emulated as emu
 
-    saved = {(cls, name): getattr(cls, name) for cls, name in ((emu.EmulatedCuda, "launch"), (emu._Stream, "wait_event"),
-                                                               (emu.EmulatedCuda, "host_wait"),
-                                                               (emu.EmulatedCuda, "synchronize"))}
+    patched = ((emu.EmulatedCuda, "launch"), (emu._Stream, "wait_event"), (emu.EmulatedCuda, "host_wait"),
+               (emu.EmulatedCuda, "synchronize"))
+    saved = {(cls, name): getattr(cls, name) for cls, name in patched}
 
     def counted(fn, key):
         def wrapper(*a, **kw):
@@ -966,8 +969,8 @@ def table(report: dict) -> str:
         elif name == "baseline":
             lines.append(f"baseline HF accelerate, N = {r['N']}: {r.get('tokens_per_s', float('nan')):.2f} tok/s; ours "
                          f"{r['ours_tokens_per_s']:.1f} ({r.get('ours_over_hf', float('nan')):.1f}x); GPU bytes in use "
-                         f"before it: {r['gpu_bytes_before']:,}" + (f"; out of memory at {', '.join(r['out_of_memory'])}"
-                                                                    if r.get("out_of_memory") else ""))
+                         f"before it: {r['gpu_bytes_before']:,}"
+                         + (f"; out of memory at {', '.join(r['out_of_memory'])}" if r.get("out_of_memory") else ""))
     return "\n".join(lines)
 
 

@@ -306,7 +306,7 @@ def _host_lines(host: dict | None) -> list[str]:
     whose = "measured here" if h["measured"] else "the H200's, not measured here"
     lines = [f"  host share        {_ms(h['layer_seconds'])} of a {_ms(h['layer_time_seconds'])} layer "
              f"({h['share']:.0%}) beside PCIe {_ms(h['pcie_seconds'])} and GPU compute {_ms(h['compute_seconds'])}",
-             f"                    {h['tasks_per_layer']:,.0f} tasks and {h['ops_per_layer']:,.0f} torch ops a layer at "
+             f"{'':20}{h['tasks_per_layer']:,.0f} tasks and {h['ops_per_layer']:,.0f} torch ops a layer at "
              f"{h['task_seconds'] * 1e6:.0f} µs a task, {h['op_seconds'] * 1e6:.0f} µs an op ({whose}); experts on "
              f"the {h['expert_path']} path, {h['ffn_ops']:,.0f} ops an FFN task"]
     if f["pin_bytes"]:
