@@ -425,7 +425,8 @@ def variants(spec, cap: int, work, policy, pred, hw) -> tuple[list, list]:
     for mu in (4 * policy.micro_batch_size, 16 * policy.micro_batch_size):
         name = f"mu={mu}"
         if mu > N or N % mu:
-            not_run.append({"variant": name, "why": f"μ = {mu} does not divide N = {N}"})
+            why = f"μ = {mu} is over N = {N}" if mu > N else f"μ = {mu} does not divide N = {N}"
+            not_run.append({"variant": name, "why": why})
             continue
         eb = max(mu, policy.expert_batch_size)
         if N % eb:
