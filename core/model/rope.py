@@ -15,6 +15,7 @@ Legend: T = tokens, H = heads, P = positions, r = rotated dims.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -82,7 +83,9 @@ class Rope:
         self.cos = torch.cat([(half.cos() * s) for s in scales]).to(dtype).to(device)  # [P·tables, r or r/2]
         self.sin = torch.cat([(half.sin() * s) for s in scales]).to(dtype).to(device)
         self.positions = max_positions
-        self._kept = None  # (positions, its version, call_lengths, its version, cos, sin) of the last call
+        # per live positions tensor (a decode step's micro-batches each have theirs): (a weak reference to it,
+        # its version, call_lengths, its version, cos, sin); an entry goes with its tensor
+        self._kept: dict[int, tuple] = {}
 
     def rows(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Table rows for tokens at `positions` [T]; `call_lengths` [T]: the length (max position + 1)
@@ -92,15 +95,19 @@ class Rope:
         return positions + self.positions * (call_lengths > self.switch).to(positions.dtype)
 
     def tables(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None):
-        """(cos, sin) [T, 1, r or r/2] of these tokens. The last call's are kept while the same tensors come
-        back unchanged (every layer of a step, and q and k): two gathers a step instead of two a layer."""
-        kept = self._kept
-        if (kept is None or kept[0] is not positions or kept[1] != positions._version or kept[2] is not call_lengths
+        """(cos, sin) [T, 1, r or r/2] of these tokens. Kept per positions tensor while it lives and comes back
+        unchanged (every layer of a step, q and k, and every micro-batch in turn, whose calls alternate):
+        two gathers per micro-batch a step instead of two per micro-batch a layer."""
+        key = id(positions)
+        kept = self._kept.get(key)
+        if (kept is None or kept[0]() is not positions or kept[1] != positions._version or kept[2] is not call_lengths
                 or (call_lengths is not None and kept[3] != call_lengths._version)):
             rows = self.rows(positions, call_lengths)
-            kept = self._kept = (positions, positions._version, call_lengths,
-                                 None if call_lengths is None else call_lengths._version,
-                                 self.cos[rows][:, None, :], self.sin[rows][:, None, :])
+            entries = self._kept
+            gone = weakref.ref(positions, lambda _, key=key: entries.pop(key, None))
+            kept = entries[key] = (gone, positions._version, call_lengths,
+                                   None if call_lengths is None else call_lengths._version,
+                                   self.cos[rows][:, None, :], self.sin[rows][:, None, :])
         return kept[4], kept[5]
 
     def joins_in_c(self, x: torch.Tensor) -> bool:
