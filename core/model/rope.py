@@ -98,6 +98,10 @@ class Rope:
         """(cos, sin) [T, 1, r or r/2] of these tokens. Kept per positions tensor while it lives and comes back
         unchanged (every layer of a step, q and k, and every micro-batch in turn, whose calls alternate):
         two gathers per micro-batch a step instead of two per micro-batch a layer."""
+        kept = self._entry(positions, call_lengths)
+        return kept[4], kept[5]
+
+    def _entry(self, positions: torch.Tensor, call_lengths: torch.Tensor | None) -> list:
         key = id(positions)
         kept = self._kept.get(key)
         if (kept is None or kept[0]() is not positions or kept[1] != positions._version or kept[2] is not call_lengths
@@ -105,11 +109,25 @@ class Rope:
             rows = self.rows(positions, call_lengths)
             entries = self._kept
             gone = weakref.ref(positions, lambda _, key=key: entries.pop(key, None))
-            kept = entries[key] = (gone, positions._version, call_lengths,
+            kept = entries[key] = [gone, positions._version, call_lengths,
                                    None if call_lengths is None else call_lengths._version,
-                                   self.cos[rows][:, None, :], self.sin[rows][:, None, :])
-        return kept[4], kept[5]
+                                   self.cos[rows][:, None, :], self.sin[rows][:, None, :], None]
+        return kept
 
+    def _halves(self, positions: torch.Tensor, call_lengths: torch.Tensor | None):
+        """(cos, ±sin) [T, 1, 2, r/2] for the rotation as two halves (a pair layout de-interleaved): the
+        halves' sign of rotate_half is folded into sin, once per kept entry."""
+        kept = self._entry(positions, call_lengths)
+        if kept[6] is None:
+            cos, sin = kept[4], kept[5]
+            T = cos.shape[0]
+            if self.pairs:  # one angle per pair: the same for the even and the odd row
+                kept[6] = (torch.stack((cos, cos), dim=-2), torch.stack((-sin, sin), dim=-2))
+            else:  # cos and sin are [angles, angles]
+                half = cos.shape[-1] // 2
+                kept[6] = (cos.view(T, 1, 2, half), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).view(
+                    T, 1, 2, half))
+        return kept[6]
     def joins_in_c(self, x: torch.Tensor) -> bool:
         """Whether core.model.cpu.row_ops.rope_join may rotate these heads: halves over the whole head, bf16 or
         fp32 on the CPU (its other conditions it checks itself)."""
@@ -117,16 +135,20 @@ class Rope:
                 and x.device.type == "cpu")
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H, hd], positions [T] -> x with its first `dim` dims rotated."""
-        cos, sin = self.tables(positions, call_lengths)
+        """x [T, H, hd], positions [T] -> x with its first `dim` dims rotated.
+
+        Both layouts as halves X [T, H, 2, r/2] (pairs: evens then odds, a strided view): X·cos + swap(X)·(±sin),
+        the reference's roundings (a·(−s) is −(a·s) exactly) in four ops, where rotate_half's negation and
+        join, or the pairs' four products, took five and seven."""
+        cos, sin = self._halves(positions, call_lengths)
         d = self.dim
         rot, rest = (x, None) if d == x.shape[-1] else (x[..., :d], x[..., d:])
-        if self.pairs:
-            even, odd = rot[..., 0::2], rot[..., 1::2]
-            out = torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
-        else:
-            half = d // 2
-            out = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
+        T, H = rot.shape[:2]
+        halves = rot.unflatten(-1, (d // 2, 2)).transpose(-1, -2) if self.pairs else rot.unflatten(-1, (2, d // 2))
+        out = torch.empty((T, H, 2, d // 2), dtype=x.dtype, device=x.device)
+        torch.mul(halves, cos, out=out)
+        out.add_(halves.flip(-2) * sin)
+        out = out.view(T, H, d)  # [T, H, r]: pairs come out as [rotated evens, rotated odds]
         return out if rest is None else torch.cat((out, rest), dim=-1)
 
 
