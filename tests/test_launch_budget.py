@@ -139,3 +139,35 @@ def test_event_waits_per_layer_are_at_most_3n_plus_p(counts, family, fmt, cap):
 @pytest.mark.parametrize("family,fmt,cap", MATRIX)
 def test_a_steady_decode_step_syncs_the_host_at_most_once(counts, family, fmt, cap):
     assert counts(family, EXPERTS[-1], fmt, cap).host_syncs <= 1
+
+
+def test_the_counter_sees_one_more_op_and_one_more_host_read(checkpoint_factory):
+    """op_count itself: an extra device op in every FFN task and a host read of device data in every
+    post-attention (planted through the runner's `fault` seam, which runs inside each task) show up as
+    exactly n more FFN ops per layer and n·L more host syncs; a host-only op in a task is not a device op."""
+    engine = Engine.load(checkpoint_factory("mixtral"), device=EmulatedCuda(256 * MiB), executor="cuda",
+                         schedule="cgopipe", pages_per_layer=PAGES, resident_experts=(1, 1))
+    one, host = [], torch.ones(4)
+
+    def plant(task):
+        if not one:
+            one.append(engine.dev.to_device(torch.ones(4)))
+        if task.kind == "ffn":
+            one[0].add(1)  # a device op
+            host.add(1)  # host work: not the device's
+        elif task.kind == "post_attn":
+            one[0].tolist()  # a read of device data on the host: a sync on a GPU
+
+    try:
+        base = steady_step(engine, micro_batches=N, micro_batch_size=MU, prompt=4)
+        planted = steady_step(engine, micro_batches=N, micro_batch_size=MU, prompt=4,
+                              prepare=lambda r: setattr(r, "fault", plant))
+    finally:
+        engine.close()
+    L = len(base.layers)
+    assert [lc.ops["ffn"] - lb.ops["ffn"] for lc, lb in zip(planted.layers, base.layers)] == [N] * L
+    assert [lc.total_ops - lc.ops["ffn"] for lc in planted.layers] == [lb.total_ops - lb.ops["ffn"]
+                                                                          for lb in base.layers]
+    assert planted.host_syncs - base.host_syncs == N * L
+    assert all(lc.waits == lb.waits for lc, lb in zip(planted.layers, base.layers))
+

@@ -81,8 +81,8 @@ class StepCounts:
                  "copies": sum(lc.copies.values()), "waits": lc.total_waits} for i, lc in enumerate(self.layers)]
 
 
-def _tensors(args, kwargs):
-    return [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+def _tensors(*trees):
+    return [a for a in tree_flatten(trees)[0] if isinstance(a, torch.Tensor)]
 
 
 class _Ops(TorchDispatchMode):
@@ -97,11 +97,10 @@ class _Ops(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.outer and getattr(self.rec._tls, "task", None) is not None:
             pass  # a task's own mode above this one counted it
-        elif self.kind in _HOST or (self.outer and not any(map(self.rec.on_device, _tensors(args, kwargs)))):
-            pass  # host work: CPU attention, the caller's own tensors
+        elif not any(map(self.rec.on_device, _tensors((args, kwargs), out))):
+            pass  # host work: CPU attention, a KV load's gather into staging, the caller's own tensors
         elif func is torch.ops.aten._local_scalar_dense.default:
-            if self.rec.on_device(args[0]):
-                self.rec.read()
+            self.rec.read()
         elif not (func.is_view or func in _FREE):
             self.into.ops[self.kind] += 1
             self.into.names[f"{self.kind}:{func.__name__}"] += 1
@@ -118,7 +117,16 @@ class _Recorder:
         self._lock = threading.Lock()
 
     def on_device(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and self.dev.accelerator and self.dev.is_device(t)
+        """Device memory: the emulated device's own blocks (its tensors are CPU tensors), else the device type."""
+        if not (isinstance(t, torch.Tensor) and self.dev.accelerator):
+            return False
+        mine = getattr(self.dev, "is_device", None)
+        if mine is None:
+            return t.device.type == self.dev.torch_device.type
+        try:
+            return mine(t)
+        except RuntimeError:  # no storage (a sparse or meta tensor): not the device's
+            return False
 
     def _counts(self):
         task = getattr(self._tls, "task", None)
