@@ -6,10 +6,11 @@ DeepSeek-V3-shaped layers (hidden sizes scaled down; E and k the real ones). Pri
     python bench/launch_budget.py [--formats bf16 int4] [--cap 9.0] [--micro-batches 4] [--pages 4] [--repeat 3]
 
 "today": main at 9839921 — the expert form device_experts took there (grouped_mm for bf16 on SM80+, else the
-padded table; quantized experts one by one) and its graph's waits (every post-attention on every weight page of
-its layer, every page on the layer two back; RoPE rows kept for the last call only). "new": what the runner picks now (its default expert path) and the
-schedule's graph. Counted by core.runtime.op_count; host time is the emulated step's wall clock per layer, on
-this CPU (its launches and its arithmetic together: tiny shapes keep it mostly the former).
+padded table; quantized experts one by one), its graph's waits (every post-attention on every weight page of its
+layer, every page on the layer two back) and its RoPE cache (the last call's rows alone). "new": what the runner
+picks now (its default expert path) and the schedule's graph. RoPE's apply takes its new form (four ops; bit
+for bit the old) in both. Counted by core.runtime.op_count; host time is the emulated step's wall clock per
+layer, on this CPU (its launches and its arithmetic together: tiny shapes keep it mostly the former).
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ Counted while a `PipelineRunner` runs one step, without changing what it runs:
 Per layer, by task kind; the step's own work (embeddings, logits, the executor's set-up and end) apart.
 
 It wraps the runner's task function, the device's copy and wait calls and the executor's dependency waits
-for the duration of one step, and restores them after. Works over the emulated device (CI, `bench/`) and
-over CUDA (where `torch.profiler`'s kernel counts are the independent check). Legend: n = micro-batches,
-p = weight pages per layer, L = layers.
+for the duration of one step, and restores them after. The host's C row kernels (core.model.cpu.row_ops) are
+off in the device's tasks meanwhile: the emulated device's tensors are CPU tensors, so they would take them,
+where a GPU runs the torch forms (the same roundings). Written for the emulated device (CI, `bench/`) and CUDA
+alike; it has not met a GPU yet, where `torch.profiler`'s kernel counts are the check. Legend: n =
+micro-batches, p = weight pages per layer, L = layers.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class LayerCounts:
     ops: collections.Counter = field(default_factory=collections.Counter)  # task kind -> ops
     copies: collections.Counter = field(default_factory=collections.Counter)  # task kind -> device copies
     waits: collections.Counter = field(default_factory=collections.Counter)  # task kind -> event waits
-    names: collections.Counter = field(default_factory=collections.Counter)  # aten op -> count (diagnostics)
+    names: collections.Counter = field(default_factory=collections.Counter)  # "kind:aten op" -> count (diagnostics)
 
     @property
     def total_ops(self) -> int:
@@ -205,8 +207,6 @@ class _Recorder:
 
         for m, orig in reads.items():
             setattr(torch.Tensor, m, read_of(orig))
-        # the host's C row kernels (core.model.cpu.row_ops) take device tensors here only because the emulated
-        # device's are CPU tensors; a GPU runs the torch forms (the same roundings), so the device's tasks do
         library = row_ops.library
         row_ops.library = lambda: None if self._on_device_task() else library()
         try:
