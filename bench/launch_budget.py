@@ -7,9 +7,9 @@ DeepSeek-V3-shaped layers (hidden sizes scaled down; E and k the real ones). Pri
 
 "today": main at 9839921 — the expert form device_experts took there (grouped_mm for bf16 on SM80+, else the
 padded table; quantized experts one by one), its graph's waits (every post-attention on every weight page of its
-layer, every page on the layer two back) and its RoPE cache (the last call's rows alone). "new": what the runner
-picks now (its default expert path) and the schedule's graph. RoPE's apply takes its new form (four ops; bit
-for bit the old) in both. Counted by core.runtime.op_count; host time is the emulated step's wall clock per
+layer, every page on the layer two back). "new": what the runner picks now (its default expert path) and the
+schedule's graph. Both run this tree's pre- and post-attention (RoPE gathered once a step, in four ops an
+apply; against main's, see test_rope_tables). Counted by core.runtime.op_count; host time is the emulated step's wall clock per
 layer, on this CPU (its launches and its arithmetic together: tiny shapes keep it mostly the former).
 """
 
@@ -75,15 +75,6 @@ def measure(path: Path, fmt: str, cap: tuple[int, int], today: bool, n: int, pag
     def old_graph(runner):
         tasks, current = runner._graph("decode", n)
         runner._graphs[("decode", n)] = (todays_graph(tasks), current)
-        rope, tables, last = runner.rope, runner.rope.tables, [None]
-
-        def last_call_only(positions, call_lengths=None):  # main's RoPE cache: the last call's rows alone
-            if last[0] is not positions:
-                rope._kept.clear()
-                last[0] = positions
-            return tables(positions, call_lengths)
-
-        rope.tables = last_call_only
 
     try:
         return steady_step(engine, micro_batches=n, micro_batch_size=2, prompt=6, repeat=repeat,
