@@ -9,8 +9,9 @@ DeepSeek-V3-shaped layers (hidden sizes scaled down; E and k the real ones). Pri
 padded table; quantized experts one by one), its graph's waits (every post-attention on every weight page of its
 layer, every page on the layer two back). "new": what the runner picks now (its default expert path) and the
 schedule's graph. Both run this tree's pre- and post-attention (RoPE gathered once a step, in four ops an
-apply; against main's, see test_rope_tables). Counted by core.runtime.op_count; host time is the emulated step's wall clock per
-layer, on this CPU (its launches and its arithmetic together: tiny shapes keep it mostly the former).
+apply; against main's, see test_rope_tables). Counted by core.runtime.op_count; host time is the emulated
+step's wall clock per layer, on this CPU (its launches and its arithmetic together: tiny shapes keep it mostly
+the former).
 """
 
 from __future__ import annotations
