@@ -34,6 +34,7 @@ def test_micro_batches_in_turn_each_gather_once_a_step_and_their_rows_go_with_th
     import weakref
 
     rope = Rope(RopeSpec(), 8, 64, torch.float32)
+    rope.keep = 2  # the decode step's micro-batches (core.runtime.pipeline sets it)
     x = torch.randn(3, 2, 8)
     pos = [torch.tensor([5, 0, 17]), torch.tensor([9, 2, 3])]
     want = [rope.apply(x, p.clone()) for p in pos]
@@ -46,6 +47,9 @@ def test_micro_batches_in_turn_each_gather_once_a_step_and_their_rows_go_with_th
 
     assert _gathers(step) == 2 * 2  # cos and sin, once per micro-batch
     assert _gathers(step) == 0  # the same tensors, unchanged: still kept
+    rope.keep = 1  # a prefill's: the last call's rows alone, so micro-batches in turn gather in every layer
+    assert _gathers(step) == 2 * 4 * 2
+    rope.keep = 2
     rows = weakref.ref(rope.tables(pos[0])[0])
     del pos[0]
     gc.collect()

@@ -83,9 +83,22 @@ class Rope:
         self.cos = torch.cat([(half.cos() * s) for s in scales]).to(dtype).to(device)  # [P·tables, r or r/2]
         self.sin = torch.cat([(half.sin() * s) for s in scales]).to(dtype).to(device)
         self.positions = max_positions
-        # per live positions tensor (a decode step's micro-batches each have theirs): (a weak reference to it,
-        # its version, call_lengths, its version, cos, sin); an entry goes with its tensor
-        self._kept: dict[int, tuple] = {}
+        # per live positions tensor (a decode step's micro-batches each have theirs): [a weak reference to it,
+        # its version, call_lengths, its version, cos, sin, the halves' forms]; an entry goes with its tensor, or
+        # when `keep` newer ones came after it
+        self._kept: dict[int, list] = {}
+        self._keep = 1
+
+    @property
+    def keep(self) -> int:
+        """Entries kept: a decode step's runner sets its micro-batches' count; a prefill's, 1."""
+        return self._keep
+
+    @keep.setter
+    def keep(self, n: int) -> None:
+        self._keep = max(1, n)
+        while len(self._kept) > self._keep:
+            self._kept.pop(next(iter(self._kept)), None)  # the oldest
 
     def rows(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Table rows for tokens at `positions` [T]; `call_lengths` [T]: the length (max position + 1)
@@ -96,8 +109,9 @@ class Rope:
 
     def tables(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None):
         """(cos, sin) [T, 1, r or r/2] of these tokens. Kept per positions tensor while it lives and comes back
-        unchanged (every layer of a step, q and k, and every micro-batch in turn, whose calls alternate):
-        two gathers per micro-batch a step instead of two per micro-batch a layer."""
+        unchanged (every layer of a step, q and k, and — with `keep` set to the step's micro-batches — every
+        micro-batch in turn, whose calls alternate): two gathers per micro-batch a step, not a layer. A prefill's
+        keep only the last call's: its gathers are few beside its tokens, its tables are large."""
         kept = self._entry(positions, call_lengths)
         return kept[4], kept[5]
 
@@ -108,6 +122,8 @@ class Rope:
                 or (call_lengths is not None and kept[3] != call_lengths._version)):
             rows = self.rows(positions, call_lengths)
             entries = self._kept
+            while entries and len(entries) >= self._keep:
+                entries.pop(next(iter(entries)), None)  # the oldest
             gone = weakref.ref(positions, lambda _, key=key: entries.pop(key, None))
             kept = entries[key] = [gone, positions._version, call_lengths,
                                    None if call_lengths is None else call_lengths._version,
