@@ -175,3 +175,19 @@ def test_the_counter_sees_one_more_op_and_one_more_host_read(checkpoint_factory)
     assert planted.host_syncs - base.host_syncs == N * L
     assert all(lc.waits == lb.waits for lc, lb in zip(planted.layers, base.layers))
 
+
+
+@pytest.mark.slow
+def test_the_side_by_side_bench_runs_and_shows_fewer_waits(capsys):
+    """bench/launch_budget.py end to end on its smallest shape: today's graph waits more than the new one."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import launch_budget
+
+    assert launch_budget.main(["--shapes", "Mixtral-8x7B", "--formats", "bf16", "--repeat", "1",
+                               "--micro-batches", "2", "--pages", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[4]: line.split() for line in lines if line.startswith("Mixtral-8x7B")}
+    assert int(rows["today"][8]) > int(rows["new"][8])  # waits per layer
+    assert any(line.split()[1] == "ratio" for line in lines if line.strip().startswith("bf16"))
