@@ -144,6 +144,7 @@ class Rope:
                 kept[6] = (cos.view(T, 1, 2, half), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).view(
                     T, 1, 2, half))
         return kept[6]
+
     def joins_in_c(self, x: torch.Tensor) -> bool:
         """Whether core.model.cpu.row_ops.rope_join may rotate these heads: halves over the whole head, bf16 or
         fp32 on the CPU (its other conditions it checks itself)."""
