@@ -225,7 +225,7 @@ class Engine:
             changes["resident_experts"] = None
         config = dataclasses.replace(self.config, **changes)
         if config.executor != self.config.executor:
-            self.close()  # the next generate starts the new executor
+            self._stop_executor()  # the next generate starts the new one; the pins stay (locked once per model)
         if self.weights.packed and config.ffn_on != "cpu":
             raise UsageError("this engine packed its experts for the CPU-only mode, so they cannot stream",
                              "load the model again with the executor and schedule you want")
@@ -233,12 +233,26 @@ class Engine:
         if pages_per_layer is not None:
             self.weights.repage(pages_per_layer)
 
-    def close(self) -> None:
-        """Stop the executor's threads and give back the page-locked memory (memory freed while still
-        registered would stay locked); the engine can run again, re-pinning what its next run streams."""
+    @property
+    def pin_seconds(self) -> float:
+        """Seconds this engine spent page-locking the weights that stream (the first run's; later runs
+        find them locked), for the planner's first-run price and the bench."""
+        return self.weights.pin_seconds
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes of streamed weights page-locked now (they stay locked until `close`)."""
+        return self.weights.pinned_bytes
+
+    def _stop_executor(self) -> None:
         if self._executor is not None:
             self._executor.close()
             self._executor = None
+
+    def close(self) -> None:
+        """Stop the executor's threads and give back the page-locked memory (memory freed while still
+        registered would stay locked); the engine can run again, re-pinning what its next run streams."""
+        self._stop_executor()
         self.weights.unpin()
 
     # ---- loading --------------------------------------------------------------------------------

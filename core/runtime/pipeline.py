@@ -51,7 +51,7 @@ from core.model.spec import ModelSpec
 from core.model.weights import LayerLayout, ModelWeights, page_aligned
 from core.runtime import schedule as sched
 from core.runtime.device import Device, HostDevice
-from core.telemetry import EventSink, Progress, WarningEvent, ignore
+from core.telemetry import EventSink, WarningEvent, ignore
 
 
 class _MB:
@@ -250,17 +250,10 @@ class PipelineRunner:
                              for b in self.ebuf]
         self.page_copies = [[sl.pieces(b, lw.flat, E - sl.count, E, self.pages) if sl else None
                              for lw, sl in zip(w.layers, slabs)] for b in self.ebuf]
-        if dev.accelerator:  # page-lock what streams, at its exact size
-            # seconds per GB (the H200 run: ≈ 11 s before the first step for 23.5 GB): a progress line, once
-            # per engine — later runners find the layers locked already
-            todo = [i for i, r in enumerate(self.resident) if r < E and not w.is_pinned_from(dev, i, r)]
-            for n, i in enumerate(todo):
-                self.warn(Progress("page-locking host memory for GPU copies", n, len(todo), "layers"))
-                if not w.pin_streamed(dev, i, self.resident[i]):
-                    self._unpinned += (ExpertSlab(w.layers[i].layout, E - self.resident[i]).numel
-                                       * w.layers[i].flat.element_size())
-            if todo:
-                self.warn(Progress("page-locking host memory for GPU copies", len(todo), len(todo), "layers"))
+        if dev.accelerator:  # page-lock what streams, at its exact size, once per loaded model
+            for i in w.pin_for_streaming(dev, self.resident, self.warn):
+                lw = w.layers[i]
+                self._unpinned += ExpertSlab(lw.layout, E - self.resident[i]).numel * lw.flat.element_size()
 
     def _warn_unpinned(self) -> None:
         limit = self.dev.pin_limit_bytes
