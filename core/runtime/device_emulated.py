@@ -25,6 +25,16 @@ What it reproduces of a GPU (see core.runtime.device for the contract):
   "alloc" and "pin" and may raise, so tests can break each of them; at "kernel" it is called on the
   stream's own thread before each piece of launched work (its label in `running()`), where blocking
   is a hung kernel.
+- Graph capture: `capture(fn)`, called from launched work, runs `fn` on its stream's thread under the
+  capture mode — what real capture forbids raises CaptureError: a host synchronisation (the device's, an
+  event's or a stream's synchronize or query, `to_host`), an allocation through the device's allocator
+  (`empty`, `zeros`, `to_device`, `tensor`; the transient outputs of ops are the graph's pool, as on CUDA),
+  a host read of device data (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`, truth or number of a tensor,
+  `torch.equal`), an op whose output size depends on the data (nonzero, boolean indexing, unique,
+  repeat_interleave without output_size: a sync on a GPU), a wait on an event, work on another stream — and
+  leaves device memory as it found it (capture runs nothing on a GPU). `replay` runs `fn` again under the
+  same mode and writes its results into the tensors capture returned, which is where a GPU's replay leaves
+  them. It does not show a stale address baked into a graph: the Python runs again at each replay here.
 - Bounded waits: the Device's host waits (`host_wait`, `synchronize`, the host stream's `wait_event`)
   give up after `wait_seconds` with DeviceStalled, as CudaDevice's do; an event's or a stream's own
   `synchronize` has no deadline, as torch's has none, so code that calls them hangs here as on a GPU.
@@ -43,10 +53,11 @@ import weakref
 from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from core.runtime.device import (Device, DeviceStalled, DeviceTaskError, device_index, pin_budget,
+from core.runtime.device import (CaptureError, Device, DeviceStalled, DeviceTaskError, device_index, pin_budget,
                                  wait_seconds_default)
 
 GiB = 1 << 30
@@ -80,6 +91,7 @@ class _Event:
             return self._cond.wait_for(lambda: self._done >= gen, timeout)
 
     def query(self) -> bool:
+        self.dev._refuse("a query of an event (a host synchronisation)")
         with self._cond:
             return self._done >= self._issued
 
@@ -162,6 +174,7 @@ class _Stream:
             self._put(("record", event, gen))
 
     def wait_event(self, event: _Event) -> None:
+        self.dev._refuse("a wait on an event recorded outside the capture")
         self.dev._fault("wait_event")
         with event._cond:
             gen = event._issued
@@ -251,6 +264,7 @@ class EmulatedCuda(Device):
         return _Event(self, timing, blocking)
 
     def launch(self, stream: _Stream, fn: Callable[[], None], label=None) -> None:
+        self._refuse("work launched on another stream")
         self._fault("launch")
         if stream._own():
             fn()
@@ -264,6 +278,7 @@ class EmulatedCuda(Device):
     def _host_sync(self, event: _Event, cancel, what: str = "", seconds: float | None = None) -> None:
         """`seconds` None: no deadline, as torch's Event.synchronize and Stream.synchronize have none (code
         calling those directly hangs here as it would on a GPU; the Device's waits pass `wait_seconds`)."""
+        self._refuse("a host synchronisation")
         self._fault("host_wait")
         self.stats["host_syncs"] += 1
         with event._cond:
@@ -287,6 +302,7 @@ class EmulatedCuda(Device):
                 s.error = None
 
     def synchronize(self) -> None:
+        self._refuse("a device synchronisation")
         deadline = time.monotonic() + self.wait_seconds
         for s in list(self._streams):
             s._drain(deadline)
@@ -341,6 +357,7 @@ class EmulatedCuda(Device):
         return t.untyped_storage().data_ptr() in self._blocks
 
     def _new(self, make) -> torch.Tensor:
+        self._refuse("an allocation through the device's allocator")
         self._fault("alloc")
         with _disable_current_modes():
             t = make()
@@ -358,6 +375,7 @@ class EmulatedCuda(Device):
         return self._new(lambda: t.detach().clone(memory_format=torch.contiguous_format))
 
     def to_host(self, t):
+        self._refuse("a copy to the host (a host synchronisation)")
         self._delay()  # a copy over the link, as `copy`'s
         with _disable_current_modes():
             return t.clone()
@@ -377,7 +395,11 @@ class EmulatedCuda(Device):
         elif any(not self.is_pinned(x) or not x.is_contiguous() for x in host):
             # on a GPU: staged through a pageable bounce buffer, the host blocked behind the stream's queue
             # (a strided *device* side only costs a device-side gather, which is fine)
+            self._refuse("a copy from pageable host memory (staged: the host blocks)")
             self.stats["staged_copies"] += 1
+        capture = getattr(self._tls, "capture", None)
+        if capture is not None and capture.undo is not None:
+            capture.undo.save(dst)
         self._delay()
         with _disable_current_modes():
             dst.copy_(src)
@@ -430,6 +452,50 @@ class EmulatedCuda(Device):
     def compute(self):
         return _Track(self)
 
+    # ---- graphs ----
+    def _refuse(self, what: str) -> None:
+        """Raise CaptureError if the calling thread is capturing (thread-local capture, as the executor's)."""
+        if getattr(self._tls, "capture", None) is not None:
+            self.stats["capture_refusals"] += 1
+            raise CaptureError(f"{what} while capturing a CUDA graph")
+
+    @contextlib.contextmanager
+    def _capturing(self, undo: "_Undo | None"):
+        stream = self.current_stream()
+        if stream.inline or not stream._own():
+            raise CaptureError("capture outside launched work (torch captures on a side stream, not the host's)")
+        self._tls.capture = _Capture(undo)
+        try:
+            with _HostReads(self), (undo if undo is not None else contextlib.nullcontext()):
+                yield
+        finally:
+            self._tls.capture = None
+
+    def capture(self, fn):
+        undo = _Undo()
+        try:
+            with self._capturing(undo):
+                out = fn()
+        finally:
+            undo.restore()  # a GPU's capture runs nothing: what fn wrote is as it was
+        self.stats["graphs_captured"] += 1
+        return _Graph(fn, out), out
+
+    def replay(self, graph: "_Graph") -> None:
+        with self._capturing(None):
+            out = graph.fn()
+        static, fresh = tree_flatten(graph.out)[0], tree_flatten(out)[0]
+        if len(static) != len(fresh):
+            raise CaptureError("a replay returned other outputs than its capture")
+        with _disable_current_modes():  # into the captured outputs, where a GPU's replay writes
+            for a, b in zip(static, fresh):
+                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+                    if a is not b:
+                        a.copy_(b)
+                elif a is not b and a != b:
+                    raise CaptureError(f"a replay returned {b!r} where its capture returned {a!r}")
+        self.stats["graph_replays"] += 1
+
     def close(self) -> None:
         for s in list(self._streams):
             self.release_stream(s)
@@ -470,6 +536,8 @@ class _Track(TorchDispatchMode):
                 raise RuntimeError(
                     f"Expected all tensors to be on the same device (emulated): {func} mixes device tensors "
                     f"with a host tensor {tuple(host[0].shape)} {host[0].dtype}; move it with Device.to_device")
+        if on_device and getattr(dev._tls, "capture", None) is not None and _syncs(func, args, kwargs):
+            dev._refuse(f"{func} (its output's size depends on the data: a host synchronisation)")
         if func is torch.ops.aten._local_scalar_dense.default and on_device:
             dev.stats["item_syncs"] += 1  # .item() on device data: a host sync on a GPU
         out = func(*args, **kwargs)
@@ -483,3 +551,81 @@ class _Track(TorchDispatchMode):
 
 _CROSS_DEVICE_OK = {torch.ops.aten.copy_.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default,
                     torch.ops.aten.index_put.default, torch.ops.aten._index_put_impl_.default}
+
+
+class _Capture:
+    """The calling thread's capture in progress (EmulatedCuda._tls.capture)."""
+
+    def __init__(self, undo: "_Undo | None"):
+        self.undo = undo
+
+
+class _Graph:
+    """A captured segment as the emulation keeps it: the callable, and the outputs its capture returned."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+
+class _Undo(TorchDispatchMode):
+    """Keeps the first contents of every storage written while it is active, and puts them back."""
+
+    def __init__(self):
+        super().__init__()
+        self.saved: dict[int, tuple] = {}  # storage address -> (storage, its contents before the first write)
+
+    def save(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        if s.data_ptr() not in self.saved:
+            with _disable_current_modes():
+                self.saved[s.data_ptr()] = (s, s.clone())
+
+    def restore(self) -> None:
+        with _disable_current_modes():
+            for s, before in self.saved.values():
+                s.copy_(before)
+        self.saved.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                for t in v if isinstance(v, (list, tuple)) else (v,):
+                    if isinstance(t, torch.Tensor):
+                        self.save(t)
+        return func(*args, **kwargs)
+
+
+# Tensor methods that read device data on the host (a sync, and a value baked into the graph)
+_HOST_READS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__",
+               "equal", "allclose"}
+
+
+class _HostReads(TorchFunctionMode):
+    def __init__(self, dev: EmulatedCuda):
+        super().__init__()
+        self.dev = dev
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _HOST_READS and any(isinstance(a, torch.Tensor) and self.dev.is_device(a) for a in args):
+            self.dev._refuse(f"a host read of a device tensor (Tensor.{name})")
+        return func(*args, **(kwargs or {}))
+
+
+_aten = torch.ops.aten
+_SYNCING = {_aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default, _aten.unique_dim.default,
+            _aten.unique_consecutive.default, _aten.bincount.default, _aten._local_scalar_dense.default,
+            _aten.argwhere.default}
+
+
+def _syncs(func, args, kwargs) -> bool:
+    """Whether a GPU must synchronise with the host to run this op (an output sized by the data)."""
+    if func in _SYNCING:
+        return True
+    if func is _aten.repeat_interleave.Tensor or func is _aten.repeat_interleave.self_Tensor:
+        return kwargs.get("output_size") is None
+    if func in (_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default):
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+    return False

@@ -209,6 +209,7 @@ class PipelineRunner:
         self._pre: list[_PrefillMB] | None = None
         self.last_tasks: list = []  # the last step's task graph (with the executor's `times`: its timeline)
         self.fault = None  # tests: a callable run before every task, to inject failures
+        self.graphs = None  # core.runtime.graphs.Graphs: decode segments captured and replayed (the engine's choice)
         self._logits_done = dev.event() if dev.accelerator else None
         self._fns = {
             "pre_attn": self._pre_attn, "d1": self._d1, "cpu_attn": self._cpu_attn, "d2": self._d2,
@@ -478,14 +479,20 @@ class PipelineRunner:
 
     # ---- tasks ----------------------------------------------------------------------------------
     def _pre_attn(self, t):
-        mb, i = self._step[t.micro_batch], t.layer
-        payload, mb.keep = decoder.pre_attn(self.spec, i, self.dense[i], mb.x, mb.positions_d, self.rope, mb.lengths_d,
-                                            self._full_norm)
-        if not self.qkv_d:
-            mb.payload = payload
-            return
-        # D1 sends one contiguous block: the payload into this micro-batch's device buffer
-        self._payload(self.qkv_d, t.micro_batch, mb.B, payload.shape[1]).copy_(payload)
+        mb, i, j = self._step[t.micro_batch], t.layer, t.micro_batch
+
+        def segment(x, positions, lengths):  # what a CUDA graph captures (core.runtime.graphs)
+            payload, keep = decoder.pre_attn(self.spec, i, self.dense[i], x, positions, self.rope, lengths,
+                                             self._full_norm)
+            if not self.qkv_d:
+                return payload, keep
+            # D1 sends one contiguous block: the payload into this micro-batch's device buffer
+            self._payload(self.qkv_d, j, mb.B, payload.shape[1]).copy_(payload)
+            return None, keep
+
+        inputs = (mb.x, mb.positions_d, mb.lengths_d)
+        mb.payload, mb.keep = (segment(*inputs) if self.graphs is None else
+                               self.graphs.run("pre_attn", i, j, segment, inputs))
 
     @staticmethod
     def _payload(bufs: list[torch.Tensor], j: int, B: int, width: int) -> torch.Tensor:

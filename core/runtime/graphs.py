@@ -1,0 +1,125 @@
+"""CUDA graphs for a step's GPU segments: capture once, replay after, eager where capture fails.
+
+A launch-bound step (issue 42: 22–29 µs of host time per GPU-stream op on the H200, 2,656 ops a layer at
+μ = 4) pays the host for every kernel; a graph replays a segment's kernels in one launch. A segment is a
+task's device work written as `fn(*inputs) -> outputs` over device tensors (the pipeline's pre-attention).
+`Graphs.run` runs it
+- eagerly the first time its key is seen (the warm-up: lazy library handles and workspaces come first);
+- the second time, copies the inputs into static buffers, captures `fn` over them (Device.capture) and
+  replays the graph; after that, copies the inputs in and replays. The outputs are the capture's: a replay
+  rewrites them in place, so they hold until the same segment replays again (a step later);
+- eagerly from then on where capture failed (CaptureError: a host sync, an allocation through the device,
+  a host read of device data, ...), saying once per segment kind why (a WarningEvent).
+Keys: (segment, layer, micro-batch slot, input shapes). The static inputs are shared by the layers of a
+slot (its tasks run one after another), so they cost a slot's inputs once, not once per layer. A runner
+owns its Graphs: a new runner (a new run, or a smaller batch after running out of memory) starts afresh.
+
+`choose` decides whether graphs pay (the `graphs` run option's "auto"): they save host time, which the
+step only waits for where the launches take longer than the weights take over the link.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from core.runtime.device import CaptureError, Device
+from core.telemetry import EventSink, WarningEvent, ignore
+
+MODES = ("auto", "on", "off")
+# Host seconds a GPU-stream op costs: the H200 run measured 22–29 µs (bench/RESULTS.md, "GPU path on a real
+# GPU"); the middle, for machines gpu_check has not measured
+HOST_OP_SECONDS = 25e-6
+# Eager ops of one micro-batch through one layer: the launch budget of issue 42 (at most 40, any E)
+EAGER_OPS_PER_LAYER = 40
+# Graphs pay when the launches would take more than this share of the link's time for the layer's weights:
+# below it, the copies hide them (the step waits on the link either way), and capture costs memory and a sync
+PAYS_ABOVE = 0.5
+
+
+def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float, h2d_bytes_per_s: float,
+           ops_per_layer: int = EAGER_OPS_PER_LAYER, host_op_seconds: float = HOST_OP_SECONDS) -> tuple[bool, str]:
+    """(use graphs, why) for a run option `mode` and a step's counts: `micro_batches` per step, the bytes
+    of experts each layer streams, the link's measured host→device rate, the eager ops of one micro-batch
+    through one layer and the host seconds of one op."""
+    if mode not in MODES:
+        from core.errors import UsageError
+
+        raise UsageError(f"unknown graphs setting {mode!r}", f"use one of {', '.join(MODES)}")
+    if mode != "auto":
+        return mode == "on", f"graphs {mode} as asked"
+    host = micro_batches * ops_per_layer * host_op_seconds
+    link = streamed_bytes_per_layer / h2d_bytes_per_s
+    why = (f"{micro_batches} micro-batches × {ops_per_layer} ops × {host_op_seconds * 1e6:.0f} µs = "
+           f"{host * 1e3:.2f} ms of launches a layer against {link * 1e3:.2f} ms of weights over the link")
+    if host > PAYS_ABOVE * link:
+        return True, why + ": the launches bound the step, graphs pay"
+    return False, why + ": the link hides the launches, graphs do not pay"
+
+
+class _Segment:
+    def __init__(self, static: list, graph, out):
+        self.static, self.graph, self.out = static, graph, out
+
+
+class Graphs:
+    """A runner's captured segments (see the module docstring). `run` is called from inside launched work."""
+
+    def __init__(self, dev: Device, warn: EventSink = ignore):
+        self.dev, self.warn = dev, warn
+        self._seen: set = set()  # keys run eagerly once (warmed up)
+        self._segments: dict[tuple, _Segment] = {}
+        self._static: dict[tuple, list] = {}  # (segment, slot, shapes) -> its static input buffers
+        self.refused: dict[str, str] = {}  # segment kind -> why it runs eagerly
+        self.captures = self.replays = 0
+
+    def run(self, segment: str, layer: int, slot: int, fn: Callable, inputs: Sequence):
+        """fn(*inputs)'s outputs: computed eagerly, or by replaying its graph (then the capture's tensors)."""
+        if segment in self.refused:
+            return fn(*inputs)
+        shapes = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs)
+        key = (segment, layer, slot, shapes)
+        seg = self._segments.get(key)
+        if seg is None:
+            if key not in self._seen:  # warm-up
+                self._seen.add(key)
+                return fn(*inputs)
+            seg = self._capture(key, fn, inputs)
+            if seg is None:
+                return fn(*inputs)
+        for buf, x in zip(seg.static, inputs):
+            if buf is not None and buf is not x:
+                buf.copy_(x)
+        self.dev.replay(seg.graph)
+        self.replays += 1
+        return seg.out
+
+    def _capture(self, key: tuple, fn: Callable, inputs: Sequence) -> _Segment | None:
+        segment, _, slot, shapes = key
+        static = self._static.get((segment, slot, shapes))
+        if static is None:
+            static = [None if x is None else self.dev.empty(x.shape, x.dtype) for x in inputs]
+            self._static[(segment, slot, shapes)] = static
+        for buf, x in zip(static, inputs):  # captured over the current inputs' values (a GPU runs nothing yet)
+            if buf is not None:
+                buf.copy_(x)
+        try:
+            graph, out = self.dev.capture(lambda: fn(*[x if b is None else b for b, x in zip(static, inputs)]))
+        except (CaptureError, RuntimeError) as e:  # the driver's refusals are RuntimeErrors on a GPU
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.refused[segment] = why
+            self.warn(WarningEvent(f"the {segment} segment runs without CUDA graphs: {why}"))
+            return None
+        self.captures += 1
+        seg = self._segments[key] = _Segment(static, graph, out)
+        return seg
+
+
+def streamed_bytes_per_layer(weights, resident: list[int] | None, num_experts: int) -> float:
+    """Bytes of experts one layer streams on average, for `choose` (0 when every expert stays on the GPU)."""
+    if resident is None:
+        return 0.0
+    total = 0
+    for lw, r in zip(weights.layers, resident):
+        experts = lw.flat.numel() - lw.layout.expert_start if lw.packed is None else 0
+        total += experts * lw.flat.element_size() * max(0, num_experts - r) / max(1, num_experts)
+    return total / max(1, len(weights.layers))
