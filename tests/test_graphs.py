@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from checkpoints import FAMILIES, reference_greedy
+from checkpoints import FAMILIES
+from test_cuda_executor import hf_reference, tokens  # noqa: F401 - the parity run's requests and references
 from core.runtime.device import CaptureError
 from core.runtime.device_emulated import EmulatedCuda
 from core.runtime.engine import Engine, Request
@@ -105,6 +106,33 @@ def test_capture_runs_nothing_and_replay_writes_where_capture_returned():
     assert acc.tolist() == [4.0] * 4 and out.tolist() == [10.0] * 4
 
 
+def test_a_replay_that_would_not_issue_the_captured_kernels_is_refused():
+    """The emulation runs the Python again at each replay, where a GPU replays what it captured: the replay
+    must issue the same kernels over the same memory, or what passes here would be wrong on a GPU."""
+    dev = EmulatedCuda(64 * MiB, wait_seconds=5)
+    w = dev.to_device(torch.ones(4))
+    cache: dict = {}
+
+    def cached(x):  # Python state: the product is computed at capture only
+        if "w2" not in cache:
+            cache["w2"] = w * 2
+        return (cache["w2"] + x,)
+
+    held = {"x": dev.to_device(torch.ones(4))}
+
+    def stale(x):  # reads this step's tensor, not the graph's static input
+        return (held["x"] * 2,)
+
+    for fn in (cached, stale):
+        x = dev.to_device(torch.ones(4))
+        graph, _ = on_stream(dev, lambda: dev.capture(lambda: fn(x)))
+        held["x"] = dev.to_device(torch.ones(4))  # the next step's
+        with pytest.raises(CaptureError, match="diverged|kernels where"):
+            on_stream(dev, lambda: dev.replay(graph))
+    ok, _ = on_stream(dev, lambda: dev.capture(lambda: (w * 2 + x,)))
+    on_stream(dev, lambda: dev.replay(ok))  # the same kernels over the same memory
+
+
 def test_capture_outside_launched_work_is_refused():
     dev = EmulatedCuda(64 * MiB, wait_seconds=5)
     with pytest.raises(CaptureError):
@@ -164,8 +192,9 @@ def _generate(path, graphs, events=None):
     engine.eos_ids = set()
     reqs = [Request(id=str(i), prompt=p, max_new_tokens=n) for i, (p, n) in enumerate(REQS)]
     try:
-        out = [r.output_token_ids for r in engine.generate(reqs, batch_size=3, micro_batch_size=2,
-                                                           on_event=(events if events is not None else []).append)]
+        done = {r.id: r.output_token_ids for r in engine.generate(
+            reqs, batch_size=3, micro_batch_size=2, on_event=(events if events is not None else []).append)}
+        out = [done[r.id] for r in reqs]
     finally:
         engine.close()
     return out, engine, dev
@@ -173,13 +202,19 @@ def _generate(path, graphs, events=None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_captured_pre_attention_gives_the_eager_and_transformers_tokens(checkpoint_factory, family):
-    path = checkpoint_factory(family)
-    got, engine, dev = _generate(path, "on")
-    tok = engine.tokenizer
-    assert got == [reference_greedy(path, tok(p).input_ids, n) for p, n in REQS]
-    # 2 micro-batches × every layer captured once (the second decode step), replayed in the later ones
-    assert dev.stats["graphs_captured"] == 2 * engine.spec.num_layers and dev.stats["graph_replays"] > 0
+def test_captured_segments_give_transformers_tokens(checkpoint_factory, hf_reference, family):
+    """The CUDA executor's parity run (test_cuda_executor: six requests, batch 4, micro-batch 2, every expert
+    streamed) with every decode segment captured and replayed."""
+    dev = EmulatedCuda(256 * MiB)
+    engine = Engine.load(checkpoint_factory(family), device=dev, executor="cuda", resident_layers=0, graphs="on")
+    engine.eos_ids = set()
+    try:
+        assert tokens(engine) == hf_reference(family)
+    finally:
+        engine.close()
+    # pre- and post-attention of 2 micro-batches × every layer, captured once (the second decode step of
+    # each micro-batch size: 2, then 1 once the shortest request is done), replayed in the later ones
+    assert dev.stats["graphs_captured"] >= 2 * 2 * engine.spec.num_layers and dev.stats["graph_replays"] > 0
     assert dev.stats["capture_refusals"] == 0
 
 
@@ -201,7 +236,7 @@ def test_a_segment_that_syncs_runs_eagerly_with_one_warning(checkpoint_factory, 
     events: list = []
     got, _, dev = _generate(path, "on", events)
     warnings = [e.message for e in events if isinstance(e, WarningEvent)]
-    assert got == want and dev.stats["graphs_captured"] == 0
+    assert got == want and dev.stats["capture_refusals"] == 1  # pre-attention tried once; post-attention captured
     assert len(warnings) == 1 and "pre_attn segment runs without CUDA graphs" in warnings[0], warnings
 
 

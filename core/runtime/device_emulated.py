@@ -398,8 +398,10 @@ class EmulatedCuda(Device):
             self._refuse("a copy from pageable host memory (staged: the host blocks)")
             self.stats["staged_copies"] += 1
         capture = getattr(self._tls, "capture", None)
-        if capture is not None and capture.undo is not None:
-            capture.undo.save(dst)
+        if capture is not None:  # a copy node: both addresses baked into the graph
+            capture.trace.append(("copy", capture.ident(dst), capture.ident(src)))
+            if capture.undo is not None:
+                capture.undo.save(dst)
         self._delay()
         with _disable_current_modes():
             dst.copy_(src)
@@ -464,26 +466,30 @@ class EmulatedCuda(Device):
         stream = self.current_stream()
         if stream.inline or not stream._own():
             raise CaptureError("capture outside launched work (torch captures on a side stream, not the host's)")
-        self._tls.capture = _Capture(undo)
+        capture = self._tls.capture = _Capture(undo)
         try:
-            with _HostReads(self), (undo if undo is not None else contextlib.nullcontext()):
-                yield
+            # the trace innermost: it sees the ops as they run, after the undo has kept what they overwrite
+            with _HostReads(self), (undo if undo is not None else contextlib.nullcontext()), _Trace(capture):
+                yield capture
         finally:
             self._tls.capture = None
 
     def capture(self, fn):
         undo = _Undo()
         try:
-            with self._capturing(undo):
+            with self._capturing(undo) as capture:
                 out = fn()
         finally:
             undo.restore()  # a GPU's capture runs nothing: what fn wrote is as it was
         self.stats["graphs_captured"] += 1
-        return _Graph(fn, out), out
+        return _Graph(fn, out, capture.trace), out
 
     def replay(self, graph: "_Graph") -> None:
-        with self._capturing(None):
+        """Run the segment's Python again, and check that it issued the captured kernels over the same memory:
+        a GPU replays those kernels whatever the Python would do now (a cache hit, a buffer made this step)."""
+        with self._capturing(None) as capture:
             out = graph.fn()
+        _same_kernels(graph.trace, capture.trace)
         static, fresh = tree_flatten(graph.out)[0], tree_flatten(out)[0]
         if len(static) != len(fresh):
             raise CaptureError("a replay returned other outputs than its capture")
@@ -554,17 +560,63 @@ _CROSS_DEVICE_OK = {torch.ops.aten.copy_.default, torch.ops.aten.index.Tensor, t
 
 
 class _Capture:
-    """The calling thread's capture in progress (EmulatedCuda._tls.capture)."""
+    """The calling thread's capture (or replay) in progress (EmulatedCuda._tls.capture): the kernels it issued,
+    each with the memory it read and wrote — memory from before the segment by address (what a graph bakes
+    in), memory the segment made by its shape (the graph's own pool: the same addresses at every replay)."""
 
     def __init__(self, undo: "_Undo | None"):
         self.undo = undo
+        self.trace: list[tuple] = []
+        self._made: dict[int, int] = {}  # storage address -> its rank among the segment's new storages
+
+    def ident(self, t: torch.Tensor) -> tuple:
+        # the segment's own memory by kind alone: its numbering varies with the host allocator's reuse of
+        # freed blocks between runs, which a graph's fixed pool has no counterpart of
+        p = t.untyped_storage().data_ptr()
+        return ("made", tuple(t.shape)) if p in self._made else ("before", p, t.storage_offset(), tuple(t.shape))
+
+    def made(self, t: torch.Tensor) -> None:
+        self._made[t.untyped_storage().data_ptr()] = len(self._made)
+
+
+class _Trace(TorchDispatchMode):
+    def __init__(self, capture: _Capture):
+        super().__init__()
+        self.capture = capture
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        cap = self.capture
+        flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        cap.trace.append((func, tuple(cap.ident(a) for a in flat)))
+        out = func(*args, **kwargs)
+        inputs = {a.untyped_storage().data_ptr() for a in flat}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                cap.made(t)
+        return out
+
+
+def _same_kernels(captured: list, replayed: list) -> None:
+    for n, (a, b) in enumerate(zip(captured, replayed)):
+        if a != b:
+            raise CaptureError(f"a replay diverged from its capture at kernel {n}: captured {_show(a)}, now "
+                               f"{_show(b)} (a CUDA graph would replay the captured one: state kept in Python, "
+                               "or memory other than the graph's static inputs)")
+    if len(captured) != len(replayed):
+        raise CaptureError(f"a replay issued {len(replayed)} kernels where its capture issued {len(captured)}")
+
+
+def _show(entry: tuple) -> str:
+    return f"{entry[0]} over {[x[0] + ('@' + hex(x[1]) if x[0] == 'before' else '') for x in entry[1]]}"
 
 
 class _Graph:
-    """A captured segment as the emulation keeps it: the callable, and the outputs its capture returned."""
+    """A captured segment as the emulation keeps it: the callable, the outputs its capture returned, and the
+    kernels it issued."""
 
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
+    def __init__(self, fn, out, trace: list):
+        self.fn, self.out, self.trace = fn, out, trace
 
 
 class _Undo(TorchDispatchMode):

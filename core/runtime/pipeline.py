@@ -528,9 +528,15 @@ class PipelineRunner:
     def _post_attn(self, t):
         mb, i = self._step[t.micro_batch], t.layer
         o = self._payload(self.o_d, t.micro_batch, mb.B, mixer.d2_width(self.spec, i)) if self.o_d else mb.o
-        # the shared expert's output joins the routed experts' before the residual add, as the reference does
-        mb.ffn = decoder.post_attn(self.spec, i, self.dense[i], mb.x, o, mb.keep, self._attention_out)
-        mb.keep = None
+
+        def segment(x, o, keep):  # what a CUDA graph captures (core.runtime.graphs): FfnInput's tensors
+            # the shared expert's output joins the routed experts' before the residual add, as the reference does
+            f = decoder.post_attn(self.spec, i, self.dense[i], x, o, keep, self._attention_out)
+            return f.x, f.h, f.weights, f.idx, f.dense
+
+        inputs, j = (mb.x, o, mb.keep), t.micro_batch
+        out = segment(*inputs) if self.graphs is None else self.graphs.run("post_attn", i, j, segment, inputs)
+        mb.ffn, mb.keep = decoder.FfnInput(*out), None
 
     def _ffn(self, t):
         g = self._group_size(t)
