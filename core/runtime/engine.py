@@ -192,6 +192,7 @@ class Engine:
         self.threads = Governor()  # torch threads = the free cores, re-checked between steps
         self._executor = None
         self.graphs_why = ""  # why the last runner runs with or without CUDA graphs (core.runtime.graphs.choose)
+        self._h2d_rate: float | None = None
 
     def executor(self):
         if self._executor is None:
@@ -415,8 +416,10 @@ class Engine:
         spec = self.rank_spec
         link = graphs.streamed_bytes_per_layer(self.weights, c.resident(spec.num_layers, spec.num_experts),
                                                spec.num_experts)
+        if self._h2d_rate is None:  # the probe's cache read once per engine (detect() asks the driver)
+            self._h2d_rate = _h2d_rate()
         pays, self.graphs_why = graphs.choose("auto", micro_batches=micro_batches, streamed_bytes_per_layer=link,
-                                              h2d_bytes_per_s=_h2d_rate())
+                                              h2d_bytes_per_s=self._h2d_rate)
         return pays
 
     # ---- tokenization ---------------------------------------------------------------------------
