@@ -212,6 +212,9 @@ def test_captured_segments_give_transformers_tokens(checkpoint_factory, hf_refer
         assert tokens(engine) == hf_reference(family)
     finally:
         engine.close()
+    # pre-attention, post-attention and the experts of every layer and micro-batch, replayed step after step
+    assert dev.stats["graphs_captured"] >= 2 * engine.spec.num_layers * 2
+    assert dev.stats["graph_replays"] > dev.stats["graphs_captured"] and dev.stats["capture_refusals"] == 0
     # pre- and post-attention of 2 micro-batches × every layer, captured once (the second decode step of
     # each micro-batch size: 2, then 1 once the shortest request is done), replayed in the later ones
     assert dev.stats["graphs_captured"] >= 2 * 2 * engine.spec.num_layers and dev.stats["graph_replays"] > 0
@@ -236,8 +239,10 @@ def test_a_segment_that_syncs_runs_eagerly_with_one_warning(checkpoint_factory, 
     events: list = []
     got, _, dev = _generate(path, "on", events)
     warnings = [e.message for e in events if isinstance(e, WarningEvent)]
-    assert got == want and dev.stats["capture_refusals"] == 1  # pre-attention tried once; post-attention captured
-    assert len(warnings) == 1 and "pre_attn segment runs without CUDA graphs" in warnings[0], warnings
+    assert got == want
+    refused = [w for w in warnings if "pre_attn segment runs without CUDA graphs" in w]
+    assert len(refused) == 1 and "host read" in refused[0], warnings  # tried once, said once
+    assert not any("post_attn" in w for w in warnings)  # the other segments are captured still
 
 
 def test_graphs_off_and_auto_on_the_emulated_device_capture_nothing(checkpoint_factory):

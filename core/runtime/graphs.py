@@ -72,8 +72,9 @@ class Graphs:
         self.refused: dict[str, str] = {}  # segment kind -> why it runs eagerly
         self.captures = self.replays = 0
 
-    def run(self, segment: str, layer: int, slot: int, fn: Callable, inputs: Sequence):
-        """fn(*inputs)'s outputs: computed eagerly, or by replaying its graph (then the capture's tensors)."""
+    def run(self, segment: str, layer, slot: int, fn: Callable, inputs: Sequence):
+        """fn(*inputs)'s outputs: computed eagerly, or by replaying its graph (then the capture's tensors).
+        `layer` is any key naming the memory fn reads beside its inputs (a layer, and its experts' half)."""
         if segment in self.refused:
             return fn(*inputs)
         shapes = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs)

@@ -544,8 +544,15 @@ class PipelineRunner:
         if not self.spec.is_moe(t.layer):  # a dense layer: its MLP ran with the post-attention work
             outs = [None] * len(mbs)
         elif g == 1:
-            f = mbs[0].ffn
-            outs = [self._experts(self._expert_parts(t.layer), f.h, f.weights, f.idx, self._scratch)]
+            f, parts = mbs[0].ffn, self._expert_parts(t.layer)
+
+            def segment(h, rw, ridx):  # what a CUDA graph captures (core.runtime.graphs)
+                return (self._experts(parts, h, rw, ridx, self._scratch),)
+
+            # streamed experts sit in the half this step gave the layer: a graph per half
+            at = (t.layer, self._half(t.layer) if self.streamed else 0)
+            inputs, j = (f.h, f.weights, f.idx), t.micro_batch
+            outs = segment(*inputs) if self.graphs is None else self.graphs.run("ffn", at, j, segment, inputs)
         elif self.dev.accelerator:  # the device's caching allocator reuses these; the scratch is host memory
             fs = [m.ffn for m in mbs]
             h, rw, ridx = (torch.cat([getattr(f, n) for f in fs]) for n in ("h", "weights", "idx"))
