@@ -5,14 +5,17 @@ A launch-bound step (issue 42: 22–29 µs of host time per GPU-stream op on the
 task's device work written as `fn(*inputs) -> outputs` over device tensors (the pipeline's pre-attention).
 `Graphs.run` runs it
 - eagerly the first time its key is seen (the warm-up: lazy library handles and workspaces come first);
-- the second time, copies the inputs into static buffers, captures `fn` over them (Device.capture) and
-  replays the graph; after that, copies the inputs in and replays. The outputs are the capture's: a replay
-  rewrites them in place, so they hold until the same segment replays again (a step later);
+- the second time, copies the inputs into static buffers, captures `fn` over them (Device.capture), its
+  outputs copied into static buffers inside the graph, and replays it; after that, copies the inputs in
+  and replays. The outputs hold until the slot's next run of the segment (its next layer);
 - eagerly from then on where capture failed (CaptureError: a host sync, an allocation through the device,
   a host read of device data, ...), saying once per segment kind why (a WarningEvent).
-Keys: (segment, layer, micro-batch slot, input shapes). The static inputs are shared by the layers of a
-slot (its tasks run one after another), so they cost a slot's inputs once, not once per layer. A runner
-owns its Graphs: a new runner (a new run, or a smaller batch after running out of memory) starts afresh.
+Keys: (segment, layer, micro-batch slot, input shapes). The static inputs and outputs are shared by the
+layers of a slot (its tasks run one after another), so they cost a slot's activations once, not once per
+layer; what a graph allocates inside is scratch, from one pool the device's graphs share (they replay one
+at a time, on one stream). A runner owns its Graphs: a new runner (a new run, or a smaller batch after
+running out of memory) starts afresh. Device memory the planner does not count yet: per slot, each
+segment's inputs and outputs (a few [μ, D] activations), and the graphs' pool (one segment's scratch).
 
 `choose` decides whether graphs pay (the `graphs` run option's "auto"): they save host time, which the
 step only waits for where the launches take longer than the weights take over the link.
@@ -61,29 +64,39 @@ class _Segment:
         self.static, self.graph, self.out = static, graph, out
 
 
+def _layout(out) -> tuple:
+    """A segment's outputs (a tuple of tensors and Nones) as shapes and dtypes."""
+    return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in out)
+
+
 class Graphs:
     """A runner's captured segments (see the module docstring). `run` is called from inside launched work."""
 
     def __init__(self, dev: Device, warn: EventSink = ignore):
         self.dev, self.warn = dev, warn
-        self._seen: set = set()  # keys run eagerly once (warmed up)
+        self._seen: dict[tuple, tuple] = {}  # keys run eagerly once (warmed up) -> their outputs' layout
         self._segments: dict[tuple, _Segment] = {}
-        self._static: dict[tuple, list] = {}  # (segment, slot, shapes) -> its static input buffers
+        # static buffers per (segment, slot, layout), shared by the layers of a slot: its tasks run in a chain
+        # (a layer's outputs are read before the slot's next layer writes them)
+        self._inputs: dict[tuple, list] = {}
+        self._outputs: dict[tuple, list] = {}
         self.refused: dict[str, str] = {}  # segment kind -> why it runs eagerly
         self.captures = self.replays = 0
 
-    def run(self, segment: str, layer, slot: int, fn: Callable, inputs: Sequence):
-        """fn(*inputs)'s outputs: computed eagerly, or by replaying its graph (then the capture's tensors).
+    def run(self, segment: str, layer, slot: int, fn: Callable, inputs: Sequence) -> tuple:
+        """fn(*inputs)'s outputs (a tuple of tensors and Nones): computed eagerly, or by replaying its graph,
+        then in the slot's static output buffers (valid until the slot's next task of this segment).
         `layer` is any key naming the memory fn reads beside its inputs (a layer, and its experts' half)."""
         if segment in self.refused:
             return fn(*inputs)
-        shapes = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs)
+        shapes = _layout(inputs)
         key = (segment, layer, slot, shapes)
         seg = self._segments.get(key)
         if seg is None:
             if key not in self._seen:  # warm-up
-                self._seen.add(key)
-                return fn(*inputs)
+                out = fn(*inputs)
+                self._seen[key] = _layout(out)
+                return out
             seg = self._capture(key, fn, inputs)
             if seg is None:
                 return fn(*inputs)
@@ -94,24 +107,37 @@ class Graphs:
         self.replays += 1
         return seg.out
 
+    def _buffers(self, store: dict, key: tuple, layout: tuple) -> list:
+        if key not in store:
+            store[key] = [None if x is None else self.dev.empty(x[0], x[1]) for x in layout]
+        return store[key]
+
     def _capture(self, key: tuple, fn: Callable, inputs: Sequence) -> _Segment | None:
         segment, _, slot, shapes = key
-        static = self._static.get((segment, slot, shapes))
-        if static is None:
-            static = [None if x is None else self.dev.empty(x.shape, x.dtype) for x in inputs]
-            self._static[(segment, slot, shapes)] = static
-        for buf, x in zip(static, inputs):  # captured over the current inputs' values (a GPU runs nothing yet)
+        ins = self._buffers(self._inputs, (segment, slot, shapes), shapes)
+        outs = self._buffers(self._outputs, (segment, slot, self._seen[key]), self._seen[key])
+        for buf, x in zip(ins, inputs):  # captured over the current inputs' values (a GPU runs nothing yet)
             if buf is not None:
                 buf.copy_(x)
+
+        def captured():  # the outputs into the slot's buffers: the graph's own memory is then scratch only
+            got = fn(*[x if b is None else b for b, x in zip(ins, inputs)])
+            if _layout(got) != self._seen[key]:
+                raise CaptureError(f"its outputs changed shape since its first run ({_layout(got)})")
+            for buf, t in zip(outs, got):
+                if buf is not None:
+                    buf.copy_(t)
+            return tuple(outs)
+
         try:
-            graph, out = self.dev.capture(lambda: fn(*[x if b is None else b for b, x in zip(static, inputs)]))
+            graph, out = self.dev.capture(captured)
         except (CaptureError, RuntimeError) as e:  # the driver's refusals are RuntimeErrors on a GPU
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             self.refused[segment] = why
             self.warn(WarningEvent(f"the {segment} segment runs without CUDA graphs: {why}"))
             return None
         self.captures += 1
-        seg = self._segments[key] = _Segment(static, graph, out)
+        seg = self._segments[key] = _Segment(ins, graph, out)
         return seg
 
 
