@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.errors import UnsupportedModelError
+from core.model import kernels
 from core.model.families import REGISTRY
 from core.model.gguf.files import GGUFModel
 
@@ -54,7 +55,8 @@ def config(g: GGUFModel) -> dict:
         "vocab_size": int(m("vocab_size") or len(tokens) or g.tensors["token_embd.weight"].shape[0]),
         "num_experts_per_tok": int(m("expert_used_count")),
         "tie_word_embeddings": "output.weight" not in g.tensors,
-        "torch_dtype": "bfloat16",
+        # the reference reading (MLIGHT_KERNELS=torch) computes in float32: transformers' dequantized reading
+        "torch_dtype": "float32" if kernels.reference() else "bfloat16",
         "bos_token_id": g.meta("tokenizer.ggml.bos_token_id"),
         "eos_token_id": g.meta("tokenizer.ggml.eos_token_id"),
     }
