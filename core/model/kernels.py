@@ -56,6 +56,11 @@ def set_mode(value: str) -> None:
     if value not in CHOICES:
         raise UsageError(f"unknown kernel choice {value!r}", f"use one of {', '.join(CHOICES)}")
     os.environ[ENV] = value
+    forget_builds()
+
+
+def forget_builds() -> None:
+    """Drop the C kernels this process built or refused, so the next use decides again under the knob's value."""
     from core.model.cpu import ffn, int4, native, row_ops
 
     for build in (native._build, ffn._build, ffn._build_avx2, int4._build, row_ops._build):
