@@ -105,6 +105,49 @@ def test_default_path_deviates_from_the_reference_within_the_bound(made, knob, f
     assert statistics.median(rel) <= MEDIAN_BOUND and max(rel) <= WORST_BOUND, rel
 
 
+@pytest.mark.parametrize("family,kind", [("qwen3_moe", "Q4_K"), ("deepseek_v2", "Q8_0"), ("mixtral", "MXFP4")])
+def test_weights_as_held_are_gguf_dequantize_tensor_by_tensor(made, knob, family, kind):
+    """Every tensor mlight holds (dense ones expanded at load, experts expanded from their blocks) equals the
+    gguf package's own dequantization of the file's tensor, bit for bit, in the reference reading."""
+    import gguf
+    import numpy as np
+
+    from core.model.gguf import arch
+    from core.model.gguf.load import load_gguf_weights, load_spec, open_gguf
+
+    _, path = made(family, kind)
+    knob("torch")
+    g = open_gguf(path)
+    spec = load_spec(g)
+    weights = load_gguf_weights(g, spec)
+    deq = {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type))).float()
+           .reshape(tuple(reversed(t.shape.tolist()))) for t in gguf.GGUFReader(path).tensors}
+    seen = set()
+
+    def same(places, held):
+        for p in places:
+            want = deq[p.src]
+            want = arch.unpermute(want, p.unpermute) if p.unpermute else want
+            got = held[p.dest] if p.rows is None else held[p.dest][p.rows[0]:p.rows[1]]
+            assert torch.equal(got, want.reshape(got.shape)), p.src
+            seen.add(p.src)
+    same(arch.global_places(spec), weights.globals)
+    I = spec.expert_intermediate
+    for i, lw in enumerate(weights.layers):
+        same(arch.dense_places(spec, i, set(deq)), lw.dense())
+        if not spec.is_moe(i):
+            continue
+        q = lw.quant
+        for e in range(spec.num_experts):
+            got = {m.name: q.expand(m, e).clone() for m in q.scheme.matrices}
+            up = got["w13"] if "w13" in got else torch.cat([got["w1"], got["w3"]])
+            assert torch.equal(up[:I], deq[f"blk.{i}.ffn_gate_exps.weight"][e])
+            assert torch.equal(up[I:], deq[f"blk.{i}.ffn_up_exps.weight"][e])
+            assert torch.equal(got["w2"], deq[f"blk.{i}.ffn_down_exps.weight"][e])
+        seen |= {f"blk.{i}.ffn_{w}_exps.weight" for w in ("gate", "up", "down")}
+    assert seen == set(deq)  # every tensor of the file was compared
+
+
 def test_deepseek_kv_b_split_by_newer_converters_reads_as_the_whole_one(made, knob, tmp_path):
     ckpt, _ = made("deepseek_v2", "Q8_0")
     knob("torch")
