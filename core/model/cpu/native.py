@@ -7,7 +7,8 @@ layout and to each request's own length, keeps scores and sums in fp32, and need
 step of the 784M Mixtral: 56 → 20 ms of attention on one Zen 5 core).
 
 It is optional: with no compiler (most Windows machines), a failed build, an unusual shape, sinks, or
-`MLIGHT_KERNELS=torch` (core.model.kernels), `kernel()` says None and attention runs the torch path (core.model.attention), which
+`MLIGHT_KERNELS=torch` (core.model.kernels), `kernel()` says None and attention runs the torch path
+(core.model.attention), which
 the tests check it against. The build targets the ISA our kernels may use (core.model.cpu.isa: AVX-512,
 AVX2 — also under the AVX2 limits — or the compiler's baseline) and lands in the mlight cache dir,
 named by a hash of the source and the flags, so a changed source or CPU level builds afresh. Requests

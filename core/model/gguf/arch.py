@@ -101,7 +101,8 @@ def _mla_config(g: GGUFModel, experts: int, inter: int) -> dict:
                qk_rope_head_dim=rope, qk_nope_head_dim=key - rope, v_head_dim=int(m("attention.value_length")),
                n_routed_experts=experts, moe_intermediate_size=inter, n_shared_experts=int(m("expert_shared_count", 0)),
                first_k_dense_replace=int(m("leading_dense_block_count", 0)),
-               intermediate_size=int(m("feed_forward_length")), routed_scaling_factor=float(m("expert_weights_scale", 1.0)),
+               intermediate_size=int(m("feed_forward_length")),
+               routed_scaling_factor=float(m("expert_weights_scale", 1.0)),
                n_group=groups, topk_group=int(m("expert_group_used_count", groups)),
                topk_method="group_limited_greedy" if groups > 1 else "greedy")
     return out
@@ -157,13 +158,15 @@ def _mla_places(spec, i: int) -> list[Place]:
            Place(p + "attn_kv_b.weight", "kv_b"), Place(p + "attn_output.weight", "o")]
     if not spec.is_moe(i):
         Id = spec.dense_intermediate
-        return out + [Place(p + "ffn_gate.weight", "dense_w13", (0, Id)), Place(p + "ffn_up.weight", "dense_w13", (Id, 2 * Id)),
+        return out + [Place(p + "ffn_gate.weight", "dense_w13", (0, Id)),
+                      Place(p + "ffn_up.weight", "dense_w13", (Id, 2 * Id)),
                       Place(p + "ffn_down.weight", "dense_w2")]
     out.append(Place(p + "ffn_gate_inp.weight", "router"))
     if spec.shared_intermediate:
         Is = spec.shared_intermediate
         out += [Place(p + "ffn_gate_shexp.weight", "shared_w13", (0, Is)),
-                Place(p + "ffn_up_shexp.weight", "shared_w13", (Is, 2 * Is)), Place(p + "ffn_down_shexp.weight", "shared_w2")]
+                Place(p + "ffn_up_shexp.weight", "shared_w13", (Is, 2 * Is)),
+                Place(p + "ffn_down_shexp.weight", "shared_w2")]
     return out
 
 
