@@ -78,8 +78,8 @@ def _transformers(family: str, ckpt, path):
     return reference_model(family, path, ckpt, dtype=torch.float32).eval()
 
 
-def _logits(model, engine) -> torch.Tensor:
-    ids = [engine.prompt_token_ids(Request(id="p", prompt=p)) for p in PROMPTS]
+def _logits(model, engine, prompts=PROMPTS) -> torch.Tensor:
+    ids = [engine.prompt_token_ids(Request(id="p", prompt=p)) for p in prompts]
     with torch.no_grad():
         return torch.stack([model(torch.tensor([i])).logits[0, -1] for i in ids]).double()
 
@@ -158,6 +158,28 @@ def test_deepseek_kv_b_split_by_newer_converters_reads_as_the_whole_one(made, kn
     whole = write_gguf("deepseek_v2", ckpt, tmp_path / "whole.gguf", "F32")
     split = write_gguf("deepseek_v2", ckpt, tmp_path / "split.gguf", "F32", split_kv_b=True)
     assert torch.equal(first_logits(Engine.load(whole), PROMPTS[:2]), first_logits(Engine.load(split), PROMPTS[:2]))
+
+
+def test_deepseek_yarn_from_the_metadata(knob, tmp_path):
+    """DeepSeek-V2's YaRN as llama.cpp's converter writes it (factor, original context, 0.1 · mscale_all_dim as
+    the log multiplier; mscale taken equal to it, as DeepSeek-V2's config has them) gives transformers' logits."""
+    import gguf
+
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.707, mscale_all_dim=0.707,
+                original_max_position_embeddings=128)
+    ckpt = make_checkpoint("deepseek_v2", tmp_path / "ckpt", rope_parameters=rope)
+
+    def yarn(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(128)
+        w.add_rope_scaling_yarn_log_mul(0.0707)
+    path = write_gguf("deepseek_v2", ckpt, tmp_path / "yarn.gguf", "F32", extra=yarn)
+    knob("torch")
+    engine = Engine.load(path)
+    ref = reference_model("deepseek_v2", path, ckpt, dtype=torch.float32).eval()
+    err, rel = logit_error(first_logits(engine, PROMPTS[:3]), _logits(ref, engine, PROMPTS[:3]))
+    assert rel < 1e-5, f"max error {err:.2e}, {rel:.2e} of the spread"
 
 
 def test_rope_scaling_in_the_metadata_is_read_not_dropped(made, tmp_path):
