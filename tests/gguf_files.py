@@ -17,7 +17,7 @@ import torch
 
 from checkpoints import hf_model
 
-GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "deepseek_v2": "deepseek2"}
 
 
 # ---- K-quant encoders (blocks of 256) -------------------------------------------------------------
@@ -113,24 +113,42 @@ LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "self_attn.k_norm.weight": "attn_k_norm.weight"}
 
 
+# DeepSeek-V2 (llama.cpp's deepseek2): latent attention, dense MLP in the first layers, shared experts
+MLA_NAMES = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+             "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
+             "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+             "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight", "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+             "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+             "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight"}
+
+
 def name_map(layers: int) -> dict[str, str]:
     out = dict(NAMES)
     for i in range(layers):
-        out.update({f"model.layers.{i}.{h}": f"blk.{i}.{g}" for h, g in LAYER_NAMES.items()})
+        out.update({f"model.layers.{i}.{h}": f"blk.{i}.{g}" for h, g in {**LAYER_NAMES, **MLA_NAMES}.items()})
     return out
 
 
-def tensors_of(family: str, ckpt: Path) -> dict[str, np.ndarray]:
-    """GGUF name -> float32 numpy tensor, in llama.cpp's names and layout."""
+def tensors_of(family: str, ckpt: Path, split_kv_b: bool = False) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 numpy tensor, in llama.cpp's names and layout. `split_kv_b`: DeepSeek's kv_b as
+    newer converters write it, attn_k_b [H, R, dn] (each head transposed) and attn_v_b [H, dv, R]."""
     m = hf_model(ckpt)
     cfg = m.config
     sd = {k: v.detach().float().numpy() for k, v in m.state_dict().items()}
     out = {g: sd[h] for h, g in name_map(cfg.num_hidden_layers).items() if h in sd}
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
+        if split_kv_b:
+            kv = out.pop(b + "attn_kv_b.weight").reshape(cfg.num_attention_heads, -1, cfg.kv_lora_rank)
+            out[b + "attn_k_b.weight"] = np.ascontiguousarray(kv[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1))
+            out[b + "attn_v_b.weight"] = np.ascontiguousarray(kv[:, cfg.qk_nope_head_dim:])
         if family == "mixtral":
             out[b + "attn_q.weight"] = _permute(out[b + "attn_q.weight"], cfg.num_attention_heads)
             out[b + "attn_k.weight"] = _permute(out[b + "attn_k.weight"], cfg.num_key_value_heads)
+        if p + "mlp.experts.gate_up_proj" not in sd:  # a dense layer
+            continue
         gu = sd[p + "mlp.experts.gate_up_proj"]
         I = gu.shape[1] // 2
         out.update({b + "ffn_gate_exps.weight": np.ascontiguousarray(gu[:, :I]),
@@ -152,8 +170,10 @@ def q4_k_m(name: str, layer_count: int) -> str:
     return "Q4_K"
 
 
-def write_gguf(family: str, ckpt: Path, out: Path, kinds, *, split_max_tensors: int = 0) -> Path:
-    """A GGUF of the checkpoint with each tensor in `kinds(name)` (a GGML type name) and its tokenizer."""
+def write_gguf(family: str, ckpt: Path, out: Path, kinds, *, split_max_tensors: int = 0, extra=None,
+               split_kv_b: bool = False) -> Path:
+    """A GGUF of the checkpoint with each tensor in `kinds(name)` (a GGML type name) and its tokenizer;
+    `extra(writer)` adds metadata."""
     import gguf
 
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -169,7 +189,9 @@ def write_gguf(family: str, ckpt: Path, out: Path, kinds, *, split_max_tensors: 
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     w.add_expert_used_count(cfg["num_experts_per_tok"])
-    if family == "mixtral":
+    if family == "deepseek_v2":
+        _mla_metadata(w, cfg)
+    elif family == "mixtral":
         w.add_expert_count(cfg["num_local_experts"])
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
@@ -180,7 +202,9 @@ def write_gguf(family: str, ckpt: Path, out: Path, kinds, *, split_max_tensors: 
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     _tokenizer(w, ckpt)
-    for name, t in tensors_of(family, ckpt).items():
+    if extra is not None:
+        extra(w)
+    for name, t in tensors_of(family, ckpt, split_kv_b).items():
         kind = kinds(name) if callable(kinds) else kinds
         if kind == "F32" or t.ndim == 1:
             w.add_tensor(name, t.astype(np.float32))
@@ -193,6 +217,24 @@ def write_gguf(family: str, ckpt: Path, out: Path, kinds, *, split_max_tensors: 
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _mla_metadata(w, cfg: dict) -> None:
+    """What llama.cpp's converter writes for DeepSeek-V2 (plain RoPE only: the test checkpoints choose it)."""
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_uint32("deepseek2.expert_group_count", cfg["n_group"])
+    w.add_uint32("deepseek2.expert_group_used_count", cfg["topk_group"])
+    if cfg.get("q_lora_rank"):
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(cfg["kv_lora_rank"])
+    w.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+    w.add_value_length(cfg["v_head_dim"])
+    w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
 
 
 def _tokenizer(w, ckpt: Path) -> None:
@@ -236,8 +278,92 @@ def reference_model(family: str, gguf_path: Path, ckpt: Path, dtype=torch.float6
         if family == "mixtral":
             for proj, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads)):
                 new[p + f"self_attn.{proj}_proj.weight"] = unpermute(deq[b + f"attn_{proj}.weight"], heads)
+        if p + "mlp.experts.gate_up_proj" not in sd:
+            continue
         new[p + "mlp.experts.gate_up_proj"] = torch.cat([deq[b + "ffn_gate_exps.weight"], deq[b + "ffn_up_exps.weight"]], 1)
         new[p + "mlp.experts.down_proj"] = deq[b + "ffn_down_exps.weight"]
     assert set(new) == set(sd), set(sd) ^ set(new)
     m.load_state_dict(new)
     return m.to(dtype)
+
+
+# ---- the reference reading: greedy tokens within near-ties, logit error -----------------------------------
+# A first differing token is forgiven only where transformers' top-2 logits at that step differ by less than
+# this: the float32 reference reading and transformers' float32 model agree to ~1e-5 here, so a gap below 1e-3
+# is a tie that summation order alone may break.
+NEAR_TIE = 1e-3
+FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+
+
+def uniform(kind: str):
+    """Every matrix in `kind` (MXFP4: the experts, llama.cpp's gpt-oss mix; Q8_0 elsewhere), F32 norms and router."""
+    def kinds(name: str) -> str:
+        if name.endswith("norm.weight") or "ffn_gate_inp" in name:
+            return "F32"
+        return "Q8_0" if kind == "MXFP4" and "exps" not in name else kind
+    return kinds
+
+
+def greedy_mismatches(engine, ref, prompts: list[str], new: int = 8) -> list[str]:
+    """The prompts whose greedy tokens from `engine` part from `ref`'s (a transformers model), beyond near-ties."""
+    from core.runtime.engine import Request
+
+    reqs = [Request(id=str(i), prompt=p, max_new_tokens=new) for i, p in enumerate(prompts)]
+    got = {r.id: r.output_token_ids for r in engine.generate(reqs)}
+    bad = []
+    for r in reqs:
+        ids = engine.prompt_token_ids(r)
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0)
+        want = _until_eos(out.sequences[0, len(ids):].tolist(), engine.eos_ids)
+        mine = _until_eos(got[r.id], engine.eos_ids)
+        step = next((j for j, (a, b) in enumerate(zip(mine, want)) if a != b), None)
+        if step is None and len(mine) != len(want):
+            step = min(len(mine), len(want))
+        if step is None:
+            continue
+        top2 = out.logits[step][0].double().topk(2).values
+        if (top2[0] - top2[1]).item() >= NEAR_TIE:  # else a near-tie: forgiven
+            gap = (top2[0] - top2[1]).item()
+            bad.append(f"prompt {r.id} parts at token {step}: {mine} vs {want} (top-2 gap {gap:.2e})")
+    return bad
+
+
+def _until_eos(tokens: list[int], eos) -> list[int]:
+    return next((tokens[:j] for j, t in enumerate(tokens) if t in eos), tokens)
+
+
+def first_logits(engine, prompts: list[str]) -> torch.Tensor:
+    """The engine's prefill logits for each prompt's last token, float64 [P, V]."""
+    from core.runtime.engine import Request
+
+    ids = [engine.prompt_token_ids(Request(id=str(i), prompt=p)) for i, p in enumerate(prompts)]
+    runner = engine.runner(slots=len(ids), micro_batch_size=len(ids), max_tokens=128)
+    logits, _ = runner.prefill(ids, list(range(len(ids))), [list(range(len(ids)))])
+    return logits.double()
+
+
+def decode_logits(engine, prompts: list[str], steps: int = 3, token: int = 7) -> torch.Tensor:
+    """Logits of `steps` decode steps after the prompts' prefill, every request fed `token` (the same inputs
+    for every reading: logits compared, not trajectories), float64 [steps · P, V]. Decode is where mlight's
+    C kernels run (attention, dense panels, the experts)."""
+    from core.runtime.engine import Request
+
+    ids = [engine.prompt_token_ids(Request(id=str(i), prompt=p)) for i, p in enumerate(prompts)]
+    n = len(ids)
+    runner = engine.runner(slots=n, micro_batch_size=n, max_tokens=128)
+    runner.prefill(ids, list(range(n)), [list(range(n))])
+    pos, out = [len(x) for x in ids], []
+    for _ in range(steps):
+        logits, _ = runner.decode([[token] * n], [list(range(n))], [pos])
+        out.append(logits.double().clone())
+        pos = [p + 1 for p in pos]
+    return torch.cat(out)
+
+
+def logit_error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(max abs error, the worst prompt's max abs error over its logits' spread max − min)."""
+    err = (got - want).abs().amax(-1)
+    spread = want.amax(-1) - want.amin(-1)
+    return err.max().item(), (err / spread).max().item()

@@ -61,6 +61,8 @@ def add_parser(sub):
                    help="cpu: time by this process's CPU seconds (with --threads 1 on a shared machine: what a "
                         "quiet machine's wall clock would say) (default: wall)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--kernels", choices=("auto", "native", "torch"), default=None,
+                   help="which kernels compute (as mlight run --kernels; sets MLIGHT_KERNELS)")
     return p
 
 
@@ -69,6 +71,10 @@ def run(args) -> int:
     from core.runtime.engine import Engine, Request
     from core.io.workloads import build_prompts, target_lengths
 
+    if args.kernels:
+        from core.model.kernels import set_mode
+
+        set_mode(args.kernels)
     model = args.model or demo_model_dir()
     schedules = _schedules(args)
     report = {"model": str(model), "runs": [], "load_average": _load()}

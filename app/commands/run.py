@@ -56,6 +56,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cpu-mem", type=gigabytes(None), default=None, metavar="GB",
                    help="CPU memory budget (see --gpu-mem)")
     p.add_argument("--dtype", default=None, help="weights dtype (default: the checkpoint's)")
+    p.add_argument("--kernels", choices=("auto", "native", "torch"), default=None,
+                   help="auto: mlight's C kernels where they run (default); native: fail where one cannot; torch: "
+                        "torch's ops only, a GGUF file in float32 (the reference reading); sets MLIGHT_KERNELS")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
                    help="expert weights: none (the checkpoint's dtype), int8 (per channel), int4 (group-wise), or "
                         "auto: the least lossy format that fits the memory budget (--gpu-mem/--cpu-mem, else this "
@@ -211,6 +214,10 @@ def one_line(text: str) -> str:
 def run(args) -> int:
     from core.runtime.distributed.world import from_env
 
+    if getattr(args, "kernels", None):
+        from core.model.kernels import set_mode
+
+        set_mode(args.kernels)
     world = from_env(getattr(args, "tensor_parallel", 1))
     if getattr(args, "ray", None):
         if world is not None:

@@ -10,7 +10,8 @@ layout in place of oneDNN's (no second copy), split over torch's own OpenMP thre
 It is optional: it runs only where the CPU executes vdpbf16ps (core.model.cpu.isa's usable level is
 AVX-512 BF16 or AMX), with a C compiler, OpenMP in the build or one torch thread, SwiGLU experts without
 biases, hidden sizes that are multiples of 64 and intermediate sizes of 32, and neither `MLIGHT_NATIVE`
-nor `MLIGHT_NATIVE_EXPERTS` (the expert kernels alone: an A/B switch) set to 0. Elsewhere `pack_experts`
+nor `MLIGHT_NATIVE_EXPERTS` (the expert kernels alone: an A/B switch) set to 0, nor `MLIGHT_KERNELS=torch`
+(core.model.kernels: the one knob; the old names go in the next release). Elsewhere `pack_experts`
 gives oneDNN's packing as before (core.model.moe), which the tests check it against.
 
 Where the usable ISA is AMX the kernel is built with its tile path too (`FLAGS_AMX`): experts with 8 rows
@@ -29,13 +30,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 
 import torch
 
 from core.assets import MOE_FFN_AVX2_C as SOURCE_AVX2
 from core.assets import MOE_FFN_C as SOURCE
+from core.model import kernels
 from core.model.cpu import native
 
 CHUNK_TOKENS = 512  # tokens per call: a long prefill's intermediate stays at 2·512·I bf16
@@ -43,7 +44,7 @@ FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
 FLAGS_AMX = ["-mamx-tile", "-mamx-bf16", "-mxsave"]  # where the usable ISA is AMX: the kernel's tile path (moe_ffn.c)
 FLAGS_AVX2 = ["-mavx2", "-mfma"]
 SWITCHES = ("MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS")  # either set to 0: no expert kernel
-AMX_SWITCH = "MLIGHT_NATIVE_AMX"  # 0: the kernel keeps to its vector tiles on an AMX CPU (an A/B switch)
+AMX_SWITCHES = ("MLIGHT_NATIVE_AMX", "MLIGHT_AMX")  # 0: the vector tiles alone on an AMX CPU (an A/B switch)
 
 _reason = "not built yet"
 _reason_avx2 = "not built yet"
@@ -78,7 +79,7 @@ class _LibAvx2:
 
 
 def _switched_off() -> bool:
-    return any(os.environ.get(v, "1") == "0" for v in SWITCHES)
+    return bool(kernels.switched_off(SWITCHES))
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,7 +90,7 @@ def _build(level: str) -> _Lib | None:
     if not _switched_off() and (level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16")):
         _reason = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX-512 BF16 dot product"
         return None
-    amx = level == "amx" and os.environ.get(AMX_SWITCH, "1") != "0"
+    amx = level == "amx" and not kernels.switched_off(AMX_SWITCHES)
     lib, _reason = native.build_kernel(SOURCE, "moe_ffn", FLAGS + (FLAGS_AMX if amx else []), 16,
                                        lambda path: _Lib(path, amx), SWITCHES)
     if lib is None and amx:  # a compiler without the AMX flags: the vector tiles alone

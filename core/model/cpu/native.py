@@ -7,7 +7,8 @@ layout and to each request's own length, keeps scores and sums in fp32, and need
 step of the 784M Mixtral: 56 → 20 ms of attention on one Zen 5 core).
 
 It is optional: with no compiler (most Windows machines), a failed build, an unusual shape, sinks, or
-`MLIGHT_NATIVE=0`, `kernel()` says None and attention runs the torch path (core.model.attention), which
+`MLIGHT_KERNELS=torch` (core.model.kernels), `kernel()` says None and attention runs the torch path
+(core.model.attention), which
 the tests check it against. The build targets the ISA our kernels may use (core.model.cpu.isa: AVX-512,
 AVX2 — also under the AVX2 limits — or the compiler's baseline) and lands in the mlight cache dir,
 named by a hash of the source and the flags, so a changed source or CPU level builds afresh. Requests
@@ -34,6 +35,9 @@ import torch
 
 from core import platform
 from core.assets import DECODE_ATTENTION_C as SOURCE
+from core.errors import UsageError
+from core.model import kernels
+
 DTYPES = (torch.bfloat16, torch.float32)
 MAX_G, MAX_D = 16, 256
 HELPER_IDLE_S = 2.0  # how often an idle helper checks that the thread it serves still runs
@@ -119,18 +123,26 @@ def build_kernel(source: Path, name: str, flags: list[str], vw: int, make, switc
     "") or (None, why not): one of `switches` set to 0, no compiler, the build's or the load's failure, or
     (`vw_of(lib)`, the vector width it was built for) a library of another width in the cache. Every C
     kernel of mlight builds through here."""
-    for var in switches:
-        if os.environ.get(var, "1") == "0":
-            return None, f"{var}=0"
+    off = kernels.switched_off(switches)
+    if off:
+        return None, off
     cc = _compiler()
     if cc is None:
-        return None, "no C compiler found (cc, gcc, clang or $CC)"
+        return _failed(name, "no C compiler found (cc, gcc, clang or $CC)")
     lib = load_built(compile_openmp(cc, ["-O3", "-shared", "-fPIC", *flags], vw, source, name), make)
     if isinstance(lib, str):
-        return None, lib
+        return _failed(name, lib)
     if vw_of is not None and vw_of(lib) != vw:
-        return None, "the kernel in the cache was built for another vector width"
+        return _failed(name, "the kernel in the cache was built for another vector width")
     return lib, ""
+
+
+def _failed(name: str, why: str):
+    """(None, why) — or, under MLIGHT_KERNELS=native, the error: the kernels were asked for, not a fallback."""
+    if kernels.mode() == "native":
+        raise UsageError(f"the C kernel {name} cannot run here ({why}) and {kernels.ENV}=native asks for it",
+                         f"install a C compiler (gcc or clang), or set {kernels.ENV}=auto to fall back to torch")
+    return None, why
 
 
 def load_built(out: Path | str, make):

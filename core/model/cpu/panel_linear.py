@@ -8,19 +8,19 @@ the 784M Mixtral. So where that kernel is built (AVX-512 BF16, a C compiler, Ope
 its panel layout instead of oneDNN's: the same bytes, one copy. Sums in fp32 rounded once to bf16,
 bias added before the rounding, as oneDNN's GEMM does; the summation order differs (an fp32 ulp).
 At 64-512 rows the same tiles run at 85-93 % of the machine's peak, about oneDNN's there.
-`MLIGHT_NATIVE_DENSE=0` keeps the projections on oneDNN (an A/B switch; the expert kernel's own
-switches, MLIGHT_NATIVE and MLIGHT_NATIVE_EXPERTS, turn these off too).
+`MLIGHT_KERNELS=torch` (core.model.kernels) keeps the projections on oneDNN, as the old A/B switch
+`MLIGHT_NATIVE_DENSE=0` still does for one release (the expert kernel's switches turn these off too).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from core.model import kernels
 from core.model.cpu import ffn
 from core.model.cpu.kernels import LinearOnlyWeight
 
+SWITCHES = ("MLIGHT_NATIVE_DENSE",)  # the old A/B switch (core.model.kernels)
 CHUNK_ROWS = 512  # rows per call: the per-thread fp32 sums stay 2 × 128 KB
 
 
@@ -28,7 +28,7 @@ def takes(w: torch.Tensor) -> bool:
     """Whether `w` [N, K] can be held in panels here."""
     if w.dtype != torch.bfloat16 or w.dim() != 2 or w.device.type != "cpu" or w.shape[0] % 64 or w.shape[1] % 2:
         return False
-    if os.environ.get("MLIGHT_NATIVE_DENSE", "1") == "0":
+    if kernels.switched_off(SWITCHES):
         return False
     lib = ffn.library()
     return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
@@ -39,8 +39,9 @@ def status(math: str = "bfloat16") -> str:
     computes in `math`."""
     if math == "float32":
         return "torch's fp32 GEMMs (MKL on x86) over weights widened at load"
-    if os.environ.get("MLIGHT_NATIVE_DENSE", "1") == "0":
-        return "oneDNN's packed GEMMs (MLIGHT_NATIVE_DENSE=0)"
+    off = kernels.switched_off(SWITCHES)
+    if off:
+        return f"oneDNN's packed GEMMs ({off})"
     lib = ffn.library()
     if lib is None:
         return f"oneDNN's packed GEMMs (no expert kernel: {ffn.status()})"

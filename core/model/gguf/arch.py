@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from core.errors import UnsupportedModelError
+from core.model import kernels
 from core.model.families import REGISTRY
 from core.model.gguf.files import GGUFModel
 
 # GGUF architecture -> the transformers architecture our family registry knows
 ARCHS = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-         "olmoe": "OlmoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+         "olmoe": "OlmoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "deepseek2": "DeepseekV2ForCausalLM"}
 
 
 def hf_architecture(g: GGUFModel) -> str:
@@ -39,7 +42,8 @@ def config(g: GGUFModel) -> dict:
     tokens = g.meta("tokenizer.ggml.tokens") or []
     heads = int(m("attention.head_count"))
     D = int(m("embedding_length"))
-    gate = g.tensors.get("blk.0.ffn_gate_exps.weight") or g.tensors.get("blk.0.ffn_gate.0.weight")
+    b = f"blk.{int(m('leading_dense_block_count', 0))}."  # the first MoE layer (DeepSeek's first ones are dense)
+    gate = g.tensors.get(b + "ffn_gate_exps.weight") or g.tensors.get(b + "ffn_gate.0.weight")
     inter = gate.shape[-2] if gate is not None else int(m("expert_feed_forward_length") or m("feed_forward_length"))
     cfg = {
         "architectures": [hf],
@@ -54,10 +58,16 @@ def config(g: GGUFModel) -> dict:
         "vocab_size": int(m("vocab_size") or len(tokens) or g.tensors["token_embd.weight"].shape[0]),
         "num_experts_per_tok": int(m("expert_used_count")),
         "tie_word_embeddings": "output.weight" not in g.tensors,
-        "torch_dtype": "bfloat16",
+        # the reference reading (MLIGHT_KERNELS=torch) computes in float32: transformers' dequantized reading
+        "torch_dtype": "float32" if kernels.reference() else "bfloat16",
         "bos_token_id": g.meta("tokenizer.ggml.bos_token_id"),
         "eos_token_id": g.meta("tokenizer.ggml.eos_token_id"),
     }
+    scaling = m("rope.scaling.type")
+    if scaling and scaling != "none":  # read, so that a family without it refuses the file rather than misread it
+        cfg["rope_scaling"] = {"rope_type": scaling, "rope_theta": cfg["rope_theta"],
+                               "factor": float(m("rope.scaling.factor", 1.0)),
+                               "original_max_position_embeddings": int(m("rope.scaling.original_context_length", 0))}
     E = int(m("expert_count"))
     if hf == "MixtralForCausalLM":
         cfg.update(num_local_experts=E, intermediate_size=inter)
@@ -71,7 +81,31 @@ def config(g: GGUFModel) -> dict:
                    qkv_bias="blk.0.attn_q.bias" in g.tensors)
     if hf == "OlmoeForCausalLM":
         cfg.update(norm_topk_prob=False, clip_qkv=None)
+    if hf == "DeepseekV2ForCausalLM":
+        cfg.update(_mla_config(g, E, inter))
+        log_mul = m("rope.scaling.yarn_log_multiplier")
+        if log_mul and "rope_scaling" in cfg:  # llama.cpp keeps 0.1 · mscale_all_dim and takes mscale equal to it
+            cfg["rope_scaling"].update(mscale=float(log_mul) / 0.1, mscale_all_dim=float(log_mul) / 0.1)
     return cfg
+
+
+def _mla_config(g: GGUFModel, experts: int, inter: int) -> dict:
+    """DeepSeek-V2's latent attention, dense first layers, shared experts and group-limited routing."""
+    m = g.arch_meta
+    if int(m("expert_gating_func", 1)) != 1:  # 2: sigmoid, DeepSeek-V3's router
+        raise UnsupportedModelError("GGUF deepseek2 files with sigmoid expert gating (DeepSeek-V3) are not supported",
+                                    "use a DeepSeek-V2 GGUF, or the model's safetensors checkpoint")
+    rope, key = int(m("rope.dimension_count")), int(m("attention.key_length"))
+    groups = int(m("expert_group_count", 1))
+    out = dict(q_lora_rank=int(m("attention.q_lora_rank", 0)) or None, kv_lora_rank=int(m("attention.kv_lora_rank")),
+               qk_rope_head_dim=rope, qk_nope_head_dim=key - rope, v_head_dim=int(m("attention.value_length")),
+               n_routed_experts=experts, moe_intermediate_size=inter, n_shared_experts=int(m("expert_shared_count", 0)),
+               first_k_dense_replace=int(m("leading_dense_block_count", 0)),
+               intermediate_size=int(m("feed_forward_length")),
+               routed_scaling_factor=float(m("expert_weights_scale", 1.0)),
+               n_group=groups, topk_group=int(m("expert_group_used_count", groups)),
+               topk_method="group_limited_greedy" if groups > 1 else "greedy")
+    return out
 
 
 @dataclass(frozen=True)
@@ -87,6 +121,8 @@ class Place:
 
 def dense_places(spec, i: int, names: set[str]) -> list[Place]:
     p = f"blk.{i}."
+    if spec.mla is not None:
+        return _mla_places(spec, i)
     q, kv = spec.q_size, spec.kv_size
     llama = spec.family == "mixtral"
     out = [
@@ -111,6 +147,29 @@ def dense_places(spec, i: int, names: set[str]) -> list[Place]:
     return out
 
 
+def _mla_places(spec, i: int) -> list[Place]:
+    """DeepSeek-V2: the latent attention's tensors (kv_b whole, or rebuilt from the split k_b / v_b of newer
+    converters: core.model.gguf.load), a dense MLP in the first layers, else router and shared expert."""
+    p = f"blk.{i}."
+    q = ([Place(p + "attn_q_a.weight", "q_a"), Place(p + "attn_q_a_norm.weight", "q_a_norm"),
+          Place(p + "attn_q_b.weight", "q_b")] if spec.mla.q_lora_rank else [Place(p + "attn_q.weight", "q")])
+    out = [Place(p + "attn_norm.weight", "ln1"), Place(p + "ffn_norm.weight", "ln2"), *q,
+           Place(p + "attn_kv_a_mqa.weight", "kv_a"), Place(p + "attn_kv_a_norm.weight", "kv_a_norm"),
+           Place(p + "attn_kv_b.weight", "kv_b"), Place(p + "attn_output.weight", "o")]
+    if not spec.is_moe(i):
+        Id = spec.dense_intermediate
+        return out + [Place(p + "ffn_gate.weight", "dense_w13", (0, Id)),
+                      Place(p + "ffn_up.weight", "dense_w13", (Id, 2 * Id)),
+                      Place(p + "ffn_down.weight", "dense_w2")]
+    out.append(Place(p + "ffn_gate_inp.weight", "router"))
+    if spec.shared_intermediate:
+        Is = spec.shared_intermediate
+        out += [Place(p + "ffn_gate_shexp.weight", "shared_w13", (0, Is)),
+                Place(p + "ffn_up_shexp.weight", "shared_w13", (Is, 2 * Is)),
+                Place(p + "ffn_down_shexp.weight", "shared_w2")]
+    return out
+
+
 def expert_sources(i: int, names: set[str], experts: int) -> dict[str, list[str]]:
     """gate / up / down -> the GGUF tensor(s) holding them: one stacked [E, ...] tensor, or one per expert
     (files converted before llama.cpp stacked experts)."""
@@ -129,6 +188,12 @@ def global_places(spec) -> list[Place]:
     if not spec.tie_word_embeddings:
         out.append(Place("output.weight", "lm_head"))
     return out
+
+
+def join_kv_b(k_b, v_b):
+    """DeepSeek's kv_b [H·(dn+dv), R] from the split copies newer converters write instead: k_b [H, R, dn]
+    (transposed per head) and v_b [H, dv, R]."""
+    return torch.cat([k_b.transpose(1, 2), v_b], 1).reshape(-1, k_b.shape[1])
 
 
 def unpermute(rows, heads: int):

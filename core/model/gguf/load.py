@@ -25,6 +25,8 @@ from core.model.spec import ModelSpec
 from core.telemetry import EventSink, Progress, ignore
 
 FLOAT_KINDS = ("F32", "F16", "BF16")
+# architectures whose GGUF config transformers cannot read: their tokenizer is built without it
+TOKENIZER_ONLY = ("deepseek2",)
 
 
 def open_gguf(path: str | Path) -> GGUFModel:
@@ -57,7 +59,10 @@ def _check_kind(g: GGUFModel, kind: str, what: str) -> None:
 
 
 def expert_scheme(g: GGUFModel, spec: ModelSpec, i: int) -> ExpertScheme | None:
-    """Layer i's experts as stored in the file; None when they are floats (loaded like a safetensors model)."""
+    """Layer i's experts as stored in the file; None when they are floats (loaded like a safetensors model).
+    A dense layer (DeepSeek's first ones) takes the first MoE layer's, so that every layer has one layout kind."""
+    if not spec.is_moe(i):
+        i = next((j for j in range(spec.num_layers) if spec.is_moe(j)), i)
     k = expert_kinds(g, spec, i)
     for w, kind in k.items():
         _check_kind(g, kind, f"the {w} projections of the experts")
@@ -98,6 +103,8 @@ def load_tokenizer(g: GGUFModel):
     if not g.meta("tokenizer.ggml.model"):
         raise ModelError(f"{first.name} carries no tokenizer", "use a GGUF file that includes its tokenizer")
     try:
+        if g.arch in TOKENIZER_ONLY:
+            from transformers import PreTrainedTokenizerFast as AutoTokenizer  # noqa: N814
         tok = AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name, local_files_only=True)
     except Exception as e:  # transformers raises many types here; all mean the same to the user
         raise ModelError(f"cannot build the tokenizer from {first.name}: {str(e).splitlines()[0]}",
@@ -111,8 +118,7 @@ def load_tokenizer(g: GGUFModel):
 def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Tensor]) -> None:
     covered: dict[str, int] = {}
     for p in places:
-        ref = _tensor(g, p.src)
-        w = read_float(ref)
+        w = _read_float(g, p.src)
         if p.unpermute:
             w = arch.unpermute(w, p.unpermute)
         if p.unsqueeze:
@@ -130,6 +136,8 @@ def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Ten
 
 def fill_experts(g: GGUFModel, spec: ModelSpec, i: int, scheme: ExpertScheme | None, tensors: dict) -> None:
     """Layer i's experts: raw blocks into the quantized parts, or floats into w13 / w2."""
+    if not spec.is_moe(i):
+        return
     src = arch.expert_sources(i, set(g.tensors), spec.num_experts)
     I = spec.expert_intermediate
     if scheme is None:
@@ -156,6 +164,13 @@ def fill_experts(g: GGUFModel, spec: ModelSpec, i: int, scheme: ExpertScheme | N
                 raise ModelError(f"GGUF tensor {ref.name} has {ref.nbytes} bytes, expected {want}",
                                  "the GGUF metadata does not match its tensors")
             read_into(ref, raw[e, lo:lo + rows], start=e * per_expert if len(names) == 1 else 0)
+
+
+def _read_float(g: GGUFModel, name: str) -> torch.Tensor:
+    k_b, v_b = name.replace("attn_kv_b", "attn_k_b"), name.replace("attn_kv_b", "attn_v_b")
+    if name not in g.tensors and k_b in g.tensors and v_b in g.tensors:  # DeepSeek's kv_b, split by the converter
+        return arch.join_kv_b(read_float(g.tensors[k_b]), read_float(g.tensors[v_b]))
+    return read_float(_tensor(g, name))
 
 
 def _tensor(g: GGUFModel, name: str) -> TensorRef:

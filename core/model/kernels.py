@@ -1,0 +1,67 @@
+"""Which kernels compute: one knob, `MLIGHT_KERNELS` = auto | native | torch (`mlight run --kernels`).
+
+- auto (default): mlight's C kernels (core.model.cpu: decode attention, the row ops, the int4 and bf16
+  expert kernels, the dense panels) wherever they build and the CPU runs them; torch's ops elsewhere.
+- native: the same choice, but a C kernel that should run here and fails to build or load is an error
+  that says why, not a quiet fallback to torch (for benchmarks that must measure the kernels).
+- torch: torch's own ops only, and a GGUF file computed in float32 from its dequantized weights: the
+  reference reading (it gives transformers' tokens on the file; README, "GGUF files").
+Every kernel choice reads `switched_off` here. The old switches (`MLIGHT_NATIVE`, `MLIGHT_NATIVE_EXPERTS`,
+`MLIGHT_NATIVE_DENSE`, `MLIGHT_NATIVE_AMX` / `MLIGHT_AMX` set to 0) still turn their kernels off for one
+release, with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from core.errors import UsageError
+
+ENV = "MLIGHT_KERNELS"
+CHOICES = ("auto", "native", "torch")
+OLD = ("MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS", "MLIGHT_NATIVE_DENSE", "MLIGHT_NATIVE_AMX", "MLIGHT_AMX")
+_warned: set[str] = set()
+
+
+def mode() -> str:
+    """The knob's value (read each call: cheap, and a test or the CLI may set it)."""
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise UsageError(f"{ENV}={value!r} is not a kernel choice", f"set it to one of {', '.join(CHOICES)}")
+    return value
+
+
+def reference() -> bool:
+    """Whether the reference reading is asked for (torch's ops, GGUF files in float32)."""
+    return mode() == "torch"
+
+
+def switched_off(old: tuple[str, ...] = ("MLIGHT_NATIVE",)) -> str:
+    """Why the C kernels that the old switch names `old` governed must not run ("" if they may)."""
+    if reference():
+        return f"{ENV}=torch"
+    for var in old:
+        if os.environ.get(var, "1") == "0":
+            if var not in _warned:
+                _warned.add(var)
+                warnings.warn(f"{var}=0 is deprecated and goes in the next release: set {ENV}=torch "
+                              "(torch's ops only) instead", FutureWarning, stacklevel=3)
+            return f"{var}=0"
+    return ""
+
+
+def set_mode(value: str) -> None:
+    """Set the knob for this process (the CLI's --kernels) and forget kernels built under another value."""
+    if value not in CHOICES:
+        raise UsageError(f"unknown kernel choice {value!r}", f"use one of {', '.join(CHOICES)}")
+    os.environ[ENV] = value
+    forget_builds()
+
+
+def forget_builds() -> None:
+    """Drop the C kernels this process built or refused, so the next use decides again under the knob's value."""
+    from core.model.cpu import ffn, int4, native, row_ops
+
+    for build in (native._build, ffn._build, ffn._build_avx2, int4._build, row_ops._build):
+        build.cache_clear()
