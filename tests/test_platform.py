@@ -342,3 +342,28 @@ def test_terminal_kinds(monkeypatch):
 def test_the_real_system_is_recognised():
     assert platform.SYSTEM == platform._system() and platform.SYSTEM
     assert platform.usable_cores() >= 1 and platform.free_cores(sample_s=0.0) >= 1
+
+
+def test_every_cached_thing_lands_under_one_folder_with_windows_conventions(monkeypatch, tmp_path):
+    """platformdirs on Windows puts `appauthor` in the path (default: the app's name; False: none), so a cache
+    asked for with other arguments lands in another folder: each of mlight's caches must use core.platform's."""
+    import platformdirs
+
+    from core.io.runstore import RunStore
+    from core.model import demo, expert_choice
+    from core.model.quant import cache as quant_cache
+    from core.plan import cpu_cost, hardware
+
+    def windows_cache(appname=None, appauthor=None, version=None, opinion=True, ensure_exists=False):
+        author = appname if appauthor is None else appauthor  # platformdirs' Windows rule
+        parts = [p for p in (author or None, appname) if p]
+        return str(tmp_path.joinpath("AppData", "Local", *parts, "Cache"))
+
+    monkeypatch.setattr(platformdirs, "user_cache_dir", windows_cache)
+    monkeypatch.delenv("MLIGHT_CACHE_DIR", raising=False)
+    root = platform.cache_dir()
+    hw = hardware.preset("t4")
+    paths = [demo.cache_dir(), quant_cache.cache_root(), expert_choice._path(), hardware.probe_cache_path(hw),
+             cpu_cost.cache_path(hw), RunStore(tmp_path / "out.jsonl").ledger_path]
+    assert root == tmp_path / "AppData" / "Local" / "mlight" / "mlight" / "Cache"
+    assert all(root in p.parents or p == root for p in paths), [str(p) for p in paths]
