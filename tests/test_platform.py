@@ -90,21 +90,6 @@ def test_llc_bytes_reads_linux_sysfs(linux, monkeypatch, tmp_path):
     assert platform.llc_bytes() == 32 << 20
 
 
-def test_l2_bytes_reads_the_level_2_cache_of_linux_sysfs(linux, monkeypatch, tmp_path):
-    """A core's L2 (the tasks after a long attention stream refetch what it evicted from it: cpu_cost.flush_share):
-    the level-2 data or unified cache, not the largest one, nor an instruction cache."""
-    caches = [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", "2048K"), ("3", "Unified", "32M")]
-    for i, (level, kind, size) in enumerate(caches):
-        d = tmp_path / f"index{i}"
-        d.mkdir()
-        for name, text in (("level", level), ("type", kind), ("size", size)):
-            (d / name).write_text(text + "\n", encoding="ascii")
-    monkeypatch.setattr(platform, "LINUX_CACHE", str(tmp_path))
-    assert platform.l2_bytes() == 2 << 20 and platform.llc_bytes() == 32 << 20
-    (tmp_path / "index2" / "type").write_text("Instruction\n", encoding="ascii")
-    assert platform.l2_bytes() == platform.DEFAULT_L2  # no level-2 data cache listed: the typical desktop's
-
-
 class _FakeKernel32:
     """GetLogicalProcessorInformation as Windows answers it: a first call saying how many bytes it needs,
     then the records — here an L1, an L2 and a 36 MB L3, and a core record that is no cache."""
@@ -153,19 +138,6 @@ def test_llc_bytes_asks_windows_and_macos_themselves(windows, monkeypatch):
     assert platform.llc_bytes() == 12 << 20
     monkeypatch.setattr(platform, "_llc_macos", functools.partial(macos, _FakeLibc({})))
     assert platform.llc_bytes() == platform.DEFAULT_LLC  # nothing to read: the typical desktop's
-
-
-def test_l2_bytes_asks_windows_and_macos_themselves(windows, monkeypatch):
-    k32 = _FakeKernel32()
-    monkeypatch.setattr(platform, "_l2_windows", functools.partial(platform._l2_windows, k32))
-    assert platform.l2_bytes() == 2 << 20 and k32.calls == 2  # the level-2 record, not the 36 MB L3
-    monkeypatch.setattr(platform, "SYSTEM", "macos")
-    l2 = platform._l2_macos
-    monkeypatch.setattr(platform, "_l2_macos", functools.partial(l2, _FakeLibc({
-        b"hw.perflevel0.l2cachesize": 16 << 20, b"hw.l2cachesize": 4 << 20, b"hw.l3cachesize": 32 << 20})))
-    assert platform.l2_bytes() == 16 << 20
-    monkeypatch.setattr(platform, "_l2_macos", functools.partial(l2, _FakeLibc({})))
-    assert platform.l2_bytes() == platform.DEFAULT_L2
 
 
 @pytest.mark.skipif(hasattr(__import__("ctypes"), "windll"), reason="on Windows the call exists")

@@ -361,7 +361,7 @@ def _plan_cpu_batch(args, prompts: PromptSet, model_dir: Path) -> None:
 
     words = cpu_history.spread_words(cpu_history.behind(hw, spec))
     if words:  # calibrated: the prediction and how far this machine's own runs have strayed from theirs
-        _say(f"planned batch {args.batch}: predicted {pred.tokens_per_s:,.1f} tokens/s ({words})")
+        _say(f"planned batch {args.batch}: predicted {pred.quote()} ({words})")
 
 
 def _workload(args, prompts: PromptSet):

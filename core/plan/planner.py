@@ -340,7 +340,7 @@ def _predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
         step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu, pinned_bytes=pinned,
         bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("gpu", "cpu_attn"), key=lambda k: dec[k])],
         decode_busy=decode_busy, prefill_busy=prefill_busy, decode_steps=(n - 1) * (full + (1 if last else 0)),
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=prompt_tokens, band=0.0 if on_gpu or r.cpu_costs is None else r.cpu_costs.band,
     )
 
 

@@ -134,6 +134,12 @@ class Prediction:
     prefill_busy: dict[str, float] = field(default_factory=dict)
     decode_steps: int = 0
     prompt_tokens: float = 0.0
+    band: float = 0.0  # the rates' relative half-width (CPU-only: the calibration's, core.plan.cpu_cost); 0: none
+
+    def quote(self, rate: float | None = None) -> str:
+        """A rate as a prediction of it is shown: "≈ 596 tok/s ± 12 %" (end to end unless `rate` is given)."""
+        rate = self.tokens_per_s if rate is None else rate
+        return f"≈ {rate:,.0f} tok/s" + (f" ± {self.band:.0%}".replace("%", " %") if self.band else "")
 
     def __post_init__(self):
         if not self.bottleneck_text:
