@@ -1,18 +1,12 @@
 """The CPU's cost model: what each task of a CPU-only step costs on *this* machine.
 
-A task's seconds are a dot product: the units of work it does (FLOPs of dense GEMMs, weight elements they
-read, the experts' FLOPs and weights, K/V elements attention reads, activation elements, a fixed cost a task,
-...) times twelve coefficients, seconds per unit (`NAMES`). `units` counts the work of one task from the model's
-shapes (core.plan.hrm.Dims); `fit` finds the coefficients by non-negative least squares over the tasks and steps
-of one calibration run (core.runtime.calibrate), weighted so that each row counts by its relative error; the
-residuals of whole runs give the band a prediction is quoted with ("≈ 596 tok/s ± 12 %"). Being linear in the
-coefficients, one fit over real steps replaces the pieces-then-factors chain of earlier versions.
-
-The coefficients are stored per machine, torch build and kernels' code (`code_fingerprint`): one file, one
-format `VERSION`. Nothing rewrites them but a new calibration; a run outside its band only widens the band
-(core.runtime.fold_back).
-
-Boundary: pure functions of (Dims, CpuCosts, numbers) plus the cache file. Legend as in core.plan.hrm.
+A task's seconds are its units of work (`units`: GEMM FLOPs and weight elements, the experts' FLOPs, weights and
+calls, K/V elements read, activation elements, a fixed cost a task, ...; counted from core.plan.hrm.Dims) times
+twelve coefficients, seconds a unit (`NAMES`). Being linear in them, they are fitted at once by non-negative
+least squares over the engine's own steps (`fit`; core.runtime.calibrate runs them), and the calibration's
+whole-run residuals give the band a prediction is quoted with ("≈ 596 tok/s ± 12 %"). Stored per machine, torch
+build and kernels' code (`code_fingerprint`), one format `VERSION`; only a new calibration changes them (a run
+outside the band widens the band: core.runtime.fold_back). Boundary: pure functions plus the cache file.
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ import functools
 import hashlib
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +25,8 @@ from core.model import limits
 VERSION = 16  # 16: twelve fitted coefficients and a band (15 and before: pieces and run factors)
 NAMES = ("flop_s", "weight_s", "expert_flop_s", "expert_weight_s", "expert_call_s", "kv_s", "elem_s", "sdpa_flop_s",
          "prefill_tok_s", "task_s", "step_s", "wave_s")
-MIN_BAND = 0.05  # a band never narrower than the machine's own run-to-run spread (bench/RESULTS.md, noise)
-DEFAULT_BAND = 0.5  # a machine never calibrated: the probe's roofline with typical overheads
+MIN_BAND = 0.05  # never narrower than this machine's run-to-run spread of one run (bench/RESULTS.md, noise)
+DEFAULT_BAND = 0.5  # a machine never calibrated: the probe's rates with typical overheads
 
 
 @dataclass(frozen=True)
@@ -54,93 +49,63 @@ class CpuCosts:
     model: str = ""  # model_key() of the model the costs were measured on
     model_bytes: int = 0  # its weights, for picking the nearest calibration for another model
     measured: bool = True  # False: `defaults`, the model of a machine never calibrated
+    fresh_s = kv_alloc_s = 0.0  # core.plan.hrm asks: a run's fresh memory is in the per-token and per-wave terms
 
-    @property
-    def coefficients(self) -> list[float]:
-        return [getattr(self, n) for n in NAMES]
-
-    # Kept for core.plan.hrm's calls: one set of coefficients holds at any speed and any KV stream, and a
-    # run's fresh memory and its cache's making are inside the fitted per-token and per-wave terms.
-    fresh_s = kv_alloc_s = 0.0
-
-    def at_speed(self, now: float) -> "CpuCosts":
+    def at_speed(self, now: float) -> "CpuCosts":  # core.plan.hrm asks too: the costs hold at any speed ...
         return self
 
-    def for_step(self, kv_bytes: float) -> "CpuCosts":
+    def for_step(self, kv_bytes: float) -> "CpuCosts":  # ... and beside any KV stream
         return self
+
+    coefficients = property(lambda self: [getattr(self, n) for n in NAMES])
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CpuCosts":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+def vec(units: dict) -> list[float]:
+    return [float(units.get(n, 0.0)) for n in NAMES]
 
 
 def seconds(c: CpuCosts, units: list[float]) -> float:
     return sum(a * b for a, b in zip(c.coefficients, units))
 
 
-def _u(**kw) -> list[float]:
-    """A units vector from its named parts."""
-    return [float(kw.get(n, 0.0)) for n in NAMES]
+# ---- the units of each task (Counter: units add up) --------------------------------------------------
+def _gemm(rows: float, n: float, k: float) -> Counter:
+    """GEMMs of `rows` rows over N×K weights read once."""
+    return Counter(flop_s=2 * rows * n * k, weight_s=n * k)
 
 
-# ---- the work of each task ---------------------------------------------------------------------------
-def _experts_touched(d, tokens: float) -> float:
-    from core.plan.hrm import expected_experts
-
-    return expected_experts(tokens, d.E, d.k)
-
-
-def _gemm(rows: float, n: float, k: float, expert: bool = False) -> dict:
-    """Units of GEMMs of `rows` rows over N×K weights read once."""
-    if expert:
-        return {"expert_flop_s": 2 * rows * n * k, "expert_weight_s": n * k}
-    return {"flop_s": 2 * rows * n * k, "weight_s": n * k}
-
-
-def _merge(*parts: dict) -> dict:
-    out: dict = {}
-    for p in parts:
-        for k, v in p.items():
-            out[k] = out.get(k, 0.0) + v
-    return out
-
-
-def pre_units(d, t: float) -> dict:
+def pre_units(d, t: float) -> Counter:
     """Norm, QKV and RoPE of t tokens."""
     qkv = d.q + 2 * d.kv
-    return _merge(_gemm(t, qkv, d.D), {"elem_s": t * (3 * d.D + 3 * qkv)})
+    return _gemm(t, qkv, d.D) + Counter(elem_s=t * (3 * d.D + 3 * qkv))
 
 
-def post_units(d, t: float) -> dict:
+def post_units(d, t: float) -> Counter:
     """O, norm, router and the shared expert (or a dense layer's MLP) of t tokens."""
-    out = _merge(_gemm(t, d.D, d.q), _gemm(t, d.E, d.D), {"elem_s": t * (5 * d.D + 3 * d.E)})
     width = d.moe_frac * d.Is + (1 - d.moe_frac) * d.Id
-    if width:
-        out = _merge(out, _gemm(t, 3 * width, d.D), {"elem_s": t * (3 * width + 2 * d.D)})
-    return out
+    return (_gemm(t, d.D, d.q) + _gemm(t, d.E, d.D) + _gemm(t, 3 * width, d.D)
+            + Counter(elem_s=t * (5 * d.D + 3 * d.E + (3 * width + 2 * d.D if width else 0))))
 
 
-def ffn_units(d, t: float) -> dict:
+def ffn_units(d, t: float) -> Counter:
     """The routed experts of t tokens in one call: each touched expert's weights read once."""
-    per = 3 * d.I * d.D  # weight elements of one expert (gate and up, down)
-    return {"expert_flop_s": d.moe_frac * 2 * t * d.k * per,
-            "expert_weight_s": d.moe_frac * _experts_touched(d, t) * per,
-            "expert_call_s": d.moe_frac * _experts_touched(d, t),
-            "elem_s": d.moe_frac * t * d.k * (3 * d.D + 3 * d.I)}
+    from core.plan.hrm import expected_experts
+
+    per, e = 3 * d.I * d.D, expected_experts(t, d.E, d.k)  # weight elements of one expert; experts touched
+    return Counter(expert_flop_s=d.moe_frac * 2 * t * d.k * per, expert_weight_s=d.moe_frac * e * per,
+                   expert_call_s=d.moe_frac * e, elem_s=d.moe_frac * t * d.k * (3 * d.D + 3 * d.I))
 
 
-def attn_units(d, b: float, tokens: float) -> dict:
-    """Decode attention of b requests reading `tokens` cached tokens between them (each its own)."""
-    return {"kv_s": tokens * 2 * d.kv, "elem_s": b * 2 * d.kv}
-
-
-def head_units(d, tokens: float) -> dict:
+def head_units(d, tokens: float) -> Counter:
     """Final norm, LM head and sampling of `tokens` rows."""
-    return _merge(_gemm(tokens, d.V, d.D), {"elem_s": tokens * (4 * d.D + 2 * d.V)})
+    return _gemm(tokens, d.V, d.D) + Counter(elem_s=tokens * (4 * d.D + 2 * d.V))
 
 
 def prefill_chunk(d) -> int:
@@ -148,41 +113,28 @@ def prefill_chunk(d) -> int:
     return limits.prefill_chunk(d.D, d.q, d.kv, d.I, d.Is, d.Id, d.E, d.k)
 
 
-def prefill_attention_flops(d, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> float:
-    """FLOPs of one layer's causal attention over `prompts` prompts of `prompt_len` tokens (`prompt_sq`: the
-    mean of their squared lengths: a spread of lengths costs more than equal prompts of the same mean)."""
-    sq = prompt_sq if prompt_sq is not None else prompt_len * prompt_len
-    return 4 * prompts * ((sq + prompt_len) / 2) * d.heads * d.head_dim
-
-
-def prefill_units(d, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> dict:
-    """One layer of a prefill call: its tokens a chunk at a time (each chunk reads the experts again)."""
-    t = prompts * prompt_len
+def prefill_units(d, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> Counter:
+    """One layer of a prefill call: its tokens a chunk at a time (each chunk reads the experts again), and its
+    causal attention (`prompt_sq`: the mean squared prompt length: a spread costs more than equal prompts)."""
+    t, sq = prompts * prompt_len, prompt_sq if prompt_sq is not None else prompt_len * prompt_len
     chunk = prefill_chunk(d)
-    whole, rest = int(t // chunk), t - int(t // chunk) * chunk
-    ffn = _merge(*([{k: v * whole for k, v in ffn_units(d, chunk).items()}] + ([ffn_units(d, rest)] if rest else [])))
-    return _merge(pre_units(d, t), post_units(d, t), ffn, {"sdpa_flop_s": prefill_attention_flops(
-        d, prompts, prompt_len, prompt_sq), "prefill_tok_s": t, "task_s": 1.0})
+    whole, rest = int(t // chunk), t % chunk
+    ffn = Counter({k: v * whole for k, v in ffn_units(d, chunk).items()}) + (ffn_units(d, rest) if rest else Counter())
+    return pre_units(d, t) + post_units(d, t) + ffn + Counter(
+        sdpa_flop_s=4 * prompts * (sq + prompt_len) / 2 * d.heads * d.head_dim, prefill_tok_s=t, task_s=1.0)
 
 
-def decode_units(d, micro_batch: float, expert_batch: float, tokens: float) -> dict[str, dict]:
-    """Units of one task of each kind of a CPU-only decode layer (core.runtime.schedule's CPU chain):
-    `tokens` cached tokens read by the micro-batch's attention."""
-    one = {"task_s": 1.0}
-    return {"pre_attn": _merge(pre_units(d, micro_batch), one),
-            "cpu_attn": _merge(attn_units(d, micro_batch, tokens), one),
-            "post_attn": _merge(post_units(d, micro_batch), one),
-            "ffn": _merge(ffn_units(d, expert_batch), one)}
-
-
-def vec(parts: dict) -> list[float]:
-    return _u(**parts)
+def decode_units(d, micro_batch: float, expert_batch: float, tokens: float) -> dict[str, Counter]:
+    """One task of each kind of a CPU-only decode layer; `tokens`: cached tokens its attention reads."""
+    one = Counter(task_s=1.0)
+    return {"pre_attn": pre_units(d, micro_batch) + one,
+            "cpu_attn": Counter(kv_s=tokens * 2 * d.kv, elem_s=micro_batch * 2 * d.kv) + one,
+            "post_attn": post_units(d, micro_batch) + one, "ffn": ffn_units(d, expert_batch) + one}
 
 
 # ---- what core.plan.hrm asks -------------------------------------------------------------------------
 def read_tokens(c: CpuCosts, context: float, row_tokens: float | None = None, longest: float | None = None) -> float:
-    """Cached tokens decode attention reads per request: its own (the fused kernel reads them in place)."""
-    return context
+    return context  # decode attention reads each request's own cached tokens (the fused kernel, in place)
 
 
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,
@@ -200,12 +152,11 @@ def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq
 
 def head_seconds(d, c: CpuCosts, tokens: float) -> float:
     """Per step: final norm + LM head over `tokens` rows, sampling, and the step's own overhead."""
-    return seconds(c, vec(_merge(head_units(d, tokens), {"step_s": 1.0})))
+    return seconds(c, vec(head_units(d, tokens) + Counter(step_s=1.0)))
 
 
 def fresh_tokens(d, c: CpuCosts, t: float, prompt_len: float = 0.0) -> float:
-    """No token is priced apart for fresh memory: the fit's per-token prefill term holds it."""
-    return 0.0
+    return 0.0  # no token is priced apart for fresh memory: the per-token prefill term holds it
 
 
 # ---- the fit -----------------------------------------------------------------------------------------
@@ -213,8 +164,7 @@ def nnls(a: list[list[float]], b: list[float], iters: int = 200) -> list[float]:
     """x ≥ 0 minimising |a·x − b| (Lawson and Hanson's active set), in float64 through torch."""
     import torch
 
-    A = torch.tensor(a, dtype=torch.float64)  # [rows, n]
-    y = torch.tensor(b, dtype=torch.float64)  # [rows]
+    A, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)  # [rows, n], [rows]
     n = A.shape[1]
     x = torch.zeros(n, dtype=torch.float64)
     free = torch.zeros(n, dtype=torch.bool)  # the passive set: coefficients allowed to move
@@ -233,36 +183,31 @@ def nnls(a: list[list[float]], b: list[float], iters: int = 200) -> list[float]:
                 x = z
                 break
             neg = free & (z <= 0)  # step back to the boundary and drop what reached it
-            alpha = float((x[neg] / (x[neg] - z[neg])).min())
-            x = x + alpha * (z - x)
+            x = x + float((x[neg] / (x[neg] - z[neg])).min()) * (z - x)
             free &= x > 1e-12  # the columns are scaled to one: the solution is of order one
             x[~free] = 0.0
     return x.tolist()
 
 
-def fit(rows: list[tuple[list[float], float]], scale: list[float] | None = None) -> list[float]:
-    """Coefficients for (units, seconds) rows by NNLS, each row divided by its seconds (relative errors);
-    the units' columns scaled to one (`scale`: their typical size) so that the solver sees numbers near 1."""
+def fit(rows: list[tuple[list[float], float]]) -> list[float]:
+    """Coefficients for (units, seconds) rows by NNLS, each row divided by its seconds (relative errors) and each
+    column by its largest value (the solver sees numbers near one)."""
     rows = [(u, s) for u, s in rows if s > 0]
-    cols = scale or [max(1e-30, max(abs(u[i]) / s for u, s in rows)) for i in range(len(NAMES))]
-    a = [[u[i] / s / cols[i] for i in range(len(NAMES))] for u, s in rows]
-    x = nnls(a, [1.0] * len(rows))
+    cols = [max(1e-30, max(abs(u[i]) / s for u, s in rows)) for i in range(len(NAMES))]
+    x = nnls([[u[i] / s / cols[i] for i in range(len(NAMES))] for u, s in rows], [1.0] * len(rows))
     return [v / c for v, c in zip(x, cols)]
 
 
 def band_of(errors: list[float]) -> float:
-    """The band a prediction is quoted with: the largest relative error of the calibration's whole runs,
-    never under MIN_BAND."""
+    """A prediction's band: the largest relative error of the calibration's whole runs, at least MIN_BAND."""
     return max([MIN_BAND] + [abs(e) for e in errors])
 
 
 # ---- before any calibration --------------------------------------------------------------------------
-# A machine never calibrated: the probe's rates read at a share of the bandwidth, plus the engine's Python and
-# dispatch (CPU-bound, so they do not shrink with cores), as a calibration on two Zen 5 threads found them.
-DEFAULT_READ, DEFAULT_KV_READ, DEFAULT_SDPA = 0.45, 0.5, 0.5  # shares of the probe's bandwidth and matmul rate
-# experts in oneDNN's prepacked bf16 layout stream at 0.7 of the probe's bandwidth one row at a time (a GEMV; two
-# Zen 5 cores: 36 of 50.7 GB/s); stored narrower than the math (bf16 on AVX2) they are widened tile by tile: 0.2
-DEFAULT_PACKED_READ, DEFAULT_WIDEN_READ = 0.7, 0.2
+# Shares of the probe's bandwidth and matmul rate, and the engine's Python and dispatch (CPU-bound: they do not
+# shrink with cores), as calibrations on two Zen 5 threads found them. Prepacked bf16 experts stream at 0.7 one row
+# at a time (a GEMV: 36 of 50.7 GB/s); stored narrower than the math (bf16 on AVX2) they are widened tile by tile.
+DEFAULT_READ, DEFAULT_KV_READ, DEFAULT_SDPA, DEFAULT_PACKED_READ, DEFAULT_WIDEN_READ = 0.45, 0.5, 0.5, 0.7, 0.2
 DEFAULT_CALL = {"plain": 2.2e-6, "packed": 18e-6}  # per GEMM call (a prepacked weight dispatches through Python)
 DEFAULT_ELEM, DEFAULT_TASK, DEFAULT_STEP = 1.0e-9, 85e-6, 200e-6
 
@@ -303,21 +248,13 @@ def pick(entries: dict, d=None) -> CpuCosts | None:
 FINGERPRINT_MODULES = ("core.model.moe", "core.model.attention", "core.model.expert_choice")
 
 
-def _fingerprint_files() -> list[Path]:
-    """The files whose contents the fingerprint hashes (found without importing them: no torch here)."""
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of the kernels' sources (found without importing them: no torch here), torch's and mlight's versions."""
+    from importlib import metadata
     from importlib.util import find_spec
 
     from core.assets import HERE
-
-    files = sorted((HERE / "kernels").glob("*.c"))
-    files += sorted(Path(next(iter(find_spec("core.model.cpu").submodule_search_locations))).glob("*.py"))
-    return files + [Path(find_spec(m).origin) for m in FINGERPRINT_MODULES]
-
-
-@functools.lru_cache(maxsize=1)
-def code_fingerprint() -> str:
-    """A hash of what decides the CPU's speed besides the hardware: the kernels' sources, torch, mlight."""
-    from importlib import metadata
 
     h = hashlib.sha256(str(VERSION).encode())
     for dist in ("torch", "mlight"):
@@ -325,7 +262,9 @@ def code_fingerprint() -> str:
             h.update(f"{dist}={metadata.version(dist)};".encode())
         except metadata.PackageNotFoundError:
             h.update(f"{dist}=?;".encode())
-    for f in _fingerprint_files():
+    files = sorted((HERE / "kernels").glob("*.c"))
+    files += sorted(Path(next(iter(find_spec("core.model.cpu").submodule_search_locations))).glob("*.py"))
+    for f in files + [Path(find_spec(m).origin) for m in FINGERPRINT_MODULES]:
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -346,14 +285,6 @@ def read(hw) -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
-def write(hw, data: dict) -> Path:
-    from core.plan.hardware import _write_json
-
-    path = cache_path(hw)
-    _write_json(path, data)
-    return path
-
-
 def load(hw) -> dict[str, dict[str, dict]]:
     """This machine's calibrations: {math dtype: {model_key: costs dict}} ({} when never calibrated)."""
     try:
@@ -364,8 +295,10 @@ def load(hw) -> dict[str, dict[str, dict]]:
 
 def save(hw, costs: CpuCosts, runs: list | None = None) -> Path:
     """Add (or replace) the costs of `costs.math` on `costs.model`, keeping every other entry; `runs`: the
-    measured-against-predicted records kept beside them (core.runtime.fold_back), unchanged when None."""
-    data = read(hw)
-    known = load(hw)
+    measured-against-predicted records kept beside them (core.plan.cpu_history), unchanged when None."""
+    from core.plan.hardware import _write_json
+
+    data, known = read(hw), load(hw)
     known.setdefault(costs.math, {})[costs.model] = costs.to_dict()
-    return write(hw, {**data, "cpu": known, **({"runs": runs} if runs is not None else {})})
+    _write_json(cache_path(hw), {**data, "cpu": known, **({"runs": runs} if runs is not None else {})})
+    return cache_path(hw)

@@ -1,7 +1,5 @@
-"""This machine's CPU-only runs, measured beside predicted: kept in the calibration file (core.plan.cpu_cost),
-bounded, and what a prediction's text says backs it. A run outside its band widens the stored band to its error.
-
-Boundary: the cache file through cpu_cost.read/save; no engine.
+"""This machine's CPU-only runs, measured beside predicted, kept (bounded) in its calibration file (core.plan.cpu_cost):
+what a prediction's text says backs it. A run outside its band widens the stored band to its error; nothing else.
 """
 
 from __future__ import annotations
@@ -12,12 +10,6 @@ import time
 from core.plan import cpu_cost
 
 RUNS_MAX = 40  # runs kept per machine
-
-
-def model_key(spec) -> str:
-    from core.plan import hrm
-
-    return cpu_cost.model_key(hrm.dims(spec))
 
 
 def runs(hw, model: str | None = None) -> list[dict]:
@@ -39,6 +31,7 @@ def record(hw, costs, *, predicted: float, measured: float, batch=()) -> dict:
 
 
 def summary(entries: list[dict]) -> dict:
+    """How many runs, their last errors and their spread (measured / predicted - 1)."""
     errors = [r["error"] for r in entries]
     return {"entries": len(entries), "runs": len(entries), "errors": errors[-5:],
             "spread": [min(errors), max(errors)] if errors else []}
@@ -46,13 +39,14 @@ def summary(entries: list[dict]) -> dict:
 
 def behind(hw, spec) -> dict:
     """What backs a CPU-only prediction of `spec` on `hw`: its runs here (summary)."""
-    return summary(runs(hw, model_key(spec)))
+    from core.plan import hrm
+
+    return summary(runs(hw, cpu_cost.model_key(hrm.dims(spec))))
 
 
 def spread_words(h: dict) -> str:
     """One line on the runs behind a prediction, or "" when there are none."""
-    lo, hi = (h.get("spread") or [None, None])[:2]
-    if lo is None:
+    if not h.get("spread"):
         return ""
-    n = h["runs"]
+    (lo, hi), n = h["spread"], h["runs"]
     return f"{n} run{'s' if n != 1 else ''} here read {lo:+.0%} to {hi:+.0%} of predicted"

@@ -1,5 +1,5 @@
-"""Names for a CPU speed measured now (HardwareSpec.cpu_speed). A calibration is no longer stamped with one, so
-nothing asks for a measurement: core.plan.hardware.with_speed finds no stamp and leaves the machine as it is."""
+"""Names for a CPU speed measured now (HardwareSpec.cpu_speed). Calibrations carry no speed stamp any more, so
+core.plan.hardware.with_speed measures nothing and CpuCosts.at_speed leaves the costs as calibrated."""
 
 
 def key(math: str, threads: int | None) -> str:
@@ -7,4 +7,4 @@ def key(math: str, threads: int | None) -> str:
 
 
 def measure(math: str, threads: int | None = None) -> float:
-    return 0.0  # unknown: CpuCosts.at_speed leaves the costs as calibrated
+    return 0.0

@@ -1,13 +1,8 @@
 """Predicted next to measured, as a run goes: the core side of "a prediction shown to a user is a promise".
 
-`RunSums` is the one accumulator of a run's step events: an event sink adding up the engine's own figures
-(decode tokens and seconds, busy seconds by resource, prefill tokens, finished requests), nothing per step, and
-forwarding every event. `Tracker(prediction)` keeps one and answers `comparison()` at any time: measured tokens/s
-end to end and in decode beside the planner's, each resource's busy time per decode layer beside the HRM's, the
-relative error, and `parted` once enough steps were seen and the rates part by more than `warn_at` (the
-prediction's band, else 25 %: what the app warns at). `mlight bench` prints the same comparison;
-core.runtime.fold_back records it.
-
+`RunSums` is the one accumulator of a run's step events (sums only, every event forwarded); `Tracker` is one
+that also compares: measured tokens/s and each resource's busy time per decode layer beside the planner's, and
+`parted` once enough steps were seen and the rates part by more than the prediction's band (else WARN_AT).
 Boundary: plain arithmetic over events; no clock of its own (the events carry their seconds), no I/O.
 """
 
@@ -25,12 +20,10 @@ class RunSums:
     """An EventSink keeping a run's sums, forwarding every event to `forward`."""
 
     def __init__(self, forward: EventSink = ignore):
-        self.forward = forward
-        self.seconds = 0.0  # every step's
+        self.forward, self.seconds = forward, 0.0  # every step's seconds
         self.decode_steps, self.decode_tokens, self.decode_seconds = 0, 0, 0.0
         self.busy = {r: 0.0 for r in RESOURCES}  # decode busy seconds by resource
-        self.prefill = 0.0  # prefill busy seconds (the CPU's compute)
-        self.prefill_tokens = 0
+        self.prefill, self.prefill_tokens = 0.0, 0  # prefill busy seconds (the CPU's compute) and tokens
         self.active = 0  # most requests in flight in a step: the batch the run ran at
         self.requests = self.prompt_tokens = self.output_tokens = self.longest_prompt = 0
 
@@ -67,8 +60,7 @@ class Comparison:
     layer_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)  # resource -> (predicted, measured)
 
     @property
-    def message(self) -> str:
-        """One line for a status bar: "measured 512 tok/s vs 498 predicted (+3 %)"."""
+    def message(self) -> str:  # one line for a status bar: "measured 512 tok/s vs 498 predicted (+3 %)"
         if self.error is None:
             return f"predicted {self.predicted_decode_tokens_per_s:,.0f} tok/s in decode; measuring…"
         text = (f"decode: measured {self.measured_decode_tokens_per_s:,.0f} tok/s vs "
@@ -77,8 +69,6 @@ class Comparison:
 
 
 class Tracker(RunSums):
-    """`warn_at`: by default the prediction's band where it has one (a run outside it asks for a calibration)."""
-
     def __init__(self, prediction, num_layers: int, warn_at: float | None = None, forward: EventSink = ignore):
         super().__init__(forward)
         self.prediction, self.layers = prediction, num_layers
@@ -90,7 +80,7 @@ class Tracker(RunSums):
         e2e = (self.decode_tokens + self.requests) / self.seconds if self.seconds else 0.0
         enough = self.decode_steps >= MIN_DECODE_STEPS and p.decode_tokens_per_s
         error = dec / p.decode_tokens_per_s - 1 if enough else None
-        steps = max(1, self.decode_steps) * self.layers
-        layer = {r: (p.layer_seconds.get(r, 0.0), self.busy[r] / steps) for r in RESOURCES}
+        layer = {r: (p.layer_seconds.get(r, 0.0), self.busy[r] / (max(1, self.decode_steps) * self.layers))
+                 for r in RESOURCES}
         return Comparison(p.tokens_per_s, e2e, p.decode_tokens_per_s, dec, self.decode_steps, error,
                           error is not None and abs(error) > self.warn_at, layer)

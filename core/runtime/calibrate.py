@@ -1,33 +1,28 @@
-"""Measure this machine's CPU cost model (core.plan.cpu_cost): run the engine itself over a few shapes, time
-every task and step, and fit the twelve coefficients to them at once (cpu_cost.fit).
-
-The shapes (`SHAPES`) span what the planner chooses among — micro-batches of 2 to 64 requests, prompts of
-MT-Bench's mean and three times it — so that each coefficient has rows that move it: GEMMs' rows against their
-weights, attention's tokens against its rows, prefill's tokens against its attention. The run stops adding
-shapes once it has taken `BUDGET_S` (a large model fits fewer), and each shape's steps are its rows: per task
-kind the units its micro-batches did (cpu_cost.decode_units, prefill_units) against the seconds its tasks took,
-and the step's span beyond its tasks against the head and the per-step terms.
-
-`calibrate` returns the costs with their band: the largest relative error of a whole shape's run under the fit.
+"""Measure this machine's CPU cost model (core.plan.cpu_cost): run the engine itself over shapes that span what
+the planner chooses among (micro-batches of 2 to 32, prompts of MT-Bench's mean and three times it), while under
+`BUDGET_S`; time every task and step, and fit the twelve coefficients to all of them at once: per task kind, the
+units a step's micro-batches did against its tasks' seconds; its span beyond them against the LM head and the
+per-step terms. The band: the largest relative error of a whole shape's run under the fit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter, defaultdict
+from typing import NamedTuple
 
 from core.plan import cpu_cost, hrm
 from core.plan.cpu_cost import CpuCosts
 from core.telemetry import EventSink, Progress, StepDone, ignore
 
 # (requests, micro-batch, mean prompt tokens) of each shape, each request to GEN tokens; smallest first
-SHAPES = ((8, 2, 77), (16, 8, 231), (32, 32, 77), (64, 16, 231), (128, 64, 77))
+SHAPES = ((8, 2, 77), (16, 8, 231), (32, 32, 77), (64, 16, 154))
 GEN = 8
-BUDGET_S = 45.0  # the shapes' runs, beside the warm-up: under a minute on two cores with the demo model
+BUDGET_S = 40.0  # the shapes' runs, beside the warm-up: under a minute on two cores with the demo model
 
 
-@dataclasses.dataclass
-class RunStep:
+class RunStep(NamedTuple):
     """One step of a run: its span (from the previous step's end), its tasks' seconds by kind, and per
     micro-batch each request's cached tokens after the step (decode) or prompt tokens (prefill)."""
 
@@ -40,75 +35,47 @@ class RunStep:
 def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: int = GEN,
               clock=time.perf_counter) -> list[RunStep]:
     """Run `prompts` through `engine.generate` at `batch`/`micro_batch`, each to `gen` tokens, and time
-    every step and its tasks by kind."""
+    every step and its tasks by kind (StepClock), with what each step held."""
     from core.runtime.engine import Request
 
-    steps: list[RunStep] = []
-    kinds: dict[str, float] = {}
-    pending: dict = {}
+    held: list = []
     make = engine.runner
 
-    def runner(slots, micro_batch_size, max_tokens, on_event=ignore):
-        rn = make(slots, micro_batch_size, max_tokens, on_event)
-        run, dec, pre = rn._run, rn.decode, rn.prefill
-
-        def timed(task):
-            t = clock()
-            try:
-                run(task)
-            finally:
-                kinds[task.kind] = kinds.get(task.kind, 0.0) + clock() - t
-
-        def decode(tokens, slot_ids, positions):
-            pending.update(kind="decode", groups=[[p + 1 for p in g] for g in positions])
-            return dec(tokens, slot_ids, positions)
-
-        def prefill(ps, slot_ids, mbs):
-            pending.update(kind="prefill", groups=[[len(ps[i]) for i in g] for g in mbs])
-            return pre(ps, slot_ids, mbs)
-
-        rn._run, rn.decode, rn.prefill = timed, decode, prefill
+    def runner(*a, **kw):
+        rn = make(*a, **kw)
+        dec, pre = rn.decode, rn.prefill
+        rn.decode = lambda tokens, slots, positions: held.append(("decode", [[p + 1 for p in g] for g in positions])) \
+            or dec(tokens, slots, positions)
+        rn.prefill = lambda ps, slots, mbs: held.append(("prefill", [[len(ps[i]) for i in g] for g in mbs])) \
+            or pre(ps, slots, mbs)
         return rn
-
-    last = [clock()]
-
-    def sink(e):
-        if isinstance(e, StepDone) and pending:
-            now = clock()
-            steps.append(RunStep(seconds=now - last[0], tasks=dict(kinds), **pending))
-            last[0] = now
-            kinds.clear(), pending.clear()
 
     reqs = [Request(id=str(i), prompt=p, max_new_tokens=gen) for i, p in enumerate(prompts)]
     eos, engine.eos_ids = engine.eos_ids, set()  # random weights may emit EOS early: every request runs to `gen`
     engine.runner = runner
+    sink = StepClock(engine, clock, by_kind=True)
     try:
-        last[0] = clock()
         for _ in engine.generate(reqs, batch_size=batch, micro_batch_size=micro_batch, on_event=sink):
             pass
     finally:
         engine.eos_ids, engine.runner = eos, make
-    return steps
+    return [RunStep(kind, span, kinds, groups) for (kind, groups), span, kinds in zip(held, sink.spans, sink.kinds)]
 
 
 def step_rows(d, L: int, s: RunStep, group: int = 1) -> list[tuple[list[float], float]]:
     """A step's (units, seconds) rows: one per task kind (all its tasks in the step), one for the rest of its
     span (the LM head and the per-step terms); `group`: micro-batches per expert batch."""
-    rows: dict[str, dict] = {}
-    tokens = sum(len(g) for g in s.groups)
-    if s.kind == "decode":
-        for j in range(0, len(s.groups), group):
-            eb = sum(len(g) for g in s.groups[j:j + group])
-            for g in s.groups[j:j + group]:
-                for k, u in cpu_cost.decode_units(d, len(g), eb, sum(g)).items():
-                    if k != "ffn" or g is s.groups[j]:  # one experts task per expert batch
-                        rows[k] = cpu_cost._merge(rows.get(k, {}), {n: v * L for n, v in u.items()})
-    else:
-        for g in s.groups:
-            u = cpu_cost.prefill_units(d, len(g), sum(g) / len(g), sum(x * x for x in g) / len(g))
-            rows["prefill"] = cpu_cost._merge(rows.get("prefill", {}), {n: v * L for n, v in u.items()})
-    rest = cpu_cost._merge(cpu_cost.head_units(d, tokens), {"step_s": 1.0, "wave_s": float(s.kind == "prefill")})
-    out = [(cpu_cost.vec(u), s.tasks.get(k, 0.0)) for k, u in rows.items()]
+    rows: dict[str, Counter] = defaultdict(Counter)
+    for j in range(0, len(s.groups), group if s.kind == "decode" else 1):
+        eb = sum(len(g) for g in s.groups[j:j + group])
+        for g in s.groups[j:j + group] if s.kind == "decode" else [s.groups[j]]:
+            units = (cpu_cost.decode_units(d, len(g), eb, sum(g)) if s.kind == "decode" else
+                     {"prefill": cpu_cost.prefill_units(d, len(g), sum(g) / len(g), sum(x * x for x in g) / len(g))})
+            for k, u in units.items():
+                if k != "ffn" or g is s.groups[j]:  # one experts task per expert batch
+                    rows[k] += u
+    rest = cpu_cost.head_units(d, sum(map(len, s.groups))) + Counter(step_s=1.0, wave_s=float(s.kind == "prefill"))
+    out = [([L * x for x in cpu_cost.vec(u)], s.tasks.get(k, 0.0)) for k, u in rows.items()]
     return out + [(cpu_cost.vec(rest), s.seconds - sum(s.tasks.values()))]
 
 
@@ -135,15 +102,12 @@ def calibrate(engine, *, progress: EventSink = ignore, clock=time.perf_counter, 
         runs.append(((n, mb, mean), run_steps(engine, shape_prompts(engine, n, mean), batch=n, micro_batch=mb,
                                               clock=clock)))
     rows = [r for _, steps in runs for s in steps for r in step_rows(d, L, s, group)]
-    coef = cpu_cost.fit(rows)
-    costs = CpuCosts(math=engine.cpu.math, **dict(zip(cpu_cost.NAMES, coef)), threads=engine.threads.threads,
+    fitted = dict(zip(cpu_cost.NAMES, cpu_cost.fit(rows)))
+    # each shape's whole run under the fit, as a prediction of it would be
+    errors = [sum(sum(a * b for a, b in zip(fitted.values(), u)) for s in steps for u, _ in step_rows(d, L, s, group))
+              / sum(s.seconds for s in steps) - 1 for _, steps in runs]
+    costs = CpuCosts(math=engine.cpu.math, **fitted, band=cpu_cost.band_of(errors), threads=engine.threads.threads,
                      model=cpu_cost.model_key(d), model_bytes=d.total_bytes)
-    errors = []
-    for shape, steps in runs:  # each shape's whole run under the fit, as a prediction of it would be
-        got = sum(s.seconds for s in steps)
-        want = sum(cpu_cost.seconds(costs, u) for s in steps for u, _ in step_rows(d, L, s, group))
-        errors.append(want / got - 1 if got > 0 else 0.0)
-    costs = dataclasses.replace(costs, band=cpu_cost.band_of(errors))
     if notes is not None:
         notes.update(shapes=[{"requests": s[0], "micro_batch": s[1], "prompt_mean": s[2], "error": e,
                               "seconds": sum(x.seconds for x in st)} for (s, st), e in zip(runs, errors)],
@@ -154,17 +118,17 @@ def calibrate(engine, *, progress: EventSink = ignore, clock=time.perf_counter, 
 
 class StepClock:
     """An event sink keeping an engine's StepDone events with `clock`'s seconds: the clock's time between
-    consecutive events is the step's, and the busy seconds by resource are timed around every task (with the
-    wall clock the executor's own). `spans[i]`: step i's seconds, the engine's work between steps included."""
+    consecutive events is the step's (`spans`, the engine's work between steps included), and with another
+    clock than the wall's (or `by_kind`: `kinds`, each step's task seconds by task kind) every task is timed."""
 
-    def __init__(self, engine, clock=time.perf_counter, forward: EventSink = ignore):
-        self.clock, self.forward, self.busy = clock, forward, {}
-        self.steps: list = []
-        self.spans: list[float] = []
-        self._last = clock()
-        if clock is not time.perf_counter:
+    def __init__(self, engine, clock=time.perf_counter, forward: EventSink = ignore, by_kind: bool = False):
+        self.clock, self.forward, self.wall = clock, forward, clock is time.perf_counter
+        self.steps, self.spans, self.kinds = [], [], []  # per step: its event, its span, its seconds by task kind
+        self.busy, self.kind = {}, {}  # the step's so far: by resource, by task kind
+        if by_kind or not self.wall:
             make = engine.runner
             engine.runner = lambda *a, **kw: self._install(make(*a, **kw))
+        self._last = clock()
 
     def _install(self, runner):
         run = runner._run
@@ -174,7 +138,9 @@ class StepClock:
             try:
                 run(task)
             finally:
-                self.busy[task.resource] = self.busy.get(task.resource, 0.0) + self.clock() - t
+                dt = self.clock() - t
+                self.busy[task.resource] = self.busy.get(task.resource, 0.0) + dt
+                self.kind[task.kind] = self.kind.get(task.kind, 0.0) + dt
 
         runner._run = timed
         return runner
@@ -182,10 +148,10 @@ class StepClock:
     def __call__(self, e) -> None:
         if isinstance(e, StepDone):
             now = self.clock()
-            if self.clock is not time.perf_counter:
+            if not self.wall:
                 e = dataclasses.replace(e, seconds=now - self._last, busy=self.busy)
-                self.busy = {}
             self.spans.append(now - self._last)
-            self._last = now
+            self.kinds.append(self.kind)
+            self._last, self.busy, self.kind = now, {}, {}
             self.steps.append(e)
         self.forward(e)

@@ -1,8 +1,5 @@
-"""A measured CPU-only run recorded beside its prediction (core.plan.cpu_history): measured against predicted
-decode tokens/s, kept per machine. Nothing is refitted: the coefficients change only when `mlight bench
---calibrate` measures them again, so the same plan is made tomorrow; a run outside its prediction's band
-widens the band (a band that a run left said less than it knew).
-
+"""A measured CPU-only run recorded beside its prediction (core.plan.cpu_history). Nothing is refitted: the
+coefficients change only when `mlight bench --calibrate` measures them again, so the same plan is made tomorrow.
 Only runs the calibration describes are recorded: CPU-only, unquantized, one process, enough decode steps.
 """
 
@@ -25,40 +22,35 @@ def foldable(engine) -> bool:
     """A run the CPU calibration describes: CPU-only, unquantized, one process."""
     from core.plan import hrm
 
-    c = getattr(engine, "config", None)
-    if c is None or getattr(engine, "tp", None) is not None:
-        return False
-    d = hrm.dims(engine.spec)
-    return (getattr(c, "device", "") == "cpu" and getattr(c, "ffn_on", "") == "cpu"
-            and getattr(c, "attention_on", "cpu") == "cpu" and d.qkind == "none" and d.dense_qkind == "none")
+    c, d = getattr(engine, "config", None), hrm.dims(engine.spec)
+    return (c is not None and getattr(engine, "tp", None) is None and getattr(c, "device", "") == "cpu"
+            and getattr(c, "ffn_on", "") == "cpu" and getattr(c, "attention_on", "cpu") == "cpu"
+            and d.qkind == "none" and d.dense_qkind == "none")
 
 
 def fold_back(engine, meter: RunSums, micro_batch: int, hw=None) -> dict | None:
     """Record the run `meter` watched beside its prediction; cpu_history.record's summary, or None when the
     run is not one to record or recording failed: it runs after a finished run's results are saved, and
     bookkeeping must never turn that run into a failed one."""
-    try:
-        return _fold_back(engine, meter, micro_batch, hw)
-    except Exception:  # noqa: BLE001 - a cache that cannot be written or read, a model the planner refuses, ...
-        return None
-
-
-def _fold_back(engine, meter: RunSums, micro_batch: int, hw) -> dict | None:
-    from core.plan import cpu_history, hrm
+    from core.plan import cpu_cost, cpu_history, hrm
     from core.plan.hardware import cached_probe
     from core.plan.planner import Workload, predict
 
-    if meter.decode_steps < MIN_DECODE_STEPS or not meter.requests or not meter.decode_seconds or not foldable(engine):
+    try:
+        if meter.decode_steps < MIN_DECODE_STEPS or not meter.requests or not meter.decode_seconds \
+                or not foldable(engine):
+            return None
+        hw = hw if hw is not None else cached_probe()
+        costs = hrm.effective_rates(hw, engine.spec.dtype, engine.spec).cpu_costs if hw is not None else None
+        if costs is None or not costs.measured or costs.model != cpu_cost.model_key(hrm.dims(engine.spec)):
+            return None  # never calibrated on this model: nothing to hold the prediction to
+        prompt = max(1, round(meter.prompt_tokens / meter.requests))
+        work = Workload(prompt_len=prompt, gen_len=max(1, round(meter.output_tokens / meter.requests)),
+                        max_prompt_len=max(prompt, meter.longest_prompt), num_requests=meter.requests)
+        policy = cpu_policy(meter.active or micro_batch, micro_batch, getattr(engine.config, "expert_group", 1))
+        p = predict(policy, engine.spec, hw, work)
+        return cpu_history.record(hw, costs, predicted=p.decode_tokens_per_s,
+                                  measured=meter.decode_tokens / meter.decode_seconds,
+                                  batch=(policy.batch_size, policy.micro_batch_size))
+    except Exception:  # noqa: BLE001 - a cache that cannot be written or read, a model the planner refuses, ...
         return None
-    hw = hw if hw is not None else cached_probe()
-    costs = hrm.effective_rates(hw, engine.spec.dtype, engine.spec).cpu_costs if hw is not None else None
-    if costs is None or not costs.measured or costs.model != cpu_history.model_key(engine.spec):
-        return None  # never calibrated on this model: nothing to hold the prediction to
-    prompt = max(1, round(meter.prompt_tokens / meter.requests))
-    work = Workload(prompt_len=prompt, gen_len=max(1, round(meter.output_tokens / meter.requests)),
-                    max_prompt_len=max(prompt, meter.longest_prompt), num_requests=meter.requests)
-    policy = cpu_policy(meter.active or micro_batch, micro_batch, getattr(engine.config, "expert_group", 1))
-    p = predict(policy, engine.spec, hw, work)
-    return cpu_history.record(hw, costs, predicted=p.decode_tokens_per_s,
-                              measured=meter.decode_tokens / meter.decode_seconds,
-                              batch=(policy.batch_size, policy.micro_batch_size))
