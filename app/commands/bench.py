@@ -16,13 +16,13 @@ import json
 import time
 from typing import TYPE_CHECKING
 
+from core.plan.policy import SCHEDULES  # torch-free: `mlight bench --help` loads no torch
 from core.telemetry import RESOURCES
 
 if TYPE_CHECKING:  # imported where it runs: `mlight bench --help` must not load torch
     from core.runtime.engine import Engine
 
 EXECUTORS = ("sequential", "threaded", "cuda")
-SCHEDULES = ("cgopipe", "s3", "s4")  # core.runtime.engine.SCHEDULES, without importing torch for --help
 
 
 def add_parser(sub):

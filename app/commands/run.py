@@ -21,11 +21,11 @@ from core.io.prompts import FORMATS, STDIN, PromptSet, read_prompts, reject_line
 from core.io.results import output_format
 from core.io.runstore import RunStore, finish_run, model_fingerprint, prepare_requests, run_pending
 from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
+from core.plan.policy import SCHEDULES
 from core.telemetry import Progress, WarningEvent
 
 EXECUTORS = ("sequential", "threaded", "cuda")
 BATCH = 64  # requests in flight when neither --batch nor a memory budget says otherwise
-SCHEDULES = ("cgopipe", "s3", "s4")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

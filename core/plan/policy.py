@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 PLACES = ("cpu", "gpu")
+SCHEDULES = ("cgopipe", "s3", "s4")  # the decode schedules core.runtime.schedule builds (CGOPipe, FlexGen's S3, S4)
 
 
 @dataclass(frozen=True)
