@@ -83,7 +83,8 @@ def expert_split(gpu_weight_fraction: float, num_layers: int, num_experts: int, 
     evenly, the earlier of those layers taking the remainder; the layers in `dense` (a dense MLP, no
     experts: DeepSeek's and GLM's first layers) get 0. The runtime keeps these and streams the rest;
     the planner counts the same (the streaming buffer holds the most any layer streams)."""
-    moe = [i for i in range(num_layers) if i not in set(dense)]
+    dense = set(dense)
+    moe = [i for i in range(num_layers) if i not in dense]
     total = int(gpu_weight_fraction * len(moe) * num_experts + 0.5)
     base, extra = divmod(min(total, len(moe) * num_experts), max(1, len(moe)))
     out = [0] * num_layers
