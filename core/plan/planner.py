@@ -323,7 +323,7 @@ def _predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
     pinned *= k
     # a run whose requests are not a multiple of the batch ends with a smaller wave, whose steps carry the same
     # per-step and per-layer costs for fewer tokens: 256 requests at 228 ran 19-35 % under the decode speed full
-    # waves of 228 predict (the demo, two Zen 4 threads; bench/RESULTS.md, issue 11, ninth session)
+    # waves of 228 predict (the demo, two Zen 4 threads)
     last_prefill, last_step = (last.prefill_seconds, last.step_seconds) if last else (0.0, 0.0)
     seconds = full * total + last_prefill + (n - 1) * last_step
     decode_s = (n - 1) * (full * step + last_step)
