@@ -90,12 +90,3 @@ def simulate_decode(model: ModelSpec, hardware: HardwareSpec, policy: Policy, co
     tasks = schedule.for_policy(policy, model.num_layers, schedule_name)
     host = hrm.host_task_seconds(hrm.effective_rates(hardware)) if policy.ffn_on == "gpu" else None
     return replay(tasks, decode_costs(model, hardware, policy, context), host)
-
-
-def simulate_prefill(model: ModelSpec, hardware: HardwareSpec, policy: Policy, prompt_len: float) -> Timeline:
-    costs = hrm.prefill_tasks(model, hrm.effective_rates(hardware, model.dtype, model), prompt_len=prompt_len, **_common(policy))
-    tasks = schedule.prefill(num_layers=model.num_layers, num_micro_batches=policy.num_micro_batches,
-                             pages_per_layer=policy.pages_per_layer, ffn_on=policy.ffn_on,
-                             streamed=policy.gpu_weight_fraction < 1.0)
-    host = hrm.host_task_seconds(hrm.effective_rates(hardware)) if policy.ffn_on == "gpu" else None
-    return replay(tasks, {k: c.seconds for k, c in costs.items()}, host)
