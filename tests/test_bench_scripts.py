@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from app.cli import main
 from checkpoints import FAMILIES
 
@@ -70,6 +72,7 @@ def test_mlight_bench_prints_measured_and_predicted(capsys, demo_model):
         assert r["predicted"]["decode_tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_prediction_puts_measured_beside_predicted_with_its_band(capsys, demo_model):
     import prediction
 
@@ -80,3 +83,20 @@ def test_prediction_puts_measured_beside_predicted_with_its_band(capsys, demo_mo
     for r in report["rows"]:
         assert r["measured"] > 0 and r["predicted"] > 0 and r["band"] > 0
         assert r["inside"] == (abs(r["measured"] / r["predicted"] - 1) <= r["band"])
+
+
+@pytest.mark.slow
+def test_mlight_bench_calibrates_then_quotes_its_band(capsys, demo_model):
+    """`--calibrate` fits the CPU cost model, then the CPU-only run's prediction carries its band and the run is
+    recorded beside it (the JSON keys of docs/CONTRACTS.md)."""
+    code = main(["bench", "--calibrate", "--requests", "16", "--gen-len", "10", "--batch", "8", "--micro-batch", "4",
+                 "--threads", "1", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    cal = report["calibration"]
+    assert cal["costs"]["measured"] and cal["costs"]["band"] >= 0.05 and cal["this_calibration"] == cal["costs"]
+    assert [s["requests"] for s in cal["run"]["shapes"]][:2] == [8, 16] and "history" in cal
+    (run,) = report["runs"]
+    p = run["predicted"]
+    assert p["calibrated"] and p["band"] >= cal["costs"]["band"] and p["tokens_per_s_last_calibration_alone"] > 0
+    assert run["folded_back"]["runs"] == 1 and run["folded_back"]["ratios"]["decode"] > 0

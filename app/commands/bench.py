@@ -98,7 +98,7 @@ def _calibrate(model, args) -> dict:
     """Fit the CPU cost model with a CPU-only engine of `model`; cache it for this machine."""
     import sys
 
-    from core.plan import cpu_cost
+    from core.plan import cpu_cost, cpu_history
     from core.plan.hardware import detect
     from core.runtime.calibrate import calibrate
     from core.runtime.engine import Engine
@@ -117,8 +117,10 @@ def _calibrate(model, args) -> dict:
         engine.close()
     if not args.json and sys.stderr.isatty():
         print(file=sys.stderr)
-    path = cpu_cost.save(detect(), costs)
-    out = {"path": str(path), "seconds": time.perf_counter() - t0, "costs": costs.to_dict(), "run": notes}
+    hw = detect()
+    path = cpu_cost.save(hw, costs)
+    out = {"path": str(path), "seconds": time.perf_counter() - t0, "costs": costs.to_dict(), "run": notes,
+           "this_calibration": costs.to_dict(), "history": cpu_history.behind(hw, engine.spec)}
     if not args.json:
         print(f"calibrated the CPU cost model ({costs.math} math, {costs.threads} thread"
               f"{'s' if costs.threads != 1 else ''}) in {out['seconds']:.0f} s, band ± {costs.band:.0%}: {path}")
@@ -217,7 +219,8 @@ def _predict(engine, name: str, args, reqs) -> dict | None:
            "simulated_step_seconds": sim.makespan, "bottleneck": pred.bottleneck,
            "bottleneck_text": pred.bottleneck_text}
     if not on_gpu:
-        out.update(band=pred.band, history=cpu_history.behind(hw, engine.spec))
+        out.update(band=pred.band, history=cpu_history.behind(hw, engine.spec),
+                   tokens_per_s_last_calibration_alone=pred.tokens_per_s)  # no history moves the model any more
     return out
 
 

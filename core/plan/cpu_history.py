@@ -14,8 +14,7 @@ RUNS_MAX = 40  # runs kept per machine
 
 def runs(hw, model: str | None = None) -> list[dict]:
     """The runs recorded on this machine (of `model`, a model_key, when given), oldest first."""
-    got = cpu_cost.read(hw).get("runs") or []
-    return [r for r in got if isinstance(r, dict) and (model is None or r.get("model") == model)]
+    return [r for r in cpu_cost.read(hw).get("runs") or [] if isinstance(r, dict) and model in (None, r.get("model"))]
 
 
 def record(hw, costs, *, predicted: float, measured: float, batch=()) -> dict:
@@ -27,7 +26,8 @@ def record(hw, costs, *, predicted: float, measured: float, batch=()) -> dict:
     if abs(error) > costs.band:
         costs = dataclasses.replace(costs, band=abs(error))
     cpu_cost.save(hw, costs, runs=kept)
-    return {**summary([r for r in kept if r["model"] == costs.model]), "band": costs.band, "error": error}
+    return {**summary([r for r in kept if r["model"] == costs.model]), "band": costs.band, "error": error,
+            "ratios": {"decode": measured / predicted if predicted > 0 else 0.0}}
 
 
 def summary(entries: list[dict]) -> dict:
