@@ -180,11 +180,13 @@ def test_the_tracker_parts_outside_the_predictions_band():
 
 def test_calibration_fits_a_real_engine_and_its_band_covers_its_shapes(checkpoint_factory):
     """A tiny checkpoint's calibration: every coefficient non-negative, each shape's run within the band."""
+    from core.io.workloads import build_prompts, target_lengths
     from core.runtime.engine import Engine
 
     engine = Engine.load(checkpoint_factory("mixtral"), device="cpu", threads=1)
     notes: dict = {}
-    costs = cal.calibrate(engine, shapes=((4, 2, 12), (8, 8, 30)), notes=notes)
+    prompts = lambda n, mean: build_prompts(engine.tokenizer, target_lengths(n, mean=mean, max_len=2 * mean))  # noqa
+    costs = cal.calibrate(engine, prompts, shapes=((4, 2, 12), (8, 8, 30)), notes=notes)
     assert costs.measured and min(costs.coefficients) >= 0 and costs.task_s > 0
     assert [s["requests"] for s in notes["shapes"]] == [4, 8, 8]  # the second shape again: the noise
     assert all(abs(s["error"]) <= costs.band for s in notes["shapes"]) and abs(notes["noise"]) <= costs.band

@@ -112,7 +112,8 @@ def _calibrate(model, args) -> dict:
     t0 = time.perf_counter()
     notes: dict = {}
     try:
-        costs = calibrate(engine, progress=show, clock=_clock(args), notes=notes)
+        costs = calibrate(engine, lambda n, mean: _prompts(engine, n, mean), progress=show, clock=_clock(args),
+                          notes=notes)
     finally:
         engine.close()
     if not args.json and sys.stderr.isatty():
@@ -125,6 +126,16 @@ def _calibrate(model, args) -> dict:
         print(f"calibrated the CPU cost model ({costs.math} math, {costs.threads} thread"
               f"{'s' if costs.threads != 1 else ''}) in {out['seconds']:.0f} s, band ± {costs.band:.0%}: {path}")
     return out
+
+
+def _prompts(engine, n: int, mean: int) -> list[str]:
+    """n MT-Bench-like prompts of `mean` tokens on average for the calibration (another seed than the bench's)."""
+    from core.io.workloads import build_prompts, target_lengths
+    from core.runtime.calibrate import GEN
+
+    cap = engine.context_length - GEN - 1
+    return build_prompts(engine.tokenizer, target_lengths(n, mean=min(mean, cap), max_len=min(cap, mean * 418 // 77)),
+                         seed=1)
 
 
 def _clock(args):

@@ -78,29 +78,21 @@ def step_rows(d, L: int, s: RunStep, group: int = 1) -> list[tuple[list[float], 
     return out + [(cpu_cost.vec(rest), s.seconds - sum(s.tasks.values()))]
 
 
-def shape_prompts(engine, n: int, mean: int, seed: int = 1) -> list[str]:
-    """n MT-Bench-like prompts of `mean` tokens on average (a log-normal spread, within the context)."""
-    from core.io.workloads import build_prompts, target_lengths
-
-    cap = engine.context_length - GEN - 1
-    return build_prompts(engine.tokenizer, target_lengths(n, mean=min(mean, cap), max_len=min(cap, mean * 418 // 77)),
-                         seed=seed)
-
-
-def calibrate(engine, *, progress: EventSink = ignore, clock=time.perf_counter, budget_s: float = BUDGET_S,
+def calibrate(engine, prompts, *, progress: EventSink = ignore, clock=time.perf_counter, budget_s: float = BUDGET_S,
               shapes=SHAPES, notes: dict | None = None) -> CpuCosts:
-    """This machine's CPU cost model for `engine`'s model, kernels and threads (see the module's doc)."""
+    """This machine's CPU cost model for `engine`'s model, kernels and threads (see the module's doc); `prompts(n,
+    mean)`: n prompts of `mean` tokens on average (MT-Bench-like: core.io.workloads, above this package)."""
     d, L, group = hrm.dims(engine.spec), engine.spec.num_layers, max(1, getattr(engine.config, "expert_group", 1))
-    run_steps(engine, shape_prompts(engine, 4, 77, seed=2), batch=4, micro_batch=2, clock=clock)  # warm-up
+    run_steps(engine, prompts(4, 77), batch=4, micro_batch=2, clock=clock)  # warm-up
     runs, t0 = [], clock()
     for i, (n, mb, mean) in enumerate(shapes):
         if runs and clock() - t0 > budget_s:
             break
         progress(Progress("calibrating the CPU cost model", i, len(shapes), "shapes"))
-        runs.append(((n, mb, mean), run_steps(engine, shape_prompts(engine, n, mean), batch=n, micro_batch=mb,
+        runs.append(((n, mb, mean), run_steps(engine, prompts(n, mean), batch=n, micro_batch=mb,
                                               clock=clock)))
     (n, mb, mean), first = runs[min(1, len(runs) - 1)]  # one shape again: the machine's own noise bounds the band
-    runs.append(((n, mb, mean), run_steps(engine, shape_prompts(engine, n, mean), batch=n, micro_batch=mb,
+    runs.append(((n, mb, mean), run_steps(engine, prompts(n, mean), batch=n, micro_batch=mb,
                                           clock=clock)))
     noise = sum(s.seconds for s in runs[-1][1]) / sum(s.seconds for s in first) - 1
     rows = [r for _, steps in runs for s in steps for r in step_rows(d, L, s, group)]
