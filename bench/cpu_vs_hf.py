@@ -145,7 +145,7 @@ class _Recorder:
 def run_ours(model_dir: Path, requests, batch: int, micro: int, threads: int, dtype: str | None = None):
     from core.runtime.engine import Engine, Request
 
-    from core.runtime.calibrate_pieces import StepClock
+    from core.runtime.calibrate import StepClock
 
     t = time.perf_counter()
     engine = Engine.load(model_dir, device="cpu", threads=threads, dtype=dtype)  # the CPU mode, even on a machine with a GPU
@@ -295,7 +295,7 @@ def single_stream(model_dir: Path, tok, prompt: str, new: int, threads: int, hf_
                   dtype: str | None = None) -> dict:
     """Batch-1 decode: one request, `new` tokens. Ours: decode steps' seconds from the engine's events;
     transformers: generate(new + 1) minus generate(1) (its prefill), over `new` decode tokens."""
-    from core.runtime.calibrate_pieces import StepClock
+    from core.runtime.calibrate import StepClock
     from core.runtime.engine import Engine, Request
 
     engine = Engine.load(model_dir, threads=threads, dtype=dtype)

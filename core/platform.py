@@ -128,42 +128,12 @@ def _os_answer(readers: dict) -> int:
         return 0
 
 
-# One core's L2 where the OS does not say: Zen 4's 1 MB (Intel's desktop cores 1.25-2 MB, Zen 2/3 512 KB)
-DEFAULT_L2 = 1 << 20
-
-
-def l2_bytes() -> int:
-    """One core's L2 cache as the OS reports it: Linux's sysfs (the level-2 data or unified cache of cpu0), macOS's
-    sysctl, Windows' GetLogicalProcessorInformation; DEFAULT_L2 where it cannot be read."""
-    return _os_answer({"linux": _l2_linux, "macos": _l2_macos, "windows": _l2_windows}) or DEFAULT_L2
-
-
-def _l2_linux() -> int:
-    for d in Path(LINUX_CACHE).glob("index*"):
-        try:
-            level = (d / "level").read_text(encoding="ascii").strip()
-            kind = (d / "type").read_text(encoding="ascii").strip()
-            if level == "2" and kind in ("Unified", "Data"):
-                return _sysfs_size((d / "size").read_text(encoding="ascii"))
-        except (OSError, ValueError):
-            continue
-    return 0
-
-
 def _sysfs_size(text: str) -> int:
     """sysfs's cache size ("2048K", "32M", or bytes) in bytes; 0 for an empty file."""
     text = text.strip().upper()
     if not text:
         return 0
     return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
-
-
-def _l2_macos(libc=None) -> int:
-    return _sysctl_first((b"hw.perflevel0.l2cachesize", b"hw.l2cachesize"), libc)
-
-
-def _l2_windows(kernel32=None) -> int:
-    return max((size for level, size in _windows_caches(kernel32) if level == 2), default=0)
 
 
 def _llc_linux() -> int:

@@ -1,5 +1,5 @@
 """The benchmark entry points run end to end on the CPU (tiny sizes): `bench/gpu_check.py --dry-run`,
-`mlight bench` and `bench/task_prices.py`. They are measurement tools, so these tests check that they run and
+`mlight bench` and `bench/prediction.py`. They are measurement tools, so these tests check that they run and
 report, not speed."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from app.cli import main
 from checkpoints import FAMILIES
@@ -106,20 +108,31 @@ def test_mlight_bench_prints_measured_and_predicted(capsys, demo_model):
         assert r["predicted"]["decode_tokens_per_s"] > 0
 
 
-def test_task_prices_puts_each_task_kind_beside_its_price(capsys, demo_model):
-    import task_prices
+@pytest.mark.slow
+def test_prediction_puts_measured_beside_predicted_with_its_band(capsys, demo_model):
+    import prediction
 
-    assert task_prices.main(["--requests", "5", "--gen-len", "4", "--batch", "4", "--micro-batch", "2", "--threads",
-                             "1", "--cache-mib", "1"]) == 0
-    out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:] if line.startswith("  ")
-            and not line.startswith("  wave")}
-    for kind in ("pre_attn", "cpu_attn", "post_attn", "ffn"):
-        tasks, measured, price, ratio = rows[kind]
-        assert int(tasks) == 2 * 4 and float(measured) > 0 and float(price) > 0  # 2 micro-batches x 4 layers
-        m, q = float(measured), float(price)  # printed to 0.001 ms, the ratio to 0.01 from the unrounded seconds
-        assert (m - 5e-4) / (q + 5e-4) - 0.005 <= float(ratio) <= (m + 5e-4) / (q - 5e-4) + 0.005
-    assert "costs uncalibrated" in out and "with the cache at 1 MiB" in out
-    waves = [line for line in out.splitlines() if line.startswith("  wave")]  # 4 requests a wave, then the last 1
-    assert len(waves) == 2 and "4 requests" in waves[0] and "1 requests" in waves[1]
-    assert all("3 decode steps" in w and "priced" in w for w in waves)
+    assert prediction.main(["--prompt-lens", "12", "--repeats", "2", "--requests", "4", "--batch", "2",
+                            "--micro-batch", "1", "--gen-len", "3", "--threads", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["repeat"] for r in report["rows"]] == [0, 1] and set(report["noise"]) == {"12"}
+    for r in report["rows"]:
+        assert r["measured"] > 0 and r["predicted"] > 0 and r["band"] > 0
+        assert r["inside"] == (abs(r["measured"] / r["predicted"] - 1) <= r["band"])
+
+
+@pytest.mark.slow
+def test_mlight_bench_calibrates_then_quotes_its_band(capsys, demo_model):
+    """`--calibrate` fits the CPU cost model, then the CPU-only run's prediction carries its band and the run is
+    recorded beside it (the JSON keys of docs/CONTRACTS.md)."""
+    code = main(["bench", "--calibrate", "--requests", "16", "--gen-len", "10", "--batch", "8", "--micro-batch", "4",
+                 "--threads", "1", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    cal = report["calibration"]
+    assert cal["costs"]["measured"] and cal["costs"]["band"] >= 0.05 and cal["this_calibration"] == cal["costs"]
+    assert [s["requests"] for s in cal["run"]["shapes"]][:2] == [8, 16] and "history" in cal
+    (run,) = report["runs"]
+    p = run["predicted"]
+    assert p["calibrated"] and p["band"] >= cal["costs"]["band"] and p["tokens_per_s_last_calibration_alone"] > 0
+    assert run["folded_back"]["runs"] == 1 and run["folded_back"]["ratios"]["decode"] > 0

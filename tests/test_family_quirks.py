@@ -76,11 +76,11 @@ def test_published_configs_naming_remote_code_run_natively(name):
 
 
 def test_cpu_calibration_times_decode_over_any_layer_kind(checkpoint_factory):
-    """`mlight bench --calibrate` fills each layer's state without a prefill: a linear-attention layer's
-    fixed-size state too, not only K/V."""
-    from core.runtime import calibrate_pieces
+    """`mlight bench --calibrate` times the engine's own steps: a linear-attention layer's fixed-size state too,
+    not only K/V."""
+    from core.runtime import calibrate
     from core.runtime.engine import Engine
 
     engine = Engine.load(checkpoint_factory("qwen3_next"), device="cpu")
-    obs = calibrate_pieces.runner_observations(engine, batches=(2,), contexts=(16,), prefills=((2, 8),), steps=1, sliced=None)
-    assert [o.kind for o in obs].count("decode") == 1
+    steps = calibrate.run_steps(engine, ["a b c d e f", "g h i"], batch=2, micro_batch=1, gen=2)
+    assert [s.kind for s in steps].count("decode") == 1 and all(s.tasks for s in steps)

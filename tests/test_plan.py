@@ -400,3 +400,15 @@ def test_detected_machine_plans_without_error(roomy_ram):
     assert hw.cpu_mem_available_bytes == roomy_ram.available  # the planner's budget is what is free
     policy, pred = plan(preset_spec("olmoe-1b-7b"), hw, Workload(32, 16))
     assert pred.tokens_per_s > 0 and policy.batch_size >= 1
+
+
+def test_one_list_of_schedules():
+    """The schedules are named once (core.plan.policy): the engine, the schedule builder and the CLI use that tuple,
+    and the app's choices are it with "auto" beside it."""
+    from app.commands import bench, run
+    from app.tui.screens import plan as screen
+    from core.plan import policy
+    from core.runtime import engine, schedule
+
+    assert schedule.SCHEDULES is engine.SCHEDULES is bench.SCHEDULES is run.SCHEDULES is policy.SCHEDULES
+    assert {v for v, *_ in screen.SCHEDULES} - {screen.AUTO} == set(policy.SCHEDULES)

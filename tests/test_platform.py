@@ -90,21 +90,6 @@ def test_llc_bytes_reads_linux_sysfs(linux, monkeypatch, tmp_path):
     assert platform.llc_bytes() == 32 << 20
 
 
-def test_l2_bytes_reads_the_level_2_cache_of_linux_sysfs(linux, monkeypatch, tmp_path):
-    """A core's L2 (the tasks after a long attention stream refetch what it evicted from it: cpu_cost.flush_share):
-    the level-2 data or unified cache, not the largest one, nor an instruction cache."""
-    caches = [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", "2048K"), ("3", "Unified", "32M")]
-    for i, (level, kind, size) in enumerate(caches):
-        d = tmp_path / f"index{i}"
-        d.mkdir()
-        for name, text in (("level", level), ("type", kind), ("size", size)):
-            (d / name).write_text(text + "\n", encoding="ascii")
-    monkeypatch.setattr(platform, "LINUX_CACHE", str(tmp_path))
-    assert platform.l2_bytes() == 2 << 20 and platform.llc_bytes() == 32 << 20
-    (tmp_path / "index2" / "type").write_text("Instruction\n", encoding="ascii")
-    assert platform.l2_bytes() == platform.DEFAULT_L2  # no level-2 data cache listed: the typical desktop's
-
-
 class _FakeKernel32:
     """GetLogicalProcessorInformation as Windows answers it: a first call saying how many bytes it needs,
     then the records — here an L1, an L2 and a 36 MB L3, and a core record that is no cache."""
@@ -153,19 +138,6 @@ def test_llc_bytes_asks_windows_and_macos_themselves(windows, monkeypatch):
     assert platform.llc_bytes() == 12 << 20
     monkeypatch.setattr(platform, "_llc_macos", functools.partial(macos, _FakeLibc({})))
     assert platform.llc_bytes() == platform.DEFAULT_LLC  # nothing to read: the typical desktop's
-
-
-def test_l2_bytes_asks_windows_and_macos_themselves(windows, monkeypatch):
-    k32 = _FakeKernel32()
-    monkeypatch.setattr(platform, "_l2_windows", functools.partial(platform._l2_windows, k32))
-    assert platform.l2_bytes() == 2 << 20 and k32.calls == 2  # the level-2 record, not the 36 MB L3
-    monkeypatch.setattr(platform, "SYSTEM", "macos")
-    l2 = platform._l2_macos
-    monkeypatch.setattr(platform, "_l2_macos", functools.partial(l2, _FakeLibc({
-        b"hw.perflevel0.l2cachesize": 16 << 20, b"hw.l2cachesize": 4 << 20, b"hw.l3cachesize": 32 << 20})))
-    assert platform.l2_bytes() == 16 << 20
-    monkeypatch.setattr(platform, "_l2_macos", functools.partial(l2, _FakeLibc({})))
-    assert platform.l2_bytes() == platform.DEFAULT_L2
 
 
 @pytest.mark.skipif(hasattr(__import__("ctypes"), "windll"), reason="on Windows the call exists")
@@ -342,3 +314,28 @@ def test_terminal_kinds(monkeypatch):
 def test_the_real_system_is_recognised():
     assert platform.SYSTEM == platform._system() and platform.SYSTEM
     assert platform.usable_cores() >= 1 and platform.free_cores(sample_s=0.0) >= 1
+
+
+def test_every_cached_thing_lands_under_one_folder_with_windows_conventions(monkeypatch, tmp_path):
+    """platformdirs on Windows puts `appauthor` in the path (default: the app's name; False: none), so a cache
+    asked for with other arguments lands in another folder: each of mlight's caches must use core.platform's."""
+    import platformdirs
+
+    from core.io.runstore import RunStore
+    from core.model import demo, expert_choice
+    from core.model.quant import cache as quant_cache
+    from core.plan import cpu_cost, hardware
+
+    def windows_cache(appname=None, appauthor=None, version=None, opinion=True, ensure_exists=False):
+        author = appname if appauthor is None else appauthor  # platformdirs' Windows rule
+        parts = [p for p in (author or None, appname) if p]
+        return str(tmp_path.joinpath("AppData", "Local", *parts, "Cache"))
+
+    monkeypatch.setattr(platformdirs, "user_cache_dir", windows_cache)
+    monkeypatch.delenv("MLIGHT_CACHE_DIR", raising=False)
+    root = platform.cache_dir()
+    hw = hardware.preset("t4")
+    paths = [demo.cache_dir(), quant_cache.cache_root(), expert_choice._path(), hardware.probe_cache_path(hw),
+             cpu_cost.cache_path(hw), RunStore(tmp_path / "out.jsonl").ledger_path]
+    assert root == tmp_path / "AppData" / "Local" / "mlight" / "mlight" / "Cache"
+    assert all(root in p.parents or p == root for p in paths), [str(p) for p in paths]

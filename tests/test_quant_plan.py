@@ -140,7 +140,7 @@ def test_one_row_rate_decides_batch_one_and_calibrated_costs_defer_to_it():
     kw = dict(batch=1, micro_batch=1, expert_batch=1, attention_on="cpu", ffn_on="cpu", gpu_weight_fraction=0.0,
               gpu_kv_fraction=0.0, context=100)
     slow = 1e-3 * base.cpu_flops  # far below any bandwidth bound: the kernel decides
-    costs = CpuCosts("bfloat16", flop_s=1e-12, weight_s=1e-12, call_s=1e-6, expert_weight_s=1e-12, task_s=1e-5)
+    costs = CpuCosts("bfloat16", flop_s=1e-12, weight_s=1e-12, expert_weight_s=1e-12, task_s=1e-5)
     for c in (None, costs):
         t = [hrm.decode_tasks(m, dataclasses.replace(base, cpu_costs=c, cpu_kernel_flops=(("int4", 1e15), ("int4@1", x))),
                               **kw)["ffn"].seconds for x in (slow, slow / 2)]
@@ -160,7 +160,7 @@ def test_int8_experts_with_many_rows_are_priced_as_the_engine_runs_them():
     from core.plan.cpu_cost import CpuCosts
 
     base = hrm.effective_rates(preset("t4"))
-    costs = CpuCosts("bfloat16", flop_s=1e-12, weight_s=1e-12, call_s=1e-6, expert_weight_s=1e-12, task_s=1e-5)
+    costs = CpuCosts("bfloat16", flop_s=1e-12, weight_s=1e-12, expert_weight_s=1e-12, task_s=1e-5)
     kw = dict(attention_on="cpu", ffn_on="cpu", gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, context=100)
     for fmt in (Format("int8"), Format("int4", 64)):
         m = quantized_spec(resolve_spec("mixtral-8x7b"), fmt)

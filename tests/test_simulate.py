@@ -12,7 +12,7 @@ from core.plan.planner import Workload, plan, predict
 from core.plan.policy import Policy
 from core.plan.presets import preset_spec
 from core.runtime.schedule import Task
-from core.runtime.simulate import replay, simulate_decode, simulate_prefill
+from core.runtime.simulate import replay, simulate_decode
 from core.telemetry import RESOURCES
 
 MIXTRAL = preset_spec("mixtral-8x7b")
@@ -91,13 +91,6 @@ def test_hrm_pipeline_bound_tracks_the_simulation(t4_plan, mu, n, g):
     tl = simulate_decode(MIXTRAL, preset("t4"), policy, MTBENCH.decode_context)
     head = pred.step_seconds - MIXTRAL.num_layers * max(pred.layer_seconds.values())
     assert pred.step_seconds == pytest.approx(tl.makespan + head, rel=0.08)
-
-
-def test_prefill_simulation_matches_the_prediction(t4_plan):
-    policy, pred = t4_plan
-    tl = simulate_prefill(MIXTRAL, preset("t4"), policy, MTBENCH.prompt_len)
-    assert tl.makespan == pytest.approx(pred.prefill_seconds, rel=0.05)
-    assert tl.utilization["gpu"] > 0.9  # prefill is compute-bound
 
 
 def test_cpu_only_policy_simulates_as_a_chain():

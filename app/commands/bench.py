@@ -5,9 +5,9 @@ from the engine's StepDone events. Predicted: the planner's HRM for the same pol
 machine (`--hardware local`: detected and probed) or a preset, and the simulated step time; the
 error between them (core.plan.tracking). `--calibrate` first measures this machine's CPU cost model
 with the model's own kernels and steps (core.runtime.calibrate) and caches it per machine, so every
-later plan and prediction on this machine uses it. Its windows, and every CPU-only run measured here
-(core.runtime.fold_back), join the machine's history (core.plan.cpu_history): the factors predictions use
-are the median over it, and the output says how many windows and runs back them and how they spread.
+later plan and prediction on this machine uses it, quoted with its band. Every CPU-only run measured here
+is recorded beside its prediction (core.runtime.fold_back, core.plan.cpu_history); a run outside the band
+widens it, and nothing else changes the model until the next calibration.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import json
 import time
 from typing import TYPE_CHECKING
 
+from core.plan.policy import SCHEDULES  # torch-free: `mlight bench --help` loads no torch
 from core.telemetry import RESOURCES
 
 if TYPE_CHECKING:  # imported where it runs: `mlight bench --help` must not load torch
     from core.runtime.engine import Engine
 
 EXECUTORS = ("sequential", "threaded", "cuda")
-SCHEDULES = ("cgopipe", "s3", "s4")  # core.runtime.engine.SCHEDULES, without importing torch for --help
 
 
 def add_parser(sub):
@@ -109,17 +109,15 @@ def _load() -> str:
 
 
 def _calibrate(model, args) -> dict:
-    """Measure the CPU cost model with a CPU-only engine of `model`; cache it for this machine."""
+    """Fit the CPU cost model with a CPU-only engine of `model`; cache it for this machine."""
     import sys
 
-    from core.plan import cpu_cost, cpu_history, hrm
+    from core.plan import cpu_cost, cpu_history
     from core.plan.hardware import detect
-    from core.runtime.calibrate import RUN_PROMPT_MEANS, calibrate, window_entries
-
+    from core.runtime.calibrate import calibrate
     from core.runtime.engine import Engine
 
     engine = Engine.load(model, threads=args.threads)
-    d = hrm.dims(engine.spec)
 
     def show(ev):
         if not args.json and sys.stderr.isatty() and hasattr(ev, "done"):
@@ -127,86 +125,31 @@ def _calibrate(model, args) -> dict:
 
     t0 = time.perf_counter()
     notes: dict = {}
-    try:  # the run at the batch this bench runs (and the planner's factors then apply from there)
-        costs = calibrate(engine, progress=show, clock=_clock(args), batch=args.batch,
-                          micro_batch=min(args.micro_batch, args.batch), prompts=_run_prompts(engine, args.batch),
-                          notes=notes, large_prompts=lambda n: _run_prompts(engine, n, means=RUN_PROMPT_MEANS[:1]))
+    try:
+        costs = calibrate(engine, lambda n, mean: _prompts(engine, n, mean), progress=show, clock=_clock(args),
+                          notes=notes)
     finally:
         engine.close()
     if not args.json and sys.stderr.isatty():
         print(file=sys.stderr)
-    # the factors the planner uses: the median over this machine's history, this calibration's windows added
     hw = detect()
-    own = costs
-    costs, history = cpu_history.record(hw, d, own, window_entries(d, own, notes), calibration=own)
-    path = cpu_cost.cache_path(hw)
+    path = cpu_cost.save(hw, costs)
     out = {"path": str(path), "seconds": time.perf_counter() - t0, "costs": costs.to_dict(), "run": notes,
-           "this_calibration": own.to_dict(), "history": history}
+           "this_calibration": costs.to_dict(), "history": cpu_history.behind(hw, engine.spec)}
     if not args.json:
         print(f"calibrated the CPU cost model ({costs.math} math, {costs.threads} thread"
-              f"{'s' if costs.threads != 1 else ''}) in {out['seconds']:.0f} s: {path}")
-        f = notes.get("factors", {})
-        if f:
-            print(f"  a short run at batch {costs.run_batch[0]}, micro-batch {costs.run_batch[1]}: its tasks took "
-                  f"{f['pre_eff']:.2f}x / {f['attn_eff']:.2f}x / {f['post_eff']:.2f}x / {f['ffn_eff']:.2f}x what the "
-                  f"pieces say (pre-attention / attention / post-attention / experts), prefill {f['prefill_eff']:.2f}x; "
-                  f"predictions use these")
-        big = notes.get("large")
-        if big:
-            g, bw = big["factors"], big["windows"]
-            print(f"  and at micro-batch {big['batch'][1]}: "
-                  + " / ".join(f"{g[cpu_cost.LARGE[n]]:.2f}x" for n in ("pre_eff", "attn_eff", "post_eff", "ffn_eff"))
-                  + f", prefill {g['prefill_eff_large']:.2f}x (tasks of sizes between the two: in between; decode the "
-                  f"median of {len(bw)} windows, {sum(w.get('fresh_process', False) for w in bw)} of them a fresh "
-                  f"process's, prefill of their {sum(w.get('prefill', False) for w in bw)} warm waves); a fresh "
-                  f"process's first wave {big['fresh_s'] * 1e6:.1f} µs a prompt token more, once a run; a run's "
-                  f"state cache {big.get('kv_alloc_s', 0.0) * 1e9:.2f} s a GB to make, once a run")
-        mid = notes.get("mid")
-        if mid:
-            g = mid["factors"]
-            print(f"  and at micro-batch {mid['batch'][1]}, between them: "
-                  + " / ".join(f"{g[cpu_cost.MID[n]]:.2f}x" for n in ("pre_eff", "attn_eff", "post_eff", "ffn_eff"))
-                  + f", prefill {g['prefill_eff_mid']:.2f}x (the median of {len(mid['windows'])} windows)")
-        sp = notes.get("speed")
-        if sp and sp.get("reference"):
-            every = [r for v in sp["stamps"].values() for r in v]
-            print(f"  the CPU's speed probe read {min(every) / 1e9:.0f}-{max(every) / 1e9:.0f} GFLOP/s over the "
-                  f"calibration, {sp['reference'] / 1e9:.0f} while the pieces were measured: every window was brought "
-                  f"to that, and predictions scale to the speed measured when they are made")
-        pa = notes.get("prefill_attention")
-        if pa and pa.get("timed_flop_s"):
-            from core.runtime.calibrate_pieces import SDPA_SPAN, sdpa_range
-
-            held = (" (held at that bound: the whole prefills alone fitted it beyond)"
-                    if pa["flop_s"] in sdpa_range(pa["timed_flop_s"])["sdpa_flop_s"] else "")
-            print(f"  prefill attention timed alone at {1 / pa['timed_flop_s'] / 1e9:.0f} GFLOP/s; priced at "
-                  f"{1 / pa['flop_s'] / 1e9:.0f}, fitted from whole prefills within {SDPA_SPAN:g}x of that{held}")
-        w = notes.get("windows", [])
-        if len(w) > 1:
-            print(f"  (decode: the median of {len(w)} windows of that run, at "
-                  + " / ".join(f"{x['tokens_per_s']:.1f}" for x in w) + " tokens/s; prefill: the first, a fresh process's)")
-        if f and history["entries"] > len(w):
-            g = {n: getattr(costs, n) for n in f}
-            print(f"  with this machine's history: the median of {history['entries']} entries "
-                  f"({history['calibration_windows']} calibration windows, {history['runs']} runs): "
-                  + " / ".join(f"{g[n]:.2f}x" for n in ("pre_eff", "attn_eff", "post_eff", "ffn_eff"))
-                  + f", prefill {g['prefill_eff']:.2f}x; predictions use these")
-        words = cpu_history.spread_words(history)
-        if words:
-            print(f"  {words}")
+              f"{'s' if costs.threads != 1 else ''}) in {out['seconds']:.0f} s, band ± {costs.band:.0%}: {path}")
     return out
 
 
-def _run_prompts(engine, batch: int, means=None) -> list[str]:
-    """The calibration's short run: a wave of MT-Bench-like prompts at MT-Bench's mean length and one at
-    three times it (`means`; other text than the bench's workload: another seed)."""
+def _prompts(engine, n: int, mean: int) -> list[str]:
+    """n MT-Bench-like prompts of `mean` tokens on average for the calibration (another seed than the bench's)."""
     from core.io.workloads import build_prompts, target_lengths
-    from core.runtime.calibrate import RUN_GEN, RUN_PROMPT_MEANS
+    from core.runtime.calibrate import GEN
 
-    cap = engine.context_length - RUN_GEN - 1
-    lengths = [n for mean in (means or RUN_PROMPT_MEANS)
-               for n in target_lengths(batch, mean=min(mean, cap), max_len=min(cap, round(mean * 418 / 77)))]
-    return build_prompts(engine.tokenizer, lengths, seed=1)
+    cap = engine.context_length - GEN - 1
+    return build_prompts(engine.tokenizer, target_lengths(n, mean=min(mean, cap), max_len=min(cap, mean * 418 // 77)),
+                         seed=1)
 
 
 def _clock(args):
@@ -225,7 +168,7 @@ def _schedules(args) -> tuple[str, ...]:
 
 
 def _measure(engine, name: str, reqs, args) -> dict:
-    from core.runtime.calibrate_pieces import StepClock
+    from core.runtime.calibrate import StepClock
 
     from core.runtime.fold_back import RunSums
 
@@ -301,32 +244,8 @@ def _predict(engine, name: str, args, reqs) -> dict | None:
            "simulated_step_seconds": sim.makespan, "bottleneck": pred.bottleneck,
            "bottleneck_text": pred.bottleneck_text}
     if not on_gpu:
-        out.update(_history_view(engine, hw, policy, work))
-        c = hrm.effective_rates(hw, engine.spec.dtype, engine.spec).cpu_costs
-        stored = cpu_history.stored(hw, hrm.dims(engine.spec), engine.cpu.math)
-        if hw.cpu_speed and c is not None and stored is not None and stored[0].speed:
-            out["cpu_speed"] = {"now": c.speed, "calibrated": stored[0].speed}
-    return out
-
-
-def _history_view(engine, hw, policy, work) -> dict:
-    """What backs a CPU-only prediction: this machine's history (cpu_history.summary) and, beside it, what the
-    last calibration alone (its own windows) would have predicted."""
-    import dataclasses
-
-    from core.plan import cpu_history, hrm
-    from core.plan.planner import predict
-
-    d = hrm.dims(engine.spec)
-    got = cpu_history.stored(hw, d, engine.cpu.math)
-    if got is None:
-        return {}
-    costs, entries = got
-    out = {"history": cpu_history.summary(entries)}
-    alone = cpu_history.last_calibration(hw, costs.math, costs.model)
-    if alone is not None:
-        one = dataclasses.replace(hw, cpu_costs={**hw.cpu_costs, costs.math: {costs.model: alone.to_dict()}})
-        out["tokens_per_s_last_calibration_alone"] = predict(policy, engine.spec, one, work).tokens_per_s
+        out.update(band=pred.band, history=cpu_history.behind(hw, engine.spec),
+                   tokens_per_s_last_calibration_alone=pred.tokens_per_s)  # no history moves the model any more
     return out
 
 
@@ -352,7 +271,8 @@ def _print(report: dict) -> None:
         print(f"\n{r['schedule']} ({where}; {r['executor']} executor on {r['device']}, {r['threads']} CPU thread"
               f"{'s' if r['threads'] != 1 else ''}, {r['cpu_math']} math): {r['tokens']} tokens in {r['seconds']:.2f} s")
         print(f"  {'':24}{'measured':>12}{'predicted':>12}")
-        print(f"  {'tokens/s end to end':24}{r['tokens_per_s']:12.1f}{p.get('tokens_per_s', float('nan')):12.1f}")
+        print(f"  {'tokens/s end to end':24}{r['tokens_per_s']:12.1f}{p.get('tokens_per_s', float('nan')):12.1f}"
+              + (f" ± {p['band']:.0%}" if p.get("band") else ""))
         print(f"  {'tokens/s decode':24}{r['decode_tokens_per_s']:12.1f}{p.get('decode_tokens_per_s', float('nan')):12.1f}")
         for res, label in _labels(r).items():
             m, q = r["layer_seconds"][res] * 1e3, p.get("layer_seconds", {}).get(res, float("nan")) * 1e3
@@ -367,12 +287,8 @@ def _print(report: dict) -> None:
             how = "calibrated" if p.get("calibrated") else "not calibrated: run `mlight bench --calibrate`"
             print(f"  prediction error: {e['tokens_per_s']:+.1%} end to end, {e['decode_tokens_per_s']:+.1%} in decode "
                   f"(measured vs predicted; {how})")
-        sp = p.get("cpu_speed")
-        if sp:
-            print(f"  predicted at the CPU's speed before the run: {sp['now'] / 1e9:.0f} GFLOP/s, "
-                  f"{sp['now'] / sp['calibrated']:.2f}x the calibration's")
         words = cpu_history.spread_words(p.get("history") or {})
         if words:
             print(f"  predicted {p['tokens_per_s']:,.1f} tokens/s: {words}")
         if r.get("folded_back"):
-            print(f"  this run joined the machine's history ({r['folded_back']['entries']} entries)")
+            print(f"  this run joined the machine's history ({r['folded_back']['entries']} runs)")

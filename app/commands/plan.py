@@ -359,7 +359,7 @@ def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=Non
         _cpu_math_line(hw, model),
         "",
         "prediction",
-        f"  end to end        {pred.tokens_per_s:,.1f} tokens/s"
+        f"  end to end        {pred.tokens_per_s:,.1f} tokens/s" + (f" ± {pred.band:.0%}" if pred.band else "")
         + (f" ({words})" if (words := _spread(hw, model, p)) else ""),
         f"  decode            {pred.decode_tokens_per_s:,.1f} tokens/s ({pred.step_seconds:.2f} s per step)",
         f"  prefill           {pred.prefill_tokens_per_s:,.1f} prompt tokens/s ({pred.prefill_seconds:.1f} s per batch)",

@@ -23,11 +23,11 @@ from core.io.prompts import FORMATS, STDIN, PromptSet, bad_lines_error, read_pro
 from core.io.results import output_format
 from core.io.runstore import RunStore, finish_run, model_fingerprint, prepare_requests, run_pending
 from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
+from core.plan.policy import SCHEDULES
 from core.telemetry import Progress, WarningEvent
 
 EXECUTORS = ("sequential", "threaded", "cuda")
 BATCH = 64  # requests in flight when neither --batch nor a memory budget says otherwise
-SCHEDULES = ("cgopipe", "s3", "s4")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -401,7 +401,7 @@ def _plan_cpu_batch(args, prompts: PromptSet, model_dir: Path) -> None:
 
     words = cpu_history.spread_words(cpu_history.behind(hw, spec))
     if words:  # calibrated: the prediction and how far this machine's own runs have strayed from theirs
-        _say(f"planned batch {args.batch}: predicted {pred.tokens_per_s:,.1f} tokens/s ({words})")
+        _say(f"planned batch {args.batch}: predicted {pred.quote()} ({words})")
 
 
 def _workload(args, prompts: PromptSet):

@@ -9,12 +9,9 @@ questions. No network. Its outputs are gibberish; everything else about it is re
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
-
-import platformdirs
 
 from core import platform
 from core.assets import MT_BENCH
@@ -28,8 +25,9 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("MLIGHT_CACHE_DIR") or platformdirs.user_cache_dir("mlight", appauthor=False))
+# One cache folder for everything mlight keeps (core.platform.cache_dir): the demo's own platformdirs call
+# (appauthor=False) named another folder than the probe's and the kernels' on Windows.
+cache_dir = platform.cache_dir
 
 
 def training_text() -> list[str]:

@@ -132,7 +132,7 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
         # the runner's decode and prefill logits buffers (fp32, a row per batch slot), reused every step
         return {}, {"weights": d.cpu_total_bytes, "kv_cache": int(d.layers * kv_layer),
                     "activations": _cpu_activations(d, p, w) + cpu_attn_ws, "dequant_scratch": d.scratch,
-                    "logits_buffers": _arena_bytes([N * d.V * 4] * 2)}, 0
+                    "logits_buffers": _arena_bytes([(N * d.V * 4, 2)])}, 0
     L, E, eb = d.layers, d.E, d.expert_bytes
     dense = dense_layers(L, d.moe_frac)
     resident = [r for i, r in enumerate(expert_split(p.gpu_weight_fraction, L, E, dense)) if i not in dense]
@@ -156,10 +156,10 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     }
     # the runtime's arena, in its order: per micro-batch its D1 and D2 buffers, decode and prefill logits (fp32)
     n_mb = -(-N // mu)
-    host = ([mu * d1 * d.dt] * n_mb + [mu * d2 * d.dt] * n_mb if qkv_o else []) + [N * d.V * 4] * 2
+    host = ([(mu * d1 * d.dt, n_mb), (mu * d2 * d.dt, n_mb)] if qkv_o else []) + [(N * d.V * 4, 2)]
     if kv_ring:
         new_tok = max(x.new_token_bytes(d.dt) for x in d.mixers) if d.mixers else d.kv_tok_layer
-        host += [kv_ring // 2] * 2 + [int(mu * new_tok)]  # per ring slot its state; the store's new entries
+        host += [(kv_ring // 2, 2), (int(mu * new_tok), 1)]  # per ring slot its state; the store's new entries
     staging = _arena_bytes(host)
     cpu = {  # the runtime keeps every weight in host memory; the GPU holds copies
         "non_expert_weights": d.nonexpert_bytes,
@@ -175,12 +175,14 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     return gpu, cpu, pinned
 
 
-def _arena_bytes(sizes: list[int]) -> int:
-    """Bytes of the runtime's pinned staging arena (core.runtime.pipeline._arena): buffers back to back,
-    each starting at a multiple of STAGING_ALIGN, the last one not padded."""
+def _arena_bytes(runs: list[tuple[int, int]]) -> int:
+    """Bytes of the runtime's pinned staging arena (core.runtime.pipeline._arena): buffers back to back, each
+    starting at a multiple of STAGING_ALIGN, the last one not padded; given as (size, count) runs of equal
+    buffers, each after a run's first starting one aligned size later (the planner asks for thousands)."""
     total = 0
-    for x in sizes:
-        total = -(-total // ALIGN) * ALIGN + x
+    for x, n in runs:
+        if n:
+            total = -(-total // ALIGN) * ALIGN + (n - 1) * -(-x // ALIGN) * ALIGN + x
     return total
 
 
@@ -325,7 +327,7 @@ def _predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
     pinned *= k
     # a run whose requests are not a multiple of the batch ends with a smaller wave, whose steps carry the same
     # per-step and per-layer costs for fewer tokens: 256 requests at 228 ran 19-35 % under the decode speed full
-    # waves of 228 predict (the demo, two Zen 4 threads; bench/RESULTS.md, issue 11, ninth session)
+    # waves of 228 predict (the demo, two Zen 4 threads)
     last_prefill, last_step = (last.prefill_seconds, last.step_seconds) if last else (0.0, 0.0)
     seconds = full * total + last_prefill + (n - 1) * last_step
     decode_s = (n - 1) * (full * step + last_step)
@@ -344,7 +346,7 @@ def _predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
         step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu, pinned_bytes=pinned,
         bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("gpu", "cpu_attn"), key=lambda k: dec[k])],
         decode_busy=decode_busy, prefill_busy=prefill_busy, decode_steps=(n - 1) * (full + (1 if last else 0)),
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=prompt_tokens, band=0.0 if on_gpu or r.cpu_costs is None else r.cpu_costs.band,
     )
 
 
@@ -597,17 +599,23 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
     n_cap = min(MAX_BATCH, w.num_requests or MAX_BATCH)
     l, gen = d.layers, w.gen_len
     found: list[_Candidate] = []
+    known: dict = {}  # (place, N, μ) -> _memory_lin at β = μ: the searches below ask for many points again
+
+    def memory(place, n, mu):
+        if (place, n, mu) not in known:
+            known[place, n, mu] = _memory_lin(d, w, place, n, mu, mu)
+        return known[place, n, mu]
 
     def fits(place, n, mu):
         # memory grows with N; an expert batch of one micro-batch is the cheapest in activations
-        mem = _memory_lin(d, w, place, n, mu, mu)
+        mem = memory(place, n, mu)
         grid = RC_GRID if place[0] == "gpu" else (0.0,)
         return any(_rw_interval(mem, r_c, gpu_limit, cpu_limit) is not None for r_c in grid)
 
     def expert_batches(place, n_mb, mu):
         """Candidates for every expert batch size worth trying at this (N, μ); their best time."""
         n = n_mb * mu
-        mem = _memory_lin(d, w, place, n, mu, mu)
+        mem = memory(place, n, mu)
         pre = _prefill_lin(d, r, w, place, n, mu)
         best_here, worse = None, 0
         for g in _expert_groups(n_mb):  # time vs expert batch: falls, then rises (pipeline stalls)

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 PLACES = ("cpu", "gpu")
+SCHEDULES = ("cgopipe", "s3", "s4")  # the decode schedules core.runtime.schedule builds (CGOPipe, FlexGen's S3, S4)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ def expert_split(gpu_weight_fraction: float, num_layers: int, num_experts: int, 
     evenly, the earlier of those layers taking the remainder; the layers in `dense` (a dense MLP, no
     experts: DeepSeek's and GLM's first layers) get 0. The runtime keeps these and streams the rest;
     the planner counts the same (the streaming buffer holds the most any layer streams)."""
-    moe = [i for i in range(num_layers) if i not in set(dense)]
+    dense = set(dense)
+    moe = [i for i in range(num_layers) if i not in dense]
     total = int(gpu_weight_fraction * len(moe) * num_experts + 0.5)
     base, extra = divmod(min(total, len(moe) * num_experts), max(1, len(moe)))
     out = [0] * num_layers
@@ -134,6 +136,12 @@ class Prediction:
     prefill_busy: dict[str, float] = field(default_factory=dict)
     decode_steps: int = 0
     prompt_tokens: float = 0.0
+    band: float = 0.0  # the rates' relative half-width (CPU-only: the calibration's, core.plan.cpu_cost); 0: none
+
+    def quote(self, rate: float | None = None) -> str:
+        """A rate as a prediction of it is shown: "≈ 596 tok/s ± 12 %" (end to end unless `rate` is given)."""
+        rate = self.tokens_per_s if rate is None else rate
+        return f"≈ {rate:,.0f} tok/s" + (f" ± {self.band:.0%}".replace("%", " %") if self.band else "")
 
     def __post_init__(self):
         if not self.bottleneck_text:

@@ -13,7 +13,7 @@ quantized (GGUF, MXFP4) runs as it is: `auto` keeps it, int8/int4 are refused.
 Dense weights (`--quantize-dense`, the CPU-only mode: attention projections, shared experts, LM head):
 asked for, the plan counts them in that format (core.model.quant.dense_spec: RAM, and their kernel's
 speed in the HRM). On a machine without a GPU `auto` also climbs through them, in the order of the
-accuracy each costs (bench/RESULTS.md, issue 13: mean KL over MT-Bench text against bf16): int8 experts
+accuracy each costs (mean KL of the next-token distribution over MT-Bench text against bf16): int8 experts
 (0.020), int8 experts with int8 dense weights (0.091), int4 (0.305), int4 with int8 dense weights
 (0.333), int4 with int4 dense weights (0.851) — again only as far as it must to fit. Where a GPU is
 there, the dense weights live on it in the checkpoint's dtype, so `auto` leaves them be.

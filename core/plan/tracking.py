@@ -1,11 +1,8 @@
 """Predicted next to measured, as a run goes: the core side of "a prediction shown to a user is a promise".
 
-`Tracker(prediction)` is fed the engine's StepDone events (any sink can forward them) and answers
-`comparison()` at any time: measured tokens/s end to end and in decode beside the planner's, each
-resource's busy time per decode layer beside the HRM's, the relative error, and `parted` once enough
-steps were seen and measured and predicted decode rates part by more than `warn_at` (25 % by default,
-what the app warns at). `mlight bench` prints the same comparison at the end of a run.
-
+`RunSums` is the one accumulator of a run's step events (sums only, every event forwarded); `Tracker` is one
+that also compares: measured tokens/s and each resource's busy time per decode layer beside the planner's, and
+`parted` once enough steps were seen and the rates part by more than the prediction's band (else WARN_AT).
 Boundary: plain arithmetic over events; no clock of its own (the events carry their seconds), no I/O.
 """
 
@@ -13,10 +10,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.telemetry import RESOURCES, RequestDone, StepDone
+from core.telemetry import RESOURCES, EventSink, RequestDone, StepDone, ignore
 
 WARN_AT = 0.25  # relative error past which measured and predicted are said to part
-MIN_DECODE_STEPS = 5  # decode steps before a rate is worth comparing
+MIN_DECODE_STEPS = 8  # decode steps before a run's rate is worth comparing or recording
+
+
+class RunSums:
+    """An EventSink keeping a run's sums, forwarding every event to `forward`."""
+
+    def __init__(self, forward: EventSink = ignore):
+        self.forward, self.seconds = forward, 0.0  # every step's seconds
+        self.decode_steps, self.decode_tokens, self.decode_seconds = 0, 0, 0.0
+        self.busy = {r: 0.0 for r in RESOURCES}  # decode busy seconds by resource
+        self.prefill, self.prefill_tokens = 0.0, 0  # prefill busy seconds (the CPU's compute) and tokens
+        self.active = 0  # most requests in flight in a step: the batch the run ran at
+        self.requests = self.prompt_tokens = self.output_tokens = self.longest_prompt = 0
+
+    def __call__(self, e) -> None:
+        if isinstance(e, StepDone):
+            self.seconds += e.seconds
+            if e.kind == "decode":
+                self.decode_steps += 1
+                self.decode_tokens += e.tokens
+                self.decode_seconds += e.seconds
+                for r in RESOURCES:
+                    self.busy[r] += e.busy.get(r, 0.0)
+                self.active = max(self.active, e.active)
+            else:
+                self.prefill += e.busy.get("gpu", 0.0)
+                self.prefill_tokens += e.tokens
+        elif isinstance(e, RequestDone):
+            self.requests += 1
+            self.prompt_tokens += e.prompt_tokens
+            self.output_tokens += e.output_tokens
+            self.longest_prompt = max(self.longest_prompt, e.prompt_tokens)
+        self.forward(e)
 
 
 @dataclass(frozen=True)
@@ -31,8 +60,7 @@ class Comparison:
     layer_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)  # resource -> (predicted, measured)
 
     @property
-    def message(self) -> str:
-        """One line for a status bar: "measured 512 tok/s vs 498 predicted (+3 %)"."""
+    def message(self) -> str:  # one line for a status bar: "measured 512 tok/s vs 498 predicted (+3 %)"
         if self.error is None:
             return f"predicted {self.predicted_decode_tokens_per_s:,.0f} tok/s in decode; measuring…"
         text = (f"decode: measured {self.measured_decode_tokens_per_s:,.0f} tok/s vs "
@@ -40,35 +68,19 @@ class Comparison:
         return text + (" — the prediction is off: run `mlight bench --calibrate`" if self.parted else "")
 
 
-class Tracker:
-    def __init__(self, prediction, num_layers: int, warn_at: float = WARN_AT):
-        self.prediction, self.layers, self.warn_at = prediction, num_layers, warn_at
-        self.seconds = 0.0
-        self.finished = 0  # requests done: each also had a first token from its prefill
-        self.decode_tokens, self.decode_seconds, self.decode_steps = 0, 0.0, 0
-        self.busy = {r: 0.0 for r in RESOURCES}
-
-    def __call__(self, event) -> None:
-        """An EventSink: pass it (or forward events to it) from `Engine.generate(on_event=...)`."""
-        if isinstance(event, RequestDone):
-            self.finished += 1
-        if not isinstance(event, StepDone):
-            return
-        self.seconds += event.seconds
-        if event.kind == "prefill":
-            return
-        self.decode_tokens += event.tokens
-        self.decode_seconds += event.seconds
-        self.decode_steps += 1
-        for r in RESOURCES:
-            self.busy[r] += event.busy.get(r, 0.0)
+class Tracker(RunSums):
+    def __init__(self, prediction, num_layers: int, warn_at: float | None = None, forward: EventSink = ignore):
+        super().__init__(forward)
+        self.prediction, self.layers = prediction, num_layers
+        self.warn_at = warn_at if warn_at is not None else getattr(prediction, "band", 0.0) or WARN_AT
 
     def comparison(self) -> Comparison:
         p = self.prediction
         dec = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-        e2e = (self.decode_tokens + self.finished) / self.seconds if self.seconds else 0.0
-        error = dec / p.decode_tokens_per_s - 1 if self.decode_steps >= MIN_DECODE_STEPS and p.decode_tokens_per_s else None
-        steps = max(1, self.decode_steps) * self.layers
-        layer = {r: (p.layer_seconds.get(r, 0.0), self.busy[r] / steps) for r in RESOURCES}
+        e2e = (self.decode_tokens + self.requests) / self.seconds if self.seconds else 0.0
+        enough = self.decode_steps >= MIN_DECODE_STEPS and p.decode_tokens_per_s
+        error = dec / p.decode_tokens_per_s - 1 if enough else None
+        layer = {r: (p.layer_seconds.get(r, 0.0), self.busy[r] / (max(1, self.decode_steps) * self.layers))
+                 for r in RESOURCES}
         return Comparison(p.tokens_per_s, e2e, p.decode_tokens_per_s, dec, self.decode_steps, error,
                           error is not None and abs(error) > self.warn_at, layer)

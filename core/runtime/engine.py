@@ -32,7 +32,7 @@ from core.model.quant.formats import parse_choice, quantized_spec
 from core.model.cpu import compute as cpu_compute
 from core.model.cpu.threads import Governor, worker_setup
 from core.plan.hardware import gpu_compute_dtype
-from core.plan.policy import expert_split, kv_gpu_layers
+from core.plan.policy import SCHEDULES, expert_split, kv_gpu_layers
 from core.runtime.device import Device, resolve_device
 from core.runtime.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
 from core.runtime.frozen_heap import frozen_heap
@@ -106,7 +106,6 @@ class _Seq:
 
 
 EXECUTORS = ("sequential", "threaded", "cuda")
-SCHEDULES = ("cgopipe", "s3", "s4")
 
 
 @dataclass(frozen=True)

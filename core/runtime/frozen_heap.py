@@ -1,17 +1,9 @@
 """Keep Python's cyclic garbage collector off the objects that existed before a run, while it runs.
 
-A process that has imported torch and transformers and loaded a model tracks ~216,000 objects (the demo
-model; mostly the libraries' functions, tuples and dicts). The steps of a run make short-lived objects,
-and once enough of them outlive the young generations the collector walks every tracked object: a full
-collection took 72-83 ms in a `mlight bench` run of the demo at 256 × 77-token prompts under the AVX2
-limits, 8 % of that ~1 s run, at whatever step the threshold happened to cross (bench/RESULTS.md, issue 11).
-
-`gc.freeze()` moves every tracked object into a permanent generation that collections skip, in constant
-time; `gc.unfreeze()` puts them back into the oldest. A run freezes the heap it starts with and thaws it when
-it ends, so objects made during the run are collected as usual (an out-of-memory retry's abandoned runner
-included) and nothing frozen outlives the run: garbage among the old objects waits for the first collection
-after it. Runs that overlap in one process (the app's worker beside another) share one freeze, thawed when
-the last of them ends.
+A process with torch, transformers and a model loaded tracks ~216,000 objects; a full collection walking them
+took 72-83 ms, 8 % of a one-second run of the demo model, at whatever step its threshold crossed. `gc.freeze()`
+moves them into a generation collections skip, in constant time; objects made during the run are collected as
+usual, and the heap is thawed when the last of overlapping runs (the app's worker beside another) ends.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.model.limits import LOOKAHEAD  # CGOPipe: CPU attention this many micro-batches ahead (core.plan.hrm too)
+from core.plan.policy import SCHEDULES
 from core.telemetry import RESOURCES
 
 # kind -> resource it runs on
@@ -39,7 +40,6 @@ RESOURCE_OF = {
     "kv_load": "h2d",  # CPU-held KV to the GPU (D4)
 }
 KINDS = tuple(RESOURCE_OF)
-SCHEDULES = ("cgopipe", "s4", "s3")
 
 
 @dataclass(frozen=True)

@@ -91,14 +91,3 @@ def simulate_decode(model: ModelSpec, hardware: HardwareSpec, policy: Policy, co
     r = hrm.effective_rates(hardware)  # the FFN's host ops on its expert path, as the planner prices them
     host = hrm.host_task_seconds(r, hrm.ffn_ops(model, r, policy.expert_batch_size)) if policy.ffn_on == "gpu" else None
     return replay(tasks, decode_costs(model, hardware, policy, context), host)
-
-
-def simulate_prefill(model: ModelSpec, hardware: HardwareSpec, policy: Policy, prompt_len: float) -> Timeline:
-    costs = hrm.prefill_tasks(model, hrm.effective_rates(hardware, model.dtype, model), prompt_len=prompt_len, **_common(policy))
-    tasks = schedule.prefill(num_layers=model.num_layers, num_micro_batches=policy.num_micro_batches,
-                             pages_per_layer=policy.pages_per_layer, ffn_on=policy.ffn_on,
-                             streamed=policy.gpu_weight_fraction < 1.0)
-    r = hrm.effective_rates(hardware)
-    ffn = hrm.ffn_ops(model, r, policy.micro_batch_size * prompt_len)
-    host = hrm.host_task_seconds(r, ffn) if policy.ffn_on == "gpu" else None
-    return replay(tasks, {k: c.seconds for k, c in costs.items()}, host)
