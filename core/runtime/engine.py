@@ -297,7 +297,8 @@ class Engine:
             engine.tp, engine.rank_spec = loading.shard_ops(tp, ck.shard, spec, quant)
         return engine
 
-    def runner(self, slots: int, micro_batch_size: int, max_tokens: int, on_event: EventSink = ignore) -> PipelineRunner:
+    def runner(self, slots: int, micro_batch_size: int, max_tokens: int,
+               on_event: EventSink = ignore) -> PipelineRunner:
         """A runner over a fresh KV cache for `slots` requests of up to `max_tokens` tokens."""
         c, spec = self.config, self.rank_spec
         kv_gpu = c.kv_gpu_layers if c.attention_on == "gpu" else 0

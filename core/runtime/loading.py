@@ -84,9 +84,10 @@ def read_weights(ck: Checkpoint, dtype, quant, quantize: str | None, pages_per_l
 def fit_on_device(config, dev: Device, ck: Checkpoint, spec: ModelSpec, weights: ModelWeights, quant):
     """On a GPU: keep as many experts there as fit when neither a plan nor the caller said which, and refuse
     bf16 weights that fp16 (a GPU without bf16) cannot hold. Returns the config with its resident experts."""
-    if dev.accelerator and config.resident(ck.mine.num_layers, ck.mine.num_experts) is None:
-        config = dataclasses.replace(config, resident_experts=_experts_that_fit(
-            quantized_spec(ck.mine, quant), weights.dtype, dev))
+    mine = ck.mine
+    if dev.accelerator and config.resident(mine.num_layers, mine.num_experts) is None:
+        config = dataclasses.replace(config, resident_experts=_experts_that_fit(quantized_spec(mine, quant),
+                                                                                weights.dtype, dev))
     if dev.accelerator and weights.dtype == torch.float16 and spec.torch_dtype != torch.float16:
         _check_fp16_range(weights)
     return config
