@@ -66,7 +66,8 @@ SCOPES = {
     "sampling": Scope("core.model.sampling", ("x_*",), ("tests/test_sampling.py",)),
     "engine": Scope("core.runtime.engine", (
         "xǁRequestǁ*", "xǁ_Seqǁ*", "xǁEngineǁgenerate", "xǁEngineǁ_step", "xǁEngineǁ_admit_check",
-        "xǁEngineǁ_choose", "xǁEngineǁ_retire", "x__by_micro_batch", "x__is_oom"),
+        "xǁEngineǁ_choose", "xǁEngineǁ_retire", "x__by_micro_batch", "x__is_oom",
+        "xǁEngineǁ_refill", "xǁEngineǁ_prefill", "xǁEngineǁ_decode"),  # the parts of `_step`
         ("tests/test_engine_batching.py", "tests/test_engine_finish.py", "tests/test_engine_parity.py",
          "tests/test_pipeline.py"),
         skip=tuple(f"tests/test_engine_parity.py::{t}[{f}]" for t in ("test_greedy_tokens_match_transformers",

@@ -73,6 +73,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="how a step's tasks run (default: cuda when a GPU is present, else sequential)")
     p.add_argument("--schedule", choices=SCHEDULES, default=None,
                    help="cgopipe (overlapped), s4 (FlexGen-style), s3 (no overlap) (default: cgopipe)")
+    p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
+                   help="CUDA graphs for the CUDA executor's decode steps (default: auto, where they pay)")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="CPU threads for torch (default: the cores other work leaves free, re-checked as it runs)")
     p.add_argument("--skip-bad", action="store_true",
@@ -457,6 +459,8 @@ def _load_engine(args, model_dir: Path, progress, tp=None):
         kw["quantize_dense"] = args.quantize_dense
     if args.threads:
         kw["threads"] = args.threads
+    if getattr(args, "graphs", "auto") != "auto":
+        kw["graphs"] = args.graphs
     return Engine.load(model_dir, progress=progress, **kw)
 
 

@@ -4,13 +4,13 @@ Boundary: takes `Request`s (text or chat messages), tokenizes with the checkpoin
 and yields `Result`s; publishes telemetry events through a callback and never prints. It owns the
 step loop — admit waiting requests into free slots (Algorithm 2), prefill them, decode one token for
 every active request, retire finished ones — and hands the per-layer work to a `PipelineRunner`
-(`core.runtime.pipeline`): the schedule's task graph run by the chosen executor.
+(`core.runtime.pipeline`): the schedule's task graph run by the chosen executor. `Engine.load` chooses
+where and how the model runs here and reads and readies it through the steps in `core.runtime.loading`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,16 +19,12 @@ from typing import Callable, Iterable, Iterator
 import psutil
 import torch
 
+from core.runtime import loading
 from core.runtime.batching import SlotTable
-from core.errors import GpuMemoryError, MlightError, ModelError, UsageError
-from core.model.families import load_spec
+from core.errors import GpuMemoryError, MlightError, UsageError
 from core.model.kvcache import KVCache
-from core.model.gguf.load import load_gguf_weights
-from core.model.gguf.load import load_spec as load_gguf_spec
 from core.model.gguf.load import load_tokenizer as load_gguf_tokenizer
-from core.model.quant.dense import dense_cache
-from core.model.quant.dense_spec import with_dense
-from core.model.quant.formats import parse_choice, quantized_spec
+from core.model.quant.formats import parse_choice
 from core.model.cpu import compute as cpu_compute
 from core.model.cpu.threads import Governor, worker_setup
 from core.plan.hardware import gpu_compute_dtype
@@ -40,7 +36,7 @@ from core.runtime.pipeline import PipelineRunner
 from core.model.sampling import greedy, sample
 from core.model.spec import DTYPE_BYTES, ModelSpec, torch_dtype
 from core.telemetry import RESOURCES, EventSink, RequestDone, StepDone, WarningEvent, ignore
-from core.model.weights import ModelWeights, load_weights
+from core.model.weights import ModelWeights
 
 
 @dataclass
@@ -269,124 +265,39 @@ class Engine:
              progress: EventSink = ignore, tp=None, quantize_dense: bool | str = False,
              graphs: str = "auto") -> "Engine":
         """Load a checkpoint. A `core.plan.policy.Policy` (the planner's) sets paging, resident experts, the
-        expert batch and attention placement; the explicit arguments are for tests and benchmarks.
-        `quantize` ("none", "int8", "int4"; `group_size` for int4) stores the experts quantized, through
-        the quantized cache unless `use_cache` is False; `quantize_dense` stores the attention and
-        shared-expert projections and the LM head quantized too (CPU-only mode): True in the experts'
-        format, or "int8" / "int4" (int8 dense weights cost far less accuracy than int4). `tp` (a
-        core.runtime.distributed.tensor_parallel.TensorParallel) loads only this rank's shard; every rank
-        of the group then calls `generate` with the same requests. `graphs` ("auto", "on", "off"): CUDA graphs
-        for the CUDA executor's decode segments; "auto" where the launches would outlast the link (graphs.choose).
-        `cpu_math` forces the CPU's compute dtype (default: core.model.cpu.compute.choose, from the probe's
-        cached per-dtype rates, else the instruction set); `threads` fixes torch's CPU threads (default:
-        the cores free of other work, re-checked between steps: core.model.cpu.threads.Governor).
-
-        `device`: "cpu", "cuda[:N]", "emulated", a core.runtime.device.Device, or None for the default
-        ($MLIGHT_DEVICE, else CUDA when present; tests and benchmarks name theirs)."""
+        expert batch and attention placement; the explicit arguments are for tests and benchmarks. `quantize`
+        ("none", "int8", "int4"; `group_size` for int4) stores the experts quantized, through the quantized cache
+        unless `use_cache` is False; `quantize_dense` (CPU-only mode) the attention, shared-expert and LM-head
+        projections too: True in the experts' format, or "int8" / "int4" (int8 costs far less accuracy). `tp` (a
+        core.runtime.distributed.tensor_parallel.TensorParallel) loads only this rank's shard; every rank then calls
+        `generate` with the same requests. `graphs` ("auto", "on", "off"): CUDA graphs for the CUDA executor's
+        decode segments, "auto" where the launches would outlast the link (graphs.choose). `cpu_math` forces the
+        CPU's compute dtype (default: core.model.cpu.compute.choose); `threads` fixes torch's CPU threads (default:
+        the free cores, re-checked between steps). `device`: "cpu", "cuda[:N]", "emulated", a Device, or None for
+        the default ($MLIGHT_DEVICE, else CUDA when present; tests and benchmarks name theirs)."""
         model_dir = Path(model_dir)
-        gguf = _gguf_model(model_dir)  # a GGUF file, or a folder holding one instead of config.json
-        spec = load_gguf_spec(gguf) if gguf is not None else load_spec(model_dir)
-        shard = None
-        if tp is not None:
-            from core.model.shard import local_spec, plan_shard
-
-            shard = plan_shard(spec, tp.rank, tp.size)
-        placement = {}
-        if policy is not None:
-            pages_per_layer, expert_group = policy.pages_per_layer, policy.micro_batches_per_expert_batch
-            if policy.ffn_on == "gpu":  # on the CPU alone every expert is "resident"
-                placement = _placement(policy, spec)
-            elif device is None and executor is None:  # a CPU-only plan runs the CPU-only mode
-                device = "cpu"
-            if schedule is None and policy.attention_on == "gpu":
-                schedule = "s4"
-        dev = device if isinstance(device, Device) else None
-        config = dataclasses.replace(run_config(dev.kind if dev else device, executor, schedule, resident_layers,
-                                                expert_group), graphs=graphs)
-        dev = dev or resolve_device(device if device is not None else config.device)
-        mine = spec if shard is None else local_spec(spec, shard)  # what this process holds
-        if resident_experts is not None:  # explicit: also for the CPU as a device (threaded executor)
-            placement = {"resident_experts": tuple(resident_experts)}
-        if placement and (dev.accelerator or resident_experts is not None):
-            config = dataclasses.replace(config, **placement)
-        tokenizer = load_gguf_tokenizer(gguf) if gguf is not None else _load_tokenizer(model_dir)
-        if isinstance(dtype, str):
-            if dtype not in DTYPE_BYTES:
-                raise UsageError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPE_BYTES))}")
-            dtype = torch_dtype(dtype)
-        quant = parse_choice(quantize, group_size)
-        if quantize_dense and quant is None:
-            raise UsageError("--quantize-dense needs a format", "pass --quantize int8 or --quantize int4 with it")
-        dense_fmt = (quant if quantize_dense is True else parse_choice(quantize_dense, group_size)) if quantize_dense \
-            else None
-        if dev.accelerator:
-            dtype = _accelerator_dtype(dev, dtype or spec.torch_dtype, progress)
-        if gguf is not None and shard is not None:
-            raise UsageError("tensor parallelism over a GGUF file is not supported yet",
-                             "run it without --tensor-parallel, or use the model's safetensors release")
-        if gguf is not None:
-            if quant is not None:
-                raise UsageError(f"--quantize {quantize} applies to safetensors checkpoints; {gguf.paths[0].name} "
-                                 "is a GGUF file and runs in its own format", "leave out --quantize")
-            weights = load_gguf_weights(gguf, spec, dtype=dtype, pages_per_layer=pages_per_layer, progress=progress)
-        else:
-            weights = load_weights(model_dir, spec, dtype=dtype, pages_per_layer=pages_per_layer, progress=progress,
-                                   quant=quant, use_cache=use_cache, shard=shard)
-            spec = quantized_spec(spec, quant)
-        if dev.accelerator and config.resident(mine.num_layers, mine.num_experts) is None:
-            config = dataclasses.replace(config, resident_experts=_experts_that_fit(
-                quantized_spec(mine, quant), weights.dtype, dev))
-        if dev.accelerator and weights.dtype == torch.float16 and spec.torch_dtype != torch.float16:
-            _check_fp16_range(weights)
+        ck = loading.read_checkpoint(model_dir, tp)
+        config, dev, pages_per_layer = _run_for(ck.spec, policy, device, executor, schedule, pages_per_layer,
+                                                resident_layers, expert_group, resident_experts, graphs)
+        tokenizer = load_gguf_tokenizer(ck.gguf) if ck.gguf is not None else loading.load_tokenizer(model_dir)
+        dtype, quant, dense_fmt = _dtypes(dtype, quantize, group_size, quantize_dense, dev, ck.spec, progress)
+        weights, spec = loading.read_weights(ck, dtype, quant, quantize, pages_per_layer, use_cache, progress)
+        config = loading.fit_on_device(config, dev, ck, spec, weights, quant)
         cpu = cpu_compute.choose(weights.dtype_name, rates=_probed_cpu_rates(), math=cpu_math)
-        if config.ffn_on == "cpu":  # the CPU-only chain never streams experts: ready them for the CPU
-            if weights.scheme is not None:  # quantized experts: their own CPU kernels (core.model.quant)
-                if quant is not None and quant.name == "int4":
-                    from core.model.cpu import int4
-
-                    int4.prepare(progress)  # its C kernel built here, with progress, before the experts ask for it
-                cache = dense_cache(model_dir, mine, dense_fmt, weights.dtype, {"shard": f"{shard.rank}/{shard.size}"}
-                                    if shard else None) if use_cache else None
-                weights.pack_for_cpu(progress, dense_format=dense_fmt, dense_cache=cache)
-                spec = with_dense(spec, dense_fmt)
-            elif cpu.pack:
-                from core.model.cpu import ffn
-
-                ffn.prepare(progress)  # a compile here, with progress, not inside the packing
-                cpu = _pack_or_fall_back(weights, cpu, progress)
-            if cpu.widens and weights.scheme is None:
-                from core.model.cpu import ffn
-
-                ffn.prepare_widened(progress)
-                if weights.packs_widened():  # the experts widen in registers in one C call a layer
-                    weights.pack_widened(torch_dtype(cpu.math), progress)
-                    cpu = dataclasses.replace(cpu, fused=True)
-                else:
-                    weights.widen_dense(torch_dtype(cpu.math))
-        elif quantize_dense:
-            progress(WarningEvent("--quantize-dense applies to the CPU-only mode; the dense weights stay in "
-                                  f"{weights.dtype_name} on the device"))
-        if config.attention_on == "cpu":
-            from core.model.cpu import native
-
-            native.prepare(progress)  # a compile here, with progress, not inside the first decode step
-        if config.attention_on == "cpu" or config.ffn_on == "cpu":
-            from core.model.cpu import row_ops
-
-            row_ops.prepare(progress)  # the same for the step's norms, RoPE and cache writes
-        engine = cls(spec, weights, tokenizer, model_dir, eos_ids=_eos_ids(model_dir, spec, tokenizer), config=config,
-                     grouped=grouped, device=dev)
+        cpu, spec = loading.ready_for_cpu(config, ck, spec, weights, cpu, quant, dense_fmt, quantize_dense, use_cache,
+                                          progress)
+        loading.prepare_kernels(config, progress)
+        engine = cls(spec, weights, tokenizer, model_dir, eos_ids=loading.eos_ids(model_dir, spec, tokenizer),
+                     config=config, grouped=grouped, device=dev)
         engine.cpu, engine.policy = cpu, policy
         if threads is not None:
             engine.threads = Governor(fixed=threads)
         if tp is not None:
-            from core.runtime.distributed.tensor_parallel import ShardOps
-
-            engine.tp = ShardOps(tp, shard, spec)
-            engine.rank_spec = quantized_spec(local_spec(spec, shard), quant)
+            engine.tp, engine.rank_spec = loading.shard_ops(tp, ck.shard, spec, quant)
         return engine
 
-    def runner(self, slots: int, micro_batch_size: int, max_tokens: int, on_event: EventSink = ignore) -> PipelineRunner:
+    def runner(self, slots: int, micro_batch_size: int, max_tokens: int,
+               on_event: EventSink = ignore) -> PipelineRunner:
         """A runner over a fresh KV cache for `slots` requests of up to `max_tokens` tokens."""
         c, spec = self.config, self.rank_spec
         kv_gpu = c.kv_gpu_layers if c.attention_on == "gpu" else 0
@@ -448,6 +359,8 @@ class Engine:
             yield from self._generate(requests, batch_size, micro_batch_size, on_event, should_stop)
 
     def _generate(self, requests, batch_size, micro_batch_size, on_event, should_stop) -> Iterator[Result]:
+        """The run: a batch of slots steps through the requests; out of device memory, the unfinished ones
+        start again in a batch half the size (tensor parallel: the size the group agreed on)."""
         if batch_size is None:
             batch_size = self.policy.batch_size if self.policy else 64
         if micro_batch_size is None and self.policy is not None:
@@ -462,50 +375,43 @@ class Engine:
         active: list[_Seq] = []
         proc = psutil.Process()
         while waiting or active:
-            new, failed_rank = None, -1  # out of memory: the batch to go on with, a rank that ran out
-            try:
-                table = SlotTable(slots, mu)
-                runner = self.runner(slots, mu, max_tokens, on_event)
-            except torch.cuda.OutOfMemoryError as e:  # this batch's buffers do not fit
-                if slots == 1 and self.tp is None:
-                    raise _no_room_at_batch_one() from e
-                runner, new = None, slots // 2
-            if self.tp is not None:  # the group's ranks all built their runners, or all retry alike
-                agreed = self.tp.tp.outcome(False, slots, slots if new is None else new)
-                new, failed_rank = (agreed.slots, agreed.failed_rank) if agreed.slots < slots else (None, -1)
-            while new is None and (waiting or active):
-                stop = should_stop is not None and should_stop()
-                if stop and self.tp is None:  # tensor parallel: the group agrees on stopping after the step
-                    return
-                self.threads.tick()
-                try:
-                    finished = self._step(runner, table, waiting, active, proc, on_event, stop, slots)
-                except _GroupStop:  # every rank of the group stops at the same step
-                    return
-                except _GroupShrink as e:  # a rank ran out of memory: the batch the ranks agreed on
-                    new, failed_rank = e.slots, e.rank
-                    break
-                except TaskFailed as e:
-                    if not _is_oom(e) or slots == 1 or self.tp is not None:
-                        raise
-                    new = slots // 2
-                    break
-                yield from finished
-            if new is None:
+            table, runner, shrink = self._start(slots, mu, max_tokens, on_event)
+            if shrink is None:
+                shrink = yield from self._steps(runner, table, waiting, active, proc, on_event, should_stop, slots)
+            if shrink is None:  # every request done, or the run was asked to stop
                 return
-            if new < 1:  # tensor parallel: some rank cannot run even one request; every rank stops here
-                raise _give_up(failed_rank)
-            # Out of device memory: restart the unfinished requests with half the batch (tensor parallel:
-            # the batch the ranks agreed on). The failed step's runner (and the exception, whose traceback
-            # holds it) are gone before the next is built, so the retry has the device to itself.
-            runner = table = None
-            self._release_device()
-            slots, mu = new, max(1, min(mu, new))
-            on_event(WarningEvent(f"out of GPU memory; continuing with batch {slots}, micro-batch {mu}"))
-            for s in active:
-                s.reset()
-            waiting[:0] = sorted(active, key=lambda s: -len(s.prompt_ids))
-            active.clear()
+            runner = table = None  # gone before the next runner is built: the retry has the device to itself
+            slots, mu = self._restart_smaller(*shrink, mu, waiting, active, on_event)
+
+    def _start(self, slots: int, mu: int, max_tokens: int, on_event: EventSink):
+        """A slot table and a runner for a batch of `slots`, and None; or, where their buffers do not fit the
+        device (tensor parallel: on some rank), the batch to go on with and the rank that ran out."""
+        shrink = None
+        table = SlotTable(slots, mu)
+        try:
+            runner = self.runner(slots, mu, max_tokens, on_event)
+        except torch.cuda.OutOfMemoryError as e:
+            if slots == 1 and self.tp is None:
+                raise _no_room_at_batch_one() from e
+            runner, shrink = None, (slots // 2, -1)
+        if self.tp is not None:  # the group's ranks all built their runners, or all retry alike
+            agreed = self.tp.tp.outcome(False, slots, slots if shrink is None else shrink[0])
+            shrink = (agreed.slots, agreed.failed_rank) if agreed.slots < slots else None
+        return table, runner, shrink
+
+    def _restart_smaller(self, slots: int, failed_rank: int, mu: int, waiting, active, on_event) -> tuple[int, int]:
+        """Out of device memory: the unfinished requests wait again, to start over in a batch of `slots` (fewer
+        than one: tensor parallel, rank `failed_rank` cannot run even one request, and every rank stops)."""
+        if slots < 1:
+            raise _give_up(failed_rank)
+        self._release_device()
+        mu = max(1, min(mu, slots))
+        on_event(WarningEvent(f"out of GPU memory; continuing with batch {slots}, micro-batch {mu}"))
+        for s in active:
+            s.reset()
+        waiting[:0] = sorted(active, key=lambda s: -len(s.prompt_ids))
+        active.clear()
+        return slots, mu
 
     def _release_device(self) -> None:
         """Give back device memory that nothing references any more (cycles included)."""
@@ -514,44 +420,83 @@ class Engine:
         gc.collect()
         self.dev.empty_cache()
 
+    def _steps(self, runner, table, waiting, active, proc, on_event, should_stop, slots):
+        """Step until every request is done or the run is asked to stop (returns None), yielding each result as it
+        finishes; out of device memory, return (the batch to go on with, the rank that ran out or -1)."""
+        while waiting or active:
+            stop = should_stop is not None and should_stop()
+            if stop and self.tp is None:  # tensor parallel: the group agrees on stopping after the step
+                return None
+            self.threads.tick()
+            try:
+                finished = self._step(runner, table, waiting, active, proc, on_event, stop, slots)
+            except _GroupStop:  # every rank of the group stops at the same step
+                return None
+            except _GroupShrink as e:  # a rank ran out of memory: the batch the ranks agreed on
+                return e.slots, e.rank
+            except TaskFailed as e:
+                if not _is_oom(e) or slots == 1 or self.tp is not None:
+                    raise
+                return slots // 2, -1
+            yield from finished
+        return None
+
     def _step(self, runner, table, waiting, active, proc, on_event, stop=False, slots=0) -> list[Result]:
-        """Admit and prefill waiting requests if slots are free, else decode one token for every active one."""
-        admitted = []
+        """One step: refill free slots from the waiting requests and prefill those, else decode one token for
+        every active request; sample each one's next token; retire the finished (the next step refills)."""
+        admitted = self._refill(table, waiting, active)
+        t0, moved = time.perf_counter(), dict(runner.bytes)
+        if admitted:  # a freshly prefilled request may already be done; the next step admits again
+            kind, tokens = "prefill", sum(len(s.prompt_ids) for s in admitted)
+            seqs, logits, busy = self._prefill(runner, table, admitted, stop, slots)
+        else:
+            kind, tokens = "decode", len(active)
+            seqs, logits, busy = self._decode(runner, table, waiting, active, stop, slots)
+        self._check_finite(logits)
+        self._choose(seqs, logits)
+        on_event(self._step_event(kind, tokens, t0, busy, moved, runner, len(active), proc))
+        return self._retire(active, table, on_event)
+
+    @staticmethod
+    def _refill(table: SlotTable, waiting: list[_Seq], active: list[_Seq]) -> list[_Seq]:
+        """Place waiting requests into free slots, in order; they join `active` before their prefill, so that a
+        step that fails (out of memory) restarts them too."""
         among = None
         if not active and 0 < len(waiting) <= table.free_slots():
             # the run's last wave, smaller than the batch: in as few micro-batches as hold it, as the planner
             # prices it (planner.last_wave). Each micro-batch a step runs reads every layer's weights again:
             # the demo's last 52 requests dealt over three micro-batches of 68 took 9.9 ms a decode step, in one
-            # micro-batch of 52 4.5-4.8 (AVX2 limits, two threads; bench/RESULTS.md, issue 11)
+            # micro-batch of 52 4.5-4.8 (AVX2 limits, two threads)
             among = -(-len(waiting) // table.micro_batch_size)
+        admitted = []
         while waiting and table.free_slots():
             s = waiting.pop(0)
             s.slot = table.place(s, len(s.prompt_ids), among)
             s.started = time.perf_counter()
             admitted.append(s)
-        active += admitted  # before the prefill: a step that fails (out of memory) restarts them too
-        t0, moved = time.perf_counter(), dict(runner.bytes)
-        if admitted:  # a freshly prefilled request may already be done; the next step admits again
-            groups = _by_micro_batch(admitted, table)
-            flat = [s for g in groups for s in g]
-            index = {id(s): i for i, s in enumerate(flat)}
-            logits, busy = self._agreed(runner, stop, slots, lambda: runner.prefill(
-                [s.prompt_ids for s in flat], [s.slot for s in flat], [[index[id(s)] for s in g] for g in groups]))
-            self._check_finite(logits)
-            self._choose(flat, logits)
-            on_event(self._step_event("prefill", sum(len(s.prompt_ids) for s in admitted), t0, busy, moved,
-                                      runner, len(active), proc))
-            return self._retire(active, table, on_event)
+        active += admitted
+        return admitted
+
+    def _prefill(self, runner, table, admitted, stop, slots):
+        """The admitted requests' prompts through the model by micro-batch: (the requests in the logits' row
+        order, the logits [rows, V], the step's busy times)."""
+        groups = _by_micro_batch(admitted, table)
+        seqs = [s for g in groups for s in g]
+        index = {id(s): i for i, s in enumerate(seqs)}
+        logits, busy = self._agreed(runner, stop, slots, lambda: runner.prefill(
+            [s.prompt_ids for s in seqs], [s.slot for s in seqs], [[index[id(s)] for s in g] for g in groups]))
+        return seqs, logits, busy
+
+    def _decode(self, runner, table, waiting, active, stop, slots):
+        """One token for every active request by micro-batch, as `_prefill`; with none waiting, the requests move
+        into their micro-batches' first slots first (`_compact`)."""
         if not waiting:
             self._compact(runner, table, active)
         groups = _by_micro_batch(active, table)
         logits, busy = self._agreed(runner, stop, slots, lambda: runner.decode(
             [[s.out[-1] for s in g] for g in groups], [[s.slot for s in g] for g in groups],
             [[s.next_position for s in g] for g in groups]))
-        self._check_finite(logits)
-        self._choose([s for g in groups for s in g], logits)
-        on_event(self._step_event("decode", len(active), t0, busy, moved, runner, len(active), proc))
-        return self._retire(active, table, on_event)
+        return [s for g in groups for s in g], logits, busy
 
     @staticmethod
     def _compact(runner, table, active) -> None:
@@ -651,24 +596,11 @@ class Engine:
         return results
 
 
-def _pack_or_fall_back(weights: ModelWeights, cpu, progress: EventSink):
-    """Prepack the experts for oneDNN; where it refuses after all, say so and run them unpacked."""
-    try:
-        weights.pack_for_cpu(progress)
-        return cpu
-    except RuntimeError as e:  # e.g. "bf16 path needs the cpu support avx512bw ..."
-        progress(WarningEvent(f"oneDNN refused to prepack the experts ({str(e).splitlines()[0]}); computing in "
-                              "float32 over the unpacked weights instead"))
-        return dataclasses.replace(cpu, pack=False, math="float32", direct_rows=cpu_compute.DIRECT_ROWS,
-                                   reason=cpu.reason + "; but oneDNN refused to prepack, so not natively after all")
-
-
 def _probed_cpu_rates() -> dict[str, float] | None:
     """The probe's measured per-dtype CPU matmul rates when this machine was probed (never measures)."""
     from core.plan.hardware import cached_cpu_rates
 
     return cached_cpu_rates()
-
 
 
 def _h2d_rate() -> float:
@@ -679,24 +611,53 @@ def _h2d_rate() -> float:
     return hw.h2d_bw if hw is not None and hw.h2d_bw > 0 else 25e9
 
 
+def _run_for(spec: ModelSpec, policy, device, executor, schedule, pages_per_layer, resident_layers, expert_group,
+             resident_experts, graphs) -> tuple[RunConfig, Device, int]:
+    """`Engine.load`'s choice of where and how the model runs: the planner's policy (paging, resident experts,
+    the expert batch, attention placement) over the explicit arguments; the config, its device, the paging."""
+    placement = {}
+    if policy is not None:
+        pages_per_layer, expert_group = policy.pages_per_layer, policy.micro_batches_per_expert_batch
+        if policy.ffn_on == "gpu":  # on the CPU alone every expert is "resident"
+            placement = _placement(policy, spec)
+        elif device is None and executor is None:  # a CPU-only plan runs the CPU-only mode
+            device = "cpu"
+        if schedule is None and policy.attention_on == "gpu":
+            schedule = "s4"
+    dev = device if isinstance(device, Device) else None
+    config = dataclasses.replace(run_config(dev.kind if dev else device, executor, schedule, resident_layers,
+                                            expert_group), graphs=graphs)
+    dev = dev or resolve_device(device if device is not None else config.device)
+    if resident_experts is not None:  # explicit: also for the CPU as a device (threaded executor)
+        placement = {"resident_experts": tuple(resident_experts)}
+    if placement and (dev.accelerator or resident_experts is not None):
+        config = dataclasses.replace(config, **placement)
+    return config, dev, pages_per_layer
+
+
+def _dtypes(dtype, quantize, group_size, quantize_dense, dev: Device, spec: ModelSpec, progress: EventSink):
+    """`Engine.load`'s dtype (None: the checkpoint's; on a GPU, the one it computes in), the experts' quantized
+    format and the dense projections' (None: as loaded)."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_BYTES:
+            raise UsageError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPE_BYTES))}")
+        dtype = torch_dtype(dtype)
+    quant = parse_choice(quantize, group_size)
+    if quantize_dense and quant is None:
+        raise UsageError("--quantize-dense needs a format", "pass --quantize int8 or --quantize int4 with it")
+    dense_fmt = (quant if quantize_dense is True else parse_choice(quantize_dense, group_size)) if quantize_dense \
+        else None
+    if dev.accelerator:
+        dtype = _accelerator_dtype(dev, dtype or spec.torch_dtype, progress)
+    return dtype, quant, dense_fmt
+
+
 def _placement(policy, spec: ModelSpec) -> dict:
     """RunConfig fields for a policy's resident experts (r_w) and GPU-held KV layers (r_c)."""
     dense = [i for i in range(spec.num_layers) if not spec.is_moe(i)]
     return {"resident_experts": tuple(expert_split(policy.gpu_weight_fraction, spec.num_layers, spec.num_experts,
                                                    dense)),
             "kv_gpu_layers": kv_gpu_layers(policy.gpu_kv_fraction, spec.num_layers)}
-
-
-def _experts_that_fit(spec: ModelSpec, dtype, dev: Device) -> tuple[int, ...]:
-    """Without a plan: keep as many experts on the GPU as fit beside everything else."""
-    free, _ = dev.mem_get_info()
-    b = torch_dtype(dtype).itemsize if isinstance(dtype, str) else (dtype or spec.torch_dtype).itemsize
-    scale = b / spec.dtype_bytes
-    L, E, eb = spec.num_layers, spec.num_experts, spec.expert_bytes * scale
-    fixed = (spec.nonexpert_bytes + 2 * spec.layer_expert_bytes) * scale + min(2e9, 0.1 * free)  # + activations, KV
-    LE = spec.moe_layers * E  # routed experts in all (dense layers hold none)
-    n = max(0, min(LE, int((0.85 * free - fixed) // eb)))
-    return tuple(expert_split(n / LE, L, E, [i for i in range(L) if not spec.is_moe(i)]))
 
 
 def _accelerator_dtype(dev: Device, dtype: torch.dtype, progress: EventSink) -> torch.dtype:
@@ -706,18 +667,6 @@ def _accelerator_dtype(dev: Device, dtype: torch.dtype, progress: EventSink) -> 
         progress(WarningEvent(f"{dev.name} (compute capability {dev.capability[0]}.{dev.capability[1]}) has no "
                               f"bf16 tensor cores: computing in float16"))
     return use
-
-
-def _check_fp16_range(weights: ModelWeights) -> None:
-    """bf16 weights beyond fp16's range would turn into inf: refuse with a way out."""
-    for i, lw in enumerate(weights.layers):
-        if not torch.isfinite(lw.flat).all():
-            raise ModelError(f"layer {i} has weights beyond float16's range (±65504), and this GPU computes "
-                             "bf16 checkpoints in float16", "run with --dtype float32")
-    for name, t in weights.globals.items():
-        if not torch.isfinite(t).all():
-            raise ModelError(f"{name} has weights beyond float16's range (±65504), and this GPU computes "
-                             "bf16 checkpoints in float16", "run with --dtype float32")
 
 
 class _GroupStop(Exception):
@@ -757,39 +706,3 @@ def _by_micro_batch(active: list[_Seq], table: SlotTable) -> list[list[_Seq]]:
     for s in active:
         groups.setdefault(table.micro_batch_of(s.slot), []).append(s)
     return [sorted(groups[j], key=lambda s: s.slot) for j in sorted(groups)]
-
-
-def _gguf_model(model_dir: Path):
-    from core.model.gguf.load import GGUFModel, find_gguf
-
-    if model_dir.is_dir() and (model_dir / "config.json").is_file():
-        return None
-    paths = find_gguf(model_dir)
-    return GGUFModel(paths) if paths is not None else None
-
-
-def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        raise ModelError(f"{model_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json)",
-                         "copy the tokenizer files that came with the model into the folder")
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
-    except Exception as e:  # transformers raises many types here; all mean the same to the user
-        raise ModelError(f"cannot load the tokenizer in {model_dir}: {str(e).splitlines()[0]}",
-                         "check the tokenizer files that came with the model") from e
-
-
-def _eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> set[int]:
-    ids = set(spec.eos_token_ids)
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        try:
-            eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-            ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        except (OSError, ValueError):
-            pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return {i for i in ids if isinstance(i, int) and 0 <= i < spec.vocab_size}
