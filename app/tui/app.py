@@ -26,7 +26,7 @@ class MlightApp(App):
         Binding("ctrl+c", "quit", "Quit", show=False),  # a text field keeps Ctrl+C for copy
         Binding("q", "quit", "Quit", show=False),  # typed into a text field, q is a letter
         Binding("question_mark", "help", "Help"),
-        Binding("f1", "help", "Help", show=False),
+        Binding("f1", "help", "Help"),  # the footer shows one key per action: F1 where a text field takes ?
     ]
 
     def __init__(self, options: Options, backend: Backend):

@@ -234,7 +234,7 @@ class RunMeter:
             return None
         mx, my = sx / n, sy / n
         var = sum((x - mx) ** 2 for x, _ in pts) / n
-        if var <= max(1.0, 0.01 * mx * mx):
+        if var <= max(1.0, (0.1 * mx) ** 2):  # k spread by under a tenth: a fit on it would fit the noise
             return 0.0, sy / sx
         b = sum((x - mx) * (y - my) for x, y in pts) / n / var
         a = my - b * mx

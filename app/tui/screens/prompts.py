@@ -56,13 +56,13 @@ class PromptTree(DirectoryTree):
 
 class PromptsScreen(StepScreen):
     STEP = "Prompts"
-    BINDINGS = [Binding("ctrl+o", "browse", "Browse files", priority=True),
-                Binding("ctrl+t", "demo_prompts", "Demo prompts", priority=True)]
+    BINDINGS = [Binding("ctrl+o", "browse", "Browse", priority=True),  # short: at 80 columns the footer keeps ? Help
+                Binding("ctrl+t", "demo_prompts", "Demo", priority=True)]
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="body"):
-            yield Static("Prompts file: .txt (one a line), .jsonl, .csv or .tsv — type it, drag it here, "
-                         "or browse (Ctrl+O)", classes="title")
+            yield Static("Prompts file — .txt (one a line), .jsonl, .csv, .tsv: type, drop, or Ctrl+O",
+                         classes="title")  # one line at 80 columns: the bad lines below need the rows
             with Horizontal(classes="field"):
                 yield PathInput(placeholder="prompts file (Enter opens)", compact=True, id="prompts-input")
                 yield Button(f"Open {glyph.enter}", compact=True, id="open")
@@ -205,8 +205,8 @@ class PromptsScreen(StepScreen):
         if not ok:
             self.status(f"{view.path.name}: no usable prompts — every line is bad (see the list).", "error")
         elif ps.rejects:
-            self.status(f"{view.count} prompts ready, {_lines(len(ps.rejects))} bad (listed). Fix the file and "
-                        "open it again, or Ctrl+N to skip them.", "warn")
+            self.status(f"{view.count} prompts ready, {_lines(len(ps.rejects))} bad (listed): fix the file, or "
+                        "Ctrl+N to skip them.", "warn")
         else:
             self.status(f"{view.count} prompts ready. Ctrl+N to plan.", "ok")
 
