@@ -198,7 +198,8 @@ async def test_04_bad_lines_show_at_80x24(workdir):
         await settle(pilot)
         rejects = app.screen.query_one("#rejects")
         assert rejects.region.height >= 4, rejects.region  # its border and two lines, not the top border alone
-        assert "line 2: bad JSON" in _screen_text(app)
+        shown = _screen_text(app)
+        assert "line 2: bad JSON" in shown and "line 4: `messages`" in shown, shown
 
 
 @sync
@@ -366,7 +367,9 @@ async def test_13_at_120x40_the_results_scrollbar_is_at_the_screens_edge(workdir
         await pilot.press("ctrl+n")
         await settle(pilot)
         table = app.screen.query_one("#results")
-        assert table.region.right >= WIDE[0] - 1, table.region
+        assert table.show_vertical_scrollbar and table.region.right >= WIDE[0] - 1, table.region
+        # the columns reach the scrollbar: no gap between the last column and it
+        assert table.virtual_size.width == table.scrollable_content_region.width, (table.virtual_size, table.region)
 
 
 # ---- 14: the Run screen -------------------------------------------------------------------------------

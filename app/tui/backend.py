@@ -285,8 +285,12 @@ class Backend:
             out = []
             for e in prompts.prompts.entries:
                 if e.messages is not None:
-                    ids = tok.apply_chat_template([dict(m) for m in e.messages], add_generation_prompt=True,
-                                                  tokenize=True)
+                    # a later turn of a multi-turn question (core.io.turns) is counted with empty answers to the
+                    # turns before it, as `prepare_requests` checks it: its shortest conversation
+                    earlier = getattr(e, "earlier", ())
+                    messages = (e.request_kwargs({}, answers=("",) * len(earlier))["messages"] if earlier
+                                else [dict(m) for m in e.messages])
+                    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
                     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
                     out.append(len(ids))
                 else:

@@ -146,6 +146,7 @@ class PlanScreen(StepScreen):
         self._set_choices(self.session.choices)
         self._show_group_row()
         if self.cpu_mode:
+            self.query_one("#ffn", Select).value = "cpu"  # what the plan will say, not a GPU while it plans
             for key in ("h2d", "d2h"):  # no PCIe link without a GPU
                 self.query_one(f"#res-{key}").display = False
             for key, label in CPU_MODE_LABELS.items():
