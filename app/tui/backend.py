@@ -571,7 +571,11 @@ def budget_warnings(machine: MachineView, gpu_budget: int, cpu_budget: int) -> l
 
 
 def _entry_text(e: Any) -> str:
-    return e.prompt if e.prompt is not None else " / ".join(m["content"] for m in e.messages)
+    if e.prompt is not None:
+        return e.prompt
+    if (getattr(e, "turn", None) or 1) > 1:  # a later turn of a question (core.io.turns): its own question
+        return f"turn {e.turn}: {e.messages[-1]['content']}"
+    return " / ".join(m["content"] for m in e.messages)
 
 
 def _size(n: float) -> str:

@@ -27,6 +27,14 @@ from app.tui.widgets.path_input import PathInput
 PROMPT_SUFFIXES = {".txt", ".text", ".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".tab"}
 
 
+def _turns_text(entries) -> str:
+    """For a multi-turn file (MT-Bench's): how its entries run — later turns after the earlier answers."""
+    later = sum(1 for e in entries if (getattr(e, "turn", None) or 1) > 1)
+    if not later:
+        return ""
+    return f" ({len(entries) - later} first turns, then {later} later turns with the model's own earlier answers)"
+
+
 def _lines(n: int) -> str:
     return f"{n} line" if n == 1 else f"{n} lines"
 
@@ -177,7 +185,8 @@ class PromptsScreen(StepScreen):
         lo, mean, hi = view.lengths
         rows = [
             ("File", f"{view.path.name} ({ps.format})"),
-            ("Prompts", f"{view.count} to run" + (f", {ps.blank_lines} blank lines skipped" if ps.blank_lines else "")),
+            ("Prompts", f"{view.count} to run" + _turns_text(ps.entries)
+             + (f", {ps.blank_lines} blank lines skipped" if ps.blank_lines else "")),
             ("Length", f"{lo}–{hi} characters, mean {mean:.0f}"),
             ("Generate", f"up to {view.budget_tokens:,} new tokens in all"),
             ("Bad lines", Text(f"{len(ps.rejects)} — listed below; Ctrl+N asks before skipping them",

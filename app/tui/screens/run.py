@@ -341,7 +341,8 @@ class RunScreen(StepScreen):
             return ""
         ratio = 1 + c.error
         how = f"{1 / ratio:.1f}× below" if ratio < 1 else f"{ratio:.1f}× above"
-        why = ("fewer requests in flight than the plan's batch" if not snap.full_batch else
+        why = ("measured with fewer requests in flight than the plan's batch, which the prediction is for"
+               if not snap.full_batch else
                "the planner's model of this machine is off (`mlight bench --calibrate` fits it)")
         return f"decode measured at {c.measured_decode_tokens_per_s:,.1f} tokens/s: {how} the prediction — {why}"
 
