@@ -334,6 +334,16 @@ def test_11_a_negative_budget_is_refused_in_one_line(capsys):
         assert e.value.code == 2 and err.count("\n") == 1 and "0 or more GB" in err and "000000" not in err, err
 
 
+@sync
+async def test_11_a_negative_budget_typed_on_plan_is_said_in_gb(workdir):
+    app = _direct()
+    async with app.run_test(size=WIDE) as pilot:
+        await _plan(pilot)
+        app.screen.query_one("#gpu-mem").value = "-3"
+        await settle_until(pilot, lambda app: "0 or more GB" in str(app.screen.query_one("#validation").render()))
+        assert app.screen.query_one("#accept").disabled and "000000" not in status_text(app)
+
+
 # ---- 13: the layout at 80×24 and 120×40 ---------------------------------------------------------------
 @sync
 async def test_13_at_80x24_the_step_bar_names_every_step_and_the_footer_keeps_help(workdir):

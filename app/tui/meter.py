@@ -45,6 +45,8 @@ class RunSnapshot:
     requests_total: int = 0
     tokens_out: int = 0  # generated tokens (this session and earlier ones of a resumed run)
     tokens_in: int = 0  # prompt tokens (of finished results, plus those prefilled since)
+    saved_out: int = 0  # generated tokens in the finished results (earlier sessions of a resumed run too)
+    saved_in: int = 0  # prompt tokens of the finished results
     current_tps: float = 0.0
     average_tps: float = 0.0
     decode_tps: float = 0.0  # decode tokens / decode seconds over the window
@@ -99,6 +101,7 @@ class RunMeter:
         self.tokens_out = tokens_before
         self._session_tokens = 0
         self.tokens_in = 0
+        self.saved_out = self.saved_in = 0  # the finished results' tokens (the run job counts them)
         self.batch_size = batch_size  # the plan's N: steps with this many in flight are comparable to it
         self._steps: deque[tuple[float, float, int, dict[str, float], str, int]] = deque()
         self._history: deque[tuple[float, float]] = deque(previous.history if previous else (), maxlen=HISTORY)
@@ -293,6 +296,7 @@ class RunMeter:
             return RunSnapshot(
                 state=self.state, elapsed=self._before + self._running(now), requests_done=self.done,
                 requests_total=self.total, tokens_out=self.tokens_out, tokens_in=self.tokens_in,
+                saved_out=self.saved_out, saved_in=self.saved_in,
                 current_tps=toks / wall if wall > 0 else 0.0, average_tps=avg, decode_tps=decode_tps,
                 full_batch=full, history=tuple(self._history), busy=busy, gpu_used=self.gpu_used,
                 gpu_budget=self.gpu_budget, cpu_used=self.cpu_used, cpu_budget=self.cpu_budget, eta=eta,

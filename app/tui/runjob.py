@@ -107,6 +107,8 @@ class RunJob:
             elif store.resumed:
                 self.post(RunLog("Resuming: nothing had finished yet, so every prompt runs.", "ok"))
             self.meter.done = sum(1 for e in self.prompts.prompts.entries if e.id in self.records)
+            for record in self.records.values():
+                self._count_saved(record)
             bad = self.prompts.prompts.rejects
             if bad:
                 self.post(RunLog(f"{len(bad)} bad line{'s' if len(bad) > 1 else ''} of {self.prompts.path.name} "
@@ -133,6 +135,7 @@ class RunJob:
                 rid = str(record["id"])
                 self.records[rid] = record
                 out = int(record.get("output_tokens", 0))
+                self._count_saved(record)
                 self.meter.add_result(out, max_new.get(rid, out), rid)
                 self._post_update()
 
@@ -154,6 +157,12 @@ class RunJob:
             raise
         finally:
             store.release()
+
+    def _count_saved(self, record: dict) -> None:
+        """The finished results' tokens: what the results file will hold, earlier sessions included. Beside
+        them the meter counts this session's steps (every sampled token, and requests a stop leaves unfinished)."""
+        self.meter.saved_out += int(record.get("output_tokens", 0))
+        self.meter.saved_in += int(record.get("prompt_tokens", 0))
 
     def _choices(self) -> dict:
         if self.choices is None:

@@ -224,7 +224,13 @@ class PlanScreen(StepScreen):
         if self._replan_timer is not None:
             self._replan_timer.stop()  # a re-plan asked for now makes the pending one moot
             self._replan_timer = None
-        self.plan_now(self._budgets())
+        budgets = self._budgets()
+        negative = [label for label, b in zip(("GPU memory GB", "CPU memory GB"), budgets) if b is not None and b < 0]
+        if negative:  # in GB, as typed: not the planner's bytes
+            self._gen += 1
+            self.show_problems([f"{name}: a budget is 0 or more GB (0 for none)" for name in negative])
+            return
+        self.plan_now(budgets)
 
     # ---- the form -------------------------------------------------------------------------------
     def fill(self, plan) -> None:

@@ -293,6 +293,7 @@ class RunScreen(StepScreen):
             ("State", self._state_text(snap)),
             ("Requests", f"{snap.requests_done} / {snap.requests_total}"),
             ("Tokens", f"{snap.tokens_out:,} new, {snap.tokens_in:,} prompt (this run)"),
+            ("Saved", f"{snap.saved_out:,} new, {snap.saved_in:,} prompt (finished results, all runs)"),
             ("Time", _time_text(snap)),
         ])
 
