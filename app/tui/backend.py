@@ -340,7 +340,8 @@ class Backend:
             c = choose(spec, machine.hardware, workload, budget, choices.quantize, choices.group_size, ranks=1,
                        dense=choices.quantize_dense)
             return PlanView(c.policy, c.prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
-                            tokenized=self.prompt_lengths(model, prompts) is not None, quantize=c.quantize, quant_why=c.why, group_size=choices.group_size,
+                            tokenized=self.prompt_lengths(model, prompts) is not None, quantize=c.quantize,
+                            quant_why=c.why, group_size=choices.group_size,
                             quant_baseline_tps=c.baseline.tokens_per_s if c.baseline is not None else None,
                             quant_dense=c.dense)
         policy, prediction = plan(spec, machine.hardware, workload, budget, ranks=1)

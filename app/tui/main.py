@@ -27,8 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", metavar="F", help="prompts file (.txt, .jsonl, .csv, .tsv), or 'demo' (default: chosen on the Prompts step)")
     p.add_argument("--out", metavar="F", help="results file (.jsonl or .csv) (default: NAME.results.jsonl for prompts file NAME, in "
                    "$MLIGHT_RESULTS_DIR or Documents/mlight)")
-    p.add_argument("--gpu-mem", metavar="GB", type=_gigabytes, help="GPU memory budget in GB (default: the GPU's free memory)")
-    p.add_argument("--cpu-mem", metavar="GB", type=_gigabytes, help="CPU memory budget in GB (default: the RAM available now)")
+    p.add_argument("--gpu-mem", metavar="GB", type=_gigabytes,
+                   help="GPU memory budget in GB (default: the GPU's free memory)")
+    p.add_argument("--cpu-mem", metavar="GB", type=_gigabytes,
+                   help="CPU memory budget in GB (default: the RAM available now)")
     p.add_argument("--max-new-tokens", metavar="N", type=_positive_int,
                    help="tokens to generate per prompt, unless its line sets max_new_tokens (default: 128; "
                         "also on the Plan step)")
