@@ -148,7 +148,7 @@ async def test_05_the_results_file_follows_a_newly_chosen_prompts_file(workdir):
         await pilot.press("enter")
         await settle(pilot)
         assert app.session.prompts.path.name == "some_bad.jsonl"
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n", "ctrl+n")  # the second agrees to skip its bad lines (issue 46's defect 6)
         await _plan(pilot)
         assert app.screen.query_one("#out").value.endswith("some_bad.results.jsonl")
 

@@ -162,12 +162,13 @@ async def test_stop_is_clean_and_resume_finishes_the_rest(tmp_path):
         assert app.session.run_state == "done", status_text(app)
         log = "\n".join(str(line.text) for line in app.screen.query_one("#log").lines)
         assert f"Resuming: {len(kept)} results" in log
-        tokens_row = app.screen.query_one("#progress-facts").text.split("Tokens: ")[1].splitlines()[0]
+        tokens_row = app.screen.query_one("#progress-facts").text.split("Saved: ")[1].splitlines()[0]
 
     final = _jsonl(out)
-    # defect 16: after a resume the counters are the file's (earlier sessions' results included)
+    # defect 16: after a resume the saved counters are the file's (earlier sessions' results included); issue 46's
+    # defect 9: in a row of their own, named, beside this run's
     assert tokens_row == (f"{sum(r['output_tokens'] for r in final):,} new, "
-                          f"{sum(r['prompt_tokens'] for r in final):,} prompt")
+                          f"{sum(r['prompt_tokens'] for r in final):,} prompt (finished results, all runs)")
     ids = [r["id"] for r in final]
     assert ids == [f"mtbench-{81 + i}" for i in range(5)]  # every request exactly once, in file order
     assert {r["id"]: r for r in final}[kept[0]["id"]] == kept[0]  # the stopped run's result is kept as is
@@ -208,7 +209,7 @@ async def test_bad_prompt_files_say_what_is_wrong(tmp_path):
         rejects = str(app.screen.query_one("#rejects").render())
         assert "line 2: bad JSON" in rejects
         assert "line 3:" in rejects and "neither `prompt` nor `messages`" in rejects
-        assert "2 bad lines will be skipped" in status_text(app)
+        assert "2 lines bad (listed)" in status_text(app) and "Ctrl+N to skip them" in status_text(app)
         assert not app.screen.query_one("#next").disabled
 
 

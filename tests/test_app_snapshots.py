@@ -20,6 +20,8 @@ from app.tui.session import Options
 from test_app_support import DEMO_PROMPTS, FrozenClock, ScriptedBackend, run_over, settle, settle_until
 
 WIDE, SMALL = (120, 40), (80, 24)
+SIZES = pytest.mark.parametrize("size", [WIDE, SMALL], ids=["120x40", "80x24"])
+THEMES = pytest.mark.parametrize("theme", ["textual-dark", "textual-light"], ids=["dark", "light"])
 
 
 @pytest.fixture
@@ -118,17 +120,20 @@ def test_machine_small_terminal(snap_compare, workdir):
     assert snap_compare(_app(hardware=_cpu_only()), terminal_size=SMALL, run_before=_settled)
 
 
-def test_model_demo(snap_compare, workdir):
-    assert snap_compare(_direct(), terminal_size=WIDE, run_before=_back(2))
+@SIZES
+def test_model_demo(snap_compare, workdir, size):
+    assert snap_compare(_direct(), terminal_size=size, run_before=_back(2))
 
 
-def test_prompts_demo(snap_compare, workdir):
-    assert snap_compare(_direct(), terminal_size=WIDE, run_before=_back(1))
+@SIZES
+def test_prompts_demo(snap_compare, workdir, size):
+    assert snap_compare(_direct(), terminal_size=size, run_before=_back(1))
 
 
-def test_prompts_with_bad_lines(snap_compare, workdir):
+@SIZES
+def test_prompts_with_bad_lines(snap_compare, workdir, size):
     app = _app(model="demo", prompts="some_bad.jsonl", out="results.jsonl")
-    assert snap_compare(app, terminal_size=WIDE, run_before=_back(1))
+    assert snap_compare(app, terminal_size=size, run_before=_back(1))
 
 
 def test_plan_t4(snap_compare, workdir):
@@ -153,9 +158,6 @@ def test_plan_invalid_micro_batch(snap_compare, workdir):
 def test_plan_cpu_only(snap_compare, workdir):
     assert snap_compare(_direct(hardware=_cpu_only()), terminal_size=WIDE, run_before=_settled)
 
-
-SIZES = pytest.mark.parametrize("size", [WIDE, SMALL], ids=["120x40", "80x24"])
-THEMES = pytest.mark.parametrize("theme", ["textual-dark", "textual-light"], ids=["dark", "light"])
 
 
 @SIZES
@@ -261,28 +263,78 @@ def test_plan_quantized_dense(snap_compare, workdir, size):
     assert snap_compare(_direct(hardware=_cpu_only()), terminal_size=size, run_before=run)
 
 
-def test_results(snap_compare, workdir):
-    assert snap_compare(_direct(), terminal_size=WIDE, run_before=_to_results)
+@SIZES
+def test_results(snap_compare, workdir, size):
+    assert snap_compare(_direct(), terminal_size=size, run_before=_to_results)
 
 
 def test_results_light(snap_compare, workdir):
     assert snap_compare(_direct(theme="textual-light"), terminal_size=WIDE, run_before=_to_results)
 
 
-def test_result_detail(snap_compare, workdir):
+@SIZES
+def test_result_detail(snap_compare, workdir, size):
     async def detail(pilot):
         await _to_results(pilot)
         await pilot.press("down", "enter")
         await settle(pilot)
 
-    assert snap_compare(_direct(), terminal_size=WIDE, run_before=detail)
+    assert snap_compare(_direct(), terminal_size=size, run_before=detail)
 
 
-def test_export_dialog(snap_compare, workdir):
+@SIZES
+def test_export_dialog(snap_compare, workdir, size):
     async def export(pilot):
         await _to_results(pilot)
         await pilot.press("c")
         await settle(pilot)
         await still(pilot)
 
-    assert snap_compare(_direct(), terminal_size=WIDE, run_before=export)
+    assert snap_compare(_direct(), terminal_size=size, run_before=export)
+
+
+@SIZES
+def test_plan_step_by_step(snap_compare, workdir, size):
+    """Plan reached by keys (Machine, Model, Prompts, Plan) on a CPU-only machine: the same screen as opened from
+    the command line (test_plan_cpu_only), bar the results file's default name."""
+
+    async def steps(pilot):
+        await settle(pilot)
+        await pilot.press("enter")  # Machine → Model
+        await settle(pilot)
+        await pilot.press("enter")  # the demo model
+        await settle(pilot)
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        pilot.app.screen.query_one("#prompts-input").value = "demo_prompts.jsonl"
+        pilot.app.screen.query_one("#prompts-input").focus()
+        await pilot.press("enter")
+        await settle(pilot)
+        await pilot.press("ctrl+n")
+        await _plan_ready(pilot)
+        pilot.app.screen.query_one("#out").value = "results.jsonl"
+        await settle(pilot)
+        await still(pilot)
+
+    assert snap_compare(_app(hardware=_cpu_only()), terminal_size=size, run_before=steps)
+
+
+def test_plan_cpu_only_small_terminal(snap_compare, workdir):
+    """The CPU-only Plan opened from the command line at 80×24 (beside test_plan_step_by_step)."""
+    assert snap_compare(_direct(hardware=_cpu_only()), terminal_size=SMALL, run_before=_settled)
+
+
+@SIZES
+def test_confirm_quit(snap_compare, workdir, size):
+    """q while a run is going asks first (the run's state set by hand: no engine thread held)."""
+    from pathlib import Path
+
+    async def ask(pilot):
+        await _plan_ready(pilot)
+        pilot.app.session.run_state = "running"
+        pilot.app.session.out_path = Path("results.jsonl")
+        await pilot.press("q")
+        await pilot.pause()
+        await still(pilot)
+
+    assert snap_compare(_direct(), terminal_size=size, run_before=ask)

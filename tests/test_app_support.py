@@ -195,12 +195,18 @@ class ScriptedBackend(Backend):
             quant = {"quantize": q, "group_size": choices.group_size, "quant_baseline_tps": 617.25,
                      "quant_dense": dense, "quant_why": f"asked for {label}" if q == choices.quantize else
                      f"bfloat16 and int8 do not fit the budget; {label} is the least lossy format that does"}
-        return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, self.workload(prompts),
-                        warnings=budget_warnings(machine, budget.gpu_bytes, budget.cpu_bytes), **quant)
+        return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, self.workload(prompts, model),
+                        warnings=budget_warnings(machine, budget.gpu_bytes, budget.cpu_bytes),
+                        tokenized=self.prompt_lengths(model, prompts) is not None, **quant)
 
     def open_model(self, text, machine, progress=lambda e: None, should_stop=lambda: False):
         view = super().open_model(text, machine, progress, should_stop)
+        self.real_model_path = view.path  # the tokenizer is read from here
         return dataclasses.replace(view, path=Path("~/.cache/mlight/demo-mixtral-v1"))
+
+    def prompt_lengths(self, model, prompts):
+        real = getattr(self, "real_model_path", None)
+        return super().prompt_lengths(dataclasses.replace(model, path=real) if real and model else model, prompts)
 
     def __init__(self, *args, gate=None, fail_unless=None, **kw):
         super().__init__(*args, **kw)

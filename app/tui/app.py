@@ -26,27 +26,41 @@ class MlightApp(App):
         Binding("ctrl+c", "quit", "Quit", show=False),  # a text field keeps Ctrl+C for copy
         Binding("q", "quit", "Quit", show=False),  # typed into a text field, q is a letter
         Binding("question_mark", "help", "Help"),
-        Binding("f1", "help", "Help", show=False),
+        Binding("f1", "help", "Help"),  # the footer shows one key per action: F1 where a text field takes ?
     ]
 
     def __init__(self, options: Options, backend: Backend):
         super().__init__()
         self.session = Session(options)
         self.backend = backend
+        if options.max_new_tokens is not None:
+            backend.set_max_new_tokens(options.max_new_tokens)
 
     def on_mount(self) -> None:
+        # The machine comes first on every path: the Machine screen probes it, and only once the session
+        # holds it does a command line's later steps open (`machine_known`), so that Model's "Fits?" and
+        # Plan's CPU-or-GPU panels read the same machine whichever way they were reached.
+        self._opening: tuple[str, dict[str, str]] | None = None
         opts = self.session.options
-        self.push_screen(_step_screen("Machine"))
         if opts.model and opts.prompts:
             # straight to Plan, or to the first step the command line got wrong; the steps before stay
             # on the stack so Esc walks back through them
             problems = self.backend.check_options(opts.model, opts.prompts)
             stop = next((step for step in ("Model", "Prompts") if step in problems), "Plan")
-            for step in STEPS[1:STEPS.index(stop) + 1]:
-                self.push_screen(_step_screen(step))
-            if problems:
-                self.notify("\n".join(problems.values()), title="Fix the command line's choices here",
-                            severity="error", timeout=20)
+            self._opening = (stop, problems)
+        self.push_screen(_step_screen("Machine"))
+
+    def machine_known(self) -> None:
+        """The session holds the machine now: open the steps the command line asked for, once."""
+        if self._opening is None:
+            return
+        stop, problems = self._opening
+        self._opening = None
+        for step in STEPS[1:STEPS.index(stop) + 1]:
+            self.push_screen(_step_screen(step))
+        if problems:
+            self.notify("\n".join(problems.values()), title="Fix the command line's choices here",
+                        severity="error", timeout=20)
 
     def next_step(self, current: str, **kwargs) -> None:
         """Open the step after `current` (a name in STEPS); screens know the flow only through this."""
@@ -78,6 +92,14 @@ class MlightApp(App):
         out = self.session.out_path
         run_file = out.name + ".run.jsonl" if out is not None else "the run file"
         self.push_screen(ConfirmQuit(run_file), lambda yes: self.exit() if yes else None)
+
+    def run_ended(self, head: str, text: str) -> None:
+        """A run ended: a quit dialog still asking about it says so instead."""
+        from app.tui.screens.confirm import ConfirmQuit
+
+        for screen in self.screen_stack:
+            if isinstance(screen, ConfirmQuit):
+                screen.run_ended(head, text)
 
     # ---- words ------------------------------------------------------------------------------------
     def tone(self, level: str) -> str:

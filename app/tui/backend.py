@@ -65,13 +65,23 @@ class ModelView:
 class PromptsView:
     path: Path
     prompts: Any  # core.io.prompts.PromptSet
-    preview: list[tuple[str, str, int]]  # (id, prompt text, max_new_tokens)
+    texts: list[tuple[str, str, int | None]]  # the first 100: (id, prompt text, its own max_new_tokens or None)
     lengths: tuple[int, float, int]  # characters: min, mean, max
-    budget_tokens: int  # sum of max_new_tokens over the valid entries
+    default_max_new: int = DEFAULT_MAX_NEW_TOKENS  # for the entries that do not set their own
 
     @property
     def count(self) -> int:
         return len(self.prompts.entries)
+
+    @property
+    def preview(self) -> list[tuple[str, str, int]]:
+        """(id, prompt text, max_new_tokens) of the first prompts, as the run will use them."""
+        return [(rid, text, own or self.default_max_new) for rid, text, own in self.texts]
+
+    @property
+    def budget_tokens(self) -> int:
+        """Sum of max_new_tokens over the valid entries."""
+        return sum(e.max_new_tokens or self.default_max_new for e in self.prompts.entries)
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,7 @@ class PlanView:
     group_size: int | None = None  # int4's weights per scale, as asked (None: core's default)
     quant_baseline_tps: float | None = None  # the unquantized model's planned tokens/s on this budget (None: unfit)
     quant_dense: str | None = None  # the dense weights' format the plan is for (int8 | int4; None: not quantized)
+    tokenized: bool = False  # the workload's prompt lengths were counted by the model's tokenizer (else estimated)
 
     @property
     def quant_speedup(self) -> float | None:
@@ -115,7 +126,10 @@ class PlanView:
     @property
     def workload_text(self) -> str:
         w = self.workload
-        return f"≈{w.prompt_len} prompt tokens (longest ≈{w.longest_prompt}), {w.gen_len} new tokens each"
+        if self.tokenized:
+            return f"{w.prompt_len} prompt tokens on average (longest {w.longest_prompt}), {w.gen_len} new tokens each"
+        return (f"≈{w.prompt_len} prompt tokens (longest ≈{w.longest_prompt}; estimated from characters), "
+                f"{w.gen_len} new tokens each")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,19 +259,63 @@ class Backend:
         texts = [_entry_text(e) for e in ps.entries]
         lengths = [len(t) for t in texts]
         stats = (min(lengths), sum(lengths) / len(lengths), max(lengths)) if lengths else (0, 0.0, 0)
-        preview = [(e.id, t, e.max_new_tokens or self.max_new_tokens) for e, t in zip(ps.entries[:100], texts)]
-        budget = sum(e.max_new_tokens or self.max_new_tokens for e in ps.entries)
-        return PromptsView(Path(path), ps, preview, stats, budget)
+        preview = [(e.id, t, e.max_new_tokens) for e, t in zip(ps.entries[:100], texts)]
+        return PromptsView(Path(path), ps, preview, stats, self.max_new_tokens)
+
+    def set_max_new_tokens(self, n: int) -> None:
+        """The run's max new tokens for prompts that do not set their own (`--max-new-tokens`, Plan's field)."""
+        if n < 1:
+            raise ValueError("max new tokens must be at least 1")
+        self.max_new_tokens = n
 
     # ---- plan ---------------------------------------------------------------------------------
-    def workload(self, prompts: PromptsView) -> Any:
+    def prompt_lengths(self, model: ModelView | None, prompts: PromptsView) -> list[int] | None:
+        """Every prompt's length in tokens as the engine will see it (the model's tokenizer, the chat template
+        for `messages`), or None where the tokenizer cannot be loaded here (the plan then estimates)."""
+        if model is None or not prompts.count:
+            return None
+
+        def tokenizer():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(model.path), local_files_only=True, trust_remote_code=False)
+
+        def count() -> list[int]:
+            tok = self._once(("tokenizer", str(model.path)), tokenizer)
+            out = []
+            for e in prompts.prompts.entries:
+                if e.messages is not None:
+                    # a later turn of a multi-turn question (core.io.turns) is counted with empty answers to the
+                    # turns before it, as `prepare_requests` checks it: its shortest conversation
+                    earlier = getattr(e, "earlier", ())
+                    messages = (e.request_kwargs({}, answers=("",) * len(earlier))["messages"] if earlier
+                                else [dict(m) for m in e.messages])
+                    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+                    out.append(len(ids))
+                else:
+                    out.append(len(tok(e.prompt).input_ids))
+            return out
+
+        try:
+            return self._once(("lengths", str(model.path), prompts.prompts.sha256), count)
+        except Exception:  # no tokenizer files, or one transformers cannot read: plan from the estimate
+            return None
+
+    def workload(self, prompts: PromptsView, model: ModelView | None = None) -> Any:
+        """The planner's workload: prompt lengths tokenized with the model's tokenizer when it loads (an
+        estimate from characters otherwise, and the Plan screen says so)."""
         from core.plan.planner import Workload
 
         lo, mean, hi = prompts.lengths
         gens = [e.max_new_tokens or self.max_new_tokens for e in prompts.prompts.entries] or [self.max_new_tokens]
-        return Workload(prompt_len=max(1, math.ceil(mean / CHARS_PER_TOKEN)),
-                        gen_len=max(1, round(sum(gens) / len(gens))),
-                        max_prompt_len=max(1, math.ceil(hi / CHARS_PER_TOKEN)), num_requests=max(1, prompts.count))
+        lengths = self.prompt_lengths(model, prompts)
+        if lengths:
+            prompt_len, longest = math.ceil(sum(lengths) / len(lengths)), max(lengths)
+        else:
+            prompt_len, longest = math.ceil(mean / CHARS_PER_TOKEN), math.ceil(hi / CHARS_PER_TOKEN)
+        return Workload(prompt_len=max(1, prompt_len), gen_len=max(1, round(sum(gens) / len(gens))),
+                        max_prompt_len=max(1, longest), num_requests=max(1, prompts.count))
 
     def budget(self, machine: MachineView, gpu_bytes: int | None, cpu_bytes: int | None) -> Any:
         from core.plan.planner import Budget
@@ -272,7 +330,7 @@ class Backend:
         from core.plan.planner import plan
 
         budget = self.budget(machine, gpu_bytes, cpu_bytes)
-        workload = self.workload(prompts)
+        workload = self.workload(prompts, model)
         warnings = budget_warnings(machine, budget.gpu_bytes, budget.cpu_bytes)
         spec = _spec_as_run(model.spec, choices)
         # the app runs one process on one GPU (ranks=1), however many the machine has
@@ -282,11 +340,13 @@ class Backend:
             c = choose(spec, machine.hardware, workload, budget, choices.quantize, choices.group_size, ranks=1,
                        dense=choices.quantize_dense)
             return PlanView(c.policy, c.prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
-                            quantize=c.quantize, quant_why=c.why, group_size=choices.group_size,
+                            tokenized=self.prompt_lengths(model, prompts) is not None, quantize=c.quantize,
+                            quant_why=c.why, group_size=choices.group_size,
                             quant_baseline_tps=c.baseline.tokens_per_s if c.baseline is not None else None,
                             quant_dense=c.dense)
         policy, prediction = plan(spec, machine.hardware, workload, budget, ranks=1)
-        return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings)
+        return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
+                        tokenized=self.prompt_lengths(model, prompts) is not None)
 
     def check(self, model: ModelView, machine: MachineView, base: PlanView, fields: dict,
               choices: EngineChoices = EngineChoices()) -> PlanView:
@@ -426,20 +486,24 @@ class Backend:
         except (ValueError, KeyError, MlightError):
             return None
 
-    def requests(self, engine: Any, prompts: PromptsView, entries: list) -> tuple[list, list]:
-        """Engine requests for `entries`; prompts too long for the context become rejects (with their
-        token counts), added to the prompt set's rejects so that they reach OUT.rejected.jsonl."""
-        from core.runtime.engine import Request
-        from core.io.prompts import PromptSet, reject_too_long
+    def requests(self, engine: Any, prompts: PromptsView) -> tuple[dict, list]:
+        """Engine requests by id, as `mlight run` prepares them (core's `prepare_requests`); prompts the engine
+        cannot take (longer than the context) move to the prompt set's rejects, so that they reach
+        OUT.rejected.jsonl, and come back as the second item (those new to this call)."""
+        from core.io.runstore import prepare_requests
 
-        defaults = {"max_new_tokens": self.max_new_tokens}
-        reqs = {e.id: Request(**e.request_kwargs(defaults)) for e in entries}
         ps = prompts.prompts
-        subset = PromptSet(ps.source, ps.format, ps.sha256, list(entries))
-        reject_too_long(subset, lambda e: len(engine.prompt_token_ids(reqs[e.id])), engine.context_length)
-        known = {(r.line, r.reason) for r in ps.rejects}
-        ps.rejects.extend(r for r in subset.rejects if (r.line, r.reason) not in known)
-        return [reqs[e.id] for e in subset.entries], subset.rejects
+        before = len(ps.rejects)
+        requests = prepare_requests(engine, ps, {"max_new_tokens": self.max_new_tokens})
+        known = {(r.line, r.reason, r.id) for r in ps.rejects[:before]}
+        return requests, [r for r in ps.rejects if (r.line, r.reason, r.id) not in known]
+
+    @staticmethod
+    def run_pending(engine: Any, prompts: PromptsView, store: Any, requests: dict, **kwargs) -> bool:
+        """core's run loop: every entry the run file lacks, each result saved as it finishes (`on_result`)."""
+        from core.io.runstore import run_pending
+
+        return run_pending(engine, prompts.prompts, store, requests, **kwargs)
 
     def finish(self, store: Any, records: list[dict], prompts: PromptsView, model: ModelView) -> None:
         """Write the final output (and the rejects) atomically; the run file goes away."""
@@ -508,7 +572,11 @@ def budget_warnings(machine: MachineView, gpu_budget: int, cpu_budget: int) -> l
 
 
 def _entry_text(e: Any) -> str:
-    return e.prompt if e.prompt is not None else " / ".join(m["content"] for m in e.messages)
+    if e.prompt is not None:
+        return e.prompt
+    if (getattr(e, "turn", None) or 1) > 1:  # a later turn of a question (core.io.turns): its own question
+        return f"turn {e.turn}: {e.messages[-1]['content']}"
+    return " / ".join(m["content"] for m in e.messages)
 
 
 def _size(n: float) -> str:

@@ -11,6 +11,7 @@ every TIMELINE_EVERY_S, so a fast engine pays for the copy a few times a second,
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import deque
@@ -44,6 +45,8 @@ class RunSnapshot:
     requests_total: int = 0
     tokens_out: int = 0  # generated tokens (this session and earlier ones of a resumed run)
     tokens_in: int = 0  # prompt tokens (of finished results, plus those prefilled since)
+    saved_out: int = 0  # generated tokens in the finished results (earlier sessions of a resumed run too)
+    saved_in: int = 0  # prompt tokens of the finished results
     current_tps: float = 0.0
     average_tps: float = 0.0
     decode_tps: float = 0.0  # decode tokens / decode seconds over the window
@@ -88,9 +91,17 @@ class RunMeter:
         self.total = total_requests
         self.done = done_before
         self.budget_tokens = budget_tokens  # sum of max_new_tokens still to generate (an upper bound)
+        self.prompt_tokens_left = 0  # prompt tokens not yet prefilled (the run job counts them with the tokenizer)
+        self._prefill = [0, 0.0]  # prompt tokens, seconds: this session's prefill steps
+        # The requests as the engine holds them, for the ETA: those not yet admitted (id, prompt tokens, max new),
+        # in its order (longest prompt first), and the admitted ones (id -> max new, decode steps when admitted)
+        self._waiting: deque[tuple[str, int, int]] = deque()
+        self._admitted: dict[str, tuple[int, int]] = {}
+        self._slots = 0
         self.tokens_out = tokens_before
         self._session_tokens = 0
         self.tokens_in = 0
+        self.saved_out = self.saved_in = 0  # the finished results' tokens (the run job counts them)
         self.batch_size = batch_size  # the plan's N: steps with this many in flight are comparable to it
         self._steps: deque[tuple[float, float, int, dict[str, float], str, int]] = deque()
         self._history: deque[tuple[float, float]] = deque(previous.history if previous else (), maxlen=HISTORY)
@@ -101,6 +112,16 @@ class RunMeter:
         self.gpu_used = self.cpu_used = 0
         self.gpu_budget, self.cpu_budget = gpu_budget, cpu_budget
         self.tracker = tracker  # core.plan.tracking.Tracker of the plan's prediction, fed every event
+
+    def expect(self, requests: list[tuple[str, int, int]], slots: int) -> None:
+        """The requests this run will generate, (id, prompt tokens, max new tokens) each, over `slots` batch slots.
+        The engine admits them longest prompt first (a stable sort), as free slots allow."""
+        with self._lock:
+            self._waiting = deque(sorted(requests, key=lambda r: -r[1]))
+            self._admitted.clear()
+            self._slots = max(1, slots)
+            self.prompt_tokens_left = sum(r[1] for r in requests)
+            self.budget_tokens = sum(r[2] for r in requests)
 
     def set_state(self, state: str) -> None:
         with self._lock:
@@ -153,6 +174,14 @@ class RunMeter:
                 self._timeline = StepTimeline(tuple(task_spans(ev)), ev.seconds, ev.active)
         else:
             self.tokens_in += ev.tokens
+            self.prompt_tokens_left = max(0, self.prompt_tokens_left - ev.tokens)
+            prompt = ev.tokens  # a prefill step admits the next waiting requests: their prompt tokens
+            while self._waiting and prompt > 0:
+                rid, n, max_new = self._waiting.popleft()
+                self._admitted[rid] = (max_new, self._decode_steps)
+                prompt -= n
+            self._prefill[0] += ev.tokens
+            self._prefill[1] += ev.seconds
         self._steps.append((now, ev.seconds, ev.tokens if decode else 0, dict(ev.busy), ev.kind, ev.active))
         while self._steps and now - self._steps[0][0] > WINDOW_S and len(self._steps) > 1:
             self._steps.popleft()
@@ -177,20 +206,78 @@ class RunMeter:
         secs = sum(s[1] for s in use)
         return (sum(s[2] for s in use) / secs if secs > 0 else 0.0), full
 
-    def _typical_step(self) -> tuple[float, int]:
-        """(median seconds, steps) of the window's comparable decode steps."""
-        secs = sorted(s[1] for s in self._comparable()[0])
+    def _typical_step(self, every: bool = False) -> tuple[float, int]:
+        """(median seconds, steps) of the window's comparable decode steps (`every`: all its decode steps)."""
+        use = [s for s in self._steps if s[4] != "prefill"] if every else self._comparable()[0]
+        secs = sorted(s[1] for s in use)
         return (secs[len(secs) // 2], len(secs)) if secs else (0.0, 0)
 
-    def add_result(self, output_tokens: int, max_new_tokens: int) -> None:
+    def _steps_left(self) -> int:
+        """Decode steps to the end if every request runs to its max new tokens: what the admitted ones have left,
+        and each waiting one after the slot it will take frees (the engine's continuous batching)."""
+        free_at = [max(0, max_new - 1 - (self._decode_steps - at)) for max_new, at in self._admitted.values()]
+        free_at += [0] * max(0, self._slots - len(free_at))
+        heapq.heapify(free_at)
+        end = max(free_at, default=0)
+        for _, _, max_new in self._waiting:
+            start = heapq.heappop(free_at)
+            heapq.heappush(free_at, start + max_new - 1)  # its first token comes from its prefill
+            end = max(end, start + max_new - 1)
+        return end
+
+    def _step_cost(self) -> tuple[float, float] | None:
+        """(a, b): a decode step with k requests in flight takes a + b·k seconds, fitted by least squares over the
+        window's decode steps (recent ones: a step's cost grows with the context). A per-step part (reading the
+        weights) and a per-token part (attention, the experts' tokens): a draining batch's steps are cheaper only
+        by the second. Where k has not varied (a full batch), all of it per token."""
+        pts = [(float(st[5] or st[2]), st[1]) for st in self._steps if st[4] != "prefill"]
+        n = len(pts)
+        sx, sy = sum(x for x, _ in pts), sum(y for _, y in pts)
+        if n == 0 or sx <= 0:
+            return None
+        mx, my = sx / n, sy / n
+        var = sum((x - mx) ** 2 for x, _ in pts) / n
+        if var <= max(1.0, (0.1 * mx) ** 2):  # k spread by under a tenth: a fit on it would fit the noise
+            return 0.0, sy / sx
+        b = sum((x - mx) * (y - my) for x, y in pts) / n / var
+        a = my - b * mx
+        if b < 0:
+            return my, 0.0
+        if a < 0:
+            return 0.0, sy / sx
+        return a, b
+
+    def _eta(self) -> float | None:
+        """Seconds left: the remaining work at the rates this run measured. Decode: the steps left on the critical
+        path (`_steps_left`) and the new tokens left (every step decodes one token for each request in flight,
+        so those are the sum of the steps' batch sizes), at the fitted cost of a step (`_step_cost`); prompts go
+        longest first, so the tail's smaller batches are counted as such. Prefill: the prompt tokens not yet
+        prefilled at this run's prefill rate. An estimate, not a bound: it takes every request to its max new
+        tokens, so requests that stop early (an end of text) make it long. None until the rates are measured."""
+        cost = self._step_cost()
+        if cost is None:
+            return None
+        a, b = cost
+        left = (a * self._steps_left() if self._slots else 0.0) + b * self.budget_tokens
+        if self.prompt_tokens_left:
+            tokens, seconds = self._prefill
+            if tokens <= 0:
+                return None
+            left += self.prompt_tokens_left * seconds / tokens
+        return left
+
+    def add_result(self, output_tokens: int, max_new_tokens: int, request_id: str | None = None) -> None:
         with self._lock:
             self.done += 1
+            self._admitted.pop(request_id, None)
             if output_tokens:
                 # a request's first token comes out of its prefill step, which counts prompt tokens only
                 self.tokens_out += 1
                 self._session_tokens += 1
-            # the request will not use the tokens it did not generate: lower the ETA's upper bound
-            self.budget_tokens = max(0, self.budget_tokens - max(0, max_new_tokens - output_tokens))
+            # the tokens it did not generate are not work left, nor is its first one (its prefill made it,
+            # and no decode step counted it)
+            self.budget_tokens = max(0, self.budget_tokens - max(0, max_new_tokens - output_tokens)
+                                     - (1 if output_tokens else 0))
 
     def snapshot(self) -> RunSnapshot:
         with self._lock:
@@ -203,16 +290,13 @@ class RunMeter:
             if self._first_step is not None:
                 run_s = now - self._first_step - (self._paused(now) - self._paused_before_first)
             avg = self._session_tokens / run_s if run_s > 0 else 0.0
-            eta = None
-            if self.state in ("done",):
-                eta = 0.0
-            elif avg > 0:
-                eta = self.budget_tokens / avg
             decode_tps, full = self._decode_rate()
+            eta = 0.0 if self.state == "done" else self._eta()
             typical_s, typical_n = self._typical_step()
             return RunSnapshot(
                 state=self.state, elapsed=self._before + self._running(now), requests_done=self.done,
                 requests_total=self.total, tokens_out=self.tokens_out, tokens_in=self.tokens_in,
+                saved_out=self.saved_out, saved_in=self.saved_in,
                 current_tps=toks / wall if wall > 0 else 0.0, average_tps=avg, decode_tps=decode_tps,
                 full_batch=full, history=tuple(self._history), busy=busy, gpu_used=self.gpu_used,
                 gpu_budget=self.gpu_budget, cpu_used=self.cpu_used, cpu_budget=self.cpu_budget, eta=eta,

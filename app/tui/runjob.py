@@ -107,32 +107,44 @@ class RunJob:
             elif store.resumed:
                 self.post(RunLog("Resuming: nothing had finished yet, so every prompt runs.", "ok"))
             self.meter.done = sum(1 for e in self.prompts.prompts.entries if e.id in self.records)
-            self._count_records()
+            for record in self.records.values():
+                self._count_saved(record)
+            bad = self.prompts.prompts.rejects
+            if bad:
+                self.post(RunLog(f"{len(bad)} bad line{'s' if len(bad) > 1 else ''} of {self.prompts.path.name} "
+                                 f"skipped (as agreed); they go to {self.out.name}.rejected.jsonl", "warn"))
             todo = [e for e in self.prompts.prompts.entries if e.id not in self.records]
-            self.meter.budget_tokens = sum(e.max_new_tokens or b.max_new_tokens for e in todo)
             self.meter.batch_size = min(self.plan.policy.batch_size, len(todo))
             self._post_update(force=True)
             engine = b.engine(self.model.path, self.plan.policy, progress=self._sink, **self._choices())
             if self.machine is not None:
                 self.post(SimulatedStep(b.simulate(self.model, self.machine, self.plan, engine)))
-            requests, rejects = b.requests(engine, self.prompts, todo)
+            requests, rejects = b.requests(engine, self.prompts)
             for r in rejects:
                 self.post(RunLog(f"line {r.line}: {r.reason} — skipped", "warn"))
             if self._stop.is_set():
                 return self._end("stopped", store)
             self._set_state("running" if not self.paused else "paused")
-            max_new = {r.id: r.max_new_tokens for r in requests}
+            todo = [requests[e.id] for e in self.prompts.prompts.entries if e.id not in self.records]
+            max_new = {r.id: r.max_new_tokens for r in todo}
+            self.meter.expect([(r.id, len(engine.prompt_token_ids(r)), r.max_new_tokens) for r in todo],
+                              min(self.plan.policy.batch_size, len(todo)))
             from core.runtime.fold_back import RunSums, fold_back
 
-            sums = RunSums(forward=self._sink)  # the run's own figures, for this machine's history at its end
-            for result in engine.generate(requests, batch_size=self.plan.policy.batch_size,
-                                          micro_batch_size=self.plan.policy.micro_batch_size,
-                                          on_event=sums, should_stop=self._should_stop):
-                record = result.to_dict()
-                store.append(record)  # durable before it is counted
-                self.records[record["id"]] = record
-                self.meter.add_result(result.output_tokens, max_new.get(result.id, result.output_tokens))
+            def saved(record: dict) -> None:  # durable in the run file before it is counted
+                rid = str(record["id"])
+                self.records[rid] = record
+                out = int(record.get("output_tokens", 0))
+                self._count_saved(record)
+                self.meter.add_result(out, max_new.get(rid, out), rid)
                 self._post_update()
+
+            sums = RunSums(forward=self._sink)  # the run's own figures, for this machine's history at its end
+            # core's run loop, as `mlight run`'s: it saves each result, and runs a multi-turn file's later turns
+            # in waves with the model's own earlier answers
+            b.run_pending(engine, self.prompts, store, requests, batch_size=self.plan.policy.batch_size,
+                          micro_batch_size=self.plan.policy.micro_batch_size, on_event=sums,
+                          should_stop=self._should_stop, on_result=saved)
             if self._stop.is_set() and len(self.records) < self.prompts.count:
                 return self._end("stopped", store)
             b.finish(store, self.ordered_records(), self.prompts, self.model)
@@ -146,6 +158,12 @@ class RunJob:
         finally:
             store.release()
 
+    def _count_saved(self, record: dict) -> None:
+        """The finished results' tokens: what the results file will hold, earlier sessions included. Beside
+        them the meter counts this session's steps (every sampled token, and requests a stop leaves unfinished)."""
+        self.meter.saved_out += int(record.get("output_tokens", 0))
+        self.meter.saved_in += int(record.get("prompt_tokens", 0))
+
     def _choices(self) -> dict:
         if self.choices is None:
             return {}
@@ -155,16 +173,9 @@ class RunJob:
                                                group_size=self.plan.group_size if q == "int4" else None,
                                                quantize_dense=self.plan.quant_dense if q else None)}
 
-    def _count_records(self) -> None:
-        """Token counters from the finished records: what the results file holds. Steps count every sampled
-        token (an end-of-text one too) and the prompts of requests a stop leaves unfinished."""
-        self.meter.tokens_out = sum(int(r.get("output_tokens", 0)) for r in self.records.values())
-        self.meter.tokens_in = sum(int(r.get("prompt_tokens", 0)) for r in self.records.values())
-
     def _end(self, state: str, store) -> str:
         if store is not None:
             store.close()  # the run file stays: the next run on this output resumes it
-        self._count_records()
         self.state = state
         self.meter.set_state(state)
         self.post(RunEnded(state, self.meter.snapshot()))

@@ -18,6 +18,7 @@ class Options:
     out: str | None = None
     gpu_mem: float | None = None  # GB
     cpu_mem: float | None = None  # GB
+    max_new_tokens: int | None = None  # for prompts that set none (None: the backend's default, 128)
 
 
 def results_dir() -> Path:
@@ -42,6 +43,7 @@ class Session:
     out_path: Path | None = None
     out_auto: bool = True  # out_path is the default for the prompts file (it follows a newly chosen one)
     choices: EngineChoices = field(default_factory=EngineChoices)  # the Plan screen's Advanced choices
+    skip_agreed: bool = False  # the user agreed to skip the prompts file's bad lines (asked once, before running)
     run_state: str = ""  # "" | running | paused | done | stopped | failed
     failure: str = ""  # what the last failed run's error was about: "" | "dtype" (the CPU lacks a feature)
 

@@ -24,6 +24,10 @@ class StepHost(Protocol):
 
     def next_step(self, current: str, **kwargs) -> None: ...
 
+    def machine_known(self) -> None: ...
+
+    def run_ended(self, head: str, text: str) -> None: ...
+
     def tone(self, level: str) -> str: ...
 
     def describe_error(self, error: BaseException | None) -> str: ...
@@ -60,7 +64,7 @@ class StepScreen(Screen):
         yield Steps(self.STEP, id="steps")
         yield from self.compose_body()
         yield StatusLine(id="status")
-        yield Footer()
+        yield Footer(compact=True)  # compact: at 80 columns every key shown fits, ? Help too
 
     def compose_body(self) -> ComposeResult:
         yield from ()

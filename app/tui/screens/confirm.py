@@ -22,10 +22,10 @@ class ConfirmQuit(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="confirm-quit", classes="modal"):
-            yield Static("A run is going. Quit now?", classes="title")
+            yield Static("A run is going. Quit now?", classes="title", id="confirm-head")
             yield Static(f"The run stops after its current step. Every finished result is already in "
                          f"{self.run_file}; start the app (or `mlight run`) on the same files again to "
-                         "finish the rest.")
+                         "finish the rest.", id="confirm-text")
             with Horizontal(classes="actions"):
                 yield Button("Quit  y", compact=True, id="yes", variant="error")
                 yield Button("Keep running  n", compact=True, id="no", variant="primary")
@@ -33,6 +33,11 @@ class ConfirmQuit(ModalScreen[bool]):
     def on_mount(self) -> None:
         self.query_one("#confirm-quit").border_title = "Quit?"
         self.query_one("#no", Button).focus()
+
+    def run_ended(self, head: str, text: str) -> None:
+        """The run ended behind the dialog: say what is true now (its run file may be gone)."""
+        self.query_one("#confirm-head", Static).update(head)
+        self.query_one("#confirm-text", Static).update(text)
 
     @on(Button.Pressed, "#yes")
     def yes(self) -> None:

@@ -50,21 +50,23 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         step = getattr(self.under, "STEP", "")
         with Vertical(id="help", classes="modal"):
+            # keys first: what a user opens help for; the steps below scroll into view (↓, PgDn, the wheel)
             with VerticalScroll(id="help-text"):
-                yield Static(Text("Steps", style="bold"), classes="help-head")
-                yield Static(self._steps(step))
-                yield Static(Text("Keys everywhere", style="bold"), classes="help-head")
-                yield Static(self._table(GLOBAL_KEYS))
                 own = self._screen_keys()
                 if own:
                     yield Static(Text(f"Keys on this screen ({step})" if step else "Keys on this screen",
                                       style="bold"), classes="help-head")
                     yield Static(self._table(own))
-        yield Footer()
+                yield Static(Text("Keys everywhere", style="bold"), classes="help-head")
+                yield Static(self._table(GLOBAL_KEYS))
+                yield Static(Text("Steps", style="bold"), classes="help-head")
+                yield Static(self._steps(step))
+        yield Footer(compact=True)  # compact: at 80 columns every key shown fits, ? Help too
 
     def on_mount(self) -> None:
         self.query_one("#help").border_title = "mlight — help"
-        self.query_one("#help").border_subtitle = "Esc closes"
+        self.query_one("#help").border_subtitle = "↑↓ PgUp PgDn scroll · Esc closes"
+        self.query_one("#help-text").focus()  # so that the arrows, PgDn and End scroll it
 
     def _steps(self, current: str) -> Table:
         table = Table.grid(padding=(0, 1), expand=True)

@@ -67,6 +67,7 @@ class MachineScreen(StepScreen):
         self.show(msg.machine)
         self.status("Ready. Press Enter or Ctrl+N to choose a model.", "ok")
         self.query_one("#next", Button).focus()
+        self.mapp.machine_known()
 
     def show(self, m) -> None:
         self.query_one("#probing").display = False

@@ -101,6 +101,8 @@ class PlanScreen(StepScreen):
                 yield Static("Memory budget", classes="form-head")
                 yield _row("GPU memory GB", Input(compact=True, id="gpu-mem", type="number"))
                 yield _row("CPU memory GB", Input(compact=True, id="cpu-mem", type="number"))
+                yield _row("Max new tokens", Input(compact=True, id="max-new", type="integer"))
+                yield Static("", id="max-new-hint", classes="hint")
                 yield Static("Policy (edit to try your own)", classes="form-head")
                 yield _row("Batch N", Input(compact=True, id="batch", type="integer"))
                 yield _row("Micro-batch μ", Input(compact=True, id="micro", type="integer"))
@@ -129,10 +131,11 @@ class PlanScreen(StepScreen):
                     with Vertical(id="layer", classes="panel"):
                         for key, label in RESOURCE_LABELS.items():
                             yield LabelBar(label, id=f"res-{key}", value_width=10)
-                yield Static("", id="validation", classes="panel")
-                with Horizontal(classes="actions", id="plan-actions"):
-                    yield Button("Accept and run  ^N", compact=True, id="accept", variant="primary", disabled=True)
-                    yield Button("Re-plan  ^R", compact=True, id="replan")
+                with Vertical(id="plan-bottom"):  # padded by the scrollbar's width: Check lines up with the panels
+                    yield Static("", id="validation", classes="panel")
+                    with Horizontal(classes="actions", id="plan-actions"):
+                        yield Button("Accept and run  ^N", compact=True, id="accept", variant="primary", disabled=True)
+                        yield Button("Re-plan  ^R", compact=True, id="replan")
 
     def on_mount(self) -> None:
         self.query_one("#plan-form").border_title = "Plan"
@@ -143,12 +146,14 @@ class PlanScreen(StepScreen):
         self._set_choices(self.session.choices)
         self._show_group_row()
         if self.cpu_mode:
+            self.query_one("#ffn", Select).value = "cpu"  # what the plan will say, not a GPU while it plans
             for key in ("h2d", "d2h"):  # no PCIe link without a GPU
                 self.query_one(f"#res-{key}").display = False
             for key, label in CPU_MODE_LABELS.items():
                 self.query_one(f"#res-{key}", LabelBar).label = label
             self.query_one("#layer").border_title = "Decode layer: CPU time"
         self._show_out(str(self.session.chosen_out()))
+        self.query_one("#max-new", Input).value = str(self.backend.max_new_tokens)
         if self.session.plan is not None:
             self.fill(self.session.plan)
         else:
@@ -187,9 +192,8 @@ class PlanScreen(StepScreen):
     def make_plan(self, gen: int, gpu_budget: int | None, cpu_budget: int | None) -> None:
         s, b = self.session, self.backend
         # reached straight from the command line: do the earlier steps' work here (plain attribute
-        # writes; the backend makes concurrent asks for the same machine or model share one answer)
-        if s.machine is None:
-            s.machine = b.machine()
+        # writes; the backend makes concurrent asks for the same model share one answer). The machine is
+        # the session's before any step after Machine opens (MlightApp.machine_known).
         if s.model is None:
             s.model = b.open_model(s.options.model, s.machine)
         if s.prompts is None:
@@ -206,6 +210,7 @@ class PlanScreen(StepScreen):
         out = self.query_one("#out", PathInput)
         if self.session.out_auto and out.value != str(self.session.default_out()):
             self._show_out(str(self.session.default_out()))  # reached from the command line: prompts now known
+        self._show_max_new_hint()
         self.fill(msg.plan)
 
     def worker_failed(self, worker, error) -> None:
@@ -219,13 +224,20 @@ class PlanScreen(StepScreen):
         if self._replan_timer is not None:
             self._replan_timer.stop()  # a re-plan asked for now makes the pending one moot
             self._replan_timer = None
-        self.plan_now(self._budgets())
+        budgets = self._budgets()
+        negative = [label for label, b in zip(("GPU memory GB", "CPU memory GB"), budgets) if b is not None and b < 0]
+        if negative:  # in GB, as typed: not the planner's bytes
+            self._gen += 1
+            self.show_problems([f"{name}: a budget is 0 or more GB (0 for none)" for name in negative])
+            return
+        self.plan_now(budgets)
 
     # ---- the form -------------------------------------------------------------------------------
     def fill(self, plan) -> None:
         p = plan.policy
         values = {
             "gpu-mem": _gb_text(plan.gpu_budget), "cpu-mem": _gb_text(plan.cpu_budget),
+            "max-new": str(self.backend.max_new_tokens),
             "batch": str(p.batch_size), "micro": str(p.micro_batch_size), "expert": str(p.expert_batch_size),
             "gpu-weights": _pct(p.gpu_weight_fraction), "gpu-kv": _pct(p.gpu_kv_fraction),
             "pages": str(p.pages_per_layer),
@@ -274,6 +286,33 @@ class PlanScreen(StepScreen):
         if self._replan_timer is not None:
             self._replan_timer.stop()
         self._replan_timer = self.set_timer(0.4, self.action_replan)  # re-plan once typing pauses
+
+    @on(Input.Changed, "#max-new")
+    def max_new_changed(self, event: Input.Changed) -> None:
+        """The run's max new tokens for prompts that set none: the workload changes, so the plan does."""
+        prompts = self.session.prompts
+        try:
+            n = int(event.value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            self.query_one("#max-new-hint", Static).update("a whole number, 1 or more")
+            return
+        self._show_max_new_hint()
+        if n == self.backend.max_new_tokens or prompts is None:
+            return
+        self.backend.set_max_new_tokens(n)
+        prompts.default_max_new = n
+        if self._replan_timer is not None:
+            self._replan_timer.stop()
+        self._replan_timer = self.set_timer(0.4, self.action_replan)
+
+    def _show_max_new_hint(self) -> None:
+        prompts = self.session.prompts
+        own = sum(1 for e in prompts.prompts.entries if e.max_new_tokens) if prompts is not None else 0
+        hint = "for every prompt" if not own else (
+            "for prompts that set none" if own < prompts.count else "unused: every prompt sets its own")
+        self.query_one("#max-new-hint", Static).update(hint)
 
     @on(Input.Changed, "#batch, #micro, #expert, #gpu-weights, #gpu-kv, #pages")
     @on(Select.Changed, "#attention, #ffn")
@@ -424,6 +463,8 @@ class PlanScreen(StepScreen):
             text.append(p + "\n")
         if not problems:
             text.append(f"{glyph.ok} fits the budget\n", style=self.mapp.tone("ok"))
+        skipped = self._skipped_text()
+        warnings = [*warnings, *([skipped] if skipped else [])]
         for w in warnings:
             text.append(f"{glyph.warn} ", style=self.mapp.tone("warn"))
             text.append(w + "\n", style=self.mapp.tone("warn"))
@@ -435,6 +476,16 @@ class PlanScreen(StepScreen):
             self.status("Ctrl+N accepts the plan — but read the warning under Check first.", "warn")
         else:
             self.status("Ctrl+N accepts the plan and starts the run.", "ok")
+
+    def _skipped_text(self) -> str:
+        """The prompts file's bad lines, which a run skips: said here too, for a Plan opened from the command line."""
+        prompts = self.session.prompts
+        bad = len(prompts.prompts.rejects) if prompts is not None else 0
+        if not bad:
+            return ""
+        lines = "1 bad line" if bad == 1 else f"{bad} bad lines"
+        out = self.query_one("#out", PathInput).path.name or "RESULTS"
+        return f"{lines} in {prompts.path.name} will be skipped, into {out}.rejected.jsonl (Esc: Prompts lists them)"
 
     # ---- leaving --------------------------------------------------------------------------------
     def on_button_pressed(self, event: Button.Pressed) -> None:
@@ -464,6 +515,12 @@ class PlanScreen(StepScreen):
             self.backend.check_output(out)
         except Exception as e:  # a user error (folder missing, not writable, unknown suffix)
             self.status(self.mapp.describe_error(e), "error")
+            return
+        bad = len(self.session.prompts.prompts.rejects)
+        if bad and not self.session.skip_agreed:
+            self.session.skip_agreed = True  # asked: a second Ctrl+N is the yes
+            self.status(f"Skip {'the bad line' if bad == 1 else f'the {bad} bad lines'} (see Check)? Ctrl+N again "
+                        f"runs the {self.session.prompts.count} good prompts; Esc goes to Prompts to see them.", "warn")
             return
         run_file = out.with_name(out.name + ".run.jsonl")
         replace = out.exists() and not run_file.exists()

@@ -27,6 +27,18 @@ from app.tui.widgets.path_input import PathInput
 PROMPT_SUFFIXES = {".txt", ".text", ".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".tab"}
 
 
+def _turns_text(entries) -> str:
+    """For a multi-turn file (MT-Bench's): how its entries run — later turns after the earlier answers."""
+    later = sum(1 for e in entries if (getattr(e, "turn", None) or 1) > 1)
+    if not later:
+        return ""
+    return f" ({len(entries) - later} first turns, then {later} later turns with the model's own earlier answers)"
+
+
+def _lines(n: int) -> str:
+    return f"{n} line" if n == 1 else f"{n} lines"
+
+
 class PromptTree(DirectoryTree):
     """Folders and prompt files only; hidden entries left out. Backspace climbs to the parent folder."""
 
@@ -52,13 +64,13 @@ class PromptTree(DirectoryTree):
 
 class PromptsScreen(StepScreen):
     STEP = "Prompts"
-    BINDINGS = [Binding("ctrl+o", "browse", "Browse files", priority=True),
-                Binding("ctrl+t", "demo_prompts", "Demo prompts", priority=True)]
+    BINDINGS = [Binding("ctrl+o", "browse", "Browse", priority=True),  # short: at 80 columns the footer keeps ? Help
+                Binding("ctrl+t", "demo_prompts", "Demo", priority=True)]
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="body"):
-            yield Static("Prompts file: .txt (one a line), .jsonl, .csv or .tsv — type it, drag it here, "
-                         "or browse (Ctrl+O)", classes="title")
+            yield Static("Prompts file — .txt (one a line), .jsonl, .csv, .tsv: type, drop, or Ctrl+O",
+                         classes="title")  # one line at 80 columns: the bad lines below need the rows
             with Horizontal(classes="field"):
                 yield PathInput(placeholder="prompts file (Enter opens)", compact=True, id="prompts-input")
                 yield Button(f"Open {glyph.enter}", compact=True, id="open")
@@ -156,6 +168,7 @@ class PromptsScreen(StepScreen):
     def on_prompts_ready(self, msg: PromptsReady) -> None:
         self.session.prompts = msg.prompts
         self.session.plan = None
+        self.session.skip_agreed = False  # another file: its bad lines are asked about anew
         self.show(msg.prompts)
 
     def worker_failed(self, worker, error) -> None:
@@ -172,11 +185,12 @@ class PromptsScreen(StepScreen):
         lo, mean, hi = view.lengths
         rows = [
             ("File", f"{view.path.name} ({ps.format})"),
-            ("Prompts", f"{view.count} to run" + (f", {ps.blank_lines} blank lines skipped" if ps.blank_lines else "")),
+            ("Prompts", f"{view.count} to run" + _turns_text(ps.entries)
+             + (f", {ps.blank_lines} blank lines skipped" if ps.blank_lines else "")),
             ("Length", f"{lo}–{hi} characters, mean {mean:.0f}"),
             ("Generate", f"up to {view.budget_tokens:,} new tokens in all"),
-            ("Bad lines", Text(f"{len(ps.rejects)} — listed below, will be skipped", style=self.mapp.tone("warn"))
-             if ps.rejects else "none"),
+            ("Bad lines", Text(f"{len(ps.rejects)} — listed below; Ctrl+N asks before skipping them",
+                               style=self.mapp.tone("warn")) if ps.rejects else "none"),
         ]
         self.query_one("#prompts-facts", Facts).set_rows(rows)
         table = self.query_one("#preview", DataTable)
@@ -200,8 +214,8 @@ class PromptsScreen(StepScreen):
         if not ok:
             self.status(f"{view.path.name}: no usable prompts — every line is bad (see the list).", "error")
         elif ps.rejects:
-            self.status(f"{view.count} prompts ready; {len(ps.rejects)} bad lines will be skipped. "
-                        "Ctrl+N to plan.", "warn")
+            self.status(f"{view.count} prompts ready, {_lines(len(ps.rejects))} bad (listed): fix the file, or "
+                        "Ctrl+N to skip them.", "warn")
         else:
             self.status(f"{view.count} prompts ready. Ctrl+N to plan.", "ok")
 
@@ -212,8 +226,15 @@ class PromptsScreen(StepScreen):
         super().action_back()
 
     def action_next(self) -> None:
-        if self.session.prompts is None or self.session.prompts.count == 0:
+        prompts = self.session.prompts
+        if prompts is None or prompts.count == 0:
             self.status("Open a prompts file with at least one good prompt first.", "warn")
+            return
+        bad = len(prompts.prompts.rejects)
+        if bad and not self.session.skip_agreed:
+            self.session.skip_agreed = True  # asked: a second Ctrl+N is the yes
+            self.status(f"Skip the {_lines(bad)} listed? They go to RESULTS.rejected.jsonl beside the results; "
+                        f"Ctrl+N again skips them and plans the {prompts.count} good prompts.", "warn")
             return
         self.mapp.next_step(self.STEP)
 

@@ -65,15 +65,18 @@ class ResultsScreen(StepScreen):
         self._width = width
         table = self.query_one("#results", DataTable)
         row = table.cursor_row
-        fixed = self.id_width + 9 + 7 + 6 + 6 * 2 + 6  # other columns, cell padding, scrollbar
-        text_w = max(12, (width - fixed) // 2)
+        # other columns, cell padding, the body's padding and the scrollbar's gutter: the columns reach the
+        # scrollbar, which stays at the table's right edge
+        left = width - (self.id_width + 9 + 7 + 6 + 6 * 2 + 2 + 2)
+        text_w = max(12, left // 2)
+        out_w = max(12, left - text_w)
         table.clear(columns=True)
-        for key, label, w in (("id", "id", self.id_width), ("prompt", "prompt", text_w), ("output", "output", text_w),
+        for key, label, w in (("id", "id", self.id_width), ("prompt", "prompt", text_w), ("output", "output", out_w),
                               ("tokens", "tokens", 9), ("seconds", "seconds", 7), ("finish", "finish", 6)):
             table.add_column(label, key=key, width=w)
         for r in self.records:
             table.add_row(fmt.excerpt(str(r["id"]), self.id_width), fmt.excerpt(r.get("prompt", ""), text_w),
-                          fmt.excerpt(r.get("output", ""), text_w),
+                          fmt.excerpt(r.get("output", ""), out_w),
                           f"{r.get('prompt_tokens', 0)}→{r.get('output_tokens', 0)}",
                           f"{float(r.get('seconds', 0.0)):.2f}", r.get("finish_reason", ""), key=str(r["id"]))
         if self.records:

@@ -25,7 +25,7 @@ from app.tui.meter import RunSnapshot
 from app.tui.runjob import RunJob
 from app.tui.screens.base import StepScreen
 from app.tui.widgets.bars import LabelBar
-from app.tui.widgets.chart import ThroughputChart
+from app.tui.widgets.chart import MEASURED_COLOR, PREDICTED_COLOR, ThroughputChart, legend_color
 from app.tui.widgets.facts import Facts
 from app.tui.widgets.timeline import LANES, ZOOMS, Legend, Span, Timeline, spans_of_simulation, time_unit
 
@@ -137,14 +137,22 @@ class RunScreen(StepScreen):
         self.session.run_state = msg.state
         self.refresh_bindings()
         n, total = len(self.job.records), self.session.prompts.count
+        out = self.session.out_path
         if msg.state == "done":
-            self.log_line(f"Done: {n} results written to {self.session.out_path}", "ok")
-            self.status(f"Done: {n} results in {self.session.out_path}. Ctrl+N shows them.", "ok")
+            rejects = self.session.prompts.prompts.rejects
+            skipped = (f"; {len(rejects)} skipped lines in {out.name}.rejected.jsonl" if rejects else "")
+            self.log_line(f"Done: {n} results written to {out}{skipped}", "ok")
+            self.status(f"Done: {n} results in {out}{skipped}. Ctrl+N shows them.", "ok")
+            self.mapp.run_ended("The run is done. Quit now?",
+                                f"Every result is in {out.name}; nothing is lost by quitting.")
         else:
-            run_file = self.session.out_path.name + ".run.jsonl"
+            run_file = out.name + ".run.jsonl"
             self.log_line(f"Stopped cleanly: {n} of {total} results kept in {run_file}", "warn")
             self.status(f"Stopped: {n} of {total} results are safe in {run_file}. r resumes the rest; "
                         "Ctrl+N shows what is done.", "warn")
+            self.mapp.run_ended("The run has stopped. Quit now?",
+                                f"{n} of {total} results are in {run_file}; start the app (or `mlight run`) on the "
+                                "same files again to finish the rest.")
 
     def worker_failed(self, worker, error) -> None:
         self.session.run_state = "failed"
@@ -281,12 +289,12 @@ class RunScreen(StepScreen):
             self.query_one(f"#run-{key}", LabelBar).update(frac, label)
         bar = self.query_one("#req-bar", ProgressBar)
         bar.update(total=max(1, snap.requests_total), progress=snap.requests_done)
-        eta = "—" if snap.eta is None else ("0:00" if snap.state == "done" else f"≤ {fmt.duration(snap.eta)}")
         self.query_one("#progress-facts", Facts).set_rows([
             ("State", self._state_text(snap)),
             ("Requests", f"{snap.requests_done} / {snap.requests_total}"),
-            ("Tokens", f"{snap.tokens_out:,} new, {snap.tokens_in:,} prompt"),
-            ("Time", f"{fmt.duration(snap.elapsed)} running, ETA {eta}"),
+            ("Tokens", f"{snap.tokens_out:,} new, {snap.tokens_in:,} prompt (this run)"),
+            ("Saved", f"{snap.saved_out:,} new, {snap.saved_in:,} prompt (finished results, all runs)"),
+            ("Time", _time_text(snap)),
         ])
 
     @staticmethod
@@ -307,19 +315,20 @@ class RunScreen(StepScreen):
     def _draw_throughput(self, snap: RunSnapshot) -> None:
         predicted = self._predicted()
         text = Text()
+        text.append("━ ", style=legend_color(MEASURED_COLOR))  # the chart's legend, beside it, not over its lines
         text.append(f"{snap.decode_tps:,.1f}", style="bold")
         text.append(" tokens/s now · ")
         text.append(f"{snap.average_tps:,.1f}", style="bold")
         text.append(" average · ")
+        text.append("━ ", style=legend_color(PREDICTED_COLOR))
         text.append(f"{predicted:,.1f}" if predicted else "—", style="bold")
         text.append(" predicted")
         parted = self._parted(snap)
         if parted:
             text.append(f"\n{glyph.warn} " + parted, style=self.mapp.tone("warn"))
-            if not self._parted_logged:
+            if not self._parted_logged:  # the log says the same as the chart, in the same words
                 self._parted_logged = True
-                self.log_line(f"{parted}: the planner's model of this machine is off — `mlight bench --calibrate` "
-                              "measures this machine and fits it.", "warn")
+                self.log_line(parted, "warn")
         self.query_one("#tps", Static).update(text)
         self.query_one("#chart", ThroughputChart).show(snap.history, predicted)
 
@@ -333,8 +342,10 @@ class RunScreen(StepScreen):
             return ""
         ratio = 1 + c.error
         how = f"{1 / ratio:.1f}× below" if ratio < 1 else f"{ratio:.1f}× above"
-        tail = "" if snap.full_batch else " (fewer requests in flight than the plan's batch)"
-        return f"decode measured at {c.measured_decode_tokens_per_s:,.1f} tokens/s: {how} the prediction{tail}"
+        why = ("measured with fewer requests in flight than the plan's batch, which the prediction is for"
+               if not snap.full_batch else
+               "the planner's model of this machine is off (`mlight bench --calibrate` fits it)")
+        return f"decode measured at {c.measured_decode_tokens_per_s:,.1f} tokens/s: {how} the prediction — {why}"
 
     @staticmethod
     def _measured_head(snap: RunSnapshot | None, simulated_s: float) -> Text:
@@ -372,6 +383,17 @@ class RunScreen(StepScreen):
         kinds = [s.kind for s in m_spans] + [s.kind for s in self._simulated]
         order = {k: i for i, k in enumerate(_KIND_ORDER)}
         self.query_one("#legend", Legend).show(sorted(set(kinds), key=lambda k: order.get(k, 99)))
+
+
+def _time_text(snap: RunSnapshot) -> str:
+    """Running time and what is left: an estimate while the run goes, what it took once it is over."""
+    took = fmt.duration(snap.elapsed)
+    if snap.state == "done":
+        return f"took {took}"
+    if snap.state in ("stopped", "failed"):
+        return f"{took} before it {'stopped' if snap.state == 'stopped' else 'failed'}"
+    left = "—" if snap.eta is None else f"about {fmt.duration(snap.eta)}"
+    return f"{took} running, {left} left"
 
 
 _KIND_ORDER = ["pre_attn", "d1", "cpu_attn", "gpu_attn", "d2", "post_attn", "ffn", "weight_page", "kv_load",

@@ -18,6 +18,11 @@ MEASURED_COLOR = (52, 152, 219)  # blue and orange: apart for the colour-blind, 
 PREDICTED_COLOR = (230, 126, 34)
 
 
+def legend_color(rgb: tuple[int, int, int]) -> str:
+    """The chart's line colour as a Rich style, for the legend drawn beside the chart (not over its lines)."""
+    return "rgb({},{},{})".format(*rgb)
+
+
 class ThroughputChart(PlotextPlot):
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -46,10 +51,10 @@ class ThroughputChart(PlotextPlot):
         if len(xs) == 1:  # one point draws no line: widen it to a short flat segment
             xs, ys = [xs[0], xs[0] + 1e-3], [ys[0], ys[0]]
         if xs:
-            plt.plot(xs, ys, label="measured", color=MEASURED_COLOR, marker="braille")
+            plt.plot(xs, ys, color=MEASURED_COLOR, marker="braille")  # no plotext legend: it is drawn over the lines
         if self._predicted:
             span = (xs[0], xs[-1]) if xs else (0.0, 1.0)
-            plt.plot(list(span), [self._predicted] * 2, label="predicted", color=PREDICTED_COLOR, marker="braille")
+            plt.plot(list(span), [self._predicted] * 2, color=PREDICTED_COLOR, marker="braille")
         # at most one tick every other row and every 12 columns: two ticks on one row would leave the
         # label shown to chance
         rows, cols = max(1, (self.size.height or 8) - 3), max(1, (self.size.width or 60) - 8)

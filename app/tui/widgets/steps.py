@@ -11,21 +11,23 @@ STEPS = ("Machine", "Model", "Prompts", "Plan", "Run", "Results")
 
 
 class Steps(Static):
-    """`1 Machine › 2 Model › …` with the current step highlighted; narrow terminals get initials."""
+    """`1 Machine › 2 Model › …` with the current step highlighted; every name fits in 80 columns."""
 
     def __init__(self, current: str, **kw):
         super().__init__(**kw)
         self.current = current
 
     def render(self) -> Text:
-        full = 10 + sum(len(n) + 4 for n in STEPS) + 3 * (len(STEPS) - 1)  # the line with every name
-        wide = self.size.width == 0 or self.size.width >= full
+        # every step by name: with padding around each where the line holds it, else around the current one only
+        wide = self.size.width == 0 or self.size.width >= 10 + sum(len(n) + 4 for n in STEPS) + 3 * (len(STEPS) - 1)
         text = Text(" mlight ", style="bold reverse")
-        text.append("  ")
+        text.append("  " if wide else " ")
         for i, name in enumerate(STEPS):
-            label = f"{i + 1} {name}" if wide or name == self.current else f"{i + 1}"
+            label = f"{i + 1} {name}"
             if i:
                 text.append(f" {glyph.crumb} ", style="dim")
-            style = "bold reverse" if name == self.current else ("" if wide else "dim")
-            text.append(f" {label} ", style=style)
+            if name == self.current:
+                text.append(f" {label} ", style="bold reverse")
+            else:
+                text.append(f" {label} " if wide else label)
         return text
