@@ -112,8 +112,14 @@ def run(args) -> int:
     seconds = time.perf_counter() - t0
     sims = _simulate(model, hw, policy, workload) if args.simulate else None
     scaling = _scaling(model, hw, workload, args) if hw.has_gpu and hw.gpu_count > 1 else None
+    host = _host(model, hw, policy, prediction, workload) if policy.ffn_on == "gpu" else None
+    unused = _gpu_unused(model, hw, workload, budget) if hw.has_gpu and policy.ffn_on == "cpu" else None
     if args.json:
         out = {"policy": policy.to_dict(), "prediction": prediction.to_dict(), "plan_seconds": seconds}
+        if host is not None:
+            out["host"], out["first_run"] = host["host"], host["first_run"]
+        if unused is not None:
+            out["gpu_unused"] = unused
         if choice is not None:
             out["quantize"] = choice.to_dict()
         if sims is not None:
@@ -125,8 +131,55 @@ def run(args) -> int:
             out["cpu_speed"] = hw.cpu_speed
         print(json.dumps(out))
     else:
-        print(_human(args, model, hw, workload, budget, policy, prediction, seconds, sims, choice, scaling))
+        print(_human(args, model, hw, workload, budget, policy, prediction, seconds, sims, choice, scaling, host,
+                     unused))
     return 0
+
+
+def _host(model, hw, p, pred, workload) -> dict:
+    """The host's share of a decode layer beside the link's and the GPU's, what it is made of (tasks, torch ops,
+    the expert path's), at whose costs; and a first run's page-locking."""
+    from core.plan import hrm
+    from core.plan.parallel import rank_view
+
+    model, rank_hw, _ = rank_view(model, hw, None, p.tensor_parallel)
+    r = hrm.effective_rates(rank_hw, model.dtype, model)
+    tasks = hrm.decode_tasks(model, r, batch=p.batch_size, micro_batch=p.micro_batch_size,
+                             expert_batch=p.expert_batch_size, attention_on=p.attention_on, ffn_on=p.ffn_on,
+                             gpu_weight_fraction=p.gpu_weight_fraction, gpu_kv_fraction=p.gpu_kv_fraction,
+                             context=workload.decode_context, pages=p.pages_per_layer)
+    ffn = hrm.ffn_ops(model, r, p.expert_batch_size)
+    ls = pred.layer_seconds
+    layer = max(ls.values())
+    generated = (workload.num_requests if workload.num_requests and workload.num_requests > p.batch_size
+                 else p.batch_size) * workload.gen_len
+    run = generated / pred.tokens_per_s
+    pin = hrm.pin_seconds(pred.pinned_bytes, r)
+    return {"host": {"layer_seconds": ls["host"], "share": ls["host"] / layer, "layer_time_seconds": layer,
+                     "pcie_seconds": ls["h2d"], "compute_seconds": ls["gpu"],
+                     "tasks_per_layer": sum(c.per_layer for c in tasks.values()),
+                     "ops_per_layer": sum(hrm.host_ops(tasks, ffn).values()),
+                     "task_seconds": r.task_seconds, "op_seconds": r.op_seconds, "measured": r.host_measured,
+                     "expert_path": hrm.expert_path(model, r, p.expert_batch_size), "ffn_ops": ffn},
+            "first_run": {"pin_bytes": pred.pinned_bytes, "pin_seconds": pin, "pin_gbps": r.pin_bw / 1e9,
+                          "pin_measured": bool(hw.pin_bw), "tokens_per_s": generated / (run + pin)}}
+
+
+def _gpu_unused(model, hw, workload, budget) -> str:
+    """Why a plan for a machine with a GPU leaves it unused: the smallest GPU placement (one request, every
+    expert streamed) overfills a memory, or the CPU alone is predicted faster."""
+    from core.plan import planner
+    from core.plan.policy import Policy
+
+    smallest = Policy(batch_size=1, micro_batch_size=1, expert_batch_size=1, attention_on="cpu", ffn_on="gpu",
+                      gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, pages_per_layer=1)
+    over = [o for o in planner.validate(smallest, model, hw, workload, budget) if o.where == "gpu"]
+    if over:
+        o = over[0]
+        parts = ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in o.breakdown.items() if v >= 0.05e9)
+        return (f"the smallest GPU plan (one request, every expert streamed) needs {_gb(o.needed)} ({parts}), "
+                f"{_gb(o.limit)} usable; it needs --gpu-mem {o.needed / planner.GPU_USABLE / 1e9:.1f} or more")
+    return "the CPU alone is predicted faster than any GPU placement that fits"
 
 
 def _history(hw, model) -> dict:
@@ -245,7 +298,40 @@ def _layer_line(p, pred) -> str:
     return "  decode layer      " + " | ".join(f"{k} {_ms(v)}" for k, v in items)
 
 
-def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=None, scaling=None) -> str:
+def _host_lines(host: dict | None) -> list[str]:
+    """The host's share of a decode layer next to the link's and the GPU's, and a first run's page-locking."""
+    if host is None:
+        return []
+    h, f = host["host"], host["first_run"]
+    whose = "measured here" if h["measured"] else "the H200's, not measured here"
+    lines = [f"  host share        {_ms(h['layer_seconds'])} of a {_ms(h['layer_time_seconds'])} layer "
+             f"({h['share']:.0%}) beside PCIe {_ms(h['pcie_seconds'])} and GPU compute {_ms(h['compute_seconds'])}",
+             f"{'':20}{h['tasks_per_layer']:,.0f} tasks and {h['ops_per_layer']:,.0f} torch ops a layer at "
+             f"{h['task_seconds'] * 1e6:.0f} µs a task, {h['op_seconds'] * 1e6:.0f} µs an op ({whose}); experts on "
+             f"the {h['expert_path']} path, {h['ffn_ops']:,.0f} ops an FFN task"]
+    if f["pin_bytes"]:
+        lines.append(f"  first run         {f['tokens_per_s']:,.1f} tokens/s: page-locking {_gb(f['pin_bytes'])} first "
+                     f"takes {f['pin_seconds']:.1f} s at {f['pin_gbps']:.1f} GB/s "
+                     f"({'measured here' if f['pin_measured'] else 'the H200'}'s); later runs of the loaded model "
+                     "pay none")
+    return lines
+
+
+def _bottleneck_line(p, pred) -> str:
+    """The bottleneck in words, with the figures it comes from (the layer's busy time on it, of the layer's)."""
+    ls = pred.layer_seconds
+    if p.ffn_on != "gpu" or pred.bottleneck not in ls:
+        return f"  bottleneck        {pred.bottleneck_text}"
+    layer = max(ls.values())
+    if pred.bottleneck == "pipeline":
+        idle = ls["pipeline"] - ls["h2d"]
+        return (f"  bottleneck        {pred.bottleneck_text}: the link idles {_ms(idle)} of a {_ms(layer)} layer")
+    return (f"  bottleneck        {pred.bottleneck_text}: busy {_ms(ls[pred.bottleneck])} of a {_ms(layer)} layer "
+            f"({ls[pred.bottleneck] / layer:.0%})")
+
+
+def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=None, scaling=None, host=None,
+           unused=None) -> str:
     from core.plan.planner import CPU_USABLE, GPU_USABLE
 
     gpu = f"{hw.gpu_count}× {hw.gpu_name} {hw.gpu_mem_bytes / 2**30:.0f} GiB" if hw.has_gpu else "no GPU"
@@ -277,14 +363,15 @@ def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=Non
         + (f" ({words})" if (words := _spread(hw, model, p)) else ""),
         f"  decode            {pred.decode_tokens_per_s:,.1f} tokens/s ({pred.step_seconds:.2f} s per step)",
         f"  prefill           {pred.prefill_tokens_per_s:,.1f} prompt tokens/s ({pred.prefill_seconds:.1f} s per batch)",
-        f"  bottleneck        {pred.bottleneck_text}",
+        _bottleneck_line(p, pred),
         *_speed_lines(hw, model, p),
         _layer_line(p, pred),
+        *_host_lines(host),
         "",
         "memory",
         (f"  GPU  {_gb(pred.gpu_bytes)} of {_gb(budget.gpu_bytes * GPU_USABLE)} usable: "
          + ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in pred.gpu_breakdown.items() if v))
-        if p.ffn_on == "gpu" else "  GPU  unused",
+        if p.ffn_on == "gpu" else "  GPU  unused" + (f": {unused}" if unused else ""),
         f"  CPU  {_gb(pred.cpu_bytes)} of {_gb(budget.cpu_bytes * CPU_USABLE)} usable: "
         + ", ".join(f"{k.replace('_', ' ')} {_gb(v)}" for k, v in pred.cpu_breakdown.items() if v),
     ]

@@ -25,11 +25,21 @@ LOGIT_CHUNK_BYTES = 4 << 20  # a prepacked LM head's output rows at a time: memo
 # call by its chunks (core.plan.cpu_cost).
 PREFILL_CHUNK_BYTES = 16 << 20  # a chunk's widest fp32 intermediate: half the threshold (routing is uneven)
 PREFILL_CHUNK_TOKENS, PREFILL_CHUNK_LEAST = 2048, 256  # at most (GEMMs this tall gain nothing more), at least
+# ... but each chunk reads the layer's routed experts again. Where they are large a chunk sized by its activations
+# alone made the prefill weight-bound: Mixtral 8x7B's 409-token chunks re-read 2.8 GB of experts 55 times a call,
+# and the CPU-only plan's prefill ran slower per token than its own decode, whose expert batch reads them once
+# for 2,044 tokens (issue 46, defect 16). A chunk grows until the expert weights it re-reads per token are at most
+# this many times the elements of its widest activation a token: a weight read costs a fraction of an activation
+# mapped fresh (the 784M re-read 22 times as many weights as that and ran faster chunked; every bundled preset
+# re-read 96-760 times as many).
+PREFILL_REREAD = 64
 
 
 def prefill_chunk(D: int, q: int, kv: int, I: int, Is: int, Id: int, E: int, k: int) -> int:
     """Tokens of a CPU prefill chunk for a model of these sizes (hidden, query and K/V widths, routed, shared
     and dense intermediates, experts and top-k): its widest fp32 intermediate a token — the mixer's norm and
-    QKV, a dense or shared MLP's gate and up, an expert's at even routing — within PREFILL_CHUNK_BYTES."""
+    QKV, a dense or shared MLP's gate and up, an expert's at even routing — within PREFILL_CHUNK_BYTES, unless
+    the routed experts it re-reads call for a taller one (PREFILL_REREAD)."""
     widest = 4 * max(D + q + 2 * kv, 2 * max(Is, Id), 2 * I * min(1.0, k / max(1, E)))
-    return int(max(PREFILL_CHUNK_LEAST, min(PREFILL_CHUNK_TOKENS, PREFILL_CHUNK_BYTES // widest)))
+    reread = 3 * D * I * E / (PREFILL_REREAD * widest / 4)
+    return int(max(PREFILL_CHUNK_LEAST, min(PREFILL_CHUNK_TOKENS, max(PREFILL_CHUNK_BYTES // widest, reread))))

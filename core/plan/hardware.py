@@ -74,6 +74,10 @@ class HardwareSpec:
     # planner's hrm.TASK_SECONDS / OP_SECONDS); bench/gpu_check.py measures them on a real GPU
     host_task_seconds: float | None = None
     host_op_seconds: float | None = None
+    # page-locking host memory (cudaHostRegister), bytes/s, as gpu_check measured it here (None: hrm.PIN_BW)
+    pin_bw: float | None = None
+    # the GPU's compute capability (a T4 is (7, 5)): which expert kernels the runtime can run (hrm.expert_path)
+    gpu_capability: tuple = ()
 
     def __post_init__(self):
         if self.gpu_count < 0 or self.cpu_cores <= 0:
@@ -91,6 +95,7 @@ class HardwareSpec:
             raise ValueError(f"measured names unknown fields {sorted(unknown)}; expected some of {RATE_FIELDS}")
         object.__setattr__(self, "measured", tuple(self.measured))
         object.__setattr__(self, "cpu_isa_limits", tuple(self.cpu_isa_limits))
+        object.__setattr__(self, "gpu_capability", tuple(self.gpu_capability or ()))
         object.__setattr__(self, "cpu_matmul", {str(k): float(v) for k, v in dict(self.cpu_matmul).items()})
         object.__setattr__(self, "cpu_speed", {str(k): float(v) for k, v in dict(self.cpu_speed).items()})
         object.__setattr__(self, "cpu_costs", {str(k): {str(m): dict(c) for m, c in dict(v).items()}
@@ -202,6 +207,10 @@ _HOSTS = {
     2: dict(cpu_cores=32, cpu_mem_bytes=416 * 10**9, cpu_bw=100.0 * GB, cpu_flops=32 * 70e9, link_gbps=16.0),
 }
 
+# Compute capability of each preset GPU (NVIDIA's CUDA GPUs table): T4 Turing, A10G/RTX 3090 Ampere, L4/4090 Ada.
+_CAPABILITY = {"t4": (7, 5), "l4": (8, 9), "a10g": (8, 6), "rtx3090": (8, 6), "rtx4090": (8, 9),
+               "a100-80g": (8, 0), "h100": (9, 0)}
+
 PRESET_NAMES = tuple(_GPUS) + tuple(f"{k}x{g}" for k in (2, 4) for g in _GPUS)
 
 
@@ -223,6 +232,7 @@ def preset(name: str) -> HardwareSpec:
         gpu_flops=tflops * 1e12, gpu_bw=gbps * GB, h2d_bw=link, d2h_bw=link,
         cpu_flops=host["cpu_flops"], cpu_bw=host["cpu_bw"], cpu_mem_bytes=host["cpu_mem_bytes"],
         cpu_cores=host["cpu_cores"], pcie=f"gen{gen} x{width}", source="preset", cpu_isa="avx512",
+        gpu_capability=_CAPABILITY[gpu],
     )
 
 
@@ -280,7 +290,7 @@ def detect() -> HardwareSpec:
     return HardwareSpec(
         name="local", gpu_name=g["name"], gpu_count=len(gpus), gpu_mem_bytes=g["mem_total"],
         gpu_mem_free_bytes=min(x["mem_free"] for x in gpus), gpu_flops=flops, gpu_bw=bw, h2d_bw=link, d2h_bw=link,
-        pcie=f"gen{gen} x{width}", **base,
+        pcie=f"gen{gen} x{width}", gpu_capability=_CAPABILITY.get(key, ()) if key else (), **base,
     )
 
 
@@ -358,12 +368,12 @@ def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: f
     if not refresh and path.is_file():
         try:
             rates = json.loads(path.read_text(encoding="utf-8"))["rates"]
-            return with_speed(_with_costs(_apply(hw, rates)), speed)
+            return with_speed(_with_gpu_costs(_with_costs(_apply(hw, rates))), speed)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged cache entry is measured again and overwritten
     rates = (measure or _measure)(hw, seconds)
     _write_json(path, {"rates": rates, "time": time.time(), "machine": hw.to_dict()})
-    return with_speed(_with_costs(_apply(hw, rates)), speed)
+    return with_speed(_with_gpu_costs(_with_costs(_apply(hw, rates))), speed)
 
 
 def _with_costs(hw: HardwareSpec) -> HardwareSpec:
@@ -393,9 +403,44 @@ def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:
     hw = base or detect()
     path = probe_cache_path(hw)
     try:
-        return _with_costs(_apply(hw, json.loads(path.read_text(encoding="utf-8"))["rates"]))
+        return _with_gpu_costs(_with_costs(_apply(hw, json.loads(path.read_text(encoding="utf-8"))["rates"])))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+# What bench/gpu_check.py measured of this machine's GPU path — the executor's host seconds per task and per
+# torch op, and the rate of page-locking — kept beside the probe's rates (a file of their own: a probe
+# measured again keeps them) and applied wherever those are read; the HRM uses them in place of its H200 figures.
+GPU_COSTS = ("host_task_seconds", "host_op_seconds", "pin_bw")
+
+
+def gpu_costs_path(hw: HardwareSpec) -> Path:
+    return cache_dir() / "probe" / f"gpu-costs-{machine_key(hw)}.json"
+
+
+def record_gpu_costs(hw: HardwareSpec, **values: float) -> Path:
+    """Keep measured GPU-path costs (names from GPU_COSTS) for this machine; earlier ones not given stay."""
+    unknown = set(values) - set(GPU_COSTS)
+    if unknown:
+        raise ValueError(f"unknown GPU costs {sorted(unknown)}; expected some of {GPU_COSTS}")
+    path = gpu_costs_path(hw)
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))["costs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        kept = {}
+    kept.update({k: float(v) for k, v in values.items() if v and v > 0})
+    _write_json(path, {"costs": kept, "time": time.time()})
+    return path
+
+
+def _with_gpu_costs(hw: HardwareSpec) -> HardwareSpec:
+    if not hw.has_gpu:
+        return hw
+    try:
+        kept = json.loads(gpu_costs_path(hw).read_text(encoding="utf-8"))["costs"]
+        return dataclasses.replace(hw, **{k: float(kept[k]) for k in GPU_COSTS if kept.get(k, 0) > 0})
+    except (OSError, ValueError, KeyError, TypeError):
+        return hw
 
 
 def cached_cpu_rates() -> dict[str, float] | None:

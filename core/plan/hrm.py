@@ -15,6 +15,7 @@ from core.plan.hardware import HardwareSpec
 from core.plan.mixer_costs import MixerCost, mixer_costs
 from core.model.limits import LOOKAHEAD  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU
 from core.model.limits import LAYOUT_ALIGN  # each stacked expert tensor of a layer buffer starts at a multiple of this
+from core.model.limits import PADDED_MAX_TOKENS  # expert calls this small run every expert over a slot table
 from core.model.quant import dense_spec
 from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, Format, workspace_bytes
 from core.model.spec import ModelSpec
@@ -59,6 +60,21 @@ OP_SECONDS = 25e-6
 HOST_OPS = {"pre_attn": 26, "post_attn": 24, "ffn": 33, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 14,
             "weight_page": 2, "kv_load": 14, "kv_store": 10, "prefill": 118}
 CPU_ATTN_TORCH_OPS = 23
+# An FFN task's ops by the expert path the runtime runs it on (core.model.moe): (fixed, per expert). HOST_OPS["ffn"]
+# is the grouped path's, counted. The forms that go expert by expert grow with E: the loop (after one read-back of
+# the counts) issues ≈ 7 per expert a token went to — slice, up, activation, down, write-back — and quantized
+# experts, expanded and run one at a time over the slot table, ≈ 10 per expert of the layer, routed to or not
+# (E = 128: ≈ 790 launches and 512 copies, issue 42). The slot table ("padded") is constant in ops but runs every
+# expert over all T tokens: E/k times the FLOPs. The fused kernel (tokens sorted by expert, a launch a
+# projection) is constant in E; its count is the launch budget's (issue 42: at most 40 a micro-batch and layer).
+EXPERT_PATHS = {"fused": (24, 0), "grouped": (HOST_OPS["ffn"], 0), "padded": (HOST_OPS["ffn"], 0),
+                "loop": (14, 7), "per_expert": (20, 10)}
+# None: the path today's runtime picks (expert_path); a name of EXPERT_PATHS where every FFN runs one path
+DEFAULT_EXPERT_PATH: str | None = None
+# Page-locking host memory (cudaHostRegister), bytes/s: ≈ 2 GB/s on the H200 host (about 11 s for the 23.5 GB
+# that streamed, bench/RESULTS.md "GPU path on a real GPU"). HardwareSpec.pin_bw replaces it where measured.
+# A run pays it once per loaded model (the first run of a model), before its first token.
+PIN_BW = 2e9
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,10 @@ class Rates:
     op_seconds: float = OP_SECONDS  # ... and per torch op a task issues
     # (("int4", FLOP/s), ("int4@1", FLOP/s), ...): the probe's weight-only kernel rates at 64 rows and at one
     cpu_kernel_flops: tuple = ()
+    expert_path: str | None = DEFAULT_EXPERT_PATH  # a key of EXPERT_PATHS, or None: as the runtime picks
+    gpu_capability: tuple = ()  # () unknown: taken to have every kernel
+    pin_bw: float = PIN_BW
+    host_measured: bool = False  # task_seconds and op_seconds measured on this machine (bench/gpu_check.py)
 
     def kernel_flops(self, qkind: str, rows: int | None = None) -> float:
         """CPU FLOP/s of quantized experts of kind `qkind` (at 64 rows, or `rows=1`): measured, else a share
@@ -117,7 +137,8 @@ def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> R
     return Rates(gpu_flops=rate("gpu_flops", True), gpu_bw=rate("gpu_bw", True), h2d_bw=rate("h2d_bw", True),
                  d2h_bw=rate("d2h_bw", True), cpu_flops=cpu_flops, cpu_bw=rate("cpu_bw", False),
                  has_gpu=hw.has_gpu, cpu_costs=costs, task_seconds=hw.host_task_seconds or TASK_SECONDS,
-                 op_seconds=hw.host_op_seconds or OP_SECONDS,
+                 op_seconds=hw.host_op_seconds or OP_SECONDS, gpu_capability=hw.gpu_capability,
+                 pin_bw=hw.pin_bw or PIN_BW, host_measured=bool(hw.host_task_seconds and hw.host_op_seconds),
                  cpu_kernel_flops=tuple((k, hw.cpu_rate(k)) for q in CPU_KERNEL_FLOPS for k in (q, f"{q}@1")
                                         if hw.cpu_rate(k)))
 
@@ -537,6 +558,8 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
                 for k, v in secs.items()}
     fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
     ffn = moe_ffn(m, expert_batch, expand=m.qkind != "none" and (not cpu_only or m.qkind == "blocks"))
+    if not cpu_only and expert_path(m, r, expert_batch) == "padded":  # every expert over every token
+        ffn = Work(ffn.flops * m.E / m.k, ffn.bytes)
     ffn_fl = r.kernel_flops(m.qkind) if cpu_only else fl
     post = o_proj(m, micro_batch) + router(m, micro_batch) + shared_expert(m, micro_batch)
     # kernel launches: pre_attn 3 (norm, qkv, rope), post_attn 5 (o, norm, router, top-k, combine), ffn 3;
@@ -614,28 +637,92 @@ def decode_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, flo
     gpu_weight_fraction and gpu_kv_fraction, which the planner's LP relies on."""
     tasks = decode_tasks(m, r, **kw)
     bounds = pipeline_bounds(tasks) or (0.0, 0.0, 0.0)
-    host = host_seconds(tasks, r) if kw.get("ffn_on") == "gpu" else 0.0
+    host = host_seconds(tasks, r, ffn_ops(m, r, kw["expert_batch"])) if kw.get("ffn_on") == "gpu" else 0.0
     return {**busy_seconds(tasks), "pipeline": max(bounds), **{f"pipeline{i}": b for i, b in enumerate(bounds)},
             "host": host}
 
 
 def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, float]:
     tasks = prefill_tasks(m, r, **kw)
-    return {**busy_seconds(tasks), "host": host_seconds(tasks, r) if kw.get("ffn_on") == "gpu" else 0.0}
+    if kw.get("ffn_on") != "gpu":
+        return {**busy_seconds(tasks), "host": 0.0}
+    ffn = ffn_ops(m, r, kw["micro_batch"] * kw["prompt_len"])
+    return {**busy_seconds(tasks), "host": host_seconds(tasks, r, ffn)}
 
 
-def host_task_seconds(r: Rates) -> dict[str, float]:
-    """Host seconds to run one task of each kind: the executor's cost plus its ops' dispatch."""
-    return {kind: r.task_seconds + ops * r.op_seconds for kind, ops in HOST_OPS.items()}
+def expert_path(m: "ModelSpec | Dims", r: Rates, tokens: float) -> str:
+    """The path (a key of EXPERT_PATHS) the routed experts of one GPU FFN task of `tokens` tokens run on:
+    r.expert_path where given, else the one today's runtime picks (core.model.moe.device_experts): quantized
+    experts one at a time; grouped_mm where the GPU has it (SM80 on; a GPU of unknown capability is taken
+    to); else the slot table up to PADDED_MAX_TOKENS and the loop beyond (a T4)."""
+    if r.expert_path:
+        if r.expert_path not in EXPERT_PATHS:
+            raise ValueError(f"unknown expert path {r.expert_path!r}; expected one of {', '.join(EXPERT_PATHS)}")
+        return r.expert_path
+    if dims(m).qkind != "none":
+        return "per_expert"
+    if not r.gpu_capability or tuple(r.gpu_capability) >= (8, 0):
+        return "grouped"
+    return "padded" if tokens <= PADDED_MAX_TOKENS else "loop"
 
 
-def host_seconds(tasks: dict[str, TaskCost], r: Rates) -> float:
+def ffn_ops(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
+    """Torch ops one GPU FFN task of `tokens` tokens issues on its expert path (EXPERT_PATHS), in the average
+    layer (a dense layer runs none of the per-expert ones)."""
+    d = dims(m)
+    path = expert_path(d, r, tokens)
+    fixed, per = EXPERT_PATHS[path]
+    if not per:
+        return fixed
+    every = path == "per_expert" and tokens <= PADDED_MAX_TOKENS  # the slot table visits each expert
+    return fixed + per * d.moe_frac * (d.E if every else expected_experts(tokens, d.E, d.k))
+
+
+def host_task_seconds(r: Rates, ffn: float | None = None) -> dict[str, float]:
+    """Host seconds to run one task of each kind: the executor's cost plus its ops' dispatch. `ffn`: the
+    FFN task's ops on its expert path (ffn_ops; default the grouped path's count); a prefill task's FFN
+    is the same path's."""
+    ops = dict(HOST_OPS)
+    if ffn is not None:
+        ops["prefill"] += ffn - ops["ffn"]
+        ops["ffn"] = ffn
+    return {kind: r.task_seconds + n * r.op_seconds for kind, n in ops.items()}
+
+
+def host_seconds(tasks: dict[str, TaskCost], r: Rates, ffn: float | None = None) -> float:
     """The host bound of a layer with the GPU placements: its tasks one after another on the host (the
     threads feeding the GPU share one Python interpreter), however idle the GPU. Tiny micro-batches
     mean many tasks: this is what keeps the search from choosing them (μ = 4 made thousands of
-    tasks per step, each costing more host time than GPU time)."""
-    per = host_task_seconds(r)
+    tasks per step, each costing more host time than GPU time). `ffn`: as host_task_seconds."""
+    per = host_task_seconds(r, ffn)
     return sum(c.per_layer * per.get(kind, r.task_seconds) for kind, c in tasks.items())
+
+
+def host_ops(tasks: dict[str, TaskCost], ffn: float | None = None) -> dict[str, float]:
+    """Torch ops one layer's tasks issue, by kind (HOST_OPS; the FFN's as host_task_seconds takes it)."""
+    ops = dict(HOST_OPS, **({"ffn": ffn} if ffn is not None else {}))
+    if ffn is not None:
+        ops["prefill"] += ffn - HOST_OPS["ffn"]
+    return {kind: c.per_layer * ops.get(kind, 0) for kind, c in tasks.items()}
+
+
+def pin_seconds(pinned_bytes: float, r: Rates) -> float:
+    """Page-locking `pinned_bytes` of host memory (the streamed experts and the staging arena), which a run
+    pays once per loaded model, before its first token: counted in a first run's prediction, not a later one's."""
+    return pinned_bytes / r.pin_bw if r.has_gpu else 0.0
+
+
+_BOUNDS = ("gpu", "cpu_attn", "h2d", "d2h", "pipeline", "host")  # core.telemetry.RESOURCES, then the two bounds
+
+
+def bottleneck(layer: dict[str, float]) -> str:
+    """What bounds a decode layer with the GPU placements, from decode_layer_seconds' figures: the largest.
+    The pipeline bound is the link's busy time plus what it idles waiting on the GPU's expert batches; where
+    the link is busy for most of it, the link bounds the layer and is named (h2d), not the pipeline."""
+    top = max((k for k in _BOUNDS if k in layer), key=lambda k: layer[k])
+    if top == "pipeline" and layer.get("h2d", 0.0) >= layer["pipeline"] / 2:
+        return "h2d"
+    return top
 
 
 def pipeline_bounds(tasks: dict[str, TaskCost]) -> tuple[float, ...]:

@@ -338,7 +338,7 @@ def _predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
         tokens_per_s=tokens * n / seconds,
         decode_tokens_per_s=tokens * (n - 1) / decode_s if n > 1 else p.batch_size / step,
         prefill_tokens_per_s=prompt_tokens / prefill_s,
-        bottleneck=max(BOTTLENECKS, key=lambda k: dec[k]) if on_gpu else max(RESOURCES, key=lambda k: dec[k]),
+        bottleneck=hrm.bottleneck(dec) if on_gpu else max(RESOURCES, key=lambda k: dec[k]),
         gpu_bytes=int(sum(gpu.values())), cpu_bytes=int(sum(cpu.values())),
         layer_seconds={k: dec[k] for k in BOTTLENECKS}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
         step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu, pinned_bytes=pinned,

@@ -88,7 +88,8 @@ def simulate_decode(model: ModelSpec, hardware: HardwareSpec, policy: Policy, co
                     schedule_name: str = "cgopipe") -> Timeline:
     """One decode step of `policy` at an average `context` (cached tokens) under the named schedule."""
     tasks = schedule.for_policy(policy, model.num_layers, schedule_name)
-    host = hrm.host_task_seconds(hrm.effective_rates(hardware)) if policy.ffn_on == "gpu" else None
+    r = hrm.effective_rates(hardware)  # the FFN's host ops on its expert path, as the planner prices them
+    host = hrm.host_task_seconds(r, hrm.ffn_ops(model, r, policy.expert_batch_size)) if policy.ffn_on == "gpu" else None
     return replay(tasks, decode_costs(model, hardware, policy, context), host)
 
 
@@ -97,5 +98,7 @@ def simulate_prefill(model: ModelSpec, hardware: HardwareSpec, policy: Policy, p
     tasks = schedule.prefill(num_layers=model.num_layers, num_micro_batches=policy.num_micro_batches,
                              pages_per_layer=policy.pages_per_layer, ffn_on=policy.ffn_on,
                              streamed=policy.gpu_weight_fraction < 1.0)
-    host = hrm.host_task_seconds(hrm.effective_rates(hardware)) if policy.ffn_on == "gpu" else None
+    r = hrm.effective_rates(hardware)
+    ffn = hrm.ffn_ops(model, r, policy.micro_batch_size * prompt_len)
+    host = hrm.host_task_seconds(r, ffn) if policy.ffn_on == "gpu" else None
     return replay(tasks, {k: c.seconds for k, c in costs.items()}, host)

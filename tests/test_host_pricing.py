@@ -1,0 +1,133 @@
+"""The planner prices the host work the runtime does (issue 42, item 5): per task and per torch op, with the FFN's
+ops on the expert path that runs it (growing with E where that path goes expert by expert), at a machine's own
+measured costs where bench/gpu_check.py recorded them, and page-locking in a first run's prediction only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from app.cli import main
+from core.plan import hardware, hrm
+from core.plan.hardware import preset
+from core.plan.presets import preset_spec
+
+MIXTRAL = preset_spec("mixtral-8x7b")
+PLAN = ["plan", "--model", "mixtral-8x7b", "--prompt-len", "77", "--gen-len", "128", "--json"]
+
+
+def _rates(gpu="h100", **kw):
+    return dataclasses.replace(hrm.effective_rates(preset(gpu)), **kw)
+
+
+def _with_experts(E: int) -> hrm.Dims:
+    return dataclasses.replace(hrm.dims(MIXTRAL), E=E)
+
+
+@pytest.mark.parametrize("path", ["fused", "grouped", "padded"])
+def test_the_fused_and_grouped_ffn_issue_the_same_ops_whatever_the_experts(path):
+    r = _rates(expert_path=path)
+    counts = {E: hrm.ffn_ops(_with_experts(E), r, 64) for E in (8, 64, 128, 256)}
+    assert len(set(counts.values())) == 1, counts
+
+
+def test_the_expert_by_expert_forms_grow_with_the_experts():
+    """Quantized experts over the slot table visit every expert of the layer (≈ 10 ops each: E = 128 gave ≈ 790
+    launches and 512 copies an FFN); the loop visits each expert a token went to (uniform routing: E(1-(1-k/E)^T))."""
+    r = _rates(expert_path="per_expert")
+    fixed, per = hrm.EXPERT_PATHS["per_expert"]
+    for E in (8, 64, 128, 256):
+        assert hrm.ffn_ops(_with_experts(E), r, 64) == fixed + per * E
+    loop = _rates(expert_path="loop")
+    fixed, per = hrm.EXPERT_PATHS["loop"]
+    E, k, T = 128, 2, 300
+    touched = E * (1 - (1 - k / E) ** T)
+    assert hrm.ffn_ops(_with_experts(E), loop, T) == pytest.approx(fixed + per * touched)
+    assert 1000 <= hrm.ffn_ops(_with_experts(128), r, 64) <= 1400  # issue 42's count at E = 128
+
+
+def test_the_path_is_the_runtimes_choice_unless_given():
+    """grouped_mm from SM80; a T4 (SM75) takes the slot table up to its token limit and the loop past it;
+    quantized experts go one at a time; a named path (the fused kernel) wins."""
+    assert hrm.expert_path(MIXTRAL, _rates("h100"), 64) == "grouped"
+    assert hrm.expert_path(MIXTRAL, _rates("t4"), 64) == "padded"
+    assert hrm.expert_path(MIXTRAL, _rates("t4"), 2000) == "loop"
+    int4 = dataclasses.replace(hrm.dims(MIXTRAL), qkind="int4")
+    assert hrm.expert_path(int4, _rates("h100"), 64) == "per_expert"
+    assert hrm.expert_path(int4, _rates("h100", expert_path="fused"), 64) == "fused"
+    with pytest.raises(ValueError, match="unknown expert path"):
+        hrm.expert_path(MIXTRAL, _rates(expert_path="magic"), 64)
+
+
+def test_the_slot_table_computes_every_expert_over_every_token():
+    """The padded form's FLOPs are E/k times the useful ones (Mixtral: 4x): its GPU time says so."""
+    kw = dict(batch=64, micro_batch=64, expert_batch=64, attention_on="cpu", ffn_on="gpu", gpu_weight_fraction=1.0,
+              gpu_kv_fraction=0.0, context=200)
+    d = hrm.dims(MIXTRAL)
+    slow = dataclasses.replace(hrm.effective_rates(preset("t4")), gpu_bw=1e30)  # compute-bound: FLOPs decide
+    padded = hrm.decode_tasks(d, dataclasses.replace(slow, expert_path="padded"), **kw)["ffn"].seconds
+    grouped = hrm.decode_tasks(d, dataclasses.replace(slow, expert_path="grouped"), **kw)["ffn"].seconds
+    launch = 3 * hrm.GPU_LAUNCH
+    assert padded - launch == pytest.approx((d.E / d.k) * (grouped - launch), rel=1e-9)
+
+
+def test_the_host_bound_is_tasks_times_their_ops_at_the_machines_costs():
+    """Hand sum over one layer's tasks: per task the executor's cost plus its ops (the FFN's on its path) at the
+    per-op cost — the H200's where nothing was measured, the machine's own where gpu_check recorded one."""
+    kw = dict(batch=256, micro_batch=32, expert_batch=64, attention_on="cpu", ffn_on="gpu", gpu_weight_fraction=0.2,
+              gpu_kv_fraction=0.0, context=200, pages=8)
+    for hw in (preset("t4"), dataclasses.replace(preset("t4"), host_task_seconds=30e-6, host_op_seconds=9e-6)):
+        r = hrm.effective_rates(hw)
+        task, op = (hw.host_task_seconds or 80e-6), (hw.host_op_seconds or 25e-6)
+        assert (r.task_seconds, r.op_seconds) == (task, op) and r.host_measured == bool(hw.host_op_seconds)
+        tasks = hrm.decode_tasks(MIXTRAL, r, **kw)
+        ffn = hrm.ffn_ops(MIXTRAL, r, 64)
+        want = sum(c.per_layer * (task + (ffn if kind == "ffn" else hrm.HOST_OPS[kind]) * op)
+                   for kind, c in tasks.items())
+        assert hrm.decode_layer_seconds(MIXTRAL, r, **kw)["host"] == pytest.approx(want, rel=1e-12)
+    more = dataclasses.replace(MIXTRAL, num_experts=128)
+    r = _rates("t4", expert_path="per_expert")
+    assert hrm.decode_layer_seconds(more, r, **kw)["host"] > 2 * hrm.decode_layer_seconds(MIXTRAL, r, **kw)["host"]
+
+
+def test_gpu_checks_measured_costs_are_kept_for_the_machine(tmp_path, monkeypatch):
+    """What gpu_check records (host seconds per task and op, page-locking rate) comes back with the probe's
+    rates, and a probe measured again keeps it."""
+    monkeypatch.setenv("MLIGHT_CACHE_DIR", str(tmp_path))
+    base = preset("t4")
+    calls = []
+
+    def measure(hw, seconds):
+        calls.append(1)
+        return {"cpu_flops": 1e12}
+
+    assert hardware.probe(base, measure=measure).host_op_seconds is None
+    hardware.record_gpu_costs(base, host_task_seconds=40e-6, host_op_seconds=12e-6)
+    hardware.record_gpu_costs(base, pin_bw=3.5e9)  # a later stage adds; the earlier figures stay
+    for hw in (hardware.probe(base, measure=measure), hardware.cached_probe(base),
+               hardware.probe(base, refresh=True, measure=measure)):
+        assert (hw.host_task_seconds, hw.host_op_seconds, hw.pin_bw) == (40e-6, 12e-6, 3.5e9)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="unknown GPU costs"):
+        hardware.record_gpu_costs(base, op_seconds=1.0)
+
+
+def test_the_plan_shows_the_host_share_and_a_first_runs_page_locking(capsys):
+    """New keys beside the contract's (unchanged): the host's seconds and share of the layer, beside PCIe and
+    compute; and a first run's tokens/s with the streamed weights page-locked first at 2 GB/s (the H200's)."""
+    assert main(PLAN + ["--hardware", "t4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    pred, host, first = data["prediction"], data["host"], data["first_run"]
+    ls = pred["layer_seconds"]
+    assert host["layer_seconds"] == ls["host"] and host["pcie_seconds"] == ls["h2d"]
+    assert host["compute_seconds"] == ls["gpu"] and host["share"] == pytest.approx(ls["host"] / max(ls.values()))
+    assert host["expert_path"] == "loop" and not host["measured"] and host["op_seconds"] == 25e-6
+    n = data["policy"]["batch_size"] * 128
+    pin = pred["pinned_bytes"] / 2e9
+    assert first["pin_seconds"] == pytest.approx(pin) and pred["pinned_bytes"] > 10e9
+    assert first["tokens_per_s"] == pytest.approx(n / (n / pred["tokens_per_s"] + pin), rel=1e-9)
+    assert main(PLAN[:-1] + ["--hardware", "t4"]) == 0
+    out = capsys.readouterr().out
+    assert "host share" in out and "beside PCIe" in out and "first run" in out and "page-locking" in out
