@@ -15,6 +15,7 @@ Legend: T = tokens, H = heads, P = positions, r = rotated dims.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -82,7 +83,22 @@ class Rope:
         self.cos = torch.cat([(half.cos() * s) for s in scales]).to(dtype).to(device)  # [P·tables, r or r/2]
         self.sin = torch.cat([(half.sin() * s) for s in scales]).to(dtype).to(device)
         self.positions = max_positions
-        self._kept = None  # (positions, its version, call_lengths, its version, cos, sin) of the last call
+        # per live positions tensor (a decode step's micro-batches each have theirs): [a weak reference to it,
+        # its version, call_lengths, its version, cos, sin, the halves' forms]; an entry goes with its tensor, or
+        # when `keep` newer ones came after it
+        self._kept: dict[int, list] = {}
+        self._keep = 1
+
+    @property
+    def keep(self) -> int:
+        """Entries kept: a decode step's runner sets its micro-batches' count; a prefill's, 1."""
+        return self._keep
+
+    @keep.setter
+    def keep(self, n: int) -> None:
+        self._keep = max(1, n)
+        while len(self._kept) > self._keep:
+            self._kept.pop(next(iter(self._kept)), None)  # the oldest
 
     def rows(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Table rows for tokens at `positions` [T]; `call_lengths` [T]: the length (max position + 1)
@@ -92,16 +108,42 @@ class Rope:
         return positions + self.positions * (call_lengths > self.switch).to(positions.dtype)
 
     def tables(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None):
-        """(cos, sin) [T, 1, r or r/2] of these tokens. The last call's are kept while the same tensors come
-        back unchanged (every layer of a step, and q and k): two gathers a step instead of two a layer."""
-        kept = self._kept
-        if (kept is None or kept[0] is not positions or kept[1] != positions._version or kept[2] is not call_lengths
+        """(cos, sin) [T, 1, r or r/2] of these tokens. Kept per positions tensor while it lives and comes back
+        unchanged (every layer of a step, q and k, and — with `keep` set to the step's micro-batches — every
+        micro-batch in turn, whose calls alternate): two gathers per micro-batch a step, not a layer. A prefill's
+        keep only the last call's: its gathers are few beside its tokens, its tables are large."""
+        kept = self._entry(positions, call_lengths)
+        return kept[4], kept[5]
+
+    def _entry(self, positions: torch.Tensor, call_lengths: torch.Tensor | None) -> list:
+        key = id(positions)
+        kept = self._kept.get(key)
+        if (kept is None or kept[0]() is not positions or kept[1] != positions._version or kept[2] is not call_lengths
                 or (call_lengths is not None and kept[3] != call_lengths._version)):
             rows = self.rows(positions, call_lengths)
-            kept = self._kept = (positions, positions._version, call_lengths,
-                                 None if call_lengths is None else call_lengths._version,
-                                 self.cos[rows][:, None, :], self.sin[rows][:, None, :])
-        return kept[4], kept[5]
+            entries = self._kept
+            while entries and len(entries) >= self._keep:
+                entries.pop(next(iter(entries)), None)  # the oldest
+            gone = weakref.ref(positions, lambda _, key=key: entries.pop(key, None))
+            kept = entries[key] = [gone, positions._version, call_lengths,
+                                   None if call_lengths is None else call_lengths._version,
+                                   self.cos[rows][:, None, :], self.sin[rows][:, None, :], None]
+        return kept
+
+    def _halves(self, positions: torch.Tensor, call_lengths: torch.Tensor | None):
+        """(cos, ±sin) [T, 1, 2, r/2] for the rotation as two halves (a pair layout de-interleaved): the
+        halves' sign of rotate_half is folded into sin, once per kept entry."""
+        kept = self._entry(positions, call_lengths)
+        if kept[6] is None:
+            cos, sin = kept[4], kept[5]
+            T = cos.shape[0]
+            if self.pairs:  # one angle per pair: the same for the even and the odd row
+                kept[6] = (torch.stack((cos, cos), dim=-2), torch.stack((-sin, sin), dim=-2))
+            else:  # cos and sin are [angles, angles]
+                half = cos.shape[-1] // 2
+                kept[6] = (cos.view(T, 1, 2, half), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).view(
+                    T, 1, 2, half))
+        return kept[6]
 
     def joins_in_c(self, x: torch.Tensor) -> bool:
         """Whether core.model.cpu.row_ops.rope_join may rotate these heads: halves over the whole head, bf16 or
@@ -110,16 +152,20 @@ class Rope:
                 and x.device.type == "cpu")
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H, hd], positions [T] -> x with its first `dim` dims rotated."""
-        cos, sin = self.tables(positions, call_lengths)
+        """x [T, H, hd], positions [T] -> x with its first `dim` dims rotated.
+
+        Both layouts as halves X [T, H, 2, r/2] (pairs: evens then odds, a strided view): X·cos + swap(X)·(±sin),
+        the reference's roundings (a·(−s) is −(a·s) exactly) in four ops, where rotate_half's negation and
+        join, or the pairs' four products, took five and seven."""
+        cos, sin = self._halves(positions, call_lengths)
         d = self.dim
         rot, rest = (x, None) if d == x.shape[-1] else (x[..., :d], x[..., d:])
-        if self.pairs:
-            even, odd = rot[..., 0::2], rot[..., 1::2]
-            out = torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
-        else:
-            half = d // 2
-            out = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
+        T, H = rot.shape[:2]
+        halves = rot.unflatten(-1, (d // 2, 2)).transpose(-1, -2) if self.pairs else rot.unflatten(-1, (2, d // 2))
+        out = torch.empty((T, H, 2, d // 2), dtype=x.dtype, device=x.device)
+        torch.mul(halves, cos, out=out)
+        out.add_(halves.flip(-2) * sin)
+        out = out.view(T, H, d)  # [T, H, r]: pairs come out as [rotated evens, rotated odds]
         return out if rest is None else torch.cat((out, rest), dim=-1)
 
 

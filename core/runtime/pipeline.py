@@ -388,6 +388,7 @@ class PipelineRunner:
                     for st in self._kinds.values() if rows is not None and self.state_ring else ():
                         rows.kept(st)
         tasks, self._current_pages = self._graph("decode", len(self._step))
+        self.rope.keep = len(self._step)  # each micro-batch's RoPE rows once a step, in every layer
         self._start_step(needs_layer0=not self._current_pages)
         busy = self.ex.run(tasks, self._run)
         self.last_tasks = tasks
@@ -413,6 +414,7 @@ class PipelineRunner:
             for mb in self._pre:
                 mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         tasks, self._current_pages = self._graph("prefill", len(self._pre))
+        self.rope.keep = 1  # a prefill's tables are large and its gathers few beside its tokens
         self._start_step(needs_layer0=not self._current_pages)
         busy = self.ex.run(tasks, self._run)
         self.last_tasks = tasks

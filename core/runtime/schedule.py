@@ -68,18 +68,33 @@ class Task:
 
 
 class _Graph:
-    """Appends tasks in order and remembers them by (kind, layer, index)."""
+    """Appends tasks in order and remembers them by (kind, layer, index).
+
+    A dependency on another resource costs an event wait (CudaExecutor: `wait_event` on a stream, or a host
+    wait), so `add` keeps only those the in-order queues do not already imply: of several on one resource,
+    the latest; and none that an earlier task on the same resource waited for (or for a later task of that
+    resource). What happens before what is unchanged (test_schedule_buffers, test_schedule_dataflow)."""
 
     def __init__(self):
         self.tasks: list[Task] = []
         self.ids: dict[tuple, int] = {}
+        self.waited: dict[tuple[str, str], int] = {}  # (resource, other resource) -> latest task waited for
 
     def add(self, kind: str, layer: int, mb: int = -1, page: int = -1, deps=(), key=None) -> int:
         tid = len(self.tasks)
         if any(d is None for d in deps):  # a dependency not queued yet would deadlock an in-order executor
             raise ValueError(f"{kind}({layer},{mb}) depends on a task that is not in the graph yet")
-        deps = tuple(sorted(set(deps)))
-        self.tasks.append(Task(tid, kind, RESOURCE_OF[kind], layer, mb, page, deps))
+        res = RESOURCE_OF[kind]
+        keep = []
+        for d in sorted(set(deps), reverse=True):
+            other = self.tasks[d].resource
+            if other == res:  # the queue's own order: no wait
+                keep.append(d)
+            elif d > self.waited.get((res, other), -1):
+                keep.append(d)
+                self.waited[(res, other)] = d
+        deps = tuple(sorted(keep))
+        self.tasks.append(Task(tid, kind, res, layer, mb, page, deps))
         self.ids[key or (kind, layer, mb if page < 0 else page)] = tid
         return tid
 
@@ -173,7 +188,8 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
             G.add("d2", i, j, deps=(G.get("cpu_attn", i, j),))
             for p in slots[j]:
                 G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
-            weights = _layer_pages(G, i, pages) if i > 0 else ()
+            # the h2d queue is in order: its last page landed means the layer's weights are all there
+            weights = _layer_pages(G, i, pages)[-1:] if i > 0 else ()
             G.add("post_attn", i, j, deps=(G.get("d2", i, j), *weights))
             if (j + 1) % g == 0:
                 G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
