@@ -292,6 +292,46 @@ def test_timing_events_are_pooled_and_synced_once_per_stream():
     assert dev.stats["events_created"] <= 2 * stream_tasks + 3 * 3  # the pool, plus wait_stream's markers
 
 
+def test_one_event_record_per_stream_task():
+    """Issue 42, defect 3: a start and an end event per task were two host calls each of a launch-bound step's
+    (224 tasks a layer at the H200's policy). The end event, which other streams wait on anyway, is the only
+    one: a step records one per stream task, plus the step's origin and the streams' waits on the caller."""
+    dev = emulated()
+    ex = CudaExecutor(dev)
+    tasks = graph()
+    stream_tasks = sum(t.resource in ("gpu", "h2d", "d2h") for t in tasks)
+    try:
+        for _ in range(2):
+            before = dev.stats["event_records"]
+            ex.run(tasks, device_work(dev))
+            assert dev.stats["event_records"] - before == stream_tasks + 1 + 3
+    finally:
+        ex.close()
+
+
+def test_busy_time_leaves_out_a_stream_waiting_for_a_host_task():
+    """A task's start is inferred (its launch, its stream's previous task, its dependencies' ends), not
+    timed: the GPU's busy seconds are its kernels', not the CPU attention it waited 60 ms for."""
+
+    class T:
+        def __init__(self, i, resource, deps=()):
+            self.id, self.resource, self.deps, self.kind, self.layer = i, resource, deps, resource, 0
+
+    dev = emulated()
+    ex = CudaExecutor(dev)
+
+    def fn(task):
+        time.sleep(0.06 if task.resource == "cpu_attn" else 0.02)
+
+    try:
+        busy = ex.run([T(0, "gpu"), T(1, "cpu_attn", (0,)), T(2, "gpu", (1,))], fn)
+        spans = ex.times[:6]
+    finally:
+        ex.close()
+    assert 0.04 <= busy["gpu"] < 0.06, busy  # two 20 ms kernels; a timer from the first launch would say ≥ 100 ms
+    assert spans[2] >= spans[1] and spans[4] >= spans[3] - 1e-6  # attention after the first, the second after it
+
+
 def test_attention_leaves_a_core_to_the_threads_feeding_the_gpu():
     """Finding 14, the cores: on a 4-vCPU T4 box the GPU's feeders get one core, attention three."""
     assert [split(list(range(c)), "cuda") for c in (1, 2, 4)] == [([0], [0]), ([0], [1]), ([0], [1, 2, 3])]

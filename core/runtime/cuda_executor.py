@@ -14,8 +14,12 @@ stream that has not completed (a hung kernel or copy), and the executor refuses 
 stream is stuck, and nothing queued behind it will run.
 
 Runs unchanged over `CudaDevice` and over the emulated device (CI), which is how it is tested.
-Timing: one start/end event pair per stream task, from a pool reused step after step (creating
-events costs a driver call each); a task's busy time is end − start, read once the step is done.
+Timing: one event per stream task, recorded where it ends, from a pool reused step after step (creating
+events costs a driver call each, recording one a host call of the launch-bound step's). It is also the
+event other streams wait on, so timing adds no device operation. A task starts when the last of these
+has happened: its launch by the host (a host clock reading, free), the end of the previous task on its
+stream, the ends of its dependencies (device events, or a host task's finish). Busy time is end − that
+start, read once the step is done; a stream idle while its host thread launches late is not counted.
 """
 
 from __future__ import annotations
@@ -30,39 +34,48 @@ STREAMS = ("gpu", "h2d", "d2h")
 
 
 class _EventPool:
-    """Timing event pairs, created once and reused: pair i serves the step's i-th stream task."""
+    """Timing events, created once and reused: event i marks the end of the step's i-th stream task."""
 
     def __init__(self, dev: Device):
         self.dev = dev
-        self.pairs: list[tuple] = []
+        self.events: list = []
         self.origin = dev.event(timing=True)
 
-    def pair(self, i: int):
-        while len(self.pairs) <= i:
-            self.pairs.append((self.dev.event(timing=True), self.dev.event(timing=True)))
-        return self.pairs[i]
+    def event(self, i: int):
+        while len(self.events) <= i:
+            self.events.append(self.dev.event(timing=True))
+        return self.events[i]
 
 
 class _CudaStep(_Step):
     def __init__(self, tasks, fn, pool: _EventPool):
         super().__init__(tasks, fn)
         self.stream_of = {t.id: t.resource for t in tasks if t.resource in STREAMS}
-        self.timer = {tid: pool.pair(i) for i, tid in enumerate(self.stream_of)}  # task -> (start, end)
-        self.index: dict[int, int] = {}  # task id -> position, for the timeline
+        self.end = {tid: pool.event(i) for i, tid in enumerate(self.stream_of)}  # task -> its end event
+        self.index = {t.id: i for i, t in enumerate(tasks)}  # task id -> position, for the timeline
+        self.launched: set[int] = set()  # stream tasks whose work the host has enqueued
         self.origin = pool.origin  # the device clock's zero for this step's timeline
         self.origin_host = 0.0  # ... and the host clock's, at the same moment
         self.last_on: dict[str, int] = {}
+        self.before: dict[int, int | None] = {}  # stream task -> the task before it on its stream
         for t in tasks:
             if t.resource in STREAMS:
+                self.before[t.id] = self.last_on.get(t.resource)
                 self.last_on[t.resource] = t.id
+
+    def started(self, tid: int) -> bool:
+        """Whether stream task `tid` is past everything it waits for (so it runs, or ran)."""
+        prev, task = self.before[tid], self.tasks[tid]
+        return (tid in self.launched and (prev is None or self.end[prev].query())
+                and all(self.end[d].query() if d in self.end else self.events[d].is_set() for d in task.deps))
 
     def stuck(self, stream: str, err: DeviceStalled) -> DeviceTaskError:
         """The failure to report for a wait on `stream` that ran past its deadline, as a device error: the task
         that started and never ended on any stream (a hung kernel or copy; what the waited-on stream waits
         for, perhaps), else the first of `stream`'s tasks that has not ended."""
-        running = [t for t in self.stream_of if self.timer[t][0].query() and not self.timer[t][1].query()]
+        running = [t for t in self.stream_of if not self.end[t].query() and self.started(t)]
         mine = [t for t, r in self.stream_of.items() if r == stream]
-        tid = running[0] if running else next((t for t in mine if not self.timer[t][1].query()), mine[-1])
+        tid = running[0] if running else next((t for t in mine if not self.end[t].query()), mine[-1])
         why = Stalled(f"the {self.stream_of[tid]} stream has not finished {describe(self.tasks[tid])} in "
                       f"{err.seconds:g} s " + ("(it started: a hung kernel or copy)" if running else
                                                "(it never started: its stream waits on work that does not end)"))
@@ -107,7 +120,7 @@ class CudaExecutor(ThreadedExecutor):
             other = step.stream_of.get(d)
             if other is None or other == mine:
                 continue
-            end = step.timer[d][1]
+            end = step.end[d]
             if mine in STREAMS:
                 self.streams[mine].wait_event(end)
             else:  # this host thread alone waits for that stream's task
@@ -127,26 +140,32 @@ class CudaExecutor(ThreadedExecutor):
     def _execute(self, step: _CudaStep, task, i: int) -> None:
         if task.resource not in STREAMS:
             return super()._execute(step, task, i)
-        step.index[task.id] = i
         stream = self.streams[task.resource]
-        start, end = step.timer[task.id]
-        start.record(stream)
+        self.times[2 * i] = time.perf_counter()  # the launch: the earliest the task can start (see _finish)
+        step.launched.add(task.id)
         self.dev.launch(stream, functools.partial(step.fn, task), label=task)
-        end.record(stream)
+        step.end[task.id].record(stream)
 
     def _finish(self, step: _CudaStep) -> dict[str, float]:
         for r, tid in step.last_on.items():  # one host sync per stream, bounded; the caller syncs on the logits anyway
-            self._bounded(step, r, step.timer[tid][1])
+            self._bounded(step, r, step.end[tid])
         caller = self.dev.current_stream()
         for tid in step.last_on.values():  # done by now: orders the caller's later work (logits) on the device
-            caller.wait_event(step.timer[tid][1])
-        busy = dict(step.busy)
-        for tid, (a, b) in step.timer.items():
+            caller.wait_event(step.end[tid])
+        busy, times, at = dict(step.busy), self.times, step.index
+        for tid, ev in step.end.items():  # in list order: a task's dependencies and predecessor come first
+            i = at[tid]  # the timeline: device times on the host clock, from the step's origin
+            end = step.origin_host + step.origin.elapsed_time(ev) / 1e3
+            start = times[2 * i]  # launched then
+            prev = step.before[tid]
+            if prev is not None:
+                start = max(start, times[2 * at[prev] + 1])
+            for d in step.tasks[tid].deps:  # a stream task's end, or a host task's (ThreadedExecutor._execute)
+                start = max(start, times[2 * at[d] + 1])
+            start = min(start, end)  # the two clocks' readings meet within rounding
+            times[2 * i], times[2 * i + 1] = start, end
             r = step.stream_of[tid]
-            busy[r] = busy.get(r, 0.0) + a.elapsed_time(b) / 1e3
-            i = step.index[tid]  # the timeline: device times on the host clock, from the step's origin
-            self.times[2 * i] = step.origin_host + step.origin.elapsed_time(a) / 1e3
-            self.times[2 * i + 1] = step.origin_host + step.origin.elapsed_time(b) / 1e3
+            busy[r] = busy.get(r, 0.0) + end - start
         return busy
 
     def _after_failure(self) -> None:

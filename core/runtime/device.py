@@ -60,6 +60,11 @@ class DeviceTaskError(RuntimeError):
         self.__cause__ = cause
 
 
+class CaptureError(RuntimeError):
+    """What CUDA graph capture forbids (a host sync, an allocation, a host read of device data, ...) was met
+    while capturing; the segment runs eagerly instead (core.runtime.graphs)."""
+
+
 def device_index(spec: str | torch.device | int | None, current: Callable[[], int]) -> int:
     """The index of a CUDA device spec: "cuda" and None mean the current device (torch.cuda.set_device
     refuses an index-less torch.device("cuda"), which is why every worker needs the number)."""
@@ -109,6 +114,17 @@ class Device:
 
     def synchronize(self) -> None:
         """Wait for all work on the device, within `wait_seconds`; raise (once) the first error of launched work."""
+
+    # ---- graphs ----
+    def capture(self, fn: Callable[[], object]):
+        """Capture `fn`'s device work on the current stream as a graph, from inside launched work; returns
+        (graph, fn's outputs). Nothing runs: the outputs hold their values after each `replay`, in place.
+        Raises CaptureError (or the driver's error) where `fn` does what capture forbids."""
+        raise CaptureError(f"{self.name} has no CUDA graphs")
+
+    def replay(self, graph) -> None:
+        """Enqueue a captured graph on the current stream (from inside launched work)."""
+        raise CaptureError(f"{self.name} has no CUDA graphs")
 
     # ---- memory ----
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -235,6 +251,7 @@ class CudaDevice(Device):
         self.pin_limit_bytes = pin_budget() if pin_limit_bytes is None else pin_limit_bytes
         self._mine: set[int] = set()  # the registrations this device made
         self.runtime_errors: list[str] = []  # failed cudaHostRegister/Unregister calls (each also cleared)
+        self._graph_pool = None  # the captured graphs' memory (see capture)
 
     def set_device(self) -> None:
         torch.cuda.set_device(self.index)
@@ -258,6 +275,22 @@ class CudaDevice(Device):
     def launch(self, stream, fn, label=None) -> None:
         with torch.cuda.stream(stream):
             fn()
+
+    def capture(self, fn):
+        # one memory pool for every graph of this device: the graphs replay one at a time, in the order they
+        # were captured (a step's task order), which is when torch allows sharing it; a pool per graph would
+        # hold a few MB each, thousands of graphs at (layers × micro-batches). Thread-local capture: the other
+        # streams' host threads go on launching while this one captures.
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._graph_pool, stream=torch.cuda.current_stream(self.torch_device),
+                              capture_error_mode="thread_local"):
+            out = fn()
+        return g, out
+
+    def replay(self, graph) -> None:
+        graph.replay()
 
     def synchronize(self) -> None:
         """The streams made here and the current one, each polled within the deadline (torch.cuda.synchronize

@@ -25,6 +25,16 @@ What it reproduces of a GPU (see core.runtime.device for the contract):
   "alloc" and "pin" and may raise, so tests can break each of them; at "kernel" it is called on the
   stream's own thread before each piece of launched work (its label in `running()`), where blocking
   is a hung kernel.
+- Graph capture: `capture(fn)`, called from launched work, runs `fn` on its stream's thread under the
+  capture mode — what real capture forbids raises CaptureError: a host synchronisation (the device's, an
+  event's or a stream's synchronize or query, `to_host`), an allocation through the device's allocator
+  (`empty`, `zeros`, `to_device`, `tensor`; the transient outputs of ops are the graph's pool, as on CUDA),
+  a host read of device data (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`, truth or number of a tensor,
+  `torch.equal`), an op whose output size depends on the data (nonzero, boolean indexing, unique,
+  repeat_interleave without output_size: a sync on a GPU), a wait on an event, work on another stream — and
+  leaves device memory as it found it (capture runs nothing on a GPU). `replay` runs `fn` again under the
+  same mode and writes its results into the tensors capture returned, which is where a GPU's replay leaves
+  them. It does not show a stale address baked into a graph: the Python runs again at each replay here.
 - Bounded waits: the Device's host waits (`host_wait`, `synchronize`, the host stream's `wait_event`)
   give up after `wait_seconds` with DeviceStalled, as CudaDevice's do; an event's or a stream's own
   `synchronize` has no deadline, as torch's has none, so code that calls them hangs here as on a GPU.
@@ -43,10 +53,11 @@ import weakref
 from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from core.runtime.device import (Device, DeviceStalled, DeviceTaskError, device_index, pin_budget,
+from core.runtime.device import (CaptureError, Device, DeviceStalled, DeviceTaskError, device_index, pin_budget,
                                  wait_seconds_default)
 
 GiB = 1 << 30
@@ -63,6 +74,7 @@ class _Event:
 
     def record(self, stream=None) -> None:
         stream = stream if stream is not None else self.dev.current_stream()
+        self.dev.stats["event_records"] += 1  # a host call each on CUDA
         with self._cond:
             self._issued += 1
             gen = self._issued
@@ -79,6 +91,7 @@ class _Event:
             return self._cond.wait_for(lambda: self._done >= gen, timeout)
 
     def query(self) -> bool:
+        self.dev._refuse("a query of an event (a host synchronisation)")
         with self._cond:
             return self._done >= self._issued
 
@@ -161,6 +174,7 @@ class _Stream:
             self._put(("record", event, gen))
 
     def wait_event(self, event: _Event) -> None:
+        self.dev._refuse("a wait on an event recorded outside the capture")
         self.dev._fault("wait_event")
         with event._cond:
             gen = event._issued
@@ -250,6 +264,7 @@ class EmulatedCuda(Device):
         return _Event(self, timing, blocking)
 
     def launch(self, stream: _Stream, fn: Callable[[], None], label=None) -> None:
+        self._refuse("work launched on another stream")
         self._fault("launch")
         if stream._own():
             fn()
@@ -263,6 +278,7 @@ class EmulatedCuda(Device):
     def _host_sync(self, event: _Event, cancel, what: str = "", seconds: float | None = None) -> None:
         """`seconds` None: no deadline, as torch's Event.synchronize and Stream.synchronize have none (code
         calling those directly hangs here as it would on a GPU; the Device's waits pass `wait_seconds`)."""
+        self._refuse("a host synchronisation")
         self._fault("host_wait")
         self.stats["host_syncs"] += 1
         with event._cond:
@@ -286,6 +302,7 @@ class EmulatedCuda(Device):
                 s.error = None
 
     def synchronize(self) -> None:
+        self._refuse("a device synchronisation")
         deadline = time.monotonic() + self.wait_seconds
         for s in list(self._streams):
             s._drain(deadline)
@@ -340,6 +357,7 @@ class EmulatedCuda(Device):
         return t.untyped_storage().data_ptr() in self._blocks
 
     def _new(self, make) -> torch.Tensor:
+        self._refuse("an allocation through the device's allocator")
         self._fault("alloc")
         with _disable_current_modes():
             t = make()
@@ -357,6 +375,7 @@ class EmulatedCuda(Device):
         return self._new(lambda: t.detach().clone(memory_format=torch.contiguous_format))
 
     def to_host(self, t):
+        self._refuse("a copy to the host (a host synchronisation)")
         self._delay()  # a copy over the link, as `copy`'s
         with _disable_current_modes():
             return t.clone()
@@ -376,7 +395,13 @@ class EmulatedCuda(Device):
         elif any(not self.is_pinned(x) or not x.is_contiguous() for x in host):
             # on a GPU: staged through a pageable bounce buffer, the host blocked behind the stream's queue
             # (a strided *device* side only costs a device-side gather, which is fine)
+            self._refuse("a copy from pageable host memory (staged: the host blocks)")
             self.stats["staged_copies"] += 1
+        capture = getattr(self._tls, "capture", None)
+        if capture is not None:  # a copy node: both addresses baked into the graph
+            capture.trace.append(("copy", capture.ident(dst), capture.ident(src)))
+            if capture.undo is not None:
+                capture.undo.save(dst)
         self._delay()
         with _disable_current_modes():
             dst.copy_(src)
@@ -396,11 +421,13 @@ class EmulatedCuda(Device):
             except Exception:  # noqa: BLE001 - the OS refused, as cudaHostRegister can
                 return False
             self._pins[t.data_ptr()] = n
+            self.stats["pins"] += 1  # registrations made (cudaHostRegister calls: ≈ 2 GB/s on a GPU)
         return True
 
     def unpin(self, t) -> None:
         with self._lock:
-            self._pins.pop(t.data_ptr(), None)
+            if self._pins.pop(t.data_ptr(), None) is not None:
+                self.stats["unpins"] += 1
 
     @property
     def pinned_bytes(self) -> int:
@@ -426,6 +453,54 @@ class EmulatedCuda(Device):
 
     def compute(self):
         return _Track(self)
+
+    # ---- graphs ----
+    def _refuse(self, what: str) -> None:
+        """Raise CaptureError if the calling thread is capturing (thread-local capture, as the executor's)."""
+        if getattr(self._tls, "capture", None) is not None:
+            self.stats["capture_refusals"] += 1
+            raise CaptureError(f"{what} while capturing a CUDA graph")
+
+    @contextlib.contextmanager
+    def _capturing(self, undo: "_Undo | None"):
+        stream = self.current_stream()
+        if stream.inline or not stream._own():
+            raise CaptureError("capture outside launched work (torch captures on a side stream, not the host's)")
+        capture = self._tls.capture = _Capture(undo)
+        try:
+            # the trace innermost: it sees the ops as they run, after the undo has kept what they overwrite
+            with _HostReads(self), (undo if undo is not None else contextlib.nullcontext()), _Trace(capture):
+                yield capture
+        finally:
+            self._tls.capture = None
+
+    def capture(self, fn):
+        undo = _Undo()
+        try:
+            with self._capturing(undo) as capture:
+                out = fn()
+        finally:
+            undo.restore()  # a GPU's capture runs nothing: what fn wrote is as it was
+        self.stats["graphs_captured"] += 1
+        return _Graph(fn, out, capture.trace), out
+
+    def replay(self, graph: "_Graph") -> None:
+        """Run the segment's Python again, and check that it issued the captured kernels over the same memory:
+        a GPU replays those kernels whatever the Python would do now (a cache hit, a buffer made this step)."""
+        with self._capturing(None) as capture:
+            out = graph.fn()
+        _same_kernels(graph.trace, capture.trace)
+        static, fresh = tree_flatten(graph.out)[0], tree_flatten(out)[0]
+        if len(static) != len(fresh):
+            raise CaptureError("a replay returned other outputs than its capture")
+        with _disable_current_modes():  # into the captured outputs, where a GPU's replay writes
+            for a, b in zip(static, fresh):
+                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+                    if a is not b:
+                        a.copy_(b)
+                elif a is not b and a != b:
+                    raise CaptureError(f"a replay returned {b!r} where its capture returned {a!r}")
+        self.stats["graph_replays"] += 1
 
     def close(self) -> None:
         for s in list(self._streams):
@@ -467,6 +542,8 @@ class _Track(TorchDispatchMode):
                 raise RuntimeError(
                     f"Expected all tensors to be on the same device (emulated): {func} mixes device tensors "
                     f"with a host tensor {tuple(host[0].shape)} {host[0].dtype}; move it with Device.to_device")
+        if on_device and getattr(dev._tls, "capture", None) is not None and _syncs(func, args, kwargs):
+            dev._refuse(f"{func} (its output's size depends on the data: a host synchronisation)")
         if func is torch.ops.aten._local_scalar_dense.default and on_device:
             dev.stats["item_syncs"] += 1  # .item() on device data: a host sync on a GPU
         out = func(*args, **kwargs)
@@ -480,3 +557,127 @@ class _Track(TorchDispatchMode):
 
 _CROSS_DEVICE_OK = {torch.ops.aten.copy_.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default,
                     torch.ops.aten.index_put.default, torch.ops.aten._index_put_impl_.default}
+
+
+class _Capture:
+    """The calling thread's capture (or replay) in progress (EmulatedCuda._tls.capture): the kernels it issued,
+    each with the memory it read and wrote — memory from before the segment by address (what a graph bakes
+    in), memory the segment made by its shape (the graph's own pool: the same addresses at every replay)."""
+
+    def __init__(self, undo: "_Undo | None"):
+        self.undo = undo
+        self.trace: list[tuple] = []
+        self._made: dict[int, int] = {}  # storage address -> its rank among the segment's new storages
+
+    def ident(self, t: torch.Tensor) -> tuple:
+        # the segment's own memory by kind alone: its numbering varies with the host allocator's reuse of
+        # freed blocks between runs, which a graph's fixed pool has no counterpart of
+        p = t.untyped_storage().data_ptr()
+        return ("made", tuple(t.shape)) if p in self._made else ("before", p, t.storage_offset(), tuple(t.shape))
+
+    def made(self, t: torch.Tensor) -> None:
+        self._made[t.untyped_storage().data_ptr()] = len(self._made)
+
+
+class _Trace(TorchDispatchMode):
+    def __init__(self, capture: _Capture):
+        super().__init__()
+        self.capture = capture
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        cap = self.capture
+        flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        cap.trace.append((func, tuple(cap.ident(a) for a in flat)))
+        out = func(*args, **kwargs)
+        inputs = {a.untyped_storage().data_ptr() for a in flat}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                cap.made(t)
+        return out
+
+
+def _same_kernels(captured: list, replayed: list) -> None:
+    for n, (a, b) in enumerate(zip(captured, replayed)):
+        if a != b:
+            raise CaptureError(f"a replay diverged from its capture at kernel {n}: captured {_show(a)}, now "
+                               f"{_show(b)} (a CUDA graph would replay the captured one: state kept in Python, "
+                               "or memory other than the graph's static inputs)")
+    if len(captured) != len(replayed):
+        raise CaptureError(f"a replay issued {len(replayed)} kernels where its capture issued {len(captured)}")
+
+
+def _show(entry: tuple) -> str:
+    return f"{entry[0]} over {[x[0] + ('@' + hex(x[1]) if x[0] == 'before' else '') for x in entry[1]]}"
+
+
+class _Graph:
+    """A captured segment as the emulation keeps it: the callable, the outputs its capture returned, and the
+    kernels it issued."""
+
+    def __init__(self, fn, out, trace: list):
+        self.fn, self.out, self.trace = fn, out, trace
+
+
+class _Undo(TorchDispatchMode):
+    """Keeps the first contents of every storage written while it is active, and puts them back."""
+
+    def __init__(self):
+        super().__init__()
+        self.saved: dict[int, tuple] = {}  # storage address -> (storage, its contents before the first write)
+
+    def save(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        if s.data_ptr() not in self.saved:
+            with _disable_current_modes():
+                self.saved[s.data_ptr()] = (s, s.clone())
+
+    def restore(self) -> None:
+        with _disable_current_modes():
+            for s, before in self.saved.values():
+                s.copy_(before)
+        self.saved.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                for t in v if isinstance(v, (list, tuple)) else (v,):
+                    if isinstance(t, torch.Tensor):
+                        self.save(t)
+        return func(*args, **kwargs)
+
+
+# Tensor methods that read device data on the host (a sync, and a value baked into the graph)
+_HOST_READS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__",
+               "equal", "allclose"}
+
+
+class _HostReads(TorchFunctionMode):
+    def __init__(self, dev: EmulatedCuda):
+        super().__init__()
+        self.dev = dev
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _HOST_READS and any(isinstance(a, torch.Tensor) and self.dev.is_device(a) for a in args):
+            self.dev._refuse(f"a host read of a device tensor (Tensor.{name})")
+        return func(*args, **(kwargs or {}))
+
+
+_aten = torch.ops.aten
+_SYNCING = {_aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default, _aten.unique_dim.default,
+            _aten.unique_consecutive.default, _aten.bincount.default, _aten._local_scalar_dense.default,
+            _aten.argwhere.default}
+
+
+def _syncs(func, args, kwargs) -> bool:
+    """Whether a GPU must synchronise with the host to run this op (an output sized by the data)."""
+    if func in _SYNCING:
+        return True
+    if func is _aten.repeat_interleave.Tensor or func is _aten.repeat_interleave.self_Tensor:
+        return kwargs.get("output_size") is None
+    if func in (_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default):
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+    return False

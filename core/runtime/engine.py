@@ -126,6 +126,7 @@ class RunConfig:
     expert_group: int = 1  # micro-batches whose tokens meet at the experts together
     resident_experts: tuple[int, ...] | None = None  # per layer, experts kept on the device (wins over resident_layers)
     kv_gpu_layers: int = 0  # attention on the GPU: layers whose KV cache lives there (the policy's r_c)
+    graphs: str = "auto"  # CUDA graphs for the decode segments: "on", "off", or where they pay (core.runtime.graphs)
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
@@ -135,6 +136,8 @@ class RunConfig:
         if self.executor == "cuda" and self.device == "cpu":
             raise UsageError("--executor cuda needs a CUDA GPU, and none is available",
                              "use --executor sequential or threaded")
+        if self.graphs not in ("auto", "on", "off"):
+            raise UsageError(f"unknown graphs setting {self.graphs!r}", "use auto, on or off")
 
     def resident(self, num_layers: int, num_experts: int) -> list[int] | None:
         """Experts kept on the device per layer; None when every expert is."""
@@ -188,6 +191,8 @@ class Engine:
                                           direct_rows=cpu_compute.DIRECT_ROWS, reason="as loaded")
         self.threads = Governor()  # torch threads = the free cores, re-checked between steps
         self._executor = None
+        self.graphs_why = ""  # why the last runner runs with or without CUDA graphs (core.runtime.graphs.choose)
+        self._h2d_rate: float | None = None
 
     def executor(self):
         if self._executor is None:
@@ -225,7 +230,7 @@ class Engine:
             changes["resident_experts"] = None
         config = dataclasses.replace(self.config, **changes)
         if config.executor != self.config.executor:
-            self.close()  # the next generate starts the new executor
+            self._stop_executor()  # the next generate starts the new one; the pins stay (locked once per model)
         if self.weights.packed and config.ffn_on != "cpu":
             raise UsageError("this engine packed its experts for the CPU-only mode, so they cannot stream",
                              "load the model again with the executor and schedule you want")
@@ -233,12 +238,26 @@ class Engine:
         if pages_per_layer is not None:
             self.weights.repage(pages_per_layer)
 
-    def close(self) -> None:
-        """Stop the executor's threads and give back the page-locked memory (memory freed while still
-        registered would stay locked); the engine can run again, re-pinning what its next run streams."""
+    @property
+    def pin_seconds(self) -> float:
+        """Seconds this engine spent page-locking the weights that stream (the first run's; later runs
+        find them locked), for the planner's first-run price and the bench."""
+        return self.weights.pin_seconds
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes of streamed weights page-locked now (they stay locked until `close`)."""
+        return self.weights.pinned_bytes
+
+    def _stop_executor(self) -> None:
         if self._executor is not None:
             self._executor.close()
             self._executor = None
+
+    def close(self) -> None:
+        """Stop the executor's threads and give back the page-locked memory (memory freed while still
+        registered would stay locked); the engine can run again, re-pinning what its next run streams."""
+        self._stop_executor()
         self.weights.unpin()
 
     # ---- loading --------------------------------------------------------------------------------
@@ -248,7 +267,8 @@ class Engine:
              resident_layers: int | None = None, expert_group: int = 1, grouped: bool | None = None,
              policy=None, resident_experts=None, quantize: str | None = None, group_size: int | None = None,
              use_cache: bool = True, cpu_math: str | None = None, threads: int | None = None,
-             progress: EventSink = ignore, tp=None, quantize_dense: bool | str = False) -> "Engine":
+             progress: EventSink = ignore, tp=None, quantize_dense: bool | str = False,
+             graphs: str = "auto") -> "Engine":
         """Load a checkpoint. A `core.plan.policy.Policy` (the planner's) sets paging, resident experts, the
         expert batch and attention placement; the explicit arguments are for tests and benchmarks.
         `quantize` ("none", "int8", "int4"; `group_size` for int4) stores the experts quantized, through
@@ -256,7 +276,8 @@ class Engine:
         shared-expert projections and the LM head quantized too (CPU-only mode): True in the experts'
         format, or "int8" / "int4" (int8 dense weights cost far less accuracy than int4). `tp` (a
         core.runtime.distributed.tensor_parallel.TensorParallel) loads only this rank's shard; every rank
-        of the group then calls `generate` with the same requests.
+        of the group then calls `generate` with the same requests. `graphs` ("auto", "on", "off"): CUDA graphs
+        for the CUDA executor's decode segments; "auto" where the launches would outlast the link (graphs.choose).
         `cpu_math` forces the CPU's compute dtype (default: core.model.cpu.compute.choose, from the probe's
         cached per-dtype rates, else the instruction set); `threads` fixes torch's CPU threads (default:
         the cores free of other work, re-checked between steps: core.model.cpu.threads.Governor).
@@ -281,7 +302,8 @@ class Engine:
             if schedule is None and policy.attention_on == "gpu":
                 schedule = "s4"
         dev = device if isinstance(device, Device) else None
-        config = run_config(dev.kind if dev else device, executor, schedule, resident_layers, expert_group)
+        config = dataclasses.replace(run_config(dev.kind if dev else device, executor, schedule, resident_layers,
+                                                expert_group), graphs=graphs)
         dev = dev or resolve_device(device if device is not None else config.device)
         mine = spec if shard is None else local_spec(spec, shard)  # what this process holds
         if resident_experts is not None:  # explicit: also for the CPU as a device (threaded executor)
@@ -376,7 +398,29 @@ class Engine:
                            kv_gpu_layers=kv_gpu, device=self.dev, grouped=self.grouped, warn=on_event, tp=self.tp,
                            cpu_math=torch_dtype(self.cpu.math), direct_rows=self.cpu.direct_rows)
         r.fault = self.fault
+        if c.executor == "cuda" and self._graphs_pay(-(-slots // micro_batch_size)):
+            from core.runtime.graphs import Graphs
+
+            r.graphs = Graphs(self.dev, warn=on_event)
         return r
+
+    def _graphs_pay(self, micro_batches: int) -> bool:
+        """The `graphs` option for a runner of `micro_batches`: "auto" decides on a GPU from the step's counts
+        (core.runtime.graphs.choose; the reason in `graphs_why`); the emulated device runs them when asked."""
+        from core.runtime import graphs
+
+        c = self.config
+        if c.graphs != "auto" or self.dev.kind != "cuda":
+            self.graphs_why = f"graphs {c.graphs}" + ("" if c.graphs != "auto" else ": only on a GPU")
+            return c.graphs == "on"
+        spec = self.rank_spec
+        link = graphs.streamed_bytes_per_layer(self.weights, c.resident(spec.num_layers, spec.num_experts),
+                                               spec.num_experts)
+        if self._h2d_rate is None:  # the probe's cache read once per engine (detect() asks the driver)
+            self._h2d_rate = _h2d_rate()
+        pays, self.graphs_why = graphs.choose("auto", micro_batches=micro_batches, streamed_bytes_per_layer=link,
+                                              h2d_bytes_per_s=self._h2d_rate)
+        return pays
 
     # ---- tokenization ---------------------------------------------------------------------------
     def prompt_token_ids(self, req: Request) -> list[int]:
@@ -626,6 +670,14 @@ def _probed_cpu_rates() -> dict[str, float] | None:
 
     return cached_cpu_rates()
 
+
+
+def _h2d_rate() -> float:
+    """The host→device rate the probe measured on this machine, else a PCIe 4.0 x16 link's practical 25 GB/s."""
+    from core.plan.hardware import cached_probe
+
+    hw = cached_probe()
+    return hw.h2d_bw if hw is not None and hw.h2d_bw > 0 else 25e9
 
 
 def _placement(policy, spec: ModelSpec) -> dict:

@@ -51,7 +51,7 @@ from core.model.spec import ModelSpec
 from core.model.weights import LayerLayout, ModelWeights, page_aligned
 from core.runtime import schedule as sched
 from core.runtime.device import Device, HostDevice
-from core.telemetry import EventSink, Progress, WarningEvent, ignore
+from core.telemetry import EventSink, WarningEvent, ignore
 
 
 class _MB:
@@ -209,6 +209,7 @@ class PipelineRunner:
         self._pre: list[_PrefillMB] | None = None
         self.last_tasks: list = []  # the last step's task graph (with the executor's `times`: its timeline)
         self.fault = None  # tests: a callable run before every task, to inject failures
+        self.graphs = None  # core.runtime.graphs.Graphs: decode segments captured and replayed (the engine's choice)
         self._logits_done = dev.event() if dev.accelerator else None
         self._fns = {
             "pre_attn": self._pre_attn, "d1": self._d1, "cpu_attn": self._cpu_attn, "d2": self._d2,
@@ -250,17 +251,10 @@ class PipelineRunner:
                              for b in self.ebuf]
         self.page_copies = [[sl.pieces(b, lw.flat, E - sl.count, E, self.pages) if sl else None
                              for lw, sl in zip(w.layers, slabs)] for b in self.ebuf]
-        if dev.accelerator:  # page-lock what streams, at its exact size
-            # seconds per GB (the H200 run: ≈ 11 s before the first step for 23.5 GB): a progress line, once
-            # per engine — later runners find the layers locked already
-            todo = [i for i, r in enumerate(self.resident) if r < E and not w.is_pinned_from(dev, i, r)]
-            for n, i in enumerate(todo):
-                self.warn(Progress("page-locking host memory for GPU copies", n, len(todo), "layers"))
-                if not w.pin_streamed(dev, i, self.resident[i]):
-                    self._unpinned += (ExpertSlab(w.layers[i].layout, E - self.resident[i]).numel
-                                       * w.layers[i].flat.element_size())
-            if todo:
-                self.warn(Progress("page-locking host memory for GPU copies", len(todo), len(todo), "layers"))
+        if dev.accelerator:  # page-lock what streams, at its exact size, once per loaded model
+            for i in w.pin_for_streaming(dev, self.resident, self.warn):
+                lw = w.layers[i]
+                self._unpinned += ExpertSlab(lw.layout, E - self.resident[i]).numel * lw.flat.element_size()
 
     def _warn_unpinned(self) -> None:
         limit = self.dev.pin_limit_bytes
@@ -487,14 +481,20 @@ class PipelineRunner:
 
     # ---- tasks ----------------------------------------------------------------------------------
     def _pre_attn(self, t):
-        mb, i = self._step[t.micro_batch], t.layer
-        payload, mb.keep = decoder.pre_attn(self.spec, i, self.dense[i], mb.x, mb.positions_d, self.rope, mb.lengths_d,
-                                            self._full_norm)
-        if not self.qkv_d:
-            mb.payload = payload
-            return
-        # D1 sends one contiguous block: the payload into this micro-batch's device buffer
-        self._payload(self.qkv_d, t.micro_batch, mb.B, payload.shape[1]).copy_(payload)
+        mb, i, j = self._step[t.micro_batch], t.layer, t.micro_batch
+
+        def segment(x, positions, lengths):  # what a CUDA graph captures (core.runtime.graphs)
+            payload, keep = decoder.pre_attn(self.spec, i, self.dense[i], x, positions, self.rope, lengths,
+                                             self._full_norm)
+            if not self.qkv_d:
+                return payload, keep
+            # D1 sends one contiguous block: the payload into this micro-batch's device buffer
+            self._payload(self.qkv_d, j, mb.B, payload.shape[1]).copy_(payload)
+            return None, keep
+
+        inputs = (mb.x, mb.positions_d, mb.lengths_d)
+        mb.payload, mb.keep = (segment(*inputs) if self.graphs is None else
+                               self.graphs.run("pre_attn", i, j, segment, inputs))
 
     @staticmethod
     def _payload(bufs: list[torch.Tensor], j: int, B: int, width: int) -> torch.Tensor:
@@ -530,9 +530,15 @@ class PipelineRunner:
     def _post_attn(self, t):
         mb, i = self._step[t.micro_batch], t.layer
         o = self._payload(self.o_d, t.micro_batch, mb.B, mixer.d2_width(self.spec, i)) if self.o_d else mb.o
-        # the shared expert's output joins the routed experts' before the residual add, as the reference does
-        mb.ffn = decoder.post_attn(self.spec, i, self.dense[i], mb.x, o, mb.keep, self._attention_out)
-        mb.keep = None
+
+        def segment(x, o, keep):  # what a CUDA graph captures (core.runtime.graphs): FfnInput's tensors
+            # the shared expert's output joins the routed experts' before the residual add, as the reference does
+            f = decoder.post_attn(self.spec, i, self.dense[i], x, o, keep, self._attention_out)
+            return f.x, f.h, f.weights, f.idx, f.dense
+
+        inputs, j = (mb.x, o, mb.keep), t.micro_batch
+        out = segment(*inputs) if self.graphs is None else self.graphs.run("post_attn", i, j, segment, inputs)
+        mb.ffn, mb.keep = decoder.FfnInput(*out), None
 
     def _ffn(self, t):
         g = self._group_size(t)
@@ -540,8 +546,15 @@ class PipelineRunner:
         if not self.spec.is_moe(t.layer):  # a dense layer: its MLP ran with the post-attention work
             outs = [None] * len(mbs)
         elif g == 1:
-            f = mbs[0].ffn
-            outs = [self._experts(self._expert_parts(t.layer), f.h, f.weights, f.idx, self._scratch)]
+            f, parts = mbs[0].ffn, self._expert_parts(t.layer)
+
+            def segment(h, rw, ridx):  # what a CUDA graph captures (core.runtime.graphs)
+                return (self._experts(parts, h, rw, ridx, self._scratch),)
+
+            # streamed experts sit in the half this step gave the layer: a graph per half
+            at = (t.layer, self._half(t.layer) if self.streamed else 0)
+            inputs, j = (f.h, f.weights, f.idx), t.micro_batch
+            outs = segment(*inputs) if self.graphs is None else self.graphs.run("ffn", at, j, segment, inputs)
         elif self.dev.accelerator:  # the device's caching allocator reuses these; the scratch is host memory
             fs = [m.ffn for m in mbs]
             h, rw, ridx = (torch.cat([getattr(f, n) for f in fs]) for n in ("h", "weights", "idx"))

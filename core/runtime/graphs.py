@@ -1,0 +1,152 @@
+"""CUDA graphs for a step's GPU segments: capture once, replay after, eager where capture fails.
+
+A launch-bound step (issue 42: 22–29 µs of host time per GPU-stream op on the H200, 2,656 ops a layer at
+μ = 4) pays the host for every kernel; a graph replays a segment's kernels in one launch. A segment is a
+task's device work written as `fn(*inputs) -> outputs` over device tensors (the pipeline's pre-attention).
+`Graphs.run` runs it
+- eagerly the first time its key is seen (the warm-up: lazy library handles and workspaces come first);
+- the second time, copies the inputs into static buffers, captures `fn` over them (Device.capture), its
+  outputs copied into static buffers inside the graph, and replays it; after that, copies the inputs in
+  and replays. The outputs hold until the slot's next run of the segment (its next layer);
+- eagerly from then on where capture failed (CaptureError: a host sync, an allocation through the device,
+  a host read of device data, ...), saying once per segment kind why (a WarningEvent).
+Keys: (segment, layer, micro-batch slot, input shapes). The static inputs and outputs are shared by the
+layers of a slot (its tasks run one after another), so they cost a slot's activations once, not once per
+layer; what a graph allocates inside is scratch, from one pool the device's graphs share (they replay one
+at a time, on one stream). A runner owns its Graphs: a new runner (a new run, or a smaller batch after
+running out of memory) starts afresh. Device memory the planner does not count yet: per slot, each
+segment's inputs and outputs (a few [μ, D] activations), and the graphs' pool (one segment's scratch).
+
+`choose` decides whether graphs pay (the `graphs` run option's "auto"): they save host time, which the
+step only waits for where the launches take longer than the weights take over the link.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from core.runtime.device import CaptureError, Device
+from core.telemetry import EventSink, WarningEvent, ignore
+
+MODES = ("auto", "on", "off")
+# Host seconds a GPU-stream op costs: the H200 run measured 22–29 µs (bench/RESULTS.md, "GPU path on a real
+# GPU"); the middle, for machines gpu_check has not measured
+HOST_OP_SECONDS = 25e-6
+# Eager ops of one micro-batch through one layer: the launch budget of issue 42 (at most 40, any E)
+EAGER_OPS_PER_LAYER = 40
+# Graphs pay when the launches would take more than this share of the link's time for the layer's weights:
+# below it, the copies hide them (the step waits on the link either way), and capture costs memory and a sync
+PAYS_ABOVE = 0.5
+
+
+def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float, h2d_bytes_per_s: float,
+           ops_per_layer: int = EAGER_OPS_PER_LAYER, host_op_seconds: float = HOST_OP_SECONDS) -> tuple[bool, str]:
+    """(use graphs, why) for a run option `mode` and a step's counts: `micro_batches` per step, the bytes
+    of experts each layer streams, the link's measured host→device rate, the eager ops of one micro-batch
+    through one layer and the host seconds of one op."""
+    if mode not in MODES:
+        from core.errors import UsageError
+
+        raise UsageError(f"unknown graphs setting {mode!r}", f"use one of {', '.join(MODES)}")
+    if mode != "auto":
+        return mode == "on", f"graphs {mode} as asked"
+    host = micro_batches * ops_per_layer * host_op_seconds
+    link = streamed_bytes_per_layer / h2d_bytes_per_s
+    why = (f"{micro_batches} micro-batches × {ops_per_layer} ops × {host_op_seconds * 1e6:.0f} µs = "
+           f"{host * 1e3:.2f} ms of launches a layer against {link * 1e3:.2f} ms of weights over the link")
+    if host > PAYS_ABOVE * link:
+        return True, why + ": the launches bound the step, graphs pay"
+    return False, why + ": the link hides the launches, graphs do not pay"
+
+
+class _Segment:
+    def __init__(self, static: list, graph, out):
+        self.static, self.graph, self.out = static, graph, out
+
+
+def _layout(out) -> tuple:
+    """A segment's outputs (a tuple of tensors and Nones) as shapes and dtypes."""
+    return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in out)
+
+
+class Graphs:
+    """A runner's captured segments (see the module docstring). `run` is called from inside launched work."""
+
+    def __init__(self, dev: Device, warn: EventSink = ignore):
+        self.dev, self.warn = dev, warn
+        self._seen: dict[tuple, tuple] = {}  # keys run eagerly once (warmed up) -> their outputs' layout
+        self._segments: dict[tuple, _Segment] = {}
+        # static buffers per (segment, slot, layout), shared by the layers of a slot: its tasks run in a chain
+        # (a layer's outputs are read before the slot's next layer writes them)
+        self._inputs: dict[tuple, list] = {}
+        self._outputs: dict[tuple, list] = {}
+        self.refused: dict[str, str] = {}  # segment kind -> why it runs eagerly
+        self.captures = self.replays = 0
+
+    def run(self, segment: str, layer, slot: int, fn: Callable, inputs: Sequence) -> tuple:
+        """fn(*inputs)'s outputs (a tuple of tensors and Nones): computed eagerly, or by replaying its graph,
+        then in the slot's static output buffers (valid until the slot's next task of this segment).
+        `layer` is any key naming the memory fn reads beside its inputs (a layer, and its experts' half)."""
+        if segment in self.refused:
+            return fn(*inputs)
+        shapes = _layout(inputs)
+        key = (segment, layer, slot, shapes)
+        seg = self._segments.get(key)
+        if seg is None:
+            if key not in self._seen:  # warm-up
+                out = fn(*inputs)
+                self._seen[key] = _layout(out)
+                return out
+            seg = self._capture(key, fn, inputs)
+            if seg is None:
+                return fn(*inputs)
+        for buf, x in zip(seg.static, inputs):
+            if buf is not None and buf is not x:
+                buf.copy_(x)
+        self.dev.replay(seg.graph)
+        self.replays += 1
+        return seg.out
+
+    def _buffers(self, store: dict, key: tuple, layout: tuple) -> list:
+        if key not in store:
+            store[key] = [None if x is None else self.dev.empty(x[0], x[1]) for x in layout]
+        return store[key]
+
+    def _capture(self, key: tuple, fn: Callable, inputs: Sequence) -> _Segment | None:
+        segment, _, slot, shapes = key
+        ins = self._buffers(self._inputs, (segment, slot, shapes), shapes)
+        outs = self._buffers(self._outputs, (segment, slot, self._seen[key]), self._seen[key])
+        for buf, x in zip(ins, inputs):  # captured over the current inputs' values (a GPU runs nothing yet)
+            if buf is not None:
+                buf.copy_(x)
+
+        def captured():  # the outputs into the slot's buffers: the graph's own memory is then scratch only
+            got = fn(*[x if b is None else b for b, x in zip(ins, inputs)])
+            if _layout(got) != self._seen[key]:
+                raise CaptureError(f"its outputs changed shape since its first run ({_layout(got)})")
+            for buf, t in zip(outs, got):
+                if buf is not None:
+                    buf.copy_(t)
+            return tuple(outs)
+
+        try:
+            graph, out = self.dev.capture(captured)
+        except (CaptureError, RuntimeError) as e:  # the driver's refusals are RuntimeErrors on a GPU
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.refused[segment] = why
+            self.warn(WarningEvent(f"the {segment} segment runs without CUDA graphs: {why}"))
+            return None
+        self.captures += 1
+        seg = self._segments[key] = _Segment(ins, graph, out)
+        return seg
+
+
+def streamed_bytes_per_layer(weights, resident: list[int] | None, num_experts: int) -> float:
+    """Bytes of experts one layer streams on average, for `choose` (0 when every expert stays on the GPU)."""
+    if resident is None:
+        return 0.0
+    total = 0
+    for lw, r in zip(weights.layers, resident):
+        experts = lw.flat.numel() - lw.layout.expert_start if lw.packed is None else 0
+        total += experts * lw.flat.element_size() * max(0, num_experts - r) / max(1, num_experts)
+    return total / max(1, len(weights.layers))
