@@ -211,12 +211,10 @@ class PipelineRunner:
         self.fault = None  # tests: a callable run before every task, to inject failures
         self.graphs = None  # core.runtime.graphs.Graphs: decode segments captured and replayed (the engine's choice)
         self._logits_done = dev.event() if dev.accelerator else None
-        self._fns = {
-            "pre_attn": self._pre_attn, "d1": self._d1, "cpu_attn": self._cpu_attn, "d2": self._d2,
-            "post_attn": self._post_attn, "ffn": self._ffn, "weight_page": self._weight_page,
-            "gpu_attn": self._gpu_attn, "kv_load": self._kv_load, "kv_store": self._kv_store,
-            "prefill": self._prefill,
-        }
+        # task kind -> function(runner, task): functions, not bound methods, which would make the runner a cycle
+        # that outlives its run (reference counting alone frees it when the run ends; a collection may come after
+        # the next run froze it, device buffers and all: core.runtime.frozen_heap)
+        self._fns = dict(_TASK_FNS)
 
     # ---- memory -------------------------------------------------------------------------------------
     def _place_experts(self) -> None:
@@ -477,7 +475,7 @@ class PipelineRunner:
     def _run(self, task) -> None:
         if self.fault is not None:
             self.fault(task)
-        self._fns[task.kind](task)
+        self._fns[task.kind](self, task)
 
     # ---- tasks ----------------------------------------------------------------------------------
     def _pre_attn(self, t):
@@ -683,6 +681,14 @@ class PipelineRunner:
         mb.kv[i] = states
         if self.ffn_on == "cpu":  # the CPU-only chain has no kv_store task: write the cache here
             self._store_prompts(t)
+
+
+_TASK_FNS = {
+    "pre_attn": PipelineRunner._pre_attn, "d1": PipelineRunner._d1, "cpu_attn": PipelineRunner._cpu_attn,
+    "d2": PipelineRunner._d2, "post_attn": PipelineRunner._post_attn, "ffn": PipelineRunner._ffn,
+    "weight_page": PipelineRunner._weight_page, "gpu_attn": PipelineRunner._gpu_attn,
+    "kv_load": PipelineRunner._kv_load, "kv_store": PipelineRunner._kv_store, "prefill": PipelineRunner._prefill,
+}
 
 
 def _kind(store) -> tuple[str, int]:
