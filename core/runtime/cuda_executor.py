@@ -168,7 +168,12 @@ class CudaExecutor(ThreadedExecutor):
             for tid in step.last_on.values():  # the join, on the device: the caller's later work follows the step
                 caller.wait_event(step.end[tid])
             if self._then is not None:
-                self._then()
+                try:
+                    self._then()
+                except DeviceStalled:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the step's failure, as a task's would be (an OOM: retried)
+                    raise DeviceTaskError(None, e) from e
             step.joined.record(caller)
             self.dev.host_wait(step.joined, what="the step's last tasks")  # the step's one host sync, bounded
         except DeviceStalled as e:  # (the emulated device's caller stream is the host: its join waits there)
