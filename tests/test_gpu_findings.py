@@ -146,9 +146,9 @@ def test_the_host_op_counts_are_the_runtimes(checkpoint_factory, monkeypatch):
         def spy(*a, **kw):
             r = real(*a, **kw)
             for kind, fn in list(r._fns.items()):
-                def counted(t, fn=fn, kind=kind):
+                def counted(runner, t, fn=fn, kind=kind):
                     with Count() as c:
-                        fn(t)
+                        fn(runner, t)
                     seen.setdefault(kind, []).append(c.n)
                 r._fns[kind] = counted
             return r

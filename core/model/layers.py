@@ -26,10 +26,8 @@ def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
         return F.layer_norm(x, (x.shape[-1],), w, b, eps)
     if spec.norm == "rms":
         return rms_norm(x, w, eps)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    w32 = w.float() + 1.0 if spec.norm == "rms_offset" else w.float()
-    return (x32 * w32).to(x.dtype)  # weight applied in fp32, then cast (gpt-oss, Qwen3-Next)
+    # weight applied in fp32, then cast (gpt-oss; Qwen3-Next's zero-centred weight, 1 + w): one rounding
+    return normed(x, w.float() + 1.0 if spec.norm == "rms_offset" else w, eps)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,9 +37,22 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         out = row_ops.rms_norm(x, w, eps)
         if out is not None:
             return out
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x32.to(x.dtype)
+    return w * normed(x, None, eps)
+
+
+_FUSED = getattr(torch.ops.aten, "_fused_rms_norm", None)  # the kernel F.rms_norm calls on a GPU
+
+
+def normed(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x·rsqrt(mean(x²) + eps) · w (None: 1) [.., D], computed in fp32 (w in its own dtype, widened) and
+    rounded once to x's dtype: one kernel, where the written-out form was seven (the statistics, the
+    casts). Equal to that form bit for bit in fp32, bf16 and fp16 (tests/test_norms.py)."""
+    if _FUSED is not None:
+        try:
+            return _FUSED(x, [x.shape[-1]], w, eps)[0]
+        except NotImplementedError:  # a backend without the fused kernel: the composite
+            pass
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def ffn(spec: ModelSpec, layer: int, w: dict, h: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:

@@ -37,17 +37,17 @@ def route(spec: ModelSpec, h: torch.Tensor, w: dict) -> tuple[torch.Tensor, torc
     elif kind == "softmax_group":
         scores = torch.softmax(logits.float(), dim=-1)
         if spec.router_groups > 1:
-            best = scores.view(-1, spec.router_groups, spec.num_experts // spec.router_groups).amax(dim=-1)
-            scores = scores.masked_fill(~_group_mask(spec, best), 0.0)
+            grouped = scores.view(-1, spec.router_groups, spec.num_experts // spec.router_groups)
+            scores = (grouped * _group_mask(spec, grouped.amax(dim=-1), 0.0, 1.0)).view_as(scores)  # others: 0
         top, idx = torch.topk(scores, spec.top_k, dim=-1)
         top = _renormalise(spec, top)
     elif kind == "sigmoid_group":
         scores = logits.float().sigmoid()
-        choice = scores + w["e_bias"].float() if spec.router_correction else scores
+        choice = scores + w["e_bias"] if spec.router_correction else scores  # in fp32 (promoted), one op
         if spec.router_groups > 1:
             per_group = choice.view(-1, spec.router_groups, spec.num_experts // spec.router_groups)
             best = per_group.topk(2, dim=-1).values.sum(dim=-1)
-            choice = choice.masked_fill(~_group_mask(spec, best), float("-inf"))
+            choice = (per_group + _group_mask(spec, best, float("-inf"), 0.0)).view_as(choice)  # others: -inf
         idx = torch.topk(choice, spec.top_k, dim=-1).indices
         top = scores.gather(1, idx)
         if spec.router_norm == "sum":
@@ -69,11 +69,11 @@ def _renormalise(spec: ModelSpec, top: torch.Tensor) -> torch.Tensor:
     return top
 
 
-def _group_mask(spec: ModelSpec, group_scores: torch.Tensor) -> torch.Tensor:
-    """[T, E] True for experts in the `topk_group` best groups of each token."""
+def _group_mask(spec: ModelSpec, group_scores: torch.Tensor, other: float, keep: float) -> torch.Tensor:
+    """[T, G] -> [T, G, 1]: `keep` for the `topk_group` best groups of each token, `other` for the rest (a
+    factor or a term over the experts' [T, G, E/G] view: exactly a masked fill of finite scores, in 3 ops)."""
     groups = torch.topk(group_scores, spec.router_topk_groups, dim=-1).indices
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-    return keep.repeat_interleave(spec.num_experts // spec.router_groups, dim=1)
+    return torch.full_like(group_scores, other).scatter_(1, groups, keep)[..., None]
 
 
 def _sparsemixer(scores: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

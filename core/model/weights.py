@@ -89,6 +89,21 @@ class LayerLayout:
             off += math.ceil(math.prod(shape) * _ITEMSIZE[dt] / _ALIGN) * _ALIGN
         return cls(tuple(entries), off, off if expert_start is None else expert_start, tuple(dtypes), scheme)
 
+    def buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """A page-aligned flat buffer for this layout (`dtype`: the weights'; a byte layout's is uint8), left
+        uninitialised but for the alignment gaps between entries, which are zeroed: a scan of the whole buffer
+        (engine._check_fp16_range) must not read stale memory as weights."""
+        flat = page_aligned(self.numel, self.storage_dtype or dtype)
+        end = 0
+        for name, off, shape in sorted(self.entries, key=lambda e: e[1]):
+            if off > end:
+                flat[end:off].zero_()
+            size = math.prod(shape) * (_ITEMSIZE[dict(self.dtypes)[name]] if self.scheme is not None else 1)
+            end = max(end, off + size)
+        if end < self.numel:
+            flat[end:].zero_()
+        return flat
+
     @property
     def storage_dtype(self) -> torch.dtype | None:
         """uint8 for byte layouts; None: the weights' own dtype."""
@@ -532,7 +547,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     try:
         for i in range(spec.num_layers):
             layout = layout_of(i, layouts, scheme)
-            flat = page_aligned(layout.numel, layout.storage_dtype or dtype)
+            flat = layout.buffer(dtype)
             lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
             if cached is not None:
                 cached.copy_into(f"layers.{i}", flat)

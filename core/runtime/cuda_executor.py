@@ -6,11 +6,13 @@ A dependency on another stream becomes `stream.wait_event`, so the host never bl
 for it; a host task (CPU attention) that needs a copy to have landed waits on that copy's event
 alone, with a blocking event (the waiting thread sleeps rather than spin a core). There is no
 device-wide synchronisation inside a step: the caller's stream waits on the streams' last events at
-the end, and the step's timings are read after one host sync per stream.
+the end (a join on the device), the caller's own tail goes behind it (`run(..., then=)`: the runner's
+logits and their copy to the host), and the host waits once, on an event after all of it — the step's one
+host sync, after which the step's timings are read (every event has completed by then).
 
-Never a hang on the device either: every host wait on a stream (a host task's dependency, the step's
-end) is bounded by the device's `wait_seconds`. Past it the step fails naming the first task of that
-stream that has not completed (a hung kernel or copy), and the executor refuses further steps: the
+Never a hang on the device either: every host wait (a host task's dependency, the step's end) is bounded
+by the device's `wait_seconds`. Past it the step fails naming the task that started and never ended (a
+hung kernel or copy), else the first one not completed, and the executor refuses further steps: the
 stream is stuck, and nothing queued behind it will run.
 
 Runs unchanged over `CudaDevice` and over the emulated device (CI), which is how it is tested.
@@ -40,6 +42,7 @@ class _EventPool:
         self.dev = dev
         self.events: list = []
         self.origin = dev.event(timing=True)
+        self.joined = dev.event()  # on the caller's stream behind every stream's last task and the tail
 
     def event(self, i: int):
         while len(self.events) <= i:
@@ -55,6 +58,7 @@ class _CudaStep(_Step):
         self.index = {t.id: i for i, t in enumerate(tasks)}  # task id -> position, for the timeline
         self.launched: set[int] = set()  # stream tasks whose work the host has enqueued
         self.origin = pool.origin  # the device clock's zero for this step's timeline
+        self.joined = pool.joined
         self.origin_host = 0.0  # ... and the host clock's, at the same moment
         self.last_on: dict[str, int] = {}
         self.before: dict[int, int | None] = {}  # stream task -> the task before it on its stream
@@ -69,12 +73,12 @@ class _CudaStep(_Step):
         return (tid in self.launched and (prev is None or self.end[prev].query())
                 and all(self.end[d].query() if d in self.end else self.events[d].is_set() for d in task.deps))
 
-    def stuck(self, stream: str, err: DeviceStalled) -> DeviceTaskError:
-        """The failure to report for a wait on `stream` that ran past its deadline, as a device error: the task
-        that started and never ended on any stream (a hung kernel or copy; what the waited-on stream waits
-        for, perhaps), else the first of `stream`'s tasks that has not ended."""
+    def stuck(self, stream: str | None, err: DeviceStalled) -> DeviceTaskError:
+        """The failure to report for a wait on `stream` (None: on all of them) that ran past its deadline, as a
+        device error: the task that started and never ended on any stream (a hung kernel or copy; what the
+        waited-on stream waits for, perhaps), else the first of `stream`'s tasks that has not ended."""
         running = [t for t in self.stream_of if not self.end[t].query() and self.started(t)]
-        mine = [t for t, r in self.stream_of.items() if r == stream]
+        mine = [t for t, r in self.stream_of.items() if stream is None or r == stream]
         tid = running[0] if running else next((t for t in mine if not self.end[t].query()), mine[-1])
         why = Stalled(f"the {self.stream_of[tid]} stream has not finished {describe(self.tasks[tid])} in "
                       f"{err.seconds:g} s " + ("(it started: a hung kernel or copy)" if running else
@@ -85,6 +89,7 @@ class _CudaStep(_Step):
 
 class CudaExecutor(ThreadedExecutor):
     name = "cuda"
+    takes_tail = True  # run(..., then=): see _finish
 
     def __init__(self, device: Device, *, stall_seconds: float = STALL_SECONDS, placement=None):
         """`placement(resource)` runs on each worker first (core.model.cpu.threads.worker_setup: the threads
@@ -95,12 +100,23 @@ class CudaExecutor(ThreadedExecutor):
         self.streams = {r: device.stream(r, compute=r == "gpu") for r in STREAMS}
         self._pool = _EventPool(device)
         self._hung: str | None = None  # a stream that ran past the device's deadline: what is stuck on it
+        self._then = None  # the running step's tail (run's `then`)
         super().__init__(STREAMS + ("cpu_attn",), setup=self._setup, stall_seconds=stall_seconds)
 
     def _setup(self, resource: str) -> None:
         self.dev.set_device()
         if self.placement is not None:
             self.placement(resource)
+
+    def run(self, tasks, fn, then=None) -> dict[str, float]:
+        """ThreadedExecutor.run; `then()`, if given, enqueues the caller's tail of the step on the caller's
+        stream (after the streams' work, before the step's one host wait), so that reading its results on the
+        host afterwards needs no wait of its own."""
+        self._then = then
+        try:
+            return super().run(tasks, fn)
+        finally:
+            self._then = None
 
     def _new_step(self, tasks, fn):
         step = _CudaStep(tasks, fn, self._pool)
@@ -147,11 +163,23 @@ class CudaExecutor(ThreadedExecutor):
         step.end[task.id].record(stream)
 
     def _finish(self, step: _CudaStep) -> dict[str, float]:
-        for r, tid in step.last_on.items():  # one host sync per stream, bounded; the caller syncs on the logits anyway
-            self._bounded(step, r, step.end[tid])
         caller = self.dev.current_stream()
-        for tid in step.last_on.values():  # done by now: orders the caller's later work (logits) on the device
-            caller.wait_event(step.end[tid])
+        try:
+            for tid in step.last_on.values():  # the join, on the device: the caller's later work follows the step
+                caller.wait_event(step.end[tid])
+            if self._then is not None:
+                try:
+                    self._then()
+                except DeviceStalled:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the step's failure, as a task's would be (an OOM: retried)
+                    raise DeviceTaskError(None, e) from e
+            step.joined.record(caller)
+            self.dev.host_wait(step.joined, what="the step's last tasks")  # the step's one host sync, bounded
+        except DeviceStalled as e:  # (the emulated device's caller stream is the host: its join waits there)
+            err = step.stuck(None, e)
+            self._hung = f"the {step.stream_of[err.label.id]} stream is stuck in {describe(err.label)}"
+            raise err
         busy, times, at = dict(step.busy), self.times, step.index
         for tid, ev in step.end.items():  # in list order: a task's dependencies and predecessor come first
             i = at[tid]  # the timeline: device times on the host clock, from the step's origin

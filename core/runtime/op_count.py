@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from core.model import layers
 from core.model.cpu import row_ops
 
 # ops that launch nothing on a GPU: allocations and metadata (views are found by their schema)
@@ -97,8 +98,8 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.outer and getattr(self.rec._tls, "task", None) is not None:
-            pass  # a task's own mode above this one counted it
+        if self.outer and getattr(self.rec._tls, "task", None) is not None or getattr(self.rec._tls, "quiet", False):
+            pass  # a task's own mode above this one counted it; a fused op's parts
         elif not any(map(self.rec.on_device, _tensors((args, kwargs), out))):
             pass  # host work: CPU attention, a KV load's gather into staging, the caller's own tensors
         elif func is torch.ops.aten._local_scalar_dense.default:
@@ -188,6 +189,21 @@ class _Recorder:
             return make
 
         patch(self.runner, "_run", run)
+        fused = layers._FUSED
+        if fused is not None:  # one kernel on a GPU; the CPU's autograd layer writes it out below this mode
+            def one_kernel(x, *a):
+                task = getattr(self._tls, "task", None)
+                if self.on_device(x) and task is not None:
+                    into, kind = self._counts()
+                    with self._lock:
+                        into.ops[kind] += 1
+                        into.names[f"{kind}:_fused_rms_norm"] += 1
+                self._tls.quiet = True  # what it is written out into, below: not counted again
+                try:
+                    return fused(x, *a)
+                finally:
+                    self._tls.quiet = False
+            layers._FUSED = one_kernel
         if hasattr(self.ex, "_wait_deps"):
             patch(self.ex, "_wait_deps", wait_deps)
         patch(self.dev, "copy", counted("copies"))
@@ -213,6 +229,8 @@ class _Recorder:
             with _Ops(self, self.step, "step", outer=True):  # the caller's own device work: embeddings, logits
                 yield self
         finally:
+            if fused is not None:
+                layers._FUSED = fused
             row_ops.library = library
             for m, orig in reads.items():
                 setattr(torch.Tensor, m, orig)

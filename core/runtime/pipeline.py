@@ -211,12 +211,10 @@ class PipelineRunner:
         self.fault = None  # tests: a callable run before every task, to inject failures
         self.graphs = None  # core.runtime.graphs.Graphs: decode segments captured and replayed (the engine's choice)
         self._logits_done = dev.event() if dev.accelerator else None
-        self._fns = {
-            "pre_attn": self._pre_attn, "d1": self._d1, "cpu_attn": self._cpu_attn, "d2": self._d2,
-            "post_attn": self._post_attn, "ffn": self._ffn, "weight_page": self._weight_page,
-            "gpu_attn": self._gpu_attn, "kv_load": self._kv_load, "kv_store": self._kv_store,
-            "prefill": self._prefill,
-        }
+        # task kind -> function(runner, task): functions, not bound methods, which would make the runner a cycle
+        # that outlives its run (reference counting alone frees it when the run ends; a collection may come after
+        # the next run froze it, device buffers and all: core.runtime.frozen_heap)
+        self._fns = dict(_TASK_FNS)
 
     # ---- memory -------------------------------------------------------------------------------------
     def _place_experts(self) -> None:
@@ -384,12 +382,22 @@ class PipelineRunner:
         tasks, self._current_pages = self._graph("decode", len(self._step))
         self.rope.keep = len(self._step)  # each micro-batch's RoPE rows once a step, in every layer
         self._start_step(needs_layer0=not self._current_pages)
-        busy = self.ex.run(tasks, self._run)
+        busy, logits = self._run_step(tasks, lambda: [mb.x for mb in self._step], "logits_dec")
         self.last_tasks = tasks
         self._end_step(prefetched_layer0=self._prefetches_layer0(tasks))
-        logits = self._logits([mb.x for mb in self._step], "logits_dec")
         self._step = None
         return logits, busy
+
+    def _run_step(self, tasks, finals, buffer: str):
+        """Run a step's tasks and its logits (of the hidden states `finals()` gives once the tasks ran): on an
+        executor that takes a tail (CudaExecutor), the logits are enqueued behind the step's work and its one
+        host wait covers their copy too (one host sync a step); else after it, with a wait of their own."""
+        if getattr(self.ex, "takes_tail", False):
+            rows = []
+            busy = self.ex.run(tasks, self._run, then=lambda: rows.append(self._logits_enqueue(finals(), buffer)))
+            return busy, self.host[buffer][:rows[0]]
+        busy = self.ex.run(tasks, self._run)
+        return busy, self._logits(finals(), buffer)
 
     def move_rows(self, moves) -> None:
         """[(from slot, to slot, cached tokens)]: move requests' state between slots, in every store (the
@@ -410,20 +418,21 @@ class PipelineRunner:
         tasks, self._current_pages = self._graph("prefill", len(self._pre))
         self.rope.keep = 1  # a prefill's tables are large and its gathers few beside its tokens
         self._start_step(needs_layer0=not self._current_pages)
-        busy = self.ex.run(tasks, self._run)
+        busy, staged = self._run_step(tasks, self._prefill_finals, "logits_pre")
         self.last_tasks = tasks
         # the graph prefetched the next decode step's layer 0 (a one-layer model keeps it where it is)
         if self.streamed:
             self._layer0_half = self._base if self.spec.num_layers == 1 else (
                 (self._base + self.spec.num_layers) % 2 if self._prefetches_layer0(tasks) else None)
-        with self.dev.compute():
-            last = [mb.x.index_select(0, mb.ends_d) for mb in self._pre]
-        staged = self._logits(last, "logits_pre")
         order = torch.tensor([i for idx in micro_batches for i in idx])
         out = torch.empty_like(staged)
         out[order] = staged
         self._pre = None
         return out, busy
+
+    def _prefill_finals(self) -> list[torch.Tensor]:
+        with self.dev.compute():
+            return [mb.x.index_select(0, mb.ends_d) for mb in self._pre]
 
     def _prefetches_layer0(self, tasks) -> bool:
         return any(t.kind == "weight_page" and t.layer == 0 and t.id not in self._current_pages for t in tasks)
@@ -431,12 +440,7 @@ class PipelineRunner:
     def _logits(self, xs: list[torch.Tensor], buffer: str) -> torch.Tensor:
         """fp32 logits of the final hidden states, micro-batch by micro-batch into one reused host buffer
         (a device holds one micro-batch's logits at a time; one sync for all of them)."""
-        g = self.globals
-
-        def logits(x):
-            return final_logits(self.spec, g["norm"], self.lm_head, x, g.get("norm_b"), g.get("lm_head_b"))
-
-        out, row = self.host[buffer], 0
+        g, out, row = self.globals, self.host[buffer], 0
         if not self.dev.accelerator:  # the CPU is the device: straight into the reused host buffer
             for x in xs:
                 n = x.shape[0]
@@ -444,14 +448,22 @@ class PipelineRunner:
                              out=out[row:row + n])
                 row += n
             return out[:row]
-        with self.dev.compute():
-            for x in xs:
-                n = x.shape[0]
-                self.dev.copy(out[row:row + n], logits(x))
-                row += n
+        row = self._logits_enqueue(xs, buffer)
         self._logits_done.record(self.dev.current_stream())  # bounded: a hung kernel is DeviceStalled, not a hang
         self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
         return out[:row]
+
+    def _logits_enqueue(self, xs: list[torch.Tensor], buffer: str) -> int:
+        """The device's logits of `xs` and their copies into host buffer `buffer`, enqueued on the caller's
+        stream; returns the rows they fill (valid once the stream has passed them)."""
+        g, out, row = self.globals, self.host[buffer], 0
+        with self.dev.compute():
+            for x in xs:
+                n = x.shape[0]
+                self.dev.copy(out[row:row + n], final_logits(self.spec, g["norm"], self.lm_head, x, g.get("norm_b"),
+                                                             g.get("lm_head_b")))
+                row += n
+        return row
 
     def _start_step(self, needs_layer0: bool) -> None:
         if not self.streamed:
@@ -477,7 +489,7 @@ class PipelineRunner:
     def _run(self, task) -> None:
         if self.fault is not None:
             self.fault(task)
-        self._fns[task.kind](task)
+        self._fns[task.kind](self, task)
 
     # ---- tasks ----------------------------------------------------------------------------------
     def _pre_attn(self, t):
@@ -683,6 +695,14 @@ class PipelineRunner:
         mb.kv[i] = states
         if self.ffn_on == "cpu":  # the CPU-only chain has no kv_store task: write the cache here
             self._store_prompts(t)
+
+
+_TASK_FNS = {
+    "pre_attn": PipelineRunner._pre_attn, "d1": PipelineRunner._d1, "cpu_attn": PipelineRunner._cpu_attn,
+    "d2": PipelineRunner._d2, "post_attn": PipelineRunner._post_attn, "ffn": PipelineRunner._ffn,
+    "weight_page": PipelineRunner._weight_page, "gpu_attn": PipelineRunner._gpu_attn,
+    "kv_load": PipelineRunner._kv_load, "kv_store": PipelineRunner._kv_store, "prefill": PipelineRunner._prefill,
+}
 
 
 def _kind(store) -> tuple[str, int]:

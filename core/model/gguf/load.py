@@ -182,7 +182,7 @@ def _tensor(g: GGUFModel, name: str) -> TensorRef:
 
 def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
                       pin: bool = False, progress: EventSink = ignore):
-    from core.model.weights import LayerLayout, LayerWeights, ModelWeights, page_aligned
+    from core.model.weights import LayerLayout, LayerWeights, ModelWeights
 
     dtype = dtype or spec.torch_dtype
     total = spec.num_layers + 1
@@ -197,7 +197,7 @@ def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | Non
         scheme = expert_scheme(g, spec, i)
         key = (scheme, spec.is_moe(i))
         layout = layouts.get(key) or layouts.setdefault(key, LayerLayout.for_spec(spec, i, scheme, dtype))
-        flat = page_aligned(layout.numel, layout.storage_dtype or dtype)
+        flat = layout.buffer(dtype)
         lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
         fill_dense(g, arch.dense_places(spec, i, names), lw.dense())
         fill_experts(g, spec, i, scheme, lw.tensors)
