@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core.model.cpu import int4
+from core.model.cpu import gguf_blocks, int4
 from core.model.quant.expand import Workspace, expand_into
-from core.model.quant.formats import DEFAULT_INT4_GROUP, KERNEL_ROWS, NATIVE_INT4_ROWS, Format, quantize
+from core.model.quant.formats import (DEFAULT_INT4_GROUP, KERNEL_ROWS, NATIVE_GGUF_ROWS, NATIVE_INT4_ROWS, Format,
+                                      quantize)
 
 _TORCH = {"uint8": torch.uint8, "int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float32": torch.float32}
@@ -83,6 +84,7 @@ class QuantExperts:
         self.workspace: Workspace = self.scratch.setdefault(("workspace", str(self._device)), Workspace(self._device))
         self.packed: dict[str, list] | None = None  # per matrix, per expert: the CPU kernel's layout
         self.native = False  # int4 on core.model.cpu.int4's kernel: `parts` are its operands as they are
+        self.blocks = False  # GGUF blocks on core.model.cpu.gguf_blocks' kernel: the file's bytes as they are
         self.kernel_rows = KERNEL_ROWS
         self._key = {m.name: f"{m.name}.{m.fmt.parts(m.n, m.k)[0].suffix}" for m in scheme.matrices}
 
@@ -124,6 +126,8 @@ class QuantExperts:
         return self.scheme.down.fmt.group
 
     def _linear(self, m: Matrix, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks and x.shape[0] <= self.kernel_rows:
+            return gguf_blocks.linear(m.fmt.name, x, self.parts[f"{m.name}.raw"][e])
         if self.native and x.shape[0] <= self.kernel_rows and int4.runs(x.dtype, m.k, group=m.fmt.group):
             return int4.linear(x, self.parts[f"{m.name}.q"][e], self.parts[f"{m.name}.sz"][e], m.fmt.group)
         if self.packed is not None and (x.shape[0] <= self.kernel_rows or self._key[m.name] not in self.parts):
@@ -139,6 +143,11 @@ class QuantExperts:
     def pack_cpu(self) -> bool:
         """Ready the experts for a CPU kernel where the format and shapes allow; False if not. int4 on the C
         kernel needs nothing done (it reads the stored layout); torch's kernels get every expert prepacked."""
+        if self._device.type == "cpu" and all(gguf_blocks.runs(m.fmt.name, self.dtype, m.k)
+                                              for m in self.scheme.matrices):
+            self.blocks = True
+            self.kernel_rows = NATIVE_GGUF_ROWS
+            return True
         if self._native_ok():
             self.native = True
             self.kernel_rows = NATIVE_INT4_ROWS
@@ -160,7 +169,7 @@ class QuantExperts:
         """After packing, stop reading the flat buffer (so it can go): the C kernel's int4 keeps its parts
         (copied out: they also expand, for many tokens); int8 keeps expanding from its packed copy; the
         torch kernel's int4 layout cannot be expanded, so its experts always take the kernel."""
-        if self.native:
+        if self.native or self.blocks:
             self.parts = {k: v.clone() for k, v in self.parts.items()}
             return
         kept = {}

@@ -1,0 +1,203 @@
+/* GGUF block formats multiplied as the file stores them: y [M, N] = x [M, K] . W^T, W's rows the file's blocks.
+
+   Before this kernel a GGUF expert was expanded into a float buffer on every use (core/model/quant/expand.py):
+   ~190 M weights written and read back per token on the 784M test model. Here each weight row's blocks are
+   decoded into a K-float row buffer of the thread's own (L1/L2-resident) and dotted at once with every
+   activation row: the matrix is read once, at the file's bits, and never exists expanded.
+   The decoders do the float32 arithmetic of `gguf.quants.dequantize` (core/model/quant/blocks.py): every
+   product there is exact in float32 (an f16 scale times a small integer, or times a 6-bit scale and then a
+   small integer), so the row buffer holds the reference's weights bit for bit, and only the dot's order of
+   summation differs from torch's fp32 matmul (tests/test_gguf_native.py checks both). The math is fp32:
+   no activation quantization, unlike llama.cpp's int8 dots.
+
+   Layouts per block (bytes): see core/model/quant/blocks.py. kind: 0 Q8_0, 1 Q4_0, 2 Q4_K, 3 Q5_K, 4 Q6_K,
+   5 MXFP4. Inputs bf16 or fp32, outputs bf16 (round to nearest even) or fp32. Plain C the compiler
+   vectorises (-O3 with the ISA's flags: AVX-512, AVX2, or baseline); OpenMP splits output rows over torch's
+   threads when built with -fopenmp. Entry points return 0, or -1 for a call they do not take. */
+
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#define OMP(directive) _Pragma(#directive)
+#else
+#define OMP(directive)
+#endif
+
+#define L 32 /* accumulator lanes a row: one Q8_0 block, a K-quant sub-block */
+#define MR 4 /* activation rows a pass over the decoded weight row */
+
+static const int BS[6] = {32, 32, 256, 256, 256, 32};   /* values a block */
+static const int TS[6] = {34, 18, 144, 176, 210, 17};   /* bytes a block */
+static const float MX[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float bits_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float bf16f(uint16_t x) { return bits_f((uint32_t)x << 16); }
+static inline uint16_t f32bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+/* IEEE half -> float, exactly (subnormals included) */
+static inline float f16f(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0) { float f = (float)m * 5.9604644775390625e-8f; uint32_t u; memcpy(&u, &f, 4); return bits_f(u | s); }
+    if (e == 31) return bits_f(s | 0x7f800000 | (m << 13));
+    return bits_f(s | ((e + 112) << 23) | (m << 13));
+}
+
+static void q8_0(const uint8_t *b, float *w) {
+    float d = f16f(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) w[j] = (float)q[j] * d;
+}
+
+static void q4_0(const uint8_t *b, float *w) {
+    float d = f16f(b);
+    const uint8_t *q = b + 2;
+    for (int j = 0; j < 16; j++) {
+        w[j] = d * (float)((int)(q[j] & 15) - 8);
+        w[j + 16] = d * (float)((int)(q[j] >> 4) - 8);
+    }
+}
+
+/* the 8 six-bit scales and mins of a Q4_K / Q5_K block, times d and dmin */
+static void scale_min_k4(const uint8_t *b, float *ds, float *dm) {
+    float d = f16f(b), dmin = f16f(b + 2);
+    const uint8_t *s = b + 4;
+    for (int j = 0; j < 4; j++) {
+        ds[j] = d * (float)(s[j] & 0x3f);
+        dm[j] = dmin * (float)(s[j + 4] & 0x3f);
+        ds[j + 4] = d * (float)((s[j + 8] & 0x0f) | ((s[j] >> 2) & 0x30));
+        dm[j + 4] = dmin * (float)((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
+    }
+}
+
+static void q4_k(const uint8_t *b, float *w) {
+    float ds[8], dm[8];
+    scale_min_k4(b, ds, dm);
+    const uint8_t *q = b + 16;
+    for (int i = 0; i < 4; i++) /* 32 bytes: sub-block 2i in the low nibbles, 2i + 1 in the high */
+        for (int j = 0; j < 32; j++) {
+            w[64 * i + j] = ds[2 * i] * (float)(q[32 * i + j] & 15) - dm[2 * i];
+            w[64 * i + 32 + j] = ds[2 * i + 1] * (float)(q[32 * i + j] >> 4) - dm[2 * i + 1];
+        }
+}
+
+static void q5_k(const uint8_t *b, float *w) {
+    float ds[8], dm[8];
+    scale_min_k4(b, ds, dm);
+    const uint8_t *qh = b + 16, *q = b + 48;
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 32; j++) {
+            int lo = (q[32 * i + j] & 15) | (((qh[j] >> (2 * i)) & 1) << 4);
+            int hi = (q[32 * i + j] >> 4) | (((qh[j] >> (2 * i + 1)) & 1) << 4);
+            w[64 * i + j] = ds[2 * i] * (float)lo - dm[2 * i];
+            w[64 * i + 32 + j] = ds[2 * i + 1] * (float)hi - dm[2 * i + 1];
+        }
+}
+
+static void q6_k(const uint8_t *b, float *w) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = f16f(b + 208), ds[16];
+    for (int j = 0; j < 16; j++) ds[j] = d * (float)sc[j];
+    for (int h = 0; h < 2; h++) /* halves of 128 values: 64 ql bytes, 32 qh bytes */
+        for (int j = 0; j < 32; j++)
+            for (int s = 0; s < 4; s++) { /* sub-block 4h + s: nibble s / 2 of ql[64h + 32(s % 2) + j] */
+                int lo = (ql[64 * h + 32 * (s & 1) + j] >> (4 * (s >> 1))) & 15;
+                int q = (lo | (((qh[32 * h + j] >> (2 * s)) & 3) << 4)) - 32;
+                int v = 128 * h + 32 * s + j;
+                w[v] = ds[v / 16] * (float)q;
+            }
+}
+
+/* 2^(e - 128) from its bits, as ggml (subnormal for e < 2) */
+static inline float e8m0_half(uint8_t e) { return bits_f(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
+
+static void mxfp4(const uint8_t *b, float *w) {
+    float d = e8m0_half(b[0]);
+    for (int j = 0; j < 16; j++) {
+        w[j] = d * MX[b[1 + j] & 15];
+        w[j + 16] = d * MX[b[1 + j] >> 4];
+    }
+}
+
+typedef void (*decoder)(const uint8_t *, float *);
+static const decoder DECODE[6] = {q8_0, q4_0, q4_k, q5_k, q6_k, mxfp4};
+
+/* one weight row's blocks into w [K] */
+static void decode_row(int kind, const uint8_t *row, int64_t K, float *w) {
+    decoder f = DECODE[kind];
+    int64_t bs = BS[kind], ts = TS[kind];
+    for (int64_t b = 0; b < K / bs; b++) f(row + b * ts, w + b * bs);
+}
+
+/* out[m] = w . x[m] for mr (1..MR) rows of x, ldx floats apart */
+static inline void dot_rows(const float *w, int64_t K, const float *x, int64_t ldx, int mr, float *out) {
+    float acc[MR][L];
+    memset(acc, 0, sizeof acc);
+    for (int64_t k = 0; k < K; k += L) {
+        const float *wk = w + k;
+        for (int m = 0; m < mr; m++) {
+            const float *xk = x + m * ldx + k;
+            for (int j = 0; j < L; j++) acc[m][j] += wk[j] * xk[j];
+        }
+    }
+    for (int m = 0; m < mr; m++) {
+        float t = 0;
+        for (int j = 0; j < L; j++) t += acc[m][j];
+        out[m] = t;
+    }
+}
+
+int mlight_gguf_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* floats of scratch a call needs: x as fp32 (when bf16) and a decoded row per thread */
+int64_t mlight_gguf_scratch(int64_t M, int64_t K, int threads) { return M * K + (int64_t)threads * K; }
+
+/* y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) . W^T; W's rows ldw bytes apart from w */
+int mlight_gguf_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
+                       int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, float *scratch, int threads) {
+    if (kind < 0 || kind > 5 || K % BS[kind] || M < 1 || threads < 1) return -1;
+    const float *xf = (const float *)x;
+    int64_t lx = ldx;
+    if (x_bf16) {
+        float *t = scratch;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) t[m * K + k] = bf16f(((const uint16_t *)x)[m * ldx + k]);
+        xf = t, lx = K;
+    }
+    float *rows = scratch + M * K;
+    OMP(omp parallel num_threads(threads))
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        float *wr = rows + (int64_t)t * K, out[MR];
+        OMP(omp for schedule(static))
+        for (int64_t n = 0; n < N; n++) {
+            decode_row(kind, w + n * ldw, K, wr);
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                int mr = M - m0 < MR ? (int)(M - m0) : MR;
+                dot_rows(wr, K, xf + m0 * lx, lx, mr, out);
+                for (int m = 0; m < mr; m++) {
+                    int64_t i = (m0 + m) * ldy + n;
+                    if (y_bf16) ((uint16_t *)y)[i] = f32bf(out[m]);
+                    else ((float *)y)[i] = out[m];
+                }
+            }
+        }
+    }
+    return 0;
+}
