@@ -106,13 +106,14 @@ static void q6_k(const uint8_t *b, float *w) {
     float d = f16f(b + 208), ds[16];
     for (int j = 0; j < 16; j++) ds[j] = d * (float)sc[j];
     for (int h = 0; h < 2; h++) /* halves of 128 values: 64 ql bytes, 32 qh bytes */
-        for (int j = 0; j < 32; j++)
-            for (int s = 0; s < 4; s++) { /* sub-block 4h + s: nibble s / 2 of ql[64h + 32(s % 2) + j] */
-                int lo = (ql[64 * h + 32 * (s & 1) + j] >> (4 * (s >> 1))) & 15;
-                int q = (lo | (((qh[32 * h + j] >> (2 * s)) & 3) << 4)) - 32;
-                int v = 128 * h + 32 * s + j;
-                w[v] = ds[v / 16] * (float)q;
+        for (int s = 0; s < 4; s++) { /* sub-block 4h + s: nibble s / 2 of ql[64h + 32(s % 2) + j] */
+            const uint8_t *l = ql + 64 * h + 32 * (s & 1), *hb = qh + 32 * h;
+            float lo16 = ds[8 * h + 2 * s], hi16 = ds[8 * h + 2 * s + 1], *o = w + 128 * h + 32 * s;
+            for (int j = 0; j < 32; j++) {
+                int q = (((l[j] >> (4 * (s >> 1))) & 15) | (((hb[j] >> (2 * s)) & 3) << 4)) - 32;
+                o[j] = (j < 16 ? lo16 : hi16) * (float)q;
             }
+        }
 }
 
 /* 2^(e - 128) from its bits, as ggml (subnormal for e < 2) */
