@@ -70,11 +70,12 @@ def test_native_blocks_stay_within_the_bound_of_the_reference(made, knob, kind):
     _, path = made("qwen3_moe", kind)
     knob("torch")
     ref = Engine.load(path)
-    want = torch.cat([first_logits(ref, PROMPTS), decode_logits(ref, PROMPTS)])
+    # decode at batch 1 too: one fused call a layer (gguf_blocks.moe), not the kernel expert by expert
+    want = torch.cat([first_logits(ref, PROMPTS), decode_logits(ref, PROMPTS), decode_logits(ref, PROMPTS[:1])])
     knob("auto")
     engine = Engine.load(path)
     assert _quant(engine) and all(q.blocks for q in _quant(engine))  # the kernel, not the expander
-    got = torch.cat([first_logits(engine, PROMPTS), decode_logits(engine, PROMPTS)])
+    got = torch.cat([first_logits(engine, PROMPTS), decode_logits(engine, PROMPTS), decode_logits(engine, PROMPTS[:1])])
     rel = [logit_error(got[i:i + 1], want[i:i + 1])[1] for i in range(len(got))]
     assert statistics.median(rel) <= MEDIAN_BOUND and max(rel) <= WORST_BOUND, rel
 
@@ -89,10 +90,11 @@ def test_experts_are_held_at_the_files_bytes(made, kind):
     assert held == file  # the blocks as they are: 1.0x the file's expert tensors
 
 
-def test_a_decode_step_never_expands_a_whole_quantized_matrix(made, monkeypatch):
+@pytest.mark.parametrize("batch", [1, len(PROMPTS)])
+def test_a_decode_step_never_expands_a_whole_quantized_matrix(made, monkeypatch, batch):
     _, path = made("qwen3_moe", "Q8_0")
     engine = Engine.load(path)
-    ids = [engine.prompt_token_ids(r) for r in _requests(PROMPTS)]
+    ids = [engine.prompt_token_ids(r) for r in _requests(PROMPTS[:batch])]
     n = len(ids)
     runner = engine.runner(slots=n, micro_batch_size=n, max_tokens=128)
     runner.prefill(ids, list(range(n)), [list(range(n))])
@@ -113,3 +115,19 @@ def _requests(prompts):
     from core.runtime.engine import Request
 
     return [Request(id=str(i), prompt=p) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("up,down", [("Q8_0", "Q8_0"), ("Q4_K", "Q6_K"), ("MXFP4", "MXFP4")])
+def test_one_tokens_experts_in_one_call_equal_the_float32_experts(up, down):
+    E, D, I, k = 4, 256, 512, 2
+    w13 = [_blocks(up, 2 * I, D, seed=e) for e in range(E)]
+    w2 = [_blocks(down, D, I, seed=10 + e) for e in range(E)]
+    g = torch.Generator().manual_seed(2)
+    x, ids, wts = torch.randn(1, D, generator=g), torch.tensor([[3, 1]]), torch.tensor([[0.7, 0.3]])
+    got = gguf_blocks.moe(x, ids, wts, (up, torch.stack([r for r, _ in w13])), (down, torch.stack([r for r, _ in w2])))
+    want = torch.zeros(1, D)
+    for e, w in zip(ids[0].tolist(), wts[0].tolist()):
+        gate, u = (x @ w13[e][1].t()).chunk(2, -1)
+        want += w * (torch.nn.functional.silu(gate) * u) @ w2[e][1].t()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    assert got.shape == (1, D) and k == ids.shape[1]

@@ -13,8 +13,11 @@
    Layouts per block (bytes): see core/model/quant/blocks.py. kind: 0 Q8_0, 1 Q4_0, 2 Q4_K, 3 Q5_K, 4 Q6_K,
    5 MXFP4. Inputs bf16 or fp32, outputs bf16 (round to nearest even) or fp32. Plain C the compiler
    vectorises (-O3 with the ISA's flags: AVX-512, AVX2, or baseline); OpenMP splits output rows over torch's
-   threads when built with -fopenmp. Entry points return 0, or -1 for a call they do not take. */
+   threads when built with -fopenmp. Entry points return 0, or -1 for a call they do not take.
+   `mlight_gguf_moe` is one token's routed experts with SwiGLU in one call (decode at batch 1: the ~6 torch
+   ops and two kernel calls an expert become one call a layer), gate/up and SiLU in float32. */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -201,4 +204,55 @@ int mlight_gguf_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t
         }
     }
     return 0;
+}
+
+/* One token's routed experts, SwiGLU: out [D] = sum_e w[e] * W2_e (silu(G_e x) * U_e x). W13_e = [G_e; U_e]
+   [2I, D] in blocks of kind k13, rows ldw13 bytes apart, experts e13 bytes apart from w13; W2_e [D, I] in
+   kind k2 likewise. ids int64, routing weights fp32 or bf16. Phases split over the team: every expert's
+   gate/up rows; SiLU; the down rows (each output summed over the experts in the order given). */
+int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64_t I, int nexp, const int64_t *ids,
+                    const void *wts, int w_bf16, const uint8_t *w13, int64_t e13, int64_t ldw13, const uint8_t *w2,
+                    int64_t e2, int64_t ldw2, void *out, int out_bf16, float *scratch, int threads) {
+    if (k13 < 0 || k13 > 5 || k2 < 0 || k2 > 5 || D % BS[k13] || I % BS[k2] || nexp < 1 || threads < 1) return -1;
+    float *xf = scratch, *gu = xf + D, *rows = gu + (int64_t)nexp * 2 * I, w[64];
+    if (nexp > 64) return -1;
+    for (int e = 0; e < nexp; e++) w[e] = w_bf16 ? bf16f(((const uint16_t *)wts)[e]) : ((const float *)wts)[e];
+    for (int64_t d = 0; d < D; d++) xf[d] = x_bf16 ? bf16f(((const uint16_t *)x)[d]) : ((const float *)x)[d];
+    int64_t RW = D > I ? D : I;
+    OMP(omp parallel num_threads(threads))
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        float *wr = rows + (int64_t)t * RW;
+        OMP(omp for schedule(static))
+        for (int64_t r = 0; r < nexp * 2 * I; r++) {
+            int64_t e = r / (2 * I), n = r % (2 * I);
+            decode_row(k13, w13 + ids[e] * e13 + n * ldw13, D, wr);
+            dot_rows(wr, D, xf, D, 1, gu + r);
+        }
+        OMP(omp for schedule(static))
+        for (int64_t r = 0; r < nexp * I; r++) {
+            float *h = gu + (r / I) * 2 * I + r % I, g = h[0];
+            h[0] = g / (1.f + expf(-g)) * h[I];
+        }
+        OMP(omp for schedule(static))
+        for (int64_t d = 0; d < D; d++) {
+            float y = 0, v;
+            for (int e = 0; e < nexp; e++) {
+                decode_row(k2, w2 + ids[e] * e2 + d * ldw2, I, wr);
+                dot_rows(wr, I, gu + (int64_t)e * 2 * I, I, 1, &v);
+                y += w[e] * v;
+            }
+            if (out_bf16) ((uint16_t *)out)[d] = f32bf(y);
+            else ((float *)out)[d] = y;
+        }
+    }
+    return 0;
+}
+
+/* floats of scratch a mlight_gguf_moe call needs */
+int64_t mlight_gguf_moe_scratch(int64_t D, int64_t I, int nexp, int threads) {
+    return D + (int64_t)nexp * 2 * I + (int64_t)threads * (D > I ? D : I);
 }

@@ -5,8 +5,9 @@ A GGUF expert used to be expanded whole into a float buffer on every use (core.m
 kernel decodes one weight row at a time into a buffer that stays in cache and dots it with every activation
 row, so the weights are read once, at the file's bits. Its row buffer holds `gguf.quants.dequantize`'s
 values bit for bit (every product in the decoders is exact in float32), and the math is float32.
-`linear` returns None where it does not run (no compiler, a failed build, MLIGHT_KERNELS=torch, a format or
-shape it does not take); the caller then expands, as before.
+`moe` is one token's routed experts with SwiGLU in one call (decode at batch 1). `runs` says where they run
+(not without a compiler, after a failed build, under MLIGHT_KERNELS=torch, for a format or shape they do not
+take); elsewhere the caller expands, as before.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class _Lib:
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.linear = native.bind(self.dll, "mlight_gguf_linear", [C, P, C, I, I, I, P, I, I, P, C, I, P, C], C)
         self.scratch = native.bind(self.dll, "mlight_gguf_scratch", [I, I, C], I)
+        self.moe = native.bind(self.dll, "mlight_gguf_moe",
+                               [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C], C)
+        self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
         self.openmp = bool(self.dll.mlight_gguf_openmp())
         self.flags = flags + (" -fopenmp" if self.openmp else "")
 
@@ -94,3 +98,34 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
                   N, s.data_ptr(), threads):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
     return y
+
+
+MAX_EXPERTS = 64  # routed experts of one token the fused call takes
+
+
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
+        down: tuple[str, torch.Tensor]) -> torch.Tensor | None:
+    """One token's routed experts: x [1, D]; ids [1, k] and weights [1, k] on the host; up = (format, raw uint8
+    [E, 2I, bytes]) gate rows then up rows, down = (format, raw [E, D, bytes]), each expert's rows contiguous
+    -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype; None where it does not take the call."""
+    lib = library()
+    D = x.shape[-1]
+    (k13, w13), (k2, w2) = up, down
+    I = w13.shape[1] // 2
+    k = ids.shape[-1]
+    if k > MAX_EXPERTS or x.shape[0] != 1:
+        return None
+    if weights.dtype not in (torch.float32, torch.bfloat16):
+        weights = weights.float()
+    if ids.dtype != torch.int64:
+        ids = ids.long()
+    ids, weights, x = (t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
+    threads = torch.get_num_threads() if lib.openmp else 1
+    out = torch.empty((1, D), dtype=x.dtype)
+    s = _scratch(lib.moe_scratch(D, I, k, threads))
+    bf = int(x.dtype == torch.bfloat16)
+    if lib.moe(KINDS[k13], KINDS[k2], x.data_ptr(), bf, D, I, k, ids.data_ptr(), weights.data_ptr(),
+               int(weights.dtype == torch.bfloat16), w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(),
+               w2.stride(0), w2.stride(1), out.data_ptr(), bf, s.data_ptr(), threads):
+        raise RuntimeError(f"the GGUF kernel refused D={D}, I={I}, {k} experts")
+    return out

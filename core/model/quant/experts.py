@@ -115,6 +115,10 @@ class QuantExperts:
     def one_token(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
         """One token's k routed experts with SwiGLU, weighed and summed (h [1, D], weights/idx [1, k]), in
         one call of the C kernel; None where it does not run (then the caller goes expert by expert)."""
+        if self.blocks and len(self.scheme.up) == 1:
+            up, down = self.scheme.up[0], self.scheme.down
+            return gguf_blocks.moe(h, idx, weights, (up.fmt.name, self.parts["w13.raw"]),
+                                   (down.fmt.name, self.parts["w2.raw"]))
         if not self.native or self.kernel_rows < 1 or not int4.runs(h.dtype, *(m.k for m in self.scheme.matrices),
                                                                       group=self._group):
             return None
