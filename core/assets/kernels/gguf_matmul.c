@@ -52,13 +52,13 @@ static inline float f16f(const uint8_t *p) {
     return bits_f(s | ((e + 112) << 23) | (m << 13));
 }
 
-static void q8_0(const uint8_t *b, float *w) {
+static inline void q8_0(const uint8_t *b, float *w) {
     float d = f16f(b);
     const int8_t *q = (const int8_t *)(b + 2);
     for (int j = 0; j < 32; j++) w[j] = (float)q[j] * d;
 }
 
-static void q4_0(const uint8_t *b, float *w) {
+static inline void q4_0(const uint8_t *b, float *w) {
     float d = f16f(b);
     const uint8_t *q = b + 2;
     for (int j = 0; j < 16; j++) {
@@ -68,7 +68,7 @@ static void q4_0(const uint8_t *b, float *w) {
 }
 
 /* the 8 six-bit scales and mins of a Q4_K / Q5_K block, times d and dmin */
-static void scale_min_k4(const uint8_t *b, float *ds, float *dm) {
+static inline void scale_min_k4(const uint8_t *b, float *ds, float *dm) {
     float d = f16f(b), dmin = f16f(b + 2);
     const uint8_t *s = b + 4;
     for (int j = 0; j < 4; j++) {
@@ -79,7 +79,7 @@ static void scale_min_k4(const uint8_t *b, float *ds, float *dm) {
     }
 }
 
-static void q4_k(const uint8_t *b, float *w) {
+static inline void q4_k(const uint8_t *b, float *w) {
     float ds[8], dm[8];
     scale_min_k4(b, ds, dm);
     const uint8_t *q = b + 16;
@@ -90,7 +90,7 @@ static void q4_k(const uint8_t *b, float *w) {
         }
 }
 
-static void q5_k(const uint8_t *b, float *w) {
+static inline void q5_k(const uint8_t *b, float *w) {
     float ds[8], dm[8];
     scale_min_k4(b, ds, dm);
     const uint8_t *qh = b + 16, *q = b + 48;
@@ -103,7 +103,7 @@ static void q5_k(const uint8_t *b, float *w) {
         }
 }
 
-static void q6_k(const uint8_t *b, float *w) {
+static inline void q6_k(const uint8_t *b, float *w) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     float d = f16f(b + 208), ds[16];
@@ -122,7 +122,7 @@ static void q6_k(const uint8_t *b, float *w) {
 /* 2^(e - 128) from its bits, as ggml (subnormal for e < 2) */
 static inline float e8m0_half(uint8_t e) { return bits_f(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
 
-static void mxfp4(const uint8_t *b, float *w) {
+static inline void mxfp4(const uint8_t *b, float *w) {
     float d = e8m0_half(b[0]);
     for (int j = 0; j < 16; j++) {
         w[j] = d * MX[b[1 + j] & 15];
@@ -130,31 +130,45 @@ static void mxfp4(const uint8_t *b, float *w) {
     }
 }
 
-typedef void (*decoder)(const uint8_t *, float *);
-static const decoder DECODE[6] = {q8_0, q4_0, q4_k, q5_k, q6_k, mxfp4};
-
-/* one weight row's blocks into w [K] */
+/* one weight row's blocks into w [K]: a loop per kind, so that each decoder is inlined into its own */
+#define ROW(f, bs, ts) for (int64_t b = 0; b < K / (bs); b++) f(row + b * (ts), w + b * (bs)); break
 static void decode_row(int kind, const uint8_t *row, int64_t K, float *w) {
-    decoder f = DECODE[kind];
-    int64_t bs = BS[kind], ts = TS[kind];
-    for (int64_t b = 0; b < K / bs; b++) f(row + b * ts, w + b * bs);
+    switch (kind) {
+    case 0: ROW(q8_0, 32, 34);
+    case 1: ROW(q4_0, 32, 18);
+    case 2: ROW(q4_k, 256, 144);
+    case 3: ROW(q5_k, 256, 176);
+    case 4: ROW(q6_k, 256, 210);
+    default: ROW(mxfp4, 32, 17);
+    }
 }
 
-/* out[m] = w . x[m] for mr (1..MR) rows of x, ldx floats apart */
-static inline void dot_rows(const float *w, int64_t K, const float *x, int64_t ldx, int mr, float *out) {
-    float acc[MR][L];
-    memset(acc, 0, sizeof acc);
+/* out[m] = w . x[m] for MRC rows of x, ldx floats apart: MRC a constant, so the accumulators stay in registers
+   (indexed by a variable row count they lived on the stack: a store and a load around every FMA) */
+static inline __attribute__((always_inline)) void dot_n(const float *w, int64_t K, const float *x, int64_t ldx,
+                                                        const int MRC, float *out) {
+    float acc[MR][L] = {{0}};
     for (int64_t k = 0; k < K; k += L) {
         const float *wk = w + k;
-        for (int m = 0; m < mr; m++) {
+        for (int m = 0; m < MRC; m++) {
             const float *xk = x + m * ldx + k;
             for (int j = 0; j < L; j++) acc[m][j] += wk[j] * xk[j];
         }
     }
-    for (int m = 0; m < mr; m++) {
+    for (int m = 0; m < MRC; m++) {
         float t = 0;
         for (int j = 0; j < L; j++) t += acc[m][j];
         out[m] = t;
+    }
+}
+
+/* out[m] = w . x[m] for mr (1..MR) rows of x */
+static void dot_rows(const float *w, int64_t K, const float *x, int64_t ldx, int mr, float *out) {
+    switch (mr) {
+    case 1: dot_n(w, K, x, ldx, 1, out); break;
+    case 2: dot_n(w, K, x, ldx, 2, out); break;
+    case 3: dot_n(w, K, x, ldx, 3, out); break;
+    default: dot_n(w, K, x, ldx, 4, out); break;
     }
 }
 
