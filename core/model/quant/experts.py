@@ -9,6 +9,8 @@ matrix stack `w13` [E, 2I, D] or, when a GGUF file gives gate and up in differen
   where it builds — and then one token's routed experts run as one fused call (`one_token`); else
   torch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) over each expert
   prepacked once by `pack_cpu` — the small-batch decode path, where reading fewer bytes is what counts;
+- GGUF blocks (CPU): core.model.cpu.gguf_blocks' C kernel on the file's bytes as stored (`blocks`), one
+  token's experts in one call at batch 1, up to NATIVE_GGUF_ROWS tokens on an expert;
 - dequantize: the expert is expanded into a reused scratch buffer in the compute dtype and multiplied
   by an ordinary matmul — every format, every device; what the accelerator does with streamed pages,
   and what the CPU does with an expert that many tokens chose (above `kernel_rows`, where the
