@@ -181,7 +181,7 @@ class LayerWeights:
         """Prepack the experts for the CPU and keep only the non-expert part of the flat buffer.
 
         One layer at a time, so memory peaks at the model plus one layer's experts, never two copies.
-        Quantized experts whose format has no CPU kernel (GGUF blocks) stay as they are and expand per use.
+        Quantized experts whose format has no CPU kernel here (no C compiler for GGUF blocks) expand per use.
         `quantize_dense(name, w)`: the attention and shared-expert projections quantized too, for the CPU's
         weight-only kernels (core.model.quant.dense; `w` itself where the kernel does not take it) — and
         then their bf16 bytes are not kept. `swiglu`: the experts are plain SwiGLU, which the fused C

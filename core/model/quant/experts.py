@@ -9,6 +9,8 @@ matrix stack `w13` [E, 2I, D] or, when a GGUF file gives gate and up in differen
   where it builds — and then one token's routed experts run as one fused call (`one_token`); else
   torch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) over each expert
   prepacked once by `pack_cpu` — the small-batch decode path, where reading fewer bytes is what counts;
+- GGUF blocks (CPU): core.model.cpu.gguf_blocks' C kernel on the file's bytes as stored (`blocks`), one
+  token's experts in one call at batch 1, up to NATIVE_GGUF_ROWS tokens on an expert;
 - dequantize: the expert is expanded into a reused scratch buffer in the compute dtype and multiplied
   by an ordinary matmul — every format, every device; what the accelerator does with streamed pages,
   and what the CPU does with an expert that many tokens chose (above `kernel_rows`, where the
@@ -23,9 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core.model.cpu import int4
+from core.model.cpu import gguf_blocks, int4
 from core.model.quant.expand import Workspace, expand_into
-from core.model.quant.formats import DEFAULT_INT4_GROUP, KERNEL_ROWS, NATIVE_INT4_ROWS, Format, quantize
+from core.model.quant.formats import (DEFAULT_INT4_GROUP, KERNEL_ROWS, NATIVE_GGUF_ROWS, NATIVE_INT4_ROWS, Format,
+                                      quantize)
 
 _TORCH = {"uint8": torch.uint8, "int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float32": torch.float32}
@@ -83,6 +86,7 @@ class QuantExperts:
         self.workspace: Workspace = self.scratch.setdefault(("workspace", str(self._device)), Workspace(self._device))
         self.packed: dict[str, list] | None = None  # per matrix, per expert: the CPU kernel's layout
         self.native = False  # int4 on core.model.cpu.int4's kernel: `parts` are its operands as they are
+        self.blocks = False  # GGUF blocks on core.model.cpu.gguf_blocks' kernel: the file's bytes as they are
         self.kernel_rows = KERNEL_ROWS
         self._key = {m.name: f"{m.name}.{m.fmt.parts(m.n, m.k)[0].suffix}" for m in scheme.matrices}
 
@@ -113,6 +117,10 @@ class QuantExperts:
     def one_token(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
         """One token's k routed experts with SwiGLU, weighed and summed (h [1, D], weights/idx [1, k]), in
         one call of the C kernel; None where it does not run (then the caller goes expert by expert)."""
+        if self.blocks and len(self.scheme.up) == 1:
+            up, down = self.scheme.up[0], self.scheme.down
+            return gguf_blocks.moe(h, idx, weights, (up.fmt.name, self.parts["w13.raw"]),
+                                   (down.fmt.name, self.parts["w2.raw"]))
         if not self.native or self.kernel_rows < 1 or not int4.runs(h.dtype, *(m.k for m in self.scheme.matrices),
                                                                       group=self._group):
             return None
@@ -124,6 +132,8 @@ class QuantExperts:
         return self.scheme.down.fmt.group
 
     def _linear(self, m: Matrix, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks and x.shape[0] <= self.kernel_rows:
+            return gguf_blocks.linear(m.fmt.name, x, self.parts[f"{m.name}.raw"][e])
         if self.native and x.shape[0] <= self.kernel_rows and int4.runs(x.dtype, m.k, group=m.fmt.group):
             return int4.linear(x, self.parts[f"{m.name}.q"][e], self.parts[f"{m.name}.sz"][e], m.fmt.group)
         if self.packed is not None and (x.shape[0] <= self.kernel_rows or self._key[m.name] not in self.parts):
@@ -139,6 +149,11 @@ class QuantExperts:
     def pack_cpu(self) -> bool:
         """Ready the experts for a CPU kernel where the format and shapes allow; False if not. int4 on the C
         kernel needs nothing done (it reads the stored layout); torch's kernels get every expert prepacked."""
+        if self._device.type == "cpu" and all(gguf_blocks.runs(m.fmt.name, self.dtype, m.k)
+                                              for m in self.scheme.matrices):
+            self.blocks = True
+            self.kernel_rows = NATIVE_GGUF_ROWS
+            return True
         if self._native_ok():
             self.native = True
             self.kernel_rows = NATIVE_INT4_ROWS
@@ -160,7 +175,7 @@ class QuantExperts:
         """After packing, stop reading the flat buffer (so it can go): the C kernel's int4 keeps its parts
         (copied out: they also expand, for many tokens); int8 keeps expanding from its packed copy; the
         torch kernel's int4 layout cannot be expanded, so its experts always take the kernel."""
-        if self.native:
+        if self.native or self.blocks:
             self.parts = {k: v.clone() for k, v in self.parts.items()}
             return
         kept = {}

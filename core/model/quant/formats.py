@@ -35,6 +35,9 @@ KERNEL_ROWS = 16
 # tokens on one expert since its tiles of 2 weight rows x 8 token rows (bench/quant_cpu.py's per-expert
 # table, small model, bf16: 0.97 vs 7.2 ms at 16 tokens, 3.5 vs 8.4 at 64, 5.2 vs 9.1 at 96)
 NATIVE_INT4_ROWS = 128
+# GGUF blocks on core.model.cpu.gguf_blocks' kernel, which decodes each weight row once whatever the tokens:
+# ahead of expanding the expert at every count measured up to 64 (2048 x 1024, Q8_0 and Q4_K, 2 threads)
+NATIVE_GGUF_ROWS = 128
 _ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 
 

@@ -1,0 +1,118 @@
+"""GGUF Q8_0 experts on the CPU: decode tokens/s with the file's blocks computed natively vs expanded per use.
+
+Issue 47: a quantized GGUF expert used to be expanded whole into a float buffer on every use
+(core.model.quant.expand); now core.model.cpu.gguf_blocks' C kernel multiplies the file's blocks as they
+are. This builds a random Mixtral-shaped checkpoint (bench.common.build_mixtral), writes it as a Q8_0 GGUF
+with the `gguf` package's writer (tests/gguf_files.py: F32 norms and router, Q8_0 everything else), loads
+it twice in one process and times decode of each in interleaved rounds (after, before, after, ...) at each
+B, so that a shared machine's load hits both alike:
+- after: the default path (the experts on the blocks kernel);
+- before: the same engine with the kernel taken away from its experts (`QuantExperts.blocks` off and the
+  expand threshold back to KERNEL_ROWS): the `gguf` branch's dispatch, which expanded every expert used.
+Decode tokens/s per step from the engine's own StepDone events (bench/quant_cpu.decode_rate); printed: each
+round's after/before ratio, their median and spread (min..max) — ratios, not absolute times, which a loaded
+machine does not keep.
+
+    python bench/gguf_speed.py                      # hidden 1024, I 2048, 4 layers, 8 experts; B = 1, 8, 32
+    python bench/gguf_speed.py --threads 1 --rounds 5   # CPU-time clock: for a shared, loaded machine
+    python bench/gguf_speed.py --quick              # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import torch  # noqa: E402
+
+from bench import common  # noqa: E402
+from bench.quant_cpu import decode_rate  # noqa: E402
+
+MODEL = dict(hidden=1024, intermediate=2048, layers=4, heads=16, kv_heads=4, experts=8, top_k=2, vocab=4096)
+QUICK = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, experts=8, top_k=2, vocab=1024)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--gen", type=int, default=None, help="tokens generated per request per round (default 16; 4 quick)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; 1 quick)")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--clock", choices=("cpu", "wall"), default=None,
+                   help="per-step seconds: this process's CPU time (default with --threads 1: a descheduled "
+                        "thread's wall time is a neighbour's work) or the wall clock (default with more threads)")
+    p.add_argument("--workdir", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def without_kernel(engine):
+    """`engine` with its GGUF experts expanded per use again (the `gguf` branch's path)."""
+    from core.model.quant.formats import KERNEL_ROWS
+
+    for lw in engine.weights.layers:
+        if lw.quant is not None:
+            lw.quant.blocks, lw.quant.kernel_rows = False, KERNEL_ROWS
+    return engine
+
+
+def _cpu() -> str:
+    import platform
+
+    info = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")] \
+        if info.exists() else []
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from core.runtime.engine import Engine
+    from gguf_files import uniform, write_gguf
+
+    shape = QUICK if args.quick else MODEL
+    gen = args.gen or (4 if args.quick else 16)
+    rounds = args.rounds or (1 if args.quick else 3)
+    batches = [int(b) for b in args.batches.split(",")]
+    clock = args.clock or ("cpu" if args.threads == 1 else "wall")
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.workdir or Path(tmp)
+        ckpt = work / "ckpt"
+        common.build_mixtral(ckpt, **shape)
+        path = write_gguf("mixtral", ckpt, work / "q8_0.gguf", uniform("Q8_0"))
+        after = Engine.load(path, dtype="bfloat16", threads=args.threads)
+        before = without_kernel(Engine.load(path, dtype="bfloat16", threads=args.threads))
+        assert all(lw.quant.blocks for lw in after.weights.layers if lw.quant is not None), "kernel not in use"
+        print(f"# {shape}, Q8_0 GGUF, {args.threads} threads ({clock} clock), {gen} tokens a request, {rounds} rounds; "
+              f"load {common.load_average()}; {_cpu()}")
+        print("| B | before tok/s (median) | after tok/s (median) | after/before per round | median (min..max) |")
+        print("|---|---|---|---|---|")
+        for b in batches:
+            rates = {"before": [], "after": []}
+            ratios = []
+            decode_rate(after, b, 2, "warm up")
+            decode_rate(before, b, 2, "warm up")
+            for _ in range(rounds):
+                a = statistics.median(decode_rate(after, b, gen, "Tell me about", clock))
+                z = statistics.median(decode_rate(before, b, gen, "Tell me about", clock))
+                rates["after"].append(a)
+                rates["before"].append(z)
+                ratios.append(a / z)
+            print(f"| {b} | {statistics.median(rates['before']):.1f} | {statistics.median(rates['after']):.1f} | "
+                  f"{', '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.2f} "
+                  f"({min(ratios):.2f}..{max(ratios):.2f}) |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""GGUF block formats multiplied as the file stores them (core/assets/kernels/gguf_matmul.c), built once per
+machine like the other C kernels (core.model.cpu.native: the compiler search, cache dir and OpenMP rule).
+
+A GGUF expert used to be expanded whole into a float buffer on every use (core.model.quant.expand); this
+kernel decodes one weight row at a time into a buffer that stays in cache and dots it with every activation
+row, so the weights are read once, at the file's bits. Its row buffer holds `gguf.quants.dequantize`'s
+values bit for bit (every product in the decoders is exact in float32), and the math is float32.
+`moe` is one token's routed experts with SwiGLU in one call (decode at batch 1). `runs` says where they run
+(not without a compiler, after a failed build, under MLIGHT_KERNELS=torch, for a format or shape they do not
+take); elsewhere the caller expands, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+import torch
+
+from core.assets import GGUF_MATMUL_C as SOURCE
+from core.model import kernels
+from core.model.cpu import native
+from core.model.quant.formats import GGUF_BLOCKS
+
+KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
+
+_reason = "not built yet"
+
+
+class _Lib:
+    def __init__(self, path, flags: str):
+        self.dll = ctypes.CDLL(str(path))
+        P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.linear = native.bind(self.dll, "mlight_gguf_linear", [C, P, C, I, I, I, P, I, I, P, C, I, P, C], C)
+        self.scratch = native.bind(self.dll, "mlight_gguf_scratch", [I, I, C], I)
+        self.moe = native.bind(self.dll, "mlight_gguf_moe",
+                               [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C], C)
+        self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
+        self.openmp = bool(self.dll.mlight_gguf_openmp())
+        self.flags = flags + (" -fopenmp" if self.openmp else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _build(level: str) -> _Lib | None:
+    global _reason
+    flags, vw = native._flags()
+    lib, _reason = native.build_kernel(SOURCE, "gguf_matmul", flags, vw,
+                                       lambda path: _Lib(path, " ".join(flags) or "baseline"))
+    return lib
+
+
+def library() -> _Lib | None:
+    from core.model.cpu import isa
+
+    return _build(isa.cpu_isa().usable)
+
+
+def status() -> str:
+    lib = library()
+    return f"C kernel ({lib.flags})" if lib is not None else f"expanded per use ({_reason})"
+
+
+def runs(name: str, dtype: torch.dtype, *ks: int) -> bool:
+    """Whether the kernel takes GGUF format `name` with inputs of these sizes, computing in `dtype`, here."""
+    if name not in KINDS or dtype not in (torch.bfloat16, torch.float32) or kernels.switched_off():
+        return False
+    if any(k % GGUF_BLOCKS[name][0] for k in ks):
+        return False
+    lib = library()
+    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+
+
+_local = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's float32 scratch, grown once to the largest call."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _local.buf = torch.empty(numel, dtype=torch.float32)
+    return buf
+
+
+def linear(name: str, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16/fp32) · Wᵀ -> [M, N] in x's dtype; W [N, K] as the file's blocks raw uint8 [N, K/block ·
+    bytes], rows contiguous. The caller checked `runs`."""
+    lib = library()
+    M, K = x.shape
+    N = raw.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    threads = torch.get_num_threads() if lib.openmp else 1
+    y = torch.empty((M, N), dtype=x.dtype)
+    s = _scratch(lib.scratch(M, K, threads))
+    bf = int(x.dtype == torch.bfloat16)
+    if lib.linear(KINDS[name], x.data_ptr(), bf, x.stride(0), M, K, raw.data_ptr(), raw.stride(0), N, y.data_ptr(), bf,
+                  N, s.data_ptr(), threads):
+        raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
+    return y
+
+
+MAX_EXPERTS = 64  # routed experts of one token the fused call takes
+
+
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
+        down: tuple[str, torch.Tensor]) -> torch.Tensor | None:
+    """One token's routed experts: x [1, D]; ids [1, k] and weights [1, k] on the host; up = (format, raw uint8
+    [E, 2I, bytes]) gate rows then up rows, down = (format, raw [E, D, bytes]), each expert's rows contiguous
+    -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype; None where it does not take the call."""
+    lib = library()
+    D = x.shape[-1]
+    (k13, w13), (k2, w2) = up, down
+    I = w13.shape[1] // 2
+    k = ids.shape[-1]
+    if k > MAX_EXPERTS or x.shape[0] != 1:
+        return None
+    if weights.dtype not in (torch.float32, torch.bfloat16):
+        weights = weights.float()
+    if ids.dtype != torch.int64:
+        ids = ids.long()
+    ids, weights, x = (t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
+    threads = torch.get_num_threads() if lib.openmp else 1
+    out = torch.empty((1, D), dtype=x.dtype)
+    s = _scratch(lib.moe_scratch(D, I, k, threads))
+    bf = int(x.dtype == torch.bfloat16)
+    if lib.moe(KINDS[k13], KINDS[k2], x.data_ptr(), bf, D, I, k, ids.data_ptr(), weights.data_ptr(),
+               int(weights.dtype == torch.bfloat16), w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(),
+               w2.stride(0), w2.stride(1), out.data_ptr(), bf, s.data_ptr(), threads):
+        raise RuntimeError(f"the GGUF kernel refused D={D}, I={I}, {k} experts")
+    return out
