@@ -1,5 +1,5 @@
 """A layer's flat buffer holds no stale memory: the alignment gaps between its tensors are zeroed when the
-buffer is made, so a scan of the whole buffer (engine._check_fp16_range, on a GPU that computes bf16 in fp16)
+buffer is made, so a scan of the whole buffer (loading._check_fp16_range, on a GPU that computes bf16 in fp16)
 sees only weights and zeros. Before, the gaps were `torch.empty`'s leftovers, and a bf16 load refused at random
 with "weights beyond float16's range"."""
 
@@ -11,7 +11,7 @@ import torch
 from core.model.families import load_spec
 from core.model.quant.formats import parse_choice
 from core.model.weights import LayerLayout, load_weights
-from core.runtime.engine import _check_fp16_range
+from core.runtime.loading import _check_fp16_range
 
 
 @pytest.fixture
