@@ -160,6 +160,11 @@ class PlanScreen(StepScreen):
             self.query_one("#prediction", Facts).set_rows([("", "Planning…")])
             self.plan_now(self._budgets_from_options())
 
+    def on_resize(self) -> None:
+        """Across the 100-column breakpoint the Prediction and Memory panels change their rows."""
+        if self.session.plan is not None and self.session.plan.prediction is not None:
+            self.show(self.session.plan)
+
     def on_screen_resume(self) -> None:
         """Back from a run that failed for want of a CPU feature: the dtype choice is the way out."""
         if self.session.failure == "dtype":
@@ -413,7 +418,7 @@ class PlanScreen(StepScreen):
         self.show_problems(plan.problems, plan.warnings)
 
     def _show_prediction(self, plan, pred) -> None:
-        cpu_mode = self.cpu_mode
+        cpu_mode, narrow = self.cpu_mode, self.has_class("-narrow")
         p = plan.policy
         bottleneck = CPU_MODE_BOTTLENECK.get(pred.bottleneck, CPU_MODE_BOTTLENECK["gpu"]) if cpu_mode \
             else pred.bottleneck_text
@@ -434,6 +439,10 @@ class PlanScreen(StepScreen):
                                           style=self.mapp.tone("warn")))
         if cpu_mode:
             rows.append(("CPU mode", "no GPU: every stage runs on the CPU"))
+        if narrow:
+            # Prediction and Memory whole above Check at 80×24: the form beside them shows the policy, and the
+            # Memory and layer panels say CPU mode
+            rows = [row for row in rows if row[0] not in ("Policy", "CPU mode")]
         self.query_one("#prediction", Facts).set_rows(rows)
         gpu_share, cpu_share = self.backend.usable_shares()
         for key, used, budget, share in (("gpu", pred.gpu_bytes, plan.gpu_budget, gpu_share),
@@ -446,9 +455,12 @@ class PlanScreen(StepScreen):
                 self.query_one(f"#mem-{key}", LabelBar).update(used / usable if usable else 0.0, text)
         gpu_part = "" if cpu_mode else f"{gpu_share:.0%} of the GPU budget ({fmt.human_bytes(plan.gpu_budget)}), "
         keep = "the OS and the page cache" if cpu_mode else "the CUDA context, the OS and the page cache"
-        self.query_one("#usable", Static).update(
-            f"usable: {gpu_part}{cpu_share:.0%} of the CPU budget ({fmt.human_bytes(plan.cpu_budget)}); "
-            f"the rest is left for {keep}")
+        usable = (f"usable: {gpu_part}{cpu_share:.0%} of the CPU budget ({fmt.human_bytes(plan.cpu_budget)}); "
+                  f"the rest is left for {keep}")
+        if narrow:  # one line: the budgets are in the form beside it
+            usable = (f"usable: {cpu_share:.0%} of the CPU budget" if cpu_mode else
+                      f"usable: {gpu_share:.0%} of GPU, {cpu_share:.0%} of CPU budget")
+        self.query_one("#usable", Static).update(usable)
         top = max(pred.layer_seconds.values(), default=0.0) or 1.0
         for key in RESOURCE_LABELS:
             sec = pred.layer_seconds.get(key, 0.0)
