@@ -42,3 +42,33 @@ async def test_control_characters_in_an_output_are_shown_not_sent_to_the_termina
         detail = _screen_text(app)
         assert _controls(detail) == [], _controls(detail)
         assert any(line.strip(" │") == "e" for line in detail.splitlines())  # the line break kept
+
+
+@sync
+async def test_a_prompt_longer_than_the_context_is_a_bad_line_on_plan_as_mlight_run_says(workdir):
+    """400 prompts, one of 2481 tokens for the demo model's 2048: Plan said "fits" and planned for it, the run
+    skipped it unasked and ended on "399 / 400", where `mlight run` refuses the file without --skip-bad. Plan
+    sets it aside with the bad lines, plans without it and asks before skipping it."""
+    import json
+
+    from test_app_defects import _check, _plan
+    from test_app_support import run_over, settle_until, status_text
+
+    lines = [json.dumps({"id": f"q{i}", "prompt": f"question {i}", "max_new_tokens": 2}) for i in range(3)]
+    lines.insert(1, json.dumps({"id": "long", "prompt": "word " * 3000, "max_new_tokens": 2}))
+    (workdir / "long.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    app = _app(model="demo", prompts="long.jsonl", out="results.jsonl")
+    async with app.run_test(size=WIDE) as pilot:
+        await _plan(pilot)
+        assert "1 bad line in long.jsonl will be skipped" in _check(app), _check(app)
+        assert app.session.plan.workload.num_requests == 3 and app.session.plan.workload.longest_prompt < 2048
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        assert "Skip the bad line" in status_text(app), status_text(app)
+        await pilot.press("ctrl+n")
+        await settle_until(pilot, run_over)
+        assert "3 / 3" in app.screen.query_one("#progress-facts").text
+        assert "; 1 skipped line in results.jsonl.rejected.jsonl" in status_text(app), status_text(app)
+    assert [json.loads(x)["id"] for x in (workdir / "results.jsonl").read_text().splitlines()] == ["q0", "q1", "q2"]
+    (reject,) = [json.loads(x) for x in (workdir / "results.jsonl.rejected.jsonl").read_text().splitlines()]
+    assert reject["id"] == "long" and "the model's context is 2048 tokens" in reject["reason"]

@@ -212,6 +212,7 @@ class PlanScreen(StepScreen):
 
             s.prompts = b.read_prompts(Path(s.options.prompts).expanduser())
         self.post_message(WorkProgress("counting the prompts' tokens with the model's tokenizer, then planning", 0, 1))
+        b.set_aside_too_long(s.model, s.prompts)
         plan = b.plan(s.model, s.machine, s.prompts, gpu_budget, cpu_budget, s.choices)
         self.post_message(PlanReady(plan, gen))
 
