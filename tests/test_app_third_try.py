@@ -65,6 +65,13 @@ async def test_a_prompt_longer_than_the_context_is_a_bad_line_on_plan_as_mlight_
         await pilot.press("ctrl+n")
         await settle(pilot)
         assert "Skip the bad line" in status_text(app), status_text(app)
+        await pilot.press("escape")  # "Esc: Prompts lists them"
+        await settle(pilot)
+        listed = str(app.screen.query_one("#rejects").render())
+        assert "the model's context is 2048 tokens" in listed and "3 to run" in app.screen.query_one(
+            "#prompts-facts").text, listed
+        await pilot.press("ctrl+n")  # agreed on Plan already: neither step asks again
+        await _plan(pilot)
         await pilot.press("ctrl+n")
         await settle_until(pilot, run_over)
         assert "3 / 3" in app.screen.query_one("#progress-facts").text
