@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import unicodedata
 
 from test_app_defects import _app
@@ -49,8 +50,6 @@ async def test_a_prompt_longer_than_the_context_is_a_bad_line_on_plan_as_mlight_
     """400 prompts, one of 2481 tokens for the demo model's 2048: Plan said "fits" and planned for it, the run
     skipped it unasked and ended on "399 / 400", where `mlight run` refuses the file without --skip-bad. Plan
     sets it aside with the bad lines, plans without it and asks before skipping it."""
-    import json
-
     from test_app_defects import _check, _plan
     from test_app_support import run_over, settle_until, status_text
 
@@ -79,3 +78,31 @@ async def test_a_prompt_longer_than_the_context_is_a_bad_line_on_plan_as_mlight_
     assert [json.loads(x)["id"] for x in (workdir / "results.jsonl").read_text().splitlines()] == ["q0", "q1", "q2"]
     (reject,) = [json.loads(x) for x in (workdir / "results.jsonl.rejected.jsonl").read_text().splitlines()]
     assert reject["id"] == "long" and "the model's context is 2048 tokens" in reject["reason"]
+
+
+def test_this_runs_new_tokens_are_the_results_tokens(workdir):
+    """400 prompts on the demo model, one run: "Tokens 42,331 new (this run)" beside "Saved 42,211 new" and
+    Results' "42,211 tokens generated" — the 120 requests that ended on the end-of-text token had it counted
+    by the decode step that sampled it, though it is no output. The real engine, a run from nothing: this
+    run's new tokens are the saved ones."""
+    from pathlib import Path
+
+    from app.tui.backend import Backend
+    from app.tui.messages import RunEnded
+    from app.tui.runjob import RunJob
+
+    questions = Path(__file__).parents[1] / "core" / "assets" / "mt_bench_questions.jsonl"
+    prompts = [json.loads(line)["turns"][0] for line in questions.read_text(encoding="utf-8").splitlines()[:12]]
+    Path("p.txt").write_text("\n".join(p.replace("\n", " ") for p in prompts) + "\n", encoding="utf-8")
+    b = Backend()
+    b.set_max_new_tokens(48)
+    machine = b.machine()
+    model, view = b.open_model("demo", machine), b.read_prompts(Path("p.txt"))
+    ended = []
+    job = RunJob(b, model, view, b.plan(model, machine, view, None, None), workdir / "o.jsonl",
+                 post=lambda m: ended.append(m.snapshot) if isinstance(m, RunEnded) else None)
+    assert job.run() == "done"
+    records = [json.loads(x) for x in (workdir / "o.jsonl").read_text().splitlines()]
+    assert any(r["finish_reason"] == "stop" for r in records)  # the case: some end on the end-of-text token
+    (snap,) = ended
+    assert snap.tokens_out == snap.saved_out == sum(r["output_tokens"] for r in records)

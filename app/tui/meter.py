@@ -278,14 +278,18 @@ class RunMeter:
             self._saves[0] += 1
             self._saves[1] += seconds
 
-    def add_result(self, output_tokens: int, max_new_tokens: int, request_id: str | None = None) -> None:
+    def add_result(self, output_tokens: int, max_new_tokens: int, request_id: str | None = None,
+                   eos: bool = False) -> None:
         with self._lock:
             self.done += 1
             self._admitted.pop(request_id, None)
             if output_tokens:
-                # a request's first token comes out of its prefill step, which counts prompt tokens only
-                self.tokens_out += 1
-                self._session_tokens += 1
+                # a request's first token comes out of its prefill step, which counts prompt tokens only; one that
+                # ended on the end-of-text token sampled it in a decode step, which counted it, but it is not output:
+                # the new tokens are the results' (as `mlight run` and Results count them)
+                kept = 0 if eos else 1
+                self.tokens_out += kept
+                self._session_tokens += kept
             # the tokens it did not generate are not work left, nor is its first one (its prefill made it,
             # and no decode step counted it)
             self.budget_tokens = max(0, self.budget_tokens - max(0, max_new_tokens - output_tokens)

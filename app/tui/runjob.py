@@ -127,6 +127,7 @@ class RunJob:
             self._set_state("running" if not self.paused else "paused")
             todo = [requests[e.id] for e in self.prompts.prompts.entries if e.id not in self.records]
             max_new = {r.id: r.max_new_tokens for r in todo}
+            has_stop = {r.id: bool(getattr(r, "stop", None)) for r in todo}
             self.meter.expect([(r.id, len(engine.prompt_token_ids(r)), r.max_new_tokens) for r in todo],
                               min(self.plan.policy.batch_size, len(todo)))
             from core.runtime.fold_back import RunSums, fold_back
@@ -136,7 +137,9 @@ class RunJob:
                 self.records[rid] = record
                 out = int(record.get("output_tokens", 0))
                 self._count_saved(record)
-                self.meter.add_result(out, max_new.get(rid, out), rid)
+                # "stop" without stop strings: the end-of-text token, sampled but not output
+                eos = record.get("finish_reason") == "stop" and not has_stop.get(rid, False)
+                self.meter.add_result(out, max_new.get(rid, out), rid, eos)
                 self._post_update()
 
             sums = RunSums(forward=self._sink)  # the run's own figures, for this machine's history at its end
