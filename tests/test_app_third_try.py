@@ -6,8 +6,8 @@ import json
 import unicodedata
 
 from test_app_defects import _app
-from test_app_snapshots import workdir  # noqa: F401 - the fixture
-from test_app_support import settle, sync
+from test_app_snapshots import _t4, workdir  # noqa: F401 - the fixture
+from test_app_support import FrozenClock, ScriptedBackend, settle, sync
 
 WIDE = (120, 40)
 
@@ -106,3 +106,28 @@ def test_this_runs_new_tokens_are_the_results_tokens(workdir):
     assert any(r["finish_reason"] == "stop" for r in records)  # the case: some end on the end-of-text token
     (snap,) = ended
     assert snap.tokens_out == snap.saved_out == sum(r["output_tokens"] for r in records)
+
+
+@sync
+async def test_the_tokenizer_is_read_while_the_prompts_are_chosen(workdir):
+    """Ctrl+N on Prompts with 400 prompts showed the plan after ≈ 10 s, most of it importing transformers and
+    reading the tokenizer (counting the 400 prompts takes 0.3 s): the Model step reads it in its worker once the
+    model is open, so it is ready before Plan asks."""
+    from test_app_support import settle_until
+
+    read = []
+
+    class Backend(ScriptedBackend):
+        def _once(self, key, make, fresh=False):
+            if key[0] == "tokenizer":
+                read.append(type(app.screen).__name__)
+            return super()._once(key, make, fresh)
+
+    app = _app(backend=Backend(hardware=_t4(), clock=FrozenClock()))
+    async with app.run_test(size=WIDE) as pilot:
+        await settle_until(pilot, lambda app: app.session.machine is not None)
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        await pilot.press("d")
+        await settle_until(pilot, lambda app: read)
+        assert read[0] == "ModelScreen", read

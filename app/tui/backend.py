@@ -269,19 +269,24 @@ class Backend:
         self.max_new_tokens = n
 
     # ---- plan ---------------------------------------------------------------------------------
+    def tokenizer(self, model: ModelView) -> Any:
+        """The model's tokenizer, read once: transformers' import and the files take seconds the first time, so
+        the Model step reads it while prompts are chosen, before Plan counts them."""
+        def read():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(model.path), local_files_only=True, trust_remote_code=False)
+
+        return self._once(("tokenizer", str(model.path)), read)
+
     def prompt_lengths(self, model: ModelView | None, prompts: PromptsView) -> list[int] | None:
         """Every prompt's length in tokens as the engine will see it (the model's tokenizer, the chat template
         for `messages`), or None where the tokenizer cannot be loaded here (the plan then estimates)."""
         if model is None or not prompts.count:
             return None
 
-        def tokenizer():
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(str(model.path), local_files_only=True, trust_remote_code=False)
-
         def count() -> dict[str, int]:
-            tok = self._once(("tokenizer", str(model.path)), tokenizer)
+            tok = self.tokenizer(model)
             out = {}
             for e in prompts.prompts.entries:
                 if e.messages is not None:
