@@ -300,12 +300,6 @@ class CudaDevice(Device):
             ev.record(s)
             poll(ev.query, self.wait_seconds, f"the work queued on stream {i}")
 
-    def empty(self, shape, dtype):
-        return torch.empty(shape, dtype=dtype, device=self.torch_device)
-
-    def zeros(self, shape, dtype):
-        return torch.zeros(shape, dtype=dtype, device=self.torch_device)
-
     def to_device(self, t):
         return t.to(self.torch_device)
 
