@@ -67,6 +67,10 @@ class StepCounts:
     step: LayerCounts  # work outside any layer's tasks: embeddings, logits, the executor's start and end
     seconds: float  # host wall time of the step
 
+    def ops_per_micro_batch(self, layer: int) -> float:
+        """GPU-stream operations of one micro-batch in one layer (pre- and post-attention and its FFN share)."""
+        return self.layers[layer].total_ops / self.micro_batches
+
     def waits(self, layer: int) -> int:
         return self.layers[layer].total_waits
 
