@@ -193,7 +193,6 @@ class RunStore:
                         f"{self.run_path.name} holds an unfinished run ({len(records):,} result"
                         f"{'s' if len(records) != 1 else ''}) made with {' and '.join(diff)}",
                         "rerun with --restart to discard them and start over, or choose another --out")
-            if old is not None and not restart:
                 self.done = records
                 self.resumed = True
                 self._open_append()
