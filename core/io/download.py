@@ -15,6 +15,7 @@ huggingface_hub with an HTTP Range request (up to 5 times while data keeps arriv
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -344,11 +345,8 @@ def _hub_error(e: Exception, repo_id: str, revision: str | None, filename: str |
     if _is_network(e):
         return MlightError(f"the download of {what} failed: the connection to the Hub was lost",
                            "rerun the same command; files already downloaded are kept")
-    if isinstance(e, OSError):
-        import errno
-
-        if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-            return MlightError(f"disk full while downloading {what}", "free some space and rerun the same command")
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        return MlightError(f"disk full while downloading {what}", "free some space and rerun the same command")
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     return MlightError(f"the download of {what} failed: {first}",
                        "rerun the same command; files already downloaded are kept")

@@ -29,6 +29,7 @@ Semantics every implementation keeps (the CUDA ones):
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Callable
 
@@ -393,8 +394,6 @@ DEVICE_KINDS = ("cpu", "cuda", "emulated")
 def default_device_kind() -> str:
     """$MLIGHT_DEVICE (cpu | cuda | emulated) if set — the test suite sets cpu so that nothing runs on
     a GPU by accident — else CUDA when torch sees one, else the CPU."""
-    import os
-
     env = os.environ.get("MLIGHT_DEVICE", "").strip().lower()
     if env:
         return env

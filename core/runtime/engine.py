@@ -11,6 +11,7 @@ where and how the model runs here and reads and readies it through the steps in 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,9 +28,9 @@ from core.model.gguf.load import load_tokenizer as load_gguf_tokenizer
 from core.model.quant.formats import parse_choice
 from core.model.cpu import compute as cpu_compute
 from core.model.cpu.threads import Governor, worker_setup
-from core.plan.hardware import gpu_compute_dtype
+from core.plan.hardware import cached_cpu_rates, cached_probe, gpu_compute_dtype
 from core.plan.policy import SCHEDULES, expert_split, kv_gpu_layers
-from core.runtime.device import Device, resolve_device
+from core.runtime.device import Device, default_device_kind, resolve_device
 from core.runtime.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
 from core.runtime.frozen_heap import frozen_heap
 from core.runtime.pipeline import PipelineRunner
@@ -147,8 +148,6 @@ def run_config(device: str | None = None, executor: str | None = None, schedule:
                resident_layers: int | None = None, expert_group: int = 1) -> RunConfig:
     """Defaults: the default device (core.runtime.device.default_device_kind: $MLIGHT_DEVICE, else CUDA
     when present, else the CPU); the executor matching the device."""
-    from core.runtime.device import default_device_kind
-
     if device is None:
         device = "cuda" if executor == "cuda" and default_device_kind() == "cpu" else (
             "cpu" if executor in ("sequential", "threaded") else default_device_kind())
@@ -403,8 +402,6 @@ class Engine:
 
     def _release_device(self) -> None:
         """Give back device memory that nothing references any more (cycles included)."""
-        import gc
-
         gc.collect()
         self.dev.empty_cache()
 
@@ -584,15 +581,11 @@ class Engine:
 
 def _probed_cpu_rates() -> dict[str, float] | None:
     """The probe's measured per-dtype CPU matmul rates when this machine was probed (never measures)."""
-    from core.plan.hardware import cached_cpu_rates
-
     return cached_cpu_rates()
 
 
 def _h2d_rate() -> float:
     """The host→device rate the probe measured on this machine, else a PCIe 4.0 x16 link's practical 25 GB/s."""
-    from core.plan.hardware import cached_probe
-
     hw = cached_probe()
     return hw.h2d_bw if hw is not None and hw.h2d_bw > 0 else 25e9
 
