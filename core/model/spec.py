@@ -381,10 +381,6 @@ class ModelSpec:
         return (self.nonexpert_bytes - self.global_bytes) // self.num_layers
 
     @property
-    def layer_bytes(self) -> int:
-        return self.layer_nonexpert_bytes + self.layer_expert_bytes
-
-    @property
     def global_bytes(self) -> int:
         return sum(_numel(s) for s in self.global_shapes().values()) * self.dtype_bytes
 

@@ -133,9 +133,6 @@ class LayerLayout:
                 out.append((name, off, shape, math.prod(shape[1:]) * unit))
         return out
 
-    def expert_names(self) -> list[str]:
-        return [n for n, off, _ in self.entries if off >= self.expert_start]
-
     def expert_views(self, region: torch.Tensor, dtype: torch.dtype | None = None, scratch: dict | None = None) -> dict:
         """The experts over a buffer holding only the expert region: {"w13", "w2"} tensors, or for a
         quantized layout {"quant": QuantExperts} computing in `dtype`."""
@@ -372,11 +369,6 @@ class ModelWeights:
     @property
     def packed(self) -> bool:
         return any(lw.packed is not None for lw in self.layers)
-
-    @property
-    def expert_layout(self) -> LayerLayout:
-        """The layout of an MoE layer: its expert region is what streams (the same in every MoE layer)."""
-        return next((lw.layout for i, lw in enumerate(self.layers) if self.spec.is_moe(i)), self.layers[0].layout)
 
     @property
     def scheme(self):

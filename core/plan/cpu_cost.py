@@ -25,7 +25,7 @@ from core.model import limits
 VERSION = 16  # 16: twelve fitted coefficients and a band (15 and before: pieces and run factors)
 NAMES = ("flop_s", "weight_s", "expert_flop_s", "expert_weight_s", "expert_call_s", "kv_s", "elem_s", "sdpa_flop_s",
          "prefill_tok_s", "task_s", "step_s", "wave_s")
-MIN_BAND = 0.05  # never narrower than this machine's run-to-run spread of one run (bench/RESULTS.md, noise)
+MIN_BAND = 0.05  # never narrower than this machine's run-to-run spread of one run
 DEFAULT_BAND = 0.5  # a machine never calibrated: the probe's rates with typical overheads
 
 

@@ -31,7 +31,7 @@ DERATE = {"gpu_flops": 0.5, "gpu_bw": 0.77, "h2d_bw": 0.77, "d2h_bw": 0.77, "cpu
 GPU_LAUNCH = 10e-6
 # Share of the CPU's matmul rate that torch's weight-only kernels reach on quantized experts once
 # several tokens share an expert (they expand each weight in registers): ≈ 170 GFLOP/s a Zen 5 core at
-# 16-64 rows for int4 and int8 against ≈ 380 for oneDNN's bf16 GEMM (bench/quant_cpu.py, RESULTS.md).
+# 16-64 rows for int4 and int8 against ≈ 380 for oneDNN's bf16 GEMM.
 # Used only where the hardware probe has not measured the kernel itself (HardwareSpec.cpu_matmul["int4"]).
 CPU_KERNEL_FLOPS = {"int8": 0.45, "int4": 0.45}
 COPY_LAUNCH = 10e-6
@@ -44,7 +44,7 @@ ALLREDUCE_LATENCY = 50e-6
 # The host side of a task, serialised across the executor's threads by Python's GIL: the executor's
 # own cost per task (queue handoff, dependency and timing events) plus, for every torch op the task
 # issues, its Python dispatch and CUDA launch. Set from the first real-GPU run (bench/gpu_check.py on an
-# H200 host, 16 vCPUs, bench/RESULTS.md "GPU path on a real GPU"): the CUDA executor's empty task cost
+# H200 host, 16 vCPUs): the CUDA executor's empty task cost
 # 82 µs there (19 µs over the emulated device on a 2-core EPYC: real event calls are dearer), and the
 # decode steps' GPU stream, launch-bound at μ = 4, took 22–29 µs per op across the three schedules — a
 # real layer's ops under the executor's threads, not the 7.4 µs of one tiny add_ alone. With 8 µs the
@@ -72,7 +72,7 @@ EXPERT_PATHS = {"fused": (24, 0), "grouped": (HOST_OPS["ffn"], 0), "padded": (HO
 # None: the path today's runtime picks (expert_path); a name of EXPERT_PATHS where every FFN runs one path
 DEFAULT_EXPERT_PATH: str | None = None
 # Page-locking host memory (cudaHostRegister), bytes/s: ≈ 2 GB/s on the H200 host (about 11 s for the 23.5 GB
-# that streamed, bench/RESULTS.md "GPU path on a real GPU"). HardwareSpec.pin_bw replaces it where measured.
+# that streamed, on the first real-GPU run). HardwareSpec.pin_bw replaces it where measured.
 # A run pays it once per loaded model (the first run of a model), before its first token.
 PIN_BW = 2e9
 

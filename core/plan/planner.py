@@ -705,12 +705,14 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
         top.sort(key=lambda c: -predict(_policy(c, c.r_w, c.r_c, model, ranks), full_model, full_hw,
                                         workload).tokens_per_s)
     best = None
-    # re-solve the best candidate's fractions with CBC, and those of GPU-attention candidates, where
-    # the joint LP over (r_w, r_c) can beat the fast path's r_c grid; keep the better answer of the two
+    # the best candidate and the GPU-attention ones: their fractions re-solved with CBC where the joint LP over
+    # (r_w, r_c) can beat the fast path's r_c grid (with r_c fixed at 0 the fast path is exact); the better answer
     for c in [top[0]] + [c for c in top[1:] if c.place[0] == "gpu"]:
-        lp = solve_fractions_lp(c.lin, model.num_layers, workload.gen_len, gpu_limit, cpu_limit, c.place[0] == "gpu")
-        t, r_w, r_c = lp if lp is not None and lp[0] < c.seconds_per_token * c.n * workload.gen_len else (
-            c.seconds_per_token * c.n * workload.gen_len, c.r_w, c.r_c)
+        t, r_w, r_c = c.seconds_per_token * c.n * workload.gen_len, c.r_w, c.r_c
+        if c.place[0] == "gpu":
+            lp = solve_fractions_lp(c.lin, model.num_layers, workload.gen_len, gpu_limit, cpu_limit, True)
+            if lp is not None and lp[0] < t:
+                t, r_w, r_c = lp
         if best is None or t / c.n < best[0]:
             best = (t / c.n, c, r_w, r_c)
     _, c, r_w, r_c = best
