@@ -399,21 +399,19 @@ def decode_attention(m: "ModelSpec | Dims", t: float, c: float) -> Work:
     one recurrent step over a fixed state. Each query reads its own state, so intensity does not grow
     with t: ≈ 2·(Hq/Hkv)/dtype_bytes for GQA, ≈ 2·H/dtype_bytes for MLA (one latent for all heads)."""
     d = dims(m)
-    fl = by = 0.0
-    for x in d.mixers:
-        f, b = x.decode(t, c, d.dt)
-        fl, by = fl + x.count * f, by + x.count * b
-    return Work(fl / d.layers, by / d.layers)
+    return _mixed(d, lambda x: x.decode(t, c, d.dt))
 
 
 def prefill_attention(m: "ModelSpec | Dims", seqs: float, s: float) -> Work:
     """Causal attention over seqs prompts of s tokens, flash-style (K, V read once per query block)."""
     d = dims(m)
-    fl = by = 0.0
-    for x in d.mixers:
-        f, b = x.prefill(seqs, s, d.dt)
-        fl, by = fl + x.count * f, by + x.count * b
-    return Work(fl / d.layers, by / d.layers)
+    return _mixed(d, lambda x: x.prefill(seqs, s, d.dt))
+
+
+def _mixed(d: Dims, work) -> Work:
+    """The average layer's Work of its token mixer: `work(mixer cost)` -> (FLOPs, bytes), weighted by layers."""
+    parts = [(x.count, *work(x)) for x in d.mixers]
+    return Work(sum(n * f for n, f, _ in parts) / d.layers, sum(n * b for n, _, b in parts) / d.layers)
 
 
 def lm_head(m: "ModelSpec | Dims", t: float) -> Work:
