@@ -465,7 +465,7 @@ def _unpin_all(pins: dict) -> None:
 
 
 def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
-                 pin: bool | None = None, progress: EventSink = ignore, quant: Format | None = None,
+                 progress: EventSink = ignore, quant: Format | None = None,
                  use_cache: bool = True, shard=None) -> ModelWeights:
     """Read a checkpoint into paged per-layer buffers (and plain tensors for embeddings and head).
 
@@ -474,8 +474,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
 
     With `quant` the experts are quantized layer by layer as they are read (or read back from the
     quantized cache, see core.model.quant.cache): memory peaks at the quantized model plus one layer
-    in the compute dtype. `pin` is accepted and unused: the runtime page-locks what streams, at its exact
-    size (ModelWeights.pin_streamed)."""
+    in the compute dtype. The runtime page-locks what streams, at its exact size (ModelWeights.pin_streamed)."""
     if pages_per_layer < 1:
         raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
     mxfp4 = spec.quant_method == "mxfp4" and spec.family == "gpt_oss"  # experts read as the 4-bit blocks they are

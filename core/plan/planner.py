@@ -116,11 +116,6 @@ def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[
     return gpu, cpu
 
 
-def pinned_bytes(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> int:
-    """Page-locked host bytes: the streamed experts' part of each layer's buffer and the staging arena."""
-    return _memory(hrm.dims(m), p, w)[2]
-
-
 def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[str, int], int]:
     T = tokens_per_slot(w)
     N, mu, beta = p.batch_size, p.micro_batch_size, p.expert_batch_size
