@@ -30,7 +30,7 @@ from core.plan.parallel import default_ranks, rank_view
 from core.errors import BudgetError, UsageError
 from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy, Prediction, dense_layers, expert_split, kv_gpu_layers
-from core.plan.workload import SPREAD_SIGMA, Workload  # noqa: F401 (planner.Workload: the planner's input)
+from core.plan.workload import Workload  # noqa: F401 (planner.Workload: the planner's input)
 from core.model.limits import LOGIT_CHUNK_BYTES
 from core.model.limits import PADDED_MAX_TOKENS as PADDED_TOKENS  # expert calls this small run every expert
 from core.model.limits import STAGING_ALIGN as ALIGN  # the runtime's host staging arena aligns each buffer to this
