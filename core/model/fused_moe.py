@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from core.model.limits import FUSED_CHUNK_BYTES, FUSED_MAX_TOKENS
+from core.model.limits import FUSED_CHUNK_BYTES, FUSED_MAX_TOKENS, fused_block_rows
 from core.model.moe_align import moe_align, padded_slots
 from core.model.quant.formats import Format, dequantize
 
@@ -61,10 +61,11 @@ def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx
                             n_padded=n_padded, block_m=bm, triton=triton)
     gus = [run(h, stacks, fmt, top_k=k, route_w=None, biases=bias, pair_expert=pair_e if bias else None)
            for fmt, stacks, bias in up]
-    gu = gus[0] if len(gus) == 1 else torch.cat(gus, -1)
+    mid = act(gus[0] if len(gus) == 1 else torch.cat(gus, -1))
+    gus = None  # each intermediate goes as soon as the next is made (the planner counts them so)
     fmt, stacks, bias = down
-    ys = run(act(gu), stacks, fmt, top_k=1, route_w=weights.reshape(-1), biases=bias,
-             pair_expert=pair_e if bias else None)
+    ys = run(mid, stacks, fmt, top_k=1, route_w=weights.reshape(-1), biases=bias, pair_expert=pair_e if bias else None)
+    mid = None
     return ys.view(T, k, -1).sum(1)  # pair p = t·k + j: each token's k rows are adjacent
 
 
@@ -132,12 +133,8 @@ def _use_triton(h: torch.Tensor, fmts: list[str], backend: str | None) -> bool:
 
 
 def _block_m(pairs: int, num_experts: int, triton: bool) -> int:
-    """The kernel's own choice; the torch form takes blocks about as tall as an expert's mean load (fewer
-    gathers of one expert's weights), 16 to 256 rows."""
-    if triton:
-        return _triton().pick_block_m(pairs, num_experts)
-    mean = -(-pairs // max(1, min(num_experts, pairs)))
-    return min(256, max(16, 1 << (mean - 1).bit_length()))
+    """The kernel's own choice, or the torch form's (core.model.limits.fused_block_rows)."""
+    return _triton().pick_block_m(pairs, num_experts) if triton else fused_block_rows(pairs, num_experts)
 
 
 # ---- the ops ------------------------------------------------------------------------------------------------

@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import torch
 
-
-def padded_slots(pairs: int, num_experts: int, block_m: int) -> int:
-    """S: the slots any routing of `pairs` pairs over `num_experts` experts needs at most — every pair, plus
-    up to BM − 1 of padding for each expert that can get a pair — rounded up to a whole block."""
-    s = pairs + min(num_experts, pairs) * (block_m - 1)
-    return -(-s // block_m) * block_m
+from core.model.limits import fused_slots as padded_slots  # the planner sizes it too
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
