@@ -152,7 +152,7 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
         "kv_cache": int(kv_gpu * kv_layer),
         "kv_buffers": kv_ring,
         "staging": qkv_o + 2 * T * d.head_dim * d.dt,  # + the RoPE tables
-        "dequant_scratch": d.scratch,  # quantized experts expand one at a time next to the matmul
+        "dequant_scratch": 0,  # the fused expert path dequantizes inside its kernel (core.model.fused_moe)
         "activations": _gpu_activations(d, p, w, split=any(0 < r < E for r in resident)),
     }
     # the runtime's arena, in its order: per micro-batch its D1 and D2 buffers, decode and prefill logits (fp32)
