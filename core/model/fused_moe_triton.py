@@ -10,16 +10,16 @@ Dequantization is `core.model.quant.formats.dequantize`'s arithmetic in fp32 (bl
 formats), rounded once to the compute dtype: the same weights the expand-then-`F.linear` path multiplies.
 Formats: bf16/fp16 (`{"w"}`), int8, int4 (any group), gpt-oss mxfp4, GGUF Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4.
 
-What triton 3.9.0 does on Turing (SM75, T4), from its own source and binary in the venv:
-- backends/nvidia/compiler.py (`CUDABackend.parse_options`, `make_ttgir`): no minimum capability; capabilities
-  below 80 only change the fp8 conversions (`get_codegen_implementation`: convert_custom_float8_sm70) and
-  skip the Ampere pipelining passes. The bundled ptxas (CUDA 12.9) still targets sm_75.
-- The dot lowering (C++, in _C/libtriton.so; lib/Dialect/TritonGPU/Transforms/AccelerateMatmul.cpp
-  `getMMAVersionSafe`: 75 <= cc < 90 -> mma v2) emits for Turing only the entries of `mmaInstrPtxTuring`
-  (DotOpToLLVM/MMAv2.cpp; its strings are in the binary): mma.sync m16n8k8 f16·f16 -> f32/f16 and
-  m8n8k16 s8. There is no bf16 entry (bf16 mma needs sm_80 in PTX), so bf16 runs from SM80 on and T4
-  computes in fp16; compiling this kernel for GPUTarget("cuda", 75, 32) here gives mma.sync.aligned.m16n8k8
-  f16 for fp16 (tests/test_fused_moe_triton.py checks that when triton can compile).
+What triton 3.9.0 does on Turing (SM75, T4), from its source and the binary in the venv:
+- backends/nvidia/compiler.py (`CUDABackend.parse_options`, `make_ttgir`) sets no minimum capability; below 80
+  it only swaps the fp8 conversions (`get_codegen_implementation`) and skips the software pipeliner. The
+  bundled ptxas (CUDA 12.9) targets sm_75: this kernel compiles for GPUTarget("cuda", 75, 32) here.
+- But the dot takes no tensor cores there: AccelerateMatmul.cpp `BlockedToMMA::matchAndRewrite` returns
+  failure below capability 80 ("Dot op using MMA for compute capability ... has been deprecated. It falls back
+  to the FMA path.", a string in _C/libtriton.so), although MMAv2.cpp still has its `mmaInstrPtxTuring`
+  table (f16 m16n8k8, no bf16). Compiled here: sm_75 PTX has fma.rn.f32 and no mma, fp16 or bf16; sm_80
+  has mma.sync m16n8k16 (tests/test_fused_moe_triton.py pins both). So on a T4 the kernel runs, in fp16
+  (T4 has no bf16 arithmetic), as fp32 FMA: one launch a projection, without tensor cores (MMA_FROM).
 Legend: T = tokens, k = top_k, E = experts, n = experts in the part, N = outputs, K = inputs,
 BM/BN/BK = tile sizes, p = pair.
 """
@@ -39,7 +39,7 @@ _CODES = {None: (0, 0, 1), "int8": (1, 0, 1), "int4": (2, 0, 1), "mxfp4": (3, 0,
           "Q4_0": (5, 18, 32), "MXFP4": (6, 17, 32), "Q4_K": (7, 144, 256), "Q5_K": (8, 176, 256),
           "Q6_K": (9, 210, 256)}
 _PARTS = {0: ("w", None), 1: ("q", "scale"), 2: ("q", "sz"), 3: ("blocks", "scales")}  # else ("raw", None)
-_MIN_BM = 16  # tl.dot's smallest tile that uses the tensor cores (mma m16)
+MMA_FROM = (8, 0)  # from this capability on tl.dot runs on tensor cores (mma v2+); below it, FMA
 
 
 def unsupported(fmt, dtype, capability: tuple[int, int]) -> str | None:
@@ -54,11 +54,10 @@ def unsupported(fmt, dtype, capability: tuple[int, int]) -> str | None:
     if dtype not in (torch.float16, torch.bfloat16):
         return f"the fused MoE kernel computes in fp16 or bf16, not {dtype}"
     if tuple(capability) < (7, 5):
-        return (f"compute capability {capability[0]}.{capability[1]} is below Turing: triton 3.9 gives it no "
-                "tensor-core dot this kernel is written for (getMMAVersionSafe picks mma v1 there)")
-    if dtype == torch.bfloat16 and tuple(capability) < (8, 0):
-        return ("bf16 needs SM80+: triton 3.9's Turing MMA (mmaInstrPtxTuring) has fp16 only and SM75 has no bf16 "
-                "tensor cores; compute in fp16")
+        return f"compute capability {capability[0]}.{capability[1]} is older than the T4 (7.5), the oldest GPU mlight plans for"
+    if dtype == torch.bfloat16 and tuple(capability) < MMA_FROM:
+        return ("bf16 needs SM80+: SM75 has no bf16 arithmetic (triton 3.9 would emulate it through fp32 FMA); "
+                "compute in fp16 there")
     return None
 
 
