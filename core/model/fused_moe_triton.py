@@ -143,11 +143,14 @@ def _moe_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_padd
     # tl.full, not tl.zeros: zeros is a @jit function of triton.language.standard, jitted for the GPU when triton
     # was imported before TRITON_INTERPRET was set, which the interpreter cannot call; builtins work either way
     acc = tl.full((BM, BN), 0.0, tl.float32)
+    # A quantized tile never straddles a scale: BK divides int4's group, and is 32 for the block formats (one
+    # block, or one 32-value sub-block of a K-quant's 256), so scales load once a tile as [1, BN] rows.
+    nmask = n_ok[None, :]
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         k_ok = offs_k < K
         kk = offs_k[:, None]  # [BK, 1]
-        wmask = k_ok[:, None] & n_ok[None, :]
+        wmask = k_ok[:, None] & nmask
         x = tl.load(a_rows + offs_k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
         if FMT == 0:
             wt = tl.load(w_rows + kk, mask=wmask, other=0.0)
@@ -156,31 +159,32 @@ def _moe_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_padd
         elif FMT == 2:  # int4: even k in the low nibble; sz = (scale, zero) bf16 per group of GROUP inputs
             byte = tl.load(w_rows + kk // 2, mask=wmask, other=0).to(tl.int32)
             q = ((byte >> ((kk % 2) * 4)) & 15).to(tl.float32)
-            sz = s_rows + (kk // GROUP) * 2
-            wt = (q - 8.0) * tl.load(sz, mask=wmask, other=0.0).to(tl.float32) \
-                + tl.load(sz + 1, mask=wmask, other=0.0).to(tl.float32)
+            sz = s_rows + (k0 // GROUP) * 2
+            wt = (q - 8.0) * tl.load(sz, mask=nmask, other=0.0).to(tl.float32) \
+                + tl.load(sz + 1, mask=nmask, other=0.0).to(tl.float32)
         elif FMT == 3 or FMT == 6:  # mxfp4: e2m1 values times 2^(e - 127), e8m0 e per 32 inputs
             if FMT == 3:  # gpt-oss: e2m1 pairs (even k low), exponents apart
                 byte = tl.load(w_rows + kk // 2, mask=wmask, other=0).to(tl.int32)
                 q = (byte >> ((kk % 2) * 4)) & 15
-                ex = tl.load(s_rows + kk // 32, mask=wmask, other=127).to(tl.int32)
+                ex = tl.load(s_rows + k0 // 32, mask=nmask, other=127).to(tl.int32)
             else:  # GGUF: e u8 | 16 bytes, low nibbles are values 0..15, high 16..31 (2^(e-128) · 2·e2m1)
-                blk = w_rows + (kk // 32) * 17
+                blk = w_rows + (k0 // 32) * 17
                 i = kk % 32
                 q = (tl.load(blk + 1 + i % 16, mask=wmask, other=0).to(tl.int32) >> ((i // 16) * 4)) & 15
-                ex = tl.load(blk, mask=wmask, other=127).to(tl.int32)
+                ex = tl.load(blk, mask=nmask, other=127).to(tl.int32)
             m = (q & 1).to(tl.float32)
             em = (q >> 1) & 3
             mag = tl.where(em == 0, 0.5 * m, (2.0 + m) * (1 << em).to(tl.float32) * 0.25)  # 0 .5 1 1.5 2 3 4 6
             # 2^(ex - 127) from its bits, exactly (e = 0 is the subnormal 2^-127, e = 255 is inf like ldexp)
             pow2 = tl.where(ex == 0, 5.877471754111438e-39, (ex << 23).to(tl.float32, bitcast=True))
             wt = tl.where(q >= 8, -mag, mag) * pow2
-        else:  # GGUF blocks: BK = 32 values of one block (a sub-block of a 256-value K-quant one)
-            blk = w_rows + (kk // BLOCK_VALS) * BLOCK_BYTES  # [BK, BN] block starts
-            i = kk % BLOCK_VALS
+        else:  # GGUF blocks
+            blk = w_rows + (k0 // BLOCK_VALS) * BLOCK_BYTES  # [1, BN] this tile's block in each row
+            i0 = k0 % BLOCK_VALS  # where the tile starts in its block
+            i = i0 + tl.arange(0, BK)[:, None]  # [BK, 1]
             d_at = blk + 208 if FMT == 9 else blk  # the f16 scale d: Q6_K keeps it last
-            d = (tl.load(d_at, mask=wmask, other=0).to(tl.uint16)
-                 | (tl.load(d_at + 1, mask=wmask, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
+            d = (tl.load(d_at, mask=nmask, other=0).to(tl.uint16)
+                 | (tl.load(d_at + 1, mask=nmask, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
             d = d.to(tl.float32)
             if FMT == 4:  # Q8_0: d f16 | q int8[32]
                 wt = tl.load(blk + 2 + i, mask=wmask, other=0).to(tl.int8, bitcast=True).to(tl.float32) * d
@@ -195,13 +199,12 @@ def _moe_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_padd
                 sc = tl.load(blk + 192 + i // 16, mask=wmask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
                 wt = (d * sc) * ((lo | (hi << 4)) - 32).to(tl.float32)
             else:  # Q4_K / Q5_K: d, dmin f16 | 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32
-                dmin = (tl.load(blk + 2, mask=wmask, other=0).to(tl.uint16)
-                        | (tl.load(blk + 3, mask=wmask, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
-                j = i // 32
-                jj = j % 4
-                b0 = tl.load(blk + 4 + jj, mask=wmask, other=0).to(tl.int32)
-                b1 = tl.load(blk + 8 + jj, mask=wmask, other=0).to(tl.int32)
-                b2 = tl.load(blk + 12 + jj, mask=wmask, other=0).to(tl.int32)
+                dmin = (tl.load(blk + 2, mask=nmask, other=0).to(tl.uint16)
+                        | (tl.load(blk + 3, mask=nmask, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
+                j = i0 // 32  # the tile's sub-block
+                b0 = tl.load(blk + 4 + j % 4, mask=nmask, other=0).to(tl.int32)
+                b1 = tl.load(blk + 8 + j % 4, mask=nmask, other=0).to(tl.int32)
+                b2 = tl.load(blk + 12 + j % 4, mask=nmask, other=0).to(tl.int32)
                 sc = tl.where(j < 4, b0 & 63, (b2 & 15) | ((b0 >> 2) & 48)).to(tl.float32)
                 mn = tl.where(j < 4, b1 & 63, (b2 >> 4) | ((b1 >> 2) & 48)).to(tl.float32)
                 qs = blk + 16 if FMT == 7 else blk + 48  # Q5_K keeps the fifth bits qh[32] first
