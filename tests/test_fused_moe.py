@@ -202,7 +202,7 @@ from test_fused_moe import _layer, _routing, _err, reference
 from core.model.moe import device_experts
 from core.model.quant.formats import Format
 fmt = None if {fmt!r} == "dense" else Format("int4", 32)
-dtype = torch.float16 if fmt is None else torch.float32
+dtype = torch.float16
 parts, w13, w2, _, _ = _layer(8, fmt, dtype, bias=False, seed=9)
 h, w, idx = _routing(8, 2, dtype, seed=10)
 kern = device_experts(h, parts(2), w, idx, grouped=False, backend="triton")
