@@ -9,7 +9,8 @@ the CPU's small-batch bf16 GEMMs ≈ 1.6× faster than plain row-major weights, 
 (bf16 experts on an AVX2 CPU, computed in fp32 one cache-sized tile at a time).
 Where both `grouped` and `loop` can run and the caller does not say, the faster on this machine is
 measured once per shape (core.model.expert_choice): with hundreds of small experts the loop's
-per-expert cost can dominate, with a few large ones grouped_mm's layout can.
+per-expert cost can dominate, with a few large ones grouped_mm's layout can. On an accelerator,
+`device_experts`: the fused path (core.model.fused_moe), or grouped_mm on long dense calls.
 Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert intermediate.
 """
 
