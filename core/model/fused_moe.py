@@ -128,8 +128,13 @@ def _use_triton(h: torch.Tensor, fmts: list[str], backend: str | None) -> bool:
         return backend == "triton"
     if not h.is_cuda:
         return False
-    cap = torch.cuda.get_device_capability(h.device)
+    cap = _capability(h.device.index or 0)
     return all(triton_runs(f, h.dtype, cap) for f in fmts)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _block_m(pairs: int, num_experts: int, triton: bool) -> int:

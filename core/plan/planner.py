@@ -216,7 +216,8 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
             return t * k * 33 + t * k * (D + ((4 if split else 3) + a - 1) * I + (4 * I if bias else 0)) * dt
         # the fused path (core.model.fused_moe): its block alignment (int32), then the largest of gate/up with
         # the activation's arrays, the activation beside the down projection's pairs, or those pairs beside
-        # their sum (a kernel's own work allocates nothing: biases and routing weights are applied in it)
+        # their sum (a kernel's own work allocates nothing: biases and routing weights are applied in it); the
+        # slots at the torch form's block rows, which are at least the Triton kernel's (core.model.limits)
         bm = fused_block_rows(t * k, E)
         S = fused_slots(t * k, E, bm)
         return 4 * (S + S // bm + 1) + max(t * k * (2 + a) * I, t * k * (I + D), t * k * D + t * D) * dt
