@@ -54,7 +54,8 @@ def unsupported(fmt, dtype, capability: tuple[int, int]) -> str | None:
     if dtype not in (torch.float16, torch.bfloat16):
         return f"the fused MoE kernel computes in fp16 or bf16, not {dtype}"
     if tuple(capability) < (7, 5):
-        return f"compute capability {capability[0]}.{capability[1]} is older than the T4 (7.5), the oldest GPU mlight plans for"
+        major, minor = capability
+        return f"compute capability {major}.{minor} is older than the T4 (7.5), the oldest GPU mlight plans for"
     if dtype == torch.bfloat16 and tuple(capability) < MMA_FROM:
         return ("bf16 needs SM80+: SM75 has no bf16 arithmetic (triton 3.9 would emulate it through fp32 FMA); "
                 "compute in fp16 there")
@@ -90,24 +91,26 @@ def moe_gemm(a, stack, fmt, out, sorted_ids, block_expert, n_padded, *, top_k: i
     BN = 64 if N > 32 else 32
     BK = 32 if code >= 3 else min(64, fmt.group) if code == 2 else 64  # a block format's tile is one block
     grid = (sorted_ids.numel() // block_m, math.ceil(N / BN))
-    _kernel()[grid](
+    import torch
+    from triton import knobs
+
+    interpret = bool(knobs.runtime.interpret)
+    _kernel(interpret)[grid](
         a, w, s, out, sorted_ids, block_expert, n_padded, route_w if route_w is not None else out,
         N, K, pairs, expert_base, w.shape[0],
         a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() > 1 else 0, out.stride(0),
         TOP_K=top_k, FMT=code, GROUP=getattr(fmt, "group", 0) or 1, BLOCK_BYTES=block_bytes,
-        BLOCK_VALS=block_vals, HAS_ROUTE=route_w is not None, BM=block_m, BN=BN, BK=BK)
+        BLOCK_VALS=block_vals, HAS_ROUTE=route_w is not None, DOT_F32=interpret and a.dtype == torch.bfloat16,
+        BM=block_m, BN=BN, BK=BK)
 
 
 _JITTED: dict[bool, object] = {}
 
 
-def _kernel():
+def _kernel(interpret: bool):
     """The jitted kernel, made on first launch rather than at import: `TRITON_INTERPRET` is read when a
     function is decorated, so a test (or the emulated device) that sets it after this module was imported
     still gets the interpreter."""
-    from triton import knobs
-
-    interpret = bool(knobs.runtime.interpret)
     if interpret not in _JITTED:
         _JITTED[interpret] = triton.jit(_moe_gemm)
     return _JITTED[interpret]
@@ -117,7 +120,7 @@ def _moe_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_padd
               N, K, pairs, expert_base, n_experts,
               stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
               TOP_K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_BYTES: tl.constexpr,
-              BLOCK_VALS: tl.constexpr, HAS_ROUTE: tl.constexpr,
+              BLOCK_VALS: tl.constexpr, HAS_ROUTE: tl.constexpr, DOT_F32: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -212,7 +215,11 @@ def _moe_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_padd
                 if FMT == 8:
                     q = q | (((tl.load(blk + 16 + i % 32, mask=wmask, other=0).to(tl.int32) >> j) & 1) << 4)
                 wt = (d * sc) * q.to(tl.float32) - dmin.to(tl.float32) * mn
-        acc = tl.dot(x, wt.to(x.dtype), acc)
+        wt = wt.to(x.dtype)  # rounded once to the compute dtype, as the expand path's weights
+        if DOT_F32:  # triton's interpreter multiplies bf16's storage bits: the same values in fp32 (exact products)
+            acc = tl.dot(x.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, wt, acc)
 
     if HAS_ROUTE:
         acc = acc * tl.load(route_ptr + p, mask=live, other=0.0).to(tl.float32)[:, None]
