@@ -1,17 +1,19 @@
 """The launch budget side by side (issue 42): today's expert path and graph against the new, in one run, on the
 emulated device — GPU-stream ops per micro-batch per layer, device copies and event waits per layer, host syncs
 per step and host milliseconds per layer of a steady CGOPipe decode step — for Mixtral-, Qwen3-30B-A3B- and
-DeepSeek-V3-shaped layers (hidden sizes scaled down; E and k the real ones). Prints the ratios today / new.
+DeepSeek-V3-shaped layers (hidden sizes scaled down; E and k the real ones). Prints the ratios today / new
+(t/new) and main / new (m/new).
 
     python bench/launch_budget.py [--formats bf16 int4] [--cap 9.0] [--micro-batches 4] [--pages 4] [--repeat 3]
 
 "today": main at 9839921 — the expert form device_experts took there (grouped_mm for bf16 on SM80+, else the
 padded table; quantized experts one by one), its graph's waits (every post-attention on every weight page of its
-layer, every page on the layer two back). "new": what the runner picks now (its default expert path) and the
-schedule's graph. Both run this tree's pre- and post-attention (RoPE gathered once a step, in four ops an
-apply; against main's, see test_rope_tables). Counted by core.runtime.op_count; host time is the emulated
-step's wall clock per layer, on this CPU (its launches and its arithmetic together: tiny shapes keep it mostly
-the former).
+layer, every page on the layer two back). "main": main at de986f2 — the same expert form (its device_experts,
+read from git) over this tree's graph: the expert path's share alone. "new": what the runner picks now (the fused
+expert path, core.model.fused_moe) and the schedule's graph. All run this tree's pre- and post-attention (RoPE
+gathered once a step, in four ops an apply; against main's, see test_rope_tables). Counted by
+core.runtime.op_count; host time is the emulated step's wall clock per layer, on this CPU (its launches and its
+arithmetic together: tiny shapes keep it mostly the former).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import collections
 import dataclasses
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -65,22 +68,46 @@ def todays_graph(tasks):
     return out
 
 
-def measure(path: Path, fmt: str, cap: tuple[int, int], today: bool, n: int, pages: int, repeat: int):
+MAIN = "de986f2"  # main before the fused expert path
+
+
+def mains_experts():
+    """main's device_experts (at MAIN), read from git into a module of its own: its slot table's token limit was
+    a shared number this tree no longer has, so it is given here."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{MAIN}:core/model/moe.py"], check=True,
+                         capture_output=True, text=True).stdout
+    src = src.replace("from core.model.limits import PADDED_MAX_TOKENS", "PADDED_MAX_TOKENS = 128  #")
+    mod = type(sys)("mains_moe")
+    exec(compile(src, f"{MAIN}:core/model/moe.py", "exec"), mod.__dict__)
+    old = mod.device_experts
+
+    def device_experts(h, parts, weights, idx, *, grouped=None, grouped_mm=True, act=None, backend=None):
+        return old(h, parts, weights, idx, grouped=grouped_mm if grouped is None else grouped, act=act)
+
+    return device_experts
+
+
+def measure(path: Path, fmt: str, cap: tuple[int, int], form: str, n: int, pages: int, repeat: int):
+    """form: today | main | new (the module's docstring)."""
+    from core.runtime import pipeline
+
     dev = EmulatedCuda(1024 * MiB, capability=cap)
     quant = {} if fmt == "bf16" else dict(quantize=fmt, group_size=32)
-    # today's form: grouped_mm where it ran (bf16 on SM80+), else the padded table / the per-expert loop
-    grouped = (fmt == "bf16" and cap >= (8, 0)) if today else None
-    engine = Engine.load(path, device=dev, executor="cuda", schedule="cgopipe", dtype="bfloat16", grouped=grouped,
+    engine = Engine.load(path, device=dev, executor="cuda", schedule="cgopipe", dtype="bfloat16",
                          pages_per_layer=pages, resident_experts=(0,) * 8, use_cache=False, **quant)
 
     def old_graph(runner):
         tasks, current = runner._graph("decode", n)
         runner._graphs[("decode", n)] = (todays_graph(tasks), current)
 
+    new_experts = pipeline.device_experts
+    if form != "new":
+        pipeline.device_experts = mains_experts()
     try:
         return steady_step(engine, micro_batches=n, micro_batch_size=2, prompt=6, repeat=repeat,
-                           prepare=old_graph if today else None)
+                           prepare=old_graph if form == "today" else None)
     finally:
+        pipeline.device_experts = new_experts
         engine.close()
 
 
@@ -122,15 +149,17 @@ def main(argv=None) -> int:
             E = over.get("num_local_experts") or over.get("num_experts") or over.get("n_routed_experts")
             for fmt in args.formats:
                 rows = {}
-                for label, today in (("today", True), ("new", False)):
-                    r = rows[label] = row(measure(path, fmt, cap, today, n, p, args.repeat))
+                for label in ("today", "main", "new"):
+                    r = rows[label] = row(measure(path, fmt, cap, label, n, p, args.repeat))
                     print(f"{name:14s} {E:4d} {over['num_experts_per_tok']:2d} {fmt:5s} {label:6s} {r['ops']:8.1f} "
                           f"{r['ffn']:8.1f} {r['copies']:7.1f} {r['waits']:6d} {r['syncs']:5d} {r['ms']:14.2f}")
-                t, w = rows["today"], rows["new"]
-                print(f"{'':14s} {'':4s} {'':2s} {fmt:5s} {'ratio':6s} {t['ops'] / w['ops']:8.2f} "
-                      f"{t['ffn'] / max(w['ffn'], 1e-9):8.2f} {t['copies'] / max(w['copies'], 1):7.2f} "
-                      f"{t['waits'] / max(w['waits'], 1):6.2f} {t['syncs'] / max(w['syncs'], 1):5.2f} "
-                      f"{t['ms'] / w['ms']:14.2f}")
+                w = rows["new"]
+                for label in ("today", "main"):
+                    t = rows[label]
+                    print(f"{'':14s} {'':4s} {'':2s} {fmt:5s} {label[0] + '/new':6s} {t['ops'] / w['ops']:8.2f} "
+                          f"{t['ffn'] / max(w['ffn'], 1e-9):8.2f} {t['copies'] / max(w['copies'], 1):7.2f} "
+                          f"{t['waits'] / max(w['waits'], 1):6.2f} {t['syncs'] / max(w['syncs'], 1):5.2f} "
+                          f"{t['ms'] / w['ms']:14.2f}")
     return 0
 
 

@@ -1,5 +1,5 @@
 """The planner prices the host work the runtime does (issue 42, item 5): per task and per torch op, with the FFN's
-ops on the expert path that runs it (growing with E where that path goes expert by expert), at a machine's own
+ops on the expert path that runs it (constant in E on every path the runtime has), at a machine's own
 measured costs where bench/gpu_check.py recorded them, and page-locking in a first run's prediction only."""
 
 from __future__ import annotations
@@ -26,51 +26,30 @@ def _with_experts(E: int) -> hrm.Dims:
     return dataclasses.replace(hrm.dims(MIXTRAL), E=E)
 
 
-@pytest.mark.parametrize("path", ["fused", "grouped", "padded"])
+@pytest.mark.parametrize("path", ["fused", "grouped"])
 def test_the_fused_and_grouped_ffn_issue_the_same_ops_whatever_the_experts(path):
     r = _rates(expert_path=path)
     counts = {E: hrm.ffn_ops(_with_experts(E), r, 64) for E in (8, 64, 128, 256)}
     assert len(set(counts.values())) == 1, counts
 
 
-def test_the_expert_by_expert_forms_grow_with_the_experts():
-    """Quantized experts over the slot table visit every expert of the layer (≈ 10 ops each: E = 128 gave ≈ 790
-    launches and 512 copies an FFN); the loop visits each expert a token went to (uniform routing: E(1-(1-k/E)^T))."""
-    r = _rates(expert_path="per_expert")
-    fixed, per = hrm.EXPERT_PATHS["per_expert"]
-    for E in (8, 64, 128, 256):
-        assert hrm.ffn_ops(_with_experts(E), r, 64) == fixed + per * E
-    loop = _rates(expert_path="loop")
-    fixed, per = hrm.EXPERT_PATHS["loop"]
-    E, k, T = 128, 2, 300
-    touched = E * (1 - (1 - k / E) ** T)
-    assert hrm.ffn_ops(_with_experts(E), loop, T) == pytest.approx(fixed + per * touched)
-    assert 1000 <= hrm.ffn_ops(_with_experts(128), r, 64) <= 1400  # issue 42's count at E = 128
-
-
 def test_the_path_is_the_runtimes_choice_unless_given():
-    """grouped_mm from SM80; a T4 (SM75) takes the slot table up to its token limit and the loop past it;
-    quantized experts go one at a time; a named path (the fused kernel) wins."""
-    assert hrm.expert_path(MIXTRAL, _rates("h100"), 64) == "grouped"
-    assert hrm.expert_path(MIXTRAL, _rates("t4"), 64) == "padded"
-    assert hrm.expert_path(MIXTRAL, _rates("t4"), 2000) == "loop"
+    """As core.model.fused_moe.expert_path: grouped_mm for bf16 experts on long calls from SM80, the fused path
+    for decode-sized calls, quantized experts and a T4 (SM75: no grouped_mm); a named path wins."""
+    from core.model import fused_moe
+
+    assert hrm.expert_path(MIXTRAL, _rates("h100"), 64) == "fused"
+    assert hrm.expert_path(MIXTRAL, _rates("h100"), 2000) == "grouped"
+    assert hrm.expert_path(MIXTRAL, _rates("t4"), 2000) == "fused"
     int4 = dataclasses.replace(hrm.dims(MIXTRAL), qkind="int4")
-    assert hrm.expert_path(int4, _rates("h100"), 64) == "per_expert"
-    assert hrm.expert_path(int4, _rates("h100", expert_path="fused"), 64) == "fused"
+    assert hrm.expert_path(int4, _rates("h100"), 2000) == "fused"
+    assert hrm.expert_path(MIXTRAL, _rates("h100", expert_path="fused"), 2000) == "fused"
+    for quantized, T, grouped_mm in ((False, 64, True), (False, 2000, True), (False, 2000, False), (True, 2000, True)):
+        d = dataclasses.replace(hrm.dims(MIXTRAL), qkind="int4" if quantized else "none")
+        r = _rates("h100" if grouped_mm else "t4")
+        assert hrm.expert_path(d, r, T) == fused_moe.expert_path(quantized, T, grouped_mm)
     with pytest.raises(ValueError, match="unknown expert path"):
         hrm.expert_path(MIXTRAL, _rates(expert_path="magic"), 64)
-
-
-def test_the_slot_table_computes_every_expert_over_every_token():
-    """The padded form's FLOPs are E/k times the useful ones (Mixtral: 4x): its GPU time says so."""
-    kw = dict(batch=64, micro_batch=64, expert_batch=64, attention_on="cpu", ffn_on="gpu", gpu_weight_fraction=1.0,
-              gpu_kv_fraction=0.0, context=200)
-    d = hrm.dims(MIXTRAL)
-    slow = dataclasses.replace(hrm.effective_rates(preset("t4")), gpu_bw=1e30)  # compute-bound: FLOPs decide
-    padded = hrm.decode_tasks(d, dataclasses.replace(slow, expert_path="padded"), **kw)["ffn"].seconds
-    grouped = hrm.decode_tasks(d, dataclasses.replace(slow, expert_path="grouped"), **kw)["ffn"].seconds
-    launch = 3 * hrm.GPU_LAUNCH
-    assert padded - launch == pytest.approx((d.E / d.k) * (grouped - launch), rel=1e-9)
 
 
 def test_the_host_bound_is_tasks_times_their_ops_at_the_machines_costs():
@@ -87,9 +66,9 @@ def test_the_host_bound_is_tasks_times_their_ops_at_the_machines_costs():
         want = sum(c.per_layer * (task + (ffn if kind == "ffn" else hrm.HOST_OPS[kind]) * op)
                    for kind, c in tasks.items())
         assert hrm.decode_layer_seconds(MIXTRAL, r, **kw)["host"] == pytest.approx(want, rel=1e-12)
-    more = dataclasses.replace(MIXTRAL, num_experts=128)
-    r = _rates("t4", expert_path="per_expert")
-    assert hrm.decode_layer_seconds(more, r, **kw)["host"] > 2 * hrm.decode_layer_seconds(MIXTRAL, r, **kw)["host"]
+    more = dataclasses.replace(MIXTRAL, num_experts=128)  # the fused path: the host's share does not grow with E
+    r = _rates("t4")
+    assert hrm.decode_layer_seconds(more, r, **kw)["host"] == hrm.decode_layer_seconds(MIXTRAL, r, **kw)["host"]
 
 
 def test_gpu_checks_measured_costs_are_kept_for_the_machine(tmp_path, monkeypatch):
@@ -123,7 +102,7 @@ def test_the_plan_shows_the_host_share_and_a_first_runs_page_locking(capsys):
     ls = pred["layer_seconds"]
     assert host["layer_seconds"] == ls["host"] and host["pcie_seconds"] == ls["h2d"]
     assert host["compute_seconds"] == ls["gpu"] and host["share"] == pytest.approx(ls["host"] / max(ls.values()))
-    assert host["expert_path"] == "loop" and not host["measured"] and host["op_seconds"] == 25e-6
+    assert host["expert_path"] == "fused" and not host["measured"] and host["op_seconds"] == 25e-6
     n = data["policy"]["batch_size"] * 128
     pin = pred["pinned_bytes"] / 2e9
     assert first["pin_seconds"] == pytest.approx(pin) and pred["pinned_bytes"] > 10e9

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parent.parent / "core"
-SHARED = {"PADDED_MAX_TOKENS", "PADDED_TOKENS", "LOOKAHEAD", "ALIGN", "_ALIGN", "_BLOCK_ELEMS", "CHUNK",
+SHARED = {"FUSED_MAX_TOKENS", "FUSED_TOKENS", "FUSED_CHUNK_BYTES", "LOOKAHEAD", "ALIGN", "_ALIGN", "_BLOCK_ELEMS", "CHUNK",
           "SCORE_BLOCK_ELEMS", "LINEAR_CHUNK", "STAGING_ALIGN", "LAYOUT_ALIGN"}
 OWN: set = set()  # (module, name) pairs allowed their own copy
 
@@ -45,11 +45,11 @@ def test_one_free_cores_helper():
 
 
 def test_the_runtime_uses_the_shared_numbers():
-    from core.model import attention, limits, linear_attention, moe, weights
+    from core.model import attention, fused_moe, limits, linear_attention, weights
     from core.plan import hrm, mixer_costs, planner
     from core.runtime import pipeline, schedule
 
-    assert moe.PADDED_MAX_TOKENS == planner.PADDED_TOKENS == limits.PADDED_MAX_TOKENS
+    assert fused_moe.FUSED_MAX_TOKENS == planner.FUSED_TOKENS == limits.FUSED_MAX_TOKENS
     assert schedule.LOOKAHEAD == hrm.LOOKAHEAD == limits.LOOKAHEAD
     assert pipeline._ALIGN == planner.ALIGN == limits.STAGING_ALIGN
     assert weights._ALIGN == hrm.LAYOUT_ALIGN == limits.LAYOUT_ALIGN  # the planner counts the layout's padding

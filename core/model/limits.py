@@ -3,7 +3,24 @@ the planner imports it without loading torch). core/model is the lowest of core'
 model's kernels, the planner (core.plan) and the runtime (core.runtime) all import them from here.
 """
 
-PADDED_MAX_TOKENS = 128  # an expert call of at most this many tokens runs every expert over a slot table
+FUSED_MAX_TOKENS = 128  # an accelerator's expert call of more tokens takes grouped_mm where it runs (dense weights)
+# the fused expert path's torch form (core.model.fused_moe): experts' matrices gathered per chunk of blocks, at most
+# this many bytes with their dequantizing temporaries — a decode step's blocks in one chunk, bounded memory beyond
+FUSED_CHUNK_BYTES = 64 << 20
+
+
+def fused_block_rows(pairs: int, experts: int) -> int:
+    """The torch form's block rows (BM): about an expert's mean load (fewer gathers of one expert's weights),
+    16 to 256 rows."""
+    mean = -(-pairs // max(1, min(experts, pairs)))
+    return min(256, max(16, 1 << (mean - 1).bit_length()))
+
+
+def fused_slots(pairs: int, experts: int, block_rows: int) -> int:
+    """S: the padded slots the block alignment of `pairs` pairs over `experts` experts needs at most — every
+    pair, plus up to BM − 1 of padding for each expert that can get a pair — rounded up to a whole block."""
+    s = pairs + min(experts, pairs) * (block_rows - 1)
+    return -(-s // block_rows) * block_rows
 SCORE_BLOCK_ELEMS = 1 << 24  # score elements per block of the explicit prefill attention (64 MB in fp32)
 LINEAR_CHUNK = 64  # Gated DeltaNet's prefill chunk
 LOOKAHEAD = 2  # CGOPipe: CPU attention runs this many micro-batches ahead of the GPU

@@ -9,7 +9,8 @@ the CPU's small-batch bf16 GEMMs ≈ 1.6× faster than plain row-major weights, 
 (bf16 experts on an AVX2 CPU, computed in fp32 one cache-sized tile at a time).
 Where both `grouped` and `loop` can run and the caller does not say, the faster on this machine is
 measured once per shape (core.model.expert_choice): with hundreds of small experts the loop's
-per-expert cost can dominate, with a few large ones grouped_mm's layout can.
+per-expert cost can dominate, with a few large ones grouped_mm's layout can. On an accelerator,
+`device_experts`: the fused path (core.model.fused_moe), or grouped_mm on long dense calls.
 Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert intermediate.
 """
 
@@ -21,9 +22,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.model import expert_choice, routing
+from core.model import expert_choice, fused_moe, routing
 from core.model.device_wait import synchronize  # bounded: a hung probe kernel raises DeviceStalled
-from core.model.limits import PADDED_MAX_TOKENS  # calls this small run every expert over a slot table
 from core.model.spec import ModelSpec
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
@@ -281,49 +281,32 @@ def shared_expert(spec: ModelSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
 # ---- on an accelerator: no host sync, weights in parts -------------------------------------------------
 
 
-def device_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, *, grouped: bool,
-                   act: Activation | None = None) -> torch.Tensor:
-    """Routed experts where they run on an accelerator: the same result as `experts`, without reading
-    anything back to the host where a sync-free form exists.
+def device_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, *,
+                   grouped: bool | None = None, grouped_mm: bool = True, act: Activation | None = None,
+                   backend: str | None = None) -> torch.Tensor:
+    """Routed experts where they run on an accelerator: the same result as `experts`, in launches that do
+    not depend on E and without reading anything back to the host.
 
-    `parts` are dicts of stacks — w13 [e, 2I, D], w2 [e, D, I], and b13 [e, 2I], b2 [e, D] where the family
-    has expert biases — covering experts 0..E−1 in order: a layer's experts kept on the GPU, then those
-    streamed into the expert buffer (one part when all are in one place). Forms: `grouped` (grouped_mm
-    over each part: no sync); padded (every expert over a [T, D] slot table, when T ≤
-    PADDED_MAX_TOKENS: decode, memory-bound, where the extra FLOPs are free: no sync); else the loop
-    over experts with one read-back of the counts per call.
+    `parts` are dicts of stacks — w13 [e, 2I, D], w2 [e, D, I] (or `quant`, a QuantExperts), and b13 [e, 2I],
+    b2 [e, D] where the family has expert biases — covering experts 0..E−1 in order: a layer's experts kept
+    on the GPU, then those streamed into the expert buffer (one part when all are in one place). The path
+    (core.model.fused_moe.expert_path): the fused one (aligned blocks, a kernel per projection), or
+    grouped_mm over each part for dense weights on long calls where `grouped_mm` (its kernel runs here) —
+    `grouped` forces one or the other. `backend`: the fused path's ("triton" or "torch"; default as it runs).
     """
     act = act or _swiglu
+    quantized = any("quant" in p for p in parts)
+    if fused_moe.expert_path(quantized, h.shape[0], grouped_mm, grouped) == "fused":
+        return fused_moe.fused_experts(h, parts, weights, idx, act, backend)
     T, k = idx.shape
-    E = sum(_part_size(p) for p in parts)
-    D = h.shape[-1]
-    grouped = grouped and not any("quant" in p for p in parts)  # quantized experts expand one at a time
+    E = sum(p["w13"].shape[0] for p in parts)
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token_of = order // k
     counts = torch.zeros(E, dtype=torch.int64, device=h.device).index_add_(0, flat, torch.ones_like(flat))
-    if grouped:
-        ys = _grouped_parts(h.index_select(0, token_of), parts, counts, flat.index_select(0, order), act)
-    elif T <= PADDED_MAX_TOKENS:
-        ys = _padded_parts(h, parts, flat, order, counts, T, k, act)
-    else:
-        xs = h.index_select(0, token_of)
-        ys = torch.empty_like(xs)
-        start, base = 0, 0
-        sizes = counts.tolist()  # the one host sync of this call
-        rows = -(-T * k // E)  # a busy expert's tokens go in pieces of the mean load: bounded intermediates
-        for p in parts:
-            n, up, down = _part_ops(p)
-            for e in range(n):
-                end = start + sizes[base + e]
-                for a in range(start, end, rows):
-                    b = min(end, a + rows)
-                    mid = act(up(e, xs[a:b]))  # gate/up freed here
-                    ys[a:b] = down(e, mid)
-                start = end
-            base += n
+    ys = _grouped_parts(h.index_select(0, token_of), parts, counts, flat.index_select(0, order), act)
     ys = ys * weights.reshape(-1).index_select(0, order)[:, None]
-    out = torch.zeros((T, D), dtype=h.dtype, device=h.device)
+    out = torch.zeros_like(h)
     out.index_add_(0, token_of, ys)
     return out
 
@@ -348,49 +331,3 @@ def _grouped_parts(xs: torch.Tensor, parts, counts: torch.Tensor, sorted_e: torc
         return out
 
     return each(act(each(xs, "w13", "b13")), "w2", "b2")
-
-
-def _padded_parts(h, parts, flat, order, counts, T: int, k: int, act) -> torch.Tensor:
-    """Every expert over a [T, D] table of the tokens routed to it (an expert gets each token at most
-    once, so T rows always suffice): batched matmuls with static shapes, no sync."""
-    E, D = counts.shape[0], h.shape[-1]
-    sorted_e = flat.index_select(0, order)
-    first = torch.cumsum(counts, 0) - counts  # row of each expert's first pair in `order`
-    slot = torch.arange(T * k, device=h.device) - first.index_select(0, sorted_e)
-    table = torch.zeros((E, T, D), dtype=h.dtype, device=h.device)
-    table[sorted_e, slot] = h.index_select(0, order // k)
-    outs, base = [], 0
-    for p in parts:
-        n = _part_size(p)
-        if "quant" in p:  # quantized: expert by expert (each expanded once), still over static shapes
-            _, up, down = _part_ops(p)
-            outs.append(torch.stack([down(e, act(up(e, table[base + e]))) for e in range(n)]))
-            base += n
-            continue
-        gu = torch.bmm(table[base:base + n], p["w13"].transpose(1, 2))
-        if "b13" in p:
-            gu += p["b13"][:, None, :]
-        mid, gu = act(gu), None  # gate/up freed before the down projection allocates
-        y = torch.bmm(mid, p["w2"].transpose(1, 2))
-        outs.append(y if "b2" not in p else y + p["b2"][:, None, :])
-        base += n
-    y = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return y[sorted_e, slot]
-
-
-def _part_size(p: dict) -> int:
-    return len(p["quant"]) if "quant" in p else p["w13"].shape[0]
-
-
-def _part_ops(p: dict):
-    """(experts, up(e, x) -> [n, 2I], down(e, y) -> [n, D]) of one part, biases included."""
-    if "quant" in p:
-        q = p["quant"]
-        up0, down0 = q.up, q.down
-    else:
-        w13, w2 = p["w13"], p["w2"]
-        up0, down0 = (lambda e, x: F.linear(x, w13[e])), (lambda e, y: F.linear(y, w2[e]))
-    b13, b2 = p.get("b13"), p.get("b2")
-    up = up0 if b13 is None else (lambda e, x: up0(e, x) + b13[e])
-    down = down0 if b2 is None else (lambda e, y: down0(e, y) + b2[e])
-    return _part_size(p), up, down

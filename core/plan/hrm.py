@@ -15,7 +15,7 @@ from core.plan.hardware import HardwareSpec
 from core.plan.mixer_costs import MixerCost, mixer_costs
 from core.model.limits import LOOKAHEAD  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU
 from core.model.limits import LAYOUT_ALIGN  # each stacked expert tensor of a layer buffer starts at a multiple of this
-from core.model.limits import PADDED_MAX_TOKENS  # expert calls this small run every expert over a slot table
+from core.model.limits import FUSED_MAX_TOKENS  # longer dense expert calls take grouped_mm where it runs
 from core.model.quant import dense_spec
 from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, Format, workspace_bytes
 from core.model.spec import ModelSpec
@@ -57,18 +57,15 @@ OP_SECONDS = 25e-6
 # RoPE over q and k (gqa.pre; 40 before). CPU attention: 12 ops and one call of the fused C kernel with
 # its thread hand-off (core.model.cpu.native) where it is built; CPU_ATTN_TORCH_OPS where attention runs
 # torch ops instead (no C compiler).
-HOST_OPS = {"pre_attn": 26, "post_attn": 24, "ffn": 33, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 14,
+HOST_OPS = {"pre_attn": 26, "post_attn": 24, "ffn": 12, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 14,
             "weight_page": 2, "kv_load": 14, "kv_store": 10, "prefill": 118}
 CPU_ATTN_TORCH_OPS = 23
-# An FFN task's ops by the expert path the runtime runs it on (core.model.moe): (fixed, per expert). HOST_OPS["ffn"]
-# is the grouped path's, counted. The forms that go expert by expert grow with E: the loop (after one read-back of
-# the counts) issues ≈ 7 per expert a token went to — slice, up, activation, down, write-back — and quantized
-# experts, expanded and run one at a time over the slot table, ≈ 10 per expert of the layer, routed to or not
-# (E = 128: ≈ 790 launches and 512 copies, issue 42). The slot table ("padded") is constant in ops but runs every
-# expert over all T tokens: E/k times the FLOPs. The fused kernel (tokens sorted by expert, a launch a
-# projection) is constant in E; its count is the launch budget's (issue 42: at most 40 a micro-batch and layer).
-EXPERT_PATHS = {"fused": (24, 0), "grouped": (HOST_OPS["ffn"], 0), "padded": (HOST_OPS["ffn"], 0),
-                "loop": (14, 7), "per_expert": (20, 10)}
+# An FFN task's ops by the expert path the runtime runs it on (core.model.moe.device_experts): (fixed, per expert).
+# HOST_OPS["ffn"] is the fused path's, counted; the grouped path's was counted likewise. The fused path (core.model.fused_moe: the pairs aligned into
+# blocks of one expert, a kernel per projection) is constant in E whatever the format: an FFN task's ops counted on
+# the emulated device (tests/test_launch_budget.py). Every path the runtime has is constant in E today; the
+# per-expert term stays for a path that is not.
+EXPERT_PATHS = {"fused": (HOST_OPS["ffn"], 0), "grouped": (33, 0)}
 # None: the path today's runtime picks (expert_path); a name of EXPERT_PATHS where every FFN runs one path
 DEFAULT_EXPERT_PATH: str | None = None
 # Page-locking host memory (cudaHostRegister), bytes/s: ≈ 2 GB/s on the H200 host (about 11 s for the 23.5 GB
@@ -477,9 +474,8 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         return {k: TaskCost("cpu_attn" if k == "cpu_attn" else "gpu", v, n_eb if k == "ffn" else n_mb)
                 for k, v in secs.items()}
     fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
-    ffn = moe_ffn(m, expert_batch, expand=m.qkind != "none" and (not cpu_only or m.qkind == "blocks"))
-    if not cpu_only and expert_path(m, r, expert_batch) == "padded":  # every expert over every token
-        ffn = Work(ffn.flops * m.E / m.k, ffn.bytes)
+    # a GPU dequantizes inside the fused kernel (core.model.fused_moe): no expanded copy written and read back
+    ffn = moe_ffn(m, expert_batch, expand=cpu_only and m.qkind == "blocks")
     ffn_fl = r.kernel_flops(m.qkind) if cpu_only else fl
     post = o_proj(m, micro_batch) + router(m, micro_batch) + shared_expert(m, micro_batch)
     # kernel launches: pre_attn 3 (norm, qkv, rope), post_attn 5 (o, norm, router, top-k, combine), ffn 3;
@@ -572,30 +568,24 @@ def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, fl
 
 def expert_path(m: "ModelSpec | Dims", r: Rates, tokens: float) -> str:
     """The path (a key of EXPERT_PATHS) the routed experts of one GPU FFN task of `tokens` tokens run on:
-    r.expert_path where given, else the one today's runtime picks (core.model.moe.device_experts): quantized
-    experts one at a time; grouped_mm where the GPU has it (SM80 on; a GPU of unknown capability is taken
-    to); else the slot table up to PADDED_MAX_TOKENS and the loop beyond (a T4)."""
+    r.expert_path where given, else the one the runtime picks (core.model.fused_moe.expert_path): grouped_mm
+    for bf16 experts on calls of more than FUSED_MAX_TOKENS tokens where the GPU has its kernel (SM80 on; a
+    GPU of unknown capability is taken to), the fused path otherwise."""
     if r.expert_path:
         if r.expert_path not in EXPERT_PATHS:
             raise ValueError(f"unknown expert path {r.expert_path!r}; expected one of {', '.join(EXPERT_PATHS)}")
         return r.expert_path
-    if dims(m).qkind != "none":
-        return "per_expert"
-    if not r.gpu_capability or tuple(r.gpu_capability) >= (8, 0):
-        return "grouped"
-    return "padded" if tokens <= PADDED_MAX_TOKENS else "loop"
+    d = dims(m)
+    grouped_mm = d.dtype == "bfloat16" and (not r.gpu_capability or tuple(r.gpu_capability) >= (8, 0))
+    return "grouped" if grouped_mm and d.qkind == "none" and tokens > FUSED_MAX_TOKENS else "fused"
 
 
 def ffn_ops(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
     """Torch ops one GPU FFN task of `tokens` tokens issues on its expert path (EXPERT_PATHS), in the average
     layer (a dense layer runs none of the per-expert ones)."""
     d = dims(m)
-    path = expert_path(d, r, tokens)
-    fixed, per = EXPERT_PATHS[path]
-    if not per:
-        return fixed
-    every = path == "per_expert" and tokens <= PADDED_MAX_TOKENS  # the slot table visits each expert
-    return fixed + per * d.moe_frac * (d.E if every else expected_experts(tokens, d.E, d.k))
+    fixed, per = EXPERT_PATHS[expert_path(d, r, tokens)]
+    return fixed + per * d.moe_frac * expected_experts(tokens, d.E, d.k)
 
 
 def host_task_seconds(r: Rates, ffn: float | None = None) -> dict[str, float]:

@@ -32,7 +32,8 @@ from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy, Prediction, dense_layers, expert_split, kv_gpu_layers
 from core.plan.workload import Workload  # noqa: F401 (planner.Workload: the planner's input)
 from core.model.limits import LOGIT_CHUNK_BYTES
-from core.model.limits import PADDED_MAX_TOKENS as PADDED_TOKENS  # expert calls this small run every expert
+from core.model.limits import FUSED_MAX_TOKENS as FUSED_TOKENS  # longer dense expert calls take grouped_mm
+from core.model.limits import fused_block_rows, fused_slots
 from core.model.limits import STAGING_ALIGN as ALIGN  # the runtime's host staging arena aligns each buffer to this
 from core.model.spec import ModelSpec
 from core.telemetry import RESOURCES
@@ -146,7 +147,7 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
         "kv_cache": int(kv_gpu * kv_layer),
         "kv_buffers": kv_ring,
         "staging": qkv_o + 2 * T * d.head_dim * d.dt,  # + the RoPE tables
-        "dequant_scratch": d.scratch,  # quantized experts expand one at a time next to the matmul
+        "dequant_scratch": 0,  # the fused expert path dequantizes inside its kernel (core.model.fused_moe)
         "activations": _gpu_activations(d, p, w, split=any(0 < r < E for r in resident)),
     }
     # the runtime's arena, in its order: per micro-batch its D1 and D2 buffers, decode and prefill logits (fp32)
@@ -189,9 +190,9 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
     output awaiting the FFN (decode), one
     micro-batch's normed input and two layers' K and V awaiting the store (prefill). On top, the
     largest of: an FFN call's intermediates (core.model.moe.device_experts: grouped matmuls for bf16
-    checkpoints — the input, gate/up and product of k experts per token; else every expert over a
-    slot table for calls of at most PADDED_TOKENS tokens — quantized experts one at a time over it, each
-    expanded once — or the expert loop), a pre-attention's (fp32
+    checkpoints on calls of more than FUSED_TOKENS tokens — the input, gate/up and product of k experts per
+    token; else the fused path — the block alignment, then gate/up, the activation, the down projection's
+    pairs and their sum, each freed once the next is made), a pre-attention's (fp32
     norm, QKV, RoPE, one prompt's fp32 attention scores in prefill), or a micro-batch's fp32 logits.
     `split`: some layer's experts are part resident, part streamed (grouped matmuls then hold one more
     gate/up output, that of the other part).
@@ -199,28 +200,22 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
     N, mu, beta, dt = p.batch_size, p.micro_batch_size, p.expert_batch_size, d.dt
     D, k, I, q, kv, E, V = d.D, d.k, d.I, d.q, d.kv, d.E, d.V
     shared = 3 * d.Is * dt
-    # grouped_mm's kernels are bf16 (on SM80+; a T4's fp16 loop needs less); quantized experts expand one by one
-    quant = d.qkind != "none"
-    grouped = d.dtype == "bfloat16" and not quant
+    # grouped_mm's kernels are bf16 (on SM80+); quantized experts and short calls take the fused path
+    dense = d.dtype == "bfloat16" and d.qkind == "none"
 
     a, bias = d.act_temps, d.expert_bias
 
-    def ffn(t):  # + the routing's sort indices (int64) and masks
-        return t * k * 33 + _ffn(t)
-
-    def _ffn(t):
-        if grouped:  # the pairs' input, gate/up (two with parts), the activation's arrays; biases' rows and sums
-            return t * k * (D + ((4 if split else 3) + a - 1) * I + (4 * I if bias else 0)) * dt
-        if t <= PADDED_TOKENS and quant:  # the slot table, then the larger of: one expert's gate/up and
-            # activation (or its down projection) beside the outputs before it, or the stacked outputs and
-            # their stack (with parts: the stacks, their join and the pairs)
-            one = max((2 + a) * I + (2 * I if bias else 0), I + (2 if bias else 1) * D)
-            return t * (E * D + max((E - 1) * D + one, 2 * E * D + (k * D if split else 0))) * dt
-        if t <= PADDED_TOKENS:  # the slot table, then the larger of: a part's gate/up and activation over
-            # the outputs of the parts before it, or the outputs, their join, the last activation and the pairs
-            return t * (E * D + max(E * max(D, (2 + a) * I), 2 * E * D + E * I + k * D)) * dt
-        # all pairs in and out; one piece of work
-        return (t * (2 * k * D + D) + -(-t * k // E) * ((2 + a) * I + (D if bias else 0))) * dt
+    def ffn(t):
+        if dense and t > FUSED_TOKENS:  # + the routing's sort indices (int64) and masks; the pairs' input,
+            # gate/up (two with parts), the activation's arrays; biases' rows and sums
+            return t * k * 33 + t * k * (D + ((4 if split else 3) + a - 1) * I + (4 * I if bias else 0)) * dt
+        # the fused path (core.model.fused_moe): its block alignment (int32), then the largest of gate/up with
+        # the activation's arrays, the activation beside the down projection's pairs, or those pairs beside
+        # their sum (a kernel's own work allocates nothing: biases and routing weights are applied in it); the
+        # slots at the torch form's block rows, which are at least the Triton kernel's (core.model.limits)
+        bm = fused_block_rows(t * k, E)
+        S = fused_slots(t * k, E, bm)
+        return 4 * (S + S // bm + 1) + max(t * k * (2 + a) * I, t * k * (I + D), t * k * D + t * D) * dt
 
     def pre(t):  # fp32 norm; QKV, roped q and k, attention output
         return t * (D * (8 + dt) + 3 * (q + kv) * dt)

@@ -590,10 +590,10 @@ class PipelineRunner:
             return experts(h, p.get("w13"), p.get("w2"), rw, ridx, grouped=self.grouped, packed=p.get("packed"),
                            b13=p.get("b13"), b2=p.get("b2"), act=self.act, quant=p.get("quant"), widen=self.widen_ffn,
                            scratch=scratch)
-        grouped = self.grouped if self.grouped is not None else self._grouped_default(h)
-        return device_experts(h, parts, rw, ridx, grouped=grouped, act=self.act)
+        return device_experts(h, parts, rw, ridx, grouped=self.grouped, grouped_mm=self._grouped_mm(h), act=self.act)
 
-    def _grouped_default(self, h) -> bool:
+    def _grouped_mm(self, h) -> bool:
+        """Whether grouped_mm has a kernel for h's dtype on this device."""
         from core.model.moe import HAS_GROUPED_MM, cuda_grouped_mm_works
 
         if not HAS_GROUPED_MM:

@@ -1,0 +1,232 @@
+"""The routed experts on an accelerator in a number of launches that does not depend on E: the pairs aligned
+into blocks of one expert each (core.model.moe_align), then one kernel per projection over every block —
+for every weight format and GPU generation, resident and streamed experts alike.
+
+Two torch ops carry it, registered with torch.library so that a launch count (core.runtime.op_count), a
+CUDA graph and the emulated device each see one op whatever runs inside, and with fake implementations
+so that meta tensors and capture know their shapes without running them:
+- `mlight::moe_align`: the block layout (no host sync, static shapes);
+- `mlight::moe_gemm`: one projection over all parts of a layer's experts. Inside, kern-triton's kernel
+  (core.model.fused_moe_triton, imported on first use) where it runs the format and compute dtype on this GPU
+  (its `unsupported`); else a torch form with the same semantics that runs anywhere (a T4 in bf16, the CPU
+  and its emulated device): the blocks' experts gathered, dequantized only for the gathered experts' bytes,
+  a batched matmul, written to the blocks' rows — a chunk of blocks at a time, so that memory is bounded by
+  FUSED_CHUNK_BYTES and the launches depend on T, never on E.
+grouped_mm (dense weights, one call per part) stays where it is the faster: `expert_path` chooses per call.
+Legend: T = tokens, k = experts per token, E = experts, P = T·k pairs, D = hidden, I = expert intermediate,
+N × K = one expert's matrix (outputs × inputs), BM = block rows, S = padded slots.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from core.model.limits import FUSED_CHUNK_BYTES, FUSED_MAX_TOKENS, fused_block_rows
+from core.model.moe_align import moe_align, padded_slots
+from core.model.quant.formats import Format, dequantize
+
+# ---- which path -------------------------------------------------------------------------------------------
+# The least tokens of an FFN call at which grouped_mm replaces the fused path, by weights: quantized experts
+# have no grouped_mm (it reads one dtype); dense ones take it for calls longer than a decode step's expert batch,
+# where its tensor-core tiles beat the fused kernel's and the sort costs nothing next to the GEMMs. Where
+# grouped_mm has no kernel (a T4, fp16 or fp32 on most GPUs) the caller says so and the fused path runs.
+GROUPED_FROM_TOKENS = {"dense": FUSED_MAX_TOKENS + 1, "quantized": None}
+
+
+def expert_path(quantized: bool, tokens: int, grouped_mm: bool, forced: bool | None = None) -> str:
+    """"grouped" or "fused" for one FFN call of `tokens` tokens. `grouped_mm`: whether its kernel runs this
+    compute dtype on this device; `forced`: the caller's choice (True: grouped_mm where it can run)."""
+    least = GROUPED_FROM_TOKENS["quantized" if quantized else "dense"]
+    if least is None or not grouped_mm or forced is False:
+        return "fused"
+    return "grouped" if forced or tokens >= least else "fused"
+
+
+def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, act,
+                  backend: str | None = None) -> torch.Tensor:
+    """Routed experts by the fused path: h [T, D], weights/idx [T, k] -> [T, D]. `parts` as
+    core.model.moe.device_experts takes them; `backend` "triton" or "torch" (default: the kernel where it runs).
+    Ops: align, one per up matrix (two where a GGUF file gives gate and up apart, then their join), the
+    activation's, down, the sum over each token's k rows."""
+    T, k = idx.shape
+    E = sum(_part_size(p) for p in parts)
+    up, down = _matrices(parts)
+    triton = _use_triton(h, [m[0] for m in (*up, down)], backend)
+    bm = _block_m(T * k, E, triton)
+    sorted_ids, block_expert, n_padded = torch.ops.mlight.moe_align(idx, E, bm)
+    pair_e = idx.reshape(-1)
+    run = functools.partial(torch.ops.mlight.moe_gemm, sorted_ids=sorted_ids, block_expert=block_expert,
+                            n_padded=n_padded, block_m=bm, triton=triton)
+    gus = [run(h, stacks, fmt, top_k=k, route_w=None, biases=bias, pair_expert=pair_e if bias else None)
+           for fmt, stacks, bias in up]
+    mid = act(gus[0] if len(gus) == 1 else torch.cat(gus, -1))
+    gus = None  # each intermediate goes as soon as the next is made (the planner counts them so)
+    fmt, stacks, bias = down
+    ys = run(mid, stacks, fmt, top_k=1, route_w=weights.reshape(-1), biases=bias, pair_expert=pair_e if bias else None)
+    mid = None
+    return ys.view(T, k, -1).sum(1)  # pair p = t·k + j: each token's k rows are adjacent
+
+
+def _part_size(p: dict) -> int:
+    return len(p["quant"]) if "quant" in p else p["w13"].shape[0]
+
+
+def _matrices(parts: list[dict]):
+    """([(fmt, flat stacks, biases) per up matrix], (fmt, stacks, biases) of down) over all parts; stacks are
+    each part's tensors in its format's part order (core.model.quant.formats.Format.parts)."""
+    first = parts[0]
+    if "quant" not in first:
+        def dense(name, bias):
+            return "", [p[name] for p in parts], [p[bias] for p in parts if bias in p]
+        return [dense("w13", "b13")], dense("w2", "b2")
+    scheme = first["quant"].scheme
+    if any(p["quant"].scheme != scheme for p in parts):
+        raise ValueError("a layer's expert parts are in different formats")
+
+    def quant(m, bias):
+        stacks = [p["quant"].parts[f"{m.name}.{x.suffix}"] for p in parts for x in m.fmt.parts(m.n, m.k)]
+        return _fmt_key(m.fmt), stacks, [p[bias] for p in parts if bias in p]
+
+    up = [quant(m, "b13" if len(scheme.up) == 1 else "") for m in scheme.up]
+    if len(scheme.up) > 1 and "b13" in first:
+        raise ValueError("expert biases with gate and up in separate matrices")
+    return up, quant(scheme.down, "b2")
+
+
+def _fmt_key(fmt: Format | None) -> str:
+    return "" if fmt is None else f"{fmt.name}:{fmt.group}"
+
+
+@functools.lru_cache(maxsize=None)
+def _format(key: str) -> Format | None:
+    if not key:
+        return None
+    name, group = key.split(":")
+    return Format(name, int(group))
+
+
+# ---- the kernel, where it runs ------------------------------------------------------------------------------
+def _triton():
+    """kern-triton's module, or None where it (or triton) is not there."""
+    try:
+        from core.model import fused_moe_triton
+    except ImportError:
+        return None
+    return fused_moe_triton
+
+
+@functools.lru_cache(maxsize=None)
+def triton_runs(fmt_key: str, dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    ft = _triton()
+    return ft is not None and ft.unsupported(_format(fmt_key), dtype, capability) is None
+
+
+def _use_triton(h: torch.Tensor, fmts: list[str], backend: str | None) -> bool:
+    if backend is not None:
+        return backend == "triton"
+    if not h.is_cuda:
+        return False
+    cap = _capability(h.device.index or 0)
+    return all(triton_runs(f, h.dtype, cap) for f in fmts)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _block_m(pairs: int, num_experts: int, triton: bool) -> int:
+    """The kernel's own choice, or the torch form's (core.model.limits.fused_block_rows)."""
+    return _triton().pick_block_m(pairs, num_experts) if triton else fused_block_rows(pairs, num_experts)
+
+
+# ---- the ops ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("mlight::moe_align", mutates_args=())
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return moe_align(topk_ids, num_experts, block_m)
+
+
+@_align.register_fake
+def _(topk_ids, num_experts, block_m):
+    S = padded_slots(topk_ids.numel(), num_experts, block_m)
+    i32 = dict(dtype=torch.int32, device=topk_ids.device)
+    return torch.empty(S, **i32), torch.empty(S // block_m, **i32), torch.empty(1, **i32)
+
+
+@torch.library.custom_op("mlight::moe_gemm", mutates_args=())
+def _gemm(a: torch.Tensor, stacks: list[torch.Tensor], fmt: str, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+          n_padded: torch.Tensor, top_k: int, block_m: int, route_w: torch.Tensor | None, biases: list[torch.Tensor],
+          pair_expert: torch.Tensor | None, triton: bool) -> torch.Tensor:
+    """One projection of every routed pair: out [P, N], out[p] = (a[p // top_k] @ W_e.T + b_e) · route_w[p] for
+    pair p's expert e. `stacks`: each part's tensors in order (format `fmt`, experts first, parts covering
+    experts 0..E−1 in order); `biases`: one [e, N] per part, or none; `pair_expert` [P]: each pair's expert
+    (needed with biases)."""
+    P, N, K = a.shape[0] * top_k, stacks[0].shape[1], a.shape[1]
+    f = _format(fmt)
+    per = 1 if f is None else len(f.parts(N, K))
+    parts = [stacks[i:i + per] for i in range(0, len(stacks), per)]
+    if triton:
+        return _gemm_triton(a, f, parts, N, K, sorted_ids, block_expert, n_padded, top_k, block_m, route_w, biases,
+                            pair_expert)
+    return _gemm_torch(a, f, parts, N, K, sorted_ids, block_expert, top_k, block_m, route_w, biases)
+
+
+@_gemm.register_fake
+def _(a, stacks, fmt, sorted_ids, block_expert, n_padded, top_k, block_m, route_w, biases, pair_expert, triton):
+    return a.new_empty(a.shape[0] * top_k, stacks[0].shape[1])
+
+
+def _gemm_triton(a, f, parts, N, K, sorted_ids, block_expert, n_padded, top_k, block_m, route_w, biases, pair_expert):
+    ft = _triton()
+    out = a.new_zeros(a.shape[0] * top_k, N)
+    base = 0
+    for stack in parts:
+        st = {"w": stack[0]} if f is None else {x.suffix: t for x, t in zip(f.parts(N, K), stack)}
+        ft.moe_gemm(a, st, f, out, sorted_ids, block_expert, n_padded, top_k=top_k, block_m=block_m,
+                    expert_base=base, route_w=None if biases else route_w)
+        base += stack[0].shape[0]
+    if biases:  # before the routing weight: (x·Wᵀ + b)·w
+        out += torch.cat(biases).index_select(0, pair_expert)
+        if route_w is not None:
+            out *= route_w[:, None]
+    return out
+
+
+def _gemm_torch(a, f, parts, N, K, sorted_ids, block_expert, top_k, block_m, route_w, biases):
+    """Block-gathered: each block's expert matrix gathered (and dequantized) next to its BM rows, a batched
+    matmul, rows written back. Rows outside the part (other parts' experts, padding, unused blocks) go to a
+    trash row P."""
+    P = a.shape[0] * top_k
+    nb = block_expert.shape[0]
+    out = a.new_zeros(P + 1, N)
+    ids_all = sorted_ids.view(nb, block_m).long()
+    rw = None if route_w is None else torch.cat([route_w, route_w.new_zeros(1)])
+    # gathered bytes a block: the matrix in the compute dtype, and dequantizing's float32 temporaries
+    chunk = max(1, FUSED_CHUNK_BYTES // (N * K * (a.element_size() + (12 if f is not None else 0))))
+    base = 0
+    for i, stack in enumerate(parts):
+        n = stack[0].shape[0]
+        for c0 in range(0, nb, chunk):
+            be = block_expert[c0:c0 + chunk].long() - base
+            mine = (be >= 0) & (be < n)
+            e = be.clamp(0, n - 1)
+            w = _gather(f, stack, e, N, K, a.dtype)  # [c, N, K]
+            ids = torch.where(mine[:, None], ids_all[c0:c0 + chunk], P)
+            x = a.index_select(0, ids.clamp(max=P - 1).flatten() // top_k).view(*ids.shape, K)
+            y = torch.bmm(x, w.transpose(1, 2))  # [c, BM, N]
+            if biases:
+                y += biases[i].index_select(0, e)[:, None, :]
+            if rw is not None:
+                y *= rw.index_select(0, ids.flatten()).view(*ids.shape, 1)
+            out.index_copy_(0, ids.flatten(), y.flatten(0, 1))  # only the trash row is written twice
+        base += n
+    return out[:P]
+
+
+def _gather(f: Format | None, stack: list[torch.Tensor], e: torch.Tensor, N: int, K: int, dtype) -> torch.Tensor:
+    """The matrices of experts e [c] in the compute dtype: only their bytes are read and dequantized."""
+    if f is None:
+        return stack[0].index_select(0, e).to(dtype)
+    return dequantize(f, {x.suffix: t.index_select(0, e) for x, t in zip(f.parts(N, K), stack)}, dtype)

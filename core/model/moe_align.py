@@ -1,0 +1,44 @@
+"""Block alignment of routed (token, expert) pairs: what a fused MoE kernel reads to run each block of rows
+with one expert's weights (the layout vLLM's and SGLang's fused MoE use).
+
+Pair p = t·k + j is token t's j-th choice, expert topk_ids[t, j]. The pairs are grouped by expert (ascending,
+in pair order within an expert), and each expert's run is padded up to a multiple of BM with the sentinel T·k,
+so that every block of BM slots belongs to one expert. Everything is on the device with static shapes — the
+length S is a bound known from T, k, E and BM alone — so nothing is read back to the host and a CUDA graph
+can capture it. Experts with no pairs get no block. The contract is core/model/fused_moe_triton.py's.
+Legend: T = tokens, k = experts per token, E = experts, BM = block rows, S = padded slots, P = T·k pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.model.limits import fused_slots as padded_slots  # the planner sizes it too
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """topk_ids [T, k] -> (sorted_ids int32 [S], block_expert int32 [S // BM], n_padded int32 [1]).
+
+    sorted_ids: pair ids by expert, each expert's run padded to a multiple of BM with the sentinel P (and
+    the sentinel from n_padded on); block_expert: each block's expert, −1 from n_padded on; n_padded: the
+    padded length actually used (Σ ceil(count / BM)·BM)."""
+    P = topk_ids.numel()
+    dev = topk_ids.device
+    S = padded_slots(P, num_experts, block_m)
+    flat = topk_ids.reshape(-1).long()
+    # index_add, not bincount: bincount sizes its output by the data (a host sync on a GPU)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + (block_m - 1)).div_(block_m, rounding_mode="floor").mul_(block_m)
+    ends = torch.cumsum(padded, 0)  # each expert's padded run ends here
+    order = torch.argsort(flat, stable=True)  # pairs by expert, in pair order within one
+    sorted_e = flat.index_select(0, order)
+    first = torch.cumsum(counts, 0) - counts  # each expert's first pair in `order`
+    slot = (ends - padded).index_select(0, sorted_e) + torch.arange(P, device=dev) - first.index_select(0, sorted_e)
+    sorted_ids = torch.full((S,), P, dtype=torch.int32, device=dev)
+    sorted_ids.index_copy_(0, slot, order.to(torch.int32))
+    starts = torch.arange(0, S, block_m, device=dev)
+    n_padded = ends[-1:]
+    # the expert whose padded run holds a block's first slot: how many runs end at or before it
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    block_expert = torch.where(starts < n_padded, block_expert, -1).to(torch.int32)
+    return sorted_ids, block_expert, n_padded.to(torch.int32)
