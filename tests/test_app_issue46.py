@@ -158,6 +158,42 @@ def test_02_the_eta_follows_the_remaining_work_not_the_average_rate():
     assert checked > 100
 
 
+def test_02_the_eta_counts_the_results_still_to_save(workdir):
+    """A run whose requests finish together (a full batch of one length) ends by saving each result (a line
+    and an fsync): the ETA said 0:00 through all of it, seconds at 400 results. Saves here take 0.2 s on
+    the run's clock; from the second on, the ETA at each save is the saves left at the rate measured."""
+    from pathlib import Path
+
+    from app.tui.runjob import RunJob
+
+    clock = FrozenClock(0.0)
+    b = ScriptedBackend(hardware=_t4(), clock=clock)
+    machine = b.machine()
+    model, prompts = b.open_model("demo", machine), b.read_prompts(Path("demo_prompts.jsonl"))
+    plan = b.plan(model, machine, prompts, None, None)
+    seen = []
+    opened = b.open_store
+
+    def open_store(*a, **kw):
+        store = opened(*a, **kw)
+        append = store.append
+
+        def slow_append(record):
+            seen.append((job.meter.snapshot().eta, prompts.count - job.meter.done))
+            append(record)
+            clock.t += 0.2
+
+        store.append = slow_append
+        return store
+
+    b.open_store = open_store
+    job = RunJob(b, model, prompts, plan, workdir / "o.jsonl", post=lambda message: None)
+    assert job.run() == "done" and len(seen) == prompts.count
+    unspent = seen[0][0]  # the ETA before any save: the scripted requests' unspent max new tokens, ≈ 0.2 s
+    for eta, saves_left in seen[1:]:
+        assert 0.2 * saves_left - 1e-9 <= eta <= 0.2 * saves_left + unspent + 1e-9, seen
+
+
 @sync
 async def test_02_the_run_screen_gives_the_eta_as_an_estimate_and_the_time_a_finished_run_took(workdir):
     app = _direct()
@@ -323,6 +359,26 @@ async def test_10_the_plan_says_its_prompt_lengths_were_tokenized(workdir):
         assert "prompt tokens on average" in workload and "≈" not in workload, workload
 
 
+@sync
+async def test_10_opening_plan_leaves_the_engine_import_off_the_ui_thread(workdir):
+    """Planning 400 prompts took ≈ 40 s on a first launch: the machine's probe (≈ 30 s on 2 busy cores, said on
+    Machine) and the demo model's build, not the tokenizing (0.3 s). But opening Plan imported the engine, torch
+    with it, on the UI thread: seconds in which the screen neither drew nor took a key."""
+    asked = []
+
+    class Backend(ScriptedBackend):
+        def engine_offers(self, option):
+            asked.append(threading.current_thread() is threading.main_thread())
+            return super().engine_offers(option)
+
+    app = create_app(Options(model="demo", prompts="demo_prompts.jsonl", out="results.jsonl"),
+                     Backend(hardware=_t4(), clock=FrozenClock()))
+    async with app.run_test(size=WIDE) as pilot:
+        await _plan(pilot)
+        await settle_until(pilot, lambda app: app.screen.query_one("#quantize").parent.display)
+    assert asked and not any(asked), asked
+
+
 # ---- 11: a negative budget on the command line ---------------------------------------------------------
 def test_11_a_negative_budget_is_refused_in_one_line(capsys):
     from app.tui.main import parse_options
@@ -361,6 +417,22 @@ async def test_13_at_80x24_the_step_bar_names_every_step_and_the_footer_keeps_he
         await pilot.press("tab")
         await settle(pilot)
         assert "? Help" in _screen_text(app).splitlines()[-1]
+
+
+@pytest.mark.parametrize("hardware", [_t4, _cpu_only], ids=["t4", "cpu-only"])
+@sync
+async def test_13_at_80x24_prediction_and_memory_show_whole_above_check(workdir, hardware):
+    """The Memory panel (what fits) was cut to its top border under Check at 80×24: the facts that decide
+    whether to run show whole without scrolling; only the decode layer's detail may need it."""
+    app = _direct(hardware=hardware())
+    async with app.run_test(size=SMALL) as pilot:
+        await _plan(pilot)
+        await settle(pilot)
+        shown = app.screen.query_one("#plan-facts").scrollable_content_region
+        for wid in ("prediction", "memory"):
+            panel = app.screen.query_one(f"#{wid}").region
+            assert shown.y <= panel.y and panel.bottom <= shown.bottom, (wid, panel, shown)
+        assert "usable:" in _screen_text(app)
 
 
 @sync

@@ -269,20 +269,25 @@ class Backend:
         self.max_new_tokens = n
 
     # ---- plan ---------------------------------------------------------------------------------
+    def tokenizer(self, model: ModelView) -> Any:
+        """The model's tokenizer, read once: transformers' import and the files take seconds the first time, so
+        the Model step reads it while prompts are chosen, before Plan counts them."""
+        def read():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(model.path), local_files_only=True, trust_remote_code=False)
+
+        return self._once(("tokenizer", str(model.path)), read)
+
     def prompt_lengths(self, model: ModelView | None, prompts: PromptsView) -> list[int] | None:
         """Every prompt's length in tokens as the engine will see it (the model's tokenizer, the chat template
         for `messages`), or None where the tokenizer cannot be loaded here (the plan then estimates)."""
         if model is None or not prompts.count:
             return None
 
-        def tokenizer():
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(str(model.path), local_files_only=True, trust_remote_code=False)
-
-        def count() -> list[int]:
-            tok = self._once(("tokenizer", str(model.path)), tokenizer)
-            out = []
+        def count() -> dict[str, int]:
+            tok = self.tokenizer(model)
+            out = {}
             for e in prompts.prompts.entries:
                 if e.messages is not None:
                     # a later turn of a multi-turn question (core.io.turns) is counted with empty answers to the
@@ -292,15 +297,30 @@ class Backend:
                                 else [dict(m) for m in e.messages])
                     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
                     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
-                    out.append(len(ids))
+                    out[e.id] = len(ids)
                 else:
-                    out.append(len(tok(e.prompt).input_ids))
+                    out[e.id] = len(tok(e.prompt).input_ids)
             return out
 
         try:
-            return self._once(("lengths", str(model.path), prompts.prompts.sha256), count)
+            lengths = self._once(("lengths", str(model.path), prompts.prompts.sha256), count)
         except Exception:  # no tokenizer files, or one transformers cannot read: plan from the estimate
             return None
+        return [lengths[e.id] for e in prompts.prompts.entries if e.id in lengths]  # set aside: not counted
+
+    def set_aside_too_long(self, model: ModelView, prompts: PromptsView) -> int:
+        """Move the prompts that leave no room in the model's context to the bad lines now, as the run would
+        (`requests`), so that Plan plans for the prompts that run and asks before skipping them, as `mlight run`
+        refuses them without --skip-bad. Returns how many moved (none where the tokenizer cannot be read)."""
+        from core.io.prompts import reject_too_long
+
+        counted = self.prompt_lengths(model, prompts)
+        if counted is None:
+            return 0
+        lengths = dict(zip((e.id for e in prompts.prompts.entries), counted))
+        before = len(prompts.prompts.rejects)
+        reject_too_long(prompts.prompts, lambda e: lengths[e.id], model.spec.max_position)
+        return len(prompts.prompts.rejects) - before
 
     def workload(self, prompts: PromptsView, model: ModelView | None = None) -> Any:
         """The planner's workload: prompt lengths tokenized with the model's tokenizer when it loads (an

@@ -44,12 +44,26 @@ def duration(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def _is_control(ch: str) -> bool:
+    c = ord(ch)
+    return c < 0x20 or 0x7F <= c < 0xA0
+
+
+def printable(text: str, keep: str = "\n\t") -> str:
+    """`text` with its control characters but `keep` shown as a sign. A model may answer any bytes: an ESC
+    or a shift-out sent as it is makes the terminal start a sequence or switch character sets, and the rows
+    drawn after it land in the wrong place or in line-drawing glyphs."""
+    if not any(_is_control(ch) and ch not in keep for ch in text):
+        return text
+    return "".join(glyph.control if _is_control(ch) and ch not in keep else ch for ch in text)
+
+
 def excerpt(text: str | None, width: int) -> str:
     """One line of at most `width` terminal cells (newlines shown as ⏎). Cells, not characters: a CJK
     character or an emoji takes two, and a table column sized by characters would push the next one."""
     if not text:
         return ""
-    flat = " ".join(text.replace("\r", "").replace("\n", f" {glyph.newline} ").split())
+    flat = " ".join(printable(text.replace("\r", "").replace("\n", f" {glyph.newline} "), keep=" \t").split())
     if cell_len(flat) <= width:
         return flat
     return set_cell_size(flat, max(0, width - 1)).rstrip() + "…"

@@ -24,6 +24,7 @@ SIGNS = {
     "enter": ("⏎", "Enter"),
     "backspace": ("⌫", "Backspace"),
     "newline": ("⏎", "|"),  # a line break inside a one-line excerpt
+    "control": ("�", "?"),  # a control character in a model's output (the terminal would act on it)
     "crumb": ("›", ">"),
     "swatch": ("■", "#"),
 }

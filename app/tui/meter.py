@@ -93,6 +93,7 @@ class RunMeter:
         self.budget_tokens = budget_tokens  # sum of max_new_tokens still to generate (an upper bound)
         self.prompt_tokens_left = 0  # prompt tokens not yet prefilled (the run job counts them with the tokenizer)
         self._prefill = [0, 0.0]  # prompt tokens, seconds: this session's prefill steps
+        self._saves = [0, 0.0]  # results, seconds: this session's saves of a result (a line and an fsync each)
         # The requests as the engine holds them, for the ETA: those not yet admitted (id, prompt tokens, max new),
         # in its order (longest prompt first), and the admitted ones (id -> max new, decode steps when admitted)
         self._waiting: deque[tuple[str, int, int]] = deque()
@@ -252,7 +253,8 @@ class RunMeter:
         path (`_steps_left`) and the new tokens left (every step decodes one token for each request in flight,
         so those are the sum of the steps' batch sizes), at the fitted cost of a step (`_step_cost`); prompts go
         longest first, so the tail's smaller batches are counted as such. Prefill: the prompt tokens not yet
-        prefilled at this run's prefill rate. An estimate, not a bound: it takes every request to its max new
+        prefilled at this run's prefill rate. Saving: the results not yet saved at this run's time a save. An
+        estimate, not a bound: it takes every request to its max new
         tokens, so requests that stop early (an end of text) make it long. None until the rates are measured."""
         cost = self._step_cost()
         if cost is None:
@@ -264,16 +266,30 @@ class RunMeter:
             if tokens <= 0:
                 return None
             left += self.prompt_tokens_left * seconds / tokens
+        saved, seconds = self._saves
+        if saved:
+            left += max(0, self.total - self.done) * seconds / saved
         return left
 
-    def add_result(self, output_tokens: int, max_new_tokens: int, request_id: str | None = None) -> None:
+    def result_saved(self, seconds: float) -> None:
+        """A result took `seconds` to save: work no engine step counts, and all the time left at the end of a
+        run whose requests finish together."""
+        with self._lock:
+            self._saves[0] += 1
+            self._saves[1] += seconds
+
+    def add_result(self, output_tokens: int, max_new_tokens: int, request_id: str | None = None,
+                   eos: bool = False) -> None:
         with self._lock:
             self.done += 1
             self._admitted.pop(request_id, None)
             if output_tokens:
-                # a request's first token comes out of its prefill step, which counts prompt tokens only
-                self.tokens_out += 1
-                self._session_tokens += 1
+                # a request's first token comes out of its prefill step, which counts prompt tokens only; one that
+                # ended on the end-of-text token sampled it in a decode step, which counted it, but it is not output:
+                # the new tokens are the results' (as `mlight run` and Results count them)
+                kept = 0 if eos else 1
+                self.tokens_out += kept
+                self._session_tokens += kept
             # the tokens it did not generate are not work left, nor is its first one (its prefill made it,
             # and no decode step counted it)
             self.budget_tokens = max(0, self.budget_tokens - max(0, max_new_tokens - output_tokens)

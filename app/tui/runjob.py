@@ -127,6 +127,7 @@ class RunJob:
             self._set_state("running" if not self.paused else "paused")
             todo = [requests[e.id] for e in self.prompts.prompts.entries if e.id not in self.records]
             max_new = {r.id: r.max_new_tokens for r in todo}
+            has_stop = {r.id: bool(getattr(r, "stop", None)) for r in todo}
             self.meter.expect([(r.id, len(engine.prompt_token_ids(r)), r.max_new_tokens) for r in todo],
                               min(self.plan.policy.batch_size, len(todo)))
             from core.runtime.fold_back import RunSums, fold_back
@@ -136,13 +137,16 @@ class RunJob:
                 self.records[rid] = record
                 out = int(record.get("output_tokens", 0))
                 self._count_saved(record)
-                self.meter.add_result(out, max_new.get(rid, out), rid)
+                # "stop" without stop strings: the end-of-text token, sampled but not output
+                eos = record.get("finish_reason") == "stop" and not has_stop.get(rid, False)
+                self.meter.add_result(out, max_new.get(rid, out), rid, eos)
                 self._post_update()
 
             sums = RunSums(forward=self._sink)  # the run's own figures, for this machine's history at its end
             # core's run loop, as `mlight run`'s: it saves each result, and runs a multi-turn file's later turns
             # in waves with the model's own earlier answers
-            b.run_pending(engine, self.prompts, store, requests, batch_size=self.plan.policy.batch_size,
+            b.run_pending(engine, self.prompts, _TimedSaves(store, b.clock, self.meter.result_saved), requests,
+                          batch_size=self.plan.policy.batch_size,
                           micro_batch_size=self.plan.policy.micro_batch_size, on_event=sums,
                           should_stop=self._should_stop, on_result=saved)
             if self._stop.is_set() and len(self.records) < self.prompts.count:
@@ -185,3 +189,19 @@ class RunJob:
         """Finished records in the prompts file's order."""
         order = {e.id: i for i, e in enumerate(self.prompts.prompts.entries)}
         return sorted(self.records.values(), key=lambda r: order.get(str(r["id"]), len(order)))
+
+
+class _TimedSaves:
+    """The run store as the run loop uses it, each append (a result's line and its fsync) timed on the run's
+    clock for the ETA."""
+
+    def __init__(self, store: Any, clock: Callable[[], float], saved: Callable[[float], None]):
+        self._store, self._clock, self._saved = store, clock, saved
+
+    def append(self, record: dict) -> None:
+        start = self._clock()
+        self._store.append(record)
+        self._saved(self._clock() - start)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)

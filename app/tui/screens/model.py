@@ -130,6 +130,10 @@ class ModelScreen(StepScreen):
 
         model = self.backend.open_model(text, self.session.machine, progress, self._stop.is_set)
         self.post_message(ModelReady(model))
+        try:
+            self.backend.tokenizer(model)  # Plan's first need, read while the prompts are chosen
+        except Exception:  # noqa: BLE001 - none here: Plan estimates from characters, and says so
+            pass
 
     def action_cancel(self) -> None:
         if self.query_one("#download").display:

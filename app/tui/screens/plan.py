@@ -22,7 +22,7 @@ from textual.widgets import Button, Collapsible, Input, Label, Select, Static
 from app.tui import fmt
 from app.tui.backend import GB, EngineChoices
 from app.tui.glyphs import glyph
-from app.tui.messages import Checked, PlanReady
+from app.tui.messages import Checked, PlanReady, WorkProgress
 from app.tui.screens.base import StepScreen
 from app.tui.widgets.bars import LabelBar
 from app.tui.widgets.facts import Facts
@@ -94,6 +94,7 @@ class PlanScreen(StepScreen):
         self._replan_timer = None
         self._asked: tuple[str, str] | None = None  # budget fields' text when the last plan was asked for
         self._confirmed = None  # an existing results file the user agreed to replace
+        self._offers_quantize = False  # the engine quantizes (asked by `learn_offers`, off the UI thread)
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(id="body"):
@@ -145,6 +146,7 @@ class PlanScreen(StepScreen):
         self.query_one("#validation").border_title = "Check"
         self._set_choices(self.session.choices)
         self._show_group_row()
+        self.learn_offers()
         if self.cpu_mode:
             self.query_one("#ffn", Select).value = "cpu"  # what the plan will say, not a GPU while it plans
             for key in ("h2d", "d2h"):  # no PCIe link without a GPU
@@ -159,6 +161,11 @@ class PlanScreen(StepScreen):
         else:
             self.query_one("#prediction", Facts).set_rows([("", "Planning…")])
             self.plan_now(self._budgets_from_options())
+
+    def on_resize(self) -> None:
+        """Across the 100-column breakpoint the Prediction and Memory panels change their rows."""
+        if self.session.plan is not None and self.session.plan.prediction is not None:
+            self.show(self.session.plan)
 
     def on_screen_resume(self) -> None:
         """Back from a run that failed for want of a CPU feature: the dtype choice is the way out."""
@@ -191,17 +198,26 @@ class PlanScreen(StepScreen):
     @work(thread=True, exclusive=True, exit_on_error=False, group="plan", description="plan")
     def make_plan(self, gen: int, gpu_budget: int | None, cpu_budget: int | None) -> None:
         s, b = self.session, self.backend
+
+        def progress(ev) -> None:  # a first launch builds the demo model here: the status says so
+            self.post_message(WorkProgress(ev.what, ev.done, ev.total))
+
         # reached straight from the command line: do the earlier steps' work here (plain attribute
         # writes; the backend makes concurrent asks for the same model share one answer). The machine is
         # the session's before any step after Machine opens (MlightApp.machine_known).
         if s.model is None:
-            s.model = b.open_model(s.options.model, s.machine)
+            s.model = b.open_model(s.options.model, s.machine, progress)
         if s.prompts is None:
             from pathlib import Path
 
             s.prompts = b.read_prompts(Path(s.options.prompts).expanduser())
+        self.post_message(WorkProgress("counting the prompts' tokens with the model's tokenizer, then planning", 0, 1))
+        b.set_aside_too_long(s.model, s.prompts)
         plan = b.plan(s.model, s.machine, s.prompts, gpu_budget, cpu_budget, s.choices)
         self.post_message(PlanReady(plan, gen))
+
+    def on_work_progress(self, msg: WorkProgress) -> None:  # posted before its PlanReady, so never after it
+        self.status(f"{msg.what[:1].upper()}{msg.what[1:]}…")
 
     def on_plan_ready(self, msg: PlanReady) -> None:
         if msg.gen != self._gen:
@@ -339,9 +355,20 @@ class PlanScreen(StepScreen):
         self.query_one("#accept", Button).disabled = True
         self.check(self._gen, fields)
 
+    @work(thread=True, exclusive=True, exit_on_error=False, group="offers", description="engine offers")
+    def learn_offers(self) -> None:
+        """Whether the engine quantizes, asked off the UI thread: the answer imports the engine (torch with it),
+        seconds in which the screen would not draw or take a key."""
+        offered = self.backend.engine_offers("quantize")
+        self.app.call_from_thread(self._offers_known, offered)
+
+    def _offers_known(self, quantize: bool) -> None:
+        self._offers_quantize = quantize
+        self._show_group_row()
+
     def _show_group_row(self) -> None:
         """Quantization's rows only where the engine quantizes; the int4 group only where int4 may be chosen."""
-        offered = self.backend.engine_offers("quantize")
+        offered = self._offers_quantize
         experts = self.query_one("#quantize", Select).value
         int4 = experts in ("int4", "auto") or self.query_one("#quantize_dense", Select).value == "int4"
         beside = {"quantize": True, "quantize_dense": experts != "none", "group_size": int4}
@@ -368,7 +395,7 @@ class PlanScreen(StepScreen):
             v = self.query_one(f"#{key}", Select).value
             return None if v == DEFAULTS[key] or v == Select.BLANK else v
 
-        quantize = value("quantize") if self.backend.engine_offers("quantize") else None
+        quantize = value("quantize") if self._offers_quantize else None
         dense = value("quantize_dense") if quantize else None
         return EngineChoices(dtype=value("dtype"), executor=value("executor"), schedule=value("schedule"),
                              quantize=quantize, quantize_dense=dense,
@@ -413,7 +440,7 @@ class PlanScreen(StepScreen):
         self.show_problems(plan.problems, plan.warnings)
 
     def _show_prediction(self, plan, pred) -> None:
-        cpu_mode = self.cpu_mode
+        cpu_mode, narrow = self.cpu_mode, self.has_class("-narrow")
         p = plan.policy
         bottleneck = CPU_MODE_BOTTLENECK.get(pred.bottleneck, CPU_MODE_BOTTLENECK["gpu"]) if cpu_mode \
             else pred.bottleneck_text
@@ -434,6 +461,10 @@ class PlanScreen(StepScreen):
                                           style=self.mapp.tone("warn")))
         if cpu_mode:
             rows.append(("CPU mode", "no GPU: every stage runs on the CPU"))
+        if narrow:
+            # Prediction and Memory whole above Check at 80×24: the form beside them shows the policy, and the
+            # Memory and layer panels say CPU mode
+            rows = [row for row in rows if row[0] not in ("Policy", "CPU mode")]
         self.query_one("#prediction", Facts).set_rows(rows)
         gpu_share, cpu_share = self.backend.usable_shares()
         for key, used, budget, share in (("gpu", pred.gpu_bytes, plan.gpu_budget, gpu_share),
@@ -446,9 +477,12 @@ class PlanScreen(StepScreen):
                 self.query_one(f"#mem-{key}", LabelBar).update(used / usable if usable else 0.0, text)
         gpu_part = "" if cpu_mode else f"{gpu_share:.0%} of the GPU budget ({fmt.human_bytes(plan.gpu_budget)}), "
         keep = "the OS and the page cache" if cpu_mode else "the CUDA context, the OS and the page cache"
-        self.query_one("#usable", Static).update(
-            f"usable: {gpu_part}{cpu_share:.0%} of the CPU budget ({fmt.human_bytes(plan.cpu_budget)}); "
-            f"the rest is left for {keep}")
+        usable = (f"usable: {gpu_part}{cpu_share:.0%} of the CPU budget ({fmt.human_bytes(plan.cpu_budget)}); "
+                  f"the rest is left for {keep}")
+        if narrow:  # one line: the budgets are in the form beside it
+            usable = (f"usable: {cpu_share:.0%} of the CPU budget" if cpu_mode else
+                      f"usable: {gpu_share:.0%} of GPU, {cpu_share:.0%} of CPU budget")
+        self.query_one("#usable", Static).update(usable)
         top = max(pred.layer_seconds.values(), default=0.0) or 1.0
         for key in RESOURCE_LABELS:
             sec = pred.layer_seconds.get(key, 0.0)

@@ -165,6 +165,11 @@ class PromptsScreen(StepScreen):
     def read(self, path: Path) -> None:
         self.post_message(PromptsReady(self.backend.read_prompts(path)))
 
+    def on_screen_resume(self) -> None:
+        """Back from Plan: it may have set aside prompts longer than the model's context with the bad lines."""
+        if self.session.prompts is not None:
+            self.show(self.session.prompts)
+
     def on_prompts_ready(self, msg: PromptsReady) -> None:
         self.session.prompts = msg.prompts
         self.session.plan = None

@@ -131,9 +131,9 @@ class DetailScreen(ModalScreen):
             ], label_width=8)
             with VerticalScroll(id="detail-text"):
                 yield Static(Text("Prompt", style="bold"))
-                yield Static(Text(r.get("prompt", "")), classes="detail-block")
+                yield Static(Text(fmt.printable(r.get("prompt", ""))), classes="detail-block")
                 yield Static(Text("Output", style="bold"))
-                yield Static(Text(r.get("output", "")), classes="detail-block")
+                yield Static(Text(fmt.printable(r.get("output", ""))), classes="detail-block")
         yield Footer()
 
     def on_mount(self) -> None:

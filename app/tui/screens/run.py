@@ -140,7 +140,8 @@ class RunScreen(StepScreen):
         out = self.session.out_path
         if msg.state == "done":
             rejects = self.session.prompts.prompts.rejects
-            skipped = (f"; {len(rejects)} skipped lines in {out.name}.rejected.jsonl" if rejects else "")
+            lines = "1 skipped line" if len(rejects) == 1 else f"{len(rejects)} skipped lines"
+            skipped = f"; {lines} in {out.name}.rejected.jsonl" if rejects else ""
             self.log_line(f"Done: {n} results written to {out}{skipped}", "ok")
             self.status(f"Done: {n} results in {out}{skipped}. Ctrl+N shows them.", "ok")
             self.mapp.run_ended("The run is done. Quit now?",
