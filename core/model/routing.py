@@ -30,6 +30,8 @@ def route(spec: ModelSpec, h: torch.Tensor, w: dict) -> tuple[torch.Tensor, torc
     if kind == "softmax":
         probs = torch.softmax(logits.float() if spec.router_softmax_fp32 else logits, dim=-1)
         top, idx = torch.topk(probs, spec.top_k, dim=-1)
+        if spec.router_norm == "sum" and spec.routed_scale == 1.0:  # the quotient rounded straight to h's dtype
+            return torch.div(top, top.sum(dim=-1, keepdim=True), out=_empty(top, h.dtype)), idx
         top = _renormalise(spec, top)
     elif kind == "topk_softmax":
         top, idx = torch.topk(logits, spec.top_k, dim=-1)
@@ -51,14 +53,22 @@ def route(spec: ModelSpec, h: torch.Tensor, w: dict) -> tuple[torch.Tensor, torc
         idx = torch.topk(choice, spec.top_k, dim=-1).indices
         top = scores.gather(1, idx)
         if spec.router_norm == "sum":
-            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+            denom = top.sum(dim=-1, keepdim=True) + 1e-20
+            if spec.routed_scale == 1.0:
+                return torch.div(top, denom, out=_empty(top, h.dtype)), idx
+            top = top / denom
     elif kind == "sparsemixer":
         top, idx = _sparsemixer(logits, spec.router_jitter)
     else:
         raise ValueError(f"unknown router {kind!r}")
-    if spec.routed_scale != 1.0:
-        top = top * spec.routed_scale
+    if spec.routed_scale != 1.0:  # the product rounded straight to h's dtype: the same value as after a cast
+        return torch.mul(top, spec.routed_scale, out=_empty(top, h.dtype)), idx
     return top.to(h.dtype), idx
+
+
+def _empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The routing weights' tensor in h's dtype, for their last op to round into (one op, not two)."""
+    return torch.empty(like.shape, dtype=dtype, device=like.device)
 
 
 def _renormalise(spec: ModelSpec, top: torch.Tensor) -> torch.Tensor:
