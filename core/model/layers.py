@@ -32,7 +32,7 @@ def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
 _OFFSET: dict[int, tuple] = {}  # id(w) -> (a weak reference to w, its version, 1 + w in fp32)
 
 
-def _version(t: torch.Tensor) -> int:
+def tensor_version(t: torch.Tensor) -> int:
     try:
         return t._version
     except RuntimeError:  # an inference tensor: never written in place after it was made
@@ -43,9 +43,9 @@ def offset_weight(w: torch.Tensor) -> torch.Tensor:
     """Qwen3-Next's zero-centred weight as applied, 1 + w in fp32: made once per weight tensor (and again if
     it is written), not in every norm of every micro-batch (two device ops each)."""
     kept = _OFFSET.get(id(w))
-    if kept is None or kept[0]() is not w or kept[1] != _version(w):
+    if kept is None or kept[0]() is not w or kept[1] != tensor_version(w):
         key = id(w)
-        kept = _OFFSET[key] = (weakref.ref(w, lambda _: _OFFSET.pop(key, None)), _version(w), w.float() + 1.0)
+        kept = _OFFSET[key] = (weakref.ref(w, lambda _: _OFFSET.pop(key, None)), tensor_version(w), w.float() + 1.0)
     return kept[2]
 
 
