@@ -71,9 +71,9 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
         gate = qkv[:, kv:] if spec.attn_gate else None
         if rope.joins_in_c(qkv):  # the same roundings in one C pass (core.model.cpu.row_ops)
             cos, sin = rope.tables(positions, call_lengths)
-            out = row_ops.rope_join(qkv, spec.num_heads + spec.num_kv_heads, spec.head_dim, cos, sin, spec.kv_size)
-            if out is not None:
-                return out, gate
+            joined = row_ops.rope_join(qkv, spec.num_heads + spec.num_kv_heads, spec.head_dim, cos, sin, spec.kv_size)
+            if joined is not None:
+                return joined, gate
         roped = rope.apply(qkv[:, :qk].view(T, spec.num_heads + spec.num_kv_heads, spec.head_dim), positions,
                            call_lengths)
         return torch.cat((roped.view(T, qk), qkv[:, qk:kv]), dim=-1, out=out), gate
@@ -85,8 +85,9 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
 
 def _pre_into(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_lengths, out):
     """`project`'s per-head-norm case written straight into the payload P [T, Hq + 2·Hkv, hd] (`out`, the
-    device's D1 buffer, when given): each norm's last op writes its rows, v is copied in, and q and k are rotated
-    there in one RoPE — the same values, with no joins after (11–12 ops where `project` and the join took 19+)."""
+    device's D1 buffer, when given; the projection itself lands there where the layout allows): q's and k's norms
+    write their rows, v is copied in, and q and k are rotated there in one RoPE — the same values, with no joins
+    after (GLM-4.5: 9 ops where `project` and the join took 19)."""
     T, Hq, Hkv, hd = h.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
     W, bias = w["qkv"], w.get("qkv_bias")
     if out is not None and not spec.attn_gate and type(W) is torch.Tensor and out.dtype == h.dtype == W.dtype:
