@@ -121,3 +121,24 @@ def test_no_load_or_decode_step_expands_a_whole_quantized_matrix(made, monkeypat
                 logits, _ = runner.decode([[7] * n], [list(range(n))], [pos])
                 assert torch.isfinite(logits).all()
                 pos = [p + 1 for p in pos]
+
+
+def test_the_planner_prices_gguf_experts_at_the_files_bytes(tmp_path):
+    """A Q4_K_M-like mix (Q4_K gate/up, Q6_K down): the spec the planner reads holds the experts at the file's
+    own bytes (never at the compute dtype's), within a byte of rounding per expert."""
+    from checkpoints import make_checkpoint
+    from core.model.gguf.load import load_spec
+    from core.plan.hrm import dims
+    from gguf_files import uniform, write_gguf
+    from test_gguf_reference import SHAPES
+
+    q4 = uniform("Q4_K")
+    ckpt = make_checkpoint("mixtral", tmp_path / "ckpt", **SHAPES["mixtral"])
+    path = write_gguf("mixtral", ckpt, tmp_path / "mix.gguf", lambda n: "Q6_K" if "ffn_down_exps" in n else q4(n))
+    g = open_gguf(path)
+    spec = load_spec(g)
+    assert spec.expert_format == "Q4_K/Q6_K"
+    file = sum(t.nbytes for t in g.tensors.values() if "_exps." in t.name)
+    experts = spec.num_layers * spec.num_experts
+    assert abs(dims(spec).total_expert_bytes - file) <= experts
+    assert dims(spec).total_expert_bytes < 0.4 * spec.num_layers * spec.num_experts * spec.expert_params * 2

@@ -194,7 +194,10 @@ class LayerWeights:
             if not self.quant.pack_cpu():
                 self._expand_block_dense()
                 return
-            self.quant.detach_parts()
+            # projections kept as blocks left their part of the buffer unwritten (never resident): the experts
+            # can stay where they were read to, rather than be copied out while every layer's buffer is held
+            unwritten = all(n in self.block_dense for n in PACKED_DENSE if n in self.tensors)
+            self.quant.detach_parts(copy=not unwritten)
             self.packed = self.quant
         else:
             has_experts = "w13" in self.tensors
