@@ -29,6 +29,7 @@ LANE = [
     "test_cpu_row_ops.py",
     "test_cpu_panel_linear.py",
     "test_gguf_native.py",
+    "test_gguf_block_dense.py",
     "test_engine_parity.py::test_greedy_tokens_match_transformers",
     "test_engine_parity.py::test_logits_match_float64_reference",
     "test_pipeline.py::test_threaded_matches_sequential_for_every_family",
