@@ -30,6 +30,7 @@ import dataclasses
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -140,10 +141,10 @@ def build_vendored(cache: Path) -> LlamaCpp | str:
     return LlamaCpp(tree, tools) if tools else f"the build of {tree} made no {', '.join(TOOLS)}\n{HOW}"
 
 
-def llama_commit(ll: LlamaCpp) -> str:
-    r = subprocess.run([ll.tool("llama-batched-bench"), "--version"], capture_output=True, text=True)
-    m = re.search(r"version: \d+ \((\w+)\)", r.stdout + r.stderr)
-    return m.group(1) if m else "?"
+def llama_commit(output: str) -> str:
+    """The commit a llama.cpp tool's log names ("build: 1 (0c1e570)" or "commit: 0c1e570"), else "?"."""
+    m = re.search(r"build: \d+ \((\w+)\)|commit\W+(\w{7,})", output)
+    return (m.group(1) or m.group(2)) if m else "?"
 
 
 # ---- checkpoint and conversions -------------------------------------------------------------------------
@@ -225,9 +226,18 @@ def run_llama(ll: LlamaCpp, gguf: Path, args) -> dict[int, Rates]:
     cmd = [ll.tool("llama-batched-bench"), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
            "-npp", str(args.prompt), "-ntg", str(args.gen), "-npl", ",".join(map(str, args.batches)),
            "-t", str(args.threads), "-tb", str(args.threads)]
-    got = parse_batched_bench(_run(cmd))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode == -signal.SIGILL:
+        raise SystemExit(f"llama-batched-bench died of an illegal instruction: a GGML_NATIVE build uses what the CPU "
+                         f"advertises, and a VM may advertise AMX without granting its state. Rebuild {ll.src} with "
+                         f"GGML_NATIVE=OFF and the ISA named (-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON "
+                         f"-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON ..., AMX off) and pass it as --llama-dir")
+    if r.returncode:
+        raise SystemExit(f"`{' '.join(cmd)}` failed ({r.returncode}):\n{(r.stdout + r.stderr)[-2000:]}")
+    got = parse_batched_bench(r.stdout + r.stderr)
     if set(got) != set(args.batches):
         raise SystemExit(f"llama-batched-bench printed rows for B = {sorted(got)}, not {args.batches}")
+    run_llama.commit = llama_commit(r.stdout + r.stderr)
     return got
 
 
@@ -324,7 +334,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     ckpt = checkpoint(args.size, args.cache)
     files = {f: convert(ll, ckpt, f) for f in args.formats}
-    print(f"# mlight vs llama.cpp {llama_commit(ll)} ({ll.bin}); {args.size} checkpoint; {args.threads} threads both; "
+    print(f"# mlight vs llama.cpp ({ll.bin}); {args.size} checkpoint; {args.threads} threads both; "
           f"P = {args.prompt}, G = {args.gen}; {args.reps} interleaved reps, medians (min..max of the per-rep "
           f"ratios); {cpu_name()}; load {common.load_average()}", flush=True)
     ours = {f: {b: [] for b in args.batches} for f in args.formats}
@@ -342,6 +352,7 @@ def main(argv=None) -> int:
             print(f"# rep {rep + 1} {f}: " + ", ".join(
                 f"B={b} decode {ours[f][b][-1].decode:.1f}/{theirs[f][b][-1].decode:.1f}" for b in args.batches),
                 flush=True)
+    print(f"\n# llama.cpp commit {getattr(run_llama, 'commit', '?')}")
     for f in args.formats:
         print()
         print(table(f"{f} ({files[f].stat().st_size / 1e6:.0f} MB)", args.batches, ours[f], theirs[f]))

@@ -69,3 +69,8 @@ def test_the_report_gives_median_ratios_with_their_spread():
     text = llamacpp.table("Q8_0", [8], ours, theirs)
     row = text.splitlines()[-1]
     assert row.startswith("| 8 | 95.0 / 55.0 | 1.75 (1.50..2.00) | 210.0 / 100.0 | 2.10 (2.00..2.20) |")
+
+
+def test_the_commit_is_read_from_the_tools_log():
+    assert llamacpp.llama_commit("build: 1 (0c1e570) with GNU 12.2.0 for x86_64") == "0c1e570"
+    assert llamacpp.llama_commit("nothing") == "?"
