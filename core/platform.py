@@ -1,22 +1,9 @@
-"""What differs between operating systems, decided in one place.
+"""What differs between operating systems, decided in one place: CPUs, page-locked memory, stop signals,
+files, the console and the cache folder.
 
 Every branch mlight takes on the OS goes through this module, so that the Windows branches run — and
 are tested — on any machine: a test sets `SYSTEM` ("linux", "windows", "macos") with monkeypatch, and
 every function here reads it at call time. A leaf: it imports nothing from core's packages.
-
-- CPUs: `usable_cores` (the affinity mask and a container's CPU quota; Windows and macOS have no
-  `os.sched_getaffinity`), `load_average` (None on Windows, which has none), `free_cores` (usable cores
-  not busy with other work — the default thread count), `llc_bytes` (the last-level cache, from each
-  OS's own interface).
-- GPU copies: `pinned_budget` (WDDM on Windows caps page-locked memory at half the RAM).
-- Stopping: `stop_signals` (Ctrl-C everywhere; SIGTERM on POSIX; Ctrl-Break — SIGBREAK — on Windows,
-  where SIGTERM is never delivered: `taskkill /F` and TerminateProcess end a process without a signal).
-- Files: `can_fsync_dir` (Windows cannot open a folder), `replace` / `remove` (Windows refuses while
-  another process — a viewer, an indexer, an antivirus scan — has the file open: retry briefly),
-  `path_too_long` (Windows' 260-character limit unless long paths are enabled).
-- Console: `utf8_console` (a redirected Windows console encodes cp1252 and would crash on "→").
-- Terminal: `terminal` (Windows Terminal, the legacy console, or anything else).
-- Caches: `cache_dir` (per-machine data: $MLIGHT_CACHE_DIR, else the OS's user cache folder).
 """
 
 from __future__ import annotations
@@ -90,10 +77,8 @@ def load_average() -> tuple[float, float, float] | None:
 
 
 def free_cores(sample_s: float = 0.1) -> int:
-    """Usable cores not busy with other work now: CPU utilisation sampled for `sample_s` seconds, on every OS (the
-    engine's thread governor, core.model.cpu.threads, looks the same way). Not the 1-minute load average: right
-    after a run ends it still counts that run for a minute, and a probe started then ran on one thread of two (on a
-    2-core VM it then read one core's 14 GB/s of memory bandwidth against the two cores' 29)."""
+    """Usable cores not busy with other work now: CPU utilisation sampled for `sample_s` seconds, on every OS.
+    Not the 1-minute load average, which still counts a run for a minute after it ended."""
     usable = usable_cores()
     total = os.cpu_count() or usable
     try:
@@ -207,7 +192,8 @@ def pinned_budget(ram_bytes: int) -> int:
 # ---- stopping ----------------------------------------------------------------------------------
 
 def stop_signals() -> tuple[int, ...]:
-    """Signals that ask a run to stop cleanly, as this OS delivers them."""
+    """Signals that ask a run to stop cleanly, as this OS delivers them (Windows never delivers SIGTERM:
+    `taskkill /F` ends a process without a signal; Ctrl-Break is SIGBREAK)."""
     names = ("SIGINT", "SIGBREAK") if SYSTEM == "windows" else ("SIGINT", "SIGTERM")
     return tuple(getattr(signal, n) for n in names if hasattr(signal, n))
 

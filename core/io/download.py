@@ -15,6 +15,7 @@ huggingface_hub with an HTTP Range request (up to 5 times while data keeps arriv
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -120,14 +121,7 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
         files = _choose_gguf(repo_id, list(sizes), gguf)
         _check_gguf_arch(repo_id, getattr(info, "gguf", None))
         _check_disk(sum(sizes.get(f, 0) for f in files if not _cached(repo_id, f, sha, kw)), cache_dir)
-        tracker = _Tracker(f"downloading {repo_id}", sum(sizes.get(f, 0) for f in files), progress)
-        tracker.emit(force=True)
-        paths = []
-        for f in files:
-            tracker.file = f
-            paths.append(fetch(f, tracker))
-        tracker.emit(force=True)
-        return Path(paths[0])
+        return Path(_fetch_all(repo_id, files, sum(sizes.get(f, 0) for f in files), fetch, progress)[0])
     wanted = _choose_files(repo_id, sizes)
     noted = not all(_cached(repo_id, f, sha, kw) for f in wanted)
     if noted:  # before the first file lands in the cache
@@ -148,12 +142,7 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
     _check_disk(total, cache_dir)
     if todo and not noted:  # a resumed download: only shards were missing
         _note_symlinks(repo_id, cache_dir, progress)
-    tracker = _Tracker(f"downloading {repo_id}", total, progress)
-    tracker.emit(force=True)
-    for f in todo:
-        tracker.file = f
-        fetch(f, tracker)
-    tracker.emit(force=True)
+    _fetch_all(repo_id, todo, total, fetch, progress)
     return Path(cfg_path).parent
 
 
@@ -244,6 +233,18 @@ def _fetch(repo_id: str, revision: str, kw: dict, filename: str, tracker: _Track
         return hf_hub_download(repo_id, filename, revision=revision, **kw, **extra)
     except Exception as e:
         raise _hub_error(e, repo_id, revision, filename) from e
+
+
+def _fetch_all(repo_id: str, files: list[str], total: int, fetch, progress: EventSink) -> list[str]:
+    """Fetch `files` in order, their bytes summed in one progress line; their local paths."""
+    tracker = _Tracker(f"downloading {repo_id}", total, progress)
+    tracker.emit(force=True)
+    paths = []
+    for f in files:
+        tracker.file = f
+        paths.append(fetch(f, tracker))
+    tracker.emit(force=True)
+    return paths
 
 
 def _cached(repo_id: str, filename: str, revision: str, kw: dict) -> bool:
@@ -344,11 +345,8 @@ def _hub_error(e: Exception, repo_id: str, revision: str | None, filename: str |
     if _is_network(e):
         return MlightError(f"the download of {what} failed: the connection to the Hub was lost",
                            "rerun the same command; files already downloaded are kept")
-    if isinstance(e, OSError):
-        import errno
-
-        if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-            return MlightError(f"disk full while downloading {what}", "free some space and rerun the same command")
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        return MlightError(f"disk full while downloading {what}", "free some space and rerun the same command")
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     return MlightError(f"the download of {what} failed: {first}",
                        "rerun the same command; files already downloaded are kept")

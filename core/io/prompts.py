@@ -272,7 +272,7 @@ def _read_jsonl(text: str, out: PromptSet) -> None:
             entry = _batch_entry(obj, n) if is_batch else _plain_entry(obj, n)
         except _Bad as e:
             rid = obj.get("custom_id", obj.get("id")) if isinstance(obj, dict) else None
-            out.rejects.append(Reject(out.source, n, str(e), _str_or_none(rid), line))
+            out.rejects.append(Reject(out.source, n, str(e), None if rid is None else str(rid), line))
             continue
         if isinstance(entry, list):
             out.entries.extend(entry)
@@ -315,7 +315,7 @@ def _batch_entry(obj: dict, n: int) -> PromptEntry:
     prompt, messages = _prompt_or_messages(body.get("prompt"), body.get("messages"))
     fields = _fields(body, max_tokens_key="max_tokens")
     if fields["max_new_tokens"] is None and "max_completion_tokens" in body:
-        fields["max_new_tokens"] = _positive_int(body["max_completion_tokens"], "max_completion_tokens")
+        fields["max_new_tokens"] = _int(body["max_completion_tokens"], "max_completion_tokens", lo=1)
     url = obj.get("url")
     url = url if isinstance(url, str) else ("/v1/chat/completions" if messages is not None else "/v1/completions")
     model = body.get("model") if isinstance(body.get("model"), str) else None
@@ -432,7 +432,7 @@ def _check_messages(messages: Any) -> tuple[dict, ...]:
 def _fields(obj: dict, max_tokens_key: str) -> dict[str, Any]:
     out: dict[str, Any] = {k: None for k in REQUEST_FIELDS}
     if obj.get(max_tokens_key) is not None:
-        out["max_new_tokens"] = _positive_int(obj[max_tokens_key], max_tokens_key)
+        out["max_new_tokens"] = _int(obj[max_tokens_key], max_tokens_key, lo=1)
     if obj.get("temperature") is not None:
         out["temperature"] = _number(obj["temperature"], "temperature", lo=0.0)
     if obj.get("top_p") is not None:
@@ -444,10 +444,6 @@ def _fields(obj: dict, max_tokens_key: str) -> dict[str, Any]:
     if obj.get("stop") is not None:
         out["stop"] = _stop(obj["stop"])
     return out
-
-
-def _positive_int(v: Any, name: str) -> int:
-    return _int(v, name, lo=1)
 
 
 def _int(v: Any, name: str, lo: int) -> int:
@@ -481,10 +477,6 @@ def _id(v: Any, n: int) -> str:
     if isinstance(v, bool) or not isinstance(v, (str, int)) or (isinstance(v, str) and not v.strip()):
         raise _Bad(f"id must be a non-empty string or a number, got {v!r}")
     return str(v)
-
-
-def _str_or_none(v: Any) -> str | None:
-    return None if v is None else str(v)
 
 
 def _json_or_text(cell: str) -> Any:

@@ -36,7 +36,7 @@ from core import platform
 from core.errors import MlightError, UsageError
 from core.io import turns
 from core.io.prompts import PromptSet, reject_too_long
-from core.io.results import fsync_dir, jsonl_line, openai_batch_record, os_error, write_records
+from core.io.results import atomic_write, jsonl_line, openai_batch_record, os_error, write_records
 from core.telemetry import EventSink, ignore
 
 MANIFEST_KEY = "mlight_run"
@@ -193,7 +193,6 @@ class RunStore:
                         f"{self.run_path.name} holds an unfinished run ({len(records):,} result"
                         f"{'s' if len(records) != 1 else ''}) made with {' and '.join(diff)}",
                         "rerun with --restart to discard them and start over, or choose another --out")
-            if old is not None and not restart:
                 self.done = records
                 self.resumed = True
                 self._open_append()
@@ -234,17 +233,7 @@ class RunStore:
         return parse_run_file(data)
 
     def _create(self, manifest: dict) -> None:
-        tmp = self.run_path.with_name(self.run_path.name + ".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(jsonl_line(manifest))
-                f.flush()
-                os.fsync(f.fileno())
-            platform.replace(tmp, self.run_path)
-        except OSError as e:
-            self._remove(tmp)
-            raise os_error(e, self.run_path) from e
-        fsync_dir(self.run_path.parent)
+        atomic_write(self.run_path, lambda f: f.write(jsonl_line(manifest)))
         self._open_append()
 
     def _open_append(self) -> None:
@@ -303,18 +292,13 @@ class RunStore:
         if self.manifest is None or self.part:
             return
         path = self.ledger_path
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         try:
             info = {**self.manifest, "results": results, "output": str(self.out.resolve()),
                     "output_sha256": _sha256(self.out)}
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(jsonl_line(info))
-            platform.replace(tmp, path)
-        except OSError:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
+            atomic_write(path, lambda f: f.write(jsonl_line(info)))
+        except (OSError, MlightError):
+            pass
 
     def _forget_finished(self) -> None:
         try:

@@ -61,7 +61,7 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
     if spec.qk_norm == "none" and spec.clip_qkv is None:
         # q and k side by side as the projection left them: one RoPE over both heads' rows and one join
         # with v — bit for bit `project`'s, in 14 ops fewer a layer (at batch 1 a decode step's ops cost
-        # more than their arithmetic: core.model.quant's speed figures, bench/RESULTS.md)
+        # more than their arithmetic)
         qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))
         qk, kv = spec.q_size + spec.kv_size, spec.q_size + 2 * spec.kv_size
         gate = qkv[:, kv:] if spec.attn_gate else None

@@ -20,7 +20,6 @@ from core.errors import UsageError
 
 ENV = "MLIGHT_KERNELS"
 CHOICES = ("auto", "native", "torch")
-OLD = ("MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS", "MLIGHT_NATIVE_DENSE", "MLIGHT_NATIVE_AMX", "MLIGHT_AMX")
 _warned: set[str] = set()
 
 

@@ -300,12 +300,6 @@ class KVCache:
     def v(self) -> list:
         return self._v
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        self.layers[layer].write(slots, positions, k, v)
-
-    def write_prompt(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor):
-        self.layers[layer].write_prompt(slot, k, v)
-
 
 COVER_RATIO = 2  # attend over a gapped batch's covering rows while they are at most this many times its rows
 

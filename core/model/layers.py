@@ -1,8 +1,6 @@
-"""The decoder layer's dense pieces as plain functions over a layer's weight views.
+"""The norms every family uses and the final norm + LM head, as plain functions over weight views.
 
-Split the way CGOPipe schedules them: the token mixer (attention of the layer's kind, `mixer.py`)
-runs its projections on the accelerator and its attention next to the state on the CPU; `ffn_input`
-(residual + norm) and `ffn` (router + experts + shared expert, or a dense MLP) follow. Family quirks
+The decoder layer's pieces, split the way CGOPipe schedules them, are core.model.decoder's; family quirks
 come from ModelSpec fields.
 Legend: T = tokens, D = hidden.
 """
@@ -14,7 +12,6 @@ import torch.nn.functional as F
 
 from core.model.cpu import row_ops
 from core.model.limits import LOGIT_CHUNK_BYTES
-from core.model.moe import dense_mlp, moe_ffn
 from core.model.spec import ModelSpec
 
 
@@ -55,13 +52,6 @@ def normed(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
-def ffn(spec: ModelSpec, layer: int, w: dict, h: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
-    """The FFN of `layer` on normed h [T, D]: routed + shared experts, or the dense MLP."""
-    return moe_ffn(spec, w, h, grouped=grouped) if spec.is_moe(layer) else dense_mlp(w, h)
-
-
-
-
 def final_logits(spec: ModelSpec, norm_w: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor,
                  norm_b: torch.Tensor | None = None, head_b: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,26 +69,3 @@ def final_logits(spec: ModelSpec, norm_w: torch.Tensor, lm_head: torch.Tensor, x
     for a in range(0, h.shape[0], rows):
         out[a:a + rows].copy_(F.linear(h[a:a + rows], lm_head, head_b))
     return out
-
-
-def Rope(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device="cpu"):  # noqa: N802 - kept name
-    """The model's RoPE tables (core.model.rope)."""
-    from core.model.rope import for_spec
-
-    return for_spec(spec, max_positions, dtype, device)
-
-
-def pre_attn(spec: ModelSpec, w: dict, x: torch.Tensor, positions: torch.Tensor, rope, full_norm=None):
-    """Grouped-query attention's projections for x [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd].
-    `full_norm`: see core.model.gqa.project (a tensor-parallel rank's norm over all heads)."""
-    from core.model.gqa import project
-
-    q, k, v, _ = project(spec, w, norm(spec, x, w["ln1"], w.get("ln1_b")), positions, rope, full_norm=full_norm)
-    return q, k, v
-
-
-def post_attn(spec: ModelSpec, w: dict, x: torch.Tensor, attn_out: torch.Tensor, layer: int = 0,
-              grouped: bool | None = None):
-    """x [T, D] residual stream, attn_out [T, Hq·hd] -> the layer's output [T, D]."""
-    x = x + F.linear(attn_out, w["o"], w.get("o_bias"))
-    return x + ffn(spec, layer, w, norm(spec, x, w["ln2"], w.get("ln2_b")), grouped=grouped)

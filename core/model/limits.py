@@ -18,11 +18,10 @@ LOGIT_CHUNK_BYTES = 4 << 20  # a prepacked LM head's output rows at a time: memo
 # (one longer prompt alone), any tokens through the FFN, each chunk's output written back over its rows. Whole, a
 # call's intermediates pass glibc's largest mmap threshold (32 MB) and are mapped fresh and page-faulted at every
 # layer: with the FFN whole the demo's first wave of 200 prompts (15,400 tokens) took 2.0-2.1 s, 1.03-1.04 s with
-# it in chunks (eighth session); with the mixer whole as well the 784M's 256-prompt call (19,705 tokens) faulted
-# in 5 GB a call and took 21.5-25.9 s against 16.6-18.4 s with both in chunks — and its speed hung on whether the
-# process's heap happened to hold that much free memory (bench/RESULTS.md, issue 11, eleventh session). A device's
-# caching allocator reuses its blocks: there the call stays whole (core.runtime.pipeline). The planner prices a
-# call by its chunks (core.plan.cpu_cost).
+# it in chunks; with the mixer whole as well the 784M's 256-prompt call (19,705 tokens) faulted in 5 GB a call and
+# took 21.5-25.9 s against 16.6-18.4 s with both in chunks — and its speed hung on whether the process's heap
+# happened to hold that much free memory. A device's caching allocator reuses its blocks: there the call stays
+# whole (core.runtime.pipeline). The planner prices a call by its chunks (core.plan.cpu_cost).
 PREFILL_CHUNK_BYTES = 16 << 20  # a chunk's widest fp32 intermediate: half the threshold (routing is uneven)
 PREFILL_CHUNK_TOKENS, PREFILL_CHUNK_LEAST = 2048, 256  # at most (GEMMs this tall gain nothing more), at least
 # ... but each chunk reads the layer's routed experts again. Where they are large a chunk sized by its activations

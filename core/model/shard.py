@@ -6,7 +6,7 @@ keeps one copy of the KV head per query head (plain multi-head attention locally
 up to the number of heads works and the KV-cache math is the ordinary one.
 The MoE FFN is split along every expert's intermediate dimension (and the shared expert's), not by
 assigning whole experts: each rank streams exactly 1/size of every layer's expert bytes whatever the
-routing, and the straggler of each step is no slower than the others (bench/tp_split.py measured both).
+routing, and the straggler of each step is no slower than the others.
 Latent attention (MLA) is split by heads too: a rank keeps its heads' rows of the query and KV
 up-projections (so the absorbed W_UK/W_UV are its heads') and their O-projection columns, and
 computes the shared latent itself, so every rank caches the whole latent (it serves all heads).

@@ -373,7 +373,7 @@ class ModelSpec:
         return self.num_experts * self.expert_bytes
 
     def layer_nonexpert_bytes_of(self, i: int) -> int:
-        return sum(_numel(s) for n, s in self.layer_shapes(i).items() if n not in EXPERT_TENSORS) * self.dtype_bytes
+        return sum(math.prod(s) for n, s in self.layer_shapes(i).items() if n not in EXPERT_TENSORS) * self.dtype_bytes
 
     @property
     def layer_nonexpert_bytes(self) -> int:
@@ -381,12 +381,8 @@ class ModelSpec:
         return (self.nonexpert_bytes - self.global_bytes) // self.num_layers
 
     @property
-    def layer_bytes(self) -> int:
-        return self.layer_nonexpert_bytes + self.layer_expert_bytes
-
-    @property
     def global_bytes(self) -> int:
-        return sum(_numel(s) for s in self.global_shapes().values()) * self.dtype_bytes
+        return sum(math.prod(s) for s in self.global_shapes().values()) * self.dtype_bytes
 
     @property
     def nonexpert_bytes(self) -> int:
@@ -455,10 +451,3 @@ class ModelSpec:
     @classmethod
     def from_json(cls, text: str) -> "ModelSpec":
         return cls.from_dict(json.loads(text))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -133,9 +133,6 @@ class LayerLayout:
                 out.append((name, off, shape, math.prod(shape[1:]) * unit))
         return out
 
-    def expert_names(self) -> list[str]:
-        return [n for n, off, _ in self.entries if off >= self.expert_start]
-
     def expert_views(self, region: torch.Tensor, dtype: torch.dtype | None = None, scratch: dict | None = None) -> dict:
         """The experts over a buffer holding only the expert region: {"w13", "w2"} tensors, or for a
         quantized layout {"quant": QuantExperts} computing in `dtype`."""
@@ -389,11 +386,6 @@ class ModelWeights:
         return any(lw.packed is not None for lw in self.layers)
 
     @property
-    def expert_layout(self) -> LayerLayout:
-        """The layout of an MoE layer: its expert region is what streams (the same in every MoE layer)."""
-        return next((lw.layout for i, lw in enumerate(self.layers) if self.spec.is_moe(i)), self.layers[0].layout)
-
-    @property
     def scheme(self):
         """How the experts are stored (core.model.quant.experts.ExpertScheme), None when unquantized."""
         return self.layers[0].layout.scheme
@@ -490,7 +482,7 @@ def _unpin_all(pins: dict) -> None:
 
 
 def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
-                 pin: bool | None = None, progress: EventSink = ignore, quant: Format | None = None,
+                 progress: EventSink = ignore, quant: Format | None = None,
                  use_cache: bool = True, shard=None) -> ModelWeights:
     """Read a checkpoint into paged per-layer buffers (and plain tensors for embeddings and head).
 
@@ -499,8 +491,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
 
     With `quant` the experts are quantized layer by layer as they are read (or read back from the
     quantized cache, see core.model.quant.cache): memory peaks at the quantized model plus one layer
-    in the compute dtype. `pin` is accepted and unused: the runtime page-locks what streams, at its exact
-    size (ModelWeights.pin_streamed)."""
+    in the compute dtype. The runtime page-locks what streams, at its exact size (ModelWeights.pin_streamed)."""
     if pages_per_layer < 1:
         raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
     mxfp4 = spec.quant_method == "mxfp4" and spec.family == "gpt_oss"  # experts read as the 4-bit blocks they are

@@ -25,7 +25,7 @@ from core.model import limits
 VERSION = 16  # 16: twelve fitted coefficients and a band (15 and before: pieces and run factors)
 NAMES = ("flop_s", "weight_s", "expert_flop_s", "expert_weight_s", "expert_call_s", "kv_s", "elem_s", "sdpa_flop_s",
          "prefill_tok_s", "task_s", "step_s", "wave_s")
-MIN_BAND = 0.05  # never narrower than this machine's run-to-run spread of one run (bench/RESULTS.md, noise)
+MIN_BAND = 0.05  # never narrower than this machine's run-to-run spread of one run
 DEFAULT_BAND = 0.5  # a machine never calibrated: the probe's rates with typical overheads
 
 
@@ -49,14 +49,6 @@ class CpuCosts:
     model: str = ""  # model_key() of the model the costs were measured on
     model_bytes: int = 0  # its weights, for picking the nearest calibration for another model
     measured: bool = True  # False: `defaults`, the model of a machine never calibrated
-    fresh_s = kv_alloc_s = 0.0  # core.plan.hrm asks: a run's fresh memory is in the per-token and per-wave terms
-
-    def at_speed(self, now: float) -> "CpuCosts":  # core.plan.hrm asks too: the costs hold at any speed ...
-        return self
-
-    def for_step(self, kv_bytes: float) -> "CpuCosts":  # ... and beside any KV stream
-        return self
-
     coefficients = property(lambda self: [getattr(self, n) for n in NAMES])
 
     def to_dict(self) -> dict:
@@ -133,14 +125,10 @@ def decode_units(d, micro_batch: float, expert_batch: float, tokens: float) -> d
 
 
 # ---- what core.plan.hrm asks -------------------------------------------------------------------------
-def read_tokens(c: CpuCosts, context: float, row_tokens: float | None = None, longest: float | None = None) -> float:
-    return context  # decode attention reads each request's own cached tokens (the fused kernel, in place)
-
-
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,
-                 row_tokens: float | None = None, longest: float | None = None,
                  lengths: list[int] | None = None) -> dict[str, float]:
-    """Seconds of one task of each kind of a CPU-only decode layer; `lengths`: the requests' own, when known."""
+    """Seconds of one task of each kind of a CPU-only decode layer; `lengths`: the requests' own, when known.
+    Attention reads each request's own cached tokens (the fused kernel, in place)."""
     tokens = sum(lengths) if lengths else micro_batch * context
     return {k: seconds(c, vec(u)) for k, u in decode_units(d, micro_batch, expert_batch, tokens).items()}
 
@@ -153,10 +141,6 @@ def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq
 def head_seconds(d, c: CpuCosts, tokens: float) -> float:
     """Per step: final norm + LM head over `tokens` rows, sampling, and the step's own overhead."""
     return seconds(c, vec(head_units(d, tokens) + Counter(step_s=1.0)))
-
-
-def fresh_tokens(d, c: CpuCosts, t: float, prompt_len: float = 0.0) -> float:
-    return 0.0  # no token is priced apart for fresh memory: the per-token prefill term holds it
 
 
 # ---- the fit -----------------------------------------------------------------------------------------

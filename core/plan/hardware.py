@@ -67,8 +67,7 @@ class HardwareSpec:
     cpu_threads: int | None = None  # threads the CPU rates were measured with
     # `mlight bench --calibrate`'s CPU cost models: {math dtype: {model key: core.plan.cpu_cost.CpuCosts dict}}
     cpu_costs: dict = dataclasses.field(default_factory=dict)
-    # the CPU's speed now (core.plan.cpu_speed.measure, FLOP/s) by cpu_speed.key(math, threads), measured where a
-    # prediction is made on this machine: the calibrated costs are scaled to it (CpuCosts.at_speed)
+    # kept empty, for hardware files and `mlight plan --json`: calibrations carry no speed stamp to scale to
     cpu_speed: dict = dataclasses.field(default_factory=dict)
     # the GPU executor's host seconds per task and per torch op as measured on this machine (None: the
     # planner's hrm.TASK_SECONDS / OP_SECONDS); bench/gpu_check.py measures them on a real GPU
@@ -354,9 +353,8 @@ def probe_cache_path(hw: HardwareSpec) -> Path:
 
 
 def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: float = 0.25,
-          measure=None, speed=None) -> HardwareSpec:
-    """Detected hardware with measured rates, read from the cache unless `refresh`, and with its calibrated CPU
-    costs the speed it runs at now (`with_speed`; `speed(math, threads)`, default cpu_speed.measure).
+          measure=None) -> HardwareSpec:
+    """Detected hardware with measured rates, read from the cache unless `refresh`, with its calibrated CPU costs.
 
     `measure(hw, seconds) -> {field: value}` does the measuring (default: `_measure`, torch); tests
     pass a stub. Fields it returns are listed in `measured` and used by the HRM without derating;
@@ -368,12 +366,12 @@ def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: f
     if not refresh and path.is_file():
         try:
             rates = json.loads(path.read_text(encoding="utf-8"))["rates"]
-            return with_speed(_with_gpu_costs(_with_costs(_apply(hw, rates))), speed)
+            return _with_gpu_costs(_with_costs(_apply(hw, rates)))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged cache entry is measured again and overwritten
     rates = (measure or _measure)(hw, seconds)
     _write_json(path, {"rates": rates, "time": time.time(), "machine": hw.to_dict()})
-    return with_speed(_with_gpu_costs(_with_costs(_apply(hw, rates))), speed)
+    return _with_gpu_costs(_with_costs(_apply(hw, rates)))
 
 
 def _with_costs(hw: HardwareSpec) -> HardwareSpec:
@@ -382,20 +380,6 @@ def _with_costs(hw: HardwareSpec) -> HardwareSpec:
 
     costs = cpu_cost.load(hw)
     return dataclasses.replace(hw, cpu_costs=costs) if costs else hw
-
-
-def with_speed(hw: HardwareSpec, speed=None) -> HardwareSpec:
-    """The machine with the speed its CPU runs at now, for each math dtype and thread count a calibration with a
-    stamped speed was measured in (core.plan.cpu_speed: a second or two each; none without such a calibration)."""
-    from core.plan import cpu_speed
-
-    want = {(c["math"], int(c.get("threads") or 0)) for per in hw.cpu_costs.values() for c in per.values()
-            if c.get("speed")}
-    if not want:
-        return hw
-    speed = speed or cpu_speed.measure
-    return dataclasses.replace(hw, cpu_speed={**hw.cpu_speed, **{cpu_speed.key(m, t): speed(m, t or None)
-                                                                  for m, t in sorted(want)}})
 
 
 def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:

@@ -1,5 +1,5 @@
-"""The Hierarchical Roofline Model: FLOPs and bytes of each decoder-layer task, roofline bounds,
-the paper's turning points P1/P2 and balance point, and the busy time of one layer on each resource.
+"""The Hierarchical Roofline Model: FLOPs and bytes of each decoder-layer task, roofline bounds, and the
+busy time of one layer on each resource.
 
 Boundary: pure functions of (ModelSpec, Rates, numbers). No search, no memory accounting (that is
 core.plan.planner), no I/O. Times are per layer; resource names are core.telemetry.RESOURCES.
@@ -31,7 +31,7 @@ DERATE = {"gpu_flops": 0.5, "gpu_bw": 0.77, "h2d_bw": 0.77, "d2h_bw": 0.77, "cpu
 GPU_LAUNCH = 10e-6
 # Share of the CPU's matmul rate that torch's weight-only kernels reach on quantized experts once
 # several tokens share an expert (they expand each weight in registers): ≈ 170 GFLOP/s a Zen 5 core at
-# 16-64 rows for int4 and int8 against ≈ 380 for oneDNN's bf16 GEMM (bench/quant_cpu.py, RESULTS.md).
+# 16-64 rows for int4 and int8 against ≈ 380 for oneDNN's bf16 GEMM.
 # Used only where the hardware probe has not measured the kernel itself (HardwareSpec.cpu_matmul["int4"]).
 CPU_KERNEL_FLOPS = {"int8": 0.45, "int4": 0.45}
 COPY_LAUNCH = 10e-6
@@ -44,7 +44,7 @@ ALLREDUCE_LATENCY = 50e-6
 # The host side of a task, serialised across the executor's threads by Python's GIL: the executor's
 # own cost per task (queue handoff, dependency and timing events) plus, for every torch op the task
 # issues, its Python dispatch and CUDA launch. Set from the first real-GPU run (bench/gpu_check.py on an
-# H200 host, 16 vCPUs, bench/RESULTS.md "GPU path on a real GPU"): the CUDA executor's empty task cost
+# H200 host, 16 vCPUs): the CUDA executor's empty task cost
 # 82 µs there (19 µs over the emulated device on a 2-core EPYC: real event calls are dearer), and the
 # decode steps' GPU stream, launch-bound at μ = 4, took 22–29 µs per op across the three schedules — a
 # real layer's ops under the executor's threads, not the 7.4 µs of one tiny add_ alone. With 8 µs the
@@ -72,7 +72,7 @@ EXPERT_PATHS = {"fused": (24, 0), "grouped": (HOST_OPS["ffn"], 0), "padded": (HO
 # None: the path today's runtime picks (expert_path); a name of EXPERT_PATHS where every FFN runs one path
 DEFAULT_EXPERT_PATH: str | None = None
 # Page-locking host memory (cudaHostRegister), bytes/s: ≈ 2 GB/s on the H200 host (about 11 s for the 23.5 GB
-# that streamed, bench/RESULTS.md "GPU path on a real GPU"). HardwareSpec.pin_bw replaces it where measured.
+# that streamed, on the first real-GPU run). HardwareSpec.pin_bw replaces it where measured.
 # A run pays it once per loaded model (the first run of a model), before its first token.
 PIN_BW = 2e9
 
@@ -125,12 +125,10 @@ def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> R
     if dtype is not None:
         v, math, measured = hw.cpu_flops_for(dtype)
         cpu_flops = v * (1.0 if measured else DERATE["cpu_flops"])
-        from core.plan import cpu_cost, cpu_speed
+        from core.plan import cpu_cost
 
         if hw.cpu_costs.get(math):
             costs = cpu_cost.pick(hw.cpu_costs[math], dims(model) if model is not None else None)
-            if costs is not None:  # at the speed the CPU runs at now, where that was measured
-                costs = costs.at_speed(hw.cpu_speed.get(cpu_speed.key(costs.math, costs.threads), 0.0))
         else:  # never calibrated: the probe's rates with what calibration learned on other machines
             width = 4 if dtype in ("float32", "torch.float32") else 2
             costs = cpu_cost.defaults(math, cpu_flops, rate("cpu_bw", False), width, width, hw.cpu_threads or 0)
@@ -401,21 +399,19 @@ def decode_attention(m: "ModelSpec | Dims", t: float, c: float) -> Work:
     one recurrent step over a fixed state. Each query reads its own state, so intensity does not grow
     with t: ≈ 2·(Hq/Hkv)/dtype_bytes for GQA, ≈ 2·H/dtype_bytes for MLA (one latent for all heads)."""
     d = dims(m)
-    fl = by = 0.0
-    for x in d.mixers:
-        f, b = x.decode(t, c, d.dt)
-        fl, by = fl + x.count * f, by + x.count * b
-    return Work(fl / d.layers, by / d.layers)
+    return _mixed(d, lambda x: x.decode(t, c, d.dt))
 
 
 def prefill_attention(m: "ModelSpec | Dims", seqs: float, s: float) -> Work:
     """Causal attention over seqs prompts of s tokens, flash-style (K, V read once per query block)."""
     d = dims(m)
-    fl = by = 0.0
-    for x in d.mixers:
-        f, b = x.prefill(seqs, s, d.dt)
-        fl, by = fl + x.count * f, by + x.count * b
-    return Work(fl / d.layers, by / d.layers)
+    return _mixed(d, lambda x: x.prefill(seqs, s, d.dt))
+
+
+def _mixed(d: Dims, work) -> Work:
+    """The average layer's Work of its token mixer: `work(mixer cost)` -> (FLOPs, bytes), weighted by layers."""
+    parts = [(x.count, *work(x)) for x in d.mixers]
+    return Work(sum(n * f for n, f, _ in parts) / d.layers, sum(n * b for n, _, b in parts) / d.layers)
 
 
 def lm_head(m: "ModelSpec | Dims", t: float) -> Work:
@@ -432,77 +428,6 @@ def dense_work(m: "ModelSpec | Dims", t: float) -> Work:
 def roofline_seconds(w: Work, flops: float, bw: float) -> float:
     """max(FLOPs / peak, bytes / bandwidth): the task is compute- or bandwidth-bound, never both."""
     return max(w.flops / flops, w.bytes / bw)
-
-
-def attainable(peak: float, bw: float, intensity: float, link_bw: float | None = None,
-               remote_intensity: float | None = None) -> float:
-    """The paper's P_x^i = min(P_i, B_i·I_x^i, B_{j→i}·I_x^j) (FLOP/s); without a link, min(P_i, B_i·I_x^i)."""
-    p = min(peak, bw * intensity)
-    if link_bw is not None and remote_intensity is not None:
-        p = min(p, link_bw * remote_intensity)
-    return p
-
-
-def turning_points(peak_i: float, bw_i: float, intensity_i: float, peak_j: float, bw_j: float,
-                   intensity_j: float, link_bw: float) -> tuple[float, float]:
-    """(P1, P2) as cross-level intensities: below P1, moving the data from level j to compute on level i
-    is slower than computing on j; below P2, level i is starved by the link."""
-    p1 = min(peak_j, bw_j * intensity_j) / link_bw
-    p2 = min(peak_i, bw_i * intensity_i) / link_bw
-    return p1, p2
-
-
-def balance_intensity(bw_i: float, intensity_i: float, link_bw: float) -> float:
-    """The cross-level intensity I^j at the balance point B_i·I^i = B_{j→i}·I^j."""
-    return bw_i * intensity_i / link_bw
-
-
-def ffn_intensities(m: "ModelSpec | Dims", expert_batch: float, batch: float, gpu_weight_fraction: float = 0.0) -> tuple[float, float]:
-    """(I^gpu, I^link) of one layer's MoE FFN: FLOPs per byte read from GPU memory (grows with the
-    expert batch) and per byte streamed over PCIe (grows with the whole batch N: weights cross once per step)."""
-    per_batch = moe_ffn(m, expert_batch)
-    flops = per_batch.flops * batch / expert_batch
-    gpu_bytes = per_batch.bytes * batch / expert_batch
-    link = (1 - gpu_weight_fraction) * dims(m).layer_expert_bytes * dims(m).moe_frac
-    return flops / gpu_bytes, (flops / link if link else float("inf"))
-
-
-def task_table(m: "ModelSpec | Dims", r: Rates, *, micro_batch: int, context: float, expert_batch: int | None = None,
-               prompt_len: int = 128) -> list[dict]:
-    """The HRM view of one layer, per task: FLOPs, bytes read where it runs, bytes that cross the link if
-    its data (weights or KV) lives on the other level, both intensities, what the GPU and the CPU can
-    attain (the GPU with the data local and with the data streamed), and the turning points P1/P2
-    (in cross-level intensity; the task's I^link below P1 means: compute it where the data lives)."""
-    d = dims(m)
-    beta = expert_batch or micro_batch
-    rows = [
-        ("qkv_proj", qkv_proj(d, micro_batch), d.avg(lambda x: x.pre_params) * d.dt),
-        ("o_proj", o_proj(d, micro_batch), d.avg(lambda x: x.post_params) * d.dt),
-        ("router", router(d, micro_batch), d.moe_frac * d.E * d.D * d.dt),
-        ("moe_ffn", moe_ffn(d, beta), d.moe_frac * expected_experts(beta, d.E, d.k) * d.expert_bytes),
-        ("shared_expert", shared_expert(d, micro_batch), 3 * d.D * (d.moe_frac * d.Is + (1 - d.moe_frac) * d.Id) * d.dt),
-        ("decode_attention", decode_attention(d, micro_batch, context), micro_batch * d.state_layer_bytes(context)),
-        ("prefill_attention", prefill_attention(d, 1, prompt_len), prompt_len * d.avg(lambda x: x.state.token_elems) * d.dt),
-        ("lm_head", lm_head(d, micro_batch), d.V * d.D * d.dt),
-    ]
-    out = []
-    for name, w, remote in rows:
-        if not w.flops:
-            continue
-        i_remote = w.flops / remote if remote else float("inf")
-        p1, p2 = (turning_points(r.gpu_flops, r.gpu_bw, w.intensity, r.cpu_flops, r.cpu_bw, w.intensity, r.h2d_bw)
-                  if r.has_gpu else (float("nan"), float("nan")))
-        out.append({
-            "task": name, "flops": w.flops, "bytes": w.bytes, "intensity": w.intensity,
-            "link_bytes": remote, "link_intensity": i_remote,
-            "gpu_flops_local": attainable(r.gpu_flops, r.gpu_bw, w.intensity) if r.has_gpu else 0.0,
-            "gpu_flops_streamed": attainable(r.gpu_flops, r.gpu_bw, w.intensity, r.h2d_bw, i_remote) if r.has_gpu else 0.0,
-            "cpu_flops": attainable(r.cpu_flops, r.cpu_bw, w.intensity),
-            "p1": p1, "p2": p2,
-        })
-    return out
-
-
 
 
 # ---- one layer's tasks and busy time on each resource ------------------------------------------------
@@ -526,12 +451,8 @@ def all_reduce_seconds(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
 
 def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, expert_batch: int,
                  attention_on: str, ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
-                 context: float, pages: int | None = None, row_tokens: float | None = None,
-                 longest: float | None = None) -> dict[str, TaskCost]:
+                 context: float, pages: int | None = None) -> dict[str, TaskCost]:
     """The tasks of one decode layer (one new token for each of `batch` requests), by kind.
-    `row_tokens`: the KV cache row a request has (longest prompt + generation), which CPU decode
-    attention reads whole (core.model.attention) unless a micro-batch's `longest` context is well under
-    it (core.model.attention.slices) — the calibrated CPU costs count which.
 
     Kinds: pre_attn (norm + QKV), d1 (QKV to the CPU), cpu_attn, d2 (attention output back), post_attn
     (O-proj, router, shared expert), ffn (routed experts of one expert batch), weight_page (one page of
@@ -545,9 +466,8 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
     if cpu_only and r.cpu_costs is not None:  # measured on this machine: core.plan.cpu_cost
         from core.plan import cpu_cost
 
-        costs = r.cpu_costs.for_step(batch * cpu_cost.read_tokens(r.cpu_costs, context, row_tokens, longest) * m.kv_tok)
-        secs = cpu_cost.decode_tasks(m, costs, micro_batch=micro_batch, expert_batch=expert_batch,
-                                     context=context, row_tokens=row_tokens, longest=longest)
+        costs = r.cpu_costs
+        secs = cpu_cost.decode_tasks(m, costs, micro_batch=micro_batch, expert_batch=expert_batch, context=context)
         if m.qkind in CPU_KERNEL_FLOPS:  # calibrated on the dtype's matmuls: quantized experts run other kernels
             secs["ffn"] = max(quant_cpu_ffn(m, r, expert_batch), moe_ffn(m, expert_batch).bytes / r.cpu_bw) \
                 + costs.elem_s * expert_batch * m.k * (3 * m.D + 3 * m.I) + costs.task_s
@@ -606,7 +526,7 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
     if ffn_on == "cpu" and r.cpu_costs is not None:
         from core.plan import cpu_cost
 
-        costs = r.cpu_costs.for_step(batch * prompt_len * m.kv_tok)
+        costs = r.cpu_costs
         swap = quant_dense_swap(m, r, costs, toks)
         return {"prefill": TaskCost("gpu", cpu_cost.prefill_seconds(m, costs, micro_batch, prompt_len, prompt_sq)
                                     + swap["pre"] + swap["post"], n_mb)}
@@ -633,7 +553,7 @@ def busy_seconds(tasks: dict[str, TaskCost]) -> dict[str, float]:
 
 def decode_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, float]:
     """Busy seconds of one decode layer per resource (keyword arguments as decode_tasks), plus the
-    "pipeline" bound (see pipeline_seconds) and the "host" bound (see host_seconds). Each is affine in
+    "pipeline" bound (see pipeline_bounds) and the "host" bound (see host_seconds). Each is affine in
     gpu_weight_fraction and gpu_kv_fraction, which the planner's LP relies on."""
     tasks = decode_tasks(m, r, **kw)
     bounds = pipeline_bounds(tasks) or (0.0, 0.0, 0.0)
@@ -746,11 +666,6 @@ def pipeline_bounds(tasks: dict[str, TaskCost]) -> tuple[float, ...]:
     return h2d + middle, h2d + last, h2d + middle + last
 
 
-def pipeline_seconds(tasks: dict[str, TaskCost]) -> float:
-    """The pipeline bound of a CGOPipe layer (0 where none applies): see pipeline_bounds."""
-    return max(pipeline_bounds(tasks), default=0.0)
-
-
 def layer_time(busy: dict[str, float], ffn_on: str, pipeline: float = 0.0) -> float:
     """Wall time of a layer: resources overlap (CGOPipe) up to the pipeline bound, except in the
     CPU-only placement where the dense work and attention share the same cores."""
@@ -770,49 +685,6 @@ def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches:
     return micro_batches * (roofline_seconds(w, flops, bw) + (GPU_LAUNCH if on_gpu else CPU_LAUNCH))
 
 
-def wave_seconds(r: Rates, *, on_gpu: bool, call_tokens: float = 0.0, waves: float = 1.0, model=None,
-                 prompt_len: float = 0.0, cache_bytes: float = 0.0) -> float:
-    """Once a wave, beside its prefill's layers and LM head: admitting it (CPU-only, as calibrated: CpuCosts.wave_s),
-    and a wave's share of `waves` of what a run pays once: its prefill calls' fresh memory, `call_tokens` a call in
-    prompts of `prompt_len` (CpuCosts.fresh_s) — of `model`'s, only the tokens whose activations its calls reuse:
-    those mapped fresh at every call (cpu_cost.fresh_tokens: a prompt longer than a chunk) are in each call's
-    prefill already — and its state cache of `cache_bytes` made (CpuCosts.kv_alloc_s)."""
-    if on_gpu or r.cpu_costs is None:
-        return 0.0
-    from core.plan import cpu_cost
-
-    c = r.cpu_costs
-    once = call_tokens - (cpu_cost.fresh_tokens(dims(model), c, call_tokens, prompt_len) if model is not None else 0.0)
-    return c.wave_s + (c.fresh_s * once + c.kv_alloc_s * cache_bytes) / max(1.0, waves)
-
-
-# ---- calibration -------------------------------------------------------------------------------------
-# resource -> the rates whose achieved values its busy time reveals (compute and bandwidth alike: a
-# measured busy time does not say which bound the task hit)
-_CALIBRATES = {"gpu": ("gpu_flops", "gpu_bw"), "cpu_attn": ("cpu_flops", "cpu_bw"), "h2d": ("h2d_bw",),
-               "d2h": ("d2h_bw",)}
-
-
-def calibrate(hw: HardwareSpec, predicted: dict[str, float], measured: dict[str, float],
-              min_seconds: float = 1e-4) -> HardwareSpec:
-    """The machine with its rates scaled so that predicted busy times would match measured ones.
-
-    `predicted` and `measured` map RESOURCES to busy seconds of the same work (e.g. a simulated step
-    and the engine's StepDone.busy). Resources with too little busy time on either side are left alone.
-    The scaled rates are marked measured, so they are used without derating from then on.
-    """
-    import dataclasses
-
-    r = effective_rates(hw)
-    if not hw.has_gpu:  # CPU-only: "gpu" is the CPU's dense work; both keys time the same cores
-        predicted = {"cpu_attn": predicted.get("gpu", 0.0) + predicted.get("cpu_attn", 0.0)}
-        measured = {"cpu_attn": measured.get("gpu", 0.0) + measured.get("cpu_attn", 0.0)}
-    changes: dict[str, float] = {}
-    for res, fields in _CALIBRATES.items():
-        p, m = predicted.get(res, 0.0), measured.get(res, 0.0)
-        if p < min_seconds or m < min_seconds:
-            continue
-        for f in fields:
-            per_gpu = not f.startswith("cpu")  # effective GPU and link rates are summed over GPUs
-            changes[f] = getattr(r, f) * (p / m) / (hw.gpu_count if per_gpu else 1)
-    return dataclasses.replace(hw, **changes, measured=tuple(sorted(set(hw.measured) | set(changes))))
+def wave_seconds(r: Rates, *, on_gpu: bool) -> float:
+    """Admitting a wave, beside its prefill's layers and LM head: CPU-only, as calibrated (CpuCosts.wave_s)."""
+    return 0.0 if on_gpu or r.cpu_costs is None else r.cpu_costs.wave_s

@@ -30,7 +30,7 @@ from core.plan.parallel import default_ranks, rank_view
 from core.errors import BudgetError, UsageError
 from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy, Prediction, dense_layers, expert_split, kv_gpu_layers
-from core.plan.workload import SPREAD_SIGMA, Workload  # noqa: F401 (planner.Workload: the planner's input)
+from core.plan.workload import Workload  # noqa: F401 (planner.Workload: the planner's input)
 from core.model.limits import LOGIT_CHUNK_BYTES
 from core.model.limits import PADDED_MAX_TOKENS as PADDED_TOKENS  # expert calls this small run every expert
 from core.model.limits import STAGING_ALIGN as ALIGN  # the runtime's host staging arena aligns each buffer to this
@@ -114,11 +114,6 @@ def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[
     """Bytes on the GPU (all GPUs) and on the CPU, by purpose."""
     gpu, cpu, _ = _memory(hrm.dims(m), p, w)
     return gpu, cpu
-
-
-def pinned_bytes(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> int:
-    """Page-locked host bytes: the streamed experts' part of each layer's buffer and the staging arena."""
-    return _memory(hrm.dims(m), p, w)[2]
 
 
 def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[str, int], int]:
@@ -283,8 +278,7 @@ def _busy(m: ModelSpec, r: hrm.Rates, w: Workload, place: tuple[str, str], n: in
           r_w: float, r_c: float, pages: int | None = None) -> tuple[dict, dict]:
     a, f = place
     dec = hrm.decode_layer_seconds(m, r, batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f,
-                                   gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, context=w.decode_context, pages=pages,
-                                   row_tokens=w.longest_prompt + w.gen_len, longest=w.micro_batch_context(mu))
+                                   gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, context=w.decode_context, pages=pages)
     pre = hrm.prefill_layer_seconds(m, r, batch=n, micro_batch=mu, attention_on=a, ffn_on=f,
                                     gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, prompt_len=w.prompt_len, pages=pages,
                                     prompt_sq=w.prompt_sq_mean)
@@ -294,13 +288,6 @@ def _busy(m: ModelSpec, r: hrm.Rates, w: Workload, place: tuple[str, str], n: in
 def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> Prediction:
     """The HRM's prediction for a given policy (memory is reported, not checked: see validate). With
     tensor parallelism, the time is one rank's (they run in step) and the memory is summed over them."""
-    return _predict(policy, model, hardware, workload)
-
-
-def _predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload, *,
-             first: bool = True) -> Prediction:
-    """predict's; `first`: these waves are the run's first, which pay its once-a-run costs (a run's smaller
-    last wave reuses the runner and the memory its first wave made: it pays none of them)."""
     p, k = policy, policy.tensor_parallel
     full, front, tail = waves_of(p, workload)
     rest = tail.num_requests if tail else 0
@@ -316,10 +303,7 @@ def _predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
                                                                 micro_batches=p.num_micro_batches, on_gpu=on_gpu)
     prefill = l * hrm.layer_time(pre, p.ffn_on) + hrm.head_seconds(model, r, tokens=p.batch_size,
                                                                    micro_batches=p.num_micro_batches, on_gpu=on_gpu)
-    prefill += hrm.wave_seconds(r, on_gpu=on_gpu, call_tokens=p.micro_batch_size * front.prompt_len if first else 0,
-                                waves=front.waves(p.batch_size), model=model, prompt_len=front.prompt_len,
-                                cache_bytes=p.batch_size * hrm.dims(model).state_bytes(tokens_per_slot(workload))
-                                if first else 0)
+    prefill += hrm.wave_seconds(r, on_gpu=on_gpu)
     n = workload.gen_len
     total = prefill + (n - 1) * step
     gpu, cpu, pinned = (x if isinstance(x, int) else {key: v * k for key, v in x.items()}
@@ -370,7 +354,7 @@ def last_wave(policy: Policy, model: ModelSpec, hardware: HardwareSpec, tail: Wo
     mu = -(-rest // groups)
     per = math.gcd(p.expert_batch_size // p.micro_batch_size, groups)  # micro-batches an expert batch, of these
     wave = dataclasses.replace(p, batch_size=mu * groups, micro_batch_size=mu, expert_batch_size=mu * per)
-    return _predict(wave, model, hardware, dataclasses.replace(tail, num_requests=mu * groups), first=False)
+    return predict(wave, model, hardware, dataclasses.replace(tail, num_requests=mu * groups))
 
 
 # ---- the continuous part: fractions for fixed integers ------------------------------------------------
@@ -416,17 +400,14 @@ def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, b
     """`mem` (from _memory_lin) and `prefill` (from _prefill_lin) may be passed in when already known:
     neither depends on the expert batch."""
     a, f = place
-    kw = dict(batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f, context=w.decode_context,
-              row_tokens=w.longest_prompt + w.gen_len, longest=w.micro_batch_context(mu))
+    kw = dict(batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f, context=w.decode_context)
     d00 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, **kw))
     d10 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=1.0, gpu_kv_fraction=0.0, **kw))
     d01 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=1.0, **kw)) if a == "gpu" else d00
     p00, p10, p01 = prefill or _prefill_lin(d, r, w, place, n, mu)
     g0, gw, gc, c0, cw, cc = mem or _memory_lin(d, w, place, n, mu, beta)
     head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=f == "gpu")
-    fixed = head * w.gen_len + hrm.wave_seconds(r, on_gpu=f == "gpu", call_tokens=mu * w.prompt_len,
-                                                waves=w.waves(n), model=d, prompt_len=w.prompt_len,
-                                                cache_bytes=n * d.state_bytes(tokens_per_slot(w)))
+    fixed = head * w.gen_len + hrm.wave_seconds(r, on_gpu=f == "gpu")
     return _Lin(d00, _sub(d10, d00), _sub(d01, d00), p00, _sub(p10, p00), _sub(p01, p00), fixed=fixed,
                 serial=f == "cpu", gpu0=g0, gpu_w=gw, gpu_c=gc, cpu0=c0, cpu_w=cw, cpu_c=cc)
 
@@ -719,12 +700,14 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
         top.sort(key=lambda c: -predict(_policy(c, c.r_w, c.r_c, model, ranks), full_model, full_hw,
                                         workload).tokens_per_s)
     best = None
-    # re-solve the best candidate's fractions with CBC, and those of GPU-attention candidates, where
-    # the joint LP over (r_w, r_c) can beat the fast path's r_c grid; keep the better answer of the two
+    # the best candidate and the GPU-attention ones: their fractions re-solved with CBC where the joint LP over
+    # (r_w, r_c) can beat the fast path's r_c grid (with r_c fixed at 0 the fast path is exact); the better answer
     for c in [top[0]] + [c for c in top[1:] if c.place[0] == "gpu"]:
-        lp = solve_fractions_lp(c.lin, model.num_layers, workload.gen_len, gpu_limit, cpu_limit, c.place[0] == "gpu")
-        t, r_w, r_c = lp if lp is not None and lp[0] < c.seconds_per_token * c.n * workload.gen_len else (
-            c.seconds_per_token * c.n * workload.gen_len, c.r_w, c.r_c)
+        t, r_w, r_c = c.seconds_per_token * c.n * workload.gen_len, c.r_w, c.r_c
+        if c.place[0] == "gpu":
+            lp = solve_fractions_lp(c.lin, model.num_layers, workload.gen_len, gpu_limit, cpu_limit, True)
+            if lp is not None and lp[0] < t:
+                t, r_w, r_c = lp
         if best is None or t / c.n < best[0]:
             best = (t / c.n, c, r_w, r_c)
     _, c, r_w, r_c = best

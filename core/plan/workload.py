@@ -35,10 +35,6 @@ class Workload:
     def longest_prompt(self) -> int:
         return self.max_prompt_len or self.prompt_len
 
-    def waves(self, batch: int) -> int:
-        """Waves of `batch` requests the run takes (1 when the requests are not known)."""
-        return -(-self.num_requests // max(1, batch)) if self.num_requests else 1
-
     @property
     def decode_context(self) -> float:
         """Average cached tokens a decode step attends over: the prompt plus half the generation."""
@@ -57,17 +53,6 @@ class Workload:
             return self.prompt_sq
         s, top = self.prompt_len, self.longest_prompt
         return float(s * s) if not self.spread else min(s * top, s * s * math.exp(SPREAD_SIGMA ** 2))
-
-    def micro_batch_context(self, mu: int) -> float:
-        """Expected longest cached context among `mu` requests decoding together (the rows attention
-        slices): the expected largest of `mu` prompts drawn from the spread (Blom's approximation of the
-        normal order statistic), capped at the longest prompt, plus half the generation."""
-        s, top = self.prompt_len, self.longest_prompt
-        if not self.spread or mu <= 1:
-            return self.decode_context
-        z = NormalDist().inv_cdf((mu - 0.375) / (mu + 0.25))
-        grow = max(1.0, math.exp(SPREAD_SIGMA * z - SPREAD_SIGMA ** 2 / 2))
-        return min(top, s * grow) + self.gen_len / 2
 
     def longest_first(self, count: int) -> tuple["Workload", "Workload"]:
         """The workloads of this one's `count` longest requests and of the rest. The engine admits the longest

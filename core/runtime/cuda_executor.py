@@ -16,12 +16,9 @@ hung kernel or copy), else the first one not completed, and the executor refuses
 stream is stuck, and nothing queued behind it will run.
 
 Runs unchanged over `CudaDevice` and over the emulated device (CI), which is how it is tested.
-Timing: one event per stream task, recorded where it ends, from a pool reused step after step (creating
-events costs a driver call each, recording one a host call of the launch-bound step's). It is also the
-event other streams wait on, so timing adds no device operation. A task starts when the last of these
-has happened: its launch by the host (a host clock reading, free), the end of the previous task on its
-stream, the ends of its dependencies (device events, or a host task's finish). Busy time is end − that
-start, read once the step is done; a stream idle while its host thread launches late is not counted.
+Timing: one event per stream task, recorded where it ends (the same event other streams wait on, so timing
+adds no device operation); a task starts at the latest of its launch, its stream predecessor's end and its
+dependencies' ends (`_finish`), so a stream idle while its host thread launches late is not counted busy.
 """
 
 from __future__ import annotations

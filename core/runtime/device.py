@@ -29,6 +29,7 @@ Semantics every implementation keeps (the CUDA ones):
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Callable
 
@@ -300,12 +301,6 @@ class CudaDevice(Device):
             ev.record(s)
             poll(ev.query, self.wait_seconds, f"the work queued on stream {i}")
 
-    def empty(self, shape, dtype):
-        return torch.empty(shape, dtype=dtype, device=self.torch_device)
-
-    def zeros(self, shape, dtype):
-        return torch.zeros(shape, dtype=dtype, device=self.torch_device)
-
     def to_device(self, t):
         return t.to(self.torch_device)
 
@@ -399,8 +394,6 @@ DEVICE_KINDS = ("cpu", "cuda", "emulated")
 def default_device_kind() -> str:
     """$MLIGHT_DEVICE (cpu | cuda | emulated) if set — the test suite sets cpu so that nothing runs on
     a GPU by accident — else CUDA when torch sees one, else the CPU."""
-    import os
-
     env = os.environ.get("MLIGHT_DEVICE", "").strip().lower()
     if env:
         return env

@@ -229,9 +229,6 @@ class EmulatedCuda(Device):
         self._lock = threading.RLock()  # re-entered when a finalizer releases memory during an allocation
         self._blocks: dict[int, int] = {}  # storage address -> bytes, all live device memory
         self.allocated = self.peak = 0
-        self.transient = self.peak_transient = 0  # what device compute made (activations), now / at the peak
-        self.peak_during = None
-        self.trace_peak, self.peak_blocks, self._transient_ptrs = False, [], set()
         self._pins: dict[int, int] = {}  # host address -> bytes
         self._tls = threading.local()
         self._streams: list[_Stream] = []
@@ -313,7 +310,7 @@ class EmulatedCuda(Device):
             raise DeviceTaskError(*errors[0])
 
     # ---- memory ----
-    def _account(self, t: torch.Tensor, transient: bool = False) -> torch.Tensor:
+    def _account(self, t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
         ptr, n = s.data_ptr(), s.nbytes()
         if not n:
@@ -322,17 +319,11 @@ class EmulatedCuda(Device):
             if ptr in self._blocks:
                 return t
             self._blocks[ptr] = n
-            if transient:
-                self._transient_ptrs.add(ptr)
             self.allocated += n
-            self.transient += n if transient else 0
             over = self.allocated > self.total
-            if not over and self.allocated > self.peak:
-                self.peak, self.peak_transient = self.allocated, self.transient
-                self.peak_during = getattr(self._tls, "label", None)  # what was running (diagnostics)
-                if self.trace_peak:
-                    self.peak_blocks = sorted(n for p, n in self._blocks.items() if p in self._transient_ptrs)
-        weakref.finalize(s, self._release, ptr, n, transient)
+            if not over:
+                self.peak = max(self.peak, self.allocated)
+        weakref.finalize(s, self._release, ptr, n)
         if over:
             free = self.total - (self.allocated - n)
             self.stats["ooms"] += 1
@@ -341,13 +332,11 @@ class EmulatedCuda(Device):
                 f"{self.total / 2**20:.2f} MiB in total of which {max(0, free) / 2**20:.2f} MiB is free.")
         return t
 
-    def _release(self, ptr: int, n: int, transient: bool) -> None:
+    def _release(self, ptr: int, n: int) -> None:
         with self._lock:
             if self._blocks.get(ptr) == n:
                 del self._blocks[ptr]
-                self._transient_ptrs.discard(ptr)
                 self.allocated -= n
-                self.transient -= n if transient else 0
 
     def running(self):
         """The label of the launched work running on the calling stream thread (None elsewhere)."""
@@ -449,7 +438,7 @@ class EmulatedCuda(Device):
         return self.peak
 
     def reset_peak_memory_stats(self):
-        self.peak, self.peak_transient = self.allocated, self.transient
+        self.peak = self.allocated
 
     def compute(self):
         return _Track(self)
@@ -551,7 +540,7 @@ class _Track(TorchDispatchMode):
             inputs = {a.untyped_storage().data_ptr() for a in flat_in}
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                    dev._account(t, transient=True)
+                    dev._account(t)
         return out
 
 

@@ -11,6 +11,7 @@ where and how the model runs here and reads and readies it through the steps in 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,9 +28,9 @@ from core.model.gguf.load import load_tokenizer as load_gguf_tokenizer
 from core.model.quant.formats import parse_choice
 from core.model.cpu import compute as cpu_compute
 from core.model.cpu.threads import Governor, worker_setup
-from core.plan.hardware import gpu_compute_dtype
+from core.plan.hardware import cached_cpu_rates, cached_probe, gpu_compute_dtype
 from core.plan.policy import SCHEDULES, expert_split, kv_gpu_layers
-from core.runtime.device import Device, resolve_device
+from core.runtime.device import Device, default_device_kind, resolve_device
 from core.runtime.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
 from core.runtime.frozen_heap import frozen_heap
 from core.runtime.pipeline import PipelineRunner
@@ -142,17 +143,11 @@ class RunConfig:
             return None
         return [num_experts if i < self.resident_layers else 0 for i in range(num_layers)]
 
-    def gpu_weight_fraction(self, num_layers: int, num_experts: int) -> float:
-        r = self.resident(num_layers, num_experts)
-        return 1.0 if r is None else sum(r) / (num_layers * num_experts)
-
 
 def run_config(device: str | None = None, executor: str | None = None, schedule: str | None = None,
                resident_layers: int | None = None, expert_group: int = 1) -> RunConfig:
     """Defaults: the default device (core.runtime.device.default_device_kind: $MLIGHT_DEVICE, else CUDA
     when present, else the CPU); the executor matching the device."""
-    from core.runtime.device import default_device_kind
-
     if device is None:
         device = "cuda" if executor == "cuda" and default_device_kind() == "cpu" else (
             "cpu" if executor in ("sequential", "threaded") else default_device_kind())
@@ -190,24 +185,21 @@ class Engine:
         self._h2d_rate: float | None = None
 
     def executor(self):
-        if self._executor is None:
-            if self.config.executor == "threaded":
-                # attention and the "device" work on disjoint cores, not one OpenMP team fighting over all
-                setup = worker_setup(self.config.device)
-                if self.threads.fixed is None:
-                    self.threads = Governor(fixed=setup.threads)
+        kind = self.config.executor
+        if self._executor is None and kind == "sequential":
+            self._executor = SequentialExecutor()
+        elif self._executor is None:
+            # the threads feeding the device share one core (on CUDA; half the cores when the CPU plays the
+            # GPU), CPU attention's team the rest: no OpenMP team spinning over all of them
+            setup = worker_setup(self.config.device if kind == "threaded" else self.dev.kind)
+            if self.threads.fixed is None:
+                self.threads = Governor(fixed=setup.threads)
+            if kind == "threaded":
                 self._executor = ThreadedExecutor(RESOURCES, setup=setup)
-            elif self.config.executor == "cuda":
+            else:
                 from core.runtime.cuda_executor import CudaExecutor
 
-                # the threads feeding the device share one core (on CUDA; half the cores when the CPU
-                # plays the GPU), CPU attention's team the rest: no OpenMP team spinning over all of them
-                setup = worker_setup(self.dev.kind)
-                if self.threads.fixed is None:
-                    self.threads = Governor(fixed=setup.threads)
                 self._executor = CudaExecutor(self.dev, placement=setup)
-            else:
-                self._executor = SequentialExecutor()
         return self._executor
 
     def apply_policy(self, policy) -> None:
@@ -264,17 +256,12 @@ class Engine:
              use_cache: bool = True, cpu_math: str | None = None, threads: int | None = None,
              progress: EventSink = ignore, tp=None, quantize_dense: bool | str = False,
              graphs: str = "auto") -> "Engine":
-        """Load a checkpoint. A `core.plan.policy.Policy` (the planner's) sets paging, resident experts, the
+        """Load a checkpoint (arguments: docs/CONTRACTS.md). A planner `Policy` sets paging, resident experts, the
         expert batch and attention placement; the explicit arguments are for tests and benchmarks. `quantize`
-        ("none", "int8", "int4"; `group_size` for int4) stores the experts quantized, through the quantized cache
-        unless `use_cache` is False; `quantize_dense` (CPU-only mode) the attention, shared-expert and LM-head
-        projections too: True in the experts' format, or "int8" / "int4" (int8 costs far less accuracy). `tp` (a
-        core.runtime.distributed.tensor_parallel.TensorParallel) loads only this rank's shard; every rank then calls
-        `generate` with the same requests. `graphs` ("auto", "on", "off"): CUDA graphs for the CUDA executor's
-        decode segments, "auto" where the launches would outlast the link (graphs.choose). `cpu_math` forces the
-        CPU's compute dtype (default: core.model.cpu.compute.choose); `threads` fixes torch's CPU threads (default:
-        the free cores, re-checked between steps). `device`: "cpu", "cuda[:N]", "emulated", a Device, or None for
-        the default ($MLIGHT_DEVICE, else CUDA when present; tests and benchmarks name theirs)."""
+        ("int8", "int4" with `group_size`) stores the experts quantized, through the quantized cache unless
+        `use_cache` is False; `quantize_dense` (CPU-only mode) the dense projections too: True in the experts'
+        format, or "int8" / "int4". `tp` (a TensorParallel) loads only this rank's shard; every rank then calls
+        `generate` with the same requests."""
         model_dir = Path(model_dir)
         ck = loading.read_checkpoint(model_dir, tp)
         config, dev, pages_per_layer = _run_for(ck.spec, policy, device, executor, schedule, pages_per_layer,
@@ -416,8 +403,6 @@ class Engine:
 
     def _release_device(self) -> None:
         """Give back device memory that nothing references any more (cycles included)."""
-        import gc
-
         gc.collect()
         self.dev.empty_cache()
 
@@ -465,9 +450,7 @@ class Engine:
         among = None
         if not active and 0 < len(waiting) <= table.free_slots():
             # the run's last wave, smaller than the batch: in as few micro-batches as hold it, as the planner
-            # prices it (planner.last_wave). Each micro-batch a step runs reads every layer's weights again:
-            # the demo's last 52 requests dealt over three micro-batches of 68 took 9.9 ms a decode step, in one
-            # micro-batch of 52 4.5-4.8 (AVX2 limits, two threads)
+            # prices it (planner.last_wave): each micro-batch a step runs reads every layer's weights again
             among = -(-len(waiting) // table.micro_batch_size)
         admitted = []
         while waiting and table.free_slots():
@@ -599,15 +582,11 @@ class Engine:
 
 def _probed_cpu_rates() -> dict[str, float] | None:
     """The probe's measured per-dtype CPU matmul rates when this machine was probed (never measures)."""
-    from core.plan.hardware import cached_cpu_rates
-
     return cached_cpu_rates()
 
 
 def _h2d_rate() -> float:
     """The host→device rate the probe measured on this machine, else a PCIe 4.0 x16 link's practical 25 GB/s."""
-    from core.plan.hardware import cached_probe
-
     hw = cached_probe()
     return hw.h2d_bw if hw is not None and hw.h2d_bw > 0 else 25e9
 

@@ -1,9 +1,7 @@
 """CUDA graphs for a step's GPU segments: capture once, replay after, eager where capture fails.
 
-A launch-bound step (issue 42: 22–29 µs of host time per GPU-stream op on the H200, 2,656 ops a layer at
-μ = 4) pays the host for every kernel; a graph replays a segment's kernels in one launch. A segment is a
-task's device work written as `fn(*inputs) -> outputs` over device tensors (the pipeline's pre-attention).
-`Graphs.run` runs it
+A launch-bound step pays the host for every kernel; a graph replays a segment's kernels in one launch.
+A segment is a task's device work written as `fn(*inputs) -> outputs` over device tensors. `Graphs.run` runs it
 - eagerly the first time its key is seen (the warm-up: lazy library handles and workspaces come first);
 - the second time, copies the inputs into static buffers, captures `fn` over them (Device.capture), its
   outputs copied into static buffers inside the graph, and replays it; after that, copies the inputs in
@@ -29,11 +27,8 @@ from core.runtime.device import CaptureError, Device
 from core.telemetry import EventSink, WarningEvent, ignore
 
 MODES = ("auto", "on", "off")
-# Host seconds a GPU-stream op costs: the H200 run measured 22–29 µs (bench/RESULTS.md, "GPU path on a real
-# GPU"); the middle, for machines gpu_check has not measured
-HOST_OP_SECONDS = 25e-6
-# Eager ops of one micro-batch through one layer: the launch budget of issue 42 (at most 40, any E)
-EAGER_OPS_PER_LAYER = 40
+HOST_OP_SECONDS = 25e-6  # host seconds a GPU-stream op costs (22–29 µs measured on an H200)
+EAGER_OPS_PER_LAYER = 40  # eager ops of one micro-batch through one layer: the launch budget (any E)
 # Graphs pay when the launches would take more than this share of the link's time for the layer's weights:
 # below it, the copies hide them (the step waits on the link either way), and capture costs memory and a sync
 PAYS_ABOVE = 0.5

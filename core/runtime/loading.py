@@ -213,11 +213,8 @@ def _experts_that_fit(spec: ModelSpec, dtype, dev: Device) -> tuple[int, ...]:
 
 def _check_fp16_range(weights: ModelWeights) -> None:
     """bf16 weights beyond fp16's range would turn into inf: refuse with a way out."""
-    for i, lw in enumerate(weights.layers):
-        if not torch.isfinite(lw.flat).all():
-            raise ModelError(f"layer {i} has weights beyond float16's range (±65504), and this GPU computes "
-                             "bf16 checkpoints in float16", "run with --dtype float32")
-    for name, t in weights.globals.items():
+    named = [(f"layer {i}", lw.flat) for i, lw in enumerate(weights.layers)] + list(weights.globals.items())
+    for name, t in named:
         if not torch.isfinite(t).all():
             raise ModelError(f"{name} has weights beyond float16's range (±65504), and this GPU computes "
                              "bf16 checkpoints in float16", "run with --dtype float32")

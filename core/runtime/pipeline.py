@@ -477,8 +477,7 @@ class PipelineRunner:
             if self.resident[0] < self.spec.num_experts:
                 for page in self.page_copies[0][0]:
                     for dst, src in page:
-                        self.dev.copy(dst, src)
-                        self.bytes["h2d"] += dst.numel() * dst.element_size()
+                        self._send(dst, src, "h2d")
         else:
             self._base = self._layer0_half
 
@@ -516,11 +515,7 @@ class PipelineRunner:
     # D1 and D2 land in fixed buffers: the task reading one takes its view there, by the layer's width,
     # whether or not the copy has run (only the event waits order them: tests remove one to see it matter)
     def _d1(self, t):
-        mb, j = self._step[t.micro_batch], t.micro_batch
-        width = mixer.d1_width(self.spec, t.layer)
-        dst = self._payload(self.qkv_h, j, mb.B, width)
-        self.dev.copy(dst, self._payload(self.qkv_d, j, mb.B, width))
-        self.bytes["d2h"] += dst.numel() * dst.element_size()
+        self._send_payload(t, mixer.d1_width(self.spec, t.layer), self.qkv_h, self.qkv_d, "d2h")
 
     def _cpu_attn(self, t):
         mb, i = self._step[t.micro_batch], t.layer
@@ -533,11 +528,16 @@ class PipelineRunner:
             self._payload(self.o_h, t.micro_batch, mb.B, o.shape[1]).copy_(o)
 
     def _d2(self, t):
-        mb, j = self._step[t.micro_batch], t.micro_batch
-        width = mixer.d2_width(self.spec, t.layer)
-        dst = self._payload(self.o_d, j, mb.B, width)
-        self.dev.copy(dst, self._payload(self.o_h, j, mb.B, width))
-        self.bytes["h2d"] += dst.numel() * dst.element_size()
+        self._send_payload(t, mixer.d2_width(self.spec, t.layer), self.o_d, self.o_h, "h2d")
+
+    def _send_payload(self, t, width: int, dst: list, src: list, link: str) -> None:
+        B, j = self._step[t.micro_batch].B, t.micro_batch
+        self._send(self._payload(dst, j, B, width), self._payload(src, j, B, width), link)
+
+    def _send(self, dst: torch.Tensor, src: torch.Tensor, link: str) -> None:
+        """One copy between host and device, its bytes counted on `link` ("h2d" | "d2h")."""
+        self.dev.copy(dst, src)
+        self.bytes[link] += dst.numel() * dst.element_size()
 
     def _post_attn(self, t):
         mb, i = self._step[t.micro_batch], t.layer
@@ -615,8 +615,7 @@ class PipelineRunner:
         half = self._half(layer) if (layer != 0 or t.id in self._current_pages) else (
             (self._base + self.spec.num_layers) % 2)
         for dst, src in self.page_copies[half][layer][t.page]:
-            self.dev.copy(dst, src)
-            self.bytes["h2d"] += dst.numel() * dst.element_size()
+            self._send(dst, src, "h2d")
 
     def _ring(self, mb: _MB, layer: int, j: int):
         """This micro-batch's state buffers for a layer whose state is on the CPU: (ring slot, a store over
@@ -639,8 +638,7 @@ class PipelineRunner:
         # copied so that nothing uninitialised enters attention: 0 × NaN is NaN) ...
         load_rows(self.cache.layers[i], host_view, mb.rows, mb.span[1])
         for d, h in zip(dev_view.tensors, host_view.tensors):  # ... then one contiguous asynchronous copy each
-            self.dev.copy(d, h)
-            self.bytes["h2d"] += h.numel() * h.element_size()
+            self._send(d, h, "h2d")
         self._stage_free[slot].record(self.dev.current_stream())
 
     def _gpu_attn(self, t):
@@ -662,8 +660,7 @@ class PipelineRunner:
         parts = mb.new_state.pop(t.layer)
         staged = [h[:p.numel()].view(p.shape) for h, p in zip(self._out_parts[_kind(store)], parts)]
         for h, p in zip(staged, parts):
-            self.dev.copy(h, p)
-            self.bytes["d2h"] += h.numel() * h.element_size()
+            self._send(h, p, "d2h")
         self._kv_out_done.record(self.dev.current_stream())
         self.dev.host_wait(self._kv_out_done)  # the CPU store's write needs the bytes on the host
         store.put_new(mb.rows, staged)

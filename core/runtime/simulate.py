@@ -41,9 +41,6 @@ class Timeline:
     def idle(self) -> dict[str, float]:
         return {k: self.makespan - v for k, v in self.busy.items()}
 
-    def on(self, resource: str) -> list[Span]:
-        return [s for s in self.spans if s.task.resource == resource]
-
     def to_dict(self) -> dict:
         return {
             "makespan": self.makespan, "busy": self.busy, "utilization": self.utilization,

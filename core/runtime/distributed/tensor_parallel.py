@@ -47,10 +47,6 @@ class TensorParallel:
         self._src = dist.get_global_rank(group, 0)
         self.issued = 0  # all-reduces issued so far (the step's are counted from its start)
 
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the group, in place (partial O-projection or FFN outputs)."""
         self.issued += 1  # counted as it starts: one in flight on another thread when a step fails is issued
@@ -77,12 +73,6 @@ class TensorParallel:
         t = torch.tensor(toks, dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=self._src, group=self.group)
         return t.tolist()
-
-    def any(self, flag: bool) -> bool:
-        """True on every rank when it is True on any (a stop request seen by one rank stops all)."""
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
 
 
 class FullQKNorm:
