@@ -96,6 +96,10 @@ def roomy_ram(monkeypatch):
 def pytest_addoption(parser):
     parser.addoption("--cuda", action="store_true", default=False,
                      help="also run the tests marked `cuda` on this machine's GPU (they are skipped otherwise)")
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="list the N tests that took the most CPU seconds (this process's threads and the "
+                          "subprocesses it waited for), 0 for all: on a shared machine wall times say more "
+                          "about the other jobs")
 
 
 def pytest_configure(config):
@@ -112,3 +116,55 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+# ---- --cpu-durations: CPU seconds per test phase, reported beside pytest's wall --durations -----------------
+def _cpu_seconds() -> float:
+    try:
+        import resource
+    except ImportError:  # Windows: no rusage, nothing to report
+        return 0.0
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _timed(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _timed(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _timed(item, "teardown")
+
+
+def _timed(item, when: str):
+    """Record the phase's CPU seconds in the report's user_properties (they travel from xdist workers)."""
+    if item.config.getoption("--cpu-durations") is None:
+        yield
+        return
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append((f"cpu_{when}", _cpu_seconds() - start))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = config.getoption("--cpu-durations")
+    if n is None:
+        return
+    rows = []
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            for key, secs in getattr(r, "user_properties", ()):
+                if key == f"cpu_{getattr(r, 'when', '')}":
+                    rows.append((secs, r.when, r.nodeid))
+    rows.sort(reverse=True)
+    terminalreporter.write_sep("=", f"{'all' if not n else f'most {n}'} CPU durations "
+                                    f"(total {sum(s for s, _, _ in rows):.1f} s)")
+    for secs, when, nodeid in rows[:n or None]:
+        terminalreporter.write_line(f"{secs:.2f}s {when:<8} {nodeid}")

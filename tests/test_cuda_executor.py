@@ -20,7 +20,7 @@ import weakref
 import pytest
 import torch
 
-from checkpoints import FAMILIES, NEW_FAMILIES, hf_model
+from checkpoints import FAMILIES, NEW_FAMILIES, reference_greedy
 from core.model.cpu.threads import allowed_cores, split, worker_setup
 from core.model.families import load_spec
 from core.runtime import schedule as sched
@@ -50,24 +50,16 @@ def emulated(jitter=0.0005, **kw):
     return EmulatedCuda(kw.pop("memory_bytes", 256 * MiB), copy_delay=lambda: rng.random() * jitter, **kw)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def hf_reference(checkpoint_factory):
-    """family -> {request id: transformers' greedy tokens}, each computed once."""
-    cache = {}
+    """family -> {request id: transformers' greedy tokens}, each computed once a session (reference_greedy's
+    memo: test_graphs asks for the same references)."""
+    from core.runtime.loading import load_tokenizer
 
     def get(family):
-        if family not in cache:
-            path = checkpoint_factory(family)
-            model = hf_model(path)
-            tok = Engine.load(path, device="cpu").tokenizer
-            out = {}
-            for r in requests():
-                ids = tok(r.prompt).input_ids
-                gen = model.generate(torch.tensor([ids]), max_new_tokens=r.max_new_tokens, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)
-                out[r.id] = gen[0, len(ids):].tolist()
-            cache[family] = out
-        return cache[family]
+        path = checkpoint_factory(family)
+        tok = load_tokenizer(path)
+        return {r.id: reference_greedy(path, tok(r.prompt).input_ids, r.max_new_tokens) for r in requests()}
 
     return get
 

@@ -54,9 +54,6 @@ def run(args) -> int:
     else:
         lines.append(f"  compute  {hw.cpu_flops / 1e9:.0f} GFLOP/s fp32 ({tag('cpu_flops')})")
     lines.append(f"  memory   {hw.cpu_bw / 1e9:.1f} GB/s ({tag('cpu_bw')})")
-    for key, rate in hw.cpu_speed.items():  # what calibrated predictions are scaled to (core.plan.cpu_speed)
-        lines.append(f"  speed    {rate / 1e9:.0f} GFLOP/s now ({key.replace('@', ' math, ')} threads; "
-                     "calibrated predictions scale to it)")
     bf16_math = "bfloat16"
     for storage, short in (("bfloat16", "bf16"), ("float16", "fp16")):
         math, why = hw.cpu_math(storage) if hw.cpu_isa else _local_math(storage)

@@ -195,20 +195,6 @@ def _spread(hw, model, policy) -> str:
     return cpu_history.spread_words(_history(hw, model)) if policy.ffn_on == "cpu" else ""
 
 
-def _speed_lines(hw, model, policy) -> list[str]:
-    """The CPU's speed now against its calibration's, where a CPU-only prediction was scaled to it."""
-    from core.plan import cpu_cost, hrm
-
-    if policy.ffn_on != "cpu" or not hw.cpu_speed:
-        return []
-    now = hrm.effective_rates(hw, model.dtype, model).cpu_costs
-    then = cpu_cost.pick(hw.cpu_costs.get(now.math, {}), hrm.dims(model)) if now is not None else None
-    if then is None or not then.speed:
-        return []
-    return [f"  CPU speed now     {now.speed / 1e9:,.0f} GFLOP/s, {now.speed / then.speed:.2f}x the calibration's "
-            "(its seconds scaled to it)"]
-
-
 def _scaling(model, hw, workload, args) -> list[dict]:
     """The best plan on 1, 2, 4, … up to all of the machine's GPUs (the same host, fewer GPUs)."""
     from core.plan import planner
@@ -364,7 +350,6 @@ def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=Non
         f"  decode            {pred.decode_tokens_per_s:,.1f} tokens/s ({pred.step_seconds:.2f} s per step)",
         f"  prefill           {pred.prefill_tokens_per_s:,.1f} prompt tokens/s ({pred.prefill_seconds:.1f} s per batch)",
         _bottleneck_line(p, pred),
-        *_speed_lines(hw, model, p),
         _layer_line(p, pred),
         *_host_lines(host),
         "",

@@ -256,15 +256,6 @@ def activation(spec: ModelSpec) -> Activation:
     return clamped_swiglu(spec.swiglu_alpha, spec.swiglu_limit) if spec.expert_act == "clamped_swiglu" else _swiglu
 
 
-def moe_ffn(spec: ModelSpec, w: dict, h: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
-    weights, idx = route(spec, h, w)
-    out = experts(h, w["w13"], w["w2"], weights, idx, grouped=grouped, b13=w.get("b13"), b2=w.get("b2"),
-                  act=activation(spec))
-    if spec.shared_intermediate:
-        out = out + shared_expert(spec, w, h)
-    return out
-
-
 def dense_mlp(w: dict, h: torch.Tensor) -> torch.Tensor:
     """The dense SwiGLU MLP of a layer without experts (DeepSeek's and GLM's first layers)."""
     return F.linear(_swiglu(F.linear(h, w["dense_w13"])), w["dense_w2"])

@@ -165,6 +165,8 @@ class LayerWeights:
         self.packed = None  # experts prepacked for the CPU (then `experts` and `pages` are gone)
         self.quant = layout.expert_views(self.experts, dtype, scratch).get("quant") if layout.scheme is not None else None
         self.dense_flat = None  # the non-expert part converted to the math dtype (widen_dense)
+        # projections a GGUF loader kept as the file's blocks (core.model.quant.block_dense), not in `flat`
+        self.block_dense: dict[str, torch.Tensor] = {}
         self.held = 0  # bytes of quantized dense weights held outside the flat buffer (--quantize-dense)
         self.repage(pages)
 
@@ -187,8 +189,12 @@ class LayerWeights:
 
         if self.quant is not None:
             if not self.quant.pack_cpu():
+                self._expand_block_dense()
                 return
-            self.quant.detach_parts()
+            # projections kept as blocks left their part of the buffer unwritten (never resident): the experts
+            # can stay where they were read to, rather than be copied out while every layer's buffer is held
+            unwritten = all(n in self.block_dense for n in PACKED_DENSE if n in self.tensors)
+            self.quant.detach_parts(copy=not unwritten)
             self.packed = self.quant
         else:
             has_experts = "w13" in self.tensors
@@ -210,7 +216,9 @@ class LayerWeights:
         views = self.layout.views(self.flat, names=self._dense_names())
         packed = {}
         for name in PACKED_DENSE:
-            if name in views:
+            if name in self.block_dense:
+                packed[name] = self.block_dense[name]
+            elif name in views:
                 q = convert(name, views[name])
                 packed[name] = q if q is not views[name] else pack_dense(views[name].clone())
         rest = [(n, t) for n, t in views.items() if n not in packed]
@@ -227,6 +235,12 @@ class LayerWeights:
         self.tensors.update(packed)
         self.tensors.update(biases)
         self.held = sum(getattr(q, "held_bytes", q.numel() * q.element_size()) for q in packed.values())
+
+    def _expand_block_dense(self) -> None:
+        """The projections kept as blocks written expanded where the flat buffer has them (no CPU packing)."""
+        for name, w in self.block_dense.items():
+            self.tensors[name].copy_(w.dequantized())
+        self.block_dense = {}
 
     def _dense_names(self) -> set[str]:
         return {n for n, off, _ in self.layout.entries if off < self.layout.expert_start}
@@ -283,6 +297,7 @@ class ModelWeights:
     def __init__(self, spec: ModelSpec, layers: list[LayerWeights], globals_: dict[str, torch.Tensor],
                  dtype: torch.dtype):
         self.spec, self.layers, self.globals, self.dtype = spec, layers, globals_, dtype
+        self.block_dense: dict[str, torch.Tensor] = {}  # the LM head as a GGUF file's blocks (LayerWeights')
         self.math_dtype = dtype  # what the non-expert weights and the activations compute in (see widen_dense)
         self.pins: dict[int, tuple] = {}  # layer -> (device, page-locked view of its streamed experts)
         # seconds spent page-locking, over this model's life: paid by the first run that streams (≈ 2 GB/s with
@@ -396,7 +411,9 @@ class ModelWeights:
                 lw.pack_for_cpu(None if quant is None else lambda name, w, i=i: quant(f"layers.{i}.{name}", w),
                                 swiglu=self.spec.expert_act == "swiglu")
                 progress(Progress(what, i + 1, len(self.layers) + 1, "layers"))
-            if "lm_head" in self.globals:  # a tied head is the embedding too: that one stays a plain tensor
+            if "lm_head" in self.block_dense:
+                self.globals["lm_head"] = self.block_dense["lm_head"]
+            elif "lm_head" in self.globals:  # a tied head is the embedding too: that one stays a plain tensor
                 head = self.globals["lm_head"]
                 q = quant("lm_head", head) if quant is not None else head
                 self.globals["lm_head"] = q if q is not head else pack_dense(head)

@@ -17,7 +17,7 @@ from core.model.limits import LOOKAHEAD  # CGOPipe runs CPU attention this many 
 from core.model.limits import LAYOUT_ALIGN  # each stacked expert tensor of a layer buffer starts at a multiple of this
 from core.model.limits import FUSED_MAX_TOKENS  # longer dense expert calls take grouped_mm where it runs
 from core.model.quant import dense_spec
-from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, Format, workspace_bytes
+from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, NATIVE_GGUF_ROWS, Format, workspace_bytes
 from core.model.spec import ModelSpec
 
 # Achieved fraction of a datasheet peak, for rates not measured on the machine (HardwareSpec.measured).
@@ -211,7 +211,7 @@ class Dims:
         return self.avg(lambda m: m.new_token_bytes(self.dt))
     scratch: int = 0  # quantized experts: one expert expanded to the compute dtype where it runs + workspace
     expanded: int = 0  # bytes of one quantized expert expanded to the compute dtype (written, then read)
-    qkind: str = "none"  # experts: none | int8 | int4 (CPU kernels) | blocks (GGUF/MXFP4: expanded everywhere)
+    qkind: str = "none"  # experts: none | int8 | int4 (CPU kernels) | blocks (GGUF/MXFP4: block kernels)
     act_temps: int = 1  # [tokens, I] arrays the experts' activation makes besides its input (gpt-oss's clamped: 4)
     expert_bias: bool = False  # biases on the experts' projections (gpt-oss)
     # one MoE layer's expert region in its host buffer (each stacked tensor padded to LAYOUT_ALIGN), and
@@ -295,7 +295,7 @@ def _expert_layout(m: ModelSpec) -> dict[str, int]:
 
 
 def _qkind(expert_format: str) -> str:
-    """none | int8 | int4 (torch's CPU kernels run them) | blocks (GGUF, MXFP4: expanded wherever they run)."""
+    """none | int8 | int4 (torch's CPU kernels run them) | blocks (GGUF, MXFP4: the CPU's block kernel, a GPU's fused one)."""
     if expert_format in ("none", "int8"):
         return expert_format
     return "int4" if expert_format.startswith("int4") else "blocks"
@@ -475,7 +475,9 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
                 for k, v in secs.items()}
     fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
     # a GPU dequantizes inside the fused kernel (core.model.fused_moe): no expanded copy written and read back
-    ffn = moe_ffn(m, expert_batch, expand=cpu_only and m.qkind == "blocks")
+    # the CPU computes GGUF blocks as stored up to NATIVE_GGUF_ROWS tokens on an expert, expands them above
+    ffn = moe_ffn(m, expert_batch, expand=cpu_only and m.qkind == "blocks"
+                  and expert_batch * m.k > NATIVE_GGUF_ROWS * max(expected_experts(expert_batch, m.E, m.k), 1))
     ffn_fl = r.kernel_flops(m.qkind) if cpu_only else fl
     post = o_proj(m, micro_batch) + router(m, micro_batch) + shared_expert(m, micro_batch)
     # kernel launches: pre_attn 3 (norm, qkv, rope), post_attn 5 (o, norm, router, top-k, combine), ffn 3;

@@ -268,7 +268,8 @@ class Engine:
                                                 resident_layers, expert_group, resident_experts, graphs)
         tokenizer = load_gguf_tokenizer(ck.gguf) if ck.gguf is not None else loading.load_tokenizer(model_dir)
         dtype, quant, dense_fmt = _dtypes(dtype, quantize, group_size, quantize_dense, dev, ck.spec, progress)
-        weights, spec = loading.read_weights(ck, dtype, quant, quantize, pages_per_layer, use_cache, progress)
+        weights, spec = loading.read_weights(ck, dtype, quant, quantize, pages_per_layer, use_cache, progress,
+                                             cpu_only=config.ffn_on == "cpu")
         config = loading.fit_on_device(config, dev, ck, spec, weights, quant)
         cpu = cpu_compute.choose(weights.dtype_name, rates=_probed_cpu_rates(), math=cpu_math)
         cpu, spec = loading.ready_for_cpu(config, ck, spec, weights, cpu, quant, dense_fmt, quantize_dense, use_cache,

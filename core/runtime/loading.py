@@ -64,9 +64,9 @@ def read_checkpoint(model_dir: Path, tp) -> Checkpoint:
 
 
 def read_weights(ck: Checkpoint, dtype, quant, quantize: str | None, pages_per_layer: int, use_cache: bool,
-                 progress: EventSink) -> tuple[ModelWeights, ModelSpec]:
+                 progress: EventSink, cpu_only: bool = False) -> tuple[ModelWeights, ModelSpec]:
     """The weights in host memory, paged for streaming (the experts quantized to `quant`), and the spec of
-    what was loaded."""
+    what was loaded. `cpu_only`: for the CPU-only mode (a GGUF's quantized projections then stay blocks)."""
     if ck.gguf is not None and ck.shard is not None:
         raise UsageError("tensor parallelism over a GGUF file is not supported yet",
                          "run it without --tensor-parallel, or use the model's safetensors release")
@@ -75,7 +75,7 @@ def read_weights(ck: Checkpoint, dtype, quant, quantize: str | None, pages_per_l
             raise UsageError(f"--quantize {quantize} applies to safetensors checkpoints; {ck.gguf.paths[0].name} "
                              "is a GGUF file and runs in its own format", "leave out --quantize")
         return load_gguf_weights(ck.gguf, ck.spec, dtype=dtype, pages_per_layer=pages_per_layer,
-                                 progress=progress), ck.spec
+                                 progress=progress, cpu_only=cpu_only), ck.spec
     weights = load_weights(ck.model_dir, ck.spec, dtype=dtype, pages_per_layer=pages_per_layer, progress=progress,
                            quant=quant, use_cache=use_cache, shard=ck.shard)
     return weights, quantized_spec(ck.spec, quant)

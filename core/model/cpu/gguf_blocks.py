@@ -82,20 +82,23 @@ def _scratch(numel: int) -> torch.Tensor:
     return buf
 
 
-def linear(name: str, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp32) · Wᵀ -> [M, N] in x's dtype; W [N, K] as the file's blocks raw uint8 [N, K/block ·
-    bytes], rows contiguous. The caller checked `runs`."""
+    bytes], rows contiguous. `out`: where to write it ([M, N] in x's dtype, unit stride in N, rows anywhere:
+    a column slice of a wider output). The caller checked `runs`."""
     lib = library()
     M, K = x.shape
     N = raw.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
     threads = torch.get_num_threads() if lib.openmp else 1
-    y = torch.empty((M, N), dtype=x.dtype)
+    y = torch.empty((M, N), dtype=x.dtype) if out is None else out
+    if y.shape != (M, N) or y.dtype != x.dtype or (N > 1 and y.stride(1) != 1):
+        raise ValueError(f"out must be [{M}, {N}] {x.dtype} with unit stride in N, not {tuple(y.shape)} {y.dtype}")
     s = _scratch(lib.scratch(M, K, threads))
     bf = int(x.dtype == torch.bfloat16)
     if lib.linear(KINDS[name], x.data_ptr(), bf, x.stride(0), M, K, raw.data_ptr(), raw.stride(0), N, y.data_ptr(), bf,
-                  N, s.data_ptr(), threads):
+                  y.stride(0), s.data_ptr(), threads):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
     return y
 

@@ -25,6 +25,8 @@ from core.model.spec import ModelSpec
 from core.telemetry import EventSink, Progress, ignore
 
 FLOAT_KINDS = ("F32", "F16", "BF16")
+# projections a quantized GGUF keeps as its blocks in the CPU-only mode (weights.PACKED_DENSE and the head)
+BLOCK_DENSE = ("qkv", "o", "shared_w13", "shared_w2", "lm_head")
 # architectures whose GGUF config transformers cannot read: their tokenizer is built without it
 TOKENIZER_ONLY = ("deepseek2",)
 
@@ -115,9 +117,19 @@ def load_tokenizer(g: GGUFModel):
     return tok
 
 
-def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Tensor]) -> None:
+def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Tensor],
+               held: dict[str, list] | None = None) -> None:
+    """The dense tensors `places` name into `dest`, expanded to its dtype; with `held`, the quantized projections
+    the CPU's block kernel takes are not expanded: their rows are kept as the file's blocks, per projection
+    (core.model.quant.block_dense.Segment), and their part of `dest` left unwritten (never resident)."""
     covered: dict[str, int] = {}
     for p in places:
+        if held is not None and p.dest in BLOCK_DENSE:
+            seg = _block_rows(g, p, dest[p.dest])
+            if seg is not None:
+                held.setdefault(p.dest, []).append(seg)
+                covered[p.dest] = covered.get(p.dest, 0) + (seg.r1 - seg.r0) * dest[p.dest].shape[-1]
+                continue
         w = _read_float(g, p.src)
         if p.unpermute:
             w = arch.unpermute(w, p.unpermute)
@@ -132,6 +144,32 @@ def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Ten
     for name, t in dest.items():
         if covered.get(name, 0) != t.numel():
             raise ModelError(f"the GGUF file does not provide all of {name}", "the file is incomplete or damaged")
+
+
+def _block_rows(g: GGUFModel, p: arch.Place, target: torch.Tensor):
+    """Place `p`'s rows as the file's blocks (a block_dense.Segment), or None where they are to be expanded."""
+    from core.model.quant.block_dense import Segment, takes
+
+    ref = g.tensors.get(p.src)
+    if ref is None or len(ref.shape) != 2 or ref.kind not in GGUF_BLOCKS or not takes(ref.kind, ref.shape[1], target.dtype):
+        return None
+    r0, r1 = p.rows or (0, target.shape[0])
+    if tuple(ref.shape) != (r1 - r0, target.shape[-1]):
+        raise ModelError(f"GGUF tensor {p.src} has shape {tuple(ref.shape)}, expected {(r1 - r0, target.shape[-1])}",
+                         "the GGUF metadata does not match its tensors")
+    raw = torch.empty(ref.nbytes, dtype=torch.uint8)
+    read_into(ref, raw)
+    rows = raw.view(ref.shape[0], -1)
+    if p.unpermute:  # a permutation of whole rows: each row's blocks stay as they are
+        rows = arch.unpermute(rows, p.unpermute).contiguous()
+    return Segment(r0, r1, ref.kind, rows)
+
+
+def block_weights(held: dict[str, list], dest: dict[str, torch.Tensor]) -> dict:
+    """{name: BlockWeight} of the projections `fill_dense` kept as blocks."""
+    from core.model.quant.block_dense import BlockWeight
+
+    return {name: BlockWeight(tuple(dest[name].shape), dest[name].dtype, segs) for name, segs in held.items()}
 
 
 def fill_experts(g: GGUFModel, spec: ModelSpec, i: int, scheme: ExpertScheme | None, tensors: dict) -> None:
@@ -181,13 +219,19 @@ def _tensor(g: GGUFModel, name: str) -> TensorRef:
 
 
 def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
-                      pin: bool = False, progress: EventSink = ignore):
+                      pin: bool = False, progress: EventSink = ignore, cpu_only: bool = False):
+    """`cpu_only`: the model runs in the CPU-only mode, whose packing (ModelWeights.pack_for_cpu) takes the
+    quantized projections as the file's blocks (`block_dense` of each layer and of the model): those are
+    not expanded here. Elsewhere (a device, float experts) every dense tensor is expanded to `dtype`."""
     from core.model.weights import LayerLayout, LayerWeights, ModelWeights
 
     dtype = dtype or spec.torch_dtype
     total = spec.num_layers + 1
+    blocks = cpu_only and spec.expert_format != "none"  # quantized experts: LayerWeights.pack_for_cpu packs them
     globals_ = {name: torch.empty(shape, dtype=dtype) for name, shape in spec.global_shapes().items()}
-    fill_dense(g, arch.global_places(spec), globals_)
+    held: dict | None = {} if blocks else None
+    fill_dense(g, arch.global_places(spec), globals_, held)
+    global_blocks = block_weights(held, globals_) if held else {}
     what = f"loading {g.name} ({spec.expert_format if spec.expert_format != 'none' else 'float'} experts)"
     progress(Progress(what, 1, total, "layers"))
     layouts: dict = {}
@@ -199,8 +243,13 @@ def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | Non
         layout = layouts.get(key) or layouts.setdefault(key, LayerLayout.for_spec(spec, i, scheme, dtype))
         flat = layout.buffer(dtype)
         lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
-        fill_dense(g, arch.dense_places(spec, i, names), lw.dense())
+        held = {} if blocks else None
+        dense = lw.dense()
+        fill_dense(g, arch.dense_places(spec, i, names), dense, held)
+        lw.block_dense = block_weights(held, dense) if held else {}
         fill_experts(g, spec, i, scheme, lw.tensors)
         layers.append(lw)
         progress(Progress(what, i + 2, total, "layers"))
-    return ModelWeights(spec, layers, globals_, dtype)
+    weights = ModelWeights(spec, layers, globals_, dtype)
+    weights.block_dense = global_blocks
+    return weights

@@ -171,12 +171,15 @@ class QuantExperts:
                 all(m.fmt.name == "int4" for m in self.scheme.matrices) and up[0].fmt == down.fmt and
                 int4.runs(self.dtype, up[0].k, down.k, group=down.fmt.group))
 
-    def detach_parts(self) -> None:
+    def detach_parts(self, copy: bool = True) -> None:
         """After packing, stop reading the flat buffer (so it can go): the C kernel's int4 keeps its parts
         (copied out: they also expand, for many tokens); int8 keeps expanding from its packed copy; the
-        torch kernel's int4 layout cannot be expanded, so its experts always take the kernel."""
+        torch kernel's int4 layout cannot be expanded, so its experts always take the kernel. `copy=False`
+        (GGUF blocks whose layer wrote nothing else big into the buffer): the parts stay views of it, so a
+        load never holds a layer's experts twice."""
         if self.native or self.blocks:
-            self.parts = {k: v.clone() for k, v in self.parts.items()}
+            if copy or not self.blocks:
+                self.parts = {k: v.clone() for k, v in self.parts.items()}
             return
         kept = {}
         for m in self.scheme.matrices:
