@@ -7,6 +7,8 @@ Legend: T = tokens, D = hidden.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +26,27 @@ def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
     if spec.norm == "rms":
         return rms_norm(x, w, eps)
     # weight applied in fp32, then cast (gpt-oss; Qwen3-Next's zero-centred weight, 1 + w): one rounding
-    return normed(x, w.float() + 1.0 if spec.norm == "rms_offset" else w, eps)
+    return normed(x, offset_weight(w) if spec.norm == "rms_offset" else w, eps)
+
+
+_OFFSET: dict[int, tuple] = {}  # id(w) -> (a weak reference to w, its version, 1 + w in fp32)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: never written in place after it was made
+        return 0
+
+
+def offset_weight(w: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's zero-centred weight as applied, 1 + w in fp32: made once per weight tensor (and again if
+    it is written), not in every norm of every micro-batch (two device ops each)."""
+    kept = _OFFSET.get(id(w))
+    if kept is None or kept[0]() is not w or kept[1] != tensor_version(w):
+        key = id(w)
+        kept = _OFFSET[key] = (weakref.ref(w, lambda _: _OFFSET.pop(key, None)), tensor_version(w), w.float() + 1.0)
+    return kept[2]
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

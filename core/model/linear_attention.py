@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from core.model.layers import normed
 from core.model.limits import LINEAR_CHUNK as CHUNK  # the prefill's chunk (the planner counts its systems)
 from core.model.spec import ModelSpec
 
@@ -32,10 +33,12 @@ def d2_width(spec: ModelSpec) -> int:
     return spec.linear.value_dim
 
 
-def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions=None, rope=None, call_lengths=None, full_norm=None):
+def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions=None, rope=None, call_lengths=None, full_norm=None,
+        out: torch.Tensor | None = None):
+    """-> (payload [T, d1]: the conv input, b and a — joined into `out` when given — and z, which stays)."""
     la = spec.linear
     mixed, z, b, a = F.linear(h, w["lin_in"]).split([la.conv_dim, la.value_dim, la.num_v_heads, la.num_v_heads], dim=-1)
-    return torch.cat((mixed, b, a), dim=-1), z
+    return torch.cat((mixed, b, a), dim=-1, out=out), z
 
 
 def _heads(spec: ModelSpec, x: torch.Tensor):
@@ -81,9 +84,8 @@ def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep: torch.Tensor) -> tor
     """o [T, Hv·dv], z [T, Hv·dv] -> norm each head, gate by silu(z), project [T, D]."""
     la = spec.linear
     o = out.view(-1, la.num_v_heads, la.v_head_dim)
-    o32 = o.float()
-    o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + spec.norm_eps)
-    gated = (w["gnorm"] * o32.to(out.dtype)) * F.silu(keep.view_as(o).float())
+    # the statistics in fp32, rounded to o's dtype, then the weight: the reference's roundings in one kernel
+    gated = (w["gnorm"] * normed(o, None, spec.norm_eps)) * F.silu(keep.view_as(o).float())
     return F.linear(gated.to(out.dtype).reshape(out.shape[0], -1), w["lin_out"])
 
 

@@ -2,7 +2,8 @@
 
 Kinds: "gqa" (grouped-query attention, full or sliding: gqa.py), "mla" (latent attention: mla.py),
 "linear" (Gated DeltaNet: linear_attention.py). Each module has
-  pre(spec, w, h, positions, rope, call_lengths, full_norm) -> (payload [T, d1] for the CPU, what stays for post)
+  pre(spec, w, h, positions, rope, call_lengths, full_norm, out) -> (payload [T, d1] for the CPU, what stays for post)
+      (`out`: the device's D1 block, which the payload may be written into: the caller copies it there if not)
   attend(spec, w_host, payload, store, rows) -> [B, d2]       (next to the state, one token per row)
   post(spec, w, out, keep) -> [T, D]
   prefill(spec, w, h, positions, rope, lens, call_lengths, window, full_norm) -> ([T, D], per prompt the state parts)

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from core.model.attention import prefill_attention
-from core.model.layers import rms_norm
+from core.model.cpu import row_ops
+from core.model.layers import normed, rms_norm
 from core.model.spec import ModelSpec
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -42,7 +43,7 @@ def _up(spec: ModelSpec, w: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def _queries(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_lengths):
     """-> q_nope [T, H, dn], roped q_pe [T, H, dr]."""
     m = spec.mla
-    q = F.linear(h, w["q"]) if "q" in w else F.linear(rms_norm(F.linear(h, w["q_a"]), w["q_a_norm"], LATENT_NORM_EPS), w["q_b"])
+    q = _query(spec, w, h)
     q_nope, q_pe = q.view(h.shape[0], spec.num_heads, -1).split([m.qk_nope_dim, m.qk_rope_dim], dim=-1)
     return q_nope, rope.apply(q_pe, positions, call_lengths)
 
@@ -55,13 +56,39 @@ def _latent(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_len
     return torch.cat((rms_norm(c, w["kv_a_norm"], LATENT_NORM_EPS), k_pe), dim=-1)
 
 
-def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None, full_norm=None):
-    q_nope, q_pe = _queries(spec, w, h, positions, rope, call_lengths)
+def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None, full_norm=None,
+        out: torch.Tensor | None = None):
+    """-> the payload [T, d1] (into `out`, the device's D1 block, when given), None. Its rows P [T, H + 1, R + dr]
+    are the heads' [q_lat | q_pe] and the token's [c | k_pe]: each piece's last op writes its place there, and
+    q_pe and k_pe, side by side, take one RoPE — no joins after."""
+    m, T, H = spec.mla, h.shape[0], spec.num_heads
+    R, dr = m.kv_lora_rank, m.qk_rope_dim
+    q = _query(spec, w, h).view(T, H, -1)
+    c, k_pe = F.linear(h, w["kv_a"]).split([R, dr], dim=-1)
+    payload = torch.empty((T, d1_width(spec)), dtype=q.dtype, device=q.device) if out is None else out
+    P = payload.view(T, H + 1, R + dr)
     w_uk, _ = _up(spec, w)
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
-    T = h.shape[0]
-    q = torch.cat((q_lat, q_pe), dim=-1).reshape(T, -1)
-    return torch.cat((q, _latent(spec, w, h, positions, rope, call_lengths)), dim=-1), None
+    torch.bmm(q[..., :m.qk_nope_dim].transpose(0, 1), w_uk, out=P[:, :H, :R].transpose(0, 1))  # q_lat [T, H, R]
+    _latent_norm_into(c, w["kv_a_norm"], P[:, H, :R])
+    pe = torch.cat((q[..., m.qk_nope_dim:], k_pe[:, None, :]), dim=1)  # [T, H + 1, dr]
+    rope.apply(pe, positions, call_lengths, out=P[:, :, R:])
+    return payload, None
+
+
+def _query(spec: ModelSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
+    """-> q [T, H·(dn + dr)]."""
+    if "q" in w:
+        return F.linear(h, w["q"])
+    return F.linear(rms_norm(F.linear(h, w["q_a"]), w["q_a_norm"], LATENT_NORM_EPS), w["q_b"])
+
+
+def _latent_norm_into(c: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> None:
+    """rms_norm(c, w) into dst: its weight's product writes there (the host's C pass, where it applies, copied)."""
+    done = row_ops.rms_norm(c, w, LATENT_NORM_EPS) if c.device.type == "cpu" else None
+    if done is not None:
+        dst.copy_(done)
+    else:
+        torch.mul(w, normed(c, None, LATENT_NORM_EPS), out=dst)
 
 
 def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:
@@ -89,8 +116,9 @@ def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep) -> torch.Tensor:
     """o_lat [B, H·R] -> W_UV per head -> O projection [B, D]."""
     B, H = out.shape[0], spec.num_heads
     _, w_uv = _up(spec, w)
-    o = torch.bmm(out.view(B, H, -1).transpose(0, 1), w_uv.transpose(1, 2))  # [H, B, dv]
-    return F.linear(o.transpose(0, 1).reshape(B, -1), w["o"])
+    o = torch.empty((B, H, spec.mla.v_head_dim), dtype=out.dtype, device=out.device)
+    torch.bmm(out.view(B, H, -1).transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))  # by heads, [B, H, dv]
+    return F.linear(o.view(B, -1), w["o"])
 
 
 def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, lens: list[int],

@@ -82,6 +82,8 @@ class Rope:
         half = angles if r.pairs else torch.cat((angles, angles), dim=-1)  # pairs: one angle per pair
         self.cos = torch.cat([(half.cos() * s) for s in scales]).to(dtype).to(device)  # [P·tables, r or r/2]
         self.sin = torch.cat([(half.sin() * s) for s in scales]).to(dtype).to(device)
+        # rotate_half's sign per half [2, 1]: folded into the halves' sin in one exact product
+        self.sign = torch.tensor([[-1.0], [1.0]], dtype=dtype, device=device)
         self.positions = max_positions
         # per live positions tensor (a decode step's micro-batches each have theirs): [a weak reference to it,
         # its version, call_lengths, its version, cos, sin, the halves' forms]; an entry goes with its tensor, or
@@ -137,12 +139,12 @@ class Rope:
         if kept[6] is None:
             cos, sin = kept[4], kept[5]
             T = cos.shape[0]
-            if self.pairs:  # one angle per pair: the same for the even and the odd row
-                kept[6] = (torch.stack((cos, cos), dim=-2), torch.stack((-sin, sin), dim=-2))
+            sign = self.sign.to(sin.device)
+            if self.pairs:  # one angle per pair: the same for the even and the odd row (a broadcast view)
+                kept[6] = (cos[:, :, None, :].expand(T, 1, 2, cos.shape[-1]), sin[:, :, None, :] * sign)
             else:  # cos and sin are [angles, angles]
                 half = cos.shape[-1] // 2
-                kept[6] = (cos.view(T, 1, 2, half), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).view(
-                    T, 1, 2, half))
+                kept[6] = (cos.view(T, 1, 2, half), sin.view(T, 1, 2, half) * sign)
         return kept[6]
 
     def joins_in_c(self, x: torch.Tensor) -> bool:
@@ -151,22 +153,34 @@ class Rope:
         return (not self.pairs and x.dtype == self.cos.dtype and x.dtype in (torch.bfloat16, torch.float32)
                 and x.device.type == "cpu")
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, call_lengths: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H, hd], positions [T] -> x with its first `dim` dims rotated.
 
         Both layouts as halves X [T, H, 2, r/2] (pairs: evens then odds, a strided view): X·cos + swap(X)·(±sin),
         the reference's roundings (a·(−s) is −(a·s) exactly) in four ops, where rotate_half's negation and
-        join, or the pairs' four products, took five and seven."""
+        join, or the pairs' four products, took five and seven.
+        `out` [T, H, r] (any strides, the last one 1): the rotated dims are written there and it is returned, the
+        rest of x left out — a slice of the payload the caller sends, so nothing is joined after. It may be
+        x[..., :r] itself in the halves layout (rotated in place; the pairs' come out de-interleaved)."""
         cos, sin = self._halves(positions, call_lengths)
         d = self.dim
         rot, rest = (x, None) if d == x.shape[-1] else (x[..., :d], x[..., d:])
         T, H = rot.shape[:2]
         halves = rot.unflatten(-1, (d // 2, 2)).transpose(-1, -2) if self.pairs else rot.unflatten(-1, (2, d // 2))
-        out = torch.empty((T, H, 2, d // 2), dtype=x.dtype, device=x.device)
-        torch.mul(halves, cos, out=out)
-        out.add_(halves.flip(-2) * sin)
-        out = out.view(T, H, d)  # [T, H, r]: pairs come out as [rotated evens, rotated odds]
-        return out if rest is None else torch.cat((out, rest), dim=-1)
+        swapped = halves.flip(-2) * sin  # before `out` is written: it may be x
+        if out is not None:
+            if self.pairs and out.data_ptr() == x.data_ptr():
+                raise ValueError("the pairs layout cannot rotate in place")
+            dst = out.unflatten(-1, (2, d // 2))
+            torch.mul(halves, cos, out=dst)
+            dst.add_(swapped)
+            return out
+        dst = torch.empty((T, H, 2, d // 2), dtype=x.dtype, device=x.device)
+        torch.mul(halves, cos, out=dst)
+        dst.add_(swapped)
+        dst = dst.view(T, H, d)  # [T, H, r]: pairs come out as [rotated evens, rotated odds]
+        return dst if rest is None else torch.cat((dst, rest), dim=-1)
 
 
 def for_spec(spec, max_positions: int, dtype: torch.dtype, device="cpu") -> Rope:

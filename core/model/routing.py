@@ -30,6 +30,8 @@ def route(spec: ModelSpec, h: torch.Tensor, w: dict) -> tuple[torch.Tensor, torc
     if kind == "softmax":
         probs = torch.softmax(logits.float() if spec.router_softmax_fp32 else logits, dim=-1)
         top, idx = torch.topk(probs, spec.top_k, dim=-1)
+        if spec.router_norm == "sum" and spec.routed_scale == 1.0:  # the quotient rounded straight to h's dtype
+            return torch.div(top, top.sum(dim=-1, keepdim=True), out=_empty(top, h.dtype)), idx
         top = _renormalise(spec, top)
     elif kind == "topk_softmax":
         top, idx = torch.topk(logits, spec.top_k, dim=-1)
@@ -38,27 +40,37 @@ def route(spec: ModelSpec, h: torch.Tensor, w: dict) -> tuple[torch.Tensor, torc
         scores = torch.softmax(logits.float(), dim=-1)
         if spec.router_groups > 1:
             grouped = scores.view(-1, spec.router_groups, spec.num_experts // spec.router_groups)
-            scores = (grouped * _group_mask(spec, grouped.amax(dim=-1), 0.0, 1.0)).view_as(scores)  # others: 0
+            _drop_groups(spec, grouped, grouped.amax(dim=-1), 0.0)  # the others' scores: 0
         top, idx = torch.topk(scores, spec.top_k, dim=-1)
         top = _renormalise(spec, top)
     elif kind == "sigmoid_group":
         scores = logits.float().sigmoid()
         choice = scores + w["e_bias"] if spec.router_correction else scores  # in fp32 (promoted), one op
+        if choice is scores and spec.router_groups > 1:  # its groups are dropped in place; the weights are these
+            choice = scores.clone()
         if spec.router_groups > 1:
             per_group = choice.view(-1, spec.router_groups, spec.num_experts // spec.router_groups)
             best = per_group.topk(2, dim=-1).values.sum(dim=-1)
-            choice = (per_group + _group_mask(spec, best, float("-inf"), 0.0)).view_as(choice)  # others: -inf
+            _drop_groups(spec, per_group, best, float("-inf"))  # the others: -inf
         idx = torch.topk(choice, spec.top_k, dim=-1).indices
         top = scores.gather(1, idx)
         if spec.router_norm == "sum":
-            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+            denom = top.sum(dim=-1, keepdim=True) + 1e-20
+            if spec.routed_scale == 1.0:
+                return torch.div(top, denom, out=_empty(top, h.dtype)), idx
+            top = top / denom
     elif kind == "sparsemixer":
         top, idx = _sparsemixer(logits, spec.router_jitter)
     else:
         raise ValueError(f"unknown router {kind!r}")
-    if spec.routed_scale != 1.0:
-        top = top * spec.routed_scale
+    if spec.routed_scale != 1.0:  # the product rounded straight to h's dtype: the same value as after a cast
+        return torch.mul(top, spec.routed_scale, out=_empty(top, h.dtype)), idx
     return top.to(h.dtype), idx
+
+
+def _empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The routing weights' tensor in h's dtype, for their last op to round into (one op, not two)."""
+    return torch.empty(like.shape, dtype=dtype, device=like.device)
 
 
 def _renormalise(spec: ModelSpec, top: torch.Tensor) -> torch.Tensor:
@@ -69,11 +81,15 @@ def _renormalise(spec: ModelSpec, top: torch.Tensor) -> torch.Tensor:
     return top
 
 
-def _group_mask(spec: ModelSpec, group_scores: torch.Tensor, other: float, keep: float) -> torch.Tensor:
-    """[T, G] -> [T, G, 1]: `keep` for the `topk_group` best groups of each token, `other` for the rest (a
-    factor or a term over the experts' [T, G, E/G] view: exactly a masked fill of finite scores, in 3 ops)."""
-    groups = torch.topk(group_scores, spec.router_topk_groups, dim=-1).indices
-    return torch.full_like(group_scores, other).scatter_(1, groups, keep)[..., None]
+def _drop_groups(spec: ModelSpec, grouped: torch.Tensor, group_scores: torch.Tensor, other: float) -> None:
+    """Sets the experts of all but the `topk_group` best groups of each token to `other`, in place: grouped
+    [T, G, E/G] (a fresh tensor of the router's), group_scores [T, G]. The G − topk_group worst groups, scattered
+    over in 2 ops where a mask of the best ones took 4; the same groups, ties apart (which topk breaks as it
+    likes either way)."""
+    drop = spec.router_groups - spec.router_topk_groups
+    if drop > 0:
+        worst = torch.topk(group_scores, drop, dim=-1, largest=False).indices  # [T, G − topk_group]
+        grouped.scatter_(1, worst[..., None].expand(-1, -1, grouped.shape[-1]), other)
 
 
 def _sparsemixer(scores: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,11 +53,11 @@ ALLREDUCE_LATENCY = 50e-6
 TASK_SECONDS = 80e-6
 OP_SECONDS = 25e-6
 # torch ops each task kind issues, views included (counted on the emulated device for a Qwen2-MoE layer,
-# the family with the most parts; tests/test_gpu_findings.py recounts them). Pre-attention: 26 with one
-# RoPE over q and k (gqa.pre; 40 before). CPU attention: 12 ops and one call of the fused C kernel with
+# the family with the most parts; tests/test_gpu_findings.py recounts them). Pre-attention: 25 with one
+# RoPE over q and k, joined straight into the D1 buffer (gqa.pre; 40, then 26, before). CPU attention: 12 ops and one call of the fused C kernel with
 # its thread hand-off (core.model.cpu.native) where it is built; CPU_ATTN_TORCH_OPS where attention runs
 # torch ops instead (no C compiler).
-HOST_OPS = {"pre_attn": 26, "post_attn": 24, "ffn": 12, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 14,
+HOST_OPS = {"pre_attn": 25, "post_attn": 24, "ffn": 12, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 14,
             "weight_page": 2, "kv_load": 14, "kv_store": 10, "prefill": 118}
 CPU_ATTN_TORCH_OPS = 23
 # An FFN task's ops by the expert path the runtime runs it on (core.model.moe.device_experts): (fixed, per expert).

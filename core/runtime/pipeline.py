@@ -180,6 +180,7 @@ class PipelineRunner:
         self.mu = mu
         self.rope = for_spec(spec, cache.max_tokens, weights.math_dtype)
         self.rope.cos, self.rope.sin = dev.to_device(self.rope.cos), dev.to_device(self.rope.sin)
+        self.rope.sign = dev.to_device(self.rope.sign)
         # the CPU computes in `cpu_math` where it is slow in the storage dtype: attention widens the KV
         # it reads (any schedule), the CPU-only FFN widens expert tiles; one Widen per thread using it
         cpu_math = cpu_math or weights.math_dtype
@@ -495,12 +496,15 @@ class PipelineRunner:
         mb, i, j = self._step[t.micro_batch], t.layer, t.micro_batch
 
         def segment(x, positions, lengths):  # what a CUDA graph captures (core.runtime.graphs)
+            # D1 sends one contiguous block: the payload in this micro-batch's device buffer, written there by
+            # the mixer where it can (else copied in)
+            buf = self._payload(self.qkv_d, j, mb.B, mixer.d1_width(self.spec, i)) if self.qkv_d else None
             payload, keep = decoder.pre_attn(self.spec, i, self.dense[i], x, positions, self.rope, lengths,
-                                             self._full_norm)
-            if not self.qkv_d:
+                                             self._full_norm, out=buf)
+            if buf is None:
                 return payload, keep
-            # D1 sends one contiguous block: the payload into this micro-batch's device buffer
-            self._payload(self.qkv_d, j, mb.B, payload.shape[1]).copy_(payload)
+            if payload.data_ptr() != buf.data_ptr():
+                buf.copy_(payload)
             return None, keep
 
         inputs = (mb.x, mb.positions_d, mb.lengths_d)
