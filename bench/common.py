@@ -175,3 +175,17 @@ def load_average() -> str:
 
     load = platform.load_average()
     return " ".join(f"{x:.2f}" for x in load) if load else "n/a"
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for a result's header: ratios are only comparable on the same CPU."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux
+        pass
+    return platform.processor() or platform.machine() or "unknown"

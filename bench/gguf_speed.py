@@ -65,15 +65,6 @@ def without_kernel(engine):
     return engine
 
 
-def _cpu() -> str:
-    import platform
-
-    info = Path("/proc/cpuinfo")
-    names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")] \
-        if info.exists() else []
-    return names[0] if names else platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from core.runtime.engine import Engine
@@ -94,7 +85,7 @@ def main(argv=None) -> int:
         before = without_kernel(Engine.load(path, dtype="bfloat16", threads=args.threads))
         assert all(lw.quant.blocks for lw in after.weights.layers if lw.quant is not None), "kernel not in use"
         print(f"# {shape}, Q8_0 GGUF, {args.threads} threads ({clock} clock), {gen} tokens a request, {rounds} rounds; "
-              f"load {common.load_average()}; {_cpu()}")
+              f"load {common.load_average()}; {common.cpu_name()}")
         print("| B | before tok/s (median) | after tok/s (median) | after/before per round | median (min..max) |")
         print("|---|---|---|---|---|")
         for b in batches:

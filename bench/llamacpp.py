@@ -312,15 +312,6 @@ def table(fmt: str, batches, ours: dict[int, list[Rates]], theirs: dict[int, lis
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    import platform
-
-    info = Path("/proc/cpuinfo")
-    names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")] \
-        if info.exists() else []
-    return names[0] if names else platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     ll = find_llama(args)
@@ -336,7 +327,7 @@ def main(argv=None) -> int:
     files = {f: convert(ll, ckpt, f) for f in args.formats}
     print(f"# mlight vs llama.cpp ({ll.bin}); {args.size} checkpoint; {args.threads} threads both; "
           f"P = {args.prompt}, G = {args.gen}; {args.reps} interleaved reps, medians (min..max of the per-rep "
-          f"ratios); {cpu_name()}; load {common.load_average()}", flush=True)
+          f"ratios); {common.cpu_name()}; load {common.load_average()}", flush=True)
     ours = {f: {b: [] for b in args.batches} for f in args.formats}
     theirs = {f: {b: [] for b in args.batches} for f in args.formats}
     engines = {}

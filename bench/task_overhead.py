@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import common  # noqa: E402
 from core.runtime import schedule as sched  # noqa: E402
 from core.runtime.executors import SequentialExecutor, ThreadedExecutor  # noqa: E402
 
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     tasks = sched.decode_step("cgopipe", num_layers=4, num_micro_batches=16, pages_per_layer=16)
-    out = {"cpu": _cpu_name(), "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    out = {"cpu": common.cpu_name(), "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
            "tasks_per_step": len(tasks)}
     out["sequential"] = per_task(SequentialExecutor(), tasks, args.steps)
     threaded = ThreadedExecutor(("gpu", "cpu_attn", "h2d", "d2h"))
@@ -145,18 +146,6 @@ def main(argv=None) -> int:
     print(f"  one small torch op from Python: {out['op_cpu'] * 1e6:.1f} µs on the CPU"
           + (f", {out['op_cuda'] * 1e6:.1f} µs on CUDA" if "op_cuda" in out else ""))
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":
