@@ -1,6 +1,6 @@
 """The fused expert path (core.model.fused_moe) against a float64 reference: every weight format, E = 8, 64, 128,
 k = 1, 2, 8, one part or two (resident + streamed), biases and gpt-oss's activation; its ops as the dispatcher
-and a launch counter see them (one per projection, whatever E); and kern-triton's kernel, where this tree has
+and a launch counter see them (one per projection, whatever E); and the Triton kernel, where this tree has
 it, equal to the torch form under TRITON_INTERPRET=1.
 
 Tolerance: the relative norm of the error against the reference over the dequantized weights in float64 —
@@ -190,7 +190,7 @@ def test_long_dense_calls_take_grouped_mm_where_it_runs():
 _TRITON = importlib.util.find_spec("core.model.fused_moe_triton") is not None
 
 
-@pytest.mark.skipif(not _TRITON, reason="kern-triton's kernel (core/model/fused_moe_triton.py) is not in this tree")
+@pytest.mark.skipif(not _TRITON, reason="triton is not installed")
 def test_the_triton_path_equals_the_torch_path_under_the_interpreter():
     """device_experts end to end with the kernel (TRITON_INTERPRET=1, in a fresh process: the variable is read
     when triton is imported) against the torch form and the reference: fp16, dense and int4, two parts."""

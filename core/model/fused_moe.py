@@ -6,7 +6,7 @@ Two torch ops carry it, registered with torch.library so that a launch count (co
 CUDA graph and the emulated device each see one op whatever runs inside, and with fake implementations
 so that meta tensors and capture know their shapes without running them:
 - `mlight::moe_align`: the block layout (no host sync, static shapes);
-- `mlight::moe_gemm`: one projection over all parts of a layer's experts. Inside, kern-triton's kernel
+- `mlight::moe_gemm`: one projection over all parts of a layer's experts. Inside, the Triton kernel
   (core.model.fused_moe_triton, imported on first use) where it runs the format and compute dtype on this GPU
   (its `unsupported`); else a torch form with the same semantics that runs anywhere (a T4 in bf16, the CPU
   and its emulated device): the blocks' experts gathered, dequantized only for the gathered experts' bytes,
@@ -109,7 +109,7 @@ def _format(key: str) -> Format | None:
 
 # ---- the kernel, where it runs ------------------------------------------------------------------------------
 def _triton():
-    """kern-triton's module, or None where it (or triton) is not there."""
+    """core.model.fused_moe_triton, or None where it (or triton) is not there."""
     try:
         from core.model import fused_moe_triton
     except ImportError:
