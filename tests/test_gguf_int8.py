@@ -58,11 +58,13 @@ def test_simd_and_plain_c_dots_agree_bit_for_bit(kind):
         assert torch.equal(gguf_blocks.linear(kind, x, raw, path="int8"), gguf_blocks.linear(kind, x, raw, path="int8_c"))
 
 
-def test_default_path_by_rows():
-    raw, deq = _blocks("Q8_0", 8, 256)
-    for rows, path in ((1, "int8"), (gguf_blocks.INT8_MAX_ROWS, "int8"), (gguf_blocks.INT8_MAX_ROWS + 1, "fp32")):
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+def test_default_path_by_rows(kind):
+    raw, _ = _blocks(kind, 8, 256)
+    top = gguf_blocks.INT8_MAX_ROWS[kind]
+    for rows, path in ((1, "int8"), (top, "int8"), (top + 1, "fp32")):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-        assert torch.equal(gguf_blocks.linear("Q8_0", x, raw), gguf_blocks.linear("Q8_0", x, raw, path=path))
+        assert torch.equal(gguf_blocks.linear(kind, x, raw), gguf_blocks.linear(kind, x, raw, path=path))
 
 
 @pytest.mark.parametrize("up,down", [("Q8_0", "Q8_0"), ("Q4_K", "Q6_K"), ("Q5_K", "Q4_0"), ("MXFP4", "MXFP4")])

@@ -240,7 +240,13 @@ static inline void i8_q8_0(const uint8_t *b, uint8_t *u, float *s, float *o) {
 
 static inline void i8_q4_0(const uint8_t *b, uint8_t *u, float *s, float *o) {
     float d = f16f(b);
+#if SIMD
+    __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), f = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)u, _mm_and_si128(q, f));
+    _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(q, 4), f));
+#else
     for (int j = 0; j < 16; j++) u[j] = b[2 + j] & 15, u[j + 16] = b[2 + j] >> 4;
+#endif
     s[0] = s[1] = d, o[0] = o[1] = 8.f * d;
 }
 
@@ -281,7 +287,14 @@ static inline void i8_q6_k(const uint8_t *b, uint8_t *u, float *s, float *o) {
 
 static inline void i8_mxfp4(const uint8_t *b, uint8_t *u, float *s, float *o) {
     (void)o;
-    for (int j = 0; j < 16; j++) u[j] = (uint8_t)(int8_t)MX[b[1 + j] & 15], u[j + 16] = (uint8_t)(int8_t)MX[b[1 + j] >> 4];
+    static const int8_t MXI[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}; /* MX as integers */
+#if SIMD /* the 16-entry table in one shuffle */
+    __m128i t = _mm_loadu_si128((const __m128i *)MXI), q = _mm_loadu_si128((const __m128i *)(b + 1)), f = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)u, _mm_shuffle_epi8(t, _mm_and_si128(q, f)));
+    _mm_storeu_si128((__m128i *)(u + 16), _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(q, 4), f)));
+#else
+    for (int j = 0; j < 16; j++) u[j] = (uint8_t)MXI[b[1 + j] & 15], u[j + 16] = (uint8_t)MXI[b[1 + j] >> 4];
+#endif
     s[0] = s[1] = e8m0_half(b[0]);
 }
 

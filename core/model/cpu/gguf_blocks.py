@@ -4,10 +4,10 @@ machine like the other C kernels (core.model.cpu.native: the compiler search, ca
 A GGUF expert used to be expanded whole into a float buffer on every use (core.model.quant.expand); this
 kernel decodes one weight row at a time into a buffer that stays in cache and dots it with every activation
 row, so the weights are read once, at the file's bits. Two paths (PATHS):
-- "int8" (the default up to INT8_MAX_ROWS rows, and `moe`): each activation row quantized once a call to
-  int8 per 32 values, as llama.cpp does, and dotted as integers with the blocks' own integers (AVX-512 VNNI,
-  AVX2 `maddubs`, or plain C: "int8_c", the same integers and floats); the result is "quantized activations
-  · the file's weights" up to float32 summation;
+- "int8" (the default up to the format's INT8_MAX_ROWS rows, and in `moe`): each activation row quantized
+  once a call to int8 per 32 values, as llama.cpp does, and dotted as integers with the blocks' own integers
+  (AVX-512 VNNI, AVX2 `maddubs`, or plain C: "int8_c", the same integers and floats); the result is
+  "quantized activations · the file's weights" up to float32 summation;
 - "fp32": the row decoded to `gguf.quants.dequantize`'s floats bit for bit (every product in the decoders is
   exact in float32) and float32 math with unquantized activations.
 `moe` is one token's routed experts with SwiGLU in one call (decode at batch 1). `runs` says where they run
@@ -31,7 +31,11 @@ from core.model.quant.formats import GGUF_BLOCKS
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
 PATHS = {"fp32": 0, "int8_c": 1, "int8": 2}
 SIMD = {0: "plain C", 1: "AVX2 maddubs", 2: "AVX-512 VNNI"}  # the int8 dots a build has
-INT8_MAX_ROWS = 128  # rows up to which `linear` takes the int8 path (bench/gguf_int8.py)
+# rows up to which `linear` takes the int8 path, per format: where it was faster than fp32 on the 784M
+# Mixtral's expert shapes, one thread (bench/gguf_int8.py). Above, the per-block float work (a scale product
+# and an FMA a 32-block and activation row, plus the offsets' dot) costs what the fp32 FMAs do, and the
+# formats with an offset fall behind; Q8_0 stays ahead to 128 (NATIVE_GGUF_ROWS: the kernel's end).
+INT8_MAX_ROWS = {"Q8_0": 128, "Q4_0": 64, "Q4_K": 4, "Q5_K": 4, "Q6_K": 16, "MXFP4": 128}
 
 _reason = "not built yet"
 
@@ -105,8 +109,8 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
            path: str | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp32) · Wᵀ -> [M, N] in x's dtype; W [N, K] as the file's blocks raw uint8 [N, K/block ·
     bytes], rows contiguous. `out`: where to write it ([M, N] in x's dtype, unit stride in N, rows anywhere:
-    a column slice of a wider output). `path`: one of PATHS (default: int8 up to INT8_MAX_ROWS rows, else
-    fp32). The caller checked `runs`."""
+    a column slice of a wider output). `path`: one of PATHS (default: int8 up to INT8_MAX_ROWS[name] rows,
+    else fp32). The caller checked `runs`."""
     lib = library()
     M, K = x.shape
     N = raw.shape[0]
@@ -118,7 +122,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
         raise ValueError(f"out must be [{M}, {N}] {x.dtype} with unit stride in N, not {tuple(y.shape)} {y.dtype}")
     s = _scratch(lib.scratch(M, K, threads))
     bf = int(x.dtype == torch.bfloat16)
-    p = PATHS[path or ("int8" if M <= INT8_MAX_ROWS else "fp32")]
+    p = PATHS[path or ("int8" if M <= INT8_MAX_ROWS[name] else "fp32")]
     if lib.linear(KINDS[name], x.data_ptr(), bf, x.stride(0), M, K, raw.data_ptr(), raw.stride(0), N, y.data_ptr(), bf,
                   y.stride(0), s.data_ptr(), threads, p):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
