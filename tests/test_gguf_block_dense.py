@@ -52,8 +52,9 @@ def test_a_block_weight_of_mixed_formats_multiplies_like_its_dequantized_rows(ro
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     bias = torch.randn(448, dtype=torch.float64)
 
-    def reference(x):  # each segment's product as the kernel takes it: on the int8 path, x quantized per 32
-        int8 = [rows <= min(NATIVE_GGUF_ROWS, gguf_blocks.INT8_MAX_ROWS[kind]) for kind, *_ in made_]
+    def reference(x):  # each segment's product as the kernel takes it: on the int8 path (bf16 x), x quantized
+        int8 = [x.dtype == torch.bfloat16 and rows <= min(NATIVE_GGUF_ROWS, gguf_blocks.INT8_MAX_ROWS[kind])
+                for kind, *_ in made_]
         return torch.cat([(quantized(x) if q else x.double()) @ d.t() for q, (*_, d) in zip(int8, made_)], -1)
 
     want = reference(x) + bias

@@ -59,12 +59,15 @@ def test_simd_and_plain_c_dots_agree_bit_for_bit(kind):
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
-def test_default_path_by_rows(kind):
+def test_default_path_by_rows_and_dtype(kind):
+    """int8 for bf16 activations up to the format's row bound; fp32 above it, and for float32 activations."""
     raw, _ = _blocks(kind, 8, 256)
     top = gguf_blocks.INT8_MAX_ROWS[kind]
     for rows, path in ((1, "int8"), (top, "int8"), (top + 1, "fp32")):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-        assert torch.equal(gguf_blocks.linear(kind, x, raw), gguf_blocks.linear(kind, x, raw, path=path))
+        assert torch.equal(gguf_blocks.linear(kind, x.bfloat16(), raw),
+                           gguf_blocks.linear(kind, x.bfloat16(), raw, path=path))
+        assert torch.equal(gguf_blocks.linear(kind, x, raw), gguf_blocks.linear(kind, x, raw, path="fp32"))
 
 
 @pytest.mark.parametrize("up,down", [("Q8_0", "Q8_0"), ("Q4_K", "Q6_K"), ("Q5_K", "Q4_0"), ("MXFP4", "MXFP4")])
@@ -76,7 +79,7 @@ def test_one_tokens_experts_in_one_call_on_int8(up, down):
     g = torch.Generator().manual_seed(2)
     x, ids, wts = torch.randn(1, D, generator=g), torch.tensor([[3, 1]]), torch.tensor([[0.7, 0.3]])
     args = (x, ids, wts, (up, torch.stack([r for r, _ in w13])), (down, torch.stack([r for r, _ in w2])))
-    got = gguf_blocks.moe(*args)
+    got = gguf_blocks.moe(*args, path="int8")
     want = torch.zeros(1, D, dtype=torch.float64)
     for e, w in zip(ids[0].tolist(), wts[0].tolist()):
         gate, u = _reference(x, w13[e][1]).float().chunk(2, -1)  # the kernel keeps gate/up in float32
@@ -84,6 +87,8 @@ def test_one_tokens_experts_in_one_call_on_int8(up, down):
         want += w * _reference(h, w2[e][1])
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     assert torch.equal(got, gguf_blocks.moe(*args, path="int8_c"))
+    xb = x.bfloat16()  # the default for bf16 activations
+    assert torch.equal(gguf_blocks.moe(xb, *args[1:]), gguf_blocks.moe(xb, *args[1:], path="int8"))
 
 
 def test_the_build_has_the_isas_int8_dots():

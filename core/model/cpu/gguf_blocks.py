@@ -4,12 +4,14 @@ machine like the other C kernels (core.model.cpu.native: the compiler search, ca
 A GGUF expert used to be expanded whole into a float buffer on every use (core.model.quant.expand); this
 kernel decodes one weight row at a time into a buffer that stays in cache and dots it with every activation
 row, so the weights are read once, at the file's bits. Two paths (PATHS):
-- "int8" (the default up to the format's INT8_MAX_ROWS rows, and in `moe`): each activation row quantized
-  once a call to int8 per 32 values, as llama.cpp does, and dotted as integers with the blocks' own integers
+- "int8" (the default for bf16 activations: up to the format's INT8_MAX_ROWS rows, and in `moe`): each
+  activation row quantized once a call to int8 per 32 values, as llama.cpp does, and dotted as integers with the blocks' own integers
   (AVX-512 VNNI, AVX2 `maddubs`, or plain C: "int8_c", the same integers and floats); the result is
   "quantized activations · the file's weights" up to float32 summation;
 - "fp32": the row decoded to `gguf.quants.dequantize`'s floats bit for bit (every product in the decoders is
-  exact in float32) and float32 math with unquantized activations.
+  exact in float32) and float32 math with unquantized activations: above those rows, and always for float32
+  activations (a float32 engine asked for float32's precision: it matches transformers' float64 reading of
+  the file to 1e-4, tests/test_quant_gguf.py, where int8 activations deviate by about 1 %).
 `moe` is one token's routed experts with SwiGLU in one call (decode at batch 1). `runs` says where they run
 (not without a compiler, after a failed build, under MLIGHT_KERNELS=torch, for a format or shape they do not
 take); elsewhere the caller expands, as before.
@@ -109,8 +111,8 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
            path: str | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp32) · Wᵀ -> [M, N] in x's dtype; W [N, K] as the file's blocks raw uint8 [N, K/block ·
     bytes], rows contiguous. `out`: where to write it ([M, N] in x's dtype, unit stride in N, rows anywhere:
-    a column slice of a wider output). `path`: one of PATHS (default: int8 up to INT8_MAX_ROWS[name] rows,
-    else fp32). The caller checked `runs`."""
+    a column slice of a wider output). `path`: one of PATHS (default: int8 for bf16 x up to
+    INT8_MAX_ROWS[name] rows, else fp32). The caller checked `runs`."""
     lib = library()
     M, K = x.shape
     N = raw.shape[0]
@@ -122,7 +124,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
         raise ValueError(f"out must be [{M}, {N}] {x.dtype} with unit stride in N, not {tuple(y.shape)} {y.dtype}")
     s = _scratch(lib.scratch(M, K, threads))
     bf = int(x.dtype == torch.bfloat16)
-    p = PATHS[path or ("int8" if M <= INT8_MAX_ROWS[name] else "fp32")]
+    p = PATHS[path or ("int8" if bf and M <= INT8_MAX_ROWS[name] else "fp32")]
     if lib.linear(KINDS[name], x.data_ptr(), bf, x.stride(0), M, K, raw.data_ptr(), raw.stride(0), N, y.data_ptr(), bf,
                   y.stride(0), s.data_ptr(), threads, p):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
@@ -133,11 +135,11 @@ MAX_EXPERTS = 64  # routed experts of one token the fused call takes
 
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
-        down: tuple[str, torch.Tensor], path: str = "int8") -> torch.Tensor | None:
+        down: tuple[str, torch.Tensor], path: str | None = None) -> torch.Tensor | None:
     """One token's routed experts: x [1, D]; ids [1, k] and weights [1, k] on the host; up = (format, raw uint8
     [E, 2I, bytes]) gate rows then up rows, down = (format, raw [E, D, bytes]), each expert's rows contiguous
     -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype; None where it does not take the call. `path`: one
-    of PATHS (int8: x and each expert's silu(gate) · up quantized per 32 values)."""
+    of PATHS (int8, the default for bf16 x: x and each expert's silu(gate) · up quantized per 32 values)."""
     lib = library()
     D = x.shape[-1]
     (k13, w13), (k2, w2) = up, down
@@ -156,6 +158,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     bf = int(x.dtype == torch.bfloat16)
     if lib.moe(KINDS[k13], KINDS[k2], x.data_ptr(), bf, D, I, k, ids.data_ptr(), weights.data_ptr(),
                int(weights.dtype == torch.bfloat16), w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(),
-               w2.stride(0), w2.stride(1), out.data_ptr(), bf, s.data_ptr(), threads, PATHS[path]):
+               w2.stride(0), w2.stride(1), out.data_ptr(), bf, s.data_ptr(), threads,
+               PATHS[path or ("int8" if bf else "fp32")]):
         raise RuntimeError(f"the GGUF kernel refused D={D}, I={I}, {k} experts")
     return out
