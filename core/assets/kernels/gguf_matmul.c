@@ -479,16 +479,23 @@ static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t 
                       int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, uint8_t *scratch, int threads, int simd) {
     int64_t qb = qrow_bytes(K), wb = wrow_bytes(K);
     uint8_t *rows = scratch + M * qb;
+    int serial = M * K <= (1 << 14); /* a decode step's rows: quantized before the team starts, one barrier fewer */
+    for (int64_t m = 0; serial && m < M; m++)
+        quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * ldx) : (const void *)((const float *)x + m * ldx),
+                     x_bf16, K, qrow_at(scratch + m * qb, K));
     OMP(omp parallel num_threads(threads))
     {
         int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
-        OMP(omp for schedule(static))
-        for (int64_t m = 0; m < M; m++)
-            quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * ldx) : (const void *)((const float *)x + m * ldx),
-                         x_bf16, K, qrow_at(scratch + m * qb, K));
+        if (!serial) {
+            OMP(omp for schedule(static))
+            for (int64_t m = 0; m < M; m++)
+                quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * ldx)
+                                    : (const void *)((const float *)x + m * ldx),
+                             x_bf16, K, qrow_at(scratch + m * qb, K));
+        }
         WRow wr = wrow_at(rows + (int64_t)t * wb, K);
         QRow xr[MR];
         float out[MR];
@@ -585,14 +592,19 @@ int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64
                 dot_rows(wr, D, xf, D, 1, gu + r);
             }
         }
-        OMP(omp for schedule(static))
-        for (int64_t r = 0; r < nexp * I; r++) {
-            float *h = gu + (r / I) * 2 * I + r % I, g = h[0];
-            h[0] = g / (1.f + expf(-g)) * h[I];
-        }
-        if (path) {
+        if (path) { /* an expert's SiLU and its quantization in one phase */
             OMP(omp for schedule(static))
-            for (int e = 0; e < nexp; e++) quantize_row(gu + (int64_t)e * 2 * I, 0, I, qrow_at(hq + e * qi, I));
+            for (int e = 0; e < nexp; e++) {
+                float *h = gu + (int64_t)e * 2 * I;
+                for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
+                quantize_row(h, 0, I, qrow_at(hq + e * qi, I));
+            }
+        } else {
+            OMP(omp for schedule(static))
+            for (int64_t r = 0; r < nexp * I; r++) {
+                float *h = gu + (r / I) * 2 * I + r % I, g = h[0];
+                h[0] = g / (1.f + expf(-g)) * h[I];
+            }
         }
         OMP(omp for schedule(static))
         for (int64_t d = 0; d < D; d++) {
