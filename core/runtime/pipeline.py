@@ -189,7 +189,9 @@ class PipelineRunner:
         self.widen_ffn = (Widen(weights.math_dtype, direct_rows) if not dev.accelerator
                           and weights.math_dtype != weights.dtype else None)
         # dense (non-expert) weights and the globals live on the device for the whole run
-        self.dense = [{n: dev.to_device(t) for n, t in lw.dense().items()} for lw in weights.layers]
+        # an fp32 router is kept in fp32 there, not cast every micro-batch (the planner prices it: hrm.Dims)
+        self.dense = [{n: dev.to_device(t.float() if n == "router" and spec.router_fp32 and dev.accelerator else t)
+                       for n, t in lw.dense().items()} for lw in weights.layers]
         self.globals = {n: dev.to_device(t) for n, t in weights.globals.items()}
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
         self._unpinned = 0  # host bytes for GPU copies that could not be page-locked
@@ -549,7 +551,8 @@ class PipelineRunner:
 
         def segment(x, o, keep):  # what a CUDA graph captures (core.runtime.graphs): FfnInput's tensors
             # the shared expert's output joins the routed experts' before the residual add, as the reference does
-            f = decoder.post_attn(self.spec, i, self.dense[i], x, o, keep, self._attention_out)
+            f = decoder.post_attn(self.spec, i, self.dense[i], x, o, keep, self._attention_out,
+                                  fused_route=self.dev.accelerator)
             return f.x, f.h, f.weights, f.idx, f.dense
 
         inputs, j = (mb.x, o, mb.keep), t.micro_batch
