@@ -39,7 +39,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from core.model import decoder, limits, mixer
+from core.model import decoder, limits, mixer, mla
 from core.model.cpu.kernels import Widen
 from core.model.kvcache import KVCache, Rows, layer_store, load_rows
 from core.model.layers import final_logits
@@ -189,9 +189,7 @@ class PipelineRunner:
         self.widen_ffn = (Widen(weights.math_dtype, direct_rows) if not dev.accelerator
                           and weights.math_dtype != weights.dtype else None)
         # dense (non-expert) weights and the globals live on the device for the whole run
-        # an fp32 router is kept in fp32 there, not cast every micro-batch (the planner prices it: hrm.Dims)
-        self.dense = [{n: dev.to_device(t.float() if n == "router" and spec.router_fp32 and dev.accelerator else t)
-                       for n, t in lw.dense().items()} for lw in weights.layers]
+        self.dense = [self._device_dense(lw) for lw in weights.layers]
         self.globals = {n: dev.to_device(t) for n, t in weights.globals.items()}
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
         self._unpinned = 0  # host bytes for GPU copies that could not be page-locked
@@ -220,6 +218,16 @@ class PipelineRunner:
         self._fns = dict(_TASK_FNS)
 
     # ---- memory -------------------------------------------------------------------------------------
+    def _device_dense(self, lw) -> dict:
+        """A layer's non-expert weights on the device. On an accelerator: an fp32 router kept in fp32 (not cast
+        every micro-batch; hrm.gpu_nonexpert_bytes prices it), MLA's q_a and kv_a as one matrix (one product)."""
+        w = lw.dense()
+        if self.dev.accelerator:
+            if self.spec.router_fp32 and "router" in w:
+                w = {**w, "router": w["router"].float()}
+            w = mla.join_down(w)
+        return {n: self.dev.to_device(t) for n, t in w.items()}
+
     def _place_experts(self) -> None:
         """Resident experts on the device; the streaming buffer's halves and their page copies. Each layer
         uses its own layout (a GGUF file's formats may differ by layer)."""
