@@ -120,8 +120,8 @@ SHAPES = EXPERTS if FULL else (EXPERTS[0], EXPERTS[-1])
 # (main before it: 18 in bf16 grouped, 105 → 2,585 for int8 and 201 → 5,657 for int4 experts from E = 8 to 256).
 # Pinned so that they only go down. The router after its matmul is one op (core.model.fused_router: a Triton kernel
 # on a GPU), and an fp32 router's weight is kept in fp32 on the device: DeepSeek-V3's router went from 15 ops to 3
-# (h's cast, the matmul, the op), the others' from 5-13 to 2-3.
-TODAY = {"deepseek_v2": 24, "deepseek_v3": 27, "glm4_moe": 20, "qwen3_next": 28, "qwen3_5_moe": 28}
+# (h's cast, the matmul, the op), the others' from 5-13 to 2-3; MLA's q_a and kv_a are one product on the device.
+TODAY = {"deepseek_v2": 24, "deepseek_v3": 26, "glm4_moe": 20, "qwen3_next": 28, "qwen3_5_moe": 28}
 
 
 def _per_layer(c) -> list[dict]:
