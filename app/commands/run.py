@@ -91,54 +91,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+def _number(cast, ok, must: str, what: str = "a number", unit: str = ""):
+    """An argparse type: `text` read by `cast` and refused, in one line, unless `ok(value)`."""
 
-
-def gigabytes(least: float | None):
-    """A memory budget in GB as typed: at least `least` (None: more than 0), said back in GB."""
-
-    def parse(text: str) -> float:
+    def parse(text: str):
         try:
-            v = float(text)
+            v = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number of GB, got {text!r}") from None
-        if not (v >= least if least is not None else v > 0) or v == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be {'more than 0' if least is None else f'{least:g} or more'} "
-                                             f"GB, got {text} GB")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {must}{unit}, got {v if cast is int else text}{unit}")
         return v
 
     return parse
 
 
+_positive = _number(int, lambda v: v >= 1, "at least 1", "a whole number")
+_probability = _number(float, lambda v: 0 < v <= 1, "in (0, 1]")
+_non_negative = _number(float, lambda v: v >= 0, "0 or more")
+
+
+def gigabytes(least: float | None):
+    """A memory budget in GB as typed: at least `least` (None: more than 0), said back in GB."""
+    return _number(float, lambda v: (v >= least if least is not None else v > 0) and v != float("inf"),
+                   "more than 0" if least is None else f"{least:g} or more", "a number of GB", " GB")
+
+
 def _whole(text: str) -> int:
     return 0 if text.strip() == "0" else _positive(text)
-
-
-def _probability(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
-
-
-def _non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return v
 
 
 class _Stopper:
@@ -444,21 +424,12 @@ def _quant_settings(args) -> dict:
 def _load_engine(args, model_dir: Path, progress, tp=None):
     from core.runtime.engine import Engine
 
-    kw = {"tp": tp} if tp is not None else {}
-    if args.executor:
-        kw["executor"] = args.executor
-    if args.schedule:
-        kw["schedule"] = args.schedule
-    if args.dtype:
-        kw["dtype"] = args.dtype
-    if getattr(args, "policy", None) is not None:
-        kw["policy"] = args.policy
+    given = {"tp": tp, "executor": args.executor, "schedule": args.schedule, "dtype": args.dtype,
+             "policy": getattr(args, "policy", None), "threads": args.threads,
+             "quantize_dense": getattr(args, "quantize_dense", None)}  # without --quantize Engine.load says what to pass
+    kw = {k: v for k, v in given.items() if v}
     if getattr(args, "quantize", "none") != "none":
         kw["quantize"], kw["group_size"] = args.quantize, args.group_size
-    if getattr(args, "quantize_dense", None):  # without --quantize Engine.load says what to pass
-        kw["quantize_dense"] = args.quantize_dense
-    if args.threads:
-        kw["threads"] = args.threads
     if getattr(args, "graphs", "auto") != "auto":
         kw["graphs"] = args.graphs
     return Engine.load(model_dir, progress=progress, **kw)
