@@ -21,7 +21,7 @@ from core import platform
 from core.errors import BudgetError, MlightError, UsageError
 from core.io.prompts import FORMATS, STDIN, PromptSet, bad_lines_error, read_prompts, reject_lines
 from core.io.results import output_format
-from core.io.runstore import RunStore, finish_run, model_fingerprint, prepare_requests, run_pending
+from core.io.runstore import RunStore, finish_run, manifest, prepare_requests, run_pending
 from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
 from core.plan.policy import SCHEDULES
 from core.telemetry import Progress, WarningEvent
@@ -398,27 +398,14 @@ def _workload(args, prompts: PromptSet):
 
 
 def _manifest(args, prompts: PromptSet, model_dir: Path, model_name: str) -> dict:
-    return {
-        "model": model_fingerprint(model_dir, model_name),
-        "prompts": {"sha256": prompts.sha256, "format": prompts.format},
-        "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                     "top_k": args.top_k, "seed": args.seed, "revision": args.revision,
-                     **_quant_settings(args)},
-        "policy": {"batch": args.batch, "micro_batch": args.micro_batch, "executor": args.executor,
-                   "schedule": args.schedule, "dtype": args.dtype,
-                   "planned": args.policy.to_dict() if getattr(args, "policy", None) is not None else None},
-        "prompts_file": prompts.source,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
-def _quant_settings(args) -> dict:
-    """Part of the run's identity (other weights, other tokens); absent when unquantized, as before."""
-    q = getattr(args, "quantize", "none")
-    if q == "none":
-        return {}
-    return {"quantize": q, **({"group_size": args.group_size or DEFAULT_INT4_GROUP} if q == "int4" else {}),
-            **({"quantize_dense": args.quantize_dense} if getattr(args, "quantize_dense", None) else {})}
+    policy = getattr(args, "policy", None)
+    return manifest(model_dir, model_name, prompts,
+                    {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                     "top_k": args.top_k, "seed": args.seed, "revision": args.revision},
+                    {"batch": args.batch, "micro_batch": args.micro_batch, "executor": args.executor,
+                     "schedule": args.schedule, "dtype": args.dtype,
+                     "planned": policy.to_dict() if policy is not None else None},
+                    getattr(args, "quantize", "none"), args.group_size, getattr(args, "quantize_dense", None))
 
 
 def _load_engine(args, model_dir: Path, progress, tp=None):
