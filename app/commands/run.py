@@ -397,11 +397,16 @@ def _workload(args, prompts: PromptSet):
     return planner.Workload(max(1, sum(lens) // max(1, len(lens))), gen, max(lens + [1]), len(prompts.entries))
 
 
+def sampling(args) -> dict:
+    """The command's generation settings, each the default for prompts that do not set their own."""
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed}
+
+
 def _manifest(args, prompts: PromptSet, model_dir: Path, model_name: str) -> dict:
     policy = getattr(args, "policy", None)
     return manifest(model_dir, model_name, prompts,
-                    {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                     "top_k": args.top_k, "seed": args.seed, "revision": args.revision},
+                    {**sampling(args), "revision": args.revision},
                     {"batch": args.batch, "micro_batch": args.micro_batch, "executor": args.executor,
                      "schedule": args.schedule, "dtype": args.dtype,
                      "planned": policy.to_dict() if policy is not None else None},
@@ -425,9 +430,7 @@ def _load_engine(args, model_dir: Path, progress, tp=None):
 def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_name: str, fmt: str,
               progress, stopper: _Stopper) -> int:
     engine = _load_engine(args, model_dir, progress)
-    defaults = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                "top_k": args.top_k, "seed": args.seed}
-    requests = prepare_requests(engine, prompts, defaults)
+    requests = prepare_requests(engine, prompts, sampling(args))
     _refuse_rejects(prompts, args.skip_bad, store.out)
     total, t0, before = len(prompts.entries), time.perf_counter(), len(store.done)
     if store.resumed:

@@ -176,11 +176,6 @@ class PlanScreen(StepScreen):
             self.status("This machine could not run the model in its stored dtype: choose float32 here, "
                         "then Ctrl+N.", "warn")
 
-    @property
-    def cpu_mode(self) -> bool:
-        m = self.session.machine
-        return m is not None and m.cpu_mode
-
     # ---- planning -------------------------------------------------------------------------------
     def _budgets_from_options(self) -> tuple[int | None, int | None]:
         o = self.session.options
