@@ -11,7 +11,7 @@ By default a cover of the matrix runs (every family once, every capability and e
 and 256: about a minute on two cores); `MLIGHT_LAUNCH_BUDGET=full` runs all of it (E = 8, 64, 128, 256 for every
 family × capability × format: about nine minutes).
 
-Counted by core.runtime.op_count (aten ops the tasks dispatch on device data, the device's copies and waits,
+Counted by tests/op_count.py (aten ops the tasks dispatch on device data, the device's copies and waits,
 the caller's blocking calls and host reads of device data). The shapes: the family's tiny checkpoint, its
 experts replicated to E (the router's rows with a little noise, so tokens spread over all of them) and cut
 to two layers (one of each kind the family has: dense + MoE, or linear + full attention), so that a shape
@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from core.runtime.device_emulated import EmulatedCuda
 from core.runtime.engine import Engine
-from core.runtime.op_count import steady_step
+from op_count import steady_step
 
 FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe")  # checkpoints.py's E ≥ 8
 EXPERTS = (8, 64, 128, 256)
@@ -84,7 +84,7 @@ def _widen(src: Path, dst: Path, E: int, keep: tuple[int, ...]) -> Path:
 
 @pytest.fixture(scope="module")
 def counts(checkpoint_factory, tmp_path_factory):
-    """(family, E, format, cap) -> core.runtime.op_count.StepCounts of a steady decode step, each made once."""
+    """(family, E, format, cap) -> op_count.StepCounts of a steady decode step, each made once."""
     made: dict = {}
 
     @functools.lru_cache(maxsize=None)

@@ -2,7 +2,7 @@
 into blocks of one expert each (core.model.moe_align), then one kernel per projection over every block —
 for every weight format and GPU generation, resident and streamed experts alike.
 
-Two torch ops carry it, registered with torch.library so that a launch count (core.runtime.op_count), a
+Two torch ops carry it, registered with torch.library so that a launch count (tests/op_count.py), a
 CUDA graph and the emulated device each see one op whatever runs inside, and with fake implementations
 so that meta tensors and capture know their shapes without running them:
 - `mlight::moe_align`: the block layout (no host sync, static shapes; one Triton launch on a CUDA GPU,

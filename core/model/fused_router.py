@@ -1,6 +1,6 @@
 """The MoE router after its matmul as one op on an accelerator: `mlight::route`, logits to experts and weights.
 
-Registered with torch.library like core.model.fused_moe's ops, so that a launch count (core.runtime.op_count),
+Registered with torch.library like core.model.fused_moe's ops, so that a launch count (tests/op_count.py),
 a CUDA graph and the emulated device each see one op, with a fake implementation for meta tensors and capture.
 Inside: the Triton kernel (core.model.router_triton, one launch) on a CUDA GPU where triton is installed; else
 core.model.routing's own torch form, op for op the reference's (the CPU and its emulated device, where the
