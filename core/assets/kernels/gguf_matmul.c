@@ -9,17 +9,18 @@
    small integer), so the row buffer holds the reference's weights bit for bit, and only the dot's order of
    summation differs from torch's fp32 matmul (tests/test_gguf_native.py checks both): the fp32 path.
 
-   The int8 path (llama.cpp's way, the default up to the caller's row bound) quantizes each activation row
+   The int8 path (llama.cpp's way; the caller's default for bf16 activations up to a row bound) quantizes each activation row
    once a call, per 32 values (scale max|x| / 127, round half to even, and the scale times each 16's sum
    for the formats with an offset), decodes a weight row into its integers (bytes), a float scale a 16 and
    an offset a 16 (w = scale * u - offset: the K-quants' mins, Q4_0's and Q6_K's centre), and dots bytes
-   with bytes: `vpdpbusd` (AVX-512 VNNI, 256 bits), `maddubs` + `madd` (AVX2), or plain C giving the same
+   with bytes: `vpdpbusd` (AVX-512 VNNI, two blocks a 512-bit vector), `maddubs` + `madd` (AVX2), or plain C giving the same
    integers and, with the same float order (explicit FMAs, one lane order), the same floats. The result is
    the float64 product "quantized activations . the file's weights" up to fp32 summation.
 
    Layouts per block (bytes): see core/model/quant/blocks.py. kind: 0 Q8_0, 1 Q4_0, 2 Q4_K, 3 Q5_K, 4 Q6_K,
    5 MXFP4. Inputs bf16 or fp32, outputs bf16 (round to nearest even) or fp32. Plain C the compiler
-   vectorises (-O3 with the ISA's flags: AVX-512, AVX2, or baseline); OpenMP splits output rows over torch's
+   vectorises (-O3 with the ISA's flags: AVX-512, AVX2, or baseline), intrinsics for the int8 dots and two
+   nibble unpackers (F16C for the half scales where built with -mf16c); OpenMP splits output rows over torch's
    threads when built with -fopenmp. Entry points return 0, or -1 for a call they do not take.
    `mlight_gguf_moe` is one token's routed experts with SwiGLU in one call (decode at batch 1: the ~6 torch
    ops and two kernel calls an expert become one call a layer), gate/up and SiLU in float32. */
