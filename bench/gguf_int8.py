@@ -99,8 +99,10 @@ def main(argv=None) -> int:
             for m in (int(r) for r in args.rows.split(",")):
                 xu = torch.randn(m, D, generator=g).bfloat16()
                 xd = torch.randn(m, I, generator=g).bfloat16()
-                compare(f"{kind}, {threads}, gate/up M={m}", 2 * I * D, lambda p: gguf_blocks.linear(kind, xu, w13[0], path=p), args)
-                compare(f"{kind}, {threads}, down M={m}", D * I, lambda p: gguf_blocks.linear(kind, xd, w2[0], path=p), args)
+                compare(f"{kind}, {threads}, gate/up M={m}", 2 * I * D,
+                        lambda p: gguf_blocks.linear(kind, xu, w13[0], path=p), args)
+                compare(f"{kind}, {threads}, down M={m}", D * I,
+                        lambda p: gguf_blocks.linear(kind, xd, w2[0], path=p), args)
     return 0
 
 

@@ -9,13 +9,14 @@
    small integer), so the row buffer holds the reference's weights bit for bit, and only the dot's order of
    summation differs from torch's fp32 matmul (tests/test_gguf_native.py checks both): the fp32 path.
 
-   The int8 path (llama.cpp's way; the caller's default for bf16 activations up to a row bound) quantizes each activation row
-   once a call, per 32 values (scale max|x| / 127, round half to even, and the scale times each 16's sum
-   for the formats with an offset), decodes a weight row into its integers (bytes), a float scale a 16 and
-   an offset a 16 (w = scale * u - offset: the K-quants' mins, Q4_0's and Q6_K's centre), and dots bytes
-   with bytes: `vpdpbusd` (AVX-512 VNNI, two blocks a 512-bit vector), `maddubs` + `madd` (AVX2), or plain C giving the same
-   integers and, with the same float order (explicit FMAs, one lane order), the same floats. The result is
-   the float64 product "quantized activations . the file's weights" up to fp32 summation.
+   The int8 path (llama.cpp's way; the caller's default for bf16 activations up to a row bound) quantizes
+   each activation row once a call, per 32 values (scale max|x| / 127, round half to even, and the scale
+   times each 16's sum for the formats with an offset), decodes a weight row into its integers (bytes), a
+   float scale a 16 and an offset a 16 (w = scale * u - offset: the K-quants' mins, Q4_0's and Q6_K's
+   centre), and dots bytes with bytes: `vpdpbusd` (AVX-512 VNNI, two blocks a 512-bit vector), `maddubs` +
+   `madd` (AVX2), or plain C giving the same integers and, with the same float order (explicit FMAs, one
+   lane order), the same floats. The result is the float64 product "quantized activations . the file's
+   weights" up to fp32 summation.
 
    Layouts per block (bytes): see core/model/quant/blocks.py. kind: 0 Q8_0, 1 Q4_0, 2 Q4_K, 3 Q5_K, 4 Q6_K,
    5 MXFP4. Inputs bf16 or fp32, outputs bf16 (round to nearest even) or fp32. Plain C the compiler
@@ -290,7 +291,8 @@ static inline void i8_mxfp4(const uint8_t *b, uint8_t *u, float *s, float *o) {
     (void)o;
     static const int8_t MXI[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}; /* MX as integers */
 #if SIMD /* the 16-entry table in one shuffle */
-    __m128i t = _mm_loadu_si128((const __m128i *)MXI), q = _mm_loadu_si128((const __m128i *)(b + 1)), f = _mm_set1_epi8(15);
+    __m128i t = _mm_loadu_si128((const __m128i *)MXI), q = _mm_loadu_si128((const __m128i *)(b + 1));
+    __m128i f = _mm_set1_epi8(15);
     _mm_storeu_si128((__m128i *)u, _mm_shuffle_epi8(t, _mm_and_si128(q, f)));
     _mm_storeu_si128((__m128i *)(u + 16), _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(q, 4), f)));
 #else
@@ -300,7 +302,8 @@ static inline void i8_mxfp4(const uint8_t *b, uint8_t *u, float *s, float *o) {
 }
 
 #define IROW(f, bs, ts) \
-    for (int64_t b = 0; b < K / (bs); b++) f(row + b * (ts), r.u + b * (bs), r.s + b * (bs) / 16, r.o + b * (bs) / 16); \
+    for (int64_t b = 0; b < K / (bs); b++)                                                        \
+        f(row + b * (ts), r.u + b * (bs), r.s + b * (bs) / 16, r.o + b * (bs) / 16);             \
     break
 static void decode_row_i8(int kind, const uint8_t *row, int64_t K, WRow r) {
     switch (kind) {
@@ -477,12 +480,14 @@ static inline void put(void *y, int bf, int64_t i, float v) {
 
 /* the int8 path of mlight_gguf_linear; scratch: M quantized rows, then a decoded row per thread */
 static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
-                      int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, uint8_t *scratch, int threads, int simd) {
+                      int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, uint8_t *scratch, int threads,
+                      int simd) {
     int64_t qb = qrow_bytes(K), wb = wrow_bytes(K);
     uint8_t *rows = scratch + M * qb;
     int serial = M * K <= (1 << 14); /* a decode step's rows: quantized before the team starts, one barrier fewer */
     for (int64_t m = 0; serial && m < M; m++)
-        quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * ldx) : (const void *)((const float *)x + m * ldx),
+        quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * ldx)
+                            : (const void *)((const float *)x + m * ldx),
                      x_bf16, K, qrow_at(scratch + m * qb, K));
     OMP(omp parallel num_threads(threads))
     {
@@ -516,7 +521,8 @@ static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t 
 /* y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) . W^T; W's rows ldw bytes apart from w. path: 0 fp32
    (rows decoded to floats), 1 int8 activations in plain C, 2 int8 with the build's SIMD dots */
 int mlight_gguf_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
-                       int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, float *scratch, int threads, int path) {
+                       int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, float *scratch, int threads,
+                       int path) {
     if (kind < 0 || kind > 5 || K % BS[kind] || M < 1 || threads < 1 || path < 0 || path > 2) return -1;
     if (path) {
         linear_i8(kind, x, x_bf16, ldx, M, K, w, ldw, N, y, y_bf16, ldy, (uint8_t *)scratch, threads, path == 2);

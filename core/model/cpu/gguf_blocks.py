@@ -5,9 +5,9 @@ A GGUF expert used to be expanded whole into a float buffer on every use (core.m
 kernel decodes one weight row at a time into a buffer that stays in cache and dots it with every activation
 row, so the weights are read once, at the file's bits. Two paths (PATHS):
 - "int8" (the default for bf16 activations: up to the format's INT8_MAX_ROWS rows, and in `moe`): each
-  activation row quantized once a call to int8 per 32 values, as llama.cpp does, and dotted as integers with the blocks' own integers
-  (AVX-512 VNNI, AVX2 `maddubs`, or plain C: "int8_c", the same integers and floats); the result is
-  "quantized activations · the file's weights" up to float32 summation;
+  activation row quantized once a call to int8 per 32 values, as llama.cpp does, and dotted as integers
+  with the blocks' own integers (AVX-512 VNNI, AVX2 `maddubs`, or plain C: "int8_c", the same integers and
+  floats); the result is "quantized activations · the file's weights" up to float32 summation;
 - "fp32": the row decoded to `gguf.quants.dequantize`'s floats bit for bit (every product in the decoders is
   exact in float32) and float32 math with unquantized activations: above those rows, and always for float32
   activations (a float32 engine asked for float32's precision: it matches transformers' float64 reading of
