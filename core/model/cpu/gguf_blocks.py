@@ -34,7 +34,7 @@ KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
 PATHS = {"fp32": 0, "int8_c": 1, "int8": 2}
 SIMD = {0: "plain C", 1: "AVX2 maddubs", 2: "AVX-512 VNNI"}  # the int8 dots a build has
 # rows up to which `linear` takes the int8 path, per format: where it was faster than fp32 on the 784M
-# Mixtral's expert shapes, one thread (bench/gguf_int8.py). Above, the per-block float work (a scale product
+# Mixtral's expert shapes, one thread (bench/gguf_speed.py --kernel). Above, the per-block float work (a scale product
 # and an FMA a 32-block and activation row, plus the offsets' dot) costs what the fp32 FMAs do, and the
 # formats with an offset fall behind; Q8_0 stays ahead to 128 (NATIVE_GGUF_ROWS: the kernel's end).
 INT8_MAX_ROWS = {"Q8_0": 128, "Q4_0": 64, "Q4_K": 4, "Q5_K": 4, "Q6_K": 16, "MXFP4": 128}
