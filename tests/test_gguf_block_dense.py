@@ -53,9 +53,9 @@ def test_a_block_weight_of_mixed_formats_multiplies_like_its_dequantized_rows(ro
     bias = torch.randn(448, dtype=torch.float64)
 
     def reference(x):  # each segment's product as the kernel takes it: on the int8 path (bf16 x), x quantized
-        int8 = [x.dtype == torch.bfloat16 and rows <= min(NATIVE_GGUF_ROWS, gguf_blocks.INT8_MAX_ROWS[kind])
-                for kind, *_ in made_]
-        return torch.cat([(quantized(x) if q else x.double()) @ d.t() for q, (*_, d) in zip(int8, made_)], -1)
+        group = [gguf_blocks.int8_group(kind, x.dtype, rows) if rows <= NATIVE_GGUF_ROWS else None
+                 for kind, *_ in made_]
+        return torch.cat([(quantized(x, g) if g else x.double()) @ d.t() for g, (*_, d) in zip(group, made_)], -1)
 
     want = reference(x) + bias
     got = torch.nn.functional.linear(x.float(), w, bias.float())

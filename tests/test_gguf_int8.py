@@ -20,18 +20,26 @@ from test_gguf_native import _blocks
 pytestmark = pytest.mark.skipif(gguf_blocks.library() is None, reason="no C compiler: GGUF blocks expand per use")
 
 
-def quantized(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the kernel reads it: per 32 values, scale max|x| / 127 and round half to even, in float32;
-    returned as scale · integer in float64."""
-    b = x.float().reshape(x.shape[0], -1, 32)
+def quantized(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """x [M, K] as the kernel reads it, in float64: per `group` values a scale d = max|x| / 127 and x / d rounded
+    half to even, in float32. group 256 (the K-quants' "int8k"): with a second digit, the remainder over d / 128
+    rounded: d · (q + r / 128)."""
+    b = x.float().reshape(x.shape[0], -1, group)
     d = b.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
     q = torch.round(b * inv).clamp(-127, 127)
-    return (q.double() * d.double()).reshape(x.shape)
+    out = q.double() * d.double()
+    if group == 256:
+        rest = (b.double() - out).float()  # exact, rounded once: the kernel's fmaf
+        out += torch.round(rest * (inv * 128)).clamp(-127, 127).double() * (d.double() / 128)
+    return out.reshape(x.shape)
 
 
-def _reference(x: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
-    return quantized(x) @ deq.double().t()
+def _reference(x: torch.Tensor, deq: torch.Tensor, group: int = 32) -> torch.Tensor:
+    return quantized(x, group) @ deq.double().t()
+
+
+K_QUANTS = [k for k in FORMATS if k.endswith("_K")]
 
 
 @pytest.mark.parametrize("kind", FORMATS)
@@ -59,12 +67,42 @@ def test_simd_and_plain_c_dots_agree_bit_for_bit(kind):
         assert torch.equal(simd, plain)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", K_QUANTS)
+@pytest.mark.parametrize("rows", [1, 5, 8, 37])
+def test_k_quants_per_256_are_quantized_activations_times_the_files_weights(kind, rows):
+    """"int8k": one activation scale a super-block, two int8 digits a value, the sub-blocks' integer dots
+    summed in int32."""
+    raw, deq = _blocks(kind, 40, 768, seed=rows)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
+    x[:, 300] = 40  # one large value: its super-block's scale, not its neighbours'
+    want = _reference(x, deq, 256)
+    scale = want.abs().max().item()
+    for path in ("int8k", "int8k_c"):
+        got = gguf_blocks.linear(kind, x, raw, path=path)
+        assert (got.double() - want).abs().max().item() <= 2e-6 * scale * 768 ** 0.5, path
+    assert (gguf_blocks.linear(kind, x, raw, path="int8").double() - want).abs().max().item() > 1e-3 * scale
+    xb = x.bfloat16()
+    got = gguf_blocks.linear(kind, xb, raw, path="int8k")
+    torch.testing.assert_close(got.double(), _reference(xb, deq, 256), rtol=8e-3, atol=8e-3 * scale)
+
+
+@pytest.mark.parametrize("kind", K_QUANTS)
+def test_k_quants_per_256_simd_and_plain_c_agree_bit_for_bit(kind):
+    raw, _ = _blocks(kind, 33, 512, seed=5)
+    for rows in (1, 2, 5, 9):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 10 ** (rows % 3)
+        simd, plain = (gguf_blocks.linear(kind, x, raw, path=p) for p in ("int8k", "int8k_c"))
+        assert torch.equal(simd, plain)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
 def test_default_path_by_rows_and_dtype(kind):
-    """int8 for bf16 activations up to the format's row bound; fp32 above it, and for float32 activations."""
+    """int8 for bf16 activations up to the format's row bound (the K-quants per 256 above PER_256_ABOVE rows);
+    fp32 above it, and for float32 activations."""
     raw, _ = _blocks(kind, 8, 256)
-    top = gguf_blocks.INT8_MAX_ROWS[kind]
-    for rows, path in ((1, "int8"), (top, "int8"), (top + 1, "fp32")):
+    top, k = gguf_blocks.INT8_MAX_ROWS[kind], gguf_blocks.PER_256_ABOVE.get(kind)
+    cases = [(1, "int8"), (top, "int8k" if k else "int8"), (top + 1, "fp32")] + ([(k, "int8"), (k + 1, "int8k")] if k else [])
+    for rows, path in cases:
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(gguf_blocks.linear(kind, x.bfloat16(), raw),
                            gguf_blocks.linear(kind, x.bfloat16(), raw, path=path))

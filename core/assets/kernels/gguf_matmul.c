@@ -97,16 +97,23 @@ static inline void q4_0(const uint8_t *b, float *w) {
     }
 }
 
-/* the 8 six-bit scales and mins of a Q4_K / Q5_K block, times d and dmin */
-static inline void scale_min_k4(const uint8_t *b, float *ds, float *dm) {
-    float d = f16f(b), dmin = f16f(b + 2);
+/* the 8 six-bit scales and mins of a Q4_K / Q5_K block as integers */
+static inline void scales_k4(const uint8_t *b, int *sc, int *mn) {
     const uint8_t *s = b + 4;
     for (int j = 0; j < 4; j++) {
-        ds[j] = d * (float)(s[j] & 0x3f);
-        dm[j] = dmin * (float)(s[j + 4] & 0x3f);
-        ds[j + 4] = d * (float)((s[j + 8] & 0x0f) | ((s[j] >> 2) & 0x30));
-        dm[j + 4] = dmin * (float)((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
+        sc[j] = s[j] & 0x3f;
+        mn[j] = s[j + 4] & 0x3f;
+        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
     }
+}
+
+/* the same times d and dmin */
+static inline void scale_min_k4(const uint8_t *b, float *ds, float *dm) {
+    float d = f16f(b), dmin = f16f(b + 2);
+    int sc[8], mn[8];
+    scales_k4(b, sc, mn);
+    for (int j = 0; j < 8; j++) ds[j] = d * (float)sc[j], dm[j] = dmin * (float)mn[j];
 }
 
 static inline void q4_k(const uint8_t *b, float *w) {
@@ -451,6 +458,229 @@ static void dot_rows_i8(int kind, WRow w, int64_t K, const QRow *x, int mr, int 
         for (int m = 0; m < mr; m++) out[m] -= offset_dot(w.o, x[m].ds, K / 16);
 }
 
+/* ---- K-quants on activations quantized per 256 -------------------------------------------------------
+   With a scale a 32 every sub-block's integer dot becomes a float (a scale product and an FMA a sub-block
+   and row): at 8+ rows that float work costs what the fp32 path's FMAs do. One activation scale a
+   super-block (llama.cpp's Q8_K) lets the sub-blocks' dots times their integer sub-scales accumulate in
+   int32 (maddubs, then madd / VNNI's vpdpwssd with the scales as int16), and the mins (Q6_K's centre 32
+   times its scale) come from int16 sums of each 16 activations times the integer mins: one madd. But one
+   int8 scale over 256 values is coarse (max|x| of 256 rather than of 32): on the test models it took the
+   logits' median error from 1.3 % to 2.6 % of their spread, past the bound. So each activation is two int8
+   digits, x = d · (q + r / 128) with r the rounded remainder (|r| <= 64): about 15 bits, finer than the
+   per-32 path, for a second maddubs a 32 bytes. Per 256 values and row there remain 8 int32 lanes turned
+   into floats and two FMAs. Lane i holds bytes 4i..4i + 3 of every 32 of the super-block (the 512-bit
+   vectors' halves added as integers, exactly), the offsets' pairs 2i, 2i + 1; the lanes are summed at the
+   end as hsum8 does. The plain C gives the same integers and floats. */
+
+/* a quantized activation row: q, r [K] the digits, bq, br [K/16] each 16's sums of them, d [K/256] the scales */
+typedef struct { int8_t *q, *r; int16_t *bq, *br; float *d; } KQRow;
+/* a decoded weight row: u [K] integers, sc [K/2] each byte pair's sub-scale, mn [K/16] each 16's integer
+   offset (Q4_K, Q5_K: the min; Q6_K: 32 times the scale), d and dm [K/256] the super-block's d and dmin:
+   w = d · sc · u - dm · mn (Q6_K: d · (sc · u - mn)) */
+typedef struct { uint8_t *u; int16_t *sc, *mn; float *d, *dm; } KWRow;
+
+static inline int8_t q8(float t) { return (int8_t)(t > 127.f ? 127 : t < -127.f ? -127 : (int)t); }
+
+static void quantize_row_k(const void *x, int bf, int64_t K, KQRow r) {
+    for (int64_t b = 0; b < K / 256; b++) {
+        float amax = 0;
+        for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(in_f(x, bf, 256 * b + j)));
+        float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f, id2 = id * 128.f;
+        for (int g = 0; g < 16; g++) {
+            int sq = 0, sr = 0;
+            for (int j = 0; j < 16; j++) {
+                int64_t k = 256 * b + 16 * g + j;
+                float v = in_f(x, bf, k);
+                int8_t q = q8(nearbyintf(v * id)), e = q8(nearbyintf(fmaf(-d, (float)q, v) * id2));
+                r.q[k] = q, r.r[k] = e;
+                sq += q, sr += e;
+            }
+            r.bq[16 * b + g] = (int16_t)sq, r.br[16 * b + g] = (int16_t)sr;
+        }
+        r.d[b] = d;
+    }
+}
+
+static inline void k_scales_k4(const uint8_t *b, int16_t *sc, int16_t *mn, float *d, float *dm) {
+    int s[8], m[8];
+    scales_k4(b, s, m);
+    for (int j = 0; j < 8; j++) {
+        for (int t = 0; t < 16; t++) sc[16 * j + t] = (int16_t)s[j];
+        mn[2 * j] = mn[2 * j + 1] = (int16_t)m[j];
+    }
+    *d = f16f(b), *dm = f16f(b + 2);
+}
+
+static inline void k_q4_k(const uint8_t *b, uint8_t *u, int16_t *sc, int16_t *mn, float *d, float *dm) {
+    const uint8_t *q = b + 16;
+#if SIMD
+    __m256i f = _mm256_set1_epi8(15);
+    for (int i = 0; i < 4; i++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
+        _mm256_storeu_si256((__m256i *)(u + 64 * i), _mm256_and_si256(v, f));
+        _mm256_storeu_si256((__m256i *)(u + 64 * i + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), f));
+    }
+#else
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 32; j++) u[64 * i + j] = q[32 * i + j] & 15, u[64 * i + 32 + j] = q[32 * i + j] >> 4;
+#endif
+    k_scales_k4(b, sc, mn, d, dm);
+}
+
+static inline void k_q5_k(const uint8_t *b, uint8_t *u, int16_t *sc, int16_t *mn, float *d, float *dm) {
+    float s[16], o[16];
+    i8_q5_k(b, u, s, o);
+    k_scales_k4(b, sc, mn, d, dm);
+}
+
+static inline void k_q6_k(const uint8_t *b, uint8_t *u, int16_t *sc, int16_t *mn, float *d, float *dm) {
+    float s[16], o[16];
+    i8_q6_k(b, u, s, o);
+    const int8_t *c = (const int8_t *)(b + 192);
+    for (int g = 0; g < 16; g++) {
+        for (int t = 0; t < 8; t++) sc[8 * g + t] = c[g];
+        mn[g] = (int16_t)(32 * c[g]);
+    }
+    *d = f16f(b + 208), *dm = 0.f;
+}
+
+#define KROW(f)                                                                                        \
+    for (int64_t b = 0; b < K / 256; b++)                                                              \
+        f(row + b * TS[kind], r.u + 256 * b, r.sc + 128 * b, r.mn + 16 * b, r.d + b, r.dm + b);        \
+    break
+static void decode_row_k(int kind, const uint8_t *row, int64_t K, KWRow r) {
+    switch (kind) {
+    case 2: KROW(k_q4_k);
+    case 3: KROW(k_q5_k);
+    default: KROW(k_q6_k);
+    }
+}
+
+static inline float hsum8_c(const float *a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+/* the float step of a super-block: s, o the digits' lane sums; one: Q6_K (its offset is d's), where s · 128
+   would overflow int32; sd = d · dx, sm = dmin · dx */
+#define K_STEP(acc, s, s2, o, o2, one, sd, sm, CVT, FMADD, FNMADD, SUB, SHL, ADD, SET1)                         \
+    do {                                                                                                       \
+        if (one)                                                                                               \
+            acc = FMADD(CVT(SUB(s2, o2)), SET1(sd * 0.0078125f), FMADD(CVT(SUB(s, o)), SET1(sd), acc));        \
+        else                                                                                                   \
+            acc = FNMADD(CVT(ADD(SHL(o, 7), o2)), SET1(sm * 0.0078125f),                                       \
+                         FMADD(CVT(ADD(SHL(s, 7), s2)), SET1(sd * 0.0078125f), acc));                          \
+    } while (0)
+
+/* out[m] = w . x[m] for MRC rows; one: Q6_K */
+static inline __attribute__((always_inline)) void ktile_scalar(KWRow w, int64_t K, const KQRow *x, const int one,
+                                                               const int MRC, float *out) {
+    float acc[MR][8] = {{0}};
+    for (int64_t b = 0; b < K / 256; b++)
+        for (int m = 0; m < MRC; m++) {
+            const uint8_t *u = w.u + 256 * b;
+            const int8_t *q = x[m].q + 256 * b, *r = x[m].r + 256 * b;
+            const int16_t *sc = w.sc + 128 * b, *mn = w.mn + 16 * b, *bq = x[m].bq + 16 * b, *br = x[m].br + 16 * b;
+            int32_t s[8] = {0}, s2[8] = {0};
+            for (int k = 0; k < 256; k += 2) {
+                s[(k >> 2) & 7] += sc[k >> 1] * (u[k] * q[k] + u[k + 1] * q[k + 1]);
+                s2[(k >> 2) & 7] += sc[k >> 1] * (u[k] * r[k] + u[k + 1] * r[k + 1]);
+            }
+            float dx = x[m].d[b], sd = w.d[b] * dx, sm = w.dm[b] * dx;
+            for (int i = 0; i < 8; i++) {
+                int32_t o = mn[2 * i] * bq[2 * i] + mn[2 * i + 1] * bq[2 * i + 1];
+                int32_t o2 = mn[2 * i] * br[2 * i] + mn[2 * i + 1] * br[2 * i + 1];
+#define C_CVT(a) ((float)(a))
+#define C_FMADD(a, b, c) FMA(a, b, c)
+#define C_FNMADD(a, b, c) FMA(-(a), b, c)
+#define C_SUB(a, b) ((a) - (b))
+#define C_SHL(a, n) ((a) * (1 << (n)))
+#define C_ADD(a, b) ((a) + (b))
+#define C_SET1(a) (a)
+                K_STEP(acc[m][i], s[i], s2[i], o, o2, one, sd, sm, C_CVT, C_FMADD, C_FNMADD, C_SUB, C_SHL, C_ADD, C_SET1);
+            }
+        }
+    for (int m = 0; m < MRC; m++) out[m] = hsum8_c(acc[m]);
+}
+
+#if SIMD
+static inline __attribute__((always_inline)) void ktile_simd(KWRow w, int64_t K, const KQRow *x, const int one,
+                                                             const int MRC, float *out) {
+    __m256 acc[MR];
+    for (int m = 0; m < MRC; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 256; b++) {
+        __m256i s[MR], s2[MR];
+#if SIMD == 2
+        __m512i t[MR], t2[MR];
+        for (int m = 0; m < MRC; m++) t[m] = t2[m] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            int64_t k = 256 * b + 64 * j;
+            __m512i u = _mm512_loadu_si512(w.u + k), c = _mm512_loadu_si512(w.sc + k / 2);
+            for (int m = 0; m < MRC; m++) {
+                t[m] = _mm512_dpwssd_epi32(t[m], _mm512_maddubs_epi16(u, _mm512_loadu_si512(x[m].q + k)), c);
+                t2[m] = _mm512_dpwssd_epi32(t2[m], _mm512_maddubs_epi16(u, _mm512_loadu_si512(x[m].r + k)), c);
+            }
+        }
+        for (int m = 0; m < MRC; m++) {
+            s[m] = _mm256_add_epi32(_mm512_castsi512_si256(t[m]), _mm512_extracti64x4_epi64(t[m], 1));
+            s2[m] = _mm256_add_epi32(_mm512_castsi512_si256(t2[m]), _mm512_extracti64x4_epi64(t2[m], 1));
+        }
+#else
+        for (int m = 0; m < MRC; m++) s[m] = s2[m] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            int64_t k = 256 * b + 32 * j;
+            __m256i u = _mm256_loadu_si256((const __m256i *)(w.u + k));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(w.sc + k / 2));
+            for (int m = 0; m < MRC; m++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(x[m].q + k));
+                __m256i r = _mm256_loadu_si256((const __m256i *)(x[m].r + k));
+                s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), c));
+                s2[m] = _mm256_add_epi32(s2[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, r), c));
+            }
+        }
+#endif
+        __m256i mn = _mm256_loadu_si256((const __m256i *)(w.mn + 16 * b));
+        for (int m = 0; m < MRC; m++) {
+            __m256i o = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(x[m].bq + 16 * b)));
+            __m256i o2 = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(x[m].br + 16 * b)));
+            float dx = x[m].d[b], sd = w.d[b] * dx, sm = w.dm[b] * dx;
+            K_STEP(acc[m], s[m], s2[m], o, o2, one, sd, sm, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps,
+                   _mm256_sub_epi32, _mm256_slli_epi32, _mm256_add_epi32, _mm256_set1_ps);
+        }
+    }
+    for (int m = 0; m < MRC; m++) out[m] = hsum8(acc[m]);
+}
+#endif
+
+#define KTILES(f)                                                         \
+    switch (mr) {                                                         \
+    case 1: one ? f(w, K, x, 1, 1, out) : f(w, K, x, 0, 1, out); break; \
+    case 2: one ? f(w, K, x, 1, 2, out) : f(w, K, x, 0, 2, out); break; \
+    case 3: one ? f(w, K, x, 1, 3, out) : f(w, K, x, 0, 3, out); break; \
+    default: one ? f(w, K, x, 1, 4, out) : f(w, K, x, 0, 4, out); break; \
+    }
+static void dot_rows_k(int kind, KWRow w, int64_t K, const KQRow *x, int mr, int simd, float *out) {
+    int one = kind == 4;
+#if SIMD
+    if (simd) {
+        KTILES(ktile_simd)
+        return;
+    }
+#endif
+    (void)simd;
+    KTILES(ktile_scalar)
+}
+
+static int64_t kwrow_bytes(int64_t K) { return (2 * K + 2 * (K / 16) + 8 * (K / 256) + 63) & ~(int64_t)63; }
+static int64_t kqrow_bytes(int64_t K) { return (2 * K + 4 * (K / 16) + 4 * (K / 256) + 63) & ~(int64_t)63; }
+static KWRow kwrow_at(uint8_t *p, int64_t K) {
+    float *d = (float *)(p + 2 * K + 2 * (K / 16));
+    KWRow r = {p, (int16_t *)(p + K), (int16_t *)(p + 2 * K), d, d + K / 256};
+    return r;
+}
+static KQRow kqrow_at(uint8_t *p, int64_t K) {
+    int16_t *bq = (int16_t *)(p + 2 * K);
+    KQRow r = {(int8_t *)p, (int8_t *)(p + K), bq, bq + K / 16, (float *)(bq + 2 * (K / 16))};
+    return r;
+}
+
 /* bytes of a decoded weight row of K and of a quantized activation row of K, 64-byte multiples */
 static int64_t wrow_bytes(int64_t K) { return (K + 2 * 4 * (K / 16) + 63) & ~(int64_t)63; }
 static int64_t qrow_bytes(int64_t K) { return (K + 4 * (K / 32) + 4 * (K / 16) + 63) & ~(int64_t)63; }
@@ -478,17 +708,21 @@ static inline void put(void *y, int bf, int64_t i, float v) {
     else ((float *)y)[i] = v;
 }
 
-/* the int8 path of mlight_gguf_linear; scratch: M quantized rows, then a decoded row per thread */
+/* activation row m of x quantized into scratch: per 32 values, or per 256 (k256) */
+static void quantize_at(const void *x, int bf, int64_t ldx, int64_t m, int64_t K, uint8_t *p, int k256) {
+    const void *r = bf ? (const void *)((const uint16_t *)x + m * ldx) : (const void *)((const float *)x + m * ldx);
+    if (k256) quantize_row_k(r, bf, K, kqrow_at(p, K));
+    else quantize_row(r, bf, K, qrow_at(p, K));
+}
+
+/* the int8 paths of mlight_gguf_linear; scratch: M quantized rows, then a decoded row per thread */
 static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
                       int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, uint8_t *scratch, int threads,
-                      int simd) {
-    int64_t qb = qrow_bytes(K), wb = wrow_bytes(K);
+                      int simd, int k256) {
+    int64_t qb = k256 ? kqrow_bytes(K) : qrow_bytes(K), wb = k256 ? kwrow_bytes(K) : wrow_bytes(K);
     uint8_t *rows = scratch + M * qb;
     int serial = M * K <= (1 << 14); /* a decode step's rows: quantized before the team starts, one barrier fewer */
-    for (int64_t m = 0; serial && m < M; m++)
-        quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * ldx)
-                            : (const void *)((const float *)x + m * ldx),
-                     x_bf16, K, qrow_at(scratch + m * qb, K));
+    for (int64_t m = 0; serial && m < M; m++) quantize_at(x, x_bf16, ldx, m, K, scratch + m * qb, k256);
     OMP(omp parallel num_threads(threads))
     {
         int t = 0;
@@ -497,21 +731,27 @@ static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t 
 #endif
         if (!serial) {
             OMP(omp for schedule(static))
-            for (int64_t m = 0; m < M; m++)
-                quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * ldx)
-                                    : (const void *)((const float *)x + m * ldx),
-                             x_bf16, K, qrow_at(scratch + m * qb, K));
+            for (int64_t m = 0; m < M; m++) quantize_at(x, x_bf16, ldx, m, K, scratch + m * qb, k256);
         }
-        WRow wr = wrow_at(rows + (int64_t)t * wb, K);
+        uint8_t *own = rows + (int64_t)t * wb;
+        WRow wr = wrow_at(own, K);
+        KWRow kr = kwrow_at(own, K);
         QRow xr[MR];
+        KQRow kx[MR];
         float out[MR];
         OMP(omp for schedule(static))
         for (int64_t n = 0; n < N; n++) {
-            decode_row_i8(kind, w + n * ldw, K, wr);
+            if (k256) decode_row_k(kind, w + n * ldw, K, kr);
+            else decode_row_i8(kind, w + n * ldw, K, wr);
             for (int64_t m0 = 0; m0 < M; m0 += MR) {
                 int mr = M - m0 < MR ? (int)(M - m0) : MR;
-                for (int m = 0; m < mr; m++) xr[m] = qrow_at(scratch + (m0 + m) * qb, K);
-                dot_rows_i8(kind, wr, K, xr, mr, simd, out);
+                if (k256) {
+                    for (int m = 0; m < mr; m++) kx[m] = kqrow_at(scratch + (m0 + m) * qb, K);
+                    dot_rows_k(kind, kr, K, kx, mr, simd, out);
+                } else {
+                    for (int m = 0; m < mr; m++) xr[m] = qrow_at(scratch + (m0 + m) * qb, K);
+                    dot_rows_i8(kind, wr, K, xr, mr, simd, out);
+                }
                 for (int m = 0; m < mr; m++) put(y, y_bf16, (m0 + m) * ldy + n, out[m]);
             }
         }
@@ -519,13 +759,16 @@ static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t 
 }
 
 /* y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) . W^T; W's rows ldw bytes apart from w. path: 0 fp32
-   (rows decoded to floats), 1 int8 activations in plain C, 2 int8 with the build's SIMD dots */
+   (rows decoded to floats), 1 int8 activations in plain C, 2 int8 with the build's SIMD dots; 3 and 4 the
+   same with activations quantized per 256 (Q4_K, Q5_K, Q6_K only) */
 int mlight_gguf_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
                        int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, float *scratch, int threads,
                        int path) {
-    if (kind < 0 || kind > 5 || K % BS[kind] || M < 1 || threads < 1 || path < 0 || path > 2) return -1;
+    if (kind < 0 || kind > 5 || K % BS[kind] || M < 1 || threads < 1 || path < 0 || path > 4) return -1;
+    if (path > 2 && (kind < 2 || kind > 4)) return -1;
     if (path) {
-        linear_i8(kind, x, x_bf16, ldx, M, K, w, ldw, N, y, y_bf16, ldy, (uint8_t *)scratch, threads, path == 2);
+        linear_i8(kind, x, x_bf16, ldx, M, K, w, ldw, N, y, y_bf16, ldy, (uint8_t *)scratch, threads, path % 2 == 0,
+                  path > 2);
         return 0;
     }
     const float *xf = (const float *)x;
