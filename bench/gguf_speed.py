@@ -20,9 +20,9 @@ machine does not keep.
 `--kernel` times the blocks kernel's own two paths instead, on bench/cpu_vs_hf.py's FULL expert shapes (hidden
 1024, intermediate 3840: gate/up [7680, 1024], down [1024, 3840]) in one process: "fp32" (each weight row
 decoded to floats, fp32 FMAs) and "int8" (activations quantized per 32 values, integer dots: AVX-512 VNNI or
-AVX2 `maddubs`), at M activation rows and in the fused one-token call (`moe`, 2 of 8 experts), interleaved
-(fp32, int8, fp32, ...); printed: G weights/s of each (median) and the int8/fp32 ratio per round, its median
-and spread.
+AVX2 `maddubs`; the K-quants' rows on their "int16" path, a scale a 256 values), at M activation rows and in
+the fused one-token call (`moe`, 2 of 8 experts), interleaved (fp32, int8, fp32, ...); printed: G weights/s
+of each (median) and the int8/fp32 ratio per round, its median and spread.
 
     python bench/gguf_speed.py --kernel                                   # Q8_0 and Q4_K; M = 1..128; 1 and 2 threads
     python bench/gguf_speed.py --kernel --formats Q6_K --rows 1,8 --kernel-threads 1
@@ -131,13 +131,14 @@ def kernel_paths(args) -> int:
             ids, wts = torch.tensor([[5, 2]]), torch.tensor([[0.6, 0.4]])
             compare(rounds, f"{kind}, {threads}, moe B=1", TOP_K * 3 * D * I,
                     lambda p: gguf_blocks.moe(x1, ids, wts, (kind, w13), (kind, w2), path=p), args)
+            integer = "int16" if kind in gguf_blocks.K_QUANTS else "int8"  # `linear`'s default for the format
             for m in (int(r) for r in args.rows.split(",")):
                 xu = torch.randn(m, D, generator=g).bfloat16()
                 xd = torch.randn(m, I, generator=g).bfloat16()
                 compare(rounds, f"{kind}, {threads}, gate/up M={m}", 2 * I * D,
-                        lambda p: gguf_blocks.linear(kind, xu, w13[0], path=p), args)
+                        lambda p: gguf_blocks.linear(kind, xu, w13[0], path=p if p == "fp32" else integer), args)
                 compare(rounds, f"{kind}, {threads}, down M={m}", D * I,
-                        lambda p: gguf_blocks.linear(kind, xd, w2[0], path=p), args)
+                        lambda p: gguf_blocks.linear(kind, xd, w2[0], path=p if p == "fp32" else integer), args)
     return 0
 
 

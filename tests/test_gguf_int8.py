@@ -1,5 +1,6 @@
-"""The GGUF kernel's int8 path (core.model.cpu.gguf_blocks, "int8" and "int8_c"): activations quantized per 32
-values, integer dots with the blocks' own integers.
+"""The GGUF kernel's integer paths (core.model.cpu.gguf_blocks): "int8" and "int8_c", activations quantized to int8
+per 32 values, integer dots with the blocks' own integers; "int16" and "int16_c" for the K-quants, activations
+int16 per 256 values, a super-block's whole dot summed as an integer.
 
 Against a float64 reference of the same arithmetic (activations quantized as the kernel does, times
 `gguf.quants.dequantize`'s weights) it may differ only by float32 summation; the SIMD dots (AVX-512 VNNI,
@@ -21,18 +22,14 @@ pytestmark = pytest.mark.skipif(gguf_blocks.library() is None, reason="no C comp
 
 
 def quantized(x: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """x [M, K] as the kernel reads it, in float64: per `group` values a scale d = max|x| / 127 and x / d rounded
-    half to even, in float32. group 256 (the K-quants' "int8k"): with a second digit, the remainder over d / 128
-    rounded: d · (q + r / 128)."""
+    """x [M, K] as the kernel reads it, in float64: per `group` values a scale d = max|x| / top and x / d rounded
+    half to even, in float32; top 127 (int8), or 16383 for group 256 (the K-quants' "int16": int16 per 256)."""
+    top = 16383 if group == 256 else 127
     b = x.float().reshape(x.shape[0], -1, group)
-    d = b.abs().amax(-1, keepdim=True) / 127
+    d = b.abs().amax(-1, keepdim=True) / top
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(b * inv).clamp(-127, 127)
-    out = q.double() * d.double()
-    if group == 256:
-        rest = (b.double() - out).float()  # exact, rounded once: the kernel's fmaf
-        out += torch.round(rest * (inv * 128)).clamp(-127, 127).double() * (d.double() / 128)
-    return out.reshape(x.shape)
+    q = torch.round(b * inv).clamp(-top, top)
+    return (q.double() * d.double()).reshape(x.shape)
 
 
 def _reference(x: torch.Tensor, deq: torch.Tensor, group: int = 32) -> torch.Tensor:
@@ -69,40 +66,60 @@ def test_simd_and_plain_c_dots_agree_bit_for_bit(kind):
 
 @pytest.mark.parametrize("kind", K_QUANTS)
 @pytest.mark.parametrize("rows", [1, 5, 8, 37])
-def test_k_quants_per_256_are_quantized_activations_times_the_files_weights(kind, rows):
-    """"int8k": one activation scale a super-block, two int8 digits a value, the sub-blocks' integer dots
-    summed in int32."""
+def test_k_quants_int16_path_is_quantized_activations_times_the_files_weights(kind, rows):
+    """"int16": int16 activations with one scale a super-block, the whole super-block's dot summed in int32."""
     raw, deq = _blocks(kind, 40, 768, seed=rows)
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
     x[:, 300] = 40  # one large value: its super-block's scale, not its neighbours'
     want = _reference(x, deq, 256)
     scale = want.abs().max().item()
-    for path in ("int8k", "int8k_c"):
+    for path in ("int16", "int16_c"):
         got = gguf_blocks.linear(kind, x, raw, path=path)
         assert (got.double() - want).abs().max().item() <= 2e-6 * scale * 768 ** 0.5, path
-    assert (gguf_blocks.linear(kind, x, raw, path="int8").double() - want).abs().max().item() > 1e-3 * scale
+    # finer than int8 a 32: closer to the unquantized product
+    exact = x.double() @ deq.double().t()
+    err16, err8 = ((gguf_blocks.linear(kind, x, raw, path=p).double() - exact).abs().max().item()
+                   for p in ("int16", "int8"))
+    assert err16 < err8 / 10, (err16, err8)
     xb = x.bfloat16()
-    got = gguf_blocks.linear(kind, xb, raw, path="int8k")
+    got = gguf_blocks.linear(kind, xb, raw, path="int16")
     torch.testing.assert_close(got.double(), _reference(xb, deq, 256), rtol=8e-3, atol=8e-3 * scale)
 
 
 @pytest.mark.parametrize("kind", K_QUANTS)
-def test_k_quants_per_256_simd_and_plain_c_agree_bit_for_bit(kind):
+def test_k_quants_int16_simd_and_plain_c_agree_bit_for_bit(kind):
     raw, _ = _blocks(kind, 33, 512, seed=5)
     for rows in (1, 2, 5, 9):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 10 ** (rows % 3)
-        simd, plain = (gguf_blocks.linear(kind, x, raw, path=p) for p in ("int8k", "int8k_c"))
+        simd, plain = (gguf_blocks.linear(kind, x, raw, path=p) for p in ("int16", "int16_c"))
         assert torch.equal(simd, plain)
+
+
+def test_int16_sums_of_the_largest_q6_k_weights_stay_exact():
+    """Q6_K's largest weight, -128 · (0 - 32) = 4096, times the largest activations: 32 products a lane reach
+    2^31 - 2^17, still an int32."""
+    import gguf
+    import numpy as np
+
+    block = np.zeros(210, dtype=np.uint8)
+    block[192:208] = 0x80  # sub-scales -128, every 6-bit integer 0
+    block[208:210] = (0x00, 0x3C)  # d = 1.0
+    raw = torch.from_numpy(np.tile(block, (4, 2)))  # 4 rows of K = 512
+    deq = torch.from_numpy(np.array(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q6_K)))
+    x = torch.ones(3, 512)
+    x[1] = -1
+    want = _reference(x, deq.reshape(4, 512), 256)
+    for path in ("int16", "int16_c"):
+        torch.testing.assert_close(gguf_blocks.linear("Q6_K", x, raw, path=path).double(), want, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
 def test_default_path_by_rows_and_dtype(kind):
-    """int8 for bf16 activations up to the format's row bound (the K-quants per 256 above PER_256_ABOVE rows);
-    fp32 above it, and for float32 activations."""
+    """For bf16 activations up to the format's row bound int8 (the K-quants: int16); fp32 above it, and for
+    float32 activations."""
     raw, _ = _blocks(kind, 8, 256)
-    top, k = gguf_blocks.INT8_MAX_ROWS[kind], gguf_blocks.PER_256_ABOVE.get(kind)
-    cases = [(1, "int8"), (top, "int8k" if k else "int8"), (top + 1, "fp32")] + ([(k, "int8"), (k + 1, "int8k")] if k else [])
-    for rows, path in cases:
+    top, integer = gguf_blocks.INT8_MAX_ROWS[kind], "int16" if kind.endswith("_K") else "int8"
+    for rows, path in ((1, integer), (top, integer), (top + 1, "fp32")):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(gguf_blocks.linear(kind, x.bfloat16(), raw),
                            gguf_blocks.linear(kind, x.bfloat16(), raw, path=path))

@@ -9,7 +9,8 @@
    small integer), so the row buffer holds the reference's weights bit for bit, and only the dot's order of
    summation differs from torch's fp32 matmul (tests/test_gguf_native.py checks both): the fp32 path.
 
-   The int8 path (llama.cpp's way; the caller's default for bf16 activations up to a row bound) quantizes
+   The int8 path (llama.cpp's way; the caller's default for bf16 activations up to a row bound, but for the
+   K-quants only in the one-token call: their int16 path below is finer and faster) quantizes
    each activation row once a call, per 32 values (scale max|x| / 127, round half to even, and the scale
    times each 16's sum for the formats with an offset), decodes a weight row into its integers (bytes), a
    float scale a 16 and an offset a 16 (w = scale * u - offset: the K-quants' mins, Q4_0's and Q6_K's
@@ -435,118 +436,113 @@ static inline __attribute__((always_inline)) void tile_simd(WRow w, int64_t K, c
 #endif
 #endif
 
-/* out[m] = w . x[m] for mr (1..MR) quantized rows; simd 0: the plain-C integers */
-#define TILES(f)                                                      \
-    switch (mr) {                                                     \
-    case 1: sgn ? f(w, K, x, 1, 1, out) : f(w, K, x, 0, 1, out); break; \
-    case 2: sgn ? f(w, K, x, 1, 2, out) : f(w, K, x, 0, 2, out); break; \
-    case 3: sgn ? f(w, K, x, 1, 3, out) : f(w, K, x, 0, 3, out); break; \
-    default: sgn ? f(w, K, x, 1, 4, out) : f(w, K, x, 0, 4, out); break; \
+/* out[m] = w . x[m] for mr (1..MR) quantized rows, tile f specialised on the flag and the row count */
+#define TILES(f, flag)                                                         \
+    switch (mr) {                                                              \
+    case 1: flag ? f(w, K, x, 1, 1, out) : f(w, K, x, 0, 1, out); break;     \
+    case 2: flag ? f(w, K, x, 1, 2, out) : f(w, K, x, 0, 2, out); break;     \
+    case 3: flag ? f(w, K, x, 1, 3, out) : f(w, K, x, 0, 3, out); break;     \
+    default: flag ? f(w, K, x, 1, 4, out) : f(w, K, x, 0, 4, out); break;    \
     }
+/* simd 0: the plain-C integers */
 static void dot_rows_i8(int kind, WRow w, int64_t K, const QRow *x, int mr, int simd, float *out) {
     int sgn = SIGNED[kind];
 #if SIMD
     if (simd) {
-        TILES(tile_simd)
+        TILES(tile_simd, sgn)
     } else
 #endif
     {
         (void)simd;
-        TILES(tile_scalar)
+        TILES(tile_scalar, sgn)
     }
     if (OFFSET[kind])
         for (int m = 0; m < mr; m++) out[m] -= offset_dot(w.o, x[m].ds, K / 16);
 }
 
-/* ---- K-quants on activations quantized per 256 -------------------------------------------------------
+/* ---- K-quants on int16 activations, one scale a 256 --------------------------------------------------
    With a scale a 32 every sub-block's integer dot becomes a float (a scale product and an FMA a sub-block
-   and row): at 8+ rows that float work costs what the fp32 path's FMAs do. One activation scale a
-   super-block (llama.cpp's Q8_K) lets the sub-blocks' dots times their integer sub-scales accumulate in
-   int32 (maddubs, then madd / VNNI's vpdpwssd with the scales as int16), and the mins (Q6_K's centre 32
-   times its scale) come from int16 sums of each 16 activations times the integer mins: one madd. But one
-   int8 scale over 256 values is coarse (max|x| of 256 rather than of 32): on the test models it took the
-   logits' median error from 1.3 % to 2.6 % of their spread, past the bound. So each activation is two int8
-   digits, x = d · (q + r / 128) with r the rounded remainder (|r| <= 64): about 15 bits, finer than the
-   per-32 path, for a second maddubs a 32 bytes. Per 256 values and row there remain 8 int32 lanes turned
-   into floats and two FMAs. Lane i holds bytes 4i..4i + 3 of every 32 of the super-block (the 512-bit
-   vectors' halves added as integers, exactly), the offsets' pairs 2i, 2i + 1; the lanes are summed at the
+   and row): at 8+ rows that float work costs what the fp32 path's FMAs do. With one activation scale a
+   super-block the whole super-block's dot can stay an integer, but one int8 scale over 256 values (llama.cpp's
+   Q8_K) is coarse: on the test models it took the logits' median error from 1.3 % to 2.6 % of their spread,
+   past the bound. So the activations are int16 per 256 (scale max|x| / 16383: about 14 bits, finer than int8
+   per 32) and the weights decode to int16 with their integer sub-scales folded in (sc · u; Q6_K's
+   sc · (u - 32)): one vpdpwssd (AVX-512 VNNI) or madd + add (AVX2) a 32 or 16 values, exact in int32 across
+   the super-block (Q6_K: |w| <= 4096, 32 products a lane <= 2^31 - 2^17), and the mins of Q4_K / Q5_K as
+   int32 sums of each 32 activations times the integer mins. Per 256 values and row there remain 8 int32
+   lanes turned into floats and one FMA (Q6_K) or two. Lane i holds values 2i, 2i + 1 of every 16 (the
+   512-bit vectors' halves added as integers, exactly), the mins' sub-block i; the lanes are summed at the
    end as hsum8 does. The plain C gives the same integers and floats. */
 
-/* a quantized activation row: q, r [K] the digits, bq, br [K/16] each 16's sums of them, d [K/256] the scales */
-typedef struct { int8_t *q, *r; int16_t *bq, *br; float *d; } KQRow;
-/* a decoded weight row: u [K] integers, sc [K/2] each byte pair's sub-scale, mn [K/16] each 16's integer
-   offset (Q4_K, Q5_K: the min; Q6_K: 32 times the scale), d and dm [K/256] the super-block's d and dmin:
-   w = d · sc · u - dm · mn (Q6_K: d · (sc · u - mn)) */
-typedef struct { uint8_t *u; int16_t *sc, *mn; float *d, *dm; } KWRow;
+#define Q16 16383.f /* the activations' integer range: Q6_K's 32 products a lane stay in int32 */
 
-static inline int8_t q8(float t) { return (int8_t)(t > 127.f ? 127 : t < -127.f ? -127 : (int)t); }
+/* a quantized activation row: q [K], bs [K/32] each 32's sum of q, d [K/256] the scales */
+typedef struct { int16_t *q; int32_t *bs; float *d; } KQRow;
+/* a decoded weight row: w [K] integers with their sub-scales (Q4_K, Q5_K: sc · u; Q6_K: sc · (u - 32)), mn
+   [K/32] each sub-block's integer min (Q6_K: none), d and dm [K/256] the super-block's d and dmin: the weight
+   is d · w - dm · mn */
+typedef struct { int16_t *w; int32_t *mn; float *d, *dm; } KWRow;
 
 static void quantize_row_k(const void *x, int bf, int64_t K, KQRow r) {
     for (int64_t b = 0; b < K / 256; b++) {
         float amax = 0;
         for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(in_f(x, bf, 256 * b + j)));
-        float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f, id2 = id * 128.f;
-        for (int g = 0; g < 16; g++) {
-            int sq = 0, sr = 0;
-            for (int j = 0; j < 16; j++) {
-                int64_t k = 256 * b + 16 * g + j;
-                float v = in_f(x, bf, k);
-                int8_t q = q8(nearbyintf(v * id)), e = q8(nearbyintf(fmaf(-d, (float)q, v) * id2));
-                r.q[k] = q, r.r[k] = e;
-                sq += q, sr += e;
+        float d = amax / Q16, id = d != 0.f ? 1.f / d : 0.f;
+        for (int g = 0; g < 8; g++) {
+            int s = 0;
+            for (int j = 0; j < 32; j++) {
+                int64_t k = 256 * b + 32 * g + j;
+                float t = nearbyintf(in_f(x, bf, k) * id);
+                int q = t > Q16 ? (int)Q16 : t < -Q16 ? -(int)Q16 : (int)t;
+                r.q[k] = (int16_t)q;
+                s += q;
             }
-            r.bq[16 * b + g] = (int16_t)sq, r.br[16 * b + g] = (int16_t)sr;
+            r.bs[8 * b + g] = s;
         }
         r.d[b] = d;
     }
 }
 
-static inline void k_scales_k4(const uint8_t *b, int16_t *sc, int16_t *mn, float *d, float *dm) {
-    int s[8], m[8];
-    scales_k4(b, s, m);
+static inline void k_q4_k(const uint8_t *b, int16_t *w, int32_t *mn, float *d, float *dm) {
+    uint8_t u[256];
+    int sc[8], m[8];
+    scales_k4(b, sc, m);
+    const uint8_t *q = b + 16;
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 32; j++) u[64 * i + j] = q[32 * i + j] & 15, u[64 * i + 32 + j] = q[32 * i + j] >> 4;
     for (int j = 0; j < 8; j++) {
-        for (int t = 0; t < 16; t++) sc[16 * j + t] = (int16_t)s[j];
-        mn[2 * j] = mn[2 * j + 1] = (int16_t)m[j];
+        for (int t = 0; t < 32; t++) w[32 * j + t] = (int16_t)(sc[j] * u[32 * j + t]);
+        mn[j] = m[j];
     }
     *d = f16f(b), *dm = f16f(b + 2);
 }
 
-static inline void k_q4_k(const uint8_t *b, uint8_t *u, int16_t *sc, int16_t *mn, float *d, float *dm) {
-    const uint8_t *q = b + 16;
-#if SIMD
-    __m256i f = _mm256_set1_epi8(15);
-    for (int i = 0; i < 4; i++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
-        _mm256_storeu_si256((__m256i *)(u + 64 * i), _mm256_and_si256(v, f));
-        _mm256_storeu_si256((__m256i *)(u + 64 * i + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), f));
-    }
-#else
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 32; j++) u[64 * i + j] = q[32 * i + j] & 15, u[64 * i + 32 + j] = q[32 * i + j] >> 4;
-#endif
-    k_scales_k4(b, sc, mn, d, dm);
-}
-
-static inline void k_q5_k(const uint8_t *b, uint8_t *u, int16_t *sc, int16_t *mn, float *d, float *dm) {
+static inline void k_q5_k(const uint8_t *b, int16_t *w, int32_t *mn, float *d, float *dm) {
+    uint8_t u[256];
     float s[16], o[16];
+    int sc[8], m[8];
     i8_q5_k(b, u, s, o);
-    k_scales_k4(b, sc, mn, d, dm);
+    scales_k4(b, sc, m);
+    for (int j = 0; j < 8; j++) {
+        for (int t = 0; t < 32; t++) w[32 * j + t] = (int16_t)(sc[j] * u[32 * j + t]);
+        mn[j] = m[j];
+    }
+    *d = f16f(b), *dm = f16f(b + 2);
 }
 
-static inline void k_q6_k(const uint8_t *b, uint8_t *u, int16_t *sc, int16_t *mn, float *d, float *dm) {
+static inline void k_q6_k(const uint8_t *b, int16_t *w, int32_t *mn, float *d, float *dm) {
+    uint8_t u[256];
     float s[16], o[16];
     i8_q6_k(b, u, s, o);
     const int8_t *c = (const int8_t *)(b + 192);
-    for (int g = 0; g < 16; g++) {
-        for (int t = 0; t < 8; t++) sc[8 * g + t] = c[g];
-        mn[g] = (int16_t)(32 * c[g]);
-    }
+    for (int g = 0; g < 16; g++)
+        for (int t = 0; t < 16; t++) w[16 * g + t] = (int16_t)(c[g] * ((int)u[16 * g + t] - 32));
+    for (int j = 0; j < 8; j++) mn[j] = 0;
     *d = f16f(b + 208), *dm = 0.f;
 }
 
 #define KROW(f)                                                                                        \
-    for (int64_t b = 0; b < K / 256; b++)                                                              \
-        f(row + b * TS[kind], r.u + 256 * b, r.sc + 128 * b, r.mn + 16 * b, r.d + b, r.dm + b);        \
+    for (int64_t b = 0; b < K / 256; b++) f(row + b * TS[kind], r.w + 256 * b, r.mn + 8 * b, r.d + b, r.dm + b); \
     break
 static void decode_row_k(int kind, const uint8_t *row, int64_t K, KWRow r) {
     switch (kind) {
@@ -556,128 +552,91 @@ static void decode_row_k(int kind, const uint8_t *row, int64_t K, KWRow r) {
     }
 }
 
-static inline float hsum8_c(const float *a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+static inline float hsum8_c(const float *a) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
 
-/* the float step of a super-block: s, o the digits' lane sums; one: Q6_K (its offset is d's), where s · 128
-   would overflow int32; sd = d · dx, sm = dmin · dx */
-#define K_STEP(acc, s, s2, o, o2, one, sd, sm, CVT, FMADD, FNMADD, SUB, SHL, ADD, SET1)                         \
-    do {                                                                                                       \
-        if (one)                                                                                               \
-            acc = FMADD(CVT(SUB(s2, o2)), SET1(sd * 0.0078125f), FMADD(CVT(SUB(s, o)), SET1(sd), acc));        \
-        else                                                                                                   \
-            acc = FNMADD(CVT(ADD(SHL(o, 7), o2)), SET1(sm * 0.0078125f),                                       \
-                         FMADD(CVT(ADD(SHL(s, 7), s2)), SET1(sd * 0.0078125f), acc));                          \
-    } while (0)
-
-/* out[m] = w . x[m] for MRC rows; one: Q6_K */
-static inline __attribute__((always_inline)) void ktile_scalar(KWRow w, int64_t K, const KQRow *x, const int one,
+/* out[m] = w . x[m] for MRC rows; mins: Q4_K, Q5_K */
+static inline __attribute__((always_inline)) void ktile_scalar(KWRow w, int64_t K, const KQRow *x, const int mins,
                                                                const int MRC, float *out) {
     float acc[MR][8] = {{0}};
     for (int64_t b = 0; b < K / 256; b++)
         for (int m = 0; m < MRC; m++) {
-            const uint8_t *u = w.u + 256 * b;
-            const int8_t *q = x[m].q + 256 * b, *r = x[m].r + 256 * b;
-            const int16_t *sc = w.sc + 128 * b, *mn = w.mn + 16 * b, *bq = x[m].bq + 16 * b, *br = x[m].br + 16 * b;
-            int32_t s[8] = {0}, s2[8] = {0};
-            for (int k = 0; k < 256; k += 2) {
-                s[(k >> 2) & 7] += sc[k >> 1] * (u[k] * q[k] + u[k + 1] * q[k + 1]);
-                s2[(k >> 2) & 7] += sc[k >> 1] * (u[k] * r[k] + u[k + 1] * r[k + 1]);
-            }
+            const int16_t *wb = w.w + 256 * b, *q = x[m].q + 256 * b;
+            int32_t s[8] = {0};
+            for (int k = 0; k < 256; k++) s[(k >> 1) & 7] += wb[k] * q[k];
             float dx = x[m].d[b], sd = w.d[b] * dx, sm = w.dm[b] * dx;
             for (int i = 0; i < 8; i++) {
-                int32_t o = mn[2 * i] * bq[2 * i] + mn[2 * i + 1] * bq[2 * i + 1];
-                int32_t o2 = mn[2 * i] * br[2 * i] + mn[2 * i + 1] * br[2 * i + 1];
-#define C_CVT(a) ((float)(a))
-#define C_FMADD(a, b, c) FMA(a, b, c)
-#define C_FNMADD(a, b, c) FMA(-(a), b, c)
-#define C_SUB(a, b) ((a) - (b))
-#define C_SHL(a, n) ((a) * (1 << (n)))
-#define C_ADD(a, b) ((a) + (b))
-#define C_SET1(a) (a)
-                K_STEP(acc[m][i], s[i], s2[i], o, o2, one, sd, sm, C_CVT, C_FMADD, C_FNMADD, C_SUB, C_SHL, C_ADD, C_SET1);
+                acc[m][i] = FMA((float)s[i], sd, acc[m][i]);
+                if (mins) acc[m][i] = FMA(-(float)(w.mn[8 * b + i] * x[m].bs[8 * b + i]), sm, acc[m][i]);
             }
         }
     for (int m = 0; m < MRC; m++) out[m] = hsum8_c(acc[m]);
 }
 
 #if SIMD
-static inline __attribute__((always_inline)) void ktile_simd(KWRow w, int64_t K, const KQRow *x, const int one,
+static inline __attribute__((always_inline)) void ktile_simd(KWRow w, int64_t K, const KQRow *x, const int mins,
                                                              const int MRC, float *out) {
     __m256 acc[MR];
     for (int m = 0; m < MRC; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / 256; b++) {
-        __m256i s[MR], s2[MR];
+        __m256i s[MR];
 #if SIMD == 2
-        __m512i t[MR], t2[MR];
-        for (int m = 0; m < MRC; m++) t[m] = t2[m] = _mm512_setzero_si512();
-        for (int j = 0; j < 4; j++) {
-            int64_t k = 256 * b + 64 * j;
-            __m512i u = _mm512_loadu_si512(w.u + k), c = _mm512_loadu_si512(w.sc + k / 2);
-            for (int m = 0; m < MRC; m++) {
-                t[m] = _mm512_dpwssd_epi32(t[m], _mm512_maddubs_epi16(u, _mm512_loadu_si512(x[m].q + k)), c);
-                t2[m] = _mm512_dpwssd_epi32(t2[m], _mm512_maddubs_epi16(u, _mm512_loadu_si512(x[m].r + k)), c);
-            }
-        }
-        for (int m = 0; m < MRC; m++) {
-            s[m] = _mm256_add_epi32(_mm512_castsi512_si256(t[m]), _mm512_extracti64x4_epi64(t[m], 1));
-            s2[m] = _mm256_add_epi32(_mm512_castsi512_si256(t2[m]), _mm512_extracti64x4_epi64(t2[m], 1));
-        }
-#else
-        for (int m = 0; m < MRC; m++) s[m] = s2[m] = _mm256_setzero_si256();
+        __m512i t[MR];
+        for (int m = 0; m < MRC; m++) t[m] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
             int64_t k = 256 * b + 32 * j;
-            __m256i u = _mm256_loadu_si256((const __m256i *)(w.u + k));
-            __m256i c = _mm256_loadu_si256((const __m256i *)(w.sc + k / 2));
-            for (int m = 0; m < MRC; m++) {
-                __m256i q = _mm256_loadu_si256((const __m256i *)(x[m].q + k));
-                __m256i r = _mm256_loadu_si256((const __m256i *)(x[m].r + k));
-                s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), c));
-                s2[m] = _mm256_add_epi32(s2[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, r), c));
-            }
+            __m512i v = _mm512_loadu_si512(w.w + k);
+            for (int m = 0; m < MRC; m++) t[m] = _mm512_dpwssd_epi32(t[m], v, _mm512_loadu_si512(x[m].q + k));
+        }
+        for (int m = 0; m < MRC; m++)
+            s[m] = _mm256_add_epi32(_mm512_castsi512_si256(t[m]), _mm512_extracti64x4_epi64(t[m], 1));
+#else
+        for (int m = 0; m < MRC; m++) s[m] = _mm256_setzero_si256();
+        for (int j = 0; j < 16; j++) {
+            int64_t k = 256 * b + 16 * j;
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w.w + k));
+            for (int m = 0; m < MRC; m++)
+                s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(v, _mm256_loadu_si256((const __m256i *)(x[m].q + k))));
         }
 #endif
-        __m256i mn = _mm256_loadu_si256((const __m256i *)(w.mn + 16 * b));
+        __m256i mn = _mm256_loadu_si256((const __m256i *)(w.mn + 8 * b));
         for (int m = 0; m < MRC; m++) {
-            __m256i o = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(x[m].bq + 16 * b)));
-            __m256i o2 = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(x[m].br + 16 * b)));
-            float dx = x[m].d[b], sd = w.d[b] * dx, sm = w.dm[b] * dx;
-            K_STEP(acc[m], s[m], s2[m], o, o2, one, sd, sm, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps,
-                   _mm256_sub_epi32, _mm256_slli_epi32, _mm256_add_epi32, _mm256_set1_ps);
+            float dx = x[m].d[b];
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]), _mm256_set1_ps(w.d[b] * dx), acc[m]);
+            if (mins) {
+                __m256i o = _mm256_mullo_epi32(mn, _mm256_loadu_si256((const __m256i *)(x[m].bs + 8 * b)));
+                acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(w.dm[b] * dx), acc[m]);
+            }
         }
     }
     for (int m = 0; m < MRC; m++) out[m] = hsum8(acc[m]);
 }
 #endif
 
-#define KTILES(f)                                                         \
-    switch (mr) {                                                         \
-    case 1: one ? f(w, K, x, 1, 1, out) : f(w, K, x, 0, 1, out); break; \
-    case 2: one ? f(w, K, x, 1, 2, out) : f(w, K, x, 0, 2, out); break; \
-    case 3: one ? f(w, K, x, 1, 3, out) : f(w, K, x, 0, 3, out); break; \
-    default: one ? f(w, K, x, 1, 4, out) : f(w, K, x, 0, 4, out); break; \
-    }
 static void dot_rows_k(int kind, KWRow w, int64_t K, const KQRow *x, int mr, int simd, float *out) {
-    int one = kind == 4;
+    int mins = kind != 4;
 #if SIMD
     if (simd) {
-        KTILES(ktile_simd)
+        TILES(ktile_simd, mins)
         return;
     }
 #endif
     (void)simd;
-    KTILES(ktile_scalar)
+    TILES(ktile_scalar, mins)
 }
 
-static int64_t kwrow_bytes(int64_t K) { return (2 * K + 2 * (K / 16) + 8 * (K / 256) + 63) & ~(int64_t)63; }
-static int64_t kqrow_bytes(int64_t K) { return (2 * K + 4 * (K / 16) + 4 * (K / 256) + 63) & ~(int64_t)63; }
+static int64_t kwrow_bytes(int64_t K) { return (2 * K + 4 * (K / 32) + 8 * (K / 256) + 63) & ~(int64_t)63; }
+static int64_t kqrow_bytes(int64_t K) { return (2 * K + 4 * (K / 32) + 4 * (K / 256) + 63) & ~(int64_t)63; }
 static KWRow kwrow_at(uint8_t *p, int64_t K) {
-    float *d = (float *)(p + 2 * K + 2 * (K / 16));
-    KWRow r = {p, (int16_t *)(p + K), (int16_t *)(p + 2 * K), d, d + K / 256};
+    int32_t *mn = (int32_t *)(p + 2 * K);
+    float *d = (float *)(mn + K / 32);
+    KWRow r = {(int16_t *)p, mn, d, d + K / 256};
     return r;
 }
 static KQRow kqrow_at(uint8_t *p, int64_t K) {
-    int16_t *bq = (int16_t *)(p + 2 * K);
-    KQRow r = {(int8_t *)p, (int8_t *)(p + K), bq, bq + K / 16, (float *)(bq + 2 * (K / 16))};
+    int32_t *bs = (int32_t *)(p + 2 * K);
+    KQRow r = {(int16_t *)p, bs, (float *)(bs + K / 32)};
     return r;
 }
 

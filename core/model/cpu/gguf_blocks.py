@@ -3,13 +3,14 @@ machine like the other C kernels (core.model.cpu.native: the compiler search, ca
 
 A GGUF expert used to be expanded whole into a float buffer on every use (core.model.quant.expand); this
 kernel decodes one weight row at a time into a buffer that stays in cache and dots it with every activation
-row, so the weights are read once, at the file's bits. Two paths (PATHS):
+row, so the weights are read once, at the file's bits. Three paths (PATHS):
 - "int8" (the default for bf16 activations: up to the format's INT8_MAX_ROWS rows, and in `moe`): each
   activation row quantized once a call to int8 per 32 values, as llama.cpp does, and dotted as integers
   with the blocks' own integers (AVX-512 VNNI, AVX2 `maddubs`, or plain C: "int8_c", the same integers and
   floats); the result is "quantized activations · the file's weights" up to float32 summation;
-- "int8k" (Q4_K, Q5_K, Q6_K above PER_256_ABOVE rows; "int8k_c" its plain C): the same with one scale a
-  256 values, so a super-block's sub-block dots times their integer sub-scales sum as integers;
+- "int16" (Q4_K, Q5_K, Q6_K: their default in `linear`; "int16_c" its plain C): activations int16 with one
+  scale a 256 values, the weights int16 with their integer sub-scales folded in, a super-block's whole dot
+  summed in int32 (finer than int8 a 32, and faster at every row count);
 - "fp32": the row decoded to `gguf.quants.dequantize`'s floats bit for bit (every product in the decoders is
   exact in float32) and float32 math with unquantized activations: above those rows, and always for float32
   activations (a float32 engine asked for float32's precision: it matches transformers' float64 reading of
@@ -33,18 +34,17 @@ from core.model.cpu import native
 from core.model.quant.formats import GGUF_BLOCKS
 
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
-PATHS = {"fp32": 0, "int8_c": 1, "int8": 2, "int8k_c": 3, "int8k": 4}
+PATHS = {"fp32": 0, "int8_c": 1, "int8": 2, "int16_c": 3, "int16": 4}
 SIMD = {0: "plain C", 1: "AVX2 maddubs", 2: "AVX-512 VNNI"}  # the int8 dots a build has
-# rows up to which `linear` takes an int8 path, per format: where it was faster than fp32 on the 784M
-# Mixtral's expert shapes, one thread (bench/gguf_speed.py --kernel). With a scale a 32 values the per-block
-# float work (a scale product and an FMA a 32-block and activation row, plus the offsets' dot) costs what
-# the fp32 FMAs do from about 8 rows, and Q4_0 falls behind above 64. The K-quants above PER_256_ABOVE rows
-# quantize per 256 instead ("int8k", llama.cpp's Q8_K): one float FMA or two a super-block and row, 1.6-3x
-# the fp32 path at 8-128 rows (AVX-512 VNNI and AVX2 alike), so they stay int8 to 128 (NATIVE_GGUF_ROWS:
-# the kernel's end), as Q8_0 and MXFP4 do.
+# rows up to which `linear` takes an integer path, per format: where it was faster than fp32 on the 784M
+# Mixtral's expert shapes, one thread (bench/gguf_speed.py --kernel). With int8 activations a scale a 32
+# values, the per-block float work (a scale product and an FMA a 32-block and activation row, plus the
+# offsets' dot) costs what the fp32 FMAs do from about 8 rows, and Q4_0 falls behind above 64. The K-quants
+# take "int16" instead: one float FMA or two a super-block and row, 1.3-2.3x the fp32 path at 8-64 rows
+# (AVX-512 VNNI and AVX2; 1.5-3.8x at 128) and the int8 path's speed or better at 1-4, so every format but
+# Q4_0 stays integer to 128 rows (NATIVE_GGUF_ROWS: the kernel's end).
 INT8_MAX_ROWS = {"Q8_0": 128, "Q4_0": 64, "Q4_K": 128, "Q5_K": 128, "Q6_K": 128, "MXFP4": 128}
-# rows up to which the K-quants keep a scale a 32 values (the finer quantization where the speed allows it)
-PER_256_ABOVE = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 16}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # `linear`'s integer path for them is "int16"
 
 _reason = "not built yet"
 
@@ -118,8 +118,8 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
            path: str | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp32) · Wᵀ -> [M, N] in x's dtype; W [N, K] as the file's blocks raw uint8 [N, K/block ·
     bytes], rows contiguous. `out`: where to write it ([M, N] in x's dtype, unit stride in N, rows anywhere:
-    a column slice of a wider output). `path`: one of PATHS (default: int8 for bf16 x up to
-    INT8_MAX_ROWS[name] rows, else fp32). The caller checked `runs`."""
+    a column slice of a wider output). `path`: one of PATHS (default: for bf16 x up to INT8_MAX_ROWS[name]
+    rows int16 for the K-quants, int8 for the others; else fp32). The caller checked `runs`."""
     lib = library()
     M, K = x.shape
     N = raw.shape[0]
@@ -131,7 +131,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
         raise ValueError(f"out must be [{M}, {N}] {x.dtype} with unit stride in N, not {tuple(y.shape)} {y.dtype}")
     s = _scratch(lib.scratch(M, K, threads))
     bf = int(x.dtype == torch.bfloat16)
-    p = PATHS[path or {None: "fp32", 32: "int8", 256: "int8k"}[int8_group(name, x.dtype, M)]]
+    p = PATHS[path or {None: "fp32", 32: "int8", 256: "int16"}[int8_group(name, x.dtype, M)]]
     if lib.linear(KINDS[name], x.data_ptr(), bf, x.stride(0), M, K, raw.data_ptr(), raw.stride(0), N, y.data_ptr(), bf,
                   y.stride(0), s.data_ptr(), threads, p):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
@@ -140,10 +140,10 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
 
 def int8_group(name: str, dtype: torch.dtype, rows: int) -> int | None:
     """Values one activation scale covers on `linear`'s default path for `rows` rows of `dtype` in format
-    `name`: 32 or 256, None where it computes in float32."""
+    `name`: 32 (int8) or 256 (int16, the K-quants), None where it computes in float32."""
     if dtype != torch.bfloat16 or rows > INT8_MAX_ROWS[name]:
         return None
-    return 256 if rows > PER_256_ABOVE.get(name, rows) else 32
+    return 256 if name in K_QUANTS else 32
 
 
 MAX_EXPERTS = 64  # routed experts of one token the fused call takes
