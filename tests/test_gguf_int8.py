@@ -39,6 +39,10 @@ def _reference(x: torch.Tensor, deq: torch.Tensor, group: int = 32) -> torch.Ten
 K_QUANTS = [k for k in FORMATS if k.endswith("_K")]
 
 
+def _group(kind: str) -> int:
+    return 256 if kind in K_QUANTS else 32
+
+
 @pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 37])
 def test_int8_path_is_quantized_activations_times_the_files_weights(kind, rows):
@@ -128,7 +132,8 @@ def test_default_path_by_rows_and_dtype(kind):
 
 @pytest.mark.parametrize("up,down", [("Q8_0", "Q8_0"), ("Q4_K", "Q6_K"), ("Q5_K", "Q4_0"), ("MXFP4", "MXFP4")])
 def test_one_tokens_experts_in_one_call_on_int8(up, down):
-    """The fused one-token call: x quantized, each expert's silu(gate) · up quantized again before the down rows."""
+    """The fused one-token call: x quantized, each expert's silu(gate) · up quantized again before the down rows
+    (each for its matrix's format: int16 a 256 for the K-quants, int8 a 32 for the others)."""
     E, D, I = 4, 256, 512
     w13 = [_blocks(up, 2 * I, D, seed=e) for e in range(E)]
     w2 = [_blocks(down, D, I, seed=10 + e) for e in range(E)]
@@ -138,9 +143,9 @@ def test_one_tokens_experts_in_one_call_on_int8(up, down):
     got = gguf_blocks.moe(*args, path="int8")
     want = torch.zeros(1, D, dtype=torch.float64)
     for e, w in zip(ids[0].tolist(), wts[0].tolist()):
-        gate, u = _reference(x, w13[e][1]).float().chunk(2, -1)  # the kernel keeps gate/up in float32
+        gate, u = _reference(x, w13[e][1], _group(up)).float().chunk(2, -1)  # the kernel keeps gate/up in float32
         h = torch.nn.functional.silu(gate) * u
-        want += w * _reference(h, w2[e][1])
+        want += w * _reference(h, w2[e][1], _group(down))
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     assert torch.equal(got, gguf_blocks.moe(*args, path="int8_c"))
     xb = x.bfloat16()  # the default for bf16 activations

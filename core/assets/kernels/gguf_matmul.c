@@ -759,11 +759,35 @@ int mlight_gguf_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t
     return 0;
 }
 
+/* the fused call's integer path per matrix: the K-quants' int16 a 256, else int8 a 32 */
+static int is_k(int kind) { return kind >= 2 && kind <= 4; }
+static int64_t xrow_bytes(int kind, int64_t K) { return is_k(kind) ? kqrow_bytes(K) : qrow_bytes(K); }
+static void quantize_for(int kind, const void *x, int bf, int64_t K, uint8_t *p) {
+    if (is_k(kind)) quantize_row_k(x, bf, K, kqrow_at(p, K));
+    else quantize_row(x, bf, K, qrow_at(p, K));
+}
+/* weight row `row` (K values) . the activation row quantized at xp; own: the thread's decode buffer (RW) */
+static float dot_one(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8_t *own, int64_t RW, int simd) {
+    float v;
+    if (is_k(kind)) {
+        KQRow xr = kqrow_at(xp, K);
+        KWRow wr = kwrow_at(own, RW);
+        decode_row_k(kind, row, K, wr);
+        dot_rows_k(kind, wr, K, &xr, 1, simd, &v);
+    } else {
+        QRow xr = qrow_at(xp, K);
+        WRow wr = wrow_at(own, RW);
+        decode_row_i8(kind, row, K, wr);
+        dot_rows_i8(kind, wr, K, &xr, 1, simd, &v);
+    }
+    return v;
+}
+
 /* One token's routed experts, SwiGLU: out [D] = sum_e w[e] * W2_e (silu(G_e x) * U_e x). W13_e = [G_e; U_e]
    [2I, D] in blocks of kind k13, rows ldw13 bytes apart, experts e13 bytes apart from w13; W2_e [D, I] in
    kind k2 likewise. ids int64, routing weights fp32 or bf16. Phases split over the team: every expert's
-   gate/up rows; SiLU (and, on the int8 paths, each expert's h quantized); the down rows (each output summed
-   over the experts in the order given). path as mlight_gguf_linear's. */
+   gate/up rows; SiLU (and, on the integer paths, each expert's h quantized); the down rows (each output summed
+   over the experts in the order given). path as mlight_gguf_linear's 0-2, the K-quants' matrices on int16. */
 int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64_t I, int nexp, const int64_t *ids,
                     const void *wts, int w_bf16, const uint8_t *w13, int64_t e13, int64_t ldw13, const uint8_t *w2,
                     int64_t e2, int64_t ldw2, void *out, int out_bf16, float *scratch, int threads, int path) {
@@ -773,11 +797,12 @@ int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64
     float *xf = scratch, *gu = xf + D, *rows = gu + (int64_t)nexp * 2 * I, w[64];
     if (nexp > 64) return -1;
     for (int e = 0; e < nexp; e++) w[e] = w_bf16 ? bf16f(((const uint16_t *)wts)[e]) : ((const float *)wts)[e];
-    int64_t RW = D > I ? D : I, qd = qrow_bytes(D), qi = qrow_bytes(I), wb = wrow_bytes(RW);
-    /* int8: x quantized, each expert's h quantized, a decoded row per thread (bytes, after gu) */
+    int64_t RW = D > I ? D : I, qd = xrow_bytes(k13, D), qi = xrow_bytes(k2, I);
+    int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
+    /* integer paths: x quantized, each expert's h quantized, a decoded row per thread (bytes, after gu) */
     uint8_t *xq = (uint8_t *)rows, *hq = xq + qd, *wq = hq + nexp * qi;
     int simd = path == 2;
-    if (path) quantize_row(x, x_bf16, D, qrow_at(xq, D));
+    if (path) quantize_for(k13, x, x_bf16, D, xq);
     else
         for (int64_t d = 0; d < D; d++) xf[d] = in_f(x, x_bf16, d);
     OMP(omp parallel num_threads(threads))
@@ -787,16 +812,13 @@ int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64
         t = omp_get_thread_num();
 #endif
         float *wr = rows + (int64_t)t * RW;
-        WRow wi = wrow_at(wq + (int64_t)t * wb, RW);
-        QRow xr = qrow_at(xq, D);
+        uint8_t *own = wq + (int64_t)t * wb;
         OMP(omp for schedule(static))
         for (int64_t r = 0; r < nexp * 2 * I; r++) {
             int64_t e = r / (2 * I), n = r % (2 * I);
             const uint8_t *row = w13 + ids[e] * e13 + n * ldw13;
-            if (path) {
-                decode_row_i8(k13, row, D, wi);
-                dot_rows_i8(k13, wi, D, &xr, 1, simd, gu + r);
-            } else {
+            if (path) gu[r] = dot_one(k13, row, D, xq, own, RW, simd);
+            else {
                 decode_row(k13, row, D, wr);
                 dot_rows(wr, D, xf, D, 1, gu + r);
             }
@@ -806,7 +828,7 @@ int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64
             for (int e = 0; e < nexp; e++) {
                 float *h = gu + (int64_t)e * 2 * I;
                 for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
-                quantize_row(h, 0, I, qrow_at(hq + e * qi, I));
+                quantize_for(k2, h, 0, I, hq + e * qi);
             }
         } else {
             OMP(omp for schedule(static))
@@ -820,11 +842,8 @@ int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64
             float y = 0, v;
             for (int e = 0; e < nexp; e++) {
                 const uint8_t *row = w2 + ids[e] * e2 + d * ldw2;
-                if (path) {
-                    QRow hr = qrow_at(hq + e * qi, I);
-                    decode_row_i8(k2, row, I, wi);
-                    dot_rows_i8(k2, wi, I, &hr, 1, simd, &v);
-                } else {
+                if (path) v = dot_one(k2, row, I, hq + e * qi, own, RW, simd);
+                else {
                     decode_row(k2, row, I, wr);
                     dot_rows(wr, I, gu + (int64_t)e * 2 * I, I, 1, &v);
                 }
@@ -838,7 +857,10 @@ int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64
 
 /* floats of scratch a mlight_gguf_moe call needs (either path) */
 int64_t mlight_gguf_moe_scratch(int64_t D, int64_t I, int nexp, int threads) {
-    int64_t RW = D > I ? D : I, i8 = qrow_bytes(D) + nexp * qrow_bytes(I) + threads * wrow_bytes(RW);
+    int64_t RW = D > I ? D : I, qd = qrow_bytes(D) > kqrow_bytes(D) ? qrow_bytes(D) : kqrow_bytes(D);
+    int64_t qi = qrow_bytes(I) > kqrow_bytes(I) ? qrow_bytes(I) : kqrow_bytes(I);
+    int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
+    int64_t i8 = qd + nexp * qi + threads * wb;
     int64_t f32 = (int64_t)threads * RW * 4;
     return D + (int64_t)nexp * 2 * I + ((i8 > f32 ? i8 : f32) + 3) / 4;
 }

@@ -8,9 +8,9 @@ row, so the weights are read once, at the file's bits. Three paths (PATHS):
   activation row quantized once a call to int8 per 32 values, as llama.cpp does, and dotted as integers
   with the blocks' own integers (AVX-512 VNNI, AVX2 `maddubs`, or plain C: "int8_c", the same integers and
   floats); the result is "quantized activations · the file's weights" up to float32 summation;
-- "int16" (Q4_K, Q5_K, Q6_K: their default in `linear`; "int16_c" its plain C): activations int16 with one
-  scale a 256 values, the weights int16 with their integer sub-scales folded in, a super-block's whole dot
-  summed in int32 (finer than int8 a 32, and faster at every row count);
+- "int16" (Q4_K, Q5_K, Q6_K: their default in `linear`, and their matrices' in `moe`'s "int8"; "int16_c"
+  its plain C): activations int16 with one scale a 256 values, the weights int16 with their integer
+  sub-scales folded in, a super-block's whole dot summed in int32 (finer than int8 a 32, and faster);
 - "fp32": the row decoded to `gguf.quants.dequantize`'s floats bit for bit (every product in the decoders is
   exact in float32) and float32 math with unquantized activations: above those rows, and always for float32
   activations (a float32 engine asked for float32's precision: it matches transformers' float64 reading of
@@ -154,7 +154,8 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     """One token's routed experts: x [1, D]; ids [1, k] and weights [1, k] on the host; up = (format, raw uint8
     [E, 2I, bytes]) gate rows then up rows, down = (format, raw [E, D, bytes]), each expert's rows contiguous
     -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype; None where it does not take the call. `path`: one
-    of PATHS (int8, the default for bf16 x: x and each expert's silu(gate) · up quantized per 32 values)."""
+    of PATHS (int8, the default for bf16 x: x and each expert's silu(gate) · up quantized per 32 values, or
+    for a K-quant matrix to int16 per 256)."""
     lib = library()
     D = x.shape[-1]
     (k13, w13), (k2, w2) = up, down
