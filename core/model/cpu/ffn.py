@@ -64,6 +64,22 @@ class _Lib:
         # the OS's leave to use the tiles (Linux asks once per process); refused, the vector tiles run
         self.amx = flags_amx and self.dll.mlight_moe_amx_init() == 0 and bool(self.dll.mlight_moe_amx())
         self.flags = " ".join(FLAGS + (FLAGS_AMX if self.amx else [])) + (" -fopenmp" if self.openmp else "")
+        self._bytes: dict[tuple, int] = {}
+
+    # the scratch sizes of a call's shape, asked of the library once: a ctypes call costs a few µs, and a
+    # decode step of one stream makes three kernel calls a layer
+    def moe_bytes(self, *shape) -> int:
+        n = self._bytes.get(shape)
+        if n is None:
+            n = self._bytes[shape] = self.scratch(*shape)
+        return n
+
+    def linear_bytes(self, rows: int, K: int, threads: int) -> int:
+        key = ("linear", rows, K, threads)
+        n = self._bytes.get(key)
+        if n is None:
+            n = self._bytes[key] = self.linear_scratch(rows, K, threads)
+        return n
 
 
 class _LibAvx2:
@@ -214,12 +230,14 @@ class NativeExperts:
         if T == 0:
             return out
         n = torch.get_num_threads() if lib.openmp else 1
-        for a in range(0, T, CHUNK_TOKENS):
+        wb = int(weights.dtype == torch.bfloat16)
+        x0, i0, w0, o0 = h.data_ptr(), idx.data_ptr(), weights.data_ptr(), out.data_ptr()
+        for a in range(0, T, CHUNK_TOKENS):  # one call at a decode step's rows
             b = min(T, a + CHUNK_TOKENS)
-            s = scratch(lib.scratch(b - a, k, self.E, self.D, self.I, n))
-            if lib.ffn(h[a].data_ptr(), b - a, k, idx[a].data_ptr(), weights[a].data_ptr(),
-                       int(weights.dtype == torch.bfloat16), self.E, self.D, self.I, self.w13.data_ptr(),
-                       self.w13[0].numel(), self.w2.data_ptr(), self.w2[0].numel(), out[a].data_ptr(), s.data_ptr(), n):
+            s = scratch(lib.moe_bytes(b - a, k, self.E, self.D, self.I, n))
+            if lib.ffn(x0 + 2 * a * self.D, b - a, k, i0 + 8 * a * k, w0 + weights.element_size() * a * k, wb, self.E,
+                       self.D, self.I, self.w13.data_ptr(), self.w13.stride(0), self.w2.data_ptr(), self.w2.stride(0),
+                       o0 + 2 * a * self.D, s.data_ptr(), n):
                 raise ValueError(f"expert ids outside 0..{self.E - 1}")
         return out
 
