@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from core.model.attention import decode_over_rows, prefill_attention
 from core.model.cpu import row_ops
+from core.model.cpu.kernels import linear
 from core.model.layers import tensor_version, norm, normed, rms_norm
 from core.model.spec import ModelSpec
 
@@ -66,7 +67,7 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
         # q and k side by side as the projection left them: one RoPE over both heads' rows and one join
         # with v — bit for bit `project`'s, in 14 ops fewer a layer (at batch 1 a decode step's ops cost
         # more than their arithmetic)
-        qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))
+        qkv = linear(h, w["qkv"], w.get("qkv_bias"))
         qk, kv = spec.q_size + spec.kv_size, spec.q_size + 2 * spec.kv_size
         gate = qkv[:, kv:] if spec.attn_gate else None
         if rope.joins_in_c(qkv):  # the same roundings in one C pass (core.model.cpu.row_ops)
@@ -155,7 +156,7 @@ def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=N
 def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep) -> torch.Tensor:
     if keep is not None:
         out = out * torch.sigmoid(keep)
-    return F.linear(out, w["o"], w.get("o_bias"))
+    return linear(out, w["o"], w.get("o_bias"))
 
 
 def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, lens: list[int],
