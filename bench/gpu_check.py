@@ -478,9 +478,8 @@ def counting(c: Check, on: bool = True):
     """Launches, event waits and host syncs while the block runs, and over how many steps: on a GPU,
     torch.profiler's CUDA runtime calls over PROFILED_STEPS decode steps (call counts["step"]() after each step);
     on the emulated device its own calls over the whole run (a task's launch onto a stream, a stream's wait on an
-    event, a host wait or synchronize) — per task, not per torch op: the runtime's op counter
-    (core.runtime.op_count, issue 42 item 2) is the place for per-op counts there (OP_COUNTER_HOOK). Host waits
-    on a GPU poll events (cudaEventQuery), which are not counted as syncs."""
+    event, a host wait or synchronize) — per task, not per torch op (bench/launch_budget.py counts torch ops a
+    layer there). Host waits on a GPU poll events (cudaEventQuery), which are not counted as syncs."""
     counts = {"launches": 0, "waits": 0, "syncs": 0, "source": None, "steps": None, "step": lambda: None}
     if not on:
         yield counts
@@ -527,17 +526,6 @@ def counting(c: Check, on: bool = True):
         for (cls, name), fn in saved.items():
             setattr(cls, name, fn)
     counts["source"] = "emulated device calls (tasks launched, stream waits, host waits)"
-    counts.update(OP_COUNTER_HOOK(c) or {})
-
-
-def OP_COUNTER_HOOK(c: Check) -> dict | None:
-    """Per-op counts on the emulated device from the runtime's own counter, where this branch has one
-    (core.runtime.op_count); None until then (the dry run then reports per-task counts only)."""
-    import importlib.util
-
-    if importlib.util.find_spec("core.runtime.op_count") is None:
-        return None
-    return {"op_counter": "core.runtime.op_count present: wire its per-layer counts here"}
 
 
 def pcie_bound(spec, policy, h2d_bw: float) -> float:

@@ -12,7 +12,7 @@ layer, every page on the layer two back). "main": main at de986f2 — the same e
 read from git) over this tree's graph: the expert path's share alone. "new": what the runner picks now (the fused
 expert path, core.model.fused_moe) and the schedule's graph. All run this tree's pre- and post-attention (RoPE
 gathered once a step, in four ops an apply; against main's, see test_rope_tables). Counted by
-core.runtime.op_count; host time is the emulated step's wall clock per layer, on this CPU (its launches and its
+tests/op_count.py; host time is the emulated step's wall clock per layer, on this CPU (its launches and its
 arithmetic together: tiny shapes keep it mostly the former).
 """
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from checkpoints import make_checkpoint  # noqa: E402
 from core.runtime.device_emulated import EmulatedCuda  # noqa: E402
 from core.runtime.engine import Engine  # noqa: E402
-from core.runtime.op_count import steady_step  # noqa: E402
+from op_count import steady_step  # noqa: E402
 
 SHAPES = {  # name: (family, overrides): E and k as the real model's, hidden sizes scaled down
     "Mixtral-8x7B": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=128,

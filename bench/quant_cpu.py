@@ -25,6 +25,13 @@ Also in the same run:
     python bench/quant_cpu.py --threads 1      # hidden 1024, I 3840, 4 layers, 8 experts (≈ 400M parameters)
     python bench/quant_cpu.py --threads 2 --size large --batches 1 --skip-crossover
     python bench/quant_cpu.py --quick          # a smoke run
+    python bench/quant_cpu.py --expert-kernels [--dtype bfloat16] [--tokens 1 8 64 256] [--experts 128] [--repeat 5]
+
+`--expert-kernels` times, instead, the routed-expert kernels side by side on the new families' expert shapes
+(no engine): the per-expert loop vs grouped_mm (and oneDNN-packed weights where this CPU takes them), at
+several batch sizes, with what core.model.expert_choice picks when measuring on this machine; it prints
+times and loop/grouped ratios. `--experts` caps the expert count (the real models have 256–512; every expert
+is kept in memory).
 
 Clocks: with one thread (`--threads 1`) the default is this process's CPU seconds (`--clock cpu`): on a
 shared machine a descheduled thread's wall time is someone else's work, and its CPU time is what a quiet
@@ -82,6 +89,12 @@ def parse_args(argv=None):
     p.add_argument("--json", type=Path, default=None, help="also write the report here")
     p.add_argument("--formats", default=",".join(FORMATS),
                    help=f"formats to run, bf16 ('none') always among them (default {','.join(FORMATS)})")
+    k = p.add_argument_group("--expert-kernels: the routed-expert kernels alone")
+    k.add_argument("--expert-kernels", action="store_true", help="time the expert kernels instead (see above)")
+    k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    k.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
+    k.add_argument("--experts", type=int, default=128, help="at most this many experts per shape")
+    k.add_argument("--repeat", type=int, default=5)
     return p.parse_args(argv)
 
 
@@ -174,6 +187,50 @@ def _timed(fn, clock: str = "wall") -> float:
     return now() - t
 
 
+SHAPES = {  # experts, top-k, hidden, expert intermediate
+    "Qwen3-Next-80B-A3B": (512, 10, 2048, 512),
+    "Qwen3.5-35B-A3B": (256, 8, 2048, 512),
+    "DeepSeek-V2-Lite": (64, 6, 2048, 1408),
+    "gpt-oss-20b": (32, 4, 2880, 2880),
+}
+
+
+def expert_kernels(args) -> int:
+    from core.model import expert_choice
+    from core.model.moe import HAS_GROUPED_MM, can_pack, experts, pack_experts
+
+    def best_of(fn) -> float:
+        fn()
+        return min(_timed(fn) for _ in range(args.repeat))
+
+    dtype = getattr(torch, args.dtype)
+    print(f"CPU: {common.cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__} "
+          f"({torch.backends.cpu.get_cpu_capability()}), load {common.load_average()}, {args.dtype}, "
+          f"grouped_mm {'yes' if HAS_GROUPED_MM else 'no'}, packing {'yes' if can_pack(dtype) else 'no'}")
+    print(f"{'shape':20s} {'E':>4s} {'T':>5s} {'loop ms':>9s} {'grouped ms':>11s} {'packed ms':>10s} "
+          f"{'loop/grouped':>13s} {'measured pick':>14s}")
+    g = torch.Generator().manual_seed(0)
+    for name, (E, k, D, I) in SHAPES.items():
+        E = min(E, args.experts)
+        w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(dtype)
+        w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dtype)
+        packed = pack_experts(w13, w2) if can_pack(dtype) else None
+        for T in args.tokens:
+            h = torch.randn(T, D, generator=g).to(dtype)
+            idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+            wts = torch.softmax(torch.randn(T, k, generator=g), -1).to(dtype)
+            loop = best_of(lambda: experts(h, w13, w2, wts, idx, grouped=False))
+            grouped = best_of(lambda: experts(h, w13, w2, wts, idx, grouped=True)) if HAS_GROUPED_MM else float("nan")
+            pk = best_of(lambda: experts(h, None, None, wts, idx, packed=packed)) if packed else float("nan")
+            experts(h, w13, w2, wts, idx)  # what the engine would run: measured once for this shape
+            pick = [c for key, c in expert_choice.chosen().items() if key[2:5] == (E, 2 * I, D)
+                    and key[-1] == expert_choice.bucket(T)]
+            print(f"{name:20s} {E:4d} {T:5d} {loop * 1e3:9.2f} {grouped * 1e3:11.2f} {pk * 1e3:10.2f} "
+                  f"{loop / grouped:12.2f}x {pick[0] if pick else '-':>14s}")
+        del w13, w2, packed
+    return 0
+
+
 def predicted(spec, batch: int, gen: int, prompt_len: int) -> float:
     from core.plan import planner
     from core.plan.hardware import resolve
@@ -186,6 +243,8 @@ def predicted(spec, batch: int, gen: int, prompt_len: int) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.expert_kernels:
+        return expert_kernels(args)
     torch.set_num_threads(args.threads)
     clock = args.clock or ("cpu" if args.threads == 1 else "wall")
     dims = QUICK if args.quick else SIZES[args.size]

@@ -128,3 +128,40 @@ def test_engines_of_several_families_one_after_another_leave_no_cuda_error_behin
             engine.close()
             assert engine.dev.runtime_errors == [], (family, paging)
             assert resolve_device("cuda").pending_error() is None, (family, paging)
+
+
+@pytest.mark.parametrize("kind,G,keep,k,E,scale", [("sigmoid_group", 8, 4, 8, 256, 2.5), ("softmax_group", 8, 3, 6, 64, 1.0),
+                                                   ("softmax", 1, 1, 8, 128, 1.0)])
+def test_the_router_op_runs_its_kernel_and_gives_the_torch_forms_experts(kind, G, keep, k, E, scale):
+    """mlight::route on the GPU (core.model.router_triton, compiled) against its torch form on the CPU
+    (test_router_triton.py holds the kernel in the interpreter): the same ids, weights within a bf16 ulp."""
+    from core.model import fused_router
+
+    g = torch.Generator().manual_seed(E)
+    x = 2 * torch.randn(64, E, generator=g)
+    bias = (0.1 * torch.randn(E, generator=g)).to(torch.bfloat16) if kind == "sigmoid_group" else None
+    args = (kind, k, G, keep, True, scale, torch.bfloat16)
+    w, i = torch.ops.mlight.route(x.cuda(), None if bias is None else bias.cuda(), *args)
+    w0, i0 = fused_router.torch_form(x, bias, *args)
+    assert torch.equal(i.cpu(), i0)
+    assert ((w.cpu().float() - w0.float()).abs() <= 2.0 ** -8 * w0.float().abs()).all()
+
+
+def test_moe_align_runs_its_kernel_and_gives_the_torch_forms_layout():
+    from core.model.moe_align import moe_align
+
+    ids = torch.rand(300, 256, generator=torch.Generator().manual_seed(0)).topk(8, -1).indices
+    for got, want in zip(torch.ops.mlight.moe_align(ids.cuda(), 256, 16), moe_align(ids, 256, 16)):
+        assert torch.equal(got.cpu(), want)
+
+
+def test_deepseek_v3_on_the_gpu_gives_the_cpu_engines_tokens(checkpoint_factory):
+    """The router kernel, the fp32 router kept on the device and q_a ‖ kv_a in one product, end to end."""
+    path = checkpoint_factory("deepseek_v3")
+    want = tokens(Engine.load(path, device="cpu"))
+    engine = Engine.load(path, device="cuda", executor="cuda", schedule="cgopipe", pages_per_layer=2)
+    engine.eos_ids = set()
+    try:
+        assert tokens(engine) == want
+    finally:
+        engine.close()

@@ -60,7 +60,7 @@ def test_rms_norms_equal_transformers_bit_for_bit_in_few_ops(kind, ops, dtype):
         want = _reference(kind, w, dtype)(x)
         got = layers.norm(_Spec(kind), x, w)
     with torch.inference_mode(), _Ops() as m:  # the ops as a GPU dispatches them (the CPU's autograd layer
-        layers.norm(_Spec(kind), x, w)  # writes the fused op out; core.runtime.op_count counts it once)
+        layers.norm(_Spec(kind), x, w)  # writes the fused op out; tests/op_count.py counts it once)
     assert got.dtype == want.dtype == dtype
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(m.ops) <= ops, m.ops

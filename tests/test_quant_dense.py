@@ -84,6 +84,7 @@ def test_run_passes_the_dense_format_to_the_engine(monkeypatch):
     """`mlight run --quantize int4 --quantize-dense [int8]`: the flag alone means the experts' format."""
     from app.cli import build_parser
     from app.commands import run
+    from core.io.prompts import PromptSet
 
     seen = []
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, **kw: seen.append(kw)))
@@ -92,4 +93,5 @@ def test_run_passes_the_dense_format_to_the_engine(monkeypatch):
         args = build_parser(argv)[0].parse_args(argv)
         run._load_engine(args, "m", progress=None)
         assert seen[-1].get("quantize_dense") == want
-        assert run._quant_settings(args).get("quantize_dense") == want
+        settings = run._manifest(args, PromptSet("p.txt", "txt", ""), "m", "m")["settings"]
+        assert settings.get("quantize_dense") == want

@@ -22,11 +22,9 @@ from core.telemetry import RESOURCES
 if TYPE_CHECKING:  # imported where it runs: `mlight bench --help` must not load torch
     from core.runtime.engine import Engine
 
-EXECUTORS = ("sequential", "threaded", "cuda")
-
 
 def add_parser(sub):
-    from app.commands.run import _positive
+    from app.commands.run import EXECUTORS, _positive
 
     p = sub.add_parser("bench", help="measure schedules on a workload and compare with the planner's prediction",
                        description=__doc__.split("\n\n")[0].replace("\n", " "))

@@ -21,7 +21,7 @@ from core import platform
 from core.errors import BudgetError, MlightError, UsageError
 from core.io.prompts import FORMATS, STDIN, PromptSet, bad_lines_error, read_prompts, reject_lines
 from core.io.results import output_format
-from core.io.runstore import RunStore, finish_run, model_fingerprint, prepare_requests, run_pending
+from core.io.runstore import RunStore, finish_run, manifest, prepare_requests, run_pending
 from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
 from core.plan.policy import SCHEDULES
 from core.telemetry import Progress, WarningEvent
@@ -91,54 +91,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+def _number(cast, ok, must: str, what: str = "a number", unit: str = ""):
+    """An argparse type: `text` read by `cast` and refused, in one line, unless `ok(value)`."""
 
-
-def gigabytes(least: float | None):
-    """A memory budget in GB as typed: at least `least` (None: more than 0), said back in GB."""
-
-    def parse(text: str) -> float:
+    def parse(text: str):
         try:
-            v = float(text)
+            v = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number of GB, got {text!r}") from None
-        if not (v >= least if least is not None else v > 0) or v == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be {'more than 0' if least is None else f'{least:g} or more'} "
-                                             f"GB, got {text} GB")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {must}{unit}, got {v if cast is int else text}{unit}")
         return v
 
     return parse
 
 
+_positive = _number(int, lambda v: v >= 1, "at least 1", "a whole number")
+_probability = _number(float, lambda v: 0 < v <= 1, "in (0, 1]")
+_non_negative = _number(float, lambda v: v >= 0, "0 or more")
+
+
+def gigabytes(least: float | None):
+    """A memory budget in GB as typed: at least `least` (None: more than 0), said back in GB."""
+    return _number(float, lambda v: (v >= least if least is not None else v > 0) and v != float("inf"),
+                   "more than 0" if least is None else f"{least:g} or more", "a number of GB", " GB")
+
+
 def _whole(text: str) -> int:
     return 0 if text.strip() == "0" else _positive(text)
-
-
-def _probability(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
-
-
-def _non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return v
 
 
 class _Stopper:
@@ -417,48 +397,31 @@ def _workload(args, prompts: PromptSet):
     return planner.Workload(max(1, sum(lens) // max(1, len(lens))), gen, max(lens + [1]), len(prompts.entries))
 
 
+def sampling(args) -> dict:
+    """The command's generation settings, each the default for prompts that do not set their own."""
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed}
+
+
 def _manifest(args, prompts: PromptSet, model_dir: Path, model_name: str) -> dict:
-    return {
-        "model": model_fingerprint(model_dir, model_name),
-        "prompts": {"sha256": prompts.sha256, "format": prompts.format},
-        "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                     "top_k": args.top_k, "seed": args.seed, "revision": args.revision,
-                     **_quant_settings(args)},
-        "policy": {"batch": args.batch, "micro_batch": args.micro_batch, "executor": args.executor,
-                   "schedule": args.schedule, "dtype": args.dtype,
-                   "planned": args.policy.to_dict() if getattr(args, "policy", None) is not None else None},
-        "prompts_file": prompts.source,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
-def _quant_settings(args) -> dict:
-    """Part of the run's identity (other weights, other tokens); absent when unquantized, as before."""
-    q = getattr(args, "quantize", "none")
-    if q == "none":
-        return {}
-    return {"quantize": q, **({"group_size": args.group_size or DEFAULT_INT4_GROUP} if q == "int4" else {}),
-            **({"quantize_dense": args.quantize_dense} if getattr(args, "quantize_dense", None) else {})}
+    policy = getattr(args, "policy", None)
+    return manifest(model_dir, model_name, prompts,
+                    {**sampling(args), "revision": args.revision},
+                    {"batch": args.batch, "micro_batch": args.micro_batch, "executor": args.executor,
+                     "schedule": args.schedule, "dtype": args.dtype,
+                     "planned": policy.to_dict() if policy is not None else None},
+                    getattr(args, "quantize", "none"), args.group_size, getattr(args, "quantize_dense", None))
 
 
 def _load_engine(args, model_dir: Path, progress, tp=None):
     from core.runtime.engine import Engine
 
-    kw = {"tp": tp} if tp is not None else {}
-    if args.executor:
-        kw["executor"] = args.executor
-    if args.schedule:
-        kw["schedule"] = args.schedule
-    if args.dtype:
-        kw["dtype"] = args.dtype
-    if getattr(args, "policy", None) is not None:
-        kw["policy"] = args.policy
+    given = {"tp": tp, "executor": args.executor, "schedule": args.schedule, "dtype": args.dtype,
+             "policy": getattr(args, "policy", None), "threads": args.threads,
+             "quantize_dense": getattr(args, "quantize_dense", None)}  # without --quantize Engine.load says what to pass
+    kw = {k: v for k, v in given.items() if v}
     if getattr(args, "quantize", "none") != "none":
         kw["quantize"], kw["group_size"] = args.quantize, args.group_size
-    if getattr(args, "quantize_dense", None):  # without --quantize Engine.load says what to pass
-        kw["quantize_dense"] = args.quantize_dense
-    if args.threads:
-        kw["threads"] = args.threads
     if getattr(args, "graphs", "auto") != "auto":
         kw["graphs"] = args.graphs
     return Engine.load(model_dir, progress=progress, **kw)
@@ -467,9 +430,7 @@ def _load_engine(args, model_dir: Path, progress, tp=None):
 def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_name: str, fmt: str,
               progress, stopper: _Stopper) -> int:
     engine = _load_engine(args, model_dir, progress)
-    defaults = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                "top_k": args.top_k, "seed": args.seed}
-    requests = prepare_requests(engine, prompts, defaults)
+    requests = prepare_requests(engine, prompts, sampling(args))
     _refuse_rejects(prompts, args.skip_bad, store.out)
     total, t0, before = len(prompts.entries), time.perf_counter(), len(store.done)
     if store.resumed:

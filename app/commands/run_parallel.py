@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from app.commands.run import (_Counter, _ProgressLine, _Stopper, _load_engine, _manifest, _plan_batches, _read,
-                              _refuse_rejects, _same_file, _say, _say_other_parts, refuse_turns, resuming_line)
+                              _refuse_rejects, _same_file, _say, _say_other_parts, refuse_turns, resuming_line, sampling)
 from core.errors import MlightError, UsageError
 from core.io.prompts import STDIN, PromptSet
 from core.io.results import output_format
@@ -150,9 +150,7 @@ class _Rank:
             tp = TensorParallel(self.groups.tp, device="cuda" if self.groups.tp_backend == "nccl" else "cpu")
         progress = _ProgressLine() if w.local_rank == 0 else (lambda ev: None)
         engine = _load_engine(args, model_dir, progress, tp=tp)
-        defaults = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                    "top_k": args.top_k, "seed": args.seed}
-        requests = prepare_requests(engine, prompts, defaults)
+        requests = prepare_requests(engine, prompts, sampling(args))
         _refuse_rejects(prompts, args.skip_bad, self.out)
         return engine, requests
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from app.commands.run import _Counter, _same_file, _say, final_line, refuse_turns, resuming_line, with_run
+from app.commands.run import (_Counter, _same_file, _say, final_line, refuse_turns, resuming_line, sampling,
+                              with_run)
 from core.errors import MlightError, UsageError
 from core.io.prompts import STDIN
 from core.io.results import output_format
@@ -94,8 +95,7 @@ def _rows(entries, defaults) -> list[dict]:
 def _generate(ray, args, store: RunStore, prompts, model_dir: Path, model_name: str, fmt: str, stopper) -> int:
     from core.runtime.distributed.ray_data import MlightPredictor, plan_here
 
-    defaults = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                "top_k": args.top_k, "seed": args.seed}
+    defaults = sampling(args)
     pending = [e for e in prompts.entries if e.id not in store.done]
     total, before, t0 = len(prompts.entries), len(store.done), time.perf_counter()
     if store.resumed:

@@ -427,20 +427,15 @@ class Backend:
     def manifest(self, model: ModelView, prompts: PromptsView, plan: PlanView,
                  choices: EngineChoices = EngineChoices()) -> dict:
         """The same identity `mlight run` writes, so either can resume the other's unfinished run."""
-        from core.io.runstore import model_fingerprint
+        from core.io.runstore import manifest
 
-        return {
-            "model": model_fingerprint(model.path, model.name),
-            "prompts": {"sha256": prompts.prompts.sha256, "format": prompts.prompts.format},
-            "settings": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-                         "seed": None, "revision": None,
-                         **_quant_settings(plan.quantize, plan.group_size, plan.quant_dense)},
-            "policy": {"batch": plan.policy.batch_size, "micro_batch": plan.policy.micro_batch_size,
-                       "executor": choices.executor, "schedule": choices.schedule, "dtype": choices.dtype,
-                       "planned": plan.policy.to_dict()},
-            "prompts_file": prompts.prompts.source,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
+        return manifest(model.path, model.name, prompts.prompts,
+                        {"max_new_tokens": self.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                         "seed": None, "revision": None},
+                        {"batch": plan.policy.batch_size, "micro_batch": plan.policy.micro_batch_size,
+                         "executor": choices.executor, "schedule": choices.schedule, "dtype": choices.dtype,
+                         "planned": plan.policy.to_dict()},
+                        plan.quantize, plan.group_size, plan.quant_dense)
 
     def open_store(self, out: Path, model: ModelView, prompts: PromptsView, plan: PlanView, restart: bool = False,
                    choices: EngineChoices = EngineChoices()):
@@ -564,17 +559,6 @@ def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None,
         if dense:
             spec = with_dense(spec, parse_choice(dense, group_size))
     return spec
-
-
-def _quant_settings(quantize: str | None, group_size: int | None = None, dense: str | None = None) -> dict:
-    """Quantized experts are other weights, so other tokens: part of the run's identity (as `mlight run`)."""
-    if not quantize or quantize == "none":
-        return {}
-    from core.model.quant.formats import DEFAULT_INT4_GROUP
-
-    return {"quantize": quantize,
-            **({"group_size": group_size or DEFAULT_INT4_GROUP} if quantize == "int4" else {}),
-            **({"quantize_dense": dense} if dense else {})}
 
 
 def budget_warnings(machine: MachineView, gpu_budget: int, cpu_budget: int) -> list[str]:

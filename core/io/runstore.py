@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,22 @@ def model_fingerprint(model_dir: str | Path, source: str | None = None) -> dict[
     except OSError:
         config_sha = None
     return {"source": source or str(model_dir), "config_sha256": config_sha, "weights": weights}
+
+
+def manifest(model_dir: str | Path, model_name: str, prompts: PromptSet, settings: dict, policy: dict,
+             quantize: str | None = None, group_size: int | None = None, dense: str | None = None) -> dict:
+    """A run's manifest, the same from `mlight run` and the app, so either resumes the other's unfinished run.
+    Quantized weights are other weights, so other tokens: their format is part of the settings (and absent
+    when unquantized, as before quantization existed)."""
+    if quantize and quantize != "none":
+        from core.model.quant.formats import DEFAULT_INT4_GROUP
+
+        settings = {**settings, "quantize": quantize,
+                    **({"group_size": group_size or DEFAULT_INT4_GROUP} if quantize == "int4" else {}),
+                    **({"quantize_dense": dense} if dense else {})}
+    return {"model": model_fingerprint(model_dir, model_name),
+            "prompts": {"sha256": prompts.sha256, "format": prompts.format}, "settings": settings, "policy": policy,
+            "prompts_file": prompts.source, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def parse_run_file(data: bytes) -> tuple[dict | None, dict[str, dict]]:

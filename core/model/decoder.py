@@ -51,15 +51,16 @@ class FfnInput:
 
 
 def post_attn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, out: torch.Tensor, keep,
-              attention_out=None) -> FfnInput:
+              attention_out=None, fused_route: bool = False) -> FfnInput:
     """out [T, d2] from attend -> residual, norm, and the FFN's dense part. `attention_out` sums a
-    tensor-parallel rank's partial attention output over the ranks."""
+    tensor-parallel rank's partial attention output over the ranks; `fused_route`: the router as on an
+    accelerator (routing.route's `fused`)."""
     y = mixer.module(spec, layer).post(spec, w, out, keep)
     x = x + (y if attention_out is None else attention_out(y))
     h = norm(spec, x, w["ln2"], w.get("ln2_b"))
     if not spec.is_moe(layer):
         return FfnInput(x, h, dense=dense_mlp(w, h))
-    weights, idx = route(spec, h, w)
+    weights, idx = route(spec, h, w, fused_route)
     return FfnInput(x, h, weights, idx, shared_expert(spec, w, h) if spec.shared_intermediate else None)
 
 

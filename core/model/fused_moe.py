@@ -2,10 +2,11 @@
 into blocks of one expert each (core.model.moe_align), then one kernel per projection over every block —
 for every weight format and GPU generation, resident and streamed experts alike.
 
-Two torch ops carry it, registered with torch.library so that a launch count (core.runtime.op_count), a
+Two torch ops carry it, registered with torch.library so that a launch count (tests/op_count.py), a
 CUDA graph and the emulated device each see one op whatever runs inside, and with fake implementations
 so that meta tensors and capture know their shapes without running them:
-- `mlight::moe_align`: the block layout (no host sync, static shapes);
+- `mlight::moe_align`: the block layout (no host sync, static shapes; one Triton launch on a CUDA GPU,
+  core.model.moe_align_triton, the torch form elsewhere);
 - `mlight::moe_gemm`: one projection over all parts of a layer's experts. Inside, the Triton kernel
   (core.model.fused_moe_triton, imported on first use) where it runs the format and compute dtype on this GPU
   (its `unsupported`); else a torch form with the same semantics that runs anywhere (a T4 in bf16, the CPU
@@ -145,7 +146,17 @@ def _block_m(pairs: int, num_experts: int, triton: bool) -> int:
 # ---- the ops ------------------------------------------------------------------------------------------------
 @torch.library.custom_op("mlight::moe_align", mutates_args=())
 def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if topk_ids.is_cuda and _align_triton() is not None:  # one launch, where the torch form is about 15
+        return _align_triton().moe_align(topk_ids, num_experts, block_m)
     return moe_align(topk_ids, num_experts, block_m)
+
+
+@functools.lru_cache(maxsize=None)
+def _align_triton():
+    """core.model.moe_align_triton where triton is installed, else None."""
+    from core.model import moe_align_triton
+
+    return moe_align_triton if moe_align_triton.triton is not None else None
 
 
 @_align.register_fake

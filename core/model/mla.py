@@ -40,18 +40,34 @@ def _up(spec: ModelSpec, w: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return kv_b[:, :m.qk_nope_dim], kv_b[:, m.qk_nope_dim:]
 
 
-def _queries(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_lengths):
+def join_down(w: dict) -> dict:
+    """w with q_a and kv_a as one matrix "qkv_a" [q_lora + R + dr, D] (the accelerator's copy: one product for
+    both, its outputs split as views), where the layer has a low-rank query; else w."""
+    if "q_a" not in w or "kv_a" not in w:
+        return w
+    return {**{n: t for n, t in w.items() if n not in ("q_a", "kv_a")}, "qkv_a": torch.cat((w["q_a"], w["kv_a"]))}
+
+
+def _down(spec: ModelSpec, w: dict, h: torch.Tensor):
+    """h [T, D] -> (the query's latent before its norm [T, q_lora], or None without one; kv_a's [T, R + dr])."""
+    m = spec.mla
+    if "qkv_a" in w:
+        return F.linear(h, w["qkv_a"]).split([m.q_lora_rank, m.kv_lora_rank + m.qk_rope_dim], dim=-1)
+    return (F.linear(h, w["q_a"]) if "q_a" in w else None), F.linear(h, w["kv_a"])
+
+
+def _queries(spec: ModelSpec, w: dict, h: torch.Tensor, q_lat, positions, rope, call_lengths):
     """-> q_nope [T, H, dn], roped q_pe [T, H, dr]."""
     m = spec.mla
-    q = _query(spec, w, h)
+    q = _query(spec, w, h, q_lat)
     q_nope, q_pe = q.view(h.shape[0], spec.num_heads, -1).split([m.qk_nope_dim, m.qk_rope_dim], dim=-1)
     return q_nope, rope.apply(q_pe, positions, call_lengths)
 
 
-def _latent(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_lengths) -> torch.Tensor:
-    """-> [T, R + dr]: the normed latent and the roped shared key, as cached."""
+def _latent(spec: ModelSpec, kv: torch.Tensor, w: dict, positions, rope, call_lengths) -> torch.Tensor:
+    """kv_a's output [T, R + dr] -> [T, R + dr]: the normed latent and the roped shared key, as cached."""
     m = spec.mla
-    c, k_pe = F.linear(h, w["kv_a"]).split([m.kv_lora_rank, m.qk_rope_dim], dim=-1)
+    c, k_pe = kv.split([m.kv_lora_rank, m.qk_rope_dim], dim=-1)
     k_pe = rope.apply(k_pe[:, None, :], positions, call_lengths)[:, 0]
     return torch.cat((rms_norm(c, w["kv_a_norm"], LATENT_NORM_EPS), k_pe), dim=-1)
 
@@ -63,8 +79,9 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
     q_pe and k_pe, side by side, take one RoPE — no joins after."""
     m, T, H = spec.mla, h.shape[0], spec.num_heads
     R, dr = m.kv_lora_rank, m.qk_rope_dim
-    q = _query(spec, w, h).view(T, H, -1)
-    c, k_pe = F.linear(h, w["kv_a"]).split([R, dr], dim=-1)
+    q_lat, kv = _down(spec, w, h)
+    q = _query(spec, w, h, q_lat).view(T, H, -1)
+    c, k_pe = kv.split([R, dr], dim=-1)
     payload = torch.empty((T, d1_width(spec)), dtype=q.dtype, device=q.device) if out is None else out
     P = payload.view(T, H + 1, R + dr)
     w_uk, _ = _up(spec, w)
@@ -75,11 +92,11 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
     return payload, None
 
 
-def _query(spec: ModelSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
-    """-> q [T, H·(dn + dr)]."""
+def _query(spec: ModelSpec, w: dict, h: torch.Tensor, q_lat: torch.Tensor | None) -> torch.Tensor:
+    """-> q [T, H·(dn + dr)]; q_lat: _down's query latent (None without a low-rank query)."""
     if "q" in w:
         return F.linear(h, w["q"])
-    return F.linear(rms_norm(F.linear(h, w["q_a"]), w["q_a_norm"], LATENT_NORM_EPS), w["q_b"])
+    return F.linear(rms_norm(q_lat, w["q_a_norm"], LATENT_NORM_EPS), w["q_b"])
 
 
 def _latent_norm_into(c: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> None:
@@ -125,8 +142,9 @@ def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, 
             call_lengths=None, window: int = 0, full_norm=None):
     """Whole prompts in h [T, D] -> (output [T, D], per prompt its latents [L, R + dr] to store)."""
     m, T, H = spec.mla, h.shape[0], spec.num_heads
-    q_nope, q_pe = _queries(spec, w, h, positions, rope, call_lengths)
-    lat = _latent(spec, w, h, positions, rope, call_lengths)
+    q_lat, kv = _down(spec, w, h)
+    q_nope, q_pe = _queries(spec, w, h, q_lat, positions, rope, call_lengths)
+    lat = _latent(spec, kv, w, positions, rope, call_lengths)
     c, k_pe = lat.split([m.kv_lora_rank, m.qk_rope_dim], dim=-1)
     k_nope, v = F.linear(c, w["kv_b"]).view(T, H, -1).split([m.qk_nope_dim, m.v_head_dim], dim=-1)
     q = torch.cat((q_nope, q_pe), dim=-1)

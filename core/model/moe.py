@@ -29,9 +29,10 @@ from core.model.spec import ModelSpec
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
-def route(spec: ModelSpec, h: torch.Tensor, w: dict):
-    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k]); `w` holds the layer's router tensors."""
-    return routing.route(spec, h, w)
+def route(spec: ModelSpec, h: torch.Tensor, w: dict, fused: bool = False):
+    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k]); `w` holds the layer's router tensors
+    (`fused`: routing.route's)."""
+    return routing.route(spec, h, w, fused=True) if fused else routing.route(spec, h, w)
 
 
 def _grouped_ok(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:

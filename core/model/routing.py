@@ -17,21 +17,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from core.model import fused_router
 from core.model.spec import ModelSpec
 
 
-def route(spec: ModelSpec, h: torch.Tensor, w: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k])."""
+def route(spec: ModelSpec, h: torch.Tensor, w: dict, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k]). `fused`: on an accelerator, what follows
+    the matmul as one op where core.model.fused_router takes the router (the same arithmetic)."""
     if spec.router_fp32:
         logits = F.linear(h.float(), w["router"].float())
     else:
         logits = F.linear(h, w["router"], w.get("router_bias"))
+    if fused and fused_router.takes(spec):
+        return fused_router.route(spec, logits, w.get("e_bias"), h.dtype)
+    return choose(spec, logits, w, h.dtype)
+
+
+def choose(spec: ModelSpec, logits: torch.Tensor, w: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router after its matmul: logits [T, E] -> (weights [T, k] in `dtype`, expert ids [T, k])."""
     kind = spec.router
     if kind == "softmax":
         probs = torch.softmax(logits.float() if spec.router_softmax_fp32 else logits, dim=-1)
         top, idx = torch.topk(probs, spec.top_k, dim=-1)
         if spec.router_norm == "sum" and spec.routed_scale == 1.0:  # the quotient rounded straight to h's dtype
-            return torch.div(top, top.sum(dim=-1, keepdim=True), out=_empty(top, h.dtype)), idx
+            return torch.div(top, top.sum(dim=-1, keepdim=True), out=_empty(top, dtype)), idx
         top = _renormalise(spec, top)
     elif kind == "topk_softmax":
         top, idx = torch.topk(logits, spec.top_k, dim=-1)
@@ -57,15 +66,15 @@ def route(spec: ModelSpec, h: torch.Tensor, w: dict) -> tuple[torch.Tensor, torc
         if spec.router_norm == "sum":
             denom = top.sum(dim=-1, keepdim=True) + 1e-20
             if spec.routed_scale == 1.0:
-                return torch.div(top, denom, out=_empty(top, h.dtype)), idx
+                return torch.div(top, denom, out=_empty(top, dtype)), idx
             top = top / denom
     elif kind == "sparsemixer":
         top, idx = _sparsemixer(logits, spec.router_jitter)
     else:
         raise ValueError(f"unknown router {kind!r}")
     if spec.routed_scale != 1.0:  # the product rounded straight to h's dtype: the same value as after a cast
-        return torch.mul(top, spec.routed_scale, out=_empty(top, h.dtype)), idx
-    return top.to(h.dtype), idx
+        return torch.mul(top, spec.routed_scale, out=_empty(top, dtype)), idx
+    return top.to(dtype), idx
 
 
 def _empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -185,6 +185,7 @@ class Dims:
     moe_frac: float = 1.0  # share of the layers with experts (the rest run a dense MLP)
     Id: int = 0  # dense MLP intermediate
     dtype: str = "bfloat16"
+    router_dt: int = 0  # bytes per router weight on the GPU: 4 where the router computes in fp32 (kept so), else dt
 
     def avg(self, f) -> float:
         """f(mixer cost) averaged over the layers."""
@@ -242,6 +243,7 @@ def _dims(m: ModelSpec) -> Dims:
                 moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate,
                 scratch=_scratch(m), qkind=_qkind(m.expert_format), dtype=m.dtype,
                 act_temps=4 if m.expert_act == "clamped_swiglu" else 1, expert_bias=m.expert_bias,
+                router_dt=max(4, m.dtype_bytes) if m.router_fp32 else m.dtype_bytes,
                 expanded=m.expert_params * m.dtype_bytes if m.expert_format != "none" else 0,
                 **_expert_layout(m), **_dense_quant(m))
 
@@ -331,7 +333,15 @@ def o_proj(m: "ModelSpec | Dims", t: float) -> Work:
 
 def router(m: "ModelSpec | Dims", t: float) -> Work:
     d = dims(m)
-    return Work(d.moe_frac * 2 * t * d.D * d.E, d.moe_frac * (d.E * d.D + t * d.D) * d.dt)
+    return Work(d.moe_frac * 2 * t * d.D * d.E, d.moe_frac * (d.E * d.D * (d.router_dt or d.dt) + t * d.D * d.dt))
+
+
+def gpu_nonexpert_bytes(m: "ModelSpec | Dims") -> int:
+    """The non-expert weights as the GPU holds them: an fp32 router kept in fp32 there (core.runtime.pipeline),
+    not cast every micro-batch."""
+    d = dims(m)
+    widen = max(0, (d.router_dt or d.dt) - d.dt) * d.E * d.D
+    return d.nonexpert_bytes + round(d.moe_frac * d.layers) * widen
 
 
 def moe_ffn(m: "ModelSpec | Dims", t: float, expand: bool = False) -> Work:

@@ -141,7 +141,7 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     d1, d2 = max(x.d1 for x in d.mixers), max(x.d2 for x in d.mixers)  # per token: QKV out, attention back
     qkv_o = N * (d1 + d2) * d.dt if not gpu_attn else 0  # D1 source, D2 target per micro-batch
     gpu = {
-        "non_expert_weights": d.nonexpert_bytes,
+        "non_expert_weights": hrm.gpu_nonexpert_bytes(d),
         "resident_experts": sum(resident) * eb,
         "weight_double_buffer": 2 * width * eb,
         "kv_cache": int(kv_gpu * kv_layer),

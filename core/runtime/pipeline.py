@@ -39,7 +39,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from core.model import decoder, limits, mixer
+from core.model import decoder, limits, mixer, mla
 from core.model.cpu.kernels import Widen
 from core.model.kvcache import KVCache, Rows, layer_store, load_rows
 from core.model.layers import final_logits
@@ -189,7 +189,7 @@ class PipelineRunner:
         self.widen_ffn = (Widen(weights.math_dtype, direct_rows) if not dev.accelerator
                           and weights.math_dtype != weights.dtype else None)
         # dense (non-expert) weights and the globals live on the device for the whole run
-        self.dense = [{n: dev.to_device(t) for n, t in lw.dense().items()} for lw in weights.layers]
+        self.dense = [self._device_dense(lw) for lw in weights.layers]
         self.globals = {n: dev.to_device(t) for n, t in weights.globals.items()}
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
         self._unpinned = 0  # host bytes for GPU copies that could not be page-locked
@@ -218,6 +218,16 @@ class PipelineRunner:
         self._fns = dict(_TASK_FNS)
 
     # ---- memory -------------------------------------------------------------------------------------
+    def _device_dense(self, lw) -> dict:
+        """A layer's non-expert weights on the device. On an accelerator: an fp32 router kept in fp32 (not cast
+        every micro-batch; hrm.gpu_nonexpert_bytes prices it), MLA's q_a and kv_a as one matrix (one product)."""
+        w = lw.dense()
+        if self.dev.accelerator:
+            if self.spec.router_fp32 and "router" in w:
+                w = {**w, "router": w["router"].float()}
+            w = mla.join_down(w)
+        return {n: self.dev.to_device(t) for n, t in w.items()}
+
     def _place_experts(self) -> None:
         """Resident experts on the device; the streaming buffer's halves and their page copies. Each layer
         uses its own layout (a GGUF file's formats may differ by layer)."""
@@ -549,7 +559,8 @@ class PipelineRunner:
 
         def segment(x, o, keep):  # what a CUDA graph captures (core.runtime.graphs): FfnInput's tensors
             # the shared expert's output joins the routed experts' before the residual add, as the reference does
-            f = decoder.post_attn(self.spec, i, self.dense[i], x, o, keep, self._attention_out)
+            f = decoder.post_attn(self.spec, i, self.dense[i], x, o, keep, self._attention_out,
+                                  fused_route=self.dev.accelerator)
             return f.x, f.h, f.weights, f.idx, f.dense
 
         inputs, j = (mb.x, o, mb.keep), t.micro_batch

@@ -60,6 +60,12 @@ class StepScreen(Screen):
     def backend(self):
         return self.mapp.backend
 
+    @property
+    def cpu_mode(self) -> bool:
+        """The machine has no GPU (False while it is not known yet)."""
+        m = self.session.machine
+        return m is not None and m.cpu_mode
+
     def compose(self) -> ComposeResult:
         yield Steps(self.STEP, id="steps")
         yield from self.compose_body()

@@ -176,11 +176,6 @@ class PlanScreen(StepScreen):
             self.status("This machine could not run the model in its stored dtype: choose float32 here, "
                         "then Ctrl+N.", "warn")
 
-    @property
-    def cpu_mode(self) -> bool:
-        m = self.session.machine
-        return m is not None and m.cpu_mode
-
     # ---- planning -------------------------------------------------------------------------------
     def _budgets_from_options(self) -> tuple[int | None, int | None]:
         o = self.session.options
@@ -299,9 +294,7 @@ class PlanScreen(StepScreen):
         texts = self._budget_texts()
         if plan is None or texts in ((_gb_text(plan.gpu_budget), _gb_text(plan.cpu_budget)), self._asked):
             return  # filled from the plan, or already being planned for
-        if self._replan_timer is not None:
-            self._replan_timer.stop()
-        self._replan_timer = self.set_timer(0.4, self.action_replan)  # re-plan once typing pauses
+        self._replan_soon()
 
     @on(Input.Changed, "#max-new")
     def max_new_changed(self, event: Input.Changed) -> None:
@@ -319,6 +312,10 @@ class PlanScreen(StepScreen):
             return
         self.backend.set_max_new_tokens(n)
         prompts.default_max_new = n
+        self._replan_soon()
+
+    def _replan_soon(self) -> None:
+        """Re-plan once typing pauses."""
         if self._replan_timer is not None:
             self._replan_timer.stop()
         self._replan_timer = self.set_timer(0.4, self.action_replan)

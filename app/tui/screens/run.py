@@ -63,11 +63,6 @@ class RunScreen(StepScreen):
         self._parted_logged = False
         self._zoom = 0
 
-    @property
-    def cpu_mode(self) -> bool:
-        m = self.session.machine
-        return m is not None and m.cpu_mode
-
     def compose_body(self) -> ComposeResult:
         with VerticalScroll(id="body"):
             with Horizontal(classes="run-row", id="run-top"):

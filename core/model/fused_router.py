@@ -1,0 +1,71 @@
+"""The MoE router after its matmul as one op on an accelerator: `mlight::route`, logits to experts and weights.
+
+Registered with torch.library like core.model.fused_moe's ops, so that a launch count (tests/op_count.py),
+a CUDA graph and the emulated device each see one op, with a fake implementation for meta tensors and capture.
+Inside: the Triton kernel (core.model.router_triton, one launch) on a CUDA GPU where triton is installed; else
+core.model.routing's own torch form, op for op the reference's (the CPU and its emulated device, where the
+engine's tokens are checked against transformers'). The router's matmul stays outside, a matmul.
+
+Taken: sigmoid_group and softmax_group with their sum or no renormalisation, and softmax over fp32 (the kernel
+computes in fp32; DBRX's softmax in the weights' dtype, gpt-oss's top-k-then-softmax, Phi's sparsemixer and a
+p-norm stay on routing.py's ops).
+Legend: T = tokens, E = experts, k = experts per token.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+from core.model.spec import ModelSpec
+
+_KINDS = ("softmax", "softmax_group", "sigmoid_group")
+
+
+def takes(spec: ModelSpec) -> bool:
+    """Whether `mlight::route` computes this router (else routing.py's ops run)."""
+    return (spec.router in _KINDS and spec.router_norm in ("sum", "none")
+            and (spec.router != "softmax" or spec.router_softmax_fp32))
+
+
+def route(spec: ModelSpec, logits: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """logits [T, E] -> (weights [T, k] in `dtype`, expert ids [T, k] int64), one op."""
+    groups = spec.router_groups if spec.router != "softmax" else 1
+    return torch.ops.mlight.route(logits, bias if spec.router == "sigmoid_group" and spec.router_correction else None,
+                                  spec.router, spec.top_k, groups, spec.router_topk_groups if groups > 1 else 1,
+                                  spec.router_norm == "sum", float(spec.routed_scale), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton():
+    """core.model.router_triton where triton is installed, else None."""
+    from core.model import router_triton
+
+    return router_triton if router_triton.triton is not None else None
+
+
+@torch.library.custom_op("mlight::route", mutates_args=())
+def _route(logits: torch.Tensor, bias: torch.Tensor | None, kind: str, top_k: int, groups: int, topk_groups: int,
+           renorm: bool, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.is_cuda and _triton() is not None:
+        return _triton().route(logits, bias, dtype, kind=kind, top_k=top_k, groups=groups, topk_groups=topk_groups,
+                               renorm=renorm, scale=scale)
+    return torch_form(logits, bias, kind, top_k, groups, topk_groups, renorm, scale, dtype)
+
+
+@_route.register_fake
+def _(logits, bias, kind, top_k, groups, topk_groups, renorm, scale, dtype):
+    T = logits.shape[0]
+    return logits.new_empty((T, top_k), dtype=dtype), logits.new_empty((T, top_k), dtype=torch.int64)
+
+
+def torch_form(logits, bias, kind, top_k, groups, topk_groups, renorm, scale, dtype):
+    """routing.choose on the op's arguments: the reference's ops, as the engine runs them without the op."""
+    from core.model import routing
+
+    spec = types.SimpleNamespace(router=kind, top_k=top_k, router_groups=groups, router_topk_groups=topk_groups,
+                                 num_experts=logits.shape[-1], router_correction=bias is not None,
+                                 router_norm="sum" if renorm else "none", routed_scale=scale, router_softmax_fp32=True)
+    return routing.choose(spec, logits, {"e_bias": bias}, dtype)
