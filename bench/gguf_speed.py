@@ -16,6 +16,16 @@ machine does not keep.
     python bench/gguf_speed.py                      # hidden 1024, I 2048, 4 layers, 8 experts; B = 1, 8, 32
     python bench/gguf_speed.py --threads 1 --rounds 5   # CPU-time clock: for a shared, loaded machine
     python bench/gguf_speed.py --quick              # a smoke run
+
+`--kernel` times the blocks kernel's own two paths instead, on bench/cpu_vs_hf.py's FULL expert shapes (hidden
+1024, intermediate 3840: gate/up [7680, 1024], down [1024, 3840]) in one process: "fp32" (each weight row
+decoded to floats, fp32 FMAs) and "int8" (activations quantized per 32 values, integer dots: AVX-512 VNNI or
+AVX2 `maddubs`), at M activation rows and in the fused one-token call (`moe`, 2 of 8 experts), interleaved
+(fp32, int8, fp32, ...); printed: G weights/s of each (median) and the int8/fp32 ratio per round, its median
+and spread.
+
+    python bench/gguf_speed.py --kernel                                   # Q8_0 and Q4_K; M = 1..128; 1 and 2 threads
+    python bench/gguf_speed.py --kernel --formats Q6_K --rows 1,8 --kernel-threads 1
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +43,7 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
@@ -52,7 +64,81 @@ def parse_args(argv=None):
                    help="per-step seconds: this process's CPU time (default with --threads 1: a descheduled "
                         "thread's wall time is a neighbour's work) or the wall clock (default with more threads)")
     p.add_argument("--workdir", type=Path, default=None)
+    k = p.add_argument_group("--kernel: the blocks kernel's int8 path against its fp32 path")
+    k.add_argument("--kernel", action="store_true")
+    k.add_argument("--formats", default="Q8_0,Q4_K")
+    k.add_argument("--rows", default="1,8,32,64,128")
+    k.add_argument("--kernel-threads", default="1,2")
+    k.add_argument("--min-s", type=float, default=0.15, help="seconds each timing runs for at least")
     return p.parse_args(argv)
+
+
+D, I, E, TOP_K = 1024, 3840, 8, 2  # --kernel's shapes
+
+
+def blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
+    from gguf_files import quantize
+
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(quantize(w, kind))).view(torch.uint8).reshape(n, -1)
+
+
+def timed(fn, min_s: float) -> float:
+    """Seconds a call, the best of batches run for at least min_s together."""
+    fn()
+    best, spent = float("inf"), 0.0
+    while spent < min_s:
+        n, t0 = 0, time.perf_counter()
+        while n < 3 or time.perf_counter() - t0 < 0.02:
+            fn()
+            n += 1
+        dt = time.perf_counter() - t0
+        spent += dt
+        best = min(best, dt / n)
+    return best
+
+
+def compare(rounds: int, label: str, weights: int, run, args) -> None:
+    rates = {"fp32": [], "int8": []}
+    ratios = []
+    for _ in range(rounds):
+        t = {p: timed(lambda p=p: run(p), args.min_s) for p in ("fp32", "int8")}
+        for p in t:
+            rates[p].append(weights / t[p] / 1e9)
+        ratios.append(t["fp32"] / t["int8"])
+    print(f"| {label} | {statistics.median(rates['fp32']):.2f} | {statistics.median(rates['int8']):.2f} | "
+          f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) |", flush=True)
+
+
+def kernel_paths(args) -> int:
+    from core.model.cpu import gguf_blocks
+
+    rounds = args.rounds or 5
+    lib = gguf_blocks.library()
+    if lib is None:
+        print(f"no kernel: {gguf_blocks.status()}")
+        return 1
+    print(f"# {gguf_blocks.status()}; D {D}, I {I}; {rounds} interleaved rounds")
+    print("| format, threads, call | fp32 G weights/s | int8 G weights/s | int8 speed-up: median (min..max) |")
+    print("|---|---|---|---|")
+    for kind in args.formats.split(","):
+        w13 = torch.stack([blocks(kind, 2 * I, D, e) for e in range(E)])
+        w2 = torch.stack([blocks(kind, D, I, 10 + e) for e in range(E)])
+        g = torch.Generator().manual_seed(0)
+        for threads in (int(t) for t in args.kernel_threads.split(",")):
+            torch.set_num_threads(threads)
+            x1 = torch.randn(1, D, generator=g).bfloat16()
+            ids, wts = torch.tensor([[5, 2]]), torch.tensor([[0.6, 0.4]])
+            compare(rounds, f"{kind}, {threads}, moe B=1", TOP_K * 3 * D * I,
+                    lambda p: gguf_blocks.moe(x1, ids, wts, (kind, w13), (kind, w2), path=p), args)
+            for m in (int(r) for r in args.rows.split(",")):
+                xu = torch.randn(m, D, generator=g).bfloat16()
+                xd = torch.randn(m, I, generator=g).bfloat16()
+                compare(rounds, f"{kind}, {threads}, gate/up M={m}", 2 * I * D,
+                        lambda p: gguf_blocks.linear(kind, xu, w13[0], path=p), args)
+                compare(rounds, f"{kind}, {threads}, down M={m}", D * I,
+                        lambda p: gguf_blocks.linear(kind, xd, w2[0], path=p), args)
+    return 0
 
 
 def without_kernel(engine):
@@ -67,6 +153,8 @@ def without_kernel(engine):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.kernel:
+        return kernel_paths(args)
     from core.runtime.engine import Engine
     from gguf_files import uniform, write_gguf
 

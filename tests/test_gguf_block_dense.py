@@ -25,6 +25,7 @@ from core.model.quant.formats import NATIVE_GGUF_ROWS
 from core.runtime.engine import Engine, Request
 from gguf_files import decode_logits, first_logits, logit_error, quantize
 from test_engine_parity import PROMPTS
+from test_gguf_int8 import quantized
 from test_gguf_reference import MEDIAN_BOUND, WORST_BOUND, knob, made  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(gguf_blocks.library() is None, reason="no C compiler: GGUF blocks expand")
@@ -50,12 +51,18 @@ def test_a_block_weight_of_mixed_formats_multiplies_like_its_dequantized_rows(ro
     deq = torch.cat([d for *_, d in made_])
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     bias = torch.randn(448, dtype=torch.float64)
-    want = x @ deq.t() + bias
+
+    def reference(x):  # each segment's product as the kernel takes it: on the int8 path (bf16 x), x quantized
+        int8 = [x.dtype == torch.bfloat16 and rows <= min(NATIVE_GGUF_ROWS, gguf_blocks.INT8_MAX_ROWS[kind])
+                for kind, *_ in made_]
+        return torch.cat([(quantized(x) if q else x.double()) @ d.t() for q, (*_, d) in zip(int8, made_)], -1)
+
+    want = reference(x) + bias
     got = torch.nn.functional.linear(x.float(), w, bias.float())
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
     xb = x.bfloat16()  # bf16 in and out: the output's rounding (and, expanded, the weights')
     gotb = torch.nn.functional.linear(xb, w)
-    torch.testing.assert_close(gotb.double(), xb.double() @ deq.t(), rtol=2e-2, atol=0.15)
+    torch.testing.assert_close(gotb.double(), reference(xb), rtol=2e-2, atol=0.15)
     torch.testing.assert_close(w.dequantized(torch.float32).double(), deq, rtol=0, atol=0)
 
 

@@ -1,7 +1,8 @@
 """GGUF blocks computed as the file stores them (issue 47): the C kernel core.model.cpu.gguf_blocks.
 
-Its decoded rows must be `gguf.quants.dequantize`'s weights bit for bit (x = the identity gives them back:
-each output is one weight times 1 plus zeros); the default path built on it must stay within issue 44's
+Its fp32 path's decoded rows must be `gguf.quants.dequantize`'s weights bit for bit (x = the identity gives
+them back: each output is one weight times 1 plus zeros; the int8 path is tests/test_gguf_int8.py); the default
+path built on it must stay within issue 44's
 bound of the reference reading, per format; the experts must be held at the file's bytes; and a decode
 step must never expand a whole quantized matrix (the expander is made to raise during decode).
 """
@@ -39,13 +40,13 @@ def _blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, tor
 @pytest.mark.parametrize("kind", FORMATS)
 def test_decoded_rows_are_gguf_dequantize_bit_for_bit(kind):
     raw, deq = _blocks(kind, 24, 512)
-    got = gguf_blocks.linear(kind, torch.eye(512), raw).t()
+    got = gguf_blocks.linear(kind, torch.eye(512), raw, path="fp32").t()
     assert torch.equal(got, deq)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(gguf_blocks.linear(kind, x, raw), x @ deq.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gguf_blocks.linear(kind, x, raw, path="fp32"), x @ deq.t(), rtol=1e-5, atol=1e-4)
     xb = x.bfloat16()  # bf16 in and out: only the output's rounding differs from fp32 math
-    torch.testing.assert_close(gguf_blocks.linear(kind, xb, raw), (xb.float() @ deq.t()).bfloat16(), rtol=8e-3,
-                               atol=1e-2)
+    torch.testing.assert_close(gguf_blocks.linear(kind, xb, raw, path="fp32"), (xb.float() @ deq.t()).bfloat16(),
+                               rtol=8e-3, atol=1e-2)
 
 
 def test_the_reference_reading_keeps_the_kernel_off(knob):
@@ -119,12 +120,14 @@ def _requests(prompts):
 
 @pytest.mark.parametrize("up,down", [("Q8_0", "Q8_0"), ("Q4_K", "Q6_K"), ("MXFP4", "MXFP4")])
 def test_one_tokens_experts_in_one_call_equal_the_float32_experts(up, down):
+    """The fp32 path (the int8 one, the default: tests/test_gguf_int8.py)."""
     E, D, I, k = 4, 256, 512, 2
     w13 = [_blocks(up, 2 * I, D, seed=e) for e in range(E)]
     w2 = [_blocks(down, D, I, seed=10 + e) for e in range(E)]
     g = torch.Generator().manual_seed(2)
     x, ids, wts = torch.randn(1, D, generator=g), torch.tensor([[3, 1]]), torch.tensor([[0.7, 0.3]])
-    got = gguf_blocks.moe(x, ids, wts, (up, torch.stack([r for r, _ in w13])), (down, torch.stack([r for r, _ in w2])))
+    got = gguf_blocks.moe(x, ids, wts, (up, torch.stack([r for r, _ in w13])), (down, torch.stack([r for r, _ in w2])),
+                          path="fp32")
     want = torch.zeros(1, D)
     for e, w in zip(ids[0].tolist(), wts[0].tolist()):
         gate, u = (x @ w13[e][1].t()).chunk(2, -1)

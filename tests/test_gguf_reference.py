@@ -5,7 +5,8 @@ give transformers' greedy tokens (within near-ties, gguf_files.NEAR_TIE) on Q8_0
 MXFP4 files written by gguf's writer, for Qwen3-MoE (transformers reads the file itself), Mixtral and
 DeepSeek-V2 (transformers cannot read those from GGUF: its model of the checkpoint carries the weights as
 the gguf package dequantizes them). The default path (bf16 compute, mlight's kernels) deviates from it by
-the bf16 rounding of weights and activations; its first-step logit error stays within the bound README
+the bf16 rounding of weights and activations and, on the GGUF blocks kernel, the activations' int8
+quantization per 32 values; its first-step logit error stays within the bound README
 states. One format per family runs by default, the whole matrix under `slow`.
 """
 

@@ -3,8 +3,15 @@ machine like the other C kernels (core.model.cpu.native: the compiler search, ca
 
 A GGUF expert used to be expanded whole into a float buffer on every use (core.model.quant.expand); this
 kernel decodes one weight row at a time into a buffer that stays in cache and dots it with every activation
-row, so the weights are read once, at the file's bits. Its row buffer holds `gguf.quants.dequantize`'s
-values bit for bit (every product in the decoders is exact in float32), and the math is float32.
+row, so the weights are read once, at the file's bits. Two paths (PATHS):
+- "int8" (the default for bf16 activations: up to the format's INT8_MAX_ROWS rows, and in `moe`): each
+  activation row quantized once a call to int8 per 32 values, as llama.cpp does, and dotted as integers
+  with the blocks' own integers (AVX-512 VNNI, AVX2 `maddubs`, or plain C: "int8_c", the same integers and
+  floats); the result is "quantized activations · the file's weights" up to float32 summation;
+- "fp32": the row decoded to `gguf.quants.dequantize`'s floats bit for bit (every product in the decoders is
+  exact in float32) and float32 math with unquantized activations: above those rows, and always for float32
+  activations (a float32 engine asked for float32's precision: it matches transformers' float64 reading of
+  the file to 1e-4, tests/test_quant_gguf.py, where int8 activations deviate by about 1 %).
 `moe` is one token's routed experts with SwiGLU in one call (decode at batch 1). `runs` says where they run
 (not without a compiler, after a failed build, under MLIGHT_KERNELS=torch, for a format or shape they do not
 take); elsewhere the caller expands, as before.
@@ -24,6 +31,13 @@ from core.model.cpu import native
 from core.model.quant.formats import GGUF_BLOCKS
 
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
+PATHS = {"fp32": 0, "int8_c": 1, "int8": 2}
+SIMD = {0: "plain C", 1: "AVX2 maddubs", 2: "AVX-512 VNNI"}  # the int8 dots a build has
+# rows up to which `linear` takes the int8 path, per format: where it was faster than fp32 on the 784M
+# Mixtral's expert shapes, one thread (bench/gguf_speed.py --kernel). Above, the per-block float work (a scale product
+# and an FMA a 32-block and activation row, plus the offsets' dot) costs what the fp32 FMAs do, and the
+# formats with an offset fall behind; Q8_0 stays ahead to 128 (NATIVE_GGUF_ROWS: the kernel's end).
+INT8_MAX_ROWS = {"Q8_0": 128, "Q4_0": 64, "Q4_K": 4, "Q5_K": 4, "Q6_K": 16, "MXFP4": 128}
 
 _reason = "not built yet"
 
@@ -32,12 +46,13 @@ class _Lib:
     def __init__(self, path, flags: str):
         self.dll = ctypes.CDLL(str(path))
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self.linear = native.bind(self.dll, "mlight_gguf_linear", [C, P, C, I, I, I, P, I, I, P, C, I, P, C], C)
+        self.linear = native.bind(self.dll, "mlight_gguf_linear", [C, P, C, I, I, I, P, I, I, P, C, I, P, C, C], C)
         self.scratch = native.bind(self.dll, "mlight_gguf_scratch", [I, I, C], I)
         self.moe = native.bind(self.dll, "mlight_gguf_moe",
-                               [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C], C)
+                               [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
         self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
         self.openmp = bool(self.dll.mlight_gguf_openmp())
+        self.simd = SIMD[self.dll.mlight_gguf_simd()]
         self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
@@ -45,9 +60,19 @@ class _Lib:
 def _build(level: str) -> _Lib | None:
     global _reason
     flags, vw = native._flags()
+    if "-mavx2" in flags and _has("f16c"):  # the blocks' half scales in one instruction (every AVX2 CPU has it)
+        flags = [*flags, "-mf16c"]
+    if "-mavx512vl" in flags and _has("avx512_vnni"):
+        flags = [*flags, "-mavx512vnni"]
     lib, _reason = native.build_kernel(SOURCE, "gguf_matmul", flags, vw,
                                        lambda path: _Lib(path, " ".join(flags) or "baseline"))
     return lib
+
+
+def _has(feature: str) -> bool:
+    from core.model.cpu import isa
+
+    return bool(isa._features().get(feature))
 
 
 def library() -> _Lib | None:
@@ -58,7 +83,7 @@ def library() -> _Lib | None:
 
 def status() -> str:
     lib = library()
-    return f"C kernel ({lib.flags})" if lib is not None else f"expanded per use ({_reason})"
+    return f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None else f"expanded per use ({_reason})"
 
 
 def runs(name: str, dtype: torch.dtype, *ks: int) -> bool:
@@ -82,10 +107,12 @@ def _scratch(numel: int) -> torch.Tensor:
     return buf
 
 
-def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None,
+           path: str | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp32) · Wᵀ -> [M, N] in x's dtype; W [N, K] as the file's blocks raw uint8 [N, K/block ·
     bytes], rows contiguous. `out`: where to write it ([M, N] in x's dtype, unit stride in N, rows anywhere:
-    a column slice of a wider output). The caller checked `runs`."""
+    a column slice of a wider output). `path`: one of PATHS (default: int8 for bf16 x up to
+    INT8_MAX_ROWS[name] rows, else fp32). The caller checked `runs`."""
     lib = library()
     M, K = x.shape
     N = raw.shape[0]
@@ -97,8 +124,9 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
         raise ValueError(f"out must be [{M}, {N}] {x.dtype} with unit stride in N, not {tuple(y.shape)} {y.dtype}")
     s = _scratch(lib.scratch(M, K, threads))
     bf = int(x.dtype == torch.bfloat16)
+    p = PATHS[path or ("int8" if bf and M <= INT8_MAX_ROWS[name] else "fp32")]
     if lib.linear(KINDS[name], x.data_ptr(), bf, x.stride(0), M, K, raw.data_ptr(), raw.stride(0), N, y.data_ptr(), bf,
-                  y.stride(0), s.data_ptr(), threads):
+                  y.stride(0), s.data_ptr(), threads, p):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
     return y
 
@@ -107,10 +135,11 @@ MAX_EXPERTS = 64  # routed experts of one token the fused call takes
 
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
-        down: tuple[str, torch.Tensor]) -> torch.Tensor | None:
+        down: tuple[str, torch.Tensor], path: str | None = None) -> torch.Tensor | None:
     """One token's routed experts: x [1, D]; ids [1, k] and weights [1, k] on the host; up = (format, raw uint8
     [E, 2I, bytes]) gate rows then up rows, down = (format, raw [E, D, bytes]), each expert's rows contiguous
-    -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype; None where it does not take the call."""
+    -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype; None where it does not take the call. `path`: one
+    of PATHS (int8, the default for bf16 x: x and each expert's silu(gate) · up quantized per 32 values)."""
     lib = library()
     D = x.shape[-1]
     (k13, w13), (k2, w2) = up, down
@@ -129,6 +158,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     bf = int(x.dtype == torch.bfloat16)
     if lib.moe(KINDS[k13], KINDS[k2], x.data_ptr(), bf, D, I, k, ids.data_ptr(), weights.data_ptr(),
                int(weights.dtype == torch.bfloat16), w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(),
-               w2.stride(0), w2.stride(1), out.data_ptr(), bf, s.data_ptr(), threads):
+               w2.stride(0), w2.stride(1), out.data_ptr(), bf, s.data_ptr(), threads,
+               PATHS[path or ("int8" if bf else "fp32")]):
         raise RuntimeError(f"the GGUF kernel refused D={D}, I={I}, {k} experts")
     return out
