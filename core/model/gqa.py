@@ -144,8 +144,9 @@ def _qk_norm_into(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, dst: torch.
 def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:
     """One new token per row: write its K/V, attend over the row. payload [B, d1] -> [B, Hq·hd]."""
     B, H, Hkv, hd = rows.B, spec.num_heads, spec.num_kv_heads, spec.head_dim
-    qs, ks = spec.q_size, spec.kv_size  # slices, not Tensor.split: its Python wrapper costs more at B = 1
-    q, k, v = payload[:, :qs], payload[:, qs:qs + ks].view(B, Hkv, hd), payload[:, qs + ks:qs + 2 * ks].view(B, Hkv, hd)
+    # split_with_sizes, not Tensor.split: the same one op without Tensor.split's Python wrapper (it shows at B = 1)
+    q, k, v = payload.split_with_sizes([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    k, v = k.view(B, Hkv, hd), v.view(B, Hkv, hd)
     if hasattr(store, "write_rows"):
         store.write_rows(rows, k, v)
     else:
