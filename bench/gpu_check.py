@@ -241,7 +241,17 @@ def stage_smoke(c: Check, until: float) -> dict:
     path, reqs = tiny_model(c, "mixtral"), requests(6, 6)
     want = cpu_reference(path, reqs)
     got = on_device(c, path, reqs, until, schedule="cgopipe", pages_per_layer=2, resident_layers=1)
-    return {"equal": got == want, "requests": len(got), "seconds": round(time.monotonic() - t0, 1)}
+    cut = time.monotonic() > until
+    return {"equal": agree(got, want, cut), "cut_short": cut, "requests": len(got),
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+def agree(got: dict, want: dict, cut_short: bool) -> bool:
+    """The device's tokens are the reference's: all of them, or where the stage's time ran out mid-run, a
+    prefix of each request's (a slow machine's short run is not a wrong one)."""
+    if not cut_short:
+        return got == want
+    return got.keys() <= want.keys() and all(want[i][:len(t)] == t for i, t in got.items())
 
 
 PAGINGS = {"streamed": dict(pages_per_layer=1, resident_layers=0), "paged+resident": dict(pages_per_layer=3,
@@ -917,7 +927,8 @@ def table(report: dict) -> str:
         if "skipped" in r or "error" in r:
             lines.append(f"{name:8} {r.get('skipped') or r.get('error')}")
         elif name == "smoke":
-            lines.append(f"smoke    tokens {'equal' if r['equal'] else 'DIFFER'} ({r['seconds']} s)")
+            lines.append(f"smoke    tokens {'equal' if r['equal'] else 'DIFFER'} ({r['seconds']} s)"
+                         + (" (cut short)" if r.get("cut_short") else ""))
         elif name == "parity":
             bad = [f"{x['family']}/{x['schedule']}/{x['paging']}" + (f" ({x['error']})" if x.get("error") else "")
                    for x in r["rows"] if not x["equal"]]

@@ -35,14 +35,17 @@ def _isolated_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def checkpoint_factory(tmp_path_factory):
+def checkpoint_factory(request, tmp_path_factory):
     """family -> path of a tiny checkpoint of that family (built once per session)."""
     from checkpoints import make_checkpoint
 
     made: dict[str, Path] = {}
     # tests/mutation.py: one pytest session per mutant; building the checkpoints once for all of them
-    # (they are deterministic: fixed seed) halves the time a mutant of the engine takes
+    # (they are deterministic: fixed seed) halves the time a mutant of the engine takes. xdist's workers
+    # of one run share them the same way, under the run's common temp folder
     shared = os.environ.get("MLIGHT_TEST_CHECKPOINTS")
+    if not shared and _xdist_workers(request.config) > 1:
+        shared = str(tmp_path_factory.getbasetemp().parent / "checkpoints")  # the run's folder: workers' parent
 
     def get(family: str) -> Path:
         if family not in made:
@@ -59,15 +62,19 @@ def _shared_checkpoint(root: Path, family: str, make) -> Path:
     import shutil
     import tempfile
 
+    from filelock import FileLock  # torch's own dependency
+
     final = root / family
     if not final.is_dir():
         root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=root))
-        make(family, tmp)
-        try:
-            tmp.rename(final)
-        except OSError:  # another session got there first
-            shutil.rmtree(tmp, ignore_errors=True)
+        with FileLock(str(root / f".{family}.lock")):  # the others wait for it rather than build it again
+            if not final.is_dir():
+                tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=root))
+                make(family, tmp)
+                try:
+                    tmp.rename(final)
+                except OSError:  # a session that does not take the lock got there first
+                    shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
@@ -107,15 +114,68 @@ def pytest_configure(config):
     # Engine.load's default device is CUDA when present: tests that mean the CPU must get the CPU,
     # in this process and in the subprocesses they start (tests that want a GPU name it)
     os.environ["MLIGHT_DEVICE"] = "cpu"
+    workers = _xdist_workers(config)
+    if workers > 1:  # each worker its share of the cores: 2 workers x 2 threads on CI's 2 cores stall each other
+        import torch
+
+        from core.platform import usable_cores
+
+        torch.set_num_threads(max(1, usable_cores() // workers))
 
 
 def pytest_collection_modifyitems(config, items):
+    if _xdist_workers(config) > 1:
+        # the long end-to-end tests go out first, so the run's last minute is short tests on every worker
+        # rather than one worker finishing a long one alone (stable: the rest keep their order)
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if config.getoption("--cuda"):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run with --cuda")
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+# ---- parallel runs: pyproject's addopts ask xdist for `-n auto`; this sizes it ----------------------------
+MAX_WORKERS = 8  # beyond this, each worker's start-up (torch, checkpoints, the demo model) outweighs its share
+# a worker's peak resident set, with room: 0.75-0.95 GB measured mid-run with 2 workers (the whole suite in
+# one process peaks at 2.3 GB); CI's 2-core runners have 7 GB
+WORKER_RAM = 2 * 2**30
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist (check_wheel.sh) never calls it
+def pytest_xdist_auto_num_workers(config):
+    """One worker per usable core (CI's 2 cores: 2), at most MAX_WORKERS and as many as the free memory
+    holds; none (the tests run in this process) where that is one. PYTEST_XDIST_AUTO_NUM_WORKERS or
+    `-n N` set it by hand, `-n 0` runs serially."""
+    import psutil
+
+    from core.platform import usable_cores
+
+    env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if env:
+        return int(env)
+    n = min(usable_cores(), MAX_WORKERS, psutil.virtual_memory().available // WORKER_RAM)
+    return n if n > 1 else 0
+
+
+def _xdist_workers(config) -> int:
+    """How many workers this run has, read in one of them (0 in the controller or a serial run). Not from
+    PYTEST_XDIST_WORKER_COUNT: a child pytest a test starts (the AVX2 lane) inherits that and is no worker."""
+    return getattr(config, "workerinput", {}).get("workercount", 0)
+
+
+@pytest.fixture(autouse=True)
+def _one_gpu_test_at_a_time(request, tmp_path_factory):
+    """With --cuda and several workers, the real-GPU tests take turns: their memory and pinning figures are
+    the device's, and a second worker's engine on the same GPU would move them."""
+    if request.node.get_closest_marker("cuda") is None or _xdist_workers(request.config) < 2:
+        yield
+        return
+    from filelock import FileLock
+
+    with FileLock(str(tmp_path_factory.getbasetemp().parent / "cuda.lock")):
+        yield
 
 
 # ---- --cpu-durations: CPU seconds per test phase, reported beside pytest's wall --durations -----------------

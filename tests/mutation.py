@@ -172,7 +172,8 @@ def write_config(dst: Path, scopes: list[Scope]) -> None:
     lines += ["also_copy =", "    assets/", "do_not_mutate_patterns ="] + [f"    {p}" for p in NOT_MUTATED]
     # slow tests run the CLI in subprocesses, which import the unmutated package: useless and slow here
     skip = [x for s in scopes for t in s.skip for x in ("--deselect", t)]
-    lines += ["pytest_add_cli_args =", "    -p", "    no:cacheprovider", "    -m", "    not slow"]
+    # -n 0: pyproject's addopts ask for xdist workers, but mutmut maps tests to functions in its own process
+    lines += ["pytest_add_cli_args =", "    -p", "    no:cacheprovider", "    -n", "    0", "    -m", "    not slow"]
     lines += [f"    {x}" for x in skip] + ["pytest_add_cli_args_test_selection ="] + [f"    {t}" for t in tests]
     # mutmut's time limit is wall clock, (tests' own time + constant) x multiplier x 2, and a mutant's
     # pytest session builds its fixtures (a model, a checkpoint) outside the tests' own time: on a

@@ -28,6 +28,7 @@ def gpu_check(tmp_path, *args, timeout=600):
                            "--workdir", str(tmp_path / "work"), *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_end_to_end_on_the_emulated_gpu(tmp_path):
     """Issue 42, item 6: the stages in the order that feeds later ones, the plan of a real run printed and under
     nine minutes, one engine per cap whose variants share its page-locking, variants that do not divide N listed,
@@ -86,6 +87,7 @@ def _child_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@pytest.mark.slow
 def test_gpu_check_keeps_its_deadline_and_says_what_it_skipped(tmp_path):
     """Finding 19: no global deadline, full-size defaults. A deadline too short for any stage skips them
     all, quickly, and still writes the report."""

@@ -45,6 +45,7 @@ def test_real_probe_measures_every_dtype_quickly(no_gpu):
     rates = REAL_MEASURE(hardware.detect(), seconds=0.01)
     assert set(rates["cpu_matmul"]) >= {"float32", "bfloat16"} and all(v > 1e7 for v in rates["cpu_matmul"].values())
     assert rates["cpu_isa"] and rates["cpu_threads"] >= 1
+    assert rates["cpu_flops"] > 1e8 and rates["cpu_bw"] > 1e8  # the read buffer sized for this machine's cache
 
 
 def test_the_bandwidth_probe_reads_past_the_last_level_cache(no_gpu, monkeypatch):

@@ -186,9 +186,17 @@ def test_a_host_waiting_on_a_non_blocking_event_spins_a_core(dev):
         ev.synchronize()
         return time.thread_time() - t0
 
+    def cpu_seconds_busy() -> float:  # a plain busy loop over as long a wall time
+        t0, c0 = time.monotonic(), time.thread_time()
+        while time.monotonic() - t0 < 0.3:
+            pass
+        return time.thread_time() - c0
+
+    busy = cpu_seconds_busy()
     spun, slept = cpu_seconds_waiting(False), cpu_seconds_waiting(True)
-    # CPU time of the waiting thread over a 0.3 s wait (the box may be busy: compare, do not time)
-    assert spun > 0.05 and spun > 5 * slept and dev.stats["spin_waits"] == 1
+    # CPU seconds of the waiting thread over a 0.3 s wait, beside a busy loop's just before: with a neighbour on
+    # the cores each running thread gets the scheduler's share (0.03 s of 0.3 at load 12), so compare, do not time
+    assert spun > 0.3 * busy and spun > 5 * slept and dev.stats["spin_waits"] == 1
 
 
 def test_device_index_of_a_bare_cuda_is_the_current_device():

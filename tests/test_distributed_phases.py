@@ -45,6 +45,7 @@ def _rank(rank: int, port: int, out, stuck: float) -> None:
         out.put((rank, repr(e)))
 
 
+@pytest.mark.slow
 def test_a_stuck_rank_fails_the_phase_agreement_within_its_timeout():
     """Rank 1 is alive but never reaches the second agreement. Rank 0 used to wait there for the coordination
     group's 7 days; now it raises PhaseTimeout naming rank 1 after the phase timeout (2 s here)."""

@@ -31,6 +31,15 @@ def test_the_real_run_fits_nine_minutes_in_the_order_that_feeds_later_stages():
     assert "multi" not in stages and gc_.STALL_S == 90
 
 
+def test_a_smoke_run_cut_short_compares_the_tokens_it_made():
+    want = {0: [5, 6, 7], 1: [8, 9, 10]}
+    assert gc_.agree({0: [5, 6], 1: [8]}, want, cut_short=True)
+    assert not gc_.agree({0: [5, 6], 1: [8]}, want, cut_short=False)  # a whole run must give them all
+    assert not gc_.agree({0: [5, 7], 1: [8]}, want, cut_short=True)  # a wrong token is wrong however short
+    assert not gc_.agree({2: [5]}, want, cut_short=True)
+    assert gc_.agree(dict(want), want, cut_short=False)
+
+
 def test_the_memory_fraction_is_reset_when_a_stage_fails(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80e9))

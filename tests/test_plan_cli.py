@@ -1,8 +1,8 @@
 """`mlight plan` and `mlight hw` on the command line."""
 
 import json
-import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -17,7 +17,9 @@ PREDICTION_KEYS = {"tokens_per_s", "decode_tokens_per_s", "prefill_tokens_per_s"
 
 
 def test_plan_json_is_one_object_with_the_contract_keys(capsys):
+    t0 = time.perf_counter()
     assert main(PLAN + ["--json"]) == 0
+    wall = time.perf_counter() - t0
     out = capsys.readouterr().out
     data = json.loads(out)  # exactly one JSON document
     assert out.strip().count("\n") == 0
@@ -25,7 +27,9 @@ def test_plan_json_is_one_object_with_the_contract_keys(capsys):
     assert POLICY_KEYS <= set(data["policy"]) and PREDICTION_KEYS <= set(data["prediction"])
     assert data["policy"]["attention_on"] == "cpu" and data["policy"]["ffn_on"] == "gpu"
     assert {"gpu", "cpu_attn", "h2d", "d2h"} <= set(data["prediction"]["layer_seconds"])
-    assert 0 < data["plan_seconds"] < 0.5
+    # the planning's own seconds, within the command's; how fast it plans is test_plan.py's CPU-seconds check
+    # (a wall bound here read a neighbour's load: 0.61 s under xdist at load 12)
+    assert 0 < data["plan_seconds"] < wall
 
 
 def test_plan_human_output_names_policy_prediction_and_memory(capsys):
@@ -131,13 +135,6 @@ def test_hw_human_and_plan_on_local(no_gpu, roomy_ram, capsys):
                  "--gen-len", "20", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["policy"]["ffn_on"] == "cpu" and data["policy"]["attention_on"] == "cpu"
-
-
-def test_core_planner_is_headless():
-    code = ("import sys, core.plan.planner, core.runtime.simulate, core.runtime.schedule, core.plan.hardware, core.plan.presets, core.plan.hrm; "
-            "bad = [m for m in sys.modules if m == 'app' or m.startswith(('app.', 'textual'))]; print(bad)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
 
 
 NEW_PRESETS = ["gpt-oss-20b", "gpt-oss-120b", "deepseek-v2-lite", "deepseek-v3", "glm-4.5-air", "qwen3-next-80b-a3b",

@@ -173,6 +173,7 @@ def tp_results(checkpoint_factory, tmp_path_factory):
     return results
 
 
+@pytest.mark.slow  # the module's three rank processes run every family
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_gives_one_process_tokens_on_2_and_3_ranks(family, tp_results, checkpoint_factory):
     want = generate(checkpoint_factory(family))
@@ -181,6 +182,7 @@ def test_every_family_gives_one_process_tokens_on_2_and_3_ranks(family, tp_resul
             assert tp_results[rank][(family, k, name)] == want, f"{family}: {k} ranks ({name}), rank {rank}"
 
 
+@pytest.mark.slow
 def test_a_failed_step_drains_exactly_the_collectives_the_others_issue(tp_results):
     """What `step_collectives` predicts for a step is what its tasks issued, every family and schedule,
     prefill and decode (a rank out of memory issues the rest of this list with zeros)."""
@@ -191,6 +193,7 @@ def test_a_failed_step_drains_exactly_the_collectives_the_others_issue(tp_result
             assert issued == predicted
 
 
+@pytest.mark.slow
 def test_a_rank_out_of_memory_retries_with_the_group_or_all_stop(tp_results, checkpoint_factory):
     """Rank 1 out of memory once: every rank goes on with the same halved batch and the tokens are one
     process's; rank 2 out of memory at every step: the batch halves to one on every rank, then all stop
@@ -208,6 +211,7 @@ def test_a_rank_out_of_memory_retries_with_the_group_or_all_stop(tp_results, che
                                 "out of GPU memory; continuing with batch 1, micro-batch 1"]
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_one_error_and_collect_on_rank_0(tp_results):
     """One rank's bad input: rank 0 raises it naming the rank (the one line a user sees), the others
     leave quietly with its exit code; results gather on rank 0 in rank order."""

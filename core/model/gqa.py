@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from core.model.attention import decode_over_rows, prefill_attention
 from core.model.cpu import row_ops
+from core.model.cpu.kernels import linear
 from core.model.layers import tensor_version, norm, normed, rms_norm
 from core.model.spec import ModelSpec
 
@@ -66,7 +67,7 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
         # q and k side by side as the projection left them: one RoPE over both heads' rows and one join
         # with v — bit for bit `project`'s, in 14 ops fewer a layer (at batch 1 a decode step's ops cost
         # more than their arithmetic)
-        qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))
+        qkv = linear(h, w["qkv"], w.get("qkv_bias"))
         qk, kv = spec.q_size + spec.kv_size, spec.q_size + 2 * spec.kv_size
         gate = qkv[:, kv:] if spec.attn_gate else None
         if rope.joins_in_c(qkv):  # the same roundings in one C pass (core.model.cpu.row_ops)
@@ -143,7 +144,8 @@ def _qk_norm_into(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, dst: torch.
 def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:
     """One new token per row: write its K/V, attend over the row. payload [B, d1] -> [B, Hq·hd]."""
     B, H, Hkv, hd = rows.B, spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q, k, v = payload.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    # split_with_sizes, not Tensor.split: the same one op without Tensor.split's Python wrapper (it shows at B = 1)
+    q, k, v = payload.split_with_sizes([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     k, v = k.view(B, Hkv, hd), v.view(B, Hkv, hd)
     if hasattr(store, "write_rows"):
         store.write_rows(rows, k, v)
@@ -155,7 +157,7 @@ def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=N
 def post(spec: ModelSpec, w: dict, out: torch.Tensor, keep) -> torch.Tensor:
     if keep is not None:
         out = out * torch.sigmoid(keep)
-    return F.linear(out, w["o"], w.get("o_bias"))
+    return linear(out, w["o"], w.get("o_bias"))
 
 
 def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, lens: list[int],

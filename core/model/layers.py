@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from core.model.cpu import row_ops
+from core.model.cpu.kernels import linear
 from core.model.limits import LOGIT_CHUNK_BYTES
 from core.model.spec import ModelSpec
 
@@ -89,5 +90,5 @@ def final_logits(spec: ModelSpec, norm_w: torch.Tensor, lm_head: torch.Tensor, x
         return out if head_b is None else out.add_(head_b)
     rows = max(1, LOGIT_CHUNK_BYTES // (lm_head.shape[0] * h.element_size()))
     for a in range(0, h.shape[0], rows):
-        out[a:a + rows].copy_(F.linear(h[a:a + rows], lm_head, head_b))
+        out[a:a + rows].copy_(linear(h[a:a + rows], lm_head, head_b))
     return out

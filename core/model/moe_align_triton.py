@@ -20,7 +20,7 @@ try:
 except ImportError:
     triton = tl = None
 
-CHUNK = 64  # pairs a step
+PAIRS_A_STEP = 64  # pairs a step
 
 
 def moe_align(topk_ids, num_experts: int, block_m: int):
@@ -35,7 +35,7 @@ def moe_align(topk_ids, num_experts: int, block_m: int):
     sorted_ids, block_expert, n_padded = torch.empty(S, **i32), torch.empty(S // block_m, **i32), torch.empty(1, **i32)
     _kernel(os.environ.get("TRITON_INTERPRET") == "1")[(1,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, n_padded, P, S, num_experts, BM=block_m,
-        BLOCK_E=triton.next_power_of_2(max(num_experts, 2)), C=CHUNK)
+        BLOCK_E=triton.next_power_of_2(max(num_experts, 2)), C=PAIRS_A_STEP)
     return sorted_ids, block_expert, n_padded
 
 

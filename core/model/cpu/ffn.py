@@ -50,7 +50,21 @@ _reason = "not built yet"
 _reason_avx2 = "not built yet"
 
 
-class _Lib:
+class _Sized:
+    """Scratch sizes by call shape, asked of the library once each: a ctypes call costs a few µs (tens once the
+    experts' weights have streamed through the caches), and a decode step of one stream calls the kernels
+    three times a layer."""
+
+    def sized(self, fn: str, *shape: int) -> int:
+        sizes = self.__dict__.setdefault("_sizes", {})
+        key = (fn, *shape)
+        n = sizes.get(key)
+        if n is None:
+            n = sizes[key] = getattr(self, fn)(*shape)
+        return n
+
+
+class _Lib(_Sized):
     def __init__(self, path, flags_amx: bool = False):
         self.dll = ctypes.CDLL(str(path))
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -66,7 +80,7 @@ class _Lib:
         self.flags = " ".join(FLAGS + (FLAGS_AMX if self.amx else [])) + (" -fopenmp" if self.openmp else "")
 
 
-class _LibAvx2:
+class _LibAvx2(_Sized):
     """moe_ffn_avx2.c: fp32 activations over the same packed bf16 weights."""
 
     def __init__(self, path):
@@ -214,12 +228,14 @@ class NativeExperts:
         if T == 0:
             return out
         n = torch.get_num_threads() if lib.openmp else 1
-        for a in range(0, T, CHUNK_TOKENS):
+        wb = int(weights.dtype == torch.bfloat16)
+        x0, i0, w0, o0 = h.data_ptr(), idx.data_ptr(), weights.data_ptr(), out.data_ptr()
+        for a in range(0, T, CHUNK_TOKENS):  # one call at a decode step's rows
             b = min(T, a + CHUNK_TOKENS)
-            s = scratch(lib.scratch(b - a, k, self.E, self.D, self.I, n))
-            if lib.ffn(h[a].data_ptr(), b - a, k, idx[a].data_ptr(), weights[a].data_ptr(),
-                       int(weights.dtype == torch.bfloat16), self.E, self.D, self.I, self.w13.data_ptr(),
-                       self.w13[0].numel(), self.w2.data_ptr(), self.w2[0].numel(), out[a].data_ptr(), s.data_ptr(), n):
+            s = scratch(lib.sized("scratch", b - a, k, self.E, self.D, self.I, n))
+            if lib.ffn(x0 + 2 * a * self.D, b - a, k, i0 + 8 * a * k, w0 + weights.element_size() * a * k, wb, self.E,
+                       self.D, self.I, self.w13.data_ptr(), self.w13.stride(0), self.w2.data_ptr(), self.w2.stride(0),
+                       o0 + 2 * a * self.D, s.data_ptr(), n):
                 raise ValueError(f"expert ids outside 0..{self.E - 1}")
         return out
 
@@ -231,12 +247,13 @@ class NativeExperts:
         h, idx, weights = h.contiguous(), idx.contiguous(), weights.float().contiguous()
         out = torch.empty((T, self.D), dtype=torch.float32) if out is None else out
         n = torch.get_num_threads() if lib.openmp else 1
+        x0, i0, w0, o0 = h.data_ptr(), idx.data_ptr(), weights.data_ptr(), out.data_ptr()
         for a in range(0, T, CHUNK_TOKENS):
             b = min(T, a + CHUNK_TOKENS)
-            s = scratch(lib.scratch(b - a, k, self.E, self.I, n))
-            if lib.ffn(h[a].data_ptr(), b - a, k, idx[a].data_ptr(), weights[a].data_ptr(), self.E, self.D, self.I,
-                       self.w13.data_ptr(), self.w13[0].numel(), self.w2.data_ptr(), self.w2[0].numel(),
-                       out[a].data_ptr(), s.data_ptr(), n):
+            s = scratch(lib.sized("scratch", b - a, k, self.E, self.I, n))
+            if lib.ffn(x0 + 4 * a * self.D, b - a, k, i0 + 8 * a * k, w0 + 4 * a * k, self.E, self.D, self.I,
+                       self.w13.data_ptr(), self.w13.stride(0), self.w2.data_ptr(), self.w2.stride(0),
+                       o0 + 4 * a * self.D, s.data_ptr(), n):
                 raise ValueError(f"expert ids outside 0..{self.E - 1}")
         return out
 

@@ -369,7 +369,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
                                    out.data_ptr(), ob, s.data_ptr(), longest)
         return job
 
-    if lib.openmp and n > 1:  # torch's own OpenMP threads run the parts
+    if n == 1:  # one request, or one thread: the calling thread runs it, no job to hand out
+        s = pool.buffer(0, G * longest)
+        status[0] = lib.fn(*args, 0, B, Hkv, G, D, k.stride(0), k.stride(1), scale, out.data_ptr(), ob, s.data_ptr(),
+                           longest)
+    elif lib.openmp:  # torch's own OpenMP threads run the parts
         b = _bounds_tensor(bounds)
         s = pool.buffer(0, n * G * longest)
         status[0] = lib.parts(*args, b.data_ptr(), n, Hkv, G, D, k.stride(0), k.stride(1), scale, out.data_ptr(), ob,

@@ -63,8 +63,7 @@ class PanelWeight(LinearOnlyWeight):
         if x.dtype != torch.bfloat16 or x.shape[-1] != K or (bias is not None and bias.dtype != torch.bfloat16):
             raise TypeError(f"PanelWeight {N}x{K} bf16 takes bf16 inputs [..., {K}] and a bf16 bias; got "
                             f"{x.dtype} {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, K)
+        rows = x if x.dim() == 2 else x.reshape(-1, K)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         T = rows.shape[0]
@@ -72,13 +71,14 @@ class PanelWeight(LinearOnlyWeight):
         if T:
             lib = ffn.library()
             n = torch.get_num_threads() if lib.openmp else 1
-            b = None if bias is None else bias.contiguous()
-            for a in range(0, T, CHUNK_ROWS):
+            b = None if bias is None else bias.contiguous().data_ptr()
+            x0, ld, o0, es = rows.data_ptr(), rows.stride(0), out.data_ptr(), 2
+            for a in range(0, T, CHUNK_ROWS):  # one call at a decode step's few rows
                 m = min(CHUNK_ROWS, T - a)
-                s = ffn.scratch(lib.linear_scratch(m, K, n))
-                lib.linear(rows[a].data_ptr(), m, rows.stride(0), K, self.panels.data_ptr(), N,
-                           None if b is None else b.data_ptr(), out[a].data_ptr(), N, s.data_ptr(), n)
-        return out.view(*lead, N)
+                s = ffn.scratch(lib.sized("linear_scratch", m, K, n))
+                lib.linear(x0 + a * ld * es, m, ld, K, self.panels.data_ptr(), N, b, o0 + a * N * es, N,
+                           s.data_ptr(), n)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], N)
 
     @property
     def held_bytes(self) -> int:

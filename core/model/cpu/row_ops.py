@@ -93,14 +93,14 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | Non
     if (lib is None or x.dtype not in (torch.bfloat16, torch.float32) or w.dtype != x.dtype or x.device.type != "cpu"
             or x.dim() < 1 or w.dim() != 1 or x.shape[-1] != w.shape[0] or x.stride(-1) != 1 or not w.is_contiguous()):
         return None
-    D = x.shape[-1]
-    rows = x.view(-1, D) if x.dim() != 2 and x.is_contiguous() else x
-    if rows.dim() != 2:
+    D, flat = x.shape[-1], x.dim() == 2
+    rows = x if flat else x.view(-1, D) if x.is_contiguous() else None
+    if rows is None:
         return None
     out = torch.empty(rows.shape, dtype=x.dtype)
     norm = lib.rms_norm if x.dtype == torch.bfloat16 else lib.rms_norm_f32
     norm(rows.data_ptr(), rows.shape[0], D, rows.stride(0), w.data_ptr(), eps, out.data_ptr(), D, _threads())
-    return out.view(x.shape)
+    return out if flat else out.view(x.shape)
 
 
 def rope_join(qkv: torch.Tensor, heads: int, hd: int, cos: torch.Tensor, sin: torch.Tensor,
