@@ -546,3 +546,24 @@ async def test_advanced_quantization_replans_for_that_format_and_the_run_loads_i
     assert [r["id"] for r in records] == ["mtbench-81", "mtbench-82"]
     assert set(records[0]) == {"id", "prompt", "output", "output_token_ids", "prompt_tokens", "output_tokens",
                                "finish_reason", "seconds"}  # the results look as they do unquantized
+
+
+@sync
+async def test_a_fitted_band_is_shown_beside_every_prediction(workdir):
+    """Issue 43, item 1: where the CPU cost model's fit gives a band, the Plan and Run screens show it as
+    `mlight plan` does ("± 12 %"); without one (no fit), the bare figure."""
+    import dataclasses
+
+    app = _direct()
+    async with app.run_test(size=WIDE) as pilot:
+        await _plan(pilot)
+        plan = app.session.plan
+        assert "±" not in _facts(app, "prediction")  # the scripted machine has no fitted CPU model
+        app.session.plan = plan = dataclasses.replace(plan, prediction=dataclasses.replace(plan.prediction, band=0.12))
+        app.screen.show(plan)
+        await settle(pilot)
+        facts = _facts(app, "prediction")
+        assert "tokens/s end to end ± 12%" in facts and f"{plan.prediction.decode_tokens_per_s:,.1f} tokens/s ± 12%" in facts
+        await pilot.press("ctrl+n")
+        await settle_until(pilot, run_over)
+        assert f"{plan.prediction.decode_tokens_per_s:,.1f} ± 12% predicted" in str(app.screen.query_one("#tps").render())

@@ -441,9 +441,10 @@ class PlanScreen(StepScreen):
         p = plan.policy
         bottleneck = CPU_MODE_BOTTLENECK.get(pred.bottleneck, CPU_MODE_BOTTLENECK["gpu"]) if cpu_mode \
             else pred.bottleneck_text
+        band = f" ± {pred.band:.0%}" if pred.band else ""  # the fitted CPU model's band, as `mlight plan` shows it
         rows = [
-            ("Throughput", Text(f"{pred.tokens_per_s:,.1f} tokens/s end to end", style="bold")),
-            ("Decode", f"{pred.decode_tokens_per_s:,.1f} tokens/s"),
+            ("Throughput", Text(f"{pred.tokens_per_s:,.1f} tokens/s end to end{band}", style="bold")),
+            ("Decode", f"{pred.decode_tokens_per_s:,.1f} tokens/s{band}"),
             ("Prefill", f"{pred.prefill_tokens_per_s:,.1f} prompt tokens/s"),
             ("Bottleneck", bottleneck),
             ("Policy", f"N={p.batch_size}, μ={p.micro_batch_size} "

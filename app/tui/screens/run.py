@@ -304,8 +304,11 @@ class RunScreen(StepScreen):
             return f"{text}: prefilling the first batch (its first tokens come at the end of it)"
         return text
 
+    def _prediction(self):
+        return self.session.plan.prediction if self.session.plan is not None else None
+
     def _predicted(self) -> float | None:
-        pred = self.session.plan.prediction if self.session.plan is not None else None
+        pred = self._prediction()
         return pred.decode_tokens_per_s if pred is not None else None
 
     def _draw_throughput(self, snap: RunSnapshot) -> None:
@@ -318,7 +321,8 @@ class RunScreen(StepScreen):
         text.append(" average · ")
         text.append("━ ", style=legend_color(PREDICTED_COLOR))
         text.append(f"{predicted:,.1f}" if predicted else "—", style="bold")
-        text.append(" predicted")
+        band = getattr(self._prediction(), "band", 0.0)
+        text.append(f" ± {band:.0%} predicted" if predicted and band else " predicted")
         parted = self._parted(snap)
         if parted:
             text.append(f"\n{glyph.warn} " + parted, style=self.mapp.tone("warn"))
