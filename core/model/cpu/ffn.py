@@ -230,12 +230,13 @@ class NativeExperts:
         n = torch.get_num_threads() if lib.openmp else 1
         wb = int(weights.dtype == torch.bfloat16)
         x0, i0, w0, o0 = h.data_ptr(), idx.data_ptr(), weights.data_ptr(), out.data_ptr()
+        xs, is_, ws, os_ = (t.stride(0) * t.element_size() for t in (h, idx, weights, out))  # bytes a row
         for a in range(0, T, CHUNK_TOKENS):  # one call at a decode step's rows
             b = min(T, a + CHUNK_TOKENS)
             s = scratch(lib.sized("scratch", b - a, k, self.E, self.D, self.I, n))
-            if lib.ffn(x0 + 2 * a * self.D, b - a, k, i0 + 8 * a * k, w0 + weights.element_size() * a * k, wb, self.E,
+            if lib.ffn(x0 + a * xs, b - a, k, i0 + a * is_, w0 + a * ws, wb, self.E,
                        self.D, self.I, self.w13.data_ptr(), self.w13.stride(0), self.w2.data_ptr(), self.w2.stride(0),
-                       o0 + 2 * a * self.D, s.data_ptr(), n):
+                       o0 + a * os_, s.data_ptr(), n):
                 raise ValueError(f"expert ids outside 0..{self.E - 1}")
         return out
 
@@ -248,12 +249,13 @@ class NativeExperts:
         out = torch.empty((T, self.D), dtype=torch.float32) if out is None else out
         n = torch.get_num_threads() if lib.openmp else 1
         x0, i0, w0, o0 = h.data_ptr(), idx.data_ptr(), weights.data_ptr(), out.data_ptr()
+        xs, is_, ws, os_ = (t.stride(0) * t.element_size() for t in (h, idx, weights, out))  # bytes a row
         for a in range(0, T, CHUNK_TOKENS):
             b = min(T, a + CHUNK_TOKENS)
             s = scratch(lib.sized("scratch", b - a, k, self.E, self.I, n))
-            if lib.ffn(x0 + 4 * a * self.D, b - a, k, i0 + 8 * a * k, w0 + 4 * a * k, self.E, self.D, self.I,
+            if lib.ffn(x0 + a * xs, b - a, k, i0 + a * is_, w0 + a * ws, self.E, self.D, self.I,
                        self.w13.data_ptr(), self.w13.stride(0), self.w2.data_ptr(), self.w2.stride(0),
-                       o0 + 4 * a * self.D, s.data_ptr(), n):
+                       o0 + a * os_, s.data_ptr(), n):
                 raise ValueError(f"expert ids outside 0..{self.E - 1}")
         return out
 
