@@ -66,3 +66,20 @@ def test_calls_it_does_not_take_fall_back():
     assert gguf_token.moe(torch.randn(1, 64), ids, wts, up, down) is None
     assert gguf_token.moe(torch.randn(1, 256).bfloat16(), ids, wts, up_k, down_k) is None
     assert gguf_token.moe(torch.randn(2, 64).bfloat16(), ids.repeat(2, 1), wts.repeat(2, 1), up, down) is None
+
+
+@pytest.mark.parametrize("K", [32, 96, 544, 1024])
+def test_one_row_through_a_q8_0_matrix_equals_the_decoded_rows(K):
+    """`linear`: a decode step's dense projection at batch 1, written into a column slice of a wider output."""
+    raw, deq = _blocks("Q8_0", 48, K, seed=K)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(K)).bfloat16()
+    want = gguf_blocks.linear("Q8_0", x, raw)
+    wide = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert gguf_token.linear("Q8_0", x, raw, wide[:, 8:56])
+    assert torch.equal(wide[:, 8:56], want) and not wide[:, :8].any() and not wide[:, 56:].any()
+    c = torch.empty(1, 48, dtype=torch.bfloat16)
+    assert gguf_token.linear("Q8_0", x, raw, c, path="int8_c")
+    assert torch.equal(c, gguf_blocks.linear("Q8_0", x, raw, path="int8_c"))
+    torch.testing.assert_close(want.double(), _reference(x.float(), deq), rtol=1e-2, atol=1e-2)
+    assert not gguf_token.linear("Q8_0", x.float(), raw, c.float())  # fp32 rows: gguf_blocks' fp32 path
+    assert not gguf_token.linear("Q8_0", x.repeat(2, 1), raw, c.repeat(2, 1))

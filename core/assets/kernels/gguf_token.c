@@ -142,3 +142,31 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
     }
     return 0;
 }
+
+/* mlight_gguf_linear's integer paths (1 plain C, 2 SIMD) for one activation row: y [N] = x [K] . W^T, W's rows
+   ldw bytes apart in blocks of `kind`, Q8_0 dotted in place; scratch as mlight_gguf_scratch(1, K, threads) */
+int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t K, const uint8_t *w, int64_t ldw, int64_t N,
+                             void *y, int y_bf16, float *scratch, int threads, int path) {
+    if (kind < 0 || kind > 5 || K % BS[kind] || threads < 1 || path < 1 || path > 2) return -1;
+    int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
+    uint8_t *xq = (uint8_t *)scratch, *rows = xq + xrow_bytes(kind, K);
+    quantize_for(kind, x, x_bf16, K, xq);
+    OMP(omp parallel num_threads(threads))
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        uint8_t *own = rows + (int64_t)t * wb;
+        OMP(omp for schedule(static))
+        for (int64_t n = 0; n < N; n++) put(y, y_bf16, n, dot_row(kind, w + n * ldw, K, xq, own, K, path == 2));
+    }
+    return 0;
+}
+
+/* floats of scratch a mlight_gguf_token_linear call needs */
+int64_t mlight_gguf_token_linear_scratch(int64_t K, int threads) {
+    int64_t x = qrow_bytes(K) > kqrow_bytes(K) ? qrow_bytes(K) : kqrow_bytes(K);
+    int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
+    return (x + (int64_t)threads * wb + 3) / 4;
+}

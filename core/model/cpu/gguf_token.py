@@ -5,7 +5,8 @@ does at one activation row, and a decode step of the 784M Mixtral read its exper
 streams. This kernel dots the blocks themselves, with gguf_matmul.c's integers, products and lane order, so
 its result equals `gguf_blocks.moe`'s default path (int8 activations) bit for bit; a matrix in another format
 in the same call is decoded as before. It takes bf16 tokens with a Q8_0 matrix among the two (`moe` says None
-otherwise, and the caller runs `gguf_blocks.moe`), built like the other C kernels (core.model.cpu.native),
+otherwise, and the caller runs `gguf_blocks.moe`); `linear` is one bf16 row through a Q8_0 matrix the same way
+(a decode step's dense projections at batch 1). Built like the other C kernels (core.model.cpu.native),
 with gguf_matmul.c compiled in: the build flags carry its hash, so an edit there rebuilds this.
 Legend: D = hidden, I = expert intermediate, k = experts of the token, E = experts.
 """
@@ -32,6 +33,8 @@ class _Lib:
         self.moe = native.bind(self.dll, "mlight_gguf_token_moe",
                                [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
         self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
+        self.linear = native.bind(self.dll, "mlight_gguf_token_linear", [C, P, C, I, P, I, I, P, C, P, C, C], C)
+        self.linear_scratch = native.bind(self.dll, "mlight_gguf_token_linear_scratch", [I, C], I)
         self.openmp = bool(self.dll.mlight_gguf_openmp())
         self.simd = gguf_blocks.SIMD[self.dll.mlight_gguf_simd()]
         self.flags = flags + (" -fopenmp" if self.openmp else "")
@@ -100,3 +103,23 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
                w2.data_ptr(), w2.stride(0), w2.stride(1), out.data_ptr(), 1, s.data_ptr(), threads, gguf_blocks.PATHS[path]):
         raise RuntimeError(f"the GGUF token kernel refused D={D}, I={I}, {k} experts")
     return out
+
+
+def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, path: str = "int8") -> bool:
+    """`gguf_blocks.linear(name, x, raw, out=out)` for one bf16 row x [1, K] of a Q8_0 matrix (raw uint8 [N, bytes],
+    rows contiguous) on its default path ("int8", or "int8_c"), the rows dotted in place: the same values written
+    into `out` [1, N] (bf16, unit stride in N); False, with nothing written, where this kernel does not take it."""
+    if (name != "Q8_0" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != 1 or out.dtype != x.dtype
+            or out.shape != (1, raw.shape[0]) or (raw.shape[0] > 1 and out.stride(1) != 1) or x.stride(-1) != 1
+            or raw.stride(1) != 1):
+        return False
+    lib = library()
+    if lib is None or not (lib.openmp or torch.get_num_threads() == 1):
+        return False
+    K = x.shape[1]
+    threads = torch.get_num_threads() if lib.openmp else 1
+    s = _scratch(lib.linear_scratch(K, threads))
+    if lib.linear(0, x.data_ptr(), 1, K, raw.data_ptr(), raw.stride(0), raw.shape[0], out.data_ptr(), 1, s.data_ptr(),
+                  threads, gguf_blocks.PATHS[path]):
+        raise RuntimeError(f"the GGUF token kernel refused Q8_0 with K={K}")
+    return True
