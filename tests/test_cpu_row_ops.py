@@ -192,6 +192,7 @@ def test_softmax_router_chooses_and_weighs_as_torch_does(dtype, E, k, norm, scal
     from core.model import decoder
 
     assert decoder._c_route(spec, h[:3], {"router": w}) is not None  # the decode step takes this path
+    assert decoder._c_route(spec, h, {"router": w}) is None  # T·E past C_ROUTE_LOGITS: torch's threaded matmul
     assert decoder._c_route(_spec_router(E, k, "pnorm", 1.0), h[:3], {"router": w}) is None
 
 

@@ -66,11 +66,16 @@ def post_attn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, out: torch.
     return FfnInput(x, h, weights, idx, shared_expert(spec, w, h) if spec.shared_intermediate else None)
 
 
+C_ROUTE_LOGITS = 1024  # T·E up to which the host's router is one C call: small batches, where each op's start costs
+
+
 def _c_route(spec: ModelSpec, h: torch.Tensor, w: dict):
     """The plain softmax router (Mixtral, Qwen, OLMoE) on the host in one C call (core.model.cpu.row_ops), or None:
-    the decode step's router is a matmul and five small ops, each a cold start at batch 1."""
+    at a small batch the router is a matmul and five small ops, each a cold start after the experts' weights
+    streamed; the C loop is one thread's, so larger batches keep torch's (threaded) matmul."""
     if (h.device.type != "cpu" or spec.router != "softmax" or not spec.router_softmax_fp32 or spec.router_fp32
-            or spec.router_norm not in ("sum", "none") or "router_bias" in w):
+            or spec.router_norm not in ("sum", "none") or "router_bias" in w
+            or h.shape[0] * spec.num_experts > C_ROUTE_LOGITS):
         return None
     return row_ops.softmax_route(h, w["router"], spec.top_k, spec.router_norm == "sum", spec.routed_scale)
 
