@@ -1,17 +1,10 @@
 """The attention state: what each layer keeps per sequence, preallocated in CPU memory, one row per batch slot.
 
-A layer's store follows its `ModelSpec.layer_state(i)` (core.model.spec.StateSpec):
-- `KVStore` ("kv"): K and V `[S, Hkv, Tmax, hd]`; a request's tokens occupy positions [0, length)
-  of its row, so nothing is padded across requests and decode attention reads each row only up to
-  its own length.
-- `KVStore` with a window ("window", sliding layers): `[S, Hkv, W, hd]`, a ring — position p lives
-  at p mod W, so a row holds exactly the last W tokens and a long prompt costs W, not its length.
-- `LatentStore` ("latent", MLA): `[S, Tmax, R + dr]`, the compressed latent and the rope key of
-  every token (K and V are never expanded; attention absorbs the up-projections instead).
-- `LinearStore` ("linear", Gated DeltaNet): a recurrent state `[S, Hv, dk, dv]` in fp32 and the
-  last K−1 conv inputs `[S, conv, K−1]`, whatever the length; prefill overwrites both, so a slot
-  refilled with a new request starts from that request's own state.
-S = slots = the batch size. Legend: R = latent rank, dr = rope dims, K = conv kernel.
+Per `ModelSpec.layer_state(i)`: `KVStore` K and V `[S, Hkv, Tmax, hd]` (a request's tokens at [0, length)
+of its row, so decode reads each row only to its own length), or with a window a ring `[S, Hkv, W, hd]`
+(position p at p mod W); `LatentStore` `[S, Tmax, R + dr]` (MLA); `LinearStore` a recurrent state
+`[S, Hv, dk, dv]` in fp32 and the last K−1 conv inputs `[S, conv, K−1]`, overwritten by prefill.
+Legend: S = slots, R = latent rank, dr = rope dims, K = conv kernel.
 """
 
 from __future__ import annotations
@@ -40,13 +33,9 @@ def _alloc(shape, dtype, pin: bool, alloc=None) -> torch.Tensor:
 
 
 def untouched_zeros(shape, dtype) -> torch.Tensor:
-    """Zeros whose pages the OS maps on first touch. torch.zeros writes every byte, and a run's cache is
-    sized for its longest request in every slot (the 784M's 4x prompts: 256 slots x 1,704 tokens, 3.6 GB,
-    5.9 s of page faults before the first token on two Zen 5 threads) while a slot's request touches its
-    own length. An anonymous mapping is zero by contract, on Linux and Windows alike. Private, so that
-    Linux does not make it shared memory; small pages, asked for: a cache row's heads lie ~0.4 MB apart, so a
-    2 MB page would fault in what no request uses (numpy's zeros asks for those, and first stalled
-    2.5 s compacting memory for them here)."""
+    """Zeros whose pages the OS maps on first touch: a cache is sized for its longest request in every slot
+    (3.6 GB, 5.9 s of page faults for the 784M's 4x prompts) while a request touches its own length.
+    Private, so Linux does not make it shared memory; small pages, since a row's heads lie ~0.4 MB apart."""
     n = math.prod(shape) * dtype.itemsize
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
@@ -144,12 +133,8 @@ class KVStore(_Store):
         self.write(rows.slots, rows.positions, *parts)
 
     def write_rows(self, rows: "Rows", k: torch.Tensor, v: torch.Tensor) -> None:
-        """`write` for a decode micro-batch's rows. A contiguous host store copies each token's heads to their
-        flat rows by one index kept on `rows` for the step (every layer of a kind reuses it): the
-        two-index `index_put` took 0.25 ms a call in a B = 256 step on two threads, 8 layers × K and V.
-        The C loop (core.model.cpu.row_ops.kv_write) does it where built: the rows' lines are cold after the
-        experts' weights streamed by, and it keeps their misses in flight (the 784M at B = 256: 7.8 → 2.2-3.0 ms
-        a step)."""
+        """`write` for a decode micro-batch's rows: on a contiguous host store, by one flat index per step that
+        every layer reuses, in C where built (core.model.cpu.row_ops.kv_write keeps the cold rows' misses in flight)."""
         hd = self.k.shape[-1]
         if self.k.device.type != "cpu" or not (self.k.is_contiguous() and self.v.is_contiguous()):
             return self.write(rows.slots, rows.positions, k, v)
@@ -272,11 +257,8 @@ def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, pin
 
 
 class KVCache:
-    """Every layer's store for `slots` sequences of up to `max_tokens` tokens.
-
-    `gpu_layers`: the first layers keep their state on the GPU (the runner's), so none is allocated here
-    (None). Pageable by default: the runtime copies to a GPU through its own pinned staging, since a
-    cache of hundreds of GB would be too much page-locked memory."""
+    """Every layer's store for `slots` sequences of up to `max_tokens` tokens; None for the first `gpu_layers`,
+    whose state the GPU runner keeps. Pageable by default: hundreds of GB would be too much page-locked memory."""
 
     def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False,
                  gpu_layers: int = 0):
@@ -305,16 +287,12 @@ COVER_RATIO = 2  # attend over a gapped batch's covering rows while they are at 
 
 
 class Rows:
-    """One decode micro-batch's rows in the stores: its slots, where each new token goes, and the
-    lengths attention reads (per store kind: a window keeps fewer). Built once per step, on the host,
-    so no layer needs a device sync to know them.
+    """One decode micro-batch's rows in the stores: slots, positions and the lengths attention reads, built once
+    per step on the host so no layer syncs a device to know them.
 
-    Host stores only: slots with gaps (requests that finished and were not replaced) are attended
-    over the covering range of rows in place while it is at most COVER_RATIO times the rows in use,
-    since gathering them copied every row's whole K and V out again in every layer (1.4-1.5x a decode
-    step at 153 of 256 and 38 of 64 slots on the 784M Mixtral). Rows in a gap attend to one stale
-    position with a zero query and their output is dropped. Sparser batches are compacted by the
-    engine (SlotTable.compact) so that they are contiguous again."""
+    Host stores only: gapped slots are attended in place over their covering rows while those are at most
+    COVER_RATIO times the rows in use (gathering copied every row's K and V again in every layer); a gap's
+    row attends with a zero query and its output is dropped."""
 
     def __init__(self, slots: list[int], positions: list[int], move=None, device=None):
         """`move` puts the host tensors where the state lives (a device's to_device), `device` is that place."""
@@ -402,10 +380,8 @@ class Rows:
 
 
 class RowPlan:
-    """Decode attention's reading of one store for one micro-batch (Rows.plan): `rows` a slice of the
-    store's rows read in place (None: gathered), `at` each request's row in it when it covers gaps,
-    lengths/span/pad over those rows, `runs` [(first, end, span)] of rows attended separately, and `memo`
-    what attention builds once for every layer."""
+    """How decode attention reads one store for one micro-batch (Rows.plan): `rows` read in place (None:
+    gathered), `at` each request's row among them, lengths/span/pad, `runs` attended apart, `memo`."""
 
     __slots__ = ("rows", "at", "lengths", "span", "pad", "runs", "memo")
 

@@ -1,17 +1,10 @@
 """Model weights laid out for paging: one flat buffer per decoder layer, cut into pages.
 
-Every decoder layer's tensors live in a single 1-D buffer (`LayerWeights.flat`) at offsets fixed by
-a `LayerLayout`; the named tensors are views into it, experts stacked `[E, ...]` at the end. The
-expert region — the part that stays in CPU memory and streams to the GPU — is cut into `n` equal
-pages (the paper's paged weights); the same layout gives views over any other buffer of that size,
-such as one half of the GPU's 2×layer expert buffer. The small non-expert part (norms, attention,
-router, shared expert) is what the GPU keeps resident.
-
-Memory: each buffer is allocated once and filled straight from the checkpoint's memory map, so peak
-RSS stays near the model's size. Layer buffers start and end on page boundaries so that the part of
-each that streams to a GPU can be page-locked on its own, at its exact size (`pin_streamed`, through
-the runtime's device: torch's pinned allocator would round every buffer up to a power of two). When
-pinning is refused (Windows caps pinned memory) the buffers stay pageable and copies are slower.
+A layer's tensors are views into one 1-D buffer at offsets fixed by a `LayerLayout`, experts stacked
+`[E, ...]` last; the expert region (what streams to the GPU) is cut into equal pages, and the same
+layout gives views over any buffer of that size. Buffers are filled straight from the checkpoint's
+memory map (peak RSS near the model's size) and start and end on page boundaries, so what streams can
+be page-locked at its exact size (torch's pinned allocator rounds up to a power of two).
 """
 
 from __future__ import annotations
@@ -44,10 +37,8 @@ PACKED_DENSE = ("qkv", "o", "shared_w13", "shared_w2")
 class LayerLayout:
     """Where each canonical tensor of a layer sits in the flat buffer: name -> (offset, shape).
 
-    Unquantized, the buffer has the weights' dtype and offsets count its elements. With an
-    `ExpertScheme` the buffer is bytes (uint8): offsets count bytes, `dtypes` gives each entry's own
-    dtype (the dense tensors the compute dtype's, the experts' packed integers and scales theirs), and
-    the expert region is those parts, so a page is a run of quantized bytes."""
+    With an `ExpertScheme` the buffer is bytes: offsets count bytes and `dtypes` names each entry's dtype,
+    so a page is a run of quantized bytes; otherwise offsets count elements of the weights' dtype."""
 
     entries: tuple[tuple[str, int, tuple[int, ...]], ...]
     numel: int
@@ -90,9 +81,8 @@ class LayerLayout:
         return cls(tuple(entries), off, off if expert_start is None else expert_start, tuple(dtypes), scheme)
 
     def buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        """A page-aligned flat buffer for this layout (`dtype`: the weights'; a byte layout's is uint8), left
-        uninitialised but for the alignment gaps between entries, which are zeroed: a scan of the whole buffer
-        (engine._check_fp16_range) must not read stale memory as weights."""
+        """A page-aligned buffer for this layout, uninitialised but for the gaps between entries, which are
+        zeroed: a scan of the whole buffer (engine._check_fp16_range) must not read stale memory as weights."""
         flat = page_aligned(self.numel, self.storage_dtype or dtype)
         end = 0
         for name, off, shape in sorted(self.entries, key=lambda e: e[1]):
@@ -179,12 +169,9 @@ class LayerWeights:
     def pack_for_cpu(self, quantize_dense=None, swiglu: bool = False) -> None:
         """Prepack the experts for the CPU and keep only the non-expert part of the flat buffer.
 
-        One layer at a time, so memory peaks at the model plus one layer's experts, never two copies.
-        Quantized experts whose format has no CPU kernel here (no C compiler for GGUF blocks) expand per use.
-        `quantize_dense(name, w)`: the attention and shared-expert projections quantized too, for the CPU's
-        weight-only kernels (core.model.quant.dense; `w` itself where the kernel does not take it) — and
-        then their bf16 bytes are not kept. `swiglu`: the experts are plain SwiGLU, which the fused C
-        kernel runs (core.model.cpu.ffn) where it can."""
+        One layer at a time, so memory peaks at the model plus one layer's experts. `quantize_dense(name, w)`
+        quantizes the attention and shared-expert projections too (core.model.quant.dense); `swiglu`: plain
+        SwiGLU experts, which the fused C kernel (core.model.cpu.ffn) runs where it can."""
         from core.model.moe import pack_cpu_experts
 
         if self.quant is not None:
@@ -208,9 +195,8 @@ class LayerWeights:
         self._hold_dense_apart(quantize_dense or (lambda name, w: w), biases)
 
     def _hold_dense_apart(self, convert, biases: dict) -> None:
-        """The dense part with the projections in their kernel's layout — `convert(name, w)`'s quantized
-        weight, or prepacked where it gives `w` back as it is — and the other tensors copied into a buffer
-        of their own; the projections' row-major bytes let go (never held twice)."""
+        """The projections in their kernel's layout (`convert`'s quantized weight, else prepacked), the other
+        dense tensors copied into a buffer of their own: the row-major bytes are let go, never held twice."""
         from core.model.cpu.kernels import pack_dense
 
         views = self.layout.views(self.flat, names=self._dense_names())
@@ -251,9 +237,8 @@ class LayerWeights:
         return {n: t for n, t in self.tensors.items() if n in names}
 
     def expert_set(self, to_dev=lambda t: t) -> dict:
-        """What the expert compute reads: {"w13", "w2"} (+ biases), {"packed": per-expert oneDNN weights, or
-        the fused kernel's NativeExperts}
-        or {"quant": QuantExperts} (+ biases); {} in a dense layer."""
+        """What the expert compute reads: {"w13", "w2"}, {"packed": ...} or {"quant": QuantExperts}, with
+        the biases; {} in a dense layer."""
         biases = {n: to_dev(self.tensors[n]) for n in ("b13", "b2") if n in self.tensors}
         if self.quant is not None:
             q = to_dev(torch.empty(0))
@@ -263,10 +248,8 @@ class LayerWeights:
         return {n: to_dev(self.tensors[n]) for n in EXPERT_TENSORS if n in self.tensors}
 
     def pack_widened(self, math: torch.dtype) -> None:
-        """The experts into the fp32-math C kernel's layout (core.model.cpu.ffn.NativeExperts: the same bf16
-        bytes, held instead of the flat buffer's) and the non-expert part in `math`: an AVX2 CPU's experts then
-        widen in registers, not tile by tile through torch (widen_dense). One layer at a time: memory peaks at
-        the model plus one layer's experts."""
+        """The experts in the fp32-math C kernel's layout (ffn.NativeExperts, the same bf16 bytes) and the
+        non-expert part in `math`: an AVX2 CPU then widens the experts in registers."""
         from core.model.cpu import ffn
 
         self.packed = ffn.NativeExperts(self.tensors["w13"], self.tensors["w2"])
@@ -275,9 +258,8 @@ class LayerWeights:
         self.flat, self.experts, self.pages = dense, None, []
 
     def widen_dense(self, math: torch.dtype) -> None:
-        """Keep the experts in their storage dtype (views of the flat buffer, still paged) and convert the
-        small non-expert part to `math`: on a CPU whose low-precision matmuls are slow, the dense layers
-        then compute in `math` for a few % more memory, while experts widen tile by tile as they run."""
+        """The small non-expert part in `math`, the experts kept in their storage dtype (still paged): on a CPU
+        whose low-precision matmuls are slow the dense layers compute in `math` for a few % more memory."""
         dense_names = self._dense_names()
         dense = self.flat[:self.layout.expert_start].to(math)
         self.tensors = {**self.layout.views(self.flat, names={n for n, _, _ in self.layout.entries} - dense_names),
@@ -353,9 +335,8 @@ class ModelWeights:
         return True
 
     def pin_for_streaming(self, dev, resident: list[int], progress: EventSink = ignore) -> list[int]:
-        """Page-lock what streams of every layer (experts from `resident[i]` on), once: layers already locked
-        are skipped, so a later run (or a new runner after running out of memory) locks nothing. A progress
-        line per layer locked, the last with the seconds it took. Returns the layers that could not be locked."""
+        """Page-lock what streams of every layer (experts from `resident[i]` on), skipping layers already
+        locked. Returns the layers that could not be locked."""
         todo = [i for i, r in enumerate(resident) if r < self.spec.num_experts and not self.is_pinned_from(dev, i, r)]
         if not todo:
             return []
@@ -484,14 +465,11 @@ def _unpin_all(pins: dict) -> None:
 def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
                  progress: EventSink = ignore, quant: Format | None = None,
                  use_cache: bool = True, shard=None) -> ModelWeights:
-    """Read a checkpoint into paged per-layer buffers (and plain tensors for embeddings and head).
+    """Read a checkpoint into paged per-layer buffers (plain tensors for embeddings and head).
 
-    With a tensor-parallel `shard` (core.model.shard.Shard of `spec`), only that rank's part is read
-    and the result is laid out for `local_spec(spec, shard)`.
-
-    With `quant` the experts are quantized layer by layer as they are read (or read back from the
-    quantized cache, see core.model.quant.cache): memory peaks at the quantized model plus one layer
-    in the compute dtype. The runtime page-locks what streams, at its exact size (ModelWeights.pin_streamed)."""
+    `shard`: only that tensor-parallel rank's part, laid out for `local_spec(spec, shard)`. `quant`: the
+    experts quantized layer by layer as they are read (or read back from core.model.quant.cache), so memory
+    peaks at the quantized model plus one layer in the compute dtype."""
     if pages_per_layer < 1:
         raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
     mxfp4 = spec.quant_method == "mxfp4" and spec.family == "gpt_oss"  # experts read as the 4-bit blocks they are
