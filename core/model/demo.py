@@ -1,9 +1,8 @@
 """The built-in demo model: a small random-weight Mixtral checkpoint plus a tokenizer, made locally.
 
-Built deterministically on first use into the user cache (platformdirs, or $MLIGHT_CACHE_DIR), with
-transformers' own model class and `save_pretrained` (so it is a real safetensors checkpoint read by
-the real loader), and a byte-level BPE tokenizer trained with `tokenizers` on the bundled MT-Bench
-questions. No network. Its outputs are gibberish; everything else about it is real.
+Built deterministically on first use into the user cache with transformers' own class and
+`save_pretrained` (a real checkpoint for the real loader), and a byte-level BPE tokenizer trained on the
+bundled MT-Bench questions. No network; its outputs are gibberish.
 """
 
 from __future__ import annotations

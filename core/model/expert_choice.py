@@ -1,18 +1,11 @@
 """Which routed-expert kernel runs — grouped_mm over all experts, or one matmul pair per expert that got
 tokens — chosen by timing both on this machine.
 
-Neither wins everywhere. The loop pays a fixed cost per expert that got tokens, which with 256–512
-small experts (Qwen3-Next, Qwen3.5, DeepSeek-V3) dominates small batches; grouped_mm pays for its
-layout and, on some CPUs and dtypes, a slower inner kernel. So the first call for a shape — device,
-dtype, experts, sizes, biases, and the token count rounded up to a power of two — times both on the
-real inputs (interleaved, best of a few), and the faster is used for that shape from then on.
-
-A measurement runs the experts eight times over (a warm-up and three trials of each form), and a prefill's
-calls are its largest: the demo model's first 2,048-token chunk paid 38 ms for it and the next size 31 ms, in the
-first layer of a process's first large call (AVX2 limits, two threads) — about a seventh of the ~1 s run a user's
-`mlight bench` of 256 short prompts is, in every fresh process. So the CPU's choices are kept on disk, per machine,
-torch build, thread count and version of the experts' code (`_context`), and a process measures only the shapes no
-process before it on this machine did. A GPU's are timed in each process (its measurements take milliseconds).
+The loop's fixed cost per expert dominates small batches of hundreds of small experts; grouped_mm pays
+for its layout and, on some CPUs, a slower kernel. So the first call of a shape (device, dtype, sizes,
+biases, tokens rounded up to a power of two) times both on the real inputs. The CPU's choices are kept
+on disk per machine, torch build, thread count and experts' code (`_context`), since a measurement cost
+a fresh process's `mlight bench` about a seventh of its run; a GPU's take milliseconds, per process.
 """
 
 from __future__ import annotations

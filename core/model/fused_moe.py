@@ -1,19 +1,11 @@
-"""The routed experts on an accelerator in a number of launches that does not depend on E: the pairs aligned
-into blocks of one expert each (core.model.moe_align), then one kernel per projection over every block —
-for every weight format and GPU generation, resident and streamed experts alike.
+"""The routed experts on an accelerator in a number of launches that does not depend on E.
 
-Two torch ops carry it, registered with torch.library so that a launch count (tests/op_count.py), a
-CUDA graph and the emulated device each see one op whatever runs inside, and with fake implementations
-so that meta tensors and capture know their shapes without running them:
-- `mlight::moe_align`: the block layout (no host sync, static shapes; one Triton launch on a CUDA GPU,
-  core.model.moe_align_triton, the torch form elsewhere);
-- `mlight::moe_gemm`: one projection over all parts of a layer's experts. Inside, the Triton kernel
-  (core.model.fused_moe_triton, imported on first use) where it runs the format and compute dtype on this GPU
-  (its `unsupported`); else a torch form with the same semantics that runs anywhere (a T4 in bf16, the CPU
-  and its emulated device): the blocks' experts gathered, dequantized only for the gathered experts' bytes,
-  a batched matmul, written to the blocks' rows — a chunk of blocks at a time, so that memory is bounded by
-  FUSED_CHUNK_BYTES and the launches depend on T, never on E.
-grouped_mm (dense weights, one call per part) stays where it is the faster: `expert_path` chooses per call.
+The pairs are aligned into blocks of one expert each (`mlight::moe_align`), then `mlight::moe_gemm` runs
+one projection over every block: the Triton kernel (core.model.fused_moe_triton) where it runs the format
+and dtype, else a torch form with the same semantics that runs anywhere, a chunk of blocks at a time
+(memory bounded by FUSED_CHUNK_BYTES). Both are torch.library ops with fake implementations, so a launch
+count, a CUDA graph and the emulated device each see one op, and meta tensors know their shapes.
+grouped_mm stays where it is faster: `expert_path` chooses per call.
 Legend: T = tokens, k = experts per token, E = experts, P = T·k pairs, D = hidden, I = expert intermediate,
 N × K = one expert's matrix (outputs × inputs), BM = block rows, S = padded slots.
 """
@@ -47,10 +39,8 @@ def expert_path(quantized: bool, tokens: int, grouped_mm: bool, forced: bool | N
 
 def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, act,
                   backend: str | None = None) -> torch.Tensor:
-    """Routed experts by the fused path: h [T, D], weights/idx [T, k] -> [T, D]. `parts` as
-    core.model.moe.device_experts takes them; `backend` "triton" or "torch" (default: the kernel where it runs).
-    Ops: align, one per up matrix (two where a GGUF file gives gate and up apart, then their join), the
-    activation's, down, the sum over each token's k rows."""
+    """Routed experts by the fused path: h [T, D], weights/idx [T, k] -> [T, D]; `parts` as
+    moe.device_experts takes them; `backend` "triton" or "torch" (default: the kernel where it runs)."""
     T, k = idx.shape
     E = sum(_part_size(p) for p in parts)
     up, down = _matrices(parts)
@@ -170,10 +160,8 @@ def _(topk_ids, num_experts, block_m):
 def _gemm(a: torch.Tensor, stacks: list[torch.Tensor], fmt: str, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
           n_padded: torch.Tensor, top_k: int, block_m: int, route_w: torch.Tensor | None, biases: list[torch.Tensor],
           pair_expert: torch.Tensor | None, triton: bool) -> torch.Tensor:
-    """One projection of every routed pair: out [P, N], out[p] = (a[p // top_k] @ W_e.T + b_e) · route_w[p] for
-    pair p's expert e. `stacks`: each part's tensors in order (format `fmt`, experts first, parts covering
-    experts 0..E−1 in order); `biases`: one [e, N] per part, or none; `pair_expert` [P]: each pair's expert
-    (needed with biases)."""
+    """One projection of every routed pair: out[p] = (a[p // top_k] @ W_e.T + b_e) · route_w[p]. `stacks`: each
+    part's tensors, parts covering experts 0..E−1 in order; `pair_expert` [P] is needed with `biases`."""
     P, N, K = a.shape[0] * top_k, stacks[0].shape[1], a.shape[1]
     f = _format(fmt)
     per = 1 if f is None else len(f.parts(N, K))
@@ -206,9 +194,8 @@ def _gemm_triton(a, f, parts, N, K, sorted_ids, block_expert, n_padded, top_k, b
 
 
 def _gemm_torch(a, f, parts, N, K, sorted_ids, block_expert, top_k, block_m, route_w, biases):
-    """Block-gathered: each block's expert matrix gathered (and dequantized) next to its BM rows, a batched
-    matmul, rows written back. Rows outside the part (other parts' experts, padding, unused blocks) go to a
-    trash row P."""
+    """Each block's expert gathered (and dequantized) beside its BM rows, a batched matmul, rows written back;
+    rows outside the part go to a trash row P."""
     P = a.shape[0] * top_k
     nb = block_expert.shape[0]
     out = a.new_zeros(P + 1, N)

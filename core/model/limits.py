@@ -1,6 +1,5 @@
-"""Numbers the runtime's code and the planner's model of it must agree on, in one place (no torch here:
-the planner imports it without loading torch). core/model is the lowest of core's packages, so the
-model's kernels, the planner (core.plan) and the runtime (core.runtime) all import them from here.
+"""Numbers the runtime's code and the planner's model of it must agree on, in one place, torch-free: the
+model's kernels, core.plan and core.runtime all import them from here.
 """
 
 FUSED_MAX_TOKENS = 128  # an accelerator's expert call of more tokens takes grouped_mm where it runs (dense weights)
@@ -52,10 +51,8 @@ PREFILL_REREAD = 64
 
 
 def prefill_chunk(D: int, q: int, kv: int, I: int, Is: int, Id: int, E: int, k: int) -> int:
-    """Tokens of a CPU prefill chunk for a model of these sizes (hidden, query and K/V widths, routed, shared
-    and dense intermediates, experts and top-k): its widest fp32 intermediate a token — the mixer's norm and
-    QKV, a dense or shared MLP's gate and up, an expert's at even routing — within PREFILL_CHUNK_BYTES, unless
-    the routed experts it re-reads call for a taller one (PREFILL_REREAD)."""
+    """Tokens of a CPU prefill chunk for a model of these sizes: its widest fp32 intermediate a token within
+    PREFILL_CHUNK_BYTES, unless the routed experts it re-reads call for a taller one (PREFILL_REREAD)."""
     widest = 4 * max(D + q + 2 * kv, 2 * max(Is, Id), 2 * I * min(1.0, k / max(1, E)))
     reread = 3 * D * I * E / (PREFILL_REREAD * widest / 4)
     return int(max(PREFILL_CHUNK_LEAST, min(PREFILL_CHUNK_TOKENS, max(PREFILL_CHUNK_BYTES // widest, reread))))

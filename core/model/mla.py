@@ -1,13 +1,10 @@
 """Multi-head latent attention (DeepSeek-V2/V3) as CGOPipe runs it, over a latent cache.
 
-The cache keeps, per token, the normed KV latent c [R] and the roped shared key k_pe [dr] — R + dr
-numbers instead of 2·H·hd — and K/V are never expanded at decode. The up-projection kv_b splits
-per head into W_UK [dn, R] and W_UV [dv, R]; since q_nope·(W_UK c) = (W_UKᵀ q_nope)·c, the query is
-absorbed into latent space on the accelerator (`pre`: q_lat = W_UKᵀ q_nope), the CPU attends like
-multi-query attention with one "head" of width R + dr shared by all H query heads (`attend`:
-scores = [q_lat | q_pe]·[c | k_pe], output o_lat = p·c), and the accelerator applies W_UV and the
-O projection (`post`). Prefill is compute-bound, so it expands K/V for the prompt as the reference does.
-D1 payload: [q_lat | q_pe] per head (H·(R+dr)) and the token's [c | k_pe] (R+dr); D2: o_lat (H·R).
+The cache keeps per token the normed latent c [R] and the roped shared key k_pe [dr]; K/V are never
+expanded at decode. kv_b splits per head into W_UK [dn, R] and W_UV [dv, R]; since q_nope·(W_UK c) =
+(W_UKᵀ q_nope)·c, `pre` absorbs the query into latent space, the CPU attends like multi-query attention
+with one head of width R + dr (`attend`: o_lat = p·c), and `post` applies W_UV and O. Prefill expands K/V.
+D1: [q_lat | q_pe] per head and the token's [c | k_pe]; D2: o_lat (H·R).
 Legend: T = tokens, B = requests, H = heads, R = latent rank, dn/dr/dv = no-rope/rope/value head dims.
 """
 
@@ -74,9 +71,8 @@ def _latent(spec: ModelSpec, kv: torch.Tensor, w: dict, positions, rope, call_le
 
 def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None, full_norm=None,
         out: torch.Tensor | None = None):
-    """-> the payload [T, d1] (into `out`, the device's D1 block, when given), None. Its rows P [T, H + 1, R + dr]
-    are the heads' [q_lat | q_pe] and the token's [c | k_pe]: each piece's last op writes its place there, and
-    q_pe and k_pe, side by side, take one RoPE — no joins after."""
+    """-> the payload [T, d1] (into `out` when given), None. Its rows [T, H + 1, R + dr] are the heads'
+    [q_lat | q_pe] and the token's [c | k_pe], each written in place, q_pe and k_pe roped in one call."""
     m, T, H = spec.mla, h.shape[0], spec.num_heads
     R, dr = m.kv_lora_rank, m.qk_rope_dim
     q_lat, kv = _down(spec, w, h)

@@ -1,20 +1,9 @@
 """The MoE router after its matmul, in Triton: one launch from a token's logits to its k experts and weights.
 
-One program a token row: the row's E logits in registers (fp32 from here on), then what
-core.model.routing does for the kind, in the same fp32 arithmetic:
-- sigmoid_group (DeepSeek-V3, GLM-4.5): scores = sigmoid(logits); choice = scores + correction bias; groups
-  ranked by the sum of their two best choices, the experts of all but the `topk_groups` best set to −inf;
-  the k best choices; weights = the chosen experts' unbiased scores, optionally / (their sum + 1e-20);
-- softmax_group (DeepSeek-V2): scores = softmax(logits); groups ranked by their best score, the others' set
-  to 0; the k best scores, optionally / their sum;
-- softmax (Mixtral, Qwen, OLMoE, …, fp32 softmax): the k best of softmax(logits), optionally / their sum;
-then × `scale`, rounded once to the output's dtype (bf16/fp16/fp32).
-
-Ties break by the lowest index, a deterministic order: torch.topk on the CPU breaks exact ties in no
-documented order (tests/test_router_triton.py shows it does not keep the lowest), so the kernel and torch
-agree on ids wherever the values differ, and on exact ties the kernel is the stable one. Sums over k and
-over E run in the kernel's order: weights agree with torch's to fp32 rounding.
-Legend: T = tokens, E = experts, G = groups, k = experts per token.
+One program a token row, in core.model.routing's fp32 arithmetic for sigmoid_group, softmax_group and
+softmax, then × `scale`, rounded once to the output's dtype. Ties break by the lowest index, where
+torch.topk on the CPU breaks them in no documented order: ids agree wherever the values differ, and
+weights to fp32 rounding. Legend: T = tokens, E = experts, G = groups, k = experts per token.
 """
 
 from __future__ import annotations

@@ -3,12 +3,11 @@
 Kinds (ModelSpec.router), each the inference form of its reference:
 - softmax: softmax over all experts, top-k, optionally renormalised (Mixtral, Qwen, OLMoE, DBRX).
 - topk_softmax: top-k of the (biased) logits, softmax over those k only (gpt-oss).
-- softmax_group: softmax, then group-limited greedy: only the experts of the `topk_group` groups
-  with the best expert score stay eligible (DeepSeek-V2; one group = plain greedy).
-- sigmoid_group: sigmoid scores; `e_score_correction_bias` is added to choose the experts (groups
-  ranked by the sum of their two best) but the weights are the plain scores (DeepSeek-V3, GLM-4.5).
-- sparsemixer: Phi-3.5-MoE's top-2 — the best expert, then the best of the rest, each weighted by a
-  softmax over the experts within a relative `jitter_eps` threshold of it (no sampling at inference).
+- softmax_group: softmax, then only the experts of the `topk_group` best groups (DeepSeek-V2).
+- sigmoid_group: sigmoid scores, `e_score_correction_bias` added to choose (groups ranked by the sum of
+  their two best), the plain scores as weights (DeepSeek-V3, GLM-4.5).
+- sparsemixer: Phi-3.5-MoE's top-2, each weighted by a softmax over the experts within a relative
+  `jitter_eps` of it (no sampling at inference).
 Then `routed_scale` multiplies the weights. Legend: T = tokens, E = experts, k = experts per token.
 """
 
@@ -91,10 +90,8 @@ def _renormalise(spec: ModelSpec, top: torch.Tensor) -> torch.Tensor:
 
 
 def _drop_groups(spec: ModelSpec, grouped: torch.Tensor, group_scores: torch.Tensor, other: float) -> None:
-    """Sets the experts of all but the `topk_group` best groups of each token to `other`, in place: grouped
-    [T, G, E/G] (a fresh tensor of the router's), group_scores [T, G]. The G − topk_group worst groups, scattered
-    over in 2 ops where a mask of the best ones took 4; the same groups, ties apart (which topk breaks as it
-    likes either way)."""
+    """Sets the experts of all but the `topk_group` best groups to `other`, in place: grouped [T, G, E/G],
+    group_scores [T, G] (scattering over the worst groups: 2 ops where a mask of the best took 4)."""
     drop = spec.router_groups - spec.router_topk_groups
     if drop > 0:
         worst = torch.topk(group_scores, drop, dim=-1, largest=False).indices  # [T, G − topk_group]

@@ -1,24 +1,12 @@
 """Tensor-parallel shards: what one of `size` ranks holds of a model, and how it is read from disk.
 
-Attention is split by query heads, in contiguous near-equal chunks; a rank keeps the KV heads its
-query heads use. When its query heads fall unevenly into KV groups (e.g. 8 heads over 3 ranks), it
-keeps one copy of the KV head per query head (plain multi-head attention locally), so any rank count
-up to the number of heads works and the KV-cache math is the ordinary one.
-The MoE FFN is split along every expert's intermediate dimension (and the shared expert's), not by
-assigning whole experts: each rank streams exactly 1/size of every layer's expert bytes whatever the
-routing, and the straggler of each step is no slower than the others.
-Latent attention (MLA) is split by heads too: a rank keeps its heads' rows of the query and KV
-up-projections (so the absorbed W_UK/W_UV are its heads') and their O-projection columns, and
-computes the shared latent itself, so every rank caches the whole latent (it serves all heads).
-Linear attention (Gated DeltaNet) is split by value heads, each with the key heads it reads (the
-same rule as query over KV heads), and so is its recurrent and conv state. A family whose layer
-holds tensors this module does not know keeps its attention whole on every rank and splits only
-the experts.
-
-A rank's model is an ordinary ModelSpec with fewer heads and a narrower intermediate size
-(`local_spec`), so the weights layout, KV cache and pipeline need no change; the partial outputs of
-the O projection and of the FFN are summed over the ranks (core.runtime.distributed.tensor_parallel).
-Loading reads only the rank's rows and columns of each checkpoint tensor through its memory map.
+Attention is split by query heads (a rank keeps the KV heads they use, one copy per query head where
+they fall unevenly into groups, so any rank count works); MLA by heads, every rank computing and caching
+the whole latent; linear attention by value heads. The MoE FFN is split along every expert's intermediate
+dimension, so each rank streams 1/size of every layer's expert bytes whatever the routing. A family
+whose layer holds tensors this module does not know keeps its attention whole and splits only the experts.
+A rank's model is an ordinary ModelSpec (`local_spec`); the O projection's and the FFN's partial outputs
+are summed over the ranks (core.runtime.distributed.tensor_parallel).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """GGUF architectures as our families: the config a family module reads, and where each tensor goes.
 
-llama.cpp names an architecture by `general.architecture` and its tensors `blk.N.attn_q.weight`,
-`blk.N.ffn_gate_exps.weight` ([E, I, D], experts stacked), … Mixtral files say "llama" (with an
-expert count); their converter permuted the rows of q and k for llama.cpp's interleaved RoPE, which
-`unpermute` reverses (a row permutation: block-quantized rows move as they are).
+Mixtral files say "llama" (with an expert count); their converter permuted q and k rows for llama.cpp's
+interleaved RoPE, which `unpermute` reverses (a row permutation: block-quantized rows move as they are).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Finding a model's GGUF file(s) and reading their metadata and tensor index (not their data).
 
-The `gguf` package parses headers; tensor bytes are read later straight into their destination with
-plain file reads (`read_into`), so the file's pages never pile up in the process as a second copy.
-Split models (`name-00001-of-00003.gguf`, …) are one model: metadata from the first file, tensors from all.
+Tensor bytes are read later straight into their destination (`read_into`), so the file's pages never pile
+up as a second copy. Split models are one model: metadata from the first file, tensors from all.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """A GGUF model into mlight's per-layer flat buffers, its tokenizer, and its ModelSpec.
 
-Dense tensors (attention, norms, router, shared expert, embeddings, head) are expanded to the compute
-dtype one at a time. Routed experts in a block format we decode (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4)
-are copied byte for byte from the file into the layer's expert region: a Q4_K_M file's Q4_K gate/up
-and Q6_K down rows stay Q4_K and Q6_K in RAM, in pages and on the device, which expands one expert
-at a time. Gate and up of one type share one `w13` matrix (each expert's gate rows, then its up rows);
-of two types they stay `w1` and `w3`. Layers may differ in their types (Q4_K_M gives some layers Q6_K
-down projections): each layer has its own layout. Experts stored as floats are loaded as floats.
+Dense tensors are expanded to the compute dtype one at a time; routed experts in a block format are
+copied byte for byte into the expert region (a Q4_K_M file's experts stay Q4_K/Q6_K in RAM, pages and on
+the device). Gate and up of one type share `w13`; of two types they stay `w1` and `w3`. Layers may
+differ in their types, so each has its own layout.
 """
 
 from __future__ import annotations
@@ -119,9 +116,8 @@ def load_tokenizer(g: GGUFModel):
 
 def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Tensor],
                held: dict[str, list] | None = None) -> None:
-    """The dense tensors `places` name into `dest`, expanded to its dtype; with `held`, the quantized projections
-    the CPU's block kernel takes are not expanded: their rows are kept as the file's blocks, per projection
-    (core.model.quant.block_dense.Segment), and their part of `dest` left unwritten (never resident)."""
+    """The dense tensors `places` name into `dest`, expanded to its dtype; with `held`, the projections the
+    CPU's block kernel takes are kept as the file's blocks (block_dense.Segment) and left unwritten in `dest`."""
     covered: dict[str, int] = {}
     for p in places:
         if held is not None and p.dest in BLOCK_DENSE:
@@ -220,9 +216,8 @@ def _tensor(g: GGUFModel, name: str) -> TensorRef:
 
 def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
                       pin: bool = False, progress: EventSink = ignore, cpu_only: bool = False):
-    """`cpu_only`: the model runs in the CPU-only mode, whose packing (ModelWeights.pack_for_cpu) takes the
-    quantized projections as the file's blocks (`block_dense` of each layer and of the model): those are
-    not expanded here. Elsewhere (a device, float experts) every dense tensor is expanded to `dtype`."""
+    """`cpu_only`: the quantized projections stay the file's blocks (ModelWeights.pack_for_cpu takes them);
+    elsewhere every dense tensor is expanded to `dtype`."""
     from core.model.weights import LayerLayout, LayerWeights, ModelWeights
 
     dtype = dtype or spec.torch_dtype

@@ -1,17 +1,11 @@
 """The quantized cache: a checkpoint quantized once, kept as safetensors in the user cache, memory-mapped after.
 
-Layout of one entry, `<cache>/quantized/<key>/`: `model.safetensors` holding `embed`, `norm`, `lm_head`
-in the compute dtype and `layers.<i>`, each layer's whole flat buffer as bytes (dense weights and
-quantized experts exactly as `core.model.weights` lays them out), and `meta.json` saying what it is.
-The key hashes the checkpoint's content (`fingerprint`), the expert scheme, the compute dtype and
-this layout's version, so a changed checkpoint or format never reads a stale entry.
-
-The file is written front to back while the loader quantizes layer by layer (the header is known
-up front: every size follows from the spec), under a temporary name renamed into place when
-complete, so an interrupted first load leaves nothing that a later load would trust. Two processes
-may quantize the same model at once: each writes its own temporary file, and the commit runs under
-the entry's file lock, so the first to finish commits and the other, finding the entry complete,
-drops its copy (never replacing a file that a reader may have mapped).
+An entry `<cache>/quantized/<key>/` holds `model.safetensors` (`embed`, `norm`, `lm_head` and each
+layer's flat buffer as bytes, `layers.<i>`) and `meta.json`; the key hashes the checkpoint's content,
+the scheme, the dtype and the layout's version. The file is written front to back under a temporary
+name while the loader quantizes, and committed under the entry's file lock: an interrupted load leaves
+nothing trusted, and of two processes the first to finish commits while the other drops its copy
+(never replacing a file a reader may have mapped).
 """
 
 from __future__ import annotations
@@ -42,9 +36,8 @@ def cache_root() -> Path:
 
 
 def fingerprint(model_dir: Path) -> str:
-    """A content hash of a checkpoint folder without reading all of it: config.json, and per weight file its
-    size, its safetensors header and 1 MiB from its start, middle and end. Files in a Hugging Face cache are
-    named by their content hash already (blobs/<sha256>); that name is used instead of sampling."""
+    """A content hash of a checkpoint folder without reading all of it: config.json and per weight file its
+    size, header and 1 MiB from its start, middle and end (a Hugging Face cache's blob name where it has one)."""
     h = hashlib.sha256()
     model_dir = Path(model_dir)
     for f in sorted(model_dir.iterdir()):
@@ -108,9 +101,8 @@ class StreamWriter:
 
     def __init__(self, path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  entry: CacheEntry | None = None, align: int = 8):
-        """`align`: each tensor's bytes start at a multiple of it in the file (so in a map of it: kernels
-        with aligned vector loads read mapped tensors in place); the gaps are `__pad.<i>` byte tensors,
-        so the file stays a plain safetensors file without holes."""
+        """`align`: each tensor starts at a multiple of it in the file, so kernels with aligned loads read mapped
+        tensors in place; the gaps are `__pad.<i>` tensors, so the file stays plain safetensors."""
         self.path, self.tmp, self.fh = path, None, None
         header, off, self.pads = {}, 0, {}
         for name, dtype, shape in tensors:

@@ -1,11 +1,7 @@
 """Which dense weights `--quantize-dense` stores quantized, and what they cost: torch-free, for the planner.
 
-In the CPU-only mode the attention and shared-expert projections (`DENSE_NAMES`) and an untied LM head
-are held in a weight-only format (core.model.quant.dense) wherever torch's CPU kernel takes the shape:
-int8 any, int4 K in whole groups and N a multiple of 16. Norms, routers, biases, MLA's and linear
-attention's other projections and a dense MLP stay in the checkpoint's dtype. A ModelSpec says which
-format with `dense_format` (a Format label, "none" = none); the bytes and the kernel's work follow here.
-On an accelerator the dense weights stay in the checkpoint's dtype (the engine warns).
+CPU-only mode: `DENSE_NAMES` and an untied LM head, where torch's CPU kernel takes the shape (int8 any;
+int4 K in whole groups, N a multiple of 16). `ModelSpec.dense_format` names the format ("none": none).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """One quantized matrix expanded into the compute dtype, in buffers made once and reused by every call.
 
-The device computes streamed quantized experts by expanding each one into a scratch buffer and
-multiplying there (and the CPU does the same for an int8 expert that many tokens chose, and for GGUF
-blocks). That runs per expert per layer per step, so for int8 and int4 nothing here allocates after
-the first call: the output buffer, the workspaces and even the scalar operands (a Python number
-becomes a fresh 0-dim tensor on every op) live in a `Workspace` shared by all layers of a model.
-
-The arithmetic is `formats.dequantize`'s, op for op in float32, so the result is bit for bit the
-reference's: rows are expanded a chunk at a time through a float32 workspace (small enough to stay
-in cache on the CPU, large enough on an accelerator that an expert takes a few launches), then
-rounded once into the output. GGUF and MXFP4 blocks likewise, through `expand_blocks` (blocks.decode's
-arithmetic with its intermediates in the workspace): no format allocates after its first call.
+This runs per expert per layer per step, so nothing allocates after the first call: output, chunk
+buffers and even scalar operands (a Python number becomes a fresh 0-dim tensor per op) live in a
+`Workspace` shared by a model's layers. The arithmetic is `formats.dequantize`'s op for op in float32,
+a chunk of rows at a time, rounded once into the output: bit for bit the reference's.
 Legend: n = output rows, k = inputs, g = int4 group, r = rows in a chunk.
 """
 

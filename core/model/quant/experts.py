@@ -1,20 +1,12 @@
 """The routed experts of one layer held quantized, and how they compute.
 
-`ExpertScheme` says how a layer stores its experts: the up projection (gate rows, then up rows) as one
-matrix stack `w13` [E, 2I, D] or, when a GGUF file gives gate and up in different formats, as `w1` and
-`w3` [E, I, D]; the down projection `w2` [E, D, I]; each in its own `Format`.
-
-`QuantExperts` computes one expert's projections from those bytes, by one of two backends:
-- kernel (CPU, int8/int4): for int4 mlight's own C kernel (core.model.cpu.int4) on the bytes as stored,
-  where it builds — and then one token's routed experts run as one fused call (`one_token`); else
-  torch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) over each expert
-  prepacked once by `pack_cpu` — the small-batch decode path, where reading fewer bytes is what counts;
-- GGUF blocks (CPU): core.model.cpu.gguf_blocks' C kernel on the file's bytes as stored (`blocks`), one
-  token's experts in one call at batch 1, up to NATIVE_GGUF_ROWS tokens on an expert;
-- dequantize: the expert is expanded into a reused scratch buffer in the compute dtype and multiplied
-  by an ordinary matmul — every format, every device; what the accelerator does with streamed pages,
-  and what the CPU does with an expert that many tokens chose (above `kernel_rows`, where the
-  kernels' per-row cost outgrows one expansion).
+`ExpertScheme`: how a layer stores its experts — `w13` [E, 2I, D] (or `w1`, `w3` [E, I, D] when a GGUF
+file gives gate and up in different formats) and `w2` [E, D, I], each in its own `Format`.
+`QuantExperts` computes an expert from those bytes by a kernel on the bytes as stored (int4: mlight's C
+kernel, one token's experts in one call; int8/int4: torch's weight-only kernels over a prepacked copy;
+GGUF blocks: core.model.cpu.gguf_blocks) — the small-batch path, where fewer bytes read is what counts —
+or by expanding into a reused scratch buffer and an ordinary matmul: every format and device, and the
+CPU's path above `kernel_rows` tokens on an expert.
 Legend: E = experts, D = hidden, I = expert intermediate, n = tokens routed to the expert.
 """
 
@@ -172,11 +164,9 @@ class QuantExperts:
                 int4.runs(self.dtype, up[0].k, down.k, group=down.fmt.group))
 
     def detach_parts(self, copy: bool = True) -> None:
-        """After packing, stop reading the flat buffer (so it can go): the C kernel's int4 keeps its parts
-        (copied out: they also expand, for many tokens); int8 keeps expanding from its packed copy; the
-        torch kernel's int4 layout cannot be expanded, so its experts always take the kernel. `copy=False`
-        (GGUF blocks whose layer wrote nothing else big into the buffer): the parts stay views of it, so a
-        load never holds a layer's experts twice."""
+        """After packing, stop reading the flat buffer so it can go: the C int4 kernel's parts are copied out
+        (they also expand, for many tokens); torch's int4 layout cannot expand, so those experts always take
+        the kernel. `copy=False`: the parts stay views of the buffer, so a load never holds them twice."""
         if self.native or self.blocks:
             if copy or not self.blocks:
                 self.parts = {k: v.clone() for k, v in self.parts.items()}
@@ -191,13 +181,9 @@ class QuantExperts:
 
 
 def kernel_probe(name: str, rows: int = 64, n: int = 2048, k: int = 1024, dtype: torch.dtype = torch.bfloat16):
-    """(run, flops): one call of the CPU kernel for `name` (int8, or int4 at the default group) on `rows`
-    tokens, as the engine calls it — mlight's C int4 kernel where it runs (expanding above NATIVE_INT4_ROWS
-    rows), else torch's weight-only kernel — what the hardware probe times for the planner. One token on
-    the C kernel is the engine's fused call (QuantExperts.one_token): two of four experts with hidden k and
-    width n / 2 (an expert's gate/up matrix n × k), so the rate is that call's, not one small matrix's,
-    whose fixed cost per call would read as a slower kernel.
-    RuntimeError where this torch or CPU has no such kernel."""
+    """(run, flops): one call of the CPU kernel for `name` on `rows` tokens as the engine calls it, for the
+    hardware probe. One token on the C kernel is the engine's fused call (two of four experts of width
+    n / 2), so the rate is that call's and not one small matrix's. RuntimeError where there is no kernel."""
     fmt = Format("int4", DEFAULT_INT4_GROUP) if name == "int4" else Format(name)
     g = torch.Generator().manual_seed(0)
     if fmt.name == "int4" and rows == 1 and int4.runs(dtype, k, n // 2, group=fmt.group):
