@@ -1,7 +1,5 @@
-"""DBRX: fused Wqkv with clip_qkv, bias-free LayerNorm, experts stored as [E·I, D] blocks.
-
-Its router softmaxes in the weights' dtype and divides the top-k by their p-norm
-(`moe_normalize_expert_weights`); w2 is stored per expert as [I, D] and used as `h @ w2`.
+"""DBRX: fused Wqkv with clip_qkv, bias-free LayerNorm, experts stored as [E·I, D] blocks, w2 as [I, D];
+its router softmaxes in the weights' dtype and divides the top-k by their p-norm.
 """
 
 from __future__ import annotations

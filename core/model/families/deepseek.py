@@ -1,13 +1,8 @@
-"""DeepSeek-V2 / V3 (and the V3 architecture's offspring: R1, Kimi K2, Moonlight): multi-head latent
-attention (low-rank Q and a compressed KV latent, decoupled RoPE dims, YaRN whose mscale also
-scales the softmax), a latent KV cache, the first `first_k_dense_replace` layers dense, `n_shared`
-shared experts beside the routed ones.
-
-Routing: V2 softmax + greedy or group-limited greedy (n_group / topk_group), its weights never
-renormalised (transformers ignores norm_topk_prob for V2); V3 sigmoid scores, experts chosen with
-`e_score_correction_bias` within the best groups, weights renormalised when norm_topk_prob;
-both scaled by routed_scaling_factor. The published configs name remote code (auto_map); mlight,
-like transformers, implements the architecture itself and never runs it.
+"""DeepSeek-V2 / V3 (and V3's offspring: R1, Kimi K2, Moonlight): multi-head latent attention with YaRN
+whose mscale also scales the softmax, a latent KV cache, the first `first_k_dense_replace` layers dense,
+`n_shared` shared experts. V2 routes softmax + (group-limited) greedy, never renormalised (as
+transformers); V3 sigmoid scores chosen with `e_score_correction_bias`; both × routed_scaling_factor.
+The configs name remote code (auto_map); mlight, like transformers, implements it and never runs it.
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ from core.model.families._common import (Piece, checkpoint_dtype, deepseek_style
 from core.model.spec import MLASpec, ModelSpec
 
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+global_pieces = llama_style_globals
 NATIVE_DESPITE_AUTO_MAP = True
 
 
@@ -69,7 +65,3 @@ def mla_pieces(prefix: str, spec: ModelSpec) -> list[Piece]:
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"model.layers.{i}."
     return [*norm_pieces(p, spec), *mla_pieces(p, spec), *deepseek_style_ffn(p, spec, keys, i)]
-
-
-def global_pieces(spec: ModelSpec, keys: set[str]):
-    return llama_style_globals(spec, keys)

@@ -1,23 +1,15 @@
-"""Qwen3-Next and Qwen3.5-MoE (text model): a hybrid stack — three Gated-DeltaNet linear-attention
-layers per full-attention layer (`layer_types`, or every `full_attention_interval`-th layer full).
+"""Qwen3-Next and Qwen3.5-MoE (text model): three Gated-DeltaNet layers per full-attention layer.
 
-Full-attention layers: q_proj also yields an output gate (per head [q | gate], split on load into
-our [q, k, v, gate] rows), per-head q/k RMSNorm, partial RoPE (a quarter of the head). Linear layers
-keep a recurrent + conv state instead of a KV cache (core.model.linear_attention). RMSNorms are
-zero-centred: x·(1 + w). FFN: softmax router (renormalised), many small experts, a shared expert
-behind a sigmoid gate; Qwen3-Next may list dense `mlp_only_layers`.
-
-Qwen3-Next fuses its linear projections per key-head group (in_proj_qkvz: [q, k, v, z] per group;
-in_proj_ba: [b, a] per group); Qwen3.5 keeps them apart (in_proj_qkv, in_proj_z, in_proj_b,
-in_proj_a). Both load into one lin_in [q, k, v, z, b, a]. Qwen3.5 ships as a vision-language model
-(`Qwen3_5MoeForConditionalGeneration`, weights under model.language_model., config under
-text_config): mlight reads the text model and leaves the vision tower and the MTP head unread.
+Full attention: q_proj also yields a per-head output gate ([q | gate], split on load), per-head q/k norm,
+partial RoPE. Zero-centred RMSNorms x·(1 + w); a shared expert behind a sigmoid gate. Qwen3-Next fuses
+its linear projections per key-head group (in_proj_qkvz, in_proj_ba), Qwen3.5 keeps them apart: both load
+into one lin_in [q, k, v, z, b, a]. Qwen3.5 ships as a vision-language model: its text model is read.
 """
 
 from __future__ import annotations
 
-from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, first, need, norm_pieces, quant_method,
-                                         routed_experts, rope_spec)
+from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, first, llama_style_globals, mlp_pieces, need,
+                                         norm_pieces, quant_method, routed_experts, rope_spec)
 from core.model.spec import LinearAttnSpec, ModelSpec
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -134,15 +126,11 @@ def _linear(p: str, spec: ModelSpec, keys: set[str]) -> list[Piece]:
 def _ffn(p: str, spec: ModelSpec, keys: set[str], i: int) -> list[Piece]:
     m = p + "mlp."
     if not spec.is_moe(i):
-        Id = spec.dense_intermediate
-        return [Piece(m + "gate_proj.weight", "dense_w13", (slice(0, Id),)),
-                Piece(m + "up_proj.weight", "dense_w13", (slice(Id, 2 * Id),)), Piece(m + "down_proj.weight", "dense_w2")]
-    s, Is = m + "shared_expert.", spec.shared_intermediate
+        return mlp_pieces(m, "dense", spec.dense_intermediate)
     pieces = [Piece(m + "gate.weight", "router"), *routed_experts(m, spec, keys)]
-    if Is:
-        pieces += [Piece(s + "gate_proj.weight", "shared_w13", (slice(0, Is),)),
-                   Piece(s + "up_proj.weight", "shared_w13", (slice(Is, 2 * Is),)),
-                   Piece(s + "down_proj.weight", "shared_w2"), Piece(m + "shared_expert_gate.weight", "shared_gate")]
+    if spec.shared_intermediate:
+        pieces += [*mlp_pieces(m + "shared_expert.", "shared", spec.shared_intermediate),
+                   Piece(m + "shared_expert_gate.weight", "shared_gate")]
     return pieces
 
 
@@ -153,8 +141,4 @@ def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
 
 
 def global_pieces(spec: ModelSpec, keys: set[str]):
-    p = _prefix(keys)
-    pieces = [Piece(p + "embed_tokens.weight", "embed"), Piece(p + "norm.weight", "norm")]
-    if not spec.tie_word_embeddings:
-        pieces.append(Piece("lm_head.weight", "lm_head"))
-    return pieces
+    return llama_style_globals(spec, keys, prefix=_prefix(keys))
