@@ -50,8 +50,7 @@ def poll(done: Callable[[], bool], seconds: float, what: str, cancel: Callable[[
 
 def synchronize(what: str, index: int | None = None, seconds: float | None = None, *, event=None,
                 stream=None) -> None:
-    """torch.cuda.synchronize for GPU `index`'s current stream within `seconds` (default:
-    wait_seconds_default()); it spins, so a timed probe reads its work's time. `event`, `stream`: for tests."""
+    """torch.cuda.synchronize for GPU `index` within `seconds`; it spins, so a timed probe reads its work's time."""
     import torch
 
     ev = (event or torch.cuda.Event)()

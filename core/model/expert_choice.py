@@ -33,8 +33,7 @@ def bucket(tokens: int) -> int:
 
 def choose(key: tuple, candidates: dict[str, Callable[[], object]], sync: Callable[[], None] = lambda: None,
            clock: Callable[[], float] = time.perf_counter) -> str:
-    """The name of the fastest candidate for `key`, timing each (after a warm-up call) on first use — on the
-    CPU (key[0] == "cpu"), first use on this machine: a choice a process before this one made is read back."""
+    """The fastest candidate for `key`, timed on first use (on the CPU, first use on this machine: kept on disk)."""
     if key in _CHOICE:
         return _CHOICE[key]
     cpu = key[:1] == ("cpu",)
@@ -74,8 +73,7 @@ def _entry(key: tuple) -> str:
 
 
 def _context() -> str:
-    """What a saved choice holds for besides its shape: this machine (host, processor, cores, the ISA limits in
-    the environment), torch's build and the experts' code (this module and core.model.moe)."""
+    """What a saved choice holds for besides its shape: this machine, torch's build and the experts' code."""
     import platform
 
     import torch
@@ -118,8 +116,7 @@ def _saved_choice(key: tuple) -> str | None:
 
 
 def _save(key: tuple, name: str) -> None:
-    """Adds the choice to this context's file (merged with what other processes wrote since it was read; written
-    whole, then renamed over the old). A cache that cannot be written costs a measurement a process, nothing more."""
+    """Add the choice to this context's file (merged, written whole, renamed over); a failed write costs a rerun."""
     from core.platform import replace
 
     with _lock:

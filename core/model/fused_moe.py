@@ -21,16 +21,13 @@ from core.model.moe_align import moe_align, padded_slots
 from core.model.quant.formats import Format, dequantize
 
 # ---- which path -------------------------------------------------------------------------------------------
-# The least tokens of an FFN call at which grouped_mm replaces the fused path, by weights: quantized experts
-# have no grouped_mm (it reads one dtype); dense ones take it for calls longer than a decode step's expert batch,
-# where its tensor-core tiles beat the fused kernel's and the sort costs nothing next to the GEMMs. Where
-# grouped_mm has no kernel (a T4, fp16 or fp32 on most GPUs) the caller says so and the fused path runs.
+# The least tokens of an FFN call at which grouped_mm replaces the fused path: never for quantized experts (it
+# reads one dtype); for dense ones above a decode step's expert batch, where its tensor-core tiles win.
 GROUPED_FROM_TOKENS = {"dense": FUSED_MAX_TOKENS + 1, "quantized": None}
 
 
 def expert_path(quantized: bool, tokens: int, grouped_mm: bool, forced: bool | None = None) -> str:
-    """"grouped" or "fused" for one FFN call of `tokens` tokens. `grouped_mm`: whether its kernel runs this
-    compute dtype on this device; `forced`: the caller's choice (True: grouped_mm where it can run)."""
+    """"grouped" or "fused" for `tokens` tokens; `grouped_mm`: its kernel runs here; `forced`: the caller's."""
     least = GROUPED_FROM_TOKENS["quantized" if quantized else "dense"]
     if least is None or not grouped_mm or forced is False:
         return "fused"
@@ -39,8 +36,7 @@ def expert_path(quantized: bool, tokens: int, grouped_mm: bool, forced: bool | N
 
 def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, act,
                   backend: str | None = None) -> torch.Tensor:
-    """Routed experts by the fused path: h [T, D], weights/idx [T, k] -> [T, D]; `parts` as
-    moe.device_experts takes them; `backend` "triton" or "torch" (default: the kernel where it runs)."""
+    """Routed experts by the fused path: h [T, D], weights/idx [T, k] -> [T, D]; `parts` as device_experts'."""
     T, k = idx.shape
     E = sum(_part_size(p) for p in parts)
     up, down = _matrices(parts)
@@ -65,8 +61,7 @@ def _part_size(p: dict) -> int:
 
 
 def _matrices(parts: list[dict]):
-    """([(fmt, flat stacks, biases) per up matrix], (fmt, stacks, biases) of down) over all parts; stacks are
-    each part's tensors in its format's part order (core.model.quant.formats.Format.parts)."""
+    """([(fmt, stacks, biases) per up matrix], that of down) over all parts, stacks in Format.parts order."""
     first = parts[0]
     if "quant" not in first:
         def dense(name, bias):
@@ -194,8 +189,7 @@ def _gemm_triton(a, f, parts, N, K, sorted_ids, block_expert, n_padded, top_k, b
 
 
 def _gemm_torch(a, f, parts, N, K, sorted_ids, block_expert, top_k, block_m, route_w, biases):
-    """Each block's expert gathered (and dequantized) beside its BM rows, a batched matmul, rows written back;
-    rows outside the part go to a trash row P."""
+    """Each block's expert gathered and dequantized beside its rows, a batched matmul; strays go to trash row P."""
     P = a.shape[0] * top_k
     nb = block_expert.shape[0]
     out = a.new_zeros(P + 1, N)

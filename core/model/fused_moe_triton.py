@@ -48,8 +48,7 @@ def unsupported(fmt, dtype, capability: tuple[int, int]) -> str | None:
 
 
 def pick_block_m(pairs: int, experts: int) -> int:
-    """BM for `pairs` = T·k pairs over E experts: each expert with pairs pads its run up to BM, so BM follows
-    the pairs an expert gets on average (16 at decode, where most experts see a pair or two)."""
+    """BM for T·k `pairs` over E experts: near an expert's mean pairs, since each expert pads its run to BM."""
     per_expert = pairs / max(1, min(experts, pairs))
     return 16 if per_expert <= 24 else 32 if per_expert <= 96 else 64
 
@@ -92,8 +91,7 @@ _JITTED: dict[bool, object] = {}
 
 
 def _kernel(interpret: bool):
-    """The jitted kernel, made on first launch: `TRITON_INTERPRET` is read at decoration, so a test that sets
-    it after import still gets the interpreter."""
+    """The jitted kernel, made on first launch: TRITON_INTERPRET is read at decoration, which tests set late."""
     if interpret not in _JITTED:
         _JITTED[interpret] = triton.jit(_moe_gemm)
     return _JITTED[interpret]

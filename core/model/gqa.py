@@ -56,13 +56,11 @@ def project(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, 
 
 def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None, full_norm=None,
         out: torch.Tensor | None = None):
-    """-> (payload [T, d1] for the CPU, what stays on the device for `post`). `out` [T, d1]: the payload's
-    buffer (the device's D1 block), written in place of a new one."""
+    """-> (payload [T, d1] for the CPU, what stays for `post`); `out`: the device's D1 block, written in place."""
     T = h.shape[0]
     if spec.qk_norm == "none" and spec.clip_qkv is None:
-        # q and k side by side as the projection left them: one RoPE over both heads' rows and one join
-        # with v — bit for bit `project`'s, in 14 ops fewer a layer (at batch 1 a decode step's ops cost
-        # more than their arithmetic)
+        # q and k side by side as projected: one RoPE over both and one join with v, bit for bit `project`'s
+        # in 14 ops fewer a layer (at batch 1 a decode step's ops cost more than their arithmetic)
         qkv = linear(h, w["qkv"], w.get("qkv_bias"))
         qk, kv = spec.q_size + spec.kv_size, spec.q_size + 2 * spec.kv_size
         gate = qkv[:, kv:] if spec.attn_gate else None
@@ -112,8 +110,7 @@ _SIDE: dict[tuple[int, int], tuple] = {}  # (id(q_norm), id(k_norm)) -> (their w
 
 
 def _side_by_side(wq: torch.Tensor, wk: torch.Tensor, Hq: int, Hkv: int) -> torch.Tensor:
-    """[Hq + Hkv, hd]: q_norm's weight for each q head's row, k_norm's for each k head's (made once per layer's
-    pair of weights, and again if one is written: a layer's norms are a few KB)."""
+    """[Hq + Hkv, hd]: q_norm's weight for each q head's row, k_norm's for each k head's (cached per pair)."""
     key = (id(wq), id(wk))
     kept = _SIDE.get(key)
     if (kept is None or kept[0]() is not wq or kept[1]() is not wk or kept[2] != (tensor_version(wq), tensor_version(wk))

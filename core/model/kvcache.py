@@ -70,8 +70,7 @@ class _Store:
         return tuple(getattr(self, n) for n in self.names)
 
     def over(self, tensors) -> "_Store":
-        """A store of this kind and shape whose tensors are `tensors` (views elsewhere: a device ring
-        buffer, host staging); nothing is allocated."""
+        """A store of this kind whose tensors are `tensors` (a device ring buffer, host staging): nothing allocated."""
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
         for n, t in zip(self.names, tensors):
@@ -79,8 +78,7 @@ class _Store:
         return view
 
     def shapes(self, rows: int, tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """(shape, dtype) of each tensor of a store with `rows` rows holding room for `tokens` tokens (a
-        window: at most its ring)."""
+        """(shape, dtype) of each tensor of a store of `rows` rows with room for `tokens` tokens."""
         out = []
         for t, axis in zip(self.tensors, self.token_axes):
             shape = [rows, *t.shape[1:]]
@@ -97,9 +95,11 @@ class _Store:
     def kept(self, lengths):
         return lengths
 
+    def put_new(self, rows, parts) -> None:
+        self.write(rows.slots, rows.positions, *parts)
+
     def move(self, src: int, dst: int, tokens: int) -> None:
-        """Row `src`'s state (its first `tokens` tokens; all of a fixed-size state) into row `dst`: the
-        engine compacts a sparse batch's requests into neighbouring slots (SlotTable.compact)."""
+        """Row `src`'s state (its first `tokens` tokens) into row `dst`, as SlotTable.compact asks."""
         n = self.kept(tokens)
         for t, axis in zip(self.tensors, self.token_axes):
             if axis is None:
@@ -129,12 +129,9 @@ class KVStore(_Store):
         at, every = self.index(rows.positions), torch.arange(rows.B, device=self.k.device)
         return self.k[every, :, at], self.v[every, :, at]
 
-    def put_new(self, rows, parts) -> None:
-        self.write(rows.slots, rows.positions, *parts)
-
     def write_rows(self, rows: "Rows", k: torch.Tensor, v: torch.Tensor) -> None:
-        """`write` for a decode micro-batch's rows: on a contiguous host store, by one flat index per step that
-        every layer reuses, in C where built (core.model.cpu.row_ops.kv_write keeps the cold rows' misses in flight)."""
+        """`write` for a decode micro-batch's rows, on a contiguous host store by one flat index per step
+        (in C where built: row_ops.kv_write keeps the cold rows' misses in flight)."""
         hd = self.k.shape[-1]
         if self.k.device.type != "cpu" or not (self.k.is_contiguous() and self.v.is_contiguous()):
             return self.write(rows.slots, rows.positions, k, v)
@@ -145,8 +142,7 @@ class KVStore(_Store):
         self.v.view(-1, hd).index_copy_(0, at, v.reshape(-1, hd).to(self.v.dtype))
 
     def write_index(self, rows: "Rows") -> torch.Tensor:
-        """Row of each new (slot, head, position) in the store viewed as [slots·heads·cap, hd], [B·heads] in
-        token order; made once per step for every store of this shape (Rows.plan makes it before the tasks)."""
+        """Flat row of each new (slot, head, position), [B·heads]; made once per step for every store of this shape."""
         def make():
             _, heads, cap, _ = self.k.shape
             first = (rows.slots * heads * cap + self.index(rows.positions))[:, None]
@@ -164,8 +160,7 @@ class KVStore(_Store):
         return lengths.clamp(max=self.window) if isinstance(lengths, torch.Tensor) else min(lengths, self.window)
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """One token per slot: k, v [B, Hkv, hd] at (slots[b], positions[b]), in the store's dtype (the CPU may
-        compute in a wider one where its bf16 math is slow)."""
+        """One token per slot: k, v [B, Hkv, hd] at (slots[b], positions[b]), in the store's dtype."""
         at = self.index(positions)
         self.k[slots, :, at] = k.to(self.k.dtype)
         self.v[slots, :, at] = v.to(self.v.dtype)
@@ -195,9 +190,6 @@ class LatentStore(_Store):
 
     def new_entries(self, rows) -> tuple:
         return (self.lat[torch.arange(rows.B, device=self.lat.device), rows.positions],)
-
-    def put_new(self, rows, parts) -> None:
-        self.write(rows.slots, rows.positions, *parts)
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, lat: torch.Tensor):
         """lat [B, R + dr] at (slots[b], positions[b])."""
@@ -233,8 +225,7 @@ class LinearStore(_Store):
 
 
 def load_rows(src, dst, rows, cached: int, non_blocking: bool = False) -> int:
-    """Copy the state of `rows` (`cached` tokens each at most) from store `src` into dst's first rows
-    (a mirror on the accelerator, or host staging for one). Returns the bytes moved."""
+    """Copy `rows`' state (`cached` tokens each at most) from `src` into dst's first rows; returns the bytes moved."""
     moved = 0
     tokens = src.kept(cached)
     for a, b, axis in zip(src.tensors, dst.tensors, src.token_axes):
@@ -257,30 +248,21 @@ def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, pin
 
 
 class KVCache:
-    """Every layer's store for `slots` sequences of up to `max_tokens` tokens; None for the first `gpu_layers`,
-    whose state the GPU runner keeps. Pageable by default: hundreds of GB would be too much page-locked memory."""
+    """Every layer's store for `slots` sequences of up to `max_tokens` tokens (None for the first `gpu_layers`);
+    pageable by default: hundreds of GB would be too much page-locked memory."""
 
     def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False,
                  gpu_layers: int = 0):
         self.layers = [None if i < gpu_layers else layer_store(spec, i, slots, max_tokens, dtype, pin)
                        for i in range(spec.num_layers)]
         self.slots, self.max_tokens = slots, max_tokens
-        # grouped-query layers' tensors, as the runtime addresses them; built once because the pipeline
-        # reads them per layer per micro-batch and the stores never change after construction
-        self._k = [getattr(s, "k", None) for s in self.layers]
-        self._v = [getattr(s, "v", None) for s in self.layers]
+        # grouped-query layers' tensors as the runtime addresses them, per layer per micro-batch
+        self.k = [getattr(s, "k", None) for s in self.layers]
+        self.v = [getattr(s, "v", None) for s in self.layers]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.layers if s is not None for t in s.tensors)
-
-    @property
-    def k(self) -> list:
-        return self._k
-
-    @property
-    def v(self) -> list:
-        return self._v
 
 
 COVER_RATIO = 2  # attend over a gapped batch's covering rows while they are at most this many times its rows
@@ -348,8 +330,7 @@ class Rows:
         return self._kept[window]
 
     def plan(self, store, widened: bool) -> "RowPlan":
-        """How decode attention reads `store` (a KV store) for these rows: in place over contiguous or
-        covering rows, in runs where that reads less (core.model.attention.attention_runs), or gathered."""
+        """How decode attention reads KV `store` for these rows: in place, in runs (attention_runs), or gathered."""
         key = (store.window, widened)
         if key not in self._plans:
             self._plans[key] = self._plan(store, widened)
@@ -380,8 +361,7 @@ class Rows:
 
 
 class RowPlan:
-    """How decode attention reads one store for one micro-batch (Rows.plan): `rows` read in place (None:
-    gathered), `at` each request's row among them, lengths/span/pad, `runs` attended apart, `memo`."""
+    """How decode attention reads one store for a micro-batch: `rows` in place (None: gathered), `at`, `runs`."""
 
     __slots__ = ("rows", "at", "lengths", "span", "pad", "runs", "memo")
 

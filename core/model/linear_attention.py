@@ -57,8 +57,7 @@ def _gates(w: dict, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:
-    """One token per row: conv step and recurrence over the rows' states. payload [B, d1] -> o [B, Hv·dv].
-    (The recurrence is fp32 whatever `widen` says; the conv runs in its weight's dtype.)"""
+    """One token per row: conv step and fp32 recurrence over the rows' states. payload [B, d1] -> o [B, Hv·dv]."""
     la, B = spec.linear, rows.B
     mixed, b, a = payload.split([la.conv_dim, la.num_v_heads, la.num_v_heads], dim=-1)
     window = torch.cat((rows.take(store.conv), mixed[:, :, None].to(store.conv.dtype)), dim=-1)  # [B, C, K]

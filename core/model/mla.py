@@ -38,8 +38,7 @@ def _up(spec: ModelSpec, w: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def join_down(w: dict) -> dict:
-    """w with q_a and kv_a as one matrix "qkv_a" [q_lora + R + dr, D] (the accelerator's copy: one product for
-    both, its outputs split as views), where the layer has a low-rank query; else w."""
+    """w with q_a and kv_a as one "qkv_a" [q_lora + R + dr, D] (one product for both) where q is low-rank; else w."""
     if "q_a" not in w or "kv_a" not in w:
         return w
     return {**{n: t for n, t in w.items() if n not in ("q_a", "kv_a")}, "qkv_a": torch.cat((w["q_a"], w["kv_a"]))}
@@ -105,8 +104,7 @@ def _latent_norm_into(c: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> No
 
 
 def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:
-    """Write the new tokens' latents, attend over each row's latents. payload [B, d1] -> o_lat [B, H·R].
-    `widen` (core.model.cpu.kernels.Widen): compute in its dtype, the latents converted into its buffer."""
+    """Write the new latents, attend over each row's: payload [B, d1] -> o_lat [B, H·R] (`widen`: in its dtype)."""
     m, B, H = spec.mla, rows.B, spec.num_heads
     width = m.kv_lora_rank + m.qk_rope_dim
     q, lat_new = payload.split([H * width, width], dim=-1)

@@ -10,6 +10,7 @@ and loop the faster is measured once per shape (core.model.expert_choice). On an
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import torch
@@ -23,8 +24,7 @@ HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
 def route(spec: ModelSpec, h: torch.Tensor, w: dict, fused: bool = False):
-    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k]); `w` holds the layer's router tensors
-    (`fused`: routing.route's)."""
+    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k])."""
     return routing.route(spec, h, w, fused=True) if fused else routing.route(spec, h, w)
 
 
@@ -44,8 +44,7 @@ def _aligned(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def cuda_grouped_mm_works(index: int, dtype: torch.dtype) -> bool:
-    """Whether grouped_mm runs on this GPU for this dtype, by trying it once: a list of compute
-    capabilities would go stale with every torch release."""
+    """Whether grouped_mm runs on this GPU and dtype, by trying it: a capability list would go stale."""
     if not HAS_GROUPED_MM:
         return False
     try:
@@ -59,15 +58,13 @@ def cuda_grouped_mm_works(index: int, dtype: torch.dtype) -> bool:
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    """oneDNN prepacking: bf16 on a CPU torch built with it (fp32 packing changes rounding), on a CPU
-    whose ISA oneDNN's bf16 path accepts (AVX-512 BF16 or AVX-NE-CONVERT; AVX2-only CPUs refuse it)."""
+    """oneDNN prepacking: bf16 only (fp32 packing changes rounding), on a CPU whose ISA oneDNN's bf16 path takes."""
     return dtype == torch.bfloat16 and packing_supported()
 
 
 @functools.lru_cache(maxsize=None)
 def packing_supported() -> bool:
-    """Whether this CPU and torch can prepack bf16 weights: asked by trying it once on a tiny matrix,
-    since oneDNN decides from the CPU's features (and ONEDNN_MAX_CPU_ISA), which torch does not expose."""
+    """Whether this CPU and torch prepack bf16 weights, by trying it: oneDNN decides from features torch hides."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     return try_pack(torch.ops.mkldnn._reorder_linear_weight)
@@ -86,15 +83,13 @@ def _reorder():
 
 
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, rows_hint: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each expert's two matrices in oneDNN's blocked layout (valid for any number of rows).
-    Raises RuntimeError where oneDNN refuses (the caller falls back to the unpacked loop)."""
+    """Each expert's two matrices in oneDNN's blocked layout; RuntimeError where oneDNN refuses."""
     reorder = _reorder()
     return [(reorder(w13[e], rows_hint), reorder(w2[e], rows_hint)) for e in range(w13.shape[0])]
 
 
 def pack_cpu_experts(w13: torch.Tensor, w2: torch.Tensor, fused: bool):
-    """The experts in the fastest CPU layout here: the fused C kernel's (core.model.cpu.ffn.NativeExperts) where
-    it runs them — `fused`: plain SwiGLU without biases — else oneDNN's (`pack_experts`)."""
+    """The experts in the fused C kernel's layout where it runs them (`fused`: plain SwiGLU), else oneDNN's."""
     from core.model.cpu import ffn
 
     if fused and ffn.takes(w13, w2):
@@ -168,16 +163,13 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
 
 
 class Scratch:
-    """Host buffers that grow to the largest size asked and are reused: a decode step's gather/scatter would
-    otherwise fault in fresh pages every layer."""
+    """Host buffers grown to the largest size asked and reused, so a decode step faults in no fresh pages."""
 
     def __init__(self):
         self._bufs: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         t = self._bufs.get(name)
         if t is None or t.numel() < n or t.dtype != dtype:
             t = self._bufs[name] = torch.empty(max(n, 1), dtype=dtype)
@@ -188,8 +180,7 @@ Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _one_token(h, weights, idx, up, down, b13, b2, act) -> torch.Tensor:
-    """`experts` for one token, bit for bit the general path (same products in the same order) in a third of
-    its ops."""
+    """`experts` for one token, bit for bit the general path (same products, same order) in a third of its ops."""
     out = None
     for e, w in sorted(zip(idx.tolist()[0], weights.tolist()[0])):
         y = _expert(e, h, up, down, b13, b2, act).mul_(w)  # a fresh output: scaled in place
@@ -275,7 +266,7 @@ def device_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, id
 
 def _grouped_parts(xs: torch.Tensor, parts, counts: torch.Tensor, sorted_e: torch.Tensor, act) -> torch.Tensor:
     """grouped_mm per part. A part's groups start at row 0, so its first group also covers earlier parts'
-    rows: those are computed and then dropped by a `where` against an offset kept on the device."""
+    rows: those are dropped by a `where` against an offset kept on the device."""
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
     rows = torch.arange(xs.shape[0], device=xs.device)[:, None]
 

@@ -21,8 +21,7 @@ KINDS = {"softmax": 0, "softmax_group": 1, "sigmoid_group": 2}
 
 def route(logits, bias, out_dtype, *, kind: str, top_k: int, groups: int = 1, topk_groups: int = 1,
           renorm: bool = True, scale: float = 1.0):
-    """logits [T, E] (fp32, bf16 or fp16; computed in fp32), bias [E] or None (sigmoid_group's correction)
-    -> (weights [T, k] in out_dtype, ids [T, k] int64). One launch."""
+    """logits [T, E], bias [E] or None -> (weights [T, k] in out_dtype, ids [T, k] int64), in fp32. One launch."""
     import torch
 
     T, E = logits.shape
@@ -44,17 +43,15 @@ _JITTED: dict[bool, object] = {}
 
 
 def _kernel(interpret: bool):
-    """Jitted on first launch, not at import: `TRITON_INTERPRET` is read when a function is decorated (the tests
-    set it after this module was imported)."""
+    """Jitted on first launch: TRITON_INTERPRET is read at decoration, which tests set after import."""
     if interpret not in _JITTED:
         _JITTED[interpret] = triton.jit(_route)
     return _JITTED[interpret]
 
 
 if triton is not None:
-    # reductions through tl.reduce with standard's combine functions: the interpreter recognises them (numpy's
-    # max/min/sum) whichever way triton was imported, where tl.max & co. are jit functions it cannot call when
-    # TRITON_INTERPRET was set after the import
+    # tl.reduce with standard's combine functions: the interpreter runs them however triton was imported, where
+    # tl.max & co. are jit functions it cannot call once TRITON_INTERPRET was set after the import
     _MAX, _MIN, _SUM = tl.standard._elementwise_max, tl.standard._elementwise_min, tl.standard._sum_combine
 
     def _route(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, KIND: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -21,8 +21,7 @@ from core.model.spec import ModelSpec
 
 
 def route(spec: ModelSpec, h: torch.Tensor, w: dict, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k]). `fused`: on an accelerator, what follows
-    the matmul as one op where core.model.fused_router takes the router (the same arithmetic)."""
+    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k]); `fused`: the post-matmul part as one op."""
     if spec.router_fp32:
         logits = F.linear(h.float(), w["router"].float())
     else:
@@ -90,8 +89,7 @@ def _renormalise(spec: ModelSpec, top: torch.Tensor) -> torch.Tensor:
 
 
 def _drop_groups(spec: ModelSpec, grouped: torch.Tensor, group_scores: torch.Tensor, other: float) -> None:
-    """Sets the experts of all but the `topk_group` best groups to `other`, in place: grouped [T, G, E/G],
-    group_scores [T, G] (scattering over the worst groups: 2 ops where a mask of the best took 4)."""
+    """Set the experts of all but the `topk_group` best groups to `other`, in place (scattered over the worst)."""
     drop = spec.router_groups - spec.router_topk_groups
     if drop > 0:
         worst = torch.topk(group_scores, drop, dim=-1, largest=False).indices  # [T, G − topk_group]

@@ -47,8 +47,7 @@ class Shard:
     lin_k_heads: tuple[int, ...] = ()  # global key head of each local one (repeats as kv_heads does)
 
     def selections(self, spec: ModelSpec, layer: int = 0) -> dict[str, tuple[int, list[int]]]:
-        """Layer `layer`'s canonical tensor -> (dim, full indices this rank keeps, in local order);
-        absent: kept whole."""
+        """Layer `layer`'s tensor -> (dim, full indices this rank keeps, in local order); absent: kept whole."""
         hd, q, kv = spec.head_dim, spec.q_size, spec.kv_size
         names = spec.layer_shapes(layer)
         sel: dict[str, tuple[int, list[int]]] = {}
@@ -163,8 +162,7 @@ def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
 
 @dataclass(frozen=True)
 class Cut:
-    """Copy `length` rows from the source (after view/transpose) at `src_start` along `src_dim` into the
-    local destination at `dst_start` along `dst_dim` (dims of the indexed destination view)."""
+    """Copy `length` rows from `src_start` along `src_dim` of the source to `dst_start` along `dst_dim`."""
 
     dst_index: tuple
     dst_dim: int
@@ -175,8 +173,7 @@ class Cut:
 
 
 def cuts(index: tuple, full_shape: tuple[int, ...], dim: int, keep: list[int]) -> list[Cut]:
-    """How one checkpoint piece, landing at `index` of a canonical tensor of `full_shape`, maps onto a
-    rank that keeps full indices `keep` (in local order) along `dim`: a list of contiguous runs."""
+    """The runs of a piece at `index` of a `full_shape` tensor that a rank keeping `keep` along `dim` copies."""
     ints_before = sum(1 for i in index[:dim] if isinstance(i, int))
     if dim < len(index) and isinstance(index[dim], int):
         if index[dim] not in keep:

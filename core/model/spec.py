@@ -24,8 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-# Bytes per element of the dtypes a checkpoint may use. torch is imported only where a tensor dtype
-# is needed, so planning (`mlight plan`) stays quick to start.
+# torch is imported only where a tensor dtype is needed, so that `mlight plan` starts quickly
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 STATE_DTYPE_BYTES = 4  # linear-attention recurrent states are kept in fp32, as the reference does
 
@@ -348,8 +347,7 @@ class ModelSpec:
 
     @property
     def expert_bytes(self) -> int:
-        """One routed expert: gate, up and down projections (and their biases), in the experts' storage
-        format (biases stay in the checkpoint dtype)."""
+        """One routed expert's projections in their storage format, biases in the checkpoint dtype."""
         D, I = self.hidden_size, self.expert_intermediate
         bias = (2 * I + D if self.expert_bias else 0) * self.dtype_bytes
         if self.expert_bits:
@@ -404,8 +402,7 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one more token adds over all layers, once sliding windows are full: the full-attention
-        and latent layers' share (sliding and linear layers stop growing)."""
+        """Bytes one more token adds over all layers once windows are full (full-attention and latent layers)."""
         return sum(s.token_elems for s in map(self.layer_state, range(self.num_layers))
                    if s.kind in ("kv", "latent")) * self.dtype_bytes
 

@@ -49,8 +49,7 @@ class LayerLayout:
     @classmethod
     def for_spec(cls, spec: ModelSpec, layer: int | None = None, scheme: ExpertScheme | None = None,
                  dtype: torch.dtype | None = None) -> "LayerLayout":
-        """The layout of `layer` (default: the first MoE layer, whose expert region every MoE layer shares);
-        with `scheme`, its byte layout holding experts in that scheme and dense tensors in `dtype`."""
+        """`layer`'s layout (default: the first MoE layer's); with `scheme`, bytes: experts in it, dense in `dtype`."""
         if layer is None:
             layer = next((i for i in range(spec.num_layers) if spec.is_moe(i)), 0)
         if scheme is not None:
@@ -81,8 +80,7 @@ class LayerLayout:
         return cls(tuple(entries), off, off if expert_start is None else expert_start, tuple(dtypes), scheme)
 
     def buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        """A page-aligned buffer for this layout, uninitialised but for the gaps between entries, which are
-        zeroed: a scan of the whole buffer (engine._check_fp16_range) must not read stale memory as weights."""
+        """A page-aligned buffer, gaps zeroed: a scan of it (engine._check_fp16_range) must not read stale memory."""
         flat = page_aligned(self.numel, self.storage_dtype or dtype)
         end = 0
         for name, off, shape in sorted(self.entries, key=lambda e: e[1]):
@@ -114,8 +112,7 @@ class LayerLayout:
                 if names is None or name in names}
 
     def expert_entries(self) -> list[tuple[str, int, tuple[int, ...], int]]:
-        """(name, offset, shape, one expert's size) of each expert tensor, offsets and sizes in the flat
-        buffer's units (elements; bytes in a quantized layout). Experts are stacked first."""
+        """(name, offset, shape, one expert's size) per expert tensor, in the flat buffer's units."""
         out = []
         for name, off, shape in self.entries:
             if off >= self.expert_start:
@@ -124,8 +121,7 @@ class LayerLayout:
         return out
 
     def expert_views(self, region: torch.Tensor, dtype: torch.dtype | None = None, scratch: dict | None = None) -> dict:
-        """The experts over a buffer holding only the expert region: {"w13", "w2"} tensors, or for a
-        quantized layout {"quant": QuantExperts} computing in `dtype`."""
+        """The experts over a buffer of the expert region alone: {"w13", "w2"}, or {"quant": QuantExperts}."""
         views = {name: self._view(region, name, off - self.expert_start, shape)
                  for name, off, shape in self.entries if off >= self.expert_start}
         if self.scheme is None or not views:
@@ -143,8 +139,7 @@ class LayerLayout:
 
 
 class LayerWeights:
-    """One decoder layer: its flat buffer, named views, and its pages. Quantized layers also hold
-    `quant` (QuantExperts over the expert region), computing in `dtype`."""
+    """One decoder layer: its flat buffer, named views and pages (and `quant`, QuantExperts over its experts)."""
 
     def __init__(self, layout: LayerLayout, flat: torch.Tensor, pages: int, dtype: torch.dtype | None = None,
                  scratch: dict | None = None):
@@ -188,15 +183,12 @@ class LayerWeights:
             fused = swiglu and "b13" not in self.tensors and "b2" not in self.tensors
             self.packed = pack_cpu_experts(self.tensors["w13"], self.tensors["w2"], fused) if has_experts else []
         biases = {n: self.tensors[n].clone() for n in ("b13", "b2") if n in self.tensors}  # not packed, still used
-        # the projections in their kernel's layout (core.model.cpu.kernels.pack_dense: the expert kernel's
-        # panels, oneDNN's packing, or plain where neither takes them) and held apart from the flat
-        # buffer, which keeps only the rest: their row-major bytes beside the packed copy were the dense
-        # weights twice in RAM, where the planner counts them once
+        # the projections held apart in their kernel's layout (cpu.kernels.pack_dense), the flat buffer keeping
+        # only the rest: the dense weights are never twice in RAM, as the planner counts them once
         self._hold_dense_apart(quantize_dense or (lambda name, w: w), biases)
 
     def _hold_dense_apart(self, convert, biases: dict) -> None:
-        """The projections in their kernel's layout (`convert`'s quantized weight, else prepacked), the other
-        dense tensors copied into a buffer of their own: the row-major bytes are let go, never held twice."""
+        """Projections in their kernel's layout (`convert`'s, else prepacked), the rest in a buffer of its own."""
         from core.model.cpu.kernels import pack_dense
 
         views = self.layout.views(self.flat, names=self._dense_names())
@@ -237,8 +229,7 @@ class LayerWeights:
         return {n: t for n, t in self.tensors.items() if n in names}
 
     def expert_set(self, to_dev=lambda t: t) -> dict:
-        """What the expert compute reads: {"w13", "w2"}, {"packed": ...} or {"quant": QuantExperts}, with
-        the biases; {} in a dense layer."""
+        """What the expert compute reads: {"w13", "w2"}, {"packed"} or {"quant"}, with biases; {} if dense."""
         biases = {n: to_dev(self.tensors[n]) for n in ("b13", "b2") if n in self.tensors}
         if self.quant is not None:
             q = to_dev(torch.empty(0))
@@ -248,8 +239,7 @@ class LayerWeights:
         return {n: to_dev(self.tensors[n]) for n in EXPERT_TENSORS if n in self.tensors}
 
     def pack_widened(self, math: torch.dtype) -> None:
-        """The experts in the fp32-math C kernel's layout (ffn.NativeExperts, the same bf16 bytes) and the
-        non-expert part in `math`: an AVX2 CPU then widens the experts in registers."""
+        """The experts in the fp32-math C kernel's layout (ffn.NativeExperts) and the non-expert part in `math`."""
         from core.model.cpu import ffn
 
         self.packed = ffn.NativeExperts(self.tensors["w13"], self.tensors["w2"])
@@ -258,8 +248,7 @@ class LayerWeights:
         self.flat, self.experts, self.pages = dense, None, []
 
     def widen_dense(self, math: torch.dtype) -> None:
-        """The small non-expert part in `math`, the experts kept in their storage dtype (still paged): on a CPU
-        whose low-precision matmuls are slow the dense layers compute in `math` for a few % more memory."""
+        """The non-expert part in `math`, experts kept in their storage dtype: for CPUs whose bf16 matmuls are slow."""
         dense_names = self._dense_names()
         dense = self.flat[:self.layout.expert_start].to(math)
         self.tensors = {**self.layout.views(self.flat, names={n for n, _, _ in self.layout.entries} - dense_names),
@@ -282,11 +271,9 @@ class ModelWeights:
         self.block_dense: dict[str, torch.Tensor] = {}  # the LM head as a GGUF file's blocks (LayerWeights')
         self.math_dtype = dtype  # what the non-expert weights and the activations compute in (see widen_dense)
         self.pins: dict[int, tuple] = {}  # layer -> (device, page-locked view of its streamed experts)
-        # seconds spent page-locking, over this model's life: paid by the first run that streams (≈ 2 GB/s with
-        # cudaHostRegister: 11 s of the H200 run's 25.9), not again while the pins stay (until `unpin`)
+        # seconds spent page-locking over this model's life (≈ 2 GB/s): paid by the first run that streams
         self.pin_seconds = 0.0
-        # pins outlive runs and executors; memory freed while still registered would stay locked, so a model
-        # dropped without `unpin` (an engine never closed) still gives them back
+        # pins outlive runs; a model dropped without `unpin` still gives them back (freed memory would stay locked)
         weakref.finalize(self, _unpin_all, self.pins)
 
     @property
@@ -314,8 +301,7 @@ class ModelWeights:
                                  and held[1].data_ptr() <= self.layers[layer].flat[start:].data_ptr())
 
     def pin_streamed(self, dev, layer: int, first_expert: int) -> bool:
-        """Page-lock layer `layer`'s expert bytes from expert `first_expert`'s first tensor to the end of
-        its buffer (what streams, plus the resident experts' later tensors between them), once."""
+        """Page-lock layer `layer`'s expert bytes from expert `first_expert` to the end of its buffer, once."""
         lw = self.layers[layer]
         if lw.packed is not None:
             return False
@@ -335,8 +321,7 @@ class ModelWeights:
         return True
 
     def pin_for_streaming(self, dev, resident: list[int], progress: EventSink = ignore) -> list[int]:
-        """Page-lock what streams of every layer (experts from `resident[i]` on), skipping layers already
-        locked. Returns the layers that could not be locked."""
+        """Page-lock what streams of every layer not yet locked; returns the layers that could not be."""
         todo = [i for i, r in enumerate(resident) if r < self.spec.num_experts and not self.is_pinned_from(dev, i, r)]
         if not todo:
             return []
@@ -372,8 +357,7 @@ class ModelWeights:
         return self.layers[0].layout.scheme
 
     def pack_for_cpu(self, progress: EventSink = ignore, dense_format=None, dense_cache=None) -> None:
-        """Every layer's LayerWeights.pack_for_cpu, and the LM head (quantized too with `dense_format`,
-        through `dense_cache`, a core.model.quant.dense.DenseCache, where given)."""
+        """Every layer's pack_for_cpu, and the LM head (quantized too with `dense_format`, through `dense_cache`)."""
         from core.model.cpu.kernels import pack_dense
 
         quant, what = None, "packing experts for the CPU"
@@ -448,8 +432,7 @@ PAGE = 4096
 
 
 def page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer that starts and ends on page boundaries (whole pages of its own), so that a part of it can
-    be page-locked without touching a neighbour's pages."""
+    """A buffer of whole pages of its own, so a part of it can be page-locked without touching a neighbour's."""
     size = dtype.itemsize
     raw = torch.empty(-(-(numel * size) // PAGE) * PAGE + PAGE, dtype=torch.uint8)
     skip = -raw.data_ptr() % PAGE
@@ -591,8 +574,7 @@ def _fill_layer(ckpt: Checkpoint, fam, spec: ModelSpec, i: int, keys, dest: dict
 
 
 def _fill(ckpt: Checkpoint, pieces, dest: dict[str, torch.Tensor], picks=None, shapes=None) -> None:
-    """Copy the pieces into `dest`; `picks` (a tensor-parallel rank's selections of the canonical tensors,
-    whose full shapes are `shapes`) cut each piece to the rows and columns this rank keeps."""
+    """Copy the pieces into `dest`, each cut to a tensor-parallel rank's `picks` of the tensors of full `shapes`."""
     covered: dict[str, int] = {}
     for p in pieces:
         for target, narrow in _targets(p, dest, picks, shapes):

@@ -46,8 +46,7 @@ def rope_theta(cfg: dict, default: float = 10000.0) -> float:
 
 def rope_spec(cfg: dict, default_theta: float = 10000.0, head_dim: int | None = None,
               kinds: tuple[str, ...] = ("default",)) -> RopeSpec:
-    """RoPE from a config's `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (hub
-    files); `kinds` are the scalings the family implements. `head_dim` turns partial_rotary_factor into dims."""
+    """RoPE from `rope_parameters` or `rope_scaling` + `rope_theta`; `kinds`: the scalings the family implements."""
     params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind not in kinds:
@@ -171,8 +170,7 @@ def mlp_pieces(prefix: str, dest: str, inter: int) -> list[Piece]:
 
 
 def deepseek_style_ffn(prefix: str, spec, keys: set[str], layer: int) -> list[Piece]:
-    """DeepSeek-V2/V3 and GLM-4.5 FFNs: a dense MLP in the first layers, else a router (with the
-    score-correction bias where the family has one), routed experts and `shared_experts`."""
+    """DeepSeek-V2/V3 and GLM-4.5 FFNs: dense MLP in the first layers, else router, experts, shared experts."""
     p = f"{prefix}mlp."
     if not spec.is_moe(layer):
         return mlp_pieces(p, "dense", spec.dense_intermediate)

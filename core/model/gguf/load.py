@@ -58,8 +58,7 @@ def _check_kind(g: GGUFModel, kind: str, what: str) -> None:
 
 
 def expert_scheme(g: GGUFModel, spec: ModelSpec, i: int) -> ExpertScheme | None:
-    """Layer i's experts as stored in the file; None when they are floats (loaded like a safetensors model).
-    A dense layer (DeepSeek's first ones) takes the first MoE layer's, so that every layer has one layout kind."""
+    """Layer i's experts as stored (None: floats); a dense layer takes the first MoE layer's, one layout kind."""
     if not spec.is_moe(i):
         i = next((j for j in range(spec.num_layers) if spec.is_moe(j)), i)
     k = expert_kinds(g, spec, i)
@@ -132,9 +131,7 @@ def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Ten
         if p.unsqueeze:
             w = w.reshape(1, -1)
         target = dest[p.dest] if p.rows is None else dest[p.dest][p.rows[0]:p.rows[1]]
-        if tuple(w.shape) != tuple(target.shape):
-            raise ModelError(f"GGUF tensor {p.src} has shape {tuple(w.shape)}, expected {tuple(target.shape)}",
-                             "the GGUF metadata does not match its tensors")
+        _check_shape(p.src, w.shape, target.shape)
         target.copy_(w)
         covered[p.dest] = covered.get(p.dest, 0) + target.numel()
     for name, t in dest.items():
@@ -150,9 +147,7 @@ def _block_rows(g: GGUFModel, p: arch.Place, target: torch.Tensor):
     if ref is None or len(ref.shape) != 2 or ref.kind not in GGUF_BLOCKS or not takes(ref.kind, ref.shape[1], target.dtype):
         return None
     r0, r1 = p.rows or (0, target.shape[0])
-    if tuple(ref.shape) != (r1 - r0, target.shape[-1]):
-        raise ModelError(f"GGUF tensor {p.src} has shape {tuple(ref.shape)}, expected {(r1 - r0, target.shape[-1])}",
-                         "the GGUF metadata does not match its tensors")
+    _check_shape(p.src, ref.shape, (r1 - r0, target.shape[-1]))
     raw = torch.empty(ref.nbytes, dtype=torch.uint8)
     read_into(ref, raw)
     rows = raw.view(ref.shape[0], -1)
@@ -180,9 +175,7 @@ def fill_experts(g: GGUFModel, spec: ModelSpec, i: int, scheme: ExpertScheme | N
             for e, name in enumerate(names):  # one stacked tensor, or one per expert
                 x = read_float(g.tensors[name])
                 target = dest if len(names) == 1 else dest[e]
-                if tuple(x.shape) != tuple(target.shape):
-                    raise ModelError(f"GGUF tensor {name} has shape {tuple(x.shape)}, expected {tuple(target.shape)}",
-                                     "the GGUF metadata does not match its tensors")
+                _check_shape(name, x.shape, target.shape)
                 target.copy_(x)
         return
     for w, names in src.items():
@@ -198,6 +191,12 @@ def fill_experts(g: GGUFModel, spec: ModelSpec, i: int, scheme: ExpertScheme | N
                 raise ModelError(f"GGUF tensor {ref.name} has {ref.nbytes} bytes, expected {want}",
                                  "the GGUF metadata does not match its tensors")
             read_into(ref, raw[e, lo:lo + rows], start=e * per_expert if len(names) == 1 else 0)
+
+
+def _check_shape(name: str, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise ModelError(f"GGUF tensor {name} has shape {tuple(got)}, expected {tuple(want)}",
+                         "the GGUF metadata does not match its tensors")
 
 
 def _read_float(g: GGUFModel, name: str) -> torch.Tensor:
@@ -216,8 +215,7 @@ def _tensor(g: GGUFModel, name: str) -> TensorRef:
 
 def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
                       pin: bool = False, progress: EventSink = ignore, cpu_only: bool = False):
-    """`cpu_only`: the quantized projections stay the file's blocks (ModelWeights.pack_for_cpu takes them);
-    elsewhere every dense tensor is expanded to `dtype`."""
+    """`cpu_only`: the quantized projections stay the file's blocks for pack_for_cpu; else all expanded."""
     from core.model.weights import LayerLayout, LayerWeights, ModelWeights
 
     dtype = dtype or spec.torch_dtype

@@ -27,8 +27,7 @@ _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
 def _const(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small constant table on `device`, made on first use and kept: built per call it was a fresh
-    tensor, and on a GPU a host-to-device copy, for every expert decoded."""
+    """A small constant table on `device`, kept: made per call it was a host-to-device copy per expert decoded."""
     key = (values, dtype, str(device))
     t = _CONSTANTS.get(key)
     if t is None:

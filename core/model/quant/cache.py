@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
@@ -111,7 +112,7 @@ class StreamWriter:
                 self.pads[name] = f"__pad.{len(self.pads)}"
                 header[self.pads[name]] = {"dtype": "U8", "shape": [gap], "data_offsets": [off, off + gap]}
                 off += gap
-            n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            n = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
             off += n
         self.order = list(header)
@@ -186,10 +187,3 @@ def _temp_in(folder: Path, prefix: str) -> Path:
 def _cache_error(where: Path, e: BaseException) -> MlightError:
     return MlightError(f"cannot write the quantized cache at {where}: {e}",
                        "free disk space, or set MLIGHT_CACHE_DIR to a writable folder")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -121,8 +121,7 @@ class DenseCache:
 
 
 def _map(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file as a view of one private (copy-on-write) map of it: pages are
-    read from the file as the kernel touches them and never written back."""
+    """Every tensor of a safetensors file as a view of one private (copy-on-write) map: read on touch, never written."""
     from core.model.safetensors_io import _read_header
 
     infos = _read_header(path)
@@ -138,8 +137,7 @@ def _map(path: Path) -> dict[str, torch.Tensor]:
 
 
 def dense_cache(model_dir: Path, spec, fmt: Format | None, dtype: torch.dtype, key: dict | None = None):
-    """The DenseCache of `spec`'s checkpoint (the shapes the loader holds) for `fmt`, or None where there is
-    nothing to cache: no format, or no kernel for it on this torch and dtype."""
+    """`spec`'s DenseCache for `fmt`, or None where nothing is cached (no format, or no kernel for it here)."""
     from core.model.quant.dense_spec import quantized_matrices, with_dense
 
     if fmt is None or not cpu_kernel_ok(fmt, 16, max(fmt.group, 2), dtype):

@@ -22,8 +22,7 @@ def kernel_takes(fmt: Format, n: int, k: int) -> bool:
 
 
 def kernel_nbytes(fmt: Format, n: int, k: int, dtype_bytes: int) -> int:
-    """Bytes of an [n, k] weight in the CPU kernel's layout (core.model.quant.dense.kernel_layout): its
-    integers, and its scales (int4: and zeros) in the compute dtype."""
+    """Bytes of an [n, k] weight in the CPU kernel's layout: integers, scales (int4: and zeros) in the compute dtype."""
     if fmt.name == "int8":
         return n * k + n * dtype_bytes
     return n * k // 2 + k // fmt.group * n * 2 * dtype_bytes
@@ -64,8 +63,7 @@ def cpu_nonexpert_bytes(spec) -> int:
 
 
 def layer_shares(spec) -> dict[str, float]:
-    """Per matrix kind ("qkv", "o", "shared_w13", "shared_w2"), the share of layers where it is quantized,
-    and "lm_head" 1.0 or 0.0: how much of the average layer's (and the head's) dense work the kernel runs."""
+    """Per matrix kind, the share of layers where it is quantized ("lm_head": 1.0 or 0.0)."""
     counts = dict.fromkeys((*DENSE_NAMES, "lm_head"), 0)
     for layer, name, _, _ in quantized_matrices(spec):
         counts[name] += 1

@@ -107,8 +107,7 @@ class QuantExperts:
         return self._linear(self.scheme.down, e, h)
 
     def one_token(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
-        """One token's k routed experts with SwiGLU, weighed and summed (h [1, D], weights/idx [1, k]), in
-        one call of the C kernel; None where it does not run (then the caller goes expert by expert)."""
+        """One token's k experts (SwiGLU) weighed and summed in one C kernel call; None where it does not run."""
         if self.blocks and len(self.scheme.up) == 1:
             up, down = self.scheme.up[0], self.scheme.down
             return gguf_blocks.moe(h, idx, weights, (up.fmt.name, self.parts["w13.raw"]),
@@ -133,14 +132,12 @@ class QuantExperts:
         return F.linear(x, self.expand(m, e))
 
     def expand(self, m: Matrix, e: int) -> torch.Tensor:
-        """Expert e's matrix m in the compute dtype, in a buffer reused by every layer and step
-        (int8 and int4 allocate nothing once each shape has been seen: core.model.quant.expand)."""
+        """Expert e's matrix m in the compute dtype, in a buffer reused by every layer and step."""
         return expand_into(self.workspace, m.fmt, self.matrix_parts(m, e), m.n, m.k, self.dtype)
 
     # ---- CPU kernels -----------------------------------------------------------------------------
     def pack_cpu(self) -> bool:
-        """Ready the experts for a CPU kernel where the format and shapes allow; False if not. int4 on the C
-        kernel needs nothing done (it reads the stored layout); torch's kernels get every expert prepacked."""
+        """Ready the experts for a CPU kernel where format and shapes allow (torch's get each expert prepacked)."""
         if self._device.type == "cpu" and all(gguf_blocks.runs(m.fmt.name, self.dtype, m.k)
                                               for m in self.scheme.matrices):
             self.blocks = True
