@@ -24,9 +24,7 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
 
 
-# One cache folder for everything mlight keeps (core.platform.cache_dir): the demo's own platformdirs call
-# (appauthor=False) named another folder than the probe's and the kernels' on Windows.
-cache_dir = platform.cache_dir
+cache_dir = platform.cache_dir  # one cache folder for everything mlight keeps, on Windows too
 
 
 def training_text() -> list[str]:

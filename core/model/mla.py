@@ -52,22 +52,6 @@ def _down(spec: ModelSpec, w: dict, h: torch.Tensor):
     return (F.linear(h, w["q_a"]) if "q_a" in w else None), F.linear(h, w["kv_a"])
 
 
-def _queries(spec: ModelSpec, w: dict, h: torch.Tensor, q_lat, positions, rope, call_lengths):
-    """-> q_nope [T, H, dn], roped q_pe [T, H, dr]."""
-    m = spec.mla
-    q = _query(spec, w, h, q_lat)
-    q_nope, q_pe = q.view(h.shape[0], spec.num_heads, -1).split([m.qk_nope_dim, m.qk_rope_dim], dim=-1)
-    return q_nope, rope.apply(q_pe, positions, call_lengths)
-
-
-def _latent(spec: ModelSpec, kv: torch.Tensor, w: dict, positions, rope, call_lengths) -> torch.Tensor:
-    """kv_a's output [T, R + dr] -> [T, R + dr]: the normed latent and the roped shared key, as cached."""
-    m = spec.mla
-    c, k_pe = kv.split([m.kv_lora_rank, m.qk_rope_dim], dim=-1)
-    k_pe = rope.apply(k_pe[:, None, :], positions, call_lengths)[:, 0]
-    return torch.cat((rms_norm(c, w["kv_a_norm"], LATENT_NORM_EPS), k_pe), dim=-1)
-
-
 def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None, full_norm=None,
         out: torch.Tensor | None = None):
     """-> the payload [T, d1] (into `out` when given), None. Its rows [T, H + 1, R + dr] are the heads'
@@ -137,9 +121,11 @@ def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, 
     """Whole prompts in h [T, D] -> (output [T, D], per prompt its latents [L, R + dr] to store)."""
     m, T, H = spec.mla, h.shape[0], spec.num_heads
     q_lat, kv = _down(spec, w, h)
-    q_nope, q_pe = _queries(spec, w, h, q_lat, positions, rope, call_lengths)
-    lat = _latent(spec, kv, w, positions, rope, call_lengths)
-    c, k_pe = lat.split([m.kv_lora_rank, m.qk_rope_dim], dim=-1)
+    q_nope, q_pe = _query(spec, w, h, q_lat).view(T, H, -1).split([m.qk_nope_dim, m.qk_rope_dim], dim=-1)
+    q_pe = rope.apply(q_pe, positions, call_lengths)
+    c, k_pe = kv.split([m.kv_lora_rank, m.qk_rope_dim], dim=-1)  # cached normed, and roped
+    c, k_pe = rms_norm(c, w["kv_a_norm"], LATENT_NORM_EPS), rope.apply(k_pe[:, None, :], positions, call_lengths)[:, 0]
+    lat = torch.cat((c, k_pe), dim=-1)
     k_nope, v = F.linear(c, w["kv_b"]).view(T, H, -1).split([m.qk_nope_dim, m.v_head_dim], dim=-1)
     q = torch.cat((q_nope, q_pe), dim=-1)
     k = torch.cat((k_nope, k_pe[:, None, :].expand(T, H, m.qk_rope_dim)), dim=-1)

@@ -34,12 +34,7 @@ def _grouped_ok(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
         return False
     if h.is_cuda and not cuda_grouped_mm_works(h.device.index or 0, h.dtype):
         return False
-    return _aligned(h, w13, w2)
-
-
-def _aligned(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    es = h.element_size()
-    return all((n * es) % 16 == 0 for n in (w13.shape[-1], w13.shape[-2], w2.shape[-1], w2.shape[-2]))
+    return all((n * h.element_size()) % 16 == 0 for n in (*w13.shape[-2:], *w2.shape[-2:]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,13 +73,9 @@ def try_pack(reorder) -> bool:
     return True
 
 
-def _reorder():
-    return torch.ops.mkldnn._reorder_linear_weight
-
-
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, rows_hint: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each expert's two matrices in oneDNN's blocked layout; RuntimeError where oneDNN refuses."""
-    reorder = _reorder()
+    reorder = torch.ops.mkldnn._reorder_linear_weight
     return [(reorder(w13[e], rows_hint), reorder(w2[e], rows_hint)) for e in range(w13.shape[0])]
 
 

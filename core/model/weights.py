@@ -52,60 +52,47 @@ class LayerLayout:
         """`layer`'s layout (default: the first MoE layer's); with `scheme`, bytes: experts in it, dense in `dtype`."""
         if layer is None:
             layer = next((i for i in range(spec.num_layers) if spec.is_moe(i)), 0)
-        if scheme is not None:
-            return cls._bytes(spec, layer, scheme, dtype or spec.torch_dtype)
-        entries, off, expert_start = [], 0, None
-        for name, shape in spec.layer_shapes(layer).items():  # experts come last in layer_shapes
-            if name in EXPERT_TENSORS and expert_start is None:
-                expert_start = off
-            entries.append((name, off, shape))
-            off += math.ceil(math.prod(shape) / _ALIGN) * _ALIGN
-        return cls(tuple(entries), off, off if expert_start is None else expert_start)
-
-    @classmethod
-    def _bytes(cls, spec: ModelSpec, layer: int, scheme: ExpertScheme, dtype: torch.dtype) -> "LayerLayout":
-        dt = str(dtype).replace("torch.", "")
         shapes = spec.layer_shapes(layer)
+        dt = None if scheme is None else str(dtype or spec.torch_dtype).replace("torch.", "")
         dense = [(n, dt, s) for n, s in shapes.items() if n not in EXPERT_TENSORS]
-        # the experts' parts, then their biases (gpt-oss) in the compute dtype; none in a dense layer
-        experts = (scheme.parts(spec.num_experts) + [(n, dt, shapes[n]) for n in ("b13", "b2") if n in shapes]
-                   if spec.is_moe(layer) else [])
+        if scheme is None:
+            experts = [(n, dt, s) for n, s in shapes.items() if n in EXPERT_TENSORS]
+        else:  # the experts' parts, then their biases (gpt-oss) in the compute dtype; none in a dense layer
+            experts = (scheme.parts(spec.num_experts) + [(n, dt, shapes[n]) for n in ("b13", "b2") if n in shapes]
+                       if spec.is_moe(layer) else [])
         entries, dtypes, off, expert_start = [], [], 0, None
         for i, (name, dt, shape) in enumerate(dense + experts):
             if i == len(dense):
                 expert_start = off
             entries.append((name, off, shape))
             dtypes.append((name, dt))
-            off += math.ceil(math.prod(shape) * _ITEMSIZE[dt] / _ALIGN) * _ALIGN
-        return cls(tuple(entries), off, off if expert_start is None else expert_start, tuple(dtypes), scheme)
+            off += math.ceil(math.prod(shape) * (_ITEMSIZE[dt] if dt else 1) / _ALIGN) * _ALIGN
+        return cls(tuple(entries), off, off if expert_start is None else expert_start,
+                   () if scheme is None else tuple(dtypes), scheme)
 
     def buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """A page-aligned buffer, gaps zeroed: a scan of it (engine._check_fp16_range) must not read stale memory."""
-        flat = page_aligned(self.numel, self.storage_dtype or dtype)
+        flat = page_aligned(self.numel, dtype if self.scheme is None else torch.uint8)
         end = 0
         for name, off, shape in sorted(self.entries, key=lambda e: e[1]):
             if off > end:
                 flat[end:off].zero_()
-            size = math.prod(shape) * (_ITEMSIZE[dict(self.dtypes)[name]] if self.scheme is not None else 1)
-            end = max(end, off + size)
+            end = max(end, off + math.prod(shape) * self._unit(name))
         if end < self.numel:
             flat[end:].zero_()
         return flat
 
-    @property
-    def storage_dtype(self) -> torch.dtype | None:
-        """uint8 for byte layouts; None: the weights' own dtype."""
-        return torch.uint8 if self.scheme is not None else None
+    def _unit(self, name: str) -> int:
+        """Offset units an element of `name` takes: its bytes in a byte layout, else 1."""
+        return _ITEMSIZE[dict(self.dtypes)[name]] if self.scheme is not None else 1
 
     @property
     def expert_numel(self) -> int:
         return self.numel - self.expert_start
 
     def _view(self, buf: torch.Tensor, name: str, off: int, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.scheme is None:
-            return buf[off:off + math.prod(shape)].view(shape)
-        dt = dict(self.dtypes)[name]
-        return buf[off:off + math.prod(shape) * _ITEMSIZE[dt]].view(_TORCH[dt]).view(shape)
+        part = buf[off:off + math.prod(shape) * self._unit(name)]
+        return (part if self.scheme is None else part.view(_TORCH[dict(self.dtypes)[name]])).view(shape)
 
     def views(self, flat: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
         return {name: self._view(flat, name, off, shape) for name, off, shape in self.entries
@@ -113,12 +100,8 @@ class LayerLayout:
 
     def expert_entries(self) -> list[tuple[str, int, tuple[int, ...], int]]:
         """(name, offset, shape, one expert's size) per expert tensor, in the flat buffer's units."""
-        out = []
-        for name, off, shape in self.entries:
-            if off >= self.expert_start:
-                unit = _ITEMSIZE[dict(self.dtypes)[name]] if self.scheme is not None else 1
-                out.append((name, off, shape, math.prod(shape[1:]) * unit))
-        return out
+        return [(name, off, shape, math.prod(shape[1:]) * self._unit(name))
+                for name, off, shape in self.entries if off >= self.expert_start]
 
     def expert_views(self, region: torch.Tensor, dtype: torch.dtype | None = None, scratch: dict | None = None) -> dict:
         """The experts over a buffer of the expert region alone: {"w13", "w2"}, or {"quant": QuantExperts}."""
@@ -305,16 +288,12 @@ class ModelWeights:
         lw = self.layers[layer]
         if lw.packed is not None:
             return False
-        start = self._stream_start(layer, first_expert)
-        if start is None:
-            return True  # a layer without experts streams nothing
         if self.is_pinned_from(dev, layer, first_expert):
-            return True
-        held = self.pins.get(layer)
+            return True  # locked already, or a layer without experts: it streams nothing
+        held = self.pins.pop(layer, None)
         if held is not None:  # a shorter range: registrations must not overlap, so replace it
             held[0].unpin(held[1])
-            del self.pins[layer]
-        view = lw.flat[start:]
+        view = lw.flat[self._stream_start(layer, first_expert):]
         if not dev.pin(view):
             return False
         self.pins[layer] = (dev, view)
@@ -482,18 +461,16 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         scheme = ExpertScheme.uniform(fit_group(quant, spec.hidden_size, spec.expert_intermediate),
                                       spec.hidden_size, spec.expert_intermediate)
     layouts: dict[tuple, LayerLayout] = {}
-    plain_layouts: dict[tuple, LayerLayout] = {}
     total = spec.num_layers + 1
     key = {"scheme": repr(scheme), "dtype": str(dtype)} | ({"shard": f"{shard.rank}/{shard.size}"} if shard else {})
     entry = CacheEntry(Path(model_dir), key) if quant is not None and use_cache else None
     cached = Checkpoint(entry.dir) if entry is not None and entry.complete else None
 
-    def layout_of(i: int, table: dict, with_scheme) -> LayerLayout:
-        shapes = tuple(spec.layer_shapes(i).items())
-        key = (shapes, spec.is_moe(i))
-        if key not in table:
-            table[key] = LayerLayout.for_spec(spec, i, with_scheme, dtype)
-        return table[key]
+    def layout_of(i: int, with_scheme) -> LayerLayout:
+        key = (tuple(spec.layer_shapes(i).items()), spec.is_moe(i), with_scheme is None)
+        if key not in layouts:
+            layouts[key] = LayerLayout.for_spec(spec, i, with_scheme, dtype)
+        return layouts[key]
 
     globals_ = {name: torch.empty(shape, dtype=dtype) for name, shape in spec.global_shapes().items()}
     writer = None
@@ -504,7 +481,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         _fill(ckpt, fam.global_pieces(full, keys), globals_)
         if entry is not None:
             writer = entry.writer([(n, dtype, tuple(t.shape)) for n, t in globals_.items()]
-                                  + [(f"layers.{i}", torch.uint8, (layout_of(i, layouts, scheme).numel,))
+                                  + [(f"layers.{i}", torch.uint8, (layout_of(i, scheme).numel,))
                                      for i in range(spec.num_layers)])
             for name, t in globals_.items():
                 writer.write(name, t)
@@ -515,7 +492,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     layers, scratch = [], {}
     try:
         for i in range(spec.num_layers):
-            layout = layout_of(i, layouts, scheme)
+            layout = layout_of(i, scheme)
             flat = layout.buffer(dtype)
             lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
             if cached is not None:
@@ -526,7 +503,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
                 if spec.is_moe(i):
                     fill_mxfp4(ckpt, spec, i, lw.tensors)
             elif scheme is not None:
-                plain = layout_of(i, plain_layouts, None)
+                plain = layout_of(i, None)
                 if plain not in staging:
                     staging[plain] = LayerWeights(plain, torch.empty(plain.numel, dtype=dtype), 1)
                 _fill_layer(ckpt, fam, full, i, keys, staging[plain].tensors, picks(i), shard)

@@ -40,10 +40,6 @@ def first(cfg: dict, *keys: str, default=None):
     return default
 
 
-def rope_theta(cfg: dict, default: float = 10000.0) -> float:
-    return rope_spec(cfg, default).theta
-
-
 def rope_spec(cfg: dict, default_theta: float = 10000.0, head_dim: int | None = None,
               kinds: tuple[str, ...] = ("default",)) -> RopeSpec:
     """RoPE from `rope_parameters` or `rope_scaling` + `rope_theta`; `kinds`: the scalings the family implements."""

@@ -8,8 +8,8 @@ into one lin_in [q, k, v, z, b, a]. Qwen3.5 ships as a vision-language model: it
 
 from __future__ import annotations
 
-from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, first, llama_style_globals, mlp_pieces, need,
-                                         norm_pieces, quant_method, routed_experts, rope_spec)
+from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, first, llama_style_fields, llama_style_globals,
+                                         mlp_pieces, need, norm_pieces, quant_method, routed_experts, rope_spec)
 from core.model.spec import LinearAttnSpec, ModelSpec
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -32,31 +32,29 @@ def spec(cfg: dict) -> ModelSpec:
     names = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(L)]
     if bad := [t for t in names if t not in TYPES]:
         raise ValueError(f"unknown layer type {bad[0]!r}")
-    dense = tuple(sorted(set(cfg.get("mlp_only_layers") or ())))
     step = int(cfg.get("decoder_sparse_step") or 1)
-    dense = tuple(sorted(set(dense) | {i for i in range(L) if (i + 1) % step}))
+    dense = tuple(sorted(set(cfg.get("mlp_only_layers") or ()) | {i for i in range(L) if (i + 1) % step}))
     qwen35 = arch.startswith("Qwen3_5")
     cfg = {"partial_rotary_factor": 0.25, **cfg}  # the reference's default when the config is silent
     bias = bool(cfg.get("attention_bias", False))
+    fields = llama_style_fields(cfg, norm_eps=1e-6, rope=rope_spec(cfg, 10000.0, head_dim=hd))
+    fields.update(  # a vision-language checkpoint may say these at its top level only
+        tie_word_embeddings=bool(first(cfg, "tie_word_embeddings", default=top.get("tie_word_embeddings", False))),
+        dtype=checkpoint_dtype(cfg if ("torch_dtype" in cfg or "dtype" in cfg) else top),
+        eos_token_ids=eos_ids(cfg) or eos_ids(top))
     return ModelSpec(
-        architecture=arch, family="qwen3_5_moe" if qwen35 else "qwen3_next", num_layers=L, hidden_size=D,
-        num_heads=H, num_kv_heads=first(cfg, "num_key_value_heads", default=H), head_dim=hd,
-        vocab_size=need(cfg, "vocab_size"), num_experts=need(cfg, "num_experts"), top_k=need(cfg, "num_experts_per_tok"),
+        **fields, family="qwen3_5_moe" if qwen35 else "qwen3_next", num_experts=need(cfg, "num_experts"),
         expert_intermediate=need(cfg, "moe_intermediate_size"),
         shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0), shared_gate=True,
-        norm="rms_offset", norm_eps=first(cfg, "rms_norm_eps", default=1e-6), qk_norm="head", qkv_bias=bias,
-        attn_o_bias=bias, attn_gate=True,
+        norm="rms_offset", qk_norm="head", qkv_bias=bias, attn_o_bias=bias, attn_gate=True,
         router_norm="sum" if qwen35 or cfg.get("norm_topk_prob", True) else "none",
         dense_layers=dense, dense_intermediate=int(cfg.get("intermediate_size") or 0) if dense else 0,
         layer_types=tuple(TYPES[t] for t in names),
         linear=LinearAttnSpec(num_k_heads=need(cfg, "linear_num_key_heads"), num_v_heads=need(cfg, "linear_num_value_heads"),
                               k_head_dim=need(cfg, "linear_key_head_dim"), v_head_dim=need(cfg, "linear_value_head_dim"),
                               conv_kernel=need(cfg, "linear_conv_kernel_dim")),
-        rope=rope_spec(cfg, 10000.0, head_dim=hd), max_position=first(cfg, "max_position_embeddings", default=32768),
-        tie_word_embeddings=bool(first(cfg, "tie_word_embeddings", default=top.get("tie_word_embeddings", False))),
-        dtype=checkpoint_dtype(cfg if ("torch_dtype" in cfg or "dtype" in cfg) else top),
-        quant_method=quant_method(top) or quant_method(cfg), bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids(cfg) or eos_ids(top),
+        max_position=first(cfg, "max_position_embeddings", default=32768),
+        quant_method=quant_method(top) or quant_method(cfg),
     )
 
 

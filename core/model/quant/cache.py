@@ -31,9 +31,7 @@ _SAMPLE = 1 << 20  # bytes hashed at each of three places in a shard
 
 
 def cache_root() -> Path:
-    from core.model.demo import cache_dir
-
-    return cache_dir() / "quantized"
+    return platform.cache_dir() / "quantized"
 
 
 def fingerprint(model_dir: Path) -> str:

@@ -53,16 +53,12 @@ class ExpertScheme:
         """(entry name, dtype name, shape) of every stored tensor, experts stacked first."""
         return [(f"{m.name}.{p.suffix}", p.dtype, (experts, *p.shape)) for m in self.matrices for p in m.fmt.parts(m.n, m.k)]
 
-    def expert_nbytes(self) -> int:
-        return sum(m.fmt.nbytes(m.n, m.k) for m in self.matrices)
-
     def bits_per_weight(self) -> float:
-        return 8 * self.expert_nbytes() / sum(m.n * m.k for m in self.matrices)
+        return 8 * sum(m.fmt.nbytes(m.n, m.k) for m in self.matrices) / sum(m.n * m.k for m in self.matrices)
 
     @property
     def label(self) -> str:
-        names = sorted({m.fmt.label for m in self.matrices})
-        return "/".join(names)
+        return "/".join(sorted({m.fmt.label for m in self.matrices}))
 
 
 class QuantExperts:
@@ -72,10 +68,10 @@ class QuantExperts:
                  scratch: dict | None = None):
         self.scheme, self.parts, self.dtype = scheme, parts, dtype
         first = next(iter(parts.values()))
-        self.num_experts, self._device = first.shape[0], first.device
+        self.num_experts, self.device = first.shape[0], first.device
         # shared by the layers of a model: one expert's expansion and its workspaces, per device
         self.scratch = {} if scratch is None else scratch
-        self.workspace: Workspace = self.scratch.setdefault(("workspace", str(self._device)), Workspace(self._device))
+        self.workspace: Workspace = self.scratch.setdefault(("workspace", str(self.device)), Workspace(self.device))
         self.packed: dict[str, list] | None = None  # per matrix, per expert: the CPU kernel's layout
         self.native = False  # int4 on core.model.cpu.int4's kernel: `parts` are its operands as they are
         self.blocks = False  # GGUF blocks on core.model.cpu.gguf_blocks' kernel: the file's bytes as they are
@@ -84,10 +80,6 @@ class QuantExperts:
 
     def __len__(self) -> int:
         return self.num_experts
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def matrix_parts(self, m: Matrix, e: int) -> dict[str, torch.Tensor]:
         return {p.suffix: self.parts[f"{m.name}.{p.suffix}"][e] for p in m.fmt.parts(m.n, m.k)}
@@ -112,15 +104,12 @@ class QuantExperts:
             up, down = self.scheme.up[0], self.scheme.down
             return gguf_blocks.moe(h, idx, weights, (up.fmt.name, self.parts["w13.raw"]),
                                    (down.fmt.name, self.parts["w2.raw"]))
+        group = self.scheme.down.fmt.group
         if not self.native or self.kernel_rows < 1 or not int4.runs(h.dtype, *(m.k for m in self.scheme.matrices),
-                                                                      group=self._group):
+                                                                      group=group):
             return None
         p = self.parts
-        return int4.moe(h, idx, weights, (p["w13.q"], p["w13.sz"]), (p["w2.q"], p["w2.sz"]), self._group)
-
-    @property
-    def _group(self) -> int:
-        return self.scheme.down.fmt.group
+        return int4.moe(h, idx, weights, (p["w13.q"], p["w13.sz"]), (p["w2.q"], p["w2.sz"]), group)
 
     def _linear(self, m: Matrix, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.blocks and x.shape[0] <= self.kernel_rows:
@@ -138,7 +127,7 @@ class QuantExperts:
     # ---- CPU kernels -----------------------------------------------------------------------------
     def pack_cpu(self) -> bool:
         """Ready the experts for a CPU kernel where format and shapes allow (torch's get each expert prepacked)."""
-        if self._device.type == "cpu" and all(gguf_blocks.runs(m.fmt.name, self.dtype, m.k)
+        if self.device.type == "cpu" and all(gguf_blocks.runs(m.fmt.name, self.dtype, m.k)
                                               for m in self.scheme.matrices):
             self.blocks = True
             self.kernel_rows = NATIVE_GGUF_ROWS
@@ -156,7 +145,7 @@ class QuantExperts:
     def _native_ok(self) -> bool:
         """int4 gate/up as one matrix and down, each at a group the C kernel takes, and the kernel here."""
         up, down = self.scheme.up, self.scheme.down
-        return (self._device.type == "cpu" and len(up) == 1 and up[0].name == "w13" and
+        return (self.device.type == "cpu" and len(up) == 1 and up[0].name == "w13" and
                 all(m.fmt.name == "int4" for m in self.scheme.matrices) and up[0].fmt == down.fmt and
                 int4.runs(self.dtype, up[0].k, down.k, group=down.fmt.group))
 
