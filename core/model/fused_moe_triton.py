@@ -56,10 +56,8 @@ def pick_block_m(pairs: int, experts: int) -> int:
 def moe_gemm(a, stack, fmt, out, sorted_ids, block_expert, n_padded, *, top_k: int, block_m: int,
              expert_base: int = 0, route_w=None) -> None:
     """out[p] = a[p // top_k] @ dequant(stack[e - expert_base]).T (· route_w[p]) for the pairs of this part's
-    experts; other rows of `out` are left as they are. One launch, no host sync.
-
-    a: [T, K] (top_k = k) or [T·k, K] (top_k = 1); stack: {"w": [n, N, K]} or `fmt.parts`' suffixes; out: [T·k, N];
-    sorted_ids, block_expert, n_padded: `moe_align`'s, made with `block_m`."""
+    experts, other rows left as they are; one launch, no host sync. a: [T, K] (top_k = k) or [T·k, K]; stack:
+    {"w": [n, N, K]} or `fmt.parts`' suffixes; out: [T·k, N]; sorted_ids, block_expert, n_padded: `moe_align`'s."""
     code, block_bytes, block_vals = _CODES[getattr(fmt, "name", None)]
     main, aux = _PARTS.get(code, ("raw", None))
     w = stack[main]

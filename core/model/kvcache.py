@@ -47,17 +47,6 @@ def untouched_zeros(shape, dtype) -> torch.Tensor:
     return raw.view(dtype).view(shape)
 
 
-def _copy_rows(src: torch.Tensor, dst: torch.Tensor, rows, axis: int | None, tokens: int, non_blocking: bool) -> None:
-    """rows of `src` into dst[:B]; along a token `axis` only the first `tokens` entries."""
-    part = rows.take(src)
-    if axis is not None:
-        part = part.narrow(axis, 0, tokens)
-        dst = dst[:rows.B].narrow(axis, 0, tokens)
-    else:
-        dst = dst[:rows.B]
-    dst.copy_(part, non_blocking=non_blocking)
-
-
 class _Store:
     """What every store shares: its tensors by name, and views of the same kind over other memory."""
 
@@ -231,7 +220,10 @@ def load_rows(src, dst, rows, cached: int, non_blocking: bool = False) -> int:
     for a, b, axis in zip(src.tensors, dst.tensors, src.token_axes):
         if axis is not None and tokens == 0:
             continue
-        _copy_rows(a, b, rows, axis, tokens, non_blocking)
+        part, b = rows.take(a), b[:rows.B]
+        if axis is not None:  # along the token axis only the first `tokens` entries
+            part, b = part.narrow(axis, 0, tokens), b.narrow(axis, 0, tokens)
+        b.copy_(part, non_blocking=non_blocking)
         per_row = a[0].numel() // (a.shape[axis] if axis is not None else 1) * (tokens if axis is not None else 1)
         moved += rows.B * per_row * a.element_size()
     return moved
@@ -270,11 +262,9 @@ COVER_RATIO = 2  # attend over a gapped batch's covering rows while they are at 
 
 class Rows:
     """One decode micro-batch's rows in the stores: slots, positions and the lengths attention reads, built once
-    per step on the host so no layer syncs a device to know them.
-
-    Host stores only: gapped slots are attended in place over their covering rows while those are at most
-    COVER_RATIO times the rows in use (gathering copied every row's K and V again in every layer); a gap's
-    row attends with a zero query and its output is dropped."""
+    per step on the host so no layer syncs a device. Host stores only: gapped slots are attended in place over
+    their covering rows while those are at most COVER_RATIO times the rows in use (a gather copied every row's
+    K and V again in every layer); a gap's row attends with a zero query and its output is dropped."""
 
     def __init__(self, slots: list[int], positions: list[int], move=None, device=None):
         """`move` puts the host tensors where the state lives (a device's to_device), `device` is that place."""

@@ -97,10 +97,8 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
             b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: Activation | None = None,
             quant=None, widen=None, scratch: "Scratch | None" = None) -> torch.Tensor:
     """Routed experts. h [T, D], w13 [E, 2I, D], w2 [E, D, I] (or `packed`, or `quant` QuantExperts),
-    weights/idx [T, k] -> [T, D].
-
-    `b13`, `b2`: expert biases; `act`: [n, 2I] gate|up -> [n, I]; `scratch`: reused buffers (the result is
-    valid until the next call with it); `packed` may be a cpu.ffn.NativeExperts, then one C kernel runs it all."""
+    weights/idx [T, k] -> [T, D]. `b13`, `b2`: expert biases; `act`: [n, 2I] gate|up -> [n, I]; `scratch`:
+    reused buffers (the result lives until the next call with it); `packed` may be a cpu.ffn.NativeExperts."""
     if hasattr(packed, "fused_swiglu"):  # the fused C kernel's layout: nothing else can read it
         if (act not in (None, _swiglu)) or b13 is not None or b2 is not None:
             raise ValueError("experts in the fused kernel's layout are plain SwiGLU without biases")
@@ -235,9 +233,8 @@ def device_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, id
                    grouped: bool | None = None, grouped_mm: bool = True, act: Activation | None = None,
                    backend: str | None = None) -> torch.Tensor:
     """Routed experts on an accelerator: `experts`' result in launches independent of E, nothing read back.
-
-    `parts`: stacks (w13, w2 or `quant`, and b13, b2) covering experts 0..E−1 in order, resident then
-    streamed. The fused path, or grouped_mm per part (core.model.fused_moe.expert_path; `grouped` forces one)."""
+    `parts`: stacks (w13, w2 or `quant`, b13, b2) covering experts 0..E−1 in order, resident then streamed;
+    the fused path, or grouped_mm per part (fused_moe.expert_path; `grouped` forces one)."""
     act = act or _swiglu
     quantized = any("quant" in p for p in parts)
     if fused_moe.expert_path(quantized, h.shape[0], grouped_mm, grouped) == "fused":

@@ -35,10 +35,8 @@ PACKED_DENSE = ("qkv", "o", "shared_w13", "shared_w2")
 
 @dataclass(frozen=True)
 class LayerLayout:
-    """Where each canonical tensor of a layer sits in the flat buffer: name -> (offset, shape).
-
-    With an `ExpertScheme` the buffer is bytes: offsets count bytes and `dtypes` names each entry's dtype,
-    so a page is a run of quantized bytes; otherwise offsets count elements of the weights' dtype."""
+    """Where each canonical tensor of a layer sits in the flat buffer: name -> (offset, shape). With an
+    `ExpertScheme` the buffer is bytes (`dtypes` names each entry's dtype), so a page is a run of quantized bytes."""
 
     entries: tuple[tuple[str, int, tuple[int, ...]], ...]
     numel: int
@@ -145,11 +143,9 @@ class LayerWeights:
         self.pages = [self.experts[a:b] for a, b in self.layout.page_bounds(pages)]
 
     def pack_for_cpu(self, quantize_dense=None, swiglu: bool = False) -> None:
-        """Prepack the experts for the CPU and keep only the non-expert part of the flat buffer.
-
-        One layer at a time, so memory peaks at the model plus one layer's experts. `quantize_dense(name, w)`
-        quantizes the attention and shared-expert projections too (core.model.quant.dense); `swiglu`: plain
-        SwiGLU experts, which the fused C kernel (core.model.cpu.ffn) runs where it can."""
+        """Prepack the experts for the CPU, one layer at a time (memory peaks at the model plus a layer's experts),
+        keeping only the non-expert part of the flat buffer. `quantize_dense(name, w)`: the projections quantized
+        too (core.model.quant.dense); `swiglu`: plain SwiGLU experts, which the fused C kernel runs where it can."""
         from core.model.moe import pack_cpu_experts
 
         if self.quant is not None:
@@ -427,11 +423,9 @@ def _unpin_all(pins: dict) -> None:
 def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
                  progress: EventSink = ignore, quant: Format | None = None,
                  use_cache: bool = True, shard=None) -> ModelWeights:
-    """Read a checkpoint into paged per-layer buffers (plain tensors for embeddings and head).
-
-    `shard`: only that tensor-parallel rank's part, laid out for `local_spec(spec, shard)`. `quant`: the
-    experts quantized layer by layer as they are read (or read back from core.model.quant.cache), so memory
-    peaks at the quantized model plus one layer in the compute dtype."""
+    """Read a checkpoint into paged per-layer buffers (plain tensors for embeddings and head). `shard`: only
+    that tensor-parallel rank's part, laid out for `local_spec(spec, shard)`. `quant`: experts quantized as
+    they are read (or read back from core.model.quant.cache): memory peaks at the quantized model plus a layer."""
     if pages_per_layer < 1:
         raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
     mxfp4 = spec.quant_method == "mxfp4" and spec.family == "gpt_oss"  # experts read as the 4-bit blocks they are
