@@ -1,11 +1,7 @@
-"""Which routed-expert kernel runs — grouped_mm over all experts, or one matmul pair per expert that got
-tokens — chosen by timing both on this machine.
-
-The loop's fixed cost per expert dominates small batches of hundreds of small experts; grouped_mm pays
-for its layout and, on some CPUs, a slower kernel. So the first call of a shape (device, dtype, sizes,
-biases, tokens rounded up to a power of two) times both on the real inputs. The CPU's choices are kept
-on disk per machine, torch build, thread count and experts' code (`_context`), since a measurement cost
-a fresh process's `mlight bench` about a seventh of its run; a GPU's take milliseconds, per process.
+"""Which routed-expert kernel runs — grouped_mm over all experts, or a matmul pair per expert with tokens —
+timed on the real inputs at a shape's first call (the loop's per-expert cost dominates small batches of many
+small experts; grouped_mm pays for its layout). The CPU's choices are kept on disk per machine, torch build,
+threads and experts' code (`_context`): a measurement cost a fresh `mlight bench` a seventh of its run.
 """
 
 from __future__ import annotations

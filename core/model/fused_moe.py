@@ -1,11 +1,9 @@
 """The routed experts on an accelerator in a number of launches that does not depend on E.
 
-The pairs are aligned into blocks of one expert each (`mlight::moe_align`), then `mlight::moe_gemm` runs
-one projection over every block: the Triton kernel (core.model.fused_moe_triton) where it runs the format
-and dtype, else a torch form with the same semantics that runs anywhere, a chunk of blocks at a time
-(memory bounded by FUSED_CHUNK_BYTES). Both are torch.library ops with fake implementations, so a launch
-count, a CUDA graph and the emulated device each see one op, and meta tensors know their shapes.
-grouped_mm stays where it is faster: `expert_path` chooses per call.
+Pairs are aligned into blocks of one expert (`mlight::moe_align`), then `mlight::moe_gemm` runs a projection
+over every block: the Triton kernel (fused_moe_triton) where it runs, else a torch form of the same semantics,
+a chunk of blocks at a time. Both are torch.library ops with fake implementations, so a launch count, a CUDA
+graph and the emulated device each see one op. grouped_mm stays where faster: `expert_path` chooses.
 Legend: T = tokens, k = experts per token, E = experts, P = T·k pairs, D = hidden, I = expert intermediate,
 N × K = one expert's matrix (outputs × inputs), BM = block rows, S = padded slots.
 """

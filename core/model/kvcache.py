@@ -1,9 +1,8 @@
 """The attention state: what each layer keeps per sequence, preallocated in CPU memory, one row per batch slot.
 
-Per `ModelSpec.layer_state(i)`: `KVStore` K and V `[S, Hkv, Tmax, hd]` (a request's tokens at [0, length)
-of its row, so decode reads each row only to its own length), or with a window a ring `[S, Hkv, W, hd]`
-(position p at p mod W); `LatentStore` `[S, Tmax, R + dr]` (MLA); `LinearStore` a recurrent state
-`[S, Hv, dk, dv]` in fp32 and the last K−1 conv inputs `[S, conv, K−1]`, overwritten by prefill.
+Per `ModelSpec.layer_state(i)`: `KVStore` K and V `[S, Hkv, Tmax, hd]` (a request at [0, length) of its row),
+or a ring `[S, Hkv, W, hd]` (position p at p mod W); `LatentStore` `[S, Tmax, R + dr]` (MLA); `LinearStore`
+an fp32 recurrent state `[S, Hv, dk, dv]` and the last K−1 conv inputs `[S, conv, K−1]`.
 Legend: S = slots, R = latent rank, dr = rope dims, K = conv kernel.
 """
 

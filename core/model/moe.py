@@ -1,10 +1,9 @@
 """The MoE FFN: router, then the routed experts with tokens grouped by expert, plus a shared expert.
 
-Backends for the routed experts, tested against each other: `grouped` (F.grouped_mm, one call per
-projection), `loop` (one matmul per expert with tokens), `packed` (the loop over oneDNN-prepacked weights,
-≈ 1.6× faster on the CPU, bit for bit the same), `widen` (the loop in a wider math dtype). Between grouped
-and loop the faster is measured once per shape (core.model.expert_choice). On an accelerator:
-`device_experts`. Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert intermediate.
+Backends, tested against each other: `grouped` (F.grouped_mm), `loop` (a matmul pair per expert with tokens),
+`packed` (the loop over oneDNN-prepacked weights, ≈ 1.6× faster on the CPU, bit for bit the same), `widen`
+(the loop in a wider math dtype); grouped or loop is timed once per shape (core.model.expert_choice).
+Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert intermediate.
 """
 
 from __future__ import annotations

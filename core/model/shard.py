@@ -1,12 +1,10 @@
 """Tensor-parallel shards: what one of `size` ranks holds of a model, and how it is read from disk.
 
-Attention is split by query heads (a rank keeps the KV heads they use, one copy per query head where
-they fall unevenly into groups, so any rank count works); MLA by heads, every rank computing and caching
-the whole latent; linear attention by value heads. The MoE FFN is split along every expert's intermediate
-dimension, so each rank streams 1/size of every layer's expert bytes whatever the routing. A family
-whose layer holds tensors this module does not know keeps its attention whole and splits only the experts.
-A rank's model is an ordinary ModelSpec (`local_spec`); the O projection's and the FFN's partial outputs
-are summed over the ranks (core.runtime.distributed.tensor_parallel).
+Attention splits by query heads (a rank keeps the KV heads they use, a copy per query head where groups fall
+unevenly), MLA by heads (each rank caches the whole latent), linear attention by value heads; the MoE FFN
+along every expert's intermediate dimension, so each rank streams 1/size of every layer whatever the routing.
+Unknown tensors keep attention whole. A rank's model is an ordinary ModelSpec (`local_spec`); the partial
+outputs are summed over ranks (core.runtime.distributed.tensor_parallel).
 """
 
 from __future__ import annotations

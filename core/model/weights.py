@@ -179,18 +179,14 @@ class LayerWeights:
                 q = convert(name, views[name])
                 packed[name] = q if q is not views[name] else pack_dense(views[name].clone())
         rest = [(n, t) for n, t in views.items() if n not in packed]
-        offsets, total = [], 0
-        for _, t in rest:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // 64) * 64
-        buf = torch.empty(total, dtype=torch.uint8)
-        self.tensors = {}
-        for (n, t), off in zip(rest, offsets):
-            nb = t.numel() * t.element_size()
-            self.tensors[n] = buf[off:off + nb].view(t.dtype).view(t.shape).copy_(t)
+        sizes = [-(-t.numel() * t.element_size() // 64) * 64 for _, t in rest]
+        buf = torch.empty(sum(sizes), dtype=torch.uint8)
+        self.tensors, off = {}, 0
+        for (n, t), size in zip(rest, sizes):
+            self.tensors[n] = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+            off += size
         self.flat, self.experts, self.pages = buf, None, []
-        self.tensors.update(packed)
-        self.tensors.update(biases)
+        self.tensors |= packed | biases
         self.held = sum(getattr(q, "held_bytes", q.numel() * q.element_size()) for q in packed.values())
 
     def _expand_block_dense(self) -> None:

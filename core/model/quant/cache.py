@@ -1,11 +1,9 @@
 """The quantized cache: a checkpoint quantized once, kept as safetensors in the user cache, memory-mapped after.
 
-An entry `<cache>/quantized/<key>/` holds `model.safetensors` (`embed`, `norm`, `lm_head` and each
-layer's flat buffer as bytes, `layers.<i>`) and `meta.json`; the key hashes the checkpoint's content,
-the scheme, the dtype and the layout's version. The file is written front to back under a temporary
-name while the loader quantizes, and committed under the entry's file lock: an interrupted load leaves
-nothing trusted, and of two processes the first to finish commits while the other drops its copy
-(never replacing a file a reader may have mapped).
+An entry `<cache>/quantized/<key>/` holds `model.safetensors` (globals and each layer's flat buffer as bytes)
+and `meta.json`; the key hashes the checkpoint's content, the scheme, the dtype and the layout's version. It is
+written under a temporary name and committed under the entry's file lock: an interrupted load leaves nothing
+trusted, and the second of two writers drops its copy (never replacing a file a reader may have mapped).
 """
 
 from __future__ import annotations

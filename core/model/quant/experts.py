@@ -1,12 +1,9 @@
 """The routed experts of one layer held quantized, and how they compute.
 
-`ExpertScheme`: how a layer stores its experts — `w13` [E, 2I, D] (or `w1`, `w3` [E, I, D] when a GGUF
-file gives gate and up in different formats) and `w2` [E, D, I], each in its own `Format`.
-`QuantExperts` computes an expert from those bytes by a kernel on the bytes as stored (int4: mlight's C
-kernel, one token's experts in one call; int8/int4: torch's weight-only kernels over a prepacked copy;
-GGUF blocks: core.model.cpu.gguf_blocks) — the small-batch path, where fewer bytes read is what counts —
-or by expanding into a reused scratch buffer and an ordinary matmul: every format and device, and the
-CPU's path above `kernel_rows` tokens on an expert.
+`ExpertScheme`: `w13` [E, 2I, D] (or `w1`, `w3` [E, I, D] when a GGUF file gives gate and up in different
+formats) and `w2` [E, D, I], each in its own `Format`. `QuantExperts` computes on the bytes as stored (the C
+int4 and GGUF-block kernels, torch's weight-only kernels over a prepacked copy) at small batch, or expands an
+expert into a reused buffer for an ordinary matmul: every format and device, and above `kernel_rows` tokens.
 Legend: E = experts, D = hidden, I = expert intermediate, n = tokens routed to the expert.
 """
 
