@@ -141,10 +141,12 @@ def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Ten
 
 def _block_rows(g: GGUFModel, p: arch.Place, target: torch.Tensor):
     """Place `p`'s rows as the file's blocks (a block_dense.Segment), or None where they are to be expanded."""
-    from core.model.quant.block_dense import Segment, takes
+    from core.model.cpu import gguf_blocks
+    from core.model.quant.block_dense import Segment
 
     ref = g.tensors.get(p.src)
-    if ref is None or len(ref.shape) != 2 or ref.kind not in GGUF_BLOCKS or not takes(ref.kind, ref.shape[1], target.dtype):
+    if (ref is None or len(ref.shape) != 2 or ref.kind not in GGUF_BLOCKS
+            or not gguf_blocks.runs(ref.kind, target.dtype, ref.shape[1])):
         return None
     r0, r1 = p.rows or (0, target.shape[0])
     _check_shape(p.src, ref.shape, (r1 - r0, target.shape[-1]))

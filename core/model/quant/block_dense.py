@@ -43,11 +43,6 @@ def merged(segments: list[Segment]) -> list[Segment]:
     return out
 
 
-def takes(kind: str, k: int, dtype: torch.dtype) -> bool:
-    """Whether a [n, k] projection stored as `kind` computes on its blocks here in `dtype`."""
-    return gguf_blocks.runs(kind, dtype, k)
-
-
 class BlockWeight(LinearOnlyWeight):
     """A [N, K] weight held only as the GGUF file's blocks, in segments of output rows."""
 
