@@ -50,7 +50,8 @@ def test_any_bytes_and_scales_equal_the_decoded_rows():
 
     def raw(n, k):
         r = torch.randint(-128, 128, (E, n, k // 32, 34), generator=g).to(torch.int8).view(torch.uint8)
-        r[..., :2] = (torch.rand(E, n, k // 32, generator=g) * 60 + 1e-3).half().view(torch.uint8).view(E, n, k // 32, 2)
+        scales = (torch.rand(E, n, k // 32, generator=g) * 60 + 1e-3).half()
+        r[..., :2] = scales.view(torch.uint8).view(E, n, k // 32, 2)
         return r.reshape(E, n, -1)
 
     up, down = ("Q8_0", raw(2 * I, D)), ("Q8_0", raw(D, I))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import threading
 
 import torch
 
@@ -65,17 +64,6 @@ def status() -> str:
     return f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None else f"gguf_blocks.moe ({_reason})"
 
 
-_local = threading.local()
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    """This thread's float32 scratch, grown once to the largest call."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _local.buf = torch.empty(numel, dtype=torch.float32)
-    return buf
-
-
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
         down: tuple[str, torch.Tensor], path: str = "int8") -> torch.Tensor | None:
     """`gguf_blocks.moe` for a bf16 token x [1, D] on its default path (`path` "int8", or "int8_c": the plain-C
@@ -97,10 +85,11 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     ids, weights, x = (t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
     threads = torch.get_num_threads() if lib.openmp else 1
     out = torch.empty((1, D), dtype=x.dtype)
-    s = _scratch(lib.moe_scratch(D, I, k, threads))
+    s = gguf_blocks._scratch(lib.moe_scratch(D, I, k, threads))
     if lib.moe(gguf_blocks.KINDS[k13], gguf_blocks.KINDS[k2], x.data_ptr(), 1, D, I, k, ids.data_ptr(),
                weights.data_ptr(), int(weights.dtype == torch.bfloat16), w13.data_ptr(), w13.stride(0), w13.stride(1),
-               w2.data_ptr(), w2.stride(0), w2.stride(1), out.data_ptr(), 1, s.data_ptr(), threads, gguf_blocks.PATHS[path]):
+               w2.data_ptr(), w2.stride(0), w2.stride(1), out.data_ptr(), 1, s.data_ptr(), threads,
+               gguf_blocks.PATHS[path]):
         raise RuntimeError(f"the GGUF token kernel refused D={D}, I={I}, {k} experts")
     return out
 
@@ -118,7 +107,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, pat
         return False
     K = x.shape[1]
     threads = torch.get_num_threads() if lib.openmp else 1
-    s = _scratch(lib.linear_scratch(K, threads))
+    s = gguf_blocks._scratch(lib.linear_scratch(K, threads))
     if lib.linear(0, x.data_ptr(), 1, K, raw.data_ptr(), raw.stride(0), raw.shape[0], out.data_ptr(), 1, s.data_ptr(),
                   threads, gguf_blocks.PATHS[path]):
         raise RuntimeError(f"the GGUF token kernel refused Q8_0 with K={K}")
