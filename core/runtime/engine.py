@@ -172,7 +172,6 @@ class Engine:
         self.dev = device or resolve_device("cpu" if self.config.device == "cpu" else None)
         self.grouped = grouped
         self.context_length = spec.max_position
-        self.fault = None  # tests: passed to the runner to inject a failure into a task
         self.policy = None  # the planner's Policy this engine was loaded with, if any
         self.tp = None  # tensor parallel: this rank's core.runtime.distributed.tensor_parallel.ShardOps
         self.rank_spec = spec  # the model this process runs: with tensor parallelism, its heads and expert slices
@@ -295,7 +294,6 @@ class Engine:
                            expert_group=c.expert_group, resident_experts=c.resident(spec.num_layers, spec.num_experts),
                            kv_gpu_layers=kv_gpu, device=self.dev, grouped=self.grouped, warn=on_event, tp=self.tp,
                            cpu_math=torch_dtype(self.cpu.math), direct_rows=self.cpu.direct_rows)
-        r.fault = self.fault
         if c.executor == "cuda" and self._graphs_pay(-(-slots // micro_batch_size)):
             from core.runtime.graphs import Graphs
 

@@ -209,7 +209,6 @@ class PipelineRunner:
         self._scratch = ExpertScratch()  # the decode FFN's gather/scatter buffers (FFN tasks run one at a time)
         self._pre: list[_PrefillMB] | None = None
         self.last_tasks: list = []  # the last step's task graph (with the executor's `times`: its timeline)
-        self.fault = None  # tests: a callable run before every task, to inject failures
         self.graphs = None  # core.runtime.graphs.Graphs: decode segments captured and replayed (the engine's choice)
         self._logits_done = dev.event() if dev.accelerator else None
         # task kind -> function(runner, task): functions, not bound methods, which would make the runner a cycle
@@ -497,8 +496,6 @@ class PipelineRunner:
             self._layer0_half = (self._base + self.spec.num_layers) % 2 if prefetched_layer0 else None
 
     def _run(self, task) -> None:
-        if self.fault is not None:
-            self.fault(task)
         self._fns[task.kind](self, task)
 
     # ---- tasks ----------------------------------------------------------------------------------
