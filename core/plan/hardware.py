@@ -1,17 +1,8 @@
-"""HardwareSpec: what the planner needs to know about a machine, and three ways to get one.
+"""HardwareSpec: what the planner knows of a machine — from `preset(name)` (datasheets), `detect()` (pynvml and
+psutil; no GPU is the normal CPU-only case) or `probe()` (seconds of measurement, cached per machine and CPU ISA
+setting; CPU matmuls through `CPU_MATMUL_PROBES`).
 
-- `preset(name)`: machines you do not have, from vendor datasheets ("t4", "l4", "2xt4", "a100-80g", ...);
-  a bare GPU name means that GPU in the paper's CPU host.
-- `detect()`: pynvml (GPUs, memory, PCIe link) + psutil (RAM, cores). No NVML, no driver or no GPU is
-  the normal CPU-only case, never an error.
-- `probe()`: a few seconds of measurement (CPU matmul per dtype, memory read, the instruction set
-  torch may use; with CUDA also pinned H2D/D2H and GPU matmul), cached per machine and per
-  ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA setting under the cache dir (`MLIGHT_CACHE_DIR` or
-  platformdirs'). CPU matmul kernels are measured through `CPU_MATMUL_PROBES` (one entry per dtype
-  or quantized format: "float32", "bfloat16", "float16"; quantized kernels add theirs there).
-
-Boundary: numbers only. Datasheet values are peaks; the HRM derates every field not listed in
-`measured` (see core.plan.hrm.effective_rates). Never prints; torch is imported only by `probe`.
+Boundary: numbers only; the HRM derates every datasheet field not in `measured`. torch is imported only by `probe`.
 """
 
 from __future__ import annotations

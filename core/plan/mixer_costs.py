@@ -1,11 +1,5 @@
-"""FLOPs and bytes of each token-mixer kind, per layer, for the HRM.
-
-A model's layers come in groups of one kind (core.model.mixer): grouped-query attention over the
-whole context or a sliding window, MLA over a latent cache (absorbed at decode, expanded at
-prefill), Gated DeltaNet over a fixed recurrent state. `mixer_costs(spec)` gives one `MixerCost`
-per group; core.plan.hrm averages them over the layers, so an "average layer" costs what the real
-mix of layers costs. What a sequence keeps is the layer's StateSpec (core.model.spec).
-Boundary: arithmetic on ModelSpec numbers; no torch, no rates.
+"""FLOPs and bytes of each token-mixer kind per layer, for the HRM: one `MixerCost` per layer group, averaged by
+core.plan.hrm, so an "average layer" costs what the real mix of layers does. No torch, no rates.
 Legend: t = query tokens, c = cached tokens (context), s = prompt tokens, D = hidden.
 """
 

@@ -1,13 +1,8 @@
 """Planning for tensor parallelism: the model one rank runs and the machine one rank sees.
 
-With K ranks (one per GPU) every rank holds 1/K of the heads and of every expert's width
-(core.model.shard), so its GPU memory, its GPU compute and its PCIe link each serve a K-th of the
-model: bigger batches fit and the streamed bytes per link shrink (the paper's super-linear scaling).
-What the ranks share is the host: its memory (each rank's CPU share of weights and KV adds up), its
-memory bandwidth and cores (each rank's CPU attention covers its heads with a K-th of them, so CPU
-attention does not get faster with more GPUs) and, where the machine says so (`host_link_bw`), the
-PCIe root complex that all the links go through. The all-reduces after the O projection and the FFN
-are costed by core.plan.hrm from `Rates.tp`.
+Each of K ranks holds 1/K of the heads and of every expert's width, so its GPU memory, compute and link serve a
+K-th of the model; the host (memory, bandwidth, cores, a shared PCIe root: `host_link_bw`) is shared, so CPU
+attention does not speed up with more GPUs. The all-reduces are costed by core.plan.hrm from `Rates.tp`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Policy search: the best Policy for a model, a machine, a workload and a memory budget.
 
-`plan(model, hardware, workload, budget) -> (Policy, Prediction)`:
-1. integers enumerated as the paper does, then refined — for each placement (attention on CPU or
-   GPU, FFN on GPU; or all on the CPU) and μ ∈ {1, 2, 3, 4, 36, 68, …}, the largest number of
-   micro-batches that fits (doubling, then binary search); for the best few (placement, μ) also
-   smaller batches; for each batch, expert batches of 1, 2, 4, … micro-batches (MoE-Gen's module
-   batching) while they keep helping;
-2. for each integer candidate the continuous fractions (r_w, r_c) that minimise end-to-end time,
-   exactly: time is a convex piecewise-linear function of them (core.plan.hrm is affine in each);
-3. the winner's fractions (and those of GPU-attention candidates, where r_c matters) re-solved as an
-   LP with pulp's bundled CBC, which also serves as the reference the fast path is tested against.
-`validate(policy, ...)` says what does not fit and by how many bytes; `predict` costs a given policy.
-
-Memory counted: resident non-expert weights, r_w of the experts and the 2×layer double buffer on
-the GPU, activations (decode and prefill peaks); the rest of the experts, the pinned staging pages
-and the KV cache for prompt + generation on the CPU (or r_c of it on the GPU).
-Boundary: memory accounting and search live here; task costs live in core.plan.hrm. Never prints.
+`plan(...) -> (Policy, Prediction)`: for each placement and μ the largest batch that fits (doubling, then
+binary search; the best few also smaller), expert batches while they help; for each candidate the fractions
+(r_w, r_c) minimising the convex piecewise-linear time exactly, the winner's re-solved as an LP with pulp's CBC
+(also the fast path's test reference). `validate` says what does not fit by how many bytes; `predict` costs a
+given policy. Memory is counted item by item as the runtime allocates it (core.runtime.pipeline).
+Boundary: memory accounting and search; task costs are core.plan.hrm's. Never prints.
 """
 
 from __future__ import annotations

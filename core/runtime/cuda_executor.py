@@ -1,24 +1,10 @@
 """The CUDA executor: the threaded executor's shape, with the device's work on streams.
 
-Resources "gpu", "h2d" and "d2h" are streams of a `core.runtime.device.Device` (compute, host→device
-copies, device→host copies); each has a host thread that only *launches* its tasks, in list order.
-A dependency on another stream becomes `stream.wait_event`, so the host never blocks on the device
-for it; a host task (CPU attention) that needs a copy to have landed waits on that copy's event
-alone, with a blocking event (the waiting thread sleeps rather than spin a core). There is no
-device-wide synchronisation inside a step: the caller's stream waits on the streams' last events at
-the end (a join on the device), the caller's own tail goes behind it (`run(..., then=)`: the runner's
-logits and their copy to the host), and the host waits once, on an event after all of it — the step's one
-host sync, after which the step's timings are read (every event has completed by then).
-
-Never a hang on the device either: every host wait (a host task's dependency, the step's end) is bounded
-by the device's `wait_seconds`. Past it the step fails naming the task that started and never ended (a
-hung kernel or copy), else the first one not completed, and the executor refuses further steps: the
-stream is stuck, and nothing queued behind it will run.
-
-Runs unchanged over `CudaDevice` and over the emulated device (CI), which is how it is tested.
-Timing: one event per stream task, recorded where it ends (the same event other streams wait on, so timing
-adds no device operation); a task starts at the latest of its launch, its stream predecessor's end and its
-dependencies' ends (`_finish`), so a stream idle while its host thread launches late is not counted busy.
+Resources "gpu", "h2d" and "d2h" are streams of a `core.runtime.device.Device`, each fed by a host thread that
+only launches its tasks in list order; a cross-stream dependency is `stream.wait_event`, a host task waits on
+its copy's event alone. A step has one host sync: at its end, after the caller's tail (`run(..., then=)`).
+Every host wait is bounded by the device's `wait_seconds`: past it the step fails naming the hung task and the
+executor refuses further steps. Timing: one event per task, the one other streams wait on (no extra device op).
 """
 
 from __future__ import annotations

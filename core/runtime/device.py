@@ -1,29 +1,12 @@
-"""The accelerator as the runtime sees it: one small interface, three implementations.
+"""The accelerator as the runtime sees it: one small interface (`Device`), three implementations.
 
-The CUDA executor and the pipeline reach the device only through a `Device`: streams, events,
-launching work onto a stream, copies, allocation, pinned host memory, memory figures and
-synchronisation. So the same executor and pipeline code runs on
-- `CudaDevice`: torch.cuda, a thin mapping and nothing else (the only code CI cannot run);
-- `core.runtime.device_emulated.EmulatedCuda`: the CPU playing a GPU — streams are worker threads
-  that run their queue later than the host enqueues it, copies land late, events record, wait and
-  time as CUDA's do, allocations count against a memory cap and raise torch's OutOfMemoryError;
-- `HostDevice`: the CPU as its own "device" (the CPU-only mode and the threaded executor): no
-  streams, copies are plain copies, nothing is pinned.
-
-Semantics every implementation keeps (the CUDA ones):
-- `launch(stream, fn)` enqueues `fn`'s device work on `stream` and returns; on CUDA `fn` runs on the
-  calling thread under `torch.cuda.stream(stream)`, in the emulation on the stream's own thread.
-- An event completes when its stream reaches the point where it was recorded; `stream.wait_event`
-  orders the stream after it without blocking the host; `event.synchronize()` blocks the host
-  (yielding the CPU for events made with `blocking=True`).
-- `copy(dst, src)` copies on the calling thread's current stream; with pinned host memory and
-  contiguous tensors it is one asynchronous transfer, otherwise it is staged through pageable
-  memory and blocks the host (the emulation counts those in `stats`).
-- An error raised by launched work surfaces at the next synchronisation on that stream as
-  `DeviceTaskError` (cause: the original exception, `label`: what was launched).
-- Every host wait on the device (`host_wait`, `synchronize`) is bounded by `wait_seconds`: a hung kernel
-  or copy raises `DeviceStalled` instead of hanging the run. On CUDA the wait polls the event's query
-  (sleeping between polls) because a blocking cudaEventSynchronize cannot be given a deadline.
+`CudaDevice` maps it onto torch.cuda and nothing else (the only code CI cannot run); the emulated device
+(core.runtime.device_emulated) is the CPU playing a GPU; `HostDevice` is the CPU as its own device (no streams,
+plain copies, nothing pinned). Semantics the CUDA ones keep: `launch(stream, fn)` enqueues and returns; an event
+completes when its stream reaches it, `stream.wait_event` orders without blocking the host; `copy` is one
+asynchronous transfer only with pinned, contiguous host memory; launched work's errors surface at the next
+sync as `DeviceTaskError`; every host wait is bounded by `wait_seconds` (`DeviceStalled`) — on CUDA by polling
+the event's query, since a blocking cudaEventSynchronize takes no deadline.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""The batch generation engine: requests in, results out as each finishes.
+"""The batch generation engine: `Request`s in (text or chat), `Result`s out as each finishes.
 
-Boundary: takes `Request`s (text or chat messages), tokenizes with the checkpoint's own tokenizer,
-and yields `Result`s; publishes telemetry events through a callback and never prints. It owns the
-step loop — admit waiting requests into free slots (Algorithm 2), prefill them, decode one token for
-every active request, retire finished ones — and hands the per-layer work to a `PipelineRunner`
-(`core.runtime.pipeline`): the schedule's task graph run by the chosen executor. `Engine.load` chooses
-where and how the model runs here and reads and readies it through the steps in `core.runtime.loading`.
+It owns the step loop — admit waiting requests into free slots (Algorithm 2), prefill them, decode a token for
+every active request, retire finished ones — and hands the per-layer work to a `PipelineRunner`. Telemetry
+goes through a callback; it never prints. `Engine.load` chooses where the model runs; core.runtime.loading reads it.
 """
 
 from __future__ import annotations

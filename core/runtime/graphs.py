@@ -1,22 +1,10 @@
 """CUDA graphs for a step's GPU segments: capture once, replay after, eager where capture fails.
 
-A launch-bound step pays the host for every kernel; a graph replays a segment's kernels in one launch.
-A segment is a task's device work written as `fn(*inputs) -> outputs` over device tensors. `Graphs.run` runs it
-- eagerly the first time its key is seen (the warm-up: lazy library handles and workspaces come first);
-- the second time, copies the inputs into static buffers, captures `fn` over them (Device.capture), its
-  outputs copied into static buffers inside the graph, and replays it; after that, copies the inputs in
-  and replays. The outputs hold until the slot's next run of the segment (its next layer);
-- eagerly from then on where capture failed (CaptureError: a host sync, an allocation through the device,
-  a host read of device data, ...), saying once per segment kind why (a WarningEvent).
-Keys: (segment, layer, micro-batch slot, input shapes). The static inputs and outputs are shared by the
-layers of a slot (its tasks run one after another), so they cost a slot's activations once, not once per
-layer; what a graph allocates inside is scratch, from one pool the device's graphs share (they replay one
-at a time, on one stream). A runner owns its Graphs: a new runner (a new run, or a smaller batch after
-running out of memory) starts afresh. Device memory the planner does not count yet: per slot, each
-segment's inputs and outputs (a few [μ, D] activations), and the graphs' pool (one segment's scratch).
-
-`choose` decides whether graphs pay (the `graphs` run option's "auto"): they save host time, which the
-step only waits for where the launches take longer than the weights take over the link.
+A segment is a task's device work as `fn(*inputs) -> outputs`. `Graphs.run` runs a key eagerly the first
+time (warm-up), captures and replays it the second, replays after; a capture that fails (CaptureError) stays
+eager and warns once per segment kind. Keys: (segment, layer, micro-batch slot, input shapes); static inputs
+and outputs are shared by a slot's layers, which run one after another. `choose` decides whether graphs pay:
+they save host time, which a step waits for only where launches take longer than the streamed weights.
 """
 
 from __future__ import annotations

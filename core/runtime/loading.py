@@ -1,9 +1,6 @@
-"""The steps of `Engine.load` that read and ready the model: the checkpoint and its tokenizer, the weights
-placed on the device and in host memory, the experts packed for the CPU, the native kernels the run calls.
-
-Boundary: each step takes what the step before handed it and returns what the next needs; none prints
-(progress and warnings go through the `progress` sink). Where and how the model runs (the `RunConfig`,
-the device, the dtype) is chosen in `core.runtime.engine`, which calls these steps in order.
+"""The steps of `Engine.load` that read and ready the model (checkpoint, tokenizer, weights placed, experts packed
+for the CPU, native kernels), each handed the previous one's result; where and how the model runs is chosen
+in core.runtime.engine. Progress and warnings go through the `progress` sink.
 """
 
 from __future__ import annotations

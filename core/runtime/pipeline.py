@@ -1,33 +1,14 @@
 """The CGOPipe runtime: a decode step (or a prefill) as a task graph, run by an executor.
 
-`core.runtime.schedule` says which tasks run, on which resource, after which others; this module says what
-each task does and owns the buffers they share. Everything reaches the accelerator through a
-`core.runtime.device.Device`: CUDA, the emulated device (CI), or the CPU itself (the CPU-only mode and
-the threaded executor, where every copy between "device" and "host" buffers is still a real copy, so
-the threaded executor proves the graph's dependencies: a missing one gives wrong tokens).
-
-Device memory, allocated once per runner and named as the planner counts it (core.plan.planner):
-- dense weights and globals; RoPE tables;
-- per layer, its first `resident[i]` experts (the policy's r_w, spread over layers by
-  core.plan.policy.expert_split); the other experts of each layer stream through a 2-half buffer
-  sized for the layer that streams most: 2 · (E − min resident) experts;
-- with attention on the CPU: each micro-batch's pre-attention payload (D1 source, one contiguous
-  block: a layer's [B, width] is the buffer's first B·width elements; core.model.mixer says the
-  widths, e.g. MLA's latent-sized one) and attention output (D2 target); with attention on the GPU:
-  the state of the first `kv_gpu_layers` layers (the policy's r_c; K/V, a window's ring, an MLA
-  latent or a linear layer's recurrent state: core.model.kvcache) and a ring of two micro-batch
-  state buffers for the layers whose state is on the CPU, sized for the layer kind that needs most;
-- transient activations (hidden states, one task's intermediates, one micro-batch's logits).
-Host staging (pinned at its exact size, one arena): D1/D2 buffers, logits, state staging for S4.
-
-Buffers and why they are safe to reuse (the graph orders every reuse after the last reader):
-- per micro-batch j: `qkv_d[j]`/`qkv_h[j]` (pre-attention writes, D1 copies, CPU attention reads),
-  `o_h[j]`, `o_d[j]`; the next writer of each is downstream of its reader.
-- the 2-half expert buffer: halves alternate layer by layer (across steps too); a page for layer
-  i+1 overwrites layer i−1's half only after that layer's last FFN (`schedule._buffer_free`).
-- the state ring (attention on the GPU): micro-batch position p = i·n + j uses buffer p mod 2; its load
-  waits for the attention of position p − 2 (schedule._gpu_attention).
-Each task runs one step of core.model.decoder, so every layer kind (any family) takes the same path.
+core.runtime.schedule says which tasks run where and after which; this module says what each task does (one
+step of core.model.decoder, so every layer kind takes the same path) and owns the buffers they share, all
+reached through a `core.runtime.device.Device`. Device memory, allocated once per runner as the planner counts
+it (core.plan.planner): dense weights and globals; per layer its first `resident[i]` experts, the rest
+streaming through a 2-half buffer sized for the layer that streams most; with CPU attention each micro-batch's
+D1 source and D2 target, with GPU attention the first `kv_gpu_layers` layers' state and a 2-buffer state ring;
+transient activations. Host staging is one pinned arena (D1/D2, logits, the ring's staging).
+Reuse is safe because the graph orders every writer after the last reader: the expert halves alternate layer
+by layer (schedule._buffer_free); ring position p = i·n + j uses buffer p mod 2 (schedule._gpu_attention).
 Legend: B = requests in a micro-batch, D = hidden, T = cached tokens, E = experts.
 """
 

@@ -1,20 +1,10 @@
 """The decode step's (and prefill's) task graph, as data: one definition for the engine and the simulator.
 
-A schedule is a list of `Task`s. Execution rule, shared by every executor: the tasks of one resource
-run one at a time in list order (a CUDA stream, a copy stream, the CPU attention worker); a task
-starts when its resource is free and all its `deps` have finished. The list order is the schedule.
-
-Schedules (shared/paper.md):
-- "cgopipe": the paper's CGOPipe. CPU attention runs two micro-batches ahead of the GPU; page j of
-  layer i+1's weights is sent right after micro-batch j's D2 of layer i, so the hidden-state copies
-  never queue behind a whole layer of weights.
-- "s4": FlexGen-style. The whole next layer's weights go first on the host→device queue; the GPU works
-  micro-batch by micro-batch (pre-attention, wait for CPU attention, post-attention), no look-ahead.
-- "s3": nothing overlaps: one chain, layer by layer (weights, then each micro-batch in turn).
-
-Steady state: layer 0's streamed weights are sent during the previous step's last layer (its pages are
-in the graph with layer 0, after layer L−1's work); the first step of a run loads them beforehand.
-Boundary: pure data; no costs (core.plan.hrm) and no execution (core.runtime.simulate, the engine).
+A schedule is a list of `Task`s; each resource runs its tasks one at a time in list order, a task once all
+its `deps` finished. Schedules (shared/paper.md): "cgopipe" (CPU attention two micro-batches ahead, page j of
+layer i+1 sent after micro-batch j's D2 of layer i), "s4" (FlexGen: the whole next layer's weights first, no
+look-ahead), "s3" (one chain, nothing overlaps). Layer 0's streamed weights go during the previous step's
+last layer. Boundary: pure data; costs are core.plan.hrm's, execution the executors'.
 """
 
 from __future__ import annotations
