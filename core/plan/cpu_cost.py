@@ -174,8 +174,7 @@ def nnls(a: list[list[float]], b: list[float], iters: int = 200) -> list[float]:
 
 
 def fit(rows: list[tuple[list[float], float]]) -> list[float]:
-    """Coefficients for (units, seconds) rows by NNLS, each row divided by its seconds (relative errors) and each
-    column by its largest value (the solver sees numbers near one)."""
+    """Coefficients for (units, seconds) rows by NNLS on relative errors, columns scaled near one."""
     rows = [(u, s) for u, s in rows if s > 0]
     cols = [max(1e-30, max(abs(u[i]) / s for u, s in rows)) for i in range(len(NAMES))]
     x = nnls([[u[i] / s / cols[i] for i in range(len(NAMES))] for u, s in rows], [1.0] * len(rows))

@@ -72,10 +72,8 @@ def rank_view(model: ModelSpec, hw: HardwareSpec, budget, ranks: int):
 
 
 def state_copies(model: ModelSpec, ranks: int) -> int:
-    """How many copies of each sequence's attention state (KV, latent, linear state) `ranks` ranks keep:
-    one when it is split with the heads (KV and linear-attention states), one per rank for MLA's latent
-    (it serves every head, so each rank caches all of it) and where a family's attention stays whole
-    on every rank (core.model.shard)."""
+    """Copies of each sequence's attention state `ranks` ranks keep: one where it splits with the heads, one a
+    rank for MLA's latent (it serves every head) and where attention stays whole (core.model.shard)."""
     if ranks == 1:
         return 1
     from core.model.shard import plan_shard

@@ -62,10 +62,8 @@ def _spec(model: ModelSpec, q: str, dense: str | None, group_size: int | None) -
 def choose(model: ModelSpec, hw: HardwareSpec, workload: planner.Workload, budget: planner.Budget,
            quantize: str = "auto", group_size: int | None = None, ranks: int | None = None,
            dense: str | bool | None = None) -> FormatChoice:
-    """Plan `model` in the asked format (or, for auto, the least lossy that fits). `dense` (int8, int4, or
-    True for the experts' format): the dense weights quantized too, CPU-only (None: auto may pick them on a
-    machine without a GPU). Raises BudgetError when the asked format (or, for auto, even the lossiest
-    rung) does not fit."""
+    """Plan `model` in the asked format (auto: the least lossy that fits); `dense`: the dense weights too, CPU-only
+    (None: auto may pick them without a GPU). BudgetError where nothing asked fits."""
     if quantize not in QUANTIZE_CHOICES:
         raise UsageError(f"unknown --quantize {quantize!r}", f"use one of {', '.join(QUANTIZE_CHOICES)}")
     if dense and quantize == "none":

@@ -45,9 +45,8 @@ class SlotTable:
         self.tokens[self.micro_batch_of(slot)] -= tokens
 
     def compact(self) -> list[tuple[int, int]]:
-        """Move requests so that each micro-batch's occupy its first slots (the batch's tail, nobody
-        waiting): the highest occupied slot fills the lowest free one, so as few move as possible.
-        Returns the (from, to) slot moves made; the caller moves their state."""
+        """Move each micro-batch's requests into its first slots, highest into lowest free (fewest moves);
+        the (from, to) moves, whose state the caller moves."""
         moves = []
         for lo, hi in self.ranges:
             used = [s for s in range(lo, hi) if self.owner[s] is not None]

@@ -57,9 +57,8 @@ class _CudaStep(_Step):
                 and all(self.end[d].query() if d in self.end else self.events[d].is_set() for d in task.deps))
 
     def stuck(self, stream: str | None, err: DeviceStalled) -> DeviceTaskError:
-        """The failure to report for a wait on `stream` (None: on all of them) that ran past its deadline, as a
-        device error: the task that started and never ended on any stream (a hung kernel or copy; what the
-        waited-on stream waits for, perhaps), else the first of `stream`'s tasks that has not ended."""
+        """The failure for a wait on `stream` (None: all) past its deadline: the task that started and never ended
+        on any stream (a hung kernel or copy), else `stream`'s first unfinished task."""
         running = [t for t in self.stream_of if not self.end[t].query() and self.started(t)]
         mine = [t for t, r in self.stream_of.items() if stream is None or r == stream]
         tid = running[0] if running else next((t for t in mine if not self.end[t].query()), mine[-1])
@@ -75,9 +74,7 @@ class CudaExecutor(ThreadedExecutor):
     takes_tail = True  # run(..., then=): see _finish
 
     def __init__(self, device: Device, *, stall_seconds: float = STALL_SECONDS, placement=None):
-        """`placement(resource)` runs on each worker first (core.model.cpu.threads.worker_setup: the threads
-        feeding the GPU on one core, CPU attention's OpenMP team on the others, rather than one team
-        spinning over every core of a 4-vCPU cloud box)."""
+        """`placement(resource)` runs on each worker first (core.model.cpu.threads.worker_setup)."""
         self.dev = device
         self.placement = placement
         self.streams = {r: device.stream(r, compute=r == "gpu") for r in STREAMS}
@@ -92,9 +89,8 @@ class CudaExecutor(ThreadedExecutor):
             self.placement(resource)
 
     def run(self, tasks, fn, then=None) -> dict[str, float]:
-        """ThreadedExecutor.run; `then()`, if given, enqueues the caller's tail of the step on the caller's
-        stream (after the streams' work, before the step's one host wait), so that reading its results on the
-        host afterwards needs no wait of its own."""
+        """ThreadedExecutor.run; `then()` enqueues the caller's tail behind the streams' work, before the step's
+        one host wait, so its results need no wait of their own."""
         self._then = then
         try:
             return super().run(tasks, fn)

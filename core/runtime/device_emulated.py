@@ -246,8 +246,7 @@ class EmulatedCuda(Device):
         self._host_sync(event, cancel, what, self.wait_seconds)
 
     def _host_sync(self, event: _Event, cancel, what: str = "", seconds: float | None = None) -> None:
-        """`seconds` None: no deadline, as torch's Event.synchronize and Stream.synchronize have none (code
-        calling those directly hangs here as it would on a GPU; the Device's waits pass `wait_seconds`)."""
+        """`seconds` None: no deadline, as torch's own synchronize has none (the Device's waits pass one)."""
         self._refuse("a host synchronisation")
         self._fault("host_wait")
         self.stats["host_syncs"] += 1
@@ -355,8 +354,7 @@ class EmulatedCuda(Device):
         if host and not non_blocking:
             self.stats["blocking_copies"] += 1  # asked for: setup-time uploads
         elif any(not self.is_pinned(x) or not x.is_contiguous() for x in host):
-            # on a GPU: staged through a pageable bounce buffer, the host blocked behind the stream's queue
-            # (a strided *device* side only costs a device-side gather, which is fine)
+            # on a GPU: staged through a pageable bounce buffer, the host blocked (a strided device side is fine)
             self._refuse("a copy from pageable host memory (staged: the host blocks)")
             self.stats["staged_copies"] += 1
         capture = getattr(self._tls, "capture", None)
@@ -522,9 +520,8 @@ _CROSS_DEVICE_OK = {torch.ops.aten.copy_.default, torch.ops.aten.index.Tensor, t
 
 
 class _Capture:
-    """The calling thread's capture (or replay) in progress (EmulatedCuda._tls.capture): the kernels it issued,
-    each with the memory it read and wrote — memory from before the segment by address (what a graph bakes
-    in), memory the segment made by its shape (the graph's own pool: the same addresses at every replay)."""
+    """The calling thread's capture or replay in progress: its kernels, each with the memory it read and wrote
+    (older memory by address, as a graph bakes it in; the segment's own by shape, its pool)."""
 
     def __init__(self, undo: "_Undo | None"):
         self.undo = undo
@@ -532,8 +529,7 @@ class _Capture:
         self._made: dict[int, int] = {}  # storage address -> its rank among the segment's new storages
 
     def ident(self, t: torch.Tensor) -> tuple:
-        # the segment's own memory by kind alone: its numbering varies with the host allocator's reuse of
-        # freed blocks between runs, which a graph's fixed pool has no counterpart of
+        # the segment's own memory by kind alone: the host allocator's reuse varies between runs, a pool's does not
         p = t.untyped_storage().data_ptr()
         return ("made", tuple(t.shape)) if p in self._made else ("before", p, t.storage_offset(), tuple(t.shape))
 
@@ -574,8 +570,7 @@ def _show(entry: tuple) -> str:
 
 
 class _Graph:
-    """A captured segment as the emulation keeps it: the callable, the outputs its capture returned, and the
-    kernels it issued."""
+    """A captured segment: the callable, the outputs its capture returned, the kernels it issued."""
 
     def __init__(self, fn, out, trace: list):
         self.fn, self.out, self.trace = fn, out, trace

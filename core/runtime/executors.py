@@ -144,8 +144,7 @@ class ThreadedExecutor:
                     step.fail(task, e)
             finally:
                 step.finished(task)
-            # nothing of the step may outlive its tasks here: its runner and device buffers would
-            # stay alive until this worker's next task (a second run would sit on top of them)
+            # nothing of the step may outlive its tasks here (its device buffers under the next run)
             step = task = None
 
     def _wait_deps(self, step: "_Step", task) -> bool:

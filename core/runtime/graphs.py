@@ -24,9 +24,7 @@ PAYS_ABOVE = 0.5
 
 def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float, h2d_bytes_per_s: float,
            ops_per_layer: int = EAGER_OPS_PER_LAYER, host_op_seconds: float = HOST_OP_SECONDS) -> tuple[bool, str]:
-    """(use graphs, why) for a run option `mode` and a step's counts: `micro_batches` per step, the bytes
-    of experts each layer streams, the link's measured host→device rate, the eager ops of one micro-batch
-    through one layer and the host seconds of one op."""
+    """(use graphs, why) for run option `mode` and a step's counts, link rate and host seconds an op."""
     if mode not in MODES:
         from core.errors import UsageError
 
@@ -59,17 +57,15 @@ class Graphs:
         self.dev, self.warn = dev, warn
         self._seen: dict[tuple, tuple] = {}  # keys run eagerly once (warmed up) -> their outputs' layout
         self._segments: dict[tuple, _Segment] = {}
-        # static buffers per (segment, slot, layout), shared by the layers of a slot: its tasks run in a chain
-        # (a layer's outputs are read before the slot's next layer writes them)
+        # static buffers per (segment, slot, layout), shared by a slot's layers: they run in a chain
         self._inputs: dict[tuple, list] = {}
         self._outputs: dict[tuple, list] = {}
         self.refused: dict[str, str] = {}  # segment kind -> why it runs eagerly
         self.captures = self.replays = 0
 
     def run(self, segment: str, layer, slot: int, fn: Callable, inputs: Sequence) -> tuple:
-        """fn(*inputs)'s outputs (a tuple of tensors and Nones): computed eagerly, or by replaying its graph,
-        then in the slot's static output buffers (valid until the slot's next task of this segment).
-        `layer` is any key naming the memory fn reads beside its inputs (a layer, and its experts' half)."""
+        """fn(*inputs)'s outputs, eager or replayed (then valid until the slot's next run of the segment); `layer`
+        keys the memory fn reads beside its inputs."""
         if segment in self.refused:
             return fn(*inputs)
         shapes = _layout(inputs)

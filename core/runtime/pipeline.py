@@ -99,7 +99,8 @@ class ExpertSlab:
         return {"quant": QuantExperts(self.layout.scheme, out, dtype, scratch), **biases}
 
     def pieces(self, buf: torch.Tensor, flat: torch.Tensor, first: int, last: int, pages: int) -> list[list[tuple]]:
-        """Per page (of `pages` near-equal ones), the (dst, src) copies filling this slab with experts first..last−1."""
+        """Per page (of `pages` near-equal ones), the (dst, src) copies filling this slab with experts first..last−1
+        of a layer buffer `flat`."""
         n = last - first
         spans, off, cum = [], 0, 0  # (start in the stream, length, dst, src) per expert tensor
         for _, at, _, per in self.parts:
@@ -201,7 +202,7 @@ class PipelineRunner:
         return {n: self.dev.to_device(t) for n, t in w.items()}
 
     def _place_experts(self) -> None:
-        """Resident experts on the device; the streaming buffer's halves and their page copies, by each layer's layout."""
+        """Resident experts on the device; the streaming buffer's halves and page copies, by each layer's layout."""
         dev, E, w, spec = self.dev, self.spec.num_experts, self.w, self.spec
         self.ebuf = None
         scratch: dict = {}  # quantized experts: one expert's expansion, shared by every layer

@@ -48,9 +48,8 @@ class Timeline:
 
 
 def replay(tasks: list[Task], seconds: dict[str, float], host: dict[str, float] | None = None) -> Timeline:
-    """Run `tasks` with `seconds[kind]` per task; kinds missing from `seconds` take no time. `host[kind]`:
-    the host's time to launch a task, one task at a time in list order (the executor's threads share
-    one interpreter); a task cannot start before it is launched."""
+    """Run `tasks` with `seconds[kind]` per task (missing: none); `host[kind]`: launch time, one task at a time
+    in list order, before which a task cannot start."""
     free = {r: 0.0 for r in RESOURCES}
     busy = {r: 0.0 for r in RESOURCES}
     end: list[float] = []
