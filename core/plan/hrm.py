@@ -547,11 +547,14 @@ def ffn_ops(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
 
 def host_task_seconds(r: Rates, ffn: float | None = None) -> dict[str, float]:
     """Host seconds of one task of each kind; `ffn`: the FFN task's ops (ffn_ops)."""
-    ops = dict(HOST_OPS)
-    if ffn is not None:
-        ops["prefill"] += ffn - ops["ffn"]
-        ops["ffn"] = ffn
-    return {kind: r.task_seconds + n * r.op_seconds for kind, n in ops.items()}
+    return {kind: r.task_seconds + n * r.op_seconds for kind, n in _ops(ffn).items()}
+
+
+def _ops(ffn: float | None) -> dict[str, float]:
+    """HOST_OPS with the FFN's ops on its expert path (a prefill task's FFN is the same path's)."""
+    if ffn is None:
+        return HOST_OPS
+    return {**HOST_OPS, "ffn": ffn, "prefill": HOST_OPS["prefill"] + ffn - HOST_OPS["ffn"]}
 
 
 def host_seconds(tasks: dict[str, TaskCost], r: Rates, ffn: float | None = None) -> float:
@@ -563,9 +566,7 @@ def host_seconds(tasks: dict[str, TaskCost], r: Rates, ffn: float | None = None)
 
 def host_ops(tasks: dict[str, TaskCost], ffn: float | None = None) -> dict[str, float]:
     """Torch ops one layer's tasks issue, by kind (HOST_OPS; the FFN's as host_task_seconds takes it)."""
-    ops = dict(HOST_OPS, **({"ffn": ffn} if ffn is not None else {}))
-    if ffn is not None:
-        ops["prefill"] += ffn - HOST_OPS["ffn"]
+    ops = _ops(ffn)
     return {kind: c.per_layer * ops.get(kind, 0) for kind, c in tasks.items()}
 
 

@@ -569,11 +569,8 @@ def _show(entry: tuple) -> str:
     return f"{entry[0]} over {[x[0] + ('@' + hex(x[1]) if x[0] == 'before' else '') for x in entry[1]]}"
 
 
-class _Graph:
-    """A captured segment: the callable, the outputs its capture returned, the kernels it issued."""
-
-    def __init__(self, fn, out, trace: list):
-        self.fn, self.out, self.trace = fn, out, trace
+# a captured segment: the callable, the outputs its capture returned, the kernels it issued
+_Graph = collections.namedtuple("_Graph", "fn out trace")
 
 
 class _Undo(TorchDispatchMode):

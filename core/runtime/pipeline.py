@@ -416,27 +416,23 @@ class PipelineRunner:
 
     def _logits(self, xs: list[torch.Tensor], buffer: str) -> torch.Tensor:
         """fp32 logits of the final hidden states, micro-batch by micro-batch into one reused host buffer."""
-        g, out, row = self.globals, self.host[buffer], 0
-        if not self.dev.accelerator:  # the CPU is the device: straight into the reused host buffer
-            for x in xs:
-                n = x.shape[0]
-                final_logits(self.spec, g["norm"], self.lm_head, x, g.get("norm_b"), g.get("lm_head_b"),
-                             out=out[row:row + n])
-                row += n
-            return out[:row]
-        row = self._logits_enqueue(xs, buffer)
-        self._logits_done.record(self.dev.current_stream())  # bounded: a hung kernel is DeviceStalled, not a hang
-        self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
-        return out[:row]
+        rows = self._logits_enqueue(xs, buffer)
+        if self.dev.accelerator:  # bounded: a hung kernel is DeviceStalled, not a hang
+            self._logits_done.record(self.dev.current_stream())
+            self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
+        return self.host[buffer][:rows]
 
     def _logits_enqueue(self, xs: list[torch.Tensor], buffer: str) -> int:
-        """Enqueue the logits of `xs` and their copies into host `buffer`; the rows they fill."""
+        """The logits of `xs` into host `buffer` (a device's enqueued, with their copies); the rows they fill."""
         g, out, row = self.globals, self.host[buffer], 0
         with self.dev.compute():
             for x in xs:
                 n = x.shape[0]
-                self.dev.copy(out[row:row + n], final_logits(self.spec, g["norm"], self.lm_head, x, g.get("norm_b"),
-                                                             g.get("lm_head_b")))
+                head = (self.spec, g["norm"], self.lm_head, x, g.get("norm_b"), g.get("lm_head_b"))
+                if self.dev.accelerator:
+                    self.dev.copy(out[row:row + n], final_logits(*head))
+                else:  # the CPU is the device: straight into the reused host buffer
+                    final_logits(*head, out=out[row:row + n])
                 row += n
         return row
 
