@@ -126,8 +126,7 @@ class Prediction:
     cpu_breakdown: dict[str, int] = field(default_factory=dict)
     bottleneck_text: str = ""  # the bottleneck in words; defaults from BOTTLENECK_WORDS
     pinned_bytes: int = 0  # page-locked host memory (part of cpu_bytes)
-    # busy seconds on each resource over the whole run (every wave: the full ones and a smaller last one), all
-    # layers, beside the run's decode steps and prompt tokens: what a measured run's sums compare with
+    # busy seconds per resource over the whole run, all layers and waves: what a measured run's sums compare with
     decode_busy: dict[str, float] = field(default_factory=dict)
     prefill_busy: dict[str, float] = field(default_factory=dict)
     decode_steps: int = 0

@@ -9,6 +9,7 @@ they save host time, which a step waits for only where launches take longer than
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Callable, Sequence
 
 from core.runtime.device import CaptureError, Device
@@ -40,9 +41,7 @@ def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float, h2
     return False, why + ": the link hides the launches, graphs do not pay"
 
 
-class _Segment:
-    def __init__(self, static: list, graph, out):
-        self.static, self.graph, self.out = static, graph, out
+_Segment = namedtuple("_Segment", "static graph out")  # static input buffers, the captured graph, its outputs
 
 
 def _layout(out) -> tuple:
