@@ -148,10 +148,7 @@ class HardwareSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
-        d = dict(d)
-        d["measured"] = tuple(d.get("measured", ()))
-        d["cpu_isa_limits"] = tuple(d.get("cpu_isa_limits", ()))
-        return cls(**d)
+        return cls(**d)  # __post_init__ turns JSON's lists back into tuples
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
