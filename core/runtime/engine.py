@@ -360,7 +360,11 @@ class Engine:
             runner = self.runner(slots, mu, max_tokens, on_event)
         except torch.cuda.OutOfMemoryError as e:
             if slots == 1 and self.tp is None:
-                raise _no_room_at_batch_one() from e
+                raise GpuMemoryError(
+                    "out of GPU memory with a batch of one request: the model's fixed GPU buffers (resident experts, "
+                    "weight pages) do not fit", "keep fewer experts on the GPU (plan with a smaller --gpu-mem, or a "
+                    "policy with a lower GPU expert share), or run on the CPU (hide the GPU: "
+                    "CUDA_VISIBLE_DEVICES=)") from e
             runner, shrink = None, (slots // 2, -1)
         if self.tp is not None:  # the group's ranks all built their runners, or all retry alike
             agreed = self.tp.tp.outcome(False, slots, slots if shrink is None else shrink[0])
@@ -370,7 +374,11 @@ class Engine:
     def _restart_smaller(self, slots: int, failed_rank: int, mu: int, waiting, active, on_event) -> tuple[int, int]:
         """The unfinished requests wait again for a batch of `slots` (under one: `failed_rank` cannot run one)."""
         if slots < 1:
-            raise _give_up(failed_rank)
+            from core.runtime.distributed.tensor_parallel import GroupOutOfMemory
+
+            raise GroupOutOfMemory(f"rank {failed_rank} ran out of GPU memory with a batch of one request",
+                                   "give each rank more GPU memory (more GPUs: --tensor-parallel), or shorten the "
+                                   "prompts and --max-new-tokens")
         self._release_device()
         mu = max(1, min(mu, slots))
         on_event(WarningEvent(f"out of GPU memory; continuing with batch {slots}, micro-batch {mu}"))
@@ -596,8 +604,11 @@ def _dtypes(dtype, quantize, group_size, quantize_dense, dev: Device, spec: Mode
         raise UsageError("--quantize-dense needs a format", "pass --quantize int8 or --quantize int4 with it")
     dense_fmt = (quant if quantize_dense is True else parse_choice(quantize_dense, group_size)) if quantize_dense \
         else None
-    if dev.accelerator:
-        dtype = _accelerator_dtype(dev, dtype or spec.torch_dtype, progress)
+    if dev.accelerator:  # bf16 becomes fp16 where there are no bf16 tensor cores (a T4)
+        want, dtype = dtype or spec.torch_dtype, gpu_compute_dtype(dtype or spec.torch_dtype, dev.capability)
+        if dtype != want:
+            progress(WarningEvent(f"{dev.name} (compute capability {dev.capability[0]}.{dev.capability[1]}) has no "
+                                  f"bf16 tensor cores: computing in float16"))
     return dtype, quant, dense_fmt
 
 
@@ -607,15 +618,6 @@ def _placement(policy, spec: ModelSpec) -> dict:
     return {"resident_experts": tuple(expert_split(policy.gpu_weight_fraction, spec.num_layers, spec.num_experts,
                                                    dense)),
             "kv_gpu_layers": kv_gpu_layers(policy.gpu_kv_fraction, spec.num_layers)}
-
-
-def _accelerator_dtype(dev: Device, dtype: torch.dtype, progress: EventSink) -> torch.dtype:
-    """The dtype the GPU computes in: bf16 becomes fp16 where there are no bf16 tensor cores (a T4)."""
-    use = gpu_compute_dtype(dtype, dev.capability)
-    if use != dtype:
-        progress(WarningEvent(f"{dev.name} (compute capability {dev.capability[0]}.{dev.capability[1]}) has no "
-                              f"bf16 tensor cores: computing in float16"))
-    return use
 
 
 class _GroupStop(Exception):
@@ -628,21 +630,6 @@ class _GroupShrink(Exception):
     def __init__(self, slots: int, rank: int):
         super().__init__(slots, rank)
         self.slots, self.rank = slots, rank
-
-
-def _give_up(rank: int):
-    from core.runtime.distributed.tensor_parallel import GroupOutOfMemory
-
-    return GroupOutOfMemory(f"rank {rank} ran out of GPU memory with a batch of one request",
-                            "give each rank more GPU memory (more GPUs: --tensor-parallel), or shorten the "
-                            "prompts and --max-new-tokens")
-
-
-def _no_room_at_batch_one() -> GpuMemoryError:
-    return GpuMemoryError("out of GPU memory with a batch of one request: the model's fixed GPU buffers "
-                          "(resident experts, weight pages) do not fit",
-                          "keep fewer experts on the GPU (plan with a smaller --gpu-mem, or a policy with a lower "
-                          "GPU expert share), or run on the CPU (hide the GPU: CUDA_VISIBLE_DEVICES=)")
 
 
 def _is_oom(e: BaseException) -> bool:
