@@ -26,6 +26,7 @@ of each (median) and the int8/fp32 ratio per round, its median and spread.
 
     python bench/gguf_speed.py --kernel                                   # Q8_0 and Q4_K; M = 1..128; 1 and 2 threads
     python bench/gguf_speed.py --kernel --formats Q6_K --rows 1,8 --kernel-threads 1
+    python bench/gguf_speed.py --kernel --formats Q4_K,Q5_K,Q6_K --paths int16,q8k   # two integer paths
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def parse_args(argv=None):
     k.add_argument("--rows", default="1,8,32,64,128")
     k.add_argument("--kernel-threads", default="1,2")
     k.add_argument("--min-s", type=float, default=0.15, help="seconds each timing runs for at least")
+    k.add_argument("--paths", default="fp32,int",
+                   help="the two paths timed against each other, gguf_blocks.PATHS names; 'int' is `linear`'s "
+                        "integer default for the format (int8, or the K-quants' own)")
     return p.parse_args(argv)
 
 
@@ -99,14 +103,15 @@ def timed(fn, min_s: float) -> float:
 
 
 def compare(rounds: int, label: str, weights: int, run, args) -> None:
-    rates = {"fp32": [], "int8": []}
+    """run(0) and run(1): --paths' first and second, interleaved; the ratio is the second's speed-up."""
+    rates = ([], [])
     ratios = []
     for _ in range(rounds):
-        t = {p: timed(lambda p=p: run(p), args.min_s) for p in ("fp32", "int8")}
-        for p in t:
-            rates[p].append(weights / t[p] / 1e9)
-        ratios.append(t["fp32"] / t["int8"])
-    print(f"| {label} | {statistics.median(rates['fp32']):.2f} | {statistics.median(rates['int8']):.2f} | "
+        t = [timed(lambda i=i: run(i), args.min_s) for i in (0, 1)]
+        for i in (0, 1):
+            rates[i].append(weights / t[i] / 1e9)
+        ratios.append(t[0] / t[1])
+    print(f"| {label} | {statistics.median(rates[0]):.2f} | {statistics.median(rates[1]):.2f} | "
           f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) |", flush=True)
 
 
@@ -118,8 +123,10 @@ def kernel_paths(args) -> int:
     if lib is None:
         print(f"no kernel: {gguf_blocks.status()}")
         return 1
+    first, second = args.paths.split(",")
     print(f"# {gguf_blocks.status()}; D {D}, I {I}; {rounds} interleaved rounds")
-    print("| format, threads, call | fp32 G weights/s | int8 G weights/s | int8 speed-up: median (min..max) |")
+    print(f"| format, threads, call | {first} G weights/s | {second} G weights/s | "
+          f"{second}/{first} speed-up: median (min..max) |")
     print("|---|---|---|---|")
     for kind in args.formats.split(","):
         w13 = torch.stack([blocks(kind, 2 * I, D, e) for e in range(E)])
@@ -129,16 +136,19 @@ def kernel_paths(args) -> int:
             torch.set_num_threads(threads)
             x1 = torch.randn(1, D, generator=g).bfloat16()
             ids, wts = torch.tensor([[5, 2]]), torch.tensor([[0.6, 0.4]])
+            integer = gguf_blocks.integer_path(kind)  # `linear`'s default for the format
+            linear = [integer if p == "int" else p for p in (first, second)]
+            # `moe` takes fp32, int8 (the K-quants on int16) and q8k (the K-quants on Q8_K)
+            fused = [{"int": "int8", "int16": "int8", "int16_c": "int8_c"}.get(p, p) for p in linear]
             compare(rounds, f"{kind}, {threads}, moe B=1", TOP_K * 3 * D * I,
-                    lambda p: gguf_blocks.moe(x1, ids, wts, (kind, w13), (kind, w2), path=p), args)
-            integer = "int16" if kind in gguf_blocks.K_QUANTS else "int8"  # `linear`'s default for the format
+                    lambda i: gguf_blocks.moe(x1, ids, wts, (kind, w13), (kind, w2), path=fused[i]), args)
             for m in (int(r) for r in args.rows.split(",")):
                 xu = torch.randn(m, D, generator=g).bfloat16()
                 xd = torch.randn(m, I, generator=g).bfloat16()
                 compare(rounds, f"{kind}, {threads}, gate/up M={m}", 2 * I * D,
-                        lambda p: gguf_blocks.linear(kind, xu, w13[0], path=p if p == "fp32" else integer), args)
+                        lambda i: gguf_blocks.linear(kind, xu, w13[0], path=linear[i]), args)
                 compare(rounds, f"{kind}, {threads}, down M={m}", D * I,
-                        lambda p: gguf_blocks.linear(kind, xd, w2[0], path=p if p == "fp32" else integer), args)
+                        lambda i: gguf_blocks.linear(kind, xd, w2[0], path=linear[i]), args)
     return 0
 
 
