@@ -869,8 +869,10 @@ static inline __attribute__((always_inline)) void q8k_wide(int kind, const uint8
    The same integers and floats as decode_row_k + ktile_simd (int16 activations a 256, the weights int16 with
    their sub-scales folded in, lane i holding values 2i, 2i + 1 of every 16), without the decoded row: each
    32 values' bytes (u32_k) widened to int16 and multiplied by their sub-scale in registers, once per tile of
-   rows (or, past a tile's registers, once per super-block for all the rows, q8k_wide's way). */
-#if SIMD
+   rows (or, past a tile's registers, once per super-block for all the rows, q8k_wide's way). AVX-512 VNNI
+   only: with AVX2's 16 registers (int16 a 16 values, the weights spilled past a tile) it ran 0.6-0.9x the
+   decoded row for Q4_K, where it runs 1.15-1.35x at one row and about 1.0x at 8-64 on VNNI. */
+#if SIMD == 2
 /* a super-block's sub-scales as int16 (Q4_K, Q5_K: 8; Q6_K: 16), its 8 integer mins as int32, d and dmin */
 static inline __attribute__((always_inline)) void k16_scales(int kind, const uint8_t *blk, int16_t *sc, __m256i *mn,
                                                              float *d, float *dm) {
@@ -894,7 +896,6 @@ static inline __attribute__((always_inline)) __m256 k16_lanes(int kind, __m256i 
     return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(dm * dx), acc);
 }
 
-#if SIMD == 2
 #define KN 8 /* weight vectors a super-block: 32 int16 each */
 static inline __attribute__((always_inline)) __m512i k16_w(int kind, const uint8_t *blk, const int16_t *sc, int j) {
     __m512i w = _mm512_cvtepu8_epi16(u32_k(kind, blk, j)), s;
@@ -907,18 +908,6 @@ static inline __attribute__((always_inline)) __m512i k16_w(int kind, const uint8
 static inline __attribute__((always_inline)) __m512i k16_dot(__m512i t, __m512i w, const int16_t *q) {
     return _mm512_dpwssd_epi32(t, w, _mm512_loadu_si512(q));
 }
-#else
-#define KN 16 /* 16 int16 each */
-static inline __attribute__((always_inline)) __m256i k16_w(int kind, const uint8_t *blk, const int16_t *sc, int j) {
-    __m256i u = u32_k(kind, blk, j >> 1);
-    __m256i w = _mm256_cvtepu8_epi16(j & 1 ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u));
-    if (kind == 4) w = _mm256_sub_epi16(w, _mm256_set1_epi16(32));
-    return _mm256_mullo_epi16(w, _mm256_set1_epi16(sc[kind == 4 ? j : j >> 1]));
-}
-static inline __attribute__((always_inline)) __m256i k16_dot(__m256i t, __m256i w, const int16_t *q) {
-    return _mm256_add_epi32(t, _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)q)));
-}
-#endif
 
 /* out[m] = w . x[m] for MRC rows of int16 activations, the weight row's blocks read in place */
 static inline __attribute__((always_inline)) void k16_tile(int kind, const uint8_t *row, int64_t K, const KQRow *x,
@@ -1104,7 +1093,7 @@ static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t 
         QRow xr[MR];
         KQRow kx[MR];
         float out[MR];
-#if SIMD
+#if SIMD == 2
         if (k256 && simd) { /* the weight rows read in place, QW activation rows a pass */
             KQRow kw[QW];
             float ow[QW];
@@ -1231,7 +1220,7 @@ static float dot_one(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8
         dot_rows_q8k(kind, row, K, &xr, 1, simd, &v);
     } else if (is_k(kind)) {
         KQRow xr = kqrow_at(xp, K);
-#if SIMD
+#if SIMD == 2
         if (simd) {
             dot_rows_k16(kind, row, K, &xr, 1, &v);
             return v;
