@@ -12,7 +12,12 @@ from core.model.cpu import gguf_blocks, gguf_token
 from test_gguf_int8 import _group, _reference
 from test_gguf_native import _blocks
 
-pytestmark = pytest.mark.skipif(gguf_token.library() is None, reason="no C compiler: gguf_blocks.moe runs")
+pytestmark = pytest.mark.skipif(gguf_blocks.library() is None, reason="no C compiler: GGUF blocks expand per use")
+
+
+def test_it_builds_wherever_gguf_blocks_does():
+    """gguf_matmul.c is compiled into it: a change there that breaks this build fails here, not in a silent fallback."""
+    assert gguf_token.library() is not None, gguf_token.status()
 
 
 def _experts(up: str, down: str, E: int, D: int, I: int):

@@ -92,7 +92,7 @@ static float dot_q8_0(const uint8_t *row, int64_t nb, const int8_t *xq, const fl
 /* a row of format `kind` (K values) . the activation row quantized at xp: Q8_0 in place, else decoded into
    own (gguf_matmul.c's dot_one); simd 0: the plain-C dots */
 static float dot_row(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8_t *own, int64_t RW, int simd) {
-    if (kind != 0) return dot_one(kind, row, K, xp, own, RW, simd);
+    if (kind != 0) return dot_one(kind, row, K, xp, own, RW, simd, 0);
     QRow x = qrow_at(xp, K);
     return simd ? dot_q8_0(row, K / 32, x.q, x.d) : dot_q8_0_c(row, K / 32, x.q, x.d);
 }
@@ -111,7 +111,7 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
     int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
     uint8_t *xq = (uint8_t *)(gu + (int64_t)nexp * 2 * I), *hq = xq + qd, *wq = hq + nexp * qi;
     int simd = path == 2;
-    quantize_for(k13, x, x_bf16, D, xq);
+    quantize_for(k13, x, x_bf16, D, xq, 0);
     OMP(omp parallel num_threads(threads))
     {
         int t = 0;
@@ -128,7 +128,7 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
         for (int e = 0; e < nexp; e++) {
             float *h = gu + (int64_t)e * 2 * I;
             for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
-            quantize_for(k2, h, 0, I, hq + e * qi);
+            quantize_for(k2, h, 0, I, hq + e * qi, 0);
         }
         OMP(omp for schedule(static))
         for (int64_t d = 0; d < D; d++) {
@@ -150,7 +150,7 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t K, con
     if (kind < 0 || kind > 5 || K % BS[kind] || threads < 1 || path < 1 || path > 2) return -1;
     int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
     uint8_t *xq = (uint8_t *)scratch, *rows = xq + xrow_bytes(kind, K);
-    quantize_for(kind, x, x_bf16, K, xq);
+    quantize_for(kind, x, x_bf16, K, xq, 0);
     OMP(omp parallel num_threads(threads))
     {
         int t = 0;
