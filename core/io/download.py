@@ -1,16 +1,8 @@
 """Model download: a Hugging Face repo id to a local checkpoint folder, through huggingface_hub's cache.
 
-Boundary: `resolve_model` turns what the user typed for `--model` (nothing, a folder, a repo id) into
-a local folder; `download_model` fetches a repo into huggingface_hub's standard cache (so a model
-already there is reused, and `HF_HOME`, `HF_HUB_CACHE`, `HF_ENDPOINT`, `HF_HUB_OFFLINE` and the
-login token are honoured), downloading only what mlight reads: safetensors shards (those the index
-names), the index, config, generation config and tokenizer files. Before any weight is fetched it
-refuses repos that need remote code, have an unsupported architecture, or only ship pickled `.bin`
-weights, and checks the free disk space. Progress goes out as `DownloadProgress` events.
-
-Resuming: files already in the cache are never fetched again, so a rerun after an interruption
-picks up at the first missing file; within a file, a dropped connection is resumed by
-huggingface_hub with an HTTP Range request (up to 5 times while data keeps arriving).
+The hub's own cache (and its HF_* settings) is used, so a model there is reused and a rerun resumes at the
+first missing file. Only what mlight reads is fetched; repos that need remote code, have an unsupported
+architecture or ship only pickled weights are refused, and the disk space checked, before any weight is fetched.
 """
 
 from __future__ import annotations
@@ -296,10 +288,8 @@ def _check_disk(needed: int, cache_dir: str | Path | None) -> None:
 
 
 def _note_symlinks(repo_id: str, cache_dir: str | Path | None, progress: EventSink) -> None:
-    """Windows without Developer Mode cannot make symlinks, so the hub cache stores plain copies. Say so
-    once, as a WarningEvent, instead of huggingface_hub's warning printed through the progress line: the
-    hub probes (and remembers) the repo's own cache folder, so probing that same folder first, quietly,
-    leaves it nothing to warn about."""
+    """Windows without Developer Mode: the hub cache keeps plain copies. Said once, as a WarningEvent; probing
+    the repo's cache folder quietly first leaves huggingface_hub nothing to print through the progress line."""
     if not platform.is_windows():
         return
     from huggingface_hub import constants
@@ -330,18 +320,20 @@ def _hub_error(e: Exception, repo_id: str, revision: str | None, filename: str |
         return e
     names = {c.__name__ for c in type(e).__mro__}
     what = f"{repo_id}/{filename}" if filename else repo_id
-    if "GatedRepoError" in names:
-        return ModelError(f"{repo_id} is gated: its license must be accepted first",
-                          "accept it on the model's page and log in with `hf auth login`")
-    if "RepositoryNotFoundError" in names:
-        return ModelError(f"{repo_id} was not found on the Hugging Face Hub (or it is private)",
-                          "check the repo id, or log in with `hf auth login`")
-    if "RevisionNotFoundError" in names:
-        return ModelError(f"revision {revision} not found in {repo_id}", "check --revision")
-    if "HFValidationError" in names:
-        return ModelError(f"{repo_id!r} is not a valid Hugging Face repo id", "use the form org/name")
-    if "RemoteEntryNotFoundError" in names or "EntryNotFoundError" in names and not _is_network(e):
-        return ModelError(f"{what} is missing from the repo", "the repo is incomplete; pick another revision")
+    if "EntryNotFoundError" in names and _is_network(e):
+        names.discard("EntryNotFoundError")
+    known = {"GatedRepoError": (f"{repo_id} is gated: its license must be accepted first",
+                                "accept it on the model's page and log in with `hf auth login`"),
+             "RepositoryNotFoundError": (f"{repo_id} was not found on the Hugging Face Hub (or it is private)",
+                                         "check the repo id, or log in with `hf auth login`"),
+             "RevisionNotFoundError": (f"revision {revision} not found in {repo_id}", "check --revision"),
+             "HFValidationError": (f"{repo_id!r} is not a valid Hugging Face repo id", "use the form org/name"),
+             "RemoteEntryNotFoundError": (missing := (f"{what} is missing from the repo",
+                                                      "the repo is incomplete; pick another revision")),
+             "EntryNotFoundError": missing}
+    hit = next((known[n] for n in known if n in names), None)
+    if hit:
+        return ModelError(*hit)
     if _is_network(e):
         return MlightError(f"the download of {what} failed: the connection to the Hub was lost",
                            "rerun the same command; files already downloaded are kept")
@@ -394,8 +386,7 @@ class _Relay:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, *a: Any, **k: Any) -> None:
         pass
 
-    def set_description(self, *a: Any, **k: Any) -> None:
-        pass
+    set_description = close
