@@ -137,8 +137,7 @@ def run(args) -> int:
 
 
 def _host(model, hw, p, pred, workload) -> dict:
-    """The host's share of a decode layer beside the link's and the GPU's, what it is made of (tasks, torch ops,
-    the expert path's), at whose costs; and a first run's page-locking."""
+    """The host's share of a decode layer beside the link's and the GPU's, what it is made of; a first run's pinning."""
     from core.plan import hrm
     from core.plan.parallel import rank_view
 
@@ -166,8 +165,7 @@ def _host(model, hw, p, pred, workload) -> dict:
 
 
 def _gpu_unused(model, hw, workload, budget) -> str:
-    """Why a plan for a machine with a GPU leaves it unused: the smallest GPU placement (one request, every
-    expert streamed) overfills a memory, or the CPU alone is predicted faster."""
+    """Why a plan leaves the GPU unused: its smallest placement overfills a memory, or the CPU alone is faster."""
     from core.plan import planner
     from core.plan.policy import Policy
 
@@ -275,8 +273,7 @@ def _cpu_math_line(hw, model) -> str:
 
 
 def _layer_line(p, pred) -> str:
-    """One decode layer's time by resource. CPU-only, the "gpu" resource's work (dense layers and experts)
-    runs on the CPU and nothing crosses a link: say so rather than print "gpu" and zero link times."""
+    """One decode layer's time by resource; CPU-only, the "gpu" resource's work runs on the CPU, nothing copied."""
     items = list(pred.layer_seconds.items())
     if p.ffn_on == "cpu":
         names = {"gpu": "CPU dense layers + experts", "cpu_attn": "CPU attention"}

@@ -1,9 +1,7 @@
 """`mlight run`: a prompts file through the engine into a JSONL or CSV file, resumably.
 
-Order of work, so that bad input is refused before anything is loaded or written:
-output path → lock → prompts → model folder (download) → run file (resume or start) → engine →
-too-long prompts → generate, saving each result as it finishes → final output renamed into place.
-Ctrl-C / SIGTERM (Ctrl-Break on Windows): the engine finishes its current step, what finished is saved, exit 130.
+Bad input is refused before anything is loaded or written. Ctrl-C / SIGTERM (Ctrl-Break on Windows): the
+engine finishes its current step, what finished is saved, exit 130.
 """
 
 from __future__ import annotations
@@ -122,7 +120,7 @@ def _whole(text: str) -> int:
 
 
 class _Stopper:
-    """Ctrl-C, SIGTERM or Ctrl-Break (`platform.stop_signals`): while generating, ask the engine to stop after its step; otherwise (or on a
+    """Ctrl-C, SIGTERM or Ctrl-Break: while generating, ask the engine to stop after its step; otherwise (or on a
     second signal) stop right away with KeyboardInterrupt."""
 
     def __init__(self):
@@ -183,8 +181,7 @@ class _ProgressLine:
 
 
 def one_line(text: str) -> str:
-    """`text` cut and padded to the terminal's width less a column: a line that never wraps, so that `\r`
-    redraws it in place, and that covers the longer line before it."""
+    """`text` cut and padded to the terminal's width less a column, so that `\r` redraws it in place."""
     try:
         width = os.get_terminal_size(sys.stderr.fileno()).columns
     except (OSError, ValueError, AttributeError):  # not a terminal (a test, a pipe): $COLUMNS, else 80
@@ -244,12 +241,9 @@ def _run_single(args) -> int:
 
 
 def with_run(args, out: Path, plan, generate) -> int:
-    """The run file's life around one job, as `mlight run` and `mlight run --ray` share it: lock it, read
-    and check the prompts (bad lines refused unless --skip-bad), resolve the model, `plan(args, prompts,
-    model_dir)` (the batch sizes, args.policy), start or resume the run, then — unless the run already
-    finished (a retry loop or a scheduler ran the same job again: say so, write nothing, exit 0) —
-    `generate(store, prompts, model_dir, model_name, progress, stopper)`. A failure from there on drops a run file that holds no
-    result yet and keeps one that does; the lock and the signal handlers are always given back."""
+    """The run file's life around one job (`mlight run`, `--ray`): lock, prompts, model, `plan`, start or resume,
+    then `generate` unless the same job already finished. A failure drops a run file that holds no result yet;
+    the lock and the signal handlers are always given back."""
     from core.io.download import resolve_model
 
     stopper = _Stopper().install()
@@ -314,11 +308,8 @@ def refuse_turns(prompts: PromptSet, how: str) -> None:
 
 
 def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
-    """With a memory budget, let the planner pick the batch sizes the user left open — or refuse, before
-    any weight is loaded, a budget that nothing fits in (BudgetError, exit 2). On a machine without a GPU
-    the planner picks the CPU batch for the machine's memory even without a budget (more rows per
-    expert run the CPU's GEMMs nearer their peak); should nothing fit, the default batch is kept and
-    loading says what it says."""
+    """With a memory budget, let the planner pick the batch sizes the user left open, or refuse a budget nothing
+    fits in before any weight is loaded. Without a GPU the planner picks the CPU batch even without a budget."""
     args.policy = None
     quantize = getattr(args, "quantize", "none")
     if args.gpu_mem is None and args.cpu_mem is None and quantize != "auto":
@@ -477,8 +468,7 @@ def final_line(results: int, store: RunStore, rejects: int, generated: int, toke
 
 
 class _Counter:
-    """Requests done (those of an earlier, resumed session too) and tokens/s on one stderr line, on a
-    terminal only (logs get the summary line)."""
+    """Requests done and tokens/s on one stderr line, on a terminal only (logs get the summary line)."""
 
     def __init__(self, total: int, before: int = 0):
         self.tty = sys.stderr.isatty()

@@ -1,15 +1,9 @@
-"""`mlight run` as one rank of a torch.distributed job: under an external `torchrun` (data parallel, with
-tensor parallelism inside when --tensor-parallel asks), or as one of the K local ranks that
-`mlight run --tensor-parallel K` starts through the same launcher.
+"""`mlight run` as one rank of a torch.distributed job: under `torchrun` (data parallel, tensor parallel
+inside when asked), or one of the K local ranks `mlight run --tensor-parallel K` starts.
 
-Phases; each ends with every rank agreeing that it went well (core.runtime.distributed.coord.agree),
-so a bad input gives one error line, from rank 0, and the same exit code on every rank:
-1. every rank reads the prompts and resolves the model (the prompts must hash alike everywhere);
-2. each replica's first rank opens its own run file, resuming what it holds;
-3. every rank loads its engine (its tensor-parallel shard); prompts the model cannot take are set aside;
-4. each replica generates its shard; its first rank saves each result, fsynced, as it finishes;
-5. rank 0 collects every replica's records and writes the output in input order, then the replicas
-   drop their run files. A rank that died is named; a rerun of the same command resumes every rank.
+Each phase ends with every rank agreeing that it went well (coord.agree), so a bad input gives one error line,
+from rank 0, and the same exit code everywhere. Each replica's first rank keeps its own run file; rank 0 merges
+every replica's records into the output, and a rerun of the same command resumes every rank.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """`mlight run --ray ADDRESS|auto`: the prompts file as a Ray dataset, one engine replica per actor.
 
-The driver reads and checks the prompts file the usual way (bad lines, ids, the manifest), turns
-the prompts not yet in the run file into a Ray dataset and maps it through
-`core.runtime.distributed.ray_data.MlightPredictor` with Ray Data's actor pool: as many actors as the
-cluster has GPUs (one each), or one per node on a CPU cluster (`--ray-actors` overrides), and a batch
-size from the plan made on a worker node. Results stream back to the driver, which saves each one
-(fsynced) in the run file as usual, so an interrupted run resumes, and writes the same output file.
+The driver checks the prompts as usual and maps the ones not yet done through Ray Data's actor pool (one actor
+per GPU, or per node on a CPU cluster); results stream back and are saved in the run file, so a stop resumes.
 """
 
 from __future__ import annotations

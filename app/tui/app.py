@@ -112,8 +112,8 @@ class MlightApp(App):
 
     @staticmethod
     def describe_error(error: BaseException | None) -> str:
-        """One line for the status bar: core's own message for user errors (in the app's words, not the
-        command line's), what to do for a CPU that lacks a feature, the type for bugs."""
+        """One line for the status bar: core's message for user errors (in the app's words), what to do for a CPU that
+        lacks a feature, the type for bugs."""
         cause = error.__cause__ if isinstance(error, MlightError) else None  # a task's own error
         if wording.missing_feature(error) or wording.missing_feature(cause):
             root = error if cause is None else cause

@@ -1,9 +1,7 @@
 """Every call the app makes into `core`, and the view-models the screens draw.
 
-Screens and the run job reach `core` only through a Backend, so a change in a core signature is
-fixed here once, and tests hand the app a Backend with pinned (preset) hardware and a frozen
-clock. Runs use the same run store, manifest and final records as `mlight run`, so a run started
-on the command line can be resumed in the app and the other way round.
+A change in a core signature is fixed here once; tests hand the app a Backend with pinned hardware and a frozen
+clock. Runs share `mlight run`'s run store and manifest, so either resumes the other's unfinished run.
 """
 
 from __future__ import annotations
@@ -136,8 +134,7 @@ class PlanView:
 
 
 class Backend:
-    """The app's door into `core`. `hardware` pins a HardwareSpec (tests, planning for a preset);
-    `clock` drives the run meter's elapsed time and ETA (frozen in snapshot tests)."""
+    """The app's door into `core`. `hardware` pins a HardwareSpec; `clock` drives the meter (frozen in snapshots)."""
 
     def __init__(self, hardware: Any = None, clock: Callable[[], float] = time.monotonic,
                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS):
@@ -222,8 +219,7 @@ class Backend:
         return "repo" if looks_like_repo_id(text) else "missing"
 
     def check_options(self, model: str, prompts: str) -> dict[str, str]:
-        """What is plainly wrong with `mlight-app --model M --prompts F`, found without loading anything:
-        step name -> the problem (the app then opens on that step instead of Plan)."""
+        """What is plainly wrong with `--model M --prompts F`, without loading anything: step name -> the problem."""
         problems = {}
         kind = self.classify_model_text(model)
         if kind == "missing":
@@ -238,14 +234,13 @@ class Backend:
     # ---- prompts ------------------------------------------------------------------------------
     @staticmethod
     def demo_prompts_path() -> Path:
-        """The 16 MT-Bench questions bundled as a prompts file (core/assets/demo_prompts.jsonl)."""
+        """The 16 MT-Bench questions bundled as a prompts file."""
         from core.assets import DEMO_PROMPTS
 
         return DEMO_PROMPTS
 
     def prompts_path(self, text: str | Path) -> Path:
-        """A prompts file as typed: 'demo' (`mlight run --prompts demo`, as `mlight-app --help` says) is the
-        bundled demo prompts unless a file of that name is in the working folder."""
+        """A prompts file as typed: 'demo' is the bundled demo prompts unless a file of that name is here."""
         from core.io.prompts import DEMO
 
         path = Path(text).expanduser()
@@ -263,15 +258,14 @@ class Backend:
         return PromptsView(Path(path), ps, preview, stats, self.max_new_tokens)
 
     def set_max_new_tokens(self, n: int) -> None:
-        """The run's max new tokens for prompts that do not set their own (`--max-new-tokens`, Plan's field)."""
+        """The max new tokens for prompts that do not set their own (`--max-new-tokens`, Plan's field)."""
         if n < 1:
             raise ValueError("max new tokens must be at least 1")
         self.max_new_tokens = n
 
     # ---- plan ---------------------------------------------------------------------------------
     def tokenizer(self, model: ModelView) -> Any:
-        """The model's tokenizer, read once: transformers' import and the files take seconds the first time, so
-        the Model step reads it while prompts are chosen, before Plan counts them."""
+        """The model's tokenizer, read once (seconds the first time: the Model step reads it before Plan counts)."""
         def read():
             from transformers import AutoTokenizer
 
@@ -280,8 +274,8 @@ class Backend:
         return self._once(("tokenizer", str(model.path)), read)
 
     def prompt_lengths(self, model: ModelView | None, prompts: PromptsView) -> list[int] | None:
-        """Every prompt's length in tokens as the engine will see it (the model's tokenizer, the chat template
-        for `messages`), or None where the tokenizer cannot be loaded here (the plan then estimates)."""
+        """Every prompt's length in tokens as the engine will see it (chat template for `messages`), or None where the
+        tokenizer cannot be loaded (the plan then estimates)."""
         if model is None or not prompts.count:
             return None
 
@@ -309,9 +303,8 @@ class Backend:
         return [lengths[e.id] for e in prompts.prompts.entries if e.id in lengths]  # set aside: not counted
 
     def set_aside_too_long(self, model: ModelView, prompts: PromptsView) -> int:
-        """Move the prompts that leave no room in the model's context to the bad lines now, as the run would
-        (`requests`), so that Plan plans for the prompts that run and asks before skipping them, as `mlight run`
-        refuses them without --skip-bad. Returns how many moved (none where the tokenizer cannot be read)."""
+        """Move the prompts too long for the model's context to the bad lines now, as the run would, so that Plan plans
+        for the prompts that run. Returns how many moved."""
         from core.io.prompts import reject_too_long
 
         counted = self.prompt_lengths(model, prompts)
@@ -323,8 +316,7 @@ class Backend:
         return len(prompts.prompts.rejects) - before
 
     def workload(self, prompts: PromptsView, model: ModelView | None = None) -> Any:
-        """The planner's workload: prompt lengths tokenized with the model's tokenizer when it loads (an
-        estimate from characters otherwise, and the Plan screen says so)."""
+        """The planner's workload: prompt lengths by the model's tokenizer, else estimated from characters."""
         from core.plan.planner import Workload
 
         lo, mean, hi = prompts.lengths
@@ -353,25 +345,23 @@ class Backend:
         workload = self.workload(prompts, model)
         warnings = budget_warnings(machine, budget.gpu_bytes, budget.cpu_bytes)
         spec = _spec_as_run(model.spec, choices)
-        # the app runs one process on one GPU (ranks=1), however many the machine has
-        if choices.quantize:  # the planner's format choice, as `mlight run --quantize` makes it
-            from core.plan.quantize import choose
-
-            c = choose(spec, machine.hardware, workload, budget, choices.quantize, choices.group_size, ranks=1,
-                       dense=choices.quantize_dense)
-            return PlanView(c.policy, c.prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
-                            tokenized=self.prompt_lengths(model, prompts) is not None, quantize=c.quantize,
-                            quant_why=c.why, group_size=choices.group_size,
-                            quant_baseline_tps=c.baseline.tokens_per_s if c.baseline is not None else None,
-                            quant_dense=c.dense)
-        policy, prediction = plan(spec, machine.hardware, workload, budget, ranks=1)
-        return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
+        view = PlanView(None, None, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
                         tokenized=self.prompt_lengths(model, prompts) is not None)
+        # the app runs one process on one GPU (ranks=1), however many the machine has
+        if not choices.quantize:
+            view.policy, view.prediction = plan(spec, machine.hardware, workload, budget, ranks=1)
+            return view
+        from core.plan.quantize import choose  # the planner's format choice, as `mlight run --quantize` makes it
+
+        c = choose(spec, machine.hardware, workload, budget, choices.quantize, choices.group_size, ranks=1,
+                   dense=choices.quantize_dense)
+        baseline = c.baseline.tokens_per_s if c.baseline is not None else None
+        return dataclasses.replace(view, policy=c.policy, prediction=c.prediction, quantize=c.quantize, quant_why=c.why,
+                                   group_size=choices.group_size, quant_baseline_tps=baseline, quant_dense=c.dense)
 
     def check(self, model: ModelView, machine: MachineView, base: PlanView, fields: dict,
               choices: EngineChoices = EngineChoices()) -> PlanView:
-        """A user-edited policy, costed and validated: problems name what does not fit and by how much,
-        in the Plan screen's words."""
+        """A user-edited policy, costed and validated; problems in the Plan screen's words."""
         from core.plan import planner
         from core.plan.policy import Policy
 
@@ -393,8 +383,7 @@ class Backend:
 
     @staticmethod
     def usable_shares() -> tuple[float, float]:
-        """The shares of the GPU and CPU budgets a plan may fill (the rest is kept for the CUDA context,
-        allocator fragmentation, the OS and the page cache)."""
+        """The shares of the GPU and CPU budgets a plan may fill."""
         from core.plan.planner import CPU_USABLE, GPU_USABLE
 
         return GPU_USABLE, CPU_USABLE
@@ -453,8 +442,8 @@ class Backend:
 
     def engine(self, path: Path, policy: Any = None, progress: EventSink = ignore,
                choices: EngineChoices = EngineChoices()) -> Any:
-        """The loaded engine, kept while the model and the Advanced choices stay the same (a resume does
-        not reload weights); the plan's policy decides paging, resident experts and the expert batch."""
+        """The loaded engine, kept while the model and the Advanced choices stay the same (a resume does not reload
+        weights); the plan's policy decides paging, resident experts and the expert batch."""
         from core.runtime.engine import Engine
 
         key = (Path(path), choices)
@@ -471,8 +460,7 @@ class Backend:
 
     @staticmethod
     def tracker(model: ModelView, plan: PlanView) -> Any:
-        """core's measured-against-predicted tracker for this plan (the numbers `mlight bench` prints), or
-        None without a prediction."""
+        """core's measured-against-predicted tracker for this plan, or None without a prediction."""
         if plan.prediction is None:
             return None
         from core.plan.tracking import Tracker
@@ -481,7 +469,7 @@ class Backend:
 
     @staticmethod
     def engine_offers(option: str) -> bool:
-        """Whether Engine.load takes `option` (quantization arrives with its own change)."""
+        """Whether Engine.load takes `option`."""
         import inspect
 
         from core.runtime.engine import Engine
@@ -489,8 +477,7 @@ class Backend:
         return option in inspect.signature(Engine.load).parameters
 
     def simulate(self, model: ModelView, machine: MachineView, plan: PlanView, engine: Any) -> Any:
-        """The planner's replay of one decode step of this policy under the schedule the engine runs
-        (core.runtime.simulate.Timeline), to draw beside the measured one; None when it cannot be made."""
+        """The planner's replay of one decode step under the engine's schedule; None when it cannot be made."""
         from core.runtime import simulate
 
         config = getattr(engine, "config", None)
@@ -502,9 +489,8 @@ class Backend:
             return None
 
     def requests(self, engine: Any, prompts: PromptsView) -> tuple[dict, list]:
-        """Engine requests by id, as `mlight run` prepares them (core's `prepare_requests`); prompts the engine
-        cannot take (longer than the context) move to the prompt set's rejects, so that they reach
-        OUT.rejected.jsonl, and come back as the second item (those new to this call)."""
+        """Engine requests by id, as `mlight run` prepares them; prompts the engine cannot take move to the rejects and
+        come back as the second item (those new to this call)."""
         from core.io.runstore import prepare_requests
 
         ps = prompts.prompts
@@ -515,7 +501,7 @@ class Backend:
 
     @staticmethod
     def run_pending(engine: Any, prompts: PromptsView, store: Any, requests: dict, **kwargs) -> bool:
-        """core's run loop: every entry the run file lacks, each result saved as it finishes (`on_result`)."""
+        """core's run loop: every entry the run file lacks, each result saved as it finishes."""
         from core.io.runstore import run_pending
 
         return run_pending(engine, prompts.prompts, store, requests, **kwargs)
@@ -534,7 +520,7 @@ class Backend:
     # ---- export -------------------------------------------------------------------------------
     @staticmethod
     def export(records: list[dict], path: Path) -> str:
-        """Write `records` to `path` (format from the suffix, written atomically); returns the format."""
+        """Write `records` to `path` (format from the suffix, atomically); returns the format."""
         from core.io.results import output_format, write_records
 
         fmt = output_format(path)
@@ -547,8 +533,7 @@ class Backend:
 
 def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None, group_size: int | None = None,
                  dense: str | None = None) -> Any:
-    """The model as the engine will hold it: a compute dtype chosen under Advanced changes its bytes, and so
-    do quantized experts (`quantize`: the format a plan settled on) and dense weights (`dense`)."""
+    """The model as the engine will hold it: the Advanced dtype and quantized experts/dense weights change its bytes."""
     if choices.dtype and choices.dtype != spec.dtype:
         spec = dataclasses.replace(spec, dtype=choices.dtype)
     if quantize and quantize != "none":
@@ -598,8 +583,8 @@ def _rate(hw: Any, name: str) -> str:
 
 
 def _cpu_compute(hw: Any) -> str:
-    """The matmul rates of the dtypes checkpoints compute in, each as measured: bf16 and fp32 part by 10-100x
-    between an AVX2 CPU and one with AMX, and a bf16 checkpoint runs in whichever is fast here."""
+    """The matmul rates of the dtypes checkpoints compute in: bf16 and fp32 part by 10-100x between an AVX2 CPU and
+    one with AMX."""
     rates = [(short, hw.cpu_matmul[name]) for name, short in (("float32", "fp32"), ("bfloat16", "bf16"))
              if hw.cpu_matmul.get(name)]
     if not rates:

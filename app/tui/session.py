@@ -22,9 +22,8 @@ class Options:
 
 
 def results_dir() -> Path:
-    """Where results go unless the user names a file: $MLIGHT_RESULTS_DIR, else the user's documents
-    folder (platformdirs), `mlight/` in it. Not the working folder: started from a source checkout (as
-    the README's quick start does) results would land untracked in the repository."""
+    """Where results go unless the user names a file: $MLIGHT_RESULTS_DIR, else `mlight/` in the user's documents
+    folder; not the working folder, which may be a source checkout."""
     env = os.environ.get("MLIGHT_RESULTS_DIR")
     if env:
         return Path(env).expanduser()

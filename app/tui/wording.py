@@ -1,9 +1,5 @@
-"""core's messages in the app's words.
-
-core speaks to the command line (`--prompts`, `--out`, `Policy.micro_batch_size`); a person in the app
-sees fields labelled "Prompts file", "Results file", "Micro-batch μ". These functions rewrite a
-message for the screen: flags become the field or key that does the same thing, policy field names
-become the labels on the Plan screen, and memory overruns say what "usable" means.
+"""core's messages in the app's words: flags become the field or key that does the same, policy field names the
+Plan screen's labels, and memory overruns say what "usable" means.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """StepScreen: the breadcrumb, footer, back/next keys, status line and worker-error handling that
-every step of the flow shares (harlequin's pattern: workers fail into one handler, never a traceback).
+every step shares (workers fail into one handler, never a traceback).
 """
 
 from __future__ import annotations

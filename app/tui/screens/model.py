@@ -1,8 +1,7 @@
 """Step 2 — Model: the built-in demo model, a local checkpoint folder, or a Hugging Face repo id.
 
-A folder is validated on entry (architecture supported? safetensors present? size?); a repo id is
-downloaded in a worker with a progress bar (bytes and rate) that can be cancelled and resumed later
-(huggingface_hub keeps partial files). Loading the weights happens on the Run step, not here.
+A folder is validated on entry; a repo id is downloaded in a worker, cancellable and resumable later.
+The weights are loaded on the Run step, not here.
 """
 
 from __future__ import annotations

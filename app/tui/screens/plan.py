@@ -1,11 +1,7 @@
 """Step 4 — Plan: memory budgets in, the planner's policy and prediction out, editable with live checks.
 
-Budgets (GPU and CPU GB) re-plan after a short pause in typing; edits to N, μ, placement and the
-resident fractions are validated by core's planner as they are typed, and what does not fit is
-listed with its shortfall in the form's own words. Advanced choices (compute dtype, executor,
-schedule, quantization where the engine offers it) say in one line what each does. Planning and
-validation run in thread workers; a generation counter drops answers to questions since replaced.
-The Check panel and the Accept button sit under the scrolling panels, so they stay on screen at 80×24.
+Budgets re-plan after a pause in typing; policy edits are validated as typed, shortfalls in the form's words.
+Planning and checks run in thread workers; a generation counter drops answers to questions since replaced.
 """
 
 from __future__ import annotations
@@ -354,8 +350,7 @@ class PlanScreen(StepScreen):
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="offers", description="engine offers")
     def learn_offers(self) -> None:
-        """Whether the engine quantizes, asked off the UI thread: the answer imports the engine (torch with it),
-        seconds in which the screen would not draw or take a key."""
+        """Whether the engine quantizes, asked off the UI thread (the answer imports torch)."""
         offered = self.backend.engine_offers("quantize")
         self.app.call_from_thread(self._offers_known, offered)
 

@@ -1,7 +1,5 @@
-"""Step 3 — Prompts: a file typed, dragged onto the terminal, or picked from a tree; then a preview.
-
-Shows the first prompts, the count, length statistics and every bad line with its number (from
-core's reader, which never drops a line silently). Bad lines are skipped by the run, and say so.
+"""Step 3 — Prompts: a file typed, dragged onto the terminal, or picked from a tree; then a preview with the
+count, length statistics and every bad line (which the run skips, and says so).
 """
 
 from __future__ import annotations
