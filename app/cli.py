@@ -13,9 +13,8 @@ import sys
 from core import platform
 from core.errors import MlightError
 
-# sub-command name -> (module under app.commands, its one-line help). A module is imported only when its
-# command is chosen, and imports torch & co. only when it runs: `mlight --help` and `mlight run --help`
-# stay well under a second (tests/test_app_commands.py checks that no heavy module is imported).
+# sub-command -> (module, one-line help). A module is imported only when its command is chosen, and torch only
+# when it runs, so that `mlight --help` and `mlight run --help` stay well under a second.
 COMMANDS = {
     "run": ("app.commands.run", "generate for a prompts file into JSONL or CSV, resumably"),
     "plan": ("app.commands.plan", "choose batch sizes and placement for a model on a machine"),

@@ -115,17 +115,9 @@ def run(args) -> int:
     host = _host(model, hw, policy, prediction, workload) if policy.ffn_on == "gpu" else None
     unused = _gpu_unused(model, hw, workload, budget) if hw.has_gpu and policy.ffn_on == "cpu" else None
     if args.json:
-        out = {"policy": policy.to_dict(), "prediction": prediction.to_dict(), "plan_seconds": seconds}
-        if host is not None:
-            out["host"], out["first_run"] = host["host"], host["first_run"]
-        if unused is not None:
-            out["gpu_unused"] = unused
-        if choice is not None:
-            out["quantize"] = choice.to_dict()
-        if sims is not None:
-            out["simulation"] = sims
-        if scaling is not None:
-            out["scaling"] = scaling
+        out = {"policy": policy.to_dict(), "prediction": prediction.to_dict(), "plan_seconds": seconds, **(host or {})}
+        extra = {"gpu_unused": unused, "quantize": choice and choice.to_dict(), "simulation": sims, "scaling": scaling}
+        out.update((k, v) for k, v in extra.items() if v is not None)
         if policy.ffn_on == "cpu":
             out["history"] = _history(hw, model)
             out["cpu_speed"] = hw.cpu_speed
@@ -282,7 +274,6 @@ def _layer_line(p, pred) -> str:
 
 
 def _host_lines(host: dict | None) -> list[str]:
-    """The host's share of a decode layer next to the link's and the GPU's, and a first run's page-locking."""
     if host is None:
         return []
     h, f = host["host"], host["first_run"]

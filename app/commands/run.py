@@ -224,14 +224,23 @@ def run(args) -> int:
     return _run_single(args)
 
 
-def _run_single(args) -> int:
-    out = Path(args.out)
+def check_files(args, out: Path, no_stdin: tuple[str, str] | None = None, micro: bool = True) -> str:
+    """Refuse, before anything loads, an output of unknown format, stdin where `no_stdin` says why it cannot be
+    read, an output that is the prompts file, and a micro-batch larger than the batch. Returns the format."""
     fmt = output_format(out)
-    if args.micro_batch and args.batch and args.micro_batch > args.batch:
+    if no_stdin and args.prompts == STDIN:
+        raise UsageError(*no_stdin)
+    if micro and args.micro_batch and args.batch and args.micro_batch > args.batch:
         raise UsageError(f"--micro-batch {args.micro_batch} is larger than --batch {args.batch}",
                          "use a micro-batch no larger than the batch")
     if args.prompts != STDIN and _same_file(Path(args.prompts), out):
         raise UsageError(f"--out {out} is the prompts file itself", "write the results to another file")
+    return fmt
+
+
+def _run_single(args) -> int:
+    out = Path(args.out)
+    fmt = check_files(args, out)
 
     def generate(store, prompts, model_dir, model_name, progress, stopper) -> int:
         _say_other_parts(out, 1)
@@ -317,14 +326,13 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
             _plan_cpu_batch(args, prompts, model_dir)
         args.batch = args.batch or BATCH
         return
-    from core.plan import planner
     from core.model.families import load_spec
+    from core.plan import planner
     from core.plan.hardware import resolve
-
-    workload = _workload(args, prompts)
-    hw = resolve("local")
     from core.plan.quantize import choose
 
+    workload = planner.Workload(**workload_estimate(args, prompts.entries))
+    hw = resolve("local")
     ranks = getattr(args, "tensor_parallel", 1)  # one engine over this many GPUs (ranks), each given --gpu-mem
     budget = planner.Budget.for_hardware(hw, args.gpu_mem * max(1, hw.gpu_count) if args.gpu_mem is not None else None,
                                          args.cpu_mem)
@@ -344,10 +352,9 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
         if args.gpu_mem is None and args.cpu_mem is None:  # the format only: batch sizes as without a budget
             args.batch = args.batch or BATCH
             return
-    policy = choice.policy
-    args.policy = policy  # Engine.load takes paging, resident experts and placement from it
-    args.batch = args.batch or policy.batch_size
-    args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
+    args.policy = choice.policy  # Engine.load takes paging, resident experts and placement from it
+    args.batch = args.batch or choice.policy.batch_size
+    args.micro_batch = args.micro_batch or min(choice.policy.micro_batch_size, args.batch)
 
 
 def _has_cuda() -> bool:
@@ -361,7 +368,7 @@ def _plan_cpu_batch(args, prompts: PromptSet, model_dir: Path) -> None:
     from core.model.families import load_spec
     from core.plan.hardware import resolve
 
-    workload = _workload(args, prompts)
+    workload = planner.Workload(**workload_estimate(args, prompts.entries))
     try:  # best effort: a model the planner cannot read (a GGUF file) or cannot fit runs at the default batch
         spec = load_spec(model_dir)
         hw = resolve("local")
@@ -377,15 +384,14 @@ def _plan_cpu_batch(args, prompts: PromptSet, model_dir: Path) -> None:
         _say(f"planned batch {args.batch}: predicted {pred.quote()} ({words})")
 
 
-def _workload(args, prompts: PromptSet):
-    from core.plan import planner
-
-    # prompt lengths before the tokenizer is loaded: ~3 bytes a token, on the safe (long) side; a later
-    # turn also holds the answers to the turns before it, at most `gen` tokens each
-    gen = max([e.max_new_tokens or args.max_new_tokens for e in prompts.entries] or [args.max_new_tokens])
+def workload_estimate(args, entries) -> dict:
+    """The planner's Workload fields before the tokenizer is loaded: ~3 bytes a token, on the safe (long) side;
+    a later turn also holds the answers to the turns before it, at most `gen` tokens each."""
+    gen = max([e.max_new_tokens or args.max_new_tokens for e in entries] or [args.max_new_tokens])
     lens = [max(1, len((e.prompt or "".join(m["content"] for m in e.messages or ())).encode()) // 3 + 1)
-            + gen * len(e.earlier) for e in prompts.entries]
-    return planner.Workload(max(1, sum(lens) // max(1, len(lens))), gen, max(lens + [1]), len(prompts.entries))
+            + gen * len(e.earlier) for e in entries]
+    return {"prompt_len": max(1, sum(lens) // max(1, len(lens))), "gen_len": gen, "max_prompt_len": max(lens + [1]),
+            "num_requests": len(entries)}
 
 
 def sampling(args) -> dict:

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 from app.commands.run import (_Counter, _ProgressLine, _Stopper, _load_engine, _manifest, _plan_batches, _read,
-                              _refuse_rejects, _same_file, _say, _say_other_parts, refuse_turns, resuming_line, sampling)
+                              _refuse_rejects, _say, _say_other_parts, check_files, refuse_turns, resuming_line,
+                              sampling)
 from core.errors import MlightError, UsageError
-from core.io.prompts import STDIN, PromptSet
+from core.io.prompts import PromptSet
 from core.io.results import output_format
 from core.io.runstore import RunStore, final_records, prepare_requests, run_pending
 from core.io.shards import merge, part_name, shard_entries
@@ -89,14 +90,8 @@ class _Rank:
 
     def _inputs(self):
         args, w = self.args, self.world
-        output_format(self.out)
-        if args.prompts == STDIN:
-            raise UsageError("several ranks cannot share stdin", "give the prompts as a file every rank can read")
-        if _same_file(Path(args.prompts), self.out):
-            raise UsageError(f"--out {self.out} is the prompts file itself", "write the results to another file")
-        if args.micro_batch and args.batch and args.micro_batch > args.batch:
-            raise UsageError(f"--micro-batch {args.micro_batch} is larger than --batch {args.batch}",
-                             "use a micro-batch no larger than the batch")
+        check_files(args, self.out, ("several ranks cannot share stdin",
+                                     "give the prompts as a file every rank can read"))
         import torch
 
         # the ranks of a node share its cores; torch would give each of them all of them
@@ -185,8 +180,8 @@ class _Rank:
         except KeyboardInterrupt:
             status = "stopped"
         except MlightError as e:
-            # the group's other ranks may wait in a collective for this one: leave, so that they see it
-            # (unless every rank of the group agreed on this error: then the run ends as for any other)
+            # the group's other ranks may wait in a collective for this one: leave, so that they see it,
+            # unless every rank of the group agreed on this error
             if w.tp > 1 and not getattr(e, "agreed", False):
                 raise
             status, error = "error", str(e)

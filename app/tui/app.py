@@ -37,14 +37,12 @@ class MlightApp(App):
             backend.set_max_new_tokens(options.max_new_tokens)
 
     def on_mount(self) -> None:
-        # The machine comes first on every path: the Machine screen probes it, and only once the session
-        # holds it does a command line's later steps open (`machine_known`), so that Model's "Fits?" and
-        # Plan's CPU-or-GPU panels read the same machine whichever way they were reached.
+        # The machine comes first on every path: a command line's later steps open once the session holds it
+        # (`machine_known`), so that every screen reads the same machine whichever way it was reached.
         self._opening: tuple[str, dict[str, str]] | None = None
         opts = self.session.options
         if opts.model and opts.prompts:
-            # straight to Plan, or to the first step the command line got wrong; the steps before stay
-            # on the stack so Esc walks back through them
+            # to Plan, or the first step the command line got wrong; the steps before stay for Esc
             problems = self.backend.check_options(opts.model, opts.prompts)
             stop = next((step for step in ("Model", "Prompts") if step in problems), "Plan")
             self._opening = (stop, problems)

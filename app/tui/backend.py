@@ -27,10 +27,6 @@ class DownloadCancelled(MlightError):
     """Raised from the download's progress callback when the user cancels."""
 
 
-# ---------------------------------------------------------------------------------------------
-# view-models
-
-
 @dataclass(frozen=True)
 class MachineView:
     hardware: Any  # core.plan.hardware.HardwareSpec, what the planner is given
@@ -78,7 +74,6 @@ class PromptsView:
 
     @property
     def budget_tokens(self) -> int:
-        """Sum of max_new_tokens over the valid entries."""
         return sum(e.max_new_tokens or self.default_max_new for e in self.prompts.entries)
 
 
@@ -128,9 +123,6 @@ class PlanView:
             return f"{w.prompt_len} prompt tokens on average (longest {w.longest_prompt}), {w.gen_len} new tokens each"
         return (f"≈{w.prompt_len} prompt tokens (longest ≈{w.longest_prompt}; estimated from characters), "
                 f"{w.gen_len} new tokens each")
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 class Backend:
@@ -234,7 +226,6 @@ class Backend:
     # ---- prompts ------------------------------------------------------------------------------
     @staticmethod
     def demo_prompts_path() -> Path:
-        """The 16 MT-Bench questions bundled as a prompts file."""
         from core.assets import DEMO_PROMPTS
 
         return DEMO_PROMPTS
@@ -258,7 +249,6 @@ class Backend:
         return PromptsView(Path(path), ps, preview, stats, self.max_new_tokens)
 
     def set_max_new_tokens(self, n: int) -> None:
-        """The max new tokens for prompts that do not set their own (`--max-new-tokens`, Plan's field)."""
         if n < 1:
             raise ValueError("max new tokens must be at least 1")
         self.max_new_tokens = n
@@ -284,8 +274,7 @@ class Backend:
             out = {}
             for e in prompts.prompts.entries:
                 if e.messages is not None:
-                    # a later turn of a multi-turn question (core.io.turns) is counted with empty answers to the
-                    # turns before it, as `prepare_requests` checks it: its shortest conversation
+                    # a later turn counts with empty earlier answers, its shortest conversation (`prepare_requests`)
                     earlier = getattr(e, "earlier", ())
                     messages = (e.request_kwargs({}, answers=("",) * len(earlier))["messages"] if earlier
                                 else [dict(m) for m in e.messages])
@@ -383,7 +372,6 @@ class Backend:
 
     @staticmethod
     def usable_shares() -> tuple[float, float]:
-        """The shares of the GPU and CPU budgets a plan may fill."""
         from core.plan.planner import CPU_USABLE, GPU_USABLE
 
         return GPU_USABLE, CPU_USABLE
@@ -469,7 +457,6 @@ class Backend:
 
     @staticmethod
     def engine_offers(option: str) -> bool:
-        """Whether Engine.load takes `option`."""
         import inspect
 
         from core.runtime.engine import Engine
@@ -501,7 +488,6 @@ class Backend:
 
     @staticmethod
     def run_pending(engine: Any, prompts: PromptsView, store: Any, requests: dict, **kwargs) -> bool:
-        """core's run loop: every entry the run file lacks, each result saved as it finishes."""
         from core.io.runstore import run_pending
 
         return run_pending(engine, prompts.prompts, store, requests, **kwargs)
@@ -520,15 +506,11 @@ class Backend:
     # ---- export -------------------------------------------------------------------------------
     @staticmethod
     def export(records: list[dict], path: Path) -> str:
-        """Write `records` to `path` (format from the suffix, atomically); returns the format."""
         from core.io.results import output_format, write_records
 
         fmt = output_format(path)
         write_records(Path(path), records, fmt)
         return fmt
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None, group_size: int | None = None,
@@ -593,7 +575,6 @@ def _cpu_compute(hw: Any) -> str:
 
 
 def machine_view(hw: Any) -> MachineView:
-    """Rows for the Machine screen from a core.plan.hardware.HardwareSpec."""
     cpu_avail = hw.cpu_mem_available_bytes if hw.cpu_mem_available_bytes is not None else hw.cpu_mem_bytes
     cpu_rows = [
         ("RAM", f"{_size(cpu_avail)} available of {_size(hw.cpu_mem_bytes)}"),

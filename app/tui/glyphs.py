@@ -14,15 +14,10 @@ import unicodedata
 
 # name -> (the sign, its ASCII stand-in)
 SIGNS = {
-    "ok": ("✓", "OK"),
-    "bad": ("✗", "X"),
-    "warn": ("⚠", "!"),
-    "enter": ("⏎", "Enter"),
-    "backspace": ("⌫", "Backspace"),
+    "ok": ("✓", "OK"), "bad": ("✗", "X"), "warn": ("⚠", "!"), "enter": ("⏎", "Enter"),
+    "backspace": ("⌫", "Backspace"), "crumb": ("›", ">"), "swatch": ("■", "#"),
     "newline": ("⏎", "|"),  # a line break inside a one-line excerpt
     "control": ("�", "?"),  # a control character in a model's output (the terminal would act on it)
-    "crumb": ("›", ">"),
-    "swatch": ("■", "#"),
 }
 
 
@@ -67,7 +62,6 @@ codecs.register_error("mlight-ascii", _ascii_lookalike)
 
 
 def can_show(encoding: str | None) -> bool:
-    """Whether an output stream in `encoding` can carry every sign."""
     try:
         "".join(fancy for fancy, _ in SIGNS.values()).encode(encoding or "ascii")
     except (UnicodeEncodeError, LookupError):

@@ -59,8 +59,7 @@ class RunSnapshot:
     comparison: Any = None  # core.plan.tracking.Comparison: measured against the plan, as `mlight bench` says it
     engine_seconds: float = 0.0  # time the engine spent in steps (the chart's x axis)
     stepped: bool = False  # a step has ended in this session (before it, the first batch is being prefilled)
-    # the median decode step of the window (full-batch steps when there are any, as decode_tps) and how many
-    # steps it is of: one step is a snapshot of a machine that moves; this is what to set beside the simulation
+    # the median comparable decode step of the window and how many steps it is of, to set beside the simulation
     typical_step_s: float = 0.0
     typical_steps: int = 0
 
@@ -89,8 +88,8 @@ class RunMeter:
         self.prompt_tokens_left = 0  # prompt tokens not yet prefilled (the run job counts them with the tokenizer)
         self._prefill = [0, 0.0]  # prompt tokens, seconds: this session's prefill steps
         self._saves = [0, 0.0]  # results, seconds: this session's saves of a result (a line and an fsync each)
-        # The requests as the engine holds them, for the ETA: those not yet admitted (id, prompt tokens, max new),
-        # in its order (longest prompt first), and the admitted ones (id -> max new, decode steps when admitted)
+        # for the ETA: requests not yet admitted (id, prompt tokens, max new), longest prompt first, and the
+        # admitted ones (id -> max new, decode steps when admitted)
         self._waiting: deque[tuple[str, int, int]] = deque()
         self._admitted: dict[str, tuple[int, int]] = {}
         self._slots = 0
@@ -133,7 +132,6 @@ class RunMeter:
         return self._paused_total + (now - self._paused_at if self._paused_at is not None else 0.0)
 
     def _running(self, now: float) -> float:
-        """Seconds of this session spent not paused."""
         return now - self._start - self._paused(now)
 
     def on_event(self, ev) -> None:
@@ -194,7 +192,6 @@ class RunMeter:
         return full or decode, bool(full)
 
     def _decode_rate(self) -> tuple[float, bool]:
-        """Decode tokens/s over the window's comparable steps; and whether they were full-batch."""
         use, full = self._comparable()
         secs = sum(s[1] for s in use)
         return (sum(s[2] for s in use) / secs if secs > 0 else 0.0), full

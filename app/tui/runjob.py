@@ -137,8 +137,7 @@ class RunJob:
                 self._post_update()
 
             sums = RunSums(forward=self._sink)  # the run's own figures, for this machine's history at its end
-            # core's run loop, as `mlight run`'s: it saves each result, and runs a multi-turn file's later turns
-            # in waves with the model's own earlier answers
+            # core's run loop, as `mlight run`'s: it saves each result and runs later turns in waves
             b.run_pending(engine, self.prompts, _TimedSaves(store, b.clock, self.meter.result_saved), requests,
                           batch_size=self.plan.policy.batch_size,
                           micro_batch_size=self.plan.policy.micro_batch_size, on_event=sums,
@@ -179,7 +178,6 @@ class RunJob:
         return state
 
     def ordered_records(self) -> list[dict]:
-        """Finished records in the prompts file's order."""
         order = {e.id: i for i, e in enumerate(self.prompts.prompts.entries)}
         return sorted(self.records.values(), key=lambda r: order.get(str(r["id"]), len(order)))
 

@@ -53,7 +53,6 @@ class Session:
         return results_dir() / name
 
     def chosen_out(self) -> Path:
-        """The results file to show: the one the user typed, else the default for the current prompts."""
         if self.out_path is not None and not self.out_auto:
             return self.out_path
         return self.default_out()

@@ -138,9 +138,6 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
     return Path(cfg_path).parent
 
 
-# ---------------------------------------------------------------------------------------------
-
-
 def _gguf_repo(sizes: dict[str, int]) -> bool:
     """A repo of GGUF files (llama.cpp's format) rather than a transformers checkpoint."""
     top = [f for f in sizes if "/" not in f]
@@ -228,7 +225,6 @@ def _fetch(repo_id: str, revision: str, kw: dict, filename: str, tracker: _Track
 
 
 def _fetch_all(repo_id: str, files: list[str], total: int, fetch, progress: EventSink) -> list[str]:
-    """Fetch `files` in order, their bytes summed in one progress line; their local paths."""
     tracker = _Tracker(f"downloading {repo_id}", total, progress)
     tracker.emit(force=True)
     paths = []
@@ -248,7 +244,6 @@ def _cached(repo_id: str, filename: str, revision: str, kw: dict) -> bool:
 
 def _from_cache(repo_id: str, revision: str | None, kw: dict, why: str, cause: Exception | None = None,
                 gguf: str | None = None) -> Path:
-    """The snapshot already in the cache, when the Hub is off limits."""
     from huggingface_hub import snapshot_download
 
     try:

@@ -106,10 +106,6 @@ class _Bad(Exception):
     """A reason a single record is rejected."""
 
 
-# ---------------------------------------------------------------------------------------------
-# entry points
-
-
 def read_prompts(source: str | Path, *, data: bytes | None = None, fmt: str | None = None) -> PromptSet:
     """Read and validate a prompts file. `data` gives the bytes directly (stdin: source "-")."""
     if data is None and str(source) == DEMO and not Path(source).exists():
@@ -123,7 +119,7 @@ def read_prompts(source: str | Path, *, data: bytes | None = None, fmt: str | No
     text = decode_text(data, name)
     out = PromptSet(source=name, format=fmt, sha256=hashlib.sha256(data).hexdigest())
     if fmt == "txt":
-        _read_txt(text, out)
+        out.entries.extend(PromptEntry(id=str(n), line=n, prompt=line) for n, line in _lines(text, out))
     elif fmt == "jsonl":
         _read_jsonl(text, out)
     else:
@@ -185,10 +181,6 @@ def reject_orphan_turns(prompts: PromptSet, reason: str = "set aside") -> None:
     prompts.rejects.sort(key=lambda r: r.line)
 
 
-# ---------------------------------------------------------------------------------------------
-# whole-file checks
-
-
 def _read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
@@ -212,15 +204,6 @@ def _guess_format(source: str | Path, data: bytes) -> str:
     # stdin or an unknown suffix: JSON lines start with "{", anything else is one prompt a line
     head = data.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
     return "jsonl" if head == b"{" else "txt"
-
-
-# ---------------------------------------------------------------------------------------------
-# readers
-
-
-def _read_txt(text: str, out: PromptSet) -> None:
-    for n, line in _lines(text, out):
-        out.entries.append(PromptEntry(id=str(n), line=n, prompt=line))
 
 
 def _lines(text: str, out: PromptSet) -> Iterable[tuple[int, str]]:
@@ -360,10 +343,6 @@ def _table_entry(rec: dict[str, str], n: int) -> PromptEntry:
     prompt = rec.get("prompt", "")
     return PromptEntry(id=_id(rec.get("id") or None, n), line=n, prompt=_check_prompt(prompt),
                        **_fields(obj, max_tokens_key="max_new_tokens"))
-
-
-# ---------------------------------------------------------------------------------------------
-# field validation (raises _Bad with the reason the user sees)
 
 
 def _prompt_or_messages(prompt: Any, messages: Any) -> tuple[str | None, tuple[dict, ...] | None]:

@@ -125,7 +125,6 @@ class RunStore:
 
     @property
     def ledger_path(self) -> Path:
-        """The ledger entry of the finished run that wrote OUT."""
         from core.plan.hardware import cache_dir
 
         key = hashlib.sha256(str(self.out.resolve()).encode("utf-8", "surrogatepass")).hexdigest()[:32]
@@ -207,7 +206,8 @@ class RunStore:
             raise UsageError(f"{self.out} already exists", "pass --restart to replace it, or choose another --out")
         self._forget_finished()  # the ledger entry describes an output this run replaces
         self.done = {}
-        self._create(manifest)
+        atomic_write(self.run_path, lambda f: f.write(jsonl_line(manifest)))
+        self._open_append()
 
     def _finished_as(self, manifest: dict) -> dict | None:
         """OUT's manifest file when it says OUT is this job's untouched output, else None."""
@@ -233,10 +233,6 @@ class RunStore:
                 f.flush()
                 os.fsync(f.fileno())
         return parse_run_file(data)
-
-    def _create(self, manifest: dict) -> None:
-        atomic_write(self.run_path, lambda f: f.write(jsonl_line(manifest)))
-        self._open_append()
 
     def _open_append(self) -> None:
         try:
@@ -265,7 +261,6 @@ class RunStore:
         self.done[str(record["id"])] = record
 
     def finish(self, records: Iterable[dict], rejects: Iterable[dict] = (), fmt: str | None = None) -> None:
-        """Write the output (and the rejects file) atomically, then drop the run file."""
         self.close()
         rejects = list(rejects)
         try:
@@ -339,10 +334,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-# ---------------------------------------------------------------------------------------------
-# the shared run loop
-
-
 def prepare_requests(engine, prompts: PromptSet, defaults: dict[str, Any]) -> dict[str, Any]:
     """Engine Requests by id; entries the engine cannot take move to `prompts.rejects`. A later turn gets
     empty answers here (its shortest conversation); `run_pending` puts the real ones in."""
@@ -386,7 +377,6 @@ def final_records(prompts: PromptSet, done: dict[str, dict], model_name: str) ->
 
 
 def finish_run(store: RunStore, prompts: PromptSet, model_name: str, fmt: str | None = None) -> list[dict]:
-    """Write the output and the rejects file atomically, drop the run file; return the records."""
     records = final_records(prompts, store.done, model_name)
     store.finish(records, [r.to_dict() for r in prompts.rejects], fmt)
     return records

@@ -1,8 +1,7 @@
 """Benchmark workloads: MT-Bench-like prompt mixes built from the bundled MT-Bench questions.
 
-The paper's MTBench workload has prompts averaging ≈ 77 tokens with a long tail to ≈ 418. We draw
-lengths from a log-normal clipped to that range (re-centred so the mean holds) and make each
-prompt from MT-Bench first turns concatenated until it reaches its length in the model's tokens.
+Lengths are drawn log-normal, clipped to the paper's range (mean ≈ 77 tokens, tail to ≈ 418) and re-centred;
+each prompt is MT-Bench first turns concatenated to its length in the model's tokens.
 """
 
 from __future__ import annotations

@@ -70,21 +70,16 @@ class HelpScreen(ModalScreen[None]):
         self.query_one("#help-text").focus()  # so that the arrows, PgDn and End scroll it
 
     def _steps(self, current: str) -> Table:
-        table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column(no_wrap=True, min_width=11)
-        table.add_column(ratio=1)
-        for i, name in enumerate(STEPS):
-            table.add_row(Text(f"{i + 1} {name}", style="bold reverse" if name == current else "bold"),
-                          STEP_LINES[name])
-        return table
+        return self._table([(Text(f"{i + 1} {name}", style="reverse" if name == current else ""), STEP_LINES[name])
+                            for i, name in enumerate(STEPS)], min_width=11)
 
     @staticmethod
-    def _table(keys: list[tuple[str, str]]) -> Table:
+    def _table(rows: list[tuple], min_width: int = 12) -> Table:
         table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column(style="bold", no_wrap=True, min_width=12)
+        table.add_column(style="bold", no_wrap=True, min_width=min_width)
         table.add_column(ratio=1)
-        for key, what in keys:
-            table.add_row(key, what)
+        for row in rows:
+            table.add_row(*row)
         return table
 
     def _screen_keys(self) -> list[tuple[str, str]]:

@@ -154,7 +154,7 @@ class ExportScreen(ModalScreen[str | None]):
             yield Static("", id="export-note", classes="muted")
             with Horizontal(classes="actions"):
                 yield Button(f"Write  {glyph.enter}", compact=True, id="write", variant="primary")
-                yield Button("Cancel", compact=True, id="cancel")
+                yield Button("Cancel", compact=True, id="cancel", action="screen.dismiss(None)")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -177,7 +177,3 @@ class ExportScreen(ModalScreen[str | None]):
             self.query_one("#export-note", Static).update(Text(self.app.describe_error(e), style=self.app.tone("error")))
             return
         self.dismiss(f"Wrote {len(self.records)} results as {kind.upper()} to {path}")
-
-    @on(Button.Pressed, "#cancel")
-    def cancel(self) -> None:
-        self.dismiss(None)

@@ -164,17 +164,9 @@ class RunScreen(StepScreen):
         """The footer lists only the keys that do something now (and so has room for ^q and ?)."""
         state = self.job.state if self.job is not None else ""
         going = state in ("loading", "running", "paused", "stopping")
-        if action == "pause":
-            return going and state != "paused"
-        if action == "unpause":
-            return state == "paused"
-        if action == "stop":
-            return going
-        if action == "resume_run":
-            return state in ("stopped", "failed")
-        if action == "back":
-            return not going
-        return super().check_action(action, parameters)
+        now = {"pause": going and state != "paused", "unpause": state == "paused", "stop": going,
+               "resume_run": state in ("stopped", "failed"), "back": not going}
+        return now[action] if action in now else super().check_action(action, parameters)
 
     def action_pause(self) -> None:
         if self.job is None:

@@ -44,7 +44,6 @@ class Span(NamedTuple):
 
 
 def spans_of_simulation(timeline) -> list[Span]:
-    """A core.runtime.simulate.Timeline as spans."""
     return [Span(s.task.resource, s.task.kind, s.task.layer, s.start, s.end) for s in timeline.spans]
 
 
@@ -86,8 +85,6 @@ def legend(kinds: Iterable[str], width: int = 0) -> Text:
 
 
 class Legend(Static):
-    """The timeline's legend, packed into the width it is given."""
-
     def show(self, kinds: Iterable[str]) -> None:
         self._kinds = list(dict.fromkeys(kinds))
         self.refresh(layout=True)
