@@ -7,14 +7,12 @@ preset. `--calibrate` first fits and caches this machine's CPU cost model, which
 from __future__ import annotations
 
 import json
+import sys
 import time
-from typing import TYPE_CHECKING
 
+from core import platform
 from core.plan.policy import SCHEDULES  # torch-free: `mlight bench --help` loads no torch
 from core.telemetry import RESOURCES
-
-if TYPE_CHECKING:  # imported where it runs: `mlight bench --help` must not load torch
-    from core.runtime.engine import Engine
 
 
 def add_parser(sub):
@@ -94,16 +92,12 @@ def run(args) -> int:
 
 
 def _load() -> str:
-    from core import platform
-
     load = platform.load_average()
     return " ".join(f"{x:.2f}" for x in load) if load else "n/a"
 
 
 def _calibrate(model, args) -> dict:
     """Fit the CPU cost model with a CPU-only engine of `model`; cache it for this machine."""
-    import sys
-
     from core.plan import cpu_cost, cpu_history
     from core.plan.hardware import detect
     from core.runtime.calibrate import calibrate

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -251,8 +252,6 @@ def _format_lines(model, choice, asked: str) -> list[str]:
 
 def _short(reason: str) -> str:
     """'CPU memory: needs 89.16 GB but 51.20 GB is usable' out of a BudgetError's full text."""
-    import re
-
     m = re.search(r"(\w+ memory): needs ([\d.]+ GB).*?but ([\d.]+ GB) is usable", reason)
     return f"{m.group(1)} needs {m.group(2)}, {m.group(3)} usable" if m else reason
 

@@ -17,9 +17,11 @@ from pathlib import Path
 
 from core import platform
 from core.errors import BudgetError, MlightError, UsageError
+from core.io.download import resolve_model
 from core.io.prompts import FORMATS, STDIN, PromptSet, bad_lines_error, read_prompts, reject_lines
 from core.io.results import output_format
 from core.io.runstore import RunStore, finish_run, manifest, prepare_requests, run_pending
+from core.io.shards import other_parts
 from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
 from core.plan.policy import SCHEDULES
 from core.telemetry import Progress, WarningEvent
@@ -253,8 +255,6 @@ def with_run(args, out: Path, plan, generate) -> int:
     """The run file's life around one job (`mlight run`, `--ray`): lock, prompts, model, `plan`, start or resume,
     then `generate` unless the same job already finished. A failure drops a run file that holds no result yet;
     the lock and the signal handlers are always given back."""
-    from core.io.download import resolve_model
-
     stopper = _Stopper().install()
     store = RunStore(out)
     try:
@@ -280,8 +280,6 @@ def with_run(args, out: Path, plan, generate) -> int:
 
 
 def _say_other_parts(out: Path, replicas: int) -> None:
-    from core.io.shards import other_parts
-
     for p in other_parts(out, replicas):
         _say(f"note: {p.name} holds results of a run with another number of replicas; they are not reused "
              "(rerun with that many ranks to resume it)")

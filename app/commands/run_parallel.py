@@ -18,6 +18,7 @@ from app.commands.run import (_Counter, _ProgressLine, _Stopper, _load_engine, _
                               _refuse_rejects, _say, _say_other_parts, check_files, refuse_turns, resuming_line,
                               sampling)
 from core.errors import MlightError, UsageError
+from core.io.download import resolve_model
 from core.io.prompts import PromptSet
 from core.io.results import output_format
 from core.io.runstore import RunStore, final_records, prepare_requests, run_pending
@@ -101,8 +102,6 @@ class _Rank:
         prompts = _read(args)
         _refuse_rejects(prompts, args.skip_bad, self.out)
         refuse_turns(prompts, "torchrun or --tensor-parallel")
-        from core.io.download import resolve_model
-
         progress = _ProgressLine() if w.local_rank == 0 else (lambda ev: None)
         model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
         args.replicas_here = w.local_size // w.tp

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.tui import wording
+from core.assets import DEMO_PROMPTS
+from core.io import download, results, runstore
+from core.io import prompts as prompt_files
 from core.errors import MlightError, ModelError
 from core.telemetry import EventSink, Progress, ignore
 
@@ -165,8 +168,6 @@ class Backend:
     def open_model(self, text: str | None, machine: MachineView | None, progress: EventSink = ignore,
                    should_stop: Callable[[], bool] = lambda: False) -> ModelView:
         """'demo' (or nothing), a checkpoint folder, or a repo id (downloaded into the hub cache)."""
-        from core.io.download import resolve_model
-
         is_demo = text is None or text.strip().lower() in ("", "demo", ":demo")
 
         def sink(ev) -> None:
@@ -176,7 +177,7 @@ class Backend:
             progress(ev)
 
         def resolve() -> tuple[Path, str]:
-            return resolve_model(None if is_demo else text.strip(), progress=sink)
+            return download.resolve_model(None if is_demo else text.strip(), progress=sink)
 
         path, name = self._once(("model", "demo" if is_demo else text.strip()), resolve)
         source = "demo" if is_demo else ("folder" if Path(text).expanduser().exists() else "hub")
@@ -202,13 +203,11 @@ class Backend:
     @staticmethod
     def classify_model_text(text: str) -> str:
         """'demo', 'folder' (exists here), 'repo' (owner/name), or 'missing'."""
-        from core.io.download import looks_like_repo_id
-
         if text.strip().lower() in ("", "demo", ":demo"):
             return "demo"
         if Path(text).expanduser().exists():
             return "folder"
-        return "repo" if looks_like_repo_id(text) else "missing"
+        return "repo" if download.looks_like_repo_id(text) else "missing"
 
     def check_options(self, model: str, prompts: str) -> dict[str, str]:
         """What is plainly wrong with `--model M --prompts F`, without loading anything: step name -> the problem."""
@@ -226,22 +225,16 @@ class Backend:
     # ---- prompts ------------------------------------------------------------------------------
     @staticmethod
     def demo_prompts_path() -> Path:
-        from core.assets import DEMO_PROMPTS
-
         return DEMO_PROMPTS
 
     def prompts_path(self, text: str | Path) -> Path:
         """A prompts file as typed: 'demo' is the bundled demo prompts unless a file of that name is here."""
-        from core.io.prompts import DEMO
-
         path = Path(text).expanduser()
-        return self.demo_prompts_path() if str(text) == DEMO and not path.exists() else path
+        return self.demo_prompts_path() if str(text) == prompt_files.DEMO and not path.exists() else path
 
     def read_prompts(self, path: Path) -> PromptsView:
-        from core.io.prompts import read_prompts
-
         path = self.prompts_path(path)
-        ps = read_prompts(path)
+        ps = prompt_files.read_prompts(path)
         texts = [_entry_text(e) for e in ps.entries]
         lengths = [len(t) for t in texts]
         stats = (min(lengths), sum(lengths) / len(lengths), max(lengths)) if lengths else (0, 0.0, 0)
@@ -294,14 +287,12 @@ class Backend:
     def set_aside_too_long(self, model: ModelView, prompts: PromptsView) -> int:
         """Move the prompts too long for the model's context to the bad lines now, as the run would, so that Plan plans
         for the prompts that run. Returns how many moved."""
-        from core.io.prompts import reject_too_long
-
         counted = self.prompt_lengths(model, prompts)
         if counted is None:
             return 0
         lengths = dict(zip((e.id for e in prompts.prompts.entries), counted))
         before = len(prompts.prompts.rejects)
-        reject_too_long(prompts.prompts, lambda e: lengths[e.id], model.spec.max_position)
+        prompt_files.reject_too_long(prompts.prompts, lambda e: lengths[e.id], model.spec.max_position)
         return len(prompts.prompts.rejects) - before
 
     def workload(self, prompts: PromptsView, model: ModelView | None = None) -> Any:
@@ -379,23 +370,18 @@ class Backend:
     # ---- run ----------------------------------------------------------------------------------
     def check_output(self, out: Path) -> None:
         """Refuse, before any loading, an output that cannot be written or whose format is unknown."""
-        from core.io.results import output_format
-        from core.io.runstore import RunStore
-
-        output_format(out)
-        RunStore(out).check_writable()
+        results.output_format(out)
+        runstore.RunStore(out).check_writable()
 
     @staticmethod
     def resume_info(out: Path) -> str:
         """A line about what a run on `out` will find there, or ''."""
         if not out.name:  # an empty field (Path('') is '.')
             return "Type the results file's name: .jsonl or .csv"
-        from core.io.runstore import RunStore, parse_run_file
-
-        run = RunStore(out).run_path
+        run = runstore.RunStore(out).run_path
         if run.is_file():
             try:
-                n = len(parse_run_file(run.read_bytes())[1])  # what a resume keeps
+                n = len(runstore.parse_run_file(run.read_bytes())[1])  # what a resume keeps
             except OSError:
                 return ""
             return f"{run.name} holds {n} finished results of an unfinished run: kept, and the rest run"
@@ -404,9 +390,7 @@ class Backend:
     def manifest(self, model: ModelView, prompts: PromptsView, plan: PlanView,
                  choices: EngineChoices = EngineChoices()) -> dict:
         """The same identity `mlight run` writes, so either can resume the other's unfinished run."""
-        from core.io.runstore import manifest
-
-        return manifest(model.path, model.name, prompts.prompts,
+        return runstore.manifest(model.path, model.name, prompts.prompts,
                         {"max_new_tokens": self.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
                          "seed": None, "revision": None},
                         {"batch": plan.policy.batch_size, "micro_batch": plan.policy.micro_batch_size,
@@ -417,9 +401,7 @@ class Backend:
     def open_store(self, out: Path, model: ModelView, prompts: PromptsView, plan: PlanView, restart: bool = False,
                    choices: EngineChoices = EngineChoices()):
         """The run store on `out`, locked, resumed when it holds an unfinished run of the same job."""
-        from core.io.runstore import RunStore
-
-        store = RunStore(out)
+        store = runstore.RunStore(out)
         store.acquire()
         try:
             store.start(self.manifest(model, prompts, plan, choices), restart=restart)
@@ -478,38 +460,30 @@ class Backend:
     def requests(self, engine: Any, prompts: PromptsView) -> tuple[dict, list]:
         """Engine requests by id, as `mlight run` prepares them; prompts the engine cannot take move to the rejects and
         come back as the second item (those new to this call)."""
-        from core.io.runstore import prepare_requests
-
         ps = prompts.prompts
         before = len(ps.rejects)
-        requests = prepare_requests(engine, ps, {"max_new_tokens": self.max_new_tokens})
+        requests = runstore.prepare_requests(engine, ps, {"max_new_tokens": self.max_new_tokens})
         known = {(r.line, r.reason, r.id) for r in ps.rejects[:before]}
         return requests, [r for r in ps.rejects if (r.line, r.reason, r.id) not in known]
 
     @staticmethod
     def run_pending(engine: Any, prompts: PromptsView, store: Any, requests: dict, **kwargs) -> bool:
-        from core.io.runstore import run_pending
-
-        return run_pending(engine, prompts.prompts, store, requests, **kwargs)
+        return runstore.run_pending(engine, prompts.prompts, store, requests, **kwargs)
 
     def finish(self, store: Any, records: list[dict], prompts: PromptsView, model: ModelView) -> None:
         """Write the final output (and the rejects) atomically; the run file goes away."""
-        from core.io.results import openai_batch_record
-
         ps = prompts.prompts
         if ps.is_openai_batch:
             entries = {e.id: e for e in ps.entries}
-            records = [openai_batch_record(r, entries[r["id"]].custom_id, entries[r["id"]].endpoint, model.name)
+            records = [results.openai_batch_record(r, (e := entries[r["id"]]).custom_id, e.endpoint, model.name)
                        if r["id"] in entries else r for r in records]
         store.finish(records, [r.to_dict() for r in ps.rejects])
 
     # ---- export -------------------------------------------------------------------------------
     @staticmethod
     def export(records: list[dict], path: Path) -> str:
-        from core.io.results import output_format, write_records
-
-        fmt = output_format(path)
-        write_records(Path(path), records, fmt)
+        fmt = results.output_format(path)
+        results.write_records(Path(path), records, fmt)
         return fmt
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from core import platform
-from core.errors import MlightError, ModelError
+from core.errors import MlightError, ModelError, UnsupportedModelError
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
 # files mlight reads besides the weights (a tokenizer ships some subset of these)
@@ -68,9 +68,7 @@ def resolve_model(model: str | None, revision: str | None = None, progress: Even
                              "give the folder holding config.json and the .safetensors files, or a .gguf file")
         if not os.access(path, os.R_OK | os.X_OK):
             raise ModelError(f"cannot read model folder {model}: permission denied", "fix its permissions")
-        if not (path / "config.json").is_file():
-            if any(path.glob("*.gguf")):
-                return path, path.name
+        if not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
             raise ModelError(f"{model} has no config.json, so it is not a model folder",
                              "give the folder holding config.json and the .safetensors files (or a .gguf file)")
         return path, path.name
@@ -170,7 +168,6 @@ def _choose_gguf(repo_id: str, names: list[str], tag: str | None) -> list[str]:
 
 def _check_gguf_arch(repo_id: str, meta: dict | None) -> None:
     """Refuse before downloading when the Hub already says which architecture the GGUF holds."""
-    from core.errors import UnsupportedModelError
     from core.model.families import REGISTRY
     from core.model.gguf.arch import ARCHS
 

@@ -187,7 +187,7 @@ class RunStore:
             if old is None and not restart:
                 raise UsageError(f"{self.run_path.name} is not a run file mlight can read (its first line is not a "
                                  "manifest)", "move it away, or pass --restart to replace it")
-            if old is not None and not restart:
+            if not restart:
                 diff = [label for key, label in IDENTITY.items() if old.get(key) != manifest.get(key)]
                 if diff:
                     raise UsageError(

@@ -1,6 +1,5 @@
 """The help screen (`?` or F1): the six steps, the keys that work everywhere, and the keys of the screen it was
-opened from (read from its own bindings, so it never drifts).
-"""
+opened from (read from its own bindings, so it never drifts)."""
 
 from __future__ import annotations
 
@@ -70,16 +69,21 @@ class HelpScreen(ModalScreen[None]):
         self.query_one("#help-text").focus()  # so that the arrows, PgDn and End scroll it
 
     def _steps(self, current: str) -> Table:
-        return self._table([(Text(f"{i + 1} {name}", style="reverse" if name == current else ""), STEP_LINES[name])
-                            for i, name in enumerate(STEPS)], min_width=11)
+        table = Table.grid(padding=(0, 1), expand=True)
+        table.add_column(no_wrap=True, min_width=11)
+        table.add_column(ratio=1)
+        for i, name in enumerate(STEPS):
+            table.add_row(Text(f"{i + 1} {name}", style="bold reverse" if name == current else "bold"),
+                          STEP_LINES[name])
+        return table
 
     @staticmethod
-    def _table(rows: list[tuple], min_width: int = 12) -> Table:
+    def _table(keys: list[tuple[str, str]]) -> Table:
         table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column(style="bold", no_wrap=True, min_width=min_width)
+        table.add_column(style="bold", no_wrap=True, min_width=12)
         table.add_column(ratio=1)
-        for row in rows:
-            table.add_row(*row)
+        for key, what in keys:
+            table.add_row(key, what)
         return table
 
     def _screen_keys(self) -> list[tuple[str, str]]:

@@ -7,6 +7,7 @@ Planning and checks run in thread workers; a generation counter drops answers to
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from rich.text import Text
 from textual import on, work
@@ -193,8 +194,6 @@ class PlanScreen(StepScreen):
         if s.model is None:
             s.model = b.open_model(s.options.model, s.machine, progress)
         if s.prompts is None:
-            from pathlib import Path
-
             s.prompts = b.read_prompts(Path(s.options.prompts).expanduser())
         self.post_message(WorkProgress("counting the prompts' tokens with the model's tokenizer, then planning", 0, 1))
         b.set_aside_too_long(s.model, s.prompts)
