@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import platform as stdlib_platform
 import sys
 
-from core import platform
+from core import __version__, platform
 from core.errors import MlightError
 
 # sub-command -> (module, one-line help). A module is imported only when its command is chosen, and torch only
@@ -44,10 +45,6 @@ class VersionAction(argparse.Action):
 
 
 def version_report() -> str:
-    import platform as stdlib_platform
-
-    from core import __version__
-
     lines = [f"mlight {__version__}",
              f"python {stdlib_platform.python_version()} on {stdlib_platform.system()} {stdlib_platform.machine()}"]
     try:

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import platformdirs
+
 
 def _system() -> str:
     if sys.platform.startswith("win"):
@@ -220,8 +222,6 @@ def cache_dir() -> Path:
     env = os.environ.get("MLIGHT_CACHE_DIR")
     if env:
         return Path(env)
-    import platformdirs
-
     return Path(platformdirs.user_cache_dir("mlight"))
 
 

@@ -11,6 +11,8 @@ from textual.screen import Screen
 
 from app.tui import wording
 from app.tui.backend import Backend
+from app.tui.screens.confirm import ConfirmQuit
+from app.tui.screens.help import HelpScreen
 from app.tui.session import Options, Session
 from app.tui.widgets.steps import STEPS
 from core.errors import MlightError
@@ -73,14 +75,10 @@ class MlightApp(App):
 
     # ---- help and quit ----------------------------------------------------------------------------
     def action_help(self) -> None:
-        from app.tui.screens.help import HelpScreen
-
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen(self.screen))
 
     async def action_quit(self) -> None:
-        from app.tui.screens.confirm import ConfirmQuit
-
         if isinstance(self.screen, ConfirmQuit):  # asked twice: that is a yes
             self.exit()
             return
@@ -93,8 +91,6 @@ class MlightApp(App):
 
     def run_ended(self, head: str, text: str) -> None:
         """A run ended: a quit dialog still asking about it says so instead."""
-        from app.tui.screens.confirm import ConfirmQuit
-
         for screen in self.screen_stack:
             if isinstance(screen, ConfirmQuit):
                 screen.run_ended(head, text)

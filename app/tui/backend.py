@@ -7,6 +7,7 @@ clock. Runs share `mlight run`'s run store and manifest, so either resumes the o
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import threading
 import time
@@ -439,8 +440,6 @@ class Backend:
 
     @staticmethod
     def engine_offers(option: str) -> bool:
-        import inspect
-
         from core.runtime.engine import Engine
 
         return option in inspect.signature(Engine.load).parameters

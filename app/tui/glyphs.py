@@ -12,6 +12,8 @@ import os
 import sys
 import unicodedata
 
+from core import platform
+
 # name -> (the sign, its ASCII stand-in)
 SIGNS = {
     "ok": ("✓", "OK"), "bad": ("✗", "X"), "warn": ("⚠", "!"), "enter": ("⏎", "Enter"),
@@ -85,8 +87,6 @@ def setup(streams=None, legacy_console: bool | None = None, env=None) -> bool:
         except (AttributeError, ValueError, OSError):
             pass  # not a text stream we may change: the signs below are ASCII anyway
     if legacy_console is None:
-        from core import platform
-
         legacy_console = platform.terminal(env) == "legacy-console"
     plain = bool(short) or legacy_console or env.get("MLIGHT_ASCII", "") not in ("", "0")
     use_ascii(plain)

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import platformdirs
+
 from app.tui.backend import EngineChoices, MachineView, ModelView, PlanView, PromptsView
 
 
@@ -27,8 +29,6 @@ def results_dir() -> Path:
     env = os.environ.get("MLIGHT_RESULTS_DIR")
     if env:
         return Path(env).expanduser()
-    import platformdirs
-
     return platformdirs.user_documents_path() / "mlight"
 
 

@@ -125,10 +125,8 @@ class RunStore:
 
     @property
     def ledger_path(self) -> Path:
-        from core.plan.hardware import cache_dir
-
         key = hashlib.sha256(str(self.out.resolve()).encode("utf-8", "surrogatepass")).hexdigest()[:32]
-        return cache_dir() / "finished-runs" / f"{key}.json"
+        return platform.cache_dir() / "finished-runs" / f"{key}.json"
 
     # -- lock ---------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from statistics import NormalDist
 
 from core.assets import MT_BENCH
 
@@ -20,8 +21,6 @@ def first_turns() -> list[str]:
 
 def target_lengths(n: int, mean: float = 77.0, max_len: int = 418, min_len: int = 8, sigma: float = 0.8) -> list[int]:
     """n prompt lengths, log-normal, clipped to [min_len, max_len], one at max_len, mean ≈ `mean`."""
-    from statistics import NormalDist
-
     nd = NormalDist()
     z = [nd.inv_cdf((i + 0.5) / n) for i in range(n)]
     mu = math.log(mean) - sigma ** 2 / 2
