@@ -63,13 +63,9 @@ def run(args) -> int:
 
 
 def _rows(entries, defaults) -> list[dict]:
-    rows = []
-    for e in entries:
-        kw = e.request_kwargs(defaults)
+    rows = [e.request_kwargs(defaults) for e in entries]  # `messages` there are fresh dicts already
+    for kw in rows:
         kw["stop"] = list(kw.get("stop") or ())
-        if "messages" in kw:
-            kw["messages"] = [dict(m) for m in kw["messages"]]
-        rows.append(kw)
     return rows
 
 
