@@ -293,15 +293,9 @@ class RunScreen(StepScreen):
             return f"{text}: prefilling the first batch (its first tokens come at the end of it)"
         return text
 
-    def _prediction(self):
-        return self.session.plan.prediction if self.session.plan is not None else None
-
-    def _predicted(self) -> float | None:
-        pred = self._prediction()
-        return pred.decode_tokens_per_s if pred is not None else None
-
     def _draw_throughput(self, snap: RunSnapshot) -> None:
-        predicted = self._predicted()
+        pred = self.session.plan.prediction if self.session.plan is not None else None
+        predicted = pred.decode_tokens_per_s if pred is not None else None
         text = Text()
         text.append("━ ", style=legend_color(MEASURED_COLOR))  # the chart's legend, beside it, not over its lines
         text.append(f"{snap.decode_tps:,.1f}", style="bold")
@@ -310,7 +304,7 @@ class RunScreen(StepScreen):
         text.append(" average · ")
         text.append("━ ", style=legend_color(PREDICTED_COLOR))
         text.append(f"{predicted:,.1f}" if predicted else "—", style="bold")
-        band = getattr(self._prediction(), "band", 0.0)
+        band = getattr(pred, "band", 0.0)
         text.append(f" ± {band:.0%} predicted" if predicted and band else " predicted")
         parted = self._parted(snap)
         if parted:
