@@ -1,9 +1,8 @@
 """The built-in demo model: a small random-weight Mixtral checkpoint plus a tokenizer, made locally.
 
-Built deterministically on first use into the user cache (platformdirs, or $MLIGHT_CACHE_DIR), with
-transformers' own model class and `save_pretrained` (so it is a real safetensors checkpoint read by
-the real loader), and a byte-level BPE tokenizer trained with `tokenizers` on the bundled MT-Bench
-questions. No network. Its outputs are gibberish; everything else about it is real.
+Built deterministically on first use into the user cache with transformers' own class and
+`save_pretrained` (a real checkpoint for the real loader), and a byte-level BPE tokenizer trained on the
+bundled MT-Bench questions. No network; its outputs are gibberish.
 """
 
 from __future__ import annotations
@@ -25,9 +24,7 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
 
 
-# One cache folder for everything mlight keeps (core.platform.cache_dir): the demo's own platformdirs call
-# (appauthor=False) named another folder than the probe's and the kernels' on Windows.
-cache_dir = platform.cache_dir
+cache_dir = platform.cache_dir  # one cache folder for everything mlight keeps, on Windows too
 
 
 def training_text() -> list[str]:

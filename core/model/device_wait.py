@@ -1,10 +1,7 @@
 """Host waits on device work with a deadline: what every wait on a GPU goes through, setup probes included.
 
-torch.cuda.synchronize and a blocking cudaEventSynchronize cannot be given a deadline: a hung kernel or
-copy hangs the process with them. Here the host records an event and polls its query until it
-completes or `seconds` pass (DeviceStalled). The runtime's `Device` waits this way
-(core.runtime.device re-exports these names); the setup probes of core.model and core.plan, which
-sit below the runtime, wait through `synchronize` here.
+torch.cuda.synchronize cannot be given a deadline, so a hung kernel hangs the process: here the host
+records an event and polls it until done or `seconds` pass (DeviceStalled).
 """
 
 from __future__ import annotations
@@ -36,10 +33,8 @@ def wait_seconds_default() -> float:
 
 def poll(done: Callable[[], bool], seconds: float, what: str, cancel: Callable[[], bool] | None = None,
          max_pause: float = 1e-3) -> bool:
-    """Wait until `done()` with a deadline; False if `cancel()` said stop first, DeviceStalled past the
-    deadline. The sleep between polls grows from 20 µs to `max_pause` (1 ms): a wait that is already over
-    costs one query, a long one wakes a thousand times a second at most. `max_pause=0` spins (yielding
-    the GIL), as a CUDA synchronize does: for waits inside a timing."""
+    """Wait until `done()`; False if `cancel()` said stop first, DeviceStalled past the deadline. The pause
+    grows from 20 µs to `max_pause` (1 ms); `max_pause=0` spins (yielding the GIL), for waits inside a timing."""
     if done():
         return True
     deadline, pause = time.monotonic() + seconds, min(2e-5, max_pause)
@@ -55,9 +50,7 @@ def poll(done: Callable[[], bool], seconds: float, what: str, cancel: Callable[[
 
 def synchronize(what: str, index: int | None = None, seconds: float | None = None, *, event=None,
                 stream=None) -> None:
-    """torch.cuda.synchronize's wait for the work queued on the current stream of GPU `index`, within
-    `seconds` (default: wait_seconds_default()); it spins, so a probe that times its work reads the time
-    the work took. `event` (a class, default torch.cuda.Event) and `stream`: what to record (tests)."""
+    """torch.cuda.synchronize for GPU `index` within `seconds`; it spins, so a timed probe reads its work's time."""
     import torch
 
     ev = (event or torch.cuda.Event)()

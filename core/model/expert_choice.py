@@ -1,18 +1,7 @@
-"""Which routed-expert kernel runs — grouped_mm over all experts, or one matmul pair per expert that got
-tokens — chosen by timing both on this machine.
-
-Neither wins everywhere. The loop pays a fixed cost per expert that got tokens, which with 256–512
-small experts (Qwen3-Next, Qwen3.5, DeepSeek-V3) dominates small batches; grouped_mm pays for its
-layout and, on some CPUs and dtypes, a slower inner kernel. So the first call for a shape — device,
-dtype, experts, sizes, biases, and the token count rounded up to a power of two — times both on the
-real inputs (interleaved, best of a few), and the faster is used for that shape from then on.
-
-A measurement runs the experts eight times over (a warm-up and three trials of each form), and a prefill's
-calls are its largest: the demo model's first 2,048-token chunk paid 38 ms for it and the next size 31 ms, in the
-first layer of a process's first large call (AVX2 limits, two threads) — about a seventh of the ~1 s run a user's
-`mlight bench` of 256 short prompts is, in every fresh process. So the CPU's choices are kept on disk, per machine,
-torch build, thread count and version of the experts' code (`_context`), and a process measures only the shapes no
-process before it on this machine did. A GPU's are timed in each process (its measurements take milliseconds).
+"""Which routed-expert kernel runs — grouped_mm over all experts, or a matmul pair per expert with tokens —
+timed on the real inputs at a shape's first call (the loop's per-expert cost dominates small batches of many
+small experts; grouped_mm pays for its layout). The CPU's choices are kept on disk per machine, torch build,
+threads and experts' code (`_context`): a measurement cost a fresh `mlight bench` a seventh of its run.
 """
 
 from __future__ import annotations
@@ -40,8 +29,7 @@ def bucket(tokens: int) -> int:
 
 def choose(key: tuple, candidates: dict[str, Callable[[], object]], sync: Callable[[], None] = lambda: None,
            clock: Callable[[], float] = time.perf_counter) -> str:
-    """The name of the fastest candidate for `key`, timing each (after a warm-up call) on first use — on the
-    CPU (key[0] == "cpu"), first use on this machine: a choice a process before this one made is read back."""
+    """The fastest candidate for `key`, timed on first use (on the CPU, first use on this machine: kept on disk)."""
     if key in _CHOICE:
         return _CHOICE[key]
     cpu = key[:1] == ("cpu",)
@@ -81,8 +69,7 @@ def _entry(key: tuple) -> str:
 
 
 def _context() -> str:
-    """What a saved choice holds for besides its shape: this machine (host, processor, cores, the ISA limits in
-    the environment), torch's build and the experts' code (this module and core.model.moe)."""
+    """What a saved choice holds for besides its shape: this machine, torch's build and the experts' code."""
     import platform
 
     import torch
@@ -125,8 +112,7 @@ def _saved_choice(key: tuple) -> str | None:
 
 
 def _save(key: tuple, name: str) -> None:
-    """Adds the choice to this context's file (merged with what other processes wrote since it was read; written
-    whole, then renamed over the old). A cache that cannot be written costs a measurement a process, nothing more."""
+    """Add the choice to this context's file (merged, written whole, renamed over); a failed write costs a rerun."""
     from core.platform import replace
 
     with _lock:

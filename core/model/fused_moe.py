@@ -1,19 +1,9 @@
-"""The routed experts on an accelerator in a number of launches that does not depend on E: the pairs aligned
-into blocks of one expert each (core.model.moe_align), then one kernel per projection over every block —
-for every weight format and GPU generation, resident and streamed experts alike.
+"""The routed experts on an accelerator in a number of launches that does not depend on E.
 
-Two torch ops carry it, registered with torch.library so that a launch count (tests/op_count.py), a
-CUDA graph and the emulated device each see one op whatever runs inside, and with fake implementations
-so that meta tensors and capture know their shapes without running them:
-- `mlight::moe_align`: the block layout (no host sync, static shapes; one Triton launch on a CUDA GPU,
-  core.model.moe_align_triton, the torch form elsewhere);
-- `mlight::moe_gemm`: one projection over all parts of a layer's experts. Inside, the Triton kernel
-  (core.model.fused_moe_triton, imported on first use) where it runs the format and compute dtype on this GPU
-  (its `unsupported`); else a torch form with the same semantics that runs anywhere (a T4 in bf16, the CPU
-  and its emulated device): the blocks' experts gathered, dequantized only for the gathered experts' bytes,
-  a batched matmul, written to the blocks' rows — a chunk of blocks at a time, so that memory is bounded by
-  FUSED_CHUNK_BYTES and the launches depend on T, never on E.
-grouped_mm (dense weights, one call per part) stays where it is the faster: `expert_path` chooses per call.
+Pairs are aligned into blocks of one expert (`mlight::moe_align`), then `mlight::moe_gemm` runs a projection
+over every block: the Triton kernel (fused_moe_triton) where it runs, else a torch form of the same semantics,
+a chunk of blocks at a time. Both are torch.library ops with fake implementations, so a launch count, a CUDA
+graph and the emulated device each see one op. grouped_mm stays where faster: `expert_path` chooses.
 Legend: T = tokens, k = experts per token, E = experts, P = T·k pairs, D = hidden, I = expert intermediate,
 N × K = one expert's matrix (outputs × inputs), BM = block rows, S = padded slots.
 """
@@ -29,16 +19,13 @@ from core.model.moe_align import moe_align, padded_slots
 from core.model.quant.formats import Format, dequantize
 
 # ---- which path -------------------------------------------------------------------------------------------
-# The least tokens of an FFN call at which grouped_mm replaces the fused path, by weights: quantized experts
-# have no grouped_mm (it reads one dtype); dense ones take it for calls longer than a decode step's expert batch,
-# where its tensor-core tiles beat the fused kernel's and the sort costs nothing next to the GEMMs. Where
-# grouped_mm has no kernel (a T4, fp16 or fp32 on most GPUs) the caller says so and the fused path runs.
+# The least tokens of an FFN call at which grouped_mm replaces the fused path: never for quantized experts (it
+# reads one dtype); for dense ones above a decode step's expert batch, where its tensor-core tiles win.
 GROUPED_FROM_TOKENS = {"dense": FUSED_MAX_TOKENS + 1, "quantized": None}
 
 
 def expert_path(quantized: bool, tokens: int, grouped_mm: bool, forced: bool | None = None) -> str:
-    """"grouped" or "fused" for one FFN call of `tokens` tokens. `grouped_mm`: whether its kernel runs this
-    compute dtype on this device; `forced`: the caller's choice (True: grouped_mm where it can run)."""
+    """"grouped" or "fused" for `tokens` tokens; `grouped_mm`: its kernel runs here; `forced`: the caller's."""
     least = GROUPED_FROM_TOKENS["quantized" if quantized else "dense"]
     if least is None or not grouped_mm or forced is False:
         return "fused"
@@ -47,10 +34,7 @@ def expert_path(quantized: bool, tokens: int, grouped_mm: bool, forced: bool | N
 
 def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, act,
                   backend: str | None = None) -> torch.Tensor:
-    """Routed experts by the fused path: h [T, D], weights/idx [T, k] -> [T, D]. `parts` as
-    core.model.moe.device_experts takes them; `backend` "triton" or "torch" (default: the kernel where it runs).
-    Ops: align, one per up matrix (two where a GGUF file gives gate and up apart, then their join), the
-    activation's, down, the sum over each token's k rows."""
+    """Routed experts by the fused path: h [T, D], weights/idx [T, k] -> [T, D]; `parts` as device_experts'."""
     T, k = idx.shape
     E = sum(_part_size(p) for p in parts)
     up, down = _matrices(parts)
@@ -75,8 +59,7 @@ def _part_size(p: dict) -> int:
 
 
 def _matrices(parts: list[dict]):
-    """([(fmt, flat stacks, biases) per up matrix], (fmt, stacks, biases) of down) over all parts; stacks are
-    each part's tensors in its format's part order (core.model.quant.formats.Format.parts)."""
+    """([(fmt, stacks, biases) per up matrix], that of down) over all parts, stacks in Format.parts order."""
     first = parts[0]
     if "quant" not in first:
         def dense(name, bias):
@@ -170,10 +153,8 @@ def _(topk_ids, num_experts, block_m):
 def _gemm(a: torch.Tensor, stacks: list[torch.Tensor], fmt: str, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
           n_padded: torch.Tensor, top_k: int, block_m: int, route_w: torch.Tensor | None, biases: list[torch.Tensor],
           pair_expert: torch.Tensor | None, triton: bool) -> torch.Tensor:
-    """One projection of every routed pair: out [P, N], out[p] = (a[p // top_k] @ W_e.T + b_e) · route_w[p] for
-    pair p's expert e. `stacks`: each part's tensors in order (format `fmt`, experts first, parts covering
-    experts 0..E−1 in order); `biases`: one [e, N] per part, or none; `pair_expert` [P]: each pair's expert
-    (needed with biases)."""
+    """One projection of every routed pair: out[p] = (a[p // top_k] @ W_e.T + b_e) · route_w[p]. `stacks`: each
+    part's tensors, parts covering experts 0..E−1 in order; `pair_expert` [P] is needed with `biases`."""
     P, N, K = a.shape[0] * top_k, stacks[0].shape[1], a.shape[1]
     f = _format(fmt)
     per = 1 if f is None else len(f.parts(N, K))
@@ -206,9 +187,7 @@ def _gemm_triton(a, f, parts, N, K, sorted_ids, block_expert, n_padded, top_k, b
 
 
 def _gemm_torch(a, f, parts, N, K, sorted_ids, block_expert, top_k, block_m, route_w, biases):
-    """Block-gathered: each block's expert matrix gathered (and dequantized) next to its BM rows, a batched
-    matmul, rows written back. Rows outside the part (other parts' experts, padding, unused blocks) go to a
-    trash row P."""
+    """Each block's expert gathered and dequantized beside its rows, a batched matmul; strays go to trash row P."""
     P = a.shape[0] * top_k
     nb = block_expert.shape[0]
     out = a.new_zeros(P + 1, N)

@@ -1,25 +1,8 @@
 """Fused MoE GEMM in Triton: one launch computes one projection of every (token, expert) pair of a part.
 
-The vLLM/SGLang design: pairs p = t·k + j are sorted by expert and each expert's run padded to a multiple of
-BM (`core.model.moe_align`), so a program owns BM pairs of a single expert and BN output columns, streams that
-expert's weights through K, dequantizes them in registers and accumulates in fp32. The launch count does
-not depend on E, and nothing is read back on the host (the grid is static; programs past `n_padded`, or
-whose block belongs to another part's expert, return at once).
-
-Dequantization is `core.model.quant.formats.dequantize`'s arithmetic in fp32 (blocks.decode's for the block
-formats), rounded once to the compute dtype: the same weights the expand-then-`F.linear` path multiplies.
-Formats: bf16/fp16 (`{"w"}`), int8, int4 (any group), gpt-oss mxfp4, GGUF Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4.
-
-What triton 3.9.0 does on Turing (SM75, T4), from its source and the binary in the venv:
-- backends/nvidia/compiler.py (`CUDABackend.parse_options`, `make_ttgir`) sets no minimum capability; below 80
-  it only swaps the fp8 conversions (`get_codegen_implementation`) and skips the software pipeliner. The
-  bundled ptxas (CUDA 12.9) targets sm_75: this kernel compiles for GPUTarget("cuda", 75, 32) here.
-- But the dot takes no tensor cores there: AccelerateMatmul.cpp `BlockedToMMA::matchAndRewrite` returns
-  failure below capability 80 ("Dot op using MMA for compute capability ... has been deprecated. It falls back
-  to the FMA path.", a string in _C/libtriton.so), although MMAv2.cpp still has its `mmaInstrPtxTuring`
-  table (f16 m16n8k8, no bf16). Compiled here: sm_75 PTX has fma.rn.f32 and no mma, fp16 or bf16; sm_80
-  has mma.sync m16n8k16 (tests/test_fused_moe_triton.py pins both). So on a T4 the kernel runs, in fp16
-  (T4 has no bf16 arithmetic), as fp32 FMA: one launch a projection, without tensor cores (MMA_FROM).
+The vLLM/SGLang design: a program owns BM pairs of one expert (core.model.moe_align) and BN columns,
+dequantizes in registers (`formats.dequantize`'s fp32 arithmetic) and accumulates in fp32; the grid is
+static. On a T4 triton 3.9 takes no tensor cores below SM80 (FMA, in fp16); tests pin the PTX (MMA_FROM).
 Legend: T = tokens, k = top_k, E = experts, n = experts in the part, N = outputs, K = inputs,
 BM/BN/BK = tile sizes, p = pair.
 """
@@ -63,20 +46,16 @@ def unsupported(fmt, dtype, capability: tuple[int, int]) -> str | None:
 
 
 def pick_block_m(pairs: int, experts: int) -> int:
-    """BM for `pairs` = T·k pairs over E experts: each expert with pairs pads its run up to BM, so BM follows
-    the pairs an expert gets on average (16 at decode, where most experts see a pair or two)."""
+    """BM for T·k `pairs` over E experts: near an expert's mean pairs, since each expert pads its run to BM."""
     per_expert = pairs / max(1, min(experts, pairs))
     return 16 if per_expert <= 24 else 32 if per_expert <= 96 else 64
 
 
 def moe_gemm(a, stack, fmt, out, sorted_ids, block_expert, n_padded, *, top_k: int, block_m: int,
              expert_base: int = 0, route_w=None) -> None:
-    """out[p] = a[p // top_k] @ dequant(stack[e - expert_base]).T (· route_w[p]) for the pairs p of the blocks
-    whose expert e is in this part; every other row of `out` is left as it is. One launch, no host sync.
-
-    a: [T, K] (top_k = k) or [T·k, K] (top_k = 1), the compute dtype; stack: one part's experts of one matrix
-    ({"w": [n, N, K]} or `fmt.parts`' suffixes, experts first); out: [T·k, N]; sorted_ids, block_expert,
-    n_padded: `moe_align`'s, made with `block_m`."""
+    """out[p] = a[p // top_k] @ dequant(stack[e - expert_base]).T (· route_w[p]) for the pairs of this part's
+    experts, other rows left as they are; one launch, no host sync. a: [T, K] (top_k = k) or [T·k, K]; stack:
+    {"w": [n, N, K]} or `fmt.parts`' suffixes; out: [T·k, N]; sorted_ids, block_expert, n_padded: `moe_align`'s."""
     code, block_bytes, block_vals = _CODES[getattr(fmt, "name", None)]
     main, aux = _PARTS.get(code, ("raw", None))
     w = stack[main]
@@ -108,9 +87,7 @@ _JITTED: dict[bool, object] = {}
 
 
 def _kernel(interpret: bool):
-    """The jitted kernel, made on first launch rather than at import: `TRITON_INTERPRET` is read when a
-    function is decorated, so a test (or the emulated device) that sets it after this module was imported
-    still gets the interpreter."""
+    """The jitted kernel, made on first launch: TRITON_INTERPRET is read at decoration, which tests set late."""
     if interpret not in _JITTED:
         _JITTED[interpret] = triton.jit(_moe_gemm)
     return _JITTED[interpret]

@@ -1,15 +1,9 @@
 """The MoE router after its matmul as one op on an accelerator: `mlight::route`, logits to experts and weights.
 
-Registered with torch.library like core.model.fused_moe's ops, so that a launch count (tests/op_count.py),
-a CUDA graph and the emulated device each see one op, with a fake implementation for meta tensors and capture.
-Inside: the Triton kernel (core.model.router_triton, one launch) on a CUDA GPU where triton is installed; else
-core.model.routing's own torch form, op for op the reference's (the CPU and its emulated device, where the
-engine's tokens are checked against transformers'). The router's matmul stays outside, a matmul.
-
-Taken: sigmoid_group and softmax_group with their sum or no renormalisation, and softmax over fp32 (the kernel
-computes in fp32; DBRX's softmax in the weights' dtype, gpt-oss's top-k-then-softmax, Phi's sparsemixer and a
-p-norm stay on routing.py's ops).
-Legend: T = tokens, E = experts, k = experts per token.
+A torch.library op like core.model.fused_moe's (one op to a launch count, a CUDA graph and the emulated
+device): the Triton kernel (core.model.router_triton) on a CUDA GPU with triton, else routing's own torch
+form. Taken: sigmoid_group and softmax_group (sum or no renormalisation), and fp32 softmax; the other
+kinds stay on routing.py's ops. Legend: T = tokens, E = experts, k = experts per token.
 """
 
 from __future__ import annotations

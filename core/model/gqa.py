@@ -1,10 +1,7 @@
 """Grouped-query attention as CGOPipe runs it: `pre` (QKV projection, q/k norm, RoPE) on the
 accelerator, `attend` (cache write + decode attention) next to the KV store on the CPU, `post`
 (output gate, O projection) back on the accelerator; `prefill` is a whole prompt at once.
-
-The D1 payload is [q | k | v] per token (Hq·hd + 2·Hkv·hd); D2 carries the attention output
-(Hq·hd). Quirks from ModelSpec: qkv bias, q/k norm per head or over all heads, clip_qkv, an output
-gate from a second half of q_proj (Qwen3-Next), sinks and sliding windows (gpt-oss), O bias.
+D1: [q | k | v] per token (Hq·hd + 2·Hkv·hd); D2: the attention output (Hq·hd).
 Legend: T = tokens, B = requests, D = hidden.
 """
 
@@ -36,9 +33,8 @@ def _qk_norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def project(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None,
             full_norm=None):
-    """Normed h [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd], output gate [T, Hq·hd] or None.
-    `full_norm(q, k, wq, wk, eps)` replaces the norm over all heads on a tensor-parallel rank that holds
-    only some of them (core.runtime.distributed.tensor_parallel.FullQKNorm)."""
+    """Normed h [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd], output gate [T, Hq·hd] or None. `full_norm`:
+    the norm over all heads on a tensor-parallel rank that holds only some (tensor_parallel.FullQKNorm)."""
     qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))
     sizes = [spec.q_size, spec.kv_size, spec.kv_size] + ([spec.q_size] if spec.attn_gate else [])
     q, k, v, *gate = qkv.split(sizes, dim=-1)
@@ -60,13 +56,11 @@ def project(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, 
 
 def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None, full_norm=None,
         out: torch.Tensor | None = None):
-    """-> (payload [T, d1] for the CPU, what stays on the device for `post`). `out` [T, d1]: the payload's
-    buffer (the device's D1 block), written in place of a new one."""
+    """-> (payload [T, d1] for the CPU, what stays for `post`); `out`: the device's D1 block, written in place."""
     T = h.shape[0]
     if spec.qk_norm == "none" and spec.clip_qkv is None:
-        # q and k side by side as the projection left them: one RoPE over both heads' rows and one join
-        # with v — bit for bit `project`'s, in 14 ops fewer a layer (at batch 1 a decode step's ops cost
-        # more than their arithmetic)
+        # q and k side by side as projected: one RoPE over both and one join with v, bit for bit `project`'s
+        # in 14 ops fewer a layer (at batch 1 a decode step's ops cost more than their arithmetic)
         qkv = linear(h, w["qkv"], w.get("qkv_bias"))
         qk, kv = spec.q_size + spec.kv_size, spec.q_size + 2 * spec.kv_size
         gate = qkv[:, kv:] if spec.attn_gate else None
@@ -85,10 +79,8 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
 
 
 def _pre_into(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_lengths, out):
-    """`project`'s per-head-norm case written straight into the payload P [T, Hq + 2·Hkv, hd] (`out`, the
-    device's D1 buffer, when given; the projection itself lands there where the layout allows): q's and k's norms
-    write their rows, v is copied in, and q and k are rotated there in one RoPE — the same values, with no joins
-    after (GLM-4.5: 9 ops where `project` and the join took 19)."""
+    """`project`'s per-head-norm case written straight into the payload [T, Hq + 2·Hkv, hd] (`out` when given):
+    the same values without joins after (GLM-4.5: 9 ops where `project` and the join took 19)."""
     T, Hq, Hkv, hd = h.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
     W, bias = w["qkv"], w.get("qkv_bias")
     if out is not None and not spec.attn_gate and type(W) is torch.Tensor and out.dtype == h.dtype == W.dtype:
@@ -118,8 +110,7 @@ _SIDE: dict[tuple[int, int], tuple] = {}  # (id(q_norm), id(k_norm)) -> (their w
 
 
 def _side_by_side(wq: torch.Tensor, wk: torch.Tensor, Hq: int, Hkv: int) -> torch.Tensor:
-    """[Hq + Hkv, hd]: q_norm's weight for each q head's row, k_norm's for each k head's (made once per layer's
-    pair of weights, and again if one is written: a layer's norms are a few KB)."""
+    """[Hq + Hkv, hd]: q_norm's weight for each q head's row, k_norm's for each k head's (cached per pair)."""
     key = (id(wq), id(wk))
     kept = _SIDE.get(key)
     if (kept is None or kept[0]() is not wq or kept[1]() is not wk or kept[2] != (tensor_version(wq), tensor_version(wk))

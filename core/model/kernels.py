@@ -1,14 +1,10 @@
 """Which kernels compute: one knob, `MLIGHT_KERNELS` = auto | native | torch (`mlight run --kernels`).
 
-- auto (default): mlight's C kernels (core.model.cpu: decode attention, the row ops, the int4 and bf16
-  expert kernels, the dense panels) wherever they build and the CPU runs them; torch's ops elsewhere.
-- native: the same choice, but a C kernel that should run here and fails to build or load is an error
-  that says why, not a quiet fallback to torch (for benchmarks that must measure the kernels).
-- torch: torch's own ops only, and a GGUF file computed in float32 from its dequantized weights: the
-  reference reading (it gives transformers' tokens on the file; README, "GGUF files").
-Every kernel choice reads `switched_off` here. The old switches (`MLIGHT_NATIVE`, `MLIGHT_NATIVE_EXPERTS`,
-`MLIGHT_NATIVE_DENSE`, `MLIGHT_NATIVE_AMX` / `MLIGHT_AMX` set to 0) still turn their kernels off for one
-release, with a warning.
+auto: mlight's C kernels (core.model.cpu) wherever they build and run, torch's ops elsewhere; native: the
+same, but a C kernel that fails to build or load is an error, not a quiet fallback; torch: torch's ops
+only, a GGUF file in float32 from its dequantized weights (the reference reading). The old switches
+(`MLIGHT_NATIVE`, `MLIGHT_NATIVE_EXPERTS`, `MLIGHT_NATIVE_DENSE`, `MLIGHT_NATIVE_AMX` / `MLIGHT_AMX` = 0)
+still turn their kernels off for one release, with a warning.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The attention state: what each layer keeps per sequence, preallocated in CPU memory, one row per batch slot.
 
-A layer's store follows its `ModelSpec.layer_state(i)` (core.model.spec.StateSpec):
-- `KVStore` ("kv"): K and V `[S, Hkv, Tmax, hd]`; a request's tokens occupy positions [0, length)
-  of its row, so nothing is padded across requests and decode attention reads each row only up to
-  its own length.
-- `KVStore` with a window ("window", sliding layers): `[S, Hkv, W, hd]`, a ring — position p lives
-  at p mod W, so a row holds exactly the last W tokens and a long prompt costs W, not its length.
-- `LatentStore` ("latent", MLA): `[S, Tmax, R + dr]`, the compressed latent and the rope key of
-  every token (K and V are never expanded; attention absorbs the up-projections instead).
-- `LinearStore` ("linear", Gated DeltaNet): a recurrent state `[S, Hv, dk, dv]` in fp32 and the
-  last K−1 conv inputs `[S, conv, K−1]`, whatever the length; prefill overwrites both, so a slot
-  refilled with a new request starts from that request's own state.
-S = slots = the batch size. Legend: R = latent rank, dr = rope dims, K = conv kernel.
+Per `ModelSpec.layer_state(i)`: `KVStore` K and V `[S, Hkv, Tmax, hd]` (a request at [0, length) of its row),
+or a ring `[S, Hkv, W, hd]` (position p at p mod W); `LatentStore` `[S, Tmax, R + dr]` (MLA); `LinearStore`
+an fp32 recurrent state `[S, Hv, dk, dv]` and the last K−1 conv inputs `[S, conv, K−1]`.
+Legend: S = slots, R = latent rank, dr = rope dims, K = conv kernel.
 """
 
 from __future__ import annotations
@@ -40,13 +32,9 @@ def _alloc(shape, dtype, pin: bool, alloc=None) -> torch.Tensor:
 
 
 def untouched_zeros(shape, dtype) -> torch.Tensor:
-    """Zeros whose pages the OS maps on first touch. torch.zeros writes every byte, and a run's cache is
-    sized for its longest request in every slot (the 784M's 4x prompts: 256 slots x 1,704 tokens, 3.6 GB,
-    5.9 s of page faults before the first token on two Zen 5 threads) while a slot's request touches its
-    own length. An anonymous mapping is zero by contract, on Linux and Windows alike. Private, so that
-    Linux does not make it shared memory; small pages, asked for: a cache row's heads lie ~0.4 MB apart, so a
-    2 MB page would fault in what no request uses (numpy's zeros asks for those, and first stalled
-    2.5 s compacting memory for them here)."""
+    """Zeros whose pages the OS maps on first touch: a cache is sized for its longest request in every slot
+    (3.6 GB, 5.9 s of page faults for the 784M's 4x prompts) while a request touches its own length.
+    Private, so Linux does not make it shared memory; small pages, since a row's heads lie ~0.4 MB apart."""
     n = math.prod(shape) * dtype.itemsize
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
@@ -56,17 +44,6 @@ def untouched_zeros(shape, dtype) -> torch.Tensor:
         m.madvise(mmap.MADV_NOHUGEPAGE)
     raw = torch.frombuffer(m, dtype=torch.uint8)  # page-aligned; the mapping lives as long as the tensor
     return raw.view(dtype).view(shape)
-
-
-def _copy_rows(src: torch.Tensor, dst: torch.Tensor, rows, axis: int | None, tokens: int, non_blocking: bool) -> None:
-    """rows of `src` into dst[:B]; along a token `axis` only the first `tokens` entries."""
-    part = rows.take(src)
-    if axis is not None:
-        part = part.narrow(axis, 0, tokens)
-        dst = dst[:rows.B].narrow(axis, 0, tokens)
-    else:
-        dst = dst[:rows.B]
-    dst.copy_(part, non_blocking=non_blocking)
 
 
 class _Store:
@@ -81,8 +58,7 @@ class _Store:
         return tuple(getattr(self, n) for n in self.names)
 
     def over(self, tensors) -> "_Store":
-        """A store of this kind and shape whose tensors are `tensors` (views elsewhere: a device ring
-        buffer, host staging); nothing is allocated."""
+        """A store of this kind whose tensors are `tensors` (a device ring buffer, host staging): nothing allocated."""
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
         for n, t in zip(self.names, tensors):
@@ -90,8 +66,7 @@ class _Store:
         return view
 
     def shapes(self, rows: int, tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """(shape, dtype) of each tensor of a store with `rows` rows holding room for `tokens` tokens (a
-        window: at most its ring)."""
+        """(shape, dtype) of each tensor of a store of `rows` rows with room for `tokens` tokens."""
         out = []
         for t, axis in zip(self.tensors, self.token_axes):
             shape = [rows, *t.shape[1:]]
@@ -108,9 +83,11 @@ class _Store:
     def kept(self, lengths):
         return lengths
 
+    def put_new(self, rows, parts) -> None:
+        self.write(rows.slots, rows.positions, *parts)
+
     def move(self, src: int, dst: int, tokens: int) -> None:
-        """Row `src`'s state (its first `tokens` tokens; all of a fixed-size state) into row `dst`: the
-        engine compacts a sparse batch's requests into neighbouring slots (SlotTable.compact)."""
+        """Row `src`'s state (its first `tokens` tokens) into row `dst`, as SlotTable.compact asks."""
         n = self.kept(tokens)
         for t, axis in zip(self.tensors, self.token_axes):
             if axis is None:
@@ -140,16 +117,9 @@ class KVStore(_Store):
         at, every = self.index(rows.positions), torch.arange(rows.B, device=self.k.device)
         return self.k[every, :, at], self.v[every, :, at]
 
-    def put_new(self, rows, parts) -> None:
-        self.write(rows.slots, rows.positions, *parts)
-
     def write_rows(self, rows: "Rows", k: torch.Tensor, v: torch.Tensor) -> None:
-        """`write` for a decode micro-batch's rows. A contiguous host store copies each token's heads to their
-        flat rows by one index kept on `rows` for the step (every layer of a kind reuses it): the
-        two-index `index_put` took 0.25 ms a call in a B = 256 step on two threads, 8 layers × K and V.
-        The C loop (core.model.cpu.row_ops.kv_write) does it where built: the rows' lines are cold after the
-        experts' weights streamed by, and it keeps their misses in flight (the 784M at B = 256: 7.8 → 2.2-3.0 ms
-        a step)."""
+        """`write` for a decode micro-batch's rows, on a contiguous host store by one flat index per step
+        (in C where built: row_ops.kv_write keeps the cold rows' misses in flight)."""
         hd = self.k.shape[-1]
         if self.k.device.type != "cpu" or not (self.k.is_contiguous() and self.v.is_contiguous()):
             return self.write(rows.slots, rows.positions, k, v)
@@ -160,8 +130,7 @@ class KVStore(_Store):
         self.v.view(-1, hd).index_copy_(0, at, v.reshape(-1, hd).to(self.v.dtype))
 
     def write_index(self, rows: "Rows") -> torch.Tensor:
-        """Row of each new (slot, head, position) in the store viewed as [slots·heads·cap, hd], [B·heads] in
-        token order; made once per step for every store of this shape (Rows.plan makes it before the tasks)."""
+        """Flat row of each new (slot, head, position), [B·heads]; made once per step for every store of this shape."""
         def make():
             _, heads, cap, _ = self.k.shape
             first = (rows.slots * heads * cap + self.index(rows.positions))[:, None]
@@ -179,8 +148,7 @@ class KVStore(_Store):
         return lengths.clamp(max=self.window) if isinstance(lengths, torch.Tensor) else min(lengths, self.window)
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """One token per slot: k, v [B, Hkv, hd] at (slots[b], positions[b]), in the store's dtype (the CPU may
-        compute in a wider one where its bf16 math is slow)."""
+        """One token per slot: k, v [B, Hkv, hd] at (slots[b], positions[b]), in the store's dtype."""
         at = self.index(positions)
         self.k[slots, :, at] = k.to(self.k.dtype)
         self.v[slots, :, at] = v.to(self.v.dtype)
@@ -210,9 +178,6 @@ class LatentStore(_Store):
 
     def new_entries(self, rows) -> tuple:
         return (self.lat[torch.arange(rows.B, device=self.lat.device), rows.positions],)
-
-    def put_new(self, rows, parts) -> None:
-        self.write(rows.slots, rows.positions, *parts)
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, lat: torch.Tensor):
         """lat [B, R + dr] at (slots[b], positions[b])."""
@@ -248,14 +213,16 @@ class LinearStore(_Store):
 
 
 def load_rows(src, dst, rows, cached: int, non_blocking: bool = False) -> int:
-    """Copy the state of `rows` (`cached` tokens each at most) from store `src` into dst's first rows
-    (a mirror on the accelerator, or host staging for one). Returns the bytes moved."""
+    """Copy `rows`' state (`cached` tokens each at most) from `src` into dst's first rows; returns the bytes moved."""
     moved = 0
     tokens = src.kept(cached)
     for a, b, axis in zip(src.tensors, dst.tensors, src.token_axes):
         if axis is not None and tokens == 0:
             continue
-        _copy_rows(a, b, rows, axis, tokens, non_blocking)
+        part, b = rows.take(a), b[:rows.B]
+        if axis is not None:  # along the token axis only the first `tokens` entries
+            part, b = part.narrow(axis, 0, tokens), b.narrow(axis, 0, tokens)
+        b.copy_(part, non_blocking=non_blocking)
         per_row = a[0].numel() // (a.shape[axis] if axis is not None else 1) * (tokens if axis is not None else 1)
         moved += rows.B * per_row * a.element_size()
     return moved
@@ -272,49 +239,31 @@ def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, pin
 
 
 class KVCache:
-    """Every layer's store for `slots` sequences of up to `max_tokens` tokens.
-
-    `gpu_layers`: the first layers keep their state on the GPU (the runner's), so none is allocated here
-    (None). Pageable by default: the runtime copies to a GPU through its own pinned staging, since a
-    cache of hundreds of GB would be too much page-locked memory."""
+    """Every layer's store for `slots` sequences of up to `max_tokens` tokens (None for the first `gpu_layers`);
+    pageable by default: hundreds of GB would be too much page-locked memory."""
 
     def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False,
                  gpu_layers: int = 0):
         self.layers = [None if i < gpu_layers else layer_store(spec, i, slots, max_tokens, dtype, pin)
                        for i in range(spec.num_layers)]
         self.slots, self.max_tokens = slots, max_tokens
-        # grouped-query layers' tensors, as the runtime addresses them; built once because the pipeline
-        # reads them per layer per micro-batch and the stores never change after construction
-        self._k = [getattr(s, "k", None) for s in self.layers]
-        self._v = [getattr(s, "v", None) for s in self.layers]
+        # grouped-query layers' tensors as the runtime addresses them, per layer per micro-batch
+        self.k = [getattr(s, "k", None) for s in self.layers]
+        self.v = [getattr(s, "v", None) for s in self.layers]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.layers if s is not None for t in s.tensors)
-
-    @property
-    def k(self) -> list:
-        return self._k
-
-    @property
-    def v(self) -> list:
-        return self._v
 
 
 COVER_RATIO = 2  # attend over a gapped batch's covering rows while they are at most this many times its rows
 
 
 class Rows:
-    """One decode micro-batch's rows in the stores: its slots, where each new token goes, and the
-    lengths attention reads (per store kind: a window keeps fewer). Built once per step, on the host,
-    so no layer needs a device sync to know them.
-
-    Host stores only: slots with gaps (requests that finished and were not replaced) are attended
-    over the covering range of rows in place while it is at most COVER_RATIO times the rows in use,
-    since gathering them copied every row's whole K and V out again in every layer (1.4-1.5x a decode
-    step at 153 of 256 and 38 of 64 slots on the 784M Mixtral). Rows in a gap attend to one stale
-    position with a zero query and their output is dropped. Sparser batches are compacted by the
-    engine (SlotTable.compact) so that they are contiguous again."""
+    """One decode micro-batch's rows in the stores: slots, positions and the lengths attention reads, built once
+    per step on the host so no layer syncs a device. Host stores only: gapped slots are attended in place over
+    their covering rows while those are at most COVER_RATIO times the rows in use (a gather copied every row's
+    K and V again in every layer); a gap's row attends with a zero query and its output is dropped."""
 
     def __init__(self, slots: list[int], positions: list[int], move=None, device=None):
         """`move` puts the host tensors where the state lives (a device's to_device), `device` is that place."""
@@ -370,8 +319,7 @@ class Rows:
         return self._kept[window]
 
     def plan(self, store, widened: bool) -> "RowPlan":
-        """How decode attention reads `store` (a KV store) for these rows: in place over contiguous or
-        covering rows, in runs where that reads less (core.model.attention.attention_runs), or gathered."""
+        """How decode attention reads KV `store` for these rows: in place, in runs (attention_runs), or gathered."""
         key = (store.window, widened)
         if key not in self._plans:
             self._plans[key] = self._plan(store, widened)
@@ -402,10 +350,7 @@ class Rows:
 
 
 class RowPlan:
-    """Decode attention's reading of one store for one micro-batch (Rows.plan): `rows` a slice of the
-    store's rows read in place (None: gathered), `at` each request's row in it when it covers gaps,
-    lengths/span/pad over those rows, `runs` [(first, end, span)] of rows attended separately, and `memo`
-    what attention builds once for every layer."""
+    """How decode attention reads one store for a micro-batch: `rows` in place (None: gathered), `at`, `runs`."""
 
     __slots__ = ("rows", "at", "lengths", "span", "pad", "runs", "memo")
 

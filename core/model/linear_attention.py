@@ -1,17 +1,12 @@
 """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5) as CGOPipe runs it.
 
-Per sequence and value head the layer carries a recurrent state S [dk, dv] (fp32) and the last
-K−1 inputs of a short causal conv. For a token: x = silu(conv(mixed)) splits into q, k [Hk, dk]
-and v [Hv, dv]; q and k are L2-normalised (q also scaled by dk^-½) and shared by Hv/Hk value
-heads; with decay g = −exp(A_log)·softplus(a + dt_bias) and rate β = σ(b):
+Per sequence and value head: a recurrent state S [dk, dv] (fp32) and the last K−1 conv inputs. For a
+token, x = silu(conv(mixed)) splits into q, k [Hk, dk] (L2-normed, q scaled by dk^-½, shared by Hv/Hk
+value heads) and v [Hv, dv]; with g = −exp(A_log)·softplus(a + dt_bias) and β = σ(b):
     S ← e^g·S;  S ← S + k ⊗ β(v − Sᵀk);  o = Sᵀq
-then o is RMS-normed per head, gated by silu(z), and projected out.
-
-Split: `pre` projects on the accelerator (D1 payload: the conv input, b and a; z stays there),
-`attend` runs the conv step and the recurrence next to the state on the CPU (the CGOPipe "attention"
-task; D2: o), `post` gates, norms and projects. `prefill` runs a whole prompt in chunks: within a
-chunk the delta rule's updates are folded into a triangular solve (the UT transform), so the scan is
-over chunks, not tokens; it returns the final states for the store.
+then o is RMS-normed per head, gated by silu(z) and projected out. `pre` projects (D1: conv input, b, a),
+`attend` steps conv and recurrence next to the state (D2: o), `post` gates, norms and projects;
+`prefill` scans chunks, not tokens (the UT transform), and returns the final states.
 Legend: T = tokens, B = requests, L = prompt tokens, C = conv channels (2·Hk·dk + Hv·dv).
 """
 
@@ -62,8 +57,7 @@ def _gates(w: dict, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:
-    """One token per row: conv step and recurrence over the rows' states. payload [B, d1] -> o [B, Hv·dv].
-    (The recurrence is fp32 whatever `widen` says; the conv runs in its weight's dtype.)"""
+    """One token per row: conv step and fp32 recurrence over the rows' states. payload [B, d1] -> o [B, Hv·dv]."""
     la, B = spec.linear, rows.B
     mixed, b, a = payload.split([la.conv_dim, la.num_v_heads, la.num_v_heads], dim=-1)
     window = torch.cat((rows.take(store.conv), mixed[:, :, None].to(store.conv.dtype)), dim=-1)  # [B, C, K]
@@ -117,12 +111,10 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        state: torch.Tensor | None = None, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a sequence, chunk by chunk (fp32).
 
-    q, k [H, L, dk]; v [H, L, dv]; g, beta [H, L]; state [H, dk, dv] or None (zeros)
-    -> (o [H, L, dv], final state). Within a chunk with cumulative log decay γ, the updates solve
-    (I + A)·U = β·V and (I + A)·W = β·K·e^γ with A[i, j] = β_i (k_i·k_j) e^(γ_i − γ_j) for j < i;
-    then per chunk V' = U − W·S, o = (q·e^γ)·S + ((q·kᵀ) ⊙ e^(γ_i − γ_j), j ≤ i)·V',
-    S ← e^(γ_last)·S + (k·e^(γ_last − γ))ᵀ·V'.
-    """
+    q, k [H, L, dk]; v [H, L, dv]; g, beta [H, L]; state [H, dk, dv] or None (zeros) -> (o [H, L, dv], state).
+    Within a chunk with cumulative log decay γ: (I + A)·U = β·V, (I + A)·W = β·K·e^γ, A[i, j] = β_i (k_i·k_j)
+    e^(γ_i − γ_j) for j < i; V' = U − W·S, o = (q·e^γ)·S + ((q·kᵀ) ⊙ e^(γ_i − γ_j), j ≤ i)·V',
+    S ← e^(γ_last)·S + (k·e^(γ_last − γ))ᵀ·V'."""
     H, L, dk = k.shape
     dv = v.shape[-1]
     pad = (-L) % chunk

@@ -1,15 +1,12 @@
 """The token mixer of each layer — its attention kind — behind one interface the runtime calls.
 
-Kinds: "gqa" (grouped-query attention, full or sliding: gqa.py), "mla" (latent attention: mla.py),
-"linear" (Gated DeltaNet: linear_attention.py). Each module has
-  pre(spec, w, h, positions, rope, call_lengths, full_norm, out) -> (payload [T, d1] for the CPU, what stays for post)
-      (`out`: the device's D1 block, which the payload may be written into: the caller copies it there if not)
+Kinds: "gqa" (gqa.py), "mla" (mla.py), "linear" (linear_attention.py). Each module has
+  pre(spec, w, h, positions, rope, call_lengths, full_norm, out) -> (payload [T, d1], what stays for post)
   attend(spec, w_host, payload, store, rows) -> [B, d2]       (next to the state, one token per row)
   post(spec, w, out, keep) -> [T, D]
   prefill(spec, w, h, positions, rope, lens, call_lengths, window, full_norm) -> ([T, D], per prompt the state parts)
-(`full_norm`: a tensor-parallel rank's q/k norm over all heads, OLMoE's; every kind splits by heads: core.model.shard)
-and d1_width / d2_width (elements per token crossing D1 and D2). `store.write_prompt(slot, *parts)`
-takes a prompt's state parts.
+and d1_width / d2_width (elements per token over D1 and D2). `out`: the device's D1 block the payload
+may be written into; `full_norm`: a tensor-parallel rank's q/k norm over all heads.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Multi-head latent attention (DeepSeek-V2/V3) as CGOPipe runs it, over a latent cache.
 
-The cache keeps, per token, the normed KV latent c [R] and the roped shared key k_pe [dr] — R + dr
-numbers instead of 2·H·hd — and K/V are never expanded at decode. The up-projection kv_b splits
-per head into W_UK [dn, R] and W_UV [dv, R]; since q_nope·(W_UK c) = (W_UKᵀ q_nope)·c, the query is
-absorbed into latent space on the accelerator (`pre`: q_lat = W_UKᵀ q_nope), the CPU attends like
-multi-query attention with one "head" of width R + dr shared by all H query heads (`attend`:
-scores = [q_lat | q_pe]·[c | k_pe], output o_lat = p·c), and the accelerator applies W_UV and the
-O projection (`post`). Prefill is compute-bound, so it expands K/V for the prompt as the reference does.
-D1 payload: [q_lat | q_pe] per head (H·(R+dr)) and the token's [c | k_pe] (R+dr); D2: o_lat (H·R).
+The cache keeps per token the normed latent c [R] and the roped shared key k_pe [dr]; K/V are never
+expanded at decode. kv_b splits per head into W_UK [dn, R] and W_UV [dv, R]; since q_nope·(W_UK c) =
+(W_UKᵀ q_nope)·c, `pre` absorbs the query into latent space, the CPU attends like multi-query attention
+with one head of width R + dr (`attend`: o_lat = p·c), and `post` applies W_UV and O. Prefill expands K/V.
+D1: [q_lat | q_pe] per head and the token's [c | k_pe]; D2: o_lat (H·R).
 Legend: T = tokens, B = requests, H = heads, R = latent rank, dn/dr/dv = no-rope/rope/value head dims.
 """
 
@@ -41,8 +38,7 @@ def _up(spec: ModelSpec, w: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def join_down(w: dict) -> dict:
-    """w with q_a and kv_a as one matrix "qkv_a" [q_lora + R + dr, D] (the accelerator's copy: one product for
-    both, its outputs split as views), where the layer has a low-rank query; else w."""
+    """w with q_a and kv_a as one "qkv_a" [q_lora + R + dr, D] (one product for both) where q is low-rank; else w."""
     if "q_a" not in w or "kv_a" not in w:
         return w
     return {**{n: t for n, t in w.items() if n not in ("q_a", "kv_a")}, "qkv_a": torch.cat((w["q_a"], w["kv_a"]))}
@@ -56,27 +52,10 @@ def _down(spec: ModelSpec, w: dict, h: torch.Tensor):
     return (F.linear(h, w["q_a"]) if "q_a" in w else None), F.linear(h, w["kv_a"])
 
 
-def _queries(spec: ModelSpec, w: dict, h: torch.Tensor, q_lat, positions, rope, call_lengths):
-    """-> q_nope [T, H, dn], roped q_pe [T, H, dr]."""
-    m = spec.mla
-    q = _query(spec, w, h, q_lat)
-    q_nope, q_pe = q.view(h.shape[0], spec.num_heads, -1).split([m.qk_nope_dim, m.qk_rope_dim], dim=-1)
-    return q_nope, rope.apply(q_pe, positions, call_lengths)
-
-
-def _latent(spec: ModelSpec, kv: torch.Tensor, w: dict, positions, rope, call_lengths) -> torch.Tensor:
-    """kv_a's output [T, R + dr] -> [T, R + dr]: the normed latent and the roped shared key, as cached."""
-    m = spec.mla
-    c, k_pe = kv.split([m.kv_lora_rank, m.qk_rope_dim], dim=-1)
-    k_pe = rope.apply(k_pe[:, None, :], positions, call_lengths)[:, 0]
-    return torch.cat((rms_norm(c, w["kv_a_norm"], LATENT_NORM_EPS), k_pe), dim=-1)
-
-
 def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None, full_norm=None,
         out: torch.Tensor | None = None):
-    """-> the payload [T, d1] (into `out`, the device's D1 block, when given), None. Its rows P [T, H + 1, R + dr]
-    are the heads' [q_lat | q_pe] and the token's [c | k_pe]: each piece's last op writes its place there, and
-    q_pe and k_pe, side by side, take one RoPE — no joins after."""
+    """-> the payload [T, d1] (into `out` when given), None. Its rows [T, H + 1, R + dr] are the heads'
+    [q_lat | q_pe] and the token's [c | k_pe], each written in place, q_pe and k_pe roped in one call."""
     m, T, H = spec.mla, h.shape[0], spec.num_heads
     R, dr = m.kv_lora_rank, m.qk_rope_dim
     q_lat, kv = _down(spec, w, h)
@@ -109,8 +88,7 @@ def _latent_norm_into(c: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> No
 
 
 def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:
-    """Write the new tokens' latents, attend over each row's latents. payload [B, d1] -> o_lat [B, H·R].
-    `widen` (core.model.cpu.kernels.Widen): compute in its dtype, the latents converted into its buffer."""
+    """Write the new latents, attend over each row's: payload [B, d1] -> o_lat [B, H·R] (`widen`: in its dtype)."""
     m, B, H = spec.mla, rows.B, spec.num_heads
     width = m.kv_lora_rank + m.qk_rope_dim
     q, lat_new = payload.split([H * width, width], dim=-1)
@@ -143,9 +121,11 @@ def prefill(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, 
     """Whole prompts in h [T, D] -> (output [T, D], per prompt its latents [L, R + dr] to store)."""
     m, T, H = spec.mla, h.shape[0], spec.num_heads
     q_lat, kv = _down(spec, w, h)
-    q_nope, q_pe = _queries(spec, w, h, q_lat, positions, rope, call_lengths)
-    lat = _latent(spec, kv, w, positions, rope, call_lengths)
-    c, k_pe = lat.split([m.kv_lora_rank, m.qk_rope_dim], dim=-1)
+    q_nope, q_pe = _query(spec, w, h, q_lat).view(T, H, -1).split([m.qk_nope_dim, m.qk_rope_dim], dim=-1)
+    q_pe = rope.apply(q_pe, positions, call_lengths)
+    c, k_pe = kv.split([m.kv_lora_rank, m.qk_rope_dim], dim=-1)  # cached normed, and roped
+    c, k_pe = rms_norm(c, w["kv_a_norm"], LATENT_NORM_EPS), rope.apply(k_pe[:, None, :], positions, call_lengths)[:, 0]
+    lat = torch.cat((c, k_pe), dim=-1)
     k_nope, v = F.linear(c, w["kv_b"]).view(T, H, -1).split([m.qk_nope_dim, m.v_head_dim], dim=-1)
     q = torch.cat((q_nope, q_pe), dim=-1)
     k = torch.cat((k_nope, k_pe[:, None, :].expand(T, H, m.qk_rope_dim)), dim=-1)

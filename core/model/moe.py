@@ -1,22 +1,15 @@
 """The MoE FFN: router, then the routed experts with tokens grouped by expert, plus a shared expert.
 
-Backends for the routed experts, tested against each other: `grouped` uses
-`torch.nn.functional.grouped_mm` (one call per projection over all experts) where this torch has it
-and the shapes meet its layout rules; `loop` runs one matmul per expert that got tokens; `packed`
-is the loop over weights prepacked once into oneDNN's blocked layout (`pack_experts`), which runs
-the CPU's small-batch bf16 GEMMs ≈ 1.6× faster than plain row-major weights, bit for bit the same;
-`widen` (a core.model.cpu.kernels.Widen) runs the loop in a wider math dtype than the weights
-(bf16 experts on an AVX2 CPU, computed in fp32 one cache-sized tile at a time).
-Where both `grouped` and `loop` can run and the caller does not say, the faster on this machine is
-measured once per shape (core.model.expert_choice): with hundreds of small experts the loop's
-per-expert cost can dominate, with a few large ones grouped_mm's layout can. On an accelerator,
-`device_experts`: the fused path (core.model.fused_moe), or grouped_mm on long dense calls.
+Backends, tested against each other: `grouped` (F.grouped_mm), `loop` (a matmul pair per expert with tokens),
+`packed` (the loop over oneDNN-prepacked weights, ≈ 1.6× faster on the CPU, bit for bit the same), `widen`
+(the loop in a wider math dtype); grouped or loop is timed once per shape (core.model.expert_choice).
 Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert intermediate.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import torch
@@ -30,8 +23,7 @@ HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
 def route(spec: ModelSpec, h: torch.Tensor, w: dict, fused: bool = False):
-    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k]); `w` holds the layer's router tensors
-    (`fused`: routing.route's)."""
+    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k])."""
     return routing.route(spec, h, w, fused=True) if fused else routing.route(spec, h, w)
 
 
@@ -41,19 +33,12 @@ def _grouped_ok(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
         return False
     if h.is_cuda and not cuda_grouped_mm_works(h.device.index or 0, h.dtype):
         return False
-    return _aligned(h, w13, w2)
-
-
-def _aligned(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    es = h.element_size()
-    return all((n * es) % 16 == 0 for n in (w13.shape[-1], w13.shape[-2], w2.shape[-1], w2.shape[-2]))
+    return all((n * h.element_size()) % 16 == 0 for n in (*w13.shape[-2:], *w2.shape[-2:]))
 
 
 @functools.lru_cache(maxsize=None)
 def cuda_grouped_mm_works(index: int, dtype: torch.dtype) -> bool:
-    """Whether grouped_mm runs on this GPU for this dtype, asked by trying it once on tiny operands: its
-    kernels exist for some architectures and dtypes only (bf16 on SM80+ today), and a fixed list of
-    compute capabilities would go stale with every torch release and every new GPU."""
+    """Whether grouped_mm runs on this GPU and dtype, by trying it: a capability list would go stale."""
     if not HAS_GROUPED_MM:
         return False
     try:
@@ -67,15 +52,13 @@ def cuda_grouped_mm_works(index: int, dtype: torch.dtype) -> bool:
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    """oneDNN prepacking: bf16 on a CPU torch built with it (fp32 packing changes rounding), on a CPU
-    whose ISA oneDNN's bf16 path accepts (AVX-512 BF16 or AVX-NE-CONVERT; AVX2-only CPUs refuse it)."""
+    """oneDNN prepacking: bf16 only (fp32 packing changes rounding), on a CPU whose ISA oneDNN's bf16 path takes."""
     return dtype == torch.bfloat16 and packing_supported()
 
 
 @functools.lru_cache(maxsize=None)
 def packing_supported() -> bool:
-    """Whether this CPU and torch can prepack bf16 weights: asked by trying it once on a tiny matrix,
-    since oneDNN decides from the CPU's features (and ONEDNN_MAX_CPU_ISA), which torch does not expose."""
+    """Whether this CPU and torch prepack bf16 weights, by trying it: oneDNN decides from features torch hides."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     return try_pack(torch.ops.mkldnn._reorder_linear_weight)
@@ -89,20 +72,14 @@ def try_pack(reorder) -> bool:
     return True
 
 
-def _reorder():
-    return torch.ops.mkldnn._reorder_linear_weight
-
-
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, rows_hint: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each expert's two matrices in oneDNN's blocked layout (valid for any number of rows).
-    Raises RuntimeError where oneDNN refuses (the caller falls back to the unpacked loop)."""
-    reorder = _reorder()
+    """Each expert's two matrices in oneDNN's blocked layout; RuntimeError where oneDNN refuses."""
+    reorder = torch.ops.mkldnn._reorder_linear_weight
     return [(reorder(w13[e], rows_hint), reorder(w2[e], rows_hint)) for e in range(w13.shape[0])]
 
 
 def pack_cpu_experts(w13: torch.Tensor, w2: torch.Tensor, fused: bool):
-    """The experts in the fastest CPU layout here: the fused C kernel's (core.model.cpu.ffn.NativeExperts) where
-    it runs them — `fused`: plain SwiGLU without biases — else oneDNN's (`pack_experts`)."""
+    """The experts in the fused C kernel's layout where it runs them (`fused`: plain SwiGLU), else oneDNN's."""
     from core.model.cpu import ffn
 
     if fused and ffn.takes(w13, w2):
@@ -118,14 +95,9 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
             idx: torch.Tensor, grouped: bool | None = None, packed: list | None = None,
             b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: Activation | None = None,
             quant=None, widen=None, scratch: "Scratch | None" = None) -> torch.Tensor:
-    """Routed experts. h [T, D], w13 [E, 2I, D], w2 [E, D, I] (or `packed` per expert, or `quant`, a
-    core.model.quant.experts.QuantExperts), weights/idx [T, k] -> [T, D].
-
-    `b13` [E, 2I], `b2` [E, D]: per-expert biases (gpt-oss); `act` turns [n, 2I] gate|up into [n, I]
-    (default SwiGLU); `widen` computes weights narrower than h in its math dtype, tile by tile.
-    `scratch`: reused buffers for the gathered tokens, their outputs and the result (a decode step's
-    FFN; the result is then valid until the next call with the same scratch). `packed` may also be a
-    core.model.cpu.ffn.NativeExperts (`pack_cpu_experts`): the whole call is then one C kernel."""
+    """Routed experts. h [T, D], w13 [E, 2I, D], w2 [E, D, I] (or `packed`, or `quant` QuantExperts),
+    weights/idx [T, k] -> [T, D]. `b13`, `b2`: expert biases; `act`: [n, 2I] gate|up -> [n, I]; `scratch`:
+    reused buffers (the result lives until the next call with it); `packed` may be a cpu.ffn.NativeExperts."""
     if hasattr(packed, "fused_swiglu"):  # the fused C kernel's layout: nothing else can read it
         if (act not in (None, _swiglu)) or b13 is not None or b2 is not None:
             raise ValueError("experts in the fused kernel's layout are plain SwiGLU without biases")
@@ -141,12 +113,14 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
         out = quant.one_token(h, weights, idx)  # int4 on the C kernel: the layer's experts in one call
         if out is not None:
             return out
-    if T == 1 and (quant is not None or not grouped):  # decode at batch 1: no sort, no scatter
+    looped = quant is not None or not grouped
+    if looped:
         linear = widen.linear if widened else F.linear if packed is None else _packed_linear
         up, down = ((quant.up, quant.down) if quant is not None else
                     (lambda e, x: linear(x, packed[e][0]), lambda e, y: linear(y, packed[e][1])) if packed is not None
                     else (lambda e, x: linear(x, w13[e]), lambda e, y: linear(y, w2[e])))
-        return _one_token(h, weights, idx, up, down, b13, b2, act)
+        if T == 1:  # decode at batch 1: no sort, no scatter
+            return _one_token(h, weights, idx, up, down, b13, b2, act)
     E = len(quant) if quant is not None else len(packed) if packed is not None else w13.shape[0]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -155,18 +129,14 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
         h, 0, token_of, out=scratch.get("xs", (T * k, h.shape[1]), h.dtype))  # [T·k, D] tokens in expert order
     # scatter, not bincount: bincount reads its max back to the host, a sync on the GPU
     counts = torch.zeros(E, dtype=torch.int64, device=h.device).index_add_(0, flat, torch.ones_like(flat))
-    if quant is not None:
-        ys = torch.empty_like(xs)
+    if looped:
+        ys = torch.empty_like(xs) if scratch is None or quant is not None else scratch.get("ys", xs.shape, xs.dtype)
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                gu = quant.up(e, xs[start:start + n])
-                if b13 is not None:
-                    gu = gu + b13[e]
-                y = quant.down(e, act(gu))
-                ys[start:start + n] = y if b2 is None else y + b2[e]
+                ys[start:start + n] = _expert(e, xs[start:start + n], up, down, b13, b2, act)
                 start += n
-    elif packed is None and grouped:
+    else:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         gu = F.grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
         if b13 is not None:
@@ -174,19 +144,6 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
         ys = F.grouped_mm(act(gu), w2.transpose(-2, -1), offs=offs)
         if b2 is not None:
             ys = ys + b2.index_select(0, flat.index_select(0, order))
-    else:
-        linear = widen.linear if widened else F.linear if packed is None else _packed_linear
-        ys = torch.empty_like(xs) if scratch is None else scratch.get("ys", xs.shape, xs.dtype)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                up, down = (w13[e], w2[e]) if packed is None else packed[e]
-                gu = linear(xs[start:start + n], up)
-                if b13 is not None:
-                    gu = gu + b13[e]
-                y = linear(act(gu), down)
-                ys[start:start + n] = y if b2 is None else y + b2[e]
-                start += n
     ys.mul_(weights.reshape(-1).index_select(0, order)[:, None])  # every path's ys is its own: weigh in place
     out = torch.zeros_like(h) if scratch is None else scratch.get("out", h.shape, h.dtype).zero_()
     out.index_add_(0, token_of, ys)
@@ -194,17 +151,13 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
 
 
 class Scratch:
-    """Buffers reused call after call (each grows to the largest size asked, then never allocates): a
-    decode step's expert gather/scatter would otherwise fault in fresh pages every layer. Host memory
-    only: the CPU-mode FFN's (a device's caching allocator already reuses its blocks)."""
+    """Host buffers grown to the largest size asked and reused, so a decode step faults in no fresh pages."""
 
     def __init__(self):
         self._bufs: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         t = self._bufs.get(name)
         if t is None or t.numel() < n or t.dtype != dtype:
             t = self._bufs[name] = torch.empty(max(n, 1), dtype=dtype)
@@ -215,18 +168,20 @@ Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _one_token(h, weights, idx, up, down, b13, b2, act) -> torch.Tensor:
-    """`experts` for one token: its k experts in id order, each output scaled and summed into the first —
-    bit for bit the general path (the same products, added in the same order, rounded alike) with a
-    third of its ops (a decode step at batch 1 runs this once per layer)."""
+    """`experts` for one token, bit for bit the general path (same products, same order) in a third of its ops."""
     out = None
     for e, w in sorted(zip(idx.tolist()[0], weights.tolist()[0])):
-        gu = up(e, h)
-        if b13 is not None:
-            gu = gu + b13[e]
-        y = down(e, act(gu))
-        y = (y if b2 is None else y + b2[e]).mul_(w)  # a fresh output: scaled in place
+        y = _expert(e, h, up, down, b13, b2, act).mul_(w)  # a fresh output: scaled in place
         out = y if out is None else out.add_(y)
     return out
+
+
+def _expert(e: int, x, up, down, b13, b2, act) -> torch.Tensor:
+    gu = up(e, x)
+    if b13 is not None:
+        gu = gu + b13[e]
+    y = down(e, act(gu))
+    return y if b2 is None else y + b2[e]
 
 
 def _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act) -> bool:
@@ -276,16 +231,9 @@ def shared_expert(spec: ModelSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
 def device_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, *,
                    grouped: bool | None = None, grouped_mm: bool = True, act: Activation | None = None,
                    backend: str | None = None) -> torch.Tensor:
-    """Routed experts where they run on an accelerator: the same result as `experts`, in launches that do
-    not depend on E and without reading anything back to the host.
-
-    `parts` are dicts of stacks — w13 [e, 2I, D], w2 [e, D, I] (or `quant`, a QuantExperts), and b13 [e, 2I],
-    b2 [e, D] where the family has expert biases — covering experts 0..E−1 in order: a layer's experts kept
-    on the GPU, then those streamed into the expert buffer (one part when all are in one place). The path
-    (core.model.fused_moe.expert_path): the fused one (aligned blocks, a kernel per projection), or
-    grouped_mm over each part for dense weights on long calls where `grouped_mm` (its kernel runs here) —
-    `grouped` forces one or the other. `backend`: the fused path's ("triton" or "torch"; default as it runs).
-    """
+    """Routed experts on an accelerator: `experts`' result in launches independent of E, nothing read back.
+    `parts`: stacks (w13, w2 or `quant`, b13, b2) covering experts 0..E−1 in order, resident then streamed;
+    the fused path, or grouped_mm per part (fused_moe.expert_path; `grouped` forces one)."""
     act = act or _swiglu
     quantized = any("quant" in p for p in parts)
     if fused_moe.expert_path(quantized, h.shape[0], grouped_mm, grouped) == "fused":
@@ -304,9 +252,8 @@ def device_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, id
 
 
 def _grouped_parts(xs: torch.Tensor, parts, counts: torch.Tensor, sorted_e: torch.Tensor, act) -> torch.Tensor:
-    """grouped_mm per part. Part p's groups must start at row 0, so its first group also covers the rows
-    of the parts before it; those rows are computed with that group's weights and then ignored (a
-    `where` on the row index against an offset that stays on the device)."""
+    """grouped_mm per part. A part's groups start at row 0, so its first group also covers earlier parts'
+    rows: those are dropped by a `where` against an offset kept on the device."""
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
     rows = torch.arange(xs.shape[0], device=xs.device)[:, None]
 

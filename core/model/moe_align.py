@@ -1,11 +1,9 @@
 """Block alignment of routed (token, expert) pairs: what a fused MoE kernel reads to run each block of rows
 with one expert's weights (the layout vLLM's and SGLang's fused MoE use).
 
-Pair p = t·k + j is token t's j-th choice, expert topk_ids[t, j]. The pairs are grouped by expert (ascending,
-in pair order within an expert), and each expert's run is padded up to a multiple of BM with the sentinel T·k,
-so that every block of BM slots belongs to one expert. Everything is on the device with static shapes — the
-length S is a bound known from T, k, E and BM alone — so nothing is read back to the host and a CUDA graph
-can capture it. Experts with no pairs get no block. The contract is core/model/fused_moe_triton.py's.
+Pair p = t·k + j is token t's j-th choice. Pairs are grouped by expert and each expert's run padded to a
+multiple of BM with the sentinel T·k; static shapes on the device (S bounded by T, k, E and BM), so nothing
+is read back and a CUDA graph can capture it. The contract is core/model/fused_moe_triton.py's.
 Legend: T = tokens, k = experts per token, E = experts, BM = block rows, S = padded slots, P = T·k pairs.
 """
 
@@ -17,11 +15,8 @@ from core.model.limits import fused_slots as padded_slots  # the planner sizes i
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """topk_ids [T, k] -> (sorted_ids int32 [S], block_expert int32 [S // BM], n_padded int32 [1]).
-
-    sorted_ids: pair ids by expert, each expert's run padded to a multiple of BM with the sentinel P (and
-    the sentinel from n_padded on); block_expert: each block's expert, −1 from n_padded on; n_padded: the
-    padded length actually used (Σ ceil(count / BM)·BM)."""
+    """topk_ids [T, k] -> (sorted_ids int32 [S], block_expert int32 [S // BM], n_padded int32 [1]): pair ids
+    by expert, padded with the sentinel P; each block's expert, −1 from n_padded on; the padded length used."""
     P = topk_ids.numel()
     dev = topk_ids.device
     S = padded_slots(P, num_experts, block_m)

@@ -1,12 +1,8 @@
-"""core.model.moe_align's block alignment in Triton: one launch of one program, so that the op the launch count
-sees (`mlight::moe_align`) is one launch on a GPU too (its torch form is about 15 kernels).
+"""core.model.moe_align's block alignment in Triton: one launch of one program (the torch form is about 15 kernels).
 
-The program walks the pairs a chunk at a time, in pair order, three times: counts per expert; then each expert's
-padded run start (a scan over E); then each pair's slot = its expert's start + the pairs of that expert before it
-(earlier chunks' through a running count per expert, its own chunk's by comparing the chunk's pairs with each
-other). The sentinel fill and the block experts come between, a barrier before the pairs land over the fill.
-Work: O(P·E + P·C) comparisons for P pairs, chunks of C: microseconds for a decode step's few hundred pairs.
-Same outputs as the torch form, static sizes (S from T, k, E and BM alone), nothing read on the host.
+The program walks the pairs a chunk at a time, three times: counts per expert; each expert's padded run
+start (a scan over E); each pair's slot (earlier chunks' through a running count per expert, its own
+chunk's by comparing its pairs). O(P·E + P·C) comparisons: microseconds for a decode step.
 Legend: T = tokens, k = experts per token, E = experts, P = T·k pairs, BM = block rows, S = padded slots.
 """
 

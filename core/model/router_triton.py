@@ -1,20 +1,9 @@
 """The MoE router after its matmul, in Triton: one launch from a token's logits to its k experts and weights.
 
-One program a token row: the row's E logits in registers (fp32 from here on), then what
-core.model.routing does for the kind, in the same fp32 arithmetic:
-- sigmoid_group (DeepSeek-V3, GLM-4.5): scores = sigmoid(logits); choice = scores + correction bias; groups
-  ranked by the sum of their two best choices, the experts of all but the `topk_groups` best set to −inf;
-  the k best choices; weights = the chosen experts' unbiased scores, optionally / (their sum + 1e-20);
-- softmax_group (DeepSeek-V2): scores = softmax(logits); groups ranked by their best score, the others' set
-  to 0; the k best scores, optionally / their sum;
-- softmax (Mixtral, Qwen, OLMoE, …, fp32 softmax): the k best of softmax(logits), optionally / their sum;
-then × `scale`, rounded once to the output's dtype (bf16/fp16/fp32).
-
-Ties break by the lowest index, a deterministic order: torch.topk on the CPU breaks exact ties in no
-documented order (tests/test_router_triton.py shows it does not keep the lowest), so the kernel and torch
-agree on ids wherever the values differ, and on exact ties the kernel is the stable one. Sums over k and
-over E run in the kernel's order: weights agree with torch's to fp32 rounding.
-Legend: T = tokens, E = experts, G = groups, k = experts per token.
+One program a token row, in core.model.routing's fp32 arithmetic for sigmoid_group, softmax_group and
+softmax, then × `scale`, rounded once to the output's dtype. Ties break by the lowest index, where
+torch.topk on the CPU breaks them in no documented order: ids agree wherever the values differ, and
+weights to fp32 rounding. Legend: T = tokens, E = experts, G = groups, k = experts per token.
 """
 
 from __future__ import annotations
@@ -32,8 +21,7 @@ KINDS = {"softmax": 0, "softmax_group": 1, "sigmoid_group": 2}
 
 def route(logits, bias, out_dtype, *, kind: str, top_k: int, groups: int = 1, topk_groups: int = 1,
           renorm: bool = True, scale: float = 1.0):
-    """logits [T, E] (fp32, bf16 or fp16; computed in fp32), bias [E] or None (sigmoid_group's correction)
-    -> (weights [T, k] in out_dtype, ids [T, k] int64). One launch."""
+    """logits [T, E], bias [E] or None -> (weights [T, k] in out_dtype, ids [T, k] int64), in fp32. One launch."""
     import torch
 
     T, E = logits.shape
@@ -55,17 +43,15 @@ _JITTED: dict[bool, object] = {}
 
 
 def _kernel(interpret: bool):
-    """Jitted on first launch, not at import: `TRITON_INTERPRET` is read when a function is decorated (the tests
-    set it after this module was imported)."""
+    """Jitted on first launch: TRITON_INTERPRET is read at decoration, which tests set after import."""
     if interpret not in _JITTED:
         _JITTED[interpret] = triton.jit(_route)
     return _JITTED[interpret]
 
 
 if triton is not None:
-    # reductions through tl.reduce with standard's combine functions: the interpreter recognises them (numpy's
-    # max/min/sum) whichever way triton was imported, where tl.max & co. are jit functions it cannot call when
-    # TRITON_INTERPRET was set after the import
+    # tl.reduce with standard's combine functions: the interpreter runs them however triton was imported, where
+    # tl.max & co. are jit functions it cannot call once TRITON_INTERPRET was set after the import
     _MAX, _MIN, _SUM = tl.standard._elementwise_max, tl.standard._elementwise_min, tl.standard._sum_combine
 
     def _route(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, KIND: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -3,12 +3,11 @@
 Kinds (ModelSpec.router), each the inference form of its reference:
 - softmax: softmax over all experts, top-k, optionally renormalised (Mixtral, Qwen, OLMoE, DBRX).
 - topk_softmax: top-k of the (biased) logits, softmax over those k only (gpt-oss).
-- softmax_group: softmax, then group-limited greedy: only the experts of the `topk_group` groups
-  with the best expert score stay eligible (DeepSeek-V2; one group = plain greedy).
-- sigmoid_group: sigmoid scores; `e_score_correction_bias` is added to choose the experts (groups
-  ranked by the sum of their two best) but the weights are the plain scores (DeepSeek-V3, GLM-4.5).
-- sparsemixer: Phi-3.5-MoE's top-2 — the best expert, then the best of the rest, each weighted by a
-  softmax over the experts within a relative `jitter_eps` threshold of it (no sampling at inference).
+- softmax_group: softmax, then only the experts of the `topk_group` best groups (DeepSeek-V2).
+- sigmoid_group: sigmoid scores, `e_score_correction_bias` added to choose (groups ranked by the sum of
+  their two best), the plain scores as weights (DeepSeek-V3, GLM-4.5).
+- sparsemixer: Phi-3.5-MoE's top-2, each weighted by a softmax over the experts within a relative
+  `jitter_eps` of it (no sampling at inference).
 Then `routed_scale` multiplies the weights. Legend: T = tokens, E = experts, k = experts per token.
 """
 
@@ -22,8 +21,7 @@ from core.model.spec import ModelSpec
 
 
 def route(spec: ModelSpec, h: torch.Tensor, w: dict, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k]). `fused`: on an accelerator, what follows
-    the matmul as one op where core.model.fused_router takes the router (the same arithmetic)."""
+    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k]); `fused`: the post-matmul part as one op."""
     if spec.router_fp32:
         logits = F.linear(h.float(), w["router"].float())
     else:
@@ -91,10 +89,7 @@ def _renormalise(spec: ModelSpec, top: torch.Tensor) -> torch.Tensor:
 
 
 def _drop_groups(spec: ModelSpec, grouped: torch.Tensor, group_scores: torch.Tensor, other: float) -> None:
-    """Sets the experts of all but the `topk_group` best groups of each token to `other`, in place: grouped
-    [T, G, E/G] (a fresh tensor of the router's), group_scores [T, G]. The G − topk_group worst groups, scattered
-    over in 2 ops where a mask of the best ones took 4; the same groups, ties apart (which topk breaks as it
-    likes either way)."""
+    """Set the experts of all but the `topk_group` best groups to `other`, in place (scattered over the worst)."""
     drop = spec.router_groups - spec.router_topk_groups
     if drop > 0:
         worst = torch.topk(group_scores, drop, dim=-1, largest=False).indices  # [T, G − topk_group]

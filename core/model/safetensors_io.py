@@ -1,8 +1,7 @@
 """Read tensors out of safetensors files (single file or sharded) without pickles or a second copy.
 
-The header is parsed here (8-byte length + JSON) so that a truncated or corrupt shard is caught
-before anything is allocated. Each tensor is copied out of a memory-mapped window of its own,
-closed right after, so the mapped pages never add up to a second resident copy of the model.
+The header is parsed before anything is allocated (a truncated shard is caught), and each tensor is
+copied out of a memory-mapped window of its own, closed right after.
 """
 
 from __future__ import annotations
@@ -113,12 +112,9 @@ class Checkpoint:
     def copy_into(self, name: str, dest: torch.Tensor, view: tuple[int, ...] | None = None,
                   transpose: bool = False, select: tuple | None = None, fit: bool = False,
                   narrow: tuple[int, int, int] | None = None) -> None:
-        """Copy tensor `name` into `dest` (converting dtype), reading it through its own mmap window.
-
-        `view` reshapes it, `transpose` swaps its last two axes, `select` indexes the result and `fit`
-        reshapes the selection to `dest`'s shape (same number of elements). `narrow` = (dim, start, length)
-        then copies only that slice: the pages outside it are never read, so a tensor-parallel rank reads
-        only its part."""
+        """Copy tensor `name` into `dest` (converting dtype) through its own mmap window: `view` reshapes it,
+        `transpose` swaps its last two axes, `select` indexes it, `fit` reshapes that to `dest`; `narrow` = (dim,
+        start, length) copies only that slice, so a tensor-parallel rank reads only its part."""
         t = self.info(name)
         nbytes = t.end - t.start
         aligned = t.start - t.start % _GRANULARITY
@@ -150,10 +146,8 @@ class Checkpoint:
 
 
 def _fit_narrowed(src: torch.Tensor, shape, narrow: tuple[int, int, int]) -> torch.Tensor:
-    """A selection `src` fitted to the whole destination piece (of which `shape` is the narrowed part),
-    then narrowed: e.g. Qwen3-Next's per-head [q | gate] rows, a tensor-parallel rank keeping some heads.
-    Where the piece's first dim merges src's first two, only the rows kept are gathered (no copy of
-    the whole selection, and the mapped pages of other ranks' rows are never read)."""
+    """A selection `src` fitted to the whole piece, then narrowed (per-head rows a rank keeps): where the piece's
+    first dim merges src's first two, only the kept rows are gathered."""
     dim, start, length = narrow
     if dim == 0 and src.dim() == len(shape) + 1 and tuple(src.shape[2:]) == tuple(shape[1:]):
         rows = torch.arange(start, start + length)

@@ -1,24 +1,10 @@
 """Tensor-parallel shards: what one of `size` ranks holds of a model, and how it is read from disk.
 
-Attention is split by query heads, in contiguous near-equal chunks; a rank keeps the KV heads its
-query heads use. When its query heads fall unevenly into KV groups (e.g. 8 heads over 3 ranks), it
-keeps one copy of the KV head per query head (plain multi-head attention locally), so any rank count
-up to the number of heads works and the KV-cache math is the ordinary one.
-The MoE FFN is split along every expert's intermediate dimension (and the shared expert's), not by
-assigning whole experts: each rank streams exactly 1/size of every layer's expert bytes whatever the
-routing, and the straggler of each step is no slower than the others.
-Latent attention (MLA) is split by heads too: a rank keeps its heads' rows of the query and KV
-up-projections (so the absorbed W_UK/W_UV are its heads') and their O-projection columns, and
-computes the shared latent itself, so every rank caches the whole latent (it serves all heads).
-Linear attention (Gated DeltaNet) is split by value heads, each with the key heads it reads (the
-same rule as query over KV heads), and so is its recurrent and conv state. A family whose layer
-holds tensors this module does not know keeps its attention whole on every rank and splits only
-the experts.
-
-A rank's model is an ordinary ModelSpec with fewer heads and a narrower intermediate size
-(`local_spec`), so the weights layout, KV cache and pipeline need no change; the partial outputs of
-the O projection and of the FFN are summed over the ranks (core.runtime.distributed.tensor_parallel).
-Loading reads only the rank's rows and columns of each checkpoint tensor through its memory map.
+Attention splits by query heads (a rank keeps the KV heads they use, a copy per query head where groups fall
+unevenly), MLA by heads (each rank caches the whole latent), linear attention by value heads; the MoE FFN
+along every expert's intermediate dimension, so each rank streams 1/size of every layer whatever the routing.
+Unknown tensors keep attention whole. A rank's model is an ordinary ModelSpec (`local_spec`); the partial
+outputs are summed over ranks (core.runtime.distributed.tensor_parallel).
 """
 
 from __future__ import annotations
@@ -59,8 +45,7 @@ class Shard:
     lin_k_heads: tuple[int, ...] = ()  # global key head of each local one (repeats as kv_heads does)
 
     def selections(self, spec: ModelSpec, layer: int = 0) -> dict[str, tuple[int, list[int]]]:
-        """Layer `layer`'s canonical tensor -> (dim, full indices this rank keeps, in local order);
-        absent: kept whole."""
+        """Layer `layer`'s tensor -> (dim, full indices this rank keeps, in local order); absent: kept whole."""
         hd, q, kv = spec.head_dim, spec.q_size, spec.kv_size
         names = spec.layer_shapes(layer)
         sel: dict[str, tuple[int, list[int]]] = {}
@@ -175,8 +160,7 @@ def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
 
 @dataclass(frozen=True)
 class Cut:
-    """Copy `length` rows from the source (after view/transpose) at `src_start` along `src_dim` into the
-    local destination at `dst_start` along `dst_dim` (dims of the indexed destination view)."""
+    """Copy `length` rows from `src_start` along `src_dim` of the source to `dst_start` along `dst_dim`."""
 
     dst_index: tuple
     dst_dim: int
@@ -187,8 +171,7 @@ class Cut:
 
 
 def cuts(index: tuple, full_shape: tuple[int, ...], dim: int, keep: list[int]) -> list[Cut]:
-    """How one checkpoint piece, landing at `index` of a canonical tensor of `full_shape`, maps onto a
-    rank that keeps full indices `keep` (in local order) along `dim`: a list of contiguous runs."""
+    """The runs of a piece at `index` of a `full_shape` tensor that a rank keeping `keep` along `dim` copies."""
     ints_before = sum(1 for i in index[:dim] if isinstance(i, int))
     if dim < len(index) and isinstance(index[dim], int):
         if index[dim] not in keep:

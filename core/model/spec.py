@@ -1,15 +1,7 @@
 """ModelSpec: what mlight needs to know about an MoE checkpoint, derived from its config.json.
 
-One frozen dataclass for every family. Family quirks are fields (norm kind, q/k norm, clip_qkv,
-router kind, shared expert, attention kind per layer) so that the forward pass lives once in
-`core`; the per-family modules in `core.model.families` only translate a config and name the weights.
-
-Layers may differ: `layer_types` says which attention each layer runs ("full", "sliding" — a
-window of recent tokens — or "linear", a Gated-DeltaNet recurrence), `mla` replaces grouped-query
-attention by DeepSeek's multi-head latent attention, and `dense_layers` lists layers whose FFN is a
-dense MLP instead of experts. `layer_shapes(i)` and `layer_state(i)` describe each layer.
-
-Canonical per-layer tensors (all families are laid out this way at load time):
+One frozen dataclass for every family: quirks are fields, so the forward pass lives once in `core` and
+the family modules only translate a config and name the weights. Canonical per-layer tensors:
   ln1, ln2 [D] (+ ln1_b, ln2_b with LayerNorm bias);
   attention, grouped-query: qkv [(Hq+2·Hkv)·hd (+ Hq·hd output-gate rows), D] (+ qkv_bias);
     q_norm/k_norm [hd] or [H·hd]; o [D, Hq·hd] (+ o_bias); sinks [Hq];
@@ -32,8 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-# Bytes per element of the dtypes a checkpoint may use. torch is imported only where a tensor dtype
-# is needed, so planning (`mlight plan`) stays quick to start.
+# torch is imported only where a tensor dtype is needed, so that `mlight plan` starts quickly
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 STATE_DTYPE_BYTES = 4  # linear-attention recurrent states are kept in fp32, as the reference does
 
@@ -106,12 +97,9 @@ class LinearAttnSpec:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """What one layer keeps per sequence, in elements: the KV store, the CPU attention task and the
-    planner all work from this.
-
-    kind: "kv" (K and V of every token), "window" (K and V of the last `window` tokens), "latent"
-    (MLA: the compressed latent and rope key of every token), "linear" (a fixed recurrent state in
-    fp32 and a short conv state in the model dtype, whatever the length)."""
+    """What one layer keeps per sequence, in elements: "kv" (K and V of every token), "window" (of the
+    last `window` tokens), "latent" (MLA latent and rope key per token), "linear" (a fixed fp32 recurrent
+    state and a conv state in the model dtype)."""
 
     kind: Literal["kv", "window", "latent", "linear"]
     token_elems: int = 0  # per cached token, model dtype
@@ -359,8 +347,7 @@ class ModelSpec:
 
     @property
     def expert_bytes(self) -> int:
-        """One routed expert: gate, up and down projections (and their biases), in the experts' storage
-        format (biases stay in the checkpoint dtype)."""
+        """One routed expert's projections in their storage format, biases in the checkpoint dtype."""
         D, I = self.hidden_size, self.expert_intermediate
         bias = (2 * I + D if self.expert_bias else 0) * self.dtype_bytes
         if self.expert_bits:
@@ -415,8 +402,7 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one more token adds over all layers, once sliding windows are full: the full-attention
-        and latent layers' share (sliding and linear layers stop growing)."""
+        """Bytes one more token adds over all layers once windows are full (full-attention and latent layers)."""
         return sum(s.token_elems for s in map(self.layer_state, range(self.num_layers))
                    if s.kind in ("kv", "latent")) * self.dtype_bytes
 

@@ -1,17 +1,10 @@
 """Model weights laid out for paging: one flat buffer per decoder layer, cut into pages.
 
-Every decoder layer's tensors live in a single 1-D buffer (`LayerWeights.flat`) at offsets fixed by
-a `LayerLayout`; the named tensors are views into it, experts stacked `[E, ...]` at the end. The
-expert region — the part that stays in CPU memory and streams to the GPU — is cut into `n` equal
-pages (the paper's paged weights); the same layout gives views over any other buffer of that size,
-such as one half of the GPU's 2×layer expert buffer. The small non-expert part (norms, attention,
-router, shared expert) is what the GPU keeps resident.
-
-Memory: each buffer is allocated once and filled straight from the checkpoint's memory map, so peak
-RSS stays near the model's size. Layer buffers start and end on page boundaries so that the part of
-each that streams to a GPU can be page-locked on its own, at its exact size (`pin_streamed`, through
-the runtime's device: torch's pinned allocator would round every buffer up to a power of two). When
-pinning is refused (Windows caps pinned memory) the buffers stay pageable and copies are slower.
+A layer's tensors are views into one 1-D buffer at offsets fixed by a `LayerLayout`, experts stacked
+`[E, ...]` last; the expert region (what streams to the GPU) is cut into equal pages, and the same
+layout gives views over any buffer of that size. Buffers are filled straight from the checkpoint's
+memory map (peak RSS near the model's size) and start and end on page boundaries, so what streams can
+be page-locked at its exact size (torch's pinned allocator rounds up to a power of two).
 """
 
 from __future__ import annotations
@@ -42,12 +35,8 @@ PACKED_DENSE = ("qkv", "o", "shared_w13", "shared_w2")
 
 @dataclass(frozen=True)
 class LayerLayout:
-    """Where each canonical tensor of a layer sits in the flat buffer: name -> (offset, shape).
-
-    Unquantized, the buffer has the weights' dtype and offsets count its elements. With an
-    `ExpertScheme` the buffer is bytes (uint8): offsets count bytes, `dtypes` gives each entry's own
-    dtype (the dense tensors the compute dtype's, the experts' packed integers and scales theirs), and
-    the expert region is those parts, so a page is a run of quantized bytes."""
+    """Where each canonical tensor of a layer sits in the flat buffer: name -> (offset, shape). With an
+    `ExpertScheme` the buffer is bytes (`dtypes` names each entry's dtype), so a page is a run of quantized bytes."""
 
     entries: tuple[tuple[str, int, tuple[int, ...]], ...]
     numel: int
@@ -58,84 +47,62 @@ class LayerLayout:
     @classmethod
     def for_spec(cls, spec: ModelSpec, layer: int | None = None, scheme: ExpertScheme | None = None,
                  dtype: torch.dtype | None = None) -> "LayerLayout":
-        """The layout of `layer` (default: the first MoE layer, whose expert region every MoE layer shares);
-        with `scheme`, its byte layout holding experts in that scheme and dense tensors in `dtype`."""
+        """`layer`'s layout (default: the first MoE layer's); with `scheme`, bytes: experts in it, dense in `dtype`."""
         if layer is None:
             layer = next((i for i in range(spec.num_layers) if spec.is_moe(i)), 0)
-        if scheme is not None:
-            return cls._bytes(spec, layer, scheme, dtype or spec.torch_dtype)
-        entries, off, expert_start = [], 0, None
-        for name, shape in spec.layer_shapes(layer).items():  # experts come last in layer_shapes
-            if name in EXPERT_TENSORS and expert_start is None:
-                expert_start = off
-            entries.append((name, off, shape))
-            off += math.ceil(math.prod(shape) / _ALIGN) * _ALIGN
-        return cls(tuple(entries), off, off if expert_start is None else expert_start)
-
-    @classmethod
-    def _bytes(cls, spec: ModelSpec, layer: int, scheme: ExpertScheme, dtype: torch.dtype) -> "LayerLayout":
-        dt = str(dtype).replace("torch.", "")
         shapes = spec.layer_shapes(layer)
+        dt = None if scheme is None else str(dtype or spec.torch_dtype).replace("torch.", "")
         dense = [(n, dt, s) for n, s in shapes.items() if n not in EXPERT_TENSORS]
-        # the experts' parts, then their biases (gpt-oss) in the compute dtype; none in a dense layer
-        experts = (scheme.parts(spec.num_experts) + [(n, dt, shapes[n]) for n in ("b13", "b2") if n in shapes]
-                   if spec.is_moe(layer) else [])
+        if scheme is None:
+            experts = [(n, dt, s) for n, s in shapes.items() if n in EXPERT_TENSORS]
+        else:  # the experts' parts, then their biases (gpt-oss) in the compute dtype; none in a dense layer
+            experts = (scheme.parts(spec.num_experts) + [(n, dt, shapes[n]) for n in ("b13", "b2") if n in shapes]
+                       if spec.is_moe(layer) else [])
         entries, dtypes, off, expert_start = [], [], 0, None
         for i, (name, dt, shape) in enumerate(dense + experts):
             if i == len(dense):
                 expert_start = off
             entries.append((name, off, shape))
             dtypes.append((name, dt))
-            off += math.ceil(math.prod(shape) * _ITEMSIZE[dt] / _ALIGN) * _ALIGN
-        return cls(tuple(entries), off, off if expert_start is None else expert_start, tuple(dtypes), scheme)
+            off += math.ceil(math.prod(shape) * (_ITEMSIZE[dt] if dt else 1) / _ALIGN) * _ALIGN
+        return cls(tuple(entries), off, off if expert_start is None else expert_start,
+                   () if scheme is None else tuple(dtypes), scheme)
 
     def buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        """A page-aligned flat buffer for this layout (`dtype`: the weights'; a byte layout's is uint8), left
-        uninitialised but for the alignment gaps between entries, which are zeroed: a scan of the whole buffer
-        (engine._check_fp16_range) must not read stale memory as weights."""
-        flat = page_aligned(self.numel, self.storage_dtype or dtype)
+        """A page-aligned buffer, gaps zeroed: a scan of it (engine._check_fp16_range) must not read stale memory."""
+        flat = page_aligned(self.numel, dtype if self.scheme is None else torch.uint8)
         end = 0
         for name, off, shape in sorted(self.entries, key=lambda e: e[1]):
             if off > end:
                 flat[end:off].zero_()
-            size = math.prod(shape) * (_ITEMSIZE[dict(self.dtypes)[name]] if self.scheme is not None else 1)
-            end = max(end, off + size)
+            end = max(end, off + math.prod(shape) * self._unit(name))
         if end < self.numel:
             flat[end:].zero_()
         return flat
 
-    @property
-    def storage_dtype(self) -> torch.dtype | None:
-        """uint8 for byte layouts; None: the weights' own dtype."""
-        return torch.uint8 if self.scheme is not None else None
+    def _unit(self, name: str) -> int:
+        """Offset units an element of `name` takes: its bytes in a byte layout, else 1."""
+        return _ITEMSIZE[dict(self.dtypes)[name]] if self.scheme is not None else 1
 
     @property
     def expert_numel(self) -> int:
         return self.numel - self.expert_start
 
     def _view(self, buf: torch.Tensor, name: str, off: int, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.scheme is None:
-            return buf[off:off + math.prod(shape)].view(shape)
-        dt = dict(self.dtypes)[name]
-        return buf[off:off + math.prod(shape) * _ITEMSIZE[dt]].view(_TORCH[dt]).view(shape)
+        part = buf[off:off + math.prod(shape) * self._unit(name)]
+        return (part if self.scheme is None else part.view(_TORCH[dict(self.dtypes)[name]])).view(shape)
 
     def views(self, flat: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
         return {name: self._view(flat, name, off, shape) for name, off, shape in self.entries
                 if names is None or name in names}
 
     def expert_entries(self) -> list[tuple[str, int, tuple[int, ...], int]]:
-        """(name, offset, shape, one expert's size) of each expert tensor, offsets and sizes in the flat
-        buffer's units (elements; bytes in a quantized layout). Experts are stacked first."""
-        out = []
-        for name, off, shape in self.entries:
-            if off >= self.expert_start:
-                unit = _ITEMSIZE[dict(self.dtypes)[name]] if self.scheme is not None else 1
-                out.append((name, off, shape, math.prod(shape[1:]) * unit))
-        return out
+        """(name, offset, shape, one expert's size) per expert tensor, in the flat buffer's units."""
+        return [(name, off, shape, math.prod(shape[1:]) * self._unit(name))
+                for name, off, shape in self.entries if off >= self.expert_start]
 
     def expert_views(self, region: torch.Tensor, dtype: torch.dtype | None = None, scratch: dict | None = None) -> dict:
-        """The experts over a buffer holding only the expert region: {"w13", "w2"} tensors, or for a
-        quantized layout {"quant": QuantExperts} computing in `dtype`."""
+        """The experts over a buffer of the expert region alone: {"w13", "w2"}, or {"quant": QuantExperts}."""
         views = {name: self._view(region, name, off - self.expert_start, shape)
                  for name, off, shape in self.entries if off >= self.expert_start}
         if self.scheme is None or not views:
@@ -153,8 +120,7 @@ class LayerLayout:
 
 
 class LayerWeights:
-    """One decoder layer: its flat buffer, named views, and its pages. Quantized layers also hold
-    `quant` (QuantExperts over the expert region), computing in `dtype`."""
+    """One decoder layer: its flat buffer, named views and pages (and `quant`, QuantExperts over its experts)."""
 
     def __init__(self, layout: LayerLayout, flat: torch.Tensor, pages: int, dtype: torch.dtype | None = None,
                  scratch: dict | None = None):
@@ -177,14 +143,9 @@ class LayerWeights:
         self.pages = [self.experts[a:b] for a, b in self.layout.page_bounds(pages)]
 
     def pack_for_cpu(self, quantize_dense=None, swiglu: bool = False) -> None:
-        """Prepack the experts for the CPU and keep only the non-expert part of the flat buffer.
-
-        One layer at a time, so memory peaks at the model plus one layer's experts, never two copies.
-        Quantized experts whose format has no CPU kernel here (no C compiler for GGUF blocks) expand per use.
-        `quantize_dense(name, w)`: the attention and shared-expert projections quantized too, for the CPU's
-        weight-only kernels (core.model.quant.dense; `w` itself where the kernel does not take it) — and
-        then their bf16 bytes are not kept. `swiglu`: the experts are plain SwiGLU, which the fused C
-        kernel runs (core.model.cpu.ffn) where it can."""
+        """Prepack the experts for the CPU, one layer at a time (memory peaks at the model plus a layer's experts),
+        keeping only the non-expert part of the flat buffer. `quantize_dense(name, w)`: the projections quantized
+        too (core.model.quant.dense); `swiglu`: plain SwiGLU experts, which the fused C kernel runs where it can."""
         from core.model.moe import pack_cpu_experts
 
         if self.quant is not None:
@@ -201,16 +162,12 @@ class LayerWeights:
             fused = swiglu and "b13" not in self.tensors and "b2" not in self.tensors
             self.packed = pack_cpu_experts(self.tensors["w13"], self.tensors["w2"], fused) if has_experts else []
         biases = {n: self.tensors[n].clone() for n in ("b13", "b2") if n in self.tensors}  # not packed, still used
-        # the projections in their kernel's layout (core.model.cpu.kernels.pack_dense: the expert kernel's
-        # panels, oneDNN's packing, or plain where neither takes them) and held apart from the flat
-        # buffer, which keeps only the rest: their row-major bytes beside the packed copy were the dense
-        # weights twice in RAM, where the planner counts them once
+        # the projections held apart in their kernel's layout (cpu.kernels.pack_dense), the flat buffer keeping
+        # only the rest: the dense weights are never twice in RAM, as the planner counts them once
         self._hold_dense_apart(quantize_dense or (lambda name, w: w), biases)
 
     def _hold_dense_apart(self, convert, biases: dict) -> None:
-        """The dense part with the projections in their kernel's layout — `convert(name, w)`'s quantized
-        weight, or prepacked where it gives `w` back as it is — and the other tensors copied into a buffer
-        of their own; the projections' row-major bytes let go (never held twice)."""
+        """Projections in their kernel's layout (`convert`'s, else prepacked), the rest in a buffer of its own."""
         from core.model.cpu.kernels import pack_dense
 
         views = self.layout.views(self.flat, names=self._dense_names())
@@ -222,18 +179,14 @@ class LayerWeights:
                 q = convert(name, views[name])
                 packed[name] = q if q is not views[name] else pack_dense(views[name].clone())
         rest = [(n, t) for n, t in views.items() if n not in packed]
-        offsets, total = [], 0
-        for _, t in rest:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // 64) * 64
-        buf = torch.empty(total, dtype=torch.uint8)
-        self.tensors = {}
-        for (n, t), off in zip(rest, offsets):
-            nb = t.numel() * t.element_size()
-            self.tensors[n] = buf[off:off + nb].view(t.dtype).view(t.shape).copy_(t)
+        sizes = [-(-t.numel() * t.element_size() // 64) * 64 for _, t in rest]
+        buf = torch.empty(sum(sizes), dtype=torch.uint8)
+        self.tensors, off = {}, 0
+        for (n, t), size in zip(rest, sizes):
+            self.tensors[n] = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+            off += size
         self.flat, self.experts, self.pages = buf, None, []
-        self.tensors.update(packed)
-        self.tensors.update(biases)
+        self.tensors |= packed | biases
         self.held = sum(getattr(q, "held_bytes", q.numel() * q.element_size()) for q in packed.values())
 
     def _expand_block_dense(self) -> None:
@@ -251,9 +204,7 @@ class LayerWeights:
         return {n: t for n, t in self.tensors.items() if n in names}
 
     def expert_set(self, to_dev=lambda t: t) -> dict:
-        """What the expert compute reads: {"w13", "w2"} (+ biases), {"packed": per-expert oneDNN weights, or
-        the fused kernel's NativeExperts}
-        or {"quant": QuantExperts} (+ biases); {} in a dense layer."""
+        """What the expert compute reads: {"w13", "w2"}, {"packed"} or {"quant"}, with biases; {} if dense."""
         biases = {n: to_dev(self.tensors[n]) for n in ("b13", "b2") if n in self.tensors}
         if self.quant is not None:
             q = to_dev(torch.empty(0))
@@ -263,10 +214,7 @@ class LayerWeights:
         return {n: to_dev(self.tensors[n]) for n in EXPERT_TENSORS if n in self.tensors}
 
     def pack_widened(self, math: torch.dtype) -> None:
-        """The experts into the fp32-math C kernel's layout (core.model.cpu.ffn.NativeExperts: the same bf16
-        bytes, held instead of the flat buffer's) and the non-expert part in `math`: an AVX2 CPU's experts then
-        widen in registers, not tile by tile through torch (widen_dense). One layer at a time: memory peaks at
-        the model plus one layer's experts."""
+        """The experts in the fp32-math C kernel's layout (ffn.NativeExperts) and the non-expert part in `math`."""
         from core.model.cpu import ffn
 
         self.packed = ffn.NativeExperts(self.tensors["w13"], self.tensors["w2"])
@@ -275,9 +223,7 @@ class LayerWeights:
         self.flat, self.experts, self.pages = dense, None, []
 
     def widen_dense(self, math: torch.dtype) -> None:
-        """Keep the experts in their storage dtype (views of the flat buffer, still paged) and convert the
-        small non-expert part to `math`: on a CPU whose low-precision matmuls are slow, the dense layers
-        then compute in `math` for a few % more memory, while experts widen tile by tile as they run."""
+        """The non-expert part in `math`, experts kept in their storage dtype: for CPUs whose bf16 matmuls are slow."""
         dense_names = self._dense_names()
         dense = self.flat[:self.layout.expert_start].to(math)
         self.tensors = {**self.layout.views(self.flat, names={n for n, _, _ in self.layout.entries} - dense_names),
@@ -300,11 +246,9 @@ class ModelWeights:
         self.block_dense: dict[str, torch.Tensor] = {}  # the LM head as a GGUF file's blocks (LayerWeights')
         self.math_dtype = dtype  # what the non-expert weights and the activations compute in (see widen_dense)
         self.pins: dict[int, tuple] = {}  # layer -> (device, page-locked view of its streamed experts)
-        # seconds spent page-locking, over this model's life: paid by the first run that streams (≈ 2 GB/s with
-        # cudaHostRegister: 11 s of the H200 run's 25.9), not again while the pins stay (until `unpin`)
+        # seconds spent page-locking over this model's life (≈ 2 GB/s): paid by the first run that streams
         self.pin_seconds = 0.0
-        # pins outlive runs and executors; memory freed while still registered would stay locked, so a model
-        # dropped without `unpin` (an engine never closed) still gives them back
+        # pins outlive runs; a model dropped without `unpin` still gives them back (freed memory would stay locked)
         weakref.finalize(self, _unpin_all, self.pins)
 
     @property
@@ -332,30 +276,23 @@ class ModelWeights:
                                  and held[1].data_ptr() <= self.layers[layer].flat[start:].data_ptr())
 
     def pin_streamed(self, dev, layer: int, first_expert: int) -> bool:
-        """Page-lock layer `layer`'s expert bytes from expert `first_expert`'s first tensor to the end of
-        its buffer (what streams, plus the resident experts' later tensors between them), once."""
+        """Page-lock layer `layer`'s expert bytes from expert `first_expert` to the end of its buffer, once."""
         lw = self.layers[layer]
         if lw.packed is not None:
             return False
-        start = self._stream_start(layer, first_expert)
-        if start is None:
-            return True  # a layer without experts streams nothing
         if self.is_pinned_from(dev, layer, first_expert):
-            return True
-        held = self.pins.get(layer)
+            return True  # locked already, or a layer without experts: it streams nothing
+        held = self.pins.pop(layer, None)
         if held is not None:  # a shorter range: registrations must not overlap, so replace it
             held[0].unpin(held[1])
-            del self.pins[layer]
-        view = lw.flat[start:]
+        view = lw.flat[self._stream_start(layer, first_expert):]
         if not dev.pin(view):
             return False
         self.pins[layer] = (dev, view)
         return True
 
     def pin_for_streaming(self, dev, resident: list[int], progress: EventSink = ignore) -> list[int]:
-        """Page-lock what streams of every layer (experts from `resident[i]` on), once: layers already locked
-        are skipped, so a later run (or a new runner after running out of memory) locks nothing. A progress
-        line per layer locked, the last with the seconds it took. Returns the layers that could not be locked."""
+        """Page-lock what streams of every layer not yet locked; returns the layers that could not be."""
         todo = [i for i, r in enumerate(resident) if r < self.spec.num_experts and not self.is_pinned_from(dev, i, r)]
         if not todo:
             return []
@@ -391,8 +328,7 @@ class ModelWeights:
         return self.layers[0].layout.scheme
 
     def pack_for_cpu(self, progress: EventSink = ignore, dense_format=None, dense_cache=None) -> None:
-        """Every layer's LayerWeights.pack_for_cpu, and the LM head (quantized too with `dense_format`,
-        through `dense_cache`, a core.model.quant.dense.DenseCache, where given)."""
+        """Every layer's pack_for_cpu, and the LM head (quantized too with `dense_format`, through `dense_cache`)."""
         from core.model.cpu.kernels import pack_dense
 
         quant, what = None, "packing experts for the CPU"
@@ -467,8 +403,7 @@ PAGE = 4096
 
 
 def page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer that starts and ends on page boundaries (whole pages of its own), so that a part of it can
-    be page-locked without touching a neighbour's pages."""
+    """A buffer of whole pages of its own, so a part of it can be page-locked without touching a neighbour's."""
     size = dtype.itemsize
     raw = torch.empty(-(-(numel * size) // PAGE) * PAGE + PAGE, dtype=torch.uint8)
     skip = -raw.data_ptr() % PAGE
@@ -484,14 +419,9 @@ def _unpin_all(pins: dict) -> None:
 def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
                  progress: EventSink = ignore, quant: Format | None = None,
                  use_cache: bool = True, shard=None) -> ModelWeights:
-    """Read a checkpoint into paged per-layer buffers (and plain tensors for embeddings and head).
-
-    With a tensor-parallel `shard` (core.model.shard.Shard of `spec`), only that rank's part is read
-    and the result is laid out for `local_spec(spec, shard)`.
-
-    With `quant` the experts are quantized layer by layer as they are read (or read back from the
-    quantized cache, see core.model.quant.cache): memory peaks at the quantized model plus one layer
-    in the compute dtype. The runtime page-locks what streams, at its exact size (ModelWeights.pin_streamed)."""
+    """Read a checkpoint into paged per-layer buffers (plain tensors for embeddings and head). `shard`: only
+    that tensor-parallel rank's part, laid out for `local_spec(spec, shard)`. `quant`: experts quantized as
+    they are read (or read back from core.model.quant.cache): memory peaks at the quantized model plus a layer."""
     if pages_per_layer < 1:
         raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
     mxfp4 = spec.quant_method == "mxfp4" and spec.family == "gpt_oss"  # experts read as the 4-bit blocks they are
@@ -521,18 +451,16 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         scheme = ExpertScheme.uniform(fit_group(quant, spec.hidden_size, spec.expert_intermediate),
                                       spec.hidden_size, spec.expert_intermediate)
     layouts: dict[tuple, LayerLayout] = {}
-    plain_layouts: dict[tuple, LayerLayout] = {}
     total = spec.num_layers + 1
     key = {"scheme": repr(scheme), "dtype": str(dtype)} | ({"shard": f"{shard.rank}/{shard.size}"} if shard else {})
     entry = CacheEntry(Path(model_dir), key) if quant is not None and use_cache else None
     cached = Checkpoint(entry.dir) if entry is not None and entry.complete else None
 
-    def layout_of(i: int, table: dict, with_scheme) -> LayerLayout:
-        shapes = tuple(spec.layer_shapes(i).items())
-        key = (shapes, spec.is_moe(i))
-        if key not in table:
-            table[key] = LayerLayout.for_spec(spec, i, with_scheme, dtype)
-        return table[key]
+    def layout_of(i: int, with_scheme) -> LayerLayout:
+        key = (tuple(spec.layer_shapes(i).items()), spec.is_moe(i), with_scheme is None)
+        if key not in layouts:
+            layouts[key] = LayerLayout.for_spec(spec, i, with_scheme, dtype)
+        return layouts[key]
 
     globals_ = {name: torch.empty(shape, dtype=dtype) for name, shape in spec.global_shapes().items()}
     writer = None
@@ -543,7 +471,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         _fill(ckpt, fam.global_pieces(full, keys), globals_)
         if entry is not None:
             writer = entry.writer([(n, dtype, tuple(t.shape)) for n, t in globals_.items()]
-                                  + [(f"layers.{i}", torch.uint8, (layout_of(i, layouts, scheme).numel,))
+                                  + [(f"layers.{i}", torch.uint8, (layout_of(i, scheme).numel,))
                                      for i in range(spec.num_layers)])
             for name, t in globals_.items():
                 writer.write(name, t)
@@ -554,7 +482,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     layers, scratch = [], {}
     try:
         for i in range(spec.num_layers):
-            layout = layout_of(i, layouts, scheme)
+            layout = layout_of(i, scheme)
             flat = layout.buffer(dtype)
             lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
             if cached is not None:
@@ -565,7 +493,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
                 if spec.is_moe(i):
                     fill_mxfp4(ckpt, spec, i, lw.tensors)
             elif scheme is not None:
-                plain = layout_of(i, plain_layouts, None)
+                plain = layout_of(i, None)
                 if plain not in staging:
                     staging[plain] = LayerWeights(plain, torch.empty(plain.numel, dtype=dtype), 1)
                 _fill_layer(ckpt, fam, full, i, keys, staging[plain].tensors, picks(i), shard)
@@ -613,8 +541,7 @@ def _fill_layer(ckpt: Checkpoint, fam, spec: ModelSpec, i: int, keys, dest: dict
 
 
 def _fill(ckpt: Checkpoint, pieces, dest: dict[str, torch.Tensor], picks=None, shapes=None) -> None:
-    """Copy the pieces into `dest`; `picks` (a tensor-parallel rank's selections of the canonical tensors,
-    whose full shapes are `shapes`) cut each piece to the rows and columns this rank keeps."""
+    """Copy the pieces into `dest`, each cut to a tensor-parallel rank's `picks` of the tensors of full `shapes`."""
     covered: dict[str, int] = {}
     for p in pieces:
         for target, narrow in _targets(p, dest, picks, shapes):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from types import ModuleType
@@ -44,11 +43,9 @@ def spec_from_config(cfg: dict, source: str = "config.json") -> ModelSpec:
     try:
         spec = REGISTRY[arch].spec(cfg)
         if spec.quant_method == "mxfp4" and spec.family == "gpt_oss":  # experts kept 4-bit (core.model.quant.mxfp4)
-            from core.model.quant.formats import Format
+            from core.model.quant.formats import Format, quantized_spec
 
-            D, I = spec.hidden_size, spec.expert_intermediate
-            bits = 8 * (Format("mxfp4").nbytes(2 * I, D) + Format("mxfp4").nbytes(D, I)) / (3 * D * I)
-            spec = dataclasses.replace(spec, expert_format="mxfp4", expert_bits=bits)
+            spec = quantized_spec(spec, Format("mxfp4"))
         return spec
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise ModelError(f"{source} for {arch} is not usable: {e}", "check that it is the checkpoint's own config") from e

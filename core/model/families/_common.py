@@ -11,13 +11,9 @@ from core.model.spec import RopeSpec
 
 @dataclass(frozen=True)
 class Piece:
-    """Copy checkpoint tensor `src` into canonical tensor `dest` at `index`.
-
-    `view` reshapes the source first (DBRX stores experts as [E·I, D]); `transpose` swaps its last
-    two axes (DBRX's w2 is stored [I, D] per expert, ours is [D, I]); `select` then indexes the
-    source (gpt-oss interleaves gate and up columns, Qwen3-Next interleaves q/k/v/z rows per head
-    group) and `fit` reshapes the selection to the destination's shape.
-    """
+    """Copy checkpoint tensor `src` into canonical tensor `dest` at `index`: `view` reshapes the source
+    (DBRX's [E·I, D] experts), `transpose` swaps its last two axes, `select` indexes it (interleaved gate/up
+    columns, per-group q/k/v/z rows) and `fit` reshapes the selection to the destination's shape."""
 
     src: str
     dest: str
@@ -44,14 +40,9 @@ def first(cfg: dict, *keys: str, default=None):
     return default
 
 
-def rope_theta(cfg: dict, default: float = 10000.0) -> float:
-    return rope_spec(cfg, default).theta
-
-
 def rope_spec(cfg: dict, default_theta: float = 10000.0, head_dim: int | None = None,
               kinds: tuple[str, ...] = ("default",)) -> RopeSpec:
-    """RoPE from a config's `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (hub
-    files); `kinds` are the scalings the family implements. `head_dim` turns partial_rotary_factor into dims."""
+    """RoPE from `rope_parameters` or `rope_scaling` + `rope_theta`; `kinds`: the scalings the family implements."""
     params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind not in kinds:
@@ -167,28 +158,23 @@ def quant_method(cfg: dict) -> str | None:
     return q.get("quant_method") if isinstance(q, dict) else None
 
 
-def dense_mlp_pieces(prefix: str, spec) -> list[Piece]:
-    """A dense SwiGLU MLP named gate_proj / up_proj / down_proj, fused into dense_w13 / dense_w2."""
-    Id = spec.dense_intermediate
-    return [Piece(prefix + "gate_proj.weight", "dense_w13", (slice(0, Id),)),
-            Piece(prefix + "up_proj.weight", "dense_w13", (slice(Id, 2 * Id),)),
-            Piece(prefix + "down_proj.weight", "dense_w2")]
+def mlp_pieces(prefix: str, dest: str, inter: int) -> list[Piece]:
+    """A SwiGLU MLP named gate_proj / up_proj / down_proj, fused into `dest`_w13 / `dest`_w2."""
+    return [Piece(prefix + "gate_proj.weight", f"{dest}_w13", (slice(0, inter),)),
+            Piece(prefix + "up_proj.weight", f"{dest}_w13", (slice(inter, 2 * inter),)),
+            Piece(prefix + "down_proj.weight", f"{dest}_w2")]
 
 
 def deepseek_style_ffn(prefix: str, spec, keys: set[str], layer: int) -> list[Piece]:
-    """DeepSeek-V2/V3 and GLM-4.5 FFNs: a dense MLP in the first layers, else a router (with the
-    score-correction bias where the family has one), routed experts and `shared_experts`."""
+    """DeepSeek-V2/V3 and GLM-4.5 FFNs: dense MLP in the first layers, else router, experts, shared experts."""
     p = f"{prefix}mlp."
     if not spec.is_moe(layer):
-        return dense_mlp_pieces(p, spec)
+        return mlp_pieces(p, "dense", spec.dense_intermediate)
     pieces = [Piece(p + "gate.weight", "router"), *routed_experts(p, spec, keys)]
     if spec.router_correction:
         pieces.append(Piece(p + "gate.e_score_correction_bias", "e_bias"))
     if spec.shared_intermediate:
-        s, Is = p + "shared_experts.", spec.shared_intermediate
-        pieces += [Piece(s + "gate_proj.weight", "shared_w13", (slice(0, Is),)),
-                   Piece(s + "up_proj.weight", "shared_w13", (slice(Is, 2 * Is),)),
-                   Piece(s + "down_proj.weight", "shared_w2")]
+        pieces += mlp_pieces(p + "shared_experts.", "shared", spec.shared_intermediate)
     return pieces
 
 

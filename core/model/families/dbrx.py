@@ -1,12 +1,10 @@
-"""DBRX: fused Wqkv with clip_qkv, bias-free LayerNorm, experts stored as [E·I, D] blocks.
-
-Its router softmaxes in the weights' dtype and divides the top-k by their p-norm
-(`moe_normalize_expert_weights`); w2 is stored per expert as [I, D] and used as `h @ w2`.
+"""DBRX: fused Wqkv with clip_qkv, bias-free LayerNorm, experts stored as [E·I, D] blocks, w2 as [I, D];
+its router softmaxes in the weights' dtype and divides the top-k by their p-norm.
 """
 
 from __future__ import annotations
 
-from core.model.families._common import Piece, checkpoint_dtype, eos_ids, first, need, rope_theta
+from core.model.families._common import Piece, checkpoint_dtype, eos_ids, first, need, rope_spec
 from core.model.spec import ModelSpec, RopeSpec
 
 ARCHITECTURES = ("DbrxForCausalLM",)
@@ -29,7 +27,7 @@ def spec(cfg: dict) -> ModelSpec:
         norm="layernorm", norm_eps=1e-5, clip_qkv=attn.get("clip_qkv"),
         router_norm="none" if pnorm is None else "pnorm", router_pnorm=float(pnorm or 1.0),
         router_softmax_fp32=False,
-        rope=RopeSpec(theta=float(attn.get("rope_theta") or rope_theta(cfg, 500000.0))),
+        rope=RopeSpec(theta=float(attn.get("rope_theta") or rope_spec(cfg, 500000.0).theta)),
         max_position=first(cfg, "max_seq_len", default=32768),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), dtype=checkpoint_dtype(cfg),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg),

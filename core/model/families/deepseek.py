@@ -1,13 +1,8 @@
-"""DeepSeek-V2 / V3 (and the V3 architecture's offspring: R1, Kimi K2, Moonlight): multi-head latent
-attention (low-rank Q and a compressed KV latent, decoupled RoPE dims, YaRN whose mscale also
-scales the softmax), a latent KV cache, the first `first_k_dense_replace` layers dense, `n_shared`
-shared experts beside the routed ones.
-
-Routing: V2 softmax + greedy or group-limited greedy (n_group / topk_group), its weights never
-renormalised (transformers ignores norm_topk_prob for V2); V3 sigmoid scores, experts chosen with
-`e_score_correction_bias` within the best groups, weights renormalised when norm_topk_prob;
-both scaled by routed_scaling_factor. The published configs name remote code (auto_map); mlight,
-like transformers, implements the architecture itself and never runs it.
+"""DeepSeek-V2 / V3 (and V3's offspring: R1, Kimi K2, Moonlight): multi-head latent attention with YaRN
+whose mscale also scales the softmax, a latent KV cache, the first `first_k_dense_replace` layers dense,
+`n_shared` shared experts. V2 routes softmax + (group-limited) greedy, never renormalised (as
+transformers); V3 sigmoid scores chosen with `e_score_correction_bias`; both × routed_scaling_factor.
+The configs name remote code (auto_map); mlight, like transformers, implements it and never runs it.
 """
 
 from __future__ import annotations
@@ -15,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 from core.errors import ModelError
-from core.model.families._common import (Piece, checkpoint_dtype, deepseek_style_ffn, eos_ids, first, first_dense,
+from core.model.families._common import (Piece, deepseek_style_ffn, first, first_dense, llama_style_fields,
                                          llama_style_globals, need, norm_pieces, quant_method, rope_spec,
                                          yarn_softmax_scale)
 from core.model.spec import MLASpec, ModelSpec
 
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+global_pieces = llama_style_globals
 NATIVE_DESPITE_AUTO_MAP = True
 
 
@@ -45,16 +41,14 @@ def spec(cfg: dict) -> ModelSpec:
         groups, topk_groups = (groups, topk_groups) if limited else (1, 1)
     qk = m.qk_nope_dim + m.qk_rope_dim
     return ModelSpec(
-        architecture=arch, family="deepseek_v3" if v3 else "deepseek_v2", num_layers=need(cfg, "num_hidden_layers"),
-        hidden_size=need(cfg, "hidden_size"), num_heads=H, num_kv_heads=H, head_dim=qk, vocab_size=need(cfg, "vocab_size"),
-        num_experts=E, top_k=need(cfg, "num_experts_per_tok"), expert_intermediate=need(cfg, "moe_intermediate_size"),
+        **{**llama_style_fields(cfg, norm_eps=1e-6, rope=rope), "num_kv_heads": H, "head_dim": qk},
+        family="deepseek_v3" if v3 else "deepseek_v2", num_experts=E, expert_intermediate=need(cfg, "moe_intermediate_size"),
         shared_intermediate=need(cfg, "moe_intermediate_size") * int(cfg.get("n_shared_experts") or 0),
-        norm_eps=first(cfg, "rms_norm_eps", default=1e-6), router_fp32=True, router_groups=groups,
-        router_topk_groups=topk_groups, routed_scale=float(cfg.get("routed_scaling_factor") or 1.0), **routing,
-        dense_layers=first_dense(cfg), dense_intermediate=need(cfg, "intermediate_size"), mla=m, rope=rope,
+        router_fp32=True, router_groups=groups, router_topk_groups=topk_groups,
+        routed_scale=float(cfg.get("routed_scaling_factor") or 1.0), **routing,
+        dense_layers=first_dense(cfg), dense_intermediate=need(cfg, "intermediate_size"), mla=m,
         attn_scale=qk ** -0.5 * yarn_softmax_scale(rope), max_position=first(cfg, "max_position_embeddings", default=4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), dtype=checkpoint_dtype(cfg),
-        quant_method=quant_method(cfg), bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids(cfg),
+        quant_method=quant_method(cfg),
     )
 
 
@@ -69,7 +63,3 @@ def mla_pieces(prefix: str, spec: ModelSpec) -> list[Piece]:
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"model.layers.{i}."
     return [*norm_pieces(p, spec), *mla_pieces(p, spec), *deepseek_style_ffn(p, spec, keys, i)]
-
-
-def global_pieces(spec: ModelSpec, keys: set[str]):
-    return llama_style_globals(spec, keys)

@@ -1,8 +1,5 @@
-"""GLM-4.5 / GLM-4.5-Air: grouped-query attention with q/k/v bias (no O bias), optional per-head
-q/k RMSNorm (`use_qk_norm`), partial RoPE (half the head by default); DeepSeek-V3's router
-(sigmoid, e_score_correction_bias, groups, routed scaling), one shared expert, the first
-`first_k_dense_replace` layers dense. The checkpoint's MTP/NextN layer (index num_hidden_layers,
-for speculative decoding) is not part of the decoder: its tensors are simply not read.
+"""GLM-4.5 / GLM-4.5-Air: GQA with q/k/v bias, optional per-head q/k RMSNorm, partial RoPE; DeepSeek-V3's
+router, one shared expert, the first `first_k_dense_replace` layers dense. The MTP layer is not read.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from core.model.families._common import (deepseek_style_ffn, first, first_dense,
 from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("Glm4MoeForCausalLM",)
+global_pieces = llama_style_globals
 
 
 def spec(cfg: dict) -> ModelSpec:
@@ -36,7 +34,3 @@ def spec(cfg: dict) -> ModelSpec:
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"model.layers.{i}."
     return [*norm_pieces(p, spec), *llama_style_attention(p, spec, keys), *deepseek_style_ffn(p, spec, keys, i)]
-
-
-def global_pieces(spec: ModelSpec, keys: set[str]):
-    return llama_style_globals(spec, keys)

@@ -1,10 +1,6 @@
-"""gpt-oss (20b, 120b): alternating sliding-window (128) and full attention, attention sinks, q/k/v/o
-biases, YaRN RoPE; a router with a bias that takes the top-k logits before its softmax; experts
-with biases and a clamped SwiGLU whose gate and up columns are interleaved in `gate_up_proj`
-([E, D, 2I], gate = even columns) — de-interleaved on load into our [E, 2I, D] gate-then-up rows.
-
-The released checkpoints store experts in MXFP4 (`quantization_config.quant_method`); mlight keeps them
-4-bit (core.model.quant.mxfp4 reads the blocks as they are); the bf16 releases load as usual.
+"""gpt-oss (20b, 120b): alternating sliding-window and full attention, sinks, q/k/v/o biases, YaRN; a
+biased router taking the top-k logits before its softmax; biased experts with a clamped SwiGLU whose gate
+and up columns interleave in `gate_up_proj`. MXFP4 releases stay 4-bit (core.model.quant.mxfp4).
 """
 
 from __future__ import annotations
@@ -14,6 +10,7 @@ from core.model.families._common import (Piece, first, llama_style_attention, ll
 from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("GptOssForCausalLM",)
+global_pieces = llama_style_globals
 TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 
 
@@ -54,7 +51,3 @@ def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
         Piece(m + "experts.down_proj", "w2", transpose=True),
         Piece(m + "experts.down_proj_bias", "b2"),
     ]
-
-
-def global_pieces(spec: ModelSpec, keys: set[str]):
-    return llama_style_globals(spec, keys)

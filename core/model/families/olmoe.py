@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from core.model.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
-                                   need, routed_experts)
+                                         need, norm_pieces, routed_experts)
 from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("OlmoeForCausalLM",)
+global_pieces = llama_style_globals
 
 
 def spec(cfg: dict) -> ModelSpec:
@@ -22,13 +23,8 @@ def spec(cfg: dict) -> ModelSpec:
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"model.layers.{i}."
     return [
-        Piece(p + "input_layernorm.weight", "ln1"),
-        Piece(p + "post_attention_layernorm.weight", "ln2"),
+        *norm_pieces(p, spec),
         Piece(p + "mlp.gate.weight", "router"),
         *llama_style_attention(p, spec, keys),
         *routed_experts(p + "mlp.", spec, keys),
     ]
-
-
-def global_pieces(spec: ModelSpec, keys: set[str]):
-    return llama_style_globals(spec, keys)

@@ -1,11 +1,7 @@
-"""Phi-3.5-MoE: LayerNorm with bias (pre-attention, post-attention, final), q/k/v/o biases, an LM-head
-bias, LongRoPE, and sparse-mixer routing: always top-2, each of the two experts weighted by a
-softmax over the experts whose router score lies within a relative `router_jitter_noise` threshold
-of it (the training-time Gumbel sampling and Heun correction are not part of inference).
+"""Phi-3.5-MoE: LayerNorm with bias, q/k/v/o and LM-head biases, LongRoPE, and sparse-mixer top-2 routing.
 
-The published config names the remote-code class `PhiMoEForCausalLM`; transformers implements it
-natively as `PhimoeForCausalLM` and so does mlight. A `sliding_window` shorter than the context
-makes every layer a sliding one.
+The config names the remote-code class `PhiMoEForCausalLM`; transformers implements it natively, and so
+does mlight. A `sliding_window` shorter than the context makes every layer a sliding one.
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ from core.model.families._common import (Piece, first, llama_style_attention, ll
 from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("PhimoeForCausalLM", "PhiMoEForCausalLM")
+global_pieces = llama_style_globals
 NATIVE_DESPITE_AUTO_MAP = True
 
 
@@ -43,7 +40,3 @@ def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     router = moe + ("gate.weight" if moe + "gate.weight" in keys else "router.weight")
     return [*norm_pieces(p, spec), *llama_style_attention(p, spec, keys), Piece(router, "router"),
             *routed_experts(moe, spec, keys, names=("w1", "w3", "w2"))]
-
-
-def global_pieces(spec: ModelSpec, keys: set[str]):
-    return llama_style_globals(spec, keys)

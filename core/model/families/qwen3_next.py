@@ -1,23 +1,15 @@
-"""Qwen3-Next and Qwen3.5-MoE (text model): a hybrid stack — three Gated-DeltaNet linear-attention
-layers per full-attention layer (`layer_types`, or every `full_attention_interval`-th layer full).
+"""Qwen3-Next and Qwen3.5-MoE (text model): three Gated-DeltaNet layers per full-attention layer.
 
-Full-attention layers: q_proj also yields an output gate (per head [q | gate], split on load into
-our [q, k, v, gate] rows), per-head q/k RMSNorm, partial RoPE (a quarter of the head). Linear layers
-keep a recurrent + conv state instead of a KV cache (core.model.linear_attention). RMSNorms are
-zero-centred: x·(1 + w). FFN: softmax router (renormalised), many small experts, a shared expert
-behind a sigmoid gate; Qwen3-Next may list dense `mlp_only_layers`.
-
-Qwen3-Next fuses its linear projections per key-head group (in_proj_qkvz: [q, k, v, z] per group;
-in_proj_ba: [b, a] per group); Qwen3.5 keeps them apart (in_proj_qkv, in_proj_z, in_proj_b,
-in_proj_a). Both load into one lin_in [q, k, v, z, b, a]. Qwen3.5 ships as a vision-language model
-(`Qwen3_5MoeForConditionalGeneration`, weights under model.language_model., config under
-text_config): mlight reads the text model and leaves the vision tower and the MTP head unread.
+Full attention: q_proj also yields a per-head output gate ([q | gate], split on load), per-head q/k norm,
+partial RoPE. Zero-centred RMSNorms x·(1 + w); a shared expert behind a sigmoid gate. Qwen3-Next fuses
+its linear projections per key-head group (in_proj_qkvz, in_proj_ba), Qwen3.5 keeps them apart: both load
+into one lin_in [q, k, v, z, b, a]. Qwen3.5 ships as a vision-language model: its text model is read.
 """
 
 from __future__ import annotations
 
-from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, first, need, norm_pieces, quant_method,
-                                         routed_experts, rope_spec)
+from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, first, llama_style_fields, llama_style_globals,
+                                         mlp_pieces, need, norm_pieces, quant_method, routed_experts, rope_spec)
 from core.model.spec import LinearAttnSpec, ModelSpec
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -40,31 +32,29 @@ def spec(cfg: dict) -> ModelSpec:
     names = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(L)]
     if bad := [t for t in names if t not in TYPES]:
         raise ValueError(f"unknown layer type {bad[0]!r}")
-    dense = tuple(sorted(set(cfg.get("mlp_only_layers") or ())))
     step = int(cfg.get("decoder_sparse_step") or 1)
-    dense = tuple(sorted(set(dense) | {i for i in range(L) if (i + 1) % step}))
+    dense = tuple(sorted(set(cfg.get("mlp_only_layers") or ()) | {i for i in range(L) if (i + 1) % step}))
     qwen35 = arch.startswith("Qwen3_5")
     cfg = {"partial_rotary_factor": 0.25, **cfg}  # the reference's default when the config is silent
     bias = bool(cfg.get("attention_bias", False))
+    fields = llama_style_fields(cfg, norm_eps=1e-6, rope=rope_spec(cfg, 10000.0, head_dim=hd))
+    fields.update(  # a vision-language checkpoint may say these at its top level only
+        tie_word_embeddings=bool(first(cfg, "tie_word_embeddings", default=top.get("tie_word_embeddings", False))),
+        dtype=checkpoint_dtype(cfg if ("torch_dtype" in cfg or "dtype" in cfg) else top),
+        eos_token_ids=eos_ids(cfg) or eos_ids(top))
     return ModelSpec(
-        architecture=arch, family="qwen3_5_moe" if qwen35 else "qwen3_next", num_layers=L, hidden_size=D,
-        num_heads=H, num_kv_heads=first(cfg, "num_key_value_heads", default=H), head_dim=hd,
-        vocab_size=need(cfg, "vocab_size"), num_experts=need(cfg, "num_experts"), top_k=need(cfg, "num_experts_per_tok"),
+        **fields, family="qwen3_5_moe" if qwen35 else "qwen3_next", num_experts=need(cfg, "num_experts"),
         expert_intermediate=need(cfg, "moe_intermediate_size"),
         shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0), shared_gate=True,
-        norm="rms_offset", norm_eps=first(cfg, "rms_norm_eps", default=1e-6), qk_norm="head", qkv_bias=bias,
-        attn_o_bias=bias, attn_gate=True,
+        norm="rms_offset", qk_norm="head", qkv_bias=bias, attn_o_bias=bias, attn_gate=True,
         router_norm="sum" if qwen35 or cfg.get("norm_topk_prob", True) else "none",
         dense_layers=dense, dense_intermediate=int(cfg.get("intermediate_size") or 0) if dense else 0,
         layer_types=tuple(TYPES[t] for t in names),
         linear=LinearAttnSpec(num_k_heads=need(cfg, "linear_num_key_heads"), num_v_heads=need(cfg, "linear_num_value_heads"),
                               k_head_dim=need(cfg, "linear_key_head_dim"), v_head_dim=need(cfg, "linear_value_head_dim"),
                               conv_kernel=need(cfg, "linear_conv_kernel_dim")),
-        rope=rope_spec(cfg, 10000.0, head_dim=hd), max_position=first(cfg, "max_position_embeddings", default=32768),
-        tie_word_embeddings=bool(first(cfg, "tie_word_embeddings", default=top.get("tie_word_embeddings", False))),
-        dtype=checkpoint_dtype(cfg if ("torch_dtype" in cfg or "dtype" in cfg) else top),
-        quant_method=quant_method(top) or quant_method(cfg), bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids(cfg) or eos_ids(top),
+        max_position=first(cfg, "max_position_embeddings", default=32768),
+        quant_method=quant_method(top) or quant_method(cfg),
     )
 
 
@@ -134,15 +124,11 @@ def _linear(p: str, spec: ModelSpec, keys: set[str]) -> list[Piece]:
 def _ffn(p: str, spec: ModelSpec, keys: set[str], i: int) -> list[Piece]:
     m = p + "mlp."
     if not spec.is_moe(i):
-        Id = spec.dense_intermediate
-        return [Piece(m + "gate_proj.weight", "dense_w13", (slice(0, Id),)),
-                Piece(m + "up_proj.weight", "dense_w13", (slice(Id, 2 * Id),)), Piece(m + "down_proj.weight", "dense_w2")]
-    s, Is = m + "shared_expert.", spec.shared_intermediate
+        return mlp_pieces(m, "dense", spec.dense_intermediate)
     pieces = [Piece(m + "gate.weight", "router"), *routed_experts(m, spec, keys)]
-    if Is:
-        pieces += [Piece(s + "gate_proj.weight", "shared_w13", (slice(0, Is),)),
-                   Piece(s + "up_proj.weight", "shared_w13", (slice(Is, 2 * Is),)),
-                   Piece(s + "down_proj.weight", "shared_w2"), Piece(m + "shared_expert_gate.weight", "shared_gate")]
+    if spec.shared_intermediate:
+        pieces += [*mlp_pieces(m + "shared_expert.", "shared", spec.shared_intermediate),
+                   Piece(m + "shared_expert_gate.weight", "shared_gate")]
     return pieces
 
 
@@ -153,8 +139,4 @@ def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
 
 
 def global_pieces(spec: ModelSpec, keys: set[str]):
-    p = _prefix(keys)
-    pieces = [Piece(p + "embed_tokens.weight", "embed"), Piece(p + "norm.weight", "norm")]
-    if not spec.tie_word_embeddings:
-        pieces.append(Piece("lm_head.weight", "lm_head"))
-    return pieces
+    return llama_style_globals(spec, keys, prefix=_prefix(keys))

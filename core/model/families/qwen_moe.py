@@ -1,18 +1,18 @@
 """Qwen2-MoE (shared expert behind a sigmoid gate, q/k/v bias) and Qwen3-MoE (per-head q/k RMSNorm).
 
-Both renormalise the top-k probabilities only when `norm_topk_prob` is set. Layers listed in
-`mlp_only_layers` (or skipped by `decoder_sparse_step`) would be dense MLPs; no released checkpoint
-of these families has them and mlight refuses such configs rather than guess.
+Top-k renormalised only with `norm_topk_prob`. Dense layers (`mlp_only_layers`, `decoder_sparse_step`)
+are in no released checkpoint, so such configs are refused rather than guessed.
 """
 
 from __future__ import annotations
 
 from core.errors import ModelError
 from core.model.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
-                                   need, routed_experts)
+                                         mlp_pieces, need, norm_pieces, routed_experts)
 from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+global_pieces = llama_style_globals
 
 
 def spec(cfg: dict) -> ModelSpec:
@@ -35,24 +35,10 @@ def spec(cfg: dict) -> ModelSpec:
 
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"model.layers.{i}."
-    pieces = [
-        Piece(p + "input_layernorm.weight", "ln1"),
-        Piece(p + "post_attention_layernorm.weight", "ln2"),
-        Piece(p + "mlp.gate.weight", "router"),
-        *llama_style_attention(p, spec, keys),
-        *routed_experts(p + "mlp.", spec, keys),
-    ]
+    pieces = [*norm_pieces(p, spec), Piece(p + "mlp.gate.weight", "router"), *llama_style_attention(p, spec, keys),
+              *routed_experts(p + "mlp.", spec, keys)]
     if spec.shared_intermediate:
-        s, Is = p + "mlp.shared_expert.", spec.shared_intermediate
-        pieces += [
-            Piece(s + "gate_proj.weight", "shared_w13", (slice(0, Is),)),
-            Piece(s + "up_proj.weight", "shared_w13", (slice(Is, 2 * Is),)),
-            Piece(s + "down_proj.weight", "shared_w2"),
-        ]
+        pieces += mlp_pieces(p + "mlp.shared_expert.", "shared", spec.shared_intermediate)
         if spec.shared_gate:
             pieces.append(Piece(p + "mlp.shared_expert_gate.weight", "shared_gate"))
     return pieces
-
-
-def global_pieces(spec: ModelSpec, keys: set[str]):
-    return llama_style_globals(spec, keys)

@@ -1,9 +1,7 @@
 """GGUF architectures as our families: the config a family module reads, and where each tensor goes.
 
-llama.cpp names an architecture by `general.architecture` and its tensors `blk.N.attn_q.weight`,
-`blk.N.ffn_gate_exps.weight` ([E, I, D], experts stacked), … Mixtral files say "llama" (with an
-expert count); their converter permuted the rows of q and k for llama.cpp's interleaved RoPE, which
-`unpermute` reverses (a row permutation: block-quantized rows move as they are).
+Mixtral files say "llama" (with an expert count); their converter permuted q and k rows for llama.cpp's
+interleaved RoPE, which `unpermute` reverses (a row permutation: block-quantized rows move as they are).
 """
 
 from __future__ import annotations
@@ -97,7 +95,7 @@ def _mla_config(g: GGUFModel, experts: int, inter: int) -> dict:
                                     "use a DeepSeek-V2 GGUF, or the model's safetensors checkpoint")
     rope, key = int(m("rope.dimension_count")), int(m("attention.key_length"))
     groups = int(m("expert_group_count", 1))
-    out = dict(q_lora_rank=int(m("attention.q_lora_rank", 0)) or None, kv_lora_rank=int(m("attention.kv_lora_rank")),
+    return dict(q_lora_rank=int(m("attention.q_lora_rank", 0)) or None, kv_lora_rank=int(m("attention.kv_lora_rank")),
                qk_rope_head_dim=rope, qk_nope_head_dim=key - rope, v_head_dim=int(m("attention.value_length")),
                n_routed_experts=experts, moe_intermediate_size=inter, n_shared_experts=int(m("expert_shared_count", 0)),
                first_k_dense_replace=int(m("leading_dense_block_count", 0)),
@@ -105,7 +103,6 @@ def _mla_config(g: GGUFModel, experts: int, inter: int) -> dict:
                routed_scaling_factor=float(m("expert_weights_scale", 1.0)),
                n_group=groups, topk_group=int(m("expert_group_used_count", groups)),
                topk_method="group_limited_greedy" if groups > 1 else "greedy")
-    return out
 
 
 @dataclass(frozen=True)
@@ -138,18 +135,14 @@ def dense_places(spec, i: int, names: set[str]) -> list[Place]:
     if spec.qk_norm != "none":
         out += [Place(p + "attn_q_norm.weight", "q_norm"), Place(p + "attn_k_norm.weight", "k_norm")]
     if spec.shared_intermediate:
-        Is = spec.shared_intermediate
-        out += [Place(p + "ffn_gate_shexp.weight", "shared_w13", (0, Is)),
-                Place(p + "ffn_up_shexp.weight", "shared_w13", (Is, 2 * Is)),
-                Place(p + "ffn_down_shexp.weight", "shared_w2")]
+        out += _mlp_places(p, "_shexp", "shared", spec.shared_intermediate)
         if spec.shared_gate:
             out.append(Place(p + "ffn_gate_inp_shexp.weight", "shared_gate", unsqueeze=True))
     return out
 
 
 def _mla_places(spec, i: int) -> list[Place]:
-    """DeepSeek-V2: the latent attention's tensors (kv_b whole, or rebuilt from the split k_b / v_b of newer
-    converters: core.model.gguf.load), a dense MLP in the first layers, else router and shared expert."""
+    """DeepSeek-V2's latent attention (kv_b whole, or from split k_b / v_b: gguf.load), then its FFN."""
     p = f"blk.{i}."
     q = ([Place(p + "attn_q_a.weight", "q_a"), Place(p + "attn_q_a_norm.weight", "q_a_norm"),
           Place(p + "attn_q_b.weight", "q_b")] if spec.mla.q_lora_rank else [Place(p + "attn_q.weight", "q")])
@@ -157,22 +150,20 @@ def _mla_places(spec, i: int) -> list[Place]:
            Place(p + "attn_kv_a_mqa.weight", "kv_a"), Place(p + "attn_kv_a_norm.weight", "kv_a_norm"),
            Place(p + "attn_kv_b.weight", "kv_b"), Place(p + "attn_output.weight", "o")]
     if not spec.is_moe(i):
-        Id = spec.dense_intermediate
-        return out + [Place(p + "ffn_gate.weight", "dense_w13", (0, Id)),
-                      Place(p + "ffn_up.weight", "dense_w13", (Id, 2 * Id)),
-                      Place(p + "ffn_down.weight", "dense_w2")]
+        return out + _mlp_places(p, "", "dense", spec.dense_intermediate)
     out.append(Place(p + "ffn_gate_inp.weight", "router"))
-    if spec.shared_intermediate:
-        Is = spec.shared_intermediate
-        out += [Place(p + "ffn_gate_shexp.weight", "shared_w13", (0, Is)),
-                Place(p + "ffn_up_shexp.weight", "shared_w13", (Is, 2 * Is)),
-                Place(p + "ffn_down_shexp.weight", "shared_w2")]
-    return out
+    return out + (_mlp_places(p, "_shexp", "shared", spec.shared_intermediate) if spec.shared_intermediate else [])
+
+
+def _mlp_places(p: str, tag: str, dest: str, inter: int) -> list[Place]:
+    """A SwiGLU MLP (ffn_gate/up/down + `tag`) into `dest`_w13 and `dest`_w2."""
+    return [Place(f"{p}ffn_gate{tag}.weight", f"{dest}_w13", (0, inter)),
+            Place(f"{p}ffn_up{tag}.weight", f"{dest}_w13", (inter, 2 * inter)),
+            Place(f"{p}ffn_down{tag}.weight", f"{dest}_w2")]
 
 
 def expert_sources(i: int, names: set[str], experts: int) -> dict[str, list[str]]:
-    """gate / up / down -> the GGUF tensor(s) holding them: one stacked [E, ...] tensor, or one per expert
-    (files converted before llama.cpp stacked experts)."""
+    """gate / up / down -> their GGUF tensor(s): one stacked [E, ...], or one per expert (older files)."""
     p = f"blk.{i}."
     out = {}
     for w in ("gate", "up", "down"):
@@ -191,8 +182,7 @@ def global_places(spec) -> list[Place]:
 
 
 def join_kv_b(k_b, v_b):
-    """DeepSeek's kv_b [H·(dn+dv), R] from the split copies newer converters write instead: k_b [H, R, dn]
-    (transposed per head) and v_b [H, dv, R]."""
+    """DeepSeek's kv_b [H·(dn+dv), R] from newer files' k_b [H, R, dn] (transposed per head) and v_b [H, dv, R]."""
     return torch.cat([k_b.transpose(1, 2), v_b], 1).reshape(-1, k_b.shape[1])
 
 

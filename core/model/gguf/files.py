@@ -1,12 +1,12 @@
 """Finding a model's GGUF file(s) and reading their metadata and tensor index (not their data).
 
-The `gguf` package parses headers; tensor bytes are read later straight into their destination with
-plain file reads (`read_into`), so the file's pages never pile up in the process as a second copy.
-Split models (`name-00001-of-00003.gguf`, …) are one model: metadata from the first file, tensors from all.
+Tensor bytes are read later straight into their destination (`read_into`), so the file's pages never pile
+up as a second copy. Split models are one model: metadata from the first file, tensors from all.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,10 +140,10 @@ def read_float(ref: TensorRef) -> torch.Tensor:
 
     raw = torch.empty(ref.nbytes, dtype=torch.uint8)
     read_into(ref, raw)
-    if ref.kind in ("F32", "F16", "BF16", "F64"):
-        dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}[ref.kind]
-        return raw.view(dt).float().reshape(ref.shape)
-    rows = raw.reshape(-1, ref.nbytes // _rows(ref.shape)) if ref.shape else raw
+    floats = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+    if ref.kind in floats:
+        return raw.view(floats[ref.kind]).float().reshape(ref.shape)
+    rows = raw.reshape(-1, ref.nbytes // math.prod(ref.shape[:-1])) if ref.shape else raw
     if ref.kind in GGUF_BLOCKS:
         return decode_gguf(ref.kind, rows).reshape(ref.shape)
     from gguf import GGMLQuantizationType, quants
@@ -154,10 +154,3 @@ def read_float(ref: TensorRef) -> torch.Tensor:
         raise ModelError(f"GGUF tensor {ref.name} is {ref.kind}, which mlight cannot read",
                          "use a GGUF made with another quantization (Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0)") from e
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(ref.shape)
-
-
-def _rows(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape[:-1]:
-        n *= s
-    return n

@@ -1,12 +1,9 @@
 """A GGUF model into mlight's per-layer flat buffers, its tokenizer, and its ModelSpec.
 
-Dense tensors (attention, norms, router, shared expert, embeddings, head) are expanded to the compute
-dtype one at a time. Routed experts in a block format we decode (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4)
-are copied byte for byte from the file into the layer's expert region: a Q4_K_M file's Q4_K gate/up
-and Q6_K down rows stay Q4_K and Q6_K in RAM, in pages and on the device, which expands one expert
-at a time. Gate and up of one type share one `w13` matrix (each expert's gate rows, then its up rows);
-of two types they stay `w1` and `w3`. Layers may differ in their types (Q4_K_M gives some layers Q6_K
-down projections): each layer has its own layout. Experts stored as floats are loaded as floats.
+Dense tensors are expanded to the compute dtype one at a time; routed experts in a block format are
+copied byte for byte into the expert region (a Q4_K_M file's experts stay Q4_K/Q6_K in RAM, pages and on
+the device). Gate and up of one type share `w13`; of two types they stay `w1` and `w3`. Layers may
+differ in their types, so each has its own layout.
 """
 
 from __future__ import annotations
@@ -61,8 +58,7 @@ def _check_kind(g: GGUFModel, kind: str, what: str) -> None:
 
 
 def expert_scheme(g: GGUFModel, spec: ModelSpec, i: int) -> ExpertScheme | None:
-    """Layer i's experts as stored in the file; None when they are floats (loaded like a safetensors model).
-    A dense layer (DeepSeek's first ones) takes the first MoE layer's, so that every layer has one layout kind."""
+    """Layer i's experts as stored (None: floats); a dense layer takes the first MoE layer's, one layout kind."""
     if not spec.is_moe(i):
         i = next((j for j in range(spec.num_layers) if spec.is_moe(j)), i)
     k = expert_kinds(g, spec, i)
@@ -119,9 +115,8 @@ def load_tokenizer(g: GGUFModel):
 
 def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Tensor],
                held: dict[str, list] | None = None) -> None:
-    """The dense tensors `places` name into `dest`, expanded to its dtype; with `held`, the quantized projections
-    the CPU's block kernel takes are not expanded: their rows are kept as the file's blocks, per projection
-    (core.model.quant.block_dense.Segment), and their part of `dest` left unwritten (never resident)."""
+    """The dense tensors `places` name into `dest`, expanded to its dtype; with `held`, the projections the
+    CPU's block kernel takes are kept as the file's blocks (block_dense.Segment) and left unwritten in `dest`."""
     covered: dict[str, int] = {}
     for p in places:
         if held is not None and p.dest in BLOCK_DENSE:
@@ -136,9 +131,7 @@ def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Ten
         if p.unsqueeze:
             w = w.reshape(1, -1)
         target = dest[p.dest] if p.rows is None else dest[p.dest][p.rows[0]:p.rows[1]]
-        if tuple(w.shape) != tuple(target.shape):
-            raise ModelError(f"GGUF tensor {p.src} has shape {tuple(w.shape)}, expected {tuple(target.shape)}",
-                             "the GGUF metadata does not match its tensors")
+        _check_shape(p.src, w.shape, target.shape)
         target.copy_(w)
         covered[p.dest] = covered.get(p.dest, 0) + target.numel()
     for name, t in dest.items():
@@ -148,15 +141,15 @@ def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Ten
 
 def _block_rows(g: GGUFModel, p: arch.Place, target: torch.Tensor):
     """Place `p`'s rows as the file's blocks (a block_dense.Segment), or None where they are to be expanded."""
-    from core.model.quant.block_dense import Segment, takes
+    from core.model.cpu import gguf_blocks
+    from core.model.quant.block_dense import Segment
 
     ref = g.tensors.get(p.src)
-    if ref is None or len(ref.shape) != 2 or ref.kind not in GGUF_BLOCKS or not takes(ref.kind, ref.shape[1], target.dtype):
+    if (ref is None or len(ref.shape) != 2 or ref.kind not in GGUF_BLOCKS
+            or not gguf_blocks.runs(ref.kind, target.dtype, ref.shape[1])):
         return None
     r0, r1 = p.rows or (0, target.shape[0])
-    if tuple(ref.shape) != (r1 - r0, target.shape[-1]):
-        raise ModelError(f"GGUF tensor {p.src} has shape {tuple(ref.shape)}, expected {(r1 - r0, target.shape[-1])}",
-                         "the GGUF metadata does not match its tensors")
+    _check_shape(p.src, ref.shape, (r1 - r0, target.shape[-1]))
     raw = torch.empty(ref.nbytes, dtype=torch.uint8)
     read_into(ref, raw)
     rows = raw.view(ref.shape[0], -1)
@@ -184,9 +177,7 @@ def fill_experts(g: GGUFModel, spec: ModelSpec, i: int, scheme: ExpertScheme | N
             for e, name in enumerate(names):  # one stacked tensor, or one per expert
                 x = read_float(g.tensors[name])
                 target = dest if len(names) == 1 else dest[e]
-                if tuple(x.shape) != tuple(target.shape):
-                    raise ModelError(f"GGUF tensor {name} has shape {tuple(x.shape)}, expected {tuple(target.shape)}",
-                                     "the GGUF metadata does not match its tensors")
+                _check_shape(name, x.shape, target.shape)
                 target.copy_(x)
         return
     for w, names in src.items():
@@ -202,6 +193,12 @@ def fill_experts(g: GGUFModel, spec: ModelSpec, i: int, scheme: ExpertScheme | N
                 raise ModelError(f"GGUF tensor {ref.name} has {ref.nbytes} bytes, expected {want}",
                                  "the GGUF metadata does not match its tensors")
             read_into(ref, raw[e, lo:lo + rows], start=e * per_expert if len(names) == 1 else 0)
+
+
+def _check_shape(name: str, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise ModelError(f"GGUF tensor {name} has shape {tuple(got)}, expected {tuple(want)}",
+                         "the GGUF metadata does not match its tensors")
 
 
 def _read_float(g: GGUFModel, name: str) -> torch.Tensor:
@@ -220,9 +217,7 @@ def _tensor(g: GGUFModel, name: str) -> TensorRef:
 
 def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
                       pin: bool = False, progress: EventSink = ignore, cpu_only: bool = False):
-    """`cpu_only`: the model runs in the CPU-only mode, whose packing (ModelWeights.pack_for_cpu) takes the
-    quantized projections as the file's blocks (`block_dense` of each layer and of the model): those are
-    not expanded here. Elsewhere (a device, float experts) every dense tensor is expanded to `dtype`."""
+    """`cpu_only`: the quantized projections stay the file's blocks for pack_for_cpu; else all expanded."""
     from core.model.weights import LayerLayout, LayerWeights, ModelWeights
 
     dtype = dtype or spec.torch_dtype

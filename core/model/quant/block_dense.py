@@ -1,16 +1,9 @@
 """A GGUF file's quantized dense projections held as the file's blocks on the CPU (attention, shared expert, LM head).
 
-The loader used to expand every dense tensor to the compute dtype: a Q4_K_M file's attention then sat in
-RAM at 16 bits instead of its 4.5, and the CPU read 3.5x the bytes the file holds for it at every decode
-step. In the CPU-only mode the loader now keeps each such projection's rows as the file's blocks (the
-converter's q/k row interleave undone on whole rows, which keeps the blocks intact) and `BlockWeight` stands
-where the expanded weight stood, taken by F.linear only (core.model.cpu.kernels.LinearOnlyWeight):
-- up to NATIVE_GGUF_ROWS tokens (decode) on core.model.cpu.gguf_blocks' kernel, which decodes a weight row
-  at a time into cache: nothing of the matrix is ever expanded;
-- more tokens (a prefill wave) expand a chunk of rows at a time into a reused buffer and multiply there,
-  where the expansion is paid once for many tokens.
-A projection fused from tensors of different formats (Q4_K_M gives some layers a Q6_K attn_v beside Q4_K
-q and k) is one segment per run of rows in one format, each written into its columns of the output.
+Expanded, a Q4_K_M file's attention sat in RAM at 16 bits instead of 4.5. `BlockWeight` stands where the
+weight stood (F.linear only): up to NATIVE_GGUF_ROWS tokens on cpu.gguf_blocks' kernel, more a chunk of
+rows expanded at a time. A projection fused from tensors of different formats is one segment per run of
+rows in one format.
 """
 
 from __future__ import annotations
@@ -48,11 +41,6 @@ def merged(segments: list[Segment]) -> list[Segment]:
             s = Segment(p.r0, s.r1, s.kind, torch.cat([p.raw, s.raw]))
         out.append(s)
     return out
-
-
-def takes(kind: str, k: int, dtype: torch.dtype) -> bool:
-    """Whether a [n, k] projection stored as `kind` computes on its blocks here in `dtype`."""
-    return gguf_blocks.runs(kind, dtype, k)
 
 
 class BlockWeight(LinearOnlyWeight):

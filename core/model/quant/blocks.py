@@ -1,8 +1,7 @@
 """Block formats decoded with torch: GGUF's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, and gpt-oss's MXFP4.
 
-Each decoder does the float32 arithmetic of the `gguf` package's reference decoder in the same
-order, so results are bit for bit the same (tests/test_quant_gguf.py checks it); it runs on any
-device torch runs on, so the accelerator can expand the bytes a page brought. Layouts (per block):
+The float32 arithmetic of the `gguf` package's reference decoder in its order (bit for bit the same),
+on any device. Layouts (per block):
   Q8_0  d f16 | q int8[32]                                  y = q·d
   Q4_0  d f16 | q[16] (low nibbles: 0..15, high: 16..31)    y = (q − 8)·d
   Q4_K  d f16 | dmin f16 | 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32 | q[128]
@@ -11,7 +10,6 @@ device torch runs on, so the accelerator can expand the bytes a page brought. La
   Q6_K  ql[128] | qh[64] | sc int8[16] | d f16               y = d·sc · (q − 32), 16 values per scale
   MXFP4 e u8 | q[16] (low nibbles: 0..15, high: 16..31)     y = 2^(e−128) · {0,1,2,3,4,6,8,12, −…}[q]
 gpt-oss MXFP4 instead interleaves (even k in the low nibble) and keeps exponents apart, biased 127.
-Legend: n = blocks, Q = 256 (a K-quant super-block).
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
 def _const(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small constant table on `device`, made on first use and kept: built per call it was a fresh
-    tensor, and on a GPU a host-to-device copy, for every expert decoded."""
+    """A small constant table on `device`, kept: made per call it was a host-to-device copy per expert decoded."""
     key = (values, dtype, str(device))
     t = _CONSTANTS.get(key)
     if t is None:

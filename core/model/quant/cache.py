@@ -1,23 +1,16 @@
 """The quantized cache: a checkpoint quantized once, kept as safetensors in the user cache, memory-mapped after.
 
-Layout of one entry, `<cache>/quantized/<key>/`: `model.safetensors` holding `embed`, `norm`, `lm_head`
-in the compute dtype and `layers.<i>`, each layer's whole flat buffer as bytes (dense weights and
-quantized experts exactly as `core.model.weights` lays them out), and `meta.json` saying what it is.
-The key hashes the checkpoint's content (`fingerprint`), the expert scheme, the compute dtype and
-this layout's version, so a changed checkpoint or format never reads a stale entry.
-
-The file is written front to back while the loader quantizes layer by layer (the header is known
-up front: every size follows from the spec), under a temporary name renamed into place when
-complete, so an interrupted first load leaves nothing that a later load would trust. Two processes
-may quantize the same model at once: each writes its own temporary file, and the commit runs under
-the entry's file lock, so the first to finish commits and the other, finding the entry complete,
-drops its copy (never replacing a file that a reader may have mapped).
+An entry `<cache>/quantized/<key>/` holds `model.safetensors` (globals and each layer's flat buffer as bytes)
+and `meta.json`; the key hashes the checkpoint's content, the scheme, the dtype and the layout's version. It is
+written under a temporary name and committed under the entry's file lock: an interrupted load leaves nothing
+trusted, and the second of two writers drops its copy (never replacing a file a reader may have mapped).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
@@ -36,15 +29,12 @@ _SAMPLE = 1 << 20  # bytes hashed at each of three places in a shard
 
 
 def cache_root() -> Path:
-    from core.model.demo import cache_dir
-
-    return cache_dir() / "quantized"
+    return platform.cache_dir() / "quantized"
 
 
 def fingerprint(model_dir: Path) -> str:
-    """A content hash of a checkpoint folder without reading all of it: config.json, and per weight file its
-    size, its safetensors header and 1 MiB from its start, middle and end. Files in a Hugging Face cache are
-    named by their content hash already (blobs/<sha256>); that name is used instead of sampling."""
+    """A content hash of a checkpoint folder without reading all of it: config.json and per weight file its
+    size, header and 1 MiB from its start, middle and end (a Hugging Face cache's blob name where it has one)."""
     h = hashlib.sha256()
     model_dir = Path(model_dir)
     for f in sorted(model_dir.iterdir()):
@@ -108,9 +98,8 @@ class StreamWriter:
 
     def __init__(self, path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  entry: CacheEntry | None = None, align: int = 8):
-        """`align`: each tensor's bytes start at a multiple of it in the file (so in a map of it: kernels
-        with aligned vector loads read mapped tensors in place); the gaps are `__pad.<i>` byte tensors,
-        so the file stays a plain safetensors file without holes."""
+        """`align`: each tensor starts at a multiple of it in the file, so kernels with aligned loads read mapped
+        tensors in place; the gaps are `__pad.<i>` tensors, so the file stays plain safetensors."""
         self.path, self.tmp, self.fh = path, None, None
         header, off, self.pads = {}, 0, {}
         for name, dtype, shape in tensors:
@@ -119,7 +108,7 @@ class StreamWriter:
                 self.pads[name] = f"__pad.{len(self.pads)}"
                 header[self.pads[name]] = {"dtype": "U8", "shape": [gap], "data_offsets": [off, off + gap]}
                 off += gap
-            n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            n = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
             off += n
         self.order = list(header)
@@ -194,10 +183,3 @@ def _temp_in(folder: Path, prefix: str) -> Path:
 def _cache_error(where: Path, e: BaseException) -> MlightError:
     return MlightError(f"cannot write the quantized cache at {where}: {e}",
                        "free disk space, or set MLIGHT_CACHE_DIR to a writable folder")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

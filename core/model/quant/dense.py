@@ -1,20 +1,10 @@
 """Dense weights (attention projections, shared experts, the LM head) quantized on the CPU, behind F.linear.
 
-The routed experts are most of a MoE model's bytes, not all: at batch 1 a decode step also reads every
-layer's attention projections and the LM head, and those cost the same in bf16 and in an int4-expert
-model. `--quantize-dense` stores them in the experts' format too (int8 per channel or int4 group-wise),
-for the CPU-only mode, where torch's weight-only kernels read a half or a quarter of bf16's bytes.
-
-`QuantWeight` stands where the bf16 weight stood: same shape and dtype, taken by `F.linear` and nothing
-else (a core.model.cpu.kernels.LinearOnlyWeight, like oneDNN's PackedWeight). Its numbers are
-`formats.quantize`'s, in the kernel's prepacked layout (core.model.quant.experts): the experts' format.
-A weight is quantized and packed a block of rows at a time, so the float32 temporaries stay near a
-megabyte whatever its size (an LM head of 32k × 4096 would otherwise take 2 GB of them).
-
-`DenseCache` keeps the packed weights in the user cache (core.model.quant.cache's entries and commit
-rules): the first load writes them as it quantizes, later loads map the file and hand its bytes to the
-kernel as they are. The key names the CPU kernel too: int4's packed layout differs between AVX2 and
-AVX-512 builds of the same torch.
+At batch 1 a decode step also reads every attention projection and the LM head: `--quantize-dense`
+stores them in the experts' format for torch's CPU weight-only kernels. `QuantWeight` stands where the
+weight stood (a cpu.kernels.LinearOnlyWeight), quantized and packed a block of rows at a time so the
+float32 temporaries stay near a megabyte. `DenseCache` keeps the packed weights in the user cache; its
+key names the CPU kernel too, since int4's packed layout differs between AVX2 and AVX-512 builds.
 """
 
 from __future__ import annotations
@@ -91,9 +81,8 @@ def quantize_dense(w: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 class DenseCache:
-    """The quantized dense weights of one checkpoint in the user cache: `weight(name, w)` gives each
-    QuantWeight — mapped from a complete entry, else quantized now and written, in the order of `names`
-    ((name, n, k), the order the loader asks for them). `commit()` once all are written."""
+    """One checkpoint's quantized dense weights in the user cache: `weight(name, w)` maps a complete entry's
+    QuantWeight, else quantizes and writes it, in the order of `names`; `commit()` once all are written."""
 
     def __init__(self, model_dir: Path, fmt: Format, dtype: torch.dtype, names: list[tuple[str, int, int]],
                  key: dict):
@@ -132,8 +121,7 @@ class DenseCache:
 
 
 def _map(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file as a view of one private (copy-on-write) map of it: pages are
-    read from the file as the kernel touches them and never written back."""
+    """Every tensor of a safetensors file as a view of one private (copy-on-write) map: read on touch, never written."""
     from core.model.safetensors_io import _read_header
 
     infos = _read_header(path)
@@ -149,8 +137,7 @@ def _map(path: Path) -> dict[str, torch.Tensor]:
 
 
 def dense_cache(model_dir: Path, spec, fmt: Format | None, dtype: torch.dtype, key: dict | None = None):
-    """The DenseCache of `spec`'s checkpoint (the shapes the loader holds) for `fmt`, or None where there is
-    nothing to cache: no format, or no kernel for it on this torch and dtype."""
+    """`spec`'s DenseCache for `fmt`, or None where nothing is cached (no format, or no kernel for it here)."""
     from core.model.quant.dense_spec import quantized_matrices, with_dense
 
     if fmt is None or not cpu_kernel_ok(fmt, 16, max(fmt.group, 2), dtype):

@@ -1,11 +1,7 @@
 """Which dense weights `--quantize-dense` stores quantized, and what they cost: torch-free, for the planner.
 
-In the CPU-only mode the attention and shared-expert projections (`DENSE_NAMES`) and an untied LM head
-are held in a weight-only format (core.model.quant.dense) wherever torch's CPU kernel takes the shape:
-int8 any, int4 K in whole groups and N a multiple of 16. Norms, routers, biases, MLA's and linear
-attention's other projections and a dense MLP stay in the checkpoint's dtype. A ModelSpec says which
-format with `dense_format` (a Format label, "none" = none); the bytes and the kernel's work follow here.
-On an accelerator the dense weights stay in the checkpoint's dtype (the engine warns).
+CPU-only mode: `DENSE_NAMES` and an untied LM head, where torch's CPU kernel takes the shape (int8 any;
+int4 K in whole groups, N a multiple of 16). `ModelSpec.dense_format` names the format ("none": none).
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ def kernel_takes(fmt: Format, n: int, k: int) -> bool:
 
 
 def kernel_nbytes(fmt: Format, n: int, k: int, dtype_bytes: int) -> int:
-    """Bytes of an [n, k] weight in the CPU kernel's layout (core.model.quant.dense.kernel_layout): its
-    integers, and its scales (int4: and zeros) in the compute dtype."""
+    """Bytes of an [n, k] weight in the CPU kernel's layout: integers, scales (int4: and zeros) in the compute dtype."""
     if fmt.name == "int8":
         return n * k + n * dtype_bytes
     return n * k // 2 + k // fmt.group * n * 2 * dtype_bytes
@@ -68,8 +63,7 @@ def cpu_nonexpert_bytes(spec) -> int:
 
 
 def layer_shares(spec) -> dict[str, float]:
-    """Per matrix kind ("qkv", "o", "shared_w13", "shared_w2"), the share of layers where it is quantized,
-    and "lm_head" 1.0 or 0.0: how much of the average layer's (and the head's) dense work the kernel runs."""
+    """Per matrix kind, the share of layers where it is quantized ("lm_head": 1.0 or 0.0)."""
     counts = dict.fromkeys((*DENSE_NAMES, "lm_head"), 0)
     for layer, name, _, _ in quantized_matrices(spec):
         counts[name] += 1

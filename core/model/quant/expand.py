@@ -1,20 +1,15 @@
 """One quantized matrix expanded into the compute dtype, in buffers made once and reused by every call.
 
-The device computes streamed quantized experts by expanding each one into a scratch buffer and
-multiplying there (and the CPU does the same for an int8 expert that many tokens chose, and for GGUF
-blocks). That runs per expert per layer per step, so for int8 and int4 nothing here allocates after
-the first call: the output buffer, the workspaces and even the scalar operands (a Python number
-becomes a fresh 0-dim tensor on every op) live in a `Workspace` shared by all layers of a model.
-
-The arithmetic is `formats.dequantize`'s, op for op in float32, so the result is bit for bit the
-reference's: rows are expanded a chunk at a time through a float32 workspace (small enough to stay
-in cache on the CPU, large enough on an accelerator that an expert takes a few launches), then
-rounded once into the output. GGUF and MXFP4 blocks likewise, through `expand_blocks` (blocks.decode's
-arithmetic with its intermediates in the workspace): no format allocates after its first call.
+This runs per expert per layer per step, so nothing allocates after the first call: output, chunk
+buffers and even scalar operands (a Python number becomes a fresh 0-dim tensor per op) live in a
+`Workspace` shared by a model's layers. The arithmetic is `formats.dequantize`'s op for op in float32,
+a chunk of rows at a time, rounded once into the output: bit for bit the reference's.
 Legend: n = output rows, k = inputs, g = int4 group, r = rows in a chunk.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -42,9 +37,7 @@ class Workspace:
 
     def chunk(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A view of one flat buffer per role, shared by every shape (grown only for a larger chunk)."""
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         buf = self._bufs.get((role, dtype))
         if buf is None or buf.numel() < numel:
             buf = self._bufs[(role, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
@@ -72,38 +65,24 @@ def expand_into(ws: Workspace, fmt: Format, parts: dict[str, torch.Tensor], n: i
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         dst = out[r0:r1]
+        # float32 values are computed in `dst` itself when it is float32, else in the workspace
+        w = dst if dst.dtype == torch.float32 else ws.chunk("f32", (r1 - r0, k), torch.float32)
         if fmt.name == "int8":
-            _int8(ws, parts, r0, r1, k, dst)
+            w.copy_(parts["q"][r0:r1])
+            w.mul_(parts["scale"][r0:r1, None])  # fp32 scale: same dtype, so no promoted copy of either side
         elif fmt.name == "int4":
-            _int4(ws, parts, r0, r1, k, fmt.group, dst)
+            _int4(ws, parts, r0, r1, k, fmt.group, w)
         else:
-            w = _f32(ws, dst, k)
             expand_blocks(ws, fmt, parts, r0, r1, w)
-            if w is not dst:
-                dst.copy_(w)
+        if w is not dst:
+            dst.copy_(w)
     return out
 
 
-def _f32(ws: Workspace, dst: torch.Tensor, k: int) -> torch.Tensor:
-    """Where a chunk's float32 values are computed: `dst` itself when it is float32, else the workspace."""
-    if dst.dtype == torch.float32:
-        return dst
-    return ws.chunk("f32", (dst.shape[0], k), torch.float32)
-
-
-def _int8(ws, parts, r0, r1, k, dst):
-    w = _f32(ws, dst, k)
-    w.copy_(parts["q"][r0:r1])
-    w.mul_(parts["scale"][r0:r1, None])  # fp32 scale: same dtype, so no promoted copy of either side
-    if w is not dst:
-        dst.copy_(w)
-
-
-def _int4(ws, parts, r0, r1, k, g, dst):
+def _int4(ws, parts, r0, r1, k, g, w):
     r = r1 - r0
     q = parts["q"][r0:r1]
     nib = ws.chunk("u8", (r, k // 2), torch.uint8)
-    w = _f32(ws, dst, k)
     pairs = w.view(r, k // 2, 2)
     torch.bitwise_and(q, ws.const(15, torch.uint8), out=nib)
     pairs[..., 0].copy_(nib)  # even k: low nibble
@@ -113,5 +92,3 @@ def _int4(ws, parts, r0, r1, k, g, dst):
     sz.copy_(parts["sz"][r0:r1])
     groups = w.view(r, k // g, g)
     groups.sub_(ws.const(8.0, torch.float32)).mul_(sz[..., 0:1]).add_(sz[..., 1:2])
-    if w is not dst:
-        dst.copy_(w)

@@ -1,11 +1,7 @@
 """GGUF and MXFP4 blocks expanded into reused buffers: `blocks.decode`'s arithmetic, without its temporaries.
 
-`blocks` decodes with ordinary torch expressions, each making a fresh tensor; run per expert per layer
-per step on a streamed page that is a few allocations per chunk of rows. Here every intermediate is a
-`Workspace` chunk (by role, reused by every layer and step) and every op writes into one (`out=`, or
-in place), so after the first call of each format nothing is allocated. Op for op the same float32
-arithmetic as `blocks` (products in the same order up to commutation, which is exact), so bit for bit
-its result — tests/test_quant_expand.py checks both. Layouts: see core.model.quant.blocks.
+Every intermediate is a `Workspace` chunk and every op writes into one, so after a format's first call
+nothing allocates; op for op `blocks`' float32 arithmetic, so bit for bit its result.
 Legend: n = blocks in the chunk, r = rows, G = 32-value groups of a row.
 """
 

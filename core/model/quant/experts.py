@@ -1,20 +1,9 @@
 """The routed experts of one layer held quantized, and how they compute.
 
-`ExpertScheme` says how a layer stores its experts: the up projection (gate rows, then up rows) as one
-matrix stack `w13` [E, 2I, D] or, when a GGUF file gives gate and up in different formats, as `w1` and
-`w3` [E, I, D]; the down projection `w2` [E, D, I]; each in its own `Format`.
-
-`QuantExperts` computes one expert's projections from those bytes, by one of two backends:
-- kernel (CPU, int8/int4): for int4 mlight's own C kernel (core.model.cpu.int4) on the bytes as stored,
-  where it builds — and then one token's routed experts run as one fused call (`one_token`); else
-  torch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) over each expert
-  prepacked once by `pack_cpu` — the small-batch decode path, where reading fewer bytes is what counts;
-- GGUF blocks (CPU): core.model.cpu.gguf_blocks' C kernel on the file's bytes as stored (`blocks`), one
-  token's experts in one call at batch 1, up to NATIVE_GGUF_ROWS tokens on an expert;
-- dequantize: the expert is expanded into a reused scratch buffer in the compute dtype and multiplied
-  by an ordinary matmul — every format, every device; what the accelerator does with streamed pages,
-  and what the CPU does with an expert that many tokens chose (above `kernel_rows`, where the
-  kernels' per-row cost outgrows one expansion).
+`ExpertScheme`: `w13` [E, 2I, D] (or `w1`, `w3` [E, I, D] when a GGUF file gives gate and up in different
+formats) and `w2` [E, D, I], each in its own `Format`. `QuantExperts` computes on the bytes as stored (the C
+int4 and GGUF-block kernels, torch's weight-only kernels over a prepacked copy) at small batch, or expands an
+expert into a reused buffer for an ordinary matmul: every format and device, and above `kernel_rows` tokens.
 Legend: E = experts, D = hidden, I = expert intermediate, n = tokens routed to the expert.
 """
 
@@ -61,16 +50,12 @@ class ExpertScheme:
         """(entry name, dtype name, shape) of every stored tensor, experts stacked first."""
         return [(f"{m.name}.{p.suffix}", p.dtype, (experts, *p.shape)) for m in self.matrices for p in m.fmt.parts(m.n, m.k)]
 
-    def expert_nbytes(self) -> int:
-        return sum(m.fmt.nbytes(m.n, m.k) for m in self.matrices)
-
     def bits_per_weight(self) -> float:
-        return 8 * self.expert_nbytes() / sum(m.n * m.k for m in self.matrices)
+        return 8 * sum(m.fmt.nbytes(m.n, m.k) for m in self.matrices) / sum(m.n * m.k for m in self.matrices)
 
     @property
     def label(self) -> str:
-        names = sorted({m.fmt.label for m in self.matrices})
-        return "/".join(names)
+        return "/".join(sorted({m.fmt.label for m in self.matrices}))
 
 
 class QuantExperts:
@@ -80,10 +65,10 @@ class QuantExperts:
                  scratch: dict | None = None):
         self.scheme, self.parts, self.dtype = scheme, parts, dtype
         first = next(iter(parts.values()))
-        self.num_experts, self._device = first.shape[0], first.device
+        self.num_experts, self.device = first.shape[0], first.device
         # shared by the layers of a model: one expert's expansion and its workspaces, per device
         self.scratch = {} if scratch is None else scratch
-        self.workspace: Workspace = self.scratch.setdefault(("workspace", str(self._device)), Workspace(self._device))
+        self.workspace: Workspace = self.scratch.setdefault(("workspace", str(self.device)), Workspace(self.device))
         self.packed: dict[str, list] | None = None  # per matrix, per expert: the CPU kernel's layout
         self.native = False  # int4 on core.model.cpu.int4's kernel: `parts` are its operands as they are
         self.blocks = False  # GGUF blocks on core.model.cpu.gguf_blocks' kernel: the file's bytes as they are
@@ -92,10 +77,6 @@ class QuantExperts:
 
     def __len__(self) -> int:
         return self.num_experts
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def matrix_parts(self, m: Matrix, e: int) -> dict[str, torch.Tensor]:
         return {p.suffix: self.parts[f"{m.name}.{p.suffix}"][e] for p in m.fmt.parts(m.n, m.k)}
@@ -115,21 +96,17 @@ class QuantExperts:
         return self._linear(self.scheme.down, e, h)
 
     def one_token(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
-        """One token's k routed experts with SwiGLU, weighed and summed (h [1, D], weights/idx [1, k]), in
-        one call of the C kernel; None where it does not run (then the caller goes expert by expert)."""
+        """One token's k experts (SwiGLU) weighed and summed in one C kernel call; None where it does not run."""
         if self.blocks and len(self.scheme.up) == 1:
             up, down = self.scheme.up[0], self.scheme.down
             return gguf_blocks.moe(h, idx, weights, (up.fmt.name, self.parts["w13.raw"]),
                                    (down.fmt.name, self.parts["w2.raw"]))
+        group = self.scheme.down.fmt.group
         if not self.native or self.kernel_rows < 1 or not int4.runs(h.dtype, *(m.k for m in self.scheme.matrices),
-                                                                      group=self._group):
+                                                                      group=group):
             return None
         p = self.parts
-        return int4.moe(h, idx, weights, (p["w13.q"], p["w13.sz"]), (p["w2.q"], p["w2.sz"]), self._group)
-
-    @property
-    def _group(self) -> int:
-        return self.scheme.down.fmt.group
+        return int4.moe(h, idx, weights, (p["w13.q"], p["w13.sz"]), (p["w2.q"], p["w2.sz"]), group)
 
     def _linear(self, m: Matrix, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.blocks and x.shape[0] <= self.kernel_rows:
@@ -141,15 +118,13 @@ class QuantExperts:
         return F.linear(x, self.expand(m, e))
 
     def expand(self, m: Matrix, e: int) -> torch.Tensor:
-        """Expert e's matrix m in the compute dtype, in a buffer reused by every layer and step
-        (int8 and int4 allocate nothing once each shape has been seen: core.model.quant.expand)."""
+        """Expert e's matrix m in the compute dtype, in a buffer reused by every layer and step."""
         return expand_into(self.workspace, m.fmt, self.matrix_parts(m, e), m.n, m.k, self.dtype)
 
     # ---- CPU kernels -----------------------------------------------------------------------------
     def pack_cpu(self) -> bool:
-        """Ready the experts for a CPU kernel where the format and shapes allow; False if not. int4 on the C
-        kernel needs nothing done (it reads the stored layout); torch's kernels get every expert prepacked."""
-        if self._device.type == "cpu" and all(gguf_blocks.runs(m.fmt.name, self.dtype, m.k)
+        """Ready the experts for a CPU kernel where format and shapes allow (torch's get each expert prepacked)."""
+        if self.device.type == "cpu" and all(gguf_blocks.runs(m.fmt.name, self.dtype, m.k)
                                               for m in self.scheme.matrices):
             self.blocks = True
             self.kernel_rows = NATIVE_GGUF_ROWS
@@ -167,16 +142,14 @@ class QuantExperts:
     def _native_ok(self) -> bool:
         """int4 gate/up as one matrix and down, each at a group the C kernel takes, and the kernel here."""
         up, down = self.scheme.up, self.scheme.down
-        return (self._device.type == "cpu" and len(up) == 1 and up[0].name == "w13" and
+        return (self.device.type == "cpu" and len(up) == 1 and up[0].name == "w13" and
                 all(m.fmt.name == "int4" for m in self.scheme.matrices) and up[0].fmt == down.fmt and
                 int4.runs(self.dtype, up[0].k, down.k, group=down.fmt.group))
 
     def detach_parts(self, copy: bool = True) -> None:
-        """After packing, stop reading the flat buffer (so it can go): the C kernel's int4 keeps its parts
-        (copied out: they also expand, for many tokens); int8 keeps expanding from its packed copy; the
-        torch kernel's int4 layout cannot be expanded, so its experts always take the kernel. `copy=False`
-        (GGUF blocks whose layer wrote nothing else big into the buffer): the parts stay views of it, so a
-        load never holds a layer's experts twice."""
+        """After packing, stop reading the flat buffer so it can go: the C int4 kernel's parts are copied out
+        (they also expand, for many tokens); torch's int4 layout cannot expand, so those experts always take
+        the kernel. `copy=False`: the parts stay views of the buffer, so a load never holds them twice."""
         if self.native or self.blocks:
             if copy or not self.blocks:
                 self.parts = {k: v.clone() for k, v in self.parts.items()}
@@ -191,13 +164,9 @@ class QuantExperts:
 
 
 def kernel_probe(name: str, rows: int = 64, n: int = 2048, k: int = 1024, dtype: torch.dtype = torch.bfloat16):
-    """(run, flops): one call of the CPU kernel for `name` (int8, or int4 at the default group) on `rows`
-    tokens, as the engine calls it — mlight's C int4 kernel where it runs (expanding above NATIVE_INT4_ROWS
-    rows), else torch's weight-only kernel — what the hardware probe times for the planner. One token on
-    the C kernel is the engine's fused call (QuantExperts.one_token): two of four experts with hidden k and
-    width n / 2 (an expert's gate/up matrix n × k), so the rate is that call's, not one small matrix's,
-    whose fixed cost per call would read as a slower kernel.
-    RuntimeError where this torch or CPU has no such kernel."""
+    """(run, flops): one call of the CPU kernel for `name` on `rows` tokens as the engine calls it, for the
+    hardware probe. One token on the C kernel is the engine's fused call (two of four experts of width
+    n / 2), so the rate is that call's and not one small matrix's. RuntimeError where there is no kernel."""
     fmt = Format("int4", DEFAULT_INT4_GROUP) if name == "int4" else Format(name)
     g = torch.Generator().manual_seed(0)
     if fmt.name == "int4" and rows == 1 and int4.runs(dtype, k, n // 2, group=fmt.group):

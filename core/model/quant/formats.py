@@ -1,15 +1,12 @@
 """Weight formats: what a quantized matrix stores, how many bytes a weight costs, float references.
 
-A matrix W [N, K] (N output rows, K inputs; expert stacks add a leading E) is stored as parts:
-- int8: `q` int8 [N, K] and `scale` fp32 [N] — symmetric per output channel, W ≈ q · scale.
-- int4: `q` uint8 [N, K/2] (even k in the low nibble) and `sz` bf16 [N, K/g, 2] — asymmetric per group
-  of g inputs, W ≈ (q − 8) · scale + zero, the convention of torch's int4 kernels (their `zero` is the
-  group's value at q = 8), so the CPU kernel and the dequantizing path read the same numbers.
-- mxfp4 (gpt-oss checkpoints): `blocks` uint8 [N, K/32, 16] (e2m1 pairs, even k low) and `scales`
-  uint8 [N, K/32] (e8m0 exponents).
-- GGUF block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4): `raw` uint8 [N, K/block · type_size],
-  the file's bytes as they are; `core.model.quant.blocks` decodes them.
-Dtypes are names so that the planner can size formats without importing torch.
+A matrix W [N, K] (expert stacks add a leading E) is stored as parts:
+- int8: `q` int8 [N, K], `scale` fp32 [N]; W ≈ q · scale.
+- int4: `q` uint8 [N, K/2] (even k low), `sz` bf16 [N, K/g, 2]; W ≈ (q − 8) · scale + zero, torch's int4
+  kernels' convention, so the kernel and the dequantizing path read the same numbers.
+- mxfp4 (gpt-oss): `blocks` uint8 [N, K/32, 16], `scales` uint8 [N, K/32] (e8m0).
+- GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4): `raw` uint8 [N, K/block · type_size], the file's bytes.
+Dtypes are names so that the planner sizes formats without importing torch.
 """
 
 from __future__ import annotations
@@ -28,15 +25,11 @@ GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (
 # Expanding a quantized matrix goes a chunk of rows at a time through a float32 workspace (expand.py)
 CHUNK_ELEMS_CPU = 1 << 18  # 1 MB: the expanded rows are read back from L2
 CHUNK_ELEMS_DEVICE = 1 << 23  # 32 MB: a Mixtral expert's up projection in 14 chunks of a few launches each
-# Above this many tokens on one expert the CPU's int8 kernel loses to expand-then-matmul (bench/quant_cpu.py);
-# here, not in experts.py, so that the planner (which never imports torch) prices what the engine runs.
+# Tokens on one expert above which a kernel loses to expand-then-matmul (bench/quant_cpu.py); here so
+# that the planner, which never imports torch, prices what the engine runs: torch's int8 kernel, mlight's
+# C int4 kernel, core.model.cpu.gguf_blocks' kernel (which decodes each weight row once whatever the tokens)
 KERNEL_ROWS = 16
-# mlight's C int4 kernel (core.model.cpu.int4) stays ahead of expanding the expert into bf16 well past 64
-# tokens on one expert since its tiles of 2 weight rows x 8 token rows (bench/quant_cpu.py's per-expert
-# table, small model, bf16: 0.97 vs 7.2 ms at 16 tokens, 3.5 vs 8.4 at 64, 5.2 vs 9.1 at 96)
 NATIVE_INT4_ROWS = 128
-# GGUF blocks on core.model.cpu.gguf_blocks' kernel, which decodes each weight row once whatever the tokens:
-# ahead of expanding the expert at every count measured up to 64 (2048 x 1024, Q8_0 and Q4_K, 2 threads)
 NATIVE_GGUF_ROWS = 128
 _ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -104,11 +97,8 @@ class Format:
 
 
 def workspace_bytes(fmt: Format, shapes, compute_bytes: int, chunk_elems: int = CHUNK_ELEMS_DEVICE) -> int:
-    """Device bytes a `Workspace` (core.model.quant.expand) holds once matrices of these (n, k) shapes in
-    `fmt` have been expanded to a compute dtype of `compute_bytes`: an output buffer per shape, and the
-    chunk buffers that only grow — float32 rows (unless the output is float32 itself), int4's unpacked
-    nibbles and scales, its scalar operands. Block formats decode a chunk at a time into temporaries
-    bounded by the chunk: those are counted as a float32 chunk, its bytes and its scales."""
+    """Device bytes a `Workspace` (quant.expand) holds once matrices of these (n, k) shapes in `fmt` were
+    expanded: an output per shape and the chunk buffers (block formats: a float32 chunk, its bytes, scales)."""
     shapes = sorted(set(shapes))
     out = sum(n * k for n, k in shapes) * compute_bytes
     if fmt.name not in ("int8", "int4"):

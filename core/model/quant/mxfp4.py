@@ -1,11 +1,7 @@
 """gpt-oss's MXFP4 experts read as they are: 4-bit blocks and their exponents into a quantized layer.
 
-The released gpt-oss checkpoints keep each expert projection as `<name>_blocks` [E, N, K/32, 16] (two
-e2m1 values a byte, even k in the low nibble) and `<name>_scales` [E, N, K/32] (e8m0 exponents, bias
-127), with gate and up interleaved on the rows of `gate_up_proj` (gate = even rows). Rows are
-independent, so de-interleaving them into our gate-then-up `w13` moves bytes, never values: the
-experts stay 4-bit in RAM, in pages and on the wire (`Format("mxfp4")`, decoded by
-core.model.quant.blocks.decode_mxfp4 where they run).
+gpt-oss keeps gate and up interleaved on the rows of `gate_up_proj` (gate = even rows); rows are
+independent, so de-interleaving them into our gate-then-up `w13` moves bytes, never values.
 """
 
 from __future__ import annotations
