@@ -167,6 +167,23 @@ def _xdist_workers(config) -> int:
     return getattr(config, "workerinput", {}).get("workercount", 0)
 
 
+@pytest.fixture
+def task_fault(monkeypatch):
+    """`task_fault(f)`: every pipeline runner calls f(task) before it runs a task, to inject a failure or a delay."""
+    from core.runtime.pipeline import PipelineRunner
+
+    def inject(fault):
+        run = PipelineRunner._run
+
+        def faulty(self, task):
+            fault(task)
+            run(self, task)
+
+        monkeypatch.setattr(PipelineRunner, "_run", faulty)
+
+    return inject
+
+
 @pytest.fixture(autouse=True)
 def _one_gpu_test_at_a_time(request, tmp_path_factory):
     """With --cuda and several workers, the real-GPU tests take turns: their memory and pinning figures are

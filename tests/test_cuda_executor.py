@@ -453,7 +453,7 @@ def test_a_hung_kernel_or_copy_fails_the_step_naming_it_within_the_device_deadli
         ex.close()
 
 
-def test_generate_with_a_hung_kernel_fails_within_seconds(checkpoint_factory):
+def test_generate_with_a_hung_kernel_fails_within_seconds(checkpoint_factory, task_fault):
     """The headline: the GPU path never hangs. A kernel of the second layer's FFN never returns; generate()
     raises a TaskFailed naming it, in about the device's deadline."""
     dev = emulated(wait_seconds=1.0)
@@ -461,12 +461,12 @@ def test_generate_with_a_hung_kernel_fails_within_seconds(checkpoint_factory):
     gate = threading.Event()
     hung = []
 
-    def fault(task):  # the runner's fault hook runs inside the launched work: on the stream's thread here
+    def fault(task):  # the injected fault runs inside the launched work: on the stream's thread here
         if task.kind == "ffn" and task.layer == 1 and threading.current_thread().name == "emulated-gpu":
             hung.append(task)
             gate.wait(30)
 
-    engine.fault = fault
+    task_fault(fault)
     out = {}
 
     def target():

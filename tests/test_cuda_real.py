@@ -45,14 +45,14 @@ def test_cuda_executor_matches_the_cpu_engine(checkpoint_factory, schedule):
         engine.close()
 
 
-def test_a_failing_task_on_the_gpu_fails_the_step_quickly(checkpoint_factory):
+def test_a_failing_task_on_the_gpu_fails_the_step_quickly(checkpoint_factory, task_fault):
     engine = Engine.load(checkpoint_factory("mixtral"), device="cuda", executor="cuda", resident_layers=0)
 
     def fault(task):
         if task.kind == "ffn" and task.layer == 1:
             raise ValueError("injected")
 
-    engine.fault = fault
+    task_fault(fault)
     out = {}
 
     def run():

@@ -261,7 +261,7 @@ def test_batch_sizes_come_from_the_call_then_the_policy_and_never_exceed_the_req
     assert sizes(3) == (3, 2, 11)  # fewer requests than the policy's batch: fewer slots, same micro-batch
 
 
-def test_out_of_memory_restarts_the_unfinished_longest_first_in_half_the_batch(engine, monkeypatch):
+def test_out_of_memory_restarts_the_unfinished_longest_first_in_half_the_batch(engine, monkeypatch, task_fault):
     """An OOM in the first decode: the four requests in flight go back to the head of the queue, longest
     first, and the batch halves (to 2), so the two longest are prefilled again first; nothing is lost."""
     import torch
@@ -276,7 +276,7 @@ def test_out_of_memory_restarts_the_unfinished_longest_first_in_half_the_batch(e
             fired.append(task)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(engine, "fault", fault)
+    task_fault(fault)
     lengths = [5, 17, 9, 30, 12, 3]
     reqs = [Request(id=f"r{n}", prompt=words(n), max_new_tokens=3) for n in lengths]
     events = []

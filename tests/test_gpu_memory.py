@@ -119,7 +119,7 @@ def test_a_lagging_link_does_not_lift_the_prefill_peak_past_the_plan(model):
     check(dev, pred, pinned)
 
 
-def test_an_out_of_memory_retry_peaks_where_one_run_does(model, monkeypatch):
+def test_an_out_of_memory_retry_peaks_where_one_run_does(model, monkeypatch, task_fault):
     """Finding 4: the retry built its runner while the failed step's traceback still held the old one,
     so the device held both: on a device with room for one, the rebuild itself ran out of memory."""
     path, spec, tok = model
@@ -137,7 +137,7 @@ def test_an_out_of_memory_retry_peaks_where_one_run_does(model, monkeypatch):
             fired.append(task)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
 
-    engine.fault = fault
+    task_fault(fault)
     events = []
     got = {r.id: r.output_token_ids for r in engine.generate(
         [Request(id=str(i), prompt=p, max_new_tokens=5) for i, p in enumerate(prompts)], on_event=events.append)}

@@ -195,10 +195,19 @@ def test_the_counter_sees_one_more_op_and_one_more_host_read(checkpoint_factory)
         elif task.kind == "post_attn":
             one[0].tolist()  # a read of device data on the host: a sync on a GPU
 
+    def planted_run(runner):  # this runner alone calls plant before each task
+        run = runner._run
+
+        def faulty(task):
+            plant(task)
+            run(task)
+
+        runner._run = faulty
+
     try:
         base = steady_step(engine, micro_batches=N, micro_batch_size=MU, prompt=4)
         planted = steady_step(engine, micro_batches=N, micro_batch_size=MU, prompt=4,
-                              prepare=lambda r: setattr(r, "fault", plant))
+                              prepare=planted_run)
     finally:
         engine.close()
     L = len(base.layers)

@@ -62,7 +62,7 @@ def test_every_executor_and_schedule_gives_the_same_tokens(model, reference, exe
 
 
 @pytest.mark.parametrize("round_", range(6))
-def test_threaded_cgopipe_is_race_free(model, reference, round_):
+def test_threaded_cgopipe_is_race_free(model, reference, round_, task_fault):
     """Many steps with paging and expert batches over two micro-batches, with random delays on the
     compute thread to widen every race window: tokens never change."""
     pages = (1, 2, 3, 5, 2, 4)[round_]
@@ -70,7 +70,7 @@ def test_threaded_cgopipe_is_race_free(model, reference, round_):
                          expert_group=2 if round_ % 2 else 1)
     engine.eos_ids = set()
     rng = random.Random(round_)
-    engine.fault = lambda task: time.sleep(rng.random() * 0.002) if rng.random() < 0.2 else None
+    task_fault(lambda task: time.sleep(rng.random() * 0.002) if rng.random() < 0.2 else None)
     try:
         for (b, m), want in reference.items():
             assert tokens(engine, requests(), b, m) == want
@@ -89,7 +89,7 @@ def test_threaded_matches_sequential_for_every_family(checkpoint_factory, family
         threaded.close()
 
 
-def test_attention_thread_failure_surfaces_with_its_cause(model):
+def test_attention_thread_failure_surfaces_with_its_cause(model, task_fault):
     engine = Engine.load(model, executor="threaded", resident_layers=0)
     calls = []
 
@@ -98,7 +98,7 @@ def test_attention_thread_failure_surfaces_with_its_cause(model):
             calls.append(threading.current_thread().name)
             raise ValueError("injected attention fault")
 
-    engine.fault = fault
+    task_fault(fault)
     done = []
     worker = threading.Thread(target=lambda: done.append(_run_expecting_failure(engine)))
     worker.start()
@@ -119,7 +119,7 @@ def _run_expecting_failure(engine):
     return None
 
 
-def test_out_of_memory_replans_with_a_smaller_batch(model, reference):
+def test_out_of_memory_replans_with_a_smaller_batch(model, reference, task_fault):
     """An OOM in a step halves the batch and carries on; finished results are kept, tokens unchanged."""
     from core.telemetry import WarningEvent
 
@@ -132,7 +132,7 @@ def test_out_of_memory_replans_with_a_smaller_batch(model, reference):
             fired.append(task)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
 
-    engine.fault = fault
+    task_fault(fault)
     events = []
     got = {r.id: r.output_token_ids for r in engine.generate(requests(), batch_size=4, micro_batch_size=2,
                                                                on_event=events.append)}

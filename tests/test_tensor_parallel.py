@@ -103,7 +103,15 @@ def _out_of_memory(rank: int, tp, paths: dict) -> dict:
     """Rank 1 runs out of memory once mid-decode (the plain chain: before an O-projection sum the others
     wait in; CGOPipe: in CPU attention, on another thread); rank 2 runs out in every step (prefill)."""
     from core.runtime.distributed.tensor_parallel import GroupOutOfMemory
+    from core.runtime.pipeline import PipelineRunner
 
+    run, fault_now = PipelineRunner._run, [None]
+
+    def faulty(self, task):  # the rank's runners call this round's fault before each task
+        fault_now[0](task)
+        run(self, task)
+
+    PipelineRunner._run = faulty
     seen = {}
     for name, kw, where in (("chain", {}, "post_attn"), ("cgopipe", CONFIGS[(3, "cgopipe")], "cpu_attn")):
         for case, who, when in (("once", 1, {3}), ("always", 2, None)):
@@ -121,7 +129,7 @@ def _out_of_memory(rank: int, tp, paths: dict) -> dict:
                     if count[0] in when:  # the second decode step's first micro-batch
                         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
 
-            engine.fault, warnings = fault, []
+            fault_now[0], warnings = fault, []
             reqs = [Request(id=str(i), prompt=p, max_new_tokens=5 + i) for i, p in enumerate(PROMPTS)]
             try:
                 out = {r.id: r.output_token_ids for r in engine.generate(
@@ -131,6 +139,7 @@ def _out_of_memory(rank: int, tp, paths: dict) -> dict:
             finally:
                 engine.close()
             seen[(name, case)] = (out, [w for w in warnings if w])
+    PipelineRunner._run = run
     return seen
 
 

@@ -174,8 +174,7 @@ def nnls(a: list[list[float]], b: list[float], iters: int = 200) -> list[float]:
 
 
 def fit(rows: list[tuple[list[float], float]]) -> list[float]:
-    """Coefficients for (units, seconds) rows by NNLS, each row divided by its seconds (relative errors) and each
-    column by its largest value (the solver sees numbers near one)."""
+    """Coefficients for (units, seconds) rows by NNLS on relative errors, columns scaled near one."""
     rows = [(u, s) for u, s in rows if s > 0]
     cols = [max(1e-30, max(abs(u[i]) / s for u, s in rows)) for i in range(len(NAMES))]
     x = nnls([[u[i] / s / cols[i] for i in range(len(NAMES))] for u, s in rows], [1.0] * len(rows))
@@ -188,9 +187,8 @@ def band_of(errors: list[float]) -> float:
 
 
 # ---- before any calibration --------------------------------------------------------------------------
-# Shares of the probe's bandwidth and matmul rate, and the engine's Python and dispatch (CPU-bound: they do not
-# shrink with cores), as calibrations on two Zen 5 threads found them. Prepacked bf16 experts stream at 0.7 one row
-# at a time (a GEMV: 36 of 50.7 GB/s); stored narrower than the math (bf16 on AVX2) they are widened tile by tile.
+# Shares of the probe's rates and the engine's per-call costs (CPU-bound: they do not shrink with cores), as
+# calibrations on two Zen 5 threads found them; experts narrower than the math are widened tile by tile.
 DEFAULT_READ, DEFAULT_KV_READ, DEFAULT_SDPA, DEFAULT_PACKED_READ, DEFAULT_WIDEN_READ = 0.45, 0.5, 0.5, 0.7, 0.2
 DEFAULT_CALL = {"plain": 2.2e-6, "packed": 18e-6}  # per GEMM call (a prepacked weight dispatches through Python)
 DEFAULT_ELEM, DEFAULT_TASK, DEFAULT_STEP = 1.0e-9, 85e-6, 200e-6
@@ -227,8 +225,7 @@ def pick(entries: dict, d=None) -> CpuCosts | None:
     return CpuCosts.from_dict(best)
 
 
-# Besides the hardware, what a calibration measured depends on the engine's CPU kernels (their C sources, the
-# Python that dispatches them) and torch: any of them changed, the file is another file, measured again.
+# A calibration also depends on the CPU kernels' code and torch: either changed, the file is another one.
 FINGERPRINT_MODULES = ("core.model.moe", "core.model.attention", "core.model.expert_choice")
 
 

@@ -1,17 +1,8 @@
-"""HardwareSpec: what the planner needs to know about a machine, and three ways to get one.
+"""HardwareSpec: what the planner knows of a machine — from `preset(name)` (datasheets), `detect()` (pynvml and
+psutil; no GPU is the normal CPU-only case) or `probe()` (seconds of measurement, cached per machine and CPU ISA
+setting; CPU matmuls through `CPU_MATMUL_PROBES`).
 
-- `preset(name)`: machines you do not have, from vendor datasheets ("t4", "l4", "2xt4", "a100-80g", ...);
-  a bare GPU name means that GPU in the paper's CPU host.
-- `detect()`: pynvml (GPUs, memory, PCIe link) + psutil (RAM, cores). No NVML, no driver or no GPU is
-  the normal CPU-only case, never an error.
-- `probe()`: a few seconds of measurement (CPU matmul per dtype, memory read, the instruction set
-  torch may use; with CUDA also pinned H2D/D2H and GPU matmul), cached per machine and per
-  ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA setting under the cache dir (`MLIGHT_CACHE_DIR` or
-  platformdirs'). CPU matmul kernels are measured through `CPU_MATMUL_PROBES` (one entry per dtype
-  or quantized format: "float32", "bfloat16", "float16"; quantized kernels add theirs there).
-
-Boundary: numbers only. Datasheet values are peaks; the HRM derates every field not listed in
-`measured` (see core.plan.hrm.effective_rates). Never prints; torch is imported only by `probe`.
+Boundary: numbers only; the HRM derates every datasheet field not in `measured`. torch is imported only by `probe`.
 """
 
 from __future__ import annotations
@@ -58,8 +49,7 @@ class HardwareSpec:
     host_link_bw: float | None = None  # all GPUs' host↔device traffic together (the PCIe root complex), bytes/s; None: each GPU's link is its own
     source: str = "preset"  # "preset" | "detect" | "probe"
     measured: tuple[str, ...] = ()  # RATE_FIELDS that were measured here rather than read off a datasheet
-    # the CPU's instruction set as torch may use it (core.model.cpu.isa levels: "avx2", "avx512",
-    # "avx512_bf16", "amx", ...), what the CPU itself has, and the environment settings that lower it
+    # the CPU's instruction set as torch may use it (core.model.cpu.isa), the CPU's own, the settings lowering it
     cpu_isa: str | None = None
     cpu_isa_hw: str | None = None
     cpu_isa_limits: tuple[str, ...] = ()
@@ -69,8 +59,7 @@ class HardwareSpec:
     cpu_costs: dict = dataclasses.field(default_factory=dict)
     # kept empty, for hardware files and `mlight plan --json`: calibrations carry no speed stamp to scale to
     cpu_speed: dict = dataclasses.field(default_factory=dict)
-    # the GPU executor's host seconds per task and per torch op as measured on this machine (None: the
-    # planner's hrm.TASK_SECONDS / OP_SECONDS); bench/gpu_check.py measures them on a real GPU
+    # the GPU executor's host seconds per task and per op, measured (None: hrm.TASK_SECONDS / OP_SECONDS)
     host_task_seconds: float | None = None
     host_op_seconds: float | None = None
     # page-locking host memory (cudaHostRegister), bytes/s, as gpu_check measured it here (None: hrm.PIN_BW)
@@ -159,10 +148,7 @@ class HardwareSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
-        d = dict(d)
-        d["measured"] = tuple(d.get("measured", ()))
-        d["cpu_isa_limits"] = tuple(d.get("cpu_isa_limits", ()))
-        return cls(**d)
+        return cls(**d)  # __post_init__ turns JSON's lists back into tuples
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -246,9 +232,8 @@ def _match_gpu(name: str) -> str | None:
 
 
 def gpu_compute_dtype(dtype, capability: tuple[int, int] | None):
-    """The dtype a GPU of this compute capability computes a checkpoint of `dtype` in: bf16 has tensor
-    cores from SM80 (Ampere) on; before that (a T4 is SM75) bf16 matmuls are emulated, many times
-    slower, so bf16 checkpoints run in fp16 (the engine checks the range)."""
+    """The dtype a GPU computes a `dtype` checkpoint in: before SM80 bf16 is emulated, many times slower, so fp16
+    (the engine checks the range)."""
     import torch
 
     if dtype == torch.bfloat16 and capability is not None and tuple(capability) < (8, 0):
@@ -258,9 +243,7 @@ def gpu_compute_dtype(dtype, capability: tuple[int, int] | None):
 
 # ---- detect ------------------------------------------------------------------------------------
 def _cpu_defaults(cores: int) -> tuple[float, float]:
-    """Datasheet-free guesses for the CPU until a probe measures it: AVX2 ≈ 32 fp32 FLOP/cycle at
-    ≈2.5 GHz per core; ≈10 GB/s per core of memory bandwidth, capped at a dual-channel DDR4-3200 desktop's
-    51 GB/s × 4 (a server)."""
+    """Guesses until a probe measures: AVX2 at ≈2.5 GHz a core; ≈10 GB/s a core, capped at a server's 204 GB/s."""
     return cores * 80e9, min(cores * 10.0, 204.0) * GB
 
 
@@ -334,8 +317,7 @@ def _nvml_gpus() -> list[dict]:
 
 # ---- probe -------------------------------------------------------------------------------------
 def machine_key(hw: HardwareSpec) -> str:
-    """Identifies this machine's hardware so that a cache entry is not reused on another one; the
-    ISA limits in the environment (core.model.cpu.isa.ENV_LIMITS) are part of it (they change the CPU's rates)."""
+    """This machine's hardware and the ISA limits in its environment (they change the CPU's rates)."""
     from core.model.cpu.isa import ENV_LIMITS
 
     # the first two always, the later ones only when set: keys (and calibrations) made before them stay valid
@@ -356,21 +338,15 @@ def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: f
           measure=None) -> HardwareSpec:
     """Detected hardware with measured rates, read from the cache unless `refresh`, with its calibrated CPU costs.
 
-    `measure(hw, seconds) -> {field: value}` does the measuring (default: `_measure`, torch); tests
-    pass a stub. Fields it returns are listed in `measured` and used by the HRM without derating;
-    it may also return "cpu_matmul" ({dtype: FLOP/s}), "cpu_isa", "cpu_isa_hw", "cpu_isa_limits"
-    and "cpu_threads".
+    `measure(hw, seconds) -> {field: value}` measures (default `_measure`; tests pass a stub): RATE_FIELDS, which
+    the HRM then uses without derating, and _CPU_EXTRA.
     """
     hw = base or detect()
-    path = probe_cache_path(hw)
-    if not refresh and path.is_file():
-        try:
-            rates = json.loads(path.read_text(encoding="utf-8"))["rates"]
-            return _with_gpu_costs(_with_costs(_apply(hw, rates)))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # a damaged cache entry is measured again and overwritten
+    cached = None if refresh else cached_probe(hw)  # a damaged cache entry is measured again and overwritten
+    if cached is not None:
+        return cached
     rates = (measure or _measure)(hw, seconds)
-    _write_json(path, {"rates": rates, "time": time.time(), "machine": hw.to_dict()})
+    _write_json(probe_cache_path(hw), {"rates": rates, "time": time.time(), "machine": hw.to_dict()})
     return _with_gpu_costs(_with_costs(_apply(hw, rates)))
 
 
@@ -385,16 +361,15 @@ def _with_costs(hw: HardwareSpec) -> HardwareSpec:
 def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:
     """This machine as the probe last measured it, or None when it never was (measures nothing)."""
     hw = base or detect()
-    path = probe_cache_path(hw)
     try:
-        return _with_gpu_costs(_with_costs(_apply(hw, json.loads(path.read_text(encoding="utf-8"))["rates"])))
+        rates = json.loads(probe_cache_path(hw).read_text(encoding="utf-8"))["rates"]
+        return _with_gpu_costs(_with_costs(_apply(hw, rates)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-# What bench/gpu_check.py measured of this machine's GPU path — the executor's host seconds per task and per
-# torch op, and the rate of page-locking — kept beside the probe's rates (a file of their own: a probe
-# measured again keeps them) and applied wherever those are read; the HRM uses them in place of its H200 figures.
+# What bench/gpu_check.py measured of this machine's GPU path, in a file of their own (a new probe keeps them);
+# the HRM uses them in place of its H200 figures.
 GPU_COSTS = ("host_task_seconds", "host_op_seconds", "pin_bw")
 
 
@@ -434,8 +409,7 @@ def cached_cpu_rates() -> dict[str, float] | None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Write `path` whole or not at all. Several writers may race (data-parallel ranks probing at once,
-    threads): each writes its own temporary file, and the last rename wins."""
+    """Write `path` whole or not at all; racing writers (ranks probing at once) each rename their own file."""
     import tempfile
 
     from core.platform import replace
@@ -468,9 +442,8 @@ _CPU_CLOCK = time.get_clock_info("process_time").resolution <= 1e-4
 
 
 def bandwidth_probe_bytes(llc: int | None = None, available: int | None = None) -> int:
-    """The buffer the memory-read probe sums: twice the last-level cache (a stream through twice its size misses
-    it), at least 256 MiB (desktop CPUs with stacked cache have 96-128 MB; a 64 MiB buffer read 36-48 GB/s from a
-    Xeon VM's 480 MB L3 where memory gives 29), at most an eighth of the free memory."""
+    """The buffer the memory-read probe sums: twice the last-level cache (so it misses), at least 256 MiB (stacked
+    caches hold 96-128 MB), at most an eighth of the free memory."""
     import psutil
 
     from core.platform import llc_bytes
@@ -481,10 +454,8 @@ def bandwidth_probe_bytes(llc: int | None = None, available: int | None = None) 
 
 
 def _best(fn, seconds: float) -> float:
-    """Fastest of repeated runs of `fn` within about `seconds`, each timed by the lesser of the wall
-    clock and this process's CPU seconds: while other work shares the cores the wall clock counts their
-    turns too (a probe on a loaded 2-core box read 75 GFLOP/s where a quiet one reads 380), but a run
-    never takes less than the CPU seconds its threads spent in it, so the lesser never flatters."""
+    """Fastest of repeated runs of `fn` within about `seconds`, each timed by the lesser of the wall clock and the
+    process's CPU seconds: on shared cores the wall clock counts others' turns, and CPU time never flatters."""
     best, end = float("inf"), time.perf_counter() + seconds
     fn()  # warm-up
     while True:
@@ -497,8 +468,7 @@ def _best(fn, seconds: float) -> float:
 
 
 def _matmul_rate(dtype_name: str):
-    """A probe of square `dtype` matmuls: the size grows until one takes ≥ 20 ms (a slow dtype, such as
-    bf16 on AVX2, is measured on a small matrix rather than left running for seconds)."""
+    """A probe of square `dtype` matmuls, grown until one takes ≥ 20 ms (a slow dtype stays small)."""
 
     def run(seconds: float) -> float:
         import torch
@@ -515,15 +485,12 @@ def _matmul_rate(dtype_name: str):
     return run
 
 
-# Matmul kernels the probe measures on the CPU, by the name HardwareSpec.cpu_matmul and the engine's
-# CPU compute choice (core.model.cpu.compute) use: dtype names, and later quantized kernels
-# ("int8", "int4", ...) registered by their module. Each takes a time budget and returns FLOP/s.
+# CPU matmul kernels the probe measures, by HardwareSpec.cpu_matmul's names: a time budget -> FLOP/s.
 CPU_MATMUL_PROBES = {name: _matmul_rate(name) for name in ("float32", "bfloat16", "float16")}
 
 
 def _quant_rate(name: str, rows: int):
-    """torch's weight-only CPU kernel for quantized experts (`name`: int8, int4) at `rows` rows, as the engine
-    runs it (core.model.quant.experts.kernel_probe): the HRM's rates for quantized experts on the CPU."""
+    """torch's weight-only CPU kernel (int8, int4) at `rows` rows, as the engine runs it (kernel_probe)."""
 
     def run(seconds: float) -> float:
         from core.model.quant.experts import kernel_probe
@@ -540,8 +507,7 @@ CPU_MATMUL_PROBES.update({f"{name}{suffix}": _quant_rate(name, rows) for name in
 
 
 def _measure(hw: HardwareSpec, seconds: float) -> dict:
-    """CPU matmul FLOP/s per dtype and memory read bandwidth, the instruction set; with CUDA, GPU
-    matmul, GPU memory, pinned H2D/D2H."""
+    """CPU matmul rates, memory bandwidth and instruction set; with CUDA the GPU's rates too."""
     import torch
 
     from core.model.cpu.isa import cpu_isa
@@ -606,9 +572,8 @@ def _gpu_rates(torch, seconds: float) -> dict:
 
 
 def _release_cached(torch) -> None:
-    """Hand the probe's freed blocks back: ~0.6 GB stays reserved in torch's CUDA caching allocator and the
-    256 MiB pinned buffer in its host caching allocator until emptied, and the engine would keep fewer
-    experts resident for the memory it no longer sees free."""
+    """Hand the probe's freed blocks back (torch's device and host caches), or the engine keeps fewer experts
+    resident for memory it no longer sees free."""
     synchronize("the GPU probe's last copies")  # they are done with the buffers
     torch.cuda.empty_cache()
     empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
@@ -618,9 +583,8 @@ def _release_cached(torch) -> None:
 
 
 def resolve(name: str, *, pcie_gbps: float | None = None, refresh_probe: bool = False) -> HardwareSpec:
-    """`--hardware NAME`: "local" (detect, then probe through the cache), a preset, or a .json file
-    holding a HardwareSpec (what `mlight hw --json` prints, e.g. from another machine); `pcie_gbps`
-    overrides the host↔device link."""
+    """`--hardware NAME`: "local" (detect, then the cached probe), a preset, or a `mlight hw --json` file;
+    `pcie_gbps` overrides the host↔device link."""
     if name.strip().lower() == "local":
         hw = probe(detect(), refresh=refresh_probe)
     elif name.lower().endswith(".json"):

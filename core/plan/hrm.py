@@ -20,57 +20,40 @@ from core.model.quant import dense_spec
 from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, NATIVE_GGUF_ROWS, Format, workspace_bytes
 from core.model.spec import ModelSpec
 
-# Achieved fraction of a datasheet peak, for rates not measured on the machine (HardwareSpec.measured).
-# Calibrated on the paper's L4 + 24-core Xeon kernel latencies (shared/paper.md): the MoE FFN of one
-# Mixtral layer (2.82 GB of experts) took 12.2 ms → 0.77 of 300 GB/s; the KV copy moved 268 MB in
-# 21.8 ms → 0.77 of the 16 GB/s link; CPU attention read 16.8 MB in 0.44 ms and 2.15 GB in 44.6 ms →
-# ≈0.5 of 90 GB/s. Tensor-core matmuls reach about half their peak in practice (T4s also throttle at 70 W).
+# Achieved fraction of a datasheet peak, for rates not measured (HardwareSpec.measured): from the paper's L4 +
+# Xeon kernel latencies (shared/paper.md: Mixtral's FFN and the KV copy at 0.77, CPU attention ≈ 0.5 of 90 GB/s);
+# tensor-core matmuls reach about half their peak in practice.
 DERATE = {"gpu_flops": 0.5, "gpu_bw": 0.77, "h2d_bw": 0.77, "d2h_bw": 0.77, "cpu_flops": 0.5, "cpu_bw": 0.5}
 
 # Fixed cost of launching one task, seconds: a CUDA kernel, a copy, a CPU attention call on a thread pool.
 GPU_LAUNCH = 10e-6
-# Share of the CPU's matmul rate that torch's weight-only kernels reach on quantized experts once
-# several tokens share an expert (they expand each weight in registers): ≈ 170 GFLOP/s a Zen 5 core at
-# 16-64 rows for int4 and int8 against ≈ 380 for oneDNN's bf16 GEMM.
-# Used only where the hardware probe has not measured the kernel itself (HardwareSpec.cpu_matmul["int4"]).
+# Share of the CPU's matmul rate torch's weight-only kernels reach on quantized experts (≈ 170 against ≈ 380
+# GFLOP/s a Zen 5 core), where the probe has not measured the kernel itself (HardwareSpec.cpu_matmul["int4"]).
 CPU_KERNEL_FLOPS = {"int8": 0.45, "int4": 0.45}
 COPY_LAUNCH = 10e-6
 CPU_LAUNCH = 30e-6
-# One all-reduce between tensor-parallel ranks: a fixed cost (NCCL between GPUs on PCIe, gloo between
-# CPU processes: tens of µs for the small messages of decode; an assumption until measured on the
-# machine, see bench/gpu_check.py --multi-gpu) plus a ring's 2·(K−1)/K of the bytes over each rank's link.
+# One all-reduce between tensor-parallel ranks: a fixed cost (assumed until bench/gpu_check.py --multi-gpu
+# measures it) plus a ring's 2·(K−1)/K of the bytes over each rank's link.
 ALLREDUCE_LATENCY = 50e-6
 
-# The host side of a task, serialised across the executor's threads by Python's GIL: the executor's
-# own cost per task (queue handoff, dependency and timing events) plus, for every torch op the task
-# issues, its Python dispatch and CUDA launch. Set from the first real-GPU run (bench/gpu_check.py on an
-# H200 host, 16 vCPUs): the CUDA executor's empty task cost
-# 82 µs there (19 µs over the emulated device on a 2-core EPYC: real event calls are dearer), and the
-# decode steps' GPU stream, launch-bound at μ = 4, took 22–29 µs per op across the three schedules — a
-# real layer's ops under the executor's threads, not the 7.4 µs of one tiny add_ alone. With 8 µs the
-# planner promised 393 ms decode steps where 985 ms were measured; with these, 1,010 ms.
-# HardwareSpec.host_task_seconds / host_op_seconds replace them where a machine measured its own.
+# The host side of a task, serialised by Python's GIL: the executor's cost per task plus, per torch op, its
+# dispatch and launch. Measured on an H200 host (bench/gpu_check.py: an empty task 82 µs, 22–29 µs an op of a
+# real layer under the executor's threads); HardwareSpec.host_task_seconds / host_op_seconds where measured.
 TASK_SECONDS = 80e-6
 OP_SECONDS = 25e-6
-# torch ops each task kind issues, views included (counted on the emulated device for a Qwen2-MoE layer,
-# the family with the most parts; tests/test_gpu_findings.py recounts them). Pre-attention: 25 with one
-# RoPE over q and k, joined straight into the D1 buffer (gqa.pre; 40, then 26, before). CPU attention: 12 ops and one call of the fused C kernel with
-# its thread hand-off (core.model.cpu.native) where it is built; CPU_ATTN_TORCH_OPS where attention runs
-# torch ops instead (no C compiler).
+# torch ops each task kind issues, views included, counted on the emulated device for a Qwen2-MoE layer (the
+# family with the most parts; tests/test_gpu_findings.py recounts them). CPU attention: 12 ops and the fused C
+# kernel's call; CPU_ATTN_TORCH_OPS where it runs torch ops instead (no C compiler).
 HOST_OPS = {"pre_attn": 25, "post_attn": 24, "ffn": 12, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 14,
             "weight_page": 2, "kv_load": 14, "kv_store": 10, "prefill": 118}
 CPU_ATTN_TORCH_OPS = 23
-# An FFN task's ops by the expert path the runtime runs it on (core.model.moe.device_experts): (fixed, per expert).
-# HOST_OPS["ffn"] is the fused path's, counted; the grouped path's was counted likewise. The fused path (core.model.fused_moe: the pairs aligned into
-# blocks of one expert, a kernel per projection) is constant in E whatever the format: an FFN task's ops counted on
-# the emulated device (tests/test_launch_budget.py). Every path the runtime has is constant in E today; the
-# per-expert term stays for a path that is not.
+# An FFN task's ops by expert path (core.model.moe.device_experts): (fixed, per expert), counted on the emulated
+# device (tests/test_launch_budget.py); every path is constant in E today.
 EXPERT_PATHS = {"fused": (HOST_OPS["ffn"], 0), "grouped": (33, 0)}
 # None: the path today's runtime picks (expert_path); a name of EXPERT_PATHS where every FFN runs one path
 DEFAULT_EXPERT_PATH: str | None = None
-# Page-locking host memory (cudaHostRegister), bytes/s: ≈ 2 GB/s on the H200 host (about 11 s for the 23.5 GB
-# that streamed, on the first real-GPU run). HardwareSpec.pin_bw replaces it where measured.
-# A run pays it once per loaded model (the first run of a model), before its first token.
+# Page-locking host memory (cudaHostRegister), bytes/s, as on the H200 host; HardwareSpec.pin_bw where measured.
+# Paid once per loaded model, before its first token.
 PIN_BW = 2e9
 
 
@@ -97,23 +80,20 @@ class Rates:
     host_measured: bool = False  # task_seconds and op_seconds measured on this machine (bench/gpu_check.py)
 
     def kernel_flops(self, qkind: str, rows: int | None = None) -> float:
-        """CPU FLOP/s of quantized experts of kind `qkind` (at 64 rows, or `rows=1`): measured, else a share
-        of the matmul rate (the one-row rate then falls back to the 64-row one)."""
+        """CPU FLOP/s of quantized experts (at 64 rows, or `rows=1`): measured, else a share of the matmul rate."""
         rates = dict(self.cpu_kernel_flops)
         if rows == 1 and rates.get(f"{qkind}@1"):
             return rates[f"{qkind}@1"]
         return rates.get(qkind) or self.cpu_flops * CPU_KERNEL_FLOPS.get(qkind, 1.0)
 
     def kernel_seconds(self, qkind: str, rows: float, weights: float) -> float:
-        """One call of the CPU's weight-only kernel over `weights` weights with `rows` rows: it expands every
-        weight whatever the rows (its one-row rate bounds it below) and multiplies at its 64-row rate."""
+        """One weight-only kernel call: it expands every weight whatever the rows (the one-row rate bounds it)."""
         return 2 * weights * max(rows / self.kernel_flops(qkind), 1 / self.kernel_flops(qkind, rows=1))
 
 
 def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> Rates:
-    """Achievable rates; `dtype` (the weights' storage dtype) picks the CPU matmul rate of the dtype the
-    CPU will actually compute in (HardwareSpec.cpu_flops_for: bf16 where native, else fp32) and the
-    machine's calibrated CPU costs in that dtype (for `model`, a ModelSpec or Dims, or the nearest)."""
+    """Achievable rates; `dtype` (the weights' storage dtype) picks the CPU matmul rate and calibrated CPU costs of
+    the dtype the CPU computes in (HardwareSpec.cpu_flops_for), for `model` or the nearest."""
     def rate(name: str, per_gpu: bool) -> float:
         v = getattr(hw, name) * (1.0 if name in hw.measured else DERATE[name])
         return v * (hw.gpu_count if per_gpu else 1)
@@ -156,11 +136,8 @@ class Work:
 # ---- model dimensions as plain numbers -------------------------------------------------------------
 @dataclass(frozen=True)
 class Dims:
-    """The numbers of a ModelSpec the cost model uses, read once from its properties (which are
-    too slow to call in the planner's inner loop). Not a second model description: build it with `dims`.
-
-    Layers may differ (attention kind, dense or MoE FFN): per-layer costs are of the average layer —
-    each kind weighted by its share of the layers — so `layers` × a layer's cost is the whole stack's."""
+    """A ModelSpec's numbers, read once (its properties are too slow for the planner's inner loop): build it with
+    `dims`. Per-layer costs are of the average layer, each kind weighted by its share of the layers."""
 
     layers: int
     D: int
@@ -215,13 +192,10 @@ class Dims:
     qkind: str = "none"  # experts: none | int8 | int4 (CPU kernels) | blocks (GGUF/MXFP4: block kernels)
     act_temps: int = 1  # [tokens, I] arrays the experts' activation makes besides its input (gpt-oss's clamped: 4)
     expert_bias: bool = False  # biases on the experts' projections (gpt-oss)
-    # one MoE layer's expert region in its host buffer (each stacked tensor padded to LAYOUT_ALIGN), and
-    # one expert's share of its first tensor (w13, or its packed integers): what page-locking starts after
+    # a MoE layer's expert region in its host buffer, and one expert's share of its first tensor (page-locking)
     expert_region: int = 0
     expert_lead: int = 0
-    # --quantize-dense (CPU-only mode): the dense weights' kernel (none | int8 | int4), the non-expert bytes
-    # the CPU-only mode holds, and per matrix kind the share of layers whose weight the kernel runs
-    # (core.model.quant.dense_spec.layer_shares)
+    # --quantize-dense: the dense weights' kernel, their bytes, per matrix kind the share of layers it runs
     dense_qkind: str = "none"
     cpu_nonexpert_bytes: int = 0
     dense_shares: tuple = ()
@@ -257,9 +231,7 @@ def _dense_quant(m: ModelSpec) -> dict:
 
 
 def _scratch(m: ModelSpec) -> int:
-    """Device bytes for expanding quantized experts: the Workspace's output buffers (one expert's matrices
-    in the compute dtype, reused by every layer) and the chunk buffers they are expanded through
-    (core.model.quant.expand)."""
+    """Device bytes for expanding quantized experts (core.model.quant.expand's workspace)."""
     if m.expert_format == "none":
         return 0
     D, I = m.hidden_size, m.expert_intermediate
@@ -268,17 +240,14 @@ def _scratch(m: ModelSpec) -> int:
 
 
 def expert_format(label: str) -> Format | None:
-    """The one Format of a ModelSpec's `expert_format` label; None unquantized or for a GGUF file whose
-    experts mix formats (its label, e.g. "Q4_K/Q6_K", does not say which matrix has which)."""
+    """The Format of an `expert_format` label; None unquantized or mixed GGUF formats (e.g. "Q4_K/Q6_K")."""
     if label.startswith("int4-g"):
         return Format("int4", int(label[len("int4-g"):]))
     return Format(label) if label in ("int8", "mxfp4", *GGUF_BLOCKS) else None
 
 
 def _expert_layout(m: ModelSpec) -> dict[str, int]:
-    """expert_region and expert_lead as core.model.weights.LayerLayout lays out a layer: each expert tensor
-    (or quantized part) stacked over the experts and padded to LAYOUT_ALIGN units (elements of the
-    weights' dtype; bytes in a quantized layout), biases last in the compute dtype."""
+    """expert_region and expert_lead as core.model.weights.LayerLayout lays a layer out (stacked, padded)."""
     E, D, I, dt = m.num_experts, m.hidden_size, m.expert_intermediate, m.dtype_bytes
     biases = [2 * I * dt, D * dt] if m.expert_bias else []
 
@@ -309,9 +278,7 @@ def dims(m: "ModelSpec | Dims") -> Dims:
 
 # ---- tasks of one decoder layer ------------------------------------------------------------------
 def expected_experts(tokens: float, num_experts: int, top_k: int) -> float:
-    """Expected number of distinct experts that `tokens` routed tokens touch, with uniform routing:
-    an expert escapes one token with probability 1 − k/E, so E·(1 − (1 − k/E)^t) are touched. This,
-    not t·k, decides the expert bytes read at small batches."""
+    """Distinct experts `tokens` uniformly routed tokens touch: E·(1 − (1 − k/E)^t), not t·k."""
     if tokens <= 0:
         return 0.0
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
@@ -337,17 +304,14 @@ def router(m: "ModelSpec | Dims", t: float) -> Work:
 
 
 def gpu_nonexpert_bytes(m: "ModelSpec | Dims") -> int:
-    """The non-expert weights as the GPU holds them: an fp32 router kept in fp32 there (core.runtime.pipeline),
-    not cast every micro-batch."""
+    """The non-expert weights as the GPU holds them (an fp32 router kept in fp32)."""
     d = dims(m)
     widen = max(0, (d.router_dt or d.dt) - d.dt) * d.E * d.D
     return d.nonexpert_bytes + round(d.moe_frac * d.layers) * widen
 
 
 def moe_ffn(m: "ModelSpec | Dims", t: float, expand: bool = False) -> Work:
-    """Routed experts for t tokens in one expert batch: each token runs k SwiGLU experts (average layer:
-    dense layers have none). `expand`: quantized experts are expanded into a scratch buffer first
-    (written, then read by the matmul)."""
+    """Routed experts for t tokens of one expert batch; `expand`: quantized experts written expanded, then read."""
     d = dims(m)
     touched = expected_experts(t, d.E, d.k)
     acts = t * d.k * (2 * d.D + 3 * d.I) * d.dt
@@ -356,10 +320,8 @@ def moe_ffn(m: "ModelSpec | Dims", t: float, expand: bool = False) -> Work:
 
 
 def quant_cpu_ffn(m: "ModelSpec | Dims", r: Rates, t: float) -> float:
-    """CPU seconds of the routed experts of t tokens in CPU mode, int8/int4 experts: each touched expert's
-    two matrices on the weight-only kernels at the rows it gets on average (Rates.kernel_seconds) — except
-    int8 experts with more than KERNEL_ROWS rows, which the engine expands into the compute dtype and
-    multiplies with the ordinary matmul (core.model.quant.experts), priced so here."""
+    """CPU seconds of int8/int4 routed experts for t tokens on the weight-only kernels; int8 past KERNEL_ROWS rows
+    is expanded and multiplied by the ordinary matmul, as core.model.quant.experts does."""
     d = dims(m)
     touched = expected_experts(t, d.E, d.k)
     if not touched:
@@ -371,11 +333,8 @@ def quant_cpu_ffn(m: "ModelSpec | Dims", r: Rates, t: float) -> float:
 
 
 def quant_dense_swap(m: "ModelSpec | Dims", r: Rates, c, t: float) -> dict[str, float]:
-    """CPU-only mode, --quantize-dense: seconds that running the dense weights on the weight-only kernel
-    (Rates.kernel_seconds, t rows) adds to what the CPU cost model `c` (core.plan.cpu_cost) charges for
-    the dtype's GEMMs — negative where the kernel is faster. Per task kind: "pre" (QKV), "post" (O,
-    shared expert), "head" (the LM head); a GEMM's per-call overhead stays as `c` has it. The kernel is
-    bound by its own rate or by reading its bytes at the memory bandwidth, whichever is slower."""
+    """--quantize-dense: seconds the weight-only kernel adds over what the cost model `c` charges for the dtype's
+    GEMMs (negative where faster), for "pre" (QKV), "post" (O, shared expert) and "head"."""
     d = dims(m)
     if d.dense_qkind not in CPU_KERNEL_FLOPS or t <= 0:
         return {"pre": 0.0, "post": 0.0, "head": 0.0}
@@ -401,10 +360,8 @@ def shared_expert(m: "ModelSpec | Dims", t: float) -> Work:
 
 
 def decode_attention(m: "ModelSpec | Dims", t: float, c: float) -> Work:
-    """t queries of one new token each over c cached tokens, next to the state (average layer): for GQA
-    QKᵀ and PV over the KV (a sliding layer over its window), for MLA over the latents, for DeltaNet
-    one recurrent step over a fixed state. Each query reads its own state, so intensity does not grow
-    with t: ≈ 2·(Hq/Hkv)/dtype_bytes for GQA, ≈ 2·H/dtype_bytes for MLA (one latent for all heads)."""
+    """t queries of one new token each over c cached tokens (average layer's mixer); each reads its own state,
+    so intensity does not grow with t."""
     d = dims(m)
     return _mixed(d, lambda x: x.decode(t, c, d.dt))
 
@@ -459,13 +416,8 @@ def all_reduce_seconds(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
 def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, expert_batch: int,
                  attention_on: str, ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
                  context: float, pages: int | None = None) -> dict[str, TaskCost]:
-    """The tasks of one decode layer (one new token for each of `batch` requests), by kind.
-
-    Kinds: pre_attn (norm + QKV), d1 (QKV to the CPU), cpu_attn, d2 (attention output back), post_attn
-    (O-proj, router, shared expert), ffn (routed experts of one expert batch), weight_page (one page of
-    the streamed expert weights), kv_load (D4: CPU-held KV to the GPU), gpu_attn, kv_store (new token's
-    KV to the CPU). In the CPU-only placement the dense kinds run on the CPU under the "gpu" key.
-    """
+    """The tasks of one decode layer (a token for each of `batch` requests), by kind (core.runtime.schedule's).
+    In the CPU-only placement the dense kinds run on the CPU under the "gpu" key."""
     m = dims(m)
     n_mb, n_eb = batch / micro_batch, batch / expert_batch
     pages = pages or max(1, round(n_mb))
@@ -484,8 +436,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         return {k: TaskCost("cpu_attn" if k == "cpu_attn" else "gpu", v, n_eb if k == "ffn" else n_mb)
                 for k, v in secs.items()}
     fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
-    # a GPU dequantizes inside the fused kernel (core.model.fused_moe): no expanded copy written and read back
-    # the CPU computes GGUF blocks as stored up to NATIVE_GGUF_ROWS tokens on an expert, expands them above
+    # a GPU dequantizes inside its fused kernel; the CPU expands GGUF blocks past NATIVE_GGUF_ROWS rows an expert
     ffn = moe_ffn(m, expert_batch, expand=cpu_only and m.qkind == "blocks"
                   and expert_batch * m.k > NATIVE_GGUF_ROWS * max(expected_experts(expert_batch, m.E, m.k), 1))
     ffn_fl = r.kernel_flops(m.qkind) if cpu_only else fl
@@ -506,8 +457,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
     if cpu_only:
         return t
     streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes * m.moe_frac  # dense layers stream nothing
-    # launch cost in proportion to the streamed share keeps the cost affine in r_w (the planner's LP
-    # relies on it) and makes it vanish when nothing is streamed
+    # launch cost in proportion to the streamed share: affine in r_w, nothing when nothing streams
     t["weight_page"] = TaskCost("h2d", (streamed / pages / r.h2d_bw + COPY_LAUNCH * (1 - gpu_weight_fraction)), pages)
     if attention_on == "cpu":
         t["d1"] = TaskCost("d2h", micro_batch * m.d1 * m.dt / r.d2h_bw + COPY_LAUNCH, n_mb)
@@ -524,8 +474,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
 def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, attention_on: str, ffn_on: str,
                   gpu_weight_fraction: float, gpu_kv_fraction: float, prompt_len: float,
                   pages: int | None = None, prompt_sq: float | None = None) -> dict[str, TaskCost]:
-    """The tasks of one layer's prefill of `batch` prompts: prefill (a whole layer for one micro-batch,
-    attention included), weight_page, kv_store (the micro-batch's KV to wherever decode keeps it)."""
+    """The tasks of one layer's prefill of `batch` prompts: prefill, weight_page, kv_store."""
     m = dims(m)
     n_mb = batch / micro_batch
     toks = micro_batch * prompt_len
@@ -560,9 +509,8 @@ def busy_seconds(tasks: dict[str, TaskCost]) -> dict[str, float]:
 
 
 def decode_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, float]:
-    """Busy seconds of one decode layer per resource (keyword arguments as decode_tasks), plus the
-    "pipeline" bound (see pipeline_bounds) and the "host" bound (see host_seconds). Each is affine in
-    gpu_weight_fraction and gpu_kv_fraction, which the planner's LP relies on."""
+    """Busy seconds of one decode layer per resource, plus the "pipeline" and "host" bounds; each affine in
+    (r_w, r_c), which the planner's LP relies on."""
     tasks = decode_tasks(m, r, **kw)
     bounds = pipeline_bounds(tasks) or (0.0, 0.0, 0.0)
     host = host_seconds(tasks, r, ffn_ops(m, r, kw["expert_batch"])) if kw.get("ffn_on") == "gpu" else 0.0
@@ -579,10 +527,8 @@ def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, fl
 
 
 def expert_path(m: "ModelSpec | Dims", r: Rates, tokens: float) -> str:
-    """The path (a key of EXPERT_PATHS) the routed experts of one GPU FFN task of `tokens` tokens run on:
-    r.expert_path where given, else the one the runtime picks (core.model.fused_moe.expert_path): grouped_mm
-    for bf16 experts on calls of more than FUSED_MAX_TOKENS tokens where the GPU has its kernel (SM80 on; a
-    GPU of unknown capability is taken to), the fused path otherwise."""
+    """The EXPERT_PATHS key a GPU FFN task of `tokens` tokens runs on: r.expert_path, else the runtime's choice
+    (core.model.fused_moe.expert_path)."""
     if r.expert_path:
         if r.expert_path not in EXPERT_PATHS:
             raise ValueError(f"unknown expert path {r.expert_path!r}; expected one of {', '.join(EXPERT_PATHS)}")
@@ -593,44 +539,39 @@ def expert_path(m: "ModelSpec | Dims", r: Rates, tokens: float) -> str:
 
 
 def ffn_ops(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
-    """Torch ops one GPU FFN task of `tokens` tokens issues on its expert path (EXPERT_PATHS), in the average
-    layer (a dense layer runs none of the per-expert ones)."""
+    """Torch ops one GPU FFN task issues on its expert path, in the average layer."""
     d = dims(m)
     fixed, per = EXPERT_PATHS[expert_path(d, r, tokens)]
     return fixed + per * d.moe_frac * expected_experts(tokens, d.E, d.k)
 
 
 def host_task_seconds(r: Rates, ffn: float | None = None) -> dict[str, float]:
-    """Host seconds to run one task of each kind: the executor's cost plus its ops' dispatch. `ffn`: the
-    FFN task's ops on its expert path (ffn_ops; default the grouped path's count); a prefill task's FFN
-    is the same path's."""
-    ops = dict(HOST_OPS)
-    if ffn is not None:
-        ops["prefill"] += ffn - ops["ffn"]
-        ops["ffn"] = ffn
-    return {kind: r.task_seconds + n * r.op_seconds for kind, n in ops.items()}
+    """Host seconds of one task of each kind; `ffn`: the FFN task's ops (ffn_ops)."""
+    return {kind: r.task_seconds + n * r.op_seconds for kind, n in _ops(ffn).items()}
+
+
+def _ops(ffn: float | None) -> dict[str, float]:
+    """HOST_OPS with the FFN's ops on its expert path (a prefill task's FFN is the same path's)."""
+    if ffn is None:
+        return HOST_OPS
+    return {**HOST_OPS, "ffn": ffn, "prefill": HOST_OPS["prefill"] + ffn - HOST_OPS["ffn"]}
 
 
 def host_seconds(tasks: dict[str, TaskCost], r: Rates, ffn: float | None = None) -> float:
-    """The host bound of a layer with the GPU placements: its tasks one after another on the host (the
-    threads feeding the GPU share one Python interpreter), however idle the GPU. Tiny micro-batches
-    mean many tasks: this is what keeps the search from choosing them (μ = 4 made thousands of
-    tasks per step, each costing more host time than GPU time). `ffn`: as host_task_seconds."""
+    """The host bound of a layer with the GPU placements: its tasks one after another on one interpreter. It
+    keeps the search off tiny micro-batches, whose many tasks cost more host time than GPU time."""
     per = host_task_seconds(r, ffn)
     return sum(c.per_layer * per.get(kind, r.task_seconds) for kind, c in tasks.items())
 
 
 def host_ops(tasks: dict[str, TaskCost], ffn: float | None = None) -> dict[str, float]:
     """Torch ops one layer's tasks issue, by kind (HOST_OPS; the FFN's as host_task_seconds takes it)."""
-    ops = dict(HOST_OPS, **({"ffn": ffn} if ffn is not None else {}))
-    if ffn is not None:
-        ops["prefill"] += ffn - HOST_OPS["ffn"]
+    ops = _ops(ffn)
     return {kind: c.per_layer * ops.get(kind, 0) for kind, c in tasks.items()}
 
 
 def pin_seconds(pinned_bytes: float, r: Rates) -> float:
-    """Page-locking `pinned_bytes` of host memory (the streamed experts and the staging arena), which a run
-    pays once per loaded model, before its first token: counted in a first run's prediction, not a later one's."""
+    """Page-locking `pinned_bytes`, paid by a model's first run only."""
     return pinned_bytes / r.pin_bw if r.has_gpu else 0.0
 
 
@@ -638,9 +579,7 @@ _BOUNDS = ("gpu", "cpu_attn", "h2d", "d2h", "pipeline", "host")  # core.telemetr
 
 
 def bottleneck(layer: dict[str, float]) -> str:
-    """What bounds a decode layer with the GPU placements, from decode_layer_seconds' figures: the largest.
-    The pipeline bound is the link's busy time plus what it idles waiting on the GPU's expert batches; where
-    the link is busy for most of it, the link bounds the layer and is named (h2d), not the pipeline."""
+    """What bounds a decode layer (the largest figure); a pipeline bound mostly made of link time is named h2d."""
     top = max((k for k in _BOUNDS if k in layer), key=lambda k: layer[k])
     if top == "pipeline" and layer.get("h2d", 0.0) >= layer["pipeline"] / 2:
         return "h2d"
@@ -650,13 +589,9 @@ def bottleneck(layer: dict[str, float]) -> str:
 def pipeline_bounds(tasks: dict[str, TaskCost]) -> tuple[float, ...]:
     """Bounds on a CGOPipe layer beyond each resource's busy time; () where they do not apply.
 
-    Weight pages go out one D2 slot at a time and D2s are paced by the GPU's pre-attention, so while
-    the GPU runs one expert batch the link has only LOOKAHEAD micro-batches' pages queued and then
-    idles: n_eb − 1 times max(0, t_ffn − LOOKAHEAD·h2d/n_mb) per layer. The layer's last expert batch
-    also holds back the next pages (their buffer half is still in use) beyond the last slot's pages:
-    max(0, t_post + t_ffn − h2d/n_mb). Their sum, added to the link's busy time, is the max of the
-    affine pieces returned here (the planner's LP needs affine pieces). Checked against
-    core.runtime.simulate's replay of the same graph (tests/test_simulate.py).
+    While the GPU runs an expert batch the link has only LOOKAHEAD micro-batches' pages queued, then idles:
+    (n_eb − 1)·max(0, t_ffn − LOOKAHEAD·h2d/n_mb); the last expert batch holds back the next pages:
+    max(0, t_post + t_ffn − h2d/n_mb). Returned as affine pieces for the LP (checked in tests/test_simulate.py).
     """
     if "d2" not in tasks or "ffn" not in tasks or "weight_page" not in tasks:
         return ()
@@ -669,8 +604,7 @@ def pipeline_bounds(tasks: dict[str, TaskCost]) -> tuple[float, ...]:
 
 
 def layer_time(busy: dict[str, float], ffn_on: str, pipeline: float = 0.0) -> float:
-    """Wall time of a layer: resources overlap (CGOPipe) up to the pipeline bound, except in the
-    CPU-only placement where the dense work and attention share the same cores."""
+    """Wall time of a layer: resources overlap up to the pipeline bound, except CPU-only (one set of cores)."""
     if ffn_on == "cpu":
         return busy["gpu"] + busy["cpu_attn"]
     return max(max(busy.values()), pipeline)

@@ -1,11 +1,5 @@
-"""FLOPs and bytes of each token-mixer kind, per layer, for the HRM.
-
-A model's layers come in groups of one kind (core.model.mixer): grouped-query attention over the
-whole context or a sliding window, MLA over a latent cache (absorbed at decode, expanded at
-prefill), Gated DeltaNet over a fixed recurrent state. `mixer_costs(spec)` gives one `MixerCost`
-per group; core.plan.hrm averages them over the layers, so an "average layer" costs what the real
-mix of layers costs. What a sequence keeps is the layer's StateSpec (core.model.spec).
-Boundary: arithmetic on ModelSpec numbers; no torch, no rates.
+"""FLOPs and bytes of each token-mixer kind per layer, for the HRM: one `MixerCost` per layer group, averaged by
+core.plan.hrm, so an "average layer" costs what the real mix of layers does. No torch, no rates.
 Legend: t = query tokens, c = cached tokens (context), s = prompt tokens, D = hidden.
 """
 
@@ -32,9 +26,8 @@ class MixerCost:
     query_elems: float  # elements per query token read/written besides the state (q, output)
     prefill_tok_flops: float  # prefill FLOPs per prompt token besides the pairwise part
     pair_flops: float  # prefill FLOPs per (query, visible key) pair
-    # a prefill's device working set (bytes, beyond the hidden states the planner counts): per token of
-    # the micro-batch, per token of the prompt in hand (prompts are attended one at a time), per
-    # (query, key) pair of that prompt, per chunk-padded token of it (linear attention's chunk systems)
+    # a prefill's device working set beyond the hidden states, bytes: per token of the micro-batch, of the prompt
+    # in hand (attended one at a time), per (query, key) pair of it, per chunk-padded token (linear attention)
     pf_tok: float = 0.0
     pf_seq: float = 0.0
     pf_pair: float = 0.0
@@ -91,9 +84,8 @@ def _cost(spec: ModelSpec, st: StateSpec, count: int) -> MixerCost:
         # state update spread over the chunk
         chunk_flops = la.num_v_heads * (2 * CHUNK * (3 * la.k_head_dim + 2 * la.v_head_dim) + 6 * la.k_head_dim * la.v_head_dim)
         Hv, dk, dv, C = la.num_v_heads, la.k_head_dim, la.v_head_dim, CHUNK
-        # core.model.linear_attention.prefill: the in-projection and the gate input, the outputs joined
-        # and their fp32 gated norm; per prompt its conv (and silu), q/k/v over the value heads, gates;
-        # its fp32 chunk systems: decay, A and the scores (chunk x chunk a chunk), sixteen [tokens, d] arrays
+        # core.model.linear_attention.prefill's arrays: projections, outputs and fp32 gated norm a token; per
+        # prompt its conv, q/k/v and gates; fp32 chunk systems (decay, A, scores) and sixteen [tokens, d] arrays
         return MixerCost(count, "linear", st, pre_params=D * (la.conv_dim + la.value_dim + 2 * la.num_v_heads),
                          post_params=la.value_dim * D, d1=d1, d2=d2, ctx_flops=0.0, query_flops=conv_flops + state_flops,
                          query_elems=d1 + d2, prefill_tok_flops=conv_flops + chunk_flops, pair_flops=0.0,
@@ -105,9 +97,8 @@ def _cost(spec: ModelSpec, st: StateSpec, count: int) -> MixerCost:
         R, dr, qk = m.kv_lora_rank, m.qk_rope_dim, m.qk_nope_dim + m.qk_rope_dim
         q_params = D * m.q_lora_rank + m.q_lora_rank * H * qk if m.q_lora_rank else D * H * qk
         width = R + dr
-        # core.model.mla.prefill: q (projected, its roped part, joined; through the q latent and its fp32
-        # norm), the latent (projected, normed in fp32, roped key, joined), K and V expanded from it, K
-        # joined, every prompt's output and their join, the O projection; per prompt its fp32 scores
+        # core.model.mla.prefill's arrays a token: q and its latent, the KV latent, K and V expanded from it, the
+        # outputs and the O projection; per prompt its fp32 scores
         pf_tok = (dt * (3 * H * qk + H * (m.qk_nope_dim + m.v_head_dim) + H * qk + 4 * width + 2 * H * m.v_head_dim + D
                         + 2 * m.q_lora_rank) + 4 * 2 * (R + m.q_lora_rank))
         return MixerCost(count, "mla", st, pre_params=q_params + D * width + H * m.qk_nope_dim * R,
@@ -118,11 +109,8 @@ def _cost(spec: ModelSpec, st: StateSpec, count: int) -> MixerCost:
                          pair_flops=2 * H * (qk + m.v_head_dim), pf_tok=pf_tok, pf_pair=4 * H)
     q, kv = spec.q_size, spec.kv_size
     gate = q if spec.attn_gate else 0
-    # core.model.gqa.prefill, two phases one after the other: the input norm (its fp32 arrays, two at a
-    # time, and the normed output), then — the fp32 arrays gone — the normed input under the QKV projection,
-    # roped q and k, the attention output (and the output gate's sigmoid and product); per prompt its fp32
-    # scores, made block by block and held twice over (and once in the weights' dtype) in the explicit
-    # form that sinks and windows take
+    # core.model.gqa.prefill: the larger of the fp32 input norm and the QKV phase a token; per prompt its fp32
+    # scores, block by block (held twice, and once in the weights' dtype, in the explicit form of sinks/windows)
     explicit = spec.attn_sinks or bool(st.window)
     pf_tok = max(D * (8 + dt), D * dt + 3 * (q + kv) * dt + 2 * gate * dt)
     return MixerCost(count, "gqa", st, pre_params=D * (q * (2 if spec.attn_gate else 1) + 2 * kv),

@@ -1,13 +1,8 @@
 """Planning for tensor parallelism: the model one rank runs and the machine one rank sees.
 
-With K ranks (one per GPU) every rank holds 1/K of the heads and of every expert's width
-(core.model.shard), so its GPU memory, its GPU compute and its PCIe link each serve a K-th of the
-model: bigger batches fit and the streamed bytes per link shrink (the paper's super-linear scaling).
-What the ranks share is the host: its memory (each rank's CPU share of weights and KV adds up), its
-memory bandwidth and cores (each rank's CPU attention covers its heads with a K-th of them, so CPU
-attention does not get faster with more GPUs) and, where the machine says so (`host_link_bw`), the
-PCIe root complex that all the links go through. The all-reduces after the O projection and the FFN
-are costed by core.plan.hrm from `Rates.tp`.
+Each of K ranks holds 1/K of the heads and of every expert's width, so its GPU memory, compute and link serve a
+K-th of the model; the host (memory, bandwidth, cores, a shared PCIe root: `host_link_bw`) is shared, so CPU
+attention does not speed up with more GPUs. The all-reduces are costed by core.plan.hrm from `Rates.tp`.
 """
 
 from __future__ import annotations
@@ -77,10 +72,8 @@ def rank_view(model: ModelSpec, hw: HardwareSpec, budget, ranks: int):
 
 
 def state_copies(model: ModelSpec, ranks: int) -> int:
-    """How many copies of each sequence's attention state (KV, latent, linear state) `ranks` ranks keep:
-    one when it is split with the heads (KV and linear-attention states), one per rank for MLA's latent
-    (it serves every head, so each rank caches all of it) and where a family's attention stays whole
-    on every rank (core.model.shard)."""
+    """Copies of each sequence's attention state `ranks` ranks keep: one where it splits with the heads, one a
+    rank for MLA's latent (it serves every head) and where attention stays whole (core.model.shard)."""
     if ranks == 1:
         return 1
     from core.model.shard import plan_shard

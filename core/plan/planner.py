@@ -1,21 +1,11 @@
 """Policy search: the best Policy for a model, a machine, a workload and a memory budget.
 
-`plan(model, hardware, workload, budget) -> (Policy, Prediction)`:
-1. integers enumerated as the paper does, then refined — for each placement (attention on CPU or
-   GPU, FFN on GPU; or all on the CPU) and μ ∈ {1, 2, 3, 4, 36, 68, …}, the largest number of
-   micro-batches that fits (doubling, then binary search); for the best few (placement, μ) also
-   smaller batches; for each batch, expert batches of 1, 2, 4, … micro-batches (MoE-Gen's module
-   batching) while they keep helping;
-2. for each integer candidate the continuous fractions (r_w, r_c) that minimise end-to-end time,
-   exactly: time is a convex piecewise-linear function of them (core.plan.hrm is affine in each);
-3. the winner's fractions (and those of GPU-attention candidates, where r_c matters) re-solved as an
-   LP with pulp's bundled CBC, which also serves as the reference the fast path is tested against.
-`validate(policy, ...)` says what does not fit and by how many bytes; `predict` costs a given policy.
-
-Memory counted: resident non-expert weights, r_w of the experts and the 2×layer double buffer on
-the GPU, activations (decode and prefill peaks); the rest of the experts, the pinned staging pages
-and the KV cache for prompt + generation on the CPU (or r_c of it on the GPU).
-Boundary: memory accounting and search live here; task costs live in core.plan.hrm. Never prints.
+`plan(...) -> (Policy, Prediction)`: for each placement and μ the largest batch that fits (doubling, then
+binary search; the best few also smaller), expert batches while they help; for each candidate the fractions
+(r_w, r_c) minimising the convex piecewise-linear time exactly, the winner's re-solved as an LP with pulp's CBC
+(also the fast path's test reference). `validate` says what does not fit by how many bytes; `predict` costs a
+given policy. Memory is counted item by item as the runtime allocates it (core.runtime.pipeline).
+Boundary: memory accounting and search; task costs are core.plan.hrm's. Never prints.
 """
 
 from __future__ import annotations
@@ -100,14 +90,12 @@ def _gb(n: float) -> str:
 
 
 # ---- memory ------------------------------------------------------------------------------------
-# These are the runtime's own allocations (core.runtime.pipeline), item by item, so that what a plan
-# says is what a run holds: tests/test_gpu_memory.py runs plans on the emulated device and checks
-# peak device bytes ≤ the plan's figure ≤ 1.1 × the peak.
+# The runtime's own allocations (core.runtime.pipeline), item by item: tests/test_gpu_memory.py checks
+# peak device bytes ≤ the plan's figure ≤ 1.1 × the peak on the emulated device.
 
 
 def tokens_per_slot(w: Workload) -> int:
-    """Cached tokens a batch slot has room for: the longest prompt plus the generation (the engine sizes
-    every slot for the longest request, since a slot is refilled with any waiting one)."""
+    """Cached tokens a slot has room for: any waiting request may refill it, so the longest."""
     return w.longest_prompt + w.gen_len
 
 
@@ -120,8 +108,7 @@ def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[
 def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[str, int], int]:
     T = tokens_per_slot(w)
     N, mu, beta = p.batch_size, p.micro_batch_size, p.expert_batch_size
-    # what a sequence keeps depends on each layer's kind (K/V per token, a window's worth, an MLA latent,
-    # a fixed linear-attention state: ModelSpec.layer_state); per layer, the average layer's
+    # what a sequence keeps depends on each layer's kind (ModelSpec.layer_state): the average layer's
     kv_layer = N * d.state_layer_bytes(T)
     cpu_attn_ws = mu * d.heads * T * 4  # fp32 scores of one micro-batch
     if p.ffn_on == "cpu":
@@ -164,17 +151,14 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
         "pinned_staging": staging,
         "attention_workspace": cpu_attn_ws if not gpu_attn else 0,
     }
-    # what streams is page-locked: from each streaming layer's first streamed expert to its buffer's end —
-    # the resident experts' later tensors in between included, as one registration (their w2, or every
-    # quantized part after the w13 integers, and expert biases), with the layout's padding
+    # page-locked: from each streaming layer's first streamed expert to its buffer's end, as one registration
     pinned = sum(d.expert_region - r * d.expert_lead for r in resident if r < E) + staging
     return gpu, cpu, pinned
 
 
 def _arena_bytes(runs: list[tuple[int, int]]) -> int:
-    """Bytes of the runtime's pinned staging arena (core.runtime.pipeline._arena): buffers back to back, each
-    starting at a multiple of STAGING_ALIGN, the last one not padded; given as (size, count) runs of equal
-    buffers, each after a run's first starting one aligned size later (the planner asks for thousands)."""
+    """Bytes of the runtime's pinned staging arena (core.runtime.pipeline._arena) of (size, count) runs of
+    buffers, each aligned to STAGING_ALIGN, the last not padded."""
     total = 0
     for x, n in runs:
         if n:
@@ -183,20 +167,10 @@ def _arena_bytes(runs: list[tuple[int, int]]) -> int:
 
 
 def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -> int:
-    """Transient device memory at its peak, decode or prefill: what the runtime's tasks hold at once.
-
-    Held through a step: every request's hidden state (decode: one token; prefill: its whole prompt),
-    one expert batch's normed input (twice: per micro-batch, and joined), routing and shared-expert
-    output awaiting the FFN (decode), one
-    micro-batch's normed input and two layers' K and V awaiting the store (prefill). On top, the
-    largest of: an FFN call's intermediates (core.model.moe.device_experts: grouped matmuls for bf16
-    checkpoints on calls of more than FUSED_TOKENS tokens — the input, gate/up and product of k experts per
-    token; else the fused path — the block alignment, then gate/up, the activation, the down projection's
-    pairs and their sum, each freed once the next is made), a pre-attention's (fp32
-    norm, QKV, RoPE, one prompt's fp32 attention scores in prefill), or a micro-batch's fp32 logits.
-    `split`: some layer's experts are part resident, part streamed (grouped matmuls then hold one more
-    gate/up output, that of the other part).
-    """
+    """Transient device memory at its peak, decode or prefill: what is held through a step (hidden states, an
+    expert batch's inputs and routing, prefill's state awaiting the store) plus the largest of an FFN call's,
+    a pre-attention's or a micro-batch's logits' intermediates. `split`: some layer's experts are part resident,
+    part streamed (grouped matmuls then hold one more gate/up output)."""
     N, mu, beta, dt = p.batch_size, p.micro_batch_size, p.expert_batch_size, d.dt
     D, k, I, q, kv, E, V = d.D, d.k, d.I, d.q, d.kv, d.E, d.V
     shared = 3 * d.Is * dt
@@ -206,13 +180,10 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
     a, bias = d.act_temps, d.expert_bias
 
     def ffn(t):
-        if dense and t > FUSED_TOKENS:  # + the routing's sort indices (int64) and masks; the pairs' input,
-            # gate/up (two with parts), the activation's arrays; biases' rows and sums
+        if dense and t > FUSED_TOKENS:  # routing's indices and masks; the pairs' input, gate/up, activation, biases
             return t * k * 33 + t * k * (D + ((4 if split else 3) + a - 1) * I + (4 * I if bias else 0)) * dt
-        # the fused path (core.model.fused_moe): its block alignment (int32), then the largest of gate/up with
-        # the activation's arrays, the activation beside the down projection's pairs, or those pairs beside
-        # their sum (a kernel's own work allocates nothing: biases and routing weights are applied in it); the
-        # slots at the torch form's block rows, which are at least the Triton kernel's (core.model.limits)
+        # the fused path (core.model.fused_moe): its block alignment, then the largest of its successive
+        # intermediates (each freed once the next is made), at the torch form's block rows (core.model.limits)
         bm = fused_block_rows(t * k, E)
         S = fused_slots(t * k, E, bm)
         return 4 * (S + S // bm + 1) + max(t * k * (2 + a) * I, t * k * (I + D), t * k * D + t * D) * dt
@@ -223,8 +194,7 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
     logits = mu * (V * 4 + 3 * D * 4)
     metadata = N * (5 * 8 + tokens_per_slot(w))  # per-step ids, positions, lengths, slots; padding mask
     routing = 2 * k * (8 + dt)  # expert ids and weights per token, and their concatenation for the expert batch
-    # + one more hidden-state block than the tasks' own accounting: how long a stream's last reference to
-    # a tensor lives depends on the threads' timing (a margin, measured on the emulated GPU)
+    # + one more hidden-state block: a stream's last reference lives as long as its thread's timing says
     decode = N * D * dt + beta * (3 * D * dt + shared + routing) + max(ffn(beta), pre(mu), logits) + metadata
     s = w.longest_prompt
     tok = mu * s
@@ -244,16 +214,14 @@ def _cpu_activations(d: hrm.Dims, p: Policy, w: Workload) -> int:
     prefill_act = pre_tok * (3 * d.D + d1 + d.k * 3 * d.I) * d.dt
     decode_act = (2 * p.batch_size * d.D + 2 * p.micro_batch_size * d1
                   + p.expert_batch_size * d.k * (3 * d.I + d.D)) * d.dt
-    # + the head's output on its way into the logits buffer: nothing for a plain head of the buffer's
-    # dtype, else a chunk of rows at a time (core.model.layers.final_logits)
+    # + the head's output on its way into the fp32 logits buffer, a chunk of rows at a time (final_logits)
     head_out = 0 if d.dt == 4 else min(p.micro_batch_size * d.V * d.dt, max(LOGIT_CHUNK_BYTES, d.V * d.dt))
     return int(max(prefill_act, decode_act) + head_out)
 
 
 def validate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload,
              budget: Budget | None = None) -> list[Overrun]:
-    """What the policy overfills, by how many bytes; [] when it fits. Also refuses GPU placements on a
-    machine without a GPU."""
+    """What the policy overfills, by how many bytes; [] when it fits. Refuses GPU placements without a GPU."""
     budget = budget or Budget.for_hardware(hardware)
     if policy.ffn_on == "gpu" and not hardware.has_gpu:
         raise UsageError("the policy puts the FFN on the GPU but this machine has none",
@@ -281,8 +249,8 @@ def _busy(m: ModelSpec, r: hrm.Rates, w: Workload, place: tuple[str, str], n: in
 
 
 def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> Prediction:
-    """The HRM's prediction for a given policy (memory is reported, not checked: see validate). With
-    tensor parallelism, the time is one rank's (they run in step) and the memory is summed over them."""
+    """The HRM's prediction for a policy (memory reported, not checked: validate). Tensor parallel: one rank's
+    time, every rank's memory."""
     p, k = policy, policy.tensor_parallel
     full, front, tail = waves_of(p, workload)
     rest = tail.num_requests if tail else 0
@@ -304,9 +272,7 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
     gpu, cpu, pinned = (x if isinstance(x, int) else {key: v * k for key, v in x.items()}
                         for x in _memory(hrm.dims(model), p, workload))  # all ranks
     pinned *= k
-    # a run whose requests are not a multiple of the batch ends with a smaller wave, whose steps carry the same
-    # per-step and per-layer costs for fewer tokens: 256 requests at 228 ran 19-35 % under the decode speed full
-    # waves of 228 predict (the demo, two Zen 4 threads)
+    # a smaller last wave pays the same per-step and per-layer costs for fewer tokens
     last_prefill, last_step = (last.prefill_seconds, last.step_seconds) if last else (0.0, 0.0)
     seconds = full * total + last_prefill + (n - 1) * last_step
     decode_s = (n - 1) * (full * step + last_step)
@@ -330,9 +296,8 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
 
 
 def waves_of(policy: Policy, workload: Workload) -> tuple[int, Workload, Workload | None]:
-    """(the run's full waves, their workload, the workload of its smaller last wave or None). The engine admits
-    the longest prompts first, so where a smaller last wave is left the full waves hold the long prompts and the
-    last the short ones (Workload.longest_first); without the requests known, one wave of the workload."""
+    """(full waves, their workload, the smaller last wave's or None); the engine admits the longest prompts
+    first, so the last wave holds the shortest (Workload.longest_first)."""
     n, b = workload.num_requests, policy.batch_size
     full, rest = divmod(n, b) if n and n > b else (1, 0)
     if not rest:
@@ -342,8 +307,7 @@ def waves_of(policy: Policy, workload: Workload) -> tuple[int, Workload, Workloa
 
 
 def last_wave(policy: Policy, model: ModelSpec, hardware: HardwareSpec, tail: Workload) -> Prediction:
-    """The prediction for a run's last wave, smaller than the batch: its requests (`tail`, the run's shortest
-    prompts) in as few micro-batches of at most the policy's as hold them, as the engine deals them."""
+    """The prediction for a smaller last wave, in as few micro-batches as hold it, as the engine deals them."""
     p, rest = policy, tail.num_requests
     groups = -(-rest // p.micro_batch_size)
     mu = -(-rest // groups)
@@ -374,15 +338,13 @@ class _Lin:
 
 
 def _memory_lin(d: hrm.Dims, w: Workload, place, n: int, mu: int, beta: int) -> tuple[float, ...]:
-    """(gpu0, gpu_w, gpu_c, cpu0, cpu_w, cpu_c): memory at r = 0 and its change per unit r_w, r_c.
-    Pinned staging is ∝ (1 − r_w)/pages, so affine too."""
+    """(gpu0, gpu_w, gpu_c, cpu0, cpu_w, cpu_c): memory at r = 0 and its (exact) change per unit r_w, r_c."""
     a, f = place
     probe = Policy(batch_size=n, micro_batch_size=mu, expert_batch_size=beta, attention_on=a, ffn_on=f,
                    pages_per_layer=n // mu)
     g00, c00 = (sum(x.values()) for x in memory_use(d, probe, w))
     if f == "cpu":
         return g00, 0.0, 0.0, c00, 0.0, 0.0
-    # memory is exactly linear in each fraction: the change per unit is the difference of two points
     g10, c10 = (sum(x.values()) for x in memory_use(d, Policy(n, mu, beta, a, f, 1.0, 0.0, n // mu), w))
     g01, c01 = g00, c00
     if a == "gpu":
@@ -392,13 +354,11 @@ def _memory_lin(d: hrm.Dims, w: Workload, place, n: int, mu: int, beta: int) -> 
 
 def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, beta: int, mem=None,
                prefill=None) -> _Lin:
-    """`mem` (from _memory_lin) and `prefill` (from _prefill_lin) may be passed in when already known:
-    neither depends on the expert batch."""
+    """`mem` and `prefill` (independent of the expert batch) may be passed in when already known."""
     a, f = place
     kw = dict(batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f, context=w.decode_context)
-    d00 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, **kw))
-    d10 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=1.0, gpu_kv_fraction=0.0, **kw))
-    d01 = _vec(hrm.decode_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=1.0, **kw)) if a == "gpu" else d00
+    d00, d10, d01 = _corners(lambda r_w, r_c: hrm.decode_layer_seconds(
+        d, r, gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, **kw), a == "gpu")
     p00, p10, p01 = prefill or _prefill_lin(d, r, w, place, n, mu)
     g0, gw, gc, c0, cw, cc = mem or _memory_lin(d, w, place, n, mu, beta)
     head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=f == "gpu")
@@ -410,10 +370,14 @@ def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, b
 def _prefill_lin(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int):
     a, f = place
     kw = dict(batch=n, micro_batch=mu, attention_on=a, ffn_on=f, prompt_len=w.prompt_len, prompt_sq=w.prompt_sq_mean)
-    p00 = _vec(hrm.prefill_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, **kw))
-    p10 = _vec(hrm.prefill_layer_seconds(d, r, gpu_weight_fraction=1.0, gpu_kv_fraction=0.0, **kw))
-    p01 = _vec(hrm.prefill_layer_seconds(d, r, gpu_weight_fraction=0.0, gpu_kv_fraction=1.0, **kw)) if a == "gpu" else p00
-    return p00, p10, p01
+    return _corners(lambda r_w, r_c: hrm.prefill_layer_seconds(
+        d, r, gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, **kw), a == "gpu")
+
+
+def _corners(layer_seconds, gpu_attn: bool) -> tuple:
+    """A layer's figures at (r_w, r_c) = (0, 0), (1, 0), (0, 1), where they are affine (r_c: GPU attention)."""
+    p00 = _vec(layer_seconds(0.0, 0.0))
+    return p00, _vec(layer_seconds(1.0, 0.0)), _vec(layer_seconds(0.0, 1.0)) if gpu_attn else p00
 
 
 _LIN_KEYS = (*RESOURCES, "pipeline0", "pipeline1", "pipeline2", "host")  # resources, pipeline_bounds' pieces, host
@@ -452,9 +416,8 @@ def _rw_interval(mem: tuple[float, ...], r_c: float, gpu_limit: float, cpu_limit
 
 def _best_fractions(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_limit: float,
                     gpu_attn: bool) -> tuple[float, float, float] | None:
-    """(seconds, r_w, r_c) minimising the batch time, or None when nothing fits. Exact in r_w for each r_c
-    of RC_GRID: a convex piecewise-linear function's minimum on an interval lies at an end or where
-    two of its affine pieces cross."""
+    """(seconds, r_w, r_c) minimising the batch time, or None when nothing fits; exact in r_w for each r_c of
+    RC_GRID (a convex piecewise-linear minimum lies at an end or where two pieces cross)."""
     best = None
     for r_c in (RC_GRID if gpu_attn else (0.0,)):
         iv = _rw_interval((lin.gpu0, lin.gpu_w, lin.gpu_c, lin.cpu0, lin.cpu_w, lin.cpu_c), r_c, gpu_limit, cpu_limit)
@@ -484,22 +447,17 @@ def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_l
     import pulp
 
     prob = pulp.LpProblem("fractions", pulp.LpMinimize)
-    # PuLP ≥ 3.3 prefers prob.add_variable and warns about PULP_CBC_CMD; the bundled CBC is what we
-    # want (HiGHS prints to the terminal), so silence those deprecations here only
+    # PuLP ≥ 3.3 warns about PULP_CBC_CMD; the bundled CBC is what we want (HiGHS prints to the terminal)
     var = getattr(prob, "add_variable", None) or (lambda name, lo=None, up=None: pulp.LpVariable(name, lo, up))
     rw = var("r_w", 0, 1)
     rc = var("r_c", 0, 1 if gpu_attn else 0)
     td, tp = var("t_dec", 0), var("t_pre", 0)
-    prob += layers * (tp + (gen - 1) * td
-                      + TIE_BREAK * (gen - 1) * sum(a + b * rw + c * rc for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c)))
-    if lin.serial:
-        prob += td >= sum(a + b * rw + c * rc for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c))
-        prob += tp >= sum(a + b * rw + c * rc for a, b, c in zip(lin.pre0, lin.pre_w, lin.pre_c))
-    else:
-        for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c):
-            prob += td >= a + b * rw + c * rc
-        for a, b, c in zip(lin.pre0, lin.pre_w, lin.pre_c):
-            prob += tp >= a + b * rw + c * rc
+    dec = [a + b * rw + c * rc for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c)]
+    pre = [a + b * rw + c * rc for a, b, c in zip(lin.pre0, lin.pre_w, lin.pre_c)]
+    prob += layers * (tp + (gen - 1) * td + TIE_BREAK * (gen - 1) * sum(dec))
+    for t, busy in ((td, dec), (tp, pre)):
+        for e in ([sum(busy)] if lin.serial else busy):  # CPU-only: the resources add up
+            prob += t >= e
     # memory rows in GB keep CBC's coefficients well scaled
     prob += (lin.gpu0 + lin.gpu_w * rw + lin.gpu_c * rc) / 1e9 <= gpu_limit / 1e9
     prob += (lin.cpu0 + lin.cpu_w * rw + lin.cpu_c * rc) / 1e9 <= cpu_limit / 1e9
@@ -515,9 +473,8 @@ def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_l
 
 # ---- the integer part -------------------------------------------------------------------------------
 def micro_batch_sizes(limit: int, dense_until: int = DENSE_MU) -> list[int]:
-    """The paper's μ candidates: 1, 2, 3, 4, then 36, 68, … in steps of 32, up to `limit`. Beyond
-    `dense_until`, only every grid point ≥ 1/8 above the previous one (the search refines around
-    the best μ afterwards, on the full grid)."""
+    """The paper's μ candidates: 1, 2, 3, 4, then 36, 68, … in steps of 32, up to `limit`; beyond `dense_until`
+    only points ≥ 1/8 above the previous one (the search refines around the best)."""
     mus = [mu for mu in (1, 2, 3, 4) if mu <= limit] + list(range(36, min(limit, dense_until) + 1, 32))
     mu = mus[-1] if mus else 0
     while True:
@@ -528,10 +485,8 @@ def micro_batch_sizes(limit: int, dense_until: int = DENSE_MU) -> list[int]:
 
 
 def _mus(place: tuple[str, str], n_cap: int, has_gpu: bool = True) -> list[int]:
-    """μ candidates. On a machine without a GPU, the CPU-only placement also tries powers of two and the
-    whole request count in one micro-batch: there a micro-batch is only a slice of one chain, so the best
-    μ is usually the batch itself, and a batch that covers every request leaves no tail wave (the paper's
-    grid offers 228 for 256 requests)."""
+    """μ candidates; without a GPU also powers of two and every request at once, since a CPU-only micro-batch is
+    a slice of one chain (the best μ is usually the batch) and a batch covering all requests leaves no tail wave."""
     mus = micro_batch_sizes(n_cap)
     if place != ("cpu", "cpu") or has_gpu:
         return mus + ([n_cap] if n_cap < MAX_BATCH and n_cap not in mus else [])  # all requests at once too
@@ -651,8 +606,7 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
 
 
 def _shortfall(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget) -> BudgetError:
-    """The error for a budget nothing fits in: what one request at a time would need, for the placement
-    that comes closest (with as many expert weights on the GPU as it can hold)."""
+    """The error for a budget nothing fits in: what one request at a time needs, for the closest placement."""
     d = hrm.dims(m)
     gpu_limit = budget.gpu_bytes * GPU_USABLE
     best = None
@@ -675,12 +629,8 @@ def _shortfall(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget) -> B
 
 def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: Budget | None = None,
          ranks: int | None = None) -> tuple[Policy, Prediction]:
-    """The policy with the highest predicted end-to-end tokens/s that fits the budget.
-
-    `ranks` tensor-parallel ranks (default: one per GPU) each plan their share of the model with one
-    GPU and their share of the host (core.plan.parallel); the policy's sizes are one rank's.
-    Raises BudgetError naming the shortfall when not even a batch of one fits.
-    """
+    """The policy with the highest predicted end-to-end tokens/s that fits the budget; BudgetError where not even
+    a batch of one fits. `ranks` (default one per GPU) each plan their share (core.plan.parallel)."""
     budget = budget or Budget.for_hardware(hardware)
     ranks = ranks or default_ranks(hardware)
     full_model, full_hw, full_budget = model, hardware, budget
@@ -690,13 +640,11 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
         raise _shortfall(model, hardware, workload, budget)
     gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
     if workload.num_requests and any(workload.num_requests % c.n for c in top):
-        # the search prices full waves; a batch that leaves a smaller last wave pays for it (last_wave):
-        # 256 requests at 228 a wave ran slower than at 256, which the search ranked first
+        # the search prices full waves; a batch that leaves a smaller last wave pays for it (last_wave)
         top.sort(key=lambda c: -predict(_policy(c, c.r_w, c.r_c, model, ranks), full_model, full_hw,
                                         workload).tokens_per_s)
     best = None
-    # the best candidate and the GPU-attention ones: their fractions re-solved with CBC where the joint LP over
-    # (r_w, r_c) can beat the fast path's r_c grid (with r_c fixed at 0 the fast path is exact); the better answer
+    # GPU-attention candidates re-solved jointly in (r_w, r_c) by CBC, which can beat the fast path's r_c grid
     for c in [top[0]] + [c for c in top[1:] if c.place[0] == "gpu"]:
         t, r_w, r_c = c.seconds_per_token * c.n * workload.gen_len, c.r_w, c.r_c
         if c.place[0] == "gpu":
@@ -713,8 +661,7 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
 
 
 def _policy(c: _Candidate, r_w: float, r_c: float, model: ModelSpec, ranks: int) -> Policy:
-    """A candidate's policy, its fractions in whole experts and whole layers: what the runtime can place
-    (core.plan.policy.expert_split)."""
+    """A candidate's policy, its fractions in whole experts and layers (core.plan.policy.expert_split)."""
     L, E = model.num_layers, model.num_experts
     LE = model.moe_layers * E  # routed experts in all (dense layers hold none)
     r_w, r_c = math.floor(r_w * LE + 1e-6) / LE, math.floor(r_c * L + 1e-6) / L

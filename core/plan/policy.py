@@ -78,11 +78,8 @@ class Policy:
 
 
 def expert_split(gpu_weight_fraction: float, num_layers: int, num_experts: int, dense=()) -> list[int]:
-    """How many of each layer's experts stay on the GPU for a resident share r_w of the routed experts:
-    round(r_w·L'·E) experts in all (L' = the layers with experts; to the nearest whole expert), spread
-    evenly, the earlier of those layers taking the remainder; the layers in `dense` (a dense MLP, no
-    experts: DeepSeek's and GLM's first layers) get 0. The runtime keeps these and streams the rest;
-    the planner counts the same (the streaming buffer holds the most any layer streams)."""
+    """Experts each layer keeps on the GPU for a resident share r_w: round(r_w·L'·E) in all over the L' MoE layers,
+    spread evenly, earlier layers taking the remainder; `dense` layers get 0. Runtime and planner both use it."""
     dense = set(dense)
     moe = [i for i in range(num_layers) if i not in dense]
     total = int(gpu_weight_fraction * len(moe) * num_experts + 0.5)
@@ -94,8 +91,7 @@ def expert_split(gpu_weight_fraction: float, num_layers: int, num_experts: int, 
 
 
 def dense_layers(num_layers: int, moe_share: float) -> range:
-    """The layers without experts as the planner sees them: the first ones (DeepSeek's and GLM's
-    `first_k_dense_replace`), as many as the share of MoE layers leaves."""
+    """The layers without experts: the first ones (`first_k_dense_replace`), as the MoE share leaves."""
     return range(num_layers - round(moe_share * num_layers))
 
 
@@ -130,8 +126,7 @@ class Prediction:
     cpu_breakdown: dict[str, int] = field(default_factory=dict)
     bottleneck_text: str = ""  # the bottleneck in words; defaults from BOTTLENECK_WORDS
     pinned_bytes: int = 0  # page-locked host memory (part of cpu_bytes)
-    # busy seconds on each resource over the whole run (every wave: the full ones and a smaller last one), all
-    # layers, beside the run's decode steps and prompt tokens: what a measured run's sums compare with
+    # busy seconds per resource over the whole run, all layers and waves: what a measured run's sums compare with
     decode_busy: dict[str, float] = field(default_factory=dict)
     prefill_busy: dict[str, float] = field(default_factory=dict)
     decode_steps: int = 0

@@ -1,22 +1,9 @@
 """Which format the experts run in: `--quantize none | int8 | int4 | auto`, planned, with the reason.
 
-`auto` takes the least lossy format whose plan fits the memory budget (bf16/the checkpoint's dtype,
-then int8, then int4) and says why the more faithful ones were passed over: it never trades accuracy
-for speed, so where bf16 fits it runs bf16 even at batch 1 (where int4 is faster on a CPU), and it
-picks int4 only when nothing less lossy fits (even at large batches, where int4 is slower on a CPU
-than bf16 would be: bf16 is then not an option). An explicit int8/int4 whose plan is slower than the
-unquantized one that also fits says so. Every choice also plans
-the unquantized model on the same budget, so the speed-up a format buys is a prediction the user sees
-(or the statement that the unquantized model does not fit at all). A checkpoint that arrives
-quantized (GGUF, MXFP4) runs as it is: `auto` keeps it, int8/int4 are refused.
-
-Dense weights (`--quantize-dense`, the CPU-only mode: attention projections, shared experts, LM head):
-asked for, the plan counts them in that format (core.model.quant.dense_spec: RAM, and their kernel's
-speed in the HRM). On a machine without a GPU `auto` also climbs through them, in the order of the
-accuracy each costs (mean KL of the next-token distribution over MT-Bench text against bf16): int8 experts
-(0.020), int8 experts with int8 dense weights (0.091), int4 (0.305), int4 with int8 dense weights
-(0.333), int4 with int4 dense weights (0.851) — again only as far as it must to fit. Where a GPU is
-there, the dense weights live on it in the checkpoint's dtype, so `auto` leaves them be.
+`auto` takes the least lossy format whose plan fits (the checkpoint's dtype, int8, int4; without a GPU also the
+dense weights, by mean KL against bf16: int8 0.020, int8+int8 dense 0.091, int4 0.305, int4+int8 dense 0.333,
+int4+int4 dense 0.851) and never trades accuracy for speed. Every choice also plans the unquantized model, so
+the speed-up is shown (or that it does not fit). Quantized checkpoints (GGUF, MXFP4) run as they are.
 """
 
 from __future__ import annotations
@@ -75,10 +62,8 @@ def _spec(model: ModelSpec, q: str, dense: str | None, group_size: int | None) -
 def choose(model: ModelSpec, hw: HardwareSpec, workload: planner.Workload, budget: planner.Budget,
            quantize: str = "auto", group_size: int | None = None, ranks: int | None = None,
            dense: str | bool | None = None) -> FormatChoice:
-    """Plan `model` in the asked format (or, for auto, the least lossy that fits). `dense` (int8, int4, or
-    True for the experts' format): the dense weights quantized too, CPU-only (None: auto may pick them on a
-    machine without a GPU). Raises BudgetError when the asked format (or, for auto, even the lossiest
-    rung) does not fit."""
+    """Plan `model` in the asked format (auto: the least lossy that fits); `dense`: the dense weights too, CPU-only
+    (None: auto may pick them without a GPU). BudgetError where nothing asked fits."""
     if quantize not in QUANTIZE_CHOICES:
         raise UsageError(f"unknown --quantize {quantize!r}", f"use one of {', '.join(QUANTIZE_CHOICES)}")
     if dense and quantize == "none":

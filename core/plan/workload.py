@@ -55,12 +55,9 @@ class Workload:
         return float(s * s) if not self.spread else min(s * top, s * s * math.exp(SPREAD_SIGMA ** 2))
 
     def longest_first(self, count: int) -> tuple["Workload", "Workload"]:
-        """The workloads of this one's `count` longest requests and of the rest. The engine admits the longest
-        prompts first (Algorithm 2), so a run's full waves hold the long prompts and a smaller last wave the
-        short ones: 256 requests of mean 308 at 204 a wave ran waves of mean 366 and 79 tokens. From the
-        log-normal spread, a part above the quantile z holds E[L·1(L>z)] = E[L]·(1 − Φ(z − σ)) and
-        E[L²·1(L>z)] = E[L²]·(1 − Φ(z − 2σ)); the part below, the rest (those workloads' 367 and 78). Equal
-        prompts, or the requests not known: this workload for both."""
+        """The workloads of the `count` longest requests and of the rest (the engine admits the longest first).
+        Above the log-normal z: E[L·1(L>z)] = E[L]·(1 − Φ(z − σ)), E[L²·1(L>z)] = E[L²]·(1 − Φ(z − 2σ)).
+        Equal prompts, or the requests not known: this workload for both."""
         n = self.num_requests or 0
         if not (self.spread and 0 < count < n):
             return self, self

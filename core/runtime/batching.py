@@ -1,9 +1,8 @@
 """Dealing requests into micro-batches (the paper's Algorithm 2) and refilling freed slots.
 
-Longest prompt first, each into the micro-batch that holds the fewest tokens so far and still has
-a free slot. The same rule places a waiting request into a slot freed by a finished one, so the
-micro-batches stay balanced as the batch turns over. Once nothing waits, `compact` moves each
-micro-batch's requests into its first slots, so CPU attention reads neighbouring cache rows in place.
+Longest prompt first, each into the micro-batch with the fewest tokens and a free slot; refills use the same
+rule, so micro-batches stay balanced. `compact` moves requests into their micro-batch's first slots once
+nothing waits, so CPU attention reads neighbouring cache rows in place.
 """
 
 from __future__ import annotations
@@ -46,9 +45,8 @@ class SlotTable:
         self.tokens[self.micro_batch_of(slot)] -= tokens
 
     def compact(self) -> list[tuple[int, int]]:
-        """Move requests so that each micro-batch's occupy its first slots (the batch's tail, nobody
-        waiting): the highest occupied slot fills the lowest free one, so as few move as possible.
-        Returns the (from, to) slot moves made; the caller moves their state."""
+        """Move each micro-batch's requests into its first slots, highest into lowest free (fewest moves);
+        the (from, to) moves, whose state the caller moves."""
         moves = []
         for lo, hi in self.ranges:
             used = [s for s in range(lo, hi) if self.owner[s] is not None]

@@ -62,8 +62,7 @@ def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: 
 
 
 def step_rows(d, L: int, s: RunStep, group: int = 1) -> list[tuple[list[float], float]]:
-    """A step's (units, seconds) rows: one per task kind (all its tasks in the step), one for the rest of its
-    span (the LM head and the per-step terms); `group`: micro-batches per expert batch."""
+    """A step's (units, seconds) rows: one per task kind, one for the rest of its span (head, per-step terms)."""
     rows: dict[str, Counter] = defaultdict(Counter)
     for j in range(0, len(s.groups), group if s.kind == "decode" else 1):
         eb = sum(len(g) for g in s.groups[j:j + group])
@@ -110,9 +109,8 @@ def calibrate(engine, prompts, *, progress: EventSink = ignore, clock=time.perf_
 
 
 class StepClock:
-    """An event sink keeping an engine's StepDone events with `clock`'s seconds: the clock's time between
-    consecutive events is the step's (`spans`, the engine's work between steps included), and with another
-    clock than the wall's (or `by_kind`: `kinds`, each step's task seconds by task kind) every task is timed."""
+    """An event sink keeping StepDone events with `clock`'s seconds: `spans` between events, and (another clock,
+    or `by_kind`) each step's task seconds by kind in `kinds`."""
 
     def __init__(self, engine, clock=time.perf_counter, forward: EventSink = ignore, by_kind: bool = False):
         self.clock, self.forward, self.wall = clock, forward, clock is time.perf_counter

@@ -1,24 +1,10 @@
 """The CUDA executor: the threaded executor's shape, with the device's work on streams.
 
-Resources "gpu", "h2d" and "d2h" are streams of a `core.runtime.device.Device` (compute, host→device
-copies, device→host copies); each has a host thread that only *launches* its tasks, in list order.
-A dependency on another stream becomes `stream.wait_event`, so the host never blocks on the device
-for it; a host task (CPU attention) that needs a copy to have landed waits on that copy's event
-alone, with a blocking event (the waiting thread sleeps rather than spin a core). There is no
-device-wide synchronisation inside a step: the caller's stream waits on the streams' last events at
-the end (a join on the device), the caller's own tail goes behind it (`run(..., then=)`: the runner's
-logits and their copy to the host), and the host waits once, on an event after all of it — the step's one
-host sync, after which the step's timings are read (every event has completed by then).
-
-Never a hang on the device either: every host wait (a host task's dependency, the step's end) is bounded
-by the device's `wait_seconds`. Past it the step fails naming the task that started and never ended (a
-hung kernel or copy), else the first one not completed, and the executor refuses further steps: the
-stream is stuck, and nothing queued behind it will run.
-
-Runs unchanged over `CudaDevice` and over the emulated device (CI), which is how it is tested.
-Timing: one event per stream task, recorded where it ends (the same event other streams wait on, so timing
-adds no device operation); a task starts at the latest of its launch, its stream predecessor's end and its
-dependencies' ends (`_finish`), so a stream idle while its host thread launches late is not counted busy.
+Resources "gpu", "h2d" and "d2h" are streams of a `core.runtime.device.Device`, each fed by a host thread that
+only launches its tasks in list order; a cross-stream dependency is `stream.wait_event`, a host task waits on
+its copy's event alone. A step has one host sync: at its end, after the caller's tail (`run(..., then=)`).
+Every host wait is bounded by the device's `wait_seconds`: past it the step fails naming the hung task and the
+executor refuses further steps. Timing: one event per task, the one other streams wait on (no extra device op).
 """
 
 from __future__ import annotations
@@ -71,9 +57,8 @@ class _CudaStep(_Step):
                 and all(self.end[d].query() if d in self.end else self.events[d].is_set() for d in task.deps))
 
     def stuck(self, stream: str | None, err: DeviceStalled) -> DeviceTaskError:
-        """The failure to report for a wait on `stream` (None: on all of them) that ran past its deadline, as a
-        device error: the task that started and never ended on any stream (a hung kernel or copy; what the
-        waited-on stream waits for, perhaps), else the first of `stream`'s tasks that has not ended."""
+        """The failure for a wait on `stream` (None: all) past its deadline: the task that started and never ended
+        on any stream (a hung kernel or copy), else `stream`'s first unfinished task."""
         running = [t for t in self.stream_of if not self.end[t].query() and self.started(t)]
         mine = [t for t, r in self.stream_of.items() if stream is None or r == stream]
         tid = running[0] if running else next((t for t in mine if not self.end[t].query()), mine[-1])
@@ -89,9 +74,7 @@ class CudaExecutor(ThreadedExecutor):
     takes_tail = True  # run(..., then=): see _finish
 
     def __init__(self, device: Device, *, stall_seconds: float = STALL_SECONDS, placement=None):
-        """`placement(resource)` runs on each worker first (core.model.cpu.threads.worker_setup: the threads
-        feeding the GPU on one core, CPU attention's OpenMP team on the others, rather than one team
-        spinning over every core of a 4-vCPU cloud box)."""
+        """`placement(resource)` runs on each worker first (core.model.cpu.threads.worker_setup)."""
         self.dev = device
         self.placement = placement
         self.streams = {r: device.stream(r, compute=r == "gpu") for r in STREAMS}
@@ -106,9 +89,8 @@ class CudaExecutor(ThreadedExecutor):
             self.placement(resource)
 
     def run(self, tasks, fn, then=None) -> dict[str, float]:
-        """ThreadedExecutor.run; `then()`, if given, enqueues the caller's tail of the step on the caller's
-        stream (after the streams' work, before the step's one host wait), so that reading its results on the
-        host afterwards needs no wait of its own."""
+        """ThreadedExecutor.run; `then()` enqueues the caller's tail behind the streams' work, before the step's
+        one host wait, so its results need no wait of their own."""
         self._then = then
         try:
             return super().run(tasks, fn)

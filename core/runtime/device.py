@@ -1,29 +1,12 @@
-"""The accelerator as the runtime sees it: one small interface, three implementations.
+"""The accelerator as the runtime sees it: one small interface (`Device`), three implementations.
 
-The CUDA executor and the pipeline reach the device only through a `Device`: streams, events,
-launching work onto a stream, copies, allocation, pinned host memory, memory figures and
-synchronisation. So the same executor and pipeline code runs on
-- `CudaDevice`: torch.cuda, a thin mapping and nothing else (the only code CI cannot run);
-- `core.runtime.device_emulated.EmulatedCuda`: the CPU playing a GPU — streams are worker threads
-  that run their queue later than the host enqueues it, copies land late, events record, wait and
-  time as CUDA's do, allocations count against a memory cap and raise torch's OutOfMemoryError;
-- `HostDevice`: the CPU as its own "device" (the CPU-only mode and the threaded executor): no
-  streams, copies are plain copies, nothing is pinned.
-
-Semantics every implementation keeps (the CUDA ones):
-- `launch(stream, fn)` enqueues `fn`'s device work on `stream` and returns; on CUDA `fn` runs on the
-  calling thread under `torch.cuda.stream(stream)`, in the emulation on the stream's own thread.
-- An event completes when its stream reaches the point where it was recorded; `stream.wait_event`
-  orders the stream after it without blocking the host; `event.synchronize()` blocks the host
-  (yielding the CPU for events made with `blocking=True`).
-- `copy(dst, src)` copies on the calling thread's current stream; with pinned host memory and
-  contiguous tensors it is one asynchronous transfer, otherwise it is staged through pageable
-  memory and blocks the host (the emulation counts those in `stats`).
-- An error raised by launched work surfaces at the next synchronisation on that stream as
-  `DeviceTaskError` (cause: the original exception, `label`: what was launched).
-- Every host wait on the device (`host_wait`, `synchronize`) is bounded by `wait_seconds`: a hung kernel
-  or copy raises `DeviceStalled` instead of hanging the run. On CUDA the wait polls the event's query
-  (sleeping between polls) because a blocking cudaEventSynchronize cannot be given a deadline.
+`CudaDevice` maps it onto torch.cuda and nothing else (the only code CI cannot run); the emulated device
+(core.runtime.device_emulated) is the CPU playing a GPU; `HostDevice` is the CPU as its own device (no streams,
+plain copies, nothing pinned). Semantics the CUDA ones keep: `launch(stream, fn)` enqueues and returns; an event
+completes when its stream reaches it, `stream.wait_event` orders without blocking the host; `copy` is one
+asynchronous transfer only with pinned, contiguous host memory; launched work's errors surface at the next
+sync as `DeviceTaskError`; every host wait is bounded by `wait_seconds` (`DeviceStalled`) — on CUDA by polling
+the event's query, since a blocking cudaEventSynchronize takes no deadline.
 """
 
 from __future__ import annotations
@@ -42,9 +25,7 @@ PAGE = 4096  # bytes; host memory is registered (pinned) in whole pages
 
 
 def pin_budget() -> int:
-    """Host bytes this process may page-lock for GPU copies: core.platform.pinned_budget of the RAM
-    (Windows' WDDM caps page-locked memory at half of it; past the cap registration fails or the machine
-    pages). Beyond it `Device.pin` refuses and the caller copies from pageable memory."""
+    """Host bytes this process may page-lock (core.platform.pinned_budget); beyond it `Device.pin` refuses."""
     import psutil
 
     from core import platform
@@ -62,13 +43,11 @@ class DeviceTaskError(RuntimeError):
 
 
 class CaptureError(RuntimeError):
-    """What CUDA graph capture forbids (a host sync, an allocation, a host read of device data, ...) was met
-    while capturing; the segment runs eagerly instead (core.runtime.graphs)."""
+    """Capture met what CUDA graph capture forbids; the segment runs eagerly instead (core.runtime.graphs)."""
 
 
 def device_index(spec: str | torch.device | int | None, current: Callable[[], int]) -> int:
-    """The index of a CUDA device spec: "cuda" and None mean the current device (torch.cuda.set_device
-    refuses an index-less torch.device("cuda"), which is why every worker needs the number)."""
+    """The index of a CUDA device spec; "cuda" and None: the current device (set_device needs a number)."""
     if isinstance(spec, int):
         return spec
     d = torch.device(spec if spec is not None else "cuda")
@@ -118,9 +97,8 @@ class Device:
 
     # ---- graphs ----
     def capture(self, fn: Callable[[], object]):
-        """Capture `fn`'s device work on the current stream as a graph, from inside launched work; returns
-        (graph, fn's outputs). Nothing runs: the outputs hold their values after each `replay`, in place.
-        Raises CaptureError (or the driver's error) where `fn` does what capture forbids."""
+        """Capture `fn`'s device work as a graph, from inside launched work: (graph, fn's outputs, valid after
+        each `replay`); CaptureError where `fn` does what capture forbids."""
         raise CaptureError(f"{self.name} has no CUDA graphs")
 
     def replay(self, graph) -> None:
@@ -150,9 +128,8 @@ class Device:
         dst.copy_(src)
 
     def pin(self, t: torch.Tensor) -> bool:
-        """Page-lock the memory of a contiguous host tensor at its exact size (no rounding); False when
-        it cannot be — past `pin_limit_bytes`, or the OS refuses — and then copies from it are staged
-        through pageable memory (slower, still right). Undo with `unpin`."""
+        """Page-lock a contiguous host tensor at its exact size; False past `pin_limit_bytes` or when the OS
+        refuses (copies are then staged: slower, still right)."""
         return False
 
     def _pin_fits(self, nbytes: int) -> bool:
@@ -231,13 +208,11 @@ class HostDevice(Device):
 
 
 class CudaDevice(Device):
-    """torch.cuda behind the Device interface. Deliberately thin: its logic is exercised in CI through
-    the emulation, which implements the same methods with the same semantics."""
+    """torch.cuda behind the Device interface, deliberately thin: CI exercises the logic through the emulation."""
 
     kind = "cuda"
     accelerator = True
-    # registrations are the process's, not one device's: the budget counts them all, and a range is
-    # registered once (CUDA refuses a second registration of the same memory)
+    # registrations are the process's (a range is registered once: CUDA refuses a second)
     _registered: dict[int, int] = {}  # registered base address -> bytes, this process
     _lock = threading.Lock()
 
@@ -278,10 +253,8 @@ class CudaDevice(Device):
             fn()
 
     def capture(self, fn):
-        # one memory pool for every graph of this device: the graphs replay one at a time, in the order they
-        # were captured (a step's task order), which is when torch allows sharing it; a pool per graph would
-        # hold a few MB each, thousands of graphs at (layers × micro-batches). Thread-local capture: the other
-        # streams' host threads go on launching while this one captures.
+        # one memory pool for every graph (they replay one at a time, in capture order; a pool each would hold
+        # a few MB times thousands of graphs); thread-local capture: other streams go on launching meanwhile
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
@@ -294,8 +267,7 @@ class CudaDevice(Device):
         graph.replay()
 
     def synchronize(self) -> None:
-        """The streams made here and the current one, each polled within the deadline (torch.cuda.synchronize
-        would block without one)."""
+        """Every stream made here and the current one, polled within the deadline."""
         for i, s in enumerate([*self._streams, self.current_stream()]):
             ev = torch.cuda.Event()
             ev.record(s)
@@ -315,8 +287,7 @@ class CudaDevice(Device):
                 t.record_stream(stream)
 
     def pin(self, t) -> bool:
-        """cudaHostRegister over exactly the tensor's pages: torch's pinned allocator would round every
-        buffer up to a power of two (a 2.9 GB layer would lock 4 GiB)."""
+        """cudaHostRegister over exactly the tensor's pages (torch's allocator rounds to a power of two)."""
         if not t.is_contiguous() or t.numel() == 0:
             return False
         start = t.data_ptr() // PAGE * PAGE
@@ -339,15 +310,13 @@ class CudaDevice(Device):
         return self.pin_limit_bytes is None or sum(self._registered.values()) + nbytes <= self.pin_limit_bytes
 
     def _runtime_failed(self, call: str, err, nbytes: int) -> None:
-        """A runtime call made outside torch failed: note it (runtime_errors) and clear CUDA's "last error",
-        which torch's check after the next kernel launch — on this thread, in any later engine — would
-        otherwise report as that kernel's failure ("CUDA error: invalid argument" far from its cause)."""
+        """A runtime call outside torch failed: note it and clear CUDA's "last error", which torch would otherwise
+        report as the next kernel's failure, far from its cause."""
         self.runtime_errors.append(f"{call} of {nbytes:,} bytes: error {int(err)}")
         self.pending_error()
 
     def pending_error(self) -> str | None:
-        """Take CUDA's last error on this thread, if one is pending, by launching one tiny kernel and letting
-        torch's launch check read (and clear) it; None when there was none."""
+        """Take CUDA's pending last error on this thread (a tiny kernel's launch check reads it), or None."""
         try:
             torch.zeros(1, device=self.torch_device).add_(1)
         except RuntimeError as e:
@@ -392,8 +361,7 @@ DEVICE_KINDS = ("cpu", "cuda", "emulated")
 
 
 def default_device_kind() -> str:
-    """$MLIGHT_DEVICE (cpu | cuda | emulated) if set — the test suite sets cpu so that nothing runs on
-    a GPU by accident — else CUDA when torch sees one, else the CPU."""
+    """$MLIGHT_DEVICE (cpu | cuda | emulated; the tests set cpu) if set, else CUDA where torch sees one, else cpu."""
     env = os.environ.get("MLIGHT_DEVICE", "").strip().lower()
     if env:
         return env

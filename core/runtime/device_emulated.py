@@ -1,45 +1,18 @@
-"""An emulated CUDA device on the CPU, so that the GPU path's own code runs in CI.
+"""An emulated CUDA device on the CPU, so that the GPU path's own code runs in CI (contract: core.runtime.device).
 
-What it reproduces of a GPU (see core.runtime.device for the contract):
-- Asynchrony: each stream is a worker thread that runs its queue in order, later than the host
-  enqueued it; `copy_delay` makes every copy (`copy`, `to_host`) land later still (a number of seconds, or a callable
-  returning one, for jitter). A host that reads a copy's destination before the copy's event
-  completes reads stale data, as on a GPU.
-- Events: record (on a stream, or at once from inside that stream's own work), wait (a stream
-  waits, the host does not), synchronize, query, elapsed_time (milliseconds, both must be done).
-  A host waiting on a non-blocking event spins a core as CUDA's default events do.
-- Errors: an exception in launched work is kept by its stream and raised, once, at the next host
-  synchronisation that covers it (`DeviceTaskError`, cause = the original exception).
-- Memory: allocations made through the device (`empty`, `zeros`, `to_device`, `tensor`) and every
-  tensor that device compute creates (ops run on a compute stream or inside `compute()`) count
-  against `memory_bytes`; going over raises torch.cuda.OutOfMemoryError, like the caching
-  allocator. Memory is released when the last view of it is gone. `max_memory_allocated` is the
-  peak of all of it: weights, buffers and transient activations.
-- Placement: compute on the device that reads a host tensor raises, as CUDA's "Expected all tensors
-  to be on the same device" does (0-dim scalars excepted).
-- Pinned memory: `pin` registers a host range at its exact size, within `pin_limit_bytes` (default:
-  the OS's budget, core.runtime.device.pin_budget); a "pin" fault that raises is the OS refusing. Copies
-  whose host side is not pinned, or that are not contiguous, are counted in `stats["staged_copies"]`
-  (on a GPU they block the host and go through a pageable bounce buffer).
-- Faults: `fault(point)` is called at "set_device", "launch", "wait_event", "host_wait", "copy",
-  "alloc" and "pin" and may raise, so tests can break each of them; at "kernel" it is called on the
-  stream's own thread before each piece of launched work (its label in `running()`), where blocking
-  is a hung kernel.
-- Graph capture: `capture(fn)`, called from launched work, runs `fn` on its stream's thread under the
-  capture mode — what real capture forbids raises CaptureError: a host synchronisation (the device's, an
-  event's or a stream's synchronize or query, `to_host`), an allocation through the device's allocator
-  (`empty`, `zeros`, `to_device`, `tensor`; the transient outputs of ops are the graph's pool, as on CUDA),
-  a host read of device data (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`, truth or number of a tensor,
-  `torch.equal`), an op whose output size depends on the data (nonzero, boolean indexing, unique,
-  repeat_interleave without output_size: a sync on a GPU), a wait on an event, work on another stream — and
-  leaves device memory as it found it (capture runs nothing on a GPU). `replay` runs `fn` again under the
-  same mode and writes its results into the tensors capture returned, which is where a GPU's replay leaves
-  them. It does not show a stale address baked into a graph: the Python runs again at each replay here.
-- Bounded waits: the Device's host waits (`host_wait`, `synchronize`, the host stream's `wait_event`)
-  give up after `wait_seconds` with DeviceStalled, as CudaDevice's do; an event's or a stream's own
-  `synchronize` has no deadline, as torch's has none, so code that calls them hangs here as on a GPU.
-It does not model bandwidth, kernel concurrency within a stream, or the caching allocator's reuse of
-a block across streams (CudaDevice.copy records the stream for that).
+- Streams are worker threads running their queue in order, later than the host enqueued it; `copy_delay` lands
+  copies later still, so a host reading a copy's destination before its event completes reads stale data.
+- An exception in launched work surfaces once, at the next host sync covering it, as `DeviceTaskError`.
+- Memory made through the device, and every tensor its compute creates, counts against `memory_bytes`
+  (over it: torch.cuda.OutOfMemoryError); compute reading a host tensor raises, as CUDA does.
+- `pin` registers a host range within `pin_limit_bytes`; unpinned or non-contiguous copies are counted in
+  `stats["staged_copies"]`.
+- `fault(point)` is called at "set_device", "launch", "wait_event", "host_wait", "copy", "alloc", "pin", and at
+  "kernel" on the stream's thread (blocking there is a hung kernel), so tests can break each of them.
+- `capture(fn)` raises CaptureError on what real graph capture forbids (host syncs, device allocations, host
+  reads of device data, data-dependent output sizes, cross-stream work); `replay` reruns `fn` into the
+  captured outputs. Host waits give up after `wait_seconds` with DeviceStalled, as CudaDevice's do.
+Not modelled: bandwidth, concurrency within a stream, the caching allocator's reuse across streams.
 """
 
 from __future__ import annotations
@@ -273,8 +246,7 @@ class EmulatedCuda(Device):
         self._host_sync(event, cancel, what, self.wait_seconds)
 
     def _host_sync(self, event: _Event, cancel, what: str = "", seconds: float | None = None) -> None:
-        """`seconds` None: no deadline, as torch's Event.synchronize and Stream.synchronize have none (code
-        calling those directly hangs here as it would on a GPU; the Device's waits pass `wait_seconds`)."""
+        """`seconds` None: no deadline, as torch's own synchronize has none (the Device's waits pass one)."""
         self._refuse("a host synchronisation")
         self._fault("host_wait")
         self.stats["host_syncs"] += 1
@@ -382,8 +354,7 @@ class EmulatedCuda(Device):
         if host and not non_blocking:
             self.stats["blocking_copies"] += 1  # asked for: setup-time uploads
         elif any(not self.is_pinned(x) or not x.is_contiguous() for x in host):
-            # on a GPU: staged through a pageable bounce buffer, the host blocked behind the stream's queue
-            # (a strided *device* side only costs a device-side gather, which is fine)
+            # on a GPU: staged through a pageable bounce buffer, the host blocked (a strided device side is fine)
             self._refuse("a copy from pageable host memory (staged: the host blocks)")
             self.stats["staged_copies"] += 1
         capture = getattr(self._tls, "capture", None)
@@ -549,9 +520,8 @@ _CROSS_DEVICE_OK = {torch.ops.aten.copy_.default, torch.ops.aten.index.Tensor, t
 
 
 class _Capture:
-    """The calling thread's capture (or replay) in progress (EmulatedCuda._tls.capture): the kernels it issued,
-    each with the memory it read and wrote — memory from before the segment by address (what a graph bakes
-    in), memory the segment made by its shape (the graph's own pool: the same addresses at every replay)."""
+    """The calling thread's capture or replay in progress: its kernels, each with the memory it read and wrote
+    (older memory by address, as a graph bakes it in; the segment's own by shape, its pool)."""
 
     def __init__(self, undo: "_Undo | None"):
         self.undo = undo
@@ -559,8 +529,7 @@ class _Capture:
         self._made: dict[int, int] = {}  # storage address -> its rank among the segment's new storages
 
     def ident(self, t: torch.Tensor) -> tuple:
-        # the segment's own memory by kind alone: its numbering varies with the host allocator's reuse of
-        # freed blocks between runs, which a graph's fixed pool has no counterpart of
+        # the segment's own memory by kind alone: the host allocator's reuse varies between runs, a pool's does not
         p = t.untyped_storage().data_ptr()
         return ("made", tuple(t.shape)) if p in self._made else ("before", p, t.storage_offset(), tuple(t.shape))
 
@@ -600,12 +569,8 @@ def _show(entry: tuple) -> str:
     return f"{entry[0]} over {[x[0] + ('@' + hex(x[1]) if x[0] == 'before' else '') for x in entry[1]]}"
 
 
-class _Graph:
-    """A captured segment as the emulation keeps it: the callable, the outputs its capture returned, and the
-    kernels it issued."""
-
-    def __init__(self, fn, out, trace: list):
-        self.fn, self.out, self.trace = fn, out, trace
+# a captured segment: the callable, the outputs its capture returned, the kernels it issued
+_Graph = collections.namedtuple("_Graph", "fn out trace")
 
 
 class _Undo(TorchDispatchMode):

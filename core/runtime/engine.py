@@ -1,11 +1,8 @@
-"""The batch generation engine: requests in, results out as each finishes.
+"""The batch generation engine: `Request`s in (text or chat), `Result`s out as each finishes.
 
-Boundary: takes `Request`s (text or chat messages), tokenizes with the checkpoint's own tokenizer,
-and yields `Result`s; publishes telemetry events through a callback and never prints. It owns the
-step loop — admit waiting requests into free slots (Algorithm 2), prefill them, decode one token for
-every active request, retire finished ones — and hands the per-layer work to a `PipelineRunner`
-(`core.runtime.pipeline`): the schedule's task graph run by the chosen executor. `Engine.load` chooses
-where and how the model runs here and reads and readies it through the steps in `core.runtime.loading`.
+It owns the step loop — admit waiting requests into free slots (Algorithm 2), prefill them, decode a token for
+every active request, retire finished ones — and hands the per-layer work to a `PipelineRunner`. Telemetry
+goes through a callback; it never prints. `Engine.load` chooses where the model runs; core.runtime.loading reads it.
 """
 
 from __future__ import annotations
@@ -107,11 +104,8 @@ EXECUTORS = ("sequential", "threaded", "cuda")
 
 @dataclass(frozen=True)
 class RunConfig:
-    """How the engine runs the model: where, with which executor and schedule, what stays resident.
-
-    On the CPU the "device" is the CPU itself: the default is the plain CPU-only chain (no copies);
-    naming a schedule or the threaded executor runs that schedule's graph with real device/host copies.
-    """
+    """How the engine runs the model: where, with which executor and schedule, what stays resident. On the CPU
+    the default is the plain chain; a schedule or the threaded executor runs its graph with real copies."""
 
     device: str = "cpu"  # "cpu" | "cuda" | "emulated" (core.runtime.device)
     executor: str = "sequential"
@@ -146,8 +140,7 @@ class RunConfig:
 
 def run_config(device: str | None = None, executor: str | None = None, schedule: str | None = None,
                resident_layers: int | None = None, expert_group: int = 1) -> RunConfig:
-    """Defaults: the default device (core.runtime.device.default_device_kind: $MLIGHT_DEVICE, else CUDA
-    when present, else the CPU); the executor matching the device."""
+    """Defaults: core.runtime.device.default_device_kind, and the executor matching the device."""
     if device is None:
         device = "cuda" if executor == "cuda" and default_device_kind() == "cpu" else (
             "cpu" if executor in ("sequential", "threaded") else default_device_kind())
@@ -172,7 +165,6 @@ class Engine:
         self.dev = device or resolve_device("cpu" if self.config.device == "cpu" else None)
         self.grouped = grouped
         self.context_length = spec.max_position
-        self.fault = None  # tests: passed to the runner to inject a failure into a task
         self.policy = None  # the planner's Policy this engine was loaded with, if any
         self.tp = None  # tensor parallel: this rank's core.runtime.distributed.tensor_parallel.ShardOps
         self.rank_spec = spec  # the model this process runs: with tensor parallelism, its heads and expert slices
@@ -189,8 +181,7 @@ class Engine:
         if self._executor is None and kind == "sequential":
             self._executor = SequentialExecutor()
         elif self._executor is None:
-            # the threads feeding the device share one core (on CUDA; half the cores when the CPU plays the
-            # GPU), CPU attention's team the rest: no OpenMP team spinning over all of them
+            # the threads feeding the device share a core (half when the CPU plays the GPU), attention the rest
             setup = worker_setup(self.config.device if kind == "threaded" else self.dev.kind)
             if self.threads.fixed is None:
                 self.threads = Governor(fixed=setup.threads)
@@ -211,8 +202,7 @@ class Engine:
         self.policy = policy
 
     def configure(self, *, pages_per_layer: int | None = None, **changes) -> None:
-        """Change how the loaded model runs (schedule, placement, resident layers, paging) for later
-        `generate` calls; the weights stay where they are."""
+        """Change how the loaded model runs for later `generate` calls; the weights stay where they are."""
         if "resident_layers" in changes and "resident_experts" not in changes:
             changes["resident_experts"] = None
         config = dataclasses.replace(self.config, **changes)
@@ -227,8 +217,7 @@ class Engine:
 
     @property
     def pin_seconds(self) -> float:
-        """Seconds this engine spent page-locking the weights that stream (the first run's; later runs
-        find them locked), for the planner's first-run price and the bench."""
+        """Seconds spent page-locking the streamed weights (the first run's; later runs find them locked)."""
         return self.weights.pin_seconds
 
     @property
@@ -242,8 +231,8 @@ class Engine:
             self._executor = None
 
     def close(self) -> None:
-        """Stop the executor's threads and give back the page-locked memory (memory freed while still
-        registered would stay locked); the engine can run again, re-pinning what its next run streams."""
+        """Stop the executor's threads and unpin the weights (freed while registered, they would stay locked);
+        the engine can run again."""
         self._stop_executor()
         self.weights.unpin()
 
@@ -256,12 +245,8 @@ class Engine:
              use_cache: bool = True, cpu_math: str | None = None, threads: int | None = None,
              progress: EventSink = ignore, tp=None, quantize_dense: bool | str = False,
              graphs: str = "auto") -> "Engine":
-        """Load a checkpoint (arguments: docs/CONTRACTS.md). A planner `Policy` sets paging, resident experts, the
-        expert batch and attention placement; the explicit arguments are for tests and benchmarks. `quantize`
-        ("int8", "int4" with `group_size`) stores the experts quantized, through the quantized cache unless
-        `use_cache` is False; `quantize_dense` (CPU-only mode) the dense projections too: True in the experts'
-        format, or "int8" / "int4". `tp` (a TensorParallel) loads only this rank's shard; every rank then calls
-        `generate` with the same requests."""
+        """Load a checkpoint (arguments: docs/CONTRACTS.md): a planner `Policy` sets the placement, the explicit
+        arguments are for tests and benchmarks; `tp` loads only this rank's shard."""
         model_dir = Path(model_dir)
         ck = loading.read_checkpoint(model_dir, tp)
         config, dev, pages_per_layer = _run_for(ck.spec, policy, device, executor, schedule, pages_per_layer,
@@ -295,7 +280,6 @@ class Engine:
                            expert_group=c.expert_group, resident_experts=c.resident(spec.num_layers, spec.num_experts),
                            kv_gpu_layers=kv_gpu, device=self.dev, grouped=self.grouped, warn=on_event, tp=self.tp,
                            cpu_math=torch_dtype(self.cpu.math), direct_rows=self.cpu.direct_rows)
-        r.fault = self.fault
         if c.executor == "cuda" and self._graphs_pay(-(-slots // micro_batch_size)):
             from core.runtime.graphs import Graphs
 
@@ -303,8 +287,7 @@ class Engine:
         return r
 
     def _graphs_pay(self, micro_batches: int) -> bool:
-        """The `graphs` option for a runner of `micro_batches`: "auto" decides on a GPU from the step's counts
-        (core.runtime.graphs.choose; the reason in `graphs_why`); the emulated device runs them when asked."""
+        """The `graphs` option: "auto" decides on a GPU (core.runtime.graphs.choose, why in `graphs_why`)."""
         from core.runtime import graphs
 
         c = self.config
@@ -341,14 +324,12 @@ class Engine:
     def generate(self, requests: Iterable[Request], *, batch_size: int | None = None,
                  micro_batch_size: int | None = None, on_event: EventSink = ignore,
                  should_stop: Callable[[], bool] | None = None) -> Iterator[Result]:
-        """Yield each request's Result as it finishes. Batch sizes default to the policy's, else 64 / the batch.
-        The garbage collector leaves the objects made before the run alone while it runs (frozen_heap)."""
+        """Yield each request's Result as it finishes; batch sizes default to the policy's, else 64 / the batch."""
         with frozen_heap():
             yield from self._generate(requests, batch_size, micro_batch_size, on_event, should_stop)
 
     def _generate(self, requests, batch_size, micro_batch_size, on_event, should_stop) -> Iterator[Result]:
-        """The run: a batch of slots steps through the requests; out of device memory, the unfinished ones
-        start again in a batch half the size (tensor parallel: the size the group agreed on)."""
+        """Out of device memory, the unfinished requests start again in a batch half the size (or the group's)."""
         if batch_size is None:
             batch_size = self.policy.batch_size if self.policy else 64
         if micro_batch_size is None and self.policy is not None:
@@ -372,15 +353,18 @@ class Engine:
             slots, mu = self._restart_smaller(*shrink, mu, waiting, active, on_event)
 
     def _start(self, slots: int, mu: int, max_tokens: int, on_event: EventSink):
-        """A slot table and a runner for a batch of `slots`, and None; or, where their buffers do not fit the
-        device (tensor parallel: on some rank), the batch to go on with and the rank that ran out."""
+        """(table, runner, None); where the runner does not fit (on some rank), (…, (smaller batch, rank))."""
         shrink = None
         table = SlotTable(slots, mu)
         try:
             runner = self.runner(slots, mu, max_tokens, on_event)
         except torch.cuda.OutOfMemoryError as e:
             if slots == 1 and self.tp is None:
-                raise _no_room_at_batch_one() from e
+                raise GpuMemoryError(
+                    "out of GPU memory with a batch of one request: the model's fixed GPU buffers (resident experts, "
+                    "weight pages) do not fit", "keep fewer experts on the GPU (plan with a smaller --gpu-mem, or a "
+                    "policy with a lower GPU expert share), or run on the CPU (hide the GPU: "
+                    "CUDA_VISIBLE_DEVICES=)") from e
             runner, shrink = None, (slots // 2, -1)
         if self.tp is not None:  # the group's ranks all built their runners, or all retry alike
             agreed = self.tp.tp.outcome(False, slots, slots if shrink is None else shrink[0])
@@ -388,10 +372,13 @@ class Engine:
         return table, runner, shrink
 
     def _restart_smaller(self, slots: int, failed_rank: int, mu: int, waiting, active, on_event) -> tuple[int, int]:
-        """Out of device memory: the unfinished requests wait again, to start over in a batch of `slots` (fewer
-        than one: tensor parallel, rank `failed_rank` cannot run even one request, and every rank stops)."""
+        """The unfinished requests wait again for a batch of `slots` (under one: `failed_rank` cannot run one)."""
         if slots < 1:
-            raise _give_up(failed_rank)
+            from core.runtime.distributed.tensor_parallel import GroupOutOfMemory
+
+            raise GroupOutOfMemory(f"rank {failed_rank} ran out of GPU memory with a batch of one request",
+                                   "give each rank more GPU memory (more GPUs: --tensor-parallel), or shorten the "
+                                   "prompts and --max-new-tokens")
         self._release_device()
         mu = max(1, min(mu, slots))
         on_event(WarningEvent(f"out of GPU memory; continuing with batch {slots}, micro-batch {mu}"))
@@ -407,8 +394,7 @@ class Engine:
         self.dev.empty_cache()
 
     def _steps(self, runner, table, waiting, active, proc, on_event, should_stop, slots):
-        """Step until every request is done or the run is asked to stop (returns None), yielding each result as it
-        finishes; out of device memory, return (the batch to go on with, the rank that ran out or -1)."""
+        """Step, yielding results, until done or stopped (None); out of device memory, (smaller batch, rank or -1)."""
         while waiting or active:
             stop = should_stop is not None and should_stop()
             if stop and self.tp is None:  # tensor parallel: the group agrees on stopping after the step
@@ -428,8 +414,7 @@ class Engine:
         return None
 
     def _step(self, runner, table, waiting, active, proc, on_event, stop=False, slots=0) -> list[Result]:
-        """One step: refill free slots from the waiting requests and prefill those, else decode one token for
-        every active request; sample each one's next token; retire the finished (the next step refills)."""
+        """One step: refill free slots and prefill them, else decode; sample; retire the finished."""
         admitted = self._refill(table, waiting, active)
         t0, moved = time.perf_counter(), dict(runner.bytes)
         if admitted:  # a freshly prefilled request may already be done; the next step admits again
@@ -445,12 +430,10 @@ class Engine:
 
     @staticmethod
     def _refill(table: SlotTable, waiting: list[_Seq], active: list[_Seq]) -> list[_Seq]:
-        """Place waiting requests into free slots, in order; they join `active` before their prefill, so that a
-        step that fails (out of memory) restarts them too."""
+        """Place waiting requests into free slots; they join `active` at once, so a failed step restarts them too."""
         among = None
         if not active and 0 < len(waiting) <= table.free_slots():
-            # the run's last wave, smaller than the batch: in as few micro-batches as hold it, as the planner
-            # prices it (planner.last_wave): each micro-batch a step runs reads every layer's weights again
+            # a smaller last wave: in as few micro-batches as hold it, as planner.last_wave prices it
             among = -(-len(waiting) // table.micro_batch_size)
         admitted = []
         while waiting and table.free_slots():
@@ -462,8 +445,7 @@ class Engine:
         return admitted
 
     def _prefill(self, runner, table, admitted, stop, slots):
-        """The admitted requests' prompts through the model by micro-batch: (the requests in the logits' row
-        order, the logits [rows, V], the step's busy times)."""
+        """The admitted prompts by micro-batch: (requests in logits row order, logits [rows, V], busy times)."""
         groups = _by_micro_batch(admitted, table)
         seqs = [s for g in groups for s in g]
         index = {id(s): i for i, s in enumerate(seqs)}
@@ -472,8 +454,7 @@ class Engine:
         return seqs, logits, busy
 
     def _decode(self, runner, table, waiting, active, stop, slots):
-        """One token for every active request by micro-batch, as `_prefill`; with none waiting, the requests move
-        into their micro-batches' first slots first (`_compact`)."""
+        """One token for every active request, as `_prefill`; with none waiting, compacted first."""
         if not waiting:
             self._compact(runner, table, active)
         groups = _by_micro_batch(active, table)
@@ -484,9 +465,8 @@ class Engine:
 
     @staticmethod
     def _compact(runner, table, active) -> None:
-        """Nothing waits to fill the slots finished requests left: move the requests into each micro-batch's
-        first slots (their cached state with them), so attention reads neighbouring rows in place rather
-        than gathering every row's K/V in every layer. A move copies one request's cached tokens once."""
+        """Move requests (their cached state with them) into each micro-batch's first slots, so attention reads
+        neighbouring rows in place rather than gathering them in every layer."""
         moves = table.compact()
         if moves:
             at = {s.slot: s for s in active}
@@ -495,8 +475,8 @@ class Engine:
                 at[a].slot = b
 
     def _agreed(self, runner, stop: bool, slots: int, compute):
-        """Run a step's compute; tensor parallel, agree with the group on its outcome before any of its
-        tokens is used: a rank out of memory drains the step's collectives and asks for half the batch."""
+        """Run a step; tensor parallel, the group agrees on its outcome first (a rank out of memory drains the
+        step's collectives and asks for half the batch)."""
         if self.tp is None:
             return compute()
         from core.runtime.distributed.tensor_parallel import step_collectives
@@ -581,7 +561,6 @@ class Engine:
 
 
 def _probed_cpu_rates() -> dict[str, float] | None:
-    """The probe's measured per-dtype CPU matmul rates when this machine was probed (never measures)."""
     return cached_cpu_rates()
 
 
@@ -593,8 +572,7 @@ def _h2d_rate() -> float:
 
 def _run_for(spec: ModelSpec, policy, device, executor, schedule, pages_per_layer, resident_layers, expert_group,
              resident_experts, graphs) -> tuple[RunConfig, Device, int]:
-    """`Engine.load`'s choice of where and how the model runs: the planner's policy (paging, resident experts,
-    the expert batch, attention placement) over the explicit arguments; the config, its device, the paging."""
+    """Where and how the model runs: the planner's policy over the explicit arguments; (config, device, paging)."""
     placement = {}
     if policy is not None:
         pages_per_layer, expert_group = policy.pages_per_layer, policy.micro_batches_per_expert_batch
@@ -616,8 +594,7 @@ def _run_for(spec: ModelSpec, policy, device, executor, schedule, pages_per_laye
 
 
 def _dtypes(dtype, quantize, group_size, quantize_dense, dev: Device, spec: ModelSpec, progress: EventSink):
-    """`Engine.load`'s dtype (None: the checkpoint's; on a GPU, the one it computes in), the experts' quantized
-    format and the dense projections' (None: as loaded)."""
+    """(dtype, the experts' quantized format, the dense projections'); None: as loaded."""
     if isinstance(dtype, str):
         if dtype not in DTYPE_BYTES:
             raise UsageError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPE_BYTES))}")
@@ -627,8 +604,11 @@ def _dtypes(dtype, quantize, group_size, quantize_dense, dev: Device, spec: Mode
         raise UsageError("--quantize-dense needs a format", "pass --quantize int8 or --quantize int4 with it")
     dense_fmt = (quant if quantize_dense is True else parse_choice(quantize_dense, group_size)) if quantize_dense \
         else None
-    if dev.accelerator:
-        dtype = _accelerator_dtype(dev, dtype or spec.torch_dtype, progress)
+    if dev.accelerator:  # bf16 becomes fp16 where there are no bf16 tensor cores (a T4)
+        want, dtype = dtype or spec.torch_dtype, gpu_compute_dtype(dtype or spec.torch_dtype, dev.capability)
+        if dtype != want:
+            progress(WarningEvent(f"{dev.name} (compute capability {dev.capability[0]}.{dev.capability[1]}) has no "
+                                  f"bf16 tensor cores: computing in float16"))
     return dtype, quant, dense_fmt
 
 
@@ -638,15 +618,6 @@ def _placement(policy, spec: ModelSpec) -> dict:
     return {"resident_experts": tuple(expert_split(policy.gpu_weight_fraction, spec.num_layers, spec.num_experts,
                                                    dense)),
             "kv_gpu_layers": kv_gpu_layers(policy.gpu_kv_fraction, spec.num_layers)}
-
-
-def _accelerator_dtype(dev: Device, dtype: torch.dtype, progress: EventSink) -> torch.dtype:
-    """The dtype the GPU computes in: bf16 becomes fp16 where there are no bf16 tensor cores (a T4)."""
-    use = gpu_compute_dtype(dtype, dev.capability)
-    if use != dtype:
-        progress(WarningEvent(f"{dev.name} (compute capability {dev.capability[0]}.{dev.capability[1]}) has no "
-                              f"bf16 tensor cores: computing in float16"))
-    return use
 
 
 class _GroupStop(Exception):
@@ -659,21 +630,6 @@ class _GroupShrink(Exception):
     def __init__(self, slots: int, rank: int):
         super().__init__(slots, rank)
         self.slots, self.rank = slots, rank
-
-
-def _give_up(rank: int):
-    from core.runtime.distributed.tensor_parallel import GroupOutOfMemory
-
-    return GroupOutOfMemory(f"rank {rank} ran out of GPU memory with a batch of one request",
-                            "give each rank more GPU memory (more GPUs: --tensor-parallel), or shorten the "
-                            "prompts and --max-new-tokens")
-
-
-def _no_room_at_batch_one() -> GpuMemoryError:
-    return GpuMemoryError("out of GPU memory with a batch of one request: the model's fixed GPU buffers "
-                          "(resident experts, weight pages) do not fit",
-                          "keep fewer experts on the GPU (plan with a smaller --gpu-mem, or a policy with a lower "
-                          "GPU expert share), or run on the CPU (hide the GPU: CUDA_VISIBLE_DEVICES=)")
 
 
 def _is_oom(e: BaseException) -> bool:

@@ -1,20 +1,10 @@
-"""Executors: run one step's task graph on its resources, in dependency order.
+"""Executors: run one step's task graph (tasks with `id`, `resource`, `deps`, dependencies listed first) through
+a `run(task)` function, in dependency order.
 
-A task graph is a list of tasks (anything with `id`, `resource` and `deps`, ids unique, listed in
-an order where every dependency comes first) plus a function `run(task)` that does a task's work.
-
-- `SequentialExecutor` runs every task in list order on the calling thread (the CPU mode).
-- `ThreadedExecutor` gives each resource a worker thread fed by a queue in list order; a task
-  starts once the events of all its dependencies are set. Tensors stay on the CPU and copies are
-  real copies, so a missing dependency shows up as wrong tokens.
-- `core.runtime.cuda_executor.CudaExecutor` keeps the same shape with streams and events of a
-  `core.runtime.device.Device` (CUDA, or the emulated device in CI).
-
-Never a hang: every worker catches whatever its task, its dependency waits or its setup raise; the
-first failure wakes every waiter and the others skip what is left; `run` watches its workers
-(a dead one fails the step with its cause) and fails a step in which no task has finished for
-`stall_seconds`. The caller gets a `TaskFailed` naming the task, with the original error as cause.
-Workers hold no reference to a step once its tasks are done, so a finished step's buffers go.
+`SequentialExecutor` runs them in list order (the CPU mode); `ThreadedExecutor` gives each resource a worker
+thread, with real copies, so a missing dependency shows as wrong tokens; core.runtime.cuda_executor has the
+same shape on device streams. Never a hang: the first failure wakes every waiter, a dead worker or
+`stall_seconds` without progress fails the step, and the caller gets a `TaskFailed` naming the task.
 """
 
 from __future__ import annotations
@@ -154,8 +144,7 @@ class ThreadedExecutor:
                     step.fail(task, e)
             finally:
                 step.finished(task)
-            # nothing of the step may outlive its tasks here: its runner and device buffers would
-            # stay alive until this worker's next task (a second run would sit on top of them)
+            # nothing of the step may outlive its tasks here (its device buffers under the next run)
             step = task = None
 
     def _wait_deps(self, step: "_Step", task) -> bool:

@@ -1,9 +1,7 @@
 """Keep Python's cyclic garbage collector off the objects that existed before a run, while it runs.
 
-A process with torch, transformers and a model loaded tracks ~216,000 objects; a full collection walking them
-took 72-83 ms, 8 % of a one-second run of the demo model, at whatever step its threshold crossed. `gc.freeze()`
-moves them into a generation collections skip, in constant time; objects made during the run are collected as
-usual, and the heap is thawed when the last of overlapping runs (the app's worker beside another) ends.
+A full collection over a loaded process's ~216,000 objects took 72-83 ms (8 % of a one-second demo run);
+`gc.freeze()` skips them in constant time. Thawed when the last of overlapping runs ends.
 """
 
 from __future__ import annotations

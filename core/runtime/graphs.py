@@ -1,26 +1,15 @@
 """CUDA graphs for a step's GPU segments: capture once, replay after, eager where capture fails.
 
-A launch-bound step pays the host for every kernel; a graph replays a segment's kernels in one launch.
-A segment is a task's device work written as `fn(*inputs) -> outputs` over device tensors. `Graphs.run` runs it
-- eagerly the first time its key is seen (the warm-up: lazy library handles and workspaces come first);
-- the second time, copies the inputs into static buffers, captures `fn` over them (Device.capture), its
-  outputs copied into static buffers inside the graph, and replays it; after that, copies the inputs in
-  and replays. The outputs hold until the slot's next run of the segment (its next layer);
-- eagerly from then on where capture failed (CaptureError: a host sync, an allocation through the device,
-  a host read of device data, ...), saying once per segment kind why (a WarningEvent).
-Keys: (segment, layer, micro-batch slot, input shapes). The static inputs and outputs are shared by the
-layers of a slot (its tasks run one after another), so they cost a slot's activations once, not once per
-layer; what a graph allocates inside is scratch, from one pool the device's graphs share (they replay one
-at a time, on one stream). A runner owns its Graphs: a new runner (a new run, or a smaller batch after
-running out of memory) starts afresh. Device memory the planner does not count yet: per slot, each
-segment's inputs and outputs (a few [μ, D] activations), and the graphs' pool (one segment's scratch).
-
-`choose` decides whether graphs pay (the `graphs` run option's "auto"): they save host time, which the
-step only waits for where the launches take longer than the weights take over the link.
+A segment is a task's device work as `fn(*inputs) -> outputs`. `Graphs.run` runs a key eagerly the first
+time (warm-up), captures and replays it the second, replays after; a capture that fails (CaptureError) stays
+eager and warns once per segment kind. Keys: (segment, layer, micro-batch slot, input shapes); static inputs
+and outputs are shared by a slot's layers, which run one after another. `choose` decides whether graphs pay:
+they save host time, which a step waits for only where launches take longer than the streamed weights.
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Callable, Sequence
 
 from core.runtime.device import CaptureError, Device
@@ -36,9 +25,7 @@ PAYS_ABOVE = 0.5
 
 def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float, h2d_bytes_per_s: float,
            ops_per_layer: int = EAGER_OPS_PER_LAYER, host_op_seconds: float = HOST_OP_SECONDS) -> tuple[bool, str]:
-    """(use graphs, why) for a run option `mode` and a step's counts: `micro_batches` per step, the bytes
-    of experts each layer streams, the link's measured host→device rate, the eager ops of one micro-batch
-    through one layer and the host seconds of one op."""
+    """(use graphs, why) for run option `mode` and a step's counts, link rate and host seconds an op."""
     if mode not in MODES:
         from core.errors import UsageError
 
@@ -54,9 +41,7 @@ def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float, h2
     return False, why + ": the link hides the launches, graphs do not pay"
 
 
-class _Segment:
-    def __init__(self, static: list, graph, out):
-        self.static, self.graph, self.out = static, graph, out
+_Segment = namedtuple("_Segment", "static graph out")  # static input buffers, the captured graph, its outputs
 
 
 def _layout(out) -> tuple:
@@ -71,17 +56,15 @@ class Graphs:
         self.dev, self.warn = dev, warn
         self._seen: dict[tuple, tuple] = {}  # keys run eagerly once (warmed up) -> their outputs' layout
         self._segments: dict[tuple, _Segment] = {}
-        # static buffers per (segment, slot, layout), shared by the layers of a slot: its tasks run in a chain
-        # (a layer's outputs are read before the slot's next layer writes them)
+        # static buffers per (segment, slot, layout), shared by a slot's layers: they run in a chain
         self._inputs: dict[tuple, list] = {}
         self._outputs: dict[tuple, list] = {}
         self.refused: dict[str, str] = {}  # segment kind -> why it runs eagerly
         self.captures = self.replays = 0
 
     def run(self, segment: str, layer, slot: int, fn: Callable, inputs: Sequence) -> tuple:
-        """fn(*inputs)'s outputs (a tuple of tensors and Nones): computed eagerly, or by replaying its graph,
-        then in the slot's static output buffers (valid until the slot's next task of this segment).
-        `layer` is any key naming the memory fn reads beside its inputs (a layer, and its experts' half)."""
+        """fn(*inputs)'s outputs, eager or replayed (then valid until the slot's next run of the segment); `layer`
+        keys the memory fn reads beside its inputs."""
         if segment in self.refused:
             return fn(*inputs)
         shapes = _layout(inputs)

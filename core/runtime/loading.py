@@ -1,9 +1,6 @@
-"""The steps of `Engine.load` that read and ready the model: the checkpoint and its tokenizer, the weights
-placed on the device and in host memory, the experts packed for the CPU, the native kernels the run calls.
-
-Boundary: each step takes what the step before handed it and returns what the next needs; none prints
-(progress and warnings go through the `progress` sink). Where and how the model runs (the `RunConfig`,
-the device, the dtype) is chosen in `core.runtime.engine`, which calls these steps in order.
+"""The steps of `Engine.load` that read and ready the model (checkpoint, tokenizer, weights placed, experts packed
+for the CPU, native kernels), each handed the previous one's result; where and how the model runs is chosen
+in core.runtime.engine. Progress and warnings go through the `progress` sink.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ from core.telemetry import EventSink, WarningEvent
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What `Engine.load` reads first: the model's folder, its GGUF file when it is one, its spec, and under
-    tensor parallelism this rank's shard (core.model.shard)."""
+    """What `Engine.load` reads first: folder, GGUF file, spec, this rank's shard."""
 
     model_dir: Path
     gguf: object | None  # core.model.gguf.load.GGUFModel
@@ -51,8 +47,7 @@ class Checkpoint:
 
 
 def read_checkpoint(model_dir: Path, tp) -> Checkpoint:
-    """A safetensors folder's or a GGUF file's spec (a GGUF file, or a folder holding one instead of
-    config.json), and under tensor parallelism (`tp`) the shard this rank loads."""
+    """A safetensors folder's or a GGUF file's spec, and under tensor parallelism this rank's shard."""
     gguf = _gguf_model(model_dir)
     spec = load_gguf_spec(gguf) if gguf is not None else load_spec(model_dir)
     shard = None
@@ -65,8 +60,7 @@ def read_checkpoint(model_dir: Path, tp) -> Checkpoint:
 
 def read_weights(ck: Checkpoint, dtype, quant, quantize: str | None, pages_per_layer: int, use_cache: bool,
                  progress: EventSink, cpu_only: bool = False) -> tuple[ModelWeights, ModelSpec]:
-    """The weights in host memory, paged for streaming (the experts quantized to `quant`), and the spec of
-    what was loaded. `cpu_only`: for the CPU-only mode (a GGUF's quantized projections then stay blocks)."""
+    """The weights in host memory, paged (experts in `quant`), and the loaded spec; `cpu_only`: GGUF stays blocks."""
     if ck.gguf is not None and ck.shard is not None:
         raise UsageError("tensor parallelism over a GGUF file is not supported yet",
                          "run it without --tensor-parallel, or use the model's safetensors release")
@@ -82,8 +76,7 @@ def read_weights(ck: Checkpoint, dtype, quant, quantize: str | None, pages_per_l
 
 
 def fit_on_device(config, dev: Device, ck: Checkpoint, spec: ModelSpec, weights: ModelWeights, quant):
-    """On a GPU: keep as many experts there as fit when neither a plan nor the caller said which, and refuse
-    bf16 weights that fp16 (a GPU without bf16) cannot hold. Returns the config with its resident experts."""
+    """On a GPU: as many resident experts as fit where nobody said, refusing bf16 that fp16 cannot hold."""
     mine = ck.mine
     if dev.accelerator and config.resident(mine.num_layers, mine.num_experts) is None:
         config = dataclasses.replace(config, resident_experts=_experts_that_fit(quantized_spec(mine, quant),
@@ -95,9 +88,7 @@ def fit_on_device(config, dev: Device, ck: Checkpoint, spec: ModelSpec, weights:
 
 def ready_for_cpu(config, ck: Checkpoint, spec: ModelSpec, weights: ModelWeights, cpu, quant, dense_fmt,
                   quantize_dense, use_cache: bool, progress: EventSink):
-    """The CPU-only chain never streams experts: pack them for the CPU's kernels (quantized ones, and the dense
-    projections in `dense_fmt`, in their own; else oneDNN's layout, or widened to the compute dtype).
-    Returns the CPU compute as it will run and the spec of what the CPU holds."""
+    """CPU-only: pack the experts (and `dense_fmt` projections) for the CPU's kernels; (CPU compute, spec)."""
     if config.ffn_on != "cpu":
         if quantize_dense:
             progress(WarningEvent("--quantize-dense applies to the CPU-only mode; the dense weights stay in "

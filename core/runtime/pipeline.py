@@ -1,33 +1,14 @@
 """The CGOPipe runtime: a decode step (or a prefill) as a task graph, run by an executor.
 
-`core.runtime.schedule` says which tasks run, on which resource, after which others; this module says what
-each task does and owns the buffers they share. Everything reaches the accelerator through a
-`core.runtime.device.Device`: CUDA, the emulated device (CI), or the CPU itself (the CPU-only mode and
-the threaded executor, where every copy between "device" and "host" buffers is still a real copy, so
-the threaded executor proves the graph's dependencies: a missing one gives wrong tokens).
-
-Device memory, allocated once per runner and named as the planner counts it (core.plan.planner):
-- dense weights and globals; RoPE tables;
-- per layer, its first `resident[i]` experts (the policy's r_w, spread over layers by
-  core.plan.policy.expert_split); the other experts of each layer stream through a 2-half buffer
-  sized for the layer that streams most: 2 · (E − min resident) experts;
-- with attention on the CPU: each micro-batch's pre-attention payload (D1 source, one contiguous
-  block: a layer's [B, width] is the buffer's first B·width elements; core.model.mixer says the
-  widths, e.g. MLA's latent-sized one) and attention output (D2 target); with attention on the GPU:
-  the state of the first `kv_gpu_layers` layers (the policy's r_c; K/V, a window's ring, an MLA
-  latent or a linear layer's recurrent state: core.model.kvcache) and a ring of two micro-batch
-  state buffers for the layers whose state is on the CPU, sized for the layer kind that needs most;
-- transient activations (hidden states, one task's intermediates, one micro-batch's logits).
-Host staging (pinned at its exact size, one arena): D1/D2 buffers, logits, state staging for S4.
-
-Buffers and why they are safe to reuse (the graph orders every reuse after the last reader):
-- per micro-batch j: `qkv_d[j]`/`qkv_h[j]` (pre-attention writes, D1 copies, CPU attention reads),
-  `o_h[j]`, `o_d[j]`; the next writer of each is downstream of its reader.
-- the 2-half expert buffer: halves alternate layer by layer (across steps too); a page for layer
-  i+1 overwrites layer i−1's half only after that layer's last FFN (`schedule._buffer_free`).
-- the state ring (attention on the GPU): micro-batch position p = i·n + j uses buffer p mod 2; its load
-  waits for the attention of position p − 2 (schedule._gpu_attention).
-Each task runs one step of core.model.decoder, so every layer kind (any family) takes the same path.
+core.runtime.schedule says which tasks run where and after which; this module says what each task does (one
+step of core.model.decoder, so every layer kind takes the same path) and owns the buffers they share, all
+reached through a `core.runtime.device.Device`. Device memory, allocated once per runner as the planner counts
+it (core.plan.planner): dense weights and globals; per layer its first `resident[i]` experts, the rest
+streaming through a 2-half buffer sized for the layer that streams most; with CPU attention each micro-batch's
+D1 source and D2 target, with GPU attention the first `kv_gpu_layers` layers' state and a 2-buffer state ring;
+transient activations. Host staging is one pinned arena (D1/D2, logits, the ring's staging).
+Reuse is safe because the graph orders every writer after the last reader: the expert halves alternate layer
+by layer (schedule._buffer_free); ring position p = i·n + j uses buffer p mod 2 (schedule._gpu_attention).
 Legend: B = requests in a micro-batch, D = hidden, T = cached tokens, E = experts.
 """
 
@@ -94,11 +75,8 @@ class _PrefillMB:
 
 
 class ExpertSlab:
-    """`count` experts of a layer in one buffer: each expert tensor's rows for those experts, back to back.
-
-    The same layout serves a layer's resident experts and each half of the streaming buffer. Works on
-    the layer's own units: elements of the weights' dtype, or bytes of a quantized layout (whose parts
-    are then viewed in their own dtypes and computed through core.model.quant.experts.QuantExperts)."""
+    """`count` experts of a layer in one buffer, each expert tensor's rows back to back: a layer's resident experts
+    or a half of the streaming buffer. Units: the weights' elements, or a quantized layout's bytes."""
 
     def __init__(self, layout: LayerLayout, count: int):
         self.layout, self.count = layout, count
@@ -121,8 +99,8 @@ class ExpertSlab:
         return {"quant": QuantExperts(self.layout.scheme, out, dtype, scratch), **biases}
 
     def pieces(self, buf: torch.Tensor, flat: torch.Tensor, first: int, last: int, pages: int) -> list[list[tuple]]:
-        """Copies filling this slab's first slots with experts first..last−1 of a layer buffer `flat`, cut
-        into `pages` near-equal pages; per page a list of (dst, src) pairs."""
+        """Per page (of `pages` near-equal ones), the (dst, src) copies filling this slab with experts first..last−1
+        of a layer buffer `flat`."""
         n = last - first
         spans, off, cum = [], 0, 0  # (start in the stream, length, dst, src) per expert tensor
         for _, at, _, per in self.parts:
@@ -156,8 +134,7 @@ class PipelineRunner:
         self.spec, self.w, self.cache, self.ex = spec, weights, cache, executor
         self.schedule, self.attention_on, self.ffn_on = schedule, attention_on, ffn_on
         self.dev = dev = device or HostDevice()
-        # a host prefill runs a layer a chunk at a time (limits.prefill_chunk); a device's allocator reuses a call's.
-        # Tensor-parallel ranks sum each chunk's output together: one size for all (their shards' sizes may differ)
+        # a host prefill runs a layer a chunk at a time (limits.prefill_chunk), one size on every tensor-parallel rank
         self._prefill_chunk = 0 if dev.accelerator else limits.PREFILL_CHUNK_TOKENS if tp is not None else (
             limits.prefill_chunk(spec.hidden_size, spec.q_size, spec.kv_size, spec.expert_intermediate,
                                  spec.shared_intermediate, spec.dense_intermediate, spec.num_experts, spec.top_k))
@@ -181,8 +158,7 @@ class PipelineRunner:
         self.rope = for_spec(spec, cache.max_tokens, weights.math_dtype)
         self.rope.cos, self.rope.sin = dev.to_device(self.rope.cos), dev.to_device(self.rope.sin)
         self.rope.sign = dev.to_device(self.rope.sign)
-        # the CPU computes in `cpu_math` where it is slow in the storage dtype: attention widens the KV
-        # it reads (any schedule), the CPU-only FFN widens expert tiles; one Widen per thread using it
+        # the CPU computes in `cpu_math` where the storage dtype is slow: one Widen per thread using it
         cpu_math = cpu_math or weights.math_dtype
         kv_dtype = next((t.dtype for t in cache.k if t is not None), weights.dtype)
         self.widen_attn = Widen(cpu_math, direct_rows) if cpu_math != kv_dtype else None
@@ -209,18 +185,15 @@ class PipelineRunner:
         self._scratch = ExpertScratch()  # the decode FFN's gather/scatter buffers (FFN tasks run one at a time)
         self._pre: list[_PrefillMB] | None = None
         self.last_tasks: list = []  # the last step's task graph (with the executor's `times`: its timeline)
-        self.fault = None  # tests: a callable run before every task, to inject failures
         self.graphs = None  # core.runtime.graphs.Graphs: decode segments captured and replayed (the engine's choice)
         self._logits_done = dev.event() if dev.accelerator else None
-        # task kind -> function(runner, task): functions, not bound methods, which would make the runner a cycle
-        # that outlives its run (reference counting alone frees it when the run ends; a collection may come after
-        # the next run froze it, device buffers and all: core.runtime.frozen_heap)
+        # functions, not bound methods: a cycle would outlive the run, device buffers and all (frozen_heap)
         self._fns = dict(_TASK_FNS)
 
     # ---- memory -------------------------------------------------------------------------------------
     def _device_dense(self, lw) -> dict:
-        """A layer's non-expert weights on the device. On an accelerator: an fp32 router kept in fp32 (not cast
-        every micro-batch; hrm.gpu_nonexpert_bytes prices it), MLA's q_a and kv_a as one matrix (one product)."""
+        """A layer's non-expert weights on the device; on an accelerator an fp32 router stays fp32 and MLA's q_a
+        and kv_a are one matrix."""
         w = lw.dense()
         if self.dev.accelerator:
             if self.spec.router_fp32 and "router" in w:
@@ -229,8 +202,7 @@ class PipelineRunner:
         return {n: self.dev.to_device(t) for n, t in w.items()}
 
     def _place_experts(self) -> None:
-        """Resident experts on the device; the streaming buffer's halves and their page copies. Each layer
-        uses its own layout (a GGUF file's formats may differ by layer)."""
+        """Resident experts on the device; the streaming buffer's halves and page copies, by each layer's layout."""
         dev, E, w, spec = self.dev, self.spec.num_experts, self.w, self.spec
         self.ebuf = None
         scratch: dict = {}  # quantized experts: one expert's expansion, shared by every layer
@@ -287,8 +259,7 @@ class PipelineRunner:
                  ("logits_pre", (self.cache.slots, s.vocab_size), torch.float32)]
         kv_on_cpu = self.attention_on == "gpu" and self.kv_gpu_layers < s.num_layers
         if kv_on_cpu:
-            # a ring slot holds one micro-batch's state of any layer (its tensors back to back), the out
-            # buffer one token's new entries; each sized for the layer kind that needs most
+            # a ring slot: one micro-batch's state of any layer; the out buffer: one token's new entries
             self._ring_bytes, self._out_bytes = self._state_buffer_bytes()
             want += [(f"state_in{r}", (self._ring_bytes,), torch.uint8) for r in range(2)]
             want += [("state_out", (self._out_bytes,), torch.uint8)]
@@ -305,8 +276,7 @@ class PipelineRunner:
             self._kv_out_done = self.dev.event()
 
     def _state_buffer_bytes(self) -> tuple[int, int]:
-        """Bytes of a ring slot (μ rows of the largest layer state, `max_tokens` tokens) and of the new
-        entries of μ rows (a linear layer's are its whole state)."""
+        """Bytes of a ring slot (μ rows of the largest layer state) and of μ rows' new entries."""
         mu, T = self.mu, self.cache.max_tokens
         # every layer's kind, as the planner counts them (zero-row stores: shapes, no memory)
         self._kinds = {_kind(st): st for st in (layer_store(self.spec, i, 0, T, self.w.dtype)
@@ -315,8 +285,7 @@ class PipelineRunner:
                 max(_packed_bytes(st.new_shapes(mu)) for st in self._kinds.values()))
 
     def _typed_parts(self, buf: torch.Tensor, new: bool) -> dict:
-        """Per layer kind, its tensors' flat typed regions in a uint8 buffer (carved once: a step views
-        the first elements of each, contiguous, with 2 ops a tensor)."""
+        """Per layer kind, its tensors' flat typed regions in a uint8 buffer, carved once."""
         mu, T = self.mu, self.cache.max_tokens
         return {key: [t.view(-1) for t in _carve(buf, st.new_shapes(mu) if new else st.shapes(mu, T))]
                 for key, st in self._kinds.items()}
@@ -357,8 +326,7 @@ class PipelineRunner:
                                       ffn_on=self.ffn_on, streamed=self.streamed)
             first_use = min((t.id for t in tasks if t.layer == 0 and t.kind in ("pre_attn", "prefill", "kv_load")),
                             default=0)
-            # pages of layer 0 listed before layer 0's first use are for this step (S3, prefill);
-            # listed after, they prefetch the next step's layer 0 (CGOPipe, S4, the end of a prefill)
+            # layer 0's pages listed before its first use are this step's; after, the next step's prefetch
             current = {t.id for t in tasks if t.kind == "weight_page" and t.layer == 0 and t.id < first_use}
             self._graphs[key] = (tasks, current)
         return self._graphs[key]
@@ -374,8 +342,8 @@ class PipelineRunner:
 
     # ---- steps ----------------------------------------------------------------------------------
     def decode(self, tokens, slots, positions):
-        """One token for every active request; per-micro-batch lists. Returns (logits [B, V] on the CPU, busy).
-        The logits are valid until the next decode step."""
+        """One token for every active request (per-micro-batch lists): (logits [B, V] on the CPU until the next
+        decode, busy)."""
         on_device, ring = bool(self.state_dev), bool(self.state_ring)
         self._step = [_MB(t, s, p, self.dev, on_device, ring) for t, s, p in zip(tokens, slots, positions)]
         self._ring_views = {}  # (layer, micro-batch) -> the device view its kv_load filled, for its attention
@@ -400,9 +368,8 @@ class PipelineRunner:
         return logits, busy
 
     def _run_step(self, tasks, finals, buffer: str):
-        """Run a step's tasks and its logits (of the hidden states `finals()` gives once the tasks ran): on an
-        executor that takes a tail (CudaExecutor), the logits are enqueued behind the step's work and its one
-        host wait covers their copy too (one host sync a step); else after it, with a wait of their own."""
+        """Run a step's tasks, then its logits of `finals()`: behind the step's work where the executor takes a
+        tail (one host sync a step), else after it."""
         if getattr(self.ex, "takes_tail", False):
             rows = []
             busy = self.ex.run(tasks, self._run, then=lambda: rows.append(self._logits_enqueue(finals(), buffer)))
@@ -411,8 +378,7 @@ class PipelineRunner:
         return busy, self._logits(finals(), buffer)
 
     def move_rows(self, moves) -> None:
-        """[(from slot, to slot, cached tokens)]: move requests' state between slots, in every store (the
-        host's and the device's), between steps (SlotTable.compact)."""
+        """[(from slot, to slot, cached tokens)]: move requests' state between slots in every store."""
         with self.dev.compute():
             for store in (*self.cache.layers, *self.state_dev):
                 if store is not None:
@@ -449,30 +415,24 @@ class PipelineRunner:
         return any(t.kind == "weight_page" and t.layer == 0 and t.id not in self._current_pages for t in tasks)
 
     def _logits(self, xs: list[torch.Tensor], buffer: str) -> torch.Tensor:
-        """fp32 logits of the final hidden states, micro-batch by micro-batch into one reused host buffer
-        (a device holds one micro-batch's logits at a time; one sync for all of them)."""
-        g, out, row = self.globals, self.host[buffer], 0
-        if not self.dev.accelerator:  # the CPU is the device: straight into the reused host buffer
-            for x in xs:
-                n = x.shape[0]
-                final_logits(self.spec, g["norm"], self.lm_head, x, g.get("norm_b"), g.get("lm_head_b"),
-                             out=out[row:row + n])
-                row += n
-            return out[:row]
-        row = self._logits_enqueue(xs, buffer)
-        self._logits_done.record(self.dev.current_stream())  # bounded: a hung kernel is DeviceStalled, not a hang
-        self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
-        return out[:row]
+        """fp32 logits of the final hidden states, micro-batch by micro-batch into one reused host buffer."""
+        rows = self._logits_enqueue(xs, buffer)
+        if self.dev.accelerator:  # bounded: a hung kernel is DeviceStalled, not a hang
+            self._logits_done.record(self.dev.current_stream())
+            self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
+        return self.host[buffer][:rows]
 
     def _logits_enqueue(self, xs: list[torch.Tensor], buffer: str) -> int:
-        """The device's logits of `xs` and their copies into host buffer `buffer`, enqueued on the caller's
-        stream; returns the rows they fill (valid once the stream has passed them)."""
+        """The logits of `xs` into host `buffer` (a device's enqueued, with their copies); the rows they fill."""
         g, out, row = self.globals, self.host[buffer], 0
         with self.dev.compute():
             for x in xs:
                 n = x.shape[0]
-                self.dev.copy(out[row:row + n], final_logits(self.spec, g["norm"], self.lm_head, x, g.get("norm_b"),
-                                                             g.get("lm_head_b")))
+                head = (self.spec, g["norm"], self.lm_head, x, g.get("norm_b"), g.get("lm_head_b"))
+                if self.dev.accelerator:
+                    self.dev.copy(out[row:row + n], final_logits(*head))
+                else:  # the CPU is the device: straight into the reused host buffer
+                    final_logits(*head, out=out[row:row + n])
                 row += n
         return row
 
@@ -497,8 +457,6 @@ class PipelineRunner:
             self._layer0_half = (self._base + self.spec.num_layers) % 2 if prefetched_layer0 else None
 
     def _run(self, task) -> None:
-        if self.fault is not None:
-            self.fault(task)
         self._fns[task.kind](self, task)
 
     # ---- tasks ----------------------------------------------------------------------------------
@@ -506,8 +464,7 @@ class PipelineRunner:
         mb, i, j = self._step[t.micro_batch], t.layer, t.micro_batch
 
         def segment(x, positions, lengths):  # what a CUDA graph captures (core.runtime.graphs)
-            # D1 sends one contiguous block: the payload in this micro-batch's device buffer, written there by
-            # the mixer where it can (else copied in)
+            # D1 sends one contiguous block: the mixer writes the payload into it where it can
             buf = self._payload(self.qkv_d, j, mb.B, mixer.d1_width(self.spec, i)) if self.qkv_d else None
             payload, keep = decoder.pre_attn(self.spec, i, self.dense[i], x, positions, self.rope, lengths,
                                              self._full_norm, out=buf)
@@ -526,8 +483,7 @@ class PipelineRunner:
         """Micro-batch j's [B, width] block at the start of its flat buffer (contiguous, whatever the width)."""
         return bufs[j][:B * width].view(B, width)
 
-    # D1 and D2 land in fixed buffers: the task reading one takes its view there, by the layer's width,
-    # whether or not the copy has run (only the event waits order them: tests remove one to see it matter)
+    # D1 and D2 land in fixed buffers; only the event waits order reader after copy (tests remove one)
     def _d1(self, t):
         self._send_payload(t, mixer.d1_width(self.spec, t.layer), self.qkv_h, self.qkv_d, "d2h")
 
@@ -633,8 +589,7 @@ class PipelineRunner:
             self._send(dst, src, "h2d")
 
     def _ring(self, mb: _MB, layer: int, j: int):
-        """This micro-batch's state buffers for a layer whose state is on the CPU: (ring slot, a store over
-        the device buffer, one over its host staging), rows for the longest cached length + the new token."""
+        """(ring slot, a store over its device buffer, one over its host staging) for a CPU-state layer."""
         slot = (layer * len(self._step) + j) % 2
         store = self.cache.layers[layer]
         shapes = store.shapes(mb.B, mb.span[1])
@@ -649,8 +604,7 @@ class PipelineRunner:
         slot, dev_view, host_view = self._ring(mb, i, t.micro_batch)
         self._ring_views[(i, t.micro_batch)] = dev_view
         self.dev.host_wait(self._stage_free[slot])  # the copy out of this staging slot two loads ago
-        # gather on the host into pinned staging, the new token's place included (overwritten on the device;
-        # copied so that nothing uninitialised enters attention: 0 × NaN is NaN) ...
+        # gather into pinned staging, the new token's place included (nothing uninitialised: 0 × NaN is NaN) ...
         load_rows(self.cache.layers[i], host_view, mb.rows, mb.span[1])
         for d, h in zip(dev_view.tensors, host_view.tensors):  # ... then one contiguous asynchronous copy each
             self._send(d, h, "h2d")

@@ -1,20 +1,10 @@
 """The decode step's (and prefill's) task graph, as data: one definition for the engine and the simulator.
 
-A schedule is a list of `Task`s. Execution rule, shared by every executor: the tasks of one resource
-run one at a time in list order (a CUDA stream, a copy stream, the CPU attention worker); a task
-starts when its resource is free and all its `deps` have finished. The list order is the schedule.
-
-Schedules (shared/paper.md):
-- "cgopipe": the paper's CGOPipe. CPU attention runs two micro-batches ahead of the GPU; page j of
-  layer i+1's weights is sent right after micro-batch j's D2 of layer i, so the hidden-state copies
-  never queue behind a whole layer of weights.
-- "s4": FlexGen-style. The whole next layer's weights go first on the host→device queue; the GPU works
-  micro-batch by micro-batch (pre-attention, wait for CPU attention, post-attention), no look-ahead.
-- "s3": nothing overlaps: one chain, layer by layer (weights, then each micro-batch in turn).
-
-Steady state: layer 0's streamed weights are sent during the previous step's last layer (its pages are
-in the graph with layer 0, after layer L−1's work); the first step of a run loads them beforehand.
-Boundary: pure data; no costs (core.plan.hrm) and no execution (core.runtime.simulate, the engine).
+A schedule is a list of `Task`s; each resource runs its tasks one at a time in list order, a task once all
+its `deps` finished. Schedules (shared/paper.md): "cgopipe" (CPU attention two micro-batches ahead, page j of
+layer i+1 sent after micro-batch j's D2 of layer i), "s4" (FlexGen: the whole next layer's weights first, no
+look-ahead), "s3" (one chain, nothing overlaps). Layer 0's streamed weights go during the previous step's
+last layer. Boundary: pure data; costs are core.plan.hrm's, execution the executors'.
 """
 
 from __future__ import annotations
@@ -68,12 +58,8 @@ class Task:
 
 
 class _Graph:
-    """Appends tasks in order and remembers them by (kind, layer, index).
-
-    A dependency on another resource costs an event wait (CudaExecutor: `wait_event` on a stream, or a host
-    wait), so `add` keeps only those the in-order queues do not already imply: of several on one resource,
-    the latest; and none that an earlier task on the same resource waited for (or for a later task of that
-    resource). What happens before what is unchanged (test_schedule_buffers, test_schedule_dataflow)."""
+    """Appends tasks in order and remembers them by (kind, layer, index). A cross-resource dependency costs an
+    event wait, so `add` keeps only those the in-order queues do not already imply."""
 
     def __init__(self):
         self.tasks: list[Task] = []
@@ -116,10 +102,7 @@ def _page_slots(num_pages: int, n_mb: int) -> dict[int, list[int]]:
 def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1,
                 micro_batches_per_expert_batch: int = 1, attention_on: str = "cpu", ffn_on: str = "gpu",
                 streamed: bool = True) -> list[Task]:
-    """One decode step: every micro-batch through every layer, one token each.
-
-    `streamed` False: every expert weight is resident on the GPU (no weight pages).
-    """
+    """One decode step: every micro-batch through every layer; `streamed` False: no weight pages."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
     L, n, g = num_layers, num_micro_batches, micro_batches_per_expert_batch
@@ -162,8 +145,7 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
         G.add("cpu_attn", i, j, deps=(b,))
 
     def flush():
-        # the look-ahead pre-attention of layer i+1 may need an expert batch of layer i not yet queued;
-        # keep the order and emit only what is ready, so no in-order queue waits on a later task
+        # emit in order only what is ready, so no in-order queue waits on a later task
         while pending:
             i, j = pending[0]
             if i > 0 and not G.has("ffn", i - 1, _group(j, g) * g):
@@ -238,8 +220,7 @@ def _flexgen_layer(G: _Graph, add, i: int, n: int, g: int, pages: int):
 
 
 def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Task]:
-    """Attention on the GPU: the CPU-held share of the KV cache comes over the link (D4) per micro-batch,
-    the new token's KV goes back. CGOPipe interleaves weight pages with the KV loads."""
+    """Attention on the GPU: CPU-held KV over the link (D4) per micro-batch, the new token's KV back."""
     G = _Graph()
     slots = _page_slots(pages, n)
     last = None
@@ -252,13 +233,11 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
         if serial:
             for p in range(pages):
                 last = G.add("weight_page", i, page=p, deps=(last,) if last is not None else (), key=("weight_page", i, p))
-        # this layer's pages when they are in the graph before its first use: always past layer 0; at
-        # layer 0 in S3, and in S4 with one layer (its "next layer" pages are this step's own)
+        # this layer's pages where queued before its first use (past layer 0; S3; S4 with one layer)
         weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or serial or L == 1) else []
         for j in range(n):
             chain = (last,) if serial and last is not None else ()
-            # micro-batch position p = i·n + j loads the CPU-held KV into ring buffer p mod 2: it
-            # reuses position p − 2's buffer, so it waits until that attention is done with it
+            # position p = i·n + j uses ring buffer p mod 2: it waits for position p − 2's attention
             back = divmod(i * n + j - 2, n)
             reuse = (G.get("gpu_attn", *back),) if i * n + j >= 2 else ()
             # at most two layers' new K/V of a micro-batch wait for the store
@@ -292,8 +271,7 @@ def _cpu_only(L: int, n: int, g: int) -> list[Task]:
 
 def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1, ffn_on: str = "gpu",
             streamed: bool = True) -> list[Task]:
-    """Prefill of one batch, layer by layer, micro-batch by micro-batch on the GPU; layer i+1's weights
-    stream while layer i computes; each micro-batch's KV goes to the CPU cache as it is made."""
+    """Prefill of one batch, layer by layer; layer i+1's weights stream while layer i computes."""
     L, n = num_layers, num_micro_batches
     G = _Graph()
     if ffn_on == "cpu":
@@ -306,8 +284,7 @@ def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1
     for p in range(pages):
         G.add("weight_page", 0, page=p, key=("weight_page", 0, p))
     for i in range(L):
-        # double buffer: layer i+1 overwrites layer i−1; after the last layer, the next decode step's
-        # layer 0 goes in, so that step does not load it synchronously (one layer: it is still there)
+        # layer i+1 overwrites layer i−1; after the last layer, the next decode step's layer 0 goes in
         if L > 1:
             nxt = (i + 1) % L
             for p in range(pages):
@@ -315,9 +292,7 @@ def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1
                 G.add("weight_page", nxt, page=p, deps=free, key=("weight_page", nxt, p) if nxt else ("next0", p))
         weights = _layer_pages(G, i, pages)
         for j in range(n):
-            # and the store of the prefill two before it on the GPU (layer by layer, micro-batch by micro-batch):
-            # one micro-batch's state awaits the link while the next is made, as the planner counts it. Two
-            # layers back for the same micro-batch let a link that lags hold 2n micro-batches' state on the GPU
+            # and the store two prefills back: one micro-batch's state awaits the link, as the planner counts
             p = i * n + j - 2
             stored = (G.get("kv_store", p // n, p % n),) if p >= 0 else ()
             a = G.add("prefill", i, j, deps=(*weights, *((G.get("prefill", i - 1, j),) if i > 0 else ()), *stored))

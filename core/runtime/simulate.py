@@ -1,9 +1,7 @@
 """Replay a task graph (core.runtime.schedule) with HRM task costs (core.plan.hrm): a timeline and per-resource use.
 
-Execution rule (the one core.runtime.schedule defines): each resource runs its tasks one at a time in list
-order; a task starts when its resource is free and its dependencies have finished. Because every
-dependency and every same-resource predecessor comes earlier in the list, one pass in list order is
-an exact replay. Boundary: no real execution, no printing; results keyed by core.telemetry.RESOURCES.
+Every dependency and same-resource predecessor comes earlier in the list, so one pass in list order is an
+exact replay of the schedule's execution rule. Results keyed by core.telemetry.RESOURCES.
 """
 
 from __future__ import annotations
@@ -50,9 +48,8 @@ class Timeline:
 
 
 def replay(tasks: list[Task], seconds: dict[str, float], host: dict[str, float] | None = None) -> Timeline:
-    """Run `tasks` with `seconds[kind]` per task; kinds missing from `seconds` take no time. `host[kind]`:
-    the host's time to launch a task, one task at a time in list order (the executor's threads share
-    one interpreter); a task cannot start before it is launched."""
+    """Run `tasks` with `seconds[kind]` per task (missing: none); `host[kind]`: launch time, one task at a time
+    in list order, before which a task cannot start."""
     free = {r: 0.0 for r in RESOURCES}
     busy = {r: 0.0 for r in RESOURCES}
     end: list[float] = []
