@@ -16,7 +16,7 @@ T, E, k, D, I = 3, 4, 2, 16, 16  # 16 fp32 columns: grouped_mm's alignment holds
 
 
 class Fused:
-    """The fused C kernel's layout as `experts` sees it: a callable marked `fused_swiglu` (its output: the reference)."""
+    """The fused C kernel's layout as `experts` sees it: a callable marked `fused_swiglu` (returning the reference)."""
 
     fused_swiglu = True
 
@@ -58,7 +58,7 @@ def _inputs():
 
 
 def _cases():
-    """name -> (h, weights, idx, experts' keyword arguments, the backend today's dispatch runs, rtol vs reference)."""
+    """name -> (h, weights, idx, experts' keyword arguments, the backend that must answer the call)."""
     h, w13, w2, weights, idx = _inputs()
     plain, bf16 = {"w13": w13, "w2": w2}, {"w13": w13.bfloat16(), "w2": w2.bfloat16()}
     fused, quant, declines = Fused(w13, w2), Quant(w13, w2, True), Quant(w13, w2, False)

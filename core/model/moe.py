@@ -1,8 +1,9 @@
 """The MoE FFN: router, then the routed experts with tokens grouped by expert, plus a shared expert.
 
-Backends, tested against each other: `grouped` (F.grouped_mm), `loop` (a matmul pair per expert with tokens),
-`packed` (the loop over oneDNN-prepacked weights, ≈ 1.6× faster on the CPU, bit for bit the same), `widen`
-(the loop in a wider math dtype); grouped or loop is timed once per shape (core.model.expert_choice).
+Backends, tested against each other and picked by one table (BACKENDS): `fused` (the C kernel's own layout),
+`quant_one_token` (a quantized layer's experts in one C call), `one_token` and `loop` (a matmul pair per expert
+with tokens, over plain, oneDNN-prepacked (≈ 1.6× faster on the CPU, bit for bit the same), widened or quantized
+weights), `grouped` (F.grouped_mm); grouped or loop is timed once per shape (core.model.expert_choice).
 Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert intermediate.
 """
 
