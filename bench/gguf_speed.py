@@ -26,6 +26,8 @@ of each (median) and the int8/fp32 ratio per round, its median and spread.
 
     python bench/gguf_speed.py --kernel                                   # Q8_0 and Q4_K; M = 1..128; 1 and 2 threads
     python bench/gguf_speed.py --kernel --formats Q6_K --rows 1,8 --kernel-threads 1
+    python bench/gguf_speed.py --kernel --formats Q4_K,Q5_K,Q6_K --paths int16,q8k   # two integer paths
+    python bench/gguf_speed.py --kernel --formats Q4_K,Q6_K --paths main:int16,int16  # main's kernel vs this tree's
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +73,10 @@ def parse_args(argv=None):
     k.add_argument("--rows", default="1,8,32,64,128")
     k.add_argument("--kernel-threads", default="1,2")
     k.add_argument("--min-s", type=float, default=0.15, help="seconds each timing runs for at least")
+    k.add_argument("--paths", default="fp32,int",
+                   help="the two paths timed against each other, gguf_blocks.PATHS names; 'int' is `linear`'s "
+                        "integer default for the format (int8, or the K-quants' own); REV:PATH takes the kernel "
+                        "as git revision REV has it (built with this build's flags), e.g. main:int16,int16")
     return p.parse_args(argv)
 
 
@@ -83,31 +90,46 @@ def blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(quantize(w, kind))).view(torch.uint8).reshape(n, -1)
 
 
-def timed(fn, min_s: float) -> float:
-    """Seconds a call, the best of batches run for at least min_s together."""
+def timed(fn, min_s: float, clock=time.perf_counter) -> float:
+    """Seconds a call on `clock`, the best of batches run for at least min_s (wall) together."""
     fn()
     best, spent = float("inf"), 0.0
     while spent < min_s:
-        n, t0 = 0, time.perf_counter()
-        while n < 3 or time.perf_counter() - t0 < 0.02:
+        n, t0, w0 = 0, clock(), time.perf_counter()
+        while n < 3 or time.perf_counter() - w0 < 0.02:
             fn()
             n += 1
-        dt = time.perf_counter() - t0
-        spent += dt
-        best = min(best, dt / n)
+        spent += time.perf_counter() - w0
+        best = min(best, (clock() - t0) / n)
     return best
 
 
 def compare(rounds: int, label: str, weights: int, run, args) -> None:
-    rates = {"fp32": [], "int8": []}
+    """run(0) and run(1): --paths' first and second, interleaved; the ratio is the second's speed-up."""
+    rates = ([], [])
     ratios = []
     for _ in range(rounds):
-        t = {p: timed(lambda p=p: run(p), args.min_s) for p in ("fp32", "int8")}
-        for p in t:
-            rates[p].append(weights / t[p] / 1e9)
-        ratios.append(t["fp32"] / t["int8"])
-    print(f"| {label} | {statistics.median(rates['fp32']):.2f} | {statistics.median(rates['int8']):.2f} | "
+        t = [timed(lambda i=i: run(i), args.min_s, args.timer) for i in (0, 1)]
+        for i in (0, 1):
+            rates[i].append(weights / t[i] / 1e9)
+        ratios.append(t[0] / t[1])
+    print(f"| {label} | {statistics.median(rates[0]):.2f} | {statistics.median(rates[1]):.2f} | "
           f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) |", flush=True)
+
+
+def baseline_library(rev: str, lib):
+    """The blocks kernel as git revision `rev` has it, built with `lib`'s flags (its PATHS numbered as then)."""
+    from core.model.cpu import gguf_blocks, native
+
+    src = Path(tempfile.mkdtemp()) / "gguf_matmul.c"
+    src.write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:core/assets/kernels/gguf_matmul.c"],
+                                   check=True, capture_output=True).stdout)
+    flags = [f for f in lib.flags.split() if f != "-fopenmp"]
+    built = native.compile_openmp(native._compiler(), ["-O3", "-shared", "-fPIC", *flags], native._flags()[1], src,
+                                  f"gguf_matmul_{rev}")
+    if isinstance(built, str):
+        raise SystemExit(f"{rev}'s kernel did not build: {built}")
+    return gguf_blocks._Lib(built, " ".join(flags))
 
 
 def kernel_paths(args) -> int:
@@ -118,8 +140,17 @@ def kernel_paths(args) -> int:
     if lib is None:
         print(f"no kernel: {gguf_blocks.status()}")
         return 1
-    print(f"# {gguf_blocks.status()}; D {D}, I {I}; {rounds} interleaved rounds")
-    print("| format, threads, call | fp32 G weights/s | int8 G weights/s | int8 speed-up: median (min..max) |")
+    first, second = args.paths.split(",")
+    libs = [baseline_library(p.split(":")[0], lib) if ":" in p else lib for p in (first, second)]
+    names = [p.split(":")[-1] for p in (first, second)]
+
+    def on(i: int):  # gguf_blocks' calls on path i's library
+        gguf_blocks.library = lambda: libs[i]
+        return i
+
+    print(f"# {gguf_blocks.status()}; D {D}, I {I}; {rounds} interleaved rounds; clock: {args.clock or 'cpu at 1 thread, wall at more'}")
+    print(f"| format, threads, call | {first} G weights/s | {second} G weights/s | "
+          f"{second}/{first} speed-up: median (min..max) |")
     print("|---|---|---|---|")
     for kind in args.formats.split(","):
         w13 = torch.stack([blocks(kind, 2 * I, D, e) for e in range(E)])
@@ -127,18 +158,25 @@ def kernel_paths(args) -> int:
         g = torch.Generator().manual_seed(0)
         for threads in (int(t) for t in args.kernel_threads.split(",")):
             torch.set_num_threads(threads)
+            # CPU time of the calling thread at one thread: on a shared box a descheduled thread's wall time is a
+            # neighbour's work; with more threads the wall clock (their CPU time counts OpenMP's spinning)
+            args.timer = time.thread_time if (args.clock or ("cpu" if threads == 1 else "wall")) == "cpu" and \
+                threads == 1 else time.perf_counter
             x1 = torch.randn(1, D, generator=g).bfloat16()
             ids, wts = torch.tensor([[5, 2]]), torch.tensor([[0.6, 0.4]])
+            integer = gguf_blocks.integer_path(kind)  # `linear`'s default for the format
+            linear = [integer if p == "int" else p for p in names]
+            # `moe` takes fp32, int8 (the K-quants on int16) and q8k (the K-quants on Q8_K)
+            fused = [{"int": "int8", "int16": "int8", "int16_c": "int8_c"}.get(p, p) for p in linear]
             compare(rounds, f"{kind}, {threads}, moe B=1", TOP_K * 3 * D * I,
-                    lambda p: gguf_blocks.moe(x1, ids, wts, (kind, w13), (kind, w2), path=p), args)
-            integer = "int16" if kind in gguf_blocks.K_QUANTS else "int8"  # `linear`'s default for the format
+                    lambda i: gguf_blocks.moe(x1, ids, wts, (kind, w13), (kind, w2), path=fused[on(i)]), args)
             for m in (int(r) for r in args.rows.split(",")):
                 xu = torch.randn(m, D, generator=g).bfloat16()
                 xd = torch.randn(m, I, generator=g).bfloat16()
                 compare(rounds, f"{kind}, {threads}, gate/up M={m}", 2 * I * D,
-                        lambda p: gguf_blocks.linear(kind, xu, w13[0], path=p if p == "fp32" else integer), args)
+                        lambda i: gguf_blocks.linear(kind, xu, w13[0], path=linear[on(i)]), args)
                 compare(rounds, f"{kind}, {threads}, down M={m}", D * I,
-                        lambda p: gguf_blocks.linear(kind, xd, w2[0], path=p if p == "fp32" else integer), args)
+                        lambda i: gguf_blocks.linear(kind, xd, w2[0], path=linear[on(i)]), args)
     return 0
 
 

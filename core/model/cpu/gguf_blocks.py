@@ -10,7 +10,13 @@ row, so the weights are read once, at the file's bits. Three paths (PATHS):
   floats); the result is "quantized activations · the file's weights" up to float32 summation;
 - "int16" (Q4_K, Q5_K, Q6_K: their default in `linear`, and their matrices' in `moe`'s "int8"; "int16_c"
   its plain C): activations int16 with one scale a 256 values, the weights int16 with their integer
-  sub-scales folded in, a super-block's whole dot summed in int32 (finer than int8 a 32, and faster);
+  sub-scales folded in (unpacked from the blocks in registers), a super-block's whole dot summed in int32
+  (finer than int8 a 32, and faster);
+- "q8k" (the K-quants; "q8k_c" its plain C; in `moe` the K-quant matrices on it, the others on int8):
+  llama.cpp's arithmetic, activations int8 with one scale a 256 values against the blocks' bytes, 1.1-1.5x
+  "int16" but coarser: on the reference test's Qwen3-MoE Q4_K file the logits' median error reaches 2.75 %
+  of their spread with it on every matrix (the bound is 2.5 %), 2.1 % on the experts' alone; nobody's
+  default;
 - "fp32": the row decoded to `gguf.quants.dequantize`'s floats bit for bit (every product in the decoders is
   exact in float32) and float32 math with unquantized activations: above those rows, and always for float32
   activations (a float32 engine asked for float32's precision: it matches transformers' float64 reading of
@@ -34,7 +40,7 @@ from core.model.cpu import native
 from core.model.quant.formats import GGUF_BLOCKS
 
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
-PATHS = {"fp32": 0, "int8_c": 1, "int8": 2, "int16_c": 3, "int16": 4}
+PATHS = {"fp32": 0, "int8_c": 1, "int8": 2, "int16_c": 3, "int16": 4, "q8k_c": 5, "q8k": 6}
 SIMD = {0: "plain C", 1: "AVX2 maddubs", 2: "AVX-512 VNNI"}  # the int8 dots a build has
 # rows up to which `linear` takes an integer path, per format: where it was faster than fp32 on the 784M
 # Mixtral's expert shapes, one thread (bench/gguf_speed.py --kernel). With int8 activations a scale a 32
@@ -42,7 +48,9 @@ SIMD = {0: "plain C", 1: "AVX2 maddubs", 2: "AVX-512 VNNI"}  # the int8 dots a b
 # offsets' dot) costs what the fp32 FMAs do from about 8 rows, and Q4_0 falls behind above 64. The K-quants
 # take "int16" instead: one float FMA or two a super-block and row, 1.3-2.3x the fp32 path at 8-64 rows
 # (AVX-512 VNNI and AVX2; 1.5-3.8x at 128) and the int8 path's speed or better at 1-4, so every format but
-# Q4_0 stays integer to 128 rows (NATIVE_GGUF_ROWS: the kernel's end).
+# Q4_0 stays integer to 128 rows (NATIVE_GGUF_ROWS: the kernel's end). Reading the blocks in registers instead
+# of a decoded row (AVX-512 VNNI) made "int16" 1.15-3.2x faster at one row and left it about as fast from 8
+# rows (Q6_K 1.2-1.7x), so these bounds stand.
 INT8_MAX_ROWS = {"Q8_0": 128, "Q4_0": 64, "Q4_K": 128, "Q5_K": 128, "Q6_K": 128, "MXFP4": 128}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # `linear`'s integer path for them is "int16"
 
@@ -136,6 +144,11 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
                   y.stride(0), s.data_ptr(), threads, p):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
     return y
+
+
+def integer_path(name: str) -> str:
+    """`linear`'s integer path for format `name` (one of PATHS)."""
+    return "int16" if name in K_QUANTS else "int8"
 
 
 def int8_group(name: str, dtype: torch.dtype, rows: int) -> int | None:
