@@ -110,7 +110,7 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
     up_down = (None if not looped else (quant.up, quant.down) if quant is not None else  # expert e's two products
                (lambda e, x: linear(x, packed[e][0]), lambda e, y: linear(y, packed[e][1])) if packed is not None
                else (lambda e, x: linear(x, w13[e]), lambda e, y: linear(y, w2[e])))
-    c = Call(h, w13, w2, weights, idx, packed, b13, b2, act, quant, scratch, len(idx), looped, up_down)
+    c = Call(h, w13, w2, weights, idx, packed, b13, b2, act, quant, scratch, idx.shape[0], looped, up_down)
     for _, when, run in BACKENDS:
         if when(c) and (out := run(c)) is not None:
             return out
