@@ -1,7 +1,6 @@
 """`mlight` — the headless command line: run, plan, hw, bench, download.
 
-Every error a user can cause ends as one line on stderr and exit code 2 (bad input) or 1 (runtime
-failure); `--debug` shows the traceback instead.
+Every error a user can cause ends as one line on stderr and exit code 2 (bad input) or 1 (runtime failure).
 """
 
 from __future__ import annotations
@@ -9,14 +8,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import platform as stdlib_platform
 import sys
 
-from core import platform
+from core import __version__, platform
 from core.errors import MlightError
 
-# sub-command name -> (module under app.commands, its one-line help). A module is imported only when its
-# command is chosen, and imports torch & co. only when it runs: `mlight --help` and `mlight run --help`
-# stay well under a second (tests/test_app_commands.py checks that no heavy module is imported).
+# sub-command -> (module, one-line help). A module is imported only when its command is chosen, and torch only
+# when it runs, so that `mlight --help` and `mlight run --help` stay well under a second.
 COMMANDS = {
     "run": ("app.commands.run", "generate for a prompts file into JSONL or CSV, resumably"),
     "plan": ("app.commands.plan", "choose batch sizes and placement for a model on a machine"),
@@ -28,8 +27,7 @@ EPILOG = "`mlight COMMAND --help` for a command's options; `mlight-app` for the 
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """A bad flag is one line, like every other error a user can cause: what is wrong and where the
-    options are listed, not the whole usage first. Sub-command parsers are made of this class too."""
+    """A bad flag is one line, like every other user error: what is wrong and where the options are listed."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} — `{self.prog} --help` lists the options\n")
@@ -47,10 +45,6 @@ class VersionAction(argparse.Action):
 
 
 def version_report() -> str:
-    import platform as stdlib_platform
-
-    from core import __version__
-
     lines = [f"mlight {__version__}",
              f"python {stdlib_platform.python_version()} on {stdlib_platform.system()} {stdlib_platform.machine()}"]
     try:
@@ -123,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def until_the_reader_leaves(fn, argv: list[str]) -> int:
-    """Run a console script's body; a reader that stops early (`mlight --version | head -1`) closed the pipe
-    by choice, so that ends the command quietly and successfully, not with a BrokenPipeError traceback."""
+    """Run a console script's body; a reader that stops early (`| head -1`) ends it quietly, not with a traceback."""
     try:
         try:
             return fn(argv)

@@ -1,9 +1,8 @@
 """What differs between operating systems, decided in one place: CPUs, page-locked memory, stop signals,
 files, the console and the cache folder.
 
-Every branch mlight takes on the OS goes through this module, so that the Windows branches run — and
-are tested — on any machine: a test sets `SYSTEM` ("linux", "windows", "macos") with monkeypatch, and
-every function here reads it at call time. A leaf: it imports nothing from core's packages.
+Every function reads `SYSTEM` at call time, so a test that sets it (monkeypatch) runs the Windows branches on
+any machine. A leaf: it imports nothing from core's packages.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+import platformdirs
 
 
 def _system() -> str:
@@ -46,8 +47,7 @@ def cgroup_cpu_quota(path: str | Path | None = None) -> float | None:
 
 
 def usable_cores() -> int:
-    """Logical CPUs this process may run on: its affinity mask (taskset, `start /affinity`, a job
-    object) capped by a container's CPU quota. Never less than 1."""
+    """Logical CPUs this process may run on: its affinity mask capped by a container's CPU quota; at least 1."""
     n = None
     if SYSTEM == "linux" and hasattr(os, "sched_getaffinity"):
         n = len(os.sched_getaffinity(0))
@@ -77,8 +77,8 @@ def load_average() -> tuple[float, float, float] | None:
 
 
 def free_cores(sample_s: float = 0.1) -> int:
-    """Usable cores not busy with other work now: CPU utilisation sampled for `sample_s` seconds, on every OS.
-    Not the 1-minute load average, which still counts a run for a minute after it ended."""
+    """Usable cores not busy with other work now, by CPU utilisation sampled for `sample_s` seconds (the load
+    average still counts a run for a minute after it ended)."""
     usable = usable_cores()
     total = os.cpu_count() or usable
     try:
@@ -98,9 +98,8 @@ RELATION_CACHE = 2  # LOGICAL_PROCESSOR_RELATIONSHIP.RelationCache (Windows)
 
 
 def llc_bytes() -> int:
-    """The last-level cache's size as the OS reports it: Linux's sysfs, macOS's sysctl (L3, else the
-    performance cores' L2 on Apple silicon, which has no L3), Windows' GetLogicalProcessorInformation;
-    DEFAULT_LLC where it cannot be read."""
+    """The last-level cache's size as the OS reports it (on Apple silicon, which has no L3, the performance cores'
+    L2); DEFAULT_LLC where it cannot be read."""
     return _os_answer({"linux": _llc_linux, "macos": _llc_macos, "windows": _llc_windows}) or DEFAULT_LLC
 
 
@@ -136,7 +135,6 @@ def _llc_macos(libc=None) -> int:
 
 
 def _sysctl_first(names, libc=None) -> int:
-    """The first of these sysctl integers macOS has (non-zero), else 0."""
     import ctypes
     import ctypes.util
 
@@ -150,7 +148,6 @@ def _sysctl_first(names, libc=None) -> int:
 
 
 def _llc_windows(kernel32=None) -> int:
-    """The largest cache GetLogicalProcessorInformation lists."""
     return max((size for _, size in _windows_caches(kernel32)), default=0)
 
 
@@ -182,18 +179,15 @@ def _windows_caches(kernel32=None) -> list[tuple[int, int]]:
 
 
 def pinned_budget(ram_bytes: int) -> int:
-    """Host memory worth page-locking for GPU copies. Under Windows' WDDM driver model page-locked memory
-    is mapped as the GPU's shared system memory, which Windows caps at half the RAM (Task Manager's
-    "Shared GPU memory"): past that, registration fails or the machine starts paging. Elsewhere the OS
-    sets no such cap."""
+    """Host memory worth page-locking for GPU copies: Windows (WDDM) caps it at half the RAM, past which
+    registration fails or the machine pages."""
     return ram_bytes // 2 if SYSTEM == "windows" else ram_bytes
 
 
 # ---- stopping ----------------------------------------------------------------------------------
 
 def stop_signals() -> tuple[int, ...]:
-    """Signals that ask a run to stop cleanly, as this OS delivers them (Windows never delivers SIGTERM:
-    `taskkill /F` ends a process without a signal; Ctrl-Break is SIGBREAK)."""
+    """Signals that ask a run to stop cleanly on this OS (Windows never delivers SIGTERM; Ctrl-Break is SIGBREAK)."""
     names = ("SIGINT", "SIGBREAK") if SYSTEM == "windows" else ("SIGINT", "SIGTERM")
     return tuple(getattr(signal, n) for n in names if hasattr(signal, n))
 
@@ -201,8 +195,7 @@ def stop_signals() -> tuple[int, ...]:
 # ---- files -------------------------------------------------------------------------------------
 
 def can_fsync_dir() -> bool:
-    """Whether a folder can be opened and fsynced to make a rename durable (not on Windows, where NTFS
-    journals the rename itself)."""
+    """Whether a folder can be fsynced to make a rename durable (not on Windows, where NTFS journals the rename)."""
     return SYSTEM != "windows"
 
 
@@ -225,13 +218,10 @@ def _retry_shared(op, *args) -> None:
 
 
 def cache_dir() -> Path:
-    """Where mlight caches per-machine data (probe, calibration, kernels, choices): $MLIGHT_CACHE_DIR, else
-    platformdirs' user cache folder."""
+    """Where mlight caches per-machine data: $MLIGHT_CACHE_DIR, else platformdirs' user cache folder."""
     env = os.environ.get("MLIGHT_CACHE_DIR")
     if env:
         return Path(env)
-    import platformdirs
-
     return Path(platformdirs.user_cache_dir("mlight"))
 
 
@@ -261,9 +251,8 @@ def path_too_long(path: str | Path) -> bool:
 # ---- console -----------------------------------------------------------------------------------
 
 def utf8_console(streams=None) -> None:
-    """Make stdout/stderr able to print any text. On Windows a console already takes Unicode, but output
-    redirected to a file or pipe is encoded in the ANSI code page (cp1252): switch it to UTF-8. Elsewhere
-    a non-UTF-8 locale keeps its encoding and escapes what it cannot encode instead of crashing."""
+    """Make stdout/stderr able to print any text: UTF-8 on Windows (redirected output is in the ANSI code page);
+    elsewhere a non-UTF-8 locale escapes what it cannot encode instead of crashing."""
     for s in streams if streams is not None else (sys.stdout, sys.stderr):
         enc = (getattr(s, "encoding", None) or "").lower().replace("-", "").replace("_", "")
         if enc in ("utf8", "utf8sig") or not hasattr(s, "reconfigure"):
@@ -278,8 +267,7 @@ def utf8_console(streams=None) -> None:
 
 
 def terminal(env=None) -> str:
-    """'windows-terminal', 'legacy-console' (conhost: fewer glyphs, no true colour on old builds) or
-    'other' (any POSIX terminal, VS Code, ConEmu)."""
+    """'windows-terminal', 'legacy-console' (conhost: fewer glyphs) or 'other' (POSIX terminals, VS Code, ConEmu)."""
     env = os.environ if env is None else env
     if SYSTEM != "windows":
         return "other"

@@ -1,8 +1,5 @@
-"""Typed events the engine publishes, and the resource names that engine and simulator share.
-
-Consumers (the app's live panels, `mlight bench`, tests) receive events through a callback; the
-engine never prints or sleeps for them. Busy time is keyed by RESOURCES so that a simulated step
-(planner) and a measured one (engine) can be put side by side field for field.
+"""Typed events the engine publishes through a callback, and the resource names engine and simulator share,
+so that a simulated step and a measured one can be put side by side field for field.
 """
 
 from __future__ import annotations

@@ -125,9 +125,11 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     if _xdist_workers(config) > 1:
-        # the long end-to-end tests go out first, so the run's last minute is short tests on every worker
-        # rather than one worker finishing a long one alone (stable: the rest keep their order)
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        # the modules with long end-to-end tests go out first, so the run's last minute is short tests on every
+        # worker rather than one worker finishing a long one alone. Whole modules, in their order (stable): a
+        # module split in two runs its module fixtures (checkpoints, GGUF files, rank processes) twice
+        slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+        items.sort(key=lambda item: item.path not in slow)
     if config.getoption("--cuda"):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run with --cuda")

@@ -39,8 +39,12 @@ LANE = [
     *(f"test_engine_parity.py::{test}[{family}]" for test in ("test_greedy_tokens_match_transformers",
                                                               "test_logits_match_float64_reference")
       for family in LANE_FAMILIES),
-    "test_pipeline.py::test_threaded_matches_sequential_for_every_family",
+    # the threaded graph on Mixtral: the test's other families (DBRX, Qwen3-MoE, OLMoE) repeat its GQA paths
+    "test_pipeline.py::test_threaded_matches_sequential_for_every_family[mixtral]",
 ]
+# tests of the listed files that set the ISA themselves (a patched cpu_isa and packing check): the lane's limits
+# do not reach them, and they run outside it
+NOT_IN_LANE = ["test_cpu_compute.py::test_a_refused_prepack_falls_back_to_the_plain_loop"]
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
             "MLIGHT_AVX2_LANE": "1"}
 
@@ -52,7 +56,8 @@ def test_cpu_parity_under_avx2_limits(tmp_path):
     env = {**os.environ, **AVX2_ENV, "MLIGHT_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         "-o", "addopts=", "-rs", *(str(TESTS / t) for t in LANE)],
+         "-o", "addopts=", "-rs", *(str(TESTS / t) for t in LANE),
+         *(arg for t in NOT_IN_LANE for arg in ("--deselect", f"{TESTS.name}/{t}"))],  # node ids: from the root
         cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=850)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail

@@ -198,7 +198,7 @@ def test_a_refused_prepack_falls_back_to_the_plain_loop(bf16_model, monkeypatch)
     def refuse(w, rows):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
 
-    monkeypatch.setattr(core.model.moe, "_reorder", lambda: refuse)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
     events = []
     engine = Engine.load(bf16_model, progress=events.append)
     assert not engine.weights.packed and not engine.cpu.pack

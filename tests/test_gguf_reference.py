@@ -7,7 +7,7 @@ DeepSeek-V2 (transformers cannot read those from GGUF: its model of the checkpoi
 the gguf package dequantizes them). The default path (bf16 compute, mlight's kernels) deviates from it by
 the bf16 rounding of weights and activations and, on the GGUF blocks kernel, the activations' int8
 quantization per 32 values; its first-step logit error stays within the bound README
-states. One format per family runs by default, the whole matrix under `slow`.
+states. Every format and every family run by default, the whole matrix under MLIGHT_TEST_MATRIX=full.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from core.model import kernels
 from core.runtime.engine import Engine, Request
 from gguf_files import (FORMATS, decode_logits, first_logits, greedy_mismatches, logit_error, reference_model, uniform,
                         write_gguf)
+from matrix import cover
 from test_engine_parity import PROMPTS
 
 # K-quants need rows of 256: every input size is a multiple of 256. transformers reads a qwen3moe GGUF with
@@ -34,9 +35,13 @@ SHAPES = {
                         qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=64,
                         rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
 }
-FAST = {("qwen3_moe", "Q4_0"), ("mixtral", "Q4_K"), ("deepseek_v2", "Q8_0")}
+# A format's blocks are read and computed the same way in every family (uniform(): the same kind for every
+# matrix), and a family's tensors the same way in every format: by default each format once and each family
+# twice; the whole matrix under MLIGHT_TEST_MATRIX=full. FAST: one format per family outside `slow`
+FAST = [("qwen3_moe", "Q4_0"), ("mixtral", "Q4_K"), ("deepseek_v2", "Q8_0")]
+COVER = [*FAST, ("qwen3_moe", "Q5_K"), ("mixtral", "MXFP4"), ("deepseek_v2", "Q6_K")]
 CASES = [pytest.param(f, k, marks=() if (f, k) in FAST else pytest.mark.slow, id=f"{f}-{k}")
-         for f in SHAPES for k in FORMATS]
+         for f, k in cover([(f, k) for f in SHAPES for k in FORMATS], COVER)]
 # The default path against the reference, first-step logits and three decode steps (where the C kernels run):
 # error / (max − min of the logits), median over prompts and steps, and the worst. Measured (README's table):
 # medians ≈ 0.01-0.02, worst up to 0.42 — where a router's top-k choice is a near-tie (2e-4 apart in

@@ -8,8 +8,8 @@ micro-batches of 2, p = 2 pages, a quarter of each layer's experts resident and 
 - a decode step after the first blocks the host at most once (its logits).
 
 By default a cover of the matrix runs (every family once, every capability and every format at least once, E = 8
-and 256: about a minute on two cores); `MLIGHT_LAUNCH_BUDGET=full` runs all of it (E = 8, 64, 128, 256 for every
-family × capability × format: about nine minutes).
+and 256: about a minute on two cores); `MLIGHT_LAUNCH_BUDGET=full` or `MLIGHT_TEST_MATRIX=full` runs all of it
+(E = 8, 64, 128, 256 for every family × capability × format: about nine minutes).
 
 Counted by tests/op_count.py (aten ops the tasks dispatch on device data, the device's copies and waits,
 the caller's blocking calls and host reads of device data). The shapes: the family's tiny checkpoint, its
@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from core.runtime.device_emulated import EmulatedCuda
 from core.runtime.engine import Engine
+from matrix import FULL as FULL_MATRIX
 from op_count import steady_step
 
 FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe")  # checkpoints.py's E ≥ 8
@@ -109,7 +110,7 @@ def counts(checkpoint_factory, tmp_path_factory):
     return get
 
 
-FULL = os.environ.get("MLIGHT_LAUNCH_BUDGET") == "full"
+FULL = os.environ.get("MLIGHT_LAUNCH_BUDGET") == "full" or FULL_MATRIX
 # the default cover: each family once, each capability and each format at least once
 COVER = [("deepseek_v2", "bf16", "sm75"), ("deepseek_v3", "int8", "sm80"), ("glm4_moe", "int4", "sm90"),
          ("qwen3_next", "bf16", "sm90"), ("qwen3_5_moe", "int8", "sm75")]

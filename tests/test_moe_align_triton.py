@@ -9,6 +9,7 @@ import torch
 
 from core.model import moe_align_triton as kernel
 from core.model.moe_align import moe_align
+from matrix import cover
 
 triton = pytest.importorskip("triton")
 
@@ -18,9 +19,10 @@ def interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.mark.parametrize("E", [8, 64, 128, 256])
-@pytest.mark.parametrize("k", [1, 2, 8])
-@pytest.mark.parametrize("BM", [16, 64])
+# every E, k and BM, and k = 8 with either block (its T = 33 pairs span several chunks); E and BM size the
+# program's arrays and its scan, which runs the same lines at each
+@pytest.mark.parametrize("E,k,BM", cover([(E, k, BM) for E in (8, 64, 128, 256) for k in (1, 2, 8) for BM in (16, 64)],
+                                         [(8, 1, 16), (8, 8, 64), (64, 2, 64), (128, 8, 16), (256, 1, 64), (256, 2, 16)]))
 def test_the_kernel_equals_the_torch_form(E, k, BM):
     g = torch.Generator().manual_seed(E * 100 + k * 10 + BM)
     for T in (1, 3, 16, 33):

@@ -1,26 +1,18 @@
 """`mlight bench`: run a workload through one or all schedules and put measured next to predicted.
 
-Measured: tokens/s end to end and in decode, and each resource's busy seconds per decode layer,
-from the engine's StepDone events. Predicted: the planner's HRM for the same policy on this
-machine (`--hardware local`: detected and probed) or a preset, and the simulated step time; the
-error between them (core.plan.tracking). `--calibrate` first measures this machine's CPU cost model
-with the model's own kernels and steps (core.runtime.calibrate) and caches it per machine, so every
-later plan and prediction on this machine uses it, quoted with its band. Every CPU-only run measured here
-is recorded beside its prediction (core.runtime.fold_back, core.plan.cpu_history); a run outside the band
-widens it, and nothing else changes the model until the next calibration.
+Measured from the engine's StepDone events; predicted by the planner for the same policy on this machine or a
+preset. `--calibrate` first fits and caches this machine's CPU cost model, which later plans use.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
-from typing import TYPE_CHECKING
 
+from core import platform
 from core.plan.policy import SCHEDULES  # torch-free: `mlight bench --help` loads no torch
 from core.telemetry import RESOURCES
-
-if TYPE_CHECKING:  # imported where it runs: `mlight bench --help` must not load torch
-    from core.runtime.engine import Engine
 
 
 def add_parser(sub):
@@ -100,16 +92,12 @@ def run(args) -> int:
 
 
 def _load() -> str:
-    from core import platform
-
     load = platform.load_average()
     return " ".join(f"{x:.2f}" for x in load) if load else "n/a"
 
 
 def _calibrate(model, args) -> dict:
     """Fit the CPU cost model with a CPU-only engine of `model`; cache it for this machine."""
-    import sys
-
     from core.plan import cpu_cost, cpu_history
     from core.plan.hardware import detect
     from core.runtime.calibrate import calibrate
@@ -204,8 +192,7 @@ def _measure(engine, name: str, reqs, args) -> dict:
 
 
 def policy_and_workload(engine, reqs, *, batch: int, micro_batch: int, gen_len: int, pages: int = 2):
-    """The planner's Policy for how `engine` runs `reqs` at `batch`/`micro_batch` (whole micro-batches), and the
-    Workload they make: what a prediction of that run is made for."""
+    """The planner's Policy and Workload for how `engine` runs `reqs` at `batch`/`micro_batch` (whole micro-batches)."""
     from core.plan.planner import Workload
     from core.plan.policy import Policy
 
@@ -248,8 +235,7 @@ def _predict(engine, name: str, args, reqs) -> dict | None:
 
 
 def _labels(run: dict) -> dict[str, str]:
-    """Row names for the resources: on the CPU there is no GPU to name (a CPU-only run has no copies;
-    a GPU schedule run without a GPU has the CPU standing in for the device)."""
+    """Row names for the resources: a CPU-only run has no GPU and no copies; a GPU schedule without one, the CPU's."""
     if run["device"] == "cuda":
         return {"gpu": "gpu ms/layer", "cpu_attn": "cpu_attn ms/layer", "h2d": "h2d ms/layer", "d2h": "d2h ms/layer"}
     if run["schedule"] == "cpu":

@@ -19,6 +19,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    from core.model.cpu.isa import cpu_isa
     from core.plan.hardware import detect, probe, probe_cache_path
 
     hw = detect()
@@ -46,7 +47,7 @@ def run(args) -> int:
         lines.append("GPU        none found (no NVML library, driver or device): CPU-only mode")
     avail = f", {hw.cpu_mem_available_bytes / 1e9:.1f} GB available" if hw.cpu_mem_available_bytes is not None else ""
     lines += [f"CPU        {hw.cpu_cores} cores, {hw.cpu_mem_bytes / 1e9:.1f} GB RAM{avail}",
-              f"  ISA      {_isa_label(hw)}"]
+              f"  ISA      {hw.cpu_isa_label if hw.cpu_isa else cpu_isa().label}"]
     if hw.cpu_matmul:
         threads = f", {hw.cpu_threads} thread{'s' if hw.cpu_threads != 1 else ''}" if hw.cpu_threads else ""
         lines.append(f"  matmul   " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in hw.cpu_matmul.items())
@@ -70,14 +71,6 @@ def run(args) -> int:
         lines.append(f"cache      {probe_cache_path(hw)}")
     print("\n".join(lines))
     return 0
-
-
-def _isa_label(hw) -> str:
-    if hw.cpu_isa:
-        return hw.cpu_isa_label
-    from core.model.cpu.isa import cpu_isa
-
-    return cpu_isa().label
 
 
 def _local_math(storage: str) -> tuple[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -115,17 +116,9 @@ def run(args) -> int:
     host = _host(model, hw, policy, prediction, workload) if policy.ffn_on == "gpu" else None
     unused = _gpu_unused(model, hw, workload, budget) if hw.has_gpu and policy.ffn_on == "cpu" else None
     if args.json:
-        out = {"policy": policy.to_dict(), "prediction": prediction.to_dict(), "plan_seconds": seconds}
-        if host is not None:
-            out["host"], out["first_run"] = host["host"], host["first_run"]
-        if unused is not None:
-            out["gpu_unused"] = unused
-        if choice is not None:
-            out["quantize"] = choice.to_dict()
-        if sims is not None:
-            out["simulation"] = sims
-        if scaling is not None:
-            out["scaling"] = scaling
+        out = {"policy": policy.to_dict(), "prediction": prediction.to_dict(), "plan_seconds": seconds, **(host or {})}
+        extra = {"gpu_unused": unused, "quantize": choice and choice.to_dict(), "simulation": sims, "scaling": scaling}
+        out.update((k, v) for k, v in extra.items() if v is not None)
         if policy.ffn_on == "cpu":
             out["history"] = _history(hw, model)
             out["cpu_speed"] = hw.cpu_speed
@@ -137,8 +130,7 @@ def run(args) -> int:
 
 
 def _host(model, hw, p, pred, workload) -> dict:
-    """The host's share of a decode layer beside the link's and the GPU's, what it is made of (tasks, torch ops,
-    the expert path's), at whose costs; and a first run's page-locking."""
+    """The host's share of a decode layer beside the link's and the GPU's, what it is made of; a first run's pinning."""
     from core.plan import hrm
     from core.plan.parallel import rank_view
 
@@ -166,8 +158,7 @@ def _host(model, hw, p, pred, workload) -> dict:
 
 
 def _gpu_unused(model, hw, workload, budget) -> str:
-    """Why a plan for a machine with a GPU leaves it unused: the smallest GPU placement (one request, every
-    expert streamed) overfills a memory, or the CPU alone is predicted faster."""
+    """Why a plan leaves the GPU unused: its smallest placement overfills a memory, or the CPU alone is faster."""
     from core.plan import planner
     from core.plan.policy import Policy
 
@@ -261,8 +252,6 @@ def _format_lines(model, choice, asked: str) -> list[str]:
 
 def _short(reason: str) -> str:
     """'CPU memory: needs 89.16 GB but 51.20 GB is usable' out of a BudgetError's full text."""
-    import re
-
     m = re.search(r"(\w+ memory): needs ([\d.]+ GB).*?but ([\d.]+ GB) is usable", reason)
     return f"{m.group(1)} needs {m.group(2)}, {m.group(3)} usable" if m else reason
 
@@ -275,8 +264,7 @@ def _cpu_math_line(hw, model) -> str:
 
 
 def _layer_line(p, pred) -> str:
-    """One decode layer's time by resource. CPU-only, the "gpu" resource's work (dense layers and experts)
-    runs on the CPU and nothing crosses a link: say so rather than print "gpu" and zero link times."""
+    """One decode layer's time by resource; CPU-only, the "gpu" resource's work runs on the CPU, nothing copied."""
     items = list(pred.layer_seconds.items())
     if p.ffn_on == "cpu":
         names = {"gpu": "CPU dense layers + experts", "cpu_attn": "CPU attention"}
@@ -285,7 +273,6 @@ def _layer_line(p, pred) -> str:
 
 
 def _host_lines(host: dict | None) -> list[str]:
-    """The host's share of a decode layer next to the link's and the GPU's, and a first run's page-locking."""
     if host is None:
         return []
     h, f = host["host"], host["first_run"]

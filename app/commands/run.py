@@ -1,9 +1,7 @@
 """`mlight run`: a prompts file through the engine into a JSONL or CSV file, resumably.
 
-Order of work, so that bad input is refused before anything is loaded or written:
-output path → lock → prompts → model folder (download) → run file (resume or start) → engine →
-too-long prompts → generate, saving each result as it finishes → final output renamed into place.
-Ctrl-C / SIGTERM (Ctrl-Break on Windows): the engine finishes its current step, what finished is saved, exit 130.
+Bad input is refused before anything is loaded or written. Ctrl-C / SIGTERM (Ctrl-Break on Windows): the
+engine finishes its current step, what finished is saved, exit 130.
 """
 
 from __future__ import annotations
@@ -19,9 +17,11 @@ from pathlib import Path
 
 from core import platform
 from core.errors import BudgetError, MlightError, UsageError
+from core.io.download import resolve_model
 from core.io.prompts import FORMATS, STDIN, PromptSet, bad_lines_error, read_prompts, reject_lines
 from core.io.results import output_format
 from core.io.runstore import RunStore, finish_run, manifest, prepare_requests, run_pending
+from core.io.shards import other_parts
 from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
 from core.plan.policy import SCHEDULES
 from core.telemetry import Progress, WarningEvent
@@ -122,7 +122,7 @@ def _whole(text: str) -> int:
 
 
 class _Stopper:
-    """Ctrl-C, SIGTERM or Ctrl-Break (`platform.stop_signals`): while generating, ask the engine to stop after its step; otherwise (or on a
+    """Ctrl-C, SIGTERM or Ctrl-Break: while generating, ask the engine to stop after its step; otherwise (or on a
     second signal) stop right away with KeyboardInterrupt."""
 
     def __init__(self):
@@ -183,8 +183,7 @@ class _ProgressLine:
 
 
 def one_line(text: str) -> str:
-    """`text` cut and padded to the terminal's width less a column: a line that never wraps, so that `\r`
-    redraws it in place, and that covers the longer line before it."""
+    """`text` cut and padded to the terminal's width less a column, so that `\r` redraws it in place."""
     try:
         width = os.get_terminal_size(sys.stderr.fileno()).columns
     except (OSError, ValueError, AttributeError):  # not a terminal (a test, a pipe): $COLUMNS, else 80
@@ -227,14 +226,23 @@ def run(args) -> int:
     return _run_single(args)
 
 
-def _run_single(args) -> int:
-    out = Path(args.out)
+def check_files(args, out: Path, no_stdin: tuple[str, str] | None = None, micro: bool = True) -> str:
+    """Refuse, before anything loads, an output of unknown format, stdin where `no_stdin` says why it cannot be
+    read, an output that is the prompts file, and a micro-batch larger than the batch. Returns the format."""
     fmt = output_format(out)
-    if args.micro_batch and args.batch and args.micro_batch > args.batch:
+    if no_stdin and args.prompts == STDIN:
+        raise UsageError(*no_stdin)
+    if micro and args.micro_batch and args.batch and args.micro_batch > args.batch:
         raise UsageError(f"--micro-batch {args.micro_batch} is larger than --batch {args.batch}",
                          "use a micro-batch no larger than the batch")
     if args.prompts != STDIN and _same_file(Path(args.prompts), out):
         raise UsageError(f"--out {out} is the prompts file itself", "write the results to another file")
+    return fmt
+
+
+def _run_single(args) -> int:
+    out = Path(args.out)
+    fmt = check_files(args, out)
 
     def generate(store, prompts, model_dir, model_name, progress, stopper) -> int:
         _say_other_parts(out, 1)
@@ -244,14 +252,9 @@ def _run_single(args) -> int:
 
 
 def with_run(args, out: Path, plan, generate) -> int:
-    """The run file's life around one job, as `mlight run` and `mlight run --ray` share it: lock it, read
-    and check the prompts (bad lines refused unless --skip-bad), resolve the model, `plan(args, prompts,
-    model_dir)` (the batch sizes, args.policy), start or resume the run, then — unless the run already
-    finished (a retry loop or a scheduler ran the same job again: say so, write nothing, exit 0) —
-    `generate(store, prompts, model_dir, model_name, progress, stopper)`. A failure from there on drops a run file that holds no
-    result yet and keeps one that does; the lock and the signal handlers are always given back."""
-    from core.io.download import resolve_model
-
+    """The run file's life around one job (`mlight run`, `--ray`): lock, prompts, model, `plan`, start or resume,
+    then `generate` unless the same job already finished. A failure drops a run file that holds no result yet;
+    the lock and the signal handlers are always given back."""
     stopper = _Stopper().install()
     store = RunStore(out)
     try:
@@ -277,8 +280,6 @@ def with_run(args, out: Path, plan, generate) -> int:
 
 
 def _say_other_parts(out: Path, replicas: int) -> None:
-    from core.io.shards import other_parts
-
     for p in other_parts(out, replicas):
         _say(f"note: {p.name} holds results of a run with another number of replicas; they are not reused "
              "(rerun with that many ranks to resume it)")
@@ -314,11 +315,8 @@ def refuse_turns(prompts: PromptSet, how: str) -> None:
 
 
 def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
-    """With a memory budget, let the planner pick the batch sizes the user left open — or refuse, before
-    any weight is loaded, a budget that nothing fits in (BudgetError, exit 2). On a machine without a GPU
-    the planner picks the CPU batch for the machine's memory even without a budget (more rows per
-    expert run the CPU's GEMMs nearer their peak); should nothing fit, the default batch is kept and
-    loading says what it says."""
+    """With a memory budget, let the planner pick the batch sizes the user left open, or refuse a budget nothing
+    fits in before any weight is loaded. Without a GPU the planner picks the CPU batch even without a budget."""
     args.policy = None
     quantize = getattr(args, "quantize", "none")
     if args.gpu_mem is None and args.cpu_mem is None and quantize != "auto":
@@ -326,14 +324,13 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
             _plan_cpu_batch(args, prompts, model_dir)
         args.batch = args.batch or BATCH
         return
-    from core.plan import planner
     from core.model.families import load_spec
+    from core.plan import planner
     from core.plan.hardware import resolve
-
-    workload = _workload(args, prompts)
-    hw = resolve("local")
     from core.plan.quantize import choose
 
+    workload = planner.Workload(**workload_estimate(args, prompts.entries))
+    hw = resolve("local")
     ranks = getattr(args, "tensor_parallel", 1)  # one engine over this many GPUs (ranks), each given --gpu-mem
     budget = planner.Budget.for_hardware(hw, args.gpu_mem * max(1, hw.gpu_count) if args.gpu_mem is not None else None,
                                          args.cpu_mem)
@@ -353,10 +350,9 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
         if args.gpu_mem is None and args.cpu_mem is None:  # the format only: batch sizes as without a budget
             args.batch = args.batch or BATCH
             return
-    policy = choice.policy
-    args.policy = policy  # Engine.load takes paging, resident experts and placement from it
-    args.batch = args.batch or policy.batch_size
-    args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
+    args.policy = choice.policy  # Engine.load takes paging, resident experts and placement from it
+    args.batch = args.batch or choice.policy.batch_size
+    args.micro_batch = args.micro_batch or min(choice.policy.micro_batch_size, args.batch)
 
 
 def _has_cuda() -> bool:
@@ -370,7 +366,7 @@ def _plan_cpu_batch(args, prompts: PromptSet, model_dir: Path) -> None:
     from core.model.families import load_spec
     from core.plan.hardware import resolve
 
-    workload = _workload(args, prompts)
+    workload = planner.Workload(**workload_estimate(args, prompts.entries))
     try:  # best effort: a model the planner cannot read (a GGUF file) or cannot fit runs at the default batch
         spec = load_spec(model_dir)
         hw = resolve("local")
@@ -386,15 +382,14 @@ def _plan_cpu_batch(args, prompts: PromptSet, model_dir: Path) -> None:
         _say(f"planned batch {args.batch}: predicted {pred.quote()} ({words})")
 
 
-def _workload(args, prompts: PromptSet):
-    from core.plan import planner
-
-    # prompt lengths before the tokenizer is loaded: ~3 bytes a token, on the safe (long) side; a later
-    # turn also holds the answers to the turns before it, at most `gen` tokens each
-    gen = max([e.max_new_tokens or args.max_new_tokens for e in prompts.entries] or [args.max_new_tokens])
+def workload_estimate(args, entries) -> dict:
+    """The planner's Workload fields before the tokenizer is loaded: ~3 bytes a token, on the safe (long) side;
+    a later turn also holds the answers to the turns before it, at most `gen` tokens each."""
+    gen = max([e.max_new_tokens or args.max_new_tokens for e in entries] or [args.max_new_tokens])
     lens = [max(1, len((e.prompt or "".join(m["content"] for m in e.messages or ())).encode()) // 3 + 1)
-            + gen * len(e.earlier) for e in prompts.entries]
-    return planner.Workload(max(1, sum(lens) // max(1, len(lens))), gen, max(lens + [1]), len(prompts.entries))
+            + gen * len(e.earlier) for e in entries]
+    return {"prompt_len": max(1, sum(lens) // max(1, len(lens))), "gen_len": gen, "max_prompt_len": max(lens + [1]),
+            "num_requests": len(entries)}
 
 
 def sampling(args) -> dict:
@@ -477,8 +472,7 @@ def final_line(results: int, store: RunStore, rejects: int, generated: int, toke
 
 
 class _Counter:
-    """Requests done (those of an earlier, resumed session too) and tokens/s on one stderr line, on a
-    terminal only (logs get the summary line)."""
+    """Requests done and tokens/s on one stderr line, on a terminal only (logs get the summary line)."""
 
     def __init__(self, total: int, before: int = 0):
         self.tty = sys.stderr.isatty()

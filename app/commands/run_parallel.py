@@ -1,15 +1,9 @@
-"""`mlight run` as one rank of a torch.distributed job: under an external `torchrun` (data parallel, with
-tensor parallelism inside when --tensor-parallel asks), or as one of the K local ranks that
-`mlight run --tensor-parallel K` starts through the same launcher.
+"""`mlight run` as one rank of a torch.distributed job: under `torchrun` (data parallel, tensor parallel
+inside when asked), or one of the K local ranks `mlight run --tensor-parallel K` starts.
 
-Phases; each ends with every rank agreeing that it went well (core.runtime.distributed.coord.agree),
-so a bad input gives one error line, from rank 0, and the same exit code on every rank:
-1. every rank reads the prompts and resolves the model (the prompts must hash alike everywhere);
-2. each replica's first rank opens its own run file, resuming what it holds;
-3. every rank loads its engine (its tensor-parallel shard); prompts the model cannot take are set aside;
-4. each replica generates its shard; its first rank saves each result, fsynced, as it finishes;
-5. rank 0 collects every replica's records and writes the output in input order, then the replicas
-   drop their run files. A rank that died is named; a rerun of the same command resumes every rank.
+Each phase ends with every rank agreeing that it went well (coord.agree), so a bad input gives one error line,
+from rank 0, and the same exit code everywhere. Each replica's first rank keeps its own run file; rank 0 merges
+every replica's records into the output, and a rerun of the same command resumes every rank.
 """
 
 from __future__ import annotations
@@ -21,9 +15,11 @@ import time
 from pathlib import Path
 
 from app.commands.run import (_Counter, _ProgressLine, _Stopper, _load_engine, _manifest, _plan_batches, _read,
-                              _refuse_rejects, _same_file, _say, _say_other_parts, refuse_turns, resuming_line, sampling)
+                              _refuse_rejects, _say, _say_other_parts, check_files, refuse_turns, resuming_line,
+                              sampling)
 from core.errors import MlightError, UsageError
-from core.io.prompts import STDIN, PromptSet
+from core.io.download import resolve_model
+from core.io.prompts import PromptSet
 from core.io.results import output_format
 from core.io.runstore import RunStore, final_records, prepare_requests, run_pending
 from core.io.shards import merge, part_name, shard_entries
@@ -95,14 +91,8 @@ class _Rank:
 
     def _inputs(self):
         args, w = self.args, self.world
-        output_format(self.out)
-        if args.prompts == STDIN:
-            raise UsageError("several ranks cannot share stdin", "give the prompts as a file every rank can read")
-        if _same_file(Path(args.prompts), self.out):
-            raise UsageError(f"--out {self.out} is the prompts file itself", "write the results to another file")
-        if args.micro_batch and args.batch and args.micro_batch > args.batch:
-            raise UsageError(f"--micro-batch {args.micro_batch} is larger than --batch {args.batch}",
-                             "use a micro-batch no larger than the batch")
+        check_files(args, self.out, ("several ranks cannot share stdin",
+                                     "give the prompts as a file every rank can read"))
         import torch
 
         # the ranks of a node share its cores; torch would give each of them all of them
@@ -112,8 +102,6 @@ class _Rank:
         prompts = _read(args)
         _refuse_rejects(prompts, args.skip_bad, self.out)
         refuse_turns(prompts, "torchrun or --tensor-parallel")
-        from core.io.download import resolve_model
-
         progress = _ProgressLine() if w.local_rank == 0 else (lambda ev: None)
         model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
         args.replicas_here = w.local_size // w.tp
@@ -191,8 +179,8 @@ class _Rank:
         except KeyboardInterrupt:
             status = "stopped"
         except MlightError as e:
-            # the group's other ranks may wait in a collective for this one: leave, so that they see it
-            # (unless every rank of the group agreed on this error: then the run ends as for any other)
+            # the group's other ranks may wait in a collective for this one: leave, so that they see it,
+            # unless every rank of the group agreed on this error
             if w.tp > 1 and not getattr(e, "agreed", False):
                 raise
             status, error = "error", str(e)

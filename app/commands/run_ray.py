@@ -1,11 +1,7 @@
 """`mlight run --ray ADDRESS|auto`: the prompts file as a Ray dataset, one engine replica per actor.
 
-The driver reads and checks the prompts file the usual way (bad lines, ids, the manifest), turns
-the prompts not yet in the run file into a Ray dataset and maps it through
-`core.runtime.distributed.ray_data.MlightPredictor` with Ray Data's actor pool: as many actors as the
-cluster has GPUs (one each), or one per node on a CPU cluster (`--ray-actors` overrides), and a batch
-size from the plan made on a worker node. Results stream back to the driver, which saves each one
-(fsynced) in the run file as usual, so an interrupted run resumes, and writes the same output file.
+The driver checks the prompts as usual and maps the ones not yet done through Ray Data's actor pool (one actor
+per GPU, or per node on a CPU cluster); results stream back and are saved in the run file, so a stop resumes.
 """
 
 from __future__ import annotations
@@ -13,11 +9,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from app.commands.run import (_Counter, _same_file, _say, final_line, refuse_turns, resuming_line, sampling,
-                              with_run)
+from app.commands.run import (_Counter, _say, check_files, final_line, refuse_turns, resuming_line, sampling,
+                              with_run, workload_estimate)
 from core.errors import MlightError, UsageError
-from core.io.prompts import STDIN
-from core.io.results import output_format
 from core.io.runstore import RunStore, finish_run
 
 
@@ -42,7 +36,6 @@ def _connect(ray, address: str) -> None:
 
 
 def _actors(ray, wanted: int | None) -> tuple[int, float, float]:
-    """(actors, CPUs each, GPUs each) for this cluster."""
     res = ray.cluster_resources()
     gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 1))
     nodes = max(1, sum(1 for n in ray.nodes() if n.get("Alive")))
@@ -56,11 +49,7 @@ def _actors(ray, wanted: int | None) -> tuple[int, float, float]:
 def run(args) -> int:
     ray = _ray()
     out = Path(args.out)
-    fmt = output_format(out)
-    if args.prompts == STDIN:
-        raise UsageError("--ray reads the prompts from a file", "give --prompts FILE")
-    if _same_file(Path(args.prompts), out):
-        raise UsageError(f"--out {out} is the prompts file itself", "write the results to another file")
+    fmt = check_files(args, out, ("--ray reads the prompts from a file", "give --prompts FILE"), micro=False)
     if args.tensor_parallel > 1:
         raise UsageError("--ray runs one engine per actor; --tensor-parallel is for torchrun or one machine",
                          "drop --tensor-parallel, or use torchrun for tensor-parallel replicas")
@@ -73,22 +62,10 @@ def run(args) -> int:
         ray, args, store, prompts, model_dir, model_name, fmt, stopper))
 
 
-def _workload(args, entries) -> dict:
-    lens = [max(1, len((e.prompt or "".join(m["content"] for m in e.messages or ())).encode()) // 3 + 1)
-            for e in entries]
-    gen = max([e.max_new_tokens or args.max_new_tokens for e in entries] or [args.max_new_tokens])
-    return {"prompt_len": max(1, sum(lens) // max(1, len(lens))), "gen_len": gen, "max_prompt_len": max(lens + [1]),
-            "num_requests": len(entries)}
-
-
 def _rows(entries, defaults) -> list[dict]:
-    rows = []
-    for e in entries:
-        kw = e.request_kwargs(defaults)
+    rows = [e.request_kwargs(defaults) for e in entries]  # `messages` there are fresh dicts already
+    for kw in rows:
         kw["stop"] = list(kw.get("stop") or ())
-        if "messages" in kw:
-            kw["messages"] = [dict(m) for m in kw["messages"]]
-        rows.append(kw)
     return rows
 
 
@@ -107,7 +84,7 @@ def _generate(ray, args, store: RunStore, prompts, model_dir: Path, model_name: 
         # one-node cluster that is this machine, and a task would only pay for one more worker process)
         alive = [n for n in ray.nodes() if n.get("Alive")]
         share = max(1, actors // max(1, len(alive)))
-        plan_args = (str(model_dir), _workload(args, pending), share, args.gpu_mem, args.cpu_mem)
+        plan_args = (str(model_dir), workload_estimate(args, pending), share, args.gpu_mem, args.cpu_mem)
         if len(alive) == 1 and alive[0].get("NodeManagerAddress") == ray.util.get_node_ip_address():
             policy = plan_here(*plan_args)
         else:

@@ -11,6 +11,8 @@ from textual.screen import Screen
 
 from app.tui import wording
 from app.tui.backend import Backend
+from app.tui.screens.confirm import ConfirmQuit
+from app.tui.screens.help import HelpScreen
 from app.tui.session import Options, Session
 from app.tui.widgets.steps import STEPS
 from core.errors import MlightError
@@ -37,14 +39,12 @@ class MlightApp(App):
             backend.set_max_new_tokens(options.max_new_tokens)
 
     def on_mount(self) -> None:
-        # The machine comes first on every path: the Machine screen probes it, and only once the session
-        # holds it does a command line's later steps open (`machine_known`), so that Model's "Fits?" and
-        # Plan's CPU-or-GPU panels read the same machine whichever way they were reached.
+        # The machine comes first on every path: a command line's later steps open once the session holds it
+        # (`machine_known`), so that every screen reads the same machine whichever way it was reached.
         self._opening: tuple[str, dict[str, str]] | None = None
         opts = self.session.options
         if opts.model and opts.prompts:
-            # straight to Plan, or to the first step the command line got wrong; the steps before stay
-            # on the stack so Esc walks back through them
+            # to Plan, or the first step the command line got wrong; the steps before stay for Esc
             problems = self.backend.check_options(opts.model, opts.prompts)
             stop = next((step for step in ("Model", "Prompts") if step in problems), "Plan")
             self._opening = (stop, problems)
@@ -75,14 +75,10 @@ class MlightApp(App):
 
     # ---- help and quit ----------------------------------------------------------------------------
     def action_help(self) -> None:
-        from app.tui.screens.help import HelpScreen
-
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen(self.screen))
 
     async def action_quit(self) -> None:
-        from app.tui.screens.confirm import ConfirmQuit
-
         if isinstance(self.screen, ConfirmQuit):  # asked twice: that is a yes
             self.exit()
             return
@@ -95,8 +91,6 @@ class MlightApp(App):
 
     def run_ended(self, head: str, text: str) -> None:
         """A run ended: a quit dialog still asking about it says so instead."""
-        from app.tui.screens.confirm import ConfirmQuit
-
         for screen in self.screen_stack:
             if isinstance(screen, ConfirmQuit):
                 screen.run_ended(head, text)
@@ -112,8 +106,8 @@ class MlightApp(App):
 
     @staticmethod
     def describe_error(error: BaseException | None) -> str:
-        """One line for the status bar: core's own message for user errors (in the app's words, not the
-        command line's), what to do for a CPU that lacks a feature, the type for bugs."""
+        """One line for the status bar: core's message for user errors (in the app's words), what to do for a CPU that
+        lacks a feature, the type for bugs."""
         cause = error.__cause__ if isinstance(error, MlightError) else None  # a task's own error
         if wording.missing_feature(error) or wording.missing_feature(cause):
             root = error if cause is None else cause

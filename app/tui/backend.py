@@ -1,14 +1,13 @@
 """Every call the app makes into `core`, and the view-models the screens draw.
 
-Screens and the run job reach `core` only through a Backend, so a change in a core signature is
-fixed here once, and tests hand the app a Backend with pinned (preset) hardware and a frozen
-clock. Runs use the same run store, manifest and final records as `mlight run`, so a run started
-on the command line can be resumed in the app and the other way round.
+A change in a core signature is fixed here once; tests hand the app a Backend with pinned hardware and a frozen
+clock. Runs share `mlight run`'s run store and manifest, so either resumes the other's unfinished run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import threading
 import time
@@ -17,6 +16,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.tui import wording
+from core.assets import DEMO_PROMPTS
+from core.io import download, results, runstore
+from core.io import prompts as prompt_files
 from core.errors import MlightError, ModelError
 from core.telemetry import EventSink, Progress, ignore
 
@@ -27,10 +29,6 @@ CHARS_PER_TOKEN = 4.0  # planning estimate before any tokenizer is loaded (Engli
 
 class DownloadCancelled(MlightError):
     """Raised from the download's progress callback when the user cancels."""
-
-
-# ---------------------------------------------------------------------------------------------
-# view-models
 
 
 @dataclass(frozen=True)
@@ -80,7 +78,6 @@ class PromptsView:
 
     @property
     def budget_tokens(self) -> int:
-        """Sum of max_new_tokens over the valid entries."""
         return sum(e.max_new_tokens or self.default_max_new for e in self.prompts.entries)
 
 
@@ -132,12 +129,8 @@ class PlanView:
                 f"{w.gen_len} new tokens each")
 
 
-# ---------------------------------------------------------------------------------------------
-
-
 class Backend:
-    """The app's door into `core`. `hardware` pins a HardwareSpec (tests, planning for a preset);
-    `clock` drives the run meter's elapsed time and ETA (frozen in snapshot tests)."""
+    """The app's door into `core`. `hardware` pins a HardwareSpec; `clock` drives the meter (frozen in snapshots)."""
 
     def __init__(self, hardware: Any = None, clock: Callable[[], float] = time.monotonic,
                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS):
@@ -176,8 +169,6 @@ class Backend:
     def open_model(self, text: str | None, machine: MachineView | None, progress: EventSink = ignore,
                    should_stop: Callable[[], bool] = lambda: False) -> ModelView:
         """'demo' (or nothing), a checkpoint folder, or a repo id (downloaded into the hub cache)."""
-        from core.io.download import resolve_model
-
         is_demo = text is None or text.strip().lower() in ("", "demo", ":demo")
 
         def sink(ev) -> None:
@@ -187,7 +178,7 @@ class Backend:
             progress(ev)
 
         def resolve() -> tuple[Path, str]:
-            return resolve_model(None if is_demo else text.strip(), progress=sink)
+            return download.resolve_model(None if is_demo else text.strip(), progress=sink)
 
         path, name = self._once(("model", "demo" if is_demo else text.strip()), resolve)
         source = "demo" if is_demo else ("folder" if Path(text).expanduser().exists() else "hub")
@@ -213,17 +204,14 @@ class Backend:
     @staticmethod
     def classify_model_text(text: str) -> str:
         """'demo', 'folder' (exists here), 'repo' (owner/name), or 'missing'."""
-        from core.io.download import looks_like_repo_id
-
         if text.strip().lower() in ("", "demo", ":demo"):
             return "demo"
         if Path(text).expanduser().exists():
             return "folder"
-        return "repo" if looks_like_repo_id(text) else "missing"
+        return "repo" if download.looks_like_repo_id(text) else "missing"
 
     def check_options(self, model: str, prompts: str) -> dict[str, str]:
-        """What is plainly wrong with `mlight-app --model M --prompts F`, found without loading anything:
-        step name -> the problem (the app then opens on that step instead of Plan)."""
+        """What is plainly wrong with `--model M --prompts F`, without loading anything: step name -> the problem."""
         problems = {}
         kind = self.classify_model_text(model)
         if kind == "missing":
@@ -238,24 +226,16 @@ class Backend:
     # ---- prompts ------------------------------------------------------------------------------
     @staticmethod
     def demo_prompts_path() -> Path:
-        """The 16 MT-Bench questions bundled as a prompts file (core/assets/demo_prompts.jsonl)."""
-        from core.assets import DEMO_PROMPTS
-
         return DEMO_PROMPTS
 
     def prompts_path(self, text: str | Path) -> Path:
-        """A prompts file as typed: 'demo' (`mlight run --prompts demo`, as `mlight-app --help` says) is the
-        bundled demo prompts unless a file of that name is in the working folder."""
-        from core.io.prompts import DEMO
-
+        """A prompts file as typed: 'demo' is the bundled demo prompts unless a file of that name is here."""
         path = Path(text).expanduser()
-        return self.demo_prompts_path() if str(text) == DEMO and not path.exists() else path
+        return self.demo_prompts_path() if str(text) == prompt_files.DEMO and not path.exists() else path
 
     def read_prompts(self, path: Path) -> PromptsView:
-        from core.io.prompts import read_prompts
-
         path = self.prompts_path(path)
-        ps = read_prompts(path)
+        ps = prompt_files.read_prompts(path)
         texts = [_entry_text(e) for e in ps.entries]
         lengths = [len(t) for t in texts]
         stats = (min(lengths), sum(lengths) / len(lengths), max(lengths)) if lengths else (0, 0.0, 0)
@@ -263,15 +243,13 @@ class Backend:
         return PromptsView(Path(path), ps, preview, stats, self.max_new_tokens)
 
     def set_max_new_tokens(self, n: int) -> None:
-        """The run's max new tokens for prompts that do not set their own (`--max-new-tokens`, Plan's field)."""
         if n < 1:
             raise ValueError("max new tokens must be at least 1")
         self.max_new_tokens = n
 
     # ---- plan ---------------------------------------------------------------------------------
     def tokenizer(self, model: ModelView) -> Any:
-        """The model's tokenizer, read once: transformers' import and the files take seconds the first time, so
-        the Model step reads it while prompts are chosen, before Plan counts them."""
+        """The model's tokenizer, read once (seconds the first time: the Model step reads it before Plan counts)."""
         def read():
             from transformers import AutoTokenizer
 
@@ -280,8 +258,8 @@ class Backend:
         return self._once(("tokenizer", str(model.path)), read)
 
     def prompt_lengths(self, model: ModelView | None, prompts: PromptsView) -> list[int] | None:
-        """Every prompt's length in tokens as the engine will see it (the model's tokenizer, the chat template
-        for `messages`), or None where the tokenizer cannot be loaded here (the plan then estimates)."""
+        """Every prompt's length in tokens as the engine will see it (chat template for `messages`), or None where the
+        tokenizer cannot be loaded (the plan then estimates)."""
         if model is None or not prompts.count:
             return None
 
@@ -290,8 +268,7 @@ class Backend:
             out = {}
             for e in prompts.prompts.entries:
                 if e.messages is not None:
-                    # a later turn of a multi-turn question (core.io.turns) is counted with empty answers to the
-                    # turns before it, as `prepare_requests` checks it: its shortest conversation
+                    # a later turn counts with empty earlier answers, its shortest conversation (`prepare_requests`)
                     earlier = getattr(e, "earlier", ())
                     messages = (e.request_kwargs({}, answers=("",) * len(earlier))["messages"] if earlier
                                 else [dict(m) for m in e.messages])
@@ -309,22 +286,18 @@ class Backend:
         return [lengths[e.id] for e in prompts.prompts.entries if e.id in lengths]  # set aside: not counted
 
     def set_aside_too_long(self, model: ModelView, prompts: PromptsView) -> int:
-        """Move the prompts that leave no room in the model's context to the bad lines now, as the run would
-        (`requests`), so that Plan plans for the prompts that run and asks before skipping them, as `mlight run`
-        refuses them without --skip-bad. Returns how many moved (none where the tokenizer cannot be read)."""
-        from core.io.prompts import reject_too_long
-
+        """Move the prompts too long for the model's context to the bad lines now, as the run would, so that Plan plans
+        for the prompts that run. Returns how many moved."""
         counted = self.prompt_lengths(model, prompts)
         if counted is None:
             return 0
         lengths = dict(zip((e.id for e in prompts.prompts.entries), counted))
         before = len(prompts.prompts.rejects)
-        reject_too_long(prompts.prompts, lambda e: lengths[e.id], model.spec.max_position)
+        prompt_files.reject_too_long(prompts.prompts, lambda e: lengths[e.id], model.spec.max_position)
         return len(prompts.prompts.rejects) - before
 
     def workload(self, prompts: PromptsView, model: ModelView | None = None) -> Any:
-        """The planner's workload: prompt lengths tokenized with the model's tokenizer when it loads (an
-        estimate from characters otherwise, and the Plan screen says so)."""
+        """The planner's workload: prompt lengths by the model's tokenizer, else estimated from characters."""
         from core.plan.planner import Workload
 
         lo, mean, hi = prompts.lengths
@@ -353,25 +326,23 @@ class Backend:
         workload = self.workload(prompts, model)
         warnings = budget_warnings(machine, budget.gpu_bytes, budget.cpu_bytes)
         spec = _spec_as_run(model.spec, choices)
-        # the app runs one process on one GPU (ranks=1), however many the machine has
-        if choices.quantize:  # the planner's format choice, as `mlight run --quantize` makes it
-            from core.plan.quantize import choose
-
-            c = choose(spec, machine.hardware, workload, budget, choices.quantize, choices.group_size, ranks=1,
-                       dense=choices.quantize_dense)
-            return PlanView(c.policy, c.prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
-                            tokenized=self.prompt_lengths(model, prompts) is not None, quantize=c.quantize,
-                            quant_why=c.why, group_size=choices.group_size,
-                            quant_baseline_tps=c.baseline.tokens_per_s if c.baseline is not None else None,
-                            quant_dense=c.dense)
-        policy, prediction = plan(spec, machine.hardware, workload, budget, ranks=1)
-        return PlanView(policy, prediction, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
+        view = PlanView(None, None, budget.gpu_bytes, budget.cpu_bytes, workload, warnings=warnings,
                         tokenized=self.prompt_lengths(model, prompts) is not None)
+        # the app runs one process on one GPU (ranks=1), however many the machine has
+        if not choices.quantize:
+            view.policy, view.prediction = plan(spec, machine.hardware, workload, budget, ranks=1)
+            return view
+        from core.plan.quantize import choose  # the planner's format choice, as `mlight run --quantize` makes it
+
+        c = choose(spec, machine.hardware, workload, budget, choices.quantize, choices.group_size, ranks=1,
+                   dense=choices.quantize_dense)
+        baseline = c.baseline.tokens_per_s if c.baseline is not None else None
+        return dataclasses.replace(view, policy=c.policy, prediction=c.prediction, quantize=c.quantize, quant_why=c.why,
+                                   group_size=choices.group_size, quant_baseline_tps=baseline, quant_dense=c.dense)
 
     def check(self, model: ModelView, machine: MachineView, base: PlanView, fields: dict,
               choices: EngineChoices = EngineChoices()) -> PlanView:
-        """A user-edited policy, costed and validated: problems name what does not fit and by how much,
-        in the Plan screen's words."""
+        """A user-edited policy, costed and validated; problems in the Plan screen's words."""
         from core.plan import planner
         from core.plan.policy import Policy
 
@@ -393,8 +364,6 @@ class Backend:
 
     @staticmethod
     def usable_shares() -> tuple[float, float]:
-        """The shares of the GPU and CPU budgets a plan may fill (the rest is kept for the CUDA context,
-        allocator fragmentation, the OS and the page cache)."""
         from core.plan.planner import CPU_USABLE, GPU_USABLE
 
         return GPU_USABLE, CPU_USABLE
@@ -402,23 +371,18 @@ class Backend:
     # ---- run ----------------------------------------------------------------------------------
     def check_output(self, out: Path) -> None:
         """Refuse, before any loading, an output that cannot be written or whose format is unknown."""
-        from core.io.results import output_format
-        from core.io.runstore import RunStore
-
-        output_format(out)
-        RunStore(out).check_writable()
+        results.output_format(out)
+        runstore.RunStore(out).check_writable()
 
     @staticmethod
     def resume_info(out: Path) -> str:
         """A line about what a run on `out` will find there, or ''."""
         if not out.name:  # an empty field (Path('') is '.')
             return "Type the results file's name: .jsonl or .csv"
-        from core.io.runstore import RunStore, parse_run_file
-
-        run = RunStore(out).run_path
+        run = runstore.RunStore(out).run_path
         if run.is_file():
             try:
-                n = len(parse_run_file(run.read_bytes())[1])  # what a resume keeps
+                n = len(runstore.parse_run_file(run.read_bytes())[1])  # what a resume keeps
             except OSError:
                 return ""
             return f"{run.name} holds {n} finished results of an unfinished run: kept, and the rest run"
@@ -427,9 +391,7 @@ class Backend:
     def manifest(self, model: ModelView, prompts: PromptsView, plan: PlanView,
                  choices: EngineChoices = EngineChoices()) -> dict:
         """The same identity `mlight run` writes, so either can resume the other's unfinished run."""
-        from core.io.runstore import manifest
-
-        return manifest(model.path, model.name, prompts.prompts,
+        return runstore.manifest(model.path, model.name, prompts.prompts,
                         {"max_new_tokens": self.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
                          "seed": None, "revision": None},
                         {"batch": plan.policy.batch_size, "micro_batch": plan.policy.micro_batch_size,
@@ -440,9 +402,7 @@ class Backend:
     def open_store(self, out: Path, model: ModelView, prompts: PromptsView, plan: PlanView, restart: bool = False,
                    choices: EngineChoices = EngineChoices()):
         """The run store on `out`, locked, resumed when it holds an unfinished run of the same job."""
-        from core.io.runstore import RunStore
-
-        store = RunStore(out)
+        store = runstore.RunStore(out)
         store.acquire()
         try:
             store.start(self.manifest(model, prompts, plan, choices), restart=restart)
@@ -453,8 +413,8 @@ class Backend:
 
     def engine(self, path: Path, policy: Any = None, progress: EventSink = ignore,
                choices: EngineChoices = EngineChoices()) -> Any:
-        """The loaded engine, kept while the model and the Advanced choices stay the same (a resume does
-        not reload weights); the plan's policy decides paging, resident experts and the expert batch."""
+        """The loaded engine, kept while the model and the Advanced choices stay the same (a resume does not reload
+        weights); the plan's policy decides paging, resident experts and the expert batch."""
         from core.runtime.engine import Engine
 
         key = (Path(path), choices)
@@ -471,8 +431,7 @@ class Backend:
 
     @staticmethod
     def tracker(model: ModelView, plan: PlanView) -> Any:
-        """core's measured-against-predicted tracker for this plan (the numbers `mlight bench` prints), or
-        None without a prediction."""
+        """core's measured-against-predicted tracker for this plan, or None without a prediction."""
         if plan.prediction is None:
             return None
         from core.plan.tracking import Tracker
@@ -481,16 +440,12 @@ class Backend:
 
     @staticmethod
     def engine_offers(option: str) -> bool:
-        """Whether Engine.load takes `option` (quantization arrives with its own change)."""
-        import inspect
-
         from core.runtime.engine import Engine
 
         return option in inspect.signature(Engine.load).parameters
 
     def simulate(self, model: ModelView, machine: MachineView, plan: PlanView, engine: Any) -> Any:
-        """The planner's replay of one decode step of this policy under the schedule the engine runs
-        (core.runtime.simulate.Timeline), to draw beside the measured one; None when it cannot be made."""
+        """The planner's replay of one decode step under the engine's schedule; None when it cannot be made."""
         from core.runtime import simulate
 
         config = getattr(engine, "config", None)
@@ -502,53 +457,38 @@ class Backend:
             return None
 
     def requests(self, engine: Any, prompts: PromptsView) -> tuple[dict, list]:
-        """Engine requests by id, as `mlight run` prepares them (core's `prepare_requests`); prompts the engine
-        cannot take (longer than the context) move to the prompt set's rejects, so that they reach
-        OUT.rejected.jsonl, and come back as the second item (those new to this call)."""
-        from core.io.runstore import prepare_requests
-
+        """Engine requests by id, as `mlight run` prepares them; prompts the engine cannot take move to the rejects and
+        come back as the second item (those new to this call)."""
         ps = prompts.prompts
         before = len(ps.rejects)
-        requests = prepare_requests(engine, ps, {"max_new_tokens": self.max_new_tokens})
+        requests = runstore.prepare_requests(engine, ps, {"max_new_tokens": self.max_new_tokens})
         known = {(r.line, r.reason, r.id) for r in ps.rejects[:before]}
         return requests, [r for r in ps.rejects if (r.line, r.reason, r.id) not in known]
 
     @staticmethod
     def run_pending(engine: Any, prompts: PromptsView, store: Any, requests: dict, **kwargs) -> bool:
-        """core's run loop: every entry the run file lacks, each result saved as it finishes (`on_result`)."""
-        from core.io.runstore import run_pending
-
-        return run_pending(engine, prompts.prompts, store, requests, **kwargs)
+        return runstore.run_pending(engine, prompts.prompts, store, requests, **kwargs)
 
     def finish(self, store: Any, records: list[dict], prompts: PromptsView, model: ModelView) -> None:
         """Write the final output (and the rejects) atomically; the run file goes away."""
-        from core.io.results import openai_batch_record
-
         ps = prompts.prompts
         if ps.is_openai_batch:
             entries = {e.id: e for e in ps.entries}
-            records = [openai_batch_record(r, entries[r["id"]].custom_id, entries[r["id"]].endpoint, model.name)
+            records = [results.openai_batch_record(r, (e := entries[r["id"]]).custom_id, e.endpoint, model.name)
                        if r["id"] in entries else r for r in records]
         store.finish(records, [r.to_dict() for r in ps.rejects])
 
     # ---- export -------------------------------------------------------------------------------
     @staticmethod
     def export(records: list[dict], path: Path) -> str:
-        """Write `records` to `path` (format from the suffix, written atomically); returns the format."""
-        from core.io.results import output_format, write_records
-
-        fmt = output_format(path)
-        write_records(Path(path), records, fmt)
+        fmt = results.output_format(path)
+        results.write_records(Path(path), records, fmt)
         return fmt
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None, group_size: int | None = None,
                  dense: str | None = None) -> Any:
-    """The model as the engine will hold it: a compute dtype chosen under Advanced changes its bytes, and so
-    do quantized experts (`quantize`: the format a plan settled on) and dense weights (`dense`)."""
+    """The model as the engine will hold it: the Advanced dtype and quantized experts/dense weights change its bytes."""
     if choices.dtype and choices.dtype != spec.dtype:
         spec = dataclasses.replace(spec, dtype=choices.dtype)
     if quantize and quantize != "none":
@@ -598,8 +538,8 @@ def _rate(hw: Any, name: str) -> str:
 
 
 def _cpu_compute(hw: Any) -> str:
-    """The matmul rates of the dtypes checkpoints compute in, each as measured: bf16 and fp32 part by 10-100x
-    between an AVX2 CPU and one with AMX, and a bf16 checkpoint runs in whichever is fast here."""
+    """The matmul rates of the dtypes checkpoints compute in: bf16 and fp32 part by 10-100x between an AVX2 CPU and
+    one with AMX."""
     rates = [(short, hw.cpu_matmul[name]) for name, short in (("float32", "fp32"), ("bfloat16", "bf16"))
              if hw.cpu_matmul.get(name)]
     if not rates:
@@ -608,7 +548,6 @@ def _cpu_compute(hw: Any) -> str:
 
 
 def machine_view(hw: Any) -> MachineView:
-    """Rows for the Machine screen from a core.plan.hardware.HardwareSpec."""
     cpu_avail = hw.cpu_mem_available_bytes if hw.cpu_mem_available_bytes is not None else hw.cpu_mem_bytes
     cpu_rows = [
         ("RAM", f"{_size(cpu_avail)} available of {_size(hw.cpu_mem_bytes)}"),

@@ -50,17 +50,15 @@ def _is_control(ch: str) -> bool:
 
 
 def printable(text: str, keep: str = "\n\t") -> str:
-    """`text` with its control characters but `keep` shown as a sign. A model may answer any bytes: an ESC
-    or a shift-out sent as it is makes the terminal start a sequence or switch character sets, and the rows
-    drawn after it land in the wrong place or in line-drawing glyphs."""
+    """`text` with its control characters but `keep` shown as a sign: an ESC or a shift-out from a model would
+    start a terminal sequence or switch character sets."""
     if not any(_is_control(ch) and ch not in keep for ch in text):
         return text
     return "".join(glyph.control if _is_control(ch) and ch not in keep else ch for ch in text)
 
 
 def excerpt(text: str | None, width: int) -> str:
-    """One line of at most `width` terminal cells (newlines shown as ⏎). Cells, not characters: a CJK
-    character or an emoji takes two, and a table column sized by characters would push the next one."""
+    """One line of at most `width` terminal cells (newlines shown as ⏎); a CJK character or an emoji takes two."""
     if not text:
         return ""
     flat = " ".join(printable(text.replace("\r", "").replace("\n", f" {glyph.newline} "), keep=" \t").split())

@@ -1,12 +1,8 @@
 """Symbols for consoles that cannot show them: Windows' legacy console, a cp437/cp1252 code page, a latin-1 locale.
 
-Two layers. The app's own signs (✓ ✗ ⚠ ⏎ ⌫ › ■) carry meaning, so where they cannot be shown they become
-words or ASCII (`glyph.ok` is "OK" there), chosen once at start-up by `setup()`. Everything else drawn —
-Textual's borders, scroll bars and block bars, a dash in a message — goes out through the terminal stream
-with the "mlight-ascii" error handler, which puts one ASCII look-alike per terminal cell in place of what
-the encoding lacks: nothing raises (Textual writes with errors="strict" on Windows, where a ✓ in cp437 ends
-the output thread and hangs the app) and nothing shifts (backslash escapes, Python's default on stderr,
-take six cells for one).
+The app's own signs (✓ ✗ ⚠ ⏎ …) carry meaning, so `setup()` swaps them for words or ASCII once at start-up.
+Everything else drawn goes through the "mlight-ascii" error handler, one ASCII look-alike per cell: nothing
+raises (Textual writes with errors="strict" on Windows, where a ✓ in cp437 hangs the app) and nothing shifts.
 """
 
 from __future__ import annotations
@@ -16,17 +12,14 @@ import os
 import sys
 import unicodedata
 
+from core import platform
+
 # name -> (the sign, its ASCII stand-in)
 SIGNS = {
-    "ok": ("✓", "OK"),
-    "bad": ("✗", "X"),
-    "warn": ("⚠", "!"),
-    "enter": ("⏎", "Enter"),
-    "backspace": ("⌫", "Backspace"),
+    "ok": ("✓", "OK"), "bad": ("✗", "X"), "warn": ("⚠", "!"), "enter": ("⏎", "Enter"),
+    "backspace": ("⌫", "Backspace"), "crumb": ("›", ">"), "swatch": ("■", "#"),
     "newline": ("⏎", "|"),  # a line break inside a one-line excerpt
     "control": ("�", "?"),  # a control character in a model's output (the terminal would act on it)
-    "crumb": ("›", ">"),
-    "swatch": ("■", "#"),
 }
 
 
@@ -71,7 +64,6 @@ codecs.register_error("mlight-ascii", _ascii_lookalike)
 
 
 def can_show(encoding: str | None) -> bool:
-    """Whether an output stream in `encoding` can carry every sign."""
     try:
         "".join(fancy for fancy, _ in SIGNS.values()).encode(encoding or "ascii")
     except (UnicodeEncodeError, LookupError):
@@ -84,9 +76,8 @@ def use_ascii(on: bool) -> None:
 
 
 def setup(streams=None, legacy_console: bool | None = None, env=None) -> bool:
-    """Before the app starts: ASCII signs where the terminal stream's encoding lacks them (or the console is
-    Windows' legacy one, whose fonts lack them, or MLIGHT_ASCII=1 asks), and the look-alike handler on every
-    stream that cannot encode them. Returns whether the signs are ASCII."""
+    """Before the app starts: ASCII signs where the stream's encoding or the console's fonts lack them (or
+    MLIGHT_ASCII=1 asks), and the look-alike handler on every stream that needs it. Returns whether signs are ASCII."""
     env = os.environ if env is None else env
     streams = [s for s in (streams if streams is not None else (sys.__stdout__, sys.__stderr__)) if s is not None]
     short = [s for s in streams if not can_show(getattr(s, "encoding", None))]
@@ -96,8 +87,6 @@ def setup(streams=None, legacy_console: bool | None = None, env=None) -> bool:
         except (AttributeError, ValueError, OSError):
             pass  # not a text stream we may change: the signs below are ASCII anyway
     if legacy_console is None:
-        from core import platform
-
         legacy_console = platform.terminal(env) == "legacy-console"
     plain = bool(short) or legacy_console or env.get("MLIGHT_ASCII", "") not in ("", "0")
     use_ascii(plain)

@@ -83,8 +83,8 @@ def run_app(argv: list[str]) -> int:
 
 
 def exit_on_stop_signals(app) -> None:
-    """SIGTERM (POSIX) or Ctrl-Break (Windows) would end the process with the terminal still in the app's
-    mode: end the app the way quitting does instead. Ctrl-C reaches the app as a key, not a signal."""
+    """SIGTERM or Ctrl-Break would end the process with the terminal still in the app's mode: end the app the
+    way quitting does instead (Ctrl-C reaches the app as a key)."""
     for sig in platform.stop_signals():
         if sig != signal.SIGINT:
             signal.signal(sig, lambda signum, frame: app.exit())

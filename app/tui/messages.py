@@ -1,9 +1,7 @@
-"""Typed messages that thread workers post to the screens.
+"""Typed messages that thread workers post to the screens, which render them on the main thread.
 
-Workers never touch widgets; they post one of these and the screen renders it on the main thread.
-Messages that can arrive in floods (run updates, download progress) define `can_replace` so that
-Textual keeps only the newest one in the queue: each of them carries cumulative state, so nothing
-is lost by dropping the older ones.
+Messages that can arrive in floods (run updates, progress) define `can_replace`, so Textual keeps only the
+newest in the queue: each carries cumulative state, so dropping the older ones loses nothing.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """RunMeter: folds the engine's telemetry events into a RunSnapshot the Run screen draws.
 
-It runs on the worker thread (the engine's event sink) and is the reason the UI can drop all but the
-newest update: every snapshot is cumulative, so losing intermediate ones loses nothing. The clock is
-injected so that tests and snapshots are deterministic. Time spent paused counts nowhere: not in the
-elapsed time, not in the average rate, so the ETA holds still while the run does.
-
-The last decode step's timeline is copied out of the event (the executor reuses its buffer) at most
-every TIMELINE_EVERY_S, so a fast engine pays for the copy a few times a second, not every step.
+Snapshots are cumulative, so the UI may drop all but the newest. Time paused counts nowhere (the ETA holds
+still). The last decode step's timeline is copied out (the executor reuses its buffer) at most every
+TIMELINE_EVERY_S, so a fast engine pays for the copy a few times a second, not every step.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from core.telemetry import (RESOURCES, MemorySample, Progress, RequestDone, StepDone, TaskSpan, WarningEvent,
-                            task_spans)
+from core.telemetry import RESOURCES, MemorySample, Progress, StepDone, TaskSpan, task_spans
 
 HISTORY = 600  # chart points (decode steps) kept
 WINDOW_S = 2.0  # "current" throughput and busy shares are measured over the last WINDOW_S of steps
@@ -64,8 +59,7 @@ class RunSnapshot:
     comparison: Any = None  # core.plan.tracking.Comparison: measured against the plan, as `mlight bench` says it
     engine_seconds: float = 0.0  # time the engine spent in steps (the chart's x axis)
     stepped: bool = False  # a step has ended in this session (before it, the first batch is being prefilled)
-    # the median decode step of the window (full-batch steps when there are any, as decode_tps) and how many
-    # steps it is of: one step is a snapshot of a machine that moves; this is what to set beside the simulation
+    # the median comparable decode step of the window and how many steps it is of, to set beside the simulation
     typical_step_s: float = 0.0
     typical_steps: int = 0
 
@@ -94,8 +88,8 @@ class RunMeter:
         self.prompt_tokens_left = 0  # prompt tokens not yet prefilled (the run job counts them with the tokenizer)
         self._prefill = [0, 0.0]  # prompt tokens, seconds: this session's prefill steps
         self._saves = [0, 0.0]  # results, seconds: this session's saves of a result (a line and an fsync each)
-        # The requests as the engine holds them, for the ETA: those not yet admitted (id, prompt tokens, max new),
-        # in its order (longest prompt first), and the admitted ones (id -> max new, decode steps when admitted)
+        # for the ETA: requests not yet admitted (id, prompt tokens, max new), longest prompt first, and the
+        # admitted ones (id -> max new, decode steps when admitted)
         self._waiting: deque[tuple[str, int, int]] = deque()
         self._admitted: dict[str, tuple[int, int]] = {}
         self._slots = 0
@@ -115,8 +109,8 @@ class RunMeter:
         self.tracker = tracker  # core.plan.tracking.Tracker of the plan's prediction, fed every event
 
     def expect(self, requests: list[tuple[str, int, int]], slots: int) -> None:
-        """The requests this run will generate, (id, prompt tokens, max new tokens) each, over `slots` batch slots.
-        The engine admits them longest prompt first (a stable sort), as free slots allow."""
+        """The requests this run will generate, (id, prompt tokens, max new tokens) each, over `slots` batch slots;
+        admitted longest prompt first (a stable sort), as the engine does."""
         with self._lock:
             self._waiting = deque(sorted(requests, key=lambda r: -r[1]))
             self._admitted.clear()
@@ -138,7 +132,6 @@ class RunMeter:
         return self._paused_total + (now - self._paused_at if self._paused_at is not None else 0.0)
 
     def _running(self, now: float) -> float:
-        """Seconds of this session spent not paused."""
         return now - self._start - self._paused(now)
 
     def on_event(self, ev) -> None:
@@ -155,8 +148,6 @@ class RunMeter:
             elif isinstance(ev, Progress):
                 unit = f" {ev.unit}" if ev.unit else ""
                 self.loading = f"{ev.what} {ev.done}/{ev.total}{unit}" if ev.total else ev.what
-            elif isinstance(ev, (RequestDone, WarningEvent)):
-                pass  # results are counted by `add_result`; warnings go to the log as their own message
 
     def _step(self, now: float, ev: StepDone) -> None:
         if self.state == "loading":
@@ -195,27 +186,24 @@ class RunMeter:
             self.cpu_used = ev.cpu_mem_bytes
 
     def _comparable(self) -> tuple[list, bool]:
-        """The window's decode steps, only its full-batch ones when there are any (those are what the plan's
-        prediction describes); and whether they were."""
+        """The window's decode steps, only its full-batch ones when there are any; and whether they were."""
         decode = [s for s in self._steps if s[4] != "prefill"]
         full = [s for s in decode if self.batch_size and s[5] >= self.batch_size]
         return full or decode, bool(full)
 
     def _decode_rate(self) -> tuple[float, bool]:
-        """Decode tokens/s over the window's comparable steps; and whether they were full-batch."""
         use, full = self._comparable()
         secs = sum(s[1] for s in use)
         return (sum(s[2] for s in use) / secs if secs > 0 else 0.0), full
 
-    def _typical_step(self, every: bool = False) -> tuple[float, int]:
-        """(median seconds, steps) of the window's comparable decode steps (`every`: all its decode steps)."""
-        use = [s for s in self._steps if s[4] != "prefill"] if every else self._comparable()[0]
-        secs = sorted(s[1] for s in use)
+    def _typical_step(self) -> tuple[float, int]:
+        """(median seconds, steps) of the window's comparable decode steps."""
+        secs = sorted(s[1] for s in self._comparable()[0])
         return (secs[len(secs) // 2], len(secs)) if secs else (0.0, 0)
 
     def _steps_left(self) -> int:
-        """Decode steps to the end if every request runs to its max new tokens: what the admitted ones have left,
-        and each waiting one after the slot it will take frees (the engine's continuous batching)."""
+        """Decode steps to the end if every request runs to its max new tokens, each waiting one taking the slot that
+        frees first (the engine's continuous batching)."""
         free_at = [max(0, max_new - 1 - (self._decode_steps - at)) for max_new, at in self._admitted.values()]
         free_at += [0] * max(0, self._slots - len(free_at))
         heapq.heapify(free_at)
@@ -227,10 +215,8 @@ class RunMeter:
         return end
 
     def _step_cost(self) -> tuple[float, float] | None:
-        """(a, b): a decode step with k requests in flight takes a + b·k seconds, fitted by least squares over the
-        window's decode steps (recent ones: a step's cost grows with the context). A per-step part (reading the
-        weights) and a per-token part (attention, the experts' tokens): a draining batch's steps are cheaper only
-        by the second. Where k has not varied (a full batch), all of it per token."""
+        """(a, b): a decode step with k requests in flight takes a + b·k seconds, least squares over the window's
+        decode steps: a per-step part (reading weights) and a per-token part. Where k has not varied, all per token."""
         pts = [(float(st[5] or st[2]), st[1]) for st in self._steps if st[4] != "prefill"]
         n = len(pts)
         sx, sy = sum(x for x, _ in pts), sum(y for _, y in pts)
@@ -249,13 +235,9 @@ class RunMeter:
         return a, b
 
     def _eta(self) -> float | None:
-        """Seconds left: the remaining work at the rates this run measured. Decode: the steps left on the critical
-        path (`_steps_left`) and the new tokens left (every step decodes one token for each request in flight,
-        so those are the sum of the steps' batch sizes), at the fitted cost of a step (`_step_cost`); prompts go
-        longest first, so the tail's smaller batches are counted as such. Prefill: the prompt tokens not yet
-        prefilled at this run's prefill rate. Saving: the results not yet saved at this run's time a save. An
-        estimate, not a bound: it takes every request to its max new
-        tokens, so requests that stop early (an end of text) make it long. None until the rates are measured."""
+        """Seconds left at the rates this run measured: decode steps left on the critical path and new tokens left at
+        the fitted step cost, prompt tokens at the prefill rate, results at the save time. Every request is taken to
+        its max new tokens, so early stops make it long. None until the rates are measured."""
         cost = self._step_cost()
         if cost is None:
             return None
@@ -272,8 +254,7 @@ class RunMeter:
         return left
 
     def result_saved(self, seconds: float) -> None:
-        """A result took `seconds` to save: work no engine step counts, and all the time left at the end of a
-        run whose requests finish together."""
+        """A result took `seconds` to save: work no engine step counts."""
         with self._lock:
             self._saves[0] += 1
             self._saves[1] += seconds
@@ -284,14 +265,12 @@ class RunMeter:
             self.done += 1
             self._admitted.pop(request_id, None)
             if output_tokens:
-                # a request's first token comes out of its prefill step, which counts prompt tokens only; one that
-                # ended on the end-of-text token sampled it in a decode step, which counted it, but it is not output:
-                # the new tokens are the results' (as `mlight run` and Results count them)
+                # the first token comes out of the prefill step, which counts prompt tokens only; an end-of-text
+                # token was counted by its decode step but is not output (as `mlight run` counts it)
                 kept = 0 if eos else 1
                 self.tokens_out += kept
                 self._session_tokens += kept
-            # the tokens it did not generate are not work left, nor is its first one (its prefill made it,
-            # and no decode step counted it)
+            # neither the tokens it did not generate nor its first one (made by its prefill) are work left
             self.budget_tokens = max(0, self.budget_tokens - max(0, max_new_tokens - output_tokens)
                                      - (1 if output_tokens else 0))
 

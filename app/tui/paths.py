@@ -1,10 +1,7 @@
-r"""Turn what a terminal pastes when a file is dragged onto it into a plain path string.
+"""Turn what a terminal pastes when a file is dragged onto it into a plain path string.
 
-Terminals differ: some paste the path shell-quoted ('/a b/c.txt'), some backslash-escape spaces
-(/a\ b/c.txt), some paste a file:// URL with percent-encoding, Windows terminals paste "C:\\a b\\c.txt"
-in double quotes and PowerShell prefixes `& `. On Windows (`core.platform`) a backslash is always a
-separator, never an escape, so relative paths (prompts\\my file.txt) survive too. This module is pure
-string handling (no filesystem access) so that every form is testable on any OS.
+Terminals paste a path shell-quoted, backslash-escaped, as a file:// URL, or (Windows) in double quotes, maybe
+after PowerShell's `& `; on Windows a backslash is always a separator. Pure string handling, testable on any OS.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """RunJob: one run of the engine over the prompts, on a worker thread, resumable through the run store.
 
-The job loads the engine (cached by the Backend between runs), opens the run store on the output
-(lock + run file; an unfinished run of the same model and prompts is resumed, its finished results
-kept), runs the requests not yet done, and appends each result to the run file as it finishes, so
-a stop or a crash loses nothing. Pause blocks the engine between steps inside `should_stop` (the
-engine checks it after every step); stop makes `should_stop` answer True, after which the engine
-returns at the end of the current step and the run file stays for a later resume.
-
-Telemetry is folded into a RunMeter on this thread and posted as a RunUpdate at most every
-POST_EVERY_S seconds (plus one at each state change), so the UI never sees a flood.
+Each result is appended to the run file as it finishes, so a stop or a crash loses nothing. Pause blocks the
+engine between steps inside `should_stop`; stop makes it answer True. Telemetry is folded into a RunMeter here
+and posted at most every POST_EVERY_S (and at each state change), so the UI never sees a flood.
 """
 
 from __future__ import annotations
@@ -143,8 +137,7 @@ class RunJob:
                 self._post_update()
 
             sums = RunSums(forward=self._sink)  # the run's own figures, for this machine's history at its end
-            # core's run loop, as `mlight run`'s: it saves each result, and runs a multi-turn file's later turns
-            # in waves with the model's own earlier answers
+            # core's run loop, as `mlight run`'s: it saves each result and runs later turns in waves
             b.run_pending(engine, self.prompts, _TimedSaves(store, b.clock, self.meter.result_saved), requests,
                           batch_size=self.plan.policy.batch_size,
                           micro_batch_size=self.plan.policy.micro_batch_size, on_event=sums,
@@ -163,8 +156,7 @@ class RunJob:
             store.release()
 
     def _count_saved(self, record: dict) -> None:
-        """The finished results' tokens: what the results file will hold, earlier sessions included. Beside
-        them the meter counts this session's steps (every sampled token, and requests a stop leaves unfinished)."""
+        """The finished results' tokens: what the results file will hold, earlier sessions included."""
         self.meter.saved_out += int(record.get("output_tokens", 0))
         self.meter.saved_in += int(record.get("prompt_tokens", 0))
 
@@ -186,14 +178,12 @@ class RunJob:
         return state
 
     def ordered_records(self) -> list[dict]:
-        """Finished records in the prompts file's order."""
         order = {e.id: i for i, e in enumerate(self.prompts.prompts.entries)}
         return sorted(self.records.values(), key=lambda r: order.get(str(r["id"]), len(order)))
 
 
 class _TimedSaves:
-    """The run store as the run loop uses it, each append (a result's line and its fsync) timed on the run's
-    clock for the ETA."""
+    """The run store as the run loop uses it, each append timed on the run's clock for the ETA."""
 
     def __init__(self, store: Any, clock: Callable[[], float], saved: Callable[[float], None]):
         self._store, self._clock, self._saved = store, clock, saved

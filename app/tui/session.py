@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import platformdirs
+
 from app.tui.backend import EngineChoices, MachineView, ModelView, PlanView, PromptsView
 
 
@@ -22,14 +24,11 @@ class Options:
 
 
 def results_dir() -> Path:
-    """Where results go unless the user names a file: $MLIGHT_RESULTS_DIR, else the user's documents
-    folder (platformdirs), `mlight/` in it. Not the working folder: started from a source checkout (as
-    the README's quick start does) results would land untracked in the repository."""
+    """Where results go unless the user names a file: $MLIGHT_RESULTS_DIR, else `mlight/` in the user's documents
+    folder; not the working folder, which may be a source checkout."""
     env = os.environ.get("MLIGHT_RESULTS_DIR")
     if env:
         return Path(env).expanduser()
-    import platformdirs
-
     return platformdirs.user_documents_path() / "mlight"
 
 
@@ -54,7 +53,6 @@ class Session:
         return results_dir() / name
 
     def chosen_out(self) -> Path:
-        """The results file to show: the one the user typed, else the default for the current prompts."""
         if self.out_path is not None and not self.out_auto:
             return self.out_path
         return self.default_out()

@@ -1,9 +1,5 @@
-"""core's messages in the app's words.
-
-core speaks to the command line (`--prompts`, `--out`, `Policy.micro_batch_size`); a person in the app
-sees fields labelled "Prompts file", "Results file", "Micro-batch μ". These functions rewrite a
-message for the screen: flags become the field or key that does the same thing, policy field names
-become the labels on the Plan screen, and memory overruns say what "usable" means.
+"""core's messages in the app's words: flags become the field or key that does the same, policy field names the
+Plan screen's labels, and memory overruns say what "usable" means.
 """
 
 from __future__ import annotations
@@ -12,26 +8,16 @@ import re
 
 # policy field -> its label on the Plan screen (the same words the form shows)
 POLICY_LABELS = {
-    "batch_size": "Batch N",
-    "micro_batch_size": "Micro-batch μ",
-    "expert_batch_size": "Expert batch",
-    "attention_on": "Attention on",
-    "ffn_on": "FFN on",
-    "gpu_weight_fraction": "GPU experts %",
-    "gpu_kv_fraction": "GPU KV %",
-    "pages_per_layer": "Pages / layer",
+    "batch_size": "Batch N", "micro_batch_size": "Micro-batch μ", "expert_batch_size": "Expert batch",
+    "attention_on": "Attention on", "ffn_on": "FFN on", "gpu_weight_fraction": "GPU experts %",
+    "gpu_kv_fraction": "GPU KV %", "pages_per_layer": "Pages / layer",
 }
 
 # what each part of a memory overrun is, in words
 MEMORY_PARTS = {
-    "non_expert_weights": "dense weights",
-    "resident_experts": "resident experts",
-    "weight_double_buffer": "expert double buffer",
-    "kv_cache": "KV cache",
-    "activations": "activations",
-    "experts": "experts",
-    "weights": "weights",
-    "pinned_staging": "pinned staging pages",
+    "non_expert_weights": "dense weights", "resident_experts": "resident experts",
+    "weight_double_buffer": "expert double buffer", "kv_cache": "KV cache", "activations": "activations",
+    "experts": "experts", "weights": "weights", "pinned_staging": "pinned staging pages",
     "hidden_and_qkv": "hidden states and QKV",
 }
 

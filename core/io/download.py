@@ -1,16 +1,8 @@
 """Model download: a Hugging Face repo id to a local checkpoint folder, through huggingface_hub's cache.
 
-Boundary: `resolve_model` turns what the user typed for `--model` (nothing, a folder, a repo id) into
-a local folder; `download_model` fetches a repo into huggingface_hub's standard cache (so a model
-already there is reused, and `HF_HOME`, `HF_HUB_CACHE`, `HF_ENDPOINT`, `HF_HUB_OFFLINE` and the
-login token are honoured), downloading only what mlight reads: safetensors shards (those the index
-names), the index, config, generation config and tokenizer files. Before any weight is fetched it
-refuses repos that need remote code, have an unsupported architecture, or only ship pickled `.bin`
-weights, and checks the free disk space. Progress goes out as `DownloadProgress` events.
-
-Resuming: files already in the cache are never fetched again, so a rerun after an interruption
-picks up at the first missing file; within a file, a dropped connection is resumed by
-huggingface_hub with an HTTP Range request (up to 5 times while data keeps arriving).
+The hub's own cache (and its HF_* settings) is used, so a model there is reused and a rerun resumes at the
+first missing file. Only what mlight reads is fetched; repos that need remote code, have an unsupported
+architecture or ship only pickled weights are refused, and the disk space checked, before any weight is fetched.
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from core import platform
-from core.errors import MlightError, ModelError
+from core.errors import MlightError, ModelError, UnsupportedModelError
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
 # files mlight reads besides the weights (a tokenizer ships some subset of these)
@@ -76,9 +68,7 @@ def resolve_model(model: str | None, revision: str | None = None, progress: Even
                              "give the folder holding config.json and the .safetensors files, or a .gguf file")
         if not os.access(path, os.R_OK | os.X_OK):
             raise ModelError(f"cannot read model folder {model}: permission denied", "fix its permissions")
-        if not (path / "config.json").is_file():
-            if any(path.glob("*.gguf")):
-                return path, path.name
+        if not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
             raise ModelError(f"{model} has no config.json, so it is not a model folder",
                              "give the folder holding config.json and the .safetensors files (or a .gguf file)")
         return path, path.name
@@ -146,9 +136,6 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
     return Path(cfg_path).parent
 
 
-# ---------------------------------------------------------------------------------------------
-
-
 def _gguf_repo(sizes: dict[str, int]) -> bool:
     """A repo of GGUF files (llama.cpp's format) rather than a transformers checkpoint."""
     top = [f for f in sizes if "/" not in f]
@@ -181,7 +168,6 @@ def _choose_gguf(repo_id: str, names: list[str], tag: str | None) -> list[str]:
 
 def _check_gguf_arch(repo_id: str, meta: dict | None) -> None:
     """Refuse before downloading when the Hub already says which architecture the GGUF holds."""
-    from core.errors import UnsupportedModelError
     from core.model.families import REGISTRY
     from core.model.gguf.arch import ARCHS
 
@@ -236,7 +222,6 @@ def _fetch(repo_id: str, revision: str, kw: dict, filename: str, tracker: _Track
 
 
 def _fetch_all(repo_id: str, files: list[str], total: int, fetch, progress: EventSink) -> list[str]:
-    """Fetch `files` in order, their bytes summed in one progress line; their local paths."""
     tracker = _Tracker(f"downloading {repo_id}", total, progress)
     tracker.emit(force=True)
     paths = []
@@ -256,7 +241,6 @@ def _cached(repo_id: str, filename: str, revision: str, kw: dict) -> bool:
 
 def _from_cache(repo_id: str, revision: str | None, kw: dict, why: str, cause: Exception | None = None,
                 gguf: str | None = None) -> Path:
-    """The snapshot already in the cache, when the Hub is off limits."""
     from huggingface_hub import snapshot_download
 
     try:
@@ -296,10 +280,8 @@ def _check_disk(needed: int, cache_dir: str | Path | None) -> None:
 
 
 def _note_symlinks(repo_id: str, cache_dir: str | Path | None, progress: EventSink) -> None:
-    """Windows without Developer Mode cannot make symlinks, so the hub cache stores plain copies. Say so
-    once, as a WarningEvent, instead of huggingface_hub's warning printed through the progress line: the
-    hub probes (and remembers) the repo's own cache folder, so probing that same folder first, quietly,
-    leaves it nothing to warn about."""
+    """Windows without Developer Mode: the hub cache keeps plain copies. Said once, as a WarningEvent; probing
+    the repo's cache folder quietly first leaves huggingface_hub nothing to print through the progress line."""
     if not platform.is_windows():
         return
     from huggingface_hub import constants
@@ -330,18 +312,20 @@ def _hub_error(e: Exception, repo_id: str, revision: str | None, filename: str |
         return e
     names = {c.__name__ for c in type(e).__mro__}
     what = f"{repo_id}/{filename}" if filename else repo_id
-    if "GatedRepoError" in names:
-        return ModelError(f"{repo_id} is gated: its license must be accepted first",
-                          "accept it on the model's page and log in with `hf auth login`")
-    if "RepositoryNotFoundError" in names:
-        return ModelError(f"{repo_id} was not found on the Hugging Face Hub (or it is private)",
-                          "check the repo id, or log in with `hf auth login`")
-    if "RevisionNotFoundError" in names:
-        return ModelError(f"revision {revision} not found in {repo_id}", "check --revision")
-    if "HFValidationError" in names:
-        return ModelError(f"{repo_id!r} is not a valid Hugging Face repo id", "use the form org/name")
-    if "RemoteEntryNotFoundError" in names or "EntryNotFoundError" in names and not _is_network(e):
-        return ModelError(f"{what} is missing from the repo", "the repo is incomplete; pick another revision")
+    if "EntryNotFoundError" in names and _is_network(e):
+        names.discard("EntryNotFoundError")
+    known = {"GatedRepoError": (f"{repo_id} is gated: its license must be accepted first",
+                                "accept it on the model's page and log in with `hf auth login`"),
+             "RepositoryNotFoundError": (f"{repo_id} was not found on the Hugging Face Hub (or it is private)",
+                                         "check the repo id, or log in with `hf auth login`"),
+             "RevisionNotFoundError": (f"revision {revision} not found in {repo_id}", "check --revision"),
+             "HFValidationError": (f"{repo_id!r} is not a valid Hugging Face repo id", "use the form org/name"),
+             "RemoteEntryNotFoundError": (missing := (f"{what} is missing from the repo",
+                                                      "the repo is incomplete; pick another revision")),
+             "EntryNotFoundError": missing}
+    hit = next((known[n] for n in known if n in names), None)
+    if hit:
+        return ModelError(*hit)
     if _is_network(e):
         return MlightError(f"the download of {what} failed: the connection to the Hub was lost",
                            "rerun the same command; files already downloaded are kept")
@@ -394,8 +378,7 @@ class _Relay:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, *a: Any, **k: Any) -> None:
         pass
 
-    def set_description(self, *a: Any, **k: Any) -> None:
-        pass
+    set_description = close

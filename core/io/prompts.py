@@ -1,16 +1,8 @@
 """Prompt readers: `.txt`, `.jsonl` (plain or OpenAI Batch API), `.csv`, `.tsv`, or bytes from stdin.
 
-Boundary: bytes in, a `PromptSet` out — validated `PromptEntry`s in file order plus `Reject`s that
-say which line is bad and why. Nothing here knows the model; `reject_too_long` takes a token counter
-from the caller. Whole-file problems (missing, binary, not UTF-8, empty, no `prompt` column) raise
-`UsageError`; a bad line never raises, so the caller decides whether to stop or skip.
-
-Ids: an explicit `id` (or OpenAI `custom_id`) is used as given; otherwise the line number where the
-prompt starts, so an id always points back into the file. Duplicate ids are rejects.
-
-Multi-turn lines (FastChat's MT-Bench format: `question_id`, `category`, `turns`, a list of user turns)
-become one entry per turn, with ids `QUESTION:TURN` (`81:1`, `81:2`). A later turn names the entries of
-the turns before it (`earlier`); its request needs their answers (`core.io.turns` runs the turns in waves).
+Bytes in, a `PromptSet` out: valid entries plus `Reject`s (line and reason); a bad line never raises, so the
+caller decides whether to stop or skip. Ids default to the line number, so an id points back into the file.
+MT-Bench `turns` become one entry per turn (`81:1`, `81:2`), a later turn naming the `earlier` ones.
 """
 
 from __future__ import annotations
@@ -114,10 +106,6 @@ class _Bad(Exception):
     """A reason a single record is rejected."""
 
 
-# ---------------------------------------------------------------------------------------------
-# entry points
-
-
 def read_prompts(source: str | Path, *, data: bytes | None = None, fmt: str | None = None) -> PromptSet:
     """Read and validate a prompts file. `data` gives the bytes directly (stdin: source "-")."""
     if data is None and str(source) == DEMO and not Path(source).exists():
@@ -131,7 +119,7 @@ def read_prompts(source: str | Path, *, data: bytes | None = None, fmt: str | No
     text = decode_text(data, name)
     out = PromptSet(source=name, format=fmt, sha256=hashlib.sha256(data).hexdigest())
     if fmt == "txt":
-        _read_txt(text, out)
+        out.entries.extend(PromptEntry(id=str(n), line=n, prompt=line) for n, line in _lines(text, out))
     elif fmt == "jsonl":
         _read_jsonl(text, out)
     else:
@@ -149,20 +137,14 @@ def decode_text(data: bytes, name: str) -> str:
     nul = data.find(b"\x00")
     if nul >= 0:
         raise UsageError(f"{name} looks like a binary file (a NUL byte at byte offset {nul})", HINT_FORMATS)
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-        shift = 3
-    else:
-        shift = 0
+    shift = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+    data = data[shift:]
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        offset = e.start + shift
         line = data.count(b"\n", 0, e.start) + 1
-        raise UsageError(
-            f"{name} is not UTF-8: byte 0x{data[e.start]:02x} at byte offset {offset} (line {line})",
-            "re-save the file as UTF-8",
-        ) from None
+        raise UsageError(f"{name} is not UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start + shift} "
+                         f"(line {line})", "re-save the file as UTF-8") from None
 
 
 def reject_too_long(prompts: PromptSet, count_tokens: Callable[[PromptEntry], int], context_length: int) -> None:
@@ -185,8 +167,7 @@ def reject_too_long(prompts: PromptSet, count_tokens: Callable[[PromptEntry], in
 
 
 def reject_orphan_turns(prompts: PromptSet, reason: str = "set aside") -> None:
-    """Move a question's later turns to rejects once one of its earlier turns is gone from the entries:
-    without that answer the conversation cannot go on."""
+    """Move a question's later turns to rejects once one of its earlier turns is gone from the entries."""
     kept, keep = set(), []
     for e in prompts.entries:
         missing = next((i for i in e.earlier if i not in kept), None)
@@ -198,10 +179,6 @@ def reject_orphan_turns(prompts: PromptSet, reason: str = "set aside") -> None:
                                       f"question was {reason}", e.id, json.dumps(list(e.messages or ()))))
     prompts.entries = keep
     prompts.rejects.sort(key=lambda r: r.line)
-
-
-# ---------------------------------------------------------------------------------------------
-# whole-file checks
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -229,32 +206,23 @@ def _guess_format(source: str | Path, data: bytes) -> str:
     return "jsonl" if head == b"{" else "txt"
 
 
-# ---------------------------------------------------------------------------------------------
-# readers
-
-
-def _read_txt(text: str, out: PromptSet) -> None:
-    for n, line in enumerate(_split_lines(text), 1):
-        if not line.strip():
-            out.blank_lines += 1
-            continue
-        out.entries.append(PromptEntry(id=str(n), line=n, prompt=line))
-
-
-def _split_lines(text: str) -> list[str]:
+def _lines(text: str, out: PromptSet) -> Iterable[tuple[int, str]]:
+    """(line number, line) of the lines that are not blank; the blank ones are counted in `out`."""
     # only \n and \r\n end a line: str.splitlines would also split on \x0b, \x1c, U+2028, ...
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    return [ln.removesuffix("\r") for ln in lines]
+    for n, line in enumerate(lines, 1):
+        line = line.removesuffix("\r")
+        if line.strip():
+            yield n, line
+        else:
+            out.blank_lines += 1
 
 
 def _read_jsonl(text: str, out: PromptSet) -> None:
     batch = None  # decided by the first valid record: OpenAI Batch lines carry custom_id
-    for n, line in enumerate(_split_lines(text), 1):
-        if not line.strip():
-            out.blank_lines += 1
-            continue
+    for n, line in _lines(text, out):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
@@ -274,10 +242,7 @@ def _read_jsonl(text: str, out: PromptSet) -> None:
             rid = obj.get("custom_id", obj.get("id")) if isinstance(obj, dict) else None
             out.rejects.append(Reject(out.source, n, str(e), None if rid is None else str(rid), line))
             continue
-        if isinstance(entry, list):
-            out.entries.extend(entry)
-        else:
-            out.entries.append(entry)
+        out.entries.extend(entry if isinstance(entry, list) else [entry])
     if batch:
         out.format = "openai-batch"
 
@@ -369,21 +334,15 @@ def _table_entry(rec: dict[str, str], n: int) -> PromptEntry:
         cell = rec.get(key, "").strip()
         if cell == "":
             continue
-        if key == "stop":
-            # a JSON list (["###", "\n\n"]) or a single stop string as written
-            obj[key] = _json_or_text(cell)
-        else:
-            try:
-                obj[key] = json.loads(cell)
-            except json.JSONDecodeError:
+        try:
+            obj[key] = json.loads(cell) if key != "stop" or cell.startswith("[") else cell
+        except json.JSONDecodeError:
+            if key != "stop":
                 raise _Bad(f"{key} must be a number, got {cell!r}") from None
+            obj[key] = cell  # a stop string that starts with "[", as written
     prompt = rec.get("prompt", "")
     return PromptEntry(id=_id(rec.get("id") or None, n), line=n, prompt=_check_prompt(prompt),
                        **_fields(obj, max_tokens_key="max_new_tokens"))
-
-
-# ---------------------------------------------------------------------------------------------
-# field validation (raises _Bad with the reason the user sees)
 
 
 def _prompt_or_messages(prompt: Any, messages: Any) -> tuple[str | None, tuple[dict, ...] | None]:
@@ -430,20 +389,12 @@ def _check_messages(messages: Any) -> tuple[dict, ...]:
 
 
 def _fields(obj: dict, max_tokens_key: str) -> dict[str, Any]:
-    out: dict[str, Any] = {k: None for k in REQUEST_FIELDS}
-    if obj.get(max_tokens_key) is not None:
-        out["max_new_tokens"] = _int(obj[max_tokens_key], max_tokens_key, lo=1)
-    if obj.get("temperature") is not None:
-        out["temperature"] = _number(obj["temperature"], "temperature", lo=0.0)
-    if obj.get("top_p") is not None:
-        out["top_p"] = _number(obj["top_p"], "top_p", lo=0.0, hi=1.0, lo_open=True)
-    if obj.get("top_k") is not None:
-        out["top_k"] = _int(obj["top_k"], "top_k", lo=0)
-    if obj.get("seed") is not None:
-        out["seed"] = _int(obj["seed"], "seed", lo=0)
-    if obj.get("stop") is not None:
-        out["stop"] = _stop(obj["stop"])
-    return out
+    checks = {"max_new_tokens": (max_tokens_key, lambda v: _int(v, max_tokens_key, lo=1)),
+              "temperature": ("temperature", lambda v: _number(v, "temperature", lo=0.0)),
+              "top_p": ("top_p", lambda v: _number(v, "top_p", lo=0.0, hi=1.0, lo_open=True)),
+              "top_k": ("top_k", lambda v: _int(v, "top_k", lo=0)),
+              "seed": ("seed", lambda v: _int(v, "seed", lo=0)), "stop": ("stop", _stop)}
+    return {k: None if obj.get(key) is None else check(obj[key]) for k, (key, check) in checks.items()}
 
 
 def _int(v: Any, name: str, lo: int) -> int:
@@ -479,15 +430,6 @@ def _id(v: Any, n: int) -> str:
     return str(v)
 
 
-def _json_or_text(cell: str) -> Any:
-    if cell.startswith("["):
-        try:
-            return json.loads(cell)
-        except json.JSONDecodeError:
-            pass
-    return cell
-
-
 def _reject_duplicates(out: PromptSet) -> None:
     first: dict[str, int] = {}
     keep = []
@@ -503,9 +445,8 @@ def _reject_duplicates(out: PromptSet) -> None:
 
 
 def bad_lines_error(prompts: PromptSet, rejects_file: str, skip: str = "pass --skip-bad") -> UsageError | None:
-    """The rule for bad lines that every front end follows (the CLI, the app): a file with bad lines runs
-    nothing until the user chooses to `skip` them, and the skipped lines go to `rejects_file`. The error
-    that says so (after the lines are shown), or None when no line is bad."""
+    """Every front end's rule: a file with bad lines runs nothing until the user chooses to `skip` them (into
+    `rejects_file`). The error that says so, or None when no line is bad."""
     n = len(prompts.rejects)
     if not n:
         return None

@@ -1,12 +1,8 @@
 """Result writers: the `mlight run` record, JSONL and CSV files, OpenAI Batch-style output.
 
-Boundary: plain dicts in, files out. A record is `Result.to_dict()` (id, prompt, output,
-output_token_ids, prompt_tokens, output_tokens, finish_reason, seconds) — plus `turn` for a turn of a
-multi-turn question, and `custom_id`, `response` and `error` shaped like the OpenAI Batch API's output
-when the input was a batch file. `prompt` is the text the model was given: a `prompt` as written, or
-`messages` (and a question's turns so far, with the model's answers) after the chat template.
-Finished files are only ever written under a temporary name and renamed over the target, so a
-reader never sees half a file. OS errors become one-line `MlightError`s (disk full, permission).
+A record is `Result.to_dict()` (plus `turn`, and the OpenAI Batch fields when the input was a batch file).
+Files are written under a temporary name and renamed over the target, so a reader never sees half a file;
+OS errors become one-line `MlightError`s.
 """
 
 from __future__ import annotations
@@ -101,7 +97,6 @@ WRITERS: dict[str, Callable[[IO[bytes], Iterable[dict]], None]] = {"jsonl": writ
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a whole file under a temporary name in the same folder, fsync it, rename it over `path`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -121,7 +116,6 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 
 def write_records(path: Path, records: Iterable[dict], fmt: str | None = None) -> None:
-    """The final output file, atomically: JSONL or CSV by `fmt` (default: from the suffix)."""
     records = list(records)
     writer = WRITERS[fmt or output_format(path)]
     atomic_write(path, lambda f: writer(f, records))
@@ -144,7 +138,6 @@ def fsync_dir(folder: Path) -> None:
 
 
 def os_error(e: OSError, path: Path, done: int | None = None) -> MlightError:
-    """A user-facing error for an OSError while writing `path`."""
     kept = (f" ({done} finished result{'s' if done != 1 else ''} kept)"
             if done is not None else "")
     if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):

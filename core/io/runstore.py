@@ -1,23 +1,10 @@
 """The run store: what makes an interrupted `mlight run` resumable without losing or repeating work.
 
-Files next to the output `OUT`:
-  `OUT.lock`            held (filelock) for the whole run: a second run on the same output refuses (a
-                        usage error: the user chose the output).
-  `OUT.run.jsonl`       line 1 a manifest (model, policy, prompts hash, settings), then one result record
-                        a line, appended, flushed and fsynced as each request finishes.
-  `OUT`                 written once at the end, under a temporary name then renamed; the run file is
-                        then removed. `OUT.rejected.jsonl` likewise, when lines were skipped.
-A finished run leaves only `OUT` (and the rejects) in the user's folder; its manifest, result count and
-OUT's sha256 go to a ledger entry in the cache dir, keyed by OUT's absolute path. Rerunning the same
-job finds it and has nothing to do (`finished`); a different job, or an OUT changed since (or a ledger
-gone with the cache), is refused as before.
-A run killed at any instant (Ctrl-C, SIGTERM, kill -9, power loss) leaves at worst a torn last line
-in the run file; it is cut off on resume, and a result seen twice keeps its last copy, so every
-request ends up in the output exactly once.
-
-Boundary: file handling, plus the three steps every front end (the CLI, the terminal app) shares:
-`prepare_requests` (entries → engine Requests, unrunnable ones to rejects), `run_pending` (generate
-what the run file lacks, saving each result as it finishes) and `finish_run` (final files).
+Next to the output OUT: `OUT.lock` (held for the whole run), `OUT.run.jsonl` (a manifest line, then one
+fsynced result a line) and, at the end, OUT (and `OUT.rejected.jsonl`) renamed into place; the run file goes.
+A finished run's manifest and OUT's sha256 go to a ledger in the cache dir, so rerunning the same job has
+nothing to do. A kill at any instant leaves at worst a torn last line, cut off on resume; a result seen twice
+keeps its last copy. Also the steps every front end shares: `prepare_requests`, `run_pending`, `finish_run`.
 """
 
 from __future__ import annotations
@@ -75,8 +62,7 @@ def model_fingerprint(model_dir: str | Path, source: str | None = None) -> dict[
 def manifest(model_dir: str | Path, model_name: str, prompts: PromptSet, settings: dict, policy: dict,
              quantize: str | None = None, group_size: int | None = None, dense: str | None = None) -> dict:
     """A run's manifest, the same from `mlight run` and the app, so either resumes the other's unfinished run.
-    Quantized weights are other weights, so other tokens: their format is part of the settings (and absent
-    when unquantized, as before quantization existed)."""
+    A quantized format is part of the settings (other weights, other tokens); absent when unquantized."""
     if quantize and quantize != "none":
         from core.model.quant.formats import DEFAULT_INT4_GROUP
 
@@ -89,8 +75,7 @@ def manifest(model_dir: str | Path, model_name: str, prompts: PromptSet, setting
 
 
 def parse_run_file(data: bytes) -> tuple[dict | None, dict[str, dict]]:
-    """A run file's manifest (None when line 1 is not one) and finished records by id, as a resume keeps
-    them: the last copy of a result seen twice, nothing from a torn last line. Reads only."""
+    """A run file's manifest (None when line 1 is not one) and finished records by id, as a resume keeps them."""
     manifest, records = None, {}
     for i, raw in enumerate(data[:data.rfind(b"\n") + 1].splitlines()):
         try:
@@ -140,11 +125,8 @@ class RunStore:
 
     @property
     def ledger_path(self) -> Path:
-        """The ledger entry of the finished run that wrote OUT."""
-        from core.plan.hardware import cache_dir
-
         key = hashlib.sha256(str(self.out.resolve()).encode("utf-8", "surrogatepass")).hexdigest()[:32]
-        return cache_dir() / "finished-runs" / f"{key}.json"
+        return platform.cache_dir() / "finished-runs" / f"{key}.json"
 
     # -- lock ---------------------------------------------------------------------------------
 
@@ -203,7 +185,7 @@ class RunStore:
             if old is None and not restart:
                 raise UsageError(f"{self.run_path.name} is not a run file mlight can read (its first line is not a "
                                  "manifest)", "move it away, or pass --restart to replace it")
-            if old is not None and not restart:
+            if not restart:
                 diff = [label for key, label in IDENTITY.items() if old.get(key) != manifest.get(key)]
                 if diff:
                     raise UsageError(
@@ -222,7 +204,8 @@ class RunStore:
             raise UsageError(f"{self.out} already exists", "pass --restart to replace it, or choose another --out")
         self._forget_finished()  # the ledger entry describes an output this run replaces
         self.done = {}
-        self._create(manifest)
+        atomic_write(self.run_path, lambda f: f.write(jsonl_line(manifest)))
+        self._open_append()
 
     def _finished_as(self, manifest: dict) -> dict | None:
         """OUT's manifest file when it says OUT is this job's untouched output, else None."""
@@ -248,10 +231,6 @@ class RunStore:
                 f.flush()
                 os.fsync(f.fileno())
         return parse_run_file(data)
-
-    def _create(self, manifest: dict) -> None:
-        atomic_write(self.run_path, lambda f: f.write(jsonl_line(manifest)))
-        self._open_append()
 
     def _open_append(self) -> None:
         try:
@@ -280,7 +259,6 @@ class RunStore:
         self.done[str(record["id"])] = record
 
     def finish(self, records: Iterable[dict], rejects: Iterable[dict] = (), fmt: str | None = None) -> None:
-        """Write the output (and the rejects file) atomically, then drop the run file."""
         self.close()
         rejects = list(rejects)
         try:
@@ -304,8 +282,7 @@ class RunStore:
         self._remove(self.run_path)
 
     def _write_ledger(self, results: int) -> None:
-        """OUT's manifest file, so that rerunning the same job knows it is done. Best effort: without it a
-        rerun is refused as an existing output, which loses nothing."""
+        """Best effort: without the ledger a rerun is refused as an existing output, which loses nothing."""
         if self.manifest is None or self.part:
             return
         path = self.ledger_path
@@ -355,15 +332,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-# ---------------------------------------------------------------------------------------------
-# the shared run loop
-
-
 def prepare_requests(engine, prompts: PromptSet, defaults: dict[str, Any]) -> dict[str, Any]:
-    """`core.runtime.engine.Request`s by id; entries the engine cannot take (longer than its context, chat
-    messages without a chat template) move to `prompts.rejects` with the reason. A later turn of a
-    multi-turn question gets empty answers here (checked as the shortest its conversation can be);
-    `run_pending` puts the real ones in before it runs."""
+    """Engine Requests by id; entries the engine cannot take move to `prompts.rejects`. A later turn gets
+    empty answers here (its shortest conversation); `run_pending` puts the real ones in."""
     from core.runtime.engine import Request
 
     requests = {e.id: Request(**e.request_kwargs(defaults, answers=turns.placeholder_answers(e)))
@@ -376,9 +347,8 @@ def run_pending(engine, prompts: PromptSet, store: RunStore, requests: dict[str,
                 batch_size: int | None = None, micro_batch_size: int | None = None, on_event: EventSink = ignore,
                 should_stop: Callable[[], bool] | None = None,
                 on_result: Callable[[dict], None] | None = None) -> bool:
-    """Generate every entry the run file lacks, saving each result durably as it finishes: one wave per
-    turn (`core.io.turns`), a later turn with the answers saved before it. True when every entry is done;
-    False when `should_stop` ended it early (the rest resumes later)."""
+    """Generate every entry the run file lacks, one wave per turn, saving each result as it finishes. True
+    when every entry is done; False when `should_stop` ended it early."""
     for wave in turns.waves(prompts.entries):
         kept = {e.id for e in prompts.entries}  # an earlier wave may have set a later turn aside
         pending = [e for e in wave if e.id in kept and e.id not in store.done]
@@ -405,7 +375,6 @@ def final_records(prompts: PromptSet, done: dict[str, dict], model_name: str) ->
 
 
 def finish_run(store: RunStore, prompts: PromptSet, model_name: str, fmt: str | None = None) -> list[dict]:
-    """Write the output and the rejects file atomically, drop the run file; return the records."""
     records = final_records(prompts, store.done, model_name)
     store.finish(records, [r.to_dict() for r in prompts.rejects], fmt)
     return records

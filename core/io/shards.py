@@ -1,12 +1,8 @@
 """Data parallelism's bookkeeping: which prompts a replica runs, where it saves them, how they merge.
 
-Replica d of D takes every D-th entry of the prompts file starting at d (the file's order after bad
-lines and too-long prompts are set aside, which every rank decides the same way), so the split is
-deterministic and balanced in count. Each replica keeps its own run file next to the output,
-`OUT.dp{d}of{D}.run.jsonl` (fsynced per result, resumable on its own), so replicas on different
-machines never share a file; with one replica the name is the plain `OUT.run.jsonl` of a
-single-process run, which either kind of run can resume. Rank 0 merges every replica's records
-into the output in input order.
+Replica d of D takes every D-th entry from d (after bad and too-long lines are set aside, the same on every
+rank) and keeps its own run file `OUT.dp{d}of{D}.run.jsonl`; with one replica it is the plain `OUT.run.jsonl`,
+which either kind of run can resume. Rank 0 merges every replica's records in input order.
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ def shard_entries(entries: list[PromptEntry], dp_rank: int, dp_size: int) -> lis
 
 
 def merge(entries: list[PromptEntry], parts: list[dict[str, dict]]) -> tuple[dict[str, dict], list[str]]:
-    """Every replica's finished records as one id -> record map, and the ids still missing."""
     done: dict[str, dict] = {}
     for p in parts:
         done.update(p)
@@ -37,8 +32,7 @@ def merge(entries: list[PromptEntry], parts: list[dict[str, dict]]) -> tuple[dic
 
 
 def other_parts(out: Path, dp_size: int) -> list[Path]:
-    """Run files next to `out` left by a data-parallel run with another number of replicas: their
-    results resume only under that many replicas, so the user should hear about them."""
+    """Run files next to `out` left by a run with another number of replicas, which only that many resume."""
     mine = f"of{dp_size}.run.jsonl"
     return sorted(p for p in out.parent.glob(glob.escape(out.name) + ".dp*of*.run.jsonl")
                   if dp_size == 1 or not p.name.endswith(mine))

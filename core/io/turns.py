@@ -1,13 +1,8 @@
 """Multi-turn conversations (MT-Bench): each later turn runs with the model's own earlier answers in context.
 
-A question's turns are the entries `Q:1`, `Q:2`, ... (`core.io.prompts`). Turn k can be asked only once
-turn k-1 has its answer, so a run goes in waves — every question's first turn, then every second turn,
-and so on — the way FastChat generates MT-Bench answers. The answers come from the finished records
-(the run file's, on a resume), so a turn is built the same way whether its earlier turns ran a minute
-ago or in an interrupted session.
-
-Boundary: entries, finished records and prepared requests in; the next wave's requests out. The run
-loop that saves each result is `core.io.runstore.run_pending`; the CLI and the app both call it.
+Turn k can be asked only once turn k-1 has its answer, so a run goes in waves (every first turn, then every
+second, ...), as FastChat does. Answers come from the finished records, so a resumed run builds a turn the same
+way as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -29,14 +24,12 @@ def waves(entries: list[PromptEntry]) -> list[list[PromptEntry]]:
 
 
 def placeholder_answers(entry: PromptEntry) -> tuple[str, ...]:
-    """Empty answers to the earlier turns: the shortest this turn's conversation can be, for checking
-    before the run that it can fit the context at all (`runstore.prepare_requests`)."""
+    """Empty answers to the earlier turns: the shortest this turn's conversation can be, to check it fits."""
     return ("",) * len(entry.earlier)
 
 
 def with_answers(entry: PromptEntry, request: Any, done: dict[str, dict]) -> Any | None:
-    """`request` with the model's finished answers to the entry's earlier turns in its messages; None
-    when an earlier turn has no answer yet."""
+    """`request` with the model's answers to the earlier turns in its messages; None when one has no answer yet."""
     if not entry.earlier:
         return request
     if any(i not in done for i in entry.earlier):
@@ -47,9 +40,8 @@ def with_answers(entry: PromptEntry, request: Any, done: dict[str, dict]) -> Any
 
 def wave_requests(engine, prompts: PromptSet, wave: list[PromptEntry], requests: dict[str, Any],
                   done: dict[str, dict], on_event: EventSink = ignore) -> list[Any]:
-    """The requests of a wave's pending entries, its later turns built from `done`. A later turn whose
-    conversation, answers included, leaves no room in the context (or whose earlier turn has no answer)
-    moves to `prompts.rejects` with a warning, and so do the question's turns after it."""
+    """The requests of a wave's pending entries, later turns built from `done`. A later turn that no longer fits the
+    context (or lacks an earlier answer) moves to `prompts.rejects`, and so do the question's turns after it."""
     out, before = [], set(map(id, prompts.rejects))
     for e in wave:
         req = with_answers(e, requests[e.id], done)

@@ -1,8 +1,7 @@
 """Benchmark workloads: MT-Bench-like prompt mixes built from the bundled MT-Bench questions.
 
-The paper's MTBench workload has prompts averaging ≈ 77 tokens with a long tail to ≈ 418. We draw
-lengths from a log-normal clipped to that range (re-centred so the mean holds) and make each
-prompt from MT-Bench first turns concatenated until it reaches its length in the model's tokens.
+Lengths are drawn log-normal, clipped to the paper's range (mean ≈ 77 tokens, tail to ≈ 418) and re-centred;
+each prompt is MT-Bench first turns concatenated to its length in the model's tokens.
 """
 
 from __future__ import annotations
@@ -10,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from statistics import NormalDist
 
 from core.assets import MT_BENCH
 
@@ -21,8 +21,6 @@ def first_turns() -> list[str]:
 
 def target_lengths(n: int, mean: float = 77.0, max_len: int = 418, min_len: int = 8, sigma: float = 0.8) -> list[int]:
     """n prompt lengths, log-normal, clipped to [min_len, max_len], one at max_len, mean ≈ `mean`."""
-    from statistics import NormalDist
-
     nd = NormalDist()
     z = [nd.inv_cdf((i + 0.5) / n) for i in range(n)]
     mu = math.log(mean) - sigma ** 2 / 2

@@ -1,13 +1,15 @@
 """The MoE FFN: router, then the routed experts with tokens grouped by expert, plus a shared expert.
 
-Backends, tested against each other: `grouped` (F.grouped_mm), `loop` (a matmul pair per expert with tokens),
-`packed` (the loop over oneDNN-prepacked weights, ≈ 1.6× faster on the CPU, bit for bit the same), `widen`
-(the loop in a wider math dtype); grouped or loop is timed once per shape (core.model.expert_choice).
+Backends, tested against each other and picked by one table (BACKENDS): `fused` (the C kernel's own layout),
+`quant_one_token` (a quantized layer's experts in one C call), `one_token` and `loop` (a matmul pair per expert
+with tokens, over plain, oneDNN-prepacked (≈ 1.6× faster on the CPU, bit for bit the same), widened or quantized
+weights), `grouped` (F.grouped_mm); grouped or loop is timed once per shape (core.model.expert_choice).
 Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert intermediate.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import Callable
@@ -97,57 +99,93 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
             quant=None, widen=None, scratch: "Scratch | None" = None) -> torch.Tensor:
     """Routed experts. h [T, D], w13 [E, 2I, D], w2 [E, D, I] (or `packed`, or `quant` QuantExperts),
     weights/idx [T, k] -> [T, D]. `b13`, `b2`: expert biases; `act`: [n, 2I] gate|up -> [n, I]; `scratch`:
-    reused buffers (the result lives until the next call with it); `packed` may be a cpu.ffn.NativeExperts."""
-    if hasattr(packed, "fused_swiglu"):  # the fused C kernel's layout: nothing else can read it
-        if (act not in (None, _swiglu)) or b13 is not None or b2 is not None:
-            raise ValueError("experts in the fused kernel's layout are plain SwiGLU without biases")
-        return packed(h, weights, idx, None if scratch is None else scratch.get("out", h.shape, h.dtype))
+    reused buffers (the result lives until the next call with it); `packed` may be a cpu.ffn.NativeExperts.
+    The backend: BACKENDS' first row whose condition holds and whose backend does not decline (None)."""
     act = act or _swiglu
     widened = widen is not None and packed is None and quant is None and w13.dtype != h.dtype
-    if widened:
-        grouped = False
-    if packed is None and quant is None and grouped is None:
+    if packed is None and quant is None and grouped is None and not widened:
         grouped = _grouped_ok(h, w13, w2) and _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act)
-    T, k = idx.shape
-    if T == 1 and quant is not None and b13 is None and b2 is None and act is _swiglu:
-        out = quant.one_token(h, weights, idx)  # int4 on the C kernel: the layer's experts in one call
-        if out is not None:
+    looped = quant is not None or widened or not grouped  # a matmul pair per expert with tokens
+    linear = widen.linear if widened else F.linear if packed is None else _packed_linear
+    up_down = (None if not looped else (quant.up, quant.down) if quant is not None else  # expert e's two products
+               (lambda e, x: linear(x, packed[e][0]), lambda e, y: linear(y, packed[e][1])) if packed is not None
+               else (lambda e, x: linear(x, w13[e]), lambda e, y: linear(y, w2[e])))
+    c = Call(h, w13, w2, weights, idx, packed, b13, b2, act, quant, scratch, idx.shape[0], looped, up_down)
+    for _, when, run in BACKENDS:
+        if when(c) and (out := run(c)) is not None:
             return out
-    looped = quant is not None or not grouped
-    if looped:
-        linear = widen.linear if widened else F.linear if packed is None else _packed_linear
-        up, down = ((quant.up, quant.down) if quant is not None else
-                    (lambda e, x: linear(x, packed[e][0]), lambda e, y: linear(y, packed[e][1])) if packed is not None
-                    else (lambda e, x: linear(x, w13[e]), lambda e, y: linear(y, w2[e])))
-        if T == 1:  # decode at batch 1: no sort, no scatter
-            return _one_token(h, weights, idx, up, down, b13, b2, act)
-    E = len(quant) if quant is not None else len(packed) if packed is not None else w13.shape[0]
-    flat = idx.reshape(-1)
+
+
+# One `experts` call, its defaults resolved: what the backends' conditions read.
+Call = collections.namedtuple("Call", "h w13 w2 weights idx packed b13 b2 act quant scratch T looped up_down")
+
+
+def _fused(c: Call) -> torch.Tensor:
+    """The fused C kernel's layout: nothing else can read it."""
+    if c.act is not _swiglu or c.b13 is not None or c.b2 is not None:
+        raise ValueError("experts in the fused kernel's layout are plain SwiGLU without biases")
+    return c.packed(c.h, c.weights, c.idx, None if c.scratch is None else c.scratch.get("out", c.h.shape, c.h.dtype))
+
+
+def _quant_one_token(c: Call) -> torch.Tensor | None:
+    """int4 or GGUF blocks on the C kernel: the layer's experts in one call; None where that kernel does not run."""
+    return c.quant.one_token(c.h, c.weights, c.idx)
+
+
+def _one_token(c: Call) -> torch.Tensor:
+    """Batch 1, no sort or scatter: bit for bit the loop (same products, same order) in a third of its ops."""
+    (up, down), out = c.up_down, None
+    for e, w in sorted(zip(c.idx.tolist()[0], c.weights.tolist()[0])):
+        y = _expert(e, c.h, up, down, c.b13, c.b2, c.act).mul_(w)  # a fresh output: scaled in place
+        out = y if out is None else out.add_(y)
+    return out
+
+
+def _sorted(c: Call, grouped: bool) -> torch.Tensor:
+    """Tokens sorted by expert, then a matmul pair per expert with tokens (or two grouped_mm), weighed, scattered."""
+    h, (T, k), scratch, b13, b2 = c.h, c.idx.shape, c.scratch, c.b13, c.b2
+    E = len(c.quant) if c.quant is not None else len(c.packed) if c.packed is not None else c.w13.shape[0]
+    flat = c.idx.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token_of = order // k
     xs = h.index_select(0, token_of) if scratch is None else torch.index_select(
         h, 0, token_of, out=scratch.get("xs", (T * k, h.shape[1]), h.dtype))  # [T·k, D] tokens in expert order
     # scatter, not bincount: bincount reads its max back to the host, a sync on the GPU
     counts = torch.zeros(E, dtype=torch.int64, device=h.device).index_add_(0, flat, torch.ones_like(flat))
-    if looped:
-        ys = torch.empty_like(xs) if scratch is None or quant is not None else scratch.get("ys", xs.shape, xs.dtype)
-        start = 0
+    if not grouped:
+        ys = torch.empty_like(xs) if scratch is None or c.quant is not None else scratch.get("ys", xs.shape, xs.dtype)
+        (up, down), start = c.up_down, 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                ys[start:start + n] = _expert(e, xs[start:start + n], up, down, b13, b2, act)
+                ys[start:start + n] = _expert(e, xs[start:start + n], up, down, b13, b2, c.act)
                 start += n
     else:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        gu = F.grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+        gu = F.grouped_mm(xs, c.w13.transpose(-2, -1), offs=offs)
         if b13 is not None:
             gu = gu + b13.index_select(0, flat.index_select(0, order))
-        ys = F.grouped_mm(act(gu), w2.transpose(-2, -1), offs=offs)
+        ys = F.grouped_mm(c.act(gu), c.w2.transpose(-2, -1), offs=offs)
         if b2 is not None:
             ys = ys + b2.index_select(0, flat.index_select(0, order))
-    ys.mul_(weights.reshape(-1).index_select(0, order)[:, None])  # every path's ys is its own: weigh in place
+    ys.mul_(c.weights.reshape(-1).index_select(0, order)[:, None])  # every path's ys is its own: weigh in place
     out = torch.zeros_like(h) if scratch is None else scratch.get("out", h.shape, h.dtype).zero_()
     out.index_add_(0, token_of, ys)
     return out
+
+
+_loop = functools.partial(_sorted, grouped=False)
+_grouped = functools.partial(_sorted, grouped=True)
+
+# (name, condition, backend), read top to bottom. Order matters where conditions overlap: the fused layout
+# before anything (nothing else reads it), batch-1 forms before the general ones, grouped_mm as the rest.
+BACKENDS: list[tuple[str, Callable[[Call], bool], Callable[[Call], torch.Tensor | None]]] = [
+    ("fused", lambda c: hasattr(c.packed, "fused_swiglu"), _fused),
+    ("quant_one_token", lambda c: c.T == 1 and c.quant is not None and c.b13 is None and c.b2 is None
+     and c.act is _swiglu, _quant_one_token),
+    ("one_token", lambda c: c.T == 1 and c.looped, _one_token),
+    ("loop", lambda c: c.looped, _loop),
+    ("grouped", lambda c: True, _grouped),
+]
 
 
 class Scratch:
@@ -165,15 +203,6 @@ class Scratch:
 
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _one_token(h, weights, idx, up, down, b13, b2, act) -> torch.Tensor:
-    """`experts` for one token, bit for bit the general path (same products, same order) in a third of its ops."""
-    out = None
-    for e, w in sorted(zip(idx.tolist()[0], weights.tolist()[0])):
-        y = _expert(e, h, up, down, b13, b2, act).mul_(w)  # a fresh output: scaled in place
-        out = y if out is None else out.add_(y)
-    return out
 
 
 def _expert(e: int, x, up, down, b13, b2, act) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """StepScreen: the breadcrumb, footer, back/next keys, status line and worker-error handling that
-every step of the flow shares (harlequin's pattern: workers fail into one handler, never a traceback).
+every step shares (workers fail into one handler, never a traceback).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.app import SystemCommand
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Button, Footer, Static
 from textual.worker import Worker, WorkerState
 
 from app.tui.widgets.steps import Steps
@@ -31,6 +31,11 @@ class StepHost(Protocol):
     def tone(self, level: str) -> str: ...
 
     def describe_error(self, error: BaseException | None) -> str: ...
+
+
+def button(label: str, id: str, action: str = "", **kw) -> Button:
+    """A compact button that runs this screen's `action` (default: its id) when pressed."""
+    return Button(label, compact=True, id=id, action=f"screen.{action or id}", **kw)
 
 
 class StatusLine(Static):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -27,8 +26,8 @@ class ConfirmQuit(ModalScreen[bool]):
                          f"{self.run_file}; start the app (or `mlight run`) on the same files again to "
                          "finish the rest.", id="confirm-text")
             with Horizontal(classes="actions"):
-                yield Button("Quit  y", compact=True, id="yes", variant="error")
-                yield Button("Keep running  n", compact=True, id="no", variant="primary")
+                yield Button("Quit  y", compact=True, id="yes", variant="error", action="screen.dismiss(True)")
+                yield Button("Keep running  n", compact=True, id="no", variant="primary", action="screen.dismiss(False)")
 
     def on_mount(self) -> None:
         self.query_one("#confirm-quit").border_title = "Quit?"
@@ -38,11 +37,3 @@ class ConfirmQuit(ModalScreen[bool]):
         """The run ended behind the dialog: say what is true now (its run file may be gone)."""
         self.query_one("#confirm-head", Static).update(head)
         self.query_one("#confirm-text", Static).update(text)
-
-    @on(Button.Pressed, "#yes")
-    def yes(self) -> None:
-        self.dismiss(True)
-
-    @on(Button.Pressed, "#no")
-    def no(self) -> None:
-        self.dismiss(False)

@@ -1,5 +1,5 @@
-"""The help screen (`?` or F1 anywhere): the six steps in a line each, the keys that work everywhere, and
-the keys of the screen it was opened from (read from that screen's own bindings, so it never drifts)."""
+"""The help screen (`?` or F1): the six steps, the keys that work everywhere, and the keys of the screen it was
+opened from (read from its own bindings, so it never drifts)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Step 1 — Machine: the GPU(s), CPU RAM, cores, PCIe link and measured host↔device bandwidth.
 
-The probe runs in a thread worker (it measures for a few seconds the first time, then core caches
-it per machine); `r` probes again, ignoring the cache.
+The probe runs in a thread worker (core caches it per machine); `r` probes again, ignoring the cache.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from textual.widgets import Button, LoadingIndicator, Static
 
 from app.tui.glyphs import glyph
 from app.tui.messages import MachineReady, WorkProgress
-from app.tui.screens.base import StepScreen
+from app.tui.screens.base import StepScreen, button
 from app.tui.widgets.facts import Facts
 
 
@@ -33,8 +32,8 @@ class MachineScreen(StepScreen):
                 yield Static("Detecting hardware and measuring bandwidth…", id="probe-what")
             yield Static("", id="source", classes="muted")
             with Horizontal(classes="actions"):
-                yield Button(f"Continue to Model  {glyph.enter}", compact=True, id="next", variant="primary", disabled=True)
-                yield Button("Re-probe (r)", compact=True, id="reprobe")
+                yield button(f"Continue to Model  {glyph.enter}", "next", variant="primary", disabled=True)
+                yield button("Re-probe (r)", "reprobe", "probe(True)")
 
     def on_mount(self) -> None:
         self.query_one("#gpu").border_title = "GPU"
@@ -79,12 +78,6 @@ class MachineScreen(StepScreen):
     def worker_failed(self, worker, error) -> None:
         self.query_one("#probing").display = False
         super().worker_failed(worker, error)
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "next":
-            self.action_next()
-        elif event.button.id == "reprobe":
-            self.action_probe(True)
 
     def action_next(self) -> None:
         if self.session.machine is None:

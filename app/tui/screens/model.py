@@ -1,8 +1,7 @@
 """Step 2 — Model: the built-in demo model, a local checkpoint folder, or a Hugging Face repo id.
 
-A folder is validated on entry (architecture supported? safetensors present? size?); a repo id is
-downloaded in a worker with a progress bar (bytes and rate) that can be cancelled and resumed later
-(huggingface_hub keeps partial files). Loading the weights happens on the Run step, not here.
+A folder is validated on entry; a repo id is downloaded in a worker, cancellable and resumable later.
+The weights are loaded on the Run step, not here.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from app.tui import fmt
 from app.tui.glyphs import glyph
 from app.tui.messages import ModelReady, WorkProgress
 from app.tui.paths import parse_dropped_path
-from app.tui.screens.base import StepScreen
+from app.tui.screens.base import StepScreen, button
 from app.tui.widgets.facts import Facts
 from app.tui.widgets.path_input import PathInput
 
@@ -45,15 +44,15 @@ class ModelScreen(StepScreen):
             with Horizontal(classes="field"):
                 yield PathInput(placeholder="checkpoint folder or owner/name repo id",
                                 compact=True, id="model-input")
-                yield Button(f"Open {glyph.enter}", compact=True, id="open")
-                yield Button("Demo model (d)", compact=True, id="demo", variant="primary")
+                yield button(f"Open {glyph.enter}", "open")
+                yield button("Demo model (d)", "demo", variant="primary")
             with Horizontal(classes="busy-row", id="download"):
                 yield ProgressBar(total=None, show_eta=False, id="dl-bar")
                 yield Static("", id="dl-text")
-                yield Button("Cancel (x)", compact=True, id="cancel", variant="error")
+                yield button("Cancel (x)", "cancel", variant="error")
             yield Facts(id="model-facts", classes="panel", label_width=13)
             with Horizontal(classes="actions"):
-                yield Button("Continue to Prompts", compact=True, id="next", variant="primary", disabled=True)
+                yield button("Continue to Prompts", "next", variant="primary", disabled=True)
 
     def on_mount(self) -> None:
         self.query_one("#model-facts").border_title = "Model"
@@ -89,18 +88,10 @@ class ModelScreen(StepScreen):
     def dropped(self, event: PathInput.Dropped) -> None:
         self.open_text(event.path)
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        match event.button.id:
-            case "open":
-                inp = self.query_one("#model-input", Input)
-                inp.focus()  # typing goes on in the field: a `d` there is a letter, not the demo key
-                self.open_text(inp.value)
-            case "demo":
-                self.action_demo()
-            case "cancel":
-                self.action_cancel()
-            case "next":
-                self.action_next()
+    def action_open(self) -> None:
+        inp = self.query_one("#model-input", Input)
+        inp.focus()  # typing goes on in the field: a `d` there is a letter, not the demo key
+        self.open_text(inp.value)
 
     def open_text(self, raw: str) -> None:
         text = parse_dropped_path(raw)

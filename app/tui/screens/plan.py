@@ -1,16 +1,13 @@
 """Step 4 — Plan: memory budgets in, the planner's policy and prediction out, editable with live checks.
 
-Budgets (GPU and CPU GB) re-plan after a short pause in typing; edits to N, μ, placement and the
-resident fractions are validated by core's planner as they are typed, and what does not fit is
-listed with its shortfall in the form's own words. Advanced choices (compute dtype, executor,
-schedule, quantization where the engine offers it) say in one line what each does. Planning and
-validation run in thread workers; a generation counter drops answers to questions since replaced.
-The Check panel and the Accept button sit under the scrolling panels, so they stay on screen at 80×24.
+Budgets re-plan after a pause in typing; policy edits are validated as typed, shortfalls in the form's words.
+Planning and checks run in thread workers; a generation counter drops answers to questions since replaced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from rich.text import Text
 from textual import on, work
@@ -19,11 +16,11 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Collapsible, Input, Label, Select, Static
 
-from app.tui import fmt
+from app.tui import fmt, wording
 from app.tui.backend import GB, EngineChoices
 from app.tui.glyphs import glyph
 from app.tui.messages import Checked, PlanReady, WorkProgress
-from app.tui.screens.base import StepScreen
+from app.tui.screens.base import StepScreen, button
 from app.tui.widgets.bars import LabelBar
 from app.tui.widgets.facts import Facts
 from app.tui.widgets.path_input import PathInput
@@ -135,8 +132,8 @@ class PlanScreen(StepScreen):
                 with Vertical(id="plan-bottom"):  # padded by the scrollbar's width: Check lines up with the panels
                     yield Static("", id="validation", classes="panel")
                     with Horizontal(classes="actions", id="plan-actions"):
-                        yield Button("Accept and run  ^N", compact=True, id="accept", variant="primary", disabled=True)
-                        yield Button("Re-plan  ^R", compact=True, id="replan")
+                        yield button("Accept and run  ^N", "accept", "next", variant="primary", disabled=True)
+                        yield button("Re-plan  ^R", "replan")
 
     def on_mount(self) -> None:
         self.query_one("#plan-form").border_title = "Plan"
@@ -160,7 +157,8 @@ class PlanScreen(StepScreen):
             self.fill(self.session.plan)
         else:
             self.query_one("#prediction", Facts).set_rows([("", "Planning…")])
-            self.plan_now(self._budgets_from_options())
+            o = self.session.options
+            self.plan_now(tuple(int(v * GB) if v is not None else None for v in (o.gpu_mem, o.cpu_mem)))
 
     def on_resize(self) -> None:
         """Across the 100-column breakpoint the Prediction and Memory panels change their rows."""
@@ -177,12 +175,6 @@ class PlanScreen(StepScreen):
                         "then Ctrl+N.", "warn")
 
     # ---- planning -------------------------------------------------------------------------------
-    def _budgets_from_options(self) -> tuple[int | None, int | None]:
-        o = self.session.options
-        g = int(o.gpu_mem * GB) if o.gpu_mem is not None else None
-        c = int(o.cpu_mem * GB) if o.cpu_mem is not None else None
-        return g, c
-
     def plan_now(self, budgets: tuple[int | None, int | None]) -> None:
         self._asked = self._budget_texts()
         self._gen += 1
@@ -197,14 +189,11 @@ class PlanScreen(StepScreen):
         def progress(ev) -> None:  # a first launch builds the demo model here: the status says so
             self.post_message(WorkProgress(ev.what, ev.done, ev.total))
 
-        # reached straight from the command line: do the earlier steps' work here (plain attribute
-        # writes; the backend makes concurrent asks for the same model share one answer). The machine is
-        # the session's before any step after Machine opens (MlightApp.machine_known).
+        # reached straight from the command line: do the earlier steps' work here (the backend makes
+        # concurrent asks for the same model share one answer)
         if s.model is None:
             s.model = b.open_model(s.options.model, s.machine, progress)
         if s.prompts is None:
-            from pathlib import Path
-
             s.prompts = b.read_prompts(Path(s.options.prompts).expanduser())
         self.post_message(WorkProgress("counting the prompts' tokens with the model's tokenizer, then planning", 0, 1))
         b.set_aside_too_long(s.model, s.prompts)
@@ -315,7 +304,6 @@ class PlanScreen(StepScreen):
         self._replan_soon()
 
     def _replan_soon(self) -> None:
-        """Re-plan once typing pauses."""
         if self._replan_timer is not None:
             self._replan_timer.stop()
         self._replan_timer = self.set_timer(0.4, self.action_replan)
@@ -339,9 +327,7 @@ class PlanScreen(StepScreen):
             self.show_problems(["a field holds something that is not a number"])
             return
         if any(v is None for v in fields.values()):
-            labels = {"batch_size": "Batch N", "micro_batch_size": "Micro-batch μ", "expert_batch_size": "Expert batch",
-                      "pages_per_layer": "Pages / layer"}
-            empty = [labels.get(k, k) for k, v in fields.items() if v is None]
+            empty = [wording.POLICY_LABELS[k] for k, v in fields.items() if v is None]
             self._gen += 1  # a check still under way is moot
             self.show_problems([f"fill in {', '.join(empty)}"])
             return
@@ -354,8 +340,7 @@ class PlanScreen(StepScreen):
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="offers", description="engine offers")
     def learn_offers(self) -> None:
-        """Whether the engine quantizes, asked off the UI thread: the answer imports the engine (torch with it),
-        seconds in which the screen would not draw or take a key."""
+        """Whether the engine quantizes, asked off the UI thread (the answer imports torch)."""
         offered = self.backend.engine_offers("quantize")
         self.app.call_from_thread(self._offers_known, offered)
 
@@ -448,7 +433,7 @@ class PlanScreen(StepScreen):
             ("Prefill", f"{pred.prefill_tokens_per_s:,.1f} prompt tokens/s"),
             ("Bottleneck", bottleneck),
             ("Policy", f"N={p.batch_size}, μ={p.micro_batch_size} "
-                       f"({_plural(p.num_micro_batches, 'micro-batch', 'micro-batches')}), attention on "
+                       f"({p.num_micro_batches} micro-batch{'es' if p.num_micro_batches != 1 else ''}), attention on "
                        f"{p.attention_on.upper()}, FFN on {p.ffn_on.upper()}"),
             ("Workload", f"{self.session.prompts.count} prompts, " + plan.workload_text),
         ]
@@ -460,8 +445,7 @@ class PlanScreen(StepScreen):
         if cpu_mode:
             rows.append(("CPU mode", "no GPU: every stage runs on the CPU"))
         if narrow:
-            # Prediction and Memory whole above Check at 80×24: the form beside them shows the policy, and the
-            # Memory and layer panels say CPU mode
+            # Prediction and Memory whole above Check at 80×24: the form shows the policy, the panels CPU mode
             rows = [row for row in rows if row[0] not in ("Policy", "CPU mode")]
         self.query_one("#prediction", Facts).set_rows(rows)
         gpu_share, cpu_share = self.backend.usable_shares()
@@ -520,12 +504,6 @@ class PlanScreen(StepScreen):
         return f"{lines} in {prompts.path.name} will be skipped, into {out}.rejected.jsonl (Esc: Prompts lists them)"
 
     # ---- leaving --------------------------------------------------------------------------------
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "accept":
-            self.action_next()
-        elif event.button.id == "replan":
-            self.action_replan()
-
     def action_next(self) -> None:
         plan = self.session.plan
         if plan is None or plan.problems or self.query_one("#accept", Button).disabled:
@@ -586,10 +564,6 @@ def _quant_rows(plan) -> list[tuple[str, str]]:
 
 def _hint(key: str, value) -> str:
     return next((line for v, _, line in ADVANCED[key] if v == value), "")
-
-
-def _plural(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
 
 
 def _gb_text(n: int) -> str:

@@ -1,7 +1,5 @@
-"""Step 3 — Prompts: a file typed, dragged onto the terminal, or picked from a tree; then a preview.
-
-Shows the first prompts, the count, length statistics and every bad line with its number (from
-core's reader, which never drops a line silently). Bad lines are skipped by the run, and say so.
+"""Step 3 — Prompts: a file typed, dragged onto the terminal, or picked from a tree; then a preview with the
+count, length statistics and every bad line (which the run skips, and says so).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from textual.widgets import Button, DataTable, DirectoryTree, Static
 from app.tui import fmt
 from app.tui.glyphs import glyph
 from app.tui.messages import PromptsReady
-from app.tui.screens.base import StepScreen
+from app.tui.screens.base import StepScreen, button
 from app.tui.widgets.facts import Facts
 from app.tui.widgets.path_input import PathInput
 
@@ -73,16 +71,16 @@ class PromptsScreen(StepScreen):
                          classes="title")  # one line at 80 columns: the bad lines below need the rows
             with Horizontal(classes="field"):
                 yield PathInput(placeholder="prompts file (Enter opens)", compact=True, id="prompts-input")
-                yield Button(f"Open {glyph.enter}", compact=True, id="open")
-                yield Button("Browse ^O", compact=True, id="browse")
-                yield Button("Demo ^T", compact=True, id="demo-prompts")
+                yield button(f"Open {glyph.enter}", "open")
+                yield button("Browse ^O", "browse")
+                yield button("Demo ^T", "demo-prompts", "demo_prompts")
             with Horizontal(id="prompts-main"):
                 with Vertical(id="prompts-right"):
                     yield Facts(id="prompts-facts", classes="panel", label_width=14)
                     yield DataTable(id="preview", cursor_type="row", zebra_stripes=True)
                     yield Static("", id="rejects", classes="panel")
             with Horizontal(classes="actions"):
-                yield Button("Continue to Plan", compact=True, id="next", variant="primary", disabled=True)
+                yield button("Continue to Plan", "next", variant="primary", disabled=True)
 
     def on_mount(self) -> None:
         self.query_one("#prompts-facts").border_title = "Summary"
@@ -119,16 +117,8 @@ class PromptsScreen(StepScreen):
         inp.focus()
         inp.post_message(event.__class__(event.text))
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        match event.button.id:
-            case "open":
-                self.open(self.query_one("#prompts-input", PathInput).path)
-            case "browse":
-                self.action_browse()
-            case "demo-prompts":
-                self.action_demo_prompts()
-            case "next":
-                self.action_next()
+    def action_open(self) -> None:
+        self.open(self.query_one("#prompts-input", PathInput).path)
 
     def action_demo_prompts(self) -> None:
         path = self.backend.demo_prompts_path()

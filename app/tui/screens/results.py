@@ -1,7 +1,5 @@
-"""Step 6 — Results: a table of every finished request, a detail view, and export to CSV / JSONL.
-
-The records come from the run (the same ones already streamed to the run file and the output), so
-exporting never loses anything; export writes through core's writers (temporary name, then rename).
+"""Step 6 — Results: a table of every finished request, a detail view, and export to CSV / JSONL (through core's
+atomic writers).
 """
 
 from __future__ import annotations
@@ -57,8 +55,8 @@ class ResultsScreen(StepScreen):
         self._fill()
 
     def _fill(self) -> None:
-        """Columns sized to the terminal (prompt and output share what the fixed ones leave), rebuilt on
-        resize: DataTable keeps a column's widest content otherwise, and the last columns fall off."""
+        """Columns sized to the terminal, rebuilt on resize: DataTable keeps a column's widest content otherwise, and
+        the last columns fall off."""
         width = self.size.width or 120
         if width == self._width:
             return
@@ -156,7 +154,7 @@ class ExportScreen(ModalScreen[str | None]):
             yield Static("", id="export-note", classes="muted")
             with Horizontal(classes="actions"):
                 yield Button(f"Write  {glyph.enter}", compact=True, id="write", variant="primary")
-                yield Button("Cancel", compact=True, id="cancel")
+                yield Button("Cancel", compact=True, id="cancel", action="screen.dismiss(None)")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -179,7 +177,3 @@ class ExportScreen(ModalScreen[str | None]):
             self.query_one("#export-note", Static).update(Text(self.app.describe_error(e), style=self.app.tone("error")))
             return
         self.dismiss(f"Wrote {len(self.records)} results as {kind.upper()} to {path}")
-
-    @on(Button.Pressed, "#cancel")
-    def cancel(self) -> None:
-        self.dismiss(None)

@@ -1,12 +1,9 @@
 """Step 5 — Run: the engine in a thread worker, live panels fed by coalesced telemetry.
 
-Panels: progress (requests, tokens, running time, ETA) with memory used / budget; decode throughput
-as a chart, measured against the plan's prediction, saying when the two part (core.plan.tracking
-decides, as for `mlight bench`); the pipeline — the last decode step as the executor ran it, lane by lane and task by task,
-beside the planner's simulation of the same policy; a log of warnings. RunUpdate messages replace each
-other in the queue (`can_replace`); the screen keeps only the newest and redraws on a 4 Hz timer,
-so the display costs the same however fast the engine steps. Space pauses between steps, s stops
-cleanly (results so far are on disk), r resumes, z zooms the timelines, t jumps to them and back.
+Progress and memory, decode throughput against the plan's prediction (core.plan.tracking decides when they
+part), the last decode step lane by lane beside the planner's simulation, and a log. RunUpdates replace each
+other in the queue and the screen redraws on a 4 Hz timer, so the display costs the same however fast the
+engine steps.
 """
 
 from __future__ import annotations
@@ -167,17 +164,9 @@ class RunScreen(StepScreen):
         """The footer lists only the keys that do something now (and so has room for ^q and ?)."""
         state = self.job.state if self.job is not None else ""
         going = state in ("loading", "running", "paused", "stopping")
-        if action == "pause":
-            return going and state != "paused"
-        if action == "unpause":
-            return state == "paused"
-        if action == "stop":
-            return going
-        if action == "resume_run":
-            return state in ("stopped", "failed")
-        if action == "back":
-            return not going
-        return super().check_action(action, parameters)
+        now = {"pause": going and state != "paused", "unpause": state == "paused", "stop": going,
+               "resume_run": state in ("stopped", "failed"), "back": not going}
+        return now[action] if action in now else super().check_action(action, parameters)
 
     def action_pause(self) -> None:
         if self.job is None:
@@ -295,8 +284,8 @@ class RunScreen(StepScreen):
 
     @staticmethod
     def _state_text(snap: RunSnapshot) -> str:
-        """The state in words, with what it is busy with where that takes a while: loading (and quantizing),
-        or the first batch's prefill, which ends in one step (seconds with nothing to count on a slow CPU)."""
+        """The state in words, with what it is busy with where that takes a while: loading (and quantizing), or the
+        first batch's prefill."""
         text = STATE_WORDS.get(snap.state, snap.state)
         if snap.state == "loading" and snap.loading:
             return f"{text} ({snap.loading})"
@@ -304,15 +293,9 @@ class RunScreen(StepScreen):
             return f"{text}: prefilling the first batch (its first tokens come at the end of it)"
         return text
 
-    def _prediction(self):
-        return self.session.plan.prediction if self.session.plan is not None else None
-
-    def _predicted(self) -> float | None:
-        pred = self._prediction()
-        return pred.decode_tokens_per_s if pred is not None else None
-
     def _draw_throughput(self, snap: RunSnapshot) -> None:
-        predicted = self._predicted()
+        pred = self.session.plan.prediction if self.session.plan is not None else None
+        predicted = pred.decode_tokens_per_s if pred is not None else None
         text = Text()
         text.append("━ ", style=legend_color(MEASURED_COLOR))  # the chart's legend, beside it, not over its lines
         text.append(f"{snap.decode_tps:,.1f}", style="bold")
@@ -321,7 +304,7 @@ class RunScreen(StepScreen):
         text.append(" average · ")
         text.append("━ ", style=legend_color(PREDICTED_COLOR))
         text.append(f"{predicted:,.1f}" if predicted else "—", style="bold")
-        band = getattr(self._prediction(), "band", 0.0)
+        band = getattr(pred, "band", 0.0)
         text.append(f" ± {band:.0%} predicted" if predicted and band else " predicted")
         parted = self._parted(snap)
         if parted:
@@ -335,8 +318,7 @@ class RunScreen(StepScreen):
     @staticmethod
     def _parted(snap: RunSnapshot) -> str:
         """'decode measured at 850.3 tokens/s: 4.7× below the prediction' once core's tracker says measured and
-        predicted part (by more than 25 %, as `mlight bench` judges it), else ''. The rate is the tracker's (every
-        decode step so far), so the ratio can be checked against a number on screen."""
+        predicted part (as `mlight bench` judges it), else ''."""
         c = snap.comparison
         if c is None or not c.parted or c.error is None or c.error <= -1:
             return ""
@@ -350,8 +332,7 @@ class RunScreen(StepScreen):
     @staticmethod
     def _measured_head(snap: RunSnapshot | None, simulated_s: float) -> Text:
         """The measured timeline's title: the step drawn, and the median step of the last seconds beside the
-        simulation — one step is a snapshot of a machine that moves (a walkthrough's drawn step read 2.6× the
-        simulation while the run's throughput was within 3 % of its prediction)."""
+        simulation (one step is a snapshot of a machine that moves)."""
         head = Text("Measured", style="bold")
         step = snap.timeline if snap is not None else None
         if step is None:

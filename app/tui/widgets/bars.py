@@ -1,7 +1,5 @@
-"""Labelled horizontal bars (memory used / budget, pipeline busy share) drawn with block characters.
-
-Drawn as text so they stay crisp in any theme and in plain-text captures: the filled part uses the
-theme's accent via the `bar--fill` component class, the rest a shaded block.
+"""Labelled horizontal bars (memory used / budget, busy share) drawn as text, so they stay crisp in any theme
+and in plain-text captures.
 """
 
 from __future__ import annotations

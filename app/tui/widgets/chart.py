@@ -1,9 +1,6 @@
-"""Decode throughput over the run: measured against the planner's prediction, with axes and units.
+"""Decode throughput over the run, measured against the planner's prediction (textual-plotext).
 
-Drawn by textual-plotext (Textualize's Plotext widget, which follows the app's dark or light theme).
-The x axis is the engine's own time (seconds spent in steps, pauses left out); the measured line is
-the decode rate over the last seconds at each decode step, the predicted one flat (the plan predicts
-one rate for the policy). Nothing is drawn until the first decode step.
+The x axis is the engine's own time (pauses left out); the predicted line is flat (one rate for the policy).
 """
 
 from __future__ import annotations

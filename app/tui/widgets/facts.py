@@ -24,5 +24,4 @@ class Facts(Static):
 
     @property
     def text(self) -> str:
-        """The facts as plain `label: value` lines (for tests and logs)."""
         return "\n".join(f"{label}: {value}" if label else value for label, value in self.rows)

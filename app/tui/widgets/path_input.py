@@ -1,8 +1,5 @@
-"""An Input that understands files dragged onto the terminal.
-
-Terminals "drop" a file by pasting its path (quoted, escaped or as a file:// URL). When a paste
-lands in an empty input, PathInput cleans it with `parse_dropped_path` and posts `Dropped`, so the
-screen can open the file at once instead of waiting for Enter.
+"""An Input that understands files dragged onto the terminal: a paste into an empty input is cleaned with
+`parse_dropped_path` and posted as `Dropped`, so the screen can open the file at once.
 """
 
 from __future__ import annotations

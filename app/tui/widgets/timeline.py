@@ -1,10 +1,7 @@
-"""A decode step drawn as the paper's CGOPipe figure: one lane per resource, one bar per task, coloured
-by the task's kind, on a time axis with units.
+"""A decode step drawn as the paper's CGOPipe figure: one lane per resource, one bar per task, coloured by kind.
 
-Each lane is a row of character cells; a cell shows the task that covers most of its slice of time
-(consecutive tasks of a lane alternate between a full and a shaded block, so two bars of the same kind
-stay two bars). The right margin gives each lane's busy share of the time shown. `zoom` shows the
-whole step, or only its first layers, where the tasks of a big model are too many for the width.
+A cell shows the task that covers most of its slice of time; consecutive tasks of a lane alternate full and
+shaded blocks, so two bars stay two. `zoom` shows only the first layers, for models with too many tasks.
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ class Span(NamedTuple):
 
 
 def spans_of_simulation(timeline) -> list[Span]:
-    """A core.runtime.simulate.Timeline as spans."""
     return [Span(s.task.resource, s.task.kind, s.task.layer, s.start, s.end) for s in timeline.spans]
 
 
@@ -70,8 +66,7 @@ def nice_step(span: float, ticks: int) -> float:
 
 def legend(kinds: Iterable[str], width: int = 0) -> Text:
     """`■ name` for each kind, in its colour, each once; lines of at most `width` cells (0: one line) broken
-    between items only: Rich wraps at any whitespace, a no-break space included, which left a colour at the
-    end of one line and its name on the next."""
+    between items only (Rich would wrap at a no-break space, parting a colour from its name)."""
     text = Text()
     used = 0
     for k in dict.fromkeys(kinds):
@@ -90,8 +85,6 @@ def legend(kinds: Iterable[str], width: int = 0) -> Text:
 
 
 class Legend(Static):
-    """The timeline's legend, packed into the width it is given."""
-
     def show(self, kinds: Iterable[str]) -> None:
         self._kinds = list(dict.fromkeys(kinds))
         self.refresh(layout=True)
