@@ -34,6 +34,7 @@ LANE = [
     "test_cpu_panel_linear.py",
     "test_gguf_native.py",
     "test_gguf_int8.py",
+    "test_gguf_token.py",
     "test_gguf_block_dense.py",
     *(f"test_engine_parity.py::{test}[{family}]" for test in ("test_greedy_tokens_match_transformers",
                                                               "test_logits_match_float64_reference")

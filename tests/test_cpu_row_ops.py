@@ -49,7 +49,7 @@ def test_rms_norm_in_fp32_is_torch_to_a_few_ulps(shape):
 
 
 def test_rms_norm_reads_strided_rows_and_declines_what_it_cannot():
-    x = torch.randn(16, 1536).bfloat16()[:, :1024]  # rows 1536 apart, as a slice of a projection
+    x = torch.randn(16, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()[:, :1024]  # rows 1536 apart
     w = torch.ones(1024).bfloat16()
     assert torch.equal(row_ops.rms_norm(x, w, 1e-6), _torch_rms(x.contiguous(), w, 1e-6))
     assert row_ops.rms_norm(x.float(), w, 1e-6) is None  # mixed dtypes: torch's ops
@@ -158,3 +158,47 @@ def test_without_the_kernels_every_caller_runs_torch(monkeypatch):
     store = kvcache.KVStore(3, 2, 64, 8, torch.bfloat16, pin=False)
     k, v = torch.randn(2, 2, 64, generator=g).bfloat16(), torch.randn(2, 2, 64, generator=g).bfloat16()
     assert not row_ops.kv_write(store.k, store.v, k, v, torch.tensor([0, 8, 17, 25]))
+
+
+def _spec_router(E: int, k: int, norm: str, scale: float) -> ModelSpec:
+    return ModelSpec(architecture="MixtralForCausalLM", family="mixtral", num_layers=1, hidden_size=1000, num_heads=4,
+                     num_kv_heads=2, head_dim=64, vocab_size=64, num_experts=E, top_k=k, expert_intermediate=128,
+                     router_norm=norm, routed_scale=scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("E,k,norm,scale", [(8, 2, "sum", 1.0), (64, 6, "none", 1.0), (60, 4, "sum", 2.5)])
+def test_softmax_router_chooses_and_weighs_as_torch_does(dtype, E, k, norm, scale):
+    """core.model.routing's softmax router: the same experts wherever the k-th and (k+1)-th probabilities are
+    apart by more than their rounding, in the same order, and weights within a unit of their last place."""
+    from core.model import routing
+
+    spec = _spec_router(E, k, norm, scale)
+    g = torch.Generator().manual_seed(E + k)
+    T, D = 200, 1000  # D not a multiple of the vector width: the tail's sum too
+    h, w = torch.randn(T, D, generator=g).to(dtype), (torch.randn(E, D, generator=g) / D ** 0.5).to(dtype)
+    got_w, got_i = row_ops.softmax_route(h, w, k, norm == "sum", scale)
+    ref_w, ref_i = routing.choose(spec, torch.nn.functional.linear(h, w), {}, dtype)
+    assert got_w.dtype == dtype and got_i.dtype == torch.int64 and got_i.shape == (T, k)
+    # rows whose k + 1 largest probabilities are 1 % apart each: a bf16 logit one step off moves a probability 0.4 %
+    p = torch.softmax(torch.nn.functional.linear(h, w).float(), -1).sort(-1, descending=True).values[:, :k + 1]
+    clear = (-p.diff(dim=-1) / p[:, 1:]).min(-1).values > 1e-2
+    assert clear.float().mean() > 0.3
+    assert torch.equal(got_i[clear], ref_i[clear])
+    # bf16: a unit in the last place; fp32: the logits' 1000-term sums in another order (~1e-6 of them)
+    step = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got_w[clear].float(), ref_w[clear].float(), rtol=step, atol=0)
+    from core.model import decoder
+
+    assert decoder._c_route(spec, h[:3], {"router": w}) is not None  # the decode step takes this path
+    assert decoder._c_route(spec, h, {"router": w}) is None  # T·E past C_ROUTE_LOGITS: torch's threaded matmul
+    assert decoder._c_route(_spec_router(E, k, "pnorm", 1.0), h[:3], {"router": w}) is None
+
+
+@needs_kernel
+def test_softmax_router_declines_what_it_cannot():
+    h, w = torch.randn(2, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    assert row_ops.softmax_route(h, w.float(), 2, True, 1.0) is None  # mixed dtypes
+    assert row_ops.softmax_route(h, w.t().contiguous().t(), 2, True, 1.0) is None  # a strided router
+    assert row_ops.softmax_route(h, torch.randn(600, 64).bfloat16(), 2, True, 1.0) is None  # past ROUTE_MAX

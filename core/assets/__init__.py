@@ -14,7 +14,8 @@
 - `kernels/int4_matmul.c`: the CPU's int4 weight-only matmul for few rows (decode), compiled the same way
   (core.model.cpu.int4).
 - `kernels/gguf_matmul.c`: GGUF block formats (Q8_0 … Q6_K, MXFP4) multiplied as the file stores them
-  (core.model.cpu.gguf_blocks).
+  (core.model.cpu.gguf_blocks); `kernels/gguf_token.c`: one token's experts with Q8_0 rows dotted in place,
+  gguf_matmul.c compiled in (core.model.cpu.gguf_token).
 
 Nothing else in mlight reads a file shipped with it; tests/test_packaging.py keeps it that way.
 Imports: nothing.
@@ -33,6 +34,7 @@ MOE_FFN_C = HERE / "kernels" / "moe_ffn.c"
 MOE_FFN_AVX2_C = HERE / "kernels" / "moe_ffn_avx2.c"
 INT4_MATMUL_C = HERE / "kernels" / "int4_matmul.c"
 GGUF_MATMUL_C = HERE / "kernels" / "gguf_matmul.c"
+GGUF_TOKEN_C = HERE / "kernels" / "gguf_token.c"
 ROW_OPS_C = HERE / "kernels" / "row_ops.c"
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from core.model import mixer
+from core.model.cpu import row_ops
 from core.model.layers import norm
 from core.model.moe import dense_mlp, route, shared_expert
 from core.model.spec import ModelSpec
@@ -60,8 +61,23 @@ def post_attn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, out: torch.
     h = norm(spec, x, w["ln2"], w.get("ln2_b"))
     if not spec.is_moe(layer):
         return FfnInput(x, h, dense=dense_mlp(w, h))
-    weights, idx = route(spec, h, w, fused_route)
+    routed = None if fused_route else _c_route(spec, h, w)
+    weights, idx = routed if routed is not None else route(spec, h, w, fused_route)
     return FfnInput(x, h, weights, idx, shared_expert(spec, w, h) if spec.shared_intermediate else None)
+
+
+C_ROUTE_LOGITS = 1024  # T·E up to which the host's router is one C call: small batches, where each op's start costs
+
+
+def _c_route(spec: ModelSpec, h: torch.Tensor, w: dict):
+    """The plain softmax router (Mixtral, Qwen, OLMoE) on the host in one C call (core.model.cpu.row_ops), or None:
+    at a small batch the router is a matmul and five small ops, each a cold start after the experts' weights
+    streamed; the C loop is one thread's, so larger batches keep torch's (threaded) matmul."""
+    if (h.device.type != "cpu" or spec.router != "softmax" or not spec.router_softmax_fp32 or spec.router_fp32
+            or spec.router_norm not in ("sum", "none") or "router_bias" in w
+            or h.shape[0] * spec.num_experts > C_ROUTE_LOGITS):
+        return None
+    return row_ops.softmax_route(h, w["router"], spec.top_k, spec.router_norm == "sum", spec.routed_scale)
 
 
 def ffn_output(f: FfnInput, routed: torch.Tensor | None) -> torch.Tensor:

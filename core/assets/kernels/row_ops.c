@@ -1,5 +1,5 @@
 /* A decode step's small per-row operations in one pass each, bf16 and fp32: the KV cache write, RMSNorm,
-   and RoPE (halves) joined with v into the attention payload.
+   RoPE (halves) joined with v into the attention payload, and the softmax router.
 
    In a decode step these run on a few hundred rows between the big GEMMs; as torch ops each is 4-7
    kernels with a fresh tensor apiece and a cold start on lines the experts' weights have just evicted
@@ -231,6 +231,66 @@ void mlight_rope_join_f32(const float *qkv, int64_t T, int64_t ld_in, int64_t he
         }
         memcpy(out + t * ld_out + heads * hd, qkv + t * ld_in + heads * hd, 4 * rest);
     }
+}
+
+/* ---- the softmax router -------------------------------------------------------------------------------
+   core.model.routing for the "softmax" kind: logits = F.linear(h, W) (in h's dtype: rounded to bf16 for bf16),
+   p = softmax(float(logits)), the k largest p (ties to the lower id: torch's order), weights = p / Σ of the k
+   when `norm`, times `scale` unless 1, rounded to h's dtype. The logit's sum runs in another order than
+   oneDNN's, so a bf16 logit can land one step apart where its fp32 sum sits on a rounding boundary, and the
+   softmax's exp is libm's: the weights agree with torch's to a unit of their last place and the ids wherever
+   two probabilities are not within that of each other (tests/test_cpu_row_ops.py). h [T, D] rows ldh apart and
+   W [E, D] contiguous, both bf16 (bf 1) or both fp32; weights [T, k] out in their dtype, ids [T, k] int64.
+   Returns -1 for more than ROUTE_MAX experts. */
+#define ROUTE_MAX 512
+int mlight_softmax_route(const void *h, int bf, int64_t T, int64_t D, int64_t ldh, const void *W, int64_t E, int k,
+                         int norm, float scale, void *wout, int64_t *iout) {
+    if (E > ROUTE_MAX || k < 1 || k > E) return -1;
+    const int64_t Dv = D - D % VW;
+    for (int64_t t = 0; t < T; t++) {
+        float p[ROUTE_MAX], top = -INFINITY, sum = 0.f;
+        for (int64_t e = 0; e < E; e++) {
+            vf acc = {0};
+            float l = 0.f;
+            if (bf) {
+                const uint16_t *x = (const uint16_t *)h + t * ldh, *w = (const uint16_t *)W + e * D;
+                for (int64_t d = 0; d < Dv; d += VW) acc += load_bf16(x + d) * load_bf16(w + d);
+                for (int j = 0; j < VW; j++) l += acc[j];
+                for (int64_t d = Dv; d < D; d++) l += bf16f(x[d]) * bf16f(w[d]);
+                l = rbf(l);
+            } else {
+                const float *x = (const float *)h + t * ldh, *w = (const float *)W + e * D;
+                for (int64_t d = 0; d < Dv; d += VW) {
+                    vf a, b;
+                    memcpy(&a, x + d, sizeof a), memcpy(&b, w + d, sizeof b);
+                    acc += a * b;
+                }
+                for (int j = 0; j < VW; j++) l += acc[j];
+                for (int64_t d = Dv; d < D; d++) l += x[d] * w[d];
+            }
+            p[e] = l, top = l > top ? l : top;
+        }
+        for (int64_t e = 0; e < E; e++) p[e] = expf(p[e] - top), sum += p[e];
+        for (int64_t e = 0; e < E; e++) p[e] = p[e] / sum;
+        int64_t *ids = iout + t * k;
+        float chosen[ROUTE_MAX], total = 0.f;
+        for (int j = 0; j < k; j++) { /* the j-th largest: the first id holding it among those not yet taken */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= ids[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            ids[j] = best, chosen[j] = p[best], total += p[best];
+        }
+        for (int j = 0; j < k; j++) {
+            float v = norm ? chosen[j] / total : chosen[j];
+            if (scale != 1.f) v = v * scale;
+            if (bf) ((uint16_t *)wout)[t * k + j] = tobf(rbf(v));
+            else ((float *)wout)[t * k + j] = v;
+        }
+    }
+    return 0;
 }
 
 int mlight_row_ops_vw(void) { return VW; }

@@ -1,5 +1,5 @@
 """A decode step's small per-row operations in C (core/assets/kernels/row_ops.c), bf16 and fp32: the KV cache
-write, RMSNorm, and RoPE joined with v into the attention payload.
+write, RMSNorm, RoPE joined with v into the attention payload, and the softmax router.
 
 Between a decode step's GEMMs these ran as 4-7 torch ops each, every one a fresh tensor and a pass over
 lines the experts' weights had just pushed out of the caches; at B = 256 on the 784M Mixtral (two Zen 5
@@ -33,6 +33,7 @@ class _Lib:
         self.kv_write_narrow = native.bind(self.dll, "mlight_kv_write_narrow", [P, P, P, P, P, I, I, I, I, C], None)
         self.rms_norm_f32 = native.bind(self.dll, "mlight_rms_norm_f32", [P, I, I, I, P, F, P, I, C], None)
         self.rope_join_f32 = native.bind(self.dll, "mlight_rope_join_f32", [P, I, I, I, I, P, P, I, I, P, I, C], None)
+        self.softmax_route = native.bind(self.dll, "mlight_softmax_route", [P, C, I, I, I, P, I, C, C, F, P, P], C)
         self.vw = self.dll.mlight_row_ops_vw()
         self.openmp = bool(self.dll.mlight_row_ops_openmp())
         self.flags = flags + (" -fopenmp" if self.openmp else "")
@@ -120,3 +121,24 @@ def rope_join(qkv: torch.Tensor, heads: int, hd: int, cos: torch.Tensor, sin: to
     join(qkv.data_ptr(), T, qkv.stride(0), heads, hd, cos.data_ptr(), sin.data_ptr(), hd, rest, out.data_ptr(),
          out.shape[1], _threads())
     return out
+
+
+ROUTE_MAX_EXPERTS = 512  # row_ops.c's ROUTE_MAX
+
+
+def softmax_route(h: torch.Tensor, w: torch.Tensor, k: int, norm: bool, scale: float):
+    """core.model.routing's "softmax" router over logits F.linear(h, w) in h's dtype, fp32 softmax, top-k, each
+    row's k weights over their sum (`norm`) times `scale`: h [T, D] (unit stride in D) and a plain contiguous
+    router w [E, D], both bf16 or both fp32 -> (weights [T, k] in h's dtype, ids [T, k] int64), or None. One
+    call in place of the matmul and five ops after it (each a cold start after the experts' weights streamed);
+    the weights equal torch's to a unit in their last place (see row_ops.c)."""
+    lib = library()
+    if (lib is None or h.dtype not in (torch.bfloat16, torch.float32) or type(w) is not torch.Tensor
+            or w.dtype != h.dtype or h.device.type != "cpu" or h.dim() != 2 or w.dim() != 2 or h.stride(1) != 1
+            or w.shape[1] != h.shape[1] or not w.is_contiguous() or not 1 <= k <= w.shape[0] <= ROUTE_MAX_EXPERTS):
+        return None
+    T = h.shape[0]
+    weights, ids = torch.empty((T, k), dtype=h.dtype), torch.empty((T, k), dtype=torch.int64)
+    lib.softmax_route(h.data_ptr(), int(h.dtype == torch.bfloat16), T, h.shape[1], h.stride(0), w.data_ptr(),
+                      w.shape[0], k, int(norm), scale, weights.data_ptr(), ids.data_ptr())
+    return weights, ids

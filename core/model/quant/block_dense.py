@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core.model.cpu import gguf_blocks
+from core.model.cpu import gguf_blocks, gguf_token
 from core.model.cpu.kernels import LinearOnlyWeight
 from core.model.quant.expand import Workspace, expand_into
 from core.model.quant.formats import NATIVE_GGUF_ROWS, Format
@@ -68,8 +68,9 @@ class BlockWeight(LinearOnlyWeight):
         x2 = x.reshape(-1, K)
         y = torch.empty((x2.shape[0], N), dtype=x.dtype)
         if x2.shape[0] <= NATIVE_GGUF_ROWS:
-            for s in self.segments:
-                gguf_blocks.linear(s.kind, x2, s.raw, out=y[:, s.r0:s.r1])
+            for s in self.segments:  # one Q8_0 row: its blocks dotted in place (the same values)
+                if not gguf_token.linear(s.kind, x2, s.raw, y[:, s.r0:s.r1]):
+                    gguf_blocks.linear(s.kind, x2, s.raw, out=y[:, s.r0:s.r1])
         else:
             ws = _workspace.setdefault("cpu", Workspace("cpu"))
             rows = max(1, CHUNK_ELEMS // K)

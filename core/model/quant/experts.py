@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core.model.cpu import gguf_blocks, int4
+from core.model.cpu import gguf_blocks, gguf_token, int4
 from core.model.quant.expand import Workspace, expand_into
 from core.model.quant.formats import (DEFAULT_INT4_GROUP, KERNEL_ROWS, NATIVE_GGUF_ROWS, NATIVE_INT4_ROWS, Format,
                                       quantize)
@@ -99,8 +99,9 @@ class QuantExperts:
         """One token's k experts (SwiGLU) weighed and summed in one C kernel call; None where it does not run."""
         if self.blocks and len(self.scheme.up) == 1:
             up, down = self.scheme.up[0], self.scheme.down
-            return gguf_blocks.moe(h, idx, weights, (up.fmt.name, self.parts["w13.raw"]),
-                                   (down.fmt.name, self.parts["w2.raw"]))
+            args = (h, idx, weights, (up.fmt.name, self.parts["w13.raw"]), (down.fmt.name, self.parts["w2.raw"]))
+            out = gguf_token.moe(*args)  # Q8_0 rows dotted in place: the same result, read twice as fast
+            return out if out is not None else gguf_blocks.moe(*args)
         group = self.scheme.down.fmt.group
         if not self.native or self.kernel_rows < 1 or not int4.runs(h.dtype, *(m.k for m in self.scheme.matrices),
                                                                       group=group):

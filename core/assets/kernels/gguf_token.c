@@ -1,0 +1,172 @@
+/* One token's routed experts on GGUF blocks with Q8_0 rows dotted where they lie (decode at batch 1).
+
+   gguf_matmul.c's one-token call decodes each weight row into a buffer of the thread's (the bytes copied,
+   each block's half scale widened into two floats) and dots that buffer with the activations: at one
+   activation row the copy costs about what the dot does, and the call read Q8_0 experts at half of what one
+   core streams (5 of 10-11 GB/s on a 2-core Xeon, the 784M Mixtral's experts). A Q8_0 block is already the
+   dot's operands (an f16 scale and 32 signed bytes), so here the dot reads the block itself: the same integer
+   dots, the same float products and the same lane order as gguf_matmul.c's int8 tiles (AVX-512 VNNI: two
+   blocks a 512-bit vector, even blocks in the low lanes; AVX2: even and odd blocks in two accumulators;
+   plain C: 16 lanes), so the result equals `mlight_gguf_moe`'s int8 path bit for bit
+   (tests/test_gguf_token.py). Matrices in other formats take gguf_matmul.c's row decode as before.
+
+   gguf_matmul.c is compiled into this library (its quantization, SiLU and decoders are the reference here,
+   not a copy); the build's flags carry a hash of it, so a change there builds this afresh
+   (core.model.cpu.gguf_token). */
+
+#include "gguf_matmul.c"
+
+/* the plain-C integers and floats of tile_scalar (the same float as the SIMD dots) */
+static float dot_q8_0_c(const uint8_t *row, int64_t nb, const int8_t *xq, const float *xd) {
+    float acc[16] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 34 * b;
+        const int8_t *u = (const int8_t *)(p + 2);
+        float sd = f16f(p) * xd[b], *a = acc + 8 * (b & 1);
+        for (int i = 0; i < 8; i++) {
+            int t = 0;
+            for (int j = 0; j < 4; j++) t += (int)u[4 * i + j] * (int)xq[32 * b + 4 * i + j];
+            a[i] = FMA((float)t, sd, a[i]);
+        }
+    }
+    float c[8];
+    for (int i = 0; i < 8; i++) c[i] = acc[i] + acc[i + 8];
+    float e0 = c[0] + c[4], e1 = c[1] + c[5], e2 = c[2] + c[6], e3 = c[3] + c[7];
+    return (e0 + e2) + (e1 + e3);
+}
+
+#define AHEAD 4096 /* bytes prefetched ahead of the dot: without it one core streamed 8-11 GB/s here, with it 17-25
+                          (2-core Xeon VM; the hardware prefetchers alone fall behind) */
+
+/* w . x for one Q8_0 row of nb blocks and x quantized per 32 (q, d): gguf_matmul.c's tile_simd with the
+   block's own bytes and scale in place of the decoded row's. AVX-512: the scale products of 16 blocks at once
+   (their halves gathered, 34 bytes apart), a pair's lanes permuted out of them */
+static float dot_q8_0(const uint8_t *row, int64_t nb, const int8_t *xq, const float *xd) {
+#if SIMD == 2
+    const __m512i at = _mm512_set_epi32(15 * 34, 14 * 34, 13 * 34, 12 * 34, 11 * 34, 10 * 34, 9 * 34, 8 * 34,
+                                        7 * 34, 6 * 34, 5 * 34, 4 * 34, 3 * 34, 2 * 34, 34, 0);
+    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (int64_t b0 = 0; b0 + 2 <= nb; b0 += 16) {
+        int64_t n = nb - b0 < 16 ? nb - b0 : 16;
+        __mmask16 live = (__mmask16)((1u << n) - 1);
+        const uint8_t *p0 = row + 34 * b0;
+        __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, (const void *)p0, 1);
+        __m512 sd = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)), _mm512_maskz_loadu_ps(live, xd + b0));
+        for (int64_t j = 0; j + 2 <= n; j += 2) {
+            const uint8_t *p = p0 + 34 * j;
+            _mm_prefetch((const char *)(p + AHEAD), _MM_HINT_T0);
+            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2))),
+                                           _mm256_loadu_si256((const __m256i *)(p + 36)), 1);
+            __m512i a = _mm512_abs_epi8(v), q = _mm512_loadu_si512(xq + 32 * (b0 + j));
+            q = _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(v), _mm512_setzero_si512(), q);
+            __m512 s = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32((int)j)), sd);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), a, q)), s, acc);
+        }
+        b = b0 + (n & ~(int64_t)1);
+    }
+    __m256 lo = _mm512_castps512_ps256(acc), hi = _mm512_extractf32x8_ps(acc, 1);
+    if (b < nb) { /* an odd block count: the last block is even, the low lanes' */
+        const uint8_t *p = row + 34 * b;
+        __m256i v = _mm256_loadu_si256((const __m256i *)(p + 2)), a = _mm256_abs_epi8(v);
+        __m256i q = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 32 * b)), v);
+        lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(a, q)), _mm256_set1_ps(f16f(p) * xd[b]), lo);
+    }
+    return hsum8(_mm256_add_ps(lo, hi));
+#elif SIMD == 1
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 34 * b;
+        if (!(b & 1)) _mm_prefetch((const char *)(p + AHEAD), _MM_HINT_T0);
+        __m256i v = _mm256_loadu_si256((const __m256i *)(p + 2)), a = _mm256_abs_epi8(v);
+        __m256i q = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 32 * b)), v);
+        acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(a, q)), _mm256_set1_ps(f16f(p) * xd[b]), acc[b & 1]);
+    }
+    return hsum8(_mm256_add_ps(acc[0], acc[1]));
+#else
+    return dot_q8_0_c(row, nb, xq, xd);
+#endif
+}
+
+/* a row of format `kind` (K values) . the activation row quantized at xp: Q8_0 in place, else decoded into
+   own (gguf_matmul.c's dot_one); simd 0: the plain-C dots */
+static float dot_row(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8_t *own, int64_t RW, int simd) {
+    if (kind != 0) return dot_one(kind, row, K, xp, own, RW, simd, 0);
+    QRow x = qrow_at(xp, K);
+    return simd ? dot_q8_0(row, K / 32, x.q, x.d) : dot_q8_0_c(row, K / 32, x.q, x.d);
+}
+
+/* mlight_gguf_moe's integer paths (path 1 plain C, 2 SIMD) with the same arguments, scratch and phases */
+int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64_t I, int nexp,
+                          const int64_t *ids, const void *wts, int w_bf16, const uint8_t *w13, int64_t e13,
+                          int64_t ldw13, const uint8_t *w2, int64_t e2, int64_t ldw2, void *out, int out_bf16,
+                          float *scratch, int threads, int path) {
+    if (k13 < 0 || k13 > 5 || k2 < 0 || k2 > 5 || D % BS[k13] || I % BS[k2] || nexp < 1 || nexp > 64 ||
+        threads < 1 || path < 1 || path > 2)
+        return -1;
+    float *gu = scratch + D, w[64];
+    for (int e = 0; e < nexp; e++) w[e] = w_bf16 ? bf16f(((const uint16_t *)wts)[e]) : ((const float *)wts)[e];
+    int64_t RW = D > I ? D : I, qd = xrow_bytes(k13, D), qi = xrow_bytes(k2, I);
+    int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
+    uint8_t *xq = (uint8_t *)(gu + (int64_t)nexp * 2 * I), *hq = xq + qd, *wq = hq + nexp * qi;
+    int simd = path == 2;
+    quantize_for(k13, x, x_bf16, D, xq, 0);
+    OMP(omp parallel num_threads(threads))
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        uint8_t *own = wq + (int64_t)t * wb;
+        OMP(omp for schedule(static))
+        for (int64_t r = 0; r < nexp * 2 * I; r++) {
+            int64_t e = r / (2 * I), n = r % (2 * I);
+            gu[r] = dot_row(k13, w13 + ids[e] * e13 + n * ldw13, D, xq, own, RW, simd);
+        }
+        OMP(omp for schedule(static))
+        for (int e = 0; e < nexp; e++) {
+            float *h = gu + (int64_t)e * 2 * I;
+            for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
+            quantize_for(k2, h, 0, I, hq + e * qi, 0);
+        }
+        OMP(omp for schedule(static))
+        for (int64_t d = 0; d < D; d++) {
+            float y = 0, v;
+            for (int e = 0; e < nexp; e++) {
+                v = dot_row(k2, w2 + ids[e] * e2 + d * ldw2, I, hq + e * qi, own, RW, simd);
+                y += w[e] * v;
+            }
+            put(out, out_bf16, d, y);
+        }
+    }
+    return 0;
+}
+
+/* mlight_gguf_linear's integer paths (1 plain C, 2 SIMD) for one activation row: y [N] = x [K] . W^T, W's rows
+   ldw bytes apart in blocks of `kind`, Q8_0 dotted in place; scratch as mlight_gguf_scratch(1, K, threads) */
+int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t K, const uint8_t *w, int64_t ldw, int64_t N,
+                             void *y, int y_bf16, float *scratch, int threads, int path) {
+    if (kind < 0 || kind > 5 || K % BS[kind] || threads < 1 || path < 1 || path > 2) return -1;
+    int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
+    uint8_t *xq = (uint8_t *)scratch, *rows = xq + xrow_bytes(kind, K);
+    quantize_for(kind, x, x_bf16, K, xq, 0);
+    OMP(omp parallel num_threads(threads))
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        uint8_t *own = rows + (int64_t)t * wb;
+        OMP(omp for schedule(static))
+        for (int64_t n = 0; n < N; n++) put(y, y_bf16, n, dot_row(kind, w + n * ldw, K, xq, own, K, path == 2));
+    }
+    return 0;
+}
+
+/* floats of scratch a mlight_gguf_token_linear call needs */
+int64_t mlight_gguf_token_linear_scratch(int64_t K, int threads) {
+    int64_t x = qrow_bytes(K) > kqrow_bytes(K) ? qrow_bytes(K) : kqrow_bytes(K);
+    int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
+    return (x + (int64_t)threads * wb + 3) / 4;
+}

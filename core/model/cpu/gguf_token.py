@@ -1,0 +1,114 @@
+"""One token's GGUF experts with Q8_0 rows dotted where they lie (core/assets/kernels/gguf_token.c): decode at batch 1.
+
+`gguf_blocks.moe` decodes every weight row into a buffer before its dot; for Q8_0 that copy costs what the dot
+does at one activation row, and a decode step of the 784M Mixtral read its experts at half of what one core
+streams. This kernel dots the blocks themselves, with gguf_matmul.c's integers, products and lane order, so
+its result equals `gguf_blocks.moe`'s default path (int8 activations) bit for bit; a matrix in another format
+in the same call is decoded as before. It takes bf16 tokens with a Q8_0 matrix among the two (`moe` says None
+otherwise, and the caller runs `gguf_blocks.moe`); `linear` is one bf16 row through a Q8_0 matrix the same way
+(a decode step's dense projections at batch 1). Built like the other C kernels (core.model.cpu.native),
+with gguf_matmul.c compiled in: the build flags carry its hash, so an edit there rebuilds this.
+Legend: D = hidden, I = expert intermediate, k = experts of the token, E = experts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+
+import torch
+
+from core.assets import GGUF_MATMUL_C, GGUF_TOKEN_C as SOURCE
+from core.model.cpu import gguf_blocks, native
+
+_reason = "not built yet"
+
+
+class _Lib:
+    def __init__(self, path, flags: str):
+        self.dll = ctypes.CDLL(str(path))
+        P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.moe = native.bind(self.dll, "mlight_gguf_token_moe",
+                               [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
+        self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
+        self.linear = native.bind(self.dll, "mlight_gguf_token_linear", [C, P, C, I, P, I, I, P, C, P, C, C], C)
+        self.linear_scratch = native.bind(self.dll, "mlight_gguf_token_linear_scratch", [I, C], I)
+        self.openmp = bool(self.dll.mlight_gguf_openmp())
+        self.simd = gguf_blocks.SIMD[self.dll.mlight_gguf_simd()]
+        self.flags = flags + (" -fopenmp" if self.openmp else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _build(level: str) -> _Lib | None:
+    global _reason
+    flags, vw = native._flags()
+    if "-mavx2" in flags and gguf_blocks._has("f16c"):  # gguf_blocks' flags: the same instructions, the same floats
+        flags = [*flags, "-mf16c"]
+    if "-mavx512vl" in flags and gguf_blocks._has("avx512_vnni"):
+        flags = [*flags, "-mavx512vnni"]
+    included = hashlib.sha256(GGUF_MATMUL_C.read_bytes()).hexdigest()[:16]
+    lib, _reason = native.build_kernel(SOURCE, "gguf_token", [*flags, f"-DGGUF_MATMUL_HASH={included}"], vw,
+                                       lambda path: _Lib(path, " ".join(flags) or "baseline"))
+    return lib
+
+
+def library() -> _Lib | None:
+    from core.model.cpu import isa
+
+    return _build(isa.cpu_isa().usable)
+
+
+def status() -> str:
+    lib = library()
+    return f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None else f"gguf_blocks.moe ({_reason})"
+
+
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
+        down: tuple[str, torch.Tensor], path: str = "int8") -> torch.Tensor | None:
+    """`gguf_blocks.moe` for a bf16 token x [1, D] on its default path (`path` "int8", or "int8_c": the plain-C
+    dots), Q8_0 rows read in place: the same arguments, the same result; None where this kernel does not take
+    the call (x not bf16, no Q8_0 matrix, more than MAX_EXPERTS experts, no kernel here)."""
+    (k13, w13), (k2, w2) = up, down
+    k = ids.shape[-1]
+    if (x.dtype != torch.bfloat16 or x.shape[0] != 1 or "Q8_0" not in (k13, k2) or k > gguf_blocks.MAX_EXPERTS
+            or k13 not in gguf_blocks.KINDS or k2 not in gguf_blocks.KINDS):
+        return None
+    lib = library()
+    if lib is None or not (lib.openmp or torch.get_num_threads() == 1):
+        return None
+    D, I = x.shape[-1], w13.shape[1] // 2
+    if weights.dtype not in (torch.float32, torch.bfloat16):
+        weights = weights.float()
+    if ids.dtype != torch.int64:
+        ids = ids.long()
+    ids, weights, x = (t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
+    threads = torch.get_num_threads() if lib.openmp else 1
+    out = torch.empty((1, D), dtype=x.dtype)
+    s = gguf_blocks._scratch(lib.moe_scratch(D, I, k, threads))
+    if lib.moe(gguf_blocks.KINDS[k13], gguf_blocks.KINDS[k2], x.data_ptr(), 1, D, I, k, ids.data_ptr(),
+               weights.data_ptr(), int(weights.dtype == torch.bfloat16), w13.data_ptr(), w13.stride(0), w13.stride(1),
+               w2.data_ptr(), w2.stride(0), w2.stride(1), out.data_ptr(), 1, s.data_ptr(), threads,
+               gguf_blocks.PATHS[path]):
+        raise RuntimeError(f"the GGUF token kernel refused D={D}, I={I}, {k} experts")
+    return out
+
+
+def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, path: str = "int8") -> bool:
+    """`gguf_blocks.linear(name, x, raw, out=out)` for one bf16 row x [1, K] of a Q8_0 matrix (raw uint8 [N, bytes],
+    rows contiguous) on its default path ("int8", or "int8_c"), the rows dotted in place: the same values written
+    into `out` [1, N] (bf16, unit stride in N); False, with nothing written, where this kernel does not take it."""
+    if (name != "Q8_0" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != 1 or out.dtype != x.dtype
+            or out.shape != (1, raw.shape[0]) or (raw.shape[0] > 1 and out.stride(1) != 1) or x.stride(-1) != 1
+            or raw.stride(1) != 1):
+        return False
+    lib = library()
+    if lib is None or not (lib.openmp or torch.get_num_threads() == 1):
+        return False
+    K = x.shape[1]
+    threads = torch.get_num_threads() if lib.openmp else 1
+    s = gguf_blocks._scratch(lib.linear_scratch(K, threads))
+    if lib.linear(0, x.data_ptr(), 1, K, raw.data_ptr(), raw.stride(0), raw.shape[0], out.data_ptr(), 1, s.data_ptr(),
+                  threads, gguf_blocks.PATHS[path]):
+        raise RuntimeError(f"the GGUF token kernel refused Q8_0 with K={K}")
+    return True
