@@ -162,6 +162,15 @@ def int8_group(name: str, dtype: torch.dtype, rows: int) -> int | None:
 MAX_EXPERTS = 64  # routed experts of one token the fused call takes
 
 
+def moe_inputs(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
+    """A `moe` call's tensors as the C side reads them: int64 ids, fp32 or bf16 weights, each contiguous."""
+    if weights.dtype not in (torch.float32, torch.bfloat16):
+        weights = weights.float()
+    if ids.dtype != torch.int64:
+        ids = ids.long()
+    return tuple(t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
+
+
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
         down: tuple[str, torch.Tensor], path: str | None = None) -> torch.Tensor | None:
     """One token's routed experts: x [1, D]; ids [1, k] and weights [1, k] on the host; up = (format, raw uint8
@@ -176,11 +185,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     k = ids.shape[-1]
     if k > MAX_EXPERTS or x.shape[0] != 1:
         return None
-    if weights.dtype not in (torch.float32, torch.bfloat16):
-        weights = weights.float()
-    if ids.dtype != torch.int64:
-        ids = ids.long()
-    ids, weights, x = (t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
+    ids, weights, x = moe_inputs(ids, weights, x)
     threads = torch.get_num_threads() if lib.openmp else 1
     out = torch.empty((1, D), dtype=x.dtype)
     s = _scratch(lib.moe_scratch(D, I, k, threads))

@@ -78,11 +78,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     if lib is None or not (lib.openmp or torch.get_num_threads() == 1):
         return None
     D, I = x.shape[-1], w13.shape[1] // 2
-    if weights.dtype not in (torch.float32, torch.bfloat16):
-        weights = weights.float()
-    if ids.dtype != torch.int64:
-        ids = ids.long()
-    ids, weights, x = (t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
+    ids, weights, x = gguf_blocks.moe_inputs(ids, weights, x)
     threads = torch.get_num_threads() if lib.openmp else 1
     out = torch.empty((1, D), dtype=x.dtype)
     s = gguf_blocks._scratch(lib.moe_scratch(D, I, k, threads))
