@@ -504,6 +504,14 @@ static void quantize_row_k(const void *x, int bf, int64_t K, KQRow r) {
     }
 }
 
+/* Q4_K / Q5_K: each 32-value sub-block's quants times its 6-bit scale, and its 6-bit min, as integers */
+static inline void k_scaled(const uint8_t *u, const int *sc, const int *m, int16_t *w, int32_t *mn) {
+    for (int j = 0; j < 8; j++) {
+        for (int t = 0; t < 32; t++) w[32 * j + t] = (int16_t)(sc[j] * u[32 * j + t]);
+        mn[j] = m[j];
+    }
+}
+
 static inline void k_q4_k(const uint8_t *b, int16_t *w, int32_t *mn, float *d, float *dm) {
     uint8_t u[256];
     int sc[8], m[8];
@@ -511,10 +519,7 @@ static inline void k_q4_k(const uint8_t *b, int16_t *w, int32_t *mn, float *d, f
     const uint8_t *q = b + 16;
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < 32; j++) u[64 * i + j] = q[32 * i + j] & 15, u[64 * i + 32 + j] = q[32 * i + j] >> 4;
-    for (int j = 0; j < 8; j++) {
-        for (int t = 0; t < 32; t++) w[32 * j + t] = (int16_t)(sc[j] * u[32 * j + t]);
-        mn[j] = m[j];
-    }
+    k_scaled(u, sc, m, w, mn);
     *d = f16f(b), *dm = f16f(b + 2);
 }
 
@@ -524,10 +529,7 @@ static inline void k_q5_k(const uint8_t *b, int16_t *w, int32_t *mn, float *d, f
     int sc[8], m[8];
     i8_q5_k(b, u, s, o);
     scales_k4(b, sc, m);
-    for (int j = 0; j < 8; j++) {
-        for (int t = 0; t < 32; t++) w[32 * j + t] = (int16_t)(sc[j] * u[32 * j + t]);
-        mn[j] = m[j];
-    }
+    k_scaled(u, sc, m, w, mn);
     *d = f16f(b), *dm = f16f(b + 2);
 }
 
