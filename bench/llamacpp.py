@@ -116,8 +116,13 @@ def build_vendored(cache: Path) -> LlamaCpp | str:
         sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
         if not sdists:
             print(f"# downloading the {SDIST} sdist into {cache}", flush=True)
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                                "--no-build-isolation", SDIST, "-d", str(cache)], capture_output=True, text=True)
+            # pip builds the sdist's metadata: in an isolated env first (fetches scikit-build-core), else
+            # in this one (offline machines that have it installed)
+            for isolation in ([], ["--no-build-isolation"]):
+                r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                                    *isolation, SDIST, "-d", str(cache)], capture_output=True, text=True)
+                if r.returncode == 0:
+                    break
             sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
             if not sdists:
                 return f"pip could not download the {SDIST} sdist: {r.stderr.strip()[-400:]}\n{HOW}"

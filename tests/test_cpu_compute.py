@@ -243,6 +243,8 @@ def test_the_avx2_limits_take_effect(bf16_model, capfd):
         with torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON):
             torch.randn(64, 64) @ torch.randn(64, 64)
         said = capfd.readouterr().out
-        assert "AVX2" in said and "AVX-512" not in said, said[:300]
+        assert "AVX-512" not in said, said[:300]
+        if "Intel(R) Advanced Vector Extensions" in said:  # MKL names its code path on Intel CPUs only
+            assert "AVX2" in said, said[:300]
     engine = Engine.load(bf16_model, threads=1)
     assert engine.cpu.math == "float32" and not engine.weights.packed
