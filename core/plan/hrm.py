@@ -50,8 +50,6 @@ CPU_ATTN_TORCH_OPS = 23
 # An FFN task's ops by expert path (core.model.moe.device_experts): (fixed, per expert), counted on the emulated
 # device (tests/test_launch_budget.py); every path is constant in E today.
 EXPERT_PATHS = {"fused": (HOST_OPS["ffn"], 0), "grouped": (33, 0)}
-# None: the path today's runtime picks (expert_path); a name of EXPERT_PATHS where every FFN runs one path
-DEFAULT_EXPERT_PATH: str | None = None
 # Page-locking host memory (cudaHostRegister), bytes/s, as on the H200 host; HardwareSpec.pin_bw where measured.
 # Paid once per loaded model, before its first token.
 PIN_BW = 2e9
@@ -74,7 +72,6 @@ class Rates:
     op_seconds: float = OP_SECONDS  # ... and per torch op a task issues
     # (("int4", FLOP/s), ("int4@1", FLOP/s), ...): the probe's weight-only kernel rates at 64 rows and at one
     cpu_kernel_flops: tuple = ()
-    expert_path: str | None = DEFAULT_EXPERT_PATH  # a key of EXPERT_PATHS, or None: as the runtime picks
     gpu_capability: tuple = ()  # () unknown: taken to have every kernel
     pin_bw: float = PIN_BW
     host_measured: bool = False  # task_seconds and op_seconds measured on this machine (bench/gpu_check.py)
@@ -527,12 +524,8 @@ def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, fl
 
 
 def expert_path(m: "ModelSpec | Dims", r: Rates, tokens: float) -> str:
-    """The EXPERT_PATHS key a GPU FFN task of `tokens` tokens runs on: r.expert_path, else the runtime's choice
+    """The EXPERT_PATHS key a GPU FFN task of `tokens` tokens runs on: the runtime's choice
     (core.model.fused_moe.expert_path)."""
-    if r.expert_path:
-        if r.expert_path not in EXPERT_PATHS:
-            raise ValueError(f"unknown expert path {r.expert_path!r}; expected one of {', '.join(EXPERT_PATHS)}")
-        return r.expert_path
     d = dims(m)
     grouped_mm = d.dtype == "bfloat16" and (not r.gpu_capability or tuple(r.gpu_capability) >= (8, 0))
     return "grouped" if grouped_mm and d.qkind == "none" and tokens > FUSED_MAX_TOKENS else "fused"
