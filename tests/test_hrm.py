@@ -119,19 +119,3 @@ def test_dense_layers_have_no_experts_to_stream_or_run():
                          gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, context=512, pages=4)
     streamed = t["weight_page"].seconds * t["weight_page"].per_layer - 4 * hrm.COPY_LAUNCH
     assert streamed * r.h2d_bw == pytest.approx(frac * ds.layer_expert_bytes)
-
-
-def test_cpu_only_prices_gguf_blocks_as_stored_up_to_the_kernels_rows(monkeypatch):
-    """The CPU's block kernel reads a GGUF expert as stored at decode; it is expanded only where an expert
-    gets more than NATIVE_GGUF_ROWS tokens (core.model.quant.experts)."""
-    from core.model.quant.formats import Format, quantized_spec
-
-    spec = quantized_spec(MIXTRAL, Format("Q8_0"))
-    real, expanded = hrm.moe_ffn, set()
-    monkeypatch.setattr(hrm, "moe_ffn", lambda m, t, expand=False: (expand and expanded.add(t), real(m, t, expand))[1])
-    r = hrm.effective_rates(preset("t4"))
-    assert r.cpu_costs is None  # the roofline branch
-    for t in (8, 4096):
-        hrm.decode_tasks(spec, r, batch=t, micro_batch=t, expert_batch=t, attention_on="cpu", ffn_on="cpu",
-                         gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, context=100.0)
-    assert expanded == {4096}

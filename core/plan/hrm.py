@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from core.plan import cpu_cost
 from core.plan.hardware import HardwareSpec
 from core.plan.mixer_costs import MixerCost, mixer_costs
 from core.model.limits import LOOKAHEAD  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU
 from core.model.limits import LAYOUT_ALIGN  # each stacked expert tensor of a layer buffer starts at a multiple of this
 from core.model.limits import FUSED_MAX_TOKENS  # longer dense expert calls take grouped_mm where it runs
 from core.model.quant import dense_spec
-from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, NATIVE_GGUF_ROWS, Format, workspace_bytes
+from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, Format, workspace_bytes
 from core.model.spec import ModelSpec
 
 # Achieved fraction of a datasheet peak, for rates not measured (HardwareSpec.measured): from the paper's L4 +
@@ -66,8 +67,8 @@ class Rates:
     cpu_flops: float
     cpu_bw: float
     has_gpu: bool
+    cpu_costs: object  # core.plan.cpu_cost.CpuCosts of this machine for the CPU's math dtype (the CPU-only mode's)
     tp: int = 1  # tensor-parallel ranks summing their partial outputs (rates are then one rank's)
-    cpu_costs: object = None  # core.plan.cpu_cost.CpuCosts measured on this machine for the CPU's math dtype
     task_seconds: float = TASK_SECONDS  # the executor's host cost per task
     op_seconds: float = OP_SECONDS  # ... and per torch op a task issues
     # (("int4", FLOP/s), ("int4@1", FLOP/s), ...): the probe's weight-only kernel rates at 64 rows and at one
@@ -90,22 +91,21 @@ class Rates:
 
 def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> Rates:
     """Achievable rates; `dtype` (the weights' storage dtype) picks the CPU matmul rate and calibrated CPU costs of
-    the dtype the CPU computes in (HardwareSpec.cpu_flops_for), for `model` or the nearest."""
+    the dtype the CPU computes in (HardwareSpec.cpu_flops_for), for `model` or the nearest; without it, fp32 at
+    the probe's figure and uncalibrated costs."""
     def rate(name: str, per_gpu: bool) -> float:
         v = getattr(hw, name) * (1.0 if name in hw.measured else DERATE[name])
         return v * (hw.gpu_count if per_gpu else 1)
 
-    cpu_flops, costs = rate("cpu_flops", False), None
+    cpu_flops, math, width = rate("cpu_flops", False), "float32", 4
     if dtype is not None:
         v, math, measured = hw.cpu_flops_for(dtype)
         cpu_flops = v * (1.0 if measured else DERATE["cpu_flops"])
-        from core.plan import cpu_cost
-
-        if hw.cpu_costs.get(math):
-            costs = cpu_cost.pick(hw.cpu_costs[math], dims(model) if model is not None else None)
-        else:  # never calibrated: the probe's rates with what calibration learned on other machines
-            width = 4 if dtype in ("float32", "torch.float32") else 2
-            costs = cpu_cost.defaults(math, cpu_flops, rate("cpu_bw", False), width, width, hw.cpu_threads or 0)
+        width = 4 if dtype in ("float32", "torch.float32") else 2
+    if dtype is not None and hw.cpu_costs.get(math):
+        costs = cpu_cost.pick(hw.cpu_costs[math], dims(model) if model is not None else None)
+    else:  # never calibrated: the probe's rates with what calibration learned on other machines
+        costs = cpu_cost.defaults(math, cpu_flops, rate("cpu_bw", False), width, width, hw.cpu_threads or 0)
     return Rates(gpu_flops=rate("gpu_flops", True), gpu_bw=rate("gpu_bw", True), h2d_bw=rate("h2d_bw", True),
                  d2h_bw=rate("d2h_bw", True), cpu_flops=cpu_flops, cpu_bw=rate("cpu_bw", False),
                  has_gpu=hw.has_gpu, cpu_costs=costs, task_seconds=hw.host_task_seconds or TASK_SECONDS,
@@ -418,10 +418,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
     m = dims(m)
     n_mb, n_eb = batch / micro_batch, batch / expert_batch
     pages = pages or max(1, round(n_mb))
-    cpu_only = ffn_on == "cpu"
-    if cpu_only and r.cpu_costs is not None:  # measured on this machine: core.plan.cpu_cost
-        from core.plan import cpu_cost
-
+    if ffn_on == "cpu":  # the CPU-only mode: core.plan.cpu_cost
         costs = r.cpu_costs
         secs = cpu_cost.decode_tasks(m, costs, micro_batch=micro_batch, expert_batch=expert_batch, context=context)
         if m.qkind in CPU_KERNEL_FLOPS:  # calibrated on the dtype's matmuls: quantized experts run other kernels
@@ -432,11 +429,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         secs["post_attn"] += swap["post"]
         return {k: TaskCost("cpu_attn" if k == "cpu_attn" else "gpu", v, n_eb if k == "ffn" else n_mb)
                 for k, v in secs.items()}
-    fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
-    # a GPU dequantizes inside its fused kernel; the CPU expands GGUF blocks past NATIVE_GGUF_ROWS rows an expert
-    ffn = moe_ffn(m, expert_batch, expand=cpu_only and m.qkind == "blocks"
-                  and expert_batch * m.k > NATIVE_GGUF_ROWS * max(expected_experts(expert_batch, m.E, m.k), 1))
-    ffn_fl = r.kernel_flops(m.qkind) if cpu_only else fl
+    fl, bw, launch = r.gpu_flops, r.gpu_bw, GPU_LAUNCH  # a GPU dequantizes inside its fused kernel
     post = o_proj(m, micro_batch) + router(m, micro_batch) + shared_expert(m, micro_batch)
     # kernel launches: pre_attn 3 (norm, qkv, rope), post_attn 5 (o, norm, router, top-k, combine), ffn 3;
     # tensor parallel: post_attn and ffn each end in an all-reduce on the compute stream
@@ -444,15 +437,12 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         "pre_attn": TaskCost("gpu", roofline_seconds(qkv_proj(m, micro_batch), fl, bw) + 3 * launch, n_mb),
         "post_attn": TaskCost("gpu", roofline_seconds(post, fl, bw) + 5 * launch + all_reduce_seconds(m, r, micro_batch),
                               n_mb),
-        "ffn": TaskCost("gpu", (max(quant_cpu_ffn(m, r, expert_batch), ffn.bytes / bw) if cpu_only and m.qkind in
-                                CPU_KERNEL_FLOPS else roofline_seconds(ffn, ffn_fl, bw))
-                        + 3 * launch + all_reduce_seconds(m, r, expert_batch), n_eb),
+        "ffn": TaskCost("gpu", roofline_seconds(moe_ffn(m, expert_batch), fl, bw) + 3 * launch
+                        + all_reduce_seconds(m, r, expert_batch), n_eb),
     }
     attn = decode_attention(m, micro_batch, context)
-    if cpu_only or attention_on == "cpu":
+    if attention_on == "cpu":
         t["cpu_attn"] = TaskCost("cpu_attn", roofline_seconds(attn, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH, n_mb)
-    if cpu_only:
-        return t
     streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes * m.moe_frac  # dense layers stream nothing
     # launch cost in proportion to the streamed share: affine in r_w, nothing when nothing streams
     t["weight_page"] = TaskCost("h2d", (streamed / pages / r.h2d_bw + COPY_LAUNCH * (1 - gpu_weight_fraction)), pages)
@@ -475,17 +465,12 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
     m = dims(m)
     n_mb = batch / micro_batch
     toks = micro_batch * prompt_len
+    if ffn_on == "cpu":
+        swap = quant_dense_swap(m, r, r.cpu_costs, toks)
+        return {"prefill": TaskCost("gpu", cpu_cost.prefill_seconds(m, r.cpu_costs, micro_batch, prompt_len, prompt_sq)
+                                    + swap["pre"] + swap["post"], n_mb)}
     work = dense_work(m, toks) + moe_ffn(m, toks, expand=m.qkind != "none") + prefill_attention(m, micro_batch, prompt_len)
     reduce = 2 * all_reduce_seconds(m, r, toks)  # after the O projection and after the FFN
-    if ffn_on == "cpu" and r.cpu_costs is not None:
-        from core.plan import cpu_cost
-
-        costs = r.cpu_costs
-        swap = quant_dense_swap(m, r, costs, toks)
-        return {"prefill": TaskCost("gpu", cpu_cost.prefill_seconds(m, costs, micro_batch, prompt_len, prompt_sq)
-                                    + swap["pre"] + swap["post"], n_mb)}
-    if ffn_on == "cpu":
-        return {"prefill": TaskCost("gpu", roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH + reduce, n_mb)}
     pages = pages or max(1, round(n_mb))
     streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes * m.moe_frac
     kv_to_cpu = 1.0 if attention_on == "cpu" else 1 - gpu_kv_fraction
@@ -605,15 +590,11 @@ def layer_time(busy: dict[str, float], ffn_on: str, pipeline: float = 0.0) -> fl
 
 def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches: int, on_gpu: bool) -> float:
     """The LM head (and final norm) once per step over `tokens` tokens, in `micro_batches` pieces."""
-    if not on_gpu and r.cpu_costs is not None:
-        from core.plan import cpu_cost
-
+    if not on_gpu:
         return cpu_cost.head_seconds(dims(m), r.cpu_costs, tokens) + quant_dense_swap(m, r, r.cpu_costs, tokens)["head"]
-    w = lm_head(m, tokens / micro_batches)
-    flops, bw = (r.gpu_flops, r.gpu_bw) if on_gpu else (r.cpu_flops, r.cpu_bw)
-    return micro_batches * (roofline_seconds(w, flops, bw) + (GPU_LAUNCH if on_gpu else CPU_LAUNCH))
+    return micro_batches * (roofline_seconds(lm_head(m, tokens / micro_batches), r.gpu_flops, r.gpu_bw) + GPU_LAUNCH)
 
 
 def wave_seconds(r: Rates, *, on_gpu: bool) -> float:
     """Admitting a wave, beside its prefill's layers and LM head: CPU-only, as calibrated (CpuCosts.wave_s)."""
-    return 0.0 if on_gpu or r.cpu_costs is None else r.cpu_costs.wave_s
+    return 0.0 if on_gpu else r.cpu_costs.wave_s

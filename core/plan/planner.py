@@ -291,7 +291,7 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
         step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu, pinned_bytes=pinned,
         bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("gpu", "cpu_attn"), key=lambda k: dec[k])],
         decode_busy=decode_busy, prefill_busy=prefill_busy, decode_steps=(n - 1) * (full + (1 if last else 0)),
-        prompt_tokens=prompt_tokens, band=0.0 if on_gpu or r.cpu_costs is None else r.cpu_costs.band,
+        prompt_tokens=prompt_tokens, band=0.0 if on_gpu else r.cpu_costs.band,
     )
 
 
@@ -518,9 +518,9 @@ class _Candidate:
     lin: _Lin
 
 
-def _rates(hw: HardwareSpec, ranks: int, model: ModelSpec | None = None) -> hrm.Rates:
+def _rates(hw: HardwareSpec, ranks: int, model: ModelSpec) -> hrm.Rates:
     """The HRM's rates for one rank; the CPU at the rate of the dtype `model`'s weights compute in."""
-    return dataclasses.replace(hrm.effective_rates(hw, model.dtype if model is not None else None, model), tp=ranks)
+    return dataclasses.replace(hrm.effective_rates(hw, model.dtype, model), tp=ranks)
 
 
 def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: int = 4, ranks: int = 1) -> list[_Candidate]:
