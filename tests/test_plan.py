@@ -378,9 +378,9 @@ def test_state_per_sequence_follows_each_layers_kind():
 
 
 def test_model_from_folder_and_from_the_hf_cache(tmp_path, monkeypatch):
-    from core.plan.presets import CONFIGS_DIR
+    from core.assets import CONFIGS
 
-    cfg = (CONFIGS_DIR / "olmoe-1b-7b" / "config.json").read_text()
+    cfg = (CONFIGS / "olmoe-1b-7b" / "config.json").read_text()
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "config.json").write_text(cfg)
