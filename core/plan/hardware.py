@@ -99,13 +99,10 @@ class HardwareSpec:
         engine applies (core.model.cpu.compute), from the recorded ISA or the measured rates. A machine
         whose ISA is unknown (a file from an old probe) is taken to run the storage dtype natively."""
         from core.model.cpu.compute import math_for, native
-        from core.model.cpu.isa import CpuIsa
 
         if self.cpu_isa is None:
             return math_for(storage, self.cpu_matmul, True, "an unknown CPU")
-        isa = CpuIsa(self.cpu_isa_hw or self.cpu_isa, self.cpu_isa, self.cpu_isa in ("avx512_bf16", "amx"),
-                     self.cpu_isa == "amx", self.cpu_isa_limits)
-        return math_for(storage, self.cpu_matmul, native(storage, isa), self.cpu_isa_label)
+        return math_for(storage, self.cpu_matmul, native(storage, self._isa()), self.cpu_isa_text())
 
     def cpu_flops_for(self, storage: str) -> tuple[float, str, bool]:
         """(FLOP/s, math dtype, measured?) of the CPU's matmuls for weights stored in `storage`."""
@@ -115,19 +112,16 @@ class HardwareSpec:
             return rate, math, True
         return self.cpu_flops, math, "cpu_flops" in self.measured
 
-    @property
-    def cpu_isa_label(self) -> str:
-        """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"; "unknown" before a probe."""
-        return self.cpu_isa_text()
-
-    def cpu_isa_text(self, name_up_to: int | None = None) -> str:
-        """cpu_isa_label, with more than `name_up_to` limits counted rather than named (CpuIsa.describe)."""
-        if not self.cpu_isa:
-            return "unknown"
+    def _isa(self):
         from core.model.cpu.isa import CpuIsa
 
-        return CpuIsa(self.cpu_isa_hw or self.cpu_isa, self.cpu_isa, False, False,
-                      self.cpu_isa_limits).describe(name_up_to)
+        return CpuIsa(self.cpu_isa_hw or self.cpu_isa, self.cpu_isa, self.cpu_isa in ("avx512_bf16", "amx"),
+                      self.cpu_isa == "amx", self.cpu_isa_limits)
+
+    def cpu_isa_text(self, name_up_to: int | None = None) -> str:
+        """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"; "unknown" before a probe. More
+        than `name_up_to` limits are counted rather than named (CpuIsa.describe)."""
+        return self._isa().describe(name_up_to) if self.cpu_isa else "unknown"
 
     @property
     def has_gpu(self) -> bool:
@@ -141,14 +135,11 @@ class HardwareSpec:
         return dataclasses.replace(self, h2d_bw=gbps * GB, d2h_bw=gbps * GB, measured=measured)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["measured"] = list(self.measured)
-        d["cpu_isa_limits"] = list(self.cpu_isa_limits)
-        return d
+        return dataclasses.asdict(self)  # JSON writes its tuples as lists; __post_init__ reads them back
 
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
-        return cls(**d)  # __post_init__ turns JSON's lists back into tuples
+        return cls(**d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
