@@ -338,15 +338,7 @@ def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: f
         return cached
     rates = (measure or _measure)(hw, seconds)
     _write_json(probe_cache_path(hw), {"rates": rates, "time": time.time(), "machine": hw.to_dict()})
-    return _with_gpu_costs(_with_costs(_apply(hw, rates)))
-
-
-def _with_costs(hw: HardwareSpec) -> HardwareSpec:
-    """The machine with its calibrated CPU cost model (`mlight bench --calibrate`), when there is one."""
-    from core.plan import cpu_cost
-
-    costs = cpu_cost.load(hw)
-    return dataclasses.replace(hw, cpu_costs=costs) if costs else hw
+    return _probed(hw, rates)
 
 
 def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:
@@ -354,9 +346,19 @@ def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:
     hw = base or detect()
     try:
         rates = json.loads(probe_cache_path(hw).read_text(encoding="utf-8"))["rates"]
-        return _with_gpu_costs(_with_costs(_apply(hw, rates)))
+        return _probed(hw, rates)
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _probed(hw: HardwareSpec, rates: dict) -> HardwareSpec:
+    """The machine with the probe's rates, its calibrated CPU cost model (`mlight bench --calibrate`) and its
+    recorded GPU-path costs, where it has them."""
+    from core.plan import cpu_cost
+
+    hw = _apply(hw, rates)
+    gpu = _gpu_costs(hw) if hw.has_gpu else {}
+    return dataclasses.replace(hw, cpu_costs=cpu_cost.load(hw) or hw.cpu_costs, **gpu)
 
 
 # What bench/gpu_check.py measured of this machine's GPU path, in a file of their own (a new probe keeps them);
@@ -368,29 +370,23 @@ def gpu_costs_path(hw: HardwareSpec) -> Path:
     return cache_dir() / "probe" / f"gpu-costs-{machine_key(hw)}.json"
 
 
+def _gpu_costs(hw: HardwareSpec) -> dict[str, float]:
+    """The GPU-path costs recorded for this machine ({} when none, or the file is damaged)."""
+    try:
+        kept = json.loads(gpu_costs_path(hw).read_text(encoding="utf-8"))["costs"]
+        return {k: float(kept[k]) for k in GPU_COSTS if kept.get(k, 0) > 0}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
 def record_gpu_costs(hw: HardwareSpec, **values: float) -> Path:
     """Keep measured GPU-path costs (names from GPU_COSTS) for this machine; earlier ones not given stay."""
     unknown = set(values) - set(GPU_COSTS)
     if unknown:
         raise ValueError(f"unknown GPU costs {sorted(unknown)}; expected some of {GPU_COSTS}")
-    path = gpu_costs_path(hw)
-    try:
-        kept = json.loads(path.read_text(encoding="utf-8"))["costs"]
-    except (OSError, ValueError, KeyError, TypeError):
-        kept = {}
-    kept.update({k: float(v) for k, v in values.items() if v and v > 0})
-    _write_json(path, {"costs": kept, "time": time.time()})
-    return path
-
-
-def _with_gpu_costs(hw: HardwareSpec) -> HardwareSpec:
-    if not hw.has_gpu:
-        return hw
-    try:
-        kept = json.loads(gpu_costs_path(hw).read_text(encoding="utf-8"))["costs"]
-        return dataclasses.replace(hw, **{k: float(kept[k]) for k in GPU_COSTS if kept.get(k, 0) > 0})
-    except (OSError, ValueError, KeyError, TypeError):
-        return hw
+    kept = {**_gpu_costs(hw), **{k: float(v) for k, v in values.items() if v and v > 0}}
+    _write_json(gpu_costs_path(hw), {"costs": kept, "time": time.time()})
+    return gpu_costs_path(hw)
 
 
 def cached_cpu_rates() -> dict[str, float] | None:
