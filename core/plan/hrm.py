@@ -502,10 +502,8 @@ def decode_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, flo
 
 def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, float]:
     tasks = prefill_tasks(m, r, **kw)
-    if kw.get("ffn_on") != "gpu":
-        return {**busy_seconds(tasks), "host": 0.0}
-    ffn = ffn_ops(m, r, kw["micro_batch"] * kw["prompt_len"])
-    return {**busy_seconds(tasks), "host": host_seconds(tasks, r, ffn)}
+    ffn = ffn_ops(m, r, kw["micro_batch"] * kw["prompt_len"]) if kw.get("ffn_on") == "gpu" else None
+    return {**busy_seconds(tasks), "host": host_seconds(tasks, r, ffn) if ffn is not None else 0.0}
 
 
 def expert_path(m: "ModelSpec | Dims", r: Rates, tokens: float) -> str:
