@@ -153,23 +153,24 @@ class HardwareSpec:
 # PCIe, one direction, after 128b/130b encoding: gen3 x16 15.75 GB/s, gen4 31.5, gen5 63 (PCI-SIG).
 _PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
-# name: (marketing name, memory GiB, dense fp16/bf16 tensor TFLOP/s, memory GB/s, pcie gen, width)
+# name: (marketing name, memory GiB, dense fp16/bf16 tensor TFLOP/s, memory GB/s, pcie gen, width, compute
+# capability from NVIDIA's CUDA GPUs table: T4 Turing, A10G/RTX 3090 Ampere, L4/4090 Ada)
 _GPUS = {
     # NVIDIA T4 datasheet: 16 GB GDDR6, 320 GB/s, "mixed precision FP16/FP32" 65 TFLOPS, PCIe gen3 x16.
-    "t4": ("Tesla T4", 16, 65.0, 320.0, 3, 16),
+    "t4": ("Tesla T4", 16, 65.0, 320.0, 3, 16, (7, 5)),
     # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, FP16 tensor 242 TFLOPS *with sparsity* → 121 dense, gen4 x16.
-    "l4": ("NVIDIA L4", 24, 121.0, 300.0, 4, 16),
+    "l4": ("NVIDIA L4", 24, 121.0, 300.0, 4, 16, (8, 9)),
     # AWS publishes no A10G datasheet; the NVIDIA A10 sheet lists 125 dense FP16 at higher clocks and
     # 600 GB/s. A10G runs lower clocks: 70 dense FP16 TFLOPS is the commonly quoted figure. gen4 x16.
-    "a10g": ("NVIDIA A10G", 24, 70.0, 600.0, 4, 16),
+    "a10g": ("NVIDIA A10G", 24, 70.0, 600.0, 4, 16, (8, 6)),
     # NVIDIA Ampere GA102 whitepaper (RTX 3090): 936 GB/s GDDR6X, FP16 tensor with FP32 accumulate 71 TFLOPS.
-    "rtx3090": ("NVIDIA GeForce RTX 3090", 24, 71.0, 936.0, 4, 16),
+    "rtx3090": ("NVIDIA GeForce RTX 3090", 24, 71.0, 936.0, 4, 16, (8, 6)),
     # NVIDIA Ada whitepaper (RTX 4090): 1008 GB/s, FP16 tensor with FP32 accumulate 165.2 TFLOPS dense.
-    "rtx4090": ("NVIDIA GeForce RTX 4090", 24, 165.2, 1008.0, 4, 16),
+    "rtx4090": ("NVIDIA GeForce RTX 4090", 24, 165.2, 1008.0, 4, 16, (8, 9)),
     # NVIDIA A100 datasheet (80GB PCIe): HBM2e 1935 GB/s, BF16 tensor 312 TFLOPS dense, gen4 x16.
-    "a100-80g": ("NVIDIA A100 80GB PCIe", 80, 312.0, 1935.0, 4, 16),
+    "a100-80g": ("NVIDIA A100 80GB PCIe", 80, 312.0, 1935.0, 4, 16, (8, 0)),
     # NVIDIA H100 datasheet (SXM5 80GB): HBM3 3.35 TB/s, BF16 tensor 989 TFLOPS dense, gen5 x16.
-    "h100": ("NVIDIA H100 80GB HBM3", 80, 989.0, 3350.0, 5, 16),
+    "h100": ("NVIDIA H100 80GB HBM3", 80, 989.0, 3350.0, 5, 16, (9, 0)),
 }
 
 # The paper's CPU hosts (MoE-Lightning §6, see shared/paper.md): S1/S2 24 cores, 192 GB, ≈76–100 GB/s
@@ -183,12 +184,6 @@ _HOSTS = {
     2: dict(cpu_cores=32, cpu_mem_bytes=416 * 10**9, cpu_bw=100.0 * GB, cpu_flops=32 * 70e9, link_gbps=16.0),
 }
 
-# Compute capability of each preset GPU (NVIDIA's CUDA GPUs table): T4 Turing, A10G/RTX 3090 Ampere, L4/4090 Ada.
-_CAPABILITY = {"t4": (7, 5), "l4": (8, 9), "a10g": (8, 6), "rtx3090": (8, 6), "rtx4090": (8, 9),
-               "a100-80g": (8, 0), "h100": (9, 0)}
-
-PRESET_NAMES = tuple(_GPUS) + tuple(f"{k}x{g}" for k in (2, 4) for g in _GPUS)
-
 
 def preset(name: str) -> HardwareSpec:
     """A named machine: "t4" (one T4 in the paper's 24-core/192 GB host), "2xt4", "4xt4", ..."""
@@ -200,7 +195,7 @@ def preset(name: str) -> HardwareSpec:
     if gpu not in _GPUS or count < 1:
         raise UsageError(f"unknown hardware preset {name!r}",
                          f"use one of {', '.join(_GPUS)} (optionally as 2x<gpu> or 4x<gpu>) or 'local'")
-    full, mem_gib, tflops, gbps, gen, width = _GPUS[gpu]
+    full, mem_gib, tflops, gbps, gen, width, capability = _GPUS[gpu]
     host = _HOSTS[1 if count == 1 else 2]
     link = min(_PCIE_GBPS_PER_LANE[gen] * width, host["link_gbps"]) * GB
     return HardwareSpec(
@@ -208,7 +203,7 @@ def preset(name: str) -> HardwareSpec:
         gpu_flops=tflops * 1e12, gpu_bw=gbps * GB, h2d_bw=link, d2h_bw=link,
         cpu_flops=host["cpu_flops"], cpu_bw=host["cpu_bw"], cpu_mem_bytes=host["cpu_mem_bytes"],
         cpu_cores=host["cpu_cores"], pcie=f"gen{gen} x{width}", source="preset", cpu_isa="avx512",
-        gpu_capability=_CAPABILITY[gpu],
+        gpu_capability=capability,
     )
 
 
@@ -254,16 +249,16 @@ def detect() -> HardwareSpec:
     g = gpus[0]  # planning assumes identical GPUs; the first one speaks for all
     key = _match_gpu(g["name"])
     if key:
-        _full, _mem, tflops, gbps, _gen, _width = _GPUS[key]
+        _full, _mem, tflops, gbps, _gen, _width, capability = _GPUS[key]
         flops, bw = tflops * 1e12, gbps * GB
     else:  # unknown GPU: bandwidth from NVML clocks, compute a conservative guess until probed
-        flops, bw = 30e12, g.get("mem_bw") or 300 * GB
+        flops, bw, capability = 30e12, g.get("mem_bw") or 300 * GB, ()
     gen, width = g.get("pcie_gen") or 3, g.get("pcie_width") or 16
     link = _PCIE_GBPS_PER_LANE.get(gen, 0.985) * width * GB
     return HardwareSpec(
         name="local", gpu_name=g["name"], gpu_count=len(gpus), gpu_mem_bytes=g["mem_total"],
         gpu_mem_free_bytes=min(x["mem_free"] for x in gpus), gpu_flops=flops, gpu_bw=bw, h2d_bw=link, d2h_bw=link,
-        pcie=f"gen{gen} x{width}", gpu_capability=_CAPABILITY.get(key, ()) if key else (), **base,
+        pcie=f"gen{gen} x{width}", gpu_capability=capability, **base,
     )
 
 

@@ -153,9 +153,7 @@ class Dims:
     nonexpert_bytes: int
     total_expert_bytes: int
     total_bytes: int
-    kv_tok_layer: int  # K and V of one token in one layer
-    kv_tok: int  # all layers
-    mixers: tuple[MixerCost, ...] = ()  # one per kind of token mixer, with its layer count
+    mixers: tuple[MixerCost, ...]  # one per kind of token mixer, with its layer count
     moe_frac: float = 1.0  # share of the layers with experts (the rest run a dense MLP)
     Id: int = 0  # dense MLP intermediate
     dtype: str = "bfloat16"
@@ -210,8 +208,7 @@ def _dims(m: ModelSpec) -> Dims:
                 head_dim=m.head_dim, E=m.num_experts, k=m.top_k, I=m.expert_intermediate, Is=m.shared_intermediate,
                 V=m.vocab_size, dt=m.dtype_bytes, expert_bytes=m.expert_bytes, layer_expert_bytes=m.layer_expert_bytes,
                 nonexpert_bytes=m.nonexpert_bytes, total_expert_bytes=m.total_expert_bytes, total_bytes=m.total_bytes,
-                kv_tok_layer=m.kv_bytes_per_token_layer, kv_tok=m.kv_bytes_per_token, mixers=mixer_costs(m),
-                moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate,
+                mixers=mixer_costs(m), moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate,
                 scratch=_scratch(m), qkind=_qkind(m.expert_format), dtype=m.dtype,
                 act_temps=4 if m.expert_act == "clamped_swiglu" else 1, expert_bias=m.expert_bias,
                 router_dt=max(4, m.dtype_bytes) if m.router_fp32 else m.dtype_bytes,

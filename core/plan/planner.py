@@ -123,7 +123,7 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     gpu_attn = p.attention_on == "gpu"
     kv_gpu = kv_gpu_layers(p.gpu_kv_fraction, L) if gpu_attn else 0
     # two micro-batches' state in flight, each slot sized for the layer kind that keeps most
-    ring_seq = max(x.state.bytes(T, d.dt) for x in d.mixers) if d.mixers else T * d.kv_tok_layer
+    ring_seq = max(x.state.bytes(T, d.dt) for x in d.mixers)
     kv_ring = int(2 * mu * ring_seq) if gpu_attn and kv_gpu < L else 0
     d1, d2 = max(x.d1 for x in d.mixers), max(x.d2 for x in d.mixers)  # per token: QKV out, attention back
     qkv_o = N * (d1 + d2) * d.dt if not gpu_attn else 0  # D1 source, D2 target per micro-batch
@@ -141,7 +141,7 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     n_mb = -(-N // mu)
     host = ([(mu * d1 * d.dt, n_mb), (mu * d2 * d.dt, n_mb)] if qkv_o else []) + [(N * d.V * 4, 2)]
     if kv_ring:
-        new_tok = max(x.new_token_bytes(d.dt) for x in d.mixers) if d.mixers else d.kv_tok_layer
+        new_tok = max(x.new_token_bytes(d.dt) for x in d.mixers)
         host += [(kv_ring // 2, 2), (int(mu * new_tok), 1)]  # per ring slot its state; the store's new entries
     staging = _arena_bytes(host)
     cpu = {  # the runtime keeps every weight in host memory; the GPU holds copies
@@ -199,10 +199,10 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
     s = w.longest_prompt
     tok = mu * s
     # two micro-batches' state await the link (core.runtime.schedule.prefill), in the kind that keeps most
-    stored = 2 * mu * max((x.state.bytes(s, dt) for x in d.mixers), default=s * d.kv_tok_layer)
+    stored = 2 * mu * max(x.state.bytes(s, dt) for x in d.mixers)
     held = N * s * D * dt + tok * 2 * D * dt + stored + N * (2 * s + 1) * 8  # + token ids, positions, last rows
     # the token mixer's own working set, by kind (core.plan.mixer_costs): the largest kind's
-    mix = max((x.prefill_bytes(tok, s) for x in d.mixers), default=pre(tok) + d.heads * s * s * 4)
+    mix = max(x.prefill_bytes(tok, s) for x in d.mixers)
     prefill = held + max(ffn(tok) + tok * shared, mix, logits)
     return int(max(decode, prefill))
 
