@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import UsageError
+from core.plan.policy import JsonRecord
 from core.platform import cache_dir  # noqa: F401  (callers and tests reach it here: core.plan.hardware.cache_dir)
 from core.model.device_wait import synchronize  # bounded: a hung probe kernel raises DeviceStalled
 
@@ -28,7 +29,7 @@ RATE_FIELDS = ("gpu_flops", "gpu_bw", "h2d_bw", "d2h_bw", "cpu_flops", "cpu_bw")
 
 
 @dataclass(frozen=True)
-class HardwareSpec:
+class HardwareSpec(JsonRecord):
     """One machine. GPU figures are per device; `gpu_count` devices share the host."""
 
     name: str
@@ -133,20 +134,6 @@ class HardwareSpec:
             raise UsageError(f"--pcie-gbps must be positive, got {gbps}", "give the link bandwidth in GB/s, e.g. 16")
         measured = tuple(m for m in self.measured if m not in ("h2d_bw", "d2h_bw"))
         return dataclasses.replace(self, h2d_bw=gbps * GB, d2h_bw=gbps * GB, measured=measured)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)  # JSON writes its tuples as lists; __post_init__ reads them back
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "HardwareSpec":
-        return cls(**d)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "HardwareSpec":
-        return cls.from_dict(json.loads(text))
 
 
 # ---- presets -----------------------------------------------------------------------------------

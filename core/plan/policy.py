@@ -14,8 +14,26 @@ PLACES = ("cpu", "gpu")
 SCHEDULES = ("cgopipe", "s3", "s4")  # the decode schedules core.runtime.schedule builds (CGOPipe, FlexGen's S3, S4)
 
 
+class JsonRecord:
+    """A frozen dataclass's JSON round-trip; its __post_init__ turns JSON's lists back into the tuples it holds."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls.from_dict(json.loads(text))
+
+
 @dataclass(frozen=True)
-class Policy:
+class Policy(JsonRecord):
     batch_size: int  # N: requests decoded together in one step
     micro_batch_size: int  # μ: requests per attention micro-batch; N / μ micro-batches per layer
     expert_batch_size: int  # tokens meeting at the experts at once: a multiple of μ dividing N (MoE-Gen's module batching)
@@ -58,9 +76,6 @@ class Policy:
     def micro_batches_per_expert_batch(self) -> int:
         return self.expert_batch_size // self.micro_batch_size
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, d: dict) -> "Policy":
         names = {f.name for f in dataclasses.fields(cls)}
@@ -68,13 +83,6 @@ class Policy:
         if unknown:
             raise ValueError(f"unknown policy fields {sorted(unknown)}; expected {sorted(names)}")
         return cls(**d)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Policy":
-        return cls.from_dict(json.loads(text))
 
 
 def expert_split(gpu_weight_fraction: float, num_layers: int, num_experts: int, dense=()) -> list[int]:
@@ -111,7 +119,7 @@ BOTTLENECK_WORDS = {
 
 
 @dataclass(frozen=True)
-class Prediction:
+class Prediction(JsonRecord):
     tokens_per_s: float  # end to end: generated tokens / (prefill + decode time) of one batch
     decode_tokens_per_s: float
     prefill_tokens_per_s: float  # prompt tokens per second during prefill
@@ -141,10 +149,3 @@ class Prediction:
     def __post_init__(self):
         if not self.bottleneck_text:
             object.__setattr__(self, "bottleneck_text", BOTTLENECK_WORDS.get(self.bottleneck, self.bottleneck))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Prediction":
-        return cls(**d)
