@@ -122,10 +122,6 @@ class Work:
     flops: float
     bytes: float
 
-    @property
-    def intensity(self) -> float:
-        return self.flops / self.bytes if self.bytes else float("inf")
-
     def __add__(self, other: "Work") -> "Work":
         return Work(self.flops + other.flops, self.bytes + other.bytes)
 
