@@ -521,9 +521,7 @@ def host_task_seconds(r: Rates, ffn: float | None = None) -> dict[str, float]:
 
 def _ops(ffn: float | None) -> dict[str, float]:
     """HOST_OPS with the FFN's ops on its expert path (a prefill task's FFN is the same path's)."""
-    if ffn is None:
-        return HOST_OPS
-    return {**HOST_OPS, "ffn": ffn, "prefill": HOST_OPS["prefill"] + ffn - HOST_OPS["ffn"]}
+    return HOST_OPS if ffn is None else {**HOST_OPS, "ffn": ffn, "prefill": HOST_OPS["prefill"] + ffn - HOST_OPS["ffn"]}
 
 
 def host_seconds(tasks: dict[str, TaskCost], r: Rates, ffn: float | None = None) -> float:
