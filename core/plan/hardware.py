@@ -215,18 +215,14 @@ def gpu_compute_dtype(dtype, capability: tuple[int, int] | None):
 
 
 # ---- detect ------------------------------------------------------------------------------------
-def _cpu_defaults(cores: int) -> tuple[float, float]:
-    """Guesses until a probe measures: AVX2 at ≈2.5 GHz a core; ≈10 GB/s a core, capped at a server's 204 GB/s."""
-    return cores * 80e9, min(cores * 10.0, 204.0) * GB
-
-
 def detect() -> HardwareSpec:
     """What this machine has: GPUs through NVML (absent → CPU-only), RAM and cores through psutil."""
     import psutil
 
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
     vm = psutil.virtual_memory()
-    cpu_flops, cpu_bw = _cpu_defaults(cores)
+    # guesses until a probe measures: AVX2 at ≈2.5 GHz a core; ≈10 GB/s a core, capped at a server's 204 GB/s
+    cpu_flops, cpu_bw = cores * 80e9, min(cores * 10.0, 204.0) * GB
     gpus = _nvml_gpus()
     base = dict(cpu_flops=cpu_flops, cpu_bw=cpu_bw, cpu_mem_bytes=int(vm.total), cpu_cores=int(cores),
                 cpu_mem_available_bytes=int(vm.available), source="detect")
