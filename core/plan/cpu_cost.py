@@ -98,16 +98,11 @@ def head_units(d, tokens: float) -> Counter:
     return _gemm(tokens, d.V, d.D) + Counter(elem_s=tokens * (4 * d.D + 2 * d.V))
 
 
-def prefill_chunk(d) -> int:
-    """Tokens a CPU prefill runs a layer on at a time for a model of dims `d` (core.model.limits)."""
-    return limits.prefill_chunk(d.D, d.q, d.kv, d.I, d.Is, d.Id, d.E, d.k)
-
-
 def prefill_units(d, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> Counter:
     """One layer of a prefill call: its tokens a chunk at a time (each chunk reads the experts again), and its
     causal attention (`prompt_sq`: the mean squared prompt length: a spread costs more than equal prompts)."""
     t, sq = prompts * prompt_len, prompt_sq if prompt_sq is not None else prompt_len * prompt_len
-    chunk = prefill_chunk(d)
+    chunk = limits.prefill_chunk(d.D, d.q, d.kv, d.I, d.Is, d.Id, d.E, d.k)  # tokens a CPU prefill runs at a time
     whole, rest = int(t // chunk), t % chunk
     ffn = Counter({k: v * whole for k, v in ffn_units(d, chunk).items()}) + (ffn_units(d, rest) if rest else Counter())
     return pre_units(d, t) + post_units(d, t) + ffn + Counter(
