@@ -510,13 +510,11 @@ def _gpu_rates(torch, seconds: float) -> dict:
     """GPU matmul, GPU memory, pinned H2D/D2H; its buffers are this frame's, freed when it returns."""
     rates = {}
     dev = torch.device("cuda")
-    def sync():
-        synchronize("the GPU probe's timed work")
 
     def timed(fn):
         def run():
             fn()
-            sync()
+            synchronize("the GPU probe's timed work")
         return _best(run, seconds)
 
     n = 4096

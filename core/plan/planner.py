@@ -475,14 +475,8 @@ def _mus(place: tuple[str, str], n_cap: int, has_gpu: bool = True) -> list[int]:
 
 def _expert_groups(n_mb: int) -> list[int]:
     """Micro-batches per expert batch: powers of two dividing n_mb, and n_mb itself (all tokens at once)."""
-    gs, g = [], 1
-    while g <= n_mb:
-        if n_mb % g == 0:
-            gs.append(g)
-        g *= 2
-    if n_mb not in gs:
-        gs.append(n_mb)
-    return gs
+    gs = [1 << i for i in range(n_mb.bit_length()) if n_mb % (1 << i) == 0]
+    return gs + ([n_mb] if n_mb not in gs else [])
 
 
 @dataclass(frozen=True)
