@@ -44,10 +44,9 @@ TASK_SECONDS = 80e-6
 OP_SECONDS = 25e-6
 # torch ops each task kind issues, views included, counted on the emulated device for a Qwen2-MoE layer (the
 # family with the most parts; tests/test_gpu_findings.py recounts them). CPU attention: 12 ops and the fused C
-# kernel's call; CPU_ATTN_TORCH_OPS where it runs torch ops instead (no C compiler).
+# kernel's call (23 torch ops where there is no C compiler).
 HOST_OPS = {"pre_attn": 25, "post_attn": 24, "ffn": 12, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 14,
             "weight_page": 2, "kv_load": 14, "kv_store": 10, "prefill": 118}
-CPU_ATTN_TORCH_OPS = 23
 # An FFN task's ops by expert path (core.model.moe.device_experts): (fixed, per expert), counted on the emulated
 # device (tests/test_launch_budget.py); every path is constant in E today.
 EXPERT_PATHS = {"fused": (HOST_OPS["ffn"], 0), "grouped": (33, 0)}
