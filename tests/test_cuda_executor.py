@@ -437,7 +437,7 @@ def test_a_hung_kernel_or_copy_fails_the_step_naming_it_within_the_device_deadli
         work(task)
 
     if hang == "kernel":
-        gate, stuck = hang_on(dev, "kernel", is_task("ffn", 1)), "the gpu stream has not finished ffn layer=1"
+        gate, stuck = hang_on(dev, "kernel", is_task("ffn", 1)), "the compute stream has not finished ffn layer=1"
     else:
         gate, stuck = hang_on(dev, "copy", lambda label: True), "the h2d stream has not finished"
     ex = CudaExecutor(dev)
@@ -462,7 +462,7 @@ def test_generate_with_a_hung_kernel_fails_within_seconds(checkpoint_factory, ta
     hung = []
 
     def fault(task):  # the injected fault runs inside the launched work: on the stream's thread here
-        if task.kind == "ffn" and task.layer == 1 and threading.current_thread().name == "emulated-gpu":
+        if task.kind == "ffn" and task.layer == 1 and threading.current_thread().name == "emulated-compute":
             hung.append(task)
             gate.wait(30)
 
