@@ -11,7 +11,7 @@ from app.cli import main
 from core.plan.hardware import preset
 from core.plan.policy import Prediction
 from core.runtime import schedule
-from core.telemetry import RESOURCES, Busy, StepDone
+from core.telemetry import RESOURCES, Busy, StepDone, with_gpu_keys
 from test_plan_cli import no_gpu  # noqa: F401 - the fixture: no NVML, an isolated cache dir
 
 # where `mlight plan --json` carried a "gpu" key before the rename (GPU and CPU-only plans, with --simulate)
@@ -96,7 +96,7 @@ def test_a_prediction_reads_the_old_key_and_round_trips_through_json():
                      gpu_bytes=0, cpu_bytes=0, layer_seconds={"gpu": 0.004, "cpu_attn": 0.001})
     assert old.bottleneck == "compute" and old.bottleneck_text.startswith("GPU compute")
     assert dict(old.layer_seconds) == {"compute": 0.004, "cpu_attn": 0.001} and old.layer_seconds["gpu"] == 0.004
-    d = json.loads(json.dumps(old.to_dict()))
+    d = json.loads(json.dumps(with_gpu_keys(old.to_dict())))  # as `mlight plan --json` writes it
     assert d["layer_seconds"] == {"compute": 0.004, "cpu_attn": 0.001, "gpu": 0.004} and d["bottleneck"] == "gpu"
     assert Prediction.from_dict(d) == old
     assert sum(Busy({"gpu": 1.0, "compute": 1.0, "h2d": 2.0}).values()) == 3.0  # both keys: compute once

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from core.telemetry import Busy, with_gpu_keys
+from core.telemetry import Busy
 
 PLACES = ("cpu", "gpu")
 SCHEDULES = ("cgopipe", "s3", "s4")  # the decode schedules core.runtime.schedule builds (CGOPipe, FlexGen's S3, S4)
@@ -148,7 +148,7 @@ class Prediction:
             object.__setattr__(self, "bottleneck_text", BOTTLENECK_WORDS.get(self.bottleneck, self.bottleneck))
 
     def to_dict(self) -> dict:
-        return with_gpu_keys(dataclasses.asdict(self))
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Prediction":
