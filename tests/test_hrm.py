@@ -61,7 +61,7 @@ def test_layer_seconds_are_affine_in_the_fractions(attention_on):
         return hrm.decode_layer_seconds(MIXTRAL, r, gpu_weight_fraction=rw, gpu_kv_fraction=rc, **kw)
 
     a, b, c, mid = at(0, 0), at(1, 0.0), at(0, 1.0), at(0.3, 0.6)
-    for k in ("gpu", "cpu_attn", "h2d", "d2h", "pipeline0", "pipeline1", "pipeline2"):
+    for k in ("compute", "cpu_attn", "h2d", "d2h", "pipeline0", "pipeline1", "pipeline2"):
         assert mid[k] == pytest.approx(a[k] + 0.3 * (b[k] - a[k]) + 0.6 * (c[k] - a[k]), rel=1e-9, abs=1e-12)
     assert b["h2d"] < a["h2d"]  # resident weights are not streamed
 
@@ -82,7 +82,7 @@ def test_busy_time_is_sum_of_tasks_per_resource():
     tasks = hrm.decode_tasks(MIXTRAL, r, batch=300, micro_batch=100, expert_batch=300, attention_on="cpu",
                              ffn_on="gpu", gpu_weight_fraction=0.2, gpu_kv_fraction=0.0, context=150.0, pages=6)
     busy = hrm.busy_seconds(tasks)
-    assert busy["gpu"] == pytest.approx(3 * tasks["pre_attn"].seconds + 3 * tasks["post_attn"].seconds + tasks["ffn"].seconds)
+    assert busy["compute"] == pytest.approx(3 * tasks["pre_attn"].seconds + 3 * tasks["post_attn"].seconds + tasks["ffn"].seconds)
     assert busy["h2d"] == pytest.approx(6 * tasks["weight_page"].seconds + 3 * tasks["d2"].seconds)
     assert tasks["weight_page"].seconds * 6 == pytest.approx(
         0.8 * MIXTRAL.layer_expert_bytes / r.h2d_bw + 6 * 0.8 * hrm.COPY_LAUNCH)

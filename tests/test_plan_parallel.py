@@ -35,7 +35,7 @@ def test_all_reduces_cost_what_a_ring_moves_plus_a_fixed_latency():
     two = dataclasses.replace(one, tp=2)
     kw = dict(batch=64, micro_batch=16, expert_batch=32, attention_on="cpu", ffn_on="gpu", gpu_weight_fraction=0.0,
               gpu_kv_fraction=0.0, context=200)
-    extra = hrm.decode_layer_seconds(m, two, **kw)["gpu"] - hrm.decode_layer_seconds(m, one, **kw)["gpu"]
+    extra = hrm.decode_layer_seconds(m, two, **kw)["compute"] - hrm.decode_layer_seconds(m, one, **kw)["compute"]
     ring = lambda t: hrm.ALLREDUCE_LATENCY + 2 * (1 / 2) * t * m.hidden_size * m.dtype_bytes / one.h2d_bw
     assert extra == pytest.approx(4 * ring(16) + 2 * ring(32))  # after O-proj per micro-batch, after each FFN batch
     assert hrm.all_reduce_seconds(m, one, 16) == 0.0

@@ -12,6 +12,7 @@ from pathlib import Path
 from core.assets import config_presets
 from core.errors import BudgetError, UsageError
 from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
+from core.telemetry import with_gpu_keys
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -122,7 +123,7 @@ def run(args) -> int:
         if policy.ffn_on == "cpu":
             out["history"] = _history(hw, model)
             out["cpu_speed"] = hw.cpu_speed
-        print(json.dumps(out))
+        print(json.dumps(with_gpu_keys(out)))  # "gpu" beside "compute", as these keys always read
     else:
         print(_human(args, model, hw, workload, budget, policy, prediction, seconds, sims, choice, scaling, host,
                      unused))
@@ -148,7 +149,7 @@ def _host(model, hw, p, pred, workload) -> dict:
     run = generated / pred.tokens_per_s
     pin = hrm.pin_seconds(pred.pinned_bytes, r)
     return {"host": {"layer_seconds": ls["host"], "share": ls["host"] / layer, "layer_time_seconds": layer,
-                     "pcie_seconds": ls["h2d"], "compute_seconds": ls["gpu"],
+                     "pcie_seconds": ls["h2d"], "compute_seconds": ls["compute"],
                      "tasks_per_layer": sum(c.per_layer for c in tasks.values()),
                      "ops_per_layer": sum(hrm.host_ops(tasks, ffn).values()),
                      "task_seconds": r.task_seconds, "op_seconds": r.op_seconds, "measured": r.host_measured,
@@ -264,12 +265,12 @@ def _cpu_math_line(hw, model) -> str:
 
 
 def _layer_line(p, pred) -> str:
-    """One decode layer's time by resource; CPU-only, the "gpu" resource's work runs on the CPU, nothing copied."""
+    """One decode layer's time by resource; CPU-only, the "compute" resource's work runs on the CPU, nothing copied."""
     items = list(pred.layer_seconds.items())
     if p.ffn_on == "cpu":
-        names = {"gpu": "CPU dense layers + experts", "cpu_attn": "CPU attention"}
+        names = {"compute": "CPU dense layers + experts", "cpu_attn": "CPU attention"}
         items = [(names[k], v) for k, v in items if k in names]
-    return "  decode layer      " + " | ".join(f"{k} {_ms(v)}" for k, v in items)
+    return "  decode layer      " + " | ".join(f"{'gpu' if k == 'compute' else k} {_ms(v)}" for k, v in items)
 
 
 def _host_lines(host: dict | None) -> list[str]:

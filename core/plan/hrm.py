@@ -406,7 +406,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
                  attention_on: str, ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
                  context: float, pages: int | None = None) -> dict[str, TaskCost]:
     """The tasks of one decode layer (a token for each of `batch` requests), by kind (core.runtime.schedule's).
-    In the CPU-only placement the dense kinds run on the CPU under the "gpu" key."""
+    In the CPU-only placement the dense kinds run on the CPU under the "compute" key."""
     m = dims(m)
     n_mb, n_eb = batch / micro_batch, batch / expert_batch
     pages = pages or max(1, round(n_mb))
@@ -419,17 +419,17 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         swap = quant_dense_swap(m, r, costs, micro_batch)  # so do quantized dense weights
         secs["pre_attn"] += swap["pre"]
         secs["post_attn"] += swap["post"]
-        return {k: TaskCost("cpu_attn" if k == "cpu_attn" else "gpu", v, n_eb if k == "ffn" else n_mb)
+        return {k: TaskCost("cpu_attn" if k == "cpu_attn" else "compute", v, n_eb if k == "ffn" else n_mb)
                 for k, v in secs.items()}
     fl, bw, launch = r.gpu_flops, r.gpu_bw, GPU_LAUNCH  # a GPU dequantizes inside its fused kernel
     post = o_proj(m, micro_batch) + router(m, micro_batch) + shared_expert(m, micro_batch)
     # kernel launches: pre_attn 3 (norm, qkv, rope), post_attn 5 (o, norm, router, top-k, combine), ffn 3;
     # tensor parallel: post_attn and ffn each end in an all-reduce on the compute stream
     t = {
-        "pre_attn": TaskCost("gpu", roofline_seconds(qkv_proj(m, micro_batch), fl, bw) + 3 * launch, n_mb),
-        "post_attn": TaskCost("gpu", roofline_seconds(post, fl, bw) + 5 * launch + all_reduce_seconds(m, r, micro_batch),
+        "pre_attn": TaskCost("compute", roofline_seconds(qkv_proj(m, micro_batch), fl, bw) + 3 * launch, n_mb),
+        "post_attn": TaskCost("compute", roofline_seconds(post, fl, bw) + 5 * launch + all_reduce_seconds(m, r, micro_batch),
                               n_mb),
-        "ffn": TaskCost("gpu", roofline_seconds(moe_ffn(m, expert_batch), fl, bw) + 3 * launch
+        "ffn": TaskCost("compute", roofline_seconds(moe_ffn(m, expert_batch), fl, bw) + 3 * launch
                         + all_reduce_seconds(m, r, expert_batch), n_eb),
     }
     attn = decode_attention(m, micro_batch, context)
@@ -443,7 +443,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         t["d2"] = TaskCost("h2d", micro_batch * m.d2 * m.dt / r.h2d_bw + COPY_LAUNCH, n_mb)
     else:
         cpu_share = 1 - gpu_kv_fraction
-        t["gpu_attn"] = TaskCost("gpu", roofline_seconds(attn, r.gpu_flops, r.gpu_bw) + GPU_LAUNCH, n_mb)
+        t["gpu_attn"] = TaskCost("compute", roofline_seconds(attn, r.gpu_flops, r.gpu_bw) + GPU_LAUNCH, n_mb)
         t["kv_load"] = TaskCost("h2d", cpu_share * micro_batch * m.state_layer_bytes(context) / r.h2d_bw + COPY_LAUNCH,
                                 n_mb)
         t["kv_store"] = TaskCost("d2h", cpu_share * micro_batch * m.new_token_bytes() / r.d2h_bw + COPY_LAUNCH, n_mb)
@@ -459,7 +459,7 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
     toks = micro_batch * prompt_len
     if ffn_on == "cpu":
         swap = quant_dense_swap(m, r, r.cpu_costs, toks)
-        return {"prefill": TaskCost("gpu", cpu_cost.prefill_seconds(m, r.cpu_costs, micro_batch, prompt_len, prompt_sq)
+        return {"prefill": TaskCost("compute", cpu_cost.prefill_seconds(m, r.cpu_costs, micro_batch, prompt_len, prompt_sq)
                                     + swap["pre"] + swap["post"], n_mb)}
     work = dense_work(m, toks) + moe_ffn(m, toks, expand=m.qkind != "none") + prefill_attention(m, micro_batch, prompt_len)
     reduce = 2 * all_reduce_seconds(m, r, toks)  # after the O projection and after the FFN
@@ -467,7 +467,7 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
     streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes * m.moe_frac
     kv_to_cpu = 1.0 if attention_on == "cpu" else 1 - gpu_kv_fraction
     return {
-        "prefill": TaskCost("gpu", roofline_seconds(work, r.gpu_flops, r.gpu_bw) + 16 * GPU_LAUNCH + reduce, n_mb),
+        "prefill": TaskCost("compute", roofline_seconds(work, r.gpu_flops, r.gpu_bw) + 16 * GPU_LAUNCH + reduce, n_mb),
         "weight_page": TaskCost("h2d", streamed / pages / r.h2d_bw + COPY_LAUNCH * (1 - gpu_weight_fraction), pages),
         "kv_store": TaskCost("d2h", kv_to_cpu * micro_batch * m.state_layer_bytes(prompt_len) / r.d2h_bw + COPY_LAUNCH,
                              n_mb),
@@ -476,7 +476,7 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
 
 def busy_seconds(tasks: dict[str, TaskCost]) -> dict[str, float]:
     """Per-resource busy time of one layer: the sum of its tasks."""
-    out = {"gpu": 0.0, "cpu_attn": 0.0, "h2d": 0.0, "d2h": 0.0}
+    out = {"compute": 0.0, "cpu_attn": 0.0, "h2d": 0.0, "d2h": 0.0}
     for c in tasks.values():
         out[c.resource] += c.seconds * c.per_layer
     return out
@@ -541,7 +541,7 @@ def pin_seconds(pinned_bytes: float, r: Rates) -> float:
     return pinned_bytes / r.pin_bw if r.has_gpu else 0.0
 
 
-_BOUNDS = ("gpu", "cpu_attn", "h2d", "d2h", "pipeline", "host")  # core.telemetry.RESOURCES, then the two bounds
+_BOUNDS = ("compute", "cpu_attn", "h2d", "d2h", "pipeline", "host")  # core.telemetry.RESOURCES, then the two bounds
 
 
 def bottleneck(layer: dict[str, float]) -> str:
@@ -572,7 +572,7 @@ def pipeline_bounds(tasks: dict[str, TaskCost]) -> tuple[float, ...]:
 def layer_time(busy: dict[str, float], ffn_on: str, pipeline: float = 0.0) -> float:
     """Wall time of a layer: resources overlap up to the pipeline bound, except CPU-only (one set of cores)."""
     if ffn_on == "cpu":
-        return busy["gpu"] + busy["cpu_attn"]
+        return busy["compute"] + busy["cpu_attn"]
     return max(max(busy.values()), pipeline)
 
 

@@ -38,7 +38,7 @@ RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # r_c values tried by the fast path; the 
 TIE_BREAK = 1e-6  # weight of the summed busy time: among equally fast policies, prefer less work
 REFINE = 6  # (placement, μ) pairs whose smaller batches and neighbouring μ the search also tries
 DENSE_MU = 1024  # μ up to here on the paper's full grid; beyond, sparser (then refined)
-CPU_ONLY_WORDS = {"gpu": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
+CPU_ONLY_WORDS = {"compute": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
                   "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)"}
 BOTTLENECKS = (*RESOURCES, "pipeline", "host")  # decode layer bounds: each resource's busy time, hrm's pipeline and host bounds
 
@@ -276,7 +276,7 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
         gpu_bytes=int(sum(gpu.values())), cpu_bytes=int(sum(cpu.values())),
         layer_seconds={k: dec[k] for k in BOTTLENECKS}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
         step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu, pinned_bytes=pinned * k,
-        bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("gpu", "cpu_attn"), key=lambda k: dec[k])],
+        bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("compute", "cpu_attn"), key=lambda k: dec[k])],
         decode_busy=decode_busy, prefill_busy=prefill_busy, decode_steps=(n - 1) * (full + (1 if last else 0)),
         prompt_tokens=prompt_tokens, band=0.0 if on_gpu else r.cpu_costs.band,
     )

@@ -10,6 +10,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from core.telemetry import Busy
+
 PLACES = ("cpu", "gpu")
 SCHEDULES = ("cgopipe", "s3", "s4")  # the decode schedules core.runtime.schedule builds (CGOPipe, FlexGen's S3, S4)
 
@@ -109,7 +111,7 @@ def kv_gpu_layers(gpu_kv_fraction: float, num_layers: int) -> int:
 
 
 BOTTLENECK_WORDS = {
-    "gpu": "GPU compute (the MoE FFN and projections)",
+    "compute": "GPU compute (the MoE FFN and projections)",
     "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)",
     "h2d": "PCIe host→device (streaming expert weights)",
     "d2h": "PCIe device→host (sending QKV to the CPU)",
@@ -146,6 +148,9 @@ class Prediction(JsonRecord):
         rate = self.tokens_per_s if rate is None else rate
         return f"≈ {rate:,.0f} tok/s" + (f" ± {self.band:.0%}".replace("%", " %") if self.band else "")
 
-    def __post_init__(self):
+    def __post_init__(self):  # "gpu", compute's old name, is read as "compute" (core.telemetry.Busy)
+        object.__setattr__(self, "bottleneck", "compute" if self.bottleneck == "gpu" else self.bottleneck)
+        for name in ("layer_seconds", "prefill_layer_seconds", "decode_busy", "prefill_busy"):
+            object.__setattr__(self, name, Busy(getattr(self, name)))
         if not self.bottleneck_text:
             object.__setattr__(self, "bottleneck_text", BOTTLENECK_WORDS.get(self.bottleneck, self.bottleneck))

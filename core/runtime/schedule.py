@@ -17,11 +17,11 @@ from core.telemetry import RESOURCES
 
 # kind -> resource it runs on
 RESOURCE_OF = {
-    "pre_attn": "gpu",  # norm + QKV projection (+ RoPE) of one micro-batch
-    "post_attn": "gpu",  # O projection, norm, router, shared expert of one micro-batch
-    "ffn": "gpu",  # routed experts of one expert batch (one or more micro-batches)
-    "gpu_attn": "gpu",  # decode attention on the GPU
-    "prefill": "gpu",  # a whole layer's prefill of one micro-batch
+    "pre_attn": "compute",  # norm + QKV projection (+ RoPE) of one micro-batch
+    "post_attn": "compute",  # O projection, norm, router, shared expert of one micro-batch
+    "ffn": "compute",  # routed experts of one expert batch (one or more micro-batches)
+    "gpu_attn": "compute",  # decode attention on the GPU
+    "prefill": "compute",  # a whole layer's prefill of one micro-batch
     "cpu_attn": "cpu_attn",  # decode attention on the CPU, next to the KV cache
     "d1": "d2h",  # QKV of the new tokens to the CPU
     "kv_store": "d2h",  # KV written back to the CPU cache
@@ -256,7 +256,7 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
 
 
 def _cpu_only(L: int, n: int, g: int) -> list[Task]:
-    """Everything on the CPU cores: one chain (dense work under "gpu", attention under "cpu_attn")."""
+    """Everything on the CPU cores: one chain (dense work under "compute", attention under "cpu_attn")."""
     G = _Graph()
     last = None
     for i in range(L):

@@ -15,7 +15,7 @@ from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy
 from core.runtime.schedule import Task
 from core.model.spec import ModelSpec
-from core.telemetry import RESOURCES
+from core.telemetry import RESOURCES, Busy
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def replay(tasks: list[Task], seconds: dict[str, float], host: dict[str, float] 
     """Run `tasks` with `seconds[kind]` per task (missing: none); `host[kind]`: launch time, one task at a time
     in list order, before which a task cannot start."""
     free = {r: 0.0 for r in RESOURCES}
-    busy = {r: 0.0 for r in RESOURCES}
+    busy = Busy.fromkeys(RESOURCES, 0.0)
     end: list[float] = []
     spans = []
     launched = 0.0

@@ -25,9 +25,9 @@ from app.tui.widgets.bars import LabelBar
 from app.tui.widgets.facts import Facts
 from app.tui.widgets.path_input import PathInput
 
-RESOURCE_LABELS = {"gpu": "GPU compute", "cpu_attn": "CPU attention", "h2d": "PCIe H→D", "d2h": "PCIe D→H"}
-CPU_MODE_LABELS = {"gpu": "CPU compute", "cpu_attn": "CPU attention"}
-CPU_MODE_BOTTLENECK = {"gpu": "CPU compute (dense layers and experts run on the CPU)",
+RESOURCE_LABELS = {"compute": "GPU compute", "cpu_attn": "CPU attention", "h2d": "PCIe H→D", "d2h": "PCIe D→H"}
+CPU_MODE_LABELS = {"compute": "CPU compute", "cpu_attn": "CPU attention"}
+CPU_MODE_BOTTLENECK = {"compute": "CPU compute (dense layers and experts run on the CPU)",
                        "cpu_attn": "CPU attention (memory bandwidth reading the KV cache)"}
 PLACES = [("CPU", "cpu"), ("GPU", "gpu")]
 AUTO = "auto"
@@ -424,7 +424,7 @@ class PlanScreen(StepScreen):
     def _show_prediction(self, plan, pred) -> None:
         cpu_mode, narrow = self.cpu_mode, self.has_class("-narrow")
         p = plan.policy
-        bottleneck = CPU_MODE_BOTTLENECK.get(pred.bottleneck, CPU_MODE_BOTTLENECK["gpu"]) if cpu_mode \
+        bottleneck = CPU_MODE_BOTTLENECK.get(pred.bottleneck, CPU_MODE_BOTTLENECK["compute"]) if cpu_mode \
             else pred.bottleneck_text
         band = f" ± {pred.band:.0%}" if pred.band else ""  # the fitted CPU model's band, as `mlight plan` shows it
         rows = [
