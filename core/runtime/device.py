@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from core.errors import UsageError
 from core.model.device_wait import (WAIT_SECONDS, DeviceStalled, poll,  # noqa: F401 - the runtime's names for them
                                     wait_seconds_default)
 
@@ -381,11 +382,7 @@ def resolve_device(device: "str | torch.device | Device | None" = None) -> Devic
         return EmulatedCuda()
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            from core.errors import UsageError
-
             raise UsageError("CUDA was asked for but torch sees no CUDA GPU",
                              "run on the CPU (omit --executor cuda), or install a CUDA build of torch")
         return CudaDevice(name)
-    from core.errors import UsageError
-
     raise UsageError(f"unknown device {name!r}", f"use one of {', '.join(DEVICE_KINDS)} (or cuda:N)")
