@@ -16,8 +16,10 @@ import os
 import threading
 from typing import Callable
 
+import psutil
 import torch
 
+from core import platform
 from core.errors import UsageError
 from core.model.device_wait import (WAIT_SECONDS, DeviceStalled, poll,  # noqa: F401 - the runtime's names for them
                                     wait_seconds_default)
@@ -27,10 +29,6 @@ PAGE = 4096  # bytes; host memory is registered (pinned) in whole pages
 
 def pin_budget() -> int:
     """Host bytes this process may page-lock (core.platform.pinned_budget); beyond it `Device.pin` refuses."""
-    import psutil
-
-    from core import platform
-
     return platform.pinned_budget(int(psutil.virtual_memory().total))
 
 
@@ -151,8 +149,6 @@ class Device:
         return None
 
     def mem_get_info(self) -> tuple[int, int]:
-        import psutil
-
         vm = psutil.virtual_memory()
         return int(vm.available), int(vm.total)
 

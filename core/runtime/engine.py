@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator
 import psutil
 import torch
 
-from core.runtime import loading
+from core.runtime import graphs as cuda_graphs, loading
 from core.runtime.batching import SlotTable
 from core.errors import GpuMemoryError, MlightError, UsageError
 from core.model.kvcache import KVCache
@@ -27,6 +27,7 @@ from core.model.cpu import compute as cpu_compute
 from core.model.cpu.threads import Governor, worker_setup
 from core.plan.hardware import cached_cpu_rates, cached_probe, gpu_compute_dtype
 from core.plan.policy import SCHEDULES, expert_split, kv_gpu_layers
+from core.runtime.cuda_executor import CudaExecutor
 from core.runtime.device import Device, default_device_kind, resolve_device
 from core.runtime.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
 from core.runtime.frozen_heap import frozen_heap
@@ -164,8 +165,6 @@ class Engine:
             if kind == "threaded":
                 self._executor = ThreadedExecutor(RESOURCES, setup=setup)
             else:
-                from core.runtime.cuda_executor import CudaExecutor
-
                 self._executor = CudaExecutor(self.dev, placement=setup)
         return self._executor
 
@@ -256,27 +255,23 @@ class Engine:
                            kv_gpu_layers=kv_gpu, device=self.dev, grouped=self.grouped, warn=on_event, tp=self.tp,
                            cpu_math=torch_dtype(self.cpu.math), direct_rows=self.cpu.direct_rows)
         if c.executor == "cuda" and self._graphs_pay(-(-slots // micro_batch_size)):
-            from core.runtime.graphs import Graphs
-
-            r.graphs = Graphs(self.dev, warn=on_event)
+            r.graphs = cuda_graphs.Graphs(self.dev, warn=on_event)
         return r
 
     def _graphs_pay(self, micro_batches: int) -> bool:
         """The `graphs` option: "auto" decides on a GPU (core.runtime.graphs.choose, why in `graphs_why`)."""
-        from core.runtime import graphs
-
         c = self.config
         if c.graphs != "auto" or self.dev.kind != "cuda":
             self.graphs_why = f"graphs {c.graphs}" + ("" if c.graphs != "auto" else ": only on a GPU")
             return c.graphs == "on"
         spec = self.rank_spec
-        link = graphs.streamed_bytes_per_layer(self.weights, c.resident(spec.num_layers, spec.num_experts),
-                                               spec.num_experts)
+        link = cuda_graphs.streamed_bytes_per_layer(self.weights, c.resident(spec.num_layers, spec.num_experts),
+                                                    spec.num_experts)
         if self._h2d_rate is None:  # the probe's cache read once per engine (detect() asks the driver)
             hw = cached_probe()  # else a PCIe 4.0 x16 link's practical 25 GB/s
             self._h2d_rate = hw.h2d_bw if hw is not None and hw.h2d_bw > 0 else 25e9
-        pays, self.graphs_why = graphs.choose("auto", micro_batches=micro_batches, streamed_bytes_per_layer=link,
-                                              h2d_bytes_per_s=self._h2d_rate)
+        pays, self.graphs_why = cuda_graphs.choose("auto", micro_batches=micro_batches,
+                                                   streamed_bytes_per_layer=link, h2d_bytes_per_s=self._h2d_rate)
         return pays
 
     # ---- tokenization ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import namedtuple
 from typing import Callable, Sequence
 
+from core.errors import UsageError
 from core.runtime.device import CaptureError, Device
 from core.telemetry import EventSink, WarningEvent, ignore
 
@@ -27,8 +28,6 @@ def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float, h2
            ops_per_layer: int = EAGER_OPS_PER_LAYER, host_op_seconds: float = HOST_OP_SECONDS) -> tuple[bool, str]:
     """(use graphs, why) for run option `mode` and a step's counts, link rate and host seconds an op."""
     if mode not in MODES:
-        from core.errors import UsageError
-
         raise UsageError(f"unknown graphs setting {mode!r}", f"use one of {', '.join(MODES)}")
     if mode != "auto":
         return mode == "on", f"graphs {mode} as asked"

@@ -25,7 +25,8 @@ from core.model.cpu.kernels import Widen
 from core.model.kvcache import KVCache, Rows, layer_store, load_rows
 from core.model.layers import final_logits
 from core.model.limits import STAGING_ALIGN as _ALIGN  # bytes between buffers of the staging arena
-from core.model.moe import Scratch as ExpertScratch, activation, device_experts, experts
+from core.model.moe import (HAS_GROUPED_MM, Scratch as ExpertScratch, activation, cuda_grouped_mm_works, device_experts,
+                            experts)
 from core.model.quant.experts import _TORCH, QuantExperts
 from core.model.rope import for_spec
 from core.model.spec import ModelSpec
@@ -564,8 +565,6 @@ class PipelineRunner:
 
     def _grouped_mm(self, h) -> bool:
         """Whether grouped_mm has a kernel for h's dtype on this device."""
-        from core.model.moe import HAS_GROUPED_MM, cuda_grouped_mm_works
-
         if not HAS_GROUPED_MM:
             return False
         if self.dev.kind == "cuda":
