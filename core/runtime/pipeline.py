@@ -48,9 +48,8 @@ class _MB:
         self.rows_d = Rows(slots, positions, move, where) if on_device else None
         self.rows_ring = Rows(range(self.B), positions, move, where) if ring else None
         # positions for RoPE, lengths for LongRoPE's table: uploaded once, with whichever rows live on the device
-        on_dev = self.rows if not dev.accelerator else self.rows_d or self.rows_ring
-        if on_dev is None:
-            on_dev = Rows(slots, positions, move, where)
+        on_dev = self.rows if not dev.accelerator else (self.rows_d or self.rows_ring
+                                                         or Rows(slots, positions, move, where))
         self.positions_d, self.lengths_d = on_dev.positions, on_dev.lengths
         self.x = None  # device hidden [B, D]
         self.payload = self.keep = None  # device, from pre-attention: for attention / for post-attention
