@@ -127,7 +127,7 @@ class RunConfig:
         if self.executor == "cuda" and self.device == "cpu":
             raise UsageError("--executor cuda needs a CUDA GPU, and none is available",
                              "use --executor sequential or threaded")
-        if self.graphs not in ("auto", "on", "off"):
+        if self.graphs not in cuda_graphs.MODES:
             raise UsageError(f"unknown graphs setting {self.graphs!r}", "use auto, on or off")
 
     def resident(self, num_layers: int, num_experts: int) -> list[int] | None:
