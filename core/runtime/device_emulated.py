@@ -70,9 +70,6 @@ class _Event:
     def synchronize(self) -> None:
         self.dev._host_sync(self, None)
 
-    def wait(self, stream=None) -> None:
-        (stream if stream is not None else self.dev.current_stream()).wait_event(self)
-
     def elapsed_time(self, end: "_Event") -> float:
         if not (self.timing and end.timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")

@@ -65,8 +65,6 @@ def _failed(task, err: BaseException) -> TaskFailed:
 
 
 class SequentialExecutor:
-    name = "sequential"
-
     def __init__(self):
         self.times: list[float] = []  # task i of the last step ran from times[2i] to times[2i+1]
 
@@ -100,8 +98,6 @@ _STOP = object()
 
 class ThreadedExecutor:
     """One worker thread per resource; dependencies are threading.Events."""
-
-    name = "threaded"
 
     def __init__(self, resources: Iterable[str], setup: Callable[[str], None] | None = None,
                  stall_seconds: float = STALL_SECONDS):
