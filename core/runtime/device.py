@@ -184,15 +184,6 @@ class _Done:
     def query(self) -> bool:
         return True
 
-    def synchronize(self) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
 
 class HostDevice(Device):
     """The CPU as the device: the CPU-only mode and the threaded executor's real copies."""
