@@ -98,10 +98,3 @@ def test_cpu_only_policy_simulates_as_a_chain():
     p = Policy(batch_size=8, micro_batch_size=4, expert_batch_size=8, attention_on="cpu", ffn_on="cpu")
     tl = simulate_decode(preset_spec("olmoe-1b-7b"), hw, p, 100.0)
     assert tl.makespan == pytest.approx(sum(tl.busy.values())) and tl.busy["h2d"] == 0
-
-
-def test_timeline_serialises():
-    p = Policy(batch_size=4, micro_batch_size=2, expert_batch_size=2, pages_per_layer=2)
-    d = simulate_decode(preset_spec("olmoe-1b-7b"), preset("t4"), p, 50.0).to_dict()
-    assert d["makespan"] > 0 and len(d["spans"]) == len(schedule.for_policy(p, 16))
-    assert {"task", "kind", "resource", "start", "end"} <= set(d["spans"][0])

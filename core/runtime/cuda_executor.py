@@ -70,7 +70,6 @@ class _CudaStep(_Step):
 
 
 class CudaExecutor(ThreadedExecutor):
-    name = "cuda"
     takes_tail = True  # run(..., then=): see _finish
 
     def __init__(self, device: Device, *, stall_seconds: float = STALL_SECONDS, placement=None):

@@ -29,7 +29,6 @@ RESOURCE_OF = {
     "weight_page": "h2d",  # one page of a layer's streamed expert weights (D3)
     "kv_load": "h2d",  # CPU-held KV to the GPU (D4)
 }
-KINDS = tuple(RESOURCE_OF)
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ class Task:
 
     def __post_init__(self):
         if self.kind not in RESOURCE_OF:
-            raise ValueError(f"unknown task kind {self.kind!r}; expected one of {KINDS}")
+            raise ValueError(f"unknown task kind {self.kind!r}; expected one of {tuple(RESOURCE_OF)}")
         if self.resource not in RESOURCES:
             raise ValueError(f"unknown resource {self.resource!r}; expected one of {RESOURCES}")
         if any(d >= self.id or d < 0 for d in self.deps):
@@ -118,12 +117,8 @@ def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches
     return _flexgen(L, n, g, pages, overlap=schedule == "s4")
 
 
-def _group(j: int, g: int) -> int:
-    return j // g
-
-
 def _ffn_deps_of_prev_layer(G: _Graph, i: int, j: int, g: int):
-    return (G.get("ffn", i - 1, _group(j, g) * g),) if i > 0 else ()
+    return (G.get("ffn", i - 1, j // g * g),) if i > 0 else ()
 
 
 def _buffer_free(G: _Graph, i: int, n: int, g: int):
@@ -148,7 +143,7 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
         # emit in order only what is ready, so no in-order queue waits on a later task
         while pending:
             i, j = pending[0]
-            if i > 0 and not G.has("ffn", i - 1, _group(j, g) * g):
+            if i > 0 and not G.has("ffn", i - 1, j // g * g):
                 return
             pending.pop(0)
             pre(i, j)
