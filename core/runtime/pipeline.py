@@ -172,6 +172,7 @@ class PipelineRunner:
         self._host_kinds = list({_kind(st): st for st in cache.layers if st is not None}.values())
         self._place_experts()
         self._layer0_half: int | None = None  # half holding layer 0's experts for the next step
+        self.layer0_loads = 0  # synchronous loads of layer 0 before a step (the first step's, ideally only)
         self._base = 0  # half of layer 0 in the current step
         self._graphs: dict[tuple, tuple[list, set]] = {}
         self._host_buffers(n_mb)
@@ -440,9 +441,15 @@ class PipelineRunner:
         if not needs_layer0:  # this graph loads layer 0 itself
             self._base = 0
             return
-        if self._layer0_half is None:  # every prefill loads layer 0 itself and leaves it prefetched
-            raise RuntimeError("a decode step that streams layer 0 before any prefill loaded it")
-        self._base = self._layer0_half
+        if self._layer0_half is None:  # first step, or after a prefill that could not prefetch it
+            self._base = 0
+            self.layer0_loads += 1
+            if self.resident[0] < self.spec.num_experts:
+                for page in self.page_copies[0][0]:
+                    for dst, src in page:
+                        self._send(dst, src, "h2d")
+        else:
+            self._base = self._layer0_half
 
     def _end_step(self, prefetched_layer0: bool) -> None:
         if self.streamed:
