@@ -392,12 +392,12 @@ class PlanScreen(StepScreen):
     def check(self, gen: int, fields: dict) -> None:
         s = self.session
         plan = self.backend.check(s.model, s.machine, s.plan, fields, s.choices)
-        self.post_message(Checked(plan, plan.problems, gen))
+        self.post_message(Checked(plan, gen))
 
     def on_checked(self, msg: Checked) -> None:
         if msg.gen != self._gen:
             return
-        if msg.plan.prediction is not None and not msg.problems:
+        if msg.plan.prediction is not None and not msg.plan.problems:
             self.session.plan = msg.plan
         self.show(msg.plan)
 
