@@ -7,7 +7,6 @@ clock. Runs share `mlight run`'s run store and manifest, so either resumes the o
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import threading
 import time
@@ -437,12 +436,6 @@ class Backend:
         from core.plan.tracking import Tracker
 
         return Tracker(plan.prediction, model.spec.num_layers)
-
-    @staticmethod
-    def engine_offers(option: str) -> bool:
-        from core.runtime.engine import Engine
-
-        return option in inspect.signature(Engine.load).parameters
 
     def simulate(self, model: ModelView, machine: MachineView, plan: PlanView, engine: Any) -> Any:
         """The planner's replay of one decode step under the engine's schedule; None when it cannot be made."""
