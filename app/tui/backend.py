@@ -168,7 +168,9 @@ class Backend:
     def open_model(self, text: str | None, machine: MachineView | None, progress: EventSink = ignore,
                    should_stop: Callable[[], bool] = lambda: False) -> ModelView:
         """'demo' (or nothing), a checkpoint folder, or a repo id (downloaded into the hub cache)."""
-        is_demo = text is None or text.strip().lower() in ("", "demo", ":demo")
+        from core.model.families import load_spec
+
+        kind = self.classify_model_text(text or "")
 
         def sink(ev) -> None:
             if should_stop():
@@ -177,28 +179,23 @@ class Backend:
             progress(ev)
 
         def resolve() -> tuple[Path, str]:
-            return download.resolve_model(None if is_demo else text.strip(), progress=sink)
+            return download.resolve_model(None if kind == "demo" else text.strip(), progress=sink)
 
-        path, name = self._once(("model", "demo" if is_demo else text.strip()), resolve)
-        source = "demo" if is_demo else ("folder" if Path(text).expanduser().exists() else "hub")
-        return self.inspect_model(path, name, source, machine)
-
-    def inspect_model(self, path: Path, name: str, source: str, machine: MachineView | None) -> ModelView:
-        from core.model.families import load_spec
-
+        path, name = self._once(("model", "demo" if kind == "demo" else text.strip()), resolve)
         spec = load_spec(path)
         disk = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
         if disk == 0:
             raise ModelError(f"{path} has no .safetensors files",
                              "mlight reads safetensors only; get the safetensors version of the model")
-        fits, text = None, "machine not measured yet"
+        fits, fits_text = None, "machine not measured yet"
         if machine is not None:
             room = machine.gpu_free + machine.cpu_available
             fits = spec.total_bytes <= room
             where = "CPU memory" if machine.cpu_mode else "GPU + CPU memory"
-            text = (f"fits: {_size(spec.total_bytes)} of weights, {_size(room)} of free {where}" if fits
-                    else f"does not fit: {_size(spec.total_bytes)} of weights, only {_size(room)} of free {where}")
-        return ModelView(Path(path), name, source, spec, disk, fits, text)
+            fits_text = (f"fits: {_size(spec.total_bytes)} of weights, {_size(room)} of free {where}" if fits
+                         else f"does not fit: {_size(spec.total_bytes)} of weights, only {_size(room)} of free {where}")
+        source = kind if kind in ("demo", "folder") else "hub"
+        return ModelView(Path(path), name, source, spec, disk, fits, fits_text)
 
     @staticmethod
     def classify_model_text(text: str) -> str:
