@@ -103,7 +103,6 @@ class PlanView:
     cpu_budget: int
     workload: Any  # core.plan.planner.Workload
     problems: list[str] = field(default_factory=list)  # what stops this policy from running
-    edited: bool = False
     warnings: list[str] = field(default_factory=list)  # what the user should know, but may go ahead with
     quantize: str | None = None  # the experts' format the plan is for (none | int8 | int4), when one was asked
     quant_why: str = ""  # why that format (for auto: the least lossy one that fits)
@@ -347,16 +346,16 @@ class Backend:
         try:
             policy = Policy(**fields)
         except (TypeError, ValueError) as e:
-            return dataclasses.replace(base, prediction=None, problems=[wording.policy_problem(str(e))], edited=True)
+            return dataclasses.replace(base, prediction=None, problems=[wording.policy_problem(str(e))])
         try:
             overruns = planner.validate(policy, spec, machine.hardware, base.workload, budget)
         except MlightError as e:
             return dataclasses.replace(base, policy=policy, prediction=None,
-                                       problems=[wording.policy_problem(wording.for_screen(str(e)))], edited=True)
+                                       problems=[wording.policy_problem(wording.for_screen(str(e)))])
         share = {"gpu": (budget.gpu_bytes, planner.GPU_USABLE), "cpu": (budget.cpu_bytes, planner.CPU_USABLE)}
         problems = [wording.overrun(o, *share[o.where]) for o in overruns]
         prediction = planner.predict(policy, spec, machine.hardware, base.workload)
-        return dataclasses.replace(base, policy=policy, prediction=prediction, problems=problems, edited=True)
+        return dataclasses.replace(base, policy=policy, prediction=prediction, problems=problems)
 
     @staticmethod
     def usable_shares() -> tuple[float, float]:
