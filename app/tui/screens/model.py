@@ -133,7 +133,7 @@ class ModelScreen(StepScreen):
         if msg.unit == "B" and msg.total:
             bar = self.query_one("#dl-bar", ProgressBar)
             bar.update(total=msg.total, progress=msg.done)
-            rate = f" at {fmt.rate(msg.rate)}" if msg.rate else ""
+            rate = f" at {fmt.human_bytes(msg.rate)}/s" if msg.rate else ""
             self.query_one("#dl-text", Static).update(
                 f"{fmt.human_bytes(msg.done)} of {fmt.human_bytes(msg.total)}{rate}")
         else:
