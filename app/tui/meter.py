@@ -11,13 +11,13 @@ import heapq
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from core.telemetry import RESOURCES, MemorySample, Progress, StepDone, TaskSpan, task_spans
+from core.telemetry import MemorySample, Progress, StepDone, TaskSpan, task_spans
 
 HISTORY = 600  # chart points (decode steps) kept
-WINDOW_S = 2.0  # "current" throughput and busy shares are measured over the last WINDOW_S of steps
+WINDOW_S = 2.0  # "current" decode throughput and the typical step are measured over the last WINDOW_S of steps
 TIMELINE_EVERY_S = 0.25  # the UI redraws at 4 Hz: a fresher timeline would never be seen
 
 Clock = Callable[[], float]
@@ -42,12 +42,10 @@ class RunSnapshot:
     tokens_in: int = 0  # prompt tokens (of finished results, plus those prefilled since)
     saved_out: int = 0  # generated tokens in the finished results (earlier sessions of a resumed run too)
     saved_in: int = 0  # prompt tokens of the finished results
-    current_tps: float = 0.0
     average_tps: float = 0.0
     decode_tps: float = 0.0  # decode tokens / decode seconds over the window
     full_batch: bool = False  # decode_tps was measured on steps with the whole planned batch in flight
     history: tuple[tuple[float, float], ...] = ()  # (engine seconds so far, decode tokens/s) per decode step
-    busy: dict[str, float] = field(default_factory=dict)  # resource -> share of wall time, 0..1
     gpu_used: int = 0
     gpu_budget: int = 0
     cpu_used: int = 0
@@ -98,7 +96,7 @@ class RunMeter:
         self.tokens_in = 0
         self.saved_out = self.saved_in = 0  # the finished results' tokens (the run job counts them)
         self.batch_size = batch_size  # the plan's N: steps with this many in flight are comparable to it
-        self._steps: deque[tuple[float, float, int, dict[str, float], str, int]] = deque()
+        self._steps: deque[tuple[float, float, int, str, int]] = deque()
         self._history: deque[tuple[float, float]] = deque(previous.history if previous else (), maxlen=HISTORY)
         self._timeline: StepTimeline | None = None
         self._timeline_at = float("-inf")
@@ -174,7 +172,7 @@ class RunMeter:
                 prompt -= n
             self._prefill[0] += ev.tokens
             self._prefill[1] += ev.seconds
-        self._steps.append((now, ev.seconds, ev.tokens if decode else 0, dict(ev.busy), ev.kind, ev.active))
+        self._steps.append((now, ev.seconds, ev.tokens if decode else 0, ev.kind, ev.active))
         while self._steps and now - self._steps[0][0] > WINDOW_S and len(self._steps) > 1:
             self._steps.popleft()
         self._engine_s += ev.seconds
@@ -187,8 +185,8 @@ class RunMeter:
 
     def _comparable(self) -> tuple[list, bool]:
         """The window's decode steps, only its full-batch ones when there are any; and whether they were."""
-        decode = [s for s in self._steps if s[4] != "prefill"]
-        full = [s for s in decode if self.batch_size and s[5] >= self.batch_size]
+        decode = [s for s in self._steps if s[3] != "prefill"]
+        full = [s for s in decode if self.batch_size and s[4] >= self.batch_size]
         return full or decode, bool(full)
 
     def _decode_rate(self) -> tuple[float, bool]:
@@ -217,7 +215,7 @@ class RunMeter:
     def _step_cost(self) -> tuple[float, float] | None:
         """(a, b): a decode step with k requests in flight takes a + b·k seconds, least squares over the window's
         decode steps: a per-step part (reading weights) and a per-token part. Where k has not varied, all per token."""
-        pts = [(float(st[5] or st[2]), st[1]) for st in self._steps if st[4] != "prefill"]
+        pts = [(float(st[4] or st[2]), st[1]) for st in self._steps if st[3] != "prefill"]
         n = len(pts)
         sx, sy = sum(x for x, _ in pts), sum(y for _, y in pts)
         if n == 0 or sx <= 0:
@@ -277,10 +275,6 @@ class RunMeter:
     def snapshot(self) -> RunSnapshot:
         with self._lock:
             now = self._clock()
-            wall = sum(s[1] for s in self._steps)
-            toks = sum(s[2] for s in self._steps)
-            busy = {r: min(1.0, sum(s[3].get(r, 0.0) for s in self._steps) / wall) if wall > 0 else 0.0
-                    for r in RESOURCES}
             run_s = 0.0
             if self._first_step is not None:
                 run_s = now - self._first_step - (self._paused(now) - self._paused_before_first)
@@ -291,9 +285,8 @@ class RunMeter:
             return RunSnapshot(
                 state=self.state, elapsed=self._before + self._running(now), requests_done=self.done,
                 requests_total=self.total, tokens_out=self.tokens_out, tokens_in=self.tokens_in,
-                saved_out=self.saved_out, saved_in=self.saved_in,
-                current_tps=toks / wall if wall > 0 else 0.0, average_tps=avg, decode_tps=decode_tps,
-                full_batch=full, history=tuple(self._history), busy=busy, gpu_used=self.gpu_used,
+                saved_out=self.saved_out, saved_in=self.saved_in, average_tps=avg, decode_tps=decode_tps,
+                full_batch=full, history=tuple(self._history), gpu_used=self.gpu_used,
                 gpu_budget=self.gpu_budget, cpu_used=self.cpu_used, cpu_budget=self.cpu_budget, eta=eta,
                 loading=self.loading, timeline=self._timeline, decode_steps=self._decode_steps,
                 engine_seconds=self._engine_s, stepped=self._first_step is not None,
