@@ -130,6 +130,8 @@ class PlanView:
 class Backend:
     """The app's door into `core`. `hardware` pins a HardwareSpec; `clock` drives the meter (frozen in snapshots)."""
 
+    demo_prompts = DEMO_PROMPTS
+
     def __init__(self, hardware: Any = None, clock: Callable[[], float] = time.monotonic,
                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS):
         self.pinned_hardware = hardware
@@ -219,14 +221,10 @@ class Backend:
         return problems
 
     # ---- prompts ------------------------------------------------------------------------------
-    @staticmethod
-    def demo_prompts_path() -> Path:
-        return DEMO_PROMPTS
-
     def prompts_path(self, text: str | Path) -> Path:
         """A prompts file as typed: 'demo' is the bundled demo prompts unless a file of that name is here."""
         path = Path(text).expanduser()
-        return self.demo_prompts_path() if str(text) == prompt_files.DEMO and not path.exists() else path
+        return DEMO_PROMPTS if str(text) == prompt_files.DEMO and not path.exists() else path
 
     def read_prompts(self, path: Path) -> PromptsView:
         path = self.prompts_path(path)

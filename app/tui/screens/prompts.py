@@ -121,7 +121,7 @@ class PromptsScreen(StepScreen):
         self.open(self.query_one("#prompts-input", PathInput).path)
 
     def action_demo_prompts(self) -> None:
-        path = self.backend.demo_prompts_path()
+        path = self.backend.demo_prompts
         self.query_one("#prompts-input", PathInput).show(str(path))
         self.open(path)
 
