@@ -456,14 +456,10 @@ class Backend:
     def run_pending(engine: Any, prompts: PromptsView, store: Any, requests: dict, **kwargs) -> bool:
         return runstore.run_pending(engine, prompts.prompts, store, requests, **kwargs)
 
-    def finish(self, store: Any, records: list[dict], prompts: PromptsView, model: ModelView) -> None:
-        """Write the final output (and the rejects) atomically; the run file goes away."""
-        ps = prompts.prompts
-        if ps.is_openai_batch:
-            entries = {e.id: e for e in ps.entries}
-            records = [results.openai_batch_record(r, (e := entries[r["id"]]).custom_id, e.endpoint, model.name)
-                       if r["id"] in entries else r for r in records]
-        store.finish(records, [r.to_dict() for r in ps.rejects])
+    @staticmethod
+    def finish(store: Any, prompts: PromptsView, model: ModelView) -> None:
+        """Write the final output in the prompts' order (and the rejects) atomically; the run file goes away."""
+        runstore.finish_run(store, prompts.prompts, model.name)
 
     # ---- export -------------------------------------------------------------------------------
     @staticmethod
