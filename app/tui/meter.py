@@ -65,8 +65,7 @@ class RunSnapshot:
 class RunMeter:
     """Thread-safe accumulator of one run's telemetry; `snapshot()` is cheap and immutable."""
 
-    def __init__(self, total_requests: int, budget_tokens: int, *, done_before: int = 0,
-                 tokens_before: int = 0, gpu_budget: int = 0, cpu_budget: int = 0,
+    def __init__(self, total_requests: int, budget_tokens: int, *, gpu_budget: int = 0, cpu_budget: int = 0,
                  clock: Clock = time.monotonic, previous: RunSnapshot | None = None, batch_size: int = 0,
                  tracker: Callable | None = None):
         self._lock = threading.Lock()
@@ -81,7 +80,7 @@ class RunMeter:
         self.state = "loading"
         self.loading = ""
         self.total = total_requests
-        self.done = done_before
+        self.done = 0  # the run job counts the results a resumed run already holds
         self.budget_tokens = budget_tokens  # sum of max_new_tokens still to generate (an upper bound)
         self.prompt_tokens_left = 0  # prompt tokens not yet prefilled (the run job counts them with the tokenizer)
         self._prefill = [0, 0.0]  # prompt tokens, seconds: this session's prefill steps
@@ -91,7 +90,7 @@ class RunMeter:
         self._waiting: deque[tuple[str, int, int]] = deque()
         self._admitted: dict[str, tuple[int, int]] = {}
         self._slots = 0
-        self.tokens_out = tokens_before
+        self.tokens_out = 0
         self._session_tokens = 0
         self.tokens_in = 0
         self.saved_out = self.saved_in = 0  # the finished results' tokens (the run job counts them)
