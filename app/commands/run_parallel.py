@@ -68,7 +68,7 @@ class _Rank:
         return value
 
     def run(self) -> int:
-        args, w = self.args, self.world
+        w = self.world
         stopper = _Stopper().install()
         try:
             prompts, model_dir, model_name = self.phase(self._inputs)
