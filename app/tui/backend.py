@@ -24,6 +24,7 @@ from core.telemetry import EventSink, Progress, ignore
 GB = 1e9  # decimal, as the planner and `--gpu-mem/--cpu-mem` count
 DEFAULT_MAX_NEW_TOKENS = 128  # `mlight run`'s default, for prompts that do not set their own
 CHARS_PER_TOKEN = 4.0  # planning estimate before any tokenizer is loaded (English BPE averages ~4)
+PROMPT_SUFFIXES = frozenset(prompt_files.SUFFIX_FORMAT)  # the files the Prompts step's tree lists
 
 
 class DownloadCancelled(MlightError):
