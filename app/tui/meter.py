@@ -128,9 +128,6 @@ class RunMeter:
     def _paused(self, now: float) -> float:
         return self._paused_total + (now - self._paused_at if self._paused_at is not None else 0.0)
 
-    def _running(self, now: float) -> float:
-        return now - self._start - self._paused(now)
-
     def on_event(self, ev) -> None:
         with self._lock:
             now = self._clock()
@@ -282,10 +279,10 @@ class RunMeter:
             eta = 0.0 if self.state == "done" else self._eta()
             typical_s, typical_n = self._typical_step()
             return RunSnapshot(
-                state=self.state, elapsed=self._before + self._running(now), requests_done=self.done,
-                requests_total=self.total, tokens_out=self.tokens_out, tokens_in=self.tokens_in,
-                saved_out=self.saved_out, saved_in=self.saved_in, average_tps=avg, decode_tps=decode_tps,
-                full_batch=full, history=tuple(self._history), gpu_used=self.gpu_used,
+                state=self.state, elapsed=self._before + now - self._start - self._paused(now),
+                requests_done=self.done, requests_total=self.total, tokens_out=self.tokens_out,
+                tokens_in=self.tokens_in, saved_out=self.saved_out, saved_in=self.saved_in, average_tps=avg,
+                decode_tps=decode_tps, full_batch=full, history=tuple(self._history), gpu_used=self.gpu_used,
                 gpu_budget=self.gpu_budget, cpu_used=self.cpu_used, cpu_budget=self.cpu_budget, eta=eta,
                 loading=self.loading, timeline=self._timeline, decode_steps=self._decode_steps,
                 engine_seconds=self._engine_s, stepped=self._first_step is not None,
