@@ -155,7 +155,6 @@ def _schedules(args) -> tuple[str, ...]:
 
 def _measure(engine, name: str, reqs, args) -> dict:
     from core.runtime.calibrate import StepClock
-
     from core.runtime.fold_back import RunSums
 
     clock = _clock(args)

@@ -72,7 +72,7 @@ def _load_policy(text: str):
 
 
 def run(args) -> int:
-    from core.plan import planner
+    from core.plan import cpu_history, planner
     from core.plan.hardware import resolve
     from core.plan.presets import resolve_spec
 
@@ -116,17 +116,18 @@ def run(args) -> int:
     scaling = _scaling(model, hw, workload, args) if hw.has_gpu and hw.gpu_count > 1 else None
     host = _host(model, hw, policy, prediction, workload) if policy.ffn_on == "gpu" else None
     unused = _gpu_unused(model, hw, workload, budget) if hw.has_gpu and policy.ffn_on == "cpu" else None
+    history = cpu_history.behind(hw, model) if policy.ffn_on == "cpu" else None  # what backs a CPU-only prediction
     if args.json:
         out = {"policy": policy.to_dict(), "prediction": prediction.to_dict(), "plan_seconds": seconds, **(host or {})}
         extra = {"gpu_unused": unused, "quantize": choice and choice.to_dict(), "simulation": sims, "scaling": scaling}
         out.update((k, v) for k, v in extra.items() if v is not None)
-        if policy.ffn_on == "cpu":
-            out["history"] = _history(hw, model)
+        if history is not None:
+            out["history"] = history
             out["cpu_speed"] = hw.cpu_speed
         print(json.dumps(with_gpu_keys(out)))  # "gpu" beside "compute", as these keys always read
     else:
         print(_human(args, model, hw, workload, budget, policy, prediction, seconds, sims, choice, scaling, host,
-                     unused))
+                     unused, history))
     return 0
 
 
@@ -172,19 +173,6 @@ def _gpu_unused(model, hw, workload, budget) -> str:
         return (f"the smallest GPU plan (one request, every expert streamed) needs {_gb(o.needed)} ({parts}), "
                 f"{_gb(o.limit)} usable; it needs --gpu-mem {o.needed / planner.GPU_USABLE / 1e9:.1f} or more")
     return "the CPU alone is predicted faster than any GPU placement that fits"
-
-
-def _history(hw, model) -> dict:
-    """What backs a CPU-only prediction: this machine's calibration windows and runs (core.plan.cpu_history)."""
-    from core.plan import cpu_history
-
-    return cpu_history.behind(hw, model)
-
-
-def _spread(hw, model, policy) -> str:
-    from core.plan import cpu_history
-
-    return cpu_history.spread_words(_history(hw, model)) if policy.ffn_on == "cpu" else ""
 
 
 def _scaling(model, hw, workload, args) -> list[dict]:
@@ -305,7 +293,8 @@ def _bottleneck_line(p, pred) -> str:
 
 
 def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=None, scaling=None, host=None,
-           unused=None) -> str:
+           unused=None, history=None) -> str:
+    from core.plan.cpu_history import spread_words
     from core.plan.planner import CPU_USABLE, GPU_USABLE
 
     gpu = f"{hw.gpu_count}× {hw.gpu_name} {hw.gpu_mem_bytes / 2**30:.0f} GiB" if hw.has_gpu else "no GPU"
@@ -334,7 +323,7 @@ def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=Non
         "",
         "prediction",
         f"  end to end        {pred.tokens_per_s:,.1f} tokens/s" + (f" ± {pred.band:.0%}" if pred.band else "")
-        + (f" ({words})" if (words := _spread(hw, model, p)) else ""),
+        + (f" ({words})" if (words := spread_words(history or {})) else ""),
         f"  decode            {pred.decode_tokens_per_s:,.1f} tokens/s ({pred.step_seconds:.2f} s per step)",
         f"  prefill           {pred.prefill_tokens_per_s:,.1f} prompt tokens/s ({pred.prefill_seconds:.1f} s per batch)",
         _bottleneck_line(p, pred),

@@ -116,10 +116,8 @@ class Timeline(Widget):
         self.lanes: tuple[str, ...] = LANES
         self.labels = CPU_LANE_LABELS if cpu_mode else LANE_LABELS
 
-    def show(self, spans: list[Span], seconds: float, header: Text | str, lanes: tuple[str, ...] | None = None) -> None:
-        self.spans, self.seconds, self.header = list(spans), seconds, header
-        if lanes is not None:
-            self.lanes = lanes
+    def show(self, spans: list[Span], seconds: float, header: Text | str, lanes: tuple[str, ...]) -> None:
+        self.spans, self.seconds, self.header, self.lanes = list(spans), seconds, header, lanes
         self.refresh(layout=True)
 
     def get_content_height(self, container, viewport, width: int) -> int:
