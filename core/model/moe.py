@@ -17,16 +17,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.model import expert_choice, fused_moe, routing
+from core.model import expert_choice, fused_moe
 from core.model.device_wait import synchronize  # bounded: a hung probe kernel raises DeviceStalled
 from core.model.spec import ModelSpec
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
-
-
-def route(spec: ModelSpec, h: torch.Tensor, w: dict, fused: bool = False):
-    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k])."""
-    return routing.route(spec, h, w, fused=True) if fused else routing.route(spec, h, w)
 
 
 def _grouped_ok(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
