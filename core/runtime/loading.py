@@ -114,7 +114,7 @@ def ready_for_cpu(config, ck: Checkpoint, spec: ModelSpec, weights: ModelWeights
 
         ffn.prepare_widened(progress)
         if weights.packs_widened():  # the experts widen in registers in one C call a layer
-            weights.pack_widened(torch_dtype(cpu.math), progress)
+            weights.widen_dense(torch_dtype(cpu.math), pack=True, progress=progress)
             cpu = dataclasses.replace(cpu, fused=True)
         else:
             weights.widen_dense(torch_dtype(cpu.math))

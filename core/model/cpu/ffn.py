@@ -22,7 +22,7 @@ tiles. Linux grants a process the tile state only on request (`mlight_moe_amx_in
 
 Where bf16 matmuls are slow (AVX2, also under the AVX2 limits) the CPU computes in fp32: there a second
 kernel (core/assets/kernels/moe_ffn_avx2.c, `library_avx2`) runs the same packed bf16 weights with fp32
-activations, widening them in registers (`ModelWeights.pack_widened`; torch's 1 MB widened tiles ran a
+activations, widening them in registers (`ModelWeights.widen_dense`; torch's 1 MB widened tiles ran a
 B = 64 step's experts at 39 GFLOP/s, it at 103-121). Under the same conditions, AVX2 for AVX-512 BF16.
 """
 
