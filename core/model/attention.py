@@ -64,13 +64,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if pad is None:
             scores = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)
         else:
-            key = ("bias", n, q.dtype, Hkv)
-            bias = memo.get(key) if memo is not None else None
-            if bias is None:
-                bias = torch.zeros((B, 1, 1, n), dtype=q.dtype, device=q.device).masked_fill_(
-                    pad[:, None, None, :], float("-inf")).expand(B, Hkv, 1, n).reshape(B * Hkv, 1, n)
-                if memo is not None:
-                    memo[key] = bias
+            bias = _memo(memo, ("bias", n, q.dtype, Hkv), lambda: torch.zeros((B, 1, 1, n), dtype=q.dtype, device=q.device)
+                         .masked_fill_(pad[:, None, None, :], float("-inf")).expand(B, Hkv, 1, n).reshape(B * Hkv, 1, n))
             scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=scale)
         return torch.bmm(torch.softmax(scores, dim=-1), v).reshape(B, Hq * dv)
     scores = torch.bmm(qg, k.transpose(1, 2)).view(B, Hkv, G, n).float().mul_(scale)
