@@ -186,12 +186,8 @@ def _widened(q, k_rows, v_rows, scale: float, shortest: int, T: int, pad, sink, 
     return out.view(B, Hq * dv).to(q.dtype)
 
 
-def _torch_at_least(major: int, minor: int) -> bool:
-    v = torch.__version__.split("+")[0].split(".")
-    return (int(v[0]), int(v[1])) >= (major, minor)
-
-
-SDPA_GQA = _torch_at_least(2, 5)  # scaled_dot_product_attention's enable_gqa came with torch 2.5; we support 2.4
+# scaled_dot_product_attention's enable_gqa came with torch 2.5; we support 2.4
+SDPA_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

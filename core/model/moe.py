@@ -84,10 +84,6 @@ def pack_cpu_experts(w13: torch.Tensor, w2: torch.Tensor, fused: bool):
     return pack_experts(w13, w2)
 
 
-def _packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-
 def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, weights: torch.Tensor,
             idx: torch.Tensor, grouped: bool | None = None, packed: list | None = None,
             b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: Activation | None = None,
@@ -101,7 +97,8 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
     if packed is None and quant is None and grouped is None and not widened:
         grouped = _grouped_ok(h, w13, w2) and _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act)
     looped = quant is not None or widened or not grouped  # a matmul pair per expert with tokens
-    linear = widen.linear if widened else F.linear if packed is None else _packed_linear
+    linear = (widen.linear if widened else F.linear if packed is None  # oneDNN's packed layout:
+              else lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     up_down = (None if not looped else (quant.up, quant.down) if quant is not None else  # expert e's two products
                (lambda e, x: linear(x, packed[e][0]), lambda e, y: linear(y, packed[e][1])) if packed is not None
                else (lambda e, x: linear(x, w13[e]), lambda e, y: linear(y, w2[e])))

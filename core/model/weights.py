@@ -149,8 +149,10 @@ class LayerWeights:
         from core.model.moe import pack_cpu_experts
 
         if self.quant is not None:
-            if not self.quant.pack_cpu():
-                self._expand_block_dense()
+            if not self.quant.pack_cpu():  # no CPU kernel: projections kept as blocks are written expanded
+                for name, w in self.block_dense.items():
+                    self.tensors[name].copy_(w.dequantized())
+                self.block_dense = {}
                 return
             # projections kept as blocks left their part of the buffer unwritten (never resident): the experts
             # can stay where they were read to, rather than be copied out while every layer's buffer is held
@@ -188,12 +190,6 @@ class LayerWeights:
         self.flat, self.experts, self.pages = buf, None, []
         self.tensors |= packed | biases
         self.held = sum(getattr(q, "held_bytes", q.numel() * q.element_size()) for q in packed.values())
-
-    def _expand_block_dense(self) -> None:
-        """The projections kept as blocks written expanded where the flat buffer has them (no CPU packing)."""
-        for name, w in self.block_dense.items():
-            self.tensors[name].copy_(w.dequantized())
-        self.block_dense = {}
 
     def _dense_names(self) -> set[str]:
         return {n for n, off, _ in self.layout.entries if off < self.layout.expert_start}
