@@ -94,9 +94,9 @@ def _triton():
 
 
 @functools.lru_cache(maxsize=None)
-def triton_runs(fmt_key: str, dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+def _triton_runs(fmt_key: str, dtype: torch.dtype, index: int) -> bool:
     ft = _triton()
-    return ft is not None and ft.unsupported(_format(fmt_key), dtype, capability) is None
+    return ft is not None and ft.unsupported(_format(fmt_key), dtype, torch.cuda.get_device_capability(index)) is None
 
 
 def _use_triton(h: torch.Tensor, fmts: list[str], backend: str | None) -> bool:
@@ -104,13 +104,7 @@ def _use_triton(h: torch.Tensor, fmts: list[str], backend: str | None) -> bool:
         return backend == "triton"
     if not h.is_cuda:
         return False
-    cap = _capability(h.device.index or 0)
-    return all(triton_runs(f, h.dtype, cap) for f in fmts)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return all(_triton_runs(f, h.dtype, h.device.index or 0) for f in fmts)
 
 
 # ---- the ops ------------------------------------------------------------------------------------------------

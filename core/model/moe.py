@@ -119,11 +119,6 @@ def _fused(c: Call) -> torch.Tensor:
     return c.packed(c.h, c.weights, c.idx, None if c.scratch is None else c.scratch.get("out", c.h.shape, c.h.dtype))
 
 
-def _quant_one_token(c: Call) -> torch.Tensor | None:
-    """int4 or GGUF blocks on the C kernel: the layer's experts in one call; None where that kernel does not run."""
-    return c.quant.one_token(c.h, c.weights, c.idx)
-
-
 def _one_token(c: Call) -> torch.Tensor:
     """Batch 1, no sort or scatter: bit for bit the loop (same products, same order) in a third of its ops."""
     (up, down), out = c.up_down, None
@@ -173,7 +168,7 @@ _grouped = functools.partial(_sorted, grouped=True)
 BACKENDS: list[tuple[str, Callable[[Call], bool], Callable[[Call], torch.Tensor | None]]] = [
     ("fused", lambda c: hasattr(c.packed, "fused_swiglu"), _fused),
     ("quant_one_token", lambda c: c.T == 1 and c.quant is not None and c.b13 is None and c.b2 is None
-     and c.act is _swiglu, _quant_one_token),
+     and c.act is _swiglu, lambda c: c.quant.one_token(c.h, c.weights, c.idx)),  # int4 or GGUF blocks, in C
     ("one_token", lambda c: c.T == 1 and c.looped, _one_token),
     ("loop", lambda c: c.looped, _loop),
     ("grouped", lambda c: True, _grouped),

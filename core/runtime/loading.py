@@ -112,7 +112,7 @@ def ready_for_cpu(config, ck: Checkpoint, spec: ModelSpec, weights: ModelWeights
     if cpu.widens and weights.scheme is None:
         from core.model.cpu import ffn
 
-        ffn.prepare_widened(progress)
+        ffn.prepare(progress, widened=True)
         if weights.packs_widened():  # the experts widen in registers in one C call a layer
             weights.widen_dense(torch_dtype(cpu.math), pack=True, progress=progress)
             cpu = dataclasses.replace(cpu, fused=True)

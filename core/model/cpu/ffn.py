@@ -155,14 +155,11 @@ def status(math: str = "bfloat16") -> str:
     return f"fused C kernel ({lib.flags}){tiles}" + ("" if lib.openmp else "; one thread: oneDNN when torch runs more")
 
 
-def prepare(progress=None) -> None:
-    """Build (or load) the kernel now, saying so through `progress` when it compiles (once per machine)."""
-    native.build_announced("building the CPU expert kernel (once per machine)", library, progress)
-
-
-def prepare_widened(progress=None) -> None:
-    """`prepare` for the fp32-math kernel."""
-    native.build_announced("building the CPU expert kernel (once per machine)", library_avx2, progress)
+def prepare(progress=None, widened: bool = False) -> None:
+    """Build (or load) the kernel (`widened`: the fp32-math one) now, saying so through `progress` when it
+    compiles (once per machine)."""
+    native.build_announced("building the CPU expert kernel (once per machine)", library_avx2 if widened else library,
+                           progress)
 
 
 def _fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:

@@ -202,8 +202,9 @@ def _read_float(g: GGUFModel, name: str) -> torch.Tensor:
     k_b, v_b = name.replace("attn_kv_b", "attn_k_b"), name.replace("attn_kv_b", "attn_v_b")
     if name in g.tensors:
         return read_float(g.tensors[name])
-    if k_b in g.tensors and v_b in g.tensors:  # DeepSeek's kv_b, split by the converter
-        return arch.join_kv_b(read_float(g.tensors[k_b]), read_float(g.tensors[v_b]))
+    if k_b in g.tensors and v_b in g.tensors:  # DeepSeek's kv_b, split by the converter: k_b [H, R, dn], v_b [H, dv, R]
+        k_b, v_b = read_float(g.tensors[k_b]), read_float(g.tensors[v_b])
+        return torch.cat([k_b.transpose(1, 2), v_b], 1).reshape(-1, k_b.shape[1])  # [H·(dn+dv), R]
     raise ModelError(f"{g.paths[0].name} has no tensor {name}", "the GGUF file is incomplete or damaged")
 
 
