@@ -15,7 +15,7 @@ import torch
 from core.errors import ModelError, UnsupportedModelError
 from core.model.families import spec_from_config
 from core.model.gguf import arch
-from core.model.gguf.files import GGUFModel, TensorRef, find_gguf, read_float, read_into  # noqa: F401 (re-exported)
+from core.model.gguf.files import GGUFModel, find_gguf, read_float, read_into
 from core.model.quant.experts import ExpertScheme, Matrix
 from core.model.quant.formats import GGUF_BLOCKS, Format
 from core.model.spec import ModelSpec
