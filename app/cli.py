@@ -100,12 +100,7 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
         if wanted != name:
             sub.add_parser(name, help=line)  # listed in --help; parsed fully only when chosen
             continue
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as e:
-            if e.name != modname:
-                raise
-            continue
+        mod = importlib.import_module(modname)
         sp = mod.add_parser(sub)
         sp.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
         modules[name] = mod

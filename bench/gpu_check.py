@@ -52,7 +52,7 @@ for p in (ROOT, ROOT / "tests", ROOT / "bench"):
 import torch  # noqa: E402
 
 from core.runtime.engine import Engine, Request  # noqa: E402
-from core.telemetry import RESOURCES, StepDone  # noqa: E402
+from core.telemetry import RESOURCES, Busy, StepDone  # noqa: E402
 
 BIG = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, experts=8, top_k=2, vocab=32000)
 TINY = dict(hidden=256, intermediate=512, heads=8, kv_heads=2, experts=8, top_k=2, vocab=512)
@@ -650,8 +650,8 @@ def op_seconds_from_run(run: dict, pred) -> float | None:
     """Host seconds a GPU-stream op costs, from a profiled run that was launch-bound (its GPU stream busy over
     twice what the GPU's own work takes by the model): the stream's busy time a layer over its calls a layer."""
     launches = run.get("launches_per_layer_step", 0) + run.get("waits_per_layer_step", 0)
-    busy = run.get("layer_seconds", {}).get("gpu", 0.0)
-    if not launches or busy <= 2 * pred.layer_seconds.get("gpu", 0.0):
+    busy = Busy(run.get("layer_seconds", {})).get("compute", 0.0)  # Busy: an older report keys it "gpu"
+    if not launches or busy <= 2 * Busy(pred.layer_seconds).get("compute", 0.0):
         return None
     return busy / launches
 
@@ -904,7 +904,7 @@ def _run_lines(prefix: str, runs: list, pred0: dict) -> list[str]:
         if "tokens_per_s" not in x:
             lines.append(f"         {prefix}  {x.get('schedule', ''):8} {x.get('error') or x.get('skipped')}"[:120])
             continue
-        ls, pl = x["layer_seconds"], pred["layer_seconds"]
+        ls, pl = Busy(x["layer_seconds"]), Busy(pred["layer_seconds"])
         per = " ".join(f"{ls[k] * 1e3:.1f}:{pl.get(k, 0) * 1e3:.1f}" for k in RESOURCES)
         counts = (f" launches/waits/syncs {x['launches_per_layer_step']:.0f}/{x['waits_per_layer_step']:.0f}/"
                   f"{x['syncs_per_layer_step']:.1f} a layer" if "launches_per_layer_step" in x else "")

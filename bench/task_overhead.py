@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     out = {"cpu": common.cpu_name(), "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
            "tasks_per_step": len(tasks)}
     out["sequential"] = per_task(SequentialExecutor(), tasks, args.steps)
-    threaded = ThreadedExecutor(("gpu", "cpu_attn", "h2d", "d2h"))
+    threaded = ThreadedExecutor(("compute", "cpu_attn", "h2d", "d2h"))
     out["threaded"] = per_task(threaded, tasks, args.steps)
     threaded.close()
     from core.runtime.cuda_executor import CudaExecutor

@@ -100,16 +100,11 @@ RELATION_CACHE = 2  # LOGICAL_PROCESSOR_RELATIONSHIP.RelationCache (Windows)
 def llc_bytes() -> int:
     """The last-level cache's size as the OS reports it (on Apple silicon, which has no L3, the performance cores'
     L2); DEFAULT_LLC where it cannot be read."""
-    return _os_answer({"linux": _llc_linux, "macos": _llc_macos, "windows": _llc_windows}) or DEFAULT_LLC
-
-
-def _os_answer(readers: dict) -> int:
-    """What this OS's reader in `readers` says; 0 where there is none or it fails."""
-    read = readers.get(SYSTEM)
+    read = {"linux": _llc_linux, "macos": _llc_macos, "windows": _llc_windows}.get(SYSTEM)
     try:
-        return read() if read is not None else 0
+        return (read() if read is not None else 0) or DEFAULT_LLC
     except (OSError, ValueError, AttributeError):  # AttributeError: no such library call on this system
-        return 0
+        return DEFAULT_LLC
 
 
 def _sysfs_size(text: str) -> int:
@@ -131,15 +126,12 @@ def _llc_linux() -> int:
 
 
 def _llc_macos(libc=None) -> int:
-    return _sysctl_first((b"hw.l3cachesize", b"hw.perflevel0.l2cachesize", b"hw.l2cachesize"), libc)
-
-
-def _sysctl_first(names, libc=None) -> int:
+    """The first of the L3, the performance cores' L2 and the L2 that sysctl knows."""
     import ctypes
     import ctypes.util
 
     libc = libc or ctypes.CDLL(ctypes.util.find_library("c"))
-    for name in names:
+    for name in (b"hw.l3cachesize", b"hw.perflevel0.l2cachesize", b"hw.l2cachesize"):
         value, size = ctypes.c_uint64(0), ctypes.c_size_t(8)  # 4- or 8-byte integers: little-endian either way
         if libc.sysctlbyname(name, ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) == 0 \
                 and value.value:
@@ -148,11 +140,7 @@ def _sysctl_first(names, libc=None) -> int:
 
 
 def _llc_windows(kernel32=None) -> int:
-    return max((size for _, size in _windows_caches(kernel32)), default=0)
-
-
-def _windows_caches(kernel32=None) -> list[tuple[int, int]]:
-    """(level, bytes) of every cache GetLogicalProcessorInformation lists (its fixed-size records)."""
+    """The largest cache GetLogicalProcessorInformation lists (its fixed-size records)."""
     import ctypes
 
     class Cache(ctypes.Structure):  # CACHE_DESCRIPTOR
@@ -170,12 +158,12 @@ def _windows_caches(kernel32=None) -> list[tuple[int, int]]:
     k32.GetLogicalProcessorInformation(None, ctypes.byref(length))  # fails, saying how many bytes it needs
     count = length.value // ctypes.sizeof(Info)
     if not count:
-        return []
+        return 0
     buf = (Info * count)()
     if not k32.GetLogicalProcessorInformation(buf, ctypes.byref(length)):
-        return []
+        return 0
     records = buf[:min(count, length.value // ctypes.sizeof(Info))]
-    return [(r.u.Cache.Level, r.u.Cache.Size) for r in records if r.Relationship == RELATION_CACHE]
+    return max((r.u.Cache.Size for r in records if r.Relationship == RELATION_CACHE), default=0)
 
 
 def pinned_budget(ram_bytes: int) -> int:

@@ -7,9 +7,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence, Union
 
-# gpu: accelerator compute; cpu_attn: attention on the CPU; h2d / d2h: copies over the host link.
-# In the CPU-only mode "gpu" is the compute device that runs the dense work (the CPU itself).
-RESOURCES = ("gpu", "cpu_attn", "h2d", "d2h")
+# compute: the dense work and the experts (on the GPU; in the CPU-only mode on the CPU itself); cpu_attn: attention
+# on the CPU; h2d / d2h: copies over the host link.
+RESOURCES = ("compute", "cpu_attn", "h2d", "d2h")
+
+
+class Busy(dict):
+    """{resource: seconds}. "compute" was named "gpu": a Busy renames that key when made and still reads it
+    (busy["gpu"], busy.get("gpu")) without holding it, so iterating and summing count compute once."""
+
+    def __init__(self, d=()):
+        super().__init__(("compute" if k == "gpu" else k, v) for k, v in dict(d).items())
+
+    def __missing__(self, key):
+        return self["compute"] if key == "gpu" else {}[key]
+
+    def get(self, key, default=None):
+        return super().get("compute" if key == "gpu" else key, default)
+
+
+def with_gpu_keys(out):
+    """A JSON output as outside readers know it: "compute" also under its old key "gpu"; a bottleneck says "gpu"."""
+    if isinstance(out, dict):
+        out = {k: "gpu" if k == "bottleneck" and v == "compute" else with_gpu_keys(v) for k, v in out.items()}
+        return {**out, "gpu": out["compute"]} if "compute" in out else out
+    return [with_gpu_keys(v) for v in out] if isinstance(out, (list, tuple)) else out
 
 
 @dataclass(frozen=True)
@@ -19,7 +41,7 @@ class StepDone:
     kind: str  # "prefill" | "decode"
     tokens: int  # tokens produced (decode) or consumed (prefill) by the step
     seconds: float  # wall time of the step
-    busy: dict[str, float] = field(default_factory=dict)  # resource -> busy seconds within the step
+    busy: dict[str, float] = field(default_factory=dict)  # resource -> busy seconds within the step (a Busy)
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     active: int = 0  # requests in flight during the step
@@ -31,6 +53,9 @@ class StepDone:
     # step so that timing costs no allocation: copy what you keep inside the callback (`task_spans`).
     tasks: Sequence = ()
     times: Sequence[float] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "busy", Busy(self.busy))
 
 
 class TaskSpan(NamedTuple):

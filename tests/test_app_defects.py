@@ -276,7 +276,7 @@ async def test_15_cpu_only_output_never_says_gpu_compute_or_pcie(workdir):
         facts = _facts(app, "prediction")
         assert "GPU compute" not in facts and "CPU compute" in facts, facts
         assert not app.screen.query_one("#res-h2d").display and not app.screen.query_one("#res-d2h").display
-        assert app.screen.query_one("#res-gpu").label == "CPU compute"
+        assert app.screen.query_one("#res-compute").label == "CPU compute"
         await pilot.press("ctrl+n")
         await settle_until(pilot, run_over)
         text = _screen_text(app)

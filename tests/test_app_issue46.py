@@ -62,7 +62,7 @@ class _SlowProbe(ScriptedBackend):
 
 def _plan_face(app) -> tuple:
     screen = app.screen
-    return (screen.query_one("#layer").border_title, str(screen.query_one("#res-gpu").label),
+    return (screen.query_one("#layer").border_title, str(screen.query_one("#res-compute").label),
             screen.query_one("#res-h2d").display, screen.query_one("#ffn").value)
 
 

@@ -25,7 +25,7 @@ def test_meter_folds_steps_into_throughput_busy_shares_memory_and_eta():
     assert s.tokens_in == 200 and s.tokens_out == 16 + 1  # decode tokens + the finished one's first token
     assert s.current_tps == 16 / 1.5  # decode tokens over the wall time of the steps in the window
     assert [v for _, v in s.history] == [16.0, 16.0, 16.0, 16.0]  # decode tokens/s at each step
-    assert abs(s.busy["gpu"] - (0.4 + 0.8) / 1.5) < 1e-9 and s.busy["h2d"] == 0.0
+    assert abs(s.busy["compute"] - (0.4 + 0.8) / 1.5) < 1e-9 and s.busy["h2d"] == 0.0
     assert s.cpu_used == 2 * 10**9 and s.cpu_budget == 8_000_000_000
     assert s.requests_done == 1 and s.requests_total == 4
     assert s.eta is not None and s.eta > 0

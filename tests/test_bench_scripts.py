@@ -106,7 +106,7 @@ def test_mlight_bench_prints_measured_and_predicted(capsys, demo_model):
     assert [r["schedule"] for r in report["runs"]] == ["cgopipe", "s3", "s4"]
     for r in report["runs"]:
         assert r["tokens"] == 12 and r["tokens_per_s"] > 0
-        assert set(r["layer_seconds"]) == set(r["predicted"]["layer_seconds"]) == {"gpu", "cpu_attn", "h2d", "d2h"}
+        assert set(r["layer_seconds"]) == set(r["predicted"]["layer_seconds"]) == {"compute", "gpu", "cpu_attn", "h2d", "d2h"}
         assert r["predicted"]["decode_tokens_per_s"] > 0
 
 

@@ -151,7 +151,7 @@ def _fake_avx2(monkeypatch):
 
     monkeypatch.setattr(isa, "cpu_isa", lambda: AVX2_CPU)
     monkeypatch.setattr(core.model.moe, "packing_supported", lambda: False)
-    monkeypatch.setattr("core.runtime.engine._probed_cpu_rates", lambda: None)
+    monkeypatch.setattr("core.runtime.engine.cached_cpu_rates", lambda: None)
 
 
 def test_bf16_on_an_avx2_cpu_widens_and_matches_fp32_math(bf16_model, monkeypatch):

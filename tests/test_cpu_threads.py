@@ -108,8 +108,8 @@ def test_threaded_engine_puts_attention_and_compute_on_disjoint_cores(demo_model
     try:
         list(engine.generate([Request(id="a", prompt="Hi", max_new_tokens=2)]))
         pinned = engine._executor._setup.pinned
-        assert set(pinned) >= {"gpu", "cpu_attn"}
-        assert not set(pinned["gpu"]) & set(pinned["cpu_attn"])
+        assert set(pinned) >= {"compute", "cpu_attn"}
+        assert not set(pinned["compute"]) & set(pinned["cpu_attn"])
         assert engine.threads.fixed == len(pinned["cpu_attn"])  # each team as large as its cores
     finally:
         engine.close()

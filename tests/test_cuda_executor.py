@@ -109,7 +109,7 @@ def test_without_one_copy_event_wait_the_tokens_are_wrong(checkpoint_factory, hf
         monkeypatch.setattr(dev, "host_wait", lambda ev, cancel=None, **kw: None if
                             threading.current_thread().name == "mlight-cpu_attn" else real(ev, cancel, **kw))
     else:
-        gpu = ex.streams["gpu"]
+        gpu = ex.streams["compute"]
         monkeypatch.setattr(gpu, "wait_event", lambda ev: None)
     try:
         assert tokens(engine) != hf_reference("mixtral")
@@ -145,7 +145,7 @@ def device_work(dev):
     x = dev.to_device(torch.ones(8))
 
     def fn(task):
-        if task.resource == "gpu":
+        if task.resource == "compute":
             (x * 2).sum()
 
     return fn
@@ -205,7 +205,7 @@ def test_a_failing_launch_copy_or_allocation_fails_the_step_with_its_cause(point
     def fn(task):
         if task.resource == "h2d":
             dev.copy(dbuf, host)
-        elif task.resource == "gpu":
+        elif task.resource == "compute":
             dev.empty(8, torch.float32).copy_(dbuf)
 
     ex = CudaExecutor(dev)
@@ -236,7 +236,7 @@ def test_a_task_failing_on_the_device_fails_the_step_naming_it():
 
 def test_a_failing_dependency_wait_in_the_threaded_executor_fails_the_step(monkeypatch):
     """Finding 2: the wait sat outside the worker's try; an error there killed the thread and hung run()."""
-    ex = ThreadedExecutor(("gpu", "cpu_attn", "h2d", "d2h"))
+    ex = ThreadedExecutor(("compute", "cpu_attn", "h2d", "d2h"))
     real = ThreadedExecutor._wait_deps
 
     def wait(self, step, task):
@@ -273,14 +273,14 @@ def test_timing_events_are_pooled_and_the_step_syncs_once():
     dev = emulated()
     ex = CudaExecutor(dev)
     tasks = graph()
-    stream_tasks = sum(t.resource in ("gpu", "h2d", "d2h") for t in tasks)
+    stream_tasks = sum(t.resource in ("compute", "h2d", "d2h") for t in tasks)
     host_waits = sum(1 for t in tasks if t.resource == "cpu_attn" for d in t.deps if tasks[d].resource != "cpu_attn")
     for step in range(3):
         syncs = dev.stats["host_syncs"]
         busy = ex.run(tasks, device_work(dev))
         # the step's one (issue 42: the streams join on the device first), plus the attention's own waits
         assert dev.stats["host_syncs"] - syncs == 1 + host_waits
-        assert busy["gpu"] > 0
+        assert busy["compute"] > 0
     ex.close()
     assert dev.stats["events_created"] <= 2 * stream_tasks + 3 * 3  # the pool, plus wait_stream's markers
 
@@ -293,7 +293,7 @@ def test_one_event_record_per_stream_task():
     dev = emulated()
     ex = CudaExecutor(dev)
     tasks = graph()
-    stream_tasks = sum(t.resource in ("gpu", "h2d", "d2h") for t in tasks)
+    stream_tasks = sum(t.resource in ("compute", "h2d", "d2h") for t in tasks)
     try:
         for _ in range(2):
             before = dev.stats["event_records"]
@@ -318,11 +318,11 @@ def test_busy_time_leaves_out_a_stream_waiting_for_a_host_task():
         time.sleep(0.06 if task.resource == "cpu_attn" else 0.02)
 
     try:
-        busy = ex.run([T(0, "gpu"), T(1, "cpu_attn", (0,)), T(2, "gpu", (1,))], fn)
+        busy = ex.run([T(0, "compute"), T(1, "cpu_attn", (0,)), T(2, "compute", (1,))], fn)
         spans = ex.times[:6]
     finally:
         ex.close()
-    assert 0.04 <= busy["gpu"] < 0.06, busy  # two 20 ms kernels; a timer from the first launch would say ≥ 100 ms
+    assert 0.04 <= busy["compute"] < 0.06, busy  # two 20 ms kernels; a timer from the first launch would say ≥ 100 ms
     assert spans[2] >= spans[1] and spans[4] >= spans[3] - 1e-6  # attention after the first, the second after it
 
 
@@ -340,8 +340,8 @@ def test_the_cuda_executor_keeps_attention_off_the_cores_feeding_the_device(chec
     try:
         tokens(engine)
         pinned = engine._executor.placement.pinned
-        assert set(pinned) == {"gpu", "h2d", "d2h", "cpu_attn"} and pinned["h2d"] == pinned["gpu"]
-        assert not set(pinned["gpu"]) & set(pinned["cpu_attn"])
+        assert set(pinned) == {"compute", "h2d", "d2h", "cpu_attn"} and pinned["h2d"] == pinned["compute"]
+        assert not set(pinned["compute"]) & set(pinned["cpu_attn"])
         assert engine.threads.fixed == len(pinned["cpu_attn"])
     finally:
         engine.close()
@@ -437,7 +437,7 @@ def test_a_hung_kernel_or_copy_fails_the_step_naming_it_within_the_device_deadli
         work(task)
 
     if hang == "kernel":
-        gate, stuck = hang_on(dev, "kernel", is_task("ffn", 1)), "the gpu stream has not finished ffn layer=1"
+        gate, stuck = hang_on(dev, "kernel", is_task("ffn", 1)), "the compute stream has not finished ffn layer=1"
     else:
         gate, stuck = hang_on(dev, "copy", lambda label: True), "the h2d stream has not finished"
     ex = CudaExecutor(dev)
@@ -462,7 +462,7 @@ def test_generate_with_a_hung_kernel_fails_within_seconds(checkpoint_factory, ta
     hung = []
 
     def fault(task):  # the injected fault runs inside the launched work: on the stream's thread here
-        if task.kind == "ffn" and task.layer == 1 and threading.current_thread().name == "emulated-gpu":
+        if task.kind == "ffn" and task.layer == 1 and threading.current_thread().name == "emulated-compute":
             hung.append(task)
             gate.wait(30)
 

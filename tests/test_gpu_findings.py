@@ -153,7 +153,7 @@ def test_the_host_op_counts_are_the_runtimes(checkpoint_factory, monkeypatch):
 
     for kind in ("pre_attn", "post_attn", "ffn", "gpu_attn", "cpu_attn", "kv_load"):
         mean = sum(seen[kind]) / len(seen[kind])
-        ops = hrm.CPU_ATTN_TORCH_OPS if kind == "cpu_attn" and native.library() is None else hrm.HOST_OPS[kind]
+        ops = 23 if kind == "cpu_attn" and native.library() is None else hrm.HOST_OPS[kind]  # torch ops, no C kernel
         assert 0.7 * mean <= ops <= 1.3 * mean, (kind, mean)
 
 

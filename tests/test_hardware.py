@@ -25,7 +25,7 @@ def test_multi_gpu_preset_and_case_insensitivity():
     assert two.cpu_mem_bytes == 416 * 10**9  # the paper's 2x/4x T4 host
 
 
-@pytest.mark.parametrize("name", hardware.PRESET_NAMES)
+@pytest.mark.parametrize("name", [*hardware._GPUS, *(f"{k}x{g}" for k in (2, 4) for g in hardware._GPUS)])
 def test_every_preset_builds_and_round_trips(name):
     hw = preset(name)
     assert hw.has_gpu and hw.gpu_flops > 1e13 and hw.gpu_bw > 1e11

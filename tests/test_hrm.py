@@ -26,10 +26,15 @@ def test_moe_bytes_follow_distinct_experts_not_token_count():
     assert many.flops == pytest.approx(256 * one.flops)
 
 
+def intensity(w: hrm.Work) -> float:
+    """FLOPs per byte: the roofline's x axis."""
+    return w.flops / w.bytes
+
+
 def test_ffn_intensity_grows_with_micro_batch_but_decode_attention_does_not():
-    ffn = [hrm.moe_ffn(MIXTRAL, mu).intensity for mu in (1, 8, 32, 128, 512)]
+    ffn = [intensity(hrm.moe_ffn(MIXTRAL, mu)) for mu in (1, 8, 32, 128, 512)]
     assert all(b > a * 1.5 for a, b in zip(ffn, ffn[1:]))
-    attn = [hrm.decode_attention(MIXTRAL, mu, 512).intensity for mu in (1, 8, 32, 128, 512)]
+    attn = [intensity(hrm.decode_attention(MIXTRAL, mu, 512)) for mu in (1, 8, 32, 128, 512)]
     assert max(attn) / min(attn) < 1.01
     # GQA with 4 query heads per KV head in bf16: ≈ 2·4/2 = 4 FLOP per byte
     assert attn[0] == pytest.approx(4.0, rel=0.05)
@@ -56,7 +61,7 @@ def test_layer_seconds_are_affine_in_the_fractions(attention_on):
         return hrm.decode_layer_seconds(MIXTRAL, r, gpu_weight_fraction=rw, gpu_kv_fraction=rc, **kw)
 
     a, b, c, mid = at(0, 0), at(1, 0.0), at(0, 1.0), at(0.3, 0.6)
-    for k in ("gpu", "cpu_attn", "h2d", "d2h", "pipeline0", "pipeline1", "pipeline2"):
+    for k in ("compute", "cpu_attn", "h2d", "d2h", "pipeline0", "pipeline1", "pipeline2"):
         assert mid[k] == pytest.approx(a[k] + 0.3 * (b[k] - a[k]) + 0.6 * (c[k] - a[k]), rel=1e-9, abs=1e-12)
     assert b["h2d"] < a["h2d"]  # resident weights are not streamed
 
@@ -77,7 +82,7 @@ def test_busy_time_is_sum_of_tasks_per_resource():
     tasks = hrm.decode_tasks(MIXTRAL, r, batch=300, micro_batch=100, expert_batch=300, attention_on="cpu",
                              ffn_on="gpu", gpu_weight_fraction=0.2, gpu_kv_fraction=0.0, context=150.0, pages=6)
     busy = hrm.busy_seconds(tasks)
-    assert busy["gpu"] == pytest.approx(3 * tasks["pre_attn"].seconds + 3 * tasks["post_attn"].seconds + tasks["ffn"].seconds)
+    assert busy["compute"] == pytest.approx(3 * tasks["pre_attn"].seconds + 3 * tasks["post_attn"].seconds + tasks["ffn"].seconds)
     assert busy["h2d"] == pytest.approx(6 * tasks["weight_page"].seconds + 3 * tasks["d2"].seconds)
     assert tasks["weight_page"].seconds * 6 == pytest.approx(
         0.8 * MIXTRAL.layer_expert_bytes / r.h2d_bw + 6 * 0.8 * hrm.COPY_LAUNCH)
@@ -91,7 +96,7 @@ def test_mla_decode_attention_reads_latents_once_for_all_heads():
     a = hrm.decode_attention(ds, t, c)
     assert a.flops == pytest.approx(t * c * 4 * 128 * width)
     assert a.bytes == pytest.approx(t * (c * width + 2 * 128 * width) * 2)
-    assert a.intensity > 50 * hrm.decode_attention(MIXTRAL, t, c).intensity
+    assert intensity(a) > 50 * intensity(hrm.decode_attention(MIXTRAL, t, c))
     # the D1/D2 payloads are latent-sized too: absorbed queries out, latent outputs back
     assert hrm.dims(ds).d1 == (128 + 1) * width and hrm.dims(ds).d2 == 128 * 512
 
@@ -119,19 +124,3 @@ def test_dense_layers_have_no_experts_to_stream_or_run():
                          gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, context=512, pages=4)
     streamed = t["weight_page"].seconds * t["weight_page"].per_layer - 4 * hrm.COPY_LAUNCH
     assert streamed * r.h2d_bw == pytest.approx(frac * ds.layer_expert_bytes)
-
-
-def test_cpu_only_prices_gguf_blocks_as_stored_up_to_the_kernels_rows(monkeypatch):
-    """The CPU's block kernel reads a GGUF expert as stored at decode; it is expanded only where an expert
-    gets more than NATIVE_GGUF_ROWS tokens (core.model.quant.experts)."""
-    from core.model.quant.formats import Format, quantized_spec
-
-    spec = quantized_spec(MIXTRAL, Format("Q8_0"))
-    real, expanded = hrm.moe_ffn, set()
-    monkeypatch.setattr(hrm, "moe_ffn", lambda m, t, expand=False: (expand and expanded.add(t), real(m, t, expand))[1])
-    r = hrm.effective_rates(preset("t4"))
-    assert r.cpu_costs is None  # the roofline branch
-    for t in (8, 4096):
-        hrm.decode_tasks(spec, r, batch=t, micro_batch=t, expert_batch=t, attention_on="cpu", ffn_on="cpu",
-                         gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, context=100.0)
-    assert expanded == {4096}

@@ -8,7 +8,6 @@ import pytest
 
 from core.plan import planner
 from core.errors import BudgetError, UsageError
-from core.plan.parallel import state_copies
 from core.plan.hardware import detect, preset
 from core.plan.planner import Budget, Workload, plan, predict, validate
 from core.plan.policy import Policy, Prediction
@@ -77,6 +76,14 @@ def test_more_gpu_memory_never_lowers_throughput_and_keeps_more_weights_resident
     tps = [p.tokens_per_s for _, p in out]
     assert all(b >= a * 0.999 for a, b in zip(tps, tps[1:])), tps
     assert out[-1][0].gpu_weight_fraction > out[0][0].gpu_weight_fraction
+
+
+def state_copies(model, ranks: int) -> int:
+    """Copies of each sequence's attention state `ranks` ranks keep: one where it splits with the heads, one a
+    rank for MLA's latent (it serves every head) and where attention stays whole (core.model.shard)."""
+    from core.model.shard import plan_shard
+
+    return 1 if ranks == 1 or plan_shard(model, 0, ranks).split_attention and model.mla is None else ranks
 
 
 CASES = [(m, h) for m in preset_names() for h in ("t4", "l4", "2xt4", "a100-80g")]
@@ -371,9 +378,9 @@ def test_state_per_sequence_follows_each_layers_kind():
 
 
 def test_model_from_folder_and_from_the_hf_cache(tmp_path, monkeypatch):
-    from core.plan.presets import CONFIGS_DIR
+    from core.assets import CONFIGS
 
-    cfg = (CONFIGS_DIR / "olmoe-1b-7b" / "config.json").read_text()
+    cfg = (CONFIGS / "olmoe-1b-7b" / "config.json").read_text()
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "config.json").write_text(cfg)

@@ -45,11 +45,11 @@ def test_defect_15_the_bottleneck_line_comes_from_the_figures_it_prints(capsys):
 def test_the_pipeline_is_named_where_the_link_idles_most_of_the_layer():
     """Against hand-made figures: idling beyond the link's busy time names the pipeline; a link busy most of
     the layer names the link; otherwise the largest busy time or bound."""
-    base = {"gpu": 10.0, "cpu_attn": 1.0, "h2d": 20.0, "d2h": 1.0, "host": 5.0}
+    base = {"compute": 10.0, "cpu_attn": 1.0, "h2d": 20.0, "d2h": 1.0, "host": 5.0}
     assert hrm.bottleneck({**base, "pipeline": 21.0}) == "h2d"
     assert hrm.bottleneck({**base, "pipeline": 45.0}) == "pipeline"
     assert hrm.bottleneck({**base, "pipeline": 0.0, "host": 30.0}) == "host"
-    assert hrm.bottleneck({**base, "pipeline": 0.0, "gpu": 25.0}) == "gpu"
+    assert hrm.bottleneck({**base, "pipeline": 0.0, "compute": 25.0}) == "compute"
 
 
 def test_defect_16_a_gpu_too_small_to_use_says_why(capsys):

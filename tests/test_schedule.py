@@ -55,7 +55,7 @@ def test_cgopipe_sends_page_j_of_the_next_layer_right_after_d2_of_micro_batch_j(
 
 def test_cgopipe_runs_cpu_attention_two_micro_batches_ahead():
     tasks = decode_step("cgopipe", num_layers=2, num_micro_batches=4, pages_per_layer=4)
-    gpu = [(t.kind, t.layer, t.micro_batch) for t in tasks if t.resource == "gpu"]
+    gpu = [(t.kind, t.layer, t.micro_batch) for t in tasks if t.resource == "compute"]
     # prologue: two pre-attentions of layer 0 before any post-attention
     assert gpu[:2] == [("pre_attn", 0, 0), ("pre_attn", 0, 1)]
     # after PostAttn(i, j) (and its FFN) comes PreAttn(i, j+2), wrapping into the next layer
@@ -96,7 +96,7 @@ def test_s4_queues_the_whole_next_layer_before_the_hidden_states():
     first_d2 = h2d.index(_one(h2d, kind="d2", layer=1, micro_batch=0))
     assert [t.kind for t in h2d[first_d2 - 4:first_d2]] == ["weight_page"] * 4
     assert all(t.layer == 2 for t in h2d[first_d2 - 4:first_d2])
-    gpu = [(t.kind, t.micro_batch) for t in tasks if t.resource == "gpu" and t.layer == 0]
+    gpu = [(t.kind, t.micro_batch) for t in tasks if t.resource == "compute" and t.layer == 0]
     assert gpu[:3] == [("pre_attn", 0), ("post_attn", 0), ("ffn", 0)]  # no look-ahead
 
 
@@ -123,7 +123,7 @@ def test_gpu_attention_loads_kv_instead_of_shipping_hidden_states():
 def test_cpu_only_is_a_chain_on_the_cpu():
     tasks = decode_step("cgopipe", num_layers=2, num_micro_batches=2, ffn_on="cpu")
     _valid(tasks)
-    assert {t.resource for t in tasks} == {"gpu", "cpu_attn"}  # "gpu" is the dense work on the CPU
+    assert {t.resource for t in tasks} == {"compute", "cpu_attn"}  # "compute" is the dense work on the CPU
     for prev, t in zip(tasks, tasks[1:]):
         assert prev.id in t.deps
 
@@ -175,6 +175,6 @@ def test_bad_shapes_and_names_are_refused():
     with pytest.raises(ValueError):
         decode_step("cgopipe", num_layers=1, num_micro_batches=4, micro_batches_per_expert_batch=3)
     with pytest.raises(ValueError):
-        Task(0, "ffn", "gpu", 0, deps=(0,))
+        Task(0, "ffn", "compute", 0, deps=(0,))
     with pytest.raises(ValueError):
         Task(0, "ffn", "tpu", 0)

@@ -55,7 +55,7 @@ def test_every_task_of_a_decode_step_has_its_span(demo_model, executor, schedule
             assert sum(e - s for s, e in mine) == pytest.approx(ev.busy[r], rel=1e-6, abs=1e-9)
     if schedule == "cgopipe":  # the point of the pipeline: copies and CPU attention overlap GPU work
         ev, spans = steps[-1]
-        assert {s[0] for s in spans} == {"gpu", "cpu_attn", "h2d", "d2h"}
+        assert {s[0] for s in spans} == {"compute", "cpu_attn", "h2d", "d2h"}
 
 
 @pytest.mark.parametrize("make", [SequentialExecutor, lambda: ThreadedExecutor(("a", "b"))])

@@ -47,10 +47,10 @@ def run(args) -> int:
         lines.append("GPU        none found (no NVML library, driver or device): CPU-only mode")
     avail = f", {hw.cpu_mem_available_bytes / 1e9:.1f} GB available" if hw.cpu_mem_available_bytes is not None else ""
     lines += [f"CPU        {hw.cpu_cores} cores, {hw.cpu_mem_bytes / 1e9:.1f} GB RAM{avail}",
-              f"  ISA      {hw.cpu_isa_label if hw.cpu_isa else cpu_isa().label}"]
+              f"  ISA      {hw.cpu_isa_text() if hw.cpu_isa else cpu_isa().label}"]
     if hw.cpu_matmul:
         threads = f", {hw.cpu_threads} thread{'s' if hw.cpu_threads != 1 else ''}" if hw.cpu_threads else ""
-        lines.append(f"  matmul   " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in hw.cpu_matmul.items())
+        lines.append("  matmul   " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in hw.cpu_matmul.items())
                      + f" GFLOP/s (measured{threads})")
     else:
         lines.append(f"  compute  {hw.cpu_flops / 1e9:.0f} GFLOP/s fp32 ({tag('cpu_flops')})")

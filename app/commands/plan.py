@@ -12,6 +12,7 @@ from pathlib import Path
 from core.assets import config_presets
 from core.errors import BudgetError, UsageError
 from core.model.quant.formats import DEFAULT_INT4_GROUP, INT4_GROUPS, QUANTIZE_CHOICES
+from core.telemetry import with_gpu_keys
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -71,7 +72,7 @@ def _load_policy(text: str):
 
 
 def run(args) -> int:
-    from core.plan import planner
+    from core.plan import cpu_history, planner
     from core.plan.hardware import resolve
     from core.plan.presets import resolve_spec
 
@@ -115,17 +116,18 @@ def run(args) -> int:
     scaling = _scaling(model, hw, workload, args) if hw.has_gpu and hw.gpu_count > 1 else None
     host = _host(model, hw, policy, prediction, workload) if policy.ffn_on == "gpu" else None
     unused = _gpu_unused(model, hw, workload, budget) if hw.has_gpu and policy.ffn_on == "cpu" else None
+    history = cpu_history.behind(hw, model) if policy.ffn_on == "cpu" else None  # what backs a CPU-only prediction
     if args.json:
         out = {"policy": policy.to_dict(), "prediction": prediction.to_dict(), "plan_seconds": seconds, **(host or {})}
         extra = {"gpu_unused": unused, "quantize": choice and choice.to_dict(), "simulation": sims, "scaling": scaling}
         out.update((k, v) for k, v in extra.items() if v is not None)
-        if policy.ffn_on == "cpu":
-            out["history"] = _history(hw, model)
+        if history is not None:
+            out["history"] = history
             out["cpu_speed"] = hw.cpu_speed
-        print(json.dumps(out))
+        print(json.dumps(with_gpu_keys(out)))  # "gpu" beside "compute", as these keys always read
     else:
         print(_human(args, model, hw, workload, budget, policy, prediction, seconds, sims, choice, scaling, host,
-                     unused))
+                     unused, history))
     return 0
 
 
@@ -148,7 +150,7 @@ def _host(model, hw, p, pred, workload) -> dict:
     run = generated / pred.tokens_per_s
     pin = hrm.pin_seconds(pred.pinned_bytes, r)
     return {"host": {"layer_seconds": ls["host"], "share": ls["host"] / layer, "layer_time_seconds": layer,
-                     "pcie_seconds": ls["h2d"], "compute_seconds": ls["gpu"],
+                     "pcie_seconds": ls["h2d"], "compute_seconds": ls["compute"],
                      "tasks_per_layer": sum(c.per_layer for c in tasks.values()),
                      "ops_per_layer": sum(hrm.host_ops(tasks, ffn).values()),
                      "task_seconds": r.task_seconds, "op_seconds": r.op_seconds, "measured": r.host_measured,
@@ -171,19 +173,6 @@ def _gpu_unused(model, hw, workload, budget) -> str:
         return (f"the smallest GPU plan (one request, every expert streamed) needs {_gb(o.needed)} ({parts}), "
                 f"{_gb(o.limit)} usable; it needs --gpu-mem {o.needed / planner.GPU_USABLE / 1e9:.1f} or more")
     return "the CPU alone is predicted faster than any GPU placement that fits"
-
-
-def _history(hw, model) -> dict:
-    """What backs a CPU-only prediction: this machine's calibration windows and runs (core.plan.cpu_history)."""
-    from core.plan import cpu_history
-
-    return cpu_history.behind(hw, model)
-
-
-def _spread(hw, model, policy) -> str:
-    from core.plan import cpu_history
-
-    return cpu_history.spread_words(_history(hw, model)) if policy.ffn_on == "cpu" else ""
 
 
 def _scaling(model, hw, workload, args) -> list[dict]:
@@ -264,12 +253,12 @@ def _cpu_math_line(hw, model) -> str:
 
 
 def _layer_line(p, pred) -> str:
-    """One decode layer's time by resource; CPU-only, the "gpu" resource's work runs on the CPU, nothing copied."""
+    """One decode layer's time by resource; CPU-only, the "compute" resource's work runs on the CPU, nothing copied."""
     items = list(pred.layer_seconds.items())
     if p.ffn_on == "cpu":
-        names = {"gpu": "CPU dense layers + experts", "cpu_attn": "CPU attention"}
+        names = {"compute": "CPU dense layers + experts", "cpu_attn": "CPU attention"}
         items = [(names[k], v) for k, v in items if k in names]
-    return "  decode layer      " + " | ".join(f"{k} {_ms(v)}" for k, v in items)
+    return "  decode layer      " + " | ".join(f"{'gpu' if k == 'compute' else k} {_ms(v)}" for k, v in items)
 
 
 def _host_lines(host: dict | None) -> list[str]:
@@ -304,7 +293,8 @@ def _bottleneck_line(p, pred) -> str:
 
 
 def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=None, scaling=None, host=None,
-           unused=None) -> str:
+           unused=None, history=None) -> str:
+    from core.plan.cpu_history import spread_words
     from core.plan.planner import CPU_USABLE, GPU_USABLE
 
     gpu = f"{hw.gpu_count}× {hw.gpu_name} {hw.gpu_mem_bytes / 2**30:.0f} GiB" if hw.has_gpu else "no GPU"
@@ -333,7 +323,7 @@ def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=Non
         "",
         "prediction",
         f"  end to end        {pred.tokens_per_s:,.1f} tokens/s" + (f" ± {pred.band:.0%}" if pred.band else "")
-        + (f" ({words})" if (words := _spread(hw, model, p)) else ""),
+        + (f" ({words})" if (words := spread_words(history or {})) else ""),
         f"  decode            {pred.decode_tokens_per_s:,.1f} tokens/s ({pred.step_seconds:.2f} s per step)",
         f"  prefill           {pred.prefill_tokens_per_s:,.1f} prompt tokens/s ({pred.prefill_seconds:.1f} s per batch)",
         _bottleneck_line(p, pred),

@@ -51,10 +51,6 @@ class _Rank:
         self.store: RunStore | None = None
         self._code = 1  # rank 0's exit code, set by the merge
 
-    def say(self, msg: str) -> None:
-        if self.rank == 0:
-            _say(msg)
-
     def phase(self, fn):
         """Run `fn` on this rank, then agree with every rank that nobody failed."""
         from core.runtime.distributed import coord
@@ -72,7 +68,7 @@ class _Rank:
         return value
 
     def run(self) -> int:
-        args, w = self.args, self.world
+        w = self.world
         stopper = _Stopper().install()
         try:
             prompts, model_dir, model_name = self.phase(self._inputs)
@@ -208,8 +204,8 @@ class _Rank:
         counts: list = [None] * self.world.size
         dist.all_gather_object(counts, len(self.store.done) if self.store and self.store.resumed else 0,
                                group=self.groups.phase.group)
-        if sum(counts):
-            self.say(resuming_line(sum(counts), total))
+        if sum(counts) and self.rank == 0:
+            _say(resuming_line(sum(counts), total))
 
     def _merge(self, reports: list[dict], prompts: PromptSet, model_name: str, total: int, t0: float) -> str:
         """Rank 0: write the output when every replica finished; otherwise say what is left where."""

@@ -7,7 +7,6 @@ clock. Runs share `mlight run`'s run store and manifest, so either resumes the o
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import threading
 import time
@@ -25,6 +24,7 @@ from core.telemetry import EventSink, Progress, ignore
 GB = 1e9  # decimal, as the planner and `--gpu-mem/--cpu-mem` count
 DEFAULT_MAX_NEW_TOKENS = 128  # `mlight run`'s default, for prompts that do not set their own
 CHARS_PER_TOKEN = 4.0  # planning estimate before any tokenizer is loaded (English BPE averages ~4)
+PROMPT_SUFFIXES = frozenset(prompt_files.SUFFIX_FORMAT)  # the files the Prompts step's tree lists
 
 
 class DownloadCancelled(MlightError):
@@ -104,7 +104,6 @@ class PlanView:
     cpu_budget: int
     workload: Any  # core.plan.planner.Workload
     problems: list[str] = field(default_factory=list)  # what stops this policy from running
-    edited: bool = False
     warnings: list[str] = field(default_factory=list)  # what the user should know, but may go ahead with
     quantize: str | None = None  # the experts' format the plan is for (none | int8 | int4), when one was asked
     quant_why: str = ""  # why that format (for auto: the least lossy one that fits)
@@ -131,6 +130,8 @@ class PlanView:
 
 class Backend:
     """The app's door into `core`. `hardware` pins a HardwareSpec; `clock` drives the meter (frozen in snapshots)."""
+
+    demo_prompts = DEMO_PROMPTS
 
     def __init__(self, hardware: Any = None, clock: Callable[[], float] = time.monotonic,
                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS):
@@ -169,7 +170,9 @@ class Backend:
     def open_model(self, text: str | None, machine: MachineView | None, progress: EventSink = ignore,
                    should_stop: Callable[[], bool] = lambda: False) -> ModelView:
         """'demo' (or nothing), a checkpoint folder, or a repo id (downloaded into the hub cache)."""
-        is_demo = text is None or text.strip().lower() in ("", "demo", ":demo")
+        from core.model.families import load_spec
+
+        kind = self.classify_model_text(text or "")
 
         def sink(ev) -> None:
             if should_stop():
@@ -178,28 +181,23 @@ class Backend:
             progress(ev)
 
         def resolve() -> tuple[Path, str]:
-            return download.resolve_model(None if is_demo else text.strip(), progress=sink)
+            return download.resolve_model(None if kind == "demo" else text.strip(), progress=sink)
 
-        path, name = self._once(("model", "demo" if is_demo else text.strip()), resolve)
-        source = "demo" if is_demo else ("folder" if Path(text).expanduser().exists() else "hub")
-        return self.inspect_model(path, name, source, machine)
-
-    def inspect_model(self, path: Path, name: str, source: str, machine: MachineView | None) -> ModelView:
-        from core.model.families import load_spec
-
+        path, name = self._once(("model", "demo" if kind == "demo" else text.strip()), resolve)
         spec = load_spec(path)
         disk = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
         if disk == 0:
             raise ModelError(f"{path} has no .safetensors files",
                              "mlight reads safetensors only; get the safetensors version of the model")
-        fits, text = None, "machine not measured yet"
+        fits, fits_text = None, "machine not measured yet"
         if machine is not None:
             room = machine.gpu_free + machine.cpu_available
             fits = spec.total_bytes <= room
             where = "CPU memory" if machine.cpu_mode else "GPU + CPU memory"
-            text = (f"fits: {_size(spec.total_bytes)} of weights, {_size(room)} of free {where}" if fits
-                    else f"does not fit: {_size(spec.total_bytes)} of weights, only {_size(room)} of free {where}")
-        return ModelView(Path(path), name, source, spec, disk, fits, text)
+            fits_text = (f"fits: {_size(spec.total_bytes)} of weights, {_size(room)} of free {where}" if fits
+                         else f"does not fit: {_size(spec.total_bytes)} of weights, only {_size(room)} of free {where}")
+        source = kind if kind in ("demo", "folder") else "hub"
+        return ModelView(Path(path), name, source, spec, disk, fits, fits_text)
 
     @staticmethod
     def classify_model_text(text: str) -> str:
@@ -224,14 +222,10 @@ class Backend:
         return problems
 
     # ---- prompts ------------------------------------------------------------------------------
-    @staticmethod
-    def demo_prompts_path() -> Path:
-        return DEMO_PROMPTS
-
     def prompts_path(self, text: str | Path) -> Path:
         """A prompts file as typed: 'demo' is the bundled demo prompts unless a file of that name is here."""
         path = Path(text).expanduser()
-        return self.demo_prompts_path() if str(text) == prompt_files.DEMO and not path.exists() else path
+        return DEMO_PROMPTS if str(text) == prompt_files.DEMO and not path.exists() else path
 
     def read_prompts(self, path: Path) -> PromptsView:
         path = self.prompts_path(path)
@@ -351,16 +345,16 @@ class Backend:
         try:
             policy = Policy(**fields)
         except (TypeError, ValueError) as e:
-            return dataclasses.replace(base, prediction=None, problems=[wording.policy_problem(str(e))], edited=True)
+            return dataclasses.replace(base, prediction=None, problems=[wording.policy_problem(str(e))])
         try:
             overruns = planner.validate(policy, spec, machine.hardware, base.workload, budget)
         except MlightError as e:
             return dataclasses.replace(base, policy=policy, prediction=None,
-                                       problems=[wording.policy_problem(wording.for_screen(str(e)))], edited=True)
+                                       problems=[wording.policy_problem(wording.for_screen(str(e)))])
         share = {"gpu": (budget.gpu_bytes, planner.GPU_USABLE), "cpu": (budget.cpu_bytes, planner.CPU_USABLE)}
         problems = [wording.overrun(o, *share[o.where]) for o in overruns]
         prediction = planner.predict(policy, spec, machine.hardware, base.workload)
-        return dataclasses.replace(base, policy=policy, prediction=prediction, problems=problems, edited=True)
+        return dataclasses.replace(base, policy=policy, prediction=prediction, problems=problems)
 
     @staticmethod
     def usable_shares() -> tuple[float, float]:
@@ -438,12 +432,6 @@ class Backend:
 
         return Tracker(plan.prediction, model.spec.num_layers)
 
-    @staticmethod
-    def engine_offers(option: str) -> bool:
-        from core.runtime.engine import Engine
-
-        return option in inspect.signature(Engine.load).parameters
-
     def simulate(self, model: ModelView, machine: MachineView, plan: PlanView, engine: Any) -> Any:
         """The planner's replay of one decode step under the engine's schedule; None when it cannot be made."""
         from core.runtime import simulate
@@ -469,14 +457,10 @@ class Backend:
     def run_pending(engine: Any, prompts: PromptsView, store: Any, requests: dict, **kwargs) -> bool:
         return runstore.run_pending(engine, prompts.prompts, store, requests, **kwargs)
 
-    def finish(self, store: Any, records: list[dict], prompts: PromptsView, model: ModelView) -> None:
-        """Write the final output (and the rejects) atomically; the run file goes away."""
-        ps = prompts.prompts
-        if ps.is_openai_batch:
-            entries = {e.id: e for e in ps.entries}
-            records = [results.openai_batch_record(r, (e := entries[r["id"]]).custom_id, e.endpoint, model.name)
-                       if r["id"] in entries else r for r in records]
-        store.finish(records, [r.to_dict() for r in ps.rejects])
+    @staticmethod
+    def finish(store: Any, prompts: PromptsView, model: ModelView) -> None:
+        """Write the final output in the prompts' order (and the rejects) atomically; the run file goes away."""
+        runstore.finish_run(store, prompts.prompts, model.name)
 
     # ---- export -------------------------------------------------------------------------------
     @staticmethod

@@ -1,4 +1,4 @@
-"""Human-readable numbers for the screens: bytes, rates, durations, counts."""
+"""Human-readable numbers for the screens: bytes, durations, counts."""
 
 from __future__ import annotations
 
@@ -7,24 +7,12 @@ from rich.cells import cell_len, set_cell_size
 from app.tui.glyphs import glyph
 
 
-def human_bytes(n: float | int | None) -> str:
+def human_bytes(n: float) -> str:
     """Decimal units, as the planner, `--gpu-mem` and disk vendors count."""
-    if n is None:
-        return "—"
-    n = float(n)
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    return f"{n:.1f} TB"
-
-
-def rate(n_per_s: float | None, unit: str = "B") -> str:
-    if n_per_s is None:
-        return "—"
-    if unit == "B":
-        return human_bytes(n_per_s) + "/s"
-    return f"{n_per_s:,.1f} {unit}/s"
 
 
 def count(n: int | float) -> str:

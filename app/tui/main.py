@@ -9,59 +9,32 @@ import argparse
 import signal
 import sys
 
-from app.cli import VersionAction, until_the_reader_leaves
+from app.cli import OneLineParser, VersionAction, until_the_reader_leaves
+from app.commands.run import _positive, gigabytes
 from app.tui.session import Options
 from core import platform
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        """One line, as every mlight command says what is wrong (not the usage first)."""
-        self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mlight-app", description="The mlight terminal app: plan and run a batch of "
+    p = OneLineParser(prog="mlight-app", description="The mlight terminal app: plan and run a batch of "
                                 "prompts through a Mixture-of-Experts model on this machine.")
     p.add_argument("--model", metavar="M", help="checkpoint folder, Hugging Face repo id, or 'demo' (default: chosen on the Model step)")
     p.add_argument("--prompts", metavar="F", help="prompts file (.txt, .jsonl, .csv, .tsv), or 'demo' (default: chosen on the Prompts step)")
     p.add_argument("--out", metavar="F", help="results file (.jsonl or .csv) (default: NAME.results.jsonl for prompts file NAME, in "
                    "$MLIGHT_RESULTS_DIR or Documents/mlight)")
-    p.add_argument("--gpu-mem", metavar="GB", type=_gigabytes,
+    p.add_argument("--gpu-mem", metavar="GB", type=gigabytes(0),
                    help="GPU memory budget in GB (default: the GPU's free memory)")
-    p.add_argument("--cpu-mem", metavar="GB", type=_gigabytes,
+    p.add_argument("--cpu-mem", metavar="GB", type=gigabytes(0),
                    help="CPU memory budget in GB (default: the RAM available now)")
-    p.add_argument("--max-new-tokens", metavar="N", type=_positive_int,
+    p.add_argument("--max-new-tokens", metavar="N", type=_positive,
                    help="tokens to generate per prompt, unless its line sets max_new_tokens (default: 128; "
                         "also on the Plan step)")
     p.add_argument("--version", action=VersionAction, help="show the versions of mlight, Python and torch, and exit")
     return p
 
 
-def _gigabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB (e.g. 6 or 0.5)") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} GB: a budget is 0 or more GB (0 for none)")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
-    return value
-
-
 def parse_options(argv: list[str] | None = None) -> Options:
-    a = build_parser().parse_args(argv)
-    return Options(model=a.model, prompts=a.prompts, out=a.out, gpu_mem=a.gpu_mem, cpu_mem=a.cpu_mem,
-                   max_new_tokens=a.max_new_tokens)
+    return Options(**vars(build_parser().parse_args(argv)))  # the flags' names are Options' fields
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,11 +51,11 @@ class PlanReady(Message):
 
 
 class Checked(Message):
-    """Live validation of a user-edited policy: a list of problems (empty = fits)."""
+    """Live validation of a user-edited policy: the plan, its `problems` (empty = fits)."""
 
-    def __init__(self, plan: Any, problems: list[str], gen: int = 0):
+    def __init__(self, plan: Any, gen: int = 0):
         super().__init__()
-        self.plan, self.problems, self.gen = plan, problems, gen
+        self.plan, self.gen = plan, gen
 
 
 class RunUpdate(Message):
@@ -78,9 +78,9 @@ class RunLog(Message):
 
 
 class RunEnded(Message):
-    def __init__(self, state: str, snapshot: RunSnapshot, error: str | None = None):
+    def __init__(self, state: str, snapshot: RunSnapshot):
         super().__init__()
-        self.state, self.snapshot, self.error = state, snapshot, error
+        self.state, self.snapshot = state, snapshot
 
 
 class SimulatedStep(Message):

@@ -11,13 +11,13 @@ import heapq
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from core.telemetry import RESOURCES, MemorySample, Progress, StepDone, TaskSpan, task_spans
+from core.telemetry import MemorySample, Progress, StepDone, TaskSpan, task_spans
 
 HISTORY = 600  # chart points (decode steps) kept
-WINDOW_S = 2.0  # "current" throughput and busy shares are measured over the last WINDOW_S of steps
+WINDOW_S = 2.0  # "current" decode throughput and the typical step are measured over the last WINDOW_S of steps
 TIMELINE_EVERY_S = 0.25  # the UI redraws at 4 Hz: a fresher timeline would never be seen
 
 Clock = Callable[[], float]
@@ -42,12 +42,10 @@ class RunSnapshot:
     tokens_in: int = 0  # prompt tokens (of finished results, plus those prefilled since)
     saved_out: int = 0  # generated tokens in the finished results (earlier sessions of a resumed run too)
     saved_in: int = 0  # prompt tokens of the finished results
-    current_tps: float = 0.0
     average_tps: float = 0.0
     decode_tps: float = 0.0  # decode tokens / decode seconds over the window
     full_batch: bool = False  # decode_tps was measured on steps with the whole planned batch in flight
     history: tuple[tuple[float, float], ...] = ()  # (engine seconds so far, decode tokens/s) per decode step
-    busy: dict[str, float] = field(default_factory=dict)  # resource -> share of wall time, 0..1
     gpu_used: int = 0
     gpu_budget: int = 0
     cpu_used: int = 0
@@ -67,8 +65,7 @@ class RunSnapshot:
 class RunMeter:
     """Thread-safe accumulator of one run's telemetry; `snapshot()` is cheap and immutable."""
 
-    def __init__(self, total_requests: int, budget_tokens: int, *, done_before: int = 0,
-                 tokens_before: int = 0, gpu_budget: int = 0, cpu_budget: int = 0,
+    def __init__(self, total_requests: int, budget_tokens: int, *, gpu_budget: int = 0, cpu_budget: int = 0,
                  clock: Clock = time.monotonic, previous: RunSnapshot | None = None, batch_size: int = 0,
                  tracker: Callable | None = None):
         self._lock = threading.Lock()
@@ -83,7 +80,7 @@ class RunMeter:
         self.state = "loading"
         self.loading = ""
         self.total = total_requests
-        self.done = done_before
+        self.done = 0  # the run job counts the results a resumed run already holds
         self.budget_tokens = budget_tokens  # sum of max_new_tokens still to generate (an upper bound)
         self.prompt_tokens_left = 0  # prompt tokens not yet prefilled (the run job counts them with the tokenizer)
         self._prefill = [0, 0.0]  # prompt tokens, seconds: this session's prefill steps
@@ -93,12 +90,12 @@ class RunMeter:
         self._waiting: deque[tuple[str, int, int]] = deque()
         self._admitted: dict[str, tuple[int, int]] = {}
         self._slots = 0
-        self.tokens_out = tokens_before
+        self.tokens_out = 0
         self._session_tokens = 0
         self.tokens_in = 0
         self.saved_out = self.saved_in = 0  # the finished results' tokens (the run job counts them)
         self.batch_size = batch_size  # the plan's N: steps with this many in flight are comparable to it
-        self._steps: deque[tuple[float, float, int, dict[str, float], str, int]] = deque()
+        self._steps: deque[tuple[float, float, int, str, int]] = deque()
         self._history: deque[tuple[float, float]] = deque(previous.history if previous else (), maxlen=HISTORY)
         self._timeline: StepTimeline | None = None
         self._timeline_at = float("-inf")
@@ -130,9 +127,6 @@ class RunMeter:
 
     def _paused(self, now: float) -> float:
         return self._paused_total + (now - self._paused_at if self._paused_at is not None else 0.0)
-
-    def _running(self, now: float) -> float:
-        return now - self._start - self._paused(now)
 
     def on_event(self, ev) -> None:
         with self._lock:
@@ -174,7 +168,7 @@ class RunMeter:
                 prompt -= n
             self._prefill[0] += ev.tokens
             self._prefill[1] += ev.seconds
-        self._steps.append((now, ev.seconds, ev.tokens if decode else 0, dict(ev.busy), ev.kind, ev.active))
+        self._steps.append((now, ev.seconds, ev.tokens if decode else 0, ev.kind, ev.active))
         while self._steps and now - self._steps[0][0] > WINDOW_S and len(self._steps) > 1:
             self._steps.popleft()
         self._engine_s += ev.seconds
@@ -187,8 +181,8 @@ class RunMeter:
 
     def _comparable(self) -> tuple[list, bool]:
         """The window's decode steps, only its full-batch ones when there are any; and whether they were."""
-        decode = [s for s in self._steps if s[4] != "prefill"]
-        full = [s for s in decode if self.batch_size and s[5] >= self.batch_size]
+        decode = [s for s in self._steps if s[3] != "prefill"]
+        full = [s for s in decode if self.batch_size and s[4] >= self.batch_size]
         return full or decode, bool(full)
 
     def _decode_rate(self) -> tuple[float, bool]:
@@ -217,7 +211,7 @@ class RunMeter:
     def _step_cost(self) -> tuple[float, float] | None:
         """(a, b): a decode step with k requests in flight takes a + b·k seconds, least squares over the window's
         decode steps: a per-step part (reading weights) and a per-token part. Where k has not varied, all per token."""
-        pts = [(float(st[5] or st[2]), st[1]) for st in self._steps if st[4] != "prefill"]
+        pts = [(float(st[4] or st[2]), st[1]) for st in self._steps if st[3] != "prefill"]
         n = len(pts)
         sx, sy = sum(x for x, _ in pts), sum(y for _, y in pts)
         if n == 0 or sx <= 0:
@@ -277,10 +271,6 @@ class RunMeter:
     def snapshot(self) -> RunSnapshot:
         with self._lock:
             now = self._clock()
-            wall = sum(s[1] for s in self._steps)
-            toks = sum(s[2] for s in self._steps)
-            busy = {r: min(1.0, sum(s[3].get(r, 0.0) for s in self._steps) / wall) if wall > 0 else 0.0
-                    for r in RESOURCES}
             run_s = 0.0
             if self._first_step is not None:
                 run_s = now - self._first_step - (self._paused(now) - self._paused_before_first)
@@ -289,11 +279,10 @@ class RunMeter:
             eta = 0.0 if self.state == "done" else self._eta()
             typical_s, typical_n = self._typical_step()
             return RunSnapshot(
-                state=self.state, elapsed=self._before + self._running(now), requests_done=self.done,
-                requests_total=self.total, tokens_out=self.tokens_out, tokens_in=self.tokens_in,
-                saved_out=self.saved_out, saved_in=self.saved_in,
-                current_tps=toks / wall if wall > 0 else 0.0, average_tps=avg, decode_tps=decode_tps,
-                full_batch=full, history=tuple(self._history), busy=busy, gpu_used=self.gpu_used,
+                state=self.state, elapsed=self._before + now - self._start - self._paused(now),
+                requests_done=self.done, requests_total=self.total, tokens_out=self.tokens_out,
+                tokens_in=self.tokens_in, saved_out=self.saved_out, saved_in=self.saved_in, average_tps=avg,
+                decode_tps=decode_tps, full_batch=full, history=tuple(self._history), gpu_used=self.gpu_used,
                 gpu_budget=self.gpu_budget, cpu_used=self.cpu_used, cpu_budget=self.cpu_budget, eta=eta,
                 loading=self.loading, timeline=self._timeline, decode_steps=self._decode_steps,
                 engine_seconds=self._engine_s, stepped=self._first_step is not None,

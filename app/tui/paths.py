@@ -17,10 +17,6 @@ _WINDOWS = re.compile(r"^(?:[A-Za-z]:[\\/]|\\\\[^\\])")
 _QUOTES = ("'", '"')
 
 
-def looks_windows(path: str) -> bool:
-    return bool(_WINDOWS.match(path))
-
-
 def _strip_quotes(text: str) -> str:
     if len(text) >= 2 and text[0] == text[-1] and text[0] in _QUOTES:
         return text[1:-1]
@@ -53,7 +49,7 @@ def parse_dropped_path(text: str) -> str:
             end = text.find(text[0], 1)
             return text[1:end] if end > 0 else text[1:]
         return text
-    if looks_windows(unquoted):
+    if _WINDOWS.match(unquoted):
         return unquoted
     if "\\" not in text and text[:1] not in _QUOTES:
         return text  # a plain path, spaces and all

@@ -144,7 +144,7 @@ class RunJob:
                           should_stop=self._should_stop, on_result=saved)
             if self._stop.is_set() and len(self.records) < self.prompts.count:
                 return self._end("stopped", store)
-            b.finish(store, self.ordered_records(), self.prompts, self.model)
+            b.finish(store, self.prompts, self.model)
             fold_back(engine, sums, self.plan.policy.micro_batch_size)
             return self._end("done", None)
         except BaseException:

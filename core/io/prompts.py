@@ -186,14 +186,12 @@ def _read_bytes(path: Path) -> bytes:
         return path.read_bytes()
     except FileNotFoundError:
         raise UsageError(f"prompts file {path} not found", "check the path given to --prompts") from None
-    except IsADirectoryError:
-        raise UsageError(f"{path} is a folder, not a prompts file", HINT_FORMATS) from None
-    except PermissionError:
-        raise UsageError(f"cannot read prompts file {path}: permission denied",
-                         "fix its permissions or copy it somewhere readable") from None
     except OSError as e:
-        if path.is_dir():  # Windows reports a folder as PermissionError/OSError
+        if path.is_dir():  # IsADirectoryError; Windows says PermissionError
             raise UsageError(f"{path} is a folder, not a prompts file", HINT_FORMATS) from None
+        if isinstance(e, PermissionError):
+            raise UsageError(f"cannot read prompts file {path}: permission denied",
+                             "fix its permissions or copy it somewhere readable") from None
         raise UsageError(f"cannot read prompts file {path}: {e.strerror or e}", "check the path") from None
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.model import limits
+from core.plan.policy import JsonRecord
 
 VERSION = 16  # 16: twelve fitted coefficients and a band (15 and before: pieces and run factors)
 NAMES = ("flop_s", "weight_s", "expert_flop_s", "expert_weight_s", "expert_call_s", "kv_s", "elem_s", "sdpa_flop_s",
@@ -30,7 +31,7 @@ DEFAULT_BAND = 0.5  # a machine never calibrated: the probe's rates with typical
 
 
 @dataclass(frozen=True)
-class CpuCosts:
+class CpuCosts(JsonRecord):
     math: str  # the CPU math dtype (kernel) these were measured with
     flop_s: float = 0.0  # dense GEMMs (QKV, O, router, shared expert, LM head): seconds per FLOP
     weight_s: float = 0.0  # ... per weight element a call reads (the small-M intercept of the roofline)
@@ -50,9 +51,6 @@ class CpuCosts:
     model_bytes: int = 0  # its weights, for picking the nearest calibration for another model
     measured: bool = True  # False: `defaults`, the model of a machine never calibrated
     coefficients = property(lambda self: [getattr(self, n) for n in NAMES])
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CpuCosts":
@@ -100,16 +98,11 @@ def head_units(d, tokens: float) -> Counter:
     return _gemm(tokens, d.V, d.D) + Counter(elem_s=tokens * (4 * d.D + 2 * d.V))
 
 
-def prefill_chunk(d) -> int:
-    """Tokens a CPU prefill runs a layer on at a time for a model of dims `d` (core.model.limits)."""
-    return limits.prefill_chunk(d.D, d.q, d.kv, d.I, d.Is, d.Id, d.E, d.k)
-
-
 def prefill_units(d, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> Counter:
     """One layer of a prefill call: its tokens a chunk at a time (each chunk reads the experts again), and its
     causal attention (`prompt_sq`: the mean squared prompt length: a spread costs more than equal prompts)."""
     t, sq = prompts * prompt_len, prompt_sq if prompt_sq is not None else prompt_len * prompt_len
-    chunk = prefill_chunk(d)
+    chunk = limits.prefill_chunk(d.D, d.q, d.kv, d.I, d.Is, d.Id, d.E, d.k)  # tokens a CPU prefill runs at a time
     whole, rest = int(t // chunk), t % chunk
     ffn = Counter({k: v * whole for k, v in ffn_units(d, chunk).items()}) + (ffn_units(d, rest) if rest else Counter())
     return pre_units(d, t) + post_units(d, t) + ffn + Counter(

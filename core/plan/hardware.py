@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import UsageError
+from core.plan.policy import JsonRecord
 from core.platform import cache_dir  # noqa: F401  (callers and tests reach it here: core.plan.hardware.cache_dir)
 from core.model.device_wait import synchronize  # bounded: a hung probe kernel raises DeviceStalled
 
@@ -28,7 +29,7 @@ RATE_FIELDS = ("gpu_flops", "gpu_bw", "h2d_bw", "d2h_bw", "cpu_flops", "cpu_bw")
 
 
 @dataclass(frozen=True)
-class HardwareSpec:
+class HardwareSpec(JsonRecord):
     """One machine. GPU figures are per device; `gpu_count` devices share the host."""
 
     name: str
@@ -99,13 +100,10 @@ class HardwareSpec:
         engine applies (core.model.cpu.compute), from the recorded ISA or the measured rates. A machine
         whose ISA is unknown (a file from an old probe) is taken to run the storage dtype natively."""
         from core.model.cpu.compute import math_for, native
-        from core.model.cpu.isa import CpuIsa
 
         if self.cpu_isa is None:
             return math_for(storage, self.cpu_matmul, True, "an unknown CPU")
-        isa = CpuIsa(self.cpu_isa_hw or self.cpu_isa, self.cpu_isa, self.cpu_isa in ("avx512_bf16", "amx"),
-                     self.cpu_isa == "amx", self.cpu_isa_limits)
-        return math_for(storage, self.cpu_matmul, native(storage, isa), self.cpu_isa_label)
+        return math_for(storage, self.cpu_matmul, native(storage, self._isa()), self.cpu_isa_text())
 
     def cpu_flops_for(self, storage: str) -> tuple[float, str, bool]:
         """(FLOP/s, math dtype, measured?) of the CPU's matmuls for weights stored in `storage`."""
@@ -115,19 +113,16 @@ class HardwareSpec:
             return rate, math, True
         return self.cpu_flops, math, "cpu_flops" in self.measured
 
-    @property
-    def cpu_isa_label(self) -> str:
-        """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"; "unknown" before a probe."""
-        return self.cpu_isa_text()
-
-    def cpu_isa_text(self, name_up_to: int | None = None) -> str:
-        """cpu_isa_label, with more than `name_up_to` limits counted rather than named (CpuIsa.describe)."""
-        if not self.cpu_isa:
-            return "unknown"
+    def _isa(self):
         from core.model.cpu.isa import CpuIsa
 
-        return CpuIsa(self.cpu_isa_hw or self.cpu_isa, self.cpu_isa, False, False,
-                      self.cpu_isa_limits).describe(name_up_to)
+        return CpuIsa(self.cpu_isa_hw or self.cpu_isa, self.cpu_isa, self.cpu_isa in ("avx512_bf16", "amx"),
+                      self.cpu_isa == "amx", self.cpu_isa_limits)
+
+    def cpu_isa_text(self, name_up_to: int | None = None) -> str:
+        """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"; "unknown" before a probe. More
+        than `name_up_to` limits are counted rather than named (CpuIsa.describe)."""
+        return self._isa().describe(name_up_to) if self.cpu_isa else "unknown"
 
     @property
     def has_gpu(self) -> bool:
@@ -140,45 +135,29 @@ class HardwareSpec:
         measured = tuple(m for m in self.measured if m not in ("h2d_bw", "d2h_bw"))
         return dataclasses.replace(self, h2d_bw=gbps * GB, d2h_bw=gbps * GB, measured=measured)
 
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["measured"] = list(self.measured)
-        d["cpu_isa_limits"] = list(self.cpu_isa_limits)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "HardwareSpec":
-        return cls(**d)  # __post_init__ turns JSON's lists back into tuples
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "HardwareSpec":
-        return cls.from_dict(json.loads(text))
-
 
 # ---- presets -----------------------------------------------------------------------------------
 # PCIe, one direction, after 128b/130b encoding: gen3 x16 15.75 GB/s, gen4 31.5, gen5 63 (PCI-SIG).
 _PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
-# name: (marketing name, memory GiB, dense fp16/bf16 tensor TFLOP/s, memory GB/s, pcie gen, width)
+# name: (marketing name, memory GiB, dense fp16/bf16 tensor TFLOP/s, memory GB/s, pcie gen, width, compute
+# capability from NVIDIA's CUDA GPUs table: T4 Turing, A10G/RTX 3090 Ampere, L4/4090 Ada)
 _GPUS = {
     # NVIDIA T4 datasheet: 16 GB GDDR6, 320 GB/s, "mixed precision FP16/FP32" 65 TFLOPS, PCIe gen3 x16.
-    "t4": ("Tesla T4", 16, 65.0, 320.0, 3, 16),
+    "t4": ("Tesla T4", 16, 65.0, 320.0, 3, 16, (7, 5)),
     # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, FP16 tensor 242 TFLOPS *with sparsity* → 121 dense, gen4 x16.
-    "l4": ("NVIDIA L4", 24, 121.0, 300.0, 4, 16),
+    "l4": ("NVIDIA L4", 24, 121.0, 300.0, 4, 16, (8, 9)),
     # AWS publishes no A10G datasheet; the NVIDIA A10 sheet lists 125 dense FP16 at higher clocks and
     # 600 GB/s. A10G runs lower clocks: 70 dense FP16 TFLOPS is the commonly quoted figure. gen4 x16.
-    "a10g": ("NVIDIA A10G", 24, 70.0, 600.0, 4, 16),
+    "a10g": ("NVIDIA A10G", 24, 70.0, 600.0, 4, 16, (8, 6)),
     # NVIDIA Ampere GA102 whitepaper (RTX 3090): 936 GB/s GDDR6X, FP16 tensor with FP32 accumulate 71 TFLOPS.
-    "rtx3090": ("NVIDIA GeForce RTX 3090", 24, 71.0, 936.0, 4, 16),
+    "rtx3090": ("NVIDIA GeForce RTX 3090", 24, 71.0, 936.0, 4, 16, (8, 6)),
     # NVIDIA Ada whitepaper (RTX 4090): 1008 GB/s, FP16 tensor with FP32 accumulate 165.2 TFLOPS dense.
-    "rtx4090": ("NVIDIA GeForce RTX 4090", 24, 165.2, 1008.0, 4, 16),
+    "rtx4090": ("NVIDIA GeForce RTX 4090", 24, 165.2, 1008.0, 4, 16, (8, 9)),
     # NVIDIA A100 datasheet (80GB PCIe): HBM2e 1935 GB/s, BF16 tensor 312 TFLOPS dense, gen4 x16.
-    "a100-80g": ("NVIDIA A100 80GB PCIe", 80, 312.0, 1935.0, 4, 16),
+    "a100-80g": ("NVIDIA A100 80GB PCIe", 80, 312.0, 1935.0, 4, 16, (8, 0)),
     # NVIDIA H100 datasheet (SXM5 80GB): HBM3 3.35 TB/s, BF16 tensor 989 TFLOPS dense, gen5 x16.
-    "h100": ("NVIDIA H100 80GB HBM3", 80, 989.0, 3350.0, 5, 16),
+    "h100": ("NVIDIA H100 80GB HBM3", 80, 989.0, 3350.0, 5, 16, (9, 0)),
 }
 
 # The paper's CPU hosts (MoE-Lightning §6, see shared/paper.md): S1/S2 24 cores, 192 GB, ≈76–100 GB/s
@@ -192,12 +171,6 @@ _HOSTS = {
     2: dict(cpu_cores=32, cpu_mem_bytes=416 * 10**9, cpu_bw=100.0 * GB, cpu_flops=32 * 70e9, link_gbps=16.0),
 }
 
-# Compute capability of each preset GPU (NVIDIA's CUDA GPUs table): T4 Turing, A10G/RTX 3090 Ampere, L4/4090 Ada.
-_CAPABILITY = {"t4": (7, 5), "l4": (8, 9), "a10g": (8, 6), "rtx3090": (8, 6), "rtx4090": (8, 9),
-               "a100-80g": (8, 0), "h100": (9, 0)}
-
-PRESET_NAMES = tuple(_GPUS) + tuple(f"{k}x{g}" for k in (2, 4) for g in _GPUS)
-
 
 def preset(name: str) -> HardwareSpec:
     """A named machine: "t4" (one T4 in the paper's 24-core/192 GB host), "2xt4", "4xt4", ..."""
@@ -209,7 +182,7 @@ def preset(name: str) -> HardwareSpec:
     if gpu not in _GPUS or count < 1:
         raise UsageError(f"unknown hardware preset {name!r}",
                          f"use one of {', '.join(_GPUS)} (optionally as 2x<gpu> or 4x<gpu>) or 'local'")
-    full, mem_gib, tflops, gbps, gen, width = _GPUS[gpu]
+    full, mem_gib, tflops, gbps, gen, width, capability = _GPUS[gpu]
     host = _HOSTS[1 if count == 1 else 2]
     link = min(_PCIE_GBPS_PER_LANE[gen] * width, host["link_gbps"]) * GB
     return HardwareSpec(
@@ -217,7 +190,7 @@ def preset(name: str) -> HardwareSpec:
         gpu_flops=tflops * 1e12, gpu_bw=gbps * GB, h2d_bw=link, d2h_bw=link,
         cpu_flops=host["cpu_flops"], cpu_bw=host["cpu_bw"], cpu_mem_bytes=host["cpu_mem_bytes"],
         cpu_cores=host["cpu_cores"], pcie=f"gen{gen} x{width}", source="preset", cpu_isa="avx512",
-        gpu_capability=_CAPABILITY[gpu],
+        gpu_capability=capability,
     )
 
 
@@ -242,18 +215,14 @@ def gpu_compute_dtype(dtype, capability: tuple[int, int] | None):
 
 
 # ---- detect ------------------------------------------------------------------------------------
-def _cpu_defaults(cores: int) -> tuple[float, float]:
-    """Guesses until a probe measures: AVX2 at ≈2.5 GHz a core; ≈10 GB/s a core, capped at a server's 204 GB/s."""
-    return cores * 80e9, min(cores * 10.0, 204.0) * GB
-
-
 def detect() -> HardwareSpec:
     """What this machine has: GPUs through NVML (absent → CPU-only), RAM and cores through psutil."""
     import psutil
 
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
     vm = psutil.virtual_memory()
-    cpu_flops, cpu_bw = _cpu_defaults(cores)
+    # guesses until a probe measures: AVX2 at ≈2.5 GHz a core; ≈10 GB/s a core, capped at a server's 204 GB/s
+    cpu_flops, cpu_bw = cores * 80e9, min(cores * 10.0, 204.0) * GB
     gpus = _nvml_gpus()
     base = dict(cpu_flops=cpu_flops, cpu_bw=cpu_bw, cpu_mem_bytes=int(vm.total), cpu_cores=int(cores),
                 cpu_mem_available_bytes=int(vm.available), source="detect")
@@ -263,16 +232,16 @@ def detect() -> HardwareSpec:
     g = gpus[0]  # planning assumes identical GPUs; the first one speaks for all
     key = _match_gpu(g["name"])
     if key:
-        _full, _mem, tflops, gbps, _gen, _width = _GPUS[key]
+        _full, _mem, tflops, gbps, _gen, _width, capability = _GPUS[key]
         flops, bw = tflops * 1e12, gbps * GB
     else:  # unknown GPU: bandwidth from NVML clocks, compute a conservative guess until probed
-        flops, bw = 30e12, g.get("mem_bw") or 300 * GB
+        flops, bw, capability = 30e12, g.get("mem_bw") or 300 * GB, ()
     gen, width = g.get("pcie_gen") or 3, g.get("pcie_width") or 16
     link = _PCIE_GBPS_PER_LANE.get(gen, 0.985) * width * GB
     return HardwareSpec(
         name="local", gpu_name=g["name"], gpu_count=len(gpus), gpu_mem_bytes=g["mem_total"],
         gpu_mem_free_bytes=min(x["mem_free"] for x in gpus), gpu_flops=flops, gpu_bw=bw, h2d_bw=link, d2h_bw=link,
-        pcie=f"gen{gen} x{width}", gpu_capability=_CAPABILITY.get(key, ()) if key else (), **base,
+        pcie=f"gen{gen} x{width}", gpu_capability=capability, **base,
     )
 
 
@@ -347,15 +316,7 @@ def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: f
         return cached
     rates = (measure or _measure)(hw, seconds)
     _write_json(probe_cache_path(hw), {"rates": rates, "time": time.time(), "machine": hw.to_dict()})
-    return _with_gpu_costs(_with_costs(_apply(hw, rates)))
-
-
-def _with_costs(hw: HardwareSpec) -> HardwareSpec:
-    """The machine with its calibrated CPU cost model (`mlight bench --calibrate`), when there is one."""
-    from core.plan import cpu_cost
-
-    costs = cpu_cost.load(hw)
-    return dataclasses.replace(hw, cpu_costs=costs) if costs else hw
+    return _probed(hw, rates)
 
 
 def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:
@@ -363,9 +324,19 @@ def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:
     hw = base or detect()
     try:
         rates = json.loads(probe_cache_path(hw).read_text(encoding="utf-8"))["rates"]
-        return _with_gpu_costs(_with_costs(_apply(hw, rates)))
+        return _probed(hw, rates)
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _probed(hw: HardwareSpec, rates: dict) -> HardwareSpec:
+    """The machine with the probe's rates, its calibrated CPU cost model (`mlight bench --calibrate`) and its
+    recorded GPU-path costs, where it has them."""
+    from core.plan import cpu_cost
+
+    hw = _apply(hw, rates)
+    gpu = _gpu_costs(hw) if hw.has_gpu else {}
+    return dataclasses.replace(hw, cpu_costs=cpu_cost.load(hw) or hw.cpu_costs, **gpu)
 
 
 # What bench/gpu_check.py measured of this machine's GPU path, in a file of their own (a new probe keeps them);
@@ -377,29 +348,23 @@ def gpu_costs_path(hw: HardwareSpec) -> Path:
     return cache_dir() / "probe" / f"gpu-costs-{machine_key(hw)}.json"
 
 
+def _gpu_costs(hw: HardwareSpec) -> dict[str, float]:
+    """The GPU-path costs recorded for this machine ({} when none, or the file is damaged)."""
+    try:
+        kept = json.loads(gpu_costs_path(hw).read_text(encoding="utf-8"))["costs"]
+        return {k: float(kept[k]) for k in GPU_COSTS if kept.get(k, 0) > 0}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
 def record_gpu_costs(hw: HardwareSpec, **values: float) -> Path:
     """Keep measured GPU-path costs (names from GPU_COSTS) for this machine; earlier ones not given stay."""
     unknown = set(values) - set(GPU_COSTS)
     if unknown:
         raise ValueError(f"unknown GPU costs {sorted(unknown)}; expected some of {GPU_COSTS}")
-    path = gpu_costs_path(hw)
-    try:
-        kept = json.loads(path.read_text(encoding="utf-8"))["costs"]
-    except (OSError, ValueError, KeyError, TypeError):
-        kept = {}
-    kept.update({k: float(v) for k, v in values.items() if v and v > 0})
-    _write_json(path, {"costs": kept, "time": time.time()})
-    return path
-
-
-def _with_gpu_costs(hw: HardwareSpec) -> HardwareSpec:
-    if not hw.has_gpu:
-        return hw
-    try:
-        kept = json.loads(gpu_costs_path(hw).read_text(encoding="utf-8"))["costs"]
-        return dataclasses.replace(hw, **{k: float(kept[k]) for k in GPU_COSTS if kept.get(k, 0) > 0})
-    except (OSError, ValueError, KeyError, TypeError):
-        return hw
+    kept = {**_gpu_costs(hw), **{k: float(v) for k, v in values.items() if v and v > 0}}
+    _write_json(gpu_costs_path(hw), {"costs": kept, "time": time.time()})
+    return gpu_costs_path(hw)
 
 
 def cached_cpu_rates() -> dict[str, float] | None:
@@ -545,13 +510,11 @@ def _gpu_rates(torch, seconds: float) -> dict:
     """GPU matmul, GPU memory, pinned H2D/D2H; its buffers are this frame's, freed when it returns."""
     rates = {}
     dev = torch.device("cuda")
-    def sync():
-        synchronize("the GPU probe's timed work")
 
     def timed(fn):
         def run():
             fn()
-            sync()
+            synchronize("the GPU probe's timed work")
         return _best(run, seconds)
 
     n = 4096

@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from core.plan import cpu_cost
 from core.plan.hardware import HardwareSpec
 from core.plan.mixer_costs import MixerCost, mixer_costs
 from core.model.limits import LOOKAHEAD  # CGOPipe runs CPU attention this many micro-batches ahead of the GPU
 from core.model.limits import LAYOUT_ALIGN  # each stacked expert tensor of a layer buffer starts at a multiple of this
 from core.model.limits import FUSED_MAX_TOKENS  # longer dense expert calls take grouped_mm where it runs
 from core.model.quant import dense_spec
-from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, NATIVE_GGUF_ROWS, Format, workspace_bytes
+from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, Format, workspace_bytes
 from core.model.spec import ModelSpec
 
 # Achieved fraction of a datasheet peak, for rates not measured (HardwareSpec.measured): from the paper's L4 +
@@ -43,15 +44,12 @@ TASK_SECONDS = 80e-6
 OP_SECONDS = 25e-6
 # torch ops each task kind issues, views included, counted on the emulated device for a Qwen2-MoE layer (the
 # family with the most parts; tests/test_gpu_findings.py recounts them). CPU attention: 12 ops and the fused C
-# kernel's call; CPU_ATTN_TORCH_OPS where it runs torch ops instead (no C compiler).
+# kernel's call (23 torch ops where there is no C compiler).
 HOST_OPS = {"pre_attn": 25, "post_attn": 24, "ffn": 12, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 14,
             "weight_page": 2, "kv_load": 14, "kv_store": 10, "prefill": 118}
-CPU_ATTN_TORCH_OPS = 23
 # An FFN task's ops by expert path (core.model.moe.device_experts): (fixed, per expert), counted on the emulated
 # device (tests/test_launch_budget.py); every path is constant in E today.
 EXPERT_PATHS = {"fused": (HOST_OPS["ffn"], 0), "grouped": (33, 0)}
-# None: the path today's runtime picks (expert_path); a name of EXPERT_PATHS where every FFN runs one path
-DEFAULT_EXPERT_PATH: str | None = None
 # Page-locking host memory (cudaHostRegister), bytes/s, as on the H200 host; HardwareSpec.pin_bw where measured.
 # Paid once per loaded model, before its first token.
 PIN_BW = 2e9
@@ -68,13 +66,12 @@ class Rates:
     cpu_flops: float
     cpu_bw: float
     has_gpu: bool
+    cpu_costs: object  # core.plan.cpu_cost.CpuCosts of this machine for the CPU's math dtype (the CPU-only mode's)
     tp: int = 1  # tensor-parallel ranks summing their partial outputs (rates are then one rank's)
-    cpu_costs: object = None  # core.plan.cpu_cost.CpuCosts measured on this machine for the CPU's math dtype
     task_seconds: float = TASK_SECONDS  # the executor's host cost per task
     op_seconds: float = OP_SECONDS  # ... and per torch op a task issues
     # (("int4", FLOP/s), ("int4@1", FLOP/s), ...): the probe's weight-only kernel rates at 64 rows and at one
     cpu_kernel_flops: tuple = ()
-    expert_path: str | None = DEFAULT_EXPERT_PATH  # a key of EXPERT_PATHS, or None: as the runtime picks
     gpu_capability: tuple = ()  # () unknown: taken to have every kernel
     pin_bw: float = PIN_BW
     host_measured: bool = False  # task_seconds and op_seconds measured on this machine (bench/gpu_check.py)
@@ -93,22 +90,21 @@ class Rates:
 
 def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> Rates:
     """Achievable rates; `dtype` (the weights' storage dtype) picks the CPU matmul rate and calibrated CPU costs of
-    the dtype the CPU computes in (HardwareSpec.cpu_flops_for), for `model` or the nearest."""
+    the dtype the CPU computes in (HardwareSpec.cpu_flops_for), for `model` or the nearest; without it, fp32 at
+    the probe's figure and uncalibrated costs."""
     def rate(name: str, per_gpu: bool) -> float:
         v = getattr(hw, name) * (1.0 if name in hw.measured else DERATE[name])
         return v * (hw.gpu_count if per_gpu else 1)
 
-    cpu_flops, costs = rate("cpu_flops", False), None
+    cpu_flops, math, width = rate("cpu_flops", False), "float32", 4
     if dtype is not None:
         v, math, measured = hw.cpu_flops_for(dtype)
         cpu_flops = v * (1.0 if measured else DERATE["cpu_flops"])
-        from core.plan import cpu_cost
-
-        if hw.cpu_costs.get(math):
-            costs = cpu_cost.pick(hw.cpu_costs[math], dims(model) if model is not None else None)
-        else:  # never calibrated: the probe's rates with what calibration learned on other machines
-            width = 4 if dtype in ("float32", "torch.float32") else 2
-            costs = cpu_cost.defaults(math, cpu_flops, rate("cpu_bw", False), width, width, hw.cpu_threads or 0)
+        width = 4 if dtype in ("float32", "torch.float32") else 2
+    if dtype is not None and hw.cpu_costs.get(math):
+        costs = cpu_cost.pick(hw.cpu_costs[math], dims(model) if model is not None else None)
+    else:  # never calibrated: the probe's rates with what calibration learned on other machines
+        costs = cpu_cost.defaults(math, cpu_flops, rate("cpu_bw", False), width, width, hw.cpu_threads or 0)
     return Rates(gpu_flops=rate("gpu_flops", True), gpu_bw=rate("gpu_bw", True), h2d_bw=rate("h2d_bw", True),
                  d2h_bw=rate("d2h_bw", True), cpu_flops=cpu_flops, cpu_bw=rate("cpu_bw", False),
                  has_gpu=hw.has_gpu, cpu_costs=costs, task_seconds=hw.host_task_seconds or TASK_SECONDS,
@@ -124,10 +120,6 @@ class Work:
 
     flops: float
     bytes: float
-
-    @property
-    def intensity(self) -> float:
-        return self.flops / self.bytes if self.bytes else float("inf")
 
     def __add__(self, other: "Work") -> "Work":
         return Work(self.flops + other.flops, self.bytes + other.bytes)
@@ -156,9 +148,7 @@ class Dims:
     nonexpert_bytes: int
     total_expert_bytes: int
     total_bytes: int
-    kv_tok_layer: int  # K and V of one token in one layer
-    kv_tok: int  # all layers
-    mixers: tuple[MixerCost, ...] = ()  # one per kind of token mixer, with its layer count
+    mixers: tuple[MixerCost, ...]  # one per kind of token mixer, with its layer count
     moe_frac: float = 1.0  # share of the layers with experts (the rest run a dense MLP)
     Id: int = 0  # dense MLP intermediate
     dtype: str = "bfloat16"
@@ -213,8 +203,7 @@ def _dims(m: ModelSpec) -> Dims:
                 head_dim=m.head_dim, E=m.num_experts, k=m.top_k, I=m.expert_intermediate, Is=m.shared_intermediate,
                 V=m.vocab_size, dt=m.dtype_bytes, expert_bytes=m.expert_bytes, layer_expert_bytes=m.layer_expert_bytes,
                 nonexpert_bytes=m.nonexpert_bytes, total_expert_bytes=m.total_expert_bytes, total_bytes=m.total_bytes,
-                kv_tok_layer=m.kv_bytes_per_token_layer, kv_tok=m.kv_bytes_per_token, mixers=mixer_costs(m),
-                moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate,
+                mixers=mixer_costs(m), moe_frac=m.moe_layers / m.num_layers, Id=m.dense_intermediate,
                 scratch=_scratch(m), qkind=_qkind(m.expert_format), dtype=m.dtype,
                 act_temps=4 if m.expert_act == "clamped_swiglu" else 1, expert_bias=m.expert_bias,
                 router_dt=max(4, m.dtype_bytes) if m.router_fp32 else m.dtype_bytes,
@@ -417,14 +406,11 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
                  attention_on: str, ffn_on: str, gpu_weight_fraction: float, gpu_kv_fraction: float,
                  context: float, pages: int | None = None) -> dict[str, TaskCost]:
     """The tasks of one decode layer (a token for each of `batch` requests), by kind (core.runtime.schedule's).
-    In the CPU-only placement the dense kinds run on the CPU under the "gpu" key."""
+    In the CPU-only placement the dense kinds run on the CPU under the "compute" key."""
     m = dims(m)
     n_mb, n_eb = batch / micro_batch, batch / expert_batch
     pages = pages or max(1, round(n_mb))
-    cpu_only = ffn_on == "cpu"
-    if cpu_only and r.cpu_costs is not None:  # measured on this machine: core.plan.cpu_cost
-        from core.plan import cpu_cost
-
+    if ffn_on == "cpu":  # the CPU-only mode: core.plan.cpu_cost
         costs = r.cpu_costs
         secs = cpu_cost.decode_tasks(m, costs, micro_batch=micro_batch, expert_batch=expert_batch, context=context)
         if m.qkind in CPU_KERNEL_FLOPS:  # calibrated on the dtype's matmuls: quantized experts run other kernels
@@ -433,29 +419,22 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         swap = quant_dense_swap(m, r, costs, micro_batch)  # so do quantized dense weights
         secs["pre_attn"] += swap["pre"]
         secs["post_attn"] += swap["post"]
-        return {k: TaskCost("cpu_attn" if k == "cpu_attn" else "gpu", v, n_eb if k == "ffn" else n_mb)
+        return {k: TaskCost("cpu_attn" if k == "cpu_attn" else "compute", v, n_eb if k == "ffn" else n_mb)
                 for k, v in secs.items()}
-    fl, bw, launch = (r.cpu_flops, r.cpu_bw, CPU_LAUNCH) if cpu_only else (r.gpu_flops, r.gpu_bw, GPU_LAUNCH)
-    # a GPU dequantizes inside its fused kernel; the CPU expands GGUF blocks past NATIVE_GGUF_ROWS rows an expert
-    ffn = moe_ffn(m, expert_batch, expand=cpu_only and m.qkind == "blocks"
-                  and expert_batch * m.k > NATIVE_GGUF_ROWS * max(expected_experts(expert_batch, m.E, m.k), 1))
-    ffn_fl = r.kernel_flops(m.qkind) if cpu_only else fl
+    fl, bw, launch = r.gpu_flops, r.gpu_bw, GPU_LAUNCH  # a GPU dequantizes inside its fused kernel
     post = o_proj(m, micro_batch) + router(m, micro_batch) + shared_expert(m, micro_batch)
     # kernel launches: pre_attn 3 (norm, qkv, rope), post_attn 5 (o, norm, router, top-k, combine), ffn 3;
     # tensor parallel: post_attn and ffn each end in an all-reduce on the compute stream
     t = {
-        "pre_attn": TaskCost("gpu", roofline_seconds(qkv_proj(m, micro_batch), fl, bw) + 3 * launch, n_mb),
-        "post_attn": TaskCost("gpu", roofline_seconds(post, fl, bw) + 5 * launch + all_reduce_seconds(m, r, micro_batch),
+        "pre_attn": TaskCost("compute", roofline_seconds(qkv_proj(m, micro_batch), fl, bw) + 3 * launch, n_mb),
+        "post_attn": TaskCost("compute", roofline_seconds(post, fl, bw) + 5 * launch + all_reduce_seconds(m, r, micro_batch),
                               n_mb),
-        "ffn": TaskCost("gpu", (max(quant_cpu_ffn(m, r, expert_batch), ffn.bytes / bw) if cpu_only and m.qkind in
-                                CPU_KERNEL_FLOPS else roofline_seconds(ffn, ffn_fl, bw))
-                        + 3 * launch + all_reduce_seconds(m, r, expert_batch), n_eb),
+        "ffn": TaskCost("compute", roofline_seconds(moe_ffn(m, expert_batch), fl, bw) + 3 * launch
+                        + all_reduce_seconds(m, r, expert_batch), n_eb),
     }
     attn = decode_attention(m, micro_batch, context)
-    if cpu_only or attention_on == "cpu":
+    if attention_on == "cpu":
         t["cpu_attn"] = TaskCost("cpu_attn", roofline_seconds(attn, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH, n_mb)
-    if cpu_only:
-        return t
     streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes * m.moe_frac  # dense layers stream nothing
     # launch cost in proportion to the streamed share: affine in r_w, nothing when nothing streams
     t["weight_page"] = TaskCost("h2d", (streamed / pages / r.h2d_bw + COPY_LAUNCH * (1 - gpu_weight_fraction)), pages)
@@ -464,7 +443,7 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
         t["d2"] = TaskCost("h2d", micro_batch * m.d2 * m.dt / r.h2d_bw + COPY_LAUNCH, n_mb)
     else:
         cpu_share = 1 - gpu_kv_fraction
-        t["gpu_attn"] = TaskCost("gpu", roofline_seconds(attn, r.gpu_flops, r.gpu_bw) + GPU_LAUNCH, n_mb)
+        t["gpu_attn"] = TaskCost("compute", roofline_seconds(attn, r.gpu_flops, r.gpu_bw) + GPU_LAUNCH, n_mb)
         t["kv_load"] = TaskCost("h2d", cpu_share * micro_batch * m.state_layer_bytes(context) / r.h2d_bw + COPY_LAUNCH,
                                 n_mb)
         t["kv_store"] = TaskCost("d2h", cpu_share * micro_batch * m.new_token_bytes() / r.d2h_bw + COPY_LAUNCH, n_mb)
@@ -478,22 +457,17 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
     m = dims(m)
     n_mb = batch / micro_batch
     toks = micro_batch * prompt_len
+    if ffn_on == "cpu":
+        swap = quant_dense_swap(m, r, r.cpu_costs, toks)
+        return {"prefill": TaskCost("compute", cpu_cost.prefill_seconds(m, r.cpu_costs, micro_batch, prompt_len, prompt_sq)
+                                    + swap["pre"] + swap["post"], n_mb)}
     work = dense_work(m, toks) + moe_ffn(m, toks, expand=m.qkind != "none") + prefill_attention(m, micro_batch, prompt_len)
     reduce = 2 * all_reduce_seconds(m, r, toks)  # after the O projection and after the FFN
-    if ffn_on == "cpu" and r.cpu_costs is not None:
-        from core.plan import cpu_cost
-
-        costs = r.cpu_costs
-        swap = quant_dense_swap(m, r, costs, toks)
-        return {"prefill": TaskCost("gpu", cpu_cost.prefill_seconds(m, costs, micro_batch, prompt_len, prompt_sq)
-                                    + swap["pre"] + swap["post"], n_mb)}
-    if ffn_on == "cpu":
-        return {"prefill": TaskCost("gpu", roofline_seconds(work, r.cpu_flops, r.cpu_bw) + CPU_LAUNCH + reduce, n_mb)}
     pages = pages or max(1, round(n_mb))
     streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes * m.moe_frac
     kv_to_cpu = 1.0 if attention_on == "cpu" else 1 - gpu_kv_fraction
     return {
-        "prefill": TaskCost("gpu", roofline_seconds(work, r.gpu_flops, r.gpu_bw) + 16 * GPU_LAUNCH + reduce, n_mb),
+        "prefill": TaskCost("compute", roofline_seconds(work, r.gpu_flops, r.gpu_bw) + 16 * GPU_LAUNCH + reduce, n_mb),
         "weight_page": TaskCost("h2d", streamed / pages / r.h2d_bw + COPY_LAUNCH * (1 - gpu_weight_fraction), pages),
         "kv_store": TaskCost("d2h", kv_to_cpu * micro_batch * m.state_layer_bytes(prompt_len) / r.d2h_bw + COPY_LAUNCH,
                              n_mb),
@@ -502,7 +476,7 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
 
 def busy_seconds(tasks: dict[str, TaskCost]) -> dict[str, float]:
     """Per-resource busy time of one layer: the sum of its tasks."""
-    out = {"gpu": 0.0, "cpu_attn": 0.0, "h2d": 0.0, "d2h": 0.0}
+    out = {"compute": 0.0, "cpu_attn": 0.0, "h2d": 0.0, "d2h": 0.0}
     for c in tasks.values():
         out[c.resource] += c.seconds * c.per_layer
     return out
@@ -520,19 +494,13 @@ def decode_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, flo
 
 def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, float]:
     tasks = prefill_tasks(m, r, **kw)
-    if kw.get("ffn_on") != "gpu":
-        return {**busy_seconds(tasks), "host": 0.0}
-    ffn = ffn_ops(m, r, kw["micro_batch"] * kw["prompt_len"])
-    return {**busy_seconds(tasks), "host": host_seconds(tasks, r, ffn)}
+    ffn = ffn_ops(m, r, kw["micro_batch"] * kw["prompt_len"]) if kw.get("ffn_on") == "gpu" else None
+    return {**busy_seconds(tasks), "host": host_seconds(tasks, r, ffn) if ffn is not None else 0.0}
 
 
 def expert_path(m: "ModelSpec | Dims", r: Rates, tokens: float) -> str:
-    """The EXPERT_PATHS key a GPU FFN task of `tokens` tokens runs on: r.expert_path, else the runtime's choice
+    """The EXPERT_PATHS key a GPU FFN task of `tokens` tokens runs on: the runtime's choice
     (core.model.fused_moe.expert_path)."""
-    if r.expert_path:
-        if r.expert_path not in EXPERT_PATHS:
-            raise ValueError(f"unknown expert path {r.expert_path!r}; expected one of {', '.join(EXPERT_PATHS)}")
-        return r.expert_path
     d = dims(m)
     grouped_mm = d.dtype == "bfloat16" and (not r.gpu_capability or tuple(r.gpu_capability) >= (8, 0))
     return "grouped" if grouped_mm and d.qkind == "none" and tokens > FUSED_MAX_TOKENS else "fused"
@@ -552,9 +520,7 @@ def host_task_seconds(r: Rates, ffn: float | None = None) -> dict[str, float]:
 
 def _ops(ffn: float | None) -> dict[str, float]:
     """HOST_OPS with the FFN's ops on its expert path (a prefill task's FFN is the same path's)."""
-    if ffn is None:
-        return HOST_OPS
-    return {**HOST_OPS, "ffn": ffn, "prefill": HOST_OPS["prefill"] + ffn - HOST_OPS["ffn"]}
+    return HOST_OPS if ffn is None else {**HOST_OPS, "ffn": ffn, "prefill": HOST_OPS["prefill"] + ffn - HOST_OPS["ffn"]}
 
 
 def host_seconds(tasks: dict[str, TaskCost], r: Rates, ffn: float | None = None) -> float:
@@ -575,7 +541,7 @@ def pin_seconds(pinned_bytes: float, r: Rates) -> float:
     return pinned_bytes / r.pin_bw if r.has_gpu else 0.0
 
 
-_BOUNDS = ("gpu", "cpu_attn", "h2d", "d2h", "pipeline", "host")  # core.telemetry.RESOURCES, then the two bounds
+_BOUNDS = ("compute", "cpu_attn", "h2d", "d2h", "pipeline", "host")  # core.telemetry.RESOURCES, then the two bounds
 
 
 def bottleneck(layer: dict[str, float]) -> str:
@@ -606,21 +572,17 @@ def pipeline_bounds(tasks: dict[str, TaskCost]) -> tuple[float, ...]:
 def layer_time(busy: dict[str, float], ffn_on: str, pipeline: float = 0.0) -> float:
     """Wall time of a layer: resources overlap up to the pipeline bound, except CPU-only (one set of cores)."""
     if ffn_on == "cpu":
-        return busy["gpu"] + busy["cpu_attn"]
+        return busy["compute"] + busy["cpu_attn"]
     return max(max(busy.values()), pipeline)
 
 
 def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches: int, on_gpu: bool) -> float:
     """The LM head (and final norm) once per step over `tokens` tokens, in `micro_batches` pieces."""
-    if not on_gpu and r.cpu_costs is not None:
-        from core.plan import cpu_cost
-
+    if not on_gpu:
         return cpu_cost.head_seconds(dims(m), r.cpu_costs, tokens) + quant_dense_swap(m, r, r.cpu_costs, tokens)["head"]
-    w = lm_head(m, tokens / micro_batches)
-    flops, bw = (r.gpu_flops, r.gpu_bw) if on_gpu else (r.cpu_flops, r.cpu_bw)
-    return micro_batches * (roofline_seconds(w, flops, bw) + (GPU_LAUNCH if on_gpu else CPU_LAUNCH))
+    return micro_batches * (roofline_seconds(lm_head(m, tokens / micro_batches), r.gpu_flops, r.gpu_bw) + GPU_LAUNCH)
 
 
 def wave_seconds(r: Rates, *, on_gpu: bool) -> float:
     """Admitting a wave, beside its prefill's layers and LM head: CPU-only, as calibrated (CpuCosts.wave_s)."""
-    return 0.0 if on_gpu or r.cpu_costs is None else r.cpu_costs.wave_s
+    return 0.0 if on_gpu else r.cpu_costs.wave_s

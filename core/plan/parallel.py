@@ -70,12 +70,3 @@ def rank_view(model: ModelSpec, hw: HardwareSpec, budget, ranks: int):
                                      cpu_bytes=budget.cpu_bytes // ranks)
     return rank_model(model, ranks), rank_hardware(hw, ranks), budget
 
-
-def state_copies(model: ModelSpec, ranks: int) -> int:
-    """Copies of each sequence's attention state `ranks` ranks keep: one where it splits with the heads, one a
-    rank for MLA's latent (it serves every head) and where attention stays whole (core.model.shard)."""
-    if ranks == 1:
-        return 1
-    from core.model.shard import plan_shard
-
-    return 1 if plan_shard(model, 0, ranks).split_attention and model.mla is None else ranks

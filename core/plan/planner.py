@@ -38,7 +38,7 @@ RC_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # r_c values tried by the fast path; the 
 TIE_BREAK = 1e-6  # weight of the summed busy time: among equally fast policies, prefer less work
 REFINE = 6  # (placement, μ) pairs whose smaller batches and neighbouring μ the search also tries
 DENSE_MU = 1024  # μ up to here on the paper's full grid; beyond, sparser (then refined)
-CPU_ONLY_WORDS = {"gpu": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
+CPU_ONLY_WORDS = {"compute": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
                   "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)"}
 BOTTLENECKS = (*RESOURCES, "pipeline", "host")  # decode layer bounds: each resource's busy time, hrm's pipeline and host bounds
 
@@ -123,7 +123,7 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     gpu_attn = p.attention_on == "gpu"
     kv_gpu = kv_gpu_layers(p.gpu_kv_fraction, L) if gpu_attn else 0
     # two micro-batches' state in flight, each slot sized for the layer kind that keeps most
-    ring_seq = max(x.state.bytes(T, d.dt) for x in d.mixers) if d.mixers else T * d.kv_tok_layer
+    ring_seq = max(x.state.bytes(T, d.dt) for x in d.mixers)
     kv_ring = int(2 * mu * ring_seq) if gpu_attn and kv_gpu < L else 0
     d1, d2 = max(x.d1 for x in d.mixers), max(x.d2 for x in d.mixers)  # per token: QKV out, attention back
     qkv_o = N * (d1 + d2) * d.dt if not gpu_attn else 0  # D1 source, D2 target per micro-batch
@@ -141,7 +141,7 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     n_mb = -(-N // mu)
     host = ([(mu * d1 * d.dt, n_mb), (mu * d2 * d.dt, n_mb)] if qkv_o else []) + [(N * d.V * 4, 2)]
     if kv_ring:
-        new_tok = max(x.new_token_bytes(d.dt) for x in d.mixers) if d.mixers else d.kv_tok_layer
+        new_tok = max(x.new_token_bytes(d.dt) for x in d.mixers)
         host += [(kv_ring // 2, 2), (int(mu * new_tok), 1)]  # per ring slot its state; the store's new entries
     staging = _arena_bytes(host)
     cpu = {  # the runtime keeps every weight in host memory; the GPU holds copies
@@ -199,10 +199,10 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
     s = w.longest_prompt
     tok = mu * s
     # two micro-batches' state await the link (core.runtime.schedule.prefill), in the kind that keeps most
-    stored = 2 * mu * max((x.state.bytes(s, dt) for x in d.mixers), default=s * d.kv_tok_layer)
+    stored = 2 * mu * max(x.state.bytes(s, dt) for x in d.mixers)
     held = N * s * D * dt + tok * 2 * D * dt + stored + N * (2 * s + 1) * 8  # + token ids, positions, last rows
     # the token mixer's own working set, by kind (core.plan.mixer_costs): the largest kind's
-    mix = max((x.prefill_bytes(tok, s) for x in d.mixers), default=pre(tok) + d.heads * s * s * 4)
+    mix = max(x.prefill_bytes(tok, s) for x in d.mixers)
     prefill = held + max(ffn(tok) + tok * shared, mix, logits)
     return int(max(decode, prefill))
 
@@ -237,17 +237,6 @@ def validate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
 
 
 # ---- cost of one policy --------------------------------------------------------------------------
-def _busy(m: ModelSpec, r: hrm.Rates, w: Workload, place: tuple[str, str], n: int, mu: int, beta: int,
-          r_w: float, r_c: float, pages: int | None = None) -> tuple[dict, dict]:
-    a, f = place
-    dec = hrm.decode_layer_seconds(m, r, batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f,
-                                   gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, context=w.decode_context, pages=pages)
-    pre = hrm.prefill_layer_seconds(m, r, batch=n, micro_batch=mu, attention_on=a, ffn_on=f,
-                                    gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, prompt_len=w.prompt_len, pages=pages,
-                                    prompt_sq=w.prompt_sq_mean)
-    return dec, pre
-
-
 def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> Prediction:
     """The HRM's prediction for a policy (memory reported, not checked: validate). Tensor parallel: one rank's
     time, every rank's memory."""
@@ -257,21 +246,19 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
     last = last_wave(policy, model, hardware, tail) if tail else None
     model, hardware, _ = rank_view(model, hardware, None, k)
     r = _rates(hardware, k, model)
-    place = (p.attention_on, p.ffn_on)
-    dec, pre = _busy(model, r, front, place, p.batch_size, p.micro_batch_size, p.expert_batch_size,
-                     p.gpu_weight_fraction, p.gpu_kv_fraction, p.pages_per_layer)
+    kw = dict(batch=p.batch_size, micro_batch=p.micro_batch_size, attention_on=p.attention_on, ffn_on=p.ffn_on,
+              gpu_weight_fraction=p.gpu_weight_fraction, gpu_kv_fraction=p.gpu_kv_fraction, pages=p.pages_per_layer)
+    dec = hrm.decode_layer_seconds(model, r, expert_batch=p.expert_batch_size, context=front.decode_context, **kw)
+    pre = hrm.prefill_layer_seconds(model, r, prompt_len=front.prompt_len, prompt_sq=front.prompt_sq_mean, **kw)
     on_gpu = p.ffn_on == "gpu"
     l = model.num_layers
-    step = l * hrm.layer_time(dec, p.ffn_on, dec["pipeline"]) + hrm.head_seconds(model, r, tokens=p.batch_size,
-                                                                micro_batches=p.num_micro_batches, on_gpu=on_gpu)
-    prefill = l * hrm.layer_time(pre, p.ffn_on) + hrm.head_seconds(model, r, tokens=p.batch_size,
-                                                                   micro_batches=p.num_micro_batches, on_gpu=on_gpu)
-    prefill += hrm.wave_seconds(r, on_gpu=on_gpu)
+    head = hrm.head_seconds(model, r, tokens=p.batch_size, micro_batches=p.num_micro_batches, on_gpu=on_gpu)
+    step = l * hrm.layer_time(dec, p.ffn_on, dec["pipeline"]) + head
+    prefill = l * hrm.layer_time(pre, p.ffn_on) + head + hrm.wave_seconds(r, on_gpu=on_gpu)
     n = workload.gen_len
     total = prefill + (n - 1) * step
-    gpu, cpu, pinned = (x if isinstance(x, int) else {key: v * k for key, v in x.items()}
-                        for x in _memory(hrm.dims(model), p, workload))  # all ranks
-    pinned *= k
+    gpu, cpu, pinned = _memory(hrm.dims(model), p, workload)  # one rank's: every rank's is k times that
+    gpu, cpu = ({key: v * k for key, v in x.items()} for x in (gpu, cpu))
     # a smaller last wave pays the same per-step and per-layer costs for fewer tokens
     last_prefill, last_step = (last.prefill_seconds, last.step_seconds) if last else (0.0, 0.0)
     seconds = full * total + last_prefill + (n - 1) * last_step
@@ -288,10 +275,10 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
         bottleneck=hrm.bottleneck(dec) if on_gpu else max(RESOURCES, key=lambda k: dec[k]),
         gpu_bytes=int(sum(gpu.values())), cpu_bytes=int(sum(cpu.values())),
         layer_seconds={k: dec[k] for k in BOTTLENECKS}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
-        step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu, pinned_bytes=pinned,
-        bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("gpu", "cpu_attn"), key=lambda k: dec[k])],
+        step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu, pinned_bytes=pinned * k,
+        bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("compute", "cpu_attn"), key=lambda k: dec[k])],
         decode_busy=decode_busy, prefill_busy=prefill_busy, decode_steps=(n - 1) * (full + (1 if last else 0)),
-        prompt_tokens=prompt_tokens, band=0.0 if on_gpu or r.cpu_costs is None else r.cpu_costs.band,
+        prompt_tokens=prompt_tokens, band=0.0 if on_gpu else r.cpu_costs.band,
     )
 
 
@@ -329,26 +316,19 @@ class _Lin:
     pre_c: tuple[float, ...]
     fixed: float  # seconds independent of the layers' overlap (LM head) over the whole batch
     serial: bool  # CPU-only: resources add up instead of overlapping
-    gpu0: float  # GPU bytes at r = 0, and their change per unit r_w, r_c
-    gpu_w: float
-    gpu_c: float
-    cpu0: float
-    cpu_w: float
-    cpu_c: float
+    mem: tuple[float, ...]  # (gpu0, gpu_w, gpu_c, cpu0, cpu_w, cpu_c): bytes at r = 0 and per unit r_w, r_c
 
 
 def _memory_lin(d: hrm.Dims, w: Workload, place, n: int, mu: int, beta: int) -> tuple[float, ...]:
     """(gpu0, gpu_w, gpu_c, cpu0, cpu_w, cpu_c): memory at r = 0 and its (exact) change per unit r_w, r_c."""
     a, f = place
-    probe = Policy(batch_size=n, micro_batch_size=mu, expert_batch_size=beta, attention_on=a, ffn_on=f,
-                   pages_per_layer=n // mu)
-    g00, c00 = (sum(x.values()) for x in memory_use(d, probe, w))
-    if f == "cpu":
-        return g00, 0.0, 0.0, c00, 0.0, 0.0
-    g10, c10 = (sum(x.values()) for x in memory_use(d, Policy(n, mu, beta, a, f, 1.0, 0.0, n // mu), w))
-    g01, c01 = g00, c00
-    if a == "gpu":
-        g01, c01 = (sum(x.values()) for x in memory_use(d, Policy(n, mu, beta, a, f, 0.0, 1.0, n // mu), w))
+
+    def use(r_w: float, r_c: float) -> list[int]:
+        return [sum(x.values()) for x in memory_use(d, Policy(n, mu, beta, a, f, r_w, r_c, n // mu), w)]
+
+    g00, c00 = use(0.0, 0.0)
+    g10, c10 = use(1.0, 0.0) if f == "gpu" else (g00, c00)
+    g01, c01 = use(0.0, 1.0) if a == "gpu" else (g00, c00)
     return g00, g10 - g00, g01 - g00, c00, c10 - c00, c01 - c00
 
 
@@ -360,11 +340,10 @@ def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, b
     d00, d10, d01 = _corners(lambda r_w, r_c: hrm.decode_layer_seconds(
         d, r, gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, **kw), a == "gpu")
     p00, p10, p01 = prefill or _prefill_lin(d, r, w, place, n, mu)
-    g0, gw, gc, c0, cw, cc = mem or _memory_lin(d, w, place, n, mu, beta)
     head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=f == "gpu")
     fixed = head * w.gen_len + hrm.wave_seconds(r, on_gpu=f == "gpu")
     return _Lin(d00, _sub(d10, d00), _sub(d01, d00), p00, _sub(p10, p00), _sub(p01, p00), fixed=fixed,
-                serial=f == "cpu", gpu0=g0, gpu_w=gw, gpu_c=gc, cpu0=c0, cpu_w=cw, cpu_c=cc)
+                serial=f == "cpu", mem=mem or _memory_lin(d, w, place, n, mu, beta))
 
 
 def _prefill_lin(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int):
@@ -420,7 +399,7 @@ def _best_fractions(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_limi
     RC_GRID (a convex piecewise-linear minimum lies at an end or where two pieces cross)."""
     best = None
     for r_c in (RC_GRID if gpu_attn else (0.0,)):
-        iv = _rw_interval((lin.gpu0, lin.gpu_w, lin.gpu_c, lin.cpu0, lin.cpu_w, lin.cpu_c), r_c, gpu_limit, cpu_limit)
+        iv = _rw_interval(lin.mem, r_c, gpu_limit, cpu_limit)
         if iv is None:
             continue
         lo, hi = iv
@@ -458,9 +437,9 @@ def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_l
     for t, busy in ((td, dec), (tp, pre)):
         for e in ([sum(busy)] if lin.serial else busy):  # CPU-only: the resources add up
             prob += t >= e
-    # memory rows in GB keep CBC's coefficients well scaled
-    prob += (lin.gpu0 + lin.gpu_w * rw + lin.gpu_c * rc) / 1e9 <= gpu_limit / 1e9
-    prob += (lin.cpu0 + lin.cpu_w * rw + lin.cpu_c * rc) / 1e9 <= cpu_limit / 1e9
+    g0, gw, gc, c0, cw, cc = lin.mem  # memory rows in GB keep CBC's coefficients well scaled
+    prob += (g0 + gw * rw + gc * rc) / 1e9 <= gpu_limit / 1e9
+    prob += (c0 + cw * rw + cc * rc) / 1e9 <= cpu_limit / 1e9
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         status = prob.solve(pulp.PULP_CBC_CMD(msg=False))
@@ -496,14 +475,8 @@ def _mus(place: tuple[str, str], n_cap: int, has_gpu: bool = True) -> list[int]:
 
 def _expert_groups(n_mb: int) -> list[int]:
     """Micro-batches per expert batch: powers of two dividing n_mb, and n_mb itself (all tokens at once)."""
-    gs, g = [], 1
-    while g <= n_mb:
-        if n_mb % g == 0:
-            gs.append(g)
-        g *= 2
-    if n_mb not in gs:
-        gs.append(n_mb)
-    return gs
+    gs = [1 << i for i in range(n_mb.bit_length()) if n_mb % (1 << i) == 0]
+    return gs + ([n_mb] if n_mb not in gs else [])
 
 
 @dataclass(frozen=True)
@@ -518,9 +491,9 @@ class _Candidate:
     lin: _Lin
 
 
-def _rates(hw: HardwareSpec, ranks: int, model: ModelSpec | None = None) -> hrm.Rates:
+def _rates(hw: HardwareSpec, ranks: int, model: ModelSpec) -> hrm.Rates:
     """The HRM's rates for one rank; the CPU at the rate of the dtype `model`'s weights compute in."""
-    return dataclasses.replace(hrm.effective_rates(hw, model.dtype if model is not None else None, model), tp=ranks)
+    return dataclasses.replace(hrm.effective_rates(hw, model.dtype, model), tp=ranks)
 
 
 def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: int = 4, ranks: int = 1) -> list[_Candidate]:

@@ -10,12 +10,32 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from core.telemetry import Busy
+
 PLACES = ("cpu", "gpu")
 SCHEDULES = ("cgopipe", "s3", "s4")  # the decode schedules core.runtime.schedule builds (CGOPipe, FlexGen's S3, S4)
 
 
+class JsonRecord:
+    """A frozen dataclass's JSON round-trip; its __post_init__ turns JSON's lists back into the tuples it holds."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls.from_dict(json.loads(text))
+
+
 @dataclass(frozen=True)
-class Policy:
+class Policy(JsonRecord):
     batch_size: int  # N: requests decoded together in one step
     micro_batch_size: int  # μ: requests per attention micro-batch; N / μ micro-batches per layer
     expert_batch_size: int  # tokens meeting at the experts at once: a multiple of μ dividing N (MoE-Gen's module batching)
@@ -58,9 +78,6 @@ class Policy:
     def micro_batches_per_expert_batch(self) -> int:
         return self.expert_batch_size // self.micro_batch_size
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, d: dict) -> "Policy":
         names = {f.name for f in dataclasses.fields(cls)}
@@ -68,13 +85,6 @@ class Policy:
         if unknown:
             raise ValueError(f"unknown policy fields {sorted(unknown)}; expected {sorted(names)}")
         return cls(**d)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Policy":
-        return cls.from_dict(json.loads(text))
 
 
 def expert_split(gpu_weight_fraction: float, num_layers: int, num_experts: int, dense=()) -> list[int]:
@@ -101,7 +111,7 @@ def kv_gpu_layers(gpu_kv_fraction: float, num_layers: int) -> int:
 
 
 BOTTLENECK_WORDS = {
-    "gpu": "GPU compute (the MoE FFN and projections)",
+    "compute": "GPU compute (the MoE FFN and projections)",
     "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)",
     "h2d": "PCIe host→device (streaming expert weights)",
     "d2h": "PCIe device→host (sending QKV to the CPU)",
@@ -111,7 +121,7 @@ BOTTLENECK_WORDS = {
 
 
 @dataclass(frozen=True)
-class Prediction:
+class Prediction(JsonRecord):
     tokens_per_s: float  # end to end: generated tokens / (prefill + decode time) of one batch
     decode_tokens_per_s: float
     prefill_tokens_per_s: float  # prompt tokens per second during prefill
@@ -138,13 +148,9 @@ class Prediction:
         rate = self.tokens_per_s if rate is None else rate
         return f"≈ {rate:,.0f} tok/s" + (f" ± {self.band:.0%}".replace("%", " %") if self.band else "")
 
-    def __post_init__(self):
+    def __post_init__(self):  # "gpu", compute's old name, is read as "compute" (core.telemetry.Busy)
+        object.__setattr__(self, "bottleneck", "compute" if self.bottleneck == "gpu" else self.bottleneck)
+        for name in ("layer_seconds", "prefill_layer_seconds", "decode_busy", "prefill_busy"):
+            object.__setattr__(self, name, Busy(getattr(self, name)))
         if not self.bottleneck_text:
             object.__setattr__(self, "bottleneck_text", BOTTLENECK_WORDS.get(self.bottleneck, self.bottleneck))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Prediction":
-        return cls(**d)

@@ -10,20 +10,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.assets import CONFIGS, config_presets
+from core.assets import CONFIGS
+from core.assets import config_presets as preset_names
 from core.errors import ModelError
 from core.model.families import load_spec, spec_from_config
 from core.model.spec import ModelSpec
 
-CONFIGS_DIR = CONFIGS  # one folder per preset, holding its config.json
-
-
-def preset_names() -> list[str]:
-    return config_presets()
-
 
 def preset_config(name: str) -> dict:
-    path = CONFIGS_DIR / name.lower() / "config.json"
+    path = CONFIGS / name.lower() / "config.json"  # one folder per preset
     if not path.is_file():
         raise ModelError(f"no bundled model preset {name!r}", f"presets: {', '.join(preset_names())}")
     return json.loads(path.read_text(encoding="utf-8"))
@@ -35,10 +30,8 @@ def preset_spec(name: str) -> ModelSpec:
 
 def cached_hub_config(repo_id: str) -> Path | None:
     """The config.json of `repo_id` if the local Hugging Face cache holds it; never goes online."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # hub client not installed: nothing can be cached
-        return None
+    from huggingface_hub import try_to_load_from_cache
+
     try:
         found = try_to_load_from_cache(repo_id, "config.json")
     except Exception:  # an invalid repo id is simply not in the cache

@@ -18,7 +18,6 @@ from core.plan import planner
 from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy, Prediction
 
-ORDER = ("none", "int8", "int4")  # least lossy first
 # (experts, dense weights) least lossy first, where the dense weights can be quantized (CPU-only)
 LADDER = (("none", None), ("int8", None), ("int8", "int8"), ("int4", None), ("int4", "int8"), ("int4", "int4"))
 
@@ -77,7 +76,7 @@ def choose(model: ModelSpec, hw: HardwareSpec, workload: planner.Workload, budge
     if quantize == "auto":
         rungs = [(q, d) for q, d in LADDER if d is None] if hw.has_gpu and not dense else list(LADDER)
         if dense:  # asked: every quantized rung with those dense weights
-            rungs = [("none", None)] + [(q, q if dense is True else dense) for q in ORDER[1:]]
+            rungs = [("none", None)] + [(q, q if dense is True else dense) for q in ("int8", "int4")]
     else:
         rungs = list(dict.fromkeys([("none", None), (quantize, (quantize if dense is True else dense) or None)]))
     tried: dict[str, str] = {}

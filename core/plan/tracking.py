@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.telemetry import RESOURCES, EventSink, RequestDone, StepDone, ignore
+from core.telemetry import RESOURCES, Busy, EventSink, RequestDone, StepDone, ignore
 
 WARN_AT = 0.25  # relative error past which measured and predicted are said to part
 MIN_DECODE_STEPS = 8  # decode steps before a run's rate is worth comparing or recording
@@ -38,7 +38,7 @@ class RunSums:
                     self.busy[r] += e.busy.get(r, 0.0)
                 self.active = max(self.active, e.active)
             else:
-                self.prefill += e.busy.get("gpu", 0.0)
+                self.prefill += e.busy.get("compute", 0.0)
                 self.prefill_tokens += e.tokens
         elif isinstance(e, RequestDone):
             self.requests += 1
@@ -80,7 +80,7 @@ class Tracker(RunSums):
         e2e = (self.decode_tokens + self.requests) / self.seconds if self.seconds else 0.0
         enough = self.decode_steps >= MIN_DECODE_STEPS and p.decode_tokens_per_s
         error = dec / p.decode_tokens_per_s - 1 if enough else None
-        layer = {r: (p.layer_seconds.get(r, 0.0), self.busy[r] / (max(1, self.decode_steps) * self.layers))
-                 for r in RESOURCES}
+        layer = Busy({r: (p.layer_seconds.get(r, 0.0), self.busy[r] / (max(1, self.decode_steps) * self.layers))
+                      for r in RESOURCES})
         return Comparison(p.tokens_per_s, e2e, p.decode_tokens_per_s, dec, self.decode_steps, error,
                           error is not None and abs(error) > self.warn_at, layer)

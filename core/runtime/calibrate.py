@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from core.plan import cpu_cost, hrm
 from core.plan.cpu_cost import CpuCosts
+from core.runtime.engine import Request
 from core.telemetry import EventSink, Progress, StepDone, ignore
 
 # (requests, micro-batch, mean prompt tokens) of each shape, each request to GEN tokens; smallest first
@@ -35,8 +36,6 @@ def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: 
               clock=time.perf_counter) -> list[RunStep]:
     """Run `prompts` through `engine.generate` at `batch`/`micro_batch`, each to `gen` tokens, and time
     every step and its tasks by kind (StepClock), with what each step held."""
-    from core.runtime.engine import Request
-
     held: list = []
     make = engine.runner
 

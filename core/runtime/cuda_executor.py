@@ -1,6 +1,6 @@
 """The CUDA executor: the threaded executor's shape, with the device's work on streams.
 
-Resources "gpu", "h2d" and "d2h" are streams of a `core.runtime.device.Device`, each fed by a host thread that
+Resources "compute", "h2d" and "d2h" are streams of a `core.runtime.device.Device`, each fed by a host thread that
 only launches its tasks in list order; a cross-stream dependency is `stream.wait_event`, a host task waits on
 its copy's event alone. A step has one host sync: at its end, after the caller's tail (`run(..., then=)`).
 Every host wait is bounded by the device's `wait_seconds`: past it the step fails naming the hung task and the
@@ -15,7 +15,7 @@ import time
 from core.runtime.device import Device, DeviceStalled, DeviceTaskError
 from core.runtime.executors import STALL_SECONDS, Stalled, ThreadedExecutor, _Step, describe
 
-STREAMS = ("gpu", "h2d", "d2h")
+STREAMS = ("compute", "h2d", "d2h")
 
 
 class _EventPool:
@@ -70,14 +70,13 @@ class _CudaStep(_Step):
 
 
 class CudaExecutor(ThreadedExecutor):
-    name = "cuda"
     takes_tail = True  # run(..., then=): see _finish
 
     def __init__(self, device: Device, *, stall_seconds: float = STALL_SECONDS, placement=None):
         """`placement(resource)` runs on each worker first (core.model.cpu.threads.worker_setup)."""
         self.dev = device
         self.placement = placement
-        self.streams = {r: device.stream(r, compute=r == "gpu") for r in STREAMS}
+        self.streams = {r: device.stream(r, compute=r == "compute") for r in STREAMS}
         self._pool = _EventPool(device)
         self._hung: str | None = None  # a stream that ran past the device's deadline: what is stuck on it
         self._then = None  # the running step's tail (run's `then`)

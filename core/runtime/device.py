@@ -16,8 +16,11 @@ import os
 import threading
 from typing import Callable
 
+import psutil
 import torch
 
+from core import platform
+from core.errors import UsageError
 from core.model.device_wait import (WAIT_SECONDS, DeviceStalled, poll,  # noqa: F401 - the runtime's names for them
                                     wait_seconds_default)
 
@@ -26,10 +29,6 @@ PAGE = 4096  # bytes; host memory is registered (pinned) in whole pages
 
 def pin_budget() -> int:
     """Host bytes this process may page-lock (core.platform.pinned_budget); beyond it `Device.pin` refuses."""
-    import psutil
-
-    from core import platform
-
     return platform.pinned_budget(int(psutil.virtual_memory().total))
 
 
@@ -150,8 +149,6 @@ class Device:
         return None
 
     def mem_get_info(self) -> tuple[int, int]:
-        import psutil
-
         vm = psutil.virtual_memory()
         return int(vm.available), int(vm.total)
 
@@ -186,15 +183,6 @@ class _Done:
 
     def query(self) -> bool:
         return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
 
 
 class HostDevice(Device):
@@ -381,11 +369,7 @@ def resolve_device(device: "str | torch.device | Device | None" = None) -> Devic
         return EmulatedCuda()
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            from core.errors import UsageError
-
             raise UsageError("CUDA was asked for but torch sees no CUDA GPU",
                              "run on the CPU (omit --executor cuda), or install a CUDA build of torch")
         return CudaDevice(name)
-    from core.errors import UsageError
-
     raise UsageError(f"unknown device {name!r}", f"use one of {', '.join(DEVICE_KINDS)} (or cuda:N)")

@@ -30,8 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from core.runtime.device import (CaptureError, Device, DeviceStalled, DeviceTaskError, device_index, pin_budget,
-                                 wait_seconds_default)
+from core.runtime.device import CaptureError, Device, DeviceStalled, DeviceTaskError, pin_budget, wait_seconds_default
 
 GiB = 1 << 30
 
@@ -70,9 +69,6 @@ class _Event:
 
     def synchronize(self) -> None:
         self.dev._host_sync(self, None)
-
-    def wait(self, stream=None) -> None:
-        (stream if stream is not None else self.dev.current_stream()).wait_event(self)
 
     def elapsed_time(self, end: "_Event") -> float:
         if not (self.timing and end.timing):
@@ -186,15 +182,13 @@ class EmulatedCuda(Device):
     kind = "emulated"
     accelerator = True
 
-    def __init__(self, memory_bytes: int = 16 * GiB, *, device: str | int | None = "cuda", capability=(8, 9),
-                 name: str = "emulated GPU", copy_delay: float | Callable[[], float] = 0.0,
-                 strict: bool = True, pin_limit_bytes: int | None = None, wait_seconds: float | None = None):
-        self.index = device_index(device, lambda: 0)
+    def __init__(self, memory_bytes: int = 16 * GiB, *, capability=(8, 9), name: str = "emulated GPU",
+                 copy_delay: float | Callable[[], float] = 0.0, pin_limit_bytes: int | None = None,
+                 wait_seconds: float | None = None):
         self.torch_device = torch.device("cpu")
         self.name, self.capability = name, tuple(capability)
         self.total = int(memory_bytes)
         self.copy_delay = copy_delay
-        self.strict = strict  # placement check: device compute must not read host tensors
         self.pin_limit_bytes = pin_budget() if pin_limit_bytes is None else pin_limit_bytes
         self.wait_seconds = wait_seconds_default() if wait_seconds is None else wait_seconds
         self.fault: Callable[[str], None] | None = None
@@ -214,7 +208,6 @@ class EmulatedCuda(Device):
 
     def set_device(self) -> None:
         self._fault("set_device")
-        device_index(self.index, lambda: 0)  # an int; refuses what torch.cuda.set_device refuses
 
     def stream(self, name: str, compute: bool = False) -> _Stream:
         s = _Stream(self, name, compute)
@@ -349,7 +342,7 @@ class EmulatedCuda(Device):
     def copy(self, dst, src, non_blocking=True) -> None:
         self._fault("copy")
         host = [x for x in (dst, src) if not self.is_device(x)]
-        if self.strict and len(host) == 2:
+        if len(host) == 2:
             raise RuntimeError("emulated device: copy between two host tensors through the device")
         if host and not non_blocking:
             self.stats["blocking_copies"] += 1  # asked for: setup-time uploads
@@ -498,7 +491,7 @@ class _Track(TorchDispatchMode):
         if on_device and host:
             if func in _CROSS_DEVICE_OK:  # CUDA moves the host operand itself (a hidden transfer)
                 dev.stats["implicit_transfers"] += 1
-            elif dev.strict:
+            else:
                 raise RuntimeError(
                     f"Expected all tensors to be on the same device (emulated): {func} mixes device tensors "
                     f"with a host tensor {tuple(host[0].shape)} {host[0].dtype}; move it with Device.to_device")

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator
 import psutil
 import torch
 
-from core.runtime import loading
+from core.runtime import graphs as cuda_graphs, loading
 from core.runtime.batching import SlotTable
 from core.errors import GpuMemoryError, MlightError, UsageError
 from core.model.kvcache import KVCache
@@ -27,6 +27,7 @@ from core.model.cpu import compute as cpu_compute
 from core.model.cpu.threads import Governor, worker_setup
 from core.plan.hardware import cached_cpu_rates, cached_probe, gpu_compute_dtype
 from core.plan.policy import SCHEDULES, expert_split, kv_gpu_layers
+from core.runtime.cuda_executor import CudaExecutor
 from core.runtime.device import Device, default_device_kind, resolve_device
 from core.runtime.executors import SequentialExecutor, TaskFailed, ThreadedExecutor
 from core.runtime.frozen_heap import frozen_heap
@@ -126,7 +127,7 @@ class RunConfig:
         if self.executor == "cuda" and self.device == "cpu":
             raise UsageError("--executor cuda needs a CUDA GPU, and none is available",
                              "use --executor sequential or threaded")
-        if self.graphs not in ("auto", "on", "off"):
+        if self.graphs not in cuda_graphs.MODES:
             raise UsageError(f"unknown graphs setting {self.graphs!r}", "use auto, on or off")
 
     def resident(self, num_layers: int, num_experts: int) -> list[int] | None:
@@ -138,39 +139,15 @@ class RunConfig:
         return [num_experts if i < self.resident_layers else 0 for i in range(num_layers)]
 
 
-def run_config(device: str | None = None, executor: str | None = None, schedule: str | None = None,
-               resident_layers: int | None = None, expert_group: int = 1) -> RunConfig:
-    """Defaults: core.runtime.device.default_device_kind, and the executor matching the device."""
-    if device is None:
-        device = "cuda" if executor == "cuda" and default_device_kind() == "cpu" else (
-            "cpu" if executor in ("sequential", "threaded") else default_device_kind())
-    device = "cuda" if device.startswith("cuda") else device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("CUDA was asked for but torch sees no CUDA GPU", "run on the CPU (omit --executor cuda)")
-    executor = executor or ("sequential" if device == "cpu" else "cuda")
-    plain_cpu = device == "cpu" and executor == "sequential" and schedule is None
-    schedule = schedule or "cgopipe"
-    return RunConfig(device=device, executor=executor, schedule=schedule,
-                     attention_on="gpu" if schedule == "s4" else "cpu", ffn_on="cpu" if plain_cpu else "gpu",
-                     resident_layers=resident_layers, expert_group=expert_group)
-
-
 class Engine:
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, tokenizer, model_dir: Path, *,
-                 eos_ids: set[int], config: RunConfig | None = None, grouped: bool | None = None,
-                 device: Device | None = None):
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, tokenizer, model_dir: Path, *, eos_ids: set[int],
+                 config: RunConfig, device: Device, cpu, grouped: bool | None = None, policy=None):
         self.spec, self.weights, self.tokenizer, self.model_dir = spec, weights, tokenizer, model_dir
-        self.eos_ids = eos_ids
-        self.config = config or RunConfig(ffn_on="cpu")
-        self.dev = device or resolve_device("cpu" if self.config.device == "cpu" else None)
-        self.grouped = grouped
+        self.eos_ids, self.config, self.dev, self.cpu, self.grouped = eos_ids, config, device, cpu, grouped
         self.context_length = spec.max_position
-        self.policy = None  # the planner's Policy this engine was loaded with, if any
+        self.policy = policy  # the planner's Policy this engine was loaded with, if any
         self.tp = None  # tensor parallel: this rank's core.runtime.distributed.tensor_parallel.ShardOps
         self.rank_spec = spec  # the model this process runs: with tensor parallelism, its heads and expert slices
-        math = str(weights.math_dtype).removeprefix("torch.")
-        self.cpu = cpu_compute.CpuCompute(weights.dtype_name, math, pack=weights.packed,
-                                          direct_rows=cpu_compute.DIRECT_ROWS, reason="as loaded")
         self.threads = Governor()  # torch threads = the free cores, re-checked between steps
         self._executor = None
         self.graphs_why = ""  # why the last runner runs with or without CUDA graphs (core.runtime.graphs.choose)
@@ -188,8 +165,6 @@ class Engine:
             if kind == "threaded":
                 self._executor = ThreadedExecutor(RESOURCES, setup=setup)
             else:
-                from core.runtime.cuda_executor import CudaExecutor
-
                 self._executor = CudaExecutor(self.dev, placement=setup)
         return self._executor
 
@@ -256,13 +231,12 @@ class Engine:
         weights, spec = loading.read_weights(ck, dtype, quant, quantize, pages_per_layer, use_cache, progress,
                                              cpu_only=config.ffn_on == "cpu")
         config = loading.fit_on_device(config, dev, ck, spec, weights, quant)
-        cpu = cpu_compute.choose(weights.dtype_name, rates=_probed_cpu_rates(), math=cpu_math)
+        cpu = cpu_compute.choose(weights.dtype_name, rates=cached_cpu_rates(), math=cpu_math)
         cpu, spec = loading.ready_for_cpu(config, ck, spec, weights, cpu, quant, dense_fmt, quantize_dense, use_cache,
                                           progress)
         loading.prepare_kernels(config, progress)
         engine = cls(spec, weights, tokenizer, model_dir, eos_ids=loading.eos_ids(model_dir, spec, tokenizer),
-                     config=config, grouped=grouped, device=dev)
-        engine.cpu, engine.policy = cpu, policy
+                     config=config, device=dev, cpu=cpu, grouped=grouped, policy=policy)
         if threads is not None:
             engine.threads = Governor(fixed=threads)
         if tp is not None:
@@ -281,26 +255,23 @@ class Engine:
                            kv_gpu_layers=kv_gpu, device=self.dev, grouped=self.grouped, warn=on_event, tp=self.tp,
                            cpu_math=torch_dtype(self.cpu.math), direct_rows=self.cpu.direct_rows)
         if c.executor == "cuda" and self._graphs_pay(-(-slots // micro_batch_size)):
-            from core.runtime.graphs import Graphs
-
-            r.graphs = Graphs(self.dev, warn=on_event)
+            r.graphs = cuda_graphs.Graphs(self.dev, warn=on_event)
         return r
 
     def _graphs_pay(self, micro_batches: int) -> bool:
         """The `graphs` option: "auto" decides on a GPU (core.runtime.graphs.choose, why in `graphs_why`)."""
-        from core.runtime import graphs
-
         c = self.config
         if c.graphs != "auto" or self.dev.kind != "cuda":
             self.graphs_why = f"graphs {c.graphs}" + ("" if c.graphs != "auto" else ": only on a GPU")
             return c.graphs == "on"
         spec = self.rank_spec
-        link = graphs.streamed_bytes_per_layer(self.weights, c.resident(spec.num_layers, spec.num_experts),
-                                               spec.num_experts)
+        link = cuda_graphs.streamed_bytes_per_layer(self.weights, c.resident(spec.num_layers, spec.num_experts),
+                                                    spec.num_experts)
         if self._h2d_rate is None:  # the probe's cache read once per engine (detect() asks the driver)
-            self._h2d_rate = _h2d_rate()
-        pays, self.graphs_why = graphs.choose("auto", micro_batches=micro_batches, streamed_bytes_per_layer=link,
-                                              h2d_bytes_per_s=self._h2d_rate)
+            hw = cached_probe()  # else a PCIe 4.0 x16 link's practical 25 GB/s
+            self._h2d_rate = hw.h2d_bw if hw is not None and hw.h2d_bw > 0 else 25e9
+        pays, self.graphs_why = cuda_graphs.choose("auto", micro_batches=micro_batches,
+                                                   streamed_bytes_per_layer=link, h2d_bytes_per_s=self._h2d_rate)
         return pays
 
     # ---- tokenization ---------------------------------------------------------------------------
@@ -560,16 +531,6 @@ class Engine:
         return results
 
 
-def _probed_cpu_rates() -> dict[str, float] | None:
-    return cached_cpu_rates()
-
-
-def _h2d_rate() -> float:
-    """The host→device rate the probe measured on this machine, else a PCIe 4.0 x16 link's practical 25 GB/s."""
-    hw = cached_probe()
-    return hw.h2d_bw if hw is not None and hw.h2d_bw > 0 else 25e9
-
-
 def _run_for(spec: ModelSpec, policy, device, executor, schedule, pages_per_layer, resident_layers, expert_group,
              resident_experts, graphs) -> tuple[RunConfig, Device, int]:
     """Where and how the model runs: the planner's policy over the explicit arguments; (config, device, paging)."""
@@ -583,9 +544,18 @@ def _run_for(spec: ModelSpec, policy, device, executor, schedule, pages_per_laye
         if schedule is None and policy.attention_on == "gpu":
             schedule = "s4"
     dev = device if isinstance(device, Device) else None
-    config = dataclasses.replace(run_config(dev.kind if dev else device, executor, schedule, resident_layers,
-                                            expert_group), graphs=graphs)
-    dev = dev or resolve_device(device if device is not None else config.device)
+    kind = dev.kind if dev else device
+    if kind is None:  # the executor's device, else core.runtime.device.default_device_kind
+        kind = "cuda" if executor == "cuda" and default_device_kind() == "cpu" else (
+            "cpu" if executor in ("sequential", "threaded") else default_device_kind())
+    kind = "cuda" if kind.startswith("cuda") else kind
+    executor = executor or ("sequential" if kind == "cpu" else "cuda")
+    plain_cpu = kind == "cpu" and executor == "sequential" and schedule is None
+    schedule = schedule or "cgopipe"
+    config = RunConfig(device=kind, executor=executor, schedule=schedule, attention_on="gpu" if schedule == "s4"
+                       else "cpu", ffn_on="cpu" if plain_cpu else "gpu", resident_layers=resident_layers,
+                       expert_group=expert_group, graphs=graphs)
+    dev = dev or resolve_device(device if device is not None else kind)
     if resident_experts is not None:  # explicit: also for the CPU as a device (threaded executor)
         placement = {"resident_experts": tuple(resident_experts)}
     if placement and (dev.accelerator or resident_experts is not None):

@@ -15,6 +15,7 @@ import time
 from typing import Callable, Iterable, Protocol
 
 from core.errors import MlightError
+from core.runtime.device import DeviceTaskError
 
 POLL = 0.05  # seconds between the caller's checks of its workers
 STALL_SECONDS = 600.0  # a step in which no task finishes for this long has hung
@@ -64,8 +65,6 @@ def _failed(task, err: BaseException) -> TaskFailed:
 
 
 class SequentialExecutor:
-    name = "sequential"
-
     def __init__(self):
         self.times: list[float] = []  # task i of the last step ran from times[2i] to times[2i+1]
 
@@ -99,8 +98,6 @@ _STOP = object()
 
 class ThreadedExecutor:
     """One worker thread per resource; dependencies are threading.Events."""
-
-    name = "threaded"
 
     def __init__(self, resources: Iterable[str], setup: Callable[[str], None] | None = None,
                  stall_seconds: float = STALL_SECONDS):
@@ -138,7 +135,7 @@ class ThreadedExecutor:
                 if self._wait_deps(step, task) and not step.failed:
                     self._execute(step, task, i)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                if _is_device_error(e):  # launched work failed; name it, not the task that noticed
+                if isinstance(e, DeviceTaskError):  # launched work failed; name it, not the task that noticed
                     step.fail(e.label or task, e.__cause__)
                 else:
                     step.fail(task, e)
@@ -179,7 +176,7 @@ class ThreadedExecutor:
             try:
                 return self._finish(step)
             except BaseException as e:  # noqa: BLE001 - work launched on a device failed after the fact
-                if not _is_device_error(e):
+                if not isinstance(e, DeviceTaskError):
                     raise
                 step.fail(e.label, e.__cause__)
         self._after_failure()
@@ -224,12 +221,6 @@ class ThreadedExecutor:
             q.put(_STOP)
         for th in self._threads.values():
             th.join(timeout=5)
-
-
-def _is_device_error(e: BaseException) -> bool:
-    from core.runtime.device import DeviceTaskError
-
-    return isinstance(e, DeviceTaskError)
 
 
 class _Step:

@@ -5,13 +5,15 @@ Only runs the calibration describes are recorded: CPU-only, unquantized, one pro
 
 from __future__ import annotations
 
+from core.plan import cpu_cost, cpu_history, hrm
+from core.plan.hardware import cached_probe
+from core.plan.planner import Workload, predict
+from core.plan.policy import Policy
 from core.plan.tracking import MIN_DECODE_STEPS, RunSums  # noqa: F401  (RunSums: the sink callers pass a run)
 
 
 def cpu_policy(batch: int, micro_batch: int, expert_group: int = 1, pages: int = 1):
     """The CPU-only planner Policy of a run at `batch` / `micro_batch` (as `mlight bench` predicts it)."""
-    from core.plan.policy import Policy
-
     mu = max(1, min(micro_batch, batch))
     n = max(mu, batch // mu * mu)
     return Policy(batch_size=n, micro_batch_size=mu, expert_batch_size=mu * max(1, expert_group),
@@ -20,8 +22,6 @@ def cpu_policy(batch: int, micro_batch: int, expert_group: int = 1, pages: int =
 
 def foldable(engine) -> bool:
     """A run the CPU calibration describes: CPU-only, unquantized, one process."""
-    from core.plan import hrm
-
     c, d = getattr(engine, "config", None), hrm.dims(engine.spec)
     return (c is not None and getattr(engine, "tp", None) is None and getattr(c, "device", "") == "cpu"
             and getattr(c, "ffn_on", "") == "cpu" and getattr(c, "attention_on", "cpu") == "cpu"
@@ -32,10 +32,6 @@ def fold_back(engine, meter: RunSums, micro_batch: int, hw=None) -> dict | None:
     """Record the run `meter` watched beside its prediction; cpu_history.record's summary, or None when the
     run is not one to record or recording failed: it runs after a finished run's results are saved, and
     bookkeeping must never turn that run into a failed one."""
-    from core.plan import cpu_cost, cpu_history, hrm
-    from core.plan.hardware import cached_probe
-    from core.plan.planner import Workload, predict
-
     try:
         if meter.decode_steps < MIN_DECODE_STEPS or not meter.requests or not meter.decode_seconds \
                 or not foldable(engine):

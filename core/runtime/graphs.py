@@ -25,11 +25,8 @@ PAYS_ABOVE = 0.5
 
 def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float, h2d_bytes_per_s: float,
            ops_per_layer: int = EAGER_OPS_PER_LAYER, host_op_seconds: float = HOST_OP_SECONDS) -> tuple[bool, str]:
-    """(use graphs, why) for run option `mode` and a step's counts, link rate and host seconds an op."""
-    if mode not in MODES:
-        from core.errors import UsageError
-
-        raise UsageError(f"unknown graphs setting {mode!r}", f"use one of {', '.join(MODES)}")
+    """(use graphs, why) for run option `mode` (one of MODES: RunConfig checks it) and a step's counts, link rate
+    and host seconds an op."""
     if mode != "auto":
         return mode == "on", f"graphs {mode} as asked"
     host = micro_batches * ops_per_layer * host_op_seconds

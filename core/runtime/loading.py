@@ -14,12 +14,14 @@ import torch
 
 from core.errors import ModelError, UsageError
 from core.model.cpu import compute as cpu_compute
+from core.model.cpu import ffn, int4, native, row_ops
 from core.model.families import load_spec
-from core.model.gguf.load import load_gguf_weights
+from core.model.gguf.load import GGUFModel, find_gguf, load_gguf_weights
 from core.model.gguf.load import load_spec as load_gguf_spec
 from core.model.quant.dense import dense_cache
 from core.model.quant.dense_spec import with_dense
 from core.model.quant.formats import quantized_spec
+from core.model.shard import local_spec, plan_shard
 from core.model.spec import ModelSpec, torch_dtype
 from core.model.weights import ModelWeights, load_weights
 from core.plan.policy import expert_split
@@ -41,8 +43,6 @@ class Checkpoint:
         """The model this process holds: with tensor parallelism, its heads and expert slices."""
         if self.shard is None:
             return self.spec
-        from core.model.shard import local_spec
-
         return local_spec(self.spec, self.shard)
 
 
@@ -50,12 +50,7 @@ def read_checkpoint(model_dir: Path, tp) -> Checkpoint:
     """A safetensors folder's or a GGUF file's spec, and under tensor parallelism this rank's shard."""
     gguf = _gguf_model(model_dir)
     spec = load_gguf_spec(gguf) if gguf is not None else load_spec(model_dir)
-    shard = None
-    if tp is not None:
-        from core.model.shard import plan_shard
-
-        shard = plan_shard(spec, tp.rank, tp.size)
-    return Checkpoint(model_dir, gguf, spec, shard)
+    return Checkpoint(model_dir, gguf, spec, plan_shard(spec, tp.rank, tp.size) if tp is not None else None)
 
 
 def read_weights(ck: Checkpoint, dtype, quant, quantize: str | None, pages_per_layer: int, use_cache: bool,
@@ -96,8 +91,6 @@ def ready_for_cpu(config, ck: Checkpoint, spec: ModelSpec, weights: ModelWeights
         return cpu, spec
     if weights.scheme is not None:  # quantized experts: their own CPU kernels (core.model.quant)
         if quant is not None and quant.name == "int4":
-            from core.model.cpu import int4
-
             int4.prepare(progress)  # its C kernel built here, with progress, before the experts ask for it
         shard = ck.shard
         cache = dense_cache(ck.model_dir, ck.mine, dense_fmt, weights.dtype, {"shard": f"{shard.rank}/{shard.size}"}
@@ -105,13 +98,9 @@ def ready_for_cpu(config, ck: Checkpoint, spec: ModelSpec, weights: ModelWeights
         weights.pack_for_cpu(progress, dense_format=dense_fmt, dense_cache=cache)
         spec = with_dense(spec, dense_fmt)
     elif cpu.pack:
-        from core.model.cpu import ffn
-
         ffn.prepare(progress)  # a compile here, with progress, not inside the packing
         cpu = _pack_or_fall_back(weights, cpu, progress)
     if cpu.widens and weights.scheme is None:
-        from core.model.cpu import ffn
-
         ffn.prepare(progress, widened=True)
         if weights.packs_widened():  # the experts widen in registers in one C call a layer
             weights.widen_dense(torch_dtype(cpu.math), pack=True, progress=progress)
@@ -124,18 +113,13 @@ def ready_for_cpu(config, ck: Checkpoint, spec: ModelSpec, weights: ModelWeights
 def prepare_kernels(config, progress: EventSink) -> None:
     """Build the native kernels the run's CPU side calls here, with progress, not inside its first step."""
     if config.attention_on == "cpu":
-        from core.model.cpu import native
-
         native.prepare(progress)
     if config.attention_on == "cpu" or config.ffn_on == "cpu":
-        from core.model.cpu import row_ops
-
         row_ops.prepare(progress)  # the step's norms, RoPE and cache writes
 
 
 def shard_ops(tp, shard, spec: ModelSpec, quant):
     """Tensor parallel: this rank's collectives over its shard, and the spec of the model it runs."""
-    from core.model.shard import local_spec
     from core.runtime.distributed.tensor_parallel import ShardOps
 
     return ShardOps(tp, shard, spec), quantized_spec(local_spec(spec, shard), quant)
@@ -170,8 +154,6 @@ def eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> set[int]:
 
 
 def _gguf_model(model_dir: Path):
-    from core.model.gguf.load import GGUFModel, find_gguf
-
     if model_dir.is_dir() and (model_dir / "config.json").is_file():
         return None
     paths = find_gguf(model_dir)

@@ -25,7 +25,8 @@ from core.model.cpu.kernels import Widen
 from core.model.kvcache import KVCache, Rows, layer_store, load_rows
 from core.model.layers import final_logits
 from core.model.limits import STAGING_ALIGN as _ALIGN  # bytes between buffers of the staging arena
-from core.model.moe import Scratch as ExpertScratch, activation, device_experts, experts
+from core.model.moe import (HAS_GROUPED_MM, Scratch as ExpertScratch, activation, cuda_grouped_mm_works, device_experts,
+                            experts)
 from core.model.quant.experts import _TORCH, QuantExperts
 from core.model.rope import for_spec
 from core.model.spec import ModelSpec
@@ -40,7 +41,6 @@ class _MB:
 
     def __init__(self, tokens, slots, positions, dev: Device, on_device: bool, ring: bool):
         self.B = len(slots)
-        self.span = (min(positions) + 1, max(positions) + 1)  # on the host: attention needs no device sync
         self.tokens_d = dev.tensor(tokens)
         self.rows = Rows(slots, positions)  # in the host stores
         move, where = dev.to_device, dev.torch_device
@@ -48,9 +48,8 @@ class _MB:
         self.rows_d = Rows(slots, positions, move, where) if on_device else None
         self.rows_ring = Rows(range(self.B), positions, move, where) if ring else None
         # positions for RoPE, lengths for LongRoPE's table: uploaded once, with whichever rows live on the device
-        on_dev = self.rows if not dev.accelerator else self.rows_d or self.rows_ring
-        if on_dev is None:
-            on_dev = Rows(slots, positions, move, where)
+        on_dev = self.rows if not dev.accelerator else (self.rows_d or self.rows_ring
+                                                         or Rows(slots, positions, move, where))
         self.positions_d, self.lengths_d = on_dev.positions, on_dev.lengths
         self.x = None  # device hidden [B, D]
         self.payload = self.keep = None  # device, from pre-attention: for attention / for post-attention
@@ -281,8 +280,8 @@ class PipelineRunner:
         # every layer's kind, as the planner counts them (zero-row stores: shapes, no memory)
         self._kinds = {_kind(st): st for st in (layer_store(self.spec, i, 0, T, self.w.dtype)
                                                  for i in range(self.spec.num_layers))}
-        return (max(_packed_bytes(st.shapes(mu, T)) for st in self._kinds.values()),
-                max(_packed_bytes(st.new_shapes(mu)) for st in self._kinds.values()))
+        return (max(_offsets(st.shapes(mu, T))[1] for st in self._kinds.values()),
+                max(_offsets(st.new_shapes(mu))[1] for st in self._kinds.values()))
 
     def _typed_parts(self, buf: torch.Tensor, new: bool) -> dict:
         """Per layer kind, its tensors' flat typed regions in a uint8 buffer, carved once."""
@@ -565,8 +564,6 @@ class PipelineRunner:
 
     def _grouped_mm(self, h) -> bool:
         """Whether grouped_mm has a kernel for h's dtype on this device."""
-        from core.model.moe import HAS_GROUPED_MM, cuda_grouped_mm_works
-
         if not HAS_GROUPED_MM:
             return False
         if self.dev.kind == "cuda":
@@ -592,7 +589,7 @@ class PipelineRunner:
         """(ring slot, a store over its device buffer, one over its host staging) for a CPU-state layer."""
         slot = (layer * len(self._step) + j) % 2
         store = self.cache.layers[layer]
-        shapes = store.shapes(mb.B, mb.span[1])
+        shapes = store.shapes(mb.B, mb.rows.span[1])
         dev_parts, host_parts = (p[_kind(store)] for p in self._ring_parts[slot])
         return slot, store.over([p[:math.prod(s)].view(s) for p, (s, _) in zip(dev_parts, shapes)]), store.over(
             [p[:math.prod(s)].view(s) for p, (s, _) in zip(host_parts, shapes)])
@@ -605,7 +602,7 @@ class PipelineRunner:
         self._ring_views[(i, t.micro_batch)] = dev_view
         self.dev.host_wait(self._stage_free[slot])  # the copy out of this staging slot two loads ago
         # gather into pinned staging, the new token's place included (nothing uninitialised: 0 × NaN is NaN) ...
-        load_rows(self.cache.layers[i], host_view, mb.rows, mb.span[1])
+        load_rows(self.cache.layers[i], host_view, mb.rows, mb.rows.span[1])
         for d, h in zip(dev_view.tensors, host_view.tensors):  # ... then one contiguous asynchronous copy each
             self._send(d, h, "h2d")
         self._stage_free[slot].record(self.dev.current_stream())
@@ -675,31 +672,25 @@ def _kind(store) -> tuple[str, int]:
     return store.kind, store.window
 
 
-def _packed_bytes(shapes) -> int:
-    """Bytes of tensors of these (shape, dtype) laid back to back, each start aligned to _ALIGN."""
-    return sum(-(-math.prod(s) * d.itemsize // _ALIGN) * _ALIGN for s, d in shapes)
+def _offsets(shapes) -> tuple[list[int], int]:
+    """Byte offsets of tensors of these (shape, dtype) laid back to back, each start aligned to _ALIGN; the end."""
+    offs, end = [], 0
+    for shape, dtype in shapes:
+        end = -(-end // _ALIGN) * _ALIGN
+        offs.append(end)
+        end += math.prod(shape) * dtype.itemsize
+    return offs, end
 
 
 def _carve(buf: torch.Tensor, shapes) -> list[torch.Tensor]:
-    """Contiguous tensors of these (shape, dtype) at the start of a uint8 buffer, back to back, aligned."""
-    out, off = [], 0
-    for shape, dtype in shapes:
-        n = math.prod(shape) * dtype.itemsize
-        out.append(buf[off:off + n].view(dtype).view(shape))
-        off += -(-n // _ALIGN) * _ALIGN
-    return out
+    """Contiguous tensors of these (shape, dtype) at the start of a uint8 buffer, at `_offsets`."""
+    return [buf[o:o + math.prod(s) * d.itemsize].view(d).view(s) for o, (s, d) in zip(_offsets(shapes)[0], shapes)]
 
 
 def _arena(want: list[tuple[str, tuple, torch.dtype]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Host buffers carved from one allocation, so that they are page-locked once, at their exact size."""
-    offs, total = [], 0
-    for name, shape, dtype in want:
-        total = -(-total // _ALIGN) * _ALIGN
-        offs.append(total)
-        total += math.prod(shape) * dtype.itemsize
+    shapes = [(shape, dtype) for _, shape, dtype in want]
     # whole pages of its own: page-locking rounds out to pages, and a neighbour's pages locked with it could
     # be freed back to the OS while still registered (the next copy or unregistration then fails)
-    arena = page_aligned(max(total, 1), torch.uint8)
-    return arena, {name: arena[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                   for (name, shape, dtype), o in zip(want, offs)}
-
+    arena = page_aligned(max(_offsets(shapes)[1], 1), torch.uint8)
+    return arena, dict(zip((name for name, _, _ in want), _carve(arena, shapes)))

@@ -17,11 +17,11 @@ from core.telemetry import RESOURCES
 
 # kind -> resource it runs on
 RESOURCE_OF = {
-    "pre_attn": "gpu",  # norm + QKV projection (+ RoPE) of one micro-batch
-    "post_attn": "gpu",  # O projection, norm, router, shared expert of one micro-batch
-    "ffn": "gpu",  # routed experts of one expert batch (one or more micro-batches)
-    "gpu_attn": "gpu",  # decode attention on the GPU
-    "prefill": "gpu",  # a whole layer's prefill of one micro-batch
+    "pre_attn": "compute",  # norm + QKV projection (+ RoPE) of one micro-batch
+    "post_attn": "compute",  # O projection, norm, router, shared expert of one micro-batch
+    "ffn": "compute",  # routed experts of one expert batch (one or more micro-batches)
+    "gpu_attn": "compute",  # decode attention on the GPU
+    "prefill": "compute",  # a whole layer's prefill of one micro-batch
     "cpu_attn": "cpu_attn",  # decode attention on the CPU, next to the KV cache
     "d1": "d2h",  # QKV of the new tokens to the CPU
     "kv_store": "d2h",  # KV written back to the CPU cache
@@ -29,7 +29,6 @@ RESOURCE_OF = {
     "weight_page": "h2d",  # one page of a layer's streamed expert weights (D3)
     "kv_load": "h2d",  # CPU-held KV to the GPU (D4)
 }
-KINDS = tuple(RESOURCE_OF)
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ class Task:
 
     def __post_init__(self):
         if self.kind not in RESOURCE_OF:
-            raise ValueError(f"unknown task kind {self.kind!r}; expected one of {KINDS}")
+            raise ValueError(f"unknown task kind {self.kind!r}; expected one of {tuple(RESOURCE_OF)}")
         if self.resource not in RESOURCES:
             raise ValueError(f"unknown resource {self.resource!r}; expected one of {RESOURCES}")
         if any(d >= self.id or d < 0 for d in self.deps):
@@ -118,12 +117,8 @@ def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches
     return _flexgen(L, n, g, pages, overlap=schedule == "s4")
 
 
-def _group(j: int, g: int) -> int:
-    return j // g
-
-
 def _ffn_deps_of_prev_layer(G: _Graph, i: int, j: int, g: int):
-    return (G.get("ffn", i - 1, _group(j, g) * g),) if i > 0 else ()
+    return (G.get("ffn", i - 1, j // g * g),) if i > 0 else ()
 
 
 def _buffer_free(G: _Graph, i: int, n: int, g: int):
@@ -148,7 +143,7 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
         # emit in order only what is ready, so no in-order queue waits on a later task
         while pending:
             i, j = pending[0]
-            if i > 0 and not G.has("ffn", i - 1, _group(j, g) * g):
+            if i > 0 and not G.has("ffn", i - 1, j // g * g):
                 return
             pending.pop(0)
             pre(i, j)
@@ -256,7 +251,7 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
 
 
 def _cpu_only(L: int, n: int, g: int) -> list[Task]:
-    """Everything on the CPU cores: one chain (dense work under "gpu", attention under "cpu_attn")."""
+    """Everything on the CPU cores: one chain (dense work under "compute", attention under "cpu_attn")."""
     G = _Graph()
     last = None
     for i in range(L):

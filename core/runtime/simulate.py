@@ -15,7 +15,7 @@ from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy
 from core.runtime.schedule import Task
 from core.model.spec import ModelSpec
-from core.telemetry import RESOURCES
+from core.telemetry import RESOURCES, Busy
 
 
 @dataclass(frozen=True)
@@ -39,19 +39,12 @@ class Timeline:
     def idle(self) -> dict[str, float]:
         return {k: self.makespan - v for k, v in self.busy.items()}
 
-    def to_dict(self) -> dict:
-        return {
-            "makespan": self.makespan, "busy": self.busy, "utilization": self.utilization,
-            "spans": [{"task": s.task.name, "kind": s.task.kind, "resource": s.task.resource,
-                       "start": s.start, "end": s.end} for s in self.spans],
-        }
-
 
 def replay(tasks: list[Task], seconds: dict[str, float], host: dict[str, float] | None = None) -> Timeline:
     """Run `tasks` with `seconds[kind]` per task (missing: none); `host[kind]`: launch time, one task at a time
     in list order, before which a task cannot start."""
     free = {r: 0.0 for r in RESOURCES}
-    busy = {r: 0.0 for r in RESOURCES}
+    busy = Busy.fromkeys(RESOURCES, 0.0)
     end: list[float] = []
     spans = []
     launched = 0.0
@@ -66,22 +59,15 @@ def replay(tasks: list[Task], seconds: dict[str, float], host: dict[str, float] 
     return Timeline(tuple(spans), max(end, default=0.0), busy)
 
 
-def _common(policy: Policy) -> dict:
-    return dict(batch=policy.batch_size, micro_batch=policy.micro_batch_size, attention_on=policy.attention_on,
-                ffn_on=policy.ffn_on, gpu_weight_fraction=policy.gpu_weight_fraction,
-                gpu_kv_fraction=policy.gpu_kv_fraction, pages=policy.pages_per_layer)
-
-
-def decode_costs(model: ModelSpec, hardware: HardwareSpec, policy: Policy, context: float) -> dict[str, float]:
-    tasks = hrm.decode_tasks(model, hrm.effective_rates(hardware, model.dtype, model), expert_batch=policy.expert_batch_size,
-                             context=context, **_common(policy))
-    return {k: c.seconds for k, c in tasks.items()}
-
-
 def simulate_decode(model: ModelSpec, hardware: HardwareSpec, policy: Policy, context: float,
                     schedule_name: str = "cgopipe") -> Timeline:
     """One decode step of `policy` at an average `context` (cached tokens) under the named schedule."""
     tasks = schedule.for_policy(policy, model.num_layers, schedule_name)
     r = hrm.effective_rates(hardware)  # the FFN's host ops on its expert path, as the planner prices them
     host = hrm.host_task_seconds(r, hrm.ffn_ops(model, r, policy.expert_batch_size)) if policy.ffn_on == "gpu" else None
-    return replay(tasks, decode_costs(model, hardware, policy, context), host)
+    costs = hrm.decode_tasks(model, hrm.effective_rates(hardware, model.dtype, model), batch=policy.batch_size,
+                             micro_batch=policy.micro_batch_size, expert_batch=policy.expert_batch_size,
+                             attention_on=policy.attention_on, ffn_on=policy.ffn_on, context=context,
+                             gpu_weight_fraction=policy.gpu_weight_fraction, gpu_kv_fraction=policy.gpu_kv_fraction,
+                             pages=policy.pages_per_layer)
+    return replay(tasks, {k: c.seconds for k, c in costs.items()}, host)

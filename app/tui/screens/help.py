@@ -43,12 +43,12 @@ def key_text(key: str) -> str:
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark,f1", "dismiss", "Close")]
 
-    def __init__(self, under: Screen | None = None):
+    def __init__(self, under: Screen):
         super().__init__()
         self.under = under
 
     def compose(self) -> ComposeResult:
-        step = getattr(self.under, "STEP", "")
+        step = getattr(self.under, "STEP", "")  # a dialog or the default screen has no step
         with Vertical(id="help", classes="modal"):
             # keys first: what a user opens help for; the steps below scroll into view (↓, PgDn, the wheel)
             with VerticalScroll(id="help-text"):
@@ -87,13 +87,10 @@ class HelpScreen(ModalScreen[None]):
         return table
 
     def _screen_keys(self) -> list[tuple[str, str]]:
-        if self.under is None:
-            return []
         seen, out = {"ctrl+n", "escape"}, []
         for b in getattr(self.under, "BINDINGS", []):
-            key, desc = (b.key, b.description) if isinstance(b, Binding) else (b[0], b[2] if len(b) > 2 else "")
-            if key in seen or not desc:
+            if b.key in seen or not b.description:
                 continue
-            seen.add(key)
-            out.append((key_text(key), desc))
+            seen.add(b.key)
+            out.append((key_text(b.key), b.description))
         return out

@@ -24,8 +24,6 @@ from app.tui.screens.base import StepScreen, button
 from app.tui.widgets.facts import Facts
 from app.tui.widgets.path_input import PathInput
 
-DEMO_WORDS = ("demo", ":demo", "")
-
 
 class ModelScreen(StepScreen):
     STEP = "Model"
@@ -63,7 +61,7 @@ class ModelScreen(StepScreen):
         if self.session.model is not None:
             self.show(self.session.model)
         elif opts.model:
-            text = "" if opts.model.lower() in DEMO_WORDS else opts.model
+            text = "" if self.backend.classify_model_text(opts.model) == "demo" else opts.model
             self.query_one("#model-input", Input).value = text
             self.open_text(text)
         else:
@@ -135,7 +133,7 @@ class ModelScreen(StepScreen):
         if msg.unit == "B" and msg.total:
             bar = self.query_one("#dl-bar", ProgressBar)
             bar.update(total=msg.total, progress=msg.done)
-            rate = f" at {fmt.rate(msg.rate)}" if msg.rate else ""
+            rate = f" at {fmt.human_bytes(msg.rate)}/s" if msg.rate else ""
             self.query_one("#dl-text", Static).update(
                 f"{fmt.human_bytes(msg.done)} of {fmt.human_bytes(msg.total)}{rate}")
         else:

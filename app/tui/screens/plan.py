@@ -25,9 +25,9 @@ from app.tui.widgets.bars import LabelBar
 from app.tui.widgets.facts import Facts
 from app.tui.widgets.path_input import PathInput
 
-RESOURCE_LABELS = {"gpu": "GPU compute", "cpu_attn": "CPU attention", "h2d": "PCIe H→D", "d2h": "PCIe D→H"}
-CPU_MODE_LABELS = {"gpu": "CPU compute", "cpu_attn": "CPU attention"}
-CPU_MODE_BOTTLENECK = {"gpu": "CPU compute (dense layers and experts run on the CPU)",
+RESOURCE_LABELS = {"compute": "GPU compute", "cpu_attn": "CPU attention", "h2d": "PCIe H→D", "d2h": "PCIe D→H"}
+CPU_MODE_LABELS = {"compute": "CPU compute", "cpu_attn": "CPU attention"}
+CPU_MODE_BOTTLENECK = {"compute": "CPU compute (dense layers and experts run on the CPU)",
                        "cpu_attn": "CPU attention (memory bandwidth reading the KV cache)"}
 PLACES = [("CPU", "cpu"), ("GPU", "gpu")]
 AUTO = "auto"
@@ -74,7 +74,6 @@ ADVANCED = {"dtype": DTYPES, "executor": EXECUTORS, "schedule": SCHEDULES, "quan
 ADVANCED_LABELS = {"dtype": "Compute dtype", "executor": "Executor", "schedule": "Schedule", "quantize": "Quantize",
                    "quantize_dense": "Dense weights", "group_size": "int4 group"}
 REPLAN_ON = ("dtype", "quantize", "quantize_dense", "group_size")  # choices that change the bytes the plan must fit
-QUANTIZED = ("quantize", "quantize_dense", "group_size")  # shown where the engine can quantize
 
 
 def _row(label: str, widget) -> Horizontal:
@@ -91,7 +90,6 @@ class PlanScreen(StepScreen):
         self._replan_timer = None
         self._asked: tuple[str, str] | None = None  # budget fields' text when the last plan was asked for
         self._confirmed = None  # an existing results file the user agreed to replace
-        self._offers_quantize = False  # the engine quantizes (asked by `learn_offers`, off the UI thread)
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(id="body"):
@@ -143,7 +141,6 @@ class PlanScreen(StepScreen):
         self.query_one("#validation").border_title = "Check"
         self._set_choices(self.session.choices)
         self._show_group_row()
-        self.learn_offers()
         if self.cpu_mode:
             self.query_one("#ffn", Select).value = "cpu"  # what the plan will say, not a GPU while it plans
             for key in ("h2d", "d2h"):  # no PCIe link without a GPU
@@ -338,24 +335,11 @@ class PlanScreen(StepScreen):
         self.query_one("#accept", Button).disabled = True
         self.check(self._gen, fields)
 
-    @work(thread=True, exclusive=True, exit_on_error=False, group="offers", description="engine offers")
-    def learn_offers(self) -> None:
-        """Whether the engine quantizes, asked off the UI thread (the answer imports torch)."""
-        offered = self.backend.engine_offers("quantize")
-        self.app.call_from_thread(self._offers_known, offered)
-
-    def _offers_known(self, quantize: bool) -> None:
-        self._offers_quantize = quantize
-        self._show_group_row()
-
     def _show_group_row(self) -> None:
-        """Quantization's rows only where the engine quantizes; the int4 group only where int4 may be chosen."""
-        offered = self._offers_quantize
+        """The dense weights' row only beside quantized experts; the int4 group only where int4 may be chosen."""
         experts = self.query_one("#quantize", Select).value
         int4 = experts in ("int4", "auto") or self.query_one("#quantize_dense", Select).value == "int4"
-        beside = {"quantize": True, "quantize_dense": experts != "none", "group_size": int4}
-        for key in QUANTIZED:
-            shown = offered and beside[key]
+        for key, shown in (("quantize_dense", experts != "none"), ("group_size", int4)):
             self.query_one(f"#{key}", Select).parent.display = shown
             self.query_one(f"#{key}-hint", Static).display = shown
 
@@ -377,7 +361,7 @@ class PlanScreen(StepScreen):
             v = self.query_one(f"#{key}", Select).value
             return None if v == DEFAULTS[key] or v == Select.BLANK else v
 
-        quantize = value("quantize") if self._offers_quantize else None
+        quantize = value("quantize")
         dense = value("quantize_dense") if quantize else None
         return EngineChoices(dtype=value("dtype"), executor=value("executor"), schedule=value("schedule"),
                              quantize=quantize, quantize_dense=dense,
@@ -392,12 +376,12 @@ class PlanScreen(StepScreen):
     def check(self, gen: int, fields: dict) -> None:
         s = self.session
         plan = self.backend.check(s.model, s.machine, s.plan, fields, s.choices)
-        self.post_message(Checked(plan, plan.problems, gen))
+        self.post_message(Checked(plan, gen))
 
     def on_checked(self, msg: Checked) -> None:
         if msg.gen != self._gen:
             return
-        if msg.plan.prediction is not None and not msg.problems:
+        if msg.plan.prediction is not None and not msg.plan.problems:
             self.session.plan = msg.plan
         self.show(msg.plan)
 
@@ -424,7 +408,7 @@ class PlanScreen(StepScreen):
     def _show_prediction(self, plan, pred) -> None:
         cpu_mode, narrow = self.cpu_mode, self.has_class("-narrow")
         p = plan.policy
-        bottleneck = CPU_MODE_BOTTLENECK.get(pred.bottleneck, CPU_MODE_BOTTLENECK["gpu"]) if cpu_mode \
+        bottleneck = CPU_MODE_BOTTLENECK.get(pred.bottleneck, CPU_MODE_BOTTLENECK["compute"]) if cpu_mode \
             else pred.bottleneck_text
         band = f" ± {pred.band:.0%}" if pred.band else ""  # the fitted CPU model's band, as `mlight plan` shows it
         rows = [

@@ -16,13 +16,12 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, DataTable, DirectoryTree, Static
 
 from app.tui import fmt
+from app.tui.backend import PROMPT_SUFFIXES
 from app.tui.glyphs import glyph
 from app.tui.messages import PromptsReady
 from app.tui.screens.base import StepScreen, button
 from app.tui.widgets.facts import Facts
 from app.tui.widgets.path_input import PathInput
-
-PROMPT_SUFFIXES = {".txt", ".text", ".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".tab"}
 
 
 def _turns_text(entries) -> str:
@@ -121,7 +120,7 @@ class PromptsScreen(StepScreen):
         self.open(self.query_one("#prompts-input", PathInput).path)
 
     def action_demo_prompts(self) -> None:
-        path = self.backend.demo_prompts_path()
+        path = self.backend.demo_prompts
         self.query_one("#prompts-input", PathInput).show(str(path))
         self.open(path)
 

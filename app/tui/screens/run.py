@@ -351,7 +351,7 @@ class RunScreen(StepScreen):
         step = snap.timeline if snap is not None else None
         m_spans = [Span(*s) for s in step.spans] if step is not None else []
         present = {s.resource for s in m_spans} | {s.resource for s in self._simulated}
-        lanes = tuple(r for r in LANES if r in present) or (("gpu", "cpu_attn") if self.cpu_mode else LANES)
+        lanes = tuple(r for r in LANES if r in present) or (("compute", "cpu_attn") if self.cpu_mode else LANES)
         head = self._measured_head(snap, self._simulated_s)
         sim_head = Text("Planner's simulation", style="bold")
         if self._simulated:

@@ -16,9 +16,9 @@ from textual.widgets import Static
 
 from app.tui.glyphs import glyph
 
-LANES = ("gpu", "cpu_attn", "h2d", "d2h")
-LANE_LABELS = {"gpu": "GPU compute", "cpu_attn": "CPU attention", "h2d": "H→D copies", "d2h": "D→H copies"}
-CPU_LANE_LABELS = {"gpu": "CPU compute", "cpu_attn": "CPU attention", "h2d": "copies in", "d2h": "copies out"}
+LANES = ("compute", "cpu_attn", "h2d", "d2h")
+LANE_LABELS = {"compute": "GPU compute", "cpu_attn": "CPU attention", "h2d": "H→D copies", "d2h": "D→H copies"}
+CPU_LANE_LABELS = {"compute": "CPU compute", "cpu_attn": "CPU attention", "h2d": "copies in", "d2h": "copies out"}
 KIND_NAMES = {
     "pre_attn": "pre-attention", "post_attn": "post-attention", "ffn": "experts", "gpu_attn": "GPU attention",
     "prefill": "prefill", "cpu_attn": "CPU attention", "d1": "QKV out", "kv_store": "KV out", "d2": "attention in",
@@ -116,10 +116,8 @@ class Timeline(Widget):
         self.lanes: tuple[str, ...] = LANES
         self.labels = CPU_LANE_LABELS if cpu_mode else LANE_LABELS
 
-    def show(self, spans: list[Span], seconds: float, header: Text | str, lanes: tuple[str, ...] | None = None) -> None:
-        self.spans, self.seconds, self.header = list(spans), seconds, header
-        if lanes is not None:
-            self.lanes = lanes
+    def show(self, spans: list[Span], seconds: float, header: Text | str, lanes: tuple[str, ...]) -> None:
+        self.spans, self.seconds, self.header, self.lanes = list(spans), seconds, header, lanes
         self.refresh(layout=True)
 
     def get_content_height(self, container, viewport, width: int) -> int:
