@@ -30,8 +30,8 @@ def test_every_executor_and_schedule_gives_transformers_tokens(family, checkpoin
     reqs = _requests()
     limited = []
     if family in ("deepseek_v2", "deepseek_v3", "glm4_moe"):  # record tokens whose experts the group limit changes
-        def watch(spec, h, w, _route=routing.route):
-            got = _route(spec, h, w)
+        def watch(spec, h, w, fused=False, _route=routing.route):
+            got = _route(spec, h, w, fused)
             if spec.router_groups > 1:
                 import dataclasses
                 free = _route(dataclasses.replace(spec, router_groups=1, router_topk_groups=1), h, w)[1]

@@ -64,13 +64,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if pad is None:
             scores = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)
         else:
-            key = ("bias", n, q.dtype, Hkv)
-            bias = memo.get(key) if memo is not None else None
-            if bias is None:
-                bias = torch.zeros((B, 1, 1, n), dtype=q.dtype, device=q.device).masked_fill_(
-                    pad[:, None, None, :], float("-inf")).expand(B, Hkv, 1, n).reshape(B * Hkv, 1, n)
-                if memo is not None:
-                    memo[key] = bias
+            bias = _memo(memo, ("bias", n, q.dtype, Hkv), lambda: torch.zeros((B, 1, 1, n), dtype=q.dtype, device=q.device)
+                         .masked_fill_(pad[:, None, None, :], float("-inf")).expand(B, Hkv, 1, n).reshape(B * Hkv, 1, n))
             scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=scale)
         return torch.bmm(torch.softmax(scores, dim=-1), v).reshape(B, Hq * dv)
     scores = torch.bmm(qg, k.transpose(1, 2)).view(B, Hkv, G, n).float().mul_(scale)
@@ -191,12 +186,8 @@ def _widened(q, k_rows, v_rows, scale: float, shortest: int, T: int, pad, sink, 
     return out.view(B, Hq * dv).to(q.dtype)
 
 
-def _torch_at_least(major: int, minor: int) -> bool:
-    v = torch.__version__.split("+")[0].split(".")
-    return (int(v[0]), int(v[1])) >= (major, minor)
-
-
-SDPA_GQA = _torch_at_least(2, 5)  # scaled_dot_product_attention's enable_gqa came with torch 2.5; we support 2.4
+# scaled_dot_product_attention's enable_gqa came with torch 2.5; we support 2.4
+SDPA_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

@@ -18,10 +18,10 @@ from typing import Callable
 
 import torch
 
-from core.model import mixer
+from core.model import mixer, routing
 from core.model.cpu import row_ops
 from core.model.layers import norm
-from core.model.moe import dense_mlp, route, shared_expert
+from core.model.moe import dense_mlp, shared_expert
 from core.model.spec import ModelSpec
 
 
@@ -62,7 +62,7 @@ def post_attn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, out: torch.
     if not spec.is_moe(layer):
         return FfnInput(x, h, dense=dense_mlp(w, h))
     routed = None if fused_route else _c_route(spec, h, w)
-    weights, idx = routed if routed is not None else route(spec, h, w, fused_route)
+    weights, idx = routed if routed is not None else routing.route(spec, h, w, fused_route)
     return FfnInput(x, h, weights, idx, shared_expert(spec, w, h) if spec.shared_intermediate else None)
 
 
@@ -138,7 +138,7 @@ def prefill_ffn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, experts: 
     if not spec.is_moe(layer):
         y = dense_mlp(w, h)
     else:
-        weights, idx = route(spec, h, w)
+        weights, idx = routing.route(spec, h, w)
         y = experts(h, weights, idx)
         if spec.shared_intermediate:
             y = y + shared_expert(spec, w, h)

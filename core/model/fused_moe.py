@@ -36,10 +36,10 @@ def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx
                   backend: str | None = None) -> torch.Tensor:
     """Routed experts by the fused path: h [T, D], weights/idx [T, k] -> [T, D]; `parts` as device_experts'."""
     T, k = idx.shape
-    E = sum(_part_size(p) for p in parts)
+    E = sum(len(p["quant"]) if "quant" in p else p["w13"].shape[0] for p in parts)
     up, down = _matrices(parts)
     triton = _use_triton(h, [m[0] for m in (*up, down)], backend)
-    bm = _block_m(T * k, E, triton)
+    bm = _triton().pick_block_m(T * k, E) if triton else fused_block_rows(T * k, E)  # the kernel's choice, or BM
     sorted_ids, block_expert, n_padded = torch.ops.mlight.moe_align(idx, E, bm)
     pair_e = idx.reshape(-1)
     run = functools.partial(torch.ops.mlight.moe_gemm, sorted_ids=sorted_ids, block_expert=block_expert,
@@ -52,10 +52,6 @@ def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx
     ys = run(mid, stacks, fmt, top_k=1, route_w=weights.reshape(-1), biases=bias, pair_expert=pair_e if bias else None)
     mid = None
     return ys.view(T, k, -1).sum(1)  # pair p = t·k + j: each token's k rows are adjacent
-
-
-def _part_size(p: dict) -> int:
-    return len(p["quant"]) if "quant" in p else p["w13"].shape[0]
 
 
 def _matrices(parts: list[dict]):
@@ -71,16 +67,12 @@ def _matrices(parts: list[dict]):
 
     def quant(m, bias):
         stacks = [p["quant"].parts[f"{m.name}.{x.suffix}"] for p in parts for x in m.fmt.parts(m.n, m.k)]
-        return _fmt_key(m.fmt), stacks, [p[bias] for p in parts if bias in p]
+        return f"{m.fmt.name}:{m.fmt.group}", stacks, [p[bias] for p in parts if bias in p]
 
     up = [quant(m, "b13" if len(scheme.up) == 1 else "") for m in scheme.up]
     if len(scheme.up) > 1 and "b13" in first:
         raise ValueError("expert biases with gate and up in separate matrices")
     return up, quant(scheme.down, "b2")
-
-
-def _fmt_key(fmt: Format | None) -> str:
-    return "" if fmt is None else f"{fmt.name}:{fmt.group}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,9 +94,9 @@ def _triton():
 
 
 @functools.lru_cache(maxsize=None)
-def triton_runs(fmt_key: str, dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+def _triton_runs(fmt_key: str, dtype: torch.dtype, index: int) -> bool:
     ft = _triton()
-    return ft is not None and ft.unsupported(_format(fmt_key), dtype, capability) is None
+    return ft is not None and ft.unsupported(_format(fmt_key), dtype, torch.cuda.get_device_capability(index)) is None
 
 
 def _use_triton(h: torch.Tensor, fmts: list[str], backend: str | None) -> bool:
@@ -112,18 +104,7 @@ def _use_triton(h: torch.Tensor, fmts: list[str], backend: str | None) -> bool:
         return backend == "triton"
     if not h.is_cuda:
         return False
-    cap = _capability(h.device.index or 0)
-    return all(triton_runs(f, h.dtype, cap) for f in fmts)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _block_m(pairs: int, num_experts: int, triton: bool) -> int:
-    """The kernel's own choice, or the torch form's (core.model.limits.fused_block_rows)."""
-    return _triton().pick_block_m(pairs, num_experts) if triton else fused_block_rows(pairs, num_experts)
+    return all(_triton_runs(f, h.dtype, h.device.index or 0) for f in fmts)
 
 
 # ---- the ops ------------------------------------------------------------------------------------------------
@@ -202,7 +183,8 @@ def _gemm_torch(a, f, parts, N, K, sorted_ids, block_expert, top_k, block_m, rou
             be = block_expert[c0:c0 + chunk].long() - base
             mine = (be >= 0) & (be < n)
             e = be.clamp(0, n - 1)
-            w = _gather(f, stack, e, N, K, a.dtype)  # [c, N, K]
+            w = (stack[0].index_select(0, e).to(a.dtype) if f is None else  # [c, N, K]: only their bytes are read
+                 dequantize(f, {x.suffix: t.index_select(0, e) for x, t in zip(f.parts(N, K), stack)}, a.dtype))
             ids = torch.where(mine[:, None], ids_all[c0:c0 + chunk], P)
             x = a.index_select(0, ids.clamp(max=P - 1).flatten() // top_k).view(*ids.shape, K)
             y = torch.bmm(x, w.transpose(1, 2))  # [c, BM, N]
@@ -213,10 +195,3 @@ def _gemm_torch(a, f, parts, N, K, sorted_ids, block_expert, top_k, block_m, rou
             out.index_copy_(0, ids.flatten(), y.flatten(0, 1))  # only the trash row is written twice
         base += n
     return out[:P]
-
-
-def _gather(f: Format | None, stack: list[torch.Tensor], e: torch.Tensor, N: int, K: int, dtype) -> torch.Tensor:
-    """The matrices of experts e [c] in the compute dtype: only their bytes are read and dequantized."""
-    if f is None:
-        return stack[0].index_select(0, e).to(dtype)
-    return dequantize(f, {x.suffix: t.index_select(0, e) for x, t in zip(f.parts(N, K), stack)}, dtype)

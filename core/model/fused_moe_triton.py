@@ -9,6 +9,7 @@ BM/BN/BK = tile sizes, p = pair.
 
 from __future__ import annotations
 
+import functools
 import math
 
 try:
@@ -83,14 +84,10 @@ def moe_gemm(a, stack, fmt, out, sorted_ids, block_expert, n_padded, *, top_k: i
         BM=block_m, BN=BN, BK=BK)
 
 
-_JITTED: dict[bool, object] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _kernel(interpret: bool):
     """The jitted kernel, made on first launch: TRITON_INTERPRET is read at decoration, which tests set late."""
-    if interpret not in _JITTED:
-        _JITTED[interpret] = triton.jit(_moe_gemm)
-    return _JITTED[interpret]
+    return triton.jit(_moe_gemm)
 
 
 def _moe_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, route_ptr,

@@ -138,10 +138,7 @@ def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=N
     # split_with_sizes, not Tensor.split: the same one op without Tensor.split's Python wrapper (it shows at B = 1)
     q, k, v = payload.split_with_sizes([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     k, v = k.view(B, Hkv, hd), v.view(B, Hkv, hd)
-    if hasattr(store, "write_rows"):
-        store.write_rows(rows, k, v)
-    else:
-        store.write(rows.slots, rows.positions, k, v)
+    store.write_rows(rows, k, v)
     return decode_over_rows(q.reshape(B, H, hd), store, rows, spec.scale, w.get("sinks"), widen)
 
 

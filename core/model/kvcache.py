@@ -156,14 +156,10 @@ class KVStore(_Store):
     def write_prompt(self, slot: int, k: torch.Tensor, v: torch.Tensor):
         """A whole prompt for one slot: k, v [L, Hkv, hd] at positions [0, L) (the last W in a ring)."""
         L = k.shape[0]
-        if self.window and L > self.window:
-            start = L - self.window
-            at = torch.arange(start, L, device=self.k.device) % self.window
-            self.k[slot][:, at] = k[start:].transpose(0, 1).to(self.k.dtype)
-            self.v[slot][:, at] = v[start:].transpose(0, 1).to(self.v.dtype)
-            return
-        self.k[slot, :, :L] = k.transpose(0, 1)
-        self.v[slot, :, :L] = v.transpose(0, 1)
+        start = max(0, L - self.window) if self.window else 0
+        at = torch.arange(start, L, device=self.k.device) % self.window if start else slice(0, L)
+        self.k[slot][:, at] = k[start:].transpose(0, 1).to(self.k.dtype)
+        self.v[slot][:, at] = v[start:].transpose(0, 1).to(self.v.dtype)
 
 
 class LatentStore(_Store):
@@ -328,12 +324,9 @@ class Rows:
         return self._plans[key]
 
     def _plan(self, store, widened: bool) -> "RowPlan":
-        if self.sel is None and self.cover is None:
-            return RowPlan(None, None, *self.kept(store), [])
         if self.cover is None:
-            lengths, span, pad = self.kept(store)
-            host = [store.kept(n) for n in self._host_lengths]
-            return RowPlan(self.sel, None, lengths, span, pad, attention_runs(host, store.k.shape[2], widened))
+            host = [] if self.sel is None else [store.kept(n) for n in self._host_lengths]
+            return RowPlan(self.sel, None, *self.kept(store), attention_runs(host, store.k.shape[2], widened))
         rows, at, host = self.cover
         host = [store.kept(n) for n in host]
         lengths = torch.tensor(host)

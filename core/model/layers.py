@@ -53,11 +53,8 @@ def offset_weight(w: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # Statistics in fp32 then back to the input dtype before the scale, as the reference models do; in one
     # C pass where it applies (bf16 or fp32 on the CPU: core.model.cpu.row_ops), the same roundings.
-    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32):
-        out = row_ops.rms_norm(x, w, eps)
-        if out is not None:
-            return out
-    return w * normed(x, None, eps)
+    out = row_ops.rms_norm(x, w, eps) if x.device.type == "cpu" else None
+    return out if out is not None else w * normed(x, None, eps)
 
 
 _FUSED = getattr(torch.ops.aten, "_fused_rms_norm", None)  # the kernel F.rms_norm calls on a GPU

@@ -65,7 +65,12 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
     P = payload.view(T, H + 1, R + dr)
     w_uk, _ = _up(spec, w)
     torch.bmm(q[..., :m.qk_nope_dim].transpose(0, 1), w_uk, out=P[:, :H, :R].transpose(0, 1))  # q_lat [T, H, R]
-    _latent_norm_into(c, w["kv_a_norm"], P[:, H, :R])
+    # the latent's norm ends in its weight's product, which writes there (the host's C pass, where it applies, copied)
+    done = row_ops.rms_norm(c, w["kv_a_norm"], LATENT_NORM_EPS) if c.device.type == "cpu" else None
+    if done is not None:
+        P[:, H, :R].copy_(done)
+    else:
+        torch.mul(w["kv_a_norm"], normed(c, None, LATENT_NORM_EPS), out=P[:, H, :R])
     pe = torch.cat((q[..., m.qk_nope_dim:], k_pe[:, None, :]), dim=1)  # [T, H + 1, dr]
     rope.apply(pe, positions, call_lengths, out=P[:, :, R:])
     return payload, None
@@ -76,15 +81,6 @@ def _query(spec: ModelSpec, w: dict, h: torch.Tensor, q_lat: torch.Tensor | None
     if "q" in w:
         return F.linear(h, w["q"])
     return F.linear(rms_norm(q_lat, w["q_a_norm"], LATENT_NORM_EPS), w["q_b"])
-
-
-def _latent_norm_into(c: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> None:
-    """rms_norm(c, w) into dst: its weight's product writes there (the host's C pass, where it applies, copied)."""
-    done = row_ops.rms_norm(c, w, LATENT_NORM_EPS) if c.device.type == "cpu" else None
-    if done is not None:
-        dst.copy_(done)
-    else:
-        torch.mul(w, normed(c, None, LATENT_NORM_EPS), out=dst)
 
 
 def attend(spec: ModelSpec, w: dict, payload: torch.Tensor, store, rows, widen=None) -> torch.Tensor:

@@ -17,16 +17,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.model import expert_choice, fused_moe, routing
+from core.model import expert_choice, fused_moe
 from core.model.device_wait import synchronize  # bounded: a hung probe kernel raises DeviceStalled
 from core.model.spec import ModelSpec
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
-
-
-def route(spec: ModelSpec, h: torch.Tensor, w: dict, fused: bool = False):
-    """h [T, D] -> (weights [T, k] in h's dtype, expert ids [T, k])."""
-    return routing.route(spec, h, w, fused=True) if fused else routing.route(spec, h, w)
 
 
 def _grouped_ok(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -89,10 +84,6 @@ def pack_cpu_experts(w13: torch.Tensor, w2: torch.Tensor, fused: bool):
     return pack_experts(w13, w2)
 
 
-def _packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-
 def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, weights: torch.Tensor,
             idx: torch.Tensor, grouped: bool | None = None, packed: list | None = None,
             b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: Activation | None = None,
@@ -106,7 +97,8 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
     if packed is None and quant is None and grouped is None and not widened:
         grouped = _grouped_ok(h, w13, w2) and _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act)
     looped = quant is not None or widened or not grouped  # a matmul pair per expert with tokens
-    linear = widen.linear if widened else F.linear if packed is None else _packed_linear
+    linear = (widen.linear if widened else F.linear if packed is None  # oneDNN's packed layout:
+              else lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     up_down = (None if not looped else (quant.up, quant.down) if quant is not None else  # expert e's two products
                (lambda e, x: linear(x, packed[e][0]), lambda e, y: linear(y, packed[e][1])) if packed is not None
                else (lambda e, x: linear(x, w13[e]), lambda e, y: linear(y, w2[e])))
@@ -125,11 +117,6 @@ def _fused(c: Call) -> torch.Tensor:
     if c.act is not _swiglu or c.b13 is not None or c.b2 is not None:
         raise ValueError("experts in the fused kernel's layout are plain SwiGLU without biases")
     return c.packed(c.h, c.weights, c.idx, None if c.scratch is None else c.scratch.get("out", c.h.shape, c.h.dtype))
-
-
-def _quant_one_token(c: Call) -> torch.Tensor | None:
-    """int4 or GGUF blocks on the C kernel: the layer's experts in one call; None where that kernel does not run."""
-    return c.quant.one_token(c.h, c.weights, c.idx)
 
 
 def _one_token(c: Call) -> torch.Tensor:
@@ -181,7 +168,7 @@ _grouped = functools.partial(_sorted, grouped=True)
 BACKENDS: list[tuple[str, Callable[[Call], bool], Callable[[Call], torch.Tensor | None]]] = [
     ("fused", lambda c: hasattr(c.packed, "fused_swiglu"), _fused),
     ("quant_one_token", lambda c: c.T == 1 and c.quant is not None and c.b13 is None and c.b2 is None
-     and c.act is _swiglu, _quant_one_token),
+     and c.act is _swiglu, lambda c: c.quant.one_token(c.h, c.weights, c.idx)),  # int4 or GGUF blocks, in C
     ("one_token", lambda c: c.T == 1 and c.looped, _one_token),
     ("loop", lambda c: c.looped, _loop),
     ("grouped", lambda c: True, _grouped),

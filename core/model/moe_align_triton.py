@@ -8,6 +8,7 @@ Legend: T = tokens, k = experts per token, E = experts, P = T·k pairs, BM = blo
 
 from __future__ import annotations
 
+import functools
 import os
 
 try:
@@ -35,14 +36,10 @@ def moe_align(topk_ids, num_experts: int, block_m: int):
     return sorted_ids, block_expert, n_padded
 
 
-_JITTED: dict[bool, object] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _kernel(interpret: bool):
     """Jitted on first launch (TRITON_INTERPRET is read when a function is decorated)."""
-    if interpret not in _JITTED:
-        _JITTED[interpret] = triton.jit(_align)
-    return _JITTED[interpret]
+    return triton.jit(_align)
 
 
 if triton is not None:

@@ -8,6 +8,7 @@ weights to fp32 rounding. Legend: T = tokens, E = experts, G = groups, k = exper
 
 from __future__ import annotations
 
+import functools
 import os
 
 try:
@@ -39,14 +40,10 @@ def route(logits, bias, out_dtype, *, kind: str, top_k: int, groups: int = 1, to
     return w, ids
 
 
-_JITTED: dict[bool, object] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _kernel(interpret: bool):
     """Jitted on first launch: TRITON_INTERPRET is read at decoration, which tests set after import."""
-    if interpret not in _JITTED:
-        _JITTED[interpret] = triton.jit(_route)
-    return _JITTED[interpret]
+    return triton.jit(_route)
 
 
 if triton is not None:

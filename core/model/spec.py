@@ -359,9 +359,6 @@ class ModelSpec:
         """The routed experts of one MoE layer (what streams over PCIe per layer)."""
         return self.num_experts * self.expert_bytes
 
-    def layer_nonexpert_bytes_of(self, i: int) -> int:
-        return sum(math.prod(s) for n, s in self.layer_shapes(i).items() if n not in EXPERT_TENSORS) * self.dtype_bytes
-
     @property
     def layer_nonexpert_bytes(self) -> int:
         """The non-expert tensors of a decoder layer, averaged over the layers."""
@@ -374,7 +371,8 @@ class ModelSpec:
     @property
     def nonexpert_bytes(self) -> int:
         """Everything but the routed experts: attention, norms, routers, shared experts, dense MLPs, embeddings."""
-        return sum(self.layer_nonexpert_bytes_of(i) for i in range(self.num_layers)) + self.global_bytes
+        return sum(math.prod(s) for i in range(self.num_layers) for n, s in self.layer_shapes(i).items()
+                   if n not in EXPERT_TENSORS) * self.dtype_bytes + self.global_bytes
 
     @property
     def total_expert_bytes(self) -> int:

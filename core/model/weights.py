@@ -149,8 +149,10 @@ class LayerWeights:
         from core.model.moe import pack_cpu_experts
 
         if self.quant is not None:
-            if not self.quant.pack_cpu():
-                self._expand_block_dense()
+            if not self.quant.pack_cpu():  # no CPU kernel: projections kept as blocks are written expanded
+                for name, w in self.block_dense.items():
+                    self.tensors[name].copy_(w.dequantized())
+                self.block_dense = {}
                 return
             # projections kept as blocks left their part of the buffer unwritten (never resident): the experts
             # can stay where they were read to, rather than be copied out while every layer's buffer is held
@@ -189,12 +191,6 @@ class LayerWeights:
         self.tensors |= packed | biases
         self.held = sum(getattr(q, "held_bytes", q.numel() * q.element_size()) for q in packed.values())
 
-    def _expand_block_dense(self) -> None:
-        """The projections kept as blocks written expanded where the flat buffer has them (no CPU packing)."""
-        for name, w in self.block_dense.items():
-            self.tensors[name].copy_(w.dequantized())
-        self.block_dense = {}
-
     def _dense_names(self) -> set[str]:
         return {n for n, off, _ in self.layout.entries if off < self.layout.expert_start}
 
@@ -213,28 +209,24 @@ class LayerWeights:
             return {"packed": self.packed, **biases}
         return {n: to_dev(self.tensors[n]) for n in EXPERT_TENSORS if n in self.tensors}
 
-    def pack_widened(self, math: torch.dtype) -> None:
-        """The experts in the fp32-math C kernel's layout (ffn.NativeExperts) and the non-expert part in `math`."""
+    def widen_dense(self, math: torch.dtype, pack: bool = False) -> None:
+        """The non-expert part in `math`, for CPUs whose bf16 matmuls are slow; the experts kept in their storage
+        dtype, or (`pack`) in the fp32-math C kernel's layout (ffn.NativeExperts)."""
         from core.model.cpu import ffn
 
-        self.packed = ffn.NativeExperts(self.tensors["w13"], self.tensors["w2"])
-        dense = self.flat[:self.layout.expert_start].to(math)
-        self.tensors = self.layout.views(dense, names=self._dense_names())
-        self.flat, self.experts, self.pages = dense, None, []
-
-    def widen_dense(self, math: torch.dtype) -> None:
-        """The non-expert part in `math`, experts kept in their storage dtype: for CPUs whose bf16 matmuls are slow."""
         dense_names = self._dense_names()
         dense = self.flat[:self.layout.expert_start].to(math)
-        self.tensors = {**self.layout.views(self.flat, names={n for n, _, _ in self.layout.entries} - dense_names),
-                        **self.layout.views(dense, names=dense_names)}
-        self.dense_flat = dense
+        widened = self.layout.views(dense, names=dense_names)
+        if pack:
+            self.packed = ffn.NativeExperts(self.tensors["w13"], self.tensors["w2"])
+            self.tensors, self.flat, self.experts, self.pages = widened, dense, None, []
+        else:
+            experts = {n for n, _, _ in self.layout.entries} - dense_names
+            self.tensors = {**self.layout.views(self.flat, names=experts), **widened}
+            self.dense_flat = dense
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
-
-    def get(self, name: str):
-        return self.tensors.get(name)
 
 
 class ModelWeights:
@@ -361,12 +353,15 @@ class ModelWeights:
             raise
         progress(Progress(what, len(self.layers) + 1, len(self.layers) + 1, "layers"))
 
-    def widen_dense(self, math: torch.dtype) -> None:
-        """Non-expert weights and embeddings in `math`, experts left in `dtype` (LayerWeights.widen_dense)."""
+    def widen_dense(self, math: torch.dtype, pack: bool = False, progress: EventSink = ignore) -> None:
+        """Non-expert weights and embeddings in `math`, experts left in `dtype` or (`pack`, where `packs_widened`)
+        every MoE layer's in the fp32-math C kernel's layout (LayerWeights.widen_dense)."""
         if math == self.math_dtype:
             return
-        for lw in self.layers:
-            lw.widen_dense(math)
+        for i, lw in enumerate(self.layers):
+            lw.widen_dense(math, pack=pack and "w13" in lw.tensors)
+            if pack:
+                progress(Progress("packing experts for the CPU", i + 1, len(self.layers), "layers"))
         self.globals = {n: t.to(math) for n, t in self.globals.items()}
         self.math_dtype = math
 
@@ -378,14 +373,6 @@ class ModelWeights:
         return (self.scheme is None and self.spec.expert_act == "swiglu" and bool(moe)
                 and all("b13" not in lw.tensors and "b2" not in lw.tensors and lw.packed is None
                         and ffn.takes_widened(lw.tensors["w13"], lw.tensors["w2"]) for lw in moe))
-
-    def pack_widened(self, math: torch.dtype, progress: EventSink = ignore) -> None:
-        """`widen_dense` with every MoE layer's experts in the fp32-math C kernel's layout (LayerWeights.pack_widened)."""
-        for i, lw in enumerate(self.layers):
-            lw.pack_widened(math) if "w13" in lw.tensors else lw.widen_dense(math)
-            progress(Progress("packing experts for the CPU", i + 1, len(self.layers), "layers"))
-        self.globals = {n: t.to(math) for n, t in self.globals.items()}
-        self.math_dtype = math
 
     @property
     def lm_head(self) -> torch.Tensor:

@@ -101,9 +101,9 @@ def ready_for_cpu(config, ck: Checkpoint, spec: ModelSpec, weights: ModelWeights
         ffn.prepare(progress)  # a compile here, with progress, not inside the packing
         cpu = _pack_or_fall_back(weights, cpu, progress)
     if cpu.widens and weights.scheme is None:
-        ffn.prepare_widened(progress)
+        ffn.prepare(progress, widened=True)
         if weights.packs_widened():  # the experts widen in registers in one C call a layer
-            weights.pack_widened(torch_dtype(cpu.math), progress)
+            weights.widen_dense(torch_dtype(cpu.math), pack=True, progress=progress)
             cpu = dataclasses.replace(cpu, fused=True)
         else:
             weights.widen_dense(torch_dtype(cpu.math))

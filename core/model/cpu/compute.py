@@ -73,11 +73,9 @@ def choose(storage: str, *, rates: dict[str, float] | None = None, math: str | N
                          "compute in float32 or in the weights' own dtype")
     pack = False
     if math == storage == "bfloat16":
-        if can_pack is None:
-            from core.model.moe import packing_supported
+        from core.model.moe import packing_supported
 
-            can_pack = packing_supported
-        pack = bool(can_pack())
+        pack = bool((can_pack or packing_supported)())
     return CpuCompute(storage=storage, math=math, pack=pack, direct_rows=DIRECT_ROWS if math != storage else 0,
                       reason=reason)
 

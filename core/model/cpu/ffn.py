@@ -22,7 +22,7 @@ tiles. Linux grants a process the tile state only on request (`mlight_moe_amx_in
 
 Where bf16 matmuls are slow (AVX2, also under the AVX2 limits) the CPU computes in fp32: there a second
 kernel (core/assets/kernels/moe_ffn_avx2.c, `library_avx2`) runs the same packed bf16 weights with fp32
-activations, widening them in registers (`ModelWeights.pack_widened`; torch's 1 MB widened tiles ran a
+activations, widening them in registers (`ModelWeights.widen_dense`; torch's 1 MB widened tiles ran a
 B = 64 step's experts at 39 GFLOP/s, it at 103-121). Under the same conditions, AVX2 for AVX-512 BF16.
 """
 
@@ -155,37 +155,33 @@ def status(math: str = "bfloat16") -> str:
     return f"fused C kernel ({lib.flags}){tiles}" + ("" if lib.openmp else "; one thread: oneDNN when torch runs more")
 
 
-def prepare(progress=None) -> None:
-    """Build (or load) the kernel now, saying so through `progress` when it compiles (once per machine)."""
-    native.build_announced("building the CPU expert kernel (once per machine)", library, progress)
+def prepare(progress=None, widened: bool = False) -> None:
+    """Build (or load) the kernel (`widened`: the fp32-math one) now, saying so through `progress` when it
+    compiles (once per machine)."""
+    native.build_announced("building the CPU expert kernel (once per machine)", library_avx2 if widened else library,
+                           progress)
 
 
-def prepare_widened(progress=None) -> None:
-    """`prepare` for the fp32-math kernel."""
-    native.build_announced("building the CPU expert kernel (once per machine)", library_avx2, progress)
+def _fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """bf16 experts w13 [E, 2I, D], w2 [E, D, I] on the CPU with D a multiple of 64 and I of 32."""
+    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or w13.dim() != 3 or w13.device.type != "cpu":
+        return False
+    E, two_i, D = w13.shape
+    return not (two_i % 64 or D % 64) and tuple(w2.shape) == (E, D, two_i // 2)
+
+
+def _runs(lib) -> bool:
+    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
 
 
 def takes(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the kernel runs experts w13 [E, 2I, D], w2 [E, D, I] here (SwiGLU, no biases: the caller's part)."""
-    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or w13.dim() != 3 or w13.device.type != "cpu":
-        return False
-    E, two_i, D = w13.shape
-    if two_i % 64 or D % 64 or tuple(w2.shape) != (E, D, two_i // 2):
-        return False
-    lib = library()
-    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+    return _fits(w13, w2) and _runs(library())
 
 
 def takes_widened(w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether the fp32-math kernel runs bf16 experts w13 [E, 2I, D], w2 [E, D, I] here (SwiGLU, no biases:
-    the caller's part) — the CPU computes in fp32 because its bf16 matmuls are slow (AVX2)."""
-    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or w13.dim() != 3 or w13.device.type != "cpu":
-        return False
-    E, two_i, D = w13.shape
-    if two_i % 64 or D % 64 or tuple(w2.shape) != (E, D, two_i // 2):
-        return False
-    lib = library_avx2()
-    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+    """`takes` for the fp32-math kernel: the CPU computes in fp32 because its bf16 matmuls are slow (AVX2)."""
+    return _fits(w13, w2) and _runs(library_avx2())
 
 
 class NativeExperts:
@@ -216,46 +212,30 @@ class NativeExperts:
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """h [T, D] bf16, routing weights [T, k] (bf16/fp32) and expert ids [T, k] -> [T, D] bf16 (into `out`);
         h in fp32 (an AVX2 CPU's math) -> fp32, by the fp32-math kernel."""
-        if h.dtype == torch.float32:
-            return self._fp32(h, weights, idx, out)
-        lib = library()
+        wide = h.dtype == torch.float32
+        lib = library_avx2() if wide else library()
+        if lib is None:
+            raise RuntimeError(f"no expert kernel for {h.dtype} activations here ({_reason_avx2 if wide else _reason})")
         T, k = idx.shape
-        h, idx = h.contiguous(), idx.contiguous()
-        if weights.dtype not in (torch.bfloat16, torch.float32):
+        if wide or weights.dtype not in (torch.bfloat16, torch.float32):
             weights = weights.float()
-        weights = weights.contiguous()
-        out = torch.empty((T, self.D), dtype=torch.bfloat16) if out is None else out
-        if T == 0:
-            return out
+        h, idx, weights = h.contiguous(), idx.contiguous(), weights.contiguous()
+        out = torch.empty((T, self.D), dtype=h.dtype) if out is None else out
         n = torch.get_num_threads() if lib.openmp else 1
-        wb = int(weights.dtype == torch.bfloat16)
         x0, i0, w0, o0 = h.data_ptr(), idx.data_ptr(), weights.data_ptr(), out.data_ptr()
         xs, is_, ws, os_ = (t.stride(0) * t.element_size() for t in (h, idx, weights, out))  # bytes a row
+        experts = (self.w13.data_ptr(), self.w13.stride(0), self.w2.data_ptr(), self.w2.stride(0))
         for a in range(0, T, CHUNK_TOKENS):  # one call at a decode step's rows
             b = min(T, a + CHUNK_TOKENS)
-            s = scratch(lib.sized("scratch", b - a, k, self.E, self.D, self.I, n))
-            if lib.ffn(x0 + a * xs, b - a, k, i0 + a * is_, w0 + a * ws, wb, self.E,
-                       self.D, self.I, self.w13.data_ptr(), self.w13.stride(0), self.w2.data_ptr(), self.w2.stride(0),
-                       o0 + a * os_, s.data_ptr(), n):
-                raise ValueError(f"expert ids outside 0..{self.E - 1}")
-        return out
-
-    def _fp32(self, h, weights, idx, out):
-        lib = library_avx2()
-        if lib is None:
-            raise RuntimeError(f"fp32 activations need the AVX2 expert kernel, which is not available here ({_reason_avx2})")
-        T, k = idx.shape
-        h, idx, weights = h.contiguous(), idx.contiguous(), weights.float().contiguous()
-        out = torch.empty((T, self.D), dtype=torch.float32) if out is None else out
-        n = torch.get_num_threads() if lib.openmp else 1
-        x0, i0, w0, o0 = h.data_ptr(), idx.data_ptr(), weights.data_ptr(), out.data_ptr()
-        xs, is_, ws, os_ = (t.stride(0) * t.element_size() for t in (h, idx, weights, out))  # bytes a row
-        for a in range(0, T, CHUNK_TOKENS):
-            b = min(T, a + CHUNK_TOKENS)
-            s = scratch(lib.sized("scratch", b - a, k, self.E, self.I, n))
-            if lib.ffn(x0 + a * xs, b - a, k, i0 + a * is_, w0 + a * ws, self.E, self.D, self.I,
-                       self.w13.data_ptr(), self.w13.stride(0), self.w2.data_ptr(), self.w2.stride(0),
-                       o0 + a * os_, s.data_ptr(), n):
+            rows = (x0 + a * xs, b - a, k, i0 + a * is_, w0 + a * ws)
+            if wide:
+                s = scratch(lib.sized("scratch", b - a, k, self.E, self.I, n))
+                bad = lib.ffn(*rows, self.E, self.D, self.I, *experts, o0 + a * os_, s.data_ptr(), n)
+            else:
+                s = scratch(lib.sized("scratch", b - a, k, self.E, self.D, self.I, n))
+                bad = lib.ffn(*rows, int(weights.dtype == torch.bfloat16), self.E, self.D, self.I, *experts,
+                              o0 + a * os_, s.data_ptr(), n)
+            if bad:
                 raise ValueError(f"expert ids outside 0..{self.E - 1}")
         return out
 

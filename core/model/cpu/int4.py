@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 
 import torch
 
 from core.assets import INT4_MATMUL_C as SOURCE
 from core.model.cpu import native
+from core.model.cpu.ffn import scratch as _scratch  # one thread-local scratch for every C kernel
 
 GROUPS = (32, 64, 128)
 MAX_EXPERTS = 64  # routed experts of one token the fused call takes
@@ -95,17 +95,6 @@ def runs(dtype: torch.dtype, *ks: int, group: int) -> bool:
         return False
     lib = library()
     return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
-
-
-_local = threading.local()
-
-
-def _scratch(nbytes: int) -> torch.Tensor:
-    """This thread's scratch (a CPU tensor's storage is 64-byte aligned), grown once to the largest call."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        buf = _local.buf = torch.empty(nbytes, dtype=torch.uint8)
-    return buf
 
 
 def _is_bf16(t: torch.Tensor) -> int:

@@ -76,10 +76,6 @@ _HW_LEVELS = (("amx", ("amx_bf16", "amx_tile")), ("avx512_bf16", ("avx512_bf16",
               ("avx2", ("avx2",)))
 
 
-def _level(f: dict) -> str:
-    return next((level for level, flags in _HW_LEVELS if any(f.get(x) for x in flags)), "baseline")
-
-
 def _aten_level() -> str | None:
     """ATen's vectorised kernels: "AVX512" / "AVX2" / "DEFAULT" on x86, other names elsewhere."""
     import torch
@@ -113,19 +109,14 @@ _ONEDNN_CAPS = (("AVX512_CORE_AMX", "amx"), ("AVX512_CORE_BF16", "avx512_bf16"),
                 ("AVX512", "avx512"), ("AVX2", "avx2"), ("SSE", "baseline"), ("DEFAULT", "baseline"))
 
 
-def _onednn_cap(name: str | None) -> str | None:
-    """ONEDNN_MAX_CPU_ISA as one of our levels (None when unset, ALL or unknown)."""
-    n = (name or "").strip().upper()
-    return next((level for prefix, level in _ONEDNN_CAPS if n.startswith(prefix)), None) if n else None
-
-
 # MKL_ENABLE_INSTRUCTIONS values below AVX-512 as our levels (MKL's AVX-512 paths do no bf16 math torch uses)
 _MKL_CAPS = (("AVX512", None), ("AVX2", "avx2"), ("AVX", "baseline"), ("SSE", "baseline"))
 
 
-def _mkl_cap(name: str | None) -> str | None:
+def _cap(table, name: str | None) -> str | None:
+    """A limit's value as one of our levels by `table`'s prefixes (None when unset, ALL or unknown)."""
     n = (name or "").strip().upper()
-    return next((level for prefix, level in _MKL_CAPS if n.startswith(prefix)), None) if n else None
+    return next((level for prefix, level in table if n.startswith(prefix)), None) if n else None
 
 
 def detect(features: dict | None = None, aten: str | None = None, onednn_bf16: bool | None = None,
@@ -133,12 +124,12 @@ def detect(features: dict | None = None, aten: str | None = None, onednn_bf16: b
     """The CpuIsa of this process; the arguments stand in for the machine in tests."""
     f = _features() if features is None else features
     env = os.environ if env is None else env
-    hw = _level(f)
+    hw = next((level for level, flags in _HW_LEVELS if any(f.get(x) for x in flags)), "baseline")
     limited = []
     # oneDNN (matmuls, prepacking) honours ONEDNN_MAX_CPU_ISA; ATen's vector kernels (elementwise,
     # softmax, the bf16 conversions) honour ATEN_CPU_CAPABILITY and top out at AVX-512
     onednn = hw
-    cap = _onednn_cap(env.get("ONEDNN_MAX_CPU_ISA"))
+    cap = _cap(_ONEDNN_CAPS, env.get("ONEDNN_MAX_CPU_ISA"))
     if cap is not None and _idx(cap) < _idx(hw):
         onednn = cap
         limited.append(f"ONEDNN_MAX_CPU_ISA={env['ONEDNN_MAX_CPU_ISA']}")
@@ -150,7 +141,7 @@ def detect(features: dict | None = None, aten: str | None = None, onednn_bf16: b
             limited.append(f"ATEN_CPU_CAPABILITY={env['ATEN_CPU_CAPABILITY']}")
     # without this one an AVX2 lane on an AVX-512 box ran its fp32 GEMMs on MKL's AVX-512 code at 1.7x an
     # AVX2 CPU's rate (bench/RESULTS.md, twentieth session)
-    mkl = _mkl_cap(env.get("MKL_ENABLE_INSTRUCTIONS"))
+    mkl = _cap(_MKL_CAPS, env.get("MKL_ENABLE_INSTRUCTIONS"))
     if mkl is not None and _idx(mkl) < _idx(hw):
         usable = mkl if _idx(mkl) < _idx(usable) else usable
         limited.append(f"MKL_ENABLE_INSTRUCTIONS={env['MKL_ENABLE_INSTRUCTIONS']}")

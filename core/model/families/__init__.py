@@ -51,7 +51,7 @@ def spec_from_config(cfg: dict, source: str = "config.json") -> ModelSpec:
         raise ModelError(f"{source} for {arch} is not usable: {e}", "check that it is the checkpoint's own config") from e
 
 
-def load_config(model_dir: str | Path) -> dict:
+def load_spec(model_dir: str | Path) -> ModelSpec:
     path = Path(model_dir)
     if not path.exists():
         raise ModelError(f"model folder {path} does not exist", "give a checkpoint folder, a repo id, or omit --model for the demo")
@@ -61,10 +61,7 @@ def load_config(model_dir: str | Path) -> dict:
     if not cfg_path.is_file():
         raise ModelError(f"{path} has no config.json", "give the folder holding config.json and the .safetensors files")
     try:
-        return json.loads(cfg_path.read_text(encoding="utf-8"))
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelError(f"cannot read {cfg_path}: {e}", "the file is damaged; download the model again") from e
-
-
-def load_spec(model_dir: str | Path) -> ModelSpec:
-    return spec_from_config(load_config(model_dir), source=str(Path(model_dir) / "config.json"))
+    return spec_from_config(cfg, source=str(cfg_path))

@@ -52,14 +52,11 @@ def spec(cfg: dict) -> ModelSpec:
     )
 
 
-def mla_pieces(prefix: str, spec: ModelSpec) -> list[Piece]:
-    a = prefix + "self_attn."
-    q = ([Piece(a + "q_a_proj.weight", "q_a"), Piece(a + "q_a_layernorm.weight", "q_a_norm"),
-          Piece(a + "q_b_proj.weight", "q_b")] if spec.mla.q_lora_rank else [Piece(a + "q_proj.weight", "q")])
-    return q + [Piece(a + "kv_a_proj_with_mqa.weight", "kv_a"), Piece(a + "kv_a_layernorm.weight", "kv_a_norm"),
-                Piece(a + "kv_b_proj.weight", "kv_b"), Piece(a + "o_proj.weight", "o")]
-
-
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"model.layers.{i}."
-    return [*norm_pieces(p, spec), *mla_pieces(p, spec), *deepseek_style_ffn(p, spec, keys, i)]
+    a = p + "self_attn."
+    q = ([Piece(a + "q_a_proj.weight", "q_a"), Piece(a + "q_a_layernorm.weight", "q_a_norm"),
+          Piece(a + "q_b_proj.weight", "q_b")] if spec.mla.q_lora_rank else [Piece(a + "q_proj.weight", "q")])
+    return [*norm_pieces(p, spec), *q, Piece(a + "kv_a_proj_with_mqa.weight", "kv_a"),
+            Piece(a + "kv_a_layernorm.weight", "kv_a_norm"), Piece(a + "kv_b_proj.weight", "kv_b"),
+            Piece(a + "o_proj.weight", "o"), *deepseek_style_ffn(p, spec, keys, i)]

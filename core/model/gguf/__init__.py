@@ -5,7 +5,3 @@ our families' configs and names each tensor's place in our layout; `load` fills 
 blocks kept as the file's own bytes, and builds the tokenizer from the metadata.
 Imports: core.model (spec, families, weights, quant), core.errors, core.telemetry; never core.plan or above.
 """
-
-from core.model.gguf.files import GGUFModel, find_gguf, is_gguf
-
-__all__ = ["GGUFModel", "find_gguf", "is_gguf"]

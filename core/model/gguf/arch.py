@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from core.errors import UnsupportedModelError
 from core.model import kernels
 from core.model.families import REGISTRY
@@ -179,11 +177,6 @@ def global_places(spec) -> list[Place]:
     if not spec.tie_word_embeddings:
         out.append(Place("output.weight", "lm_head"))
     return out
-
-
-def join_kv_b(k_b, v_b):
-    """DeepSeek's kv_b [H·(dn+dv), R] from newer files' k_b [H, R, dn] (transposed per head) and v_b [H, dv, R]."""
-    return torch.cat([k_b.transpose(1, 2), v_b], 1).reshape(-1, k_b.shape[1])
 
 
 def unpermute(rows, heads: int):

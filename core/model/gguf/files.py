@@ -55,13 +55,6 @@ def find_gguf(path: str | Path) -> list[Path] | None:
     return _set_of(first.with_name(f"{m['base']}-00001-of-{m['n']}.gguf") if m else first)
 
 
-def is_gguf(path: str | Path) -> bool:
-    try:
-        return find_gguf(path) is not None
-    except ModelError:
-        return True  # a GGUF folder, even if an ambiguous one: the loader says what is wrong
-
-
 @dataclass(frozen=True)
 class TensorRef:
     name: str

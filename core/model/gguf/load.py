@@ -15,7 +15,7 @@ import torch
 from core.errors import ModelError, UnsupportedModelError
 from core.model.families import spec_from_config
 from core.model.gguf import arch
-from core.model.gguf.files import GGUFModel, TensorRef, find_gguf, read_float, read_into  # noqa: F401 (re-exported)
+from core.model.gguf.files import GGUFModel, find_gguf, read_float, read_into
 from core.model.quant.experts import ExpertScheme, Matrix
 from core.model.quant.formats import GGUF_BLOCKS, Format
 from core.model.spec import ModelSpec
@@ -50,20 +50,17 @@ def expert_kinds(g: GGUFModel, spec: ModelSpec, i: int) -> dict[str, str]:
     return out
 
 
-def _check_kind(g: GGUFModel, kind: str, what: str) -> None:
-    if kind not in GGUF_BLOCKS and kind not in FLOAT_KINDS:
-        raise UnsupportedModelError(
-            f"GGUF {g.arch} file {g.paths[0].name}: {what} are {kind}, a quantization mlight does not run",
-            f"use a GGUF whose experts are one of {', '.join(GGUF_BLOCKS)} (e.g. Q4_K_M, Q5_K_M, Q6_K, Q8_0) or F16/BF16")
-
-
 def expert_scheme(g: GGUFModel, spec: ModelSpec, i: int) -> ExpertScheme | None:
     """Layer i's experts as stored (None: floats); a dense layer takes the first MoE layer's, one layout kind."""
     if not spec.is_moe(i):
         i = next((j for j in range(spec.num_layers) if spec.is_moe(j)), i)
     k = expert_kinds(g, spec, i)
     for w, kind in k.items():
-        _check_kind(g, kind, f"the {w} projections of the experts")
+        if kind not in GGUF_BLOCKS and kind not in FLOAT_KINDS:
+            raise UnsupportedModelError(
+                f"GGUF {g.arch} file {g.paths[0].name}: the {w} projections of the experts are {kind}, a quantization "
+                "mlight does not run", f"use a GGUF whose experts are one of {', '.join(GGUF_BLOCKS)} (e.g. Q4_K_M, "
+                "Q5_K_M, Q6_K, Q8_0) or F16/BF16")
     if all(kind in FLOAT_KINDS for kind in k.values()):
         return None
     if any(kind in FLOAT_KINDS for kind in k.values()):
@@ -203,16 +200,12 @@ def _check_shape(name: str, got, want) -> None:
 
 def _read_float(g: GGUFModel, name: str) -> torch.Tensor:
     k_b, v_b = name.replace("attn_kv_b", "attn_k_b"), name.replace("attn_kv_b", "attn_v_b")
-    if name not in g.tensors and k_b in g.tensors and v_b in g.tensors:  # DeepSeek's kv_b, split by the converter
-        return arch.join_kv_b(read_float(g.tensors[k_b]), read_float(g.tensors[v_b]))
-    return read_float(_tensor(g, name))
-
-
-def _tensor(g: GGUFModel, name: str) -> TensorRef:
-    try:
-        return g.tensors[name]
-    except KeyError:
-        raise ModelError(f"{g.paths[0].name} has no tensor {name}", "the GGUF file is incomplete or damaged") from None
+    if name in g.tensors:
+        return read_float(g.tensors[name])
+    if k_b in g.tensors and v_b in g.tensors:  # DeepSeek's kv_b, split by the converter: k_b [H, R, dn], v_b [H, dv, R]
+        k_b, v_b = read_float(g.tensors[k_b]), read_float(g.tensors[v_b])
+        return torch.cat([k_b.transpose(1, 2), v_b], 1).reshape(-1, k_b.shape[1])  # [H·(dn+dv), R]
+    raise ModelError(f"{g.paths[0].name} has no tensor {name}", "the GGUF file is incomplete or damaged")
 
 
 def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,

@@ -18,7 +18,6 @@ import torch
 
 from core.model.quant.formats import GGUF_BLOCKS, Format
 
-_SHIFT4 = (0, 4)
 _MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 

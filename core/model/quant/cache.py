@@ -53,17 +53,13 @@ def fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def entry_key(model_dir: Path, what: dict) -> str:
-    h = hashlib.sha256(fingerprint(model_dir).encode())
-    h.update(json.dumps({**what, "version": VERSION}, sort_keys=True).encode())
-    return h.hexdigest()[:24]
-
-
 class CacheEntry:
     """One quantized checkpoint in the cache."""
 
     def __init__(self, model_dir: Path, what: dict):
-        self.key = entry_key(model_dir, what)
+        h = hashlib.sha256(fingerprint(model_dir).encode())
+        h.update(json.dumps({**what, "version": VERSION}, sort_keys=True).encode())
+        self.key = h.hexdigest()[:24]
         self.dir = cache_root() / self.key
         self.file = self.dir / "model.safetensors"
         self.what = what
