@@ -133,9 +133,12 @@ def baseline_library(rev: str, lib):
 
 
 def kernel_paths(args) -> int:
-    from core.model.cpu import gguf_blocks
+    import itertools
+
+    from core.model.cpu import gguf_blocks, gguf_token
 
     rounds = args.rounds or 5
+    turn = itertools.count()
     lib = gguf_blocks.library()
     if lib is None:
         print(f"no kernel: {gguf_blocks.status()}")
@@ -163,20 +166,35 @@ def kernel_paths(args) -> int:
             args.timer = time.thread_time if (args.clock or ("cpu" if threads == 1 else "wall")) == "cpu" and \
                 threads == 1 else time.perf_counter
             x1 = torch.randn(1, D, generator=g).bfloat16()
-            ids, wts = torch.tensor([[5, 2]]), torch.tensor([[0.6, 0.4]])
+            wts = torch.tensor([[0.6, 0.4]])
             integer = gguf_blocks.integer_path(kind)  # `linear`'s default for the format
-            linear = [integer if p == "int" else p for p in names]
+            linear = [integer if p in ("int", "token") else p for p in names]
             # `moe` takes fp32, int8 (the K-quants on int16) and q8k (the K-quants on Q8_K)
             fused = [{"int": "int8", "int16": "int8", "int16_c": "int8_c"}.get(p, p) for p in linear]
-            compare(rounds, f"{kind}, {threads}, moe B=1", TOP_K * 3 * D * I,
-                    lambda i: gguf_blocks.moe(x1, ids, wts, (kind, w13), (kind, w2), path=fused[on(i)]), args)
+
+            pairs = [torch.tensor([[e, (e + 3) % E]]) for e in range(E)]
+
+            def moe(i):  # another pair of experts each call, as a decode step's tokens route
+                ids = pairs[next(turn) % E]
+                if names[on(i)] == "token":
+                    return gguf_token.moe(x1, ids, wts, (kind, w13), (kind, w2))
+                return gguf_blocks.moe(x1, ids, wts, (kind, w13), (kind, w2), path=fused[i])
+
+            def dense(i, x, raw, y):
+                if names[on(i)] == "token" and gguf_token.linear(kind, x, raw, y):
+                    return y
+                return gguf_blocks.linear(kind, x, raw, out=y, path=linear[i])
+
+            compare(rounds, f"{kind}, {threads}, moe B=1", TOP_K * 3 * D * I, moe, args)
             for m in (int(r) for r in args.rows.split(",")):
                 xu = torch.randn(m, D, generator=g).bfloat16()
                 xd = torch.randn(m, I, generator=g).bfloat16()
+                yu, yd = torch.empty(m, 2 * I, dtype=torch.bfloat16), torch.empty(m, D, dtype=torch.bfloat16)
+                # the rows of every expert in turn: a decode step reads each matrix once, from memory, not cache
                 compare(rounds, f"{kind}, {threads}, gate/up M={m}", 2 * I * D,
-                        lambda i: gguf_blocks.linear(kind, xu, w13[0], path=linear[on(i)]), args)
+                        lambda i: dense(i, xu, w13[next(turn) % E], yu), args)
                 compare(rounds, f"{kind}, {threads}, down M={m}", D * I,
-                        lambda i: gguf_blocks.linear(kind, xd, w2[0], path=linear[on(i)]), args)
+                        lambda i: dense(i, xd, w2[next(turn) % E], yd), args)
     return 0
 
 

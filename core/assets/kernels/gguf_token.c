@@ -89,9 +89,106 @@ static float dot_q8_0(const uint8_t *row, int64_t nb, const int8_t *xq, const fl
 #endif
 }
 
-/* a row of format `kind` (K values) . the activation row quantized at xp: Q8_0 in place, else decoded into
-   own (gguf_matmul.c's dot_one); simd 0: the plain-C dots */
+#if SIMD == 2
+/* w . x for one Q4_K / Q5_K / Q6_K row of K values and x int16 a 256: gguf_matmul.c's k16_tile at one row (the
+   same integers a lane, the same FMAs, so the same float) with the prefetch the Q8_0 dot has, and the integer
+   dots of a super-block in two chains (the sum is exact, its order free). Q4_K's 32 bytes of two sub-blocks
+   are widened to int16 once and split into nibbles there (one widening a 64 values where u32_k + k16_w take
+   two) */
+/* k16_scales with the scales kept in a register: the sub-scales as int16 in the low lanes of *sc (Q4_K, Q5_K:
+   8, the 6-bit unpacking of gguf_matmul.c's sm_k4 on three words; Q6_K: 16), the mins as int32, d and dmin
+   from one conversion. Through the stack (k16_scales) this prologue took a third of a Q4_K super-block's time. */
+static inline __attribute__((always_inline)) void k16_scales_v(const int kind, const uint8_t *blk, __m512i *sc,
+                                                               __m256i *mn, float *d, float *dm) {
+    if (kind == 4) {
+        *sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
+        *mn = _mm256_setzero_si256(), *d = f16f(blk + 208), *dm = 0.f;
+        return;
+    }
+    uint32_t u0, u1, u2, dd;
+    memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4), memcpy(&dd, blk, 4);
+    uint32_t s0 = u0 & 0x3f3f3f3f, m0 = u1 & 0x3f3f3f3f;
+    uint32_t s1 = (u2 & 0x0f0f0f0f) | (((u0 >> 6) & 0x03030303) << 4);
+    uint32_t m1 = ((u2 >> 4) & 0x0f0f0f0f) | (((u1 >> 6) & 0x03030303) << 4);
+    *sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)s1, (int)s0)));
+    *mn = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m1, (int)m0));
+    __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
+    *d = _mm_cvtss_f32(f), *dm = _mm_cvtss_f32(_mm_movehdup_ps(f));
+}
+
+/* values 32j..32j + 31's int16 weights with their sub-scales (k16_w's integers), the scales from a register */
+static inline __attribute__((always_inline)) __m512i k16_wv(const int kind, const uint8_t *blk, __m512i sc, int j) {
+    __m512i w = _mm512_cvtepu8_epi16(u32_k(kind, blk, j)), s;
+    if (kind == 4) {
+        w = _mm512_sub_epi16(w, _mm512_set1_epi16(32));
+        s = _mm512_permutexvar_epi16(
+            _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1), sc);
+    } else s = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)j), sc);
+    return _mm512_mullo_epi16(w, s);
+}
+
+/* w . x for NR rows ldw bytes apart of kind 2-4 (K values each) and x int16 a 256: gguf_matmul.c's k16_tile at
+   one activation row (the same integers a lane, the same FMAs, so the same floats), with the prefetch the Q8_0
+   dot has, the scales in registers, and a super-block's integer dots in two chains (their sum is exact, its
+   order free). Q4_K's 32 bytes of two sub-blocks are widened to int16 once and split into nibbles there. */
+static inline __attribute__((always_inline)) void k16_rows(const int kind, const uint8_t *row, int64_t ldw, const int NR,
+                                                           int64_t K, KQRow x, float *out) {
+    __m256 acc[4];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 256; b++) {
+        const int16_t *q = x.q + 256 * b;
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *blk = row + r * ldw + b * TS[kind];
+            for (int c = 0; c < TS[kind]; c += 64) _mm_prefetch((const char *)(blk + AHEAD + c), _MM_HINT_T0);
+            __m512i sc;
+            __m256i mn;
+            float d, dm;
+            k16_scales_v(kind, blk, &sc, &mn, &d, &dm);
+            __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+            if (kind == 2) {
+                const __m512i m4 = _mm512_set1_epi16(15);
+                for (int i = 0; i < 4; i++) {
+                    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i)));
+                    __m512i s0 = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * i)), sc);
+                    __m512i s1 = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * i + 1)), sc);
+                    t0 = k16_dot(t0, _mm512_mullo_epi16(_mm512_and_si512(v, m4), s0), q + 64 * i);
+                    t1 = k16_dot(t1, _mm512_mullo_epi16(_mm512_srli_epi16(v, 4), s1), q + 64 * i + 32);
+                }
+            } else
+                for (int j = 0; j < KN; j += 2) {
+                    t0 = k16_dot(t0, k16_wv(kind, blk, sc, j), q + 32 * j);
+                    t1 = k16_dot(t1, k16_wv(kind, blk, sc, j + 1), q + 32 * j + 32);
+                }
+            acc[r] = k16_lanes(kind, fold8(_mm512_add_epi32(t0, t1)), x.bs + 8 * b, mn, d, dm, x.d[b], acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = hsum8(acc[r]);
+}
+
+/* NR (1, 2 or 4) rows ldw bytes apart of kind 2-4 */
+static void k16_n(int kind, const uint8_t *row, int64_t ldw, int NR, int64_t K, KQRow x, float *out) {
+#define K16_N(k) switch (NR) { case 1: k16_rows(k, row, ldw, 1, K, x, out); break; \
+                               case 2: k16_rows(k, row, ldw, 2, K, x, out); break; \
+                               default: k16_rows(k, row, ldw, 4, K, x, out); break; }
+    switch (kind) {
+    case 2: K16_N(2) break;
+    case 3: K16_N(3) break;
+    default: K16_N(4) break;
+    }
+#undef K16_N
+}
+#endif
+
+/* a row of format `kind` (K values) . the activation row quantized at xp: Q8_0 in place, the K-quants in place
+   with AVX-512 VNNI, else decoded into own (gguf_matmul.c's dot_one); simd 0: the plain-C dots */
 static float dot_row(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8_t *own, int64_t RW, int simd) {
+#if SIMD == 2
+    if (simd && is_k(kind)) {
+        float v;
+        k16_n(kind, row, 0, 1, K, kqrow_at(xp, K), &v);
+        return v;
+    }
+#endif
     if (kind != 0) return dot_one(kind, row, K, xp, own, RW, simd, 0);
     QRow x = qrow_at(xp, K);
     return simd ? dot_q8_0(row, K / 32, x.q, x.d) : dot_q8_0_c(row, K / 32, x.q, x.d);
@@ -158,6 +255,21 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t K, con
         t = omp_get_thread_num();
 #endif
         uint8_t *own = rows + (int64_t)t * wb;
+#if SIMD == 2
+        if (is_k(kind) && path == 2) {
+            OMP(omp for schedule(static))
+            for (int64_t n4 = 0; n4 < (N + 3) / 4; n4++) {
+                int64_t n = 4 * n4;
+                int nr = N - n < 4 ? (int)(N - n) : 4;
+                float v[4];
+                if (nr == 3) {
+                    k16_n(kind, w + n * ldw, ldw, 2, K, kqrow_at(xq, K), v);
+                    k16_n(kind, w + (n + 2) * ldw, ldw, 1, K, kqrow_at(xq, K), v + 2);
+                } else k16_n(kind, w + n * ldw, ldw, nr, K, kqrow_at(xq, K), v);
+                for (int r = 0; r < nr; r++) put(y, y_bf16, n + r, v[r]);
+            }
+        } else
+#endif
         OMP(omp for schedule(static))
         for (int64_t n = 0; n < N; n++) put(y, y_bf16, n, dot_row(kind, w + n * ldw, K, xq, own, K, path == 2));
     }
