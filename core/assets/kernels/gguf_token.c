@@ -194,6 +194,24 @@ static float dot_row(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8
     return simd ? dot_q8_0(row, K / 32, x.q, x.d) : dot_q8_0_c(row, K / 32, x.q, x.d);
 }
 
+#define TR 4 /* weight rows a tile at one token: 1.25x one row (Q4_K, AVX-512 VNNI), the rows' dots overlapping */
+
+/* out[r] = row r . x for nr (1..TR) rows ldw bytes apart: the K-quants' in-place tiles, else row by row */
+static void dot_tile(int kind, const uint8_t *row, int64_t ldw, int nr, int64_t K, uint8_t *xp, uint8_t *own,
+                     int64_t RW, int simd, float *out) {
+#if SIMD == 2
+    if (simd && is_k(kind)) {
+        KQRow x = kqrow_at(xp, K);
+        if (nr == 3) {
+            k16_n(kind, row, ldw, 2, K, x, out);
+            k16_n(kind, row + 2 * ldw, ldw, 1, K, x, out + 2);
+        } else k16_n(kind, row, ldw, nr, K, x, out);
+        return;
+    }
+#endif
+    for (int r = 0; r < nr; r++) out[r] = dot_row(kind, row + r * ldw, K, xp, own, RW, simd);
+}
+
 /* mlight_gguf_moe's integer paths (path 1 plain C, 2 SIMD) with the same arguments, scratch and phases */
 int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64_t I, int nexp,
                           const int64_t *ids, const void *wts, int w_bf16, const uint8_t *w13, int64_t e13,
@@ -216,10 +234,12 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
         t = omp_get_thread_num();
 #endif
         uint8_t *own = wq + (int64_t)t * wb;
+        int64_t t13 = (2 * I + TR - 1) / TR; /* tiles of an expert's gate/up rows */
         OMP(omp for schedule(static))
-        for (int64_t r = 0; r < nexp * 2 * I; r++) {
-            int64_t e = r / (2 * I), n = r % (2 * I);
-            gu[r] = dot_row(k13, w13 + ids[e] * e13 + n * ldw13, D, xq, own, RW, simd);
+        for (int64_t r = 0; r < nexp * t13; r++) {
+            int64_t e = r / t13, n = TR * (r % t13);
+            int nr = 2 * I - n < TR ? (int)(2 * I - n) : TR;
+            dot_tile(k13, w13 + ids[e] * e13 + n * ldw13, ldw13, nr, D, xq, own, RW, simd, gu + e * 2 * I + n);
         }
         OMP(omp for schedule(static))
         for (int e = 0; e < nexp; e++) {
@@ -228,13 +248,15 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
             quantize_for(k2, h, 0, I, hq + e * qi, 0);
         }
         OMP(omp for schedule(static))
-        for (int64_t d = 0; d < D; d++) {
-            float y = 0, v;
-            for (int e = 0; e < nexp; e++) {
-                v = dot_row(k2, w2 + ids[e] * e2 + d * ldw2, I, hq + e * qi, own, RW, simd);
-                y += w[e] * v;
+        for (int64_t d4 = 0; d4 < (D + TR - 1) / TR; d4++) {
+            int64_t d = TR * d4;
+            int nr = D - d < TR ? (int)(D - d) : TR;
+            float y[TR] = {0}, v[TR];
+            for (int e = 0; e < nexp; e++) { /* each output summed over the experts in their order */
+                dot_tile(k2, w2 + ids[e] * e2 + d * ldw2, ldw2, nr, I, hq + e * qi, own, RW, simd, v);
+                for (int r = 0; r < nr; r++) y[r] += w[e] * v[r];
             }
-            put(out, out_bf16, d, y);
+            for (int r = 0; r < nr; r++) put(out, out_bf16, d + r, y[r]);
         }
     }
     return 0;
@@ -255,23 +277,14 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t K, con
         t = omp_get_thread_num();
 #endif
         uint8_t *own = rows + (int64_t)t * wb;
-#if SIMD == 2
-        if (is_k(kind) && path == 2) {
-            OMP(omp for schedule(static))
-            for (int64_t n4 = 0; n4 < (N + 3) / 4; n4++) {
-                int64_t n = 4 * n4;
-                int nr = N - n < 4 ? (int)(N - n) : 4;
-                float v[4];
-                if (nr == 3) {
-                    k16_n(kind, w + n * ldw, ldw, 2, K, kqrow_at(xq, K), v);
-                    k16_n(kind, w + (n + 2) * ldw, ldw, 1, K, kqrow_at(xq, K), v + 2);
-                } else k16_n(kind, w + n * ldw, ldw, nr, K, kqrow_at(xq, K), v);
-                for (int r = 0; r < nr; r++) put(y, y_bf16, n + r, v[r]);
-            }
-        } else
-#endif
         OMP(omp for schedule(static))
-        for (int64_t n = 0; n < N; n++) put(y, y_bf16, n, dot_row(kind, w + n * ldw, K, xq, own, K, path == 2));
+        for (int64_t n4 = 0; n4 < (N + TR - 1) / TR; n4++) {
+            int64_t n = TR * n4;
+            int nr = N - n < TR ? (int)(N - n) : TR;
+            float v[TR];
+            dot_tile(kind, w + n * ldw, ldw, nr, K, xq, own, K, path == 2, v);
+            for (int r = 0; r < nr; r++) put(y, y_bf16, n + r, v[r]);
+        }
     }
     return 0;
 }
