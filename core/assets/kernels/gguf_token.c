@@ -157,6 +157,27 @@ static inline __attribute__((always_inline)) void k16_rows(const int kind, const
                     t0 = k16_dot(t0, _mm512_mullo_epi16(_mm512_and_si512(v, m4), s0), q + 64 * i);
                     t1 = k16_dot(t1, _mm512_mullo_epi16(_mm512_srli_epi16(v, 4), s1), q + 64 * i + 32);
                 }
+            } else if (kind == 4) { /* a half's ql and qh bytes widened once for its four 32s (u32_k's bits) */
+                const __m512i m4 = _mm512_set1_epi16(15), m30 = _mm512_set1_epi16(0x30), c32 = _mm512_set1_epi16(32);
+                for (int h = 0; h < 2; h++) {
+                    __m512i l0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 64 * h)));
+                    __m512i l1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32)));
+                    __m512i hb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+                    __m512i u[4] = {
+                        _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30)),
+                        _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30)),
+                        _mm512_or_si512(_mm512_srli_epi16(l0, 4), _mm512_and_si512(hb, m30)),
+                        _mm512_or_si512(_mm512_srli_epi16(l1, 4), _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30))};
+                    for (int t = 0; t < 4; t++) {
+                        int j = 4 * h + t;
+                        __m512i sj = _mm512_permutexvar_epi16(
+                            _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1),
+                            sc);
+                        __m512i w = _mm512_mullo_epi16(_mm512_sub_epi16(u[t], c32), sj);
+                        if (t & 1) t1 = k16_dot(t1, w, q + 32 * j);
+                        else t0 = k16_dot(t0, w, q + 32 * j);
+                    }
+                }
             } else
                 for (int j = 0; j < KN; j += 2) {
                     t0 = k16_dot(t0, k16_wv(kind, blk, sc, j), q + 32 * j);
