@@ -116,15 +116,10 @@ static inline __attribute__((always_inline)) void k16_scales_v(const int kind, c
     *d = _mm_cvtss_f32(f), *dm = _mm_cvtss_f32(_mm_movehdup_ps(f));
 }
 
-/* values 32j..32j + 31's int16 weights with their sub-scales (k16_w's integers), the scales from a register */
-static inline __attribute__((always_inline)) __m512i k16_wv(const int kind, const uint8_t *blk, __m512i sc, int j) {
-    __m512i w = _mm512_cvtepu8_epi16(u32_k(kind, blk, j)), s;
-    if (kind == 4) {
-        w = _mm512_sub_epi16(w, _mm512_set1_epi16(32));
-        s = _mm512_permutexvar_epi16(
-            _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1), sc);
-    } else s = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)j), sc);
-    return _mm512_mullo_epi16(w, s);
+/* Q5_K's values 32j..32j + 31 as int16 weights with their sub-scale (k16_w's integers), the scales from a
+   register */
+static inline __attribute__((always_inline)) __m512i k16_wv(const uint8_t *blk, __m512i sc, int j) {
+    return _mm512_mullo_epi16(_mm512_cvtepu8_epi16(u32_k(3, blk, j)), _mm512_permutexvar_epi16(_mm512_set1_epi16((short)j), sc));
 }
 
 /* w . x for NR rows ldw bytes apart of kind 2-4 (K values each) and x int16 a 256: gguf_matmul.c's k16_tile at
@@ -180,8 +175,8 @@ static inline __attribute__((always_inline)) void k16_rows(const int kind, const
                 }
             } else
                 for (int j = 0; j < KN; j += 2) {
-                    t0 = k16_dot(t0, k16_wv(kind, blk, sc, j), q + 32 * j);
-                    t1 = k16_dot(t1, k16_wv(kind, blk, sc, j + 1), q + 32 * j + 32);
+                    t0 = k16_dot(t0, k16_wv(blk, sc, j), q + 32 * j);
+                    t1 = k16_dot(t1, k16_wv(blk, sc, j + 1), q + 32 * j + 32);
                 }
             acc[r] = k16_lanes(kind, fold8(_mm512_add_epi32(t0, t1)), x.bs + 8 * b, mn, d, dm, x.d[b], acc[r]);
         }
@@ -213,7 +208,7 @@ static float dot_row(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8
         return v;
     }
 #endif
-    if (kind != 0) return dot_one(kind, row, K, xp, own, RW, simd, 0);
+    if (kind != 0) return dot_one(kind, row, K, xp, own, RW, simd);
     QRow x = qrow_at(xp, K);
     return simd ? dot_q8_0(row, K / 32, x.q, x.d) : dot_q8_0_c(row, K / 32, x.q, x.d);
 }
@@ -250,7 +245,7 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
     int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
     uint8_t *xq = (uint8_t *)(gu + (int64_t)nexp * 2 * I), *hq = xq + qd, *wq = hq + nexp * qi;
     int simd = path == 2;
-    quantize_for(k13, x, x_bf16, D, xq, 0);
+    quantize_for(k13, x, x_bf16, D, xq);
     OMP(omp parallel num_threads(threads))
     {
         int t = 0;
@@ -269,7 +264,7 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
         for (int e = 0; e < nexp; e++) {
             float *h = gu + (int64_t)e * 2 * I;
             for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
-            quantize_for(k2, h, 0, I, hq + e * qi, 0);
+            quantize_for(k2, h, 0, I, hq + e * qi);
         }
         OMP(omp for schedule(static))
         for (int64_t d4 = 0; d4 < (D + TR - 1) / TR; d4++) {
@@ -293,7 +288,7 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t K, con
     if (kind < 0 || kind > 5 || K % BS[kind] || threads < 1 || path < 1 || path > 2) return -1;
     int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
     uint8_t *xq = (uint8_t *)scratch, *rows = xq + xrow_bytes(kind, K);
-    quantize_for(kind, x, x_bf16, K, xq, 0);
+    quantize_for(kind, x, x_bf16, K, xq);
     OMP(omp parallel num_threads(threads))
     {
         int t = 0;
