@@ -1,4 +1,5 @@
-/* One token's routed experts on GGUF blocks with Q8_0 rows dotted where they lie (decode at batch 1).
+/* One token's routed experts and dense rows on GGUF blocks, Q8_0 and K-quant rows dotted where they lie (decode
+   at batch 1).
 
    gguf_matmul.c's one-token call decodes each weight row into a buffer of the thread's (the bytes copied,
    each block's half scale widened into two floats) and dots that buffer with the activations: at one
@@ -8,7 +9,16 @@
    dots, the same float products and the same lane order as gguf_matmul.c's int8 tiles (AVX-512 VNNI: two
    blocks a 512-bit vector, even blocks in the low lanes; AVX2: even and odd blocks in two accumulators;
    plain C: 16 lanes), so the result equals `mlight_gguf_moe`'s int8 path bit for bit
-   (tests/test_gguf_token.py). Matrices in other formats take gguf_matmul.c's row decode as before.
+   (tests/test_gguf_token.py).
+
+   The K-quants (Q4_K, Q5_K, Q6_K; with AVX-512 VNNI) keep gguf_matmul.c's int16 arithmetic (activations int16
+   a 256, the weights int16 with their sub-scales folded in, a super-block's dot an int32 a lane) and so its
+   result bit for bit, but four weight rows a tile against the one activation row (their dots overlapping:
+   1.25x one row), each super-block's scales unpacked in registers (through the stack they took a third of a
+   Q4_K super-block's time) and the next rows prefetched. On the 784M Mixtral's expert shapes (Zen 5, one
+   thread, weights from memory) that read Q4_K at 1.2-1.3x gguf_matmul.c's one-row kernel, Q6_K at 1.0x
+   (bench/gguf_speed.py --kernel --paths main:int16,token). With AVX2 and in plain C these rows are decoded
+   first, as in gguf_matmul.c. Other formats take gguf_matmul.c's row decode as before.
 
    gguf_matmul.c is compiled into this library (its quantization, SiLU and decoders are the reference here,
    not a copy); the build's flags carry a hash of it, so a change there builds this afresh
@@ -90,11 +100,6 @@ static float dot_q8_0(const uint8_t *row, int64_t nb, const int8_t *xq, const fl
 }
 
 #if SIMD == 2
-/* w . x for one Q4_K / Q5_K / Q6_K row of K values and x int16 a 256: gguf_matmul.c's k16_tile at one row (the
-   same integers a lane, the same FMAs, so the same float) with the prefetch the Q8_0 dot has, and the integer
-   dots of a super-block in two chains (the sum is exact, its order free). Q4_K's 32 bytes of two sub-blocks
-   are widened to int16 once and split into nibbles there (one widening a 64 values where u32_k + k16_w take
-   two) */
 /* k16_scales with the scales kept in a register: the sub-scales as int16 in the low lanes of *sc (Q4_K, Q5_K:
    8, the 6-bit unpacking of gguf_matmul.c's sm_k4 on three words; Q6_K: 16), the mins as int32, d and dmin
    from one conversion. Through the stack (k16_scales) this prologue took a third of a Q4_K super-block's time. */
@@ -119,15 +124,16 @@ static inline __attribute__((always_inline)) void k16_scales_v(const int kind, c
 /* Q5_K's values 32j..32j + 31 as int16 weights with their sub-scale (k16_w's integers), the scales from a
    register */
 static inline __attribute__((always_inline)) __m512i k16_wv(const uint8_t *blk, __m512i sc, int j) {
-    return _mm512_mullo_epi16(_mm512_cvtepu8_epi16(u32_k(3, blk, j)), _mm512_permutexvar_epi16(_mm512_set1_epi16((short)j), sc));
+    __m512i s = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)j), sc);
+    return _mm512_mullo_epi16(_mm512_cvtepu8_epi16(u32_k(3, blk, j)), s);
 }
 
 /* w . x for NR rows ldw bytes apart of kind 2-4 (K values each) and x int16 a 256: gguf_matmul.c's k16_tile at
    one activation row (the same integers a lane, the same FMAs, so the same floats), with the prefetch the Q8_0
    dot has, the scales in registers, and a super-block's integer dots in two chains (their sum is exact, its
    order free). Q4_K's 32 bytes of two sub-blocks are widened to int16 once and split into nibbles there. */
-static inline __attribute__((always_inline)) void k16_rows(const int kind, const uint8_t *row, int64_t ldw, const int NR,
-                                                           int64_t K, KQRow x, float *out) {
+static inline __attribute__((always_inline)) void k16_rows(const int kind, const uint8_t *row, int64_t ldw,
+                                                           const int NR, int64_t K, KQRow x, float *out) {
     __m256 acc[4];
     for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     /* the next tile's rows follow these: AHEAD bytes on, or where a tile spans more, the same place a tile on (4
@@ -165,9 +171,9 @@ static inline __attribute__((always_inline)) void k16_rows(const int kind, const
                         _mm512_or_si512(_mm512_srli_epi16(l1, 4), _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30))};
                     for (int t = 0; t < 4; t++) {
                         int j = 4 * h + t;
-                        __m512i sj = _mm512_permutexvar_epi16(
-                            _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1),
-                            sc);
+                        __m512i at = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
+                                                        _mm256_set1_epi16((short)(2 * j + 1)), 1);
+                        __m512i sj = _mm512_permutexvar_epi16(at, sc); /* scales 2j, 2j + 1: a 16 each */
                         __m512i w = _mm512_mullo_epi16(_mm512_sub_epi16(u[t], c32), sj);
                         if (t & 1) t1 = k16_dot(t1, w, q + 32 * j);
                         else t0 = k16_dot(t0, w, q + 32 * j);
@@ -184,7 +190,7 @@ static inline __attribute__((always_inline)) void k16_rows(const int kind, const
     for (int r = 0; r < NR; r++) out[r] = hsum8(acc[r]);
 }
 
-/* NR (1, 2 or 4) rows ldw bytes apart of kind 2-4 */
+/* k16_rows specialised: NR (1, 2 or 4) rows ldw bytes apart of kind 2-4 */
 static void k16_n(int kind, const uint8_t *row, int64_t ldw, int NR, int64_t K, KQRow x, float *out) {
 #define K16_N(k) switch (NR) { case 1: k16_rows(k, row, ldw, 1, K, x, out); break; \
                                case 2: k16_rows(k, row, ldw, 2, K, x, out); break; \
@@ -198,16 +204,9 @@ static void k16_n(int kind, const uint8_t *row, int64_t ldw, int NR, int64_t K, 
 }
 #endif
 
-/* a row of format `kind` (K values) . the activation row quantized at xp: Q8_0 in place, the K-quants in place
-   with AVX-512 VNNI, else decoded into own (gguf_matmul.c's dot_one); simd 0: the plain-C dots */
+/* a row of format `kind` (K values) . the activation row quantized at xp: Q8_0 in place, else decoded into
+   own (gguf_matmul.c's dot_one); simd 0: the plain-C dots */
 static float dot_row(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8_t *own, int64_t RW, int simd) {
-#if SIMD == 2
-    if (simd && is_k(kind)) {
-        float v;
-        k16_n(kind, row, 0, 1, K, kqrow_at(xp, K), &v);
-        return v;
-    }
-#endif
     if (kind != 0) return dot_one(kind, row, K, xp, own, RW, simd);
     QRow x = qrow_at(xp, K);
     return simd ? dot_q8_0(row, K / 32, x.q, x.d) : dot_q8_0_c(row, K / 32, x.q, x.d);

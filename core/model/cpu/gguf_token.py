@@ -1,13 +1,16 @@
-"""One token's GGUF experts with Q8_0 rows dotted where they lie (core/assets/kernels/gguf_token.c): decode at batch 1.
+"""One token's GGUF experts and dense rows with Q8_0, Q4_K, Q5_K and Q6_K rows dotted where they lie
+(core/assets/kernels/gguf_token.c): decode at batch 1.
 
 `gguf_blocks.moe` decodes every weight row into a buffer before its dot; for Q8_0 that copy costs what the dot
 does at one activation row, and a decode step of the 784M Mixtral read its experts at half of what one core
 streams. This kernel dots the blocks themselves, with gguf_matmul.c's integers, products and lane order, so
-its result equals `gguf_blocks.moe`'s default path (int8 activations) bit for bit; a matrix in another format
-in the same call is decoded as before. It takes bf16 tokens with a Q8_0 matrix among the two (`moe` says None
-otherwise, and the caller runs `gguf_blocks.moe`); `linear` is one bf16 row through a Q8_0 matrix the same way
-(a decode step's dense projections at batch 1). Built like the other C kernels (core.model.cpu.native),
-with gguf_matmul.c compiled in: the build flags carry its hash, so an edit there rebuilds this.
+its result equals `gguf_blocks.moe`'s default path (int8 activations; int16 for the K-quants) bit for bit; the
+K-quants (with AVX-512 VNNI) four rows a tile with their scales unpacked in registers; a matrix in another
+format in the same call is decoded as before. It takes bf16 tokens with a Q8_0 or K-quant matrix among the
+two (`moe` says None otherwise, and the caller runs `gguf_blocks.moe`); `linear` is one bf16 row through such
+a matrix the same way (a decode step's dense projections at batch 1). Built like the other C kernels
+(core.model.cpu.native), with gguf_matmul.c compiled in: the build flags carry its hash, so an edit there
+rebuilds this.
 Legend: D = hidden, I = expert intermediate, k = experts of the token, E = experts.
 """
 
@@ -71,8 +74,8 @@ def status() -> str:
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
         down: tuple[str, torch.Tensor], path: str = "int8") -> torch.Tensor | None:
     """`gguf_blocks.moe` for a bf16 token x [1, D] on its default path (`path` "int8", or "int8_c": the plain-C
-    dots), Q8_0 rows read in place: the same arguments, the same result; None where this kernel does not take
-    the call (x not bf16, no Q8_0 matrix, more than MAX_EXPERTS experts, no kernel here)."""
+    dots), Q8_0 and K-quant rows read in place: the same arguments, the same result; None where this kernel does
+    not take the call (x not bf16, neither matrix in IN_PLACE, more than MAX_EXPERTS experts, no kernel here)."""
     (k13, w13), (k2, w2) = up, down
     k = ids.shape[-1]
     if (x.dtype != torch.bfloat16 or x.shape[0] != 1 or not IN_PLACE.intersection((k13, k2))
