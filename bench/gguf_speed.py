@@ -21,13 +21,17 @@ machine does not keep.
 1024, intermediate 3840: gate/up [7680, 1024], down [1024, 3840]) in one process: "fp32" (each weight row
 decoded to floats, fp32 FMAs) and "int8" (activations quantized per 32 values, integer dots: AVX-512 VNNI or
 AVX2 `maddubs`; the K-quants' rows on their "int16" path, a scale a 256 values), at M activation rows and in
-the fused one-token call (`moe`, 2 of 8 experts), interleaved (fp32, int8, fp32, ...); printed: G weights/s
-of each (median) and the int8/fp32 ratio per round, its median and spread.
+the fused one-token call (`moe`, another 2 of the 8 experts each call), interleaved (fp32, int8, fp32, ...);
+each `linear` call takes the next expert's matrix, so that, as in a decode step, the weights come from memory
+rather than cache; printed: G weights/s of each (median) and the int8/fp32 ratio per round, its median and
+spread. `--paths` names other pairs: "token" is core.model.cpu.gguf_token's in-place one-token kernel (`moe`,
+and `linear` at one row; elsewhere the format's integer default).
 
     python bench/gguf_speed.py --kernel                                   # Q8_0 and Q4_K; M = 1..128; 1 and 2 threads
     python bench/gguf_speed.py --kernel --formats Q6_K --rows 1,8 --kernel-threads 1
-    python bench/gguf_speed.py --kernel --formats Q4_K,Q5_K,Q6_K --paths int16,q8k   # two integer paths
+    python bench/gguf_speed.py --kernel --formats Q4_K,Q5_K,Q6_K --paths int16,token --rows 1  # gguf_token's rows
     python bench/gguf_speed.py --kernel --formats Q4_K,Q6_K --paths main:int16,int16  # main's kernel vs this tree's
+    python bench/gguf_speed.py --kernel --formats Q4_K,Q6_K --rows 1 --kernel-threads 1 --paths main:int16,token
 """
 
 from __future__ import annotations
@@ -133,9 +137,12 @@ def baseline_library(rev: str, lib):
 
 
 def kernel_paths(args) -> int:
-    from core.model.cpu import gguf_blocks
+    import itertools
+
+    from core.model.cpu import gguf_blocks, gguf_token
 
     rounds = args.rounds or 5
+    turn = itertools.count()
     lib = gguf_blocks.library()
     if lib is None:
         print(f"no kernel: {gguf_blocks.status()}")
@@ -163,20 +170,35 @@ def kernel_paths(args) -> int:
             args.timer = time.thread_time if (args.clock or ("cpu" if threads == 1 else "wall")) == "cpu" and \
                 threads == 1 else time.perf_counter
             x1 = torch.randn(1, D, generator=g).bfloat16()
-            ids, wts = torch.tensor([[5, 2]]), torch.tensor([[0.6, 0.4]])
+            wts = torch.tensor([[0.6, 0.4]])
             integer = gguf_blocks.integer_path(kind)  # `linear`'s default for the format
-            linear = [integer if p == "int" else p for p in names]
-            # `moe` takes fp32, int8 (the K-quants on int16) and q8k (the K-quants on Q8_K)
+            linear = [integer if p in ("int", "token") else p for p in names]
+            # `moe` takes fp32 and int8 (the K-quants on int16)
             fused = [{"int": "int8", "int16": "int8", "int16_c": "int8_c"}.get(p, p) for p in linear]
-            compare(rounds, f"{kind}, {threads}, moe B=1", TOP_K * 3 * D * I,
-                    lambda i: gguf_blocks.moe(x1, ids, wts, (kind, w13), (kind, w2), path=fused[on(i)]), args)
+
+            pairs = [torch.tensor([[e, (e + 3) % E]]) for e in range(E)]
+
+            def moe(i):  # another pair of experts each call, as a decode step's tokens route
+                ids = pairs[next(turn) % E]
+                if names[on(i)] == "token":
+                    return gguf_token.moe(x1, ids, wts, (kind, w13), (kind, w2))
+                return gguf_blocks.moe(x1, ids, wts, (kind, w13), (kind, w2), path=fused[i])
+
+            def dense(i, x, raw, y):
+                if names[on(i)] == "token" and gguf_token.linear(kind, x, raw, y):
+                    return y
+                return gguf_blocks.linear(kind, x, raw, out=y, path=linear[i])
+
+            compare(rounds, f"{kind}, {threads}, moe B=1", TOP_K * 3 * D * I, moe, args)
             for m in (int(r) for r in args.rows.split(",")):
                 xu = torch.randn(m, D, generator=g).bfloat16()
                 xd = torch.randn(m, I, generator=g).bfloat16()
+                yu, yd = torch.empty(m, 2 * I, dtype=torch.bfloat16), torch.empty(m, D, dtype=torch.bfloat16)
+                # the rows of every expert in turn: a decode step reads each matrix once, from memory, not cache
                 compare(rounds, f"{kind}, {threads}, gate/up M={m}", 2 * I * D,
-                        lambda i: gguf_blocks.linear(kind, xu, w13[0], path=linear[on(i)]), args)
+                        lambda i: dense(i, xu, w13[next(turn) % E], yu), args)
                 compare(rounds, f"{kind}, {threads}, down M={m}", D * I,
-                        lambda i: gguf_blocks.linear(kind, xd, w2[0], path=linear[on(i)]), args)
+                        lambda i: dense(i, xd, w2[next(turn) % E], yd), args)
     return 0
 
 

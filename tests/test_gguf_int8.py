@@ -1,8 +1,7 @@
 """The GGUF kernel's integer paths (core.model.cpu.gguf_blocks): "int8" and "int8_c", activations quantized to int8
 per 32 values, integer dots with the blocks' own integers; "int16" and "int16_c" for the K-quants, activations
 int16 per 256 values, a super-block's whole dot summed as an integer (the SIMD one unpacking the blocks in
-registers, the plain C through a decoded row: two ways to the same integers); "q8k" and "q8k_c" for the
-K-quants, llama.cpp's Q8_K activations (int8 per 256 values) against the blocks unpacked in registers.
+registers, the plain C through a decoded row: two ways to the same integers).
 
 Against a float64 reference of the same arithmetic (activations quantized as the kernel does, times
 `gguf.quants.dequantize`'s weights) it may differ only by float32 summation; the SIMD dots (AVX-512 VNNI,
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.skipif(gguf_blocks.library() is None, reason="no C comp
 def quantized(x: torch.Tensor, group: int = 32, top: int | None = None) -> torch.Tensor:
     """x [M, K] as the kernel reads it, in float64: per `group` values a scale d = max|x| / top and x / d rounded
     half to even, in float32; top 127 (int8), or by default 16383 for group 256 (the K-quants' "int16": int16
-    per 256; Q8_K: group 256, top 127)."""
+    per 256)."""
     top = top or (16383 if group == 256 else 127)
     b = x.float().reshape(x.shape[0], -1, group)
     d = b.abs().amax(-1, keepdim=True) / top
@@ -122,49 +121,6 @@ def test_int16_sums_of_the_largest_q6_k_weights_stay_exact():
         torch.testing.assert_close(gguf_blocks.linear("Q6_K", x, raw, path=path).double(), want, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("kind", K_QUANTS)
-@pytest.mark.parametrize("rows,k", [(1, 256), (3, 768), (9, 512), (37, 768), (70, 256)])
-def test_q8k_path_is_q8k_activations_times_the_files_weights(kind, rows, k):
-    """"q8k": activations int8 a 256 values (scale max|x| / 127, round half to even), the blocks' integers
-    against them in registers, mins and Q6_K's -32 through each 16's sum: "Q8_K-quantized activations · the
-    file's weights" up to float32 summation. Rows: a tile and its remainder (odd), all rows a pass, passes
-    of 64; the plain C gives the same floats."""
-    raw, deq = _blocks(kind, 37, k, seed=rows)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
-    x[0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5]) * x[0].abs().max() / 127  # ties, rounded to even
-    want = _reference(x, deq, 256, top=127)
-    scale = want.abs().max().item()
-    got = {p: gguf_blocks.linear(kind, x, raw, path=p) for p in ("q8k", "q8k_c")}
-    assert (got["q8k"].double() - want).abs().max().item() <= 2e-6 * scale * k ** 0.5
-    assert torch.equal(got["q8k"], got["q8k_c"])
-    xb = x.bfloat16()
-    torch.testing.assert_close(gguf_blocks.linear(kind, xb, raw, path="q8k").double(), _reference(xb, deq, 256, 127),
-                               rtol=8e-3, atol=8e-3 * scale)
-
-
-@pytest.mark.parametrize("kind", K_QUANTS)
-def test_q8k_sums_of_the_largest_weights_stay_exact(kind):
-    """Every integer and sub-scale at its largest, every activation at ±127: maddubs' int16 pairs (2 · 63 · 127)
-    and the int32 lanes stay exact."""
-    import gguf
-    import numpy as np
-
-    block = np.full(gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, kind)][1], 0xFF, dtype=np.uint8)
-    if kind == "Q6_K":
-        block[192:208] = 0x80  # sub-scales -128
-        block[208:210] = (0x00, 0x3C)  # d = 1.0
-    else:
-        block[0:4] = (0x00, 0x3C, 0x00, 0x3C)  # d = dmin = 1.0
-    raw = torch.from_numpy(np.tile(block, (4, 2)))
-    deq = torch.from_numpy(np.array(gguf.quants.dequantize(raw.numpy(), getattr(gguf.GGMLQuantizationType, kind))))
-    x = torch.ones(3, 512)
-    x[1] = -1
-    x[2, ::2] = -1
-    want = _reference(x, deq.reshape(4, 512), 256, top=127)
-    for path in ("q8k", "q8k_c"):
-        torch.testing.assert_close(gguf_blocks.linear(kind, x, raw, path=path).double(), want, rtol=1e-6, atol=0)
-
-
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
 def test_default_path_by_rows_and_dtype(kind):
     """For bf16 activations up to the format's row bound int8 (the K-quants: int16); fp32 above it, and for
@@ -198,16 +154,6 @@ def test_one_tokens_experts_in_one_call_on_int8(up, down):
     assert torch.equal(got, gguf_blocks.moe(*args, path="int8_c"))
     xb = x.bfloat16()  # the default for bf16 activations
     assert torch.equal(gguf_blocks.moe(xb, *args[1:]), gguf_blocks.moe(xb, *args[1:], path="int8"))
-    # "q8k": the K-quants' matrices on Q8_K, the others on int8 a 32 as before
-    top = {256: 127}
-    want = torch.zeros(1, D, dtype=torch.float64)
-    for e, w in zip(ids[0].tolist(), wts[0].tolist()):
-        gate, u = _reference(x, w13[e][1], _group(up), top.get(_group(up))).float().chunk(2, -1)
-        h = torch.nn.functional.silu(gate) * u
-        want += w * _reference(h, w2[e][1], _group(down), top.get(_group(down)))
-    got = gguf_blocks.moe(*args, path="q8k")
-    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    assert torch.equal(got, gguf_blocks.moe(*args, path="q8k_c"))
 
 
 def test_the_build_has_the_isas_int8_dots():

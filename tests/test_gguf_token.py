@@ -1,7 +1,10 @@
-"""One token's GGUF experts with Q8_0 rows dotted in place (core.model.cpu.gguf_token) against gguf_blocks.moe's
-default path, which decodes each row first: equal bit for bit (the same integers, products and lane order), on
-the SIMD dots and the plain-C ones, at block counts that end a 16-block scale group early or leave an odd block;
-and against the float64 reference of the same arithmetic (test_gguf_int8's)."""
+"""One token's GGUF experts and dense rows with Q8_0, Q4_K, Q5_K and Q6_K rows dotted in place
+(core.model.cpu.gguf_token) against gguf_blocks' default path, which decodes each row first (or, for the
+K-quants with AVX-512 VNNI, dots one row at a time): equal bit for bit (the same integers, products and lane
+order), on the SIMD dots and the plain-C ones, at block counts that end a 16-block scale group early or leave an
+odd block, row counts that leave a partial tile of rows, and 1, 2 or 8 experts; and against the float64
+reference of the same arithmetic (test_gguf_int8's). Under tests/test_cpu_avx2_lane.py the same file checks the
+AVX2 build, where the K-quants' rows are decoded first."""
 
 from __future__ import annotations
 
@@ -65,13 +68,81 @@ def test_any_bytes_and_scales_equal_the_decoded_rows():
 
 
 def test_calls_it_does_not_take_fall_back():
-    """fp32 tokens (the float32 engine's fp32 path) and calls without a Q8_0 matrix stay with gguf_blocks.moe."""
+    """fp32 tokens (the float32 engine's fp32 path), two tokens, and calls with neither a Q8_0 nor a K-quant
+    matrix stay with gguf_blocks.moe."""
     _, _, up, down = _experts("Q8_0", "Q8_0", 2, 64, 64)
-    _, _, up_k, down_k = _experts("Q4_K", "Q6_K", 2, 256, 256)
+    _, _, up_0, down_0 = _experts("Q4_0", "MXFP4", 2, 64, 64)
     ids, wts = torch.tensor([[1, 0]]), torch.tensor([[0.5, 0.5]])
     assert gguf_token.moe(torch.randn(1, 64), ids, wts, up, down) is None
-    assert gguf_token.moe(torch.randn(1, 256).bfloat16(), ids, wts, up_k, down_k) is None
+    assert gguf_token.moe(torch.randn(1, 64).bfloat16(), ids, wts, up_0, down_0) is None
     assert gguf_token.moe(torch.randn(2, 64).bfloat16(), ids.repeat(2, 1), wts.repeat(2, 1), up, down) is None
+
+
+# D, I: 1, 3 and 5 super-blocks (K not a multiple of 512); gate/up rows 2I and down rows D leave no partial tile
+# of 4 rows here, the linear test below does; experts: 1, 2 and all 8
+@pytest.mark.parametrize("up,down,D,I", [("Q4_K", "Q4_K", 1280, 768), ("Q4_K", "Q6_K", 768, 1280),
+                                         ("Q5_K", "Q5_K", 256, 768), ("Q6_K", "Q4_K", 768, 256),
+                                         ("Q4_K", "Q8_0", 512, 544), ("Q8_0", "Q6_K", 544, 512)])
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_in_place_k_quant_rows_equal_gguf_blocks(up, down, D, I, k):
+    E = 8
+    w13, w2, up_raw, down_raw = _experts(up, down, E, D, I)
+    g = torch.Generator().manual_seed(D + I + k)
+    x = torch.randn(1, D, generator=g).bfloat16()
+    ids = torch.randperm(E, generator=g)[:k].unsqueeze(0)
+    wts = torch.softmax(torch.randn(1, k, generator=g), -1)
+    got = gguf_token.moe(x, ids, wts, up_raw, down_raw)
+    assert torch.equal(got, gguf_blocks.moe(x, ids, wts, up_raw, down_raw))
+    plain = gguf_token.moe(x, ids, wts, up_raw, down_raw, path="int8_c")
+    assert torch.equal(plain, gguf_blocks.moe(x, ids, wts, up_raw, down_raw, path="int8_c"))
+    if "Q8_0" not in (up, down):  # the K-quants' SIMD and plain-C dots: the same integers, FMAs and lane order
+        assert torch.equal(got, plain)
+    want = torch.zeros(1, D, dtype=torch.float64)
+    for e, w in zip(ids[0].tolist(), wts[0].tolist()):
+        gate, u = _reference(x.float(), w13[e][1], _group(up)).float().chunk(2, -1)
+        want += w * _reference(torch.nn.functional.silu(gate) * u, w2[e][1], _group(down))
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())  # bf16 out
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("K,N", [(256, 1), (768, 6), (1280, 45), (1024, 4)])
+def test_one_row_through_a_k_quant_matrix_equals_gguf_blocks(kind, K, N):
+    """`linear` for the K-quants: N rows leave 1, 2, 3 or no rows past the last whole tile of 4; written into a
+    column slice of a wider output; the SIMD and plain-C dots equal to each other and to gguf_blocks'."""
+    raw, deq = _blocks(kind, N, K, seed=K + N)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(K)).bfloat16()
+    want = gguf_blocks.linear(kind, x, raw)
+    wide = torch.zeros(1, N + 16, dtype=torch.bfloat16)
+    assert gguf_token.linear(kind, x, raw, wide[:, 8:8 + N])
+    assert torch.equal(wide[:, 8:8 + N], want) and not wide[:, :8].any() and not wide[:, 8 + N:].any()
+    c = torch.empty(1, N, dtype=torch.bfloat16)
+    assert gguf_token.linear(kind, x, raw, c, path="int16_c")
+    assert torch.equal(c, gguf_blocks.linear(kind, x, raw, path="int16_c")) and torch.equal(c, want)
+    torch.testing.assert_close(want.double(), _reference(x.float(), deq, 256, 16383), rtol=1e-2, atol=1e-2)
+    assert not gguf_token.linear(kind, x, raw, c, path="int8")  # not this format's integer path
+    assert not gguf_token.linear(kind, x.float(), raw, c.float())
+
+
+def test_any_k_quant_bytes_and_scales_equal_gguf_blocks():
+    """Blocks no quantizer writes (every byte random: 6-bit scales and mins up to 63, Q6_K's scales -128..127,
+    half scales anywhere in 2^-4..2^2): the in-place unpacking of scales, mins and quants."""
+    g = torch.Generator().manual_seed(11)
+    E, D, I = 3, 512, 768
+    tsz = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+    def raw(kind, n, k):
+        r = torch.randint(0, 256, (E, n, k // 256, tsz[kind]), generator=g, dtype=torch.uint8)
+        nh, at = (1, 208) if kind == "Q6_K" else (2, 0)  # Q6_K's d at its end; d and dmin first
+        halves = (torch.rand(E, n, k // 256, nh, generator=g) * 4 + 2 ** -4).half().view(torch.uint8)
+        r[..., at:at + 2 * nh] = halves.reshape(E, n, k // 256, 2 * nh)
+        return r.reshape(E, n, -1)
+
+    for up, down in (("Q4_K", "Q6_K"), ("Q5_K", "Q4_K"), ("Q6_K", "Q5_K")):
+        u, d = (up, raw(up, 2 * I, D)), (down, raw(down, D, I))
+        x, ids, wts = torch.randn(1, D, generator=g).bfloat16(), torch.tensor([[2, 1]]), torch.tensor([[0.75, 0.25]])
+        assert torch.equal(gguf_token.moe(x, ids, wts, u, d), gguf_blocks.moe(x, ids, wts, u, d))
+        y, h = torch.empty(1, D, dtype=torch.bfloat16), torch.randn(1, I, generator=g).bfloat16()
+        assert gguf_token.linear(down, h, d[1][0], y) and torch.equal(y, gguf_blocks.linear(down, h, d[1][0]))
 
 
 @pytest.mark.parametrize("K", [32, 96, 544, 1024])

@@ -14,8 +14,8 @@
 - `kernels/int4_matmul.c`: the CPU's int4 weight-only matmul for few rows (decode), compiled the same way
   (core.model.cpu.int4).
 - `kernels/gguf_matmul.c`: GGUF block formats (Q8_0 … Q6_K, MXFP4) multiplied as the file stores them
-  (core.model.cpu.gguf_blocks); `kernels/gguf_token.c`: one token's experts with Q8_0 rows dotted in place,
-  gguf_matmul.c compiled in (core.model.cpu.gguf_token).
+  (core.model.cpu.gguf_blocks); `kernels/gguf_token.c`: one token's experts and dense rows with Q8_0 and
+  K-quant rows dotted in place, gguf_matmul.c compiled in (core.model.cpu.gguf_token).
 
 Nothing else in mlight reads a file shipped with it; tests/test_packaging.py keeps it that way.
 Imports: nothing.

@@ -464,8 +464,9 @@ static void dot_rows_i8(int kind, WRow w, int64_t K, const QRow *x, int mr, int 
    With a scale a 32 every sub-block's integer dot becomes a float (a scale product and an FMA a sub-block
    and row): at 8+ rows that float work costs what the fp32 path's FMAs do. With one activation scale a
    super-block the whole super-block's dot can stay an integer, but one int8 scale over 256 values (llama.cpp's
-   Q8_K, the "q8k" path below) is coarse: on the test models it took the logits' median error from 1.3 % to
-   2.6-2.8 % of their spread, past the bound (2.1 % with Q8_K on the experts' matrices only). So the activations are int16 per 256 (scale max|x| / 16383: about 14 bits, finer than int8
+   Q8_K) is coarse: on the test models it took the logits' median error from 1.3 % to 2.6-2.8 % of their
+   spread, past the bound (2.1 % with Q8_K on the experts' matrices only; at one token it ran no faster than
+   this path's in-place kernel, core/assets/kernels/gguf_token.c, so it was removed). So the activations are int16 per 256 (scale max|x| / 16383: about 14 bits, finer than int8
    per 32) and the weights decode to int16 with their integer sub-scales folded in (sc · u; Q6_K's
    sc · (u - 32)): one vpdpwssd (AVX-512 VNNI) or madd + add (AVX2) a 32 or 16 values, exact in int32 across
    the super-block (Q6_K: |w| <= 4096, 32 products a lane <= 2^31 - 2^17), and the mins of Q4_K / Q5_K as
@@ -629,54 +630,10 @@ static void dot_rows_k(int kind, KWRow w, int64_t K, const KQRow *x, int mr, int
     TILES(ktile_scalar, mins)
 }
 
-/* ---- K-quants against Q8_K activations, the blocks unpacked in registers ------------------------------
-   llama.cpp's way: activations int8 per 256 values with one float scale (max|x| / 127, round half to even)
-   and each 16's sum as int16; a weight block's 4/5/6-bit integers unpacked to bytes in registers (no row
-   buffer), multiplied by the activations' bytes (`maddubs`: pairs of u8 · s8 in int16, |pair| <= 2·63·127),
-   each int16 pair times its integer sub-scale summed into int32 (`vpdpwssd` on AVX-512 VNNI, `madd` + add on
-   AVX2): the super-block's whole dot stays an integer, exactly. The mins (Q4_K, Q5_K) and Q6_K's -32 come
-   from the activations' sums: mn · Σx a 32, 32 · sc · Σx a 16. Per super-block and row: 8 int32 lanes (lane
-   l holds bytes 4l..4l + 3 of every 32; AVX-512's two halves added as integers) turned into floats and one
-   FMA (Q6_K) or two, in the lane order the plain C keeps, so SIMD and plain C give the same floats. Several
-   activation rows share each unpacked chunk of weights (the tile). 1.1-1.5x the int16 path (one thread,
-   AVX-512 VNNI) but coarser: the callers' default stays int16 (see the int16 section's note on the bound). */
-
-/* activation rows a tile shares each unpacked chunk of weights with: AVX-512 has the registers for 8 rows'
-   int32 and float accumulators, AVX2 for 4 */
 #if SIMD == 2
-#define QMR 8
-#define QMR_CASES(f, k)                                                                                \
-    case 4: f(k, row, K, x, 4, out); break;                                                            \
-    case 5: f(k, row, K, x, 5, out); break;                                                            \
-    case 6: f(k, row, K, x, 6, out); break;                                                            \
-    case 7: f(k, row, K, x, 7, out); break;
-#else
-#define QMR 4
-#define QMR_CASES(f, k)
+#define QMR 4  /* activation rows a k16_tile keeps in registers */
+#define QW 64 /* rows one pass over a weight row takes (k16_wide's float lanes on the stack) */
 #endif
-#define QW 64 /* rows one pass over a weight row takes (the wide kernel's float lanes on the stack) */
-
-/* a Q8_K activation row: q [K], bs [K/16] each 16's sum of q, d [K/256] the scales */
-typedef struct { int8_t *q; int16_t *bs; float *d; } Q8K;
-
-static void quantize_row_q8k(const void *x, int bf, int64_t K, Q8K r) {
-    for (int64_t b = 0; b < K / 256; b++) {
-        float v[256], amax = 0;
-        for (int j = 0; j < 256; j++) v[j] = in_f(x, bf, 256 * b + j), amax = fmaxf(amax, fabsf(v[j]));
-        float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        for (int g = 0; g < 16; g++) {
-            int s = 0;
-            for (int j = 0; j < 16; j++) {
-                float t = nearbyintf(v[16 * g + j] * id);
-                int q = t > 127.f ? 127 : t < -127.f ? -127 : (int)t;
-                r.q[256 * b + 16 * g + j] = (int8_t)q;
-                s += q;
-            }
-            r.bs[16 * b + g] = (int16_t)s;
-        }
-        r.d[b] = d;
-    }
-}
 
 /* a Q4_K / Q5_K block's 8 six-bit scales (bytes 0-7) and 8 mins (bytes 8-15), as ggml unpacks them */
 static inline void sm_k4(const uint8_t *b, uint8_t *sm) {
@@ -690,49 +647,7 @@ static inline void sm_k4(const uint8_t *b, uint8_t *sm) {
     memcpy(sm, u, 16);
 }
 
-/* out[m] = w . x[m] for MRC rows, the integers as the SIMD tiles form them */
-static inline __attribute__((always_inline)) void q8k_scalar(int kind, const uint8_t *row, int64_t K, const Q8K *x,
-                                                             const int MRC, float *out) {
-    float acc[QMR][8] = {{0}};
-    for (int64_t b = 0; b < K / 256; b++) {
-        const uint8_t *blk = row + b * TS[kind];
-        uint8_t u[256], sm[16];
-        float fs[16], fo[16], d, dm = 0.f;
-        int sc[16], mn[8] = {0};
-        if (kind == 4) {
-            i8_q6_k(blk, u, fs, fo);
-            for (int g = 0; g < 16; g++) sc[g] = (int8_t)blk[192 + g];
-            d = f16f(blk + 208);
-        } else {
-            if (kind == 2) i8_q4_k(blk, u, fs, fo);
-            else i8_q5_k(blk, u, fs, fo);
-            sm_k4(blk, sm);
-            for (int g = 0; g < 16; g++) sc[g] = sm[g >> 1];
-            for (int j = 0; j < 8; j++) mn[j] = sm[8 + j];
-            d = f16f(blk), dm = f16f(blk + 2);
-        }
-        for (int m = 0; m < MRC; m++) {
-            const int8_t *q = x[m].q + 256 * b;
-            const int16_t *bs = x[m].bs + 16 * b;
-            int32_t s[8] = {0}, t[8];
-            for (int k = 0; k < 256; k++) s[(k >> 2) & 7] += sc[k >> 4] * (int)u[k] * (int)q[k];
-            for (int l = 0; l < 8; l++)
-                t[l] = kind == 4 ? 32 * (sc[2 * l] * bs[2 * l] + sc[2 * l + 1] * bs[2 * l + 1])
-                                 : mn[l] * (bs[2 * l] + bs[2 * l + 1]);
-            float dx = x[m].d[b];
-            for (int l = 0; l < 8; l++) {
-                if (kind == 4) acc[m][l] = FMA((float)(s[l] - t[l]), d * dx, acc[m][l]);
-                else {
-                    acc[m][l] = FMA((float)s[l], d * dx, acc[m][l]);
-                    acc[m][l] = FMA(-(float)t[l], dm * dx, acc[m][l]);
-                }
-            }
-        }
-    }
-    for (int m = 0; m < MRC; m++) out[m] = hsum8_c(acc[m]);
-}
-
-#if SIMD
+#if SIMD == 2
 /* the bytes of values 32j..32j + 31 of a super-block (unsigned: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) */
 static inline __attribute__((always_inline)) __m256i u32_k(int kind, const uint8_t *blk, int j) {
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -752,126 +667,19 @@ static inline __attribute__((always_inline)) __m256i u32_k(int kind, const uint8
     return _mm256_or_si256(l, _mm256_slli_epi16(hb, 4));
 }
 
-/* the int16 sub-scales of values 32j..32j + 31's int16 pairs: Q6_K's two 16s, a Q4_K / Q5_K sub-block's one */
-static inline __attribute__((always_inline)) __m256i s32_k(int kind, const int16_t *sc, int j) {
-    if (kind == 4) return _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
-    return _mm256_set1_epi16(sc[j]);
-}
-
-/* a super-block's integer sub-scales sc [16] (an int16 a 16 values), mw (Q4_K / Q5_K: each min twice, an
-   int16 pair a 32's two 16-sums; Q6_K: the 16 scales), d and dmin */
-static inline __attribute__((always_inline)) void q8k_scales(int kind, const uint8_t *blk, int16_t *sc, __m256i *mw,
-                                                             float *d, float *dm) {
-    if (kind == 4) {
-        *mw = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-        _mm256_storeu_si256((__m256i *)sc, *mw);
-        *d = f16f(blk + 208);
-    } else {
-        uint8_t sm[16];
-        sm_k4(blk, sm);
-        __m128i s8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm));
-        __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
-        _mm_storeu_si128((__m128i *)sc, s8);
-        *mw = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
-        *d = f16f(blk), *dm = f16f(blk + 2);
-    }
-}
-
-/* a row's super-block into its float lanes: s the 8 int32 lanes of sc . u . x, bs the row's 16-sums */
-static inline __attribute__((always_inline)) __m256 q8k_lanes(int kind, __m256i s, const int16_t *bs, __m256i mw,
-                                                              float d, float dm, float dx, __m256 acc) {
-    __m256i o = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), mw);
-    if (kind == 4) {
-        s = _mm256_sub_epi32(s, _mm256_slli_epi32(o, 5));
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * dx), acc);
-    }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * dx), acc);
-    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(dm * dx), acc);
-}
-
-#if SIMD == 2
-#define QN 4 /* byte vectors a super-block: 64 values each */
-/* bytes and int16 sub-scales of values 64c..64c + 63 */
-static inline __attribute__((always_inline)) void q8k_us(int kind, const uint8_t *blk, const int16_t *sc, int c,
-                                                         __m512i *u, __m512i *s) {
-    *u = _mm512_inserti64x4(_mm512_castsi256_si512(u32_k(kind, blk, 2 * c)), u32_k(kind, blk, 2 * c + 1), 1);
-    *s = _mm512_inserti64x4(_mm512_castsi256_si512(s32_k(kind, sc, 2 * c)), s32_k(kind, sc, 2 * c + 1), 1);
-}
-static inline __attribute__((always_inline)) __m512i q8k_dot(__m512i t, __m512i u, __m512i s, const int8_t *q) {
-    return _mm512_dpwssd_epi32(t, _mm512_maddubs_epi16(u, _mm512_loadu_si512(q)), s);
-}
 /* 8 int32 lanes: a 512-bit vector's halves added */
 static inline __m256i fold8(__m512i t) {
     return _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
 }
 #define IV __m512i /* the integer vector the dots accumulate in */
 #define IV_ZERO _mm512_setzero_si512()
-#else
-#define QN 8 /* 32 values each */
-static inline __attribute__((always_inline)) void q8k_us(int kind, const uint8_t *blk, const int16_t *sc, int c,
-                                                         __m256i *u, __m256i *s) {
-    *u = u32_k(kind, blk, c), *s = s32_k(kind, sc, c);
-}
-static inline __attribute__((always_inline)) __m256i q8k_dot(__m256i t, __m256i u, __m256i s, const int8_t *q) {
-    return _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)q)), s));
-}
-static inline __m256i fold8(__m256i t) { return t; }
-#define IV __m256i
-#define IV_ZERO _mm256_setzero_si256()
-#endif
-
-static inline __attribute__((always_inline)) void q8k_simd(int kind, const uint8_t *row, int64_t K, const Q8K *x,
-                                                           const int MRC, float *out) {
-    __m256 acc[QMR];
-    for (int m = 0; m < MRC; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < K / 256; b++) {
-        const uint8_t *blk = row + b * TS[kind];
-        int16_t sc[16];
-        __m256i mw;
-        float d, dm = 0.f;
-        q8k_scales(kind, blk, sc, &mw, &d, &dm);
-        IV t[QMR], u, s;
-        for (int m = 0; m < MRC; m++) t[m] = IV_ZERO;
-        for (int c = 0; c < QN; c++) {
-            q8k_us(kind, blk, sc, c, &u, &s);
-            for (int m = 0; m < MRC; m++) t[m] = q8k_dot(t[m], u, s, x[m].q + 256 * b + (256 / QN) * c);
-        }
-        for (int m = 0; m < MRC; m++)
-            acc[m] = q8k_lanes(kind, fold8(t[m]), x[m].bs + 16 * b, mw, d, dm, x[m].d[b], acc[m]);
-    }
-    for (int m = 0; m < MRC; m++) out[m] = hsum8(acc[m]);
-}
-
-/* out[m] = w . x[m] for mr (1..QW) rows, each super-block unpacked once for all of them: more rows than a
-   tile's registers hold, each row's float lanes kept in memory between super-blocks (the same lane order and
-   FMAs as q8k_simd, so the same floats) */
-static inline __attribute__((always_inline)) void q8k_wide(int kind, const uint8_t *row, int64_t K, const Q8K *x,
-                                                           int mr, float *out) {
-    __m256 acc[QW];
-    for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < K / 256; b++) {
-        const uint8_t *blk = row + b * TS[kind];
-        int16_t sc[16];
-        __m256i mw;
-        float d, dm = 0.f;
-        q8k_scales(kind, blk, sc, &mw, &d, &dm);
-        IV u[QN], s[QN];
-        for (int c = 0; c < QN; c++) q8k_us(kind, blk, sc, c, u + c, s + c);
-        for (int m = 0; m < mr; m++) {
-            IV t = IV_ZERO;
-            for (int c = 0; c < QN; c++) t = q8k_dot(t, u[c], s[c], x[m].q + 256 * b + (256 / QN) * c);
-            acc[m] = q8k_lanes(kind, fold8(t), x[m].bs + 16 * b, mw, d, dm, x[m].d[b], acc[m]);
-        }
-    }
-    for (int m = 0; m < mr; m++) out[m] = hsum8(acc[m]);
-}
 #endif
 
 /* ---- the int16 path's arithmetic with the weights unpacked in registers ----------------------------------
    The same integers and floats as decode_row_k + ktile_simd (int16 activations a 256, the weights int16 with
    their sub-scales folded in, lane i holding values 2i, 2i + 1 of every 16), without the decoded row: each
    32 values' bytes (u32_k) widened to int16 and multiplied by their sub-scale in registers, once per tile of
-   rows (or, past a tile's registers, once per super-block for all the rows, q8k_wide's way, two weight rows
+   rows (or, past a tile's registers, once per super-block for all the rows, all of them in one pass, two weight rows
    at once: 1.03-1.16x one at 8-64 rows, each activation load serving both). AVX-512 VNNI
    only: with AVX2's 16 registers (int16 a 16 values, the weights spilled past a tile) it ran 0.6-0.9x the
    decoded row for Q4_K, where it runs 1.15-1.35x at one row and about 1.0x at 8-64 on VNNI. */
@@ -994,54 +802,6 @@ static void dot_rows_k16(int kind, const uint8_t *row, int64_t K, const KQRow *x
 }
 #endif
 
-/* out[m] = w . x[m] for mr (1..QMR) Q8_K rows, specialised on the kind and the row count */
-#define Q8K_ROWS(f, k)                                                                                  \
-    switch (mr) {                                                                                      \
-    case 1: f(k, row, K, x, 1, out); break;                                                            \
-    case 2: f(k, row, K, x, 2, out); break;                                                            \
-    case 3: f(k, row, K, x, 3, out); break;                                                            \
-    QMR_CASES(f, k)                                                                                    \
-    default: f(k, row, K, x, QMR, out); break;                                                         \
-    }
-#define Q8K_TILES(f)                                                                                    \
-    switch (kind) {                                                                                    \
-    case 2: Q8K_ROWS(f, 2) break;                                                                      \
-    case 3: Q8K_ROWS(f, 3) break;                                                                      \
-    default: Q8K_ROWS(f, 4) break;                                                                     \
-    }
-static void dot_tile_q8k(int kind, const uint8_t *row, int64_t K, const Q8K *x, int mr, int simd, float *out) {
-#if SIMD
-    if (simd) {
-        Q8K_TILES(q8k_simd)
-        return;
-    }
-#endif
-    (void)simd;
-    Q8K_TILES(q8k_scalar)
-}
-
-/* out[m] = w . x[m] for mr (1..QW) rows: a tile in registers up to QMR rows, more all at once (from 16 rows
-   1.3-1.7x the tiles, 0.9x at 8: bench/gguf_speed.py --kernel) */
-static void dot_rows_q8k(int kind, const uint8_t *row, int64_t K, const Q8K *x, int mr, int simd, float *out) {
-#if SIMD
-    if (simd && mr > QMR) {
-        switch (kind) {
-        case 2: q8k_wide(2, row, K, x, mr, out); return;
-        case 3: q8k_wide(3, row, K, x, mr, out); return;
-        default: q8k_wide(4, row, K, x, mr, out); return;
-        }
-    }
-#endif
-    for (int m0 = 0; m0 < mr; m0 += QMR)
-        dot_tile_q8k(kind, row, K, x + m0, mr - m0 < QMR ? mr - m0 : QMR, simd, out + m0);
-}
-
-static int64_t q8k_bytes(int64_t K) { return (K + 2 * (K / 16) + 4 * (K / 256) + 63) & ~(int64_t)63; }
-static Q8K q8k_at(uint8_t *p, int64_t K) {
-    Q8K r = {(int8_t *)p, (int16_t *)(p + K), (float *)(p + K + 2 * (K / 16))};
-    return r;
-}
-
 static int64_t kwrow_bytes(int64_t K) { return (2 * K + 4 * (K / 32) + 8 * (K / 256) + 63) & ~(int64_t)63; }
 static int64_t kqrow_bytes(int64_t K) { return (2 * K + 4 * (K / 32) + 4 * (K / 256) + 63) & ~(int64_t)63; }
 static KWRow kwrow_at(uint8_t *p, int64_t K) {
@@ -1151,49 +911,14 @@ static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t 
     }
 }
 
-/* the K-quants on Q8_K activations: no weight row buffer, the weight rows read in place; scratch: M rows */
-static void linear_q8k(int kind, const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
-                       int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, uint8_t *scratch, int threads,
-                       int simd) {
-    int64_t qb = q8k_bytes(K);
-    int serial = M * K <= (1 << 14);
-#define Q8K_ROW(m)                                                                                      \
-    quantize_row_q8k(x_bf16 ? (const void *)((const uint16_t *)x + (m) * ldx) : (const void *)((const float *)x + (m) * ldx), \
-                     x_bf16, K, q8k_at(scratch + (m) * qb, K))
-    for (int64_t m = 0; serial && m < M; m++) Q8K_ROW(m);
-    OMP(omp parallel num_threads(threads))
-    {
-        if (!serial) {
-            OMP(omp for schedule(static))
-            for (int64_t m = 0; m < M; m++) Q8K_ROW(m);
-        }
-        Q8K xr[QW];
-        float out[QW];
-        OMP(omp for schedule(static))
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t m0 = 0; m0 < M; m0 += QW) {
-                int mr = M - m0 < QW ? (int)(M - m0) : QW;
-                for (int m = 0; m < mr; m++) xr[m] = q8k_at(scratch + (m0 + m) * qb, K);
-                dot_rows_q8k(kind, w + n * ldw, K, xr, mr, simd, out);
-                for (int m = 0; m < mr; m++) put(y, y_bf16, (m0 + m) * ldy + n, out[m]);
-            }
-    }
-#undef Q8K_ROW
-}
-
 /* y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) . W^T; W's rows ldw bytes apart from w. path: 0 fp32
    (rows decoded to floats), 1 int8 activations in plain C, 2 int8 with the build's SIMD dots; 3 and 4 the
-   same with activations quantized per 256 (Q4_K, Q5_K, Q6_K only); 5 and 6 the K-quants on Q8_K activations
-   (plain C, SIMD) */
+   same with activations quantized per 256 (Q4_K, Q5_K, Q6_K only) */
 int mlight_gguf_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
                        int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, float *scratch, int threads,
                        int path) {
-    if (kind < 0 || kind > 5 || K % BS[kind] || M < 1 || threads < 1 || path < 0 || path > 6) return -1;
+    if (kind < 0 || kind > 5 || K % BS[kind] || M < 1 || threads < 1 || path < 0 || path > 4) return -1;
     if (path > 2 && (kind < 2 || kind > 4)) return -1;
-    if (path > 4) {
-        linear_q8k(kind, x, x_bf16, ldx, M, K, w, ldw, N, y, y_bf16, ldy, (uint8_t *)scratch, threads, path == 6);
-        return 0;
-    }
     if (path) {
         linear_i8(kind, x, x_bf16, ldx, M, K, w, ldw, N, y, y_bf16, ldy, (uint8_t *)scratch, threads, path % 2 == 0,
                   path > 2);
@@ -1228,22 +953,17 @@ int mlight_gguf_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t
     return 0;
 }
 
-/* the fused call's integer path per matrix: the K-quants' Q8_K (q8k) or int16 a 256, else int8 a 32 */
+/* the fused call's integer path per matrix: the K-quants' int16 a 256, else int8 a 32 */
 static int is_k(int kind) { return kind >= 2 && kind <= 4; }
 static int64_t xrow_bytes(int kind, int64_t K) { return is_k(kind) ? kqrow_bytes(K) : qrow_bytes(K); }
-static void quantize_for(int kind, const void *x, int bf, int64_t K, uint8_t *p, int q8k) {
-    if (is_k(kind) && q8k) quantize_row_q8k(x, bf, K, q8k_at(p, K));
-    else if (is_k(kind)) quantize_row_k(x, bf, K, kqrow_at(p, K));
+static void quantize_for(int kind, const void *x, int bf, int64_t K, uint8_t *p) {
+    if (is_k(kind)) quantize_row_k(x, bf, K, kqrow_at(p, K));
     else quantize_row(x, bf, K, qrow_at(p, K));
 }
 /* weight row `row` (K values) . the activation row quantized at xp; own: the thread's decode buffer (RW) */
-static float dot_one(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8_t *own, int64_t RW, int simd,
-                     int q8k) {
+static float dot_one(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8_t *own, int64_t RW, int simd) {
     float v;
-    if (is_k(kind) && q8k) {
-        Q8K xr = q8k_at(xp, K);
-        dot_rows_q8k(kind, row, K, &xr, 1, simd, &v);
-    } else if (is_k(kind)) {
+    if (is_k(kind)) {
         KQRow xr = kqrow_at(xp, K);
 #if SIMD == 2
         if (simd) {
@@ -1267,16 +987,13 @@ static float dot_one(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8
    [2I, D] in blocks of kind k13, rows ldw13 bytes apart, experts e13 bytes apart from w13; W2_e [D, I] in
    kind k2 likewise. ids int64, routing weights fp32 or bf16. Phases split over the team: every expert's
    gate/up rows; SiLU (and, on the integer paths, each expert's h quantized); the down rows (each output summed
-   over the experts in the order given). path as mlight_gguf_linear's 0-2, the K-quants' matrices on int16; 5
-   and 6 the same with the K-quants' matrices on Q8_K. */
+   over the experts in the order given). path as mlight_gguf_linear's 0-2, the K-quants' matrices on int16. */
 int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64_t I, int nexp, const int64_t *ids,
                     const void *wts, int w_bf16, const uint8_t *w13, int64_t e13, int64_t ldw13, const uint8_t *w2,
                     int64_t e2, int64_t ldw2, void *out, int out_bf16, float *scratch, int threads, int path) {
     if (k13 < 0 || k13 > 5 || k2 < 0 || k2 > 5 || D % BS[k13] || I % BS[k2] || nexp < 1 || threads < 1 ||
-        path < 0 || path > 6 || path == 3 || path == 4)
+        path < 0 || path > 2)
         return -1;
-    int q8k = path > 4;
-    if (q8k) path -= 4;
     float *xf = scratch, *gu = xf + D, *rows = gu + (int64_t)nexp * 2 * I, w[64];
     if (nexp > 64) return -1;
     for (int e = 0; e < nexp; e++) w[e] = w_bf16 ? bf16f(((const uint16_t *)wts)[e]) : ((const float *)wts)[e];
@@ -1285,7 +1002,7 @@ int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64
     /* integer paths: x quantized, each expert's h quantized, a decoded row per thread (bytes, after gu) */
     uint8_t *xq = (uint8_t *)rows, *hq = xq + qd, *wq = hq + nexp * qi;
     int simd = path == 2;
-    if (path) quantize_for(k13, x, x_bf16, D, xq, q8k);
+    if (path) quantize_for(k13, x, x_bf16, D, xq);
     else
         for (int64_t d = 0; d < D; d++) xf[d] = in_f(x, x_bf16, d);
     OMP(omp parallel num_threads(threads))
@@ -1300,7 +1017,7 @@ int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64
         for (int64_t r = 0; r < nexp * 2 * I; r++) {
             int64_t e = r / (2 * I), n = r % (2 * I);
             const uint8_t *row = w13 + ids[e] * e13 + n * ldw13;
-            if (path) gu[r] = dot_one(k13, row, D, xq, own, RW, simd, q8k);
+            if (path) gu[r] = dot_one(k13, row, D, xq, own, RW, simd);
             else {
                 decode_row(k13, row, D, wr);
                 dot_rows(wr, D, xf, D, 1, gu + r);
@@ -1311,7 +1028,7 @@ int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64
             for (int e = 0; e < nexp; e++) {
                 float *h = gu + (int64_t)e * 2 * I;
                 for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
-                quantize_for(k2, h, 0, I, hq + e * qi, q8k);
+                quantize_for(k2, h, 0, I, hq + e * qi);
             }
         } else {
             OMP(omp for schedule(static))
@@ -1325,7 +1042,7 @@ int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64
             float y = 0, v;
             for (int e = 0; e < nexp; e++) {
                 const uint8_t *row = w2 + ids[e] * e2 + d * ldw2;
-                if (path) v = dot_one(k2, row, I, hq + e * qi, own, RW, simd, q8k);
+                if (path) v = dot_one(k2, row, I, hq + e * qi, own, RW, simd);
                 else {
                     decode_row(k2, row, I, wr);
                     dot_rows(wr, I, gu + (int64_t)e * 2 * I, I, 1, &v);

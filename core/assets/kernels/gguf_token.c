@@ -1,4 +1,5 @@
-/* One token's routed experts on GGUF blocks with Q8_0 rows dotted where they lie (decode at batch 1).
+/* One token's routed experts and dense rows on GGUF blocks, Q8_0 and K-quant rows dotted where they lie (decode
+   at batch 1).
 
    gguf_matmul.c's one-token call decodes each weight row into a buffer of the thread's (the bytes copied,
    each block's half scale widened into two floats) and dots that buffer with the activations: at one
@@ -8,7 +9,16 @@
    dots, the same float products and the same lane order as gguf_matmul.c's int8 tiles (AVX-512 VNNI: two
    blocks a 512-bit vector, even blocks in the low lanes; AVX2: even and odd blocks in two accumulators;
    plain C: 16 lanes), so the result equals `mlight_gguf_moe`'s int8 path bit for bit
-   (tests/test_gguf_token.py). Matrices in other formats take gguf_matmul.c's row decode as before.
+   (tests/test_gguf_token.py).
+
+   The K-quants (Q4_K, Q5_K, Q6_K; with AVX-512 VNNI) keep gguf_matmul.c's int16 arithmetic (activations int16
+   a 256, the weights int16 with their sub-scales folded in, a super-block's dot an int32 a lane) and so its
+   result bit for bit, but four weight rows a tile against the one activation row (their dots overlapping:
+   1.25x one row), each super-block's scales unpacked in registers (through the stack they took a third of a
+   Q4_K super-block's time) and the next rows prefetched. On the 784M Mixtral's expert shapes (Zen 5, one
+   thread, weights from memory) that read Q4_K at 1.2-1.3x gguf_matmul.c's one-row kernel, Q6_K at 1.0x
+   (bench/gguf_speed.py --kernel --paths main:int16,token). With AVX2 and in plain C these rows are decoded
+   first, as in gguf_matmul.c. Other formats take gguf_matmul.c's row decode as before.
 
    gguf_matmul.c is compiled into this library (its quantization, SiLU and decoders are the reference here,
    not a copy); the build's flags carry a hash of it, so a change there builds this afresh
@@ -89,12 +99,135 @@ static float dot_q8_0(const uint8_t *row, int64_t nb, const int8_t *xq, const fl
 #endif
 }
 
+#if SIMD == 2
+/* k16_scales with the scales kept in a register: the sub-scales as int16 in the low lanes of *sc (Q4_K, Q5_K:
+   8, the 6-bit unpacking of gguf_matmul.c's sm_k4 on three words; Q6_K: 16), the mins as int32, d and dmin
+   from one conversion. Through the stack (k16_scales) this prologue took a third of a Q4_K super-block's time. */
+static inline __attribute__((always_inline)) void k16_scales_v(const int kind, const uint8_t *blk, __m512i *sc,
+                                                               __m256i *mn, float *d, float *dm) {
+    if (kind == 4) {
+        *sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
+        *mn = _mm256_setzero_si256(), *d = f16f(blk + 208), *dm = 0.f;
+        return;
+    }
+    uint32_t u0, u1, u2, dd;
+    memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4), memcpy(&dd, blk, 4);
+    uint32_t s0 = u0 & 0x3f3f3f3f, m0 = u1 & 0x3f3f3f3f;
+    uint32_t s1 = (u2 & 0x0f0f0f0f) | (((u0 >> 6) & 0x03030303) << 4);
+    uint32_t m1 = ((u2 >> 4) & 0x0f0f0f0f) | (((u1 >> 6) & 0x03030303) << 4);
+    *sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)s1, (int)s0)));
+    *mn = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m1, (int)m0));
+    __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
+    *d = _mm_cvtss_f32(f), *dm = _mm_cvtss_f32(_mm_movehdup_ps(f));
+}
+
+/* Q5_K's values 32j..32j + 31 as int16 weights with their sub-scale (k16_w's integers), the scales from a
+   register */
+static inline __attribute__((always_inline)) __m512i k16_wv(const uint8_t *blk, __m512i sc, int j) {
+    __m512i s = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)j), sc);
+    return _mm512_mullo_epi16(_mm512_cvtepu8_epi16(u32_k(3, blk, j)), s);
+}
+
+/* w . x for NR rows ldw bytes apart of kind 2-4 (K values each) and x int16 a 256: gguf_matmul.c's k16_tile at
+   one activation row (the same integers a lane, the same FMAs, so the same floats), with the prefetch the Q8_0
+   dot has, the scales in registers, and a super-block's integer dots in two chains (their sum is exact, its
+   order free). Q4_K's 32 bytes of two sub-blocks are widened to int16 once and split into nibbles there. */
+static inline __attribute__((always_inline)) void k16_rows(const int kind, const uint8_t *row, int64_t ldw,
+                                                           const int NR, int64_t K, KQRow x, float *out) {
+    __m256 acc[4];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    /* the next tile's rows follow these: AHEAD bytes on, or where a tile spans more, the same place a tile on (4
+       rows of K = 3840 span 8-13 KB: 4 KB ahead fell inside the tile, and the down rows ran at 0.6-0.8x) */
+    int64_t ahead = NR * ldw > AHEAD ? NR * ldw : AHEAD;
+    for (int64_t b = 0; b < K / 256; b++) {
+        const int16_t *q = x.q + 256 * b;
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *blk = row + r * ldw + b * TS[kind];
+            for (int c = 0; c < TS[kind]; c += 64) _mm_prefetch((const char *)(blk + ahead + c), _MM_HINT_T0);
+            __m512i sc;
+            __m256i mn;
+            float d, dm;
+            k16_scales_v(kind, blk, &sc, &mn, &d, &dm);
+            __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+            if (kind == 2) {
+                const __m512i m4 = _mm512_set1_epi16(15);
+                for (int i = 0; i < 4; i++) {
+                    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i)));
+                    __m512i s0 = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * i)), sc);
+                    __m512i s1 = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * i + 1)), sc);
+                    t0 = k16_dot(t0, _mm512_mullo_epi16(_mm512_and_si512(v, m4), s0), q + 64 * i);
+                    t1 = k16_dot(t1, _mm512_mullo_epi16(_mm512_srli_epi16(v, 4), s1), q + 64 * i + 32);
+                }
+            } else if (kind == 4) { /* a half's ql and qh bytes widened once for its four 32s (u32_k's bits) */
+                const __m512i m4 = _mm512_set1_epi16(15), m30 = _mm512_set1_epi16(0x30), c32 = _mm512_set1_epi16(32);
+                for (int h = 0; h < 2; h++) {
+                    __m512i l0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 64 * h)));
+                    __m512i l1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32)));
+                    __m512i hb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+                    __m512i u[4] = {
+                        _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30)),
+                        _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30)),
+                        _mm512_or_si512(_mm512_srli_epi16(l0, 4), _mm512_and_si512(hb, m30)),
+                        _mm512_or_si512(_mm512_srli_epi16(l1, 4), _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30))};
+                    for (int t = 0; t < 4; t++) {
+                        int j = 4 * h + t;
+                        __m512i at = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
+                                                        _mm256_set1_epi16((short)(2 * j + 1)), 1);
+                        __m512i sj = _mm512_permutexvar_epi16(at, sc); /* scales 2j, 2j + 1: a 16 each */
+                        __m512i w = _mm512_mullo_epi16(_mm512_sub_epi16(u[t], c32), sj);
+                        if (t & 1) t1 = k16_dot(t1, w, q + 32 * j);
+                        else t0 = k16_dot(t0, w, q + 32 * j);
+                    }
+                }
+            } else
+                for (int j = 0; j < KN; j += 2) {
+                    t0 = k16_dot(t0, k16_wv(blk, sc, j), q + 32 * j);
+                    t1 = k16_dot(t1, k16_wv(blk, sc, j + 1), q + 32 * j + 32);
+                }
+            acc[r] = k16_lanes(kind, fold8(_mm512_add_epi32(t0, t1)), x.bs + 8 * b, mn, d, dm, x.d[b], acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = hsum8(acc[r]);
+}
+
+/* k16_rows specialised: NR (1, 2 or 4) rows ldw bytes apart of kind 2-4 */
+static void k16_n(int kind, const uint8_t *row, int64_t ldw, int NR, int64_t K, KQRow x, float *out) {
+#define K16_N(k) switch (NR) { case 1: k16_rows(k, row, ldw, 1, K, x, out); break; \
+                               case 2: k16_rows(k, row, ldw, 2, K, x, out); break; \
+                               default: k16_rows(k, row, ldw, 4, K, x, out); break; }
+    switch (kind) {
+    case 2: K16_N(2) break;
+    case 3: K16_N(3) break;
+    default: K16_N(4) break;
+    }
+#undef K16_N
+}
+#endif
+
 /* a row of format `kind` (K values) . the activation row quantized at xp: Q8_0 in place, else decoded into
    own (gguf_matmul.c's dot_one); simd 0: the plain-C dots */
 static float dot_row(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8_t *own, int64_t RW, int simd) {
-    if (kind != 0) return dot_one(kind, row, K, xp, own, RW, simd, 0);
+    if (kind != 0) return dot_one(kind, row, K, xp, own, RW, simd);
     QRow x = qrow_at(xp, K);
     return simd ? dot_q8_0(row, K / 32, x.q, x.d) : dot_q8_0_c(row, K / 32, x.q, x.d);
+}
+
+#define TR 4 /* weight rows a tile at one token: 1.25x one row (Q4_K, AVX-512 VNNI), the rows' dots overlapping */
+
+/* out[r] = row r . x for nr (1..TR) rows ldw bytes apart: the K-quants' in-place tiles, else row by row */
+static void dot_tile(int kind, const uint8_t *row, int64_t ldw, int nr, int64_t K, uint8_t *xp, uint8_t *own,
+                     int64_t RW, int simd, float *out) {
+#if SIMD == 2
+    if (simd && is_k(kind)) {
+        KQRow x = kqrow_at(xp, K);
+        if (nr == 3) {
+            k16_n(kind, row, ldw, 2, K, x, out);
+            k16_n(kind, row + 2 * ldw, ldw, 1, K, x, out + 2);
+        } else k16_n(kind, row, ldw, nr, K, x, out);
+        return;
+    }
+#endif
+    for (int r = 0; r < nr; r++) out[r] = dot_row(kind, row + r * ldw, K, xp, own, RW, simd);
 }
 
 /* mlight_gguf_moe's integer paths (path 1 plain C, 2 SIMD) with the same arguments, scratch and phases */
@@ -111,7 +244,7 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
     int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
     uint8_t *xq = (uint8_t *)(gu + (int64_t)nexp * 2 * I), *hq = xq + qd, *wq = hq + nexp * qi;
     int simd = path == 2;
-    quantize_for(k13, x, x_bf16, D, xq, 0);
+    quantize_for(k13, x, x_bf16, D, xq);
     OMP(omp parallel num_threads(threads))
     {
         int t = 0;
@@ -119,25 +252,29 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
         t = omp_get_thread_num();
 #endif
         uint8_t *own = wq + (int64_t)t * wb;
+        int64_t t13 = (2 * I + TR - 1) / TR; /* tiles of an expert's gate/up rows */
         OMP(omp for schedule(static))
-        for (int64_t r = 0; r < nexp * 2 * I; r++) {
-            int64_t e = r / (2 * I), n = r % (2 * I);
-            gu[r] = dot_row(k13, w13 + ids[e] * e13 + n * ldw13, D, xq, own, RW, simd);
+        for (int64_t r = 0; r < nexp * t13; r++) {
+            int64_t e = r / t13, n = TR * (r % t13);
+            int nr = 2 * I - n < TR ? (int)(2 * I - n) : TR;
+            dot_tile(k13, w13 + ids[e] * e13 + n * ldw13, ldw13, nr, D, xq, own, RW, simd, gu + e * 2 * I + n);
         }
         OMP(omp for schedule(static))
         for (int e = 0; e < nexp; e++) {
             float *h = gu + (int64_t)e * 2 * I;
             for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
-            quantize_for(k2, h, 0, I, hq + e * qi, 0);
+            quantize_for(k2, h, 0, I, hq + e * qi);
         }
         OMP(omp for schedule(static))
-        for (int64_t d = 0; d < D; d++) {
-            float y = 0, v;
-            for (int e = 0; e < nexp; e++) {
-                v = dot_row(k2, w2 + ids[e] * e2 + d * ldw2, I, hq + e * qi, own, RW, simd);
-                y += w[e] * v;
+        for (int64_t d4 = 0; d4 < (D + TR - 1) / TR; d4++) {
+            int64_t d = TR * d4;
+            int nr = D - d < TR ? (int)(D - d) : TR;
+            float y[TR] = {0}, v[TR];
+            for (int e = 0; e < nexp; e++) { /* each output summed over the experts in their order */
+                dot_tile(k2, w2 + ids[e] * e2 + d * ldw2, ldw2, nr, I, hq + e * qi, own, RW, simd, v);
+                for (int r = 0; r < nr; r++) y[r] += w[e] * v[r];
             }
-            put(out, out_bf16, d, y);
+            for (int r = 0; r < nr; r++) put(out, out_bf16, d + r, y[r]);
         }
     }
     return 0;
@@ -150,7 +287,7 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t K, con
     if (kind < 0 || kind > 5 || K % BS[kind] || threads < 1 || path < 1 || path > 2) return -1;
     int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
     uint8_t *xq = (uint8_t *)scratch, *rows = xq + xrow_bytes(kind, K);
-    quantize_for(kind, x, x_bf16, K, xq, 0);
+    quantize_for(kind, x, x_bf16, K, xq);
     OMP(omp parallel num_threads(threads))
     {
         int t = 0;
@@ -159,7 +296,13 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t K, con
 #endif
         uint8_t *own = rows + (int64_t)t * wb;
         OMP(omp for schedule(static))
-        for (int64_t n = 0; n < N; n++) put(y, y_bf16, n, dot_row(kind, w + n * ldw, K, xq, own, K, path == 2));
+        for (int64_t n4 = 0; n4 < (N + TR - 1) / TR; n4++) {
+            int64_t n = TR * n4;
+            int nr = N - n < TR ? (int)(N - n) : TR;
+            float v[TR];
+            dot_tile(kind, w + n * ldw, ldw, nr, K, xq, own, K, path == 2, v);
+            for (int r = 0; r < nr; r++) put(y, y_bf16, n + r, v[r]);
+        }
     }
     return 0;
 }

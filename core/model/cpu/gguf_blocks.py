@@ -11,12 +11,9 @@ row, so the weights are read once, at the file's bits. Three paths (PATHS):
 - "int16" (Q4_K, Q5_K, Q6_K: their default in `linear`, and their matrices' in `moe`'s "int8"; "int16_c"
   its plain C): activations int16 with one scale a 256 values, the weights int16 with their integer
   sub-scales folded in (unpacked from the blocks in registers), a super-block's whole dot summed in int32
-  (finer than int8 a 32, and faster);
-- "q8k" (the K-quants; "q8k_c" its plain C; in `moe` the K-quant matrices on it, the others on int8):
-  llama.cpp's arithmetic, activations int8 with one scale a 256 values against the blocks' bytes, 1.1-1.5x
-  "int16" but coarser: on the reference test's Qwen3-MoE Q4_K file the logits' median error reaches 2.75 %
-  of their spread with it on every matrix (the bound is 2.5 %), 2.1 % on the experts' alone; nobody's
-  default;
+  (finer than int8 a 32, and faster). llama.cpp's Q8_K activations (int8 a 256) were coarser (the Qwen3-MoE
+  Q4_K reference test's logits at 2.75 % of their spread, past the 2.5 % bound) and, at one token, no faster
+  than core.model.cpu.gguf_token's in-place int16 tiles: not kept;
 - "fp32": the row decoded to `gguf.quants.dequantize`'s floats bit for bit (every product in the decoders is
   exact in float32) and float32 math with unquantized activations: above those rows, and always for float32
   activations (a float32 engine asked for float32's precision: it matches transformers' float64 reading of
@@ -40,7 +37,7 @@ from core.model.cpu import native
 from core.model.quant.formats import GGUF_BLOCKS
 
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
-PATHS = {"fp32": 0, "int8_c": 1, "int8": 2, "int16_c": 3, "int16": 4, "q8k_c": 5, "q8k": 6}
+PATHS = {"fp32": 0, "int8_c": 1, "int8": 2, "int16_c": 3, "int16": 4}
 SIMD = {0: "plain C", 1: "AVX2 maddubs", 2: "AVX-512 VNNI"}  # the int8 dots a build has
 # rows up to which `linear` takes an integer path, per format: where it was faster than fp32 on the 784M
 # Mixtral's expert shapes, one thread (bench/gguf_speed.py --kernel). With int8 activations a scale a 32

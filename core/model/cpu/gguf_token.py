@@ -1,13 +1,16 @@
-"""One token's GGUF experts with Q8_0 rows dotted where they lie (core/assets/kernels/gguf_token.c): decode at batch 1.
+"""One token's GGUF experts and dense rows with Q8_0, Q4_K, Q5_K and Q6_K rows dotted where they lie
+(core/assets/kernels/gguf_token.c): decode at batch 1.
 
 `gguf_blocks.moe` decodes every weight row into a buffer before its dot; for Q8_0 that copy costs what the dot
 does at one activation row, and a decode step of the 784M Mixtral read its experts at half of what one core
 streams. This kernel dots the blocks themselves, with gguf_matmul.c's integers, products and lane order, so
-its result equals `gguf_blocks.moe`'s default path (int8 activations) bit for bit; a matrix in another format
-in the same call is decoded as before. It takes bf16 tokens with a Q8_0 matrix among the two (`moe` says None
-otherwise, and the caller runs `gguf_blocks.moe`); `linear` is one bf16 row through a Q8_0 matrix the same way
-(a decode step's dense projections at batch 1). Built like the other C kernels (core.model.cpu.native),
-with gguf_matmul.c compiled in: the build flags carry its hash, so an edit there rebuilds this.
+its result equals `gguf_blocks.moe`'s default path (int8 activations; int16 for the K-quants) bit for bit; the
+K-quants (with AVX-512 VNNI) four rows a tile with their scales unpacked in registers; a matrix in another
+format in the same call is decoded as before. It takes bf16 tokens with a Q8_0 or K-quant matrix among the
+two (`moe` says None otherwise, and the caller runs `gguf_blocks.moe`); `linear` is one bf16 row through such
+a matrix the same way (a decode step's dense projections at batch 1). Built like the other C kernels
+(core.model.cpu.native), with gguf_matmul.c compiled in: the build flags carry its hash, so an edit there
+rebuilds this.
 Legend: D = hidden, I = expert intermediate, k = experts of the token, E = experts.
 """
 
@@ -21,6 +24,10 @@ import torch
 
 from core.assets import GGUF_MATMUL_C, GGUF_TOKEN_C as SOURCE
 from core.model.cpu import gguf_blocks, native
+
+# formats whose rows this kernel dots where they lie (the K-quants with AVX-512 VNNI; with AVX2 and in plain C
+# their rows are decoded first, as in gguf_blocks: the same result either way)
+IN_PLACE = frozenset(("Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 
 _reason = "not built yet"
 
@@ -67,12 +74,12 @@ def status() -> str:
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
         down: tuple[str, torch.Tensor], path: str = "int8") -> torch.Tensor | None:
     """`gguf_blocks.moe` for a bf16 token x [1, D] on its default path (`path` "int8", or "int8_c": the plain-C
-    dots), Q8_0 rows read in place: the same arguments, the same result; None where this kernel does not take
-    the call (x not bf16, no Q8_0 matrix, more than MAX_EXPERTS experts, no kernel here)."""
+    dots), Q8_0 and K-quant rows read in place: the same arguments, the same result; None where this kernel does
+    not take the call (x not bf16, neither matrix in IN_PLACE, more than MAX_EXPERTS experts, no kernel here)."""
     (k13, w13), (k2, w2) = up, down
     k = ids.shape[-1]
-    if (x.dtype != torch.bfloat16 or x.shape[0] != 1 or "Q8_0" not in (k13, k2) or k > gguf_blocks.MAX_EXPERTS
-            or k13 not in gguf_blocks.KINDS or k2 not in gguf_blocks.KINDS):
+    if (x.dtype != torch.bfloat16 or x.shape[0] != 1 or not IN_PLACE.intersection((k13, k2))
+            or k > gguf_blocks.MAX_EXPERTS or k13 not in gguf_blocks.KINDS or k2 not in gguf_blocks.KINDS):
         return None
     lib = library()
     if lib is None or not (lib.openmp or torch.get_num_threads() == 1):
@@ -90,13 +97,17 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     return out
 
 
-def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, path: str = "int8") -> bool:
-    """`gguf_blocks.linear(name, x, raw, out=out)` for one bf16 row x [1, K] of a Q8_0 matrix (raw uint8 [N, bytes],
-    rows contiguous) on its default path ("int8", or "int8_c"), the rows dotted in place: the same values written
-    into `out` [1, N] (bf16, unit stride in N); False, with nothing written, where this kernel does not take it."""
-    if (name != "Q8_0" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != 1 or out.dtype != x.dtype
-            or out.shape != (1, raw.shape[0]) or (raw.shape[0] > 1 and out.stride(1) != 1) or x.stride(-1) != 1
-            or raw.stride(1) != 1):
+def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, path: str | None = None) -> bool:
+    """`gguf_blocks.linear(name, x, raw, out=out)` for one bf16 row x [1, K] of a Q8_0, Q4_K, Q5_K or Q6_K matrix
+    (raw uint8 [N, bytes], rows contiguous) on its default path (`path` None: "int8" for Q8_0, "int16" for the
+    K-quants; or that path's "_c", the plain-C dots), the rows dotted in place: the same values written into
+    `out` [1, N] (bf16, unit stride in N); False, with nothing written, where this kernel does not take it."""
+    default = gguf_blocks.integer_path(name)
+    path = path or default
+    if (name not in IN_PLACE or path not in (default, default + "_c") or x.dtype != torch.bfloat16 or x.dim() != 2
+            or x.shape[0] != 1 or out.dtype != x.dtype or out.shape != (1, raw.shape[0])
+            or (raw.shape[0] > 1 and out.stride(1) != 1) or x.stride(-1) != 1 or raw.stride(1) != 1
+            or x.shape[1] % gguf_blocks.GGUF_BLOCKS[name][0]):
         return False
     lib = library()
     if lib is None or not (lib.openmp or torch.get_num_threads() == 1):
@@ -104,7 +115,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, pat
     K = x.shape[1]
     threads = torch.get_num_threads() if lib.openmp else 1
     s = gguf_blocks._scratch(lib.linear_scratch(K, threads))
-    if lib.linear(0, x.data_ptr(), 1, K, raw.data_ptr(), raw.stride(0), raw.shape[0], out.data_ptr(), 1, s.data_ptr(),
-                  threads, gguf_blocks.PATHS[path]):
-        raise RuntimeError(f"the GGUF token kernel refused Q8_0 with K={K}")
+    if lib.linear(gguf_blocks.KINDS[name], x.data_ptr(), 1, K, raw.data_ptr(), raw.stride(0), raw.shape[0],
+                  out.data_ptr(), 1, s.data_ptr(), threads, 1 if path.endswith("_c") else 2):
+        raise RuntimeError(f"the GGUF token kernel refused {name} with K={K}")
     return True

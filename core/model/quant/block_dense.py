@@ -68,7 +68,7 @@ class BlockWeight(LinearOnlyWeight):
         x2 = x.reshape(-1, K)
         y = torch.empty((x2.shape[0], N), dtype=x.dtype)
         if x2.shape[0] <= NATIVE_GGUF_ROWS:
-            for s in self.segments:  # one Q8_0 row: its blocks dotted in place (the same values)
+            for s in self.segments:  # one Q8_0 or K-quant row: its blocks dotted in place (the same values)
                 if not gguf_token.linear(s.kind, x2, s.raw, y[:, s.r0:s.r1]):
                     gguf_blocks.linear(s.kind, x2, s.raw, out=y[:, s.r0:s.r1])
         else:
