@@ -20,9 +20,11 @@ os.environ["MLIGHT_STRICT_KERNEL_CALLS"] = "1"  # core.model.cpu.native.bind: a 
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _isolated_cache(tmp_path_factory):
+def _isolated_cache(request, tmp_path_factory):
     """Demo model and probe cache go to a temp dir, never the user's."""
     cache = tmp_path_factory.mktemp("mlight-cache")
+    if _xdist_workers(request.config) > 1:
+        _share_kernels(cache, tmp_path_factory.getbasetemp().parent / "kernels")
     old = {k: os.environ.get(k) for k in ("MLIGHT_CACHE_DIR", "MLIGHT_RESULTS_DIR")}
     os.environ["MLIGHT_CACHE_DIR"] = str(cache)
     os.environ["MLIGHT_RESULTS_DIR"] = str(tmp_path_factory.mktemp("mlight-results"))  # never ~/Documents
@@ -32,6 +34,18 @@ def _isolated_cache(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def _share_kernels(cache: Path, shared: Path) -> None:
+    """The workers of one run build the C kernels into one folder: each build is 0.5-7 s of compiler time (about
+    20 s for all of them), and a worker that finds a kernel another one built loads it. Safe to share: a kernel's
+    file name hashes its source, compiler and flags, and it lands by an atomic rename. Where a link cannot be
+    made (Windows without the right), each worker builds its own, as in a serial run."""
+    shared.mkdir(exist_ok=True)
+    try:
+        (cache / "kernels").symlink_to(shared, target_is_directory=True)
+    except OSError:
+        pass
 
 
 @pytest.fixture(scope="session")
