@@ -164,7 +164,10 @@ def _coordination(rank: int) -> dict:
 def tp_results(checkpoint_factory, tmp_path_factory):
     import torch.multiprocessing as mp
 
+    from core.model.cpu import native, row_ops
+
     paths = {f: str(checkpoint_factory(f)) for f in FAMILIES}
+    native.library(), row_ops.library()  # the ranks' C kernels built here once, not by three ranks at once
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     store = str(tmp_path_factory.mktemp("tp") / "store")
