@@ -246,6 +246,9 @@ def run_llama(ll: LlamaCpp, gguf: Path, args) -> dict[int, Rates]:
     if set(got) != set(args.batches):
         raise SystemExit(f"llama-batched-bench printed rows for B = {sorted(got)}, not {args.batches}")
     run_llama.commit = llama_commit(r.stdout + r.stderr)
+    if run_llama.commit == "?":  # recent builds name their commit only when asked
+        v = subprocess.run([cmd[0], "--version"], capture_output=True, text=True)
+        run_llama.commit = llama_commit(v.stdout + v.stderr)
     return got
 
 

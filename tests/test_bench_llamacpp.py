@@ -73,4 +73,5 @@ def test_the_report_gives_median_ratios_with_their_spread():
 
 def test_the_commit_is_read_from_the_tools_log():
     assert llamacpp.llama_commit("build: 1 (0c1e570) with GNU 12.2.0 for x86_64") == "0c1e570"
+    assert llamacpp.llama_commit("version: 0.5.0-dev (build 1, commit 0c1e570)") == "0c1e570"  # --version
     assert llamacpp.llama_commit("nothing") == "?"
