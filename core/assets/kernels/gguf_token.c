@@ -208,24 +208,22 @@ static inline __attribute__((always_inline)) void k16_rows(const int kind, const
         for (int m = 0; m < MRC; m++) out[r * MRC + m] = hsum8(acc[r][m]);
 }
 
-/* k16_rows specialised: NR (1, 2 or 4; with more than one activation row 1 or 2) weight rows ldw bytes apart of
-   kind 2-4 against mr (1..TM) activation rows */
+/* k16_rows specialised: NR (1, 2 or 4) weight rows ldw bytes apart of kind 2-4 against one activation row, or
+   one weight row against mr (2..TM) rows (a second weight row alongside ran 0.9-1.1x that, Zen 5: the
+   registers of 2 x mr accumulators) */
 static void k16_n(int kind, const uint8_t *row, int64_t ldw, int NR, int64_t K, const KQRow *x, int mr, float *out) {
-#define K16_M(k, n) switch (mr) { case 1: k16_rows(k, row, ldw, n, K, x, 1, out); break; \
-                                  case 2: k16_rows(k, row, ldw, n, K, x, 2, out); break; \
-                                  case 3: k16_rows(k, row, ldw, n, K, x, 3, out); break; \
-                                  default: k16_rows(k, row, ldw, n, K, x, 4, out); break; }
-#define K16_N(k) if (mr == 1) { switch (NR) { case 1: k16_rows(k, row, ldw, 1, K, x, 1, out); break; \
-                                              case 2: k16_rows(k, row, ldw, 2, K, x, 1, out); break; \
-                                              default: k16_rows(k, row, ldw, 4, K, x, 1, out); break; } } \
-                 else if (NR == 1) { K16_M(k, 1) } else { K16_M(k, 2) }
+#define K16_N(k) switch (mr > 1 ? mr : -NR) { case -1: k16_rows(k, row, ldw, 1, K, x, 1, out); break; \
+                                               case -2: k16_rows(k, row, ldw, 2, K, x, 1, out); break; \
+                                               case -4: k16_rows(k, row, ldw, 4, K, x, 1, out); break; \
+                                               case 2: k16_rows(k, row, ldw, 1, K, x, 2, out); break; \
+                                               case 3: k16_rows(k, row, ldw, 1, K, x, 3, out); break; \
+                                               default: k16_rows(k, row, ldw, 1, K, x, 4, out); break; }
     switch (kind) {
     case 2: K16_N(2) break;
     case 3: K16_N(3) break;
     default: K16_N(4) break;
     }
 #undef K16_N
-#undef K16_M
 }
 #endif
 
@@ -307,8 +305,8 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
 
 /* mlight_gguf_linear's integer paths (1 plain C, 2 SIMD) for a few activation rows: y [M, N] (rows ldy apart) =
    x [M, K] (rows ldx apart) . W^T, W's rows ldw bytes apart in blocks of `kind`, Q8_0 dotted in place; the
-   K-quants' SIMD rows (AVX-512 VNNI) in place too, two weight rows a tile against up to TM activation rows
-   (each weight row read once for all of them); elsewhere each activation row in turn. scratch as
+   K-quants' SIMD rows (AVX-512 VNNI) in place too, each weight row against up to TM activation rows at once
+   (read once for all of them); elsewhere each activation row in turn. scratch as
    mlight_gguf_token_linear_scratch(M, K, threads) */
 int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
                              int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, float *scratch, int threads,
@@ -334,19 +332,15 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t ldx, i
 #if SIMD == 2
         if (wide) {
             KQRow xs[TM];
-            float v[2 * TM];
+            float v[TM];
             OMP(omp for schedule(static))
-            for (int64_t n2 = 0; n2 < (N + 1) / 2; n2++) {
-                int64_t n = 2 * n2;
-                int nr = N - n < 2 ? 1 : 2;
+            for (int64_t n = 0; n < N; n++)
                 for (int64_t m0 = 0; m0 < M; m0 += TM) {
                     int mr = M - m0 < TM ? (int)(M - m0) : TM;
                     for (int m = 0; m < mr; m++) xs[m] = kqrow_at(xq + (m0 + m) * qb, K);
-                    k16_n(kind, w + n * ldw, ldw, nr, K, xs, mr, v);
-                    for (int r = 0; r < nr; r++)
-                        for (int m = 0; m < mr; m++) put(y, y_bf16, (m0 + m) * ldy + n + r, v[r * mr + m]);
+                    k16_n(kind, w + n * ldw, ldw, 1, K, xs, mr, v);
+                    for (int m = 0; m < mr; m++) put(y, y_bf16, (m0 + m) * ldy + n, v[m]);
                 }
-            }
         } else
 #endif
         {
