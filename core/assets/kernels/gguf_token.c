@@ -1,5 +1,5 @@
 /* One token's routed experts and dense rows on GGUF blocks, Q8_0 and K-quant rows dotted where they lie (decode
-   at batch 1).
+   at batch 1; the K-quants' rows also against an expert's few activation rows).
 
    gguf_matmul.c's one-token call decodes each weight row into a buffer of the thread's (the bytes copied,
    each block's half scale widened into two floats) and dots that buffer with the activations: at one
@@ -17,8 +17,11 @@
    1.25x one row), each super-block's scales unpacked in registers (through the stack they took a third of a
    Q4_K super-block's time) and the next rows prefetched. On the 784M Mixtral's expert shapes (Zen 5, one
    thread, weights from memory) that read Q4_K at 1.2-1.3x gguf_matmul.c's one-row kernel, Q6_K at 1.0x
-   (bench/gguf_speed.py --kernel --paths main:int16,token). With AVX2 and in plain C these rows are decoded
-   first, as in gguf_matmul.c. Other formats take gguf_matmul.c's row decode as before.
+   (bench/gguf_speed.py --kernel --paths main:int16,token). mlight_gguf_token_linear takes a few activation
+   rows too (an expert's rows at a small batch's decode): one weight row against up to TM of them, each 32
+   values unpacked once for all, 1.1-1.6x gguf_matmul.c's k16 tiles at 2-8 rows (the same shapes). With AVX2
+   and in plain C these rows are decoded first, as in gguf_matmul.c. Other formats take gguf_matmul.c's row
+   decode as before.
 
    gguf_matmul.c is compiled into this library (its quantization, SiLU and decoders are the reference here,
    not a copy); the build's flags carry a hash of it, so a change there builds this afresh

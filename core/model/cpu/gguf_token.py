@@ -1,5 +1,5 @@
 """One token's GGUF experts and dense rows with Q8_0, Q4_K, Q5_K and Q6_K rows dotted where they lie
-(core/assets/kernels/gguf_token.c): decode at batch 1.
+(core/assets/kernels/gguf_token.c): decode at batch 1, and an expert's few rows at a small batch.
 
 `gguf_blocks.moe` decodes every weight row into a buffer before its dot; for Q8_0 that copy costs what the dot
 does at one activation row, and a decode step of the 784M Mixtral read its experts at half of what one core
@@ -8,7 +8,9 @@ its result equals `gguf_blocks.moe`'s default path (int8 activations; int16 for 
 K-quants (with AVX-512 VNNI) four rows a tile with their scales unpacked in registers; a matrix in another
 format in the same call is decoded as before. It takes bf16 tokens with a Q8_0 or K-quant matrix among the
 two (`moe` says None otherwise, and the caller runs `gguf_blocks.moe`); `linear` is one bf16 row through such
-a matrix the same way (a decode step's dense projections at batch 1). Built like the other C kernels
+a matrix the same way (a decode step's dense projections at batch 1), or up to ROWS rows of a K-quant matrix
+with AVX-512 VNNI, each weight row dotted with all of them at once (an expert's rows, a small batch's dense
+projections). Built like the other C kernels
 (core.model.cpu.native), with gguf_matmul.c compiled in: the build flags carry its hash, so an edit there
 rebuilds this.
 Legend: D = hidden, I = expert intermediate, k = experts of the token, E = experts.
