@@ -24,14 +24,16 @@ AVX2 `maddubs`; the K-quants' rows on their "int16" path, a scale a 256 values),
 the fused one-token call (`moe`, another 2 of the 8 experts each call), interleaved (fp32, int8, fp32, ...);
 each `linear` call takes the next expert's matrix, so that, as in a decode step, the weights come from memory
 rather than cache; printed: G weights/s of each (median) and the int8/fp32 ratio per round, its median and
-spread. `--paths` names other pairs: "token" is core.model.cpu.gguf_token's in-place one-token kernel (`moe`,
-and `linear` at one row; elsewhere the format's integer default).
+spread. `--paths` names other pairs: "token" is core.model.cpu.gguf_token's in-place kernel (`moe`, and
+`linear` at one row, or for the K-quants with AVX-512 VNNI up to gguf_token.ROWS rows; elsewhere the format's
+integer default).
 
     python bench/gguf_speed.py --kernel                                   # Q8_0 and Q4_K; M = 1..128; 1 and 2 threads
     python bench/gguf_speed.py --kernel --formats Q6_K --rows 1,8 --kernel-threads 1
     python bench/gguf_speed.py --kernel --formats Q4_K,Q5_K,Q6_K --paths int16,token --rows 1  # gguf_token's rows
     python bench/gguf_speed.py --kernel --formats Q4_K,Q6_K --paths main:int16,int16  # main's kernel vs this tree's
     python bench/gguf_speed.py --kernel --formats Q4_K,Q6_K --rows 1 --kernel-threads 1 --paths main:int16,token
+    python bench/gguf_speed.py --kernel --formats Q4_K,Q6_K --rows 2,4,8 --kernel-threads 1 --paths main:int16,token
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """One token's GGUF experts and dense rows with Q8_0, Q4_K, Q5_K and Q6_K rows dotted in place
 (core.model.cpu.gguf_token) against gguf_blocks' default path, which decodes each row first (or, for the
 K-quants with AVX-512 VNNI, dots one row at a time): equal bit for bit (the same integers, products and lane
-order), on the SIMD dots and the plain-C ones, at block counts that end a 16-block scale group early or leave an
-odd block, row counts that leave a partial tile of rows, and 1, 2 or 8 experts; and against the float64
-reference of the same arithmetic (test_gguf_int8's). Under tests/test_cpu_avx2_lane.py the same file checks the
-AVX2 build, where the K-quants' rows are decoded first."""
+order), on the SIMD dots and the plain-C ones, at block counts that end a 16-block scale group early or leave
+an odd block, row counts that leave a partial tile of rows, 1-5 activation rows through a matrix, and 1, 2 or
+8 experts; and against the float64 reference of the same arithmetic (test_gguf_int8's). Under
+tests/test_cpu_avx2_lane.py the same file checks the AVX2 build, where the K-quants' rows are decoded first."""
 
 from __future__ import annotations
 
@@ -121,6 +121,34 @@ def test_one_row_through_a_k_quant_matrix_equals_gguf_blocks(kind, K, N):
     torch.testing.assert_close(want.double(), _reference(x.float(), deq, 256, 16383), rtol=1e-2, atol=1e-2)
     assert not gguf_token.linear(kind, x, raw, c, path="int8")  # not this format's integer path
     assert not gguf_token.linear(kind, x.float(), raw, c.float())
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("K,N", [(256, 1), (768, 7), (1280, 45)])
+def test_a_few_rows_through_a_k_quant_matrix_equal_gguf_blocks(kind, K, N):
+    """`linear` at M = 1..ROWS + 1 activation rows (an expert's rows at a small batch's decode): K an odd count of
+    super-blocks, N leaving a lone weight row past the last pair; rows written ldy apart into a wider output;
+    the SIMD and plain-C dots equal to each other and to gguf_blocks' at the same M. With AVX2 the rows past
+    the first stay with gguf_blocks (False, nothing written); past ROWS every build declines."""
+    raw, deq = _blocks(kind, N, K, seed=K + N)
+    g = torch.Generator().manual_seed(K + N)
+    in_place = gguf_token.library().simd == gguf_blocks.SIMD[2]
+    for M in range(1, gguf_token.ROWS + 2):
+        x = torch.randn(M, K, generator=g).bfloat16()
+        want = gguf_blocks.linear(kind, x, raw)
+        wide = torch.zeros(M, N + 16, dtype=torch.bfloat16)
+        took = gguf_token.linear(kind, x, raw, wide[:, 8:8 + N])
+        assert took == (M == 1 or (M <= gguf_token.ROWS and in_place))
+        if took:
+            assert torch.equal(wide[:, 8:8 + N], want)
+        assert not wide[:, :8].any() and not wide[:, 8 + N:].any() and (took or not wide.any())
+        c = torch.zeros(M, N, dtype=torch.bfloat16)
+        assert gguf_token.linear(kind, x, raw, c, path="int16_c") == (M <= gguf_token.ROWS)
+        if M <= gguf_token.ROWS:
+            assert torch.equal(c, gguf_blocks.linear(kind, x, raw, path="int16_c")) and torch.equal(c, want)
+        torch.testing.assert_close(want.double(), _reference(x.float(), deq, 256, 16383), rtol=1e-2, atol=1e-2)
+    q8, _ = _blocks("Q8_0", 4, 64)  # Q8_0 at two rows: gguf_blocks' tiles
+    assert not gguf_token.linear("Q8_0", torch.randn(2, 64).bfloat16(), q8, torch.empty(2, 4, dtype=torch.bfloat16))
 
 
 def test_any_k_quant_bytes_and_scales_equal_gguf_blocks():

@@ -1,5 +1,5 @@
 /* One token's routed experts and dense rows on GGUF blocks, Q8_0 and K-quant rows dotted where they lie (decode
-   at batch 1).
+   at batch 1; the K-quants' rows also against an expert's few activation rows).
 
    gguf_matmul.c's one-token call decodes each weight row into a buffer of the thread's (the bytes copied,
    each block's half scale widened into two floats) and dots that buffer with the activations: at one
@@ -17,8 +17,11 @@
    1.25x one row), each super-block's scales unpacked in registers (through the stack they took a third of a
    Q4_K super-block's time) and the next rows prefetched. On the 784M Mixtral's expert shapes (Zen 5, one
    thread, weights from memory) that read Q4_K at 1.2-1.3x gguf_matmul.c's one-row kernel, Q6_K at 1.0x
-   (bench/gguf_speed.py --kernel --paths main:int16,token). With AVX2 and in plain C these rows are decoded
-   first, as in gguf_matmul.c. Other formats take gguf_matmul.c's row decode as before.
+   (bench/gguf_speed.py --kernel --paths main:int16,token). mlight_gguf_token_linear takes a few activation
+   rows too (an expert's rows at a small batch's decode): one weight row against up to TM of them, each 32
+   values unpacked once for all, 1.1-1.6x gguf_matmul.c's k16 tiles at 2-8 rows (the same shapes). With AVX2
+   and in plain C these rows are decoded first, as in gguf_matmul.c. Other formats take gguf_matmul.c's row
+   decode as before.
 
    gguf_matmul.c is compiled into this library (its quantization, SiLU and decoders are the reference here,
    not a copy); the build's flags carry a hash of it, so a change there builds this afresh
@@ -45,6 +48,7 @@ static float dot_q8_0_c(const uint8_t *row, int64_t nb, const int8_t *xq, const 
     return (e0 + e2) + (e1 + e3);
 }
 
+#define TM 4 /* activation rows a tile of the in-place K-quant dots */
 #define AHEAD 4096 /* bytes prefetched ahead of the dot: without it one core streamed 8-11 GB/s here, with it 17-25
                           (2-core Xeon VM; the hardware prefetchers alone fall behind) */
 
@@ -128,19 +132,23 @@ static inline __attribute__((always_inline)) __m512i k16_wv(const uint8_t *blk, 
     return _mm512_mullo_epi16(_mm512_cvtepu8_epi16(u32_k(3, blk, j)), s);
 }
 
-/* w . x for NR rows ldw bytes apart of kind 2-4 (K values each) and x int16 a 256: gguf_matmul.c's k16_tile at
-   one activation row (the same integers a lane, the same FMAs, so the same floats), with the prefetch the Q8_0
-   dot has, the scales in registers, and a super-block's integer dots in two chains (their sum is exact, its
-   order free). Q4_K's 32 bytes of two sub-blocks are widened to int16 once and split into nibbles there. */
+/* w . x[m] for NR rows ldw bytes apart of kind 2-4 (K values each) and MRC rows x of int16 a 256: gguf_matmul.c's
+   k16_tile (the same integers a lane, the same FMAs, so the same floats), with the prefetch the Q8_0 dot has,
+   the scales in registers, and each super-block's integer dots in two chains an activation row (their sum is
+   exact, its order free); each weight row's 32 values unpacked once for all MRC rows. Q4_K's 32 bytes of two
+   sub-blocks are widened to int16 once and split into nibbles there. out [NR][MRC] */
 static inline __attribute__((always_inline)) void k16_rows(const int kind, const uint8_t *row, int64_t ldw,
-                                                           const int NR, int64_t K, KQRow x, float *out) {
-    __m256 acc[4];
-    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+                                                           const int NR, int64_t K, const KQRow *x, const int MRC,
+                                                           float *out) {
+    __m256 acc[4][TM];
+    for (int r = 0; r < NR; r++)
+        for (int m = 0; m < MRC; m++) acc[r][m] = _mm256_setzero_ps();
     /* the next tile's rows follow these: AHEAD bytes on, or where a tile spans more, the same place a tile on (4
        rows of K = 3840 span 8-13 KB: 4 KB ahead fell inside the tile, and the down rows ran at 0.6-0.8x) */
     int64_t ahead = NR * ldw > AHEAD ? NR * ldw : AHEAD;
     for (int64_t b = 0; b < K / 256; b++) {
-        const int16_t *q = x.q + 256 * b;
+        const int16_t *q[TM];
+        for (int m = 0; m < MRC; m++) q[m] = x[m].q + 256 * b;
         for (int r = 0; r < NR; r++) {
             const uint8_t *blk = row + r * ldw + b * TS[kind];
             for (int c = 0; c < TS[kind]; c += 64) _mm_prefetch((const char *)(blk + ahead + c), _MM_HINT_T0);
@@ -148,15 +156,20 @@ static inline __attribute__((always_inline)) void k16_rows(const int kind, const
             __m256i mn;
             float d, dm;
             k16_scales_v(kind, blk, &sc, &mn, &d, &dm);
-            __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+            __m512i t0[TM], t1[TM];
+            for (int m = 0; m < MRC; m++) t0[m] = t1[m] = _mm512_setzero_si512();
             if (kind == 2) {
                 const __m512i m4 = _mm512_set1_epi16(15);
                 for (int i = 0; i < 4; i++) {
                     __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i)));
                     __m512i s0 = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * i)), sc);
                     __m512i s1 = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * i + 1)), sc);
-                    t0 = k16_dot(t0, _mm512_mullo_epi16(_mm512_and_si512(v, m4), s0), q + 64 * i);
-                    t1 = k16_dot(t1, _mm512_mullo_epi16(_mm512_srli_epi16(v, 4), s1), q + 64 * i + 32);
+                    __m512i w0 = _mm512_mullo_epi16(_mm512_and_si512(v, m4), s0);
+                    __m512i w1 = _mm512_mullo_epi16(_mm512_srli_epi16(v, 4), s1);
+                    for (int m = 0; m < MRC; m++) {
+                        t0[m] = k16_dot(t0[m], w0, q[m] + 64 * i);
+                        t1[m] = k16_dot(t1[m], w1, q[m] + 64 * i + 32);
+                    }
                 }
             } else if (kind == 4) { /* a half's ql and qh bytes widened once for its four 32s (u32_k's bits) */
                 const __m512i m4 = _mm512_set1_epi16(15), m30 = _mm512_set1_epi16(0x30), c32 = _mm512_set1_epi16(32);
@@ -175,26 +188,39 @@ static inline __attribute__((always_inline)) void k16_rows(const int kind, const
                                                         _mm256_set1_epi16((short)(2 * j + 1)), 1);
                         __m512i sj = _mm512_permutexvar_epi16(at, sc); /* scales 2j, 2j + 1: a 16 each */
                         __m512i w = _mm512_mullo_epi16(_mm512_sub_epi16(u[t], c32), sj);
-                        if (t & 1) t1 = k16_dot(t1, w, q + 32 * j);
-                        else t0 = k16_dot(t0, w, q + 32 * j);
+                        for (int m = 0; m < MRC; m++) {
+                            if (t & 1) t1[m] = k16_dot(t1[m], w, q[m] + 32 * j);
+                            else t0[m] = k16_dot(t0[m], w, q[m] + 32 * j);
+                        }
                     }
                 }
             } else
                 for (int j = 0; j < KN; j += 2) {
-                    t0 = k16_dot(t0, k16_wv(blk, sc, j), q + 32 * j);
-                    t1 = k16_dot(t1, k16_wv(blk, sc, j + 1), q + 32 * j + 32);
+                    __m512i w0 = k16_wv(blk, sc, j), w1 = k16_wv(blk, sc, j + 1);
+                    for (int m = 0; m < MRC; m++) {
+                        t0[m] = k16_dot(t0[m], w0, q[m] + 32 * j);
+                        t1[m] = k16_dot(t1[m], w1, q[m] + 32 * j + 32);
+                    }
                 }
-            acc[r] = k16_lanes(kind, fold8(_mm512_add_epi32(t0, t1)), x.bs + 8 * b, mn, d, dm, x.d[b], acc[r]);
+            for (int m = 0; m < MRC; m++)
+                acc[r][m] = k16_lanes(kind, fold8(_mm512_add_epi32(t0[m], t1[m])), x[m].bs + 8 * b, mn, d, dm,
+                                      x[m].d[b], acc[r][m]);
         }
     }
-    for (int r = 0; r < NR; r++) out[r] = hsum8(acc[r]);
+    for (int r = 0; r < NR; r++)
+        for (int m = 0; m < MRC; m++) out[r * MRC + m] = hsum8(acc[r][m]);
 }
 
-/* k16_rows specialised: NR (1, 2 or 4) rows ldw bytes apart of kind 2-4 */
-static void k16_n(int kind, const uint8_t *row, int64_t ldw, int NR, int64_t K, KQRow x, float *out) {
-#define K16_N(k) switch (NR) { case 1: k16_rows(k, row, ldw, 1, K, x, out); break; \
-                               case 2: k16_rows(k, row, ldw, 2, K, x, out); break; \
-                               default: k16_rows(k, row, ldw, 4, K, x, out); break; }
+/* k16_rows specialised: NR (1, 2 or 4) weight rows ldw bytes apart of kind 2-4 against one activation row, or
+   one weight row against mr (2..TM) rows (a second weight row alongside ran 0.9-1.1x that, Zen 5: the
+   registers of 2 x mr accumulators) */
+static void k16_n(int kind, const uint8_t *row, int64_t ldw, int NR, int64_t K, const KQRow *x, int mr, float *out) {
+#define K16_N(k) switch (mr > 1 ? mr : -NR) { case -1: k16_rows(k, row, ldw, 1, K, x, 1, out); break; \
+                                               case -2: k16_rows(k, row, ldw, 2, K, x, 1, out); break; \
+                                               case -4: k16_rows(k, row, ldw, 4, K, x, 1, out); break; \
+                                               case 2: k16_rows(k, row, ldw, 1, K, x, 2, out); break; \
+                                               case 3: k16_rows(k, row, ldw, 1, K, x, 3, out); break; \
+                                               default: k16_rows(k, row, ldw, 1, K, x, 4, out); break; }
     switch (kind) {
     case 2: K16_N(2) break;
     case 3: K16_N(3) break;
@@ -221,9 +247,9 @@ static void dot_tile(int kind, const uint8_t *row, int64_t ldw, int nr, int64_t 
     if (simd && is_k(kind)) {
         KQRow x = kqrow_at(xp, K);
         if (nr == 3) {
-            k16_n(kind, row, ldw, 2, K, x, out);
-            k16_n(kind, row + 2 * ldw, ldw, 1, K, x, out + 2);
-        } else k16_n(kind, row, ldw, nr, K, x, out);
+            k16_n(kind, row, ldw, 2, K, &x, 1, out);
+            k16_n(kind, row + 2 * ldw, ldw, 1, K, &x, 1, out + 2);
+        } else k16_n(kind, row, ldw, nr, K, &x, 1, out);
         return;
     }
 #endif
@@ -280,14 +306,25 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
     return 0;
 }
 
-/* mlight_gguf_linear's integer paths (1 plain C, 2 SIMD) for one activation row: y [N] = x [K] . W^T, W's rows
-   ldw bytes apart in blocks of `kind`, Q8_0 dotted in place; scratch as mlight_gguf_scratch(1, K, threads) */
-int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t K, const uint8_t *w, int64_t ldw, int64_t N,
-                             void *y, int y_bf16, float *scratch, int threads, int path) {
-    if (kind < 0 || kind > 5 || K % BS[kind] || threads < 1 || path < 1 || path > 2) return -1;
-    int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
-    uint8_t *xq = (uint8_t *)scratch, *rows = xq + xrow_bytes(kind, K);
-    quantize_for(kind, x, x_bf16, K, xq);
+/* mlight_gguf_linear's integer paths (1 plain C, 2 SIMD) for a few activation rows: y [M, N] (rows ldy apart) =
+   x [M, K] (rows ldx apart) . W^T, W's rows ldw bytes apart in blocks of `kind`, Q8_0 dotted in place; the
+   K-quants' SIMD rows (AVX-512 VNNI) in place too, each weight row against up to TM activation rows at once
+   (read once for all of them); elsewhere each activation row in turn. scratch as
+   mlight_gguf_token_linear_scratch(M, K, threads) */
+int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
+                             int64_t ldw, int64_t N, void *y, int y_bf16, int64_t ldy, float *scratch, int threads,
+                             int path) {
+    if (kind < 0 || kind > 5 || K % BS[kind] || M < 1 || threads < 1 || path < 1 || path > 2) return -1;
+    int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K), qb = xrow_bytes(kind, K);
+    uint8_t *xq = (uint8_t *)scratch, *rows = xq + M * qb;
+    for (int64_t m = 0; m < M; m++) {
+        const void *r = x_bf16 ? (const void *)((const uint16_t *)x + m * ldx) : (const void *)((const float *)x + m * ldx);
+        quantize_for(kind, r, x_bf16, K, xq + m * qb);
+    }
+    int wide = 0;
+#if SIMD == 2
+    wide = M > 1 && path == 2 && is_k(kind);
+#endif
     OMP(omp parallel num_threads(threads))
     {
         int t = 0;
@@ -295,21 +332,39 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t K, con
         t = omp_get_thread_num();
 #endif
         uint8_t *own = rows + (int64_t)t * wb;
-        OMP(omp for schedule(static))
-        for (int64_t n4 = 0; n4 < (N + TR - 1) / TR; n4++) {
-            int64_t n = TR * n4;
-            int nr = N - n < TR ? (int)(N - n) : TR;
-            float v[TR];
-            dot_tile(kind, w + n * ldw, ldw, nr, K, xq, own, K, path == 2, v);
-            for (int r = 0; r < nr; r++) put(y, y_bf16, n + r, v[r]);
+#if SIMD == 2
+        if (wide) {
+            KQRow xs[TM];
+            float v[TM];
+            OMP(omp for schedule(static))
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t m0 = 0; m0 < M; m0 += TM) {
+                    int mr = M - m0 < TM ? (int)(M - m0) : TM;
+                    for (int m = 0; m < mr; m++) xs[m] = kqrow_at(xq + (m0 + m) * qb, K);
+                    k16_n(kind, w + n * ldw, ldw, 1, K, xs, mr, v);
+                    for (int m = 0; m < mr; m++) put(y, y_bf16, (m0 + m) * ldy + n, v[m]);
+                }
+        } else
+#endif
+        {
+            OMP(omp for schedule(static))
+            for (int64_t n4 = 0; n4 < (N + TR - 1) / TR; n4++) {
+                int64_t n = TR * n4;
+                int nr = N - n < TR ? (int)(N - n) : TR;
+                float v[TR];
+                for (int64_t m = 0; m < M; m++) {
+                    dot_tile(kind, w + n * ldw, ldw, nr, K, xq + m * qb, own, K, path == 2, v);
+                    for (int r = 0; r < nr; r++) put(y, y_bf16, m * ldy + n + r, v[r]);
+                }
+            }
         }
     }
     return 0;
 }
 
 /* floats of scratch a mlight_gguf_token_linear call needs */
-int64_t mlight_gguf_token_linear_scratch(int64_t K, int threads) {
+int64_t mlight_gguf_token_linear_scratch(int64_t M, int64_t K, int threads) {
     int64_t x = qrow_bytes(K) > kqrow_bytes(K) ? qrow_bytes(K) : kqrow_bytes(K);
     int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
-    return (x + (int64_t)threads * wb + 3) / 4;
+    return (M * x + (int64_t)threads * wb + 3) / 4;
 }

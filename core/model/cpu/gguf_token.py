@@ -1,5 +1,5 @@
 """One token's GGUF experts and dense rows with Q8_0, Q4_K, Q5_K and Q6_K rows dotted where they lie
-(core/assets/kernels/gguf_token.c): decode at batch 1.
+(core/assets/kernels/gguf_token.c): decode at batch 1, and an expert's few rows at a small batch.
 
 `gguf_blocks.moe` decodes every weight row into a buffer before its dot; for Q8_0 that copy costs what the dot
 does at one activation row, and a decode step of the 784M Mixtral read its experts at half of what one core
@@ -8,7 +8,9 @@ its result equals `gguf_blocks.moe`'s default path (int8 activations; int16 for 
 K-quants (with AVX-512 VNNI) four rows a tile with their scales unpacked in registers; a matrix in another
 format in the same call is decoded as before. It takes bf16 tokens with a Q8_0 or K-quant matrix among the
 two (`moe` says None otherwise, and the caller runs `gguf_blocks.moe`); `linear` is one bf16 row through such
-a matrix the same way (a decode step's dense projections at batch 1). Built like the other C kernels
+a matrix the same way (a decode step's dense projections at batch 1), or up to ROWS rows of a K-quant matrix
+with AVX-512 VNNI, each weight row dotted with all of them at once (an expert's rows, a small batch's dense
+projections). Built like the other C kernels
 (core.model.cpu.native), with gguf_matmul.c compiled in: the build flags carry its hash, so an edit there
 rebuilds this.
 Legend: D = hidden, I = expert intermediate, k = experts of the token, E = experts.
@@ -29,6 +31,11 @@ from core.model.cpu import gguf_blocks, native
 # their rows are decoded first, as in gguf_blocks: the same result either way)
 IN_PLACE = frozenset(("Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 
+# activation rows `linear` takes: an expert's rows at a small batch's decode (B = 8, top-2 of 8: 1-5 rows). Against
+# gguf_blocks' tiles (Zen 5, one thread, the 784M Mixtral's expert shapes): 1.1-1.3x at 2-4 rows (Q4_K), 1.1-1.6x
+# (Q6_K), still 1.06-2x at 8
+ROWS = 8
+
 _reason = "not built yet"
 
 
@@ -39,8 +46,9 @@ class _Lib:
         self.moe = native.bind(self.dll, "mlight_gguf_token_moe",
                                [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
         self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
-        self.linear = native.bind(self.dll, "mlight_gguf_token_linear", [C, P, C, I, P, I, I, P, C, P, C, C], C)
-        self.linear_scratch = native.bind(self.dll, "mlight_gguf_token_linear_scratch", [I, C], I)
+        self.linear = native.bind(self.dll, "mlight_gguf_token_linear",
+                                  [C, P, C, I, I, I, P, I, I, P, C, I, P, C, C], C)
+        self.linear_scratch = native.bind(self.dll, "mlight_gguf_token_linear_scratch", [I, I, C], I)
         self.openmp = bool(self.dll.mlight_gguf_openmp())
         self.simd = gguf_blocks.SIMD[self.dll.mlight_gguf_simd()]
         self.flags = flags + (" -fopenmp" if self.openmp else "")
@@ -98,24 +106,29 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
 
 
 def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, path: str | None = None) -> bool:
-    """`gguf_blocks.linear(name, x, raw, out=out)` for one bf16 row x [1, K] of a Q8_0, Q4_K, Q5_K or Q6_K matrix
+    """`gguf_blocks.linear(name, x, raw, out=out)` for bf16 rows x [M, K] of a Q8_0, Q4_K, Q5_K or Q6_K matrix
     (raw uint8 [N, bytes], rows contiguous) on its default path (`path` None: "int8" for Q8_0, "int16" for the
     K-quants; or that path's "_c", the plain-C dots), the rows dotted in place: the same values written into
-    `out` [1, N] (bf16, unit stride in N); False, with nothing written, where this kernel does not take it."""
+    `out` [M, N] (bf16, unit stride in N, rows anywhere); False, with nothing written, where this kernel does not
+    take it. One row in every format; 2..ROWS rows for the K-quants with AVX-512 VNNI (each weight row read
+    once for all of them; elsewhere gguf_blocks' tiles are as fast) or on "_c"."""
     default = gguf_blocks.integer_path(name)
     path = path or default
     if (name not in IN_PLACE or path not in (default, default + "_c") or x.dtype != torch.bfloat16 or x.dim() != 2
-            or x.shape[0] != 1 or out.dtype != x.dtype or out.shape != (1, raw.shape[0])
+            or not 1 <= x.shape[0] <= ROWS or out.dtype != x.dtype or out.shape != (x.shape[0], raw.shape[0])
             or (raw.shape[0] > 1 and out.stride(1) != 1) or x.stride(-1) != 1 or raw.stride(1) != 1
             or x.shape[1] % gguf_blocks.GGUF_BLOCKS[name][0]):
         return False
     lib = library()
     if lib is None or not (lib.openmp or torch.get_num_threads() == 1):
         return False
-    K = x.shape[1]
+    M, K = x.shape
+    if M > 1 and not path.endswith("_c") and (name == "Q8_0" or lib.simd != gguf_blocks.SIMD[2]):
+        return False
     threads = torch.get_num_threads() if lib.openmp else 1
-    s = gguf_blocks._scratch(lib.linear_scratch(K, threads))
-    if lib.linear(gguf_blocks.KINDS[name], x.data_ptr(), 1, K, raw.data_ptr(), raw.stride(0), raw.shape[0],
-                  out.data_ptr(), 1, s.data_ptr(), threads, 1 if path.endswith("_c") else 2):
-        raise RuntimeError(f"the GGUF token kernel refused {name} with K={K}")
+    s = gguf_blocks._scratch(lib.linear_scratch(M, K, threads))
+    if lib.linear(gguf_blocks.KINDS[name], x.data_ptr(), 1, x.stride(0), M, K, raw.data_ptr(), raw.stride(0),
+                  raw.shape[0], out.data_ptr(), 1, out.stride(0), s.data_ptr(), threads,
+                  1 if path.endswith("_c") else 2):
+        raise RuntimeError(f"the GGUF token kernel refused {name} with M={M}, K={K}")
     return True

@@ -112,9 +112,9 @@ class QuantExperts:
     def _linear(self, m: Matrix, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.blocks and x.shape[0] <= self.kernel_rows:
             raw = self.parts[f"{m.name}.raw"][e]
-            y = torch.empty((1, raw.shape[0]), dtype=x.dtype) if x.shape[0] == 1 else None
-            if y is not None and gguf_token.linear(m.fmt.name, x, raw, y):  # one row: the blocks dotted in place
-                return y
+            y = torch.empty((x.shape[0], raw.shape[0]), dtype=x.dtype) if x.shape[0] <= gguf_token.ROWS else None
+            if y is not None and gguf_token.linear(m.fmt.name, x, raw, y):  # an expert's few rows (batched decode):
+                return y  # the blocks dotted in place, the same values
             return gguf_blocks.linear(m.fmt.name, x, raw)
         if self.native and x.shape[0] <= self.kernel_rows and int4.runs(x.dtype, m.k, group=m.fmt.group):
             return int4.linear(x, self.parts[f"{m.name}.q"][e], self.parts[f"{m.name}.sz"][e], m.fmt.group)
