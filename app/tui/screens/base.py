@@ -10,9 +10,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.app import SystemCommand
 from textual.screen import Screen
-from textual.widgets import Button, Footer, Static
+from textual.widgets import Button, Static
 from textual.worker import Worker, WorkerState
 
+from app.tui.widgets.footer import KeyFooter
 from app.tui.widgets.steps import Steps
 
 
@@ -75,7 +76,7 @@ class StepScreen(Screen):
         yield Steps(self.STEP, id="steps")
         yield from self.compose_body()
         yield StatusLine(id="status")
-        yield Footer(compact=True)  # compact: at 80 columns every key shown fits, ? Help too
+        yield KeyFooter(compact=True)  # compact: at 80 columns every key shown fits, ? Help too
 
     def compose_body(self) -> ComposeResult:
         yield from ()
