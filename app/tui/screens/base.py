@@ -36,6 +36,10 @@ class StepHost(Protocol):
 
 def button(label: str, id: str, action: str = "", **kw) -> Button:
     """A compact button that runs this screen's `action` (default: its id) when pressed."""
+    # born with the classes Button's own watchers would add one by one, each add restyling it
+    variant = kw.get("variant", "default")
+    made = " -style-default" + ("" if variant == "default" else f" -{variant}")
+    kw["classes"] = kw.get("classes", "") + made
     return Button(label, compact=True, id=id, action=f"screen.{action or id}", **kw)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer
+from textual.widgets._footer import FooterKey
 
 
 class KeyFooter(Footer):
@@ -33,7 +34,11 @@ class KeyFooter(Footer):
 
     def compose(self) -> ComposeResult:
         self._shown = self._keys() if self._bindings_ready else None
-        yield from super().compose()
+        for widget in super().compose():
+            if isinstance(widget, FooterKey):
+                # the class its compact watcher would add once mounted, restyling the key a second time
+                widget.set_class(self.compact, "-compact", update=False)
+            yield widget
 
     def bindings_changed(self, screen: Screen) -> None:
         if not (self._bindings_ready and self.is_attached and screen is self.screen and self.app.app_focus):
