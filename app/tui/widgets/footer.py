@@ -36,7 +36,9 @@ class KeyFooter(Footer):
         self._shown = self._keys() if self._bindings_ready else None
         for widget in super().compose():
             if isinstance(widget, FooterKey):
-                # the class its compact watcher would add once mounted, restyling the key a second time
+                # born compact or not as the footer is, with the class its compact watcher would otherwise set
+                # once mounted, restyling the key a second time (twice for a key of a full-size footer)
+                widget.set_reactive(FooterKey.compact, self.compact)
                 widget.set_class(self.compact, "-compact", update=False)
             yield widget
 
