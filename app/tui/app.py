@@ -50,6 +50,18 @@ class MlightApp(App):
             self._opening = (stop, problems)
         self.push_screen(_step_screen("Machine"))
 
+    def push_screen(self, screen, *args, **kwargs):
+        # A screen learns its breakpoint class from its first resize, which restyles its whole tree once more;
+        # born with the class the current width gives, that resize changes nothing.
+        if isinstance(screen, Screen) and not screen.is_attached:
+            width = self.size.width
+            edges = screen.HORIZONTAL_BREAKPOINTS if screen.HORIZONTAL_BREAKPOINTS is not None \
+                else self.HORIZONTAL_BREAKPOINTS
+            fits = [name for edge, name in sorted(edges or [], reverse=True) if width >= edge]
+            if fits and not (screen.VERTICAL_BREAKPOINTS or self.VERTICAL_BREAKPOINTS):
+                screen.add_class(fits[0], update=False)
+        return super().push_screen(screen, *args, **kwargs)
+
     def machine_known(self) -> None:
         """The session holds the machine now: open the steps the command line asked for, once."""
         if self._opening is None:

@@ -10,9 +10,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.app import SystemCommand
 from textual.screen import Screen
-from textual.widgets import Button, Footer, Static
+from textual.widgets import Button, Static
 from textual.worker import Worker, WorkerState
 
+from app.tui.widgets.footer import KeyFooter
 from app.tui.widgets.steps import Steps
 
 
@@ -35,6 +36,10 @@ class StepHost(Protocol):
 
 def button(label: str, id: str, action: str = "", **kw) -> Button:
     """A compact button that runs this screen's `action` (default: its id) when pressed."""
+    # born with the classes Button's own watchers would add one by one, each add restyling it
+    variant = kw.get("variant", "default")
+    made = " -style-default" + ("" if variant == "default" else f" -{variant}")
+    kw["classes"] = kw.get("classes", "") + made
     return Button(label, compact=True, id=id, action=f"screen.{action or id}", **kw)
 
 
@@ -75,7 +80,7 @@ class StepScreen(Screen):
         yield Steps(self.STEP, id="steps")
         yield from self.compose_body()
         yield StatusLine(id="status")
-        yield Footer(compact=True)  # compact: at 80 columns every key shown fits, ? Help too
+        yield KeyFooter(compact=True)  # compact: at 80 columns every key shown fits, ? Help too
 
     def compose_body(self) -> ComposeResult:
         yield from ()

@@ -9,8 +9,9 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
+from app.tui.widgets.footer import KeyFooter
 from app.tui.widgets.steps import STEPS
 
 STEP_LINES = {
@@ -61,7 +62,7 @@ class HelpScreen(ModalScreen[None]):
                 yield Static(self._table(GLOBAL_KEYS))
                 yield Static(Text("Steps", style="bold"), classes="help-head")
                 yield Static(self._steps(step))
-        yield Footer(compact=True)  # compact: at 80 columns every key shown fits, ? Help too
+        yield KeyFooter(compact=True)  # compact: at 80 columns every key shown fits, ? Help too
 
     def on_mount(self) -> None:
         self.query_one("#help").border_title = "mlight — help"

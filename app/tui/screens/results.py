@@ -13,12 +13,13 @@ from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, DataTable, Footer, Static
+from textual.widgets import Button, DataTable, Static
 
 from app.tui import fmt
 from app.tui.glyphs import glyph
 from app.tui.screens.base import StepScreen
 from app.tui.widgets.facts import Facts
+from app.tui.widgets.footer import KeyFooter
 from app.tui.widgets.path_input import PathInput
 
 
@@ -132,7 +133,7 @@ class DetailScreen(ModalScreen):
                 yield Static(Text(fmt.printable(r.get("prompt", ""))), classes="detail-block")
                 yield Static(Text("Output", style="bold"))
                 yield Static(Text(fmt.printable(r.get("output", ""))), classes="detail-block")
-        yield Footer()
+        yield KeyFooter()
 
     def on_mount(self) -> None:
         self.query_one("#detail").border_title = f"Result {self.record['id']}"
@@ -155,7 +156,7 @@ class ExportScreen(ModalScreen[str | None]):
             with Horizontal(classes="actions"):
                 yield Button(f"Write  {glyph.enter}", compact=True, id="write", variant="primary")
                 yield Button("Cancel", compact=True, id="cancel", action="screen.dismiss(None)")
-        yield Footer()
+        yield KeyFooter()
 
     def on_mount(self) -> None:
         self.query_one("#export").border_title = f"Export {len(self.records)} results"
