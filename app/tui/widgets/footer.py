@@ -10,7 +10,11 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer
-from textual.widgets._footer import FooterKey
+
+try:  # private to Textual (textual>=8 is not pinned): without it the keys are restyled once more, nothing else
+    from textual.widgets._footer import FooterKey
+except ImportError:  # pragma: no cover
+    FooterKey = None
 
 
 class KeyFooter(Footer):
@@ -33,9 +37,12 @@ class KeyFooter(Footer):
         return keys, palette
 
     def compose(self) -> ComposeResult:
-        self._shown = self._keys() if self._bindings_ready else None
+        try:
+            self._shown = self._keys() if getattr(self, "_bindings_ready", False) else None
+        except (AttributeError, TypeError, ValueError):
+            self._shown = None
         for widget in super().compose():
-            if isinstance(widget, FooterKey):
+            if FooterKey is not None and isinstance(widget, FooterKey):
                 # born compact or not as the footer is, with the class its compact watcher would otherwise set
                 # once mounted, restyling the key a second time (twice for a key of a full-size footer)
                 widget.set_reactive(FooterKey.compact, self.compact)
@@ -43,10 +50,14 @@ class KeyFooter(Footer):
             yield widget
 
     def bindings_changed(self, screen: Screen) -> None:
-        if not (self._bindings_ready and self.is_attached and screen is self.screen and self.app.app_focus):
+        if not (getattr(self, "_bindings_ready", False) and self.is_attached and screen is self.screen and self.app.app_focus):
             super().bindings_changed(screen)
             return
-        keys = self._keys()
+        try:
+            keys = self._keys()
+        except (AttributeError, TypeError, ValueError):  # a Textual whose bindings read differently: rebuild always
+            super().bindings_changed(screen)
+            return
         if keys == self._shown:  # shown now, or by the recompose already asked for
             return
         self._shown = keys
