@@ -50,7 +50,8 @@ class KeyFooter(Footer):
             yield widget
 
     def bindings_changed(self, screen: Screen) -> None:
-        if not (getattr(self, "_bindings_ready", False) and self.is_attached and screen is self.screen and self.app.app_focus):
+        ready = getattr(self, "_bindings_ready", False)
+        if not (ready and self.is_attached and screen is self.screen and self.app.app_focus):
             super().bindings_changed(screen)
             return
         try:
