@@ -218,24 +218,23 @@ async def _confirm_quit(pilot, shot):
     await shot("quit")
 
 
-async def _help_run_results(pilot, shot):
+async def _help_then_run(pilot, shot):
     await _help(pilot)
     await shot("help")
     await _close(pilot)
     await _run(pilot)
     await still(pilot)
     await shot("run")
+
+
+async def _help_run_results(pilot, shot):
+    await _help_then_run(pilot, shot)
     await _to_results(pilot)
     await shot("results")
 
 
 async def _help_run_timeline(pilot, shot):
-    await _help(pilot)
-    await shot("help")
-    await _close(pilot)
-    await _run(pilot)
-    await still(pilot)
-    await shot("run")
+    await _help_then_run(pilot, shot)
     await _timeline(pilot)
     await shot("timeline")
 
