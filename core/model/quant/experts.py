@@ -115,7 +115,7 @@ class QuantExperts:
             y = torch.empty((x.shape[0], raw.shape[0]), dtype=x.dtype) if x.shape[0] <= gguf_token.ROWS else None
             if y is not None and gguf_token.linear(m.fmt.name, x, raw, y):  # an expert's few rows (batched decode):
                 return y  # the blocks dotted in place, the same values
-            return gguf_blocks.linear(m.fmt.name, x, raw)
+            return gguf_blocks.linear(m.fmt.name, x, raw, out=y)  # declined: the same buffer, no second one
         if self.native and x.shape[0] <= self.kernel_rows and int4.runs(x.dtype, m.k, group=m.fmt.group):
             return int4.linear(x, self.parts[f"{m.name}.q"][e], self.parts[f"{m.name}.sz"][e], m.fmt.group)
         if self.packed is not None and (x.shape[0] <= self.kernel_rows or self._key[m.name] not in self.parts):
