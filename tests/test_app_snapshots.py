@@ -130,12 +130,7 @@ async def _close(pilot):
 async def _plan_help_run_results(pilot, shot):
     await _settled(pilot)
     await shot("plan")
-    await _help(pilot)
-    await shot("help")
-    await _close(pilot)
-    await _run(pilot)
-    await still(pilot)
-    await shot("run")
+    await _help_then_run(pilot, shot)
     await _results_export_detail(pilot, shot)
 
 
@@ -156,12 +151,7 @@ async def _plan_help_run_timeline_results(pilot, shot):
     """At 80x24: as _plan_help_run_results, and the Run screen's timeline (t) before Results."""
     await _settled(pilot)
     await shot("plan")
-    await _help(pilot)
-    await shot("help")
-    await _close(pilot)
-    await _run(pilot)
-    await still(pilot)
-    await shot("run")
+    await _help_then_run(pilot, shot)
     await _timeline(pilot)
     await shot("timeline")
     await _results_export_detail(pilot, shot)
