@@ -55,7 +55,8 @@ class StepDone:
     times: Sequence[float] = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "busy", Busy(self.busy))
+        if type(self.busy) is not Busy:  # the engine hands one over made: no copy a step
+            object.__setattr__(self, "busy", Busy(self.busy))
 
 
 class TaskSpan(NamedTuple):
