@@ -308,12 +308,8 @@ def last_wave(policy: Policy, model: ModelSpec, hardware: HardwareSpec, tail: Wo
 class _Lin:
     """Everything about one integer candidate that is affine in (r_w, r_c)."""
 
-    dec0: tuple[float, ...]  # decode busy per resource at r_w = r_c = 0
-    dec_w: tuple[float, ...]  # change per unit r_w
-    dec_c: tuple[float, ...]  # change per unit r_c
-    pre0: tuple[float, ...]
-    pre_w: tuple[float, ...]
-    pre_c: tuple[float, ...]
+    dec: tuple  # decode busy per resource: (at r_w = r_c = 0, change per unit r_w, change per unit r_c)
+    pre: tuple  # the same for prefill
     fixed: float  # seconds independent of the layers' overlap (LM head) over the whole batch
     serial: bool  # CPU-only: resources add up instead of overlapping
     mem: tuple[float, ...]  # (gpu0, gpu_w, gpu_c, cpu0, cpu_w, cpu_c): bytes at r = 0 and per unit r_w, r_c
@@ -337,13 +333,12 @@ def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, b
     """`mem` and `prefill` (independent of the expert batch) may be passed in when already known."""
     a, f = place
     kw = dict(batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f, context=w.decode_context)
-    d00, d10, d01 = _corners(lambda r_w, r_c: hrm.decode_layer_seconds(
+    dec = _corners(lambda r_w, r_c: hrm.decode_layer_seconds(
         d, r, gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, **kw), a == "gpu")
-    p00, p10, p01 = prefill or _prefill_lin(d, r, w, place, n, mu)
     head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=f == "gpu")
     fixed = head * w.gen_len + hrm.wave_seconds(r, on_gpu=f == "gpu")
-    return _Lin(d00, _sub(d10, d00), _sub(d01, d00), p00, _sub(p10, p00), _sub(p01, p00), fixed=fixed,
-                serial=f == "cpu", mem=mem or _memory_lin(d, w, place, n, mu, beta))
+    return _Lin(dec, prefill or _prefill_lin(d, r, w, place, n, mu), fixed=fixed, serial=f == "cpu",
+                mem=mem or _memory_lin(d, w, place, n, mu, beta))
 
 
 def _prefill_lin(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int):
@@ -354,9 +349,11 @@ def _prefill_lin(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int)
 
 
 def _corners(layer_seconds, gpu_attn: bool) -> tuple:
-    """A layer's figures at (r_w, r_c) = (0, 0), (1, 0), (0, 1), where they are affine (r_c: GPU attention)."""
+    """A layer's figures at r_w = r_c = 0 and their change per unit r_w and r_c, where they are affine (r_c: GPU
+    attention)."""
     p00 = _vec(layer_seconds(0.0, 0.0))
-    return p00, _vec(layer_seconds(1.0, 0.0)), _vec(layer_seconds(0.0, 1.0)) if gpu_attn else p00
+    p10, p01 = _vec(layer_seconds(1.0, 0.0)), _vec(layer_seconds(0.0, 1.0)) if gpu_attn else p00
+    return p00, tuple(x - y for x, y in zip(p10, p00)), tuple(x - y for x, y in zip(p01, p00))
 
 
 _LIN_KEYS = (*RESOURCES, "pipeline0", "pipeline1", "pipeline2", "host")  # resources, pipeline_bounds' pieces, host
@@ -366,14 +363,14 @@ def _vec(x: dict) -> tuple[float, ...]:
     return tuple(x.get(k, 0.0) for k in _LIN_KEYS)
 
 
-def _sub(a, b):
-    return tuple(x - y for x, y in zip(a, b))
+def _at(affine: tuple, r_w, r_c) -> list:
+    """Each resource's figure of an affine (base, per r_w, per r_c) at (r_w, r_c): numbers, or pulp expressions."""
+    return [a + b * r_w + c * r_c for a, b, c in zip(*affine)]
 
 
 def _total(lin: _Lin, layers: int, gen: int, r_w: float, r_c: float) -> float:
     """Seconds for one batch: prefill plus gen−1 decode steps (plus the LM head each step)."""
-    dec = [a + b * r_w + c * r_c for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c)]
-    pre = [a + b * r_w + c * r_c for a, b, c in zip(lin.pre0, lin.pre_w, lin.pre_c)]
+    dec, pre = _at(lin.dec, r_w, r_c), _at(lin.pre, r_w, r_c)
     agg = sum if lin.serial else max
     return layers * (agg(pre) + (gen - 1) * agg(dec) + TIE_BREAK * (gen - 1) * sum(dec)) + lin.fixed
 
@@ -405,7 +402,7 @@ def _best_fractions(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_limi
         lo, hi = iv
         hi = max(lo, min(hi, 1.0))
         pts = {lo, hi}
-        for base, per_c, slope in ((lin.dec0, lin.dec_c, lin.dec_w), (lin.pre0, lin.pre_c, lin.pre_w)):
+        for base, slope, per_c in (lin.dec, lin.pre):
             a = [x + y * r_c for x, y in zip(base, per_c)]
             for i in range(len(a)):
                 for j in range(i + 1, len(a)):
@@ -431,8 +428,7 @@ def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_l
     rw = var("r_w", 0, 1)
     rc = var("r_c", 0, 1 if gpu_attn else 0)
     td, tp = var("t_dec", 0), var("t_pre", 0)
-    dec = [a + b * rw + c * rc for a, b, c in zip(lin.dec0, lin.dec_w, lin.dec_c)]
-    pre = [a + b * rw + c * rc for a, b, c in zip(lin.pre0, lin.pre_w, lin.pre_c)]
+    dec, pre = _at(lin.dec, rw, rc), _at(lin.pre, rw, rc)
     prob += layers * (tp + (gen - 1) * td + TIE_BREAK * (gen - 1) * sum(dec))
     for t, busy in ((td, dec), (tp, pre)):
         for e in ([sum(busy)] if lin.serial else busy):  # CPU-only: the resources add up
