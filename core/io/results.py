@@ -15,6 +15,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any
 
@@ -108,10 +109,8 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     except OSError as e:
         raise os_error(e, path) from e
     finally:
-        try:
+        with suppress(OSError):  # gone already: renamed into place
             tmp.unlink()
-        except OSError:
-            pass  # gone already: renamed into place
     fsync_dir(path.parent)
 
 
@@ -130,9 +129,8 @@ def fsync_dir(folder: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

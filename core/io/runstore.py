@@ -14,6 +14,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,8 @@ def model_fingerprint(model_dir: str | Path, source: str | None = None) -> dict[
     if model_dir.suffix.lower() == ".gguf":  # a GGUF file: its split siblings too
         from core.model.gguf.files import find_gguf
 
-        try:
+        with suppress(MlightError):
             files = find_gguf(model_dir) or files
-        except MlightError:
-            pass
     for p in files:
         if p.suffix in (".safetensors", ".gguf") or p.name.endswith(".safetensors.index.json"):
             try:
@@ -161,11 +160,10 @@ class RunStore:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-            # filelock re-checks the inode after locking, so removing the file cannot let two runs in
-            try:
+            # filelock re-checks the inode after locking, so removing the file cannot let two runs in; it fails
+            # where another run holds it now (Windows), or it is gone already
+            with suppress(OSError):
                 self.lock_path.unlink()
-            except OSError:
-                pass  # another run holds it now (Windows), or it is gone already
 
     def __enter__(self) -> RunStore:
         self.acquire()
@@ -286,19 +284,16 @@ class RunStore:
         if self.manifest is None or self.part:
             return
         path = self.ledger_path
-        try:
+        with suppress(OSError, MlightError):
             info = {**self.manifest, "results": results, "output": str(self.out.resolve()),
                     "output_sha256": _sha256(self.out)}
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(path, lambda f: f.write(jsonl_line(info)))
-        except (OSError, MlightError):
-            pass
 
     def _forget_finished(self) -> None:
-        try:
+        # fails where there is none, or the cache is read-only: a stale entry cannot match a new OUT's sha256 anyway
+        with suppress(OSError):
             self.ledger_path.unlink()
-        except OSError:
-            pass  # none, or the cache is read-only: a stale entry cannot match a new OUT's sha256 anyway
 
     def abandon(self) -> None:
         """Drop the run file when it holds nothing worth keeping (an error before any result)."""
@@ -308,10 +303,8 @@ class RunStore:
 
     def close(self) -> None:
         if self._file is not None:
-            try:
+            with suppress(OSError):
                 self._file.close()
-            except OSError:
-                pass
             self._file = None
 
     @staticmethod
