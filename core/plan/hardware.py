@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,28 +261,24 @@ def _nvml_gpus() -> list[dict]:
             name = pynvml.nvmlDeviceGetName(h)
             name = name.decode() if isinstance(name, bytes) else str(name)
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            d = {"name": name, "mem_total": int(mem.total), "mem_free": int(mem.free)}
+            d = {"name": name, "mem_total": int(mem.total), "mem_free": int(mem.free), "pcie_gen": None,
+                 "pcie_width": None, "mem_bw": None}
+            # older drivers lack these queries: detect falls back to gen3 x16 and a guessed bandwidth
             for key, fn in (("pcie_gen", "nvmlDeviceGetMaxPcieLinkGeneration"),
                             ("pcie_width", "nvmlDeviceGetMaxPcieLinkWidth")):
-                try:
+                with suppress(Exception):
                     d[key] = int(getattr(pynvml, fn)(h))
-                except Exception:  # older drivers lack these queries; fall back to gen3 x16
-                    d[key] = None
-            try:
+            with suppress(Exception):
                 bus_bits = pynvml.nvmlDeviceGetMemoryBusWidth(h)
                 mhz = pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)
                 d["mem_bw"] = bus_bits / 8 * mhz * 1e6 * 2  # double data rate
-            except Exception:
-                d["mem_bw"] = None
             out.append(d)
         return out
     except Exception:
         return []
     finally:
-        try:
+        with suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 # ---- probe -------------------------------------------------------------------------------------
