@@ -153,15 +153,14 @@ def reject_too_long(prompts: PromptSet, count_tokens: Callable[[PromptEntry], in
     for e in prompts.entries:
         try:
             n = count_tokens(e)
+            reason = (f"prompt is {n} tokens (after the chat template); the model's context is {context_length} "
+                      "tokens") if n >= context_length else None
         except UsageError as err:  # e.g. `messages` for a tokenizer without a chat template
-            prompts.rejects.append(Reject(prompts.source, e.line, err.problem, e.id, e.prompt or json.dumps(e.messages)))
-            continue
-        if n >= context_length:
-            prompts.rejects.append(Reject(prompts.source, e.line,
-                                          f"prompt is {n} tokens (after the chat template); the model's context "
-                                          f"is {context_length} tokens", e.id, e.prompt or json.dumps(e.messages)))
-        else:
+            reason = err.problem
+        if reason is None:
             keep.append(e)
+        else:
+            prompts.rejects.append(Reject(prompts.source, e.line, reason, e.id, e.prompt or json.dumps(e.messages)))
     prompts.entries = keep
     reject_orphan_turns(prompts)
 

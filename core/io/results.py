@@ -40,11 +40,8 @@ def output_format(path: str | Path) -> str:
 def openai_batch_record(record: dict, custom_id: str, endpoint: str | None, model: str) -> dict:
     """`record` plus the fields of an OpenAI Batch output line for the same request."""
     chat = endpoint is None or "chat" in endpoint
-    choice: dict[str, Any] = {"index": 0, "finish_reason": record["finish_reason"], "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": record["output"]}
-    else:
-        choice["text"] = record["output"]
+    answer = {"message": {"role": "assistant", "content": record["output"]}} if chat else {"text": record["output"]}
+    choice = {"index": 0, "finish_reason": record["finish_reason"], "logprobs": None, **answer}
     body = {
         "id": f"mlight-{custom_id}",
         "object": "chat.completion" if chat else "text_completion",
@@ -54,10 +51,8 @@ def openai_batch_record(record: dict, custom_id: str, endpoint: str | None, mode
         "usage": {"prompt_tokens": record["prompt_tokens"], "completion_tokens": record["output_tokens"],
                   "total_tokens": record["prompt_tokens"] + record["output_tokens"]},
     }
-    out = dict(record)
-    out.update(custom_id=custom_id, response={"status_code": 200, "request_id": f"mlight-{custom_id}", "body": body},
-               error=None)
-    return out
+    return {**record, "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": f"mlight-{custom_id}", "body": body}, "error": None}
 
 
 def jsonl_line(record: dict) -> bytes:

@@ -25,9 +25,7 @@ def shard_entries(entries: list[PromptEntry], dp_rank: int, dp_size: int) -> lis
 
 
 def merge(entries: list[PromptEntry], parts: list[dict[str, dict]]) -> tuple[dict[str, dict], list[str]]:
-    done: dict[str, dict] = {}
-    for p in parts:
-        done.update(p)
+    done = {k: v for p in parts for k, v in p.items()}
     return done, [e.id for e in entries if e.id not in done]
 
 

@@ -372,11 +372,6 @@ def lm_head(m: "ModelSpec | Dims", t: float) -> Work:
     return Work(2 * t * d.D * d.V, (d.V * d.D + t * d.D) * d.dt)
 
 
-def dense_work(m: "ModelSpec | Dims", t: float) -> Work:
-    """Everything but attention and the routed experts for t tokens: projections, router, shared expert."""
-    return qkv_proj(m, t) + o_proj(m, t) + router(m, t) + shared_expert(m, t)
-
-
 # ---- roofline ------------------------------------------------------------------------------------
 def roofline_seconds(w: Work, flops: float, bw: float) -> float:
     """max(FLOPs / peak, bytes / bandwidth): the task is compute- or bandwidth-bound, never both."""
@@ -461,7 +456,8 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
         swap = quant_dense_swap(m, r, r.cpu_costs, toks)
         return {"prefill": TaskCost("compute", cpu_cost.prefill_seconds(m, r.cpu_costs, micro_batch, prompt_len, prompt_sq)
                                     + swap["pre"] + swap["post"], n_mb)}
-    work = dense_work(m, toks) + moe_ffn(m, toks, expand=m.qkind != "none") + prefill_attention(m, micro_batch, prompt_len)
+    work = (qkv_proj(m, toks) + o_proj(m, toks) + router(m, toks) + shared_expert(m, toks)
+            + moe_ffn(m, toks, expand=m.qkind != "none") + prefill_attention(m, micro_batch, prompt_len))
     reduce = 2 * all_reduce_seconds(m, r, toks)  # after the O projection and after the FFN
     pages = pages or max(1, round(n_mb))
     streamed = (1 - gpu_weight_fraction) * m.layer_expert_bytes * m.moe_frac

@@ -28,17 +28,6 @@ def preset_spec(name: str) -> ModelSpec:
     return spec_from_config(preset_config(name), source=f"preset {name}")
 
 
-def cached_hub_config(repo_id: str) -> Path | None:
-    """The config.json of `repo_id` if the local Hugging Face cache holds it; never goes online."""
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        found = try_to_load_from_cache(repo_id, "config.json")
-    except Exception:  # an invalid repo id is simply not in the cache
-        return None
-    return Path(found) if isinstance(found, str) else None
-
-
 def resolve_spec(model: str) -> ModelSpec:
     """ModelSpec for a folder (or GGUF file), a bundled preset name, or a repo id cached locally — in that order."""
     path = Path(model).expanduser()
@@ -53,8 +42,14 @@ def resolve_spec(model: str) -> ModelSpec:
     if model.lower() in preset_names():
         return preset_spec(model.lower())
     if "/" in model:
-        cfg = cached_hub_config(model)
-        if cfg is not None:
+        from huggingface_hub import try_to_load_from_cache
+
+        try:  # the config.json of the repo if the local Hugging Face cache holds it; never goes online
+            cfg = try_to_load_from_cache(model, "config.json")
+        except Exception:  # an invalid repo id is simply not in the cache
+            cfg = None
+        if isinstance(cfg, str):
+            cfg = Path(cfg)
             try:
                 data = json.loads(cfg.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
