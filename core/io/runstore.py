@@ -330,7 +330,7 @@ def prepare_requests(engine, prompts: PromptSet, defaults: dict[str, Any]) -> di
     empty answers here (its shortest conversation); `run_pending` puts the real ones in."""
     from core.runtime.engine import Request
 
-    requests = {e.id: Request(**e.request_kwargs(defaults, answers=turns.placeholder_answers(e)))
+    requests = {e.id: Request(**e.request_kwargs(defaults, answers=("",) * len(e.earlier)))
                 for e in prompts.entries}
     reject_too_long(prompts, lambda e: len(engine.prompt_token_ids(requests[e.id])), engine.context_length)
     return {e.id: requests[e.id] for e in prompts.entries}
@@ -351,7 +351,9 @@ def run_pending(engine, prompts: PromptSet, store: RunStore, requests: dict[str,
         wave_requests = turns.wave_requests(engine, prompts, pending, requests, store.done, on_event)
         for result in engine.generate(wave_requests, batch_size=batch_size, micro_batch_size=micro_batch_size,
                                       on_event=on_event, should_stop=should_stop):
-            record = turns.record(result.to_dict(), entries[result.id])
+            record = result.to_dict()
+            if entries[result.id].turn is not None:  # a multi-turn question's records say which turn they are
+                record["turn"] = entries[result.id].turn
             store.append(record)
             if on_result is not None:
                 on_result(record)

@@ -23,29 +23,17 @@ def waves(entries: list[PromptEntry]) -> list[list[PromptEntry]]:
     return [by_turn[k] for k in sorted(by_turn)]
 
 
-def placeholder_answers(entry: PromptEntry) -> tuple[str, ...]:
-    """Empty answers to the earlier turns: the shortest this turn's conversation can be, to check it fits."""
-    return ("",) * len(entry.earlier)
-
-
-def with_answers(entry: PromptEntry, request: Any, done: dict[str, dict]) -> Any | None:
-    """`request` with the model's answers to the earlier turns in its messages; None when one has no answer yet."""
-    if not entry.earlier:
-        return request
-    if any(i not in done for i in entry.earlier):
-        return None
-    answers = [str(done[i]["output"]) for i in entry.earlier]
-    return dataclasses.replace(request, messages=entry.request_kwargs(answers=answers)["messages"])
-
-
 def wave_requests(engine, prompts: PromptSet, wave: list[PromptEntry], requests: dict[str, Any],
                   done: dict[str, dict], on_event: EventSink = ignore) -> list[Any]:
     """The requests of a wave's pending entries, later turns built from `done`. A later turn that no longer fits the
     context (or lacks an earlier answer) moves to `prompts.rejects`, and so do the question's turns after it."""
     out, before = [], set(map(id, prompts.rejects))
     for e in wave:
-        req = with_answers(e, requests[e.id], done)
-        if req is None:
+        req, answered = requests[e.id], all(i in done for i in e.earlier)
+        if e.earlier and answered:  # the model's answers go between the user turns
+            answers = [str(done[i]["output"]) for i in e.earlier]
+            req = dataclasses.replace(req, messages=e.request_kwargs(answers=answers)["messages"])
+        if not answered:
             reason = f"turn {e.turn} cannot run: an earlier turn of the same question has no answer"
         elif e.earlier and (n := len(engine.prompt_token_ids(req))) >= engine.context_length:
             reason = (f"turn {e.turn} with the earlier answers is {n} tokens (after the chat template); "
@@ -60,10 +48,3 @@ def wave_requests(engine, prompts: PromptSet, wave: list[PromptEntry], requests:
         if id(r) not in before:
             on_event(WarningEvent(f"{r}; set aside"))
     return out
-
-
-def record(result_dict: dict, entry: PromptEntry) -> dict:
-    """The output record of one turn: the engine's fields, plus `turn` for a multi-turn question."""
-    if entry.turn is not None:
-        result_dict["turn"] = entry.turn
-    return result_dict
