@@ -371,12 +371,10 @@ def _check_messages(messages: Any) -> tuple[dict, ...]:
             raise _Bad(f"messages[{i}] must be an object with a string `role`")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: only text parts can be run
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _Bad(f"messages[{i}].content has a part that is not text; only text is supported")
-                texts.append(part["text"])
-            content = "".join(texts)
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise _Bad(f"messages[{i}].content has a part that is not text; only text is supported")
+            content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise _Bad(f"messages[{i}].content must be a string")
         out.append({"role": m["role"], "content": content})
