@@ -176,10 +176,8 @@ _HOSTS = {
 def preset(name: str) -> HardwareSpec:
     """A named machine: "t4" (one T4 in the paper's 24-core/192 GB host), "2xt4", "4xt4", ..."""
     key = name.strip().lower().replace("_", "-")
-    count, gpu = 1, key
-    if "x" in key and key.split("x", 1)[0].isdigit():
-        c, gpu = key.split("x", 1)
-        count = int(c)
+    c, x, rest = key.partition("x")
+    count, gpu = (int(c), rest) if x and c.isdigit() else (1, key)
     if gpu not in _GPUS or count < 1:
         raise UsageError(f"unknown hardware preset {name!r}",
                          f"use one of {', '.join(_GPUS)} (optionally as 2x<gpu> or 4x<gpu>) or 'local'")

@@ -68,8 +68,7 @@ def mixer_costs(spec: ModelSpec) -> tuple[MixerCost, ...]:
     groups: dict[tuple, list] = {}
     for i in range(spec.num_layers):
         st = spec.layer_state(i)
-        key = (st.kind, st.window)
-        groups.setdefault(key, [0, st])[0] += 1
+        groups.setdefault((st.kind, st.window), [0, st])[0] += 1
     return tuple(_cost(spec, st, n) for n, st in groups.values())
 
 

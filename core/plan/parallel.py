@@ -49,12 +49,9 @@ def rank_hardware(hw: HardwareSpec, ranks: int) -> HardwareSpec:
     if hw.has_gpu and ranks > hw.gpu_count:
         raise UsageError(f"{ranks} tensor-parallel ranks need {ranks} GPUs; {hw.name} has {hw.gpu_count}",
                          "use at most one rank per GPU")
-    link = hw.h2d_bw
-    shared = hw.host_link_bw
-    if shared:
-        link = min(link, shared / ranks)
+    link = min(hw.h2d_bw, hw.host_link_bw / ranks) if hw.host_link_bw else hw.h2d_bw  # a shared root complex
     return dataclasses.replace(
-        hw, gpu_count=1 if hw.has_gpu else 0, h2d_bw=min(hw.h2d_bw, link), d2h_bw=min(hw.d2h_bw, link),
+        hw, gpu_count=1 if hw.has_gpu else 0, h2d_bw=link, d2h_bw=min(hw.d2h_bw, link),
         cpu_flops=hw.cpu_flops / ranks, cpu_bw=hw.cpu_bw / ranks, cpu_cores=max(1, hw.cpu_cores // ranks),
         cpu_mem_bytes=hw.cpu_mem_bytes // ranks,
         cpu_mem_available_bytes=None if hw.cpu_mem_available_bytes is None else hw.cpu_mem_available_bytes // ranks)
