@@ -11,6 +11,7 @@ Boundary: memory accounting and search; task costs are core.plan.hrm's. Never pr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -499,12 +500,10 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
     n_cap = min(MAX_BATCH, w.num_requests or MAX_BATCH)
     l, gen = d.layers, w.gen_len
     found: list[_Candidate] = []
-    known: dict = {}  # (place, N, μ) -> _memory_lin at β = μ: the searches below ask for many points again
 
-    def memory(place, n, mu):
-        if (place, n, mu) not in known:
-            known[place, n, mu] = _memory_lin(d, w, place, n, mu, mu)
-        return known[place, n, mu]
+    @functools.lru_cache(maxsize=None)
+    def memory(place, n, mu):  # at β = μ: the searches below ask for many points again
+        return _memory_lin(d, w, place, n, mu, mu)
 
     def fits(place, n, mu):
         # memory grows with N; an expert batch of one micro-batch is the cheapest in activations
