@@ -20,6 +20,7 @@ from core.model.limits import FUSED_MAX_TOKENS  # longer dense expert calls take
 from core.model.quant import dense_spec
 from core.model.quant.formats import GGUF_BLOCKS, KERNEL_ROWS, Format, workspace_bytes
 from core.model.spec import ModelSpec
+from core.telemetry import RESOURCES
 
 # Achieved fraction of a datasheet peak, for rates not measured (HardwareSpec.measured): from the paper's L4 +
 # Xeon kernel latencies (shared/paper.md: Mixtral's FFN and the KV copy at 0.77, CPU attention ≈ 0.5 of 90 GB/s);
@@ -537,12 +538,12 @@ def pin_seconds(pinned_bytes: float, r: Rates) -> float:
     return pinned_bytes / r.pin_bw if r.has_gpu else 0.0
 
 
-_BOUNDS = ("compute", "cpu_attn", "h2d", "d2h", "pipeline", "host")  # core.telemetry.RESOURCES, then the two bounds
+BOUNDS = (*RESOURCES, "pipeline", "host")  # a decode layer's bounds: each resource's busy time, pipeline and host
 
 
 def bottleneck(layer: dict[str, float]) -> str:
     """What bounds a decode layer (the largest figure); a pipeline bound mostly made of link time is named h2d."""
-    top = max((k for k in _BOUNDS if k in layer), key=lambda k: layer[k])
+    top = max((k for k in BOUNDS if k in layer), key=lambda k: layer[k])
     if top == "pipeline" and layer.get("h2d", 0.0) >= layer["pipeline"] / 2:
         return "h2d"
     return top

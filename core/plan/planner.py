@@ -41,7 +41,6 @@ REFINE = 6  # (placement, μ) pairs whose smaller batches and neighbouring μ th
 DENSE_MU = 1024  # μ up to here on the paper's full grid; beyond, sparser (then refined)
 CPU_ONLY_WORDS = {"compute": "CPU compute and memory bandwidth (dense layers and experts on the CPU)",
                   "cpu_attn": "CPU attention (host memory bandwidth reading the KV cache)"}
-BOTTLENECKS = (*RESOURCES, "pipeline", "host")  # decode layer bounds: each resource's busy time, hrm's pipeline and host bounds
 
 
 @dataclass(frozen=True)
@@ -275,7 +274,7 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
         prefill_tokens_per_s=prompt_tokens / prefill_s,
         bottleneck=hrm.bottleneck(dec) if on_gpu else max(RESOURCES, key=lambda k: dec[k]),
         gpu_bytes=int(sum(gpu.values())), cpu_bytes=int(sum(cpu.values())),
-        layer_seconds={k: dec[k] for k in BOTTLENECKS}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
+        layer_seconds={k: dec[k] for k in hrm.BOUNDS}, prefill_layer_seconds={k: pre[k] for k in RESOURCES},
         step_seconds=step, prefill_seconds=prefill, gpu_breakdown=gpu, cpu_breakdown=cpu, pinned_bytes=pinned * k,
         bottleneck_text="" if on_gpu else CPU_ONLY_WORDS[max(("compute", "cpu_attn"), key=lambda k: dec[k])],
         decode_busy=decode_busy, prefill_busy=prefill_busy, decode_steps=(n - 1) * (full + (1 if last else 0)),
