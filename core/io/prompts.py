@@ -56,19 +56,14 @@ class PromptEntry:
         turn takes the model's `answers` to the earlier turns, which go between the user turns."""
         if len(answers) != len(self.earlier):
             raise ValueError(f"entry {self.id!r} needs {len(self.earlier)} earlier answers, got {len(answers)}")
-        kw = dict(defaults or {})
-        kw["id"] = self.id
+        kw = {**(defaults or {}), "id": self.id}
         if self.messages is not None:
             kw["messages"] = [dict(m) for m in self.messages]
             for i, answer in enumerate(answers):  # user, assistant, user, assistant, ..., user
                 kw["messages"].insert(2 * i + 1, {"role": "assistant", "content": answer})
         else:
             kw["prompt"] = self.prompt
-        for name in REQUEST_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                kw[name] = value
-        return kw
+        return kw | {name: getattr(self, name) for name in REQUEST_FIELDS if getattr(self, name) is not None}
 
 
 @dataclass(frozen=True)
