@@ -473,16 +473,11 @@ class Backend:
 def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None, group_size: int | None = None,
                  dense: str | None = None) -> Any:
     """The model as the engine will hold it: the Advanced dtype and quantized experts/dense weights change its bytes."""
+    from core.plan.quantize import spec_in_format
+
     if choices.dtype and choices.dtype != spec.dtype:
         spec = dataclasses.replace(spec, dtype=choices.dtype)
-    if quantize and quantize != "none":
-        from core.model.quant.dense_spec import with_dense
-        from core.model.quant.formats import parse_choice, quantized_spec
-
-        spec = quantized_spec(spec, parse_choice(quantize, group_size))
-        if dense:
-            spec = with_dense(spec, parse_choice(dense, group_size))
-    return spec
+    return spec_in_format(spec, quantize or "none", dense, group_size)
 
 
 def budget_warnings(machine: MachineView, gpu_budget: int, cpu_budget: int) -> list[str]:
