@@ -261,16 +261,13 @@ class Backend:
             tok = self.tokenizer(model)
             out = {}
             for e in prompts.prompts.entries:
-                if e.messages is not None:
-                    # a later turn counts with empty earlier answers, its shortest conversation (`prepare_requests`)
-                    earlier = getattr(e, "earlier", ())
-                    messages = (e.request_kwargs({}, answers=("",) * len(earlier))["messages"] if earlier
-                                else [dict(m) for m in e.messages])
-                    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
-                    out[e.id] = len(ids)
-                else:
+                if e.messages is None:
                     out[e.id] = len(tok(e.prompt).input_ids)
+                    continue
+                # a later turn counts with empty earlier answers, its shortest conversation (`prepare_requests`)
+                messages = e.request_kwargs({}, answers=("",) * len(e.earlier))["messages"]
+                ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                out[e.id] = len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
             return out
 
         try:
