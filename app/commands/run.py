@@ -326,18 +326,31 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     fits in before any weight is loaded. Without a GPU the planner picks the CPU batch even without a budget."""
     args.policy = None
     quantize = getattr(args, "quantize", "none")
-    if args.gpu_mem is None and args.cpu_mem is None and quantize != "auto":
-        if args.batch is None and args.executor in (None, "sequential") and args.schedule is None and not _has_cuda():
-            _plan_cpu_batch(args, prompts, model_dir)
+    budgeted = args.gpu_mem is not None or args.cpu_mem is not None or quantize == "auto"
+    if not budgeted and not (args.batch is None and args.executor in (None, "sequential") and args.schedule is None
+                             and not _has_cuda()):
         args.batch = args.batch or BATCH
         return
     from core.model.families import load_spec
-    from core.plan import planner
+    from core.plan import cpu_history, planner
     from core.plan.hardware import resolve
     from core.plan.quantize import choose
 
     workload = planner.Workload(**workload_estimate(args, prompts.entries))
     hw = resolve("local")
+    if not budgeted:
+        try:  # best effort: a model the planner cannot read (a GGUF file) or cannot fit runs at the default batch
+            spec = load_spec(model_dir)
+            policy, pred = planner.plan(spec, hw, workload, planner.Budget.for_hardware(hw))
+        except MlightError:
+            args.batch = BATCH
+            return
+        args.batch = policy.batch_size
+        args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
+        words = cpu_history.spread_words(cpu_history.behind(hw, spec))
+        if words:  # calibrated: the prediction and how far this machine's own runs have strayed from theirs
+            _say(f"planned batch {args.batch}: predicted {pred.quote()} ({words})")
+        return
     ranks = getattr(args, "tensor_parallel", 1)  # one engine over this many GPUs (ranks), each given --gpu-mem
     budget = planner.Budget.for_hardware(hw, args.gpu_mem * max(1, hw.gpu_count) if args.gpu_mem is not None else None,
                                          args.cpu_mem)
@@ -366,27 +379,6 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _plan_cpu_batch(args, prompts: PromptSet, model_dir: Path) -> None:
-    from core.plan import planner
-    from core.model.families import load_spec
-    from core.plan.hardware import resolve
-
-    workload = planner.Workload(**workload_estimate(args, prompts.entries))
-    try:  # best effort: a model the planner cannot read (a GGUF file) or cannot fit runs at the default batch
-        spec = load_spec(model_dir)
-        hw = resolve("local")
-        policy, pred = planner.plan(spec, hw, workload, planner.Budget.for_hardware(hw))
-    except MlightError:
-        return
-    args.batch = policy.batch_size
-    args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
-    from core.plan import cpu_history
-
-    words = cpu_history.spread_words(cpu_history.behind(hw, spec))
-    if words:  # calibrated: the prediction and how far this machine's own runs have strayed from theirs
-        _say(f"planned batch {args.batch}: predicted {pred.quote()} ({words})")
 
 
 def workload_estimate(args, entries) -> dict:
