@@ -1,4 +1,4 @@
-"""Every call the app makes into `core`, and the view-models the screens draw.
+"""Every call the screens make into `core` (RunJob runs core's run loop), and the view-models they draw.
 
 A change in a core signature is fixed here once; tests hand the app a Backend with pinned hardware and a frozen
 clock. Runs share `mlight run`'s run store and manifest, so either resumes the other's unfinished run.
@@ -420,15 +420,6 @@ class Backend:
         self._engine = (key, engine)
         return engine
 
-    @staticmethod
-    def tracker(model: ModelView, plan: PlanView) -> Any:
-        """core's measured-against-predicted tracker for this plan, or None without a prediction."""
-        if plan.prediction is None:
-            return None
-        from core.plan.tracking import Tracker
-
-        return Tracker(plan.prediction, model.spec.num_layers)
-
     def simulate(self, model: ModelView, machine: MachineView, plan: PlanView, engine: Any) -> Any:
         """The planner's replay of one decode step under the engine's schedule; None when it cannot be made."""
         from core.runtime import simulate
@@ -449,15 +440,6 @@ class Backend:
         requests = runstore.prepare_requests(engine, ps, {"max_new_tokens": self.max_new_tokens})
         known = {(r.line, r.reason, r.id) for r in ps.rejects[:before]}
         return requests, [r for r in ps.rejects if (r.line, r.reason, r.id) not in known]
-
-    @staticmethod
-    def run_pending(engine: Any, prompts: PromptsView, store: Any, requests: dict, **kwargs) -> bool:
-        return runstore.run_pending(engine, prompts.prompts, store, requests, **kwargs)
-
-    @staticmethod
-    def finish(store: Any, prompts: PromptsView, model: ModelView) -> None:
-        """Write the final output in the prompts' order (and the rejects) atomically; the run file goes away."""
-        runstore.finish_run(store, prompts.prompts, model.name)
 
     # ---- export -------------------------------------------------------------------------------
     @staticmethod
