@@ -27,10 +27,6 @@ CHARS_PER_TOKEN = 4.0  # planning estimate before any tokenizer is loaded (Engli
 PROMPT_SUFFIXES = frozenset(prompt_files.SUFFIX_FORMAT)  # the files the Prompts step's tree lists
 
 
-class DownloadCancelled(MlightError):
-    """Raised from the download's progress callback when the user cancels."""
-
-
 @dataclass(frozen=True)
 class MachineView:
     hardware: Any  # core.plan.hardware.HardwareSpec, what the planner is given
@@ -176,8 +172,8 @@ class Backend:
 
         def sink(ev) -> None:
             if should_stop():
-                raise DownloadCancelled("download cancelled",
-                                        "open the same repo id again to resume; finished files are kept")
+                raise MlightError("download cancelled",
+                                  "open the same repo id again to resume; finished files are kept")
             progress(ev)
 
         def resolve() -> tuple[Path, str]:
