@@ -87,19 +87,15 @@ def run(args) -> int:
     t0 = time.perf_counter()
     choice = None
     if args.policy:
-        from core.model.quant.formats import parse_choice, quantized_spec
+        from core.plan.quantize import spec_in_format
 
         if args.quantize == "auto":
             raise UsageError("--quantize auto chooses a format by planning; it cannot cost a given --policy",
                              "give --quantize none, int8 or int4 with --policy")
         if args.quantize_dense and args.quantize == "none":
             raise UsageError("--quantize-dense needs a format", "pass --quantize int8 or --quantize int4 with it")
-        model = quantized_spec(model, parse_choice(args.quantize, args.group_size))
-        if args.quantize_dense:
-            from core.model.quant.dense_spec import with_dense
-
-            dense = args.quantize if args.quantize_dense is True else args.quantize_dense
-            model = with_dense(model, parse_choice(dense, args.group_size))
+        dense = args.quantize if args.quantize_dense is True else args.quantize_dense
+        model = spec_in_format(model, args.quantize, dense, args.group_size)
         policy = _load_policy(args.policy)
         over = planner.validate(policy, model, hw, workload, budget)
         if over:

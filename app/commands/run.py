@@ -156,30 +156,37 @@ def _say(msg: str) -> None:
     print(f"mlight run: {msg}", file=sys.stderr, flush=True)
 
 
-class _ProgressLine:
-    """Loading and download progress on one stderr line (a terminal only; logs stay clean)."""
+class _Line:
+    """One stderr line redrawn in place, on a terminal only (logs get the summary lines)."""
 
     def __init__(self):
         self.tty = sys.stderr.isatty()
         self.open = False
 
+    def draw(self, text: str) -> None:
+        if self.tty:
+            print("\r" + one_line(text), end="", file=sys.stderr, flush=True)
+            self.open = True
+
+    def end(self) -> None:
+        if self.open:
+            print(file=sys.stderr, flush=True)
+            self.open = False
+
+
+class _ProgressLine(_Line):
+    """Loading and download progress."""
+
     def __call__(self, ev) -> None:
         if isinstance(ev, WarningEvent):
-            if self.open:  # end the progress line first
-                print(file=sys.stderr)
+            self.end()  # the progress line first
             _say(f"warning: {ev.message}")
-            return
-        if not isinstance(ev, Progress) or not self.tty:
-            return
-        if ev.unit == "B":
+        elif isinstance(ev, Progress):
             rate = getattr(ev, "rate", 0.0)
-            text = f"{ev.what}: {ev.done / 1e6:.1f}/{ev.total / 1e6:.1f} MB" + (f" {rate / 1e6:.1f} MB/s" if rate else "")
-        else:
-            text = f"{ev.what}: {ev.done}/{ev.total}"
-        print("\r" + one_line(text), end="", file=sys.stderr, flush=True)
-        self.open = ev.done < ev.total
-        if not self.open:
-            print(file=sys.stderr, flush=True)
+            mb = f"{ev.done / 1e6:.1f}/{ev.total / 1e6:.1f} MB" + (f" {rate / 1e6:.1f} MB/s" if rate else "")
+            self.draw(f"{ev.what}: " + (mb if ev.unit == "B" else f"{ev.done}/{ev.total}"))
+            if ev.done >= ev.total:
+                self.end()
 
 
 def one_line(text: str) -> str:
@@ -319,18 +326,31 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     fits in before any weight is loaded. Without a GPU the planner picks the CPU batch even without a budget."""
     args.policy = None
     quantize = getattr(args, "quantize", "none")
-    if args.gpu_mem is None and args.cpu_mem is None and quantize != "auto":
-        if args.batch is None and args.executor in (None, "sequential") and args.schedule is None and not _has_cuda():
-            _plan_cpu_batch(args, prompts, model_dir)
+    budgeted = args.gpu_mem is not None or args.cpu_mem is not None or quantize == "auto"
+    if not budgeted and not (args.batch is None and args.executor in (None, "sequential") and args.schedule is None
+                             and not _has_cuda()):
         args.batch = args.batch or BATCH
         return
     from core.model.families import load_spec
-    from core.plan import planner
+    from core.plan import cpu_history, planner
     from core.plan.hardware import resolve
     from core.plan.quantize import choose
 
     workload = planner.Workload(**workload_estimate(args, prompts.entries))
     hw = resolve("local")
+    if not budgeted:
+        try:  # best effort: a model the planner cannot read (a GGUF file) or cannot fit runs at the default batch
+            spec = load_spec(model_dir)
+            policy, pred = planner.plan(spec, hw, workload, planner.Budget.for_hardware(hw))
+        except MlightError:
+            args.batch = BATCH
+            return
+        args.batch = policy.batch_size
+        args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
+        words = cpu_history.spread_words(cpu_history.behind(hw, spec))
+        if words:  # calibrated: the prediction and how far this machine's own runs have strayed from theirs
+            _say(f"planned batch {args.batch}: predicted {pred.quote()} ({words})")
+        return
     ranks = getattr(args, "tensor_parallel", 1)  # one engine over this many GPUs (ranks), each given --gpu-mem
     budget = planner.Budget.for_hardware(hw, args.gpu_mem * max(1, hw.gpu_count) if args.gpu_mem is not None else None,
                                          args.cpu_mem)
@@ -359,27 +379,6 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _plan_cpu_batch(args, prompts: PromptSet, model_dir: Path) -> None:
-    from core.plan import planner
-    from core.model.families import load_spec
-    from core.plan.hardware import resolve
-
-    workload = planner.Workload(**workload_estimate(args, prompts.entries))
-    try:  # best effort: a model the planner cannot read (a GGUF file) or cannot fit runs at the default batch
-        spec = load_spec(model_dir)
-        hw = resolve("local")
-        policy, pred = planner.plan(spec, hw, workload, planner.Budget.for_hardware(hw))
-    except MlightError:
-        return
-    args.batch = policy.batch_size
-    args.micro_batch = args.micro_batch or min(policy.micro_batch_size, args.batch)
-    from core.plan import cpu_history
-
-    words = cpu_history.spread_words(cpu_history.behind(hw, spec))
-    if words:  # calibrated: the prediction and how far this machine's own runs have strayed from theirs
-        _say(f"planned batch {args.batch}: predicted {pred.quote()} ({words})")
 
 
 def workload_estimate(args, entries) -> dict:
@@ -444,16 +443,24 @@ def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_
     finally:
         stopper.generating = False
         counter.end()
+    code = end_run(store, prompts, model_name, fmt, finished, before, counter.tokens, t0)
+    if code == 0:
+        fold_back(engine, meter, args.micro_batch or (engine.policy.micro_batch_size if engine.policy else args.batch))
+    return code
+
+
+def end_run(store: RunStore, prompts: PromptSet, model_name: str, fmt: str, finished: bool, before: int,
+            tokens: int, t0: float, where: str = "") -> int:
+    """Write the output of a finished run and say what it did, or say what a stopped one saved: 0 or 130."""
     done = sum(1 for e in prompts.entries if e.id in store.done)
     if not finished:
         store.close()
-        _say(f"interrupted: {done} of {total} requests done, saved in {store.run_path.name}; "
+        _say(f"interrupted: {done} of {len(prompts.entries)} requests done, saved in {store.run_path.name}; "
              "rerun the same command to finish the rest")
         return 130
     records = finish_run(store, prompts, model_name, fmt)
-    fold_back(engine, meter, args.micro_batch or (engine.policy.micro_batch_size if engine.policy else args.batch))
-    _say(final_line(len(records), store, len(prompts.rejects), done - before, counter.tokens,
-                    time.perf_counter() - t0))
+    _say(final_line(len(records), store, len(prompts.rejects), done - before, tokens, time.perf_counter() - t0,
+                    where))
     return 0
 
 
@@ -464,31 +471,24 @@ def resuming_line(before: int, total: int) -> str:
             f"{total - before:,}")
 
 
-def final_line(results: int, store: RunStore, rejects: int, generated: int, tokens: int, secs: float) -> str:
-    """The summary: what the output holds, then what this run (not an earlier, resumed one) did."""
+def final_line(results: int, store: RunStore, rejects: int, generated: int, tokens: int, secs: float,
+               where: str = "") -> str:
+    """The summary: what the output holds, then what this run (not an earlier, resumed one) did `where`."""
     rej = f", {rejects:,} rejected → {store.rejected_path.name}" if rejects else ""
-    return (f"{results:,} results in {store.out}{rej} (this run: {generated:,} generated, {tokens:,} new tokens, "
-            f"{secs:.1f} s)")
+    return (f"{results:,} results in {store.out}{rej} (this run: {generated:,} generated{where}, {tokens:,} new "
+            f"tokens, {secs:.1f} s)")
 
 
-class _Counter:
-    """Requests done and tokens/s on one stderr line, on a terminal only (logs get the summary line)."""
+class _Counter(_Line):
+    """Requests done and tokens/s."""
 
     def __init__(self, total: int, before: int = 0):
-        self.tty = sys.stderr.isatty()
+        super().__init__()
         self.t0 = time.perf_counter()
         self.total, self.done, self.tokens = total, before, 0
-        self.shown = False
 
     def __call__(self, record: dict) -> None:
         self.done += 1
         self.tokens += record["output_tokens"]
-        if self.tty:
-            rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-            print("\r" + one_line(f"{self.done:,}/{self.total:,} requests done ({rate:,.1f} tokens/s)"), end="",
-                  file=sys.stderr, flush=True)
-            self.shown = True
-
-    def end(self) -> None:
-        if self.shown:
-            print(file=sys.stderr, flush=True)
+        rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+        self.draw(f"{self.done:,}/{self.total:,} requests done ({rate:,.1f} tokens/s)")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from app.commands.run import (_Counter, _say, check_files, final_line, refuse_turns, resuming_line, sampling,
-                              with_run, workload_estimate)
+from app.commands.run import (_Counter, _say, check_files, end_run, refuse_turns, resuming_line, sampling, with_run,
+                              workload_estimate)
 from core.errors import MlightError, UsageError
-from core.io.runstore import RunStore, finish_run
+from core.io.runstore import RunStore
 
 
 def _ray():
@@ -114,16 +114,8 @@ def _generate(ray, args, store: RunStore, prompts, model_dir: Path, model_name: 
             stopper.generating = False
             counter.end()
     done = sum(1 for e in prompts.entries if e.id in store.done)
-    if done < total:
-        store.close()
-        _say(f"interrupted: {done} of {total} requests done, saved in {store.run_path.name}; "
-             "rerun the same command to finish the rest")
-        return 130
-    records = finish_run(store, prompts, model_name, fmt)
-    tokens = counter.tokens if pending else 0
-    _say(final_line(len(records), store, len(prompts.rejects), done - before, tokens,
-                    time.perf_counter() - t0).replace(" generated,", " generated on Ray,"))
-    return 0
+    return end_run(store, prompts, model_name, fmt, done == total, before, counter.tokens if pending else 0, t0,
+                   " on Ray")
 
 
 def _record(rec: dict) -> dict:

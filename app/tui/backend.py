@@ -1,4 +1,4 @@
-"""Every call the app makes into `core`, and the view-models the screens draw.
+"""Every call the screens make into `core` (RunJob runs core's run loop), and the view-models they draw.
 
 A change in a core signature is fixed here once; tests hand the app a Backend with pinned hardware and a frozen
 clock. Runs share `mlight run`'s run store and manifest, so either resumes the other's unfinished run.
@@ -25,10 +25,6 @@ GB = 1e9  # decimal, as the planner and `--gpu-mem/--cpu-mem` count
 DEFAULT_MAX_NEW_TOKENS = 128  # `mlight run`'s default, for prompts that do not set their own
 CHARS_PER_TOKEN = 4.0  # planning estimate before any tokenizer is loaded (English BPE averages ~4)
 PROMPT_SUFFIXES = frozenset(prompt_files.SUFFIX_FORMAT)  # the files the Prompts step's tree lists
-
-
-class DownloadCancelled(MlightError):
-    """Raised from the download's progress callback when the user cancels."""
 
 
 @dataclass(frozen=True)
@@ -176,8 +172,8 @@ class Backend:
 
         def sink(ev) -> None:
             if should_stop():
-                raise DownloadCancelled("download cancelled",
-                                        "open the same repo id again to resume; finished files are kept")
+                raise MlightError("download cancelled",
+                                  "open the same repo id again to resume; finished files are kept")
             progress(ev)
 
         def resolve() -> tuple[Path, str]:
@@ -261,16 +257,13 @@ class Backend:
             tok = self.tokenizer(model)
             out = {}
             for e in prompts.prompts.entries:
-                if e.messages is not None:
-                    # a later turn counts with empty earlier answers, its shortest conversation (`prepare_requests`)
-                    earlier = getattr(e, "earlier", ())
-                    messages = (e.request_kwargs({}, answers=("",) * len(earlier))["messages"] if earlier
-                                else [dict(m) for m in e.messages])
-                    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
-                    out[e.id] = len(ids)
-                else:
+                if e.messages is None:
                     out[e.id] = len(tok(e.prompt).input_ids)
+                    continue
+                # a later turn counts with empty earlier answers, its shortest conversation (`prepare_requests`)
+                messages = e.request_kwargs({}, answers=("",) * len(e.earlier))["messages"]
+                ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                out[e.id] = len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
             return out
 
         try:
@@ -423,15 +416,6 @@ class Backend:
         self._engine = (key, engine)
         return engine
 
-    @staticmethod
-    def tracker(model: ModelView, plan: PlanView) -> Any:
-        """core's measured-against-predicted tracker for this plan, or None without a prediction."""
-        if plan.prediction is None:
-            return None
-        from core.plan.tracking import Tracker
-
-        return Tracker(plan.prediction, model.spec.num_layers)
-
     def simulate(self, model: ModelView, machine: MachineView, plan: PlanView, engine: Any) -> Any:
         """The planner's replay of one decode step under the engine's schedule; None when it cannot be made."""
         from core.runtime import simulate
@@ -453,15 +437,6 @@ class Backend:
         known = {(r.line, r.reason, r.id) for r in ps.rejects[:before]}
         return requests, [r for r in ps.rejects if (r.line, r.reason, r.id) not in known]
 
-    @staticmethod
-    def run_pending(engine: Any, prompts: PromptsView, store: Any, requests: dict, **kwargs) -> bool:
-        return runstore.run_pending(engine, prompts.prompts, store, requests, **kwargs)
-
-    @staticmethod
-    def finish(store: Any, prompts: PromptsView, model: ModelView) -> None:
-        """Write the final output in the prompts' order (and the rejects) atomically; the run file goes away."""
-        runstore.finish_run(store, prompts.prompts, model.name)
-
     # ---- export -------------------------------------------------------------------------------
     @staticmethod
     def export(records: list[dict], path: Path) -> str:
@@ -473,16 +448,11 @@ class Backend:
 def _spec_as_run(spec: Any, choices: EngineChoices, quantize: str | None = None, group_size: int | None = None,
                  dense: str | None = None) -> Any:
     """The model as the engine will hold it: the Advanced dtype and quantized experts/dense weights change its bytes."""
+    from core.plan.quantize import spec_in_format
+
     if choices.dtype and choices.dtype != spec.dtype:
         spec = dataclasses.replace(spec, dtype=choices.dtype)
-    if quantize and quantize != "none":
-        from core.model.quant.dense_spec import with_dense
-        from core.model.quant.formats import parse_choice, quantized_spec
-
-        spec = quantized_spec(spec, parse_choice(quantize, group_size))
-        if dense:
-            spec = with_dense(spec, parse_choice(dense, group_size))
-    return spec
+    return spec_in_format(spec, quantize or "none", dense, group_size)
 
 
 def budget_warnings(machine: MachineView, gpu_budget: int, cpu_budget: int) -> list[str]:

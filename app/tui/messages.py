@@ -50,12 +50,8 @@ class PlanReady(Message):
         self.plan, self.gen = plan, gen
 
 
-class Checked(Message):
+class Checked(PlanReady):
     """Live validation of a user-edited policy: the plan, its `problems` (empty = fits)."""
-
-    def __init__(self, plan: Any, gen: int = 0):
-        super().__init__()
-        self.plan, self.gen = plan, gen
 
 
 class RunUpdate(Message):

@@ -33,9 +33,13 @@ class RunJob:
         self._go.set()
         self._stop = threading.Event()
         self._last_post = 0.0
+        from core.plan.tracking import Tracker
+
+        # measured against the plan's prediction, where it has one
+        tracker = None if plan.prediction is None else Tracker(plan.prediction, model.spec.num_layers)
         self.meter = RunMeter(prompts.count, prompts.budget_tokens, gpu_budget=plan.gpu_budget,
                               cpu_budget=plan.cpu_budget, clock=backend.clock, previous=previous,
-                              batch_size=plan.policy.batch_size, tracker=backend.tracker(model, plan))
+                              batch_size=plan.policy.batch_size, tracker=tracker)
         self.records: dict[str, dict] = {}  # id -> record, everything finished (earlier sessions too)
         self.state = "loading"
         self.replace = replace  # start over on an output that already holds a finished run
@@ -124,6 +128,7 @@ class RunJob:
             has_stop = {r.id: bool(getattr(r, "stop", None)) for r in todo}
             self.meter.expect([(r.id, len(engine.prompt_token_ids(r)), r.max_new_tokens) for r in todo],
                               min(self.plan.policy.batch_size, len(todo)))
+            from core.io.runstore import finish_run, run_pending
             from core.runtime.fold_back import RunSums, fold_back
 
             def saved(record: dict) -> None:  # durable in the run file before it is counted
@@ -138,13 +143,13 @@ class RunJob:
 
             sums = RunSums(forward=self._sink)  # the run's own figures, for this machine's history at its end
             # core's run loop, as `mlight run`'s: it saves each result and runs later turns in waves
-            b.run_pending(engine, self.prompts, _TimedSaves(store, b.clock, self.meter.result_saved), requests,
-                          batch_size=self.plan.policy.batch_size,
-                          micro_batch_size=self.plan.policy.micro_batch_size, on_event=sums,
-                          should_stop=self._should_stop, on_result=saved)
+            run_pending(engine, self.prompts.prompts, _TimedSaves(store, b.clock, self.meter.result_saved), requests,
+                        batch_size=self.plan.policy.batch_size,
+                        micro_batch_size=self.plan.policy.micro_batch_size, on_event=sums,
+                        should_stop=self._should_stop, on_result=saved)
             if self._stop.is_set() and len(self.records) < self.prompts.count:
                 return self._end("stopped", store)
-            b.finish(store, self.prompts, self.model)
+            finish_run(store, self.prompts.prompts, self.model.name)  # the output in the prompts' order, atomically
             fold_back(engine, sums, self.plan.policy.micro_batch_size)
             return self._end("done", None)
         except BaseException:

@@ -53,7 +53,8 @@ def _name(spec: ModelSpec, q: str, group_size: int | None = None, dense: str | N
     return f"{name} with {parse_choice(dense, group_size).label} dense weights" if dense else name
 
 
-def _spec(model: ModelSpec, q: str, dense: str | None, group_size: int | None) -> ModelSpec:
+def spec_in_format(model: ModelSpec, q: str, dense: str | None, group_size: int | None) -> ModelSpec:
+    """`model` with its experts in `q` and, beside quantized experts, its dense weights in `dense`."""
     spec = quantized_spec(model, parse_choice(q, group_size))
     return with_dense(spec, parse_choice(dense, group_size)) if dense and q != "none" else spec
 
@@ -83,7 +84,7 @@ def choose(model: ModelSpec, hw: HardwareSpec, workload: planner.Workload, budge
     plans: dict[tuple, tuple] = {}
     errors: dict[tuple, BudgetError] = {}
     for rung in rungs:
-        spec = _spec(model, *rung, group_size)
+        spec = spec_in_format(model, *rung, group_size)
         label = rung[0] if not rung[1] else f"{rung[0]}+dense-{rung[1]}"
         try:
             plans[rung] = (spec, *planner.plan(spec, hw, workload, budget, ranks=ranks))

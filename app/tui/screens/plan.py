@@ -67,12 +67,10 @@ GROUPS = [  # int4's weights per scale (core's INT4_GROUPS); the row shows only 
     (64, "64", "a scale per 64 weights: the usual balance"),
     (128, "128", "a scale per 128 weights: the fewest bytes, a little more loss"),
 ]
-DEFAULTS = {"dtype": AUTO, "executor": AUTO, "schedule": AUTO, "quantize": "none", "quantize_dense": "none",
-            "group_size": 64}
-ADVANCED = {"dtype": DTYPES, "executor": EXECUTORS, "schedule": SCHEDULES, "quantize": QUANTIZE,
-            "quantize_dense": DENSE, "group_size": GROUPS}
-ADVANCED_LABELS = {"dtype": "Compute dtype", "executor": "Executor", "schedule": "Schedule", "quantize": "Quantize",
-                   "quantize_dense": "Dense weights", "group_size": "int4 group"}
+# the Advanced rows: EngineChoices field -> (label, the value that leaves it to the engine, the options)
+ADVANCED = {"dtype": ("Compute dtype", AUTO, DTYPES), "executor": ("Executor", AUTO, EXECUTORS),
+            "schedule": ("Schedule", AUTO, SCHEDULES), "quantize": ("Quantize", "none", QUANTIZE),
+            "quantize_dense": ("Dense weights", "none", DENSE), "group_size": ("int4 group", 64, GROUPS)}
 REPLAN_ON = ("dtype", "quantize", "quantize_dense", "group_size")  # choices that change the bytes the plan must fit
 
 
@@ -109,10 +107,9 @@ class PlanScreen(StepScreen):
                 yield _row("GPU KV %", Input(compact=True, id="gpu-kv", type="number"))
                 yield _row("Pages / layer", Input(compact=True, id="pages", type="integer"))
                 with Collapsible(title="Advanced: dtype, executor, …", id="advanced", collapsed=True):
-                    for key, label in ADVANCED_LABELS.items():
-                        options = [(text, value) for value, text, _ in ADVANCED[key]]
-                        yield _row(label, Select(options, compact=True, id=key, allow_blank=False,
-                                                 value=DEFAULTS[key]))
+                    for key, (label, default, options) in ADVANCED.items():
+                        yield _row(label, Select([(text, value) for value, text, _ in options], compact=True, id=key,
+                                                 allow_blank=False, value=default))
                         yield Static("", id=f"{key}-hint", classes="hint")
                 yield Static("Results file (.jsonl or .csv)", classes="form-head")
                 yield PathInput(compact=True, id="out")
@@ -359,7 +356,7 @@ class PlanScreen(StepScreen):
     def _choices(self) -> EngineChoices:
         def value(key: str) -> str | None:
             v = self.query_one(f"#{key}", Select).value
-            return None if v == DEFAULTS[key] or v == Select.BLANK else v
+            return None if v == ADVANCED[key][1] or v == Select.BLANK else v
 
         quantize = value("quantize")
         dense = value("quantize_dense") if quantize else None
@@ -369,8 +366,9 @@ class PlanScreen(StepScreen):
 
     def _set_choices(self, choices: EngineChoices) -> None:
         for key, value in dataclasses.asdict(choices).items():
-            self.query_one(f"#{key}", Select).value = value or DEFAULTS[key]
-            self.query_one(f"#{key}-hint", Static).update(_hint(key, value or DEFAULTS[key]))
+            value = value or ADVANCED[key][1]
+            self.query_one(f"#{key}", Select).value = value
+            self.query_one(f"#{key}-hint", Static).update(_hint(key, value))
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="check", description="validate policy")
     def check(self, gen: int, fields: dict) -> None:
@@ -531,7 +529,7 @@ class PlanScreen(StepScreen):
 
 def _quant_rows(plan) -> list[tuple[str, str]]:
     """What the quantization choice settled on, why, and what it buys against the unquantized model."""
-    group = f", group {plan.group_size or DEFAULTS['group_size']}" if plan.quantize == "int4" else ""
+    group = f", group {plan.group_size or ADVANCED['group_size'][1]}" if plan.quantize == "int4" else ""
     rows = [("Experts", f"{plan.quantize}{group}: {plan.quant_why}")]
     if plan.quantize == "none":
         return rows
@@ -547,7 +545,7 @@ def _quant_rows(plan) -> list[tuple[str, str]]:
 
 
 def _hint(key: str, value) -> str:
-    return next((line for v, _, line in ADVANCED[key] if v == value), "")
+    return next((line for v, _, line in ADVANCED[key][2] if v == value), "")
 
 
 def _gb_text(n: int) -> str:
