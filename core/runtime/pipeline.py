@@ -537,14 +537,11 @@ class PipelineRunner:
             at = (t.layer, self._half(t.layer) if self.streamed else 0)
             inputs, j = (f.h, f.weights, f.idx), t.micro_batch
             outs = segment(*inputs) if self.graphs is None else self.graphs.run("ffn", at, j, segment, inputs)
-        elif self.dev.accelerator:  # the device's caching allocator reuses these; the scratch is host memory
-            fs = [m.ffn for m in mbs]
-            h, rw, ridx = (torch.cat([getattr(f, n) for f in fs]) for n in ("h", "weights", "idx"))
-            outs = self._experts(self._expert_parts(t.layer), h, rw, ridx).split([m.B for m in mbs])
-        else:  # the expert batch's inputs side by side, in reused buffers
-            fs, sc, rows = [m.ffn for m in mbs], self._scratch, sum(m.B for m in mbs)
-            h, rw, ridx = (torch.cat([getattr(f, n) for f in fs],
-                                     out=sc.get("cat_" + n, (rows, getattr(fs[0], n).shape[1]), getattr(fs[0], n).dtype))
+        else:  # the expert batch's inputs side by side: on the host in reused buffers (the scratch is host memory;
+            # the device's caching allocator reuses its own)
+            fs, sc, rows = [m.ffn for m in mbs], None if self.dev.accelerator else self._scratch, sum(m.B for m in mbs)
+            h, rw, ridx = (torch.cat([getattr(f, n) for f in fs], out=None if sc is None else
+                                     sc.get("cat_" + n, (rows, getattr(fs[0], n).shape[1]), getattr(fs[0], n).dtype))
                            for n in ("h", "weights", "idx"))
             outs = self._experts(self._expert_parts(t.layer), h, rw, ridx, sc).split([m.B for m in mbs])
         ys = [decoder.ffn_output(m.ffn, y) for m, y in zip(mbs, outs)]
