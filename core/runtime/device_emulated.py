@@ -67,6 +67,9 @@ class _Event:
         with self._cond:
             return self._done >= self._issued
 
+    def synchronize(self) -> None:
+        self.dev._host_sync(self, None)
+
     def elapsed_time(self, end: "_Event") -> float:
         if not (self.timing and end.timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
@@ -159,6 +162,11 @@ class _Stream:
         ev.record(other)
         self.wait_event(ev)
 
+    def synchronize(self) -> None:
+        ev = _Event(self.dev, False, True)
+        ev.record(self)
+        self.dev._host_sync(ev, None)
+
     def _drain(self, deadline: float) -> None:
         with self._idle:
             if not self._idle.wait_for(lambda: self._pending == 0, max(0.0, deadline - time.monotonic())):
@@ -228,19 +236,23 @@ class EmulatedCuda(Device):
 
     def host_wait(self, event: _Event, cancel: Callable[[], bool] | None = None,
                   what: str = "the work before an event") -> None:
+        self._host_sync(event, cancel, what, self.wait_seconds)
+
+    def _host_sync(self, event: _Event, cancel, what: str = "", seconds: float | None = None) -> None:
+        """`seconds` None: no deadline, as torch's own synchronize has none (the Device's waits pass one)."""
         self._refuse("a host synchronisation")
         self._fault("host_wait")
         self.stats["host_syncs"] += 1
         with event._cond:
             gen = event._issued
-        deadline = time.monotonic() + self.wait_seconds
+        deadline = time.monotonic() + seconds if seconds is not None else float("inf")
         if not event.blocking:  # CUDA's default: the waiting thread spins on a core
             self.stats["spin_waits"] += 1
         while not event._wait_gen(gen, 0 if not event.blocking else 0.05):
             if cancel is not None and cancel():
                 return
             if time.monotonic() > deadline:
-                raise DeviceStalled(what, self.wait_seconds)
+                raise DeviceStalled(what, seconds)
         if event.error is not None:
             label, err = event.error
             self._clear(event.error)
