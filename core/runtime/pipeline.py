@@ -359,22 +359,27 @@ class PipelineRunner:
                         rows.kept(st)
         tasks, self._current_pages = self._graph("decode", len(self._step))
         self.rope.keep = len(self._step)  # each micro-batch's RoPE rows once a step, in every layer
-        self._start_step(needs_layer0=not self._current_pages)
         busy, logits = self._run_step(tasks, lambda: [mb.x for mb in self._step], "logits_dec")
-        self.last_tasks = tasks
-        self._end_step(prefetched_layer0=self._prefetches_layer0(tasks))
         self._step = None
         return logits, busy
 
     def _run_step(self, tasks, finals, buffer: str):
         """Run a step's tasks, then its logits of `finals()`: behind the step's work where the executor takes a
-        tail (one host sync a step), else after it."""
+        tail (one host sync a step), else after it. (busy, logits)"""
+        self._start_step(needs_layer0=not self._current_pages)
         if getattr(self.ex, "takes_tail", False):
             rows = []
             busy = self.ex.run(tasks, self._run, then=lambda: rows.append(self._logits_enqueue(finals(), buffer)))
-            return busy, self.host[buffer][:rows[0]]
-        busy = self.ex.run(tasks, self._run)
-        return busy, self._logits(finals(), buffer)
+            out = busy, self.host[buffer][:rows[0]]
+        else:
+            busy = self.ex.run(tasks, self._run)
+            out = busy, self._logits(finals(), buffer)
+        self.last_tasks = tasks
+        if self.streamed:  # where the graph prefetched the next step's layer 0 (a one-layer prefill keeps it in place)
+            L, prefill = self.spec.num_layers, buffer == "logits_pre"
+            self._layer0_half = self._base if prefill and L == 1 else (
+                (self._base + L) % 2 if self._prefetches_layer0(tasks) else None)
+        return out
 
     def move_rows(self, moves) -> None:
         """[(from slot, to slot, cached tokens)]: move requests' state between slots in every store."""
@@ -393,13 +398,7 @@ class PipelineRunner:
                 mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         tasks, self._current_pages = self._graph("prefill", len(self._pre))
         self.rope.keep = 1  # a prefill's tables are large and its gathers few beside its tokens
-        self._start_step(needs_layer0=not self._current_pages)
         busy, staged = self._run_step(tasks, self._prefill_finals, "logits_pre")
-        self.last_tasks = tasks
-        # the graph prefetched the next decode step's layer 0 (a one-layer model keeps it where it is)
-        if self.streamed:
-            self._layer0_half = self._base if self.spec.num_layers == 1 else (
-                (self._base + self.spec.num_layers) % 2 if self._prefetches_layer0(tasks) else None)
         order = torch.tensor([i for idx in micro_batches for i in idx])
         out = torch.empty_like(staged)
         out[order] = staged
@@ -450,10 +449,6 @@ class PipelineRunner:
                         self._send(dst, src, "h2d")
         else:
             self._base = self._layer0_half
-
-    def _end_step(self, prefetched_layer0: bool) -> None:
-        if self.streamed:
-            self._layer0_half = (self._base + self.spec.num_layers) % 2 if prefetched_layer0 else None
 
     def _run(self, task) -> None:
         self._fns[task.kind](self, task)
