@@ -350,7 +350,8 @@ class Engine:
             raise GroupOutOfMemory(f"rank {failed_rank} ran out of GPU memory with a batch of one request",
                                    "give each rank more GPU memory (more GPUs: --tensor-parallel), or shorten the "
                                    "prompts and --max-new-tokens")
-        self._release_device()
+        gc.collect()  # device memory that nothing references any more (cycles included) goes back to the device
+        self.dev.empty_cache()
         mu = max(1, min(mu, slots))
         on_event(WarningEvent(f"out of GPU memory; continuing with batch {slots}, micro-batch {mu}"))
         for s in active:
@@ -358,11 +359,6 @@ class Engine:
         waiting[:0] = sorted(active, key=lambda s: -len(s.prompt_ids))
         active.clear()
         return slots, mu
-
-    def _release_device(self) -> None:
-        """Give back device memory that nothing references any more (cycles included)."""
-        gc.collect()
-        self.dev.empty_cache()
 
     def _steps(self, runner, table, waiting, active, proc, on_event, should_stop, slots):
         """Step, yielding results, until done or stopped (None); out of device memory, (smaller batch, rank or -1)."""
