@@ -366,7 +366,7 @@ class PipelineRunner:
     def _run_step(self, tasks, finals, buffer: str):
         """Run a step's tasks, then its logits of `finals()`: behind the step's work where the executor takes a
         tail (one host sync a step), else after it. (busy, logits)"""
-        self._start_step(needs_layer0=not self._current_pages)
+        self._start_step()
         if getattr(self.ex, "takes_tail", False):
             rows = []
             busy = self.ex.run(tasks, self._run, then=lambda: rows.append(self._logits_enqueue(finals(), buffer)))
@@ -434,21 +434,18 @@ class PipelineRunner:
                 row += n
         return row
 
-    def _start_step(self, needs_layer0: bool) -> None:
+    def _start_step(self) -> None:
+        """Layer 0's streamed experts: in half 0 where this graph loads them, else where the last step prefetched
+        them, else (the first step, or after a prefill that could not prefetch them) loaded into half 0 now."""
         if not self.streamed:
             return
-        if not needs_layer0:  # this graph loads layer 0 itself
-            self._base = 0
-            return
-        if self._layer0_half is None:  # first step, or after a prefill that could not prefetch it
-            self._base = 0
+        self._base = 0 if self._current_pages or self._layer0_half is None else self._layer0_half
+        if not self._current_pages and self._layer0_half is None:
             self.layer0_loads += 1
             if self.resident[0] < self.spec.num_experts:
                 for page in self.page_copies[0][0]:
                     for dst, src in page:
                         self._send(dst, src, "h2d")
-        else:
-            self._base = self._layer0_half
 
     def _run(self, task) -> None:
         self._fns[task.kind](self, task)
