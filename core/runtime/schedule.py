@@ -136,46 +136,35 @@ def _layer_pages(G: _Graph, layer: int, pages: int):
 
 def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
     G = _Graph()
-    pending: list[tuple[int, int]] = []  # (layer, micro-batch) whose pre-attention is due, in order
+    done = 0  # positions (layer·n + micro-batch) whose pre-attention is in the graph
 
-    def pre(i, j):
-        a = G.add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
-        b = G.add("d1", i, j, deps=(a,))
-        G.add("cpu_attn", i, j, deps=(b,))
-
-    def flush():
-        # emit in order only what is ready, so no in-order queue waits on a later task
-        while pending:
-            i, j = pending[0]
+    def pre_until(pos: int):
+        """Pre-attention (and D1, CPU attention) of the positions before `pos`, in order: only as far as each is
+        ready (its expert batch of the layer before is in the graph), so no in-order queue waits on a later task."""
+        nonlocal done
+        while done < min(pos, L * n):
+            i, j = divmod(done, n)
             if i > 0 and not G.has("ffn", i - 1, j // g * g):
                 return
-            pending.pop(0)
-            pre(i, j)
+            a = G.add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
+            b = G.add("d1", i, j, deps=(a,))
+            G.add("cpu_attn", i, j, deps=(b,))
+            done += 1
 
-    pushed = 0  # positions (layer·n + micro-batch) whose pre-attention has been scheduled
-
-    def push_until(pos: int):
-        nonlocal pushed
-        while pushed < min(pos, L * n):
-            pending.append(divmod(pushed, n))
-            pushed += 1
-        flush()
-
-    push_until(LOOKAHEAD)  # prologue: two micro-batches ahead
+    pre_until(LOOKAHEAD)  # prologue: two micro-batches ahead
     slots = _page_slots(pages, n)
     for i in range(L):
         nxt = (i + 1) % L  # the last layer prefetches the next step's layer 0
         for j in range(n):
             G.add("d2", i, j, deps=(G.get("cpu_attn", i, j),))
             for p in slots[j]:
-                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
+                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
             # the h2d queue is in order: its last page landed means the layer's weights are all there
             weights = _layer_pages(G, i, pages)[-1:] if i > 0 else ()
             G.add("post_attn", i, j, deps=(G.get("d2", i, j), *weights))
             if (j + 1) % g == 0:
                 G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
-            push_until(i * n + j + 1 + LOOKAHEAD)  # PreAttn(i, j+2), wrapping into layer i+1
-    flush()
+            pre_until(i * n + j + 1 + LOOKAHEAD)  # PreAttn(i, j+2), wrapping into layer i+1
     return G.tasks
 
 
@@ -186,8 +175,7 @@ def _flexgen(L: int, n: int, g: int, pages: int, overlap: bool) -> list[Task]:
     for i in range(L):
         nxt = i if not overlap else (i + 1) % L
         for p in range(pages):  # S4: the whole next layer at the head of the copy queue
-            G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g) if overlap else (),
-                  key=("weight_page", nxt, p))
+            G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g) if overlap else ())
         # the layer's pages already queued (S3: just before; S4: during layer i−1; layer 0's come at the end)
         weights = [G.get("weight_page", i, p) for p in range(pages) if G.has("weight_page", i, p)]
         for j in range(n):
@@ -209,10 +197,10 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
         nxt = (i + 1) % L
         if schedule == "s4":
             for p in range(pages):
-                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
+                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
         if G.serial:
             for p in range(pages):
-                G.add("weight_page", i, page=p, key=("weight_page", i, p))
+                G.add("weight_page", i, page=p)
         # this layer's pages where queued before its first use (past layer 0; S3; S4 with one layer)
         weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or G.serial or L == 1) else []
         for j in range(n):
@@ -224,7 +212,7 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
             kv = G.add("kv_load", i, j, deps=reuse)
             if schedule == "cgopipe":
                 for p in slots[j]:
-                    G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
+                    G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
             a = G.add("pre_attn", i, j, deps=(*_ffn_deps_of_prev_layer(G, i, j, g), kv))
             b = G.add("gpu_attn", i, j, deps=(a, kv))
             G.add("kv_store", i, j, deps=(b,))
@@ -258,14 +246,14 @@ def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1
         return G.tasks
     pages = pages_per_layer if streamed else 0
     for p in range(pages):
-        G.add("weight_page", 0, page=p, key=("weight_page", 0, p))
+        G.add("weight_page", 0, page=p)
     for i in range(L):
         # layer i+1 overwrites layer i−1; after the last layer, the next decode step's layer 0 goes in
         if L > 1:
             nxt = (i + 1) % L
             for p in range(pages):
                 free = (G.get("prefill", i - 1, n - 1),) if i > 0 else ()
-                G.add("weight_page", nxt, page=p, deps=free, key=("weight_page", nxt, p) if nxt else ("next0", p))
+                G.add("weight_page", nxt, page=p, deps=free, key=None if nxt else ("next0", p))
         weights = _layer_pages(G, i, pages)
         for j in range(n):
             # and the store two prefills back: one micro-batch's state awaits the link, as the planner counts
