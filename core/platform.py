@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import platformdirs
+import psutil
 
 
 def _system() -> str:
@@ -53,10 +54,8 @@ def usable_cores() -> int:
         n = len(os.sched_getaffinity(0))
     elif SYSTEM == "windows" or SYSTEM.startswith("freebsd"):
         try:
-            import psutil
-
             n = len(psutil.Process().cpu_affinity())
-        except (ImportError, AttributeError, OSError):
+        except (AttributeError, OSError):  # AttributeError: no affinity call on this system
             n = None
     n = n or os.cpu_count() or 1
     if SYSTEM == "linux":
@@ -82,10 +81,8 @@ def free_cores(sample_s: float = 0.1) -> int:
     usable = usable_cores()
     total = os.cpu_count() or usable
     try:
-        import psutil
-
         busy = psutil.cpu_percent(interval=sample_s) / 100.0 * total
-    except (ImportError, OSError):
+    except OSError:
         return usable
     # the load is machine-wide; count the share of it that falls on our cores
     busy_here = busy * usable / max(total, 1)

@@ -56,7 +56,7 @@ def device_index(spec: str | torch.device | int | None, current: Callable[[], in
 
 
 class Device:
-    """The interface (see the module docstring); `HostDevice` below is its simplest implementation."""
+    """The interface (see the module docstring); its defaults are the CPU's, `HostDevice` below."""
 
     kind = "cpu"  # "cpu" | "cuda" | "emulated"
     accelerator = False  # False: the CPU is the device (no streams, no transfers)
@@ -78,10 +78,10 @@ class Device:
         pass
 
     def current_stream(self):
-        raise NotImplementedError(f"{self.name} has no streams")
+        return _Done()
 
     def event(self, timing: bool = False, blocking: bool = True):
-        raise NotImplementedError(f"{self.name} has no events")
+        return _Done()
 
     def launch(self, stream, fn: Callable[[], None], label=None) -> None:
         fn()
@@ -186,13 +186,7 @@ class _Done:
 
 
 class HostDevice(Device):
-    """The CPU as the device: the CPU-only mode and the threaded executor's real copies."""
-
-    def current_stream(self):
-        return _Done()
-
-    def event(self, timing: bool = False, blocking: bool = True):
-        return _Done()
+    """The CPU as the device (the interface's defaults): the CPU-only mode and the threaded executor's real copies."""
 
 
 class CudaDevice(Device):

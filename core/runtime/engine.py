@@ -350,7 +350,8 @@ class Engine:
             raise GroupOutOfMemory(f"rank {failed_rank} ran out of GPU memory with a batch of one request",
                                    "give each rank more GPU memory (more GPUs: --tensor-parallel), or shorten the "
                                    "prompts and --max-new-tokens")
-        self._release_device()
+        gc.collect()  # device memory that nothing references any more (cycles included) goes back to the device
+        self.dev.empty_cache()
         mu = max(1, min(mu, slots))
         on_event(WarningEvent(f"out of GPU memory; continuing with batch {slots}, micro-batch {mu}"))
         for s in active:
@@ -358,11 +359,6 @@ class Engine:
         waiting[:0] = sorted(active, key=lambda s: -len(s.prompt_ids))
         active.clear()
         return slots, mu
-
-    def _release_device(self) -> None:
-        """Give back device memory that nothing references any more (cycles included)."""
-        gc.collect()
-        self.dev.empty_cache()
 
     def _steps(self, runner, table, waiting, active, proc, on_event, should_stop, slots):
         """Step, yielding results, until done or stopped (None); out of device memory, (smaller batch, rank or -1)."""
@@ -373,10 +369,8 @@ class Engine:
             self.threads.tick()
             try:
                 finished = self._step(runner, table, waiting, active, proc, on_event, stop, slots)
-            except _GroupStop:  # every rank of the group stops at the same step
-                return None
-            except _GroupShrink as e:  # a rank ran out of memory: the batch the ranks agreed on
-                return e.slots, e.rank
+            except _GroupAgreed as e:  # every rank stops at the same step, or goes on with the same smaller batch
+                return e.shrink
             except TaskFailed as e:
                 if not _is_oom(e) or slots == 1 or self.tp is not None:
                     raise
@@ -462,10 +456,8 @@ class Engine:
             tp.drain(step_collectives(runner)[tp.issued - start:])
             want = slots // 2  # 0: not even one request fits
         agreed = tp.outcome(stop, slots, want)
-        if agreed.stop:
-            raise _GroupStop
-        if agreed.slots < slots:
-            raise _GroupShrink(agreed.slots, agreed.failed_rank)
+        if agreed.stop or agreed.slots < slots:
+            raise _GroupAgreed(None if agreed.stop else (agreed.slots, agreed.failed_rank))
         return out
 
     def _step_event(self, kind, tokens, t0, busy, moved, runner, active, proc) -> StepDone:
@@ -590,16 +582,13 @@ def _placement(policy, spec: ModelSpec) -> dict:
             "kv_gpu_layers": kv_gpu_layers(policy.gpu_kv_fraction, spec.num_layers)}
 
 
-class _GroupStop(Exception):
-    """Tensor parallel: the group agreed to stop after this step."""
+class _GroupAgreed(Exception):
+    """Tensor parallel: the group agreed to stop after this step (`shrink` None), or, a rank out of memory, to go
+    on with `shrink` = (requests, that rank)."""
 
-
-class _GroupShrink(Exception):
-    """Tensor parallel: a rank ran out of memory; the group agreed to go on with `slots` requests."""
-
-    def __init__(self, slots: int, rank: int):
-        super().__init__(slots, rank)
-        self.slots, self.rank = slots, rank
+    def __init__(self, shrink: tuple[int, int] | None):
+        super().__init__(shrink)
+        self.shrink = shrink
 
 
 def _is_oom(e: BaseException) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable
 
 from core.errors import MlightError
 from core.runtime.device import DeviceTaskError
@@ -20,12 +20,6 @@ from core.runtime.device import DeviceTaskError
 POLL = 0.05  # seconds between the caller's checks of its workers
 STALL_SECONDS = 600.0  # a step in which no task finishes for this long has hung
 GRACE = 2.0  # after a failure, how long the caller waits for busy workers to notice it
-
-
-class TaskLike(Protocol):
-    id: int
-    resource: str
-    deps: tuple[int, ...]
 
 
 class TaskFailed(MlightError):
@@ -68,7 +62,7 @@ class SequentialExecutor:
     def __init__(self):
         self.times: list[float] = []  # task i of the last step ran from times[2i] to times[2i+1]
 
-    def run(self, tasks: Iterable[TaskLike], fn: Callable[[TaskLike], None]) -> dict[str, float]:
+    def run(self, tasks: Iterable, fn: Callable) -> dict[str, float]:
         busy: dict[str, float] = {}
         done: set[int] = set()
         clock = time.perf_counter
@@ -161,7 +155,7 @@ class ThreadedExecutor:
             self.times[2 * i], self.times[2 * i + 1] = t0, t1  # each task writes its own two slots
             step.add_busy(task.resource, t1 - t0)
 
-    def run(self, tasks: Iterable[TaskLike], fn: Callable[[TaskLike], None]) -> dict[str, float]:
+    def run(self, tasks: Iterable, fn: Callable) -> dict[str, float]:
         if self._broken:
             raise TaskFailed(f"the executor is stuck ({self._broken})", "restart mlight")
         tasks = list(tasks)

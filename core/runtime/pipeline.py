@@ -359,22 +359,27 @@ class PipelineRunner:
                         rows.kept(st)
         tasks, self._current_pages = self._graph("decode", len(self._step))
         self.rope.keep = len(self._step)  # each micro-batch's RoPE rows once a step, in every layer
-        self._start_step(needs_layer0=not self._current_pages)
         busy, logits = self._run_step(tasks, lambda: [mb.x for mb in self._step], "logits_dec")
-        self.last_tasks = tasks
-        self._end_step(prefetched_layer0=self._prefetches_layer0(tasks))
         self._step = None
         return logits, busy
 
     def _run_step(self, tasks, finals, buffer: str):
         """Run a step's tasks, then its logits of `finals()`: behind the step's work where the executor takes a
-        tail (one host sync a step), else after it."""
+        tail (one host sync a step), else after it. (busy, logits)"""
+        self._start_step()
         if getattr(self.ex, "takes_tail", False):
             rows = []
             busy = self.ex.run(tasks, self._run, then=lambda: rows.append(self._logits_enqueue(finals(), buffer)))
-            return busy, self.host[buffer][:rows[0]]
-        busy = self.ex.run(tasks, self._run)
-        return busy, self._logits(finals(), buffer)
+            out = busy, self.host[buffer][:rows[0]]
+        else:
+            busy = self.ex.run(tasks, self._run)
+            out = busy, self._logits(finals(), buffer)
+        self.last_tasks = tasks
+        if self.streamed:  # where the graph prefetched the next step's layer 0 (a one-layer prefill keeps it in place)
+            L, prefill = self.spec.num_layers, buffer == "logits_pre"
+            self._layer0_half = self._base if prefill and L == 1 else (
+                (self._base + L) % 2 if self._prefetches_layer0(tasks) else None)
+        return out
 
     def move_rows(self, moves) -> None:
         """[(from slot, to slot, cached tokens)]: move requests' state between slots in every store."""
@@ -393,13 +398,7 @@ class PipelineRunner:
                 mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         tasks, self._current_pages = self._graph("prefill", len(self._pre))
         self.rope.keep = 1  # a prefill's tables are large and its gathers few beside its tokens
-        self._start_step(needs_layer0=not self._current_pages)
         busy, staged = self._run_step(tasks, self._prefill_finals, "logits_pre")
-        self.last_tasks = tasks
-        # the graph prefetched the next decode step's layer 0 (a one-layer model keeps it where it is)
-        if self.streamed:
-            self._layer0_half = self._base if self.spec.num_layers == 1 else (
-                (self._base + self.spec.num_layers) % 2 if self._prefetches_layer0(tasks) else None)
         order = torch.tensor([i for idx in micro_batches for i in idx])
         out = torch.empty_like(staged)
         out[order] = staged
@@ -435,25 +434,18 @@ class PipelineRunner:
                 row += n
         return row
 
-    def _start_step(self, needs_layer0: bool) -> None:
+    def _start_step(self) -> None:
+        """Layer 0's streamed experts: in half 0 where this graph loads them, else where the last step prefetched
+        them, else (the first step, or after a prefill that could not prefetch them) loaded into half 0 now."""
         if not self.streamed:
             return
-        if not needs_layer0:  # this graph loads layer 0 itself
-            self._base = 0
-            return
-        if self._layer0_half is None:  # first step, or after a prefill that could not prefetch it
-            self._base = 0
+        self._base = 0 if self._current_pages or self._layer0_half is None else self._layer0_half
+        if not self._current_pages and self._layer0_half is None:
             self.layer0_loads += 1
             if self.resident[0] < self.spec.num_experts:
                 for page in self.page_copies[0][0]:
                     for dst, src in page:
                         self._send(dst, src, "h2d")
-        else:
-            self._base = self._layer0_half
-
-    def _end_step(self, prefetched_layer0: bool) -> None:
-        if self.streamed:
-            self._layer0_half = (self._base + self.spec.num_layers) % 2 if prefetched_layer0 else None
 
     def _run(self, task) -> None:
         self._fns[task.kind](self, task)
@@ -537,14 +529,11 @@ class PipelineRunner:
             at = (t.layer, self._half(t.layer) if self.streamed else 0)
             inputs, j = (f.h, f.weights, f.idx), t.micro_batch
             outs = segment(*inputs) if self.graphs is None else self.graphs.run("ffn", at, j, segment, inputs)
-        elif self.dev.accelerator:  # the device's caching allocator reuses these; the scratch is host memory
-            fs = [m.ffn for m in mbs]
-            h, rw, ridx = (torch.cat([getattr(f, n) for f in fs]) for n in ("h", "weights", "idx"))
-            outs = self._experts(self._expert_parts(t.layer), h, rw, ridx).split([m.B for m in mbs])
-        else:  # the expert batch's inputs side by side, in reused buffers
-            fs, sc, rows = [m.ffn for m in mbs], self._scratch, sum(m.B for m in mbs)
-            h, rw, ridx = (torch.cat([getattr(f, n) for f in fs],
-                                     out=sc.get("cat_" + n, (rows, getattr(fs[0], n).shape[1]), getattr(fs[0], n).dtype))
+        else:  # the expert batch's inputs side by side: on the host in reused buffers (the scratch is host memory;
+            # the device's caching allocator reuses its own)
+            fs, sc, rows = [m.ffn for m in mbs], None if self.dev.accelerator else self._scratch, sum(m.B for m in mbs)
+            h, rw, ridx = (torch.cat([getattr(f, n) for f in fs], out=None if sc is None else
+                                     sc.get("cat_" + n, (rows, getattr(fs[0], n).shape[1]), getattr(fs[0], n).dtype))
                            for n in ("h", "weights", "idx"))
             outs = self._experts(self._expert_parts(t.layer), h, rw, ridx, sc).split([m.B for m in mbs])
         ys = [decoder.ffn_output(m.ffn, y) for m, y in zip(mbs, outs)]

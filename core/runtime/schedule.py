@@ -58,17 +58,21 @@ class Task:
 
 class _Graph:
     """Appends tasks in order and remembers them by (kind, layer, index). A cross-resource dependency costs an
-    event wait, so `add` keeps only those the in-order queues do not already imply."""
+    event wait, so `add` keeps only those the in-order queues do not already imply. `serial` (S3, the CPU-only
+    chain): every task also waits for the one listed before it."""
 
-    def __init__(self):
+    def __init__(self, serial: bool = False):
         self.tasks: list[Task] = []
         self.ids: dict[tuple, int] = {}
         self.waited: dict[tuple[str, str], int] = {}  # (resource, other resource) -> latest task waited for
+        self.serial = serial
 
     def add(self, kind: str, layer: int, mb: int = -1, page: int = -1, deps=(), key=None) -> int:
         tid = len(self.tasks)
         if any(d is None for d in deps):  # a dependency not queued yet would deadlock an in-order executor
             raise ValueError(f"{kind}({layer},{mb}) depends on a task that is not in the graph yet")
+        if self.serial and tid:
+            deps = (*deps, tid - 1)
         res = RESOURCE_OF[kind]
         keep = []
         for d in sorted(set(deps), reverse=True):
@@ -132,135 +136,101 @@ def _layer_pages(G: _Graph, layer: int, pages: int):
 
 def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
     G = _Graph()
-    pending: list[tuple[int, int]] = []  # (layer, micro-batch) whose pre-attention is due, in order
+    done = 0  # positions (layer·n + micro-batch) whose pre-attention is in the graph
 
-    def pre(i, j):
-        a = G.add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
-        b = G.add("d1", i, j, deps=(a,))
-        G.add("cpu_attn", i, j, deps=(b,))
-
-    def flush():
-        # emit in order only what is ready, so no in-order queue waits on a later task
-        while pending:
-            i, j = pending[0]
+    def pre_until(pos: int):
+        """Pre-attention (and D1, CPU attention) of the positions before `pos`, in order: only as far as each is
+        ready (its expert batch of the layer before is in the graph), so no in-order queue waits on a later task."""
+        nonlocal done
+        while done < min(pos, L * n):
+            i, j = divmod(done, n)
             if i > 0 and not G.has("ffn", i - 1, j // g * g):
                 return
-            pending.pop(0)
-            pre(i, j)
+            a = G.add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
+            b = G.add("d1", i, j, deps=(a,))
+            G.add("cpu_attn", i, j, deps=(b,))
+            done += 1
 
-    pushed = 0  # positions (layer·n + micro-batch) whose pre-attention has been scheduled
-
-    def push_until(pos: int):
-        nonlocal pushed
-        while pushed < min(pos, L * n):
-            pending.append(divmod(pushed, n))
-            pushed += 1
-        flush()
-
-    push_until(LOOKAHEAD)  # prologue: two micro-batches ahead
+    pre_until(LOOKAHEAD)  # prologue: two micro-batches ahead
     slots = _page_slots(pages, n)
     for i in range(L):
         nxt = (i + 1) % L  # the last layer prefetches the next step's layer 0
         for j in range(n):
             G.add("d2", i, j, deps=(G.get("cpu_attn", i, j),))
             for p in slots[j]:
-                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
+                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
             # the h2d queue is in order: its last page landed means the layer's weights are all there
             weights = _layer_pages(G, i, pages)[-1:] if i > 0 else ()
             G.add("post_attn", i, j, deps=(G.get("d2", i, j), *weights))
             if (j + 1) % g == 0:
                 G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
-            push_until(i * n + j + 1 + LOOKAHEAD)  # PreAttn(i, j+2), wrapping into layer i+1
-    flush()
+            pre_until(i * n + j + 1 + LOOKAHEAD)  # PreAttn(i, j+2), wrapping into layer i+1
     return G.tasks
 
 
 def _flexgen(L: int, n: int, g: int, pages: int, overlap: bool) -> list[Task]:
     """S4 (overlap=True): next layer's weights first on the copy queue, GPU micro-batch by micro-batch.
-    S3 (overlap=False): every task waits for the one before it."""
-    G = _Graph()
-    last = None
-
-    def add(kind, i, j=-1, page=-1, deps=(), key=None):
-        nonlocal last
-        deps = tuple(deps) + ((last,) if not overlap and last is not None else ())
-        last = G.add(kind, i, j, page, deps, key)
-        return last
-
-    if not overlap:  # S3 loads each layer's weights right before using them, layer 0 included
-        for i in range(L):
-            for p in range(pages):
-                add("weight_page", i, page=p, key=("weight_page", i, p))
-            _flexgen_layer(G, add, i, n, g, pages)
-        return G.tasks
+    S3 (overlap=False): each layer's weights right before it (layer 0's included), every task after the one before."""
+    G = _Graph(serial=not overlap)
     for i in range(L):
-        nxt = (i + 1) % L
-        for p in range(pages):  # the whole next layer at the head of the copy queue
-            add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
-        _flexgen_layer(G, add, i, n, g, pages)
+        nxt = i if not overlap else (i + 1) % L
+        for p in range(pages):  # S4: the whole next layer at the head of the copy queue
+            G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g) if overlap else ())
+        # the layer's pages already queued (S3: just before; S4: during layer i−1; layer 0's come at the end)
+        weights = [G.get("weight_page", i, p) for p in range(pages) if G.has("weight_page", i, p)]
+        for j in range(n):
+            a = G.add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
+            b = G.add("d1", i, j, deps=(a,))
+            c = G.add("cpu_attn", i, j, deps=(b,))
+            d = G.add("d2", i, j, deps=(c,))
+            G.add("post_attn", i, j, deps=(d, *weights))
+            if (j + 1) % g == 0:
+                G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
     return G.tasks
-
-
-def _flexgen_layer(G: _Graph, add, i: int, n: int, g: int, pages: int):
-    # the layer's pages already queued (S3: just before; S4: during layer i−1; layer 0's come at the end)
-    weights = [G.get("weight_page", i, p) for p in range(pages) if G.has("weight_page", i, p)]
-    for j in range(n):
-        a = add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
-        b = add("d1", i, j, deps=(a,))
-        c = add("cpu_attn", i, j, deps=(b,))
-        d = add("d2", i, j, deps=(c,))
-        add("post_attn", i, j, deps=(d, *weights))
-        if (j + 1) % g == 0:
-            add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
 
 
 def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Task]:
     """Attention on the GPU: CPU-held KV over the link (D4) per micro-batch, the new token's KV back."""
-    G = _Graph()
+    G = _Graph(serial=schedule == "s3")
     slots = _page_slots(pages, n)
-    last = None
-    serial = schedule == "s3"
     for i in range(L):
         nxt = (i + 1) % L
         if schedule == "s4":
             for p in range(pages):
-                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
-        if serial:
+                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
+        if G.serial:
             for p in range(pages):
-                last = G.add("weight_page", i, page=p, deps=(last,) if last is not None else (), key=("weight_page", i, p))
+                G.add("weight_page", i, page=p)
         # this layer's pages where queued before its first use (past layer 0; S3; S4 with one layer)
-        weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or serial or L == 1) else []
+        weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or G.serial or L == 1) else []
         for j in range(n):
-            chain = (last,) if serial and last is not None else ()
             # position p = i·n + j uses ring buffer p mod 2: it waits for position p − 2's attention
             back = divmod(i * n + j - 2, n)
             reuse = (G.get("gpu_attn", *back),) if i * n + j >= 2 else ()
             # at most two layers' new K/V of a micro-batch wait for the store
             reuse += (G.get("kv_store", i - 2, j),) if i > 1 else ()
-            kv = G.add("kv_load", i, j, deps=chain + reuse)
+            kv = G.add("kv_load", i, j, deps=reuse)
             if schedule == "cgopipe":
                 for p in slots[j]:
-                    G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g), key=("weight_page", nxt, p))
-            a = G.add("pre_attn", i, j, deps=(*_ffn_deps_of_prev_layer(G, i, j, g), *chain, kv))
+                    G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
+            a = G.add("pre_attn", i, j, deps=(*_ffn_deps_of_prev_layer(G, i, j, g), kv))
             b = G.add("gpu_attn", i, j, deps=(a, kv))
-            c = G.add("kv_store", i, j, deps=(b,))
-            last = G.add("post_attn", i, j, deps=(b, *weights, *((c,) if serial else ())))
+            G.add("kv_store", i, j, deps=(b,))
+            G.add("post_attn", i, j, deps=(b, *weights))  # S3: after the store too (the task before it)
             if (j + 1) % g == 0:
-                last = G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
+                G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
     return G.tasks
 
 
 def _cpu_only(L: int, n: int, g: int) -> list[Task]:
     """Everything on the CPU cores: one chain (dense work under "compute", attention under "cpu_attn")."""
-    G = _Graph()
-    last = None
+    G = _Graph(serial=True)
     for i in range(L):
         for j in range(n):
-            a = G.add("pre_attn", i, j, deps=(last,) if last is not None else ())
-            b = G.add("cpu_attn", i, j, deps=(a,))
-            last = G.add("post_attn", i, j, deps=(b,))
+            for kind in ("pre_attn", "cpu_attn", "post_attn"):
+                G.add(kind, i, j)
             if (j + 1) % g == 0:
-                last = G.add("ffn", i, j + 1 - g, deps=(last,))
+                G.add("ffn", i, j + 1 - g)
     return G.tasks
 
 
@@ -268,23 +238,22 @@ def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1
             streamed: bool = True) -> list[Task]:
     """Prefill of one batch, layer by layer; layer i+1's weights stream while layer i computes."""
     L, n = num_layers, num_micro_batches
-    G = _Graph()
-    if ffn_on == "cpu":
-        last = None
+    G = _Graph(serial=ffn_on == "cpu")
+    if ffn_on == "cpu":  # one chain
         for i in range(L):
             for j in range(n):
-                last = G.add("prefill", i, j, deps=(last,) if last is not None else ())
+                G.add("prefill", i, j)
         return G.tasks
     pages = pages_per_layer if streamed else 0
     for p in range(pages):
-        G.add("weight_page", 0, page=p, key=("weight_page", 0, p))
+        G.add("weight_page", 0, page=p)
     for i in range(L):
         # layer i+1 overwrites layer i−1; after the last layer, the next decode step's layer 0 goes in
         if L > 1:
             nxt = (i + 1) % L
             for p in range(pages):
                 free = (G.get("prefill", i - 1, n - 1),) if i > 0 else ()
-                G.add("weight_page", nxt, page=p, deps=free, key=("weight_page", nxt, p) if nxt else ("next0", p))
+                G.add("weight_page", nxt, page=p, deps=free, key=None if nxt else ("next0", p))
         weights = _layer_pages(G, i, pages)
         for j in range(n):
             # and the store two prefills back: one micro-batch's state awaits the link, as the planner counts

@@ -75,34 +75,28 @@ class TensorParallel:
         return t.tolist()
 
 
-class FullQKNorm:
-    """RMSNorm over all heads' q (and k) when each rank holds only some heads (OLMoE's qk-norm):
-    the sums of squares are added over the group. A KV head held by several ranks counts once."""
+class ShardOps:
+    """What the pipeline does differently on one rank of a tensor-parallel group: sum the partial
+    outputs of the O projection (when heads are split) and of the FFN; OLMoE's norm over all heads."""
 
-    def __init__(self, tp: TensorParallel, q_size: int, kv_size: int, k_owned: torch.Tensor):
-        self.tp, self.q_size, self.kv_size = tp, q_size, kv_size
-        self.k_owned = k_owned  # [local kv size] 1.0 where this rank's copy counts, else 0.0
+    def __init__(self, tp: TensorParallel, shard, full_spec):
+        self.tp, self.shard, self.q_size, self.kv_size = tp, shard, full_spec.q_size, full_spec.kv_size
+        self.full_norm = None
+        if shard.split_attention and full_spec.qk_norm == "full":
+            hd = full_spec.head_dim
+            # [local kv size] 1.0 where this rank's copy of a KV head counts (one held by several ranks counts once)
+            self.k_owned = torch.tensor([float(o) for o in shard.kv_owned for _ in range(hd)], device=tp.device)
+            self.full_norm = self._full_qk_norm
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float):
+    def _full_qk_norm(self, q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float):
+        """RMSNorm over all heads' q (and k) where this rank holds only some: the sums of squares are added over
+        the group."""
         q32, k32 = q.float(), k.float()
         ss = torch.stack([q32.pow(2).sum(-1), (k32.pow(2) * self.k_owned.to(k32.device)).sum(-1)], dim=-1)
         self.tp.all_reduce(ss)  # [T, 2]
         q32 = q32 * torch.rsqrt(ss[:, :1] / self.q_size + eps)
         k32 = k32 * torch.rsqrt(ss[:, 1:] / self.kv_size + eps)
         return wq * q32.to(q.dtype), wk * k32.to(k.dtype)
-
-
-class ShardOps:
-    """What the pipeline does differently on one rank of a tensor-parallel group: sum the partial
-    outputs of the O projection (when heads are split) and of the FFN; OLMoE's norm over all heads."""
-
-    def __init__(self, tp: TensorParallel, shard, full_spec):
-        self.tp, self.shard = tp, shard
-        self.full_norm = None
-        if shard.split_attention and full_spec.qk_norm == "full":
-            hd = full_spec.head_dim
-            owned = torch.tensor([float(o) for o in shard.kv_owned for _ in range(hd)], device=tp.device)
-            self.full_norm = FullQKNorm(tp, full_spec.q_size, full_spec.kv_size, owned)
 
     def attention_out(self, t: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(t) if self.shard.split_attention else t
