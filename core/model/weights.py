@@ -437,17 +437,10 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     if quant is not None:
         scheme = ExpertScheme.uniform(fit_group(quant, spec.hidden_size, spec.expert_intermediate),
                                       spec.hidden_size, spec.expert_intermediate)
-    layouts: dict[tuple, LayerLayout] = {}
     total = spec.num_layers + 1
     key = {"scheme": repr(scheme), "dtype": str(dtype)} | ({"shard": f"{shard.rank}/{shard.size}"} if shard else {})
     entry = CacheEntry(Path(model_dir), key) if quant is not None and use_cache else None
     cached = Checkpoint(entry.dir) if entry is not None and entry.complete else None
-
-    def layout_of(i: int, with_scheme) -> LayerLayout:
-        key = (tuple(spec.layer_shapes(i).items()), spec.is_moe(i), with_scheme is None)
-        if key not in layouts:
-            layouts[key] = LayerLayout.for_spec(spec, i, with_scheme, dtype)
-        return layouts[key]
 
     globals_ = {name: torch.empty(shape, dtype=dtype) for name, shape in spec.global_shapes().items()}
     writer = None
@@ -458,7 +451,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         _fill(ckpt, fam.global_pieces(full, keys), globals_)
         if entry is not None:
             writer = entry.writer([(n, dtype, tuple(t.shape)) for n, t in globals_.items()]
-                                  + [(f"layers.{i}", torch.uint8, (layout_of(i, scheme).numel,))
+                                  + [(f"layers.{i}", torch.uint8, (LayerLayout.for_spec(spec, i, scheme, dtype).numel,))
                                      for i in range(spec.num_layers)])
             for name, t in globals_.items():
                 writer.write(name, t)
@@ -469,7 +462,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     layers, scratch = [], {}
     try:
         for i in range(spec.num_layers):
-            layout = layout_of(i, scheme)
+            layout = LayerLayout.for_spec(spec, i, scheme, dtype)
             flat = layout.buffer(dtype)
             lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
             if cached is not None:
@@ -480,7 +473,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
                 if spec.is_moe(i):
                     fill_mxfp4(ckpt, spec, i, lw.tensors)
             elif scheme is not None:
-                plain = layout_of(i, None)
+                plain = LayerLayout.for_spec(spec, i, None, dtype)
                 if plain not in staging:
                     staging[plain] = LayerWeights(plain, torch.empty(plain.numel, dtype=dtype), 1)
                 _fill_layer(ckpt, fam, full, i, keys, staging[plain].tensors, picks(i), shard)

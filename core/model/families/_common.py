@@ -121,6 +121,14 @@ def routed_experts(prefix: str, spec, keys: set[str], names=("gate_proj", "up_pr
     return pieces
 
 
+def moe_layer(spec, i: int, keys: set[str], moe: str = "mlp.", names=("gate_proj", "up_proj", "down_proj"),
+              router: str = "gate.weight") -> list[Piece]:
+    """A Llama-style MoE layer: norms, attention, the router and the routed experts under `moe`."""
+    p = f"model.layers.{i}."
+    return [*norm_pieces(p, spec), *llama_style_attention(p, spec, keys), Piece(p + moe + router, "router"),
+            *routed_experts(p + moe, spec, keys, names)]
+
+
 def llama_style_globals(spec, keys: set[str], prefix: str = "model.") -> list[Piece]:
     pieces = [Piece(prefix + "embed_tokens.weight", "embed"), Piece(prefix + "norm.weight", "norm")]
     if spec.norm_bias:

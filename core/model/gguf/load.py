@@ -222,13 +222,11 @@ def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | Non
     global_blocks = block_weights(held, globals_) if held else {}
     what = f"loading {g.name} ({spec.expert_format if spec.expert_format != 'none' else 'float'} experts)"
     progress(Progress(what, 1, total, "layers"))
-    layouts: dict = {}
     layers, scratch = [], {}  # `pin` unused: the runtime page-locks what streams (ModelWeights.pin_streamed)
     names = set(g.tensors)
     for i in range(spec.num_layers):
         scheme = expert_scheme(g, spec, i)
-        key = (scheme, spec.is_moe(i))
-        layout = layouts.get(key) or layouts.setdefault(key, LayerLayout.for_spec(spec, i, scheme, dtype))
+        layout = LayerLayout.for_spec(spec, i, scheme, dtype)
         flat = layout.buffer(dtype)
         lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
         held = {} if blocks else None
