@@ -85,18 +85,10 @@ def llama_style_attention(prefix: str, spec, keys: set[str], attn: str = "self_a
     """q/k/v/o projections named the Llama way, fused into qkv."""
     q, kv = spec.q_size, spec.kv_size
     p = f"{prefix}{attn}."
-    pieces = [
-        Piece(p + "q_proj.weight", "qkv", (slice(0, q),)),
-        Piece(p + "k_proj.weight", "qkv", (slice(q, q + kv),)),
-        Piece(p + "v_proj.weight", "qkv", (slice(q + kv, q + 2 * kv),)),
-        Piece(p + "o_proj.weight", "o"),
-    ]
+    rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+    pieces = [*(Piece(f"{p}{n}_proj.weight", "qkv", (r,)) for n, r in rows.items()), Piece(p + "o_proj.weight", "o")]
     if spec.qkv_bias:
-        pieces += [
-            Piece(p + "q_proj.bias", "qkv_bias", (slice(0, q),)),
-            Piece(p + "k_proj.bias", "qkv_bias", (slice(q, q + kv),)),
-            Piece(p + "v_proj.bias", "qkv_bias", (slice(q + kv, q + 2 * kv),)),
-        ]
+        pieces += [Piece(f"{p}{n}_proj.bias", "qkv_bias", (r,)) for n, r in rows.items()]
     if spec.qk_norm != "none":
         pieces += [Piece(p + "q_norm.weight", "q_norm"), Piece(p + "k_norm.weight", "k_norm")]
     if spec.attn_o_bias:

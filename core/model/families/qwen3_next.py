@@ -71,24 +71,16 @@ def notes(spec: ModelSpec, keys: set[str]) -> list[str]:
 def _attention(p: str, spec: ModelSpec) -> list[Piece]:
     a, H, hd, q, kv = p + "self_attn.", spec.num_heads, spec.head_dim, spec.q_size, spec.kv_size
     every, query, gate = slice(None), slice(0, hd), slice(hd, 2 * hd)
-    pieces = [
-        # q_proj rows are [q | gate] per head
-        Piece(a + "q_proj.weight", "qkv", (slice(0, q),), view=(H, 2 * hd, spec.hidden_size), select=(every, query), fit=True),
-        Piece(a + "q_proj.weight", "qkv", (slice(q + 2 * kv, 2 * q + 2 * kv),), view=(H, 2 * hd, spec.hidden_size),
-              select=(every, gate), fit=True),
-        Piece(a + "k_proj.weight", "qkv", (slice(q, q + kv),)),
-        Piece(a + "v_proj.weight", "qkv", (slice(q + kv, q + 2 * kv),)),
-        Piece(a + "o_proj.weight", "o"),
-        Piece(a + "q_norm.weight", "q_norm"), Piece(a + "k_norm.weight", "k_norm"),
-    ]
-    if spec.qkv_bias:
-        pieces += [
-            Piece(a + "q_proj.bias", "qkv_bias", (slice(0, q),), view=(H, 2 * hd), select=(every, query), fit=True),
-            Piece(a + "q_proj.bias", "qkv_bias", (slice(q + 2 * kv, 2 * q + 2 * kv),), view=(H, 2 * hd),
-                  select=(every, gate), fit=True),
-            Piece(a + "k_proj.bias", "qkv_bias", (slice(q, q + kv),)),
-            Piece(a + "v_proj.bias", "qkv_bias", (slice(q + kv, q + 2 * kv),)),
-            Piece(a + "o_proj.bias", "o_bias"),
+    pieces = [Piece(a + "q_norm.weight", "q_norm"), Piece(a + "k_norm.weight", "k_norm")]
+    kinds = [("weight", "qkv", "o", (H, 2 * hd, spec.hidden_size))]
+    for kind, dest, out, view in kinds + ([("bias", "qkv_bias", "o_bias", (H, 2 * hd))] if spec.qkv_bias else []):
+        pieces += [  # q_proj rows are [q | gate] per head
+            Piece(f"{a}q_proj.{kind}", dest, (slice(0, q),), view=view, select=(every, query), fit=True),
+            Piece(f"{a}q_proj.{kind}", dest, (slice(q + 2 * kv, 2 * q + 2 * kv),), view=view, select=(every, gate),
+                  fit=True),
+            Piece(f"{a}k_proj.{kind}", dest, (slice(q, q + kv),)),
+            Piece(f"{a}v_proj.{kind}", dest, (slice(q + kv, q + 2 * kv),)),
+            Piece(f"{a}o_proj.{kind}", out),
         ]
     return pieces
 
