@@ -251,47 +251,33 @@ class ModelWeights:
     def pinned(self) -> bool:
         return bool(self.pins)
 
-    def _stream_start(self, layer: int, first_expert: int) -> int | None:
-        """Offset in layer `layer`'s buffer where its streamed experts' bytes begin; None: nothing to lock."""
-        lw = self.layers[layer]
-        experts = lw.layout.expert_entries()
-        if lw.packed is not None or not experts:
-            return None
-        return min(off + first_expert * per for _, off, _, per in experts)
-
-    def is_pinned_from(self, dev, layer: int, first_expert: int) -> bool:
-        """Whether `pin_streamed(dev, layer, first_expert)` has nothing left to do."""
-        if self.layers[layer].packed is not None:
-            return False  # packed for the CPU's kernels: never locked (pin_streamed says so)
-        start, held = self._stream_start(layer, first_expert), self.pins.get(layer)
-        return start is None or (held is not None and held[0] is dev
-                                 and held[1].data_ptr() <= self.layers[layer].flat[start:].data_ptr())
-
-    def pin_streamed(self, dev, layer: int, first_expert: int) -> bool:
-        """Page-lock layer `layer`'s expert bytes from expert `first_expert` to the end of its buffer, once."""
-        lw = self.layers[layer]
-        if lw.packed is not None:
-            return False
-        if self.is_pinned_from(dev, layer, first_expert):
-            return True  # locked already, or a layer without experts: it streams nothing
-        held = self.pins.pop(layer, None)
-        if held is not None:  # a shorter range: registrations must not overlap, so replace it
-            held[0].unpin(held[1])
-        view = lw.flat[self._stream_start(layer, first_expert):]
-        if not dev.pin(view):
-            return False
-        self.pins[layer] = (dev, view)
-        return True
-
     def pin_for_streaming(self, dev, resident: list[int], progress: EventSink = ignore) -> list[int]:
-        """Page-lock what streams of every layer not yet locked; returns the layers that could not be."""
-        todo = [i for i, r in enumerate(resident) if r < self.spec.num_experts and not self.is_pinned_from(dev, i, r)]
+        """Page-lock, once, what streams of each layer: its experts' bytes from its first streamed expert to the end of
+        its buffer. Returns the layers that could not be (packed for the CPU's kernels: never locked)."""
+        todo = {}  # layer -> offset where its streamed bytes start (None: packed)
+        for i, r in enumerate(resident):
+            lw, held = self.layers[i], self.pins.get(i)
+            starts = [off + r * per for _, off, _, per in lw.layout.expert_entries()]
+            if r >= self.spec.num_experts or not starts and lw.packed is None:
+                continue  # streams nothing
+            start = None if lw.packed is not None else min(starts)
+            if start is None or held is None or held[0] is not dev or held[1].data_ptr() > lw.flat[start:].data_ptr():
+                todo[i] = start  # not locked yet, or only a shorter range
         if not todo:
             return []
         what, failed, t0 = "page-locking host memory for GPU copies", [], time.perf_counter()
-        for n, i in enumerate(todo):
+        for n, (i, start) in enumerate(todo.items()):
             progress(Progress(what, n, len(todo), "layers"))
-            if not self.pin_streamed(dev, i, resident[i]):
+            if start is None:
+                failed.append(i)
+                continue
+            held = self.pins.pop(i, None)
+            if held is not None:  # a shorter range: registrations must not overlap, so replace it
+                held[0].unpin(held[1])
+            view = self.layers[i].flat[start:]
+            if dev.pin(view):
+                self.pins[i] = (dev, view)
+            else:
                 failed.append(i)
         seconds = time.perf_counter() - t0
         self.pin_seconds += seconds

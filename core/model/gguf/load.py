@@ -222,7 +222,7 @@ def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | Non
     global_blocks = block_weights(held, globals_) if held else {}
     what = f"loading {g.name} ({spec.expert_format if spec.expert_format != 'none' else 'float'} experts)"
     progress(Progress(what, 1, total, "layers"))
-    layers, scratch = [], {}  # `pin` unused: the runtime page-locks what streams (ModelWeights.pin_streamed)
+    layers, scratch = [], {}  # `pin` unused: the runtime page-locks what streams (ModelWeights.pin_for_streaming)
     names = set(g.tensors)
     for i in range(spec.num_layers):
         scheme = expert_scheme(g, spec, i)
