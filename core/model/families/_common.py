@@ -113,12 +113,10 @@ def routed_experts(prefix: str, spec, keys: set[str], names=("gate_proj", "up_pr
     return pieces
 
 
-def moe_layer(spec, i: int, keys: set[str], moe: str = "mlp.", names=("gate_proj", "up_proj", "down_proj"),
-              router: str = "gate.weight") -> list[Piece]:
-    """A Llama-style MoE layer: norms, attention, the router and the routed experts under `moe`."""
+def moe_layer(spec, i: int, keys: set[str], **ffn) -> list[Piece]:
+    """A Llama-style layer: norms, attention and `ffn_pieces(**ffn)`."""
     p = f"model.layers.{i}."
-    return [*norm_pieces(p, spec), *llama_style_attention(p, spec, keys), Piece(p + moe + router, "router"),
-            *routed_experts(p + moe, spec, keys, names)]
+    return [*norm_pieces(p, spec), *llama_style_attention(p, spec, keys), *ffn_pieces(p, spec, keys, i, **ffn)]
 
 
 def llama_style_globals(spec, keys: set[str], prefix: str = "model.") -> list[Piece]:
@@ -165,16 +163,21 @@ def mlp_pieces(prefix: str, dest: str, inter: int) -> list[Piece]:
             Piece(prefix + "down_proj.weight", f"{dest}_w2")]
 
 
-def deepseek_style_ffn(prefix: str, spec, keys: set[str], layer: int) -> list[Piece]:
-    """DeepSeek-V2/V3 and GLM-4.5 FFNs: dense MLP in the first layers, else router, experts, shared experts."""
-    p = f"{prefix}mlp."
+def ffn_pieces(prefix: str, spec, keys: set[str], layer: int, moe: str = "mlp.",
+               names=("gate_proj", "up_proj", "down_proj"), router: str = "gate.weight",
+               shared: str = "shared_experts.") -> list[Piece]:
+    """A layer's FFN under `moe`: a dense MLP in a dense layer, else the router, the routed experts (`names`) and
+    the shared expert(s) (`shared`), behind a gate where the family has one."""
+    p = prefix + moe
     if not spec.is_moe(layer):
         return mlp_pieces(p, "dense", spec.dense_intermediate)
-    pieces = [Piece(p + "gate.weight", "router"), *routed_experts(p, spec, keys)]
+    pieces = [Piece(p + router, "router"), *routed_experts(p, spec, keys, names)]
     if spec.router_correction:
         pieces.append(Piece(p + "gate.e_score_correction_bias", "e_bias"))
     if spec.shared_intermediate:
-        pieces += mlp_pieces(p + "shared_experts.", "shared", spec.shared_intermediate)
+        pieces += mlp_pieces(p + shared, "shared", spec.shared_intermediate)
+        if spec.shared_gate:
+            pieces.append(Piece(p + "shared_expert_gate.weight", "shared_gate"))
     return pieces
 
 

@@ -18,4 +18,4 @@ def spec(cfg: dict) -> ModelSpec:
 
 
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
-    return moe_layer(spec, i, keys, "block_sparse_moe.", ("w1", "w3", "w2"))
+    return moe_layer(spec, i, keys, moe="block_sparse_moe.", names=("w1", "w3", "w2"))

@@ -38,4 +38,4 @@ def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"model.layers.{i}."
     moe = "block_sparse_moe." if any(k.startswith(p + "block_sparse_moe.") for k in keys) else "mlp."
     router = "gate.weight" if p + moe + "gate.weight" in keys else "router.weight"
-    return moe_layer(spec, i, keys, moe, ("w1", "w3", "w2"), router)
+    return moe_layer(spec, i, keys, moe=moe, names=("w1", "w3", "w2"), router=router)

@@ -8,8 +8,8 @@ into one lin_in [q, k, v, z, b, a]. Qwen3.5 ships as a vision-language model: it
 
 from __future__ import annotations
 
-from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, first, llama_style_fields, llama_style_globals,
-                                         mlp_pieces, need, norm_pieces, quant_method, routed_experts, rope_spec)
+from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, ffn_pieces, first, llama_style_fields,
+                                         llama_style_globals, need, norm_pieces, quant_method, rope_spec)
 from core.model.spec import LinearAttnSpec, ModelSpec
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -113,21 +113,10 @@ def _linear(p: str, spec: ModelSpec, keys: set[str]) -> list[Piece]:
     return pieces
 
 
-def _ffn(p: str, spec: ModelSpec, keys: set[str], i: int) -> list[Piece]:
-    m = p + "mlp."
-    if not spec.is_moe(i):
-        return mlp_pieces(m, "dense", spec.dense_intermediate)
-    pieces = [Piece(m + "gate.weight", "router"), *routed_experts(m, spec, keys)]
-    if spec.shared_intermediate:
-        pieces += [*mlp_pieces(m + "shared_expert.", "shared", spec.shared_intermediate),
-                   Piece(m + "shared_expert_gate.weight", "shared_gate")]
-    return pieces
-
-
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"{_prefix(keys)}layers.{i}."
     mixer = _linear(p, spec, keys) if spec.layer_type(i) == "linear" else _attention(p, spec)
-    return [*norm_pieces(p, spec), *mixer, *_ffn(p, spec, keys, i)]
+    return [*norm_pieces(p, spec), *mixer, *ffn_pieces(p, spec, keys, i, shared="shared_expert.")]
 
 
 def global_pieces(spec: ModelSpec, keys: set[str]):
