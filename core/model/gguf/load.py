@@ -35,10 +35,12 @@ def open_gguf(path: str | Path) -> GGUFModel:
     return GGUFModel(paths)
 
 
-def expert_kinds(g: GGUFModel, spec: ModelSpec, i: int) -> dict[str, str]:
-    src = arch.expert_sources(i, set(g.tensors), spec.num_experts)
-    out = {}
-    for w, names in src.items():
+def expert_scheme(g: GGUFModel, spec: ModelSpec, i: int) -> ExpertScheme | None:
+    """Layer i's experts as stored (None: floats); a dense layer takes the first MoE layer's, one layout kind."""
+    if not spec.is_moe(i):
+        i = next((j for j in range(spec.num_layers) if spec.is_moe(j)), i)
+    k = {}  # gate / up / down -> the GGML type of their tensor(s)
+    for w, names in arch.expert_sources(i, set(g.tensors), spec.num_experts).items():
         missing = [n for n in names if n not in g.tensors]
         if missing:
             raise ModelError(f"{g.paths[0].name} has no tensor {missing[0]}", "the GGUF file is incomplete or damaged")
@@ -46,15 +48,7 @@ def expert_kinds(g: GGUFModel, spec: ModelSpec, i: int) -> dict[str, str]:
         if len(kinds) > 1:
             raise UnsupportedModelError(f"layer {i}'s {w} experts mix types {sorted(kinds)}",
                                         "use a GGUF whose experts of one projection share a type")
-        out[w] = kinds.pop()
-    return out
-
-
-def expert_scheme(g: GGUFModel, spec: ModelSpec, i: int) -> ExpertScheme | None:
-    """Layer i's experts as stored (None: floats); a dense layer takes the first MoE layer's, one layout kind."""
-    if not spec.is_moe(i):
-        i = next((j for j in range(spec.num_layers) if spec.is_moe(j)), i)
-    k = expert_kinds(g, spec, i)
+        k[w] = kinds.pop()
     for w, kind in k.items():
         if kind not in GGUF_BLOCKS and kind not in FLOAT_KINDS:
             raise UnsupportedModelError(
