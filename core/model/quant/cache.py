@@ -76,9 +76,6 @@ class CacheEntry:
             raise _cache_error(self.dir, e) from e
         return StreamWriter(self, tensors, align)
 
-    def lock(self) -> filelock.BaseFileLock:
-        return filelock.FileLock(self.dir / "entry.lock")
-
     def _write_meta(self) -> None:
         meta = {"source": self.source, "version": VERSION, **self.what}
         tmp = _temp_in(self.dir, "meta.")
@@ -146,7 +143,7 @@ class StreamWriter:
             self.fh.flush()
             os.fsync(self.fh.fileno())
             self.fh.close()
-            with self.entry.lock():
+            with filelock.FileLock(self.entry.dir / "entry.lock"):
                 if not self.entry.complete:  # else: an identical entry is there, maybe mapped by a reader
                     platform.replace(self.tmp, self.path)
                     self.entry._write_meta()
