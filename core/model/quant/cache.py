@@ -21,10 +21,10 @@ import torch
 
 from core import platform
 from core.errors import MlightError
+from core.model.safetensors_io import ST_DTYPES
 
 VERSION = 1  # bump when the flat-buffer layout of quantized layers changes
-_ST_DTYPE = {torch.uint8: "U8", torch.int8: "I8", torch.bfloat16: "BF16", torch.float16: "F16",
-             torch.float32: "F32", torch.float64: "F64"}
+_ST_DTYPE = {dtype: name for name, dtype in ST_DTYPES.items()}
 _SAMPLE = 1 << 20  # bytes hashed at each of three places in a shard
 
 
