@@ -199,15 +199,14 @@ class LayerWeights:
         names = self._dense_names()
         return {n: t for n, t in self.tensors.items() if n in names}
 
-    def expert_set(self, to_dev=lambda t: t) -> dict:
+    def expert_set(self) -> dict:
         """What the expert compute reads: {"w13", "w2"}, {"packed"} or {"quant"}, with biases; {} if dense."""
-        biases = {n: to_dev(self.tensors[n]) for n in ("b13", "b2") if n in self.tensors}
+        biases = {n: self.tensors[n] for n in ("b13", "b2") if n in self.tensors}
         if self.quant is not None:
-            q = to_dev(torch.empty(0))
-            return {"quant": self.quant if q.device == self.quant.device else self.quant.to(q.device), **biases}
+            return {"quant": self.quant, **biases}
         if self.packed is not None:
             return {"packed": self.packed, **biases}
-        return {n: to_dev(self.tensors[n]) for n in EXPERT_TENSORS if n in self.tensors}
+        return {n: self.tensors[n] for n in EXPERT_TENSORS if n in self.tensors}
 
     def widen_dense(self, math: torch.dtype, pack: bool = False) -> None:
         """The non-expert part in `math`, for CPUs whose bf16 matmuls are slow; the experts kept in their storage
