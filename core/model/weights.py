@@ -23,14 +23,12 @@ from core.model.limits import LAYOUT_ALIGN as _ALIGN  # elements (bytes in a qua
 from core.model.safetensors_io import Checkpoint
 from core.model.quant.experts import _TORCH, ExpertScheme, QuantExperts
 from core.model.quant.cache import CacheEntry
+from core.model.quant.dense_spec import DENSE_NAMES as PACKED_DENSE  # prepacked with the experts in the CPU-only mode
 from core.model.quant.formats import _ITEMSIZE, Format, fit_group, quantize
 from core.model.quant.mxfp4 import fill as fill_mxfp4
 from core.model.quant.mxfp4 import scheme as mxfp4_scheme
 from core.model.spec import EXPERT_TENSORS, ModelSpec
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
-
-# dense weights the CPU-only mode prepacks with the experts: each is only ever used through F.linear
-PACKED_DENSE = ("qkv", "o", "shared_w13", "shared_w2")
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,14 @@ from core.errors import ModelError, UnsupportedModelError
 from core.model.families import spec_from_config
 from core.model.gguf import arch
 from core.model.gguf.files import GGUFModel, find_gguf, read_float, read_into
+from core.model.quant.dense_spec import DENSE_NAMES
 from core.model.quant.experts import ExpertScheme, Matrix
 from core.model.quant.formats import GGUF_BLOCKS, Format
 from core.model.spec import ModelSpec
 from core.telemetry import EventSink, Progress, ignore
 
 FLOAT_KINDS = ("F32", "F16", "BF16")
-# projections a quantized GGUF keeps as its blocks in the CPU-only mode (weights.PACKED_DENSE and the head)
-BLOCK_DENSE = ("qkv", "o", "shared_w13", "shared_w2", "lm_head")
+BLOCK_DENSE = (*DENSE_NAMES, "lm_head")  # projections a quantized GGUF keeps as its blocks in the CPU-only mode
 # architectures whose GGUF config transformers cannot read: their tokenizer is built without it
 TOKENIZER_ONLY = ("deepseek2",)
 
