@@ -408,14 +408,14 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     fam = family_module(spec)
     for note in getattr(fam, "notes", lambda s, k: [])(spec, keys):
         progress(WarningEvent(note))
-    full, picks = spec, (lambda i: {})  # the checkpoint's model; a tensor-parallel rank's part of each layer
+    full = spec  # the checkpoint's model (`spec`: a tensor-parallel rank's part of it)
     if shard is not None:
         if mxfp4:
             raise UsageError("tensor parallelism over a 4-bit MXFP4 checkpoint is not supported yet",
                              "use the model's bf16 release, or run it without --tensor-parallel")
         from core.model.shard import local_spec
 
-        spec, picks = local_spec(full, shard), (lambda i: shard.selections(full, i))
+        spec = local_spec(full, shard)
     scheme = mxfp4_scheme(spec) if mxfp4 else None
     if quant is not None:
         scheme = ExpertScheme.uniform(fit_group(quant, spec.hidden_size, spec.expert_intermediate),
@@ -459,12 +459,12 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
                 plain = LayerLayout.for_spec(spec, i, None, dtype)
                 if plain not in staging:
                     staging[plain] = LayerWeights(plain, torch.empty(plain.numel, dtype=dtype), 1)
-                _fill_layer(ckpt, fam, full, i, keys, staging[plain].tensors, picks(i), shard)
+                _fill_layer(ckpt, fam, full, i, keys, staging[plain].tensors, shard)
                 _quantize_layer(staging[plain], lw)
                 if writer is not None:
                     writer.write(f"layers.{i}", flat)
             else:
-                _fill_layer(ckpt, fam, full, i, keys, lw.tensors, picks(i), shard)
+                _fill_layer(ckpt, fam, full, i, keys, lw.tensors, shard)
             layers.append(lw)
             progress(Progress(what, i + 2, total, "layers"))
         if writer is not None:
@@ -494,9 +494,9 @@ def _quantize_layer(src: LayerWeights, dst: LayerWeights) -> None:
                     parts[suffix][e, r:r + _QUANT_ROWS].copy_(t)
 
 
-def _fill_layer(ckpt: Checkpoint, fam, spec: ModelSpec, i: int, keys, dest: dict[str, torch.Tensor], picks,
-                shard) -> None:
-    """Layer i of the checkpoint (of `spec`, the whole model) into `dest`, cut to a rank's `picks`."""
+def _fill_layer(ckpt: Checkpoint, fam, spec: ModelSpec, i: int, keys, dest: dict[str, torch.Tensor], shard) -> None:
+    """Layer i of the checkpoint (of `spec`, the whole model) into `dest`, cut to the rank's part where sharded."""
+    picks = shard.selections(spec, i) if shard is not None else None
     _fill(ckpt, fam.layer_pieces(spec, i, keys), dest, picks, spec.layer_shapes(i))
     if shard is not None and shard.rank:  # biases added once after the sum over ranks: rank 0 holds them
         for name in shard.leader_only(spec, i):
