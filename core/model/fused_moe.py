@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from core.model.kernels import triton_module
 from core.model.limits import FUSED_CHUNK_BYTES, FUSED_MAX_TOKENS, fused_block_rows
 from core.model.moe_align import moe_align, padded_slots
 from core.model.quant.formats import Format, dequantize
@@ -39,7 +40,8 @@ def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx
     E = sum(len(p["quant"]) if "quant" in p else p["w13"].shape[0] for p in parts)
     up, down = _matrices(parts)
     triton = _use_triton(h, [m[0] for m in (*up, down)], backend)
-    bm = _triton().pick_block_m(T * k, E) if triton else fused_block_rows(T * k, E)  # the kernel's choice, or BM
+    bm = (triton_module("fused_moe_triton").pick_block_m(T * k, E) if triton  # the kernel's choice, or BM
+          else fused_block_rows(T * k, E))
     sorted_ids, block_expert, n_padded = torch.ops.mlight.moe_align(idx, E, bm)
     pair_e = idx.reshape(-1)
     run = functools.partial(torch.ops.mlight.moe_gemm, sorted_ids=sorted_ids, block_expert=block_expert,
@@ -84,18 +86,9 @@ def _format(key: str) -> Format | None:
 
 
 # ---- the kernel, where it runs ------------------------------------------------------------------------------
-def _triton():
-    """core.model.fused_moe_triton, or None where it (or triton) is not there."""
-    try:
-        from core.model import fused_moe_triton
-    except ImportError:
-        return None
-    return fused_moe_triton
-
-
 @functools.lru_cache(maxsize=None)
 def _triton_runs(fmt_key: str, dtype: torch.dtype, index: int) -> bool:
-    ft = _triton()
+    ft = triton_module("fused_moe_triton")
     return ft is not None and ft.unsupported(_format(fmt_key), dtype, torch.cuda.get_device_capability(index)) is None
 
 
@@ -110,17 +103,10 @@ def _use_triton(h: torch.Tensor, fmts: list[str], backend: str | None) -> bool:
 # ---- the ops ------------------------------------------------------------------------------------------------
 @torch.library.custom_op("mlight::moe_align", mutates_args=())
 def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if topk_ids.is_cuda and _align_triton() is not None:  # one launch, where the torch form is about 15
-        return _align_triton().moe_align(topk_ids, num_experts, block_m)
+    kernel = triton_module("moe_align_triton") if topk_ids.is_cuda else None
+    if kernel is not None:  # one launch, where the torch form is about 15
+        return kernel.moe_align(topk_ids, num_experts, block_m)
     return moe_align(topk_ids, num_experts, block_m)
-
-
-@functools.lru_cache(maxsize=None)
-def _align_triton():
-    """core.model.moe_align_triton where triton is installed, else None."""
-    from core.model import moe_align_triton
-
-    return moe_align_triton if moe_align_triton.triton is not None else None
 
 
 @_align.register_fake
@@ -152,7 +138,7 @@ def _(a, stacks, fmt, sorted_ids, block_expert, n_padded, top_k, block_m, route_
 
 
 def _gemm_triton(a, f, parts, N, K, sorted_ids, block_expert, n_padded, top_k, block_m, route_w, biases, pair_expert):
-    ft = _triton()
+    ft = triton_module("fused_moe_triton")
     out = a.new_zeros(a.shape[0] * top_k, N)
     base = 0
     for stack in parts:

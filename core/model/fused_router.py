@@ -8,11 +8,11 @@ kinds stay on routing.py's ops. Legend: T = tokens, E = experts, k = experts per
 
 from __future__ import annotations
 
-import functools
 import types
 
 import torch
 
+from core.model.kernels import triton_module
 from core.model.spec import ModelSpec
 
 _KINDS = ("softmax", "softmax_group", "sigmoid_group")
@@ -32,19 +32,12 @@ def route(spec: ModelSpec, logits: torch.Tensor, bias: torch.Tensor | None, dtyp
                                   spec.router_norm == "sum", float(spec.routed_scale), dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _triton():
-    """core.model.router_triton where triton is installed, else None."""
-    from core.model import router_triton
-
-    return router_triton if router_triton.triton is not None else None
-
-
 @torch.library.custom_op("mlight::route", mutates_args=())
 def _route(logits: torch.Tensor, bias: torch.Tensor | None, kind: str, top_k: int, groups: int, topk_groups: int,
            renorm: bool, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    if logits.is_cuda and _triton() is not None:
-        return _triton().route(logits, bias, dtype, kind=kind, top_k=top_k, groups=groups, topk_groups=topk_groups,
+    kernel = triton_module("router_triton") if logits.is_cuda else None
+    if kernel is not None:
+        return kernel.route(logits, bias, dtype, kind=kind, top_k=top_k, groups=groups, topk_groups=topk_groups,
                                renorm=renorm, scale=scale)
     return torch_form(logits, bias, kind, top_k, groups, topk_groups, renorm, scale, dtype)
 

@@ -9,6 +9,8 @@ still turn their kernels off for one release, with a warning.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import warnings
 
@@ -44,6 +46,13 @@ def switched_off(old: tuple[str, ...] = ("MLIGHT_NATIVE",)) -> str:
                               "(torch's ops only) instead", FutureWarning, stacklevel=3)
             return f"{var}=0"
     return ""
+
+
+@functools.lru_cache(maxsize=None)
+def triton_module(name: str):
+    """core.model.<name>, a Triton kernel's module, where triton is installed; else None (the torch forms run)."""
+    module = importlib.import_module(f"core.model.{name}")
+    return module if module.triton is not None else None
 
 
 def set_mode(value: str) -> None:

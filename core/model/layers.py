@@ -18,10 +18,9 @@ from core.model.limits import LOGIT_CHUNK_BYTES
 from core.model.spec import ModelSpec
 
 
-def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-         eps: float | None = None) -> torch.Tensor:
+def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """The model's norm over the last axis: RMSNorm in one of the reference's styles, or LayerNorm."""
-    eps = spec.norm_eps if eps is None else eps
+    eps = spec.norm_eps
     if spec.norm == "layernorm":
         return F.layer_norm(x, (x.shape[-1],), w, b, eps)
     if spec.norm == "rms":

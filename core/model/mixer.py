@@ -17,14 +17,10 @@ from core.model import gqa, linear_attention, mla
 from core.model.spec import ModelSpec
 
 
-def kind(spec: ModelSpec, layer: int) -> str:
-    if spec.layer_type(layer) == "linear":
-        return "linear"
-    return "mla" if spec.mla is not None else "gqa"
-
-
 def module(spec: ModelSpec, layer: int) -> ModuleType:
-    return {"gqa": gqa, "mla": mla, "linear": linear_attention}[kind(spec, layer)]
+    if spec.layer_type(layer) == "linear":
+        return linear_attention
+    return mla if spec.mla is not None else gqa
 
 
 def window(spec: ModelSpec, layer: int) -> int:

@@ -102,15 +102,9 @@ class Rope:
         while len(self._kept) > self._keep:
             self._kept.pop(next(iter(self._kept)), None)  # the oldest
 
-    def rows(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Table rows for tokens at `positions` [T]; `call_lengths` [T]: the length (max position + 1)
-        of the forward call each token belongs to, which LongRoPE's scale depends on."""
-        if not self.switch or call_lengths is None:
-            return positions
-        return positions + self.positions * (call_lengths > self.switch).to(positions.dtype)
-
     def tables(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None):
-        """(cos, sin) [T, 1, r or r/2] of these tokens. Kept per positions tensor while it lives and comes back
+        """(cos, sin) [T, 1, r or r/2] of tokens at `positions` [T]; `call_lengths` [T]: the length (max position + 1)
+        of the forward call each token belongs to, which LongRoPE's scale depends on. Kept per positions tensor while it lives and comes back
         unchanged (every layer of a step, q and k, and — with `keep` set to the step's micro-batches — every
         micro-batch in turn, whose calls alternate): two gathers per micro-batch a step, not a layer. A prefill's
         keep only the last call's: its gathers are few beside its tokens, its tables are large."""
@@ -122,7 +116,9 @@ class Rope:
         kept = self._kept.get(key)
         if (kept is None or kept[0]() is not positions or kept[1] != positions._version or kept[2] is not call_lengths
                 or (call_lengths is not None and kept[3] != call_lengths._version)):
-            rows = self.rows(positions, call_lengths)
+            rows = positions  # LongRoPE's: in the second table where the token's call is longer than `switch`
+            if self.switch and call_lengths is not None:
+                rows = positions + self.positions * (call_lengths > self.switch).to(positions.dtype)
             entries = self._kept
             while entries and len(entries) >= self._keep:
                 entries.pop(next(iter(entries)), None)  # the oldest

@@ -348,11 +348,9 @@ class ModelSpec:
     @property
     def expert_bytes(self) -> int:
         """One routed expert's projections in their storage format, biases in the checkpoint dtype."""
-        D, I = self.hidden_size, self.expert_intermediate
-        bias = (2 * I + D if self.expert_bias else 0) * self.dtype_bytes
-        if self.expert_bits:
-            return math.ceil(3 * D * I * self.expert_bits / 8) + bias
-        return 3 * D * I * self.dtype_bytes + bias
+        weights = 3 * self.hidden_size * self.expert_intermediate
+        bias = (self.expert_params - weights) * self.dtype_bytes
+        return (math.ceil(weights * self.expert_bits / 8) if self.expert_bits else weights * self.dtype_bytes) + bias
 
     @property
     def layer_expert_bytes(self) -> int:
@@ -416,10 +414,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
-        d = dict(d)
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        d["layer_types"] = tuple(d.get("layer_types", ()))
-        d["dense_layers"] = tuple(d.get("dense_layers", ()))
+        d = dict(d) | {name: tuple(d.get(name, ())) for name in ("eos_token_ids", "layer_types", "dense_layers")}
         if isinstance(d.get("rope"), dict):
             r = dict(d["rope"])
             r["short_factor"], r["long_factor"] = tuple(r.get("short_factor", ())), tuple(r.get("long_factor", ()))

@@ -23,14 +23,12 @@ from core.model.limits import LAYOUT_ALIGN as _ALIGN  # elements (bytes in a qua
 from core.model.safetensors_io import Checkpoint
 from core.model.quant.experts import _TORCH, ExpertScheme, QuantExperts
 from core.model.quant.cache import CacheEntry
+from core.model.quant.dense_spec import DENSE_NAMES as PACKED_DENSE  # prepacked with the experts in the CPU-only mode
 from core.model.quant.formats import _ITEMSIZE, Format, fit_group, quantize
 from core.model.quant.mxfp4 import fill as fill_mxfp4
 from core.model.quant.mxfp4 import scheme as mxfp4_scheme
 from core.model.spec import EXPERT_TENSORS, ModelSpec
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
-
-# dense weights the CPU-only mode prepacks with the experts: each is only ever used through F.linear
-PACKED_DENSE = ("qkv", "o", "shared_w13", "shared_w2")
 
 
 @dataclass(frozen=True)
@@ -199,15 +197,14 @@ class LayerWeights:
         names = self._dense_names()
         return {n: t for n, t in self.tensors.items() if n in names}
 
-    def expert_set(self, to_dev=lambda t: t) -> dict:
+    def expert_set(self) -> dict:
         """What the expert compute reads: {"w13", "w2"}, {"packed"} or {"quant"}, with biases; {} if dense."""
-        biases = {n: to_dev(self.tensors[n]) for n in ("b13", "b2") if n in self.tensors}
+        biases = {n: self.tensors[n] for n in ("b13", "b2") if n in self.tensors}
         if self.quant is not None:
-            q = to_dev(torch.empty(0))
-            return {"quant": self.quant if q.device == self.quant.device else self.quant.to(q.device), **biases}
+            return {"quant": self.quant, **biases}
         if self.packed is not None:
             return {"packed": self.packed, **biases}
-        return {n: to_dev(self.tensors[n]) for n in EXPERT_TENSORS if n in self.tensors}
+        return {n: self.tensors[n] for n in EXPERT_TENSORS if n in self.tensors}
 
     def widen_dense(self, math: torch.dtype, pack: bool = False) -> None:
         """The non-expert part in `math`, for CPUs whose bf16 matmuls are slow; the experts kept in their storage
@@ -251,47 +248,33 @@ class ModelWeights:
     def pinned(self) -> bool:
         return bool(self.pins)
 
-    def _stream_start(self, layer: int, first_expert: int) -> int | None:
-        """Offset in layer `layer`'s buffer where its streamed experts' bytes begin; None: nothing to lock."""
-        lw = self.layers[layer]
-        experts = lw.layout.expert_entries()
-        if lw.packed is not None or not experts:
-            return None
-        return min(off + first_expert * per for _, off, _, per in experts)
-
-    def is_pinned_from(self, dev, layer: int, first_expert: int) -> bool:
-        """Whether `pin_streamed(dev, layer, first_expert)` has nothing left to do."""
-        if self.layers[layer].packed is not None:
-            return False  # packed for the CPU's kernels: never locked (pin_streamed says so)
-        start, held = self._stream_start(layer, first_expert), self.pins.get(layer)
-        return start is None or (held is not None and held[0] is dev
-                                 and held[1].data_ptr() <= self.layers[layer].flat[start:].data_ptr())
-
-    def pin_streamed(self, dev, layer: int, first_expert: int) -> bool:
-        """Page-lock layer `layer`'s expert bytes from expert `first_expert` to the end of its buffer, once."""
-        lw = self.layers[layer]
-        if lw.packed is not None:
-            return False
-        if self.is_pinned_from(dev, layer, first_expert):
-            return True  # locked already, or a layer without experts: it streams nothing
-        held = self.pins.pop(layer, None)
-        if held is not None:  # a shorter range: registrations must not overlap, so replace it
-            held[0].unpin(held[1])
-        view = lw.flat[self._stream_start(layer, first_expert):]
-        if not dev.pin(view):
-            return False
-        self.pins[layer] = (dev, view)
-        return True
-
     def pin_for_streaming(self, dev, resident: list[int], progress: EventSink = ignore) -> list[int]:
-        """Page-lock what streams of every layer not yet locked; returns the layers that could not be."""
-        todo = [i for i, r in enumerate(resident) if r < self.spec.num_experts and not self.is_pinned_from(dev, i, r)]
+        """Page-lock, once, what streams of each layer: its experts' bytes from its first streamed expert to the end of
+        its buffer. Returns the layers that could not be (packed for the CPU's kernels: never locked)."""
+        todo = {}  # layer -> offset where its streamed bytes start (None: packed)
+        for i, r in enumerate(resident):
+            lw, held = self.layers[i], self.pins.get(i)
+            starts = [off + r * per for _, off, _, per in lw.layout.expert_entries()]
+            if r >= self.spec.num_experts or not starts and lw.packed is None:
+                continue  # streams nothing
+            start = None if lw.packed is not None else min(starts)
+            if start is None or held is None or held[0] is not dev or held[1].data_ptr() > lw.flat[start:].data_ptr():
+                todo[i] = start  # not locked yet, or only a shorter range
         if not todo:
             return []
         what, failed, t0 = "page-locking host memory for GPU copies", [], time.perf_counter()
-        for n, i in enumerate(todo):
+        for n, (i, start) in enumerate(todo.items()):
             progress(Progress(what, n, len(todo), "layers"))
-            if not self.pin_streamed(dev, i, resident[i]):
+            if start is None:
+                failed.append(i)
+                continue
+            held = self.pins.pop(i, None)
+            if held is not None:  # a shorter range: registrations must not overlap, so replace it
+                held[0].unpin(held[1])
+            view = self.layers[i].flat[start:]
+            if dev.pin(view):
+                self.pins[i] = (dev, view)
+            else:
                 failed.append(i)
         seconds = time.perf_counter() - t0
         self.pin_seconds += seconds
@@ -425,29 +408,22 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     fam = family_module(spec)
     for note in getattr(fam, "notes", lambda s, k: [])(spec, keys):
         progress(WarningEvent(note))
-    full, picks = spec, (lambda i: {})  # the checkpoint's model; a tensor-parallel rank's part of each layer
+    full = spec  # the checkpoint's model (`spec`: a tensor-parallel rank's part of it)
     if shard is not None:
         if mxfp4:
             raise UsageError("tensor parallelism over a 4-bit MXFP4 checkpoint is not supported yet",
                              "use the model's bf16 release, or run it without --tensor-parallel")
         from core.model.shard import local_spec
 
-        spec, picks = local_spec(full, shard), (lambda i: shard.selections(full, i))
+        spec = local_spec(full, shard)
     scheme = mxfp4_scheme(spec) if mxfp4 else None
     if quant is not None:
         scheme = ExpertScheme.uniform(fit_group(quant, spec.hidden_size, spec.expert_intermediate),
                                       spec.hidden_size, spec.expert_intermediate)
-    layouts: dict[tuple, LayerLayout] = {}
     total = spec.num_layers + 1
     key = {"scheme": repr(scheme), "dtype": str(dtype)} | ({"shard": f"{shard.rank}/{shard.size}"} if shard else {})
     entry = CacheEntry(Path(model_dir), key) if quant is not None and use_cache else None
     cached = Checkpoint(entry.dir) if entry is not None and entry.complete else None
-
-    def layout_of(i: int, with_scheme) -> LayerLayout:
-        key = (tuple(spec.layer_shapes(i).items()), spec.is_moe(i), with_scheme is None)
-        if key not in layouts:
-            layouts[key] = LayerLayout.for_spec(spec, i, with_scheme, dtype)
-        return layouts[key]
 
     globals_ = {name: torch.empty(shape, dtype=dtype) for name, shape in spec.global_shapes().items()}
     writer = None
@@ -458,7 +434,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         _fill(ckpt, fam.global_pieces(full, keys), globals_)
         if entry is not None:
             writer = entry.writer([(n, dtype, tuple(t.shape)) for n, t in globals_.items()]
-                                  + [(f"layers.{i}", torch.uint8, (layout_of(i, scheme).numel,))
+                                  + [(f"layers.{i}", torch.uint8, (LayerLayout.for_spec(spec, i, scheme, dtype).numel,))
                                      for i in range(spec.num_layers)])
             for name, t in globals_.items():
                 writer.write(name, t)
@@ -469,7 +445,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     layers, scratch = [], {}
     try:
         for i in range(spec.num_layers):
-            layout = layout_of(i, scheme)
+            layout = LayerLayout.for_spec(spec, i, scheme, dtype)
             flat = layout.buffer(dtype)
             lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
             if cached is not None:
@@ -480,15 +456,15 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
                 if spec.is_moe(i):
                     fill_mxfp4(ckpt, spec, i, lw.tensors)
             elif scheme is not None:
-                plain = layout_of(i, None)
+                plain = LayerLayout.for_spec(spec, i, None, dtype)
                 if plain not in staging:
                     staging[plain] = LayerWeights(plain, torch.empty(plain.numel, dtype=dtype), 1)
-                _fill_layer(ckpt, fam, full, i, keys, staging[plain].tensors, picks(i), shard)
+                _fill_layer(ckpt, fam, full, i, keys, staging[plain].tensors, shard)
                 _quantize_layer(staging[plain], lw)
                 if writer is not None:
                     writer.write(f"layers.{i}", flat)
             else:
-                _fill_layer(ckpt, fam, full, i, keys, lw.tensors, picks(i), shard)
+                _fill_layer(ckpt, fam, full, i, keys, lw.tensors, shard)
             layers.append(lw)
             progress(Progress(what, i + 2, total, "layers"))
         if writer is not None:
@@ -518,9 +494,9 @@ def _quantize_layer(src: LayerWeights, dst: LayerWeights) -> None:
                     parts[suffix][e, r:r + _QUANT_ROWS].copy_(t)
 
 
-def _fill_layer(ckpt: Checkpoint, fam, spec: ModelSpec, i: int, keys, dest: dict[str, torch.Tensor], picks,
-                shard) -> None:
-    """Layer i of the checkpoint (of `spec`, the whole model) into `dest`, cut to a rank's `picks`."""
+def _fill_layer(ckpt: Checkpoint, fam, spec: ModelSpec, i: int, keys, dest: dict[str, torch.Tensor], shard) -> None:
+    """Layer i of the checkpoint (of `spec`, the whole model) into `dest`, cut to the rank's part where sharded."""
+    picks = shard.selections(spec, i) if shard is not None else None
     _fill(ckpt, fam.layer_pieces(spec, i, keys), dest, picks, spec.layer_shapes(i))
     if shard is not None and shard.rank:  # biases added once after the sum over ranks: rank 0 holds them
         for name in shard.leader_only(spec, i):

@@ -14,9 +14,8 @@ _MODULES: tuple[ModuleType, ...] = (mixtral, dbrx, qwen_moe, olmoe, gpt_oss, dee
 REGISTRY: dict[str, ModuleType] = {arch: m for m in _MODULES for arch in m.ARCHITECTURES}
 
 
-def family_module(spec_or_arch: ModelSpec | str) -> ModuleType:
-    arch = spec_or_arch if isinstance(spec_or_arch, str) else spec_or_arch.architecture
-    return REGISTRY[arch]
+def family_module(spec: ModelSpec) -> ModuleType:
+    return REGISTRY[spec.architecture]
 
 
 def spec_from_config(cfg: dict, source: str = "config.json") -> ModelSpec:

@@ -85,18 +85,10 @@ def llama_style_attention(prefix: str, spec, keys: set[str], attn: str = "self_a
     """q/k/v/o projections named the Llama way, fused into qkv."""
     q, kv = spec.q_size, spec.kv_size
     p = f"{prefix}{attn}."
-    pieces = [
-        Piece(p + "q_proj.weight", "qkv", (slice(0, q),)),
-        Piece(p + "k_proj.weight", "qkv", (slice(q, q + kv),)),
-        Piece(p + "v_proj.weight", "qkv", (slice(q + kv, q + 2 * kv),)),
-        Piece(p + "o_proj.weight", "o"),
-    ]
+    rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+    pieces = [*(Piece(f"{p}{n}_proj.weight", "qkv", (r,)) for n, r in rows.items()), Piece(p + "o_proj.weight", "o")]
     if spec.qkv_bias:
-        pieces += [
-            Piece(p + "q_proj.bias", "qkv_bias", (slice(0, q),)),
-            Piece(p + "k_proj.bias", "qkv_bias", (slice(q, q + kv),)),
-            Piece(p + "v_proj.bias", "qkv_bias", (slice(q + kv, q + 2 * kv),)),
-        ]
+        pieces += [Piece(f"{p}{n}_proj.bias", "qkv_bias", (r,)) for n, r in rows.items()]
     if spec.qk_norm != "none":
         pieces += [Piece(p + "q_norm.weight", "q_norm"), Piece(p + "k_norm.weight", "k_norm")]
     if spec.attn_o_bias:
@@ -119,6 +111,12 @@ def routed_experts(prefix: str, spec, keys: set[str], names=("gate_proj", "up_pr
             Piece(ep + f"{down}.weight", "w2", (e,)),
         ]
     return pieces
+
+
+def moe_layer(spec, i: int, keys: set[str], **ffn) -> list[Piece]:
+    """A Llama-style layer: norms, attention and `ffn_pieces(**ffn)`."""
+    p = f"model.layers.{i}."
+    return [*norm_pieces(p, spec), *llama_style_attention(p, spec, keys), *ffn_pieces(p, spec, keys, i, **ffn)]
 
 
 def llama_style_globals(spec, keys: set[str], prefix: str = "model.") -> list[Piece]:
@@ -165,16 +163,21 @@ def mlp_pieces(prefix: str, dest: str, inter: int) -> list[Piece]:
             Piece(prefix + "down_proj.weight", f"{dest}_w2")]
 
 
-def deepseek_style_ffn(prefix: str, spec, keys: set[str], layer: int) -> list[Piece]:
-    """DeepSeek-V2/V3 and GLM-4.5 FFNs: dense MLP in the first layers, else router, experts, shared experts."""
-    p = f"{prefix}mlp."
+def ffn_pieces(prefix: str, spec, keys: set[str], layer: int, moe: str = "mlp.",
+               names=("gate_proj", "up_proj", "down_proj"), router: str = "gate.weight",
+               shared: str = "shared_experts.") -> list[Piece]:
+    """A layer's FFN under `moe`: a dense MLP in a dense layer, else the router, the routed experts (`names`) and
+    the shared expert(s) (`shared`), behind a gate where the family has one."""
+    p = prefix + moe
     if not spec.is_moe(layer):
         return mlp_pieces(p, "dense", spec.dense_intermediate)
-    pieces = [Piece(p + "gate.weight", "router"), *routed_experts(p, spec, keys)]
+    pieces = [Piece(p + router, "router"), *routed_experts(p, spec, keys, names)]
     if spec.router_correction:
         pieces.append(Piece(p + "gate.e_score_correction_bias", "e_bias"))
     if spec.shared_intermediate:
-        pieces += mlp_pieces(p + "shared_experts.", "shared", spec.shared_intermediate)
+        pieces += mlp_pieces(p + shared, "shared", spec.shared_intermediate)
+        if spec.shared_gate:
+            pieces.append(Piece(p + "shared_expert_gate.weight", "shared_gate"))
     return pieces
 
 

@@ -4,9 +4,8 @@ router, one shared expert, the first `first_k_dense_replace` layers dense. The M
 
 from __future__ import annotations
 
-from core.model.families._common import (deepseek_style_ffn, first, first_dense, llama_style_attention,
-                                         llama_style_fields, llama_style_globals, need, norm_pieces, quant_method,
-                                         rope_spec)
+from core.model.families._common import (first, first_dense, llama_style_fields, llama_style_globals, moe_layer, need,
+                                         quant_method, rope_spec)
 from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("Glm4MoeForCausalLM",)
@@ -32,5 +31,4 @@ def spec(cfg: dict) -> ModelSpec:
 
 
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
-    p = f"model.layers.{i}."
-    return [*norm_pieces(p, spec), *llama_style_attention(p, spec, keys), *deepseek_style_ffn(p, spec, keys, i)]
+    return moe_layer(spec, i, keys)

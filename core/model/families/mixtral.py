@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from core.model.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
-                                         need, norm_pieces, routed_experts)
+from core.model.families._common import first, llama_style_fields, llama_style_globals, moe_layer, need
 from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("MixtralForCausalLM",)
@@ -19,10 +18,4 @@ def spec(cfg: dict) -> ModelSpec:
 
 
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
-    p = f"model.layers.{i}."
-    return [
-        *norm_pieces(p, spec),
-        Piece(p + "block_sparse_moe.gate.weight", "router"),
-        *llama_style_attention(p, spec, keys),
-        *routed_experts(p + "block_sparse_moe.", spec, keys, names=("w1", "w3", "w2")),
-    ]
+    return moe_layer(spec, i, keys, moe="block_sparse_moe.", names=("w1", "w3", "w2"))

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from core.model.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
-                                         need, norm_pieces, routed_experts)
+from core.model.families._common import first, llama_style_fields, llama_style_globals, moe_layer, need
 from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("OlmoeForCausalLM",)
@@ -21,10 +20,4 @@ def spec(cfg: dict) -> ModelSpec:
 
 
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
-    p = f"model.layers.{i}."
-    return [
-        *norm_pieces(p, spec),
-        Piece(p + "mlp.gate.weight", "router"),
-        *llama_style_attention(p, spec, keys),
-        *routed_experts(p + "mlp.", spec, keys),
-    ]
+    return moe_layer(spec, i, keys)

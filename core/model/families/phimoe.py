@@ -7,8 +7,8 @@ does mlight. A `sliding_window` shorter than the context makes every layer a sli
 from __future__ import annotations
 
 from core.errors import ModelError
-from core.model.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
-                                         need, norm_pieces, quant_method, routed_experts, rope_spec)
+from core.model.families._common import (first, llama_style_fields, llama_style_globals, moe_layer, need, quant_method,
+                                         rope_spec)
 from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("PhimoeForCausalLM", "PhiMoEForCausalLM")
@@ -36,7 +36,6 @@ def spec(cfg: dict) -> ModelSpec:
 
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"model.layers.{i}."
-    moe = p + ("block_sparse_moe." if any(k.startswith(p + "block_sparse_moe.") for k in keys) else "mlp.")
-    router = moe + ("gate.weight" if moe + "gate.weight" in keys else "router.weight")
-    return [*norm_pieces(p, spec), *llama_style_attention(p, spec, keys), Piece(router, "router"),
-            *routed_experts(moe, spec, keys, names=("w1", "w3", "w2"))]
+    moe = "block_sparse_moe." if any(k.startswith(p + "block_sparse_moe.") for k in keys) else "mlp."
+    router = "gate.weight" if p + moe + "gate.weight" in keys else "router.weight"
+    return moe_layer(spec, i, keys, moe=moe, names=("w1", "w3", "w2"), router=router)

@@ -8,8 +8,8 @@ into one lin_in [q, k, v, z, b, a]. Qwen3.5 ships as a vision-language model: it
 
 from __future__ import annotations
 
-from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, first, llama_style_fields, llama_style_globals,
-                                         mlp_pieces, need, norm_pieces, quant_method, routed_experts, rope_spec)
+from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, ffn_pieces, first, llama_style_fields,
+                                         llama_style_globals, need, norm_pieces, quant_method, rope_spec)
 from core.model.spec import LinearAttnSpec, ModelSpec
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -71,24 +71,16 @@ def notes(spec: ModelSpec, keys: set[str]) -> list[str]:
 def _attention(p: str, spec: ModelSpec) -> list[Piece]:
     a, H, hd, q, kv = p + "self_attn.", spec.num_heads, spec.head_dim, spec.q_size, spec.kv_size
     every, query, gate = slice(None), slice(0, hd), slice(hd, 2 * hd)
-    pieces = [
-        # q_proj rows are [q | gate] per head
-        Piece(a + "q_proj.weight", "qkv", (slice(0, q),), view=(H, 2 * hd, spec.hidden_size), select=(every, query), fit=True),
-        Piece(a + "q_proj.weight", "qkv", (slice(q + 2 * kv, 2 * q + 2 * kv),), view=(H, 2 * hd, spec.hidden_size),
-              select=(every, gate), fit=True),
-        Piece(a + "k_proj.weight", "qkv", (slice(q, q + kv),)),
-        Piece(a + "v_proj.weight", "qkv", (slice(q + kv, q + 2 * kv),)),
-        Piece(a + "o_proj.weight", "o"),
-        Piece(a + "q_norm.weight", "q_norm"), Piece(a + "k_norm.weight", "k_norm"),
-    ]
-    if spec.qkv_bias:
-        pieces += [
-            Piece(a + "q_proj.bias", "qkv_bias", (slice(0, q),), view=(H, 2 * hd), select=(every, query), fit=True),
-            Piece(a + "q_proj.bias", "qkv_bias", (slice(q + 2 * kv, 2 * q + 2 * kv),), view=(H, 2 * hd),
-                  select=(every, gate), fit=True),
-            Piece(a + "k_proj.bias", "qkv_bias", (slice(q, q + kv),)),
-            Piece(a + "v_proj.bias", "qkv_bias", (slice(q + kv, q + 2 * kv),)),
-            Piece(a + "o_proj.bias", "o_bias"),
+    pieces = [Piece(a + "q_norm.weight", "q_norm"), Piece(a + "k_norm.weight", "k_norm")]
+    kinds = [("weight", "qkv", "o", (H, 2 * hd, spec.hidden_size))]
+    for kind, dest, out, view in kinds + ([("bias", "qkv_bias", "o_bias", (H, 2 * hd))] if spec.qkv_bias else []):
+        pieces += [  # q_proj rows are [q | gate] per head
+            Piece(f"{a}q_proj.{kind}", dest, (slice(0, q),), view=view, select=(every, query), fit=True),
+            Piece(f"{a}q_proj.{kind}", dest, (slice(q + 2 * kv, 2 * q + 2 * kv),), view=view, select=(every, gate),
+                  fit=True),
+            Piece(f"{a}k_proj.{kind}", dest, (slice(q, q + kv),)),
+            Piece(f"{a}v_proj.{kind}", dest, (slice(q + kv, q + 2 * kv),)),
+            Piece(f"{a}o_proj.{kind}", out),
         ]
     return pieces
 
@@ -121,21 +113,10 @@ def _linear(p: str, spec: ModelSpec, keys: set[str]) -> list[Piece]:
     return pieces
 
 
-def _ffn(p: str, spec: ModelSpec, keys: set[str], i: int) -> list[Piece]:
-    m = p + "mlp."
-    if not spec.is_moe(i):
-        return mlp_pieces(m, "dense", spec.dense_intermediate)
-    pieces = [Piece(m + "gate.weight", "router"), *routed_experts(m, spec, keys)]
-    if spec.shared_intermediate:
-        pieces += [*mlp_pieces(m + "shared_expert.", "shared", spec.shared_intermediate),
-                   Piece(m + "shared_expert_gate.weight", "shared_gate")]
-    return pieces
-
-
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"{_prefix(keys)}layers.{i}."
     mixer = _linear(p, spec, keys) if spec.layer_type(i) == "linear" else _attention(p, spec)
-    return [*norm_pieces(p, spec), *mixer, *_ffn(p, spec, keys, i)]
+    return [*norm_pieces(p, spec), *mixer, *ffn_pieces(p, spec, keys, i, shared="shared_expert.")]
 
 
 def global_pieces(spec: ModelSpec, keys: set[str]):

@@ -7,8 +7,7 @@ are in no released checkpoint, so such configs are refused rather than guessed.
 from __future__ import annotations
 
 from core.errors import ModelError
-from core.model.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
-                                         mlp_pieces, need, norm_pieces, routed_experts)
+from core.model.families._common import first, llama_style_fields, llama_style_globals, moe_layer, need
 from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -34,11 +33,4 @@ def spec(cfg: dict) -> ModelSpec:
 
 
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
-    p = f"model.layers.{i}."
-    pieces = [*norm_pieces(p, spec), Piece(p + "mlp.gate.weight", "router"), *llama_style_attention(p, spec, keys),
-              *routed_experts(p + "mlp.", spec, keys)]
-    if spec.shared_intermediate:
-        pieces += mlp_pieces(p + "mlp.shared_expert.", "shared", spec.shared_intermediate)
-        if spec.shared_gate:
-            pieces.append(Piece(p + "mlp.shared_expert_gate.weight", "shared_gate"))
-    return pieces
+    return moe_layer(spec, i, keys, shared="shared_expert.")

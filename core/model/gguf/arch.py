@@ -119,17 +119,13 @@ def dense_places(spec, i: int, names: set[str]) -> list[Place]:
     if spec.mla is not None:
         return _mla_places(spec, i)
     q, kv = spec.q_size, spec.kv_size
-    llama = spec.family == "mixtral"
-    out = [
-        Place(p + "attn_norm.weight", "ln1"), Place(p + "ffn_norm.weight", "ln2"),
-        Place(p + "attn_q.weight", "qkv", (0, q), spec.num_heads if llama else 0),
-        Place(p + "attn_k.weight", "qkv", (q, q + kv), spec.num_kv_heads if llama else 0),
-        Place(p + "attn_v.weight", "qkv", (q + kv, q + 2 * kv)),
-        Place(p + "attn_output.weight", "o"), Place(p + "ffn_gate_inp.weight", "router"),
-    ]
+    rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+    permuted = {"q": spec.num_heads, "k": spec.num_kv_heads} if spec.family == "mixtral" else {}
+    out = [Place(p + "attn_norm.weight", "ln1"), Place(p + "ffn_norm.weight", "ln2"),
+           *(Place(f"{p}attn_{n}.weight", "qkv", r, permuted.get(n, 0)) for n, r in rows.items()),
+           Place(p + "attn_output.weight", "o"), Place(p + "ffn_gate_inp.weight", "router")]
     if spec.qkv_bias:
-        out += [Place(p + "attn_q.bias", "qkv_bias", (0, q)), Place(p + "attn_k.bias", "qkv_bias", (q, q + kv)),
-                Place(p + "attn_v.bias", "qkv_bias", (q + kv, q + 2 * kv))]
+        out += [Place(f"{p}attn_{n}.bias", "qkv_bias", r) for n, r in rows.items()]
     if spec.qk_norm != "none":
         out += [Place(p + "attn_q_norm.weight", "q_norm"), Place(p + "attn_k_norm.weight", "k_norm")]
     if spec.shared_intermediate:

@@ -16,14 +16,14 @@ from core.errors import ModelError, UnsupportedModelError
 from core.model.families import spec_from_config
 from core.model.gguf import arch
 from core.model.gguf.files import GGUFModel, find_gguf, read_float, read_into
+from core.model.quant.dense_spec import DENSE_NAMES
 from core.model.quant.experts import ExpertScheme, Matrix
 from core.model.quant.formats import GGUF_BLOCKS, Format
 from core.model.spec import ModelSpec
 from core.telemetry import EventSink, Progress, ignore
 
 FLOAT_KINDS = ("F32", "F16", "BF16")
-# projections a quantized GGUF keeps as its blocks in the CPU-only mode (weights.PACKED_DENSE and the head)
-BLOCK_DENSE = ("qkv", "o", "shared_w13", "shared_w2", "lm_head")
+BLOCK_DENSE = (*DENSE_NAMES, "lm_head")  # projections a quantized GGUF keeps as its blocks in the CPU-only mode
 # architectures whose GGUF config transformers cannot read: their tokenizer is built without it
 TOKENIZER_ONLY = ("deepseek2",)
 
@@ -35,10 +35,12 @@ def open_gguf(path: str | Path) -> GGUFModel:
     return GGUFModel(paths)
 
 
-def expert_kinds(g: GGUFModel, spec: ModelSpec, i: int) -> dict[str, str]:
-    src = arch.expert_sources(i, set(g.tensors), spec.num_experts)
-    out = {}
-    for w, names in src.items():
+def expert_scheme(g: GGUFModel, spec: ModelSpec, i: int) -> ExpertScheme | None:
+    """Layer i's experts as stored (None: floats); a dense layer takes the first MoE layer's, one layout kind."""
+    if not spec.is_moe(i):
+        i = next((j for j in range(spec.num_layers) if spec.is_moe(j)), i)
+    k = {}  # gate / up / down -> the GGML type of their tensor(s)
+    for w, names in arch.expert_sources(i, set(g.tensors), spec.num_experts).items():
         missing = [n for n in names if n not in g.tensors]
         if missing:
             raise ModelError(f"{g.paths[0].name} has no tensor {missing[0]}", "the GGUF file is incomplete or damaged")
@@ -46,15 +48,7 @@ def expert_kinds(g: GGUFModel, spec: ModelSpec, i: int) -> dict[str, str]:
         if len(kinds) > 1:
             raise UnsupportedModelError(f"layer {i}'s {w} experts mix types {sorted(kinds)}",
                                         "use a GGUF whose experts of one projection share a type")
-        out[w] = kinds.pop()
-    return out
-
-
-def expert_scheme(g: GGUFModel, spec: ModelSpec, i: int) -> ExpertScheme | None:
-    """Layer i's experts as stored (None: floats); a dense layer takes the first MoE layer's, one layout kind."""
-    if not spec.is_moe(i):
-        i = next((j for j in range(spec.num_layers) if spec.is_moe(j)), i)
-    k = expert_kinds(g, spec, i)
+        k[w] = kinds.pop()
     for w, kind in k.items():
         if kind not in GGUF_BLOCKS and kind not in FLOAT_KINDS:
             raise UnsupportedModelError(
@@ -222,13 +216,11 @@ def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | Non
     global_blocks = block_weights(held, globals_) if held else {}
     what = f"loading {g.name} ({spec.expert_format if spec.expert_format != 'none' else 'float'} experts)"
     progress(Progress(what, 1, total, "layers"))
-    layouts: dict = {}
-    layers, scratch = [], {}  # `pin` unused: the runtime page-locks what streams (ModelWeights.pin_streamed)
+    layers, scratch = [], {}  # `pin` unused: the runtime page-locks what streams (ModelWeights.pin_for_streaming)
     names = set(g.tensors)
     for i in range(spec.num_layers):
         scheme = expert_scheme(g, spec, i)
-        key = (scheme, spec.is_moe(i))
-        layout = layouts.get(key) or layouts.setdefault(key, LayerLayout.for_spec(spec, i, scheme, dtype))
+        layout = LayerLayout.for_spec(spec, i, scheme, dtype)
         flat = layout.buffer(dtype)
         lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
         held = {} if blocks else None

@@ -10,6 +10,9 @@ on any device. Layouts (per block):
   Q6_K  ql[128] | qh[64] | sc int8[16] | d f16               y = d·sc · (q − 32), 16 values per scale
   MXFP4 e u8 | q[16] (low nibbles: 0..15, high: 16..31)     y = 2^(e−128) · {0,1,2,3,4,6,8,12, −…}[q]
 gpt-oss MXFP4 instead interleaves (even k in the low nibble) and keeps exponents apart, biased 127.
+Every intermediate is a `Workspace` chunk and every op writes into one, so expanding an expert
+(quant.expand) allocates nothing after a format's first call; `decode` runs the same ops in a workspace
+of its own. Legend: n = blocks in the chunk, r = rows, G = 32-value groups of a row.
 """
 
 from __future__ import annotations
@@ -18,116 +21,179 @@ import torch
 
 from core.model.quant.formats import GGUF_BLOCKS, Format
 
+U8, I32, F32 = torch.uint8, torch.int32, torch.float32
 _MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+_MXFP4_F32 = tuple(float(v) for v in _MXFP4_DOUBLED)  # exact: small integers
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# per device, `decode`'s lookup tables and scalars: made per call they were a host-to-device copy per expert
+_CONSTS: dict[str, dict] = {}
 
 
-_CONSTANTS: dict[tuple, torch.Tensor] = {}
+def expand_blocks(ws, fmt: Format, parts: dict[str, torch.Tensor], r0: int, r1: int, out: torch.Tensor) -> None:
+    """Rows r0..r1 of a block-format matrix into `out` (float32 [r, k], contiguous)."""
+    if fmt.name == "mxfp4":
+        _gpt_oss_mxfp4(ws, parts["blocks"][r0:r1], parts["scales"][r0:r1], out)
+        return
+    bs, ts = GGUF_BLOCKS[fmt.name]
+    b = parts["raw"][r0:r1].reshape(-1, ts)
+    _DECODERS[fmt.name](ws, b, out.view(-1, bs))
 
 
-def _const(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small constant table on `device`, kept: made per call it was a host-to-device copy per expert decoded."""
-    key = (values, dtype, str(device))
-    t = _CONSTANTS.get(key)
-    if t is None:
-        t = _CONSTANTS[key] = torch.tensor(values, dtype=dtype, device=device)
-    return t
+def _f16(ws, b, at: int, role: str) -> torch.Tensor:
+    """The fp16 at byte `at` of each block as float32 [n, 1]."""
+    raw = ws.chunk(role + ".u8", (b.shape[0], 2), U8)
+    raw.copy_(b[:, at:at + 2])
+    d = ws.chunk(role, (b.shape[0], 1), F32)
+    d.copy_(raw.view(torch.float16))
+    return d
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """Two bytes per row -> float32 [n, 1]."""
-    return b.contiguous().view(torch.float16).float()
+def _nibbles(ws, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """q's low nibbles into `lo`, high into `hi` (any dtype: converted as copied)."""
+    u = ws.chunk("nib", q.shape, U8)
+    torch.bitwise_and(q, ws.const(15, U8), out=u)
+    lo.copy_(u)
+    torch.bitwise_right_shift(q, ws.const(4, U8), out=u)
+    hi.copy_(u)
 
 
-def _nibbles(q: torch.Tensor, width: int) -> torch.Tensor:
-    """q [n, m, width] -> [n, m, 2, width]: low nibbles, then high."""
-    return torch.stack([q & 15, q >> 4], -2)
+def _q8_0(ws, b, y):
+    d = _f16(ws, b, 0, "d")
+    y.copy_(b[:, 2:].view(torch.int8))
+    y.mul_(d)
 
 
-def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 12 packed bytes of a Q4_K/Q5_K block -> 8 six-bit scales and 8 mins, as float32 [n, 8]."""
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], -1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1)
-    return sc.float(), mn.float()
+def _q4_0(ws, b, y):
+    d = _f16(ws, b, 0, "d")
+    _nibbles(ws, b[:, 2:], y[:, :16], y[:, 16:])
+    y.sub_(ws.const(8.0, F32)).mul_(d)
 
 
-def _q8_0(b):
-    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
+def _scale_min_k4(ws, s, d, dmin):
+    """The 8 six-bit scales and mins of a Q4_K/Q5_K block, times d and dmin: float32 [n, 8] each."""
+    n = s.shape[0]
+    a, c = ws.chunk("k4.a", (n, 4), U8), ws.chunk("k4.c", (n, 4), U8)
+    out = []
+    for role, lo4, f in (("k4.sc", s[:, 0:4], d), ("k4.mn", s[:, 4:8], dmin)):
+        q = ws.chunk(role + ".u8", (n, 8), U8)
+        torch.bitwise_and(lo4, ws.const(0x3F, U8), out=q[:, :4])
+        if role == "k4.sc":
+            torch.bitwise_and(s[:, 8:12], ws.const(0x0F, U8), out=a)
+        else:
+            torch.bitwise_right_shift(s[:, 8:12], ws.const(4, U8), out=a)
+        torch.bitwise_right_shift(lo4, ws.const(2, U8), out=c)
+        c.bitwise_and_(ws.const(0x30, U8))
+        torch.bitwise_or(a, c, out=q[:, 4:])
+        v = ws.chunk(role, (n, 8), F32)
+        v.copy_(q)
+        out.append(v.mul_(f)[..., None])
+    return out
 
 
-def _q4_0(b):
-    q = _nibbles(b[:, None, 2:], 16).reshape(b.shape[0], 32).to(torch.int8) - 8
-    return _f16(b[:, :2]) * q.float()
-
-
-def _q4_k(b):
+def _q4_k(ws, b, y):
     n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    ds, dm = (d * sc)[..., None], (dmin * mn)[..., None]
-    q = _nibbles(b[:, 16:].reshape(n, 4, 32), 32).reshape(n, 8, 32).float()
-    return (ds * q - dm).reshape(n, 256)
+    ds, dm = _scale_min_k4(ws, b[:, 4:16], _f16(ws, b, 0, "d"), _f16(ws, b, 2, "dmin"))
+    y4 = y.view(n, 4, 2, 32)
+    _nibbles(ws, b[:, 16:].view(n, 4, 32), y4[:, :, 0], y4[:, :, 1])
+    y.view(n, 8, 32).mul_(ds).sub_(dm)
 
 
-def _q5_k(b):
+def _q5_k(ws, b, y):
     n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    ds, dm = (d * sc)[..., None], (dmin * mn)[..., None]
-    qh, qs = b[:, 16:48], b[:, 48:]
-    ql = _nibbles(qs.reshape(n, 4, 32), 32).reshape(n, 8, 32)
-    hi = torch.stack([(qh >> i) & 1 for i in range(8)], 1)  # [n, 8, 32]: bit i is sub-block i's fifth bit
-    q = (ql | (hi << 4)).float()
-    return (ds * q - dm).reshape(n, 256)
+    ds, dm = _scale_min_k4(ws, b[:, 4:16], _f16(ws, b, 0, "d"), _f16(ws, b, 2, "dmin"))
+    q = ws.chunk("q5", (n, 8, 32), U8)
+    q4 = q.view(n, 4, 2, 32)
+    _nibbles(ws, b[:, 48:].view(n, 4, 32), q4[:, :, 0], q4[:, :, 1])
+    bit = ws.chunk("q5.bit", (n, 32), U8)
+    for i in range(8):  # bit i of qh is sub-block i's fifth bit
+        torch.bitwise_right_shift(b[:, 16:48], ws.const(i, U8), out=bit)
+        bit.bitwise_and_(ws.const(1, U8)).bitwise_left_shift_(ws.const(4, U8))
+        q[:, i].bitwise_or_(bit)
+    y3 = y.view(n, 8, 32)
+    y3.copy_(q)
+    y3.mul_(ds).sub_(dm)
 
 
-def _q6_k(b):
+def _q6_k(ws, b, y):
     n = b.shape[0]
-    ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:210]
-    ds = (_f16(d) * sc.contiguous().view(torch.int8).float()).reshape(n, 16, 1)
-    lo = _nibbles(ql.reshape(n, 2, 64), 64).reshape(n, 8, 32)
-    hi = torch.stack([(qh.reshape(n, 2, 32) >> s) & 3 for s in (0, 2, 4, 6)], 2).reshape(n, 8, 32)
-    q = ((lo | (hi << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
-    return (ds * q).reshape(n, 256)
+    q = ws.chunk("q6", (n, 8, 32), U8)
+    q4 = q.view(n, 2, 2, 64)
+    _nibbles(ws, b[:, :128].view(n, 2, 64), q4[:, :, 0], q4[:, :, 1])
+    two = ws.chunk("q6.hi", (n, 2, 32), U8)
+    q24 = q.view(n, 2, 4, 32)
+    for j in range(4):  # bits 2j, 2j+1 of qh are the high bits of sub-block 4h+j
+        torch.bitwise_right_shift(b[:, 128:192].view(n, 2, 32), ws.const(2 * j, U8), out=two)
+        two.bitwise_and_(ws.const(3, U8)).bitwise_left_shift_(ws.const(4, U8))
+        q24[:, :, j].bitwise_or_(two)
+    ds = ws.chunk("q6.ds", (n, 16), F32)
+    ds.copy_(b[:, 192:208].view(torch.int8))
+    ds.mul_(_f16(ws, b, 208, "d"))
+    y.copy_(q.view(n, 256))
+    y.sub_(ws.const(32.0, F32))
+    y.view(n, 16, 16).mul_(ds[..., None])
 
 
-def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
-    """2^(e − 128) as float32, built from its bits like ggml (subnormal for e < 2)."""
-    e = e.to(torch.int32)
-    bits = torch.where(e < 2, _const(0x00200000, torch.int32, e.device) << e, (e - 1) << 23)
-    return bits.view(torch.float32)
+def _e8m0_half(ws, e_u8: torch.Tensor) -> torch.Tensor:
+    """2^(e − 128) as float32 [n, 1] from its bits, as blocks._e8m0_half (subnormal for e < 2)."""
+    n = e_u8.shape[0]
+    e = ws.chunk("e8.e", (n, 1), I32)
+    e.copy_(e_u8)
+    sub, norm = ws.chunk("e8.sub", (n, 1), I32), ws.chunk("e8.norm", (n, 1), I32)
+    torch.bitwise_left_shift(ws.const(0x00200000, I32), e, out=sub)
+    torch.sub(e, ws.const(1, I32), out=norm)
+    norm.bitwise_left_shift_(ws.const(23, I32))
+    small = ws.chunk("e8.small", (n, 1), torch.bool)
+    torch.lt(e, ws.const(2, I32), out=small)
+    torch.where(small, sub, norm, out=norm)
+    return norm.view(F32)
 
 
-def _mxfp4_gguf(b):
+def _mxfp4_gguf(ws, b, y):
     n = b.shape[0]
-    d = _e8m0_half(b[:, :1])
-    idx = _nibbles(b[:, None, 1:], 16).reshape(n, 32).long()
-    lut = _const(_MXFP4_DOUBLED, torch.int8, b.device)
-    return d * lut[idx].float()
+    d = _e8m0_half(ws, b[:, :1])
+    idx = ws.chunk("mx.idx", (n, 32), torch.int64)
+    _nibbles(ws, b[:, 1:], idx[:, :16], idx[:, 16:])
+    torch.index_select(ws.const(_MXFP4_F32, F32), 0, idx.view(-1), out=y.view(-1))
+    y.mul_(d)
+
+
+def _gpt_oss_mxfp4(ws, blocks, scales, y):
+    r, G = scales.shape
+    idx = ws.chunk("mx.idx", (r, G, 16, 2), torch.int64)
+    _nibbles(ws, blocks, idx[..., 0], idx[..., 1])  # even k in the low nibble
+    torch.index_select(ws.const(_E2M1, F32), 0, idx.view(-1), out=y.view(-1))
+    e = ws.chunk("mx.e", (r, G, 1), I32)
+    e.copy_(scales[..., None])
+    e.sub_(ws.const(127, I32))
+    y3 = y.view(r, G, 32)
+    torch.ldexp(y3, e, out=y3)
 
 
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4_gguf}
 
 
+def _workspace(device) -> "Workspace":
+    from core.model.quant.expand import Workspace
+
+    return Workspace(device, consts=_CONSTS.setdefault(str(device), {}))
+
+
 def decode_gguf(name: str, raw: torch.Tensor) -> torch.Tensor:
     """GGUF blocks raw [..., bytes] (uint8) -> float32 [..., values]."""
     bs, ts = GGUF_BLOCKS[name]
-    lead = raw.shape[:-1]
-    blocks = raw.reshape(-1, ts)
-    return _DECODERS[name](blocks).reshape(*lead, raw.shape[-1] // ts * bs)
-
-
-def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """gpt-oss MXFP4: blocks [..., G, 16] uint8, scales [..., G] uint8 (biased 127) -> float32 [..., G·32]."""
-    lut = _const(_E2M1, torch.float32, blocks.device)
-    vals = lut[torch.stack([blocks & 15, blocks >> 4], -1).long()]  # [..., G, 16, 2]: even k low
-    vals = vals.reshape(*blocks.shape[:-1], 32)
-    out = torch.ldexp(vals, scales.to(torch.int32)[..., None] - 127)
-    return out.reshape(*blocks.shape[:-2], -1)
+    out = torch.empty((*raw.shape[:-1], raw.shape[-1] // ts * bs), dtype=F32, device=raw.device)
+    _DECODERS[name](_workspace(raw.device), raw.reshape(-1, ts), out.view(-1, bs))
+    return out
 
 
 def decode(fmt: Format, parts: dict) -> torch.Tensor:
-    if fmt.name == "mxfp4":
-        return decode_mxfp4(parts["blocks"], parts["scales"])
-    return decode_gguf(fmt.name, parts["raw"])
+    """The float32 matrix (any leading dims) a block format's parts stand for. gpt-oss MXFP4: blocks [..., G, 16],
+    scales [..., G] -> [..., G·32]."""
+    if fmt.name != "mxfp4":
+        return decode_gguf(fmt.name, parts["raw"])
+    scales = parts["scales"]
+    G = scales.shape[-1]
+    out = torch.empty((*scales.shape, 32), dtype=F32, device=scales.device)
+    _gpt_oss_mxfp4(_workspace(scales.device), parts["blocks"].reshape(-1, G, 16), scales.reshape(-1, G),
+                   out.view(-1, G * 32))
+    return out.view(*scales.shape[:-1], G * 32)

@@ -21,10 +21,10 @@ import torch
 
 from core import platform
 from core.errors import MlightError
+from core.model.safetensors_io import ST_DTYPES
 
 VERSION = 1  # bump when the flat-buffer layout of quantized layers changes
-_ST_DTYPE = {torch.uint8: "U8", torch.int8: "I8", torch.bfloat16: "BF16", torch.float16: "F16",
-             torch.float32: "F32", torch.float64: "F64"}
+_ST_DTYPE = {dtype: name for name, dtype in ST_DTYPES.items()}
 _SAMPLE = 1 << 20  # bytes hashed at each of three places in a shard
 
 
@@ -74,10 +74,7 @@ class CacheEntry:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise _cache_error(self.dir, e) from e
-        return StreamWriter(self.file, tensors, entry=self, align=align)
-
-    def lock(self) -> filelock.BaseFileLock:
-        return filelock.FileLock(self.dir / "entry.lock")
+        return StreamWriter(self, tensors, align)
 
     def _write_meta(self) -> None:
         meta = {"source": self.source, "version": VERSION, **self.what}
@@ -92,11 +89,10 @@ class CacheEntry:
 class StreamWriter:
     """A safetensors file written tensor by tensor in a fixed order, its header computed up front."""
 
-    def __init__(self, path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 entry: CacheEntry | None = None, align: int = 8):
+    def __init__(self, entry: CacheEntry, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], align: int):
         """`align`: each tensor starts at a multiple of it in the file, so kernels with aligned loads read mapped
         tensors in place; the gaps are `__pad.<i>` tensors, so the file stays plain safetensors."""
-        self.path, self.tmp, self.fh = path, None, None
+        self.entry, self.path, self.tmp, self.fh = entry, entry.file, None, None
         header, off, self.pads = {}, 0, {}
         for name, dtype, shape in tensors:
             if off % align:
@@ -112,14 +108,13 @@ class StreamWriter:
         raw += b" " * (-(8 + len(raw)) % align)  # data starts aligned too
         self.sizes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()}
         self.next = 0
-        self.entry = entry
         try:  # a name of its own: another process may be writing this entry too
-            self.tmp = _temp_in(path.parent, path.stem + ".")
+            self.tmp = _temp_in(self.path.parent, self.path.stem + ".")
             self.fh = open(self.tmp, "wb")
             self.fh.write(struct.pack("<Q", len(raw)) + raw)
         except OSError as e:
             self.abort()
-            raise _cache_error(self.tmp or path, e) from e
+            raise _cache_error(self.tmp or self.path, e) from e
 
     def write(self, name: str, t: torch.Tensor) -> None:
         if name in self.pads and self.order[self.next] == self.pads[name]:
@@ -148,10 +143,7 @@ class StreamWriter:
             self.fh.flush()
             os.fsync(self.fh.fileno())
             self.fh.close()
-            if self.entry is None:
-                platform.replace(self.tmp, self.path)
-                return
-            with self.entry.lock():
+            with filelock.FileLock(self.entry.dir / "entry.lock"):
                 if not self.entry.complete:  # else: an identical entry is there, maybe mapped by a reader
                     platform.replace(self.tmp, self.path)
                     self.entry._write_meta()

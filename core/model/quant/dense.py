@@ -66,10 +66,7 @@ def pack_rows(w: torch.Tensor, fmt: Format) -> tuple:
     for r in range(0, n, ROWS):
         part = _kernel_pack(fmt, quantize(fmt, w[r:r + ROWS]), w.dtype)
         out[0][r:r + ROWS].copy_(part[0])
-        if fmt.name == "int4":  # scales and zeros [K/g, N, 2]
-            out[1][:, r:r + ROWS].copy_(part[1])
-        else:
-            out[1][r:r + ROWS].copy_(part[1])
+        (out[1][:, r:r + ROWS] if fmt.name == "int4" else out[1][r:r + ROWS]).copy_(part[1])  # int4's: [K/g, N, 2]
     return tuple(out) + ((fmt.group,) if fmt.name == "int4" else ())
 
 

@@ -13,17 +13,18 @@ import math
 
 import torch
 
-from core.model.quant.expand_blocks import expand_blocks
+from core.model.quant.blocks import expand_blocks
 from core.model.quant.formats import CHUNK_ELEMS_CPU, CHUNK_ELEMS_DEVICE, Format
 
 
 class Workspace:
     """Buffers for expanding matrices, by role and shape, on one device: made on first use, then reused."""
 
-    def __init__(self, device, chunk_elems: int | None = None):
+    def __init__(self, device, chunk_elems: int | None = None, consts: dict | None = None):
         self.device = torch.device(device)
         self.chunk_elems = chunk_elems or (CHUNK_ELEMS_CPU if self.device.type == "cpu" else CHUNK_ELEMS_DEVICE)
         self._bufs: dict[tuple, torch.Tensor] = {}
+        self._consts = self._bufs if consts is None else consts  # `consts`: shared with other workspaces
         self.allocations = 0  # buffers made so far (tests: stays put once every shape has been seen)
 
     def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -47,9 +48,9 @@ class Workspace:
     def const(self, value, dtype: torch.dtype) -> torch.Tensor:
         """A 0-dim tensor holding `value`: an operand that costs no allocation per op."""
         key = ("const", value, dtype)
-        t = self._bufs.get(key)
+        t = self._consts.get(key)
         if t is None:
-            t = self._bufs[key] = torch.tensor(value, dtype=dtype, device=self.device)
+            t = self._consts[key] = torch.tensor(value, dtype=dtype, device=self.device)
             self.allocations += 1
         return t
 

@@ -81,9 +81,6 @@ class QuantExperts:
     def matrix_parts(self, m: Matrix, e: int) -> dict[str, torch.Tensor]:
         return {p.suffix: self.parts[f"{m.name}.{p.suffix}"][e] for p in m.fmt.parts(m.n, m.k)}
 
-    def to(self, device) -> "QuantExperts":
-        return QuantExperts(self.scheme, {k: v.to(device) for k, v in self.parts.items()}, self.dtype)
-
     # ---- compute ---------------------------------------------------------------------------------
     def up(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """x [n, D] -> [n, 2I] (gate, then up)."""

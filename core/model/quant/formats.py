@@ -59,21 +59,13 @@ class Format:
             raise UsageError(f"unknown weight format {self.name!r}", "use int8 or int4")
 
     @property
-    def is_gguf(self) -> bool:
-        return self.name in GGUF_BLOCKS
-
-    @property
     def label(self) -> str:
         return f"int4-g{self.group}" if self.name == "int4" else self.name
 
-    def block(self) -> int:
-        if self.is_gguf:
-            return GGUF_BLOCKS[self.name][0]
-        return {"int4": self.group, "mxfp4": 32}.get(self.name, 1)
-
     def check(self, n: int, k: int, what: str = "a matrix") -> None:
         """Refuse shapes the format cannot hold: K must be a whole number of groups (and of byte pairs)."""
-        b = self.block()
+        b = (GGUF_BLOCKS[self.name][0] if self.name in GGUF_BLOCKS
+             else {"int4": self.group, "mxfp4": 32}.get(self.name, 1))
         if k % max(b, 2 if self.name == "int4" else 1):
             raise UsageError(f"{what} has {k} inputs, not a multiple of the {self.label} block of {b}",
                              f"use another group size ({', '.join(map(str, INT4_GROUPS))}) or --quantize int8"
