@@ -871,13 +871,17 @@ static inline __attribute__((always_inline)) void k16_pair(int kind, const uint8
         const __m512 ddm = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(dm[0])), _mm256_set1_ps(dm[1]), 1);
         const __m512i mn2 = _mm512_inserti64x4(_mm512_castsi256_si512(mn[0]), mn[1], 1);
         for (int m = 0; m < mr; m++) {
-            IV t0 = IV_ZERO, t1 = IV_ZERO;
+            /* four chains of dots (integer sums: the order is free), not two of the dot's latency each */
+            IV t0 = IV_ZERO, t1 = IV_ZERO, u0 = IV_ZERO, u1 = IV_ZERO;
             const int16_t *q = x[m].q + 256 * b;
-            for (int j = 0; j < KN; j++) {
-                IV v = _mm512_loadu_si512(q + (256 / KN) * j);
+            for (int j = 0; j < KN; j += 2) {
+                IV v = _mm512_loadu_si512(q + (256 / KN) * j), v2 = _mm512_loadu_si512(q + (256 / KN) * (j + 1));
                 t0 = _mm512_dpwssd_epi32(t0, w[0][j], v);
                 t1 = _mm512_dpwssd_epi32(t1, w[1][j], v);
+                u0 = _mm512_dpwssd_epi32(u0, w[0][j + 1], v2);
+                u1 = _mm512_dpwssd_epi32(u1, w[1][j + 1], v2);
             }
+            t0 = _mm512_add_epi32(t0, u0), t1 = _mm512_add_epi32(t1, u1);
             /* [row 0's lanes 0-7 + 8-15 | row 1's]: fold8 of each */
             __m512i s = _mm512_add_epi32(_mm512_shuffle_i64x2(t0, t1, 0x44), _mm512_shuffle_i64x2(t0, t1, 0xee));
             __m512 dx = _mm512_set1_ps(x[m].d[b]);
@@ -1091,6 +1095,33 @@ int mlight_gguf_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t
                 dot_rows(wr, K, xf + m0 * lx, lx, mr, out);
                 for (int m = 0; m < mr; m++) put(y, y_bf16, (m0 + m) * ldy + n, out[m]);
             }
+        }
+    }
+    return 0;
+}
+
+/* W's rows as numbers: out [N, K] (rows ldo apart) fp32, or bf16 rounded to nearest even (torch's cast), the
+   fp32 path's decoded rows (`gguf.quants.dequantize`'s floats bit for bit); scratch: K floats a thread. For a
+   caller that multiplies many rows by a dense GEMM: torch ops expanding the blocks took as long as the GEMM */
+int mlight_gguf_dequantize(int kind, const uint8_t *w, int64_t ldw, int64_t N, int64_t K, void *out, int out_bf16,
+                           int64_t ldo, float *scratch, int threads) {
+    if (kind < 0 || kind > 5 || K % BS[kind] || threads < 1) return -1;
+    OMP(omp parallel num_threads(threads))
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        float *wr = scratch + (int64_t)t * K;
+        OMP(omp for schedule(static))
+        for (int64_t n = 0; n < N; n++) {
+            if (!out_bf16) {
+                decode_row(kind, w + n * ldw, K, (float *)out + n * ldo);
+                continue;
+            }
+            decode_row(kind, w + n * ldw, K, wr);
+            uint16_t *o = (uint16_t *)out + n * ldo;
+            for (int64_t k = 0; k < K; k++) o[k] = f32bf(wr[k]);
         }
     }
     return 0;
