@@ -70,6 +70,28 @@ def test_simd_and_plain_c_dots_agree_bit_for_bit(kind):
         assert torch.equal(simd, plain)
 
 
+@pytest.mark.parametrize("kind", [k for k in FORMATS if k not in K_QUANTS])  # the K-quants take int16
+def test_two_weight_row_tiles_agree_with_plain_c_on_odd_shapes(kind):
+    """From two activation rows the SIMD int8 path takes two weight rows a tile (signed weights against the
+    activations as unsigned bytes q + 128): an odd weight row count (the last row alone), an odd block count
+    (K = 96: a half vector at the end), rows past a tile of 4, and two threads give plain C's floats bit for
+    bit, within float32 summation of the reference."""
+    threads = torch.get_num_threads()
+    for n, k in ((7, 96), (33, 1024)):
+        raw, deq = _blocks(kind, n, k, seed=n)
+        for rows in (2, 3, 5, 9, 37):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+            plain = gguf_blocks.linear(kind, x, raw, path="int8_c")
+            want = _reference(x, deq)
+            assert (plain.double() - want).abs().max().item() <= 2e-6 * want.abs().max().item() * k ** 0.5
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                try:
+                    assert torch.equal(gguf_blocks.linear(kind, x, raw, path="int8"), plain), (n, k, rows, t)
+                finally:
+                    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kind", K_QUANTS)
 @pytest.mark.parametrize("rows", [1, 5, 8, 37])
 def test_k_quants_int16_path_is_quantized_activations_times_the_files_weights(kind, rows):

@@ -63,7 +63,9 @@ class _Lib:
         self.moe = native.bind(self.dll, "mlight_gguf_moe",
                                [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
         self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
-        self.dequantize = native.bind(self.dll, "mlight_gguf_dequantize", [C, P, I, I, I, P, C, I, P, C], C)
+        # absent from an older revision's kernel (bench/gguf_speed.py --paths REV:...), which only multiplies
+        self.dequantize = (native.bind(self.dll, "mlight_gguf_dequantize", [C, P, I, I, I, P, C, I, P, C], C)
+                           if hasattr(self.dll, "mlight_gguf_dequantize") else None)
         self.openmp = bool(self.dll.mlight_gguf_openmp())
         self.simd = SIMD[self.dll.mlight_gguf_simd()]
         self.flags = flags + (" -fopenmp" if self.openmp else "")
