@@ -70,6 +70,28 @@ def test_simd_and_plain_c_dots_agree_bit_for_bit(kind):
         assert torch.equal(simd, plain)
 
 
+@pytest.mark.parametrize("kind", [k for k in FORMATS if k not in K_QUANTS])  # the K-quants take int16
+def test_two_weight_row_tiles_agree_with_plain_c_on_odd_shapes(kind):
+    """From two activation rows the SIMD int8 path takes two weight rows a tile (signed weights against the
+    activations as unsigned bytes q + 128): an odd weight row count (the last row alone), an odd block count
+    (K = 96: a half vector at the end), rows past a tile of 4, and two threads give plain C's floats bit for
+    bit, within float32 summation of the reference."""
+    threads = torch.get_num_threads()
+    for n, k in ((7, 96), (33, 1024)):
+        raw, deq = _blocks(kind, n, k, seed=n)
+        for rows in (2, 3, 5, 9, 37):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+            plain = gguf_blocks.linear(kind, x, raw, path="int8_c")
+            want = _reference(x, deq)
+            assert (plain.double() - want).abs().max().item() <= 2e-6 * want.abs().max().item() * k ** 0.5
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                try:
+                    assert torch.equal(gguf_blocks.linear(kind, x, raw, path="int8"), plain), (n, k, rows, t)
+                finally:
+                    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kind", K_QUANTS)
 @pytest.mark.parametrize("rows", [1, 5, 8, 37])
 def test_k_quants_int16_path_is_quantized_activations_times_the_files_weights(kind, rows):
@@ -101,6 +123,32 @@ def test_k_quants_int16_simd_and_plain_c_agree_bit_for_bit(kind):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 10 ** (rows % 3)
         simd, plain = (gguf_blocks.linear(kind, x, raw, path=p) for p in ("int16", "int16_c"))
         assert torch.equal(simd, plain), rows
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_simd_quantizer_gives_the_plain_c_integers(kind):
+    """With AVX-512 the activations are quantized 16 values at a time, on the plain-C path one at a time: ties
+    (scale exactly 1, every value n + 1/2) rounded half to even, a block of zeros, values at the clamp, tiny
+    and large rows, fp32 and bf16 in, give the same integers and scales, so outputs equal bit for bit and the
+    tie row equals the float64 product of its even-rounded integers within float32 summation."""
+    group = _group(kind)
+    top = 16383 if group == 256 else 127
+    path = gguf_blocks.integer_path(kind)
+    K = 1024
+    raw, deq = _blocks(kind, 21, K, seed=11)
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(11)) * 3
+    x[1] = (torch.arange(K) * 7 % (2 * top) - top + 0.5).float()  # every value a tie: -top + 1/2 .. top - 1/2
+    x[1, ::group] = top  # each block's max: d = top / top = 1
+    x[2, group:3 * group] = 0  # whole blocks of zeros: d = 0
+    x[3] *= 1e-30
+    x[4] *= 1e30
+    x[5, ::5] = -x[5].abs().max()  # many values at -max|x|: the clamp's edge
+    for xs in (x, x.bfloat16()):
+        simd, plain = (gguf_blocks.linear(kind, xs, raw, path=p) for p in (path, path + "_c"))
+        assert torch.equal(simd, plain), xs.dtype
+    want = torch.round(x[1:2].double()) @ deq.double().t()  # torch.round: half to even
+    got = gguf_blocks.linear(kind, x[1:2], raw, path=path).double()
+    assert (got - want).abs().max().item() <= 2e-6 * want.abs().max().item() * K ** 0.5
 
 
 def test_int16_sums_of_the_largest_q6_k_weights_stay_exact():

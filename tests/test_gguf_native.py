@@ -20,6 +20,7 @@ import torch
 from core.model.cpu import gguf_blocks
 from core.model.gguf.load import open_gguf
 from core.model.quant import expand, experts
+from core.model.quant.formats import Format
 from core.runtime.engine import Engine
 from gguf_files import FORMATS, decode_logits, first_logits, logit_error, quantize
 from test_engine_parity import PROMPTS
@@ -116,6 +117,21 @@ def _requests(prompts):
     from core.runtime.engine import Request
 
     return [Request(id=str(i), prompt=p) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_dequantize_is_ggufs_weights_bit_for_bit(kind):
+    """A dense GEMM's many rows take the blocks expanded (core.model.quant.expand) by the C decoder: gguf's
+    float32 weights exactly, bf16 rounded to nearest even as torch's cast; an odd block count and a column slice
+    of a wider output."""
+    raw, deq = _blocks(kind, 9, 3 * 256, seed=4)
+    for dtype in (torch.float32, torch.bfloat16):
+        wide = torch.zeros(9, 3 * 256 + 5, dtype=dtype)
+        got = gguf_blocks.dequantize(kind, raw, wide[:, 2:2 + 3 * 256])
+        assert torch.equal(got, deq.to(dtype)) and wide[:, :2].eq(0).all() and wide[:, -3:].eq(0).all()
+    ws = expand.Workspace("cpu")
+    fmt = Format(kind)
+    assert torch.equal(expand.expand_into(ws, fmt, {"raw": raw}, 9, 3 * 256, torch.bfloat16), deq.bfloat16())
 
 
 @pytest.mark.parametrize("up,down", [("Q8_0", "Q8_0"), ("Q4_K", "Q6_K"), ("MXFP4", "MXFP4")])

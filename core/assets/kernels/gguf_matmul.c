@@ -219,7 +219,46 @@ static inline float in_f(const void *x, int bf, int64_t i) {
     return bf ? bf16f(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
+#if SIMD == 2
+/* 16 activations from x + i as floats (bf16: the bits shifted into the high half, as bf16f) */
+static inline __m512 in16(const void *x, int bf, int64_t i) {
+    if (!bf) return _mm512_loadu_ps((const float *)x + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* the scalar quantizers' integers in 16 lanes: v · id rounded half to even (nearbyintf in the default mode),
+   clamped to ±lim, exact as int32 */
+static inline __m512i q16(__m512 v, float id, float lim) {
+    __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm512_max_ps(_mm512_min_ps(t, _mm512_set1_ps(lim)), _mm512_set1_ps(-lim));
+    return _mm512_cvttps_epi32(t);
+}
+#endif
+
+/* with AVX-512 the activation quantizers run in 16 lanes (one value at a time they took a tenth of a Q4_K down
+   projection's time at 16 rows): the same float operations (max, one division, products, round half to even,
+   clamp) and integer sums as the plain C below, so the same bytes */
+static void quantize_row_c(const void *x, int bf, int64_t K, QRow r);
 static void quantize_row(const void *x, int bf, int64_t K, QRow r) {
+#if SIMD == 2
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m512 v0 = in16(x, bf, 32 * b), v1 = in16(x, bf, 32 * b + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        __m512i q0 = q16(v0, id, 127.f), q1 = q16(v1, id, 127.f);
+        _mm_storeu_si128((__m128i *)(r.q + 32 * b), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(r.q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+        r.d[b] = d, r.ds[2 * b] = d * (float)_mm512_reduce_add_epi32(q0);
+        r.ds[2 * b + 1] = d * (float)_mm512_reduce_add_epi32(q1);
+    }
+#else
+    quantize_row_c(x, bf, K, r);
+#endif
+}
+
+/* the same bytes one value at a time (the plain-C path's, and the reference the tests hold the SIMD one to) */
+static void quantize_row_c(const void *x, int bf, int64_t K, QRow r) {
     for (int64_t b = 0; b < K / 32; b++) {
         float v[32], amax = 0;
         for (int j = 0; j < 32; j++) v[j] = in_f(x, bf, 32 * b + j), amax = fmaxf(amax, fabsf(v[j]));
@@ -436,6 +475,81 @@ static inline __attribute__((always_inline)) void tile_simd(WRow w, int64_t K, c
 #endif
 #endif
 
+#if SIMD == 2
+/* out[r * MR + m] = w_r . x[m] for two decoded weight rows and MRC (1..MR) activation rows: tile_simd's integers,
+   floats and order, with each activation load and scale serving both weight rows and each weight load every row.
+   Signed weights (sgn) take the activations as unsigned bytes q + 128 (see flip_row) against the weights' own
+   signed bytes, each lane starting from -128 · its Σ w: the int32 sums of |w| · (q · sign w) without a sign fix
+   per activation row */
+static inline __attribute__((always_inline)) void tile2_simd(const WRow *w, int64_t K, const QRow *x, const int sgn,
+                                                             const int MRC, float *out) {
+    __m512 acc[2][MR];
+    for (int r = 0; r < 2; r++)
+        for (int m = 0; m < MRC; m++) acc[r][m] = _mm512_setzero_ps();
+    const __m512i quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i oct = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i k128 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    int64_t b = 0;
+    for (; b + 2 <= K / 32; b += 2) {
+        __m512i v[2], c[2];
+        __m512 s[2];
+        for (int r = 0; r < 2; r++) {
+            v[r] = _mm512_loadu_si512(w[r].u + 32 * b);
+            c[r] = sgn ? _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, k128, v[r])) : zero;
+            s[r] = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(w[r].s + 2 * b)));
+        }
+        for (int m = 0; m < MRC; m++) {
+            __m512i q = _mm512_loadu_si512(x[m].q + 32 * b);
+            __m512 d = _mm512_permutexvar_ps(
+                oct, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(x[m].d + b)))));
+            for (int r = 0; r < 2; r++) {
+                __m512i t = sgn ? _mm512_dpbusd_epi32(c[r], q, v[r]) : _mm512_dpbusd_epi32(zero, v[r], q);
+                acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(s[r], d), acc[r][m]);
+            }
+        }
+    }
+    const __m256i half = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+    for (int r = 0; r < 2; r++)
+        for (int m = 0; m < MRC; m++) {
+            __m256 lo = _mm512_castps512_ps256(acc[r][m]), hi = _mm512_extractf32x8_ps(acc[r][m], 1);
+            if (b < K / 32) { /* an odd block count: the last block is even, the low lanes' */
+                __m256i v = _mm256_loadu_si256((const __m256i *)(w[r].u + 32 * b));
+                __m256i q = _mm256_loadu_si256((const __m256i *)(x[m].q + 32 * b)), t;
+                if (sgn) {
+                    __m256i c = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), v);
+                    t = _mm256_dpbusd_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), c), q, v);
+                } else t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v, q);
+                __m256 s = _mm256_permutevar8x32_ps(
+                    _mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(w[r].s + 2 * b)))), half);
+                lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(s, _mm256_set1_ps(x[m].d[b])), lo);
+            }
+            out[r * MR + m] = hsum8(_mm256_add_ps(lo, hi));
+        }
+}
+
+/* out [2][MR]: two weight rows against mr (1..MR) activation rows, their offsets' share subtracted */
+static void dot_pair_i8(int kind, const WRow *w, int64_t K, const QRow *x, int mr, float *out) {
+    int sgn = SIGNED[kind];
+    switch (mr) {
+    case 1: sgn ? tile2_simd(w, K, x, 1, 1, out) : tile2_simd(w, K, x, 0, 1, out); break;
+    case 2: sgn ? tile2_simd(w, K, x, 1, 2, out) : tile2_simd(w, K, x, 0, 2, out); break;
+    case 3: sgn ? tile2_simd(w, K, x, 1, 3, out) : tile2_simd(w, K, x, 0, 3, out); break;
+    default: sgn ? tile2_simd(w, K, x, 1, 4, out) : tile2_simd(w, K, x, 0, 4, out); break;
+    }
+    if (OFFSET[kind])
+        for (int r = 0; r < 2; r++)
+            for (int m = 0; m < mr; m++) out[r * MR + m] -= offset_dot(w[r].o, x[m].ds, K / 16);
+}
+
+/* an activation row's int8 values as the unsigned bytes q + 128 that tile2_simd takes for signed weights */
+static void flip_row(QRow r, int64_t K) {
+    const __m512i k128 = _mm512_set1_epi8((char)0x80);
+    for (int64_t k = 0; k + 64 <= K; k += 64)
+        _mm512_storeu_si512(r.q + k, _mm512_xor_si512(_mm512_loadu_si512(r.q + k), k128));
+    for (int64_t k = K & ~(int64_t)63; k < K; k++) r.q[k] = (int8_t)((uint8_t)r.q[k] ^ 0x80);
+}
+#endif
+
 /* out[m] = w . x[m] for mr (1..MR) quantized rows, tile f specialised on the flag and the row count */
 #define TILES(f, flag)                                                         \
     switch (mr) {                                                              \
@@ -485,7 +599,28 @@ typedef struct { int16_t *q; int32_t *bs; float *d; } KQRow;
    is d · w - dm · mn */
 typedef struct { int16_t *w; int32_t *mn; float *d, *dm; } KWRow;
 
+static void quantize_row_k_c(const void *x, int bf, int64_t K, KQRow r);
 static void quantize_row_k(const void *x, int bf, int64_t K, KQRow r) {
+#if SIMD == 2
+    for (int64_t b = 0; b < K / 256; b++) {
+        __m512 v[16], m = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) v[i] = in16(x, bf, 256 * b + 16 * i), m = _mm512_max_ps(m, _mm512_abs_ps(v[i]));
+        float amax = _mm512_reduce_max_ps(m);
+        float d = amax / Q16, id = d != 0.f ? 1.f / d : 0.f;
+        for (int g = 0; g < 8; g++) {
+            __m512i q0 = q16(v[2 * g], id, Q16), q1 = q16(v[2 * g + 1], id, Q16);
+            _mm256_storeu_si256((__m256i *)(r.q + 256 * b + 32 * g), _mm512_cvtepi32_epi16(q0));
+            _mm256_storeu_si256((__m256i *)(r.q + 256 * b + 32 * g + 16), _mm512_cvtepi32_epi16(q1));
+            r.bs[8 * b + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+        r.d[b] = d;
+    }
+#else
+    quantize_row_k_c(x, bf, K, r);
+#endif
+}
+
+static void quantize_row_k_c(const void *x, int bf, int64_t K, KQRow r) {
     for (int64_t b = 0; b < K / 256; b++) {
         float amax = 0;
         for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(in_f(x, bf, 256 * b + j)));
@@ -774,6 +909,56 @@ static inline __attribute__((always_inline)) void k16_wide(int kind, const uint8
         for (int m = 0; m < mr; m++) out[r * QW + m] = hsum8(acc[r][m]);
 }
 
+/* two weight rows ldw bytes apart against mr (1..QW) rows, as k16_wide's NR = 2 computes them, with the two rows'
+   8 float lanes side by side in one 512-bit vector (row 0 low, row 1 high): each lane's integers, products and
+   FMAs are k16_lanes' own, in half the instructions (the per-super-block float work, not the dots, bounded it
+   from 8 rows); out [2][QW] */
+static inline __attribute__((always_inline)) void k16_pair(int kind, const uint8_t *row, int64_t ldw, int64_t K,
+                                                           const KQRow *x, int mr, float *out) {
+    __m512 acc[QW];
+    for (int m = 0; m < mr; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / 256; b++) {
+        int16_t sc[2][16];
+        __m256i mn[2];
+        float d[2], dm[2];
+        IV w[2][KN];
+        for (int r = 0; r < 2; r++) {
+            const uint8_t *blk = row + r * ldw + b * TS[kind];
+            k16_scales(kind, blk, sc[r], mn + r, d + r, dm + r);
+            for (int j = 0; j < KN; j++) w[r][j] = k16_w(kind, blk, sc[r], j);
+        }
+        const __m512 dd = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d[0])), _mm256_set1_ps(d[1]), 1);
+        const __m512 ddm = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(dm[0])), _mm256_set1_ps(dm[1]), 1);
+        const __m512i mn2 = _mm512_inserti64x4(_mm512_castsi256_si512(mn[0]), mn[1], 1);
+        for (int m = 0; m < mr; m++) {
+            /* four chains of dots (integer sums: the order is free), not two of the dot's latency each */
+            IV t0 = IV_ZERO, t1 = IV_ZERO, u0 = IV_ZERO, u1 = IV_ZERO;
+            const int16_t *q = x[m].q + 256 * b;
+            for (int j = 0; j < KN; j += 2) {
+                IV v = _mm512_loadu_si512(q + (256 / KN) * j), v2 = _mm512_loadu_si512(q + (256 / KN) * (j + 1));
+                t0 = _mm512_dpwssd_epi32(t0, w[0][j], v);
+                t1 = _mm512_dpwssd_epi32(t1, w[1][j], v);
+                u0 = _mm512_dpwssd_epi32(u0, w[0][j + 1], v2);
+                u1 = _mm512_dpwssd_epi32(u1, w[1][j + 1], v2);
+            }
+            t0 = _mm512_add_epi32(t0, u0), t1 = _mm512_add_epi32(t1, u1);
+            /* [row 0's lanes 0-7 + 8-15 | row 1's]: fold8 of each */
+            __m512i s = _mm512_add_epi32(_mm512_shuffle_i64x2(t0, t1, 0x44), _mm512_shuffle_i64x2(t0, t1, 0xee));
+            __m512 dx = _mm512_set1_ps(x[m].d[b]);
+            __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dd, dx), acc[m]);
+            if (kind != 4) {
+                __m512i bs = _mm512_broadcast_i32x8(_mm256_loadu_si256((const __m256i *)(x[m].bs + 8 * b)));
+                a = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(mn2, bs)), _mm512_mul_ps(ddm, dx), a);
+            }
+            acc[m] = a;
+        }
+    }
+    for (int m = 0; m < mr; m++) {
+        out[m] = hsum8(_mm512_castps512_ps256(acc[m]));
+        out[QW + m] = hsum8(_mm512_extractf32x8_ps(acc[m], 1));
+    }
+}
+
 #define K16_ROWS(k)                                                                                     \
     switch (mr) {                                                                                      \
     case 1: k16_tile(k, row, K, x, 1, out); break;                                                     \
@@ -785,9 +970,9 @@ static inline __attribute__((always_inline)) void k16_wide(int kind, const uint8
 /* two weight rows (ldw bytes apart) against mr rows: out [2][QW] */
 static void dot_pair_k16(int kind, const uint8_t *row, int64_t ldw, int64_t K, const KQRow *x, int mr, float *out) {
     switch (kind) {
-    case 2: k16_wide(2, row, ldw, 2, K, x, mr, out); break;
-    case 3: k16_wide(3, row, ldw, 2, K, x, mr, out); break;
-    default: k16_wide(4, row, ldw, 2, K, x, mr, out); break;
+    case 2: k16_pair(2, row, ldw, K, x, mr, out); break;
+    case 3: k16_pair(3, row, ldw, K, x, mr, out); break;
+    default: k16_pair(4, row, ldw, K, x, mr, out); break;
     }
 }
 
@@ -844,10 +1029,10 @@ static inline void put(void *y, int bf, int64_t i, float v) {
 }
 
 /* activation row m of x quantized into scratch: per 32 values, or per 256 (k256) */
-static void quantize_at(const void *x, int bf, int64_t ldx, int64_t m, int64_t K, uint8_t *p, int k256) {
+static void quantize_at(const void *x, int bf, int64_t ldx, int64_t m, int64_t K, uint8_t *p, int k256, int simd) {
     const void *r = bf ? (const void *)((const uint16_t *)x + m * ldx) : (const void *)((const float *)x + m * ldx);
-    if (k256) quantize_row_k(r, bf, K, kqrow_at(p, K));
-    else quantize_row(r, bf, K, qrow_at(p, K));
+    if (k256) (simd ? quantize_row_k : quantize_row_k_c)(r, bf, K, kqrow_at(p, K));
+    else (simd ? quantize_row : quantize_row_c)(r, bf, K, qrow_at(p, K));
 }
 
 /* the int8 paths of mlight_gguf_linear; scratch: M quantized rows, then a decoded row per thread */
@@ -857,7 +1042,7 @@ static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t 
     int64_t qb = k256 ? kqrow_bytes(K) : qrow_bytes(K), wb = k256 ? kwrow_bytes(K) : wrow_bytes(K);
     uint8_t *rows = scratch + M * qb;
     int serial = M * K <= (1 << 14); /* a decode step's rows: quantized before the team starts, one barrier fewer */
-    for (int64_t m = 0; serial && m < M; m++) quantize_at(x, x_bf16, ldx, m, K, scratch + m * qb, k256);
+    for (int64_t m = 0; serial && m < M; m++) quantize_at(x, x_bf16, ldx, m, K, scratch + m * qb, k256, simd);
     OMP(omp parallel num_threads(threads))
     {
         int t = 0;
@@ -866,7 +1051,7 @@ static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t 
 #endif
         if (!serial) {
             OMP(omp for schedule(static))
-            for (int64_t m = 0; m < M; m++) quantize_at(x, x_bf16, ldx, m, K, scratch + m * qb, k256);
+            for (int64_t m = 0; m < M; m++) quantize_at(x, x_bf16, ldx, m, K, scratch + m * qb, k256, simd);
         }
         uint8_t *own = rows + (int64_t)t * wb;
         WRow wr = wrow_at(own, K);
@@ -890,6 +1075,28 @@ static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t 
                     for (int r = 0; r < nr; r++)
                         for (int m = 0; m < mr; m++) put(y, y_bf16, (m0 + m) * ldy + n + r, ow[r * QW + m]);
                 }
+        } else if (!k256 && simd && M > 1) { /* two decoded weight rows against MR activation rows a tile */
+            WRow wp[2] = {wrow_at(rows + 2 * (int64_t)t * wb, K), wrow_at(rows + (2 * (int64_t)t + 1) * wb, K)};
+            float op[2 * MR];
+            if (SIGNED[kind]) {
+                OMP(omp for schedule(static))
+                for (int64_t m = 0; m < M; m++) flip_row(qrow_at(scratch + m * qb, K), K);
+            }
+            OMP(omp for schedule(static))
+            for (int64_t n2 = 0; n2 < (N + 1) / 2; n2++) {
+                int64_t n = 2 * n2;
+                int nr = N - n < 2 ? 1 : 2;
+                for (int r = 0; r < nr; r++) decode_row_i8(kind, w + (n + r) * ldw, K, wp[r]);
+                if (nr == 1) wp[1] = wp[0]; /* an odd last row: computed twice, written once */
+                for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                    int mr = M - m0 < MR ? (int)(M - m0) : MR;
+                    for (int m = 0; m < mr; m++) xr[m] = qrow_at(scratch + (m0 + m) * qb, K);
+                    dot_pair_i8(kind, wp, K, xr, mr, op);
+                    for (int r = 0; r < nr; r++)
+                        for (int m = 0; m < mr; m++) put(y, y_bf16, (m0 + m) * ldy + n + r, op[r * MR + m]);
+                }
+                wp[1] = wrow_at(rows + (2 * (int64_t)t + 1) * wb, K);
+            }
         } else
 #endif
         OMP(omp for schedule(static))
@@ -948,6 +1155,33 @@ int mlight_gguf_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t
                 dot_rows(wr, K, xf + m0 * lx, lx, mr, out);
                 for (int m = 0; m < mr; m++) put(y, y_bf16, (m0 + m) * ldy + n, out[m]);
             }
+        }
+    }
+    return 0;
+}
+
+/* W's rows as numbers: out [N, K] (rows ldo apart) fp32, or bf16 rounded to nearest even (torch's cast), the
+   fp32 path's decoded rows (`gguf.quants.dequantize`'s floats bit for bit); scratch: K floats a thread. For a
+   caller that multiplies many rows by a dense GEMM: torch ops expanding the blocks took as long as the GEMM */
+int mlight_gguf_dequantize(int kind, const uint8_t *w, int64_t ldw, int64_t N, int64_t K, void *out, int out_bf16,
+                           int64_t ldo, float *scratch, int threads) {
+    if (kind < 0 || kind > 5 || K % BS[kind] || threads < 1) return -1;
+    OMP(omp parallel num_threads(threads))
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        float *wr = scratch + (int64_t)t * K;
+        OMP(omp for schedule(static))
+        for (int64_t n = 0; n < N; n++) {
+            if (!out_bf16) {
+                decode_row(kind, w + n * ldw, K, (float *)out + n * ldo);
+                continue;
+            }
+            decode_row(kind, w + n * ldw, K, wr);
+            uint16_t *o = (uint16_t *)out + n * ldo;
+            for (int64_t k = 0; k < K; k++) o[k] = f32bf(wr[k]);
         }
     }
     return 0;

@@ -63,6 +63,9 @@ class _Lib:
         self.moe = native.bind(self.dll, "mlight_gguf_moe",
                                [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
         self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
+        # absent from an older revision's kernel (bench/gguf_speed.py --paths REV:...), which only multiplies
+        self.dequantize = (native.bind(self.dll, "mlight_gguf_dequantize", [C, P, I, I, I, P, C, I, P, C], C)
+                           if hasattr(self.dll, "mlight_gguf_dequantize") else None)
         self.openmp = bool(self.dll.mlight_gguf_openmp())
         self.simd = SIMD[self.dll.mlight_gguf_simd()]
         self.flags = flags + (" -fopenmp" if self.openmp else "")
@@ -141,6 +144,23 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
                   y.stride(0), s.data_ptr(), threads, p):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
     return y
+
+
+def dequantize(name: str, raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """W [N, K] from the file's blocks raw uint8 [N, bytes] (unit stride in bytes) into `out` [N, K] (bf16 or
+    float32, unit stride in K): `gguf.quants.dequantize`'s float32 values, bf16 rounded to nearest even as
+    torch's cast does, so bit for bit core.model.quant.expand's result. The caller checked `runs`."""
+    lib = library()
+    N, K = out.shape
+    if raw.shape[0] != N or raw.stride(-1) != 1 or out.stride(-1) != 1 or out.dtype not in (torch.bfloat16,
+                                                                                         torch.float32):
+        raise ValueError(f"raw {tuple(raw.shape)} and out {tuple(out.shape)} {out.dtype} do not match")
+    threads = torch.get_num_threads() if lib.openmp else 1
+    s = _scratch(threads * K)
+    if lib.dequantize(KINDS[name], raw.data_ptr(), raw.stride(0), N, K, out.data_ptr(),
+                      int(out.dtype == torch.bfloat16), out.stride(0), s.data_ptr(), threads):
+        raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
+    return out
 
 
 def integer_path(name: str) -> str:

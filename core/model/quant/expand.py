@@ -62,6 +62,11 @@ def expand_into(ws: Workspace, fmt: Format, parts: dict[str, torch.Tensor], n: i
                 dtype: torch.dtype) -> torch.Tensor:
     """The matrix `parts` stand for ([n, k], one expert) in `dtype`, in the workspace's output buffer."""
     out = ws.get("out", (n, k), dtype)
+    if out.device.type == "cpu" and "raw" in parts:  # GGUF blocks: the C decoder's values are these, bit for bit
+        from core.model.cpu import gguf_blocks
+
+        if gguf_blocks.runs(fmt.name, dtype, k):
+            return gguf_blocks.dequantize(fmt.name, parts["raw"], out)
     rows = ws.rows(n, k)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
