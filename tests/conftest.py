@@ -25,8 +25,9 @@ def pytest_sessionstart(session):
     factory = session.config._tmp_path_factory
     cache = factory.mktemp("mlight-cache")
     base = factory.getbasetemp()  # pytest-N (serial), pytest-N/popen-gwK (an xdist worker)
-    _link_kernels(cache, (base.parent.parent if hasattr(session.config, "workerinput") else base.parent)
-                  / "mlight-test-kernels")
+    _CACHE["kernels"] = (base.parent.parent if hasattr(session.config, "workerinput") else base.parent) \
+        / "mlight-test-kernels"
+    _link_kernels(cache, _CACHE["kernels"])
     _CACHE["old"] = {k: os.environ.get(k) for k in ("MLIGHT_CACHE_DIR", "MLIGHT_RESULTS_DIR")}
     _CACHE["dir"] = cache
     os.environ["MLIGHT_CACHE_DIR"] = str(cache)
@@ -58,6 +59,18 @@ def _link_kernels(cache: Path, kernels: Path) -> None:
         (cache / "kernels").symlink_to(kernels, target_is_directory=True)
     except OSError:
         pass
+
+
+@pytest.fixture(scope="session")
+def shared_kernels():
+    """`link(cache)`: a fresh cache folder that a test's child process uses finds the session's C kernels
+    (each a compiler run of seconds) while everything else in it starts empty."""
+    def link(cache: Path) -> Path:
+        cache.mkdir(parents=True, exist_ok=True)
+        _link_kernels(cache, _CACHE["kernels"])
+        return cache
+
+    return link
 
 
 @pytest.fixture(scope="session")
