@@ -164,9 +164,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     if _xdist_workers(config) > 1:
-        # the modules with long end-to-end tests go out first, so the run's last minute is short tests on every
-        # worker rather than one worker finishing a long one alone. Whole modules, in their order (stable): a
-        # module split in two runs its module fixtures (checkpoints, GGUF files, rank processes) twice
+        # the modules with long end-to-end tests go out first (pytest_cmdline_main: a module at a time to
+        # whichever worker is free), so the run's last minute is short tests on every worker rather than one
+        # worker finishing a long one alone. In their order otherwise (stable)
         slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
         items.sort(key=lambda item: item.path not in slow)
     if config.getoption("--cuda"):
@@ -177,7 +177,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# ---- parallel runs: pyproject's addopts ask xdist for `-n auto`; this sizes it ----------------------------
+# ---- parallel runs: pyproject's addopts ask xdist for `-n auto`; this sizes it and deals the modules ------
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Whole modules, in collection order, each to the next worker that runs short of tests (xdist's
+    `loadfile` without its reordering by size), unless --dist says otherwise. xdist's default (`load`) gives
+    each worker a first block of a quarter of its share, in order: on CI's 2 workers the first 271 tests,
+    every slow module and the app's first ones, went to one worker while the other ran all the rest and then
+    waited on it. A whole module to one worker also builds its module fixtures (checkpoints, GGUF files,
+    rank processes) once."""
+    opt = config.option
+    if getattr(opt, "numprocesses", None) and getattr(opt, "dist", None) == "no" and not getattr(opt, "distload", False):
+        opt.dist, opt.loadscopereorder = "loadfile", False
+
+
 MAX_WORKERS = 8  # beyond this, each worker's start-up (torch, checkpoints, the demo model) outweighs its share
 # a worker's peak resident set, with room: 0.75-0.95 GB measured mid-run with 2 workers (the whole suite in
 # one process peaks at 2.3 GB); CI's 2-core runners have 7 GB
