@@ -183,11 +183,12 @@ def pytest_cmdline_main(config):
     """Whole modules, in collection order, each to the next worker that runs short of tests (xdist's
     `loadfile` without its reordering by size), unless --dist says otherwise. xdist's default (`load`) gives
     each worker a first block of a quarter of its share, in order: on CI's 2 workers the first 271 tests,
-    every slow module and the app's first ones, went to one worker while the other ran all the rest and then
-    waited on it. A whole module to one worker also builds its module fixtures (checkpoints, GGUF files,
+    every slow module and the app's first ones, went to one worker, and the other, done with the rest, had
+    nothing left to take. A whole module to one worker also builds its module fixtures (checkpoints, GGUF files,
     rank processes) once."""
     opt = config.option
-    if getattr(opt, "numprocesses", None) and getattr(opt, "dist", None) == "no" and not getattr(opt, "distload", False):
+    chosen = getattr(opt, "dist", None) != "no" or getattr(opt, "distload", False)  # absent without xdist
+    if getattr(opt, "numprocesses", None) and not chosen:
         opt.dist, opt.loadscopereorder = "loadfile", False
 
 
