@@ -25,8 +25,9 @@ def pytest_sessionstart(session):
     factory = session.config._tmp_path_factory
     cache = factory.mktemp("mlight-cache")
     base = factory.getbasetemp()  # pytest-N (serial), pytest-N/popen-gwK (an xdist worker)
-    _link_kernels(cache, (base.parent.parent if hasattr(session.config, "workerinput") else base.parent)
-                  / "mlight-test-kernels")
+    _CACHE["kernels"] = (base.parent.parent if hasattr(session.config, "workerinput") else base.parent) \
+        / "mlight-test-kernels"
+    _link_kernels(cache, _CACHE["kernels"])
     _CACHE["old"] = {k: os.environ.get(k) for k in ("MLIGHT_CACHE_DIR", "MLIGHT_RESULTS_DIR")}
     _CACHE["dir"] = cache
     os.environ["MLIGHT_CACHE_DIR"] = str(cache)
@@ -58,6 +59,18 @@ def _link_kernels(cache: Path, kernels: Path) -> None:
         (cache / "kernels").symlink_to(kernels, target_is_directory=True)
     except OSError:
         pass
+
+
+@pytest.fixture(scope="session")
+def shared_kernels():
+    """`link(cache)`: a fresh cache folder that a test's child process uses finds the session's C kernels
+    (each a compiler run of seconds) while everything else in it starts empty."""
+    def link(cache: Path) -> Path:
+        cache.mkdir(parents=True, exist_ok=True)
+        _link_kernels(cache, _CACHE["kernels"])
+        return cache
+
+    return link
 
 
 @pytest.fixture(scope="session")
@@ -151,9 +164,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     if _xdist_workers(config) > 1:
-        # the modules with long end-to-end tests go out first, so the run's last minute is short tests on every
-        # worker rather than one worker finishing a long one alone. Whole modules, in their order (stable): a
-        # module split in two runs its module fixtures (checkpoints, GGUF files, rank processes) twice
+        # the modules with long end-to-end tests go out first (pytest_cmdline_main: a module at a time to
+        # whichever worker is free), so the run's last minute is short tests on every worker rather than one
+        # worker finishing a long one alone. In their order otherwise (stable)
         slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
         items.sort(key=lambda item: item.path not in slow)
     if config.getoption("--cuda"):
@@ -164,7 +177,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# ---- parallel runs: pyproject's addopts ask xdist for `-n auto`; this sizes it ----------------------------
+# ---- parallel runs: pyproject's addopts ask xdist for `-n auto`; this sizes it and deals the modules ------
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Whole modules, in collection order, each to the next worker that runs short of tests (xdist's
+    `loadfile` without its reordering by size), unless --dist says otherwise. xdist's default (`load`) gives
+    each worker a first block of a quarter of its share, in order: on CI's 2 workers the first 271 tests,
+    every slow module and the app's first ones, went to one worker, and the other, done with the rest, had
+    nothing left to take. A whole module to one worker also builds its module fixtures (checkpoints, GGUF files,
+    rank processes) once."""
+    opt = config.option
+    chosen = getattr(opt, "dist", None) != "no" or getattr(opt, "distload", False)  # absent without xdist
+    if getattr(opt, "numprocesses", None) and not chosen:
+        opt.dist, opt.loadscopereorder = "loadfile", False
+
+
 MAX_WORKERS = 8  # beyond this, each worker's start-up (torch, checkpoints, the demo model) outweighs its share
 # a worker's peak resident set, with room: 0.75-0.95 GB measured mid-run with 2 workers (the whole suite in
 # one process peaks at 2.3 GB); CI's 2-core runners have 7 GB

@@ -143,8 +143,9 @@ print(json.dumps({"calls": calls[0], "layers": e.spec.num_layers, "chosen": len(
 
 
 @pytest.mark.slow
-def test_a_second_process_runs_its_first_prefill_without_timing_the_experts(checkpoint_factory, tmp_path):
-    env = {**os.environ, "MLIGHT_CACHE_DIR": str(tmp_path / "cache"), "MLIGHT_DEVICE": "cpu",
+def test_a_second_process_runs_its_first_prefill_without_timing_the_experts(checkpoint_factory, tmp_path,
+                                                                           shared_kernels):
+    env = {**os.environ, "MLIGHT_CACHE_DIR": str(shared_kernels(tmp_path / "cache")), "MLIGHT_DEVICE": "cpu",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     model = str(checkpoint_factory("mixtral"))
 
