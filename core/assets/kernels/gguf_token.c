@@ -259,8 +259,33 @@ static inline __m512i idx16(int lo, int hi) { /* words 0-15: lo, 16-31: hi */
     return _mm512_inserti64x4(_mm512_set1_epi16((short)lo), _mm256_set1_epi16((short)hi), 1);
 }
 
-/* w . x for NR rows ldw bytes apart of kind 2-4 (K values each) and one activation row x split at xb (same
-   integers, floats and order as k16_rows with one row) */
+/* the 16 bytes at p, p + ldw, ... of NR (1-4) rows in a 512-bit vector's 128-bit lanes (the rest zero) */
+static inline __attribute__((always_inline)) __m512i lanes4(const uint8_t *p, int64_t ldw, const int NR) {
+    __m512i l = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)p));
+    if (NR > 1) l = _mm512_inserti32x4(l, _mm_loadu_si128((const __m128i *)(p + ldw)), 1);
+    if (NR > 2) l = _mm512_inserti32x4(l, _mm_loadu_si128((const __m128i *)(p + 2 * ldw)), 2);
+    if (NR > 3) l = _mm512_inserti32x4(l, _mm_loadu_si128((const __m128i *)(p + 3 * ldw)), 3);
+    return l;
+}
+
+/* Q4_K / Q5_K: the first 16 bytes of NR blocks (lanes4) to, a lane each, the 8 six-bit sub-scales (bytes 0-7)
+   and the 8 six-bit mins (8-15), sm_k4's unpacking in one go for the tile's rows (scale byte i at i + 4: sub-scale
+   j < 4 is byte j + 4's low 6 bits, j >= 4 byte j + 8's low nibble and byte j's top 2 bits; min j < 4 byte j + 8's
+   low 6 bits, j >= 4 byte j + 8's high nibble and byte j + 4's top 2 bits) */
+static inline __m512i k4_scales4(__m512i l) {
+    const __m512i ia = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i ib = _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+    const __m512i ma = _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m512i mh = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    __m512i a = _mm512_shuffle_epi8(l, ia), h = _mm512_shuffle_epi8(l, ib);
+    __m512i lo = _mm512_or_si512(_mm512_and_si512(a, ma), _mm512_and_si512(_mm512_srli_epi16(a, 4), mh));
+    return _mm512_or_si512(lo, _mm512_and_si512(_mm512_srli_epi16(h, 2), _mm512_set1_epi8(0x30)));
+}
+
+/* w . x for NR (1, 2, 4) rows ldw bytes apart of kind 2-4 (K values each) and one activation row x split at xb:
+   the same integers a lane as k16_rows with one row, the same float products and sums. The tile's scales are
+   unpacked together (the rows' scale bytes a 128-bit lane each: one shuffle-and-mask pass, then a vpermw per
+   sub-block pair and row), and the float lanes of two rows share a 512-bit vector (the same FMAs a lane) */
 static inline __attribute__((always_inline)) void k8_rows(const int kind, const uint8_t *row, int64_t ldw,
                                                           const int NR, int64_t K, const KQRow *x, const int8_t *xb,
                                                           float *out) {
@@ -270,6 +295,8 @@ static inline __attribute__((always_inline)) void k8_rows(const int kind, const 
     const __m512i pb = _mm512_set_epi16(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0,
                                         15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
     const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const int NP = (NR + 1) / 2; /* row pairs */
+    /* six[v]: a row's scales of slot v among its pair's 32 int16 (row 2p + 1's from word 16) */
     __m512i six[4], bit[4];
     for (int v = 0; v < 4; v++) {
         int ja = SLOT[kind == 4][v][0], jb = SLOT[kind == 4][v][1];
@@ -278,18 +305,36 @@ static inline __attribute__((always_inline)) void k8_rows(const int kind, const 
         else six[v] = idx16(ja, jb);
         bit[v] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << ja)), _mm256_set1_epi8((char)(1 << jb)), 1);
     }
-    __m256 acc[4];
-    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    const __m512i pair = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1); /* 0 x 8, 1 x 8 */
+    __m512 acc[2];
+    for (int p = 0; p < NP; p++) acc[p] = _mm512_setzero_ps();
     int64_t ahead = NR * ldw > AHEAD ? NR * ldw : AHEAD;
     for (int64_t b = 0; b < K / 256; b++) {
         const int8_t *a = xb + KB * b;
+        const uint8_t *b0 = row + b * TS[kind];
+        __m512i sw[2], mnp[2]; /* a pair's scales as int16 (16 words a row), its mins as int32 (8 a row) */
+        __m256 dd; /* d dx and dmin dx of row r at 2r, 2r + 1 (Q6_K: d dx at r) */
+        __m512 dx = _mm512_set1_ps(x->d[b]);
+        if (kind == 4) {
+            __m512i l = lanes4(b0 + 192, ldw, NR);
+            sw[0] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(l)), sw[1] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(l, 1));
+            __m128i h = _mm_cvtsi32_si128(b0[208] | b0[209] << 8);
+            for (int r = 1; r < NR; r++) h = _mm_insert_epi16(h, b0[r * ldw + 208] | b0[r * ldw + 209] << 8, r);
+            dd = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm512_castps512_ps256(dx));
+        } else {
+            __m512i l = lanes4(b0, ldw, NR), sm = k4_scales4(l);
+            sw[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(sm)), sw[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(sm, 1));
+            const __m512i hi8 = _mm512_set_epi64(7, 7, 7, 7, 7, 5, 3, 1); /* each lane's bytes 8-15: the mins */
+            __m512i mq = _mm512_permutexvar_epi64(hi8, sm);
+            mnp[0] = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(mq));
+            mnp[1] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(mq, 1));
+            __m128i h = _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), l));
+            dd = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm512_castps512_ps256(dx));
+        }
+        __m512i t[4];
         for (int r = 0; r < NR; r++) {
-            const uint8_t *blk = row + r * ldw + b * TS[kind];
+            const uint8_t *blk = b0 + r * ldw;
             for (int c = 0; c < TS[kind]; c += 64) _mm_prefetch((const char *)(blk + ahead + c), _MM_HINT_T0);
-            __m512i sc;
-            __m256i mn;
-            float d, dm;
-            k16_scales_v(kind, blk, &sc, &mn, &d, &dm);
             __m512i u[4];
             if (kind == 4)
                 for (int c = 0; c < 2; c++) {
@@ -315,21 +360,38 @@ static inline __attribute__((always_inline)) void k8_rows(const int kind, const 
                 }
             }
             __m512i th = _mm512_setzero_si512(), tl = _mm512_setzero_si512();
+            const __m512i rsel = _mm512_set1_epi16((short)(16 * (r & 1)));
             for (int v = 0; v < 4; v++) {
-                __m512i s = _mm512_permutexvar_epi16(six[v], sc);
+                __m512i sv = _mm512_permutexvar_epi16(_mm512_add_epi16(six[v], rsel), sw[r >> 1]);
                 __m512i ph = _mm512_maddubs_epi16(u[v], _mm512_loadu_si512(a + 128 * v));
                 __m512i pl = _mm512_maddubs_epi16(u[v], _mm512_loadu_si512(a + 128 * v + 64));
                 if (kind == 4) {
                     ph = _mm512_sub_epi16(ph, _mm512_loadu_si512(a + 512 + 128 * v));
                     pl = _mm512_sub_epi16(pl, _mm512_loadu_si512(a + 512 + 128 * v + 64));
                 }
-                th = _mm512_dpwssd_epi32(th, ph, s), tl = _mm512_dpwssd_epi32(tl, pl, s);
+                th = _mm512_dpwssd_epi32(th, ph, sv), tl = _mm512_dpwssd_epi32(tl, pl, sv);
             }
-            __m512i t = _mm512_add_epi32(_mm512_slli_epi32(th, 8), tl);
-            acc[r] = k16_lanes(kind, fold8(t), x->bs + 8 * b, mn, d, dm, x->d[b], acc[r]);
+            t[r] = _mm512_add_epi32(_mm512_slli_epi32(th, 8), tl);
+        }
+        if (NR == 1) t[1] = _mm512_setzero_si512();
+        const __m512 dz = _mm512_castps256_ps512(dd);
+        const __m512i bs = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->bs + 8 * b)));
+        for (int p = 0; p < NP; p++) { /* rows 2p, 2p + 1: fold8 of each into one vector's halves, k16_lanes' FMAs */
+            __m512i f = _mm512_add_epi32(_mm512_shuffle_i64x2(t[2 * p], t[2 * p + 1], 0x44),
+                                         _mm512_shuffle_i64x2(t[2 * p], t[2 * p + 1], 0xee));
+            if (kind == 4) {
+                __m512 sd = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * p)), dz);
+                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), sd, acc[p]);
+            } else {
+                __m512i at = _mm512_add_epi32(_mm512_add_epi32(pair, pair), _mm512_set1_epi32(4 * p));
+                __m512 sd = _mm512_permutexvar_ps(at, dz), sm = _mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(1)), dz);
+                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), sd, acc[p]);
+                acc[p] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(mnp[p], bs)), sm, acc[p]);
+            }
         }
     }
-    for (int r = 0; r < NR; r++) out[r] = hsum8(acc[r]);
+    for (int r = 0; r < NR; r++)
+        out[r] = hsum8(r & 1 ? _mm512_extractf32x8_ps(acc[r >> 1], 1) : _mm512_castps512_ps256(acc[r >> 1]));
 }
 
 /* the K-quant activation row quantized at xp split for kind's u8 dots into xb */
