@@ -296,13 +296,15 @@ static inline __attribute__((always_inline)) void k8_rows(const int kind, const 
                                         15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
     const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     const int NP = (NR + 1) / 2; /* row pairs */
-    /* six[v]: a row's scales of slot v among its pair's 32 int16 (row 2p + 1's from word 16) */
+    /* six[v]: slot v's scales (int16) shuffled out of the 8 words in every 128-bit lane (vpshufb: Q4_K, Q5_K a
+       row's 8 sub-scales; Q6_K scales 8 (v >> 1) .. 8 (v >> 1) + 7 of its 16) */
     __m512i six[4], bit[4];
     for (int v = 0; v < 4; v++) {
         int ja = SLOT[kind == 4][v][0], jb = SLOT[kind == 4][v][1];
         if (kind == 4) /* Q6_K: a 16's scale a word, alternating (values 2i, 2i + 1 | 2i + 16, 2i + 17) */
-            six[v] = _mm512_add_epi16(idx16(2 * ja, 2 * jb), _mm512_set1_epi32(0x00010000));
-        else six[v] = idx16(ja, jb);
+            six[v] = _mm512_add_epi16(idx16((2 * ja % 8) * 0x202 + 0x100, (2 * jb % 8) * 0x202 + 0x100),
+                                      _mm512_set1_epi32(0x02020000));
+        else six[v] = idx16(ja * 0x202 + 0x100, jb * 0x202 + 0x100);
         bit[v] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << ja)), _mm256_set1_epi8((char)(1 << jb)), 1);
     }
     const __m512i pair = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1); /* 0 x 8, 1 x 8 */
@@ -360,9 +362,12 @@ static inline __attribute__((always_inline)) void k8_rows(const int kind, const 
                 }
             }
             __m512i th = _mm512_setzero_si512(), tl = _mm512_setzero_si512();
-            const __m512i rsel = _mm512_set1_epi16((short)(16 * (r & 1)));
+            /* the row's (first) 8 scales in every 128-bit lane; Q6_K's second 8 for slots 2, 3 */
+            __m512i q = sw[r >> 1];
+            __m512i rl = r & 1 ? _mm512_shuffle_i64x2(q, q, 0xaa) : _mm512_shuffle_i64x2(q, q, 0), rh = rl;
+            if (kind == 4) rh = r & 1 ? _mm512_shuffle_i64x2(q, q, 0xff) : _mm512_shuffle_i64x2(q, q, 0x55);
             for (int v = 0; v < 4; v++) {
-                __m512i sv = _mm512_permutexvar_epi16(_mm512_add_epi16(six[v], rsel), sw[r >> 1]);
+                __m512i sv = _mm512_shuffle_epi8(kind == 4 && v >= 2 ? rh : rl, six[v]);
                 __m512i ph = _mm512_maddubs_epi16(u[v], _mm512_loadu_si512(a + 128 * v));
                 __m512i pl = _mm512_maddubs_epi16(u[v], _mm512_loadu_si512(a + 128 * v + 64));
                 if (kind == 4) {
