@@ -255,12 +255,6 @@ static void split_row(int kind, const KQRow *x, int64_t K, int8_t *xb) {
     }
 }
 
-/* 64 bytes as two 32-byte loads: a 64-byte load of a super-block's quants (16 bytes aligned) spans two lines */
-static inline __m512i ld64(const uint8_t *p) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
-                              _mm256_loadu_si256((const __m256i *)(p + 32)), 1);
-}
-
 static inline __m512i idx16(int lo, int hi) { /* words 0-15: lo, 16-31: hi */
     return _mm512_inserti64x4(_mm512_set1_epi16((short)lo), _mm256_set1_epi16((short)hi), 1);
 }
@@ -360,7 +354,7 @@ static inline __attribute__((always_inline)) void k8_rows(const int kind, const 
             __m512i u[4];
             if (kind == 4)
                 for (int c = 0; c < 2; c++) {
-                    __m512i lq = _mm512_permutexvar_epi16(pw, ld64(blk + 64 * c));
+                    __m512i lq = _mm512_permutexvar_epi16(pw, _mm512_loadu_si512(blk + 64 * c));
                     __m512i hq = _mm512_permutexvar_epi16(
                         pb, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c))));
                     u[2 * c] = _mm512_or_si512(_mm512_and_si512(lq, m4),
@@ -371,7 +365,7 @@ static inline __attribute__((always_inline)) void k8_rows(const int kind, const 
             else {
                 const uint8_t *qs = blk + (kind == 2 ? 16 : 48);
                 for (int c = 0; c < 2; c++) {
-                    __m512i v = _mm512_permutexvar_epi16(pw, ld64(qs + 64 * c));
+                    __m512i v = _mm512_permutexvar_epi16(pw, _mm512_loadu_si512(qs + 64 * c));
                     u[2 * c] = _mm512_and_si512(v, m4), u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 }
                 if (kind == 3) { /* Q5_K: bit j of qh's bytes is sub-block j's fifth bit */
