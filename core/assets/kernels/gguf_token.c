@@ -313,38 +313,26 @@ static inline __attribute__((always_inline)) void k8_rows(const int kind, const 
     /* twice k16_rows' distance, into L2: into L1 (T0) the tile's lines ran this loop at 0.7-0.8x k16_rows from
        memory (1.1x from cache); into L2 1.2-1.3x (Zen 5, the 784M Mixtral's expert shapes, 8 experts) */
     int64_t ahead = 2 * (NR * ldw > AHEAD ? NR * ldw : AHEAD);
-    /* the tile's scale bytes loaded a super-block early: each of them is a different row's (stream's), and every
-       row's dots wait on all of them */
-    const int so = kind == 4 ? 192 : 0;
-    __m512i ln = lanes4(row + so, ldw, NR);
-    __m128i hn = _mm_setzero_si128();
-    if (kind == 4)
-        for (int r = 0; r < NR; r++) hn = _mm_insert_epi16(hn, row[r * ldw + 208] | row[r * ldw + 209] << 8, r);
     for (int64_t b = 0; b < K / 256; b++) {
         const int8_t *a = xb + KB * b;
         const uint8_t *b0 = row + b * TS[kind];
-        __m512i l = ln;
-        __m128i h = hn;
-        if (b + 1 < K / 256) {
-            const uint8_t *b1 = b0 + TS[kind];
-            ln = lanes4(b1 + so, ldw, NR);
-            if (kind == 4)
-                for (int r = 0; r < NR; r++) hn = _mm_insert_epi16(hn, b1[r * ldw + 208] | b1[r * ldw + 209] << 8, r);
-        }
         __m512i sw[2], mnp[2]; /* a pair's scales as int16 (16 words a row), its mins as int32 (8 a row) */
         __m256 dd; /* d dx and dmin dx of row r at 2r, 2r + 1 (Q6_K: d dx at r) */
         __m512 dx = _mm512_set1_ps(x->d[b]);
         if (kind == 4) {
+            __m512i l = lanes4(b0 + 192, ldw, NR);
             sw[0] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(l)), sw[1] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(l, 1));
+            __m128i h = _mm_cvtsi32_si128(b0[208] | b0[209] << 8);
+            for (int r = 1; r < NR; r++) h = _mm_insert_epi16(h, b0[r * ldw + 208] | b0[r * ldw + 209] << 8, r);
             dd = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm512_castps512_ps256(dx));
         } else {
-            __m512i sm = k4_scales4(l);
+            __m512i l = lanes4(b0, ldw, NR), sm = k4_scales4(l);
             sw[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(sm)), sw[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(sm, 1));
             const __m512i hi8 = _mm512_set_epi64(7, 7, 7, 7, 7, 5, 3, 1); /* each lane's bytes 8-15: the mins */
             __m512i mq = _mm512_permutexvar_epi64(hi8, sm);
             mnp[0] = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(mq));
             mnp[1] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(mq, 1));
-            h = _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), l));
+            __m128i h = _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), l));
             dd = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm512_castps512_ps256(dx));
         }
         __m512i t[4];
