@@ -17,7 +17,9 @@
    1.25x one row), each super-block's scales unpacked in registers (through the stack they took a third of a
    Q4_K super-block's time) and the next rows prefetched. On the 784M Mixtral's expert shapes (Zen 5, one
    thread, weights from memory) that read Q4_K at 1.2-1.3x gguf_matmul.c's one-row kernel, Q6_K at 1.0x
-   (bench/gguf_speed.py --kernel --paths main:int16,token). mlight_gguf_token_linear takes a few activation
+   (bench/gguf_speed.py --kernel --paths main:int16,token); the same integers on u8 x s8 dots (k8_rows: the
+   weights left bytes, the activations split into two bytes once a token) read them at 1.1-1.3x that again
+   (Q4_K 24-25, Q5_K 21, Q6_K 15-16 G weights/s). mlight_gguf_token_linear takes a few activation
    rows too (an expert's rows at a small batch's decode): one weight row against up to TM of them, each 32
    values unpacked once for all, 1.1-1.6x gguf_matmul.c's k16 tiles at 2-8 rows (the same shapes). With AVX2
    and in plain C these rows are decoded first, as in gguf_matmul.c. Other formats take gguf_matmul.c's row
