@@ -234,26 +234,25 @@ static inline __attribute__((always_inline)) void k16_rows(const int kind, const
                    pair offsets (int16) at 512 + 128v and 512 + 128v + 64 */
 static const int SLOT[2][4][2] = {{{0, 2}, {1, 3}, {4, 6}, {5, 7}}, {{0, 1}, {2, 3}, {4, 5}, {6, 7}}};
 
-/* the activation row x (K) split for kind's slots into xb (K / 256 * KB bytes) */
+/* the activation row x (K) split for kind's slots into xb (K / 256 * KB bytes): byte p of a 32 holds value
+   2 (p >> 2) + (p & 1) + 16 ((p >> 1) & 1) (a vpermw), l = q's low byte sign-extended, h = (q - l) >> 8 (exact:
+   q - l is a multiple of 256); Q6_K's pair offsets 32 (a + b) by maddubs (|32 (a + b)| <= 8192) */
 static void split_row(int kind, const KQRow *x, int64_t K, int8_t *xb) {
+    const __m512i at = _mm512_set_epi16(31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8,
+                                        23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0);
     for (int64_t b = 0; b < K / 256; b++) {
         int8_t *o = xb + KB * b;
         for (int v = 0; v < 4; v++)
             for (int hh = 0; hh < 2; hh++) {
-                const int16_t *q = x->q + 256 * b + 32 * SLOT[kind == 4][v][hh];
-                for (int p = 0; p < 32; p++) {
-                    int src = 2 * (p >> 2) + (p & 1) + (p & 2 ? 16 : 0); /* byte p <- value src */
-                    int l = ((q[src] + 128) & 255) - 128;
-                    o[128 * v + 32 * hh + p] = (int8_t)((q[src] - l) / 256), o[128 * v + 64 + 32 * hh + p] = (int8_t)l;
-                }
+                __m512i q = _mm512_permutexvar_epi16(
+                    at, _mm512_loadu_si512(x->q + 256 * b + 32 * SLOT[kind == 4][v][hh]));
+                __m512i l = _mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8), h = _mm512_srai_epi16(_mm512_sub_epi16(q, l), 8);
+                _mm256_storeu_si256((__m256i *)(o + 128 * v + 32 * hh), _mm512_cvtepi16_epi8(h));
+                _mm256_storeu_si256((__m256i *)(o + 128 * v + 64 + 32 * hh), _mm512_cvtepi16_epi8(l));
             }
         if (kind == 4)
-            for (int v = 0; v < 4; v++)
-                for (int w = 0; w < 64; w++) { /* w < 32: h's pairs, else l's */
-                    const int8_t *a = o + 128 * v + 2 * w;
-                    int16_t pair = (int16_t)(32 * (a[0] + a[1]));
-                    memcpy(o + 512 + 128 * v + 2 * w, &pair, 2);
-                }
+            for (int w = 0; w < 8; w++) /* w even: slot w / 2's h pairs, odd: its l pairs */
+                _mm512_storeu_si512(o + 512 + 64 * w, _mm512_maddubs_epi16(_mm512_set1_epi8(32), _mm512_loadu_si512(o + 64 * w)));
     }
 }
 
