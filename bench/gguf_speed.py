@@ -34,6 +34,7 @@ integer default).
     python bench/gguf_speed.py --kernel --formats Q4_K,Q6_K --paths main:int16,int16  # main's kernel vs this tree's
     python bench/gguf_speed.py --kernel --formats Q4_K,Q6_K --rows 1 --kernel-threads 1 --paths main:int16,token
     python bench/gguf_speed.py --kernel --formats Q4_K,Q6_K --rows 2,4,8 --kernel-threads 1 --paths main:int16,token
+    python bench/gguf_speed.py --kernel --formats Q4_K --rows 1,2,4,8 --kernel-threads 1 --paths main:token,token
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def parse_args(argv=None):
     k.add_argument("--paths", default="fp32,int",
                    help="the two paths timed against each other, gguf_blocks.PATHS names; 'int' is `linear`'s "
                         "integer default for the format (int8, or the K-quants' own); REV:PATH takes the kernel "
-                        "as git revision REV has it (built with this build's flags), e.g. main:int16,int16")
+                        "as git revision REV has it (built with this build's flags), e.g. main:int16,int16; "
+                        "main:token,token: gguf_token's kernel as main has it against this tree's")
     return p.parse_args(argv)
 
 
@@ -138,6 +140,24 @@ def baseline_library(rev: str, lib):
     return gguf_blocks._Lib(built, " ".join(flags))
 
 
+def baseline_token(rev: str, lib):
+    """core.model.cpu.gguf_token's kernel as git revision `rev` has it (gguf_token.c with that revision's
+    gguf_matmul.c), built with `lib`'s flags."""
+    from core.model.cpu import gguf_token, native
+
+    where = Path(tempfile.mkdtemp())
+    for name in ("gguf_token.c", "gguf_matmul.c"):
+        (where / name).write_bytes(subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:core/assets/kernels/{name}"], check=True,
+            capture_output=True).stdout)
+    flags = [f for f in lib.flags.split() if f != "-fopenmp"]
+    built = native.compile_openmp(native._compiler(), ["-O3", "-shared", "-fPIC", *flags], native._flags()[1],
+                                  where / "gguf_token.c", f"gguf_token_{rev}")
+    if isinstance(built, str):
+        raise SystemExit(f"{rev}'s token kernel did not build: {built}")
+    return gguf_token._Lib(built, " ".join(flags))
+
+
 def kernel_paths(args) -> int:
     import itertools
 
@@ -152,9 +172,13 @@ def kernel_paths(args) -> int:
     first, second = args.paths.split(",")
     libs = [baseline_library(p.split(":")[0], lib) if ":" in p else lib for p in (first, second)]
     names = [p.split(":")[-1] for p in (first, second)]
+    tlib = gguf_token.library()
+    tlibs = [baseline_token(p.split(":")[0], tlib) if ":" in p and p.endswith(":token") and tlib is not None
+             else tlib for p in (first, second)]
 
-    def on(i: int):  # gguf_blocks' calls on path i's library
+    def on(i: int):  # gguf_blocks' and gguf_token's calls on path i's libraries
         gguf_blocks.library = lambda: libs[i]
+        gguf_token.library = lambda: tlibs[i]
         return i
 
     print(f"# {gguf_blocks.status()}; D {D}, I {I}; {rounds} interleaved rounds; clock: {args.clock or 'cpu at 1 thread, wall at more'}")

@@ -188,3 +188,41 @@ def test_one_row_through_a_q8_0_matrix_equals_the_decoded_rows(K):
     torch.testing.assert_close(want.double(), _reference(x.float(), deq), rtol=1e-2, atol=1e-2)
     assert not gguf_token.linear("Q8_0", x.float(), raw, c.float())  # fp32 rows: gguf_blocks' fp32 path
     assert not gguf_token.linear("Q8_0", x.repeat(2, 1), raw, c.repeat(2, 1))
+
+
+def _fp32_rows(lib, call: str, kind: str, x: torch.Tensor, raw: torch.Tensor, path: int) -> torch.Tensor:
+    """`lib`'s linear call with float32 output (the bf16 output of `linear` would hide a one-ulp difference in
+    the float lanes): x [M, K] bf16 through raw [N, bytes] on integer path `path` of that library's numbering."""
+    M, K = x.shape
+    threads = 1
+    y = torch.full((M, raw.shape[0]), float("nan"))
+    s = torch.empty(getattr(lib, call + "_scratch")(M, K, threads) if call else lib.scratch(M, K, threads))
+    fn = getattr(lib, call) if call else lib.linear
+    assert fn(gguf_blocks.KINDS[kind], x.data_ptr(), 1, x.stride(0), M, K, raw.data_ptr(), raw.stride(0),
+              raw.shape[0], y.data_ptr(), 0, y.stride(0), s.data_ptr(), threads, path) == 0
+    return y
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("K,N", [(256, 3), (768, 9), (1280, 6)])
+def test_k_quant_rows_equal_gguf_blocks_in_float32(kind, K, N):
+    """The float32 results themselves, before any bf16 rounding, at M = 1..9 activation rows (the one-row u8
+    dots, the few-row tiles and a tile and a row past 8), K an odd count of super-blocks, N a partial tile of
+    weight rows: the SIMD dots, the plain-C dots and gguf_blocks' int16 path bit for bit; random bytes (every
+    scale, min and quant a quantizer may not write) as well as quantized weights."""
+    g = torch.Generator().manual_seed(K + N)
+    tsz = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+    rnd = torch.randint(0, 256, (N, K // 256, tsz[kind]), generator=g, dtype=torch.uint8)
+    nh, at = (1, 208) if kind == "Q6_K" else (2, 0)
+    rnd[..., at:at + 2 * nh] = (torch.rand(N, K // 256, nh, generator=g) * 4 + 2 ** -4).half().view(torch.uint8)
+    tok, blk = gguf_token.library(), gguf_blocks.library()
+    for raw in (_blocks(kind, N, K, seed=K + N)[0], rnd.reshape(N, -1)):
+        for M in range(1, 10):
+            x = (torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 8).bfloat16()
+            x[0, :7] = 0  # a zero run and, below, an activation at the quantizer's ends
+            x[-1, 5] = x[-1].abs().max() * (-1) ** M
+            want = _fp32_rows(blk, "", kind, x, raw, gguf_blocks.PATHS["int16"])
+            assert not want.isnan().any()
+            assert torch.equal(_fp32_rows(tok, "linear", kind, x, raw, 2), want), (M, "SIMD")
+            assert torch.equal(_fp32_rows(tok, "linear", kind, x, raw, 1), want), (M, "plain C")
+            assert torch.equal(_fp32_rows(blk, "", kind, x, raw, gguf_blocks.PATHS["int16_c"]), want), (M, "C")

@@ -17,7 +17,9 @@
    1.25x one row), each super-block's scales unpacked in registers (through the stack they took a third of a
    Q4_K super-block's time) and the next rows prefetched. On the 784M Mixtral's expert shapes (Zen 5, one
    thread, weights from memory) that read Q4_K at 1.2-1.3x gguf_matmul.c's one-row kernel, Q6_K at 1.0x
-   (bench/gguf_speed.py --kernel --paths main:int16,token). mlight_gguf_token_linear takes a few activation
+   (bench/gguf_speed.py --kernel --paths main:int16,token); the same integers on u8 x s8 dots (k8_rows: the
+   weights left bytes, the activations split into two bytes once a token) read them at 1.1-1.3x that again
+   (Q4_K 24-25, Q5_K 21, Q6_K 15-16 G weights/s). mlight_gguf_token_linear takes a few activation
    rows too (an expert's rows at a small batch's decode): one weight row against up to TM of them, each 32
    values unpacked once for all, 1.1-1.6x gguf_matmul.c's k16 tiles at 2-8 rows (the same shapes). With AVX2
    and in plain C these rows are decoded first, as in gguf_matmul.c. Other formats take gguf_matmul.c's row
@@ -211,6 +213,214 @@ static inline __attribute__((always_inline)) void k16_rows(const int kind, const
         for (int m = 0; m < MRC; m++) out[r * MRC + m] = hsum8(acc[r][m]);
 }
 
+/* ---- one activation row on u8 x s8 dots, the int16 path's integers kept ----------------------------------
+   At one activation row k16_rows spends most of its instructions making int16 weights (widening, the sub-scale
+   broadcast and multiply) for one dot each. Here the weights stay the file's unsigned bytes (Q4_K 0..15, Q5_K
+   0..31, Q6_K 0..63) and each int16 activation is split once a token into two signed bytes, q = 256 h + l with l
+   q's signed low byte (-128..127) and h = (q - l) / 256 (|q| <= 16383, so |h| <= 64): maddubs turns a pair of
+   weight bytes and a pair of h (l) bytes into one int16, and vpdpwssd multiplies it by the pair's sub-scale into
+   an int32 lane, for h and l in two accumulators; 256 th + tl is then the int16 path's lane.
+   Exact: maddubs saturates at |32767| and its pairs are at most 2 * 63 * 128 = 16128 (Q6_K's l; Q6_K's -32
+   offset is taken off the int16 pairs, 32 (a + b) of each pair of activation bytes, precomputed: |pair| <=
+   2 * 32 * 128 after it); vpdpwssd's products (int16 x int16) are exact in int32 and its and vpaddd's sums
+   wrap modulo 2^32, so th, tl and 256 th + tl are the int16 path's sums modulo 2^32 and, as those lie in int32
+   (gguf_matmul.c's bound: |lane| < 2^31 - 2^17), equal to them. The lanes must hold the same values as
+   k16_rows' (their float conversion rounds): lane i of a 32-value sub-block holds values 2i, 2i + 1, 2i + 16,
+   2i + 17 there, so the weight bytes are permuted (vpermw: word 2i <- word i, 2i + 1 <- word i + 8 of each 32
+   bytes) and the activation bytes stored in that order. Each 512-bit vector holds two sub-blocks (a slot): the
+   low and high nibbles of 64 qs bytes (Q4_K, Q5_K: sub-blocks 0 and 2, 1 and 3, 4 and 6, 5 and 7), Q6_K's 32
+   values t = 0, 1 or 2, 3 of a half. */
+#define KB 1024 /* bytes of a super-block's split activations: slot v's h at 128v, its l at 128v + 64; Q6_K's
+                   pair offsets (int16) at 512 + 128v and 512 + 128v + 64 */
+static const int SLOT[2][4][2] = {{{0, 2}, {1, 3}, {4, 6}, {5, 7}}, {{0, 1}, {2, 3}, {4, 5}, {6, 7}}};
+
+/* the activation row x (K) split for kind's slots into xb (K / 256 * KB bytes): byte p of a 32 holds value
+   2 (p >> 2) + (p & 1) + 16 ((p >> 1) & 1) (a vpermw), l = q's low byte sign-extended, h = (q - l) >> 8 (exact:
+   q - l is a multiple of 256); Q6_K's pair offsets 32 (a + b) by maddubs (|32 (a + b)| <= 8192) */
+static void split_row(int kind, const KQRow *x, int64_t K, int8_t *xb) {
+    const __m512i at = _mm512_set_epi16(31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8,
+                                        23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0);
+    for (int64_t b = 0; b < K / 256; b++) {
+        int8_t *o = xb + KB * b;
+        for (int v = 0; v < 4; v++)
+            for (int hh = 0; hh < 2; hh++) {
+                __m512i q = _mm512_permutexvar_epi16(
+                    at, _mm512_loadu_si512(x->q + 256 * b + 32 * SLOT[kind == 4][v][hh]));
+                __m512i l = _mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8), h = _mm512_srai_epi16(_mm512_sub_epi16(q, l), 8);
+                _mm256_storeu_si256((__m256i *)(o + 128 * v + 32 * hh), _mm512_cvtepi16_epi8(h));
+                _mm256_storeu_si256((__m256i *)(o + 128 * v + 64 + 32 * hh), _mm512_cvtepi16_epi8(l));
+            }
+        if (kind == 4)
+            for (int w = 0; w < 8; w++) /* w even: slot w / 2's h pairs, odd: its l pairs */
+                _mm512_storeu_si512(o + 512 + 64 * w, _mm512_maddubs_epi16(_mm512_set1_epi8(32), _mm512_loadu_si512(o + 64 * w)));
+    }
+}
+
+static inline __m512i idx16(int lo, int hi) { /* words 0-15: lo, 16-31: hi */
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)lo), _mm256_set1_epi16((short)hi), 1);
+}
+
+/* the 16 bytes at p, p + ldw, ... of NR (1-4) rows in a 512-bit vector's 128-bit lanes (the rest zero) */
+static inline __attribute__((always_inline)) __m512i lanes4(const uint8_t *p, int64_t ldw, const int NR) {
+    __m512i l = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)p));
+    if (NR > 1) l = _mm512_inserti32x4(l, _mm_loadu_si128((const __m128i *)(p + ldw)), 1);
+    if (NR > 2) l = _mm512_inserti32x4(l, _mm_loadu_si128((const __m128i *)(p + 2 * ldw)), 2);
+    if (NR > 3) l = _mm512_inserti32x4(l, _mm_loadu_si128((const __m128i *)(p + 3 * ldw)), 3);
+    return l;
+}
+
+/* Q4_K / Q5_K: the first 16 bytes of NR blocks (lanes4) to, a lane each, the 8 six-bit sub-scales (bytes 0-7)
+   and the 8 six-bit mins (8-15), sm_k4's unpacking in one go for the tile's rows (scale byte i at i + 4: sub-scale
+   j < 4 is byte j + 4's low 6 bits, j >= 4 byte j + 8's low nibble and byte j's top 2 bits; min j < 4 byte j + 8's
+   low 6 bits, j >= 4 byte j + 8's high nibble and byte j + 4's top 2 bits) */
+static inline __m512i k4_scales4(__m512i l) {
+    const __m512i ia = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i ib = _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+    const __m512i ma = _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m512i mh = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    __m512i a = _mm512_shuffle_epi8(l, ia), h = _mm512_shuffle_epi8(l, ib);
+    __m512i lo = _mm512_or_si512(_mm512_and_si512(a, ma), _mm512_and_si512(_mm512_srli_epi16(a, 4), mh));
+    return _mm512_or_si512(lo, _mm512_and_si512(_mm512_srli_epi16(h, 2), _mm512_set1_epi8(0x30)));
+}
+
+/* w . x for NR (1, 2, 4) rows ldw bytes apart of kind 2-4 (K values each) and one activation row x split at xb:
+   the same integers a lane as k16_rows with one row, the same float products and sums. The tile's scales are
+   unpacked together (the rows' scale bytes a 128-bit lane each: one shuffle-and-mask pass, then a vpermw per
+   sub-block pair and row), and the float lanes of two rows share a 512-bit vector (the same FMAs a lane) */
+static inline __attribute__((always_inline)) void k8_rows(const int kind, const uint8_t *row, int64_t ldw,
+                                                          const int NR, int64_t K, const KQRow *x, const int8_t *xb,
+                                                          float *out) {
+    /* word 2i <- i, 2i + 1 <- i + 8 in each 16 (pw), the low 16 into both halves (pb) */
+    const __m512i pw = _mm512_set_epi16(31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16,
+                                        15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+    const __m512i pb = _mm512_set_epi16(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0,
+                                        15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const int NP = (NR + 1) / 2; /* row pairs */
+    /* six[v]: slot v's scales (int16) shuffled out of the 8 words in every 128-bit lane (vpshufb: Q4_K, Q5_K a
+       row's 8 sub-scales; Q6_K scales 8 (v >> 1) .. 8 (v >> 1) + 7 of its 16) */
+    __m512i six[4], bit[4];
+    for (int v = 0; v < 4; v++) {
+        int ja = SLOT[kind == 4][v][0], jb = SLOT[kind == 4][v][1];
+        if (kind == 4) /* Q6_K: a 16's scale a word, alternating (values 2i, 2i + 1 | 2i + 16, 2i + 17) */
+            six[v] = _mm512_add_epi16(idx16((2 * ja % 8) * 0x202 + 0x100, (2 * jb % 8) * 0x202 + 0x100),
+                                      _mm512_set1_epi32(0x02020000));
+        else six[v] = idx16(ja * 0x202 + 0x100, jb * 0x202 + 0x100);
+        bit[v] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << ja)), _mm256_set1_epi8((char)(1 << jb)), 1);
+    }
+    const __m512i pair = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1); /* 0 x 8, 1 x 8 */
+    __m512 acc[2];
+    for (int p = 0; p < NP; p++) acc[p] = _mm512_setzero_ps();
+    /* twice k16_rows' distance, into L2: into L1 (T0) the tile's lines ran this loop at 0.7-0.8x k16_rows from
+       memory (1.1x from cache); into L2 1.2-1.3x (Zen 5, the 784M Mixtral's expert shapes, 8 experts) */
+    int64_t ahead = 2 * (NR * ldw > AHEAD ? NR * ldw : AHEAD);
+    for (int64_t b = 0; b < K / 256; b++) {
+        const int8_t *a = xb + KB * b;
+        const uint8_t *b0 = row + b * TS[kind];
+        __m512i sw[2], mnp[2]; /* a pair's scales as int16 (16 words a row), its mins as int32 (8 a row) */
+        __m256 dd; /* d dx and dmin dx of row r at 2r, 2r + 1 (Q6_K: d dx at r) */
+        __m512 dx = _mm512_set1_ps(x->d[b]);
+        if (kind == 4) {
+            __m512i l = lanes4(b0 + 192, ldw, NR);
+            sw[0] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(l)), sw[1] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(l, 1));
+            __m128i h = _mm_cvtsi32_si128(b0[208] | b0[209] << 8);
+            for (int r = 1; r < NR; r++) h = _mm_insert_epi16(h, b0[r * ldw + 208] | b0[r * ldw + 209] << 8, r);
+            dd = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm512_castps512_ps256(dx));
+        } else {
+            __m512i l = lanes4(b0, ldw, NR), sm = k4_scales4(l);
+            sw[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(sm)), sw[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(sm, 1));
+            const __m512i hi8 = _mm512_set_epi64(7, 7, 7, 7, 7, 5, 3, 1); /* each lane's bytes 8-15: the mins */
+            __m512i mq = _mm512_permutexvar_epi64(hi8, sm);
+            mnp[0] = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(mq));
+            mnp[1] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(mq, 1));
+            __m128i h = _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), l));
+            dd = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm512_castps512_ps256(dx));
+        }
+        __m512i t[4];
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *blk = b0 + r * ldw;
+            for (int c = 0; c < TS[kind]; c += 64) _mm_prefetch((const char *)(blk + ahead + c), _MM_HINT_T1);
+            __m512i u[4];
+            if (kind == 4)
+                for (int c = 0; c < 2; c++) {
+                    __m512i lq = _mm512_permutexvar_epi16(pw, _mm512_loadu_si512(blk + 64 * c));
+                    __m512i hq = _mm512_permutexvar_epi16(
+                        pb, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c))));
+                    u[2 * c] = _mm512_or_si512(_mm512_and_si512(lq, m4),
+                                               _mm512_and_si512(_mm512_sllv_epi16(hq, idx16(4, 2)), m30));
+                    u[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lq, 4), m4),
+                                                   _mm512_and_si512(_mm512_srlv_epi16(hq, idx16(0, 2)), m30));
+                }
+            else {
+                const uint8_t *qs = blk + (kind == 2 ? 16 : 48);
+                for (int c = 0; c < 2; c++) {
+                    __m512i v = _mm512_permutexvar_epi16(pw, _mm512_loadu_si512(qs + 64 * c));
+                    u[2 * c] = _mm512_and_si512(v, m4), u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                }
+                if (kind == 3) { /* Q5_K: bit j of qh's bytes is sub-block j's fifth bit */
+                    __m512i hq = _mm512_permutexvar_epi16(
+                        pb, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 16))));
+                    for (int v = 0; v < 4; v++)
+                        u[v] = _mm512_mask_add_epi8(u[v], _mm512_test_epi8_mask(hq, bit[v]), u[v], _mm512_set1_epi8(16));
+                }
+            }
+            __m512i th = _mm512_setzero_si512(), tl = _mm512_setzero_si512();
+            /* the row's (first) 8 scales in every 128-bit lane; Q6_K's second 8 for slots 2, 3 */
+            __m512i q = sw[r >> 1];
+            __m512i rl = r & 1 ? _mm512_shuffle_i64x2(q, q, 0xaa) : _mm512_shuffle_i64x2(q, q, 0), rh = rl;
+            if (kind == 4) rh = r & 1 ? _mm512_shuffle_i64x2(q, q, 0xff) : _mm512_shuffle_i64x2(q, q, 0x55);
+            for (int v = 0; v < 4; v++) {
+                __m512i sv = _mm512_shuffle_epi8(kind == 4 && v >= 2 ? rh : rl, six[v]);
+                __m512i ph = _mm512_maddubs_epi16(u[v], _mm512_loadu_si512(a + 128 * v));
+                __m512i pl = _mm512_maddubs_epi16(u[v], _mm512_loadu_si512(a + 128 * v + 64));
+                if (kind == 4) {
+                    ph = _mm512_sub_epi16(ph, _mm512_loadu_si512(a + 512 + 128 * v));
+                    pl = _mm512_sub_epi16(pl, _mm512_loadu_si512(a + 512 + 128 * v + 64));
+                }
+                th = _mm512_dpwssd_epi32(th, ph, sv), tl = _mm512_dpwssd_epi32(tl, pl, sv);
+            }
+            t[r] = _mm512_add_epi32(_mm512_slli_epi32(th, 8), tl);
+        }
+        if (NR == 1) t[1] = _mm512_setzero_si512();
+        const __m512 dz = _mm512_castps256_ps512(dd);
+        const __m512i bs = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->bs + 8 * b)));
+        for (int p = 0; p < NP; p++) { /* rows 2p, 2p + 1: fold8 of each into one vector's halves, k16_lanes' FMAs */
+            __m512i f = _mm512_add_epi32(_mm512_shuffle_i64x2(t[2 * p], t[2 * p + 1], 0x44),
+                                         _mm512_shuffle_i64x2(t[2 * p], t[2 * p + 1], 0xee));
+            if (kind == 4) {
+                __m512 sd = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * p)), dz);
+                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), sd, acc[p]);
+            } else {
+                __m512i at = _mm512_add_epi32(_mm512_add_epi32(pair, pair), _mm512_set1_epi32(4 * p));
+                __m512 sd = _mm512_permutexvar_ps(at, dz), sm = _mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(1)), dz);
+                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), sd, acc[p]);
+                acc[p] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(mnp[p], bs)), sm, acc[p]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        out[r] = hsum8(r & 1 ? _mm512_extractf32x8_ps(acc[r >> 1], 1) : _mm512_castps512_ps256(acc[r >> 1]));
+}
+
+/* the K-quant activation row quantized at xp split for kind's u8 dots into xb */
+static void split_kq(int kind, uint8_t *xp, int64_t K, int8_t *xb) {
+    KQRow x = kqrow_at(xp, K);
+    split_row(kind, &x, K, xb);
+}
+
+static void k8_n(int kind, const uint8_t *row, int64_t ldw, int NR, int64_t K, const KQRow *x, const int8_t *xb,
+                 float *out) {
+#define K8_N(k) switch (NR) { case 1: k8_rows(k, row, ldw, 1, K, x, xb, out); break; \
+                              case 2: k8_rows(k, row, ldw, 2, K, x, xb, out); break; \
+                              default: k8_rows(k, row, ldw, 4, K, x, xb, out); break; }
+    switch (kind) {
+    case 2: K8_N(2) break;
+    case 3: K8_N(3) break;
+    default: K8_N(4) break;
+    }
+#undef K8_N
+}
+
 /* k16_rows specialised: NR (1, 2 or 4) weight rows ldw bytes apart of kind 2-4 against one activation row, or
    one weight row against mr (2..TM) rows (a second weight row alongside ran 0.9-1.1x that, Zen 5: the
    registers of 2 x mr accumulators) */
@@ -240,18 +450,26 @@ static float dot_row(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8
 
 #define TR 4 /* weight rows a tile at one token: 1.25x one row (Q4_K, AVX-512 VNNI), the rows' dots overlapping */
 
-/* out[r] = row r . x for nr (1..TR) rows ldw bytes apart: the K-quants' in-place tiles, else row by row */
-static void dot_tile(int kind, const uint8_t *row, int64_t ldw, int nr, int64_t K, uint8_t *xp, uint8_t *own,
-                     int64_t RW, int simd, float *out) {
+#if SIMD != 2
+#define KB 0
+static void split_kq(int kind, uint8_t *xp, int64_t K, int8_t *xb) { (void)kind, (void)xp, (void)K, (void)xb; }
+#endif
+
+/* out[r] = row r . x for nr (1..TR) rows ldw bytes apart: the K-quants' in-place tiles (on xb, x split by
+   split_row, where SIMD == 2), else row by row */
+static void dot_tile(int kind, const uint8_t *row, int64_t ldw, int nr, int64_t K, uint8_t *xp, const int8_t *xb,
+                     uint8_t *own, int64_t RW, int simd, float *out) {
 #if SIMD == 2
     if (simd && is_k(kind)) {
         KQRow x = kqrow_at(xp, K);
         if (nr == 3) {
-            k16_n(kind, row, ldw, 2, K, &x, 1, out);
-            k16_n(kind, row + 2 * ldw, ldw, 1, K, &x, 1, out + 2);
-        } else k16_n(kind, row, ldw, nr, K, &x, 1, out);
+            k8_n(kind, row, ldw, 2, K, &x, xb, out);
+            k8_n(kind, row + 2 * ldw, ldw, 1, K, &x, xb, out + 2);
+        } else k8_n(kind, row, ldw, nr, K, &x, xb, out);
         return;
     }
+#else
+    (void)xb;
 #endif
     for (int r = 0; r < nr; r++) out[r] = dot_row(kind, row + r * ldw, K, xp, own, RW, simd);
 }
@@ -269,8 +487,11 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
     int64_t RW = D > I ? D : I, qd = xrow_bytes(k13, D), qi = xrow_bytes(k2, I);
     int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
     uint8_t *xq = (uint8_t *)(gu + (int64_t)nexp * 2 * I), *hq = xq + qd, *wq = hq + nexp * qi;
-    int simd = path == 2;
+    /* x and each h split for the u8 dots (SIMD == 2, K-quants), past mlight_gguf_moe's scratch */
+    int8_t *xb = (int8_t *)(scratch + mlight_gguf_moe_scratch(D, I, nexp, threads)), *hb = xb + D / 256 * KB;
+    int simd = path == 2, split13 = simd && SIMD == 2 && is_k(k13), split2 = simd && SIMD == 2 && is_k(k2);
     quantize_for(k13, x, x_bf16, D, xq);
+    if (split13) split_kq(k13, xq, D, xb);
     OMP(omp parallel num_threads(threads))
     {
         int t = 0;
@@ -283,13 +504,14 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
         for (int64_t r = 0; r < nexp * t13; r++) {
             int64_t e = r / t13, n = TR * (r % t13);
             int nr = 2 * I - n < TR ? (int)(2 * I - n) : TR;
-            dot_tile(k13, w13 + ids[e] * e13 + n * ldw13, ldw13, nr, D, xq, own, RW, simd, gu + e * 2 * I + n);
+            dot_tile(k13, w13 + ids[e] * e13 + n * ldw13, ldw13, nr, D, xq, xb, own, RW, simd, gu + e * 2 * I + n);
         }
         OMP(omp for schedule(static))
         for (int e = 0; e < nexp; e++) {
             float *h = gu + (int64_t)e * 2 * I;
             for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
             quantize_for(k2, h, 0, I, hq + e * qi);
+            if (split2) split_kq(k2, hq + e * qi, I, hb + e * (I / 256) * KB);
         }
         OMP(omp for schedule(static))
         for (int64_t d4 = 0; d4 < (D + TR - 1) / TR; d4++) {
@@ -297,7 +519,8 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
             int nr = D - d < TR ? (int)(D - d) : TR;
             float y[TR] = {0}, v[TR];
             for (int e = 0; e < nexp; e++) { /* each output summed over the experts in their order */
-                dot_tile(k2, w2 + ids[e] * e2 + d * ldw2, ldw2, nr, I, hq + e * qi, own, RW, simd, v);
+                dot_tile(k2, w2 + ids[e] * e2 + d * ldw2, ldw2, nr, I, hq + e * qi, hb + e * (I / 256) * KB, own, RW, simd,
+                         v);
                 for (int r = 0; r < nr; r++) y[r] += w[e] * v[r];
             }
             for (int r = 0; r < nr; r++) put(out, out_bf16, d + r, y[r]);
@@ -322,8 +545,11 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t ldx, i
         quantize_for(kind, r, x_bf16, K, xq + m * qb);
     }
     int wide = 0;
+    /* one row of a K-quant on the u8 dots (SIMD == 2): split past the threads' rows */
+    int8_t *xb = (int8_t *)(rows + (int64_t)threads * wb);
 #if SIMD == 2
     wide = M > 1 && path == 2 && is_k(kind);
+    if (M == 1 && path == 2 && is_k(kind)) split_kq(kind, xq, K, xb);
 #endif
     OMP(omp parallel num_threads(threads))
     {
@@ -353,7 +579,7 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t ldx, i
                 int nr = N - n < TR ? (int)(N - n) : TR;
                 float v[TR];
                 for (int64_t m = 0; m < M; m++) {
-                    dot_tile(kind, w + n * ldw, ldw, nr, K, xq + m * qb, own, K, path == 2, v);
+                    dot_tile(kind, w + n * ldw, ldw, nr, K, xq + m * qb, xb, own, K, path == 2, v);
                     for (int r = 0; r < nr; r++) put(y, y_bf16, m * ldy + n + r, v[r]);
                 }
             }
@@ -366,5 +592,10 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t ldx, i
 int64_t mlight_gguf_token_linear_scratch(int64_t M, int64_t K, int threads) {
     int64_t x = qrow_bytes(K) > kqrow_bytes(K) ? qrow_bytes(K) : kqrow_bytes(K);
     int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
-    return (M * x + (int64_t)threads * wb + 3) / 4;
+    return (M * x + (int64_t)threads * wb + K / 256 * KB + 3) / 4;
+}
+
+/* floats of scratch a mlight_gguf_token_moe call needs: mlight_gguf_moe's and the split rows */
+int64_t mlight_gguf_token_moe_scratch(int64_t D, int64_t I, int nexp, int threads) {
+    return mlight_gguf_moe_scratch(D, I, nexp, threads) + ((D / 256 + nexp * (I / 256)) * KB + 3) / 4;
 }

@@ -45,7 +45,10 @@ class _Lib:
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.moe = native.bind(self.dll, "mlight_gguf_token_moe",
                                [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
-        self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
+        # a revision before the split rows (bench/gguf_speed.py's baseline) sized its scratch as gguf_matmul.c's
+        scratch = "mlight_gguf_token_moe_scratch"
+        self.moe_scratch = native.bind(self.dll, scratch if hasattr(self.dll, scratch) else "mlight_gguf_moe_scratch",
+                                       [I, I, C, C], I)
         self.linear = native.bind(self.dll, "mlight_gguf_token_linear",
                                   [C, P, C, I, I, I, P, I, I, P, C, I, P, C, C], C)
         self.linear_scratch = native.bind(self.dll, "mlight_gguf_token_linear_scratch", [I, I, C], I)
