@@ -37,7 +37,7 @@ import torch
 from core.assets import MOE_FFN_AVX2_C as SOURCE_AVX2
 from core.assets import MOE_FFN_C as SOURCE
 from core.model import kernels
-from core.model.cpu import isa, native
+from core.model.cpu import hugepages, isa, native
 
 CHUNK_TOKENS = 512  # tokens per call: a long prefill's intermediate stays at 2·512·I bf16
 FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
@@ -185,8 +185,8 @@ class NativeExperts:
         E, two_i, D = w13.shape
         I = two_i // 2
         self.E, self.D, self.I = E, D, I
-        self.w13 = torch.empty((E, I // 32, D // 2, 4, 16, 2), dtype=torch.bfloat16)
-        self.w2 = torch.empty((E, D // 64, I // 2, 4, 16, 2), dtype=torch.bfloat16)
+        self.w13 = hugepages.empty((E, I // 32, D // 2, 4, 16, 2), torch.bfloat16)  # streamed every step
+        self.w2 = hugepages.empty((E, D // 64, I // 2, 4, 16, 2), torch.bfloat16)
         for e in range(E):  # one expert at a time: no whole-layer temporary
             self.w13[e].copy_(pack_gate_up(w13[e]))
             self.w2[e].copy_(pack_rows(w2[e]))

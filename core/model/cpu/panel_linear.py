@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from core.model import kernels
-from core.model.cpu import ffn
+from core.model.cpu import ffn, hugepages
 from core.model.cpu.kernels import LinearOnlyWeight
 
 SWITCHES = ("MLIGHT_NATIVE_DENSE",)  # the old A/B switch (core.model.kernels)
@@ -55,7 +55,7 @@ class PanelWeight(LinearOnlyWeight):
     def __new__(cls, w: torch.Tensor):
         obj = torch.Tensor._make_wrapper_subclass(cls, w.shape, dtype=w.dtype, device=w.device, requires_grad=False)
         N, K = w.shape
-        obj.panels = torch.empty((N // 64, K // 2, 4, 16, 2), dtype=torch.bfloat16).copy_(ffn.pack_rows(w))
+        obj.panels = hugepages.empty((N // 64, K // 2, 4, 16, 2), torch.bfloat16).copy_(ffn.pack_rows(w))
         obj.N, obj.K = N, K  # plain ints: a wrapper subclass's `shape` goes through __torch_function__ (µs a call)
         return obj
 
