@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from core.errors import ModelError, UnsupportedModelError, UsageError
+from core.model.cpu import hugepages
 from core.model.families import family_module
 from core.model.limits import LAYOUT_ALIGN as _ALIGN  # elements (bytes in a quantized layout)
 from core.model.safetensors_io import Checkpoint
@@ -373,9 +374,10 @@ PAGE = 4096
 
 
 def page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer of whole pages of its own, so a part of it can be page-locked without touching a neighbour's."""
+    """A buffer of whole pages of its own, so a part of it can be page-locked without touching a neighbour's;
+    on huge pages where the OS gives them, since a CPU decode step streams it (core.model.cpu.hugepages)."""
     size = dtype.itemsize
-    raw = torch.empty(-(-(numel * size) // PAGE) * PAGE + PAGE, dtype=torch.uint8)
+    raw = hugepages.empty((-(-(numel * size) // PAGE) * PAGE + PAGE,), torch.uint8)
     skip = -raw.data_ptr() % PAGE
     return raw[skip:skip + numel * size].view(dtype)
 

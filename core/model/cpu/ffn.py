@@ -37,7 +37,7 @@ import torch
 from core.assets import MOE_FFN_AVX2_C as SOURCE_AVX2
 from core.assets import MOE_FFN_C as SOURCE
 from core.model import kernels
-from core.model.cpu import native
+from core.model.cpu import hugepages, isa, native
 
 CHUNK_TOKENS = 512  # tokens per call: a long prefill's intermediate stays at 2·512·I bf16
 FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
@@ -99,8 +99,6 @@ def _switched_off() -> bool:
 @functools.lru_cache(maxsize=None)
 def _build(level: str) -> _Lib | None:
     global _reason
-    from core.model.cpu import isa
-
     if not _switched_off() and (level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16")):
         _reason = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX-512 BF16 dot product"
         return None
@@ -113,8 +111,6 @@ def _build(level: str) -> _Lib | None:
 
 
 def library() -> _Lib | None:
-    from core.model.cpu import isa
-
     return _build(isa.cpu_isa().usable)
 
 
@@ -122,8 +118,6 @@ def library() -> _Lib | None:
 def _build_avx2(level: str) -> _LibAvx2 | None:
     global _reason_avx2
     import platform as py_platform
-
-    from core.model.cpu import isa
 
     if not _switched_off() and (py_platform.machine().lower() not in ("x86_64", "amd64", "x86-64")
                                 or level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx2")):
@@ -135,8 +129,6 @@ def _build_avx2(level: str) -> _LibAvx2 | None:
 
 def library_avx2() -> _LibAvx2 | None:
     """The fp32-math kernel over packed bf16 experts: AVX2 CPUs, where bf16 matmuls are slow."""
-    from core.model.cpu import isa
-
     return _build_avx2(isa.cpu_isa().usable)
 
 
@@ -193,8 +185,8 @@ class NativeExperts:
         E, two_i, D = w13.shape
         I = two_i // 2
         self.E, self.D, self.I = E, D, I
-        self.w13 = torch.empty((E, I // 32, D // 2, 4, 16, 2), dtype=torch.bfloat16)
-        self.w2 = torch.empty((E, D // 64, I // 2, 4, 16, 2), dtype=torch.bfloat16)
+        self.w13 = hugepages.empty((E, I // 32, D // 2, 4, 16, 2), torch.bfloat16)  # streamed every step
+        self.w2 = hugepages.empty((E, D // 64, I // 2, 4, 16, 2), torch.bfloat16)
         for e in range(E):  # one expert at a time: no whole-layer temporary
             self.w13[e].copy_(pack_gate_up(w13[e]))
             self.w2[e].copy_(pack_rows(w2[e]))

@@ -37,6 +37,7 @@ from core import platform
 from core.assets import DECODE_ATTENTION_C as SOURCE
 from core.errors import UsageError
 from core.model import kernels
+from core.model.cpu import isa
 
 DTYPES = (torch.bfloat16, torch.float32)
 MAX_G, MAX_D = 16, 256
@@ -55,8 +56,6 @@ def status() -> str:
 def _flags() -> tuple[list[str], int]:
     """(compiler flags, floats per vector) for the ISA our kernels may use here."""
     import platform as py_platform
-
-    from core.model.cpu import isa
 
     if py_platform.machine().lower() in ("x86_64", "amd64", "x86-64"):
         i = isa.cpu_isa()
@@ -202,8 +201,6 @@ def _torch_uses_gomp() -> bool:
 
 
 def library() -> _Lib | None:
-    from core.model.cpu import isa
-
     return _build(isa.cpu_isa().usable)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from core.model import kernels
-from core.model.cpu import ffn
+from core.model.cpu import ffn, hugepages
 from core.model.cpu.kernels import LinearOnlyWeight
 
 SWITCHES = ("MLIGHT_NATIVE_DENSE",)  # the old A/B switch (core.model.kernels)
@@ -55,11 +55,12 @@ class PanelWeight(LinearOnlyWeight):
     def __new__(cls, w: torch.Tensor):
         obj = torch.Tensor._make_wrapper_subclass(cls, w.shape, dtype=w.dtype, device=w.device, requires_grad=False)
         N, K = w.shape
-        obj.panels = torch.empty((N // 64, K // 2, 4, 16, 2), dtype=torch.bfloat16).copy_(ffn.pack_rows(w))
+        obj.panels = hugepages.empty((N // 64, K // 2, 4, 16, 2), torch.bfloat16).copy_(ffn.pack_rows(w))
+        obj.N, obj.K = N, K  # plain ints: a wrapper subclass's `shape` goes through __torch_function__ (µs a call)
         return obj
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        N, K = self.shape
+        N, K = self.N, self.K
         if x.dtype != torch.bfloat16 or x.shape[-1] != K or (bias is not None and bias.dtype != torch.bfloat16):
             raise TypeError(f"PanelWeight {N}x{K} bf16 takes bf16 inputs [..., {K}] and a bf16 bias; got "
                             f"{x.dtype} {tuple(x.shape)}")

@@ -18,7 +18,7 @@ import functools
 import torch
 
 from core.assets import ROW_OPS_C as SOURCE
-from core.model.cpu import native
+from core.model.cpu import isa, native
 
 _reason = "not built yet"
 
@@ -49,8 +49,6 @@ def _build(level: str) -> _Lib | None:
 
 
 def library() -> _Lib | None:
-    from core.model.cpu import isa
-
     return _build(isa.cpu_isa().usable)
 
 
