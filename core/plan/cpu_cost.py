@@ -183,8 +183,9 @@ def band_of(errors: list[float]) -> float:
 # Shares of the probe's rates and the engine's per-call costs (CPU-bound: they do not shrink with cores), as
 # calibrations on two Zen 5 threads found them; experts narrower than the math are widened tile by tile.
 DEFAULT_READ, DEFAULT_KV_READ, DEFAULT_SDPA, DEFAULT_PACKED_READ, DEFAULT_WIDEN_READ = 0.45, 0.5, 0.5, 0.7, 0.2
-DEFAULT_CALL = {"plain": 2.2e-6, "packed": 18e-6}  # per GEMM call (a prepacked weight dispatches through Python)
-DEFAULT_ELEM, DEFAULT_TASK, DEFAULT_STEP = 1.0e-9, 85e-6, 200e-6
+# per GEMM call; an expert of the torch path also pays its rows' gather, SwiGLU and scatter as torch ops
+DEFAULT_CALL = {"plain": 55e-6, "packed": 18e-6}
+DEFAULT_ELEM, DEFAULT_TASK, DEFAULT_STEP = 1.0e-9, 100e-6, 1.2e-3
 
 
 def defaults(math: str, flops: float, bw: float, storage_bytes: int, kv_bytes: int, threads: int = 0) -> CpuCosts:
