@@ -69,7 +69,8 @@ class LayerLayout:
 
     def buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """A page-aligned buffer, gaps zeroed: a scan of it (engine._check_fp16_range) must not read stale memory."""
-        flat = page_aligned(self.numel, dtype if self.scheme is None else torch.uint8)
+        dtype = dtype if self.scheme is None else torch.uint8
+        flat = page_aligned(self.numel, dtype, huge_from=self.expert_start * dtype.itemsize)
         end = 0
         for name, off, shape in sorted(self.entries, key=lambda e: e[1]):
             if off > end:
@@ -373,11 +374,17 @@ class ModelWeights:
 PAGE = 4096
 
 
-def page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer of whole pages of its own, so a part of it can be page-locked without touching a neighbour's;
-    on huge pages where the OS gives them, since a CPU decode step streams it (core.model.cpu.hugepages)."""
-    size = dtype.itemsize
-    raw = hugepages.empty((-(-(numel * size) // PAGE) * PAGE + PAGE,), torch.uint8)
+def page_aligned(numel: int, dtype: torch.dtype, huge_from: int | None = None) -> torch.Tensor:
+    """A buffer of whole pages of its own, so a part of it can be page-locked without touching a neighbour's.
+    With `huge_from` (bytes), what lies past it on huge pages where the OS gives them (core.model.cpu.hugepages):
+    a CPU decode step streams a layer's experts, which [expert_start, numel) of its layout holds, all written.
+    Not the dense head before them: a GGUF file's quantized projections are held as blocks elsewhere, so that
+    stretch is never touched (≈ 6.5 MB a layer of a Q4_K_M file), and huge pages would make it resident."""
+    size, total = dtype.itemsize, -(-(numel * dtype.itemsize) // PAGE) * PAGE + PAGE
+    if huge_from is None:
+        raw = torch.empty(total, dtype=torch.uint8)
+    else:  # from a page boundary, so that the buffer starts on one too (skip below is 0)
+        raw = hugepages.empty((total,), torch.uint8, huge_from=-(-huge_from // PAGE) * PAGE)
     skip = -raw.data_ptr() % PAGE
     return raw[skip:skip + numel * size].view(dtype)
 

@@ -19,19 +19,21 @@ import torch
 HUGE = 2 << 20  # x86-64's and most arm64 kernels' PMD page
 
 
-def empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """torch.empty(shape, dtype) whose whole 2 MB stretches lie on huge pages where the OS allows: a private
-    anonymous mapping (shared memory has its own THP switch, usually off) from a 2 MB boundary. Only the
-    whole huge pages are asked for, so the tail and the unused head stay 4 KB pages, never touched: no
-    memory held beyond the tensor's bytes. The mapping lives as long as the tensor (torch.frombuffer)."""
+def empty(shape, dtype: torch.dtype, huge_from: int = 0) -> torch.Tensor:
+    """torch.empty(shape, dtype) whose whole 2 MB stretches from byte `huge_from` on lie on huge pages where
+    the OS allows: a private anonymous mapping (shared memory has its own THP switch, usually off) placed so
+    that byte `huge_from` (a multiple of 4 KB) starts a huge page. Only whole huge pages past it are asked
+    for, so the head before it, the tail and the mapping's unused ends stay 4 KB pages, resident only where
+    written: no memory held beyond what 4 KB pages would hold, if the caller fills everything past
+    `huge_from`. The mapping lives as long as the tensor (torch.frombuffer)."""
     n = math.prod(shape) * dtype.itemsize
-    if n < HUGE or not (hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")):
+    if n - huge_from < HUGE or not (hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")):
         return torch.empty(shape, dtype=dtype)
     m = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE)
     raw = torch.frombuffer(m, dtype=torch.uint8)
-    skip = -raw.data_ptr() % HUGE
+    skip = -(raw.data_ptr() + huge_from) % HUGE
     try:
-        m.madvise(mmap.MADV_HUGEPAGE, skip, n // HUGE * HUGE)
+        m.madvise(mmap.MADV_HUGEPAGE, skip + huge_from, (n - huge_from) // HUGE * HUGE)
     except OSError:  # THP "never", or a kernel without it: small pages, as torch.empty's
         pass
     return raw[skip:skip + n].view(dtype).view(shape)
