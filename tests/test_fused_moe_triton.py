@@ -206,7 +206,8 @@ def _ptx(capability: int, dtype: str, name: str | None) -> str:
     sig.update({c: "constexpr" for c in const})
     try:
         return triton.compile(ASTSource(JITFunction(fmt_kernel._moe_gemm), sig, const),
-                              target=GPUTarget("cuda", capability, 32)).asm["ptx"]
+                              target=GPUTarget("cuda", capability, 32),
+                              options={"enable_fp_fusion": True}).asm["ptx"]  # as fused_moe_triton launches it
     except (FileNotFoundError, RuntimeError) as e:  # no bundled ptxas / LLVM backend in this install
         pytest.skip(f"triton cannot compile for CUDA here: {e}")
 

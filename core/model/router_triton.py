@@ -36,7 +36,7 @@ def route(logits, bias, out_dtype, *, kind: str, top_k: int, groups: int = 1, to
     _kernel(os.environ.get("TRITON_INTERPRET") == "1")[(T,)](logits, logits if bias is None else bias, w, ids, E, KIND=KINDS[kind], HAS_BIAS=bias is not None,
                  K=top_k, G=groups, KEEP_G=topk_groups, RENORM=renorm, SCALE=float(scale), BF16=out_dtype == torch.bfloat16,
                  BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
-                 BLOCK_G=triton.next_power_of_2(groups))
+                 BLOCK_G=triton.next_power_of_2(groups), enable_fp_fusion=True)  # as fused_moe_triton's
     return w, ids
 
 
