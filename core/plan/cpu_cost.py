@@ -183,8 +183,9 @@ def band_of(errors: list[float]) -> float:
 # Shares of the probe's rates and the engine's per-call costs (CPU-bound: they do not shrink with cores), as
 # calibrations on two Zen 5 threads found them; experts narrower than the math are widened tile by tile.
 DEFAULT_READ, DEFAULT_KV_READ, DEFAULT_SDPA, DEFAULT_PACKED_READ, DEFAULT_WIDEN_READ = 0.45, 0.5, 0.5, 0.7, 0.2
-# per GEMM call; an expert of the torch path also pays its rows' gather, SwiGLU and scatter as torch ops
-DEFAULT_CALL = {"plain": 55e-6, "packed": 18e-6}
+# per GEMM call (a prepacked weight dispatches through Python); float32 weights run as torch ops an expert at a
+# time, each also paying its rows' gather, SwiGLU and scatter; narrower ones widened by the C kernel in one call
+DEFAULT_CALL = {"torch": 55e-6, "widened": 2.2e-6, "packed": 18e-6}
 DEFAULT_ELEM, DEFAULT_TASK, DEFAULT_STEP = 1.0e-9, 100e-6, 1.2e-3
 
 
@@ -197,7 +198,7 @@ def defaults(math: str, flops: float, bw: float, storage_bytes: int, kv_bytes: i
     expert_read = storage_bytes / ((DEFAULT_PACKED_READ if packed else DEFAULT_WIDEN_READ if widened
                                     else DEFAULT_READ) * bw)
     return CpuCosts(math=math, flop_s=1 / flops, weight_s=read, expert_flop_s=1 / flops, expert_weight_s=expert_read,
-                    expert_call_s=2 * DEFAULT_CALL["packed" if packed else "plain"],
+                    expert_call_s=2 * DEFAULT_CALL["packed" if packed else "widened" if widened else "torch"],
                     kv_s=kv_bytes / (DEFAULT_KV_READ * bw), elem_s=DEFAULT_ELEM, sdpa_flop_s=1 / (DEFAULT_SDPA * flops),
                     task_s=DEFAULT_TASK, step_s=DEFAULT_STEP, threads=threads, measured=False)
 
