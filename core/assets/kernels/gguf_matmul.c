@@ -51,8 +51,10 @@
 #ifdef _OPENMP
 #include <omp.h>
 #define OMP(directive) _Pragma(#directive)
+#define THREAD_ID() omp_get_thread_num()
 #else
 #define OMP(directive)
+#define THREAD_ID() 0
 #endif
 
 #define L 32 /* accumulator lanes a row: one Q8_0 block, a K-quant sub-block */
@@ -1045,10 +1047,7 @@ static void linear_i8(int kind, const void *x, int x_bf16, int64_t ldx, int64_t 
     for (int64_t m = 0; serial && m < M; m++) quantize_at(x, x_bf16, ldx, m, K, scratch + m * qb, k256, simd);
     OMP(omp parallel num_threads(threads))
     {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
+        int t = THREAD_ID();
         if (!serial) {
             OMP(omp for schedule(static))
             for (int64_t m = 0; m < M; m++) quantize_at(x, x_bf16, ldx, m, K, scratch + m * qb, k256, simd);
@@ -1142,10 +1141,7 @@ int mlight_gguf_linear(int kind, const void *x, int x_bf16, int64_t ldx, int64_t
     float *rows = scratch + M * K;
     OMP(omp parallel num_threads(threads))
     {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
+        int t = THREAD_ID();
         float *wr = rows + (int64_t)t * K, out[MR];
         OMP(omp for schedule(static))
         for (int64_t n = 0; n < N; n++) {
@@ -1168,10 +1164,7 @@ int mlight_gguf_dequantize(int kind, const uint8_t *w, int64_t ldw, int64_t N, i
     if (kind < 0 || kind > 5 || K % BS[kind] || threads < 1) return -1;
     OMP(omp parallel num_threads(threads))
     {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
+        int t = THREAD_ID();
         float *wr = scratch + (int64_t)t * K;
         OMP(omp for schedule(static))
         for (int64_t n = 0; n < N; n++) {
@@ -1241,10 +1234,7 @@ int mlight_gguf_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64
         for (int64_t d = 0; d < D; d++) xf[d] = in_f(x, x_bf16, d);
     OMP(omp parallel num_threads(threads))
     {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
+        int t = THREAD_ID();
         float *wr = rows + (int64_t)t * RW;
         uint8_t *own = wq + (int64_t)t * wb;
         OMP(omp for schedule(static))

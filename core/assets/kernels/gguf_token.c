@@ -494,10 +494,7 @@ int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D,
     if (split13) split_kq(k13, xq, D, xb);
     OMP(omp parallel num_threads(threads))
     {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
+        int t = THREAD_ID();
         uint8_t *own = wq + (int64_t)t * wb;
         int64_t t13 = (2 * I + TR - 1) / TR; /* tiles of an expert's gate/up rows */
         OMP(omp for schedule(static))
@@ -544,19 +541,15 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t ldx, i
         const void *r = x_bf16 ? (const void *)((const uint16_t *)x + m * ldx) : (const void *)((const float *)x + m * ldx);
         quantize_for(kind, r, x_bf16, K, xq + m * qb);
     }
-    int wide = 0;
     /* one row of a K-quant on the u8 dots (SIMD == 2): split past the threads' rows */
     int8_t *xb = (int8_t *)(rows + (int64_t)threads * wb);
 #if SIMD == 2
-    wide = M > 1 && path == 2 && is_k(kind);
+    int wide = M > 1 && path == 2 && is_k(kind);
     if (M == 1 && path == 2 && is_k(kind)) split_kq(kind, xq, K, xb);
 #endif
     OMP(omp parallel num_threads(threads))
     {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
+        int t = THREAD_ID();
         uint8_t *own = rows + (int64_t)t * wb;
 #if SIMD == 2
         if (wide) {
