@@ -68,14 +68,37 @@ def test_any_bytes_and_scales_equal_the_decoded_rows():
 
 
 def test_calls_it_does_not_take_fall_back():
-    """fp32 tokens (the float32 engine's fp32 path), two tokens, and calls with neither a Q8_0 nor a K-quant
-    matrix stay with gguf_blocks.moe."""
+    """fp32 tokens (the float32 engine's fp32 path), more (token, expert) pairs than MAX_SLOTS, and calls with
+    neither a Q8_0 nor a K-quant matrix stay with gguf_blocks.moe."""
     _, _, up, down = _experts("Q8_0", "Q8_0", 2, 64, 64)
     _, _, up_0, down_0 = _experts("Q4_0", "MXFP4", 2, 64, 64)
     ids, wts = torch.tensor([[1, 0]]), torch.tensor([[0.5, 0.5]])
     assert gguf_token.moe(torch.randn(1, 64), ids, wts, up, down) is None
     assert gguf_token.moe(torch.randn(1, 64).bfloat16(), ids, wts, up_0, down_0) is None
-    assert gguf_token.moe(torch.randn(2, 64).bfloat16(), ids.repeat(2, 1), wts.repeat(2, 1), up, down) is None
+    M = gguf_token.MAX_SLOTS // 2
+    assert gguf_token.moe(torch.randn(M, 64).bfloat16(), ids.repeat(M, 1), wts.repeat(M, 1), up, down) is not None
+    assert gguf_token.moe(torch.randn(M + 1, 64).bfloat16(), ids.repeat(M + 1, 1), wts.repeat(M + 1, 1), up,
+                          down) is None
+
+
+# a small batch's decode: tokens sharing experts (one expert by every token, one by one token only, one twice
+# by the same token), Q8_0 beside the K-quants, and a lone token
+@pytest.mark.parametrize("up,down,D,I", [("Q4_K", "Q6_K", 768, 512), ("Q5_K", "Q4_K", 512, 768),
+                                         ("Q8_0", "Q6_K", 544, 512), ("Q4_K", "Q8_0", 512, 544)])
+def test_tokens_of_a_batch_equal_each_token_alone(up, down, D, I):
+    """One call for M tokens reads each expert once for all the tokens routed to it; each token's row is that
+    token alone through the kernel (and so through gguf_blocks.moe) bit for bit, SIMD and plain C."""
+    E, g = 6, torch.Generator().manual_seed(D + I)
+    _, _, up_raw, down_raw = _experts(up, down, E, D, I)
+    ids = torch.tensor([[0, 3], [3, 1], [3, 3], [5, 3], [2, 3], [3, 0], [4, 1]])
+    for M in (1, 2, 7):
+        x = torch.randn(M, D, generator=g).bfloat16()
+        wts = torch.softmax(torch.randn(M, 2, generator=g), -1)
+        for path in ("int8", "int8_c"):
+            got = gguf_token.moe(x, ids[:M], wts, up_raw, down_raw, path=path)
+            for m in range(M):
+                alone = gguf_blocks.moe(x[m:m + 1], ids[m:m + 1], wts[m:m + 1], up_raw, down_raw, path=path)
+                assert torch.equal(got[m:m + 1], alone), (M, m, path)
 
 
 # D, I: 1, 3 and 5 super-blocks (K not a multiple of 512); gate/up rows 2I and down rows D leave no partial tile

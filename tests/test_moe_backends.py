@@ -31,7 +31,8 @@ class Fused:
 
 
 class Quant:
-    """QuantExperts' interface over plain weights; `kernel`: whether its one-token C kernel runs (else None)."""
+    """QuantExperts' interface over plain weights; `kernel`: whether its C kernel runs (else None), here for up
+    to two tokens."""
 
     def __init__(self, w13, w2, kernel: bool):
         self.w13, self.w2, self.kernel = w13, w2, kernel
@@ -45,8 +46,8 @@ class Quant:
     def down(self, e, y):
         return F.linear(y, self.w2[e])
 
-    def one_token(self, h, weights, idx):
-        return reference(h, self.w13, self.w2, weights, idx).to(h.dtype) if self.kernel else None
+    def in_one_call(self, h, weights, idx):
+        return reference(h, self.w13, self.w2, weights, idx).to(h.dtype) if self.kernel and len(h) <= 2 else None
 
 
 def _inputs():
@@ -65,7 +66,8 @@ def _cases():
     cases = {
         "fused": (T, {"packed": fused}, "fused"),
         "fused layout beside a quant": (1, {"packed": fused, "quant": quant}, "fused"),
-        "quant, one token": (1, {"quant": quant}, "quant_one_token"),
+        "quant, one token": (1, {"quant": quant}, "quant_in_one_call"),
+        "quant, two tokens": (2, {"quant": quant}, "quant_in_one_call"),
         "quant, one token, kernel declines": (1, {"quant": declines}, "one_token"),
         "quant, one token, clamped activation": (1, {"quant": quant, "act": moe.clamped_swiglu(1.7, 7.0)}, "one_token"),
         "quant, batch": (T, {"quant": quant}, "loop"),
@@ -125,7 +127,7 @@ def test_each_kind_of_input_runs_its_backend(name):
 def test_the_rows_order_decides():
     """Swapping any two rows of the table changes the backend some input above runs: the order is tested."""
     rows = moe.BACKENDS
-    assert [r[0] for r in rows] == ["fused", "quant_one_token", "one_token", "loop", "grouped"]
+    assert [r[0] for r in rows] == ["fused", "quant_in_one_call", "one_token", "loop", "grouped"]
     for i, j in itertools.combinations(range(len(rows)), 2):
         swapped = list(rows)
         swapped[i], swapped[j] = rows[j], rows[i]

@@ -1,7 +1,7 @@
 """The MoE FFN: router, then the routed experts with tokens grouped by expert, plus a shared expert.
 
 Backends, tested against each other and picked by one table (BACKENDS): `fused` (the C kernel's own layout),
-`quant_one_token` (a quantized layer's experts in one C call), `one_token` and `loop` (a matmul pair per expert
+`quant_in_one_call` (a quantized layer's experts in one C call), `one_token` and `loop` (a matmul pair per expert
 with tokens, over plain, oneDNN-prepacked (≈ 1.6× faster on the CPU, bit for bit the same), widened or quantized
 weights), `grouped` (F.grouped_mm); grouped or loop is timed once per shape (core.model.expert_choice).
 Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert intermediate.
@@ -167,8 +167,8 @@ _grouped = functools.partial(_sorted, grouped=True)
 # before anything (nothing else reads it), batch-1 forms before the general ones, grouped_mm as the rest.
 BACKENDS: list[tuple[str, Callable[[Call], bool], Callable[[Call], torch.Tensor | None]]] = [
     ("fused", lambda c: hasattr(c.packed, "fused_swiglu"), _fused),
-    ("quant_one_token", lambda c: c.T == 1 and c.quant is not None and c.b13 is None and c.b2 is None
-     and c.act is _swiglu, lambda c: c.quant.one_token(c.h, c.weights, c.idx)),  # int4 or GGUF blocks, in C
+    ("quant_in_one_call", lambda c: c.quant is not None and c.b13 is None and c.b2 is None and c.act is _swiglu,
+     lambda c: c.quant.in_one_call(c.h, c.weights, c.idx)),  # int4 at one token, GGUF blocks at a few, in C
     ("one_token", lambda c: c.T == 1 and c.looped, _one_token),
     ("loop", lambda c: c.looped, _loop),
     ("grouped", lambda c: True, _grouped),

@@ -1,5 +1,6 @@
-/* One token's routed experts and dense rows on GGUF blocks, Q8_0 and K-quant rows dotted where they lie (decode
-   at batch 1; the K-quants' rows also against an expert's few activation rows).
+/* A few tokens' routed experts and dense rows on GGUF blocks, Q8_0 and K-quant rows dotted where they lie (decode
+   at a small batch: each expert read once for all its tokens; the K-quants' rows also against an expert's few
+   activation rows).
 
    gguf_matmul.c's one-token call decodes each weight row into a buffer of the thread's (the bytes copied,
    each block's half scale widened into two floats) and dots that buffer with the activations: at one
@@ -474,56 +475,138 @@ static void dot_tile(int kind, const uint8_t *row, int64_t ldw, int nr, int64_t 
     for (int r = 0; r < nr; r++) out[r] = dot_row(kind, row + r * ldw, K, xp, own, RW, simd);
 }
 
-/* mlight_gguf_moe's integer paths (path 1 plain C, 2 SIMD) with the same arguments, scratch and phases */
-int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64_t I, int nexp,
-                          const int64_t *ids, const void *wts, int w_bf16, const uint8_t *w13, int64_t e13,
-                          int64_t ldw13, const uint8_t *w2, int64_t e2, int64_t ldw2, void *out, int out_bf16,
-                          float *scratch, int threads, int path) {
-    if (k13 < 0 || k13 > 5 || k2 < 0 || k2 > 5 || D % BS[k13] || I % BS[k2] || nexp < 1 || nexp > 64 ||
-        threads < 1 || path < 1 || path > 2)
+#define MAX_SLOTS 512 /* (token, expert) pairs a mlight_gguf_tokens_moe call takes */
+
+/* the rows `at` (a group's slots, nr of them) of an expert's matrix tile [n, n + nr) (rows ldw bytes apart):
+   out[s][r] (slot s's row r, TR floats a slot) = row . the slot's activation row (quantized at xq + s * qb; split
+   at xb + s * sb where SIMD == 2). One slot: dot_tile's 4-row tiles; several (a K-quant on the SIMD dots): each
+   weight row once against up to TM of them (k16_n); else each slot in turn. The same floats either way. */
+static void group_tile(int kind, const uint8_t *w, int64_t ldw, int nr, int64_t K, const int *at, int ns, uint8_t *xq,
+                       int64_t qb, const int8_t *xb, int64_t sb, uint8_t *own, int64_t RW, int simd, float *out) {
+#if SIMD == 2
+    if (ns > 1 && simd && is_k(kind)) {
+        KQRow xs[TM];
+        float v[TM];
+        for (int r = 0; r < nr; r++)
+            for (int s0 = 0; s0 < ns; s0 += TM) {
+                int mr = ns - s0 < TM ? ns - s0 : TM;
+                for (int m = 0; m < mr; m++) xs[m] = kqrow_at(xq + at[s0 + m] * qb, K);
+                k16_n(kind, w + r * ldw, ldw, 1, K, xs, mr, v);
+                for (int m = 0; m < mr; m++) out[at[s0 + m] * TR + r] = v[m];
+            }
+        return;
+    }
+#endif
+    for (int i = 0; i < ns; i++)
+        dot_tile(kind, w, ldw, nr, K, xq + at[i] * qb, xb + at[i] * sb, own, RW, simd, out + at[i] * TR);
+}
+
+/* M tokens' routed experts, SwiGLU: out[m] (ldo apart) = sum_j w[m, j] * W2_e (silu(G_e x_m) * U_e x_m), e =
+   ids[m, j], for x [M, D] (rows ldx apart), ids int64 and routing weights (fp32 or bf16) [M, nexp]; W13_e and W2_e
+   as mlight_gguf_moe's. Each expert a slot routes to is read once for all its slots (a small batch's decode), and
+   every token's result equals the same token alone (M = 1) bit for bit: each slot's rows dotted as one token's
+   (group_tile), each output summed over the token's experts in the order given. Phases split over the team: the
+   experts' gate/up tiles; SiLU and each slot's h quantized; the down tiles. path 1 plain C, 2 SIMD; scratch as
+   mlight_gguf_tokens_moe_scratch. */
+int mlight_gguf_tokens_moe(int k13, int k2, const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t D, int64_t I,
+                           int nexp, const int64_t *ids, const void *wts, int w_bf16, const uint8_t *w13, int64_t e13,
+                           int64_t ldw13, const uint8_t *w2, int64_t e2, int64_t ldw2, void *out, int out_bf16,
+                           int64_t ldo, float *scratch, int threads, int path) {
+    int64_t S = M * nexp;
+    if (k13 < 0 || k13 > 5 || k2 < 0 || k2 > 5 || D % BS[k13] || I % BS[k2] || nexp < 1 || nexp > 64 || M < 1 ||
+        S > MAX_SLOTS || threads < 1 || path < 1 || path > 2)
         return -1;
-    float *gu = scratch + D, w[64];
-    for (int e = 0; e < nexp; e++) w[e] = w_bf16 ? bf16f(((const uint16_t *)wts)[e]) : ((const float *)wts)[e];
-    int64_t RW = D > I ? D : I, qd = xrow_bytes(k13, D), qi = xrow_bytes(k2, I);
-    int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
-    uint8_t *xq = (uint8_t *)(gu + (int64_t)nexp * 2 * I), *hq = xq + qd, *wq = hq + nexp * qi;
-    /* x and each h split for the u8 dots (SIMD == 2, K-quants), past mlight_gguf_moe's scratch */
-    int8_t *xb = (int8_t *)(scratch + mlight_gguf_moe_scratch(D, I, nexp, threads)), *hb = xb + D / 256 * KB;
     int simd = path == 2, split13 = simd && SIMD == 2 && is_k(k13), split2 = simd && SIMD == 2 && is_k(k2);
-    quantize_for(k13, x, x_bf16, D, xq);
-    if (split13) split_kq(k13, xq, D, xb);
+    int64_t RW = D > I ? D : I, qd = xrow_bytes(k13, D), qi = xrow_bytes(k2, I), sd = D / 256 * KB, si = I / 256 * KB;
+    int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
+    float *gu = scratch, *v = gu + S * 2 * I, w[MAX_SLOTS]; /* v: the down tile's dots, TR a slot, per thread */
+    uint8_t *xq = (uint8_t *)(v + (int64_t)threads * S * TR), *hq = xq + S * qd, *wq = hq + S * qi;
+    int8_t *xb = (int8_t *)(wq + (int64_t)threads * wb), *hb = xb + S * sd;
+    /* the slots grouped by expert (ascending, slots in order): `at` holds them, group g at at[g0[g]..g0[g + 1]) */
+    int at[MAX_SLOTS], g0[MAX_SLOTS + 1], ng = 0;
+    int64_t ge[MAX_SLOTS];
+    for (int64_t s = 0; s < S; s++) {
+        if (ids[s] < 0) return -1;
+        w[s] = w_bf16 ? bf16f(((const uint16_t *)wts)[s]) : ((const float *)wts)[s];
+    }
+    for (int64_t e = -1, n = 0; n < S;) { /* the next expert above e, its slots appended */
+        int64_t next = INT64_MAX;
+        for (int64_t s = 0; s < S; s++) next = ids[s] > e && ids[s] < next ? ids[s] : next;
+        g0[ng] = (int)n, ge[ng++] = e = next;
+        for (int64_t s = 0; s < S; s++)
+            if (ids[s] == e) at[n++] = (int)s;
+    }
+    g0[ng] = (int)S;
+    /* each slot's copy of its token's row, quantized (and split): a group's slots index one array */
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t m = s / nexp;
+        if (s % nexp == 0) {
+            const void *r = x_bf16 ? (const void *)((const uint16_t *)x + m * ldx)
+                                   : (const void *)((const float *)x + m * ldx);
+            quantize_for(k13, r, x_bf16, D, xq + s * qd);
+            if (split13) split_kq(k13, xq + s * qd, D, xb + s * sd);
+        } else {
+            memcpy(xq + s * qd, xq + (s - 1) * qd, qd);
+            if (split13) memcpy(xb + s * sd, xb + (s - 1) * sd, sd);
+        }
+    }
     OMP(omp parallel num_threads(threads))
     {
         int t = THREAD_ID();
         uint8_t *own = wq + (int64_t)t * wb;
+        float *vt = v + (int64_t)t * S * TR;
         int64_t t13 = (2 * I + TR - 1) / TR; /* tiles of an expert's gate/up rows */
         OMP(omp for schedule(static))
-        for (int64_t r = 0; r < nexp * t13; r++) {
-            int64_t e = r / t13, n = TR * (r % t13);
+        for (int64_t r = 0; r < ng * t13; r++) {
+            int64_t g = r / t13, n = TR * (r % t13);
             int nr = 2 * I - n < TR ? (int)(2 * I - n) : TR;
-            dot_tile(k13, w13 + ids[e] * e13 + n * ldw13, ldw13, nr, D, xq, xb, own, RW, simd, gu + e * 2 * I + n);
+            group_tile(k13, w13 + ge[g] * e13 + n * ldw13, ldw13, nr, D, at + g0[g], g0[g + 1] - g0[g], xq, qd, xb,
+                       sd, own, RW, simd, vt);
+            for (int i = g0[g]; i < g0[g + 1]; i++)
+                for (int q = 0; q < nr; q++) gu[at[i] * 2 * I + n + q] = vt[at[i] * TR + q];
         }
         OMP(omp for schedule(static))
-        for (int e = 0; e < nexp; e++) {
-            float *h = gu + (int64_t)e * 2 * I;
+        for (int64_t s = 0; s < S; s++) {
+            float *h = gu + s * 2 * I;
             for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
-            quantize_for(k2, h, 0, I, hq + e * qi);
-            if (split2) split_kq(k2, hq + e * qi, I, hb + e * (I / 256) * KB);
+            quantize_for(k2, h, 0, I, hq + s * qi);
+            if (split2) split_kq(k2, hq + s * qi, I, hb + s * si);
         }
         OMP(omp for schedule(static))
         for (int64_t d4 = 0; d4 < (D + TR - 1) / TR; d4++) {
             int64_t d = TR * d4;
             int nr = D - d < TR ? (int)(D - d) : TR;
-            float y[TR] = {0}, v[TR];
-            for (int e = 0; e < nexp; e++) { /* each output summed over the experts in their order */
-                dot_tile(k2, w2 + ids[e] * e2 + d * ldw2, ldw2, nr, I, hq + e * qi, hb + e * (I / 256) * KB, own, RW, simd,
-                         v);
-                for (int r = 0; r < nr; r++) y[r] += w[e] * v[r];
+            for (int g = 0; g < ng; g++)
+                group_tile(k2, w2 + ge[g] * e2 + d * ldw2, ldw2, nr, I, at + g0[g], g0[g + 1] - g0[g], hq, qi, hb, si,
+                           own, RW, simd, vt);
+            for (int64_t m = 0; m < M; m++) { /* each output summed over the token's experts in their order */
+                float y[TR] = {0};
+                for (int j = 0; j < nexp; j++)
+                    for (int r = 0; r < nr; r++) y[r] += w[m * nexp + j] * vt[(m * nexp + j) * TR + r];
+                for (int r = 0; r < nr; r++) put(out, out_bf16, m * ldo + d + r, y[r]);
             }
-            for (int r = 0; r < nr; r++) put(out, out_bf16, d + r, y[r]);
         }
     }
     return 0;
+}
+
+/* floats of scratch a mlight_gguf_tokens_moe call needs */
+int64_t mlight_gguf_tokens_moe_scratch(int64_t M, int64_t D, int64_t I, int nexp, int threads) {
+    int64_t S = M * nexp, RW = D > I ? D : I;
+    int64_t qd = qrow_bytes(D) > kqrow_bytes(D) ? qrow_bytes(D) : kqrow_bytes(D);
+    int64_t qi = qrow_bytes(I) > kqrow_bytes(I) ? qrow_bytes(I) : kqrow_bytes(I);
+    int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
+    int64_t bytes = S * (qd + qi + (D / 256 + I / 256) * KB) + threads * wb;
+    return S * 2 * I + (int64_t)threads * S * TR + (bytes + 3) / 4;
+}
+
+/* one token: mlight_gguf_tokens_moe with M = 1 (the ABI older revisions' callers bind) */
+int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64_t I, int nexp,
+                          const int64_t *ids, const void *wts, int w_bf16, const uint8_t *w13, int64_t e13,
+                          int64_t ldw13, const uint8_t *w2, int64_t e2, int64_t ldw2, void *out, int out_bf16,
+                          float *scratch, int threads, int path) {
+    return mlight_gguf_tokens_moe(k13, k2, x, x_bf16, D, 1, D, I, nexp, ids, wts, w_bf16, w13, e13, ldw13, w2, e2, ldw2,
+                                  out, out_bf16, D, scratch, threads, path);
 }
 
 /* mlight_gguf_linear's integer paths (1 plain C, 2 SIMD) for a few activation rows: y [M, N] (rows ldy apart) =
@@ -588,7 +671,7 @@ int64_t mlight_gguf_token_linear_scratch(int64_t M, int64_t K, int threads) {
     return (M * x + (int64_t)threads * wb + K / 256 * KB + 3) / 4;
 }
 
-/* floats of scratch a mlight_gguf_token_moe call needs: mlight_gguf_moe's and the split rows */
+/* floats of scratch a mlight_gguf_token_moe call needs */
 int64_t mlight_gguf_token_moe_scratch(int64_t D, int64_t I, int nexp, int threads) {
-    return mlight_gguf_moe_scratch(D, I, nexp, threads) + ((D / 256 + nexp * (I / 256)) * KB + 3) / 4;
+    return mlight_gguf_tokens_moe_scratch(1, D, I, nexp, threads);
 }

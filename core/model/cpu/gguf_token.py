@@ -1,5 +1,6 @@
-"""One token's GGUF experts and dense rows with Q8_0, Q4_K, Q5_K and Q6_K rows dotted where they lie
-(core/assets/kernels/gguf_token.c): decode at batch 1, and an expert's few rows at a small batch.
+"""A few tokens' GGUF experts and dense rows with Q8_0, Q4_K, Q5_K and Q6_K rows dotted where they lie
+(core/assets/kernels/gguf_token.c): a decode step's routed experts at a small batch in one call (each expert
+read once for all its tokens), and an expert's few rows.
 
 `gguf_blocks.moe` decodes every weight row into a buffer before its dot; for Q8_0 that copy costs what the dot
 does at one activation row, and a decode step of the 784M Mixtral read its experts at half of what one core
@@ -7,7 +8,9 @@ streams. This kernel dots the blocks themselves, with gguf_matmul.c's integers, 
 its result equals `gguf_blocks.moe`'s default path (int8 activations; int16 for the K-quants) bit for bit; the
 K-quants (with AVX-512 VNNI) four rows a tile with their scales unpacked in registers; a matrix in another
 format in the same call is decoded as before. It takes bf16 tokens with a Q8_0 or K-quant matrix among the
-two (`moe` says None otherwise, and the caller runs `gguf_blocks.moe`); `linear` is one bf16 row through such
+two (`moe` says None otherwise, and the caller runs `gguf_blocks.moe` or a call per expert); at a batch of 8
+(784M Mixtral, Q4_K_M) one call for the layer ran decode 1.2-1.3x a call per expert and matrix, whose Python
+glue (sort, SwiGLU, scatter) was a third of the step; `linear` is one bf16 row through such
 a matrix the same way (a decode step's dense projections at batch 1), or up to ROWS rows of a K-quant matrix
 with AVX-512 VNNI, each weight row dotted with all of them at once (an expert's rows, a small batch's dense
 projections). Built like the other C kernels
@@ -35,6 +38,8 @@ IN_PLACE = frozenset(("Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 # gguf_blocks' tiles (Zen 5, one thread, the 784M Mixtral's expert shapes): 1.1-1.3x at 2-4 rows (Q4_K), 1.1-1.6x
 # (Q6_K), still 1.06-2x at 8
 ROWS = 8
+TOKENS = 32  # tokens up to which a layer's experts take one `moe` call (not a call per expert and matrix)
+MAX_SLOTS = 512  # (token, expert) pairs `moe` takes a call (gguf_token.c's MAX_SLOTS)
 
 _reason = "not built yet"
 
@@ -49,6 +54,11 @@ class _Lib:
         scratch = "mlight_gguf_token_moe_scratch"
         self.moe_scratch = native.bind(self.dll, scratch if hasattr(self.dll, scratch) else "mlight_gguf_moe_scratch",
                                        [I, I, C, C], I)
+        self.tokens = None  # several tokens a call (not in a revision before it)
+        if hasattr(self.dll, "mlight_gguf_tokens_moe"):
+            self.tokens = native.bind(self.dll, "mlight_gguf_tokens_moe",
+                                      [C, C, P, C, I, I, I, I, C, P, P, C, P, I, I, P, I, I, P, C, I, P, C, C], C)
+            self.tokens_scratch = native.bind(self.dll, "mlight_gguf_tokens_moe_scratch", [I, I, I, C, C], I)
         self.linear = native.bind(self.dll, "mlight_gguf_token_linear",
                                   [C, P, C, I, I, I, P, I, I, P, C, I, P, C, C], C)
         self.linear_scratch = native.bind(self.dll, "mlight_gguf_token_linear_scratch", [I, I, C], I)
@@ -84,27 +94,35 @@ def status() -> str:
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
         down: tuple[str, torch.Tensor], path: str = "int8") -> torch.Tensor | None:
-    """`gguf_blocks.moe` for a bf16 token x [1, D] on its default path (`path` "int8", or "int8_c": the plain-C
-    dots), Q8_0 and K-quant rows read in place: the same arguments, the same result; None where this kernel does
-    not take the call (x not bf16, neither matrix in IN_PLACE, more than MAX_EXPERTS experts, no kernel here)."""
+    """`gguf_blocks.moe` for bf16 tokens x [M, D] on its default path (`path` "int8", or "int8_c": the plain-C
+    dots), Q8_0 and K-quant rows read in place: each token's row equals that token alone through
+    `gguf_blocks.moe` bit for bit, and each expert the batch routes to is read once for all its tokens; None
+    where this kernel does not take the call (x not bf16, neither matrix in IN_PLACE, more than MAX_EXPERTS
+    experts a token or MAX_SLOTS (token, expert) pairs, no kernel here)."""
     (k13, w13), (k2, w2) = up, down
-    k = ids.shape[-1]
-    if (x.dtype != torch.bfloat16 or x.shape[0] != 1 or not IN_PLACE.intersection((k13, k2))
-            or k > gguf_blocks.MAX_EXPERTS or k13 not in gguf_blocks.KINDS or k2 not in gguf_blocks.KINDS):
+    (M, D), k = x.shape, ids.shape[-1]
+    if (x.dtype != torch.bfloat16 or not IN_PLACE.intersection((k13, k2)) or k > gguf_blocks.MAX_EXPERTS
+            or M * k > MAX_SLOTS or k13 not in gguf_blocks.KINDS or k2 not in gguf_blocks.KINDS):
         return None
     lib = library()
-    if lib is None or not (lib.openmp or torch.get_num_threads() == 1):
+    if lib is None or not (lib.openmp or torch.get_num_threads() == 1) or (M > 1 and lib.tokens is None):
         return None
-    D, I = x.shape[-1], w13.shape[1] // 2
+    I = w13.shape[1] // 2
     ids, weights, x = gguf_blocks.moe_inputs(ids, weights, x)
     threads = torch.get_num_threads() if lib.openmp else 1
-    out = torch.empty((1, D), dtype=x.dtype)
-    s = gguf_blocks._scratch(lib.moe_scratch(D, I, k, threads))
-    if lib.moe(gguf_blocks.KINDS[k13], gguf_blocks.KINDS[k2], x.data_ptr(), 1, D, I, k, ids.data_ptr(),
-               weights.data_ptr(), int(weights.dtype == torch.bfloat16), w13.data_ptr(), w13.stride(0), w13.stride(1),
-               w2.data_ptr(), w2.stride(0), w2.stride(1), out.data_ptr(), 1, s.data_ptr(), threads,
-               gguf_blocks.PATHS[path]):
-        raise RuntimeError(f"the GGUF token kernel refused D={D}, I={I}, {k} experts")
+    out = torch.empty((M, D), dtype=x.dtype)
+    kinds, bf = (gguf_blocks.KINDS[k13], gguf_blocks.KINDS[k2]), int(weights.dtype == torch.bfloat16)
+    experts = (w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(), w2.stride(0), w2.stride(1))
+    if M == 1 and lib.tokens is None:  # a revision before several tokens (bench/gguf_speed.py's baseline)
+        s = gguf_blocks._scratch(lib.moe_scratch(D, I, k, threads))
+        refused = lib.moe(*kinds, x.data_ptr(), 1, D, I, k, ids.data_ptr(), weights.data_ptr(), bf, *experts,
+                          out.data_ptr(), 1, s.data_ptr(), threads, gguf_blocks.PATHS[path])
+    else:
+        s = gguf_blocks._scratch(lib.tokens_scratch(M, D, I, k, threads))
+        refused = lib.tokens(*kinds, x.data_ptr(), 1, D, M, D, I, k, ids.data_ptr(), weights.data_ptr(), bf,
+                             *experts, out.data_ptr(), 1, D, s.data_ptr(), threads, gguf_blocks.PATHS[path])
+    if refused:
+        raise RuntimeError(f"the GGUF token kernel refused M={M}, D={D}, I={I}, {k} experts")
     return out
 
 

@@ -92,15 +92,18 @@ class QuantExperts:
         """h [n, I] -> [n, D]."""
         return self._linear(self.scheme.down, e, h)
 
-    def one_token(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
-        """One token's k experts (SwiGLU) weighed and summed in one C kernel call; None where it does not run."""
+    def in_one_call(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+        """The tokens' k experts (SwiGLU) weighed and summed in one C kernel call: GGUF blocks up to
+        gguf_token.TOKENS tokens (each expert read once for all its tokens), int4 at one; None where it does not run."""
         if self.blocks and len(self.scheme.up) == 1:
+            if h.shape[0] > gguf_token.TOKENS:
+                return None
             up, down = self.scheme.up[0], self.scheme.down
             args = (h, idx, weights, (up.fmt.name, self.parts["w13.raw"]), (down.fmt.name, self.parts["w2.raw"]))
             out = gguf_token.moe(*args)  # Q8_0 and K-quant rows dotted in place: the same result, faster
             return out if out is not None else gguf_blocks.moe(*args)
         group = self.scheme.down.fmt.group
-        if not self.native or self.kernel_rows < 1 or not int4.runs(h.dtype, *(m.k for m in self.scheme.matrices),
+        if h.shape[0] != 1 or not self.native or self.kernel_rows < 1 or not int4.runs(h.dtype, *(m.k for m in self.scheme.matrices),
                                                                       group=group):
             return None
         p = self.parts
