@@ -107,7 +107,9 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
     sha = info.sha or revision or "main"
     fetch = functools.partial(_fetch, repo_id, sha, dict(kw, endpoint=endpoint))
 
-    if _gguf_repo(sizes):
+    top = [f for f in sizes if "/" not in f]
+    if any(f.lower().endswith(".gguf") for f in sizes) and not any(f.endswith(".safetensors") for f in top):
+        # a repo of GGUF files (llama.cpp's format) rather than a transformers checkpoint
         files = _choose_gguf(repo_id, list(sizes), gguf)
         _check_gguf_arch(repo_id, getattr(info, "gguf", None))
         _check_disk(sum(sizes.get(f, 0) for f in files if not _cached(repo_id, f, sha, kw)), cache_dir)
@@ -119,9 +121,19 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
     # config.json by the name the user gave (so the hub cache records refs/<revision> for offline use),
     # everything else by the commit it resolved to, so all files come from one commit
     cfg_path = _fetch(repo_id, revision or "main", dict(kw, endpoint=endpoint), "config.json", None)
-    _check_config(repo_id, cfg_path)
+    try:
+        cfg = json.loads(Path(cfg_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{repo_id}/config.json is not valid JSON: {e}", "pick another revision or repo") from e
+    from core.model.families import spec_from_config
+
+    spec_from_config(cfg, source=f"{repo_id}/config.json")  # refuses remote code and unknown architectures
     if INDEX in wanted:
-        shards = _index_shards(repo_id, fetch(INDEX, None))
+        index = fetch(INDEX, None)
+        try:
+            shards = set(json.loads(Path(index).read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelError(f"{repo_id}/{INDEX} is not a valid index: {e}", "pick another revision or repo") from e
         missing = [s for s in shards if s not in sizes]
         if missing:
             raise ModelError(f"{repo_id}: its {INDEX} names {missing[0]}, which the repo does not have",
@@ -134,12 +146,6 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
         _note_symlinks(repo_id, cache_dir, progress)
     _fetch_all(repo_id, todo, total, fetch, progress)
     return Path(cfg_path).parent
-
-
-def _gguf_repo(sizes: dict[str, int]) -> bool:
-    """A repo of GGUF files (llama.cpp's format) rather than a transformers checkpoint."""
-    top = [f for f in sizes if "/" not in f]
-    return any(f.lower().endswith(".gguf") for f in sizes) and not any(f.endswith(".safetensors") for f in top)
 
 
 def _choose_gguf(repo_id: str, names: list[str], tag: str | None) -> list[str]:
@@ -191,24 +197,6 @@ def _choose_files(repo_id: str, sizes: dict[str, int]) -> list[str]:
         raise ModelError(f"{repo_id} has no config.json, so it is not a transformers model",
                          "check the repo id")
     return [f for f in top if f in SUPPORT_FILES] + (weights if INDEX not in sizes else [INDEX])
-
-
-def _check_config(repo_id: str, cfg_path: str) -> None:
-    from core.model.families import spec_from_config
-
-    try:
-        cfg = json.loads(Path(cfg_path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{repo_id}/config.json is not valid JSON: {e}", "pick another revision or repo") from e
-    spec_from_config(cfg, source=f"{repo_id}/config.json")  # refuses remote code and unknown architectures
-
-
-def _index_shards(repo_id: str, index_path: str) -> set[str]:
-    try:
-        weight_map = json.loads(Path(index_path).read_text(encoding="utf-8"))["weight_map"]
-        return set(weight_map.values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ModelError(f"{repo_id}/{INDEX} is not a valid index: {e}", "pick another revision or repo") from e
 
 
 def _fetch(repo_id: str, revision: str, kw: dict, filename: str, tracker: _Tracker | None) -> str:
