@@ -192,11 +192,6 @@ class Dims:
     dense_shares: tuple = ()
     dense_bytes_per_weight: float = 0.0  # in the kernel's layout, scales included
 
-    @property
-    def cpu_total_bytes(self) -> int:
-        """Every weight as the CPU-only mode holds it (quantized dense weights at their format's bytes)."""
-        return (self.cpu_nonexpert_bytes or self.nonexpert_bytes) + self.total_expert_bytes
-
 
 @lru_cache(maxsize=32)
 def _dims(m: ModelSpec) -> Dims:

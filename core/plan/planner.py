@@ -112,8 +112,9 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     kv_layer = N * d.state_layer_bytes(T)
     cpu_attn_ws = mu * d.heads * T * 4  # fp32 scores of one micro-batch
     if p.ffn_on == "cpu":
+        weights = (d.cpu_nonexpert_bytes or d.nonexpert_bytes) + d.total_expert_bytes  # dense ones maybe quantized
         # the runner's decode and prefill logits buffers (fp32, a row per batch slot), reused every step
-        return {}, {"weights": d.cpu_total_bytes, "kv_cache": int(d.layers * kv_layer),
+        return {}, {"weights": weights, "kv_cache": int(d.layers * kv_layer),
                     "activations": _cpu_activations(d, p, w) + cpu_attn_ws, "dequant_scratch": d.scratch,
                     "logits_buffers": _arena_bytes([(N * d.V * 4, 2)])}, 0
     L, E, eb = d.layers, d.E, d.expert_bytes
