@@ -290,8 +290,8 @@ def waves_of(policy: Policy, workload: Workload) -> tuple[int, Workload, Workloa
     full, rest = divmod(n, b) if n and n > b else (1, 0)
     if not rest:
         return full, workload, None
-    front, tail = workload.longest_first(full * b)
-    return full, front, tail
+    front, tail = workload.longest_first(full * b)  # equal prompts: both the whole workload's shape
+    return full, front, dataclasses.replace(tail, num_requests=rest)
 
 
 def last_wave(policy: Policy, model: ModelSpec, hardware: HardwareSpec, tail: Workload) -> Prediction:
