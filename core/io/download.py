@@ -239,10 +239,10 @@ def _from_cache(repo_id: str, revision: str | None, kw: dict, why: str, cause: E
                 "check the network (or HF_ENDPOINT), or download it first with `mlight download "
                 f"{repo_id}` where the Hub can be reached")
         raise MlightError(f"{why} and {repo_id} is not in the local cache", hint) from cause
-    if not (path / "config.json").is_file() and any(path.rglob("*.gguf")):
-        names = [str(p.relative_to(path)) for p in path.rglob("*.gguf")]
-        return path / _choose_gguf(repo_id, names, gguf)[0]
     if not (path / "config.json").is_file():
+        names = [str(p.relative_to(path)) for p in path.rglob("*.gguf")]
+        if names:
+            return path / _choose_gguf(repo_id, names, gguf)[0]
         raise MlightError(f"{why} and the cached copy of {repo_id} is incomplete",
                           f"rerun `mlight download {repo_id}` with the network on")
     return path
