@@ -107,14 +107,14 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
     sha = info.sha or revision or "main"
     fetch = functools.partial(_fetch, repo_id, sha, dict(kw, endpoint=endpoint))
 
-    top = [f for f in sizes if "/" not in f]
+    top = [f for f in sizes if "/" not in f]  # subfolders hold other formats (original/, onnx/, ...)
     if any(f.lower().endswith(".gguf") for f in sizes) and not any(f.endswith(".safetensors") for f in top):
         # a repo of GGUF files (llama.cpp's format) rather than a transformers checkpoint
         files = _choose_gguf(repo_id, list(sizes), gguf)
         _check_gguf_arch(repo_id, getattr(info, "gguf", None))
         _check_disk(sum(sizes.get(f, 0) for f in files if not _cached(repo_id, f, sha, kw)), cache_dir)
         return Path(_fetch_all(repo_id, files, sum(sizes.get(f, 0) for f in files), fetch, progress)[0])
-    wanted = _choose_files(repo_id, sizes)
+    wanted = _choose_files(repo_id, sizes, top)
     noted = not all(_cached(repo_id, f, sha, kw) for f in wanted)
     if noted:  # before the first file lands in the cache
         _note_symlinks(repo_id, cache_dir, progress)
@@ -183,8 +183,7 @@ def _check_gguf_arch(repo_id: str, meta: dict | None) -> None:
                                     f"supported GGUF architectures: {', '.join(a for a, h in ARCHS.items() if h in REGISTRY)}")
 
 
-def _choose_files(repo_id: str, sizes: dict[str, int]) -> list[str]:
-    top = [f for f in sizes if "/" not in f]  # subfolders hold other formats (original/, onnx/, ...)
+def _choose_files(repo_id: str, sizes: dict[str, int], top: list[str]) -> list[str]:
     weights = [f for f in top if f.endswith(".safetensors")]
     if not weights:
         pickles = [f for f in top if f.endswith(PICKLE_SUFFIXES)]
