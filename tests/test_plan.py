@@ -197,6 +197,20 @@ def test_a_runs_smaller_last_wave_is_predicted_as_it_runs():
         predict(cpu(128, 64), spec, cpu_only, work(128)).tokens_per_s, rel=0.02)
 
 
+def test_with_equal_prompts_the_last_wave_holds_only_the_requests_left():
+    """Defect: without a spread (no --max-prompt-len) the last wave was priced as every request: 3000 requests at
+    2200 a wave were predicted with 5200 requests' prompt tokens and 302 tokens/s, more than a full wave's 263."""
+    policy = Policy(2200, 100, 200, "cpu", "gpu", 0.0234375, 0.0, 22)
+    work = Workload(prompt_len=77, gen_len=128, num_requests=3000)
+    got = predict(policy, MIXTRAL, preset("t4"), work)
+    full = predict(policy, MIXTRAL, preset("t4"), dataclasses.replace(work, num_requests=2200))
+    last = predict(dataclasses.replace(policy, batch_size=800),  # 8 micro-batches of 100, as last_wave deals them
+                   MIXTRAL, preset("t4"), dataclasses.replace(work, num_requests=800))
+    assert got.prompt_tokens == 3000 * 77 and got.decode_steps == 2 * 127
+    seconds = lambda q: q.prefill_seconds + 127 * q.step_seconds  # noqa: E731
+    assert got.tokens_per_s == pytest.approx(3000 * 128 / (seconds(full) + seconds(last)), rel=1e-9)
+
+
 def test_a_runs_full_waves_hold_its_longest_prompts_and_its_last_wave_the_shortest():
     """Defect: a run's waves were all priced at the workload's mean prompt, but the engine admits the longest
     prompts first: 256 requests of mean 308 at 204 a wave ran a first wave of mean 366 (its prefill 2.34-2.73 s

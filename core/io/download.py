@@ -107,21 +107,33 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
     sha = info.sha or revision or "main"
     fetch = functools.partial(_fetch, repo_id, sha, dict(kw, endpoint=endpoint))
 
-    if _gguf_repo(sizes):
+    top = [f for f in sizes if "/" not in f]  # subfolders hold other formats (original/, onnx/, ...)
+    if any(f.lower().endswith(".gguf") for f in sizes) and not any(f.endswith(".safetensors") for f in top):
+        # a repo of GGUF files (llama.cpp's format) rather than a transformers checkpoint
         files = _choose_gguf(repo_id, list(sizes), gguf)
         _check_gguf_arch(repo_id, getattr(info, "gguf", None))
         _check_disk(sum(sizes.get(f, 0) for f in files if not _cached(repo_id, f, sha, kw)), cache_dir)
         return Path(_fetch_all(repo_id, files, sum(sizes.get(f, 0) for f in files), fetch, progress)[0])
-    wanted = _choose_files(repo_id, sizes)
+    wanted = _choose_files(repo_id, sizes, top)
     noted = not all(_cached(repo_id, f, sha, kw) for f in wanted)
     if noted:  # before the first file lands in the cache
         _note_symlinks(repo_id, cache_dir, progress)
     # config.json by the name the user gave (so the hub cache records refs/<revision> for offline use),
     # everything else by the commit it resolved to, so all files come from one commit
     cfg_path = _fetch(repo_id, revision or "main", dict(kw, endpoint=endpoint), "config.json", None)
-    _check_config(repo_id, cfg_path)
+    try:
+        cfg = json.loads(Path(cfg_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{repo_id}/config.json is not valid JSON: {e}", "pick another revision or repo") from e
+    from core.model.families import spec_from_config
+
+    spec_from_config(cfg, source=f"{repo_id}/config.json")  # refuses remote code and unknown architectures
     if INDEX in wanted:
-        shards = _index_shards(repo_id, fetch(INDEX, None))
+        index = fetch(INDEX, None)
+        try:
+            shards = set(json.loads(Path(index).read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelError(f"{repo_id}/{INDEX} is not a valid index: {e}", "pick another revision or repo") from e
         missing = [s for s in shards if s not in sizes]
         if missing:
             raise ModelError(f"{repo_id}: its {INDEX} names {missing[0]}, which the repo does not have",
@@ -134,12 +146,6 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
         _note_symlinks(repo_id, cache_dir, progress)
     _fetch_all(repo_id, todo, total, fetch, progress)
     return Path(cfg_path).parent
-
-
-def _gguf_repo(sizes: dict[str, int]) -> bool:
-    """A repo of GGUF files (llama.cpp's format) rather than a transformers checkpoint."""
-    top = [f for f in sizes if "/" not in f]
-    return any(f.lower().endswith(".gguf") for f in sizes) and not any(f.endswith(".safetensors") for f in top)
 
 
 def _choose_gguf(repo_id: str, names: list[str], tag: str | None) -> list[str]:
@@ -177,8 +183,7 @@ def _check_gguf_arch(repo_id: str, meta: dict | None) -> None:
                                     f"supported GGUF architectures: {', '.join(a for a, h in ARCHS.items() if h in REGISTRY)}")
 
 
-def _choose_files(repo_id: str, sizes: dict[str, int]) -> list[str]:
-    top = [f for f in sizes if "/" not in f]  # subfolders hold other formats (original/, onnx/, ...)
+def _choose_files(repo_id: str, sizes: dict[str, int], top: list[str]) -> list[str]:
     weights = [f for f in top if f.endswith(".safetensors")]
     if not weights:
         pickles = [f for f in top if f.endswith(PICKLE_SUFFIXES)]
@@ -191,24 +196,6 @@ def _choose_files(repo_id: str, sizes: dict[str, int]) -> list[str]:
         raise ModelError(f"{repo_id} has no config.json, so it is not a transformers model",
                          "check the repo id")
     return [f for f in top if f in SUPPORT_FILES] + (weights if INDEX not in sizes else [INDEX])
-
-
-def _check_config(repo_id: str, cfg_path: str) -> None:
-    from core.model.families import spec_from_config
-
-    try:
-        cfg = json.loads(Path(cfg_path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{repo_id}/config.json is not valid JSON: {e}", "pick another revision or repo") from e
-    spec_from_config(cfg, source=f"{repo_id}/config.json")  # refuses remote code and unknown architectures
-
-
-def _index_shards(repo_id: str, index_path: str) -> set[str]:
-    try:
-        weight_map = json.loads(Path(index_path).read_text(encoding="utf-8"))["weight_map"]
-        return set(weight_map.values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ModelError(f"{repo_id}/{INDEX} is not a valid index: {e}", "pick another revision or repo") from e
 
 
 def _fetch(repo_id: str, revision: str, kw: dict, filename: str, tracker: _Tracker | None) -> str:
@@ -251,10 +238,10 @@ def _from_cache(repo_id: str, revision: str | None, kw: dict, why: str, cause: E
                 "check the network (or HF_ENDPOINT), or download it first with `mlight download "
                 f"{repo_id}` where the Hub can be reached")
         raise MlightError(f"{why} and {repo_id} is not in the local cache", hint) from cause
-    if not (path / "config.json").is_file() and any(path.rglob("*.gguf")):
-        names = [str(p.relative_to(path)) for p in path.rglob("*.gguf")]
-        return path / _choose_gguf(repo_id, names, gguf)[0]
     if not (path / "config.json").is_file():
+        names = [str(p.relative_to(path)) for p in path.rglob("*.gguf")]
+        if names:
+            return path / _choose_gguf(repo_id, names, gguf)[0]
         raise MlightError(f"{why} and the cached copy of {repo_id} is incomplete",
                           f"rerun `mlight download {repo_id}` with the network on")
     return path

@@ -162,16 +162,15 @@ def reject_too_long(prompts: PromptSet, count_tokens: Callable[[PromptEntry], in
 
 def reject_orphan_turns(prompts: PromptSet, reason: str = "set aside") -> None:
     """Move a question's later turns to rejects once one of its earlier turns is gone from the entries."""
-    kept, keep = set(), []
+    kept = set()  # ids are unique: read_prompts set the duplicates aside
     for e in prompts.entries:
         missing = next((i for i in e.earlier if i not in kept), None)
         if missing is None:
             kept.add(e.id)
-            keep.append(e)
             continue
         prompts.rejects.append(Reject(prompts.source, e.line, f"turn {e.turn} cannot run: turn {missing} of the same "
                                       f"question was {reason}", e.id, json.dumps(list(e.messages or ()))))
-    prompts.entries = keep
+    prompts.entries = [e for e in prompts.entries if e.id in kept]
     prompts.rejects.sort(key=lambda r: r.line)
 
 

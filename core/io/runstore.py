@@ -200,7 +200,10 @@ class RunStore:
             if self.finished is not None:
                 return  # the same job, already done: nothing to run, nothing to write
             raise UsageError(f"{self.out} already exists", "pass --restart to replace it, or choose another --out")
-        self._forget_finished()  # the ledger entry describes an output this run replaces
+        # the ledger entry describes an output this run replaces; unlinking fails where there is none, or the
+        # cache is read-only: a stale entry cannot match a new OUT's sha256 anyway
+        with suppress(OSError):
+            self.ledger_path.unlink()
         self.done = {}
         atomic_write(self.run_path, lambda f: f.write(jsonl_line(manifest)))
         self._open_append()
@@ -289,11 +292,6 @@ class RunStore:
                     "output_sha256": _sha256(self.out)}
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(path, lambda f: f.write(jsonl_line(info)))
-
-    def _forget_finished(self) -> None:
-        # fails where there is none, or the cache is read-only: a stale entry cannot match a new OUT's sha256 anyway
-        with suppress(OSError):
-            self.ledger_path.unlink()
 
     def abandon(self) -> None:
         """Drop the run file when it holds nothing worth keeping (an error before any result)."""

@@ -93,8 +93,7 @@ class HardwareSpec(JsonRecord):
 
     def cpu_rate(self, dtype: str) -> float | None:
         """Measured CPU matmul FLOP/s in `dtype` (a dtype or quantized-kernel name), None if not measured."""
-        v = self.cpu_matmul.get(dtype)
-        return float(v) if v else None
+        return self.cpu_matmul.get(dtype) or None  # floats since __post_init__
 
     def cpu_math(self, storage: str) -> tuple[str, str]:
         """(dtype the CPU computes in, why) for weights stored in `storage` on this machine: the rule the
@@ -110,9 +109,7 @@ class HardwareSpec(JsonRecord):
         """(FLOP/s, math dtype, measured?) of the CPU's matmuls for weights stored in `storage`."""
         math, _ = self.cpu_math(storage)
         rate = self.cpu_rate(math)
-        if rate is not None:
-            return rate, math, True
-        return self.cpu_flops, math, "cpu_flops" in self.measured
+        return (rate, math, True) if rate else (self.cpu_flops, math, "cpu_flops" in self.measured)
 
     def _isa(self):
         from core.model.cpu.isa import CpuIsa

@@ -192,11 +192,6 @@ class Dims:
     dense_shares: tuple = ()
     dense_bytes_per_weight: float = 0.0  # in the kernel's layout, scales included
 
-    @property
-    def cpu_total_bytes(self) -> int:
-        """Every weight as the CPU-only mode holds it (quantized dense weights at their format's bytes)."""
-        return (self.cpu_nonexpert_bytes or self.nonexpert_bytes) + self.total_expert_bytes
-
 
 @lru_cache(maxsize=32)
 def _dims(m: ModelSpec) -> Dims:
@@ -274,22 +269,19 @@ def expected_experts(tokens: float, num_experts: int, top_k: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def qkv_proj(m: "ModelSpec | Dims", t: float) -> Work:
+def qkv_proj(d: Dims, t: float) -> Work:
     """The projections before attention (norm + QKV, MLA's low-rank Q and absorbed W_UK, DeltaNet's in_proj)."""
-    d = dims(m)
     params = d.avg(lambda x: x.pre_params)
     return Work(2 * t * params, (params + t * (d.D + d.d1)) * d.dt)
 
 
-def o_proj(m: "ModelSpec | Dims", t: float) -> Work:
+def o_proj(d: Dims, t: float) -> Work:
     """The projections after attention (O; MLA's W_UV; DeltaNet's out_proj)."""
-    d = dims(m)
     params = d.avg(lambda x: x.post_params)
     return Work(2 * t * params, (params + t * (d.d2 + d.D)) * d.dt)
 
 
-def router(m: "ModelSpec | Dims", t: float) -> Work:
-    d = dims(m)
+def router(d: Dims, t: float) -> Work:
     return Work(d.moe_frac * 2 * t * d.D * d.E, d.moe_frac * (d.E * d.D * (d.router_dt or d.dt) + t * d.D * d.dt))
 
 
@@ -309,23 +301,21 @@ def moe_ffn(m: "ModelSpec | Dims", t: float, expand: bool = False) -> Work:
     return Work(d.moe_frac * 6 * t * d.k * d.D * d.I, d.moe_frac * (read + acts))
 
 
-def quant_cpu_ffn(m: "ModelSpec | Dims", r: Rates, t: float) -> float:
+def quant_cpu_ffn(d: Dims, r: Rates, t: float) -> float:
     """CPU seconds of int8/int4 routed experts for t tokens on the weight-only kernels; int8 past KERNEL_ROWS rows
     is expanded and multiplied by the ordinary matmul, as core.model.quant.experts does."""
-    d = dims(m)
     touched = expected_experts(t, d.E, d.k)
     if not touched:
         return 0.0
     rows = t * d.k / touched
     if d.qkind == "int8" and rows > KERNEL_ROWS:
-        return roofline_seconds(moe_ffn(m, t, expand=True), r.cpu_flops, r.cpu_bw)
+        return roofline_seconds(moe_ffn(d, t, expand=True), r.cpu_flops, r.cpu_bw)
     return d.moe_frac * touched * r.kernel_seconds(d.qkind, rows, 3 * d.D * d.I)
 
 
-def quant_dense_swap(m: "ModelSpec | Dims", r: Rates, c, t: float) -> dict[str, float]:
+def quant_dense_swap(d: Dims, r: Rates, c, t: float) -> dict[str, float]:
     """--quantize-dense: seconds the weight-only kernel adds over what the cost model `c` charges for the dtype's
     GEMMs (negative where faster), for "pre" (QKV), "post" (O, shared expert) and "head"."""
-    d = dims(m)
     if d.dense_qkind not in CPU_KERNEL_FLOPS or t <= 0:
         return {"pre": 0.0, "post": 0.0, "head": 0.0}
     share = dict(d.dense_shares)
@@ -340,9 +330,8 @@ def quant_dense_swap(m: "ModelSpec | Dims", r: Rates, c, t: float) -> dict[str, 
             "head": share["lm_head"] * swap(d.V, d.D)}
 
 
-def shared_expert(m: "ModelSpec | Dims", t: float) -> Work:
+def shared_expert(d: Dims, t: float) -> Work:
     """The shared expert of MoE layers and the dense MLP of dense layers (both always on)."""
-    d = dims(m)
     width = d.moe_frac * d.Is + (1 - d.moe_frac) * d.Id
     if not width:
         return Work(0.0, 0.0)
@@ -356,9 +345,8 @@ def decode_attention(m: "ModelSpec | Dims", t: float, c: float) -> Work:
     return _mixed(d, lambda x: x.decode(t, c, d.dt))
 
 
-def prefill_attention(m: "ModelSpec | Dims", seqs: float, s: float) -> Work:
+def prefill_attention(d: Dims, seqs: float, s: float) -> Work:
     """Causal attention over seqs prompts of s tokens, flash-style (K, V read once per query block)."""
-    d = dims(m)
     return _mixed(d, lambda x: x.prefill(seqs, s, d.dt))
 
 
@@ -368,8 +356,7 @@ def _mixed(d: Dims, work) -> Work:
     return Work(sum(n * f for n, f, _ in parts) / d.layers, sum(n * b for n, _, b in parts) / d.layers)
 
 
-def lm_head(m: "ModelSpec | Dims", t: float) -> Work:
-    d = dims(m)
+def lm_head(d: Dims, t: float) -> Work:
     return Work(2 * t * d.D * d.V, (d.V * d.D + t * d.D) * d.dt)
 
 
@@ -575,9 +562,10 @@ def layer_time(busy: dict[str, float], ffn_on: str, pipeline: float = 0.0) -> fl
 
 def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches: int, on_gpu: bool) -> float:
     """The LM head (and final norm) once per step over `tokens` tokens, in `micro_batches` pieces."""
+    d = dims(m)
     if not on_gpu:
-        return cpu_cost.head_seconds(dims(m), r.cpu_costs, tokens) + quant_dense_swap(m, r, r.cpu_costs, tokens)["head"]
-    return micro_batches * (roofline_seconds(lm_head(m, tokens / micro_batches), r.gpu_flops, r.gpu_bw) + GPU_LAUNCH)
+        return cpu_cost.head_seconds(d, r.cpu_costs, tokens) + quant_dense_swap(d, r, r.cpu_costs, tokens)["head"]
+    return micro_batches * (roofline_seconds(lm_head(d, tokens / micro_batches), r.gpu_flops, r.gpu_bw) + GPU_LAUNCH)
 
 
 def wave_seconds(r: Rates, *, on_gpu: bool) -> float:

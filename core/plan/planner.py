@@ -112,8 +112,9 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
     kv_layer = N * d.state_layer_bytes(T)
     cpu_attn_ws = mu * d.heads * T * 4  # fp32 scores of one micro-batch
     if p.ffn_on == "cpu":
+        weights = (d.cpu_nonexpert_bytes or d.nonexpert_bytes) + d.total_expert_bytes  # dense ones maybe quantized
         # the runner's decode and prefill logits buffers (fp32, a row per batch slot), reused every step
-        return {}, {"weights": d.cpu_total_bytes, "kv_cache": int(d.layers * kv_layer),
+        return {}, {"weights": weights, "kv_cache": int(d.layers * kv_layer),
                     "activations": _cpu_activations(d, p, w) + cpu_attn_ws, "dequant_scratch": d.scratch,
                     "logits_buffers": _arena_bytes([(N * d.V * 4, 2)])}, 0
     L, E, eb = d.layers, d.E, d.expert_bytes
@@ -240,10 +241,12 @@ def validate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
 def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> Prediction:
     """The HRM's prediction for a policy (memory reported, not checked: validate). Tensor parallel: one rank's
     time, every rank's memory."""
-    p, k = policy, policy.tensor_parallel
-    full, front, tail = waves_of(p, workload)
-    rest = tail.num_requests if tail else 0
-    last = last_wave(policy, model, hardware, tail) if tail else None
+    p, k, requests = policy, policy.tensor_parallel, workload.num_requests
+    # full waves, then a smaller last one: the engine admits the longest prompts first, so it holds the shortest
+    full, rest = divmod(requests, p.batch_size) if requests and requests > p.batch_size else (1, 0)
+    front, tail = workload.longest_first(full * p.batch_size) if rest else (workload, None)
+    # (equal prompts: longest_first gives both parts the whole workload's shape)
+    last = last_wave(policy, model, hardware, dataclasses.replace(tail, num_requests=rest)) if rest else None
     model, hardware, _ = rank_view(model, hardware, None, k)
     r = _rates(hardware, k, model)
     kw = dict(batch=p.batch_size, micro_batch=p.micro_batch_size, attention_on=p.attention_on, ffn_on=p.ffn_on,
@@ -280,17 +283,6 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
         decode_busy=decode_busy, prefill_busy=prefill_busy, decode_steps=(n - 1) * (full + (1 if last else 0)),
         prompt_tokens=prompt_tokens, band=0.0 if on_gpu else r.cpu_costs.band,
     )
-
-
-def waves_of(policy: Policy, workload: Workload) -> tuple[int, Workload, Workload | None]:
-    """(full waves, their workload, the smaller last wave's or None); the engine admits the longest prompts
-    first, so the last wave holds the shortest (Workload.longest_first)."""
-    n, b = workload.num_requests, policy.batch_size
-    full, rest = divmod(n, b) if n and n > b else (1, 0)
-    if not rest:
-        return full, workload, None
-    front, tail = workload.longest_first(full * b)
-    return full, front, tail
 
 
 def last_wave(policy: Policy, model: ModelSpec, hardware: HardwareSpec, tail: Workload) -> Prediction:

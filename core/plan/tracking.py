@@ -69,10 +69,10 @@ class Comparison:
 
 
 class Tracker(RunSums):
-    def __init__(self, prediction, num_layers: int, warn_at: float | None = None, forward: EventSink = ignore):
+    def __init__(self, prediction, num_layers: int, forward: EventSink = ignore):
         super().__init__(forward)
         self.prediction, self.layers = prediction, num_layers
-        self.warn_at = warn_at if warn_at is not None else getattr(prediction, "band", 0.0) or WARN_AT
+        self.warn_at = prediction.band or WARN_AT
 
     def comparison(self) -> Comparison:
         p = self.prediction
