@@ -367,26 +367,20 @@ class PipelineRunner:
         """Run a step's tasks, then its logits of `finals()`: behind the step's work where the executor takes a
         tail (one host sync a step), else after it. (busy, logits)"""
         self._start_step()
-        rows = []
-
-        def tail():
-            rows.append(self._logits_enqueue(finals, buffer))
-
         if getattr(self.ex, "takes_tail", False):
-            busy = self.ex.run(tasks, self._run, then=tail)
+            rows = []
+            busy = self.ex.run(tasks, self._run, then=lambda: rows.append(self._logits_enqueue(finals(), buffer)))
+            out = busy, self.host[buffer][:rows[0]]
         else:
             busy = self.ex.run(tasks, self._run)
-            tail()
-            if self.dev.accelerator:  # bounded: a hung kernel is DeviceStalled, not a hang
-                self._logits_done.record(self.dev.current_stream())
-                self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
+            out = busy, self._logits(finals(), buffer)
         self.last_tasks = tasks
         if self.streamed:  # where the graph prefetched the next step's layer 0 (a one-layer prefill keeps it in place)
             L, prefill = self.spec.num_layers, buffer == "logits_pre"
             prefetched = any(t.kind == "weight_page" and t.layer == 0 and t.id not in self._current_pages
                              for t in tasks)
             self._layer0_half = self._base if prefill and L == 1 else (self._base + L) % 2 if prefetched else None
-        return busy, self.host[buffer][:rows[0]]
+        return out
 
     def move_rows(self, moves) -> None:
         """[(from slot, to slot, cached tokens)]: move requests' state between slots in every store."""
@@ -405,20 +399,30 @@ class PipelineRunner:
                 mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         tasks, self._current_pages = self._graph("prefill", len(self._pre))
         self.rope.keep = 1  # a prefill's tables are large and its gathers few beside its tokens
-        busy, staged = self._run_step(tasks, lambda: [mb.x.index_select(0, mb.ends_d) for mb in self._pre],
-                                      "logits_pre")
+        busy, staged = self._run_step(tasks, self._prefill_finals, "logits_pre")
         order = torch.tensor([i for idx in micro_batches for i in idx])
         out = torch.empty_like(staged)
         out[order] = staged
         self._pre = None
         return out, busy
 
-    def _logits_enqueue(self, finals, buffer: str) -> int:
-        """fp32 logits of the final hidden states `finals()`, micro-batch by micro-batch into one reused host
-        buffer (a device's enqueued, with their copies); the rows they fill."""
+    def _prefill_finals(self) -> list[torch.Tensor]:
+        with self.dev.compute():
+            return [mb.x.index_select(0, mb.ends_d) for mb in self._pre]
+
+    def _logits(self, xs: list[torch.Tensor], buffer: str) -> torch.Tensor:
+        """fp32 logits of the final hidden states, micro-batch by micro-batch into one reused host buffer."""
+        rows = self._logits_enqueue(xs, buffer)
+        if self.dev.accelerator:  # bounded: a hung kernel is DeviceStalled, not a hang
+            self._logits_done.record(self.dev.current_stream())
+            self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
+        return self.host[buffer][:rows]
+
+    def _logits_enqueue(self, xs: list[torch.Tensor], buffer: str) -> int:
+        """The logits of `xs` into host `buffer` (a device's enqueued, with their copies); the rows they fill."""
         g, out, row = self.globals, self.host[buffer], 0
         with self.dev.compute():
-            for x in finals():
+            for x in xs:
                 n = x.shape[0]
                 head = (self.spec, g["norm"], self.lm_head, x, g.get("norm_b"), g.get("lm_head_b"))
                 if self.dev.accelerator:
