@@ -175,10 +175,7 @@ class PipelineRunner:
         self.layer0_loads = 0  # synchronous loads of layer 0 before a step (the first step's, ideally only)
         self._base = 0  # half of layer 0 in the current step
         self._graphs: dict[tuple, tuple[list, set]] = {}
-        self._host_buffers(n_mb)
-        if self._unpinned:
-            self._warn_unpinned()
-        self._device_buffers(n_mb)
+        self._buffers(n_mb)
         self.bytes = {"h2d": 0, "d2h": 0}
         self._step: list[_MB] | None = None
         self._scratch = ExpertScratch()  # the decode FFN's gather/scatter buffers (FFN tasks run one at a time)
@@ -245,9 +242,10 @@ class PipelineRunner:
                                f"({why}); those copies go through pageable memory and will be slower — a smaller "
                                "batch or more resident experts need less"))
 
-    def _host_buffers(self, n_mb: int) -> None:
-        """Host staging in one arena, pinned once at its exact size: D1/D2 buffers, logits, S4's KV staging."""
-        s, dt, mu = self.spec, self.w.dtype, self.mu
+    def _buffers(self, n_mb: int) -> None:
+        """Host staging in one arena, pinned once at its exact size: D1/D2 buffers, logits, S4's state staging;
+        then the device's: D1/D2 buffers, the stores of the layers whose state lives there, S4's state ring."""
+        s, dt, mu, dev = self.spec, self.w.dtype, self.mu, self.dev
         d1, d2 = mixer.max_widths(s)  # the widest layer's payloads
         want: list[tuple[str, tuple, torch.dtype]] = []
         cpu_attn = self.attention_on == "cpu" and self.ffn_on == "gpu"
@@ -256,59 +254,44 @@ class PipelineRunner:
             want += [(f"o_h{j}", (mu * d2,), dt) for j in range(n_mb)]
         want += [("logits_dec", (self.cache.slots, s.vocab_size), torch.float32),
                  ("logits_pre", (self.cache.slots, s.vocab_size), torch.float32)]
-        kv_on_cpu = self.attention_on == "gpu" and self.kv_gpu_layers < s.num_layers
-        if kv_on_cpu:
-            # a ring slot: one micro-batch's state of any layer; the out buffer: one token's new entries
-            self._ring_bytes, self._out_bytes = self._state_buffer_bytes()
-            want += [(f"state_in{r}", (self._ring_bytes,), torch.uint8) for r in range(2)]
-            want += [("state_out", (self._out_bytes,), torch.uint8)]
+        ring = self.attention_on == "gpu" and self.kv_gpu_layers < s.num_layers
+        if ring:
+            # every layer's kind, as the planner counts them (zero-row stores: shapes, no memory)
+            self._kinds = {_kind(st): st for st in (layer_store(s, i, 0, self.cache.max_tokens, dt)
+                                                     for i in range(s.num_layers))}
+            # a ring slot: one micro-batch's state of any layer; the out buffer: one micro-batch's new entries
+            ring_bytes = max(_offsets(st.shapes(mu, self.cache.max_tokens))[1] for st in self._kinds.values())
+            want += [(f"state_in{r}", (ring_bytes,), torch.uint8) for r in range(2)]
+            want += [("state_out", (max(_offsets(st.new_shapes(mu))[1] for st in self._kinds.values()),), torch.uint8)]
         arena, self.host = _arena(want)
-        if want and self.dev.accelerator:
-            if self.dev.pin(arena):
-                weakref.finalize(self, self.dev.unpin, arena)  # unpinned when this runner is gone
+        if dev.accelerator:
+            if dev.pin(arena):
+                weakref.finalize(self, dev.unpin, arena)  # unpinned when this runner is gone
             else:
                 self._unpinned += arena.numel()
+        if self._unpinned:
+            self._warn_unpinned()
         self.qkv_h = [self.host[f"qkv_h{j}"] for j in range(n_mb)] if cpu_attn else []
         self.o_h = [self.host[f"o_h{j}"] for j in range(n_mb)] if cpu_attn else []
-        if kv_on_cpu:
-            self._stage_free = [self.dev.event() for _ in range(2)]  # last copy out of each state staging slot
-            self._kv_out_done = self.dev.event()
-
-    def _state_buffer_bytes(self) -> tuple[int, int]:
-        """Bytes of a ring slot (μ rows of the largest layer state) and of μ rows' new entries."""
-        mu, T = self.mu, self.cache.max_tokens
-        # every layer's kind, as the planner counts them (zero-row stores: shapes, no memory)
-        self._kinds = {_kind(st): st for st in (layer_store(self.spec, i, 0, T, self.w.dtype)
-                                                 for i in range(self.spec.num_layers))}
-        return (max(_offsets(st.shapes(mu, T))[1] for st in self._kinds.values()),
-                max(_offsets(st.new_shapes(mu))[1] for st in self._kinds.values()))
+        self.qkv_d = [dev.empty((mu * d1,), dt) for _ in range(n_mb)] if cpu_attn else []
+        self.o_d = [dev.empty((mu * d2,), dt) for _ in range(n_mb)] if cpu_attn else []
+        # zeros, not empty: masked positions still enter p @ v (as 0 × v), and 0 × NaN is NaN
+        self.state_dev = [layer_store(s, i, self.cache.slots, self.cache.max_tokens, dt, alloc=dev.zeros)
+                          for i in range(self.kv_gpu_layers)] if self.attention_on == "gpu" else []
+        self.state_ring = [dev.zeros(ring_bytes, torch.uint8) for _ in range(2)] if ring else []
+        if ring:
+            self._stage_free = [dev.event() for _ in range(2)]  # last copy out of each state staging slot
+            self._kv_out_done = dev.event()
+            # per ring slot: (device, host staging) typed regions per layer kind; the new entries' staging
+            self._ring_parts = [(self._typed_parts(b, False), self._typed_parts(self.host[f"state_in{r}"], False))
+                                for r, b in enumerate(self.state_ring)]
+            self._out_parts = self._typed_parts(self.host["state_out"], True)
 
     def _typed_parts(self, buf: torch.Tensor, new: bool) -> dict:
         """Per layer kind, its tensors' flat typed regions in a uint8 buffer, carved once."""
         mu, T = self.mu, self.cache.max_tokens
         return {key: [t.view(-1) for t in _carve(buf, st.new_shapes(mu) if new else st.shapes(mu, T))]
                 for key, st in self._kinds.items()}
-
-    def _device_buffers(self, n_mb: int) -> None:
-        s, dt, mu, dev = self.spec, self.w.dtype, self.mu, self.dev
-        self.qkv_d, self.o_d = [], []
-        if self.attention_on == "cpu" and self.ffn_on == "gpu":
-            d1, d2 = mixer.max_widths(s)
-            self.qkv_d = [dev.empty((mu * d1,), dt) for _ in range(n_mb)]
-            self.o_d = [dev.empty((mu * d2,), dt) for _ in range(n_mb)]
-        self.state_dev: list = []  # the stores of the layers whose state lives on the GPU
-        self.state_ring: list[torch.Tensor] = []
-        if self.attention_on != "gpu":
-            return
-        # zeros, not empty: masked positions still enter p @ v (as 0 × v), and 0 × NaN is NaN
-        self.state_dev = [layer_store(s, i, self.cache.slots, self.cache.max_tokens, dt, alloc=dev.zeros)
-                          for i in range(self.kv_gpu_layers)]
-        if self.kv_gpu_layers < s.num_layers:
-            self.state_ring = [dev.zeros(self._ring_bytes, torch.uint8) for _ in range(2)]
-            # per ring slot: (device, host staging) typed regions per layer kind; the new entries' staging
-            self._ring_parts = [(self._typed_parts(b, False), self._typed_parts(self.host[f"state_in{r}"], False))
-                                for r, b in enumerate(self.state_ring)]
-            self._out_parts = self._typed_parts(self.host["state_out"], True)
 
     # ---- graphs ---------------------------------------------------------------------------------
     def _graph(self, kind: str, n: int):
