@@ -162,10 +162,8 @@ class Engine:
             setup = worker_setup(self.config.device if kind == "threaded" else self.dev.kind)
             if self.threads.fixed is None:
                 self.threads = Governor(fixed=setup.threads)
-            if kind == "threaded":
-                self._executor = ThreadedExecutor(RESOURCES, setup=setup)
-            else:
-                self._executor = CudaExecutor(self.dev, placement=setup)
+            self._executor = (ThreadedExecutor(RESOURCES, setup=setup) if kind == "threaded"
+                              else CudaExecutor(self.dev, placement=setup))
         return self._executor
 
     def apply_policy(self, policy) -> None:
