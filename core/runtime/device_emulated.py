@@ -109,38 +109,39 @@ class _Stream:
                 if item is None:
                     return
                 try:
-                    self._run(item)
+                    item()
                 finally:
                     item = None  # drop the work's references (and through them its buffers) now
                     with self._idle:
                         self._pending -= 1
                         self._idle.notify_all()
 
-    def _run(self, item) -> None:
-        kind, a, b = item
-        if kind == "fn":
-            self.dev._tls.label = b
-            try:
-                self.dev._fault("kernel")
-                a()
-            except BaseException as e:  # noqa: BLE001 - kept for the host, as a GPU keeps a kernel's error
-                if self.error is None:
-                    self.error = (b, e)
-            finally:
-                self.dev._tls.label = None
-        elif kind == "record":
-            a._complete(b, self.error)
-        elif kind == "wait":
-            a._wait_gen(b)
-            if a.error is not None and self.error is None:
-                self.error = a.error
+    def _kernel(self, fn: Callable[[], None], label) -> None:
+        self.dev._tls.label = label
+        try:
+            self.dev._fault("kernel")
+            fn()
+        except BaseException as e:  # noqa: BLE001 - kept for the host, as a GPU keeps a kernel's error
+            if self.error is None:
+                self.error = (label, e)
+        finally:
+            self.dev._tls.label = None
+
+    def _wait(self, event: _Event, gen: int, timeout: float | None = None) -> bool:
+        """Until the event's record `gen` completes (False: not within `timeout`); the failure before it, if
+        any, becomes this stream's."""
+        if not event._wait_gen(gen, timeout):
+            return False
+        if event.error is not None and self.error is None:
+            self.error = event.error
+        return True
 
     # ---- the CUDA stream API ----
     def _record(self, event: _Event, gen: int) -> None:
         if self._own():
             event._complete(gen, self.error)
         else:
-            self._put(("record", event, gen))
+            self._put(lambda: event._complete(gen, self.error))
 
     def wait_event(self, event: _Event) -> None:
         self.dev._refuse("a wait on an event recorded outside the capture")
@@ -149,13 +150,10 @@ class _Stream:
             gen = event._issued
         if gen == 0:
             return  # never recorded: nothing to wait for, as in CUDA
-        if self._own():  # the host's inline stream: a host wait, bounded like the others
-            if not event._wait_gen(gen, self.dev.wait_seconds if self.inline else None):
-                raise DeviceStalled("the work before an event the host's stream waits on", self.dev.wait_seconds)
-            if event.error is not None and self.error is None:
-                self.error = event.error
-        else:
-            self._put(("wait", event, gen))
+        if not self._own():
+            self._put(lambda: self._wait(event, gen))
+        elif not self._wait(event, gen, self.dev.wait_seconds if self.inline else None):  # a host wait, bounded
+            raise DeviceStalled("the work before an event the host's stream waits on", self.dev.wait_seconds)
 
     def wait_stream(self, other: "_Stream") -> None:
         ev = _Event(self.dev, False, True)
@@ -232,7 +230,7 @@ class EmulatedCuda(Device):
         if stream._own():
             fn()
         else:
-            stream._put(("fn", fn, label))
+            stream._put(lambda: stream._kernel(fn, label))
 
     def host_wait(self, event: _Event, cancel: Callable[[], bool] | None = None,
                   what: str = "the work before an event") -> None:
