@@ -152,8 +152,7 @@ class PipelineRunner:
                          max(0, min(E, int(resident_experts[i]))) for i in range(L)]
         self.streamed = ffn_on == "gpu" and min(self.resident) < E
         self.kv_gpu_layers = kv_gpu_layers if attention_on == "gpu" else 0
-        mu, n_mb = micro_batch_size, -(-cache.slots // micro_batch_size)
-        self.mu = mu
+        self.mu, n_mb = micro_batch_size, -(-cache.slots // micro_batch_size)
         self.rope = for_spec(spec, cache.max_tokens, weights.math_dtype)
         self.rope.cos, self.rope.sin = dev.to_device(self.rope.cos), dev.to_device(self.rope.sin)
         self.rope.sign = dev.to_device(self.rope.sign)
