@@ -20,23 +20,20 @@ STREAMS = ("compute", "h2d", "d2h")
 
 class _CudaStep(_Step):
     def __init__(self, tasks, fn, events: list):
-        """`events`: the executor's, reused step after step: the timeline's origin, the join, then enough to mark
-        the end of each stream task."""
         super().__init__(tasks, fn)
         self.stream_of = {t.id: t.resource for t in tasks if t.resource in STREAMS}
-        # the device clock's zero for this step's timeline; the join, on the caller's stream behind every stream's
-        # last task and the tail; per stream task, its end
+        # `events`, the executor's, reused step after step: the device clock's zero for this step's timeline; the
+        # join, on the caller's stream behind every stream's last task and the tail; then each stream task's end
         self.origin, self.joined, *ends = events
         self.end = dict(zip(self.stream_of, ends))
         self.index = {t.id: i for i, t in enumerate(tasks)}  # task id -> position, for the timeline
         self.launched: set[int] = set()  # stream tasks whose work the host has enqueued
-        self.origin_host = 0.0  # ... and the host clock's, at the same moment
+        self.origin_host = 0.0  # the host clock's reading at the origin
         self.last_on: dict[str, int] = {}
         self.before: dict[int, int | None] = {}  # stream task -> the task before it on its stream
-        for t in tasks:
-            if t.resource in STREAMS:
-                self.before[t.id] = self.last_on.get(t.resource)
-                self.last_on[t.resource] = t.id
+        for tid, r in self.stream_of.items():
+            self.before[tid] = self.last_on.get(r)
+            self.last_on[r] = tid
 
     def started(self, tid: int) -> bool:
         """Whether stream task `tid` is past everything it waits for (so it runs, or ran)."""
