@@ -199,16 +199,13 @@ class PipelineRunner:
     def _place_experts(self) -> None:
         """Resident experts on the device; the streaming buffer's halves and page copies, by each layer's layout."""
         dev, E, w, spec = self.dev, self.spec.num_experts, self.w, self.spec
-        self.ebuf = None
+        self.ebuf, self.resident_parts = None, []
         scratch: dict = {}  # quantized experts: one expert's expansion, shared by every layer
-        if self.ffn_on == "cpu":  # the host's own tensors: plain, packed for its kernels, or quantized
-            self.resident_parts = [[lw.expert_set()] if spec.is_moe(i) else [] for i, lw in enumerate(w.layers)]
-            return
-        self.resident_parts = []
         for i, (lw, r) in enumerate(zip(w.layers, self.resident)):
             if r == 0 or not spec.is_moe(i):
                 self.resident_parts.append([])
-            elif not dev.accelerator and r == E:  # the CPU as device: its own tensors are "resident"
+            elif r == E and (self.ffn_on == "cpu" or not dev.accelerator):
+                # the host's own tensors, "resident" (plain, packed for its kernels, or quantized)
                 self.resident_parts.append([lw.expert_set()])
             else:
                 slab = ExpertSlab(lw.layout, r)
