@@ -70,7 +70,7 @@ class _PrefillMB:
         self.calls_d = dev.to_device(torch.cat([torch.full((n,), n) for n in self.lens])) if call_lengths else None
         self.ends_d = dev.to_device(torch.tensor(self.lens).cumsum(0) - 1)
         self.x = None
-        self.kv = []  # per layer: per prompt its state parts (device tensors) for the store
+        self.kv: dict[int, list] = {}  # layer -> per prompt its state parts (device tensors), awaiting the store
 
 
 class ExpertSlab:
@@ -599,7 +599,7 @@ class PipelineRunner:
 
     def _store_prompts(self, t):
         mb, i = self._pre[t.micro_batch], t.layer
-        prompts, mb.kv[i] = mb.kv[i], None
+        prompts = mb.kv.pop(i)
         if i < self.kv_gpu_layers:
             for slot, parts in zip(mb.slots, prompts):
                 self.state_dev[i].write_prompt(slot, *parts)
@@ -619,8 +619,6 @@ class PipelineRunner:
         # the FFN's intermediates are the peak: the layer holds nothing else then (the planner counts on it)
         mb.x = decoder.prefill_ffn(self.spec, i, w, mb.x, lambda h, rw, idx: self._experts(parts, h, rw, idx),
                                    self._ffn_out, self._prefill_chunk)
-        while len(mb.kv) <= i:
-            mb.kv.append(None)
         mb.kv[i] = states
         if self.ffn_on == "cpu":  # the CPU-only chain has no kv_store task: write the cache here
             self._store_prompts(t)
