@@ -459,9 +459,8 @@ class Engine:
         return out
 
     def _step_event(self, kind, tokens, t0, busy, moved, runner, active, proc) -> StepDone:
-        gpu_mem = self.dev.memory_allocated()
         return StepDone(kind, tokens, time.perf_counter() - t0, busy, runner.bytes["h2d"] - moved["h2d"],
-                        runner.bytes["d2h"] - moved["d2h"], active, gpu_mem, proc.memory_info().rss,
+                        runner.bytes["d2h"] - moved["d2h"], active, self.dev.memory_allocated(), proc.memory_info().rss,
                         tasks=runner.last_tasks, times=getattr(runner.ex, "times", ()))
 
     def _admit_check(self, req: Request) -> _Seq:

@@ -556,9 +556,9 @@ class PipelineRunner:
         slot = (layer * len(self._step) + j) % 2
         store = self.cache.layers[layer]
         shapes = store.shapes(mb.B, mb.rows.span[1])
-        dev_parts, host_parts = (p[_kind(store)] for p in self._ring_parts[slot])
-        return slot, store.over([p[:math.prod(s)].view(s) for p, (s, _) in zip(dev_parts, shapes)]), store.over(
-            [p[:math.prod(s)].view(s) for p, (s, _) in zip(host_parts, shapes)])
+        dev_view, host_view = (store.over([p[:math.prod(s)].view(s) for p, (s, _) in zip(parts[_kind(store)], shapes)])
+                               for parts in self._ring_parts[slot])
+        return slot, dev_view, host_view
 
     def _kv_load(self, t):
         mb, i = self._step[t.micro_batch], t.layer
