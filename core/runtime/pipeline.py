@@ -125,9 +125,8 @@ class PipelineRunner:
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, cache: KVCache, *, executor, schedule: str = "cgopipe",
                  attention_on: str = "cpu", ffn_on: str = "gpu", micro_batch_size: int = 1, expert_group: int = 1,
-                 resident_experts=None, kv_gpu_layers: int = 0, device: Device | None = None,
-                 grouped: bool | None = None, warn: EventSink = ignore, tp=None, cpu_math: torch.dtype | None = None,
-                 direct_rows: int = 2):
+                 resident_experts=None, kv_gpu_layers: int = 0, device: Device | None = None, warn: EventSink = ignore,
+                 tp=None, cpu_math: torch.dtype | None = None, direct_rows: int = 2):
         if schedule not in sched.SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}")
         self.spec, self.w, self.cache, self.ex = spec, weights, cache, executor
@@ -139,7 +138,6 @@ class PipelineRunner:
                                  spec.shared_intermediate, spec.dense_intermediate, spec.num_experts, spec.top_k))
         self.warn = warn
         self.act = activation(spec)  # the experts' gate activation (gpt-oss clamps its SwiGLU)
-        self.grouped = grouped
         self.expert_group = expert_group
         self.tp = tp  # tensor parallel: core.runtime.distributed.tensor_parallel.ShardOps, or None
         self._full_norm = tp.full_norm if tp is not None else None
@@ -523,10 +521,10 @@ class PipelineRunner:
     def _experts(self, parts: list[dict], h, rw, ridx, scratch=None):
         if len(parts) == 1 and not self.dev.accelerator:
             p = parts[0]
-            return experts(h, p.get("w13"), p.get("w2"), rw, ridx, grouped=self.grouped, packed=p.get("packed"),
+            return experts(h, p.get("w13"), p.get("w2"), rw, ridx, packed=p.get("packed"),
                            b13=p.get("b13"), b2=p.get("b2"), act=self.act, quant=p.get("quant"), widen=self.widen_ffn,
                            scratch=scratch)
-        return device_experts(h, parts, rw, ridx, grouped=self.grouped, grouped_mm=self._grouped_mm(h), act=self.act)
+        return device_experts(h, parts, rw, ridx, grouped_mm=self._grouped_mm(h), act=self.act)
 
     def _grouped_mm(self, h) -> bool:
         """Whether grouped_mm has a kernel for h's dtype on this device."""
