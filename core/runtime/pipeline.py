@@ -537,8 +537,7 @@ class PipelineRunner:
         return h.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def _group_size(self, t) -> int:
-        n = len(self._step)
-        return self.expert_group if n % self.expert_group == 0 else 1
+        return self.expert_group if len(self._step) % self.expert_group == 0 else 1
 
     def _weight_page(self, t):
         layer = t.layer
