@@ -110,9 +110,6 @@ EQUIVALENT = [
      "same in-order GPU queue"),
     ("schedule", "if (i >= 0 or serial)", "layer 0's pages are not in the graph yet when layer 0 is built (they prefetch "
      "the next step), so its weight list stays empty"),
-    ("schedule", 'if G.has("XXweight_pageXX", i, p)]', "S4: each D2 of the layer follows its pages on the same "
-     "in-order copy queue, so post-attention waits for them anyway"),
-    ("schedule", 'if G.has("WEIGHT_PAGE", i, p)]', "as the XXweight_pageXX mutant"),
     ("schedule", "if t is None] if (i > 0 or serial)", "attention on the GPU: each KV load follows the layer's "
      "pages on the same in-order copy queue, and the FFN waits for its attention"),
     ("schedule", 'a = add("pre_attn", i, j, )', "S3: the one chain orders it; S4: the previous layer's FFN precedes "

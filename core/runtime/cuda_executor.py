@@ -18,37 +18,22 @@ from core.runtime.executors import STALL_SECONDS, Stalled, ThreadedExecutor, _St
 STREAMS = ("compute", "h2d", "d2h")
 
 
-class _EventPool:
-    """Timing events, created once and reused: event i marks the end of the step's i-th stream task."""
-
-    def __init__(self, dev: Device):
-        self.dev = dev
-        self.events: list = []
-        self.origin = dev.event(timing=True)
-        self.joined = dev.event()  # on the caller's stream behind every stream's last task and the tail
-
-    def event(self, i: int):
-        while len(self.events) <= i:
-            self.events.append(self.dev.event(timing=True))
-        return self.events[i]
-
-
 class _CudaStep(_Step):
-    def __init__(self, tasks, fn, pool: _EventPool):
+    def __init__(self, tasks, fn, events: list):
         super().__init__(tasks, fn)
         self.stream_of = {t.id: t.resource for t in tasks if t.resource in STREAMS}
-        self.end = {tid: pool.event(i) for i, tid in enumerate(self.stream_of)}  # task -> its end event
+        # `events`, the executor's, reused step after step: the device clock's zero for this step's timeline; the
+        # join, on the caller's stream behind every stream's last task and the tail; then each stream task's end
+        self.origin, self.joined, *ends = events
+        self.end = dict(zip(self.stream_of, ends))
         self.index = {t.id: i for i, t in enumerate(tasks)}  # task id -> position, for the timeline
         self.launched: set[int] = set()  # stream tasks whose work the host has enqueued
-        self.origin = pool.origin  # the device clock's zero for this step's timeline
-        self.joined = pool.joined
-        self.origin_host = 0.0  # ... and the host clock's, at the same moment
+        self.origin_host = 0.0  # the host clock's reading at the origin
         self.last_on: dict[str, int] = {}
         self.before: dict[int, int | None] = {}  # stream task -> the task before it on its stream
-        for t in tasks:
-            if t.resource in STREAMS:
-                self.before[t.id] = self.last_on.get(t.resource)
-                self.last_on[t.resource] = t.id
+        for tid, r in self.stream_of.items():
+            self.before[tid] = self.last_on.get(r)
+            self.last_on[r] = tid
 
     def started(self, tid: int) -> bool:
         """Whether stream task `tid` is past everything it waits for (so it runs, or ran)."""
@@ -77,7 +62,7 @@ class CudaExecutor(ThreadedExecutor):
         self.dev = device
         self.placement = placement
         self.streams = {r: device.stream(r, compute=r == "compute") for r in STREAMS}
-        self._pool = _EventPool(device)
+        self._events = self._fresh_events()
         self._hung: str | None = None  # a stream that ran past the device's deadline: what is stuck on it
         self._then = None  # the running step's tail (run's `then`)
         super().__init__(STREAMS + ("cpu_attn",), setup=self._setup, stall_seconds=stall_seconds)
@@ -97,7 +82,9 @@ class CudaExecutor(ThreadedExecutor):
             self._then = None
 
     def _new_step(self, tasks, fn):
-        step = _CudaStep(tasks, fn, self._pool)
+        n = 2 + sum(t.resource in STREAMS for t in tasks)
+        self._events += [self.dev.event(timing=True) for _ in range(n - len(self._events))]
+        step = _CudaStep(tasks, fn, self._events)
         caller = self.dev.current_stream()
         for s in self.streams.values():  # see what the caller enqueued before the step (embeddings)
             s.wait_stream(caller)
@@ -184,7 +171,10 @@ class CudaExecutor(ThreadedExecutor):
                 self._broken = f"the device did not drain after a failure: {e.problem}"
             except Exception:  # noqa: BLE001
                 pass
-        self._pool = _EventPool(self.dev)  # fresh events: none may keep the failure (and its frames) alive
+        self._events = self._fresh_events()  # none may keep the failure (and its frames) alive
+
+    def _fresh_events(self) -> list:
+        return [self.dev.event(timing=True), self.dev.event()]
 
     def close(self) -> None:
         super().close()

@@ -109,38 +109,39 @@ class _Stream:
                 if item is None:
                     return
                 try:
-                    self._run(item)
+                    item()
                 finally:
                     item = None  # drop the work's references (and through them its buffers) now
                     with self._idle:
                         self._pending -= 1
                         self._idle.notify_all()
 
-    def _run(self, item) -> None:
-        kind, a, b = item
-        if kind == "fn":
-            self.dev._tls.label = b
-            try:
-                self.dev._fault("kernel")
-                a()
-            except BaseException as e:  # noqa: BLE001 - kept for the host, as a GPU keeps a kernel's error
-                if self.error is None:
-                    self.error = (b, e)
-            finally:
-                self.dev._tls.label = None
-        elif kind == "record":
-            a._complete(b, self.error)
-        elif kind == "wait":
-            a._wait_gen(b)
-            if a.error is not None and self.error is None:
-                self.error = a.error
+    def _kernel(self, fn: Callable[[], None], label) -> None:
+        self.dev._tls.label = label
+        try:
+            self.dev._fault("kernel")
+            fn()
+        except BaseException as e:  # noqa: BLE001 - kept for the host, as a GPU keeps a kernel's error
+            if self.error is None:
+                self.error = (label, e)
+        finally:
+            self.dev._tls.label = None
+
+    def _wait(self, event: _Event, gen: int, timeout: float | None = None) -> bool:
+        """Until the event's record `gen` completes (False: not within `timeout`); the failure before it, if
+        any, becomes this stream's."""
+        if not event._wait_gen(gen, timeout):
+            return False
+        if event.error is not None and self.error is None:
+            self.error = event.error
+        return True
 
     # ---- the CUDA stream API ----
     def _record(self, event: _Event, gen: int) -> None:
         if self._own():
             event._complete(gen, self.error)
         else:
-            self._put(("record", event, gen))
+            self._put(lambda: event._complete(gen, self.error))
 
     def wait_event(self, event: _Event) -> None:
         self.dev._refuse("a wait on an event recorded outside the capture")
@@ -149,13 +150,10 @@ class _Stream:
             gen = event._issued
         if gen == 0:
             return  # never recorded: nothing to wait for, as in CUDA
-        if self._own():  # the host's inline stream: a host wait, bounded like the others
-            if not event._wait_gen(gen, self.dev.wait_seconds if self.inline else None):
-                raise DeviceStalled("the work before an event the host's stream waits on", self.dev.wait_seconds)
-            if event.error is not None and self.error is None:
-                self.error = event.error
-        else:
-            self._put(("wait", event, gen))
+        if not self._own():
+            self._put(lambda: self._wait(event, gen))
+        elif not self._wait(event, gen, self.dev.wait_seconds if self.inline else None):  # a host wait, bounded
+            raise DeviceStalled("the work before an event the host's stream waits on", self.dev.wait_seconds)
 
     def wait_stream(self, other: "_Stream") -> None:
         ev = _Event(self.dev, False, True)
@@ -232,7 +230,7 @@ class EmulatedCuda(Device):
         if stream._own():
             fn()
         else:
-            stream._put(("fn", fn, label))
+            stream._put(lambda: stream._kernel(fn, label))
 
     def host_wait(self, event: _Event, cancel: Callable[[], bool] | None = None,
                   what: str = "the work before an event") -> None:
@@ -422,7 +420,7 @@ class EmulatedCuda(Device):
         capture = self._tls.capture = _Capture(undo)
         try:
             # the trace innermost: it sees the ops as they run, after the undo has kept what they overwrite
-            with _HostReads(self), (undo if undo is not None else contextlib.nullcontext()), _Trace(capture):
+            with _HostReads(self), (undo if undo is not None else contextlib.nullcontext()), capture:
                 yield capture
         finally:
             self._tls.capture = None
@@ -484,7 +482,7 @@ class _Track(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        flat_in = _tensors((args, kwargs))
         dev = self.dev
         on_device = [a for a in flat_in if dev.is_device(a)]
         host = [a for a in flat_in if a.dim() and not dev.is_device(a)]  # 0-dim CPU scalars are fine on CUDA
@@ -501,10 +499,8 @@ class _Track(TorchDispatchMode):
             dev.stats["item_syncs"] += 1  # .item() on device data: a host sync on a GPU
         out = func(*args, **kwargs)
         if on_device or not flat_in:  # device compute (or a factory on the device): its new memory counts
-            inputs = {a.untyped_storage().data_ptr() for a in flat_in}
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                    dev._account(t)
+            for t in _new(flat_in, out):
+                dev._account(t)
         return out
 
 
@@ -512,40 +508,38 @@ _CROSS_DEVICE_OK = {torch.ops.aten.copy_.default, torch.ops.aten.index.Tensor, t
                     torch.ops.aten.index_put.default, torch.ops.aten._index_put_impl_.default}
 
 
-class _Capture:
+class _Capture(TorchDispatchMode):
     """The calling thread's capture or replay in progress: its kernels, each with the memory it read and wrote
     (older memory by address, as a graph bakes it in; the segment's own by shape, its pool)."""
 
     def __init__(self, undo: "_Undo | None"):
+        super().__init__()
         self.undo = undo
         self.trace: list[tuple] = []
-        self._made: dict[int, int] = {}  # storage address -> its rank among the segment's new storages
+        self._made: set[int] = set()  # storage addresses the segment made
 
     def ident(self, t: torch.Tensor) -> tuple:
         # the segment's own memory by kind alone: the host allocator's reuse varies between runs, a pool's does not
         p = t.untyped_storage().data_ptr()
         return ("made", tuple(t.shape)) if p in self._made else ("before", p, t.storage_offset(), tuple(t.shape))
 
-    def made(self, t: torch.Tensor) -> None:
-        self._made[t.untyped_storage().data_ptr()] = len(self._made)
-
-
-class _Trace(TorchDispatchMode):
-    def __init__(self, capture: _Capture):
-        super().__init__()
-        self.capture = capture
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        cap = self.capture
-        flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        cap.trace.append((func, tuple(cap.ident(a) for a in flat)))
+        flat = _tensors((args, kwargs))
+        self.trace.append((func, tuple(self.ident(a) for a in flat)))
         out = func(*args, **kwargs)
-        inputs = {a.untyped_storage().data_ptr() for a in flat}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                cap.made(t)
+        self._made.update(t.untyped_storage().data_ptr() for t in _new(flat, out))
         return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [a for a in tree_flatten(tree)[0] if isinstance(a, torch.Tensor)]
+
+
+def _new(inputs: list[torch.Tensor], out) -> list[torch.Tensor]:
+    """The tensors of an op's output in storage none of its inputs has: memory the op made."""
+    have = {a.untyped_storage().data_ptr() for a in inputs}
+    return [t for t in _tensors(out) if t.untyped_storage().data_ptr() not in have]
 
 
 def _same_kernels(captured: list, replayed: list) -> None:

@@ -140,10 +140,10 @@ class RunConfig:
 
 
 class Engine:
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, tokenizer, model_dir: Path, *, eos_ids: set[int],
-                 config: RunConfig, device: Device, cpu, grouped: bool | None = None, policy=None):
-        self.spec, self.weights, self.tokenizer, self.model_dir = spec, weights, tokenizer, model_dir
-        self.eos_ids, self.config, self.dev, self.cpu, self.grouped = eos_ids, config, device, cpu, grouped
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, tokenizer, *, eos_ids: set[int], config: RunConfig,
+                 device: Device, cpu, policy=None):
+        self.spec, self.weights, self.tokenizer, self.eos_ids = spec, weights, tokenizer, eos_ids
+        self.config, self.dev, self.cpu = config, device, cpu
         self.context_length = spec.max_position
         self.policy = policy  # the planner's Policy this engine was loaded with, if any
         self.tp = None  # tensor parallel: this rank's core.runtime.distributed.tensor_parallel.ShardOps
@@ -162,10 +162,8 @@ class Engine:
             setup = worker_setup(self.config.device if kind == "threaded" else self.dev.kind)
             if self.threads.fixed is None:
                 self.threads = Governor(fixed=setup.threads)
-            if kind == "threaded":
-                self._executor = ThreadedExecutor(RESOURCES, setup=setup)
-            else:
-                self._executor = CudaExecutor(self.dev, placement=setup)
+            self._executor = (ThreadedExecutor(RESOURCES, setup=setup) if kind == "threaded"
+                              else CudaExecutor(self.dev, placement=setup))
         return self._executor
 
     def apply_policy(self, policy) -> None:
@@ -215,11 +213,10 @@ class Engine:
     @classmethod
     def load(cls, model_dir, *, dtype: str | torch.dtype | None = None, device: "str | Device | None" = None,
              pages_per_layer: int = 1, executor: str | None = None, schedule: str | None = None,
-             resident_layers: int | None = None, expert_group: int = 1, grouped: bool | None = None,
-             policy=None, resident_experts=None, quantize: str | None = None, group_size: int | None = None,
-             use_cache: bool = True, cpu_math: str | None = None, threads: int | None = None,
-             progress: EventSink = ignore, tp=None, quantize_dense: bool | str = False,
-             graphs: str = "auto") -> "Engine":
+             resident_layers: int | None = None, expert_group: int = 1, policy=None, resident_experts=None,
+             quantize: str | None = None, group_size: int | None = None, use_cache: bool = True,
+             cpu_math: str | None = None, threads: int | None = None, progress: EventSink = ignore, tp=None,
+             quantize_dense: bool | str = False, graphs: str = "auto") -> "Engine":
         """Load a checkpoint (arguments: docs/CONTRACTS.md): a planner `Policy` sets the placement, the explicit
         arguments are for tests and benchmarks; `tp` loads only this rank's shard."""
         model_dir = Path(model_dir)
@@ -235,8 +232,8 @@ class Engine:
         cpu, spec = loading.ready_for_cpu(config, ck, spec, weights, cpu, quant, dense_fmt, quantize_dense, use_cache,
                                           progress)
         loading.prepare_kernels(config, progress)
-        engine = cls(spec, weights, tokenizer, model_dir, eos_ids=loading.eos_ids(model_dir, spec, tokenizer),
-                     config=config, device=dev, cpu=cpu, grouped=grouped, policy=policy)
+        engine = cls(spec, weights, tokenizer, eos_ids=loading.eos_ids(model_dir, spec, tokenizer), config=config,
+                     device=dev, cpu=cpu, policy=policy)
         if threads is not None:
             engine.threads = Governor(fixed=threads)
         if tp is not None:
@@ -252,7 +249,7 @@ class Engine:
         r = PipelineRunner(spec, self.weights, cache, executor=self.executor(), schedule=c.schedule,
                            attention_on=c.attention_on, ffn_on=c.ffn_on, micro_batch_size=micro_batch_size,
                            expert_group=c.expert_group, resident_experts=c.resident(spec.num_layers, spec.num_experts),
-                           kv_gpu_layers=kv_gpu, device=self.dev, grouped=self.grouped, warn=on_event, tp=self.tp,
+                           kv_gpu_layers=kv_gpu, device=self.dev, warn=on_event, tp=self.tp,
                            cpu_math=torch_dtype(self.cpu.math), direct_rows=self.cpu.direct_rows)
         if c.executor == "cuda" and self._graphs_pay(-(-slots // micro_batch_size)):
             r.graphs = cuda_graphs.Graphs(self.dev, warn=on_event)
@@ -461,9 +458,8 @@ class Engine:
         return out
 
     def _step_event(self, kind, tokens, t0, busy, moved, runner, active, proc) -> StepDone:
-        gpu_mem = self.dev.memory_allocated()
         return StepDone(kind, tokens, time.perf_counter() - t0, busy, runner.bytes["h2d"] - moved["h2d"],
-                        runner.bytes["d2h"] - moved["d2h"], active, gpu_mem, proc.memory_info().rss,
+                        runner.bytes["d2h"] - moved["d2h"], active, self.dev.memory_allocated(), proc.memory_info().rss,
                         tasks=runner.last_tasks, times=getattr(runner.ex, "times", ()))
 
     def _admit_check(self, req: Request) -> _Seq:

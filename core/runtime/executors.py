@@ -128,11 +128,10 @@ class ThreadedExecutor:
             try:
                 if self._wait_deps(step, task) and not step.failed:
                     self._execute(step, task, i)
+            except DeviceTaskError as e:  # launched work failed; name it, not the task that noticed
+                step.fail(e.label or task, e.__cause__)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                if isinstance(e, DeviceTaskError):  # launched work failed; name it, not the task that noticed
-                    step.fail(e.label or task, e.__cause__)
-                else:
-                    step.fail(task, e)
+                step.fail(task, e)
             finally:
                 step.finished(task)
             # nothing of the step may outlive its tasks here (its device buffers under the next run)
@@ -169,9 +168,7 @@ class ThreadedExecutor:
         if step.error is None:
             try:
                 return self._finish(step)
-            except BaseException as e:  # noqa: BLE001 - work launched on a device failed after the fact
-                if not isinstance(e, DeviceTaskError):
-                    raise
+            except DeviceTaskError as e:  # work launched on a device failed after the fact
                 step.fail(e.label, e.__cause__)
         self._after_failure()
         task, err = step.error

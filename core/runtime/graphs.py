@@ -53,9 +53,8 @@ class Graphs:
         self.dev, self.warn = dev, warn
         self._seen: dict[tuple, tuple] = {}  # keys run eagerly once (warmed up) -> their outputs' layout
         self._segments: dict[tuple, _Segment] = {}
-        # static buffers per (segment, slot, layout), shared by a slot's layers: they run in a chain
-        self._inputs: dict[tuple, list] = {}
-        self._outputs: dict[tuple, list] = {}
+        # static buffers per ("in" or "out", segment, slot, layout), shared by a slot's layers: they run in a chain
+        self._static: dict[tuple, list] = {}
         self.refused: dict[str, str] = {}  # segment kind -> why it runs eagerly
         self.captures = self.replays = 0
 
@@ -82,15 +81,15 @@ class Graphs:
         self.replays += 1
         return seg.out
 
-    def _buffers(self, store: dict, key: tuple, layout: tuple) -> list:
-        if key not in store:
-            store[key] = [None if x is None else self.dev.empty(x[0], x[1]) for x in layout]
-        return store[key]
+    def _buffers(self, key: tuple, layout: tuple) -> list:
+        if key not in self._static:
+            self._static[key] = [None if x is None else self.dev.empty(x[0], x[1]) for x in layout]
+        return self._static[key]
 
     def _capture(self, key: tuple, fn: Callable, inputs: Sequence) -> _Segment | None:
         segment, _, slot, shapes = key
-        ins = self._buffers(self._inputs, (segment, slot, shapes), shapes)
-        outs = self._buffers(self._outputs, (segment, slot, self._seen[key]), self._seen[key])
+        ins = self._buffers(("in", segment, slot, shapes), shapes)
+        outs = self._buffers(("out", segment, slot, self._seen[key]), self._seen[key])
         for buf, x in zip(ins, inputs):  # captured over the current inputs' values (a GPU runs nothing yet)
             if buf is not None:
                 buf.copy_(x)

@@ -172,11 +172,10 @@ def _pack_or_fall_back(weights: ModelWeights, cpu, progress: EventSink):
                                    reason=cpu.reason + "; but oneDNN refused to prepack, so not natively after all")
 
 
-def _experts_that_fit(spec: ModelSpec, dtype, dev: Device) -> tuple[int, ...]:
+def _experts_that_fit(spec: ModelSpec, dtype: torch.dtype, dev: Device) -> tuple[int, ...]:
     """Without a plan: keep as many experts on the GPU as fit beside everything else."""
     free, _ = dev.mem_get_info()
-    b = torch_dtype(dtype).itemsize if isinstance(dtype, str) else (dtype or spec.torch_dtype).itemsize
-    scale = b / spec.dtype_bytes
+    scale = dtype.itemsize / spec.dtype_bytes
     L, E, eb = spec.num_layers, spec.num_experts, spec.expert_bytes * scale
     fixed = (spec.nonexpert_bytes + 2 * spec.layer_expert_bytes) * scale + min(2e9, 0.1 * free)  # + activations, KV
     LE = spec.moe_layers * E  # routed experts in all (dense layers hold none)

@@ -70,7 +70,7 @@ class _PrefillMB:
         self.calls_d = dev.to_device(torch.cat([torch.full((n,), n) for n in self.lens])) if call_lengths else None
         self.ends_d = dev.to_device(torch.tensor(self.lens).cumsum(0) - 1)
         self.x = None
-        self.kv = []  # per layer: per prompt its state parts (device tensors) for the store
+        self.kv: dict[int, list] = {}  # layer -> per prompt its state parts (device tensors), awaiting the store
 
 
 class ExpertSlab:
@@ -125,9 +125,8 @@ class PipelineRunner:
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, cache: KVCache, *, executor, schedule: str = "cgopipe",
                  attention_on: str = "cpu", ffn_on: str = "gpu", micro_batch_size: int = 1, expert_group: int = 1,
-                 resident_experts=None, kv_gpu_layers: int = 0, device: Device | None = None,
-                 grouped: bool | None = None, warn: EventSink = ignore, tp=None, cpu_math: torch.dtype | None = None,
-                 direct_rows: int = 2):
+                 resident_experts=None, kv_gpu_layers: int = 0, device: Device | None = None, warn: EventSink = ignore,
+                 tp=None, cpu_math: torch.dtype | None = None, direct_rows: int = 2):
         if schedule not in sched.SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}")
         self.spec, self.w, self.cache, self.ex = spec, weights, cache, executor
@@ -139,7 +138,6 @@ class PipelineRunner:
                                  spec.shared_intermediate, spec.dense_intermediate, spec.num_experts, spec.top_k))
         self.warn = warn
         self.act = activation(spec)  # the experts' gate activation (gpt-oss clamps its SwiGLU)
-        self.grouped = grouped
         self.expert_group = expert_group
         self.tp = tp  # tensor parallel: core.runtime.distributed.tensor_parallel.ShardOps, or None
         self._full_norm = tp.full_norm if tp is not None else None
@@ -152,8 +150,7 @@ class PipelineRunner:
                          max(0, min(E, int(resident_experts[i]))) for i in range(L)]
         self.streamed = ffn_on == "gpu" and min(self.resident) < E
         self.kv_gpu_layers = kv_gpu_layers if attention_on == "gpu" else 0
-        mu, n_mb = micro_batch_size, -(-cache.slots // micro_batch_size)
-        self.mu = mu
+        self.mu, n_mb = micro_batch_size, -(-cache.slots // micro_batch_size)
         self.rope = for_spec(spec, cache.max_tokens, weights.math_dtype)
         self.rope.cos, self.rope.sin = dev.to_device(self.rope.cos), dev.to_device(self.rope.sin)
         self.rope.sign = dev.to_device(self.rope.sign)
@@ -175,10 +172,7 @@ class PipelineRunner:
         self.layer0_loads = 0  # synchronous loads of layer 0 before a step (the first step's, ideally only)
         self._base = 0  # half of layer 0 in the current step
         self._graphs: dict[tuple, tuple[list, set]] = {}
-        self._host_buffers(n_mb)
-        if self._unpinned:
-            self._warn_unpinned()
-        self._device_buffers(n_mb)
+        self._buffers(n_mb)
         self.bytes = {"h2d": 0, "d2h": 0}
         self._step: list[_MB] | None = None
         self._scratch = ExpertScratch()  # the decode FFN's gather/scatter buffers (FFN tasks run one at a time)
@@ -203,16 +197,13 @@ class PipelineRunner:
     def _place_experts(self) -> None:
         """Resident experts on the device; the streaming buffer's halves and page copies, by each layer's layout."""
         dev, E, w, spec = self.dev, self.spec.num_experts, self.w, self.spec
-        self.ebuf = None
+        self.ebuf, self.resident_parts = None, []
         scratch: dict = {}  # quantized experts: one expert's expansion, shared by every layer
-        if self.ffn_on == "cpu":  # the host's own tensors: plain, packed for its kernels, or quantized
-            self.resident_parts = [[lw.expert_set()] if spec.is_moe(i) else [] for i, lw in enumerate(w.layers)]
-            return
-        self.resident_parts = []
         for i, (lw, r) in enumerate(zip(w.layers, self.resident)):
             if r == 0 or not spec.is_moe(i):
                 self.resident_parts.append([])
-            elif not dev.accelerator and r == E:  # the CPU as device: its own tensors are "resident"
+            elif r == E and (self.ffn_on == "cpu" or not dev.accelerator):
+                # the host's own tensors, "resident" (plain, packed for its kernels, or quantized)
                 self.resident_parts.append([lw.expert_set()])
             else:
                 slab = ExpertSlab(lw.layout, r)
@@ -245,9 +236,10 @@ class PipelineRunner:
                                f"({why}); those copies go through pageable memory and will be slower — a smaller "
                                "batch or more resident experts need less"))
 
-    def _host_buffers(self, n_mb: int) -> None:
-        """Host staging in one arena, pinned once at its exact size: D1/D2 buffers, logits, S4's KV staging."""
-        s, dt, mu = self.spec, self.w.dtype, self.mu
+    def _buffers(self, n_mb: int) -> None:
+        """Host staging in one arena, pinned once at its exact size: D1/D2 buffers, logits, S4's state staging;
+        then the device's: D1/D2 buffers, the stores of the layers whose state lives there, S4's state ring."""
+        s, dt, mu, dev = self.spec, self.w.dtype, self.mu, self.dev
         d1, d2 = mixer.max_widths(s)  # the widest layer's payloads
         want: list[tuple[str, tuple, torch.dtype]] = []
         cpu_attn = self.attention_on == "cpu" and self.ffn_on == "gpu"
@@ -256,59 +248,44 @@ class PipelineRunner:
             want += [(f"o_h{j}", (mu * d2,), dt) for j in range(n_mb)]
         want += [("logits_dec", (self.cache.slots, s.vocab_size), torch.float32),
                  ("logits_pre", (self.cache.slots, s.vocab_size), torch.float32)]
-        kv_on_cpu = self.attention_on == "gpu" and self.kv_gpu_layers < s.num_layers
-        if kv_on_cpu:
-            # a ring slot: one micro-batch's state of any layer; the out buffer: one token's new entries
-            self._ring_bytes, self._out_bytes = self._state_buffer_bytes()
-            want += [(f"state_in{r}", (self._ring_bytes,), torch.uint8) for r in range(2)]
-            want += [("state_out", (self._out_bytes,), torch.uint8)]
+        ring = self.attention_on == "gpu" and self.kv_gpu_layers < s.num_layers
+        if ring:
+            # every layer's kind, as the planner counts them (zero-row stores: shapes, no memory)
+            self._kinds = {_kind(st): st for st in (layer_store(s, i, 0, self.cache.max_tokens, dt)
+                                                     for i in range(s.num_layers))}
+            # a ring slot: one micro-batch's state of any layer; the out buffer: one micro-batch's new entries
+            ring_bytes = max(_offsets(st.shapes(mu, self.cache.max_tokens))[1] for st in self._kinds.values())
+            want += [(f"state_in{r}", (ring_bytes,), torch.uint8) for r in range(2)]
+            want += [("state_out", (max(_offsets(st.new_shapes(mu))[1] for st in self._kinds.values()),), torch.uint8)]
         arena, self.host = _arena(want)
-        if want and self.dev.accelerator:
-            if self.dev.pin(arena):
-                weakref.finalize(self, self.dev.unpin, arena)  # unpinned when this runner is gone
+        if dev.accelerator:
+            if dev.pin(arena):
+                weakref.finalize(self, dev.unpin, arena)  # unpinned when this runner is gone
             else:
                 self._unpinned += arena.numel()
+        if self._unpinned:
+            self._warn_unpinned()
         self.qkv_h = [self.host[f"qkv_h{j}"] for j in range(n_mb)] if cpu_attn else []
         self.o_h = [self.host[f"o_h{j}"] for j in range(n_mb)] if cpu_attn else []
-        if kv_on_cpu:
-            self._stage_free = [self.dev.event() for _ in range(2)]  # last copy out of each state staging slot
-            self._kv_out_done = self.dev.event()
-
-    def _state_buffer_bytes(self) -> tuple[int, int]:
-        """Bytes of a ring slot (μ rows of the largest layer state) and of μ rows' new entries."""
-        mu, T = self.mu, self.cache.max_tokens
-        # every layer's kind, as the planner counts them (zero-row stores: shapes, no memory)
-        self._kinds = {_kind(st): st for st in (layer_store(self.spec, i, 0, T, self.w.dtype)
-                                                 for i in range(self.spec.num_layers))}
-        return (max(_offsets(st.shapes(mu, T))[1] for st in self._kinds.values()),
-                max(_offsets(st.new_shapes(mu))[1] for st in self._kinds.values()))
+        self.qkv_d = [dev.empty((mu * d1,), dt) for _ in range(n_mb)] if cpu_attn else []
+        self.o_d = [dev.empty((mu * d2,), dt) for _ in range(n_mb)] if cpu_attn else []
+        # zeros, not empty: masked positions still enter p @ v (as 0 × v), and 0 × NaN is NaN
+        self.state_dev = [layer_store(s, i, self.cache.slots, self.cache.max_tokens, dt, alloc=dev.zeros)
+                          for i in range(self.kv_gpu_layers)] if self.attention_on == "gpu" else []
+        self.state_ring = [dev.zeros(ring_bytes, torch.uint8) for _ in range(2)] if ring else []
+        if ring:
+            self._stage_free = [dev.event() for _ in range(2)]  # last copy out of each state staging slot
+            self._kv_out_done = dev.event()
+            # per ring slot: (device, host staging) typed regions per layer kind; the new entries' staging
+            self._ring_parts = [(self._typed_parts(b, False), self._typed_parts(self.host[f"state_in{r}"], False))
+                                for r, b in enumerate(self.state_ring)]
+            self._out_parts = self._typed_parts(self.host["state_out"], True)
 
     def _typed_parts(self, buf: torch.Tensor, new: bool) -> dict:
         """Per layer kind, its tensors' flat typed regions in a uint8 buffer, carved once."""
         mu, T = self.mu, self.cache.max_tokens
         return {key: [t.view(-1) for t in _carve(buf, st.new_shapes(mu) if new else st.shapes(mu, T))]
                 for key, st in self._kinds.items()}
-
-    def _device_buffers(self, n_mb: int) -> None:
-        s, dt, mu, dev = self.spec, self.w.dtype, self.mu, self.dev
-        self.qkv_d, self.o_d = [], []
-        if self.attention_on == "cpu" and self.ffn_on == "gpu":
-            d1, d2 = mixer.max_widths(s)
-            self.qkv_d = [dev.empty((mu * d1,), dt) for _ in range(n_mb)]
-            self.o_d = [dev.empty((mu * d2,), dt) for _ in range(n_mb)]
-        self.state_dev: list = []  # the stores of the layers whose state lives on the GPU
-        self.state_ring: list[torch.Tensor] = []
-        if self.attention_on != "gpu":
-            return
-        # zeros, not empty: masked positions still enter p @ v (as 0 × v), and 0 × NaN is NaN
-        self.state_dev = [layer_store(s, i, self.cache.slots, self.cache.max_tokens, dt, alloc=dev.zeros)
-                          for i in range(self.kv_gpu_layers)]
-        if self.kv_gpu_layers < s.num_layers:
-            self.state_ring = [dev.zeros(self._ring_bytes, torch.uint8) for _ in range(2)]
-            # per ring slot: (device, host staging) typed regions per layer kind; the new entries' staging
-            self._ring_parts = [(self._typed_parts(b, False), self._typed_parts(self.host[f"state_in{r}"], False))
-                                for r, b in enumerate(self.state_ring)]
-            self._out_parts = self._typed_parts(self.host["state_out"], True)
 
     # ---- graphs ---------------------------------------------------------------------------------
     def _graph(self, kind: str, n: int):
@@ -377,8 +354,9 @@ class PipelineRunner:
         self.last_tasks = tasks
         if self.streamed:  # where the graph prefetched the next step's layer 0 (a one-layer prefill keeps it in place)
             L, prefill = self.spec.num_layers, buffer == "logits_pre"
-            self._layer0_half = self._base if prefill and L == 1 else (
-                (self._base + L) % 2 if self._prefetches_layer0(tasks) else None)
+            prefetched = any(t.kind == "weight_page" and t.layer == 0 and t.id not in self._current_pages
+                             for t in tasks)
+            self._layer0_half = self._base if prefill and L == 1 else (self._base + L) % 2 if prefetched else None
         return out
 
     def move_rows(self, moves) -> None:
@@ -408,9 +386,6 @@ class PipelineRunner:
     def _prefill_finals(self) -> list[torch.Tensor]:
         with self.dev.compute():
             return [mb.x.index_select(0, mb.ends_d) for mb in self._pre]
-
-    def _prefetches_layer0(self, tasks) -> bool:
-        return any(t.kind == "weight_page" and t.layer == 0 and t.id not in self._current_pages for t in tasks)
 
     def _logits(self, xs: list[torch.Tensor], buffer: str) -> torch.Tensor:
         """fp32 logits of the final hidden states, micro-batch by micro-batch into one reused host buffer."""
@@ -546,10 +521,10 @@ class PipelineRunner:
     def _experts(self, parts: list[dict], h, rw, ridx, scratch=None):
         if len(parts) == 1 and not self.dev.accelerator:
             p = parts[0]
-            return experts(h, p.get("w13"), p.get("w2"), rw, ridx, grouped=self.grouped, packed=p.get("packed"),
+            return experts(h, p.get("w13"), p.get("w2"), rw, ridx, packed=p.get("packed"),
                            b13=p.get("b13"), b2=p.get("b2"), act=self.act, quant=p.get("quant"), widen=self.widen_ffn,
                            scratch=scratch)
-        return device_experts(h, parts, rw, ridx, grouped=self.grouped, grouped_mm=self._grouped_mm(h), act=self.act)
+        return device_experts(h, parts, rw, ridx, grouped_mm=self._grouped_mm(h), act=self.act)
 
     def _grouped_mm(self, h) -> bool:
         """Whether grouped_mm has a kernel for h's dtype on this device."""
@@ -562,8 +537,7 @@ class PipelineRunner:
         return h.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def _group_size(self, t) -> int:
-        n = len(self._step)
-        return self.expert_group if n % self.expert_group == 0 else 1
+        return self.expert_group if len(self._step) % self.expert_group == 0 else 1
 
     def _weight_page(self, t):
         layer = t.layer
@@ -579,9 +553,9 @@ class PipelineRunner:
         slot = (layer * len(self._step) + j) % 2
         store = self.cache.layers[layer]
         shapes = store.shapes(mb.B, mb.rows.span[1])
-        dev_parts, host_parts = (p[_kind(store)] for p in self._ring_parts[slot])
-        return slot, store.over([p[:math.prod(s)].view(s) for p, (s, _) in zip(dev_parts, shapes)]), store.over(
-            [p[:math.prod(s)].view(s) for p, (s, _) in zip(host_parts, shapes)])
+        dev_view, host_view = (store.over([p[:math.prod(s)].view(s) for p, (s, _) in zip(parts[_kind(store)], shapes)])
+                               for parts in self._ring_parts[slot])
+        return slot, dev_view, host_view
 
     def _kv_load(self, t):
         mb, i = self._step[t.micro_batch], t.layer
@@ -622,7 +596,7 @@ class PipelineRunner:
 
     def _store_prompts(self, t):
         mb, i = self._pre[t.micro_batch], t.layer
-        prompts, mb.kv[i] = mb.kv[i], None
+        prompts = mb.kv.pop(i)
         if i < self.kv_gpu_layers:
             for slot, parts in zip(mb.slots, prompts):
                 self.state_dev[i].write_prompt(slot, *parts)
@@ -642,8 +616,6 @@ class PipelineRunner:
         # the FFN's intermediates are the peak: the layer holds nothing else then (the planner counts on it)
         mb.x = decoder.prefill_ffn(self.spec, i, w, mb.x, lambda h, rw, idx: self._experts(parts, h, rw, idx),
                                    self._ffn_out, self._prefill_chunk)
-        while len(mb.kv) <= i:
-            mb.kv.append(None)
         mb.kv[i] = states
         if self.ffn_on == "cpu":  # the CPU-only chain has no kv_store task: write the cache here
             self._store_prompts(t)

@@ -90,9 +90,6 @@ class _Graph:
     def get(self, kind: str, layer: int, idx: int) -> int | None:
         return self.ids.get((kind, layer, idx))
 
-    def has(self, kind: str, layer: int, idx: int) -> bool:
-        return (kind, layer, idx) in self.ids
-
 
 def _page_slots(num_pages: int, n_mb: int) -> dict[int, list[int]]:
     """Which pages follow which micro-batch's D2: page p after micro-batch ⌊p·n/P⌋."""
@@ -144,7 +141,7 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
         nonlocal done
         while done < min(pos, L * n):
             i, j = divmod(done, n)
-            if i > 0 and not G.has("ffn", i - 1, j // g * g):
+            if i > 0 and G.get("ffn", i - 1, j // g * g) is None:
                 return
             a = G.add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
             b = G.add("d1", i, j, deps=(a,))
@@ -177,7 +174,7 @@ def _flexgen(L: int, n: int, g: int, pages: int, overlap: bool) -> list[Task]:
         for p in range(pages):  # S4: the whole next layer at the head of the copy queue
             G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g) if overlap else ())
         # the layer's pages already queued (S3: just before; S4: during layer i−1; layer 0's come at the end)
-        weights = [G.get("weight_page", i, p) for p in range(pages) if G.has("weight_page", i, p)]
+        weights = [t for t in _layer_pages(G, i, pages) if t is not None]
         for j in range(n):
             a = G.add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
             b = G.add("d1", i, j, deps=(a,))

@@ -27,9 +27,7 @@ _INTS = ("max_new_tokens", "top_k", "seed")  # pandas makes an int column with g
 
 def _plain(v: Any) -> Any:
     """A pandas/numpy cell as plain Python: None for missing, lists for arrays, ints and floats."""
-    if v is None:
-        return None
-    if isinstance(v, float) and math.isnan(v):
+    if v is None or isinstance(v, float) and math.isnan(v):
         return None
     if hasattr(v, "tolist"):  # numpy scalars and arrays
         v = v.tolist()

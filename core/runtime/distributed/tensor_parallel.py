@@ -81,6 +81,7 @@ class ShardOps:
 
     def __init__(self, tp: TensorParallel, shard, full_spec):
         self.tp, self.shard, self.q_size, self.kv_size = tp, shard, full_spec.q_size, full_spec.kv_size
+        self.ffn_out = tp.all_reduce  # every rank holds a slice of every expert
         self.full_norm = None
         if shard.split_attention and full_spec.qk_norm == "full":
             hd = full_spec.head_dim
@@ -100,9 +101,6 @@ class ShardOps:
 
     def attention_out(self, t: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(t) if self.shard.split_attention else t
-
-    def ffn_out(self, t: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(t)
 
 
 def step_collectives(runner) -> list[tuple[tuple[int, ...], torch.dtype]]:

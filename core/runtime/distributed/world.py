@@ -70,13 +70,9 @@ class World:
         return self.rank // self.tp
 
     @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-    @property
     def tp_leader(self) -> bool:
         """The rank of its tensor-parallel group that samples tokens and writes results."""
-        return self.tp_rank == 0
+        return self.rank % self.tp == 0
 
     def tp_ranks(self, replica: int | None = None) -> list[int]:
         r = self.dp_rank if replica is None else replica
