@@ -3,17 +3,15 @@
 Decode attention is a GEMV per request and KV head (G query rows against T cached keys): torch's bf16
 `bmm` runs it at a third of the memory bandwidth, after copying the rows' slices out, and the softmax
 between the two products is a third pass. The C kernel reads K and V once each, in the cache's own
-layout and to each request's own length, keeps scores and sums in fp32, and needs no copies (a B = 256
-step of the 784M Mixtral: 56 → 20 ms of attention on one Zen 5 core).
+layout and to each request's own length, keeps scores and sums in fp32, and needs no copies.
 
 It is optional: with no compiler (most Windows machines), a failed build, an unusual shape, sinks, or
 `MLIGHT_KERNELS=torch` (core.model.kernels), `kernel()` says None and attention runs the torch path
-(core.model.attention), which
-the tests check it against. The build targets the ISA our kernels may use (core.model.cpu.isa: AVX-512,
-AVX2 — also under the AVX2 limits — or the compiler's baseline) and lands in the mlight cache dir,
-named by a hash of the source and the flags, so a changed source or CPU level builds afresh. Requests
-are split over the calling thread's torch threads: the thread itself and helpers it starts (each
-thread keeps its own, so the GPU schedules' pinned attention worker keeps its cores on Linux, where a
+(core.model.attention), which the tests check it against. The build targets the ISA our kernels may use
+(core.model.cpu.isa: AVX-512, AVX2 — also under the AVX2 limits — or the compiler's baseline) and lands in
+the mlight cache dir, named by a hash of the source and the flags, so a changed source or CPU level builds
+afresh. Requests are split over the calling thread's torch threads: the thread itself and helpers it starts
+(each thread keeps its own, so the GPU schedules' pinned attention worker keeps its cores on Linux, where a
 new thread inherits its creator's affinity); ctypes releases the GIL during each call.
 """
 

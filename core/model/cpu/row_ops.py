@@ -2,12 +2,11 @@
 write, RMSNorm, RoPE joined with v into the attention payload, and the softmax router.
 
 Between a decode step's GEMMs these ran as 4-7 torch ops each, every one a fresh tensor and a pass over
-lines the experts' weights had just pushed out of the caches; at B = 256 on the 784M Mixtral (two Zen 5
-cores) the cache write took 7.8 ms a step, the norms 4.8-6.5 and RoPE with its joins 3-5, against 1-2 ms
-of work. Each C function reproduces its torch expression rounding for rounding (see the source), and
-each wrapper says False (or None) where it does not apply — no kernel built (no compiler, a failed build,
-`MLIGHT_NATIVE=0`), another dtype, an unusual layout — so the caller runs torch's ops, which the tests
-check these against. Built per ISA like the decode attention kernel (core.model.cpu.native).
+lines the experts' weights had just pushed out of the caches. Each C function reproduces its torch
+expression rounding for rounding (see the source), and each wrapper says False (or None) where it does not
+apply — no kernel built (no compiler, a failed build, `MLIGHT_NATIVE=0`), another dtype, an unusual layout
+— so the caller runs torch's ops, which the tests check these against. Built per ISA like the decode
+attention kernel (core.model.cpu.native).
 """
 
 from __future__ import annotations
