@@ -7,15 +7,13 @@ Legend: T = tokens, B = requests, D = hidden.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
 from core.model.attention import decode_over_rows, prefill_attention
 from core.model.cpu import row_ops
 from core.model.cpu.kernels import linear
-from core.model.layers import tensor_version, norm, normed, rms_norm
+from core.model.layers import derived, norm, normed, rms_norm
 from core.model.spec import ModelSpec
 
 
@@ -106,19 +104,9 @@ def _pre_into(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_l
     return payload, (qkv[:, spec.q_size + 2 * spec.kv_size:] if spec.attn_gate else None)
 
 
-_SIDE: dict[tuple[int, int], tuple] = {}  # (id(q_norm), id(k_norm)) -> (their weak references, versions, weights)
-
-
 def _side_by_side(wq: torch.Tensor, wk: torch.Tensor, Hq: int, Hkv: int) -> torch.Tensor:
-    """[Hq + Hkv, hd]: q_norm's weight for each q head's row, k_norm's for each k head's (cached per pair)."""
-    key = (id(wq), id(wk))
-    kept = _SIDE.get(key)
-    if (kept is None or kept[0]() is not wq or kept[1]() is not wk or kept[2] != (tensor_version(wq), tensor_version(wk))
-            or kept[3].shape[0] != Hq + Hkv):
-        gone = lambda _: _SIDE.pop(key, None)  # noqa: E731
-        kept = _SIDE[key] = (weakref.ref(wq, gone), weakref.ref(wk, gone), (tensor_version(wq), tensor_version(wk)),
-                             torch.cat((wq.expand(Hq, -1), wk.expand(Hkv, -1))))
-    return kept[3]
+    """[Hq + Hkv, hd]: q_norm's weight for each q head's row, k_norm's for each k head's (made once a pair)."""
+    return derived((wq, wk), lambda wq, wk: torch.cat((wq.expand(Hq, -1), wk.expand(Hkv, -1))), Hq, Hkv)
 
 
 def _qk_norm_into(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> None:
