@@ -64,8 +64,6 @@ def choose(storage: str, *, rates: dict[str, float] | None = None, math: str | N
         if math not in MATH_DTYPES:
             raise UsageError(f"unknown CPU math dtype {math!r}", f"use one of {', '.join(MATH_DTYPES)}")
         reason = "as asked"
-    elif storage == "float32":
-        math, reason = "float32", "fp32 weights"
     else:
         math, reason = math_for(storage, rates or {}, native(storage, cpu), cpu.label)
     if math != "float32" and math != storage:
