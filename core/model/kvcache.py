@@ -14,7 +14,7 @@ import mmap
 import torch
 
 from core.model.attention import attention_runs
-from core.model.cpu import row_ops
+from core.model.cpu import native, row_ops
 from core.model.spec import ModelSpec
 
 
@@ -333,6 +333,15 @@ class Rows:
         span = (min(host), max(host))
         pad = torch.arange(span[1])[None, :] >= lengths[:, None] if span[0] < span[1] else None
         return RowPlan(rows, at, lengths, span, pad, attention_runs(host, store.k.shape[2], widened))
+
+    def native_split(self, store) -> tuple:
+        """(kept lengths as a tensor and a list, the request split over threads) of these rows in `store`, for
+        the C decode attention (core.model.cpu.native): made once a step for every layer's call."""
+        def make():
+            host = [store.kept(n) for n in self._host_lengths]
+            return self.kept(store)[0], host, native.cuts(host, max(1, min(torch.get_num_threads(), len(host))))
+
+        return self.memo(("native", store.window), make)
 
     def covering_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q [B, ...] at this batch's rows of its covering range, zeros in the gaps (one buffer a step)."""
