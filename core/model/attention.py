@@ -81,8 +81,7 @@ _slice_bufs = threading.local()  # per thread (attention runs on its own worker)
 
 def slices(T: int, row: int) -> bool:
     """Whether decode attention copies out the first T positions of rows of `row` tokens rather than read
-    the rows whole: a copy costs about 1.7 passes over T (bf16, B = 32 and 256, one Zen 5 core: equal to
-    whole rows of 546 at T = 0.6-0.8 of them)."""
+    the rows whole: a copy costs about 1.7 passes over T."""
     return T < SLICE_BELOW * row
 
 

@@ -33,8 +33,8 @@ def _alloc(shape, dtype, pin: bool, alloc=None) -> torch.Tensor:
 
 def untouched_zeros(shape, dtype) -> torch.Tensor:
     """Zeros whose pages the OS maps on first touch: a cache is sized for its longest request in every slot
-    (3.6 GB, 5.9 s of page faults for the 784M's 4x prompts) while a request touches its own length.
-    Private, so Linux does not make it shared memory; small pages, since a row's heads lie ~0.4 MB apart."""
+    while a request touches its own length. Private, so Linux does not make it shared memory; small pages,
+    since a row's heads lie ~0.4 MB apart."""
     n = math.prod(shape) * dtype.itemsize
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
