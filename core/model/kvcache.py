@@ -208,7 +208,7 @@ class LinearStore(_Store):
         self.conv[slot] = conv
 
 
-def load_rows(src, dst, rows, cached: int, non_blocking: bool = False) -> int:
+def load_rows(src, dst, rows, cached: int) -> int:
     """Copy `rows`' state (`cached` tokens each at most) from `src` into dst's first rows; returns the bytes moved."""
     moved = 0
     tokens = src.kept(cached)
@@ -218,9 +218,8 @@ def load_rows(src, dst, rows, cached: int, non_blocking: bool = False) -> int:
         part, b = rows.take(a), b[:rows.B]
         if axis is not None:  # along the token axis only the first `tokens` entries
             part, b = part.narrow(axis, 0, tokens), b.narrow(axis, 0, tokens)
-        b.copy_(part, non_blocking=non_blocking)
-        per_row = a[0].numel() // (a.shape[axis] if axis is not None else 1) * (tokens if axis is not None else 1)
-        moved += rows.B * per_row * a.element_size()
+        b.copy_(part)
+        moved += part.numel() * a.element_size()
     return moved
 
 
