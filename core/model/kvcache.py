@@ -8,6 +8,7 @@ Legend: S = slots, R = latent rank, dr = rope dims, K = conv kernel.
 
 from __future__ import annotations
 
+import collections
 import math
 import mmap
 
@@ -325,13 +326,13 @@ class Rows:
     def _plan(self, store, widened: bool) -> "RowPlan":
         if self.cover is None:
             host = [] if self.sel is None else [store.kept(n) for n in self._host_lengths]
-            return RowPlan(self.sel, None, *self.kept(store), attention_runs(host, store.k.shape[2], widened))
+            return RowPlan(self.sel, None, *self.kept(store), attention_runs(host, store.k.shape[2], widened), {})
         rows, at, host = self.cover
         host = [store.kept(n) for n in host]
         lengths = torch.tensor(host)
         span = (min(host), max(host))
         pad = torch.arange(span[1])[None, :] >= lengths[:, None] if span[0] < span[1] else None
-        return RowPlan(rows, at, lengths, span, pad, attention_runs(host, store.k.shape[2], widened))
+        return RowPlan(rows, at, lengths, span, pad, attention_runs(host, store.k.shape[2], widened), {})
 
     def native_split(self, store) -> tuple:
         """(kept lengths as a tensor and a list, the request split over threads) of these rows in `store`, for
@@ -350,11 +351,6 @@ class Rows:
         return self._q.index_copy_(0, at, q)
 
 
-class RowPlan:
-    """How decode attention reads one store for a micro-batch: `rows` in place (None: gathered), `at`, `runs`."""
-
-    __slots__ = ("rows", "at", "lengths", "span", "pad", "runs", "memo")
-
-    def __init__(self, rows, at, lengths, span, pad, runs):
-        self.rows, self.at, self.lengths, self.span, self.pad, self.runs = rows, at, lengths, span, pad, runs
-        self.memo: dict = {}  # what decode attention builds once per step for these rows (its padding masks)
+# How decode attention reads one store for a micro-batch: `rows` in place (None: gathered), `at`, `runs`, and
+# `memo`, what it builds once per step for these rows (its padding masks)
+RowPlan = collections.namedtuple("RowPlan", "rows at lengths span pad runs memo")
