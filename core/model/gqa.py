@@ -90,7 +90,9 @@ def _pre_into(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_l
     P = payload.view(T, Hq + 2 * Hkv, hd)
     qk = qkv[:, :spec.q_size + spec.kv_size].view(T, Hq + Hkv, hd)
     llama_style = spec.norm in ("rms", "layernorm")
-    side = _side_by_side(w["q_norm"], w["k_norm"], Hq, Hkv) if llama_style else None  # made in the first step
+    # q_norm's weight for each q head's row, k_norm's for each k head's [Hq + Hkv, hd], made in the first step
+    side = derived((w["q_norm"], w["k_norm"]), lambda wq, wk: torch.cat((wq.expand(Hq, -1), wk.expand(Hkv, -1))),
+                   Hq, Hkv) if llama_style else None
     if llama_style and not (h.device.type == "cpu" and row_ops.library() is not None):
         # the statistics per head row, then each row's weight: q's and k's rows in one kernel and one product
         torch.mul(side, normed(qk, None, spec.norm_eps), out=P[:, :Hq + Hkv])
@@ -102,11 +104,6 @@ def _pre_into(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_l
     qk = P[:, :Hq + Hkv, :rope.dim]
     rope.apply(qk, positions, call_lengths, out=qk)
     return payload, (qkv[:, spec.q_size + 2 * spec.kv_size:] if spec.attn_gate else None)
-
-
-def _side_by_side(wq: torch.Tensor, wk: torch.Tensor, Hq: int, Hkv: int) -> torch.Tensor:
-    """[Hq + Hkv, hd]: q_norm's weight for each q head's row, k_norm's for each k head's (made once a pair)."""
-    return derived((wq, wk), lambda wq, wk: torch.cat((wq.expand(Hq, -1), wk.expand(Hkv, -1))), Hq, Hkv)
 
 
 def _qk_norm_into(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> None:

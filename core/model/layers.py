@@ -25,8 +25,8 @@ def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
         return F.layer_norm(x, (x.shape[-1],), w, b, eps)
     if spec.norm == "rms":
         return rms_norm(x, w, eps)
-    # weight applied in fp32, then cast (gpt-oss; Qwen3-Next's zero-centred weight, 1 + w): one rounding
-    return normed(x, offset_weight(w) if spec.norm == "rms_offset" else w, eps)
+    # weight applied in fp32, then cast (gpt-oss; Qwen3-Next's zero-centred weight, 1 + w, made once): one rounding
+    return normed(x, derived((w,), lambda w: w.float() + 1.0) if spec.norm == "rms_offset" else w, eps)
 
 
 _DERIVED: dict[tuple, tuple] = {}  # key -> (weak references to its tensors, their versions, what was made of them)
@@ -48,11 +48,6 @@ def derived(tensors: tuple, make, *extra):
         gone = lambda _: _DERIVED.pop(key, None)  # noqa: E731
         kept = _DERIVED[key] = (tuple(weakref.ref(t, gone) for t in tensors), versions, make(*tensors))
     return kept[2]
-
-
-def offset_weight(w: torch.Tensor) -> torch.Tensor:
-    """Qwen3-Next's zero-centred weight as applied, 1 + w in fp32."""
-    return derived((w,), lambda w: w.float() + 1.0)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
