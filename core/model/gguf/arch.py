@@ -118,31 +118,22 @@ class Place:
 def dense_places(spec, i: int, names: set[str]) -> list[Place]:
     """Layer i's tensors but its routed experts: every one a layer may have, kept where the spec's shapes name it."""
     p = f"blk.{i}."
-    if spec.mla is not None:
-        return having(spec, i, _mla_places(spec, i))
     q, kv = spec.q_size, spec.kv_size
     rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
     permuted = {"q": spec.num_heads, "k": spec.num_kv_heads} if spec.family == "mixtral" else {}
     return having(spec, i, [
         Place(p + "attn_norm.weight", "ln1"), Place(p + "ffn_norm.weight", "ln2"),
         *(Place(f"{p}attn_{n}.weight", "qkv", r, permuted.get(n, 0)) for n, r in rows.items()),
-        Place(p + "attn_output.weight", "o"), Place(p + "ffn_gate_inp.weight", "router"),
-        *(Place(f"{p}attn_{n}.bias", "qkv_bias", r) for n, r in rows.items()),
+        Place(p + "attn_output.weight", "o"), *(Place(f"{p}attn_{n}.bias", "qkv_bias", r) for n, r in rows.items()),
         Place(p + "attn_q_norm.weight", "q_norm"), Place(p + "attn_k_norm.weight", "k_norm"),
+        # DeepSeek-V2's latent attention (kv_b whole, or from split k_b / v_b: gguf.load)
+        Place(p + "attn_q_a.weight", "q_a"), Place(p + "attn_q_a_norm.weight", "q_a_norm"),
+        Place(p + "attn_q_b.weight", "q_b"), Place(p + "attn_q.weight", "q"),
+        Place(p + "attn_kv_a_mqa.weight", "kv_a"), Place(p + "attn_kv_a_norm.weight", "kv_a_norm"),
+        Place(p + "attn_kv_b.weight", "kv_b"),
+        *_mlp_places(p, "", "dense", spec.dense_intermediate), Place(p + "ffn_gate_inp.weight", "router"),
         *_mlp_places(p, "_shexp", "shared", spec.shared_intermediate),
         Place(p + "ffn_gate_inp_shexp.weight", "shared_gate", unsqueeze=True)])
-
-
-def _mla_places(spec, i: int) -> list[Place]:
-    """DeepSeek-V2's latent attention (kv_b whole, or from split k_b / v_b: gguf.load), then its FFN."""
-    p = f"blk.{i}."
-    return [Place(p + "attn_norm.weight", "ln1"), Place(p + "ffn_norm.weight", "ln2"),
-            Place(p + "attn_q_a.weight", "q_a"), Place(p + "attn_q_a_norm.weight", "q_a_norm"),
-            Place(p + "attn_q_b.weight", "q_b"), Place(p + "attn_q.weight", "q"),
-            Place(p + "attn_kv_a_mqa.weight", "kv_a"), Place(p + "attn_kv_a_norm.weight", "kv_a_norm"),
-            Place(p + "attn_kv_b.weight", "kv_b"), Place(p + "attn_output.weight", "o"),
-            *_mlp_places(p, "", "dense", spec.dense_intermediate), Place(p + "ffn_gate_inp.weight", "router"),
-            *_mlp_places(p, "_shexp", "shared", spec.shared_intermediate)]
 
 
 def _mlp_places(p: str, tag: str, dest: str, inter: int) -> list[Place]:
