@@ -93,9 +93,10 @@ def llama_style_attention(prefix: str, spec) -> list[Piece]:
     q, kv = spec.q_size, spec.kv_size
     p = f"{prefix}self_attn."
     rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
-    return [*(Piece(f"{p}{n}_proj.weight", "qkv", (r,)) for n, r in rows.items()), Piece(p + "o_proj.weight", "o"),
-            *(Piece(f"{p}{n}_proj.bias", "qkv_bias", (r,)) for n, r in rows.items()), Piece(p + "q_norm.weight", "q_norm"),
-            Piece(p + "k_norm.weight", "k_norm"), Piece(p + "o_proj.bias", "o_bias")]
+    return [*(Piece(f"{p}{n}_proj.weight", "qkv", (r,)) for n, r in rows.items()),
+            *(Piece(f"{p}{n}_proj.bias", "qkv_bias", (r,)) for n, r in rows.items()),
+            Piece(p + "o_proj.weight", "o"), Piece(p + "o_proj.bias", "o_bias"),
+            *(Piece(f"{p}{n}_norm.weight", f"{n}_norm") for n in ("q", "k"))]
 
 
 def routed_experts(prefix: str, spec, keys: set[str], names=("gate_proj", "up_proj", "down_proj")) -> list[Piece]:
@@ -118,7 +119,7 @@ def routed_experts(prefix: str, spec, keys: set[str], names=("gate_proj", "up_pr
 def moe_layer(spec, i: int, keys: set[str], **ffn) -> list[Piece]:
     """A Llama-style layer: norms, attention and `ffn_pieces(**ffn)`."""
     p = f"model.layers.{i}."
-    return having(spec, i, [*norm_pieces(p), *llama_style_attention(p, spec), *ffn_pieces(p, spec, keys, i, **ffn)])
+    return having(spec, i, [*norm_pieces(p), *llama_style_attention(p, spec), *ffn_pieces(p, spec, keys, **ffn)])
 
 
 def llama_style_globals(spec, keys: set[str], prefix: str = "model.") -> list[Piece]:
@@ -161,17 +162,16 @@ def mlp_pieces(prefix: str, dest: str, inter: int) -> list[Piece]:
             Piece(prefix + "down_proj.weight", f"{dest}_w2")]
 
 
-def ffn_pieces(prefix: str, spec, keys: set[str], layer: int, moe: str = "mlp.",
+def ffn_pieces(prefix: str, spec, keys: set[str], moe: str = "mlp.",
                names=("gate_proj", "up_proj", "down_proj"), router: str = "gate.weight",
                shared: str = "shared_experts.") -> list[Piece]:
     """A layer's FFN under `moe`: a dense MLP in a dense layer, else the router (and its correction bias), the
     routed experts (`names`) and the shared expert(s) (`shared`) behind their gate (see `having`)."""
     p = prefix + moe
-    if not spec.is_moe(layer):
-        return mlp_pieces(p, "dense", spec.dense_intermediate)
-    return [Piece(p + router, "router"), *routed_experts(p, spec, keys, names),
-            Piece(p + "gate.e_score_correction_bias", "e_bias"),
-            *mlp_pieces(p + shared, "shared", spec.shared_intermediate), Piece(p + "shared_expert_gate.weight", "shared_gate")]
+    return [*mlp_pieces(p, "dense", spec.dense_intermediate), Piece(p + router, "router"),
+            *routed_experts(p, spec, keys, names), Piece(p + "gate.e_score_correction_bias", "e_bias"),
+            *mlp_pieces(p + shared, "shared", spec.shared_intermediate),
+            Piece(p + "shared_expert_gate.weight", "shared_gate")]
 
 
 def norm_pieces(prefix: str) -> list[Piece]:

@@ -59,4 +59,4 @@ def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
         *norm_pieces(p), Piece(a + "q_a_proj.weight", "q_a"), Piece(a + "q_a_layernorm.weight", "q_a_norm"),
         Piece(a + "q_b_proj.weight", "q_b"), Piece(a + "q_proj.weight", "q"),  # low-rank q, or a full one
         Piece(a + "kv_a_proj_with_mqa.weight", "kv_a"), Piece(a + "kv_a_layernorm.weight", "kv_a_norm"),
-        Piece(a + "kv_b_proj.weight", "kv_b"), Piece(a + "o_proj.weight", "o"), *ffn_pieces(p, spec, keys, i)])
+        Piece(a + "kv_b_proj.weight", "kv_b"), Piece(a + "o_proj.weight", "o"), *ffn_pieces(p, spec, keys)])

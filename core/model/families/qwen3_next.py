@@ -117,7 +117,7 @@ def _linear(p: str, spec: ModelSpec, keys: set[str]) -> list[Piece]:
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"{_prefix(keys)}layers.{i}."
     mixer = _linear(p, spec, keys) if spec.layer_type(i) == "linear" else _attention(p, spec)
-    return having(spec, i, [*norm_pieces(p), *mixer, *ffn_pieces(p, spec, keys, i, shared="shared_expert.")])
+    return having(spec, i, [*norm_pieces(p), *mixer, *ffn_pieces(p, spec, keys, shared="shared_expert.")])
 
 
 def global_pieces(spec: ModelSpec, keys: set[str]):
