@@ -236,10 +236,8 @@ class ModelSpec:
 
     @property
     def rope_dim(self) -> int:
-        """Dims RoPE rotates in a query/key head."""
-        if self.rope.dim:
-            return self.rope.dim
-        return self.mla.qk_rope_dim if self.mla else self.head_dim
+        """Dims RoPE rotates in a query/key head (a partial share, the rope part of a latent head, or all of it)."""
+        return self.rope.dim or (self.mla.qk_rope_dim if self.mla else self.head_dim)
 
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full"
