@@ -14,7 +14,7 @@ import mmap
 
 import torch
 
-from core.model.attention import attention_runs
+from core.model.attention import attention_runs, padding_mask
 from core.model.cpu import native, row_ops
 from core.model.spec import ModelSpec
 
@@ -310,7 +310,7 @@ class Rows:
         if window not in self._kept:
             lengths = store.kept(self.lengths)
             span = (min(self.span[0], window), min(self.span[1], window)) if window else self.span
-            pad = (torch.arange(span[1], device=self.device)[None, :] >= lengths[:, None]) if span[0] < span[1] else None
+            pad = padding_mask(lengths, span[1]) if span[0] < span[1] else None
             self._kept[window] = (lengths, span, pad)
         return self._kept[window]
 
@@ -331,7 +331,7 @@ class Rows:
         host = [store.kept(n) for n in host]
         lengths = torch.tensor(host)
         span = (min(host), max(host))
-        pad = torch.arange(span[1])[None, :] >= lengths[:, None] if span[0] < span[1] else None
+        pad = padding_mask(lengths, span[1]) if span[0] < span[1] else None
         return RowPlan(rows, at, lengths, span, pad, attention_runs(host, store.k.shape[2], widened), {})
 
     def native_split(self, store) -> tuple:
