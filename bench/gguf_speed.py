@@ -133,8 +133,7 @@ def baseline_library(rev: str, lib):
     src.write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:core/assets/kernels/gguf_matmul.c"],
                                    check=True, capture_output=True).stdout)
     flags = [f for f in lib.flags.split() if f != "-fopenmp"]
-    built = native.compile_openmp(native._compiler(), ["-O3", "-shared", "-fPIC", *flags], native._flags()[1], src,
-                                  f"gguf_matmul_{rev}")
+    built = native.compile_openmp(native._compiler(), ["-O3", "-shared", "-fPIC", *flags], src, f"gguf_matmul_{rev}")
     if isinstance(built, str):
         raise SystemExit(f"{rev}'s kernel did not build: {built}")
     return gguf_blocks._Lib(built, " ".join(flags))
@@ -151,8 +150,8 @@ def baseline_token(rev: str, lib):
             ["git", "-C", str(ROOT), "show", f"{rev}:core/assets/kernels/{name}"], check=True,
             capture_output=True).stdout)
     flags = [f for f in lib.flags.split() if f != "-fopenmp"]
-    built = native.compile_openmp(native._compiler(), ["-O3", "-shared", "-fPIC", *flags], native._flags()[1],
-                                  where / "gguf_token.c", f"gguf_token_{rev}")
+    built = native.compile_openmp(native._compiler(), ["-O3", "-shared", "-fPIC", *flags], where / "gguf_token.c",
+                                  f"gguf_token_{rev}")
     if isinstance(built, str):
         raise SystemExit(f"{rev}'s token kernel did not build: {built}")
     return gguf_token._Lib(built, " ".join(flags))

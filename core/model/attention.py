@@ -81,8 +81,7 @@ _slice_bufs = threading.local()  # per thread (attention runs on its own worker)
 
 def slices(T: int, row: int) -> bool:
     """Whether decode attention copies out the first T positions of rows of `row` tokens rather than read
-    the rows whole: a copy costs about 1.7 passes over T (bf16, B = 32 and 256, one Zen 5 core: equal to
-    whole rows of 546 at T = 0.6-0.8 of them)."""
+    the rows whole: a copy costs about 1.7 passes over T."""
     return T < SLICE_BELOW * row
 
 
@@ -111,7 +110,7 @@ def decode_over_rows(q: torch.Tensor, store, rows, scale: float, sinks: torch.Te
     `plan` says: contiguous or covering rows in place, in runs of neighbouring rows where that reads
     less, else the rows gathered."""
     if rows.device is None and native.usable(q, store.k, store.v, sinks):
-        lengths, host, bounds = _native_rows(rows, store)
+        lengths, host, bounds = rows.native_split(store)
         return native.decode_attention(q, store.k, store.v, rows.slots, lengths, host, scale, bounds)
     p = rows.plan(store, widen is not None and store.k.dtype != widen.math)
     if p.rows is None:
@@ -128,18 +127,6 @@ def decode_over_rows(q: torch.Tensor, store, rows, scale: float, sinks: torch.Te
             o[a:b] = decode_attention(q[a:b], k[a:b], v[a:b], p.lengths[a:b], scale, span, None, sinks, widen,
                                       p.memo.setdefault(("run", a), {}))
     return o if p.at is None else o.index_select(0, p.at)
-
-
-def _native_rows(rows, store):
-    """(kept lengths as a tensor and a list, the request split over threads) of `rows` in `store`, made
-    once a step for every layer's call."""
-    memo = rows.__dict__.setdefault("_native", {})
-    if store.window not in memo:
-        lengths = rows.kept(store)[0]
-        host = [store.kept(n) for n in rows._host_lengths]
-        n = max(1, min(torch.get_num_threads(), len(host)))
-        memo[store.window] = (lengths, host, native.cuts(host, n))
-    return memo[store.window]
 
 
 def attention_runs(lengths: list[int], row: int, widened: bool = False, rows: int | None = None) -> list:

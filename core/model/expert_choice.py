@@ -1,7 +1,7 @@
 """Which routed-expert kernel runs — grouped_mm over all experts, or a matmul pair per expert with tokens —
 timed on the real inputs at a shape's first call (the loop's per-expert cost dominates small batches of many
 small experts; grouped_mm pays for its layout). The CPU's choices are kept on disk per machine, torch build,
-threads and experts' code (`_context`): a measurement cost a fresh `mlight bench` a seventh of its run.
+threads and experts' code (`_path`): a measurement cost a fresh `mlight bench` a seventh of its run.
 """
 
 from __future__ import annotations
@@ -68,19 +68,6 @@ def _entry(key: tuple) -> str:
     return f"{torch.get_num_threads()}|{key!r}"
 
 
-def _context() -> str:
-    """What a saved choice holds for besides its shape: this machine, torch's build and the experts' code."""
-    import platform
-
-    import torch
-
-    from core.model.cpu.isa import ENV_LIMITS
-
-    ident = "|".join([platform.node(), platform.processor(), platform.machine(), str(os.cpu_count()),
-                      torch.__version__, _code(), *(f"{k}={os.environ.get(k, '')}" for k in ENV_LIMITS)])
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
-
-
 @functools.lru_cache(maxsize=1)
 def _code() -> str:
     from importlib.util import find_spec
@@ -90,9 +77,18 @@ def _code() -> str:
 
 
 def _path() -> Path:
+    """The file of the choices made in this context, what a saved choice holds for besides its shape: this
+    machine, torch's build and the experts' code."""
+    import platform
+
+    import torch
+
+    from core.model.cpu.isa import ENV_LIMITS
     from core.platform import cache_dir
 
-    return cache_dir() / "expert_choice" / f"{_context()}.json"
+    ident = "|".join([platform.node(), platform.processor(), platform.machine(), str(os.cpu_count()),
+                      torch.__version__, _code(), *(f"{k}={os.environ.get(k, '')}" for k in ENV_LIMITS)])
+    return cache_dir() / "expert_choice" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
 
 
 def _read(path: Path) -> dict[str, str]:

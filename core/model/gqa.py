@@ -7,15 +7,13 @@ Legend: T = tokens, B = requests, D = hidden.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
 from core.model.attention import decode_over_rows, prefill_attention
 from core.model.cpu import row_ops
 from core.model.cpu.kernels import linear
-from core.model.layers import tensor_version, norm, normed, rms_norm
+from core.model.layers import derived, norm, normed, rms_norm
 from core.model.spec import ModelSpec
 
 
@@ -92,7 +90,9 @@ def _pre_into(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_l
     P = payload.view(T, Hq + 2 * Hkv, hd)
     qk = qkv[:, :spec.q_size + spec.kv_size].view(T, Hq + Hkv, hd)
     llama_style = spec.norm in ("rms", "layernorm")
-    side = _side_by_side(w["q_norm"], w["k_norm"], Hq, Hkv) if llama_style else None  # made in the first step
+    # q_norm's weight for each q head's row, k_norm's for each k head's [Hq + Hkv, hd], made in the first step
+    side = derived((w["q_norm"], w["k_norm"]), lambda wq, wk: torch.cat((wq.expand(Hq, -1), wk.expand(Hkv, -1))),
+                   Hq, Hkv) if llama_style else None
     if llama_style and not (h.device.type == "cpu" and row_ops.library() is not None):
         # the statistics per head row, then each row's weight: q's and k's rows in one kernel and one product
         torch.mul(side, normed(qk, None, spec.norm_eps), out=P[:, :Hq + Hkv])
@@ -104,21 +104,6 @@ def _pre_into(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_l
     qk = P[:, :Hq + Hkv, :rope.dim]
     rope.apply(qk, positions, call_lengths, out=qk)
     return payload, (qkv[:, spec.q_size + 2 * spec.kv_size:] if spec.attn_gate else None)
-
-
-_SIDE: dict[tuple[int, int], tuple] = {}  # (id(q_norm), id(k_norm)) -> (their weak references, versions, weights)
-
-
-def _side_by_side(wq: torch.Tensor, wk: torch.Tensor, Hq: int, Hkv: int) -> torch.Tensor:
-    """[Hq + Hkv, hd]: q_norm's weight for each q head's row, k_norm's for each k head's (cached per pair)."""
-    key = (id(wq), id(wk))
-    kept = _SIDE.get(key)
-    if (kept is None or kept[0]() is not wq or kept[1]() is not wk or kept[2] != (tensor_version(wq), tensor_version(wk))
-            or kept[3].shape[0] != Hq + Hkv):
-        gone = lambda _: _SIDE.pop(key, None)  # noqa: E731
-        kept = _SIDE[key] = (weakref.ref(wq, gone), weakref.ref(wk, gone), (tensor_version(wq), tensor_version(wk)),
-                             torch.cat((wq.expand(Hq, -1), wk.expand(Hkv, -1))))
-    return kept[3]
 
 
 def _qk_norm_into(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> None:

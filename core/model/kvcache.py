@@ -8,13 +8,14 @@ Legend: S = slots, R = latent rank, dr = rope dims, K = conv kernel.
 
 from __future__ import annotations
 
+import collections
 import math
 import mmap
 
 import torch
 
-from core.model.attention import attention_runs
-from core.model.cpu import row_ops
+from core.model.attention import attention_runs, padding_mask
+from core.model.cpu import native, row_ops
 from core.model.spec import ModelSpec
 
 
@@ -33,8 +34,8 @@ def _alloc(shape, dtype, pin: bool, alloc=None) -> torch.Tensor:
 
 def untouched_zeros(shape, dtype) -> torch.Tensor:
     """Zeros whose pages the OS maps on first touch: a cache is sized for its longest request in every slot
-    (3.6 GB, 5.9 s of page faults for the 784M's 4x prompts) while a request touches its own length.
-    Private, so Linux does not make it shared memory; small pages, since a row's heads lie ~0.4 MB apart."""
+    while a request touches its own length. Private, so Linux does not make it shared memory; small pages,
+    since a row's heads lie ~0.4 MB apart."""
     n = math.prod(shape) * dtype.itemsize
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
@@ -208,7 +209,7 @@ class LinearStore(_Store):
         self.conv[slot] = conv
 
 
-def load_rows(src, dst, rows, cached: int, non_blocking: bool = False) -> int:
+def load_rows(src, dst, rows, cached: int) -> int:
     """Copy `rows`' state (`cached` tokens each at most) from `src` into dst's first rows; returns the bytes moved."""
     moved = 0
     tokens = src.kept(cached)
@@ -218,9 +219,8 @@ def load_rows(src, dst, rows, cached: int, non_blocking: bool = False) -> int:
         part, b = rows.take(a), b[:rows.B]
         if axis is not None:  # along the token axis only the first `tokens` entries
             part, b = part.narrow(axis, 0, tokens), b.narrow(axis, 0, tokens)
-        b.copy_(part, non_blocking=non_blocking)
-        per_row = a[0].numel() // (a.shape[axis] if axis is not None else 1) * (tokens if axis is not None else 1)
-        moved += rows.B * per_row * a.element_size()
+        b.copy_(part)
+        moved += part.numel() * a.element_size()
     return moved
 
 
@@ -310,7 +310,7 @@ class Rows:
         if window not in self._kept:
             lengths = store.kept(self.lengths)
             span = (min(self.span[0], window), min(self.span[1], window)) if window else self.span
-            pad = (torch.arange(span[1], device=self.device)[None, :] >= lengths[:, None]) if span[0] < span[1] else None
+            pad = padding_mask(lengths, span[1]) if span[0] < span[1] else None
             self._kept[window] = (lengths, span, pad)
         return self._kept[window]
 
@@ -326,13 +326,22 @@ class Rows:
     def _plan(self, store, widened: bool) -> "RowPlan":
         if self.cover is None:
             host = [] if self.sel is None else [store.kept(n) for n in self._host_lengths]
-            return RowPlan(self.sel, None, *self.kept(store), attention_runs(host, store.k.shape[2], widened))
+            return RowPlan(self.sel, None, *self.kept(store), attention_runs(host, store.k.shape[2], widened), {})
         rows, at, host = self.cover
         host = [store.kept(n) for n in host]
         lengths = torch.tensor(host)
         span = (min(host), max(host))
-        pad = torch.arange(span[1])[None, :] >= lengths[:, None] if span[0] < span[1] else None
-        return RowPlan(rows, at, lengths, span, pad, attention_runs(host, store.k.shape[2], widened))
+        pad = padding_mask(lengths, span[1]) if span[0] < span[1] else None
+        return RowPlan(rows, at, lengths, span, pad, attention_runs(host, store.k.shape[2], widened), {})
+
+    def native_split(self, store) -> tuple:
+        """(kept lengths as a tensor and a list, the request split over threads) of these rows in `store`, for
+        the C decode attention (core.model.cpu.native): made once a step for every layer's call."""
+        def make():
+            host = [store.kept(n) for n in self._host_lengths]
+            return self.kept(store)[0], host, native.cuts(host, max(1, min(torch.get_num_threads(), len(host))))
+
+        return self.memo(("native", store.window), make)
 
     def covering_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q [B, ...] at this batch's rows of its covering range, zeros in the gaps (one buffer a step)."""
@@ -342,11 +351,6 @@ class Rows:
         return self._q.index_copy_(0, at, q)
 
 
-class RowPlan:
-    """How decode attention reads one store for a micro-batch: `rows` in place (None: gathered), `at`, `runs`."""
-
-    __slots__ = ("rows", "at", "lengths", "span", "pad", "runs", "memo")
-
-    def __init__(self, rows, at, lengths, span, pad, runs):
-        self.rows, self.at, self.lengths, self.span, self.pad, self.runs = rows, at, lengths, span, pad, runs
-        self.memo: dict = {}  # what decode attention builds once per step for these rows (its padding masks)
+# How decode attention reads one store for a micro-batch: `rows` in place (None: gathered), `at`, `runs`, and
+# `memo`, what it builds once per step for these rows (its padding masks)
+RowPlan = collections.namedtuple("RowPlan", "rows at lengths span pad runs memo")

@@ -25,11 +25,11 @@ def norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
         return F.layer_norm(x, (x.shape[-1],), w, b, eps)
     if spec.norm == "rms":
         return rms_norm(x, w, eps)
-    # weight applied in fp32, then cast (gpt-oss; Qwen3-Next's zero-centred weight, 1 + w): one rounding
-    return normed(x, offset_weight(w) if spec.norm == "rms_offset" else w, eps)
+    # weight applied in fp32, then cast (gpt-oss; Qwen3-Next's zero-centred weight, 1 + w, made once): one rounding
+    return normed(x, derived((w,), lambda w: w.float() + 1.0) if spec.norm == "rms_offset" else w, eps)
 
 
-_OFFSET: dict[int, tuple] = {}  # id(w) -> (a weak reference to w, its version, 1 + w in fp32)
+_DERIVED: dict[tuple, tuple] = {}  # key -> (weak references to its tensors, their versions, what was made of them)
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -39,13 +39,14 @@ def tensor_version(t: torch.Tensor) -> int:
         return 0
 
 
-def offset_weight(w: torch.Tensor) -> torch.Tensor:
-    """Qwen3-Next's zero-centred weight as applied, 1 + w in fp32: made once per weight tensor (and again if
-    it is written), not in every norm of every micro-batch (two device ops each)."""
-    kept = _OFFSET.get(id(w))
-    if kept is None or kept[0]() is not w or kept[1] != tensor_version(w):
-        key = id(w)
-        kept = _OFFSET[key] = (weakref.ref(w, lambda _: _OFFSET.pop(key, None)), tensor_version(w), w.float() + 1.0)
+def derived(tensors: tuple, make, *extra):
+    """make(*tensors), kept while those weight tensors live unwritten (and `extra` is the same): made once, not
+    in every norm of every micro-batch (a few device ops each)."""
+    key = (*map(id, tensors), *extra)
+    kept, versions = _DERIVED.get(key), tuple(map(tensor_version, tensors))
+    if kept is None or any(r() is not t for r, t in zip(kept[0], tensors)) or kept[1] != versions:
+        gone = lambda _: _DERIVED.pop(key, None)  # noqa: E731
+        kept = _DERIVED[key] = (tuple(weakref.ref(t, gone) for t in tensors), versions, make(*tensors))
     return kept[2]
 
 

@@ -32,13 +32,12 @@ LOGIT_CHUNK_BYTES = 4 << 20  # a prepacked LM head's output rows at a time: memo
 
 # A CPU prefill runs each layer a chunk of its call at a time (whole prompts through the mixer, any tokens through
 # the FFN): whole, a call's intermediates pass glibc's mmap threshold (32 MB) and are page-faulted fresh at every
-# layer (the 784M's 256-prompt call: 21.5-25.9 s against 16.6-18.4 s chunked). A device's caching allocator reuses
-# its blocks, so there the call stays whole. The planner prices a call by its chunks (core.plan.cpu_cost).
+# layer. A device's caching allocator reuses its blocks, so there the call stays whole. The planner prices a call
+# by its chunks (core.plan.cpu_cost).
 PREFILL_CHUNK_BYTES = 16 << 20  # a chunk's widest fp32 intermediate: half the threshold (routing is uneven)
 PREFILL_CHUNK_TOKENS, PREFILL_CHUNK_LEAST = 2048, 256  # at most (GEMMs this tall gain nothing more), at least
 # ... but each chunk re-reads the layer's routed experts: a chunk grows until the expert weights it re-reads per
-# token are at most this many times its widest activation a token, or large experts make the prefill weight-bound
-# (Mixtral 8x7B's 409-token chunks re-read 2.8 GB of experts 55 times a call).
+# token are at most this many times its widest activation a token, or large experts make the prefill weight-bound.
 PREFILL_REREAD = 64
 
 

@@ -116,30 +116,29 @@ class Checkpoint:
         `transpose` swaps its last two axes, `select` indexes it, `fit` reshapes that to `dest`; `narrow` = (dim,
         start, length) copies only that slice, so a tensor-parallel rank reads only its part."""
         t = self.info(name)
-        nbytes = t.end - t.start
+        count = (t.end - t.start) // t.dtype.itemsize
+        if not count:
+            return
         aligned = t.start - t.start % _GRANULARITY
         with open(t.path, "rb") as f:
             # ACCESS_COPY: a writable private map (torch.frombuffer wants writable) that never writes back.
             mm = mmap.mmap(f.fileno(), t.end - aligned, access=mmap.ACCESS_COPY, offset=aligned)
         try:
-            count = nbytes // torch.empty((), dtype=t.dtype).element_size()
-            src = torch.frombuffer(mm, dtype=t.dtype, count=count, offset=t.start - aligned) if count else None
-            if src is not None:
-                src = src.view(view or t.shape)
-                if transpose:
-                    src = src.transpose(-1, -2)
-                if select is not None:
-                    src = src[select]
-                if fit and narrow is not None and src.numel() != dest.numel():
-                    src, narrow = _fit_narrowed(src, dest.shape, narrow), None
-                if fit and src.numel() == dest.numel():
-                    src = src.reshape(dest.shape)
-                if narrow is not None:
-                    src = src.narrow(*narrow)
-                if tuple(src.shape) != tuple(dest.shape):
-                    raise ModelError(f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}",
-                                     "the config.json does not match the weights")
-                dest.copy_(src)
+            src = torch.frombuffer(mm, dtype=t.dtype, count=count, offset=t.start - aligned).view(view or t.shape)
+            if transpose:
+                src = src.transpose(-1, -2)
+            if select is not None:
+                src = src[select]
+            if fit and narrow is not None and src.numel() != dest.numel():
+                src, narrow = _fit_narrowed(src, dest.shape, narrow), None
+            if fit and src.numel() == dest.numel():
+                src = src.reshape(dest.shape)
+            if narrow is not None:
+                src = src.narrow(*narrow)
+            if tuple(src.shape) != tuple(dest.shape):
+                raise ModelError(f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}",
+                                 "the config.json does not match the weights")
+            dest.copy_(src)
             del src
         finally:
             mm.close()

@@ -39,6 +39,11 @@ EXPERT_TENSORS = ("w13", "b13", "w2", "b2")
 LAYER_TYPES = ("full", "sliding", "linear")
 
 
+def _present(shapes: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors a layer has: those whose shape is not a false condition (False, 0, None)."""
+    return {name: shape for name, shape in shapes.items() if shape}
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     """Rotary position embedding: frequencies, how much of a head it rotates, and its scaling."""
@@ -231,10 +236,8 @@ class ModelSpec:
 
     @property
     def rope_dim(self) -> int:
-        """Dims RoPE rotates in a query/key head."""
-        if self.rope.dim:
-            return self.rope.dim
-        return self.mla.qk_rope_dim if self.mla else self.head_dim
+        """Dims RoPE rotates in a query/key head (a partial share, the rope part of a latent head, or all of it)."""
+        return self.rope.dim or (self.mla.qk_rope_dim if self.mla else self.head_dim)
 
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full"
@@ -263,67 +266,33 @@ class ModelSpec:
                            "kv_b": (H * (m.qk_nope_dim + m.v_head_dim), m.kv_lora_rank), "o": (D, H * m.v_head_dim)})
             return shapes
         rows = self.q_size * (2 if self.attn_gate else 1) + 2 * self.kv_size
-        shapes = {"qkv": (rows, D)}
-        if self.qkv_bias:
-            shapes["qkv_bias"] = (rows,)
-        if self.qk_norm == "head":
-            shapes["q_norm"], shapes["k_norm"] = (hd,), (hd,)
-        elif self.qk_norm == "full":
-            shapes["q_norm"], shapes["k_norm"] = (self.q_size,), (self.kv_size,)
-        shapes["o"] = (D, self.q_size)
-        if self.attn_o_bias:
-            shapes["o_bias"] = (D,)
-        if self.attn_sinks:
-            shapes["sinks"] = (self.num_heads,)
-        return shapes
+        qk_norm = {"head": ((hd,), (hd,)), "full": ((self.q_size,), (self.kv_size,))}.get(self.qk_norm, (None, None))
+        return _present({"qkv": (rows, D), "qkv_bias": self.qkv_bias and (rows,), "q_norm": qk_norm[0],
+                         "k_norm": qk_norm[1], "o": (D, self.q_size), "o_bias": self.attn_o_bias and (D,),
+                         "sinks": self.attn_sinks and (self.num_heads,)})
 
     def ffn_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
         """The FFN tensors of layer i (after ln2), experts last."""
-        D, E, I = self.hidden_size, self.num_experts, self.expert_intermediate
+        D, E, I, Is = self.hidden_size, self.num_experts, self.expert_intermediate, self.shared_intermediate
         if not self.is_moe(i):
             Id = self.dense_intermediate
             return {"dense_w13": (2 * Id, D), "dense_w2": (D, Id)}
-        shapes: dict[str, tuple[int, ...]] = {"router": (E, D)}
-        if self.router_bias:
-            shapes["router_bias"] = (E,)
-        if self.router_correction:
-            shapes["e_bias"] = (E,)
-        if self.shared_intermediate:
-            Is = self.shared_intermediate
-            shapes["shared_w13"] = (2 * Is, D)
-            shapes["shared_w2"] = (D, Is)
-            if self.shared_gate:
-                shapes["shared_gate"] = (1, D)
-        shapes["w13"] = (E, 2 * I, D)
-        if self.expert_bias:
-            shapes["b13"] = (E, 2 * I)
-        shapes["w2"] = (E, D, I)
-        if self.expert_bias:
-            shapes["b2"] = (E, D)
-        return shapes
+        return _present({"router": (E, D), "router_bias": self.router_bias and (E,),
+                         "e_bias": self.router_correction and (E,), "shared_w13": Is and (2 * Is, D),
+                         "shared_w2": Is and (D, Is), "shared_gate": Is and self.shared_gate and (1, D),
+                         "w13": (E, 2 * I, D), "b13": self.expert_bias and (E, 2 * I),
+                         "w2": (E, D, I), "b2": self.expert_bias and (E, D)})
 
     def layer_shapes(self, i: int = 0) -> dict[str, tuple[int, ...]]:
         """Canonical tensors of decoder layer i, in their order in the layer's flat buffer (experts last)."""
-        D = self.hidden_size
-        shapes: dict[str, tuple[int, ...]] = {"ln1": (D,)}
-        if self.norm_bias:
-            shapes["ln1_b"] = (D,)
-        shapes.update(self.attn_shapes(i))
-        shapes["ln2"] = (D,)
-        if self.norm_bias:
-            shapes["ln2_b"] = (D,)
-        shapes.update(self.ffn_shapes(i))
-        return shapes
+        D, bias = self.hidden_size, self.norm_bias
+        return _present({"ln1": (D,), "ln1_b": bias and (D,), **self.attn_shapes(i), "ln2": (D,),
+                         "ln2_b": bias and (D,), **self.ffn_shapes(i)})
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {"embed": (self.vocab_size, self.hidden_size), "norm": (self.hidden_size,)}
-        if self.norm_bias:
-            shapes["norm_b"] = (self.hidden_size,)
-        if not self.tie_word_embeddings:
-            shapes["lm_head"] = (self.vocab_size, self.hidden_size)
-        if self.lm_head_bias:
-            shapes["lm_head_b"] = (self.vocab_size,)
-        return shapes
+        D, V = self.hidden_size, self.vocab_size
+        return _present({"embed": (V, D), "norm": (D,), "norm_b": self.norm_bias and (D,),
+                         "lm_head": not self.tie_word_embeddings and (V, D), "lm_head_b": self.lm_head_bias and (V,)})
 
     def layer_state(self, i: int) -> StateSpec:
         """What layer i keeps per sequence."""

@@ -57,15 +57,13 @@ class LayerLayout:
         else:  # the experts' parts, then their biases (gpt-oss) in the compute dtype; none in a dense layer
             experts = (scheme.parts(spec.num_experts) + [(n, dt, shapes[n]) for n in ("b13", "b2") if n in shapes]
                        if spec.is_moe(layer) else [])
-        entries, dtypes, off, expert_start = [], [], 0, None
-        for i, (name, dt, shape) in enumerate(dense + experts):
-            if i == len(dense):
-                expert_start = off
+        entries, dtypes, off = [], [], 0
+        for name, dt, shape in dense + experts:
             entries.append((name, off, shape))
             dtypes.append((name, dt))
             off += math.ceil(math.prod(shape) * (_ITEMSIZE[dt] if dt else 1) / _ALIGN) * _ALIGN
-        return cls(tuple(entries), off, off if expert_start is None else expert_start,
-                   () if scheme is None else tuple(dtypes), scheme)
+        expert_start = entries[len(dense)][1] if experts else off
+        return cls(tuple(entries), off, expert_start, () if scheme is None else tuple(dtypes), scheme)
 
     def buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """A page-aligned buffer, gaps zeroed: a scan of it (engine._check_fp16_range) must not read stale memory."""

@@ -24,8 +24,7 @@ from core.model.cpu import isa as isa_mod
 # fp32's: it also reads half the bytes, so near-parity compute already wins on memory-bound decode.
 NATIVE_SHARE = 0.8
 # Rows up to which a low-precision weight is used directly even where its GEMMs are slow: torch's
-# bf16 GEMV is bandwidth-bound and fast on AVX2 too (M = 1: 0.6 ms vs 1.6 ms for fp32 weights of
-# 7680×1024 on one Zen 5 core limited to AVX2), while from M ≈ 4 widening wins.
+# bf16 GEMV is bandwidth-bound and fast on AVX2 too, while from M ≈ 4 widening wins.
 DIRECT_ROWS = 2
 MATH_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -64,8 +63,6 @@ def choose(storage: str, *, rates: dict[str, float] | None = None, math: str | N
         if math not in MATH_DTYPES:
             raise UsageError(f"unknown CPU math dtype {math!r}", f"use one of {', '.join(MATH_DTYPES)}")
         reason = "as asked"
-    elif storage == "float32":
-        math, reason = "float32", "fp32 weights"
     else:
         math, reason = math_for(storage, rates or {}, native(storage, cpu), cpu.label)
     if math != "float32" and math != storage:

@@ -1,29 +1,27 @@
 """A layer's routed experts in one C call (core/assets/kernels/moe_ffn.c), bf16 on AVX-512 BF16 CPUs.
 
-In a CPU decode step each expert sees 16-64 rows, where oneDNN's packed bf16 GEMM reaches 62-91 % of
-the machine's peak (two Zen 5 cores; 100 %+ from 128 rows) and the routed experts are ≈ 80 % of the
-step. The kernel runs the whole layer in one call: the tokens grouped by expert, gate/up with
-SiLU(gate)·up fused, down with the routing weight and the sum over experts, all in fp32 sums rounded
-once to bf16 (torch's path rounds after each op), on weights packed once at load into the kernel's
-layout in place of oneDNN's (no second copy), split over torch's own OpenMP threads.
+In a CPU decode step each expert sees a few dozen rows, where oneDNN's packed bf16 GEMM stays well below the
+machine's peak, and the routed experts are most of the step. The kernel runs the whole layer in one call:
+the tokens grouped by expert, gate/up with SiLU(gate)·up fused, down with the routing weight and the sum
+over experts, all in fp32 sums rounded once to bf16 (torch's path rounds after each op), on weights packed
+once at load into the kernel's layout in place of oneDNN's (no second copy), split over torch's OpenMP threads.
 
 It is optional: it runs only where the CPU executes vdpbf16ps (core.model.cpu.isa's usable level is
 AVX-512 BF16 or AMX), with a C compiler, OpenMP in the build or one torch thread, SwiGLU experts without
 biases, hidden sizes that are multiples of 64 and intermediate sizes of 32, and neither `MLIGHT_NATIVE`
-nor `MLIGHT_NATIVE_EXPERTS` (the expert kernels alone: an A/B switch) set to 0, nor `MLIGHT_KERNELS=torch`
-(core.model.kernels: the one knob; the old names go in the next release). Elsewhere `pack_experts`
-gives oneDNN's packing as before (core.model.moe), which the tests check it against.
+nor `MLIGHT_NATIVE_EXPERTS` (the expert kernels alone) set to 0, nor `MLIGHT_KERNELS=torch`
+(core.model.kernels). Elsewhere `pack_experts` gives oneDNN's packing (core.model.moe), which the tests
+check it against.
 
 Where the usable ISA is AMX the kernel is built with its tile path too (`FLAGS_AMX`): experts with 8 rows
-or more run as 16-row AMX tiles over the same panels (vector tiles were compute-bound there: oneDNN's AMX
-GEMM ran a layer's experts 2.3-5x faster from 16 rows an expert on a 2-core Xeon), fewer on the vector
-tiles. Linux grants a process the tile state only on request (`mlight_moe_amx_init`); refused, or with
-`MLIGHT_NATIVE_AMX=0`, the vector tiles run alone (`_Lib.amx` says which).
+or more run as 16-row AMX tiles over the same panels (vector tiles were compute-bound there), fewer on the
+vector tiles. Linux grants a process the tile state only on request (`mlight_moe_amx_init`); refused, or
+with `MLIGHT_NATIVE_AMX=0`, the vector tiles run alone (`_Lib.amx` says which).
 
-Where bf16 matmuls are slow (AVX2, also under the AVX2 limits) the CPU computes in fp32: there a second
-kernel (core/assets/kernels/moe_ffn_avx2.c, `library_avx2`) runs the same packed bf16 weights with fp32
-activations, widening them in registers (`ModelWeights.widen_dense`; torch's 1 MB widened tiles ran a
-B = 64 step's experts at 39 GFLOP/s, it at 103-121). Under the same conditions, AVX2 for AVX-512 BF16.
+Where bf16 matmuls are slow (AVX2, also under the AVX2 limits) the CPU computes in fp32: a second kernel
+(core/assets/kernels/moe_ffn_avx2.c, `library_avx2`) runs the same packed bf16 weights with fp32
+activations, widening them in registers rather than in tiles (`ModelWeights.widen_dense`). Under the same
+conditions, AVX2 for AVX-512 BF16.
 """
 
 from __future__ import annotations
@@ -92,14 +90,11 @@ class _LibAvx2(_Sized):
         self.flags = " ".join(FLAGS_AVX2) + (" -fopenmp" if self.openmp else "")
 
 
-def _switched_off() -> bool:
-    return bool(kernels.switched_off(SWITCHES))
-
-
 @functools.lru_cache(maxsize=None)
 def _build(level: str) -> _Lib | None:
     global _reason
-    if not _switched_off() and (level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16")):
+    if not kernels.switched_off(SWITCHES) and (level not in isa.LEVELS
+                                               or isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16")):
         _reason = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX-512 BF16 dot product"
         return None
     amx = level == "amx" and not kernels.switched_off(AMX_SWITCHES)
@@ -119,7 +114,7 @@ def _build_avx2(level: str) -> _LibAvx2 | None:
     global _reason_avx2
     import platform as py_platform
 
-    if not _switched_off() and (py_platform.machine().lower() not in ("x86_64", "amd64", "x86-64")
+    if not kernels.switched_off(SWITCHES) and (py_platform.machine().lower() not in ("x86_64", "amd64", "x86-64")
                                 or level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx2")):
         _reason_avx2 = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX2"
         return None

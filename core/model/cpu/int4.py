@@ -3,10 +3,9 @@ decode attention kernel (core.model.cpu.native: the same compiler search, cache 
 
 Decode at batch 1 reads every routed expert's weights once per token: int4 should take a quarter of
 bf16's time there. torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) converts every weight to a
-float before its multiply and runs at ≈ 36 G weights/s a Zen 5 core — compute-bound, ≈ 2.3× bf16's
-bandwidth-bound GEMV instead of 3.5×. This kernel quantizes the few activation rows instead (two int8
-digits per input, a scale per 8 inputs: finer than bf16) and keeps the weights integers (AVX512_VNNI,
-else vpmaddubsw), on mlight's own int4 layout as stored — no repacking, the quantized cache's bytes.
+float before its multiply, which makes it compute-bound. This kernel quantizes the few activation rows
+instead (two int8 digits per input, a scale per 8 inputs: finer than bf16) and keeps the weights integers
+(AVX512_VNNI, else vpmaddubsw), on mlight's own int4 layout as stored — no repacking, the cache's bytes.
 
 `linear` is one matrix; `moe` is one token's routed experts with SwiGLU in one call (gate/up rows,
 the activation, the down rows, the routing weights' sum: the ≈ 18 torch ops of a layer's experts at

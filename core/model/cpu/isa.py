@@ -139,8 +139,7 @@ def detect(features: dict | None = None, aten: str | None = None, onednn_bf16: b
         usable = aten if _idx(aten) < _idx(usable) else usable
         if env.get("ATEN_CPU_CAPABILITY"):
             limited.append(f"ATEN_CPU_CAPABILITY={env['ATEN_CPU_CAPABILITY']}")
-    # without this one an AVX2 lane on an AVX-512 box ran its fp32 GEMMs on MKL's AVX-512 code at 1.7x an
-    # AVX2 CPU's rate (bench/RESULTS.md, twentieth session)
+    # MKL reads the CPU itself: without this an AVX2 lane on an AVX-512 box ran its fp32 GEMMs on AVX-512 code
     mkl = _cap(_MKL_CAPS, env.get("MKL_ENABLE_INSTRUCTIONS"))
     if mkl is not None and _idx(mkl) < _idx(hw):
         usable = mkl if _idx(mkl) < _idx(usable) else usable

@@ -75,9 +75,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 class PackedWeight(LinearOnlyWeight):
-    """A bf16 weight prepacked into oneDNN's blocked layout. oneDNN's kernel on packed weights reads
-    them at ≈ 2× torch's bf16 GEMV speed (25–35 vs 13 GB/s on one Zen 5 core for a 1536×1024 QKV,
-    M = 1 and 4), which is most of a batch-1 decode step's dense work. No row-major copy is kept."""
+    """A bf16 weight prepacked into oneDNN's blocked layout, which oneDNN reads at about twice torch's bf16
+    GEMV speed (most of a batch-1 decode step's dense work). No row-major copy is kept."""
 
     @staticmethod
     def __new__(cls, w: torch.Tensor, rows_hint: int = 1):

@@ -3,23 +3,20 @@
 Decode attention is a GEMV per request and KV head (G query rows against T cached keys): torch's bf16
 `bmm` runs it at a third of the memory bandwidth, after copying the rows' slices out, and the softmax
 between the two products is a third pass. The C kernel reads K and V once each, in the cache's own
-layout and to each request's own length, keeps scores and sums in fp32, and needs no copies (a B = 256
-step of the 784M Mixtral: 56 → 20 ms of attention on one Zen 5 core).
+layout and to each request's own length, keeps scores and sums in fp32, and needs no copies.
 
 It is optional: with no compiler (most Windows machines), a failed build, an unusual shape, sinks, or
 `MLIGHT_KERNELS=torch` (core.model.kernels), `kernel()` says None and attention runs the torch path
-(core.model.attention), which
-the tests check it against. The build targets the ISA our kernels may use (core.model.cpu.isa: AVX-512,
-AVX2 — also under the AVX2 limits — or the compiler's baseline) and lands in the mlight cache dir,
-named by a hash of the source and the flags, so a changed source or CPU level builds afresh. Requests
-are split over the calling thread's torch threads: the thread itself and helpers it starts (each
-thread keeps its own, so the GPU schedules' pinned attention worker keeps its cores on Linux, where a
+(core.model.attention), which the tests check it against. The build targets the ISA our kernels may use
+(core.model.cpu.isa: AVX-512, AVX2 — also under the AVX2 limits — or the compiler's baseline) and lands in
+the mlight cache dir, named by a hash of the source and the flags, so a changed source or CPU level builds
+afresh. Requests are split over the calling thread's torch threads: the thread itself and helpers it starts
+(each thread keeps its own, so the GPU schedules' pinned attention worker keeps its cores on Linux, where a
 new thread inherits its creator's affinity); ctypes releases the GIL during each call.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -128,9 +125,13 @@ def build_kernel(source: Path, name: str, flags: list[str], vw: int, make, switc
     cc = _compiler()
     if cc is None:
         return _failed(name, "no C compiler found (cc, gcc, clang or $CC)")
-    lib = load_built(compile_openmp(cc, ["-O3", "-shared", "-fPIC", *flags], vw, source, name), make)
-    if isinstance(lib, str):
-        return _failed(name, lib)
+    out = compile_openmp(cc, ["-O3", "-shared", "-fPIC", *flags], source, name)
+    if isinstance(out, str):
+        return _failed(name, out)
+    try:
+        lib = make(out)
+    except (OSError, AttributeError) as e:
+        return _failed(name, f"could not load the kernel: {e}")
     if vw_of is not None and vw_of(lib) != vw:
         return _failed(name, "the kernel in the cache was built for another vector width")
     return lib, ""
@@ -144,42 +145,28 @@ def _failed(name: str, why: str):
     return None, why
 
 
-def load_built(out: Path | str, make):
-    """`make(path)` over a build's library (one kernel's ctypes wrapper), or why there is none: the build's
-    reason, or the load's."""
-    if isinstance(out, str):
-        return out
-    try:
-        return make(out)
-    except (OSError, AttributeError) as e:
-        return f"could not load the kernel: {e}"
-
-
-def compile_openmp(cc: str, base: list[str], vw: int, source: Path = SOURCE, name: str = "decode_attention",
-                   announce=None) -> Path | str:
+def compile_openmp(cc: str, base: list[str], source: Path, name: str) -> Path | str:
     """`_compile` with OpenMP where torch runs on libgomp (Linux wheels: its libgomp.so.1 is the one our
     library binds to, so the kernel runs on torch's own threads), else or where that fails without it
     (this kernel then splits calls over Python helper threads; others run one thread)."""
     out = "no build tried"
     for args in ([*base, "-fopenmp"], base) if _torch_uses_gomp() else (base,):
-        out = _compile(cc, args, vw, source, name, announce)
+        out = _compile(cc, args, source, name)
         if not isinstance(out, str):
             break
     return out
 
 
-def _compile(cc: str, args: list[str], vw: int, source: Path = SOURCE, name: str = "decode_attention",
-             announce=None) -> Path | str:
+def _compile(cc: str, args: list[str], source: Path, name: str) -> Path | str:
     """The library of `source` built with `args` in the cache dir (built now unless there, calling
-    `announce` first), or why not (core.model.cpu.int4 builds its own kernel through here too)."""
+    `_announce` first), or why not."""
     tag = hashlib.sha256(source.read_bytes() + " ".join([cc, *args]).encode()).hexdigest()[:16]
     suffix = ".dll" if platform.is_windows() else ".so"
     out = platform.cache_dir() / "kernels" / f"{name}-{tag}{suffix}"
     if out.is_file():
         return out
-    announce = announce or _announce
-    if announce is not None:
-        announce()
+    if _announce is not None:
+        _announce()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=suffix, dir=out.parent)
@@ -211,22 +198,11 @@ def prepare(progress=None) -> None:
 
 
 def build_announced(what: str, library, progress=None) -> None:
-    """Call a kernel's `library()` now; a compile it starts (through `_compile`, any kernel) tells
-    `progress` `what` is being built."""
-    global _announce
-    try:
-        with announcing(what, progress) as _announce:
-            library()
-    finally:
-        _announce = None
-
-
-@contextlib.contextmanager
-def announcing(what: str, progress=None):
-    """Yields the `announce()` a kernel's build calls as a compile starts: it tells `progress` (a
-    core.telemetry sink, or None) `what` is being built, and its end when the block ends."""
+    """Call a kernel's `library()` now; a compile it starts (through `_compile`, any kernel) tells `progress`
+    (a core.telemetry sink, or None) `what` is being built, and its end once built."""
     from core.telemetry import Progress
 
+    global _announce
     built = []
 
     def announce() -> None:
@@ -234,7 +210,11 @@ def announcing(what: str, progress=None):
         if progress is not None:
             progress(Progress(what, 0, 1))
 
-    yield announce
+    _announce = announce
+    try:
+        library()
+    finally:
+        _announce = None
     if built and progress is not None:
         progress(Progress(what, 1, 1))
 

@@ -1,13 +1,11 @@
 """Dense bf16 projections on the expert kernel's panels (core/assets/kernels/moe_ffn.c, `mlight_linear`).
 
-A decode step of one stream multiplies one row by each projection: a read of the weight, no more.
-oneDNN's packed bf16 GEMV read a cold 1536 × 1024 QKV at 10-12 GB/s on two Zen 4 cores, where the
-expert kernel streams its panels at 27 GB/s; the QKV and O projections were 3.5 of a 22-26 ms step of
-the 784M Mixtral. So where that kernel is built (AVX-512 BF16, a C compiler, OpenMP or one thread),
-`pack_dense` (core.model.cpu.kernels) holds a bf16 weight whose output features are a multiple of 64 in
-its panel layout instead of oneDNN's: the same bytes, one copy. Sums in fp32 rounded once to bf16,
-bias added before the rounding, as oneDNN's GEMM does; the summation order differs (an fp32 ulp).
-At 64-512 rows the same tiles run at 85-93 % of the machine's peak, about oneDNN's there.
+A decode step of one stream multiplies one row by each projection: a read of the weight, no more, which
+the expert kernel's panels stream at about twice oneDNN's packed bf16 GEMV. So where that kernel is built
+(AVX-512 BF16, a C compiler, OpenMP or one thread), `pack_dense` (core.model.cpu.kernels) holds a bf16
+weight whose output features are a multiple of 64 in its panel layout instead of oneDNN's: the same bytes,
+one copy. Sums in fp32 rounded once to bf16, bias added before the rounding, as oneDNN's GEMM does; the
+summation order differs (an fp32 ulp).
 `MLIGHT_KERNELS=torch` (core.model.kernels) keeps the projections on oneDNN, as the old A/B switch
 `MLIGHT_NATIVE_DENSE=0` still does for one release (the expert kernel's switches turn these off too).
 """

@@ -2,12 +2,11 @@
 write, RMSNorm, RoPE joined with v into the attention payload, and the softmax router.
 
 Between a decode step's GEMMs these ran as 4-7 torch ops each, every one a fresh tensor and a pass over
-lines the experts' weights had just pushed out of the caches; at B = 256 on the 784M Mixtral (two Zen 5
-cores) the cache write took 7.8 ms a step, the norms 4.8-6.5 and RoPE with its joins 3-5, against 1-2 ms
-of work. Each C function reproduces its torch expression rounding for rounding (see the source), and
-each wrapper says False (or None) where it does not apply — no kernel built (no compiler, a failed build,
-`MLIGHT_NATIVE=0`), another dtype, an unusual layout — so the caller runs torch's ops, which the tests
-check these against. Built per ISA like the decode attention kernel (core.model.cpu.native).
+lines the experts' weights had just pushed out of the caches. Each C function reproduces its torch
+expression rounding for rounding (see the source), and each wrapper says False (or None) where it does not
+apply — no kernel built (no compiler, a failed build, `MLIGHT_NATIVE=0`), another dtype, an unusual layout
+— so the caller runs torch's ops, which the tests check these against. Built per ISA like the decode
+attention kernel (core.model.cpu.native).
 """
 
 from __future__ import annotations
@@ -62,10 +61,6 @@ def prepare(progress=None) -> None:
     native.build_announced("building the CPU row kernels (once per machine)", library, progress)
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
-
-
 def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> bool:
     """A decode step's new rows k, v [B, heads, hd] (one payload's slices: unit stride within a head, heads hd
     apart, tokens any stride) into rows `at` [B·heads] of contiguous caches viewed as [rows, hd]: copied, or
@@ -81,7 +76,7 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     es, hd = k.element_size(), k.shape[2]
     write = lib.kv_write_narrow if narrow else lib.kv_write
     write(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), at.data_ptr(), at.numel(), k.shape[1],
-          k.stride(0) * es, hd if narrow else hd * es, _threads())
+          k.stride(0) * es, hd if narrow else hd * es, torch.get_num_threads())
     return True
 
 
@@ -98,7 +93,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | Non
         return None
     out = torch.empty(rows.shape, dtype=x.dtype)
     norm = lib.rms_norm if x.dtype == torch.bfloat16 else lib.rms_norm_f32
-    norm(rows.data_ptr(), rows.shape[0], D, rows.stride(0), w.data_ptr(), eps, out.data_ptr(), D, _threads())
+    norm(rows.data_ptr(), rows.shape[0], D, rows.stride(0), w.data_ptr(), eps, out.data_ptr(), D,
+         torch.get_num_threads())
     return out if flat else out.view(x.shape)
 
 
@@ -117,7 +113,7 @@ def rope_join(qkv: torch.Tensor, heads: int, hd: int, cos: torch.Tensor, sin: to
     out = torch.empty((T, heads * hd + rest), dtype=qkv.dtype)
     join = lib.rope_join if qkv.dtype == torch.bfloat16 else lib.rope_join_f32
     join(qkv.data_ptr(), T, qkv.stride(0), heads, hd, cos.data_ptr(), sin.data_ptr(), hd, rest, out.data_ptr(),
-         out.shape[1], _threads())
+         out.shape[1], torch.get_num_threads())
     return out
 
 

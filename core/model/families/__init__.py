@@ -23,22 +23,19 @@ def spec_from_config(cfg: dict, source: str = "config.json") -> ModelSpec:
     archs = cfg.get("architectures") or []
     if not archs:
         raise ModelError(f"{source} has no `architectures` field", "use the config.json that came with the checkpoint")
-    arch = archs[0]
+    arch, supported = archs[0], ", ".join(sorted(REGISTRY))
     # Architectures mlight implements itself (as transformers does) run without the repo's code even
     # when the published config names it; for any other, auto_map means "only its own code runs it".
     if cfg.get("auto_map") and not getattr(REGISTRY.get(arch), "NATIVE_DESPITE_AUTO_MAP", False):
         raise UnsupportedModelError(
             f"{source} asks for remote code (auto_map) for {arch}; mlight never runs code from a model repo",
-            f"use a checkpoint of a supported architecture: {', '.join(sorted(REGISTRY))}",
-        )
+            f"use a checkpoint of a supported architecture: {supported}")
     if arch not in REGISTRY and cfg.get("vision_config"):
         raise UnsupportedModelError(
             f"{arch} is a vision-language model, and mlight runs text-only MoE language models",
-            f"supported: {', '.join(sorted(REGISTRY))} (Qwen3.5-MoE's text model is read from its vision-language checkpoint)")
+            f"supported: {supported} (Qwen3.5-MoE's text model is read from its vision-language checkpoint)")
     if arch not in REGISTRY:
-        raise UnsupportedModelError(
-            f"architecture {arch} is not supported", f"supported: {', '.join(sorted(REGISTRY))}"
-        )
+        raise UnsupportedModelError(f"architecture {arch} is not supported", f"supported: {supported}")
     try:
         spec = REGISTRY[arch].spec(cfg)
         if spec.quant_method == "mxfp4" and spec.family == "gpt_oss":  # experts kept 4-bit (core.model.quant.mxfp4)

@@ -81,19 +81,22 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def llama_style_attention(prefix: str, spec, keys: set[str], attn: str = "self_attn") -> list[Piece]:
-    """q/k/v/o projections named the Llama way, fused into qkv."""
+def having(spec, i: int, pieces: list[Piece]) -> list[Piece]:
+    """The pieces of the tensors layer i has (spec.layer_shapes): the helpers here name every tensor a family's
+    layers may have, biases and norms included, and the spec alone says which are there."""
+    shapes = spec.layer_shapes(i)
+    return [p for p in pieces if p.dest in shapes]
+
+
+def llama_style_attention(prefix: str, spec) -> list[Piece]:
+    """q/k/v/o projections named the Llama way, fused into qkv, with their biases and q/k norms (see `having`)."""
     q, kv = spec.q_size, spec.kv_size
-    p = f"{prefix}{attn}."
+    p = f"{prefix}self_attn."
     rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
-    pieces = [*(Piece(f"{p}{n}_proj.weight", "qkv", (r,)) for n, r in rows.items()), Piece(p + "o_proj.weight", "o")]
-    if spec.qkv_bias:
-        pieces += [Piece(f"{p}{n}_proj.bias", "qkv_bias", (r,)) for n, r in rows.items()]
-    if spec.qk_norm != "none":
-        pieces += [Piece(p + "q_norm.weight", "q_norm"), Piece(p + "k_norm.weight", "k_norm")]
-    if spec.attn_o_bias:
-        pieces.append(Piece(p + "o_proj.bias", "o_bias"))
-    return pieces
+    return [*(Piece(f"{p}{n}_proj.weight", "qkv", (r,)) for n, r in rows.items()),
+            *(Piece(f"{p}{n}_proj.bias", "qkv_bias", (r,)) for n, r in rows.items()),
+            Piece(p + "o_proj.weight", "o"), Piece(p + "o_proj.bias", "o_bias"),
+            *(Piece(f"{p}{n}_norm.weight", f"{n}_norm") for n in ("q", "k"))]
 
 
 def routed_experts(prefix: str, spec, keys: set[str], names=("gate_proj", "up_proj", "down_proj")) -> list[Piece]:
@@ -116,18 +119,14 @@ def routed_experts(prefix: str, spec, keys: set[str], names=("gate_proj", "up_pr
 def moe_layer(spec, i: int, keys: set[str], **ffn) -> list[Piece]:
     """A Llama-style layer: norms, attention and `ffn_pieces(**ffn)`."""
     p = f"model.layers.{i}."
-    return [*norm_pieces(p, spec), *llama_style_attention(p, spec, keys), *ffn_pieces(p, spec, keys, i, **ffn)]
+    return having(spec, i, [*norm_pieces(p), *llama_style_attention(p, spec), *ffn_pieces(p, spec, keys, **ffn)])
 
 
 def llama_style_globals(spec, keys: set[str], prefix: str = "model.") -> list[Piece]:
-    pieces = [Piece(prefix + "embed_tokens.weight", "embed"), Piece(prefix + "norm.weight", "norm")]
-    if spec.norm_bias:
-        pieces.append(Piece(prefix + "norm.bias", "norm_b"))
-    if not spec.tie_word_embeddings:
-        pieces.append(Piece("lm_head.weight", "lm_head"))
-    if spec.lm_head_bias:
-        pieces.append(Piece("lm_head.bias", "lm_head_b"))
-    return pieces
+    shapes = spec.global_shapes()
+    return [p for p in (Piece(prefix + "embed_tokens.weight", "embed"), Piece(prefix + "norm.weight", "norm"),
+                        Piece(prefix + "norm.bias", "norm_b"), Piece("lm_head.weight", "lm_head"),
+                        Piece("lm_head.bias", "lm_head_b")) if p.dest in shapes]
 
 
 def llama_style_fields(cfg: dict, norm_eps: float, rope: RopeSpec | None = None) -> dict:
@@ -163,29 +162,21 @@ def mlp_pieces(prefix: str, dest: str, inter: int) -> list[Piece]:
             Piece(prefix + "down_proj.weight", f"{dest}_w2")]
 
 
-def ffn_pieces(prefix: str, spec, keys: set[str], layer: int, moe: str = "mlp.",
+def ffn_pieces(prefix: str, spec, keys: set[str], moe: str = "mlp.",
                names=("gate_proj", "up_proj", "down_proj"), router: str = "gate.weight",
                shared: str = "shared_experts.") -> list[Piece]:
-    """A layer's FFN under `moe`: a dense MLP in a dense layer, else the router, the routed experts (`names`) and
-    the shared expert(s) (`shared`), behind a gate where the family has one."""
+    """A layer's FFN under `moe`: a dense MLP in a dense layer, else the router (and its correction bias), the
+    routed experts (`names`) and the shared expert(s) (`shared`) behind their gate (see `having`)."""
     p = prefix + moe
-    if not spec.is_moe(layer):
-        return mlp_pieces(p, "dense", spec.dense_intermediate)
-    pieces = [Piece(p + router, "router"), *routed_experts(p, spec, keys, names)]
-    if spec.router_correction:
-        pieces.append(Piece(p + "gate.e_score_correction_bias", "e_bias"))
-    if spec.shared_intermediate:
-        pieces += mlp_pieces(p + shared, "shared", spec.shared_intermediate)
-        if spec.shared_gate:
-            pieces.append(Piece(p + "shared_expert_gate.weight", "shared_gate"))
-    return pieces
+    return [*mlp_pieces(p, "dense", spec.dense_intermediate), Piece(p + router, "router"),
+            *routed_experts(p, spec, keys, names), Piece(p + "gate.e_score_correction_bias", "e_bias"),
+            *mlp_pieces(p + shared, "shared", spec.shared_intermediate),
+            Piece(p + "shared_expert_gate.weight", "shared_gate")]
 
 
-def norm_pieces(prefix: str, spec) -> list[Piece]:
-    pieces = [Piece(prefix + "input_layernorm.weight", "ln1"), Piece(prefix + "post_attention_layernorm.weight", "ln2")]
-    if spec.norm_bias:
-        pieces += [Piece(prefix + "input_layernorm.bias", "ln1_b"), Piece(prefix + "post_attention_layernorm.bias", "ln2_b")]
-    return pieces
+def norm_pieces(prefix: str) -> list[Piece]:
+    return [Piece(prefix + "input_layernorm.weight", "ln1"), Piece(prefix + "post_attention_layernorm.weight", "ln2"),
+            Piece(prefix + "input_layernorm.bias", "ln1_b"), Piece(prefix + "post_attention_layernorm.bias", "ln2_b")]
 
 
 def first_dense(cfg: dict) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from core.errors import ModelError
-from core.model.families._common import (Piece, ffn_pieces, first, first_dense, llama_style_fields,
+from core.model.families._common import (Piece, ffn_pieces, first, first_dense, having, llama_style_fields,
                                          llama_style_globals, need, norm_pieces, quant_method, rope_spec,
                                          yarn_softmax_scale)
 from core.model.spec import MLASpec, ModelSpec
@@ -55,8 +55,8 @@ def spec(cfg: dict) -> ModelSpec:
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    q = ([Piece(a + "q_a_proj.weight", "q_a"), Piece(a + "q_a_layernorm.weight", "q_a_norm"),
-          Piece(a + "q_b_proj.weight", "q_b")] if spec.mla.q_lora_rank else [Piece(a + "q_proj.weight", "q")])
-    return [*norm_pieces(p, spec), *q, Piece(a + "kv_a_proj_with_mqa.weight", "kv_a"),
-            Piece(a + "kv_a_layernorm.weight", "kv_a_norm"), Piece(a + "kv_b_proj.weight", "kv_b"),
-            Piece(a + "o_proj.weight", "o"), *ffn_pieces(p, spec, keys, i)]
+    return having(spec, i, [
+        *norm_pieces(p), Piece(a + "q_a_proj.weight", "q_a"), Piece(a + "q_a_layernorm.weight", "q_a_norm"),
+        Piece(a + "q_b_proj.weight", "q_b"), Piece(a + "q_proj.weight", "q"),  # low-rank q, or a full one
+        Piece(a + "kv_a_proj_with_mqa.weight", "kv_a"), Piece(a + "kv_a_layernorm.weight", "kv_a_norm"),
+        Piece(a + "kv_b_proj.weight", "kv_b"), Piece(a + "o_proj.weight", "o"), *ffn_pieces(p, spec, keys)])

@@ -5,8 +5,8 @@ and up columns interleave in `gate_up_proj`. MXFP4 releases stay 4-bit (core.mod
 
 from __future__ import annotations
 
-from core.model.families._common import (Piece, first, llama_style_attention, llama_style_fields, llama_style_globals,
-                                         need, norm_pieces, quant_method, rope_spec)
+from core.model.families._common import (Piece, first, having, llama_style_attention, llama_style_fields,
+                                         llama_style_globals, need, norm_pieces, quant_method, rope_spec)
 from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("GptOssForCausalLM",)
@@ -37,9 +37,9 @@ def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     m = p + "mlp."
     I = spec.expert_intermediate
     every, gate, up = slice(None), slice(0, None, 2), slice(1, None, 2)
-    return [
-        *norm_pieces(p, spec),
-        *llama_style_attention(p, spec, keys),
+    return having(spec, i, [
+        *norm_pieces(p),
+        *llama_style_attention(p, spec),
         Piece(p + "self_attn.sinks", "sinks"),
         Piece(m + "router.weight", "router"),
         Piece(m + "router.bias", "router_bias"),
@@ -50,4 +50,4 @@ def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
         Piece(m + "experts.gate_up_proj_bias", "b13", (every, slice(I, 2 * I)), select=(every, up)),
         Piece(m + "experts.down_proj", "w2", transpose=True),
         Piece(m + "experts.down_proj_bias", "b2"),
-    ]
+    ])

@@ -8,8 +8,9 @@ into one lin_in [q, k, v, z, b, a]. Qwen3.5 ships as a vision-language model: it
 
 from __future__ import annotations
 
-from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, ffn_pieces, first, llama_style_fields,
-                                         llama_style_globals, need, norm_pieces, quant_method, rope_spec)
+from core.model.families._common import (Piece, checkpoint_dtype, eos_ids, ffn_pieces, first, having,
+                                         llama_style_fields, llama_style_globals, need, norm_pieces, quant_method,
+                                         rope_spec)
 from core.model.spec import LinearAttnSpec, ModelSpec
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -72,8 +73,8 @@ def _attention(p: str, spec: ModelSpec) -> list[Piece]:
     a, H, hd, q, kv = p + "self_attn.", spec.num_heads, spec.head_dim, spec.q_size, spec.kv_size
     every, query, gate = slice(None), slice(0, hd), slice(hd, 2 * hd)
     pieces = [Piece(a + "q_norm.weight", "q_norm"), Piece(a + "k_norm.weight", "k_norm")]
-    kinds = [("weight", "qkv", "o", (H, 2 * hd, spec.hidden_size))]
-    for kind, dest, out, view in kinds + ([("bias", "qkv_bias", "o_bias", (H, 2 * hd))] if spec.qkv_bias else []):
+    for kind, dest, out, view in (("weight", "qkv", "o", (H, 2 * hd, spec.hidden_size)),
+                                  ("bias", "qkv_bias", "o_bias", (H, 2 * hd))):
         pieces += [  # q_proj rows are [q | gate] per head
             Piece(f"{a}q_proj.{kind}", dest, (slice(0, q),), view=view, select=(every, query), fit=True),
             Piece(f"{a}q_proj.{kind}", dest, (slice(q + 2 * kv, 2 * q + 2 * kv),), view=view, select=(every, gate),
@@ -116,7 +117,7 @@ def _linear(p: str, spec: ModelSpec, keys: set[str]) -> list[Piece]:
 def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"{_prefix(keys)}layers.{i}."
     mixer = _linear(p, spec, keys) if spec.layer_type(i) == "linear" else _attention(p, spec)
-    return [*norm_pieces(p, spec), *mixer, *ffn_pieces(p, spec, keys, i, shared="shared_expert.")]
+    return having(spec, i, [*norm_pieces(p), *mixer, *ffn_pieces(p, spec, keys, shared="shared_expert.")])
 
 
 def global_pieces(spec: ModelSpec, keys: set[str]):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from core.errors import UnsupportedModelError
 from core.model import kernels
 from core.model.families import REGISTRY
+from core.model.families._common import having
 from core.model.gguf.files import GGUFModel
 
 # GGUF architecture -> the transformers architecture our family registry knows
@@ -115,38 +116,24 @@ class Place:
 
 
 def dense_places(spec, i: int, names: set[str]) -> list[Place]:
+    """Layer i's tensors but its routed experts: every one a layer may have, kept where the spec's shapes name it."""
     p = f"blk.{i}."
-    if spec.mla is not None:
-        return _mla_places(spec, i)
     q, kv = spec.q_size, spec.kv_size
     rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
     permuted = {"q": spec.num_heads, "k": spec.num_kv_heads} if spec.family == "mixtral" else {}
-    out = [Place(p + "attn_norm.weight", "ln1"), Place(p + "ffn_norm.weight", "ln2"),
-           *(Place(f"{p}attn_{n}.weight", "qkv", r, permuted.get(n, 0)) for n, r in rows.items()),
-           Place(p + "attn_output.weight", "o"), Place(p + "ffn_gate_inp.weight", "router")]
-    if spec.qkv_bias:
-        out += [Place(f"{p}attn_{n}.bias", "qkv_bias", r) for n, r in rows.items()]
-    if spec.qk_norm != "none":
-        out += [Place(p + "attn_q_norm.weight", "q_norm"), Place(p + "attn_k_norm.weight", "k_norm")]
-    if spec.shared_intermediate:
-        out += _mlp_places(p, "_shexp", "shared", spec.shared_intermediate)
-        if spec.shared_gate:
-            out.append(Place(p + "ffn_gate_inp_shexp.weight", "shared_gate", unsqueeze=True))
-    return out
-
-
-def _mla_places(spec, i: int) -> list[Place]:
-    """DeepSeek-V2's latent attention (kv_b whole, or from split k_b / v_b: gguf.load), then its FFN."""
-    p = f"blk.{i}."
-    q = ([Place(p + "attn_q_a.weight", "q_a"), Place(p + "attn_q_a_norm.weight", "q_a_norm"),
-          Place(p + "attn_q_b.weight", "q_b")] if spec.mla.q_lora_rank else [Place(p + "attn_q.weight", "q")])
-    out = [Place(p + "attn_norm.weight", "ln1"), Place(p + "ffn_norm.weight", "ln2"), *q,
-           Place(p + "attn_kv_a_mqa.weight", "kv_a"), Place(p + "attn_kv_a_norm.weight", "kv_a_norm"),
-           Place(p + "attn_kv_b.weight", "kv_b"), Place(p + "attn_output.weight", "o")]
-    if not spec.is_moe(i):
-        return out + _mlp_places(p, "", "dense", spec.dense_intermediate)
-    out.append(Place(p + "ffn_gate_inp.weight", "router"))
-    return out + (_mlp_places(p, "_shexp", "shared", spec.shared_intermediate) if spec.shared_intermediate else [])
+    return having(spec, i, [
+        Place(p + "attn_norm.weight", "ln1"), Place(p + "ffn_norm.weight", "ln2"),
+        *(Place(f"{p}attn_{n}.weight", "qkv", r, permuted.get(n, 0)) for n, r in rows.items()),
+        Place(p + "attn_output.weight", "o"), *(Place(f"{p}attn_{n}.bias", "qkv_bias", r) for n, r in rows.items()),
+        Place(p + "attn_q_norm.weight", "q_norm"), Place(p + "attn_k_norm.weight", "k_norm"),
+        # DeepSeek-V2's latent attention (kv_b whole, or from split k_b / v_b: gguf.load)
+        Place(p + "attn_q_a.weight", "q_a"), Place(p + "attn_q_a_norm.weight", "q_a_norm"),
+        Place(p + "attn_q_b.weight", "q_b"), Place(p + "attn_q.weight", "q"),
+        Place(p + "attn_kv_a_mqa.weight", "kv_a"), Place(p + "attn_kv_a_norm.weight", "kv_a_norm"),
+        Place(p + "attn_kv_b.weight", "kv_b"),
+        *_mlp_places(p, "", "dense", spec.dense_intermediate), Place(p + "ffn_gate_inp.weight", "router"),
+        *_mlp_places(p, "_shexp", "shared", spec.shared_intermediate),
+        Place(p + "ffn_gate_inp_shexp.weight", "shared_gate", unsqueeze=True)])
 
 
 def _mlp_places(p: str, tag: str, dest: str, inter: int) -> list[Place]:
@@ -169,10 +156,9 @@ def expert_sources(i: int, names: set[str], experts: int) -> dict[str, list[str]
 
 
 def global_places(spec) -> list[Place]:
-    out = [Place("token_embd.weight", "embed"), Place("output_norm.weight", "norm")]
-    if not spec.tie_word_embeddings:
-        out.append(Place("output.weight", "lm_head"))
-    return out
+    shapes = spec.global_shapes()
+    return [p for p in (Place("token_embd.weight", "embed"), Place("output_norm.weight", "norm"),
+                        Place("output.weight", "lm_head")) if p.dest in shapes]
 
 
 def unpermute(rows, heads: int):

@@ -48,8 +48,7 @@ def expert_scheme(g: GGUFModel, spec: ModelSpec, i: int) -> ExpertScheme | None:
         if len(kinds) > 1:
             raise UnsupportedModelError(f"layer {i}'s {w} experts mix types {sorted(kinds)}",
                                         "use a GGUF whose experts of one projection share a type")
-        k[w] = kinds.pop()
-    for w, kind in k.items():
+        k[w] = kind = kinds.pop()
         if kind not in GGUF_BLOCKS and kind not in FLOAT_KINDS:
             raise UnsupportedModelError(
                 f"GGUF {g.arch} file {g.paths[0].name}: the {w} projections of the experts are {kind}, a quantization "
@@ -203,7 +202,7 @@ def _read_float(g: GGUFModel, name: str) -> torch.Tensor:
 
 
 def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
-                      pin: bool = False, progress: EventSink = ignore, cpu_only: bool = False):
+                      progress: EventSink = ignore, cpu_only: bool = False):
     """`cpu_only`: the quantized projections stay the file's blocks for pack_for_cpu; else all expanded."""
     from core.model.weights import LayerLayout, LayerWeights, ModelWeights
 
@@ -216,7 +215,7 @@ def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | Non
     global_blocks = block_weights(held, globals_) if held else {}
     what = f"loading {g.name} ({spec.expert_format if spec.expert_format != 'none' else 'float'} experts)"
     progress(Progress(what, 1, total, "layers"))
-    layers, scratch = [], {}  # `pin` unused: the runtime page-locks what streams (ModelWeights.pin_for_streaming)
+    layers, scratch = [], {}
     names = set(g.tensors)
     for i in range(spec.num_layers):
         scheme = expert_scheme(g, spec, i)
