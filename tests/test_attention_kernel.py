@@ -24,8 +24,20 @@ needs_cc = pytest.mark.skipif(native._compiler() is None, reason="no C compiler 
 
 
 @pytest.fixture
-def fresh_build(monkeypatch, tmp_path):
-    """Each test builds (or fails to build) its own kernel into its own cache dir."""
+def fresh_build(monkeypatch, tmp_path, shared_kernels):
+    """Each test builds (or fails to build) its own kernel — none kept in memory from another test — in a cache
+    dir of its own that holds the session's C kernels: a kernel's file name hashes its source, compiler and
+    flags, so a build with flags that another test already compiled loads that library instead of compiling
+    it again (about 2 s of compiler time each)."""
+    monkeypatch.setenv("MLIGHT_CACHE_DIR", str(shared_kernels(tmp_path / "cache")))
+    native._build.cache_clear()
+    yield
+    native._build.cache_clear()
+
+
+@pytest.fixture
+def first_build(monkeypatch, tmp_path):
+    """An empty cache dir: the kernel is compiled now, as on a user's first run."""
     monkeypatch.setenv("MLIGHT_CACHE_DIR", str(tmp_path / "cache"))
     native._build.cache_clear()
     yield
@@ -174,7 +186,7 @@ def test_cpu_mode_decodes_through_the_kernel_equal_to_transformers(tmp_path, mon
 
 
 @needs_cc
-def test_the_kernel_is_built_while_loading_with_progress_not_in_the_first_decode_step(tmp_path, fresh_build):
+def test_the_kernel_is_built_while_loading_with_progress_not_in_the_first_decode_step(tmp_path, first_build):
     """A first build takes about a second: a silent pause in the first decode step looked like a hang
     and landed in the step's timing. Engine.load builds it and says so; a second load, from the cache,
     says nothing."""

@@ -34,8 +34,20 @@ MOE_TOL = {torch.float32: 5e-5, torch.bfloat16: 1.5e-2}
 
 
 @pytest.fixture
-def fresh_build(monkeypatch, tmp_path):
-    """Each test builds (or fails to build) its own kernel into its own cache dir."""
+def fresh_build(monkeypatch, tmp_path, shared_kernels):
+    """Each test builds (or fails to build) its own kernel — none kept in memory from another test — in a cache
+    dir of its own that holds the session's C kernels: a kernel's file name hashes its source, compiler and
+    flags, so a build with flags that another test already compiled loads that library instead of compiling
+    it again (about 2 s of compiler time each)."""
+    monkeypatch.setenv("MLIGHT_CACHE_DIR", str(shared_kernels(tmp_path / "cache")))
+    int4._build.cache_clear()
+    yield
+    int4._build.cache_clear()
+
+
+@pytest.fixture
+def first_build(monkeypatch, tmp_path):
+    """An empty cache dir: the kernel is compiled now, as on a user's first run."""
     monkeypatch.setenv("MLIGHT_CACHE_DIR", str(tmp_path / "cache"))
     int4._build.cache_clear()
     yield
@@ -197,7 +209,7 @@ def test_without_the_kernel_the_experts_run_torch(fresh_build, monkeypatch, why)
 
 
 @needs_cc
-def test_cpu_mode_runs_int4_through_the_kernel_built_while_loading(tmp_path, fresh_build, monkeypatch):
+def test_cpu_mode_runs_int4_through_the_kernel_built_while_loading(tmp_path, first_build, monkeypatch):
     """Engine.load builds the kernel and says so (not silently inside the first step); every decode step's
     experts at batch 1 are one call per layer; greedy tokens are those of transformers running the same
     dequantized experts (fp32: the kernel's ≈ 15-bit activations keep the logits within the int4 parity
