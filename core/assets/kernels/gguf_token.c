@@ -476,13 +476,14 @@ static void dot_tile(int kind, const uint8_t *row, int64_t ldw, int nr, int64_t 
 }
 
 #define MAX_SLOTS 512 /* (token, expert) pairs a mlight_gguf_tokens_moe call takes */
+#define CHUNK 16 /* tiles a thread takes at a time: 64 rows of one expert, read in order */
 
 /* the rows `at` (a group's slots, nr of them) of an expert's matrix tile [n, n + nr) (rows ldw bytes apart):
    out[s][r] (slot s's row r, TR floats a slot) = row . the slot's activation row (quantized at xq + s * qb; split
    at xb + s * sb where SIMD == 2). One slot: dot_tile's 4-row tiles; several (a K-quant on the SIMD dots): each
-   weight row once against up to TM of them (k16_n); other formats' rows decoded once for all of them (at 2 slots,
-   Q8_0's in-place dots twice ran a batch of 8's decode at 0.64-0.71x the per-expert calls); else each slot in
-   turn. The same floats either way. */
+   weight row once against up to TM of them (k16_n); other formats' rows decoded once for all of them (the
+   in-place Q8_0 dot unpacks a block's scale and signs again for every slot); else each slot in turn. The same
+   floats either way. */
 static void group_tile(int kind, const uint8_t *w, int64_t ldw, int nr, int64_t K, const int *at, int ns, uint8_t *xq,
                        int64_t qb, const int8_t *xb, int64_t sb, uint8_t *own, int64_t RW, int simd, float *out) {
 #if SIMD == 2
@@ -574,7 +575,8 @@ int mlight_gguf_tokens_moe(int k13, int k2, const void *x, int x_bf16, int64_t l
         uint8_t *own = wq + (int64_t)t * wb;
         float *vt = v + (int64_t)t * S * TR;
         int64_t t13 = (2 * I + TR - 1) / TR; /* tiles of an expert's gate/up rows */
-        OMP(omp for schedule(static))
+        /* dealt in chunks as threads come free: a static split gave one thread the experts with more slots */
+        OMP(omp for schedule(dynamic, CHUNK))
         for (int64_t r = 0; r < ng * t13; r++) {
             int64_t g = r / t13, n = TR * (r % t13);
             int nr = 2 * I - n < TR ? (int)(2 * I - n) : TR;
@@ -591,7 +593,7 @@ int mlight_gguf_tokens_moe(int k13, int k2, const void *x, int x_bf16, int64_t l
             if (split2) split_kq(k2, hq + s * qi, I, hb + s * si);
         }
         int64_t t2 = (D + TR - 1) / TR; /* tiles of an expert's down rows */
-        OMP(omp for schedule(static))
+        OMP(omp for schedule(dynamic, CHUNK))
         for (int64_t r = 0; r < ng * t2; r++) { /* expert by expert: its rows streamed in order */
             int64_t g = r / t2, d = TR * (r % t2);
             int nr = D - d < TR ? (int)(D - d) : TR;

@@ -8,14 +8,11 @@ streams. This kernel dots the blocks themselves, with gguf_matmul.c's integers, 
 its result equals `gguf_blocks.moe`'s default path (int8 activations; int16 for the K-quants) bit for bit; the
 K-quants (with AVX-512 VNNI) four rows a tile with their scales unpacked in registers; a matrix in another
 format in the same call is decoded as before. It takes bf16 tokens with a Q8_0 or K-quant matrix among the
-two (`moe` says None otherwise, and the caller runs `gguf_blocks.moe` or a call per expert); at a batch of 8
-(784M Mixtral, Q4_K_M) one call for the layer ran decode 1.2-1.3x a call per expert and matrix, whose Python
-glue (sort, SwiGLU, scatter) was a third of the step; `linear` is one bf16 row through such
-a matrix the same way (a decode step's dense projections at batch 1), or up to ROWS rows of a K-quant matrix
-with AVX-512 VNNI, each weight row dotted with all of them at once (an expert's rows, a small batch's dense
-projections). Built like the other C kernels
-(core.model.cpu.native), with gguf_matmul.c compiled in: the build flags carry its hash, so an edit there
-rebuilds this.
+two (`moe` says None otherwise, and the caller runs `gguf_blocks.moe` or a call per expert: TOKENS); `linear`
+is one bf16 row through such a matrix the same way (a decode step's dense projections at batch 1), or up to
+ROWS rows of a K-quant matrix with AVX-512 VNNI, each weight row dotted with all of them at once (an expert's
+rows, a small batch's dense projections). Built like the other C kernels (core.model.cpu.native), with
+gguf_matmul.c compiled in: the build flags carry its hash, so an edit there rebuilds this.
 Legend: D = hidden, I = expert intermediate, k = experts of the token, E = experts.
 """
 
@@ -38,7 +35,11 @@ IN_PLACE = frozenset(("Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 # gguf_blocks' tiles (Zen 5, one thread, the 784M Mixtral's expert shapes): 1.1-1.3x at 2-4 rows (Q4_K), 1.1-1.6x
 # (Q6_K), still 1.06-2x at 8
 ROWS = 8
-TOKENS = 32  # tokens up to which a layer's experts take one `moe` call (not a call per expert and matrix)
+# tokens up to which a layer's experts take one `moe` call, not a call per expert and matrix. Decode of the 784M
+# Mixtral, Zen 5: one thread 1.1-1.3x (the per-expert calls' Python glue, a third of the step, gone); two threads
+# 0.99-1.07x at B = 2..4, and at B = 8 Q4_K_M 1.00x but Q8_0 0.93x (both cores then stream the experts at the
+# memory's pace either way; Q8_0's per-expert tiles dot two weight rows at once)
+TOKENS = 4
 MAX_SLOTS = 512  # (token, expert) pairs `moe` takes a call (gguf_token.c's MAX_SLOTS)
 
 _reason = "not built yet"
