@@ -72,6 +72,11 @@ ADVANCED = {"dtype": ("Compute dtype", AUTO, DTYPES), "executor": ("Executor", A
             "schedule": ("Schedule", AUTO, SCHEDULES), "quantize": ("Quantize", "none", QUANTIZE),
             "quantize_dense": ("Dense weights", "none", DENSE), "group_size": ("int4 group", 64, GROUPS)}
 REPLAN_ON = ("dtype", "quantize", "quantize_dense", "group_size")  # choices that change the bytes the plan must fit
+# the policy's fields on the form, in its order (labels: wording.POLICY_LABELS): widget id, kind (str: a place)
+POLICY_FORM = {"batch_size": ("batch", int), "micro_batch_size": ("micro", int), "expert_batch_size": ("expert", int),
+               "attention_on": ("attention", str), "ffn_on": ("ffn", str), "gpu_weight_fraction": ("gpu-weights", float),
+               "gpu_kv_fraction": ("gpu-kv", float), "pages_per_layer": ("pages", int)}
+INPUT_TYPES = {int: "integer", float: "number"}
 
 
 def _row(label: str, widget) -> Horizontal:
@@ -98,14 +103,10 @@ class PlanScreen(StepScreen):
                 yield _row("Max new tokens", Input(compact=True, id="max-new", type="integer"))
                 yield Static("", id="max-new-hint", classes="hint")
                 yield Static("Policy (edit to try your own)", classes="form-head")
-                yield _row("Batch N", Input(compact=True, id="batch", type="integer"))
-                yield _row("Micro-batch μ", Input(compact=True, id="micro", type="integer"))
-                yield _row("Expert batch", Input(compact=True, id="expert", type="integer"))
-                yield _row("Attention on", Select(PLACES, compact=True, id="attention", allow_blank=False, value="cpu"))
-                yield _row("FFN on", Select(PLACES, compact=True, id="ffn", allow_blank=False, value="gpu"))
-                yield _row("GPU experts %", Input(compact=True, id="gpu-weights", type="number"))
-                yield _row("GPU KV %", Input(compact=True, id="gpu-kv", type="number"))
-                yield _row("Pages / layer", Input(compact=True, id="pages", type="integer"))
+                for key, (wid, kind) in POLICY_FORM.items():
+                    yield _row(wording.POLICY_LABELS[key], Select(PLACES, compact=True, id=wid, allow_blank=False,
+                                                                  value="gpu" if wid == "ffn" else "cpu")
+                               if kind is str else Input(compact=True, id=wid, type=INPUT_TYPES[kind]))
                 with Collapsible(title="Advanced: dtype, executor, …", id="advanced", collapsed=True):
                     for key, (label, default, options) in ADVANCED.items():
                         yield _row(label, Select([(text, value) for value, text, _ in options], compact=True, id=key,
@@ -228,18 +229,13 @@ class PlanScreen(StepScreen):
 
     # ---- the form -------------------------------------------------------------------------------
     def fill(self, plan) -> None:
-        p = plan.policy
-        values = {
-            "gpu-mem": _gb_text(plan.gpu_budget), "cpu-mem": _gb_text(plan.cpu_budget),
-            "max-new": str(self.backend.max_new_tokens),
-            "batch": str(p.batch_size), "micro": str(p.micro_batch_size), "expert": str(p.expert_batch_size),
-            "gpu-weights": _pct(p.gpu_weight_fraction), "gpu-kv": _pct(p.gpu_kv_fraction),
-            "pages": str(p.pages_per_layer),
-        }
+        values = {"gpu-mem": _gb_text(plan.gpu_budget), "cpu-mem": _gb_text(plan.cpu_budget),
+                  "max-new": str(self.backend.max_new_tokens)}
+        for key, (wid, kind) in POLICY_FORM.items():
+            v = getattr(plan.policy, key)
+            values[wid] = v if kind is str else _pct(v) if kind is float else str(v)
         for wid, v in values.items():
-            self.query_one(f"#{wid}", Input).value = v
-        self.query_one("#attention", Select).value = p.attention_on
-        self.query_one("#ffn", Select).value = p.ffn_on
+            self.query_one(f"#{wid}").value = v
         self.show(plan)
 
     def _budgets(self) -> tuple[int | None, int | None]:
@@ -260,16 +256,15 @@ class PlanScreen(StepScreen):
         return self.query_one("#gpu-mem", Input).value, self.query_one("#cpu-mem", Input).value
 
     def _policy_fields(self) -> dict:
-        def num(wid: str, kind=int):
-            text = self.query_one(f"#{wid}", Input).value.strip()
-            return kind(float(text)) if text else None
+        def value(wid: str, kind: type):
+            text = self.query_one(f"#{wid}").value
+            if kind is str:
+                return text
+            if kind is float:  # a percentage; empty is none
+                return float(text.strip() or 0) / 100
+            return int(float(text)) if text.strip() else None
 
-        return {
-            "batch_size": num("batch"), "micro_batch_size": num("micro"), "expert_batch_size": num("expert"),
-            "attention_on": self.query_one("#attention", Select).value, "ffn_on": self.query_one("#ffn", Select).value,
-            "gpu_weight_fraction": (num("gpu-weights", float) or 0.0) / 100,
-            "gpu_kv_fraction": (num("gpu-kv", float) or 0.0) / 100, "pages_per_layer": num("pages"),
-        }
+        return {key: value(wid, kind) for key, (wid, kind) in POLICY_FORM.items()}
 
     @on(Input.Changed, "#gpu-mem, #cpu-mem")
     def budget_changed(self) -> None:
