@@ -74,8 +74,9 @@ ADVANCED = {"dtype": ("Compute dtype", AUTO, DTYPES), "executor": ("Executor", A
 REPLAN_ON = ("dtype", "quantize", "quantize_dense", "group_size")  # choices that change the bytes the plan must fit
 # the policy's fields on the form, in its order (labels: wording.POLICY_LABELS): widget id, kind (str: a place)
 POLICY_FORM = {"batch_size": ("batch", int), "micro_batch_size": ("micro", int), "expert_batch_size": ("expert", int),
-               "attention_on": ("attention", str), "ffn_on": ("ffn", str), "gpu_weight_fraction": ("gpu-weights", float),
-               "gpu_kv_fraction": ("gpu-kv", float), "pages_per_layer": ("pages", int)}
+               "attention_on": ("attention", str), "ffn_on": ("ffn", str),
+               "gpu_weight_fraction": ("gpu-weights", float), "gpu_kv_fraction": ("gpu-kv", float),
+               "pages_per_layer": ("pages", int)}
 INPUT_TYPES = {int: "integer", float: "number"}
 
 
@@ -181,13 +182,10 @@ class PlanScreen(StepScreen):
     def make_plan(self, gen: int, gpu_budget: int | None, cpu_budget: int | None) -> None:
         s, b = self.session, self.backend
 
-        def progress(ev) -> None:  # a first launch builds the demo model here: the status says so
-            self.post_message(WorkProgress(ev.what, ev.done, ev.total))
-
         # reached straight from the command line: do the earlier steps' work here (the backend makes
-        # concurrent asks for the same model share one answer)
+        # concurrent asks for the same model share one answer; a first launch builds the demo model: the status says so)
         if s.model is None:
-            s.model = b.open_model(s.options.model, s.machine, progress)
+            s.model = b.open_model(s.options.model, s.machine, self.post_progress)
         if s.prompts is None:
             s.prompts = b.read_prompts(Path(s.options.prompts).expanduser())
         self.post_message(WorkProgress("counting the prompts' tokens with the model's tokenizer, then planning", 0, 1))
@@ -315,12 +313,11 @@ class PlanScreen(StepScreen):
         except ValueError:
             self.show_problems(["a field holds something that is not a number"])
             return
-        if any(v is None for v in fields.values()):
-            empty = [wording.POLICY_LABELS[k] for k, v in fields.items() if v is None]
-            self._gen += 1  # a check still under way is moot
+        empty = [wording.POLICY_LABELS[k] for k, v in fields.items() if v is None]
+        self._gen += 1  # a check still under way is moot
+        if empty:
             self.show_problems([f"fill in {', '.join(empty)}"])
             return
-        self._gen += 1
         if _same(fields, {k: getattr(plan.policy, k) for k in fields}):
             self.show(plan)  # back to the plan's own values (filled in, or typed back): it stands again
             return
