@@ -327,8 +327,10 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     args.policy = None
     quantize = getattr(args, "quantize", "none")
     budgeted = args.gpu_mem is not None or args.cpu_mem is not None or quantize == "auto"
+    import torch
+
     if not budgeted and not (args.batch is None and args.executor in (None, "sequential") and args.schedule is None
-                             and not _has_cuda()):
+                             and not torch.cuda.is_available()):
         args.batch = args.batch or BATCH
         return
     from core.model.families import load_spec
@@ -373,12 +375,6 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     args.policy = choice.policy  # Engine.load takes paging, resident experts and placement from it
     args.batch = args.batch or choice.policy.batch_size
     args.micro_batch = args.micro_batch or min(choice.policy.micro_batch_size, args.batch)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def workload_estimate(args, entries) -> dict:

@@ -176,10 +176,8 @@ class Backend:
                                   "open the same repo id again to resume; finished files are kept")
             progress(ev)
 
-        def resolve() -> tuple[Path, str]:
-            return download.resolve_model(None if kind == "demo" else text.strip(), progress=sink)
-
-        path, name = self._once(("model", "demo" if kind == "demo" else text.strip()), resolve)
+        repo = None if kind == "demo" else text.strip()
+        path, name = self._once(("model", repo or "demo"), lambda: download.resolve_model(repo, progress=sink))
         spec = load_spec(path)
         disk = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
         if disk == 0:
