@@ -164,9 +164,16 @@ class _Line:
         self.open = False
 
     def draw(self, text: str) -> None:
-        if self.tty:
-            print("\r" + one_line(text), end="", file=sys.stderr, flush=True)
-            self.open = True
+        """`text` cut and padded to the terminal's width less a column, so that `\r` redraws it in place."""
+        if not self.tty:
+            return
+        try:
+            width = os.get_terminal_size(sys.stderr.fileno()).columns
+        except (OSError, ValueError, AttributeError):  # not a terminal (a test, a pipe): $COLUMNS, else 80
+            width = shutil.get_terminal_size().columns
+        width = max(width - 1, 1)
+        print("\r" + text[:width].ljust(width), end="", file=sys.stderr, flush=True)
+        self.open = True
 
     def end(self) -> None:
         if self.open:
@@ -187,16 +194,6 @@ class _ProgressLine(_Line):
             self.draw(f"{ev.what}: " + (mb if ev.unit == "B" else f"{ev.done}/{ev.total}"))
             if ev.done >= ev.total:
                 self.end()
-
-
-def one_line(text: str) -> str:
-    """`text` cut and padded to the terminal's width less a column, so that `\r` redraws it in place."""
-    try:
-        width = os.get_terminal_size(sys.stderr.fileno()).columns
-    except (OSError, ValueError, AttributeError):  # not a terminal (a test, a pipe): $COLUMNS, else 80
-        width = shutil.get_terminal_size().columns
-    width = max(width - 1, 1)
-    return text[:width].ljust(width)
 
 
 def run(args) -> int:
