@@ -38,7 +38,7 @@ class RunSnapshot:
     elapsed: float = 0.0  # seconds running (pauses left out)
     requests_done: int = 0
     requests_total: int = 0
-    tokens_out: int = 0  # generated tokens (this session and earlier ones of a resumed run)
+    tokens_out: int = 0  # generated tokens (this session: a resumed run's earlier ones are in saved_out)
     tokens_in: int = 0  # prompt tokens (of finished results, plus those prefilled since)
     saved_out: int = 0  # generated tokens in the finished results (earlier sessions of a resumed run too)
     saved_in: int = 0  # prompt tokens of the finished results
@@ -91,7 +91,6 @@ class RunMeter:
         self._admitted: dict[str, tuple[int, int]] = {}
         self._slots = 0
         self.tokens_out = 0
-        self._session_tokens = 0
         self.tokens_in = 0
         self.saved_out = self.saved_in = 0  # the finished results' tokens (the run job counts them)
         self.batch_size = batch_size  # the plan's N: steps with this many in flight are comparable to it
@@ -152,7 +151,6 @@ class RunMeter:
         decode = ev.kind != "prefill"
         if decode:
             self.tokens_out += ev.tokens
-            self._session_tokens += ev.tokens
             self.budget_tokens = max(0, self.budget_tokens - ev.tokens)
             self._decode_steps += 1
             if ev.tasks and now - self._timeline_at >= TIMELINE_EVERY_S:
@@ -261,9 +259,7 @@ class RunMeter:
             if output_tokens:
                 # the first token comes out of the prefill step, which counts prompt tokens only; an end-of-text
                 # token was counted by its decode step but is not output (as `mlight run` counts it)
-                kept = 0 if eos else 1
-                self.tokens_out += kept
-                self._session_tokens += kept
+                self.tokens_out += 0 if eos else 1
             # neither the tokens it did not generate nor its first one (made by its prefill) are work left
             self.budget_tokens = max(0, self.budget_tokens - max(0, max_new_tokens - output_tokens)
                                      - (1 if output_tokens else 0))
@@ -274,7 +270,7 @@ class RunMeter:
             run_s = 0.0
             if self._first_step is not None:
                 run_s = now - self._first_step - (self._paused(now) - self._paused_before_first)
-            avg = self._session_tokens / run_s if run_s > 0 else 0.0
+            avg = self.tokens_out / run_s if run_s > 0 else 0.0
             decode_tps, full = self._decode_rate()
             eta = 0.0 if self.state == "done" else self._eta()
             typical_s, typical_n = self._typical_step()
