@@ -445,21 +445,14 @@ class PlanScreen(StepScreen):
             self.query_one(f"#res-{key}", LabelBar).update(sec / top, _ms(sec))
 
     def show_problems(self, problems: list[str], warnings: list[str] = ()) -> None:
-        box = self.query_one("#validation", Static)
-        accept = self.query_one("#accept", Button)
-        text = Text()
-        for p in problems:
-            text.append(f"{glyph.bad} ", style=self.mapp.tone("error"))
-            text.append(p + "\n")
-        if not problems:
-            text.append(f"{glyph.ok} fits the budget\n", style=self.mapp.tone("ok"))
+        tone = self.mapp.tone
+        lines = [Text.assemble((f"{glyph.bad} ", tone("error")), p) for p in problems] or [
+            Text(f"{glyph.ok} fits the budget", style=tone("ok"))]
         skipped = self._skipped_text()
         warnings = [*warnings, *([skipped] if skipped else [])]
-        for w in warnings:
-            text.append(f"{glyph.warn} ", style=self.mapp.tone("warn"))
-            text.append(w + "\n", style=self.mapp.tone("warn"))
-        box.update(text[:-1] if text.plain.endswith("\n") else text)
-        accept.disabled = bool(problems)
+        lines += [Text(f"{glyph.warn} {w}", style=tone("warn")) for w in warnings]
+        self.query_one("#validation", Static).update(Text("\n").join(lines))
+        self.query_one("#accept", Button).disabled = bool(problems)
         if problems:
             self.status("This policy does not fit — fix the fields listed under Check, or Ctrl+R to re-plan.", "error")
         elif warnings:
