@@ -296,16 +296,12 @@ class RunScreen(StepScreen):
     def _draw_throughput(self, snap: RunSnapshot) -> None:
         pred = self.session.plan.prediction if self.session.plan is not None else None
         predicted = pred.decode_tokens_per_s if pred is not None else None
-        text = Text()
-        text.append("━ ", style=legend_color(MEASURED_COLOR))  # the chart's legend, beside it, not over its lines
-        text.append(f"{snap.decode_tps:,.1f}", style="bold")
-        text.append(" tokens/s now · ")
-        text.append(f"{snap.average_tps:,.1f}", style="bold")
-        text.append(" average · ")
-        text.append("━ ", style=legend_color(PREDICTED_COLOR))
-        text.append(f"{predicted:,.1f}" if predicted else "—", style="bold")
         band = getattr(pred, "band", 0.0)
-        text.append(f" ± {band:.0%} predicted" if predicted and band else " predicted")
+        # the chart's legend, beside it, not over its lines
+        text = Text.assemble(("━ ", legend_color(MEASURED_COLOR)), (f"{snap.decode_tps:,.1f}", "bold"),
+                             " tokens/s now · ", (f"{snap.average_tps:,.1f}", "bold"), " average · ",
+                             ("━ ", legend_color(PREDICTED_COLOR)), (f"{predicted:,.1f}" if predicted else "—", "bold"),
+                             f" ± {band:.0%} predicted" if predicted and band else " predicted")
         parted = self._parted(snap)
         if parted:
             text.append(f"\n{glyph.warn} " + parted, style=self.mapp.tone("warn"))
