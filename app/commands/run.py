@@ -199,12 +199,12 @@ class _ProgressLine(_Line):
 def run(args) -> int:
     from core.runtime.distributed.world import from_env
 
-    if getattr(args, "kernels", None):
+    if args.kernels:
         from core.model.kernels import set_mode
 
         set_mode(args.kernels)
-    world = from_env(getattr(args, "tensor_parallel", 1))
-    if getattr(args, "ray", None):
+    world = from_env(args.tensor_parallel)
+    if args.ray:
         if world is not None:
             raise UsageError("--ray and torchrun are two ways to use several machines; use one",
                              "run `mlight run --ray ...` once, outside torchrun")
@@ -215,7 +215,7 @@ def run(args) -> int:
         from app.commands.run_parallel import run as run_rank
 
         return run_rank(args, world)
-    if getattr(args, "tensor_parallel", 1) > 1:
+    if args.tensor_parallel > 1:
         from core.runtime.distributed.launch import launch_local
 
         # what is quick to check is checked before K processes start (the ranks check it all again)
@@ -322,7 +322,7 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     """With a memory budget, let the planner pick the batch sizes the user left open, or refuse a budget nothing
     fits in before any weight is loaded. Without a GPU the planner picks the CPU batch even without a budget."""
     args.policy = None
-    quantize = getattr(args, "quantize", "none")
+    quantize = args.quantize
     budgeted = args.gpu_mem is not None or args.cpu_mem is not None or quantize == "auto"
     import torch
 
@@ -350,22 +350,21 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
         if words:  # calibrated: the prediction and how far this machine's own runs have strayed from theirs
             _say(f"planned batch {args.batch}: predicted {pred.quote()} ({words})")
         return
-    ranks = getattr(args, "tensor_parallel", 1)  # one engine over this many GPUs (ranks), each given --gpu-mem
+    ranks = args.tensor_parallel  # one engine over this many GPUs (ranks), each given --gpu-mem
     budget = planner.Budget.for_hardware(hw, args.gpu_mem * max(1, hw.gpu_count) if args.gpu_mem is not None else None,
                                          args.cpu_mem)
     replicas = getattr(args, "replicas_here", 1)  # data-parallel replicas sharing this machine's memory
     budget = dataclasses.replace(budget, cpu_bytes=budget.cpu_bytes // replicas)
     try:
         choice = choose(load_spec(model_dir), hw, workload, budget, quantize, args.group_size, ranks=ranks,
-                        dense=getattr(args, "quantize_dense", None))
+                        dense=args.quantize_dense)
     except BudgetError as e:
         raise BudgetError(e.problem, "raise --gpu-mem / --cpu-mem, lower --max-new-tokens"
                           + (", or pass --quantize int4" if quantize in ("none", "int8") else "")) from e
     if quantize == "auto":
         _say(f"--quantize auto: {choice.why}")
         args.quantize = choice.quantize
-        if hasattr(args, "quantize_dense"):  # what auto chose for the dense weights (none with unquantized experts)
-            args.quantize_dense = choice.dense
+        args.quantize_dense = choice.dense  # what auto chose for the dense weights (none with unquantized experts)
         if args.gpu_mem is None and args.cpu_mem is None:  # the format only: batch sizes as without a budget
             args.batch = args.batch or BATCH
             return
@@ -397,7 +396,7 @@ def _manifest(args, prompts: PromptSet, model_dir: Path, model_name: str) -> dic
                     {"batch": args.batch, "micro_batch": args.micro_batch, "executor": args.executor,
                      "schedule": args.schedule, "dtype": args.dtype,
                      "planned": policy.to_dict() if policy is not None else None},
-                    getattr(args, "quantize", "none"), args.group_size, getattr(args, "quantize_dense", None))
+                    args.quantize, args.group_size, args.quantize_dense)
 
 
 def _load_engine(args, model_dir: Path, progress, tp=None):
@@ -405,11 +404,11 @@ def _load_engine(args, model_dir: Path, progress, tp=None):
 
     given = {"tp": tp, "executor": args.executor, "schedule": args.schedule, "dtype": args.dtype,
              "policy": getattr(args, "policy", None), "threads": args.threads,
-             "quantize_dense": getattr(args, "quantize_dense", None)}  # without --quantize Engine.load says what to pass
+             "quantize_dense": args.quantize_dense}  # without --quantize Engine.load says what to pass
     kw = {k: v for k, v in given.items() if v}
-    if getattr(args, "quantize", "none") != "none":
+    if args.quantize != "none":
         kw["quantize"], kw["group_size"] = args.quantize, args.group_size
-    if getattr(args, "graphs", "auto") != "auto":
+    if args.graphs != "auto":
         kw["graphs"] = args.graphs
     return Engine.load(model_dir, progress=progress, **kw)
 
