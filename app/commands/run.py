@@ -215,19 +215,25 @@ def run(args) -> int:
         from app.commands.run_parallel import run as run_rank
 
         return run_rank(args, world)
+    out = Path(args.out)
     if args.tensor_parallel > 1:
         from core.runtime.distributed.launch import launch_local
 
         # what is quick to check is checked before K processes start (the ranks check it all again)
-        RunStore(Path(args.out)).check_writable()
-        if args.prompts == STDIN:
-            raise UsageError("--tensor-parallel starts several ranks, which cannot share stdin",
-                             "give the prompts as a file")
+        RunStore(out).check_writable()
+        check_files(args, out, ("--tensor-parallel starts several ranks, which cannot share stdin",
+                                "give the prompts as a file"))
         prompts = _read(args)
-        _refuse_rejects(prompts, args.skip_bad, Path(args.out))
+        _refuse_rejects(prompts, args.skip_bad, out)
         refuse_turns(prompts, "--tensor-parallel")
         return launch_local(args.tensor_parallel, [sys.executable, "-m", "app.cli", *args.argv])
-    return _run_single(args)
+    fmt = check_files(args, out)
+
+    def generate(store, prompts, model_dir, model_name, progress, stopper) -> int:
+        _say_other_parts(out, 1)
+        return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
+
+    return with_run(args, out, _plan_batches, generate)
 
 
 def check_files(args, out: Path, no_stdin: tuple[str, str] | None = None, micro: bool = True) -> str:
@@ -242,17 +248,6 @@ def check_files(args, out: Path, no_stdin: tuple[str, str] | None = None, micro:
     if args.prompts != STDIN and _same_file(Path(args.prompts), out):
         raise UsageError(f"--out {out} is the prompts file itself", "write the results to another file")
     return fmt
-
-
-def _run_single(args) -> int:
-    out = Path(args.out)
-    fmt = check_files(args, out)
-
-    def generate(store, prompts, model_dir, model_name, progress, stopper) -> int:
-        _say_other_parts(out, 1)
-        return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
-
-    return with_run(args, out, _plan_batches, generate)
 
 
 def with_run(args, out: Path, plan, generate) -> int:

@@ -133,11 +133,9 @@ class PlanScreen(StepScreen):
                         yield button("Re-plan  ^R", "replan")
 
     def on_mount(self) -> None:
-        self.query_one("#plan-form").border_title = "Plan"
-        self.query_one("#prediction").border_title = "Prediction"
-        self.query_one("#memory").border_title = "Memory (planned / usable)"
-        self.query_one("#layer").border_title = "Decode layer: busy time"
-        self.query_one("#validation").border_title = "Check"
+        for wid, title in (("plan-form", "Plan"), ("prediction", "Prediction"), ("memory", "Memory (planned / usable)"),
+                           ("layer", "Decode layer: busy time"), ("validation", "Check")):
+            self.query_one(f"#{wid}").border_title = title
         self._set_choices(self.session.choices)
         self._show_group_row()
         if self.cpu_mode:
