@@ -39,7 +39,7 @@ class RunSnapshot:
     requests_done: int = 0
     requests_total: int = 0
     tokens_out: int = 0  # generated tokens (this session: a resumed run's earlier ones are in saved_out)
-    tokens_in: int = 0  # prompt tokens (of finished results, plus those prefilled since)
+    tokens_in: int = 0  # prompt tokens prefilled (this session)
     saved_out: int = 0  # generated tokens in the finished results (earlier sessions of a resumed run too)
     saved_in: int = 0  # prompt tokens of the finished results
     average_tps: float = 0.0
@@ -83,7 +83,7 @@ class RunMeter:
         self.done = 0  # the run job counts the results a resumed run already holds
         self.budget_tokens = budget_tokens  # sum of max_new_tokens still to generate (an upper bound)
         self.prompt_tokens_left = 0  # prompt tokens not yet prefilled (the run job counts them with the tokenizer)
-        self._prefill = [0, 0.0]  # prompt tokens, seconds: this session's prefill steps
+        self._prefill_s = 0.0  # seconds of this session's prefill steps (their tokens: tokens_in)
         self._saves = [0, 0.0]  # results, seconds: this session's saves of a result (a line and an fsync each)
         # for the ETA: requests not yet admitted (id, prompt tokens, max new), longest prompt first, and the
         # admitted ones (id -> max new, decode steps when admitted)
@@ -164,8 +164,7 @@ class RunMeter:
                 rid, n, max_new = self._waiting.popleft()
                 self._admitted[rid] = (max_new, self._decode_steps)
                 prompt -= n
-            self._prefill[0] += ev.tokens
-            self._prefill[1] += ev.seconds
+            self._prefill_s += ev.seconds
         self._steps.append((now, ev.seconds, ev.tokens if decode else 0, ev.kind, ev.active))
         while self._steps and now - self._steps[0][0] > WINDOW_S and len(self._steps) > 1:
             self._steps.popleft()
@@ -236,10 +235,9 @@ class RunMeter:
         a, b = cost
         left = (a * self._steps_left() if self._slots else 0.0) + b * self.budget_tokens
         if self.prompt_tokens_left:
-            tokens, seconds = self._prefill
-            if tokens <= 0:
+            if self.tokens_in <= 0:
                 return None
-            left += self.prompt_tokens_left * seconds / tokens
+            left += self.prompt_tokens_left * self._prefill_s / self.tokens_in
         saved, seconds = self._saves
         if saved:
             left += max(0, self.total - self.done) * seconds / saved
