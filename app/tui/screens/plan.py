@@ -480,13 +480,9 @@ class PlanScreen(StepScreen):
             return
         out = self.query_one("#out", PathInput).path
         auto = out == self.session.default_out()
-        if auto and not out.parent.exists():
-            try:
-                out.parent.mkdir(parents=True, exist_ok=True)  # the default results folder, made on first use
-            except OSError as e:
-                self.status(self.mapp.describe_error(e), "error")
-                return
         try:
+            if auto and not out.parent.exists():
+                out.parent.mkdir(parents=True, exist_ok=True)  # the default results folder, made on first use
             self.backend.check_output(out)
         except Exception as e:  # a user error (folder missing, not writable, unknown suffix)
             self.status(self.mapp.describe_error(e), "error")
