@@ -24,7 +24,8 @@ from app.tui.screens.base import StepScreen
 from app.tui.widgets.bars import LabelBar
 from app.tui.widgets.chart import MEASURED_COLOR, PREDICTED_COLOR, ThroughputChart, legend_color
 from app.tui.widgets.facts import Facts
-from app.tui.widgets.timeline import LANES, ZOOMS, Legend, Span, Timeline, spans_of_simulation, time_unit
+from app.tui.widgets.timeline import (KIND_NAMES, LANES, ZOOMS, Legend, Span, Timeline, spans_of_simulation,
+                                      time_unit)
 
 REDRAW_S = 0.25  # at most 4 redraws a second
 STATE_WORDS = {
@@ -357,9 +358,9 @@ class RunScreen(StepScreen):
             sim_head.append(" · not available", style="dim")
         measured.show(m_spans, step.seconds if step is not None else 0.0, head, lanes)
         simulated.show(self._simulated, self._simulated_s, sim_head, lanes)
-        kinds = [s.kind for s in m_spans] + [s.kind for s in self._simulated]
-        order = {k: i for i, k in enumerate(_KIND_ORDER)}
-        self.query_one("#legend", Legend).show(sorted(set(kinds), key=lambda k: order.get(k, 99)))
+        kinds = {s.kind for s in m_spans} | {s.kind for s in self._simulated}
+        order = {k: i for i, k in enumerate(KIND_NAMES)}
+        self.query_one("#legend", Legend).show(sorted(kinds, key=lambda k: order.get(k, 99)))
 
 
 def _time_text(snap: RunSnapshot) -> str:
@@ -371,10 +372,6 @@ def _time_text(snap: RunSnapshot) -> str:
         return f"{took} before it {'stopped' if snap.state == 'stopped' else 'failed'}"
     left = "—" if snap.eta is None else f"about {fmt.duration(snap.eta)}"
     return f"{took} running, {left} left"
-
-
-_KIND_ORDER = ["pre_attn", "d1", "cpu_attn", "gpu_attn", "d2", "post_attn", "ffn", "weight_page", "kv_load",
-               "kv_store", "prefill"]
 
 
 def _time(seconds: float) -> str:
