@@ -187,11 +187,6 @@ class RunMeter:
         secs = sum(s[1] for s in use)
         return (sum(s[2] for s in use) / secs if secs > 0 else 0.0), full
 
-    def _typical_step(self) -> tuple[float, int]:
-        """(median seconds, steps) of the window's comparable decode steps."""
-        secs = sorted(s[1] for s in self._comparable()[0])
-        return (secs[len(secs) // 2], len(secs)) if secs else (0.0, 0)
-
     def _steps_left(self) -> int:
         """Decode steps to the end if every request runs to its max new tokens, each waiting one taking the slot that
         frees first (the engine's continuous batching)."""
@@ -271,7 +266,7 @@ class RunMeter:
             avg = self.tokens_out / run_s if run_s > 0 else 0.0
             decode_tps, full = self._decode_rate()
             eta = 0.0 if self.state == "done" else self._eta()
-            typical_s, typical_n = self._typical_step()
+            secs = sorted(s[1] for s in self._comparable()[0])  # the window's comparable decode steps: their median
             return RunSnapshot(
                 state=self.state, elapsed=self._before + now - self._start - self._paused(now),
                 requests_done=self.done, requests_total=self.total, tokens_out=self.tokens_out,
@@ -280,6 +275,6 @@ class RunMeter:
                 gpu_budget=self.gpu_budget, cpu_used=self.cpu_used, cpu_budget=self.cpu_budget, eta=eta,
                 loading=self.loading, timeline=self._timeline, decode_steps=self._decode_steps,
                 engine_seconds=self._engine_s, stepped=self._first_step is not None,
-                typical_step_s=typical_s, typical_steps=typical_n,
+                typical_step_s=secs[len(secs) // 2] if secs else 0.0, typical_steps=len(secs),
                 comparison=self.tracker.comparison() if self.tracker is not None else None,
             )
