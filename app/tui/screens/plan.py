@@ -104,10 +104,11 @@ class PlanScreen(StepScreen):
                 yield _row("Max new tokens", Input(compact=True, id="max-new", type="integer"))
                 yield Static("", id="max-new-hint", classes="hint")
                 yield Static("Policy (edit to try your own)", classes="form-head")
-                for key, (wid, kind) in POLICY_FORM.items():
-                    yield _row(wording.POLICY_LABELS[key], Select(PLACES, compact=True, id=wid, allow_blank=False,
-                                                                  value="gpu" if wid == "ffn" else "cpu")
-                               if kind is str else Input(compact=True, id=wid, type=INPUT_TYPES[kind]))
+                for key, (wid, kind) in POLICY_FORM.items():  # a place is picked from a list, a number typed
+                    place = "gpu" if wid == "ffn" else "cpu"
+                    widget = Select(PLACES, compact=True, id=wid, allow_blank=False, value=place) if kind is str \
+                        else Input(compact=True, id=wid, type=INPUT_TYPES[kind])
+                    yield _row(wording.POLICY_LABELS[key], widget)
                 with Collapsible(title="Advanced: dtype, executor, …", id="advanced", collapsed=True):
                     for key, (label, default, options) in ADVANCED.items():
                         yield _row(label, Select([(text, value) for value, text, _ in options], compact=True, id=key,
@@ -253,12 +254,12 @@ class PlanScreen(StepScreen):
 
     def _policy_fields(self) -> dict:
         def value(wid: str, kind: type):
-            text = self.query_one(f"#{wid}").value
+            v = self.query_one(f"#{wid}").value  # a Select's place, or an Input's text
             if kind is str:
-                return text
-            if kind is float:  # a percentage; empty is none
-                return float(text.strip() or 0) / 100
-            return int(float(text)) if text.strip() else None
+                return v
+            if kind is float:  # a percentage, empty meaning 0
+                return float(v.strip() or 0) / 100
+            return int(float(v)) if v.strip() else None
 
         return {key: value(wid, kind) for key, (wid, kind) in POLICY_FORM.items()}
 

@@ -301,7 +301,8 @@ class RunScreen(StepScreen):
         # the chart's legend, beside it, not over its lines
         text = Text.assemble(("━ ", legend_color(MEASURED_COLOR)), (f"{snap.decode_tps:,.1f}", "bold"),
                              " tokens/s now · ", (f"{snap.average_tps:,.1f}", "bold"), " average · ",
-                             ("━ ", legend_color(PREDICTED_COLOR)), (f"{predicted:,.1f}" if predicted else "—", "bold"),
+                             ("━ ", legend_color(PREDICTED_COLOR)),
+                             (f"{predicted:,.1f}" if predicted else "—", "bold"),
                              f" ± {band:.0%} predicted" if predicted and band else " predicted")
         parted = self._parted(snap)
         if parted:
