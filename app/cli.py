@@ -6,6 +6,7 @@ Every error a user can cause ends as one line on stderr and exit code 2 (bad inp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import platform as stdlib_platform
@@ -81,10 +82,8 @@ def nvidia_gpus() -> list[str]:
     except Exception:  # noqa: BLE001
         return []
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:

@@ -190,35 +190,26 @@ def _measure(engine, name: str, reqs, args) -> dict:
     return out
 
 
-def policy_and_workload(engine, reqs, *, batch: int, micro_batch: int, gen_len: int, pages: int = 2):
-    """The planner's Policy and Workload for how `engine` runs `reqs` at `batch`/`micro_batch` (whole micro-batches)."""
-    from core.plan.planner import Workload
-    from core.plan.policy import Policy
-
-    c = engine.config
-    mu = min(micro_batch, batch)
-    on_gpu = c.device == "cuda"
-    L = engine.spec.num_layers
-    resident = L if c.resident_layers is None else c.resident_layers
-    policy = Policy(batch_size=max(mu, batch // mu * mu), micro_batch_size=mu, expert_batch_size=mu * c.expert_group,
-                    attention_on=c.attention_on if on_gpu else "cpu", ffn_on="gpu" if on_gpu else "cpu",
-                    gpu_weight_fraction=resident / L if on_gpu else 0.0, pages_per_layer=pages)
-    prompt_tokens = [len(engine.prompt_token_ids(r)) for r in reqs]
-    work = Workload(prompt_len=round(sum(prompt_tokens) / len(prompt_tokens)), gen_len=gen_len,
-                    max_prompt_len=max(prompt_tokens), num_requests=len(reqs))
-    return policy, work
-
-
 def _predict(engine, name: str, args, reqs) -> dict | None:
-    """The planner's view of the same policy on this machine (None when it cannot say)."""
+    """The planner's view of the same policy on this machine: how `engine` runs `reqs` at --batch / --micro-batch
+    (whole micro-batches)."""
     from core.plan import cpu_history, hrm
     from core.plan.hardware import resolve
-    from core.plan.planner import predict
+    from core.plan.planner import Workload, predict
+    from core.plan.policy import Policy
     from core.runtime.simulate import simulate_decode
 
-    policy, work = policy_and_workload(engine, reqs, batch=args.batch, micro_batch=args.micro_batch,
-                                       gen_len=args.gen_len, pages=args.pages)
-    on_gpu = policy.ffn_on == "gpu"
+    c, L = engine.config, engine.spec.num_layers
+    mu = min(args.micro_batch, args.batch)
+    on_gpu = c.device == "cuda"
+    resident = L if c.resident_layers is None else c.resident_layers
+    policy = Policy(batch_size=max(mu, args.batch // mu * mu), micro_batch_size=mu,
+                    expert_batch_size=mu * c.expert_group, attention_on=c.attention_on if on_gpu else "cpu",
+                    ffn_on="gpu" if on_gpu else "cpu", gpu_weight_fraction=resident / L if on_gpu else 0.0,
+                    pages_per_layer=args.pages)
+    prompt_tokens = [len(engine.prompt_token_ids(r)) for r in reqs]
+    work = Workload(prompt_len=round(sum(prompt_tokens) / len(prompt_tokens)), gen_len=args.gen_len,
+                    max_prompt_len=max(prompt_tokens), num_requests=len(reqs))
     hw = resolve(args.hardware)
     pred = predict(policy, engine.spec, hw, work)
     sim = simulate_decode(engine.spec, hw, policy, work.decode_context, name if on_gpu else "cgopipe")

@@ -302,7 +302,7 @@ def _human(args, model, hw, workload, budget, p, pred, seconds, sims, choice=Non
         + (f", link {hw.h2d_bw / 1e9:.1f} GB/s" + (f" ({hw.pcie})" if hw.pcie else "") if hw.has_gpu else ""),
         f"workload  prompts of {workload.prompt_len} tokens, {workload.gen_len} generated",
         "",
-        *_format_lines(model, choice, getattr(args, "quantize", "none")),
+        *_format_lines(model, choice, args.quantize),
         "policy",
         f"  batch size        {p.batch_size} requests = {p.num_micro_batches} micro-batch"
         f"{'es' if p.num_micro_batches > 1 else ''} of {p.micro_batch_size}",

@@ -164,9 +164,16 @@ class _Line:
         self.open = False
 
     def draw(self, text: str) -> None:
-        if self.tty:
-            print("\r" + one_line(text), end="", file=sys.stderr, flush=True)
-            self.open = True
+        """`text` cut and padded to the terminal's width less a column, so that `\r` redraws it in place."""
+        if not self.tty:
+            return
+        try:
+            width = os.get_terminal_size(sys.stderr.fileno()).columns
+        except (OSError, ValueError, AttributeError):  # not a terminal (a test, a pipe): $COLUMNS, else 80
+            width = shutil.get_terminal_size().columns
+        width = max(width - 1, 1)
+        print("\r" + text[:width].ljust(width), end="", file=sys.stderr, flush=True)
+        self.open = True
 
     def end(self) -> None:
         if self.open:
@@ -189,25 +196,15 @@ class _ProgressLine(_Line):
                 self.end()
 
 
-def one_line(text: str) -> str:
-    """`text` cut and padded to the terminal's width less a column, so that `\r` redraws it in place."""
-    try:
-        width = os.get_terminal_size(sys.stderr.fileno()).columns
-    except (OSError, ValueError, AttributeError):  # not a terminal (a test, a pipe): $COLUMNS, else 80
-        width = shutil.get_terminal_size().columns
-    width = max(width - 1, 1)
-    return text[:width].ljust(width)
-
-
 def run(args) -> int:
     from core.runtime.distributed.world import from_env
 
-    if getattr(args, "kernels", None):
+    if args.kernels:
         from core.model.kernels import set_mode
 
         set_mode(args.kernels)
-    world = from_env(getattr(args, "tensor_parallel", 1))
-    if getattr(args, "ray", None):
+    world = from_env(args.tensor_parallel)
+    if args.ray:
         if world is not None:
             raise UsageError("--ray and torchrun are two ways to use several machines; use one",
                              "run `mlight run --ray ...` once, outside torchrun")
@@ -218,19 +215,25 @@ def run(args) -> int:
         from app.commands.run_parallel import run as run_rank
 
         return run_rank(args, world)
-    if getattr(args, "tensor_parallel", 1) > 1:
+    out = Path(args.out)
+    if args.tensor_parallel > 1:
         from core.runtime.distributed.launch import launch_local
 
         # what is quick to check is checked before K processes start (the ranks check it all again)
-        RunStore(Path(args.out)).check_writable()
-        if args.prompts == STDIN:
-            raise UsageError("--tensor-parallel starts several ranks, which cannot share stdin",
-                             "give the prompts as a file")
+        RunStore(out).check_writable()
+        check_files(args, out, ("--tensor-parallel starts several ranks, which cannot share stdin",
+                                "give the prompts as a file"))
         prompts = _read(args)
-        _refuse_rejects(prompts, args.skip_bad, Path(args.out))
+        _refuse_rejects(prompts, args.skip_bad, out)
         refuse_turns(prompts, "--tensor-parallel")
         return launch_local(args.tensor_parallel, [sys.executable, "-m", "app.cli", *args.argv])
-    return _run_single(args)
+    fmt = check_files(args, out)
+
+    def generate(store, prompts, model_dir, model_name, progress, stopper) -> int:
+        _say_other_parts(out, 1)
+        return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
+
+    return with_run(args, out, _plan_batches, generate)
 
 
 def check_files(args, out: Path, no_stdin: tuple[str, str] | None = None, micro: bool = True) -> str:
@@ -245,17 +248,6 @@ def check_files(args, out: Path, no_stdin: tuple[str, str] | None = None, micro:
     if args.prompts != STDIN and _same_file(Path(args.prompts), out):
         raise UsageError(f"--out {out} is the prompts file itself", "write the results to another file")
     return fmt
-
-
-def _run_single(args) -> int:
-    out = Path(args.out)
-    fmt = check_files(args, out)
-
-    def generate(store, prompts, model_dir, model_name, progress, stopper) -> int:
-        _say_other_parts(out, 1)
-        return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
-
-    return with_run(args, out, _plan_batches, generate)
 
 
 def with_run(args, out: Path, plan, generate) -> int:
@@ -325,10 +317,12 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
     """With a memory budget, let the planner pick the batch sizes the user left open, or refuse a budget nothing
     fits in before any weight is loaded. Without a GPU the planner picks the CPU batch even without a budget."""
     args.policy = None
-    quantize = getattr(args, "quantize", "none")
+    quantize = args.quantize
     budgeted = args.gpu_mem is not None or args.cpu_mem is not None or quantize == "auto"
+    import torch
+
     if not budgeted and not (args.batch is None and args.executor in (None, "sequential") and args.schedule is None
-                             and not _has_cuda()):
+                             and not torch.cuda.is_available()):
         args.batch = args.batch or BATCH
         return
     from core.model.families import load_spec
@@ -351,34 +345,27 @@ def _plan_batches(args, prompts: PromptSet, model_dir: Path) -> None:
         if words:  # calibrated: the prediction and how far this machine's own runs have strayed from theirs
             _say(f"planned batch {args.batch}: predicted {pred.quote()} ({words})")
         return
-    ranks = getattr(args, "tensor_parallel", 1)  # one engine over this many GPUs (ranks), each given --gpu-mem
+    ranks = args.tensor_parallel  # one engine over this many GPUs (ranks), each given --gpu-mem
     budget = planner.Budget.for_hardware(hw, args.gpu_mem * max(1, hw.gpu_count) if args.gpu_mem is not None else None,
                                          args.cpu_mem)
     replicas = getattr(args, "replicas_here", 1)  # data-parallel replicas sharing this machine's memory
     budget = dataclasses.replace(budget, cpu_bytes=budget.cpu_bytes // replicas)
     try:
         choice = choose(load_spec(model_dir), hw, workload, budget, quantize, args.group_size, ranks=ranks,
-                        dense=getattr(args, "quantize_dense", None))
+                        dense=args.quantize_dense)
     except BudgetError as e:
         raise BudgetError(e.problem, "raise --gpu-mem / --cpu-mem, lower --max-new-tokens"
                           + (", or pass --quantize int4" if quantize in ("none", "int8") else "")) from e
     if quantize == "auto":
         _say(f"--quantize auto: {choice.why}")
         args.quantize = choice.quantize
-        if hasattr(args, "quantize_dense"):  # what auto chose for the dense weights (none with unquantized experts)
-            args.quantize_dense = choice.dense
+        args.quantize_dense = choice.dense  # what auto chose for the dense weights (none with unquantized experts)
         if args.gpu_mem is None and args.cpu_mem is None:  # the format only: batch sizes as without a budget
             args.batch = args.batch or BATCH
             return
     args.policy = choice.policy  # Engine.load takes paging, resident experts and placement from it
     args.batch = args.batch or choice.policy.batch_size
     args.micro_batch = args.micro_batch or min(choice.policy.micro_batch_size, args.batch)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def workload_estimate(args, entries) -> dict:
@@ -404,7 +391,7 @@ def _manifest(args, prompts: PromptSet, model_dir: Path, model_name: str) -> dic
                     {"batch": args.batch, "micro_batch": args.micro_batch, "executor": args.executor,
                      "schedule": args.schedule, "dtype": args.dtype,
                      "planned": policy.to_dict() if policy is not None else None},
-                    getattr(args, "quantize", "none"), args.group_size, getattr(args, "quantize_dense", None))
+                    args.quantize, args.group_size, args.quantize_dense)
 
 
 def _load_engine(args, model_dir: Path, progress, tp=None):
@@ -412,11 +399,11 @@ def _load_engine(args, model_dir: Path, progress, tp=None):
 
     given = {"tp": tp, "executor": args.executor, "schedule": args.schedule, "dtype": args.dtype,
              "policy": getattr(args, "policy", None), "threads": args.threads,
-             "quantize_dense": getattr(args, "quantize_dense", None)}  # without --quantize Engine.load says what to pass
+             "quantize_dense": args.quantize_dense}  # without --quantize Engine.load says what to pass
     kw = {k: v for k, v in given.items() if v}
-    if getattr(args, "quantize", "none") != "none":
+    if args.quantize != "none":
         kw["quantize"], kw["group_size"] = args.quantize, args.group_size
-    if getattr(args, "graphs", "auto") != "auto":
+    if args.graphs != "auto":
         kw["graphs"] = args.graphs
     return Engine.load(model_dir, progress=progress, **kw)
 

@@ -49,7 +49,6 @@ class _Rank:
         self.rank = world.rank
         self.out = Path(args.out)
         self.store: RunStore | None = None
-        self._code = 1  # rank 0's exit code, set by the merge
 
     def phase(self, fn):
         """Run `fn` on this rank, then agree with every rank that nobody failed."""
@@ -196,7 +195,7 @@ class _Rank:
             raise coord.Quiet(1) from None
         if decision == "merged" and self.store is not None and self.rank != 0:
             self.store.drop_run_file()
-        return {"merged": 0, "stopped": 130}.get(decision, 1) if self.rank else self._code
+        return {"merged": 0, "stopped": 130}.get(decision, 1)
 
     def _say_resuming(self, total: int) -> None:
         import torch.distributed as dist
@@ -213,15 +212,12 @@ class _Rank:
         failed = [(rank, r) for rank, r in enumerate(reports) if r["status"] == "error"]
         if failed:
             rank, r = failed[0]
-            self._code = 1
             _say(f"rank {rank} failed: {r['error']}")
         if any(r["status"] != "done" for r in reports):
             done = sum(len(r["records"]) for r in leaders)
             where = ", ".join(r["run_file"] for r in leaders)
             _say(f"{'stopped' if not failed else 'not finished'}: {done} of {total} requests done, saved in {where}; "
                  "rerun the same command to finish the rest")
-            if not failed:
-                self._code = 130
             return "stopped" if not failed else "failed"
         done, missing = merge(prompts.entries, [r["records"] for r in leaders])
         if missing:
@@ -234,6 +230,5 @@ class _Rank:
         _say(f"{total} results in {self.out}{rej} ({self.world.dp_size} replica{'s' if self.world.dp_size > 1 else ''}"
              f" × {self.world.tp} rank{'s' if self.world.tp > 1 else ''}, {tokens:,} tokens in all, "
              f"{time.perf_counter() - t0:.1f} s)")
-        self._code = 0
         return "merged"
 

@@ -176,10 +176,8 @@ class Backend:
                                   "open the same repo id again to resume; finished files are kept")
             progress(ev)
 
-        def resolve() -> tuple[Path, str]:
-            return download.resolve_model(None if kind == "demo" else text.strip(), progress=sink)
-
-        path, name = self._once(("model", "demo" if kind == "demo" else text.strip()), resolve)
+        repo = None if kind == "demo" else text.strip()
+        path, name = self._once(("model", repo or "demo"), lambda: download.resolve_model(repo, progress=sink))
         spec = load_spec(path)
         disk = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
         if disk == 0:
@@ -335,13 +333,11 @@ class Backend:
 
         budget = self.budget(machine, base.gpu_budget, base.cpu_budget)
         spec = _spec_as_run(model.spec, choices, base.quantize, base.group_size, base.quant_dense)
+        policy = base.policy
         try:
             policy = Policy(**fields)
-        except (TypeError, ValueError) as e:
-            return dataclasses.replace(base, prediction=None, problems=[wording.policy_problem(str(e))])
-        try:
             overruns = planner.validate(policy, spec, machine.hardware, base.workload, budget)
-        except MlightError as e:
+        except (TypeError, ValueError, MlightError) as e:  # fields Policy refuses, or a policy the planner cannot cost
             return dataclasses.replace(base, policy=policy, prediction=None,
                                        problems=[wording.policy_problem(wording.for_screen(str(e)))])
         share = {"gpu": (budget.gpu_bytes, planner.GPU_USABLE), "cpu": (budget.cpu_bytes, planner.CPU_USABLE)}

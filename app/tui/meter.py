@@ -38,8 +38,8 @@ class RunSnapshot:
     elapsed: float = 0.0  # seconds running (pauses left out)
     requests_done: int = 0
     requests_total: int = 0
-    tokens_out: int = 0  # generated tokens (this session and earlier ones of a resumed run)
-    tokens_in: int = 0  # prompt tokens (of finished results, plus those prefilled since)
+    tokens_out: int = 0  # generated tokens (this session: a resumed run's earlier ones are in saved_out)
+    tokens_in: int = 0  # prompt tokens prefilled (this session)
     saved_out: int = 0  # generated tokens in the finished results (earlier sessions of a resumed run too)
     saved_in: int = 0  # prompt tokens of the finished results
     average_tps: float = 0.0
@@ -83,7 +83,7 @@ class RunMeter:
         self.done = 0  # the run job counts the results a resumed run already holds
         self.budget_tokens = budget_tokens  # sum of max_new_tokens still to generate (an upper bound)
         self.prompt_tokens_left = 0  # prompt tokens not yet prefilled (the run job counts them with the tokenizer)
-        self._prefill = [0, 0.0]  # prompt tokens, seconds: this session's prefill steps
+        self._prefill_s = 0.0  # seconds of this session's prefill steps (their tokens: tokens_in)
         self._saves = [0, 0.0]  # results, seconds: this session's saves of a result (a line and an fsync each)
         # for the ETA: requests not yet admitted (id, prompt tokens, max new), longest prompt first, and the
         # admitted ones (id -> max new, decode steps when admitted)
@@ -91,7 +91,6 @@ class RunMeter:
         self._admitted: dict[str, tuple[int, int]] = {}
         self._slots = 0
         self.tokens_out = 0
-        self._session_tokens = 0
         self.tokens_in = 0
         self.saved_out = self.saved_in = 0  # the finished results' tokens (the run job counts them)
         self.batch_size = batch_size  # the plan's N: steps with this many in flight are comparable to it
@@ -152,7 +151,6 @@ class RunMeter:
         decode = ev.kind != "prefill"
         if decode:
             self.tokens_out += ev.tokens
-            self._session_tokens += ev.tokens
             self.budget_tokens = max(0, self.budget_tokens - ev.tokens)
             self._decode_steps += 1
             if ev.tasks and now - self._timeline_at >= TIMELINE_EVERY_S:
@@ -166,8 +164,7 @@ class RunMeter:
                 rid, n, max_new = self._waiting.popleft()
                 self._admitted[rid] = (max_new, self._decode_steps)
                 prompt -= n
-            self._prefill[0] += ev.tokens
-            self._prefill[1] += ev.seconds
+            self._prefill_s += ev.seconds
         self._steps.append((now, ev.seconds, ev.tokens if decode else 0, ev.kind, ev.active))
         while self._steps and now - self._steps[0][0] > WINDOW_S and len(self._steps) > 1:
             self._steps.popleft()
@@ -189,11 +186,6 @@ class RunMeter:
         use, full = self._comparable()
         secs = sum(s[1] for s in use)
         return (sum(s[2] for s in use) / secs if secs > 0 else 0.0), full
-
-    def _typical_step(self) -> tuple[float, int]:
-        """(median seconds, steps) of the window's comparable decode steps."""
-        secs = sorted(s[1] for s in self._comparable()[0])
-        return (secs[len(secs) // 2], len(secs)) if secs else (0.0, 0)
 
     def _steps_left(self) -> int:
         """Decode steps to the end if every request runs to its max new tokens, each waiting one taking the slot that
@@ -238,10 +230,9 @@ class RunMeter:
         a, b = cost
         left = (a * self._steps_left() if self._slots else 0.0) + b * self.budget_tokens
         if self.prompt_tokens_left:
-            tokens, seconds = self._prefill
-            if tokens <= 0:
+            if self.tokens_in <= 0:
                 return None
-            left += self.prompt_tokens_left * seconds / tokens
+            left += self.prompt_tokens_left * self._prefill_s / self.tokens_in
         saved, seconds = self._saves
         if saved:
             left += max(0, self.total - self.done) * seconds / saved
@@ -261,9 +252,7 @@ class RunMeter:
             if output_tokens:
                 # the first token comes out of the prefill step, which counts prompt tokens only; an end-of-text
                 # token was counted by its decode step but is not output (as `mlight run` counts it)
-                kept = 0 if eos else 1
-                self.tokens_out += kept
-                self._session_tokens += kept
+                self.tokens_out += 0 if eos else 1
             # neither the tokens it did not generate nor its first one (made by its prefill) are work left
             self.budget_tokens = max(0, self.budget_tokens - max(0, max_new_tokens - output_tokens)
                                      - (1 if output_tokens else 0))
@@ -274,10 +263,10 @@ class RunMeter:
             run_s = 0.0
             if self._first_step is not None:
                 run_s = now - self._first_step - (self._paused(now) - self._paused_before_first)
-            avg = self._session_tokens / run_s if run_s > 0 else 0.0
+            avg = self.tokens_out / run_s if run_s > 0 else 0.0
             decode_tps, full = self._decode_rate()
             eta = 0.0 if self.state == "done" else self._eta()
-            typical_s, typical_n = self._typical_step()
+            secs = sorted(s[1] for s in self._comparable()[0])  # the window's comparable decode steps: their median
             return RunSnapshot(
                 state=self.state, elapsed=self._before + now - self._start - self._paused(now),
                 requests_done=self.done, requests_total=self.total, tokens_out=self.tokens_out,
@@ -286,6 +275,6 @@ class RunMeter:
                 gpu_budget=self.gpu_budget, cpu_used=self.cpu_used, cpu_budget=self.cpu_budget, eta=eta,
                 loading=self.loading, timeline=self._timeline, decode_steps=self._decode_steps,
                 engine_seconds=self._engine_s, stepped=self._first_step is not None,
-                typical_step_s=typical_s, typical_steps=typical_n,
+                typical_step_s=secs[len(secs) // 2] if secs else 0.0, typical_steps=len(secs),
                 comparison=self.tracker.comparison() if self.tracker is not None else None,
             )

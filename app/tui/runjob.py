@@ -61,10 +61,6 @@ class RunJob:
         if self.state in ("running", "paused", "loading"):
             self._set_state("stopping")
 
-    @property
-    def paused(self) -> bool:
-        return not self._go.is_set()
-
     # ---- the run (worker thread) ----------------------------------------------------------------
     def _should_stop(self) -> bool:
         self._go.wait()  # paused: hold the engine here, between two steps
@@ -122,7 +118,7 @@ class RunJob:
                 self.post(RunLog(f"line {r.line}: {r.reason} — skipped", "warn"))
             if self._stop.is_set():
                 return self._end("stopped", store)
-            self._set_state("running" if not self.paused else "paused")
+            self._set_state("running" if self._go.is_set() else "paused")
             todo = [requests[e.id] for e in self.prompts.prompts.entries if e.id not in self.records]
             max_new = {r.id: r.max_new_tokens for r in todo}
             has_stop = {r.id: bool(getattr(r, "stop", None)) for r in todo}

@@ -13,6 +13,7 @@ from textual.screen import Screen
 from textual.widgets import Button, Static
 from textual.worker import Worker, WorkerState
 
+from app.tui.messages import WorkProgress
 from app.tui.widgets.footer import KeyFooter
 from app.tui.widgets.steps import Steps
 
@@ -87,6 +88,10 @@ class StepScreen(Screen):
 
     def status(self, text: str, level: str = "info") -> None:
         self.query_one(StatusLine).show(text, level)
+
+    def post_progress(self, ev) -> None:
+        """A core Progress event from a worker thread, to this screen's `on_work_progress`."""
+        self.post_message(WorkProgress(ev.what, ev.done, ev.total, getattr(ev, "unit", ""), getattr(ev, "rate", None)))
 
     def _first(self) -> bool:
         return len(self.app.screen_stack) <= 2  # [default, Machine, ...]: Machine is the first step

@@ -53,10 +53,7 @@ class MachineScreen(StepScreen):
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="probe", description="hardware probe")
     def probe(self, refresh: bool) -> None:
-        def progress(ev) -> None:
-            self.post_message(WorkProgress(ev.what, ev.done, ev.total, getattr(ev, "unit", "")))
-
-        self.post_message(MachineReady(self.backend.machine(refresh=refresh, progress=progress)))
+        self.post_message(MachineReady(self.backend.machine(refresh=refresh, progress=self.post_progress)))
 
     def on_work_progress(self, msg: WorkProgress) -> None:
         self.query_one("#probe-what", Static).update(f"{msg.what}…")

@@ -113,11 +113,7 @@ class ModelScreen(StepScreen):
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="model", description="model")
     def load(self, text: str) -> None:
-        def progress(ev) -> None:
-            self.post_message(WorkProgress(ev.what, ev.done, ev.total, getattr(ev, "unit", ""),
-                                           getattr(ev, "rate", None)))
-
-        model = self.backend.open_model(text, self.session.machine, progress, self._stop.is_set)
+        model = self.backend.open_model(text, self.session.machine, self.post_progress, self._stop.is_set)
         self.post_message(ModelReady(model))
         try:
             self.backend.tokenizer(model)  # Plan's first need, read while the prompts are chosen

@@ -72,6 +72,12 @@ ADVANCED = {"dtype": ("Compute dtype", AUTO, DTYPES), "executor": ("Executor", A
             "schedule": ("Schedule", AUTO, SCHEDULES), "quantize": ("Quantize", "none", QUANTIZE),
             "quantize_dense": ("Dense weights", "none", DENSE), "group_size": ("int4 group", 64, GROUPS)}
 REPLAN_ON = ("dtype", "quantize", "quantize_dense", "group_size")  # choices that change the bytes the plan must fit
+# the policy's fields on the form, in its order (labels: wording.POLICY_LABELS): widget id, kind (str: a place)
+POLICY_FORM = {"batch_size": ("batch", int), "micro_batch_size": ("micro", int), "expert_batch_size": ("expert", int),
+               "attention_on": ("attention", str), "ffn_on": ("ffn", str),
+               "gpu_weight_fraction": ("gpu-weights", float), "gpu_kv_fraction": ("gpu-kv", float),
+               "pages_per_layer": ("pages", int)}
+INPUT_TYPES = {int: "integer", float: "number"}
 
 
 def _row(label: str, widget) -> Horizontal:
@@ -98,14 +104,11 @@ class PlanScreen(StepScreen):
                 yield _row("Max new tokens", Input(compact=True, id="max-new", type="integer"))
                 yield Static("", id="max-new-hint", classes="hint")
                 yield Static("Policy (edit to try your own)", classes="form-head")
-                yield _row("Batch N", Input(compact=True, id="batch", type="integer"))
-                yield _row("Micro-batch μ", Input(compact=True, id="micro", type="integer"))
-                yield _row("Expert batch", Input(compact=True, id="expert", type="integer"))
-                yield _row("Attention on", Select(PLACES, compact=True, id="attention", allow_blank=False, value="cpu"))
-                yield _row("FFN on", Select(PLACES, compact=True, id="ffn", allow_blank=False, value="gpu"))
-                yield _row("GPU experts %", Input(compact=True, id="gpu-weights", type="number"))
-                yield _row("GPU KV %", Input(compact=True, id="gpu-kv", type="number"))
-                yield _row("Pages / layer", Input(compact=True, id="pages", type="integer"))
+                for key, (wid, kind) in POLICY_FORM.items():  # a place is picked from a list, a number typed
+                    place = "gpu" if wid == "ffn" else "cpu"
+                    widget = Select(PLACES, compact=True, id=wid, allow_blank=False, value=place) if kind is str \
+                        else Input(compact=True, id=wid, type=INPUT_TYPES[kind])
+                    yield _row(wording.POLICY_LABELS[key], widget)
                 with Collapsible(title="Advanced: dtype, executor, …", id="advanced", collapsed=True):
                     for key, (label, default, options) in ADVANCED.items():
                         yield _row(label, Select([(text, value) for value, text, _ in options], compact=True, id=key,
@@ -131,11 +134,9 @@ class PlanScreen(StepScreen):
                         yield button("Re-plan  ^R", "replan")
 
     def on_mount(self) -> None:
-        self.query_one("#plan-form").border_title = "Plan"
-        self.query_one("#prediction").border_title = "Prediction"
-        self.query_one("#memory").border_title = "Memory (planned / usable)"
-        self.query_one("#layer").border_title = "Decode layer: busy time"
-        self.query_one("#validation").border_title = "Check"
+        for wid, title in (("plan-form", "Plan"), ("prediction", "Prediction"), ("memory", "Memory (planned / usable)"),
+                           ("layer", "Decode layer: busy time"), ("validation", "Check")):
+            self.query_one(f"#{wid}").border_title = title
         self._set_choices(self.session.choices)
         self._show_group_row()
         if self.cpu_mode:
@@ -180,13 +181,10 @@ class PlanScreen(StepScreen):
     def make_plan(self, gen: int, gpu_budget: int | None, cpu_budget: int | None) -> None:
         s, b = self.session, self.backend
 
-        def progress(ev) -> None:  # a first launch builds the demo model here: the status says so
-            self.post_message(WorkProgress(ev.what, ev.done, ev.total))
-
         # reached straight from the command line: do the earlier steps' work here (the backend makes
-        # concurrent asks for the same model share one answer)
+        # concurrent asks for the same model share one answer; a first launch builds the demo model: the status says so)
         if s.model is None:
-            s.model = b.open_model(s.options.model, s.machine, progress)
+            s.model = b.open_model(s.options.model, s.machine, self.post_progress)
         if s.prompts is None:
             s.prompts = b.read_prompts(Path(s.options.prompts).expanduser())
         self.post_message(WorkProgress("counting the prompts' tokens with the model's tokenizer, then planning", 0, 1))
@@ -228,18 +226,13 @@ class PlanScreen(StepScreen):
 
     # ---- the form -------------------------------------------------------------------------------
     def fill(self, plan) -> None:
-        p = plan.policy
-        values = {
-            "gpu-mem": _gb_text(plan.gpu_budget), "cpu-mem": _gb_text(plan.cpu_budget),
-            "max-new": str(self.backend.max_new_tokens),
-            "batch": str(p.batch_size), "micro": str(p.micro_batch_size), "expert": str(p.expert_batch_size),
-            "gpu-weights": _pct(p.gpu_weight_fraction), "gpu-kv": _pct(p.gpu_kv_fraction),
-            "pages": str(p.pages_per_layer),
-        }
+        values = {"gpu-mem": _gb_text(plan.gpu_budget), "cpu-mem": _gb_text(plan.cpu_budget),
+                  "max-new": str(self.backend.max_new_tokens)}
+        for key, (wid, kind) in POLICY_FORM.items():
+            v = getattr(plan.policy, key)
+            values[wid] = v if kind is str else _pct(v) if kind is float else str(v)
         for wid, v in values.items():
-            self.query_one(f"#{wid}", Input).value = v
-        self.query_one("#attention", Select).value = p.attention_on
-        self.query_one("#ffn", Select).value = p.ffn_on
+            self.query_one(f"#{wid}").value = v
         self.show(plan)
 
     def _budgets(self) -> tuple[int | None, int | None]:
@@ -260,16 +253,15 @@ class PlanScreen(StepScreen):
         return self.query_one("#gpu-mem", Input).value, self.query_one("#cpu-mem", Input).value
 
     def _policy_fields(self) -> dict:
-        def num(wid: str, kind=int):
-            text = self.query_one(f"#{wid}", Input).value.strip()
-            return kind(float(text)) if text else None
+        def value(wid: str, kind: type):
+            v = self.query_one(f"#{wid}").value  # a Select's place, or an Input's text
+            if kind is str:
+                return v
+            if kind is float:  # a percentage, empty meaning 0
+                return float(v.strip() or 0) / 100
+            return int(float(v)) if v.strip() else None
 
-        return {
-            "batch_size": num("batch"), "micro_batch_size": num("micro"), "expert_batch_size": num("expert"),
-            "attention_on": self.query_one("#attention", Select).value, "ffn_on": self.query_one("#ffn", Select).value,
-            "gpu_weight_fraction": (num("gpu-weights", float) or 0.0) / 100,
-            "gpu_kv_fraction": (num("gpu-kv", float) or 0.0) / 100, "pages_per_layer": num("pages"),
-        }
+        return {key: value(wid, kind) for key, (wid, kind) in POLICY_FORM.items()}
 
     @on(Input.Changed, "#gpu-mem, #cpu-mem")
     def budget_changed(self) -> None:
@@ -320,12 +312,11 @@ class PlanScreen(StepScreen):
         except ValueError:
             self.show_problems(["a field holds something that is not a number"])
             return
-        if any(v is None for v in fields.values()):
-            empty = [wording.POLICY_LABELS[k] for k, v in fields.items() if v is None]
-            self._gen += 1  # a check still under way is moot
+        empty = [wording.POLICY_LABELS[k] for k, v in fields.items() if v is None]
+        self._gen += 1  # a check still under way is moot
+        if empty:
             self.show_problems([f"fill in {', '.join(empty)}"])
             return
-        self._gen += 1
         if _same(fields, {k: getattr(plan.policy, k) for k in fields}):
             self.show(plan)  # back to the plan's own values (filled in, or typed back): it stands again
             return
@@ -453,21 +444,14 @@ class PlanScreen(StepScreen):
             self.query_one(f"#res-{key}", LabelBar).update(sec / top, _ms(sec))
 
     def show_problems(self, problems: list[str], warnings: list[str] = ()) -> None:
-        box = self.query_one("#validation", Static)
-        accept = self.query_one("#accept", Button)
-        text = Text()
-        for p in problems:
-            text.append(f"{glyph.bad} ", style=self.mapp.tone("error"))
-            text.append(p + "\n")
-        if not problems:
-            text.append(f"{glyph.ok} fits the budget\n", style=self.mapp.tone("ok"))
+        tone = self.mapp.tone
+        lines = [Text.assemble((f"{glyph.bad} ", tone("error")), p) for p in problems] or [
+            Text(f"{glyph.ok} fits the budget", style=tone("ok"))]
         skipped = self._skipped_text()
         warnings = [*warnings, *([skipped] if skipped else [])]
-        for w in warnings:
-            text.append(f"{glyph.warn} ", style=self.mapp.tone("warn"))
-            text.append(w + "\n", style=self.mapp.tone("warn"))
-        box.update(text[:-1] if text.plain.endswith("\n") else text)
-        accept.disabled = bool(problems)
+        lines += [Text(f"{glyph.warn} {w}", style=tone("warn")) for w in warnings]
+        self.query_one("#validation", Static).update(Text("\n").join(lines))
+        self.query_one("#accept", Button).disabled = bool(problems)
         if problems:
             self.status("This policy does not fit — fix the fields listed under Check, or Ctrl+R to re-plan.", "error")
         elif warnings:
@@ -497,13 +481,9 @@ class PlanScreen(StepScreen):
             return
         out = self.query_one("#out", PathInput).path
         auto = out == self.session.default_out()
-        if auto and not out.parent.exists():
-            try:
-                out.parent.mkdir(parents=True, exist_ok=True)  # the default results folder, made on first use
-            except OSError as e:
-                self.status(self.mapp.describe_error(e), "error")
-                return
         try:
+            if auto and not out.parent.exists():
+                out.parent.mkdir(parents=True, exist_ok=True)  # the default results folder, made on first use
             self.backend.check_output(out)
         except Exception as e:  # a user error (folder missing, not writable, unknown suffix)
             self.status(self.mapp.describe_error(e), "error")

@@ -24,7 +24,8 @@ from app.tui.screens.base import StepScreen
 from app.tui.widgets.bars import LabelBar
 from app.tui.widgets.chart import MEASURED_COLOR, PREDICTED_COLOR, ThroughputChart, legend_color
 from app.tui.widgets.facts import Facts
-from app.tui.widgets.timeline import LANES, ZOOMS, Legend, Span, Timeline, spans_of_simulation, time_unit
+from app.tui.widgets.timeline import (KIND_NAMES, LANES, ZOOMS, Legend, Span, Timeline, spans_of_simulation,
+                                      time_unit)
 
 REDRAW_S = 0.25  # at most 4 redraws a second
 STATE_WORDS = {
@@ -296,16 +297,13 @@ class RunScreen(StepScreen):
     def _draw_throughput(self, snap: RunSnapshot) -> None:
         pred = self.session.plan.prediction if self.session.plan is not None else None
         predicted = pred.decode_tokens_per_s if pred is not None else None
-        text = Text()
-        text.append("━ ", style=legend_color(MEASURED_COLOR))  # the chart's legend, beside it, not over its lines
-        text.append(f"{snap.decode_tps:,.1f}", style="bold")
-        text.append(" tokens/s now · ")
-        text.append(f"{snap.average_tps:,.1f}", style="bold")
-        text.append(" average · ")
-        text.append("━ ", style=legend_color(PREDICTED_COLOR))
-        text.append(f"{predicted:,.1f}" if predicted else "—", style="bold")
         band = getattr(pred, "band", 0.0)
-        text.append(f" ± {band:.0%} predicted" if predicted and band else " predicted")
+        # the chart's legend, beside it, not over its lines
+        text = Text.assemble(("━ ", legend_color(MEASURED_COLOR)), (f"{snap.decode_tps:,.1f}", "bold"),
+                             " tokens/s now · ", (f"{snap.average_tps:,.1f}", "bold"), " average · ",
+                             ("━ ", legend_color(PREDICTED_COLOR)),
+                             (f"{predicted:,.1f}" if predicted else "—", "bold"),
+                             f" ± {band:.0%} predicted" if predicted and band else " predicted")
         parted = self._parted(snap)
         if parted:
             text.append(f"\n{glyph.warn} " + parted, style=self.mapp.tone("warn"))
@@ -361,9 +359,9 @@ class RunScreen(StepScreen):
             sim_head.append(" · not available", style="dim")
         measured.show(m_spans, step.seconds if step is not None else 0.0, head, lanes)
         simulated.show(self._simulated, self._simulated_s, sim_head, lanes)
-        kinds = [s.kind for s in m_spans] + [s.kind for s in self._simulated]
-        order = {k: i for i, k in enumerate(_KIND_ORDER)}
-        self.query_one("#legend", Legend).show(sorted(set(kinds), key=lambda k: order.get(k, 99)))
+        kinds = {s.kind for s in m_spans} | {s.kind for s in self._simulated}
+        order = {k: i for i, k in enumerate(KIND_NAMES)}
+        self.query_one("#legend", Legend).show(sorted(kinds, key=lambda k: order.get(k, 99)))
 
 
 def _time_text(snap: RunSnapshot) -> str:
@@ -375,10 +373,6 @@ def _time_text(snap: RunSnapshot) -> str:
         return f"{took} before it {'stopped' if snap.state == 'stopped' else 'failed'}"
     left = "—" if snap.eta is None else f"about {fmt.duration(snap.eta)}"
     return f"{took} running, {left} left"
-
-
-_KIND_ORDER = ["pre_attn", "d1", "cpu_attn", "gpu_attn", "d2", "post_attn", "ffn", "weight_page", "kv_load",
-               "kv_store", "prefill"]
 
 
 def _time(seconds: float) -> str:

@@ -19,10 +19,10 @@ from app.tui.glyphs import glyph
 LANES = ("compute", "cpu_attn", "h2d", "d2h")
 LANE_LABELS = {"compute": "GPU compute", "cpu_attn": "CPU attention", "h2d": "H→D copies", "d2h": "D→H copies"}
 CPU_LANE_LABELS = {"compute": "CPU compute", "cpu_attn": "CPU attention", "h2d": "copies in", "d2h": "copies out"}
-KIND_NAMES = {
-    "pre_attn": "pre-attention", "post_attn": "post-attention", "ffn": "experts", "gpu_attn": "GPU attention",
-    "prefill": "prefill", "cpu_attn": "CPU attention", "d1": "QKV out", "kv_store": "KV out", "d2": "attention in",
-    "weight_page": "weight pages", "kv_load": "KV in",
+KIND_NAMES = {  # in a layer's task order, the legend's
+    "pre_attn": "pre-attention", "d1": "QKV out", "cpu_attn": "CPU attention", "gpu_attn": "GPU attention",
+    "d2": "attention in", "post_attn": "post-attention", "ffn": "experts", "weight_page": "weight pages",
+    "kv_load": "KV in", "kv_store": "KV out", "prefill": "prefill",
 }
 # distinct hues that read on dark and light backgrounds alike
 KIND_COLORS = {
