@@ -55,7 +55,7 @@ async def test_long_paths_show_their_file_name_and_placeholders_fit_at_80x24(wor
     app = _app()
     async with app.run_test(size=(80, 24)) as pilot:
         await _to_model(pilot)
-        assert "checkpoint folder or owner/name repo id" in _line(app, "model-input"), _line(app, "model-input")
+        assert "folder, .gguf file or owner/name repo id" in _line(app, "model-input"), _line(app, "model-input")
         await pilot.press("enter")  # the demo model
         await settle(pilot)
         await pilot.press("ctrl+n")

@@ -131,3 +131,22 @@ def test_the_machine_screen_shows_the_instruction_set_and_each_dtypes_rate():
                                                           "MKL_ENABLE_INSTRUCTIONS=AVX2"))
     assert dict(machine_view(three).cpu_rows)["Instructions"] == \
         "AVX2 (CPU has AVX-512 BF16; limited by 3 settings in the environment)"
+
+
+def test_a_gguf_file_opens_in_the_app_as_mlight_run_takes_it(tmp_path):
+    """Defect: the Model step read only folders of safetensors ("… is not a folder") where `mlight run --model
+    FILE.gguf` runs the file; a GGUF repo downloaded from the hub lands as a file too. The step now shows the
+    file's own spec and bytes, and the Plan step counts prompts with the file's own tokenizer."""
+    from checkpoints import make_checkpoint
+    from core.model.gguf.load import load_spec, load_tokenizer, open_gguf
+    from gguf_files import uniform, write_gguf
+    from test_gguf_reference import SHAPES
+
+    ckpt = make_checkpoint("mixtral", tmp_path / "ckpt", **SHAPES["mixtral"])
+    path = write_gguf("mixtral", ckpt, tmp_path / "a model ü.gguf", uniform("Q8_0"))
+    b = Backend()
+    model = b.open_model(str(path), None)
+    assert model.path == path and model.source == "folder"
+    assert model.spec == load_spec(open_gguf(path)) and model.disk_bytes == path.stat().st_size
+    tok = b.tokenizer(model)
+    assert tok("hello world").input_ids == load_tokenizer(open_gguf(path))("hello world").input_ids

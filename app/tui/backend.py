@@ -165,9 +165,7 @@ class Backend:
     # ---- model --------------------------------------------------------------------------------
     def open_model(self, text: str | None, machine: MachineView | None, progress: EventSink = ignore,
                    should_stop: Callable[[], bool] = lambda: False) -> ModelView:
-        """'demo' (or nothing), a checkpoint folder, or a repo id (downloaded into the hub cache)."""
-        from core.model.families import load_spec
-
+        """'demo' (or nothing), a checkpoint folder, a GGUF file, or a repo id (downloaded into the hub cache)."""
         kind = self.classify_model_text(text or "")
 
         def sink(ev) -> None:
@@ -178,11 +176,13 @@ class Backend:
 
         repo = None if kind == "demo" else text.strip()
         path, name = self._once(("model", repo or "demo"), lambda: download.resolve_model(repo, progress=sink))
-        spec = load_spec(path)
-        disk = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+        ck = self._checkpoint(Path(path))
+        spec = ck.spec
+        files = ck.gguf.paths if ck.gguf is not None else Path(path).glob("*.safetensors")
+        disk = sum(f.stat().st_size for f in files)
         if disk == 0:
             raise ModelError(f"{path} has no .safetensors files",
-                             "mlight reads safetensors only; get the safetensors version of the model")
+                             "mlight reads safetensors or GGUF; get one of those versions of the model")
         fits, fits_text = None, "machine not measured yet"
         if machine is not None:
             room = machine.gpu_free + machine.cpu_available
@@ -236,11 +236,23 @@ class Backend:
         self.max_new_tokens = n
 
     # ---- plan ---------------------------------------------------------------------------------
+    def _checkpoint(self, path: Path):
+        """The engine's own reading of a model path (a safetensors folder's spec, or a GGUF file's), once."""
+        from core.runtime.loading import read_checkpoint
+
+        return self._once(("checkpoint", str(path)), lambda: read_checkpoint(path, None))
+
     def tokenizer(self, model: ModelView) -> Any:
-        """The model's tokenizer, read once (seconds the first time: the Model step reads it before Plan counts)."""
+        """The model's tokenizer, read once (seconds the first time: the Model step reads it before Plan counts);
+        a GGUF file's from its own metadata, as the engine reads it."""
         def read():
             from transformers import AutoTokenizer
 
+            gguf = self._checkpoint(model.path).gguf
+            if gguf is not None:
+                from core.model.gguf.load import load_tokenizer
+
+                return load_tokenizer(gguf)
             return AutoTokenizer.from_pretrained(str(model.path), local_files_only=True, trust_remote_code=False)
 
         return self._once(("tokenizer", str(model.path)), read)

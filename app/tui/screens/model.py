@@ -38,9 +38,9 @@ class ModelScreen(StepScreen):
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="body"):
-            yield Static("Which model? A checkpoint folder, a Hugging Face repo id, or the demo model", classes="title")
+            yield Static("Which model? A folder or .gguf file, a Hugging Face repo id, or the demo model", classes="title")
             with Horizontal(classes="field"):
-                yield PathInput(placeholder="checkpoint folder or owner/name repo id",
+                yield PathInput(placeholder="folder, .gguf file or owner/name repo id",
                                 compact=True, id="model-input")
                 yield button(f"Open {glyph.enter}", "open")
                 yield button("Demo model (d)", "demo", variant="primary")
@@ -161,7 +161,7 @@ class ModelScreen(StepScreen):
         self.query_one("#model-input", Input).focus()
 
     def show(self, m) -> None:
-        s = m.spec
+        s, size = m.spec, fmt.human_bytes
         fits = Text(m.fits_text, style=self.mapp.tone("ok" if m.fits else ("error" if m.fits is False else "")))
         rows = [
             ("Model", m.title),
@@ -171,8 +171,10 @@ class ModelScreen(StepScreen):
             ("Experts", f"{s.num_experts} per layer, top-{s.top_k}"
                         + (f", shared expert {s.shared_intermediate}" if s.shared_intermediate else "")),
             ("Parameters", f"{fmt.count(s.num_params)} total, {fmt.count(s.active_params)} active per token"),
-            ("Weights", f"{fmt.human_bytes(s.total_bytes)} in {s.dtype} "
-                        f"({fmt.human_bytes(s.total_expert_bytes)} experts)"),
+            ("Weights", f"{size(s.total_bytes)} in {s.dtype} ({size(s.total_expert_bytes)} experts)"
+                        if s.expert_format == "none" else
+                        f"{size(s.total_bytes)}: {size(s.total_expert_bytes)} experts in {s.expert_format}, "
+                        f"the rest in {s.dtype}"),
             ("Size on disk", fmt.human_bytes(m.disk_bytes)),
             ("Fits?", fits),
         ]
