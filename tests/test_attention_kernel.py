@@ -24,24 +24,13 @@ needs_cc = pytest.mark.skipif(native._compiler() is None, reason="no C compiler 
 
 
 @pytest.fixture
-def fresh_build(monkeypatch, tmp_path, shared_kernels):
-    """Each test builds (or fails to build) its own kernel — none kept in memory from another test — in a cache
-    dir of its own that holds the session's C kernels: a kernel's file name hashes its source, compiler and
-    flags, so a build with flags that another test already compiled loads that library instead of compiling
-    it again (about 2 s of compiler time each)."""
-    monkeypatch.setenv("MLIGHT_CACHE_DIR", str(shared_kernels(tmp_path / "cache")))
-    native._build.cache_clear()
-    yield
-    native._build.cache_clear()
+def fresh_build(kernel_cache):
+    kernel_cache(native._build)
 
 
 @pytest.fixture
-def first_build(monkeypatch, tmp_path):
-    """An empty cache dir: the kernel is compiled now, as on a user's first run."""
-    monkeypatch.setenv("MLIGHT_CACHE_DIR", str(tmp_path / "cache"))
-    native._build.cache_clear()
-    yield
-    native._build.cache_clear()
+def first_build(kernel_cache):
+    kernel_cache(native._build, shared=False)
 
 
 def _reference(q, store, slots, lengths, scale):

@@ -23,15 +23,8 @@ runs = pytest.mark.skipif(ffn.library() is None, reason=f"the fused expert kerne
 
 
 @pytest.fixture
-def fresh_build(monkeypatch, tmp_path, shared_kernels):
-    """Each test builds (or fails to build) its own kernel — none kept in memory from another test — in a cache
-    dir of its own that holds the session's C kernels: a kernel's file name hashes its source, compiler and
-    flags, so a build with flags that another test already compiled loads that library instead of compiling
-    it again (about 2 s of compiler time each)."""
-    monkeypatch.setenv("MLIGHT_CACHE_DIR", str(shared_kernels(tmp_path / "cache")))
-    ffn._build.cache_clear()
-    yield
-    ffn._build.cache_clear()
+def fresh_build(kernel_cache):
+    kernel_cache(ffn._build)
 
 
 def _experts(E=6, D=128, I=96, seed=0):
