@@ -36,9 +36,9 @@ IN_PLACE = frozenset(("Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 # (Q6_K), still 1.06-2x at 8
 ROWS = 8
 # tokens up to which a layer's experts take one `moe` call, not a call per expert and matrix. Decode of the 784M
-# Mixtral, Zen 5: one thread 1.1-1.3x (the per-expert calls' Python glue, a third of the step, gone); two threads
-# 0.99-1.07x at B = 2..4, and at B = 8 Q4_K_M 1.00x but Q8_0 0.93x (both cores then stream the experts at the
-# memory's pace either way; Q8_0's per-expert tiles dot two weight rows at once)
+# Mixtral, Zen 5, quiet: the kernel alone 1.08-1.18x at one thread and 1.16-1.30x at two (M = 1..8), but the
+# engine's decode at two threads 0.99-1.07x at B = 2..4, and at B = 8 Q4_K_M 1.00x, Q8_0 0.93x, B = 32 0.8-0.9x:
+# both forms then stream the experts at the memory's pace, and Q8_0's per-expert tiles dot two weight rows at once
 TOKENS = 4
 MAX_SLOTS = 512  # (token, expert) pairs `moe` takes a call (gguf_token.c's MAX_SLOTS)
 
