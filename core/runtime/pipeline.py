@@ -31,8 +31,9 @@ from core.model.quant.experts import _TORCH, QuantExperts
 from core.model.rope import for_spec
 from core.model.spec import ModelSpec
 from core.model.weights import LayerLayout, ModelWeights, page_aligned
-from core.runtime import schedule as sched
+from core.runtime import one_stream, schedule as sched
 from core.runtime.device import Device, HostDevice
+from core.runtime.one_stream import OneStream
 from core.telemetry import EventSink, WarningEvent, ignore
 
 
@@ -179,6 +180,7 @@ class PipelineRunner:
         self._pre: list[_PrefillMB] | None = None
         self.last_tasks: list = []  # the last step's task graph (with the executor's `times`: its timeline)
         self.graphs = None  # core.runtime.graphs.Graphs: decode segments captured and replayed (the engine's choice)
+        self._one = None  # a batch-1 step's bound calls (one_stream), made at the first; False where they do not apply
         self._logits_done = dev.event() if dev.accelerator else None
         # functions, not bound methods: a cycle would outlive the run, device buffers and all (frozen_heap)
         self._fns = dict(_TASK_FNS)
@@ -320,6 +322,8 @@ class PipelineRunner:
     def decode(self, tokens, slots, positions):
         """One token for every active request (per-micro-batch lists): (logits [B, V] on the CPU until the next
         decode, busy)."""
+        if len(tokens) == 1 and len(tokens[0]) == 1 and self._one_stream() is not None:
+            return self._one.step(self, tokens[0][0], slots[0][0], positions[0][0])
         on_device, ring = bool(self.state_dev), bool(self.state_ring)
         self._step = [_MB(t, s, p, self.dev, on_device, ring) for t, s, p in zip(tokens, slots, positions)]
         self._ring_views = {}  # (layer, micro-batch) -> the device view its kv_load filled, for its attention
@@ -339,6 +343,12 @@ class PipelineRunner:
         busy, logits = self._run_step(tasks, lambda: [mb.x for mb in self._step], "logits_dec")
         self._step = None
         return logits, busy
+
+    def _one_stream(self) -> OneStream | None:
+        """The bound calls of a step of one request, made (or rebuilt for a new thread count) where they apply."""
+        if self._one is None or (self._one and self._one.threads != torch.get_num_threads()):
+            self._one = OneStream(self) if not one_stream.why_not(self) else False
+        return self._one or None
 
     def _run_step(self, tasks, finals, buffer: str):
         """Run a step's tasks, then its logits of `finals()`: behind the step's work where the executor takes a
