@@ -135,8 +135,8 @@ class LayerWeights:
         self.pages = [self.experts[a:b] for a, b in self.layout.page_bounds(pages)]
 
     def pack_for_cpu(self, quantize_dense=None, swiglu: bool = False) -> None:
-        """Prepack the experts for the CPU, keeping only the non-expert part of the flat buffer (memory peaks at the
-        model plus a layer). `quantize_dense(name, w)`: the projections quantized too; `swiglu`: for the fused kernel."""
+        """Prepack the experts for the CPU, keeping only the non-expert part of the flat buffer (memory peaks at
+        the model plus a layer). `quantize_dense(name, w)`: the projections quantized too; `swiglu`: fused kernel."""
         from core.model.moe import pack_cpu_experts
 
         if self.quant is not None:
@@ -238,7 +238,7 @@ class ModelWeights:
         return bool(self.pins)
 
     def pin_for_streaming(self, dev, resident: list[int], progress: EventSink = ignore) -> list[int]:
-        """Page-lock, once, each layer's bytes from its first streamed expert on; returns the layers that could not be."""
+        """Page-lock, once, each layer's bytes from its first streamed expert on; returns the layers it could not."""
         todo = {}  # layer -> offset where its streamed bytes start (None: packed)
         for i, r in enumerate(resident):
             lw, held = self.layers[i], self.pins.get(i)

@@ -54,8 +54,6 @@ def fingerprint(model_dir: Path) -> str:
 
 
 class CacheEntry:
-    """One quantized checkpoint in the cache."""
-
     def __init__(self, model_dir: Path, what: dict):
         h = hashlib.sha256(fingerprint(model_dir).encode())
         h.update(json.dumps({**what, "version": VERSION}, sort_keys=True).encode())
@@ -136,7 +134,6 @@ class StreamWriter:
             raise _cache_error(self.tmp, e) from e
 
     def commit(self) -> None:
-        """Rename the file into place and write meta.json, unless another writer completed the entry first."""
         if self.next != len(self.order):
             raise RuntimeError("cache writer closed before every tensor was written")
         try:
