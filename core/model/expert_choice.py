@@ -77,8 +77,7 @@ def _code() -> str:
 
 
 def _path() -> Path:
-    """The file of the choices made in this context, what a saved choice holds for besides its shape: this
-    machine, torch's build and the experts' code."""
+    """The file of this machine's, torch build's and experts' code's choices."""
     import platform
 
     import torch

@@ -1,9 +1,8 @@
 """The quantized cache: a checkpoint quantized once, kept as safetensors in the user cache, memory-mapped after.
 
-An entry `<cache>/quantized/<key>/` holds `model.safetensors` (globals and each layer's flat buffer as bytes)
-and `meta.json`; the key hashes the checkpoint's content, the scheme, the dtype and the layout's version. It is
-written under a temporary name and committed under the entry's file lock: an interrupted load leaves nothing
-trusted, and the second of two writers drops its copy (never replacing a file a reader may have mapped).
+An entry `<cache>/quantized/<key>/` holds `model.safetensors` and `meta.json`. It is written under a temporary
+name and committed under the entry's file lock: an interrupted load leaves nothing trusted, and the second of
+two writers drops its copy (never replacing a file a reader may have mapped).
 """
 
 from __future__ import annotations
