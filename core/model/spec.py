@@ -370,26 +370,14 @@ class ModelSpec:
         return sum(self.layer_state(i).bytes(tokens, self.dtype_bytes) for i in range(self.num_layers))
 
     # ---- serialisation --------------------------------------------------------------------------
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelSpec":
-        d = dict(d) | {name: tuple(d.get(name, ())) for name in ("eos_token_ids", "layer_types", "dense_layers")}
-        if isinstance(d.get("rope"), dict):
-            r = dict(d["rope"])
-            r["short_factor"], r["long_factor"] = tuple(r.get("short_factor", ())), tuple(r.get("long_factor", ()))
-            d["rope"] = RopeSpec(**r)
-        for name, kind in (("mla", MLASpec), ("linear", LinearAttnSpec)):
-            if isinstance(d.get(name), dict):
-                d[name] = kind(**d[name])
-        return cls(**d)
-
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "ModelSpec":
-        return cls.from_dict(json.loads(text))
+        d = json.loads(text)  # JSON's lists back to the spec's tuples
+        d |= {name: tuple(d.get(name, ())) for name in ("eos_token_ids", "layer_types", "dense_layers")}
+        for name, kind in (("rope", RopeSpec), ("mla", MLASpec), ("linear", LinearAttnSpec)):
+            if isinstance(d.get(name), dict):
+                d[name] = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in d[name].items()})
+        return cls(**d)
