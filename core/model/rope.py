@@ -84,8 +84,7 @@ class Rope:
         self._keep = 1
 
     @property
-    def keep(self) -> int:
-        """Entries kept: a decode step's runner sets its micro-batches' count; a prefill's, 1."""
+    def keep(self) -> int:  # a decode step's runner sets its micro-batches' count; a prefill's, 1
         return self._keep
 
     @keep.setter
