@@ -124,8 +124,7 @@ class LayerWeights:
         self.packed = None  # experts prepacked for the CPU (then `experts` and `pages` are gone)
         self.quant = layout.expert_views(self.experts, dtype, scratch).get("quant") if layout.scheme is not None else None
         self.dense_flat = None  # the non-expert part converted to the math dtype (widen_dense)
-        # projections a GGUF loader kept as the file's blocks (core.model.quant.block_dense), not in `flat`
-        self.block_dense: dict[str, torch.Tensor] = {}
+        self.block_dense: dict[str, torch.Tensor] = {}  # projections a GGUF loader kept as blocks, not in `flat`
         self.held = 0  # bytes of quantized dense weights held outside the flat buffer (--quantize-dense)
         self.repage(pages)
 
@@ -224,8 +223,7 @@ class ModelWeights:
         self.block_dense: dict[str, torch.Tensor] = {}  # the LM head as a GGUF file's blocks (LayerWeights')
         self.math_dtype = dtype  # what the non-expert weights and the activations compute in (see widen_dense)
         self.pins: dict[int, tuple] = {}  # layer -> (device, page-locked view of its streamed experts)
-        # seconds spent page-locking over this model's life (≈ 2 GB/s): paid by the first run that streams
-        self.pin_seconds = 0.0
+        self.pin_seconds = 0.0  # spent page-locking over this model's life: paid by the first run that streams
         # pins outlive runs; a model dropped without `unpin` still gives them back (freed memory would stay locked)
         weakref.finalize(self, _unpin_all, self.pins)
 
