@@ -1,14 +1,10 @@
-"""Grouped-query attention next to the KV cache: decode (one query per request) and prefill (causal,
-per request), with gpt-oss's attention sinks and sliding windows.
+"""Grouped-query attention next to the KV cache: decode (one query per request) and causal prefill, with
+sinks and sliding windows.
 
-Decode attention's arithmetic intensity does not grow with the batch (each query reads its own KV),
-which is why it runs on the CPU beside the cache. Query heads are grouped onto their KV head with a
-view, never by copying K/V. A sink is a learned per-head logit that joins every softmax's
-denominator and contributes no value. A sliding layer's cache keeps the last `window` tokens in a
-ring (kvcache.py); here a window only shortens the rows read. The cache keeps its storage dtype;
-where the CPU computes slowly in it (bf16 on AVX2), `widen` gives the math dtype and attention
-converts K/V a few rows at a time into a reused buffer that stays in cache.
-Legend: B = requests, G = Hq / Hkv, T = cached tokens, L = prompt tokens.
+Decode attention's arithmetic intensity does not grow with the batch (each query reads its own KV), which is
+why it runs on the CPU beside the cache; query heads are grouped onto their KV head with a view, never a copy.
+Where the CPU computes slowly in the cache's dtype (bf16 on AVX2), `widen` converts K/V a few rows at a time
+into a reused buffer that stays in cache. Legend: B = requests, G = Hq / Hkv, T = cached tokens, L = prompt tokens.
 """
 
 from __future__ import annotations
@@ -30,12 +26,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      sinks: torch.Tensor | None = None, widen=None, memo: dict | None = None) -> torch.Tensor:
     """q [B, Hq, hd]; k/v_cache [B, Hkv, Tmax, hd] (rows of the cache); lengths [B] -> [B, Hq·dv] in q's dtype.
 
-    `span` = (min, max) of `lengths`, known on the host, so a device-side `lengths` costs no sync;
-    `pad` [B, max] (True past each length) may be passed in, built once per step rather than per layer.
+    `span` = (min, max) of `lengths`, known on the host, so a device-side `lengths` costs no sync; `pad` [B, max]
+    and `memo` (kept for one step's calls over the same rows) let masks be built once per step, not per layer.
     `sinks` [Hq]: per-head logits added to each softmax's denominator (gpt-oss).
-    `widen` (a core.model.cpu.kernels.Widen) computes in its math dtype when the cache is narrower.
-    `memo`: a dict kept for one step's calls over the same rows (every layer's): the padding's additive
-    mask is built once there, not per layer.
     """
     B, Hq, hd = q.shape
     Hkv, Tmax, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
@@ -48,8 +41,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return _widened(q, k_cache, v_cache, scale, shortest, T, pad, sink, widen)
     qg = q.reshape(B * Hkv, G, hd)
     if not slices(T, Tmax) and k_cache.is_contiguous() and v_cache.is_contiguous():
-        # Whole cache rows as views, masked past each length: bmm reads K^T and V in place. Past a length
-        # the cache holds zeros or an old request's values, and p = 0 there.
+        # whole cache rows as views, masked past each length (p = 0 there): bmm reads K^T and V in place
         n, k, v = Tmax, k_cache.view(B * Hkv, Tmax, hd), v_cache.view(B * Hkv, Tmax, dv)
         pad = (_memo(memo, ("pad", Tmax), lambda: padding_mask(lengths, Tmax))) if shortest < Tmax else None
     else:  # short rows in a long cache: the first T positions copied out (bmm over strided views is 3-5x slower)
@@ -58,9 +50,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k, v = k.view(B * Hkv, T, hd), v.view(B * Hkv, T, dv)
         pad = (pad if pad is not None else padding_mask(lengths, T)) if shortest < T else None
     if sink is None:
-        # Scale and padding inside one baddbmm, softmax in the scores' dtype (its kernel accumulates in
-        # fp32; the bf16 scores are what bmm gave before as well): two passes over the scores instead of
-        # five (widen, scale, mask, softmax, narrow), which at B = 256 cost as much as both bmms.
+        # scale and padding inside one baddbmm, softmax in the scores' dtype (its kernel accumulates in fp32):
+        # two passes over the scores instead of five, which at B = 256 cost as much as both bmms
         if pad is None:
             scores = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)
         else:
@@ -104,11 +95,8 @@ def _copied(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def decode_over_rows(q: torch.Tensor, store, rows, scale: float, sinks: torch.Tensor | None = None,
                      widen=None) -> torch.Tensor:
-    """q [B, Hq, hd] -> [B, Hq·dv]: decode attention over a KV store's rows for one micro-batch
-    (a core.model.kvcache.Rows): by the fused C kernel where it is built and takes the call (each
-    request's own row to its own length, in place: core.model.cpu.native), else with torch ops as its
-    `plan` says: contiguous or covering rows in place, in runs of neighbouring rows where that reads
-    less, else the rows gathered."""
+    """q [B, Hq, hd] -> [B, Hq·dv] over a KV store's `rows` (a kvcache.Rows): by the C kernel where it takes the
+    call, else with torch ops as the rows' `plan` says (in place, in runs, or gathered)."""
     if rows.device is None and native.usable(q, store.k, store.v, sinks):
         lengths, host, bounds = rows.native_split(store)
         return native.decode_attention(q, store.k, store.v, rows.slots, lengths, host, scale, bounds)
@@ -130,13 +118,10 @@ def decode_over_rows(q: torch.Tensor, store, rows, scale: float, sinks: torch.Te
 
 
 def attention_runs(lengths: list[int], row: int, widened: bool = False, rows: int | None = None) -> list:
-    """[(first, end, (shortest, longest))]: runs of `rows` neighbouring cache rows (of `row` tokens each)
-    for decode attention, each read to its own longest length, or [] when one call over all reads no
-    less. Algorithm 2 admits the longest prompts first, so neighbouring slots hold similar lengths while
-    a batch of 256 spans 25-435 tokens (a B = 256 step of the 784M Mixtral: 79 vs 243 ms of attention).
-    Cost in positions read, as decode_attention chooses (`slices`): whole rows in place, or its longest
-    length copied out (about 1.7 passes); a widening call always copies (about three). Runs are taken
-    where they read under 3/4 of one call's positions."""
+    """[(first, end, (shortest, longest))]: runs of `rows` neighbouring cache rows (of `row` tokens each), each
+    read to its own longest length, or [] when one call over all reads no less. Algorithm 2 admits the longest
+    prompts first, so neighbouring slots hold similar lengths while a batch spans many. Cost in positions read,
+    as decode_attention chooses (`slices`); a widening call always copies (about three passes)."""
     rows = rows or RUN_ROWS
     if len(lengths) < 2 * rows:
         return []
@@ -152,8 +137,7 @@ def attention_runs(lengths: list[int], row: int, widened: bool = False, rows: in
 
 
 def _widened(q, k_rows, v_rows, scale: float, shortest: int, T: int, pad, sink, widen) -> torch.Tensor:
-    """decode_attention in `widen.math` over a narrower cache: a few rows at a time, K/V converted into
-    one reused buffer, so each widened tile is read back from cache rather than from RAM."""
+    """decode_attention in `widen.math`, K/V converted a few rows at a time into one reused buffer (read from cache)."""
     B, Hq, hd = q.shape
     Hkv, dv = k_rows.shape[1], v_rows.shape[-1]
     m = widen.math
@@ -190,10 +174,8 @@ def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torc
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
                       sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """One request's prompt: q [L, Hq, hd], k [L, Hkv, hd], v [L, Hkv, dv] -> causal attention [L, Hq·dv].
-
-    `window`: each query sees the last `window` tokens, its own included (0 = all); `sinks` as in decode.
-    """
+    """q [L, Hq, hd], k [L, Hkv, hd], v [L, Hkv, dv] -> causal attention [L, Hq·dv]; `window`: each query sees the
+    last `window` tokens, its own included (0 = all)."""
     L, Hq, _ = q.shape
     if sinks is None and (not window or window >= L):
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]

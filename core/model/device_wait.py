@@ -16,8 +16,6 @@ WAIT_SECONDS = 600.0  # the longest a host waits on device work before calling i
 
 
 class DeviceStalled(MlightError):
-    """Device work the host waited on did not complete within the device's `wait_seconds`."""
-
     def __init__(self, what: str, seconds: float):
         super().__init__(f"{what} did not complete on the device within {seconds:g} s",
                          "a kernel or a copy hung (or the GPU is shared and starved): check nvidia-smi and restart "
@@ -26,7 +24,6 @@ class DeviceStalled(MlightError):
 
 
 def wait_seconds_default() -> float:
-    """$MLIGHT_DEVICE_WAIT_S if set (a slow or shared GPU), else WAIT_SECONDS."""
     env = os.environ.get("MLIGHT_DEVICE_WAIT_S", "").strip()
     return float(env) if env else WAIT_SECONDS
 

@@ -1,7 +1,7 @@
 """Which routed-expert kernel runs — grouped_mm over all experts, or a matmul pair per expert with tokens —
 timed on the real inputs at a shape's first call (the loop's per-expert cost dominates small batches of many
 small experts; grouped_mm pays for its layout). The CPU's choices are kept on disk per machine, torch build,
-threads and experts' code (`_path`): a measurement cost a fresh `mlight bench` a seventh of its run.
+threads and experts' code (`_path`): measuring costs a fresh run a seventh of its time.
 """
 
 from __future__ import annotations
@@ -77,8 +77,7 @@ def _code() -> str:
 
 
 def _path() -> Path:
-    """The file of the choices made in this context, what a saved choice holds for besides its shape: this
-    machine, torch's build and the experts' code."""
+    """The file of this machine's, torch build's and experts' code's choices."""
     import platform
 
     import torch

@@ -1,9 +1,9 @@
 """The routed experts on an accelerator in a number of launches that does not depend on E.
 
 Pairs are aligned into blocks of one expert (`mlight::moe_align`), then `mlight::moe_gemm` runs a projection
-over every block: the Triton kernel (fused_moe_triton) where it runs, else a torch form of the same semantics,
-a chunk of blocks at a time. Both are torch.library ops with fake implementations, so a launch count, a CUDA
-graph and the emulated device each see one op. grouped_mm stays where faster: `expert_path` chooses.
+over every block: the Triton kernel where it runs, else a torch form, a chunk of blocks at a time. Both are
+torch.library ops with fake implementations, so a launch count, a CUDA graph and the emulated device each see
+one op.
 Legend: T = tokens, k = experts per token, E = experts, P = T·k pairs, D = hidden, I = expert intermediate,
 N × K = one expert's matrix (outputs × inputs), BM = block rows, S = padded slots.
 """
@@ -35,7 +35,7 @@ def expert_path(quantized: bool, tokens: int, grouped_mm: bool, forced: bool | N
 
 def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, act,
                   backend: str | None = None) -> torch.Tensor:
-    """Routed experts by the fused path: h [T, D], weights/idx [T, k] -> [T, D]; `parts` as device_experts'."""
+    """h [T, D], weights/idx [T, k] -> [T, D]; `parts` as device_experts'."""
     T, k = idx.shape
     E = sum(len(p["quant"]) if "quant" in p else p["w13"].shape[0] for p in parts)
     up, down = _matrices(parts)

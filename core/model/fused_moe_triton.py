@@ -1,10 +1,8 @@
 """Fused MoE GEMM in Triton: one launch computes one projection of every (token, expert) pair of a part.
 
-The vLLM/SGLang design: a program owns BM pairs of one expert (core.model.moe_align) and BN columns,
-dequantizes in registers (`formats.dequantize`'s fp32 arithmetic) and accumulates in fp32; the grid is
-static. On a T4 triton 3.9 takes no tensor cores below SM80 (FMA, in fp16); tests pin the PTX (MMA_FROM).
-Legend: T = tokens, k = top_k, E = experts, n = experts in the part, N = outputs, K = inputs,
-BM/BN/BK = tile sizes, p = pair.
+The vLLM/SGLang design: a program owns BM pairs of one expert and BN columns, dequantizes in registers
+(`formats.dequantize`'s fp32 arithmetic) and accumulates in fp32; the grid is static. Legend: T = tokens,
+k = top_k, E = experts, n = experts in the part, N = outputs, K = inputs, BM/BN/BK = tile sizes, p = pair.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The MoE router after its matmul as one op on an accelerator: `mlight::route`, logits to experts and weights.
 
 A torch.library op like core.model.fused_moe's (one op to a launch count, a CUDA graph and the emulated
-device): the Triton kernel (core.model.router_triton) on a CUDA GPU with triton, else routing's own torch
-form. Taken: sigmoid_group and softmax_group (sum or no renormalisation), and fp32 softmax; the other
-kinds stay on routing.py's ops. Legend: T = tokens, E = experts, k = experts per token.
+device): the Triton kernel on a CUDA GPU with triton, else routing's own torch form.
+Legend: T = tokens, E = experts, k = experts per token.
 """
 
 from __future__ import annotations

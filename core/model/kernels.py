@@ -1,10 +1,8 @@
 """Which kernels compute: one knob, `MLIGHT_KERNELS` = auto | native | torch (`mlight run --kernels`).
 
-auto: mlight's C kernels (core.model.cpu) wherever they build and run, torch's ops elsewhere; native: the
-same, but a C kernel that fails to build or load is an error, not a quiet fallback; torch: torch's ops
-only, a GGUF file in float32 from its dequantized weights (the reference reading). The old switches
-(`MLIGHT_NATIVE`, `MLIGHT_NATIVE_EXPERTS`, `MLIGHT_NATIVE_DENSE`, `MLIGHT_NATIVE_AMX` / `MLIGHT_AMX` = 0)
-still turn their kernels off for one release, with a warning.
+auto: mlight's C kernels wherever they build and run, torch's ops elsewhere; native: a C kernel that fails to
+build or load is an error; torch: torch's ops only, a GGUF file in float32 (the reference reading). The old
+`MLIGHT_NATIVE*` / `MLIGHT_AMX` = 0 switches still turn their kernels off for one release, with a warning.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The attention state: what each layer keeps per sequence, preallocated in CPU memory, one row per batch slot.
 
-Per `ModelSpec.layer_state(i)`: `KVStore` K and V `[S, Hkv, Tmax, hd]` (a request at [0, length) of its row),
-or a ring `[S, Hkv, W, hd]` (position p at p mod W); `LatentStore` `[S, Tmax, R + dr]` (MLA); `LinearStore`
-an fp32 recurrent state `[S, Hv, dk, dv]` and the last K−1 conv inputs `[S, conv, K−1]`.
-Legend: S = slots, R = latent rank, dr = rope dims, K = conv kernel.
+`KVStore` K and V `[S, Hkv, Tmax, hd]`, or a ring `[S, Hkv, W, hd]` (position p at p mod W); `LatentStore`
+`[S, Tmax, R + dr]` (MLA); `LinearStore` an fp32 recurrent state `[S, Hv, dk, dv]` and the last K−1 conv inputs
+`[S, conv, K−1]`. Legend: S = slots, R = latent rank, dr = rope dims, K = conv kernel.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from core.model.spec import ModelSpec
 
 
 def _alloc(shape, dtype, pin: bool, alloc=None) -> torch.Tensor:
-    # pinned so state rows can go to the GPU asynchronously (S4); pageable when pinning is refused.
-    # zeros, not empty: masked positions still enter p @ v (as 0 × v), and 0 × NaN is NaN
-    if alloc is not None:  # elsewhere (the runtime's device: alloc(shape, dtype) gives zeros there)
+    # pinned so state rows can go to the GPU asynchronously (S4); zeros, not empty: masked positions still
+    # enter p @ v (as 0 × v), and 0 × NaN is NaN
+    if alloc is not None:  # elsewhere (a device: it gives zeros there)
         return alloc(shape, dtype)
     if pin:
         try:
@@ -48,8 +47,6 @@ def untouched_zeros(shape, dtype) -> torch.Tensor:
 
 
 class _Store:
-    """What every store shares: its tensors by name, and views of the same kind over other memory."""
-
     names: tuple[str, ...] = ()
     token_axes: tuple = ()  # per tensor: the axis of cached tokens, or None (a fixed-size state)
     window = 0
@@ -77,7 +74,6 @@ class _Store:
         return out
 
     def new_shapes(self, rows: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """(shape, dtype) of each part `new_entries` gives for `rows` rows."""
         return [((rows, *(d for a, d in enumerate(t.shape[1:], 1) if a != axis)), t.dtype)
                 for t, axis in zip(self.tensors, self.token_axes)]
 
@@ -88,7 +84,7 @@ class _Store:
         self.write(rows.slots, rows.positions, *parts)
 
     def move(self, src: int, dst: int, tokens: int) -> None:
-        """Row `src`'s state (its first `tokens` tokens) into row `dst`, as SlotTable.compact asks."""
+        """Row `src`'s state (its first `tokens` tokens) into row `dst` (SlotTable.compact)."""
         n = self.kept(tokens)
         for t, axis in zip(self.tensors, self.token_axes):
             if axis is None:
@@ -114,13 +110,12 @@ class KVStore(_Store):
         self.v = _alloc((slots, heads, cap, head_dim), dtype, pin, alloc)
 
     def new_entries(self, rows) -> tuple:
-        """This step's token of each row (fresh tensors), for the host store (attention on the GPU)."""
         at, every = self.index(rows.positions), torch.arange(rows.B, device=self.k.device)
         return self.k[every, :, at], self.v[every, :, at]
 
     def write_rows(self, rows: "Rows", k: torch.Tensor, v: torch.Tensor) -> None:
-        """`write` for a decode micro-batch's rows, on a contiguous host store by one flat index per step
-        (in C where built: row_ops.kv_write keeps the cold rows' misses in flight)."""
+        """`write` by one flat index per step on a contiguous host store (in C where built: it keeps the cold
+        rows' misses in flight)."""
         hd = self.k.shape[-1]
         if self.k.device.type != "cpu" or not (self.k.is_contiguous() and self.v.is_contiguous()):
             return self.write(rows.slots, rows.positions, k, v)
@@ -131,7 +126,7 @@ class KVStore(_Store):
         self.v.view(-1, hd).index_copy_(0, at, v.reshape(-1, hd).to(self.v.dtype))
 
     def write_index(self, rows: "Rows") -> torch.Tensor:
-        """Flat row of each new (slot, head, position), [B·heads]; made once per step for every store of this shape."""
+        """Flat row of each new (slot, head, position) [B·heads], once per step for every store of this shape."""
         def make():
             _, heads, cap, _ = self.k.shape
             first = (rows.slots * heads * cap + self.index(rows.positions))[:, None]
@@ -143,7 +138,6 @@ class KVStore(_Store):
         return positions % self.window if self.window else positions
 
     def kept(self, lengths):
-        """Cached tokens a row of `lengths` tokens holds (tensor or int)."""
         if not self.window:
             return lengths
         return lengths.clamp(max=self.window) if isinstance(lengths, torch.Tensor) else min(lengths, self.window)
@@ -177,7 +171,6 @@ class LatentStore(_Store):
         return (self.lat[torch.arange(rows.B, device=self.lat.device), rows.positions],)
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, lat: torch.Tensor):
-        """lat [B, R + dr] at (slots[b], positions[b])."""
         self.lat[slots, positions] = lat.to(self.lat.dtype)
 
     def write_prompt(self, slot: int, lat: torch.Tensor):
@@ -197,7 +190,7 @@ class LinearStore(_Store):
         self.conv = _alloc((slots, la.conv_dim, la.conv_kernel - 1), dtype, pin, alloc)
 
     def new_entries(self, rows) -> tuple:
-        """The whole updated state of each row: a linear layer rewrites all of it every token."""
+        # the whole state of each row: a linear layer rewrites all of it every token
         return self.rec[:rows.B].clone(), self.conv[:rows.B].clone()
 
     def put_new(self, rows, parts) -> None:
@@ -235,8 +228,8 @@ def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, pin
 
 
 class KVCache:
-    """Every layer's store for `slots` sequences of up to `max_tokens` tokens (None for the first `gpu_layers`);
-    pageable by default: hundreds of GB would be too much page-locked memory."""
+    """Every layer's store (None for the first `gpu_layers`); pageable by default: hundreds of GB would be too much
+    page-locked memory."""
 
     def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False,
                  gpu_layers: int = 0):
@@ -256,13 +249,11 @@ COVER_RATIO = 2  # attend over a gapped batch's covering rows while they are at 
 
 
 class Rows:
-    """One decode micro-batch's rows in the stores: slots, positions and the lengths attention reads, built once
-    per step on the host so no layer syncs a device. Host stores only: gapped slots are attended in place over
-    their covering rows while those are at most COVER_RATIO times the rows in use (a gather copied every row's
-    K and V again in every layer); a gap's row attends with a zero query and its output is dropped."""
+    """One decode micro-batch's rows in the stores, built once per step on the host so no layer syncs a device.
+    `move` puts the host tensors where the state lives (`device`). On the host, gapped slots are attended in place
+    over their covering rows (a gap's row with a zero query, its output dropped): a gather copies K and V again."""
 
     def __init__(self, slots: list[int], positions: list[int], move=None, device=None):
-        """`move` puts the host tensors where the state lives (a device's to_device), `device` is that place."""
         self.B = len(slots)
         self.device = device
         slots, positions = list(slots), list(positions)
@@ -335,8 +326,7 @@ class Rows:
         return RowPlan(rows, at, lengths, span, pad, attention_runs(host, store.k.shape[2], widened), {})
 
     def native_split(self, store) -> tuple:
-        """(kept lengths as a tensor and a list, the request split over threads) of these rows in `store`, for
-        the C decode attention (core.model.cpu.native): made once a step for every layer's call."""
+        """(kept lengths as a tensor and a list, the requests split over threads) for the C decode attention."""
         def make():
             host = [store.kept(n) for n in self._host_lengths]
             return self.kept(store)[0], host, native.cuts(host, max(1, min(torch.get_num_threads(), len(host))))

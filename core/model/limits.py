@@ -30,10 +30,8 @@ LAYOUT_ALIGN = 64
 LOGIT_CHUNK_BYTES = 4 << 20  # a prepacked LM head's output rows at a time: memory malloc keeps, not fresh pages
 
 
-# A CPU prefill runs each layer a chunk of its call at a time (whole prompts through the mixer, any tokens through
-# the FFN): whole, a call's intermediates pass glibc's mmap threshold (32 MB) and are page-faulted fresh at every
-# layer. A device's caching allocator reuses its blocks, so there the call stays whole. The planner prices a call
-# by its chunks (core.plan.cpu_cost).
+# A CPU prefill runs each layer a chunk of its call at a time: whole, a call's intermediates pass glibc's mmap
+# threshold (32 MB) and are page-faulted fresh at every layer (a device's caching allocator reuses its blocks).
 PREFILL_CHUNK_BYTES = 16 << 20  # a chunk's widest fp32 intermediate: half the threshold (routing is uneven)
 PREFILL_CHUNK_TOKENS, PREFILL_CHUNK_LEAST = 2048, 256  # at most (GEMMs this tall gain nothing more), at least
 # ... but each chunk re-reads the layer's routed experts: a chunk grows until the expert weights it re-reads per

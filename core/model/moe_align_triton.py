@@ -1,8 +1,7 @@
 """core.model.moe_align's block alignment in Triton: one launch of one program (the torch form is about 15 kernels).
 
-The program walks the pairs a chunk at a time, three times: counts per expert; each expert's padded run
-start (a scan over E); each pair's slot (earlier chunks' through a running count per expert, its own
-chunk's by comparing its pairs). O(P·E + P·C) comparisons: microseconds for a decode step.
+It walks the pairs a chunk at a time, three times: counts per expert, each expert's padded run start, each
+pair's slot. O(P·E + P·C) comparisons: microseconds for a decode step.
 Legend: T = tokens, k = experts per token, E = experts, P = T·k pairs, BM = block rows, S = padded slots.
 """
 

@@ -1,15 +1,9 @@
 """Rotary position embeddings: cos/sin tables built once, applied by position.
 
-Covers what the families use: full or partial rotation (the first `dim` dims of a head rotate, the
-rest pass through), halves (Llama: x·cos + rotate_half(x)·sin) or interleaved pairs (DeepSeek:
-(x0, x1), (x2, x3)… each rotated by one frequency, written back as [rotated evens, rotated odds] —
-q·k is the same in either layout as long as q and k share it), YaRN (gpt-oss, DeepSeek) and
-LongRoPE (Phi-3.5-MoE).
-
-LongRoPE picks its cos/sin scale by the length of the forward call a token belongs to (transformers'
-PhimoeRotaryEmbedding: `long_mscale` once max(position)+1 exceeds the pre-training context, with the
-short factors' frequencies either way); `Rope.apply` takes each token's call length for that.
-Legend: T = tokens, H = heads, P = positions, r = rotated dims.
+Full or partial rotation (the first `dim` dims of a head), halves (Llama) or interleaved pairs (DeepSeek,
+written back as [rotated evens, rotated odds]: q·k is the same as long as q and k share the layout), YaRN and
+LongRoPE, whose scale depends on the length of the forward call a token belongs to (transformers'
+PhimoeRotaryEmbedding). Legend: T = tokens, H = heads, P = positions, r = rotated dims.
 """
 
 from __future__ import annotations
@@ -67,8 +61,6 @@ def _yarn(r: RopeSpec, dim: int, base: torch.Tensor, max_position: int) -> tuple
 
 
 class Rope:
-    """cos/sin tables for every position up to the context length, computed once."""
-
     def __init__(self, r: RopeSpec, dim: int, max_positions: int, dtype: torch.dtype, device="cpu",
                  model_max_position: int | None = None):
         self.dim, self.pairs = dim, r.pairs
@@ -92,8 +84,7 @@ class Rope:
         self._keep = 1
 
     @property
-    def keep(self) -> int:
-        """Entries kept: a decode step's runner sets its micro-batches' count; a prefill's, 1."""
+    def keep(self) -> int:  # a decode step's runner sets its micro-batches' count; a prefill's, 1
         return self._keep
 
     @keep.setter
@@ -103,11 +94,9 @@ class Rope:
             self._kept.pop(next(iter(self._kept)), None)  # the oldest
 
     def tables(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None):
-        """(cos, sin) [T, 1, r or r/2] of tokens at `positions` [T]; `call_lengths` [T]: the length (max position + 1)
-        of the forward call each token belongs to, which LongRoPE's scale depends on. Kept per positions tensor while it lives and comes back
-        unchanged (every layer of a step, q and k, and — with `keep` set to the step's micro-batches — every
-        micro-batch in turn, whose calls alternate): two gathers per micro-batch a step, not a layer. A prefill's
-        keep only the last call's: its gathers are few beside its tokens, its tables are large."""
+        """(cos, sin) [T, 1, r or r/2] of tokens at `positions` [T]; `call_lengths` [T]: each token's call length
+        (LongRoPE). Kept per positions tensor while it lives unchanged (every layer and micro-batch of a step), so
+        a step gathers twice per micro-batch, not per layer."""
         kept = self._entry(positions, call_lengths)
         return kept[4], kept[5]
 
@@ -129,8 +118,7 @@ class Rope:
         return kept
 
     def _halves(self, positions: torch.Tensor, call_lengths: torch.Tensor | None):
-        """(cos, ±sin) [T, 1, 2, r/2] for the rotation as two halves (a pair layout de-interleaved): the
-        halves' sign of rotate_half is folded into sin, once per kept entry."""
+        """(cos, ±sin) [T, 1, 2, r/2]: rotate_half's sign folded into sin, once per kept entry."""
         kept = self._entry(positions, call_lengths)
         if kept[6] is None:
             cos, sin = kept[4], kept[5]
@@ -144,8 +132,7 @@ class Rope:
         return kept[6]
 
     def joins_in_c(self, x: torch.Tensor) -> bool:
-        """Whether core.model.cpu.row_ops.rope_join may rotate these heads: halves over the whole head, bf16 or
-        fp32 on the CPU (its other conditions it checks itself)."""
+        """Whether core.model.cpu.row_ops.rope_join may rotate these heads (it checks its other conditions itself)."""
         return (not self.pairs and x.dtype == self.cos.dtype and x.dtype in (torch.bfloat16, torch.float32)
                 and x.device.type == "cpu")
 
@@ -153,28 +140,23 @@ class Rope:
               out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H, hd], positions [T] -> x with its first `dim` dims rotated.
 
-        Both layouts as halves X [T, H, 2, r/2] (pairs: evens then odds, a strided view): X·cos + swap(X)·(±sin),
-        the reference's roundings (a·(−s) is −(a·s) exactly) in four ops, where rotate_half's negation and
-        join, or the pairs' four products, took five and seven.
-        `out` [T, H, r] (any strides, the last one 1): the rotated dims are written there and it is returned, the
-        rest of x left out — a slice of the payload the caller sends, so nothing is joined after. It may be
-        x[..., :r] itself in the halves layout (rotated in place; the pairs' come out de-interleaved)."""
+        Both layouts as halves X [T, H, 2, r/2]: X·cos + swap(X)·(±sin), the reference's roundings (a·(−s) is
+        −(a·s) exactly) in four ops. `out` [T, H, r] (last stride 1): only the rotated dims, written there (a
+        slice of the payload the caller sends); x[..., :r] itself in the halves layout."""
         cos, sin = self._halves(positions, call_lengths)
         d = self.dim
         rot, rest = (x, None) if d == x.shape[-1] else (x[..., :d], x[..., d:])
         T, H = rot.shape[:2]
         halves = rot.unflatten(-1, (d // 2, 2)).transpose(-1, -2) if self.pairs else rot.unflatten(-1, (2, d // 2))
         swapped = halves.flip(-2) * sin  # before `out` is written: it may be x
-        if out is not None:
-            if self.pairs and out.data_ptr() == x.data_ptr():
-                raise ValueError("the pairs layout cannot rotate in place")
-            dst = out.unflatten(-1, (2, d // 2))
-            torch.mul(halves, cos, out=dst)
-            dst.add_(swapped)
-            return out
-        dst = torch.empty((T, H, 2, d // 2), dtype=x.dtype, device=x.device)
+        if out is not None and self.pairs and out.data_ptr() == x.data_ptr():
+            raise ValueError("the pairs layout cannot rotate in place")
+        dst = (out.unflatten(-1, (2, d // 2)) if out is not None
+               else torch.empty((T, H, 2, d // 2), dtype=x.dtype, device=x.device))
         torch.mul(halves, cos, out=dst)
         dst.add_(swapped)
+        if out is not None:
+            return out
         dst = dst.view(T, H, d)  # [T, H, r]: pairs come out as [rotated evens, rotated odds]
         return dst if rest is None else torch.cat((dst, rest), dim=-1)
 

@@ -67,8 +67,6 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
 
 
 class Checkpoint:
-    """All tensors of a checkpoint folder, by name, read on demand."""
-
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
         self.tensors: dict[str, TensorInfo] = {}

@@ -1,14 +1,14 @@
 """Tensor-parallel shards: what one of `size` ranks holds of a model, and how it is read from disk.
 
 Attention splits by query heads (a rank keeps the KV heads they use, a copy per query head where groups fall
-unevenly), MLA by heads (each rank caches the whole latent), linear attention by value heads; the MoE FFN
-along every expert's intermediate dimension, so each rank streams 1/size of every layer whatever the routing.
-Unknown tensors keep attention whole. A rank's model is an ordinary ModelSpec (`local_spec`); the partial
-outputs are summed over ranks (core.runtime.distributed.tensor_parallel).
+unevenly), MLA by heads, linear attention by value heads; the MoE FFN along every expert's intermediate
+dimension, so each rank streams 1/size of every layer whatever the routing. Unknown tensors keep attention
+whole. A rank's model is an ordinary ModelSpec (`local_spec`); partial outputs are summed over ranks.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from dataclasses import dataclass
 
@@ -82,7 +82,7 @@ class Shard:
         return sel
 
     def _linear(self, spec: ModelSpec) -> dict[str, tuple[int, list[int]]]:
-        """A linear-attention layer's rows: lin_in is [q, k, v, z, b, a], conv is [q, k, v]."""
+        # lin_in's rows are [q, k, v, z, b, a], conv's [q, k, v]
         la = spec.linear
         kd, vd, Hv = la.key_dim, la.value_dim, la.num_v_heads
         q = [g * la.k_head_dim + t for g in self.lin_k_heads for t in range(la.k_head_dim)]
@@ -110,7 +110,6 @@ def _kv_heads(num_heads: int, num_kv_heads: int, q_heads: range) -> list[int]:
 
 
 def plan_shard(spec: ModelSpec, rank: int, size: int) -> Shard:
-    """Rank `rank`'s part of `spec` in a group of `size`; refuses a group larger than the model allows."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} outside a group of {size}")
     linear = spec.linear if "linear" in spec.layer_types else None
@@ -144,7 +143,6 @@ def plan_shard(spec: ModelSpec, rank: int, size: int) -> Shard:
 
 
 def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
-    """The model one rank runs: its heads, its slice of every expert (and of the shared expert)."""
     changes = dict(expert_intermediate=shard.inter[1] - shard.inter[0])
     if spec.shared_intermediate:
         changes["shared_intermediate"] = shard.shared[1] - shard.shared[0]
@@ -158,16 +156,8 @@ def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
     return dataclasses.replace(spec, **changes)
 
 
-@dataclass(frozen=True)
-class Cut:
-    """Copy `length` rows from `src_start` along `src_dim` of the source to `dst_start` along `dst_dim`."""
-
-    dst_index: tuple
-    dst_dim: int
-    dst_start: int
-    src_dim: int
-    src_start: int
-    length: int
+# copy `length` rows from `src_start` along `src_dim` of the source to `dst_start` along `dst_dim` of dst_index
+Cut = collections.namedtuple("Cut", "dst_index dst_dim dst_start src_dim src_start length")
 
 
 def cuts(index: tuple, full_shape: tuple[int, ...], dim: int, keep: list[int]) -> list[Cut]:
@@ -190,7 +180,7 @@ def cuts(index: tuple, full_shape: tuple[int, ...], dim: int, keep: list[int]) -
     for p, s in pairs:
         last = runs[-1] if runs else None
         if last is not None and p == last.dst_start + last.length and s == last.src_start + last.length:
-            runs[-1] = dataclasses.replace(last, length=last.length + 1)
+            runs[-1] = last._replace(length=last.length + 1)
         else:
             runs.append(Cut(tuple(base), dim - ints_before, p, dim - ints_before, s, 1))
     return runs

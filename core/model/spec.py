@@ -102,9 +102,8 @@ class LinearAttnSpec:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """What one layer keeps per sequence, in elements: "kv" (K and V of every token), "window" (of the
-    last `window` tokens), "latent" (MLA latent and rope key per token), "linear" (a fixed fp32 recurrent
-    state and a conv state in the model dtype)."""
+    """What one layer keeps per sequence, in elements: K and V of every token ("kv") or of the last `window`,
+    MLA's latent and rope key per token, or a fixed fp32 recurrent state and a conv state ("linear")."""
 
     kind: Literal["kv", "window", "latent", "linear"]
     token_elems: int = 0  # per cached token, model dtype
@@ -116,7 +115,6 @@ class StateSpec:
         return min(tokens, self.window) if self.window else tokens
 
     def bytes(self, tokens: float, dtype_bytes: int) -> float:
-        """Bytes one sequence of `tokens` tokens keeps in this layer."""
         return (self.token_elems * self.tokens_kept(tokens) + self.fixed_elems) * dtype_bytes \
             + self.fixed_state_elems * STATE_DTYPE_BYTES
 
@@ -250,7 +248,6 @@ class ModelSpec:
         return self.num_layers - len(set(self.dense_layers))
 
     def attn_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        """The attention tensors of layer i (after ln1, before ln2)."""
         D, hd = self.hidden_size, self.head_dim
         if self.layer_type(i) == "linear":
             la = self.linear
@@ -272,7 +269,6 @@ class ModelSpec:
                          "sinks": self.attn_sinks and (self.num_heads,)})
 
     def ffn_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        """The FFN tensors of layer i (after ln2), experts last."""
         D, E, I, Is = self.hidden_size, self.num_experts, self.expert_intermediate, self.shared_intermediate
         if not self.is_moe(i):
             Id = self.dense_intermediate
@@ -295,7 +291,6 @@ class ModelSpec:
                          "lm_head": not self.tie_word_embeddings and (V, D), "lm_head_b": self.lm_head_bias and (V,)})
 
     def layer_state(self, i: int) -> StateSpec:
-        """What layer i keeps per sequence."""
         kind = self.layer_type(i)
         if kind == "linear":
             la = self.linear
@@ -323,7 +318,6 @@ class ModelSpec:
 
     @property
     def layer_expert_bytes(self) -> int:
-        """The routed experts of one MoE layer (what streams over PCIe per layer)."""
         return self.num_experts * self.expert_bytes
 
     @property
@@ -372,30 +366,18 @@ class ModelSpec:
                    if s.kind in ("kv", "latent")) * self.dtype_bytes
 
     def state_bytes(self, tokens: float) -> float:
-        """Bytes one sequence of `tokens` tokens keeps over all layers (KV, windows, latents, linear states)."""
+        """Bytes one sequence of `tokens` tokens keeps over all layers."""
         return sum(self.layer_state(i).bytes(tokens, self.dtype_bytes) for i in range(self.num_layers))
 
     # ---- serialisation --------------------------------------------------------------------------
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelSpec":
-        d = dict(d) | {name: tuple(d.get(name, ())) for name in ("eos_token_ids", "layer_types", "dense_layers")}
-        if isinstance(d.get("rope"), dict):
-            r = dict(d["rope"])
-            r["short_factor"], r["long_factor"] = tuple(r.get("short_factor", ())), tuple(r.get("long_factor", ()))
-            d["rope"] = RopeSpec(**r)
-        for name, kind in (("mla", MLASpec), ("linear", LinearAttnSpec)):
-            if isinstance(d.get(name), dict):
-                d[name] = kind(**d[name])
-        return cls(**d)
-
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "ModelSpec":
-        return cls.from_dict(json.loads(text))
+        d = json.loads(text)  # JSON's lists back to the spec's tuples
+        d |= {name: tuple(d.get(name, ())) for name in ("eos_token_ids", "layer_types", "dense_layers")}
+        for name, kind in (("rope", RopeSpec), ("mla", MLASpec), ("linear", LinearAttnSpec)):
+            if isinstance(d.get(name), dict):
+                d[name] = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in d[name].items()})
+        return cls(**d)

@@ -1,10 +1,8 @@
 """Model weights laid out for paging: one flat buffer per decoder layer, cut into pages.
 
-A layer's tensors are views into one 1-D buffer at offsets fixed by a `LayerLayout`, experts stacked
-`[E, ...]` last; the expert region (what streams to the GPU) is cut into equal pages, and the same
-layout gives views over any buffer of that size. Buffers are filled straight from the checkpoint's
-memory map (peak RSS near the model's size) and start and end on page boundaries, so what streams can
-be page-locked at its exact size (torch's pinned allocator rounds up to a power of two).
+A `LayerLayout` fixes each tensor's offset, experts `[E, ...]` last; the expert region (what streams) is cut
+into equal pages. Buffers are filled straight from the checkpoint's memory map and start and end on page
+boundaries, so what streams can be page-locked at its exact size (torch's pinned allocator rounds up).
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
 @dataclass(frozen=True)
 class LayerLayout:
-    """Where each canonical tensor of a layer sits in the flat buffer: name -> (offset, shape). With an
-    `ExpertScheme` the buffer is bytes (`dtypes` names each entry's dtype), so a page is a run of quantized bytes."""
+    """name -> (offset, shape) in a layer's flat buffer; with a `scheme`, bytes (`dtypes`: each entry's dtype)."""
 
     entries: tuple[tuple[str, int, tuple[int, ...]], ...]
     numel: int
@@ -79,7 +76,6 @@ class LayerLayout:
         return flat
 
     def _unit(self, name: str) -> int:
-        """Offset units an element of `name` takes: its bytes in a byte layout, else 1."""
         return _ITEMSIZE[dict(self.dtypes)[name]] if self.scheme is not None else 1
 
     @property
@@ -109,7 +105,6 @@ class LayerLayout:
         return {"quant": QuantExperts(self.scheme, views, dtype, scratch), **biases}
 
     def page_bounds(self, pages: int) -> list[tuple[int, int]]:
-        """Element ranges, relative to the expert region, of its `pages` near-equal cuts."""
         n = self.expert_numel
         if not n:  # a dense layer streams nothing; its pages are empty
             return [(0, 0)] * pages
@@ -129,21 +124,18 @@ class LayerWeights:
         self.packed = None  # experts prepacked for the CPU (then `experts` and `pages` are gone)
         self.quant = layout.expert_views(self.experts, dtype, scratch).get("quant") if layout.scheme is not None else None
         self.dense_flat = None  # the non-expert part converted to the math dtype (widen_dense)
-        # projections a GGUF loader kept as the file's blocks (core.model.quant.block_dense), not in `flat`
-        self.block_dense: dict[str, torch.Tensor] = {}
+        self.block_dense: dict[str, torch.Tensor] = {}  # projections a GGUF loader kept as blocks, not in `flat`
         self.held = 0  # bytes of quantized dense weights held outside the flat buffer (--quantize-dense)
         self.repage(pages)
 
     def repage(self, pages: int) -> None:
-        """Cut the expert region into `pages` pages (views; nothing moves)."""
         if self.packed is not None:
             raise RuntimeError("this layer's experts were packed for the CPU; they no longer stream")
         self.pages = [self.experts[a:b] for a, b in self.layout.page_bounds(pages)]
 
     def pack_for_cpu(self, quantize_dense=None, swiglu: bool = False) -> None:
-        """Prepack the experts for the CPU, one layer at a time (memory peaks at the model plus a layer's experts),
-        keeping only the non-expert part of the flat buffer. `quantize_dense(name, w)`: the projections quantized
-        too (core.model.quant.dense); `swiglu`: plain SwiGLU experts, which the fused C kernel runs where it can."""
+        """Prepack the experts for the CPU, keeping only the non-expert part of the flat buffer (memory peaks at
+        the model plus a layer). `quantize_dense(name, w)`: the projections quantized too; `swiglu`: fused kernel."""
         from core.model.moe import pack_cpu_experts
 
         if self.quant is not None:
@@ -167,7 +159,6 @@ class LayerWeights:
         self._hold_dense_apart(quantize_dense or (lambda name, w: w), biases)
 
     def _hold_dense_apart(self, convert, biases: dict) -> None:
-        """Projections in their kernel's layout (`convert`'s, else prepacked), the rest in a buffer of its own."""
         from core.model.cpu.kernels import pack_dense
 
         views = self.layout.views(self.flat, names=self._dense_names())
@@ -193,7 +184,6 @@ class LayerWeights:
         return {n for n, off, _ in self.layout.entries if off < self.layout.expert_start}
 
     def dense(self) -> dict[str, torch.Tensor]:
-        """The non-expert tensors (what the device keeps resident)."""
         names = self._dense_names()
         return {n: t for n, t in self.tensors.items() if n in names}
 
@@ -207,8 +197,8 @@ class LayerWeights:
         return {n: self.tensors[n] for n in EXPERT_TENSORS if n in self.tensors}
 
     def widen_dense(self, math: torch.dtype, pack: bool = False) -> None:
-        """The non-expert part in `math`, for CPUs whose bf16 matmuls are slow; the experts kept in their storage
-        dtype, or (`pack`) in the fp32-math C kernel's layout (ffn.NativeExperts)."""
+        """The non-expert part in `math`, for CPUs whose bf16 matmuls are slow; experts kept, or (`pack`) in the
+        fp32-math C kernel's layout."""
         from core.model.cpu import ffn
 
         dense_names = self._dense_names()
@@ -227,16 +217,13 @@ class LayerWeights:
 
 
 class ModelWeights:
-    """All weights of a model in the layout the engine runs from."""
-
     def __init__(self, spec: ModelSpec, layers: list[LayerWeights], globals_: dict[str, torch.Tensor],
                  dtype: torch.dtype):
         self.spec, self.layers, self.globals, self.dtype = spec, layers, globals_, dtype
         self.block_dense: dict[str, torch.Tensor] = {}  # the LM head as a GGUF file's blocks (LayerWeights')
         self.math_dtype = dtype  # what the non-expert weights and the activations compute in (see widen_dense)
         self.pins: dict[int, tuple] = {}  # layer -> (device, page-locked view of its streamed experts)
-        # seconds spent page-locking over this model's life (≈ 2 GB/s): paid by the first run that streams
-        self.pin_seconds = 0.0
+        self.pin_seconds = 0.0  # spent page-locking over this model's life: paid by the first run that streams
         # pins outlive runs; a model dropped without `unpin` still gives them back (freed memory would stay locked)
         weakref.finalize(self, _unpin_all, self.pins)
 
@@ -249,8 +236,7 @@ class ModelWeights:
         return bool(self.pins)
 
     def pin_for_streaming(self, dev, resident: list[int], progress: EventSink = ignore) -> list[int]:
-        """Page-lock, once, what streams of each layer: its experts' bytes from its first streamed expert to the end of
-        its buffer. Returns the layers that could not be (packed for the CPU's kernels: never locked)."""
+        """Page-lock, once, each layer's bytes from its first streamed expert on; returns the layers it could not."""
         todo = {}  # layer -> offset where its streamed bytes start (None: packed)
         for i, r in enumerate(resident):
             lw, held = self.layers[i], self.pins.get(i)
@@ -303,7 +289,6 @@ class ModelWeights:
         return self.layers[0].layout.scheme
 
     def pack_for_cpu(self, progress: EventSink = ignore, dense_format=None, dense_cache=None) -> None:
-        """Every layer's pack_for_cpu, and the LM head (quantized too with `dense_format`, through `dense_cache`)."""
         from core.model.cpu.kernels import pack_dense
 
         quant, what = None, "packing experts for the CPU"
@@ -337,8 +322,6 @@ class ModelWeights:
         progress(Progress(what, len(self.layers) + 1, len(self.layers) + 1, "layers"))
 
     def widen_dense(self, math: torch.dtype, pack: bool = False, progress: EventSink = ignore) -> None:
-        """Non-expert weights and embeddings in `math`, experts left in `dtype` or (`pack`, where `packs_widened`)
-        every MoE layer's in the fp32-math C kernel's layout (LayerWeights.widen_dense)."""
         if math == self.math_dtype:
             return
         for i, lw in enumerate(self.layers):
@@ -349,7 +332,6 @@ class ModelWeights:
         self.math_dtype = math
 
     def packs_widened(self) -> bool:
-        """Whether the fp32-math C kernel takes every MoE layer's experts (plain SwiGLU, no biases, unquantized)."""
         from core.model.cpu import ffn
 
         moe = [lw for lw in self.layers if "w13" in lw.tensors]
@@ -374,10 +356,8 @@ PAGE = 4096
 
 def page_aligned(numel: int, dtype: torch.dtype, huge_from: int | None = None) -> torch.Tensor:
     """A buffer of whole pages of its own, so a part of it can be page-locked without touching a neighbour's.
-    With `huge_from` (bytes), what lies past it on huge pages where the OS gives them (core.model.cpu.hugepages):
-    a CPU decode step streams a layer's experts, which [expert_start, numel) of its layout holds, all written.
-    Not the dense head before them: a GGUF file's quantized projections are held as blocks elsewhere, so that
-    stretch is never touched (≈ 6.5 MB a layer of a Q4_K_M file), and huge pages would make it resident."""
+    With `huge_from` (bytes), what lies past it (the streamed experts) on huge pages where the OS gives them; not
+    the dense head: a GGUF file's projections are held as blocks elsewhere, and huge pages would make it resident."""
     size, total = dtype.itemsize, -(-(numel * dtype.itemsize) // PAGE) * PAGE + PAGE
     if huge_from is None:
         raw = torch.empty(total, dtype=torch.uint8)
@@ -396,9 +376,8 @@ def _unpin_all(pins: dict) -> None:
 def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
                  progress: EventSink = ignore, quant: Format | None = None,
                  use_cache: bool = True, shard=None) -> ModelWeights:
-    """Read a checkpoint into paged per-layer buffers (plain tensors for embeddings and head). `shard`: only
-    that tensor-parallel rank's part, laid out for `local_spec(spec, shard)`. `quant`: experts quantized as
-    they are read (or read back from core.model.quant.cache): memory peaks at the quantized model plus a layer."""
+    """A checkpoint in paged per-layer buffers. `shard`: only that tensor-parallel rank's part; `quant`: experts
+    quantized as they are read (or read back from the cache): memory peaks at the quantized model plus a layer."""
     if pages_per_layer < 1:
         raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
     mxfp4 = spec.quant_method == "mxfp4" and spec.family == "gpt_oss"  # experts read as the 4-bit blocks they are
@@ -487,7 +466,6 @@ _QUANT_ROWS = 256  # rows quantized at a time: bounds the float32 temporaries to
 
 
 def _quantize_layer(src: LayerWeights, dst: LayerWeights) -> None:
-    """Dense tensors copied, experts quantized into dst's parts, one expert and row block at a time."""
     for name, t in dst.tensors.items():
         if name in src.tensors:
             t.copy_(src.tensors[name])
@@ -502,7 +480,6 @@ def _quantize_layer(src: LayerWeights, dst: LayerWeights) -> None:
 
 
 def _fill_layer(ckpt: Checkpoint, fam, spec: ModelSpec, i: int, keys, dest: dict[str, torch.Tensor], shard) -> None:
-    """Layer i of the checkpoint (of `spec`, the whole model) into `dest`, cut to the rank's part where sharded."""
     picks = shard.selections(spec, i) if shard is not None else None
     _fill(ckpt, fam.layer_pieces(spec, i, keys), dest, picks, spec.layer_shapes(i))
     if shard is not None and shard.rank:  # biases added once after the sum over ranks: rank 0 holds them
@@ -529,7 +506,6 @@ def _fill(ckpt: Checkpoint, pieces, dest: dict[str, torch.Tensor], picks=None, s
 
 
 def _targets(p, dest: dict[str, torch.Tensor], picks, shapes):
-    """(destination view, source narrow) pairs of one piece: itself, or this rank's runs of it."""
     if not picks or p.dest not in picks:
         yield (dest[p.dest][p.index] if p.index else dest[p.dest]), None
         return

@@ -82,8 +82,8 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
 
 
 def having(spec, i: int, pieces: list[Piece]) -> list[Piece]:
-    """The pieces of the tensors layer i has (spec.layer_shapes): the helpers here name every tensor a family's
-    layers may have, biases and norms included, and the spec alone says which are there."""
+    """The pieces of the tensors layer i has: the helpers here name every tensor a layer may have, and the spec
+    alone says which are there."""
     shapes = spec.layer_shapes(i)
     return [p for p in pieces if p.dest in shapes]
 
@@ -117,7 +117,6 @@ def routed_experts(prefix: str, spec, keys: set[str], names=("gate_proj", "up_pr
 
 
 def moe_layer(spec, i: int, keys: set[str], **ffn) -> list[Piece]:
-    """A Llama-style layer: norms, attention and `ffn_pieces(**ffn)`."""
     p = f"model.layers.{i}."
     return having(spec, i, [*norm_pieces(p), *llama_style_attention(p, spec), *ffn_pieces(p, spec, keys, **ffn)])
 
@@ -156,7 +155,6 @@ def quant_method(cfg: dict) -> str | None:
 
 
 def mlp_pieces(prefix: str, dest: str, inter: int) -> list[Piece]:
-    """A SwiGLU MLP named gate_proj / up_proj / down_proj, fused into `dest`_w13 / `dest`_w2."""
     return [Piece(prefix + "gate_proj.weight", f"{dest}_w13", (slice(0, inter),)),
             Piece(prefix + "up_proj.weight", f"{dest}_w13", (slice(inter, 2 * inter),)),
             Piece(prefix + "down_proj.weight", f"{dest}_w2")]
@@ -165,8 +163,7 @@ def mlp_pieces(prefix: str, dest: str, inter: int) -> list[Piece]:
 def ffn_pieces(prefix: str, spec, keys: set[str], moe: str = "mlp.",
                names=("gate_proj", "up_proj", "down_proj"), router: str = "gate.weight",
                shared: str = "shared_experts.") -> list[Piece]:
-    """A layer's FFN under `moe`: a dense MLP in a dense layer, else the router (and its correction bias), the
-    routed experts (`names`) and the shared expert(s) (`shared`) behind their gate (see `having`)."""
+    """A layer's FFN under `moe`: every tensor a dense or MoE layer may have (see `having`)."""
     p = prefix + moe
     return [*mlp_pieces(p, "dense", spec.dense_intermediate), Piece(p + router, "router"),
             *routed_experts(p, spec, keys, names), Piece(p + "gate.e_score_correction_bias", "e_bias"),

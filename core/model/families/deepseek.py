@@ -1,8 +1,7 @@
-"""DeepSeek-V2 / V3 (and V3's offspring: R1, Kimi K2, Moonlight): multi-head latent attention with YaRN
-whose mscale also scales the softmax, a latent KV cache, the first `first_k_dense_replace` layers dense,
-`n_shared` shared experts. V2 routes softmax + (group-limited) greedy, never renormalised (as
-transformers); V3 sigmoid scores chosen with `e_score_correction_bias`; both × routed_scaling_factor.
-The configs name remote code (auto_map); mlight, like transformers, implements it and never runs it.
+"""DeepSeek-V2 / V3 (and R1, Kimi K2, Moonlight): latent attention with YaRN whose mscale also scales the
+softmax, the first `first_k_dense_replace` layers dense. V2 routes softmax + (group-limited) greedy, never
+renormalised (as transformers); V3 sigmoid scores chosen with `e_score_correction_bias`. The configs name
+remote code (auto_map); mlight, like transformers, implements it and never runs it.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("Glm4MoeForCausalLM",)
 global_pieces = llama_style_globals
+layer_pieces = moe_layer
 
 
 def spec(cfg: dict) -> ModelSpec:
@@ -28,7 +29,3 @@ def spec(cfg: dict) -> ModelSpec:
         dense_layers=first_dense(cfg), dense_intermediate=need(cfg, "intermediate_size"),
         max_position=first(cfg, "max_position_embeddings", default=131072), quant_method=quant_method(cfg),
     )
-
-
-def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
-    return moe_layer(spec, i, keys)

@@ -7,6 +7,7 @@ from core.model.spec import ModelSpec
 
 ARCHITECTURES = ("OlmoeForCausalLM",)
 global_pieces = llama_style_globals
+layer_pieces = moe_layer
 
 
 def spec(cfg: dict) -> ModelSpec:
@@ -17,7 +18,3 @@ def spec(cfg: dict) -> ModelSpec:
         router_norm="sum" if cfg.get("norm_topk_prob") else "none",
         max_position=first(cfg, "max_position_embeddings", default=4096),
     )
-
-
-def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
-    return moe_layer(spec, i, keys)

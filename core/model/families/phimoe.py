@@ -1,7 +1,7 @@
 """Phi-3.5-MoE: LayerNorm with bias, q/k/v/o and LM-head biases, LongRoPE, and sparse-mixer top-2 routing.
 
-The config names the remote-code class `PhiMoEForCausalLM`; transformers implements it natively, and so
-does mlight. A `sliding_window` shorter than the context makes every layer a sliding one.
+The config names remote code; transformers implements it natively, and so does mlight. A `sliding_window`
+shorter than the context makes every layer a sliding one.
 """
 
 from __future__ import annotations

@@ -107,7 +107,6 @@ def _mla_config(g: GGUFModel, experts: int, inter: int) -> dict:
 @dataclass(frozen=True)
 class Place:
     """GGUF tensor `src` goes to canonical tensor `dest`, rows [lo, hi) (None: all of it)."""
-
     src: str
     dest: str
     rows: tuple[int, int] | None = None
@@ -116,7 +115,7 @@ class Place:
 
 
 def dense_places(spec, i: int, names: set[str]) -> list[Place]:
-    """Layer i's tensors but its routed experts: every one a layer may have, kept where the spec's shapes name it."""
+    """Layer i's tensors but its routed experts (see families._common.having)."""
     p = f"blk.{i}."
     q, kv = spec.q_size, spec.kv_size
     rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
@@ -137,7 +136,6 @@ def dense_places(spec, i: int, names: set[str]) -> list[Place]:
 
 
 def _mlp_places(p: str, tag: str, dest: str, inter: int) -> list[Place]:
-    """A SwiGLU MLP (ffn_gate/up/down + `tag`) into `dest`_w13 and `dest`_w2."""
     return [Place(f"{p}ffn_gate{tag}.weight", f"{dest}_w13", (0, inter)),
             Place(f"{p}ffn_up{tag}.weight", f"{dest}_w13", (inter, 2 * inter)),
             Place(f"{p}ffn_down{tag}.weight", f"{dest}_w2")]

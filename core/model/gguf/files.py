@@ -1,7 +1,7 @@
 """Finding a model's GGUF file(s) and reading their metadata and tensor index (not their data).
 
-Tensor bytes are read later straight into their destination (`read_into`), so the file's pages never pile
-up as a second copy. Split models are one model: metadata from the first file, tensors from all.
+Tensor bytes are read later straight into their destination (`read_into`): the file's pages never pile up
+as a second copy.
 """
 
 from __future__ import annotations
@@ -66,8 +66,6 @@ class TensorRef:
 
 
 class GGUFModel:
-    """Metadata and tensor index of one GGUF model (one file or a split set)."""
-
     def __init__(self, paths: list[Path]):
         from gguf import GGUFReader
 
@@ -127,7 +125,7 @@ def read_into(ref: TensorRef, dest: torch.Tensor, start: int = 0) -> None:
 
 
 def read_float(ref: TensorRef) -> torch.Tensor:
-    """The whole tensor expanded to float32 (dense weights only: one tensor at a time)."""
+    """The whole tensor expanded to float32 (dense weights: one at a time)."""
     from core.model.quant.blocks import decode_gguf
     from core.model.quant.formats import GGUF_BLOCKS
 

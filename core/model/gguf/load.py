@@ -1,9 +1,8 @@
 """A GGUF model into mlight's per-layer flat buffers, its tokenizer, and its ModelSpec.
 
-Dense tensors are expanded to the compute dtype one at a time; routed experts in a block format are
-copied byte for byte into the expert region (a Q4_K_M file's experts stay Q4_K/Q6_K in RAM, pages and on
-the device). Gate and up of one type share `w13`; of two types they stay `w1` and `w3`. Layers may
-differ in their types, so each has its own layout.
+Dense tensors are expanded to the compute dtype one at a time; routed experts in a block format are copied
+byte for byte (a Q4_K_M file's experts stay Q4_K/Q6_K in RAM, pages and on the device). Gate and up of one
+type share `w13`, of two types stay `w1` and `w3`; layers may differ in their types, so each has its own layout.
 """
 
 from __future__ import annotations
@@ -130,7 +129,6 @@ def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Ten
 
 
 def _block_rows(g: GGUFModel, p: arch.Place, target: torch.Tensor):
-    """Place `p`'s rows as the file's blocks (a block_dense.Segment), or None where they are to be expanded."""
     from core.model.cpu import gguf_blocks
     from core.model.quant.block_dense import Segment
 
@@ -149,14 +147,12 @@ def _block_rows(g: GGUFModel, p: arch.Place, target: torch.Tensor):
 
 
 def block_weights(held: dict[str, list], dest: dict[str, torch.Tensor]) -> dict:
-    """{name: BlockWeight} of the projections `fill_dense` kept as blocks."""
     from core.model.quant.block_dense import BlockWeight
 
     return {name: BlockWeight(tuple(dest[name].shape), dest[name].dtype, segs) for name, segs in held.items()}
 
 
 def fill_experts(g: GGUFModel, spec: ModelSpec, i: int, scheme: ExpertScheme | None, tensors: dict) -> None:
-    """Layer i's experts: raw blocks into the quantized parts, or floats into w13 / w2."""
     if not spec.is_moe(i):
         return
     src = arch.expert_sources(i, set(g.tensors), spec.num_experts)

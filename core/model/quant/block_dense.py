@@ -1,9 +1,8 @@
 """A GGUF file's quantized dense projections held as the file's blocks on the CPU (attention, shared expert, LM head).
 
-Expanded, a Q4_K_M file's attention sat in RAM at 16 bits instead of 4.5. `BlockWeight` stands where the
-weight stood (F.linear only): up to NATIVE_GGUF_ROWS tokens on cpu.gguf_blocks' kernel, more a chunk of
-rows expanded at a time. A projection fused from tensors of different formats is one segment per run of
-rows in one format.
+Expanded, a Q4_K_M file's attention would sit in RAM at 16 bits instead of 4.5. `BlockWeight` runs up to
+NATIVE_GGUF_ROWS tokens on cpu.gguf_blocks' kernel, more a chunk of rows expanded at a time; a projection
+fused from tensors of different formats is one segment per run of rows in one format.
 """
 
 from __future__ import annotations

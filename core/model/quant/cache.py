@@ -1,9 +1,8 @@
 """The quantized cache: a checkpoint quantized once, kept as safetensors in the user cache, memory-mapped after.
 
-An entry `<cache>/quantized/<key>/` holds `model.safetensors` (globals and each layer's flat buffer as bytes)
-and `meta.json`; the key hashes the checkpoint's content, the scheme, the dtype and the layout's version. It is
-written under a temporary name and committed under the entry's file lock: an interrupted load leaves nothing
-trusted, and the second of two writers drops its copy (never replacing a file a reader may have mapped).
+An entry `<cache>/quantized/<key>/` holds `model.safetensors` and `meta.json`. It is written under a temporary
+name and committed under the entry's file lock: an interrupted load leaves nothing trusted, and the second of
+two writers drops its copy (never replacing a file a reader may have mapped).
 """
 
 from __future__ import annotations
@@ -54,8 +53,6 @@ def fingerprint(model_dir: Path) -> str:
 
 
 class CacheEntry:
-    """One quantized checkpoint in the cache."""
-
     def __init__(self, model_dir: Path, what: dict):
         h = hashlib.sha256(fingerprint(model_dir).encode())
         h.update(json.dumps({**what, "version": VERSION}, sort_keys=True).encode())
@@ -136,7 +133,6 @@ class StreamWriter:
             raise _cache_error(self.tmp, e) from e
 
     def commit(self) -> None:
-        """Rename the file into place and write meta.json, unless another writer completed the entry first."""
         if self.next != len(self.order):
             raise RuntimeError("cache writer closed before every tensor was written")
         try:

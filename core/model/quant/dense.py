@@ -1,10 +1,8 @@
 """Dense weights (attention projections, shared experts, the LM head) quantized on the CPU, behind F.linear.
 
-At batch 1 a decode step also reads every attention projection and the LM head: `--quantize-dense`
-stores them in the experts' format for torch's CPU weight-only kernels. `QuantWeight` stands where the
-weight stood (a cpu.kernels.LinearOnlyWeight), quantized and packed a block of rows at a time so the
-float32 temporaries stay near a megabyte. `DenseCache` keeps the packed weights in the user cache; its
-key names the CPU kernel too, since int4's packed layout differs between AVX2 and AVX-512 builds.
+At batch 1 a decode step also reads every attention projection and the LM head: `--quantize-dense` stores
+them in the experts' format for torch's CPU weight-only kernels. `DenseCache`'s key names the CPU kernel too,
+since int4's packed layout differs between AVX2 and AVX-512 builds.
 """
 
 from __future__ import annotations
@@ -47,20 +45,18 @@ class QuantWeight(LinearOnlyWeight):
 
 
 def takes(w: torch.Tensor, fmt: Format) -> bool:
-    """Whether the CPU kernel for `fmt` takes `w` (its shape, its dtype, this torch)."""
     n, k = w.shape
     return kernel_takes(fmt, n, k) and cpu_kernel_ok(fmt, n, k, w.dtype)
 
 
 def kernel_layout(fmt: Format, n: int, k: int, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """(suffix, dtype, shape) of the kernel's tensors for an [n, k] weight computing in `dtype`."""
     if fmt.name == "int8":
         return [("q", torch.int8, (n, k)), ("scale", dtype, (n,))]
     return [("packed", torch.uint8, (n, k // 2)), ("sz", dtype, (k // fmt.group, n, 2))]
 
 
 def pack_rows(w: torch.Tensor, fmt: Format) -> tuple:
-    """`w` quantized and packed for the kernel, ROWS rows at a time (bit for bit the whole-matrix result)."""
+    """`w` quantized and packed, ROWS rows at a time so the float32 temporaries stay near a megabyte."""
     n, k = w.shape
     out = [torch.empty(shape, dtype=dt) for _, dt, shape in kernel_layout(fmt, n, k, w.dtype)]
     for r in range(0, n, ROWS):
@@ -71,15 +67,13 @@ def pack_rows(w: torch.Tensor, fmt: Format) -> tuple:
 
 
 def quantize_dense(w: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """`w` as a QuantWeight where the CPU kernel takes its format, shape and dtype, else `w` itself."""
     if not takes(w, fmt):
         return w
     return QuantWeight(w.shape, w.dtype, fmt, pack_rows(w.contiguous(), fmt))
 
 
 class DenseCache:
-    """One checkpoint's quantized dense weights in the user cache: `weight(name, w)` maps a complete entry's
-    QuantWeight, else quantizes and writes it, in the order of `names`; `commit()` once all are written."""
+    """One checkpoint's quantized dense weights in the user cache, mapped, or written in the order of `names`."""
 
     def __init__(self, model_dir: Path, fmt: Format, dtype: torch.dtype, names: list[tuple[str, int, int]],
                  key: dict):
@@ -134,7 +128,6 @@ def _map(path: Path) -> dict[str, torch.Tensor]:
 
 
 def dense_cache(model_dir: Path, spec, fmt: Format | None, dtype: torch.dtype, key: dict | None = None):
-    """`spec`'s DenseCache for `fmt`, or None where nothing is cached (no format, or no kernel for it here)."""
     from core.model.quant.dense_spec import quantized_matrices, with_dense
 
     if fmt is None or not cpu_kernel_ok(fmt, 16, max(fmt.group, 2), dtype):

@@ -1,9 +1,8 @@
 """One quantized matrix expanded into the compute dtype, in buffers made once and reused by every call.
 
-This runs per expert per layer per step, so nothing allocates after the first call: output, chunk
-buffers and even scalar operands (a Python number becomes a fresh 0-dim tensor per op) live in a
-`Workspace` shared by a model's layers. The arithmetic is `formats.dequantize`'s op for op in float32,
-a chunk of rows at a time, rounded once into the output: bit for bit the reference's.
+This runs per expert per layer per step, so nothing allocates after the first call: output, chunks and even
+scalar operands (a Python number is a fresh 0-dim tensor per op) live in a `Workspace`. The arithmetic is
+`formats.dequantize`'s op for op in float32, rounded once into the output: bit for bit the reference's.
 Legend: n = output rows, k = inputs, g = int4 group, r = rows in a chunk.
 """
 

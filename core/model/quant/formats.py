@@ -25,9 +25,8 @@ GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (
 # Expanding a quantized matrix goes a chunk of rows at a time through a float32 workspace (expand.py)
 CHUNK_ELEMS_CPU = 1 << 18  # 1 MB: the expanded rows are read back from L2
 CHUNK_ELEMS_DEVICE = 1 << 23  # 32 MB: a Mixtral expert's up projection in 14 chunks of a few launches each
-# Tokens on one expert above which a kernel loses to expand-then-matmul (bench/quant_cpu.py); here so
-# that the planner, which never imports torch, prices what the engine runs: torch's int8 kernel, mlight's
-# C int4 kernel, core.model.cpu.gguf_blocks' kernel (which decodes each weight row once whatever the tokens)
+# Tokens on one expert above which a kernel loses to expand-then-matmul (torch's int8, mlight's C int4 and GGUF
+# block kernels); here so that the planner, which never imports torch, prices what the engine runs
 KERNEL_ROWS = 16
 NATIVE_INT4_ROWS = 128
 NATIVE_GGUF_ROWS = 128

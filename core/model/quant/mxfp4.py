@@ -16,18 +16,11 @@ def scheme(spec) -> ExpertScheme:
     return ExpertScheme.uniform(Format("mxfp4"), spec.hidden_size, spec.expert_intermediate)
 
 
-def expert_sources(i: int) -> dict[str, str]:
-    m = f"model.layers.{i}.mlp.experts."
-    return {f"{w}.{part}": f"{m}{name}_{part}" for w, name in (("w13", "gate_up_proj"), ("w2", "down_proj"))
-            for part in ("blocks", "scales")}
-
-
 def fill(ckpt, spec, i: int, tensors: dict) -> None:
     """Layer i's expert blocks and scales from the checkpoint into the layer's parts, gate rows first."""
-    I = spec.expert_intermediate
-    for dest, src in expert_sources(i).items():
-        if dest.startswith("w13"):
-            ckpt.copy_into(src, tensors[dest][:, :I], select=(EVERY, EVEN))
-            ckpt.copy_into(src, tensors[dest][:, I:], select=(EVERY, ODD))
-        else:
-            ckpt.copy_into(src, tensors[dest])
+    I, m = spec.expert_intermediate, f"model.layers.{i}.mlp.experts."
+    for part in ("blocks", "scales"):
+        w13 = tensors[f"w13.{part}"]
+        ckpt.copy_into(f"{m}gate_up_proj_{part}", w13[:, :I], select=(EVERY, EVEN))
+        ckpt.copy_into(f"{m}gate_up_proj_{part}", w13[:, I:], select=(EVERY, ODD))
+        ckpt.copy_into(f"{m}down_proj_{part}", tensors[f"w2.{part}"])
