@@ -1,8 +1,6 @@
-"""HardwareSpec: what the planner knows of a machine — from `preset(name)` (datasheets), `detect()` (pynvml and
-psutil; no GPU is the normal CPU-only case) or `probe()` (seconds of measurement, cached per machine and CPU ISA
-setting; CPU matmuls through `CPU_MATMUL_PROBES`).
-
-Boundary: numbers only; the HRM derates every datasheet field not in `measured`. torch is imported only by `probe`.
+"""HardwareSpec: what the planner knows of a machine, from `preset` (datasheets), `detect` (pynvml, psutil) or
+`probe` (measured, cached per machine and CPU ISA setting). The HRM derates every field not in `measured`.
+torch is imported only by the probe.
 """
 
 from __future__ import annotations
@@ -92,13 +90,11 @@ class HardwareSpec(JsonRecord):
                                                for k, v in dict(self.cpu_costs).items()})
 
     def cpu_rate(self, dtype: str) -> float | None:
-        """Measured CPU matmul FLOP/s in `dtype` (a dtype or quantized-kernel name), None if not measured."""
         return self.cpu_matmul.get(dtype) or None  # floats since __post_init__
 
     def cpu_math(self, storage: str) -> tuple[str, str]:
-        """(dtype the CPU computes in, why) for weights stored in `storage` on this machine: the rule the
-        engine applies (core.model.cpu.compute), from the recorded ISA or the measured rates. A machine
-        whose ISA is unknown (a file from an old probe) is taken to run the storage dtype natively."""
+        """(dtype the CPU computes in, why) for weights stored in `storage`: the engine's rule
+        (core.model.cpu.compute). An unknown ISA (an old probe's file) is taken to run the storage dtype natively."""
         from core.model.cpu.compute import math_for, native
 
         if self.cpu_isa is None:
@@ -106,7 +102,6 @@ class HardwareSpec(JsonRecord):
         return math_for(storage, self.cpu_matmul, native(storage, self._isa()), self.cpu_isa_text())
 
     def cpu_flops_for(self, storage: str) -> tuple[float, str, bool]:
-        """(FLOP/s, math dtype, measured?) of the CPU's matmuls for weights stored in `storage`."""
         math, _ = self.cpu_math(storage)
         rate = self.cpu_rate(math)
         return (rate, math, True) if rate else (self.cpu_flops, math, "cpu_flops" in self.measured)
@@ -127,7 +122,6 @@ class HardwareSpec(JsonRecord):
         return self.gpu_count > 0
 
     def with_link(self, gbps: float) -> "HardwareSpec":
-        """The same machine with a host↔device link of `gbps` GB/s each way (`--pcie-gbps`)."""
         if gbps <= 0:
             raise UsageError(f"--pcie-gbps must be positive, got {gbps}", "give the link bandwidth in GB/s, e.g. 16")
         measured = tuple(m for m in self.measured if m not in ("h2d_bw", "d2h_bw"))
@@ -212,7 +206,6 @@ def gpu_compute_dtype(dtype, capability: tuple[int, int] | None):
 
 # ---- detect ------------------------------------------------------------------------------------
 def detect() -> HardwareSpec:
-    """What this machine has: GPUs through NVML (absent → CPU-only), RAM and cores through psutil."""
     import psutil
 
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
@@ -278,7 +271,7 @@ def _nvml_gpus() -> list[dict]:
 
 # ---- probe -------------------------------------------------------------------------------------
 def machine_key(hw: HardwareSpec) -> str:
-    """This machine's hardware and the ISA limits in its environment (they change the CPU's rates)."""
+    """This machine, and the ISA limits in its environment (they change the CPU's rates)."""
     from core.model.cpu.isa import ENV_LIMITS
 
     # the first two always, the later ones only when set: keys (and calibrations) made before them stay valid
@@ -297,11 +290,8 @@ def probe_cache_path(hw: HardwareSpec) -> Path:
 
 def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: float = 0.25,
           measure=None) -> HardwareSpec:
-    """Detected hardware with measured rates, read from the cache unless `refresh`, with its calibrated CPU costs.
-
-    `measure(hw, seconds) -> {field: value}` measures (default `_measure`; tests pass a stub): RATE_FIELDS, which
-    the HRM then uses without derating, and _CPU_EXTRA.
-    """
+    """Detected hardware with measured rates (cached unless `refresh`) and its calibrated CPU costs.
+    `measure(hw, seconds) -> {field: value}`: RATE_FIELDS and _CPU_EXTRA (default `_measure`; tests pass a stub)."""
     hw = base or detect()
     cached = None if refresh else cached_probe(hw)  # a damaged cache entry is measured again and overwritten
     if cached is not None:
@@ -312,7 +302,7 @@ def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: f
 
 
 def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:
-    """This machine as the probe last measured it, or None when it never was (measures nothing)."""
+    """None when never probed (measures nothing)."""
     hw = base or detect()
     try:
         rates = json.loads(probe_cache_path(hw).read_text(encoding="utf-8"))["rates"]
@@ -322,8 +312,6 @@ def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:
 
 
 def _probed(hw: HardwareSpec, rates: dict) -> HardwareSpec:
-    """The machine with the probe's rates, its calibrated CPU cost model (`mlight bench --calibrate`) and its
-    recorded GPU-path costs, where it has them."""
     from core.plan import cpu_cost
 
     hw = _apply(hw, rates)
@@ -341,7 +329,6 @@ def gpu_costs_path(hw: HardwareSpec) -> Path:
 
 
 def _gpu_costs(hw: HardwareSpec) -> dict[str, float]:
-    """The GPU-path costs recorded for this machine ({} when none, or the file is damaged)."""
     try:
         kept = json.loads(gpu_costs_path(hw).read_text(encoding="utf-8"))["costs"]
         return {k: float(kept[k]) for k in GPU_COSTS if kept.get(k, 0) > 0}
@@ -350,7 +337,7 @@ def _gpu_costs(hw: HardwareSpec) -> dict[str, float]:
 
 
 def record_gpu_costs(hw: HardwareSpec, **values: float) -> Path:
-    """Keep measured GPU-path costs (names from GPU_COSTS) for this machine; earlier ones not given stay."""
+    """Keep measured GPU-path costs (GPU_COSTS); earlier ones not given stay."""
     unknown = set(values) - set(GPU_COSTS)
     if unknown:
         raise ValueError(f"unknown GPU costs {sorted(unknown)}; expected some of {GPU_COSTS}")
@@ -360,7 +347,6 @@ def record_gpu_costs(hw: HardwareSpec, **values: float) -> Path:
 
 
 def cached_cpu_rates() -> dict[str, float] | None:
-    """The probe's per-dtype CPU matmul rates for this machine, if it was probed (measures nothing)."""
     hw = cached_probe()
     return dict(hw.cpu_matmul) if hw is not None and hw.cpu_matmul else None
 
@@ -425,7 +411,7 @@ def _best(fn, seconds: float) -> float:
 
 
 def _matmul_rate(dtype_name: str):
-    """A probe of square `dtype` matmuls, grown until one takes ≥ 20 ms (a slow dtype stays small)."""
+    """Square matmuls grown until one takes ≥ 20 ms (a slow dtype stays small)."""
 
     def run(seconds: float) -> float:
         import torch
@@ -464,7 +450,6 @@ CPU_MATMUL_PROBES.update({f"{name}{suffix}": _quant_rate(name, rows) for name in
 
 
 def _measure(hw: HardwareSpec, seconds: float) -> dict:
-    """CPU matmul rates, memory bandwidth and instruction set; with CUDA the GPU's rates too."""
     import torch
 
     from core.model.cpu.isa import cpu_isa
@@ -499,7 +484,6 @@ def _measure(hw: HardwareSpec, seconds: float) -> dict:
 
 
 def _gpu_rates(torch, seconds: float) -> dict:
-    """GPU matmul, GPU memory, pinned H2D/D2H; its buffers are this frame's, freed when it returns."""
     rates = {}
     dev = torch.device("cuda")
 
@@ -538,8 +522,7 @@ def _release_cached(torch) -> None:
 
 
 def resolve(name: str, *, pcie_gbps: float | None = None, refresh_probe: bool = False) -> HardwareSpec:
-    """`--hardware NAME`: "local" (detect, then the cached probe), a preset, or a `mlight hw --json` file;
-    `pcie_gbps` overrides the host↔device link."""
+    """`--hardware NAME`: "local" (detect, then the cached probe), a preset, or a `mlight hw --json` file."""
     if name.strip().lower() == "local":
         hw = probe(detect(), refresh=refresh_probe)
     elif name.lower().endswith(".json"):
