@@ -158,8 +158,7 @@ class Dims:
         return self.avg(lambda m: m.d2)
 
     def state_bytes(self, tokens: float) -> float:
-        """Bytes one sequence of `tokens` tokens keeps over all layers."""
-        return sum(m.count * m.state.bytes(tokens, self.dt) for m in self.mixers)
+            return sum(m.count * m.state.bytes(tokens, self.dt) for m in self.mixers)
 
     def state_layer_bytes(self, tokens: float) -> float:
         return self.state_bytes(tokens) / self.layers
@@ -318,7 +317,7 @@ def quant_dense_swap(d: Dims, r: Rates, c, t: float) -> dict[str, float]:
 
 
 def shared_expert(d: Dims, t: float) -> Work:
-    """The shared expert of MoE layers and the dense MLP of dense layers (both always on)."""
+    """MoE layers' shared expert and dense layers' MLP."""
     width = d.moe_frac * d.Is + (1 - d.moe_frac) * d.Id
     if not width:
         return Work(0.0, 0.0)
@@ -420,7 +419,6 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
 def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, attention_on: str, ffn_on: str,
                   gpu_weight_fraction: float, gpu_kv_fraction: float, prompt_len: float,
                   pages: int | None = None, prompt_sq: float | None = None) -> dict[str, TaskCost]:
-    """The tasks of one layer's prefill of `batch` prompts: prefill, weight_page, kv_store."""
     m = dims(m)
     n_mb = batch / micro_batch
     toks = micro_batch * prompt_len
@@ -474,7 +472,6 @@ def expert_path(m: "ModelSpec | Dims", r: Rates, tokens: float) -> str:
 
 
 def ffn_ops(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
-    """Torch ops one GPU FFN task issues on its expert path, in the average layer."""
     d = dims(m)
     fixed, per = EXPERT_PATHS[expert_path(d, r, tokens)]
     return fixed + per * d.moe_frac * expected_experts(tokens, d.E, d.k)

@@ -62,8 +62,6 @@ class Budget:
 
 @dataclass(frozen=True)
 class Overrun:
-    """One memory that a policy overfills."""
-
     where: str  # "gpu" | "cpu"
     needed: int  # bytes the policy uses there
     limit: int  # usable bytes of the budget
@@ -92,7 +90,6 @@ def tokens_per_slot(w: Workload) -> int:
 
 
 def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[str, int], dict[str, int]]:
-    """Bytes on the GPU (all GPUs) and on the CPU, by purpose."""
     gpu, cpu, _ = _memory(hrm.dims(m), p, w)
     return gpu, cpu
 
@@ -295,7 +292,6 @@ class _Lin:
 
 
 def _memory_lin(d: hrm.Dims, w: Workload, place, n: int, mu: int, beta: int) -> tuple[float, ...]:
-    """(gpu0, gpu_w, gpu_c, cpu0, cpu_w, cpu_c): memory at r = 0 and its (exact) change per unit r_w, r_c."""
     a, f = place
 
     def use(r_w: float, r_c: float) -> list[int]:
@@ -394,7 +390,7 @@ def _best_fractions(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_limi
 
 def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_limit: float,
                        gpu_attn: bool) -> tuple[float, float, float] | None:
-    """The same problem as `_best_fractions`, jointly in (r_w, r_c), as an LP solved by CBC."""
+    """`_best_fractions` jointly in (r_w, r_c), as an LP (CBC)."""
     import pulp
 
     prob = pulp.LpProblem("fractions", pulp.LpMinimize)
@@ -445,7 +441,6 @@ def _mus(place: tuple[str, str], n_cap: int, has_gpu: bool = True) -> list[int]:
 
 
 def _expert_groups(n_mb: int) -> list[int]:
-    """Micro-batches per expert batch: powers of two dividing n_mb, and n_mb itself (all tokens at once)."""
     gs = [1 << i for i in range(n_mb.bit_length()) if n_mb % (1 << i) == 0]
     return gs + ([n_mb] if n_mb not in gs else [])
 
@@ -485,7 +480,6 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
         return any(_rw_interval(mem, r_c, gpu_limit, cpu_limit) is not None for r_c in grid)
 
     def expert_batches(place, n_mb, mu):
-        """Candidates for every expert batch size worth trying at this (N, μ); their best time."""
         n = n_mb * mu
         mem = memory(place, n, mu)
         pre = _prefill_lin(d, r, w, place, n, mu)
