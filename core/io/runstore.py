@@ -122,8 +122,6 @@ class RunStore:
         key = hashlib.sha256(str(self.out.resolve()).encode("utf-8", "surrogatepass")).hexdigest()[:32]
         return platform.cache_dir() / "finished-runs" / f"{key}.json"
 
-    # -- lock ---------------------------------------------------------------------------------
-
     def check_writable(self) -> None:
         """Refuse early, before any model is loaded, an output that cannot be written."""
         parent = self.out.parent
@@ -166,8 +164,6 @@ class RunStore:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-    # -- manifest and resume -------------------------------------------------------------------
 
     def start(self, manifest: dict, restart: bool = False) -> None:
         """Resume the run file if it belongs to this run, else start one. Call with the lock held."""
@@ -233,8 +229,6 @@ class RunStore:
             self._file = open(self.run_path, "ab")
         except OSError as e:
             raise os_error(e, self.run_path) from e
-
-    # -- appending and finishing ---------------------------------------------------------------
 
     def append(self, record: dict) -> None:
         """Durable before it returns."""

@@ -107,7 +107,6 @@ def decode_units(d, micro_batch: float, expert_batch: float, tokens: float) -> d
             "post_attn": post_units(d, micro_batch) + one, "ffn": ffn_units(d, expert_batch) + one}
 
 
-# ---- what core.plan.hrm asks -------------------------------------------------------------------------
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,
                  lengths: list[int] | None = None) -> dict[str, float]:
     """Seconds of one task of each kind; `lengths`: the requests' own (attention reads each one's cache in place)."""
@@ -123,7 +122,6 @@ def head_seconds(d, c: CpuCosts, tokens: float) -> float:
     return seconds(c, vec(head_units(d, tokens) + Counter(step_s=1.0)))
 
 
-# ---- the fit -----------------------------------------------------------------------------------------
 def nnls(a: list[list[float]], b: list[float], iters: int = 200) -> list[float]:
     """x ≥ 0 minimising |a·x − b| (Lawson and Hanson's active set), in float64 through torch."""
     import torch
@@ -165,8 +163,7 @@ def band_of(errors: list[float]) -> float:
     return max([MIN_BAND] + [abs(e) for e in errors])
 
 
-# ---- before any calibration --------------------------------------------------------------------------
-# Shares of the probe's rates and the engine's per-call costs (CPU-bound: they do not shrink with cores), as
+# Before any calibration: shares of the probe's rates and the engine's per-call costs (CPU-bound: they do not shrink with cores), as
 # calibrations on two Zen 5 threads found them; experts narrower than the math are widened tile by tile.
 DEFAULT_READ, DEFAULT_KV_READ, DEFAULT_SDPA, DEFAULT_PACKED_READ, DEFAULT_WIDEN_READ = 0.45, 0.5, 0.5, 0.7, 0.2
 # per GEMM call (a prepacked weight dispatches through Python); float32 weights run as torch ops an expert at a

@@ -128,27 +128,20 @@ class HardwareSpec(JsonRecord):
         return dataclasses.replace(self, h2d_bw=gbps * GB, d2h_bw=gbps * GB, measured=measured)
 
 
-# ---- presets -----------------------------------------------------------------------------------
 # PCIe, one direction, after 128b/130b encoding: gen3 x16 15.75 GB/s, gen4 31.5, gen5 63 (PCI-SIG).
 _PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
 # name: (marketing name, memory GiB, dense fp16/bf16 tensor TFLOP/s, memory GB/s, pcie gen, width, compute
-# capability from NVIDIA's CUDA GPUs table: T4 Turing, A10G/RTX 3090 Ampere, L4/4090 Ada)
+# capability), from NVIDIA's datasheets and whitepapers (fp16 with fp32 accumulate where they differ) and its
+# CUDA GPUs table. L4's sheet says 242 TFLOPS with sparsity; AWS publishes no A10G sheet: 70 is the figure quoted
+# for its lower clocks (the A10's sheet: 125).
 _GPUS = {
-    # NVIDIA T4 datasheet: 16 GB GDDR6, 320 GB/s, "mixed precision FP16/FP32" 65 TFLOPS, PCIe gen3 x16.
     "t4": ("Tesla T4", 16, 65.0, 320.0, 3, 16, (7, 5)),
-    # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, FP16 tensor 242 TFLOPS *with sparsity* → 121 dense, gen4 x16.
     "l4": ("NVIDIA L4", 24, 121.0, 300.0, 4, 16, (8, 9)),
-    # AWS publishes no A10G datasheet; the NVIDIA A10 sheet lists 125 dense FP16 at higher clocks and
-    # 600 GB/s. A10G runs lower clocks: 70 dense FP16 TFLOPS is the commonly quoted figure. gen4 x16.
     "a10g": ("NVIDIA A10G", 24, 70.0, 600.0, 4, 16, (8, 6)),
-    # NVIDIA Ampere GA102 whitepaper (RTX 3090): 936 GB/s GDDR6X, FP16 tensor with FP32 accumulate 71 TFLOPS.
     "rtx3090": ("NVIDIA GeForce RTX 3090", 24, 71.0, 936.0, 4, 16, (8, 6)),
-    # NVIDIA Ada whitepaper (RTX 4090): 1008 GB/s, FP16 tensor with FP32 accumulate 165.2 TFLOPS dense.
     "rtx4090": ("NVIDIA GeForce RTX 4090", 24, 165.2, 1008.0, 4, 16, (8, 9)),
-    # NVIDIA A100 datasheet (80GB PCIe): HBM2e 1935 GB/s, BF16 tensor 312 TFLOPS dense, gen4 x16.
     "a100-80g": ("NVIDIA A100 80GB PCIe", 80, 312.0, 1935.0, 4, 16, (8, 0)),
-    # NVIDIA H100 datasheet (SXM5 80GB): HBM3 3.35 TB/s, BF16 tensor 989 TFLOPS dense, gen5 x16.
     "h100": ("NVIDIA H100 80GB HBM3", 80, 989.0, 3350.0, 5, 16, (9, 0)),
 }
 
@@ -204,7 +197,6 @@ def gpu_compute_dtype(dtype, capability: tuple[int, int] | None):
     return dtype
 
 
-# ---- detect ------------------------------------------------------------------------------------
 def detect() -> HardwareSpec:
     import psutil
 
@@ -269,7 +261,6 @@ def _nvml_gpus() -> list[dict]:
             pynvml.nvmlShutdown()
 
 
-# ---- probe -------------------------------------------------------------------------------------
 def machine_key(hw: HardwareSpec) -> str:
     """This machine, and the ISA limits in its environment (they change the CPU's rates)."""
     from core.model.cpu.isa import ENV_LIMITS

@@ -117,7 +117,6 @@ class Work:
         return Work(self.flops + other.flops, self.bytes + other.bytes)
 
 
-# ---- model dimensions as plain numbers -------------------------------------------------------------
 @dataclass(frozen=True)
 class Dims:
     """A ModelSpec's numbers, read once (its properties are too slow for the planner's inner loop): `dims`.
@@ -247,7 +246,6 @@ def dims(m: "ModelSpec | Dims") -> Dims:
     return m if isinstance(m, Dims) else _dims(m)
 
 
-# ---- tasks of one decoder layer ------------------------------------------------------------------
 def expected_experts(tokens: float, num_experts: int, top_k: int) -> float:
     """Distinct experts `tokens` uniformly routed tokens touch: E·(1 − (1 − k/E)^t), not t·k."""
     if tokens <= 0:
@@ -345,12 +343,10 @@ def lm_head(d: Dims, t: float) -> Work:
     return Work(2 * t * d.D * d.V, (d.V * d.D + t * d.D) * d.dt)
 
 
-# ---- roofline ------------------------------------------------------------------------------------
 def roofline_seconds(w: Work, flops: float, bw: float) -> float:
     return max(w.flops / flops, w.bytes / bw)
 
 
-# ---- one layer's tasks and busy time on each resource ------------------------------------------------
 # A task kind's cost is defined once here; core.runtime.simulate replays core.runtime.schedule's graphs with these
 # same costs, so a simulated layer and decode_layer_seconds agree on every resource's busy time.
 @dataclass(frozen=True)

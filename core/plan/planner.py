@@ -222,7 +222,6 @@ def validate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
     return out
 
 
-# ---- cost of one policy --------------------------------------------------------------------------
 def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> Prediction:
     """The HRM's prediction (memory reported, not checked). Tensor parallel: one rank's time, every rank's memory."""
     p, k, requests = policy, policy.tensor_parallel, workload.num_requests
