@@ -82,8 +82,7 @@ def resolve_model(model: str | None, revision: str | None = None, progress: Even
 def download_model(repo_id: str, revision: str | None = None, *, progress: EventSink = ignore,
                    cache_dir: str | Path | None = None, endpoint: str | None = None,
                    token: str | bool | None = None, gguf: str | None = None) -> Path:
-    """Fetch what mlight needs from `repo_id` into the hub cache; return the snapshot folder (for a repo of
-    GGUF files: the path of the one GGUF model chosen, by `gguf` — a tag such as Q4_K_M — when it holds several)."""
+    """The snapshot folder, or a GGUF repo's one model file (`gguf`: a tag such as Q4_K_M, among several)."""
     from huggingface_hub import constants
 
     kw = dict(cache_dir=str(cache_dir) if cache_dir else None, token=token)

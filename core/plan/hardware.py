@@ -113,8 +113,7 @@ class HardwareSpec(JsonRecord):
                       self.cpu_isa == "amx", self.cpu_isa_limits)
 
     def cpu_isa_text(self, name_up_to: int | None = None) -> str:
-        """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"; "unknown" before a probe. More
-        than `name_up_to` limits are counted rather than named (CpuIsa.describe)."""
+        """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"; "unknown" before a probe."""
         return self._isa().describe(name_up_to) if self.cpu_isa else "unknown"
 
     @property
@@ -145,12 +144,9 @@ _GPUS = {
     "h100": ("NVIDIA H100 80GB HBM3", 80, 989.0, 3350.0, 5, 16, (9, 0)),
 }
 
-# The paper's CPU hosts (MoE-Lightning §6, see shared/paper.md): S1/S2 24 cores, 192 GB, ≈76–100 GB/s
-# memory bandwidth (we take 90); S6–S9 (2×/4× T4) 32 cores, 416 GB. Their Xeons run AVX-512 at ≈2.2 GHz:
-# 32 fp32 FLOP/cycle/core (one FMA unit) → ≈70 GFLOP/s per core.
-# The paper assumes a 16 GB/s PCIe link for every setting; its own L4 KV-transfer latencies
-# (16.8 MB in 1.4 ms, 268 MB in 21.8 ms) imply ≈12.3 GB/s achieved, i.e. a gen3-class link, so the
-# host caps the GPU's own link at 16 GB/s. Use --pcie-gbps to plan for a faster host.
+# The paper's CPU hosts (MoE-Lightning §6): S1/S2 24 cores, 192 GB, ≈76–100 GB/s (we take 90); S6–S9 (2×/4× T4)
+# 32 cores, 416 GB; Xeons at AVX-512 ≈2.2 GHz, one FMA unit → ≈70 GFLOP/s a core. The paper assumes a 16 GB/s
+# link everywhere (its own L4 KV copies imply ≈12.3 GB/s), so the host caps the GPU's link there: --pcie-gbps.
 _HOSTS = {
     1: dict(cpu_cores=24, cpu_mem_bytes=192 * 10**9, cpu_bw=90.0 * GB, cpu_flops=24 * 70e9, link_gbps=16.0),
     2: dict(cpu_cores=32, cpu_mem_bytes=416 * 10**9, cpu_bw=100.0 * GB, cpu_flops=32 * 70e9, link_gbps=16.0),
@@ -342,6 +338,18 @@ def cached_cpu_rates() -> dict[str, float] | None:
     return dict(hw.cpu_matmul) if hw is not None and hw.cpu_matmul else None
 
 
+_CPU_EXTRA = ("cpu_isa", "cpu_isa_hw", "cpu_isa_limits", "cpu_matmul", "cpu_threads")
+
+
+def _apply(hw: HardwareSpec, rates: dict) -> HardwareSpec:
+    extra = {k: rates[k] for k in _CPU_EXTRA if rates.get(k) is not None}
+    rates = {k: float(v) for k, v in rates.items() if k in RATE_FIELDS and v and v > 0}
+    if not hw.has_gpu:
+        rates = {k: v for k, v in rates.items() if k.startswith("cpu")}
+    measured = tuple(sorted(set(hw.measured) | set(rates)))
+    return dataclasses.replace(hw, **rates, **extra, measured=measured, source="probe")
+
+
 def _write_json(path: Path, data: dict) -> None:
     """Write `path` whole or not at all; racing writers (ranks probing at once) each rename their own file."""
     import tempfile
@@ -357,18 +365,6 @@ def _write_json(path: Path, data: dict) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-_CPU_EXTRA = ("cpu_isa", "cpu_isa_hw", "cpu_isa_limits", "cpu_matmul", "cpu_threads")
-
-
-def _apply(hw: HardwareSpec, rates: dict) -> HardwareSpec:
-    extra = {k: rates[k] for k in _CPU_EXTRA if rates.get(k) is not None}
-    rates = {k: float(v) for k, v in rates.items() if k in RATE_FIELDS and v and v > 0}
-    if not hw.has_gpu:
-        rates = {k: v for k, v in rates.items() if k.startswith("cpu")}
-    measured = tuple(sorted(set(hw.measured) | set(rates)))
-    return dataclasses.replace(hw, **rates, **extra, measured=measured, source="probe")
 
 
 # this process's CPU seconds where the clock resolves a probe's runs (not Windows' 15.6 ms process times)

@@ -323,8 +323,7 @@ def shared_expert(d: Dims, t: float) -> Work:
 
 
 def decode_attention(m: "ModelSpec | Dims", t: float, c: float) -> Work:
-    """t queries of one new token each over c cached tokens (average layer's mixer); each reads its own state,
-    so intensity does not grow with t."""
+    """t queries over c cached tokens each: each reads its own state, so intensity does not grow with t."""
     d = dims(m)
     return _mixed(d, lambda x: x.decode(t, c, d.dt))
 
@@ -444,8 +443,7 @@ def busy_seconds(tasks: dict[str, TaskCost]) -> dict[str, float]:
 
 
 def decode_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, float]:
-    """Busy seconds of one decode layer per resource, plus the "pipeline" and "host" bounds; each affine in
-    (r_w, r_c), which the planner's LP relies on."""
+    """Busy seconds per resource and the "pipeline" and "host" bounds: each affine in (r_w, r_c) for the LP."""
     tasks = decode_tasks(m, r, **kw)
     bounds = pipeline_bounds(tasks) or (0.0, 0.0, 0.0)
     host = host_seconds(tasks, r, ffn_ops(m, r, kw["expert_batch"])) if kw.get("ffn_on") == "gpu" else 0.0
@@ -460,8 +458,7 @@ def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, fl
 
 
 def expert_path(m: "ModelSpec | Dims", r: Rates, tokens: float) -> str:
-    """The EXPERT_PATHS key a GPU FFN task of `tokens` tokens runs on: the runtime's choice
-    (core.model.fused_moe.expert_path)."""
+    """The EXPERT_PATHS key the runtime picks (core.model.fused_moe.expert_path)."""
     d = dims(m)
     grouped_mm = d.dtype == "bfloat16" and (not r.gpu_capability or tuple(r.gpu_capability) >= (8, 0))
     return "grouped" if grouped_mm and d.qkind == "none" and tokens > FUSED_MAX_TOKENS else "fused"

@@ -563,8 +563,7 @@ def _shortfall(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget) -> B
 
 def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: Budget | None = None,
          ranks: int | None = None) -> tuple[Policy, Prediction]:
-    """The policy with the highest predicted tokens/s that fits; BudgetError where not even a batch of one fits.
-    `ranks` (default one per GPU) each plan their share (core.plan.parallel)."""
+    """The policy with the highest predicted tokens/s that fits; `ranks` (default one per GPU) plan their share."""
     budget = budget or Budget.for_hardware(hardware)
     ranks = ranks or default_ranks(hardware)
     full_model, full_hw, full_budget = model, hardware, budget
