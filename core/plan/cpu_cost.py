@@ -89,8 +89,7 @@ def head_units(d, tokens: float) -> Counter:
 
 
 def prefill_units(d, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> Counter:
-    """One layer of a prefill call: its tokens a chunk at a time (each chunk reads the experts again), and its
-    causal attention (`prompt_sq`: the mean squared prompt length: a spread costs more than equal prompts)."""
+    """One layer of a prefill call, a chunk at a time (each reads the experts again); `prompt_sq`: mean square."""
     t, sq = prompts * prompt_len, prompt_sq if prompt_sq is not None else prompt_len * prompt_len
     chunk = limits.prefill_chunk(d.D, d.q, d.kv, d.I, d.Is, d.Id, d.E, d.k)  # tokens a CPU prefill runs at a time
     whole, rest = int(t // chunk), t % chunk
@@ -163,8 +162,8 @@ def band_of(errors: list[float]) -> float:
     return max([MIN_BAND] + [abs(e) for e in errors])
 
 
-# Before any calibration: shares of the probe's rates and the engine's per-call costs (CPU-bound: they do not shrink with cores), as
-# calibrations on two Zen 5 threads found them; experts narrower than the math are widened tile by tile.
+# Before any calibration: shares of the probe's rates and the engine's per-call costs (CPU-bound: they do not
+# shrink with cores), as calibrations on two Zen 5 threads found them; narrower experts are widened tile by tile.
 DEFAULT_READ, DEFAULT_KV_READ, DEFAULT_SDPA, DEFAULT_PACKED_READ, DEFAULT_WIDEN_READ = 0.45, 0.5, 0.5, 0.7, 0.2
 # per GEMM call (a prepacked weight dispatches through Python); float32 weights run as torch ops an expert at a
 # time, each also paying its rows' gather, SwiGLU and scatter; narrower ones widened by the C kernel in one call

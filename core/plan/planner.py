@@ -245,7 +245,6 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
     total = prefill + (n - 1) * step
     gpu, cpu, pinned = _memory(hrm.dims(model), p, workload)  # one rank's: every rank's is k times that
     gpu, cpu = ({key: v * k for key, v in x.items()} for x in (gpu, cpu))
-    # a smaller last wave pays the same per-step and per-layer costs for fewer tokens
     last_prefill, last_step = (last.prefill_seconds, last.step_seconds) if last else (0.0, 0.0)
     seconds = full * total + last_prefill + (n - 1) * last_step
     decode_s = (n - 1) * (full * step + last_step)
