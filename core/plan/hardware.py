@@ -508,10 +508,10 @@ def _release_cached(torch) -> None:
         empty_host()
 
 
-def resolve(name: str, *, pcie_gbps: float | None = None, refresh_probe: bool = False) -> HardwareSpec:
+def resolve(name: str, *, pcie_gbps: float | None = None) -> HardwareSpec:
     """`--hardware NAME`: "local" (detect, then the cached probe), a preset, or a `mlight hw --json` file."""
     if name.strip().lower() == "local":
-        hw = probe(detect(), refresh=refresh_probe)
+        hw = probe(detect())
     elif name.lower().endswith(".json"):
         path = Path(name).expanduser()
         try:

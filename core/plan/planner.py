@@ -416,10 +416,10 @@ def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_l
 
 
 # ---- the integer part -------------------------------------------------------------------------------
-def micro_batch_sizes(limit: int, dense_until: int = DENSE_MU) -> list[int]:
-    """The paper's μ candidates: 1, 2, 3, 4, then 36, 68, … in steps of 32, up to `limit`; beyond `dense_until`
-    only points ≥ 1/8 above the previous one (the search refines around the best)."""
-    mus = [mu for mu in (1, 2, 3, 4) if mu <= limit] + list(range(36, min(limit, dense_until) + 1, 32))
+def micro_batch_sizes(limit: int) -> list[int]:
+    """The paper's μ candidates: 1, 2, 3, 4, then 36, 68, … in steps of 32, up to `limit`; beyond DENSE_MU only
+    points ≥ 1/8 above the previous one (the search refines around the best)."""
+    mus = [mu for mu in (1, 2, 3, 4) if mu <= limit] + list(range(36, min(limit, DENSE_MU) + 1, 32))
     mu = mus[-1] if mus else 0
     while True:
         mu = 4 + 32 * math.ceil((mu * 1.125 - 4) / 32)
@@ -459,7 +459,7 @@ def _rates(hw: HardwareSpec, ranks: int, model: ModelSpec) -> hrm.Rates:
     return dataclasses.replace(hrm.effective_rates(hw, model.dtype, model), tp=ranks)
 
 
-def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: int = 4, ranks: int = 1) -> list[_Candidate]:
+def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, ranks: int = 1) -> list[_Candidate]:
     d, r = hrm.dims(m), _rates(hw, ranks, m)
     gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
     places = PLACEMENTS_GPU if hw.has_gpu else (("cpu", "cpu"),)
@@ -535,7 +535,7 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
         for n_mb in sorted({max(1, n_max - 1), max(1, (3 * n_max) // 4), max(1, n_max // 2), max(1, n_max // 4)} - {n_max}):
             expert_batches(place, n_mb, mu)
     found.sort(key=lambda c: c.seconds_per_token)
-    return found[:keep]
+    return found[:4]  # the best few: plan() re-solves their fractions and, with uneven waves, re-ranks them
 
 
 def _shortfall(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget) -> BudgetError:
