@@ -139,6 +139,7 @@ def decode_text(data: bytes, name: str) -> str:
 
 
 def reject_too_long(prompts: PromptSet, count_tokens: Callable[[PromptEntry], int], context_length: int) -> None:
+    """Set aside prompts too long for the context (after the chat template), and their questions' later turns."""
     def why(e: PromptEntry) -> str | None:
         try:
             n = count_tokens(e)
