@@ -157,7 +157,7 @@ class Dims:
         return self.avg(lambda m: m.d2)
 
     def state_bytes(self, tokens: float) -> float:
-            return sum(m.count * m.state.bytes(tokens, self.dt) for m in self.mixers)
+        return sum(m.count * m.state.bytes(tokens, self.dt) for m in self.mixers)
 
     def state_layer_bytes(self, tokens: float) -> float:
         return self.state_bytes(tokens) / self.layers
