@@ -34,13 +34,9 @@ def rank_model(model: ModelSpec, ranks: int) -> ModelSpec:
     return local_spec(model, plan_shard(model, 0, ranks))
 
 
-def _identity(hw: HardwareSpec, ranks: int) -> bool:
-    return ranks == 1 and hw.gpu_count <= 1
-
-
 def rank_hardware(hw: HardwareSpec, ranks: int) -> HardwareSpec:
     """One GPU of `hw` with a `ranks`-th of its host (one process on a 4-GPU machine: one GPU, the whole host)."""
-    if _identity(hw, ranks):
+    if ranks == 1 and hw.gpu_count <= 1:
         return hw
     if hw.has_gpu and ranks > hw.gpu_count:
         raise UsageError(f"{ranks} tensor-parallel ranks need {ranks} GPUs; {hw.name} has {hw.gpu_count}",
@@ -56,7 +52,7 @@ def rank_hardware(hw: HardwareSpec, ranks: int) -> HardwareSpec:
 def rank_view(model: ModelSpec, hw: HardwareSpec, budget, ranks: int):
     """(model, hardware, budget) as one of `ranks` ranks sees them; each gets one GPU's share of the GPU budget,
     a `ranks`-th of the CPU's. `budget` may be None."""
-    if _identity(hw, ranks):
+    if ranks == 1 and hw.gpu_count <= 1:
         return model, hw, budget
     if budget is not None:
         budget = dataclasses.replace(budget, gpu_bytes=budget.gpu_bytes // max(1, hw.gpu_count),
