@@ -1,8 +1,6 @@
-"""Model download: a Hugging Face repo id to a local checkpoint folder, through huggingface_hub's cache.
-
-The hub's own cache (and its HF_* settings) is used, so a model there is reused and a rerun resumes at the
-first missing file. Only what mlight reads is fetched; repos that need remote code, have an unsupported
-architecture or ship only pickled weights are refused, and the disk space checked, before any weight is fetched.
+"""Model download into huggingface_hub's own cache (and HF_* settings): a model there is reused, a rerun resumes.
+Only what mlight reads is fetched; remote code, unsupported architectures, pickle-only repos and a full disk are
+refused before any weight is fetched.
 """
 
 from __future__ import annotations
@@ -38,8 +36,6 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 @dataclass(frozen=True)
 class DownloadProgress(Progress):
-    """`Progress` in bytes for a download, with the current file and the mean rate so far."""
-
     file: str = ""
     rate: float = 0.0  # bytes per second since this download started
 
@@ -86,8 +82,7 @@ def resolve_model(model: str | None, revision: str | None = None, progress: Even
 def download_model(repo_id: str, revision: str | None = None, *, progress: EventSink = ignore,
                    cache_dir: str | Path | None = None, endpoint: str | None = None,
                    token: str | bool | None = None, gguf: str | None = None) -> Path:
-    """Fetch what mlight needs from `repo_id` into the hub cache; return the snapshot folder (for a repo of
-    GGUF files: the path of the one GGUF model chosen, by `gguf` — a tag such as Q4_K_M — when it holds several)."""
+    """The snapshot folder, or a GGUF repo's one model file (`gguf`: a tag such as Q4_K_M, among several)."""
     from huggingface_hub import constants
 
     kw = dict(cache_dir=str(cache_dir) if cache_dir else None, token=token)
@@ -149,7 +144,7 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: Event
 
 
 def _choose_gguf(repo_id: str, names: list[str], tag: str | None) -> list[str]:
-    """The files of the one GGUF model to fetch: a single file or every part of a split one."""
+    """A single file or every part of a split one."""
     from core.model.gguf.files import SPLIT
 
     sets: dict[str, list[str]] = {}
@@ -324,7 +319,7 @@ def _hub_error(e: Exception, repo_id: str, revision: str | None, filename: str |
 
 
 class _Tracker:
-    """Sums bytes over all files of one download and emits rate-limited DownloadProgress events."""
+    """Sums bytes over a download's files into rate-limited DownloadProgress events."""
 
     def __init__(self, what: str, total: int, sink: EventSink, every: float = 0.1):
         self.what, self.total, self.sink, self.every = what, total, sink, every
@@ -347,7 +342,7 @@ class _Tracker:
 
 
 class _Relay:
-    """Stands in for tqdm inside huggingface_hub: forwards byte counts to a _Tracker."""
+    """tqdm for huggingface_hub, into a _Tracker."""
 
     def __init__(self, tracker: _Tracker, *args: Any, initial: int = 0, **kwargs: Any):
         self.tracker, self.n = tracker, initial

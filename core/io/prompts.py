@@ -1,7 +1,5 @@
-"""Prompt readers: `.txt`, `.jsonl` (plain or OpenAI Batch API), `.csv`, `.tsv`, or bytes from stdin.
-
-Bytes in, a `PromptSet` out: valid entries plus `Reject`s (line and reason); a bad line never raises, so the
-caller decides whether to stop or skip. Ids default to the line number, so an id points back into the file.
+"""Prompt readers (txt, jsonl plain or OpenAI Batch, csv, tsv, stdin): bytes in, valid entries and `Reject`s out;
+a bad line never raises, so the caller decides whether to stop or skip. Ids default to the line number.
 MT-Bench `turns` become one entry per turn (`81:1`, `81:2`), a later turn naming the `earlier` ones.
 """
 
@@ -32,7 +30,7 @@ REQUEST_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "st
 
 @dataclass(frozen=True)
 class PromptEntry:
-    """One valid request read from a prompts file. None means "use the command's default"."""
+    """None means "use the command's default"."""
 
     id: str
     line: int  # 1-based line where the record starts
@@ -68,8 +66,6 @@ class PromptEntry:
 
 @dataclass(frozen=True)
 class Reject:
-    """A line that cannot be run, with the reason the user sees."""
-
     file: str
     line: int
     reason: str
@@ -98,11 +94,11 @@ class PromptSet:
 
 
 class _Bad(Exception):
-    """A reason a single record is rejected."""
+    """Why one record is rejected."""
 
 
 def read_prompts(source: str | Path, *, data: bytes | None = None, fmt: str | None = None) -> PromptSet:
-    """Read and validate a prompts file. `data` gives the bytes directly (stdin: source "-")."""
+    """`data`: the bytes, read already (stdin: source "-")."""
     if data is None and str(source) == DEMO and not Path(source).exists():
         source = DEMO_PROMPTS
     name = "<stdin>" if str(source) == STDIN else str(source)
@@ -126,7 +122,7 @@ def read_prompts(source: str | Path, *, data: bytes | None = None, fmt: str | No
 
 
 def decode_text(data: bytes, name: str) -> str:
-    """UTF-8 with or without a BOM; anything else is refused with the byte offset of the problem."""
+    """UTF-8 with or without a BOM; anything else is refused with the problem's byte offset."""
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise UsageError(f"{name} is UTF-16 text, not UTF-8", "re-save it as UTF-8")
     nul = data.find(b"\x00")
@@ -143,34 +139,43 @@ def decode_text(data: bytes, name: str) -> str:
 
 
 def reject_too_long(prompts: PromptSet, count_tokens: Callable[[PromptEntry], int], context_length: int) -> None:
-    """Move entries whose prompt (after the chat template) leaves no room in the context to rejects."""
-    keep = []
-    for e in prompts.entries:
+    """Set aside prompts too long for the context (after the chat template), and their questions' later turns."""
+    def why(e: PromptEntry) -> str | None:
         try:
             n = count_tokens(e)
-            reason = (f"prompt is {n} tokens (after the chat template); the model's context is {context_length} "
-                      "tokens") if n >= context_length else None
         except UsageError as err:  # e.g. `messages` for a tokenizer without a chat template
-            reason = err.problem
-        if reason is None:
-            keep.append(e)
-        else:
-            prompts.rejects.append(Reject(prompts.source, e.line, reason, e.id, e.prompt or json.dumps(e.messages)))
-    prompts.entries = keep
+            return err.problem
+        return (f"prompt is {n} tokens (after the chat template); the model's context is {context_length} tokens"
+                if n >= context_length else None)
+
+    _set_aside(prompts, why)
     reject_orphan_turns(prompts)
 
 
-def reject_orphan_turns(prompts: PromptSet, reason: str = "set aside") -> None:
-    """Move a question's later turns to rejects once one of its earlier turns is gone from the entries."""
+def reject_orphan_turns(prompts: PromptSet) -> None:
     kept = set()  # ids are unique: read_prompts set the duplicates aside
-    for e in prompts.entries:
+
+    def why(e: PromptEntry) -> str | None:
         missing = next((i for i in e.earlier if i not in kept), None)
         if missing is None:
             kept.add(e.id)
-            continue
-        prompts.rejects.append(Reject(prompts.source, e.line, f"turn {e.turn} cannot run: turn {missing} of the same "
-                                      f"question was {reason}", e.id, json.dumps(list(e.messages or ()))))
-    prompts.entries = [e for e in prompts.entries if e.id in kept]
+            return None
+        return f"turn {e.turn} cannot run: turn {missing} of the same question was set aside"
+
+    _set_aside(prompts, why)
+
+
+def _set_aside(prompts: PromptSet, why: Callable[[PromptEntry], str | None], ensure_ascii: bool = True) -> None:
+    """Move the entries `why` gives a reason for to the rejects, kept in line order."""
+    keep = []
+    for e in prompts.entries:
+        reason = why(e)
+        if reason is None:
+            keep.append(e)
+        else:
+            text = e.prompt or json.dumps(list(e.messages or ()), ensure_ascii=ensure_ascii)
+            prompts.rejects.append(Reject(prompts.source, e.line, reason, e.id, text))
+    prompts.entries = keep
     prompts.rejects.sort(key=lambda r: r.line)
 
 
@@ -198,7 +203,7 @@ def _guess_format(source: str | Path, data: bytes) -> str:
 
 
 def _lines(text: str, out: PromptSet) -> Iterable[tuple[int, str]]:
-    """(line number, line) of the lines that are not blank; the blank ones are counted in `out`."""
+    """Blank lines are counted in `out`."""
     # only \n and \r\n end a line: str.splitlines would also split on \x0b, \x1c, U+2028, ...
     lines = text.split("\n")
     if lines and lines[-1] == "":
@@ -293,30 +298,24 @@ def _read_table(text: str, out: PromptSet, delimiter: str) -> None:
         raise UsageError(f"{out.source} has no `prompt` column (its columns: {', '.join(h for h in header) or '-'})",
                          f"name the column holding the prompts `prompt` in the first line of the {kind} file")
     start = reader.line_num + 1
-    while True:
-        try:
-            row = next(reader)
-        except StopIteration:
-            break
-        except csv.Error as e:
-            out.rejects.append(Reject(out.source, start, f"bad {kind} row: {e}"))
-            break  # the csv module cannot resynchronise after a broken quote
-        n, start = start, reader.line_num + 1
-        if not row or not any(cell.strip() for cell in row):
-            out.blank_lines += 1
-            continue
-        raw = delimiter.join(row)
-        if len(row) != len(names):
-            out.rejects.append(Reject(out.source, n, f"row has {len(row)} fields, the header has {len(names)}",
-                                      text=raw))
-            continue
-        rec = {k: v for k, v in zip(names, row) if k}
-        try:
-            entry = _table_entry(rec, n)
-        except _Bad as e:
-            out.rejects.append(Reject(out.source, n, str(e), rec.get("id") or None, raw))
-            continue
-        out.entries.append(entry)
+    try:
+        for row in reader:
+            n, start = start, reader.line_num + 1
+            if not row or not any(cell.strip() for cell in row):
+                out.blank_lines += 1
+                continue
+            raw = delimiter.join(row)
+            if len(row) != len(names):
+                out.rejects.append(Reject(out.source, n, f"row has {len(row)} fields, the header has {len(names)}",
+                                          text=raw))
+                continue
+            rec = {k: v for k, v in zip(names, row) if k}
+            try:
+                out.entries.append(_table_entry(rec, n))
+            except _Bad as e:
+                out.rejects.append(Reject(out.source, n, str(e), rec.get("id") or None, raw))
+    except csv.Error as e:  # the csv module cannot resynchronise after a broken quote
+        out.rejects.append(Reject(out.source, start, f"bad {kind} row: {e}"))
 
 
 def _table_entry(rec: dict[str, str], n: int) -> PromptEntry:
@@ -421,21 +420,18 @@ def _id(v: Any, n: int) -> str:
 
 def _reject_duplicates(out: PromptSet) -> None:
     first: dict[str, int] = {}
-    keep = []
-    for e in out.entries:
+
+    def why(e: PromptEntry) -> str | None:
         if e.id in first:
-            out.rejects.append(Reject(out.source, e.line, f"duplicate id {e.id!r} (first used on line {first[e.id]})",
-                                      e.id, e.prompt or json.dumps(list(e.messages or ()), ensure_ascii=False)))
-            continue
+            return f"duplicate id {e.id!r} (first used on line {first[e.id]})"
         first[e.id] = e.line
-        keep.append(e)
-    out.entries = keep
-    out.rejects.sort(key=lambda r: r.line)
+        return None
+
+    _set_aside(out, why, ensure_ascii=False)
 
 
 def bad_lines_error(prompts: PromptSet, rejects_file: str, skip: str = "pass --skip-bad") -> UsageError | None:
-    """Every front end's rule: a file with bad lines runs nothing until the user chooses to `skip` them (into
-    `rejects_file`). The error that says so, or None when no line is bad."""
+    """Every front end's rule: a file with bad lines runs nothing until the user chooses to `skip` them."""
     n = len(prompts.rejects)
     if not n:
         return None
@@ -446,7 +442,6 @@ def bad_lines_error(prompts: PromptSet, rejects_file: str, skip: str = "pass --s
 
 
 def reject_lines(rejects: Iterable[Reject], limit: int = 20) -> Iterable[str]:
-    """The rejects as `file:line: reason` lines, at most `limit` of them and a count of the rest."""
     rejects = list(rejects)
     for r in rejects[:limit]:
         yield str(r)

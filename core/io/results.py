@@ -1,8 +1,5 @@
-"""Result writers: the `mlight run` record, JSONL and CSV files, OpenAI Batch-style output.
-
-A record is `Result.to_dict()` (plus `turn`, and the OpenAI Batch fields when the input was a batch file).
-Files are written under a temporary name and renamed over the target, so a reader never sees half a file;
-OS errors become one-line `MlightError`s.
+"""Result writers: a record (`Result.to_dict()`, plus `turn` and OpenAI Batch fields) as JSONL, CSV or an OpenAI
+Batch-style line. Files are renamed into place, so a reader never sees half a file; OS errors become MlightErrors.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ OUTPUT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv
 
 
 def output_format(path: str | Path) -> str:
-    """"jsonl" or "csv" from the output file's suffix; anything else is a usage error."""
     fmt = OUTPUT_FORMATS.get(Path(path).suffix.lower())
     if fmt is None:
         raise UsageError(f"cannot tell the output format of {path}", "end --out with .jsonl or .csv")
@@ -38,7 +34,6 @@ def output_format(path: str | Path) -> str:
 
 
 def openai_batch_record(record: dict, custom_id: str, endpoint: str | None, model: str) -> dict:
-    """`record` plus the fields of an OpenAI Batch output line for the same request."""
     chat = endpoint is None or "chat" in endpoint
     answer = {"message": {"role": "assistant", "content": record["output"]}} if chat else {"text": record["output"]}
     choice = {"index": 0, "finish_reason": record["finish_reason"], "logprobs": None, **answer}
@@ -66,7 +61,7 @@ def write_jsonl(f: IO[bytes], records: Iterable[dict]) -> None:
 
 
 def write_csv(f: IO[bytes], records: Iterable[dict]) -> None:
-    """One row per record; newlines, quotes and commas inside a field are quoted per RFC 4180."""
+    """RFC 4180 quoting."""
     records = list(records)
     extra = [k for k in EXTRA_COLUMNS if any(k in r for r in records)]
     columns = list(CSV_COLUMNS) + extra

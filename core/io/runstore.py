@@ -1,10 +1,7 @@
-"""The run store: what makes an interrupted `mlight run` resumable without losing or repeating work.
-
-Next to the output OUT: `OUT.lock` (held for the whole run), `OUT.run.jsonl` (a manifest line, then one
-fsynced result a line) and, at the end, OUT (and `OUT.rejected.jsonl`) renamed into place; the run file goes.
-A finished run's manifest and OUT's sha256 go to a ledger in the cache dir, so rerunning the same job has
-nothing to do. A kill at any instant leaves at worst a torn last line, cut off on resume; a result seen twice
-keeps its last copy. Also the steps every front end shares: `prepare_requests`, `run_pending`, `finish_run`.
+"""The run store: an interrupted `mlight run` resumes without losing or repeating work. Next to OUT: `OUT.lock`,
+`OUT.run.jsonl` (a manifest line, then one fsynced result a line) until OUT is renamed into place; a kill leaves
+at worst a torn last line, cut off on resume. A ledger in the cache dir makes rerunning a finished job a no-op.
+Also the steps every front end shares: `prepare_requests`, `run_pending`, `finish_run`.
 """
 
 from __future__ import annotations
@@ -74,7 +71,7 @@ def manifest(model_dir: str | Path, model_name: str, prompts: PromptSet, setting
 
 
 def parse_run_file(data: bytes) -> tuple[dict | None, dict[str, dict]]:
-    """A run file's manifest (None when line 1 is not one) and finished records by id, as a resume keeps them."""
+    """(manifest or None, finished records by id); a record seen twice keeps its last copy."""
     manifest, records = None, {}
     for i, raw in enumerate(data[:data.rfind(b"\n") + 1].splitlines()):
         try:
@@ -92,8 +89,6 @@ def parse_run_file(data: bytes) -> tuple[dict | None, dict[str, dict]]:
 
 @dataclass
 class RunStore:
-    """The state of one output path: lock, run file, finished records."""
-
     out: Path
     done: dict[str, dict] = field(default_factory=dict)  # id -> finished record, in finish order
     resumed: bool = False
@@ -126,8 +121,6 @@ class RunStore:
     def ledger_path(self) -> Path:
         key = hashlib.sha256(str(self.out.resolve()).encode("utf-8", "surrogatepass")).hexdigest()[:32]
         return platform.cache_dir() / "finished-runs" / f"{key}.json"
-
-    # -- lock ---------------------------------------------------------------------------------
 
     def check_writable(self) -> None:
         """Refuse early, before any model is loaded, an output that cannot be written."""
@@ -171,8 +164,6 @@ class RunStore:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-    # -- manifest and resume -------------------------------------------------------------------
 
     def start(self, manifest: dict, restart: bool = False) -> None:
         """Resume the run file if it belongs to this run, else start one. Call with the lock held."""
@@ -220,7 +211,7 @@ class RunStore:
         return old if all(old.get(key) == manifest.get(key) for key in IDENTITY) else None
 
     def _load(self) -> tuple[dict | None, dict[str, dict]]:
-        """The manifest and finished records; a torn last line (killed mid-write) is cut off."""
+        """A torn last line (killed mid-write) is cut off."""
         try:
             data = self.run_path.read_bytes()
         except OSError as e:
@@ -239,10 +230,8 @@ class RunStore:
         except OSError as e:
             raise os_error(e, self.run_path) from e
 
-    # -- appending and finishing ---------------------------------------------------------------
-
     def append(self, record: dict) -> None:
-        """Save one finished record durably before returning."""
+        """Durable before it returns."""
         line = jsonl_line(record)
         f = self._file
         pos = f.tell()
@@ -278,7 +267,6 @@ class RunStore:
         self._remove(self.run_path)
 
     def drop_run_file(self) -> None:
-        """The merged output holds this replica's records now (data parallel): its run file goes."""
         self.close()
         self._remove(self.run_path)
 
@@ -294,7 +282,7 @@ class RunStore:
             atomic_write(path, lambda f: f.write(jsonl_line(info)))
 
     def abandon(self) -> None:
-        """Drop the run file when it holds nothing worth keeping (an error before any result)."""
+        """An error before any result: the run file holds nothing worth keeping."""
         self.close()
         if not self.done and self.run_path.exists():
             self._remove(self.run_path)
@@ -361,7 +349,6 @@ def run_pending(engine, prompts: PromptSet, store: RunStore, requests: dict[str,
 
 
 def final_records(prompts: PromptSet, done: dict[str, dict], model_name: str) -> list[dict]:
-    """The output records in input order; OpenAI Batch-style when the input was a batch file."""
     if prompts.is_openai_batch:
         return [openai_batch_record(done[e.id], e.custom_id, e.endpoint, model_name) for e in prompts.entries]
     return [done[e.id] for e in prompts.entries]

@@ -1,8 +1,6 @@
-"""Data parallelism's bookkeeping: which prompts a replica runs, where it saves them, how they merge.
-
-Replica d of D takes every D-th entry from d (after bad and too-long lines are set aside, the same on every
-rank) and keeps its own run file `OUT.dp{d}of{D}.run.jsonl`; with one replica it is the plain `OUT.run.jsonl`,
-which either kind of run can resume. Rank 0 merges every replica's records in input order.
+"""Data parallelism's bookkeeping: replica d of D runs every D-th entry from d (once bad lines are set aside, the
+same on every rank) into its own run file `OUT.dp{d}of{D}.run.jsonl`; one replica keeps the plain
+`OUT.run.jsonl`, which either kind of run can resume. Rank 0 merges the records in input order.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from core.io.prompts import PromptEntry
 
 
 def part_name(dp_rank: int, dp_size: int) -> str:
-    """The run-file tag of one replica ("" for a single replica: the plain run file)."""
     return "" if dp_size == 1 else f"dp{dp_rank}of{dp_size}"
 
 

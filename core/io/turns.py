@@ -1,8 +1,5 @@
-"""Multi-turn conversations (MT-Bench): each later turn runs with the model's own earlier answers in context.
-
-Turn k can be asked only once turn k-1 has its answer, so a run goes in waves (every first turn, then every
-second, ...), as FastChat does. Answers come from the finished records, so a resumed run builds a turn the same
-way as an uninterrupted one.
+"""Multi-turn conversations (MT-Bench): turn k needs turn k-1's answer, so a run goes in waves of one turn each,
+as FastChat does. Answers come from the finished records, so a resumed run builds a turn as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from core.telemetry import EventSink, WarningEvent, ignore
 
 
 def waves(entries: list[PromptEntry]) -> list[list[PromptEntry]]:
-    """The entries by turn, in file order within a turn: single-turn entries all go in the first wave."""
+    """File order within a turn; single-turn entries go in the first wave."""
     by_turn: dict[int, list[PromptEntry]] = {}
     for e in entries:
         by_turn.setdefault(e.turn or 1, []).append(e)

@@ -1,7 +1,5 @@
-"""Benchmark workloads: MT-Bench-like prompt mixes built from the bundled MT-Bench questions.
-
-Lengths are drawn log-normal, clipped to the paper's range (mean ≈ 77 tokens, tail to ≈ 418) and re-centred;
-each prompt is MT-Bench first turns concatenated to its length in the model's tokens.
+"""Benchmark workloads like the paper's: log-normal prompt lengths (mean ≈ 77 tokens, tail to 418), each prompt
+the bundled MT-Bench first turns concatenated to its length in the model's tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ def target_lengths(n: int, mean: float = 77.0, max_len: int = 418, min_len: int 
 
 
 def build_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[str]:
-    """Prompts of MT-Bench first turns, concatenated until each reaches its target token length."""
     turns = first_turns()
     rng = random.Random(seed)
     out = []

@@ -1,12 +1,7 @@
-"""The CPU's cost model: what each task of a CPU-only step costs on *this* machine.
-
-A task's seconds are its units of work (`units`: GEMM FLOPs and weight elements, the experts' FLOPs, weights and
-calls, K/V elements read, activation elements, a fixed cost a task, ...; counted from core.plan.hrm.Dims) times
-twelve coefficients, seconds a unit (`NAMES`). Being linear in them, they are fitted at once by non-negative
-least squares over the engine's own steps (`fit`; core.runtime.calibrate runs them), and the calibration's
-whole-run residuals give the band a prediction is quoted with ("≈ 596 tok/s ± 12 %"). Stored per machine, torch
-build and kernels' code (`code_fingerprint`), one format `VERSION`; only a new calibration changes them (a run
-outside the band widens the band: core.runtime.fold_back). Boundary: pure functions plus the cache file.
+"""The CPU's cost model: a CPU-only task's seconds are its units of work (counted from core.plan.hrm.Dims) times
+twelve coefficients (`NAMES`), fitted by non-negative least squares over the engine's own steps (`fit`, run by
+core.runtime.calibrate); the whole-run residuals give the band a prediction is quoted with. Stored per machine,
+torch build and kernels' code. Boundary: pure functions plus the cache file.
 """
 
 from __future__ import annotations
@@ -67,25 +62,21 @@ def seconds(c: CpuCosts, units: list[float]) -> float:
 
 # ---- the units of each task (Counter: units add up) --------------------------------------------------
 def _gemm(rows: float, n: float, k: float) -> Counter:
-    """GEMMs of `rows` rows over N×K weights read once."""
     return Counter(flop_s=2 * rows * n * k, weight_s=n * k)
 
 
 def pre_units(d, t: float) -> Counter:
-    """Norm, QKV and RoPE of t tokens."""
     qkv = d.q + 2 * d.kv
     return _gemm(t, qkv, d.D) + Counter(elem_s=t * (3 * d.D + 3 * qkv))
 
 
 def post_units(d, t: float) -> Counter:
-    """O, norm, router and the shared expert (or a dense layer's MLP) of t tokens."""
     width = d.moe_frac * d.Is + (1 - d.moe_frac) * d.Id
     return (_gemm(t, d.D, d.q) + _gemm(t, d.E, d.D) + _gemm(t, 3 * width, d.D)
             + Counter(elem_s=t * (5 * d.D + 3 * d.E + (3 * width + 2 * d.D if width else 0))))
 
 
 def ffn_units(d, t: float) -> Counter:
-    """The routed experts of t tokens in one call: each touched expert's weights read once."""
     from core.plan.hrm import expected_experts
 
     per, e = 3 * d.I * d.D, expected_experts(t, d.E, d.k)  # weight elements of one expert; experts touched
@@ -94,13 +85,11 @@ def ffn_units(d, t: float) -> Counter:
 
 
 def head_units(d, tokens: float) -> Counter:
-    """Final norm, LM head and sampling of `tokens` rows."""
     return _gemm(tokens, d.V, d.D) + Counter(elem_s=tokens * (4 * d.D + 2 * d.V))
 
 
 def prefill_units(d, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> Counter:
-    """One layer of a prefill call: its tokens a chunk at a time (each chunk reads the experts again), and its
-    causal attention (`prompt_sq`: the mean squared prompt length: a spread costs more than equal prompts)."""
+    """One layer of a prefill call, a chunk at a time (each reads the experts again); `prompt_sq`: mean square."""
     t, sq = prompts * prompt_len, prompt_sq if prompt_sq is not None else prompt_len * prompt_len
     chunk = limits.prefill_chunk(d.D, d.q, d.kv, d.I, d.Is, d.Id, d.E, d.k)  # tokens a CPU prefill runs at a time
     whole, rest = int(t // chunk), t % chunk
@@ -110,33 +99,28 @@ def prefill_units(d, prompts: float, prompt_len: float, prompt_sq: float | None 
 
 
 def decode_units(d, micro_batch: float, expert_batch: float, tokens: float) -> dict[str, Counter]:
-    """One task of each kind of a CPU-only decode layer; `tokens`: cached tokens its attention reads."""
+    """`tokens`: cached tokens its attention reads."""
     one = Counter(task_s=1.0)
     return {"pre_attn": pre_units(d, micro_batch) + one,
             "cpu_attn": Counter(kv_s=tokens * 2 * d.kv, elem_s=micro_batch * 2 * d.kv) + one,
             "post_attn": post_units(d, micro_batch) + one, "ffn": ffn_units(d, expert_batch) + one}
 
 
-# ---- what core.plan.hrm asks -------------------------------------------------------------------------
 def decode_tasks(d, c: CpuCosts, *, micro_batch: float, expert_batch: float, context: float,
                  lengths: list[int] | None = None) -> dict[str, float]:
-    """Seconds of one task of each kind of a CPU-only decode layer; `lengths`: the requests' own, when known.
-    Attention reads each request's own cached tokens (the fused kernel, in place)."""
+    """Seconds of one task of each kind; `lengths`: the requests' own (attention reads each one's cache in place)."""
     tokens = sum(lengths) if lengths else micro_batch * context
     return {k: seconds(c, vec(u)) for k, u in decode_units(d, micro_batch, expert_batch, tokens).items()}
 
 
 def prefill_seconds(d, c: CpuCosts, prompts: float, prompt_len: float, prompt_sq: float | None = None) -> float:
-    """One CPU-only prefill task: `prompts` prompts of `prompt_len` tokens on average through one layer."""
     return seconds(c, vec(prefill_units(d, prompts, prompt_len, prompt_sq)))
 
 
 def head_seconds(d, c: CpuCosts, tokens: float) -> float:
-    """Per step: final norm + LM head over `tokens` rows, sampling, and the step's own overhead."""
     return seconds(c, vec(head_units(d, tokens) + Counter(step_s=1.0)))
 
 
-# ---- the fit -----------------------------------------------------------------------------------------
 def nnls(a: list[list[float]], b: list[float], iters: int = 200) -> list[float]:
     """x ≥ 0 minimising |a·x − b| (Lawson and Hanson's active set), in float64 through torch."""
     import torch
@@ -167,7 +151,7 @@ def nnls(a: list[list[float]], b: list[float], iters: int = 200) -> list[float]:
 
 
 def fit(rows: list[tuple[list[float], float]]) -> list[float]:
-    """Coefficients for (units, seconds) rows by NNLS on relative errors, columns scaled near one."""
+    """NNLS on relative errors, columns scaled near one."""
     rows = [(u, s) for u, s in rows if s > 0]
     cols = [max(1e-30, max(abs(u[i]) / s for u, s in rows)) for i in range(len(NAMES))]
     x = nnls([[u[i] / s / cols[i] for i in range(len(NAMES))] for u, s in rows], [1.0] * len(rows))
@@ -175,13 +159,11 @@ def fit(rows: list[tuple[list[float], float]]) -> list[float]:
 
 
 def band_of(errors: list[float]) -> float:
-    """A prediction's band: the largest relative error of the calibration's whole runs, at least MIN_BAND."""
     return max([MIN_BAND] + [abs(e) for e in errors])
 
 
-# ---- before any calibration --------------------------------------------------------------------------
-# Shares of the probe's rates and the engine's per-call costs (CPU-bound: they do not shrink with cores), as
-# calibrations on two Zen 5 threads found them; experts narrower than the math are widened tile by tile.
+# Before any calibration: shares of the probe's rates and the engine's per-call costs (CPU-bound: they do not
+# shrink with cores), as calibrations on two Zen 5 threads found them; narrower experts are widened tile by tile.
 DEFAULT_READ, DEFAULT_KV_READ, DEFAULT_SDPA, DEFAULT_PACKED_READ, DEFAULT_WIDEN_READ = 0.45, 0.5, 0.5, 0.7, 0.2
 # per GEMM call (a prepacked weight dispatches through Python); float32 weights run as torch ops an expert at a
 # time, each also paying its rows' gather, SwiGLU and scatter; narrower ones widened by the C kernel in one call
@@ -190,8 +172,7 @@ DEFAULT_ELEM, DEFAULT_TASK, DEFAULT_STEP = 1.0e-9, 100e-6, 1.2e-3
 
 
 def defaults(math: str, flops: float, bw: float, storage_bytes: int, kv_bytes: int, threads: int = 0) -> CpuCosts:
-    """The cost model of a machine never calibrated, from the probe's `flops` (matmuls in `math`) and read
-    bandwidth `bw`; quoted with DEFAULT_BAND."""
+    """A machine never calibrated: from the probe's `flops` (matmuls in `math`) and read bandwidth `bw`."""
     packed = math == "bfloat16"  # bf16 math is chosen only where it is native, and then oneDNN prepacks
     widened = math == "float32" and storage_bytes < 4
     read = storage_bytes / ((DEFAULT_WIDEN_READ if widened else DEFAULT_READ) * bw)
@@ -205,7 +186,6 @@ def defaults(math: str, flops: float, bw: float, storage_bytes: int, kv_bytes: i
 
 # ---- the cache: one file per machine, torch build and kernels' code -----------------------------------
 def model_key(d) -> str:
-    """The shapes that decide a model's CPU costs (a core.plan.hrm.Dims)."""
     return f"L{d.layers}-D{d.D}-q{d.q}-kv{d.kv}-E{d.E}x{d.I}-k{d.k}-s{d.Is}-V{d.V}-b{d.dt}"
 
 
@@ -253,7 +233,6 @@ def cache_path(hw) -> Path:
 
 
 def read(hw) -> dict:
-    """This machine's calibration file ({} when absent or damaged)."""
     try:
         raw = json.loads(cache_path(hw).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -270,8 +249,7 @@ def load(hw) -> dict[str, dict[str, dict]]:
 
 
 def save(hw, costs: CpuCosts, runs: list | None = None) -> Path:
-    """Add (or replace) the costs of `costs.math` on `costs.model`, keeping every other entry; `runs`: the
-    measured-against-predicted records kept beside them (core.plan.cpu_history), unchanged when None."""
+    """Add (or replace) `costs` keeping every other entry; `runs` (core.plan.cpu_history): unchanged when None."""
     from core.plan.hardware import _write_json
 
     data, known = read(hw), load(hw)

@@ -1,5 +1,5 @@
-"""This machine's CPU-only runs, measured beside predicted, kept (bounded) in its calibration file (core.plan.cpu_cost):
-what a prediction's text says backs it. A run outside its band widens the stored band to its error; nothing else.
+"""This machine's CPU-only runs, measured beside predicted, kept in its calibration file (core.plan.cpu_cost).
+A run outside its band widens the stored band to its error; nothing else changes it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ RUNS_MAX = 40  # runs kept per machine
 
 
 def runs(hw, model: str | None = None) -> list[dict]:
-    """The runs recorded on this machine (of `model`, a model_key, when given), oldest first."""
+    """Oldest first; `model`: a model_key."""
     return [r for r in cpu_cost.read(hw).get("runs") or [] if isinstance(r, dict) and model in (None, r.get("model"))]
 
 
@@ -31,21 +31,18 @@ def record(hw, costs, *, predicted: float, measured: float, batch=()) -> dict:
 
 
 def summary(entries: list[dict]) -> dict:
-    """How many runs, their last errors and their spread (measured / predicted - 1)."""
     errors = [r["error"] for r in entries]
     return {"entries": len(entries), "runs": len(entries), "errors": errors[-5:],
             "spread": [min(errors), max(errors)] if errors else []}
 
 
 def behind(hw, spec) -> dict:
-    """What backs a CPU-only prediction of `spec` on `hw`: its runs here (summary)."""
     from core.plan import hrm
 
     return summary(runs(hw, cpu_cost.model_key(hrm.dims(spec))))
 
 
 def spread_words(h: dict) -> str:
-    """One line on the runs behind a prediction, or "" when there are none."""
     if not h.get("spread"):
         return ""
     (lo, hi), n = h["spread"], h["runs"]

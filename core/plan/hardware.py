@@ -1,8 +1,6 @@
-"""HardwareSpec: what the planner knows of a machine — from `preset(name)` (datasheets), `detect()` (pynvml and
-psutil; no GPU is the normal CPU-only case) or `probe()` (seconds of measurement, cached per machine and CPU ISA
-setting; CPU matmuls through `CPU_MATMUL_PROBES`).
-
-Boundary: numbers only; the HRM derates every datasheet field not in `measured`. torch is imported only by `probe`.
+"""HardwareSpec: what the planner knows of a machine, from `preset` (datasheets), `detect` (pynvml, psutil) or
+`probe` (measured, cached per machine and CPU ISA setting). The HRM derates every field not in `measured`.
+torch is imported only by the probe.
 """
 
 from __future__ import annotations
@@ -92,13 +90,11 @@ class HardwareSpec(JsonRecord):
                                                for k, v in dict(self.cpu_costs).items()})
 
     def cpu_rate(self, dtype: str) -> float | None:
-        """Measured CPU matmul FLOP/s in `dtype` (a dtype or quantized-kernel name), None if not measured."""
         return self.cpu_matmul.get(dtype) or None  # floats since __post_init__
 
     def cpu_math(self, storage: str) -> tuple[str, str]:
-        """(dtype the CPU computes in, why) for weights stored in `storage` on this machine: the rule the
-        engine applies (core.model.cpu.compute), from the recorded ISA or the measured rates. A machine
-        whose ISA is unknown (a file from an old probe) is taken to run the storage dtype natively."""
+        """(dtype the CPU computes in, why) for weights stored in `storage`: the engine's rule
+        (core.model.cpu.compute). An unknown ISA (an old probe's file) is taken to run the storage dtype natively."""
         from core.model.cpu.compute import math_for, native
 
         if self.cpu_isa is None:
@@ -106,7 +102,6 @@ class HardwareSpec(JsonRecord):
         return math_for(storage, self.cpu_matmul, native(storage, self._isa()), self.cpu_isa_text())
 
     def cpu_flops_for(self, storage: str) -> tuple[float, str, bool]:
-        """(FLOP/s, math dtype, measured?) of the CPU's matmuls for weights stored in `storage`."""
         math, _ = self.cpu_math(storage)
         rate = self.cpu_rate(math)
         return (rate, math, True) if rate else (self.cpu_flops, math, "cpu_flops" in self.measured)
@@ -118,8 +113,7 @@ class HardwareSpec(JsonRecord):
                       self.cpu_isa == "amx", self.cpu_isa_limits)
 
     def cpu_isa_text(self, name_up_to: int | None = None) -> str:
-        """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"; "unknown" before a probe. More
-        than `name_up_to` limits are counted rather than named (CpuIsa.describe)."""
+        """e.g. "AVX2 (CPU has AVX-512 BF16; limited by ONEDNN_MAX_CPU_ISA=AVX2)"; "unknown" before a probe."""
         return self._isa().describe(name_up_to) if self.cpu_isa else "unknown"
 
     @property
@@ -127,43 +121,32 @@ class HardwareSpec(JsonRecord):
         return self.gpu_count > 0
 
     def with_link(self, gbps: float) -> "HardwareSpec":
-        """The same machine with a host↔device link of `gbps` GB/s each way (`--pcie-gbps`)."""
         if gbps <= 0:
             raise UsageError(f"--pcie-gbps must be positive, got {gbps}", "give the link bandwidth in GB/s, e.g. 16")
         measured = tuple(m for m in self.measured if m not in ("h2d_bw", "d2h_bw"))
         return dataclasses.replace(self, h2d_bw=gbps * GB, d2h_bw=gbps * GB, measured=measured)
 
 
-# ---- presets -----------------------------------------------------------------------------------
 # PCIe, one direction, after 128b/130b encoding: gen3 x16 15.75 GB/s, gen4 31.5, gen5 63 (PCI-SIG).
 _PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
 # name: (marketing name, memory GiB, dense fp16/bf16 tensor TFLOP/s, memory GB/s, pcie gen, width, compute
-# capability from NVIDIA's CUDA GPUs table: T4 Turing, A10G/RTX 3090 Ampere, L4/4090 Ada)
+# capability), from NVIDIA's datasheets and whitepapers (fp16 with fp32 accumulate where they differ) and its
+# CUDA GPUs table. L4's sheet says 242 TFLOPS with sparsity; AWS publishes no A10G sheet: 70 is the figure quoted
+# for its lower clocks (the A10's sheet: 125).
 _GPUS = {
-    # NVIDIA T4 datasheet: 16 GB GDDR6, 320 GB/s, "mixed precision FP16/FP32" 65 TFLOPS, PCIe gen3 x16.
     "t4": ("Tesla T4", 16, 65.0, 320.0, 3, 16, (7, 5)),
-    # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, FP16 tensor 242 TFLOPS *with sparsity* → 121 dense, gen4 x16.
     "l4": ("NVIDIA L4", 24, 121.0, 300.0, 4, 16, (8, 9)),
-    # AWS publishes no A10G datasheet; the NVIDIA A10 sheet lists 125 dense FP16 at higher clocks and
-    # 600 GB/s. A10G runs lower clocks: 70 dense FP16 TFLOPS is the commonly quoted figure. gen4 x16.
     "a10g": ("NVIDIA A10G", 24, 70.0, 600.0, 4, 16, (8, 6)),
-    # NVIDIA Ampere GA102 whitepaper (RTX 3090): 936 GB/s GDDR6X, FP16 tensor with FP32 accumulate 71 TFLOPS.
     "rtx3090": ("NVIDIA GeForce RTX 3090", 24, 71.0, 936.0, 4, 16, (8, 6)),
-    # NVIDIA Ada whitepaper (RTX 4090): 1008 GB/s, FP16 tensor with FP32 accumulate 165.2 TFLOPS dense.
     "rtx4090": ("NVIDIA GeForce RTX 4090", 24, 165.2, 1008.0, 4, 16, (8, 9)),
-    # NVIDIA A100 datasheet (80GB PCIe): HBM2e 1935 GB/s, BF16 tensor 312 TFLOPS dense, gen4 x16.
     "a100-80g": ("NVIDIA A100 80GB PCIe", 80, 312.0, 1935.0, 4, 16, (8, 0)),
-    # NVIDIA H100 datasheet (SXM5 80GB): HBM3 3.35 TB/s, BF16 tensor 989 TFLOPS dense, gen5 x16.
     "h100": ("NVIDIA H100 80GB HBM3", 80, 989.0, 3350.0, 5, 16, (9, 0)),
 }
 
-# The paper's CPU hosts (MoE-Lightning §6, see shared/paper.md): S1/S2 24 cores, 192 GB, ≈76–100 GB/s
-# memory bandwidth (we take 90); S6–S9 (2×/4× T4) 32 cores, 416 GB. Their Xeons run AVX-512 at ≈2.2 GHz:
-# 32 fp32 FLOP/cycle/core (one FMA unit) → ≈70 GFLOP/s per core.
-# The paper assumes a 16 GB/s PCIe link for every setting; its own L4 KV-transfer latencies
-# (16.8 MB in 1.4 ms, 268 MB in 21.8 ms) imply ≈12.3 GB/s achieved, i.e. a gen3-class link, so the
-# host caps the GPU's own link at 16 GB/s. Use --pcie-gbps to plan for a faster host.
+# The paper's CPU hosts (MoE-Lightning §6): S1/S2 24 cores, 192 GB, ≈76–100 GB/s (we take 90); S6–S9 (2×/4× T4)
+# 32 cores, 416 GB; Xeons at AVX-512 ≈2.2 GHz, one FMA unit → ≈70 GFLOP/s a core. The paper assumes a 16 GB/s
+# link everywhere (its own L4 KV copies imply ≈12.3 GB/s), so the host caps the GPU's link there: --pcie-gbps.
 _HOSTS = {
     1: dict(cpu_cores=24, cpu_mem_bytes=192 * 10**9, cpu_bw=90.0 * GB, cpu_flops=24 * 70e9, link_gbps=16.0),
     2: dict(cpu_cores=32, cpu_mem_bytes=416 * 10**9, cpu_bw=100.0 * GB, cpu_flops=32 * 70e9, link_gbps=16.0),
@@ -210,9 +193,7 @@ def gpu_compute_dtype(dtype, capability: tuple[int, int] | None):
     return dtype
 
 
-# ---- detect ------------------------------------------------------------------------------------
 def detect() -> HardwareSpec:
-    """What this machine has: GPUs through NVML (absent → CPU-only), RAM and cores through psutil."""
     import psutil
 
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
@@ -276,9 +257,8 @@ def _nvml_gpus() -> list[dict]:
             pynvml.nvmlShutdown()
 
 
-# ---- probe -------------------------------------------------------------------------------------
 def machine_key(hw: HardwareSpec) -> str:
-    """This machine's hardware and the ISA limits in its environment (they change the CPU's rates)."""
+    """This machine, and the ISA limits in its environment (they change the CPU's rates)."""
     from core.model.cpu.isa import ENV_LIMITS
 
     # the first two always, the later ones only when set: keys (and calibrations) made before them stay valid
@@ -297,11 +277,8 @@ def probe_cache_path(hw: HardwareSpec) -> Path:
 
 def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: float = 0.25,
           measure=None) -> HardwareSpec:
-    """Detected hardware with measured rates, read from the cache unless `refresh`, with its calibrated CPU costs.
-
-    `measure(hw, seconds) -> {field: value}` measures (default `_measure`; tests pass a stub): RATE_FIELDS, which
-    the HRM then uses without derating, and _CPU_EXTRA.
-    """
+    """Detected hardware with measured rates (cached unless `refresh`) and its calibrated CPU costs.
+    `measure(hw, seconds) -> {field: value}`: RATE_FIELDS and _CPU_EXTRA (default `_measure`; tests pass a stub)."""
     hw = base or detect()
     cached = None if refresh else cached_probe(hw)  # a damaged cache entry is measured again and overwritten
     if cached is not None:
@@ -312,7 +289,7 @@ def probe(base: HardwareSpec | None = None, *, refresh: bool = False, seconds: f
 
 
 def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:
-    """This machine as the probe last measured it, or None when it never was (measures nothing)."""
+    """None when never probed (measures nothing)."""
     hw = base or detect()
     try:
         rates = json.loads(probe_cache_path(hw).read_text(encoding="utf-8"))["rates"]
@@ -322,8 +299,6 @@ def cached_probe(base: HardwareSpec | None = None) -> HardwareSpec | None:
 
 
 def _probed(hw: HardwareSpec, rates: dict) -> HardwareSpec:
-    """The machine with the probe's rates, its calibrated CPU cost model (`mlight bench --calibrate`) and its
-    recorded GPU-path costs, where it has them."""
     from core.plan import cpu_cost
 
     hw = _apply(hw, rates)
@@ -341,7 +316,6 @@ def gpu_costs_path(hw: HardwareSpec) -> Path:
 
 
 def _gpu_costs(hw: HardwareSpec) -> dict[str, float]:
-    """The GPU-path costs recorded for this machine ({} when none, or the file is damaged)."""
     try:
         kept = json.loads(gpu_costs_path(hw).read_text(encoding="utf-8"))["costs"]
         return {k: float(kept[k]) for k in GPU_COSTS if kept.get(k, 0) > 0}
@@ -350,7 +324,7 @@ def _gpu_costs(hw: HardwareSpec) -> dict[str, float]:
 
 
 def record_gpu_costs(hw: HardwareSpec, **values: float) -> Path:
-    """Keep measured GPU-path costs (names from GPU_COSTS) for this machine; earlier ones not given stay."""
+    """Keep measured GPU-path costs (GPU_COSTS); earlier ones not given stay."""
     unknown = set(values) - set(GPU_COSTS)
     if unknown:
         raise ValueError(f"unknown GPU costs {sorted(unknown)}; expected some of {GPU_COSTS}")
@@ -360,9 +334,20 @@ def record_gpu_costs(hw: HardwareSpec, **values: float) -> Path:
 
 
 def cached_cpu_rates() -> dict[str, float] | None:
-    """The probe's per-dtype CPU matmul rates for this machine, if it was probed (measures nothing)."""
     hw = cached_probe()
     return dict(hw.cpu_matmul) if hw is not None and hw.cpu_matmul else None
+
+
+_CPU_EXTRA = ("cpu_isa", "cpu_isa_hw", "cpu_isa_limits", "cpu_matmul", "cpu_threads")
+
+
+def _apply(hw: HardwareSpec, rates: dict) -> HardwareSpec:
+    extra = {k: rates[k] for k in _CPU_EXTRA if rates.get(k) is not None}
+    rates = {k: float(v) for k, v in rates.items() if k in RATE_FIELDS and v and v > 0}
+    if not hw.has_gpu:
+        rates = {k: v for k, v in rates.items() if k.startswith("cpu")}
+    measured = tuple(sorted(set(hw.measured) | set(rates)))
+    return dataclasses.replace(hw, **rates, **extra, measured=measured, source="probe")
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -380,18 +365,6 @@ def _write_json(path: Path, data: dict) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-_CPU_EXTRA = ("cpu_isa", "cpu_isa_hw", "cpu_isa_limits", "cpu_matmul", "cpu_threads")
-
-
-def _apply(hw: HardwareSpec, rates: dict) -> HardwareSpec:
-    extra = {k: rates[k] for k in _CPU_EXTRA if rates.get(k) is not None}
-    rates = {k: float(v) for k, v in rates.items() if k in RATE_FIELDS and v and v > 0}
-    if not hw.has_gpu:
-        rates = {k: v for k, v in rates.items() if k.startswith("cpu")}
-    measured = tuple(sorted(set(hw.measured) | set(rates)))
-    return dataclasses.replace(hw, **rates, **extra, measured=measured, source="probe")
 
 
 # this process's CPU seconds where the clock resolves a probe's runs (not Windows' 15.6 ms process times)
@@ -425,7 +398,7 @@ def _best(fn, seconds: float) -> float:
 
 
 def _matmul_rate(dtype_name: str):
-    """A probe of square `dtype` matmuls, grown until one takes ≥ 20 ms (a slow dtype stays small)."""
+    """Square matmuls grown until one takes ≥ 20 ms (a slow dtype stays small)."""
 
     def run(seconds: float) -> float:
         import torch
@@ -464,7 +437,6 @@ CPU_MATMUL_PROBES.update({f"{name}{suffix}": _quant_rate(name, rows) for name in
 
 
 def _measure(hw: HardwareSpec, seconds: float) -> dict:
-    """CPU matmul rates, memory bandwidth and instruction set; with CUDA the GPU's rates too."""
     import torch
 
     from core.model.cpu.isa import cpu_isa
@@ -499,7 +471,6 @@ def _measure(hw: HardwareSpec, seconds: float) -> dict:
 
 
 def _gpu_rates(torch, seconds: float) -> dict:
-    """GPU matmul, GPU memory, pinned H2D/D2H; its buffers are this frame's, freed when it returns."""
     rates = {}
     dev = torch.device("cuda")
 
@@ -537,11 +508,10 @@ def _release_cached(torch) -> None:
         empty_host()
 
 
-def resolve(name: str, *, pcie_gbps: float | None = None, refresh_probe: bool = False) -> HardwareSpec:
-    """`--hardware NAME`: "local" (detect, then the cached probe), a preset, or a `mlight hw --json` file;
-    `pcie_gbps` overrides the host↔device link."""
+def resolve(name: str, *, pcie_gbps: float | None = None) -> HardwareSpec:
+    """`--hardware NAME`: "local" (detect, then the cached probe), a preset, or a `mlight hw --json` file."""
     if name.strip().lower() == "local":
-        hw = probe(detect(), refresh=refresh_probe)
+        hw = probe(detect())
     elif name.lower().endswith(".json"):
         path = Path(name).expanduser()
         try:

@@ -1,8 +1,5 @@
-"""The Hierarchical Roofline Model: FLOPs and bytes of each decoder-layer task, roofline bounds, and the
-busy time of one layer on each resource.
-
-Boundary: pure functions of (ModelSpec, Rates, numbers). No search, no memory accounting (that is
-core.plan.planner), no I/O. Times are per layer; resource names are core.telemetry.RESOURCES.
+"""The Hierarchical Roofline Model: each decoder-layer task's FLOPs and bytes, and one layer's busy time per
+resource (core.telemetry.RESOURCES). Pure functions; no search, memory accounting (core.plan.planner) or I/O.
 Legend: t = tokens, c = context length, D = hidden, I = expert intermediate, E = experts, k = top-k.
 """
 
@@ -29,30 +26,26 @@ DERATE = {"gpu_flops": 0.5, "gpu_bw": 0.77, "h2d_bw": 0.77, "d2h_bw": 0.77, "cpu
 
 # Fixed cost of launching one task, seconds: a CUDA kernel, a copy, a CPU attention call on a thread pool.
 GPU_LAUNCH = 10e-6
-# Share of the CPU's matmul rate torch's weight-only kernels reach on quantized experts (≈ 170 against ≈ 380
-# GFLOP/s a Zen 5 core), where the probe has not measured the kernel itself (HardwareSpec.cpu_matmul["int4"]).
-CPU_KERNEL_FLOPS = {"int8": 0.45, "int4": 0.45}
 COPY_LAUNCH = 10e-6
 CPU_LAUNCH = 30e-6
+# Share of the CPU's matmul rate torch's weight-only kernels reach (≈ 170 against ≈ 380 GFLOP/s a Zen 5 core)
+# where the probe has not measured them (HardwareSpec.cpu_matmul["int4"]).
+CPU_KERNEL_FLOPS = {"int8": 0.45, "int4": 0.45}
 # One all-reduce between tensor-parallel ranks: a fixed cost (assumed until bench/gpu_check.py --multi-gpu
 # measures it) plus a ring's 2·(K−1)/K of the bytes over each rank's link.
 ALLREDUCE_LATENCY = 50e-6
 
-# The host side of a task, serialised by Python's GIL: the executor's cost per task plus, per torch op, its
-# dispatch and launch. Measured on an H200 host (bench/gpu_check.py: an empty task 82 µs, 22–29 µs an op of a
-# real layer under the executor's threads); HardwareSpec.host_task_seconds / host_op_seconds where measured.
+# The host side of a task, serialised by the GIL: a cost per task plus one per torch op, as bench/gpu_check.py
+# measured on an H200 host; HardwareSpec.host_task_seconds / host_op_seconds where measured here.
 TASK_SECONDS = 80e-6
 OP_SECONDS = 25e-6
-# torch ops each task kind issues, views included, counted on the emulated device for a Qwen2-MoE layer (the
-# family with the most parts; tests/test_gpu_findings.py recounts them). CPU attention: 12 ops and the fused C
-# kernel's call (23 torch ops where there is no C compiler).
+# torch ops each task kind issues, views included, for a Qwen2-MoE layer (the family with the most parts;
+# tests/test_gpu_findings.py recounts them on the emulated device).
 HOST_OPS = {"pre_attn": 25, "post_attn": 24, "ffn": 12, "gpu_attn": 27, "d1": 2, "d2": 2, "cpu_attn": 14,
             "weight_page": 2, "kv_load": 14, "kv_store": 10, "prefill": 118}
-# An FFN task's ops by expert path (core.model.moe.device_experts): (fixed, per expert), counted on the emulated
-# device (tests/test_launch_budget.py); every path is constant in E today.
+# An FFN task's ops by expert path (core.model.moe.device_experts): (fixed, per expert); tests/test_launch_budget.py.
 EXPERT_PATHS = {"fused": (HOST_OPS["ffn"], 0), "grouped": (33, 0)}
-# Page-locking host memory (cudaHostRegister), bytes/s, as on the H200 host; HardwareSpec.pin_bw where measured.
-# Paid once per loaded model, before its first token.
+# Page-locking host memory (cudaHostRegister) once per loaded model, bytes/s, as on the H200 host.
 PIN_BW = 2e9
 
 
@@ -78,7 +71,6 @@ class Rates:
     host_measured: bool = False  # task_seconds and op_seconds measured on this machine (bench/gpu_check.py)
 
     def kernel_flops(self, qkind: str, rows: int | None = None) -> float:
-        """CPU FLOP/s of quantized experts (at 64 rows, or `rows=1`): measured, else a share of the matmul rate."""
         rates = dict(self.cpu_kernel_flops)
         if rows == 1 and rates.get(f"{qkind}@1"):
             return rates[f"{qkind}@1"]
@@ -90,9 +82,8 @@ class Rates:
 
 
 def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> Rates:
-    """Achievable rates; `dtype` (the weights' storage dtype) picks the CPU matmul rate and calibrated CPU costs of
-    the dtype the CPU computes in (HardwareSpec.cpu_flops_for), for `model` or the nearest; without it, fp32 at
-    the probe's figure and uncalibrated costs."""
+    """Achievable rates; `dtype` (the weights' storage dtype) picks the CPU's math dtype's matmul rate and
+    calibrated costs (for `model` or the nearest); without it, fp32 and uncalibrated costs."""
     def rate(name: str, per_gpu: bool) -> float:
         v = getattr(hw, name) * (1.0 if name in hw.measured else DERATE[name])
         return v * (hw.gpu_count if per_gpu else 1)
@@ -117,7 +108,7 @@ def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> R
 
 @dataclass(frozen=True)
 class Work:
-    """One task: FLOPs, bytes read/written in the memory of the level that runs it."""
+    """One task: FLOPs, and bytes moved in the memory of the level that runs it."""
 
     flops: float
     bytes: float
@@ -126,11 +117,10 @@ class Work:
         return Work(self.flops + other.flops, self.bytes + other.bytes)
 
 
-# ---- model dimensions as plain numbers -------------------------------------------------------------
 @dataclass(frozen=True)
 class Dims:
-    """A ModelSpec's numbers, read once (its properties are too slow for the planner's inner loop): build it with
-    `dims`. Per-layer costs are of the average layer, each kind weighted by its share of the layers."""
+    """A ModelSpec's numbers, read once (its properties are too slow for the planner's inner loop): `dims`.
+    Per-layer costs are of the average layer, each kind weighted by its share of the layers."""
 
     layers: int
     D: int
@@ -156,7 +146,6 @@ class Dims:
     router_dt: int = 0  # bytes per router weight on the GPU: 4 where the router computes in fp32 (kept so), else dt
 
     def avg(self, f) -> float:
-        """f(mixer cost) averaged over the layers."""
         return sum(m.count * f(m) for m in self.mixers) / self.layers
 
     @property
@@ -168,15 +157,12 @@ class Dims:
         return self.avg(lambda m: m.d2)
 
     def state_bytes(self, tokens: float) -> float:
-        """Bytes one sequence of `tokens` tokens keeps over all layers."""
         return sum(m.count * m.state.bytes(tokens, self.dt) for m in self.mixers)
 
     def state_layer_bytes(self, tokens: float) -> float:
-        """The same, for the average layer."""
         return self.state_bytes(tokens) / self.layers
 
     def new_token_bytes(self) -> float:
-        """State bytes one decode token writes back, in the average layer."""
         return self.avg(lambda m: m.new_token_bytes(self.dt))
     scratch: int = 0  # quantized experts: one expert expanded to the compute dtype where it runs + workspace
     expanded: int = 0  # bytes of one quantized expert expanded to the compute dtype (written, then read)
@@ -216,7 +202,6 @@ def _dense_quant(m: ModelSpec) -> dict:
 
 
 def _scratch(m: ModelSpec) -> int:
-    """Device bytes for expanding quantized experts (core.model.quant.expand's workspace)."""
     if m.expert_format == "none":
         return 0
     D, I = m.hidden_size, m.expert_intermediate
@@ -251,7 +236,7 @@ def _expert_layout(m: ModelSpec) -> dict[str, int]:
 
 
 def _qkind(expert_format: str) -> str:
-    """none | int8 | int4 (torch's CPU kernels run them) | blocks (GGUF, MXFP4: the CPU's block kernel, a GPU's fused one)."""
+    """none | int8 | int4 (torch's CPU kernels) | blocks (GGUF, MXFP4: block kernels)."""
     if expert_format in ("none", "int8"):
         return expert_format
     return "int4" if expert_format.startswith("int4") else "blocks"
@@ -261,7 +246,6 @@ def dims(m: "ModelSpec | Dims") -> Dims:
     return m if isinstance(m, Dims) else _dims(m)
 
 
-# ---- tasks of one decoder layer ------------------------------------------------------------------
 def expected_experts(tokens: float, num_experts: int, top_k: int) -> float:
     """Distinct experts `tokens` uniformly routed tokens touch: E·(1 − (1 − k/E)^t), not t·k."""
     if tokens <= 0:
@@ -270,13 +254,13 @@ def expected_experts(tokens: float, num_experts: int, top_k: int) -> float:
 
 
 def qkv_proj(d: Dims, t: float) -> Work:
-    """The projections before attention (norm + QKV, MLA's low-rank Q and absorbed W_UK, DeltaNet's in_proj)."""
+    """Before attention: norm + QKV, MLA's low-rank Q and absorbed W_UK, DeltaNet's in_proj."""
     params = d.avg(lambda x: x.pre_params)
     return Work(2 * t * params, (params + t * (d.D + d.d1)) * d.dt)
 
 
 def o_proj(d: Dims, t: float) -> Work:
-    """The projections after attention (O; MLA's W_UV; DeltaNet's out_proj)."""
+    """After attention: O, MLA's W_UV, DeltaNet's out_proj."""
     params = d.avg(lambda x: x.post_params)
     return Work(2 * t * params, (params + t * (d.d2 + d.D)) * d.dt)
 
@@ -331,7 +315,7 @@ def quant_dense_swap(d: Dims, r: Rates, c, t: float) -> dict[str, float]:
 
 
 def shared_expert(d: Dims, t: float) -> Work:
-    """The shared expert of MoE layers and the dense MLP of dense layers (both always on)."""
+    """MoE layers' shared expert and dense layers' MLP."""
     width = d.moe_frac * d.Is + (1 - d.moe_frac) * d.Id
     if not width:
         return Work(0.0, 0.0)
@@ -339,8 +323,7 @@ def shared_expert(d: Dims, t: float) -> Work:
 
 
 def decode_attention(m: "ModelSpec | Dims", t: float, c: float) -> Work:
-    """t queries of one new token each over c cached tokens (average layer's mixer); each reads its own state,
-    so intensity does not grow with t."""
+    """t queries over c cached tokens each: each reads its own state, so intensity does not grow with t."""
     d = dims(m)
     return _mixed(d, lambda x: x.decode(t, c, d.dt))
 
@@ -351,7 +334,6 @@ def prefill_attention(d: Dims, seqs: float, s: float) -> Work:
 
 
 def _mixed(d: Dims, work) -> Work:
-    """The average layer's Work of its token mixer: `work(mixer cost)` -> (FLOPs, bytes), weighted by layers."""
     parts = [(x.count, *work(x)) for x in d.mixers]
     return Work(sum(n * f for n, f, _ in parts) / d.layers, sum(n * b for n, _, b in parts) / d.layers)
 
@@ -360,13 +342,10 @@ def lm_head(d: Dims, t: float) -> Work:
     return Work(2 * t * d.D * d.V, (d.V * d.D + t * d.D) * d.dt)
 
 
-# ---- roofline ------------------------------------------------------------------------------------
 def roofline_seconds(w: Work, flops: float, bw: float) -> float:
-    """max(FLOPs / peak, bytes / bandwidth): the task is compute- or bandwidth-bound, never both."""
     return max(w.flops / flops, w.bytes / bw)
 
 
-# ---- one layer's tasks and busy time on each resource ------------------------------------------------
 # A task kind's cost is defined once here; core.runtime.simulate replays core.runtime.schedule's graphs with these
 # same costs, so a simulated layer and decode_layer_seconds agree on every resource's busy time.
 @dataclass(frozen=True)
@@ -377,7 +356,6 @@ class TaskCost:
 
 
 def all_reduce_seconds(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
-    """Summing `tokens` hidden states over r.tp ranks (0 without tensor parallelism)."""
     if r.tp <= 1:
         return 0.0
     d = dims(m)
@@ -436,7 +414,6 @@ def decode_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: in
 def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: int, attention_on: str, ffn_on: str,
                   gpu_weight_fraction: float, gpu_kv_fraction: float, prompt_len: float,
                   pages: int | None = None, prompt_sq: float | None = None) -> dict[str, TaskCost]:
-    """The tasks of one layer's prefill of `batch` prompts: prefill, weight_page, kv_store."""
     m = dims(m)
     n_mb = batch / micro_batch
     toks = micro_batch * prompt_len
@@ -459,7 +436,6 @@ def prefill_tasks(m: "ModelSpec | Dims", r: Rates, *, batch: int, micro_batch: i
 
 
 def busy_seconds(tasks: dict[str, TaskCost]) -> dict[str, float]:
-    """Per-resource busy time of one layer: the sum of its tasks."""
     out = {"compute": 0.0, "cpu_attn": 0.0, "h2d": 0.0, "d2h": 0.0}
     for c in tasks.values():
         out[c.resource] += c.seconds * c.per_layer
@@ -467,8 +443,7 @@ def busy_seconds(tasks: dict[str, TaskCost]) -> dict[str, float]:
 
 
 def decode_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, float]:
-    """Busy seconds of one decode layer per resource, plus the "pipeline" and "host" bounds; each affine in
-    (r_w, r_c), which the planner's LP relies on."""
+    """Busy seconds per resource and the "pipeline" and "host" bounds: each affine in (r_w, r_c) for the LP."""
     tasks = decode_tasks(m, r, **kw)
     bounds = pipeline_bounds(tasks) or (0.0, 0.0, 0.0)
     host = host_seconds(tasks, r, ffn_ops(m, r, kw["expert_batch"])) if kw.get("ffn_on") == "gpu" else 0.0
@@ -483,45 +458,39 @@ def prefill_layer_seconds(m: "ModelSpec | Dims", r: Rates, **kw) -> dict[str, fl
 
 
 def expert_path(m: "ModelSpec | Dims", r: Rates, tokens: float) -> str:
-    """The EXPERT_PATHS key a GPU FFN task of `tokens` tokens runs on: the runtime's choice
-    (core.model.fused_moe.expert_path)."""
+    """The EXPERT_PATHS key the runtime picks (core.model.fused_moe.expert_path)."""
     d = dims(m)
     grouped_mm = d.dtype == "bfloat16" and (not r.gpu_capability or tuple(r.gpu_capability) >= (8, 0))
     return "grouped" if grouped_mm and d.qkind == "none" and tokens > FUSED_MAX_TOKENS else "fused"
 
 
 def ffn_ops(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
-    """Torch ops one GPU FFN task issues on its expert path, in the average layer."""
     d = dims(m)
     fixed, per = EXPERT_PATHS[expert_path(d, r, tokens)]
     return fixed + per * d.moe_frac * expected_experts(tokens, d.E, d.k)
 
 
 def host_task_seconds(r: Rates, ffn: float | None = None) -> dict[str, float]:
-    """Host seconds of one task of each kind; `ffn`: the FFN task's ops (ffn_ops)."""
+    """`ffn`: the FFN task's ops (ffn_ops)."""
     return {kind: r.task_seconds + n * r.op_seconds for kind, n in _ops(ffn).items()}
 
 
 def _ops(ffn: float | None) -> dict[str, float]:
-    """HOST_OPS with the FFN's ops on its expert path (a prefill task's FFN is the same path's)."""
     return HOST_OPS if ffn is None else {**HOST_OPS, "ffn": ffn, "prefill": HOST_OPS["prefill"] + ffn - HOST_OPS["ffn"]}
 
 
 def host_seconds(tasks: dict[str, TaskCost], r: Rates, ffn: float | None = None) -> float:
-    """The host bound of a layer with the GPU placements: its tasks one after another on one interpreter. It
-    keeps the search off tiny micro-batches, whose many tasks cost more host time than GPU time."""
+    """A GPU layer's tasks one after another on one interpreter: keeps the search off tiny micro-batches."""
     per = host_task_seconds(r, ffn)
     return sum(c.per_layer * per.get(kind, r.task_seconds) for kind, c in tasks.items())
 
 
 def host_ops(tasks: dict[str, TaskCost], ffn: float | None = None) -> dict[str, float]:
-    """Torch ops one layer's tasks issue, by kind (HOST_OPS; the FFN's as host_task_seconds takes it)."""
     ops = _ops(ffn)
     return {kind: c.per_layer * ops.get(kind, 0) for kind, c in tasks.items()}
 
 
 def pin_seconds(pinned_bytes: float, r: Rates) -> float:
-    """Page-locking `pinned_bytes`, paid by a model's first run only."""
     return pinned_bytes / r.pin_bw if r.has_gpu else 0.0
 
 
@@ -561,7 +530,6 @@ def layer_time(busy: dict[str, float], ffn_on: str, pipeline: float = 0.0) -> fl
 
 
 def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches: int, on_gpu: bool) -> float:
-    """The LM head (and final norm) once per step over `tokens` tokens, in `micro_batches` pieces."""
     d = dims(m)
     if not on_gpu:
         return cpu_cost.head_seconds(d, r.cpu_costs, tokens) + quant_dense_swap(d, r, r.cpu_costs, tokens)["head"]
@@ -569,5 +537,5 @@ def head_seconds(m: "ModelSpec | Dims", r: Rates, *, tokens: int, micro_batches:
 
 
 def wave_seconds(r: Rates, *, on_gpu: bool) -> float:
-    """Admitting a wave, beside its prefill's layers and LM head: CPU-only, as calibrated (CpuCosts.wave_s)."""
+    """Admitting a wave: CPU-only, as calibrated (CpuCosts.wave_s)."""
     return 0.0 if on_gpu else r.cpu_costs.wave_s

@@ -36,7 +36,6 @@ class MixerCost:
     pf_blocked: bool = False  # the scores are made block by block, at most SCORE_BLOCK_ELEMS at a time
 
     def decode(self, t: float, c: float, dt: int) -> tuple[float, float]:
-        """(FLOPs, bytes) of attention for t new tokens, each over a context of c tokens."""
         kept = self.state.tokens_kept(c)
         state_bytes = self.state.bytes(c, dt)
         if self.kind == "linear":  # the state is read and written back, once per token
@@ -44,7 +43,7 @@ class MixerCost:
         return t * (kept * self.ctx_flops + self.query_flops), t * (state_bytes + self.query_elems * dt)
 
     def prefill(self, seqs: float, s: float, dt: int) -> tuple[float, float]:
-        """(FLOPs, bytes) of `seqs` prompts of s tokens (causal; a window caps the visible keys)."""
+        """Causal; a window caps the visible keys."""
         w = self.state.window
         pairs = s * (s + 1) / 2 if not w or s <= w else w * (w + 1) / 2 + (s - w) * w
         if self.kind == "linear":

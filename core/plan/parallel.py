@@ -1,8 +1,6 @@
-"""Planning for tensor parallelism: the model one rank runs and the machine one rank sees.
-
-Each of K ranks holds 1/K of the heads and of every expert's width, so its GPU memory, compute and link serve a
-K-th of the model; the host (memory, bandwidth, cores, a shared PCIe root: `host_link_bw`) is shared, so CPU
-attention does not speed up with more GPUs. The all-reduces are costed by core.plan.hrm from `Rates.tp`.
+"""Tensor parallelism: the model one of K ranks runs (1/K of the heads and of every expert's width) and the
+machine it sees. The host (memory, bandwidth, cores, a shared PCIe root) is shared, so CPU attention does not
+speed up with more GPUs. core.plan.hrm costs the all-reduces.
 """
 
 from __future__ import annotations
@@ -15,12 +13,11 @@ from core.plan.hardware import HardwareSpec
 
 
 def default_ranks(hw: HardwareSpec) -> int:
-    """One rank per GPU; the CPU alone runs as one rank."""
     return hw.gpu_count if hw.has_gpu else 1
 
 
 def with_gpus(hw: HardwareSpec, gpus: int) -> HardwareSpec:
-    """`--gpus K` on a preset or a detected machine: the same host with K of its GPU."""
+    """`--gpus K`: the same host with K of its GPU."""
     if gpus < 1:
         raise UsageError(f"--gpus must be at least 1, got {gpus}", "give the number of GPUs to use")
     if not hw.has_gpu:
@@ -37,14 +34,9 @@ def rank_model(model: ModelSpec, ranks: int) -> ModelSpec:
     return local_spec(model, plan_shard(model, 0, ranks))
 
 
-def _identity(hw: HardwareSpec, ranks: int) -> bool:
-    return ranks == 1 and hw.gpu_count <= 1
-
-
 def rank_hardware(hw: HardwareSpec, ranks: int) -> HardwareSpec:
-    """One GPU of `hw` with a `ranks`-th of its host (ranks may be fewer than the machine's GPUs: a
-    single process on a 4-GPU machine is one rank with one GPU and the whole host)."""
-    if _identity(hw, ranks):
+    """One GPU of `hw` with a `ranks`-th of its host (one process on a 4-GPU machine: one GPU, the whole host)."""
+    if ranks == 1 and hw.gpu_count <= 1:
         return hw
     if hw.has_gpu and ranks > hw.gpu_count:
         raise UsageError(f"{ranks} tensor-parallel ranks need {ranks} GPUs; {hw.name} has {hw.gpu_count}",
@@ -58,9 +50,9 @@ def rank_hardware(hw: HardwareSpec, ranks: int) -> HardwareSpec:
 
 
 def rank_view(model: ModelSpec, hw: HardwareSpec, budget, ranks: int):
-    """(model, hardware, budget) as one of `ranks` ranks sees them; `budget` (all the machine's GPUs, its
-    host memory) may be None. Each rank gets one GPU's share of the GPU budget, a `ranks`-th of the CPU's."""
-    if _identity(hw, ranks):
+    """(model, hardware, budget) as one of `ranks` ranks sees them; each gets one GPU's share of the GPU budget,
+    a `ranks`-th of the CPU's. `budget` may be None."""
+    if ranks == 1 and hw.gpu_count <= 1:
         return model, hw, budget
     if budget is not None:
         budget = dataclasses.replace(budget, gpu_bytes=budget.gpu_bytes // max(1, hw.gpu_count),

@@ -1,11 +1,5 @@
-"""Policy search: the best Policy for a model, a machine, a workload and a memory budget.
-
-`plan(...) -> (Policy, Prediction)`: for each placement and μ the largest batch that fits (doubling, then
-binary search; the best few also smaller), expert batches while they help; for each candidate the fractions
-(r_w, r_c) minimising the convex piecewise-linear time exactly, the winner's re-solved as an LP with pulp's CBC
-(also the fast path's test reference). `validate` says what does not fit by how many bytes; `predict` costs a
-given policy. Memory is counted item by item as the runtime allocates it (core.runtime.pipeline).
-Boundary: memory accounting and search; task costs are core.plan.hrm's. Never prints.
+"""Policy search (`plan`), what a policy overfills (`validate`) and what it costs (`predict`). Memory is counted
+item by item as the runtime allocates it (core.runtime.pipeline); task costs are core.plan.hrm's. Never prints.
 """
 
 from __future__ import annotations
@@ -68,8 +62,6 @@ class Budget:
 
 @dataclass(frozen=True)
 class Overrun:
-    """One memory that a policy overfills."""
-
     where: str  # "gpu" | "cpu"
     needed: int  # bytes the policy uses there
     limit: int  # usable bytes of the budget
@@ -89,9 +81,7 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-# ---- memory ------------------------------------------------------------------------------------
-# The runtime's own allocations (core.runtime.pipeline), item by item: tests/test_gpu_memory.py checks
-# peak device bytes ≤ the plan's figure ≤ 1.1 × the peak on the emulated device.
+# ---- memory: tests/test_gpu_memory.py checks peak device bytes ≤ the plan's figure ≤ 1.1 × that peak ----
 
 
 def tokens_per_slot(w: Workload) -> int:
@@ -100,7 +90,6 @@ def tokens_per_slot(w: Workload) -> int:
 
 
 def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[str, int], dict[str, int]]:
-    """Bytes on the GPU (all GPUs) and on the CPU, by purpose."""
     gpu, cpu, _ = _memory(hrm.dims(m), p, w)
     return gpu, cpu
 
@@ -158,8 +147,7 @@ def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[s
 
 
 def _arena_bytes(runs: list[tuple[int, int]]) -> int:
-    """Bytes of the runtime's pinned staging arena (core.runtime.pipeline._arena) of (size, count) runs of
-    buffers, each aligned to STAGING_ALIGN, the last not padded."""
+    """core.runtime.pipeline._arena's bytes for (size, count) runs of buffers, each aligned, the last not padded."""
     total = 0
     for x, n in runs:
         if n:
@@ -168,10 +156,8 @@ def _arena_bytes(runs: list[tuple[int, int]]) -> int:
 
 
 def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -> int:
-    """Transient device memory at its peak, decode or prefill: what is held through a step (hidden states, an
-    expert batch's inputs and routing, prefill's state awaiting the store) plus the largest of an FFN call's,
-    a pre-attention's or a micro-batch's logits' intermediates. `split`: some layer's experts are part resident,
-    part streamed (grouped matmuls then hold one more gate/up output)."""
+    """Transient device memory at its peak, decode or prefill: what a step holds plus its largest intermediates.
+    `split`: some layer's experts are part resident, part streamed (grouped matmuls hold one more gate/up output)."""
     N, mu, beta, dt = p.batch_size, p.micro_batch_size, p.expert_batch_size, d.dt
     D, k, I, q, kv, E, V = d.D, d.k, d.I, d.q, d.kv, d.E, d.V
     shared = 3 * d.Is * dt
@@ -209,7 +195,6 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
 
 
 def _cpu_activations(d: hrm.Dims, p: Policy, w: Workload) -> int:
-    """The CPU-only mode's working memory (the same shapes as on a GPU, all in host memory)."""
     pre_tok = p.micro_batch_size * w.longest_prompt
     d1 = max(m.d1 for m in d.mixers)
     prefill_act = pre_tok * (3 * d.D + d1 + d.k * 3 * d.I) * d.dt
@@ -237,10 +222,8 @@ def validate(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload:
     return out
 
 
-# ---- cost of one policy --------------------------------------------------------------------------
 def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> Prediction:
-    """The HRM's prediction for a policy (memory reported, not checked: validate). Tensor parallel: one rank's
-    time, every rank's memory."""
+    """The HRM's prediction (memory reported, not checked). Tensor parallel: one rank's time, every rank's memory."""
     p, k, requests = policy, policy.tensor_parallel, workload.num_requests
     # full waves, then a smaller last one: the engine admits the longest prompts first, so it holds the shortest
     full, rest = divmod(requests, p.batch_size) if requests and requests > p.batch_size else (1, 0)
@@ -262,7 +245,6 @@ def predict(policy: Policy, model: ModelSpec, hardware: HardwareSpec, workload: 
     total = prefill + (n - 1) * step
     gpu, cpu, pinned = _memory(hrm.dims(model), p, workload)  # one rank's: every rank's is k times that
     gpu, cpu = ({key: v * k for key, v in x.items()} for x in (gpu, cpu))
-    # a smaller last wave pays the same per-step and per-layer costs for fewer tokens
     last_prefill, last_step = (last.prefill_seconds, last.step_seconds) if last else (0.0, 0.0)
     seconds = full * total + last_prefill + (n - 1) * last_step
     decode_s = (n - 1) * (full * step + last_step)
@@ -308,7 +290,6 @@ class _Lin:
 
 
 def _memory_lin(d: hrm.Dims, w: Workload, place, n: int, mu: int, beta: int) -> tuple[float, ...]:
-    """(gpu0, gpu_w, gpu_c, cpu0, cpu_w, cpu_c): memory at r = 0 and its (exact) change per unit r_w, r_c."""
     a, f = place
 
     def use(r_w: float, r_c: float) -> list[int]:
@@ -341,8 +322,6 @@ def _prefill_lin(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int)
 
 
 def _corners(layer_seconds, gpu_attn: bool) -> tuple:
-    """A layer's figures at r_w = r_c = 0 and their change per unit r_w and r_c, where they are affine (r_c: GPU
-    attention)."""
     p00 = _vec(layer_seconds(0.0, 0.0))
     p10, p01 = _vec(layer_seconds(1.0, 0.0)), _vec(layer_seconds(0.0, 1.0)) if gpu_attn else p00
     return p00, tuple(x - y for x, y in zip(p10, p00)), tuple(x - y for x, y in zip(p01, p00))
@@ -356,19 +335,17 @@ def _vec(x: dict) -> tuple[float, ...]:
 
 
 def _at(affine: tuple, r_w, r_c) -> list:
-    """Each resource's figure of an affine (base, per r_w, per r_c) at (r_w, r_c): numbers, or pulp expressions."""
     return [a + b * r_w + c * r_c for a, b, c in zip(*affine)]
 
 
 def _total(lin: _Lin, layers: int, gen: int, r_w: float, r_c: float) -> float:
-    """Seconds for one batch: prefill plus gen−1 decode steps (plus the LM head each step)."""
     dec, pre = _at(lin.dec, r_w, r_c), _at(lin.pre, r_w, r_c)
     agg = sum if lin.serial else max
     return layers * (agg(pre) + (gen - 1) * agg(dec) + TIE_BREAK * (gen - 1) * sum(dec)) + lin.fixed
 
 
 def _rw_interval(mem: tuple[float, ...], r_c: float, gpu_limit: float, cpu_limit: float) -> tuple[float, float] | None:
-    """The r_w values for which both memories fit at this r_c, or None. `mem` as from _memory_lin."""
+    """The r_w values for which both memories fit at this r_c, or None."""
     g0, gw, gc, c0, cw, cc = mem
     lo, hi = 0.0, 1.0 if gw or cw else 0.0
     for base, slope, limit in ((g0 + gc * r_c, gw, gpu_limit), (c0 + cc * r_c, cw, cpu_limit)):
@@ -384,8 +361,8 @@ def _rw_interval(mem: tuple[float, ...], r_c: float, gpu_limit: float, cpu_limit
 
 def _best_fractions(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_limit: float,
                     gpu_attn: bool) -> tuple[float, float, float] | None:
-    """(seconds, r_w, r_c) minimising the batch time, or None when nothing fits; exact in r_w for each r_c of
-    RC_GRID (a convex piecewise-linear minimum lies at an end or where two pieces cross)."""
+    """(seconds, r_w, r_c) minimising the batch time, or None; exact in r_w for each r_c of RC_GRID (a convex
+    piecewise-linear minimum lies at an end or where two pieces cross)."""
     best = None
     for r_c in (RC_GRID if gpu_attn else (0.0,)):
         iv = _rw_interval(lin.mem, r_c, gpu_limit, cpu_limit)
@@ -411,7 +388,7 @@ def _best_fractions(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_limi
 
 def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_limit: float,
                        gpu_attn: bool) -> tuple[float, float, float] | None:
-    """The same problem as `_best_fractions`, jointly in (r_w, r_c), as an LP solved by CBC."""
+    """`_best_fractions` jointly in (r_w, r_c), as an LP (CBC)."""
     import pulp
 
     prob = pulp.LpProblem("fractions", pulp.LpMinimize)
@@ -439,10 +416,10 @@ def solve_fractions_lp(lin: _Lin, layers: int, gen: int, gpu_limit: float, cpu_l
 
 
 # ---- the integer part -------------------------------------------------------------------------------
-def micro_batch_sizes(limit: int, dense_until: int = DENSE_MU) -> list[int]:
-    """The paper's μ candidates: 1, 2, 3, 4, then 36, 68, … in steps of 32, up to `limit`; beyond `dense_until`
-    only points ≥ 1/8 above the previous one (the search refines around the best)."""
-    mus = [mu for mu in (1, 2, 3, 4) if mu <= limit] + list(range(36, min(limit, dense_until) + 1, 32))
+def micro_batch_sizes(limit: int) -> list[int]:
+    """The paper's μ candidates: 1, 2, 3, 4, then 36, 68, … in steps of 32, up to `limit`; beyond DENSE_MU only
+    points ≥ 1/8 above the previous one (the search refines around the best)."""
+    mus = [mu for mu in (1, 2, 3, 4) if mu <= limit] + list(range(36, min(limit, DENSE_MU) + 1, 32))
     mu = mus[-1] if mus else 0
     while True:
         mu = 4 + 32 * math.ceil((mu * 1.125 - 4) / 32)
@@ -462,7 +439,6 @@ def _mus(place: tuple[str, str], n_cap: int, has_gpu: bool = True) -> list[int]:
 
 
 def _expert_groups(n_mb: int) -> list[int]:
-    """Micro-batches per expert batch: powers of two dividing n_mb, and n_mb itself (all tokens at once)."""
     gs = [1 << i for i in range(n_mb.bit_length()) if n_mb % (1 << i) == 0]
     return gs + ([n_mb] if n_mb not in gs else [])
 
@@ -480,11 +456,10 @@ class _Candidate:
 
 
 def _rates(hw: HardwareSpec, ranks: int, model: ModelSpec) -> hrm.Rates:
-    """The HRM's rates for one rank; the CPU at the rate of the dtype `model`'s weights compute in."""
     return dataclasses.replace(hrm.effective_rates(hw, model.dtype, model), tp=ranks)
 
 
-def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: int = 4, ranks: int = 1) -> list[_Candidate]:
+def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, ranks: int = 1) -> list[_Candidate]:
     d, r = hrm.dims(m), _rates(hw, ranks, m)
     gpu_limit, cpu_limit = budget.gpu_bytes * GPU_USABLE, budget.cpu_bytes * CPU_USABLE
     places = PLACEMENTS_GPU if hw.has_gpu else (("cpu", "cpu"),)
@@ -503,7 +478,6 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
         return any(_rw_interval(mem, r_c, gpu_limit, cpu_limit) is not None for r_c in grid)
 
     def expert_batches(place, n_mb, mu):
-        """Candidates for every expert batch size worth trying at this (N, μ); their best time."""
         n = n_mb * mu
         mem = memory(place, n, mu)
         pre = _prefill_lin(d, r, w, place, n, mu)
@@ -561,7 +535,7 @@ def _search(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget, keep: i
         for n_mb in sorted({max(1, n_max - 1), max(1, (3 * n_max) // 4), max(1, n_max // 2), max(1, n_max // 4)} - {n_max}):
             expert_batches(place, n_mb, mu)
     found.sort(key=lambda c: c.seconds_per_token)
-    return found[:keep]
+    return found[:4]  # the best few: plan() re-solves their fractions and, with uneven waves, re-ranks them
 
 
 def _shortfall(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget) -> BudgetError:
@@ -588,8 +562,7 @@ def _shortfall(m: ModelSpec, hw: HardwareSpec, w: Workload, budget: Budget) -> B
 
 def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: Budget | None = None,
          ranks: int | None = None) -> tuple[Policy, Prediction]:
-    """The policy with the highest predicted end-to-end tokens/s that fits the budget; BudgetError where not even
-    a batch of one fits. `ranks` (default one per GPU) each plan their share (core.plan.parallel)."""
+    """The policy with the highest predicted tokens/s that fits; `ranks` (default one per GPU) plan their share."""
     budget = budget or Budget.for_hardware(hardware)
     ranks = ranks or default_ranks(hardware)
     full_model, full_hw, full_budget = model, hardware, budget
@@ -620,7 +593,7 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
 
 
 def _policy(c: _Candidate, r_w: float, r_c: float, model: ModelSpec, ranks: int) -> Policy:
-    """A candidate's policy, its fractions in whole experts and layers (core.plan.policy.expert_split)."""
+    """Fractions rounded down to whole experts and layers (core.plan.policy.expert_split)."""
     L, E = model.num_layers, model.num_experts
     LE = model.moe_layers * E  # routed experts in all (dense layers hold none)
     r_w, r_c = math.floor(r_w * LE + 1e-6) / LE, math.floor(r_c * L + 1e-6) / L

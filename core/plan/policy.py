@@ -1,7 +1,5 @@
-"""Policy (how to run a model on a machine) and Prediction (what the HRM expects of it).
-
-Boundary: plain validated data with a JSON round-trip. The planner makes both; the engine reads
-Policy; the app shows both. Names follow the paper (N, μ, A_g, F_g, r_w, r_c) in comments.
+"""Policy (how to run a model on a machine) and Prediction (what the HRM expects of it): validated data with a
+JSON round-trip. Names follow the paper (N, μ, A_g, F_g, r_w, r_c) in comments.
 """
 
 from __future__ import annotations
@@ -106,7 +104,7 @@ def dense_layers(num_layers: int, moe_share: float) -> range:
 
 
 def kv_gpu_layers(gpu_kv_fraction: float, num_layers: int) -> int:
-    """Layers whose whole KV cache is on the GPU for a share r_c (the runtime splits the cache by layer)."""
+    """The runtime splits the KV cache by whole layers."""
     return int(gpu_kv_fraction * num_layers + 1e-9)
 
 

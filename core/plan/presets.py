@@ -1,8 +1,6 @@
-"""Model descriptions without weights: bundled config.json presets, and `resolve_spec` for `--model`.
-
-`--model M` may be a checkpoint folder, a Hugging Face repo id whose config.json is already in the
-local HF cache (looked up offline), or a bundled preset name (core/assets/configs/<name>/config.json, shipped in the package).
-Boundary: reads config files only; never downloads, never loads weights.
+"""Model descriptions without weights (`resolve_spec` for `--model`): a checkpoint folder, a bundled preset
+(core/assets/configs/<name>/config.json) or a repo id whose config.json the local HF cache holds. Reads config
+files only: never downloads, never loads weights.
 """
 
 from __future__ import annotations

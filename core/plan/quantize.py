@@ -1,9 +1,6 @@
-"""Which format the experts run in: `--quantize none | int8 | int4 | auto`, planned, with the reason.
-
-`auto` takes the least lossy format whose plan fits (the checkpoint's dtype, int8, int4; without a GPU also the
-dense weights, by mean KL against bf16: int8 0.020, int8+int8 dense 0.091, int4 0.305, int4+int8 dense 0.333,
-int4+int4 dense 0.851) and never trades accuracy for speed. Every choice also plans the unquantized model, so
-the speed-up is shown (or that it does not fit). Quantized checkpoints (GGUF, MXFP4) run as they are.
+"""`--quantize none | int8 | int4 | auto`: the experts' format, planned, with the reason. `auto` takes the least
+lossy format that fits and never trades accuracy for speed; every choice also plans the unquantized model, for
+the speed-up. Quantized checkpoints (GGUF, MXFP4) run as they are.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from core.plan import planner
 from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy, Prediction
 
-# (experts, dense weights) least lossy first, where the dense weights can be quantized (CPU-only)
+# (experts, dense weights; those only CPU-only) by mean KL against bf16: 0, 0.020, 0.091, 0.305, 0.333, 0.851
 LADDER = (("none", None), ("int8", None), ("int8", "int8"), ("int4", None), ("int4", "int8"), ("int4", "int4"))
 
 
@@ -54,7 +51,6 @@ def _name(spec: ModelSpec, q: str, group_size: int | None = None, dense: str | N
 
 
 def spec_in_format(model: ModelSpec, q: str, dense: str | None, group_size: int | None) -> ModelSpec:
-    """`model` with its experts in `q` and, beside quantized experts, its dense weights in `dense`."""
     spec = quantized_spec(model, parse_choice(q, group_size))
     return with_dense(spec, parse_choice(dense, group_size)) if dense and q != "none" else spec
 

@@ -1,9 +1,5 @@
-"""Predicted next to measured, as a run goes: the core side of "a prediction shown to a user is a promise".
-
-`RunSums` is the one accumulator of a run's step events (sums only, every event forwarded); `Tracker` is one
-that also compares: measured tokens/s and each resource's busy time per decode layer beside the planner's, and
-`parted` once enough steps were seen and the rates part by more than the prediction's band (else WARN_AT).
-Boundary: plain arithmetic over events; no clock of its own (the events carry their seconds), no I/O.
+"""Predicted next to measured, as a run goes: `RunSums` sums a run's step events; `Tracker` also compares them
+with the planner's figures. Plain arithmetic over events: no clock of its own, no I/O.
 """
 
 from __future__ import annotations
@@ -17,8 +13,6 @@ MIN_DECODE_STEPS = 8  # decode steps before a run's rate is worth comparing or r
 
 
 class RunSums:
-    """An EventSink keeping a run's sums, forwarding every event to `forward`."""
-
     def __init__(self, forward: EventSink = ignore):
         self.forward, self.seconds = forward, 0.0  # every step's seconds
         self.decode_steps, self.decode_tokens, self.decode_seconds = 0, 0, 0.0

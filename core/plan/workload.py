@@ -1,6 +1,4 @@
-"""What a run asks for, as the planner sees it: prompt and generation lengths, how many requests, and how the
-prompts spread (MT-Bench's log-normal) — the mean, the mean square, the longest of a micro-batch, and which
-requests a run's waves hold."""
+"""What a run asks for, as the planner sees it: lengths, how many requests, and how the prompts spread."""
 
 from __future__ import annotations
 
@@ -36,19 +34,16 @@ class Workload:
         return self.max_prompt_len or self.prompt_len
 
     @property
-    def decode_context(self) -> float:
-        """Average cached tokens a decode step attends over: the prompt plus half the generation."""
+    def decode_context(self) -> float:  # the average over a generation
         return self.prompt_len + self.gen_len / 2
 
     @property
     def spread(self) -> bool:
-        """Whether the prompts spread (a longest prompt above the mean), or are all of the mean's length."""
         return self.longest_prompt > self.prompt_len
 
     @property
     def prompt_sq_mean(self) -> float:
-        """Mean squared prompt length (prefill attention grows with it): equal prompts unless a longer
-        longest prompt says the lengths spread; then MT-Bench's log-normal spread, E[L²] = E[L]²·e^(σ²)."""
+        """Prefill attention grows with it. Spread prompts: MT-Bench's log-normal, E[L²] = E[L]²·e^(σ²)."""
         if self.prompt_sq is not None:
             return self.prompt_sq
         s, top = self.prompt_len, self.longest_prompt
