@@ -1,8 +1,5 @@
-"""What differs between operating systems, decided in one place: CPUs, page-locked memory, stop signals,
-files, the console and the cache folder.
-
-Every function reads `SYSTEM` at call time, so a test that sets it (monkeypatch) runs the Windows branches on
-any machine. A leaf: it imports nothing from core's packages.
+"""What differs between operating systems, decided in one place. Every function reads `SYSTEM` at call time, so
+a test that sets it runs the Windows branches on any machine. A leaf: it imports nothing from core's packages.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Typed events the engine publishes through a callback, and the resource names engine and simulator share,
-so that a simulated step and a measured one can be put side by side field for field.
-"""
+"""Typed events the engine publishes through a callback, and the resource names engine and simulator share."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Dealing requests into micro-batches (the paper's Algorithm 2) and refilling freed slots.
-
-Longest prompt first, each into the micro-batch with the fewest tokens and a free slot; refills use the same
-rule, so micro-batches stay balanced. `compact` moves requests into their micro-batch's first slots once
-nothing waits, so CPU attention reads neighbouring cache rows in place.
+"""Dealing requests into micro-batches (the paper's Algorithm 2): each into the one with the fewest tokens and a
+free slot, refills alike, so micro-batches stay balanced.
 """
 
 from __future__ import annotations

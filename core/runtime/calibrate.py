@@ -1,7 +1,6 @@
-"""Measure this machine's CPU cost model (core.plan.cpu_cost): run the engine over shapes spanning what the planner
-chooses among, while under `BUDGET_S`; fit the twelve coefficients to every step at once: per task kind, the units
-a step's micro-batches did against its tasks' seconds; its span beyond them against the LM head and per-step terms.
-The band: the largest relative error of a whole shape's run under the fit, or of one shape run again (the noise).
+"""Measure this machine's CPU cost model (core.plan.cpu_cost): run the engine over shapes spanning the planner's
+choices, within `BUDGET_S`, and fit the coefficients to every step's task seconds at once. The band: the largest
+relative error of a shape's run under the fit, or of one shape run again (the noise).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The CUDA executor: the threaded executor's shape, with the device's work on streams.
-
-Resources "compute", "h2d" and "d2h" are streams of a `core.runtime.device.Device`, each fed by a host thread that
-only launches its tasks in list order; a cross-stream dependency is `stream.wait_event`, a host task waits on
-its copy's event alone. A step has one host sync: at its end, after the caller's tail (`run(..., then=)`).
-Every host wait is bounded by the device's `wait_seconds`: past it the step fails naming the hung task and the
-executor refuses further steps. Timing: one event per task, the one other streams wait on (no extra device op).
+"""The CUDA executor: the threaded executor's shape, with "compute", "h2d" and "d2h" as streams, each fed by a
+host thread that only launches. A cross-stream dependency is `stream.wait_event`; a step has one host sync, at
+its end; a wait past the device's `wait_seconds` fails the step naming the hung task, and the executor refuses
+further steps. Timing: one event per task, the one other streams wait on (no extra device op).
 """
 
 from __future__ import annotations

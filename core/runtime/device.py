@@ -1,12 +1,8 @@
-"""The accelerator as the runtime sees it: one small interface (`Device`), three implementations.
-
-`CudaDevice` maps it onto torch.cuda and nothing else (the only code CI cannot run); the emulated device
-(core.runtime.device_emulated) is the CPU playing a GPU; `HostDevice` is the CPU as its own device (no streams,
-plain copies, nothing pinned). Semantics the CUDA ones keep: `launch(stream, fn)` enqueues and returns; an event
-completes when its stream reaches it, `stream.wait_event` orders without blocking the host; `copy` is one
-asynchronous transfer only with pinned, contiguous host memory; launched work's errors surface at the next
-sync as `DeviceTaskError`; every host wait is bounded by `wait_seconds` (`DeviceStalled`) — on CUDA by polling
-the event's query, since a blocking cudaEventSynchronize takes no deadline.
+"""The accelerator as the runtime sees it: one small interface (`Device`) over torch.cuda (`CudaDevice`, the only
+code CI cannot run), the CPU playing a GPU (core.runtime.device_emulated) and the CPU as its own device
+(`HostDevice`). `launch(stream, fn)` enqueues and returns; `copy` is asynchronous only from pinned, contiguous
+host memory; launched work's errors surface at the next sync (`DeviceTaskError`); every host wait is bounded by
+`wait_seconds` (`DeviceStalled`) — on CUDA by polling, since cudaEventSynchronize takes no deadline.
 """
 
 from __future__ import annotations

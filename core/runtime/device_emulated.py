@@ -1,18 +1,12 @@
 """An emulated CUDA device on the CPU, so that the GPU path's own code runs in CI (contract: core.runtime.device).
 
-- Streams are worker threads running their queue in order, later than the host enqueued it; `copy_delay` lands
-  copies later still, so a host reading a copy's destination before its event completes reads stale data.
-- An exception in launched work surfaces once, at the next host sync covering it, as `DeviceTaskError`.
-- Memory made through the device, and every tensor its compute creates, counts against `memory_bytes`
-  (over it: torch.cuda.OutOfMemoryError); compute reading a host tensor raises, as CUDA does.
-- `pin` registers a host range within `pin_limit_bytes`; unpinned or non-contiguous copies are counted in
-  `stats["staged_copies"]`.
-- `fault(point)` is called at "set_device", "launch", "wait_event", "host_wait", "copy", "alloc", "pin", and at
-  "kernel" on the stream's thread (blocking there is a hung kernel), so tests can break each of them.
-- `capture(fn)` raises CaptureError on what real graph capture forbids (host syncs, device allocations, host
-  reads of device data, data-dependent output sizes, cross-stream work); `replay` reruns `fn` into the
-  captured outputs. Host waits give up after `wait_seconds` with DeviceStalled, as CudaDevice's do.
-Not modelled: bandwidth, concurrency within a stream, the caching allocator's reuse across streams.
+Streams are threads running their queue later than the host enqueued it (`copy_delay` lands copies later still:
+a host reading a copy before its event completes reads stale data). Device memory, and every tensor device
+compute creates, counts against `memory_bytes`; compute reading a host tensor raises, as CUDA does. `fault(point)`
+is called at "set_device", "launch", "wait_event", "host_wait", "copy", "alloc", "pin", and at "kernel" on the
+stream's thread (blocking there is a hung kernel). `capture(fn)` raises CaptureError on what graph capture
+forbids; `replay` reruns `fn` into the captured outputs. Not modelled: bandwidth, concurrency within a stream,
+the caching allocator's reuse across streams.
 """
 
 from __future__ import annotations

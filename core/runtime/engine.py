@@ -1,8 +1,5 @@
-"""The batch generation engine: `Request`s in (text or chat), `Result`s out as each finishes.
-
-It owns the step loop — admit waiting requests into free slots (Algorithm 2), prefill them, decode a token for
-every active request, retire finished ones — and hands the per-layer work to a `PipelineRunner`. Telemetry
-goes through a callback; it never prints. `Engine.load` chooses where the model runs; core.runtime.loading reads it.
+"""The batch generation engine: `Request`s in (text or chat), `Result`s out as each finishes. It owns the step
+loop and hands the per-layer work to a `PipelineRunner`; telemetry goes through a callback, it never prints.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""A measured CPU-only run recorded beside its prediction (core.plan.cpu_history). Nothing is refitted: the
-coefficients change only when `mlight bench --calibrate` measures them again, so the same plan is made tomorrow.
-Only runs the calibration describes are recorded: CPU-only, unquantized, one process, enough decode steps.
+"""A measured CPU-only run recorded beside its prediction (core.plan.cpu_history). Nothing is refitted, so the
+same plan is made tomorrow; only runs the calibration describes are recorded.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""CUDA graphs for a step's GPU segments: capture once, replay after, eager where capture fails.
-
-A segment is a task's device work as `fn(*inputs) -> outputs`. `Graphs.run` runs a key eagerly the first
-time (warm-up), captures and replays it the second, replays after; a capture that fails (CaptureError) stays
-eager and warns once per segment kind. Keys: (segment, layer, micro-batch slot, input shapes); static inputs
-and outputs are shared by a slot's layers, which run one after another. `choose` decides whether graphs pay:
-they save host time, which a step waits for only where launches take longer than the streamed weights.
+"""CUDA graphs for a step's GPU segments (a task's device work as `fn(*inputs) -> outputs`): eager the first
+time, captured the second, replayed after; a segment kind whose capture fails stays eager and warns once.
+`choose` decides whether they pay: they save host time, which a step waits for only where launches take
+longer than the streamed weights.
 """
 
 from __future__ import annotations

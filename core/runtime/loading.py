@@ -1,6 +1,5 @@
-"""The steps of `Engine.load` that read and ready the model (checkpoint, tokenizer, weights placed, experts packed
-for the CPU, native kernels), each handed the previous one's result; where and how the model runs is chosen
-in core.runtime.engine. Progress and warnings go through the `progress` sink.
+"""The steps of `Engine.load` that read and ready the model, each handed the previous one's result; where and how
+the model runs is chosen in core.runtime.engine.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The decode step's (and prefill's) task graph, as data: one definition for the engine and the simulator.
 
-A schedule is a list of `Task`s; each resource runs its tasks one at a time in list order, a task once all
-its `deps` finished. Schedules (shared/paper.md): "cgopipe" (CPU attention two micro-batches ahead, page j of
-layer i+1 sent after micro-batch j's D2 of layer i), "s4" (FlexGen: the whole next layer's weights first, no
-look-ahead), "s3" (one chain, nothing overlaps). Layer 0's streamed weights go during the previous step's
-last layer. Boundary: pure data; costs are core.plan.hrm's, execution the executors'.
+Each resource runs its tasks one at a time in list order, a task once all its `deps` finished. Schedules
+(shared/paper.md): "cgopipe" (CPU attention two micro-batches ahead, layer i+1's pages interleaved with layer
+i's D2s), "s4" (FlexGen: the whole next layer's weights first), "s3" (one chain). Layer 0's streamed weights go
+during the previous step's last layer.
 """
 
 from __future__ import annotations

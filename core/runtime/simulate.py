@@ -1,7 +1,5 @@
-"""Replay a task graph (core.runtime.schedule) with HRM task costs (core.plan.hrm): a timeline and per-resource use.
-
-Every dependency and same-resource predecessor comes earlier in the list, so one pass in list order is an
-exact replay of the schedule's execution rule. Results keyed by core.telemetry.RESOURCES.
+"""Replay a task graph with HRM task costs: a timeline and per-resource use. Every dependency and same-resource
+predecessor comes earlier in the list, so one pass in list order is exact.
 """
 
 from __future__ import annotations

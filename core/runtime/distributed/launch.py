@@ -1,8 +1,5 @@
-"""Start K local ranks of a command through torch's elastic launcher (what `torchrun --standalone`
-does), and say plainly which rank failed when one does.
-
-The ranks inherit stdin/stdout/stderr, find each other through a c10d rendezvous on a free local
-port, and are not restarted: a run that fails is resumed by running the command again.
+"""Start K local ranks of a command through torch's elastic launcher (`torchrun --standalone`), and say which
+rank failed. Ranks are not restarted: a failed run resumes when the command runs again.
 """
 
 from __future__ import annotations

@@ -8,12 +8,9 @@
                          batch_format="pandas", batch_size=64, concurrency=2, num_gpus=1)
     for row in out.iter_rows(): ...
 
-Each actor loads the engine (and, unless given a policy, plans for the machine it landed on) once,
-then runs every batch it receives through `Engine.generate`. Input columns: `prompt` or `messages`,
-optional `id` and the per-request settings (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-`stop`); output: the fields of a `mlight run` result (`id`, `prompt`, `output`, `output_token_ids`,
-`prompt_tokens`, `output_tokens`, `finish_reason`, `seconds`), one row per input row, in input order.
-`mlight run --ray ADDRESS` (app/commands/run_ray.py) drives this from a prompts file.
+Each actor loads the engine once (planning for its machine unless given a policy). Input columns: `prompt` or
+`messages`, optional `id` and the per-request settings (REQUEST_COLUMNS); output: a `mlight run` result's fields,
+one row per input row, in input order.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The collectives a tensor-parallel engine calls, over one torch.distributed group.
 
-Every rank of the group runs the same engine over its shard (core.model.shard) and the same step
-graph, so it issues these calls in the same order: the pipeline's dense tasks all run on one
-resource's queue, in graph order. The group's first rank samples; the others take its tokens, so
-the ranks can never disagree about which requests finish (a disagreement would hang a collective).
-
-A step that fails on one rank only (out of GPU memory) must not leave the others waiting in a
-collective: the failing rank `drain`s the step, issuing the all-reduces it did not reach (zeros of
-the shapes the step graph gives, `step_collectives`), and then every rank learns the outcome from one
-small all-reduce after each step (`outcome`: stop, and the smallest batch any rank asks for), before
-any token of the step is used. So all ranks retry with the same smaller batch, or all stop together.
+Every rank runs the same step graph over its shard, so it issues these calls in the same order; the group's
+first rank samples and the others take its tokens, so no rank disagrees about which requests finish (that
+would hang a collective). A rank that fails a step (out of GPU memory) `drain`s it with zeros of the shapes
+`step_collectives` gives, and every rank then learns the step's `outcome` (stop, the smallest batch asked for)
+before using any of its tokens: all retry with the same smaller batch, or all stop together.
 """
 
 from __future__ import annotations
