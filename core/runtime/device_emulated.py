@@ -122,8 +122,7 @@ class _Stream:
             self.dev._tls.label = None
 
     def _wait(self, event: _Event, gen: int, timeout: float | None = None) -> bool:
-        """Until the event's record `gen` completes (False: not within `timeout`); the failure before it, if
-        any, becomes this stream's."""
+        """Until the event's record `gen` completes (False: not within `timeout`); its failure becomes ours."""
         if not event._wait_gen(gen, timeout):
             return False
         if event.error is not None and self.error is None:
@@ -246,14 +245,10 @@ class EmulatedCuda(Device):
             if time.monotonic() > deadline:
                 raise DeviceStalled(what, seconds)
         if event.error is not None:
-            label, err = event.error
-            self._clear(event.error)
-            raise DeviceTaskError(label, err)
-
-    def _clear(self, error) -> None:
-        for s in [*self._streams, self._inline]:
-            if s.error is error:
-                s.error = None
+            for s in [*self._streams, self._inline]:  # reported once
+                if s.error is event.error:
+                    s.error = None
+            raise DeviceTaskError(*event.error)
 
     def synchronize(self) -> None:
         self._refuse("a device synchronisation")
@@ -461,18 +456,13 @@ class _Track(TorchDispatchMode):
         super().__init__()
         self.dev = dev
 
-    def __enter__(self):
-        d = getattr(_Track._depth, "n", 0)
-        _Track._depth.n = d + 1
-        if d:  # already tracking on this thread
-            return self
-        return super().__enter__()
+    def __enter__(self):  # once per thread, however deeply nested
+        _Track._depth.n = getattr(_Track._depth, "n", 0) + 1
+        return self if _Track._depth.n > 1 else super().__enter__()
 
     def __exit__(self, *exc):
         _Track._depth.n -= 1
-        if _Track._depth.n:
-            return None
-        return super().__exit__(*exc)
+        return None if _Track._depth.n else super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
