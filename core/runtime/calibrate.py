@@ -22,19 +22,15 @@ BUDGET_S = 40.0  # the shapes' runs, beside the warm-up: under a minute on two c
 
 
 class RunStep(NamedTuple):
-    """One step of a run: its span (from the previous step's end), its tasks' seconds by kind, and per
-    micro-batch each request's cached tokens after the step (decode) or prompt tokens (prefill)."""
-
     kind: str  # "decode" | "prefill"
-    seconds: float
-    tasks: dict
-    groups: list
+    seconds: float  # from the previous step's end
+    tasks: dict  # its tasks' seconds by kind
+    groups: list  # per micro-batch, each request's cached tokens after the step (decode) or prompt tokens (prefill)
 
 
 def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: int = GEN,
               clock=time.perf_counter) -> list[RunStep]:
-    """Run `prompts` through `engine.generate` at `batch`/`micro_batch`, each to `gen` tokens, and time
-    every step and its tasks by kind (StepClock), with what each step held."""
+    """Run `prompts` at `batch`/`micro_batch`, each to `gen` tokens: every step, timed, with what it held."""
     held: list = []
     make = engine.runner
 

@@ -39,8 +39,7 @@ class _CudaStep(_Step):
                 and all(self.end[d].query() if d in self.end else self.events[d].is_set() for d in task.deps))
 
     def stuck(self, stream: str | None, err: DeviceStalled) -> DeviceTaskError:
-        """The failure for a wait on `stream` (None: all) past its deadline: the task that started and never ended
-        on any stream (a hung kernel or copy), else `stream`'s first unfinished task."""
+        """The failure for a wait on `stream` (None: all) past its deadline, naming the task that hangs."""
         running = [t for t in self.stream_of if not self.end[t].query() and self.started(t)]
         mine = [t for t, r in self.stream_of.items() if stream is None or r == stream]
         tid = running[0] if running else next((t for t in mine if not self.end[t].query()), mine[-1])
@@ -70,8 +69,7 @@ class CudaExecutor(ThreadedExecutor):
             self.placement(resource)
 
     def run(self, tasks, fn, then=None) -> dict[str, float]:
-        """ThreadedExecutor.run; `then()` enqueues the caller's tail behind the streams' work, before the step's
-        one host wait, so its results need no wait of their own."""
+        """ThreadedExecutor.run; `then()` enqueues the caller's tail before the step's one host wait."""
         self._then = then
         try:
             return super().run(tasks, fn)

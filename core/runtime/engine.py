@@ -201,8 +201,7 @@ class Engine:
             self._executor = None
 
     def close(self) -> None:
-        """Stop the executor's threads and unpin the weights (freed while registered, they would stay locked);
-        the engine can run again."""
+        """Stop the executor's threads and unpin the weights (freed while registered, they would stay locked)."""
         self._stop_executor()
         self.weights.unpin()
 
@@ -214,8 +213,7 @@ class Engine:
              quantize: str | None = None, group_size: int | None = None, use_cache: bool = True,
              cpu_math: str | None = None, threads: int | None = None, progress: EventSink = ignore, tp=None,
              quantize_dense: bool | str = False, graphs: str = "auto") -> "Engine":
-        """Load a checkpoint (arguments: docs/CONTRACTS.md): a planner `Policy` sets the placement, the explicit
-        arguments are for tests and benchmarks; `tp` loads only this rank's shard."""
+        """Load a checkpoint (arguments: docs/CONTRACTS.md); a planner `Policy` sets the placement."""
         model_dir = Path(model_dir)
         ck = loading.read_checkpoint(model_dir, tp)
         config, dev, pages_per_layer = _run_for(ck.spec, policy, device, executor, schedule, pages_per_layer,
@@ -424,8 +422,7 @@ class Engine:
 
     @staticmethod
     def _compact(runner, table, active) -> None:
-        """Move requests (their cached state with them) into each micro-batch's first slots, so attention reads
-        neighbouring rows in place rather than gathering them in every layer."""
+        """Requests (and their cache rows) into each micro-batch's first slots: attention reads them in place."""
         moves = table.compact()
         if moves:
             at = {s.slot: s for s in active}
@@ -434,8 +431,7 @@ class Engine:
                 at[a].slot = b
 
     def _agreed(self, runner, stop: bool, slots: int, compute):
-        """Run a step; tensor parallel, the group agrees on its outcome first (a rank out of memory drains the
-        step's collectives and asks for half the batch)."""
+        """Run a step; tensor parallel, the group agrees on its outcome first (see distributed.tensor_parallel)."""
         if self.tp is None:
             return compute()
         from core.runtime.distributed.tensor_parallel import step_collectives
@@ -576,8 +572,7 @@ def _placement(policy, spec: ModelSpec) -> dict:
 
 
 class _GroupAgreed(Exception):
-    """Tensor parallel: the group agreed to stop after this step (`shrink` None), or, a rank out of memory, to go
-    on with `shrink` = (requests, that rank)."""
+    """Tensor parallel: the group agreed to stop (`shrink` None) or to go on with `shrink` = (requests, OOM rank)."""
 
     def __init__(self, shrink: tuple[int, int] | None):
         super().__init__(shrink)
