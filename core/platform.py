@@ -73,16 +73,14 @@ def load_average() -> tuple[float, float, float] | None:
 
 
 def free_cores(sample_s: float = 0.1) -> int:
-    """Usable cores not busy with other work now, by CPU utilisation sampled for `sample_s` seconds (the load
-    average still counts a run for a minute after it ended)."""
+    """Usable cores not busy now, by CPU utilisation over `sample_s` (the load average lags by a minute)."""
     usable = usable_cores()
     total = os.cpu_count() or usable
     try:
         busy = psutil.cpu_percent(interval=sample_s) / 100.0 * total
     except OSError:
         return usable
-    # the load is machine-wide; count the share of it that falls on our cores
-    busy_here = busy * usable / max(total, 1)
+    busy_here = busy * usable / max(total, 1)  # the load is machine-wide: the share of it on our cores
     return max(1, usable - int(busy_here + 0.5))
 
 
@@ -92,8 +90,7 @@ RELATION_CACHE = 2  # LOGICAL_PROCESSOR_RELATIONSHIP.RelationCache (Windows)
 
 
 def llc_bytes() -> int:
-    """The last-level cache's size as the OS reports it (on Apple silicon, which has no L3, the performance cores'
-    L2); DEFAULT_LLC where it cannot be read."""
+    """The last-level cache's size as the OS reports it (Apple silicon: the performance cores' L2), else DEFAULT_LLC."""
     read = {"linux": _llc_linux, "macos": _llc_macos, "windows": _llc_windows}.get(SYSTEM)
     try:
         return (read() if read is not None else 0) or DEFAULT_LLC
@@ -161,8 +158,7 @@ def _llc_windows(kernel32=None) -> int:
 
 
 def pinned_budget(ram_bytes: int) -> int:
-    """Host memory worth page-locking for GPU copies: Windows (WDDM) caps it at half the RAM, past which
-    registration fails or the machine pages."""
+    """Host memory worth page-locking: Windows (WDDM) caps it at half the RAM, past which registration fails."""
     return ram_bytes // 2 if SYSTEM == "windows" else ram_bytes
 
 
@@ -233,8 +229,7 @@ def path_too_long(path: str | Path) -> bool:
 # ---- console -----------------------------------------------------------------------------------
 
 def utf8_console(streams=None) -> None:
-    """Make stdout/stderr able to print any text: UTF-8 on Windows (redirected output is in the ANSI code page);
-    elsewhere a non-UTF-8 locale escapes what it cannot encode instead of crashing."""
+    """Let stdout/stderr print any text: UTF-8 on Windows (redirected, it is the ANSI code page), else escapes."""
     for s in streams if streams is not None else (sys.stdout, sys.stderr):
         enc = (getattr(s, "encoding", None) or "").lower().replace("-", "").replace("_", "")
         if enc in ("utf8", "utf8sig") or not hasattr(s, "reconfigure"):

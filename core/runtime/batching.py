@@ -23,8 +23,7 @@ class SlotTable:
         return sum(o is None for o in self.owner)
 
     def place(self, request, tokens: int, among: int | None = None) -> int:
-        """Put `request` (needing `tokens` cache positions) into the emptiest micro-batch — of the first `among`
-        where given — and return its slot."""
+        """The slot `request` (`tokens` cache positions) takes in the emptiest micro-batch (of the first `among`)."""
         best = None
         for j, (lo, hi) in enumerate(self.ranges[:among]):
             if any(self.owner[s] is None for s in range(lo, hi)) and (best is None or self.tokens[j] < self.tokens[best]):
@@ -42,8 +41,7 @@ class SlotTable:
         self.tokens[self.micro_batch_of(slot)] -= tokens
 
     def compact(self) -> list[tuple[int, int]]:
-        """Move each micro-batch's requests into its first slots, highest into lowest free (fewest moves);
-        the (from, to) moves, whose state the caller moves."""
+        """Each micro-batch's requests into its first slots, highest into lowest free: the (from, to) moves."""
         moves = []
         for lo, hi in self.ranges:
             used = [s for s in range(lo, hi) if self.owner[s] is not None]

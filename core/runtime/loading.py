@@ -40,9 +40,7 @@ class Checkpoint:
     @property
     def mine(self) -> ModelSpec:
         """The model this process holds: with tensor parallelism, its heads and expert slices."""
-        if self.shard is None:
-            return self.spec
-        return local_spec(self.spec, self.shard)
+        return self.spec if self.shard is None else local_spec(self.spec, self.shard)
 
 
 def read_checkpoint(model_dir: Path, tp) -> Checkpoint:

@@ -56,9 +56,8 @@ class Task:
 
 
 class _Graph:
-    """Appends tasks in order and remembers them by (kind, layer, index). A cross-resource dependency costs an
-    event wait, so `add` keeps only those the in-order queues do not already imply. `serial` (S3, the CPU-only
-    chain): every task also waits for the one listed before it."""
+    """Tasks in order, by (kind, layer, index). A cross-resource dependency costs an event wait, so `add` keeps only
+    those the in-order queues do not imply; `serial` (S3, CPU-only): each task also waits for the one before."""
 
     def __init__(self, serial: bool = False):
         self.tasks: list[Task] = []
@@ -135,8 +134,8 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
     done = 0  # positions (layer·n + micro-batch) whose pre-attention is in the graph
 
     def pre_until(pos: int):
-        """Pre-attention (and D1, CPU attention) of the positions before `pos`, in order: only as far as each is
-        ready (its expert batch of the layer before is in the graph), so no in-order queue waits on a later task."""
+        """Pre-attention, D1 and CPU attention of the positions before `pos` whose previous layer's experts are in
+        the graph (so no in-order queue waits on a later task)."""
         nonlocal done
         while done < min(pos, L * n):
             i, j = divmod(done, n)

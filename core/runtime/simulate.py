@@ -39,8 +39,7 @@ class Timeline:
 
 
 def replay(tasks: list[Task], seconds: dict[str, float], host: dict[str, float] | None = None) -> Timeline:
-    """Run `tasks` with `seconds[kind]` per task (missing: none); `host[kind]`: launch time, one task at a time
-    in list order, before which a task cannot start."""
+    """Run `tasks` with `seconds[kind]` per task (missing: none); `host[kind]`: launches, in list order."""
     free = {r: 0.0 for r in RESOURCES}
     busy = Busy.fromkeys(RESOURCES, 0.0)
     end: list[float] = []

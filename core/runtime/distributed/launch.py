@@ -11,8 +11,7 @@ from core.errors import MlightError
 
 
 def launch_local(nprocs: int, command: list[str]) -> int:
-    """Run `command` (an executable and its arguments) as `nprocs` ranks; the exit code of the job:
-    0 when every rank exits 0, else rank 0's code (or the first failed rank's)."""
+    """Run `command` (argv) as `nprocs` ranks: 0 when every rank exits 0, else rank 0's code (or a failure's)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -49,14 +49,12 @@ class TensorParallel:
         return t
 
     def drain(self, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
-        """Take part, with zeros, in the all-reduces of a step this rank could not finish, so the
-        others complete it (its results are thrown away once the ranks agree on the outcome)."""
+        """Take part, with zeros, in the all-reduces of a step this rank could not finish."""
         for shape, dtype in shapes:
             self.all_reduce(torch.zeros(shape, dtype=dtype, device=self.device))
 
     def outcome(self, stop: bool, slots: int, want: int) -> Outcome:
-        """After each step, on every rank: `want` is the batch this rank can go on with (`slots` when it
-        did not run out of memory). One all-reduce of three numbers."""
+        """After each step, on every rank: `want` is the batch this rank can go on with (`slots` unless out of memory)."""
         failed = want < slots
         t = torch.tensor([int(stop), dist.get_rank() + 1 if failed else 0, -want], dtype=torch.int64,
                          device=self.device)
@@ -71,8 +69,7 @@ class TensorParallel:
 
 
 class ShardOps:
-    """What the pipeline does differently on one rank of a tensor-parallel group: sum the partial
-    outputs of the O projection (when heads are split) and of the FFN; OLMoE's norm over all heads."""
+    """A rank's sums of the partial O projection (when heads are split) and FFN outputs; OLMoE's norm over all heads."""
 
     def __init__(self, tp: TensorParallel, shard, full_spec):
         self.tp, self.shard, self.q_size, self.kv_size = tp, shard, full_spec.q_size, full_spec.kv_size
