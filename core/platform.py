@@ -53,7 +53,7 @@ def usable_cores() -> int:
         try:
             n = len(psutil.Process().cpu_affinity())
         except (AttributeError, OSError):  # AttributeError: no affinity call on this system
-            n = None
+            pass
     n = n or os.cpu_count() or 1
     if SYSTEM == "linux":
         quota = cgroup_cpu_quota()
@@ -179,17 +179,12 @@ def can_fsync_dir() -> bool:
 
 def _retry_shared(op, *args) -> None:
     """Run a file operation; on Windows retry it while another process holds the file open."""
-    if SYSTEM != "windows":
-        op(*args)
-        return
-    deadline = time.monotonic() + SHARING_RETRY_S
-    delay = 0.02
+    deadline, delay = time.monotonic() + SHARING_RETRY_S, 0.02
     while True:
         try:
-            op(*args)
-            return
+            return op(*args)
         except PermissionError:
-            if time.monotonic() >= deadline:
+            if SYSTEM != "windows" or time.monotonic() >= deadline:
                 raise
             _sleep(delay)
             delay = min(delay * 2, 0.25)

@@ -75,13 +75,10 @@ class MlightPredictor:
 
         out = []
         for i, row in enumerate(batch.to_dict("records")):
-            kw = dict(self.defaults)
-            kw.update({k: _plain(row[k]) for k in REQUEST_COLUMNS if k in row and _plain(row[k]) is not None})
-            kw["id"] = str(_plain(row.get("id")) if _plain(row.get("id")) is not None else i)
-            kw["stop"] = tuple(kw.get("stop") or ())
-            for k in _INTS:
-                if kw.get(k) is not None:
-                    kw[k] = int(kw[k])
+            row = {k: _plain(v) for k, v in row.items()}
+            kw = {**self.defaults, **{k: row[k] for k in REQUEST_COLUMNS if row.get(k) is not None}}
+            kw.update(id=str(row["id"] if row.get("id") is not None else i), stop=tuple(kw.get("stop") or ()))
+            kw.update({k: int(kw[k]) for k in _INTS if kw.get(k) is not None})
             if kw.get("messages") is not None:
                 kw.pop("prompt", None)
             out.append(Request(**kw))
