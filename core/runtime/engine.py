@@ -497,8 +497,6 @@ class Engine:
 
     def _retire(self, active: list[_Seq], table: SlotTable, on_event: EventSink) -> list[Result]:
         done = [s for s in active if s.finish]
-        if not done:
-            return []
         active[:] = [s for s in active if not s.finish]
         results = []
         now = time.perf_counter()

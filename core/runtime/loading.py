@@ -45,7 +45,8 @@ class Checkpoint:
 
 def read_checkpoint(model_dir: Path, tp) -> Checkpoint:
     """A safetensors folder's or a GGUF file's spec, and under tensor parallelism this rank's shard."""
-    gguf = _gguf_model(model_dir)
+    paths = None if model_dir.is_dir() and (model_dir / "config.json").is_file() else find_gguf(model_dir)
+    gguf = GGUFModel(paths) if paths is not None else None
     spec = load_gguf_spec(gguf) if gguf is not None else load_spec(model_dir)
     return Checkpoint(model_dir, gguf, spec, plan_shard(spec, tp.rank, tp.size) if tp is not None else None)
 
@@ -148,13 +149,6 @@ def eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return {i for i in ids if isinstance(i, int) and 0 <= i < spec.vocab_size}
-
-
-def _gguf_model(model_dir: Path):
-    if model_dir.is_dir() and (model_dir / "config.json").is_file():
-        return None
-    paths = find_gguf(model_dir)
-    return GGUFModel(paths) if paths is not None else None
 
 
 def _pack_or_fall_back(weights: ModelWeights, cpu, progress: EventSink):

@@ -91,10 +91,7 @@ class _Graph:
 
 def _page_slots(num_pages: int, n_mb: int) -> dict[int, list[int]]:
     """Which pages follow which micro-batch's D2: page p after micro-batch ⌊p·n/P⌋."""
-    slots: dict[int, list[int]] = {j: [] for j in range(n_mb)}
-    for p in range(num_pages):
-        slots[p * n_mb // num_pages].append(p)
-    return slots
+    return {j: [p for p in range(num_pages) if p * n_mb // num_pages == j] for j in range(n_mb)}
 
 
 def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1,
@@ -260,7 +257,6 @@ def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1
 
 
 def for_policy(policy, num_layers: int, schedule: str = "cgopipe") -> list[Task]:
-    """The decode step a Policy runs (core.plan.policy.Policy)."""
     return decode_step(schedule, num_layers=num_layers, num_micro_batches=policy.num_micro_batches,
                        pages_per_layer=policy.pages_per_layer,
                        micro_batches_per_expert_batch=policy.micro_batches_per_expert_batch,

@@ -32,8 +32,6 @@ class Outcome:
 
 
 class TensorParallel:
-    """`size` ranks sharing one model; this one is `rank` of them."""
-
     def __init__(self, group, device: str | torch.device = "cpu"):
         self.group = group
         self.rank = dist.get_rank(group)
