@@ -24,12 +24,10 @@ class SlotTable:
 
     def place(self, request, tokens: int, among: int | None = None) -> int:
         """The slot `request` (`tokens` cache positions) takes in the emptiest micro-batch (of the first `among`)."""
-        best = None
-        for j, (lo, hi) in enumerate(self.ranges[:among]):
-            if any(self.owner[s] is None for s in range(lo, hi)) and (best is None or self.tokens[j] < self.tokens[best]):
-                best = j
-        if best is None:
+        room = [j for j, (lo, hi) in enumerate(self.ranges[:among]) if None in self.owner[lo:hi]]
+        if not room:
             raise RuntimeError("no free slot")
+        best = min(room, key=self.tokens.__getitem__)  # the first of equals
         lo, hi = self.ranges[best]
         slot = next(s for s in range(lo, hi) if self.owner[s] is None)
         self.owner[slot] = request
