@@ -86,20 +86,6 @@ def from_env(tp: int = 1, env=None) -> World | None:
     return World(rank, size, local_rank, local_size, tp)
 
 
-def use_cuda(world: World) -> bool:
-    """Whether this rank drives a GPU: CUDA present and one GPU for each local rank."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    n = torch.cuda.device_count()
-    if n < world.local_size:
-        raise UsageError(f"{world.local_size} ranks on this node but torch sees {n} GPU{'s' if n != 1 else ''}",
-                         "start one rank per GPU (--nproc-per-node), or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
-                         "to run on the CPU")
-    return True
-
-
 @dataclass
 class Groups:
     coord: object  # gloo, every rank: gathering results (long timeout)
@@ -113,7 +99,11 @@ def init(world: World) -> Groups:
     import torch
     import torch.distributed as dist
 
-    cuda = use_cuda(world)
+    cuda = torch.cuda.is_available()  # then one GPU for each local rank
+    if cuda and (n := torch.cuda.device_count()) < world.local_size:
+        raise UsageError(f"{world.local_size} ranks on this node but torch sees {n} GPU{'s' if n != 1 else ''}",
+                         "start one rank per GPU (--nproc-per-node), or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
+                         "to run on the CPU")
     if cuda:
         torch.cuda.set_device(world.local_rank)
     from core.runtime.distributed.coord import Phase
@@ -121,12 +111,11 @@ def init(world: World) -> Groups:
     wait = phase_timeout()
     if not dist.is_initialized():
         dist.init_process_group(backend="gloo", timeout=COORDINATION_TIMEOUT)
-    coord = dist.group.WORLD
     phase = Phase(dist.new_group(backend="gloo", timeout=wait), wait)
     backend = "nccl" if cuda else "gloo"
     # every rank creates every group, in the same order
     tp = [dist.new_group(world.tp_ranks(r), backend=backend, timeout=COLLECTIVE_TIMEOUT) for r in range(world.dp_size)]
-    return Groups(coord, tp[world.dp_rank], backend, phase)
+    return Groups(dist.group.WORLD, tp[world.dp_rank], backend, phase)
 
 
 def shutdown() -> None:
