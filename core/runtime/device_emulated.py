@@ -540,8 +540,7 @@ def _show(entry: tuple) -> str:
     return f"{entry[0]} over {[x[0] + ('@' + hex(x[1]) if x[0] == 'before' else '') for x in entry[1]]}"
 
 
-# a captured segment: the callable, the outputs its capture returned, the kernels it issued
-_Graph = collections.namedtuple("_Graph", "fn out trace")
+_Graph = collections.namedtuple("_Graph", "fn out trace")  # a captured segment: its callable, outputs, kernels
 
 
 class _Undo(TorchDispatchMode):

@@ -14,8 +14,7 @@ from core.model.limits import LOOKAHEAD  # CGOPipe: CPU attention this many micr
 from core.plan.policy import SCHEDULES
 from core.telemetry import RESOURCES
 
-# kind -> resource it runs on
-RESOURCE_OF = {
+RESOURCE_OF = {  # kind -> the resource it runs on
     "pre_attn": "compute",  # norm + QKV projection (+ RoPE) of one micro-batch
     "post_attn": "compute",  # O projection, norm, router, shared expert of one micro-batch
     "ffn": "compute",  # routed experts of one expert batch (one or more micro-batches)

@@ -52,7 +52,7 @@ class TensorParallel:
             self.all_reduce(torch.zeros(shape, dtype=dtype, device=self.device))
 
     def outcome(self, stop: bool, slots: int, want: int) -> Outcome:
-        """After each step, on every rank: `want` is the batch this rank can go on with (`slots` unless out of memory)."""
+        """After each step, on every rank: `want` is the batch this rank can go on with (`slots` unless OOM)."""
         failed = want < slots
         t = torch.tensor([int(stop), dist.get_rank() + 1 if failed else 0, -want], dtype=torch.int64,
                          device=self.device)
