@@ -73,8 +73,8 @@ def step_rows(d, L: int, s: RunStep, group: int = 1) -> list[tuple[list[float], 
 
 def calibrate(engine, prompts, *, progress: EventSink = ignore, clock=time.perf_counter, budget_s: float = BUDGET_S,
               shapes=SHAPES, notes: dict | None = None) -> CpuCosts:
-    """This machine's CPU cost model for `engine`'s model, kernels and threads (see the module's doc); `prompts(n,
-    mean)`: n prompts of `mean` tokens on average (MT-Bench-like: core.io.workloads, above this package)."""
+    """This machine's CPU cost model for `engine`; `prompts(n, mean)`: n prompts of `mean` tokens on average (passed
+    in: core.io.workloads makes them, above this package)."""
     d, L, group = hrm.dims(engine.spec), engine.spec.num_layers, max(1, getattr(engine.config, "expert_group", 1))
     run_steps(engine, prompts(4, 77), batch=4, micro_batch=2, clock=clock)  # warm-up
     runs, t0 = [], clock()

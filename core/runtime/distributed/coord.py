@@ -96,8 +96,7 @@ def agree(error: BaseException | None, rank: int, phase: Phase | None = None) ->
 
 
 def collect(obj, rank: int) -> list | None:
-    """Rank 0: every rank's `obj`, by rank (raises RankLost naming the first rank that is gone).
-    Other ranks: send `obj` to rank 0 and return None."""
+    """Rank 0: every rank's `obj`, by rank (RankLost names the first rank gone); other ranks: None."""
     if rank != 0:
         dist.send_object_list([obj], dst=0)
         return None

@@ -37,8 +37,7 @@ def _plain(v: Any) -> Any:
 
 def plan_here(model: str, workload: dict, cpu_share: int = 1, gpu_mem_gb: float | None = None,
               cpu_mem_gb: float | None = None) -> dict:
-    """The policy for one engine on this machine (run where the actors will run), as a dict; `cpu_share`
-    engines share this machine's memory."""
+    """The policy (a dict) for one of `cpu_share` engines sharing this machine: run it where the actors run."""
     import dataclasses
 
     from core.model.families import load_spec

@@ -18,8 +18,7 @@ from core.errors import MlightError
 
 
 class GroupOutOfMemory(MlightError):
-    """Every rank of a tensor-parallel group stops: one ran out of device memory with a batch of one.
-    Raised alike on every rank, after they agreed (no rank waits in a collective)."""
+    """One rank ran out of device memory with a batch of one: raised alike on every rank, once they agreed."""
 
     agreed = True
 
@@ -80,8 +79,7 @@ class ShardOps:
             self.full_norm = self._full_qk_norm
 
     def _full_qk_norm(self, q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float):
-        """RMSNorm over all heads' q (and k) where this rank holds only some: the sums of squares are added over
-        the group."""
+        """RMSNorm over all heads' q (and k) where this rank holds some: the sums of squares add over the group."""
         q32, k32 = q.float(), k.float()
         ss = torch.stack([q32.pow(2).sum(-1), (k32.pow(2) * self.k_owned.to(k32.device)).sum(-1)], dim=-1)
         self.tp.all_reduce(ss)  # [T, 2]
@@ -94,8 +92,7 @@ class ShardOps:
 
 
 def step_collectives(runner) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """The all-reduces a PipelineRunner's current step issues, in order, as (shape, dtype): what each
-    dense task sums over the ranks (core.runtime.pipeline; tests check this list against a real step)."""
+    """The all-reduces a PipelineRunner's current step issues, in order, as (shape, dtype)."""
     spec, D, dt = runner.spec, runner.spec.hidden_size, runner.w.math_dtype
     norm = runner._full_norm is not None  # OLMoE: sums of squares [tokens, 2] in fp32 before the attention
     attn = runner.tp.shard.split_attention  # else the attention output is whole on every rank: no sum
