@@ -2,11 +2,11 @@
 
 Streams are threads running their queue later than the host enqueued it (`copy_delay` lands copies later still:
 a host reading a copy before its event completes reads stale data). Device memory, and every tensor device
-compute creates, counts against `memory_bytes`; compute reading a host tensor raises, as CUDA does. `fault(point)`
-is called at "set_device", "launch", "wait_event", "host_wait", "copy", "alloc", "pin", and at "kernel" on the
-stream's thread (blocking there is a hung kernel). `capture(fn)` raises CaptureError on what graph capture
-forbids; `replay` reruns `fn` into the captured outputs. Not modelled: bandwidth, concurrency within a stream,
-the caching allocator's reuse across streams.
+compute creates, counts against `memory_bytes`; compute reading a host tensor raises, as CUDA does; copies from
+unpinned or strided host memory count in `stats["staged_copies"]`. `fault(point)` is called at "set_device",
+"launch", "wait_event", "host_wait", "copy", "alloc", "pin", and at "kernel" on the stream's thread (blocking
+there is a hung kernel). `capture(fn)` raises CaptureError on what graph capture forbids; `replay` reruns `fn`
+into the captured outputs. Not modelled: bandwidth, concurrency within a stream, allocator reuse across streams.
 """
 
 from __future__ import annotations
