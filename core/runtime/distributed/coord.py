@@ -74,9 +74,8 @@ def arrive(phase: Phase, rank: int) -> None:
 
 
 def agree(error: BaseException | None, rank: int, phase: Phase | None = None) -> None:
-    """Every rank passes what went wrong in the last phase (or None); if anything did, rank 0 raises
-    the first rank's error (naming the rank) and the others raise Quiet with its exit code. With a
-    `phase`, a rank that does not arrive within its timeout fails every rank (PhaseTimeout)."""
+    """Every rank passes what went wrong in the last phase (or None); if anything did, rank 0 raises the first
+    rank's error (naming the rank), the others Quiet with its code. With a `phase`, within its timeout."""
     if phase is not None:
         arrive(phase, rank)
     got: list = [None] * dist.get_world_size()
