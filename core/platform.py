@@ -64,11 +64,9 @@ def usable_cores() -> int:
 
 def load_average() -> tuple[float, float, float] | None:
     """The 1, 5 and 15 minute load averages; None where the OS keeps none (Windows)."""
-    if SYSTEM == "windows" or not hasattr(os, "getloadavg"):
-        return None
     try:
-        return os.getloadavg()
-    except OSError:
+        return None if SYSTEM == "windows" else os.getloadavg()
+    except (AttributeError, OSError):  # AttributeError: no getloadavg on this system
         return None
 
 
