@@ -1,7 +1,5 @@
-"""Errors a user can cause, each carrying what went wrong and what to do about it.
-
-The command line turns `UsageError` into exit code 2 and `MlightError` into exit code 1, printing
-`str(err)` on one line; anything else is a bug and shows a traceback only with --debug.
+"""Errors a user can cause, each carrying what went wrong and what to do about it; the command line prints
+`str(err)` on one line and exits with `exit_code` (anything else is a bug: a traceback with --debug).
 """
 
 from __future__ import annotations

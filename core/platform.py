@@ -1,8 +1,5 @@
-"""What differs between operating systems, decided in one place: CPUs, page-locked memory, stop signals,
-files, the console and the cache folder.
-
-Every function reads `SYSTEM` at call time, so a test that sets it (monkeypatch) runs the Windows branches on
-any machine. A leaf: it imports nothing from core's packages.
+"""What differs between operating systems, decided in one place. Every function reads `SYSTEM` at call time, so
+a test that sets it runs the Windows branches on any machine. A leaf: it imports nothing from core's packages.
 """
 
 from __future__ import annotations
@@ -56,7 +53,7 @@ def usable_cores() -> int:
         try:
             n = len(psutil.Process().cpu_affinity())
         except (AttributeError, OSError):  # AttributeError: no affinity call on this system
-            n = None
+            pass
     n = n or os.cpu_count() or 1
     if SYSTEM == "linux":
         quota = cgroup_cpu_quota()
@@ -67,25 +64,21 @@ def usable_cores() -> int:
 
 def load_average() -> tuple[float, float, float] | None:
     """The 1, 5 and 15 minute load averages; None where the OS keeps none (Windows)."""
-    if SYSTEM == "windows" or not hasattr(os, "getloadavg"):
-        return None
     try:
-        return os.getloadavg()
-    except OSError:
+        return None if SYSTEM == "windows" else os.getloadavg()
+    except (AttributeError, OSError):  # AttributeError: no getloadavg on this system
         return None
 
 
 def free_cores(sample_s: float = 0.1) -> int:
-    """Usable cores not busy with other work now, by CPU utilisation sampled for `sample_s` seconds (the load
-    average still counts a run for a minute after it ended)."""
+    """Usable cores not busy now, by CPU utilisation over `sample_s` (the load average lags by a minute)."""
     usable = usable_cores()
     total = os.cpu_count() or usable
     try:
         busy = psutil.cpu_percent(interval=sample_s) / 100.0 * total
     except OSError:
         return usable
-    # the load is machine-wide; count the share of it that falls on our cores
-    busy_here = busy * usable / max(total, 1)
+    busy_here = busy * usable / max(total, 1)  # the load is machine-wide: the share of it on our cores
     return max(1, usable - int(busy_here + 0.5))
 
 
@@ -95,8 +88,7 @@ RELATION_CACHE = 2  # LOGICAL_PROCESSOR_RELATIONSHIP.RelationCache (Windows)
 
 
 def llc_bytes() -> int:
-    """The last-level cache's size as the OS reports it (on Apple silicon, which has no L3, the performance cores'
-    L2); DEFAULT_LLC where it cannot be read."""
+    """The last-level cache's size as the OS reports it (Apple silicon: the performance cores' L2), else DEFAULT_LLC."""
     read = {"linux": _llc_linux, "macos": _llc_macos, "windows": _llc_windows}.get(SYSTEM)
     try:
         return (read() if read is not None else 0) or DEFAULT_LLC
@@ -164,8 +156,7 @@ def _llc_windows(kernel32=None) -> int:
 
 
 def pinned_budget(ram_bytes: int) -> int:
-    """Host memory worth page-locking for GPU copies: Windows (WDDM) caps it at half the RAM, past which
-    registration fails or the machine pages."""
+    """Host memory worth page-locking: Windows (WDDM) caps it at half the RAM, past which registration fails."""
     return ram_bytes // 2 if SYSTEM == "windows" else ram_bytes
 
 
@@ -186,17 +177,12 @@ def can_fsync_dir() -> bool:
 
 def _retry_shared(op, *args) -> None:
     """Run a file operation; on Windows retry it while another process holds the file open."""
-    if SYSTEM != "windows":
-        op(*args)
-        return
-    deadline = time.monotonic() + SHARING_RETRY_S
-    delay = 0.02
+    deadline, delay = time.monotonic() + SHARING_RETRY_S, 0.02
     while True:
         try:
-            op(*args)
-            return
+            return op(*args)
         except PermissionError:
-            if time.monotonic() >= deadline:
+            if SYSTEM != "windows" or time.monotonic() >= deadline:
                 raise
             _sleep(delay)
             delay = min(delay * 2, 0.25)
@@ -236,8 +222,7 @@ def path_too_long(path: str | Path) -> bool:
 # ---- console -----------------------------------------------------------------------------------
 
 def utf8_console(streams=None) -> None:
-    """Make stdout/stderr able to print any text: UTF-8 on Windows (redirected output is in the ANSI code page);
-    elsewhere a non-UTF-8 locale escapes what it cannot encode instead of crashing."""
+    """Let stdout/stderr print any text: UTF-8 on Windows (redirected, it is the ANSI code page), else escapes."""
     for s in streams if streams is not None else (sys.stdout, sys.stderr):
         enc = (getattr(s, "encoding", None) or "").lower().replace("-", "").replace("_", "")
         if enc in ("utf8", "utf8sig") or not hasattr(s, "reconfigure"):

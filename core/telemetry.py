@@ -1,6 +1,4 @@
-"""Typed events the engine publishes through a callback, and the resource names engine and simulator share,
-so that a simulated step and a measured one can be put side by side field for field.
-"""
+"""Typed events the engine publishes through a callback, and the resource names engine and simulator share."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ RESOURCES = ("compute", "cpu_attn", "h2d", "d2h")
 
 
 class Busy(dict):
-    """{resource: seconds}. "compute" was named "gpu": a Busy renames that key when made and still reads it
-    (busy["gpu"], busy.get("gpu")) without holding it, so iterating and summing count compute once."""
+    """{resource: seconds}; "compute" still reads as its old name "gpu", without being held twice."""
 
     def __init__(self, d=()):
         super().__init__(("compute" if k == "gpu" else k, v) for k, v in dict(d).items())
@@ -47,10 +44,8 @@ class StepDone:
     active: int = 0  # requests in flight during the step
     gpu_mem_bytes: int = 0
     cpu_mem_bytes: int = 0
-    # The step's timeline: `tasks` is its task graph (core.runtime.schedule.Task: kind, resource, layer, …;
-    # one object per graph, shared by every step of that shape) and task i ran from times[2i] to
-    # times[2i+1] (time.perf_counter() seconds). `times` is the executor's own buffer, refilled by its next
-    # step so that timing costs no allocation: copy what you keep inside the callback (`task_spans`).
+    # task i of the step's graph ran from times[2i] to times[2i+1] (perf_counter); both are shared with later steps
+    # (`times` is refilled by the next, so timing costs no allocation): copy inside the callback (`task_spans`)
     tasks: Sequence = ()
     times: Sequence[float] = ()
 
@@ -69,11 +64,8 @@ class TaskSpan(NamedTuple):
 
 def task_spans(step: StepDone) -> list[TaskSpan]:
     """Every task of `step` with when it ran, seconds from its first task's start; a copy to keep."""
-    n = min(len(step.tasks), len(step.times) // 2)
-    if n == 0:
-        return []
-    times = step.times
-    origin = min(times[0:2 * n:2])
+    n, times = min(len(step.tasks), len(step.times) // 2), step.times
+    origin = min(times[0:2 * n:2], default=0.0)
     return [TaskSpan(t.resource, t.kind, getattr(t, "layer", -1), times[2 * i] - origin, times[2 * i + 1] - origin)
             for i, t in enumerate(step.tasks[:n])]
 
@@ -102,8 +94,6 @@ class WarningEvent:
 
 @dataclass(frozen=True)
 class Progress:
-    """Progress of a long operation (loading weights, building the demo model, downloading)."""
-
     what: str
     done: int
     total: int

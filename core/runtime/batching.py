@@ -1,8 +1,5 @@
-"""Dealing requests into micro-batches (the paper's Algorithm 2) and refilling freed slots.
-
-Longest prompt first, each into the micro-batch with the fewest tokens and a free slot; refills use the same
-rule, so micro-batches stay balanced. `compact` moves requests into their micro-batch's first slots once
-nothing waits, so CPU attention reads neighbouring cache rows in place.
+"""Dealing requests into micro-batches (the paper's Algorithm 2): each into the one with the fewest tokens and a
+free slot, refills alike, so micro-batches stay balanced.
 """
 
 from __future__ import annotations
@@ -26,14 +23,11 @@ class SlotTable:
         return sum(o is None for o in self.owner)
 
     def place(self, request, tokens: int, among: int | None = None) -> int:
-        """Put `request` (needing `tokens` cache positions) into the emptiest micro-batch — of the first `among`
-        where given — and return its slot."""
-        best = None
-        for j, (lo, hi) in enumerate(self.ranges[:among]):
-            if any(self.owner[s] is None for s in range(lo, hi)) and (best is None or self.tokens[j] < self.tokens[best]):
-                best = j
-        if best is None:
+        """The slot `request` (`tokens` cache positions) takes in the emptiest micro-batch (of the first `among`)."""
+        room = [j for j, (lo, hi) in enumerate(self.ranges[:among]) if None in self.owner[lo:hi]]
+        if not room:
             raise RuntimeError("no free slot")
+        best = min(room, key=self.tokens.__getitem__)  # the first of equals
         lo, hi = self.ranges[best]
         slot = next(s for s in range(lo, hi) if self.owner[s] is None)
         self.owner[slot] = request
@@ -45,8 +39,7 @@ class SlotTable:
         self.tokens[self.micro_batch_of(slot)] -= tokens
 
     def compact(self) -> list[tuple[int, int]]:
-        """Move each micro-batch's requests into its first slots, highest into lowest free (fewest moves);
-        the (from, to) moves, whose state the caller moves."""
+        """Each micro-batch's requests into its first slots, highest into lowest free: the (from, to) moves."""
         moves = []
         for lo, hi in self.ranges:
             used = [s for s in range(lo, hi) if self.owner[s] is not None]

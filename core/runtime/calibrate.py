@@ -1,7 +1,6 @@
-"""Measure this machine's CPU cost model (core.plan.cpu_cost): run the engine over shapes spanning what the planner
-chooses among, while under `BUDGET_S`; fit the twelve coefficients to every step at once: per task kind, the units
-a step's micro-batches did against its tasks' seconds; its span beyond them against the LM head and per-step terms.
-The band: the largest relative error of a whole shape's run under the fit, or of one shape run again (the noise).
+"""Measure this machine's CPU cost model (core.plan.cpu_cost): run the engine over shapes spanning the planner's
+choices, within `BUDGET_S`, and fit the coefficients to every step's task seconds at once. The band: the largest
+relative error of a shape's run under the fit, or of one shape run again (the noise).
 """
 
 from __future__ import annotations
@@ -23,19 +22,15 @@ BUDGET_S = 40.0  # the shapes' runs, beside the warm-up: under a minute on two c
 
 
 class RunStep(NamedTuple):
-    """One step of a run: its span (from the previous step's end), its tasks' seconds by kind, and per
-    micro-batch each request's cached tokens after the step (decode) or prompt tokens (prefill)."""
-
     kind: str  # "decode" | "prefill"
-    seconds: float
-    tasks: dict
-    groups: list
+    seconds: float  # from the previous step's end
+    tasks: dict  # its tasks' seconds by kind
+    groups: list  # per micro-batch, each request's cached tokens after the step (decode) or prompt tokens (prefill)
 
 
 def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: int = GEN,
               clock=time.perf_counter) -> list[RunStep]:
-    """Run `prompts` through `engine.generate` at `batch`/`micro_batch`, each to `gen` tokens, and time
-    every step and its tasks by kind (StepClock), with what each step held."""
+    """Run `prompts` at `batch`/`micro_batch`, each to `gen` tokens: every step, timed, with what it held."""
     held: list = []
     make = engine.runner
 
@@ -78,8 +73,8 @@ def step_rows(d, L: int, s: RunStep, group: int = 1) -> list[tuple[list[float], 
 
 def calibrate(engine, prompts, *, progress: EventSink = ignore, clock=time.perf_counter, budget_s: float = BUDGET_S,
               shapes=SHAPES, notes: dict | None = None) -> CpuCosts:
-    """This machine's CPU cost model for `engine`'s model, kernels and threads (see the module's doc); `prompts(n,
-    mean)`: n prompts of `mean` tokens on average (MT-Bench-like: core.io.workloads, above this package)."""
+    """This machine's CPU cost model for `engine`; `prompts(n, mean)`: n prompts of `mean` tokens on average (passed
+    in: core.io.workloads makes them, above this package)."""
     d, L, group = hrm.dims(engine.spec), engine.spec.num_layers, max(1, getattr(engine.config, "expert_group", 1))
     run_steps(engine, prompts(4, 77), batch=4, micro_batch=2, clock=clock)  # warm-up
     runs, t0 = [], clock()

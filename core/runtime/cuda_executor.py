@@ -1,10 +1,7 @@
-"""The CUDA executor: the threaded executor's shape, with the device's work on streams.
-
-Resources "compute", "h2d" and "d2h" are streams of a `core.runtime.device.Device`, each fed by a host thread that
-only launches its tasks in list order; a cross-stream dependency is `stream.wait_event`, a host task waits on
-its copy's event alone. A step has one host sync: at its end, after the caller's tail (`run(..., then=)`).
-Every host wait is bounded by the device's `wait_seconds`: past it the step fails naming the hung task and the
-executor refuses further steps. Timing: one event per task, the one other streams wait on (no extra device op).
+"""The CUDA executor: the threaded executor's shape, with "compute", "h2d" and "d2h" as streams, each fed by a
+host thread that only launches. A cross-stream dependency is `stream.wait_event`; a step has one host sync, at
+its end; a wait past the device's `wait_seconds` fails the step naming the hung task, and the executor refuses
+further steps. Timing: one event per task, the one other streams wait on (no extra device op).
 """
 
 from __future__ import annotations
@@ -42,8 +39,7 @@ class _CudaStep(_Step):
                 and all(self.end[d].query() if d in self.end else self.events[d].is_set() for d in task.deps))
 
     def stuck(self, stream: str | None, err: DeviceStalled) -> DeviceTaskError:
-        """The failure for a wait on `stream` (None: all) past its deadline: the task that started and never ended
-        on any stream (a hung kernel or copy), else `stream`'s first unfinished task."""
+        """The failure for a wait on `stream` (None: all) past its deadline, naming the task that hangs."""
         running = [t for t in self.stream_of if not self.end[t].query() and self.started(t)]
         mine = [t for t, r in self.stream_of.items() if stream is None or r == stream]
         tid = running[0] if running else next((t for t in mine if not self.end[t].query()), mine[-1])
@@ -73,8 +69,7 @@ class CudaExecutor(ThreadedExecutor):
             self.placement(resource)
 
     def run(self, tasks, fn, then=None) -> dict[str, float]:
-        """ThreadedExecutor.run; `then()` enqueues the caller's tail behind the streams' work, before the step's
-        one host wait, so its results need no wait of their own."""
+        """ThreadedExecutor.run; `then()` enqueues the caller's tail before the step's one host wait."""
         self._then = then
         try:
             return super().run(tasks, fn)

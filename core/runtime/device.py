@@ -1,12 +1,8 @@
-"""The accelerator as the runtime sees it: one small interface (`Device`), three implementations.
-
-`CudaDevice` maps it onto torch.cuda and nothing else (the only code CI cannot run); the emulated device
-(core.runtime.device_emulated) is the CPU playing a GPU; `HostDevice` is the CPU as its own device (no streams,
-plain copies, nothing pinned). Semantics the CUDA ones keep: `launch(stream, fn)` enqueues and returns; an event
-completes when its stream reaches it, `stream.wait_event` orders without blocking the host; `copy` is one
-asynchronous transfer only with pinned, contiguous host memory; launched work's errors surface at the next
-sync as `DeviceTaskError`; every host wait is bounded by `wait_seconds` (`DeviceStalled`) — on CUDA by polling
-the event's query, since a blocking cudaEventSynchronize takes no deadline.
+"""The accelerator as the runtime sees it: one small interface (`Device`) over torch.cuda (`CudaDevice`, the only
+code CI cannot run), the CPU playing a GPU (core.runtime.device_emulated) and the CPU as its own device
+(`HostDevice`). `launch(stream, fn)` enqueues and returns; `copy` is asynchronous only from pinned, contiguous
+host memory; launched work's errors surface at the next sync (`DeviceTaskError`); every host wait is bounded by
+`wait_seconds` (`DeviceStalled`) — on CUDA by polling, since cudaEventSynchronize takes no deadline.
 """
 
 from __future__ import annotations
@@ -87,8 +83,7 @@ class Device:
         fn()
 
     def host_wait(self, event, cancel: Callable[[], bool] | None = None, what: str = "the work before an event") -> None:
-        """Block this host thread until `event` completes, or `cancel()` says stop (raises DeviceTaskError
-        for failed work, DeviceStalled naming `what` past `wait_seconds`)."""
+        """Block until `event` completes or `cancel()`; DeviceStalled naming `what` past `wait_seconds`."""
         poll(event.query, self.wait_seconds, what, cancel)
 
     def synchronize(self) -> None:
@@ -96,8 +91,8 @@ class Device:
 
     # ---- graphs ----
     def capture(self, fn: Callable[[], object]):
-        """Capture `fn`'s device work as a graph, from inside launched work: (graph, fn's outputs, valid after
-        each `replay`); CaptureError where `fn` does what capture forbids."""
+        """From inside launched work: (graph, fn's outputs, valid after each `replay`); CaptureError where `fn` does
+        what capture forbids."""
         raise CaptureError(f"{self.name} has no CUDA graphs")
 
     def replay(self, graph) -> None:
@@ -127,8 +122,8 @@ class Device:
         dst.copy_(src)
 
     def pin(self, t: torch.Tensor) -> bool:
-        """Page-lock a contiguous host tensor at its exact size; False past `pin_limit_bytes` or when the OS
-        refuses (copies are then staged: slower, still right)."""
+        """Page-lock a contiguous host tensor; False past `pin_limit_bytes` or when the OS refuses (copies are then
+        staged: slower, still right)."""
         return False
 
     def _pin_fits(self, nbytes: int) -> bool:
@@ -194,8 +189,7 @@ class CudaDevice(Device):
 
     kind = "cuda"
     accelerator = True
-    # registrations are the process's (a range is registered once: CUDA refuses a second)
-    _registered: dict[int, int] = {}  # registered base address -> bytes, this process
+    _registered: dict[int, int] = {}  # base address -> bytes, the process's (CUDA refuses a second registration)
     _lock = threading.Lock()
 
     def __init__(self, device: str | torch.device | int | None = None, pin_limit_bytes: int | None = None,
@@ -292,8 +286,7 @@ class CudaDevice(Device):
         return self.pin_limit_bytes is None or sum(self._registered.values()) + nbytes <= self.pin_limit_bytes
 
     def _runtime_failed(self, call: str, err, nbytes: int) -> None:
-        """A runtime call outside torch failed: note it and clear CUDA's "last error", which torch would otherwise
-        report as the next kernel's failure, far from its cause."""
+        """Note it and clear CUDA's "last error": torch would report it as the next kernel's failure, far from here."""
         self.runtime_errors.append(f"{call} of {nbytes:,} bytes: error {int(err)}")
         self.pending_error()
 
@@ -339,9 +332,6 @@ class CudaDevice(Device):
         torch.cuda.empty_cache()
 
 
-DEVICE_KINDS = ("cpu", "cuda", "emulated")
-
-
 def default_device_kind() -> str:
     """$MLIGHT_DEVICE (cpu | cuda | emulated; the tests set cpu) if set, else CUDA where torch sees one, else cpu."""
     env = os.environ.get("MLIGHT_DEVICE", "").strip().lower()
@@ -366,4 +356,4 @@ def resolve_device(device: "str | torch.device | Device | None" = None) -> Devic
             raise UsageError("CUDA was asked for but torch sees no CUDA GPU",
                              "run on the CPU (omit --executor cuda), or install a CUDA build of torch")
         return CudaDevice(name)
-    raise UsageError(f"unknown device {name!r}", f"use one of {', '.join(DEVICE_KINDS)} (or cuda:N)")
+    raise UsageError(f"unknown device {name!r}", "use one of cpu, cuda, emulated (or cuda:N)")

@@ -1,18 +1,12 @@
 """An emulated CUDA device on the CPU, so that the GPU path's own code runs in CI (contract: core.runtime.device).
 
-- Streams are worker threads running their queue in order, later than the host enqueued it; `copy_delay` lands
-  copies later still, so a host reading a copy's destination before its event completes reads stale data.
-- An exception in launched work surfaces once, at the next host sync covering it, as `DeviceTaskError`.
-- Memory made through the device, and every tensor its compute creates, counts against `memory_bytes`
-  (over it: torch.cuda.OutOfMemoryError); compute reading a host tensor raises, as CUDA does.
-- `pin` registers a host range within `pin_limit_bytes`; unpinned or non-contiguous copies are counted in
-  `stats["staged_copies"]`.
-- `fault(point)` is called at "set_device", "launch", "wait_event", "host_wait", "copy", "alloc", "pin", and at
-  "kernel" on the stream's thread (blocking there is a hung kernel), so tests can break each of them.
-- `capture(fn)` raises CaptureError on what real graph capture forbids (host syncs, device allocations, host
-  reads of device data, data-dependent output sizes, cross-stream work); `replay` reruns `fn` into the
-  captured outputs. Host waits give up after `wait_seconds` with DeviceStalled, as CudaDevice's do.
-Not modelled: bandwidth, concurrency within a stream, the caching allocator's reuse across streams.
+Streams are threads running their queue later than the host enqueued it (`copy_delay` lands copies later still:
+a host reading a copy before its event completes reads stale data). Device memory, and every tensor device
+compute creates, counts against `memory_bytes`; compute reading a host tensor raises, as CUDA does; copies from
+unpinned or strided host memory count in `stats["staged_copies"]`. `fault(point)` is called at "set_device",
+"launch", "wait_event", "host_wait", "copy", "alloc", "pin", and at "kernel" on the stream's thread (blocking
+there is a hung kernel). `capture(fn)` raises CaptureError on what graph capture forbids; `replay` reruns `fn`
+into the captured outputs. Not modelled: bandwidth, concurrency within a stream, allocator reuse across streams.
 """
 
 from __future__ import annotations
@@ -128,8 +122,7 @@ class _Stream:
             self.dev._tls.label = None
 
     def _wait(self, event: _Event, gen: int, timeout: float | None = None) -> bool:
-        """Until the event's record `gen` completes (False: not within `timeout`); the failure before it, if
-        any, becomes this stream's."""
+        """Until the event's record `gen` completes (False: not within `timeout`); its failure becomes ours."""
         if not event._wait_gen(gen, timeout):
             return False
         if event.error is not None and self.error is None:
@@ -252,14 +245,10 @@ class EmulatedCuda(Device):
             if time.monotonic() > deadline:
                 raise DeviceStalled(what, seconds)
         if event.error is not None:
-            label, err = event.error
-            self._clear(event.error)
-            raise DeviceTaskError(label, err)
-
-    def _clear(self, error) -> None:
-        for s in [*self._streams, self._inline]:
-            if s.error is error:
-                s.error = None
+            for s in [*self._streams, self._inline]:  # reported once
+                if s.error is event.error:
+                    s.error = None
+            raise DeviceTaskError(*event.error)
 
     def synchronize(self) -> None:
         self._refuse("a device synchronisation")
@@ -467,18 +456,13 @@ class _Track(TorchDispatchMode):
         super().__init__()
         self.dev = dev
 
-    def __enter__(self):
-        d = getattr(_Track._depth, "n", 0)
-        _Track._depth.n = d + 1
-        if d:  # already tracking on this thread
-            return self
-        return super().__enter__()
+    def __enter__(self):  # once per thread, however deeply nested
+        _Track._depth.n = getattr(_Track._depth, "n", 0) + 1
+        return self if _Track._depth.n > 1 else super().__enter__()
 
     def __exit__(self, *exc):
         _Track._depth.n -= 1
-        if _Track._depth.n:
-            return None
-        return super().__exit__(*exc)
+        return None if _Track._depth.n else super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -556,8 +540,7 @@ def _show(entry: tuple) -> str:
     return f"{entry[0]} over {[x[0] + ('@' + hex(x[1]) if x[0] == 'before' else '') for x in entry[1]]}"
 
 
-# a captured segment: the callable, the outputs its capture returned, the kernels it issued
-_Graph = collections.namedtuple("_Graph", "fn out trace")
+_Graph = collections.namedtuple("_Graph", "fn out trace")  # a captured segment: its callable, outputs, kernels
 
 
 class _Undo(TorchDispatchMode):

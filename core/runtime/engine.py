@@ -1,8 +1,5 @@
-"""The batch generation engine: `Request`s in (text or chat), `Result`s out as each finishes.
-
-It owns the step loop — admit waiting requests into free slots (Algorithm 2), prefill them, decode a token for
-every active request, retire finished ones — and hands the per-layer work to a `PipelineRunner`. Telemetry
-goes through a callback; it never prints. `Engine.load` chooses where the model runs; core.runtime.loading reads it.
+"""The batch generation engine: `Request`s in (text or chat), `Result`s out as each finishes. It owns the step
+loop and hands the per-layer work to a `PipelineRunner`; telemetry goes through a callback, it never prints.
 """
 
 from __future__ import annotations
@@ -204,8 +201,7 @@ class Engine:
             self._executor = None
 
     def close(self) -> None:
-        """Stop the executor's threads and unpin the weights (freed while registered, they would stay locked);
-        the engine can run again."""
+        """Stop the executor's threads and unpin the weights (freed while registered, they would stay locked)."""
         self._stop_executor()
         self.weights.unpin()
 
@@ -217,8 +213,7 @@ class Engine:
              quantize: str | None = None, group_size: int | None = None, use_cache: bool = True,
              cpu_math: str | None = None, threads: int | None = None, progress: EventSink = ignore, tp=None,
              quantize_dense: bool | str = False, graphs: str = "auto") -> "Engine":
-        """Load a checkpoint (arguments: docs/CONTRACTS.md): a planner `Policy` sets the placement, the explicit
-        arguments are for tests and benchmarks; `tp` loads only this rank's shard."""
+        """Load a checkpoint (arguments: docs/CONTRACTS.md); a planner `Policy` sets the placement."""
         model_dir = Path(model_dir)
         ck = loading.read_checkpoint(model_dir, tp)
         config, dev, pages_per_layer = _run_for(ck.spec, policy, device, executor, schedule, pages_per_layer,
@@ -427,8 +422,7 @@ class Engine:
 
     @staticmethod
     def _compact(runner, table, active) -> None:
-        """Move requests (their cached state with them) into each micro-batch's first slots, so attention reads
-        neighbouring rows in place rather than gathering them in every layer."""
+        """Requests (and their cache rows) into each micro-batch's first slots: attention reads them in place."""
         moves = table.compact()
         if moves:
             at = {s.slot: s for s in active}
@@ -437,8 +431,7 @@ class Engine:
                 at[a].slot = b
 
     def _agreed(self, runner, stop: bool, slots: int, compute):
-        """Run a step; tensor parallel, the group agrees on its outcome first (a rank out of memory drains the
-        step's collectives and asks for half the batch)."""
+        """Run a step; tensor parallel, the group agrees on its outcome first (see distributed.tensor_parallel)."""
         if self.tp is None:
             return compute()
         from core.runtime.distributed.tensor_parallel import step_collectives
@@ -504,8 +497,6 @@ class Engine:
 
     def _retire(self, active: list[_Seq], table: SlotTable, on_event: EventSink) -> list[Result]:
         done = [s for s in active if s.finish]
-        if not done:
-            return []
         active[:] = [s for s in active if not s.finish]
         results = []
         now = time.perf_counter()
@@ -579,8 +570,7 @@ def _placement(policy, spec: ModelSpec) -> dict:
 
 
 class _GroupAgreed(Exception):
-    """Tensor parallel: the group agreed to stop after this step (`shrink` None), or, a rank out of memory, to go
-    on with `shrink` = (requests, that rank)."""
+    """Tensor parallel: the group agreed to stop (`shrink` None) or to go on with `shrink` = (requests, OOM rank)."""
 
     def __init__(self, shrink: tuple[int, int] | None):
         super().__init__(shrink)

@@ -1,6 +1,5 @@
-"""A measured CPU-only run recorded beside its prediction (core.plan.cpu_history). Nothing is refitted: the
-coefficients change only when `mlight bench --calibrate` measures them again, so the same plan is made tomorrow.
-Only runs the calibration describes are recorded: CPU-only, unquantized, one process, enough decode steps.
+"""A measured CPU-only run recorded beside its prediction (core.plan.cpu_history). Nothing is refitted, so the
+same plan is made tomorrow; only runs the calibration describes are recorded.
 """
 
 from __future__ import annotations
@@ -29,9 +28,8 @@ def foldable(engine) -> bool:
 
 
 def fold_back(engine, meter: RunSums, micro_batch: int, hw=None) -> dict | None:
-    """Record the run `meter` watched beside its prediction; cpu_history.record's summary, or None when the
-    run is not one to record or recording failed: it runs after a finished run's results are saved, and
-    bookkeeping must never turn that run into a failed one."""
+    """Record the run `meter` watched beside its prediction: cpu_history.record's summary, or None when not recorded
+    (bookkeeping after a run's results are saved must never fail that run)."""
     try:
         if meter.decode_steps < MIN_DECODE_STEPS or not meter.requests or not meter.decode_seconds \
                 or not foldable(engine):

@@ -1,10 +1,7 @@
-"""CUDA graphs for a step's GPU segments: capture once, replay after, eager where capture fails.
-
-A segment is a task's device work as `fn(*inputs) -> outputs`. `Graphs.run` runs a key eagerly the first
-time (warm-up), captures and replays it the second, replays after; a capture that fails (CaptureError) stays
-eager and warns once per segment kind. Keys: (segment, layer, micro-batch slot, input shapes); static inputs
-and outputs are shared by a slot's layers, which run one after another. `choose` decides whether graphs pay:
-they save host time, which a step waits for only where launches take longer than the streamed weights.
+"""CUDA graphs for a step's GPU segments (a task's device work as `fn(*inputs) -> outputs`): eager the first
+time, captured the second, replayed after; a segment kind whose capture fails stays eager and warns once.
+`choose` decides whether they pay: they save host time, which a step waits for only where launches take
+longer than the streamed weights.
 """
 
 from __future__ import annotations
@@ -18,20 +15,18 @@ from core.telemetry import EventSink, WarningEvent, ignore
 MODES = ("auto", "on", "off")
 HOST_OP_SECONDS = 25e-6  # host seconds a GPU-stream op costs (22–29 µs measured on an H200)
 EAGER_OPS_PER_LAYER = 40  # eager ops of one micro-batch through one layer: the launch budget (any E)
-# Graphs pay when the launches would take more than this share of the link's time for the layer's weights:
-# below it, the copies hide them (the step waits on the link either way), and capture costs memory and a sync
+# below this share of the link's time for a layer's weights, the copies hide the launches, and capture costs memory
 PAYS_ABOVE = 0.5
 
 
-def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float, h2d_bytes_per_s: float,
-           ops_per_layer: int = EAGER_OPS_PER_LAYER, host_op_seconds: float = HOST_OP_SECONDS) -> tuple[bool, str]:
-    """(use graphs, why) for run option `mode` (one of MODES: RunConfig checks it) and a step's counts, link rate
-    and host seconds an op."""
+def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float,
+           h2d_bytes_per_s: float) -> tuple[bool, str]:
+    """(use graphs, why) for run option `mode` (one of MODES) and a step's micro-batches and link."""
     if mode != "auto":
         return mode == "on", f"graphs {mode} as asked"
-    host = micro_batches * ops_per_layer * host_op_seconds
+    host = micro_batches * EAGER_OPS_PER_LAYER * HOST_OP_SECONDS
     link = streamed_bytes_per_layer / h2d_bytes_per_s
-    why = (f"{micro_batches} micro-batches × {ops_per_layer} ops × {host_op_seconds * 1e6:.0f} µs = "
+    why = (f"{micro_batches} micro-batches × {EAGER_OPS_PER_LAYER} ops × {HOST_OP_SECONDS * 1e6:.0f} µs = "
            f"{host * 1e3:.2f} ms of launches a layer against {link * 1e3:.2f} ms of weights over the link")
     if host > PAYS_ABOVE * link:
         return True, why + ": the launches bound the step, graphs pay"
@@ -59,8 +54,8 @@ class Graphs:
         self.captures = self.replays = 0
 
     def run(self, segment: str, layer, slot: int, fn: Callable, inputs: Sequence) -> tuple:
-        """fn(*inputs)'s outputs, eager or replayed (then valid until the slot's next run of the segment); `layer`
-        keys the memory fn reads beside its inputs."""
+        """fn(*inputs)'s outputs, eager or replayed (valid until the slot's next run); `layer` keys what fn reads
+        beside its inputs."""
         if segment in self.refused:
             return fn(*inputs)
         shapes = _layout(inputs)

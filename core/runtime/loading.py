@@ -1,6 +1,5 @@
-"""The steps of `Engine.load` that read and ready the model (checkpoint, tokenizer, weights placed, experts packed
-for the CPU, native kernels), each handed the previous one's result; where and how the model runs is chosen
-in core.runtime.engine. Progress and warnings go through the `progress` sink.
+"""The steps of `Engine.load` that read and ready the model, each handed the previous one's result; where and how
+the model runs is chosen in core.runtime.engine.
 """
 
 from __future__ import annotations
@@ -41,14 +40,13 @@ class Checkpoint:
     @property
     def mine(self) -> ModelSpec:
         """The model this process holds: with tensor parallelism, its heads and expert slices."""
-        if self.shard is None:
-            return self.spec
-        return local_spec(self.spec, self.shard)
+        return self.spec if self.shard is None else local_spec(self.spec, self.shard)
 
 
 def read_checkpoint(model_dir: Path, tp) -> Checkpoint:
     """A safetensors folder's or a GGUF file's spec, and under tensor parallelism this rank's shard."""
-    gguf = _gguf_model(model_dir)
+    paths = None if model_dir.is_dir() and (model_dir / "config.json").is_file() else find_gguf(model_dir)
+    gguf = GGUFModel(paths) if paths is not None else None
     spec = load_gguf_spec(gguf) if gguf is not None else load_spec(model_dir)
     return Checkpoint(model_dir, gguf, spec, plan_shard(spec, tp.rank, tp.size) if tp is not None else None)
 
@@ -151,13 +149,6 @@ def eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return {i for i in ids if isinstance(i, int) and 0 <= i < spec.vocab_size}
-
-
-def _gguf_model(model_dir: Path):
-    if model_dir.is_dir() and (model_dir / "config.json").is_file():
-        return None
-    paths = find_gguf(model_dir)
-    return GGUFModel(paths) if paths is not None else None
 
 
 def _pack_or_fall_back(weights: ModelWeights, cpu, progress: EventSink):

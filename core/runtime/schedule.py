@@ -1,10 +1,9 @@
 """The decode step's (and prefill's) task graph, as data: one definition for the engine and the simulator.
 
-A schedule is a list of `Task`s; each resource runs its tasks one at a time in list order, a task once all
-its `deps` finished. Schedules (shared/paper.md): "cgopipe" (CPU attention two micro-batches ahead, page j of
-layer i+1 sent after micro-batch j's D2 of layer i), "s4" (FlexGen: the whole next layer's weights first, no
-look-ahead), "s3" (one chain, nothing overlaps). Layer 0's streamed weights go during the previous step's
-last layer. Boundary: pure data; costs are core.plan.hrm's, execution the executors'.
+Each resource runs its tasks one at a time in list order, a task once all its `deps` finished. Schedules
+(shared/paper.md): "cgopipe" (CPU attention two micro-batches ahead, layer i+1's pages interleaved with layer
+i's D2s), "s4" (FlexGen: the whole next layer's weights first), "s3" (one chain). Layer 0's streamed weights go
+during the previous step's last layer.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ from core.model.limits import LOOKAHEAD  # CGOPipe: CPU attention this many micr
 from core.plan.policy import SCHEDULES
 from core.telemetry import RESOURCES
 
-# kind -> resource it runs on
-RESOURCE_OF = {
+RESOURCE_OF = {  # kind -> the resource it runs on
     "pre_attn": "compute",  # norm + QKV projection (+ RoPE) of one micro-batch
     "post_attn": "compute",  # O projection, norm, router, shared expert of one micro-batch
     "ffn": "compute",  # routed experts of one expert batch (one or more micro-batches)
@@ -57,9 +55,8 @@ class Task:
 
 
 class _Graph:
-    """Appends tasks in order and remembers them by (kind, layer, index). A cross-resource dependency costs an
-    event wait, so `add` keeps only those the in-order queues do not already imply. `serial` (S3, the CPU-only
-    chain): every task also waits for the one listed before it."""
+    """Tasks in order, by (kind, layer, index). A cross-resource dependency costs an event wait, so `add` keeps only
+    those the in-order queues do not imply; `serial` (S3, CPU-only): each task also waits for the one before."""
 
     def __init__(self, serial: bool = False):
         self.tasks: list[Task] = []
@@ -93,10 +90,7 @@ class _Graph:
 
 def _page_slots(num_pages: int, n_mb: int) -> dict[int, list[int]]:
     """Which pages follow which micro-batch's D2: page p after micro-batch ⌊p·n/P⌋."""
-    slots: dict[int, list[int]] = {j: [] for j in range(n_mb)}
-    for p in range(num_pages):
-        slots[p * n_mb // num_pages].append(p)
-    return slots
+    return {j: [p for p in range(num_pages) if p * n_mb // num_pages == j] for j in range(n_mb)}
 
 
 def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1,
@@ -136,8 +130,8 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
     done = 0  # positions (layer·n + micro-batch) whose pre-attention is in the graph
 
     def pre_until(pos: int):
-        """Pre-attention (and D1, CPU attention) of the positions before `pos`, in order: only as far as each is
-        ready (its expert batch of the layer before is in the graph), so no in-order queue waits on a later task."""
+        """Pre-attention, D1 and CPU attention of the positions before `pos` whose previous layer's experts are in
+        the graph (so no in-order queue waits on a later task)."""
         nonlocal done
         while done < min(pos, L * n):
             i, j = divmod(done, n)
@@ -262,7 +256,6 @@ def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1
 
 
 def for_policy(policy, num_layers: int, schedule: str = "cgopipe") -> list[Task]:
-    """The decode step a Policy runs (core.plan.policy.Policy)."""
     return decode_step(schedule, num_layers=num_layers, num_micro_batches=policy.num_micro_batches,
                        pages_per_layer=policy.pages_per_layer,
                        micro_batches_per_expert_batch=policy.micro_batches_per_expert_batch,

@@ -1,7 +1,5 @@
-"""Replay a task graph (core.runtime.schedule) with HRM task costs (core.plan.hrm): a timeline and per-resource use.
-
-Every dependency and same-resource predecessor comes earlier in the list, so one pass in list order is an
-exact replay of the schedule's execution rule. Results keyed by core.telemetry.RESOURCES.
+"""Replay a task graph with HRM task costs: a timeline and per-resource use. Every dependency and same-resource
+predecessor comes earlier in the list, so one pass in list order is exact.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ class Timeline:
 
 
 def replay(tasks: list[Task], seconds: dict[str, float], host: dict[str, float] | None = None) -> Timeline:
-    """Run `tasks` with `seconds[kind]` per task (missing: none); `host[kind]`: launch time, one task at a time
-    in list order, before which a task cannot start."""
+    """Run `tasks` with `seconds[kind]` per task (missing: none); `host[kind]`: launches, in list order."""
     free = {r: 0.0 for r in RESOURCES}
     busy = Busy.fromkeys(RESOURCES, 0.0)
     end: list[float] = []

@@ -1,12 +1,7 @@
-"""Coordination between the ranks of a job, over the gloo group: agreeing that a phase went well,
-collecting results on rank 0, and naming the rank that is gone when one dies.
-
-Errors a user can cause are usually seen by every rank alike (a bad prompts file); `agree` makes
-sure exactly one line is printed, by rank 0, and every rank exits with the same code. A rank that
-dies mid-run closes its connections, so rank 0 learns which one at once (`RankLost`), however long
-the others still have to work. A rank alive but stuck short of a phase's end is waited for only as
-long as the `Phase` group's timeout (`PhaseTimeout`, naming it); gathering the results at the end of the
-run (`collect`) waits as long as the slowest replica's shard takes.
+"""Coordination between a job's ranks over gloo: agreeing that a phase went well (`agree`: one line printed,
+by rank 0, the same exit code everywhere), collecting results on rank 0 (`collect`, as long as the slowest
+replica takes; a dead rank's closed connection names it at once: `RankLost`), and a stuck rank named past the
+`Phase` group's timeout (`PhaseTimeout`).
 """
 
 from __future__ import annotations
@@ -79,9 +74,8 @@ def arrive(phase: Phase, rank: int) -> None:
 
 
 def agree(error: BaseException | None, rank: int, phase: Phase | None = None) -> None:
-    """Every rank passes what went wrong in the last phase (or None); if anything did, rank 0 raises
-    the first rank's error (naming the rank) and the others raise Quiet with its exit code. With a
-    `phase`, a rank that does not arrive within its timeout fails every rank (PhaseTimeout)."""
+    """Every rank passes what went wrong in the last phase (or None); if anything did, rank 0 raises the first
+    rank's error (naming the rank), the others Quiet with its code. With a `phase`, within its timeout."""
     if phase is not None:
         arrive(phase, rank)
     got: list = [None] * dist.get_world_size()
@@ -101,8 +95,7 @@ def agree(error: BaseException | None, rank: int, phase: Phase | None = None) ->
 
 
 def collect(obj, rank: int) -> list | None:
-    """Rank 0: every rank's `obj`, by rank (raises RankLost naming the first rank that is gone).
-    Other ranks: send `obj` to rank 0 and return None."""
+    """Rank 0: every rank's `obj`, by rank (RankLost names the first rank gone); other ranks: None."""
     if rank != 0:
         dist.send_object_list([obj], dst=0)
         return None

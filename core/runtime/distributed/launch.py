@@ -1,8 +1,5 @@
-"""Start K local ranks of a command through torch's elastic launcher (what `torchrun --standalone`
-does), and say plainly which rank failed when one does.
-
-The ranks inherit stdin/stdout/stderr, find each other through a c10d rendezvous on a free local
-port, and are not restarted: a run that fails is resumed by running the command again.
+"""Start K local ranks of a command through torch's elastic launcher (`torchrun --standalone`), and say which
+rank failed. Ranks are not restarted: a failed run resumes when the command runs again.
 """
 
 from __future__ import annotations
@@ -14,8 +11,7 @@ from core.errors import MlightError
 
 
 def launch_local(nprocs: int, command: list[str]) -> int:
-    """Run `command` (an executable and its arguments) as `nprocs` ranks; the exit code of the job:
-    0 when every rank exits 0, else rank 0's code (or the first failed rank's)."""
+    """Run `command` (argv) as `nprocs` ranks: 0 when every rank exits 0, else rank 0's code (or a failure's)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

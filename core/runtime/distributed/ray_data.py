@@ -8,12 +8,9 @@
                          batch_format="pandas", batch_size=64, concurrency=2, num_gpus=1)
     for row in out.iter_rows(): ...
 
-Each actor loads the engine (and, unless given a policy, plans for the machine it landed on) once,
-then runs every batch it receives through `Engine.generate`. Input columns: `prompt` or `messages`,
-optional `id` and the per-request settings (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-`stop`); output: the fields of a `mlight run` result (`id`, `prompt`, `output`, `output_token_ids`,
-`prompt_tokens`, `output_tokens`, `finish_reason`, `seconds`), one row per input row, in input order.
-`mlight run --ray ADDRESS` (app/commands/run_ray.py) drives this from a prompts file.
+Each actor loads the engine once (planning for its machine unless given a policy). Input columns: `prompt` or
+`messages`, optional `id` and the per-request settings (REQUEST_COLUMNS); output: a `mlight run` result's fields,
+one row per input row, in input order.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ def _plain(v: Any) -> Any:
 
 def plan_here(model: str, workload: dict, cpu_share: int = 1, gpu_mem_gb: float | None = None,
               cpu_mem_gb: float | None = None) -> dict:
-    """The policy for one engine on this machine (run where the actors will run), as a dict; `cpu_share`
-    engines share this machine's memory."""
+    """The policy (a dict) for one of `cpu_share` engines sharing this machine: run it where the actors run."""
     import dataclasses
 
     from core.model.families import load_spec
@@ -78,13 +74,10 @@ class MlightPredictor:
 
         out = []
         for i, row in enumerate(batch.to_dict("records")):
-            kw = dict(self.defaults)
-            kw.update({k: _plain(row[k]) for k in REQUEST_COLUMNS if k in row and _plain(row[k]) is not None})
-            kw["id"] = str(_plain(row.get("id")) if _plain(row.get("id")) is not None else i)
-            kw["stop"] = tuple(kw.get("stop") or ())
-            for k in _INTS:
-                if kw.get(k) is not None:
-                    kw[k] = int(kw[k])
+            row = {k: _plain(v) for k, v in row.items()}
+            kw = {**self.defaults, **{k: row[k] for k in REQUEST_COLUMNS if row.get(k) is not None}}
+            kw.update(id=str(row["id"] if row.get("id") is not None else i), stop=tuple(kw.get("stop") or ()))
+            kw.update({k: int(kw[k]) for k in _INTS if kw.get(k) is not None})
             if kw.get("messages") is not None:
                 kw.pop("prompt", None)
             out.append(Request(**kw))

@@ -1,15 +1,10 @@
 """The collectives a tensor-parallel engine calls, over one torch.distributed group.
 
-Every rank of the group runs the same engine over its shard (core.model.shard) and the same step
-graph, so it issues these calls in the same order: the pipeline's dense tasks all run on one
-resource's queue, in graph order. The group's first rank samples; the others take its tokens, so
-the ranks can never disagree about which requests finish (a disagreement would hang a collective).
-
-A step that fails on one rank only (out of GPU memory) must not leave the others waiting in a
-collective: the failing rank `drain`s the step, issuing the all-reduces it did not reach (zeros of
-the shapes the step graph gives, `step_collectives`), and then every rank learns the outcome from one
-small all-reduce after each step (`outcome`: stop, and the smallest batch any rank asks for), before
-any token of the step is used. So all ranks retry with the same smaller batch, or all stop together.
+Every rank runs the same step graph over its shard, so it issues these calls in the same order; the group's
+first rank samples and the others take its tokens, so no rank disagrees about which requests finish (that
+would hang a collective). A rank that fails a step (out of GPU memory) `drain`s it with zeros of the shapes
+`step_collectives` gives, and every rank then learns the step's `outcome` (stop, the smallest batch asked for)
+before using any of its tokens: all retry with the same smaller batch, or all stop together.
 """
 
 from __future__ import annotations
@@ -23,8 +18,7 @@ from core.errors import MlightError
 
 
 class GroupOutOfMemory(MlightError):
-    """Every rank of a tensor-parallel group stops: one ran out of device memory with a batch of one.
-    Raised alike on every rank, after they agreed (no rank waits in a collective)."""
+    """One rank ran out of device memory with a batch of one: raised alike on every rank, once they agreed."""
 
     agreed = True
 
@@ -37,8 +31,6 @@ class Outcome:
 
 
 class TensorParallel:
-    """`size` ranks sharing one model; this one is `rank` of them."""
-
     def __init__(self, group, device: str | torch.device = "cpu"):
         self.group = group
         self.rank = dist.get_rank(group)
@@ -54,14 +46,12 @@ class TensorParallel:
         return t
 
     def drain(self, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
-        """Take part, with zeros, in the all-reduces of a step this rank could not finish, so the
-        others complete it (its results are thrown away once the ranks agree on the outcome)."""
+        """Take part, with zeros, in the all-reduces of a step this rank could not finish."""
         for shape, dtype in shapes:
             self.all_reduce(torch.zeros(shape, dtype=dtype, device=self.device))
 
     def outcome(self, stop: bool, slots: int, want: int) -> Outcome:
-        """After each step, on every rank: `want` is the batch this rank can go on with (`slots` when it
-        did not run out of memory). One all-reduce of three numbers."""
+        """After each step, on every rank: `want` is the batch this rank can go on with (`slots` unless OOM)."""
         failed = want < slots
         t = torch.tensor([int(stop), dist.get_rank() + 1 if failed else 0, -want], dtype=torch.int64,
                          device=self.device)
@@ -76,8 +66,7 @@ class TensorParallel:
 
 
 class ShardOps:
-    """What the pipeline does differently on one rank of a tensor-parallel group: sum the partial
-    outputs of the O projection (when heads are split) and of the FFN; OLMoE's norm over all heads."""
+    """A rank's sums of the partial O projection (when heads are split) and FFN outputs; OLMoE's norm over all heads."""
 
     def __init__(self, tp: TensorParallel, shard, full_spec):
         self.tp, self.shard, self.q_size, self.kv_size = tp, shard, full_spec.q_size, full_spec.kv_size
@@ -90,8 +79,7 @@ class ShardOps:
             self.full_norm = self._full_qk_norm
 
     def _full_qk_norm(self, q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float):
-        """RMSNorm over all heads' q (and k) where this rank holds only some: the sums of squares are added over
-        the group."""
+        """RMSNorm over all heads' q (and k) where this rank holds some: the sums of squares add over the group."""
         q32, k32 = q.float(), k.float()
         ss = torch.stack([q32.pow(2).sum(-1), (k32.pow(2) * self.k_owned.to(k32.device)).sum(-1)], dim=-1)
         self.tp.all_reduce(ss)  # [T, 2]
@@ -104,8 +92,7 @@ class ShardOps:
 
 
 def step_collectives(runner) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """The all-reduces a PipelineRunner's current step issues, in order, as (shape, dtype): what each
-    dense task sums over the ranks (core.runtime.pipeline; tests check this list against a real step)."""
+    """The all-reduces a PipelineRunner's current step issues, in order, as (shape, dtype)."""
     spec, D, dt = runner.spec, runner.spec.hidden_size, runner.w.math_dtype
     norm = runner._full_norm is not None  # OLMoE: sums of squares [tokens, 2] in fp32 before the attention
     attn = runner.tp.shard.split_attention  # else the attention output is whole on every rank: no sum

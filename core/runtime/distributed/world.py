@@ -1,15 +1,7 @@
-"""Who this process is in a torch.distributed job, and the process groups mlight uses.
-
-The launcher (an external `torchrun`, or `mlight run --tensor-parallel K` through the same elastic
-launcher) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Layout:
-`tp` consecutive ranks of one node form a tensor-parallel group (one engine split across them); the
-groups are data-parallel replicas, `dp = world / tp`, each with its own shard of the prompts.
-
-Backends: the tensor-parallel group talks NCCL when the ranks have GPUs, gloo on the CPU.
-Coordination runs on gloo: gathering results to rank 0 on the default group, with a long timeout,
-because data-parallel ranks finish their shards at different times; agreeing that a phase went well
-(core.runtime.distributed.coord.agree) on a `phase` group whose timeout is short (`phase_timeout`), so
-that a rank alive but stuck short of a phase's end fails the job instead of holding it for days.
+"""Who this process is in a torch.distributed job (from the launcher's RANK, WORLD_SIZE, LOCAL_*), and its
+process groups: `tp` consecutive ranks of one node form a tensor-parallel group, the groups are data-parallel
+replicas. Coordination runs on gloo: results gather on the default group with a long timeout (replicas finish
+at different times), phases agree on a group with a short one, so a stuck rank fails the job instead of holding it.
 """
 
 from __future__ import annotations
@@ -20,12 +12,10 @@ from datetime import timedelta
 
 from core.errors import UsageError
 
-# A data-parallel rank may finish its shard hours before the slowest one; the gather that ends the
-# run waits for it. A dead peer is noticed at once (its connection closes), not after this timeout.
+# replicas may finish hours apart; a dead peer is noticed at once (its connection closes), not after this
 COORDINATION_TIMEOUT = timedelta(days=7)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # one all-reduce inside a step; a stuck peer ends the job
-# the ranks end a phase (read the prompts, open the run file, load the engine) at about the same time;
-# this is the most one may lag behind the first to finish it. Generous: a slow disk loading a 90 GB model
+# how far a rank may lag behind the first to end a phase: generous, for a slow disk loading a 90 GB model
 PHASE_TIMEOUT = timedelta(minutes=30)
 
 
@@ -96,20 +86,6 @@ def from_env(tp: int = 1, env=None) -> World | None:
     return World(rank, size, local_rank, local_size, tp)
 
 
-def use_cuda(world: World) -> bool:
-    """Whether this rank drives a GPU: CUDA present and one GPU for each local rank."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    n = torch.cuda.device_count()
-    if n < world.local_size:
-        raise UsageError(f"{world.local_size} ranks on this node but torch sees {n} GPU{'s' if n != 1 else ''}",
-                         "start one rank per GPU (--nproc-per-node), or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
-                         "to run on the CPU")
-    return True
-
-
 @dataclass
 class Groups:
     coord: object  # gloo, every rank: gathering results (long timeout)
@@ -123,7 +99,11 @@ def init(world: World) -> Groups:
     import torch
     import torch.distributed as dist
 
-    cuda = use_cuda(world)
+    cuda = torch.cuda.is_available()  # then one GPU for each local rank
+    if cuda and (n := torch.cuda.device_count()) < world.local_size:
+        raise UsageError(f"{world.local_size} ranks on this node but torch sees {n} GPU{'s' if n != 1 else ''}",
+                         "start one rank per GPU (--nproc-per-node), or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
+                         "to run on the CPU")
     if cuda:
         torch.cuda.set_device(world.local_rank)
     from core.runtime.distributed.coord import Phase
@@ -131,16 +111,11 @@ def init(world: World) -> Groups:
     wait = phase_timeout()
     if not dist.is_initialized():
         dist.init_process_group(backend="gloo", timeout=COORDINATION_TIMEOUT)
-    coord = dist.group.WORLD
     phase = Phase(dist.new_group(backend="gloo", timeout=wait), wait)
     backend = "nccl" if cuda else "gloo"
-    mine = None
-    for replica in range(world.dp_size):  # every rank creates every group, in the same order
-        ranks = world.tp_ranks(replica)
-        g = dist.new_group(ranks, backend=backend, timeout=COLLECTIVE_TIMEOUT)
-        if replica == world.dp_rank:
-            mine = g
-    return Groups(coord, mine, backend, phase)
+    # every rank creates every group, in the same order
+    tp = [dist.new_group(world.tp_ranks(r), backend=backend, timeout=COLLECTIVE_TIMEOUT) for r in range(world.dp_size)]
+    return Groups(dist.group.WORLD, tp[world.dp_rank], backend, phase)
 
 
 def shutdown() -> None:
