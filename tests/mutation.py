@@ -62,7 +62,8 @@ class Scope:
 
 SCOPES = {
     "batching": Scope("core.runtime.batching", ("xǁSlotTableǁ*",),
-                      ("tests/test_batching.py", "tests/test_engine_batching.py")),
+                      ("tests/test_batching.py", "tests/test_engine_batching.py",
+                       "tests/test_compaction.py::test_the_highest_requests_fill_the_lowest_holes_within_each_micro_batch")),
     "sampling": Scope("core.model.sampling", ("x_*",), ("tests/test_sampling.py",)),
     "engine": Scope("core.runtime.engine", (
         "xǁRequestǁ*", "xǁ_Seqǁ*", "xǁEngineǁgenerate", "xǁEngineǁ_step", "xǁEngineǁ_admit_check",
@@ -79,7 +80,7 @@ SCOPES = {
         + tuple(f"tests/test_pipeline.py::test_threaded_cgopipe_is_race_free[{r}]" for r in range(1, 6))),
     "schedule": Scope("core.runtime.schedule", ("x_*", "xǁTaskǁ*", "xǁ_Graphǁ*"),
                       ("tests/test_schedule.py", "tests/test_schedule_buffers.py", "tests/test_schedule_dataflow.py",
-                       "tests/test_simulate.py")),
+                       "tests/test_schedule_waits.py", "tests/test_simulate.py")),
     "runstore": Scope("core.io.runstore", ("x_*", "xǁRunStoreǁ*"),
                       ("tests/test_resume.py", "tests/test_runstore_durability.py", "tests/test_tui_backend.py",
                        "tests/test_cli_run.py", "tests/test_errors.py",
@@ -117,6 +118,8 @@ EQUIVALENT = [
     ("schedule", "if (i > 0 or serial and L == 1) else []", "S3's layer 0: its pages head the one chain; S4 with one "
      "layer: they precede the KV loads on the in-order copy queue, and post-attention waits for the attention that "
      "waits for its KV load; CGOPipe with one layer: the pages are not in the graph yet there (next step's prefetch)"),
+    ("schedule", 'G.add("weight_page", nxt, page=p, deps=free, )', "a prefill adds the next step's layer-0 pages "
+     "last: nothing after them looks layer 0's pages up, so the key they are filed under is never read"),
     ("runstore", "if end <= len(data):", "cutting a run file at its own length changes nothing (one more fsync)"),
     ("planner-memory", "1.0 if gw or cw else 1.0", "neither memory depends on r_w only with the FFN on the CPU, "
      "where r_w changes no time either and plan() sets the policy's r_w to 0"),

@@ -257,3 +257,34 @@ def test_budgets_and_workloads_refuse_nonsense_at_the_boundaries():
                 lambda: Workload(5, 1, max_prompt_len=4), lambda: Workload(1, 1, num_requests=0)):
         with pytest.raises(UsageError):
             bad()
+
+
+@pytest.mark.parametrize("mem, limits", [
+    ((100, 400, 0, 50, 0, 0), (300, 1000)),  # GPU memory rising with r_w: an upper end
+    ((0, 0, 0, 900, -600, 0), (1000, 500)),  # CPU memory falling with r_w (weights leaving the host): a lower end
+    ((100, 400, 0, 900, -600, 0), (400, 600)),  # both: a window
+    ((100, 400, 0, 900, -600, 0), (200, 500)),  # the window closed
+    ((500, -400, 0, 900, -600, 0), (200, 500)),  # both falling: the higher lower end
+    ((100, 0, 50, 900, 0, -100), (180, 850)),  # nothing depends on r_w, r_c shifts both: r_w stays 0
+    ((100, 0, 50, 900, 0, -100), (120, 850)),  # … and GPU memory over its limit at this r_c
+])
+def test_the_r_w_interval_is_where_both_linear_memories_fit(mem, limits):
+    """`_rw_interval`: the r_w values in [0, 1] for which m0 + m_w·r_w + m_c·r_c fits on both sides, against
+    each r_w of a fine grid checked by the memories themselves."""
+    from core.plan.planner import _rw_interval
+
+    g0, gw, gc, c0, cw, cc = mem
+    r_c = 0.5
+    got = _rw_interval(mem, r_c, *limits)
+    grid = [i / 1000 for i in range(0, 1001)]
+    fits = [r for r in grid if g0 + gw * r + gc * r_c <= limits[0] and c0 + cw * r + cc * r_c <= limits[1]]
+    if not gw and not cw:
+        assert got == ((0.0, 0.0) if fits else None)
+        return
+    if not fits:
+        assert got is None
+        return
+    assert got is not None
+    lo, hi = got
+    assert lo == pytest.approx(fits[0], abs=1e-3)
+    assert hi == pytest.approx(fits[-1], abs=1e-3)

@@ -136,6 +136,9 @@ def test_for_policy_matches_the_policy_shape():
     # every expert resident: nothing streams, so no weight pages
     resident = schedule.for_policy(dataclasses.replace(p, gpu_weight_fraction=1.0), num_layers=2)
     assert not [t for t in resident if t.kind == "weight_page"] and len(resident) == len(tasks) - 10
+    # attention where the policy puts it: on the GPU each micro-batch's KV loads, attends there and stores back
+    gpu = Counter(t.kind for t in schedule.for_policy(dataclasses.replace(p, attention_on="gpu"), num_layers=2))
+    assert gpu["gpu_attn"] == gpu["kv_load"] == gpu["kv_store"] == 8 and not gpu["cpu_attn"]
 
 
 def test_prefill_streams_the_next_layer_and_stores_kv():
