@@ -26,7 +26,7 @@ from core.model.moe import _swiglu
 from core.model.quant.block_dense import BlockWeight
 from core.runtime.executors import SequentialExecutor, _sized
 
-LAYER_KEYS = {"ln1", "ln2", "router", "qkv", "o"}  # any other tensor (a bias, sinks, q/k norms) is not covered
+LAYER_KEYS = {"ln1", "ln2", "router", "qkv", "o"}  # and Qwen3's q/k norms; any other tensor (a bias, sinks) is not
 PHASES = ("pre_attn", "cpu_attn", "post_attn", "ffn")
 BF16 = torch.bfloat16
 
@@ -38,7 +38,7 @@ def why_not(r) -> str:
         return "not the host alone on the sequential executor"
     if r.widen_attn is not None or r.widen_ffn is not None or r.act is not _swiglu:
         return "the CPU computes in a wider dtype, or the experts' activation is not plain SwiGLU"
-    if (spec.qk_norm != "none" or spec.clip_qkv is not None or spec.attn_gate or spec.norm != "rms"
+    if (spec.qk_norm not in ("none", "head") or spec.clip_qkv is not None or spec.attn_gate or spec.norm != "rms"
             or spec.shared_intermediate or spec.router != "softmax" or not spec.router_softmax_fp32
             or spec.router_fp32 or spec.router_norm not in ("sum", "none")
             or spec.num_experts > min(C_ROUTE_LOGITS, row_ops.ROUTE_MAX_EXPERTS)
@@ -58,8 +58,9 @@ def why_not(r) -> str:
         return "the row and attention kernels are not built here"
     for i in range(spec.num_layers):
         w, st = r.dense[i], r.cache.layers[i]
-        if set(w) != LAYER_KEYS or any(type(w[n]) is not torch.Tensor or w[n].dtype != BF16
-                                       or not w[n].is_contiguous() for n in ("ln1", "ln2", "router")):
+        norms = ("ln1", "ln2", "router", *(("q_norm", "k_norm") if spec.qk_norm == "head" else ()))
+        if set(w) != LAYER_KEYS.union(norms) or any(type(w[n]) is not torch.Tensor or w[n].dtype != BF16
+                                                   or not w[n].is_contiguous() for n in norms):
             return f"layer {i}'s tensors are not just bf16 norms, router, QKV and O"
         if not all(_linear_ok(w[n]) for n in ("qkv", "o")):
             return f"layer {i}'s projections are not GGUF blocks the token kernel dots, nor bf16 panels"
@@ -119,6 +120,7 @@ class OneStream:
         self.attn, self.o, self.y, self.rw = new((1, qs)), new((1, D)), new((1, D)), new((1, k))
         self.ids, self.token = torch.zeros((1, k), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
         self.slot, self.lengths = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+        self.position = torch.zeros(1, dtype=torch.int64)
         self.at, self.heads_at = torch.zeros(Hkv, dtype=torch.int64), torch.arange(Hkv, dtype=torch.int64) * cap
         self.slot_rows = Hkv * cap
         self.now = [0, 0, 0]  # this step's cos and sin rows' addresses and attended length, read by the calls
@@ -144,15 +146,21 @@ class OneStream:
             w, st = r.dense[i], r.cache.layers[i]
             kc, vc = a(st.k), a(st.v)
 
-            def rope(f=row.rope_join):
-                f(qkv, 1, d1, H + Hkv, hd, now[0], now[1], hd, kvs, pay, d1, n)
+            if spec.qk_norm == "none":  # q and k roped side by side and joined with v in one C pass (gqa.pre)
+                def rope(f=row.rope_join):
+                    f(qkv, 1, d1, H + Hkv, hd, now[0], now[1], hd, kvs, pay, d1, n)
+                mix = [rope]
+            else:  # Qwen3: each head's norm into the payload, v copied beside, then RoPE in place (gqa._pre_into)
+                mix = [partial(row.rms_norm, qkv, H, hd, hd, a(w["q_norm"]), spec.norm_eps, pay, hd, n),
+                       partial(row.rms_norm, qkv + 2 * qs, Hkv, hd, hd, a(w["k_norm"]), spec.norm_eps, pay + 2 * qs,
+                               hd, n), self._v_and_rope(r.rope, qs, kvs, H + Hkv, hd)]
 
             def attention(f=attn.fn, kc=kc, vc=vc, s0=st.k.stride(0), s1=st.k.stride(1)):
                 return f(pay, 1, d1, kc, vc, 1, slot, lengths, 0, 1, Hkv, G, hd, s0, s1, spec.scale, out, 1, s, now[2])
 
             self.phases += [
                 [partial(row.rms_norm, x, 1, D, D, a(w["ln1"]), spec.norm_eps, h, D, n),
-                 *_linear(w["qkv"], h, D, qkv, d1, s, n), rope],
+                 *_linear(w["qkv"], h, D, qkv, d1, s, n), *mix],
                 [partial(row.kv_write, kc, vc, pay + 2 * qs, pay + 2 * (qs + kvs), a(self.at), Hkv, Hkv, 2 * d1, 2 * hd,
                        n), attention],
                 [*_linear(w["o"], out, qs, a(self.o), D, s, n), _add(self.x, self.o),
@@ -162,12 +170,22 @@ class OneStream:
                 [_experts(*experts[i], h, rw, ids, a(self.y), D, k, s, n), _add(self.x, self.y)],
             ]
 
+    def _v_and_rope(self, rope, qs: int, kvs: int, heads: int, hd: int):
+        v_to, v_from = self.payload[:, qs + kvs:], self.qkv[:, qs + kvs:qs + 2 * kvs]
+        qk = self.payload.view(1, -1, hd)[:, :heads, :rope.dim]
+
+        def v_and_rope():  # torch's RoPE ops as gqa._pre_into runs them, on this step's position
+            v_to.copy_(v_from)
+            rope.apply(qk, self.position, None, out=qk)
+        return v_and_rope
+
     def step(self, r, token: int, slot: int, position: int):
         """Runner r's token `token` of the request in `slot` at `position`: its logits [1, V] (r's host buffer) and
         the step's busy seconds per resource; the executor's `times` hold the graph's timeline, as after a run."""
         self.token.fill_(token)
         torch.index_select(r.globals["embed"], 0, self.token, out=self.x)
         self.slot.fill_(slot)
+        self.position.fill_(position)
         self.lengths.fill_(position + 1)
         torch.add(self.heads_at, slot * self.slot_rows + position, out=self.at)
         self.now[:] = (self.cos.data_ptr() + position * self.rope_row, self.sin.data_ptr() + position * self.rope_row,
