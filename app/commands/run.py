@@ -1,12 +1,10 @@
-"""`mlight run`: a prompts file through the engine into a JSONL or CSV file, resumably.
-
-Bad input is refused before anything is loaded or written. Ctrl-C / SIGTERM (Ctrl-Break on Windows): the
-engine finishes its current step, what finished is saved, exit 130.
-"""
+"""`mlight run`: a prompts file through the engine into a JSONL or CSV file, resumably. Bad input is refused
+before anything loads; Ctrl-C / SIGTERM / Ctrl-Break: the current step finishes, what finished is saved, exit 130."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -138,18 +136,14 @@ class _Stopper:
 
     def install(self):
         for sig in platform.stop_signals():  # Ctrl-C, and SIGTERM (POSIX) or Ctrl-Break (Windows)
-            try:
+            with contextlib.suppress(ValueError, OSError):  # not the main thread, or not settable here
                 self.old[sig] = signal.signal(sig, self)
-            except (ValueError, OSError):  # not the main thread, or not settable here
-                pass
         return self
 
     def restore(self):
         for sig, handler in self.old.items():
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 signal.signal(sig, handler)
-            except (ValueError, OSError):
-                pass
 
 
 def _say(msg: str) -> None:
@@ -251,9 +245,8 @@ def check_files(args, out: Path, no_stdin: tuple[str, str] | None = None, micro:
 
 
 def with_run(args, out: Path, plan, generate) -> int:
-    """The run file's life around one job (`mlight run`, `--ray`): lock, prompts, model, `plan`, start or resume,
-    then `generate` unless the same job already finished. A failure drops a run file that holds no result yet;
-    the lock and the signal handlers are always given back."""
+    """One job's run file (`mlight run`, `--ray`): lock, prompts, model, `plan`, start or resume, then `generate`
+    unless the job already finished. A failure drops a run file with no result yet; the lock is always released."""
     stopper = _Stopper().install()
     store = RunStore(out)
     try:

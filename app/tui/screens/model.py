@@ -1,8 +1,5 @@
-"""Step 2 — Model: the built-in demo model, a local checkpoint folder, or a Hugging Face repo id.
-
-A folder is validated on entry; a repo id is downloaded in a worker, cancellable and resumable later.
-The weights are loaded on the Run step, not here.
-"""
+"""Step 2 — Model: the built-in demo model, a local checkpoint folder, or a Hugging Face repo id (downloaded in a
+worker, cancellable and resumable later). The weights are loaded on the Run step, not here."""
 
 from __future__ import annotations
 
@@ -10,9 +7,8 @@ import threading
 
 from rich.text import Text
 from textual import on, work
-from textual.app import ComposeResult
+from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.app import SystemCommand
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, ProgressBar, Static
 

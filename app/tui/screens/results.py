@@ -1,6 +1,5 @@
 """Step 6 — Results: a table of every finished request, a detail view, and export to CSV / JSONL (through core's
-atomic writers).
-"""
+atomic writers)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Decode throughput over the run, measured against the planner's prediction (textual-plotext).
-
-The x axis is the engine's own time (pauses left out); the predicted line is flat (one rate for the policy).
-"""
+"""Decode throughput over the run, measured against the planner's prediction (textual-plotext). The x axis is
+the engine's own time (pauses left out); the predicted line is flat (one rate for the policy)."""
 
 from __future__ import annotations
 
@@ -52,8 +50,7 @@ class ThroughputChart(PlotextPlot):
         if self._predicted:
             span = (xs[0], xs[-1]) if xs else (0.0, 1.0)
             plt.plot(list(span), [self._predicted] * 2, color=PREDICTED_COLOR, marker="braille")
-        # at most one tick every other row and every 12 columns: two ticks on one row would leave the
-        # label shown to chance
+        # at most one tick every other row and every 12 columns: of two ticks on one row, either label may show
         rows, cols = max(1, (self.size.height or 8) - 3), max(1, (self.size.width or 60) - 8)
         top = max(ys + [self._predicted or 0.0, 1.0]) * 1.15
         step = nice_step(top, max(1, rows // 2))
