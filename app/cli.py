@@ -1,7 +1,5 @@
-"""`mlight` — the headless command line: run, plan, hw, bench, download.
-
-Every error a user can cause ends as one line on stderr and exit code 2 (bad input) or 1 (runtime failure).
-"""
+"""`mlight` — the headless command line: run, plan, hw, bench, download. Every error a user can cause ends as
+one line on stderr and exit code 2 (bad input) or 1 (runtime failure)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""`mlight run`: a prompts file through the engine into a JSONL or CSV file, resumably. Bad input is refused
-before anything loads; Ctrl-C / SIGTERM / Ctrl-Break: the current step finishes, what finished is saved, exit 130."""
+"""`mlight run`: a prompts file through the engine into a JSONL or CSV file, resumably.
+Bad input is refused before anything loads; Ctrl-C / SIGTERM / Ctrl-Break: the current step finishes, what
+finished is saved, exit 130."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Symbols for consoles that cannot show them: Windows' legacy console, a cp437/cp1252 code page, a latin-1 locale.
-
-The app's own signs (✓ ✗ ⚠ ⏎ …) carry meaning, so `setup()` swaps them for words or ASCII once at start-up.
-Everything else drawn goes through the "mlight-ascii" error handler, one ASCII look-alike per cell: nothing
-raises (Textual writes with errors="strict" on Windows, where a ✓ in cp437 hangs the app) and nothing shifts.
-"""
+"""Symbols for consoles that cannot show them (Windows' legacy console, cp437/cp1252, a latin-1 locale): the
+app's own signs (✓ ✗ ⚠ ⏎ …) become words or ASCII at start-up; everything else goes through the "mlight-ascii"
+error handler, one look-alike per cell, so nothing raises (Textual writes with errors="strict" on Windows, where a
+✓ in cp437 hangs the app) and nothing shifts."""
 
 from __future__ import annotations
 

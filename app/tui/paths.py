@@ -1,8 +1,5 @@
-"""Turn what a terminal pastes when a file is dragged onto it into a plain path string.
-
-Terminals paste a path shell-quoted, backslash-escaped, as a file:// URL, or (Windows) in double quotes, maybe
-after PowerShell's `& `; on Windows a backslash is always a separator. Pure string handling, testable on any OS.
-"""
+"""Turn what a terminal pastes when a file is dragged onto it (shell-quoted, backslash-escaped, a file:// URL,
+or on Windows double-quoted, maybe after PowerShell's `& `) into a plain path string; testable on any OS."""
 
 from __future__ import annotations
 

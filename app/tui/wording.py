@@ -1,6 +1,5 @@
 """core's messages in the app's words: flags become the field or key that does the same, policy field names the
-Plan screen's labels, and memory overruns say what "usable" means.
-"""
+Plan screen's labels, and memory overruns say what "usable" means."""
 
 from __future__ import annotations
 
