@@ -9,6 +9,7 @@ import codecs
 import os
 import sys
 import unicodedata
+from types import SimpleNamespace
 
 from core import platform
 
@@ -21,17 +22,14 @@ SIGNS = {
 }
 
 
-class _Glyphs:
-    """`glyph.ok` and so on: the sign, or its ASCII stand-in once `use_ascii(True)`."""
-
-    ascii = False
-
-    def __getattr__(self, name: str) -> str:
-        fancy, plain = SIGNS[name]
-        return plain if self.ascii else fancy
+glyph = SimpleNamespace()  # `glyph.ok` and so on: the sign, or its ASCII stand-in after `use_ascii(True)`
 
 
-glyph = _Glyphs()
+def use_ascii(on: bool) -> None:
+    glyph.__dict__.update((name, signs[on]) for name, signs in SIGNS.items())
+
+
+use_ascii(False)
 
 # one character for one cell: what a stream's encoding lacks becomes the nearest ASCII shape
 _LOOKALIKE = {
@@ -67,10 +65,6 @@ def can_show(encoding: str | None) -> bool:
     except (UnicodeEncodeError, LookupError):
         return False
     return True
-
-
-def use_ascii(on: bool) -> None:
-    glyph.ascii = on
 
 
 def setup(streams=None, legacy_console: bool | None = None, env=None) -> bool:

@@ -25,14 +25,6 @@ def button(label: str, id: str, action: str = "", **kw) -> Button:
     return Button(label, compact=True, id=id, action=f"screen.{action or id}", **kw)
 
 
-class StatusLine(Static):
-    """One line under the body: what is happening, or what went wrong and what to do."""
-
-    def show(self, text: str, level: str = "info") -> None:
-        self.set_classes(f"-{level}")
-        self.update(text)
-
-
 class StepScreen(Screen):
     STEP = ""
     BINDINGS = [
@@ -63,14 +55,16 @@ class StepScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Steps(self.STEP, id="steps")
         yield from self.compose_body()
-        yield StatusLine(id="status")
+        yield Static(id="status")  # what is happening, or what went wrong and what to do
         yield KeyFooter(compact=True)  # compact: at 80 columns every key shown fits, ? Help too
 
     def compose_body(self) -> ComposeResult:
         yield from ()
 
     def status(self, text: str, level: str = "info") -> None:
-        self.query_one(StatusLine).show(text, level)
+        status = self.query_one("#status", Static)
+        status.set_classes(f"-{level}")
+        status.update(text)
 
     def post_progress(self, ev) -> None:
         """A core Progress event from a worker thread, to this screen's `on_work_progress`."""
