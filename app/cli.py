@@ -133,6 +133,10 @@ def run_command(argv: list[str]) -> int:
     debug = args.debug or "--debug" in argv
     args.argv = list(argv)  # `mlight run --tensor-parallel K` starts its ranks with the same arguments
     try:
+        if getattr(args, "kernels", None):  # `run` and `bench` --kernels: before anything loads a kernel
+            from core.model.kernels import set_mode
+
+            set_mode(args.kernels)
         return int(modules[args.command].run(args) or 0)
     except MlightError as e:
         if debug:

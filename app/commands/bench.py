@@ -61,10 +61,6 @@ def run(args) -> int:
     from core.runtime.engine import Engine, Request
     from core.io.workloads import build_prompts, target_lengths
 
-    if args.kernels:
-        from core.model.kernels import set_mode
-
-        set_mode(args.kernels)
     model = args.model or demo_model_dir()
     schedules = _schedules(args)
     report = {"model": str(model), "runs": [], "load_average": _load()}

@@ -194,10 +194,6 @@ class _ProgressLine(_Line):
 def run(args) -> int:
     from core.runtime.distributed.world import from_env
 
-    if args.kernels:
-        from core.model.kernels import set_mode
-
-        set_mode(args.kernels)
     world = from_env(args.tensor_parallel)
     if args.ray:
         if world is not None:
