@@ -14,12 +14,6 @@ _WINDOWS = re.compile(r"^(?:[A-Za-z]:[\\/]|\\\\[^\\])")
 _QUOTES = ("'", '"')
 
 
-def _strip_quotes(text: str) -> str:
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in _QUOTES:
-        return text[1:-1]
-    return text
-
-
 def _from_file_url(url: str) -> str:
     parsed = urlparse(url)
     path = unquote(parsed.path, encoding="utf-8", errors="strict")
@@ -38,7 +32,7 @@ def parse_dropped_path(text: str) -> str:
     text = text.splitlines()[0].strip()  # one file per line in some terminals: take the first
     if text.startswith("& "):  # PowerShell's drag-and-drop: & 'C:\path'
         text = text[2:].lstrip()
-    unquoted = _strip_quotes(text)
+    unquoted = text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in _QUOTES else text
     if unquoted.lower().startswith("file://"):
         return _from_file_url(unquoted)
     if platform.is_windows():  # no shell escapes: the first (quoted) path as it stands
