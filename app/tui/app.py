@@ -78,9 +78,7 @@ class MlightApp(App):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("Help", "The steps and their keys (? or F1)", self.action_help)
-        palette = getattr(screen, "palette_commands", None)
-        if palette is not None:
-            yield from palette()
+        yield from getattr(screen, "palette_commands", tuple)()  # a dialog has none
 
     # ---- help and quit ----------------------------------------------------------------------------
     def action_help(self) -> None:
