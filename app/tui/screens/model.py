@@ -69,7 +69,6 @@ class ModelScreen(StepScreen):
         self.query_one("#model-input", Input).value = parse_dropped_path(event.text)
         self.open_text(event.text)
 
-    # ---- choosing -------------------------------------------------------------------------------
     def action_demo(self) -> None:
         self.query_one("#model-input", Input).value = ""
         self.open_text("")

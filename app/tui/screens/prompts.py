@@ -97,7 +97,6 @@ class PromptsScreen(StepScreen):
                                                                       "Ctrl+O to browse, or Ctrl+T for the demo prompts")])
             inp.focus()
 
-    # ---- choosing -------------------------------------------------------------------------------
     @on(PathInput.Submitted, "#prompts-input")
     @on(PathInput.Dropped, "#prompts-input")
     def submitted(self, event) -> None:
