@@ -177,8 +177,6 @@ class _Line:
 
 
 class _ProgressLine(_Line):
-    """Loading and download progress."""
-
     def __call__(self, ev) -> None:
         if isinstance(ev, WarningEvent):
             self.end()  # the progress line first
@@ -457,8 +455,6 @@ def final_line(results: int, store: RunStore, rejects: int, generated: int, toke
 
 
 class _Counter(_Line):
-    """Requests done and tokens/s."""
-
     def __init__(self, total: int, before: int = 0):
         super().__init__()
         self.t0 = time.perf_counter()
