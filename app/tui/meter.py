@@ -82,8 +82,7 @@ class RunMeter:
         self.prompt_tokens_left = 0  # prompt tokens not yet prefilled (the run job counts them with the tokenizer)
         self._prefill_s = 0.0  # seconds of this session's prefill steps (their tokens: tokens_in)
         self._saves = [0, 0.0]  # results, seconds: this session's saves of a result (a line and an fsync each)
-        # for the ETA: requests not yet admitted (id, prompt tokens, max new), longest prompt first, and the
-        # admitted ones (id -> max new, decode steps when admitted)
+        # for the ETA: waiting (id, prompt tokens, max new), longest prompt first; admitted id -> (max new, steps then)
         self._waiting: deque[tuple[str, int, int]] = deque()
         self._admitted: dict[str, tuple[int, int]] = {}
         self._slots = 0

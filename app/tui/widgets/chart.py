@@ -32,11 +32,7 @@ class ThroughputChart(PlotextPlot):
         self.refresh()
 
     def render(self):
-        self._draw()  # here, because the ticks depend on the size
-        return super().render()
-
-    def _draw(self) -> None:
-        plt = self.plt
+        plt = self.plt  # drawn here, because the ticks depend on the size
         plt.clear_data()
         plt.clear_figure()
         plt.xlabel("engine time (s)")
@@ -65,3 +61,4 @@ class ThroughputChart(PlotextPlot):
             plt.xticks(x_ticks, [f"{t:g}" for t in x_ticks])
         else:
             plt.xlim(0, 1)
+        return super().render()
