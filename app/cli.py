@@ -116,10 +116,8 @@ def until_the_reader_leaves(fn, argv: list[str]) -> int:
         finally:  # also before SystemExit (--help, --version): the flush at exit would raise past us
             sys.stdout.flush()
     except BrokenPipeError:
-        try:  # the interpreter flushes stdout once more at exit: give it somewhere harmless to go
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
+        with contextlib.suppress(OSError, ValueError):  # the interpreter flushes stdout once more at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # give it somewhere harmless to go
         return 0
 
 

@@ -6,6 +6,7 @@ error handler, one look-alike per cell, so nothing raises (Textual writes with e
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import sys
 import unicodedata
@@ -74,10 +75,8 @@ def setup(streams=None, legacy_console: bool | None = None, env=None) -> bool:
     streams = [s for s in (streams if streams is not None else (sys.__stdout__, sys.__stderr__)) if s is not None]
     short = [s for s in streams if not can_show(getattr(s, "encoding", None))]
     for s in short:
-        try:
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # else the signs below are ASCII anyway
             s.reconfigure(errors="mlight-ascii")
-        except (AttributeError, ValueError, OSError):
-            pass  # not a text stream we may change: the signs below are ASCII anyway
     if legacy_console is None:
         legacy_console = platform.terminal(env) == "legacy-console"
     plain = bool(short) or legacy_console or env.get("MLIGHT_ASCII", "") not in ("", "0")

@@ -3,6 +3,7 @@ worker, cancellable and resumable later). The weights are loaded on the Run step
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from rich.text import Text
@@ -110,10 +111,8 @@ class ModelScreen(StepScreen):
     def load(self, text: str) -> None:
         model = self.backend.open_model(text, self.session.machine, self.post_progress, self._stop.is_set)
         self.post_message(ModelReady(model))
-        try:
+        with contextlib.suppress(Exception):  # none here: Plan estimates from characters, and says so
             self.backend.tokenizer(model)  # Plan's first need, read while the prompts are chosen
-        except Exception:  # noqa: BLE001 - none here: Plan estimates from characters, and says so
-            pass
 
     def action_cancel(self) -> None:
         if self.query_one("#download").display:
