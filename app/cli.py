@@ -1,7 +1,5 @@
-"""`mlight` — the headless command line: run, plan, hw, bench, download.
-
-Every error a user can cause ends as one line on stderr and exit code 2 (bad input) or 1 (runtime failure).
-"""
+"""`mlight` — the headless command line: run, plan, hw, bench, download. Every error a user can cause ends as
+one line on stderr and exit code 2 (bad input) or 1 (runtime failure)."""
 
 from __future__ import annotations
 
@@ -118,10 +116,8 @@ def until_the_reader_leaves(fn, argv: list[str]) -> int:
         finally:  # also before SystemExit (--help, --version): the flush at exit would raise past us
             sys.stdout.flush()
     except BrokenPipeError:
-        try:  # the interpreter flushes stdout once more at exit: give it somewhere harmless to go
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
+        with contextlib.suppress(OSError, ValueError):  # the interpreter flushes stdout once more at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # give it somewhere harmless to go
         return 0
 
 
@@ -135,6 +131,10 @@ def run_command(argv: list[str]) -> int:
     debug = args.debug or "--debug" in argv
     args.argv = list(argv)  # `mlight run --tensor-parallel K` starts its ranks with the same arguments
     try:
+        if getattr(args, "kernels", None):  # `run` and `bench` --kernels: before anything loads a kernel
+            from core.model.kernels import set_mode
+
+            set_mode(args.kernels)
         return int(modules[args.command].run(args) or 0)
     except MlightError as e:
         if debug:

@@ -61,10 +61,6 @@ def run(args) -> int:
     from core.runtime.engine import Engine, Request
     from core.io.workloads import build_prompts, target_lengths
 
-    if args.kernels:
-        from core.model.kernels import set_mode
-
-        set_mode(args.kernels)
     model = args.model or demo_model_dir()
     schedules = _schedules(args)
     report = {"model": str(model), "runs": [], "load_average": _load()}
@@ -251,10 +247,9 @@ def _print(report: dict) -> None:
         for res, label in _labels(r).items():
             m, q = r["layer_seconds"][res] * 1e3, p.get("layer_seconds", {}).get(res, float("nan")) * 1e3
             print(f"  {label:24}{m:12.3f}{q:12.3f}")
-        if r["device"] == "cuda":
-            print(f"  h2d / d2h per step: {r['bytes_h2d_per_step'] / 1e6:.2f} / {r['bytes_d2h_per_step'] / 1e6:.2f} MB")
-        elif r["schedule"] != "cpu":
-            print(f"  copied in / out per step: {r['bytes_h2d_per_step'] / 1e6:.2f} / {r['bytes_d2h_per_step'] / 1e6:.2f} MB")
+        if r["device"] == "cuda" or r["schedule"] != "cpu":
+            what = "h2d / d2h" if r["device"] == "cuda" else "copied in / out"
+            print(f"  {what} per step: {r['bytes_h2d_per_step'] / 1e6:.2f} / {r['bytes_d2h_per_step'] / 1e6:.2f} MB")
         print(f"  predicted bottleneck on {p.get('hardware', '?')}: {p.get('bottleneck_text') or p.get('bottleneck', '?')}")
         if "error" in r:
             e = r["error"]

@@ -55,17 +55,16 @@ def run(args) -> int:
     else:
         lines.append(f"  compute  {hw.cpu_flops / 1e9:.0f} GFLOP/s fp32 ({tag('cpu_flops')})")
     lines.append(f"  memory   {hw.cpu_bw / 1e9:.1f} GB/s ({tag('cpu_bw')})")
-    bf16_math = "bfloat16"
+    maths = {}
     for storage, short in (("bfloat16", "bf16"), ("float16", "fp16")):
-        math, why = hw.cpu_math(storage) if hw.cpu_isa else _local_math(storage)
-        lines.append(f"  {short} weights compute in {math}: {why}")
-        bf16_math = math if storage == "bfloat16" else bf16_math
+        maths[storage], why = hw.cpu_math(storage) if hw.cpu_isa else _local_math(storage)
+        lines.append(f"  {short} weights compute in {maths[storage]}: {why}")
     from core.model.cpu import ffn, int4, native, panel_linear, row_ops
 
     lines.append(f"  decode attention: {native.status()}")
     lines.append(f"  norm, RoPE, cache write: {row_ops.status()}")
-    lines.append(f"  bf16 experts: {ffn.status(bf16_math)}")
-    lines.append(f"  bf16 projections: {panel_linear.status(bf16_math)}")
+    lines.append(f"  bf16 experts: {ffn.status(maths['bfloat16'])}")
+    lines.append(f"  bf16 projections: {panel_linear.status(maths['bfloat16'])}")
     lines.append(f"  int4 experts: {int4.status()}")
     if not args.no_probe:
         lines.append(f"cache      {probe_cache_path(hw)}")

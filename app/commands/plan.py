@@ -217,11 +217,8 @@ def _format_lines(model, choice, asked: str) -> list[str]:
     """What the experts are stored as, why, and what it buys over the unquantized model."""
     if choice is None or (asked == "none" and model.expert_format == "none"):
         return []
-    if model.expert_format == "none":
-        head = f"format    experts in {model.dtype} (not quantized)"
-    else:
-        head = f"format    experts in {model.expert_format}, {model.expert_bits:.2f} bits per weight"
-    lines = [head]
+    lines = [f"format    experts in {model.dtype} (not quantized)" if model.expert_format == "none"
+             else f"format    experts in {model.expert_format}, {model.expert_bits:.2f} bits per weight"]
     if choice.dense:
         from core.model.quant.dense_spec import bits_per_weight
 

@@ -1,12 +1,11 @@
 """`mlight run`: a prompts file through the engine into a JSONL or CSV file, resumably.
-
-Bad input is refused before anything is loaded or written. Ctrl-C / SIGTERM (Ctrl-Break on Windows): the
-engine finishes its current step, what finished is saved, exit 130.
-"""
+Bad input is refused before anything loads; Ctrl-C / SIGTERM / Ctrl-Break: the current step finishes, what
+finished is saved, exit 130."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -138,18 +137,14 @@ class _Stopper:
 
     def install(self):
         for sig in platform.stop_signals():  # Ctrl-C, and SIGTERM (POSIX) or Ctrl-Break (Windows)
-            try:
+            with contextlib.suppress(ValueError, OSError):  # not the main thread, or not settable here
                 self.old[sig] = signal.signal(sig, self)
-            except (ValueError, OSError):  # not the main thread, or not settable here
-                pass
         return self
 
     def restore(self):
         for sig, handler in self.old.items():
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 signal.signal(sig, handler)
-            except (ValueError, OSError):
-                pass
 
 
 def _say(msg: str) -> None:
@@ -182,8 +177,6 @@ class _Line:
 
 
 class _ProgressLine(_Line):
-    """Loading and download progress."""
-
     def __call__(self, ev) -> None:
         if isinstance(ev, WarningEvent):
             self.end()  # the progress line first
@@ -199,10 +192,6 @@ class _ProgressLine(_Line):
 def run(args) -> int:
     from core.runtime.distributed.world import from_env
 
-    if args.kernels:
-        from core.model.kernels import set_mode
-
-        set_mode(args.kernels)
     world = from_env(args.tensor_parallel)
     if args.ray:
         if world is not None:
@@ -251,9 +240,8 @@ def check_files(args, out: Path, no_stdin: tuple[str, str] | None = None, micro:
 
 
 def with_run(args, out: Path, plan, generate) -> int:
-    """The run file's life around one job (`mlight run`, `--ray`): lock, prompts, model, `plan`, start or resume,
-    then `generate` unless the same job already finished. A failure drops a run file that holds no result yet;
-    the lock and the signal handlers are always given back."""
+    """One job's run file (`mlight run`, `--ray`): lock, prompts, model, `plan`, start or resume, then `generate`
+    unless the job already finished. A failure drops a run file with no result yet; the lock is always released."""
     stopper = _Stopper().install()
     store = RunStore(out)
     try:
@@ -467,8 +455,6 @@ def final_line(results: int, store: RunStore, rejects: int, generated: int, toke
 
 
 class _Counter(_Line):
-    """Requests done and tokens/s."""
-
     def __init__(self, total: int, before: int = 0):
         super().__init__()
         self.t0 = time.perf_counter()

@@ -1,10 +1,6 @@
-"""`mlight run` as one rank of a torch.distributed job: under `torchrun` (data parallel, tensor parallel
-inside when asked), or one of the K local ranks `mlight run --tensor-parallel K` starts.
-
-Each phase ends with every rank agreeing that it went well (coord.agree), so a bad input gives one error line,
-from rank 0, and the same exit code everywhere. Each replica's first rank keeps its own run file; rank 0 merges
-every replica's records into the output, and a rerun of the same command resumes every rank.
-"""
+"""`mlight run` as one rank of `torchrun` (data parallel, tensor parallel inside) or of `--tensor-parallel K`.
+Each phase ends with every rank agreeing it went well (coord.agree): one error line, from rank 0, one exit code.
+Each replica's first rank keeps its own run file; rank 0 merges them into the output; a rerun resumes every rank."""
 
 from __future__ import annotations
 
@@ -55,11 +51,10 @@ class _Rank:
         from core.runtime.distributed import coord
 
         err, value = None, None
+        # one copy of what every rank would print (bad lines, progress) is enough
+        quiet = contextlib.redirect_stderr(io.StringIO()) if self.rank != 0 else contextlib.nullcontext()
         try:
-            if self.rank != 0:  # one copy of what every rank would print (bad lines, progress) is enough
-                with contextlib.redirect_stderr(io.StringIO()):
-                    value = fn()
-            else:
+            with quiet:
                 value = fn()
         except (Exception, KeyboardInterrupt) as e:  # handed to coord.agree, which re-raises it on rank 0
             err = e
@@ -174,8 +169,7 @@ class _Rank:
         except KeyboardInterrupt:
             status = "stopped"
         except MlightError as e:
-            # the group's other ranks may wait in a collective for this one: leave, so that they see it,
-            # unless every rank of the group agreed on this error
+            # the group's other ranks may wait in a collective for this one: leave, unless they all agreed on it
             if w.tp > 1 and not getattr(e, "agreed", False):
                 raise
             status, error = "error", str(e)

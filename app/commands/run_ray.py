@@ -1,8 +1,6 @@
-"""`mlight run --ray ADDRESS|auto`: the prompts file as a Ray dataset, one engine replica per actor.
-
-The driver checks the prompts as usual and maps the ones not yet done through Ray Data's actor pool (one actor
-per GPU, or per node on a CPU cluster); results stream back and are saved in the run file, so a stop resumes.
-"""
+"""`mlight run --ray ADDRESS|auto`: the prompts not yet done mapped through Ray Data's actor pool, one engine
+replica per actor (per GPU, or per node on a CPU cluster); results are saved as they stream back, so a stop
+resumes."""
 
 from __future__ import annotations
 
@@ -80,8 +78,7 @@ def _generate(ray, args, store: RunStore, prompts, model_dir: Path, model_name: 
     if pending:
         _connect(ray, args.ray)
         actors, cpus, gpus = _actors(ray, args.ray_actors)
-        # plan where the engines run: a worker's GPU and memory, shared by the actors on its node (on a
-        # one-node cluster that is this machine, and a task would only pay for one more worker process)
+        # plan where the engines run, for the actors sharing a node (here, on a one-node cluster: no extra worker)
         alive = [n for n in ray.nodes() if n.get("Alive")]
         share = max(1, actors // max(1, len(alive)))
         plan_args = (str(model_dir), workload_estimate(args, pending), share, args.gpu_mem, args.cpu_mem)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from textual.app import App
-from textual.app import SystemCommand
+from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
@@ -39,8 +38,7 @@ class MlightApp(App):
             backend.set_max_new_tokens(options.max_new_tokens)
 
     def on_mount(self) -> None:
-        # The machine comes first on every path: a command line's later steps open once the session holds it
-        # (`machine_known`), so that every screen reads the same machine whichever way it was reached.
+        # the machine first on every path: the command line's later steps open once it is known (`machine_known`)
         self._opening: tuple[str, dict[str, str]] | None = None
         opts = self.session.options
         if opts.model and opts.prompts:
@@ -51,8 +49,7 @@ class MlightApp(App):
         self.push_screen(_step_screen("Machine"))
 
     def push_screen(self, screen, *args, **kwargs):
-        # A screen learns its breakpoint class from its first resize, which restyles its whole tree once more;
-        # born with the class the current width gives, that resize changes nothing.
+        # born with the breakpoint class of the current width, its first resize does not restyle the whole screen
         if isinstance(screen, Screen) and not screen.is_attached:
             width = self.size.width
             edges = screen.HORIZONTAL_BREAKPOINTS if screen.HORIZONTAL_BREAKPOINTS is not None \
@@ -81,9 +78,7 @@ class MlightApp(App):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("Help", "The steps and their keys (? or F1)", self.action_help)
-        palette = getattr(screen, "palette_commands", None)
-        if palette is not None:
-            yield from palette()
+        yield from getattr(screen, "palette_commands", tuple)()  # a dialog has none
 
     # ---- help and quit ----------------------------------------------------------------------------
     def action_help(self) -> None:
@@ -91,11 +86,8 @@ class MlightApp(App):
             self.push_screen(HelpScreen(self.screen))
 
     async def action_quit(self) -> None:
-        if isinstance(self.screen, ConfirmQuit):  # asked twice: that is a yes
-            self.exit()
-            return
-        if self.session.run_state not in ("running", "paused"):
-            self.exit()
+        if isinstance(self.screen, ConfirmQuit) or self.session.run_state not in ("running", "paused"):
+            self.exit()  # on the dialog, asked twice: that is a yes
             return
         out = self.session.out_path
         run_file = out.name + ".run.jsonl" if out is not None else "the run file"

@@ -1,8 +1,6 @@
-"""Every call the screens make into `core` (RunJob runs core's run loop), and the view-models they draw.
-
-A change in a core signature is fixed here once; tests hand the app a Backend with pinned hardware and a frozen
-clock. Runs share `mlight run`'s run store and manifest, so either resumes the other's unfinished run.
-"""
+"""Every call the screens make into `core` (RunJob runs core's run loop), and the view-models they draw. Tests
+hand the app a Backend with pinned hardware and a frozen clock. Runs share `mlight run`'s run store and manifest,
+so either resumes the other's unfinished run."""
 
 from __future__ import annotations
 
@@ -135,8 +133,7 @@ class Backend:
         self.clock = clock
         self.max_new_tokens = max_new_tokens
         self._engine: tuple[Path, Any] | None = None
-        # Opened straight on Plan, the Machine, Model and Prompts screens and the Plan screen all ask
-        # for the same machine and model at once: one probe / one demo build, the others wait for it.
+        # opened straight on Plan, four screens ask for the same machine and model at once: one probe, one build
         self._lock = threading.RLock()
         self._memo: dict[tuple, Any] = {}
 
@@ -243,8 +240,7 @@ class Backend:
         return self._once(("checkpoint", str(path)), lambda: read_checkpoint(path, None))
 
     def tokenizer(self, model: ModelView) -> Any:
-        """The model's tokenizer, read once (seconds the first time: the Model step reads it before Plan counts);
-        a GGUF file's from its own metadata, as the engine reads it."""
+        """Read once (seconds: the Model step reads it ahead of Plan); a GGUF file's from its own metadata."""
         def read():
             from transformers import AutoTokenizer
 
@@ -258,8 +254,7 @@ class Backend:
         return self._once(("tokenizer", str(model.path)), read)
 
     def prompt_lengths(self, model: ModelView | None, prompts: PromptsView) -> list[int] | None:
-        """Every prompt's length in tokens as the engine will see it (chat template for `messages`), or None where the
-        tokenizer cannot be loaded (the plan then estimates)."""
+        """Prompt lengths in tokens as the engine sees them (chat template included); None without a tokenizer."""
         if model is None or not prompts.count:
             return None
 
@@ -283,8 +278,7 @@ class Backend:
         return [lengths[e.id] for e in prompts.prompts.entries if e.id in lengths]  # set aside: not counted
 
     def set_aside_too_long(self, model: ModelView, prompts: PromptsView) -> int:
-        """Move the prompts too long for the model's context to the bad lines now, as the run would, so that Plan plans
-        for the prompts that run. Returns how many moved."""
+        """Set aside now, as the run would, the prompts too long for the model's context; returns how many."""
         counted = self.prompt_lengths(model, prompts)
         if counted is None:
             return 0
@@ -408,8 +402,7 @@ class Backend:
 
     def engine(self, path: Path, policy: Any = None, progress: EventSink = ignore,
                choices: EngineChoices = EngineChoices()) -> Any:
-        """The loaded engine, kept while the model and the Advanced choices stay the same (a resume does not reload
-        weights); the plan's policy decides paging, resident experts and the expert batch."""
+        """Loaded once per model and Advanced choices (a resume reloads no weights); `policy` applied each time."""
         from core.runtime.engine import Engine
 
         key = (Path(path), choices)
@@ -437,8 +430,7 @@ class Backend:
             return None
 
     def requests(self, engine: Any, prompts: PromptsView) -> tuple[dict, list]:
-        """Engine requests by id, as `mlight run` prepares them; prompts the engine cannot take move to the rejects and
-        come back as the second item (those new to this call)."""
+        """Engine requests by id, as `mlight run` prepares them, and the prompts this call newly rejected."""
         ps = prompts.prompts
         before = len(ps.rejects)
         requests = runstore.prepare_requests(engine, ps, {"max_new_tokens": self.max_new_tokens})
@@ -500,8 +492,7 @@ def _rate(hw: Any, name: str) -> str:
 
 
 def _cpu_compute(hw: Any) -> str:
-    """The matmul rates of the dtypes checkpoints compute in: bf16 and fp32 part by 10-100x between an AVX2 CPU and
-    one with AMX."""
+    """bf16 and fp32 matmul rates: they part by 10-100x between an AVX2 CPU and one with AMX."""
     rates = [(short, hw.cpu_matmul[name]) for name, short in (("float32", "fp32"), ("bfloat16", "bf16"))
              if hw.cpu_matmul.get(name)]
     if not rates:

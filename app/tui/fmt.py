@@ -40,8 +40,6 @@ def _is_control(ch: str) -> bool:
 def printable(text: str, keep: str = "\n\t") -> str:
     """`text` with its control characters but `keep` shown as a sign: an ESC or a shift-out from a model would
     start a terminal sequence or switch character sets."""
-    if not any(_is_control(ch) and ch not in keep for ch in text):
-        return text
     return "".join(glyph.control if _is_control(ch) and ch not in keep else ch for ch in text)
 
 

@@ -1,16 +1,16 @@
-"""Symbols for consoles that cannot show them: Windows' legacy console, a cp437/cp1252 code page, a latin-1 locale.
-
-The app's own signs (✓ ✗ ⚠ ⏎ …) carry meaning, so `setup()` swaps them for words or ASCII once at start-up.
-Everything else drawn goes through the "mlight-ascii" error handler, one ASCII look-alike per cell: nothing
-raises (Textual writes with errors="strict" on Windows, where a ✓ in cp437 hangs the app) and nothing shifts.
-"""
+"""Symbols for consoles that cannot show them (Windows' legacy console, cp437/cp1252, a latin-1 locale): the
+app's own signs (✓ ✗ ⚠ ⏎ …) become words or ASCII at start-up; everything else goes through the "mlight-ascii"
+error handler, one look-alike per cell, so nothing raises (Textual writes with errors="strict" on Windows, where a
+✓ in cp437 hangs the app) and nothing shifts."""
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import sys
 import unicodedata
+from types import SimpleNamespace
 
 from core import platform
 
@@ -23,17 +23,14 @@ SIGNS = {
 }
 
 
-class _Glyphs:
-    """`glyph.ok` and so on: the sign, or its ASCII stand-in once `use_ascii(True)`."""
-
-    ascii = False
-
-    def __getattr__(self, name: str) -> str:
-        fancy, plain = SIGNS[name]
-        return plain if self.ascii else fancy
+glyph = SimpleNamespace()  # `glyph.ok` and so on: the sign, or its ASCII stand-in after `use_ascii(True)`
 
 
-glyph = _Glyphs()
+def use_ascii(on: bool) -> None:
+    glyph.__dict__.update((name, signs[on]) for name, signs in SIGNS.items())
+
+
+use_ascii(False)
 
 # one character for one cell: what a stream's encoding lacks becomes the nearest ASCII shape
 _LOOKALIKE = {
@@ -71,10 +68,6 @@ def can_show(encoding: str | None) -> bool:
     return True
 
 
-def use_ascii(on: bool) -> None:
-    glyph.ascii = on
-
-
 def setup(streams=None, legacy_console: bool | None = None, env=None) -> bool:
     """Before the app starts: ASCII signs where the stream's encoding or the console's fonts lack them (or
     MLIGHT_ASCII=1 asks), and the look-alike handler on every stream that needs it. Returns whether signs are ASCII."""
@@ -82,10 +75,8 @@ def setup(streams=None, legacy_console: bool | None = None, env=None) -> bool:
     streams = [s for s in (streams if streams is not None else (sys.__stdout__, sys.__stderr__)) if s is not None]
     short = [s for s in streams if not can_show(getattr(s, "encoding", None))]
     for s in short:
-        try:
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # else the signs below are ASCII anyway
             s.reconfigure(errors="mlight-ascii")
-        except (AttributeError, ValueError, OSError):
-            pass  # not a text stream we may change: the signs below are ASCII anyway
     if legacy_console is None:
         legacy_console = platform.terminal(env) == "legacy-console"
     plain = bool(short) or legacy_console or env.get("MLIGHT_ASCII", "") not in ("", "0")

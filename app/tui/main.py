@@ -1,7 +1,5 @@
-"""`mlight-app [--model M] [--prompts F] [--out F] [--gpu-mem GB] [--cpu-mem GB] [--max-new-tokens N]`.
-
-The flags pre-fill the screens; with both --model and --prompts the app opens on the Plan step.
-"""
+"""`mlight-app [--model M] [--prompts F] [--out F] [--gpu-mem GB] [--cpu-mem GB] [--max-new-tokens N]`: the
+flags pre-fill the screens; with both --model and --prompts the app opens on the Plan step."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Typed messages that thread workers post to the screens, which render them on the main thread.
-
-Messages that can arrive in floods (run updates, progress) define `can_replace`, so Textual keeps only the
-newest in the queue: each carries cumulative state, so dropping the older ones loses nothing.
-"""
+"""Typed messages that thread workers post to the screens. Those that can flood (run updates, progress) define
+`can_replace`, so Textual keeps only the newest: each carries cumulative state, so dropping older ones loses
+nothing."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""RunMeter: folds the engine's telemetry events into a RunSnapshot the Run screen draws.
-
-Snapshots are cumulative, so the UI may drop all but the newest. Time paused counts nowhere (the ETA holds
-still). The last decode step's timeline is copied out (the executor reuses its buffer) at most every
-TIMELINE_EVERY_S, so a fast engine pays for the copy a few times a second, not every step.
-"""
+"""RunMeter: folds the engine's telemetry into cumulative RunSnapshots (the UI may drop all but the newest).
+Paused time counts nowhere. The last decode step's timeline is copied out (the executor reuses its buffer) at
+most every TIMELINE_EVERY_S, so a fast engine pays for the copy a few times a second, not every step."""
 
 from __future__ import annotations
 
@@ -85,8 +82,7 @@ class RunMeter:
         self.prompt_tokens_left = 0  # prompt tokens not yet prefilled (the run job counts them with the tokenizer)
         self._prefill_s = 0.0  # seconds of this session's prefill steps (their tokens: tokens_in)
         self._saves = [0, 0.0]  # results, seconds: this session's saves of a result (a line and an fsync each)
-        # for the ETA: requests not yet admitted (id, prompt tokens, max new), longest prompt first, and the
-        # admitted ones (id -> max new, decode steps when admitted)
+        # for the ETA: waiting (id, prompt tokens, max new), longest prompt first; admitted id -> (max new, steps then)
         self._waiting: deque[tuple[str, int, int]] = deque()
         self._admitted: dict[str, tuple[int, int]] = {}
         self._slots = 0
@@ -105,8 +101,7 @@ class RunMeter:
         self.tracker = tracker  # core.plan.tracking.Tracker of the plan's prediction, fed every event
 
     def expect(self, requests: list[tuple[str, int, int]], slots: int) -> None:
-        """The requests this run will generate, (id, prompt tokens, max new tokens) each, over `slots` batch slots;
-        admitted longest prompt first (a stable sort), as the engine does."""
+        """(id, prompt tokens, max new tokens) of each request, admitted longest prompt first, as the engine does."""
         with self._lock:
             self._waiting = deque(sorted(requests, key=lambda r: -r[1]))
             self._admitted.clear()
@@ -188,8 +183,7 @@ class RunMeter:
         return (sum(s[2] for s in use) / secs if secs > 0 else 0.0), full
 
     def _steps_left(self) -> int:
-        """Decode steps to the end if every request runs to its max new tokens, each waiting one taking the slot that
-        frees first (the engine's continuous batching)."""
+        """Decode steps to the end at max new tokens, a waiting request taking the slot that frees first."""
         free_at = [max(0, max_new - 1 - (self._decode_steps - at)) for max_new, at in self._admitted.values()]
         free_at += [0] * max(0, self._slots - len(free_at))
         heapq.heapify(free_at)
@@ -201,8 +195,8 @@ class RunMeter:
         return end
 
     def _step_cost(self) -> tuple[float, float] | None:
-        """(a, b): a decode step with k requests in flight takes a + b·k seconds, least squares over the window's
-        decode steps: a per-step part (reading weights) and a per-token part. Where k has not varied, all per token."""
+        """(a, b): a decode step of k requests takes a + b·k seconds (a: reading weights), least squares over the
+        window; all per token where k has not varied."""
         pts = [(float(st[4] or st[2]), st[1]) for st in self._steps if st[3] != "prefill"]
         n = len(pts)
         sx, sy = sum(x for x, _ in pts), sum(y for _, y in pts)
@@ -221,9 +215,8 @@ class RunMeter:
         return a, b
 
     def _eta(self) -> float | None:
-        """Seconds left at the rates this run measured: decode steps left on the critical path and new tokens left at
-        the fitted step cost, prompt tokens at the prefill rate, results at the save time. Every request is taken to
-        its max new tokens, so early stops make it long. None until the rates are measured."""
+        """Seconds left at this run's measured rates, every request taken to its max new tokens (early stops make
+        it long); None until the rates are measured."""
         cost = self._step_cost()
         if cost is None:
             return None
@@ -250,8 +243,7 @@ class RunMeter:
             self.done += 1
             self._admitted.pop(request_id, None)
             if output_tokens:
-                # the first token comes out of the prefill step, which counts prompt tokens only; an end-of-text
-                # token was counted by its decode step but is not output (as `mlight run` counts it)
+                # the first token comes from the prefill step, which counts none; an EOS is counted but not output
                 self.tokens_out += 0 if eos else 1
             # neither the tokens it did not generate nor its first one (made by its prefill) are work left
             self.budget_tokens = max(0, self.budget_tokens - max(0, max_new_tokens - output_tokens)

@@ -1,8 +1,5 @@
-"""Turn what a terminal pastes when a file is dragged onto it into a plain path string.
-
-Terminals paste a path shell-quoted, backslash-escaped, as a file:// URL, or (Windows) in double quotes, maybe
-after PowerShell's `& `; on Windows a backslash is always a separator. Pure string handling, testable on any OS.
-"""
+"""Turn what a terminal pastes when a file is dragged onto it (shell-quoted, backslash-escaped, a file:// URL,
+or on Windows double-quoted, maybe after PowerShell's `& `) into a plain path string; testable on any OS."""
 
 from __future__ import annotations
 
@@ -15,12 +12,6 @@ from core import platform
 # C:\ or C:/ (drive letter) or \\server\share (UNC): backslashes there are separators, not escapes.
 _WINDOWS = re.compile(r"^(?:[A-Za-z]:[\\/]|\\\\[^\\])")
 _QUOTES = ("'", '"')
-
-
-def _strip_quotes(text: str) -> str:
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in _QUOTES:
-        return text[1:-1]
-    return text
 
 
 def _from_file_url(url: str) -> str:
@@ -41,7 +32,7 @@ def parse_dropped_path(text: str) -> str:
     text = text.splitlines()[0].strip()  # one file per line in some terminals: take the first
     if text.startswith("& "):  # PowerShell's drag-and-drop: & 'C:\path'
         text = text[2:].lstrip()
-    unquoted = _strip_quotes(text)
+    unquoted = text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in _QUOTES else text
     if unquoted.lower().startswith("file://"):
         return _from_file_url(unquoted)
     if platform.is_windows():  # no shell escapes: the first (quoted) path as it stands

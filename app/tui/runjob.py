@@ -1,9 +1,6 @@
-"""RunJob: one run of the engine over the prompts, on a worker thread, resumable through the run store.
-
-Each result is appended to the run file as it finishes, so a stop or a crash loses nothing. Pause blocks the
-engine between steps inside `should_stop`; stop makes it answer True. Telemetry is folded into a RunMeter here
-and posted at most every POST_EVERY_S (and at each state change), so the UI never sees a flood.
-"""
+"""RunJob: one run of the engine over the prompts on a worker thread, each result saved as it finishes. Pause
+blocks the engine between steps inside `should_stop`; telemetry is posted at most every POST_EVERY_S (and at each
+state change), so the UI never sees a flood."""
 
 from __future__ import annotations
 
@@ -35,7 +32,6 @@ class RunJob:
         self._last_post = 0.0
         from core.plan.tracking import Tracker
 
-        # measured against the plan's prediction, where it has one
         tracker = None if plan.prediction is None else Tracker(plan.prediction, model.spec.num_layers)
         self.meter = RunMeter(prompts.count, prompts.budget_tokens, gpu_budget=plan.gpu_budget,
                               cpu_budget=plan.cpu_budget, clock=backend.clock, previous=previous,

@@ -1,6 +1,5 @@
 """core's messages in the app's words: flags become the field or key that does the same, policy field names the
-Plan screen's labels, and memory overruns say what "usable" means.
-"""
+Plan screen's labels, and memory overruns say what "usable" means."""
 
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ _FLAG_PHRASES = [
     (r"raise --gpu-mem / --cpu-mem", "raise the GPU / CPU memory budget"),
     (r"give --gpu-mem and --cpu-mem in GB", "give the memory budgets in GB"),
     (r"shorten --prompt-len / --gen-len", "use shorter prompts or fewer new tokens"),
-    (r"lower --max-new-tokens", "ask for fewer new tokens"),
     (r"use --executor sequential or threaded", "choose the sequential or threaded executor under Advanced"),
     (r"omit --executor cuda", "choose another executor under Advanced"),
     (r"--executor cuda", "the CUDA executor"),

@@ -1,14 +1,12 @@
 """StepScreen: the breadcrumb, footer, back/next keys, status line and worker-error handling that
-every step shares (workers fail into one handler, never a traceback).
-"""
+every step shares (workers fail into one handler, never a traceback)."""
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from typing import Iterable
 
-from textual.app import ComposeResult
+from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.app import SystemCommand
 from textual.screen import Screen
 from textual.widgets import Button, Static
 from textual.worker import Worker, WorkerState
@@ -16,23 +14,6 @@ from textual.worker import Worker, WorkerState
 from app.tui.messages import WorkProgress
 from app.tui.widgets.footer import KeyFooter
 from app.tui.widgets.steps import Steps
-
-
-class StepHost(Protocol):
-    """What a step screen needs from the app (MlightApp provides it; screens never import the app)."""
-
-    session: object
-    backend: object
-
-    def next_step(self, current: str, **kwargs) -> None: ...
-
-    def machine_known(self) -> None: ...
-
-    def run_ended(self, head: str, text: str) -> None: ...
-
-    def tone(self, level: str) -> str: ...
-
-    def describe_error(self, error: BaseException | None) -> str: ...
 
 
 def button(label: str, id: str, action: str = "", **kw) -> Button:
@@ -44,14 +25,6 @@ def button(label: str, id: str, action: str = "", **kw) -> Button:
     return Button(label, compact=True, id=id, action=f"screen.{action or id}", **kw)
 
 
-class StatusLine(Static):
-    """One line under the body: what is happening, or what went wrong and what to do."""
-
-    def show(self, text: str, level: str = "info") -> None:
-        self.set_classes(f"-{level}")
-        self.update(text)
-
-
 class StepScreen(Screen):
     STEP = ""
     BINDINGS = [
@@ -60,8 +33,10 @@ class StepScreen(Screen):
     ]
 
     @property
-    def mapp(self) -> StepHost:
-        return self.app  # type: ignore[return-value]
+    def mapp(self):
+        """MlightApp, which screens never import: session, backend, next_step, machine_known, run_ended, tone and
+        describe_error are all they use of it."""
+        return self.app
 
     @property
     def session(self):
@@ -80,14 +55,16 @@ class StepScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Steps(self.STEP, id="steps")
         yield from self.compose_body()
-        yield StatusLine(id="status")
+        yield Static(id="status")  # what is happening, or what went wrong and what to do
         yield KeyFooter(compact=True)  # compact: at 80 columns every key shown fits, ? Help too
 
     def compose_body(self) -> ComposeResult:
         yield from ()
 
     def status(self, text: str, level: str = "info") -> None:
-        self.query_one(StatusLine).show(text, level)
+        status = self.query_one("#status", Static)
+        status.set_classes(f"-{level}")
+        status.update(text)
 
     def post_progress(self, ev) -> None:
         """A core Progress event from a worker thread, to this screen's `on_work_progress`."""

@@ -57,35 +57,18 @@ class HelpScreen(ModalScreen[None]):
                 if own:
                     yield Static(Text(f"Keys on this screen ({step})" if step else "Keys on this screen",
                                       style="bold"), classes="help-head")
-                    yield Static(self._table(own))
+                    yield Static(_table(own))
                 yield Static(Text("Keys everywhere", style="bold"), classes="help-head")
-                yield Static(self._table(GLOBAL_KEYS))
+                yield Static(_table(GLOBAL_KEYS))
                 yield Static(Text("Steps", style="bold"), classes="help-head")
-                yield Static(self._steps(step))
+                yield Static(_table([(Text(f"{i + 1} {name}", style="bold reverse" if name == step else "bold"),
+                                      STEP_LINES[name]) for i, name in enumerate(STEPS)], 11, style=""))
         yield KeyFooter(compact=True)  # compact: at 80 columns every key shown fits, ? Help too
 
     def on_mount(self) -> None:
         self.query_one("#help").border_title = "mlight — help"
         self.query_one("#help").border_subtitle = "↑↓ PgUp PgDn scroll · Esc closes"
         self.query_one("#help-text").focus()  # so that the arrows, PgDn and End scroll it
-
-    def _steps(self, current: str) -> Table:
-        table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column(no_wrap=True, min_width=11)
-        table.add_column(ratio=1)
-        for i, name in enumerate(STEPS):
-            table.add_row(Text(f"{i + 1} {name}", style="bold reverse" if name == current else "bold"),
-                          STEP_LINES[name])
-        return table
-
-    @staticmethod
-    def _table(keys: list[tuple[str, str]]) -> Table:
-        table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column(style="bold", no_wrap=True, min_width=12)
-        table.add_column(ratio=1)
-        for key, what in keys:
-            table.add_row(key, what)
-        return table
 
     def _screen_keys(self) -> list[tuple[str, str]]:
         seen, out = {"ctrl+n", "escape"}, []
@@ -95,3 +78,12 @@ class HelpScreen(ModalScreen[None]):
             seen.add(b.key)
             out.append((key_text(b.key), b.description))
         return out
+
+
+def _table(rows: list[tuple], min_width: int = 12, style: str = "bold") -> Table:
+    table = Table.grid(padding=(0, 1), expand=True)
+    table.add_column(style=style, no_wrap=True, min_width=min_width)
+    table.add_column(ratio=1)
+    for row in rows:
+        table.add_row(*row)
+    return table

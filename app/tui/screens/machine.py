@@ -1,7 +1,5 @@
-"""Step 1 — Machine: the GPU(s), CPU RAM, cores, PCIe link and measured host↔device bandwidth.
-
-The probe runs in a thread worker (core caches it per machine); `r` probes again, ignoring the cache.
-"""
+"""Step 1 — Machine: the GPU(s), CPU RAM, cores, PCIe link and measured host↔device bandwidth. The probe runs
+in a thread worker (core caches it per machine); `r` probes again, ignoring the cache."""
 
 from __future__ import annotations
 

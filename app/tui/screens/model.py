@@ -1,18 +1,15 @@
-"""Step 2 — Model: the built-in demo model, a local checkpoint folder, or a Hugging Face repo id.
-
-A folder is validated on entry; a repo id is downloaded in a worker, cancellable and resumable later.
-The weights are loaded on the Run step, not here.
-"""
+"""Step 2 — Model: the built-in demo model, a local checkpoint folder, or a Hugging Face repo id (downloaded in a
+worker, cancellable and resumable later). The weights are loaded on the Run step, not here."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from rich.text import Text
 from textual import on, work
-from textual.app import ComposeResult
+from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.app import SystemCommand
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, ProgressBar, Static
 
@@ -73,7 +70,6 @@ class ModelScreen(StepScreen):
         self.query_one("#model-input", Input).value = parse_dropped_path(event.text)
         self.open_text(event.text)
 
-    # ---- choosing -------------------------------------------------------------------------------
     def action_demo(self) -> None:
         self.query_one("#model-input", Input).value = ""
         self.open_text("")
@@ -115,10 +111,8 @@ class ModelScreen(StepScreen):
     def load(self, text: str) -> None:
         model = self.backend.open_model(text, self.session.machine, self.post_progress, self._stop.is_set)
         self.post_message(ModelReady(model))
-        try:
+        with contextlib.suppress(Exception):  # none here: Plan estimates from characters, and says so
             self.backend.tokenizer(model)  # Plan's first need, read while the prompts are chosen
-        except Exception:  # noqa: BLE001 - none here: Plan estimates from characters, and says so
-            pass
 
     def action_cancel(self) -> None:
         if self.query_one("#download").display:

@@ -1,8 +1,5 @@
 """Step 4 — Plan: memory budgets in, the planner's policy and prediction out, editable with live checks.
-
-Budgets re-plan after a pause in typing; policy edits are validated as typed, shortfalls in the form's words.
-Planning and checks run in thread workers; a generation counter drops answers to questions since replaced.
-"""
+Planning and checks run in thread workers; a generation counter drops answers to questions since replaced."""
 
 from __future__ import annotations
 
@@ -137,7 +134,10 @@ class PlanScreen(StepScreen):
         for wid, title in (("plan-form", "Plan"), ("prediction", "Prediction"), ("memory", "Memory (planned / usable)"),
                            ("layer", "Decode layer: busy time"), ("validation", "Check")):
             self.query_one(f"#{wid}").border_title = title
-        self._set_choices(self.session.choices)
+        for key, value in dataclasses.asdict(self.session.choices).items():
+            value = value or ADVANCED[key][1]
+            self.query_one(f"#{key}", Select).value = value
+            self.query_one(f"#{key}-hint", Static).update(_hint(key, value))
         self._show_group_row()
         if self.cpu_mode:
             self.query_one("#ffn", Select).value = "cpu"  # what the plan will say, not a GPU while it plans
@@ -146,7 +146,7 @@ class PlanScreen(StepScreen):
             for key, label in CPU_MODE_LABELS.items():
                 self.query_one(f"#res-{key}", LabelBar).label = label
             self.query_one("#layer").border_title = "Decode layer: CPU time"
-        self._show_out(str(self.session.chosen_out()))
+        self.query_one("#out", PathInput).show(str(self.session.chosen_out()))
         self.query_one("#max-new", Input).value = str(self.backend.max_new_tokens)
         if self.session.plan is not None:
             self.fill(self.session.plan)
@@ -181,8 +181,7 @@ class PlanScreen(StepScreen):
     def make_plan(self, gen: int, gpu_budget: int | None, cpu_budget: int | None) -> None:
         s, b = self.session, self.backend
 
-        # reached straight from the command line: do the earlier steps' work here (the backend makes
-        # concurrent asks for the same model share one answer; a first launch builds the demo model: the status says so)
+        # reached straight from the command line: the earlier steps' work (the backend shares concurrent asks)
         if s.model is None:
             s.model = b.open_model(s.options.model, s.machine, self.post_progress)
         if s.prompts is None:
@@ -201,7 +200,7 @@ class PlanScreen(StepScreen):
         self.session.plan = msg.plan
         out = self.query_one("#out", PathInput)
         if self.session.out_auto and out.value != str(self.session.default_out()):
-            self._show_out(str(self.session.default_out()))  # reached from the command line: prompts now known
+            out.show(str(self.session.default_out()))  # reached from the command line: prompts now known
         self._show_max_new_hint()
         self.fill(msg.plan)
 
@@ -355,12 +354,6 @@ class PlanScreen(StepScreen):
                              quantize=quantize, quantize_dense=dense,
                              group_size=value("group_size") if quantize in ("int4", "auto") or dense == "int4" else None)
 
-    def _set_choices(self, choices: EngineChoices) -> None:
-        for key, value in dataclasses.asdict(choices).items():
-            value = value or ADVANCED[key][1]
-            self.query_one(f"#{key}", Select).value = value
-            self.query_one(f"#{key}-hint", Static).update(_hint(key, value))
-
     @work(thread=True, exclusive=True, exit_on_error=False, group="check", description="validate policy")
     def check(self, gen: int, fields: dict) -> None:
         s = self.session
@@ -373,9 +366,6 @@ class PlanScreen(StepScreen):
         if msg.plan.prediction is not None and not msg.plan.problems:
             self.session.plan = msg.plan
         self.show(msg.plan)
-
-    def _show_out(self, path: str) -> None:
-        self.query_one("#out", PathInput).show(path)
 
     @on(PathInput.Changed, "#out")
     def out_changed(self) -> None:

@@ -1,6 +1,5 @@
 """Step 3 — Prompts: a file typed, dragged onto the terminal, or picked from a tree; then a preview with the
-count, length statistics and every bad line (which the run skips, and says so).
-"""
+count, length statistics and every bad line (which the run skips, and says so)."""
 
 from __future__ import annotations
 
@@ -9,9 +8,8 @@ from typing import Iterable
 
 from rich.text import Text
 from textual import on, work
-from textual.app import ComposeResult
+from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.app import SystemCommand
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, DataTable, DirectoryTree, Static
 
@@ -99,7 +97,6 @@ class PromptsScreen(StepScreen):
                                                                       "Ctrl+O to browse, or Ctrl+T for the demo prompts")])
             inp.focus()
 
-    # ---- choosing -------------------------------------------------------------------------------
     @on(PathInput.Submitted, "#prompts-input")
     @on(PathInput.Dropped, "#prompts-input")
     def submitted(self, event) -> None:

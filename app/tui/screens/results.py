@@ -1,6 +1,5 @@
 """Step 6 — Results: a table of every finished request, a detail view, and export to CSV / JSONL (through core's
-atomic writers).
-"""
+atomic writers)."""
 
 from __future__ import annotations
 
@@ -94,11 +93,7 @@ class ResultsScreen(StepScreen):
     def action_export(self, fmt_name: str) -> None:
         out = self.session.out_path or Path("results.jsonl")
         default = out.with_name(f"{out.stem.removesuffix('.results')}.export.{fmt_name}")
-        self.app.push_screen(ExportScreen(default, self.records), self._exported)
-
-    def _exported(self, message: str | None) -> None:
-        if message:
-            self.status(message, "ok")
+        self.app.push_screen(ExportScreen(default, self.records), lambda done: done and self.status(done, "ok"))
 
     def action_back(self) -> None:
         self.app.pop_screen()

@@ -1,10 +1,6 @@
-"""Step 5 — Run: the engine in a thread worker, live panels fed by coalesced telemetry.
-
-Progress and memory, decode throughput against the plan's prediction (core.plan.tracking decides when they
-part), the last decode step lane by lane beside the planner's simulation, and a log. RunUpdates replace each
-other in the queue and the screen redraws on a 4 Hz timer, so the display costs the same however fast the
-engine steps.
-"""
+"""Step 5 — Run: the engine in a thread worker; progress, throughput against the prediction, the last decode step
+beside the planner's simulation, and a log. RunUpdates replace each other in the queue and the screen redraws at
+4 Hz, so the display costs the same however fast the engine steps."""
 
 from __future__ import annotations
 
@@ -285,8 +281,7 @@ class RunScreen(StepScreen):
 
     @staticmethod
     def _state_text(snap: RunSnapshot) -> str:
-        """The state in words, with what it is busy with where that takes a while: loading (and quantizing), or the
-        first batch's prefill."""
+        """The state in words, with what takes a while: loading (and quantizing), or the first batch's prefill."""
         text = STATE_WORDS.get(snap.state, snap.state)
         if snap.state == "loading" and snap.loading:
             return f"{text} ({snap.loading})"
@@ -315,8 +310,7 @@ class RunScreen(StepScreen):
 
     @staticmethod
     def _parted(snap: RunSnapshot) -> str:
-        """'decode measured at 850.3 tokens/s: 4.7× below the prediction' once core's tracker says measured and
-        predicted part (as `mlight bench` judges it), else ''."""
+        """Why measured and predicted decode part, once core's tracker says they do (as `mlight bench`), else ''."""
         c = snap.comparison
         if c is None or not c.parted or c.error is None or c.error <= -1:
             return ""
@@ -329,8 +323,7 @@ class RunScreen(StepScreen):
 
     @staticmethod
     def _measured_head(snap: RunSnapshot | None, simulated_s: float) -> Text:
-        """The measured timeline's title: the step drawn, and the median step of the last seconds beside the
-        simulation (one step is a snapshot of a machine that moves)."""
+        """The step drawn and, beside the simulation, the window's median step (one step is a noisy sample)."""
         head = Text("Measured", style="bold")
         step = snap.timeline if snap is not None else None
         if step is None:

@@ -1,6 +1,5 @@
 """Labelled horizontal bars (memory used / budget, busy share) drawn as text, so they stay crisp in any theme
-and in plain-text captures.
-"""
+and in plain-text captures."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Decode throughput over the run, measured against the planner's prediction (textual-plotext).
-
-The x axis is the engine's own time (pauses left out); the predicted line is flat (one rate for the policy).
-"""
+"""Decode throughput over the run, measured against the planner's prediction (textual-plotext). The x axis is
+the engine's own time (pauses left out); the predicted line is flat (one rate for the policy)."""
 
 from __future__ import annotations
 
@@ -34,11 +32,7 @@ class ThroughputChart(PlotextPlot):
         self.refresh()
 
     def render(self):
-        self._draw()  # here, because the ticks depend on the size
-        return super().render()
-
-    def _draw(self) -> None:
-        plt = self.plt
+        plt = self.plt  # drawn here, because the ticks depend on the size
         plt.clear_data()
         plt.clear_figure()
         plt.xlabel("engine time (s)")
@@ -52,8 +46,7 @@ class ThroughputChart(PlotextPlot):
         if self._predicted:
             span = (xs[0], xs[-1]) if xs else (0.0, 1.0)
             plt.plot(list(span), [self._predicted] * 2, color=PREDICTED_COLOR, marker="braille")
-        # at most one tick every other row and every 12 columns: two ticks on one row would leave the
-        # label shown to chance
+        # at most one tick every other row and every 12 columns: of two ticks on one row, either label may show
         rows, cols = max(1, (self.size.height or 8) - 3), max(1, (self.size.width or 60) - 8)
         top = max(ys + [self._predicted or 0.0, 1.0]) * 1.15
         step = nice_step(top, max(1, rows // 2))
@@ -68,3 +61,4 @@ class ThroughputChart(PlotextPlot):
             plt.xticks(x_ticks, [f"{t:g}" for t in x_ticks])
         else:
             plt.xlim(0, 1)
+        return super().render()

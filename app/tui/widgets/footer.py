@@ -1,9 +1,5 @@
-"""Footer that rebuilds its keys only when the keys it shows change.
-
-Textual's Footer recomposes on every bindings update, and a screen publishes one on each focus move and each
-screen switch even when the keys shown stay the same; each recompose remounts every key and restyles it, which
-made most of the style work of opening a screen.
-"""
+"""Footer that rebuilds its keys only when the keys it shows change. Textual's Footer recomposes, remounting
+and restyling every key, on each focus move and screen switch: most of the style work of opening a screen."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """An Input that understands files dragged onto the terminal: a paste into an empty input is cleaned with
-`parse_dropped_path` and posted as `Dropped`, so the screen can open the file at once.
-"""
+`parse_dropped_path` and posted as `Dropped`, so the screen can open the file at once."""
 
 from __future__ import annotations
 

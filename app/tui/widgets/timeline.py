@@ -1,8 +1,6 @@
 """A decode step drawn as the paper's CGOPipe figure: one lane per resource, one bar per task, coloured by kind.
-
-A cell shows the task that covers most of its slice of time; consecutive tasks of a lane alternate full and
-shaded blocks, so two bars stay two. `zoom` shows only the first layers, for models with too many tasks.
-"""
+A cell shows the task covering most of its time; a lane's consecutive tasks alternate full and shaded blocks, so
+two bars stay two. `zoom` shows only the first layers, for models with too many tasks."""
 
 from __future__ import annotations
 
