@@ -1,9 +1,11 @@
-"""A decode step of one stream as bound kernel calls (core.runtime.one_stream, issue 47's batch 1).
+"""A decode step of a few requests as bound kernel calls (core.runtime.one_stream, issue 47's small batches).
 
 The bound calls must be the general path's kernels with its arguments: the logits of every step equal the
 general path's bit for bit — GGUF Q8_0, a Q4_K_M mix (a projection in two formats, experts' down rows in
-Q6_K), a bf16 checkpoint on the panels, and Qwen3-MoE's per-head q/k norms — across a thread-count change, with the executor's timeline
-filled as a run fills it; a family the calls do not cover says why and keeps the general path.
+Q6_K), a bf16 checkpoint on the panels, Qwen3-MoE's per-head q/k norms; one request and five of different
+lengths (several Q8_0 rows on gguf_blocks' tiles, attention split over threads) — across a thread-count change,
+with the executor's timeline filled as a run fills it; a family the calls do not cover says why and keeps the
+general path.
 """
 
 from __future__ import annotations
@@ -33,24 +35,25 @@ def models(tmp_path_factory):
             "bf16": ckpt,
             "qwen3": write_gguf("qwen3_moe", make_checkpoint("qwen3_moe", root / "qwen", dtype=torch.bfloat16,
                                                              hidden_size=256, moe_intermediate_size=256, head_dim=32),
-                                root / "qwen3.gguf", uniform("Q8_0"))}
+                                root / "qwen3.gguf", uniform("Q4_K"))}
 
 
-def _steps(engine, fast: bool, threads=(1, 2)):
-    """Logits and timelines of STEPS decode steps of one request (greedy), the thread count moving halfway."""
-    ids = engine.prompt_token_ids(Request(id="a", prompt=PROMPT))
-    runner = engine.runner(slots=2, micro_batch_size=1, max_tokens=64)
+def _steps(engine, fast: bool, M: int, threads=(1, 2)):
+    """Logits and timelines of STEPS decode steps of M requests of different lengths in slots 1..M (greedy), the
+    thread count moving halfway."""
+    ids = [engine.prompt_token_ids(Request(id=str(m), prompt=PROMPT + " and so on" * m)) for m in range(M)]
+    runner = engine.runner(slots=M + 1, micro_batch_size=M + 1, max_tokens=96)
     if not fast:
-        runner._one = False
-    logits, _ = runner.prefill([ids], [1], [[0]])
-    tok, pos, out, spans, before = int(logits[0].argmax()), len(ids), [], [], torch.get_num_threads()
+        runner._one = {m: False for m in range(1, one_stream.MAX_ROWS + 1)}
+    logits, _ = runner.prefill(ids, list(range(1, M + 1)), [list(range(M))])
+    toks, pos, out, spans, before = logits.argmax(-1).tolist(), [len(x) for x in ids], [], [], torch.get_num_threads()
     try:
         for step in range(STEPS):
             torch.set_num_threads(threads[step * len(threads) // STEPS])
-            logits, busy = runner.decode([[tok]], [[1]], [[pos]])
+            logits, busy = runner.decode([toks], [list(range(1, M + 1))], [pos])
             out.append(logits.clone())
-            spans.append(task_spans(StepDone("decode", 1, 0.0, busy, tasks=runner.last_tasks, times=runner.ex.times)))
-            tok, pos = int(logits[0].argmax()), pos + 1
+            spans.append(task_spans(StepDone("decode", M, 0.0, busy, tasks=runner.last_tasks, times=runner.ex.times)))
+            toks, pos = logits.argmax(-1).tolist(), [p + 1 for p in pos]
     finally:
         torch.set_num_threads(before)
     return out, spans, runner
@@ -58,20 +61,21 @@ def _steps(engine, fast: bool, threads=(1, 2)):
 
 @built
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K_M", "bf16", "qwen3"])
-def test_bound_calls_give_the_general_paths_logits_bit_for_bit(models, kind):
+@pytest.mark.parametrize("M", [1, 5])
+def test_bound_calls_give_the_general_paths_logits_bit_for_bit(models, kind, M):
     engine = Engine.load(models[kind])
-    runner = engine.runner(slots=1, micro_batch_size=1, max_tokens=64)
-    why = one_stream.why_not(runner)
+    runner = engine.runner(slots=M, micro_batch_size=M, max_tokens=64)
+    why = one_stream.why_not(runner, M)
     if kind == "bf16" and ffn.library() is None:
         pytest.skip(f"no bf16 panels here ({ffn.status()}): {why}")
     if runner.widen_attn is not None or runner.widen_ffn is not None:
         pytest.skip(f"this CPU computes in a wider dtype: {why}")
     assert why == ""
-    fast, fast_spans, r = _steps(engine, True)
-    general, general_spans, _ = _steps(engine, False)
-    assert r._one and r._one.threads == 2  # made at the first step, made again when the threads moved
+    fast, fast_spans, r = _steps(engine, True, M)
+    general, general_spans, _ = _steps(engine, False, M)
+    assert r._one[M] and r._one[M].threads == 2  # made at the first step, made again when the threads moved
     for step, (a, b) in enumerate(zip(fast, general)):
-        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max().item()}"
+        assert a.shape[0] == M and torch.equal(a, b), f"step {step}: {(a - b).abs().max().item()}"
     L = engine.spec.num_layers
     for spans, ref in zip(fast_spans, general_spans):  # the same timeline: every task once, in order, timed
         assert [(s.resource, s.kind, s.layer) for s in spans] == [(s.resource, s.kind, s.layer) for s in ref]
@@ -84,7 +88,7 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_bound_calls(model
     engine = Engine.load(models["Q4_K_M"])
     req = [Request(id="a", prompt=PROMPT, max_new_tokens=8)]
     with_calls = [r.output_token_ids for r in engine.generate(req, batch_size=1)]
-    monkeypatch.setattr(one_stream, "why_not", lambda r: "off for this test")
+    monkeypatch.setattr(one_stream, "why_not", lambda r, M: "off for this test")
     without = [r.output_token_ids for r in engine.generate(req, batch_size=1)]
     assert with_calls == without and len(with_calls[0]) == 8
 
@@ -97,4 +101,4 @@ def test_a_family_the_calls_do_not_cover_keeps_the_general_path(tmp_path):
     ids = engine.prompt_token_ids(Request(id="a", prompt=PROMPT))
     logits, _ = runner.prefill([ids], [0], [[0]])
     logits, _ = runner.decode([[int(logits[0].argmax())]], [[0]], [[len(ids)]])
-    assert runner._one is False and torch.isfinite(logits).all()
+    assert runner._one[1] is False and torch.isfinite(logits).all()

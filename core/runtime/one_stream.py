@@ -1,13 +1,14 @@
-"""A decode step of one stream on the host with every kernel's arguments bound once (B = 1, the CPU only).
+"""A decode step of a few requests on the host with every kernel's arguments bound once (the CPU only).
 
 At batch 1 a layer's kernels take about a millisecond, and the Python around them (the task graph, each
 wrapper's checks, fresh tensors, all of it running cold after the experts' weights have streamed through the
-caches) took a quarter of the step. Here the runner's own decode graph — pre_attn, cpu_attn, post_attn, ffn a
-layer — runs as a flat list of C calls made once per runner: the same kernels, arguments and order as the
-general path, into buffers held for the run, so each token's logits are the same bit for bit
-(tests/test_one_stream.py), and the executor's timeline and busy times are filled as its own run fills them.
-A model or placement outside what the list covers keeps the general path; `why_not` says which condition.
-Legend: D = hidden, H = query heads, Hkv = KV heads, hd = head dim, k = experts of the token.
+caches) took a quarter of the step; at batch 8 a sixth. Here the runner's own decode graph of one micro-batch of
+M ≤ MAX_ROWS requests — pre_attn, cpu_attn, post_attn, ffn a layer — runs as a flat list of C calls made once
+per runner and M: the same kernels, arguments and order as the general path, into buffers held for the run, so
+each token's logits are the same bit for bit (tests/test_one_stream.py), and the executor's timeline and busy
+times are filled as its own run fills them. A model, placement or M outside what the list covers keeps the
+general path; `why_not` says which condition.
+Legend: M = requests, D = hidden, H = query heads, Hkv = KV heads, hd = head dim, k = experts of a token.
 """
 
 from __future__ import annotations
@@ -22,26 +23,31 @@ from core.model.cpu import ffn, gguf_blocks, gguf_token, native, row_ops
 from core.model.cpu.panel_linear import PanelWeight
 from core.model.decoder import C_ROUTE_LOGITS
 from core.model.kvcache import KVStore
+from core.model.limits import LOGIT_CHUNK_BYTES
 from core.model.moe import _swiglu
 from core.model.quant.block_dense import BlockWeight
+from core.model.quant.formats import NATIVE_GGUF_ROWS
 from core.runtime.executors import SequentialExecutor, _sized
 
 LAYER_KEYS = {"ln1", "ln2", "router", "qkv", "o"}  # and Qwen3's q/k norms; any other tensor (a bias, sinks) is not
 PHASES = ("pre_attn", "cpu_attn", "post_attn", "ffn")
 BF16 = torch.bfloat16
+MAX_ROWS = 8  # requests a step: the token kernels' rows (gguf_token.ROWS) and tokens (gguf_token.TOKENS)
 
 
-def why_not(r) -> str:
-    """Why runner `r`'s decode step at batch 1 cannot run as bound calls ("" where it can)."""
+def why_not(r, M: int = 1) -> str:
+    """Why runner `r`'s decode step of one micro-batch of M requests cannot run as bound calls ("" where it can)."""
     spec = r.spec
     if r.dev.accelerator or type(r.ex) is not SequentialExecutor or r.tp is not None or r.graphs is not None:
         return "not the host alone on the sequential executor"
+    if not 1 <= M <= MAX_ROWS:
+        return f"{M} requests a step, more than {MAX_ROWS}"
     if r.widen_attn is not None or r.widen_ffn is not None or r.act is not _swiglu:
         return "the CPU computes in a wider dtype, or the experts' activation is not plain SwiGLU"
     if (spec.qk_norm not in ("none", "head") or spec.clip_qkv is not None or spec.attn_gate or spec.norm != "rms"
             or spec.shared_intermediate or spec.router != "softmax" or not spec.router_softmax_fp32
             or spec.router_fp32 or spec.router_norm not in ("sum", "none")
-            or spec.num_experts > min(C_ROUTE_LOGITS, row_ops.ROUTE_MAX_EXPERTS)
+            or M * spec.num_experts > C_ROUTE_LOGITS or spec.num_experts > row_ops.ROUTE_MAX_EXPERTS
             or spec.top_k > gguf_blocks.MAX_EXPERTS):
         return "the family's layer has more than norm, QKV, RoPE, attention, O, softmax router and experts"
     if any(mixer.module(spec, i) is not gqa or not spec.is_moe(i) or mixer.window(spec, i)
@@ -62,33 +68,41 @@ def why_not(r) -> str:
         if set(w) != LAYER_KEYS.union(norms) or any(type(w[n]) is not torch.Tensor or w[n].dtype != BF16
                                                    or not w[n].is_contiguous() for n in norms):
             return f"layer {i}'s tensors are not just bf16 norms, router, QKV and O"
-        if not all(_linear_ok(w[n]) for n in ("qkv", "o")):
-            return f"layer {i}'s projections are not GGUF blocks the token kernel dots, nor bf16 panels"
-        if _experts_of(r, i) is None:
-            return f"layer {i}'s experts are not on the GGUF token kernel nor the bf16 expert kernel"
+        if not all(_linear_ok(w[n], M) for n in ("qkv", "o")):
+            return f"layer {i}'s projections at {M} rows are not on the GGUF token kernel, nor bf16 panels"
+        if _experts_of(r, i, M) is None:
+            return f"layer {i}'s experts at {M} tokens are not on the GGUF token kernel nor the bf16 expert kernel"
         if (type(st) is not KVStore or st.window or st.k.dtype != BF16 or st.v.dtype != BF16
-                or not (st.k.is_contiguous() and st.v.is_contiguous())
+                or not (st.k.is_contiguous() and st.v.is_contiguous()) or st.k.shape != r.cache.layers[0].k.shape
                 or spec.num_heads // spec.num_kv_heads > native.MAX_G or spec.head_dim > native.MAX_D):
             return f"layer {i}'s KV cache is not one the C attention reads in place"
-    if not _linear_ok(r.lm_head) or {"norm_b", "lm_head_b"} & set(r.globals) or r.globals["norm"].dtype != BF16:
-        return "the LM head is not GGUF blocks the token kernel dots, nor bf16 panels, after a bf16 norm"
+    if not _linear_ok(r.lm_head, M) or {"norm_b", "lm_head_b"} & set(r.globals) or r.globals["norm"].dtype != BF16:
+        return "the LM head is not on the GGUF token kernel nor bf16 panels, after a bf16 norm"
     kinds = [(t.kind, t.layer) for t in r._graph("decode", 1)[0]]
     if kinds != [(p, i) for i in range(spec.num_layers) for p in PHASES]:
         return "the decode graph has tasks besides each layer's four"
     return ""
 
 
-def _linear_ok(w) -> bool:
+def _linear_ok(w, M: int) -> bool:
+    """Whether kernels.linear of M rows through w is one C call a segment (BlockWeight.linear), or the panels'."""
     if type(w) is PanelWeight:
         return ffn.library() is not None
+    return (type(w) is BlockWeight and M <= NATIVE_GGUF_ROWS and gguf_blocks.library() is not None
+            and all(s.raw.stride(1) == 1 and s.kind in gguf_blocks.KINDS for s in w.segments))
+
+
+def _on_token_kernel(kind: str, M: int, K: int) -> bool:
+    """Whether gguf_token.linear takes M rows of K in `kind` (else BlockWeight.linear runs gguf_blocks.linear):
+    one row in every in-place format, several on the K-quants' VNNI rows only."""
     lib = gguf_token.library()
-    return type(w) is BlockWeight and lib is not None and all(
-        s.kind in gguf_token.IN_PLACE and s.raw.stride(1) == 1 and w.shape[1] % gguf_blocks.GGUF_BLOCKS[s.kind][0] == 0
-        for s in w.segments)
+    return (lib is not None and kind in gguf_token.IN_PLACE and M <= gguf_token.ROWS
+            and K % gguf_blocks.GGUF_BLOCKS[kind][0] == 0
+            and (M == 1 or (kind != "Q8_0" and lib.simd == gguf_blocks.SIMD[2])))
 
 
-def _experts_of(r, i: int):
-    """Layer i's experts as ("gguf", QuantExperts) or ("panels", NativeExperts), or None."""
+def _experts_of(r, i: int, M: int):
+    """Layer i's experts as ("gguf", QuantExperts) or ("panels", NativeExperts), where M tokens take one call."""
     parts = r._expert_parts(i)
     if len(parts) != 1 or parts[0].get("b13") is not None or parts[0].get("b2") is not None:
         return None
@@ -96,7 +110,8 @@ def _experts_of(r, i: int):
     if getattr(packed, "fused_swiglu", False) and type(packed) is ffn.NativeExperts and ffn.library() is not None:
         return "panels", packed
     lib = gguf_token.library()
-    if q is None or not q.blocks or len(q.scheme.up) != 1 or lib is None or lib.tokens is None or gguf_token.TOKENS < 1:
+    if (q is None or not q.blocks or len(q.scheme.up) != 1 or lib is None or lib.tokens is None
+            or M > gguf_token.TOKENS or M * r.spec.top_k > gguf_token.MAX_SLOTS):
         return None
     k13, k2 = q.scheme.up[0].fmt.name, q.scheme.down.fmt.name
     if not gguf_token.IN_PLACE.intersection((k13, k2)) or k13 not in gguf_blocks.KINDS or k2 not in gguf_blocks.KINDS:
@@ -105,91 +120,105 @@ def _experts_of(r, i: int):
 
 
 class OneStream:
-    """Runner `r`'s decode step for one request, as bound calls (build only where `why_not(r)` is ""). It holds
-    addresses of the runner's weights and cache, not the runner: the runner owns it, and no cycle outlives a run
-    (core.runtime.frozen_heap)."""
+    """Runner `r`'s decode step for one micro-batch of M requests, as bound calls (build only where
+    `why_not(r, M)` is ""). It holds addresses of the runner's weights and cache, not the runner: the runner owns
+    it, and no cycle outlives a run (core.runtime.frozen_heap)."""
 
-    def __init__(self, r):
+    def __init__(self, r, M: int = 1):
         spec = r.spec
         self.threads = n = torch.get_num_threads()
         D, H, Hkv, hd, k = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.top_k
         d1, qs, kvs, G = gqa.d1_width(spec), spec.q_size, spec.kv_size, spec.num_heads // spec.num_kv_heads
         cap = r.cache.layers[0].k.shape[2]
         new = partial(torch.empty, dtype=BF16)
-        self.x, self.h, self.qkv, self.payload = new((1, D)), new((1, D)), new((1, d1)), new((1, d1))
-        self.attn, self.o, self.y, self.rw = new((1, qs)), new((1, D)), new((1, D)), new((1, k))
-        self.ids, self.token = torch.zeros((1, k), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        self.slot, self.lengths = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
-        self.position = torch.zeros(1, dtype=torch.int64)
-        self.at, self.heads_at = torch.zeros(Hkv, dtype=torch.int64), torch.arange(Hkv, dtype=torch.int64) * cap
-        self.slot_rows = Hkv * cap
-        self.now = [0, 0, 0]  # this step's cos and sin rows' addresses and attended length, read by the calls
-        self.cos, self.sin, self.rope_row = r.rope.cos, r.rope.sin, r.rope.cos.stride(0) * 2
-        experts = [_experts_of(r, i) for i in range(spec.num_layers)]
+        i64 = partial(torch.zeros, dtype=torch.int64)
+        self.M = M
+        self.x, self.h, self.qkv, self.payload = new((M, D)), new((M, D)), new((M, d1)), new((M, d1))
+        self.attn, self.o, self.y, self.rw = new((M, qs)), new((M, D)), new((M, D)), new((M, k))
+        self.ids, self.tokens, self.slots, self.positions, self.lengths = i64((M, k)), i64(M), i64(M), i64(M), i64(M)
+        self.first, self.at, self.heads_at = i64((M, 1)), i64((M, Hkv)), torch.arange(Hkv, dtype=torch.int64) * cap
+        self.cos, self.sin = new((M, hd)), new((M, hd))  # this step's RoPE rows, gathered as Rope.tables gathers them
+        self.slot_rows, self.threads_attn = Hkv * cap, max(1, min(n, M))
+        self.bounds = i64(self.threads_attn + 1)
+        self.longest = [1]  # the step's longest attended length, read by the attention call
+        experts = [_experts_of(r, i, M) for i in range(spec.num_layers)]
         # one float32 scratch for every call (they run one at a time): the largest any of them asks
-        sizes = [G * cap, _linear_scratch(r.lm_head, n)]
-        sizes += [_linear_scratch(r.dense[i][m], n) for i in range(spec.num_layers) for m in ("qkv", "o")]
-        sizes += [_experts_scratch(kind, e, D, k, n) for kind, e in experts]
+        sizes = [self.threads_attn * G * cap] + [_linear_scratch(w, M, n) for w in _linears(r)]
+        sizes += [_experts_scratch(kind, e, M, D, k, n) for kind, e in experts]
         self.scratch = torch.empty(max(sizes) + 64)
         s, a = self.scratch.data_ptr(), lambda t: t.data_ptr()  # noqa: E731
-        row, attn, now = row_ops.library(), native.library(), self.now
-        x, h, qkv, pay, out, rw, ids, slot, lengths = (a(t) for t in (self.x, self.h, self.qkv, self.payload,
-                                                                      self.attn, self.rw, self.ids, self.slot,
-                                                                      self.lengths))
-        # the final norm and the head as final_logits runs them for one row: bf16 logits, copied out in fp32
+        row, attn, longest = row_ops.library(), native.library(), self.longest
+        x, h, qkv, pay, out, rw, ids, slots, lengths, bounds = (a(t) for t in (
+            self.x, self.h, self.qkv, self.payload, self.attn, self.rw, self.ids, self.slots, self.lengths,
+            self.bounds))
+        # the final norm and the head as final_logits runs them: bf16 logits a chunk of rows, copied out in fp32
         V = r.lm_head.shape[0]
-        self.logits = new((1, V))
-        self.head = [partial(row.rms_norm, x, 1, D, D, a(r.globals["norm"]), spec.norm_eps, h, D, n),
-                     *_linear(r.lm_head, h, D, a(self.logits), V, s, n)]
+        self.logits = new((M, V))
+        per = max(1, LOGIT_CHUNK_BYTES // (V * 2))
+        self.head = [partial(row.rms_norm, x, M, D, D, a(r.globals["norm"]), spec.norm_eps, h, D, n)]
+        for c in range(0, M, per):
+            self.head += _linear(r.lm_head, h + 2 * c * D, min(per, M - c), D, a(self.logits) + 2 * c * V, V, s, n)
         self.phases = []
         for i in range(spec.num_layers):
             w, st = r.dense[i], r.cache.layers[i]
             kc, vc = a(st.k), a(st.v)
-
             if spec.qk_norm == "none":  # q and k roped side by side and joined with v in one C pass (gqa.pre)
-                def rope(f=row.rope_join):
-                    f(qkv, 1, d1, H + Hkv, hd, now[0], now[1], hd, kvs, pay, d1, n)
-                mix = [rope]
+                mix = [partial(row.rope_join, qkv, M, d1, H + Hkv, hd, a(self.cos), a(self.sin), hd, kvs, pay, d1, n)]
             else:  # Qwen3: each head's norm into the payload, v copied beside, then RoPE in place (gqa._pre_into)
                 mix = [partial(row.rms_norm, qkv, H, hd, hd, a(w["q_norm"]), spec.norm_eps, pay, hd, n),
                        partial(row.rms_norm, qkv + 2 * qs, Hkv, hd, hd, a(w["k_norm"]), spec.norm_eps, pay + 2 * qs,
                                hd, n), self._v_and_rope(r.rope, qs, kvs, H + Hkv, hd)]
+                if M > 1:  # the norms' rows are each token's heads: one call a token
+                    mix[:2] = [partial(row.rms_norm, qkv + 2 * t * d1 + 2 * off, heads, hd, hd, a(w[nm]), spec.norm_eps,
+                                       pay + 2 * t * d1 + 2 * off, hd, n)
+                               for t in range(M) for nm, off, heads in (("q_norm", 0, H), ("k_norm", qs, Hkv))]
 
-            def attention(f=attn.fn, kc=kc, vc=vc, s0=st.k.stride(0), s1=st.k.stride(1)):
-                return f(pay, 1, d1, kc, vc, 1, slot, lengths, 0, 1, Hkv, G, hd, s0, s1, spec.scale, out, 1, s, now[2])
+            if self.threads_attn == 1:  # the calling thread runs every request (native.decode_attention)
+                def attention(f=attn.fn, kc=kc, vc=vc, s0=st.k.stride(0), s1=st.k.stride(1)):
+                    return f(pay, 1, d1, kc, vc, 1, slots, lengths, 0, M, Hkv, G, hd, s0, s1, spec.scale, out, 1, s,
+                             longest[0])
+            else:  # torch's OpenMP team, the requests split by `bounds`
+                def attention(f=attn.parts, kc=kc, vc=vc, s0=st.k.stride(0), s1=st.k.stride(1), nt=self.threads_attn):
+                    return f(pay, 1, d1, kc, vc, 1, slots, lengths, bounds, nt, Hkv, G, hd, s0, s1, spec.scale, out, 1,
+                             s, longest[0])
 
             self.phases += [
-                [partial(row.rms_norm, x, 1, D, D, a(w["ln1"]), spec.norm_eps, h, D, n),
-                 *_linear(w["qkv"], h, D, qkv, d1, s, n), *mix],
-                [partial(row.kv_write, kc, vc, pay + 2 * qs, pay + 2 * (qs + kvs), a(self.at), Hkv, Hkv, 2 * d1, 2 * hd,
-                       n), attention],
-                [*_linear(w["o"], out, qs, a(self.o), D, s, n), _add(self.x, self.o),
-                 partial(row.rms_norm, x, 1, D, D, a(w["ln2"]), spec.norm_eps, h, D, n),
-                 partial(row.softmax_route, h, 1, 1, D, D, a(w["router"]), spec.num_experts, k,
-                       int(spec.router_norm == "sum"), spec.routed_scale, rw, ids)],
-                [_experts(*experts[i], h, rw, ids, a(self.y), D, k, s, n), _add(self.x, self.y)],
+                [partial(row.rms_norm, x, M, D, D, a(w["ln1"]), spec.norm_eps, h, D, n),
+                 *_linear(w["qkv"], h, M, D, qkv, d1, s, n), *mix],
+                [partial(row.kv_write, kc, vc, pay + 2 * qs, pay + 2 * (qs + kvs), a(self.at), M * Hkv, Hkv, 2 * d1,
+                         2 * hd, n), attention],
+                [*_linear(w["o"], out, M, qs, a(self.o), D, s, n), _add(self.x, self.o),
+                 partial(row.rms_norm, x, M, D, D, a(w["ln2"]), spec.norm_eps, h, D, n),
+                 partial(row.softmax_route, h, 1, M, D, D, a(w["router"]), spec.num_experts, k,
+                         int(spec.router_norm == "sum"), spec.routed_scale, rw, ids)],
+                [_experts(*experts[i], h, M, rw, ids, a(self.y), D, k, s, n), _add(self.x, self.y)],
             ]
+        self._rope = r.rope
 
     def _v_and_rope(self, rope, qs: int, kvs: int, heads: int, hd: int):
         v_to, v_from = self.payload[:, qs + kvs:], self.qkv[:, qs + kvs:qs + 2 * kvs]
-        qk = self.payload.view(1, -1, hd)[:, :heads, :rope.dim]
+        qk = self.payload.view(self.M, -1, hd)[:, :heads, :rope.dim]
 
-        def v_and_rope():  # torch's RoPE ops as gqa._pre_into runs them, on this step's position
+        def v_and_rope():  # torch's RoPE ops as gqa._pre_into runs them, on this step's positions
             v_to.copy_(v_from)
-            rope.apply(qk, self.position, None, out=qk)
+            rope.apply(qk, self.positions, None, out=qk)
         return v_and_rope
 
-    def step(self, r, token: int, slot: int, position: int):
-        """Runner r's token `token` of the request in `slot` at `position`: its logits [1, V] (r's host buffer) and
-        the step's busy seconds per resource; the executor's `times` hold the graph's timeline, as after a run."""
-        self.token.fill_(token)
-        torch.index_select(r.globals["embed"], 0, self.token, out=self.x)
-        self.slot.fill_(slot)
-        self.position.fill_(position)
-        self.lengths.fill_(position + 1)
-        torch.add(self.heads_at, slot * self.slot_rows + position, out=self.at)
-        self.now[:] = (self.cos.data_ptr() + position * self.rope_row, self.sin.data_ptr() + position * self.rope_row,
-                       position + 1)
+    def step(self, r, tokens: list[int], slots: list[int], positions: list[int]):
+        """Runner r's next tokens of the requests in `slots` at `positions`: their logits [M, V] (r's host buffer)
+        and the step's busy seconds per resource; the executor's `times` hold the graph's timeline, as after a run."""
+        for t, values in ((self.tokens, tokens), (self.slots, slots), (self.positions, positions)):
+            t.copy_(torch.tensor(values)) if self.M > 1 else t.fill_(values[0])
+        torch.index_select(r.globals["embed"], 0, self.tokens, out=self.x)
+        torch.index_select(self._rope.cos, 0, self.positions, out=self.cos)
+        torch.index_select(self._rope.sin, 0, self.positions, out=self.sin)
+        torch.add(self.positions, 1, out=self.lengths)
+        torch.add(self.positions, self.slots, alpha=self.slot_rows, out=self.first[:, 0])  # the KV write's rows
+        torch.add(self.first, self.heads_at, out=self.at)
+        lengths = [p + 1 for p in positions]
+        self.longest[0] = max(lengths)
+        if self.threads_attn > 1:
+            self.bounds.copy_(torch.tensor(native.cuts(lengths, self.threads_attn)))
         tasks, _ = r._graph("decode", 1)
         times, clock, busy = _sized(r.ex.times, len(tasks)), time.perf_counter, {}
         for j, (task, calls) in enumerate(zip(tasks, self.phases)):
@@ -203,7 +232,7 @@ class OneStream:
             if call():
                 raise RuntimeError("the LM head: a kernel refused its bound call")
         r.last_tasks = tasks
-        out = r.host["logits_dec"][:1]
+        out = r.host["logits_dec"][:self.M]
         return out.copy_(self.logits), busy
 
 
@@ -213,36 +242,49 @@ def _add(x: torch.Tensor, y: torch.Tensor):
     return add
 
 
-def _linear_scratch(w, n: int) -> int:
+def _linears(r):
+    return [r.lm_head, *(r.dense[i][m] for i in range(r.spec.num_layers) for m in ("qkv", "o"))]
+
+
+def _linear_scratch(w, M: int, n: int) -> int:
     K = w.shape[1]
     if type(w) is PanelWeight:
-        return -(-ffn.library().sized("linear_scratch", 1, K, n) // 4)
-    return gguf_token.library().linear_scratch(1, K, n)
+        return -(-ffn.library().sized("linear_scratch", M, K, n) // 4)
+    return max(gguf_token.library().linear_scratch(M, K, n) if _on_token_kernel(g.kind, M, K) else
+               gguf_blocks.library().scratch(M, K, n) for g in w.segments)
 
 
-def _linear(w, x: int, K: int, out: int, N: int, s: int, n: int) -> list:
-    """`kernels.linear` of row x [1, K] through w into out [1, N]: a BlockWeight's segments on the token kernel
-    (each into its own output columns), or the bf16 panels."""
+def _linear(w, x: int, M: int, K: int, out: int, N: int, s: int, n: int) -> list:
+    """`kernels.linear` of rows x [M, K] through w into out [M, N]: a BlockWeight's segments each into its own
+    output columns, on the token kernel or gguf_blocks' as BlockWeight.linear chooses, or the bf16 panels."""
     if type(w) is PanelWeight:
-        return [partial(ffn.library().linear, x, 1, K, K, w.panels.data_ptr(), N, None, out, N, s, n)]
-    lib = gguf_token.library()
-    return [partial(lib.linear, gguf_blocks.KINDS[g.kind], x, 1, K, 1, K, g.raw.data_ptr(), g.raw.stride(0),
-                  g.raw.shape[0], out + 2 * g.r0, 1, N, s, n, 2) for g in w.segments]
+        return [partial(ffn.library().linear, x, M, K, K, w.panels.data_ptr(), N, None, out, N, s, n)]
+    calls = []
+    for g in w.segments:
+        raw, at = g.raw, out + 2 * g.r0
+        if _on_token_kernel(g.kind, M, K):
+            calls.append(partial(gguf_token.library().linear, gguf_blocks.KINDS[g.kind], x, 1, K, M, K, raw.data_ptr(),
+                                 raw.stride(0), raw.shape[0], at, 1, N, s, n, 2))
+        else:
+            path = gguf_blocks.PATHS[{None: "fp32", 32: "int8", 256: "int16"}[gguf_blocks.int8_group(g.kind, BF16, M)]]
+            calls.append(partial(gguf_blocks.library().linear, gguf_blocks.KINDS[g.kind], x, 1, K, M, K, raw.data_ptr(),
+                                 raw.stride(0), raw.shape[0], at, 1, N, s, n, path))
+    return calls
 
 
-def _experts_scratch(kind: str, e, D: int, k: int, n: int) -> int:
+def _experts_scratch(kind: str, e, M: int, D: int, k: int, n: int) -> int:
     if kind == "panels":
-        return -(-ffn.library().sized("scratch", 1, k, e.E, e.D, e.I, n) // 4)
-    return gguf_token.library().tokens_scratch(1, D, e.parts["w13.raw"].shape[1] // 2, k, n)
+        return -(-ffn.library().sized("scratch", M, k, e.E, e.D, e.I, n) // 4)
+    return gguf_token.library().tokens_scratch(M, D, e.parts["w13.raw"].shape[1] // 2, k, n)
 
 
-def _experts(kind: str, e, h: int, rw: int, ids: int, y: int, D: int, k: int, s: int, n: int):
-    """The token's k experts weighed and summed into y, as core.model.moe.experts runs them at batch 1."""
+def _experts(kind: str, e, h: int, M: int, rw: int, ids: int, y: int, D: int, k: int, s: int, n: int):
+    """The tokens' k experts weighed and summed into y, as core.model.moe.experts runs them for M ≤ TOKENS."""
     if kind == "panels":
-        return partial(ffn.library().ffn, h, 1, k, ids, rw, 1, e.E, e.D, e.I, e.w13.data_ptr(), e.w13.stride(0),
-                     e.w2.data_ptr(), e.w2.stride(0), y, s, n)
+        return partial(ffn.library().ffn, h, M, k, ids, rw, 1, e.E, e.D, e.I, e.w13.data_ptr(), e.w13.stride(0),
+                       e.w2.data_ptr(), e.w2.stride(0), y, s, n)
     w13, w2 = e.parts["w13.raw"], e.parts["w2.raw"]
     return partial(gguf_token.library().tokens, gguf_blocks.KINDS[e.scheme.up[0].fmt.name],
-                 gguf_blocks.KINDS[e.scheme.down.fmt.name], h, 1, D, 1, D, w13.shape[1] // 2, k, ids, rw, 1,
-                 w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(), w2.stride(0), w2.stride(1), y, 1, D, s,
-                 n, gguf_blocks.PATHS["int8"])
+                   gguf_blocks.KINDS[e.scheme.down.fmt.name], h, 1, D, M, D, w13.shape[1] // 2, k, ids, rw, 1,
+                   w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(), w2.stride(0), w2.stride(1), y, 1, D,
+                   s, n, gguf_blocks.PATHS["int8"])

@@ -180,7 +180,7 @@ class PipelineRunner:
         self._pre: list[_PrefillMB] | None = None
         self.last_tasks: list = []  # the last step's task graph (with the executor's `times`: its timeline)
         self.graphs = None  # core.runtime.graphs.Graphs: decode segments captured and replayed (the engine's choice)
-        self._one = None  # a batch-1 step's bound calls (one_stream), made at the first; False where they do not apply
+        self._one: dict = {}  # requests a step -> its bound calls (one_stream), made at the first; False where none
         self._logits_done = dev.event() if dev.accelerator else None
         # functions, not bound methods: a cycle would outlive the run, device buffers and all (frozen_heap)
         self._fns = dict(_TASK_FNS)
@@ -322,8 +322,8 @@ class PipelineRunner:
     def decode(self, tokens, slots, positions):
         """One token for every active request (per-micro-batch lists): (logits [B, V] on the CPU until the next
         decode, busy)."""
-        if len(tokens) == 1 and len(tokens[0]) == 1 and self._one_stream() is not None:
-            return self._one.step(self, tokens[0][0], slots[0][0], positions[0][0])
+        if len(tokens) == 1 and (one := self._one_stream(len(tokens[0]))) is not None:
+            return one.step(self, tokens[0], slots[0], positions[0])
         on_device, ring = bool(self.state_dev), bool(self.state_ring)
         self._step = [_MB(t, s, p, self.dev, on_device, ring) for t, s, p in zip(tokens, slots, positions)]
         self._ring_views = {}  # (layer, micro-batch) -> the device view its kv_load filled, for its attention
@@ -344,11 +344,13 @@ class PipelineRunner:
         self._step = None
         return logits, busy
 
-    def _one_stream(self) -> OneStream | None:
-        """The bound calls of a step of one request, made (or rebuilt for a new thread count) where they apply."""
-        if self._one is None or (self._one and self._one.threads != torch.get_num_threads()):
-            self._one = OneStream(self) if not one_stream.why_not(self) else False
-        return self._one or None
+    def _one_stream(self, M: int) -> OneStream | None:
+        """The bound calls of a step of one micro-batch of M requests, made (or remade for a new thread count)
+        where they apply."""
+        one = self._one.get(M)
+        if one is None or (one and one.threads != torch.get_num_threads()):
+            one = self._one[M] = OneStream(self, M) if not one_stream.why_not(self, M) else False
+        return one or None
 
     def _run_step(self, tasks, finals, buffer: str):
         """Run a step's tasks, then its logits of `finals()`: behind the step's work where the executor takes a

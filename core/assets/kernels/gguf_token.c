@@ -476,7 +476,14 @@ static void dot_tile(int kind, const uint8_t *row, int64_t ldw, int nr, int64_t 
 }
 
 #define MAX_SLOTS 512 /* (token, expert) pairs a mlight_gguf_tokens_moe call takes */
-#define CHUNK 16 /* tiles a thread takes at a time: 64 rows of one expert, read in order */
+/* tiles a thread takes at a time: a phase's tiles in CHUNKS runs a thread, at least 16 tiles (64 rows). Runs of
+   16 tiles, dealt alternately, broke each thread's stream every 64 rows: at one token the 784M Mixtral's Q4_K
+   experts came 1.2-1.3x faster in long runs on two Zen 5 cores (1.0-1.1x for Q8_0, whose rows are wider) */
+#define CHUNKS 4
+static inline int64_t chunk_of(int64_t tiles, int threads) {
+    int64_t c = (tiles + CHUNKS * threads - 1) / (CHUNKS * threads);
+    return c < 16 ? 16 : c;
+}
 
 /* the rows `at` (a group's slots, nr of them) of an expert's matrix tile [n, n + nr) (rows ldw bytes apart):
    out[s][r] (slot s's row r, TR floats a slot) = row . the slot's activation row (quantized at xq + s * qb; split
@@ -575,8 +582,9 @@ int mlight_gguf_tokens_moe(int k13, int k2, const void *x, int x_bf16, int64_t l
         uint8_t *own = wq + (int64_t)t * wb;
         float *vt = v + (int64_t)t * S * TR;
         int64_t t13 = (2 * I + TR - 1) / TR; /* tiles of an expert's gate/up rows */
-        /* dealt in chunks as threads come free: a static split gave one thread the experts with more slots */
-        OMP(omp for schedule(dynamic, CHUNK))
+        /* dealt in runs as threads come free: a static split gave one thread the experts with more slots */
+        const int64_t c13 = chunk_of(ng * t13, threads);
+        OMP(omp for schedule(dynamic, c13))
         for (int64_t r = 0; r < ng * t13; r++) {
             int64_t g = r / t13, n = TR * (r % t13);
             int nr = 2 * I - n < TR ? (int)(2 * I - n) : TR;
@@ -593,7 +601,8 @@ int mlight_gguf_tokens_moe(int k13, int k2, const void *x, int x_bf16, int64_t l
             if (split2) split_kq(k2, hq + s * qi, I, hb + s * si);
         }
         int64_t t2 = (D + TR - 1) / TR; /* tiles of an expert's down rows */
-        OMP(omp for schedule(dynamic, CHUNK))
+        const int64_t c2 = chunk_of(ng * t2, threads);
+        OMP(omp for schedule(dynamic, c2))
         for (int64_t r = 0; r < ng * t2; r++) { /* expert by expert: its rows streamed in order */
             int64_t g = r / t2, d = TR * (r % t2);
             int nr = D - d < TR ? (int)(D - d) : TR;

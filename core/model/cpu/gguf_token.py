@@ -36,10 +36,9 @@ IN_PLACE = frozenset(("Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 # (Q6_K), still 1.06-2x at 8
 ROWS = 8
 # tokens up to which a layer's experts take one `moe` call, not a call per expert and matrix. Decode of the 784M
-# Mixtral, Zen 5, quiet: the kernel alone 1.08-1.18x at one thread and 1.16-1.30x at two (M = 1..8), but the
-# engine's decode at two threads 0.99-1.07x at B = 2..4, and at B = 8 Q4_K_M 1.00x, Q8_0 0.93x, B = 32 0.8-0.9x:
-# both forms then stream the experts at the memory's pace, and Q8_0's per-expert tiles dot two weight rows at once
-TOKENS = 4
+# Mixtral, two Zen 5 cores, one process alternating: at B = 8 Q8_0 1.08-1.24x, Q4_K_M 0.96-1.04x (inside the runs'
+# own spread); from B = 32 the one call lost 0.8-0.9x (Q8_0's per-expert tiles dot two weight rows at once)
+TOKENS = 8
 MAX_SLOTS = 512  # (token, expert) pairs `moe` takes a call (gguf_token.c's MAX_SLOTS)
 
 _reason = "not built yet"
