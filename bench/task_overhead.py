@@ -9,6 +9,7 @@ and the ratio to the baseline; then the cost of one small torch op from Python.
 
     python bench/task_overhead.py [--json]
     python bench/task_overhead.py --engines [--quick]   # the threaded executor vs the sequential engine
+    python bench/task_overhead.py --bound MODEL [--batches 1,8] [--threads 2]   # bound calls vs the task graph
 
 `--engines` runs, instead, what those costs add up to: the threaded CPU executor vs the sequential CPU engine
 on the same model and workload. The threaded executor runs the CGOPipe graph with the dense work and the
@@ -16,6 +17,11 @@ attention on separate worker threads (experts resident, so no weight copies); th
 plain CPU chain. Prints tokens/s of both and the ratio (target: threaded ≥ 0.9 × sequential on 2 cores),
 alternating the two several times so that machine noise hits both alike: a Mixtral-shaped fp32 model and 48
 requests, or with `--quick` the demo model (a smoke run).
+
+`--bound MODEL` (a GGUF file or a checkpoint folder) times what the tasks' Python costs a decode step of one
+micro-batch of B requests: the step as bound kernel calls (core.runtime.one_stream) vs the same step through the
+task graph, two runners of one engine stepping alternately; prints median step times, the ratio and whether
+every step's logits were equal.
 """
 
 from __future__ import annotations
@@ -164,6 +170,40 @@ def engines(a) -> int:
     return 0
 
 
+def bound(a) -> int:
+    import statistics
+
+    from core.runtime import one_stream
+    from core.runtime.engine import Engine, Request
+
+    engine = Engine.load(a.bound, threads=a.threads)
+    print(f"model {a.bound} · {a.threads} threads · {a.steps_bound} steps each · {common.cpu_name()}")
+    for B in (int(b) for b in a.batches.split(",")):
+        ids = [engine.prompt_token_ids(Request(id=str(m), prompt="The quick brown fox jumps over the lazy dog"
+                                               + " again" * m)) for m in range(B)]
+        runs = []
+        for on in (True, False):
+            r = engine.runner(B, B, 512)
+            if not on:
+                r._one = {m: False for m in range(1, one_stream.MAX_ROWS + 1)}
+            logits, _ = r.prefill(ids, list(range(B)), [list(range(B))])
+            runs.append([r, logits.argmax(-1).tolist(), [len(x) for x in ids], [], []])
+        why = one_stream.why_not(runs[0][0], B)
+        for i in range(a.steps_bound):
+            for run in (runs if i % 2 else runs[::-1]):
+                r, toks, pos, times, outs = run
+                t0 = time.perf_counter()
+                logits, _ = r.decode([toks], [list(range(B))], [pos])
+                times.append(time.perf_counter() - t0)
+                outs.append(logits.clone())
+                run[1:3] = [logits.argmax(-1).tolist(), [p + 1 for p in pos]]
+        on, off = (statistics.median(run[3]) for run in runs)
+        same = all(torch.equal(x, y) for x, y in zip(runs[0][4], runs[1][4]))
+        print(f"B = {B}: bound {on * 1e3:.2f} ms, task graph {off * 1e3:.2f} ms a step: **{off / on:.3f}x**; "
+              f"same logits: {same}" + (f" (bound calls not taken: {why})" if why else ""))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5)
@@ -176,9 +216,16 @@ def main(argv=None) -> int:
     e.add_argument("--batch", type=int, default=16)
     e.add_argument("--micro-batch", type=int, default=4)
     e.add_argument("--rounds", type=int, default=3)
+    b = p.add_argument_group("--bound: a decode step as bound kernel calls vs through the task graph")
+    b.add_argument("--bound", metavar="MODEL", help="a GGUF file or checkpoint folder (see above)")
+    b.add_argument("--batches", default="1,8", help="requests a step, comma list")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--steps-bound", type=int, default=100, help="steps each way")
     args = p.parse_args(argv)
     if args.engines:
         return engines(args)
+    if args.bound:
+        return bound(args)
     tasks = sched.decode_step("cgopipe", num_layers=4, num_micro_batches=16, pages_per_layer=16)
     out = {"cpu": common.cpu_name(), "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
            "tasks_per_step": len(tasks)}
