@@ -164,14 +164,11 @@ class OneStream:
             kc, vc = a(st.k), a(st.v)
             if spec.qk_norm == "none":  # q and k roped side by side and joined with v in one C pass (gqa.pre)
                 mix = [partial(row.rope_join, qkv, M, d1, H + Hkv, hd, a(self.cos), a(self.sin), hd, kvs, pay, d1, n)]
-            else:  # Qwen3: each head's norm into the payload, v copied beside, then RoPE in place (gqa._pre_into)
-                mix = [partial(row.rms_norm, qkv, H, hd, hd, a(w["q_norm"]), spec.norm_eps, pay, hd, n),
-                       partial(row.rms_norm, qkv + 2 * qs, Hkv, hd, hd, a(w["k_norm"]), spec.norm_eps, pay + 2 * qs,
-                               hd, n), self._v_and_rope(r.rope, qs, kvs, H + Hkv, hd)]
-                if M > 1:  # the norms' rows are each token's heads: one call a token
-                    mix[:2] = [partial(row.rms_norm, qkv + 2 * t * d1 + 2 * off, heads, hd, hd, a(w[nm]), spec.norm_eps,
-                                       pay + 2 * t * d1 + 2 * off, hd, n)
-                               for t in range(M) for nm, off, heads in (("q_norm", 0, H), ("k_norm", qs, Hkv))]
+            else:  # Qwen3: each token's head norms into the payload, v beside, then RoPE in place (gqa._pre_into)
+                mix = [partial(row.rms_norm, qkv + 2 * (t * d1 + off), heads, hd, hd, a(w[name]), spec.norm_eps,
+                               pay + 2 * (t * d1 + off), hd, n)
+                       for t in range(M) for name, off, heads in (("q_norm", 0, H), ("k_norm", qs, Hkv))]
+                mix.append(self._v_and_rope(r.rope, qs, kvs, H + Hkv, hd))
 
             if self.threads_attn == 1:  # the calling thread runs every request (native.decode_attention)
                 def attention(f=attn.fn, kc=kc, vc=vc, s0=st.k.stride(0), s1=st.k.stride(1)):
@@ -205,10 +202,14 @@ class OneStream:
         return v_and_rope
 
     def step(self, r, tokens: list[int], slots: list[int], positions: list[int]):
-        """Runner r's next tokens of the requests in `slots` at `positions`: their logits [M, V] (r's host buffer)
-        and the step's busy seconds per resource; the executor's `times` hold the graph's timeline, as after a run."""
+        """Runner r's step for the requests in `slots`, each fed its token of `tokens` at its position: their
+        logits [M, V] (r's host buffer) and the step's busy seconds per resource; the executor's `times` hold the
+        graph's timeline, as after a run."""
         for t, values in ((self.tokens, tokens), (self.slots, slots), (self.positions, positions)):
-            t.copy_(torch.tensor(values)) if self.M > 1 else t.fill_(values[0])
+            if self.M == 1:
+                t.fill_(values[0])
+            else:
+                t.copy_(torch.tensor(values))
         torch.index_select(r.globals["embed"], 0, self.tokens, out=self.x)
         torch.index_select(self._rope.cos, 0, self.positions, out=self.cos)
         torch.index_select(self._rope.sin, 0, self.positions, out=self.sin)
