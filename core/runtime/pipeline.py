@@ -33,7 +33,6 @@ from core.model.spec import ModelSpec
 from core.model.weights import LayerLayout, ModelWeights, page_aligned
 from core.runtime import one_stream, schedule as sched
 from core.runtime.device import Device, HostDevice
-from core.runtime.one_stream import OneStream
 from core.telemetry import EventSink, WarningEvent, ignore
 
 
@@ -344,12 +343,12 @@ class PipelineRunner:
         self._step = None
         return logits, busy
 
-    def _one_stream(self, M: int) -> OneStream | None:
+    def _one_stream(self, M: int) -> one_stream.OneStream | None:
         """The bound calls of a step of one micro-batch of M requests, made (or remade for a new thread count)
         where they apply."""
         one = self._one.get(M)
         if one is None or (one and one.threads != torch.get_num_threads()):
-            one = self._one[M] = OneStream(self, M) if not one_stream.why_not(self, M) else False
+            one = self._one[M] = one_stream.OneStream(self, M) if not one_stream.why_not(self, M) else False
         return one or None
 
     def _run_step(self, tasks, finals, buffer: str):

@@ -37,7 +37,7 @@ IN_PLACE = frozenset(("Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 ROWS = 8
 # tokens up to which a layer's experts take one `moe` call, not a call per expert and matrix. Decode of the 784M
 # Mixtral, two Zen 5 cores, one process alternating: at B = 8 Q8_0 1.08-1.24x, Q4_K_M 0.96-1.04x (inside the runs'
-# own spread); from B = 32 the one call lost 0.8-0.9x (Q8_0's per-expert tiles dot two weight rows at once)
+# own spread); at B = 32, with runs of 16 tiles, the one call lost 0.8-0.9x (Q8_0's per-expert tiles dot two rows)
 TOKENS = 8
 MAX_SLOTS = 512  # (token, expert) pairs `moe` takes a call (gguf_token.c's MAX_SLOTS)
 
