@@ -62,8 +62,8 @@ class Scope:
 
 SCOPES = {
     "batching": Scope("core.runtime.batching", ("xǁSlotTableǁ*",),
-                      ("tests/test_batching.py", "tests/test_engine_batching.py",
-                       "tests/test_compaction.py::test_the_highest_requests_fill_the_lowest_holes_within_each_micro_batch")),
+                      ("tests/test_batching.py", "tests/test_engine_batching.py", "tests/test_compaction.py::"
+                       "test_the_highest_requests_fill_the_lowest_holes_within_each_micro_batch")),
     "sampling": Scope("core.model.sampling", ("x_*",), ("tests/test_sampling.py",)),
     "engine": Scope("core.runtime.engine", (
         "xǁRequestǁ*", "xǁ_Seqǁ*", "xǁEngineǁgenerate", "xǁEngineǁ_step", "xǁEngineǁ_admit_check",
@@ -118,6 +118,8 @@ EQUIVALENT = [
     ("schedule", "if (i > 0 or serial and L == 1) else []", "S3's layer 0: its pages head the one chain; S4 with one "
      "layer: they precede the KV loads on the in-order copy queue, and post-attention waits for the attention that "
      "waits for its KV load; CGOPipe with one layer: the pages are not in the graph yet there (next step's prefetch)"),
+    ("batching", "if s >= lo - len(used)]", "zip stops at the holes, as many as the requests past the micro-batch's "
+     "front: the highest that many requests are those either way"),
     ("schedule", 'G.add("weight_page", nxt, page=p, deps=free, )', "a prefill adds the next step's layer-0 pages "
      "last: nothing after them looks layer 0's pages up, so the key they are filed under is never read"),
     ("runstore", "if end <= len(data):", "cutting a run file at its own length changes nothing (one more fsync)"),
