@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
+
+import pytest
 
 from core.io.runstore import RunStore
+from core.model.quant.formats import DEFAULT_INT4_GROUP
 
 MANIFEST = {"model": {"source": "m", "config_sha256": "c"}, "prompts": {"sha256": "p"}, "settings": {"t": 0},
             "policy": {"batch": 4}}
@@ -72,3 +76,32 @@ def test_resume_keeps_the_last_copy_of_a_result_seen_twice(tmp_path):
     with RunStore(out) as st:
         st.start(MANIFEST)
         assert st.resumed and list(st.done) == ["1", "2"] and st.done["1"]["output"] == "second"
+
+
+@pytest.mark.parametrize("quantize, group, dense, added", [
+    ("int4", None, "int8", {"quantize": "int4", "group_size": DEFAULT_INT4_GROUP, "quantize_dense": "int8"}),
+    ("int4", 64, None, {"quantize": "int4", "group_size": 64}),
+    ("int8", None, None, {"quantize": "int8"}),
+    ("none", 64, "int8", {}),  # unquantized: the settings as given
+    (None, None, None, {}),
+])
+def test_a_manifest_names_the_model_prompts_settings_policy_and_quantization(tmp_path, quantize, group, dense, added):
+    """The manifest's keys are what a later run compares to resume (the CLI's and the app's): each one spelled as
+    the resume reads it, a quantized format part of the settings, a split GGUF's every part in the fingerprint."""
+    from core.io.prompts import read_prompts
+    from core.io.runstore import manifest
+
+    model = tmp_path / "m"
+    model.mkdir()
+    for part in ("w-00001-of-00002.gguf", "w-00002-of-00002.gguf"):
+        (model / part).write_bytes(b"x" * (10 + len(part)))
+    (tmp_path / "p.txt").write_text("hello\nworld\n")
+    prompts = read_prompts(tmp_path / "p.txt")
+    settings, policy = {"max_new_tokens": 8}, {"batch_size": 4}
+    m = manifest(model / "w-00001-of-00002.gguf", "owner/w", prompts, settings, policy, quantize, group, dense)
+    assert set(m) == {"model", "prompts", "settings", "policy", "prompts_file", "started"}
+    assert m["model"]["source"] == "owner/w"
+    assert m["model"]["weights"] == {"w-00001-of-00002.gguf": 31, "w-00002-of-00002.gguf": 31}  # both parts
+    assert m["prompts"] == {"sha256": prompts.sha256, "format": "txt"} and m["prompts_file"] == prompts.source
+    assert m["settings"] == {**settings, **added} and m["policy"] == policy
+    assert time.strptime(m["started"], "%Y-%m-%dT%H:%M:%S%z")
