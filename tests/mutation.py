@@ -82,7 +82,8 @@ SCOPES = {
                       ("tests/test_schedule.py", "tests/test_schedule_buffers.py", "tests/test_schedule_dataflow.py",
                        "tests/test_schedule_waits.py", "tests/test_simulate.py")),
     "runstore": Scope("core.io.runstore", ("x_*", "xǁRunStoreǁ*"),
-                      ("tests/test_resume.py", "tests/test_runstore_durability.py", "tests/test_tui_backend.py",
+                      ("tests/test_resume.py", "tests/test_runstore_durability.py", "tests/test_turns.py",
+                       "tests/test_tui_backend.py",
                        "tests/test_cli_run.py", "tests/test_errors.py",
                        "tests/test_app_commands.py::test_rerunning_a_finished_run_says_it_is_done_and_writes_nothing")),
     "planner-memory": Scope("core.plan.planner", (

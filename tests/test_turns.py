@@ -60,6 +60,7 @@ class _ChatEngine:
     def __init__(self, context_length: int = 1000):
         self.context_length = context_length
         self.waves: list[list[tuple[str, list]]] = []
+        self.sinks: list = []  # each wave's on_event
 
     def prompt_token_ids(self, req):
         return [0] * sum(len(m["content"]) + 1 for m in req.messages)
@@ -69,6 +70,7 @@ class _ChatEngine:
 
         requests = list(requests)
         self.waves.append([(r.id, r.messages) for r in requests])
+        self.sinks.append(on_event)
         for r in requests:
             if should_stop and should_stop():
                 return
@@ -77,12 +79,14 @@ class _ChatEngine:
 
 def test_later_turns_run_in_a_second_wave_with_the_models_answers(tmp_path):
     prompts = read_prompts("q.jsonl", data=_questions((81, ["u1", "u2"]), (82, ["v1", "v2"])))
-    engine = _ChatEngine()
+    engine, events = _ChatEngine(), []
     with RunStore(tmp_path / "o.jsonl") as st:
         st.start(MANIFEST)
-        assert run_pending(engine, prompts, st, prepare_requests(engine, prompts, {"max_new_tokens": 4}))
+        assert run_pending(engine, prompts, st, prepare_requests(engine, prompts, {"max_new_tokens": 4}),
+                           on_event=events.append)
         records = finish_run(st, prompts, "m")
     assert [[i for i, _ in w] for w in engine.waves] == [["81:1", "82:1"], ["81:2", "82:2"]]
+    assert engine.sinks == [events.append] * 2  # each wave's engine events reach the caller's sink
     assert dict(engine.waves[1])["82:2"] == [{"role": "user", "content": "v1"},
                                              {"role": "assistant", "content": "answer 82:1"},
                                              {"role": "user", "content": "v2"}]
