@@ -105,3 +105,36 @@ def test_a_manifest_names_the_model_prompts_settings_policy_and_quantization(tmp
     assert m["prompts"] == {"sha256": prompts.sha256, "format": "txt"} and m["prompts_file"] == prompts.source
     assert m["settings"] == {**settings, **added} and m["policy"] == policy
     assert time.strptime(m["started"], "%Y-%m-%dT%H:%M:%S%z")
+
+
+def test_the_ledger_is_best_effort_a_replicas_part_keeps_none_and_a_store_releases_twice(tmp_path, monkeypatch):
+    """A finished run's ledger entry (how a rerun says "already done") is the whole output's, never a data-parallel
+    replica's part; a failure to write it loses nothing; releasing the lock twice, or after its file went, is fine."""
+    from core.io import runstore
+
+    with RunStore(tmp_path / "a.jsonl", part="part-1-of-2") as part:
+        part.start(MANIFEST)
+        part.append(rec(1))
+        part.finish([rec(1)])
+    assert (tmp_path / "a.jsonl").exists() and not part.ledger_path.exists()
+    with RunStore(tmp_path / "a.jsonl") as whole:  # the whole output's finish keeps one
+        whole.start(MANIFEST, restart=True)
+        whole.finish([rec(1)])
+    assert json.loads(whole.ledger_path.read_text())["results"] == 1
+
+    whole = RunStore(tmp_path / "b.jsonl")
+    real = runstore.atomic_write
+
+    def full_disk(path, write):
+        if path == whole.ledger_path:
+            raise OSError(28, "No space left on device")
+        return real(path, write)
+
+    monkeypatch.setattr(runstore, "atomic_write", full_disk)
+    with whole:
+        whole.start(MANIFEST)
+        whole.append(rec(2))
+        whole.finish([rec(2)])
+        whole.lock_path.unlink()  # gone before the release removes it
+    assert json.loads((tmp_path / "b.jsonl").read_text())["id"] == "2" and not whole.ledger_path.exists()
+    whole.release()
