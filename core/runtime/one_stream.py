@@ -92,15 +92,6 @@ def _linear_ok(w, M: int) -> bool:
             and all(s.raw.stride(1) == 1 and s.kind in gguf_blocks.KINDS for s in w.segments))
 
 
-def _on_token_kernel(kind: str, M: int, K: int) -> bool:
-    """Whether gguf_token.linear takes M rows of K in `kind` (else BlockWeight.linear runs gguf_blocks.linear):
-    one row in every in-place format, several on the K-quants' VNNI rows only."""
-    lib = gguf_token.library()
-    return (lib is not None and kind in gguf_token.IN_PLACE and M <= gguf_token.ROWS
-            and K % gguf_blocks.GGUF_BLOCKS[kind][0] == 0
-            and (M == 1 or (kind != "Q8_0" and lib.simd == gguf_blocks.SIMD[2])))
-
-
 def _experts_of(r, i: int, M: int):
     """Layer i's experts as ("gguf", QuantExperts) or ("panels", NativeExperts), where M tokens take one call."""
     parts = r._expert_parts(i)
@@ -109,12 +100,8 @@ def _experts_of(r, i: int, M: int):
     q, packed = parts[0].get("quant"), parts[0].get("packed")
     if getattr(packed, "fused_swiglu", False) and type(packed) is ffn.NativeExperts and ffn.library() is not None:
         return "panels", packed
-    lib = gguf_token.library()
-    if (q is None or not q.blocks or len(q.scheme.up) != 1 or lib is None or lib.tokens is None
-            or M > gguf_token.TOKENS or M * r.spec.top_k > gguf_token.MAX_SLOTS):
-        return None
-    k13, k2 = q.scheme.up[0].fmt.name, q.scheme.down.fmt.name
-    if not gguf_token.IN_PLACE.intersection((k13, k2)) or k13 not in gguf_blocks.KINDS or k2 not in gguf_blocks.KINDS:
+    if (q is None or not q.blocks or len(q.scheme.up) != 1 or M > gguf_token.TOKENS
+            or not gguf_token.takes_tokens(q.scheme.up[0].fmt.name, q.scheme.down.fmt.name, M, r.spec.top_k)):
         return None
     return "gguf", q
 
@@ -251,7 +238,7 @@ def _linear_scratch(w, M: int, n: int) -> int:
     K = w.shape[1]
     if type(w) is PanelWeight:
         return -(-ffn.library().sized("linear_scratch", M, K, n) // 4)
-    return max(gguf_token.library().linear_scratch(M, K, n) if _on_token_kernel(g.kind, M, K) else
+    return max(gguf_token.library().linear_scratch(M, K, n) if gguf_token.takes_rows(g.kind, M, K) else
                gguf_blocks.library().scratch(M, K, n) for g in w.segments)
 
 
@@ -263,7 +250,7 @@ def _linear(w, x: int, M: int, K: int, out: int, N: int, s: int, n: int) -> list
     calls = []
     for g in w.segments:
         raw, at = g.raw, out + 2 * g.r0
-        if _on_token_kernel(g.kind, M, K):
+        if gguf_token.takes_rows(g.kind, M, K):
             calls.append(partial(gguf_token.library().linear, gguf_blocks.KINDS[g.kind], x, 1, K, M, K, raw.data_ptr(),
                                  raw.stride(0), raw.shape[0], at, 1, N, s, n, 2))
         else:

@@ -92,6 +92,23 @@ def status() -> str:
     return f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None else f"gguf_blocks.moe ({_reason})"
 
 
+def takes_tokens(k13: str, k2: str, M: int, k: int) -> bool:
+    """Whether `moe` takes M bf16 tokens' k experts each with gate/up rows in format k13 and down rows in k2."""
+    lib = library()
+    return (bool(IN_PLACE.intersection((k13, k2))) and k <= gguf_blocks.MAX_EXPERTS and M * k <= MAX_SLOTS
+            and k13 in gguf_blocks.KINDS and k2 in gguf_blocks.KINDS and lib is not None
+            and (lib.openmp or torch.get_num_threads() == 1) and (M == 1 or lib.tokens is not None))
+
+
+def takes_rows(name: str, M: int, K: int, plain_c: bool = False) -> bool:
+    """Whether `linear` takes M bf16 rows of K through a matrix in format `name` (on its default path, or its
+    plain-C dots): one row in every in-place format, up to ROWS for the K-quants on AVX-512 VNNI."""
+    lib = library()
+    return (name in IN_PLACE and 1 <= M <= ROWS and K % gguf_blocks.GGUF_BLOCKS[name][0] == 0 and lib is not None
+            and (lib.openmp or torch.get_num_threads() == 1)
+            and (M == 1 or plain_c or (name != "Q8_0" and lib.simd == gguf_blocks.SIMD[2])))
+
+
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
         down: tuple[str, torch.Tensor], path: str = "int8") -> torch.Tensor | None:
     """`gguf_blocks.moe` for bf16 tokens x [M, D] on its default path (`path` "int8", or "int8_c": the plain-C
@@ -101,12 +118,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     experts a token or MAX_SLOTS (token, expert) pairs, no kernel here)."""
     (k13, w13), (k2, w2) = up, down
     (M, D), k = x.shape, ids.shape[-1]
-    if (x.dtype != torch.bfloat16 or not IN_PLACE.intersection((k13, k2)) or k > gguf_blocks.MAX_EXPERTS
-            or M * k > MAX_SLOTS or k13 not in gguf_blocks.KINDS or k2 not in gguf_blocks.KINDS):
+    if x.dtype != torch.bfloat16 or not takes_tokens(k13, k2, M, k):
         return None
     lib = library()
-    if lib is None or not (lib.openmp or torch.get_num_threads() == 1) or (M > 1 and lib.tokens is None):
-        return None
     I = w13.shape[1] // 2
     ids, weights, x = gguf_blocks.moe_inputs(ids, weights, x)
     threads = torch.get_num_threads() if lib.openmp else 1
@@ -136,16 +150,12 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, pat
     default = gguf_blocks.integer_path(name)
     path = path or default
     if (name not in IN_PLACE or path not in (default, default + "_c") or x.dtype != torch.bfloat16 or x.dim() != 2
-            or not 1 <= x.shape[0] <= ROWS or out.dtype != x.dtype or out.shape != (x.shape[0], raw.shape[0])
+            or out.dtype != x.dtype or out.shape != (x.shape[0], raw.shape[0])
             or (raw.shape[0] > 1 and out.stride(1) != 1) or x.stride(-1) != 1 or raw.stride(1) != 1
-            or x.shape[1] % gguf_blocks.GGUF_BLOCKS[name][0]):
+            or not takes_rows(name, *x.shape, plain_c=path.endswith("_c"))):
         return False
     lib = library()
-    if lib is None or not (lib.openmp or torch.get_num_threads() == 1):
-        return False
     M, K = x.shape
-    if M > 1 and not path.endswith("_c") and (name == "Q8_0" or lib.simd != gguf_blocks.SIMD[2]):
-        return False
     threads = torch.get_num_threads() if lib.openmp else 1
     s = gguf_blocks._scratch(lib.linear_scratch(M, K, threads))
     if lib.linear(gguf_blocks.KINDS[name], x.data_ptr(), 1, x.stride(0), M, K, raw.data_ptr(), raw.stride(0),
