@@ -102,3 +102,29 @@ def test_a_family_the_calls_do_not_cover_keeps_the_general_path(tmp_path):
     logits, _ = runner.prefill([ids], [0], [[0]])
     logits, _ = runner.decode([[int(logits[0].argmax())]], [[0]], [[len(ids)]])
     assert runner._one[1] is False and torch.isfinite(logits).all()
+
+
+@built
+@pytest.mark.parametrize("kind", ["Q8_0", "qwen3"])
+@pytest.mark.parametrize("M", [1, 5])
+def test_a_bound_step_allocates_nothing(models, kind, M):
+    """After its first step the bound step fills buffers it holds: no op allocates (the brief's hot path), at
+    one request and at several (their tokens, slots and positions, and the attention's split over threads)."""
+    engine = Engine.load(models[kind])
+    ids = [engine.prompt_token_ids(Request(id=str(m), prompt=PROMPT + " and so on" * m)) for m in range(M)]
+    runner = engine.runner(slots=M + 1, micro_batch_size=M + 1, max_tokens=96)
+    slots = list(range(1, M + 1))
+    logits, _ = runner.prefill(ids, slots, [list(range(M))])
+    toks, pos = logits.argmax(-1).tolist(), [len(x) for x in ids]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the attention split over threads at M > 1
+    try:
+        runner.decode([toks], [slots], [pos])
+        assert runner._one[M], "the step did not take the bound calls"
+        step = runner._one[M].step
+        with torch.autograd.profiler.profile(profile_memory=True, use_kineto=False) as prof:
+            step(runner, toks, slots, [p + 1 for p in pos])
+    finally:
+        torch.set_num_threads(before)
+    made = [(ev.name, ev.cpu_memory_usage) for ev in prof.function_events if ev.cpu_memory_usage > 0]
+    assert made == []

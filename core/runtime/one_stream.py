@@ -123,10 +123,12 @@ class OneStream:
         self.x, self.h, self.qkv, self.payload = new((M, D)), new((M, D)), new((M, d1)), new((M, d1))
         self.attn, self.o, self.y, self.rw = new((M, qs)), new((M, D)), new((M, D)), new((M, k))
         self.ids, self.tokens, self.slots, self.positions, self.lengths = i64((M, k)), i64(M), i64(M), i64(M), i64(M)
-        self.first, self.at, self.heads_at = i64((M, 1)), i64((M, Hkv)), torch.arange(Hkv, dtype=torch.int64) * cap
+        self.first, self.at, self.heads_at = i64(M), i64((M, Hkv)), torch.arange(Hkv, dtype=torch.int64) * cap
         self.cos, self.sin = new((M, hd)), new((M, hd))  # this step's RoPE rows, gathered as Rope.tables gathers them
         self.slot_rows, self.threads_attn = Hkv * cap, max(1, min(n, M))
         self.bounds = i64(self.threads_attn + 1)
+        self._tokens, self._slots, self._positions, self._lengths, self._bounds = (t.numpy() for t in (
+            self.tokens, self.slots, self.positions, self.lengths, self.bounds))
         self.longest = [1]  # the step's longest attended length, read by the attention call
         experts = [_experts_of(r, i, M) for i in range(spec.num_layers)]
         # one float32 scratch for every call (they run one at a time): the largest any of them asks
@@ -149,13 +151,12 @@ class OneStream:
         for i in range(spec.num_layers):
             w, st = r.dense[i], r.cache.layers[i]
             kc, vc = a(st.k), a(st.v)
-            if spec.qk_norm == "none":  # q and k roped side by side and joined with v in one C pass (gqa.pre)
-                mix = [partial(row.rope_join, qkv, M, d1, H + Hkv, hd, a(self.cos), a(self.sin), hd, kvs, pay, d1, n)]
-            else:  # Qwen3: each token's head norms into the payload, v beside, then RoPE in place (gqa._pre_into)
-                mix = [partial(row.rms_norm, qkv + 2 * (t * d1 + off), heads, hd, hd, a(w[name]), spec.norm_eps,
-                               pay + 2 * (t * d1 + off), hd, n)
-                       for t in range(M) for name, off, heads in (("q_norm", 0, H), ("k_norm", qs, Hkv))]
-                mix.append(self._v_and_rope(r.rope, qs, kvs, H + Hkv, hd))
+            # Qwen3: each token's head norms in place first (gqa._pre_into's values); then q and k roped side by
+            # side and joined with v in one C pass, with torch's RoPE roundings (gqa.pre)
+            norms = (("q_norm", 0, H), ("k_norm", qs, Hkv)) if spec.qk_norm == "head" else ()
+            mix = [partial(row.rms_norm, qkv + 2 * (t * d1 + off), heads, hd, hd, a(w[name]), spec.norm_eps,
+                           qkv + 2 * (t * d1 + off), hd, n) for t in range(M) for name, off, heads in norms]
+            mix.append(partial(row.rope_join, qkv, M, d1, H + Hkv, hd, a(self.cos), a(self.sin), hd, kvs, pay, d1, n))
 
             if self.threads_attn == 1:  # the calling thread runs every request (native.decode_attention)
                 def attention(f=attn.fn, kc=kc, vc=vc, s0=st.k.stride(0), s1=st.k.stride(1)):
@@ -177,36 +178,28 @@ class OneStream:
                          int(spec.router_norm == "sum"), spec.routed_scale, rw, ids)],
                 [_experts(*experts[i], h, M, rw, ids, a(self.y), D, k, s, n), _add(self.x, self.y)],
             ]
-        self._rope = r.rope
-
-    def _v_and_rope(self, rope, qs: int, kvs: int, heads: int, hd: int):
-        v_to, v_from = self.payload[:, qs + kvs:], self.qkv[:, qs + kvs:qs + 2 * kvs]
-        qk = self.payload.view(self.M, -1, hd)[:, :heads, :rope.dim]
-
-        def v_and_rope():  # torch's RoPE ops as gqa._pre_into runs them, on this step's positions
-            v_to.copy_(v_from)
-            rope.apply(qk, self.positions, None, out=qk)
-        return v_and_rope
+        self._cos, self._sin = r.rope.cos, r.rope.sin
 
     def step(self, r, tokens: list[int], slots: list[int], positions: list[int]):
         """Runner r's step for the requests in `slots`, each fed its token of `tokens` at its position: their
         logits [M, V] (r's host buffer) and the step's busy seconds per resource; the executor's `times` hold the
         graph's timeline, as after a run."""
-        for t, values in ((self.tokens, tokens), (self.slots, slots), (self.positions, positions)):
-            if self.M == 1:
-                t.fill_(values[0])
-            else:
-                t.copy_(torch.tensor(values))
-        torch.index_select(r.globals["embed"], 0, self.tokens, out=self.x)
-        torch.index_select(self._rope.cos, 0, self.positions, out=self.cos)
-        torch.index_select(self._rope.sin, 0, self.positions, out=self.sin)
-        torch.add(self.positions, 1, out=self.lengths)
-        torch.add(self.positions, self.slots, alpha=self.slot_rows, out=self.first[:, 0])  # the KV write's rows
-        torch.add(self.first, self.heads_at, out=self.at)
         lengths = [p + 1 for p in positions]
-        self.longest[0] = max(lengths)
+        # element by element into the held tensors (numpy views): a tensor made of a list, or a Python scalar
+        # operand (a 0-d tensor), would allocate every step
+        for a, values in ((self._tokens, tokens), (self._slots, slots), (self._positions, positions),
+                          (self._lengths, lengths)):
+            for m, v in enumerate(values):
+                a[m] = v
         if self.threads_attn > 1:
-            self.bounds.copy_(torch.tensor(native.cuts(lengths, self.threads_attn)))
+            for j, v in enumerate(native.cuts(lengths, self.threads_attn)):
+                self._bounds[j] = v
+        self.longest[0] = max(lengths)
+        torch.index_select(r.globals["embed"], 0, self.tokens, out=self.x)
+        torch.index_select(self._cos, 0, self.positions, out=self.cos)
+        torch.index_select(self._sin, 0, self.positions, out=self.sin)
+        torch.add(self.positions, self.slots, alpha=self.slot_rows, out=self.first)  # the KV write's rows
+        torch.add(self.first[:, None], self.heads_at, out=self.at)
         tasks, _ = r._graph("decode", 1)
         times, clock, busy = _sized(r.ex.times, len(tasks)), time.perf_counter, {}
         for j, (task, calls) in enumerate(zip(tasks, self.phases)):
