@@ -449,6 +449,20 @@ async def test_13_every_plan_panel_and_button_shows_whole_and_apart(workdir, har
 
 
 @sync
+async def test_13_the_decode_layer_panel_follows_the_breakpoint_with_its_figures(workdir):
+    app = _direct(hardware=_cpu_only())
+    async with app.run_test(size=WIDE) as pilot:
+        await _plan(pilot)
+        for size, home in ((SMALL, "plan-left"), (WIDE, "plan-facts")):
+            await pilot.resize_terminal(*size)
+            await settle(pilot)
+            layer = app.screen.query_one("#layer")
+            assert layer.parent.id == home and layer.border_title == "Decode layer: CPU time", (size, layer.parent)
+            assert app.screen.query_one("#res-compute").value.endswith(" ms")
+            assert not app.screen.query_one("#res-h2d").display
+
+
+@sync
 async def test_13_at_120x40_the_results_scrollbar_is_at_the_screens_edge(workdir):
     lines = []
     for i in range(60):  # more results than rows: the table scrolls

@@ -94,7 +94,7 @@ class PlanScreen(StepScreen):
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(id="body"):
-            with Vertical(id="plan-left"):  # under 100 columns the Decode layer panel moves here
+            with Vertical(id="plan-left"):  # under 100 columns the Decode layer panel goes under the form
                 with VerticalScroll(id="plan-form", classes="panel"):
                     yield Static("Memory budget", classes="form-head")
                     yield _row("GPU memory GB", Input(compact=True, id="gpu-mem", type="number"))
@@ -115,6 +115,8 @@ class PlanScreen(StepScreen):
                     yield Static("Results file (.jsonl or .csv)", classes="form-head")
                     yield PathInput(compact=True, id="out")
                     yield Static("", id="out-note", classes="muted")
+                if self.has_class("-narrow"):  # the app gives a screen its breakpoint's class before it composes
+                    yield self._layer_panel()
             with Vertical(id="plan-right"):
                 with VerticalScroll(id="plan-facts"):
                     yield Facts(id="prediction", classes="panel", label_width=11)
@@ -122,7 +124,8 @@ class PlanScreen(StepScreen):
                         yield LabelBar("GPU", id="mem-gpu", label_width=5, value_width=24)
                         yield LabelBar("CPU", id="mem-cpu", label_width=5, value_width=24)
                         yield Static("", id="usable", classes="muted")
-                    yield self._layer_panel()
+                    if not self.has_class("-narrow"):
+                        yield self._layer_panel()
                 with Vertical(id="plan-bottom"):  # padded by the scrollbar's width: Check lines up with the panels
                     yield Static("", id="validation", classes="panel")
                     with Horizontal(classes="actions", id="plan-actions"):
@@ -160,8 +163,8 @@ class PlanScreen(StepScreen):
         return panel
 
     async def on_resize(self) -> None:
-        """Under 100 columns the Decode layer panel goes under the form, so that at 80×24 every panel shows whole
-        beside it; across the breakpoint the Prediction and Memory panels change their rows."""
+        """Across the 100-column breakpoint the Decode layer panel moves (under the form, narrow: so that at 80×24
+        every panel shows whole) and the Prediction and Memory panels change their rows."""
         home = self.query_one("#plan-left" if self.has_class("-narrow") else "#plan-facts")
         layer = self.query_one("#layer")
         if layer.parent is not home:
