@@ -109,8 +109,8 @@ class PlanScreen(StepScreen):
                         yield _row(wording.POLICY_LABELS[key], widget)
                     with Collapsible(title="Advanced: dtype, executor, …", id="advanced", collapsed=True):
                         for key, (label, default, options) in ADVANCED.items():
-                            yield _row(label, Select([(text, value) for value, text, _ in options], compact=True, id=key,
-                                                     allow_blank=False, value=default))
+                            choices = [(text, value) for value, text, _ in options]
+                            yield _row(label, Select(choices, compact=True, id=key, allow_blank=False, value=default))
                             yield Static("", id=f"{key}-hint", classes="hint")
                     yield Static("Results file (.jsonl or .csv)", classes="form-head")
                     yield PathInput(compact=True, id="out")
