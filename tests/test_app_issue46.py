@@ -7,6 +7,7 @@ issue numbers them; each fails on the code before its fix (9839921).
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import threading
 from collections import deque
@@ -425,6 +426,40 @@ async def test_13_at_80x24_prediction_and_memory_show_whole_above_check(workdir,
             panel = app.screen.query_one(f"#{wid}").region
             assert shown.y <= panel.y and panel.bottom <= shown.bottom, (wid, panel, shown)
         assert "usable:" in _screen_text(app)
+
+
+@pytest.mark.parametrize("size", [SMALL, WIDE], ids=["80x24", "120x40"])
+@pytest.mark.parametrize("hardware", [_t4, _cpu_only], ids=["t4", "cpu-only"])
+@sync
+async def test_13_every_plan_panel_and_button_shows_whole_and_apart(workdir, hardware, size):
+    """At 80×24 the Decode layer panel was cut to its top border, drawn against Check's: each panel and button
+    lies whole inside what its containers show, and no two overlap."""
+    app = _direct(hardware=hardware())
+    async with app.run_test(size=size) as pilot:
+        await _plan(pilot)
+        await settle(pilot)
+        shown = {}
+        for wid in ("plan-form", "prediction", "memory", "layer", "validation", "accept", "replan"):
+            where = app.screen.find_widget(app.screen.query_one(f"#{wid}"))
+            assert where.region.area and where.clip.contains_region(where.region), (wid, where.region, where.clip)
+            assert app.screen.region.contains_region(where.region), (wid, where.region)
+            shown[wid] = where.region
+        for a, b in itertools.combinations(shown, 2):
+            assert not shown[a].overlaps(shown[b]), (a, shown[a], b, shown[b])
+
+
+@sync
+async def test_13_the_decode_layer_panel_follows_the_breakpoint_with_its_figures(workdir):
+    app = _direct(hardware=_cpu_only())
+    async with app.run_test(size=WIDE) as pilot:
+        await _plan(pilot)
+        for size, home in ((SMALL, "plan-left"), (WIDE, "plan-facts")):
+            await pilot.resize_terminal(*size)
+            await settle(pilot)
+            layer = app.screen.query_one("#layer")
+            assert layer.parent.id == home and layer.border_title == "Decode layer: CPU time", (size, layer.parent)
+            assert app.screen.query_one("#res-compute").value.endswith(" ms")
+            assert not app.screen.query_one("#res-h2d").display
 
 
 @sync

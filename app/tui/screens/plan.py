@@ -94,26 +94,29 @@ class PlanScreen(StepScreen):
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(id="body"):
-            with VerticalScroll(id="plan-form", classes="panel"):
-                yield Static("Memory budget", classes="form-head")
-                yield _row("GPU memory GB", Input(compact=True, id="gpu-mem", type="number"))
-                yield _row("CPU memory GB", Input(compact=True, id="cpu-mem", type="number"))
-                yield _row("Max new tokens", Input(compact=True, id="max-new", type="integer"))
-                yield Static("", id="max-new-hint", classes="hint")
-                yield Static("Policy (edit to try your own)", classes="form-head")
-                for key, (wid, kind) in POLICY_FORM.items():  # a place is picked from a list, a number typed
-                    place = "gpu" if wid == "ffn" else "cpu"
-                    widget = Select(PLACES, compact=True, id=wid, allow_blank=False, value=place) if kind is str \
-                        else Input(compact=True, id=wid, type=INPUT_TYPES[kind])
-                    yield _row(wording.POLICY_LABELS[key], widget)
-                with Collapsible(title="Advanced: dtype, executor, …", id="advanced", collapsed=True):
-                    for key, (label, default, options) in ADVANCED.items():
-                        yield _row(label, Select([(text, value) for value, text, _ in options], compact=True, id=key,
-                                                 allow_blank=False, value=default))
-                        yield Static("", id=f"{key}-hint", classes="hint")
-                yield Static("Results file (.jsonl or .csv)", classes="form-head")
-                yield PathInput(compact=True, id="out")
-                yield Static("", id="out-note", classes="muted")
+            with Vertical(id="plan-left"):  # under 100 columns the Decode layer panel goes under the form
+                with VerticalScroll(id="plan-form", classes="panel"):
+                    yield Static("Memory budget", classes="form-head")
+                    yield _row("GPU memory GB", Input(compact=True, id="gpu-mem", type="number"))
+                    yield _row("CPU memory GB", Input(compact=True, id="cpu-mem", type="number"))
+                    yield _row("Max new tokens", Input(compact=True, id="max-new", type="integer"))
+                    yield Static("", id="max-new-hint", classes="hint")
+                    yield Static("Policy (edit to try your own)", classes="form-head")
+                    for key, (wid, kind) in POLICY_FORM.items():  # a place is picked from a list, a number typed
+                        place = "gpu" if wid == "ffn" else "cpu"
+                        widget = Select(PLACES, compact=True, id=wid, allow_blank=False, value=place) if kind is str \
+                            else Input(compact=True, id=wid, type=INPUT_TYPES[kind])
+                        yield _row(wording.POLICY_LABELS[key], widget)
+                    with Collapsible(title="Advanced: dtype, executor, …", id="advanced", collapsed=True):
+                        for key, (label, default, options) in ADVANCED.items():
+                            choices = [(text, value) for value, text, _ in options]
+                            yield _row(label, Select(choices, compact=True, id=key, allow_blank=False, value=default))
+                            yield Static("", id=f"{key}-hint", classes="hint")
+                    yield Static("Results file (.jsonl or .csv)", classes="form-head")
+                    yield PathInput(compact=True, id="out")
+                    yield Static("", id="out-note", classes="muted")
+                if self.has_class("-narrow"):  # the app gives a screen its breakpoint's class before it composes
+                    yield self._layer_panel()
             with Vertical(id="plan-right"):
                 with VerticalScroll(id="plan-facts"):
                     yield Facts(id="prediction", classes="panel", label_width=11)
@@ -121,9 +124,8 @@ class PlanScreen(StepScreen):
                         yield LabelBar("GPU", id="mem-gpu", label_width=5, value_width=24)
                         yield LabelBar("CPU", id="mem-cpu", label_width=5, value_width=24)
                         yield Static("", id="usable", classes="muted")
-                    with Vertical(id="layer", classes="panel"):
-                        for key, label in RESOURCE_LABELS.items():
-                            yield LabelBar(label, id=f"res-{key}", value_width=10)
+                    if not self.has_class("-narrow"):
+                        yield self._layer_panel()
                 with Vertical(id="plan-bottom"):  # padded by the scrollbar's width: Check lines up with the panels
                     yield Static("", id="validation", classes="panel")
                     with Horizontal(classes="actions", id="plan-actions"):
@@ -132,7 +134,7 @@ class PlanScreen(StepScreen):
 
     def on_mount(self) -> None:
         for wid, title in (("plan-form", "Plan"), ("prediction", "Prediction"), ("memory", "Memory (planned / usable)"),
-                           ("layer", "Decode layer: busy time"), ("validation", "Check")):
+                           ("validation", "Check")):
             self.query_one(f"#{wid}").border_title = title
         for key, value in dataclasses.asdict(self.session.choices).items():
             value = value or ADVANCED[key][1]
@@ -141,11 +143,6 @@ class PlanScreen(StepScreen):
         self._show_group_row()
         if self.cpu_mode:
             self.query_one("#ffn", Select).value = "cpu"  # what the plan will say, not a GPU while it plans
-            for key in ("h2d", "d2h"):  # no PCIe link without a GPU
-                self.query_one(f"#res-{key}").display = False
-            for key, label in CPU_MODE_LABELS.items():
-                self.query_one(f"#res-{key}", LabelBar).label = label
-            self.query_one("#layer").border_title = "Decode layer: CPU time"
         self.query_one("#out", PathInput).show(str(self.session.chosen_out()))
         self.query_one("#max-new", Input).value = str(self.backend.max_new_tokens)
         if self.session.plan is not None:
@@ -155,8 +152,24 @@ class PlanScreen(StepScreen):
             o = self.session.options
             self.plan_now(tuple(int(v * GB) if v is not None else None for v in (o.gpu_mem, o.cpu_mem)))
 
-    def on_resize(self) -> None:
-        """Across the 100-column breakpoint the Prediction and Memory panels change their rows."""
+    def _layer_panel(self) -> Vertical:
+        cpu = self.cpu_mode
+        bars = [LabelBar(CPU_MODE_LABELS.get(key, label) if cpu else label, id=f"res-{key}", value_width=10)
+                for key, label in RESOURCE_LABELS.items()]
+        for bar in bars[2:]:  # PCIe: no link without a GPU
+            bar.display = not cpu
+        panel = Vertical(*bars, id="layer", classes="panel")
+        panel.border_title = "Decode layer: CPU time" if cpu else "Decode layer: busy time"
+        return panel
+
+    async def on_resize(self) -> None:
+        """Across the 100-column breakpoint the Decode layer panel moves (under the form, narrow: so that at 80×24
+        every panel shows whole) and the Prediction and Memory panels change their rows."""
+        home = self.query_one("#plan-left" if self.has_class("-narrow") else "#plan-facts")
+        layer = self.query_one("#layer")
+        if layer.parent is not home:
+            await layer.remove()
+            await home.mount(self._layer_panel())
         if self.session.plan is not None and self.session.plan.prediction is not None:
             self.show(self.session.plan)
 
@@ -377,8 +390,8 @@ class PlanScreen(StepScreen):
         if pred is None:
             self.query_one("#prediction", Facts).set_rows([
                 ("Prediction", Text("none: the policy is not valid — see Check", style=self.mapp.tone("warn")))])
-            for wid in ("mem-gpu", "mem-cpu", *(f"res-{k}" for k in RESOURCE_LABELS)):
-                self.query_one(f"#{wid}", LabelBar).update(0.0, "—")
+            for bar in self.query(LabelBar):
+                bar.update(0.0, "—")
             self.query_one("#usable", Static).update("")
         else:
             self._show_prediction(plan, pred)
@@ -429,9 +442,9 @@ class PlanScreen(StepScreen):
                       f"usable: {gpu_share:.0%} of GPU, {cpu_share:.0%} of CPU budget")
         self.query_one("#usable", Static).update(usable)
         top = max(pred.layer_seconds.values(), default=0.0) or 1.0
-        for key in RESOURCE_LABELS:
-            sec = pred.layer_seconds.get(key, 0.0)
-            self.query_one(f"#res-{key}", LabelBar).update(sec / top, _ms(sec))
+        for bar in self.query_one("#layer").query(LabelBar):
+            sec = pred.layer_seconds.get(bar.id.removeprefix("res-"), 0.0)
+            bar.update(sec / top, _ms(sec))
 
     def show_problems(self, problems: list[str], warnings: list[str] = ()) -> None:
         tone = self.mapp.tone
