@@ -1,8 +1,5 @@
-"""The accelerator as the runtime sees it: one small interface (`Device`) over torch.cuda (`CudaDevice`, the only
-code CI cannot run), the CPU playing a GPU (core.runtime.device_emulated) and the CPU as its own device
-(`HostDevice`). `launch(stream, fn)` enqueues and returns; `copy` is asynchronous only from pinned, contiguous
-host memory; launched work's errors surface at the next sync (`DeviceTaskError`); every host wait is bounded by
-`wait_seconds` (`DeviceStalled`) — on CUDA by polling, since cudaEventSynchronize takes no deadline.
+"""The accelerator as the runtime sees it (docs/CONTRACTS.md, Device): `CudaDevice` is the only code CI cannot run;
+every host wait is bounded by `wait_seconds` — on CUDA by polling, since cudaEventSynchronize takes no deadline.
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ def device_index(spec: str | torch.device | int | None, current: Callable[[], in
 
 
 class Device:
-    """The interface (see the module docstring); its defaults are the CPU's, `HostDevice` below."""
+    """The interface; its defaults are the CPU's (`HostDevice`)."""
 
     kind = "cpu"  # "cpu" | "cuda" | "emulated"
     accelerator = False  # False: the CPU is the device (no streams, no transfers)
@@ -107,11 +104,9 @@ class Device:
         return torch.zeros(shape, dtype=dtype, device=self.torch_device)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A device tensor with `t`'s contents (the host tensor itself where the host is the device)."""
         return t
 
     def tensor(self, data, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Small host data (lists) as a device tensor, for per-step metadata."""
         return self.to_device(torch.tensor(data, dtype=dtype))
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
@@ -181,7 +176,7 @@ class _Done:
 
 
 class HostDevice(Device):
-    """The CPU as the device (the interface's defaults): the CPU-only mode and the threaded executor's real copies."""
+    """The CPU as the device: the CPU-only mode and the threaded executor's real copies."""
 
 
 class CudaDevice(Device):
@@ -243,7 +238,6 @@ class CudaDevice(Device):
         graph.replay()
 
     def synchronize(self) -> None:
-        """Every stream made here and the current one, polled within the deadline."""
         for i, s in enumerate([*self._streams, self.current_stream()]):
             ev = torch.cuda.Event()
             ev.record(s)
@@ -291,8 +285,7 @@ class CudaDevice(Device):
         self.pending_error()
 
     def pending_error(self) -> str | None:
-        """Take CUDA's pending last error on this thread (a tiny kernel's launch check reads it), or None."""
-        try:
+        try:  # a tiny kernel's launch check reads (and clears) the thread's last error
             torch.zeros(1, device=self.torch_device).add_(1)
         except RuntimeError as e:
             return str(e).splitlines()[0]

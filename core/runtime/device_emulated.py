@@ -1,12 +1,9 @@
-"""An emulated CUDA device on the CPU, so that the GPU path's own code runs in CI (contract: core.runtime.device).
-
-Streams are threads running their queue later than the host enqueued it (`copy_delay` lands copies later still:
-a host reading a copy before its event completes reads stale data). Device memory, and every tensor device
-compute creates, counts against `memory_bytes`; compute reading a host tensor raises, as CUDA does; copies from
-unpinned or strided host memory count in `stats["staged_copies"]`. `fault(point)` is called at "set_device",
-"launch", "wait_event", "host_wait", "copy", "alloc", "pin", and at "kernel" on the stream's thread (blocking
-there is a hung kernel). `capture(fn)` raises CaptureError on what graph capture forbids; `replay` reruns `fn`
-into the captured outputs. Not modelled: bandwidth, concurrency within a stream, allocator reuse across streams.
+"""An emulated CUDA device on the CPU, so that the GPU path's own code runs in CI: streams are threads running
+their queue later than the host enqueued it (`copy_delay`: a host reading a copy before its event reads stale
+data); device memory counts against `memory_bytes`; compute reading a host tensor raises, as CUDA does.
+`fault(point)` is called at "set_device", "launch", "wait_event", "host_wait", "copy", "alloc", "pin", and at
+"kernel" on the stream's thread (blocking there is a hung kernel). Not modelled: bandwidth, concurrency within a
+stream, allocator reuse across streams.
 """
 
 from __future__ import annotations
@@ -122,7 +119,7 @@ class _Stream:
             self.dev._tls.label = None
 
     def _wait(self, event: _Event, gen: int, timeout: float | None = None) -> bool:
-        """Until the event's record `gen` completes (False: not within `timeout`); its failure becomes ours."""
+        """False: not within `timeout`; the event's failure becomes ours."""
         if not event._wait_gen(gen, timeout):
             return False
         if event.error is not None and self.error is None:
@@ -291,7 +288,6 @@ class EmulatedCuda(Device):
                 self.allocated -= n
 
     def running(self):
-        """The label of the launched work running on the calling stream thread (None elsewhere)."""
         return getattr(self._tls, "label", None)
 
     def is_device(self, t: torch.Tensor) -> bool:
@@ -448,7 +444,7 @@ class EmulatedCuda(Device):
 
 
 class _Track(TorchDispatchMode):
-    """Counts what device compute allocates, and refuses host tensors as its inputs."""
+    """Counts what device compute allocates; refuses host tensors as its inputs."""
 
     _depth = threading.local()
 
@@ -521,7 +517,7 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _new(inputs: list[torch.Tensor], out) -> list[torch.Tensor]:
-    """The tensors of an op's output in storage none of its inputs has: memory the op made."""
+    """Memory the op made: its outputs in storage none of its inputs has."""
     have = {a.untyped_storage().data_ptr() for a in inputs}
     return [t for t in _tensors(out) if t.untyped_storage().data_ptr() not in have]
 
@@ -544,7 +540,7 @@ _Graph = collections.namedtuple("_Graph", "fn out trace")  # a captured segment:
 
 
 class _Undo(TorchDispatchMode):
-    """Keeps the first contents of every storage written while it is active, and puts them back."""
+    """Keeps the first contents of every storage written while active, to put them back."""
 
     def __init__(self):
         super().__init__()
@@ -596,8 +592,7 @@ _SYNCING = {_aten.nonzero.default, _aten.masked_select.default, _aten._unique2.d
             _aten.argwhere.default}
 
 
-def _syncs(func, args, kwargs) -> bool:
-    """Whether a GPU must synchronise with the host to run this op (an output sized by the data)."""
+def _syncs(func, args, kwargs) -> bool:  # a GPU must synchronise with the host: an output sized by the data
     if func in _SYNCING:
         return True
     if func is _aten.repeat_interleave.Tensor or func is _aten.repeat_interleave.self_Tensor:

@@ -1,6 +1,5 @@
-"""The batch generation engine: `Request`s in (text or chat), `Result`s out as each finishes. It owns the step
-loop and hands the per-layer work to a `PipelineRunner`; telemetry goes through a callback, it never prints.
-"""
+"""The batch generation engine: `Request`s in, `Result`s out as each finishes; the per-layer work is a
+`PipelineRunner`'s."""
 
 from __future__ import annotations
 
@@ -72,9 +71,7 @@ class Result:
 
 
 @dataclass
-class _Seq:
-    """A request in flight."""
-
+class _Seq:  # a request in flight
     req: Request
     prompt_ids: list[int]
     max_total: int  # prompt + generated tokens it may reach
@@ -86,7 +83,6 @@ class _Seq:
     gen: torch.Generator | None = None
 
     def reset(self) -> None:
-        """Back to not started: no output, a fresh generator for its seed."""
         self.out.clear()
         self.finish = self.text = None
         if self.req.temperature > 0:
@@ -102,8 +98,8 @@ EXECUTORS = ("sequential", "threaded", "cuda")
 
 @dataclass(frozen=True)
 class RunConfig:
-    """How the engine runs the model: where, with which executor and schedule, what stays resident. On the CPU
-    the default is the plain chain; a schedule or the threaded executor runs its graph with real copies."""
+    """On the CPU the default is the plain chain; a schedule or the threaded executor runs its graph with real
+    copies."""
 
     device: str = "cpu"  # "cpu" | "cuda" | "emulated" (core.runtime.device)
     executor: str = "sequential"
@@ -128,7 +124,7 @@ class RunConfig:
             raise UsageError(f"unknown graphs setting {self.graphs!r}", "use auto, on or off")
 
     def resident(self, num_layers: int, num_experts: int) -> list[int] | None:
-        """Experts kept on the device per layer; None when every expert is."""
+        """Experts kept on the device per layer; None: all."""
         if self.resident_experts is not None:
             return list(self.resident_experts)
         if self.resident_layers is None:
@@ -201,7 +197,7 @@ class Engine:
             self._executor = None
 
     def close(self) -> None:
-        """Stop the executor's threads and unpin the weights (freed while registered, they would stay locked)."""
+        """Unpin the weights too: freed while registered, they would stay locked."""
         self._stop_executor()
         self.weights.unpin()
 
@@ -237,7 +233,6 @@ class Engine:
 
     def runner(self, slots: int, micro_batch_size: int, max_tokens: int,
                on_event: EventSink = ignore) -> PipelineRunner:
-        """A runner over a fresh KV cache for `slots` requests of up to `max_tokens` tokens."""
         c, spec = self.config, self.rank_spec
         kv_gpu = c.kv_gpu_layers if c.attention_on == "gpu" else 0
         cache = KVCache(spec, slots, max_tokens, self.weights.dtype, gpu_layers=kv_gpu)
@@ -251,7 +246,6 @@ class Engine:
         return r
 
     def _graphs_pay(self, micro_batches: int) -> bool:
-        """The `graphs` option: "auto" decides on a GPU (core.runtime.graphs.choose, why in `graphs_why`)."""
         c = self.config
         if c.graphs != "auto" or self.dev.kind != "cuda":
             self.graphs_why = f"graphs {c.graphs}" + ("" if c.graphs != "auto" else ": only on a GPU")
@@ -382,7 +376,9 @@ class Engine:
             seqs, logits, busy = self._decode(runner, table, waiting, active, stop, slots)
         self._check_finite(logits)
         self._choose(seqs, logits)
-        on_event(self._step_event(kind, tokens, t0, busy, moved, runner, len(active), proc))
+        on_event(StepDone(kind, tokens, time.perf_counter() - t0, busy, runner.bytes["h2d"] - moved["h2d"],
+                          runner.bytes["d2h"] - moved["d2h"], len(active), self.dev.memory_allocated(),
+                          proc.memory_info().rss, tasks=runner.last_tasks, times=getattr(runner.ex, "times", ())))
         return self._retire(active, table, on_event)
 
     @staticmethod
@@ -450,10 +446,6 @@ class Engine:
             raise _GroupAgreed(None if agreed.stop else (agreed.slots, agreed.failed_rank))
         return out
 
-    def _step_event(self, kind, tokens, t0, busy, moved, runner, active, proc) -> StepDone:
-        return StepDone(kind, tokens, time.perf_counter() - t0, busy, runner.bytes["h2d"] - moved["h2d"],
-                        runner.bytes["d2h"] - moved["d2h"], active, self.dev.memory_allocated(), proc.memory_info().rss,
-                        tasks=runner.last_tasks, times=getattr(runner.ex, "times", ()))
 
     def _admit_check(self, req: Request) -> _Seq:
         ids = self.prompt_token_ids(req)
@@ -467,14 +459,13 @@ class Engine:
         return s
 
     def _check_finite(self, logits: torch.Tensor) -> None:
-        """A checkpoint computed in float16 in place of bf16 (a GPU without bf16) can overflow."""
+        # a bf16 checkpoint computed in float16 (a GPU without bf16) can overflow
         if self.weights.dtype == torch.float16 and self.spec.torch_dtype != torch.float16 and \
                 not torch.isfinite(logits).all():
             raise MlightError("the model overflowed float16 (this GPU has no bf16, so the bf16 checkpoint runs in "
                               "float16) and its outputs are no longer numbers", "run with --dtype float32")
 
     def _choose(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
-        """Append each sequence's next token (logits [len(seqs), V], fp32) and mark finished ones."""
         best = greedy(logits).tolist()
         toks = [best[row] if s.req.temperature <= 0 else sample(logits[row], s.req.temperature, s.req.top_k,
                                                                  s.req.top_p, s.gen) for row, s in enumerate(seqs)]
