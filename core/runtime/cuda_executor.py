@@ -1,7 +1,6 @@
-"""The CUDA executor: the threaded executor's shape, with "compute", "h2d" and "d2h" as streams, each fed by a
-host thread that only launches. A cross-stream dependency is `stream.wait_event`; a step has one host sync, at
-its end; a wait past the device's `wait_seconds` fails the step naming the hung task, and the executor refuses
-further steps. Timing: one event per task, the one other streams wait on (no extra device op).
+"""The threaded executor with "compute", "h2d" and "d2h" as streams, each fed by a host thread that only launches:
+one host sync a step, at its end; a wait past the device's `wait_seconds` fails the step naming the hung task, and
+the executor refuses further steps. Timing: one event per task, the one other streams wait on (no extra device op).
 """
 
 from __future__ import annotations
@@ -33,13 +32,12 @@ class _CudaStep(_Step):
             self.last_on[r] = tid
 
     def started(self, tid: int) -> bool:
-        """Whether stream task `tid` is past everything it waits for (so it runs, or ran)."""
         prev, task = self.before[tid], self.tasks[tid]
         return (tid in self.launched and (prev is None or self.end[prev].query())
                 and all(self.end[d].query() if d in self.end else self.events[d].is_set() for d in task.deps))
 
     def stuck(self, stream: str | None, err: DeviceStalled) -> DeviceTaskError:
-        """The failure for a wait on `stream` (None: all) past its deadline, naming the task that hangs."""
+        """The failure for a wait on `stream` (None: all), naming the task that hangs."""
         running = [t for t in self.stream_of if not self.end[t].query() and self.started(t)]
         mine = [t for t, r in self.stream_of.items() if stream is None or r == stream]
         tid = running[0] if running else next((t for t in mine if not self.end[t].query()), mine[-1])
@@ -54,9 +52,8 @@ class CudaExecutor(ThreadedExecutor):
     takes_tail = True  # run(..., then=): see _finish
 
     def __init__(self, device: Device, *, stall_seconds: float = STALL_SECONDS, placement=None):
-        """`placement(resource)` runs on each worker first (core.model.cpu.threads.worker_setup)."""
         self.dev = device
-        self.placement = placement
+        self.placement = placement  # run on each worker first (core.model.cpu.threads.worker_setup)
         self.streams = {r: device.stream(r, compute=r == "compute") for r in STREAMS}
         self._events = self._fresh_events()
         self._hung: str | None = None  # a stream that ran past the device's deadline: what is stuck on it
@@ -69,8 +66,7 @@ class CudaExecutor(ThreadedExecutor):
             self.placement(resource)
 
     def run(self, tasks, fn, then=None) -> dict[str, float]:
-        """ThreadedExecutor.run; `then()` enqueues the caller's tail before the step's one host wait."""
-        self._then = then
+        self._then = then  # enqueues the caller's tail before the step's one host wait
         try:
             return super().run(tasks, fn)
         finally:

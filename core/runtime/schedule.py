@@ -1,9 +1,7 @@
-"""The decode step's (and prefill's) task graph, as data: one definition for the engine and the simulator.
-
-Each resource runs its tasks one at a time in list order, a task once all its `deps` finished. Schedules
-(shared/paper.md): "cgopipe" (CPU attention two micro-batches ahead, layer i+1's pages interleaved with layer
-i's D2s), "s4" (FlexGen: the whole next layer's weights first), "s3" (one chain). Layer 0's streamed weights go
-during the previous step's last layer.
+"""The decode step's (and prefill's) task graph, as data, for the engine and the simulator: each resource runs its
+tasks one at a time in list order, a task once all its `deps` finished. Schedules (shared/paper.md): "cgopipe",
+"s4" (FlexGen: the whole next layer's weights first), "s3" (one chain). Layer 0's streamed weights go during the
+previous step's last layer.
 """
 
 from __future__ import annotations
@@ -89,14 +87,14 @@ class _Graph:
 
 
 def _page_slots(num_pages: int, n_mb: int) -> dict[int, list[int]]:
-    """Which pages follow which micro-batch's D2: page p after micro-batch ⌊p·n/P⌋."""
+    """Page p follows micro-batch ⌊p·n/P⌋'s D2."""
     return {j: [p for p in range(num_pages) if p * n_mb // num_pages == j] for j in range(n_mb)}
 
 
 def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1,
                 micro_batches_per_expert_batch: int = 1, attention_on: str = "cpu", ffn_on: str = "gpu",
                 streamed: bool = True) -> list[Task]:
-    """One decode step: every micro-batch through every layer; `streamed` False: no weight pages."""
+    """`streamed` False: no weight pages."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
     L, n, g = num_layers, num_micro_batches, micro_batches_per_expert_batch
@@ -130,8 +128,8 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
     done = 0  # positions (layer·n + micro-batch) whose pre-attention is in the graph
 
     def pre_until(pos: int):
-        """Pre-attention, D1 and CPU attention of the positions before `pos` whose previous layer's experts are in
-        the graph (so no in-order queue waits on a later task)."""
+        """Pre-attention, D1 and CPU attention up to `pos`, as far as the previous layer's experts are in the graph
+        (so no in-order queue waits on a later task)."""
         nonlocal done
         while done < min(pos, L * n):
             i, j = divmod(done, n)
@@ -227,7 +225,7 @@ def _cpu_only(L: int, n: int, g: int) -> list[Task]:
 
 def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1, ffn_on: str = "gpu",
             streamed: bool = True) -> list[Task]:
-    """Prefill of one batch, layer by layer; layer i+1's weights stream while layer i computes."""
+    """Layer by layer; layer i+1's weights stream while layer i computes."""
     L, n = num_layers, num_micro_batches
     G = _Graph(serial=ffn_on == "cpu")
     if ffn_on == "cpu":  # one chain

@@ -1,10 +1,7 @@
-"""The collectives a tensor-parallel engine calls, over one torch.distributed group.
-
-Every rank runs the same step graph over its shard, so it issues these calls in the same order; the group's
-first rank samples and the others take its tokens, so no rank disagrees about which requests finish (that
-would hang a collective). A rank that fails a step (out of GPU memory) `drain`s it with zeros of the shapes
-`step_collectives` gives, and every rank then learns the step's `outcome` (stop, the smallest batch asked for)
-before using any of its tokens: all retry with the same smaller batch, or all stop together.
+"""The collectives a tensor-parallel engine calls, in the same order on every rank; the group's first rank samples,
+so none disagrees about which requests finish (that would hang a collective). A rank that fails a step (out of
+GPU memory) `drain`s it with zeros, and every rank learns the step's `outcome` before using its tokens: all retry
+with the same smaller batch, or all stop together.
 """
 
 from __future__ import annotations
@@ -18,9 +15,7 @@ from core.errors import MlightError
 
 
 class GroupOutOfMemory(MlightError):
-    """One rank ran out of device memory with a batch of one: raised alike on every rank, once they agreed."""
-
-    agreed = True
+    agreed = True  # raised alike on every rank, once they agreed
 
 
 @dataclass(frozen=True)
@@ -40,7 +35,6 @@ class TensorParallel:
         self.issued = 0  # all-reduces issued so far (the step's are counted from its start)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over the group, in place (partial O-projection or FFN outputs)."""
         self.issued += 1  # counted as it starts: one in flight on another thread when a step fails is issued
         dist.all_reduce(t, group=self.group)
         return t
@@ -58,8 +52,7 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # any stop, a failed rank, the least batch
         return Outcome(bool(t[0]), int(-t[2]), int(t[1]) - 1)
 
-    def tokens(self, toks: list[int]) -> list[int]:
-        """The leader's sampled tokens, on every rank."""
+    def tokens(self, toks: list[int]) -> list[int]:  # the leader's, on every rank
         t = torch.tensor(toks, dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=self._src, group=self.group)
         return t.tolist()

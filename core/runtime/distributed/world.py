@@ -1,7 +1,5 @@
-"""Who this process is in a torch.distributed job (from the launcher's RANK, WORLD_SIZE, LOCAL_*), and its
-process groups: `tp` consecutive ranks of one node form a tensor-parallel group, the groups are data-parallel
-replicas. Coordination runs on gloo: results gather on the default group with a long timeout (replicas finish
-at different times), phases agree on a group with a short one, so a stuck rank fails the job instead of holding it.
+"""Who this process is in a torch.distributed job, and its process groups: `tp` consecutive ranks of one node form
+a tensor-parallel group, the groups are data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ PHASE_TIMEOUT = timedelta(minutes=30)
 
 
 def phase_timeout(env=None) -> timedelta:
-    """$MLIGHT_PHASE_TIMEOUT_S (seconds) if set, else PHASE_TIMEOUT."""
     env = os.environ if env is None else env
     raw = env.get("MLIGHT_PHASE_TIMEOUT_S", "").strip()
     if not raw:
@@ -60,8 +57,7 @@ class World:
         return self.rank // self.tp
 
     @property
-    def tp_leader(self) -> bool:
-        """The rank of its tensor-parallel group that samples tokens and writes results."""
+    def tp_leader(self) -> bool:  # the rank of its group that samples tokens and writes results
         return self.rank % self.tp == 0
 
     def tp_ranks(self, replica: int | None = None) -> list[int]:
@@ -70,7 +66,6 @@ class World:
 
 
 def from_env(tp: int = 1, env=None) -> World | None:
-    """The World the launcher describes, or None when this process was not started by one."""
     env = os.environ if env is None else env
     if "WORLD_SIZE" not in env or "RANK" not in env:
         return None
@@ -95,7 +90,6 @@ class Groups:
 
 
 def init(world: World) -> Groups:
-    """Join the job's process groups (every rank calls this, in the same order)."""
     import torch
     import torch.distributed as dist
 
