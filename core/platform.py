@@ -1,6 +1,5 @@
-"""What differs between operating systems, decided in one place. Every function reads `SYSTEM` at call time, so
-a test that sets it runs the Windows branches on any machine. A leaf: it imports nothing from core's packages.
-"""
+"""What differs between operating systems, decided in one place (a leaf: it imports nothing from core's packages);
+every function reads `SYSTEM` at call time, so a test that sets it runs the Windows branches on any machine."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ def llc_bytes() -> int:
         return DEFAULT_LLC
 
 
-def _sysfs_size(text: str) -> int:
-    """sysfs's cache size ("2048K", "32M", or bytes) in bytes; 0 for an empty file."""
+def _sysfs_size(text: str) -> int:  # "2048K", "32M", or bytes; 0 for an empty file
     text = text.strip().upper()
     if not text:
         return 0
@@ -115,7 +113,6 @@ def _llc_linux() -> int:
 
 
 def _llc_macos(libc=None) -> int:
-    """The first of the L3, the performance cores' L2 and the L2 that sysctl knows."""
     import ctypes
     import ctypes.util
 
@@ -129,7 +126,6 @@ def _llc_macos(libc=None) -> int:
 
 
 def _llc_windows(kernel32=None) -> int:
-    """The largest cache GetLogicalProcessorInformation lists (its fixed-size records)."""
     import ctypes
 
     class Cache(ctypes.Structure):  # CACHE_DESCRIPTOR
@@ -175,8 +171,7 @@ def can_fsync_dir() -> bool:
     return SYSTEM != "windows"
 
 
-def _retry_shared(op, *args) -> None:
-    """Run a file operation; on Windows retry it while another process holds the file open."""
+def _retry_shared(op, *args) -> None:  # on Windows, retried while another process holds the file open
     deadline, delay = time.monotonic() + SHARING_RETRY_S, 0.02
     while True:
         try:
@@ -190,10 +185,7 @@ def _retry_shared(op, *args) -> None:
 
 def cache_dir() -> Path:
     """Where mlight caches per-machine data: $MLIGHT_CACHE_DIR, else platformdirs' user cache folder."""
-    env = os.environ.get("MLIGHT_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(platformdirs.user_cache_dir("mlight"))
+    return Path(os.environ.get("MLIGHT_CACHE_DIR") or platformdirs.user_cache_dir("mlight"))
 
 
 def replace(src: str | Path, dst: str | Path) -> None:
@@ -202,7 +194,7 @@ def replace(src: str | Path, dst: str | Path) -> None:
 
 
 def remove(path: str | Path) -> None:
-    """os.remove, waiting on Windows for another process to close the file (a missing file raises at once)."""
+    """os.remove, waiting on Windows as `replace` (a missing file raises at once)."""
     _retry_shared(os.remove, path)
 
 

@@ -80,20 +80,16 @@ class Device:
         fn()
 
     def host_wait(self, event, cancel: Callable[[], bool] | None = None, what: str = "the work before an event") -> None:
-        """Block until `event` completes or `cancel()`; DeviceStalled naming `what` past `wait_seconds`."""
         poll(event.query, self.wait_seconds, what, cancel)
 
     def synchronize(self) -> None:
-        """Wait for all work on the device, within `wait_seconds`; raise (once) the first error of launched work."""
+        """Raise (once) the first error of launched work."""
 
     # ---- graphs ----
     def capture(self, fn: Callable[[], object]):
-        """From inside launched work: (graph, fn's outputs, valid after each `replay`); CaptureError where `fn` does
-        what capture forbids."""
         raise CaptureError(f"{self.name} has no CUDA graphs")
 
     def replay(self, graph) -> None:
-        """Enqueue a captured graph on the current stream (from inside launched work)."""
         raise CaptureError(f"{self.name} has no CUDA graphs")
 
     # ---- memory ----
@@ -109,16 +105,13 @@ class Device:
     def tensor(self, data, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.to_device(torch.tensor(data, dtype=dtype))
 
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of a device tensor, once the work producing it is done (a sync point)."""
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:  # a sync point
         return t.clone()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
         dst.copy_(src)
 
-    def pin(self, t: torch.Tensor) -> bool:
-        """Page-lock a contiguous host tensor; False past `pin_limit_bytes` or when the OS refuses (copies are then
-        staged: slower, still right)."""
+    def pin(self, t: torch.Tensor) -> bool:  # False: copies from `t` are staged (slower, still right)
         return False
 
     def _pin_fits(self, nbytes: int) -> bool:
@@ -134,8 +127,7 @@ class Device:
     def is_pinned(self, t: torch.Tensor) -> bool:
         return False
 
-    def pending_error(self) -> str | None:
-        """An error left pending on this device by work outside torch (CUDA's "last error"), taken and cleared."""
+    def pending_error(self) -> str | None:  # left by work outside torch (CUDA's "last error"), taken and cleared
         return None
 
     def mem_get_info(self) -> tuple[int, int]:
@@ -154,8 +146,7 @@ class Device:
     def empty_cache(self) -> None:
         pass
 
-    def compute(self):
-        """Context for device compute issued from a host thread outside any launch (embeddings, logits)."""
+    def compute(self):  # for device compute issued outside any launch (embeddings, logits)
         return contextlib.nullcontext()
 
     def close(self) -> None:
