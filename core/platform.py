@@ -32,8 +32,6 @@ def is_windows() -> bool:
     return SYSTEM == "windows"
 
 
-# ---- CPUs --------------------------------------------------------------------------------------
-
 def cgroup_cpu_quota(path: str | Path | None = None) -> float | None:
     """CPUs a Linux container may use (`docker --cpus`), from cgroup v2's cpu.max; None when unlimited."""
     try:
@@ -156,15 +154,11 @@ def pinned_budget(ram_bytes: int) -> int:
     return ram_bytes // 2 if SYSTEM == "windows" else ram_bytes
 
 
-# ---- stopping ----------------------------------------------------------------------------------
-
 def stop_signals() -> tuple[int, ...]:
     """Signals that ask a run to stop cleanly on this OS (Windows never delivers SIGTERM; Ctrl-Break is SIGBREAK)."""
     names = ("SIGINT", "SIGBREAK") if SYSTEM == "windows" else ("SIGINT", "SIGTERM")
     return tuple(getattr(signal, n) for n in names if hasattr(signal, n))
 
-
-# ---- files -------------------------------------------------------------------------------------
 
 def can_fsync_dir() -> bool:
     """Whether a folder can be fsynced to make a rename durable (not on Windows, where NTFS journals the rename)."""
@@ -210,8 +204,6 @@ def path_too_long(path: str | Path) -> bool:
     except (ImportError, OSError):
         return True
 
-
-# ---- console -----------------------------------------------------------------------------------
 
 def utf8_console(streams=None) -> None:
     """Let stdout/stderr print any text: UTF-8 on Windows (redirected, it is the ANSI code page), else escapes."""

@@ -60,7 +60,6 @@ class Device:
     pin_limit_bytes: int | None = None  # page-locked host bytes allowed (None: no limit; see pin_budget)
     wait_seconds = WAIT_SECONDS  # the deadline of every host wait on device work (DeviceStalled past it)
 
-    # ---- threads and streams ----
     def set_device(self) -> None:
         """Make this device current on the calling thread (every worker thread calls it once)."""
 
@@ -85,14 +84,12 @@ class Device:
     def synchronize(self) -> None:
         """Raise (once) the first error of launched work."""
 
-    # ---- graphs ----
     def capture(self, fn: Callable[[], object]):
         raise CaptureError(f"{self.name} has no CUDA graphs")
 
     def replay(self, graph) -> None:
         raise CaptureError(f"{self.name} has no CUDA graphs")
 
-    # ---- memory ----
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.torch_device)
 

@@ -126,7 +126,6 @@ class _Stream:
             self.error = event.error
         return True
 
-    # ---- the CUDA stream API ----
     def _record(self, event: _Event, gen: int) -> None:
         if self._own():
             event._complete(gen, self.error)
@@ -189,7 +188,6 @@ class EmulatedCuda(Device):
         self._streams: list[_Stream] = []
         self._inline = _Stream(self, "host", compute=False, inline=True)
 
-    # ---- threads and streams ----
     def _fault(self, point: str) -> None:
         if self.fault is not None:
             self.fault(point)
@@ -258,7 +256,6 @@ class EmulatedCuda(Device):
         if errors:
             raise DeviceTaskError(*errors[0])
 
-    # ---- memory ----
     def _account(self, t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
         ptr, n = s.data_ptr(), s.nbytes()
@@ -390,7 +387,6 @@ class EmulatedCuda(Device):
     def compute(self):
         return _Track(self)
 
-    # ---- graphs ----
     def _refuse(self, what: str) -> None:
         """Raise CaptureError if the calling thread is capturing (thread-local capture, as the executor's)."""
         if getattr(self._tls, "capture", None) is not None:

@@ -201,7 +201,6 @@ class Engine:
         self._stop_executor()
         self.weights.unpin()
 
-    # ---- loading --------------------------------------------------------------------------------
     @classmethod
     def load(cls, model_dir, *, dtype: str | torch.dtype | None = None, device: "str | Device | None" = None,
              pages_per_layer: int = 1, executor: str | None = None, schedule: str | None = None,
@@ -260,7 +259,6 @@ class Engine:
                                                    streamed_bytes_per_layer=link, h2d_bytes_per_s=self._h2d_rate)
         return pays
 
-    # ---- tokenization ---------------------------------------------------------------------------
     def prompt_token_ids(self, req: Request) -> list[int]:
         if req.messages is not None:
             if not getattr(self.tokenizer, "chat_template", None):
@@ -277,7 +275,6 @@ class Engine:
             return req.prompt
         return self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
 
-    # ---- generation -----------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], *, batch_size: int | None = None,
                  micro_batch_size: int | None = None, on_event: EventSink = ignore,
                  should_stop: Callable[[], bool] | None = None) -> Iterator[Result]:
