@@ -41,9 +41,7 @@ class Quiet(Exception):
 
 
 class RankLost(MlightError):
-    def __init__(self, rank: int, problem: str, hint: str = ""):
-        super().__init__(problem, hint)
-        self.rank = rank
+    """Another rank stopped (killed, crashed) before sending its results."""
 
 
 def _describe(e: BaseException | None):
@@ -97,10 +95,9 @@ def collect(obj, rank: int) -> list | None:
         try:
             dist.recv_object_list(box, src=src)
         except RuntimeError as e:  # gloo: "Connection closed by peer" — the rank died
-            raise RankLost(src, f"rank {src} stopped before the end of the run (killed or crashed; torchrun's "
-                                "report names its exit code)",
-                           "every finished result is saved in its replica's run file; rerun the same command to "
-                           "resume every rank") from e
+            raise RankLost(f"rank {src} stopped before the end of the run (killed or crashed; torchrun's report "
+                           "names its exit code)", "every finished result is saved in its replica's run file; rerun "
+                           "the same command to resume every rank") from e
         out.append(box[0])
     return out
 
