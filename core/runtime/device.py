@@ -153,9 +153,7 @@ class Device:
         return f"<{type(self).__name__} {self.name}>"
 
 
-class _Done:
-    """The host device's stream and event: work is done when it returns, so there is nothing to wait for."""
-
+class _Done:  # the host device's stream and event: work is done when it returns, so there is nothing to wait for
     def record(self, stream=None) -> None:
         pass
 

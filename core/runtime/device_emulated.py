@@ -78,9 +78,8 @@ class _Stream:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
-        self._thread = None
-        if not inline:
-            self._thread = threading.Thread(target=self._loop, name=f"emulated-{name}", daemon=True)
+        self._thread = None if inline else threading.Thread(target=self._loop, name=f"emulated-{name}", daemon=True)
+        if self._thread is not None:
             self._thread.start()
 
     def _own(self) -> bool:

@@ -278,12 +278,8 @@ class Engine:
     def generate(self, requests: Iterable[Request], *, batch_size: int | None = None,
                  micro_batch_size: int | None = None, on_event: EventSink = ignore,
                  should_stop: Callable[[], bool] | None = None) -> Iterator[Result]:
-        """Yield each request's Result as it finishes; batch sizes default to the policy's, else 64 / the batch."""
-        with frozen_heap():
-            yield from self._generate(requests, batch_size, micro_batch_size, on_event, should_stop)
-
-    def _generate(self, requests, batch_size, micro_batch_size, on_event, should_stop) -> Iterator[Result]:
-        """Out of device memory, the unfinished requests start again in a batch half the size (or the group's)."""
+        """Yield each request's Result as it finishes; batch sizes default to the policy's, else 64 / the batch. Out
+        of device memory, the unfinished requests start again in a batch half the size (or the group's)."""
         if batch_size is None:
             batch_size = self.policy.batch_size if self.policy else 64
         if micro_batch_size is None and self.policy is not None:
@@ -297,14 +293,15 @@ class Engine:
         waiting = sorted(seqs, key=lambda s: -len(s.prompt_ids))  # longest first (Algorithm 2)
         active: list[_Seq] = []
         proc = psutil.Process()
-        while waiting or active:
-            table, runner, shrink = self._start(slots, mu, max_tokens, on_event)
-            if shrink is None:
-                shrink = yield from self._steps(runner, table, waiting, active, proc, on_event, should_stop, slots)
-            if shrink is None:  # every request done, or the run was asked to stop
-                return
-            runner = table = None  # gone before the next runner is built: the retry has the device to itself
-            slots, mu = self._restart_smaller(*shrink, mu, waiting, active, on_event)
+        with frozen_heap():
+            while waiting or active:
+                table, runner, shrink = self._start(slots, mu, max_tokens, on_event)
+                if shrink is None:
+                    shrink = yield from self._steps(runner, table, waiting, active, proc, on_event, should_stop, slots)
+                if shrink is None:  # every request done, or the run was asked to stop
+                    return
+                runner = table = None  # gone before the next runner is built: the retry has the device to itself
+                slots, mu = self._restart_smaller(*shrink, mu, waiting, active, on_event)
 
     def _start(self, slots: int, mu: int, max_tokens: int, on_event: EventSink):
         """(table, runner, None); where the runner does not fit (on some rank), (…, (smaller batch, rank))."""
