@@ -12,16 +12,7 @@ from pathlib import Path
 import platformdirs
 import psutil
 
-
-def _system() -> str:
-    if sys.platform.startswith("win"):
-        return "windows"
-    if sys.platform == "darwin":
-        return "macos"
-    return "linux" if sys.platform.startswith("linux") else sys.platform
-
-
-SYSTEM = _system()  # tests switch it: monkeypatch.setattr(core.platform, "SYSTEM", "windows")
+SYSTEM = {"win32": "windows", "darwin": "macos"}.get(sys.platform, sys.platform)  # tests switch it (monkeypatch)
 WINDOWS_MAX_PATH = 260  # characters, terminating NUL included (MAX_PATH)
 SHARING_RETRY_S = 2.0  # how long to wait for another process to let go of a file on Windows
 _sleep = time.sleep  # tests replace it so retries cost no time
