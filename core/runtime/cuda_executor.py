@@ -138,15 +138,11 @@ class CudaExecutor(ThreadedExecutor):
             raise err
         busy, times, at = dict(step.busy), self.times, step.index
         for tid, ev in step.end.items():  # in list order: a task's dependencies and predecessor come first
-            i = at[tid]  # the timeline: device times on the host clock, from the step's origin
+            i, prev = at[tid], step.before[tid]  # the timeline: device times on the host clock, from the step's origin
             end = step.origin_host + step.origin.elapsed_time(ev) / 1e3
-            start = times[2 * i]  # launched then
-            prev = step.before[tid]
-            if prev is not None:
-                start = max(start, times[2 * at[prev] + 1])
-            for d in step.tasks[tid].deps:  # a stream task's end, or a host task's (ThreadedExecutor._execute)
-                start = max(start, times[2 * at[d] + 1])
-            start = min(start, end)  # the two clocks' readings meet within rounding
+            # from its launch, or the end of its predecessor or of a task it waits for (on a stream, or the host's)
+            after = [times[2 * at[d] + 1] for d in (*step.tasks[tid].deps, *(() if prev is None else (prev,)))]
+            start = min(max([times[2 * i], *after]), end)  # the two clocks' readings meet within rounding
             times[2 * i], times[2 * i + 1] = start, end
             r = step.stream_of[tid]
             busy[r] = busy.get(r, 0.0) + end - start

@@ -305,8 +305,7 @@ class Engine:
 
     def _start(self, slots: int, mu: int, max_tokens: int, on_event: EventSink):
         """(table, runner, None); where the runner does not fit (on some rank), (…, (smaller batch, rank))."""
-        shrink = None
-        table = SlotTable(slots, mu)
+        table, shrink = SlotTable(slots, mu), None
         try:
             runner = self.runner(slots, mu, max_tokens, on_event)
         except torch.cuda.OutOfMemoryError as e:
@@ -359,7 +358,6 @@ class Engine:
         return None
 
     def _step(self, runner, table, waiting, active, proc, on_event, stop=False, slots=0) -> list[Result]:
-        """One step: refill free slots and prefill them, else decode; sample; retire the finished."""
         admitted = self._refill(table, waiting, active)
         t0, moved = time.perf_counter(), dict(runner.bytes)
         if admitted:  # a freshly prefilled request may already be done; the next step admits again
@@ -401,8 +399,7 @@ class Engine:
         return seqs, logits, busy
 
     def _decode(self, runner, table, waiting, active, stop, slots):
-        """One token for every active request, as `_prefill`; with none waiting, compacted first."""
-        if not waiting:
+        if not waiting:  # nothing to refill the holes with: compact
             self._compact(runner, table, active)
         groups = _by_micro_batch(active, table)
         logits, busy = self._agreed(runner, stop, slots, lambda: runner.decode(
