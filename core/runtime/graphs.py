@@ -56,8 +56,7 @@ class Graphs:
         beside its inputs."""
         if segment in self.refused:
             return fn(*inputs)
-        shapes = _layout(inputs)
-        key = (segment, layer, slot, shapes)
+        key = (segment, layer, slot, _layout(inputs))
         seg = self._segments.get(key)
         if seg is None:
             if key not in self._seen:  # warm-up
@@ -104,8 +103,7 @@ class Graphs:
             self.warn(WarningEvent(f"the {segment} segment runs without CUDA graphs: {why}"))
             return None
         self.captures += 1
-        seg = self._segments[key] = _Segment(ins, graph, out)
-        return seg
+        return self._segments.setdefault(key, _Segment(ins, graph, out))
 
 
 def streamed_bytes_per_layer(weights, resident: list[int] | None, num_experts: int) -> float:

@@ -72,9 +72,7 @@ class _Graph:
         keep = []
         for d in sorted(set(deps), reverse=True):
             other = self.tasks[d].resource
-            if other == res:  # the queue's own order: no wait
-                keep.append(d)
-            elif d > self.waited.get((res, other), -1):
+            if other == res or d > self.waited.get((res, other), -1):  # on its own queue: that order, no wait
                 keep.append(d)
                 self.waited[(res, other)] = d
         deps = tuple(sorted(keep))
