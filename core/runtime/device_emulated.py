@@ -171,7 +171,6 @@ class EmulatedCuda(Device):
     def __init__(self, memory_bytes: int = 16 * GiB, *, capability=(8, 9), name: str = "emulated GPU",
                  copy_delay: float | Callable[[], float] = 0.0, pin_limit_bytes: int | None = None,
                  wait_seconds: float | None = None):
-        self.torch_device = torch.device("cpu")
         self.name, self.capability = name, tuple(capability)
         self.total = int(memory_bytes)
         self.copy_delay = copy_delay
