@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -349,7 +350,7 @@ class Engine:
             try:
                 finished = self._step(runner, table, waiting, active, proc, on_event, stop, slots)
             except _GroupAgreed as e:  # every rank stops at the same step, or goes on with the same smaller batch
-                return e.shrink
+                return e.args[0]
             except TaskFailed as e:
                 if not _is_oom(e) or slots == 1 or self.tp is not None:
                     raise
@@ -552,11 +553,7 @@ def _placement(policy, spec: ModelSpec) -> dict:
 
 
 class _GroupAgreed(Exception):
-    """Tensor parallel: the group agreed to stop (`shrink` None) or to go on with `shrink` = (requests, OOM rank)."""
-
-    def __init__(self, shrink: tuple[int, int] | None):
-        super().__init__(shrink)
-        self.shrink = shrink
+    """Tensor parallel: the group agreed to stop (args[0] None) or to go on with args[0] = (requests, OOM rank)."""
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -565,7 +562,5 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def _by_micro_batch(active: list[_Seq], table: SlotTable) -> list[list[_Seq]]:
-    groups: dict[int, list[_Seq]] = {}
-    for s in active:
-        groups.setdefault(table.micro_batch_of(s.slot), []).append(s)
-    return [sorted(groups[j], key=lambda s: s.slot) for j in sorted(groups)]
+    by_slot = sorted(active, key=lambda s: s.slot)
+    return [list(g) for _, g in itertools.groupby(by_slot, key=lambda s: table.micro_batch_of(s.slot))]

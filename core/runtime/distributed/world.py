@@ -83,10 +83,9 @@ def from_env(tp: int = 1, env=None) -> World | None:
 
 @dataclass
 class Groups:
-    coord: object  # gloo, every rank: gathering results (long timeout)
     tp: object  # this rank's tensor-parallel group
     tp_backend: str
-    phase: object = None  # gloo, every rank: agreeing on each phase (core.runtime.distributed.coord.Phase)
+    phase: object  # gloo, every rank: agreeing on each phase (core.runtime.distributed.coord.Phase)
 
 
 def init(world: World) -> Groups:
@@ -104,12 +103,12 @@ def init(world: World) -> Groups:
 
     wait = phase_timeout()
     if not dist.is_initialized():
-        dist.init_process_group(backend="gloo", timeout=COORDINATION_TIMEOUT)
+        dist.init_process_group(backend="gloo", timeout=COORDINATION_TIMEOUT)  # the default group: results gather
     phase = Phase(dist.new_group(backend="gloo", timeout=wait), wait)
     backend = "nccl" if cuda else "gloo"
     # every rank creates every group, in the same order
     tp = [dist.new_group(world.tp_ranks(r), backend=backend, timeout=COLLECTIVE_TIMEOUT) for r in range(world.dp_size)]
-    return Groups(dist.group.WORLD, tp[world.dp_rank], backend, phase)
+    return Groups(tp[world.dp_rank], backend, phase)
 
 
 def shutdown() -> None:
