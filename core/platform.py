@@ -43,11 +43,8 @@ def usable_cores() -> int:
         except (AttributeError, OSError):  # AttributeError: no affinity call on this system
             pass
     n = n or os.cpu_count() or 1
-    if SYSTEM == "linux":
-        quota = cgroup_cpu_quota()
-        if quota is not None:
-            n = min(n, max(1, int(quota)))  # 2.5 CPUs of quota: 2 threads run unthrottled
-    return max(1, n)
+    quota = cgroup_cpu_quota() if SYSTEM == "linux" else None
+    return max(1, n if quota is None else min(n, int(quota)))  # 2.5 CPUs of quota: 2 threads run unthrottled
 
 
 def load_average() -> tuple[float, float, float] | None:
@@ -61,13 +58,11 @@ def load_average() -> tuple[float, float, float] | None:
 def free_cores(sample_s: float = 0.1) -> int:
     """Usable cores not busy now, by CPU utilisation over `sample_s` (the load average lags by a minute)."""
     usable = usable_cores()
-    total = os.cpu_count() or usable
-    try:
-        busy = psutil.cpu_percent(interval=sample_s) / 100.0 * total
+    try:  # the load is machine-wide: its share on our cores
+        busy = psutil.cpu_percent(interval=sample_s) / 100.0 * usable
     except OSError:
         return usable
-    busy_here = busy * usable / max(total, 1)  # the load is machine-wide: the share of it on our cores
-    return max(1, usable - int(busy_here + 0.5))
+    return max(1, usable - int(busy + 0.5))
 
 
 DEFAULT_LLC = 16 << 20  # a typical desktop's last-level cache, where the OS does not say
