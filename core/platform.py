@@ -79,18 +79,12 @@ def llc_bytes() -> int:
         return DEFAULT_LLC
 
 
-def _sysfs_size(text: str) -> int:  # "2048K", "32M", or bytes; 0 for an empty file
-    text = text.strip().upper()
-    if not text:
-        return 0
-    return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
-
-
 def _llc_linux() -> int:
     best = 0
     for f in Path(LINUX_CACHE).glob("index*/size"):
         try:
-            best = max(best, _sysfs_size(f.read_text(encoding="ascii")))
+            text = f.read_text(encoding="ascii").strip().upper()  # "2048K", "32M", bytes, or empty
+            best = max(best, int(text.rstrip("KM") or 0) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1))
         except (OSError, ValueError):
             continue
     return best
