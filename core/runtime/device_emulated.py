@@ -1,9 +1,8 @@
-"""An emulated CUDA device on the CPU, so that the GPU path's own code runs in CI: streams are threads running
-their queue later than the host enqueued it (`copy_delay`: a host reading a copy before its event reads stale
-data); device memory counts against `memory_bytes`; compute reading a host tensor raises, as CUDA does.
-`fault(point)` is called at "set_device", "launch", "wait_event", "host_wait", "copy", "alloc", "pin", and at
-"kernel" on the stream's thread (blocking there is a hung kernel). Not modelled: bandwidth, concurrency within a
-stream, allocator reuse across streams.
+"""An emulated CUDA device on the CPU, so that the GPU path's own code runs in CI: streams are threads running their
+queue late (`copy_delay`: a host reading a copy before its event reads stale data); device memory counts against
+`memory_bytes`; compute reading a host tensor raises, as CUDA does. `fault(point)` is called at "set_device", "launch",
+"wait_event", "host_wait", "copy", "alloc", "pin", and at "kernel" on the stream's thread (blocking there: a hung
+kernel). Not modelled: bandwidth, concurrency within a stream, allocator reuse across streams.
 """
 
 from __future__ import annotations

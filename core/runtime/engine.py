@@ -99,8 +99,7 @@ EXECUTORS = ("sequential", "threaded", "cuda")
 
 @dataclass(frozen=True)
 class RunConfig:
-    """On the CPU the default is the plain chain; a schedule or the threaded executor runs its graph with real
-    copies."""
+    """On the CPU the default is the plain chain; a schedule or the threaded executor runs a graph, real copies."""
 
     device: str = "cpu"  # "cpu" | "cuda" | "emulated" (core.runtime.device)
     executor: str = "sequential"

@@ -14,8 +14,7 @@ from core.errors import MlightError, UsageError
 
 @dataclass(frozen=True)
 class Phase:
-    """A gloo group of every rank, for agreements, and how long one waits for the others there (torch's
-    monitored barrier takes it explicitly: it does not read the group's own timeout)."""
+    """A gloo group of every rank, and its wait: torch's monitored barrier does not read the group's own timeout."""
 
     group: object
     timeout: timedelta

@@ -1,7 +1,7 @@
-"""The collectives a tensor-parallel engine calls, in the same order on every rank; the group's first rank samples,
-so none disagrees about which requests finish (that would hang a collective). A rank that fails a step (out of
-GPU memory) `drain`s it with zeros, and every rank learns the step's `outcome` before using its tokens: all retry
-with the same smaller batch, or all stop together.
+"""The collectives of a tensor-parallel engine, in the same order on every rank; the group's first rank samples, so none
+disagrees about which requests finish (that would hang a collective). A rank that fails a step (out of GPU memory)
+`drain`s it with zeros; all learn the step's `outcome` before using its tokens, and retry with the same smaller batch or
+stop together.
 """
 
 from __future__ import annotations
