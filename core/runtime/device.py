@@ -313,10 +313,7 @@ class CudaDevice(Device):
 
 def default_device_kind() -> str:
     """$MLIGHT_DEVICE (cpu | cuda | emulated; the tests set cpu) if set, else CUDA where torch sees one, else cpu."""
-    env = os.environ.get("MLIGHT_DEVICE", "").strip().lower()
-    if env:
-        return env
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return os.environ.get("MLIGHT_DEVICE", "").strip().lower() or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def resolve_device(device: "str | torch.device | Device | None" = None) -> Device:

@@ -18,8 +18,7 @@ PHASE_TIMEOUT = timedelta(minutes=30)
 
 
 def phase_timeout(env=None) -> timedelta:
-    env = os.environ if env is None else env
-    raw = env.get("MLIGHT_PHASE_TIMEOUT_S", "").strip()
+    raw = (os.environ if env is None else env).get("MLIGHT_PHASE_TIMEOUT_S", "").strip()
     if not raw:
         return PHASE_TIMEOUT
     try:
