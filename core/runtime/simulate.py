@@ -42,8 +42,7 @@ def replay(tasks: list[Task], seconds: dict[str, float], host: dict[str, float] 
     free = {r: 0.0 for r in RESOURCES}
     busy = Busy.fromkeys(RESOURCES, 0.0)
     end: list[float] = []
-    spans = []
-    launched = 0.0
+    spans, launched = [], 0.0
     for t in tasks:
         launched += host.get(t.kind, 0.0) if host else 0.0
         start = max([free[t.resource], launched, *(end[d] for d in t.deps)])
