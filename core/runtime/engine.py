@@ -270,10 +270,6 @@ class Engine:
             return list(ids)
         return list(self.tokenizer(req.prompt).input_ids)
 
-    def _prompt_text(self, req: Request) -> str:
-        if req.prompt is not None:
-            return req.prompt
-        return self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
 
     def generate(self, requests: Iterable[Request], *, batch_size: int | None = None,
                  micro_batch_size: int | None = None, on_event: EventSink = ignore,
@@ -480,13 +476,14 @@ class Engine:
     def _retire(self, active: list[_Seq], table: SlotTable, on_event: EventSink) -> list[Result]:
         done = [s for s in active if s.finish]
         active[:] = [s for s in active if not s.finish]
-        results = []
-        now = time.perf_counter()
+        results, now = [], time.perf_counter()
         for s in done:
             table.release(s.slot, len(s.prompt_ids))
             text = s.text if s.text is not None else self.tokenizer.decode(s.out, skip_special_tokens=True)
-            res = Result(s.req.id, self._prompt_text(s.req), text, list(s.out), len(s.prompt_ids), len(s.out),
-                         s.finish, round(now - s.started, 6))
+            prompt = s.req.prompt if s.req.prompt is not None else self.tokenizer.apply_chat_template(
+                s.req.messages, add_generation_prompt=True, tokenize=False)
+            res = Result(s.req.id, prompt, text, list(s.out), len(s.prompt_ids), len(s.out), s.finish,
+                         round(now - s.started, 6))
             on_event(RequestDone(res.id, res.prompt_tokens, res.output_tokens, res.seconds, res.finish_reason))
             results.append(res)
         return results
