@@ -91,8 +91,7 @@ class _Stream:
 
     def _loop(self) -> None:
         self.dev._tls.stream = self
-        mode = _Track(self.dev) if self.compute else contextlib.nullcontext()
-        with mode:
+        with _Track(self.dev) if self.compute else contextlib.nullcontext():
             while True:
                 item = self._q.get()
                 if item is None:

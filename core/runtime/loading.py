@@ -135,11 +135,10 @@ def eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> set[int]:
     if gen.is_file():
         try:
             eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-            ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            ids |= set(eos if isinstance(eos, list) else [eos])
         except (OSError, ValueError):
             pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+    ids.add(tokenizer.eos_token_id)  # None (none said) goes with the rest that are no token
     return {i for i in ids if isinstance(i, int) and 0 <= i < spec.vocab_size}
 
 

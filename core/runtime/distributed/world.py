@@ -70,8 +70,7 @@ def from_env(tp: int = 1, env=None) -> World | None:
         return None
     try:
         size, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
-        local_rank = int(env.get("LOCAL_RANK", rank))
-        local_size = int(env.get("LOCAL_WORLD_SIZE", size))
+        local_rank, local_size = int(env.get("LOCAL_RANK", rank)), int(env.get("LOCAL_WORLD_SIZE", size))
     except ValueError:
         raise UsageError("RANK / WORLD_SIZE / LOCAL_RANK in the environment are not numbers",
                          "start mlight with torchrun, or unset those variables") from None
