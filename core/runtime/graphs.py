@@ -52,8 +52,7 @@ class Graphs:
         self.captures = self.replays = 0
 
     def run(self, segment: str, layer, slot: int, fn: Callable, inputs: Sequence) -> tuple:
-        """fn(*inputs)'s outputs, eager or replayed (valid until the slot's next run); `layer` keys what fn reads
-        beside its inputs."""
+        """Eager or replayed (outputs valid until the slot's next run); `layer` keys what fn reads beside `inputs`."""
         if segment in self.refused:
             return fn(*inputs)
         key = (segment, layer, slot, _layout(inputs))

@@ -156,8 +156,7 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
 
 
 def _flexgen(L: int, n: int, g: int, pages: int, overlap: bool) -> list[Task]:
-    """S4 (overlap=True): next layer's weights first on the copy queue, GPU micro-batch by micro-batch.
-    S3 (overlap=False): each layer's weights right before it (layer 0's included), every task after the one before."""
+    """S4: the next layer's weights first on the copy queue; S3: each layer's just before it, one task at a time."""
     G = _Graph(serial=not overlap)
     for i in range(L):
         nxt = i if not overlap else (i + 1) % L

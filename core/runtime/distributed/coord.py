@@ -63,8 +63,7 @@ def arrive(phase: Phase, rank: int) -> None:
 
 
 def agree(error: BaseException | None, rank: int, phase: Phase | None = None) -> None:
-    """If any rank passes an error, rank 0 raises the first (naming its rank), the others Quiet with its code: one
-    line printed, the same exit code everywhere."""
+    """An error on any rank: rank 0 raises the first (naming its rank), the others Quiet with its exit code."""
     if phase is not None:
         arrive(phase, rank)
     got: list = [None] * dist.get_world_size()
