@@ -30,7 +30,6 @@ class RunStep(NamedTuple):
 
 def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: int = GEN,
               clock=time.perf_counter) -> list[RunStep]:
-    """Every step of a run, timed, with what it held."""
     held: list = []
     make = engine.runner
 
