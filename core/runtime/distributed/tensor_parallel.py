@@ -86,7 +86,7 @@ class ShardOps:
 
 def step_collectives(runner) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The all-reduces a PipelineRunner's current step issues, in order, as (shape, dtype)."""
-    spec, D, dt = runner.spec, runner.spec.hidden_size, runner.w.math_dtype
+    D, dt = runner.spec.hidden_size, runner.w.math_dtype
     norm = runner._full_norm is not None  # OLMoE: sums of squares [tokens, 2] in fp32 before the attention
     attn = runner.tp.shard.split_attention  # else the attention output is whole on every rank: no sum
     out = []
