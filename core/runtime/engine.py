@@ -446,7 +446,6 @@ class Engine:
         return s
 
     def _check_finite(self, logits: torch.Tensor) -> None:
-        # a bf16 checkpoint computed in float16 (a GPU without bf16) can overflow
         if self.weights.dtype == torch.float16 and self.spec.torch_dtype != torch.float16 and \
                 not torch.isfinite(logits).all():
             raise MlightError("the model overflowed float16 (this GPU has no bf16, so the bf16 checkpoint runs in "
@@ -459,14 +458,13 @@ class Engine:
         if self.tp is not None:
             toks = self.tp.tp.tokens(toks)
         for s, tok in zip(seqs, toks):
-            r = s.req
             if tok in self.eos_ids:
                 s.finish = "stop"
                 continue
             s.out.append(tok)
-            if r.stop:
+            if s.req.stop:
                 text = self.tokenizer.decode(s.out, skip_special_tokens=True)
-                hits = [text.find(x) for x in r.stop if x and x in text]
+                hits = [text.find(x) for x in s.req.stop if x and x in text]
                 if hits:
                     s.text, s.finish = text[:min(hits)], "stop"
                     continue
