@@ -55,7 +55,7 @@ class CudaExecutor(ThreadedExecutor):
         self.dev = device
         self.placement = placement  # run on each worker first (core.model.cpu.threads.worker_setup)
         self.streams = {r: device.stream(r, compute=r == "compute") for r in STREAMS}
-        self._events = self._fresh_events()
+        self._events = [device.event(timing=True), device.event()]  # the origin, the join: see _CudaStep
         self._hung: str | None = None  # a stream that ran past the device's deadline: what is stuck on it
         self._then = None  # the running step's tail (run's `then`)
         super().__init__(STREAMS + ("cpu_attn",), setup=self._setup, stall_seconds=stall_seconds)
@@ -158,10 +158,7 @@ class CudaExecutor(ThreadedExecutor):
                 self._broken = f"the device did not drain after a failure: {e.problem}"
             except Exception:  # noqa: BLE001
                 pass
-        self._events = self._fresh_events()  # none may keep the failure (and its frames) alive
-
-    def _fresh_events(self) -> list:
-        return [self.dev.event(timing=True), self.dev.event()]
+        self._events = [self.dev.event(timing=True), self.dev.event()]  # none may keep the failure (its frames) alive
 
     def close(self) -> None:
         super().close()
