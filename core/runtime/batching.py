@@ -42,8 +42,7 @@ class SlotTable:
         for lo, hi in self.ranges:
             used = [s for s in range(lo, hi) if self.owner[s] is not None]
             holes = [s for s in range(lo, lo + len(used)) if self.owner[s] is None]
-            movers = [s for s in reversed(used) if s >= lo + len(used)]
-            for src, dst in zip(movers, holes):
+            for src, dst in zip([s for s in reversed(used) if s >= lo + len(used)], holes):  # highest first
                 self.owner[dst], self.owner[src] = self.owner[src], None
                 moves.append((src, dst))
         return moves

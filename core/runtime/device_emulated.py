@@ -290,8 +290,7 @@ class EmulatedCuda(Device):
         self._refuse("an allocation through the device's allocator")
         self._fault("alloc")
         with _disable_current_modes():
-            t = make()
-        return self._account(t)
+            return self._account(make())
 
     def empty(self, shape, dtype):
         return self._new(lambda: torch.empty(shape, dtype=dtype))

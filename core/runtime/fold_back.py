@@ -40,8 +40,7 @@ def fold_back(engine, meter: RunSums, micro_batch: int, hw=None) -> dict | None:
         work = Workload(prompt_len=prompt, gen_len=max(1, round(meter.output_tokens / meter.requests)),
                         max_prompt_len=max(prompt, meter.longest_prompt), num_requests=meter.requests)
         policy = cpu_policy(meter.active or micro_batch, micro_batch, getattr(engine.config, "expert_group", 1))
-        p = predict(policy, engine.spec, hw, work)
-        return cpu_history.record(hw, costs, predicted=p.decode_tokens_per_s,
+        return cpu_history.record(hw, costs, predicted=predict(policy, engine.spec, hw, work).decode_tokens_per_s,
                                   measured=meter.decode_tokens / meter.decode_seconds,
                                   batch=(policy.batch_size, policy.micro_batch_size))
     except Exception:  # noqa: BLE001 - a cache that cannot be written or read, a model the planner refuses, ...

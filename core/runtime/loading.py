@@ -164,8 +164,7 @@ def _experts_that_fit(spec: ModelSpec, dtype: torch.dtype, dev: Device) -> tuple
 
 
 def _check_fp16_range(weights: ModelWeights) -> None:  # bf16 weights beyond fp16's range would turn into inf
-    named = [(f"layer {i}", lw.flat) for i, lw in enumerate(weights.layers)] + list(weights.globals.items())
-    for name, t in named:
+    for name, t in [(f"layer {i}", lw.flat) for i, lw in enumerate(weights.layers)] + list(weights.globals.items()):
         if not torch.isfinite(t).all():
             raise ModelError(f"{name} has weights beyond float16's range (±65504), and this GPU computes "
                              "bf16 checkpoints in float16", "run with --dtype float32")

@@ -147,8 +147,7 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
             for p in slots[j]:
                 G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
             # the h2d queue is in order: its last page landed means the layer's weights are all there
-            weights = _layer_pages(G, i, pages)[-1:] if i > 0 else ()
-            G.add("post_attn", i, j, deps=(G.get("d2", i, j), *weights))
+            G.add("post_attn", i, j, deps=(G.get("d2", i, j), *(_layer_pages(G, i, pages)[-1:] if i > 0 else ())))
             if (j + 1) % g == 0:
                 G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
             pre_until(i * n + j + 1 + LOOKAHEAD)  # PreAttn(i, j+2), wrapping into layer i+1
@@ -191,8 +190,7 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
         weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or G.serial or L == 1) else []
         for j in range(n):
             # position p = i·n + j uses ring buffer p mod 2: it waits for position p − 2's attention
-            back = divmod(i * n + j - 2, n)
-            reuse = (G.get("gpu_attn", *back),) if i * n + j >= 2 else ()
+            reuse = (G.get("gpu_attn", *divmod(i * n + j - 2, n)),) if i * n + j >= 2 else ()
             # at most two layers' new K/V of a micro-batch wait for the store
             reuse += (G.get("kv_store", i - 2, j),) if i > 1 else ()
             kv = G.add("kv_load", i, j, deps=reuse)

@@ -46,8 +46,7 @@ class TensorParallel:
 
     def outcome(self, stop: bool, slots: int, want: int) -> Outcome:
         """After each step, on every rank: `want` is the batch this rank can go on with (`slots` unless OOM)."""
-        failed = want < slots
-        t = torch.tensor([int(stop), dist.get_rank() + 1 if failed else 0, -want], dtype=torch.int64,
+        t = torch.tensor([int(stop), dist.get_rank() + 1 if want < slots else 0, -want], dtype=torch.int64,
                          device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # any stop, a failed rank, the least batch
         return Outcome(bool(t[0]), int(-t[2]), int(t[1]) - 1)
@@ -105,6 +104,5 @@ def step_collectives(runner) -> list[tuple[tuple[int, ...], torch.dtype]]:
         elif t.kind == "post_attn" and attn:
             out.append(((mbs[t.micro_batch].B, D), dt))
         elif t.kind == "ffn":
-            g = runner._group_size(t)
-            out.append(((sum(m.B for m in mbs[t.micro_batch:t.micro_batch + g]), D), dt))
+            out.append(((sum(m.B for m in mbs[t.micro_batch:t.micro_batch + runner._group_size(t)]), D), dt))
     return out
