@@ -103,9 +103,7 @@ def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches
     pages = pages_per_layer if streamed else 0
     if attention_on == "gpu":
         return _gpu_attention(schedule, L, n, g, pages)
-    if schedule == "cgopipe":
-        return _cgopipe(L, n, g, pages)
-    return _flexgen(L, n, g, pages, overlap=schedule == "s4")
+    return _cgopipe(L, n, g, pages) if schedule == "cgopipe" else _flexgen(L, n, g, pages, overlap=schedule == "s4")
 
 
 def _ffn_deps_of_prev_layer(G: _Graph, i: int, j: int, g: int):

@@ -74,9 +74,7 @@ def from_env(tp: int = 1, env=None) -> World | None:
     except ValueError:
         raise UsageError("RANK / WORLD_SIZE / LOCAL_RANK in the environment are not numbers",
                          "start mlight with torchrun, or unset those variables") from None
-    if size == 1 and tp == 1:
-        return None  # one process under torchrun: the plain single-process run
-    return World(rank, size, local_rank, local_size, tp)
+    return None if size == 1 and tp == 1 else World(rank, size, local_rank, local_size, tp)  # one process: a plain run
 
 
 @dataclass
