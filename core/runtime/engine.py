@@ -372,10 +372,9 @@ class Engine:
     @staticmethod
     def _refill(table: SlotTable, waiting: list[_Seq], active: list[_Seq]) -> list[_Seq]:
         """Place waiting requests into free slots; they join `active` at once, so a failed step restarts them too."""
-        among = None
-        if not active and 0 < len(waiting) <= table.free_slots():
-            # a smaller last wave: in as few micro-batches as hold it, as planner.last_wave prices it
-            among = -(-len(waiting) // table.micro_batch_size)
+        # a smaller last wave: in as few micro-batches as hold it, as planner.last_wave prices it
+        last_wave = not active and 0 < len(waiting) <= table.free_slots()
+        among = -(-len(waiting) // table.micro_batch_size) if last_wave else None
         admitted = []
         while waiting and table.free_slots():
             s = waiting.pop(0)
