@@ -3,6 +3,7 @@ every function reads `SYSTEM` at call time, so a test that sets it runs the Wind
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -38,10 +39,8 @@ def usable_cores() -> int:
     if SYSTEM == "linux" and hasattr(os, "sched_getaffinity"):
         n = len(os.sched_getaffinity(0))
     elif SYSTEM == "windows" or SYSTEM.startswith("freebsd"):
-        try:
+        with contextlib.suppress(AttributeError, OSError):  # AttributeError: no affinity call on this system
             n = len(psutil.Process().cpu_affinity())
-        except (AttributeError, OSError):  # AttributeError: no affinity call on this system
-            pass
     n = n or os.cpu_count() or 1
     quota = cgroup_cpu_quota() if SYSTEM == "linux" else None
     return max(1, n if quota is None else min(n, int(quota)))  # 2.5 CPUs of quota: 2 threads run unthrottled
@@ -191,13 +190,11 @@ def utf8_console(streams=None) -> None:
         enc = (getattr(s, "encoding", None) or "").lower().replace("-", "").replace("_", "")
         if enc in ("utf8", "utf8sig") or not hasattr(s, "reconfigure"):
             continue
-        try:
+        with contextlib.suppress(ValueError, OSError):  # already written to in a way that cannot change: leave it
             if SYSTEM == "windows":
                 s.reconfigure(encoding="utf-8", errors="replace")
             else:
                 s.reconfigure(errors="backslashreplace")
-        except (ValueError, OSError):  # already written to in a way that cannot change; leave it
-            pass
 
 
 def terminal(env=None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -133,11 +134,9 @@ def eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> set[int]:
     ids = set(spec.eos_token_ids)
     gen = model_dir / "generation_config.json"
     if gen.is_file():
-        try:
+        with contextlib.suppress(OSError, ValueError):
             eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
             ids |= set(eos if isinstance(eos, list) else [eos])
-        except (OSError, ValueError):
-            pass
     ids.add(tokenizer.eos_token_id)  # None (none said) goes with the rest that are no token
     return {i for i in ids if isinstance(i, int) and 0 <= i < spec.vocab_size}
 
