@@ -149,9 +149,6 @@ class Device:
     def close(self) -> None:
         pass
 
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name}>"
-
 
 class _Done:  # the host device's stream and event: work is done when it returns, so there is nothing to wait for
     def record(self, stream=None) -> None:
