@@ -168,7 +168,6 @@ class Engine:
         self.policy = policy
 
     def configure(self, *, pages_per_layer: int | None = None, **changes) -> None:
-        """Change how the loaded model runs for later `generate` calls; the weights stay where they are."""
         if "resident_layers" in changes and "resident_experts" not in changes:
             changes["resident_experts"] = None
         config = dataclasses.replace(self.config, **changes)
@@ -182,13 +181,11 @@ class Engine:
             self.weights.repage(pages_per_layer)
 
     @property
-    def pin_seconds(self) -> float:
-        """Seconds spent page-locking the streamed weights (the first run's; later runs find them locked)."""
+    def pin_seconds(self) -> float:  # the first run's: later runs find the weights locked
         return self.weights.pin_seconds
 
     @property
     def pinned_bytes(self) -> int:
-        """Host bytes of streamed weights page-locked now (they stay locked until `close`)."""
         return self.weights.pinned_bytes
 
     def _stop_executor(self) -> None:
