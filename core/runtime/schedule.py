@@ -177,13 +177,9 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
     G = _Graph(serial=schedule == "s3")
     slots = _page_slots(pages, n)
     for i in range(L):
-        nxt = (i + 1) % L
-        if schedule == "s4":
-            for p in range(pages):
-                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
-        if G.serial:
-            for p in range(pages):
-                G.add("weight_page", i, page=p)
+        nxt, s4 = (i + 1) % L, schedule == "s4"
+        for p in range(pages if schedule != "cgopipe" else 0):  # S4: the whole next layer first; S3: this one's
+            G.add("weight_page", nxt if s4 else i, page=p, deps=_buffer_free(G, i, n, g) if s4 else ())
         # this layer's pages where queued before its first use (past layer 0; S3; S4 with one layer)
         weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or G.serial or L == 1) else []
         for j in range(n):
