@@ -78,7 +78,8 @@ class Device:
     def launch(self, stream, fn: Callable[[], None], label=None) -> None:
         fn()
 
-    def host_wait(self, event, cancel: Callable[[], bool] | None = None, what: str = "the work before an event") -> None:
+    def host_wait(self, event, cancel: Callable[[], bool] | None = None,
+                  what: str = "the work before an event") -> None:
         poll(event.query, self.wait_seconds, what, cancel)
 
     def synchronize(self) -> None:
