@@ -119,10 +119,8 @@ def _llc_windows(kernel32=None) -> int:
     length = ctypes.c_uint32(0)
     k32.GetLogicalProcessorInformation(None, ctypes.byref(length))  # fails, saying how many bytes it needs
     count = length.value // ctypes.sizeof(Info)
-    if not count:
-        return 0
     buf = (Info * count)()
-    if not k32.GetLogicalProcessorInformation(buf, ctypes.byref(length)):
+    if not count or not k32.GetLogicalProcessorInformation(buf, ctypes.byref(length)):
         return 0
     records = buf[:min(count, length.value // ctypes.sizeof(Info))]
     return max((r.u.Cache.Size for r in records if r.Relationship == RELATION_CACHE), default=0)
