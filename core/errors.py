@@ -5,20 +5,15 @@
 from __future__ import annotations
 
 
-class MlightError(Exception):
-    """A runtime failure with a message meant for the user (exit code 1)."""
-
+class MlightError(Exception):  # a runtime failure
     exit_code = 1
 
     def __init__(self, problem: str, hint: str | None = None):
-        self.problem = problem
-        self.hint = hint
+        self.problem, self.hint = problem, hint
         super().__init__(f"{problem} — {hint}" if hint else problem)
 
 
-class UsageError(MlightError):
-    """Bad input from the user: a flag, a file, a model folder (exit code 2)."""
-
+class UsageError(MlightError):  # bad input: a flag, a file, a model folder
     exit_code = 2
 
 

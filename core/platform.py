@@ -1,9 +1,9 @@
-"""What differs between operating systems, decided in one place. Every function reads `SYSTEM` at call time, so
-a test that sets it runs the Windows branches on any machine. A leaf: it imports nothing from core's packages.
-"""
+"""What differs between operating systems, decided in one place (a leaf: it imports nothing from core's packages);
+every function reads `SYSTEM` at call time, so a test that sets it runs the Windows branches on any machine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -13,16 +13,7 @@ from pathlib import Path
 import platformdirs
 import psutil
 
-
-def _system() -> str:
-    if sys.platform.startswith("win"):
-        return "windows"
-    if sys.platform == "darwin":
-        return "macos"
-    return "linux" if sys.platform.startswith("linux") else sys.platform
-
-
-SYSTEM = _system()  # tests switch it: monkeypatch.setattr(core.platform, "SYSTEM", "windows")
+SYSTEM = {"win32": "windows", "darwin": "macos"}.get(sys.platform, sys.platform)  # tests switch it (monkeypatch)
 WINDOWS_MAX_PATH = 260  # characters, terminating NUL included (MAX_PATH)
 SHARING_RETRY_S = 2.0  # how long to wait for another process to let go of a file on Windows
 _sleep = time.sleep  # tests replace it so retries cost no time
@@ -32,8 +23,6 @@ CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 def is_windows() -> bool:
     return SYSTEM == "windows"
 
-
-# ---- CPUs --------------------------------------------------------------------------------------
 
 def cgroup_cpu_quota(path: str | Path | None = None) -> float | None:
     """CPUs a Linux container may use (`docker --cpus`), from cgroup v2's cpu.max; None when unlimited."""
@@ -50,16 +39,11 @@ def usable_cores() -> int:
     if SYSTEM == "linux" and hasattr(os, "sched_getaffinity"):
         n = len(os.sched_getaffinity(0))
     elif SYSTEM == "windows" or SYSTEM.startswith("freebsd"):
-        try:
+        with contextlib.suppress(AttributeError, OSError):  # AttributeError: no affinity call on this system
             n = len(psutil.Process().cpu_affinity())
-        except (AttributeError, OSError):  # AttributeError: no affinity call on this system
-            pass
     n = n or os.cpu_count() or 1
-    if SYSTEM == "linux":
-        quota = cgroup_cpu_quota()
-        if quota is not None:
-            n = min(n, max(1, int(quota)))  # 2.5 CPUs of quota: 2 threads run unthrottled
-    return max(1, n)
+    quota = cgroup_cpu_quota() if SYSTEM == "linux" else None
+    return max(1, n if quota is None else min(n, int(quota)))  # 2.5 CPUs of quota: 2 threads run unthrottled
 
 
 def load_average() -> tuple[float, float, float] | None:
@@ -73,13 +57,11 @@ def load_average() -> tuple[float, float, float] | None:
 def free_cores(sample_s: float = 0.1) -> int:
     """Usable cores not busy now, by CPU utilisation over `sample_s` (the load average lags by a minute)."""
     usable = usable_cores()
-    total = os.cpu_count() or usable
-    try:
-        busy = psutil.cpu_percent(interval=sample_s) / 100.0 * total
+    try:  # the load is machine-wide: its share on our cores
+        busy = psutil.cpu_percent(interval=sample_s) / 100.0 * usable
     except OSError:
         return usable
-    busy_here = busy * usable / max(total, 1)  # the load is machine-wide: the share of it on our cores
-    return max(1, usable - int(busy_here + 0.5))
+    return max(1, usable - int(busy + 0.5))
 
 
 DEFAULT_LLC = 16 << 20  # a typical desktop's last-level cache, where the OS does not say
@@ -96,26 +78,18 @@ def llc_bytes() -> int:
         return DEFAULT_LLC
 
 
-def _sysfs_size(text: str) -> int:
-    """sysfs's cache size ("2048K", "32M", or bytes) in bytes; 0 for an empty file."""
-    text = text.strip().upper()
-    if not text:
-        return 0
-    return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
-
-
 def _llc_linux() -> int:
     best = 0
     for f in Path(LINUX_CACHE).glob("index*/size"):
         try:
-            best = max(best, _sysfs_size(f.read_text(encoding="ascii")))
+            text = f.read_text(encoding="ascii").strip().upper()  # "2048K", "32M", bytes, or empty
+            best = max(best, int(text.rstrip("KM") or 0) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1))
         except (OSError, ValueError):
             continue
     return best
 
 
 def _llc_macos(libc=None) -> int:
-    """The first of the L3, the performance cores' L2 and the L2 that sysctl knows."""
     import ctypes
     import ctypes.util
 
@@ -129,7 +103,6 @@ def _llc_macos(libc=None) -> int:
 
 
 def _llc_windows(kernel32=None) -> int:
-    """The largest cache GetLogicalProcessorInformation lists (its fixed-size records)."""
     import ctypes
 
     class Cache(ctypes.Structure):  # CACHE_DESCRIPTOR
@@ -146,10 +119,8 @@ def _llc_windows(kernel32=None) -> int:
     length = ctypes.c_uint32(0)
     k32.GetLogicalProcessorInformation(None, ctypes.byref(length))  # fails, saying how many bytes it needs
     count = length.value // ctypes.sizeof(Info)
-    if not count:
-        return 0
     buf = (Info * count)()
-    if not k32.GetLogicalProcessorInformation(buf, ctypes.byref(length)):
+    if not count or not k32.GetLogicalProcessorInformation(buf, ctypes.byref(length)):
         return 0
     records = buf[:min(count, length.value // ctypes.sizeof(Info))]
     return max((r.u.Cache.Size for r in records if r.Relationship == RELATION_CACHE), default=0)
@@ -160,23 +131,18 @@ def pinned_budget(ram_bytes: int) -> int:
     return ram_bytes // 2 if SYSTEM == "windows" else ram_bytes
 
 
-# ---- stopping ----------------------------------------------------------------------------------
-
 def stop_signals() -> tuple[int, ...]:
     """Signals that ask a run to stop cleanly on this OS (Windows never delivers SIGTERM; Ctrl-Break is SIGBREAK)."""
     names = ("SIGINT", "SIGBREAK") if SYSTEM == "windows" else ("SIGINT", "SIGTERM")
     return tuple(getattr(signal, n) for n in names if hasattr(signal, n))
 
 
-# ---- files -------------------------------------------------------------------------------------
-
 def can_fsync_dir() -> bool:
     """Whether a folder can be fsynced to make a rename durable (not on Windows, where NTFS journals the rename)."""
     return SYSTEM != "windows"
 
 
-def _retry_shared(op, *args) -> None:
-    """Run a file operation; on Windows retry it while another process holds the file open."""
+def _retry_shared(op, *args) -> None:  # on Windows, retried while another process holds the file open
     deadline, delay = time.monotonic() + SHARING_RETRY_S, 0.02
     while True:
         try:
@@ -190,10 +156,7 @@ def _retry_shared(op, *args) -> None:
 
 def cache_dir() -> Path:
     """Where mlight caches per-machine data: $MLIGHT_CACHE_DIR, else platformdirs' user cache folder."""
-    env = os.environ.get("MLIGHT_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(platformdirs.user_cache_dir("mlight"))
+    return Path(os.environ.get("MLIGHT_CACHE_DIR") or platformdirs.user_cache_dir("mlight"))
 
 
 def replace(src: str | Path, dst: str | Path) -> None:
@@ -202,7 +165,7 @@ def replace(src: str | Path, dst: str | Path) -> None:
 
 
 def remove(path: str | Path) -> None:
-    """os.remove, waiting on Windows for another process to close the file (a missing file raises at once)."""
+    """os.remove, waiting on Windows as `replace` (a missing file raises at once)."""
     _retry_shared(os.remove, path)
 
 
@@ -219,21 +182,17 @@ def path_too_long(path: str | Path) -> bool:
         return True
 
 
-# ---- console -----------------------------------------------------------------------------------
-
 def utf8_console(streams=None) -> None:
     """Let stdout/stderr print any text: UTF-8 on Windows (redirected, it is the ANSI code page), else escapes."""
     for s in streams if streams is not None else (sys.stdout, sys.stderr):
         enc = (getattr(s, "encoding", None) or "").lower().replace("-", "").replace("_", "")
         if enc in ("utf8", "utf8sig") or not hasattr(s, "reconfigure"):
             continue
-        try:
+        with contextlib.suppress(ValueError, OSError):  # already written to in a way that cannot change: leave it
             if SYSTEM == "windows":
                 s.reconfigure(encoding="utf-8", errors="replace")
             else:
                 s.reconfigure(errors="backslashreplace")
-        except (ValueError, OSError):  # already written to in a way that cannot change; leave it
-            pass
 
 
 def terminal(env=None) -> str:

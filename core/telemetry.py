@@ -63,7 +63,7 @@ class TaskSpan(NamedTuple):
 
 
 def task_spans(step: StepDone) -> list[TaskSpan]:
-    """Every task of `step` with when it ran, seconds from its first task's start; a copy to keep."""
+    """Seconds from the step's first task's start; a copy to keep."""
     n, times = min(len(step.tasks), len(step.times) // 2), step.times
     origin = min(times[0:2 * n:2], default=0.0)
     return [TaskSpan(t.resource, t.kind, getattr(t, "layer", -1), times[2 * i] - origin, times[2 * i + 1] - origin)
@@ -105,4 +105,4 @@ EventSink = Callable[[Event], None]
 
 
 def ignore(event: Event) -> None:
-    """Default sink: drop the event."""
+    pass

@@ -312,7 +312,7 @@ def test_terminal_kinds(monkeypatch):
 
 
 def test_the_real_system_is_recognised():
-    assert platform.SYSTEM == platform._system() and platform.SYSTEM
+    assert platform.SYSTEM in ("linux", "macos", "windows") or platform.SYSTEM.startswith("freebsd")
     assert platform.usable_cores() >= 1 and platform.free_cores(sample_s=0.0) >= 1
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 
 class SlotTable:
-    """`slots` batch slots split into micro-batches of `micro_batch_size` consecutive slots."""
-
     def __init__(self, slots: int, micro_batch_size: int):
         if slots < 1 or micro_batch_size < 1:
             raise ValueError("batch and micro-batch sizes must be >= 1")
@@ -23,7 +21,7 @@ class SlotTable:
         return sum(o is None for o in self.owner)
 
     def place(self, request, tokens: int, among: int | None = None) -> int:
-        """The slot `request` (`tokens` cache positions) takes in the emptiest micro-batch (of the first `among`)."""
+        """A slot in the emptiest micro-batch (of the first `among`)."""
         room = [j for j, (lo, hi) in enumerate(self.ranges[:among]) if None in self.owner[lo:hi]]
         if not room:
             raise RuntimeError("no free slot")
@@ -39,13 +37,12 @@ class SlotTable:
         self.tokens[self.micro_batch_of(slot)] -= tokens
 
     def compact(self) -> list[tuple[int, int]]:
-        """Each micro-batch's requests into its first slots, highest into lowest free: the (from, to) moves."""
+        """Each micro-batch's requests into its first slots, highest into lowest free."""
         moves = []
         for lo, hi in self.ranges:
             used = [s for s in range(lo, hi) if self.owner[s] is not None]
             holes = [s for s in range(lo, lo + len(used)) if self.owner[s] is None]
-            movers = [s for s in reversed(used) if s >= lo + len(used)]
-            for src, dst in zip(movers, holes):
+            for src, dst in zip([s for s in reversed(used) if s >= lo + len(used)], holes):  # highest first
                 self.owner[dst], self.owner[src] = self.owner[src], None
                 moves.append((src, dst))
         return moves

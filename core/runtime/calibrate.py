@@ -1,6 +1,6 @@
-"""Measure this machine's CPU cost model (core.plan.cpu_cost): run the engine over shapes spanning the planner's
-choices, within `BUDGET_S`, and fit the coefficients to every step's task seconds at once. The band: the largest
-relative error of a shape's run under the fit, or of one shape run again (the noise).
+"""This machine's CPU cost model (core.plan.cpu_cost), fitted to every step's task seconds of engine runs over
+shapes spanning the planner's choices. The band: the largest relative error of a shape's run under the fit, or of
+one shape run again (the noise).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class RunStep(NamedTuple):
 
 def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: int = GEN,
               clock=time.perf_counter) -> list[RunStep]:
-    """Run `prompts` at `batch`/`micro_batch`, each to `gen` tokens: every step, timed, with what it held."""
     held: list = []
     make = engine.runner
 
@@ -73,20 +72,21 @@ def step_rows(d, L: int, s: RunStep, group: int = 1) -> list[tuple[list[float], 
 
 def calibrate(engine, prompts, *, progress: EventSink = ignore, clock=time.perf_counter, budget_s: float = BUDGET_S,
               shapes=SHAPES, notes: dict | None = None) -> CpuCosts:
-    """This machine's CPU cost model for `engine`; `prompts(n, mean)`: n prompts of `mean` tokens on average (passed
-    in: core.io.workloads makes them, above this package)."""
+    """`prompts(n, mean)`: n prompts of `mean` tokens on average (core.io.workloads makes them, above this package)."""
     d, L, group = hrm.dims(engine.spec), engine.spec.num_layers, max(1, getattr(engine.config, "expert_group", 1))
-    run_steps(engine, prompts(4, 77), batch=4, micro_batch=2, clock=clock)  # warm-up
+
+    def run(n, mb, mean):
+        return (n, mb, mean), run_steps(engine, prompts(n, mean), batch=n, micro_batch=mb, clock=clock)
+
+    run(4, 2, 77)  # warm-up
     runs, t0 = [], clock()
-    for i, (n, mb, mean) in enumerate(shapes):
+    for i, shape in enumerate(shapes):
         if runs and clock() - t0 > budget_s:
             break
         progress(Progress("calibrating the CPU cost model", i, len(shapes), "shapes"))
-        runs.append(((n, mb, mean), run_steps(engine, prompts(n, mean), batch=n, micro_batch=mb,
-                                              clock=clock)))
-    (n, mb, mean), first = runs[min(1, len(runs) - 1)]  # one shape again: the machine's own noise bounds the band
-    runs.append(((n, mb, mean), run_steps(engine, prompts(n, mean), batch=n, micro_batch=mb,
-                                          clock=clock)))
+        runs.append(run(*shape))
+    shape, first = runs[min(1, len(runs) - 1)]  # one shape again: the machine's own noise bounds the band
+    runs.append(run(*shape))
     noise = sum(s.seconds for s in runs[-1][1]) / sum(s.seconds for s in first) - 1
     rows = [r for _, steps in runs for s in steps for r in step_rows(d, L, s, group)]
     fitted = dict(zip(cpu_cost.NAMES, cpu_cost.fit(rows)))
@@ -103,8 +103,7 @@ def calibrate(engine, prompts, *, progress: EventSink = ignore, clock=time.perf_
 
 
 class StepClock:
-    """An event sink keeping StepDone events with `clock`'s seconds: `spans` between events, and (another clock,
-    or `by_kind`) each step's task seconds by kind in `kinds`."""
+    """An event sink keeping StepDone events with `clock`'s seconds; another clock, or `by_kind`, times each task."""
 
     def __init__(self, engine, clock=time.perf_counter, forward: EventSink = ignore, by_kind: bool = False):
         self.clock, self.forward, self.wall = clock, forward, clock is time.perf_counter

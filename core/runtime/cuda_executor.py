@@ -1,7 +1,6 @@
-"""The CUDA executor: the threaded executor's shape, with "compute", "h2d" and "d2h" as streams, each fed by a
-host thread that only launches. A cross-stream dependency is `stream.wait_event`; a step has one host sync, at
-its end; a wait past the device's `wait_seconds` fails the step naming the hung task, and the executor refuses
-further steps. Timing: one event per task, the one other streams wait on (no extra device op).
+"""The threaded executor with "compute", "h2d" and "d2h" as streams, each fed by a host thread that only launches:
+one host sync a step, at its end; a wait past the device's `wait_seconds` fails the step naming the hung task, and
+the executor refuses further steps. Timing: one event per task, the one other streams wait on (no extra device op).
 """
 
 from __future__ import annotations
@@ -33,13 +32,12 @@ class _CudaStep(_Step):
             self.last_on[r] = tid
 
     def started(self, tid: int) -> bool:
-        """Whether stream task `tid` is past everything it waits for (so it runs, or ran)."""
         prev, task = self.before[tid], self.tasks[tid]
         return (tid in self.launched and (prev is None or self.end[prev].query())
                 and all(self.end[d].query() if d in self.end else self.events[d].is_set() for d in task.deps))
 
     def stuck(self, stream: str | None, err: DeviceStalled) -> DeviceTaskError:
-        """The failure for a wait on `stream` (None: all) past its deadline, naming the task that hangs."""
+        """The failure for a wait on `stream` (None: all), naming the task that hangs."""
         running = [t for t in self.stream_of if not self.end[t].query() and self.started(t)]
         mine = [t for t, r in self.stream_of.items() if stream is None or r == stream]
         tid = running[0] if running else next((t for t in mine if not self.end[t].query()), mine[-1])
@@ -54,11 +52,10 @@ class CudaExecutor(ThreadedExecutor):
     takes_tail = True  # run(..., then=): see _finish
 
     def __init__(self, device: Device, *, stall_seconds: float = STALL_SECONDS, placement=None):
-        """`placement(resource)` runs on each worker first (core.model.cpu.threads.worker_setup)."""
         self.dev = device
-        self.placement = placement
+        self.placement = placement  # run on each worker first (core.model.cpu.threads.worker_setup)
         self.streams = {r: device.stream(r, compute=r == "compute") for r in STREAMS}
-        self._events = self._fresh_events()
+        self._events = [device.event(timing=True), device.event()]  # the origin, the join: see _CudaStep
         self._hung: str | None = None  # a stream that ran past the device's deadline: what is stuck on it
         self._then = None  # the running step's tail (run's `then`)
         super().__init__(STREAMS + ("cpu_attn",), setup=self._setup, stall_seconds=stall_seconds)
@@ -69,8 +66,7 @@ class CudaExecutor(ThreadedExecutor):
             self.placement(resource)
 
     def run(self, tasks, fn, then=None) -> dict[str, float]:
-        """ThreadedExecutor.run; `then()` enqueues the caller's tail before the step's one host wait."""
-        self._then = then
+        self._then = then  # enqueues the caller's tail before the step's one host wait
         try:
             return super().run(tasks, fn)
         finally:
@@ -142,15 +138,11 @@ class CudaExecutor(ThreadedExecutor):
             raise err
         busy, times, at = dict(step.busy), self.times, step.index
         for tid, ev in step.end.items():  # in list order: a task's dependencies and predecessor come first
-            i = at[tid]  # the timeline: device times on the host clock, from the step's origin
+            i, prev = at[tid], step.before[tid]  # the timeline: device times on the host clock, from the step's origin
             end = step.origin_host + step.origin.elapsed_time(ev) / 1e3
-            start = times[2 * i]  # launched then
-            prev = step.before[tid]
-            if prev is not None:
-                start = max(start, times[2 * at[prev] + 1])
-            for d in step.tasks[tid].deps:  # a stream task's end, or a host task's (ThreadedExecutor._execute)
-                start = max(start, times[2 * at[d] + 1])
-            start = min(start, end)  # the two clocks' readings meet within rounding
+            # from its launch, or the end of its predecessor or of a task it waits for (on a stream, or the host's)
+            after = [times[2 * at[d] + 1] for d in (*step.tasks[tid].deps, *(() if prev is None else (prev,)))]
+            start = min(max([times[2 * i], *after]), end)  # the two clocks' readings meet within rounding
             times[2 * i], times[2 * i + 1] = start, end
             r = step.stream_of[tid]
             busy[r] = busy.get(r, 0.0) + end - start
@@ -166,10 +158,7 @@ class CudaExecutor(ThreadedExecutor):
                 self._broken = f"the device did not drain after a failure: {e.problem}"
             except Exception:  # noqa: BLE001
                 pass
-        self._events = self._fresh_events()  # none may keep the failure (and its frames) alive
-
-    def _fresh_events(self) -> list:
-        return [self.dev.event(timing=True), self.dev.event()]
+        self._events = [self.dev.event(timing=True), self.dev.event()]  # none may keep the failure (its frames) alive
 
     def close(self) -> None:
         super().close()

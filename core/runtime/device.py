@@ -1,8 +1,5 @@
-"""The accelerator as the runtime sees it: one small interface (`Device`) over torch.cuda (`CudaDevice`, the only
-code CI cannot run), the CPU playing a GPU (core.runtime.device_emulated) and the CPU as its own device
-(`HostDevice`). `launch(stream, fn)` enqueues and returns; `copy` is asynchronous only from pinned, contiguous
-host memory; launched work's errors surface at the next sync (`DeviceTaskError`); every host wait is bounded by
-`wait_seconds` (`DeviceStalled`) — on CUDA by polling, since cudaEventSynchronize takes no deadline.
+"""The accelerator as the runtime sees it (docs/CONTRACTS.md, Device): `CudaDevice` is the only code CI cannot run;
+every host wait is bounded by `wait_seconds` — on CUDA by polling, since cudaEventSynchronize takes no deadline.
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ def device_index(spec: str | torch.device | int | None, current: Callable[[], in
 
 
 class Device:
-    """The interface (see the module docstring); its defaults are the CPU's, `HostDevice` below."""
+    """The interface; its defaults are the CPU's (`HostDevice`)."""
 
     kind = "cpu"  # "cpu" | "cuda" | "emulated"
     accelerator = False  # False: the CPU is the device (no streams, no transfers)
@@ -63,7 +60,6 @@ class Device:
     pin_limit_bytes: int | None = None  # page-locked host bytes allowed (None: no limit; see pin_budget)
     wait_seconds = WAIT_SECONDS  # the deadline of every host wait on device work (DeviceStalled past it)
 
-    # ---- threads and streams ----
     def set_device(self) -> None:
         """Make this device current on the calling thread (every worker thread calls it once)."""
 
@@ -82,24 +78,19 @@ class Device:
     def launch(self, stream, fn: Callable[[], None], label=None) -> None:
         fn()
 
-    def host_wait(self, event, cancel: Callable[[], bool] | None = None, what: str = "the work before an event") -> None:
-        """Block until `event` completes or `cancel()`; DeviceStalled naming `what` past `wait_seconds`."""
+    def host_wait(self, event, cancel: Callable[[], bool] | None = None,
+                  what: str = "the work before an event") -> None:
         poll(event.query, self.wait_seconds, what, cancel)
 
     def synchronize(self) -> None:
-        """Wait for all work on the device, within `wait_seconds`; raise (once) the first error of launched work."""
+        """Raise (once) the first error of launched work."""
 
-    # ---- graphs ----
     def capture(self, fn: Callable[[], object]):
-        """From inside launched work: (graph, fn's outputs, valid after each `replay`); CaptureError where `fn` does
-        what capture forbids."""
         raise CaptureError(f"{self.name} has no CUDA graphs")
 
     def replay(self, graph) -> None:
-        """Enqueue a captured graph on the current stream (from inside launched work)."""
         raise CaptureError(f"{self.name} has no CUDA graphs")
 
-    # ---- memory ----
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.torch_device)
 
@@ -107,23 +98,18 @@ class Device:
         return torch.zeros(shape, dtype=dtype, device=self.torch_device)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A device tensor with `t`'s contents (the host tensor itself where the host is the device)."""
         return t
 
     def tensor(self, data, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Small host data (lists) as a device tensor, for per-step metadata."""
         return self.to_device(torch.tensor(data, dtype=dtype))
 
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of a device tensor, once the work producing it is done (a sync point)."""
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:  # a sync point
         return t.clone()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
         dst.copy_(src)
 
-    def pin(self, t: torch.Tensor) -> bool:
-        """Page-lock a contiguous host tensor; False past `pin_limit_bytes` or when the OS refuses (copies are then
-        staged: slower, still right)."""
+    def pin(self, t: torch.Tensor) -> bool:  # False: copies from `t` are staged (slower, still right)
         return False
 
     def _pin_fits(self, nbytes: int) -> bool:
@@ -139,8 +125,7 @@ class Device:
     def is_pinned(self, t: torch.Tensor) -> bool:
         return False
 
-    def pending_error(self) -> str | None:
-        """An error left pending on this device by work outside torch (CUDA's "last error"), taken and cleared."""
+    def pending_error(self) -> str | None:  # left by work outside torch (CUDA's "last error"), taken and cleared
         return None
 
     def mem_get_info(self) -> tuple[int, int]:
@@ -159,20 +144,14 @@ class Device:
     def empty_cache(self) -> None:
         pass
 
-    def compute(self):
-        """Context for device compute issued from a host thread outside any launch (embeddings, logits)."""
+    def compute(self):  # for device compute issued outside any launch (embeddings, logits)
         return contextlib.nullcontext()
 
     def close(self) -> None:
         pass
 
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name}>"
 
-
-class _Done:
-    """The host device's stream and event: work is done when it returns, so there is nothing to wait for."""
-
+class _Done:  # the host device's stream and event: work is done when it returns, so there is nothing to wait for
     def record(self, stream=None) -> None:
         pass
 
@@ -181,7 +160,7 @@ class _Done:
 
 
 class HostDevice(Device):
-    """The CPU as the device (the interface's defaults): the CPU-only mode and the threaded executor's real copies."""
+    """The CPU as the device: the CPU-only mode and the threaded executor's real copies."""
 
 
 class CudaDevice(Device):
@@ -243,7 +222,6 @@ class CudaDevice(Device):
         graph.replay()
 
     def synchronize(self) -> None:
-        """Every stream made here and the current one, polled within the deadline."""
         for i, s in enumerate([*self._streams, self.current_stream()]):
             ev = torch.cuda.Event()
             ev.record(s)
@@ -291,8 +269,7 @@ class CudaDevice(Device):
         self.pending_error()
 
     def pending_error(self) -> str | None:
-        """Take CUDA's pending last error on this thread (a tiny kernel's launch check reads it), or None."""
-        try:
+        try:  # a tiny kernel's launch check reads (and clears) the thread's last error
             torch.zeros(1, device=self.torch_device).add_(1)
         except RuntimeError as e:
             return str(e).splitlines()[0]
@@ -334,10 +311,7 @@ class CudaDevice(Device):
 
 def default_device_kind() -> str:
     """$MLIGHT_DEVICE (cpu | cuda | emulated; the tests set cpu) if set, else CUDA where torch sees one, else cpu."""
-    env = os.environ.get("MLIGHT_DEVICE", "").strip().lower()
-    if env:
-        return env
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return os.environ.get("MLIGHT_DEVICE", "").strip().lower() or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def resolve_device(device: "str | torch.device | Device | None" = None) -> Device:

@@ -1,12 +1,8 @@
-"""An emulated CUDA device on the CPU, so that the GPU path's own code runs in CI (contract: core.runtime.device).
-
-Streams are threads running their queue later than the host enqueued it (`copy_delay` lands copies later still:
-a host reading a copy before its event completes reads stale data). Device memory, and every tensor device
-compute creates, counts against `memory_bytes`; compute reading a host tensor raises, as CUDA does; copies from
-unpinned or strided host memory count in `stats["staged_copies"]`. `fault(point)` is called at "set_device",
-"launch", "wait_event", "host_wait", "copy", "alloc", "pin", and at "kernel" on the stream's thread (blocking
-there is a hung kernel). `capture(fn)` raises CaptureError on what graph capture forbids; `replay` reruns `fn`
-into the captured outputs. Not modelled: bandwidth, concurrency within a stream, allocator reuse across streams.
+"""An emulated CUDA device on the CPU, so that the GPU path's own code runs in CI: streams are threads running their
+queue late (`copy_delay`: a host reading a copy before its event reads stale data); device memory counts against
+`memory_bytes`; compute reading a host tensor raises, as CUDA does. `fault(point)` is called at "set_device", "launch",
+"wait_event", "host_wait", "copy", "alloc", "pin", and at "kernel" on the stream's thread (blocking there: a hung
+kernel). Not modelled: bandwidth, concurrency within a stream, allocator reuse across streams.
 """
 
 from __future__ import annotations
@@ -81,9 +77,8 @@ class _Stream:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
-        self._thread = None
-        if not inline:
-            self._thread = threading.Thread(target=self._loop, name=f"emulated-{name}", daemon=True)
+        self._thread = None if inline else threading.Thread(target=self._loop, name=f"emulated-{name}", daemon=True)
+        if self._thread is not None:
             self._thread.start()
 
     def _own(self) -> bool:
@@ -96,8 +91,7 @@ class _Stream:
 
     def _loop(self) -> None:
         self.dev._tls.stream = self
-        mode = _Track(self.dev) if self.compute else contextlib.nullcontext()
-        with mode:
+        with _Track(self.dev) if self.compute else contextlib.nullcontext():
             while True:
                 item = self._q.get()
                 if item is None:
@@ -122,14 +116,13 @@ class _Stream:
             self.dev._tls.label = None
 
     def _wait(self, event: _Event, gen: int, timeout: float | None = None) -> bool:
-        """Until the event's record `gen` completes (False: not within `timeout`); its failure becomes ours."""
+        """False: not within `timeout`; the event's failure becomes ours."""
         if not event._wait_gen(gen, timeout):
             return False
         if event.error is not None and self.error is None:
             self.error = event.error
         return True
 
-    # ---- the CUDA stream API ----
     def _record(self, event: _Event, gen: int) -> None:
         if self._own():
             event._complete(gen, self.error)
@@ -176,7 +169,6 @@ class EmulatedCuda(Device):
     def __init__(self, memory_bytes: int = 16 * GiB, *, capability=(8, 9), name: str = "emulated GPU",
                  copy_delay: float | Callable[[], float] = 0.0, pin_limit_bytes: int | None = None,
                  wait_seconds: float | None = None):
-        self.torch_device = torch.device("cpu")
         self.name, self.capability = name, tuple(capability)
         self.total = int(memory_bytes)
         self.copy_delay = copy_delay
@@ -192,7 +184,6 @@ class EmulatedCuda(Device):
         self._streams: list[_Stream] = []
         self._inline = _Stream(self, "host", compute=False, inline=True)
 
-    # ---- threads and streams ----
     def _fault(self, point: str) -> None:
         if self.fault is not None:
             self.fault(point)
@@ -261,7 +252,6 @@ class EmulatedCuda(Device):
         if errors:
             raise DeviceTaskError(*errors[0])
 
-    # ---- memory ----
     def _account(self, t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
         ptr, n = s.data_ptr(), s.nbytes()
@@ -291,7 +281,6 @@ class EmulatedCuda(Device):
                 self.allocated -= n
 
     def running(self):
-        """The label of the launched work running on the calling stream thread (None elsewhere)."""
         return getattr(self._tls, "label", None)
 
     def is_device(self, t: torch.Tensor) -> bool:
@@ -301,8 +290,7 @@ class EmulatedCuda(Device):
         self._refuse("an allocation through the device's allocator")
         self._fault("alloc")
         with _disable_current_modes():
-            t = make()
-        return self._account(t)
+            return self._account(make())
 
     def empty(self, shape, dtype):
         return self._new(lambda: torch.empty(shape, dtype=dtype))
@@ -394,7 +382,6 @@ class EmulatedCuda(Device):
     def compute(self):
         return _Track(self)
 
-    # ---- graphs ----
     def _refuse(self, what: str) -> None:
         """Raise CaptureError if the calling thread is capturing (thread-local capture, as the executor's)."""
         if getattr(self._tls, "capture", None) is not None:
@@ -448,7 +435,7 @@ class EmulatedCuda(Device):
 
 
 class _Track(TorchDispatchMode):
-    """Counts what device compute allocates, and refuses host tensors as its inputs."""
+    """Counts what device compute allocates; refuses host tensors as its inputs."""
 
     _depth = threading.local()
 
@@ -521,7 +508,7 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _new(inputs: list[torch.Tensor], out) -> list[torch.Tensor]:
-    """The tensors of an op's output in storage none of its inputs has: memory the op made."""
+    """Memory the op made: its outputs in storage none of its inputs has."""
     have = {a.untyped_storage().data_ptr() for a in inputs}
     return [t for t in _tensors(out) if t.untyped_storage().data_ptr() not in have]
 
@@ -544,7 +531,7 @@ _Graph = collections.namedtuple("_Graph", "fn out trace")  # a captured segment:
 
 
 class _Undo(TorchDispatchMode):
-    """Keeps the first contents of every storage written while it is active, and puts them back."""
+    """Keeps the first contents of every storage written while active, to put them back."""
 
     def __init__(self):
         super().__init__()
@@ -596,8 +583,7 @@ _SYNCING = {_aten.nonzero.default, _aten.masked_select.default, _aten._unique2.d
             _aten.argwhere.default}
 
 
-def _syncs(func, args, kwargs) -> bool:
-    """Whether a GPU must synchronise with the host to run this op (an output sized by the data)."""
+def _syncs(func, args, kwargs) -> bool:  # a GPU must synchronise with the host: an output sized by the data
     if func in _SYNCING:
         return True
     if func is _aten.repeat_interleave.Tensor or func is _aten.repeat_interleave.self_Tensor:

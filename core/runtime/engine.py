@@ -1,11 +1,11 @@
-"""The batch generation engine: `Request`s in (text or chat), `Result`s out as each finishes. It owns the step
-loop and hands the per-layer work to a `PipelineRunner`; telemetry goes through a callback, it never prints.
-"""
+"""The batch generation engine: `Request`s in, `Result`s out as each finishes; the per-layer work is a
+`PipelineRunner`'s."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -72,9 +72,7 @@ class Result:
 
 
 @dataclass
-class _Seq:
-    """A request in flight."""
-
+class _Seq:  # a request in flight
     req: Request
     prompt_ids: list[int]
     max_total: int  # prompt + generated tokens it may reach
@@ -86,7 +84,6 @@ class _Seq:
     gen: torch.Generator | None = None
 
     def reset(self) -> None:
-        """Back to not started: no output, a fresh generator for its seed."""
         self.out.clear()
         self.finish = self.text = None
         if self.req.temperature > 0:
@@ -102,8 +99,7 @@ EXECUTORS = ("sequential", "threaded", "cuda")
 
 @dataclass(frozen=True)
 class RunConfig:
-    """How the engine runs the model: where, with which executor and schedule, what stays resident. On the CPU
-    the default is the plain chain; a schedule or the threaded executor runs its graph with real copies."""
+    """On the CPU the default is the plain chain; a schedule or the threaded executor runs a graph, real copies."""
 
     device: str = "cpu"  # "cpu" | "cuda" | "emulated" (core.runtime.device)
     executor: str = "sequential"
@@ -128,7 +124,7 @@ class RunConfig:
             raise UsageError(f"unknown graphs setting {self.graphs!r}", "use auto, on or off")
 
     def resident(self, num_layers: int, num_experts: int) -> list[int] | None:
-        """Experts kept on the device per layer; None when every expert is."""
+        """Experts kept on the device per layer; None: all."""
         if self.resident_experts is not None:
             return list(self.resident_experts)
         if self.resident_layers is None:
@@ -172,7 +168,6 @@ class Engine:
         self.policy = policy
 
     def configure(self, *, pages_per_layer: int | None = None, **changes) -> None:
-        """Change how the loaded model runs for later `generate` calls; the weights stay where they are."""
         if "resident_layers" in changes and "resident_experts" not in changes:
             changes["resident_experts"] = None
         config = dataclasses.replace(self.config, **changes)
@@ -186,13 +181,11 @@ class Engine:
             self.weights.repage(pages_per_layer)
 
     @property
-    def pin_seconds(self) -> float:
-        """Seconds spent page-locking the streamed weights (the first run's; later runs find them locked)."""
+    def pin_seconds(self) -> float:  # the first run's: later runs find the weights locked
         return self.weights.pin_seconds
 
     @property
     def pinned_bytes(self) -> int:
-        """Host bytes of streamed weights page-locked now (they stay locked until `close`)."""
         return self.weights.pinned_bytes
 
     def _stop_executor(self) -> None:
@@ -201,11 +194,10 @@ class Engine:
             self._executor = None
 
     def close(self) -> None:
-        """Stop the executor's threads and unpin the weights (freed while registered, they would stay locked)."""
+        """Unpin the weights too: freed while registered, they would stay locked."""
         self._stop_executor()
         self.weights.unpin()
 
-    # ---- loading --------------------------------------------------------------------------------
     @classmethod
     def load(cls, model_dir, *, dtype: str | torch.dtype | None = None, device: "str | Device | None" = None,
              pages_per_layer: int = 1, executor: str | None = None, schedule: str | None = None,
@@ -237,7 +229,6 @@ class Engine:
 
     def runner(self, slots: int, micro_batch_size: int, max_tokens: int,
                on_event: EventSink = ignore) -> PipelineRunner:
-        """A runner over a fresh KV cache for `slots` requests of up to `max_tokens` tokens."""
         c, spec = self.config, self.rank_spec
         kv_gpu = c.kv_gpu_layers if c.attention_on == "gpu" else 0
         cache = KVCache(spec, slots, max_tokens, self.weights.dtype, gpu_layers=kv_gpu)
@@ -251,7 +242,6 @@ class Engine:
         return r
 
     def _graphs_pay(self, micro_batches: int) -> bool:
-        """The `graphs` option: "auto" decides on a GPU (core.runtime.graphs.choose, why in `graphs_why`)."""
         c = self.config
         if c.graphs != "auto" or self.dev.kind != "cuda":
             self.graphs_why = f"graphs {c.graphs}" + ("" if c.graphs != "auto" else ": only on a GPU")
@@ -266,7 +256,6 @@ class Engine:
                                                    streamed_bytes_per_layer=link, h2d_bytes_per_s=self._h2d_rate)
         return pays
 
-    # ---- tokenization ---------------------------------------------------------------------------
     def prompt_token_ids(self, req: Request) -> list[int]:
         if req.messages is not None:
             if not getattr(self.tokenizer, "chat_template", None):
@@ -278,21 +267,12 @@ class Engine:
             return list(ids)
         return list(self.tokenizer(req.prompt).input_ids)
 
-    def _prompt_text(self, req: Request) -> str:
-        if req.prompt is not None:
-            return req.prompt
-        return self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
 
-    # ---- generation -----------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], *, batch_size: int | None = None,
                  micro_batch_size: int | None = None, on_event: EventSink = ignore,
                  should_stop: Callable[[], bool] | None = None) -> Iterator[Result]:
-        """Yield each request's Result as it finishes; batch sizes default to the policy's, else 64 / the batch."""
-        with frozen_heap():
-            yield from self._generate(requests, batch_size, micro_batch_size, on_event, should_stop)
-
-    def _generate(self, requests, batch_size, micro_batch_size, on_event, should_stop) -> Iterator[Result]:
-        """Out of device memory, the unfinished requests start again in a batch half the size (or the group's)."""
+        """Yield each request's Result as it finishes; batch sizes default to the policy's, else 64 / the batch. Out
+        of device memory, the unfinished requests start again in a batch half the size (or the group's)."""
         if batch_size is None:
             batch_size = self.policy.batch_size if self.policy else 64
         if micro_batch_size is None and self.policy is not None:
@@ -306,19 +286,19 @@ class Engine:
         waiting = sorted(seqs, key=lambda s: -len(s.prompt_ids))  # longest first (Algorithm 2)
         active: list[_Seq] = []
         proc = psutil.Process()
-        while waiting or active:
-            table, runner, shrink = self._start(slots, mu, max_tokens, on_event)
-            if shrink is None:
-                shrink = yield from self._steps(runner, table, waiting, active, proc, on_event, should_stop, slots)
-            if shrink is None:  # every request done, or the run was asked to stop
-                return
-            runner = table = None  # gone before the next runner is built: the retry has the device to itself
-            slots, mu = self._restart_smaller(*shrink, mu, waiting, active, on_event)
+        with frozen_heap():
+            while waiting or active:
+                table, runner, shrink = self._start(slots, mu, max_tokens, on_event)
+                if shrink is None:
+                    shrink = yield from self._steps(runner, table, waiting, active, proc, on_event, should_stop, slots)
+                if shrink is None:  # every request done, or the run was asked to stop
+                    return
+                runner = table = None  # gone before the next runner is built: the retry has the device to itself
+                slots, mu = self._restart_smaller(*shrink, mu, waiting, active, on_event)
 
     def _start(self, slots: int, mu: int, max_tokens: int, on_event: EventSink):
         """(table, runner, None); where the runner does not fit (on some rank), (…, (smaller batch, rank))."""
-        shrink = None
-        table = SlotTable(slots, mu)
+        table, shrink = SlotTable(slots, mu), None
         try:
             runner = self.runner(slots, mu, max_tokens, on_event)
         except torch.cuda.OutOfMemoryError as e:
@@ -362,7 +342,7 @@ class Engine:
             try:
                 finished = self._step(runner, table, waiting, active, proc, on_event, stop, slots)
             except _GroupAgreed as e:  # every rank stops at the same step, or goes on with the same smaller batch
-                return e.shrink
+                return e.args[0]
             except TaskFailed as e:
                 if not _is_oom(e) or slots == 1 or self.tp is not None:
                     raise
@@ -371,7 +351,6 @@ class Engine:
         return None
 
     def _step(self, runner, table, waiting, active, proc, on_event, stop=False, slots=0) -> list[Result]:
-        """One step: refill free slots and prefill them, else decode; sample; retire the finished."""
         admitted = self._refill(table, waiting, active)
         t0, moved = time.perf_counter(), dict(runner.bytes)
         if admitted:  # a freshly prefilled request may already be done; the next step admits again
@@ -382,16 +361,17 @@ class Engine:
             seqs, logits, busy = self._decode(runner, table, waiting, active, stop, slots)
         self._check_finite(logits)
         self._choose(seqs, logits)
-        on_event(self._step_event(kind, tokens, t0, busy, moved, runner, len(active), proc))
+        on_event(StepDone(kind, tokens, time.perf_counter() - t0, busy, runner.bytes["h2d"] - moved["h2d"],
+                          runner.bytes["d2h"] - moved["d2h"], len(active), self.dev.memory_allocated(),
+                          proc.memory_info().rss, tasks=runner.last_tasks, times=getattr(runner.ex, "times", ())))
         return self._retire(active, table, on_event)
 
     @staticmethod
     def _refill(table: SlotTable, waiting: list[_Seq], active: list[_Seq]) -> list[_Seq]:
         """Place waiting requests into free slots; they join `active` at once, so a failed step restarts them too."""
-        among = None
-        if not active and 0 < len(waiting) <= table.free_slots():
-            # a smaller last wave: in as few micro-batches as hold it, as planner.last_wave prices it
-            among = -(-len(waiting) // table.micro_batch_size)
+        # a smaller last wave: in as few micro-batches as hold it, as planner.last_wave prices it
+        last_wave = not active and 0 < len(waiting) <= table.free_slots()
+        among = -(-len(waiting) // table.micro_batch_size) if last_wave else None
         admitted = []
         while waiting and table.free_slots():
             s = waiting.pop(0)
@@ -411,8 +391,7 @@ class Engine:
         return seqs, logits, busy
 
     def _decode(self, runner, table, waiting, active, stop, slots):
-        """One token for every active request, as `_prefill`; with none waiting, compacted first."""
-        if not waiting:
+        if not waiting:  # nothing to refill the holes with: compact
             self._compact(runner, table, active)
         groups = _by_micro_batch(active, table)
         logits, busy = self._agreed(runner, stop, slots, lambda: runner.decode(
@@ -450,10 +429,6 @@ class Engine:
             raise _GroupAgreed(None if agreed.stop else (agreed.slots, agreed.failed_rank))
         return out
 
-    def _step_event(self, kind, tokens, t0, busy, moved, runner, active, proc) -> StepDone:
-        return StepDone(kind, tokens, time.perf_counter() - t0, busy, runner.bytes["h2d"] - moved["h2d"],
-                        runner.bytes["d2h"] - moved["d2h"], active, self.dev.memory_allocated(), proc.memory_info().rss,
-                        tasks=runner.last_tasks, times=getattr(runner.ex, "times", ()))
 
     def _admit_check(self, req: Request) -> _Seq:
         ids = self.prompt_token_ids(req)
@@ -467,28 +442,25 @@ class Engine:
         return s
 
     def _check_finite(self, logits: torch.Tensor) -> None:
-        """A checkpoint computed in float16 in place of bf16 (a GPU without bf16) can overflow."""
         if self.weights.dtype == torch.float16 and self.spec.torch_dtype != torch.float16 and \
                 not torch.isfinite(logits).all():
             raise MlightError("the model overflowed float16 (this GPU has no bf16, so the bf16 checkpoint runs in "
                               "float16) and its outputs are no longer numbers", "run with --dtype float32")
 
     def _choose(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
-        """Append each sequence's next token (logits [len(seqs), V], fp32) and mark finished ones."""
         best = greedy(logits).tolist()
         toks = [best[row] if s.req.temperature <= 0 else sample(logits[row], s.req.temperature, s.req.top_k,
                                                                  s.req.top_p, s.gen) for row, s in enumerate(seqs)]
         if self.tp is not None:
             toks = self.tp.tp.tokens(toks)
         for s, tok in zip(seqs, toks):
-            r = s.req
             if tok in self.eos_ids:
                 s.finish = "stop"
                 continue
             s.out.append(tok)
-            if r.stop:
+            if s.req.stop:
                 text = self.tokenizer.decode(s.out, skip_special_tokens=True)
-                hits = [text.find(x) for x in r.stop if x and x in text]
+                hits = [text.find(x) for x in s.req.stop if x and x in text]
                 if hits:
                     s.text, s.finish = text[:min(hits)], "stop"
                     continue
@@ -498,13 +470,14 @@ class Engine:
     def _retire(self, active: list[_Seq], table: SlotTable, on_event: EventSink) -> list[Result]:
         done = [s for s in active if s.finish]
         active[:] = [s for s in active if not s.finish]
-        results = []
-        now = time.perf_counter()
+        results, now = [], time.perf_counter()
         for s in done:
             table.release(s.slot, len(s.prompt_ids))
             text = s.text if s.text is not None else self.tokenizer.decode(s.out, skip_special_tokens=True)
-            res = Result(s.req.id, self._prompt_text(s.req), text, list(s.out), len(s.prompt_ids), len(s.out),
-                         s.finish, round(now - s.started, 6))
+            prompt = s.req.prompt if s.req.prompt is not None else self.tokenizer.apply_chat_template(
+                s.req.messages, add_generation_prompt=True, tokenize=False)
+            res = Result(s.req.id, prompt, text, list(s.out), len(s.prompt_ids), len(s.out), s.finish,
+                         round(now - s.started, 6))
             on_event(RequestDone(res.id, res.prompt_tokens, res.output_tokens, res.seconds, res.finish_reason))
             results.append(res)
         return results
@@ -570,11 +543,7 @@ def _placement(policy, spec: ModelSpec) -> dict:
 
 
 class _GroupAgreed(Exception):
-    """Tensor parallel: the group agreed to stop (`shrink` None) or to go on with `shrink` = (requests, OOM rank)."""
-
-    def __init__(self, shrink: tuple[int, int] | None):
-        super().__init__(shrink)
-        self.shrink = shrink
+    """Tensor parallel: the group agreed to stop (args[0] None) or to go on with args[0] = (requests, OOM rank)."""
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -583,7 +552,5 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def _by_micro_batch(active: list[_Seq], table: SlotTable) -> list[list[_Seq]]:
-    groups: dict[int, list[_Seq]] = {}
-    for s in active:
-        groups.setdefault(table.micro_batch_of(s.slot), []).append(s)
-    return [sorted(groups[j], key=lambda s: s.slot) for j in sorted(groups)]
+    by_slot = sorted(active, key=lambda s: s.slot)
+    return [list(g) for _, g in itertools.groupby(by_slot, key=lambda s: table.micro_batch_of(s.slot))]

@@ -1,6 +1,5 @@
-"""A measured CPU-only run recorded beside its prediction (core.plan.cpu_history). Nothing is refitted, so the
-same plan is made tomorrow; only runs the calibration describes are recorded.
-"""
+"""A measured CPU-only run recorded beside its prediction (core.plan.cpu_history); nothing is refitted, so the same
+plan is made tomorrow."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from core.plan.tracking import MIN_DECODE_STEPS, RunSums  # noqa: F401  (RunSums
 
 
 def cpu_policy(batch: int, micro_batch: int, expert_group: int = 1, pages: int = 1):
-    """The CPU-only planner Policy of a run at `batch` / `micro_batch` (as `mlight bench` predicts it)."""
+    """The CPU-only planner Policy of a run (as `mlight bench` predicts it)."""
     mu = max(1, min(micro_batch, batch))
     n = max(mu, batch // mu * mu)
     return Policy(batch_size=n, micro_batch_size=mu, expert_batch_size=mu * max(1, expert_group),
@@ -28,8 +27,7 @@ def foldable(engine) -> bool:
 
 
 def fold_back(engine, meter: RunSums, micro_batch: int, hw=None) -> dict | None:
-    """Record the run `meter` watched beside its prediction: cpu_history.record's summary, or None when not recorded
-    (bookkeeping after a run's results are saved must never fail that run)."""
+    """cpu_history.record's summary, or None (bookkeeping after a run's results are saved must never fail it)."""
     try:
         if meter.decode_steps < MIN_DECODE_STEPS or not meter.requests or not meter.decode_seconds \
                 or not foldable(engine):
@@ -42,8 +40,7 @@ def fold_back(engine, meter: RunSums, micro_batch: int, hw=None) -> dict | None:
         work = Workload(prompt_len=prompt, gen_len=max(1, round(meter.output_tokens / meter.requests)),
                         max_prompt_len=max(prompt, meter.longest_prompt), num_requests=meter.requests)
         policy = cpu_policy(meter.active or micro_batch, micro_batch, getattr(engine.config, "expert_group", 1))
-        p = predict(policy, engine.spec, hw, work)
-        return cpu_history.record(hw, costs, predicted=p.decode_tokens_per_s,
+        return cpu_history.record(hw, costs, predicted=predict(policy, engine.spec, hw, work).decode_tokens_per_s,
                                   measured=meter.decode_tokens / meter.decode_seconds,
                                   batch=(policy.batch_size, policy.micro_batch_size))
     except Exception:  # noqa: BLE001 - a cache that cannot be written or read, a model the planner refuses, ...

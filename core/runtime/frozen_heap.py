@@ -15,7 +15,6 @@ _runs = 0
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    """While inside: objects that existed on entry (of the first of overlapping entries) are not collected."""
     global _runs
     with _lock:
         if _runs == 0:

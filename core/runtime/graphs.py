@@ -1,7 +1,6 @@
-"""CUDA graphs for a step's GPU segments (a task's device work as `fn(*inputs) -> outputs`): eager the first
-time, captured the second, replayed after; a segment kind whose capture fails stays eager and warns once.
-`choose` decides whether they pay: they save host time, which a step waits for only where launches take
-longer than the streamed weights.
+"""CUDA graphs for a step's GPU segments: eager the first time, captured the second, replayed after; a segment kind
+whose capture fails stays eager and warns once. They save host time, which a step waits for only where launches
+take longer than the streamed weights (`choose`).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ PAYS_ABOVE = 0.5
 
 def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float,
            h2d_bytes_per_s: float) -> tuple[bool, str]:
-    """(use graphs, why) for run option `mode` (one of MODES) and a step's micro-batches and link."""
+    """(use graphs, why)."""
     if mode != "auto":
         return mode == "on", f"graphs {mode} as asked"
     host = micro_batches * EAGER_OPS_PER_LAYER * HOST_OP_SECONDS
@@ -36,13 +35,12 @@ def choose(mode: str, *, micro_batches: int, streamed_bytes_per_layer: float,
 _Segment = namedtuple("_Segment", "static graph out")  # static input buffers, the captured graph, its outputs
 
 
-def _layout(out) -> tuple:
-    """A segment's outputs (a tuple of tensors and Nones) as shapes and dtypes."""
+def _layout(out) -> tuple:  # tensors (and Nones) as shapes and dtypes
     return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in out)
 
 
 class Graphs:
-    """A runner's captured segments (see the module docstring). `run` is called from inside launched work."""
+    """A runner's captured segments; `run` is called from inside launched work."""
 
     def __init__(self, dev: Device, warn: EventSink = ignore):
         self.dev, self.warn = dev, warn
@@ -54,12 +52,10 @@ class Graphs:
         self.captures = self.replays = 0
 
     def run(self, segment: str, layer, slot: int, fn: Callable, inputs: Sequence) -> tuple:
-        """fn(*inputs)'s outputs, eager or replayed (valid until the slot's next run); `layer` keys what fn reads
-        beside its inputs."""
+        """Eager or replayed (outputs valid until the slot's next run); `layer` keys what fn reads beside `inputs`."""
         if segment in self.refused:
             return fn(*inputs)
-        shapes = _layout(inputs)
-        key = (segment, layer, slot, shapes)
+        key = (segment, layer, slot, _layout(inputs))
         seg = self._segments.get(key)
         if seg is None:
             if key not in self._seen:  # warm-up
@@ -106,12 +102,11 @@ class Graphs:
             self.warn(WarningEvent(f"the {segment} segment runs without CUDA graphs: {why}"))
             return None
         self.captures += 1
-        seg = self._segments[key] = _Segment(ins, graph, out)
-        return seg
+        return self._segments.setdefault(key, _Segment(ins, graph, out))
 
 
 def streamed_bytes_per_layer(weights, resident: list[int] | None, num_experts: int) -> float:
-    """Bytes of experts one layer streams on average, for `choose` (0 when every expert stays on the GPU)."""
+    """Bytes of experts one layer streams on average, for `choose`."""
     if resident is None:
         return 0.0
     total = 0

@@ -1,9 +1,8 @@
-"""The steps of `Engine.load` that read and ready the model, each handed the previous one's result; where and how
-the model runs is chosen in core.runtime.engine.
-"""
+"""The steps of `Engine.load` that read and ready the model, each handed the previous one's result."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -30,21 +29,17 @@ from core.telemetry import EventSink, WarningEvent
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What `Engine.load` reads first: folder, GGUF file, spec, this rank's shard."""
-
     model_dir: Path
     gguf: object | None  # core.model.gguf.load.GGUFModel
     spec: ModelSpec
     shard: object | None
 
     @property
-    def mine(self) -> ModelSpec:
-        """The model this process holds: with tensor parallelism, its heads and expert slices."""
+    def mine(self) -> ModelSpec:  # with tensor parallelism, this rank's heads and expert slices
         return self.spec if self.shard is None else local_spec(self.spec, self.shard)
 
 
 def read_checkpoint(model_dir: Path, tp) -> Checkpoint:
-    """A safetensors folder's or a GGUF file's spec, and under tensor parallelism this rank's shard."""
     paths = None if model_dir.is_dir() and (model_dir / "config.json").is_file() else find_gguf(model_dir)
     gguf = GGUFModel(paths) if paths is not None else None
     spec = load_gguf_spec(gguf) if gguf is not None else load_spec(model_dir)
@@ -53,7 +48,7 @@ def read_checkpoint(model_dir: Path, tp) -> Checkpoint:
 
 def read_weights(ck: Checkpoint, dtype, quant, quantize: str | None, pages_per_layer: int, use_cache: bool,
                  progress: EventSink, cpu_only: bool = False) -> tuple[ModelWeights, ModelSpec]:
-    """The weights in host memory, paged (experts in `quant`), and the loaded spec; `cpu_only`: GGUF stays blocks."""
+    """`cpu_only`: GGUF stays blocks."""
     if ck.gguf is not None and ck.shard is not None:
         raise UsageError("tensor parallelism over a GGUF file is not supported yet",
                          "run it without --tensor-parallel, or use the model's safetensors release")
@@ -109,7 +104,7 @@ def ready_for_cpu(config, ck: Checkpoint, spec: ModelSpec, weights: ModelWeights
 
 
 def prepare_kernels(config, progress: EventSink) -> None:
-    """Build the native kernels the run's CPU side calls here, with progress, not inside its first step."""
+    """The native kernels the run's CPU side calls, built here with progress, not inside its first step."""
     if config.attention_on == "cpu":
         native.prepare(progress)
     if config.attention_on == "cpu" or config.ffn_on == "cpu":
@@ -117,7 +112,6 @@ def prepare_kernels(config, progress: EventSink) -> None:
 
 
 def shard_ops(tp, shard, spec: ModelSpec, quant):
-    """Tensor parallel: this rank's collectives over its shard, and the spec of the model it runs."""
     from core.runtime.distributed.tensor_parallel import ShardOps
 
     return ShardOps(tp, shard, spec), quantized_spec(local_spec(spec, shard), quant)
@@ -137,22 +131,17 @@ def load_tokenizer(model_dir: Path):
 
 
 def eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> set[int]:
-    """The tokens that end a request: the spec's, generation_config.json's and the tokenizer's."""
     ids = set(spec.eos_token_ids)
     gen = model_dir / "generation_config.json"
     if gen.is_file():
-        try:
+        with contextlib.suppress(OSError, ValueError):
             eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-            ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        except (OSError, ValueError):
-            pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+            ids |= set(eos if isinstance(eos, list) else [eos])
+    ids.add(tokenizer.eos_token_id)  # None (none said) goes with the rest that are no token
     return {i for i in ids if isinstance(i, int) and 0 <= i < spec.vocab_size}
 
 
 def _pack_or_fall_back(weights: ModelWeights, cpu, progress: EventSink):
-    """Prepack the experts for oneDNN; where it refuses after all, say so and run them unpacked."""
     try:
         weights.pack_for_cpu(progress)
         return cpu
@@ -164,7 +153,6 @@ def _pack_or_fall_back(weights: ModelWeights, cpu, progress: EventSink):
 
 
 def _experts_that_fit(spec: ModelSpec, dtype: torch.dtype, dev: Device) -> tuple[int, ...]:
-    """Without a plan: keep as many experts on the GPU as fit beside everything else."""
     free, _ = dev.mem_get_info()
     scale = dtype.itemsize / spec.dtype_bytes
     L, E, eb = spec.num_layers, spec.num_experts, spec.expert_bytes * scale
@@ -174,10 +162,8 @@ def _experts_that_fit(spec: ModelSpec, dtype: torch.dtype, dev: Device) -> tuple
     return tuple(expert_split(n / LE, L, E, [i for i in range(L) if not spec.is_moe(i)]))
 
 
-def _check_fp16_range(weights: ModelWeights) -> None:
-    """bf16 weights beyond fp16's range would turn into inf: refuse with a way out."""
-    named = [(f"layer {i}", lw.flat) for i, lw in enumerate(weights.layers)] + list(weights.globals.items())
-    for name, t in named:
+def _check_fp16_range(weights: ModelWeights) -> None:  # bf16 weights beyond fp16's range would turn into inf
+    for name, t in [(f"layer {i}", lw.flat) for i, lw in enumerate(weights.layers)] + list(weights.globals.items()):
         if not torch.isfinite(t).all():
             raise ModelError(f"{name} has weights beyond float16's range (±65504), and this GPU computes "
                              "bf16 checkpoints in float16", "run with --dtype float32")

@@ -1,9 +1,7 @@
-"""The decode step's (and prefill's) task graph, as data: one definition for the engine and the simulator.
-
-Each resource runs its tasks one at a time in list order, a task once all its `deps` finished. Schedules
-(shared/paper.md): "cgopipe" (CPU attention two micro-batches ahead, layer i+1's pages interleaved with layer
-i's D2s), "s4" (FlexGen: the whole next layer's weights first), "s3" (one chain). Layer 0's streamed weights go
-during the previous step's last layer.
+"""The decode step's (and prefill's) task graph, as data, for the engine and the simulator: each resource runs its
+tasks one at a time in list order, a task once all its `deps` finished. Schedules (shared/paper.md): "cgopipe",
+"s4" (FlexGen: the whole next layer's weights first), "s3" (one chain). Layer 0's streamed weights go during the
+previous step's last layer.
 """
 
 from __future__ import annotations
@@ -74,9 +72,7 @@ class _Graph:
         keep = []
         for d in sorted(set(deps), reverse=True):
             other = self.tasks[d].resource
-            if other == res:  # the queue's own order: no wait
-                keep.append(d)
-            elif d > self.waited.get((res, other), -1):
+            if other == res or d > self.waited.get((res, other), -1):  # on its own queue: that order, no wait
                 keep.append(d)
                 self.waited[(res, other)] = d
         deps = tuple(sorted(keep))
@@ -89,14 +85,14 @@ class _Graph:
 
 
 def _page_slots(num_pages: int, n_mb: int) -> dict[int, list[int]]:
-    """Which pages follow which micro-batch's D2: page p after micro-batch ⌊p·n/P⌋."""
+    """Page p follows micro-batch ⌊p·n/P⌋'s D2."""
     return {j: [p for p in range(num_pages) if p * n_mb // num_pages == j] for j in range(n_mb)}
 
 
 def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1,
                 micro_batches_per_expert_batch: int = 1, attention_on: str = "cpu", ffn_on: str = "gpu",
                 streamed: bool = True) -> list[Task]:
-    """One decode step: every micro-batch through every layer; `streamed` False: no weight pages."""
+    """`streamed` False: no weight pages."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
     L, n, g = num_layers, num_micro_batches, micro_batches_per_expert_batch
@@ -107,9 +103,7 @@ def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches
     pages = pages_per_layer if streamed else 0
     if attention_on == "gpu":
         return _gpu_attention(schedule, L, n, g, pages)
-    if schedule == "cgopipe":
-        return _cgopipe(L, n, g, pages)
-    return _flexgen(L, n, g, pages, overlap=schedule == "s4")
+    return _cgopipe(L, n, g, pages) if schedule == "cgopipe" else _flexgen(L, n, g, pages, overlap=schedule == "s4")
 
 
 def _ffn_deps_of_prev_layer(G: _Graph, i: int, j: int, g: int):
@@ -130,8 +124,8 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
     done = 0  # positions (layer·n + micro-batch) whose pre-attention is in the graph
 
     def pre_until(pos: int):
-        """Pre-attention, D1 and CPU attention of the positions before `pos` whose previous layer's experts are in
-        the graph (so no in-order queue waits on a later task)."""
+        """Pre-attention, D1 and CPU attention up to `pos`, as far as the previous layer's experts are in the graph
+        (so no in-order queue waits on a later task)."""
         nonlocal done
         while done < min(pos, L * n):
             i, j = divmod(done, n)
@@ -151,8 +145,7 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
             for p in slots[j]:
                 G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
             # the h2d queue is in order: its last page landed means the layer's weights are all there
-            weights = _layer_pages(G, i, pages)[-1:] if i > 0 else ()
-            G.add("post_attn", i, j, deps=(G.get("d2", i, j), *weights))
+            G.add("post_attn", i, j, deps=(G.get("d2", i, j), *(_layer_pages(G, i, pages)[-1:] if i > 0 else ())))
             if (j + 1) % g == 0:
                 G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
             pre_until(i * n + j + 1 + LOOKAHEAD)  # PreAttn(i, j+2), wrapping into layer i+1
@@ -160,8 +153,7 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
 
 
 def _flexgen(L: int, n: int, g: int, pages: int, overlap: bool) -> list[Task]:
-    """S4 (overlap=True): next layer's weights first on the copy queue, GPU micro-batch by micro-batch.
-    S3 (overlap=False): each layer's weights right before it (layer 0's included), every task after the one before."""
+    """S4: the next layer's weights first on the copy queue; S3: each layer's just before it, one task at a time."""
     G = _Graph(serial=not overlap)
     for i in range(L):
         nxt = i if not overlap else (i + 1) % L
@@ -185,19 +177,14 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
     G = _Graph(serial=schedule == "s3")
     slots = _page_slots(pages, n)
     for i in range(L):
-        nxt = (i + 1) % L
-        if schedule == "s4":
-            for p in range(pages):
-                G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
-        if G.serial:
-            for p in range(pages):
-                G.add("weight_page", i, page=p)
+        nxt, s4 = (i + 1) % L, schedule == "s4"
+        for p in range(pages if schedule != "cgopipe" else 0):  # S4: the whole next layer first; S3: this one's
+            G.add("weight_page", nxt if s4 else i, page=p, deps=_buffer_free(G, i, n, g) if s4 else ())
         # this layer's pages where queued before its first use (past layer 0; S3; S4 with one layer)
         weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or G.serial or L == 1) else []
         for j in range(n):
             # position p = i·n + j uses ring buffer p mod 2: it waits for position p − 2's attention
-            back = divmod(i * n + j - 2, n)
-            reuse = (G.get("gpu_attn", *back),) if i * n + j >= 2 else ()
+            reuse = (G.get("gpu_attn", *divmod(i * n + j - 2, n)),) if i * n + j >= 2 else ()
             # at most two layers' new K/V of a micro-batch wait for the store
             reuse += (G.get("kv_store", i - 2, j),) if i > 1 else ()
             kv = G.add("kv_load", i, j, deps=reuse)
@@ -227,7 +214,7 @@ def _cpu_only(L: int, n: int, g: int) -> list[Task]:
 
 def prefill(*, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1, ffn_on: str = "gpu",
             streamed: bool = True) -> list[Task]:
-    """Prefill of one batch, layer by layer; layer i+1's weights stream while layer i computes."""
+    """Layer by layer; layer i+1's weights stream while layer i computes."""
     L, n = num_layers, num_micro_batches
     G = _Graph(serial=ffn_on == "cpu")
     if ffn_on == "cpu":  # one chain

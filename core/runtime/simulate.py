@@ -1,6 +1,5 @@
-"""Replay a task graph with HRM task costs: a timeline and per-resource use. Every dependency and same-resource
-predecessor comes earlier in the list, so one pass in list order is exact.
-"""
+"""A task graph replayed with HRM task costs; every dependency and same-resource predecessor comes earlier in the
+list, so one pass in list order is exact."""
 
 from __future__ import annotations
 
@@ -39,12 +38,11 @@ class Timeline:
 
 
 def replay(tasks: list[Task], seconds: dict[str, float], host: dict[str, float] | None = None) -> Timeline:
-    """Run `tasks` with `seconds[kind]` per task (missing: none); `host[kind]`: launches, in list order."""
+    """`host[kind]`: launches, in list order."""
     free = {r: 0.0 for r in RESOURCES}
     busy = Busy.fromkeys(RESOURCES, 0.0)
     end: list[float] = []
-    spans = []
-    launched = 0.0
+    spans, launched = [], 0.0
     for t in tasks:
         launched += host.get(t.kind, 0.0) if host else 0.0
         start = max([free[t.resource], launched, *(end[d] for d in t.deps)])
@@ -58,7 +56,7 @@ def replay(tasks: list[Task], seconds: dict[str, float], host: dict[str, float] 
 
 def simulate_decode(model: ModelSpec, hardware: HardwareSpec, policy: Policy, context: float,
                     schedule_name: str = "cgopipe") -> Timeline:
-    """One decode step of `policy` at an average `context` (cached tokens) under the named schedule."""
+    """One decode step at an average `context` (cached tokens)."""
     tasks = schedule.for_policy(policy, model.num_layers, schedule_name)
     r = hrm.effective_rates(hardware)  # the FFN's host ops on its expert path, as the planner prices them
     host = hrm.host_task_seconds(r, hrm.ffn_ops(model, r, policy.expert_batch_size)) if policy.ffn_on == "gpu" else None

@@ -1,8 +1,5 @@
-"""Coordination between a job's ranks over gloo: agreeing that a phase went well (`agree`: one line printed,
-by rank 0, the same exit code everywhere), collecting results on rank 0 (`collect`, as long as the slowest
-replica takes; a dead rank's closed connection names it at once: `RankLost`), and a stuck rank named past the
-`Phase` group's timeout (`PhaseTimeout`).
-"""
+"""Coordination between a job's ranks over gloo: agreeing that a phase went well, collecting results on rank 0, a
+dead rank named at once (its connection closes) and a stuck one past the phase timeout."""
 
 from __future__ import annotations
 
@@ -17,16 +14,13 @@ from core.errors import MlightError, UsageError
 
 @dataclass(frozen=True)
 class Phase:
-    """A gloo group of every rank, for agreements, and how long one waits for the others there (torch's
-    monitored barrier takes it explicitly: it does not read the group's own timeout)."""
+    """A gloo group of every rank, and its wait: torch's monitored barrier does not read the group's own timeout."""
 
     group: object
     timeout: timedelta
 
 
 class PhaseTimeout(MlightError):
-    """Some rank did not reach the end of a phase within the phase timeout (alive but stuck, or far slower)."""
-
     def __init__(self, ranks: list[int] | None, timeout: timedelta):
         who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks
                else "rank 0 (or a rank it waits for)")
@@ -46,11 +40,7 @@ class Quiet(Exception):
 
 
 class RankLost(MlightError):
-    """Another rank of the job stopped (killed, crashed) before sending its results."""
-
-    def __init__(self, rank: int, problem: str, hint: str = ""):
-        super().__init__(problem, hint)
-        self.rank = rank
+    """Another rank stopped (killed, crashed) before sending its results."""
 
 
 def _describe(e: BaseException | None):
@@ -64,7 +54,6 @@ def _describe(e: BaseException | None):
 
 
 def arrive(phase: Phase, rank: int) -> None:
-    """Wait, at most `phase.timeout`, until every rank is here; PhaseTimeout naming the ranks that are not."""
     try:
         dist.monitored_barrier(group=phase.group, timeout=phase.timeout, wait_all_ranks=True)
     except RuntimeError as e:  # rank 0: "Ranks 1, 2 failed to pass monitoredBarrier"; others: rank 0 never answered
@@ -74,8 +63,7 @@ def arrive(phase: Phase, rank: int) -> None:
 
 
 def agree(error: BaseException | None, rank: int, phase: Phase | None = None) -> None:
-    """Every rank passes what went wrong in the last phase (or None); if anything did, rank 0 raises the first
-    rank's error (naming the rank), the others Quiet with its code. With a `phase`, within its timeout."""
+    """An error on any rank: rank 0 raises the first (naming its rank), the others Quiet with its exit code."""
     if phase is not None:
         arrive(phase, rank)
     got: list = [None] * dist.get_world_size()
@@ -105,16 +93,14 @@ def collect(obj, rank: int) -> list | None:
         try:
             dist.recv_object_list(box, src=src)
         except RuntimeError as e:  # gloo: "Connection closed by peer" — the rank died
-            raise RankLost(src, f"rank {src} stopped before the end of the run (killed or crashed; torchrun's "
-                                "report names its exit code)",
-                           "every finished result is saved in its replica's run file; rerun the same command to "
-                           "resume every rank") from e
+            raise RankLost(f"rank {src} stopped before the end of the run (killed or crashed; torchrun's report "
+                           "names its exit code)", "every finished result is saved in its replica's run file; rerun "
+                           "the same command to resume every rank") from e
         out.append(box[0])
     return out
 
 
 def broadcast(obj, rank: int, phase: Phase | None = None):
-    """Rank 0's `obj` on every rank (within the phase's timeout, given one)."""
     box = [obj if rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=phase.group if phase is not None else None)
     return box[0]

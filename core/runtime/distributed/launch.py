@@ -1,5 +1,4 @@
-"""Start K local ranks of a command through torch's elastic launcher (`torchrun --standalone`), and say which
-rank failed. Ranks are not restarted: a failed run resumes when the command runs again.
+"""Local ranks through torch's elastic launcher, never restarted: a failed run resumes when the command runs again.
 """
 
 from __future__ import annotations

@@ -1,16 +1,5 @@
-"""mlight over a Ray cluster with Ray Data (`pip install "mlight[ray]"`): one engine per actor.
-
-    import ray
-    from core.runtime.distributed.ray_data import MlightPredictor
-
-    ds = ray.data.from_items([{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Hi", "max_new_tokens": 16}])
-    out = ds.map_batches(MlightPredictor, fn_constructor_kwargs={"model": "/models/Mixtral-8x7B"},
-                         batch_format="pandas", batch_size=64, concurrency=2, num_gpus=1)
-    for row in out.iter_rows(): ...
-
-Each actor loads the engine once (planning for its machine unless given a policy). Input columns: `prompt` or
-`messages`, optional `id` and the per-request settings (REQUEST_COLUMNS); output: a `mlight run` result's fields,
-one row per input row, in input order.
+"""mlight over a Ray cluster with Ray Data: one engine per actor, loaded once, planned for its machine unless given
+a policy (usage: README, Ray Data).
 """
 
 from __future__ import annotations
@@ -23,7 +12,7 @@ _INTS = ("max_new_tokens", "top_k", "seed")  # pandas makes an int column with g
 
 
 def _plain(v: Any) -> Any:
-    """A pandas/numpy cell as plain Python: None for missing, lists for arrays, ints and floats."""
+    """A pandas/numpy cell as plain Python (None for missing)."""
     if v is None or isinstance(v, float) and math.isnan(v):
         return None
     if hasattr(v, "tolist"):  # numpy scalars and arrays
@@ -52,8 +41,6 @@ def plan_here(model: str, workload: dict, cpu_share: int = 1, gpu_mem_gb: float 
 
 
 class MlightPredictor:
-    """A callable class for `Dataset.map_batches`: one engine per actor, loaded once."""
-
     def __init__(self, model: str, *, policy: dict | None = None, workload: dict | None = None,
                  defaults: dict | None = None, threads: int | None = None, **engine_kwargs):
         import torch

@@ -1,10 +1,7 @@
-"""The collectives a tensor-parallel engine calls, over one torch.distributed group.
-
-Every rank runs the same step graph over its shard, so it issues these calls in the same order; the group's
-first rank samples and the others take its tokens, so no rank disagrees about which requests finish (that
-would hang a collective). A rank that fails a step (out of GPU memory) `drain`s it with zeros of the shapes
-`step_collectives` gives, and every rank then learns the step's `outcome` (stop, the smallest batch asked for)
-before using any of its tokens: all retry with the same smaller batch, or all stop together.
+"""The collectives of a tensor-parallel engine, in the same order on every rank; the group's first rank samples, so none
+disagrees about which requests finish (that would hang a collective). A rank that fails a step (out of GPU memory)
+`drain`s it with zeros; all learn the step's `outcome` before using its tokens, and retry with the same smaller batch or
+stop together.
 """
 
 from __future__ import annotations
@@ -18,9 +15,7 @@ from core.errors import MlightError
 
 
 class GroupOutOfMemory(MlightError):
-    """One rank ran out of device memory with a batch of one: raised alike on every rank, once they agreed."""
-
-    agreed = True
+    agreed = True  # raised alike on every rank, once they agreed
 
 
 @dataclass(frozen=True)
@@ -40,7 +35,6 @@ class TensorParallel:
         self.issued = 0  # all-reduces issued so far (the step's are counted from its start)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over the group, in place (partial O-projection or FFN outputs)."""
         self.issued += 1  # counted as it starts: one in flight on another thread when a step fails is issued
         dist.all_reduce(t, group=self.group)
         return t
@@ -52,14 +46,12 @@ class TensorParallel:
 
     def outcome(self, stop: bool, slots: int, want: int) -> Outcome:
         """After each step, on every rank: `want` is the batch this rank can go on with (`slots` unless OOM)."""
-        failed = want < slots
-        t = torch.tensor([int(stop), dist.get_rank() + 1 if failed else 0, -want], dtype=torch.int64,
+        t = torch.tensor([int(stop), dist.get_rank() + 1 if want < slots else 0, -want], dtype=torch.int64,
                          device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # any stop, a failed rank, the least batch
         return Outcome(bool(t[0]), int(-t[2]), int(t[1]) - 1)
 
-    def tokens(self, toks: list[int]) -> list[int]:
-        """The leader's sampled tokens, on every rank."""
+    def tokens(self, toks: list[int]) -> list[int]:  # the leader's, on every rank
         t = torch.tensor(toks, dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=self._src, group=self.group)
         return t.tolist()
@@ -93,7 +85,7 @@ class ShardOps:
 
 def step_collectives(runner) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The all-reduces a PipelineRunner's current step issues, in order, as (shape, dtype)."""
-    spec, D, dt = runner.spec, runner.spec.hidden_size, runner.w.math_dtype
+    D, dt = runner.spec.hidden_size, runner.w.math_dtype
     norm = runner._full_norm is not None  # OLMoE: sums of squares [tokens, 2] in fp32 before the attention
     attn = runner.tp.shard.split_attention  # else the attention output is whole on every rank: no sum
     out = []
@@ -112,6 +104,5 @@ def step_collectives(runner) -> list[tuple[tuple[int, ...], torch.dtype]]:
         elif t.kind == "post_attn" and attn:
             out.append(((mbs[t.micro_batch].B, D), dt))
         elif t.kind == "ffn":
-            g = runner._group_size(t)
-            out.append(((sum(m.B for m in mbs[t.micro_batch:t.micro_batch + g]), D), dt))
+            out.append(((sum(m.B for m in mbs[t.micro_batch:t.micro_batch + runner._group_size(t)]), D), dt))
     return out

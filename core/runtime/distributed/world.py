@@ -1,7 +1,5 @@
-"""Who this process is in a torch.distributed job (from the launcher's RANK, WORLD_SIZE, LOCAL_*), and its
-process groups: `tp` consecutive ranks of one node form a tensor-parallel group, the groups are data-parallel
-replicas. Coordination runs on gloo: results gather on the default group with a long timeout (replicas finish
-at different times), phases agree on a group with a short one, so a stuck rank fails the job instead of holding it.
+"""Who this process is in a torch.distributed job, and its process groups: `tp` consecutive ranks of one node form
+a tensor-parallel group, the groups are data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -20,9 +18,7 @@ PHASE_TIMEOUT = timedelta(minutes=30)
 
 
 def phase_timeout(env=None) -> timedelta:
-    """$MLIGHT_PHASE_TIMEOUT_S (seconds) if set, else PHASE_TIMEOUT."""
-    env = os.environ if env is None else env
-    raw = env.get("MLIGHT_PHASE_TIMEOUT_S", "").strip()
+    raw = (os.environ if env is None else env).get("MLIGHT_PHASE_TIMEOUT_S", "").strip()
     if not raw:
         return PHASE_TIMEOUT
     try:
@@ -60,8 +56,7 @@ class World:
         return self.rank // self.tp
 
     @property
-    def tp_leader(self) -> bool:
-        """The rank of its tensor-parallel group that samples tokens and writes results."""
+    def tp_leader(self) -> bool:  # the rank of its group that samples tokens and writes results
         return self.rank % self.tp == 0
 
     def tp_ranks(self, replica: int | None = None) -> list[int]:
@@ -70,32 +65,26 @@ class World:
 
 
 def from_env(tp: int = 1, env=None) -> World | None:
-    """The World the launcher describes, or None when this process was not started by one."""
     env = os.environ if env is None else env
     if "WORLD_SIZE" not in env or "RANK" not in env:
         return None
     try:
         size, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
-        local_rank = int(env.get("LOCAL_RANK", rank))
-        local_size = int(env.get("LOCAL_WORLD_SIZE", size))
+        local_rank, local_size = int(env.get("LOCAL_RANK", rank)), int(env.get("LOCAL_WORLD_SIZE", size))
     except ValueError:
         raise UsageError("RANK / WORLD_SIZE / LOCAL_RANK in the environment are not numbers",
                          "start mlight with torchrun, or unset those variables") from None
-    if size == 1 and tp == 1:
-        return None  # one process under torchrun: the plain single-process run
-    return World(rank, size, local_rank, local_size, tp)
+    return None if size == 1 and tp == 1 else World(rank, size, local_rank, local_size, tp)  # one process: a plain run
 
 
 @dataclass
 class Groups:
-    coord: object  # gloo, every rank: gathering results (long timeout)
     tp: object  # this rank's tensor-parallel group
     tp_backend: str
-    phase: object = None  # gloo, every rank: agreeing on each phase (core.runtime.distributed.coord.Phase)
+    phase: object  # gloo, every rank: agreeing on each phase (core.runtime.distributed.coord.Phase)
 
 
 def init(world: World) -> Groups:
-    """Join the job's process groups (every rank calls this, in the same order)."""
     import torch
     import torch.distributed as dist
 
@@ -110,12 +99,12 @@ def init(world: World) -> Groups:
 
     wait = phase_timeout()
     if not dist.is_initialized():
-        dist.init_process_group(backend="gloo", timeout=COORDINATION_TIMEOUT)
+        dist.init_process_group(backend="gloo", timeout=COORDINATION_TIMEOUT)  # the default group: results gather
     phase = Phase(dist.new_group(backend="gloo", timeout=wait), wait)
     backend = "nccl" if cuda else "gloo"
     # every rank creates every group, in the same order
     tp = [dist.new_group(world.tp_ranks(r), backend=backend, timeout=COLLECTIVE_TIMEOUT) for r in range(world.dp_size)]
-    return Groups(dist.group.WORLD, tp[world.dp_rank], backend, phase)
+    return Groups(tp[world.dp_rank], backend, phase)
 
 
 def shutdown() -> None:
