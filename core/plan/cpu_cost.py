@@ -181,7 +181,7 @@ def defaults(math: str, flops: float, bw: float, storage_bytes: int, kv_bytes: i
     expert_read = storage_bytes / ((DEFAULT_PACKED_READ if packed else DEFAULT_WIDEN_READ if widened
                                     else DEFAULT_READ) * bw)
     call = DEFAULT_CALL["packed" if packed else "widened" if widened else "torch"]
-    if block_bytes:  # at the file's bits, streamed as fast as packed bf16 (Zen 5: 0.9-1.1x its bytes a second)
+    if block_bytes:  # at the file's bits, at packed bf16's share (Zen 5, calibrated: Q8_0, Q4_K_M 1.04-1.15x as fast)
         expert_read, call = block_bytes / (DEFAULT_PACKED_READ * bw), DEFAULT_CALL["widened"]
     return CpuCosts(math=math, flop_s=1 / flops, weight_s=read, expert_flop_s=1 / flops, expert_weight_s=expert_read,
                     expert_call_s=2 * call,
