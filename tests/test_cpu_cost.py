@@ -115,6 +115,23 @@ def test_an_uncalibrated_machine_quotes_the_wide_default_band():
     assert p.band == cpu_cost.DEFAULT_BAND
 
 
+@pytest.mark.parametrize("fmt, bits", [("Q8_0", 8.5), ("Q4_K/Q6_K", 5.0)])
+def test_an_uncalibrated_gguf_expert_step_reads_the_files_bytes(fmt, bits):
+    """The GGUF block kernels read an expert where it lies, at the file's bits: at one token, where the expert
+    task is its weights' read, it costs the bf16 checkpoint's (native bf16 math) by the bytes' ratio, give or take the
+    task's other work (its FLOPs, elementwise and dispatch: ≈ 3 % of the bf16 task)."""
+    gguf = dataclasses.replace(SPEC, expert_format=fmt, expert_bits=bits)
+    hw = dataclasses.replace(CPU_ONLY, cpu_isa="avx512_bf16")
+
+    def ffn(spec):
+        r = hrm.effective_rates(hw, spec.dtype, spec)
+        assert r.cpu_costs.math == "bfloat16" and not r.cpu_costs.measured
+        return hrm.decode_tasks(spec, r, batch=1, micro_batch=1, expert_batch=1, attention_on="cpu", ffn_on="cpu",
+                                gpu_weight_fraction=0.0, gpu_kv_fraction=0.0, context=77)["ffn"].seconds
+
+    assert ffn(gguf) / ffn(SPEC) == pytest.approx(bits / 16, abs=0.035)
+
+
 def test_one_cache_record_per_machine_torch_and_kernels(monkeypatch):
     hw, costs = calibrated()
     path = cpu_cost.cache_path(hw)

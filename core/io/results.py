@@ -19,9 +19,8 @@ from typing import IO, Any
 from core import platform
 from core.errors import MlightError, UsageError
 
-RESULT_FIELDS = ("id", "prompt", "output", "output_token_ids", "prompt_tokens", "output_tokens", "finish_reason",
-                 "seconds")
-CSV_COLUMNS = RESULT_FIELDS  # the JSONL's order, as README lists it
+CSV_COLUMNS = ("id", "prompt", "output", "output_token_ids", "prompt_tokens", "output_tokens", "finish_reason",
+               "seconds")  # the JSONL's order, as README lists it
 EXTRA_COLUMNS = ("turn", "custom_id")  # appended when some record has them (multi-turn, OpenAI Batch input)
 OUTPUT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
 

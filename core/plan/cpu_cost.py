@@ -171,16 +171,19 @@ DEFAULT_CALL = {"torch": 55e-6, "widened": 2.2e-6, "packed": 18e-6}
 DEFAULT_ELEM, DEFAULT_TASK, DEFAULT_STEP = 1.0e-9, 100e-6, 1.2e-3
 
 
-def defaults(math: str, flops: float, bw: float, storage_bytes: int, kv_bytes: int, threads: int = 0) -> CpuCosts:
-    """A machine never calibrated: from the probe's `flops` (matmuls in `math`) and read bandwidth `bw`."""
+def defaults(math: str, flops: float, bw: float, width: int, threads: int = 0, block_bytes: float = 0.0) -> CpuCosts:
+    """A machine never calibrated: from the probe's `flops` (matmuls in `math`) and read bandwidth `bw`; `width`:
+    bytes a weight and a cached K/V element. `block_bytes`: GGUF experts' bytes a weight, read where they lie."""
     packed = math == "bfloat16"  # bf16 math is chosen only where it is native, and then oneDNN prepacks
-    widened = math == "float32" and storage_bytes < 4
-    read = storage_bytes / ((DEFAULT_WIDEN_READ if widened else DEFAULT_READ) * bw)
-    expert_read = storage_bytes / ((DEFAULT_PACKED_READ if packed else DEFAULT_WIDEN_READ if widened
-                                    else DEFAULT_READ) * bw)
+    widened = math == "float32" and width < 4
+    read = width / ((DEFAULT_WIDEN_READ if widened else DEFAULT_READ) * bw)
+    expert_read = width / ((DEFAULT_PACKED_READ if packed else DEFAULT_WIDEN_READ if widened else DEFAULT_READ) * bw)
+    call = DEFAULT_CALL["packed" if packed else "widened" if widened else "torch"]
+    if block_bytes:  # in a C call, at packed bf16's share (Zen 5, calibrated: Q8_0, Q4_K_M 1.04-1.15x as fast)
+        expert_read, call = block_bytes / (DEFAULT_PACKED_READ * bw), DEFAULT_CALL["widened"]
     return CpuCosts(math=math, flop_s=1 / flops, weight_s=read, expert_flop_s=1 / flops, expert_weight_s=expert_read,
-                    expert_call_s=2 * DEFAULT_CALL["packed" if packed else "widened" if widened else "torch"],
-                    kv_s=kv_bytes / (DEFAULT_KV_READ * bw), elem_s=DEFAULT_ELEM, sdpa_flop_s=1 / (DEFAULT_SDPA * flops),
+                    expert_call_s=2 * call,
+                    kv_s=width / (DEFAULT_KV_READ * bw), elem_s=DEFAULT_ELEM, sdpa_flop_s=1 / (DEFAULT_SDPA * flops),
                     task_s=DEFAULT_TASK, step_s=DEFAULT_STEP, threads=threads, measured=False)
 
 

@@ -96,7 +96,8 @@ def effective_rates(hw: HardwareSpec, dtype: str | None = None, model=None) -> R
     if dtype is not None and hw.cpu_costs.get(math):
         costs = cpu_cost.pick(hw.cpu_costs[math], dims(model) if model is not None else None)
     else:  # never calibrated: the probe's rates with what calibration learned on other machines
-        costs = cpu_cost.defaults(math, cpu_flops, rate("cpu_bw", False), width, width, hw.cpu_threads or 0)
+        costs = cpu_cost.defaults(math, cpu_flops, rate("cpu_bw", False), width, hw.cpu_threads or 0,
+                                  _gguf_expert_bytes(model))
     return Rates(gpu_flops=rate("gpu_flops", True), gpu_bw=rate("gpu_bw", True), h2d_bw=rate("h2d_bw", True),
                  d2h_bw=rate("d2h_bw", True), cpu_flops=cpu_flops, cpu_bw=rate("cpu_bw", False),
                  has_gpu=hw.has_gpu, cpu_costs=costs, task_seconds=hw.host_task_seconds or TASK_SECONDS,
@@ -233,6 +234,12 @@ def _expert_layout(m: ModelSpec) -> dict[str, int]:
         return dict(expert_region=E * m.expert_bytes, expert_lead=lead)
     parts = [p.nbytes for n, k in ((2 * I, D), (D, I)) for p in fmt.parts(n, k)] + biases
     return dict(expert_region=sum(padded(b, 1) for b in parts), expert_lead=parts[0])
+
+
+def _gguf_expert_bytes(m: ModelSpec | None) -> float:
+    """A GGUF file's experts' bytes a weight as it stores them (mixed formats: their mean); 0.0 for any other."""
+    gguf = m is not None and set(m.expert_format.split("/")) <= set(GGUF_BLOCKS)
+    return m.expert_bytes / m.expert_params if gguf else 0.0
 
 
 def _qkind(expert_format: str) -> str:
