@@ -1,10 +1,8 @@
-"""Grouped-query attention next to the KV cache: decode (one query per request) and causal prefill, with
-sinks and sliding windows.
-
-Decode attention's arithmetic intensity does not grow with the batch (each query reads its own KV), which is
-why it runs on the CPU beside the cache; query heads are grouped onto their KV head with a view, never a copy.
-Where the CPU computes slowly in the cache's dtype (bf16 on AVX2), `widen` converts K/V a few rows at a time
-into a reused buffer that stays in cache. Legend: B = requests, G = Hq / Hkv, T = cached tokens, L = prompt tokens.
+"""Grouped-query attention beside the KV cache: decode (one query per request) and causal prefill, with sinks and
+sliding windows. Decode runs on the CPU beside the cache, as its arithmetic intensity does not grow with the batch;
+query heads are grouped onto their KV head with a view, never a copy. `widen` converts K/V a few rows at a time into
+a reused buffer where the CPU is slow in the cache's dtype (bf16 on AVX2).
+Legend: B = requests, G = Hq / Hkv, T = cached tokens, L = prompt tokens.
 """
 
 from __future__ import annotations

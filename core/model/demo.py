@@ -1,8 +1,6 @@
-"""The built-in demo model: a small random-weight Mixtral checkpoint plus a tokenizer, made locally.
-
-Built deterministically on first use into the user cache with transformers' own class and
-`save_pretrained` (a real checkpoint for the real loader), and a byte-level BPE tokenizer trained on the
-bundled MT-Bench questions. No network; its outputs are gibberish.
+"""The built-in demo model: a small random-weight Mixtral checkpoint (transformers' own class and `save_pretrained`:
+a real checkpoint for the real loader) and a byte-level BPE tokenizer trained on the bundled MT-Bench questions,
+built deterministically on first use into the user cache. No network; its outputs are gibberish.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Which kernels compute: one knob, `MLIGHT_KERNELS` = auto | native | torch (`mlight run --kernels`).
-
-auto: mlight's C kernels wherever they build and run, torch's ops elsewhere; native: a C kernel that fails to
-build or load is an error; torch: torch's ops only, a GGUF file in float32 (the reference reading). The old
-`MLIGHT_NATIVE*` / `MLIGHT_AMX` = 0 switches still turn their kernels off for one release, with a warning.
+"""Which kernels compute: `MLIGHT_KERNELS` = auto | native | torch (`mlight run --kernels`). auto: the C kernels
+where they build and run; native: one that fails is an error; torch: torch's ops only, GGUF in float32 (the reference
+reading). The old `MLIGHT_NATIVE*` / `MLIGHT_AMX` = 0 switches still work for one release, with a warning.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Read tensors out of safetensors files (single file or sharded) without pickles or a second copy.
-
-The header is parsed before anything is allocated (a truncated shard is caught), and each tensor is
-copied out of a memory-mapped window of its own, closed right after.
+"""Tensors out of safetensors files without pickles or a second copy: the header is parsed before anything is
+allocated (a truncated shard is caught), each tensor copied from a memory-mapped window of its own.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Tensor-parallel shards: what one of `size` ranks holds of a model, and how it is read from disk.
-
-Attention splits by query heads (a rank keeps the KV heads they use, a copy per query head where groups fall
-unevenly), MLA by heads, linear attention by value heads; the MoE FFN along every expert's intermediate
-dimension, so each rank streams 1/size of every layer whatever the routing. Unknown tensors keep attention
-whole. A rank's model is an ordinary ModelSpec (`local_spec`); partial outputs are summed over ranks.
+"""Tensor-parallel shards: what one of `size` ranks holds and reads. Attention splits by query heads (a rank keeps
+the KV heads they use, a copy per query head where groups fall unevenly), MLA by heads, linear attention by value
+heads, the MoE FFN along every expert's intermediate dimension (each rank streams 1/size of every layer whatever the
+routing); unknown tensors keep attention whole. A rank's model is a ModelSpec (`local_spec`); outputs sum over ranks.
 """
 
 from __future__ import annotations

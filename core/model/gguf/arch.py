@@ -1,7 +1,5 @@
-"""GGUF architectures as our families: the config a family module reads, and where each tensor goes.
-
-Mixtral files say "llama" (with an expert count); their converter permuted q and k rows for llama.cpp's
-interleaved RoPE, which `unpermute` reverses (a row permutation: block-quantized rows move as they are).
+"""GGUF architectures as our families: the config a family module reads, and where each tensor goes. Mixtral files
+say "llama"; their converter permuted q and k rows for llama.cpp's RoPE, which `unpermute` reverses (whole rows).
 """
 
 from __future__ import annotations

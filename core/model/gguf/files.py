@@ -1,7 +1,5 @@
-"""Finding a model's GGUF file(s) and reading their metadata and tensor index (not their data).
-
-Tensor bytes are read later straight into their destination (`read_into`): the file's pages never pile up
-as a second copy.
+"""Finding a model's GGUF file(s) and reading their metadata and tensor index; tensor bytes are read later straight
+into their destination (`read_into`), so the file's pages never pile up as a second copy.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""A GGUF model into mlight's per-layer flat buffers, its tokenizer, and its ModelSpec.
-
-Dense tensors are expanded to the compute dtype one at a time; routed experts in a block format are copied
-byte for byte (a Q4_K_M file's experts stay Q4_K/Q6_K in RAM, pages and on the device). Gate and up of one
-type share `w13`, of two types stay `w1` and `w3`; layers may differ in their types, so each has its own layout.
+"""A GGUF model into per-layer flat buffers, its tokenizer and its ModelSpec. Dense tensors are expanded one at a
+time; block-format experts are copied byte for byte (Q4_K_M's stay Q4_K/Q6_K in RAM, pages and on the device). Gate
+and up of one type share `w13`, of two types stay `w1` and `w3`; layers may differ in types, so each has its layout.
 """
 
 from __future__ import annotations

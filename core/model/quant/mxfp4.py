@@ -1,7 +1,5 @@
-"""gpt-oss's MXFP4 experts read as they are: 4-bit blocks and their exponents into a quantized layer.
-
-gpt-oss keeps gate and up interleaved on the rows of `gate_up_proj` (gate = even rows); rows are
-independent, so de-interleaving them into our gate-then-up `w13` moves bytes, never values.
+"""gpt-oss's MXFP4 experts read as they are. `gate_up_proj` interleaves gate and up on its rows (gate = even);
+rows are independent, so de-interleaving them into our gate-then-up `w13` moves bytes, never values.
 """
 
 from __future__ import annotations
