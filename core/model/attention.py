@@ -23,11 +23,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, span: tuple[int, int] | None = None, pad: torch.Tensor | None = None,
                      sinks: torch.Tensor | None = None, widen=None, memo: dict | None = None) -> torch.Tensor:
     """q [B, Hq, hd]; k/v_cache [B, Hkv, Tmax, hd] (rows of the cache); lengths [B] -> [B, Hq·dv] in q's dtype.
-
-    `span` = (min, max) of `lengths`, known on the host, so a device-side `lengths` costs no sync; `pad` [B, max]
-    and `memo` (kept for one step's calls over the same rows) let masks be built once per step, not per layer.
-    `sinks` [Hq]: per-head logits added to each softmax's denominator (gpt-oss).
-    """
+    `span`: (min, max) of `lengths` known on the host (no device sync); `pad` [B, max] and `memo` (one step's calls
+    over the same rows) build masks once a step, not a layer; `sinks` [Hq]: logits in each softmax's denominator."""
     B, Hq, hd = q.shape
     Hkv, Tmax, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     G = Hq // Hkv
@@ -116,10 +113,9 @@ def decode_over_rows(q: torch.Tensor, store, rows, scale: float, sinks: torch.Te
 
 
 def attention_runs(lengths: list[int], row: int, widened: bool = False, rows: int | None = None) -> list:
-    """[(first, end, (shortest, longest))]: runs of `rows` neighbouring cache rows (of `row` tokens each), each
-    read to its own longest length, or [] when one call over all reads no less. Algorithm 2 admits the longest
-    prompts first, so neighbouring slots hold similar lengths while a batch spans many. Cost in positions read,
-    as decode_attention chooses (`slices`); a widening call always copies (about three passes)."""
+    """[(first, end, (shortest, longest))]: runs of `rows` neighbouring cache rows (of `row` tokens each), each read
+    to its own longest length, or [] when one call over all reads no less. Algorithm 2 admits the longest prompts
+    first, so neighbours hold similar lengths; costs as decode_attention's `slices` (widening always copies)."""
     rows = rows or RUN_ROWS
     if len(lengths) < 2 * rows:
         return []

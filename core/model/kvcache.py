@@ -1,8 +1,7 @@
-"""The attention state: what each layer keeps per sequence, preallocated in CPU memory, one row per batch slot.
-
-`KVStore` K and V `[S, Hkv, Tmax, hd]`, or a ring `[S, Hkv, W, hd]` (position p at p mod W); `LatentStore`
-`[S, Tmax, R + dr]` (MLA); `LinearStore` an fp32 recurrent state `[S, Hv, dk, dv]` and the last K−1 conv inputs
-`[S, conv, K−1]`. Legend: S = slots, R = latent rank, dr = rope dims, K = conv kernel.
+"""The attention state, preallocated in CPU memory, one row per batch slot: `KVStore` K and V `[S, Hkv, Tmax, hd]`
+or a ring `[S, Hkv, W, hd]` (position p at p mod W); `LatentStore` `[S, Tmax, R + dr]` (MLA); `LinearStore` an fp32
+recurrent state `[S, Hv, dk, dv]` and the last K−1 conv inputs `[S, conv, K−1]`.
+Legend: S = slots, R = latent rank, dr = rope dims, K = conv kernel.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Block formats decoded with torch: GGUF's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, and gpt-oss's MXFP4.
-
-The float32 arithmetic of the `gguf` package's reference decoder in its order (bit for bit the same),
-on any device. Layouts (per block):
+"""Block formats decoded with torch on any device (GGUF's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, and gpt-oss's
+MXFP4), in the float32 arithmetic and order of the `gguf` package's reference decoder: bit for bit. Per block:
   Q8_0  d f16 | q int8[32]                                  y = q·d
   Q4_0  d f16 | q[16] (low nibbles: 0..15, high: 16..31)    y = (q − 8)·d
   Q4_K  d f16 | dmin f16 | 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32 | q[128]
@@ -9,10 +7,9 @@ on any device. Layouts (per block):
   Q5_K  as Q4_K with qh[32] (the fifth bits) before q[128]
   Q6_K  ql[128] | qh[64] | sc int8[16] | d f16               y = d·sc · (q − 32), 16 values per scale
   MXFP4 e u8 | q[16] (low nibbles: 0..15, high: 16..31)     y = 2^(e−128) · {0,1,2,3,4,6,8,12, −…}[q]
-gpt-oss MXFP4 instead interleaves (even k in the low nibble) and keeps exponents apart, biased 127.
-Every intermediate is a `Workspace` chunk and every op writes into one, so expanding an expert
-(quant.expand) allocates nothing after a format's first call; `decode` runs the same ops in a workspace
-of its own. Legend: n = blocks in the chunk, r = rows, G = 32-value groups of a row.
+gpt-oss MXFP4 instead interleaves (even k in the low nibble) and keeps exponents apart, biased 127. Every op writes
+into a `Workspace` chunk, so expanding an expert (quant.expand) allocates nothing after a format's first call.
+Legend: n = blocks in the chunk, r = rows, G = 32-value groups of a row.
 """
 
 from __future__ import annotations
