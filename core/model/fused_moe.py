@@ -17,7 +17,6 @@ from core.model.limits import FUSED_CHUNK_BYTES, FUSED_MAX_TOKENS, fused_block_r
 from core.model.moe_align import moe_align, padded_slots
 from core.model.quant.formats import Format, dequantize
 
-# ---- which path -------------------------------------------------------------------------------------------
 # The least tokens of an FFN call at which grouped_mm replaces the fused path: never for quantized experts (it
 # reads one dtype); for dense ones above a decode step's expert batch, where its tensor-core tiles win.
 GROUPED_FROM_TOKENS = {"dense": FUSED_MAX_TOKENS + 1, "quantized": None}
@@ -83,7 +82,6 @@ def _format(key: str) -> Format | None:
     return Format(name, int(group))
 
 
-# ---- the kernel, where it runs ------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _triton_runs(fmt_key: str, dtype: torch.dtype, index: int) -> bool:
     ft = triton_module("fused_moe_triton")
@@ -98,7 +96,6 @@ def _use_triton(h: torch.Tensor, fmts: list[str], backend: str | None) -> bool:
     return all(_triton_runs(f, h.dtype, h.device.index or 0) for f in fmts)
 
 
-# ---- the ops ------------------------------------------------------------------------------------------------
 @torch.library.custom_op("mlight::moe_align", mutates_args=())
 def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kernel = triton_module("moe_align_triton") if topk_ids.is_cuda else None

@@ -23,8 +23,6 @@ from core.model.quant.experts import _TORCH, ExpertScheme, QuantExperts
 from core.model.quant.cache import CacheEntry
 from core.model.quant.dense_spec import DENSE_NAMES as PACKED_DENSE  # prepacked with the experts in the CPU-only mode
 from core.model.quant.formats import _ITEMSIZE, Format, fit_group, quantize
-from core.model.quant.mxfp4 import fill as fill_mxfp4
-from core.model.quant.mxfp4 import scheme as mxfp4_scheme
 from core.model.spec import EXPERT_TENSORS, ModelSpec
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
@@ -394,10 +392,9 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         from core.model.shard import local_spec
 
         spec = local_spec(full, shard)
-    scheme = mxfp4_scheme(spec) if mxfp4 else None
-    if quant is not None:
-        scheme = ExpertScheme.uniform(fit_group(quant, spec.hidden_size, spec.expert_intermediate),
-                                      spec.hidden_size, spec.expert_intermediate)
+    D, I = spec.hidden_size, spec.expert_intermediate  # a read MXFP4 scheme, or what `quant` fits
+    fmt = Format("mxfp4") if mxfp4 else None if quant is None else fit_group(quant, D, I)
+    scheme = None if fmt is None else ExpertScheme.uniform(fmt, D, I)
     total = spec.num_layers + 1
     key = {"scheme": repr(scheme), "dtype": str(dtype)} | ({"shard": f"{shard.rank}/{shard.size}"} if shard else {})
     entry = CacheEntry(Path(model_dir), key) if quant is not None and use_cache else None
@@ -428,12 +425,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
             lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
             if cached is not None:
                 cached.copy_into(f"layers.{i}", flat)
-            elif mxfp4:
-                _fill(ckpt, [p for p in fam.layer_pieces(spec, i, keys) if p.dest not in ("w13", "w2")],
-                      {n: t for n, t in lw.tensors.items() if not n.startswith(("w13.", "w2."))})
-                if spec.is_moe(i):
-                    fill_mxfp4(ckpt, spec, i, lw.tensors)
-            elif scheme is not None:
+            elif quant is not None:
                 plain = LayerLayout.for_spec(spec, i, None, dtype)
                 if plain not in staging:
                     staging[plain] = LayerWeights(plain, torch.empty(plain.numel, dtype=dtype), 1)

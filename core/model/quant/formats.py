@@ -134,9 +134,8 @@ def quantized_spec(spec, fmt: Format | None):
     return dataclasses.replace(spec, expert_format=fmt.label, expert_bits=bits)
 
 
-# ---- float references (also the quantizers the loader uses) -------------------------------------------
 def quantize(fmt: Format, w):
-    """W [..., N, K] (any float dtype) -> {suffix: tensor} in `fmt` (int8 and int4 only)."""
+    """W [..., N, K] (any float dtype) -> {suffix: tensor} in `fmt` (int8 and int4 only): the loader's quantizer."""
     import torch
 
     w = w.float()
