@@ -1,3 +1,4 @@
-"""GGUF in: a llama.cpp / Ollama / LM Studio file read as an mlight checkpoint (its metadata one of our families'
-configs, expert blocks the file's own bytes). Imports: core.model, core.errors, core.telemetry; never core.plan.
+"""GGUF in: a llama.cpp / Ollama / LM Studio file read as an mlight checkpoint (its metadata one of our
+families' configs, expert blocks the file's own bytes). Imports: core.model, core.errors, core.telemetry; never
+core.plan or above.
 """
