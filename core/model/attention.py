@@ -156,8 +156,7 @@ SDPA_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """softmax over the last axis of fp32 `scores`, with `sinks` (broadcast to scores[..., :1]) as extra
-    logits in the denominator whose probability is dropped."""
+    """softmax over the last axis of fp32 `scores`, `sinks` (broadcast to scores[..., :1]) extra denominator logits."""
     if sinks is None:
         return torch.softmax(scores, dim=-1)
     sinks = sinks.float()

@@ -113,8 +113,7 @@ class KVStore(_Store):
         return self.k[every, :, at], self.v[every, :, at]
 
     def write_rows(self, rows: "Rows", k: torch.Tensor, v: torch.Tensor) -> None:
-        """`write` by one flat index per step on a contiguous host store (in C where built: it keeps the cold
-        rows' misses in flight)."""
+        """`write` by one flat index a step on a contiguous host store (in C where built: cold rows' misses overlap)."""
         hd = self.k.shape[-1]
         if self.k.device.type != "cpu" or not (self.k.is_contiguous() and self.v.is_contiguous()):
             return self.write(rows.slots, rows.positions, k, v)
@@ -227,8 +226,7 @@ def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, pin
 
 
 class KVCache:
-    """Every layer's store (None for the first `gpu_layers`); pageable by default: hundreds of GB would be too much
-    page-locked memory."""
+    """Every layer's store (None for the first `gpu_layers`); pageable by default: hundreds of GB is too much to pin."""
 
     def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False,
                  gpu_layers: int = 0):

@@ -1,7 +1,6 @@
-"""ModelSpec: what mlight needs to know about an MoE checkpoint, derived from its config.json.
-
-One frozen dataclass for every family: quirks are fields, so the forward pass lives once in `core` and
-the family modules only translate a config and name the weights. Canonical per-layer tensors:
+"""ModelSpec: what mlight needs to know about an MoE checkpoint, from its config.json. One frozen dataclass for
+every family, quirks as fields, so the forward pass lives once in `core` and the family modules only translate a
+config and name the weights. Canonical per-layer tensors:
   ln1, ln2 [D] (+ ln1_b, ln2_b with LayerNorm bias);
   attention, grouped-query: qkv [(Hq+2·Hkv)·hd (+ Hq·hd output-gate rows), D] (+ qkv_bias);
     q_norm/k_norm [hd] or [H·hd]; o [D, Hq·hd] (+ o_bias); sinks [Hq];

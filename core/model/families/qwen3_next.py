@@ -1,6 +1,5 @@
-"""Qwen3-Next and Qwen3.5-MoE (text model): three Gated-DeltaNet layers per full-attention layer.
-
-Full attention: q_proj also yields a per-head output gate, per-head q/k norm, partial RoPE. Zero-centred
+"""Qwen3-Next and Qwen3.5-MoE (text model): three Gated-DeltaNet layers per full-attention layer. Full
+attention: q_proj also yields a per-head output gate, per-head q/k norm, partial RoPE. Zero-centred
 RMSNorms x·(1 + w); a shared expert behind a sigmoid gate. Qwen3-Next fuses its linear projections per key-head
 group, Qwen3.5 keeps them apart: both load into one lin_in [q, k, v, z, b, a].
 """
