@@ -1,7 +1,6 @@
 """Model weights laid out for paging: one flat buffer per decoder layer, experts `[E, ...]` last, cut into pages.
-
-Buffers start and end on page boundaries, so what streams can be page-locked at its exact size (torch's pinned
-allocator rounds up).
+Buffers start and end on page boundaries, so what streams is page-locked at its exact size (torch's pinned allocator
+rounds up).
 """
 
 from __future__ import annotations
