@@ -17,17 +17,13 @@ from core.model.limits import FUSED_CHUNK_BYTES, FUSED_MAX_TOKENS, fused_block_r
 from core.model.moe_align import moe_align, padded_slots
 from core.model.quant.formats import Format, dequantize
 
-# The least tokens of an FFN call at which grouped_mm replaces the fused path: never for quantized experts (it
-# reads one dtype); for dense ones above a decode step's expert batch, where its tensor-core tiles win.
-GROUPED_FROM_TOKENS = {"dense": FUSED_MAX_TOKENS + 1, "quantized": None}
-
-
 def expert_path(quantized: bool, tokens: int, grouped_mm: bool, forced: bool | None = None) -> str:
-    """"grouped" or "fused" for `tokens` tokens; `grouped_mm`: its kernel runs here; `forced`: the caller's."""
-    least = GROUPED_FROM_TOKENS["quantized" if quantized else "dense"]
-    if least is None or not grouped_mm or forced is False:
+    """"grouped" or "fused" for `tokens` tokens; `grouped_mm`: its kernel runs here; `forced`: the caller's.
+    grouped_mm never takes quantized experts (it reads one dtype), and dense ones above a decode step's expert
+    batch only, where its tensor-core tiles win."""
+    if quantized or not grouped_mm or forced is False:
         return "fused"
-    return "grouped" if forced or tokens >= least else "fused"
+    return "grouped" if forced or tokens > FUSED_MAX_TOKENS else "fused"
 
 
 def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, act,
