@@ -35,7 +35,6 @@ def training_text() -> list[str]:
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> None:
-    """Train a byte-level BPE tokenizer and save it as a transformers fast tokenizer in out_dir."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

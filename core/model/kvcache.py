@@ -82,6 +82,11 @@ class _Store:
     def put_new(self, rows, parts) -> None:
         self.write(rows.slots, rows.positions, *parts)
 
+    def write_prompt(self, slot: int, *parts: torch.Tensor) -> None:
+        """A whole prompt's state for one slot: each part at positions [0, L) of its tensor's row."""
+        for t, part, axis in zip(self.tensors, parts, self.token_axes):
+            (t[slot] if axis is None else t[slot].narrow(axis - 1, 0, part.shape[axis - 1])).copy_(part)
+
     def move(self, src: int, dst: int, tokens: int) -> None:
         """Row `src`'s state (its first `tokens` tokens) into row `dst` (SlotTable.compact)."""
         n = self.kept(tokens)
@@ -171,9 +176,6 @@ class LatentStore(_Store):
     def write(self, slots: torch.Tensor, positions: torch.Tensor, lat: torch.Tensor):
         self.lat[slots, positions] = lat.to(self.lat.dtype)
 
-    def write_prompt(self, slot: int, lat: torch.Tensor):
-        self.lat[slot, :lat.shape[0]] = lat
-
 
 class LinearStore(_Store):
     """Gated DeltaNet: recurrent state (fp32) and conv state, fixed size per sequence."""
@@ -194,10 +196,6 @@ class LinearStore(_Store):
     def put_new(self, rows, parts) -> None:
         rows.put(self.rec, parts[0])
         rows.put(self.conv, parts[1])
-
-    def write_prompt(self, slot: int, rec: torch.Tensor, conv: torch.Tensor):
-        self.rec[slot] = rec
-        self.conv[slot] = conv
 
 
 def load_rows(src, dst, rows, cached: int) -> int:

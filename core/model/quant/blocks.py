@@ -19,8 +19,7 @@ import torch
 from core.model.quant.formats import GGUF_BLOCKS, Format
 
 U8, I32, F32 = torch.uint8, torch.int32, torch.float32
-_MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-_MXFP4_F32 = tuple(float(v) for v in _MXFP4_DOUBLED)  # exact: small integers
+_MXFP4_F32 = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0)  # doubled e2m1
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # per device, `decode`'s lookup tables and scalars: made per call they were a host-to-device copy per expert
 _CONSTS: dict[str, dict] = {}
@@ -131,7 +130,7 @@ def _q6_k(ws, b, y):
 
 
 def _e8m0_half(ws, e_u8: torch.Tensor) -> torch.Tensor:
-    """2^(e − 128) as float32 [n, 1] from its bits, as blocks._e8m0_half (subnormal for e < 2)."""
+    """2^(e − 128) as float32 [n, 1] from its bits (subnormal for e < 2)."""
     n = e_u8.shape[0]
     e = ws.chunk("e8.e", (n, 1), I32)
     e.copy_(e_u8)
