@@ -141,11 +141,9 @@ def plan_shard(spec: ModelSpec, rank: int, size: int) -> Shard:
 
 
 def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
-    changes = dict(expert_intermediate=shard.inter[1] - shard.inter[0])
-    if spec.shared_intermediate:
-        changes["shared_intermediate"] = shard.shared[1] - shard.shared[0]
-    if spec.dense_intermediate:
-        changes["dense_intermediate"] = shard.dense[1] - shard.dense[0]
+    changes = dict(expert_intermediate=shard.inter[1] - shard.inter[0],
+                   shared_intermediate=shard.shared[1] - shard.shared[0],  # (0, 0) where the model has none
+                   dense_intermediate=shard.dense[1] - shard.dense[0])
     if shard.split_attention:
         changes.update(num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads))
     if shard.lin_v_heads:
