@@ -66,8 +66,7 @@ _slice_bufs = threading.local()  # per thread (attention runs on its own worker)
 
 
 def slices(T: int, row: int) -> bool:
-    """Whether decode attention copies out the first T positions of rows of `row` tokens rather than read
-    the rows whole: a copy costs about 1.7 passes over T."""
+    """Whether decode attention copies out the first T positions of `row`-token rows (~1.7 passes over T)."""
     return T < SLICE_BELOW * row
 
 

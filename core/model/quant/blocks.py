@@ -183,8 +183,7 @@ def decode_gguf(name: str, raw: torch.Tensor) -> torch.Tensor:
 
 
 def decode(fmt: Format, parts: dict) -> torch.Tensor:
-    """The float32 matrix (any leading dims) a block format's parts stand for. gpt-oss MXFP4: blocks [..., G, 16],
-    scales [..., G] -> [..., G·32]."""
+    """The float32 matrix (any leading dims) a block format's parts stand for; gpt-oss MXFP4's: [..., G·32]."""
     if fmt.name != "mxfp4":
         return decode_gguf(fmt.name, parts["raw"])
     scales = parts["scales"]
