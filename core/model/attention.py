@@ -66,7 +66,7 @@ _slice_bufs = threading.local()  # per thread (attention runs on its own worker)
 
 
 def slices(T: int, row: int) -> bool:
-    """Whether decode attention copies out the first T positions of `row`-token rows (~1.7 passes over T)."""
+    """Whether decode attention copies the first T positions out of `row`-token rows (a copy: ~1.7 passes over T)."""
     return T < SLICE_BELOW * row
 
 
