@@ -15,16 +15,10 @@ ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeFor
 TYPES = {"linear_attention": "linear", "full_attention": "full"}
 
 
-def text_config(cfg: dict) -> dict:
-    """The language model's config: nested under text_config in the vision-language checkpoints."""
-    text = cfg.get("text_config")
-    return {**text, "architectures": cfg["architectures"]} if isinstance(text, dict) else cfg
-
-
 def spec(cfg: dict) -> ModelSpec:
-    arch = cfg["architectures"][0]
-    top = cfg
-    cfg = text_config(cfg)
+    arch, top, text = cfg["architectures"][0], cfg, cfg.get("text_config")
+    if isinstance(text, dict):  # a vision-language checkpoint's language model
+        cfg = {**text, "architectures": cfg["architectures"]}
     D, H, L = need(cfg, "hidden_size"), need(cfg, "num_attention_heads"), need(cfg, "num_hidden_layers")
     hd = first(cfg, "head_dim", default=D // H)
     interval = int(cfg.get("full_attention_interval") or 4)
