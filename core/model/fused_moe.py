@@ -32,7 +32,8 @@ def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx
     T, k = idx.shape
     E = sum(len(p["quant"]) if "quant" in p else p["w13"].shape[0] for p in parts)
     up, down = _matrices(parts)
-    triton = _use_triton(h, [m[0] for m in (*up, down)], backend)
+    triton = (backend == "triton" if backend is not None else  # else wherever the kernel takes every matrix
+              h.is_cuda and all(_triton_runs(m[0], h.dtype, h.device.index or 0) for m in (*up, down)))
     bm = (triton_module("fused_moe_triton").pick_block_m(T * k, E) if triton  # the kernel's choice, or BM
           else fused_block_rows(T * k, E))
     sorted_ids, block_expert, n_padded = torch.ops.mlight.moe_align(idx, E, bm)
@@ -82,14 +83,6 @@ def _format(key: str) -> Format | None:
 def _triton_runs(fmt_key: str, dtype: torch.dtype, index: int) -> bool:
     ft = triton_module("fused_moe_triton")
     return ft is not None and ft.unsupported(_format(fmt_key), dtype, torch.cuda.get_device_capability(index)) is None
-
-
-def _use_triton(h: torch.Tensor, fmts: list[str], backend: str | None) -> bool:
-    if backend is not None:
-        return backend == "triton"
-    if not h.is_cuda:
-        return False
-    return all(_triton_runs(f, h.dtype, h.device.index or 0) for f in fmts)
 
 
 @torch.library.custom_op("mlight::moe_align", mutates_args=())
