@@ -130,7 +130,8 @@ class LayerWeights:
         self.pages = [self.experts[a:b] for a, b in self.layout.page_bounds(pages)]
 
     def pack_for_cpu(self, quantize_dense=None, swiglu: bool = False) -> None:
-        """Prepack the experts for the CPU (memory peaks at the model plus a layer); `quantize_dense(name, w)`."""
+        """Prepack the experts for the CPU, the flat buffer keeping the rest (memory peaks at the model plus a layer);
+        `quantize_dense(name, w)`: the projections quantized too; `swiglu`: the fused kernel."""
         from core.model.moe import pack_cpu_experts
 
         if self.quant is not None:
