@@ -347,7 +347,8 @@ PAGE = 4096
 
 def page_aligned(numel: int, dtype: torch.dtype, huge_from: int | None = None) -> torch.Tensor:
     """Whole pages of its own, so a part can be page-locked without touching a neighbour's. Past `huge_from` (bytes:
-    the streamed experts) on huge pages; not the dense head, which huge pages would make resident (a GGUF's unread)."""
+    the streamed experts) on huge pages; not the dense head, which a GGUF's projections held as blocks elsewhere
+    leave unwritten, and huge pages would make resident."""
     size, total = dtype.itemsize, -(-(numel * dtype.itemsize) // PAGE) * PAGE + PAGE
     if huge_from is None:
         raw = torch.empty(total, dtype=torch.uint8)
