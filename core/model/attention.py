@@ -1,10 +1,8 @@
-"""Grouped-query attention next to the KV cache: decode (one query per request) and causal prefill, with
-sinks and sliding windows.
-
-Decode attention's arithmetic intensity does not grow with the batch (each query reads its own KV), which is
-why it runs on the CPU beside the cache; query heads are grouped onto their KV head with a view, never a copy.
-Where the CPU computes slowly in the cache's dtype (bf16 on AVX2), `widen` converts K/V a few rows at a time
-into a reused buffer that stays in cache. Legend: B = requests, G = Hq / Hkv, T = cached tokens, L = prompt tokens.
+"""Grouped-query attention beside the KV cache: decode (one query per request) and causal prefill, with sinks and
+sliding windows. Decode runs on the CPU beside the cache, as its arithmetic intensity does not grow with the batch;
+query heads are grouped onto their KV head with a view, never a copy. `widen` converts K/V a few rows at a time into
+a reused buffer where the CPU is slow in the cache's dtype (bf16 on AVX2).
+Legend: B = requests, G = Hq / Hkv, T = cached tokens, L = prompt tokens.
 """
 
 from __future__ import annotations
@@ -25,11 +23,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, span: tuple[int, int] | None = None, pad: torch.Tensor | None = None,
                      sinks: torch.Tensor | None = None, widen=None, memo: dict | None = None) -> torch.Tensor:
     """q [B, Hq, hd]; k/v_cache [B, Hkv, Tmax, hd] (rows of the cache); lengths [B] -> [B, Hq·dv] in q's dtype.
-
-    `span` = (min, max) of `lengths`, known on the host, so a device-side `lengths` costs no sync; `pad` [B, max]
-    and `memo` (kept for one step's calls over the same rows) let masks be built once per step, not per layer.
-    `sinks` [Hq]: per-head logits added to each softmax's denominator (gpt-oss).
-    """
+    `span`: (min, max) of `lengths` known on the host (no device sync); `pad` [B, max] and `memo` (one step's calls
+    over the same rows) build masks once a step, not a layer; `sinks` [Hq]: logits in each softmax's denominator."""
     B, Hq, hd = q.shape
     Hkv, Tmax, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     G = Hq // Hkv
@@ -71,8 +66,7 @@ _slice_bufs = threading.local()  # per thread (attention runs on its own worker)
 
 
 def slices(T: int, row: int) -> bool:
-    """Whether decode attention copies out the first T positions of rows of `row` tokens rather than read
-    the rows whole: a copy costs about 1.7 passes over T."""
+    """Whether decode attention copies the first T positions out of `row`-token rows (a copy: ~1.7 passes over T)."""
     return T < SLICE_BELOW * row
 
 
@@ -118,10 +112,9 @@ def decode_over_rows(q: torch.Tensor, store, rows, scale: float, sinks: torch.Te
 
 
 def attention_runs(lengths: list[int], row: int, widened: bool = False, rows: int | None = None) -> list:
-    """[(first, end, (shortest, longest))]: runs of `rows` neighbouring cache rows (of `row` tokens each), each
-    read to its own longest length, or [] when one call over all reads no less. Algorithm 2 admits the longest
-    prompts first, so neighbouring slots hold similar lengths while a batch spans many. Cost in positions read,
-    as decode_attention chooses (`slices`); a widening call always copies (about three passes)."""
+    """[(first, end, (shortest, longest))]: runs of `rows` neighbouring cache rows (of `row` tokens each), each read
+    to its own longest length, or [] when one call over all reads no less. Algorithm 2 admits the longest prompts
+    first, so neighbours hold similar lengths; costs as decode_attention's `slices` (widening always copies)."""
     rows = rows or RUN_ROWS
     if len(lengths) < 2 * rows:
         return []
@@ -162,8 +155,7 @@ SDPA_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """softmax over the last axis of fp32 `scores`, with `sinks` (broadcast to scores[..., :1]) as extra
-    logits in the denominator whose probability is dropped."""
+    """softmax over the last axis of fp32 `scores`, `sinks` (broadcast to scores[..., :1]) extra denominator logits."""
     if sinks is None:
         return torch.softmax(scores, dim=-1)
     sinks = sinks.float()

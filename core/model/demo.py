@@ -1,8 +1,6 @@
-"""The built-in demo model: a small random-weight Mixtral checkpoint plus a tokenizer, made locally.
-
-Built deterministically on first use into the user cache with transformers' own class and
-`save_pretrained` (a real checkpoint for the real loader), and a byte-level BPE tokenizer trained on the
-bundled MT-Bench questions. No network; its outputs are gibberish.
+"""The built-in demo model: a small random-weight Mixtral checkpoint (transformers' own class and `save_pretrained`:
+a real checkpoint for the real loader) and a byte-level BPE tokenizer trained on the bundled MT-Bench questions,
+built deterministically on first use into the user cache. No network; its outputs are gibberish.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ def training_text() -> list[str]:
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> None:
-    """Train a byte-level BPE tokenizer and save it as a transformers fast tokenizer in out_dir."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

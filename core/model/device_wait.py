@@ -1,7 +1,5 @@
-"""Host waits on device work with a deadline: what every wait on a GPU goes through, setup probes included.
-
-torch.cuda.synchronize cannot be given a deadline, so a hung kernel hangs the process: here the host
-records an event and polls it until done or `seconds` pass (DeviceStalled).
+"""Host waits on device work with a deadline, setup probes included: torch.cuda.synchronize takes none, so a hung
+kernel would hang the process; here an event is polled until done or `seconds` pass (DeviceStalled).
 """
 
 from __future__ import annotations

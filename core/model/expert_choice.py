@@ -1,7 +1,6 @@
-"""Which routed-expert kernel runs — grouped_mm over all experts, or a matmul pair per expert with tokens —
-timed on the real inputs at a shape's first call (the loop's per-expert cost dominates small batches of many
-small experts; grouped_mm pays for its layout). The CPU's choices are kept on disk per machine, torch build,
-threads and experts' code (`_path`): measuring costs a fresh run a seventh of its time.
+"""Which routed-expert kernel runs (grouped_mm over all experts, or a matmul pair per expert with tokens), timed on
+the real inputs at a shape's first call. The CPU's choices are kept on disk per machine, torch build, threads and
+experts' code (`_path`): measuring costs a fresh run a seventh of its time.
 """
 
 from __future__ import annotations

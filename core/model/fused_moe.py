@@ -1,11 +1,9 @@
-"""The routed experts on an accelerator in a number of launches that does not depend on E.
-
-Pairs are aligned into blocks of one expert (`mlight::moe_align`), then `mlight::moe_gemm` runs a projection
-over every block: the Triton kernel where it runs, else a torch form, a chunk of blocks at a time. Both are
-torch.library ops with fake implementations, so a launch count, a CUDA graph and the emulated device each see
-one op.
-Legend: T = tokens, k = experts per token, E = experts, P = T·k pairs, D = hidden, I = expert intermediate,
-N × K = one expert's matrix (outputs × inputs), BM = block rows, S = padded slots.
+"""The routed experts on an accelerator in a number of launches that does not depend on E: pairs aligned into
+blocks of one expert (`mlight::moe_align`), then `mlight::moe_gemm` over every block (the Triton kernel where it runs,
+else a torch form, a chunk of blocks at a time). Both are torch.library ops with fake implementations, so a launch
+count, a CUDA graph and the emulated device each see one op. Legend: T = tokens, k = experts per token, E = experts,
+P = T·k pairs, D = hidden, I = expert intermediate, N × K = one expert's matrix (outputs × inputs), BM = block rows,
+S = padded slots.
 """
 
 from __future__ import annotations
@@ -19,18 +17,13 @@ from core.model.limits import FUSED_CHUNK_BYTES, FUSED_MAX_TOKENS, fused_block_r
 from core.model.moe_align import moe_align, padded_slots
 from core.model.quant.formats import Format, dequantize
 
-# ---- which path -------------------------------------------------------------------------------------------
-# The least tokens of an FFN call at which grouped_mm replaces the fused path: never for quantized experts (it
-# reads one dtype); for dense ones above a decode step's expert batch, where its tensor-core tiles win.
-GROUPED_FROM_TOKENS = {"dense": FUSED_MAX_TOKENS + 1, "quantized": None}
-
-
 def expert_path(quantized: bool, tokens: int, grouped_mm: bool, forced: bool | None = None) -> str:
-    """"grouped" or "fused" for `tokens` tokens; `grouped_mm`: its kernel runs here; `forced`: the caller's."""
-    least = GROUPED_FROM_TOKENS["quantized" if quantized else "dense"]
-    if least is None or not grouped_mm or forced is False:
+    """"grouped" or "fused" for `tokens` tokens; `grouped_mm`: its kernel runs here; `forced`: the caller's.
+    grouped_mm never takes quantized experts (it reads one dtype), and dense ones above a decode step's expert
+    batch only, where its tensor-core tiles win."""
+    if quantized or not grouped_mm or forced is False:
         return "fused"
-    return "grouped" if forced or tokens >= least else "fused"
+    return "grouped" if forced or tokens > FUSED_MAX_TOKENS else "fused"
 
 
 def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, act,
@@ -39,7 +32,8 @@ def fused_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx
     T, k = idx.shape
     E = sum(len(p["quant"]) if "quant" in p else p["w13"].shape[0] for p in parts)
     up, down = _matrices(parts)
-    triton = _use_triton(h, [m[0] for m in (*up, down)], backend)
+    triton = (backend == "triton" if backend is not None else  # else wherever the kernel takes every matrix
+              h.is_cuda and all(_triton_runs(m[0], h.dtype, h.device.index or 0) for m in (*up, down)))
     bm = (triton_module("fused_moe_triton").pick_block_m(T * k, E) if triton  # the kernel's choice, or BM
           else fused_block_rows(T * k, E))
     sorted_ids, block_expert, n_padded = torch.ops.mlight.moe_align(idx, E, bm)
@@ -85,22 +79,12 @@ def _format(key: str) -> Format | None:
     return Format(name, int(group))
 
 
-# ---- the kernel, where it runs ------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _triton_runs(fmt_key: str, dtype: torch.dtype, index: int) -> bool:
     ft = triton_module("fused_moe_triton")
     return ft is not None and ft.unsupported(_format(fmt_key), dtype, torch.cuda.get_device_capability(index)) is None
 
 
-def _use_triton(h: torch.Tensor, fmts: list[str], backend: str | None) -> bool:
-    if backend is not None:
-        return backend == "triton"
-    if not h.is_cuda:
-        return False
-    return all(_triton_runs(f, h.dtype, h.device.index or 0) for f in fmts)
-
-
-# ---- the ops ------------------------------------------------------------------------------------------------
 @torch.library.custom_op("mlight::moe_align", mutates_args=())
 def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kernel = triton_module("moe_align_triton") if topk_ids.is_cuda else None

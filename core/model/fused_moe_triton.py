@@ -1,8 +1,6 @@
-"""Fused MoE GEMM in Triton: one launch computes one projection of every (token, expert) pair of a part.
-
-The vLLM/SGLang design: a program owns BM pairs of one expert and BN columns, dequantizes in registers
-(`formats.dequantize`'s fp32 arithmetic) and accumulates in fp32; the grid is static. Legend: T = tokens,
-k = top_k, E = experts, n = experts in the part, N = outputs, K = inputs, BM/BN/BK = tile sizes, p = pair.
+"""Fused MoE GEMM in Triton, vLLM/SGLang's design: one launch, a program a block of BM pairs of one expert by BN
+columns, dequantizing in registers (`formats.dequantize`'s fp32 arithmetic), accumulating in fp32; a static grid.
+Legend: T = tokens, k = top_k, E = experts, n = experts in the part, N = outputs, K = inputs, p = pair.
 """
 
 from __future__ import annotations

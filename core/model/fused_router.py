@@ -1,7 +1,5 @@
-"""The MoE router after its matmul as one op on an accelerator: `mlight::route`, logits to experts and weights.
-
-A torch.library op like core.model.fused_moe's (one op to a launch count, a CUDA graph and the emulated
-device): the Triton kernel on a CUDA GPU with triton, else routing's own torch form.
+"""`mlight::route`, the MoE router after its matmul as one torch.library op (one op to a launch count, a CUDA graph
+and the emulated device): the Triton kernel on a CUDA GPU with triton, else routing's torch form.
 Legend: T = tokens, E = experts, k = experts per token.
 """
 

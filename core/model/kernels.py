@@ -1,8 +1,6 @@
-"""Which kernels compute: one knob, `MLIGHT_KERNELS` = auto | native | torch (`mlight run --kernels`).
-
-auto: mlight's C kernels wherever they build and run, torch's ops elsewhere; native: a C kernel that fails to
-build or load is an error; torch: torch's ops only, a GGUF file in float32 (the reference reading). The old
-`MLIGHT_NATIVE*` / `MLIGHT_AMX` = 0 switches still turn their kernels off for one release, with a warning.
+"""Which kernels compute: `MLIGHT_KERNELS` = auto | native | torch (`mlight run --kernels`). auto: the C kernels
+where they build and run; native: one that fails is an error; torch: torch's ops only, GGUF in float32 (the reference
+reading). The old `MLIGHT_NATIVE*` / `MLIGHT_AMX` = 0 switches still work for one release, with a warning.
 """
 
 from __future__ import annotations
@@ -54,9 +52,8 @@ def triton_module(name: str):
 
 
 def set_mode(value: str) -> None:
-    """Set the knob for this process (the CLI's --kernels) and forget kernels built under another value."""
-    if value not in CHOICES:
-        raise UsageError(f"unknown kernel choice {value!r}", f"use one of {', '.join(CHOICES)}")
+    """Set the knob for this process (the CLI's --kernels, a choice argparse checked) and forget kernels built
+    under another value."""
     os.environ[ENV] = value
     forget_builds()
 

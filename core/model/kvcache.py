@@ -1,8 +1,7 @@
-"""The attention state: what each layer keeps per sequence, preallocated in CPU memory, one row per batch slot.
-
-`KVStore` K and V `[S, Hkv, Tmax, hd]`, or a ring `[S, Hkv, W, hd]` (position p at p mod W); `LatentStore`
-`[S, Tmax, R + dr]` (MLA); `LinearStore` an fp32 recurrent state `[S, Hv, dk, dv]` and the last K−1 conv inputs
-`[S, conv, K−1]`. Legend: S = slots, R = latent rank, dr = rope dims, K = conv kernel.
+"""The attention state, preallocated in CPU memory, one row per batch slot: `KVStore` K and V `[S, Hkv, Tmax, hd]`
+or a ring `[S, Hkv, W, hd]` (position p at p mod W); `LatentStore` `[S, Tmax, R + dr]` (MLA); `LinearStore` an fp32
+recurrent state `[S, Hv, dk, dv]` and the last K−1 conv inputs `[S, conv, K−1]`.
+Legend: S = slots, R = latent rank, dr = rope dims, K = conv kernel.
 """
 
 from __future__ import annotations
@@ -83,6 +82,11 @@ class _Store:
     def put_new(self, rows, parts) -> None:
         self.write(rows.slots, rows.positions, *parts)
 
+    def write_prompt(self, slot: int, *parts: torch.Tensor) -> None:
+        """A whole prompt's state for one slot: each part at positions [0, L) of its tensor's row."""
+        for t, part, axis in zip(self.tensors, parts, self.token_axes):
+            (t[slot] if axis is None else t[slot].narrow(axis - 1, 0, part.shape[axis - 1])).copy_(part)
+
     def move(self, src: int, dst: int, tokens: int) -> None:
         """Row `src`'s state (its first `tokens` tokens) into row `dst` (SlotTable.compact)."""
         n = self.kept(tokens)
@@ -114,8 +118,7 @@ class KVStore(_Store):
         return self.k[every, :, at], self.v[every, :, at]
 
     def write_rows(self, rows: "Rows", k: torch.Tensor, v: torch.Tensor) -> None:
-        """`write` by one flat index per step on a contiguous host store (in C where built: it keeps the cold
-        rows' misses in flight)."""
+        """`write` by one flat index a step on a contiguous host store (in C where built: cold rows' misses overlap)."""
         hd = self.k.shape[-1]
         if self.k.device.type != "cpu" or not (self.k.is_contiguous() and self.v.is_contiguous()):
             return self.write(rows.slots, rows.positions, k, v)
@@ -173,9 +176,6 @@ class LatentStore(_Store):
     def write(self, slots: torch.Tensor, positions: torch.Tensor, lat: torch.Tensor):
         self.lat[slots, positions] = lat.to(self.lat.dtype)
 
-    def write_prompt(self, slot: int, lat: torch.Tensor):
-        self.lat[slot, :lat.shape[0]] = lat
-
 
 class LinearStore(_Store):
     """Gated DeltaNet: recurrent state (fp32) and conv state, fixed size per sequence."""
@@ -196,10 +196,6 @@ class LinearStore(_Store):
     def put_new(self, rows, parts) -> None:
         rows.put(self.rec, parts[0])
         rows.put(self.conv, parts[1])
-
-    def write_prompt(self, slot: int, rec: torch.Tensor, conv: torch.Tensor):
-        self.rec[slot] = rec
-        self.conv[slot] = conv
 
 
 def load_rows(src, dst, rows, cached: int) -> int:
@@ -228,8 +224,7 @@ def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, pin
 
 
 class KVCache:
-    """Every layer's store (None for the first `gpu_layers`); pageable by default: hundreds of GB would be too much
-    page-locked memory."""
+    """Every layer's store (None for the first `gpu_layers`); pageable by default: hundreds of GB is too much to pin."""
 
     def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False,
                  gpu_layers: int = 0):

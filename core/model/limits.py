@@ -1,6 +1,4 @@
-"""Numbers the runtime's code and the planner's model of it must agree on, in one place, torch-free: the
-model's kernels, core.plan and core.runtime all import them from here.
-"""
+"""Numbers the runtime's code and the planner's model of it must agree on, in one place, torch-free."""
 
 FUSED_MAX_TOKENS = 128  # an accelerator's expert call of more tokens takes grouped_mm where it runs (dense weights)
 # the fused expert path's torch form (core.model.fused_moe): experts' matrices gathered per chunk of blocks, at most

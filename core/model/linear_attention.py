@@ -1,8 +1,7 @@
-"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5) as CGOPipe runs it.
-
-Per sequence and value head: a recurrent state S [dk, dv] (fp32) and the last K−1 conv inputs. For a
-token, x = silu(conv(mixed)) splits into q, k [Hk, dk] (L2-normed, q scaled by dk^-½, shared by Hv/Hk
-value heads) and v [Hv, dv]; with g = −exp(A_log)·softplus(a + dt_bias) and β = σ(b):
+"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5) as CGOPipe runs it. Per sequence and value head: a
+recurrent state S [dk, dv] (fp32) and the last K−1 conv inputs. For a token, x = silu(conv(mixed)) splits into
+q, k [Hk, dk] (L2-normed, q scaled by dk^-½, shared by Hv/Hk value heads) and v [Hv, dv]; with
+g = −exp(A_log)·softplus(a + dt_bias) and β = σ(b):
     S ← e^g·S;  S ← S + k ⊗ β(v − Sᵀk);  o = Sᵀq
 then o is RMS-normed per head, gated by silu(z) and projected out. `pre` projects (D1: conv input, b, a),
 `attend` steps conv and recurrence next to the state (D2: o), `post` gates, norms and projects;

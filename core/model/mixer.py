@@ -1,12 +1,10 @@
-"""The token mixer of each layer — its attention kind — behind one interface the runtime calls.
-
-Kinds: "gqa" (gqa.py), "mla" (mla.py), "linear" (linear_attention.py). Each module has
+"""The token mixer of each layer (its attention kind) behind one interface: "gqa" (gqa.py), "mla" (mla.py) and
+"linear" (linear_attention.py) each have d1_width / d2_width (elements a token over D1 and D2) and
   pre(spec, w, h, positions, rope, call_lengths, full_norm, out) -> (payload [T, d1], what stays for post)
   attend(spec, w_host, payload, store, rows) -> [B, d2]       (next to the state, one token per row)
   post(spec, w, out, keep) -> [T, D]
   prefill(spec, w, h, positions, rope, lens, call_lengths, window, full_norm) -> ([T, D], per prompt the state parts)
-and d1_width / d2_width (elements per token over D1 and D2). `out`: the device's D1 block the payload
-may be written into; `full_norm`: a tensor-parallel rank's q/k norm over all heads.
+`out`: the device's D1 block the payload may be written into; `full_norm`: a rank's q/k norm over all heads.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Multi-head latent attention (DeepSeek-V2/V3) as CGOPipe runs it, over a latent cache.
-
-The cache keeps per token the normed latent c [R] and the roped shared key k_pe [dr]; K/V are never
-expanded at decode. kv_b splits per head into W_UK [dn, R] and W_UV [dv, R]; since q_nope·(W_UK c) =
-(W_UKᵀ q_nope)·c, `pre` absorbs the query into latent space, the CPU attends like multi-query attention
-with one head of width R + dr (`attend`: o_lat = p·c), and `post` applies W_UV and O. Prefill expands K/V.
-D1: [q_lat | q_pe] per head and the token's [c | k_pe]; D2: o_lat (H·R).
+"""Multi-head latent attention (DeepSeek-V2/V3) as CGOPipe runs it, over a cache of each token's normed latent c [R]
+and roped shared key k_pe [dr]: K/V are never expanded at decode. kv_b splits per head into W_UK [dn, R] and W_UV
+[dv, R]; since q_nope·(W_UK c) = (W_UKᵀ q_nope)·c, `pre` absorbs the query into latent space, the CPU attends like
+multi-query attention with one head of width R + dr (`attend`: o_lat = p·c), and `post` applies W_UV and O. Prefill
+expands K/V. D1: [q_lat | q_pe] per head and the token's [c | k_pe]; D2: o_lat (H·R).
 Legend: T = tokens, B = requests, H = heads, R = latent rank, dn/dr/dv = no-rope/rope/value head dims.
 """
 

@@ -1,9 +1,6 @@
-"""Block alignment of routed (token, expert) pairs: what a fused MoE kernel reads to run each block of rows
-with one expert's weights (the layout vLLM's and SGLang's fused MoE use).
-
-Pair p = t·k + j is token t's j-th choice; each expert's run is padded to a multiple of BM with the sentinel
-T·k. Static shapes (S bounded by T, k, E and BM): nothing is read back and a CUDA graph can capture it.
-Legend: T = tokens, k = experts per token, E = experts, BM = block rows, S = padded slots, P = T·k pairs.
+"""Block alignment of routed pairs, as vLLM's and SGLang's fused MoE read it: pair p = t·k + j (token t's j-th
+choice), each expert's run padded to a multiple of BM with the sentinel P. Static shapes, nothing read back: a CUDA
+graph can capture it. Legend: T = tokens, k = experts per token, E = experts, BM = block rows, S = slots, P = T·k.
 """
 
 from __future__ import annotations

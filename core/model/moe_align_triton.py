@@ -1,8 +1,6 @@
-"""core.model.moe_align's block alignment in Triton: one launch of one program (the torch form is about 15 kernels).
-
-It walks the pairs a chunk at a time, three times: counts per expert, each expert's padded run start, each
-pair's slot. O(P·E + P·C) comparisons: microseconds for a decode step.
-Legend: T = tokens, k = experts per token, E = experts, P = T·k pairs, BM = block rows, S = padded slots.
+"""core.model.moe_align in Triton: one launch of one program (the torch form is about 15 kernels), walking the pairs
+a chunk of C at a time three times (counts, run starts, slots): O(P·E + P·C), microseconds for a decode step.
+Legend: moe_align's.
 """
 
 from __future__ import annotations

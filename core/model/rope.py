@@ -1,9 +1,7 @@
-"""Rotary position embeddings: cos/sin tables built once, applied by position.
-
-Full or partial rotation (the first `dim` dims of a head), halves (Llama) or interleaved pairs (DeepSeek,
-written back as [rotated evens, rotated odds]: q·k is the same as long as q and k share the layout), YaRN and
-LongRoPE, whose scale depends on the length of the forward call a token belongs to (transformers'
-PhimoeRotaryEmbedding). Legend: T = tokens, H = heads, P = positions, r = rotated dims.
+"""Rotary position embeddings: cos/sin tables built once, applied by position. Full or partial (the first `dim` dims
+of a head), halves (Llama) or interleaved pairs (DeepSeek, written back as [rotated evens, rotated odds]: q·k is the
+same while q and k share the layout), YaRN and LongRoPE, whose scale depends on the length of the forward call a
+token belongs to (transformers' PhimoeRotaryEmbedding). Legend: T = tokens, H = heads, P = positions, r = rotated dims.
 """
 
 from __future__ import annotations
@@ -94,9 +92,8 @@ class Rope:
             self._kept.pop(next(iter(self._kept)), None)  # the oldest
 
     def tables(self, positions: torch.Tensor, call_lengths: torch.Tensor | None = None):
-        """(cos, sin) [T, 1, r or r/2] of tokens at `positions` [T]; `call_lengths` [T]: each token's call length
-        (LongRoPE). Kept per positions tensor while it lives unchanged (every layer and micro-batch of a step), so
-        a step gathers twice per micro-batch, not per layer."""
+        """(cos, sin) [T, 1, r or r/2] at `positions` [T]; `call_lengths` [T]: each token's call's (LongRoPE). Kept per
+        live, unchanged positions tensor: a step gathers twice per micro-batch, not per layer."""
         kept = self._entry(positions, call_lengths)
         return kept[4], kept[5]
 
@@ -138,11 +135,9 @@ class Rope:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, call_lengths: torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H, hd], positions [T] -> x with its first `dim` dims rotated.
-
-        Both layouts as halves X [T, H, 2, r/2]: X·cos + swap(X)·(±sin), the reference's roundings (a·(−s) is
-        −(a·s) exactly) in four ops. `out` [T, H, r] (last stride 1): only the rotated dims, written there (a
-        slice of the payload the caller sends); x[..., :r] itself in the halves layout."""
+        """x [T, H, hd], positions [T] -> x with its first `dim` dims rotated, both layouts as halves X [T, H, 2, r/2]:
+        X·cos + swap(X)·(±sin), the reference's roundings (a·(−s) is −(a·s) exactly) in four ops. `out` [T, H, r]
+        (last stride 1): only the rotated dims, written there (a slice of the payload); x[..., :r] itself in halves."""
         cos, sin = self._halves(positions, call_lengths)
         d = self.dim
         rot, rest = (x, None) if d == x.shape[-1] else (x[..., :d], x[..., d:])

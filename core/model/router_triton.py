@@ -1,9 +1,7 @@
-"""The MoE router after its matmul, in Triton: one launch from a token's logits to its k experts and weights.
-
-One program a token row, in core.model.routing's fp32 arithmetic for sigmoid_group, softmax_group and
-softmax, then × `scale`, rounded once to the output's dtype. Ties break by the lowest index, where
-torch.topk on the CPU breaks them in no documented order: ids agree wherever the values differ, and
-weights to fp32 rounding. Legend: T = tokens, E = experts, G = groups, k = experts per token.
+"""The MoE router after its matmul in Triton: one program a token, routing's fp32 arithmetic for sigmoid_group,
+softmax_group and softmax, × `scale`, rounded once. Ties break by the lowest index (torch.topk on the CPU documents
+no order): ids agree wherever values differ, weights to fp32 rounding.
+Legend: T = tokens, E = experts, G = groups, k = experts per token.
 """
 
 from __future__ import annotations

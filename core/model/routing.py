@@ -1,14 +1,9 @@
-"""MoE routers: from a token's hidden state to its k experts and their weights.
-
-Kinds (ModelSpec.router), each the inference form of its reference:
-- softmax: softmax over all experts, top-k, optionally renormalised (Mixtral, Qwen, OLMoE, DBRX).
-- topk_softmax: top-k of the (biased) logits, softmax over those k only (gpt-oss).
-- softmax_group: softmax, then only the experts of the `topk_group` best groups (DeepSeek-V2).
-- sigmoid_group: sigmoid scores, `e_score_correction_bias` added to choose (groups ranked by the sum of
-  their two best), the plain scores as weights (DeepSeek-V3, GLM-4.5).
-- sparsemixer: Phi-3.5-MoE's top-2, each weighted by a softmax over the experts within a relative
-  `jitter_eps` of it (no sampling at inference).
-Then `routed_scale` multiplies the weights. Legend: T = tokens, E = experts, k = experts per token.
+"""MoE routers (ModelSpec.router), each the inference form of its reference, then × `routed_scale`. softmax: over
+all experts, top-k, optionally renormalised (Mixtral, Qwen, OLMoE, DBRX); topk_softmax: softmax over the top-k
+(biased) logits (gpt-oss); softmax_group: only the experts of the `topk_group` best groups (DeepSeek-V2);
+sigmoid_group: `e_score_correction_bias` added to choose (groups ranked by the sum of their two best), the plain
+scores as weights (DeepSeek-V3, GLM-4.5); sparsemixer: Phi-3.5-MoE's top-2, each weighted by a softmax over the
+experts within a relative `jitter_eps` of it (no sampling at inference). Legend: T = tokens, E = experts, k = top-k.
 """
 
 from __future__ import annotations

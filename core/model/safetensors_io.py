@@ -1,7 +1,5 @@
-"""Read tensors out of safetensors files (single file or sharded) without pickles or a second copy.
-
-The header is parsed before anything is allocated (a truncated shard is caught), and each tensor is
-copied out of a memory-mapped window of its own, closed right after.
+"""Tensors out of safetensors files without pickles or a second copy: the header is parsed before anything is
+allocated (a truncated shard is caught), each tensor copied from a memory-mapped window of its own.
 """
 
 from __future__ import annotations
@@ -110,9 +108,8 @@ class Checkpoint:
     def copy_into(self, name: str, dest: torch.Tensor, view: tuple[int, ...] | None = None,
                   transpose: bool = False, select: tuple | None = None, fit: bool = False,
                   narrow: tuple[int, int, int] | None = None) -> None:
-        """Copy tensor `name` into `dest` (converting dtype) through its own mmap window: `view` reshapes it,
-        `transpose` swaps its last two axes, `select` indexes it, `fit` reshapes that to `dest`; `narrow` = (dim,
-        start, length) copies only that slice, so a tensor-parallel rank reads only its part."""
+        """Tensor `name` into `dest` (dtype converted) through its own mmap window; the options as families' `Piece`,
+        `narrow` = (dim, start, length): only that slice (a tensor-parallel rank's part)."""
         t = self.info(name)
         count = (t.end - t.start) // t.dtype.itemsize
         if not count:

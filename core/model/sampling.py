@@ -1,7 +1,5 @@
-"""Choosing the next token: greedy when temperature is 0, else temperature / top-k / top-p sampling.
-
-Each request samples from its own seeded generator, so its tokens depend on its seed and its
-logits only — not on which other requests share its batch or micro-batch.
+"""The next token: greedy at temperature 0, else temperature / top-k / top-p. Each request samples from its own
+seeded generator, so its tokens depend on its seed and logits only, not on who shares its batch.
 """
 
 from __future__ import annotations

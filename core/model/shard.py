@@ -1,9 +1,7 @@
-"""Tensor-parallel shards: what one of `size` ranks holds of a model, and how it is read from disk.
-
-Attention splits by query heads (a rank keeps the KV heads they use, a copy per query head where groups fall
-unevenly), MLA by heads, linear attention by value heads; the MoE FFN along every expert's intermediate
-dimension, so each rank streams 1/size of every layer whatever the routing. Unknown tensors keep attention
-whole. A rank's model is an ordinary ModelSpec (`local_spec`); partial outputs are summed over ranks.
+"""Tensor-parallel shards: what one of `size` ranks holds and reads. Attention splits by query heads (a rank keeps
+the KV heads they use, a copy per query head where groups fall unevenly), MLA by heads, linear attention by value
+heads, the MoE FFN along every expert's intermediate dimension (each rank streams 1/size of every layer whatever the
+routing); unknown tensors keep attention whole. A rank's model is a ModelSpec (`local_spec`); outputs sum over ranks.
 """
 
 from __future__ import annotations
@@ -143,11 +141,9 @@ def plan_shard(spec: ModelSpec, rank: int, size: int) -> Shard:
 
 
 def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
-    changes = dict(expert_intermediate=shard.inter[1] - shard.inter[0])
-    if spec.shared_intermediate:
-        changes["shared_intermediate"] = shard.shared[1] - shard.shared[0]
-    if spec.dense_intermediate:
-        changes["dense_intermediate"] = shard.dense[1] - shard.dense[0]
+    changes = dict(expert_intermediate=shard.inter[1] - shard.inter[0],
+                   shared_intermediate=shard.shared[1] - shard.shared[0],  # (0, 0) where the model has none
+                   dense_intermediate=shard.dense[1] - shard.dense[0])
     if shard.split_attention:
         changes.update(num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads))
     if shard.lin_v_heads:

@@ -1,7 +1,6 @@
-"""ModelSpec: what mlight needs to know about an MoE checkpoint, derived from its config.json.
-
-One frozen dataclass for every family: quirks are fields, so the forward pass lives once in `core` and
-the family modules only translate a config and name the weights. Canonical per-layer tensors:
+"""ModelSpec: what mlight needs to know about an MoE checkpoint, from its config.json. One frozen dataclass for
+every family, quirks as fields, so the forward pass lives once in `core` and the family modules only translate a
+config and name the weights. Canonical per-layer tensors:
   ln1, ln2 [D] (+ ln1_b, ln2_b with LayerNorm bias);
   attention, grouped-query: qkv [(Hq+2·Hkv)·hd (+ Hq·hd output-gate rows), D] (+ qkv_bias);
     q_norm/k_norm [hd] or [H·hd]; o [D, Hq·hd] (+ o_bias); sinks [Hq];
@@ -211,7 +210,6 @@ class ModelSpec:
         if not 1 <= self.router_topk_groups <= self.router_groups:
             raise ValueError(f"topk_group {self.router_topk_groups} must lie in 1..n_group {self.router_groups}")
 
-    # ---- derived shapes -------------------------------------------------------------------------
     @property
     def torch_dtype(self):
         return torch_dtype(self.dtype)
@@ -302,7 +300,6 @@ class ModelSpec:
             return StateSpec("window", token_elems=2 * self.kv_size, window=self.sliding_window)
         return StateSpec("kv", token_elems=2 * self.kv_size)
 
-    # ---- sizes (bytes in the checkpoint dtype) ----------------------------------------------------
     @property
     def expert_params(self) -> int:
         """Parameters of one routed expert (with its biases, where the family has them)."""
@@ -369,7 +366,6 @@ class ModelSpec:
         """Bytes one sequence of `tokens` tokens keeps over all layers."""
         return sum(self.layer_state(i).bytes(tokens, self.dtype_bytes) for i in range(self.num_layers))
 
-    # ---- serialisation --------------------------------------------------------------------------
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 

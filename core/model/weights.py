@@ -1,8 +1,6 @@
-"""Model weights laid out for paging: one flat buffer per decoder layer, cut into pages.
-
-A `LayerLayout` fixes each tensor's offset, experts `[E, ...]` last; the expert region (what streams) is cut
-into equal pages. Buffers are filled straight from the checkpoint's memory map and start and end on page
-boundaries, so what streams can be page-locked at its exact size (torch's pinned allocator rounds up).
+"""Model weights laid out for paging: one flat buffer per decoder layer, experts `[E, ...]` last, cut into pages.
+Buffers start and end on page boundaries, so what streams is page-locked at its exact size (torch's pinned allocator
+rounds up).
 """
 
 from __future__ import annotations
@@ -24,8 +22,6 @@ from core.model.quant.experts import _TORCH, ExpertScheme, QuantExperts
 from core.model.quant.cache import CacheEntry
 from core.model.quant.dense_spec import DENSE_NAMES as PACKED_DENSE  # prepacked with the experts in the CPU-only mode
 from core.model.quant.formats import _ITEMSIZE, Format, fit_group, quantize
-from core.model.quant.mxfp4 import fill as fill_mxfp4
-from core.model.quant.mxfp4 import scheme as mxfp4_scheme
 from core.model.spec import EXPERT_TENSORS, ModelSpec
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
@@ -134,8 +130,8 @@ class LayerWeights:
         self.pages = [self.experts[a:b] for a, b in self.layout.page_bounds(pages)]
 
     def pack_for_cpu(self, quantize_dense=None, swiglu: bool = False) -> None:
-        """Prepack the experts for the CPU, keeping only the non-expert part of the flat buffer (memory peaks at
-        the model plus a layer). `quantize_dense(name, w)`: the projections quantized too; `swiglu`: fused kernel."""
+        """Prepack the experts for the CPU, the flat buffer keeping the rest (memory peaks at the model plus a layer);
+        `quantize_dense(name, w)`: the projections quantized too; `swiglu`: the fused kernel."""
         from core.model.moe import pack_cpu_experts
 
         if self.quant is not None:
@@ -197,8 +193,7 @@ class LayerWeights:
         return {n: self.tensors[n] for n in EXPERT_TENSORS if n in self.tensors}
 
     def widen_dense(self, math: torch.dtype, pack: bool = False) -> None:
-        """The non-expert part in `math`, for CPUs whose bf16 matmuls are slow; experts kept, or (`pack`) in the
-        fp32-math C kernel's layout."""
+        """The non-expert part in `math` (for slow bf16 matmuls); `pack`: experts in the fp32 C kernel's layout."""
         from core.model.cpu import ffn
 
         dense_names = self._dense_names()
@@ -340,10 +335,6 @@ class ModelWeights:
                         and ffn.takes_widened(lw.tensors["w13"], lw.tensors["w2"]) for lw in moe))
 
     @property
-    def lm_head(self) -> torch.Tensor:
-        return self.globals.get("lm_head", self.globals["embed"])
-
-    @property
     def nbytes(self) -> int:
         dense = sum(lw.dense_flat.numel() * lw.dense_flat.element_size() for lw in self.layers
                     if lw.dense_flat is not None)
@@ -355,9 +346,9 @@ PAGE = 4096
 
 
 def page_aligned(numel: int, dtype: torch.dtype, huge_from: int | None = None) -> torch.Tensor:
-    """A buffer of whole pages of its own, so a part of it can be page-locked without touching a neighbour's.
-    With `huge_from` (bytes), what lies past it (the streamed experts) on huge pages where the OS gives them; not
-    the dense head: a GGUF file's projections are held as blocks elsewhere, and huge pages would make it resident."""
+    """Whole pages of its own, so a part can be page-locked without touching a neighbour's. Past `huge_from` (bytes:
+    the streamed experts) on huge pages; not the dense head, which a GGUF's projections held as blocks elsewhere
+    leave unwritten, and huge pages would make resident."""
     size, total = dtype.itemsize, -(-(numel * dtype.itemsize) // PAGE) * PAGE + PAGE
     if huge_from is None:
         raw = torch.empty(total, dtype=torch.uint8)
@@ -376,8 +367,8 @@ def _unpin_all(pins: dict) -> None:
 def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None, pages_per_layer: int = 1,
                  progress: EventSink = ignore, quant: Format | None = None,
                  use_cache: bool = True, shard=None) -> ModelWeights:
-    """A checkpoint in paged per-layer buffers. `shard`: only that tensor-parallel rank's part; `quant`: experts
-    quantized as they are read (or read back from the cache): memory peaks at the quantized model plus a layer."""
+    """A checkpoint in paged per-layer buffers. `shard`: a tensor-parallel rank's part; `quant`: experts quantized
+    as read (or from the cache): memory peaks at the quantized model plus a layer."""
     if pages_per_layer < 1:
         raise ValueError(f"pages_per_layer must be >= 1, got {pages_per_layer}")
     mxfp4 = spec.quant_method == "mxfp4" and spec.family == "gpt_oss"  # experts read as the 4-bit blocks they are
@@ -402,10 +393,9 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
         from core.model.shard import local_spec
 
         spec = local_spec(full, shard)
-    scheme = mxfp4_scheme(spec) if mxfp4 else None
-    if quant is not None:
-        scheme = ExpertScheme.uniform(fit_group(quant, spec.hidden_size, spec.expert_intermediate),
-                                      spec.hidden_size, spec.expert_intermediate)
+    D, I = spec.hidden_size, spec.expert_intermediate  # a read MXFP4 scheme, or what `quant` fits
+    fmt = Format("mxfp4") if mxfp4 else None if quant is None else fit_group(quant, D, I)
+    scheme = None if fmt is None else ExpertScheme.uniform(fmt, D, I)
     total = spec.num_layers + 1
     key = {"scheme": repr(scheme), "dtype": str(dtype)} | ({"shard": f"{shard.rank}/{shard.size}"} if shard else {})
     entry = CacheEntry(Path(model_dir), key) if quant is not None and use_cache else None
@@ -436,12 +426,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
             lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
             if cached is not None:
                 cached.copy_into(f"layers.{i}", flat)
-            elif mxfp4:
-                _fill(ckpt, [p for p in fam.layer_pieces(spec, i, keys) if p.dest not in ("w13", "w2")],
-                      {n: t for n, t in lw.tensors.items() if not n.startswith(("w13.", "w2."))})
-                if spec.is_moe(i):
-                    fill_mxfp4(ckpt, spec, i, lw.tensors)
-            elif scheme is not None:
+            elif quant is not None:
                 plain = LayerLayout.for_spec(spec, i, None, dtype)
                 if plain not in staging:
                     staging[plain] = LayerWeights(plain, torch.empty(plain.numel, dtype=dtype), 1)

@@ -38,7 +38,7 @@ def spec_from_config(cfg: dict, source: str = "config.json") -> ModelSpec:
         raise UnsupportedModelError(f"architecture {arch} is not supported", f"supported: {supported}")
     try:
         spec = REGISTRY[arch].spec(cfg)
-        if spec.quant_method == "mxfp4" and spec.family == "gpt_oss":  # experts kept 4-bit (core.model.quant.mxfp4)
+        if spec.quant_method == "mxfp4" and spec.family == "gpt_oss":  # experts kept 4-bit (families.gpt_oss)
             from core.model.quant.formats import Format, quantized_spec
 
             spec = quantized_spec(spec, Format("mxfp4"))

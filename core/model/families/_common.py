@@ -82,10 +82,10 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
 
 
 def having(spec, i: int, pieces: list[Piece]) -> list[Piece]:
-    """The pieces of the tensors layer i has: the helpers here name every tensor a layer may have, and the spec
-    alone says which are there."""
+    """The pieces of the tensors layer i has (a quantized part, "w13.blocks", of w13's): the helpers here name every
+    tensor a layer may have, and the spec alone says which are there."""
     shapes = spec.layer_shapes(i)
-    return [p for p in pieces if p.dest in shapes]
+    return [p for p in pieces if p.dest.split(".")[0] in shapes]
 
 
 def llama_style_attention(prefix: str, spec) -> list[Piece]:

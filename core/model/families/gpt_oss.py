@@ -1,6 +1,7 @@
 """gpt-oss (20b, 120b): alternating sliding-window and full attention, sinks, q/k/v/o biases, YaRN; a
 biased router taking the top-k logits before its softmax; biased experts with a clamped SwiGLU whose gate
-and up columns interleave in `gate_up_proj`. MXFP4 releases stay 4-bit (core.model.quant.mxfp4).
+and up columns interleave in `gate_up_proj`. MXFP4 releases stay 4-bit: blocks and exponents are read as they
+are, their interleaved gate and up rows into our gate-then-up parts (rows move as bytes, never as values).
 """
 
 from __future__ import annotations
@@ -36,18 +37,22 @@ def layer_pieces(spec: ModelSpec, i: int, keys: set[str]):
     p = f"model.layers.{i}."
     m = p + "mlp."
     I = spec.expert_intermediate
-    every, gate, up = slice(None), slice(0, None, 2), slice(1, None, 2)
+    every = slice(None)
+    halves = ((slice(0, I), slice(0, None, 2)), (slice(I, 2 * I), slice(1, None, 2)))  # gate rows even, up odd
+    if spec.expert_format == "mxfp4":  # [E, 2I, K/32, ...], gate/up interleaved on the rows
+        experts = [*(Piece(f"{m}experts.gate_up_proj_{x}", f"w13.{x}", (every, rows), select=(every, pick))
+                     for x in ("blocks", "scales") for rows, pick in halves),
+                   *(Piece(f"{m}experts.down_proj_{x}", f"w2.{x}") for x in ("blocks", "scales"))]
+    else:  # [E, D, 2I], gate/up interleaved in the last axis -> rows of [E, 2I, D]
+        experts = [*(Piece(m + "experts.gate_up_proj", "w13", (every, rows), transpose=True, select=(every, pick))
+                     for rows, pick in halves), Piece(m + "experts.down_proj", "w2", transpose=True)]
     return having(spec, i, [
         *norm_pieces(p),
         *llama_style_attention(p, spec),
         Piece(p + "self_attn.sinks", "sinks"),
         Piece(m + "router.weight", "router"),
         Piece(m + "router.bias", "router_bias"),
-        # [E, D, 2I] with gate/up interleaved in the last axis -> rows of [E, 2I, D]
-        Piece(m + "experts.gate_up_proj", "w13", (every, slice(0, I)), transpose=True, select=(every, gate)),
-        Piece(m + "experts.gate_up_proj", "w13", (every, slice(I, 2 * I)), transpose=True, select=(every, up)),
-        Piece(m + "experts.gate_up_proj_bias", "b13", (every, slice(0, I)), select=(every, gate)),
-        Piece(m + "experts.gate_up_proj_bias", "b13", (every, slice(I, 2 * I)), select=(every, up)),
-        Piece(m + "experts.down_proj", "w2", transpose=True),
+        *experts,
+        *(Piece(m + "experts.gate_up_proj_bias", "b13", (every, rows), select=(every, pick)) for rows, pick in halves),
         Piece(m + "experts.down_proj_bias", "b2"),
     ])

@@ -1,7 +1,6 @@
-"""Phi-3.5-MoE: LayerNorm with bias, q/k/v/o and LM-head biases, LongRoPE, and sparse-mixer top-2 routing.
-
-The config names remote code; transformers implements it natively, and so does mlight. A `sliding_window`
-shorter than the context makes every layer a sliding one.
+"""Phi-3.5-MoE: LayerNorm with bias, q/k/v/o and LM-head biases, LongRoPE, and sparse-mixer top-2 routing. The
+config names remote code, which transformers and mlight implement natively. A `sliding_window` shorter than the
+context makes every layer a sliding one.
 """
 
 from __future__ import annotations

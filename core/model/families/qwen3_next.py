@@ -1,6 +1,5 @@
-"""Qwen3-Next and Qwen3.5-MoE (text model): three Gated-DeltaNet layers per full-attention layer.
-
-Full attention: q_proj also yields a per-head output gate, per-head q/k norm, partial RoPE. Zero-centred
+"""Qwen3-Next and Qwen3.5-MoE (text model): three Gated-DeltaNet layers per full-attention layer. Full
+attention: q_proj also yields a per-head output gate, per-head q/k norm, partial RoPE. Zero-centred
 RMSNorms x·(1 + w); a shared expert behind a sigmoid gate. Qwen3-Next fuses its linear projections per key-head
 group, Qwen3.5 keeps them apart: both load into one lin_in [q, k, v, z, b, a].
 """
@@ -16,16 +15,10 @@ ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeFor
 TYPES = {"linear_attention": "linear", "full_attention": "full"}
 
 
-def text_config(cfg: dict) -> dict:
-    """The language model's config: nested under text_config in the vision-language checkpoints."""
-    text = cfg.get("text_config")
-    return {**text, "architectures": cfg["architectures"]} if isinstance(text, dict) else cfg
-
-
 def spec(cfg: dict) -> ModelSpec:
-    arch = cfg["architectures"][0]
-    top = cfg
-    cfg = text_config(cfg)
+    arch, top, text = cfg["architectures"][0], cfg, cfg.get("text_config")
+    if isinstance(text, dict):  # a vision-language checkpoint's language model
+        cfg = {**text, "architectures": cfg["architectures"]}
     D, H, L = need(cfg, "hidden_size"), need(cfg, "num_attention_heads"), need(cfg, "num_hidden_layers")
     hd = first(cfg, "head_dim", default=D // H)
     interval = int(cfg.get("full_attention_interval") or 4)

@@ -1,7 +1,6 @@
-"""Qwen2-MoE (shared expert behind a sigmoid gate, q/k/v bias) and Qwen3-MoE (per-head q/k RMSNorm).
-
-Top-k renormalised only with `norm_topk_prob`. Dense layers (`mlp_only_layers`, `decoder_sparse_step`)
-are in no released checkpoint, so such configs are refused rather than guessed.
+"""Qwen2-MoE (shared expert behind a sigmoid gate, q/k/v bias) and Qwen3-MoE (per-head q/k RMSNorm); top-k
+renormalised only with `norm_topk_prob`. Dense layers (`mlp_only_layers`, `decoder_sparse_step`) are in no
+released checkpoint, so such configs are refused rather than guessed.
 """
 
 from __future__ import annotations

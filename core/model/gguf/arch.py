@@ -1,7 +1,5 @@
-"""GGUF architectures as our families: the config a family module reads, and where each tensor goes.
-
-Mixtral files say "llama" (with an expert count); their converter permuted q and k rows for llama.cpp's
-interleaved RoPE, which `unpermute` reverses (a row permutation: block-quantized rows move as they are).
+"""GGUF architectures as our families: the config a family module reads, and where each tensor goes. Mixtral files
+say "llama"; their converter permuted q and k rows for llama.cpp's RoPE, which `unpermute` reverses (whole rows).
 """
 
 from __future__ import annotations
@@ -10,7 +8,6 @@ from dataclasses import dataclass
 
 from core.errors import UnsupportedModelError
 from core.model import kernels
-from core.model.families import REGISTRY
 from core.model.families._common import having
 from core.model.gguf.files import GGUFModel
 
@@ -19,23 +16,14 @@ ARCHS = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen
          "olmoe": "OlmoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "deepseek2": "DeepseekV2ForCausalLM"}
 
 
-def hf_architecture(g: GGUFModel) -> str:
-    arch = g.arch
-    hf = ARCHS.get(arch)
-    if arch == "llama" and not g.arch_meta("expert_count"):
-        hf = None  # a dense Llama: not a mixture of experts
-    if hf is None or hf not in REGISTRY:
-        known = sorted(a for a, h in ARCHS.items() if h in REGISTRY)
-        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported"
-                                    + (" (a dense model: mlight runs mixtures of experts)" if arch == "llama" else ""),
-                                    f"mlight reads GGUF files of these architectures: {', '.join(known)}")
-    return hf
-
-
 def config(g: GGUFModel) -> dict:
     """A transformers-style config.json for our family modules, from the GGUF metadata and tensor shapes."""
-    hf = hf_architecture(g)
-    m = g.arch_meta
+    arch, m = g.arch, g.arch_meta
+    hf = ARCHS.get(arch) if arch != "llama" or m("expert_count") else None  # a dense Llama is no mixture of experts
+    if hf is None:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported"
+                                    + (" (a dense model: mlight runs mixtures of experts)" if arch == "llama" else ""),
+                                    f"mlight reads GGUF files of these architectures: {', '.join(sorted(ARCHS))}")
     tokens = g.meta("tokenizer.ggml.tokens") or []
     heads = int(m("attention.head_count"))
     D = int(m("embedding_length"))

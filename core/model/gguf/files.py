@@ -1,7 +1,5 @@
-"""Finding a model's GGUF file(s) and reading their metadata and tensor index (not their data).
-
-Tensor bytes are read later straight into their destination (`read_into`): the file's pages never pile up
-as a second copy.
+"""Finding a model's GGUF file(s) and reading their metadata and tensor index; tensor bytes are read later straight
+into their destination (`read_into`), so the file's pages never pile up as a second copy.
 """
 
 from __future__ import annotations
@@ -33,6 +31,11 @@ def _set_of(path: Path) -> list[Path]:
     return files
 
 
+def _base(path: Path) -> str:
+    m = SPLIT.match(path.name)
+    return m["base"] if m else path.stem
+
+
 def find_gguf(path: str | Path) -> list[Path] | None:
     """The GGUF file(s) of `path` (a .gguf file or a folder holding one model's GGUF), None if it is not GGUF."""
     path = Path(path)
@@ -43,10 +46,7 @@ def find_gguf(path: str | Path) -> list[Path] | None:
     found = sorted(p for p in path.glob("*.gguf") if p.is_file())
     if not found:
         return None
-    sets: dict[str, Path] = {}
-    for p in found:
-        m = SPLIT.match(p.name)
-        sets.setdefault(m["base"] if m else p.stem, p)
+    sets = {_base(p): p for p in reversed(found)}  # each model's first file
     if len(sets) > 1:
         names = ", ".join(sorted(p.name if not SPLIT.match(p.name) else f"{b}-*-of-*.gguf" for b, p in sets.items()))
         raise ModelError(f"{path} holds {len(sets)} GGUF models ({names})", "give the one you want: --model FOLDER/FILE.gguf")
@@ -92,9 +92,7 @@ class GGUFModel:
 
     @property
     def name(self) -> str:
-        first = self.paths[0]
-        m = SPLIT.match(first.name)
-        return m["base"] if m else first.stem
+        return _base(self.paths[0])
 
     def meta(self, key: str, default=None):
         f = self.fields.get(key)

@@ -1,8 +1,6 @@
-"""A GGUF model into mlight's per-layer flat buffers, its tokenizer, and its ModelSpec.
-
-Dense tensors are expanded to the compute dtype one at a time; routed experts in a block format are copied
-byte for byte (a Q4_K_M file's experts stay Q4_K/Q6_K in RAM, pages and on the device). Gate and up of one
-type share `w13`, of two types stay `w1` and `w3`; layers may differ in their types, so each has its own layout.
+"""A GGUF model into per-layer flat buffers, its tokenizer and its ModelSpec. Dense tensors are expanded one at a
+time; block-format experts are copied byte for byte (Q4_K_M's stay Q4_K/Q6_K in RAM, pages and on the device). Gate
+and up of one type share `w13`, of two types stay `w1` and `w3`; layers may differ in types, so each has its layout.
 """
 
 from __future__ import annotations
@@ -102,13 +100,15 @@ def load_tokenizer(g: GGUFModel):
     return tok
 
 
-def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Tensor],
-               held: dict[str, list] | None = None) -> None:
-    """The dense tensors `places` name into `dest`, expanded to its dtype; with `held`, the projections the
-    CPU's block kernel takes are kept as the file's blocks (block_dense.Segment) and left unwritten in `dest`."""
+def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Tensor], blocks: bool) -> dict:
+    """The dense tensors `places` name into `dest`, expanded to its dtype; with `blocks`, the projections the
+    CPU's block kernel takes stay the file's blocks, left unwritten in `dest`: returned as BlockWeights."""
+    from core.model.quant.block_dense import BlockWeight
+
     covered: dict[str, int] = {}
+    held: dict[str, list] = {}
     for p in places:
-        if held is not None and p.dest in BLOCK_DENSE:
+        if blocks and p.dest in BLOCK_DENSE:
             seg = _block_rows(g, p, dest[p.dest])
             if seg is not None:
                 held.setdefault(p.dest, []).append(seg)
@@ -126,6 +126,7 @@ def fill_dense(g: GGUFModel, places: list[arch.Place], dest: dict[str, torch.Ten
     for name, t in dest.items():
         if covered.get(name, 0) != t.numel():
             raise ModelError(f"the GGUF file does not provide all of {name}", "the file is incomplete or damaged")
+    return {name: BlockWeight(tuple(dest[name].shape), dest[name].dtype, segs) for name, segs in held.items()}
 
 
 def _block_rows(g: GGUFModel, p: arch.Place, target: torch.Tensor):
@@ -144,12 +145,6 @@ def _block_rows(g: GGUFModel, p: arch.Place, target: torch.Tensor):
     if p.unpermute:  # a permutation of whole rows: each row's blocks stay as they are
         rows = arch.unpermute(rows, p.unpermute).contiguous()
     return Segment(r0, r1, ref.kind, rows)
-
-
-def block_weights(held: dict[str, list], dest: dict[str, torch.Tensor]) -> dict:
-    from core.model.quant.block_dense import BlockWeight
-
-    return {name: BlockWeight(tuple(dest[name].shape), dest[name].dtype, segs) for name, segs in held.items()}
 
 
 def fill_experts(g: GGUFModel, spec: ModelSpec, i: int, scheme: ExpertScheme | None, tensors: dict) -> None:
@@ -206,9 +201,7 @@ def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | Non
     total = spec.num_layers + 1
     blocks = cpu_only and spec.expert_format != "none"  # quantized experts: LayerWeights.pack_for_cpu packs them
     globals_ = {name: torch.empty(shape, dtype=dtype) for name, shape in spec.global_shapes().items()}
-    held: dict | None = {} if blocks else None
-    fill_dense(g, arch.global_places(spec), globals_, held)
-    global_blocks = block_weights(held, globals_) if held else {}
+    global_blocks = fill_dense(g, arch.global_places(spec), globals_, blocks)
     what = f"loading {g.name} ({spec.expert_format if spec.expert_format != 'none' else 'float'} experts)"
     progress(Progress(what, 1, total, "layers"))
     layers, scratch = [], {}
@@ -216,12 +209,8 @@ def load_gguf_weights(g: GGUFModel, spec: ModelSpec, *, dtype: torch.dtype | Non
     for i in range(spec.num_layers):
         scheme = expert_scheme(g, spec, i)
         layout = LayerLayout.for_spec(spec, i, scheme, dtype)
-        flat = layout.buffer(dtype)
-        lw = LayerWeights(layout, flat, pages_per_layer, dtype, scratch)
-        held = {} if blocks else None
-        dense = lw.dense()
-        fill_dense(g, arch.dense_places(spec, i, names), dense, held)
-        lw.block_dense = block_weights(held, dense) if held else {}
+        lw = LayerWeights(layout, layout.buffer(dtype), pages_per_layer, dtype, scratch)
+        lw.block_dense = fill_dense(g, arch.dense_places(spec, i, names), lw.dense(), blocks)
         fill_experts(g, spec, i, scheme, lw.tensors)
         layers.append(lw)
         progress(Progress(what, i + 2, total, "layers"))

@@ -1,8 +1,6 @@
-"""A GGUF file's quantized dense projections held as the file's blocks on the CPU (attention, shared expert, LM head).
-
-Expanded, a Q4_K_M file's attention would sit in RAM at 16 bits instead of 4.5. `BlockWeight` runs up to
-NATIVE_GGUF_ROWS tokens on cpu.gguf_blocks' kernel, more a chunk of rows expanded at a time; a projection
-fused from tensors of different formats is one segment per run of rows in one format.
+"""A GGUF file's quantized dense projections held as its blocks on the CPU: expanded, Q4_K_M's attention would take
+16 bits a weight instead of 4.5. Up to NATIVE_GGUF_ROWS tokens run on cpu.gguf_blocks' kernel, more a chunk of rows
+expanded at a time; a projection fused from tensors of different formats is one segment per run of one format.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Block formats decoded with torch: GGUF's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, and gpt-oss's MXFP4.
-
-The float32 arithmetic of the `gguf` package's reference decoder in its order (bit for bit the same),
-on any device. Layouts (per block):
+"""Block formats decoded with torch on any device (GGUF's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, and gpt-oss's
+MXFP4), in the float32 arithmetic and order of the `gguf` package's reference decoder: bit for bit. Per block:
   Q8_0  d f16 | q int8[32]                                  y = q·d
   Q4_0  d f16 | q[16] (low nibbles: 0..15, high: 16..31)    y = (q − 8)·d
   Q4_K  d f16 | dmin f16 | 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32 | q[128]
@@ -9,10 +7,9 @@ on any device. Layouts (per block):
   Q5_K  as Q4_K with qh[32] (the fifth bits) before q[128]
   Q6_K  ql[128] | qh[64] | sc int8[16] | d f16               y = d·sc · (q − 32), 16 values per scale
   MXFP4 e u8 | q[16] (low nibbles: 0..15, high: 16..31)     y = 2^(e−128) · {0,1,2,3,4,6,8,12, −…}[q]
-gpt-oss MXFP4 instead interleaves (even k in the low nibble) and keeps exponents apart, biased 127.
-Every intermediate is a `Workspace` chunk and every op writes into one, so expanding an expert
-(quant.expand) allocates nothing after a format's first call; `decode` runs the same ops in a workspace
-of its own. Legend: n = blocks in the chunk, r = rows, G = 32-value groups of a row.
+gpt-oss MXFP4 instead interleaves (even k in the low nibble) and keeps exponents apart, biased 127. Every op writes
+into a `Workspace` chunk, so expanding an expert (quant.expand) allocates nothing after a format's first call.
+Legend: n = blocks in the chunk, r = rows, G = 32-value groups of a row.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ import torch
 from core.model.quant.formats import GGUF_BLOCKS, Format
 
 U8, I32, F32 = torch.uint8, torch.int32, torch.float32
-_MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-_MXFP4_F32 = tuple(float(v) for v in _MXFP4_DOUBLED)  # exact: small integers
+_MXFP4_F32 = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0)  # doubled e2m1
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # per device, `decode`'s lookup tables and scalars: made per call they were a host-to-device copy per expert
 _CONSTS: dict[str, dict] = {}
@@ -134,7 +130,7 @@ def _q6_k(ws, b, y):
 
 
 def _e8m0_half(ws, e_u8: torch.Tensor) -> torch.Tensor:
-    """2^(e − 128) as float32 [n, 1] from its bits, as blocks._e8m0_half (subnormal for e < 2)."""
+    """2^(e − 128) as float32 [n, 1] from its bits (subnormal for e < 2)."""
     n = e_u8.shape[0]
     e = ws.chunk("e8.e", (n, 1), I32)
     e.copy_(e_u8)
@@ -187,8 +183,7 @@ def decode_gguf(name: str, raw: torch.Tensor) -> torch.Tensor:
 
 
 def decode(fmt: Format, parts: dict) -> torch.Tensor:
-    """The float32 matrix (any leading dims) a block format's parts stand for. gpt-oss MXFP4: blocks [..., G, 16],
-    scales [..., G] -> [..., G·32]."""
+    """The float32 matrix (any leading dims) a block format's parts stand for; gpt-oss MXFP4's: [..., G·32]."""
     if fmt.name != "mxfp4":
         return decode_gguf(fmt.name, parts["raw"])
     scales = parts["scales"]

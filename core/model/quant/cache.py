@@ -1,8 +1,6 @@
-"""The quantized cache: a checkpoint quantized once, kept as safetensors in the user cache, memory-mapped after.
-
-An entry `<cache>/quantized/<key>/` holds `model.safetensors` and `meta.json`. It is written under a temporary
-name and committed under the entry's file lock: an interrupted load leaves nothing trusted, and the second of
-two writers drops its copy (never replacing a file a reader may have mapped).
+"""The quantized cache: a checkpoint quantized once, kept as safetensors in `<cache>/quantized/<key>/`, mapped after.
+Written under a temporary name and committed under the entry's file lock: an interrupted load leaves nothing trusted,
+and the second of two writers drops its copy (never replacing a file a reader may have mapped).
 """
 
 from __future__ import annotations

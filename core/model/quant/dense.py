@@ -1,8 +1,6 @@
-"""Dense weights (attention projections, shared experts, the LM head) quantized on the CPU, behind F.linear.
-
-At batch 1 a decode step also reads every attention projection and the LM head: `--quantize-dense` stores
-them in the experts' format for torch's CPU weight-only kernels. `DenseCache`'s key names the CPU kernel too,
-since int4's packed layout differs between AVX2 and AVX-512 builds.
+"""`--quantize-dense`: attention projections, shared experts and the LM head (read in full at every decode step)
+held for torch's CPU weight-only kernels behind F.linear. `DenseCache`'s key names the CPU kernel, since int4's
+packed layout differs between AVX2 and AVX-512 builds.
 """
 
 from __future__ import annotations

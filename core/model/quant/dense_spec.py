@@ -1,7 +1,5 @@
-"""Which dense weights `--quantize-dense` stores quantized, and what they cost: torch-free, for the planner.
-
-CPU-only mode: `DENSE_NAMES` and an untied LM head, where torch's CPU kernel takes the shape (int8 any;
-int4 K in whole groups, N a multiple of 16). `ModelSpec.dense_format` names the format ("none": none).
+"""Which dense weights `--quantize-dense` holds quantized (`DENSE_NAMES` and an untied LM head, where torch's CPU
+kernel takes the shape) and their bytes: torch-free, for the planner. `ModelSpec.dense_format` names the format.
 """
 
 from __future__ import annotations

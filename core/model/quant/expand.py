@@ -1,9 +1,6 @@
-"""One quantized matrix expanded into the compute dtype, in buffers made once and reused by every call.
-
-This runs per expert per layer per step, so nothing allocates after the first call: output, chunks and even
-scalar operands (a Python number is a fresh 0-dim tensor per op) live in a `Workspace`. The arithmetic is
-`formats.dequantize`'s op for op in float32, rounded once into the output: bit for bit the reference's.
-Legend: n = output rows, k = inputs, g = int4 group, r = rows in a chunk.
+"""One quantized matrix expanded into the compute dtype, per expert per layer per step: so nothing allocates after the
+first call (output, chunks, even scalar operands live in a `Workspace`). The arithmetic is `formats.dequantize`'s op
+for op in float32, rounded once: bit for bit the reference's. Legend: n = rows, k = inputs, g = int4 group, r = chunk rows.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""Weight formats: what a quantized matrix stores, how many bytes a weight costs, float references.
-
-A matrix W [N, K] (expert stacks add a leading E) is stored as parts:
+"""Weight formats: what a quantized matrix W [N, K] stores (expert stacks add a leading E), what a weight costs, and
+float references. Dtypes are names, so the planner sizes formats without importing torch.
 - int8: `q` int8 [N, K], `scale` fp32 [N]; W ≈ q · scale.
 - int4: `q` uint8 [N, K/2] (even k low), `sz` bf16 [N, K/g, 2]; W ≈ (q − 8) · scale + zero, torch's int4
   kernels' convention, so the kernel and the dequantizing path read the same numbers.
 - mxfp4 (gpt-oss): `blocks` uint8 [N, K/32, 16], `scales` uint8 [N, K/32] (e8m0).
 - GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4): `raw` uint8 [N, K/block · type_size], the file's bytes.
-Dtypes are names so that the planner sizes formats without importing torch.
 """
 
 from __future__ import annotations
@@ -136,9 +134,8 @@ def quantized_spec(spec, fmt: Format | None):
     return dataclasses.replace(spec, expert_format=fmt.label, expert_bits=bits)
 
 
-# ---- float references (also the quantizers the loader uses) -------------------------------------------
 def quantize(fmt: Format, w):
-    """W [..., N, K] (any float dtype) -> {suffix: tensor} in `fmt` (int8 and int4 only)."""
+    """W [..., N, K] (any float dtype) -> {suffix: tensor} in `fmt` (int8 and int4 only): the loader's quantizer."""
     import torch
 
     w = w.float()
