@@ -239,6 +239,26 @@ async def test_04_bad_lines_show_at_80x24(workdir):
         assert "line 2: bad JSON" in shown and "line 4: `messages`" in shown, shown
 
 
+@pytest.mark.parametrize("size", [SMALL, WIDE], ids=["80x24", "120x40"])
+@sync
+async def test_04_every_prompts_panel_and_button_shows_whole_and_apart(workdir, size):
+    """At 80×24 the Bad lines panel lost its bottom border under Continue to Plan: each panel and the button lies
+    whole inside what its containers show, and no two overlap."""
+    app = _direct(prompts="some_bad.jsonl")
+    async with app.run_test(size=size) as pilot:
+        await _plan(pilot)
+        await pilot.press("escape")
+        await settle(pilot)
+        shown = {}
+        for wid in ("prompts-facts", "preview", "rejects", "next"):
+            where = app.screen.find_widget(app.screen.query_one(f"#{wid}"))
+            assert where.region.area and where.clip.contains_region(where.region), (wid, where.region, where.clip)
+            assert app.screen.region.contains_region(where.region), (wid, where.region)
+            shown[wid] = where.region
+        for a, b in itertools.combinations(shown, 2):
+            assert not shown[a].overlaps(shown[b]), (a, shown[a], b, shown[b])
+
+
 @sync
 async def test_06_the_app_asks_before_skipping_bad_lines_and_names_the_rejects_file(workdir):
     app = _direct(prompts="some_bad.jsonl")
