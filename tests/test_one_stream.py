@@ -113,6 +113,8 @@ def test_a_bound_step_allocates_nothing(models, kind, M):
     engine = Engine.load(models[kind])
     ids = [engine.prompt_token_ids(Request(id=str(m), prompt=PROMPT + " and so on" * m)) for m in range(M)]
     runner = engine.runner(slots=M + 1, micro_batch_size=M + 1, max_tokens=96)
+    if runner.widen_attn is not None or runner.widen_ffn is not None:
+        pytest.skip(f"this CPU computes in a wider dtype: {one_stream.why_not(runner, M)}")
     slots = list(range(1, M + 1))
     logits, _ = runner.prefill(ids, slots, [list(range(M))])
     toks, pos = logits.argmax(-1).tolist(), [len(x) for x in ids]
