@@ -44,6 +44,18 @@ def _screen_text(app) -> str:
     return "\n".join("".join(seg.text for seg in strip) for strip in app.screen._compositor.render_strips())
 
 
+def _whole_and_apart(app, ids) -> None:
+    """Each widget lies whole inside what its containers show and the screen, and no two overlap."""
+    shown = {}
+    for wid in ids:
+        where = app.screen.find_widget(app.screen.query_one(f"#{wid}"))
+        assert where.region.area and where.clip.contains_region(where.region), (wid, where.region, where.clip)
+        assert app.screen.region.contains_region(where.region), (wid, where.region)
+        shown[wid] = where.region
+    for a, b in itertools.combinations(shown, 2):
+        assert not shown[a].overlaps(shown[b]), (a, shown[a], b, shown[b])
+
+
 def _facts(app, wid: str) -> str:  # noqa: D103
     return app.screen.query_one(f"#{wid}").text
 
@@ -249,14 +261,7 @@ async def test_04_every_prompts_panel_and_button_shows_whole_and_apart(workdir, 
         await _plan(pilot)
         await pilot.press("escape")
         await settle(pilot)
-        shown = {}
-        for wid in ("prompts-facts", "preview", "rejects", "next"):
-            where = app.screen.find_widget(app.screen.query_one(f"#{wid}"))
-            assert where.region.area and where.clip.contains_region(where.region), (wid, where.region, where.clip)
-            assert app.screen.region.contains_region(where.region), (wid, where.region)
-            shown[wid] = where.region
-        for a, b in itertools.combinations(shown, 2):
-            assert not shown[a].overlaps(shown[b]), (a, shown[a], b, shown[b])
+        _whole_and_apart(app, ("prompts-facts", "preview", "rejects", "next"))
 
 
 @sync
@@ -458,14 +463,7 @@ async def test_13_every_plan_panel_and_button_shows_whole_and_apart(workdir, har
     async with app.run_test(size=size) as pilot:
         await _plan(pilot)
         await settle(pilot)
-        shown = {}
-        for wid in ("plan-form", "prediction", "memory", "layer", "validation", "accept", "replan"):
-            where = app.screen.find_widget(app.screen.query_one(f"#{wid}"))
-            assert where.region.area and where.clip.contains_region(where.region), (wid, where.region, where.clip)
-            assert app.screen.region.contains_region(where.region), (wid, where.region)
-            shown[wid] = where.region
-        for a, b in itertools.combinations(shown, 2):
-            assert not shown[a].overlaps(shown[b]), (a, shown[a], b, shown[b])
+        _whole_and_apart(app, ("plan-form", "prediction", "memory", "layer", "validation", "accept", "replan"))
 
 
 @sync
