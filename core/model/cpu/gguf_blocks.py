@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 
 import torch
 
 from core.assets import GGUF_MATMUL_C as SOURCE
 from core.model import kernels
 from core.model.cpu import native
+from core.model.cpu.ffn import scratch as _scratch  # bytes: one thread-local scratch for every C kernel
 from core.model.quant.formats import GGUF_BLOCKS
 
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
@@ -71,14 +71,20 @@ class _Lib:
         self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
-@functools.lru_cache(maxsize=None)
-def _build(level: str) -> _Lib | None:
-    global _reason
+def build_flags() -> tuple[list[str], int]:
+    """native's flags with F16C (the blocks' half scales in one instruction) and VNNI where the CPU has them."""
     flags, vw = native._flags()
-    if "-mavx2" in flags and _has("f16c"):  # the blocks' half scales in one instruction (every AVX2 CPU has it)
+    if "-mavx2" in flags and _has("f16c"):
         flags = [*flags, "-mf16c"]
     if "-mavx512vl" in flags and _has("avx512_vnni"):
         flags = [*flags, "-mavx512vnni"]
+    return flags, vw
+
+
+@functools.lru_cache(maxsize=None)
+def _build(level: str) -> _Lib | None:
+    global _reason
+    flags, vw = build_flags()
     lib, _reason = native.build_kernel(SOURCE, "gguf_matmul", flags, vw,
                                        lambda path: _Lib(path, " ".join(flags) or "baseline"))
     return lib
@@ -111,17 +117,6 @@ def runs(name: str, dtype: torch.dtype, *ks: int) -> bool:
     return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
 
 
-_local = threading.local()
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    """This thread's float32 scratch, grown once to the largest call."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _local.buf = torch.empty(numel, dtype=torch.float32)
-    return buf
-
-
 def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None,
            path: str | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp32) · Wᵀ -> [M, N] in x's dtype; W [N, K] as the file's blocks raw uint8 [N, K/block ·
@@ -137,7 +132,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
     y = torch.empty((M, N), dtype=x.dtype) if out is None else out
     if y.shape != (M, N) or y.dtype != x.dtype or (N > 1 and y.stride(1) != 1):
         raise ValueError(f"out must be [{M}, {N}] {x.dtype} with unit stride in N, not {tuple(y.shape)} {y.dtype}")
-    s = _scratch(lib.scratch(M, K, threads))
+    s = _scratch(4 * lib.scratch(M, K, threads))  # float32s
     bf = int(x.dtype == torch.bfloat16)
     p = PATHS[path or {None: "fp32", 32: "int8", 256: "int16"}[int8_group(name, x.dtype, M)]]
     if lib.linear(KINDS[name], x.data_ptr(), bf, x.stride(0), M, K, raw.data_ptr(), raw.stride(0), N, y.data_ptr(), bf,
@@ -156,7 +151,7 @@ def dequantize(name: str, raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
                                                                                          torch.float32):
         raise ValueError(f"raw {tuple(raw.shape)} and out {tuple(out.shape)} {out.dtype} do not match")
     threads = torch.get_num_threads() if lib.openmp else 1
-    s = _scratch(threads * K)
+    s = _scratch(4 * threads * K)
     if lib.dequantize(KINDS[name], raw.data_ptr(), raw.stride(0), N, K, out.data_ptr(),
                       int(out.dtype == torch.bfloat16), out.stride(0), s.data_ptr(), threads):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
@@ -179,15 +174,6 @@ def int8_group(name: str, dtype: torch.dtype, rows: int) -> int | None:
 MAX_EXPERTS = 64  # routed experts of one token the fused call takes
 
 
-def moe_inputs(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
-    """A `moe` call's tensors as the C side reads them: int64 ids, fp32 or bf16 weights, each contiguous."""
-    if weights.dtype not in (torch.float32, torch.bfloat16):
-        weights = weights.float()
-    if ids.dtype != torch.int64:
-        ids = ids.long()
-    return tuple(t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
-
-
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
         down: tuple[str, torch.Tensor], path: str | None = None) -> torch.Tensor | None:
     """One token's routed experts: x [1, D]; ids [1, k] and weights [1, k] on the host; up = (format, raw uint8
@@ -202,10 +188,10 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     k = ids.shape[-1]
     if k > MAX_EXPERTS or x.shape[0] != 1:
         return None
-    ids, weights, x = moe_inputs(ids, weights, x)
+    ids, weights, x = native.moe_inputs(ids, weights, x)
     threads = torch.get_num_threads() if lib.openmp else 1
     out = torch.empty((1, D), dtype=x.dtype)
-    s = _scratch(lib.moe_scratch(D, I, k, threads))
+    s = _scratch(4 * lib.moe_scratch(D, I, k, threads))
     bf = int(x.dtype == torch.bfloat16)
     if lib.moe(KINDS[k13], KINDS[k2], x.data_ptr(), bf, D, I, k, ids.data_ptr(), weights.data_ptr(),
                int(weights.dtype == torch.bfloat16), w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(),

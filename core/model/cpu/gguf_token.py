@@ -26,6 +26,7 @@ import torch
 
 from core.assets import GGUF_MATMUL_C, GGUF_TOKEN_C as SOURCE
 from core.model.cpu import gguf_blocks, native
+from core.model.cpu.ffn import scratch as _scratch
 
 # formats whose rows this kernel dots where they lie (the K-quants with AVX-512 VNNI; with AVX2 and in plain C
 # their rows are decoded first, as in gguf_blocks: the same result either way)
@@ -70,11 +71,7 @@ class _Lib:
 @functools.lru_cache(maxsize=None)
 def _build(level: str) -> _Lib | None:
     global _reason
-    flags, vw = native._flags()
-    if "-mavx2" in flags and gguf_blocks._has("f16c"):  # gguf_blocks' flags: the same instructions, the same floats
-        flags = [*flags, "-mf16c"]
-    if "-mavx512vl" in flags and gguf_blocks._has("avx512_vnni"):
-        flags = [*flags, "-mavx512vnni"]
+    flags, vw = gguf_blocks.build_flags()  # the same instructions, the same floats
     included = hashlib.sha256(GGUF_MATMUL_C.read_bytes()).hexdigest()[:16]
     lib, _reason = native.build_kernel(SOURCE, "gguf_token", [*flags, f"-DGGUF_MATMUL_HASH={included}"], vw,
                                        lambda path: _Lib(path, " ".join(flags) or "baseline"))
@@ -122,17 +119,17 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
         return None
     lib = library()
     I = w13.shape[1] // 2
-    ids, weights, x = gguf_blocks.moe_inputs(ids, weights, x)
+    ids, weights, x = native.moe_inputs(ids, weights, x)
     threads = torch.get_num_threads() if lib.openmp else 1
     out = torch.empty((M, D), dtype=x.dtype)
     kinds, bf = (gguf_blocks.KINDS[k13], gguf_blocks.KINDS[k2]), int(weights.dtype == torch.bfloat16)
     experts = (w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(), w2.stride(0), w2.stride(1))
     if M == 1 and lib.tokens is None:  # a revision before several tokens (bench/gguf_speed.py's baseline)
-        s = gguf_blocks._scratch(lib.moe_scratch(D, I, k, threads))
+        s = _scratch(4 * lib.moe_scratch(D, I, k, threads))  # float32s
         refused = lib.moe(*kinds, x.data_ptr(), 1, D, I, k, ids.data_ptr(), weights.data_ptr(), bf, *experts,
                           out.data_ptr(), 1, s.data_ptr(), threads, gguf_blocks.PATHS[path])
     else:
-        s = gguf_blocks._scratch(lib.tokens_scratch(M, D, I, k, threads))
+        s = _scratch(4 * lib.tokens_scratch(M, D, I, k, threads))
         refused = lib.tokens(*kinds, x.data_ptr(), 1, D, M, D, I, k, ids.data_ptr(), weights.data_ptr(), bf,
                              *experts, out.data_ptr(), 1, D, s.data_ptr(), threads, gguf_blocks.PATHS[path])
     if refused:
@@ -157,7 +154,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, pat
     lib = library()
     M, K = x.shape
     threads = torch.get_num_threads() if lib.openmp else 1
-    s = gguf_blocks._scratch(lib.linear_scratch(M, K, threads))
+    s = _scratch(4 * lib.linear_scratch(M, K, threads))
     if lib.linear(gguf_blocks.KINDS[name], x.data_ptr(), 1, x.stride(0), M, K, raw.data_ptr(), raw.stride(0),
                   raw.shape[0], out.data_ptr(), 1, out.stride(0), s.data_ptr(), threads,
                   1 if path.endswith("_c") else 2):

@@ -124,11 +124,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w
     D = x.shape[-1]
     I = w2[0].shape[-1] * 2
     k = ids.shape[-1]
-    if weights.dtype not in (torch.float32, torch.bfloat16):
-        weights = weights.float()
-    if ids.dtype != torch.int64:
-        ids = ids.long()
-    ids, weights, x = (t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
+    ids, weights, x = native.moe_inputs(ids, weights, x)
     out = torch.empty((1, D), dtype=x.dtype)
     s = _scratch(lib.scratch(0, 0, k, D, I))
     (q13, s13), (q2, s2) = w13, w2

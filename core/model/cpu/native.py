@@ -307,6 +307,15 @@ def cuts(lengths: list[int], parts: int) -> list[int]:
     return out
 
 
+def moe_inputs(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
+    """A fused experts call's tensors as the C side reads them: int64 ids, fp32 or bf16 weights, each contiguous."""
+    if weights.dtype not in (torch.float32, torch.bfloat16):
+        weights = weights.float()
+    if ids.dtype != torch.int64:
+        ids = ids.long()
+    return tuple(t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
+
+
 _bounds = threading.local()
 
 
