@@ -1,14 +1,9 @@
 """One decoder layer, in the steps CGOPipe schedules (any family, any layer kind).
 
-Decode, one token per request:
-  pre_attn  (accelerator): norm + the mixer's projections -> a payload for the CPU, and what stays
-  attend    (CPU, next to the layer's state): write the new token's state, attend -> output
-  post_attn (accelerator): the mixer's output projection + residual, norm -> h for the FFN, and the
-            FFN's dense part (router + shared expert, or the whole dense MLP of a dense layer)
-  routed experts (accelerator, per expert batch): core.model.moe.experts
-Prefill: `prefill_mix` (the token mixer, returning each prompt's state parts) then `prefill_ffn`, for
-packed prompts.
-The token mixer of each kind lives in core.model.mixer. Legend: T = tokens, D = hidden.
+Decode: `pre_attn` (accelerator: norm + the mixer's projections -> a payload for the CPU), `attend` (CPU, next to
+the layer's state), `post_attn` (accelerator: output projection + residual, norm, the FFN's dense part), then the
+routed experts (core.model.moe.experts). Prefill: `prefill_mix`, then `prefill_ffn`, for packed prompts. The
+token mixer of each kind lives in core.model.mixer. Legend: T = tokens, D = hidden.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
 """The norms every family uses and the final norm + LM head, as plain functions over weight views.
-
-The decoder layer's pieces, split the way CGOPipe schedules them, are core.model.decoder's; family quirks
-come from ModelSpec fields.
 Legend: T = tokens, D = hidden.
 """
 

@@ -1,13 +1,11 @@
 """A decode step of a few requests on the host with every kernel's arguments bound once (the CPU only).
 
-At batch 1 a layer's kernels take about a millisecond, and the Python around them (the task graph, each
-wrapper's checks, fresh tensors, all of it running cold after the experts' weights have streamed through the
-caches) took a quarter of the step; at batch 8 a sixth. Here the runner's own decode graph of one micro-batch of
-M ≤ MAX_ROWS requests — pre_attn, cpu_attn, post_attn, ffn a layer — runs as a flat list of C calls made once
-per runner and M: the same kernels, arguments and order as the general path, into buffers held for the run, so
-each token's logits are the same bit for bit (tests/test_one_stream.py), and the executor's timeline and busy
-times are filled as its own run fills them. A model, placement or M outside what the list covers keeps the
-general path; `why_not` says which condition.
+At batch 1 the Python around a layer's kernels (task graph, wrappers' checks, fresh tensors, all running cold
+after the experts streamed) took a quarter of the step. Here the runner's decode graph of one micro-batch of
+M ≤ MAX_ROWS requests runs as a flat list of C calls bound once per runner and M: the same kernels, arguments
+and order into buffers held for the run, so the logits match the general path bit for bit
+(tests/test_one_stream.py), and the executor's timeline is filled the same way. Outside what it covers the
+general path runs; `why_not` says why.
 Legend: M = requests, D = hidden, H = query heads, Hkv = KV heads, hd = head dim, k = experts of a token.
 """
 

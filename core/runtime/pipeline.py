@@ -1,14 +1,11 @@
 """The CGOPipe runtime: a decode step (or a prefill) as a task graph, run by an executor.
 
-core.runtime.schedule says which tasks run where and after which; this module says what each task does (one
-step of core.model.decoder, so every layer kind takes the same path) and owns the buffers they share, all
-reached through a `core.runtime.device.Device`. Device memory, allocated once per runner as the planner counts
-it (core.plan.planner): dense weights and globals; per layer its first `resident[i]` experts, the rest
-streaming through a 2-half buffer sized for the layer that streams most; with CPU attention each micro-batch's
-D1 source and D2 target, with GPU attention the first `kv_gpu_layers` layers' state and a 2-buffer state ring;
-transient activations. Host staging is one pinned arena (D1/D2, logits, the ring's staging).
-Reuse is safe because the graph orders every writer after the last reader: the expert halves alternate layer
-by layer (schedule._buffer_free); ring position p = i·n + j uses buffer p mod 2 (schedule._gpu_attention).
+core.runtime.schedule says which tasks run where and after which; this module says what each task does (a step
+of core.model.decoder) and owns the buffers they share, allocated once per runner as core.plan.planner counts
+them: dense weights and globals, each layer's `resident[i]` experts, a 2-half buffer for streamed experts, the
+attention payloads and GPU state ring, one pinned host arena. Reuse is safe because the graph orders every
+writer after the last reader (expert halves alternate by layer: schedule._buffer_free; ring position
+p = i·n + j uses buffer p mod 2: schedule._gpu_attention).
 Legend: B = requests in a micro-batch, D = hidden, T = cached tokens, E = experts.
 """
 

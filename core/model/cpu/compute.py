@@ -1,16 +1,10 @@
 """Which dtype the CPU computes in, and whether experts are prepacked: one decision per engine.
 
-Weights stay in their storage dtype in RAM (a bf16 checkpoint is not doubled). Where the CPU runs
-that dtype's matmuls natively (bf16 on AVX-512 BF16 / AMX), the math is in it too and oneDNN may
-prepack the experts. Where it does not (AVX2: torch's bf16 `mm` runs at 1–19 GFLOP/s against
-≈ 100+ in fp32), the math is fp32: dense weights are widened once at load (a few % of the model),
-experts tile by tile as they run (`core.model.cpu.kernels.Widen`), and the KV cache keeps its
-storage dtype while attention widens what it reads.
-
-The instruction set decides where it is unambiguous (AVX-512 BF16 / AMX: bf16 is native; AVX2 or
-less: it is not), so a noisy measurement on a busy machine cannot flip a clear case; where it is not
-(AVX-512 without BF16, where oneDNN emulates bf16), the probe's measured per-dtype rates decide.
-`math=` forces it (tests, benchmarks).
+Weights keep their storage dtype in RAM. Where the CPU runs its matmuls natively (bf16 on AVX-512 BF16 / AMX)
+the math is in it and oneDNN may prepack experts; where not (AVX2: bf16 `mm` at 1–19 GFLOP/s against 100+ in
+fp32) the math is fp32: dense weights widened at load, experts tile by tile (`kernels.Widen`), the KV cache
+widened as read. The ISA decides where it is clear, so a noisy probe cannot flip it; AVX-512 without BF16 goes
+by the probe's measured rates. `math=` forces it.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """A layer's routed experts in one C call (core/assets/kernels/moe_ffn.c), bf16 on AVX-512 BF16 CPUs.
 
-In a CPU decode step each expert sees a few dozen rows, where oneDNN's packed bf16 GEMM stays well below the
-machine's peak, and the routed experts are most of the step. The kernel runs the whole layer in one call:
-the tokens grouped by expert, gate/up with SiLU(gate)·up fused, down with the routing weight and the sum
-over experts, all in fp32 sums rounded once to bf16 (torch's path rounds after each op), on weights packed
-once at load into the kernel's layout in place of oneDNN's (no second copy), split over torch's OpenMP threads.
-
-It is optional: it runs only where the CPU executes vdpbf16ps (core.model.cpu.isa's usable level is
-AVX-512 BF16 or AMX), with a C compiler, OpenMP in the build or one torch thread, SwiGLU experts without
-biases, hidden sizes that are multiples of 64 and intermediate sizes of 32, and neither `MLIGHT_NATIVE`
-nor `MLIGHT_NATIVE_EXPERTS` (the expert kernels alone) set to 0, nor `MLIGHT_KERNELS=torch`
-(core.model.kernels). Elsewhere `pack_experts` gives oneDNN's packing (core.model.moe), which the tests
-check it against.
-
-Where the usable ISA is AMX the kernel is built with its tile path too (`FLAGS_AMX`): experts with 8 rows
-or more run as 16-row AMX tiles over the same panels (vector tiles were compute-bound there), fewer on the
-vector tiles. Linux grants a process the tile state only on request (`mlight_moe_amx_init`); refused, or
-with `MLIGHT_NATIVE_AMX=0`, the vector tiles run alone (`_Lib.amx` says which).
-
-Where bf16 matmuls are slow (AVX2, also under the AVX2 limits) the CPU computes in fp32: a second kernel
-(core/assets/kernels/moe_ffn_avx2.c, `library_avx2`) runs the same packed bf16 weights with fp32
-activations, widening them in registers rather than in tiles (`ModelWeights.widen_dense`). Under the same
-conditions, AVX2 for AVX-512 BF16.
+At a decode step's few dozen rows an expert, oneDNN's packed bf16 GEMM stays well below peak, and the experts
+are most of the step: the kernel fuses gate/up, SiLU(gate)·up, down, the routing weights and the sum in fp32
+(rounded once to bf16) on weights packed once at load (no second copy). It runs with vdpbf16ps, a compiler,
+OpenMP or one thread, SwiGLU without biases, D a multiple of 64 and I of 32, unless `MLIGHT_NATIVE` or
+`MLIGHT_NATIVE_EXPERTS` is 0 or `MLIGHT_KERNELS=torch`; elsewhere oneDNN's packing (core.model.moe). On AMX,
+experts of 8 rows or more run as AMX tiles (`FLAGS_AMX`; `MLIGHT_NATIVE_AMX=0` or the OS refusing the tile state:
+vector tiles alone, `_Lib.amx`). On AVX2, where bf16 matmuls are slow, `library_avx2` (moe_ffn_avx2.c) runs the
+same packed weights with fp32 activations.
 """
 
 from __future__ import annotations

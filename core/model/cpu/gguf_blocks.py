@@ -1,26 +1,13 @@
-"""GGUF block formats multiplied as the file stores them (core/assets/kernels/gguf_matmul.c), built once per
-machine like the other C kernels (core.model.cpu.native: the compiler search, cache dir and OpenMP rule).
+"""GGUF block formats multiplied as the file stores them (core/assets/kernels/gguf_matmul.c), built as
+core.model.cpu.native builds every C kernel.
 
-A GGUF expert used to be expanded whole into a float buffer on every use (core.model.quant.expand); this
-kernel decodes one weight row at a time into a buffer that stays in cache and dots it with every activation
-row, so the weights are read once, at the file's bits. Three paths (PATHS):
-- "int8" (the default for bf16 activations: up to the format's INT8_MAX_ROWS rows, and in `moe`): each
-  activation row quantized once a call to int8 per 32 values, as llama.cpp does, and dotted as integers
-  with the blocks' own integers (AVX-512 VNNI, AVX2 `maddubs`, or plain C: "int8_c", the same integers and
-  floats); the result is "quantized activations · the file's weights" up to float32 summation;
-- "int16" (Q4_K, Q5_K, Q6_K: their default in `linear`, and their matrices' in `moe`'s "int8"; "int16_c"
-  its plain C): activations int16 with one scale a 256 values, the weights int16 with their integer
-  sub-scales folded in (unpacked from the blocks in registers), a super-block's whole dot summed in int32
-  (finer than int8 a 32, and faster). llama.cpp's Q8_K activations (int8 a 256) were coarser (the Qwen3-MoE
-  Q4_K reference test's logits at 2.75 % of their spread, past the 2.5 % bound) and, at one token, no faster
-  than core.model.cpu.gguf_token's in-place int16 tiles: not kept;
-- "fp32": the row decoded to `gguf.quants.dequantize`'s floats bit for bit (every product in the decoders is
-  exact in float32) and float32 math with unquantized activations: above those rows, and always for float32
-  activations (a float32 engine asked for float32's precision: it matches transformers' float64 reading of
-  the file to 1e-4, tests/test_quant_gguf.py, where int8 activations deviate by about 1 %).
-`moe` is one token's routed experts with SwiGLU in one call (decode at batch 1). `runs` says where they run
-(not without a compiler, after a failed build, under MLIGHT_KERNELS=torch, for a format or shape they do not
-take); elsewhere the caller expands, as before.
+Each weight row is decoded into a cache-resident buffer and dotted with every activation row, so the weights are
+read once, at the file's bits, instead of expanded whole per use. PATHS: "int8" (bf16 activations up to
+INT8_MAX_ROWS: quantized per 32 values as llama.cpp does, integer dots; "int8_c" plain C, the same numbers);
+"int16" (the K-quants: activations int16 a 256 values, finer than int8 and faster; llama.cpp's Q8_K was coarser,
+past the Qwen3-MoE Q4_K reference test's bound); "fp32" (`gguf.quants.dequantize`'s floats bit for bit, float32
+math: more rows, and float32 engines, which match transformers' float64 reading to 1e-4). `moe` is one token's
+experts with SwiGLU in one call; `runs` says where these run, elsewhere the caller expands.
 """
 
 from __future__ import annotations

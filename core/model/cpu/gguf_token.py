@@ -1,19 +1,11 @@
-"""A few tokens' GGUF experts and dense rows with Q8_0, Q4_K, Q5_K and Q6_K rows dotted where they lie
-(core/assets/kernels/gguf_token.c): a decode step's routed experts at a small batch in one call (each expert
-read once for all its tokens), and an expert's few rows.
+"""A few tokens' GGUF experts and dense rows with Q8_0 and K-quant rows dotted where they lie
+(core/assets/kernels/gguf_token.c), with gguf_matmul.c compiled in (its hash in the flags rebuilds this).
 
-`gguf_blocks.moe` decodes every weight row into a buffer before its dot; for Q8_0 that copy costs what the dot
-does at one activation row, and a decode step of the 784M Mixtral read its experts at half of what one core
-streams. This kernel dots the blocks themselves, with gguf_matmul.c's integers, products and lane order, so
-its result equals `gguf_blocks.moe`'s default path (int8 activations; int16 for the K-quants) bit for bit; the
-K-quants (with AVX-512 VNNI) four rows a tile with their scales unpacked in registers; a matrix in another
-format in the same call is decoded as before. It takes bf16 tokens with a Q8_0 or K-quant matrix among the
-two (`moe` says None otherwise, and the caller runs `gguf_blocks.moe` or a call per expert: TOKENS); `linear`
-is one bf16 row through such a matrix the same way (a decode step's dense projections at batch 1), or up to
-ROWS rows of a K-quant matrix with AVX-512 VNNI, each weight row dotted with all of them at once (an expert's
-rows, a small batch's dense projections). Built like the other C kernels (core.model.cpu.native), with
-gguf_matmul.c compiled in: the build flags carry its hash, so an edit there rebuilds this.
-Legend: D = hidden, I = expert intermediate, k = experts of the token, E = experts.
+`gguf_blocks.moe` decodes each row before its dot, which for Q8_0 costs what the dot does at one row. This kernel
+dots the blocks themselves with gguf_matmul.c's integers and lane order, so it equals `gguf_blocks.moe`'s default
+path bit for bit: `moe` reads each expert once for all of up to TOKENS bf16 tokens, `linear` takes one row in any
+IN_PLACE format or up to ROWS of a K-quant with AVX-512 VNNI; None/False elsewhere, and the caller goes to
+gguf_blocks. Legend: D = hidden, I = expert intermediate, k = experts of the token, E = experts.
 """
 
 from __future__ import annotations

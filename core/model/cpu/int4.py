@@ -1,19 +1,10 @@
-"""The int4 weight-only matmul in C (core/assets/kernels/int4_matmul.c), built once per machine like the
-decode attention kernel (core.model.cpu.native: the same compiler search, cache dir and OpenMP rule).
+"""The int4 weight-only matmul in C (core/assets/kernels/int4_matmul.c), built by core.model.cpu.native.
 
-Decode at batch 1 reads every routed expert's weights once per token: int4 should take a quarter of
-bf16's time there. torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) converts every weight to a
-float before its multiply, which makes it compute-bound. This kernel quantizes the few activation rows
-instead (two int8 digits per input, a scale per 8 inputs: finer than bf16) and keeps the weights integers
-(AVX512_VNNI, else vpmaddubsw), on mlight's own int4 layout as stored — no repacking, the cache's bytes.
-
-`linear` is one matrix; `moe` is one token's routed experts with SwiGLU in one call (gate/up rows,
-the activation, the down rows, the routing weights' sum: the ≈ 18 torch ops of a layer's experts at
-batch 1 become one). Both return None where they do not run — no compiler (most Windows machines),
-a failed build, `MLIGHT_NATIVE=0`, a shape or dtype they do not take, or more than one torch thread
-with no OpenMP in the build (one C thread would lose to torch's threaded kernel) — and the caller
-runs torch's kernels, which the tests check it against. The ISA is core.model.cpu.isa's usable one
-(AVX-512, + VNNI where the CPU has it; AVX2, also under the AVX2 limits; or portable C).
+torch's int4 CPU kernel widens every weight to float, which makes it compute-bound; this one quantizes the few
+activation rows instead (two int8 digits an input, a scale per 8) and dots integers (AVX512_VNNI, else
+vpmaddubsw) on mlight's own int4 layout as stored. `linear` is one matrix, `moe` one token's experts with
+SwiGLU in one call. The caller checks `runs` (no compiler, a failed build, `MLIGHT_NATIVE=0`, another shape,
+or several torch threads without OpenMP: one C thread loses to torch's) and runs torch's kernels otherwise.
 """
 
 from __future__ import annotations

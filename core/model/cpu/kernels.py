@@ -1,10 +1,8 @@
 """CPU kernels for weights stored narrower than the math: widen one cache-sized tile at a time.
 
-`Widen.linear(x, w)` computes `F.linear(x, w)` for fp32 `x` and bf16/fp16 `w` without ever
-holding an fp32 copy of `w`: each tile of ≈ TILE_BYTES of output rows is converted into one reused
-scratch buffer (so it stays in cache) and multiplied there. A GEMV (rows ≤ `direct_rows`) reads
-`w` directly instead: it is bandwidth-bound, and torch's low-precision GEMV is fast on every ISA.
-One Widen per thread: its scratch is not shared. Legend: M = rows, N = output features, K = input.
+`Widen.linear(x, w)` is `F.linear` for fp32 `x` and bf16/fp16 `w` without an fp32 copy of `w`: tiles of
+≈ TILE_BYTES go through one reused scratch buffer; a GEMV (rows ≤ `direct_rows`, bandwidth-bound) reads `w`
+directly. One Widen per thread. Legend: M = rows, N = output features, K = input.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""Fused decode attention in C (core/assets/kernels/decode_attention.c), built once per machine with the C compiler at hand.
+"""Fused decode attention in C (core/assets/kernels/decode_attention.c), and the build all mlight's C kernels share.
 
-Decode attention is a GEMV per request and KV head (G query rows against T cached keys): torch's bf16
-`bmm` runs it at a third of the memory bandwidth, after copying the rows' slices out, and the softmax
-between the two products is a third pass. The C kernel reads K and V once each, in the cache's own
-layout and to each request's own length, keeps scores and sums in fp32, and needs no copies.
-
-It is optional: with no compiler (most Windows machines), a failed build, an unusual shape, sinks, or
-`MLIGHT_KERNELS=torch` (core.model.kernels), `kernel()` says None and attention runs the torch path
-(core.model.attention), which the tests check it against. The build targets the ISA our kernels may use
-(core.model.cpu.isa: AVX-512, AVX2 — also under the AVX2 limits — or the compiler's baseline) and lands in
-the mlight cache dir, named by a hash of the source and the flags, so a changed source or CPU level builds
-afresh. Requests are split over the calling thread's torch threads: the thread itself and helpers it starts
-(each thread keeps its own, so the GPU schedules' pinned attention worker keeps its cores on Linux, where a
-new thread inherits its creator's affinity); ctypes releases the GIL during each call.
+torch's bf16 `bmm` runs decode attention (a GEMV per request and KV head) at a third of the memory bandwidth,
+after copying the rows out; the kernel reads K and V once each in the cache's layout, with fp32 scores and sums.
+Optional: with no compiler, a failed build, an unusual shape, sinks or `MLIGHT_KERNELS=torch`, `usable` says
+False and the torch path runs (the tests check one against the other). Builds land in the mlight cache dir, named
+by a hash of source and flags (core.model.cpu.isa's usable ISA). Requests are split over the calling thread's
+own helpers, so the GPU schedules' pinned attention worker keeps its cores; ctypes releases the GIL in a call.
 """
 
 from __future__ import annotations

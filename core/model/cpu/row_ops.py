@@ -1,12 +1,9 @@
 """A decode step's small per-row operations in C (core/assets/kernels/row_ops.c), bf16 and fp32: the KV cache
 write, RMSNorm, RoPE joined with v into the attention payload, and the softmax router.
 
-Between a decode step's GEMMs these ran as 4-7 torch ops each, every one a fresh tensor and a pass over
-lines the experts' weights had just pushed out of the caches. Each C function reproduces its torch
-expression rounding for rounding (see the source), and each wrapper says False (or None) where it does not
-apply — no kernel built (no compiler, a failed build, `MLIGHT_NATIVE=0`), another dtype, an unusual layout
-— so the caller runs torch's ops, which the tests check these against. Built per ISA like the decode
-attention kernel (core.model.cpu.native).
+Each was 4-7 torch ops, every one a fresh tensor and a pass over lines the experts' weights had just evicted.
+Each C function reproduces its torch expression rounding for rounding; each wrapper says False (or None)
+where it does not apply (no kernel, another dtype or layout) and the caller runs torch's ops.
 """
 
 from __future__ import annotations

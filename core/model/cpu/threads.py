@@ -1,17 +1,10 @@
-"""Threads for the CPU's share of the work: as many as there are free cores, and re-checked as load changes.
+"""Threads for the CPU's share of the work: as many as there are free cores, re-checked as load changes.
 
-An OpenMP team is only as fast as its slowest thread: with one of two cores busy elsewhere, two
-threads wait on the descheduled one at every barrier and a decode step ran 1.3–75× slower than with
-one thread. So the default is the cores *free* for us — those in our affinity mask minus what other
-processes keep busy on them — and a `Governor` re-reads that between engine steps (cheap: it asks
-psutil for utilisation since its last look, no sleeping) and changes torch's thread count when it
-moves. In the GPU schedules the CPU-attention worker and the thread that drives the device get
-disjoint cores (`split`, `pin_current_thread`) instead of one OpenMP team fighting over all of them.
-
-The OS differences go through `core.platform` (the affinity mask and a container's CPU quota:
-`usable_cores`; which system we are on); psutil's per-core utilisation works on Linux and Windows.
-Where a call is missing (macOS has no affinity) the answer falls back to all logical cores and
-pinning is skipped.
+An OpenMP team is as fast as its slowest thread: with one of two cores busy elsewhere a decode step ran 1.3–75×
+slower on two threads than on one. So the default is the cores free to us (affinity mask minus other
+processes' load, psutil), a `Governor` re-reads it between engine steps, and the GPU schedules give the
+attention worker and the device thread disjoint cores (`split`, `pin_current_thread`). Where a call is missing
+(macOS has no affinity) it falls back to all logical cores and no pinning.
 """
 
 from __future__ import annotations
