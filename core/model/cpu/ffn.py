@@ -35,9 +35,8 @@ _reason_avx2 = "not built yet"
 
 
 class _Sized:
-    """Scratch sizes by call shape, asked of the library once each: a ctypes call costs a few µs (tens once the
-    experts' weights have streamed through the caches), and a decode step of one stream calls the kernels
-    three times a layer."""
+    """Scratch sizes by call shape, asked of the library once each: a ctypes call costs µs, cold after the
+    experts stream, and a decode step calls the kernels three times a layer."""
 
     def sized(self, fn: str, *shape: int) -> int:
         sizes = self.__dict__.setdefault("_sizes", {})
@@ -54,12 +53,11 @@ class _Lib(_Sized):
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.ffn = native.bind(self.dll, "mlight_moe_ffn", [P, I, I, P, P, C, I, I, I, P, I, P, I, P, P, C], C)
         self.scratch = native.bind(self.dll, "mlight_moe_scratch", [I, I, I, I, I, I], I)
-        # the dense projections on the same panels (core.model.cpu.panel_linear)
-        self.linear = native.bind(self.dll, "mlight_linear", [P, I, I, I, P, I, P, P, I, P, C], None)
+        self.linear = native.bind(self.dll, "mlight_linear", [P, I, I, I, P, I, P, P, I, P, C], None)  # panel_linear
         self.linear_scratch = native.bind(self.dll, "mlight_linear_scratch", [I, I, I], I)
         self.openmp = bool(self.dll.mlight_moe_openmp())
         self.dll.mlight_moe_amx.restype = C
-        # the OS's leave to use the tiles (Linux asks once per process); refused, the vector tiles run
+        # Linux grants the tile state on request, once per process; refused, the vector tiles run
         self.amx = flags_amx and self.dll.mlight_moe_amx_init() == 0 and bool(self.dll.mlight_moe_amx())
         self.flags = " ".join(FLAGS + (FLAGS_AMX if self.amx else [])) + (" -fopenmp" if self.openmp else "")
 
@@ -114,8 +112,7 @@ def library_avx2() -> _LibAvx2 | None:
 
 
 def status(math: str = "bfloat16") -> str:
-    """One line for `mlight hw` and the bench: which kernel runs the bf16 routed experts when the CPU computes
-    in `math` (bfloat16 where it is native, else float32), and why."""
+    """One line for `mlight hw`: what runs the bf16 routed experts when the CPU computes in `math`, and why."""
     if math == "float32":
         wide = library_avx2()
         if wide is None:
@@ -129,8 +126,7 @@ def status(math: str = "bfloat16") -> str:
 
 
 def prepare(progress=None, widened: bool = False) -> None:
-    """Build (or load) the kernel (`widened`: the fp32-math one) now, saying so through `progress` when it
-    compiles (once per machine)."""
+    """Build (or load) the kernel (`widened`: the fp32-math one) now, saying so when it compiles."""
     native.build_announced("building the CPU expert kernel (once per machine)", library_avx2 if widened else library,
                            progress)
 
@@ -158,9 +154,8 @@ def takes_widened(w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 class NativeExperts:
-    """A layer's experts in the kernel's layout (see moe_ffn.c): w13 [E, I/32, D/2, 4, 16, 2] (gate and up
-    columns interleaved per panel) and w2 [E, D/64, I/2, 4, 16, 2], bf16. Held instead of the row-major
-    weights: the same bytes."""
+    """A layer's experts in moe_ffn.c's layout, held instead of the row-major weights (the same bytes): w13
+    [E, I/32, D/2, 4, 16, 2] (gate and up columns interleaved per panel), w2 [E, D/64, I/2, 4, 16, 2], bf16."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
         E, two_i, D = w13.shape
@@ -183,8 +178,8 @@ class NativeExperts:
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """h [T, D] bf16, routing weights [T, k] (bf16/fp32) and expert ids [T, k] -> [T, D] bf16 (into `out`);
-        h in fp32 (an AVX2 CPU's math) -> fp32, by the fp32-math kernel."""
+        """h [T, D] bf16 (fp32: the fp32-math kernel), routing weights and expert ids [T, k] -> [T, D] in h's
+        dtype (into `out`)."""
         wide = h.dtype == torch.float32
         lib = library_avx2() if wide else library()
         if lib is None:

@@ -26,15 +26,9 @@ from core.model.quant.formats import GGUF_BLOCKS
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
 PATHS = {"fp32": 0, "int8_c": 1, "int8": 2, "int16_c": 3, "int16": 4}
 SIMD = {0: "plain C", 1: "AVX2 maddubs", 2: "AVX-512 VNNI"}  # the int8 dots a build has
-# rows up to which `linear` takes an integer path, per format: where it was faster than fp32 on the 784M
-# Mixtral's expert shapes, one thread (bench/gguf_speed.py --kernel). With int8 activations a scale a 32
-# values, the per-block float work (a scale product and an FMA a 32-block and activation row, plus the
-# offsets' dot) costs what the fp32 FMAs do from about 8 rows, and Q4_0 falls behind above 64. The K-quants
-# take "int16" instead: one float FMA or two a super-block and row, 1.3-2.3x the fp32 path at 8-64 rows
-# (AVX-512 VNNI and AVX2; 1.5-3.8x at 128) and the int8 path's speed or better at 1-4, so every format but
-# Q4_0 stays integer to 128 rows (NATIVE_GGUF_ROWS: the kernel's end). Reading the blocks in registers instead
-# of a decoded row (AVX-512 VNNI) made "int16" 1.15-3.2x faster at one row and left it about as fast from 8
-# rows (Q6_K 1.2-1.7x), so these bounds stand.
+# rows up to which `linear` takes an integer path, per format: where it beat fp32 (bench/gguf_speed.py
+# --kernel). Q4_0's per-32 float work falls behind above 64; the K-quants' "int16" (a float FMA or two a
+# super-block) stays ahead to 128 rows (NATIVE_GGUF_ROWS: the kernel's end).
 INT8_MAX_ROWS = {"Q8_0": 128, "Q4_0": 64, "Q4_K": 128, "Q5_K": 128, "Q6_K": 128, "MXFP4": 128}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # `linear`'s integer path for them is "int16"
 
@@ -50,7 +44,7 @@ class _Lib:
         self.moe = native.bind(self.dll, "mlight_gguf_moe",
                                [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
         self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
-        # absent from an older revision's kernel (bench/gguf_speed.py --paths REV:...), which only multiplies
+        # absent from an older revision's kernel (bench/gguf_speed.py --paths REV:...)
         self.dequantize = (native.bind(self.dll, "mlight_gguf_dequantize", [C, P, I, I, I, P, C, I, P, C], C)
                            if hasattr(self.dll, "mlight_gguf_dequantize") else None)
         self.openmp = bool(self.dll.mlight_gguf_openmp())
@@ -106,10 +100,9 @@ def runs(name: str, dtype: torch.dtype, *ks: int) -> bool:
 
 def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None,
            path: str | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp32) · Wᵀ -> [M, N] in x's dtype; W [N, K] as the file's blocks raw uint8 [N, K/block ·
-    bytes], rows contiguous. `out`: where to write it ([M, N] in x's dtype, unit stride in N, rows anywhere:
-    a column slice of a wider output). `path`: one of PATHS (default: for bf16 x up to INT8_MAX_ROWS[name]
-    rows int16 for the K-quants, int8 for the others; else fp32). The caller checked `runs`."""
+    """x [M, K] (bf16/fp32) · Wᵀ -> [M, N] in x's dtype (into `out`: unit stride in N, rows anywhere, such as a
+    column slice); W [N, K] as the file's blocks, raw uint8 rows. `path`: one of PATHS (default: `int8_group`'s).
+    The caller checked `runs`."""
     lib = library()
     M, K = x.shape
     N = raw.shape[0]
@@ -129,9 +122,8 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
 
 
 def dequantize(name: str, raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """W [N, K] from the file's blocks raw uint8 [N, bytes] (unit stride in bytes) into `out` [N, K] (bf16 or
-    float32, unit stride in K): `gguf.quants.dequantize`'s float32 values, bf16 rounded to nearest even as
-    torch's cast does, so bit for bit core.model.quant.expand's result. The caller checked `runs`."""
+    """W [N, K] from the file's blocks raw uint8 [N, bytes] into `out` [N, K] (bf16 or float32): bit for bit
+    core.model.quant.expand's result. The caller checked `runs`."""
     lib = library()
     N, K = out.shape
     if raw.shape[0] != N or raw.stride(-1) != 1 or out.stride(-1) != 1 or out.dtype not in (torch.bfloat16,
@@ -163,11 +155,9 @@ MAX_EXPERTS = 64  # routed experts of one token the fused call takes
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
         down: tuple[str, torch.Tensor], path: str | None = None) -> torch.Tensor | None:
-    """One token's routed experts: x [1, D]; ids [1, k] and weights [1, k] on the host; up = (format, raw uint8
-    [E, 2I, bytes]) gate rows then up rows, down = (format, raw [E, D, bytes]), each expert's rows contiguous
-    -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype; None where it does not take the call. `path`: one
-    of PATHS (int8, the default for bf16 x: x and each expert's silu(gate) · up quantized per 32 values, or
-    for a K-quant matrix to int16 per 256)."""
+    """One token's routed experts: x [1, D]; ids, weights [1, k] on the host; up = (format, raw uint8 [E, 2I,
+    bytes]) gate rows then up rows, down = (format, raw [E, D, bytes]) -> Σ weight · down(silu(gate) · up)
+    [1, D] in x's dtype; None where it does not take the call. `path`: one of PATHS (default int8 for bf16 x)."""
     lib = library()
     D = x.shape[-1]
     (k13, w13), (k2, w2) = up, down

@@ -20,17 +20,12 @@ from core.assets import GGUF_MATMUL_C, GGUF_TOKEN_C as SOURCE
 from core.model.cpu import gguf_blocks, native
 from core.model.cpu.ffn import scratch as _scratch
 
-# formats whose rows this kernel dots where they lie (the K-quants with AVX-512 VNNI; with AVX2 and in plain C
-# their rows are decoded first, as in gguf_blocks: the same result either way)
+# formats whose rows this kernel dots where they lie (K-quants: with AVX-512 VNNI; elsewhere decoded first, the
+# same result)
 IN_PLACE = frozenset(("Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 
-# activation rows `linear` takes: an expert's rows at a small batch's decode (B = 8, top-2 of 8: 1-5 rows). Against
-# gguf_blocks' tiles (Zen 5, one thread, the 784M Mixtral's expert shapes): 1.1-1.3x at 2-4 rows (Q4_K), 1.1-1.6x
-# (Q6_K), still 1.06-2x at 8
-ROWS = 8
-# tokens up to which a layer's experts take one `moe` call, not a call per expert and matrix. Decode of the 784M
-# Mixtral, two Zen 5 cores, one process alternating: at B = 8 Q8_0 1.08-1.24x, Q4_K_M 0.96-1.04x (inside the runs'
-# own spread); at B = 32, with runs of 16 tiles, the one call lost 0.8-0.9x (Q8_0's per-expert tiles dot two rows)
+ROWS = 8  # activation rows `linear` takes: an expert's rows at a small batch, where it beat gguf_blocks' tiles
+# tokens up to which a layer's experts take one `moe` call: it gained at B = 8 and lost at 32 (0.8-0.9x)
 TOKENS = 8
 MAX_SLOTS = 512  # (token, expert) pairs `moe` takes a call (gguf_token.c's MAX_SLOTS)
 
@@ -100,11 +95,9 @@ def takes_rows(name: str, M: int, K: int, plain_c: bool = False) -> bool:
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
         down: tuple[str, torch.Tensor], path: str = "int8") -> torch.Tensor | None:
-    """`gguf_blocks.moe` for bf16 tokens x [M, D] on its default path (`path` "int8", or "int8_c": the plain-C
-    dots), Q8_0 and K-quant rows read in place: each token's row equals that token alone through
-    `gguf_blocks.moe` bit for bit, and each expert the batch routes to is read once for all its tokens; None
-    where this kernel does not take the call (x not bf16, neither matrix in IN_PLACE, more than MAX_EXPERTS
-    experts a token or MAX_SLOTS (token, expert) pairs, no kernel here)."""
+    """`gguf_blocks.moe` for bf16 tokens x [M, D] on its default path ("int8", or "int8_c": plain C), each
+    token's row bit for bit that token alone through it, each expert read once for all; None where this kernel
+    does not take the call (`takes_tokens`)."""
     (k13, w13), (k2, w2) = up, down
     (M, D), k = x.shape, ids.shape[-1]
     if x.dtype != torch.bfloat16 or not takes_tokens(k13, k2, M, k):
@@ -130,12 +123,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
 
 
 def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, path: str | None = None) -> bool:
-    """`gguf_blocks.linear(name, x, raw, out=out)` for bf16 rows x [M, K] of a Q8_0, Q4_K, Q5_K or Q6_K matrix
-    (raw uint8 [N, bytes], rows contiguous) on its default path (`path` None: "int8" for Q8_0, "int16" for the
-    K-quants; or that path's "_c", the plain-C dots), the rows dotted in place: the same values written into
-    `out` [M, N] (bf16, unit stride in N, rows anywhere); False, with nothing written, where this kernel does not
-    take it. One row in every format; 2..ROWS rows for the K-quants with AVX-512 VNNI (each weight row read
-    once for all of them; elsewhere gguf_blocks' tiles are as fast) or on "_c"."""
+    """`gguf_blocks.linear(name, x, raw, out=out)` for bf16 rows x [M, K] of an IN_PLACE matrix on its default
+    path (or that path's "_c", plain C), the rows dotted in place: the same values in `out`; False, with
+    nothing written, where this kernel does not take it (`takes_rows`)."""
     default = gguf_blocks.integer_path(name)
     path = path or default
     if (name not in IN_PLACE or path not in (default, default + "_c") or x.dtype != torch.bfloat16 or x.dim() != 2

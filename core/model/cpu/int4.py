@@ -108,9 +108,8 @@ def linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, group: int) -> to
 
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w2: tuple, group: int) -> torch.Tensor:
-    """One token's routed experts: x [1, D]; ids int64 [1, k] and weights [1, k] (fp32/bf16) on the host; w13 =
-    (q [E, 2I, D/2], sz [E, 2I, D/g, 2]) gate rows then up rows, w2 = (q [E, D, I/2], sz [E, D, I/g, 2]),
-    every expert's rows contiguous -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype."""
+    """One token's routed experts: x [1, D]; ids, weights [1, k] on the host; w13 = (q [E, 2I, D/2], sz [E, 2I,
+    D/g, 2]) gate then up rows, w2 = (q, sz) likewise -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype."""
     lib = library()
     D = x.shape[-1]
     I = w2[0].shape[-1] * 2

@@ -67,10 +67,8 @@ STRICT_ENV = "MLIGHT_STRICT_KERNEL_CALLS"  # 1 (the tests set it): every C kerne
 
 
 def bind(dll, name: str, argtypes: list, restype):
-    """`dll`'s function `name` with its argument and result types. ctypes passes arguments beyond `argtypes`
-    through unchecked (one such call handed the fp32 expert kernel the bf16 kernel's arguments: D read as I,
-    I as the thread count); under MLIGHT_STRICT_KERNEL_CALLS=1 each call checks its count, elsewhere the bare
-    function runs (nothing added to the decode step's calls)."""
+    """`dll`'s function `name` typed. ctypes passes extra arguments through unchecked, so under STRICT_ENV each
+    call checks its count; elsewhere the bare function runs (nothing added to a decode step's calls)."""
     fn = getattr(dll, name)
     fn.argtypes, fn.restype = argtypes, restype
     if os.environ.get(STRICT_ENV) != "1":
@@ -108,10 +106,8 @@ def _build(level: str) -> _Lib | None:
 
 def build_kernel(source: Path, name: str, flags: list[str], vw: int, make, switches=("MLIGHT_NATIVE",),
                  vw_of=None):
-    """(`make(path)` — a kernel's ctypes wrapper over `source` built with `flags`, or loaded from the cache —,
-    "") or (None, why not): one of `switches` set to 0, no compiler, the build's or the load's failure, or
-    (`vw_of(lib)`, the vector width it was built for) a library of another width in the cache. Every C
-    kernel of mlight builds through here."""
+    """(`make(path)`: the ctypes wrapper of `source` built with `flags` or cached, "") or (None, why not): a
+    switch at 0, no compiler, a failed build or load, or a cached library of another vector width (`vw_of`)."""
     off = kernels.switched_off(switches)
     if off:
         return None, off
@@ -139,9 +135,8 @@ def _failed(name: str, why: str):
 
 
 def compile_openmp(cc: str, base: list[str], source: Path, name: str) -> Path | str:
-    """`_compile` with OpenMP where torch runs on libgomp (Linux wheels: its libgomp.so.1 is the one our
-    library binds to, so the kernel runs on torch's own threads), else or where that fails without it
-    (this kernel then splits calls over Python helper threads; others run one thread)."""
+    """`_compile` with OpenMP where torch runs on libgomp (Linux wheels: the kernel then binds torch's own
+    libgomp and threads), else or where that fails without it."""
     out = "no build tried"
     for args in ([*base, "-fopenmp"], base) if _torch_uses_gomp() else (base,):
         out = _compile(cc, args, source, name)
@@ -151,8 +146,7 @@ def compile_openmp(cc: str, base: list[str], source: Path, name: str) -> Path | 
 
 
 def _compile(cc: str, args: list[str], source: Path, name: str) -> Path | str:
-    """The library of `source` built with `args` in the cache dir (built now unless there, calling
-    `_announce` first), or why not."""
+    """The library of `source` built with `args` in the cache dir (built now, after `_announce`), or why not."""
     tag = hashlib.sha256(source.read_bytes() + " ".join([cc, *args]).encode()).hexdigest()[:16]
     suffix = ".dll" if platform.is_windows() else ".so"
     out = platform.cache_dir() / "kernels" / f"{name}-{tag}{suffix}"
@@ -185,14 +179,13 @@ def library() -> _Lib | None:
 
 
 def prepare(progress=None) -> None:
-    """Build (or load) the kernel now rather than inside the first decode step, saying so through
-    `progress` (a core.telemetry sink) when it compiles: about a second, once per machine."""
+    """Build (or load) the kernel now rather than inside the first decode step, saying so when it compiles."""
     build_announced("building the CPU decode attention kernel (once per machine)", library, progress)
 
 
 def build_announced(what: str, library, progress=None) -> None:
-    """Call a kernel's `library()` now; a compile it starts (through `_compile`, any kernel) tells `progress`
-    (a core.telemetry sink, or None) `what` is being built, and its end once built."""
+    """Call a kernel's `library()` now; a compile it starts tells `progress` (a core.telemetry sink, or None)
+    `what` is being built, and when it is."""
     from core.telemetry import Progress
 
     global _announce
@@ -213,8 +206,7 @@ def build_announced(what: str, library, progress=None) -> None:
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks) -> bool:
-    """Whether the kernel takes this call: CPU tensors in bf16/fp32, K and V alike with rows of one
-    token's D contiguous, q's heads contiguous, G and D in range, no sinks."""
+    """Whether the kernel takes this call (CPU bf16/fp32, K and V alike with contiguous rows, G and D in range)."""
     if sinks is not None or q.device.type != "cpu" or k.device.type != "cpu":
         return False
     if q.dtype not in DTYPES or k.dtype not in DTYPES or v.dtype != k.dtype or k.dim() != 4:
@@ -278,7 +270,7 @@ _local = threading.local()
 
 def _pool(n: int) -> _Pool:
     p = getattr(_local, "pool", None)
-    if p is None or p.n != n:  # the thread count moved (core.model.cpu.threads.Governor): new helpers
+    if p is None or p.n != n:  # the thread count moved (threads.Governor)
         if p is not None:
             p.close()
         p = _local.pool = _Pool(n)
@@ -322,9 +314,8 @@ def _bounds_tensor(bounds: list[int]) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
                      host_lengths: list[int], scale: float, bounds: list[int] | None = None) -> torch.Tensor:
-    """q [B, Hq, D]; k/v [slots, Hkv, cap, D]; request b reads cache row rows[b] to lengths[b] (int64
-    tensors on the host; `host_lengths` the same lengths as a list) -> [B, Hq·D] in q's dtype.
-    `bounds`: the request split over threads (`cuts`), when the caller keeps it for the step."""
+    """q [B, Hq, D]; k/v [slots, Hkv, cap, D]; request b reads cache row rows[b] to lengths[b] (int64, host;
+    also `host_lengths`) -> [B, Hq·D] in q's dtype. `bounds`: the split over threads (`cuts`), kept a step."""
     lib = library()
     B, Hq, D = q.shape
     Hkv = k.shape[1]
