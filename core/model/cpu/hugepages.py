@@ -15,12 +15,9 @@ HUGE = 2 << 20  # x86-64's and most arm64 kernels' PMD page
 
 
 def empty(shape, dtype: torch.dtype, huge_from: int = 0) -> torch.Tensor:
-    """torch.empty(shape, dtype) whose whole 2 MB stretches from byte `huge_from` on lie on huge pages where
-    the OS allows: a private anonymous mapping (shared memory has its own THP switch, usually off) placed so
-    that byte `huge_from` (a multiple of 4 KB) starts a huge page. Only whole huge pages past it are asked
-    for, so the head before it, the tail and the mapping's unused ends stay 4 KB pages, resident only where
-    written: no memory held beyond what 4 KB pages would hold, if the caller fills everything past
-    `huge_from`. The mapping lives as long as the tensor (torch.frombuffer)."""
+    """torch.empty(shape, dtype) whose whole 2 MB stretches from byte `huge_from` (a multiple of 4 KB) on lie on
+    huge pages where the OS allows: a private mapping (shared memory's THP switch is usually off), only whole
+    huge pages asked for, so no memory is held beyond what 4 KB pages would hold. It lives as long as the tensor."""
     n = math.prod(shape) * dtype.itemsize
     if n - huge_from < HUGE or not (hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")):
         return torch.empty(shape, dtype=dtype)
