@@ -81,9 +81,8 @@ def native(storage: str, cpu) -> bool | None:
 
 
 def math_for(storage: str, rates: dict[str, float], is_native: bool | None, label: str) -> tuple[str, str]:
-    """(math dtype, why) for weights in `storage`: the instruction set where it is clear (`is_native` True or
-    False), else the measured rates, else fp32. Shared by the engine (this CPU) and the planner (any
-    machine's HardwareSpec)."""
+    """(math dtype, why) for weights in `storage`: the ISA where it is clear (`is_native` not None), else the
+    measured rates, else fp32; the engine's and the planner's."""
     if storage == "float32":
         return "float32", "fp32 weights"
     if is_native:

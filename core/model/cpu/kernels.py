@@ -43,9 +43,8 @@ class Widen:
 
 
 class LinearOnlyWeight(torch.Tensor):
-    """A weight held only in some kernel's own layout that `F.linear` takes like the weight it replaces
-    (same shape and dtype, through __torch_function__); anything else is refused. Subclasses make the
-    layout in __new__ and compute in `linear`."""
+    """A weight held only in some kernel's own layout that `F.linear` takes like the weight it replaces (same
+    shape and dtype, through __torch_function__); anything else is refused."""
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -64,9 +63,8 @@ class LinearOnlyWeight(torch.Tensor):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, calling a kernel-layout weight's `linear` straight: what its __torch_function__ does, without
-    torch's dispatch to it (≈ 17 µs a call once the experts' weights have streamed through the caches, as they
-    do between a decode step's projections at B = 1)."""
+    """F.linear, calling a kernel-layout weight's `linear` straight, without torch's dispatch (≈ 17 µs a call,
+    cold, between a decode step's projections)."""
     if isinstance(w, LinearOnlyWeight):
         return w.linear(x, bias)
     return F.linear(x, w, bias)
@@ -87,8 +85,7 @@ class PackedWeight(LinearOnlyWeight):
 
     @property
     def held_bytes(self) -> int:
-        """RAM the packed copy holds: the weight's own bytes (oneDNN's blocked layout of these shapes adds
-        no padding worth counting; the planner counts the weight once)."""
+        """The weight's own bytes: oneDNN's blocked layout of these shapes adds no padding worth counting."""
         return self.numel() * self.element_size()
 
     def __repr__(self) -> str:
@@ -96,9 +93,8 @@ class PackedWeight(LinearOnlyWeight):
 
 
 def pack_dense(w: torch.Tensor) -> torch.Tensor:
-    """`w` in the expert kernel's panels where it runs it (core.model.cpu.panel_linear: a bf16 GEMV at twice
-    oneDNN's speed), else prepacked for F.linear where oneDNN accepts it, else `w` itself (a fallback, same
-    numbers)."""
+    """`w` in the expert kernel's panels where it runs (panel_linear), else prepacked where oneDNN accepts it,
+    else `w` itself."""
     from core.model.cpu import panel_linear
 
     if panel_linear.takes(w):

@@ -65,11 +65,8 @@ def free_threads(busy_elsewhere: float, cores: int) -> int:
 
 
 class Governor:
-    """Keeps torch's intra-op thread count at the free cores (or at `fixed`), checked between steps.
-
-    `tick()` costs two psutil reads every CHECK_EVERY_S seconds and nothing in between; the engine
-    calls it once per step. `set_threads` is torch.set_num_threads unless a test passes its own.
-    """
+    """Keeps torch's intra-op thread count at the free cores (or at `fixed`): `tick()`, once a step, costs two
+    psutil reads every CHECK_EVERY_S seconds and nothing in between."""
 
     def __init__(self, fixed: int | None = None, every_s: float = CHECK_EVERY_S, set_threads=None,
                  meter: LoadMeter | None = None):
@@ -110,9 +107,8 @@ class Governor:
 
 
 def split(cores: list[int], device: str) -> tuple[list[int], list[int]]:
-    """(compute cores, attention cores) for the GPU schedules. On CUDA the compute thread only launches
-    kernels and copies: it gets one core and attention the rest; on the CPU (the emulated device) the
-    dense work and attention split the cores evenly. With one core both share it."""
+    """(compute cores, attention cores) for the GPU schedules: on CUDA the compute thread only launches, so one
+    core; on the emulated device an even split; with one core both share it."""
     if len(cores) < 2:
         return list(cores), list(cores)
     k = 1 if device == "cuda" else len(cores) // 2
@@ -120,9 +116,8 @@ def split(cores: list[int], device: str) -> tuple[list[int], list[int]]:
 
 
 def pin_current_thread(cores: list[int]) -> bool:
-    """Restrict the calling thread (and the OpenMP team it will start) to `cores`; False where the
-    platform cannot (macOS) or refuses. Linux: sched_setaffinity(0) is per thread. Windows:
-    SetThreadAffinityMask on the current thread."""
+    """Restrict the calling thread (and the OpenMP team it will start) to `cores`; False where the platform
+    cannot (macOS) or refuses."""
     if not cores:
         return False
     if platform.SYSTEM == "linux" and hasattr(os, "sched_setaffinity"):
@@ -146,10 +141,8 @@ def pin_current_thread(cores: list[int]) -> bool:
 
 
 def worker_setup(device: str, cores: list[int] | None = None):
-    """A per-worker setup for the executors' resource threads (named "mlight-<resource>"): the CPU-attention
-    worker on one set of cores, the compute and copy workers on the other (`split`), each thread's OpenMP
-    team as large as its set. Returns the function; its `.pinned` maps resource -> cores once each worker ran it.
-    Accepts any arguments, so it serves as `setup()` and `setup(resource)` alike."""
+    """The executors' per-worker setup (any arguments): the CPU-attention worker on one set of cores (`split`),
+    the others on the other, each OpenMP team as large as its set; `.pinned` maps resource -> cores."""
     import threading
 
     compute, attention = split(cores or allowed_cores(), device)
