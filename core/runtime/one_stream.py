@@ -105,9 +105,8 @@ def _experts_of(r, i: int, M: int):
 
 
 class OneStream:
-    """Runner `r`'s decode step for one micro-batch of M requests, as bound calls (build only where
-    `why_not(r, M)` is ""). It holds addresses of the runner's weights and cache, not the runner: the runner owns
-    it, and no cycle outlives a run (core.runtime.frozen_heap)."""
+    """Runner `r`'s decode step for M requests as bound calls (where `why_not(r, M)` is ""). It holds addresses,
+    not the runner, which owns it: no cycle outlives a run (core.runtime.frozen_heap)."""
 
     def __init__(self, r, M: int = 1):
         spec = r.spec
@@ -179,9 +178,8 @@ class OneStream:
         self._cos, self._sin = r.rope.cos, r.rope.sin
 
     def step(self, r, tokens: list[int], slots: list[int], positions: list[int]):
-        """Runner r's step for the requests in `slots`, each fed its token of `tokens` at its position: their
-        logits [M, V] (r's host buffer) and the step's busy seconds per resource; the executor's `times` hold the
-        graph's timeline, as after a run."""
+        """Runner r's step for `slots`' requests at `positions`: (logits [M, V] in r's host buffer, busy seconds per
+        resource); the executor's `times` hold the graph's timeline, as after a run."""
         lengths = [p + 1 for p in positions]
         # element by element into the held tensors (numpy views): a tensor made of a list, or a Python scalar
         # operand (a 0-d tensor), would allocate every step
@@ -234,8 +232,7 @@ def _linear_scratch(w, M: int, n: int) -> int:
 
 
 def _linear(w, x: int, M: int, K: int, out: int, N: int, s: int, n: int) -> list:
-    """`kernels.linear` of rows x [M, K] through w into out [M, N]: a BlockWeight's segments each into its own
-    output columns, on the token kernel or gguf_blocks' as BlockWeight.linear chooses, or the bf16 panels."""
+    """`kernels.linear` of rows x [M, K] through w into out [M, N], as BlockWeight.linear or the panels run it."""
     if type(w) is PanelWeight:
         return [partial(ffn.library().linear, x, M, K, K, w.panels.data_ptr(), N, None, out, N, s, n)]
     calls = []

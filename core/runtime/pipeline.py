@@ -316,8 +316,7 @@ class PipelineRunner:
 
     # ---- steps ----------------------------------------------------------------------------------
     def decode(self, tokens, slots, positions):
-        """One token for every active request (per-micro-batch lists): (logits [B, V] on the CPU until the next
-        decode, busy)."""
+        """One token for every active request (per-micro-batch lists): (logits [B, V] until the next decode, busy)."""
         if len(tokens) == 1 and (one := self._one_stream(len(tokens[0]))) is not None:
             return one.step(self, tokens[0], slots[0], positions[0])
         on_device, ring = bool(self.state_dev), bool(self.state_ring)
@@ -341,8 +340,7 @@ class PipelineRunner:
         return logits, busy
 
     def _one_stream(self, M: int) -> one_stream.OneStream | None:
-        """The bound calls of a step of one micro-batch of M requests, made (or remade for a new thread count)
-        where they apply."""
+        """A step of M requests as bound calls (one_stream), made where they apply and remade for new threads."""
         one = self._one.get(M)
         if one is None or (one and one.threads != torch.get_num_threads()):
             one = self._one[M] = one_stream.OneStream(self, M) if not one_stream.why_not(self, M) else False
@@ -419,7 +417,7 @@ class PipelineRunner:
 
     def _start_step(self) -> None:
         """Layer 0's streamed experts: in half 0 where this graph loads them, else where the last step prefetched
-        them, else (the first step, or after a prefill that could not prefetch them) loaded into half 0 now."""
+        them, else loaded into half 0 now."""
         if not self.streamed:
             return
         self._base = 0 if self._current_pages or self._layer0_half is None else self._layer0_half

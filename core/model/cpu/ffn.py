@@ -47,31 +47,28 @@ class _Sized:
         return n
 
 
-class _Lib(_Sized):
+class _Lib(_Sized, native.Library):
     def __init__(self, path, flags_amx: bool = False):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, "", "mlight_moe_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.ffn = native.bind(self.dll, "mlight_moe_ffn", [P, I, I, P, P, C, I, I, I, P, I, P, I, P, P, C], C)
         self.scratch = native.bind(self.dll, "mlight_moe_scratch", [I, I, I, I, I, I], I)
         self.linear = native.bind(self.dll, "mlight_linear", [P, I, I, I, P, I, P, P, I, P, C], None)  # panel_linear
         self.linear_scratch = native.bind(self.dll, "mlight_linear_scratch", [I, I, I], I)
-        self.openmp = bool(self.dll.mlight_moe_openmp())
         self.dll.mlight_moe_amx.restype = C
         # Linux grants the tile state on request, once per process; refused, the vector tiles run
         self.amx = flags_amx and self.dll.mlight_moe_amx_init() == 0 and bool(self.dll.mlight_moe_amx())
         self.flags = " ".join(FLAGS + (FLAGS_AMX if self.amx else [])) + (" -fopenmp" if self.openmp else "")
 
 
-class _LibAvx2(_Sized):
+class _LibAvx2(_Sized, native.Library):
     """moe_ffn_avx2.c: fp32 activations over the same packed bf16 weights."""
 
     def __init__(self, path):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, " ".join(FLAGS_AVX2), "mlight_moe_avx2_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.ffn = native.bind(self.dll, "mlight_moe_avx2", [P, I, I, P, P, I, I, I, P, I, P, I, P, P, C], C)
         self.scratch = native.bind(self.dll, "mlight_moe_avx2_scratch", [I, I, I, I, I], I)
-        self.openmp = bool(self.dll.mlight_moe_avx2_openmp())
-        self.flags = " ".join(FLAGS_AVX2) + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,9 +35,9 @@ K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # `linear`'s integer path for them is "int1
 _reason = "not built yet"
 
 
-class _Lib:
+class _Lib(native.Library):
     def __init__(self, path, flags: str):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, flags, "mlight_gguf_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.linear = native.bind(self.dll, "mlight_gguf_linear", [C, P, C, I, I, I, P, I, I, P, C, I, P, C, C], C)
         self.scratch = native.bind(self.dll, "mlight_gguf_scratch", [I, I, C], I)
@@ -47,9 +47,7 @@ class _Lib:
         # absent from an older revision's kernel (bench/gguf_speed.py --paths REV:...)
         self.dequantize = (native.bind(self.dll, "mlight_gguf_dequantize", [C, P, I, I, I, P, C, I, P, C], C)
                            if hasattr(self.dll, "mlight_gguf_dequantize") else None)
-        self.openmp = bool(self.dll.mlight_gguf_openmp())
         self.simd = SIMD[self.dll.mlight_gguf_simd()]
-        self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
 def build_flags() -> tuple[list[str], int]:

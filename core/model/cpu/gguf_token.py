@@ -32,9 +32,9 @@ MAX_SLOTS = 512  # (token, expert) pairs `moe` takes a call (gguf_token.c's MAX_
 _reason = "not built yet"
 
 
-class _Lib:
+class _Lib(native.Library):
     def __init__(self, path, flags: str):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, flags, "mlight_gguf_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.moe = native.bind(self.dll, "mlight_gguf_token_moe",
                                [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
@@ -50,9 +50,7 @@ class _Lib:
         self.linear = native.bind(self.dll, "mlight_gguf_token_linear",
                                   [C, P, C, I, I, I, P, I, I, P, C, I, P, C, C], C)
         self.linear_scratch = native.bind(self.dll, "mlight_gguf_token_linear_scratch", [I, I, C], I)
-        self.openmp = bool(self.dll.mlight_gguf_openmp())
         self.simd = gguf_blocks.SIMD[self.dll.mlight_gguf_simd()]
-        self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,16 +24,14 @@ MAX_EXPERTS = 64  # routed experts of one token the fused call takes
 _reason = "not built yet"
 
 
-class _Lib:
+class _Lib(native.Library):
     def __init__(self, path, flags: str):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, flags, "mlight_int4_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.linear = native.bind(self.dll, "mlight_int4_linear", [P, C, I, I, I, P, I, P, I, I, I, P, C, I, P, C], C)
         self.moe = native.bind(self.dll, "mlight_int4_moe", [P, C, I, I, I, C, P, P, C, P, I, P, I, P, I, P, I, P, C, P, C], C)
         self.scratch = native.bind(self.dll, "mlight_int4_scratch", [I, I, I, I, I], I)
         self.vw = self.dll.mlight_int4_vw()
-        self.openmp = bool(self.dll.mlight_int4_openmp())
-        self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=1)

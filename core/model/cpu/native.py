@@ -83,15 +83,23 @@ def bind(dll, name: str, argtypes: list, restype):
     return strict
 
 
-class _Lib:
-    def __init__(self, path: Path, flags: str):
+class Library:
+    """A C kernel's library: `openmp`, whether its build has OpenMP (its C function `openmp_fn` says), and the
+    `flags` its status shows."""
+
+    def __init__(self, path, flags: str, openmp_fn: str):
         self.dll = ctypes.CDLL(str(path))
+        self.openmp = bool(getattr(self.dll, openmp_fn)())
+        self.flags = flags + (" -fopenmp" if self.openmp else "")
+
+
+class _Lib(Library):
+    def __init__(self, path: Path, flags: str):
+        super().__init__(path, flags, "mlight_decode_attention_openmp")
         P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         C = ctypes.c_int
         self.fn = bind(self.dll, "mlight_decode_attention", [P, C, I, P, P, C, P, P, I, I, I, I, I, I, I, F, P, C, P, I], C)
         self.parts = bind(self.dll, "mlight_decode_attention_parts", [P, C, I, P, P, C, P, P, P, C, I, I, I, I, I, F, P, C, P, I], C)
-        self.openmp = bool(self.dll.mlight_decode_attention_openmp())
-        self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,9 +19,9 @@ from core.model.cpu import isa, native
 _reason = "not built yet"
 
 
-class _Lib:
+class _Lib(native.Library):
     def __init__(self, path, flags: str):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, flags, "mlight_row_ops_openmp")
         P, I, F, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self.kv_write = native.bind(self.dll, "mlight_kv_write", [P, P, P, P, P, I, I, I, I, C], None)
         self.rms_norm = native.bind(self.dll, "mlight_rms_norm", [P, I, I, I, P, F, P, I, C], None)
@@ -31,8 +31,6 @@ class _Lib:
         self.rope_join_f32 = native.bind(self.dll, "mlight_rope_join_f32", [P, I, I, I, I, P, P, I, I, P, I, C], None)
         self.softmax_route = native.bind(self.dll, "mlight_softmax_route", [P, C, I, I, I, P, I, C, C, F, P, P], C)
         self.vw = self.dll.mlight_row_ops_vw()
-        self.openmp = bool(self.dll.mlight_row_ops_openmp())
-        self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=None)
