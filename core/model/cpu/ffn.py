@@ -34,20 +34,7 @@ _reason = "not built yet"
 _reason_avx2 = "not built yet"
 
 
-class _Sized:
-    """Scratch sizes by call shape, asked of the library once each: a ctypes call costs µs, cold after the
-    experts stream, and a decode step calls the kernels three times a layer."""
-
-    def sized(self, fn: str, *shape: int) -> int:
-        sizes = self.__dict__.setdefault("_sizes", {})
-        key = (fn, *shape)
-        n = sizes.get(key)
-        if n is None:
-            n = sizes[key] = getattr(self, fn)(*shape)
-        return n
-
-
-class _Lib(_Sized, native.Library):
+class _Lib(native.Library):
     def __init__(self, path, flags_amx: bool = False):
         super().__init__(path, "", "mlight_moe_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -61,7 +48,7 @@ class _Lib(_Sized, native.Library):
         self.flags = " ".join(FLAGS + (FLAGS_AMX if self.amx else [])) + (" -fopenmp" if self.openmp else "")
 
 
-class _LibAvx2(_Sized, native.Library):
+class _LibAvx2(native.Library):
     """moe_ffn_avx2.c: fp32 activations over the same packed bf16 weights."""
 
     def __init__(self, path):

@@ -91,6 +91,16 @@ class Library:
         self.dll = ctypes.CDLL(str(path))
         self.openmp = bool(getattr(self.dll, openmp_fn)())
         self.flags = flags + (" -fopenmp" if self.openmp else "")
+        self._sizes: dict[tuple, int] = {}
+
+    def sized(self, fn: str, *shape: int) -> int:
+        """Function `fn`'s scratch size for this call shape, asked once: a ctypes call costs µs, cold after the
+        experts stream, and a decode step calls the expert kernels three times a layer."""
+        key = (fn, *shape)
+        n = self._sizes.get(key)
+        if n is None:
+            n = self._sizes[key] = getattr(self, fn)(*shape)
+        return n
 
 
 class _Lib(Library):
