@@ -19,7 +19,7 @@ import torch
 
 from core.assets import GGUF_MATMUL_C as SOURCE
 from core.model import kernels
-from core.model.cpu import native
+from core.model.cpu import isa, native
 from core.model.cpu.ffn import scratch as _scratch  # bytes: one thread-local scratch for every C kernel
 from core.model.quant.formats import GGUF_BLOCKS
 
@@ -70,14 +70,10 @@ def _build(level: str) -> _Lib | None:
 
 
 def _has(feature: str) -> bool:
-    from core.model.cpu import isa
-
     return bool(isa._features().get(feature))
 
 
 def library() -> _Lib | None:
-    from core.model.cpu import isa
-
     return _build(isa.cpu_isa().usable)
 
 

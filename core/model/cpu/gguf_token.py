@@ -17,7 +17,7 @@ import hashlib
 import torch
 
 from core.assets import GGUF_MATMUL_C, GGUF_TOKEN_C as SOURCE
-from core.model.cpu import gguf_blocks, native
+from core.model.cpu import gguf_blocks, isa, native
 from core.model.cpu.ffn import scratch as _scratch
 
 # formats whose rows this kernel dots where they lie (K-quants: with AVX-512 VNNI; elsewhere decoded first, the
@@ -64,8 +64,6 @@ def _build(level: str) -> _Lib | None:
 
 
 def library() -> _Lib | None:
-    from core.model.cpu import isa
-
     return _build(isa.cpu_isa().usable)
 
 

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from core.assets import INT4_MATMUL_C as SOURCE
-from core.model.cpu import native
+from core.model.cpu import isa, native
 from core.model.cpu.ffn import scratch as _scratch  # one thread-local scratch for every C kernel
 
 GROUPS = (32, 64, 128)
@@ -37,8 +37,6 @@ class _Lib(native.Library):
 @functools.lru_cache(maxsize=1)
 def _vnni() -> bool:
     """Whether the CPU has AVX512_VNNI (its int8 dot product); a module attribute so tests can say no."""
-    from core.model.cpu import isa
-
     return bool(isa._features().get("avx512_vnni"))
 
 
@@ -59,8 +57,6 @@ def _build(level: str, vnni: bool) -> _Lib | None:
 
 
 def library() -> _Lib | None:
-    from core.model.cpu import isa
-
     return _build(isa.cpu_isa().usable, _vnni())
 
 
