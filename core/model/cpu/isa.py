@@ -148,10 +148,6 @@ def detect(features: dict | None = None, aten: str | None = None, onednn_bf16: b
 
 
 @functools.lru_cache(maxsize=1)
-def _cached() -> CpuIsa:
-    return detect()
-
-
 def cpu_isa() -> CpuIsa:
     """This process's CPU, read once (env limits are read by torch and oneDNN at start-up too)."""
-    return _cached()
+    return detect()
