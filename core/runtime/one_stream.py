@@ -1,11 +1,9 @@
 """A decode step of a few requests on the host with every kernel's arguments bound once (the CPU only).
 
-At batch 1 the Python around a layer's kernels (task graph, wrappers' checks, fresh tensors, all running cold
-after the experts streamed) took a quarter of the step. Here the runner's decode graph of one micro-batch of
-M ≤ MAX_ROWS requests runs as a flat list of C calls bound once per runner and M: the same kernels, arguments
-and order into buffers held for the run, so the logits match the general path bit for bit
-(tests/test_one_stream.py), and the executor's timeline is filled the same way. Outside what it covers the
-general path runs; `why_not` says why.
+At batch 1 the Python around a layer's kernels (task graph, checks, fresh tensors, all cold after the experts
+streamed) took a quarter of the step. Here one micro-batch of M ≤ MAX_ROWS requests runs as a flat list of C calls
+bound once per runner and M: the same kernels, arguments and order as the general path, into held buffers, so the
+logits match it bit for bit (tests/test_one_stream.py); elsewhere the general path runs (`why_not` says why).
 Legend: M = requests, D = hidden, H = query heads, Hkv = KV heads, hd = head dim, k = experts of a token.
 """
 

@@ -1,13 +1,12 @@
 """A layer's routed experts in one C call (core/assets/kernels/moe_ffn.c), bf16 on AVX-512 BF16 CPUs.
 
-At a decode step's few dozen rows an expert, oneDNN's packed bf16 GEMM stays well below peak, and the experts
-are most of the step: the kernel fuses gate/up, SiLU(gate)·up, down, the routing weights and the sum in fp32
-(rounded once to bf16) on weights packed once at load (no second copy). It runs with vdpbf16ps, a compiler,
-OpenMP or one thread, SwiGLU without biases, D a multiple of 64 and I of 32, unless `MLIGHT_NATIVE` or
-`MLIGHT_NATIVE_EXPERTS` is 0 or `MLIGHT_KERNELS=torch`; elsewhere oneDNN's packing (core.model.moe). On AMX,
-experts of 8 rows or more run as AMX tiles (`FLAGS_AMX`; `MLIGHT_NATIVE_AMX=0` or the OS refusing the tile state:
-vector tiles alone, `_Lib.amx`). On AVX2, where bf16 matmuls are slow, `library_avx2` (moe_ffn_avx2.c) runs the
-same packed weights with fp32 activations.
+At a decode step's few rows an expert oneDNN's packed bf16 GEMM stays well below peak, and the experts are most
+of the step: the kernel fuses gate/up, SiLU(gate)·up, down, the routing weights and the sum in fp32 (rounded once
+to bf16) on weights packed once at load. It runs with vdpbf16ps, a compiler, OpenMP or one thread, SwiGLU
+without biases, D a multiple of 64 and I of 32, unless `MLIGHT_NATIVE` or `MLIGHT_NATIVE_EXPERTS` is 0 or
+`MLIGHT_KERNELS=torch`; elsewhere oneDNN's packing (core.model.moe). On AMX, experts of 8 rows or more run as AMX
+tiles (`MLIGHT_NATIVE_AMX=0`, or the OS refusing the tiles: vector tiles alone). On AVX2 `library_avx2`
+(moe_ffn_avx2.c) runs the same packed weights with fp32 activations.
 """
 
 from __future__ import annotations
