@@ -53,9 +53,10 @@ class _Lib(native.Library):
 def build_flags() -> tuple[list[str], int]:
     """native's flags with F16C (the blocks' half scales in one instruction) and VNNI where the CPU has them."""
     flags, vw = native._flags()
-    if "-mavx2" in flags and _has("f16c"):
+    has = isa._features()
+    if "-mavx2" in flags and has.get("f16c"):
         flags = [*flags, "-mf16c"]
-    if "-mavx512vl" in flags and _has("avx512_vnni"):
+    if "-mavx512vl" in flags and has.get("avx512_vnni"):
         flags = [*flags, "-mavx512vnni"]
     return flags, vw
 
@@ -67,10 +68,6 @@ def _build(level: str) -> _Lib | None:
     lib, _reason = native.build_kernel(SOURCE, "gguf_matmul", flags, vw,
                                        lambda path: _Lib(path, " ".join(flags) or "baseline"))
     return lib
-
-
-def _has(feature: str) -> bool:
-    return bool(isa._features().get(feature))
 
 
 def library() -> _Lib | None:

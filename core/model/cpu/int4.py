@@ -40,17 +40,12 @@ def _vnni() -> bool:
     return bool(isa._features().get("avx512_vnni"))
 
 
-def _flags() -> tuple[list[str], int]:
-    flags, vw = native._flags()
-    if vw == 16 and _vnni():
-        flags = [*flags, "-mavx512vnni"]
-    return flags, vw
-
-
 @functools.lru_cache(maxsize=None)
 def _build(level: str, vnni: bool) -> _Lib | None:
     global _reason
-    flags, vw = _flags()
+    flags, vw = native._flags()
+    if vw == 16 and vnni:
+        flags = [*flags, "-mavx512vnni"]
     lib, _reason = native.build_kernel(SOURCE, "int4_matmul", [f"-DVW={vw}", *flags], vw,
                                        lambda path: _Lib(path, " ".join(flags) or "baseline"), vw_of=lambda lib: lib.vw)
     return lib
