@@ -1,14 +1,9 @@
 """One decoder layer, in the steps CGOPipe schedules (any family, any layer kind).
 
-Decode, one token per request:
-  pre_attn  (accelerator): norm + the mixer's projections -> a payload for the CPU, and what stays
-  attend    (CPU, next to the layer's state): write the new token's state, attend -> output
-  post_attn (accelerator): the mixer's output projection + residual, norm -> h for the FFN, and the
-            FFN's dense part (router + shared expert, or the whole dense MLP of a dense layer)
-  routed experts (accelerator, per expert batch): core.model.moe.experts
-Prefill: `prefill_mix` (the token mixer, returning each prompt's state parts) then `prefill_ffn`, for
-packed prompts.
-The token mixer of each kind lives in core.model.mixer. Legend: T = tokens, D = hidden.
+Decode: `pre_attn` (accelerator: norm + the mixer's projections -> a payload for the CPU), `attend` (CPU, next to
+the layer's state), `post_attn` (accelerator: output projection + residual, norm, the FFN's dense part), then the
+routed experts (core.model.moe.experts). Prefill: `prefill_mix`, then `prefill_ffn`, for packed prompts. The
+token mixer of each kind lives in core.model.mixer. Legend: T = tokens, D = hidden.
 """
 
 from __future__ import annotations
@@ -28,8 +23,7 @@ from core.model.spec import ModelSpec
 def pre_attn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor, rope,
              call_lengths: torch.Tensor | None = None, full_norm=None, out: torch.Tensor | None = None):
     """x [T, D] -> (payload [T, d1] for the CPU, what stays for post_attn). `full_norm`: a tensor-parallel
-    rank's q/k norm over all heads (core.model.gqa.project). `out` [T, d1]: a buffer the mixer may write the
-    payload into (the device's D1 block; whether it did, the returned payload says)."""
+    rank's q/k norm over all heads; `out` [T, d1]: a buffer the mixer may write the payload into (the D1 block)."""
     h = norm(spec, x, w["ln1"], w.get("ln1_b"))
     return mixer.module(spec, layer).pre(spec, w, h, positions, rope, call_lengths, full_norm=full_norm, out=out)
 
@@ -53,9 +47,8 @@ class FfnInput:
 
 def post_attn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, out: torch.Tensor, keep,
               attention_out=None, fused_route: bool = False) -> FfnInput:
-    """out [T, d2] from attend -> residual, norm, and the FFN's dense part. `attention_out` sums a
-    tensor-parallel rank's partial attention output over the ranks; `fused_route`: the router as on an
-    accelerator (routing.route's `fused`)."""
+    """out [T, d2] from attend -> residual, norm, and the FFN's dense part. `attention_out` sums a tensor-parallel
+    rank's partial output; `fused_route`: routing.route's `fused`, as on an accelerator."""
     y = mixer.module(spec, layer).post(spec, w, out, keep)
     x = x + (y if attention_out is None else attention_out(y))
     h = norm(spec, x, w["ln2"], w.get("ln2_b"))
@@ -70,9 +63,8 @@ C_ROUTE_LOGITS = 1024  # T·E up to which the host's router is one C call: small
 
 
 def _c_route(spec: ModelSpec, h: torch.Tensor, w: dict):
-    """The plain softmax router (Mixtral, Qwen, OLMoE) on the host in one C call (core.model.cpu.row_ops), or None:
-    at a small batch the router is a matmul and five small ops, each a cold start after the experts' weights
-    streamed; the C loop is one thread's, so larger batches keep torch's (threaded) matmul."""
+    """The plain softmax router on the host in one C call (row_ops), or None: at a small batch it replaces six cold
+    ops; the C loop is one thread's, so larger batches keep torch's threaded matmul."""
     if (h.device.type != "cpu" or spec.router != "softmax" or not spec.router_softmax_fp32 or spec.router_fp32
             or spec.router_norm not in ("sum", "none") or "router_bias" in w
             or h.shape[0] * spec.num_experts > C_ROUTE_LOGITS):
@@ -90,11 +82,9 @@ Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # 
 
 def prefill_mix(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor, rope, lens: list[int],
                 call_lengths: torch.Tensor | None = None, full_norm=None, attention_out=None, chunk: int = 0):
-    """Whole prompts packed in x [T, D] -> (residual stream after the token mixer [T, D], per prompt its
-    state parts). Tensor parallel: `full_norm` as in pre_attn; `attention_out` sums a rank's partial output.
-    `chunk` > 0: whole prompts of at most that many tokens together at a time (one longer prompt alone), each
-    group's output added in place over its rows of x, so that no intermediate spans the whole call
-    (core.model.limits.prefill_chunk)."""
+    """Whole prompts packed in x [T, D] -> (residual stream after the token mixer, per prompt its state parts);
+    `full_norm`, `attention_out` as in pre_attn and post_attn. `chunk` > 0: prompts of at most that many tokens
+    at a time, written back over x, so that no intermediate spans the whole call (limits.prefill_chunk)."""
     if 0 < chunk < x.shape[0]:
         parts, a = [], 0
         for group in prompt_groups(lens, chunk):
@@ -126,10 +116,9 @@ def prompt_groups(lens: list[int], most: int) -> list[list[int]]:
 
 def prefill_ffn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, experts: Experts, ffn_out=None,
                 chunk: int = 0) -> torch.Tensor:
-    """x [T, D] after the mixer -> the layer's output. The caller holds nothing else of the layer then:
-    the FFN's intermediates are a prefill's peak (core.plan.planner counts it so). `ffn_out` sums a
-    tensor-parallel rank's partial output. `chunk` > 0: at most that many tokens at a time, each chunk's
-    output written back over its rows of x (the FFN is per token), so the intermediates stay that small."""
+    """x [T, D] after the mixer -> the layer's output; the FFN's intermediates are a prefill's peak (the planner
+    counts it so). `ffn_out` sums a tensor-parallel rank's partial output. `chunk` > 0: at most that many tokens
+    at a time, written back over x (the FFN is per token)."""
     if 0 < chunk < x.shape[0]:
         for a in range(0, x.shape[0], chunk):
             x[a:a + chunk] = prefill_ffn(spec, layer, w, x[a:a + chunk], experts, ffn_out)

@@ -1,8 +1,6 @@
-"""Grouped-query attention as CGOPipe runs it: `pre` (QKV projection, q/k norm, RoPE) on the
-accelerator, `attend` (cache write + decode attention) next to the KV store on the CPU, `post`
-(output gate, O projection) back on the accelerator; `prefill` is a whole prompt at once.
-D1: [q | k | v] per token (Hq·hd + 2·Hkv·hd); D2: the attention output (Hq·hd).
-Legend: T = tokens, B = requests, D = hidden.
+"""Grouped-query attention as CGOPipe runs it: `pre` (QKV, q/k norm, RoPE) on the accelerator, `attend` (cache
+write + decode attention) on the CPU next to the KV store, `post` (output gate, O) back on the accelerator.
+D1: [q | k | v] a token (Hq·hd + 2·Hkv·hd); D2: the output (Hq·hd). Legend: T = tokens, B = requests, D = hidden.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
 """The norms every family uses and the final norm + LM head, as plain functions over weight views.
-
-The decoder layer's pieces, split the way CGOPipe schedules them, are core.model.decoder's; family quirks
-come from ModelSpec fields.
 Legend: T = tokens, D = hidden.
 """
 
@@ -61,9 +58,8 @@ _FUSED = getattr(torch.ops.aten, "_fused_rms_norm", None)  # the kernel F.rms_no
 
 
 def normed(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x·rsqrt(mean(x²) + eps) · w (None: 1) [.., D], computed in fp32 (w in its own dtype, widened) and
-    rounded once to x's dtype: one kernel, where the written-out form was seven (the statistics, the
-    casts). Equal to that form bit for bit in fp32, bf16 and fp16 (tests/test_norms.py)."""
+    """x·rsqrt(mean(x²) + eps) · w (None: 1) [.., D] in fp32, rounded once to x's dtype: one kernel where the
+    written-out form was seven, and equal to it bit for bit (tests/test_norms.py)."""
     if _FUSED is not None:
         try:
             return _FUSED(x, [x.shape[-1]], w, eps)[0]
@@ -75,10 +71,9 @@ def normed(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
 def final_logits(spec: ModelSpec, norm_w: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor,
                  norm_b: torch.Tensor | None = None, head_b: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 logits [T, V]; into `out` when given (a decode step's reused buffer: at B = 64 and a 152k
-    vocabulary a fresh one is 39 MB of new pages a micro-batch). A plain head of out's dtype is multiplied
-    straight into it; otherwise (bf16, a prepacked head: oneDNN's packed linear has no out= form) a few
-    rows at a time, each chunk under glibc's mmap threshold so its memory is reused, not faulted in."""
+    """fp32 logits [T, V]; into `out` when given (a reused buffer: a fresh one is tens of MB of new pages a
+    step). A head of out's dtype is multiplied straight into it; otherwise (oneDNN's packed linear has no out=)
+    a few rows at a time, each chunk under glibc's mmap threshold so its memory is reused, not faulted in."""
     h = norm(spec, x, norm_w, norm_b)
     if out is None:
         return F.linear(h, lm_head, head_b).float()

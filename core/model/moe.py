@@ -1,10 +1,9 @@
 """The MoE FFN: router, then the routed experts with tokens grouped by expert, plus a shared expert.
 
-Backends, tested against each other and picked by one table (BACKENDS): `fused` (the C kernel's own layout),
-`quant_in_one_call` (a quantized layer's experts in one C call), `one_token` and `loop` (a matmul pair per expert
-with tokens, over plain, oneDNN-prepacked (≈ 1.6× faster on the CPU, bit for bit the same), widened or quantized
-weights), `grouped` (F.grouped_mm); grouped or loop is timed once per shape (core.model.expert_choice).
-Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert intermediate.
+`experts` runs BACKENDS' first row that applies: the C kernel's own layout, a quantized layer in one C call, or a
+matmul pair per expert (over plain, oneDNN-prepacked, widened or quantized weights) or F.grouped_mm, whichever is
+faster, timed once per shape (core.model.expert_choice). Legend: T = tokens, k = experts per token, E = experts,
+D = hidden, I = expert intermediate.
 """
 
 from __future__ import annotations
@@ -89,9 +88,8 @@ def experts(h: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, 
             b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: Activation | None = None,
             quant=None, widen=None, scratch: "Scratch | None" = None) -> torch.Tensor:
     """Routed experts. h [T, D], w13 [E, 2I, D], w2 [E, D, I] (or `packed`, or `quant` QuantExperts),
-    weights/idx [T, k] -> [T, D]. `b13`, `b2`: expert biases; `act`: [n, 2I] gate|up -> [n, I]; `scratch`:
-    reused buffers (the result lives until the next call with it); `packed` may be a cpu.ffn.NativeExperts.
-    The backend: BACKENDS' first row whose condition holds and whose backend does not decline (None)."""
+    weights/idx [T, k] -> [T, D]. `act`: [n, 2I] gate|up -> [n, I]; `scratch`: reused buffers (the result lives
+    until the next call with it). BACKENDS' first row whose condition holds and that does not decline (None)."""
     act = act or _swiglu
     widened = widen is not None and packed is None and quant is None and w13.dtype != h.dtype
     if packed is None and quant is None and grouped is None and not widened:
@@ -247,9 +245,8 @@ def shared_expert(spec: ModelSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
 def device_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, *,
                    grouped: bool | None = None, grouped_mm: bool = True, act: Activation | None = None,
                    backend: str | None = None) -> torch.Tensor:
-    """Routed experts on an accelerator: `experts`' result in launches independent of E, nothing read back.
-    `parts`: stacks (w13, w2 or `quant`, b13, b2) covering experts 0..E−1 in order, resident then streamed;
-    the fused path, or grouped_mm per part (fused_moe.expert_path; `grouped` forces one)."""
+    """Routed experts on an accelerator in launches independent of E, nothing read back. `parts`: stacks (w13,
+    w2 or `quant`, b13, b2) of experts 0..E−1 in order; the fused path or grouped_mm per part (fused_moe)."""
     act = act or _swiglu
     quantized = any("quant" in p for p in parts)
     if fused_moe.expert_path(quantized, h.shape[0], grouped_mm, grouped) == "fused":

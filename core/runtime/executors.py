@@ -1,10 +1,8 @@
-"""Executors: run one step's task graph (tasks with `id`, `resource`, `deps`, dependencies listed first) through
-a `run(task)` function, in dependency order.
+"""Executors: run one step's task graph (tasks with `id`, `resource`, `deps`) through `run(task)`, in dependency order.
 
 `SequentialExecutor` runs them in list order (the CPU mode); `ThreadedExecutor` gives each resource a worker
-thread, with real copies, so a missing dependency shows as wrong tokens; core.runtime.cuda_executor has the
-same shape on device streams. Never a hang: the first failure wakes every waiter, a dead worker or
-`stall_seconds` without progress fails the step, and the caller gets a `TaskFailed` naming the task.
+thread, so a missing dependency shows as wrong tokens. Never a hang: the first failure wakes every waiter, a
+dead worker or `stall_seconds` without progress fails the step with a `TaskFailed` naming the task.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """A decode step of a few requests on the host with every kernel's arguments bound once (the CPU only).
 
-At batch 1 a layer's kernels take about a millisecond, and the Python around them (the task graph, each
-wrapper's checks, fresh tensors, all of it running cold after the experts' weights have streamed through the
-caches) took a quarter of the step; at batch 8 a sixth. Here the runner's own decode graph of one micro-batch of
-M ≤ MAX_ROWS requests — pre_attn, cpu_attn, post_attn, ffn a layer — runs as a flat list of C calls made once
-per runner and M: the same kernels, arguments and order as the general path, into buffers held for the run, so
-each token's logits are the same bit for bit (tests/test_one_stream.py), and the executor's timeline and busy
-times are filled as its own run fills them. A model, placement or M outside what the list covers keeps the
-general path; `why_not` says which condition.
+At batch 1 the Python around a layer's kernels (task graph, checks, fresh tensors, all cold after the experts
+streamed) took a quarter of the step. Here one micro-batch of M ≤ MAX_ROWS requests runs as a flat list of C calls
+bound once per runner and M: the same kernels, arguments and order as the general path, into held buffers, so the
+logits match it bit for bit (tests/test_one_stream.py); elsewhere the general path runs (`why_not` says why).
 Legend: M = requests, D = hidden, H = query heads, Hkv = KV heads, hd = head dim, k = experts of a token.
 """
 
@@ -107,9 +103,8 @@ def _experts_of(r, i: int, M: int):
 
 
 class OneStream:
-    """Runner `r`'s decode step for one micro-batch of M requests, as bound calls (build only where
-    `why_not(r, M)` is ""). It holds addresses of the runner's weights and cache, not the runner: the runner owns
-    it, and no cycle outlives a run (core.runtime.frozen_heap)."""
+    """Runner `r`'s decode step for M requests as bound calls (where `why_not(r, M)` is ""). It holds addresses,
+    not the runner, which owns it: no cycle outlives a run (core.runtime.frozen_heap)."""
 
     def __init__(self, r, M: int = 1):
         spec = r.spec
@@ -181,9 +176,8 @@ class OneStream:
         self._cos, self._sin = r.rope.cos, r.rope.sin
 
     def step(self, r, tokens: list[int], slots: list[int], positions: list[int]):
-        """Runner r's step for the requests in `slots`, each fed its token of `tokens` at its position: their
-        logits [M, V] (r's host buffer) and the step's busy seconds per resource; the executor's `times` hold the
-        graph's timeline, as after a run."""
+        """Runner r's step for `slots`' requests at `positions`: (logits [M, V] in r's host buffer, busy seconds per
+        resource); the executor's `times` hold the graph's timeline, as after a run."""
         lengths = [p + 1 for p in positions]
         # element by element into the held tensors (numpy views): a tensor made of a list, or a Python scalar
         # operand (a 0-d tensor), would allocate every step
@@ -236,8 +230,7 @@ def _linear_scratch(w, M: int, n: int) -> int:
 
 
 def _linear(w, x: int, M: int, K: int, out: int, N: int, s: int, n: int) -> list:
-    """`kernels.linear` of rows x [M, K] through w into out [M, N]: a BlockWeight's segments each into its own
-    output columns, on the token kernel or gguf_blocks' as BlockWeight.linear chooses, or the bf16 panels."""
+    """`kernels.linear` of rows x [M, K] through w into out [M, N], as BlockWeight.linear or the panels run it."""
     if type(w) is PanelWeight:
         return [partial(ffn.library().linear, x, M, K, K, w.panels.data_ptr(), N, None, out, N, s, n)]
     calls = []

@@ -1,14 +1,11 @@
 """The CGOPipe runtime: a decode step (or a prefill) as a task graph, run by an executor.
 
-core.runtime.schedule says which tasks run where and after which; this module says what each task does (one
-step of core.model.decoder, so every layer kind takes the same path) and owns the buffers they share, all
-reached through a `core.runtime.device.Device`. Device memory, allocated once per runner as the planner counts
-it (core.plan.planner): dense weights and globals; per layer its first `resident[i]` experts, the rest
-streaming through a 2-half buffer sized for the layer that streams most; with CPU attention each micro-batch's
-D1 source and D2 target, with GPU attention the first `kv_gpu_layers` layers' state and a 2-buffer state ring;
-transient activations. Host staging is one pinned arena (D1/D2, logits, the ring's staging).
-Reuse is safe because the graph orders every writer after the last reader: the expert halves alternate layer
-by layer (schedule._buffer_free); ring position p = i·n + j uses buffer p mod 2 (schedule._gpu_attention).
+core.runtime.schedule says which tasks run where and after which; this module says what each task does (a step
+of core.model.decoder) and owns the buffers they share, allocated once per runner as core.plan.planner counts
+them: dense weights and globals, each layer's `resident[i]` experts, a 2-half buffer for streamed experts, the
+attention payloads and GPU state ring, one pinned host arena. Reuse is safe because the graph orders every
+writer after the last reader (expert halves alternate by layer: schedule._buffer_free; ring position
+p = i·n + j uses buffer p mod 2: schedule._gpu_attention).
 Legend: B = requests in a micro-batch, D = hidden, T = cached tokens, E = experts.
 """
 
@@ -319,8 +316,7 @@ class PipelineRunner:
 
     # ---- steps ----------------------------------------------------------------------------------
     def decode(self, tokens, slots, positions):
-        """One token for every active request (per-micro-batch lists): (logits [B, V] on the CPU until the next
-        decode, busy)."""
+        """One token for every active request (per-micro-batch lists): (logits [B, V] until the next decode, busy)."""
         if len(tokens) == 1 and (one := self._one_stream(len(tokens[0]))) is not None:
             return one.step(self, tokens[0], slots[0], positions[0])
         on_device, ring = bool(self.state_dev), bool(self.state_ring)
@@ -344,8 +340,7 @@ class PipelineRunner:
         return logits, busy
 
     def _one_stream(self, M: int) -> one_stream.OneStream | None:
-        """The bound calls of a step of one micro-batch of M requests, made (or remade for a new thread count)
-        where they apply."""
+        """A step of M requests as bound calls (one_stream), made where they apply and remade for new threads."""
         one = self._one.get(M)
         if one is None or (one and one.threads != torch.get_num_threads()):
             one = self._one[M] = one_stream.OneStream(self, M) if not one_stream.why_not(self, M) else False
@@ -422,7 +417,7 @@ class PipelineRunner:
 
     def _start_step(self) -> None:
         """Layer 0's streamed experts: in half 0 where this graph loads them, else where the last step prefetched
-        them, else (the first step, or after a prefill that could not prefetch them) loaded into half 0 now."""
+        them, else loaded into half 0 now."""
         if not self.streamed:
             return
         self._base = 0 if self._current_pages or self._layer0_half is None else self._layer0_half

@@ -1,16 +1,10 @@
 """Which dtype the CPU computes in, and whether experts are prepacked: one decision per engine.
 
-Weights stay in their storage dtype in RAM (a bf16 checkpoint is not doubled). Where the CPU runs
-that dtype's matmuls natively (bf16 on AVX-512 BF16 / AMX), the math is in it too and oneDNN may
-prepack the experts. Where it does not (AVX2: torch's bf16 `mm` runs at 1–19 GFLOP/s against
-≈ 100+ in fp32), the math is fp32: dense weights are widened once at load (a few % of the model),
-experts tile by tile as they run (`core.model.cpu.kernels.Widen`), and the KV cache keeps its
-storage dtype while attention widens what it reads.
-
-The instruction set decides where it is unambiguous (AVX-512 BF16 / AMX: bf16 is native; AVX2 or
-less: it is not), so a noisy measurement on a busy machine cannot flip a clear case; where it is not
-(AVX-512 without BF16, where oneDNN emulates bf16), the probe's measured per-dtype rates decide.
-`math=` forces it (tests, benchmarks).
+Weights keep their storage dtype in RAM. Where the CPU runs its matmuls natively (bf16 on AVX-512 BF16 / AMX)
+the math is in it and oneDNN may prepack experts; where not (AVX2: bf16 `mm` at 1–19 GFLOP/s against 100+ in
+fp32) the math is fp32: dense weights widened at load, experts tile by tile (`kernels.Widen`), the KV cache
+widened as read. The ISA decides where it is clear, so a noisy probe cannot flip it; AVX-512 without BF16 goes
+by the probe's measured rates. `math=` forces it.
 """
 
 from __future__ import annotations
@@ -87,9 +81,8 @@ def native(storage: str, cpu) -> bool | None:
 
 
 def math_for(storage: str, rates: dict[str, float], is_native: bool | None, label: str) -> tuple[str, str]:
-    """(math dtype, why) for weights in `storage`: the instruction set where it is clear (`is_native` True or
-    False), else the measured rates, else fp32. Shared by the engine (this CPU) and the planner (any
-    machine's HardwareSpec)."""
+    """(math dtype, why) for weights in `storage`: the ISA where it is clear (`is_native` not None), else the
+    measured rates, else fp32; the engine's and the planner's."""
     if storage == "float32":
         return "float32", "fp32 weights"
     if is_native:

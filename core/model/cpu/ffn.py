@@ -1,27 +1,12 @@
 """A layer's routed experts in one C call (core/assets/kernels/moe_ffn.c), bf16 on AVX-512 BF16 CPUs.
 
-In a CPU decode step each expert sees a few dozen rows, where oneDNN's packed bf16 GEMM stays well below the
-machine's peak, and the routed experts are most of the step. The kernel runs the whole layer in one call:
-the tokens grouped by expert, gate/up with SiLU(gate)·up fused, down with the routing weight and the sum
-over experts, all in fp32 sums rounded once to bf16 (torch's path rounds after each op), on weights packed
-once at load into the kernel's layout in place of oneDNN's (no second copy), split over torch's OpenMP threads.
-
-It is optional: it runs only where the CPU executes vdpbf16ps (core.model.cpu.isa's usable level is
-AVX-512 BF16 or AMX), with a C compiler, OpenMP in the build or one torch thread, SwiGLU experts without
-biases, hidden sizes that are multiples of 64 and intermediate sizes of 32, and neither `MLIGHT_NATIVE`
-nor `MLIGHT_NATIVE_EXPERTS` (the expert kernels alone) set to 0, nor `MLIGHT_KERNELS=torch`
-(core.model.kernels). Elsewhere `pack_experts` gives oneDNN's packing (core.model.moe), which the tests
-check it against.
-
-Where the usable ISA is AMX the kernel is built with its tile path too (`FLAGS_AMX`): experts with 8 rows
-or more run as 16-row AMX tiles over the same panels (vector tiles were compute-bound there), fewer on the
-vector tiles. Linux grants a process the tile state only on request (`mlight_moe_amx_init`); refused, or
-with `MLIGHT_NATIVE_AMX=0`, the vector tiles run alone (`_Lib.amx` says which).
-
-Where bf16 matmuls are slow (AVX2, also under the AVX2 limits) the CPU computes in fp32: a second kernel
-(core/assets/kernels/moe_ffn_avx2.c, `library_avx2`) runs the same packed bf16 weights with fp32
-activations, widening them in registers rather than in tiles (`ModelWeights.widen_dense`). Under the same
-conditions, AVX2 for AVX-512 BF16.
+At a decode step's few rows an expert oneDNN's packed bf16 GEMM stays well below peak, and the experts are most
+of the step: the kernel fuses gate/up, SiLU(gate)·up, down, the routing weights and the sum in fp32 (rounded once
+to bf16) on weights packed once at load. It runs with vdpbf16ps, a compiler, OpenMP or one thread, SwiGLU
+without biases, D a multiple of 64 and I of 32, unless `MLIGHT_NATIVE` or `MLIGHT_NATIVE_EXPERTS` is 0 or
+`MLIGHT_KERNELS=torch`; elsewhere oneDNN's packing (core.model.moe). On AMX, experts of 8 rows or more run as AMX
+tiles (`MLIGHT_NATIVE_AMX=0`, or the OS refusing the tiles: vector tiles alone). On AVX2 `library_avx2`
+(moe_ffn_avx2.c) runs the same packed weights with fp32 activations.
 """
 
 from __future__ import annotations
@@ -48,46 +33,28 @@ _reason = "not built yet"
 _reason_avx2 = "not built yet"
 
 
-class _Sized:
-    """Scratch sizes by call shape, asked of the library once each: a ctypes call costs a few µs (tens once the
-    experts' weights have streamed through the caches), and a decode step of one stream calls the kernels
-    three times a layer."""
-
-    def sized(self, fn: str, *shape: int) -> int:
-        sizes = self.__dict__.setdefault("_sizes", {})
-        key = (fn, *shape)
-        n = sizes.get(key)
-        if n is None:
-            n = sizes[key] = getattr(self, fn)(*shape)
-        return n
-
-
-class _Lib(_Sized):
+class _Lib(native.Library):
     def __init__(self, path, flags_amx: bool = False):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, "", "mlight_moe_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.ffn = native.bind(self.dll, "mlight_moe_ffn", [P, I, I, P, P, C, I, I, I, P, I, P, I, P, P, C], C)
         self.scratch = native.bind(self.dll, "mlight_moe_scratch", [I, I, I, I, I, I], I)
-        # the dense projections on the same panels (core.model.cpu.panel_linear)
-        self.linear = native.bind(self.dll, "mlight_linear", [P, I, I, I, P, I, P, P, I, P, C], None)
+        self.linear = native.bind(self.dll, "mlight_linear", [P, I, I, I, P, I, P, P, I, P, C], None)  # panel_linear
         self.linear_scratch = native.bind(self.dll, "mlight_linear_scratch", [I, I, I], I)
-        self.openmp = bool(self.dll.mlight_moe_openmp())
         self.dll.mlight_moe_amx.restype = C
-        # the OS's leave to use the tiles (Linux asks once per process); refused, the vector tiles run
+        # Linux grants the tile state on request, once per process; refused, the vector tiles run
         self.amx = flags_amx and self.dll.mlight_moe_amx_init() == 0 and bool(self.dll.mlight_moe_amx())
         self.flags = " ".join(FLAGS + (FLAGS_AMX if self.amx else [])) + (" -fopenmp" if self.openmp else "")
 
 
-class _LibAvx2(_Sized):
+class _LibAvx2(native.Library):
     """moe_ffn_avx2.c: fp32 activations over the same packed bf16 weights."""
 
     def __init__(self, path):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, " ".join(FLAGS_AVX2), "mlight_moe_avx2_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.ffn = native.bind(self.dll, "mlight_moe_avx2", [P, I, I, P, P, I, I, I, P, I, P, I, P, P, C], C)
         self.scratch = native.bind(self.dll, "mlight_moe_avx2_scratch", [I, I, I, I, I], I)
-        self.openmp = bool(self.dll.mlight_moe_avx2_openmp())
-        self.flags = " ".join(FLAGS_AVX2) + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,8 +95,7 @@ def library_avx2() -> _LibAvx2 | None:
 
 
 def status(math: str = "bfloat16") -> str:
-    """One line for `mlight hw` and the bench: which kernel runs the bf16 routed experts when the CPU computes
-    in `math` (bfloat16 where it is native, else float32), and why."""
+    """One line for `mlight hw`: what runs the bf16 routed experts when the CPU computes in `math`, and why."""
     if math == "float32":
         wide = library_avx2()
         if wide is None:
@@ -143,8 +109,7 @@ def status(math: str = "bfloat16") -> str:
 
 
 def prepare(progress=None, widened: bool = False) -> None:
-    """Build (or load) the kernel (`widened`: the fp32-math one) now, saying so through `progress` when it
-    compiles (once per machine)."""
+    """Build (or load) the kernel (`widened`: the fp32-math one) now, saying so when it compiles."""
     native.build_announced("building the CPU expert kernel (once per machine)", library_avx2 if widened else library,
                            progress)
 
@@ -172,9 +137,8 @@ def takes_widened(w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 class NativeExperts:
-    """A layer's experts in the kernel's layout (see moe_ffn.c): w13 [E, I/32, D/2, 4, 16, 2] (gate and up
-    columns interleaved per panel) and w2 [E, D/64, I/2, 4, 16, 2], bf16. Held instead of the row-major
-    weights: the same bytes."""
+    """A layer's experts in moe_ffn.c's layout, held instead of the row-major weights (the same bytes): w13
+    [E, I/32, D/2, 4, 16, 2] (gate and up columns interleaved per panel), w2 [E, D/64, I/2, 4, 16, 2], bf16."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
         E, two_i, D = w13.shape
@@ -197,8 +161,8 @@ class NativeExperts:
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """h [T, D] bf16, routing weights [T, k] (bf16/fp32) and expert ids [T, k] -> [T, D] bf16 (into `out`);
-        h in fp32 (an AVX2 CPU's math) -> fp32, by the fp32-math kernel."""
+        """h [T, D] bf16 (fp32: the fp32-math kernel), routing weights and expert ids [T, k] -> [T, D] in h's
+        dtype (into `out`)."""
         wide = h.dtype == torch.float32
         lib = library_avx2() if wide else library()
         if lib is None:

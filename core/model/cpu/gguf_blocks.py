@@ -1,98 +1,76 @@
-"""GGUF block formats multiplied as the file stores them (core/assets/kernels/gguf_matmul.c), built once per
-machine like the other C kernels (core.model.cpu.native: the compiler search, cache dir and OpenMP rule).
+"""GGUF block formats multiplied as the file stores them (core/assets/kernels/gguf_matmul.c), built as
+core.model.cpu.native builds every C kernel.
 
-A GGUF expert used to be expanded whole into a float buffer on every use (core.model.quant.expand); this
-kernel decodes one weight row at a time into a buffer that stays in cache and dots it with every activation
-row, so the weights are read once, at the file's bits. Three paths (PATHS):
-- "int8" (the default for bf16 activations: up to the format's INT8_MAX_ROWS rows, and in `moe`): each
-  activation row quantized once a call to int8 per 32 values, as llama.cpp does, and dotted as integers
-  with the blocks' own integers (AVX-512 VNNI, AVX2 `maddubs`, or plain C: "int8_c", the same integers and
-  floats); the result is "quantized activations · the file's weights" up to float32 summation;
-- "int16" (Q4_K, Q5_K, Q6_K: their default in `linear`, and their matrices' in `moe`'s "int8"; "int16_c"
-  its plain C): activations int16 with one scale a 256 values, the weights int16 with their integer
-  sub-scales folded in (unpacked from the blocks in registers), a super-block's whole dot summed in int32
-  (finer than int8 a 32, and faster). llama.cpp's Q8_K activations (int8 a 256) were coarser (the Qwen3-MoE
-  Q4_K reference test's logits at 2.75 % of their spread, past the 2.5 % bound) and, at one token, no faster
-  than core.model.cpu.gguf_token's in-place int16 tiles: not kept;
-- "fp32": the row decoded to `gguf.quants.dequantize`'s floats bit for bit (every product in the decoders is
-  exact in float32) and float32 math with unquantized activations: above those rows, and always for float32
-  activations (a float32 engine asked for float32's precision: it matches transformers' float64 reading of
-  the file to 1e-4, tests/test_quant_gguf.py, where int8 activations deviate by about 1 %).
-`moe` is one token's routed experts with SwiGLU in one call (decode at batch 1). `runs` says where they run
-(not without a compiler, after a failed build, under MLIGHT_KERNELS=torch, for a format or shape they do not
-take); elsewhere the caller expands, as before.
+Each weight row is decoded into a cache-resident buffer and dotted with every activation row, so the weights are
+read once, at the file's bits, instead of expanded whole per use. PATHS: "int8" (bf16 activations up to
+INT8_MAX_ROWS: quantized per 32 values as llama.cpp does, integer dots; "int8_c" plain C, the same numbers);
+"int16" (the K-quants: activations int16 a 256 values, finer than int8 and faster; llama.cpp's Q8_K was coarser,
+past the Qwen3-MoE Q4_K reference test's bound); "fp32" (`gguf.quants.dequantize`'s floats bit for bit, float32
+math: more rows, and float32 engines, which match transformers' float64 reading to 1e-4). `moe` is one token's
+experts with SwiGLU in one call; `runs` says where these run, elsewhere the caller expands.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 
 import torch
 
 from core.assets import GGUF_MATMUL_C as SOURCE
 from core.model import kernels
-from core.model.cpu import native
+from core.model.cpu import isa, native
+from core.model.cpu.ffn import scratch as _scratch  # bytes: one thread-local scratch for every C kernel
 from core.model.quant.formats import GGUF_BLOCKS
 
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
 PATHS = {"fp32": 0, "int8_c": 1, "int8": 2, "int16_c": 3, "int16": 4}
 SIMD = {0: "plain C", 1: "AVX2 maddubs", 2: "AVX-512 VNNI"}  # the int8 dots a build has
-# rows up to which `linear` takes an integer path, per format: where it was faster than fp32 on the 784M
-# Mixtral's expert shapes, one thread (bench/gguf_speed.py --kernel). With int8 activations a scale a 32
-# values, the per-block float work (a scale product and an FMA a 32-block and activation row, plus the
-# offsets' dot) costs what the fp32 FMAs do from about 8 rows, and Q4_0 falls behind above 64. The K-quants
-# take "int16" instead: one float FMA or two a super-block and row, 1.3-2.3x the fp32 path at 8-64 rows
-# (AVX-512 VNNI and AVX2; 1.5-3.8x at 128) and the int8 path's speed or better at 1-4, so every format but
-# Q4_0 stays integer to 128 rows (NATIVE_GGUF_ROWS: the kernel's end). Reading the blocks in registers instead
-# of a decoded row (AVX-512 VNNI) made "int16" 1.15-3.2x faster at one row and left it about as fast from 8
-# rows (Q6_K 1.2-1.7x), so these bounds stand.
+# rows up to which `linear` takes an integer path, per format: where it beat fp32 (bench/gguf_speed.py
+# --kernel). Q4_0's per-32 float work falls behind above 64; the K-quants' "int16" (a float FMA or two a
+# super-block) stays ahead to 128 rows (NATIVE_GGUF_ROWS: the kernel's end).
 INT8_MAX_ROWS = {"Q8_0": 128, "Q4_0": 64, "Q4_K": 128, "Q5_K": 128, "Q6_K": 128, "MXFP4": 128}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # `linear`'s integer path for them is "int16"
 
 _reason = "not built yet"
 
 
-class _Lib:
+class _Lib(native.Library):
     def __init__(self, path, flags: str):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, flags, "mlight_gguf_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.linear = native.bind(self.dll, "mlight_gguf_linear", [C, P, C, I, I, I, P, I, I, P, C, I, P, C, C], C)
         self.scratch = native.bind(self.dll, "mlight_gguf_scratch", [I, I, C], I)
         self.moe = native.bind(self.dll, "mlight_gguf_moe",
                                [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
         self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
-        # absent from an older revision's kernel (bench/gguf_speed.py --paths REV:...), which only multiplies
+        # absent from an older revision's kernel (bench/gguf_speed.py --paths REV:...)
         self.dequantize = (native.bind(self.dll, "mlight_gguf_dequantize", [C, P, I, I, I, P, C, I, P, C], C)
                            if hasattr(self.dll, "mlight_gguf_dequantize") else None)
-        self.openmp = bool(self.dll.mlight_gguf_openmp())
         self.simd = SIMD[self.dll.mlight_gguf_simd()]
-        self.flags = flags + (" -fopenmp" if self.openmp else "")
+
+
+def build_flags() -> tuple[list[str], int]:
+    """native's flags with F16C (the blocks' half scales in one instruction) and VNNI where the CPU has them."""
+    flags, vw = native._flags()
+    has = isa._features()
+    if "-mavx2" in flags and has.get("f16c"):
+        flags = [*flags, "-mf16c"]
+    if "-mavx512vl" in flags and has.get("avx512_vnni"):
+        flags = [*flags, "-mavx512vnni"]
+    return flags, vw
 
 
 @functools.lru_cache(maxsize=None)
 def _build(level: str) -> _Lib | None:
     global _reason
-    flags, vw = native._flags()
-    if "-mavx2" in flags and _has("f16c"):  # the blocks' half scales in one instruction (every AVX2 CPU has it)
-        flags = [*flags, "-mf16c"]
-    if "-mavx512vl" in flags and _has("avx512_vnni"):
-        flags = [*flags, "-mavx512vnni"]
+    flags, vw = build_flags()
     lib, _reason = native.build_kernel(SOURCE, "gguf_matmul", flags, vw,
                                        lambda path: _Lib(path, " ".join(flags) or "baseline"))
     return lib
 
 
-def _has(feature: str) -> bool:
-    from core.model.cpu import isa
-
-    return bool(isa._features().get(feature))
-
-
 def library() -> _Lib | None:
-    from core.model.cpu import isa
-
     return _build(isa.cpu_isa().usable)
 
 
@@ -111,23 +89,11 @@ def runs(name: str, dtype: torch.dtype, *ks: int) -> bool:
     return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
 
 
-_local = threading.local()
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    """This thread's float32 scratch, grown once to the largest call."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _local.buf = torch.empty(numel, dtype=torch.float32)
-    return buf
-
-
 def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None,
            path: str | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp32) · Wᵀ -> [M, N] in x's dtype; W [N, K] as the file's blocks raw uint8 [N, K/block ·
-    bytes], rows contiguous. `out`: where to write it ([M, N] in x's dtype, unit stride in N, rows anywhere:
-    a column slice of a wider output). `path`: one of PATHS (default: for bf16 x up to INT8_MAX_ROWS[name]
-    rows int16 for the K-quants, int8 for the others; else fp32). The caller checked `runs`."""
+    """x [M, K] (bf16/fp32) · Wᵀ -> [M, N] in x's dtype (into `out`: unit stride in N, rows anywhere, such as a
+    column slice); W [N, K] as the file's blocks, raw uint8 rows. `path`: one of PATHS (default: `int8_group`'s).
+    The caller checked `runs`."""
     lib = library()
     M, K = x.shape
     N = raw.shape[0]
@@ -137,7 +103,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
     y = torch.empty((M, N), dtype=x.dtype) if out is None else out
     if y.shape != (M, N) or y.dtype != x.dtype or (N > 1 and y.stride(1) != 1):
         raise ValueError(f"out must be [{M}, {N}] {x.dtype} with unit stride in N, not {tuple(y.shape)} {y.dtype}")
-    s = _scratch(lib.scratch(M, K, threads))
+    s = _scratch(4 * lib.scratch(M, K, threads))  # float32s
     bf = int(x.dtype == torch.bfloat16)
     p = PATHS[path or {None: "fp32", 32: "int8", 256: "int16"}[int8_group(name, x.dtype, M)]]
     if lib.linear(KINDS[name], x.data_ptr(), bf, x.stride(0), M, K, raw.data_ptr(), raw.stride(0), N, y.data_ptr(), bf,
@@ -147,16 +113,15 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
 
 
 def dequantize(name: str, raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """W [N, K] from the file's blocks raw uint8 [N, bytes] (unit stride in bytes) into `out` [N, K] (bf16 or
-    float32, unit stride in K): `gguf.quants.dequantize`'s float32 values, bf16 rounded to nearest even as
-    torch's cast does, so bit for bit core.model.quant.expand's result. The caller checked `runs`."""
+    """W [N, K] from the file's blocks raw uint8 [N, bytes] into `out` [N, K] (bf16 or float32): bit for bit
+    core.model.quant.expand's result. The caller checked `runs`."""
     lib = library()
     N, K = out.shape
     if raw.shape[0] != N or raw.stride(-1) != 1 or out.stride(-1) != 1 or out.dtype not in (torch.bfloat16,
                                                                                          torch.float32):
         raise ValueError(f"raw {tuple(raw.shape)} and out {tuple(out.shape)} {out.dtype} do not match")
     threads = torch.get_num_threads() if lib.openmp else 1
-    s = _scratch(threads * K)
+    s = _scratch(4 * threads * K)
     if lib.dequantize(KINDS[name], raw.data_ptr(), raw.stride(0), N, K, out.data_ptr(),
                       int(out.dtype == torch.bfloat16), out.stride(0), s.data_ptr(), threads):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
@@ -179,22 +144,11 @@ def int8_group(name: str, dtype: torch.dtype, rows: int) -> int | None:
 MAX_EXPERTS = 64  # routed experts of one token the fused call takes
 
 
-def moe_inputs(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
-    """A `moe` call's tensors as the C side reads them: int64 ids, fp32 or bf16 weights, each contiguous."""
-    if weights.dtype not in (torch.float32, torch.bfloat16):
-        weights = weights.float()
-    if ids.dtype != torch.int64:
-        ids = ids.long()
-    return tuple(t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
-
-
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
         down: tuple[str, torch.Tensor], path: str | None = None) -> torch.Tensor | None:
-    """One token's routed experts: x [1, D]; ids [1, k] and weights [1, k] on the host; up = (format, raw uint8
-    [E, 2I, bytes]) gate rows then up rows, down = (format, raw [E, D, bytes]), each expert's rows contiguous
-    -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype; None where it does not take the call. `path`: one
-    of PATHS (int8, the default for bf16 x: x and each expert's silu(gate) · up quantized per 32 values, or
-    for a K-quant matrix to int16 per 256)."""
+    """One token's routed experts: x [1, D]; ids, weights [1, k] on the host; up = (format, raw uint8 [E, 2I,
+    bytes]) gate rows then up rows, down = (format, raw [E, D, bytes]) -> Σ weight · down(silu(gate) · up)
+    [1, D] in x's dtype; None where it does not take the call. `path`: one of PATHS (default int8 for bf16 x)."""
     lib = library()
     D = x.shape[-1]
     (k13, w13), (k2, w2) = up, down
@@ -202,10 +156,10 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     k = ids.shape[-1]
     if k > MAX_EXPERTS or x.shape[0] != 1:
         return None
-    ids, weights, x = moe_inputs(ids, weights, x)
+    ids, weights, x = native.moe_inputs(ids, weights, x)
     threads = torch.get_num_threads() if lib.openmp else 1
     out = torch.empty((1, D), dtype=x.dtype)
-    s = _scratch(lib.moe_scratch(D, I, k, threads))
+    s = _scratch(4 * lib.moe_scratch(D, I, k, threads))
     bf = int(x.dtype == torch.bfloat16)
     if lib.moe(KINDS[k13], KINDS[k2], x.data_ptr(), bf, D, I, k, ids.data_ptr(), weights.data_ptr(),
                int(weights.dtype == torch.bfloat16), w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(),

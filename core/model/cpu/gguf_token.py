@@ -1,19 +1,11 @@
-"""A few tokens' GGUF experts and dense rows with Q8_0, Q4_K, Q5_K and Q6_K rows dotted where they lie
-(core/assets/kernels/gguf_token.c): a decode step's routed experts at a small batch in one call (each expert
-read once for all its tokens), and an expert's few rows.
+"""A few tokens' GGUF experts and dense rows with Q8_0 and K-quant rows dotted where they lie
+(core/assets/kernels/gguf_token.c), with gguf_matmul.c compiled in (its hash in the flags rebuilds this).
 
-`gguf_blocks.moe` decodes every weight row into a buffer before its dot; for Q8_0 that copy costs what the dot
-does at one activation row, and a decode step of the 784M Mixtral read its experts at half of what one core
-streams. This kernel dots the blocks themselves, with gguf_matmul.c's integers, products and lane order, so
-its result equals `gguf_blocks.moe`'s default path (int8 activations; int16 for the K-quants) bit for bit; the
-K-quants (with AVX-512 VNNI) four rows a tile with their scales unpacked in registers; a matrix in another
-format in the same call is decoded as before. It takes bf16 tokens with a Q8_0 or K-quant matrix among the
-two (`moe` says None otherwise, and the caller runs `gguf_blocks.moe` or a call per expert: TOKENS); `linear`
-is one bf16 row through such a matrix the same way (a decode step's dense projections at batch 1), or up to
-ROWS rows of a K-quant matrix with AVX-512 VNNI, each weight row dotted with all of them at once (an expert's
-rows, a small batch's dense projections). Built like the other C kernels (core.model.cpu.native), with
-gguf_matmul.c compiled in: the build flags carry its hash, so an edit there rebuilds this.
-Legend: D = hidden, I = expert intermediate, k = experts of the token, E = experts.
+`gguf_blocks.moe` decodes each row before its dot, which for Q8_0 costs what the dot does at one row. This kernel
+dots the blocks themselves with gguf_matmul.c's integers and lane order, so it equals `gguf_blocks.moe`'s default
+path bit for bit: `moe` reads each expert once for all of up to TOKENS bf16 tokens, `linear` takes one row in any
+IN_PLACE format or up to ROWS of a K-quant with AVX-512 VNNI; None/False elsewhere, and the caller goes to
+gguf_blocks. Legend: D = hidden, I = expert intermediate, k = experts of the token, E = experts.
 """
 
 from __future__ import annotations
@@ -25,28 +17,24 @@ import hashlib
 import torch
 
 from core.assets import GGUF_MATMUL_C, GGUF_TOKEN_C as SOURCE
-from core.model.cpu import gguf_blocks, native
+from core.model.cpu import gguf_blocks, isa, native
+from core.model.cpu.ffn import scratch as _scratch
 
-# formats whose rows this kernel dots where they lie (the K-quants with AVX-512 VNNI; with AVX2 and in plain C
-# their rows are decoded first, as in gguf_blocks: the same result either way)
+# formats whose rows this kernel dots where they lie (K-quants: with AVX-512 VNNI; elsewhere decoded first, the
+# same result)
 IN_PLACE = frozenset(("Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 
-# activation rows `linear` takes: an expert's rows at a small batch's decode (B = 8, top-2 of 8: 1-5 rows). Against
-# gguf_blocks' tiles (Zen 5, one thread, the 784M Mixtral's expert shapes): 1.1-1.3x at 2-4 rows (Q4_K), 1.1-1.6x
-# (Q6_K), still 1.06-2x at 8
-ROWS = 8
-# tokens up to which a layer's experts take one `moe` call, not a call per expert and matrix. Decode of the 784M
-# Mixtral, two Zen 5 cores, one process alternating: at B = 8 Q8_0 1.08-1.24x, Q4_K_M 0.96-1.04x (inside the runs'
-# own spread); at B = 32, with runs of 16 tiles, the one call lost 0.8-0.9x (Q8_0's per-expert tiles dot two rows)
+ROWS = 8  # activation rows `linear` takes: an expert's rows at a small batch, where it beat gguf_blocks' tiles
+# tokens up to which a layer's experts take one `moe` call: it gained at B = 8 and lost at 32 (0.8-0.9x)
 TOKENS = 8
 MAX_SLOTS = 512  # (token, expert) pairs `moe` takes a call (gguf_token.c's MAX_SLOTS)
 
 _reason = "not built yet"
 
 
-class _Lib:
+class _Lib(native.Library):
     def __init__(self, path, flags: str):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, flags, "mlight_gguf_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.moe = native.bind(self.dll, "mlight_gguf_token_moe",
                                [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
@@ -62,19 +50,13 @@ class _Lib:
         self.linear = native.bind(self.dll, "mlight_gguf_token_linear",
                                   [C, P, C, I, I, I, P, I, I, P, C, I, P, C, C], C)
         self.linear_scratch = native.bind(self.dll, "mlight_gguf_token_linear_scratch", [I, I, C], I)
-        self.openmp = bool(self.dll.mlight_gguf_openmp())
         self.simd = gguf_blocks.SIMD[self.dll.mlight_gguf_simd()]
-        self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=None)
 def _build(level: str) -> _Lib | None:
     global _reason
-    flags, vw = native._flags()
-    if "-mavx2" in flags and gguf_blocks._has("f16c"):  # gguf_blocks' flags: the same instructions, the same floats
-        flags = [*flags, "-mf16c"]
-    if "-mavx512vl" in flags and gguf_blocks._has("avx512_vnni"):
-        flags = [*flags, "-mavx512vnni"]
+    flags, vw = gguf_blocks.build_flags()  # the same instructions, the same floats
     included = hashlib.sha256(GGUF_MATMUL_C.read_bytes()).hexdigest()[:16]
     lib, _reason = native.build_kernel(SOURCE, "gguf_token", [*flags, f"-DGGUF_MATMUL_HASH={included}"], vw,
                                        lambda path: _Lib(path, " ".join(flags) or "baseline"))
@@ -82,8 +64,6 @@ def _build(level: str) -> _Lib | None:
 
 
 def library() -> _Lib | None:
-    from core.model.cpu import isa
-
     return _build(isa.cpu_isa().usable)
 
 
@@ -111,28 +91,26 @@ def takes_rows(name: str, M: int, K: int, plain_c: bool = False) -> bool:
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str, torch.Tensor],
         down: tuple[str, torch.Tensor], path: str = "int8") -> torch.Tensor | None:
-    """`gguf_blocks.moe` for bf16 tokens x [M, D] on its default path (`path` "int8", or "int8_c": the plain-C
-    dots), Q8_0 and K-quant rows read in place: each token's row equals that token alone through
-    `gguf_blocks.moe` bit for bit, and each expert the batch routes to is read once for all its tokens; None
-    where this kernel does not take the call (x not bf16, neither matrix in IN_PLACE, more than MAX_EXPERTS
-    experts a token or MAX_SLOTS (token, expert) pairs, no kernel here)."""
+    """`gguf_blocks.moe` for bf16 tokens x [M, D] on its default path ("int8", or "int8_c": plain C), each
+    token's row bit for bit that token alone through it, each expert read once for all; None where this kernel
+    does not take the call (`takes_tokens`)."""
     (k13, w13), (k2, w2) = up, down
     (M, D), k = x.shape, ids.shape[-1]
     if x.dtype != torch.bfloat16 or not takes_tokens(k13, k2, M, k):
         return None
     lib = library()
     I = w13.shape[1] // 2
-    ids, weights, x = gguf_blocks.moe_inputs(ids, weights, x)
+    ids, weights, x = native.moe_inputs(ids, weights, x)
     threads = torch.get_num_threads() if lib.openmp else 1
     out = torch.empty((M, D), dtype=x.dtype)
     kinds, bf = (gguf_blocks.KINDS[k13], gguf_blocks.KINDS[k2]), int(weights.dtype == torch.bfloat16)
     experts = (w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(), w2.stride(0), w2.stride(1))
     if M == 1 and lib.tokens is None:  # a revision before several tokens (bench/gguf_speed.py's baseline)
-        s = gguf_blocks._scratch(lib.moe_scratch(D, I, k, threads))
+        s = _scratch(4 * lib.moe_scratch(D, I, k, threads))  # float32s
         refused = lib.moe(*kinds, x.data_ptr(), 1, D, I, k, ids.data_ptr(), weights.data_ptr(), bf, *experts,
                           out.data_ptr(), 1, s.data_ptr(), threads, gguf_blocks.PATHS[path])
     else:
-        s = gguf_blocks._scratch(lib.tokens_scratch(M, D, I, k, threads))
+        s = _scratch(4 * lib.tokens_scratch(M, D, I, k, threads))
         refused = lib.tokens(*kinds, x.data_ptr(), 1, D, M, D, I, k, ids.data_ptr(), weights.data_ptr(), bf,
                              *experts, out.data_ptr(), 1, D, s.data_ptr(), threads, gguf_blocks.PATHS[path])
     if refused:
@@ -141,12 +119,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
 
 
 def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, path: str | None = None) -> bool:
-    """`gguf_blocks.linear(name, x, raw, out=out)` for bf16 rows x [M, K] of a Q8_0, Q4_K, Q5_K or Q6_K matrix
-    (raw uint8 [N, bytes], rows contiguous) on its default path (`path` None: "int8" for Q8_0, "int16" for the
-    K-quants; or that path's "_c", the plain-C dots), the rows dotted in place: the same values written into
-    `out` [M, N] (bf16, unit stride in N, rows anywhere); False, with nothing written, where this kernel does not
-    take it. One row in every format; 2..ROWS rows for the K-quants with AVX-512 VNNI (each weight row read
-    once for all of them; elsewhere gguf_blocks' tiles are as fast) or on "_c"."""
+    """`gguf_blocks.linear(name, x, raw, out=out)` for bf16 rows x [M, K] of an IN_PLACE matrix on its default
+    path (or that path's "_c", plain C), the rows dotted in place: the same values in `out`; False, with
+    nothing written, where this kernel does not take it (`takes_rows`)."""
     default = gguf_blocks.integer_path(name)
     path = path or default
     if (name not in IN_PLACE or path not in (default, default + "_c") or x.dtype != torch.bfloat16 or x.dim() != 2
@@ -157,7 +132,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, pat
     lib = library()
     M, K = x.shape
     threads = torch.get_num_threads() if lib.openmp else 1
-    s = gguf_blocks._scratch(lib.linear_scratch(M, K, threads))
+    s = _scratch(4 * lib.linear_scratch(M, K, threads))
     if lib.linear(gguf_blocks.KINDS[name], x.data_ptr(), 1, x.stride(0), M, K, raw.data_ptr(), raw.stride(0),
                   raw.shape[0], out.data_ptr(), 1, out.stride(0), s.data_ptr(), threads,
                   1 if path.endswith("_c") else 2):

@@ -1,19 +1,10 @@
-"""The int4 weight-only matmul in C (core/assets/kernels/int4_matmul.c), built once per machine like the
-decode attention kernel (core.model.cpu.native: the same compiler search, cache dir and OpenMP rule).
+"""The int4 weight-only matmul in C (core/assets/kernels/int4_matmul.c), built by core.model.cpu.native.
 
-Decode at batch 1 reads every routed expert's weights once per token: int4 should take a quarter of
-bf16's time there. torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) converts every weight to a
-float before its multiply, which makes it compute-bound. This kernel quantizes the few activation rows
-instead (two int8 digits per input, a scale per 8 inputs: finer than bf16) and keeps the weights integers
-(AVX512_VNNI, else vpmaddubsw), on mlight's own int4 layout as stored — no repacking, the cache's bytes.
-
-`linear` is one matrix; `moe` is one token's routed experts with SwiGLU in one call (gate/up rows,
-the activation, the down rows, the routing weights' sum: the ≈ 18 torch ops of a layer's experts at
-batch 1 become one). Both return None where they do not run — no compiler (most Windows machines),
-a failed build, `MLIGHT_NATIVE=0`, a shape or dtype they do not take, or more than one torch thread
-with no OpenMP in the build (one C thread would lose to torch's threaded kernel) — and the caller
-runs torch's kernels, which the tests check it against. The ISA is core.model.cpu.isa's usable one
-(AVX-512, + VNNI where the CPU has it; AVX2, also under the AVX2 limits; or portable C).
+torch's int4 CPU kernel widens every weight to float, which makes it compute-bound; this one quantizes the few
+activation rows instead (two int8 digits an input, a scale per 8) and dots integers (AVX512_VNNI, else
+vpmaddubsw) on mlight's own int4 layout as stored. `linear` is one matrix, `moe` one token's experts with
+SwiGLU in one call. The caller checks `runs` (no compiler, a failed build, `MLIGHT_NATIVE=0`, another shape,
+or several torch threads without OpenMP: one C thread loses to torch's) and runs torch's kernels otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ import functools
 import torch
 
 from core.assets import INT4_MATMUL_C as SOURCE
-from core.model.cpu import native
+from core.model.cpu import isa, native
 from core.model.cpu.ffn import scratch as _scratch  # one thread-local scratch for every C kernel
 
 GROUPS = (32, 64, 128)
@@ -33,45 +24,34 @@ MAX_EXPERTS = 64  # routed experts of one token the fused call takes
 _reason = "not built yet"
 
 
-class _Lib:
+class _Lib(native.Library):
     def __init__(self, path, flags: str):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, flags, "mlight_int4_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.linear = native.bind(self.dll, "mlight_int4_linear", [P, C, I, I, I, P, I, P, I, I, I, P, C, I, P, C], C)
         self.moe = native.bind(self.dll, "mlight_int4_moe", [P, C, I, I, I, C, P, P, C, P, I, P, I, P, I, P, I, P, C, P, C], C)
         self.scratch = native.bind(self.dll, "mlight_int4_scratch", [I, I, I, I, I], I)
         self.vw = self.dll.mlight_int4_vw()
-        self.openmp = bool(self.dll.mlight_int4_openmp())
-        self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=1)
 def _vnni() -> bool:
     """Whether the CPU has AVX512_VNNI (its int8 dot product); a module attribute so tests can say no."""
-    from core.model.cpu import isa
-
     return bool(isa._features().get("avx512_vnni"))
-
-
-def _flags() -> tuple[list[str], int]:
-    flags, vw = native._flags()
-    if vw == 16 and _vnni():
-        flags = [*flags, "-mavx512vnni"]
-    return flags, vw
 
 
 @functools.lru_cache(maxsize=None)
 def _build(level: str, vnni: bool) -> _Lib | None:
     global _reason
-    flags, vw = _flags()
+    flags, vw = native._flags()
+    if vw == 16 and vnni:
+        flags = [*flags, "-mavx512vnni"]
     lib, _reason = native.build_kernel(SOURCE, "int4_matmul", [f"-DVW={vw}", *flags], vw,
                                        lambda path: _Lib(path, " ".join(flags) or "baseline"), vw_of=lambda lib: lib.vw)
     return lib
 
 
 def library() -> _Lib | None:
-    from core.model.cpu import isa
-
     return _build(isa.cpu_isa().usable, _vnni())
 
 
@@ -117,18 +97,13 @@ def linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, group: int) -> to
 
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w2: tuple, group: int) -> torch.Tensor:
-    """One token's routed experts: x [1, D]; ids int64 [1, k] and weights [1, k] (fp32/bf16) on the host; w13 =
-    (q [E, 2I, D/2], sz [E, 2I, D/g, 2]) gate rows then up rows, w2 = (q [E, D, I/2], sz [E, D, I/g, 2]),
-    every expert's rows contiguous -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype."""
+    """One token's routed experts: x [1, D]; ids, weights [1, k] on the host; w13 = (q [E, 2I, D/2], sz [E, 2I,
+    D/g, 2]) gate then up rows, w2 = (q, sz) likewise -> Σ weight · down(silu(gate) · up) [1, D] in x's dtype."""
     lib = library()
     D = x.shape[-1]
     I = w2[0].shape[-1] * 2
     k = ids.shape[-1]
-    if weights.dtype not in (torch.float32, torch.bfloat16):
-        weights = weights.float()
-    if ids.dtype != torch.int64:
-        ids = ids.long()
-    ids, weights, x = (t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
+    ids, weights, x = native.moe_inputs(ids, weights, x)
     out = torch.empty((1, D), dtype=x.dtype)
     s = _scratch(lib.scratch(0, 0, k, D, I))
     (q13, s13), (q2, s2) = w13, w2

@@ -1,14 +1,9 @@
-"""The CPU's instruction set as our kernels see it: what the silicon has, and what torch may use.
+"""The CPU's instruction set as our kernels see it: what the silicon has (`hardware`, shown), and what torch,
+oneDNN and MKL may use under their limits (`usable`, acted on: CI's AVX2 lane sets them).
 
-Two answers, because they differ: the CPU may have AVX-512 BF16 while torch runs under
-`ATEN_CPU_CAPABILITY=avx2`, oneDNN under `ONEDNN_MAX_CPU_ISA=AVX2` and MKL (torch's fp32 GEMM on x86, which
-reads the CPU itself and heeds neither) under `MKL_ENABLE_INSTRUCTIONS=AVX2` (CI's AVX2 lane, or a user
-pinning them). Kernels act on `usable`; `hardware` is shown to the user beside it.
-Levels, lowest to highest: "baseline" < "avx2" < "avx512" < "avx512_bf16" < "amx" (x86); other
-architectures report torch's own capability name ("sve256", "vsx", ...) with no bf16 fast path assumed.
-
-Tests fake the answer with `monkeypatch.setattr(isa, "cpu_isa", lambda: CpuIsa(...))`: every caller
-goes through this module attribute, so the fallback paths run on any CI machine.
+Levels: "baseline" < "avx2" < "avx512" < "avx512_bf16" < "amx" (x86); elsewhere torch's capability name, no
+bf16 fast path assumed. Tests fake it with `monkeypatch.setattr(isa, "cpu_isa", ...)`: every caller goes
+through this module attribute.
 """
 
 from __future__ import annotations
@@ -153,10 +148,6 @@ def detect(features: dict | None = None, aten: str | None = None, onednn_bf16: b
 
 
 @functools.lru_cache(maxsize=1)
-def _cached() -> CpuIsa:
-    return detect()
-
-
 def cpu_isa() -> CpuIsa:
     """This process's CPU, read once (env limits are read by torch and oneDNN at start-up too)."""
-    return _cached()
+    return detect()

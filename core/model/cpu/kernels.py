@@ -1,10 +1,8 @@
 """CPU kernels for weights stored narrower than the math: widen one cache-sized tile at a time.
 
-`Widen.linear(x, w)` computes `F.linear(x, w)` for fp32 `x` and bf16/fp16 `w` without ever
-holding an fp32 copy of `w`: each tile of ≈ TILE_BYTES of output rows is converted into one reused
-scratch buffer (so it stays in cache) and multiplied there. A GEMV (rows ≤ `direct_rows`) reads
-`w` directly instead: it is bandwidth-bound, and torch's low-precision GEMV is fast on every ISA.
-One Widen per thread: its scratch is not shared. Legend: M = rows, N = output features, K = input.
+`Widen.linear(x, w)` is `F.linear` for fp32 `x` and bf16/fp16 `w` without an fp32 copy of `w`: tiles of
+≈ TILE_BYTES go through one reused scratch buffer; a GEMV (rows ≤ `direct_rows`, bandwidth-bound) reads `w`
+directly. One Widen per thread. Legend: M = rows, N = output features, K = input.
 """
 
 from __future__ import annotations
@@ -45,9 +43,8 @@ class Widen:
 
 
 class LinearOnlyWeight(torch.Tensor):
-    """A weight held only in some kernel's own layout that `F.linear` takes like the weight it replaces
-    (same shape and dtype, through __torch_function__); anything else is refused. Subclasses make the
-    layout in __new__ and compute in `linear`."""
+    """A weight held only in some kernel's own layout that `F.linear` takes like the weight it replaces (same
+    shape and dtype, through __torch_function__); anything else is refused."""
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -66,9 +63,8 @@ class LinearOnlyWeight(torch.Tensor):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, calling a kernel-layout weight's `linear` straight: what its __torch_function__ does, without
-    torch's dispatch to it (≈ 17 µs a call once the experts' weights have streamed through the caches, as they
-    do between a decode step's projections at B = 1)."""
+    """F.linear, calling a kernel-layout weight's `linear` straight, without torch's dispatch (≈ 17 µs a call,
+    cold, between a decode step's projections)."""
     if isinstance(w, LinearOnlyWeight):
         return w.linear(x, bias)
     return F.linear(x, w, bias)
@@ -89,8 +85,7 @@ class PackedWeight(LinearOnlyWeight):
 
     @property
     def held_bytes(self) -> int:
-        """RAM the packed copy holds: the weight's own bytes (oneDNN's blocked layout of these shapes adds
-        no padding worth counting; the planner counts the weight once)."""
+        """The weight's own bytes: oneDNN's blocked layout of these shapes adds no padding worth counting."""
         return self.numel() * self.element_size()
 
     def __repr__(self) -> str:
@@ -98,9 +93,8 @@ class PackedWeight(LinearOnlyWeight):
 
 
 def pack_dense(w: torch.Tensor) -> torch.Tensor:
-    """`w` in the expert kernel's panels where it runs it (core.model.cpu.panel_linear: a bf16 GEMV at twice
-    oneDNN's speed), else prepacked for F.linear where oneDNN accepts it, else `w` itself (a fallback, same
-    numbers)."""
+    """`w` in the expert kernel's panels where it runs (panel_linear), else prepacked where oneDNN accepts it,
+    else `w` itself."""
     from core.model.cpu import panel_linear
 
     if panel_linear.takes(w):

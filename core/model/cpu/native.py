@@ -1,18 +1,11 @@
-"""Fused decode attention in C (core/assets/kernels/decode_attention.c), built once per machine with the C compiler at hand.
+"""Fused decode attention in C (core/assets/kernels/decode_attention.c), and the build all mlight's C kernels share.
 
-Decode attention is a GEMV per request and KV head (G query rows against T cached keys): torch's bf16
-`bmm` runs it at a third of the memory bandwidth, after copying the rows' slices out, and the softmax
-between the two products is a third pass. The C kernel reads K and V once each, in the cache's own
-layout and to each request's own length, keeps scores and sums in fp32, and needs no copies.
-
-It is optional: with no compiler (most Windows machines), a failed build, an unusual shape, sinks, or
-`MLIGHT_KERNELS=torch` (core.model.kernels), `kernel()` says None and attention runs the torch path
-(core.model.attention), which the tests check it against. The build targets the ISA our kernels may use
-(core.model.cpu.isa: AVX-512, AVX2 — also under the AVX2 limits — or the compiler's baseline) and lands in
-the mlight cache dir, named by a hash of the source and the flags, so a changed source or CPU level builds
-afresh. Requests are split over the calling thread's torch threads: the thread itself and helpers it starts
-(each thread keeps its own, so the GPU schedules' pinned attention worker keeps its cores on Linux, where a
-new thread inherits its creator's affinity); ctypes releases the GIL during each call.
+torch's bf16 `bmm` runs decode attention (a GEMV per request and KV head) at a third of the memory bandwidth,
+after copying the rows out; the kernel reads K and V once each in the cache's layout, with fp32 scores and sums.
+Optional: with no compiler, a failed build, an unusual shape, sinks or `MLIGHT_KERNELS=torch`, `usable` says
+False and the torch path runs (the tests check one against the other). Builds land in the mlight cache dir, named
+by a hash of source and flags (core.model.cpu.isa's usable ISA). Requests are split over the calling thread's
+own helpers, so the GPU schedules' pinned attention worker keeps its cores; ctypes releases the GIL in a call.
 """
 
 from __future__ import annotations
@@ -74,10 +67,8 @@ STRICT_ENV = "MLIGHT_STRICT_KERNEL_CALLS"  # 1 (the tests set it): every C kerne
 
 
 def bind(dll, name: str, argtypes: list, restype):
-    """`dll`'s function `name` with its argument and result types. ctypes passes arguments beyond `argtypes`
-    through unchecked (one such call handed the fp32 expert kernel the bf16 kernel's arguments: D read as I,
-    I as the thread count); under MLIGHT_STRICT_KERNEL_CALLS=1 each call checks its count, elsewhere the bare
-    function runs (nothing added to the decode step's calls)."""
+    """`dll`'s function `name` typed. ctypes passes extra arguments through unchecked, so under STRICT_ENV each
+    call checks its count; elsewhere the bare function runs (nothing added to a decode step's calls)."""
     fn = getattr(dll, name)
     fn.argtypes, fn.restype = argtypes, restype
     if os.environ.get(STRICT_ENV) != "1":
@@ -92,15 +83,33 @@ def bind(dll, name: str, argtypes: list, restype):
     return strict
 
 
-class _Lib:
-    def __init__(self, path: Path, flags: str):
+class Library:
+    """A C kernel's library: `openmp`, whether its build has OpenMP (its C function `openmp_fn` says), and the
+    `flags` its status shows."""
+
+    def __init__(self, path, flags: str, openmp_fn: str):
         self.dll = ctypes.CDLL(str(path))
+        self.openmp = bool(getattr(self.dll, openmp_fn)())
+        self.flags = flags + (" -fopenmp" if self.openmp else "")
+        self._sizes: dict[tuple, int] = {}
+
+    def sized(self, fn: str, *shape: int) -> int:
+        """Function `fn`'s scratch size for this call shape, asked once: a ctypes call costs µs, cold after the
+        experts stream, and a decode step calls the expert kernels three times a layer."""
+        key = (fn, *shape)
+        n = self._sizes.get(key)
+        if n is None:
+            n = self._sizes[key] = getattr(self, fn)(*shape)
+        return n
+
+
+class _Lib(Library):
+    def __init__(self, path: Path, flags: str):
+        super().__init__(path, flags, "mlight_decode_attention_openmp")
         P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         C = ctypes.c_int
         self.fn = bind(self.dll, "mlight_decode_attention", [P, C, I, P, P, C, P, P, I, I, I, I, I, I, I, F, P, C, P, I], C)
         self.parts = bind(self.dll, "mlight_decode_attention_parts", [P, C, I, P, P, C, P, P, P, C, I, I, I, I, I, F, P, C, P, I], C)
-        self.openmp = bool(self.dll.mlight_decode_attention_openmp())
-        self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,10 +124,8 @@ def _build(level: str) -> _Lib | None:
 
 def build_kernel(source: Path, name: str, flags: list[str], vw: int, make, switches=("MLIGHT_NATIVE",),
                  vw_of=None):
-    """(`make(path)` — a kernel's ctypes wrapper over `source` built with `flags`, or loaded from the cache —,
-    "") or (None, why not): one of `switches` set to 0, no compiler, the build's or the load's failure, or
-    (`vw_of(lib)`, the vector width it was built for) a library of another width in the cache. Every C
-    kernel of mlight builds through here."""
+    """(`make(path)`: the ctypes wrapper of `source` built with `flags` or cached, "") or (None, why not): a
+    switch at 0, no compiler, a failed build or load, or a cached library of another vector width (`vw_of`)."""
     off = kernels.switched_off(switches)
     if off:
         return None, off
@@ -146,9 +153,8 @@ def _failed(name: str, why: str):
 
 
 def compile_openmp(cc: str, base: list[str], source: Path, name: str) -> Path | str:
-    """`_compile` with OpenMP where torch runs on libgomp (Linux wheels: its libgomp.so.1 is the one our
-    library binds to, so the kernel runs on torch's own threads), else or where that fails without it
-    (this kernel then splits calls over Python helper threads; others run one thread)."""
+    """`_compile` with OpenMP where torch runs on libgomp (Linux wheels: the kernel then binds torch's own
+    libgomp and threads), else or where that fails without it."""
     out = "no build tried"
     for args in ([*base, "-fopenmp"], base) if _torch_uses_gomp() else (base,):
         out = _compile(cc, args, source, name)
@@ -158,8 +164,7 @@ def compile_openmp(cc: str, base: list[str], source: Path, name: str) -> Path | 
 
 
 def _compile(cc: str, args: list[str], source: Path, name: str) -> Path | str:
-    """The library of `source` built with `args` in the cache dir (built now unless there, calling
-    `_announce` first), or why not."""
+    """The library of `source` built with `args` in the cache dir (built now, after `_announce`), or why not."""
     tag = hashlib.sha256(source.read_bytes() + " ".join([cc, *args]).encode()).hexdigest()[:16]
     suffix = ".dll" if platform.is_windows() else ".so"
     out = platform.cache_dir() / "kernels" / f"{name}-{tag}{suffix}"
@@ -192,14 +197,13 @@ def library() -> _Lib | None:
 
 
 def prepare(progress=None) -> None:
-    """Build (or load) the kernel now rather than inside the first decode step, saying so through
-    `progress` (a core.telemetry sink) when it compiles: about a second, once per machine."""
+    """Build (or load) the kernel now rather than inside the first decode step, saying so when it compiles."""
     build_announced("building the CPU decode attention kernel (once per machine)", library, progress)
 
 
 def build_announced(what: str, library, progress=None) -> None:
-    """Call a kernel's `library()` now; a compile it starts (through `_compile`, any kernel) tells `progress`
-    (a core.telemetry sink, or None) `what` is being built, and its end once built."""
+    """Call a kernel's `library()` now; a compile it starts tells `progress` (a core.telemetry sink, or None)
+    `what` is being built, and when it is."""
     from core.telemetry import Progress
 
     global _announce
@@ -220,8 +224,7 @@ def build_announced(what: str, library, progress=None) -> None:
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks) -> bool:
-    """Whether the kernel takes this call: CPU tensors in bf16/fp32, K and V alike with rows of one
-    token's D contiguous, q's heads contiguous, G and D in range, no sinks."""
+    """Whether the kernel takes this call (CPU bf16/fp32, K and V alike with contiguous rows, G and D in range)."""
     if sinks is not None or q.device.type != "cpu" or k.device.type != "cpu":
         return False
     if q.dtype not in DTYPES or k.dtype not in DTYPES or v.dtype != k.dtype or k.dim() != 4:
@@ -285,7 +288,7 @@ _local = threading.local()
 
 def _pool(n: int) -> _Pool:
     p = getattr(_local, "pool", None)
-    if p is None or p.n != n:  # the thread count moved (core.model.cpu.threads.Governor): new helpers
+    if p is None or p.n != n:  # the thread count moved (threads.Governor)
         if p is not None:
             p.close()
         p = _local.pool = _Pool(n)
@@ -307,6 +310,15 @@ def cuts(lengths: list[int], parts: int) -> list[int]:
     return out
 
 
+def moe_inputs(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
+    """A fused experts call's tensors as the C side reads them: int64 ids, fp32 or bf16 weights, each contiguous."""
+    if weights.dtype not in (torch.float32, torch.bfloat16):
+        weights = weights.float()
+    if ids.dtype != torch.int64:
+        ids = ids.long()
+    return tuple(t if t.is_contiguous() else t.contiguous() for t in (ids, weights, x))
+
+
 _bounds = threading.local()
 
 
@@ -320,9 +332,8 @@ def _bounds_tensor(bounds: list[int]) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
                      host_lengths: list[int], scale: float, bounds: list[int] | None = None) -> torch.Tensor:
-    """q [B, Hq, D]; k/v [slots, Hkv, cap, D]; request b reads cache row rows[b] to lengths[b] (int64
-    tensors on the host; `host_lengths` the same lengths as a list) -> [B, Hq·D] in q's dtype.
-    `bounds`: the request split over threads (`cuts`), when the caller keeps it for the step."""
+    """q [B, Hq, D]; k/v [slots, Hkv, cap, D]; request b reads cache row rows[b] to lengths[b] (int64, host;
+    also `host_lengths`) -> [B, Hq·D] in q's dtype. `bounds`: the split over threads (`cuts`), kept a step."""
     lib = library()
     B, Hq, D = q.shape
     Hkv = k.shape[1]

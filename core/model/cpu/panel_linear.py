@@ -1,13 +1,9 @@
 """Dense bf16 projections on the expert kernel's panels (core/assets/kernels/moe_ffn.c, `mlight_linear`).
 
-A decode step of one stream multiplies one row by each projection: a read of the weight, no more, which
-the expert kernel's panels stream at about twice oneDNN's packed bf16 GEMV. So where that kernel is built
-(AVX-512 BF16, a C compiler, OpenMP or one thread), `pack_dense` (core.model.cpu.kernels) holds a bf16
-weight whose output features are a multiple of 64 in its panel layout instead of oneDNN's: the same bytes,
-one copy. Sums in fp32 rounded once to bf16, bias added before the rounding, as oneDNN's GEMM does; the
-summation order differs (an fp32 ulp).
-`MLIGHT_KERNELS=torch` (core.model.kernels) keeps the projections on oneDNN, as the old A/B switch
-`MLIGHT_NATIVE_DENSE=0` still does for one release (the expert kernel's switches turn these off too).
+One decode row per projection is a read of the weight, which the panels stream at about twice oneDNN's packed
+GEMV: where that kernel runs, `pack_dense` (core.model.cpu.kernels) holds a bf16 weight with N a multiple of 64
+as panels instead (the same bytes). fp32 sums rounded once, bias before rounding, as oneDNN does (the order
+differs by an fp32 ulp). `MLIGHT_KERNELS=torch`, or the old switch `MLIGHT_NATIVE_DENSE=0`, keeps oneDNN.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """A decode step's small per-row operations in C (core/assets/kernels/row_ops.c), bf16 and fp32: the KV cache
 write, RMSNorm, RoPE joined with v into the attention payload, and the softmax router.
 
-Between a decode step's GEMMs these ran as 4-7 torch ops each, every one a fresh tensor and a pass over
-lines the experts' weights had just pushed out of the caches. Each C function reproduces its torch
-expression rounding for rounding (see the source), and each wrapper says False (or None) where it does not
-apply — no kernel built (no compiler, a failed build, `MLIGHT_NATIVE=0`), another dtype, an unusual layout
-— so the caller runs torch's ops, which the tests check these against. Built per ISA like the decode
-attention kernel (core.model.cpu.native).
+Each was 4-7 torch ops, every one a fresh tensor and a pass over lines the experts' weights had just evicted.
+Each C function reproduces its torch expression rounding for rounding; each wrapper says False (or None)
+where it does not apply (no kernel, another dtype or layout) and the caller runs torch's ops.
 """
 
 from __future__ import annotations
@@ -22,9 +19,9 @@ from core.model.cpu import isa, native
 _reason = "not built yet"
 
 
-class _Lib:
+class _Lib(native.Library):
     def __init__(self, path, flags: str):
-        self.dll = ctypes.CDLL(str(path))
+        super().__init__(path, flags, "mlight_row_ops_openmp")
         P, I, F, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self.kv_write = native.bind(self.dll, "mlight_kv_write", [P, P, P, P, P, I, I, I, I, C], None)
         self.rms_norm = native.bind(self.dll, "mlight_rms_norm", [P, I, I, I, P, F, P, I, C], None)
@@ -34,8 +31,6 @@ class _Lib:
         self.rope_join_f32 = native.bind(self.dll, "mlight_rope_join_f32", [P, I, I, I, I, P, P, I, I, P, I, C], None)
         self.softmax_route = native.bind(self.dll, "mlight_softmax_route", [P, C, I, I, I, P, I, C, C, F, P, P], C)
         self.vw = self.dll.mlight_row_ops_vw()
-        self.openmp = bool(self.dll.mlight_row_ops_openmp())
-        self.flags = flags + (" -fopenmp" if self.openmp else "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,10 +57,8 @@ def prepare(progress=None) -> None:
 
 
 def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> bool:
-    """A decode step's new rows k, v [B, heads, hd] (one payload's slices: unit stride within a head, heads hd
-    apart, tokens any stride) into rows `at` [B·heads] of contiguous caches viewed as [rows, hd]: copied, or
-    fp32 rows narrowed to a bf16 cache (an AVX2 CPU's math). False, with nothing written, where the C loop
-    does not apply."""
+    """A decode step's new rows k, v [B, heads, hd] (a payload's slices) into rows `at` [B·heads] of contiguous
+    caches viewed as [rows, hd], fp32 narrowed to a bf16 cache; False, nothing written, where it does not apply."""
     lib = library()
     narrow = k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
     if (lib is None or not (k.dtype == k_cache.dtype or narrow) or v.dtype != k.dtype or v_cache.dtype != k_cache.dtype
@@ -81,8 +74,7 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """core.model.layers.rms_norm for x [..., D] (rows of unit stride) and weight [D], both bf16 or both fp32,
-    or None."""
+    """core.model.layers.rms_norm for x [..., D] and weight [D], both bf16 or both fp32, or None."""
     lib = library()
     if (lib is None or x.dtype not in (torch.bfloat16, torch.float32) or w.dtype != x.dtype or x.device.type != "cpu"
             or x.dim() < 1 or w.dim() != 1 or x.shape[-1] != w.shape[0] or x.stride(-1) != 1 or not w.is_contiguous()):
@@ -100,9 +92,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | Non
 
 def rope_join(qkv: torch.Tensor, heads: int, hd: int, cos: torch.Tensor, sin: torch.Tensor,
               rest: int) -> torch.Tensor | None:
-    """[RoPE (halves, the whole head) of the first `heads` heads of qkv [T, ≥ heads·hd + rest] | the next
-    `rest` elements] as one new [T, heads·hd + rest] tensor, with cos/sin [T, 1, hd] (Rope.tables'), all bf16
-    or all fp32, or None."""
+    """[RoPE (halves) of qkv's first `heads` heads | its next `rest` elements] as one new [T, heads·hd + rest]
+    tensor, cos/sin [T, 1, hd] (Rope.tables'), all bf16 or all fp32, or None."""
     lib = library()
     T = qkv.shape[0]
     if (lib is None or qkv.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != qkv.dtype
@@ -121,11 +112,9 @@ ROUTE_MAX_EXPERTS = 512  # row_ops.c's ROUTE_MAX
 
 
 def softmax_route(h: torch.Tensor, w: torch.Tensor, k: int, norm: bool, scale: float):
-    """core.model.routing's "softmax" router over logits F.linear(h, w) in h's dtype, fp32 softmax, top-k, each
-    row's k weights over their sum (`norm`) times `scale`: h [T, D] (unit stride in D) and a plain contiguous
-    router w [E, D], both bf16 or both fp32 -> (weights [T, k] in h's dtype, ids [T, k] int64), or None. One
-    call in place of the matmul and five ops after it (each a cold start after the experts' weights streamed);
-    the weights equal torch's to a unit in their last place (see row_ops.c)."""
+    """core.model.routing's "softmax" router (top-k, weights over their sum if `norm`, times `scale`) for h [T, D]
+    and router w [E, D], both bf16 or both fp32 -> (weights [T, k], ids [T, k] int64), or None: the weights
+    equal torch's to a unit in their last place (see row_ops.c)."""
     lib = library()
     if (lib is None or h.dtype not in (torch.bfloat16, torch.float32) or type(w) is not torch.Tensor
             or w.dtype != h.dtype or h.device.type != "cpu" or h.dim() != 2 or w.dim() != 2 or h.stride(1) != 1

@@ -1,17 +1,10 @@
-"""Threads for the CPU's share of the work: as many as there are free cores, and re-checked as load changes.
+"""Threads for the CPU's share of the work: as many as there are free cores, re-checked as load changes.
 
-An OpenMP team is only as fast as its slowest thread: with one of two cores busy elsewhere, two
-threads wait on the descheduled one at every barrier and a decode step ran 1.3–75× slower than with
-one thread. So the default is the cores *free* for us — those in our affinity mask minus what other
-processes keep busy on them — and a `Governor` re-reads that between engine steps (cheap: it asks
-psutil for utilisation since its last look, no sleeping) and changes torch's thread count when it
-moves. In the GPU schedules the CPU-attention worker and the thread that drives the device get
-disjoint cores (`split`, `pin_current_thread`) instead of one OpenMP team fighting over all of them.
-
-The OS differences go through `core.platform` (the affinity mask and a container's CPU quota:
-`usable_cores`; which system we are on); psutil's per-core utilisation works on Linux and Windows.
-Where a call is missing (macOS has no affinity) the answer falls back to all logical cores and
-pinning is skipped.
+An OpenMP team is as fast as its slowest thread: with one of two cores busy elsewhere a decode step ran 1.3–75×
+slower on two threads than on one. So the default is the cores free to us (affinity mask minus other
+processes' load, psutil), a `Governor` re-reads it between engine steps, and the GPU schedules give the
+attention worker and the device thread disjoint cores (`split`, `pin_current_thread`). Where a call is missing
+(macOS has no affinity) it falls back to all logical cores and no pinning.
 """
 
 from __future__ import annotations
@@ -72,11 +65,8 @@ def free_threads(busy_elsewhere: float, cores: int) -> int:
 
 
 class Governor:
-    """Keeps torch's intra-op thread count at the free cores (or at `fixed`), checked between steps.
-
-    `tick()` costs two psutil reads every CHECK_EVERY_S seconds and nothing in between; the engine
-    calls it once per step. `set_threads` is torch.set_num_threads unless a test passes its own.
-    """
+    """Keeps torch's intra-op thread count at the free cores (or at `fixed`): `tick()`, once a step, costs two
+    psutil reads every CHECK_EVERY_S seconds and nothing in between."""
 
     def __init__(self, fixed: int | None = None, every_s: float = CHECK_EVERY_S, set_threads=None,
                  meter: LoadMeter | None = None):
@@ -117,9 +107,8 @@ class Governor:
 
 
 def split(cores: list[int], device: str) -> tuple[list[int], list[int]]:
-    """(compute cores, attention cores) for the GPU schedules. On CUDA the compute thread only launches
-    kernels and copies: it gets one core and attention the rest; on the CPU (the emulated device) the
-    dense work and attention split the cores evenly. With one core both share it."""
+    """(compute cores, attention cores) for the GPU schedules: on CUDA the compute thread only launches, so one
+    core; on the emulated device an even split; with one core both share it."""
     if len(cores) < 2:
         return list(cores), list(cores)
     k = 1 if device == "cuda" else len(cores) // 2
@@ -127,9 +116,8 @@ def split(cores: list[int], device: str) -> tuple[list[int], list[int]]:
 
 
 def pin_current_thread(cores: list[int]) -> bool:
-    """Restrict the calling thread (and the OpenMP team it will start) to `cores`; False where the
-    platform cannot (macOS) or refuses. Linux: sched_setaffinity(0) is per thread. Windows:
-    SetThreadAffinityMask on the current thread."""
+    """Restrict the calling thread (and the OpenMP team it will start) to `cores`; False where the platform
+    cannot (macOS) or refuses."""
     if not cores:
         return False
     if platform.SYSTEM == "linux" and hasattr(os, "sched_setaffinity"):
@@ -153,10 +141,8 @@ def pin_current_thread(cores: list[int]) -> bool:
 
 
 def worker_setup(device: str, cores: list[int] | None = None):
-    """A per-worker setup for the executors' resource threads (named "mlight-<resource>"): the CPU-attention
-    worker on one set of cores, the compute and copy workers on the other (`split`), each thread's OpenMP
-    team as large as its set. Returns the function; its `.pinned` maps resource -> cores once each worker ran it.
-    Accepts any arguments, so it serves as `setup()` and `setup(resource)` alike."""
+    """The executors' per-worker setup (any arguments): the CPU-attention worker on one set of cores (`split`),
+    the others on the other, each OpenMP team as large as its set; `.pinned` maps resource -> cores."""
     import threading
 
     compute, attention = split(cores or allowed_cores(), device)

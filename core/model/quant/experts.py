@@ -1,9 +1,6 @@
-"""The routed experts of one layer held quantized, and how they compute.
-
-`ExpertScheme`: `w13` [E, 2I, D] (or `w1`, `w3` [E, I, D] when a GGUF file gives gate and up in different
-formats) and `w2` [E, D, I], each in its own `Format`. `QuantExperts` computes on the bytes as stored (the C
-int4 and GGUF-block kernels, torch's weight-only kernels over a prepacked copy) at small batch, or expands an
-expert into a reused buffer for an ordinary matmul: every format and device, and above `kernel_rows` tokens.
+"""The routed experts of one layer held quantized (`ExpertScheme`: w13 or w1/w3, and w2, each in its own
+`Format`), and how they compute: on the bytes as stored (the C int4 and GGUF kernels, torch's weight-only
+kernels over a prepacked copy) at small batch, else an expert expanded into a reused buffer for a matmul.
 Legend: E = experts, D = hidden, I = expert intermediate, n = tokens routed to the expert.
 """
 
@@ -93,8 +90,8 @@ class QuantExperts:
         return self._linear(self.scheme.down, e, h)
 
     def in_one_call(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
-        """The tokens' k experts (SwiGLU) weighed and summed in one C kernel call: GGUF blocks up to
-        gguf_token.TOKENS tokens (each expert read once for all its tokens), int4 at one; None where it does not run."""
+        """The tokens' k experts (SwiGLU) weighed and summed in one C call (GGUF up to gguf_token.TOKENS tokens,
+        int4 at one); None where it does not run."""
         if self.blocks and len(self.scheme.up) == 1:
             if h.shape[0] > gguf_token.TOKENS:
                 return None
@@ -152,9 +149,8 @@ class QuantExperts:
                 int4.runs(self.dtype, up[0].k, down.k, group=down.fmt.group))
 
     def detach_parts(self, copy: bool = True) -> None:
-        """After packing, stop reading the flat buffer so it can go: the C int4 kernel's parts are copied out
-        (they also expand, for many tokens); torch's int4 layout cannot expand, so those experts always take
-        the kernel. `copy=False`: the parts stay views of the buffer, so a load never holds them twice."""
+        """After packing, stop reading the flat buffer so it can go (torch's int4 layout cannot expand: those
+        experts always take its kernel). `copy=False`: the parts stay views, so a load never holds them twice."""
         if self.native or self.blocks:
             if copy or not self.blocks:
                 self.parts = {k: v.clone() for k, v in self.parts.items()}
@@ -169,9 +165,8 @@ class QuantExperts:
 
 
 def kernel_probe(name: str, rows: int = 64, n: int = 2048, k: int = 1024, dtype: torch.dtype = torch.bfloat16):
-    """(run, flops): one call of the CPU kernel for `name` on `rows` tokens as the engine calls it, for the
-    hardware probe. One token on the C kernel is the engine's fused call (two of four experts of width
-    n / 2), so the rate is that call's and not one small matrix's. RuntimeError where there is no kernel."""
+    """(run, flops): one call of the CPU kernel for `name` on `rows` tokens as the engine calls it (one token on
+    the C kernel: the fused call, two of four experts), for the hardware probe; RuntimeError where there is none."""
     fmt = Format("int4", DEFAULT_INT4_GROUP) if name == "int4" else Format(name)
     g = torch.Generator().manual_seed(0)
     if fmt.name == "int4" and rows == 1 and int4.runs(dtype, k, n // 2, group=fmt.group):
