@@ -118,7 +118,8 @@ class OneStream:
         self.x, self.h, self.qkv, self.payload = new((M, D)), new((M, D)), new((M, d1)), new((M, d1))
         self.attn, self.o, self.y, self.rw = new((M, qs)), new((M, D)), new((M, D)), new((M, k))
         self.ids, self.tokens, self.slots, self.positions, self.lengths = i64((M, k)), i64(M), i64(M), i64(M), i64(M)
-        self.first, self.at, self.heads_at = i64(M), i64((M, Hkv)), torch.arange(Hkv, dtype=torch.int64) * cap
+        self.first, self.at, self.heads_at = i64((M, 1)), i64((M, Hkv)), torch.arange(Hkv, dtype=torch.int64) * cap
+        self._first = self.first[:, 0]  # the view made once, not a step
         self.cos, self.sin = new((M, hd)), new((M, hd))  # this step's RoPE rows, gathered as Rope.tables gathers them
         self.slot_rows, self.threads_attn = Hkv * cap, max(1, min(n, M))
         self.bounds = i64(self.threads_attn + 1)
@@ -192,8 +193,8 @@ class OneStream:
         torch.index_select(r.globals["embed"], 0, self.tokens, out=self.x)
         torch.index_select(self._cos, 0, self.positions, out=self.cos)
         torch.index_select(self._sin, 0, self.positions, out=self.sin)
-        torch.add(self.positions, self.slots, alpha=self.slot_rows, out=self.first)  # the KV write's rows
-        torch.add(self.first[:, None], self.heads_at, out=self.at)
+        torch.add(self.positions, self.slots, alpha=self.slot_rows, out=self._first)  # the KV write's rows
+        torch.add(self.first, self.heads_at, out=self.at)
         tasks, _ = r._graph("decode", 1)
         times, clock, busy = _sized(r.ex.times, len(tasks)), time.perf_counter, {}
         for j, (task, calls) in enumerate(zip(tasks, self.phases)):
