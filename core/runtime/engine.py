@@ -267,7 +267,6 @@ class Engine:
             return list(ids)
         return list(self.tokenizer(req.prompt).input_ids)
 
-
     def generate(self, requests: Iterable[Request], *, batch_size: int | None = None,
                  micro_batch_size: int | None = None, on_event: EventSink = ignore,
                  should_stop: Callable[[], bool] | None = None) -> Iterator[Result]:
