@@ -350,6 +350,7 @@ class Engine:
         return None
 
     def _step(self, runner, table, waiting, active, proc, on_event, stop=False, slots=0) -> list[Result]:
+        """One step: refill free slots and prefill them, else decode; sample; retire the finished."""
         admitted = self._refill(table, waiting, active)
         t0, moved = time.perf_counter(), dict(runner.bytes)
         if admitted:  # a freshly prefilled request may already be done; the next step admits again
@@ -427,7 +428,6 @@ class Engine:
         if agreed.stop or agreed.slots < slots:
             raise _GroupAgreed(None if agreed.stop else (agreed.slots, agreed.failed_rank))
         return out
-
 
     def _admit_check(self, req: Request) -> _Seq:
         ids = self.prompt_token_ids(req)
