@@ -110,6 +110,8 @@ EQUIVALENT = [
      "on the in-order copy queue (see the `if t is None` mutant)"),
     ("schedule", "for k in range(j + 1 - g, j - 1)])", "S3/S4: a group's post-attentions precede its FFN on the "
      "same in-order GPU queue"),
+    ("schedule", "for k in range(j + 1)])", "the FFN waiting on earlier groups' post-attentions too: they precede it on "
+     "the same in-order compute queue, and their own FFNs ran before it"),
     ("schedule", "if (i >= 0 or serial)", "layer 0's pages are not in the graph yet when layer 0 is built (they prefetch "
      "the next step), so its weight list stays empty"),
     ("schedule", "if t is None] if (i > 0 or serial)", "attention on the GPU: each KV load follows the layer's "

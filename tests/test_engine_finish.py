@@ -100,3 +100,46 @@ def test_a_stop_string_that_one_token_brings_twice_cuts_at_the_first(engine, mon
     r = run(engine, monkeypatch, [a, twice, a], max_new_tokens=3, stop=(ch,))
     assert r.finish_reason == "stop"
     assert r.output == engine.tokenizer.decode([a]) + text[:text.find(ch)]
+
+
+@pytest.mark.parametrize("how", ["eos", "stop string"])
+def test_a_request_ending_in_a_step_leaves_the_others_their_token(engine, monkeypatch, how):
+    """Two requests in one batch, the one placed first (the longer prompt) ending at its second token: the other
+    still gets that step's token, and each the rest of its own."""
+    x, y, z, s = plain_tokens(engine, 4)
+    end = min(engine.eos_ids) if how == "eos" else s
+    stop = (engine.tokenizer.decode([s]),) if how == "stop string" else ()
+    long_ids = engine.prompt_token_ids(Request(id="a", prompt="a b c d e f g h"))
+    scripts = {"a": iter([x, end]), "b": iter([x, y, z])}
+    assert len(engine.prompt_token_ids(Request(id="b", prompt="a b"))) + 3 < len(long_ids)  # positions tell them apart
+    real = engine.runner
+
+    def force(out, who):
+        logits, busy = out
+        forced = torch.full_like(logits, -1e4)
+        for row, name in enumerate(who):
+            forced[row, next(scripts[name])] = 0.0
+        return forced, busy
+
+    def runner(*args, **kwargs):
+        r = real(*args, **kwargs)
+        prefill, decode = r.prefill, r.decode
+
+        r.prefill = lambda ids, s, g: force(prefill(ids, s, g), ["a" if list(i) == long_ids else "b" for i in ids])
+        r.decode = lambda t, s, pos: force(decode(t, s, pos), ["a" if p >= len(long_ids) else "b" for g in pos for p in g])
+        return r
+
+    monkeypatch.setattr(engine, "runner", runner)
+    got = {r.id: r for r in engine.generate([Request(id="b", prompt="a b", max_new_tokens=3),
+                                             Request(id="a", prompt="a b c d e f g h", max_new_tokens=3, stop=stop)])}
+    assert got["a"].finish_reason == "stop" and got["a"].output_token_ids == [x] + ([s] if how == "stop string" else [])
+    assert (got["b"].output_token_ids, got["b"].finish_reason) == ([x, y, z], "length")
+
+
+def test_a_sampled_request_without_a_seed_draws_as_seed_0(engine):
+    """temperature > 0 and no seed: the request's own generator seeded 0, so a rerun draws the same tokens."""
+    def draw(**seed):
+        (r,) = engine.generate([Request(id="s", prompt="a b c", temperature=1.5, max_new_tokens=6, **seed)])
+        return r.output_token_ids
+
+    assert draw() == draw() == draw(seed=0) != draw(seed=1)
