@@ -22,22 +22,22 @@ from test_gguf_native import _blocks
 pytestmark = pytest.mark.skipif(gguf_blocks.library() is None, reason="no C compiler: GGUF blocks expand per use")
 # the K-quants dotted where they lie, on their own int8 activations (AVX-512 VNNI); elsewhere decoded first
 POW2 = gguf_blocks.library() is not None and gguf_token.library().simd == gguf_blocks.SIMD[2]
-SH = 6  # gguf_token.c's SH: a 32 at most 2^SH finer than its super-block's scale
+KS = 64  # gguf_token.c's KS: a 32's step is k D, k = 1..KS
 
 
 def pow2_reading(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the K-quants' VNNI dots read it, in float64: a super-block of 256 takes d = A / 127 (A its
-    max|x|, float32), each 32 of it the largest e <= SH with 2^e max|x of the 32| <= A, and q = round(x 2^e / d)
-    half to even in float32 (x 2^e (127 / A)); x reads q d 2^-e."""
+    """x [M, K] as the K-quants' VNNI dots read it, in float64: a super-block of 256 takes D = A / 127 / KS (A its
+    max|x|), each 32 of it the step k D with k = ceil(KS max|x of the 32| / A) in 1..KS, and q = round(x / (k D))
+    half to even, all in float32; x reads q k D."""
     b = x.float().reshape(x.shape[0], -1, 8, 32)
     am = b.abs().amax(-1)
     A = am.amax(-1, keepdim=True)
-    e = torch.zeros_like(am, dtype=torch.int64)
-    for _ in range(SH):
-        e = torch.where((e < SH) & (am * (2.0 ** (e + 1)).float() <= A), e + 1, e)
-    inv = torch.where(A > 0, torch.full_like(A, 127) / A, torch.zeros_like(A))  # 127 / A is 127 * (1 / A) in torch
-    q = torch.round(b * (inv * (2.0 ** e).float())[..., None]).clamp(-127, 127)
-    return (q.double() * (A / 127).double()[..., None] * (2.0 ** -e).double()[..., None]).reshape(x.shape)
+    D = torch.div(torch.div(A, torch.tensor(127.0)), torch.tensor(float(KS)))
+    k = torch.where(A > 0, torch.ceil(torch.div(am * KS, A)), torch.ones_like(am)).clamp(1, KS)
+    step = D * k
+    inv = torch.where(step > 0, torch.div(torch.ones_like(step), step), torch.zeros_like(step))
+    q = torch.round(b * inv[..., None]).clamp(-127, 127)
+    return (q.double() * step.double()[..., None]).reshape(x.shape)
 
 
 def reading(kind: str, x: torch.Tensor) -> torch.Tensor:

@@ -127,7 +127,7 @@ static float dot_q8_0(const uint8_t *row, int64_t nb, const int8_t *xq, const fl
 #define KB 1024 /* bytes of a super-block's split row: q at 64v (slot v), Q6_K's pair offsets (int16) at 256 + 64v,
                    the shifts at 512 (32 int16 words: the pattern of a tile's sub-scale words), the shifted sums at
                    576 (8 int32), d 2^-SH at 608 */
-#define SH 6
+#define KS 64 /* a 32's step: k D, k = 1..KS, D = max|x| / (127 KS) of its super-block */
 static const int SLOT[2][4][2] = {{{0, 2}, {1, 3}, {4, 6}, {5, 7}}, {{0, 1}, {2, 3}, {4, 5}, {6, 7}}};
 static const int POS[2][8] = {{0, 64, 32, 96, 128, 192, 160, 224}, {0, 32, 64, 96, 128, 160, 192, 224}}; /* a 32's bytes */
 
@@ -141,22 +141,22 @@ static void split8(int kind, const void *x, int bf, int64_t K, int8_t *xb) {
             for (int i = 0; i < 32; i++) v[32 * j + i] = in_f(x, bf, 256 * b + 32 * j + i), am[j] = fmaxf(am[j], fabsf(v[32 * j + i]));
             A = fmaxf(A, am[j]);
         }
-        int16_t *shw = (int16_t *)(o + 512);
+        int16_t *kw = (int16_t *)(o + 512);
         int32_t *bs = (int32_t *)(o + 576);
-        float id = A > 0.f ? 127.f / A : 0.f;
+        const float D = A / 127.f / (float)KS; /* the finest step */
         for (int j = 0; j < 8; j++) {
-            int e = 0;
-            while (e < SH && am[j] * (float)(2 << e) <= A) e++;
-            float s = id * (float)(1 << e);
+            int k = A > 0.f ? (int)ceilf(am[j] * (float)KS / A) : 1; /* this 32's step: k D */
+            k = k < 1 ? 1 : k > KS ? KS : k;
+            const float step = D * (float)k, inv = step > 0.f ? 1.f / step : 0.f;
             int sum = 0;
             for (int i = 0; i < 32; i++) {
-                float r = nearbyintf(v[32 * j + i] * s);
+                float r = nearbyintf(v[32 * j + i] * inv);
                 int q = r > 127.f ? 127 : r < -127.f ? -127 : (int)r;
                 o[POS[kind == 4][j] + i] = (int8_t)q, sum += q;
             }
-            bs[j] = sum * (1 << (SH - e));
-            if (kind == 4) shw[2 * j] = shw[2 * j + 1] = shw[16 + 2 * j] = shw[16 + 2 * j + 1] = (int16_t)(SH - e);
-            else shw[j] = shw[16 + j] = (int16_t)(SH - e), shw[8 + j] = shw[24 + j] = 0;
+            bs[j] = sum * k;
+            if (kind == 4) kw[2 * j] = kw[2 * j + 1] = kw[16 + 2 * j] = kw[16 + 2 * j + 1] = (int16_t)k;
+            else kw[j] = kw[16 + j] = (int16_t)k, kw[8 + j] = kw[24 + j] = 0;
         }
         if (kind == 4) { /* each 16's sum, for Q6_K's -32 */
             int16_t *s16 = (int16_t *)(o + 256);
@@ -166,8 +166,7 @@ static void split8(int kind, const void *x, int bf, int64_t K, int8_t *xb) {
                 s16[k] = (int16_t)sum;
             }
         }
-        float d = A / 127.f / (float)(1 << SH);
-        memcpy(o + 608, &d, 4);
+        memcpy(o + 608, &D, 4);
     }
 }
 
@@ -288,7 +287,7 @@ static inline __attribute__((always_inline)) void k8_rows(const int kind, const 
                 const int8_t *a = xb[m] + KB * b;
                 /* the row's (first) 8 scales, shifted by this activation row's powers of two, in every 128-bit
                    lane; Q6_K's second 8 for slots 2, 3 */
-                __m512i q = _mm512_sllv_epi16(sw[r >> 1], _mm512_loadu_si512(a + 512));
+                __m512i q = _mm512_mullo_epi16(sw[r >> 1], _mm512_loadu_si512(a + 512));
                 __m512i rl = r & 1 ? _mm512_shuffle_i64x2(q, q, 0xaa) : _mm512_shuffle_i64x2(q, q, 0), rh = rl;
                 if (kind == 4) rh = r & 1 ? _mm512_shuffle_i64x2(q, q, 0xff) : _mm512_shuffle_i64x2(q, q, 0x55);
                 __m512i tt = _mm512_setzero_si512();
