@@ -107,153 +107,66 @@ static float dot_q8_0(const uint8_t *row, int64_t nb, const int8_t *xq, const fl
 }
 
 #if SIMD == 2
-/* k16_scales with the scales kept in a register: the sub-scales as int16 in the low lanes of *sc (Q4_K, Q5_K:
-   8, the 6-bit unpacking of gguf_matmul.c's sm_k4 on three words; Q6_K: 16), the mins as int32, d and dmin
-   from one conversion. Through the stack (k16_scales) this prologue took a third of a Q4_K super-block's time. */
-static inline __attribute__((always_inline)) void k16_scales_v(const int kind, const uint8_t *blk, __m512i *sc,
-                                                               __m256i *mn, float *d, float *dm) {
-    if (kind == 4) {
-        *sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
-        *mn = _mm256_setzero_si256(), *d = f16f(blk + 208), *dm = 0.f;
-        return;
-    }
-    uint32_t u0, u1, u2, dd;
-    memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4), memcpy(&dd, blk, 4);
-    uint32_t s0 = u0 & 0x3f3f3f3f, m0 = u1 & 0x3f3f3f3f;
-    uint32_t s1 = (u2 & 0x0f0f0f0f) | (((u0 >> 6) & 0x03030303) << 4);
-    uint32_t m1 = ((u2 >> 4) & 0x0f0f0f0f) | (((u1 >> 6) & 0x03030303) << 4);
-    *sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)s1, (int)s0)));
-    *mn = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m1, (int)m0));
-    __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
-    *d = _mm_cvtss_f32(f), *dm = _mm_cvtss_f32(_mm_movehdup_ps(f));
-}
-
-/* Q5_K's values 32j..32j + 31 as int16 weights with their sub-scale (k16_w's integers), the scales from a
-   register */
-static inline __attribute__((always_inline)) __m512i k16_wv(const uint8_t *blk, __m512i sc, int j) {
-    __m512i s = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)j), sc);
-    return _mm512_mullo_epi16(_mm512_cvtepu8_epi16(u32_k(3, blk, j)), s);
-}
-
-/* w . x[m] for NR rows ldw bytes apart of kind 2-4 (K values each) and MRC rows x of int16 a 256: gguf_matmul.c's
-   k16_tile (the same integers a lane, the same FMAs, so the same floats), with the prefetch the Q8_0 dot has,
-   the scales in registers, and each super-block's integer dots in two chains an activation row (their sum is
-   exact, its order free); each weight row's 32 values unpacked once for all MRC rows. Q4_K's 32 bytes of two
-   sub-blocks are widened to int16 once and split into nibbles there. out [NR][MRC] */
-static inline __attribute__((always_inline)) void k16_rows(const int kind, const uint8_t *row, int64_t ldw,
-                                                           const int NR, int64_t K, const KQRow *x, const int MRC,
-                                                           float *out) {
-    __m256 acc[4][TM];
-    for (int r = 0; r < NR; r++)
-        for (int m = 0; m < MRC; m++) acc[r][m] = _mm256_setzero_ps();
-    /* the next tile's rows follow these: AHEAD bytes on, or where a tile spans more, the same place a tile on (4
-       rows of K = 3840 span 8-13 KB: 4 KB ahead fell inside the tile, and the down rows ran at 0.6-0.8x) */
-    int64_t ahead = NR * ldw > AHEAD ? NR * ldw : AHEAD;
-    for (int64_t b = 0; b < K / 256; b++) {
-        const int16_t *q[TM];
-        for (int m = 0; m < MRC; m++) q[m] = x[m].q + 256 * b;
-        for (int r = 0; r < NR; r++) {
-            const uint8_t *blk = row + r * ldw + b * TS[kind];
-            for (int c = 0; c < TS[kind]; c += 64) _mm_prefetch((const char *)(blk + ahead + c), _MM_HINT_T0);
-            __m512i sc;
-            __m256i mn;
-            float d, dm;
-            k16_scales_v(kind, blk, &sc, &mn, &d, &dm);
-            __m512i t0[TM], t1[TM];
-            for (int m = 0; m < MRC; m++) t0[m] = t1[m] = _mm512_setzero_si512();
-            if (kind == 2) {
-                const __m512i m4 = _mm512_set1_epi16(15);
-                for (int i = 0; i < 4; i++) {
-                    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i)));
-                    __m512i s0 = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * i)), sc);
-                    __m512i s1 = _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * i + 1)), sc);
-                    __m512i w0 = _mm512_mullo_epi16(_mm512_and_si512(v, m4), s0);
-                    __m512i w1 = _mm512_mullo_epi16(_mm512_srli_epi16(v, 4), s1);
-                    for (int m = 0; m < MRC; m++) {
-                        t0[m] = k16_dot(t0[m], w0, q[m] + 64 * i);
-                        t1[m] = k16_dot(t1[m], w1, q[m] + 64 * i + 32);
-                    }
-                }
-            } else if (kind == 4) { /* a half's ql and qh bytes widened once for its four 32s (u32_k's bits) */
-                const __m512i m4 = _mm512_set1_epi16(15), m30 = _mm512_set1_epi16(0x30), c32 = _mm512_set1_epi16(32);
-                for (int h = 0; h < 2; h++) {
-                    __m512i l0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 64 * h)));
-                    __m512i l1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32)));
-                    __m512i hb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-                    __m512i u[4] = {
-                        _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30)),
-                        _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30)),
-                        _mm512_or_si512(_mm512_srli_epi16(l0, 4), _mm512_and_si512(hb, m30)),
-                        _mm512_or_si512(_mm512_srli_epi16(l1, 4), _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30))};
-                    for (int t = 0; t < 4; t++) {
-                        int j = 4 * h + t;
-                        __m512i at = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
-                                                        _mm256_set1_epi16((short)(2 * j + 1)), 1);
-                        __m512i sj = _mm512_permutexvar_epi16(at, sc); /* scales 2j, 2j + 1: a 16 each */
-                        __m512i w = _mm512_mullo_epi16(_mm512_sub_epi16(u[t], c32), sj);
-                        for (int m = 0; m < MRC; m++) {
-                            if (t & 1) t1[m] = k16_dot(t1[m], w, q[m] + 32 * j);
-                            else t0[m] = k16_dot(t0[m], w, q[m] + 32 * j);
-                        }
-                    }
-                }
-            } else
-                for (int j = 0; j < KN; j += 2) {
-                    __m512i w0 = k16_wv(blk, sc, j), w1 = k16_wv(blk, sc, j + 1);
-                    for (int m = 0; m < MRC; m++) {
-                        t0[m] = k16_dot(t0[m], w0, q[m] + 32 * j);
-                        t1[m] = k16_dot(t1[m], w1, q[m] + 32 * j + 32);
-                    }
-                }
-            for (int m = 0; m < MRC; m++)
-                acc[r][m] = k16_lanes(kind, fold8(_mm512_add_epi32(t0[m], t1[m])), x[m].bs + 8 * b, mn, d, dm,
-                                      x[m].d[b], acc[r][m]);
-        }
-    }
-    for (int r = 0; r < NR; r++)
-        for (int m = 0; m < MRC; m++) out[r * MRC + m] = hsum8(acc[r][m]);
-}
-
-/* ---- one activation row on u8 x s8 dots, the int16 path's integers kept ----------------------------------
-   At one activation row k16_rows spends most of its instructions making int16 weights (widening, the sub-scale
-   broadcast and multiply) for one dot each. Here the weights stay the file's unsigned bytes (Q4_K 0..15, Q5_K
-   0..31, Q6_K 0..63) and each int16 activation is split once a token into two signed bytes, q = 256 h + l with l
-   q's signed low byte (-128..127) and h = (q - l) / 256 (|q| <= 16383, so |h| <= 64): maddubs turns a pair of
-   weight bytes and a pair of h (l) bytes into one int16, and vpdpwssd multiplies it by the pair's sub-scale into
-   an int32 lane, for h and l in two accumulators; 256 th + tl is then the int16 path's lane.
-   Exact: maddubs saturates at |32767| and its pairs are at most 2 * 63 * 128 = 16128 (Q6_K's l; Q6_K's -32
-   offset is taken off the int16 pairs, 32 (a + b) of each pair of activation bytes, precomputed: |pair| <=
-   2 * 32 * 128 after it); vpdpwssd's products (int16 x int16) are exact in int32 and its and vpaddd's sums
-   wrap modulo 2^32, so th, tl and 256 th + tl are the int16 path's sums modulo 2^32 and, as those lie in int32
-   (gguf_matmul.c's bound: |lane| < 2^31 - 2^17), equal to them. The lanes must hold the same values as
-   k16_rows' (their float conversion rounds): lane i of a 32-value sub-block holds values 2i, 2i + 1, 2i + 16,
-   2i + 17 there, so the weight bytes are permuted (vpermw: word 2i <- word i, 2i + 1 <- word i + 8 of each 32
-   bytes) and the activation bytes stored in that order. Each 512-bit vector holds two sub-blocks (a slot): the
-   low and high nibbles of 64 qs bytes (Q4_K, Q5_K: sub-blocks 0 and 2, 1 and 3, 4 and 6, 5 and 7), Q6_K's 32
-   values t = 0, 1 or 2, 3 of a half. */
-#define KB 1024 /* bytes of a super-block's split activations: slot v's h at 128v, its l at 128v + 64; Q6_K's
-                   pair offsets (int16) at 512 + 128v and 512 + 128v + 64 */
+/* ---- a few activation rows of int8 on u8 x s8 dots -------------------------------------------------------
+   At a few tokens these dots read the weights at about what two cores stream, so their instructions count. Here
+   the weights stay the file's unsigned bytes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) in their own order, and each
+   activation row is quantized to int8 once a token for the kind's layout (split8): a super-block of 256 values
+   takes one scale d = max|x| / 127 and each 32 of it a power of two 2^-e (e = 0..SH, the largest e with
+   2^e max|x of the 32| <= max|x|), q = round(x 2^e / d), so x = q d 2^-e: each 32 as fine as its own values
+   allow to within 2x, where one scale a 256 (llama.cpp's Q8_K) measured 2.6-2.75 % medians against the reference
+   reading, past issue 44's 2.5 % bound. The power of two goes into the weight's integer sub-scale (sc << SH - e:
+   |sc| <= 128, so 2^13 at most, an int16), so a super-block's whole dot stays one integer a lane: maddubs turns a
+   pair of weight bytes and a pair of activation bytes into an int16 (at most 2 * 63 * 127; Q6_K's -32 offset is
+   taken off the pairs as 32 (a + b), precomputed, leaving |pair| <= 2 * 32 * 127) and vpdpwssd multiplies it by
+   the pair's shifted sub-scale into an int32 lane: 8 products a lane a super-block, |lane| <= 8 * 8128 * 2^13 <
+   2^29, and the two halves' lanes folded < 2^30. The float work is k16_lanes': d_w d 2^-SH, the mins' products
+   with each 32's shifted sums. Each 512-bit vector holds two 32s (a slot): the low and high nibbles of 64 qs bytes
+   (Q4_K, Q5_K: 32s 0 and 2, 1 and 3, 4 and 6, 5 and 7), Q6_K's 32s t = 0, 1 or 2, 3 of a half. The result is the
+   float64 dot of these activations with the file's weights within float32's rounding (tests/test_gguf_token.py),
+   the same for a token alone or among others (the same integers and FMAs an item). */
+#define KB 1024 /* bytes of a super-block's split row: q at 64v (slot v), Q6_K's pair offsets (int16) at 256 + 64v,
+                   the shifts at 512 (32 int16 words: the pattern of a tile's sub-scale words), the shifted sums at
+                   576 (8 int32), d 2^-SH at 608 */
+#define KS 64 /* a 32's step: k D, k = 1..KS, D = max|x| / (127 KS) of its super-block */
 static const int SLOT[2][4][2] = {{{0, 2}, {1, 3}, {4, 6}, {5, 7}}, {{0, 1}, {2, 3}, {4, 5}, {6, 7}}};
+static const int POS[2][8] = {{0, 64, 32, 96, 128, 192, 160, 224}, {0, 32, 64, 96, 128, 160, 192, 224}}; /* a 32's bytes */
 
-/* the activation row x (K) split for kind's slots into xb (K / 256 * KB bytes): byte p of a 32 holds value
-   2 (p >> 2) + (p & 1) + 16 ((p >> 1) & 1) (a vpermw), l = q's low byte sign-extended, h = (q - l) >> 8 (exact:
-   q - l is a multiple of 256); Q6_K's pair offsets 32 (a + b) by maddubs (|32 (a + b)| <= 8192) */
-static void split_row(int kind, const KQRow *x, int64_t K, int8_t *xb) {
-    const __m512i at = _mm512_set_epi16(31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8,
-                                        23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0);
+/* the activation row x (K, bf16 or fp32) quantized and laid out for kind's slots into xb (K / 256 * KB bytes) */
+static void split8(int kind, const void *x, int bf, int64_t K, int8_t *xb) {
     for (int64_t b = 0; b < K / 256; b++) {
         int8_t *o = xb + KB * b;
-        for (int v = 0; v < 4; v++)
-            for (int hh = 0; hh < 2; hh++) {
-                __m512i q = _mm512_permutexvar_epi16(
-                    at, _mm512_loadu_si512(x->q + 256 * b + 32 * SLOT[kind == 4][v][hh]));
-                __m512i l = _mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8), h = _mm512_srai_epi16(_mm512_sub_epi16(q, l), 8);
-                _mm256_storeu_si256((__m256i *)(o + 128 * v + 32 * hh), _mm512_cvtepi16_epi8(h));
-                _mm256_storeu_si256((__m256i *)(o + 128 * v + 64 + 32 * hh), _mm512_cvtepi16_epi8(l));
+        float v[256], am[8], A = 0.f;
+        for (int j = 0; j < 8; j++) {
+            am[j] = 0.f;
+            for (int i = 0; i < 32; i++) v[32 * j + i] = in_f(x, bf, 256 * b + 32 * j + i), am[j] = fmaxf(am[j], fabsf(v[32 * j + i]));
+            A = fmaxf(A, am[j]);
+        }
+        int16_t *kw = (int16_t *)(o + 512);
+        int32_t *bs = (int32_t *)(o + 576);
+        const float D = A / 127.f / (float)KS; /* the finest step */
+        for (int j = 0; j < 8; j++) {
+            int k = A > 0.f ? (int)ceilf(am[j] * (float)KS / A) : 1; /* this 32's step: k D */
+            k = k < 1 ? 1 : k > KS ? KS : k;
+            const float step = D * (float)k, inv = step > 0.f ? 1.f / step : 0.f;
+            int sum = 0;
+            for (int i = 0; i < 32; i++) {
+                float r = nearbyintf(v[32 * j + i] * inv);
+                int q = r > 127.f ? 127 : r < -127.f ? -127 : (int)r;
+                o[POS[kind == 4][j] + i] = (int8_t)q, sum += q;
             }
-        if (kind == 4)
-            for (int w = 0; w < 8; w++) /* w even: slot w / 2's h pairs, odd: its l pairs */
-                _mm512_storeu_si512(o + 512 + 64 * w, _mm512_maddubs_epi16(_mm512_set1_epi8(32), _mm512_loadu_si512(o + 64 * w)));
+            bs[j] = sum * k;
+            if (kind == 4) kw[2 * j] = kw[2 * j + 1] = kw[16 + 2 * j] = kw[16 + 2 * j + 1] = (int16_t)k;
+            else kw[j] = kw[16 + j] = (int16_t)k, kw[8 + j] = kw[24 + j] = 0;
+        }
+        if (kind == 4) { /* each 16's sum, for Q6_K's -32 */
+            int16_t *s16 = (int16_t *)(o + 256);
+            for (int k = 0; k < 16; k++) {
+                int sum = 0;
+                for (int i = 0; i < 16; i++) sum += o[POS[1][k / 2] + 16 * (k & 1) + i];
+                s16[k] = (int16_t)sum;
+            }
+        }
+        memcpy(o + 608, &D, 4);
     }
 }
 
@@ -284,69 +197,75 @@ static inline __m512i k4_scales4(__m512i l) {
     return _mm512_or_si512(lo, _mm512_and_si512(_mm512_srli_epi16(h, 2), _mm512_set1_epi8(0x30)));
 }
 
-/* w . x for NR (1, 2, 4) rows ldw bytes apart of kind 2-4 (K values each) and one activation row x split at xb:
-   the same integers a lane as k16_rows with one row, the same float products and sums. The tile's scales are
-   unpacked together (the rows' scale bytes a 128-bit lane each: one shuffle-and-mask pass, then a vpermw per
-   sub-block pair and row), and the float lanes of two rows share a 512-bit vector (the same FMAs a lane) */
+/* out[i] = w_r . x_m for the items i = MRC r + m of a tile: NR (1, 2, 4) weight rows ldw bytes apart of kind 2-4 (K
+   values each) against MRC (1-4; NR MRC <= 8) activation rows, each split by split8 at xb[m]. Each weight row's bytes
+   are unpacked once for all its items; two items' float lanes share a 512-bit vector (the same FMAs an item
+   whatever the tile). */
 static inline __attribute__((always_inline)) void k8_rows(const int kind, const uint8_t *row, int64_t ldw,
-                                                          const int NR, int64_t K, const KQRow *x, const int8_t *xb,
-                                                          float *out) {
-    /* word 2i <- i, 2i + 1 <- i + 8 in each 16 (pw), the low 16 into both halves (pb) */
-    const __m512i pw = _mm512_set_epi16(31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16,
-                                        15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
-    const __m512i pb = _mm512_set_epi16(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0,
-                                        15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+                                                          const int NR, int64_t K, const int8_t *const *xb,
+                                                          const int MRC, float *out) {
     const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
-    const int NP = (NR + 1) / 2; /* row pairs */
+    const int NI = NR * MRC, NP = (NI + 1) / 2; /* items, item pairs */
     /* six[v]: slot v's scales (int16) shuffled out of the 8 words in every 128-bit lane (vpshufb: Q4_K, Q5_K a
-       row's 8 sub-scales; Q6_K scales 8 (v >> 1) .. 8 (v >> 1) + 7 of its 16) */
+       row's 8 sub-scales, a 32's for each half; Q6_K scales 8 (v >> 1) .. 8 (v >> 1) + 7 of its 16, a 16's for each
+       quarter) */
     __m512i six[4], bit[4];
     for (int v = 0; v < 4; v++) {
         int ja = SLOT[kind == 4][v][0], jb = SLOT[kind == 4][v][1];
-        if (kind == 4) /* Q6_K: a 16's scale a word, alternating (values 2i, 2i + 1 | 2i + 16, 2i + 17) */
-            six[v] = _mm512_add_epi16(idx16((2 * ja % 8) * 0x202 + 0x100, (2 * jb % 8) * 0x202 + 0x100),
-                                      _mm512_set1_epi32(0x02020000));
-        else six[v] = idx16(ja * 0x202 + 0x100, jb * 0x202 + 0x100);
+        if (kind == 4) {
+            const long long w = 0x0202020202020202LL, o = 0x0100010001000100LL;
+            int w0 = (4 * v) % 8;
+            six[v] = _mm512_set_epi64((w0 + 3) * w + o, (w0 + 3) * w + o, (w0 + 2) * w + o, (w0 + 2) * w + o,
+                                      (w0 + 1) * w + o, (w0 + 1) * w + o, w0 * w + o, w0 * w + o);
+        } else six[v] = idx16(ja * 0x202 + 0x100, jb * 0x202 + 0x100);
         bit[v] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << ja)), _mm256_set1_epi8((char)(1 << jb)), 1);
     }
-    const __m512i pair = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1); /* 0 x 8, 1 x 8 */
-    __m512 acc[2];
+    /* item i's row r and activation row m as float lanes: (d_r, dmin_r) at 2i, 2i + 1 of the tile's hw, dx_m */
+    int ir[16], im[16];
+    for (int i = 0; i < 16; i++) ir[i] = i / 2 < NI ? 2 * (i / 2 / MRC) + (i & 1) : 0, im[i] = i / 2 < NI ? i / 2 % MRC : 0;
+    const __m512i vr = _mm512_loadu_si512(ir), vm = _mm512_loadu_si512(im);
+    const __m512i pair = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(2), 1); /* 0 x 8, 2 x 8 */
+    __m512 acc[4];
     for (int p = 0; p < NP; p++) acc[p] = _mm512_setzero_ps();
-    /* twice k16_rows' distance, into L2: into L1 (T0) the tile's lines ran this loop at 0.7-0.8x k16_rows from
-       memory (1.1x from cache); into L2 1.2-1.3x (Zen 5, the 784M Mixtral's expert shapes, 8 experts) */
+    /* twice the tile's bytes ahead, into L2: into L1 (T0) the tile's lines ran this loop at 0.7-0.8x from memory */
     int64_t ahead = 2 * (NR * ldw > AHEAD ? NR * ldw : AHEAD);
     for (int64_t b = 0; b < K / 256; b++) {
-        const int8_t *a = xb + KB * b;
         const uint8_t *b0 = row + b * TS[kind];
-        __m512i sw[2], mnp[2]; /* a pair's scales as int16 (16 words a row), its mins as int32 (8 a row) */
-        __m256 dd; /* d dx and dmin dx of row r at 2r, 2r + 1 (Q6_K: d dx at r) */
-        __m512 dx = _mm512_set1_ps(x->d[b]);
+        __m512i sw[2]; /* a row pair's scales as int16 (16 words a row) */
+        __m256i mn[4]; /* each row's 8 mins as int32 */
+        __m256 hw; /* d and dmin of row r at 2r, 2r + 1 */
         if (kind == 4) {
             __m512i l = lanes4(b0 + 192, ldw, NR);
             sw[0] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(l)), sw[1] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(l, 1));
             __m128i h = _mm_cvtsi32_si128(b0[208] | b0[209] << 8);
-            for (int r = 1; r < NR; r++) h = _mm_insert_epi16(h, b0[r * ldw + 208] | b0[r * ldw + 209] << 8, r);
-            dd = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm512_castps512_ps256(dx));
+            for (int r = 1; r < NR; r++) h = _mm_insert_epi16(h, b0[r * ldw + 208] | b0[r * ldw + 209] << 8, 2 * r);
+            h = _mm_or_si128(h, _mm_slli_epi32(h, 16)); /* d at 2r and 2r + 1, the second times 32: the -32's */
+            hw = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set_ps(32.f, 1.f, 32.f, 1.f, 32.f, 1.f, 32.f, 1.f));
         } else {
             __m512i l = lanes4(b0, ldw, NR), sm = k4_scales4(l);
             sw[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(sm)), sw[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(sm, 1));
             const __m512i hi8 = _mm512_set_epi64(7, 7, 7, 7, 7, 5, 3, 1); /* each lane's bytes 8-15: the mins */
             __m512i mq = _mm512_permutexvar_epi64(hi8, sm);
-            mnp[0] = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(mq));
-            mnp[1] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(mq, 1));
+            for (int r = 0; r < NR; r++)
+                mn[r] = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(_mm_extract_epi64(_mm512_extracti32x4_epi32(mq, r >> 1), r & 1)));
             __m128i h = _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), l));
-            dd = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm512_castps512_ps256(dx));
+            hw = _mm256_cvtph_ps(h);
         }
-        __m512i t[4];
+        float dx[16] = {0};
+        for (int m = 0; m < MRC; m++) memcpy(dx + m, xb[m] + KB * b + 608, 4);
+        /* item i's d_w dx and dmin_w dx at 2i, 2i + 1 */
+        const __m512 dz = _mm512_mul_ps(_mm512_permutexvar_ps(vr, _mm512_castps256_ps512(hw)),
+                                        _mm512_permutexvar_ps(vm, _mm512_loadu_ps(dx)));
+        __m512i t[8];
+        __m256i c6[8]; /* Q6_K: each item's shifted scales times its 16s' sums, folded to 8 lanes */
         for (int r = 0; r < NR; r++) {
             const uint8_t *blk = b0 + r * ldw;
             for (int c = 0; c < TS[kind]; c += 64) _mm_prefetch((const char *)(blk + ahead + c), _MM_HINT_T1);
             __m512i u[4];
             if (kind == 4)
                 for (int c = 0; c < 2; c++) {
-                    __m512i lq = _mm512_permutexvar_epi16(pw, _mm512_loadu_si512(blk + 64 * c));
-                    __m512i hq = _mm512_permutexvar_epi16(
-                        pb, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c))));
+                    __m512i lq = _mm512_loadu_si512(blk + 64 * c);
+                    __m512i hq = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
                     u[2 * c] = _mm512_or_si512(_mm512_and_si512(lq, m4),
                                                _mm512_and_si512(_mm512_sllv_epi16(hq, idx16(4, 2)), m30));
                     u[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lq, 4), m4),
@@ -355,89 +274,76 @@ static inline __attribute__((always_inline)) void k8_rows(const int kind, const 
             else {
                 const uint8_t *qs = blk + (kind == 2 ? 16 : 48);
                 for (int c = 0; c < 2; c++) {
-                    __m512i v = _mm512_permutexvar_epi16(pw, _mm512_loadu_si512(qs + 64 * c));
+                    __m512i v = _mm512_loadu_si512(qs + 64 * c);
                     u[2 * c] = _mm512_and_si512(v, m4), u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 }
                 if (kind == 3) { /* Q5_K: bit j of qh's bytes is sub-block j's fifth bit */
-                    __m512i hq = _mm512_permutexvar_epi16(
-                        pb, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 16))));
+                    __m512i hq = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
                     for (int v = 0; v < 4; v++)
                         u[v] = _mm512_mask_add_epi8(u[v], _mm512_test_epi8_mask(hq, bit[v]), u[v], _mm512_set1_epi8(16));
                 }
             }
-            __m512i th = _mm512_setzero_si512(), tl = _mm512_setzero_si512();
-            /* the row's (first) 8 scales in every 128-bit lane; Q6_K's second 8 for slots 2, 3 */
-            __m512i q = sw[r >> 1];
-            __m512i rl = r & 1 ? _mm512_shuffle_i64x2(q, q, 0xaa) : _mm512_shuffle_i64x2(q, q, 0), rh = rl;
-            if (kind == 4) rh = r & 1 ? _mm512_shuffle_i64x2(q, q, 0xff) : _mm512_shuffle_i64x2(q, q, 0x55);
-            for (int v = 0; v < 4; v++) {
-                __m512i sv = _mm512_shuffle_epi8(kind == 4 && v >= 2 ? rh : rl, six[v]);
-                __m512i ph = _mm512_maddubs_epi16(u[v], _mm512_loadu_si512(a + 128 * v));
-                __m512i pl = _mm512_maddubs_epi16(u[v], _mm512_loadu_si512(a + 128 * v + 64));
-                if (kind == 4) {
-                    ph = _mm512_sub_epi16(ph, _mm512_loadu_si512(a + 512 + 128 * v));
-                    pl = _mm512_sub_epi16(pl, _mm512_loadu_si512(a + 512 + 128 * v + 64));
+            for (int m = 0; m < MRC; m++) {
+                const int8_t *a = xb[m] + KB * b;
+                /* the row's (first) 8 scales, shifted by this activation row's powers of two, in every 128-bit
+                   lane; Q6_K's second 8 for slots 2, 3 */
+                __m512i q = _mm512_mullo_epi16(sw[r >> 1], _mm512_loadu_si512(a + 512));
+                __m512i rl = r & 1 ? _mm512_shuffle_i64x2(q, q, 0xaa) : _mm512_shuffle_i64x2(q, q, 0), rh = rl;
+                if (kind == 4) rh = r & 1 ? _mm512_shuffle_i64x2(q, q, 0xff) : _mm512_shuffle_i64x2(q, q, 0x55);
+                __m512i tt = _mm512_setzero_si512();
+                for (int v = 0; v < 4; v++) {
+                    __m512i sv = _mm512_shuffle_epi8(kind == 4 && v >= 2 ? rh : rl, six[v]);
+                    tt = _mm512_dpwssd_epi32(tt, _mm512_maddubs_epi16(u[v], _mm512_loadu_si512(a + 64 * v)), sv);
                 }
-                th = _mm512_dpwssd_epi32(th, ph, sv), tl = _mm512_dpwssd_epi32(tl, pl, sv);
+                t[r * MRC + m] = tt;
+                if (kind == 4) {
+                    __m256i s16 = r & 1 ? _mm512_extracti64x4_epi64(q, 1) : _mm512_castsi512_si256(q);
+                    c6[r * MRC + m] = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)(a + 256)));
+                }
             }
-            t[r] = _mm512_add_epi32(_mm512_slli_epi32(th, 8), tl);
         }
-        if (NR == 1) t[1] = _mm512_setzero_si512();
-        const __m512 dz = _mm512_castps256_ps512(dd);
-        const __m512i bs = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->bs + 8 * b)));
-        for (int p = 0; p < NP; p++) { /* rows 2p, 2p + 1: fold8 of each into one vector's halves, k16_lanes' FMAs */
+        if (NI & 1) t[NI] = _mm512_setzero_si512();
+        for (int p = 0; p < NP; p++) { /* items 2p, 2p + 1: each folded into one vector's half, k16_lanes' FMAs */
             __m512i f = _mm512_add_epi32(_mm512_shuffle_i64x2(t[2 * p], t[2 * p + 1], 0x44),
                                          _mm512_shuffle_i64x2(t[2 * p], t[2 * p + 1], 0xee));
-            if (kind == 4) {
-                __m512 sd = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * p)), dz);
-                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), sd, acc[p]);
-            } else {
-                __m512i at = _mm512_add_epi32(_mm512_add_epi32(pair, pair), _mm512_set1_epi32(4 * p));
-                __m512 sd = _mm512_permutexvar_ps(at, dz), sm = _mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(1)), dz);
-                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), sd, acc[p]);
-                acc[p] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(mnp[p], bs)), sm, acc[p]);
+            __m512i at = _mm512_add_epi32(pair, _mm512_set1_epi32(4 * p));
+            acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), _mm512_permutexvar_ps(at, dz), acc[p]);
+            /* the mins (each item's row's against its activation row's shifted sums), or Q6_K's -32 */
+            const int i0 = 2 * p, i1 = 2 * p + 1 < NI ? 2 * p + 1 : 2 * p;
+            __m512i cv;
+            if (kind == 4) cv = _mm512_inserti64x4(_mm512_castsi256_si512(c6[i0]), c6[i1], 1);
+            else {
+                __m512i mv = _mm512_inserti64x4(_mm512_castsi256_si512(mn[i0 / MRC]), mn[i1 / MRC], 1);
+                __m512i bs = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xb[i0 % MRC] + KB * b + 576))),
+                    _mm256_loadu_si256((const __m256i *)(xb[i1 % MRC] + KB * b + 576)), 1);
+                cv = _mm512_mullo_epi32(mv, bs);
             }
+            __m512 sm = _mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(1)), dz);
+            acc[p] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(cv), sm, acc[p]);
         }
     }
-    for (int r = 0; r < NR; r++)
-        out[r] = hsum8(r & 1 ? _mm512_extractf32x8_ps(acc[r >> 1], 1) : _mm512_castps512_ps256(acc[r >> 1]));
+    for (int i = 0; i < NI; i++)
+        out[i] = hsum8(i & 1 ? _mm512_extractf32x8_ps(acc[i >> 1], 1) : _mm512_castps512_ps256(acc[i >> 1]));
 }
 
-/* the K-quant activation row quantized at xp split for kind's u8 dots into xb */
-static void split_kq(int kind, uint8_t *xp, int64_t K, int8_t *xb) {
-    KQRow x = kqrow_at(xp, K);
-    split_row(kind, &x, K, xb);
-}
-
-static void k8_n(int kind, const uint8_t *row, int64_t ldw, int NR, int64_t K, const KQRow *x, const int8_t *xb,
+/* k8_rows specialised: NR (1, 2 or 4) weight rows against one activation row, or NR (1, 2) against mr (2..TM) */
+static void k8_n(int kind, const uint8_t *row, int64_t ldw, int NR, int64_t K, const int8_t *const *xb, int mr,
                  float *out) {
-#define K8_N(k) switch (NR) { case 1: k8_rows(k, row, ldw, 1, K, x, xb, out); break; \
-                              case 2: k8_rows(k, row, ldw, 2, K, x, xb, out); break; \
-                              default: k8_rows(k, row, ldw, 4, K, x, xb, out); break; }
+#define K8_M(k, n) switch (mr) { case 1: k8_rows(k, row, ldw, n, K, xb, 1, out); break; \
+                                 case 2: k8_rows(k, row, ldw, n, K, xb, 2, out); break; \
+                                 case 3: k8_rows(k, row, ldw, n, K, xb, 3, out); break; \
+                                 default: k8_rows(k, row, ldw, n, K, xb, 4, out); break; }
+#define K8_N(k) switch (NR) { case 1: K8_M(k, 1) break; \
+                              case 2: K8_M(k, 2) break; \
+                              default: k8_rows(k, row, ldw, 4, K, xb, 1, out); break; }
     switch (kind) {
     case 2: K8_N(2) break;
     case 3: K8_N(3) break;
     default: K8_N(4) break;
     }
 #undef K8_N
-}
-
-/* k16_rows specialised: NR (1, 2 or 4) weight rows ldw bytes apart of kind 2-4 against one activation row, or
-   one weight row against mr (2..TM) rows (a second weight row alongside ran 0.9-1.1x that, Zen 5: the
-   registers of 2 x mr accumulators) */
-static void k16_n(int kind, const uint8_t *row, int64_t ldw, int NR, int64_t K, const KQRow *x, int mr, float *out) {
-#define K16_N(k) switch (mr > 1 ? mr : -NR) { case -1: k16_rows(k, row, ldw, 1, K, x, 1, out); break; \
-                                               case -2: k16_rows(k, row, ldw, 2, K, x, 1, out); break; \
-                                               case -4: k16_rows(k, row, ldw, 4, K, x, 1, out); break; \
-                                               case 2: k16_rows(k, row, ldw, 1, K, x, 2, out); break; \
-                                               case 3: k16_rows(k, row, ldw, 1, K, x, 3, out); break; \
-                                               default: k16_rows(k, row, ldw, 1, K, x, 4, out); break; }
-    switch (kind) {
-    case 2: K16_N(2) break;
-    case 3: K16_N(3) break;
-    default: K16_N(4) break;
-    }
-#undef K16_N
+#undef K8_M
 }
 #endif
 
@@ -453,20 +359,19 @@ static float dot_row(int kind, const uint8_t *row, int64_t K, uint8_t *xp, uint8
 
 #if SIMD != 2
 #define KB 0
-static void split_kq(int kind, uint8_t *xp, int64_t K, int8_t *xb) { (void)kind, (void)xp, (void)K, (void)xb; }
+static void split8(int kind, const void *x, int bf, int64_t K, int8_t *xb) { (void)kind, (void)x, (void)bf, (void)K, (void)xb; }
 #endif
 
-/* out[r] = row r . x for nr (1..TR) rows ldw bytes apart: the K-quants' in-place tiles (on xb, x split by
-   split_row, where SIMD == 2), else row by row */
+/* out[r] = row r . x for nr (1..TR) rows ldw bytes apart: the K-quants' in-place tiles on x split by split8 at xb
+   (where SIMD == 2), else row by row on x quantized at xp */
 static void dot_tile(int kind, const uint8_t *row, int64_t ldw, int nr, int64_t K, uint8_t *xp, const int8_t *xb,
                      uint8_t *own, int64_t RW, int simd, float *out) {
 #if SIMD == 2
     if (simd && is_k(kind)) {
-        KQRow x = kqrow_at(xp, K);
         if (nr == 3) {
-            k8_n(kind, row, ldw, 2, K, &x, xb, out);
-            k8_n(kind, row + 2 * ldw, ldw, 1, K, &x, xb, out + 2);
-        } else k8_n(kind, row, ldw, nr, K, &x, xb, out);
+            k8_n(kind, row, ldw, 2, K, &xb, 1, out);
+            k8_n(kind, row + 2 * ldw, ldw, 1, K, &xb, 1, out + 2);
+        } else k8_n(kind, row, ldw, nr, K, &xb, 1, out);
         return;
     }
 #else
@@ -488,22 +393,25 @@ static inline int64_t chunk_of(int64_t tiles, int threads) {
 /* the rows `at` (a group's slots, nr of them) of an expert's matrix tile [n, n + nr) (rows ldw bytes apart):
    out[s][r] (slot s's row r, TR floats a slot) = row . the slot's activation row (quantized at xq + s * qb; split
    at xb + s * sb where SIMD == 2). One slot: dot_tile's 4-row tiles; several (a K-quant on the SIMD dots): each
-   weight row once against up to TM of them (k16_n); other formats' rows decoded once for all of them (the
+   weight row once against up to TM of them (k8_n); other formats' rows decoded once for all of them (the
    in-place Q8_0 dot unpacks a block's scale and signs again for every slot); else each slot in turn. The same
    floats either way. */
 static void group_tile(int kind, const uint8_t *w, int64_t ldw, int nr, int64_t K, const int *at, int ns, uint8_t *xq,
                        int64_t qb, const int8_t *xb, int64_t sb, uint8_t *own, int64_t RW, int simd, float *out) {
 #if SIMD == 2
     if (ns > 1 && simd && is_k(kind)) {
-        KQRow xs[TM];
-        float v[TM];
-        for (int r = 0; r < nr; r++)
+        const int8_t *xs[TM];
+        float v[2 * TM];
+        for (int r = 0; r < nr; r += 2) {
+            int n2 = nr - r < 2 ? 1 : 2;
             for (int s0 = 0; s0 < ns; s0 += TM) {
                 int mr = ns - s0 < TM ? ns - s0 : TM;
-                for (int m = 0; m < mr; m++) xs[m] = kqrow_at(xq + at[s0 + m] * qb, K);
-                k16_n(kind, w + r * ldw, ldw, 1, K, xs, mr, v);
-                for (int m = 0; m < mr; m++) out[at[s0 + m] * TR + r] = v[m];
+                for (int m = 0; m < mr; m++) xs[m] = xb + at[s0 + m] * sb;
+                k8_n(kind, w + r * ldw, ldw, n2, K, xs, mr, v);
+                for (int q = 0; q < n2; q++)
+                    for (int m = 0; m < mr; m++) out[at[s0 + m] * TR + r + q] = v[q * mr + m];
             }
+        }
         return;
     }
 #endif
@@ -569,8 +477,8 @@ int mlight_gguf_tokens_moe(int k13, int k2, const void *x, int x_bf16, int64_t l
         if (s % nexp == 0) {
             const void *r = x_bf16 ? (const void *)((const uint16_t *)x + m * ldx)
                                    : (const void *)((const float *)x + m * ldx);
-            quantize_for(k13, r, x_bf16, D, xq + s * qd);
-            if (split13) split_kq(k13, xq + s * qd, D, xb + s * sd);
+            if (split13) split8(k13, r, x_bf16, D, xb + s * sd);
+            else quantize_for(k13, r, x_bf16, D, xq + s * qd);
         } else {
             memcpy(xq + s * qd, xq + (s - 1) * qd, qd);
             if (split13) memcpy(xb + s * sd, xb + (s - 1) * sd, sd);
@@ -597,8 +505,8 @@ int mlight_gguf_tokens_moe(int k13, int k2, const void *x, int x_bf16, int64_t l
         for (int64_t s = 0; s < S; s++) {
             float *h = gu + s * 2 * I;
             for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
-            quantize_for(k2, h, 0, I, hq + s * qi);
-            if (split2) split_kq(k2, hq + s * qi, I, hb + s * si);
+            if (split2) split8(k2, h, 0, I, hb + s * si);
+            else quantize_for(k2, h, 0, I, hq + s * qi);
         }
         int64_t t2 = (D + TR - 1) / TR; /* tiles of an expert's down rows */
         const int64_t c2 = chunk_of(ng * t2, threads);
@@ -652,32 +560,34 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t ldx, i
     if (kind < 0 || kind > 5 || K % BS[kind] || M < 1 || threads < 1 || path < 1 || path > 2) return -1;
     int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K), qb = xrow_bytes(kind, K);
     uint8_t *xq = (uint8_t *)scratch, *rows = xq + M * qb;
+    /* the K-quants on the u8 dots (SIMD == 2): each row split past the threads' rows */
+    int8_t *xb = (int8_t *)(rows + (int64_t)threads * wb);
+    int64_t sb = K / 256 * KB, split = SIMD == 2 && path == 2 && is_k(kind);
     for (int64_t m = 0; m < M; m++) {
         const void *r = x_bf16 ? (const void *)((const uint16_t *)x + m * ldx) : (const void *)((const float *)x + m * ldx);
-        quantize_for(kind, r, x_bf16, K, xq + m * qb);
+        if (split) split8(kind, r, x_bf16, K, xb + m * sb);
+        else quantize_for(kind, r, x_bf16, K, xq + m * qb);
     }
-    /* one row of a K-quant on the u8 dots (SIMD == 2): split past the threads' rows */
-    int8_t *xb = (int8_t *)(rows + (int64_t)threads * wb);
-#if SIMD == 2
-    int wide = M > 1 && path == 2 && is_k(kind);
-    if (M == 1 && path == 2 && is_k(kind)) split_kq(kind, xq, K, xb);
-#endif
     OMP(omp parallel num_threads(threads))
     {
         int t = THREAD_ID();
         uint8_t *own = rows + (int64_t)t * wb;
 #if SIMD == 2
-        if (wide) {
-            KQRow xs[TM];
-            float v[TM];
+        if (split && M > 1) {
+            const int8_t *xs[TM];
+            float v[2 * TM];
             OMP(omp for schedule(static))
-            for (int64_t n = 0; n < N; n++)
+            for (int64_t n2 = 0; n2 < (N + 1) / 2; n2++) {
+                int64_t n = 2 * n2;
+                int nr = N - n < 2 ? 1 : 2;
                 for (int64_t m0 = 0; m0 < M; m0 += TM) {
                     int mr = M - m0 < TM ? (int)(M - m0) : TM;
-                    for (int m = 0; m < mr; m++) xs[m] = kqrow_at(xq + (m0 + m) * qb, K);
-                    k16_n(kind, w + n * ldw, ldw, 1, K, xs, mr, v);
-                    for (int m = 0; m < mr; m++) put(y, y_bf16, (m0 + m) * ldy + n, v[m]);
+                    for (int m = 0; m < mr; m++) xs[m] = xb + (m0 + m) * sb;
+                    k8_n(kind, w + n * ldw, ldw, nr, K, xs, mr, v);
+                    for (int q = 0; q < nr; q++)
+                        for (int m = 0; m < mr; m++) put(y, y_bf16, (m0 + m) * ldy + n + q, v[q * mr + m]);
                 }
+            }
         } else
 #endif
         {
@@ -687,7 +597,7 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t ldx, i
                 int nr = N - n < TR ? (int)(N - n) : TR;
                 float v[TR];
                 for (int64_t m = 0; m < M; m++) {
-                    dot_tile(kind, w + n * ldw, ldw, nr, K, xq + m * qb, xb, own, K, path == 2, v);
+                    dot_tile(kind, w + n * ldw, ldw, nr, K, xq + m * qb, xb + m * sb, own, K, path == 2, v);
                     for (int r = 0; r < nr; r++) put(y, y_bf16, m * ldy + n + r, v[r]);
                 }
             }
@@ -700,7 +610,7 @@ int mlight_gguf_token_linear(int kind, const void *x, int x_bf16, int64_t ldx, i
 int64_t mlight_gguf_token_linear_scratch(int64_t M, int64_t K, int threads) {
     int64_t x = qrow_bytes(K) > kqrow_bytes(K) ? qrow_bytes(K) : kqrow_bytes(K);
     int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
-    return (M * x + (int64_t)threads * wb + K / 256 * KB + 3) / 4;
+    return (M * x + (int64_t)threads * wb + M * (K / 256) * KB + 3) / 4;
 }
 
 /* floats of scratch a mlight_gguf_token_moe call needs */
