@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.model.cpu import gguf_blocks
+from core.model.cpu import gguf_blocks, gguf_token
 from core.model.gguf import load as gguf_load
 from core.model.gguf.load import open_gguf
 from core.model.quant import expand, experts
@@ -26,6 +26,7 @@ from core.runtime.engine import Engine, Request
 from gguf_files import decode_logits, first_logits, logit_error, quantize
 from test_engine_parity import PROMPTS
 from test_gguf_int8 import quantized
+from test_gguf_token import reading
 from test_gguf_reference import MEDIAN_BOUND, WORST_BOUND, knob, made  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(gguf_blocks.library() is None, reason="no C compiler: GGUF blocks expand")
@@ -52,10 +53,14 @@ def test_a_block_weight_of_mixed_formats_multiplies_like_its_dequantized_rows(ro
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     bias = torch.randn(448, dtype=torch.float64)
 
-    def reference(x):  # each segment's product as the kernel takes it: on the int8 path (bf16 x), x quantized
-        group = [gguf_blocks.int8_group(kind, x.dtype, rows) if rows <= NATIVE_GGUF_ROWS else None
-                 for kind, *_ in made_]
-        return torch.cat([(quantized(x, g) if g else x.double()) @ d.t() for g, (*_, d) in zip(group, made_)], -1)
+    def reference(x):  # each segment's product as the kernel takes it: on the integer paths (bf16 x), x quantized
+        def read(kind):
+            if x.dtype == torch.bfloat16 and rows <= gguf_token.ROWS:
+                return reading(kind, x)  # the few-row kernel's
+            g = gguf_blocks.int8_group(kind, x.dtype, rows) if rows <= NATIVE_GGUF_ROWS else None
+            return quantized(x, g) if g else x.double()
+
+        return torch.cat([read(kind) @ d.t() for kind, *_, d in made_], -1)
 
     want = reference(x) + bias
     got = torch.nn.functional.linear(x.float(), w, bias.float())
