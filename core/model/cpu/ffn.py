@@ -2,11 +2,9 @@
 
 At a decode step's few rows an expert oneDNN's packed bf16 GEMM stays well below peak, and the experts are most
 of the step: the kernel fuses gate/up, SiLU(gate)·up, down, the routing weights and the sum in fp32 (rounded once
-to bf16) on weights packed once at load. It runs with vdpbf16ps, a compiler, OpenMP or one thread, SwiGLU
-without biases, D a multiple of 64 and I of 32, unless `MLIGHT_NATIVE` or `MLIGHT_NATIVE_EXPERTS` is 0 or
-`MLIGHT_KERNELS=torch`; elsewhere oneDNN's packing (core.model.moe). On AMX, experts of 8 rows or more run as AMX
-tiles (`MLIGHT_NATIVE_AMX=0`, or the OS refusing the tiles: vector tiles alone). On AVX2 `library_avx2`
-(moe_ffn_avx2.c) runs the same packed weights with fp32 activations.
+to bf16) on weights packed once at load; where `takes` says no, oneDNN's packing (core.model.moe). On AMX, experts
+of 8 rows or more run as AMX tiles; on AVX2 `library_avx2` (moe_ffn_avx2.c) runs the same packed weights with
+fp32 activations.
 """
 
 from __future__ import annotations
@@ -109,7 +107,6 @@ def status(math: str = "bfloat16") -> str:
 
 
 def prepare(progress=None, widened: bool = False) -> None:
-    """Build (or load) the kernel (`widened`: the fp32-math one) now, saying so when it compiles."""
     native.build_announced("building the CPU expert kernel (once per machine)", library_avx2 if widened else library,
                            progress)
 

@@ -195,13 +195,12 @@ def library() -> _Lib | None:
 
 
 def prepare(progress=None) -> None:
-    """Build (or load) the kernel now rather than inside the first decode step, saying so when it compiles."""
     build_announced("building the CPU decode attention kernel (once per machine)", library, progress)
 
 
 def build_announced(what: str, library, progress=None) -> None:
-    """Call a kernel's `library()` now; a compile it starts tells `progress` (a core.telemetry sink, or None)
-    `what` is being built, and when it is."""
+    """Call a kernel's `library()` now, not inside the first decode step; a compile it starts tells `progress`
+    (a core.telemetry sink, or None) `what` is being built, and when it is."""
     from core.telemetry import Progress
 
     global _announce
