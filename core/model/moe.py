@@ -1,9 +1,6 @@
-"""The MoE FFN: router, then the routed experts with tokens grouped by expert, plus a shared expert.
-
-`experts` runs BACKENDS' first row that applies: the C kernel's own layout, a quantized layer in one C call, or a
-matmul pair per expert (over plain, oneDNN-prepacked, widened or quantized weights) or F.grouped_mm, whichever is
-faster, timed once per shape (core.model.expert_choice). Legend: T = tokens, k = experts per token, E = experts,
-D = hidden, I = expert intermediate.
+"""The MoE FFN: router, then the routed experts with tokens grouped by expert (`experts`: BACKENDS' first row that
+applies), plus a shared expert. Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert
+intermediate.
 """
 
 from __future__ import annotations
@@ -199,7 +196,7 @@ def _expert(e: int, x, up, down, b13, b2, act) -> torch.Tensor:
 
 
 def _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act) -> bool:
-    """Timed once per shape on this machine (core.model.expert_choice)."""
+    """F.grouped_mm or a matmul pair per expert, whichever is faster: timed once per shape on this machine."""
     key = (h.device.type, h.dtype, *w13.shape, w2.shape[-1], b13 is not None, act is _swiglu,
            expert_choice.bucket(h.shape[0]))
     run = {name: functools.partial(experts, h, w13, w2, weights, idx, grouped=g, b13=b13, b2=b2, act=act)
