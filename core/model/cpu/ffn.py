@@ -77,10 +77,8 @@ def library() -> _Lib | None:
 @functools.lru_cache(maxsize=None)
 def _build_avx2(level: str) -> _LibAvx2 | None:
     global _reason_avx2
-    import platform as py_platform
-
-    if not kernels.switched_off(SWITCHES) and (py_platform.machine().lower() not in ("x86_64", "amd64", "x86-64")
-                                or level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx2")):
+    if not kernels.switched_off(SWITCHES) and (not isa.X86 or level not in isa.LEVELS
+                                               or isa.LEVELS.index(level) < isa.LEVELS.index("avx2")):
         _reason_avx2 = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX2"
         return None
     lib, _reason_avx2 = native.build_kernel(SOURCE_AVX2, "moe_ffn_avx2", FLAGS_AVX2, 8, _LibAvx2, SWITCHES)

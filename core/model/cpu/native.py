@@ -43,9 +43,7 @@ def status() -> str:
 
 def _flags() -> tuple[list[str], int]:
     """(compiler flags, floats per vector) for the ISA our kernels may use here."""
-    import platform as py_platform
-
-    if py_platform.machine().lower() in ("x86_64", "amd64", "x86-64"):
+    if isa.X86:
         i = isa.cpu_isa()
         if i.at_least("avx512"):
             return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"], 16
