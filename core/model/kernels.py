@@ -1,6 +1,5 @@
-"""Which kernels compute: `MLIGHT_KERNELS` = auto | native | torch (`mlight run --kernels`). auto: the C kernels
-where they build and run; native: one that fails is an error; torch: torch's ops only, GGUF in float32 (the reference
-reading). The old `MLIGHT_NATIVE*` / `MLIGHT_AMX` = 0 switches still work for one release, with a warning.
+"""Which kernels compute: `MLIGHT_KERNELS` = auto | native | torch (`mlight run --kernels`; what each means: README,
+"The reference reading"), and the old `MLIGHT_NATIVE*` / `MLIGHT_AMX` = 0 switches, read one more release.
 """
 
 from __future__ import annotations
