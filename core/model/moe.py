@@ -236,9 +236,6 @@ def shared_expert(spec: ModelSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
     return s
 
 
-# ---- on an accelerator: no host sync, weights in parts -------------------------------------------------
-
-
 def device_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, *,
                    grouped: bool | None = None, grouped_mm: bool = True, act: Activation | None = None,
                    backend: str | None = None) -> torch.Tensor:
