@@ -155,9 +155,6 @@ def _sorted(c: Call, grouped: bool) -> torch.Tensor:
     return out
 
 
-_loop = functools.partial(_sorted, grouped=False)
-_grouped = functools.partial(_sorted, grouped=True)
-
 # (name, condition, backend), read top to bottom. Order matters where conditions overlap: the fused layout
 # before anything (nothing else reads it), batch-1 forms before the general ones, grouped_mm as the rest.
 BACKENDS: list[tuple[str, Callable[[Call], bool], Callable[[Call], torch.Tensor | None]]] = [
@@ -165,8 +162,8 @@ BACKENDS: list[tuple[str, Callable[[Call], bool], Callable[[Call], torch.Tensor 
     ("quant_in_one_call", lambda c: c.quant is not None and c.b13 is None and c.b2 is None and c.act is _swiglu,
      lambda c: c.quant.in_one_call(c.h, c.weights, c.idx)),  # int4 at one token, GGUF blocks at a few, in C
     ("one_token", lambda c: c.T == 1 and c.looped, _one_token),
-    ("loop", lambda c: c.looped, _loop),
-    ("grouped", lambda c: True, _grouped),
+    ("loop", lambda c: c.looped, functools.partial(_sorted, grouped=False)),
+    ("grouped", lambda c: True, functools.partial(_sorted, grouped=True)),
 ]
 
 
