@@ -51,8 +51,7 @@ def triton_module(name: str):
 
 
 def set_mode(value: str) -> None:
-    """Set the knob for this process (the CLI's --kernels, a choice argparse checked) and forget kernels built
-    under another value."""
+    """Set the knob for this process (the CLI's --kernels) and forget kernels built under another value."""
     os.environ[ENV] = value
     forget_builds()
 

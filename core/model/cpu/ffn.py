@@ -156,8 +156,7 @@ class NativeExperts:
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """h [T, D] bf16 (fp32: the fp32-math kernel), routing weights and expert ids [T, k] -> [T, D] in h's
-        dtype (into `out`)."""
+        """h [T, D] bf16 (fp32: fp32 math), routing weights and ids [T, k] -> [T, D] in h's dtype (into `out`)."""
         wide = h.dtype == torch.float32
         lib = library_avx2() if wide else library()
         if lib is None:

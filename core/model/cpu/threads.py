@@ -115,8 +115,7 @@ def split(cores: list[int], device: str) -> tuple[list[int], list[int]]:
 
 
 def pin_current_thread(cores: list[int]) -> bool:
-    """Restrict the calling thread (and the OpenMP team it will start) to `cores`; False where the platform
-    cannot (macOS) or refuses."""
+    """Restrict the calling thread (and the OpenMP team it starts) to `cores`; False where the OS cannot or refuses."""
     if not cores:
         return False
     if platform.SYSTEM == "linux" and hasattr(os, "sched_setaffinity"):
