@@ -91,7 +91,7 @@ class PackedWeight(LinearOnlyWeight):
 
 
 def pack_dense(w: torch.Tensor) -> torch.Tensor:
-    """`w` in the expert kernel's panels where it runs (panel_linear), else oneDNN-prepacked where it can be, else `w`."""
+    """`w` in the expert kernel's panels where it runs (panel_linear), else oneDNN-prepacked where it can, else `w`."""
     from core.model.cpu import panel_linear
 
     if panel_linear.takes(w):
