@@ -345,12 +345,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
     status = [0] * n
 
     def part(j):
-        def job():
-            if bounds[j] < bounds[j + 1]:
-                s = pool.buffer(j, G * longest)
-                status[j] = lib.fn(*args, bounds[j], bounds[j + 1], Hkv, G, D, k.stride(0), k.stride(1), scale,
-                                   out.data_ptr(), ob, s.data_ptr(), longest)
-        return job
+        if bounds[j] < bounds[j + 1]:
+            s = pool.buffer(j, G * longest)
+            status[j] = lib.fn(*args, bounds[j], bounds[j + 1], Hkv, G, D, k.stride(0), k.stride(1), scale,
+                               out.data_ptr(), ob, s.data_ptr(), longest)
 
     if lib.openmp and n > 1:  # torch's own OpenMP threads run the parts
         b = _bounds_tensor(bounds)
@@ -358,7 +356,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
         status[0] = lib.parts(*args, b.data_ptr(), n, Hkv, G, D, k.stride(0), k.stride(1), scale, out.data_ptr(), ob,
                               s.data_ptr(), longest)
     else:  # one part runs on the calling thread
-        pool.run([part(j) for j in range(n)])
+        pool.run([functools.partial(part, j) for j in range(n)])
     if any(status):
         raise RuntimeError(f"decode attention kernel refused G={G}, D={D}")
     return out
