@@ -1,3 +1,3 @@
 """The model: what a checkpoint is and how one decoder layer computes (spec, families, weights, layers, KV cache,
-sampling, the demo). Imports: `core.errors`, `core.telemetry` and itself only (tests/test_layering.py checks it).
+sampling, the demo). Imports: itself, `core.errors`, `core.platform`, `core.telemetry`, `core.assets` only.
 """

@@ -1,8 +1,7 @@
 """Grouped-query attention beside the KV cache: decode (one query per request) and causal prefill, with sinks and
 sliding windows. Decode runs on the CPU beside the cache, as its arithmetic intensity does not grow with the batch;
-query heads are grouped onto their KV head with a view, never a copy. `widen` converts K/V a few rows at a time into
-a reused buffer where the CPU is slow in the cache's dtype (bf16 on AVX2).
-Legend: B = requests, G = Hq / Hkv, T = cached tokens, L = prompt tokens.
+query heads are grouped onto their KV head with a view, never a copy. Legend: B = requests, G = Hq / Hkv,
+T = cached tokens, L = prompt tokens.
 """
 
 from __future__ import annotations
@@ -130,7 +129,8 @@ def attention_runs(lengths: list[int], row: int, widened: bool = False, rows: in
 
 
 def _widened(q, k_rows, v_rows, scale: float, shortest: int, T: int, pad, sink, widen) -> torch.Tensor:
-    """decode_attention in `widen.math`, K/V converted a few rows at a time into one reused buffer (read from cache)."""
+    """decode_attention in `widen.math` (the CPU is slow in the cache's dtype: bf16 on AVX2), K/V converted a few
+    rows at a time into one reused buffer (read back from cache)."""
     B, Hq, hd = q.shape
     Hkv, dv = k_rows.shape[1], v_rows.shape[-1]
     m = widen.math

@@ -1,9 +1,7 @@
-"""One decoder layer, in the steps CGOPipe schedules (any family, any layer kind).
-
-Decode: `pre_attn` (accelerator: norm + the mixer's projections -> a payload for the CPU), `attend` (CPU, next to
-the layer's state), `post_attn` (accelerator: output projection + residual, norm, the FFN's dense part), then the
-routed experts (core.model.moe.experts). Prefill: `prefill_mix`, then `prefill_ffn`, for packed prompts. The
-token mixer of each kind lives in core.model.mixer. Legend: T = tokens, D = hidden.
+"""One decoder layer, in the steps CGOPipe schedules (any family, any layer kind; its token mixer: core.model.mixer).
+Decode: `pre_attn` on the accelerator, `attend` on the CPU next to the layer's state, `post_attn` on the accelerator,
+then the routed experts (core.model.moe.experts). Prefill: `prefill_mix`, then `prefill_ffn`, for packed prompts.
+Legend: T = tokens, D = hidden.
 """
 
 from __future__ import annotations

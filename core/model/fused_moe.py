@@ -1,9 +1,8 @@
 """The routed experts on an accelerator in a number of launches that does not depend on E: pairs aligned into
 blocks of one expert (`mlight::moe_align`), then `mlight::moe_gemm` over every block (the Triton kernel where it runs,
 else a torch form, a chunk of blocks at a time). Both are torch.library ops with fake implementations, so a launch
-count, a CUDA graph and the emulated device each see one op. Legend: T = tokens, k = experts per token, E = experts,
-P = T·k pairs, D = hidden, I = expert intermediate, N × K = one expert's matrix (outputs × inputs), BM = block rows,
-S = padded slots.
+count, a CUDA graph and the emulated device each see one op. Legend: moe_align's, D = hidden, I = expert
+intermediate, N × K = one expert's matrix (outputs × inputs).
 """
 
 from __future__ import annotations

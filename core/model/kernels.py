@@ -1,6 +1,5 @@
-"""Which kernels compute: `MLIGHT_KERNELS` = auto | native | torch (`mlight run --kernels`). auto: the C kernels
-where they build and run; native: one that fails is an error; torch: torch's ops only, GGUF in float32 (the reference
-reading). The old `MLIGHT_NATIVE*` / `MLIGHT_AMX` = 0 switches still work for one release, with a warning.
+"""Which kernels compute: `MLIGHT_KERNELS` = auto | native | torch (`mlight run --kernels`; what each means: README,
+"The reference reading"), and the old `MLIGHT_NATIVE*` / `MLIGHT_AMX` = 0 switches, read one more release.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ def triton_module(name: str):
 
 
 def set_mode(value: str) -> None:
-    """Set the knob for this process (the CLI's --kernels, a choice argparse checked) and forget kernels built
-    under another value."""
+    """Set the knob for this process (the CLI's --kernels) and forget kernels built under another value."""
     os.environ[ENV] = value
     forget_builds()
 

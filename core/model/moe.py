@@ -1,9 +1,6 @@
-"""The MoE FFN: router, then the routed experts with tokens grouped by expert, plus a shared expert.
-
-`experts` runs BACKENDS' first row that applies: the C kernel's own layout, a quantized layer in one C call, or a
-matmul pair per expert (over plain, oneDNN-prepacked, widened or quantized weights) or F.grouped_mm, whichever is
-faster, timed once per shape (core.model.expert_choice). Legend: T = tokens, k = experts per token, E = experts,
-D = hidden, I = expert intermediate.
+"""The MoE FFN: router, then the routed experts with tokens grouped by expert (`experts`: BACKENDS' first row that
+applies), plus a shared expert. Legend: T = tokens, k = experts per token, E = experts, D = hidden, I = expert
+intermediate.
 """
 
 from __future__ import annotations
@@ -158,9 +155,6 @@ def _sorted(c: Call, grouped: bool) -> torch.Tensor:
     return out
 
 
-_loop = functools.partial(_sorted, grouped=False)
-_grouped = functools.partial(_sorted, grouped=True)
-
 # (name, condition, backend), read top to bottom. Order matters where conditions overlap: the fused layout
 # before anything (nothing else reads it), batch-1 forms before the general ones, grouped_mm as the rest.
 BACKENDS: list[tuple[str, Callable[[Call], bool], Callable[[Call], torch.Tensor | None]]] = [
@@ -168,8 +162,8 @@ BACKENDS: list[tuple[str, Callable[[Call], bool], Callable[[Call], torch.Tensor 
     ("quant_in_one_call", lambda c: c.quant is not None and c.b13 is None and c.b2 is None and c.act is _swiglu,
      lambda c: c.quant.in_one_call(c.h, c.weights, c.idx)),  # int4 at one token, GGUF blocks at a few, in C
     ("one_token", lambda c: c.T == 1 and c.looped, _one_token),
-    ("loop", lambda c: c.looped, _loop),
-    ("grouped", lambda c: True, _grouped),
+    ("loop", lambda c: c.looped, functools.partial(_sorted, grouped=False)),
+    ("grouped", lambda c: True, functools.partial(_sorted, grouped=True)),
 ]
 
 
@@ -199,7 +193,7 @@ def _expert(e: int, x, up, down, b13, b2, act) -> torch.Tensor:
 
 
 def _grouped_is_faster(h, w13, w2, weights, idx, b13, b2, act) -> bool:
-    """Timed once per shape on this machine (core.model.expert_choice)."""
+    """F.grouped_mm or a matmul pair per expert, whichever is faster: timed once per shape on this machine."""
     key = (h.device.type, h.dtype, *w13.shape, w2.shape[-1], b13 is not None, act is _swiglu,
            expert_choice.bucket(h.shape[0]))
     run = {name: functools.partial(experts, h, w13, w2, weights, idx, grouped=g, b13=b13, b2=b2, act=act)
@@ -237,9 +231,6 @@ def shared_expert(spec: ModelSpec, w: dict, h: torch.Tensor) -> torch.Tensor:
     if spec.shared_gate:
         s = torch.sigmoid(F.linear(h, w["shared_gate"])) * s
     return s
-
-
-# ---- on an accelerator: no host sync, weights in parts -------------------------------------------------
 
 
 def device_experts(h: torch.Tensor, parts: list[dict], weights: torch.Tensor, idx: torch.Tensor, *,

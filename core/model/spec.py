@@ -1,18 +1,8 @@
 """ModelSpec: what mlight needs to know about an MoE checkpoint, from its config.json. One frozen dataclass for
 every family, quirks as fields, so the forward pass lives once in `core` and the family modules only translate a
-config and name the weights. Canonical per-layer tensors:
-  ln1, ln2 [D] (+ ln1_b, ln2_b with LayerNorm bias);
-  attention, grouped-query: qkv [(Hq+2·Hkv)·hd (+ Hq·hd output-gate rows), D] (+ qkv_bias);
-    q_norm/k_norm [hd] or [H·hd]; o [D, Hq·hd] (+ o_bias); sinks [Hq];
-  attention, latent (MLA): q [H·(dn+dr), D] or q_a [Rq, D], q_a_norm [Rq], q_b [H·(dn+dr), Rq];
-    kv_a [R+dr, D], kv_a_norm [R], kv_b [H·(dn+dv), R]; o [D, H·dv];
-  attention, linear (Gated DeltaNet): lin_in [2·Hk·dk + 2·Hv·dv + 2·Hv, D] (rows q, k, v, z, b, a);
-    conv [2·Hk·dk + Hv·dv, K]; dt_bias, A_log [Hv]; gnorm [dv]; lin_out [D, Hv·dv];
-  FFN, MoE: router [E, D] (+ router_bias, e_bias [E]); w13 [E, 2I, D] (gate rows, then up rows)
-    (+ b13 [E, 2I]); w2 [E, D, I] (+ b2 [E, D]); shared_w13 [2Is, D], shared_w2 [D, Is], shared_gate [1, D];
-  FFN, dense: dense_w13 [2Id, D], dense_w2 [D, Id].
-Legend: D = hidden, E = experts, I = expert intermediate, Is = shared intermediate, Id = dense
-intermediate, hd = head dim, R = KV latent rank, dn/dr/dv = MLA no-rope/rope/value head dims.
+config and name the weights. The canonical per-layer tensors are `layer_shapes`' (w13: gate rows, then up rows;
+lin_in: rows q, k, v, z, b, a). Legend: D = hidden, E = experts, I = expert intermediate, Is = shared intermediate,
+Id = dense intermediate, hd = head dim, R = KV latent rank, dn/dr/dv = MLA no-rope/rope/value head dims.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
 At a decode step's few rows an expert oneDNN's packed bf16 GEMM stays well below peak, and the experts are most
 of the step: the kernel fuses gate/up, SiLU(gate)·up, down, the routing weights and the sum in fp32 (rounded once
-to bf16) on weights packed once at load. It runs with vdpbf16ps, a compiler, OpenMP or one thread, SwiGLU
-without biases, D a multiple of 64 and I of 32, unless `MLIGHT_NATIVE` or `MLIGHT_NATIVE_EXPERTS` is 0 or
-`MLIGHT_KERNELS=torch`; elsewhere oneDNN's packing (core.model.moe). On AMX, experts of 8 rows or more run as AMX
-tiles (`MLIGHT_NATIVE_AMX=0`, or the OS refusing the tiles: vector tiles alone). On AVX2 `library_avx2`
-(moe_ffn_avx2.c) runs the same packed weights with fp32 activations.
+to bf16) on weights packed once at load; where `takes` says no, oneDNN's packing (core.model.moe). On AMX, experts
+of 8 rows or more run as AMX tiles; on AVX2 `library_avx2` (moe_ffn_avx2.c) runs the same packed weights with
+fp32 activations.
 """
 
 from __future__ import annotations
@@ -79,10 +77,8 @@ def library() -> _Lib | None:
 @functools.lru_cache(maxsize=None)
 def _build_avx2(level: str) -> _LibAvx2 | None:
     global _reason_avx2
-    import platform as py_platform
-
-    if not kernels.switched_off(SWITCHES) and (py_platform.machine().lower() not in ("x86_64", "amd64", "x86-64")
-                                or level not in isa.LEVELS or isa.LEVELS.index(level) < isa.LEVELS.index("avx2")):
+    if not kernels.switched_off(SWITCHES) and (not isa.X86 or level not in isa.LEVELS
+                                               or isa.LEVELS.index(level) < isa.LEVELS.index("avx2")):
         _reason_avx2 = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX2"
         return None
     lib, _reason_avx2 = native.build_kernel(SOURCE_AVX2, "moe_ffn_avx2", FLAGS_AVX2, 8, _LibAvx2, SWITCHES)
@@ -109,7 +105,6 @@ def status(math: str = "bfloat16") -> str:
 
 
 def prepare(progress=None, widened: bool = False) -> None:
-    """Build (or load) the kernel (`widened`: the fp32-math one) now, saying so when it compiles."""
     native.build_announced("building the CPU expert kernel (once per machine)", library_avx2 if widened else library,
                            progress)
 
@@ -161,8 +156,7 @@ class NativeExperts:
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """h [T, D] bf16 (fp32: the fp32-math kernel), routing weights and expert ids [T, k] -> [T, D] in h's
-        dtype (into `out`)."""
+        """h [T, D] bf16 (fp32: fp32 math), routing weights and ids [T, k] -> [T, D] in h's dtype (into `out`)."""
         wide = h.dtype == torch.float32
         lib = library_avx2() if wide else library()
         if lib is None:

@@ -1,5 +1,4 @@
-"""GGUF block formats multiplied as the file stores them (core/assets/kernels/gguf_matmul.c), built as
-core.model.cpu.native builds every C kernel.
+"""GGUF block formats multiplied as the file stores them (core/assets/kernels/gguf_matmul.c).
 
 Each weight row is decoded into a cache-resident buffer and dotted with every activation row, so the weights are
 read once, at the file's bits, instead of expanded whole per use. PATHS: "int8" (bf16 activations up to

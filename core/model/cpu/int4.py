@@ -3,8 +3,7 @@
 torch's int4 CPU kernel widens every weight to float, which makes it compute-bound; this one quantizes the few
 activation rows instead (two int8 digits an input, a scale per 8) and dots integers (AVX512_VNNI, else
 vpmaddubsw) on mlight's own int4 layout as stored. `linear` is one matrix, `moe` one token's experts with
-SwiGLU in one call. The caller checks `runs` (no compiler, a failed build, `MLIGHT_NATIVE=0`, another shape,
-or several torch threads without OpenMP: one C thread loses to torch's) and runs torch's kernels otherwise.
+SwiGLU in one call, where `runs` says (not on one C thread while torch runs several: it loses to theirs).
 """
 
 from __future__ import annotations
@@ -64,7 +63,6 @@ def status() -> str:
 
 
 def prepare(progress=None) -> None:
-    """Build (or load) the kernel now, saying so through `progress` when it compiles (once per machine)."""
     native.build_announced("building the CPU int4 kernel (once per machine)", library, progress)
 
 

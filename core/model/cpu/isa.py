@@ -1,21 +1,20 @@
 """The CPU's instruction set as our kernels see it: what the silicon has (`hardware`, shown), and what torch,
-oneDNN and MKL may use under their limits (`usable`, acted on: CI's AVX2 lane sets them).
-
-Levels: "baseline" < "avx2" < "avx512" < "avx512_bf16" < "amx" (x86); elsewhere torch's capability name, no
-bf16 fast path assumed. Tests fake it with `monkeypatch.setattr(isa, "cpu_isa", ...)`: every caller goes
-through this module attribute.
+oneDNN and MKL may use under their limits (`usable`, acted on: CI's AVX2 lane sets them). Tests fake it with
+`monkeypatch.setattr(isa, "cpu_isa", ...)`: every caller goes through this module attribute.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import platform
 from dataclasses import dataclass
 
-LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
+LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")  # x86's; elsewhere torch's name, no bf16 fast path
 LABELS = {"baseline": "SSE/baseline", "avx2": "AVX2", "avx512": "AVX-512", "avx512_bf16": "AVX-512 BF16",
           "amx": "AMX"}
 ENV_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+X86 = platform.machine().lower() in ("x86_64", "amd64", "x86-64")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,6 @@
-"""CPU kernels for weights stored narrower than the math: widen one cache-sized tile at a time.
-
-`Widen.linear(x, w)` is `F.linear` for fp32 `x` and bf16/fp16 `w` without an fp32 copy of `w`: tiles of
-≈ TILE_BYTES go through one reused scratch buffer; a GEMV (rows ≤ `direct_rows`, bandwidth-bound) reads `w`
-directly. One Widen per thread. Legend: M = rows, N = output features, K = input.
+"""CPU kernels for weights stored narrower than the math: `Widen.linear(x, w)` is `F.linear` for fp32 `x` and
+bf16/fp16 `w` without an fp32 copy of `w`, one cache-sized tile at a time through one reused buffer; a GEMV (rows ≤
+`direct_rows`, bandwidth-bound) reads `w` directly. One Widen per thread. Legend: M = rows, N = outputs, K = inputs.
 """
 
 from __future__ import annotations
@@ -93,8 +91,7 @@ class PackedWeight(LinearOnlyWeight):
 
 
 def pack_dense(w: torch.Tensor) -> torch.Tensor:
-    """`w` in the expert kernel's panels where it runs (panel_linear), else prepacked where oneDNN accepts it,
-    else `w` itself."""
+    """`w` in the expert kernel's panels where it runs (panel_linear), else oneDNN-prepacked where it can, else `w`."""
     from core.model.cpu import panel_linear
 
     if panel_linear.takes(w):

@@ -2,10 +2,8 @@
 
 torch's bf16 `bmm` runs decode attention (a GEMV per request and KV head) at a third of the memory bandwidth,
 after copying the rows out; the kernel reads K and V once each in the cache's layout, with fp32 scores and sums.
-Optional: with no compiler, a failed build, an unusual shape, sinks or `MLIGHT_KERNELS=torch`, `usable` says
-False and the torch path runs (the tests check one against the other). Builds land in the mlight cache dir, named
-by a hash of source and flags (core.model.cpu.isa's usable ISA). Requests are split over the calling thread's
-own helpers, so the GPU schedules' pinned attention worker keeps its cores; ctypes releases the GIL in a call.
+Where it cannot run, `usable` says False and torch's ops do. Requests are split over the calling thread's own
+helpers, so the GPU schedules' pinned attention worker keeps its cores; ctypes releases the GIL in a call.
 """
 
 from __future__ import annotations
@@ -45,9 +43,7 @@ def status() -> str:
 
 def _flags() -> tuple[list[str], int]:
     """(compiler flags, floats per vector) for the ISA our kernels may use here."""
-    import platform as py_platform
-
-    if py_platform.machine().lower() in ("x86_64", "amd64", "x86-64"):
+    if isa.X86:
         i = isa.cpu_isa()
         if i.at_least("avx512"):
             return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"], 16
@@ -197,13 +193,12 @@ def library() -> _Lib | None:
 
 
 def prepare(progress=None) -> None:
-    """Build (or load) the kernel now rather than inside the first decode step, saying so when it compiles."""
     build_announced("building the CPU decode attention kernel (once per machine)", library, progress)
 
 
 def build_announced(what: str, library, progress=None) -> None:
-    """Call a kernel's `library()` now; a compile it starts tells `progress` (a core.telemetry sink, or None)
-    `what` is being built, and when it is."""
+    """Call a kernel's `library()` now, not inside the first decode step; a compile it starts tells `progress`
+    (a core.telemetry sink, or None) `what` is being built, and when it is."""
     from core.telemetry import Progress
 
     global _announce
@@ -350,24 +345,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
     status = [0] * n
 
     def part(j):
-        def job():
-            if bounds[j] < bounds[j + 1]:
-                s = pool.buffer(j, G * longest)
-                status[j] = lib.fn(*args, bounds[j], bounds[j + 1], Hkv, G, D, k.stride(0), k.stride(1), scale,
-                                   out.data_ptr(), ob, s.data_ptr(), longest)
-        return job
+        if bounds[j] < bounds[j + 1]:
+            s = pool.buffer(j, G * longest)
+            status[j] = lib.fn(*args, bounds[j], bounds[j + 1], Hkv, G, D, k.stride(0), k.stride(1), scale,
+                               out.data_ptr(), ob, s.data_ptr(), longest)
 
-    if n == 1:  # one request, or one thread: the calling thread runs it, no job to hand out
-        s = pool.buffer(0, G * longest)
-        status[0] = lib.fn(*args, 0, B, Hkv, G, D, k.stride(0), k.stride(1), scale, out.data_ptr(), ob, s.data_ptr(),
-                           longest)
-    elif lib.openmp:  # torch's own OpenMP threads run the parts
+    if lib.openmp and n > 1:  # torch's own OpenMP threads run the parts
         b = _bounds_tensor(bounds)
         s = pool.buffer(0, n * G * longest)
         status[0] = lib.parts(*args, b.data_ptr(), n, Hkv, G, D, k.stride(0), k.stride(1), scale, out.data_ptr(), ob,
                               s.data_ptr(), longest)
-    else:
-        pool.run([part(j) for j in range(n)])
+    else:  # one part runs on the calling thread
+        pool.run([functools.partial(part, j) for j in range(n)])
     if any(status):
         raise RuntimeError(f"decode attention kernel refused G={G}, D={D}")
     return out

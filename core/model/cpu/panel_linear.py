@@ -3,7 +3,7 @@
 One decode row per projection is a read of the weight, which the panels stream at about twice oneDNN's packed
 GEMV: where that kernel runs, `pack_dense` (core.model.cpu.kernels) holds a bf16 weight with N a multiple of 64
 as panels instead (the same bytes). fp32 sums rounded once, bias before rounding, as oneDNN does (the order
-differs by an fp32 ulp). `MLIGHT_KERNELS=torch`, or the old switch `MLIGHT_NATIVE_DENSE=0`, keeps oneDNN.
+differs by an fp32 ulp).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ def takes(w: torch.Tensor) -> bool:
 
 
 def status(math: str = "bfloat16") -> str:
-    """One line for `mlight hw` and the bench: what runs a bf16 checkpoint's dense projections when the CPU
-    computes in `math`."""
+    """For `mlight hw`: what runs a bf16 checkpoint's dense projections when the CPU computes in `math`."""
     if math == "float32":
         return "torch's fp32 GEMMs (MKL on x86) over weights widened at load"
     off = kernels.switched_off(SWITCHES)

@@ -1,9 +1,7 @@
 """A decode step's small per-row operations in C (core/assets/kernels/row_ops.c), bf16 and fp32: the KV cache
-write, RMSNorm, RoPE joined with v into the attention payload, and the softmax router.
-
-Each was 4-7 torch ops, every one a fresh tensor and a pass over lines the experts' weights had just evicted.
-Each C function reproduces its torch expression rounding for rounding; each wrapper says False (or None)
-where it does not apply (no kernel, another dtype or layout) and the caller runs torch's ops.
+write, RMSNorm, RoPE joined with v into the attention payload, and the softmax router. Each was 4-7 torch ops,
+every one a fresh tensor and a pass over lines the experts' weights had just evicted; each C function rounds as
+its torch expression does, and its wrapper says False (or None) where it does not apply: then torch's ops run.
 """
 
 from __future__ import annotations
@@ -52,7 +50,6 @@ def status() -> str:
 
 
 def prepare(progress=None) -> None:
-    """Build (or load) the kernels now, saying so through `progress` when they compile (once per machine)."""
     native.build_announced("building the CPU row kernels (once per machine)", library, progress)
 
 

@@ -1,10 +1,9 @@
 """Threads for the CPU's share of the work: as many as there are free cores, re-checked as load changes.
 
 An OpenMP team is as fast as its slowest thread: with one of two cores busy elsewhere a decode step ran 1.3–75×
-slower on two threads than on one. So the default is the cores free to us (affinity mask minus other
-processes' load, psutil), a `Governor` re-reads it between engine steps, and the GPU schedules give the
-attention worker and the device thread disjoint cores (`split`, `pin_current_thread`). Where a call is missing
-(macOS has no affinity) it falls back to all logical cores and no pinning.
+slower on two threads than on one. So a `Governor` keeps the count at the cores free to us between engine steps,
+and the GPU schedules give the attention worker and the device thread disjoint cores (`split`); where the OS has
+no affinity (macOS), all logical cores and no pinning.
 """
 
 from __future__ import annotations
@@ -116,8 +115,7 @@ def split(cores: list[int], device: str) -> tuple[list[int], list[int]]:
 
 
 def pin_current_thread(cores: list[int]) -> bool:
-    """Restrict the calling thread (and the OpenMP team it will start) to `cores`; False where the platform
-    cannot (macOS) or refuses."""
+    """Restrict the calling thread (and the OpenMP team it starts) to `cores`; False where the OS cannot or refuses."""
     if not cores:
         return False
     if platform.SYSTEM == "linux" and hasattr(os, "sched_setaffinity"):

@@ -1,4 +1,3 @@
 """GGUF in: a llama.cpp / Ollama / LM Studio file read as an mlight checkpoint (its metadata one of our
-families' configs, expert blocks the file's own bytes). Imports: core.model, core.errors, core.telemetry; never
-core.plan or above.
+families' configs, expert blocks the file's own bytes).
 """

@@ -131,14 +131,9 @@ def _mlp_places(p: str, tag: str, dest: str, inter: int) -> list[Place]:
 
 def expert_sources(i: int, names: set[str], experts: int) -> dict[str, list[str]]:
     """gate / up / down -> their GGUF tensor(s): one stacked [E, ...], or one per expert (older files)."""
-    p = f"blk.{i}."
-    out = {}
-    for w in ("gate", "up", "down"):
-        if p + f"ffn_{w}_exps.weight" in names:
-            out[w] = [p + f"ffn_{w}_exps.weight"]
-        else:
-            out[w] = [p + f"ffn_{w}.{e}.weight" for e in range(experts)]
-    return out
+    stacked = {w: f"blk.{i}.ffn_{w}_exps.weight" for w in ("gate", "up", "down")}
+    return {w: [s] if s in names else [f"blk.{i}.ffn_{w}.{e}.weight" for e in range(experts)]
+            for w, s in stacked.items()}
 
 
 def global_places(spec) -> list[Place]:

@@ -1,4 +1,3 @@
 """Quantized weights: formats, packing, kernels, the quantized cache. Packed integers and scales sit in a layer's
 flat buffer (`core.model.weights`), so pages carry quantized bytes and whoever computes expands them.
-Imports: torch, `core.model.spec`, `core.errors`, `core.telemetry`; never core.plan or above.
 """

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from core.model.quant.blocks import expand_blocks
+from core.model.quant.blocks import _nibbles, expand_blocks
 from core.model.quant.formats import CHUNK_ELEMS_CPU, CHUNK_ELEMS_DEVICE, Format
 
 
@@ -83,13 +83,8 @@ def expand_into(ws: Workspace, fmt: Format, parts: dict[str, torch.Tensor], n: i
 
 def _int4(ws, parts, r0, r1, k, g, w):
     r = r1 - r0
-    q = parts["q"][r0:r1]
-    nib = ws.chunk("u8", (r, k // 2), torch.uint8)
     pairs = w.view(r, k // 2, 2)
-    torch.bitwise_and(q, ws.const(15, torch.uint8), out=nib)
-    pairs[..., 0].copy_(nib)  # even k: low nibble
-    torch.bitwise_right_shift(q, ws.const(4, torch.uint8), out=nib)
-    pairs[..., 1].copy_(nib)
+    _nibbles(ws, parts["q"][r0:r1], pairs[..., 0], pairs[..., 1])  # even k: low nibble
     sz = ws.chunk("sz", (r, k // g, 2), torch.float32)
     sz.copy_(parts["sz"][r0:r1])
     groups = w.view(r, k // g, g)

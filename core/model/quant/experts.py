@@ -78,7 +78,6 @@ class QuantExperts:
     def matrix_parts(self, m: Matrix, e: int) -> dict[str, torch.Tensor]:
         return {p.suffix: self.parts[f"{m.name}.{p.suffix}"][e] for p in m.fmt.parts(m.n, m.k)}
 
-    # ---- compute ---------------------------------------------------------------------------------
     def up(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """x [n, D] -> [n, 2I] (gate, then up)."""
         if len(self.scheme.up) == 1:
@@ -123,7 +122,6 @@ class QuantExperts:
         """Expert e's matrix m in the compute dtype, in a buffer reused by every layer and step."""
         return expand_into(self.workspace, m.fmt, self.matrix_parts(m, e), m.n, m.k, self.dtype)
 
-    # ---- CPU kernels -----------------------------------------------------------------------------
     def pack_cpu(self) -> bool:
         """Ready the experts for a CPU kernel where format and shapes allow (torch's get each expert prepacked)."""
         if self.device.type == "cpu" and all(gguf_blocks.runs(m.fmt.name, self.dtype, m.k)
