@@ -100,22 +100,10 @@ class RunStore:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
-
-    @property
-    def _stem(self) -> str:
-        return self.out.name + (f".{self.part}" if self.part else "")
-
-    @property
-    def run_path(self) -> Path:
-        return self.out.with_name(self._stem + ".run.jsonl")
-
-    @property
-    def lock_path(self) -> Path:
-        return self.out.with_name(self._stem + ".lock")
-
-    @property
-    def rejected_path(self) -> Path:
-        return self.out.with_name(self.out.name + ".rejected.jsonl")
+        stem = self.out.name + (f".{self.part}" if self.part else "")
+        self.run_path = self.out.with_name(stem + ".run.jsonl")
+        self.lock_path = self.out.with_name(stem + ".lock")
+        self.rejected_path = self.out.with_name(self.out.name + ".rejected.jsonl")
 
     @property
     def ledger_path(self) -> Path:
@@ -240,11 +228,9 @@ class RunStore:
             f.flush()
             os.fsync(f.fileno())
         except OSError as e:
-            try:  # leave no torn line behind, so the run file stays clean for the resume
+            with suppress(OSError):  # leave no torn line behind, so the run file stays clean for the resume
                 f.truncate(pos)
                 f.flush()
-            except OSError:
-                pass
             raise os_error(e, self.run_path, done=len(self.done)) from e
         self.done[str(record["id"])] = record
 
