@@ -1,7 +1,6 @@
-"""The run store: an interrupted `mlight run` resumes without losing or repeating work. Next to OUT: `OUT.lock`,
-`OUT.run.jsonl` (a manifest line, then one fsynced result a line) until OUT is renamed into place; a kill leaves
-at worst a torn last line, cut off on resume. A ledger in the cache dir makes rerunning a finished job a no-op.
-Also the steps every front end shares: `prepare_requests`, `run_pending`, `finish_run`.
+"""The run store (files and contract: docs/CONTRACTS.md, Batch I/O): an interrupted `mlight run` resumes without
+losing or repeating work; a kill leaves at worst a torn last line, cut off on resume. Also the run loop every
+front end shares: `prepare_requests`, `run_pending`, `finish_run`.
 """
 
 from __future__ import annotations

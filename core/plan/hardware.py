@@ -1,6 +1,5 @@
 """HardwareSpec: what the planner knows of a machine, from `preset` (datasheets), `detect` (pynvml, psutil) or
-`probe` (measured, cached per machine and CPU ISA setting). The HRM derates every field not in `measured`.
-torch is imported only by the probe.
+`probe` (measured, cached per machine and CPU ISA setting; the only user of torch here).
 """
 
 from __future__ import annotations
