@@ -113,15 +113,12 @@ def fsync_dir(folder: Path) -> None:
     """Make a rename or a new file in `folder` survive power loss, where the OS allows it."""
     if not platform.can_fsync_dir():
         return  # Windows cannot open a folder; NTFS journals the rename itself
-    try:
+    with suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with suppress(OSError):
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def os_error(e: OSError, path: Path, done: int | None = None) -> MlightError:

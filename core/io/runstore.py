@@ -281,9 +281,8 @@ class RunStore:
     @staticmethod
     def _remove(path: Path) -> None:
         try:
-            platform.remove(path)
-        except FileNotFoundError:
-            pass
+            with suppress(FileNotFoundError):
+                platform.remove(path)
         except OSError as e:
             raise os_error(e, path) from e
 
