@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass
 
 from core.plan import hrm
-from core.plan.parallel import default_ranks, rank_view
+from core.plan.parallel import rank_view
 from core.errors import BudgetError, UsageError
 from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy, Prediction, dense_layers, expert_split, kv_gpu_layers
@@ -560,7 +560,7 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
          ranks: int | None = None) -> tuple[Policy, Prediction]:
     """The policy with the highest predicted tokens/s that fits; `ranks` (default one per GPU) plan their share."""
     budget = budget or Budget.for_hardware(hardware)
-    ranks = ranks or default_ranks(hardware)
+    ranks = ranks or hardware.gpu_count or 1
     full_model, full_hw, full_budget = model, hardware, budget
     model, hardware, budget = rank_view(model, hardware, budget, ranks)
     top = _search(model, hardware, workload, budget, ranks=ranks)
