@@ -196,9 +196,9 @@ def _choose_files(repo_id: str, sizes: dict[str, int], top: list[str]) -> list[s
 def _fetch(repo_id: str, revision: str, kw: dict, filename: str, tracker: _Tracker | None) -> str:
     from huggingface_hub import hf_hub_download
 
-    extra = {"tqdm_class": functools.partial(_Relay, tracker)} if tracker else {}
+    bar = {"tqdm_class": tracker} if tracker else {}
     try:
-        return hf_hub_download(repo_id, filename, revision=revision, **kw, **extra)
+        return hf_hub_download(repo_id, filename, revision=revision, **kw, **bar)
     except Exception as e:
         raise _hub_error(e, repo_id, revision, filename) from e
 
@@ -319,45 +319,37 @@ def _hub_error(e: Exception, repo_id: str, revision: str | None, filename: str |
 
 
 class _Tracker:
-    """Sums bytes over a download's files into rate-limited DownloadProgress events."""
+    """Sums bytes over a download's files into rate-limited DownloadProgress events. Passed as huggingface_hub's
+    `tqdm_class`, it is every file's bar (and Xet's transfer bar reports into it, uncounted)."""
 
-    def __init__(self, what: str, total: int, sink: EventSink, every: float = 0.1):
-        self.what, self.total, self.sink, self.every = what, total, sink, every
+    def __init__(self, what: str, total: int, sink: EventSink):
+        self.what, self.total, self.sink = what, total, sink
         self.done, self.file = 0, ""
         self.t0 = self.last = time.monotonic()
         self.lock = threading.Lock()  # huggingface_hub may update from worker threads
 
-    def add(self, n: int) -> None:
+    def __call__(self, *args: Any, initial: int = 0, **kwargs: Any) -> _Tracker:  # a file's bar: a resume's bytes
+        if initial:
+            self.update(initial)
+        return self
+
+    def update(self, n: float | None = 1) -> None:
         with self.lock:
-            self.done += n
+            self.done += int(n or 0)
         self.emit()
 
     def emit(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self.last < self.every:
+        if not force and now - self.last < 0.1:
             return
         self.last = now
         rate = self.done / max(now - self.t0, 1e-6)
         self.sink(DownloadProgress(self.what, self.done, self.total, "B", file=self.file, rate=rate))
 
-
-class _Relay:
-    """tqdm for huggingface_hub, into a _Tracker."""
-
-    def __init__(self, tracker: _Tracker, *args: Any, initial: int = 0, **kwargs: Any):
-        self.tracker, self.n = tracker, initial
-        if initial:
-            tracker.add(initial)
-
-    def update(self, n: float | None = 1) -> None:
-        n = int(n or 0)
-        self.n += n
-        self.tracker.add(n)
-
-    def __enter__(self) -> _Relay:
+    def __enter__(self) -> _Tracker:
         return self
 
     def close(self, *a: Any, **k: Any) -> None:
         pass
 
-    __exit__ = set_description = close
+    __exit__ = set_description = set_postfix_str = update_transfer = set_transfer_postfix_str = close

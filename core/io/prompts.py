@@ -443,7 +443,6 @@ def bad_lines_error(prompts: PromptSet, rejects_file: str, skip: str = "pass --s
 
 def reject_lines(rejects: Iterable[Reject], limit: int = 20) -> Iterable[str]:
     rejects = list(rejects)
-    for r in rejects[:limit]:
-        yield str(r)
+    yield from map(str, rejects[:limit])
     if len(rejects) > limit:
         yield f"... and {len(rejects) - limit} more bad lines"

@@ -62,14 +62,12 @@ def write_jsonl(f: IO[bytes], records: Iterable[dict]) -> None:
 def write_csv(f: IO[bytes], records: Iterable[dict]) -> None:
     """RFC 4180 quoting."""
     records = list(records)
-    extra = [k for k in EXTRA_COLUMNS if any(k in r for r in records)]
-    columns = list(CSV_COLUMNS) + extra
+    columns = list(CSV_COLUMNS) + [k for k in EXTRA_COLUMNS if any(k in r for r in records)]
     text = io.TextIOWrapper(f, encoding="utf-8", newline="", write_through=True)
     try:
         w = csv.writer(text, lineterminator="\r\n")
         w.writerow(columns)
-        for r in records:
-            w.writerow([_cell(r.get(c)) for c in columns])
+        w.writerows([_cell(r.get(c)) for c in columns] for r in records)
         text.flush()
     finally:
         text.detach()  # leave f open for the caller's fsync
@@ -113,15 +111,12 @@ def fsync_dir(folder: Path) -> None:
     """Make a rename or a new file in `folder` survive power loss, where the OS allows it."""
     if not platform.can_fsync_dir():
         return  # Windows cannot open a folder; NTFS journals the rename itself
-    try:
+    with suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with suppress(OSError):
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def os_error(e: OSError, path: Path, done: int | None = None) -> MlightError:

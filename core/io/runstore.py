@@ -1,7 +1,6 @@
-"""The run store: an interrupted `mlight run` resumes without losing or repeating work. Next to OUT: `OUT.lock`,
-`OUT.run.jsonl` (a manifest line, then one fsynced result a line) until OUT is renamed into place; a kill leaves
-at worst a torn last line, cut off on resume. A ledger in the cache dir makes rerunning a finished job a no-op.
-Also the steps every front end shares: `prepare_requests`, `run_pending`, `finish_run`.
+"""The run store (files and contract: docs/CONTRACTS.md, Batch I/O): an interrupted `mlight run` resumes without
+losing or repeating work; a kill leaves at worst a torn last line, cut off on resume. Also the run loop every
+front end shares: `prepare_requests`, `run_pending`, `finish_run`.
 """
 
 from __future__ import annotations
@@ -100,22 +99,10 @@ class RunStore:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
-
-    @property
-    def _stem(self) -> str:
-        return self.out.name + (f".{self.part}" if self.part else "")
-
-    @property
-    def run_path(self) -> Path:
-        return self.out.with_name(self._stem + ".run.jsonl")
-
-    @property
-    def lock_path(self) -> Path:
-        return self.out.with_name(self._stem + ".lock")
-
-    @property
-    def rejected_path(self) -> Path:
-        return self.out.with_name(self.out.name + ".rejected.jsonl")
+        stem = self.out.name + (f".{self.part}" if self.part else "")
+        self.run_path = self.out.with_name(stem + ".run.jsonl")
+        self.lock_path = self.out.with_name(stem + ".lock")
+        self.rejected_path = self.out.with_name(self.out.name + ".rejected.jsonl")
 
     @property
     def ledger_path(self) -> Path:
@@ -240,11 +227,9 @@ class RunStore:
             f.flush()
             os.fsync(f.fileno())
         except OSError as e:
-            try:  # leave no torn line behind, so the run file stays clean for the resume
+            with suppress(OSError):  # leave no torn line behind, so the run file stays clean for the resume
                 f.truncate(pos)
                 f.flush()
-            except OSError:
-                pass
             raise os_error(e, self.run_path, done=len(self.done)) from e
         self.done[str(record["id"])] = record
 
@@ -296,9 +281,8 @@ class RunStore:
     @staticmethod
     def _remove(path: Path) -> None:
         try:
-            platform.remove(path)
-        except FileNotFoundError:
-            pass
+            with suppress(FileNotFoundError):
+                platform.remove(path)
         except OSError as e:
             raise os_error(e, path) from e
 

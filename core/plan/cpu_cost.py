@@ -1,7 +1,5 @@
-"""The CPU's cost model: a CPU-only task's seconds are its units of work (counted from core.plan.hrm.Dims) times
-twelve coefficients (`NAMES`), fitted by non-negative least squares over the engine's own steps (`fit`, run by
-core.runtime.calibrate); the whole-run residuals give the band a prediction is quoted with. Stored per machine,
-torch build and kernels' code. Boundary: pure functions plus the cache file.
+"""The CPU's cost model (docs/CONTRACTS.md, Planner): a CPU-only task's seconds are its units of work (from
+core.plan.hrm.Dims) times twelve fitted coefficients (`NAMES`). Boundary: pure functions plus the cache file.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""This machine's CPU-only runs, measured beside predicted, kept in its calibration file (core.plan.cpu_cost).
-A run outside its band widens the stored band to its error; nothing else changes it.
+"""This machine's CPU-only runs, measured beside predicted, in its calibration file; a run outside its band
+widens the stored band to its error (docs/CONTRACTS.md, Planner).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """HardwareSpec: what the planner knows of a machine, from `preset` (datasheets), `detect` (pynvml, psutil) or
-`probe` (measured, cached per machine and CPU ISA setting). The HRM derates every field not in `measured`.
-torch is imported only by the probe.
+`probe` (measured, cached per machine and CPU ISA setting; the only user of torch here).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -81,11 +81,10 @@ class HardwareSpec(JsonRecord):
         unknown = set(self.measured) - set(RATE_FIELDS)
         if unknown:
             raise ValueError(f"measured names unknown fields {sorted(unknown)}; expected some of {RATE_FIELDS}")
-        object.__setattr__(self, "measured", tuple(self.measured))
-        object.__setattr__(self, "cpu_isa_limits", tuple(self.cpu_isa_limits))
-        object.__setattr__(self, "gpu_capability", tuple(self.gpu_capability or ()))
-        object.__setattr__(self, "cpu_matmul", {str(k): float(v) for k, v in dict(self.cpu_matmul).items()})
-        object.__setattr__(self, "cpu_speed", {str(k): float(v) for k, v in dict(self.cpu_speed).items()})
+        for name in ("measured", "cpu_isa_limits", "gpu_capability"):  # JSON gives lists
+            object.__setattr__(self, name, tuple(getattr(self, name) or ()))
+        for name in ("cpu_matmul", "cpu_speed"):
+            object.__setattr__(self, name, {str(k): float(v) for k, v in dict(getattr(self, name)).items()})
         object.__setattr__(self, "cpu_costs", {str(k): {str(m): dict(c) for m, c in dict(v).items()}
                                                for k, v in dict(self.cpu_costs).items()})
 
@@ -419,20 +418,16 @@ def _matmul_rate(dtype_name: str):
 CPU_MATMUL_PROBES = {name: _matmul_rate(name) for name in ("float32", "bfloat16", "float16")}
 
 
-def _quant_rate(name: str, rows: int):
+def _quant_rate(name: str, rows: int, seconds: float) -> float:
     """torch's weight-only CPU kernel (int8, int4) at `rows` rows, as the engine runs it (kernel_probe)."""
+    from core.model.quant.experts import kernel_probe
 
-    def run(seconds: float) -> float:
-        from core.model.quant.experts import kernel_probe
-
-        fn, flops = kernel_probe(name, rows=rows)
-        return flops / _best(fn, seconds)
-
-    return run
+    fn, flops = kernel_probe(name, rows=rows)
+    return flops / _best(fn, seconds)
 
 
 # "int4": at 64 rows (FLOP-bound); "int4@1": one row, where expanding each weight is the cost
-CPU_MATMUL_PROBES.update({f"{name}{suffix}": _quant_rate(name, rows) for name in ("int8", "int4")
+CPU_MATMUL_PROBES.update({f"{name}{suffix}": functools.partial(_quant_rate, name, rows) for name in ("int8", "int4")
                           for suffix, rows in (("", 64), ("@1", 1))})
 
 

@@ -157,11 +157,8 @@ class Dims:
     def d2(self) -> float:
         return self.avg(lambda m: m.d2)
 
-    def state_bytes(self, tokens: float) -> float:
-        return sum(m.count * m.state.bytes(tokens, self.dt) for m in self.mixers)
-
     def state_layer_bytes(self, tokens: float) -> float:
-        return self.state_bytes(tokens) / self.layers
+        return sum(m.count * m.state.bytes(tokens, self.dt) for m in self.mixers) / self.layers
 
     def new_token_bytes(self) -> float:
         return self.avg(lambda m: m.new_token_bytes(self.dt))
@@ -477,24 +474,23 @@ def ffn_ops(m: "ModelSpec | Dims", r: Rates, tokens: float) -> float:
     return fixed + per * d.moe_frac * expected_experts(tokens, d.E, d.k)
 
 
-def host_task_seconds(r: Rates, ffn: float | None = None) -> dict[str, float]:
-    """`ffn`: the FFN task's ops (ffn_ops)."""
+def _ops(ffn: float) -> dict[str, float]:
+    """Torch ops of a task of each kind; `ffn`: the FFN task's (ffn_ops)."""
+    return {**HOST_OPS, "ffn": ffn, "prefill": HOST_OPS["prefill"] + ffn - HOST_OPS["ffn"]}
+
+
+def host_task_seconds(r: Rates, ffn: float) -> dict[str, float]:
     return {kind: r.task_seconds + n * r.op_seconds for kind, n in _ops(ffn).items()}
 
 
-def _ops(ffn: float | None) -> dict[str, float]:
-    return HOST_OPS if ffn is None else {**HOST_OPS, "ffn": ffn, "prefill": HOST_OPS["prefill"] + ffn - HOST_OPS["ffn"]}
-
-
-def host_seconds(tasks: dict[str, TaskCost], r: Rates, ffn: float | None = None) -> float:
+def host_seconds(tasks: dict[str, TaskCost], r: Rates, ffn: float) -> float:
     """A GPU layer's tasks one after another on one interpreter: keeps the search off tiny micro-batches."""
     per = host_task_seconds(r, ffn)
     return sum(c.per_layer * per.get(kind, r.task_seconds) for kind, c in tasks.items())
 
 
-def host_ops(tasks: dict[str, TaskCost], ffn: float | None = None) -> dict[str, float]:
-    ops = _ops(ffn)
-    return {kind: c.per_layer * ops.get(kind, 0) for kind, c in tasks.items()}
+def host_ops(tasks: dict[str, TaskCost], ffn: float) -> dict[str, float]:
+    return {kind: c.per_layer * _ops(ffn).get(kind, 0) for kind, c in tasks.items()}
 
 
 def pin_seconds(pinned_bytes: float, r: Rates) -> float:

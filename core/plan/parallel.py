@@ -12,10 +12,6 @@ from core.model.spec import ModelSpec
 from core.plan.hardware import HardwareSpec
 
 
-def default_ranks(hw: HardwareSpec) -> int:
-    return hw.gpu_count if hw.has_gpu else 1
-
-
 def with_gpus(hw: HardwareSpec, gpus: int) -> HardwareSpec:
     """`--gpus K`: the same host with K of its GPU."""
     if gpus < 1:

@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass
 
 from core.plan import hrm
-from core.plan.parallel import default_ranks, rank_view
+from core.plan.parallel import rank_view
 from core.errors import BudgetError, UsageError
 from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy, Prediction, dense_layers, expert_split, kv_gpu_layers
@@ -84,19 +84,14 @@ def _gb(n: float) -> str:
 # ---- memory: tests/test_gpu_memory.py checks peak device bytes ≤ the plan's figure ≤ 1.1 × that peak ----
 
 
-def tokens_per_slot(w: Workload) -> int:
-    """Cached tokens a slot has room for: any waiting request may refill it, so the longest."""
-    return w.longest_prompt + w.gen_len
-
-
 def memory_use(m: "ModelSpec | hrm.Dims", p: Policy, w: Workload) -> tuple[dict[str, int], dict[str, int]]:
     gpu, cpu, _ = _memory(hrm.dims(m), p, w)
     return gpu, cpu
 
 
 def _memory(d: hrm.Dims, p: Policy, w: Workload) -> tuple[dict[str, int], dict[str, int], int]:
-    T = tokens_per_slot(w)
-    N, mu, beta = p.batch_size, p.micro_batch_size, p.expert_batch_size
+    T = w.longest_prompt + w.gen_len  # cached tokens a slot has room for: any waiting request may refill it
+    N, mu = p.batch_size, p.micro_batch_size
     # what a sequence keeps depends on each layer's kind (ModelSpec.layer_state): the average layer's
     kv_layer = N * d.state_layer_bytes(T)
     cpu_attn_ws = mu * d.heads * T * 4  # fp32 scores of one micro-batch
@@ -179,7 +174,7 @@ def _gpu_activations(d: hrm.Dims, p: Policy, w: Workload, split: bool = False) -
         return t * (D * (8 + dt) + 3 * (q + kv) * dt)
 
     logits = mu * (V * 4 + 3 * D * 4)
-    metadata = N * (5 * 8 + tokens_per_slot(w))  # per-step ids, positions, lengths, slots; padding mask
+    metadata = N * (5 * 8 + w.longest_prompt + w.gen_len)  # per-step ids, positions, lengths, slots; padding mask
     routing = 2 * k * (8 + dt)  # expert ids and weights per token, and their concatenation for the expert batch
     # + one more hidden-state block: a stream's last reference lives as long as its thread's timing says
     decode = N * D * dt + beta * (3 * D * dt + shared + routing) + max(ffn(beta), pre(mu), logits) + metadata
@@ -304,26 +299,27 @@ def _memory_lin(d: hrm.Dims, w: Workload, place, n: int, mu: int, beta: int) -> 
 def _linearise(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int, beta: int, mem=None,
                prefill=None) -> _Lin:
     """`mem` and `prefill` (independent of the expert batch) may be passed in when already known."""
-    a, f = place
-    kw = dict(batch=n, micro_batch=mu, expert_batch=beta, attention_on=a, ffn_on=f, context=w.decode_context)
-    dec = _corners(lambda r_w, r_c: hrm.decode_layer_seconds(
-        d, r, gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, **kw), a == "gpu")
-    head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=f == "gpu")
-    fixed = head * w.gen_len + hrm.wave_seconds(r, on_gpu=f == "gpu")
-    return _Lin(dec, prefill or _prefill_lin(d, r, w, place, n, mu), fixed=fixed, serial=f == "cpu",
+    dec = _corners(hrm.decode_layer_seconds, d, r, place, batch=n, micro_batch=mu, expert_batch=beta,
+                   context=w.decode_context)
+    head = hrm.head_seconds(d, r, tokens=n, micro_batches=n // mu, on_gpu=place[1] == "gpu")
+    fixed = head * w.gen_len + hrm.wave_seconds(r, on_gpu=place[1] == "gpu")
+    return _Lin(dec, prefill or _prefill_lin(d, r, w, place, n, mu), fixed=fixed, serial=place[1] == "cpu",
                 mem=mem or _memory_lin(d, w, place, n, mu, beta))
 
 
 def _prefill_lin(d: hrm.Dims, r: hrm.Rates, w: Workload, place, n: int, mu: int):
-    a, f = place
-    kw = dict(batch=n, micro_batch=mu, attention_on=a, ffn_on=f, prompt_len=w.prompt_len, prompt_sq=w.prompt_sq_mean)
-    return _corners(lambda r_w, r_c: hrm.prefill_layer_seconds(
-        d, r, gpu_weight_fraction=r_w, gpu_kv_fraction=r_c, **kw), a == "gpu")
+    return _corners(hrm.prefill_layer_seconds, d, r, place, batch=n, micro_batch=mu, prompt_len=w.prompt_len,
+                    prompt_sq=w.prompt_sq_mean)
 
 
-def _corners(layer_seconds, gpu_attn: bool) -> tuple:
-    p00 = _vec(layer_seconds(0.0, 0.0))
-    p10, p01 = _vec(layer_seconds(1.0, 0.0)), _vec(layer_seconds(0.0, 1.0)) if gpu_attn else p00
+def _corners(layer_seconds, d: hrm.Dims, r: hrm.Rates, place, **kw) -> tuple:
+    """A layer's figures (_vec) at r_w = r_c = 0, and their change per unit r_w and per unit r_c."""
+    def at(r_w: float, r_c: float) -> tuple[float, ...]:
+        return _vec(layer_seconds(d, r, attention_on=place[0], ffn_on=place[1], gpu_weight_fraction=r_w,
+                                  gpu_kv_fraction=r_c, **kw))
+
+    p00 = at(0.0, 0.0)
+    p10, p01 = at(1.0, 0.0), at(0.0, 1.0) if place[0] == "gpu" else p00
     return p00, tuple(x - y for x, y in zip(p10, p00)), tuple(x - y for x, y in zip(p01, p00))
 
 
@@ -564,7 +560,7 @@ def plan(model: ModelSpec, hardware: HardwareSpec, workload: Workload, budget: B
          ranks: int | None = None) -> tuple[Policy, Prediction]:
     """The policy with the highest predicted tokens/s that fits; `ranks` (default one per GPU) plan their share."""
     budget = budget or Budget.for_hardware(hardware)
-    ranks = ranks or default_ranks(hardware)
+    ranks = ranks or hardware.gpu_count or 1
     full_model, full_hw, full_budget = model, hardware, budget
     model, hardware, budget = rank_view(model, hardware, budget, ranks)
     top = _search(model, hardware, workload, budget, ranks=ranks)

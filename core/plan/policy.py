@@ -15,13 +15,17 @@ SCHEDULES = ("cgopipe", "s3", "s4")  # the decode schedules core.runtime.schedul
 
 
 class JsonRecord:
-    """A frozen dataclass's JSON round-trip; its __post_init__ turns JSON's lists back into the tuples it holds."""
+    """A frozen dataclass's JSON round-trip, refusing unknown fields; its __post_init__ turns JSON's lists back
+    into the tuples it holds."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict):
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(d) - names:
+            raise ValueError(f"unknown {cls.__name__} fields {sorted(set(d) - names)}; expected {sorted(names)}")
         return cls(**d)
 
     def to_json(self) -> str:
@@ -75,14 +79,6 @@ class Policy(JsonRecord):
     @property
     def micro_batches_per_expert_batch(self) -> int:
         return self.expert_batch_size // self.micro_batch_size
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Policy":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown policy fields {sorted(unknown)}; expected {sorted(names)}")
-        return cls(**d)
 
 
 def expert_split(gpu_weight_fraction: float, num_layers: int, num_experts: int, dense=()) -> list[int]:

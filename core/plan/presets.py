@@ -1,6 +1,5 @@
-"""Model descriptions without weights (`resolve_spec` for `--model`): a checkpoint folder, a bundled preset
-(core/assets/configs/<name>/config.json) or a repo id whose config.json the local HF cache holds. Reads config
-files only: never downloads, never loads weights.
+"""Model descriptions without weights for `--model` (`resolve_spec`): reads config files only, never downloads,
+never loads weights.
 """
 
 from __future__ import annotations
