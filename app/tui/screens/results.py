@@ -95,9 +95,6 @@ class ResultsScreen(StepScreen):
         default = out.with_name(f"{out.stem.removesuffix('.results')}.export.{fmt_name}")
         self.app.push_screen(ExportScreen(default, self.records), lambda done: done and self.status(done, "ok"))
 
-    def action_back(self) -> None:
-        self.app.pop_screen()
-
     def palette_commands(self):
         yield SystemCommand("Export results as CSV", "Write every result to a .csv file", lambda: self.action_export("csv"))
         yield SystemCommand("Export results as JSONL", "Write every result to a .jsonl file",
