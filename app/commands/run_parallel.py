@@ -78,8 +78,6 @@ class _Rank:
             if self.store is not None:
                 self.store.release()
 
-    # -- phases -----------------------------------------------------------------------------------
-
     def _inputs(self):
         args, w = self.args, self.world
         check_files(args, self.out, ("several ranks cannot share stdin",
@@ -135,8 +133,6 @@ class _Rank:
         requests = prepare_requests(engine, prompts, sampling(args))
         _refuse_rejects(prompts, args.skip_bad, self.out)
         return engine, requests
-
-    # -- generation and the merge -----------------------------------------------------------------
 
     def _pending(self, mine: list) -> list[str]:
         """The ids this replica still has to run, decided by its first rank (which holds the run file)."""

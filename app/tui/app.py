@@ -78,7 +78,7 @@ class MlightApp(App):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("Help", "The steps and their keys (? or F1)", self.action_help)
-        yield from getattr(screen, "palette_commands", tuple)()  # a dialog has none
+        yield from getattr(screen, "palette_commands", tuple)()  # a step's own entries; a dialog has none
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

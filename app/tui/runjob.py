@@ -1,6 +1,5 @@
-"""RunJob: one run of the engine over the prompts on a worker thread, each result saved as it finishes. Pause
-blocks the engine between steps inside `should_stop`; telemetry is posted at most every POST_EVERY_S (and at each
-state change), so the UI never sees a flood."""
+"""One run of the engine over the prompts on a worker thread, each result saved as it finishes. Pause blocks the
+engine between steps inside `should_stop`; telemetry is posted at most every POST_EVERY_S, so the UI never floods."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ from typing import Any, Callable
 
 from textual.message import Message
 
+from app.tui.backend import EngineChoices
 from app.tui.meter import RunMeter
 from app.tui.messages import RunEnded, RunLog, RunUpdate, SimulatedStep
 from core.telemetry import WarningEvent
@@ -158,11 +158,9 @@ class RunJob:
         self.meter.saved_in += int(record.get("prompt_tokens", 0))
 
     def _choices(self) -> dict:
-        if self.choices is None:
-            return {}
         # the plan settled "auto" on a format: the engine loads that one (a group size only for int4)
         q = self.plan.quantize if self.plan.quantize not in (None, "none") else None
-        return {"choices": dataclasses.replace(self.choices, quantize=q,
+        return {"choices": dataclasses.replace(self.choices or EngineChoices(), quantize=q,
                                                group_size=self.plan.group_size if q == "int4" else None,
                                                quantize_dense=self.plan.quant_dense if q else None)}
 

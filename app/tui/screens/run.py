@@ -1,6 +1,5 @@
-"""Step 5 — Run: the engine in a thread worker; progress, throughput against the prediction, the last decode step
-beside the planner's simulation, and a log. RunUpdates replace each other in the queue and the screen redraws at
-4 Hz, so the display costs the same however fast the engine steps."""
+"""Step 5 — Run: progress, throughput against the prediction, the last decode step beside the planner's
+simulation, and a log; redrawn at 4 Hz, so the display costs the same however fast the engine steps."""
 
 from __future__ import annotations
 
