@@ -11,7 +11,6 @@ from typing import Any, Callable
 
 from textual.message import Message
 
-from app.tui.backend import EngineChoices
 from app.tui.meter import RunMeter
 from app.tui.messages import RunEnded, RunLog, RunUpdate, SimulatedStep
 from core.telemetry import WarningEvent
@@ -158,9 +157,11 @@ class RunJob:
         self.meter.saved_in += int(record.get("prompt_tokens", 0))
 
     def _choices(self) -> dict:
+        if self.choices is None:
+            return {}
         # the plan settled "auto" on a format: the engine loads that one (a group size only for int4)
         q = self.plan.quantize if self.plan.quantize not in (None, "none") else None
-        return {"choices": dataclasses.replace(self.choices or EngineChoices(), quantize=q,
+        return {"choices": dataclasses.replace(self.choices, quantize=q,
                                                group_size=self.plan.group_size if q == "int4" else None,
                                                quantize_dense=self.plan.quant_dense if q else None)}
 
