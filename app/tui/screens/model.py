@@ -51,7 +51,6 @@ class ModelScreen(StepScreen):
 
     def on_mount(self) -> None:
         self.query_one("#model-facts").border_title = "Model"
-        self.query_one("#download").display = False
         self.query_one("#model-facts", Facts).set_rows([("Model", "none chosen yet — d (or Enter) takes the demo "
                                                                   "model; Tab reaches the path field")])
         opts = self.session.options
