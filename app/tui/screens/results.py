@@ -81,9 +81,6 @@ class ResultsScreen(StepScreen):
             table.move_cursor(row=min(row, len(self.records) - 1))
 
     @on(DataTable.RowSelected, "#results")
-    def selected(self, event: DataTable.RowSelected) -> None:
-        self.action_detail()
-
     def action_detail(self) -> None:
         table = self.query_one("#results", DataTable)
         if not self.records:
