@@ -99,8 +99,6 @@ class ResultsScreen(StepScreen):
 
 
 class DetailScreen(ModalScreen):
-    """One request in full: prompt, output and its numbers."""
-
     BINDINGS = [Binding("escape,q,enter", "dismiss", "Close")]
 
     def __init__(self, record: dict):

@@ -95,8 +95,6 @@ class Legend(Static):
 
 
 class Timeline(Widget):
-    """Lanes of one step: `show(spans, seconds, header)`; `lanes` picks which resources get a row."""
-
     COMPONENT_CLASSES = {"timeline--idle", "timeline--axis"}
 
     zoom: reactive[int] = reactive(0)
