@@ -1,8 +1,6 @@
 """`mlight bench`: run a workload through one or all schedules and put measured next to predicted.
 
-Measured from the engine's StepDone events; predicted by the planner for the same policy on this machine or a
-preset. `--calibrate` first fits and caches this machine's CPU cost model, which later plans use.
-"""
+Measured from the engine's StepDone events, predicted by the planner for the same policy and --hardware."""
 
 from __future__ import annotations
 

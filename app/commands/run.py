@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import shutil
 import signal
@@ -216,13 +217,7 @@ def run(args) -> int:
         _refuse_rejects(prompts, args.skip_bad, out)
         refuse_turns(prompts, "--tensor-parallel")
         return launch_local(args.tensor_parallel, [sys.executable, "-m", "app.cli", *args.argv])
-    fmt = check_files(args, out)
-
-    def generate(store, prompts, model_dir, model_name, progress, stopper) -> int:
-        _say_other_parts(out, 1)
-        return _generate(args, store, prompts, model_dir, model_name, fmt, progress, stopper)
-
-    return with_run(args, out, _plan_batches, generate)
+    return with_run(args, out, _plan_batches, functools.partial(_generate, args, check_files(args, out)))
 
 
 def check_files(args, out: Path, no_stdin: tuple[str, str] | None = None, micro: bool = True) -> str:
@@ -396,8 +391,9 @@ def _load_engine(args, model_dir: Path, progress, tp=None):
     return Engine.load(model_dir, progress=progress, **kw)
 
 
-def _generate(args, store: RunStore, prompts: PromptSet, model_dir: Path, model_name: str, fmt: str,
+def _generate(args, fmt: str, store: RunStore, prompts: PromptSet, model_dir: Path, model_name: str,
               progress, stopper: _Stopper) -> int:
+    _say_other_parts(store.out, 1)
     engine = _load_engine(args, model_dir, progress)
     requests = prepare_requests(engine, prompts, sampling(args))
     _refuse_rejects(prompts, args.skip_bad, store.out)

@@ -45,6 +45,7 @@ class _Rank:
         self.rank = world.rank
         self.out = Path(args.out)
         self.store: RunStore | None = None
+        self.progress = _ProgressLine() if world.local_rank == 0 else (lambda ev: None)
 
     def phase(self, fn):
         """Run `fn` on this rank, then agree with every rank that nobody failed."""
@@ -77,8 +78,6 @@ class _Rank:
             if self.store is not None:
                 self.store.release()
 
-    # -- phases -----------------------------------------------------------------------------------
-
     def _inputs(self):
         args, w = self.args, self.world
         check_files(args, self.out, ("several ranks cannot share stdin",
@@ -92,17 +91,21 @@ class _Rank:
         prompts = _read(args)
         _refuse_rejects(prompts, args.skip_bad, self.out)
         refuse_turns(prompts, "torchrun or --tensor-parallel")
-        progress = _ProgressLine() if w.local_rank == 0 else (lambda ev: None)
-        model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
+        model_dir, model_name = resolve_model(args.model, args.revision, progress=self.progress)
         args.replicas_here = w.local_size // w.tp
         _plan_batches(args, prompts, model_dir)
         return prompts, model_dir, model_name
 
-    def _same_prompts(self, prompts: PromptSet) -> None:
+    def _gather(self, value, group=None) -> list:
+        """`value` from every rank, in rank order."""
         import torch.distributed as dist
 
-        hashes: list = [None] * self.world.size
-        dist.all_gather_object(hashes, prompts.sha256)
+        out: list = [None] * self.world.size
+        dist.all_gather_object(out, value, group=group)
+        return out
+
+    def _same_prompts(self, prompts: PromptSet) -> None:
+        hashes = self._gather(prompts.sha256)
         odd = [r for r, h in enumerate(hashes) if h != hashes[0]]
         if odd:
             raise UsageError(f"rank {odd[0]} reads a different {self.args.prompts} than rank 0",
@@ -126,20 +129,14 @@ class _Rank:
             from core.runtime.distributed.tensor_parallel import TensorParallel
 
             tp = TensorParallel(self.groups.tp, device="cuda" if self.groups.tp_backend == "nccl" else "cpu")
-        progress = _ProgressLine() if w.local_rank == 0 else (lambda ev: None)
-        engine = _load_engine(args, model_dir, progress, tp=tp)
+        engine = _load_engine(args, model_dir, self.progress, tp=tp)
         requests = prepare_requests(engine, prompts, sampling(args))
         _refuse_rejects(prompts, args.skip_bad, self.out)
         return engine, requests
 
-    # -- generation and the merge -----------------------------------------------------------------
-
     def _pending(self, mine: list) -> list[str]:
         """The ids this replica still has to run, decided by its first rank (which holds the run file)."""
-        import torch.distributed as dist
-
-        lists: list = [None] * self.world.size
-        dist.all_gather_object(lists, [e.id for e in mine if e.id not in self.store.done] if self.store else None)
+        lists = self._gather([e.id for e in mine if e.id not in self.store.done] if self.store else None)
         return lists[self.world.tp_ranks()[0]]
 
     def _generate(self, engine, prompts: PromptSet, requests: dict, model_name: str, stopper: _Stopper) -> int:
@@ -192,11 +189,8 @@ class _Rank:
         return {"merged": 0, "stopped": 130}.get(decision, 1)
 
     def _say_resuming(self, total: int) -> None:
-        import torch.distributed as dist
-
-        counts: list = [None] * self.world.size
-        dist.all_gather_object(counts, len(self.store.done) if self.store and self.store.resumed else 0,
-                               group=self.groups.phase.group)
+        counts = self._gather(len(self.store.done) if self.store and self.store.resumed else 0,
+                              self.groups.phase.group)
         if sum(counts) and self.rank == 0:
             _say(resuming_line(sum(counts), total))
 

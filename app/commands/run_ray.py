@@ -1,6 +1,5 @@
 """`mlight run --ray ADDRESS|auto`: the prompts not yet done mapped through Ray Data's actor pool, one engine
-replica per actor (per GPU, or per node on a CPU cluster); results are saved as they stream back, so a stop
-resumes."""
+replica per actor (per GPU, or per node on a CPU cluster); results saved as they stream back, so a stop resumes."""
 
 from __future__ import annotations
 

@@ -78,9 +78,8 @@ class MlightApp(App):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("Help", "The steps and their keys (? or F1)", self.action_help)
-        yield from getattr(screen, "palette_commands", tuple)()  # a dialog has none
+        yield from getattr(screen, "palette_commands", tuple)()  # a step's own entries; a dialog has none
 
-    # ---- help and quit ----------------------------------------------------------------------------
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen(self.screen))
@@ -99,7 +98,6 @@ class MlightApp(App):
             if isinstance(screen, ConfirmQuit):
                 screen.run_ended(head, text)
 
-    # ---- words ------------------------------------------------------------------------------------
     def tone(self, level: str) -> str:
         """A Rich style for ok / warn / error text in the current theme (readable on dark and light)."""
         key = {"ok": "text-success", "warn": "text-warning", "error": "text-error"}.get(level)

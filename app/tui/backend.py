@@ -1,6 +1,5 @@
-"""Every call the screens make into `core` (RunJob runs core's run loop), and the view-models they draw. Tests
-hand the app a Backend with pinned hardware and a frozen clock. Runs share `mlight run`'s run store and manifest,
-so either resumes the other's unfinished run."""
+"""Every call the screens make into `core` (RunJob runs core's run loop), and the view-models they draw. Runs
+share `mlight run`'s run store and manifest, so either resumes the other's unfinished run."""
 
 from __future__ import annotations
 
@@ -143,7 +142,6 @@ class Backend:
                 self._memo[key] = make()  # an exception is not remembered: asking again retries
             return self._memo[key]
 
-    # ---- machine ------------------------------------------------------------------------------
     def machine(self, refresh: bool = False, progress: EventSink = ignore) -> MachineView:
         """Detected and measured hardware (core caches the probe per machine), or the pinned spec."""
         from core.plan import hardware
@@ -159,7 +157,6 @@ class Backend:
 
         return self._once(("machine",), measure, fresh=refresh)
 
-    # ---- model --------------------------------------------------------------------------------
     def open_model(self, text: str | None, machine: MachineView | None, progress: EventSink = ignore,
                    should_stop: Callable[[], bool] = lambda: False) -> ModelView:
         """'demo' (or nothing), a checkpoint folder, a GGUF file, or a repo id (downloaded into the hub cache)."""
@@ -212,7 +209,6 @@ class Backend:
             problems["Prompts"] = f"--prompts {prompts}: " + ("a folder, not a file" if path.is_dir() else "not found")
         return problems
 
-    # ---- prompts ------------------------------------------------------------------------------
     def prompts_path(self, text: str | Path) -> Path:
         """A prompts file as typed: 'demo' is the bundled demo prompts unless a file of that name is here."""
         path = Path(text).expanduser()
@@ -232,7 +228,6 @@ class Backend:
             raise ValueError("max new tokens must be at least 1")
         self.max_new_tokens = n
 
-    # ---- plan ---------------------------------------------------------------------------------
     def _checkpoint(self, path: Path):
         """The engine's own reading of a model path (a safetensors folder's spec, or a GGUF file's), once."""
         from core.runtime.loading import read_checkpoint
@@ -357,7 +352,6 @@ class Backend:
 
         return GPU_USABLE, CPU_USABLE
 
-    # ---- run ----------------------------------------------------------------------------------
     def check_output(self, out: Path) -> None:
         """Refuse, before any loading, an output that cannot be written or whose format is unknown."""
         results.output_format(out)
@@ -437,7 +431,6 @@ class Backend:
         known = {(r.line, r.reason, r.id) for r in ps.rejects[:before]}
         return requests, [r for r in ps.rejects if (r.line, r.reason, r.id) not in known]
 
-    # ---- export -------------------------------------------------------------------------------
     @staticmethod
     def export(records: list[dict], path: Path) -> str:
         fmt = results.output_format(path)

@@ -9,8 +9,9 @@ import codecs
 import contextlib
 import os
 import sys
-import unicodedata
 from types import SimpleNamespace
+
+from rich.cells import cell_len
 
 from core import platform
 
@@ -44,17 +45,11 @@ _LOOKALIKE = {
 }
 
 
-def _cells(ch: str) -> int:
-    if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf"):
-        return 0
-    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
-
-
 def _ascii_lookalike(error: UnicodeError):
     if not isinstance(error, UnicodeEncodeError):
         raise error
     text = error.object[error.start:error.end]
-    return "".join(_LOOKALIKE.get(ch) or "?" * _cells(ch) for ch in text), error.end
+    return "".join(_LOOKALIKE.get(ch) or "?" * cell_len(ch) for ch in text), error.end
 
 
 codecs.register_error("mlight-ascii", _ascii_lookalike)

@@ -53,8 +53,6 @@ class Checked(PlanReady):
 
 
 class RunUpdate(Message):
-    """The newest cumulative view of the run; older ones still queued are dropped."""
-
     def __init__(self, snapshot: RunSnapshot):
         super().__init__()
         self.snapshot = snapshot

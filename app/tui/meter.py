@@ -1,6 +1,5 @@
-"""RunMeter: folds the engine's telemetry into cumulative RunSnapshots (the UI may drop all but the newest).
-Paused time counts nowhere. The last decode step's timeline is copied out (the executor reuses its buffer) at
-most every TIMELINE_EVERY_S, so a fast engine pays for the copy a few times a second, not every step."""
+"""RunMeter: folds the engine's telemetry into cumulative RunSnapshots; paused time counts nowhere. The last
+decode step's timeline is copied out (the executor reuses its buffer) at most every TIMELINE_EVERY_S."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""RunJob: one run of the engine over the prompts on a worker thread, each result saved as it finishes. Pause
-blocks the engine between steps inside `should_stop`; telemetry is posted at most every POST_EVERY_S (and at each
-state change), so the UI never sees a flood."""
+"""One run of the engine over the prompts on a worker thread, each result saved as it finishes. Pause blocks the
+engine between steps inside `should_stop`; telemetry is posted at most every POST_EVERY_S, so the UI never floods."""
 
 from __future__ import annotations
 

@@ -3,9 +3,7 @@ every step shares (workers fail into one handler, never a traceback)."""
 
 from __future__ import annotations
 
-from typing import Iterable
-
-from textual.app import ComposeResult, SystemCommand
+from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Button, Static
@@ -83,10 +81,6 @@ class StepScreen(Screen):
 
     def action_next(self) -> None:
         """Go on to the next step when this one is complete (each screen says what is missing)."""
-
-    def palette_commands(self) -> Iterable[SystemCommand]:
-        """This screen's entries in the command palette (besides Textual's own)."""
-        return ()
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.state == WorkerState.ERROR:

@@ -51,7 +51,6 @@ class ModelScreen(StepScreen):
 
     def on_mount(self) -> None:
         self.query_one("#model-facts").border_title = "Model"
-        self.query_one("#download").display = False
         self.query_one("#model-facts", Facts).set_rows([("Model", "none chosen yet — d (or Enter) takes the demo "
                                                                   "model; Tab reaches the path field")])
         opts = self.session.options
@@ -75,12 +74,9 @@ class ModelScreen(StepScreen):
         self.open_text("")
 
     @on(Input.Submitted, "#model-input")
-    def submitted(self, event: Input.Submitted) -> None:
-        self.open_text(event.value)
-
-    @on(PathInput.Dropped, "#model-input")
-    def dropped(self, event: PathInput.Dropped) -> None:
-        self.open_text(event.path)
+    @on(PathInput.Dropped, "#model-input")  # the field shows the dropped path, cleaned
+    def submitted(self) -> None:
+        self.open_text(self.query_one("#model-input", Input).value)
 
     def action_open(self) -> None:
         inp = self.query_one("#model-input", Input)

@@ -82,7 +82,6 @@ class PromptsScreen(StepScreen):
     def on_mount(self) -> None:
         self.query_one("#prompts-facts").border_title = "Summary"
         self.query_one("#rejects").border_title = "Bad lines"
-        self.query_one("#rejects").display = False
         self.query_one("#preview", DataTable).add_columns("id", "prompt", "max new")
         self.query_one("#preview").border_title = "First prompts"
         inp = self.query_one("#prompts-input", PathInput)

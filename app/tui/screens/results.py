@@ -81,9 +81,6 @@ class ResultsScreen(StepScreen):
             table.move_cursor(row=min(row, len(self.records) - 1))
 
     @on(DataTable.RowSelected, "#results")
-    def selected(self, event: DataTable.RowSelected) -> None:
-        self.action_detail()
-
     def action_detail(self) -> None:
         table = self.query_one("#results", DataTable)
         if not self.records:
@@ -95,9 +92,6 @@ class ResultsScreen(StepScreen):
         default = out.with_name(f"{out.stem.removesuffix('.results')}.export.{fmt_name}")
         self.app.push_screen(ExportScreen(default, self.records), lambda done: done and self.status(done, "ok"))
 
-    def action_back(self) -> None:
-        self.app.pop_screen()
-
     def palette_commands(self):
         yield SystemCommand("Export results as CSV", "Write every result to a .csv file", lambda: self.action_export("csv"))
         yield SystemCommand("Export results as JSONL", "Write every result to a .jsonl file",
@@ -105,8 +99,6 @@ class ResultsScreen(StepScreen):
 
 
 class DetailScreen(ModalScreen):
-    """One request in full: prompt, output and its numbers."""
-
     BINDINGS = [Binding("escape,q,enter", "dismiss", "Close")]
 
     def __init__(self, record: dict):

@@ -1,6 +1,5 @@
-"""Step 5 — Run: the engine in a thread worker; progress, throughput against the prediction, the last decode step
-beside the planner's simulation, and a log. RunUpdates replace each other in the queue and the screen redraws at
-4 Hz, so the display costs the same however fast the engine steps."""
+"""Step 5 — Run: progress, throughput against the prediction, the last decode step beside the planner's
+simulation, and a log; redrawn at 4 Hz, so the display costs the same however fast the engine steps."""
 
 from __future__ import annotations
 
@@ -293,7 +292,6 @@ class RunScreen(StepScreen):
         pred = self.session.plan.prediction if self.session.plan is not None else None
         predicted = pred.decode_tokens_per_s if pred is not None else None
         band = getattr(pred, "band", 0.0)
-        # the chart's legend, beside it, not over its lines
         text = Text.assemble(("━ ", legend_color(MEASURED_COLOR)), (f"{snap.decode_tps:,.1f}", "bold"),
                              " tokens/s now · ", (f"{snap.average_tps:,.1f}", "bold"), " average · ",
                              ("━ ", legend_color(PREDICTED_COLOR)),

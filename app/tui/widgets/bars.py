@@ -25,7 +25,6 @@ def bar_text(fraction: float, width: int, fill_style: str = "", empty_style: str
 class LabelBar(Widget):
     """`label ███████░░░ value` on one line; `fraction` > 1 is drawn full and flagged as over."""
 
-    DEFAULT_CSS = "LabelBar { height: 1; }"
     COMPONENT_CLASSES = {"bar--fill", "bar--over", "bar--empty"}
 
     fraction: reactive[float] = reactive(0.0)

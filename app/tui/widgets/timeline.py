@@ -95,13 +95,6 @@ class Legend(Static):
 
 
 class Timeline(Widget):
-    """Lanes of one step: `show(spans, seconds, header)`; `lanes` picks which resources get a row."""
-
-    DEFAULT_CSS = """
-    Timeline { height: auto; text-wrap: nowrap; text-overflow: ellipsis; }
-    Timeline > .timeline--idle { color: $foreground 30%; }
-    Timeline > .timeline--axis { color: $text-muted; }
-    """
     COMPONENT_CLASSES = {"timeline--idle", "timeline--axis"}
 
     zoom: reactive[int] = reactive(0)
