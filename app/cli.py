@@ -58,30 +58,13 @@ def version_report() -> str:
     else:
         gpu = f"CUDA {torch.version.cuda} build, no usable GPU (driver missing or too old?)"
     lines.append(f"torch {torch.__version__} ({gpu})")
-    nvidia = nvidia_gpus() if torch.version.cuda is None else []
+    from core.plan.hardware import nvml_gpus  # the driver's view, whatever torch was built for
+
+    nvidia = nvml_gpus() if torch.version.cuda is None else []
     if nvidia:  # the Windows default from PyPI, or an install that picked the wrong build
-        lines.append(f"note: this machine has an {nvidia[0]}, which a CPU-only torch cannot use: reinstall with "
+        lines.append(f"note: this machine has an {nvidia[0]['name']}, which a CPU-only torch cannot use: reinstall with "
                      "mlight's installer, or `uv tool install mlight --torch-backend auto --reinstall`")
     return "\n".join(lines)
-
-
-def nvidia_gpus() -> list[str]:
-    """Names of the NVIDIA GPUs the driver reports (NVML), whatever torch was built for; [] without one."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 — no library, no driver: no NVIDIA GPU to speak of
-        return []
-    try:
-        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                 for i in range(pynvml.nvmlDeviceGetCount())]
-        return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
-    except Exception:  # noqa: BLE001
-        return []
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 import zipfile
 from pathlib import Path
 
@@ -160,6 +161,7 @@ def test_version_says_when_a_cpu_only_torch_leaves_an_nvidia_gpu_idle(monkeypatc
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA GeForce RTX 4070")
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", lambda h: types.SimpleNamespace(total=12 << 30, free=11 << 30))
     note = version_report().splitlines()[-1]
     assert note.startswith("note: this machine has an NVIDIA GeForce RTX 4070") and "--torch-backend auto" in note
 

@@ -199,7 +199,7 @@ def detect() -> HardwareSpec:
     vm = psutil.virtual_memory()
     # guesses until a probe measures: AVX2 at ≈2.5 GHz a core; ≈10 GB/s a core, capped at a server's 204 GB/s
     cpu_flops, cpu_bw = cores * 80e9, min(cores * 10.0, 204.0) * GB
-    gpus = _nvml_gpus()
+    gpus = nvml_gpus()
     base = dict(cpu_flops=cpu_flops, cpu_bw=cpu_bw, cpu_mem_bytes=int(vm.total), cpu_cores=int(cores),
                 cpu_mem_available_bytes=int(vm.available), source="detect")
     if not gpus:
@@ -221,7 +221,7 @@ def detect() -> HardwareSpec:
     )
 
 
-def _nvml_gpus() -> list[dict]:
+def nvml_gpus() -> list[dict]:
     """One dict per GPU, or [] when NVML (library, driver or device) is not there."""
     try:
         import pynvml
