@@ -110,17 +110,17 @@ def test_what_it_takes_and_when_it_is_not_built(monkeypatch, tmp_path):
     assert not ffn.takes_widened(*_experts(D=96))  # hidden not a multiple of 64
     monkeypatch.undo()
     monkeypatch.setenv("MLIGHT_CACHE_DIR", str(tmp_path / "cache"))
-    ffn._build_avx2.cache_clear()
+    ffn.KERNEL_AVX2.cache_clear()
     try:
-        assert ffn._build_avx2("baseline") is None and "no AVX2" in ffn._reason_avx2
+        assert ffn.KERNEL_AVX2.at("baseline") is None and "no AVX2" in ffn.KERNEL_AVX2.reason
         monkeypatch.setenv("MLIGHT_NATIVE_EXPERTS", "0")
-        assert ffn._build_avx2("avx2") is None and ffn._reason_avx2 == "MLIGHT_NATIVE_EXPERTS=0"
+        assert ffn.KERNEL_AVX2.at("avx2") is None and ffn.KERNEL_AVX2.reason == "MLIGHT_NATIVE_EXPERTS=0"
         monkeypatch.delenv("MLIGHT_NATIVE_EXPERTS")
         monkeypatch.setattr(native, "_compiler", lambda: None)
-        ffn._build_avx2.cache_clear()
-        assert ffn._build_avx2("avx2") is None and "no C compiler" in ffn._reason_avx2
+        ffn.KERNEL_AVX2.cache_clear()
+        assert ffn.KERNEL_AVX2.at("avx2") is None and "no C compiler" in ffn.KERNEL_AVX2.reason
     finally:
-        ffn._build_avx2.cache_clear()
+        ffn.KERNEL_AVX2.cache_clear()
 
 
 @runs

@@ -10,7 +10,6 @@ fp32 activations.
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 
 import torch
@@ -26,10 +25,6 @@ FLAGS_AMX = ["-mamx-tile", "-mamx-bf16", "-mxsave"]  # where the usable ISA is A
 FLAGS_AVX2 = ["-mavx2", "-mfma"]
 SWITCHES = ("MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS")  # either set to 0: no expert kernel
 AMX_SWITCHES = ("MLIGHT_NATIVE_AMX", "MLIGHT_AMX")  # 0: the vector tiles alone on an AMX CPU (an A/B switch)
-
-_reason = "not built yet"
-_reason_avx2 = "not built yet"
-
 
 class _Lib(native.Library):
     def __init__(self, path, flags_amx: bool = False):
@@ -55,39 +50,29 @@ class _LibAvx2(native.Library):
         self.scratch = native.bind(self.dll, "mlight_moe_avx2_scratch", [I, I, I, I, I], I)
 
 
-@functools.lru_cache(maxsize=None)
-def _build(level: str) -> _Lib | None:
-    global _reason
+def _build(level: str):
     if not kernels.switched_off(SWITCHES) and (level not in isa.LEVELS
                                                or isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16")):
-        _reason = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX-512 BF16 dot product"
-        return None
+        return None, f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX-512 BF16 dot product"
     amx = level == "amx" and not kernels.switched_off(AMX_SWITCHES)
-    lib, _reason = native.build_kernel(SOURCE, "moe_ffn", FLAGS + (FLAGS_AMX if amx else []), 16,
-                                       lambda path: _Lib(path, amx), SWITCHES)
+    lib, why = native.build_kernel(SOURCE, "moe_ffn", FLAGS + (FLAGS_AMX if amx else []), 16,
+                                   lambda path: _Lib(path, amx), SWITCHES)
     if lib is None and amx:  # a compiler without the AMX flags: the vector tiles alone
-        lib, _reason = native.build_kernel(SOURCE, "moe_ffn", FLAGS, 16, _Lib, SWITCHES)
-    return lib
+        return native.build_kernel(SOURCE, "moe_ffn", FLAGS, 16, _Lib, SWITCHES)
+    return lib, why
 
 
-def library() -> _Lib | None:
-    return _build(isa.cpu_isa().usable)
-
-
-@functools.lru_cache(maxsize=None)
-def _build_avx2(level: str) -> _LibAvx2 | None:
-    global _reason_avx2
+def _build_avx2(level: str):
     if not kernels.switched_off(SWITCHES) and (not isa.X86 or level not in isa.LEVELS
                                                or isa.LEVELS.index(level) < isa.LEVELS.index("avx2")):
-        _reason_avx2 = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX2"
-        return None
-    lib, _reason_avx2 = native.build_kernel(SOURCE_AVX2, "moe_ffn_avx2", FLAGS_AVX2, 8, _LibAvx2, SWITCHES)
-    return lib
+        return None, f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX2"
+    return native.build_kernel(SOURCE_AVX2, "moe_ffn_avx2", FLAGS_AVX2, 8, _LibAvx2, SWITCHES)
 
 
-def library_avx2() -> _LibAvx2 | None:
-    """The fp32-math kernel over packed bf16 experts: AVX2 CPUs, where bf16 matmuls are slow."""
-    return _build_avx2(isa.cpu_isa().usable)
+KERNEL = native.Kernel("building the CPU expert kernel (once per machine)", _build)
+# the fp32-math kernel over packed bf16 experts: AVX2 CPUs, where bf16 matmuls are slow
+KERNEL_AVX2 = native.Kernel(KERNEL.what, _build_avx2)
+library, library_avx2 = KERNEL.library, KERNEL_AVX2.library
 
 
 def status(math: str = "bfloat16") -> str:
@@ -95,18 +80,17 @@ def status(math: str = "bfloat16") -> str:
     if math == "float32":
         wide = library_avx2()
         if wide is None:
-            return f"torch's GEMMs on tiles widened to fp32 ({_reason_avx2})"
+            return f"torch's GEMMs on tiles widened to fp32 ({KERNEL_AVX2.reason})"
         return f"fused C kernel in fp32 math ({wide.flags})" + ("" if wide.openmp else "; one thread")
     lib = library()
     if lib is None:
-        return f"oneDNN's packed GEMMs ({_reason})"
+        return f"oneDNN's packed GEMMs ({KERNEL.reason})"
     tiles = "; AMX tiles from 8 rows an expert" if lib.amx else ""
     return f"fused C kernel ({lib.flags}){tiles}" + ("" if lib.openmp else "; one thread: oneDNN when torch runs more")
 
 
 def prepare(progress=None, widened: bool = False) -> None:
-    native.build_announced("building the CPU expert kernel (once per machine)", library_avx2 if widened else library,
-                           progress)
+    (KERNEL_AVX2 if widened else KERNEL).prepare(progress)
 
 
 def _fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -160,7 +144,8 @@ class NativeExperts:
         wide = h.dtype == torch.float32
         lib = library_avx2() if wide else library()
         if lib is None:
-            raise RuntimeError(f"no expert kernel for {h.dtype} activations here ({_reason_avx2 if wide else _reason})")
+            why = (KERNEL_AVX2 if wide else KERNEL).reason
+            raise RuntimeError(f"no expert kernel for {h.dtype} activations here ({why})")
         T, k = idx.shape
         if wide or weights.dtype not in (torch.bfloat16, torch.float32):
             weights = weights.float()

@@ -12,7 +12,6 @@ experts with SwiGLU in one call; `runs` says where these run, elsewhere the call
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -30,9 +29,6 @@ SIMD = {0: "plain C", 1: "AVX2 maddubs", 2: "AVX-512 VNNI"}  # the int8 dots a b
 # super-block) stays ahead to 128 rows (NATIVE_GGUF_ROWS: the kernel's end).
 INT8_MAX_ROWS = {"Q8_0": 128, "Q4_0": 64, "Q4_K": 128, "Q5_K": 128, "Q6_K": 128, "MXFP4": 128}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # `linear`'s integer path for them is "int16"
-
-_reason = "not built yet"
-
 
 class _Lib(native.Library):
     def __init__(self, path, flags: str):
@@ -60,22 +56,19 @@ def build_flags() -> tuple[list[str], int]:
     return flags, vw
 
 
-@functools.lru_cache(maxsize=None)
-def _build(level: str) -> _Lib | None:
-    global _reason
+def _build(level: str):
     flags, vw = build_flags()
-    lib, _reason = native.build_kernel(SOURCE, "gguf_matmul", flags, vw,
-                                       lambda path: _Lib(path, " ".join(flags) or "baseline"))
-    return lib
+    return native.build_kernel(SOURCE, "gguf_matmul", flags, vw, lambda path: _Lib(path, " ".join(flags) or "baseline"))
 
 
-def library() -> _Lib | None:
-    return _build(isa.cpu_isa().usable)
+KERNEL = native.Kernel("building the CPU GGUF kernel (once per machine)", _build)
+library = KERNEL.library
 
 
 def status() -> str:
     lib = library()
-    return f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None else f"expanded per use ({_reason})"
+    return (f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None
+            else f"expanded per use ({KERNEL.reason})")
 
 
 def runs(name: str, dtype: torch.dtype, *ks: int) -> bool:

@@ -12,13 +12,12 @@ to gguf_blocks. Legend: D = hidden, I = expert intermediate, k = experts of the 
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 
 import torch
 
 from core.assets import GGUF_MATMUL_C, GGUF_TOKEN_C as SOURCE
-from core.model.cpu import gguf_blocks, isa, native
+from core.model.cpu import gguf_blocks, native
 from core.model.cpu.ffn import scratch as _scratch
 
 # formats whose rows this kernel dots where they lie (K-quants: with AVX-512 VNNI; elsewhere decoded first, the
@@ -29,9 +28,6 @@ ROWS = 8  # activation rows `linear` takes: an expert's rows at a small batch, w
 # tokens up to which a layer's experts take one `moe` call: it gained at B = 8 and lost at 32 (0.8-0.9x)
 TOKENS = 8
 MAX_SLOTS = 512  # (token, expert) pairs `moe` takes a call (gguf_token.c's MAX_SLOTS)
-
-_reason = "not built yet"
-
 
 class _Lib(native.Library):
     def __init__(self, path, flags: str):
@@ -54,23 +50,21 @@ class _Lib(native.Library):
         self.simd = gguf_blocks.SIMD[self.dll.mlight_gguf_simd()]
 
 
-@functools.lru_cache(maxsize=None)
-def _build(level: str) -> _Lib | None:
-    global _reason
+def _build(level: str):
     flags, vw = gguf_blocks.build_flags()  # the same instructions, the same floats
     included = hashlib.sha256(GGUF_MATMUL_C.read_bytes()).hexdigest()[:16]
-    lib, _reason = native.build_kernel(SOURCE, "gguf_token", [*flags, f"-DGGUF_MATMUL_HASH={included}"], vw,
-                                       lambda path: _Lib(path, " ".join(flags) or "baseline"))
-    return lib
+    return native.build_kernel(SOURCE, "gguf_token", [*flags, f"-DGGUF_MATMUL_HASH={included}"], vw,
+                               lambda path: _Lib(path, " ".join(flags) or "baseline"))
 
 
-def library() -> _Lib | None:
-    return _build(isa.cpu_isa().usable)
+KERNEL = native.Kernel("building the CPU GGUF token kernel (once per machine)", _build)
+library = KERNEL.library
 
 
 def status() -> str:
     lib = library()
-    return f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None else f"gguf_blocks.moe ({_reason})"
+    return (f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None
+            else f"gguf_blocks.moe ({KERNEL.reason})")
 
 
 def takes_tokens(k13: str, k2: str, M: int, k: int) -> bool:

@@ -20,9 +20,6 @@ from core.model.cpu.ffn import scratch as _scratch  # one thread-local scratch f
 GROUPS = (32, 64, 128)
 MAX_EXPERTS = 64  # routed experts of one token the fused call takes
 
-_reason = "not built yet"
-
-
 class _Lib(native.Library):
     def __init__(self, path, flags: str):
         super().__init__(path, flags, "mlight_int4_openmp")
@@ -39,31 +36,25 @@ def _vnni() -> bool:
     return bool(isa._features().get("avx512_vnni"))
 
 
-@functools.lru_cache(maxsize=None)
-def _build(level: str, vnni: bool) -> _Lib | None:
-    global _reason
+def _build(level: str, vnni: bool):
     flags, vw = native._flags()
     if vw == 16 and vnni:
         flags = [*flags, "-mavx512vnni"]
-    lib, _reason = native.build_kernel(SOURCE, "int4_matmul", [f"-DVW={vw}", *flags], vw,
-                                       lambda path: _Lib(path, " ".join(flags) or "baseline"), vw_of=lambda lib: lib.vw)
-    return lib
+    return native.build_kernel(SOURCE, "int4_matmul", [f"-DVW={vw}", *flags], vw,
+                               lambda path: _Lib(path, " ".join(flags) or "baseline"), vw_of=lambda lib: lib.vw)
 
 
-def library() -> _Lib | None:
-    return _build(isa.cpu_isa().usable, _vnni())
+KERNEL = native.Kernel("building the CPU int4 kernel (once per machine)", _build,
+                       key=lambda: (isa.cpu_isa().usable, _vnni()))
+library, prepare = KERNEL.library, KERNEL.prepare
 
 
 def status() -> str:
     """One line for `mlight hw`: which int4 matmul runs at small batches, and why."""
     lib = library()
     if lib is None:
-        return f"torch's weight-only kernel ({_reason})"
+        return f"torch's weight-only kernel ({KERNEL.reason})"
     return f"C kernel ({lib.flags})" + ("" if lib.openmp else "; one thread: torch's kernel when torch runs more")
-
-
-def prepare(progress=None) -> None:
-    native.build_announced("building the CPU int4 kernel (once per machine)", library, progress)
 
 
 def runs(dtype: torch.dtype, *ks: int, group: int) -> bool:
