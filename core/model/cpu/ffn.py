@@ -51,8 +51,7 @@ class _LibAvx2(native.Library):
 
 
 def _build(level: str):
-    if not kernels.switched_off(SWITCHES) and (level not in isa.LEVELS
-                                               or isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16")):
+    if not kernels.switched_off(SWITCHES) and isa.rank(level) < isa.rank("avx512_bf16"):
         return None, f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX-512 BF16 dot product"
     amx = level == "amx" and not kernels.switched_off(AMX_SWITCHES)
     lib, why = native.build_kernel(SOURCE, "moe_ffn", FLAGS + (FLAGS_AMX if amx else []), 16,
@@ -63,8 +62,7 @@ def _build(level: str):
 
 
 def _build_avx2(level: str):
-    if not kernels.switched_off(SWITCHES) and (not isa.X86 or level not in isa.LEVELS
-                                               or isa.LEVELS.index(level) < isa.LEVELS.index("avx2")):
+    if not kernels.switched_off(SWITCHES) and (not isa.X86 or isa.rank(level) < isa.rank("avx2")):
         return None, f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX2"
     return native.build_kernel(SOURCE_AVX2, "moe_ffn_avx2", FLAGS_AVX2, 8, _LibAvx2, SWITCHES)
 
@@ -101,18 +99,14 @@ def _fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     return not (two_i % 64 or D % 64) and tuple(w2.shape) == (E, D, two_i // 2)
 
 
-def _runs(lib) -> bool:
-    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
-
-
 def takes(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the kernel runs experts w13 [E, 2I, D], w2 [E, D, I] here (SwiGLU, no biases: the caller's part)."""
-    return _fits(w13, w2) and _runs(library())
+    return _fits(w13, w2) and native.runs(library())
 
 
 def takes_widened(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """`takes` for the fp32-math kernel: the CPU computes in fp32 because its bf16 matmuls are slow (AVX2)."""
-    return _fits(w13, w2) and _runs(library_avx2())
+    return _fits(w13, w2) and native.runs(library_avx2())
 
 
 class NativeExperts:

@@ -77,8 +77,7 @@ def runs(name: str, dtype: torch.dtype, *ks: int) -> bool:
         return False
     if any(k % GGUF_BLOCKS[name][0] for k in ks):
         return False
-    lib = library()
-    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+    return native.runs(library())
 
 
 def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None,

@@ -63,24 +63,22 @@ library = KERNEL.library
 
 def status() -> str:
     lib = library()
-    return (f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None
-            else f"gguf_blocks.moe ({KERNEL.reason})")
+    return f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None else f"gguf_blocks.moe ({KERNEL.reason})"
 
 
 def takes_tokens(k13: str, k2: str, M: int, k: int) -> bool:
     """Whether `moe` takes M bf16 tokens' k experts each with gate/up rows in format k13 and down rows in k2."""
     lib = library()
     return (bool(IN_PLACE.intersection((k13, k2))) and k <= gguf_blocks.MAX_EXPERTS and M * k <= MAX_SLOTS
-            and k13 in gguf_blocks.KINDS and k2 in gguf_blocks.KINDS and lib is not None
-            and (lib.openmp or torch.get_num_threads() == 1) and (M == 1 or lib.tokens is not None))
+            and k13 in gguf_blocks.KINDS and k2 in gguf_blocks.KINDS and native.runs(lib)
+            and (M == 1 or lib.tokens is not None))
 
 
 def takes_rows(name: str, M: int, K: int, plain_c: bool = False) -> bool:
     """Whether `linear` takes M bf16 rows of K through a matrix in format `name` (on its default path, or its
     plain-C dots): one row in every in-place format, up to ROWS for the K-quants on AVX-512 VNNI."""
     lib = library()
-    return (name in IN_PLACE and 1 <= M <= ROWS and K % gguf_blocks.GGUF_BLOCKS[name][0] == 0 and lib is not None
-            and (lib.openmp or torch.get_num_threads() == 1)
+    return (name in IN_PLACE and 1 <= M <= ROWS and K % gguf_blocks.GGUF_BLOCKS[name][0] == 0 and native.runs(lib)
             and (M == 1 or plain_c or (name != "Q8_0" and lib.simd == gguf_blocks.SIMD[2])))
 
 

@@ -61,8 +61,7 @@ def runs(dtype: torch.dtype, *ks: int, group: int) -> bool:
     """Whether the kernel takes inputs of these sizes at this group, computing in `dtype`, here."""
     if dtype not in (torch.bfloat16, torch.float32) or group not in GROUPS or any(k % 32 or k % group for k in ks):
         return False
-    lib = library()
-    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+    return native.runs(library())
 
 
 def _is_bf16(t: torch.Tensor) -> int:

@@ -98,6 +98,11 @@ class Library:
         return n
 
 
+def runs(lib: Library | None) -> bool:
+    """Whether a built kernel runs here: with OpenMP, or where torch runs one thread (one C thread loses to many)."""
+    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+
+
 class _Lib(Library):
     def __init__(self, path: Path, flags: str):
         super().__init__(path, flags, "mlight_decode_attention_openmp")

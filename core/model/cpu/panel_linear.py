@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from core.model import kernels
-from core.model.cpu import ffn, hugepages
+from core.model.cpu import ffn, hugepages, native
 from core.model.cpu.kernels import LinearOnlyWeight
 
 SWITCHES = ("MLIGHT_NATIVE_DENSE",)  # the old A/B switch (core.model.kernels)
@@ -24,8 +24,7 @@ def takes(w: torch.Tensor) -> bool:
         return False
     if kernels.switched_off(SWITCHES):
         return False
-    lib = ffn.library()
-    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+    return native.runs(ffn.library())
 
 
 def status(math: str = "bfloat16") -> str:
