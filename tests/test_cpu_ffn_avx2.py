@@ -80,8 +80,8 @@ def test_it_asks_for_its_own_scratch(monkeypatch):
     w13, w2 = _experts(E=6, D=128, I=96)
     g = torch.Generator().manual_seed(4)
     h, (w, idx) = torch.randn(11, 128, generator=g), torch.softmax(torch.randn(11, 6, generator=g), -1).topk(2)
-    asked, real = [], ffn.scratch
-    monkeypatch.setattr(ffn, "scratch", lambda nbytes: asked.append(nbytes) or real(nbytes))
+    asked, real = [], native.scratch
+    monkeypatch.setattr(native, "scratch", lambda nbytes: asked.append(nbytes) or real(nbytes))
     ffn.NativeExperts(w13, w2)(h, w, idx)
     lib = ffn.library_avx2()
     assert asked == [lib.scratch(11, 2, 6, 96, torch.get_num_threads() if lib.openmp else 1)]

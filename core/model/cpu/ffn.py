@@ -10,7 +10,6 @@ fp32 activations.
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
@@ -153,10 +152,10 @@ class NativeExperts:
             b = min(T, a + CHUNK_TOKENS)
             rows = (x0 + a * xs, b - a, k, i0 + a * is_, w0 + a * ws)
             if wide:
-                s = scratch(lib.sized("scratch", b - a, k, self.E, self.I, n))
+                s = native.scratch(lib.sized("scratch", b - a, k, self.E, self.I, n))
                 bad = lib.ffn(*rows, self.E, self.D, self.I, *experts, o0 + a * os_, s.data_ptr(), n)
             else:
-                s = scratch(lib.sized("scratch", b - a, k, self.E, self.D, self.I, n))
+                s = native.scratch(lib.sized("scratch", b - a, k, self.E, self.D, self.I, n))
                 bad = lib.ffn(*rows, int(weights.dtype == torch.bfloat16), self.E, self.D, self.I, *experts,
                               o0 + a * os_, s.data_ptr(), n)
             if bad:
@@ -175,14 +174,3 @@ def pack_gate_up(w13: torch.Tensor) -> torch.Tensor:
     two_i, D = w13.shape
     I = two_i // 2
     return pack_rows(w13.view(2, I // 32, 32, D).transpose(0, 1).reshape(two_i, D))
-
-
-_local = threading.local()
-
-
-def scratch(nbytes: int) -> torch.Tensor:
-    """This thread's scratch, grown once to the largest call, then reused (no allocation per step)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        buf = _local.buf = torch.empty(nbytes, dtype=torch.uint8)
-    return buf

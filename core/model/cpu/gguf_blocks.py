@@ -18,7 +18,6 @@ import torch
 from core.assets import GGUF_MATMUL_C as SOURCE
 from core.model import kernels
 from core.model.cpu import isa, native
-from core.model.cpu.ffn import scratch as _scratch  # bytes: one thread-local scratch for every C kernel
 from core.model.quant.formats import GGUF_BLOCKS
 
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
@@ -94,7 +93,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
     y = torch.empty((M, N), dtype=x.dtype) if out is None else out
     if y.shape != (M, N) or y.dtype != x.dtype or (N > 1 and y.stride(1) != 1):
         raise ValueError(f"out must be [{M}, {N}] {x.dtype} with unit stride in N, not {tuple(y.shape)} {y.dtype}")
-    s = _scratch(4 * lib.sized("scratch", M, K, threads))  # float32s
+    s = native.scratch(4 * lib.sized("scratch", M, K, threads))  # float32s
     bf = int(x.dtype == torch.bfloat16)
     p = PATHS[path or {None: "fp32", 32: "int8", 256: "int16"}[int8_group(name, x.dtype, M)]]
     if lib.linear(KINDS[name], x.data_ptr(), bf, x.stride(0), M, K, raw.data_ptr(), raw.stride(0), N, y.data_ptr(), bf,
@@ -112,7 +111,7 @@ def dequantize(name: str, raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
                                                                                          torch.float32):
         raise ValueError(f"raw {tuple(raw.shape)} and out {tuple(out.shape)} {out.dtype} do not match")
     threads = torch.get_num_threads() if lib.openmp else 1
-    s = _scratch(4 * threads * K)
+    s = native.scratch(4 * threads * K)
     if lib.dequantize(KINDS[name], raw.data_ptr(), raw.stride(0), N, K, out.data_ptr(),
                       int(out.dtype == torch.bfloat16), out.stride(0), s.data_ptr(), threads):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
@@ -150,7 +149,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     ids, weights, x = native.moe_inputs(ids, weights, x)
     threads = torch.get_num_threads() if lib.openmp else 1
     out = torch.empty((1, D), dtype=x.dtype)
-    s = _scratch(4 * lib.sized("moe_scratch", D, I, k, threads))
+    s = native.scratch(4 * lib.sized("moe_scratch", D, I, k, threads))
     bf = int(x.dtype == torch.bfloat16)
     if lib.moe(KINDS[k13], KINDS[k2], x.data_ptr(), bf, D, I, k, ids.data_ptr(), weights.data_ptr(),
                int(weights.dtype == torch.bfloat16), w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(),

@@ -18,7 +18,6 @@ import torch
 
 from core.assets import GGUF_MATMUL_C, GGUF_TOKEN_C as SOURCE
 from core.model.cpu import gguf_blocks, native
-from core.model.cpu.ffn import scratch as _scratch
 
 # formats whose rows this kernel dots where they lie (K-quants: with AVX-512 VNNI; elsewhere decoded first, the
 # same result)
@@ -99,11 +98,11 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     kinds, bf = (gguf_blocks.KINDS[k13], gguf_blocks.KINDS[k2]), int(weights.dtype == torch.bfloat16)
     experts = (w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(), w2.stride(0), w2.stride(1))
     if M == 1 and lib.tokens is None:  # a revision before several tokens (bench/gguf_speed.py's baseline)
-        s = _scratch(4 * lib.sized("moe_scratch", D, I, k, threads))  # float32s
+        s = native.scratch(4 * lib.sized("moe_scratch", D, I, k, threads))  # float32s
         refused = lib.moe(*kinds, x.data_ptr(), 1, D, I, k, ids.data_ptr(), weights.data_ptr(), bf, *experts,
                           out.data_ptr(), 1, s.data_ptr(), threads, gguf_blocks.PATHS[path])
     else:
-        s = _scratch(4 * lib.sized("tokens_scratch", M, D, I, k, threads))
+        s = native.scratch(4 * lib.sized("tokens_scratch", M, D, I, k, threads))
         refused = lib.tokens(*kinds, x.data_ptr(), 1, D, M, D, I, k, ids.data_ptr(), weights.data_ptr(), bf,
                              *experts, out.data_ptr(), 1, D, s.data_ptr(), threads, gguf_blocks.PATHS[path])
     if refused:
@@ -125,7 +124,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, pat
     lib = library()
     M, K = x.shape
     threads = torch.get_num_threads() if lib.openmp else 1
-    s = _scratch(4 * lib.sized("linear_scratch", M, K, threads))
+    s = native.scratch(4 * lib.sized("linear_scratch", M, K, threads))
     if lib.linear(gguf_blocks.KINDS[name], x.data_ptr(), 1, x.stride(0), M, K, raw.data_ptr(), raw.stride(0),
                   raw.shape[0], out.data_ptr(), 1, out.stride(0), s.data_ptr(), threads,
                   1 if path.endswith("_c") else 2):

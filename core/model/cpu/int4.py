@@ -15,7 +15,6 @@ import torch
 
 from core.assets import INT4_MATMUL_C as SOURCE
 from core.model.cpu import isa, native
-from core.model.cpu.ffn import scratch as _scratch  # one thread-local scratch for every C kernel
 
 GROUPS = (32, 64, 128)
 MAX_EXPERTS = 64  # routed experts of one token the fused call takes
@@ -77,7 +76,7 @@ def linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, group: int) -> to
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty((M, N), dtype=x.dtype)
-    s = _scratch(lib.sized("scratch", M, K, 0, 0, 0))
+    s = native.scratch(lib.sized("scratch", M, K, 0, 0, 0))
     if lib.linear(x.data_ptr(), _is_bf16(x), x.stride(0), M, K, q.data_ptr(), q.stride(0), sz.data_ptr(), sz.stride(0),
                   N, group, y.data_ptr(), _is_bf16(y), N, s.data_ptr(), torch.get_num_threads()):
         raise RuntimeError(f"the int4 kernel refused K={K}, group {group}")
@@ -93,7 +92,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w
     k = ids.shape[-1]
     ids, weights, x = native.moe_inputs(ids, weights, x)
     out = torch.empty((1, D), dtype=x.dtype)
-    s = _scratch(lib.sized("scratch", 0, 0, k, D, I))
+    s = native.scratch(lib.sized("scratch", 0, 0, k, D, I))
     (q13, s13), (q2, s2) = w13, w2
     if lib.moe(x.data_ptr(), _is_bf16(x), D, I, group, k, ids.data_ptr(), weights.data_ptr(), _is_bf16(weights),
                q13.data_ptr(), q13.stride(0), s13.data_ptr(), s13.stride(0), q2.data_ptr(), q2.stride(0),

@@ -301,6 +301,14 @@ class _Pool:
 _local = threading.local()
 
 
+def scratch(nbytes: int) -> torch.Tensor:
+    """This thread's scratch for every C kernel, grown once to the largest call, then reused (none per step)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
+
+
 def _pool(n: int) -> _Pool:
     p = getattr(_local, "pool", None)
     if p is None or p.n != n:  # the thread count moved (threads.Governor)

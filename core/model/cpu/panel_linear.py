@@ -68,7 +68,7 @@ class PanelWeight(LinearOnlyWeight):
             x0, ld, o0, es = rows.data_ptr(), rows.stride(0), out.data_ptr(), 2
             for a in range(0, T, CHUNK_ROWS):  # one call at a decode step's few rows
                 m = min(CHUNK_ROWS, T - a)
-                s = ffn.scratch(lib.sized("linear_scratch", m, K, n))
+                s = native.scratch(lib.sized("linear_scratch", m, K, n))
                 lib.linear(x0 + a * ld * es, m, ld, K, self.panels.data_ptr(), N, b, o0 + a * N * es, N,
                            s.data_ptr(), n)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], N)
