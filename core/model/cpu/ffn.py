@@ -1,10 +1,8 @@
-"""A layer's routed experts in one C call (core/assets/kernels/moe_ffn.c), bf16 on AVX-512 BF16 CPUs.
-
-At a decode step's few rows an expert oneDNN's packed bf16 GEMM stays well below peak, and the experts are most
-of the step: the kernel fuses gate/up, SiLU(gate)·up, down, the routing weights and the sum in fp32 (rounded once
-to bf16) on weights packed once at load; where `takes` says no, oneDNN's packing (core.model.moe). On AMX, experts
-of 8 rows or more run as AMX tiles; on AVX2 `library_avx2` (moe_ffn_avx2.c) runs the same packed weights with
-fp32 activations.
+"""A layer's routed experts in one C call (core/assets/kernels/moe_ffn.c), bf16 on AVX-512 BF16 CPUs: at a decode
+step's few rows oneDNN's packed bf16 GEMM stays well below peak, and the experts are most of the step. The kernel
+fuses gate/up, SiLU(gate)·up, down, the routing weights and the sum in fp32 (rounded once to bf16) on weights
+packed once at load; where `takes` says no, oneDNN's packing (core.model.moe). On AMX, experts of 8 rows or more
+run as AMX tiles; on AVX2 `library_avx2` (moe_ffn_avx2.c) runs the same packed weights with fp32 activations.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""GGUF block formats multiplied as the file stores them (core/assets/kernels/gguf_matmul.c).
-
-Each weight row is decoded into a cache-resident buffer and dotted with every activation row, so the weights are
-read once, at the file's bits, instead of expanded whole per use. PATHS: "int8" (bf16 activations up to
-INT8_MAX_ROWS: quantized per 32 values as llama.cpp does, integer dots; "int8_c" plain C, the same numbers);
-"int16" (the K-quants: activations int16 a 256 values, finer than int8 and faster; llama.cpp's Q8_K was coarser,
-past the Qwen3-MoE Q4_K reference test's bound); "fp32" (`gguf.quants.dequantize`'s floats bit for bit, float32
-math: more rows, and float32 engines, which match transformers' float64 reading to 1e-4). `moe` is one token's
-experts with SwiGLU in one call; `runs` says where these run, elsewhere the caller expands.
+"""GGUF block formats multiplied as the file stores them (core/assets/kernels/gguf_matmul.c): each weight row is
+decoded into a cache-resident buffer and dotted with every activation row, so weights are read once, at the
+file's bits. PATHS: "int8" (bf16 activations up to INT8_MAX_ROWS, quantized per 32 values as llama.cpp does;
+"int8_c" plain C, the same numbers); "int16" (the K-quants: int16 activations a 256 values, finer than int8 and
+faster; llama.cpp's coarser Q8_K was past the Qwen3-MoE Q4_K reference test's bound); "fp32"
+(`gguf.quants.dequantize`'s floats bit for bit: more rows, and float32 engines, within 1e-4 of transformers'
+float64 reading). `moe`: one token's experts with SwiGLU in one call; `runs` says where these run.
 """
 
 from __future__ import annotations

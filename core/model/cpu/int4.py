@@ -1,9 +1,7 @@
-"""The int4 weight-only matmul in C (core/assets/kernels/int4_matmul.c), built by core.model.cpu.native.
-
-torch's int4 CPU kernel widens every weight to float, which makes it compute-bound; this one quantizes the few
-activation rows instead (two int8 digits an input, a scale per 8) and dots integers (AVX512_VNNI, else
-vpmaddubsw) on mlight's own int4 layout as stored. `linear` is one matrix, `moe` one token's experts with
-SwiGLU in one call, where `runs` says (not on one C thread while torch runs several: it loses to theirs).
+"""The int4 weight-only matmul in C (core/assets/kernels/int4_matmul.c): torch's int4 CPU kernel widens every
+weight to float, which makes it compute-bound; this one quantizes the few activation rows instead (two int8 digits
+an input, a scale per 8) and dots integers (AVX512_VNNI, else vpmaddubsw) on mlight's own int4 layout as stored.
+`linear` is one matrix, `moe` one token's experts with SwiGLU in one call, where `runs` says.
 """
 
 from __future__ import annotations

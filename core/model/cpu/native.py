@@ -1,5 +1,4 @@
-"""Fused decode attention in C (core/assets/kernels/decode_attention.c), and the build all mlight's C kernels share.
-
+"""Fused decode attention in C (core/assets/kernels/decode_attention.c), and the build all mlight's C kernels share:
 torch's bf16 `bmm` runs decode attention (a GEMV per request and KV head) at a third of the memory bandwidth,
 after copying the rows out; the kernel reads K and V once each in the cache's layout, with fp32 scores and sums.
 Where it cannot run, `usable` says False and torch's ops do. Requests are split over the calling thread's own
@@ -79,8 +78,7 @@ def bind(dll, name: str, argtypes: list, restype):
 
 
 class Library:
-    """A C kernel's library: `openmp`, whether its build has OpenMP (its C function `openmp_fn` says), and the
-    `flags` its status shows."""
+    """A C kernel's library: `openmp`, whether its build has OpenMP (C function `openmp_fn`), `flags` for status."""
 
     def __init__(self, path, flags: str, openmp_fn: str):
         self.dll = ctypes.CDLL(str(path))
@@ -195,8 +193,7 @@ def _failed(name: str, why: str):
 
 
 def compile_openmp(cc: str, base: list[str], source: Path, name: str) -> Path | str:
-    """`_compile` with OpenMP where torch runs on libgomp (Linux wheels: the kernel then binds torch's own
-    libgomp and threads), else or where that fails without it."""
+    """`_compile` with OpenMP where torch runs on libgomp (the kernel then shares torch's threads), else without."""
     out = "no build tried"
     for args in ([*base, "-fopenmp"], base) if _torch_uses_gomp() else (base,):
         out = _compile(cc, args, source, name)

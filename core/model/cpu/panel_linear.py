@@ -1,9 +1,7 @@
-"""Dense bf16 projections on the expert kernel's panels (core/assets/kernels/moe_ffn.c, `mlight_linear`).
-
-One decode row per projection is a read of the weight, which the panels stream at about twice oneDNN's packed
-GEMV: where that kernel runs, `pack_dense` (core.model.cpu.kernels) holds a bf16 weight with N a multiple of 64
-as panels instead (the same bytes). fp32 sums rounded once, bias before rounding, as oneDNN does (the order
-differs by an fp32 ulp).
+"""Dense bf16 projections on the expert kernel's panels (core/assets/kernels/moe_ffn.c, `mlight_linear`): one decode
+row per projection is a read of the weight, which the panels stream at about twice oneDNN's packed GEMV. Where that
+kernel runs, `pack_dense` (core.model.cpu.kernels) holds a bf16 weight with N a multiple of 64 as panels instead
+(the same bytes). fp32 sums rounded once, bias before rounding, as oneDNN does (the order differs by an fp32 ulp).
 """
 
 from __future__ import annotations
