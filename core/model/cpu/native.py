@@ -193,7 +193,8 @@ def _failed(name: str, why: str):
 
 
 def compile_openmp(cc: str, base: list[str], source: Path, name: str) -> Path | str:
-    """`_compile` with OpenMP where torch runs on libgomp (the kernel then shares torch's threads), else without."""
+    """`_compile` with OpenMP where torch runs on libgomp (the kernel then shares torch's threads); else, or where
+    that fails, without."""
     out = "no build tried"
     for args in ([*base, "-fopenmp"], base) if _torch_uses_gomp() else (base,):
         out = _compile(cc, args, source, name)
