@@ -135,9 +135,9 @@ def test_the_scratch_is_reused_and_the_result_lands_in_out():
     nat = ffn.NativeExperts(w13, w2)
     out = torch.empty(16, 128, dtype=torch.bfloat16)
     nat(h, w, idx, out)
-    buf = ffn._local.buf
-    assert nat(h, w, idx, out) is out and ffn._local.buf is buf
-    assert nat(h[:3], w[:3], idx[:3]).shape == (3, 128) and ffn._local.buf is buf  # fewer tokens: same buffer
+    buf = native._local.buf
+    assert nat(h, w, idx, out) is out and native._local.buf is buf
+    assert nat(h[:3], w[:3], idx[:3]).shape == (3, 128) and native._local.buf is buf  # fewer tokens: same buffer
 
 
 @runs
