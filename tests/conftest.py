@@ -75,16 +75,16 @@ def shared_kernels():
 
 @pytest.fixture
 def kernel_cache(monkeypatch, tmp_path, request, shared_kernels):
-    """`use(build, shared=True)`: this test builds (or fails to build) its own kernel through `build` (an
-    lru_cache'd builder, cleared now and after the test: none kept in memory from another test) in a cache dir
+    """`use(kernel, shared=True)`: this test builds (or fails to build) its own `kernel` (a native.Kernel, its
+    builds forgotten now and after the test: none kept in memory from another test) in a cache dir
     of its own. `shared`: the dir holds the session's C kernels (a kernel's file name hashes its source, compiler
     and flags, so flags another test compiled load that library instead of about 2 s of compiler); else empty,
     the kernel compiled now as on a user's first run."""
-    def use(build, shared: bool = True) -> None:
+    def use(kernel, shared: bool = True) -> None:
         cache = tmp_path / "cache"
         monkeypatch.setenv("MLIGHT_CACHE_DIR", str(shared_kernels(cache) if shared else cache))
-        build.cache_clear()
-        request.addfinalizer(build.cache_clear)
+        kernel.cache_clear()
+        request.addfinalizer(kernel.cache_clear)
 
     return use
 

@@ -25,12 +25,12 @@ needs_cc = pytest.mark.skipif(native._compiler() is None, reason="no C compiler 
 
 @pytest.fixture
 def fresh_build(kernel_cache):
-    kernel_cache(native._build)
+    kernel_cache(native.KERNEL)
 
 
 @pytest.fixture
 def first_build(kernel_cache):
-    kernel_cache(native._build, shared=False)
+    kernel_cache(native.KERNEL, shared=False)
 
 
 def _reference(q, store, slots, lengths, scale):
@@ -189,8 +189,8 @@ def test_the_kernel_is_built_while_loading_with_progress_not_in_the_first_decode
     Engine.load(path, progress=seen.append)
     built = [e for e in seen if isinstance(e, Progress) and "decode attention kernel" in e.what]
     assert built and built[-1].done == built[-1].total, seen
-    assert native._build.cache_info().currsize == 1  # built and loaded before any step ran
-    native._build.cache_clear()
+    assert len(native.KERNEL.built) == 1  # built and loaded before any step ran
+    native.KERNEL.cache_clear()
     again = []
     Engine.load(path, progress=again.append)
     assert not [e for e in again if isinstance(e, Progress) and "decode attention kernel" in e.what]

@@ -63,7 +63,7 @@ def test_tiles_and_vector_tiles_agree(monkeypatch, fresh_build):
     assert ffn.library().amx
     on = nat(h, w, idx)
     monkeypatch.setenv("MLIGHT_NATIVE_AMX", "0")
-    ffn._build.cache_clear()
+    ffn.KERNEL.cache_clear()
     assert not ffn.library().amx and "-mamx" not in ffn.library().flags
     off = nat(h, w, idx)
     assert (on == off).float().mean().item() >= 0.99
@@ -89,10 +89,10 @@ def test_dense_projections_on_tiles_give_linear(T, K, N):
 @vector
 def test_below_amx_or_switched_off_no_tiles(monkeypatch, fresh_build):
     """The usable ISA AVX-512 BF16 (a CPU without AMX, or ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16): no AMX flags."""
-    lib = ffn._build("avx512_bf16")
+    lib = ffn.KERNEL.at("avx512_bf16")
     assert lib is not None and not lib.amx and "-mamx" not in lib.flags
     monkeypatch.setenv("MLIGHT_NATIVE_AMX", "0")
-    lib = ffn._build("amx")
+    lib = ffn.KERNEL.at("amx")
     assert lib is not None and not lib.amx and "-mamx" not in lib.flags
 
 
@@ -102,7 +102,7 @@ def test_an_os_or_cpu_that_refuses_the_tile_state_keeps_the_vector_tiles(monkeyp
     built with the tile path but the OS grants no tile state, so it never runs: the results stay right."""
     if isa.cpu_isa().hardware == "amx":
         pytest.skip("this CPU has AMX: the refusal cannot be shown here")
-    lib = ffn._build("amx")
+    lib = ffn.KERNEL.at("amx")
     assert lib is not None and not lib.amx
     monkeypatch.setattr(ffn, "library", lambda: lib)
     w13, w2, h, w, idx = _case(20, D=128, I=96)

@@ -80,8 +80,8 @@ def test_it_asks_for_its_own_scratch(monkeypatch):
     w13, w2 = _experts(E=6, D=128, I=96)
     g = torch.Generator().manual_seed(4)
     h, (w, idx) = torch.randn(11, 128, generator=g), torch.softmax(torch.randn(11, 6, generator=g), -1).topk(2)
-    asked, real = [], ffn.scratch
-    monkeypatch.setattr(ffn, "scratch", lambda nbytes: asked.append(nbytes) or real(nbytes))
+    asked, real = [], native.scratch
+    monkeypatch.setattr(native, "scratch", lambda nbytes: asked.append(nbytes) or real(nbytes))
     ffn.NativeExperts(w13, w2)(h, w, idx)
     lib = ffn.library_avx2()
     assert asked == [lib.scratch(11, 2, 6, 96, torch.get_num_threads() if lib.openmp else 1)]
@@ -110,17 +110,17 @@ def test_what_it_takes_and_when_it_is_not_built(monkeypatch, tmp_path):
     assert not ffn.takes_widened(*_experts(D=96))  # hidden not a multiple of 64
     monkeypatch.undo()
     monkeypatch.setenv("MLIGHT_CACHE_DIR", str(tmp_path / "cache"))
-    ffn._build_avx2.cache_clear()
+    ffn.KERNEL_AVX2.cache_clear()
     try:
-        assert ffn._build_avx2("baseline") is None and "no AVX2" in ffn._reason_avx2
+        assert ffn.KERNEL_AVX2.at("baseline") is None and "no AVX2" in ffn.KERNEL_AVX2.reason
         monkeypatch.setenv("MLIGHT_NATIVE_EXPERTS", "0")
-        assert ffn._build_avx2("avx2") is None and ffn._reason_avx2 == "MLIGHT_NATIVE_EXPERTS=0"
+        assert ffn.KERNEL_AVX2.at("avx2") is None and ffn.KERNEL_AVX2.reason == "MLIGHT_NATIVE_EXPERTS=0"
         monkeypatch.delenv("MLIGHT_NATIVE_EXPERTS")
         monkeypatch.setattr(native, "_compiler", lambda: None)
-        ffn._build_avx2.cache_clear()
-        assert ffn._build_avx2("avx2") is None and "no C compiler" in ffn._reason_avx2
+        ffn.KERNEL_AVX2.cache_clear()
+        assert ffn.KERNEL_AVX2.at("avx2") is None and "no C compiler" in ffn.KERNEL_AVX2.reason
     finally:
-        ffn._build_avx2.cache_clear()
+        ffn.KERNEL_AVX2.cache_clear()
 
 
 @runs

@@ -24,7 +24,7 @@ runs = pytest.mark.skipif(ffn.library() is None, reason=f"the fused expert kerne
 
 @pytest.fixture
 def fresh_build(kernel_cache):
-    kernel_cache(ffn._build)
+    kernel_cache(ffn.KERNEL)
 
 
 def _experts(E=6, D=128, I=96, seed=0):
@@ -135,9 +135,9 @@ def test_the_scratch_is_reused_and_the_result_lands_in_out():
     nat = ffn.NativeExperts(w13, w2)
     out = torch.empty(16, 128, dtype=torch.bfloat16)
     nat(h, w, idx, out)
-    buf = ffn._local.buf
-    assert nat(h, w, idx, out) is out and ffn._local.buf is buf
-    assert nat(h[:3], w[:3], idx[:3]).shape == (3, 128) and ffn._local.buf is buf  # fewer tokens: same buffer
+    buf = native._local.buf
+    assert nat(h, w, idx, out) is out and native._local.buf is buf
+    assert nat(h[:3], w[:3], idx[:3]).shape == (3, 128) and native._local.buf is buf  # fewer tokens: same buffer
 
 
 @runs
@@ -179,8 +179,8 @@ def test_pack_layout_puts_gate_and_up_columns_of_a_panel_side_by_side():
 def test_a_cpu_without_avx512_bf16_keeps_onednn(monkeypatch, fresh_build):
     """The answer the kernel acts on is faked: AVX2 (also the AVX2 limits) and plain AVX-512 build nothing."""
     for level in ("avx2", "avx512", "baseline"):
-        assert ffn._build(level) is None
-        assert "AVX-512 BF16" in ffn._reason
+        assert ffn.KERNEL.at(level) is None
+        assert "AVX-512 BF16" in ffn.KERNEL.reason
     monkeypatch.setattr(ffn, "library", lambda: None)
     w13, w2 = _experts()
     sentinel = object()
@@ -192,11 +192,11 @@ def test_a_cpu_without_avx512_bf16_keeps_onednn(monkeypatch, fresh_build):
 @pytest.mark.parametrize("var", ["MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS"])
 def test_switched_off_or_no_compiler_builds_nothing(monkeypatch, fresh_build, var):
     monkeypatch.setenv(var, "0")
-    assert ffn._build("avx512_bf16") is None and ffn._reason == f"{var}=0"
+    assert ffn.KERNEL.at("avx512_bf16") is None and ffn.KERNEL.reason == f"{var}=0"
     monkeypatch.delenv(var)
     monkeypatch.setattr(native, "_compiler", lambda: None)
-    ffn._build.cache_clear()
-    assert ffn._build("avx512_bf16") is None and "no C compiler" in ffn._reason
+    ffn.KERNEL.cache_clear()
+    assert ffn.KERNEL.at("avx512_bf16") is None and "no C compiler" in ffn.KERNEL.reason
     assert ffn.status().startswith("oneDNN's packed GEMMs (")
 
 

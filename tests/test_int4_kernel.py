@@ -35,12 +35,12 @@ MOE_TOL = {torch.float32: 5e-5, torch.bfloat16: 1.5e-2}
 
 @pytest.fixture
 def fresh_build(kernel_cache):
-    kernel_cache(int4._build)
+    kernel_cache(int4.KERNEL)
 
 
 @pytest.fixture
 def first_build(kernel_cache):
-    kernel_cache(int4._build, shared=False)
+    kernel_cache(int4.KERNEL, shared=False)
 
 
 def _matrix(n, k, g, seed=0):

@@ -58,7 +58,7 @@ def set_mode(value: str) -> None:
 
 def forget_builds() -> None:
     """Drop the C kernels this process built or refused, so the next use decides again under the knob's value."""
-    from core.model.cpu import ffn, int4, native, row_ops
+    from core.model.cpu import native
 
-    for build in (native._build, ffn._build, ffn._build_avx2, int4._build, row_ops._build):
-        build.cache_clear()
+    for kernel in native.Kernel.made:
+        kernel.cache_clear()

@@ -1,9 +1,7 @@
-"""Which dtype the CPU computes in, and whether experts are prepacked: one decision per engine.
-
-Weights keep their storage dtype in RAM. Where the CPU runs its matmuls natively (bf16 on AVX-512 BF16 / AMX)
-the math is in it and oneDNN may prepack experts; where not (AVX2: bf16 `mm` at 1–19 GFLOP/s against 100+ in
-fp32) the math is fp32, weights widened as read. The ISA decides where it is clear, so a noisy probe cannot flip
-it; AVX-512 without BF16 goes by the probe's measured rates.
+"""Which dtype the CPU computes in, and whether experts are prepacked: one decision per engine. Where the CPU runs
+the weights' dtype natively (bf16 on AVX-512 BF16 / AMX) the math is in it and oneDNN may prepack experts; where
+not (AVX2: bf16 `mm` at 1–19 GFLOP/s against 100+ in fp32) it is fp32, weights widened as read. The ISA decides
+where it is clear, so a noisy probe cannot flip it; AVX-512 without BF16 goes by the probe's measured rates.
 """
 
 from __future__ import annotations

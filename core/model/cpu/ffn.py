@@ -1,17 +1,13 @@
-"""A layer's routed experts in one C call (core/assets/kernels/moe_ffn.c), bf16 on AVX-512 BF16 CPUs.
-
-At a decode step's few rows an expert oneDNN's packed bf16 GEMM stays well below peak, and the experts are most
-of the step: the kernel fuses gate/up, SiLU(gate)·up, down, the routing weights and the sum in fp32 (rounded once
-to bf16) on weights packed once at load; where `takes` says no, oneDNN's packing (core.model.moe). On AMX, experts
-of 8 rows or more run as AMX tiles; on AVX2 `library_avx2` (moe_ffn_avx2.c) runs the same packed weights with
-fp32 activations.
+"""A layer's routed experts in one C call (core/assets/kernels/moe_ffn.c), bf16 on AVX-512 BF16 CPUs: at a decode
+step's few rows oneDNN's packed bf16 GEMM stays well below peak, and the experts are most of the step. The kernel
+fuses gate/up, SiLU(gate)·up, down, the routing weights and the sum in fp32 (rounded once to bf16) on weights
+packed once at load; where `takes` says no, oneDNN's packing (core.model.moe). On AMX, experts of 8 rows or more
+run as AMX tiles; on AVX2 `library_avx2` (moe_ffn_avx2.c) runs the same packed weights with fp32 activations.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import threading
 
 import torch
 
@@ -26,10 +22,6 @@ FLAGS_AMX = ["-mamx-tile", "-mamx-bf16", "-mxsave"]  # where the usable ISA is A
 FLAGS_AVX2 = ["-mavx2", "-mfma"]
 SWITCHES = ("MLIGHT_NATIVE", "MLIGHT_NATIVE_EXPERTS")  # either set to 0: no expert kernel
 AMX_SWITCHES = ("MLIGHT_NATIVE_AMX", "MLIGHT_AMX")  # 0: the vector tiles alone on an AMX CPU (an A/B switch)
-
-_reason = "not built yet"
-_reason_avx2 = "not built yet"
-
 
 class _Lib(native.Library):
     def __init__(self, path, flags_amx: bool = False):
@@ -55,39 +47,27 @@ class _LibAvx2(native.Library):
         self.scratch = native.bind(self.dll, "mlight_moe_avx2_scratch", [I, I, I, I, I], I)
 
 
-@functools.lru_cache(maxsize=None)
-def _build(level: str) -> _Lib | None:
-    global _reason
-    if not kernels.switched_off(SWITCHES) and (level not in isa.LEVELS
-                                               or isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16")):
-        _reason = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX-512 BF16 dot product"
-        return None
+def _build(level: str):
+    if not kernels.switched_off(SWITCHES) and isa.rank(level) < isa.rank("avx512_bf16"):
+        return None, f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX-512 BF16 dot product"
     amx = level == "amx" and not kernels.switched_off(AMX_SWITCHES)
-    lib, _reason = native.build_kernel(SOURCE, "moe_ffn", FLAGS + (FLAGS_AMX if amx else []), 16,
-                                       lambda path: _Lib(path, amx), SWITCHES)
+    lib, why = native.build_kernel(SOURCE, "moe_ffn", FLAGS + (FLAGS_AMX if amx else []), 16,
+                                   lambda path: _Lib(path, amx), SWITCHES)
     if lib is None and amx:  # a compiler without the AMX flags: the vector tiles alone
-        lib, _reason = native.build_kernel(SOURCE, "moe_ffn", FLAGS, 16, _Lib, SWITCHES)
-    return lib
+        return native.build_kernel(SOURCE, "moe_ffn", FLAGS, 16, _Lib, SWITCHES)
+    return lib, why
 
 
-def library() -> _Lib | None:
-    return _build(isa.cpu_isa().usable)
+def _build_avx2(level: str):
+    if not kernels.switched_off(SWITCHES) and (not isa.X86 or isa.rank(level) < isa.rank("avx2")):
+        return None, f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX2"
+    return native.build_kernel(SOURCE_AVX2, "moe_ffn_avx2", FLAGS_AVX2, 8, _LibAvx2, SWITCHES)
 
 
-@functools.lru_cache(maxsize=None)
-def _build_avx2(level: str) -> _LibAvx2 | None:
-    global _reason_avx2
-    if not kernels.switched_off(SWITCHES) and (not isa.X86 or level not in isa.LEVELS
-                                               or isa.LEVELS.index(level) < isa.LEVELS.index("avx2")):
-        _reason_avx2 = f"the CPU's usable ISA ({isa.cpu_isa().label}) has no AVX2"
-        return None
-    lib, _reason_avx2 = native.build_kernel(SOURCE_AVX2, "moe_ffn_avx2", FLAGS_AVX2, 8, _LibAvx2, SWITCHES)
-    return lib
-
-
-def library_avx2() -> _LibAvx2 | None:
-    """The fp32-math kernel over packed bf16 experts: AVX2 CPUs, where bf16 matmuls are slow."""
-    return _build_avx2(isa.cpu_isa().usable)
+KERNEL = native.Kernel("building the CPU expert kernel (once per machine)", _build)
+# the fp32-math kernel over packed bf16 experts: AVX2 CPUs, where bf16 matmuls are slow
+KERNEL_AVX2 = native.Kernel(KERNEL.what, _build_avx2)
+library, library_avx2 = KERNEL.library, KERNEL_AVX2.library
 
 
 def status(math: str = "bfloat16") -> str:
@@ -95,18 +75,17 @@ def status(math: str = "bfloat16") -> str:
     if math == "float32":
         wide = library_avx2()
         if wide is None:
-            return f"torch's GEMMs on tiles widened to fp32 ({_reason_avx2})"
+            return f"torch's GEMMs on tiles widened to fp32 ({KERNEL_AVX2.reason})"
         return f"fused C kernel in fp32 math ({wide.flags})" + ("" if wide.openmp else "; one thread")
     lib = library()
     if lib is None:
-        return f"oneDNN's packed GEMMs ({_reason})"
+        return f"oneDNN's packed GEMMs ({KERNEL.reason})"
     tiles = "; AMX tiles from 8 rows an expert" if lib.amx else ""
     return f"fused C kernel ({lib.flags}){tiles}" + ("" if lib.openmp else "; one thread: oneDNN when torch runs more")
 
 
 def prepare(progress=None, widened: bool = False) -> None:
-    native.build_announced("building the CPU expert kernel (once per machine)", library_avx2 if widened else library,
-                           progress)
+    (KERNEL_AVX2 if widened else KERNEL).prepare(progress)
 
 
 def _fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -117,18 +96,14 @@ def _fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     return not (two_i % 64 or D % 64) and tuple(w2.shape) == (E, D, two_i // 2)
 
 
-def _runs(lib) -> bool:
-    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
-
-
 def takes(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the kernel runs experts w13 [E, 2I, D], w2 [E, D, I] here (SwiGLU, no biases: the caller's part)."""
-    return _fits(w13, w2) and _runs(library())
+    return _fits(w13, w2) and native.runs(library())
 
 
 def takes_widened(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """`takes` for the fp32-math kernel: the CPU computes in fp32 because its bf16 matmuls are slow (AVX2)."""
-    return _fits(w13, w2) and _runs(library_avx2())
+    return _fits(w13, w2) and native.runs(library_avx2())
 
 
 class NativeExperts:
@@ -160,7 +135,8 @@ class NativeExperts:
         wide = h.dtype == torch.float32
         lib = library_avx2() if wide else library()
         if lib is None:
-            raise RuntimeError(f"no expert kernel for {h.dtype} activations here ({_reason_avx2 if wide else _reason})")
+            why = (KERNEL_AVX2 if wide else KERNEL).reason
+            raise RuntimeError(f"no expert kernel for {h.dtype} activations here ({why})")
         T, k = idx.shape
         if wide or weights.dtype not in (torch.bfloat16, torch.float32):
             weights = weights.float()
@@ -174,10 +150,10 @@ class NativeExperts:
             b = min(T, a + CHUNK_TOKENS)
             rows = (x0 + a * xs, b - a, k, i0 + a * is_, w0 + a * ws)
             if wide:
-                s = scratch(lib.sized("scratch", b - a, k, self.E, self.I, n))
+                s = native.scratch(lib.sized("scratch", b - a, k, self.E, self.I, n))
                 bad = lib.ffn(*rows, self.E, self.D, self.I, *experts, o0 + a * os_, s.data_ptr(), n)
             else:
-                s = scratch(lib.sized("scratch", b - a, k, self.E, self.D, self.I, n))
+                s = native.scratch(lib.sized("scratch", b - a, k, self.E, self.D, self.I, n))
                 bad = lib.ffn(*rows, int(weights.dtype == torch.bfloat16), self.E, self.D, self.I, *experts,
                               o0 + a * os_, s.data_ptr(), n)
             if bad:
@@ -196,14 +172,3 @@ def pack_gate_up(w13: torch.Tensor) -> torch.Tensor:
     two_i, D = w13.shape
     I = two_i // 2
     return pack_rows(w13.view(2, I // 32, 32, D).transpose(0, 1).reshape(two_i, D))
-
-
-_local = threading.local()
-
-
-def scratch(nbytes: int) -> torch.Tensor:
-    """This thread's scratch, grown once to the largest call, then reused (no allocation per step)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        buf = _local.buf = torch.empty(nbytes, dtype=torch.uint8)
-    return buf

@@ -1,25 +1,21 @@
-"""GGUF block formats multiplied as the file stores them (core/assets/kernels/gguf_matmul.c).
-
-Each weight row is decoded into a cache-resident buffer and dotted with every activation row, so the weights are
-read once, at the file's bits, instead of expanded whole per use. PATHS: "int8" (bf16 activations up to
-INT8_MAX_ROWS: quantized per 32 values as llama.cpp does, integer dots; "int8_c" plain C, the same numbers);
-"int16" (the K-quants: activations int16 a 256 values, finer than int8 and faster; llama.cpp's Q8_K was coarser,
-past the Qwen3-MoE Q4_K reference test's bound); "fp32" (`gguf.quants.dequantize`'s floats bit for bit, float32
-math: more rows, and float32 engines, which match transformers' float64 reading to 1e-4). `moe` is one token's
-experts with SwiGLU in one call; `runs` says where these run, elsewhere the caller expands.
+"""GGUF block formats multiplied as the file stores them (core/assets/kernels/gguf_matmul.c): each weight row is
+decoded into a cache-resident buffer and dotted with every activation row, so weights are read once, at the
+file's bits. PATHS: "int8" (bf16 activations up to INT8_MAX_ROWS, quantized per 32 values as llama.cpp does;
+"int8_c" plain C, the same numbers); "int16" (the K-quants: int16 activations a 256 values, finer than int8 and
+faster; llama.cpp's coarser Q8_K was past the Qwen3-MoE Q4_K reference test's bound); "fp32"
+(`gguf.quants.dequantize`'s floats bit for bit: more rows, and float32 engines, within 1e-4 of transformers'
+float64 reading). `moe`: one token's experts with SwiGLU in one call; `runs` says where these run.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from core.assets import GGUF_MATMUL_C as SOURCE
 from core.model import kernels
 from core.model.cpu import isa, native
-from core.model.cpu.ffn import scratch as _scratch  # bytes: one thread-local scratch for every C kernel
 from core.model.quant.formats import GGUF_BLOCKS
 
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
@@ -30,9 +26,6 @@ SIMD = {0: "plain C", 1: "AVX2 maddubs", 2: "AVX-512 VNNI"}  # the int8 dots a b
 # super-block) stays ahead to 128 rows (NATIVE_GGUF_ROWS: the kernel's end).
 INT8_MAX_ROWS = {"Q8_0": 128, "Q4_0": 64, "Q4_K": 128, "Q5_K": 128, "Q6_K": 128, "MXFP4": 128}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # `linear`'s integer path for them is "int16"
-
-_reason = "not built yet"
-
 
 class _Lib(native.Library):
     def __init__(self, path, flags: str):
@@ -60,22 +53,19 @@ def build_flags() -> tuple[list[str], int]:
     return flags, vw
 
 
-@functools.lru_cache(maxsize=None)
-def _build(level: str) -> _Lib | None:
-    global _reason
+def _build(level: str):
     flags, vw = build_flags()
-    lib, _reason = native.build_kernel(SOURCE, "gguf_matmul", flags, vw,
-                                       lambda path: _Lib(path, " ".join(flags) or "baseline"))
-    return lib
+    return native.build_kernel(SOURCE, "gguf_matmul", flags, vw, lambda path: _Lib(path, " ".join(flags) or "baseline"))
 
 
-def library() -> _Lib | None:
-    return _build(isa.cpu_isa().usable)
+KERNEL = native.Kernel("building the CPU GGUF kernel (once per machine)", _build)
+library = KERNEL.library
 
 
 def status() -> str:
     lib = library()
-    return f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None else f"expanded per use ({_reason})"
+    return (f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None
+            else f"expanded per use ({KERNEL.reason})")
 
 
 def runs(name: str, dtype: torch.dtype, *ks: int) -> bool:
@@ -84,8 +74,7 @@ def runs(name: str, dtype: torch.dtype, *ks: int) -> bool:
         return False
     if any(k % GGUF_BLOCKS[name][0] for k in ks):
         return False
-    lib = library()
-    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+    return native.runs(library())
 
 
 def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | None = None,
@@ -102,7 +91,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor | No
     y = torch.empty((M, N), dtype=x.dtype) if out is None else out
     if y.shape != (M, N) or y.dtype != x.dtype or (N > 1 and y.stride(1) != 1):
         raise ValueError(f"out must be [{M}, {N}] {x.dtype} with unit stride in N, not {tuple(y.shape)} {y.dtype}")
-    s = _scratch(4 * lib.sized("scratch", M, K, threads))  # float32s
+    s = native.scratch(4 * lib.sized("scratch", M, K, threads))  # float32s
     bf = int(x.dtype == torch.bfloat16)
     p = PATHS[path or {None: "fp32", 32: "int8", 256: "int16"}[int8_group(name, x.dtype, M)]]
     if lib.linear(KINDS[name], x.data_ptr(), bf, x.stride(0), M, K, raw.data_ptr(), raw.stride(0), N, y.data_ptr(), bf,
@@ -120,7 +109,7 @@ def dequantize(name: str, raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
                                                                                          torch.float32):
         raise ValueError(f"raw {tuple(raw.shape)} and out {tuple(out.shape)} {out.dtype} do not match")
     threads = torch.get_num_threads() if lib.openmp else 1
-    s = _scratch(4 * threads * K)
+    s = native.scratch(4 * threads * K)
     if lib.dequantize(KINDS[name], raw.data_ptr(), raw.stride(0), N, K, out.data_ptr(),
                       int(out.dtype == torch.bfloat16), out.stride(0), s.data_ptr(), threads):
         raise RuntimeError(f"the GGUF kernel refused {name} with K={K}")
@@ -158,7 +147,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     ids, weights, x = native.moe_inputs(ids, weights, x)
     threads = torch.get_num_threads() if lib.openmp else 1
     out = torch.empty((1, D), dtype=x.dtype)
-    s = _scratch(4 * lib.sized("moe_scratch", D, I, k, threads))
+    s = native.scratch(4 * lib.sized("moe_scratch", D, I, k, threads))
     bf = int(x.dtype == torch.bfloat16)
     if lib.moe(KINDS[k13], KINDS[k2], x.data_ptr(), bf, D, I, k, ids.data_ptr(), weights.data_ptr(),
                int(weights.dtype == torch.bfloat16), w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(),

@@ -12,14 +12,12 @@ to gguf_blocks. Legend: D = hidden, I = expert intermediate, k = experts of the 
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 
 import torch
 
 from core.assets import GGUF_MATMUL_C, GGUF_TOKEN_C as SOURCE
-from core.model.cpu import gguf_blocks, isa, native
-from core.model.cpu.ffn import scratch as _scratch
+from core.model.cpu import gguf_blocks, native
 
 # formats whose rows this kernel dots where they lie (K-quants: with AVX-512 VNNI; elsewhere decoded first, the
 # same result)
@@ -29,9 +27,6 @@ ROWS = 8  # activation rows `linear` takes: an expert's rows at a small batch, w
 # tokens up to which a layer's experts take one `moe` call: it gained at B = 8 and lost at 32 (0.8-0.9x)
 TOKENS = 8
 MAX_SLOTS = 512  # (token, expert) pairs `moe` takes a call (gguf_token.c's MAX_SLOTS)
-
-_reason = "not built yet"
-
 
 class _Lib(native.Library):
     def __init__(self, path, flags: str):
@@ -54,39 +49,35 @@ class _Lib(native.Library):
         self.simd = gguf_blocks.SIMD[self.dll.mlight_gguf_simd()]
 
 
-@functools.lru_cache(maxsize=None)
-def _build(level: str) -> _Lib | None:
-    global _reason
+def _build(level: str):
     flags, vw = gguf_blocks.build_flags()  # the same instructions, the same floats
     included = hashlib.sha256(GGUF_MATMUL_C.read_bytes()).hexdigest()[:16]
-    lib, _reason = native.build_kernel(SOURCE, "gguf_token", [*flags, f"-DGGUF_MATMUL_HASH={included}"], vw,
-                                       lambda path: _Lib(path, " ".join(flags) or "baseline"))
-    return lib
+    return native.build_kernel(SOURCE, "gguf_token", [*flags, f"-DGGUF_MATMUL_HASH={included}"], vw,
+                               lambda path: _Lib(path, " ".join(flags) or "baseline"))
 
 
-def library() -> _Lib | None:
-    return _build(isa.cpu_isa().usable)
+KERNEL = native.Kernel("building the CPU GGUF token kernel (once per machine)", _build)
+library = KERNEL.library
 
 
 def status() -> str:
     lib = library()
-    return f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None else f"gguf_blocks.moe ({_reason})"
+    return f"C kernel ({lib.flags}; int8 dots: {lib.simd})" if lib is not None else f"gguf_blocks.moe ({KERNEL.reason})"
 
 
 def takes_tokens(k13: str, k2: str, M: int, k: int) -> bool:
     """Whether `moe` takes M bf16 tokens' k experts each with gate/up rows in format k13 and down rows in k2."""
     lib = library()
     return (bool(IN_PLACE.intersection((k13, k2))) and k <= gguf_blocks.MAX_EXPERTS and M * k <= MAX_SLOTS
-            and k13 in gguf_blocks.KINDS and k2 in gguf_blocks.KINDS and lib is not None
-            and (lib.openmp or torch.get_num_threads() == 1) and (M == 1 or lib.tokens is not None))
+            and k13 in gguf_blocks.KINDS and k2 in gguf_blocks.KINDS and native.runs(lib)
+            and (M == 1 or lib.tokens is not None))
 
 
 def takes_rows(name: str, M: int, K: int, plain_c: bool = False) -> bool:
     """Whether `linear` takes M bf16 rows of K through a matrix in format `name` (on its default path, or its
     plain-C dots): one row in every in-place format, up to ROWS for the K-quants on AVX-512 VNNI."""
     lib = library()
-    return (name in IN_PLACE and 1 <= M <= ROWS and K % gguf_blocks.GGUF_BLOCKS[name][0] == 0 and lib is not None
-            and (lib.openmp or torch.get_num_threads() == 1)
+    return (name in IN_PLACE and 1 <= M <= ROWS and K % gguf_blocks.GGUF_BLOCKS[name][0] == 0 and native.runs(lib)
             and (M == 1 or plain_c or (name != "Q8_0" and lib.simd == gguf_blocks.SIMD[2])))
 
 
@@ -107,11 +98,11 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     kinds, bf = (gguf_blocks.KINDS[k13], gguf_blocks.KINDS[k2]), int(weights.dtype == torch.bfloat16)
     experts = (w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(), w2.stride(0), w2.stride(1))
     if M == 1 and lib.tokens is None:  # a revision before several tokens (bench/gguf_speed.py's baseline)
-        s = _scratch(4 * lib.sized("moe_scratch", D, I, k, threads))  # float32s
+        s = native.scratch(4 * lib.sized("moe_scratch", D, I, k, threads))  # float32s
         refused = lib.moe(*kinds, x.data_ptr(), 1, D, I, k, ids.data_ptr(), weights.data_ptr(), bf, *experts,
                           out.data_ptr(), 1, s.data_ptr(), threads, gguf_blocks.PATHS[path])
     else:
-        s = _scratch(4 * lib.sized("tokens_scratch", M, D, I, k, threads))
+        s = native.scratch(4 * lib.sized("tokens_scratch", M, D, I, k, threads))
         refused = lib.tokens(*kinds, x.data_ptr(), 1, D, M, D, I, k, ids.data_ptr(), weights.data_ptr(), bf,
                              *experts, out.data_ptr(), 1, D, s.data_ptr(), threads, gguf_blocks.PATHS[path])
     if refused:
@@ -133,7 +124,7 @@ def linear(name: str, x: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, pat
     lib = library()
     M, K = x.shape
     threads = torch.get_num_threads() if lib.openmp else 1
-    s = _scratch(4 * lib.sized("linear_scratch", M, K, threads))
+    s = native.scratch(4 * lib.sized("linear_scratch", M, K, threads))
     if lib.linear(gguf_blocks.KINDS[name], x.data_ptr(), 1, x.stride(0), M, K, raw.data_ptr(), raw.stride(0),
                   raw.shape[0], out.data_ptr(), 1, out.stride(0), s.data_ptr(), threads,
                   1 if path.endswith("_c") else 2):

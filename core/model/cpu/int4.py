@@ -1,9 +1,7 @@
-"""The int4 weight-only matmul in C (core/assets/kernels/int4_matmul.c), built by core.model.cpu.native.
-
-torch's int4 CPU kernel widens every weight to float, which makes it compute-bound; this one quantizes the few
-activation rows instead (two int8 digits an input, a scale per 8) and dots integers (AVX512_VNNI, else
-vpmaddubsw) on mlight's own int4 layout as stored. `linear` is one matrix, `moe` one token's experts with
-SwiGLU in one call, where `runs` says (not on one C thread while torch runs several: it loses to theirs).
+"""The int4 weight-only matmul in C (core/assets/kernels/int4_matmul.c): torch's int4 CPU kernel widens every
+weight to float, which makes it compute-bound; this one quantizes the few activation rows instead (two int8 digits
+an input, a scale per 8) and dots integers (AVX512_VNNI, else vpmaddubsw) on mlight's own int4 layout as stored.
+`linear` is one matrix, `moe` one token's experts with SwiGLU in one call, where `runs` says.
 """
 
 from __future__ import annotations
@@ -15,13 +13,9 @@ import torch
 
 from core.assets import INT4_MATMUL_C as SOURCE
 from core.model.cpu import isa, native
-from core.model.cpu.ffn import scratch as _scratch  # one thread-local scratch for every C kernel
 
 GROUPS = (32, 64, 128)
 MAX_EXPERTS = 64  # routed experts of one token the fused call takes
-
-_reason = "not built yet"
-
 
 class _Lib(native.Library):
     def __init__(self, path, flags: str):
@@ -39,39 +33,32 @@ def _vnni() -> bool:
     return bool(isa._features().get("avx512_vnni"))
 
 
-@functools.lru_cache(maxsize=None)
-def _build(level: str, vnni: bool) -> _Lib | None:
-    global _reason
+def _build(level: str, vnni: bool):
     flags, vw = native._flags()
     if vw == 16 and vnni:
         flags = [*flags, "-mavx512vnni"]
-    lib, _reason = native.build_kernel(SOURCE, "int4_matmul", [f"-DVW={vw}", *flags], vw,
-                                       lambda path: _Lib(path, " ".join(flags) or "baseline"), vw_of=lambda lib: lib.vw)
-    return lib
+    return native.build_kernel(SOURCE, "int4_matmul", [f"-DVW={vw}", *flags], vw,
+                               lambda path: _Lib(path, " ".join(flags) or "baseline"), vw_of=lambda lib: lib.vw)
 
 
-def library() -> _Lib | None:
-    return _build(isa.cpu_isa().usable, _vnni())
+KERNEL = native.Kernel("building the CPU int4 kernel (once per machine)", _build,
+                       key=lambda: (isa.cpu_isa().usable, _vnni()))
+library, prepare = KERNEL.library, KERNEL.prepare
 
 
 def status() -> str:
     """One line for `mlight hw`: which int4 matmul runs at small batches, and why."""
     lib = library()
     if lib is None:
-        return f"torch's weight-only kernel ({_reason})"
+        return f"torch's weight-only kernel ({KERNEL.reason})"
     return f"C kernel ({lib.flags})" + ("" if lib.openmp else "; one thread: torch's kernel when torch runs more")
-
-
-def prepare(progress=None) -> None:
-    native.build_announced("building the CPU int4 kernel (once per machine)", library, progress)
 
 
 def runs(dtype: torch.dtype, *ks: int, group: int) -> bool:
     """Whether the kernel takes inputs of these sizes at this group, computing in `dtype`, here."""
     if dtype not in (torch.bfloat16, torch.float32) or group not in GROUPS or any(k % 32 or k % group for k in ks):
         return False
-    lib = library()
-    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+    return native.runs(library())
 
 
 def _is_bf16(t: torch.Tensor) -> int:
@@ -87,7 +74,7 @@ def linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, group: int) -> to
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty((M, N), dtype=x.dtype)
-    s = _scratch(lib.sized("scratch", M, K, 0, 0, 0))
+    s = native.scratch(lib.sized("scratch", M, K, 0, 0, 0))
     if lib.linear(x.data_ptr(), _is_bf16(x), x.stride(0), M, K, q.data_ptr(), q.stride(0), sz.data_ptr(), sz.stride(0),
                   N, group, y.data_ptr(), _is_bf16(y), N, s.data_ptr(), torch.get_num_threads()):
         raise RuntimeError(f"the int4 kernel refused K={K}, group {group}")
@@ -103,7 +90,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w
     k = ids.shape[-1]
     ids, weights, x = native.moe_inputs(ids, weights, x)
     out = torch.empty((1, D), dtype=x.dtype)
-    s = _scratch(lib.sized("scratch", 0, 0, k, D, I))
+    s = native.scratch(lib.sized("scratch", 0, 0, k, D, I))
     (q13, s13), (q2, s2) = w13, w2
     if lib.moe(x.data_ptr(), _is_bf16(x), D, I, group, k, ids.data_ptr(), weights.data_ptr(), _is_bf16(weights),
                q13.data_ptr(), q13.stride(0), s13.data_ptr(), s13.stride(0), q2.data_ptr(), q2.stride(0),

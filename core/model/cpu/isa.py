@@ -94,7 +94,8 @@ def _onednn_bf16() -> bool:
         return False
 
 
-def _idx(level: str) -> int:
+def rank(level: str) -> int:
+    """`level`'s place in LEVELS; an unknown one (another architecture's) as baseline."""
     return LEVELS.index(level) if level in LEVELS else 0
 
 
@@ -124,24 +125,24 @@ def detect(features: dict | None = None, aten: str | None = None, onednn_bf16: b
     # softmax, the bf16 conversions) honour ATEN_CPU_CAPABILITY and top out at AVX-512
     onednn = hw
     cap = _cap(_ONEDNN_CAPS, env.get("ONEDNN_MAX_CPU_ISA"))
-    if cap is not None and _idx(cap) < _idx(hw):
+    if cap is not None and rank(cap) < rank(hw):
         onednn = cap
         limited.append(f"ONEDNN_MAX_CPU_ISA={env['ONEDNN_MAX_CPU_ISA']}")
     aten = _aten_level() if aten is None else aten
     usable = onednn
-    if aten in LEVELS and _idx(aten) < min(_idx(hw), _idx("avx512")):
-        usable = aten if _idx(aten) < _idx(usable) else usable
+    if aten in LEVELS and rank(aten) < min(rank(hw), rank("avx512")):
+        usable = aten if rank(aten) < rank(usable) else usable
         if env.get("ATEN_CPU_CAPABILITY"):
             limited.append(f"ATEN_CPU_CAPABILITY={env['ATEN_CPU_CAPABILITY']}")
     # MKL reads the CPU itself: without this an AVX2 lane on an AVX-512 box ran its fp32 GEMMs on AVX-512 code
     mkl = _cap(_MKL_CAPS, env.get("MKL_ENABLE_INSTRUCTIONS"))
-    if mkl is not None and _idx(mkl) < _idx(hw):
-        usable = mkl if _idx(mkl) < _idx(usable) else usable
+    if mkl is not None and rank(mkl) < rank(hw):
+        usable = mkl if rank(mkl) < rank(usable) else usable
         limited.append(f"MKL_ENABLE_INSTRUCTIONS={env['MKL_ENABLE_INSTRUCTIONS']}")
     bf16 = _onednn_bf16() if onednn_bf16 is None else onednn_bf16
     # oneDNN's bf16 is native from AVX-512 BF16 up; below that it emulates (slowly) or refuses
-    bf16_native = bf16 and _idx(onednn) >= _idx("avx512_bf16")
-    fp16_native = bool(f.get("amx_fp16") or f.get("avx512_fp16")) and _idx(onednn) >= _idx("avx512_bf16")
+    bf16_native = bf16 and rank(onednn) >= rank("avx512_bf16")
+    fp16_native = bool(f.get("amx_fp16") or f.get("avx512_fp16")) and rank(onednn) >= rank("avx512_bf16")
     return CpuIsa(hardware=hw, usable=usable, bf16_native=bf16_native, fp16_native=fp16_native,
                   limited_by=tuple(dict.fromkeys(limited)), name=str(f.get("cpu_name") or ""))
 

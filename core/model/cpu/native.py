@@ -1,5 +1,4 @@
-"""Fused decode attention in C (core/assets/kernels/decode_attention.c), and the build all mlight's C kernels share.
-
+"""Fused decode attention in C (core/assets/kernels/decode_attention.c), and the build all mlight's C kernels share:
 torch's bf16 `bmm` runs decode attention (a GEMV per request and KV head) at a third of the memory bandwidth,
 after copying the rows out; the kernel reads K and V once each in the cache's layout, with fp32 scores and sums.
 Where it cannot run, `usable` says False and torch's ops do. Requests are split over the calling thread's own
@@ -31,14 +30,13 @@ DTYPES = (torch.bfloat16, torch.float32)
 MAX_G, MAX_D = 16, 256
 HELPER_IDLE_S = 2.0  # how often an idle helper checks that the thread it serves still runs
 
-_reason = "not built yet"
-_announce = None  # set by build_announced() while a kernel loads: called when a compile starts (any kernel)
+_announce = None  # set by Kernel.prepare while a kernel loads: called when a compile starts (any kernel)
 
 
 def status() -> str:
     """One line for `mlight hw` and the bench: which decode attention runs, and why."""
     lib = library()
-    return f"fused C kernel ({lib.flags})" if lib is not None else f"torch ops ({_reason})"
+    return f"fused C kernel ({lib.flags})" if lib is not None else f"torch ops ({KERNEL.reason})"
 
 
 def _flags() -> tuple[list[str], int]:
@@ -80,8 +78,7 @@ def bind(dll, name: str, argtypes: list, restype):
 
 
 class Library:
-    """A C kernel's library: `openmp`, whether its build has OpenMP (its C function `openmp_fn` says), and the
-    `flags` its status shows."""
+    """A C kernel's library: `openmp`, whether its build has OpenMP (C function `openmp_fn`), `flags` for status."""
 
     def __init__(self, path, flags: str, openmp_fn: str):
         self.dll = ctypes.CDLL(str(path))
@@ -99,6 +96,11 @@ class Library:
         return n
 
 
+def runs(lib: Library | None) -> bool:
+    """Whether a built kernel runs here: with OpenMP, or where torch runs one thread (one C thread loses to many)."""
+    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+
+
 class _Lib(Library):
     def __init__(self, path: Path, flags: str):
         super().__init__(path, flags, "mlight_decode_attention_openmp")
@@ -108,14 +110,56 @@ class _Lib(Library):
         self.parts = bind(self.dll, "mlight_decode_attention_parts", [P, C, I, P, P, C, P, P, P, C, I, I, I, I, I, F, P, C, P, I], C)
 
 
-@functools.lru_cache(maxsize=None)
-def _build(level: str) -> _Lib | None:
-    global _reason
+class Kernel:
+    """One C kernel's library, built by `build(*key)` -> (library or None, why not) once per `key()` (the usable
+    ISA level, and whatever else picks the flags); `what` is said while it compiles (`prepare`)."""
+
+    made: list[Kernel] = []  # every kernel, for core.model.kernels.forget_builds
+
+    def __init__(self, what: str, build, key=lambda: (isa.cpu_isa().usable,)):
+        self.what, self._build, self._key = what, build, key
+        self.reason = "not built yet"
+        self.built: dict[tuple, Library | None] = {}
+        Kernel.made.append(self)
+
+    def at(self, *key):
+        if key not in self.built:
+            self.built[key], self.reason = self._build(*key)
+        return self.built[key]
+
+    def library(self):
+        return self.at(*self._key())
+
+    def cache_clear(self) -> None:
+        self.built.clear()
+
+    def prepare(self, progress=None) -> None:
+        """Build now, not inside the first decode step; a compile this starts tells `progress` (a core.telemetry
+        sink, or None) `what` is being built, and when it is."""
+        from core.telemetry import Progress
+
+        global _announce
+        built = []
+
+        def announce() -> None:
+            built.append(True)
+            if progress is not None:
+                progress(Progress(self.what, 0, 1))
+
+        _announce = announce
+        try:
+            self.library()
+        finally:
+            _announce = None
+        if built and progress is not None:
+            progress(Progress(self.what, 1, 1))
+
+
+def _build(level: str):
     flags, vw = _flags()
-    lib, _reason = build_kernel(SOURCE, "decode_attention", [f"-DVW={vw}", *flags], vw,
-                                lambda path: _Lib(path, " ".join(flags) or "baseline"),
-                                vw_of=lambda lib: lib.dll.mlight_decode_attention_vw())
-    return lib
+    return build_kernel(SOURCE, "decode_attention", [f"-DVW={vw}", *flags], vw,
+                        lambda path: _Lib(path, " ".join(flags) or "baseline"),
+                        vw_of=lambda lib: lib.dll.mlight_decode_attention_vw())
 
 
 def build_kernel(source: Path, name: str, flags: list[str], vw: int, make, switches=("MLIGHT_NATIVE",),
@@ -149,8 +193,8 @@ def _failed(name: str, why: str):
 
 
 def compile_openmp(cc: str, base: list[str], source: Path, name: str) -> Path | str:
-    """`_compile` with OpenMP where torch runs on libgomp (Linux wheels: the kernel then binds torch's own
-    libgomp and threads), else or where that fails without it."""
+    """`_compile` with OpenMP where torch runs on libgomp (the kernel then shares torch's threads); else, or where
+    that fails, without."""
     out = "no build tried"
     for args in ([*base, "-fopenmp"], base) if _torch_uses_gomp() else (base,):
         out = _compile(cc, args, source, name)
@@ -188,34 +232,8 @@ def _torch_uses_gomp() -> bool:
     return platform.SYSTEM == "linux" and (Path(torch.__spec__.origin).parent / "lib" / "libgomp.so.1").is_file()
 
 
-def library() -> _Lib | None:
-    return _build(isa.cpu_isa().usable)
-
-
-def prepare(progress=None) -> None:
-    build_announced("building the CPU decode attention kernel (once per machine)", library, progress)
-
-
-def build_announced(what: str, library, progress=None) -> None:
-    """Call a kernel's `library()` now, not inside the first decode step; a compile it starts tells `progress`
-    (a core.telemetry sink, or None) `what` is being built, and when it is."""
-    from core.telemetry import Progress
-
-    global _announce
-    built = []
-
-    def announce() -> None:
-        built.append(True)
-        if progress is not None:
-            progress(Progress(what, 0, 1))
-
-    _announce = announce
-    try:
-        library()
-    finally:
-        _announce = None
-    if built and progress is not None:
-        progress(Progress(what, 1, 1))
+KERNEL = Kernel("building the CPU decode attention kernel (once per machine)", _build)
+library, prepare = KERNEL.library, KERNEL.prepare
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks) -> bool:
@@ -279,6 +297,14 @@ class _Pool:
 
 
 _local = threading.local()
+
+
+def scratch(nbytes: int) -> torch.Tensor:
+    """This thread's scratch for every C kernel, grown once to the largest call, then reused (none per step)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
 
 
 def _pool(n: int) -> _Pool:

@@ -1,9 +1,7 @@
-"""Dense bf16 projections on the expert kernel's panels (core/assets/kernels/moe_ffn.c, `mlight_linear`).
-
-One decode row per projection is a read of the weight, which the panels stream at about twice oneDNN's packed
-GEMV: where that kernel runs, `pack_dense` (core.model.cpu.kernels) holds a bf16 weight with N a multiple of 64
-as panels instead (the same bytes). fp32 sums rounded once, bias before rounding, as oneDNN does (the order
-differs by an fp32 ulp).
+"""Dense bf16 projections on the expert kernel's panels (core/assets/kernels/moe_ffn.c, `mlight_linear`): one decode
+row per projection is a read of the weight, which the panels stream at about twice oneDNN's packed GEMV. Where that
+kernel runs, `pack_dense` (core.model.cpu.kernels) holds a bf16 weight with N a multiple of 64 as panels instead
+(the same bytes). fp32 sums rounded once, bias before rounding, as oneDNN does (the order differs by an fp32 ulp).
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from core.model import kernels
-from core.model.cpu import ffn, hugepages
+from core.model.cpu import ffn, hugepages, native
 from core.model.cpu.kernels import LinearOnlyWeight
 
 SWITCHES = ("MLIGHT_NATIVE_DENSE",)  # the old A/B switch (core.model.kernels)
@@ -24,8 +22,7 @@ def takes(w: torch.Tensor) -> bool:
         return False
     if kernels.switched_off(SWITCHES):
         return False
-    lib = ffn.library()
-    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+    return native.runs(ffn.library())
 
 
 def status(math: str = "bfloat16") -> str:
@@ -69,7 +66,7 @@ class PanelWeight(LinearOnlyWeight):
             x0, ld, o0, es = rows.data_ptr(), rows.stride(0), out.data_ptr(), 2
             for a in range(0, T, CHUNK_ROWS):  # one call at a decode step's few rows
                 m = min(CHUNK_ROWS, T - a)
-                s = ffn.scratch(lib.sized("linear_scratch", m, K, n))
+                s = native.scratch(lib.sized("linear_scratch", m, K, n))
                 lib.linear(x0 + a * ld * es, m, ld, K, self.panels.data_ptr(), N, b, o0 + a * N * es, N,
                            s.data_ptr(), n)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], N)

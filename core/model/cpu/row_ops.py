@@ -7,15 +7,11 @@ its torch expression does, and its wrapper says False (or None) where it does no
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from core.assets import ROW_OPS_C as SOURCE
-from core.model.cpu import isa, native
-
-_reason = "not built yet"
-
+from core.model.cpu import native
 
 class _Lib(native.Library):
     def __init__(self, path, flags: str):
@@ -31,26 +27,19 @@ class _Lib(native.Library):
         self.vw = self.dll.mlight_row_ops_vw()
 
 
-@functools.lru_cache(maxsize=None)
-def _build(level: str) -> _Lib | None:
-    global _reason
+def _build(level: str):
     flags, vw = native._flags()
-    lib, _reason = native.build_kernel(SOURCE, "row_ops", ["-ffp-contract=off", f"-DVW={vw}", *flags], vw,
-                                       lambda path: _Lib(path, " ".join(flags) or "baseline"), vw_of=lambda lib: lib.vw)
-    return lib
+    return native.build_kernel(SOURCE, "row_ops", ["-ffp-contract=off", f"-DVW={vw}", *flags], vw,
+                               lambda path: _Lib(path, " ".join(flags) or "baseline"), vw_of=lambda lib: lib.vw)
 
 
-def library() -> _Lib | None:
-    return _build(isa.cpu_isa().usable)
+KERNEL = native.Kernel("building the CPU row kernels (once per machine)", _build)
+library, prepare = KERNEL.library, KERNEL.prepare
 
 
 def status() -> str:
     lib = library()
-    return f"C kernels ({lib.flags})" if lib is not None else f"torch ops ({_reason})"
-
-
-def prepare(progress=None) -> None:
-    native.build_announced("building the CPU row kernels (once per machine)", library, progress)
+    return f"C kernels ({lib.flags})" if lib is not None else f"torch ops ({KERNEL.reason})"
 
 
 def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> bool:

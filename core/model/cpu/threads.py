@@ -1,9 +1,7 @@
-"""Threads for the CPU's share of the work: as many as there are free cores, re-checked as load changes.
-
-An OpenMP team is as fast as its slowest thread: with one of two cores busy elsewhere a decode step ran 1.3–75×
-slower on two threads than on one. So a `Governor` keeps the count at the cores free to us between engine steps,
-and the GPU schedules give the attention worker and the device thread disjoint cores (`split`); where the OS has
-no affinity (macOS), all logical cores and no pinning.
+"""Threads for the CPU's share of the work, as many as there are free cores: an OpenMP team is as fast as its
+slowest thread (with one of two cores busy elsewhere a decode step ran 1.3–75× slower on two threads than on one).
+A `Governor` re-checks the count between engine steps, and the GPU schedules give the attention worker and the
+device thread disjoint cores (`split`); where the OS has no affinity (macOS), all logical cores and no pinning.
 """
 
 from __future__ import annotations
