@@ -1,8 +1,6 @@
-"""Executors: run one step's task graph (tasks with `id`, `resource`, `deps`) through `run(task)`, in dependency order.
-
-`SequentialExecutor` runs them in list order (the CPU mode); `ThreadedExecutor` gives each resource a worker
-thread, so a missing dependency shows as wrong tokens. Never a hang: the first failure wakes every waiter, a
-dead worker or `stall_seconds` without progress fails the step with a `TaskFailed` naming the task.
+"""Run a step's task graph in dependency order: `SequentialExecutor` in list order (the CPU mode), `ThreadedExecutor`
+on a worker thread per resource (a missing dependency shows as wrong tokens). Never a hang: the first failure wakes
+every waiter; a dead worker or `stall_seconds` without progress fails the step with a `TaskFailed` naming the task.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The CGOPipe runtime: a decode step (or a prefill) as a task graph, run by an executor.
-
-core.runtime.schedule says which tasks run where and after which; this module says what each task does (a step
-of core.model.decoder) and owns the buffers they share, allocated once per runner as core.plan.planner counts
-them: dense weights and globals, each layer's `resident[i]` experts, a 2-half buffer for streamed experts, the
-attention payloads and GPU state ring, one pinned host arena. Reuse is safe because the graph orders every
-writer after the last reader (expert halves alternate by layer: schedule._buffer_free; ring position
-p = i·n + j uses buffer p mod 2: schedule._gpu_attention).
-Legend: B = requests in a micro-batch, D = hidden, T = cached tokens, E = experts.
+"""The CGOPipe runtime: a decode step (or a prefill) as a task graph of core.runtime.schedule, each task a step of
+core.model.decoder, over buffers allocated once per runner as core.plan.planner counts them. Reuse is safe because
+the graph orders every writer after the last reader (expert halves alternate by layer: schedule._buffer_free; ring
+position p = i·n + j uses buffer p mod 2: schedule._gpu_attention). B = requests in a micro-batch, D = hidden.
 """
 
 from __future__ import annotations
@@ -352,11 +347,15 @@ class PipelineRunner:
         self._start_step()
         if getattr(self.ex, "takes_tail", False):
             rows = []
-            busy = self.ex.run(tasks, self._run, then=lambda: rows.append(self._logits_enqueue(finals(), buffer)))
+            busy = self.ex.run(tasks, self._run, then=lambda: rows.append(self._logits_enqueue(finals, buffer)))
             out = busy, self.host[buffer][:rows[0]]
         else:
             busy = self.ex.run(tasks, self._run)
-            out = busy, self._logits(finals(), buffer)
+            rows = self._logits_enqueue(finals, buffer)
+            if self.dev.accelerator:  # bounded: a hung kernel is DeviceStalled, not a hang
+                self._logits_done.record(self.dev.current_stream())
+                self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
+            out = busy, self.host[buffer][:rows]
         self.last_tasks = tasks
         if self.streamed:  # where the graph prefetched the next step's layer 0 (a one-layer prefill keeps it in place)
             L, prefill = self.spec.num_layers, buffer == "logits_pre"
@@ -382,30 +381,19 @@ class PipelineRunner:
                 mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         tasks, self._current_pages = self._graph("prefill", len(self._pre))
         self.rope.keep = 1  # a prefill's tables are large and its gathers few beside its tokens
-        busy, staged = self._run_step(tasks, self._prefill_finals, "logits_pre")
+        busy, staged = self._run_step(tasks, lambda: [mb.x.index_select(0, mb.ends_d) for mb in self._pre],
+                                      "logits_pre")
         order = torch.tensor([i for idx in micro_batches for i in idx])
         out = torch.empty_like(staged)
         out[order] = staged
         self._pre = None
         return out, busy
 
-    def _prefill_finals(self) -> list[torch.Tensor]:
-        with self.dev.compute():
-            return [mb.x.index_select(0, mb.ends_d) for mb in self._pre]
-
-    def _logits(self, xs: list[torch.Tensor], buffer: str) -> torch.Tensor:
-        """fp32 logits of the final hidden states, micro-batch by micro-batch into one reused host buffer."""
-        rows = self._logits_enqueue(xs, buffer)
-        if self.dev.accelerator:  # bounded: a hung kernel is DeviceStalled, not a hang
-            self._logits_done.record(self.dev.current_stream())
-            self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
-        return self.host[buffer][:rows]
-
-    def _logits_enqueue(self, xs: list[torch.Tensor], buffer: str) -> int:
-        """The logits of `xs` into host `buffer` (a device's enqueued, with their copies); the rows they fill."""
+    def _logits_enqueue(self, finals, buffer: str) -> int:
+        """fp32 logits of `finals()` into reused host `buffer` (a device's enqueued, with their copies); rows filled."""
         g, out, row = self.globals, self.host[buffer], 0
         with self.dev.compute():
-            for x in xs:
+            for x in finals():
                 n = x.shape[0]
                 head = (self.spec, g["norm"], self.lm_head, x, g.get("norm_b"), g.get("lm_head_b"))
                 if self.dev.accelerator:
@@ -627,12 +615,7 @@ class PipelineRunner:
             self._store_prompts(t)
 
 
-_TASK_FNS = {
-    "pre_attn": PipelineRunner._pre_attn, "d1": PipelineRunner._d1, "cpu_attn": PipelineRunner._cpu_attn,
-    "d2": PipelineRunner._d2, "post_attn": PipelineRunner._post_attn, "ffn": PipelineRunner._ffn,
-    "weight_page": PipelineRunner._weight_page, "gpu_attn": PipelineRunner._gpu_attn,
-    "kv_load": PipelineRunner._kv_load, "kv_store": PipelineRunner._kv_store, "prefill": PipelineRunner._prefill,
-}
+_TASK_FNS = {kind: getattr(PipelineRunner, "_" + kind) for kind in sched.RESOURCE_OF}  # task kind -> its step
 
 
 def _kind(store) -> tuple[str, int]:

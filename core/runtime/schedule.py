@@ -1,7 +1,6 @@
 """The decode step's (and prefill's) task graph, as data, for the engine and the simulator: each resource runs its
 tasks one at a time in list order, a task once all its `deps` finished. Schedules (shared/paper.md): "cgopipe",
-"s4" (FlexGen: the whole next layer's weights first), "s3" (one chain). Layer 0's streamed weights go during the
-previous step's last layer.
+"s4" (FlexGen: the whole next layer's weights first), "s3" (one chain).
 """
 
 from __future__ import annotations
