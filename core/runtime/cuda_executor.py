@@ -96,18 +96,18 @@ class CudaExecutor(ThreadedExecutor):
             if mine in STREAMS:
                 self.streams[mine].wait_event(end)
             else:  # this host thread alone waits for that stream's task
-                self._bounded(step, other, end, cancel=lambda: step.failed)
+                try:
+                    self.dev.host_wait(end, cancel=lambda: step.failed)
+                except DeviceStalled as e:
+                    raise self._stuck(step, other, e)  # (its cause: Stalled, whose cause is the DeviceStalled)
                 if step.failed:
                     return False
         return True
 
-    def _bounded(self, step: _CudaStep, stream: str, event, cancel=None) -> None:
-        try:
-            self.dev.host_wait(event, cancel=cancel)
-        except DeviceStalled as e:
-            err = step.stuck(stream, e)
-            self._hung = f"the {stream} stream is stuck in {describe(err.label)}"
-            raise err  # (its cause: Stalled, whose cause is the DeviceStalled)
+    def _stuck(self, step: _CudaStep, stream: str | None, e: DeviceStalled) -> DeviceTaskError:
+        err = step.stuck(stream, e)
+        self._hung = f"the {step.stream_of[err.label.id]} stream is stuck in {describe(err.label)}"
+        return err
 
     def _execute(self, step: _CudaStep, task, i: int) -> None:
         if task.resource not in STREAMS:
@@ -133,9 +133,7 @@ class CudaExecutor(ThreadedExecutor):
             step.joined.record(caller)
             self.dev.host_wait(step.joined, what="the step's last tasks")  # the step's one host sync, bounded
         except DeviceStalled as e:  # (the emulated device's caller stream is the host: its join waits there)
-            err = step.stuck(None, e)
-            self._hung = f"the {step.stream_of[err.label.id]} stream is stuck in {describe(err.label)}"
-            raise err
+            raise self._stuck(step, None, e)
         busy, times, at = dict(step.busy), self.times, step.index
         for tid, ev in step.end.items():  # in list order: a task's dependencies and predecessor come first
             i, prev = at[tid], step.before[tid]  # the timeline: device times on the host clock, from the step's origin

@@ -151,11 +151,6 @@ class _Stream:
         ev.record(self)
         self.dev._host_sync(ev, None)
 
-    def _drain(self, deadline: float) -> None:
-        with self._idle:
-            if not self._idle.wait_for(lambda: self._pending == 0, max(0.0, deadline - time.monotonic())):
-                raise DeviceStalled(f"the {self.name} stream's queue", self.dev.wait_seconds)
-
     def close(self) -> None:
         if self._thread is not None:
             self._q.put(None)
@@ -245,7 +240,9 @@ class EmulatedCuda(Device):
         self._refuse("a device synchronisation")
         deadline = time.monotonic() + self.wait_seconds
         for s in list(self._streams):
-            s._drain(deadline)
+            with s._idle:
+                if not s._idle.wait_for(lambda: s._pending == 0, max(0.0, deadline - time.monotonic())):
+                    raise DeviceStalled(f"the {s.name} stream's queue", self.wait_seconds)
         errors = [s.error for s in [*self._streams, self._inline] if s.error is not None]
         for s in [*self._streams, self._inline]:
             s.error = None

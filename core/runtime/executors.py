@@ -87,8 +87,6 @@ _STOP = object()
 
 
 class ThreadedExecutor:
-    """One worker thread per resource; dependencies are threading.Events."""
-
     def __init__(self, resources: Iterable[str], setup: Callable[[str], None] | None = None,
                  stall_seconds: float = STALL_SECONDS):
         self._queues: dict[str, queue.SimpleQueue] = {}
@@ -183,8 +181,8 @@ class ThreadedExecutor:
                     died.__cause__ = why
                     self._broken = str(died)
                     step.fail(None, died)
-            if step.count != seen:
-                seen, since = step.count, time.monotonic()
+            if len(step.left) != seen:  # progress: a task finished (or was skipped)
+                seen, since = len(step.left), time.monotonic()
             elif not step.failed and time.monotonic() - since > self.stall_seconds:
                 step.fail(None, Stalled(f"no task finished in {self.stall_seconds:g} s; waiting on "
                                         + ", ".join(describe(t) for t in step.running())))
@@ -220,9 +218,8 @@ class _Step:
         self.busy: dict[str, float] = {}
         self.error = None
         self.failed = False
-        self.count = 0  # tasks finished or skipped
         self.all_done = threading.Event()
-        self._left = set(self.tasks)
+        self.left = set(self.tasks)  # not finished (nor skipped)
         self._lock = threading.Lock()
         if not tasks:
             self.all_done.set()
@@ -234,14 +231,13 @@ class _Step:
     def finished(self, task) -> None:
         self.events[task.id].set()
         with self._lock:
-            self._left.discard(task.id)
-            self.count += 1
-            if not self._left:
+            self.left.discard(task.id)
+            if not self.left:
                 self.all_done.set()
 
     def running(self) -> list:
         with self._lock:
-            return [self.tasks[i] for i in sorted(self._left)[:5]]
+            return [self.tasks[i] for i in sorted(self.left)[:5]]
 
     def fail(self, task, err: BaseException) -> None:
         with self._lock:

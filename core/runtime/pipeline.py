@@ -520,8 +520,7 @@ class PipelineRunner:
                            scratch=scratch)
         return device_experts(h, parts, rw, ridx, grouped_mm=self._grouped_mm(h), act=self.act)
 
-    def _grouped_mm(self, h) -> bool:
-        """Whether grouped_mm has a kernel for h's dtype on this device."""
+    def _grouped_mm(self, h) -> bool:  # whether grouped_mm has a kernel for h's dtype on this device
         if not HAS_GROUPED_MM:
             return False
         if self.dev.kind == "cuda":
