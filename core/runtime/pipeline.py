@@ -152,7 +152,6 @@ class PipelineRunner:
         self.widen_attn = Widen(cpu_math, direct_rows) if cpu_math != kv_dtype else None
         self.widen_ffn = (Widen(weights.math_dtype, direct_rows) if not dev.accelerator
                           and weights.math_dtype != weights.dtype else None)
-        # dense (non-expert) weights and the globals live on the device for the whole run
         self.dense = [self._device_dense(lw) for lw in weights.layers]
         self.globals = {n: dev.to_device(t) for n, t in weights.globals.items()}
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
@@ -178,8 +177,7 @@ class PipelineRunner:
 
     # ---- memory -------------------------------------------------------------------------------------
     def _device_dense(self, lw) -> dict:
-        """A layer's non-expert weights on the device; on an accelerator an fp32 router stays fp32 and MLA's q_a
-        and kv_a are one matrix."""
+        """A layer's non-expert weights on the device (an accelerator's: an fp32 router's in fp32, MLA's q_a|kv_a)."""
         w = lw.dense()
         if self.dev.accelerator:
             if self.spec.router_fp32 and "router" in w:
@@ -230,8 +228,7 @@ class PipelineRunner:
                                "batch or more resident experts need less"))
 
     def _buffers(self, n_mb: int) -> None:
-        """Host staging in one arena, pinned once at its exact size: D1/D2 buffers, logits, S4's state staging;
-        then the device's: D1/D2 buffers, the stores of the layers whose state lives there, S4's state ring."""
+        """The host's staging in one arena, pinned once at its exact size; then the device's buffers."""
         s, dt, mu, dev = self.spec, self.w.dtype, self.mu, self.dev
         d1, d2 = mixer.max_widths(s)  # the widest layer's payloads
         want: list[tuple[str, tuple, torch.dtype]] = []
@@ -342,20 +339,15 @@ class PipelineRunner:
         return one or None
 
     def _run_step(self, tasks, finals, buffer: str):
-        """Run a step's tasks, then its logits of `finals()`: behind the step's work where the executor takes a
-        tail (one host sync a step), else after it. (busy, logits)"""
+        """(busy, logits of `finals()`): behind the step's work where the executor takes a tail, else after it."""
         self._start_step()
         if getattr(self.ex, "takes_tail", False):
             rows = []
-            busy = self.ex.run(tasks, self._run, then=lambda: rows.append(self._logits_enqueue(finals, buffer)))
+            busy = self.ex.run(tasks, self._run, then=lambda: rows.append(self._logits_enqueue(finals(), buffer)))
             out = busy, self.host[buffer][:rows[0]]
         else:
             busy = self.ex.run(tasks, self._run)
-            rows = self._logits_enqueue(finals, buffer)
-            if self.dev.accelerator:  # bounded: a hung kernel is DeviceStalled, not a hang
-                self._logits_done.record(self.dev.current_stream())
-                self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
-            out = busy, self.host[buffer][:rows]
+            out = busy, self._logits(finals(), buffer)
         self.last_tasks = tasks
         if self.streamed:  # where the graph prefetched the next step's layer 0 (a one-layer prefill keeps it in place)
             L, prefill = self.spec.num_layers, buffer == "logits_pre"
@@ -381,19 +373,30 @@ class PipelineRunner:
                 mb.x = F.embedding(mb.tokens_d, self.globals["embed"])
         tasks, self._current_pages = self._graph("prefill", len(self._pre))
         self.rope.keep = 1  # a prefill's tables are large and its gathers few beside its tokens
-        busy, staged = self._run_step(tasks, lambda: [mb.x.index_select(0, mb.ends_d) for mb in self._pre],
-                                      "logits_pre")
+        busy, staged = self._run_step(tasks, self._prefill_finals, "logits_pre")
         order = torch.tensor([i for idx in micro_batches for i in idx])
         out = torch.empty_like(staged)
         out[order] = staged
         self._pre = None
         return out, busy
 
-    def _logits_enqueue(self, finals, buffer: str) -> int:
-        """fp32 logits of `finals()` into reused host `buffer` (a device's enqueued, with their copies); rows filled."""
+    def _prefill_finals(self) -> list[torch.Tensor]:
+        with self.dev.compute():
+            return [mb.x.index_select(0, mb.ends_d) for mb in self._pre]
+
+    def _logits(self, xs: list[torch.Tensor], buffer: str) -> torch.Tensor:
+        """fp32 logits of the final hidden states, micro-batch by micro-batch into one reused host buffer."""
+        rows = self._logits_enqueue(xs, buffer)
+        if self.dev.accelerator:  # bounded: a hung kernel is DeviceStalled, not a hang
+            self._logits_done.record(self.dev.current_stream())
+            self.dev.host_wait(self._logits_done, what="the step's logits (its last kernels and copies)")
+        return self.host[buffer][:rows]
+
+    def _logits_enqueue(self, xs: list[torch.Tensor], buffer: str) -> int:
+        """The logits of `xs` into host `buffer` (a device's enqueued, with their copies); the rows they fill."""
         g, out, row = self.globals, self.host[buffer], 0
         with self.dev.compute():
-            for x in finals():
+            for x in xs:
                 n = x.shape[0]
                 head = (self.spec, g["norm"], self.lm_head, x, g.get("norm_b"), g.get("lm_head_b"))
                 if self.dev.accelerator:
@@ -404,8 +407,7 @@ class PipelineRunner:
         return row
 
     def _start_step(self) -> None:
-        """Layer 0's streamed experts: in half 0 where this graph loads them, else where the last step prefetched
-        them, else loaded into half 0 now."""
+        """Layer 0's streamed experts: half 0 where this graph loads them, else the last step's prefetch, else now."""
         if not self.streamed:
             return
         self._base = 0 if self._current_pages or self._layer0_half is None else self._layer0_half
