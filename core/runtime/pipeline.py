@@ -1,7 +1,7 @@
 """The CGOPipe runtime: a decode step (or a prefill) as a task graph of core.runtime.schedule, each task a step of
 core.model.decoder, over buffers allocated once per runner as core.plan.planner counts them. Reuse is safe because
 the graph orders every writer after the last reader (expert halves alternate by layer: schedule._buffer_free; ring
-position p = i·n + j uses buffer p mod 2: schedule._gpu_attention). B = requests in a micro-batch, D = hidden.
+position p = i·n + j uses buffer p mod 2: schedule._layer_by_layer). B = requests in a micro-batch, D = hidden.
 """
 
 from __future__ import annotations
