@@ -543,24 +543,17 @@ class PipelineRunner:
         for dst, src in self.page_copies[half][layer][t.page]:
             self._send(dst, src, "h2d")
 
-    def _ring(self, mb: _MB, layer: int, j: int):
-        """(ring slot, a store over its device buffer, one over its host staging) for a CPU-state layer."""
-        slot = (layer * len(self._step) + j) % 2
-        store = self.cache.layers[layer]
-        shapes = store.shapes(mb.B, mb.rows.span[1])
-        dev_view, host_view = (store.over([p[:math.prod(s)].view(s) for p, (s, _) in zip(parts[_kind(store)], shapes)])
-                               for parts in self._ring_parts[slot])
-        return slot, dev_view, host_view
-
     def _kv_load(self, t):
-        mb, i = self._step[t.micro_batch], t.layer
+        mb, i, store = self._step[t.micro_batch], t.layer, self.cache.layers[t.layer]
         if i < self.kv_gpu_layers:
             return
-        slot, dev_view, host_view = self._ring(mb, i, t.micro_batch)
+        slot, shapes = (i * len(self._step) + t.micro_batch) % 2, store.shapes(mb.B, mb.rows.span[1])
+        dev_view, host_view = (store.over([p[:math.prod(s)].view(s) for p, (s, _) in zip(parts[_kind(store)], shapes)])
+                               for parts in self._ring_parts[slot])
         self._ring_views[(i, t.micro_batch)] = dev_view
         self.dev.host_wait(self._stage_free[slot])  # the copy out of this staging slot two loads ago
         # gather into pinned staging, the new token's place included (nothing uninitialised: 0 × NaN is NaN) ...
-        load_rows(self.cache.layers[i], host_view, mb.rows, mb.rows.span[1])
+        load_rows(store, host_view, mb.rows, mb.rows.span[1])
         for d, h in zip(dev_view.tensors, host_view.tensors):  # ... then one contiguous asynchronous copy each
             self._send(d, h, "h2d")
         self._stage_free[slot].record(self.dev.current_stream())
@@ -591,16 +584,13 @@ class PipelineRunner:
 
     def _store_prompts(self, t):
         mb, i = self._pre[t.micro_batch], t.layer
-        prompts = mb.kv.pop(i)
-        if i < self.kv_gpu_layers:
-            for slot, parts in zip(mb.slots, prompts):
-                self.state_dev[i].write_prompt(slot, *parts)
-            return
-        store = self.cache.layers[i]
-        for slot, parts in zip(mb.slots, prompts):
-            parts = [self.dev.to_host(p) for p in parts]  # prefill only: a blocking copy is fine here
+        on_device = i < self.kv_gpu_layers
+        store = self.state_dev[i] if on_device else self.cache.layers[i]
+        for slot, parts in zip(mb.slots, mb.kv.pop(i)):
+            if not on_device:
+                parts = [self.dev.to_host(p) for p in parts]  # prefill only: a blocking copy is fine here
+                self.bytes["d2h"] += sum(p.numel() * p.element_size() for p in parts)
             store.write_prompt(slot, *parts)
-            self.bytes["d2h"] += sum(p.numel() * p.element_size() for p in parts)
 
     def _prefill(self, t):
         mb, i = self._pre[t.micro_batch], t.layer
