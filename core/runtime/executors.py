@@ -164,7 +164,7 @@ class ThreadedExecutor:
                 return self._finish(step)
             except DeviceTaskError as e:  # work launched on a device failed after the fact
                 step.fail(e.label, e.__cause__)
-        self._after_failure()
+        self._after_failure(step)
         task, err = step.error
         step = None
         raise _failed(task, err)
@@ -198,7 +198,7 @@ class ThreadedExecutor:
     def _finish(self, step: "_Step") -> dict[str, float]:
         return step.busy
 
-    def _after_failure(self) -> None:
+    def _after_failure(self, step: "_Step") -> None:
         pass
 
     def close(self) -> None:
