@@ -91,8 +91,7 @@ def calibrate(engine, prompts, *, progress: EventSink = ignore, clock=time.perf_
 
 
 class StepClock:
-    """An event sink keeping StepDone events with `clock`'s seconds; another clock, or `by_kind`, times each task
-    (`by_kind`: and keeps each step's `shapes`: its kind and, per micro-batch, its requests' tokens, as RunStep)."""
+    """Keeps StepDone events with `clock`'s seconds; another clock, or `by_kind` (and RunStep `shapes`), times tasks."""
 
     def __init__(self, engine, clock=time.perf_counter, forward: EventSink = ignore, by_kind: bool = False):
         self.clock, self.forward, self.wall = clock, forward, clock is time.perf_counter
