@@ -123,7 +123,7 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
     done = 0  # positions (layer·n + micro-batch) whose pre-attention is in the graph
 
     def pre_until(pos: int):
-        """Pre-attention, D1 and CPU attention up to `pos`, while the last layer's FFN is queued (no later waits)."""
+        """Pre-attention, D1 and CPU attention up to `pos`, as far as layer i−1's FFN is queued (none waits later)."""
         nonlocal done
         while done < min(pos, L * n):
             i, j = divmod(done, n)
