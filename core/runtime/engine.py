@@ -114,15 +114,13 @@ class RunConfig:
     graphs: str = "auto"  # CUDA graphs for the decode segments: "on", "off", or where they pay (core.runtime.graphs)
 
     def __post_init__(self):
-        if self.executor not in EXECUTORS:
-            raise UsageError(f"unknown executor {self.executor!r}", f"use one of {', '.join(EXECUTORS)}")
-        if self.schedule not in SCHEDULES:
-            raise UsageError(f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        for what, value, known in (("executor", self.executor, EXECUTORS), ("schedule", self.schedule, SCHEDULES),
+                                   ("graphs setting", self.graphs, cuda_graphs.MODES)):
+            if value not in known:
+                raise UsageError(f"unknown {what} {value!r}", f"use one of {', '.join(known)}")
         if self.executor == "cuda" and self.device == "cpu":
             raise UsageError("--executor cuda needs a CUDA GPU, and none is available",
                              "use --executor sequential or threaded")
-        if self.graphs not in cuda_graphs.MODES:
-            raise UsageError(f"unknown graphs setting {self.graphs!r}", "use auto, on or off")
 
     def resident(self, num_layers: int, num_experts: int) -> list[int] | None:
         """Experts kept on the device per layer; None: all."""
