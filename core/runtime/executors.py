@@ -33,12 +33,8 @@ class Stalled(RuntimeError):
 def describe(task) -> str:
     if task is None:
         return "the step"
-    parts = [getattr(task, "kind", "task")]
-    for name in ("layer", "micro_batch", "page"):
-        v = getattr(task, name, None)
-        if v is not None and v >= 0:
-            parts.append(f"{name}={v}")
-    return " ".join(parts)
+    at = ((name, getattr(task, name, None)) for name in ("layer", "micro_batch", "page"))
+    return " ".join([getattr(task, "kind", "task"), *(f"{name}={v}" for name, v in at if v is not None and v >= 0)])
 
 
 def _sized(times: list[float], n: int) -> list[float]:
