@@ -177,7 +177,7 @@ class PipelineRunner:
 
     # ---- memory -------------------------------------------------------------------------------------
     def _device_dense(self, lw) -> dict:
-        """A layer's non-expert weights on the device (an accelerator: an fp32 router kept so; MLA's q_a, kv_a joined)."""
+        """A layer's non-expert weights on the device (on a GPU: an fp32 router stays fp32; MLA's q_a, kv_a joined)."""
         w = lw.dense()
         if self.dev.accelerator:
             if self.spec.router_fp32 and "router" in w:
