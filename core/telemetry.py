@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence, Union
 
-# compute: the dense work and the experts (on the GPU; in the CPU-only mode on the CPU itself); cpu_attn: attention
-# on the CPU; h2d / d2h: copies over the host link.
+# compute: the dense work and the experts (the GPU; the CPU in the CPU-only mode); h2d / d2h: the host link's copies
 RESOURCES = ("compute", "cpu_attn", "h2d", "d2h")
 
 

@@ -68,7 +68,7 @@ SCOPES = {
     "engine": Scope("core.runtime.engine", (
         "xǁRequestǁ*", "xǁ_Seqǁ*", "xǁEngineǁgenerate", "xǁEngineǁ_step", "xǁEngineǁ_admit_check",
         "xǁEngineǁ_choose", "xǁEngineǁ_retire", "x__by_micro_batch", "x__is_oom",
-        "xǁEngineǁ_refill", "xǁEngineǁ_prefill", "xǁEngineǁ_decode"),  # the parts of `_step`
+        "xǁEngineǁ_refill", "xǁEngineǁ_compact"),  # the parts of `_step`
         ("tests/test_engine_batching.py", "tests/test_engine_finish.py", "tests/test_engine_parity.py",
          "tests/test_pipeline.py", "tests/test_compaction.py::test_compacted_requests_keep_their_state[mixtral]"),
         skip=tuple(f"tests/test_engine_parity.py::{t}[{f}]" for t in ("test_greedy_tokens_match_transformers",

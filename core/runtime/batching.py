@@ -1,6 +1,4 @@
-"""Dealing requests into micro-batches (the paper's Algorithm 2): each into the one with the fewest tokens and a
-free slot, refills alike, so micro-batches stay balanced.
-"""
+"""Requests dealt into micro-batches (the paper's Algorithm 2): each to the one with the fewest tokens, to balance."""
 
 from __future__ import annotations
 

@@ -30,28 +30,16 @@ class RunStep(NamedTuple):
 
 def run_steps(engine, prompts: list[str], *, batch: int, micro_batch: int, gen: int = GEN,
               clock=time.perf_counter) -> list[RunStep]:
-    held: list = []
-    make = engine.runner
-
-    def runner(*a, **kw):
-        rn = make(*a, **kw)
-        dec, pre = rn.decode, rn.prefill
-        rn.decode = lambda tokens, slots, positions: held.append(("decode", [[p + 1 for p in g] for g in positions])) \
-            or dec(tokens, slots, positions)
-        rn.prefill = lambda ps, slots, mbs: held.append(("prefill", [[len(ps[i]) for i in g] for g in mbs])) \
-            or pre(ps, slots, mbs)
-        return rn
-
     reqs = [Request(id=str(i), prompt=p, max_new_tokens=gen) for i, p in enumerate(prompts)]
-    eos, engine.eos_ids = engine.eos_ids, set()  # random weights may emit EOS early: every request runs to `gen`
-    engine.runner = runner
+    eos, make, engine.eos_ids = engine.eos_ids, engine.runner, set()  # random weights may emit EOS early: none does
     sink = StepClock(engine, clock, by_kind=True)
     try:
         for _ in engine.generate(reqs, batch_size=batch, micro_batch_size=micro_batch, on_event=sink):
             pass
     finally:
         engine.eos_ids, engine.runner = eos, make
-    return [RunStep(kind, span, kinds, groups) for (kind, groups), span, kinds in zip(held, sink.spans, sink.kinds)]
+    return [RunStep(kind, span, kinds, groups)
+            for (kind, groups), span, kinds in zip(sink.shapes, sink.spans, sink.kinds)]
 
 
 def step_rows(d, L: int, s: RunStep, group: int = 1) -> list[tuple[list[float], float]]:
@@ -103,19 +91,20 @@ def calibrate(engine, prompts, *, progress: EventSink = ignore, clock=time.perf_
 
 
 class StepClock:
-    """An event sink keeping StepDone events with `clock`'s seconds; another clock, or `by_kind`, times each task."""
+    """Keeps StepDone events with `clock`'s seconds; another clock, or `by_kind` (and RunStep `shapes`), times tasks."""
 
     def __init__(self, engine, clock=time.perf_counter, forward: EventSink = ignore, by_kind: bool = False):
         self.clock, self.forward, self.wall = clock, forward, clock is time.perf_counter
         self.steps, self.spans, self.kinds = [], [], []  # per step: its event, its span, its seconds by task kind
         self.busy, self.kind = {}, {}  # the step's so far: by resource, by task kind
+        self.shapes: list | None = [] if by_kind else None
         if by_kind or not self.wall:
             make = engine.runner
             engine.runner = lambda *a, **kw: self._install(make(*a, **kw))
         self._last = clock()
 
     def _install(self, runner):
-        run = runner._run
+        run, decode, prefill, shapes = runner._run, runner.decode, runner.prefill, self.shapes
 
         def timed(task):
             t = self.clock()
@@ -127,6 +116,11 @@ class StepClock:
                 self.kind[task.kind] = self.kind.get(task.kind, 0.0) + dt
 
         runner._run = timed
+        if shapes is not None:
+            runner.decode = lambda tokens, slots, at: shapes.append(("decode", [[p + 1 for p in g] for g in at])) \
+                or decode(tokens, slots, at)
+            runner.prefill = lambda ps, slots, mbs: shapes.append(("prefill", [[len(ps[i]) for i in g] for g in mbs])) \
+                or prefill(ps, slots, mbs)
         return runner
 
     def __call__(self, e) -> None:

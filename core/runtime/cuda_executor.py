@@ -25,6 +25,7 @@ class _CudaStep(_Step):
         self.index = {t.id: i for i, t in enumerate(tasks)}  # task id -> position, for the timeline
         self.launched: set[int] = set()  # stream tasks whose work the host has enqueued
         self.origin_host = 0.0  # the host clock's reading at the origin
+        self.hung: str | None = None  # a stream that ran past the device's deadline: what is stuck on it
         self.last_on: dict[str, int] = {}
         self.before: dict[int, int | None] = {}  # stream task -> the task before it on its stream
         for tid, r in self.stream_of.items():
@@ -45,6 +46,7 @@ class _CudaStep(_Step):
                       f"{err.seconds:g} s " + ("(it started: a hung kernel or copy)" if running else
                                                "(it never started: its stream waits on work that does not end)"))
         why.__cause__ = err
+        self.hung = f"the {self.stream_of[tid]} stream is stuck in {describe(self.tasks[tid])}"
         return DeviceTaskError(self.tasks[tid], why)
 
 
@@ -56,7 +58,6 @@ class CudaExecutor(ThreadedExecutor):
         self.placement = placement  # run on each worker first (core.model.cpu.threads.worker_setup)
         self.streams = {r: device.stream(r, compute=r == "compute") for r in STREAMS}
         self._events = [device.event(timing=True), device.event()]  # the origin, the join: see _CudaStep
-        self._hung: str | None = None  # a stream that ran past the device's deadline: what is stuck on it
         self._then = None  # the running step's tail (run's `then`)
         super().__init__(STREAMS + ("cpu_attn",), setup=self._setup, stall_seconds=stall_seconds)
 
@@ -96,18 +97,13 @@ class CudaExecutor(ThreadedExecutor):
             if mine in STREAMS:
                 self.streams[mine].wait_event(end)
             else:  # this host thread alone waits for that stream's task
-                self._bounded(step, other, end, cancel=lambda: step.failed)
+                try:
+                    self.dev.host_wait(end, cancel=lambda: step.failed)
+                except DeviceStalled as e:
+                    raise step.stuck(other, e)  # (its cause: Stalled, whose cause is the DeviceStalled)
                 if step.failed:
                     return False
         return True
-
-    def _bounded(self, step: _CudaStep, stream: str, event, cancel=None) -> None:
-        try:
-            self.dev.host_wait(event, cancel=cancel)
-        except DeviceStalled as e:
-            err = step.stuck(stream, e)
-            self._hung = f"the {stream} stream is stuck in {describe(err.label)}"
-            raise err  # (its cause: Stalled, whose cause is the DeviceStalled)
 
     def _execute(self, step: _CudaStep, task, i: int) -> None:
         if task.resource not in STREAMS:
@@ -133,9 +129,7 @@ class CudaExecutor(ThreadedExecutor):
             step.joined.record(caller)
             self.dev.host_wait(step.joined, what="the step's last tasks")  # the step's one host sync, bounded
         except DeviceStalled as e:  # (the emulated device's caller stream is the host: its join waits there)
-            err = step.stuck(None, e)
-            self._hung = f"the {step.stream_of[err.label.id]} stream is stuck in {describe(err.label)}"
-            raise err
+            raise step.stuck(None, e)
         busy, times, at = dict(step.busy), self.times, step.index
         for tid, ev in step.end.items():  # in list order: a task's dependencies and predecessor come first
             i, prev = at[tid], step.before[tid]  # the timeline: device times on the host clock, from the step's origin
@@ -148,9 +142,9 @@ class CudaExecutor(ThreadedExecutor):
             busy[r] = busy.get(r, 0.0) + end - start
         return busy
 
-    def _after_failure(self) -> None:
-        if self._hung is not None:  # waiting for the device again would only run into the deadline again
-            self._broken = self._hung
+    def _after_failure(self, step: _CudaStep) -> None:
+        if step.hung is not None:  # waiting for the device again would only run into the deadline again
+            self._broken = step.hung
         else:
             try:  # let in-flight work land before buffers are dropped; its errors are already reported
                 self.dev.synchronize()

@@ -151,11 +151,6 @@ class _Stream:
         ev.record(self)
         self.dev._host_sync(ev, None)
 
-    def _drain(self, deadline: float) -> None:
-        with self._idle:
-            if not self._idle.wait_for(lambda: self._pending == 0, max(0.0, deadline - time.monotonic())):
-                raise DeviceStalled(f"the {self.name} stream's queue", self.dev.wait_seconds)
-
     def close(self) -> None:
         if self._thread is not None:
             self._q.put(None)
@@ -245,7 +240,9 @@ class EmulatedCuda(Device):
         self._refuse("a device synchronisation")
         deadline = time.monotonic() + self.wait_seconds
         for s in list(self._streams):
-            s._drain(deadline)
+            with s._idle:
+                if not s._idle.wait_for(lambda: s._pending == 0, max(0.0, deadline - time.monotonic())):
+                    raise DeviceStalled(f"the {s.name} stream's queue", self.wait_seconds)
         errors = [s.error for s in [*self._streams, self._inline] if s.error is not None]
         for s in [*self._streams, self._inline]:
             s.error = None
@@ -395,8 +392,7 @@ class EmulatedCuda(Device):
             raise CaptureError("capture outside launched work (torch captures on a side stream, not the host's)")
         capture = self._tls.capture = _Capture(undo)
         try:
-            # the trace innermost: it sees the ops as they run, after the undo has kept what they overwrite
-            with _HostReads(self), (undo if undo is not None else contextlib.nullcontext()), capture:
+            with _HostReads(self), capture:
                 yield capture
         finally:
             self._tls.capture = None
@@ -496,6 +492,8 @@ class _Capture(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.undo is not None:  # first what the op overwrites
+            self.undo.save_writes(func, args, kwargs)
         flat = _tensors((args, kwargs))
         self.trace.append((func, tuple(self.ident(a) for a in flat)))
         out = func(*args, **kwargs)
@@ -530,11 +528,10 @@ def _show(entry: tuple) -> str:
 _Graph = collections.namedtuple("_Graph", "fn out trace")  # a captured segment: its callable, outputs, kernels
 
 
-class _Undo(TorchDispatchMode):
-    """Keeps the first contents of every storage written while active, to put them back."""
+class _Undo:
+    """Keeps the first contents of every storage a capture writes, to put them back."""
 
     def __init__(self):
-        super().__init__()
         self.saved: dict[int, tuple] = {}  # storage address -> (storage, its contents before the first write)
 
     def save(self, t: torch.Tensor) -> None:
@@ -549,15 +546,13 @@ class _Undo(TorchDispatchMode):
                 s.copy_(before)
         self.saved.clear()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def save_writes(self, func, args, kwargs) -> None:
         for i, a in enumerate(func._schema.arguments):
             if a.alias_info is not None and a.alias_info.is_write:
                 v = args[i] if i < len(args) else kwargs.get(a.name)
                 for t in v if isinstance(v, (list, tuple)) else (v,):
                     if isinstance(t, torch.Tensor):
                         self.save(t)
-        return func(*args, **kwargs)
 
 
 # Tensor methods that read device data on the host (a sync, and a value baked into the graph)

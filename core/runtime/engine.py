@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import time
@@ -113,15 +114,13 @@ class RunConfig:
     graphs: str = "auto"  # CUDA graphs for the decode segments: "on", "off", or where they pay (core.runtime.graphs)
 
     def __post_init__(self):
-        if self.executor not in EXECUTORS:
-            raise UsageError(f"unknown executor {self.executor!r}", f"use one of {', '.join(EXECUTORS)}")
-        if self.schedule not in SCHEDULES:
-            raise UsageError(f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        for what, value, known in (("executor", self.executor, EXECUTORS), ("schedule", self.schedule, SCHEDULES),
+                                   ("graphs setting", self.graphs, cuda_graphs.MODES)):
+            if value not in known:
+                raise UsageError(f"unknown {what} {value!r}", f"use one of {', '.join(known)}")
         if self.executor == "cuda" and self.device == "cpu":
             raise UsageError("--executor cuda needs a CUDA GPU, and none is available",
                              "use --executor sequential or threaded")
-        if self.graphs not in cuda_graphs.MODES:
-            raise UsageError(f"unknown graphs setting {self.graphs!r}", "use auto, on or off")
 
     def resident(self, num_layers: int, num_experts: int) -> list[int] | None:
         """Experts kept on the device per layer; None: all."""
@@ -353,12 +352,20 @@ class Engine:
         """One step: refill free slots and prefill them, else decode; sample; retire the finished."""
         admitted = self._refill(table, waiting, active)
         t0, moved = time.perf_counter(), dict(runner.bytes)
+        if not admitted and not waiting:  # nothing to refill the holes with: compact
+            self._compact(runner, table, active)
+        groups = _by_micro_batch(admitted or active, table)
+        seqs = [s for g in groups for s in g]  # in the order of the logits' rows
         if admitted:  # a freshly prefilled request may already be done; the next step admits again
-            kind, tokens = "prefill", sum(len(s.prompt_ids) for s in admitted)
-            seqs, logits, busy = self._prefill(runner, table, admitted, stop, slots)
+            kind, tokens, row = "prefill", sum(len(s.prompt_ids) for s in seqs), itertools.count()
+            run = functools.partial(runner.prefill, [s.prompt_ids for s in seqs], [s.slot for s in seqs],
+                                    [[next(row) for _ in g] for g in groups])  # each micro-batch's rows of seqs
         else:
             kind, tokens = "decode", len(active)
-            seqs, logits, busy = self._decode(runner, table, waiting, active, stop, slots)
+            run = functools.partial(runner.decode, [[s.out[-1] for s in g] for g in groups],
+                                    [[s.slot for s in g] for g in groups],
+                                    [[s.next_position for s in g] for g in groups])
+        logits, busy = self._agreed(runner, stop, slots, run)
         self._check_finite(logits)
         self._choose(seqs, logits)
         on_event(StepDone(kind, tokens, time.perf_counter() - t0, busy, runner.bytes["h2d"] - moved["h2d"],
@@ -380,24 +387,6 @@ class Engine:
             admitted.append(s)
         active += admitted
         return admitted
-
-    def _prefill(self, runner, table, admitted, stop, slots):
-        """The admitted prompts by micro-batch: (requests in logits row order, logits [rows, V], busy times)."""
-        groups = _by_micro_batch(admitted, table)
-        seqs = [s for g in groups for s in g]
-        index = {id(s): i for i, s in enumerate(seqs)}
-        logits, busy = self._agreed(runner, stop, slots, lambda: runner.prefill(
-            [s.prompt_ids for s in seqs], [s.slot for s in seqs], [[index[id(s)] for s in g] for g in groups]))
-        return seqs, logits, busy
-
-    def _decode(self, runner, table, waiting, active, stop, slots):
-        if not waiting:  # nothing to refill the holes with: compact
-            self._compact(runner, table, active)
-        groups = _by_micro_batch(active, table)
-        logits, busy = self._agreed(runner, stop, slots, lambda: runner.decode(
-            [[s.out[-1] for s in g] for g in groups], [[s.slot for s in g] for g in groups],
-            [[s.next_position for s in g] for g in groups]))
-        return [s for g in groups for s in g], logits, busy
 
     @staticmethod
     def _compact(runner, table, active) -> None:

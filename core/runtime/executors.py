@@ -1,8 +1,6 @@
-"""Executors: run one step's task graph (tasks with `id`, `resource`, `deps`) through `run(task)`, in dependency order.
-
-`SequentialExecutor` runs them in list order (the CPU mode); `ThreadedExecutor` gives each resource a worker
-thread, so a missing dependency shows as wrong tokens. Never a hang: the first failure wakes every waiter, a
-dead worker or `stall_seconds` without progress fails the step with a `TaskFailed` naming the task.
+"""Run a step's task graph in dependency order: `SequentialExecutor` in list order (the CPU mode), `ThreadedExecutor`
+on a worker thread per resource (a missing dependency shows as wrong tokens). Never a hang: the first failure wakes
+every waiter; a dead worker or `stall_seconds` without progress fails the step with a `TaskFailed` naming the task.
 """
 
 from __future__ import annotations
@@ -35,18 +33,13 @@ class Stalled(RuntimeError):
 def describe(task) -> str:
     if task is None:
         return "the step"
-    parts = [getattr(task, "kind", "task")]
-    for name in ("layer", "micro_batch", "page"):
-        v = getattr(task, name, None)
-        if v is not None and v >= 0:
-            parts.append(f"{name}={v}")
-    return " ".join(parts)
+    at = ((name, getattr(task, name, None)) for name in ("layer", "micro_batch", "page"))
+    return " ".join([getattr(task, "kind", "task"), *(f"{name}={v}" for name, v in at if v is not None and v >= 0)])
 
 
 def _sized(times: list[float], n: int) -> list[float]:
     """The executor's timing buffer with room for n tasks: grown once, then reused step after step."""
-    if len(times) < 2 * n:
-        times.extend([0.0] * (2 * n - len(times)))
+    times.extend([0.0] * (2 * n - len(times)))  # (a negative count adds nothing)
     return times
 
 
@@ -89,8 +82,6 @@ _STOP = object()
 
 
 class ThreadedExecutor:
-    """One worker thread per resource; dependencies are threading.Events."""
-
     def __init__(self, resources: Iterable[str], setup: Callable[[str], None] | None = None,
                  stall_seconds: float = STALL_SECONDS):
         self._queues: dict[str, queue.SimpleQueue] = {}
@@ -168,7 +159,7 @@ class ThreadedExecutor:
                 return self._finish(step)
             except DeviceTaskError as e:  # work launched on a device failed after the fact
                 step.fail(e.label, e.__cause__)
-        self._after_failure()
+        self._after_failure(step)
         task, err = step.error
         step = None
         raise _failed(task, err)
@@ -185,8 +176,8 @@ class ThreadedExecutor:
                     died.__cause__ = why
                     self._broken = str(died)
                     step.fail(None, died)
-            if step.count != seen:
-                seen, since = step.count, time.monotonic()
+            if len(step.left) != seen:  # progress: a task finished (or was skipped)
+                seen, since = len(step.left), time.monotonic()
             elif not step.failed and time.monotonic() - since > self.stall_seconds:
                 step.fail(None, Stalled(f"no task finished in {self.stall_seconds:g} s; waiting on "
                                         + ", ".join(describe(t) for t in step.running())))
@@ -202,7 +193,7 @@ class ThreadedExecutor:
     def _finish(self, step: "_Step") -> dict[str, float]:
         return step.busy
 
-    def _after_failure(self) -> None:
+    def _after_failure(self, step: "_Step") -> None:
         pass
 
     def close(self) -> None:
@@ -222,9 +213,8 @@ class _Step:
         self.busy: dict[str, float] = {}
         self.error = None
         self.failed = False
-        self.count = 0  # tasks finished or skipped
         self.all_done = threading.Event()
-        self._left = set(self.tasks)
+        self.left = set(self.tasks)  # not finished (nor skipped)
         self._lock = threading.Lock()
         if not tasks:
             self.all_done.set()
@@ -236,14 +226,13 @@ class _Step:
     def finished(self, task) -> None:
         self.events[task.id].set()
         with self._lock:
-            self._left.discard(task.id)
-            self.count += 1
-            if not self._left:
+            self.left.discard(task.id)
+            if not self.left:
                 self.all_done.set()
 
     def running(self) -> list:
         with self._lock:
-            return [self.tasks[i] for i in sorted(self._left)[:5]]
+            return [self.tasks[i] for i in sorted(self.left)[:5]]
 
     def fail(self, task, err: BaseException) -> None:
         with self._lock:

@@ -105,8 +105,7 @@ class Graphs:
         return self._segments.setdefault(key, _Segment(ins, graph, out))
 
 
-def streamed_bytes_per_layer(weights, resident: list[int] | None, num_experts: int) -> float:
-    """Bytes of experts one layer streams on average, for `choose`."""
+def streamed_bytes_per_layer(weights, resident: list[int] | None, num_experts: int) -> float:  # on average
     if resident is None:
         return 0.0
     total = 0

@@ -92,7 +92,13 @@ def ready_for_cpu(config, ck: Checkpoint, spec: ModelSpec, weights: ModelWeights
         spec = with_dense(spec, dense_fmt)
     elif cpu.pack:
         ffn.prepare(progress)  # a compile here, with progress, not inside the packing
-        cpu = _pack_or_fall_back(weights, cpu, progress)
+        try:
+            weights.pack_for_cpu(progress)
+        except RuntimeError as e:  # e.g. "bf16 path needs the cpu support avx512bw ..."
+            progress(WarningEvent(f"oneDNN refused to prepack the experts ({str(e).splitlines()[0]}); computing in "
+                                  "float32 over the unpacked weights instead"))
+            cpu = dataclasses.replace(cpu, pack=False, math="float32", direct_rows=cpu_compute.DIRECT_ROWS,
+                                      reason=cpu.reason + "; but oneDNN refused to prepack, so not natively after all")
     if cpu.widens and weights.scheme is None:
         ffn.prepare(progress, widened=True)
         if weights.packs_widened():  # the experts widen in registers in one C call a layer
@@ -139,17 +145,6 @@ def eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> set[int]:
             ids |= set(eos if isinstance(eos, list) else [eos])
     ids.add(tokenizer.eos_token_id)  # None (none said) goes with the rest that are no token
     return {i for i in ids if isinstance(i, int) and 0 <= i < spec.vocab_size}
-
-
-def _pack_or_fall_back(weights: ModelWeights, cpu, progress: EventSink):
-    try:
-        weights.pack_for_cpu(progress)
-        return cpu
-    except RuntimeError as e:  # e.g. "bf16 path needs the cpu support avx512bw ..."
-        progress(WarningEvent(f"oneDNN refused to prepack the experts ({str(e).splitlines()[0]}); computing in "
-                              "float32 over the unpacked weights instead"))
-        return dataclasses.replace(cpu, pack=False, math="float32", direct_rows=cpu_compute.DIRECT_ROWS,
-                                   reason=cpu.reason + "; but oneDNN refused to prepack, so not natively after all")
 
 
 def _experts_that_fit(spec: ModelSpec, dtype: torch.dtype, dev: Device) -> tuple[int, ...]:

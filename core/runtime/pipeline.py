@@ -1,12 +1,7 @@
-"""The CGOPipe runtime: a decode step (or a prefill) as a task graph, run by an executor.
-
-core.runtime.schedule says which tasks run where and after which; this module says what each task does (a step
-of core.model.decoder) and owns the buffers they share, allocated once per runner as core.plan.planner counts
-them: dense weights and globals, each layer's `resident[i]` experts, a 2-half buffer for streamed experts, the
-attention payloads and GPU state ring, one pinned host arena. Reuse is safe because the graph orders every
-writer after the last reader (expert halves alternate by layer: schedule._buffer_free; ring position
-p = i·n + j uses buffer p mod 2: schedule._gpu_attention).
-Legend: B = requests in a micro-batch, D = hidden, T = cached tokens, E = experts.
+"""The CGOPipe runtime: a decode step (or a prefill) as a task graph of core.runtime.schedule, each task a step of
+core.model.decoder, over buffers allocated once per runner as core.plan.planner counts them. Reuse is safe because
+the graph orders every writer after the last reader (expert halves alternate by layer: schedule._buffer_free; ring
+position p = i·n + j uses buffer p mod 2: schedule._layer_by_layer). B = requests in a micro-batch, D = hidden.
 """
 
 from __future__ import annotations
@@ -157,7 +152,6 @@ class PipelineRunner:
         self.widen_attn = Widen(cpu_math, direct_rows) if cpu_math != kv_dtype else None
         self.widen_ffn = (Widen(weights.math_dtype, direct_rows) if not dev.accelerator
                           and weights.math_dtype != weights.dtype else None)
-        # dense (non-expert) weights and the globals live on the device for the whole run
         self.dense = [self._device_dense(lw) for lw in weights.layers]
         self.globals = {n: dev.to_device(t) for n, t in weights.globals.items()}
         self.lm_head = self.globals.get("lm_head", self.globals["embed"])
@@ -183,8 +177,7 @@ class PipelineRunner:
 
     # ---- memory -------------------------------------------------------------------------------------
     def _device_dense(self, lw) -> dict:
-        """A layer's non-expert weights on the device; on an accelerator an fp32 router stays fp32 and MLA's q_a
-        and kv_a are one matrix."""
+        """A layer's non-expert weights on the device (on a GPU: an fp32 router stays fp32; MLA's q_a, kv_a joined)."""
         w = lw.dense()
         if self.dev.accelerator:
             if self.spec.router_fp32 and "router" in w:
@@ -235,8 +228,7 @@ class PipelineRunner:
                                "batch or more resident experts need less"))
 
     def _buffers(self, n_mb: int) -> None:
-        """Host staging in one arena, pinned once at its exact size: D1/D2 buffers, logits, S4's state staging;
-        then the device's: D1/D2 buffers, the stores of the layers whose state lives there, S4's state ring."""
+        """The host's staging in one arena, pinned once at its exact size; then the device's buffers."""
         s, dt, mu, dev = self.spec, self.w.dtype, self.mu, self.dev
         d1, d2 = mixer.max_widths(s)  # the widest layer's payloads
         want: list[tuple[str, tuple, torch.dtype]] = []
@@ -347,8 +339,7 @@ class PipelineRunner:
         return one or None
 
     def _run_step(self, tasks, finals, buffer: str):
-        """Run a step's tasks, then its logits of `finals()`: behind the step's work where the executor takes a
-        tail (one host sync a step), else after it. (busy, logits)"""
+        """(busy, logits of `finals()`): behind the step's work where the executor takes a tail, else after it."""
         self._start_step()
         if getattr(self.ex, "takes_tail", False):
             rows = []
@@ -416,8 +407,7 @@ class PipelineRunner:
         return row
 
     def _start_step(self) -> None:
-        """Layer 0's streamed experts: in half 0 where this graph loads them, else where the last step prefetched
-        them, else loaded into half 0 now."""
+        """Layer 0's streamed experts: half 0 where this graph loads them, else the last step's prefetch, else now."""
         if not self.streamed:
             return
         self._base = 0 if self._current_pages or self._layer0_half is None else self._layer0_half
@@ -532,8 +522,7 @@ class PipelineRunner:
                            scratch=scratch)
         return device_experts(h, parts, rw, ridx, grouped_mm=self._grouped_mm(h), act=self.act)
 
-    def _grouped_mm(self, h) -> bool:
-        """Whether grouped_mm has a kernel for h's dtype on this device."""
+    def _grouped_mm(self, h) -> bool:  # whether grouped_mm has a kernel for h's dtype on this device
         if not HAS_GROUPED_MM:
             return False
         if self.dev.kind == "cuda":
@@ -554,24 +543,17 @@ class PipelineRunner:
         for dst, src in self.page_copies[half][layer][t.page]:
             self._send(dst, src, "h2d")
 
-    def _ring(self, mb: _MB, layer: int, j: int):
-        """(ring slot, a store over its device buffer, one over its host staging) for a CPU-state layer."""
-        slot = (layer * len(self._step) + j) % 2
-        store = self.cache.layers[layer]
-        shapes = store.shapes(mb.B, mb.rows.span[1])
-        dev_view, host_view = (store.over([p[:math.prod(s)].view(s) for p, (s, _) in zip(parts[_kind(store)], shapes)])
-                               for parts in self._ring_parts[slot])
-        return slot, dev_view, host_view
-
     def _kv_load(self, t):
-        mb, i = self._step[t.micro_batch], t.layer
+        mb, i, store = self._step[t.micro_batch], t.layer, self.cache.layers[t.layer]
         if i < self.kv_gpu_layers:
             return
-        slot, dev_view, host_view = self._ring(mb, i, t.micro_batch)
+        slot, shapes = (i * len(self._step) + t.micro_batch) % 2, store.shapes(mb.B, mb.rows.span[1])
+        dev_view, host_view = (store.over([p[:math.prod(s)].view(s) for p, (s, _) in zip(parts[_kind(store)], shapes)])
+                               for parts in self._ring_parts[slot])
         self._ring_views[(i, t.micro_batch)] = dev_view
         self.dev.host_wait(self._stage_free[slot])  # the copy out of this staging slot two loads ago
         # gather into pinned staging, the new token's place included (nothing uninitialised: 0 × NaN is NaN) ...
-        load_rows(self.cache.layers[i], host_view, mb.rows, mb.rows.span[1])
+        load_rows(store, host_view, mb.rows, mb.rows.span[1])
         for d, h in zip(dev_view.tensors, host_view.tensors):  # ... then one contiguous asynchronous copy each
             self._send(d, h, "h2d")
         self._stage_free[slot].record(self.dev.current_stream())
@@ -602,16 +584,13 @@ class PipelineRunner:
 
     def _store_prompts(self, t):
         mb, i = self._pre[t.micro_batch], t.layer
-        prompts = mb.kv.pop(i)
-        if i < self.kv_gpu_layers:
-            for slot, parts in zip(mb.slots, prompts):
-                self.state_dev[i].write_prompt(slot, *parts)
-            return
-        store = self.cache.layers[i]
-        for slot, parts in zip(mb.slots, prompts):
-            parts = [self.dev.to_host(p) for p in parts]  # prefill only: a blocking copy is fine here
+        on_device = i < self.kv_gpu_layers
+        store = self.state_dev[i] if on_device else self.cache.layers[i]
+        for slot, parts in zip(mb.slots, mb.kv.pop(i)):
+            if not on_device:
+                parts = [self.dev.to_host(p) for p in parts]  # prefill only: a blocking copy is fine here
+                self.bytes["d2h"] += sum(p.numel() * p.element_size() for p in parts)
             store.write_prompt(slot, *parts)
-            self.bytes["d2h"] += sum(p.numel() * p.element_size() for p in parts)
 
     def _prefill(self, t):
         mb, i = self._pre[t.micro_batch], t.layer
@@ -627,12 +606,7 @@ class PipelineRunner:
             self._store_prompts(t)
 
 
-_TASK_FNS = {
-    "pre_attn": PipelineRunner._pre_attn, "d1": PipelineRunner._d1, "cpu_attn": PipelineRunner._cpu_attn,
-    "d2": PipelineRunner._d2, "post_attn": PipelineRunner._post_attn, "ffn": PipelineRunner._ffn,
-    "weight_page": PipelineRunner._weight_page, "gpu_attn": PipelineRunner._gpu_attn,
-    "kv_load": PipelineRunner._kv_load, "kv_store": PipelineRunner._kv_store, "prefill": PipelineRunner._prefill,
-}
+_TASK_FNS = {kind: getattr(PipelineRunner, "_" + kind) for kind in sched.RESOURCE_OF}  # task kind -> its step
 
 
 def _kind(store) -> tuple[str, int]:

@@ -1,7 +1,6 @@
 """The decode step's (and prefill's) task graph, as data, for the engine and the simulator: each resource runs its
 tasks one at a time in list order, a task once all its `deps` finished. Schedules (shared/paper.md): "cgopipe",
-"s4" (FlexGen: the whole next layer's weights first), "s3" (one chain). Layer 0's streamed weights go during the
-previous step's last layer.
+"s4" (FlexGen: the whole next layer's weights first), "s3" (one chain).
 """
 
 from __future__ import annotations
@@ -101,9 +100,9 @@ def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches
     if ffn_on == "cpu":
         return _cpu_only(L, n, g)
     pages = pages_per_layer if streamed else 0
-    if attention_on == "gpu":
-        return _gpu_attention(schedule, L, n, g, pages)
-    return _cgopipe(L, n, g, pages) if schedule == "cgopipe" else _flexgen(L, n, g, pages, overlap=schedule == "s4")
+    if attention_on == "cpu" and schedule == "cgopipe":
+        return _cgopipe(L, n, g, pages)
+    return _layer_by_layer(schedule, L, n, g, pages, gpu_attention=attention_on == "gpu")
 
 
 def _ffn_deps_of_prev_layer(G: _Graph, i: int, j: int, g: int):
@@ -124,8 +123,7 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
     done = 0  # positions (layer·n + micro-batch) whose pre-attention is in the graph
 
     def pre_until(pos: int):
-        """Pre-attention, D1 and CPU attention up to `pos`, as far as the previous layer's experts are in the graph
-        (so no in-order queue waits on a later task)."""
+        """Pre-attention, D1 and CPU attention up to `pos`, as far as layer i−1's FFN is queued (none waits later)."""
         nonlocal done
         while done < min(pos, L * n):
             i, j = divmod(done, n)
@@ -152,28 +150,9 @@ def _cgopipe(L: int, n: int, g: int, pages: int) -> list[Task]:
     return G.tasks
 
 
-def _flexgen(L: int, n: int, g: int, pages: int, overlap: bool) -> list[Task]:
-    """S4: the next layer's weights first on the copy queue; S3: each layer's just before it, one task at a time."""
-    G = _Graph(serial=not overlap)
-    for i in range(L):
-        nxt = i if not overlap else (i + 1) % L
-        for p in range(pages):  # S4: the whole next layer at the head of the copy queue
-            G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g) if overlap else ())
-        # the layer's pages already queued (S3: just before; S4: during layer i−1; layer 0's come at the end)
-        weights = [t for t in _layer_pages(G, i, pages) if t is not None]
-        for j in range(n):
-            a = G.add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
-            b = G.add("d1", i, j, deps=(a,))
-            c = G.add("cpu_attn", i, j, deps=(b,))
-            d = G.add("d2", i, j, deps=(c,))
-            G.add("post_attn", i, j, deps=(d, *weights))
-            if (j + 1) % g == 0:
-                G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
-    return G.tasks
-
-
-def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Task]:
-    """Attention on the GPU: CPU-held KV over the link (D4) per micro-batch, the new token's KV back."""
+def _layer_by_layer(schedule: str, L: int, n: int, g: int, pages: int, gpu_attention: bool) -> list[Task]:
+    """S4: the next layer's weights first on the copy queue; S3: each layer's just before it, one task at a time.
+    Attention on the GPU (any schedule): CPU-held KV over the link (D4) per micro-batch, the new token's KV back."""
     G = _Graph(serial=schedule == "s3")
     slots = _page_slots(pages, n)
     for i in range(L):
@@ -183,18 +162,25 @@ def _gpu_attention(schedule: str, L: int, n: int, g: int, pages: int) -> list[Ta
         # this layer's pages where queued before its first use (past layer 0; S3; S4 with one layer)
         weights = [t for t in _layer_pages(G, i, pages) if t is not None] if (i > 0 or G.serial or L == 1) else []
         for j in range(n):
-            # position p = i·n + j uses ring buffer p mod 2: it waits for position p − 2's attention
-            reuse = (G.get("gpu_attn", *divmod(i * n + j - 2, n)),) if i * n + j >= 2 else ()
-            # at most two layers' new K/V of a micro-batch wait for the store
-            reuse += (G.get("kv_store", i - 2, j),) if i > 1 else ()
-            kv = G.add("kv_load", i, j, deps=reuse)
-            if schedule == "cgopipe":
-                for p in slots[j]:
-                    G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
-            a = G.add("pre_attn", i, j, deps=(*_ffn_deps_of_prev_layer(G, i, j, g), kv))
-            b = G.add("gpu_attn", i, j, deps=(a, kv))
-            G.add("kv_store", i, j, deps=(b,))
-            G.add("post_attn", i, j, deps=(b, *weights))  # S3: after the store too (the task before it)
+            if not gpu_attention:
+                a = G.add("pre_attn", i, j, deps=_ffn_deps_of_prev_layer(G, i, j, g))
+                b = G.add("d1", i, j, deps=(a,))
+                c = G.add("cpu_attn", i, j, deps=(b,))
+                d = G.add("d2", i, j, deps=(c,))
+                G.add("post_attn", i, j, deps=(d, *weights))
+            else:
+                # position p = i·n + j uses ring buffer p mod 2: it waits for position p − 2's attention
+                reuse = (G.get("gpu_attn", *divmod(i * n + j - 2, n)),) if i * n + j >= 2 else ()
+                # at most two layers' new K/V of a micro-batch wait for the store
+                reuse += (G.get("kv_store", i - 2, j),) if i > 1 else ()
+                kv = G.add("kv_load", i, j, deps=reuse)
+                if schedule == "cgopipe":
+                    for p in slots[j]:
+                        G.add("weight_page", nxt, page=p, deps=_buffer_free(G, i, n, g))
+                a = G.add("pre_attn", i, j, deps=(*_ffn_deps_of_prev_layer(G, i, j, g), kv))
+                b = G.add("gpu_attn", i, j, deps=(a, kv))
+                G.add("kv_store", i, j, deps=(b,))
+                G.add("post_attn", i, j, deps=(b, *weights))  # S3: after the store too (the task before it)
             if (j + 1) % g == 0:
                 G.add("ffn", i, j + 1 - g, deps=[G.get("post_attn", i, k) for k in range(j + 1 - g, j + 1)])
     return G.tasks

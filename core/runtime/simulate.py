@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.plan import hrm
-
 from core.runtime import schedule
 from core.plan.hardware import HardwareSpec
 from core.plan.policy import Policy

@@ -1,5 +1,4 @@
-"""Local ranks through torch's elastic launcher, never restarted: a failed run resumes when the command runs again.
-"""
+"""Local ranks through torch's elastic launcher, never restarted: a failed run resumes when the command runs again."""
 
 from __future__ import annotations
 

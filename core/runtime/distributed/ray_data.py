@@ -1,6 +1,4 @@
-"""mlight over a Ray cluster with Ray Data: one engine per actor, loaded once, planned for its machine unless given
-a policy (usage: README, Ray Data).
-"""
+"""mlight on Ray Data: one engine per actor, loaded once, planned for its machine unless given a policy (README)."""
 
 from __future__ import annotations
 

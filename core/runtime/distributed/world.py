@@ -1,6 +1,4 @@
-"""Who this process is in a torch.distributed job, and its process groups: `tp` consecutive ranks of one node form
-a tensor-parallel group, the groups are data-parallel replicas.
-"""
+"""A torch.distributed job's ranks and groups: `tp` consecutive ranks of a node form a tensor-parallel replica."""
 
 from __future__ import annotations
 
