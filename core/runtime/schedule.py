@@ -88,7 +88,7 @@ def _page_slots(num_pages: int, n_mb: int) -> dict[int, list[int]]:
     return {j: [p for p in range(num_pages) if p * n_mb // num_pages == j] for j in range(n_mb)}
 
 
-def decode_step(schedule: str = "cgopipe", *, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1,
+def decode_step(schedule: str, *, num_layers: int, num_micro_batches: int, pages_per_layer: int = 1,
                 micro_batches_per_expert_batch: int = 1, attention_on: str = "cpu", ffn_on: str = "gpu",
                 streamed: bool = True) -> list[Task]:
     """`streamed` False: no weight pages."""
