@@ -37,11 +37,9 @@ class LayerLayout:
     scheme: ExpertScheme | None = None
 
     @classmethod
-    def for_spec(cls, spec: ModelSpec, layer: int | None = None, scheme: ExpertScheme | None = None,
+    def for_spec(cls, spec: ModelSpec, layer: int, scheme: ExpertScheme | None = None,
                  dtype: torch.dtype | None = None) -> "LayerLayout":
-        """`layer`'s layout (default: the first MoE layer's); with `scheme`, bytes: experts in it, dense in `dtype`."""
-        if layer is None:
-            layer = next((i for i in range(spec.num_layers) if spec.is_moe(i)), 0)
+        """`layer`'s layout; with `scheme`, bytes: experts in it, dense in `dtype`."""
         shapes = spec.layer_shapes(layer)
         dt = None if scheme is None else str(dtype or spec.torch_dtype).replace("torch.", "")
         dense = [(n, dt, s) for n, s in shapes.items() if n not in EXPERT_TENSORS]
