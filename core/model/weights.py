@@ -5,6 +5,7 @@ rounds up).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
@@ -295,7 +296,7 @@ class ModelWeights:
 
             what = (f"quantizing dense weights to {dense_format.label}" if dense_cache is None or not dense_cache.cached
                     else "loading quantized dense weights (cached)")
-        try:
+        with dense_cache or contextlib.nullcontext():  # written whole, or dropped
             for i, lw in enumerate(self.layers):
                 lw.pack_for_cpu(None if quant is None else lambda name, w, i=i: quant(f"layers.{i}.{name}", w),
                                 swiglu=self.spec.expert_act == "swiglu")
@@ -306,12 +307,6 @@ class ModelWeights:
                 head = self.globals["lm_head"]
                 q = quant("lm_head", head) if quant is not None else head
                 self.globals["lm_head"] = q if q is not head else pack_dense(head)
-            if dense_cache is not None:
-                dense_cache.commit()
-        except BaseException:
-            if dense_cache is not None:
-                dense_cache.abort()
-            raise
         progress(Progress(what, len(self.layers) + 1, len(self.layers) + 1, "layers"))
 
     def widen_dense(self, math: torch.dtype, pack: bool = False, progress: EventSink = ignore) -> None:
@@ -417,7 +412,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     progress(Progress(what, 1, total, "layers"))
     staging: dict[LayerLayout, LayerWeights] = {}  # one layer in the compute dtype, reused (per distinct shape)
     layers, scratch = [], {}
-    try:
+    with writer or contextlib.nullcontext():  # the cache entry written whole, or dropped
         for i in range(spec.num_layers):
             layout = LayerLayout.for_spec(spec, i, scheme, dtype)
             flat = layout.buffer(dtype)
@@ -436,12 +431,6 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
                 _fill_layer(ckpt, fam, full, i, keys, lw.tensors, shard)
             layers.append(lw)
             progress(Progress(what, i + 2, total, "layers"))
-        if writer is not None:
-            writer.commit()
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
     return ModelWeights(spec, layers, globals_, dtype)
 
 
