@@ -17,13 +17,6 @@ from core.model.cpu import native, row_ops
 from core.model.spec import ModelSpec
 
 
-def _alloc(shape, dtype, alloc=None) -> torch.Tensor:
-    # zeros, not empty: masked positions still enter p @ v (as 0 × v), and 0 × NaN is NaN
-    if alloc is not None:  # elsewhere (a device: it gives zeros there)
-        return alloc(shape, dtype)
-    return untouched_zeros(shape, dtype)
-
-
 def untouched_zeros(shape, dtype) -> torch.Tensor:
     """Zeros whose pages the OS maps on first touch: a cache is sized for its longest request in every slot
     while a request touches its own length. Private, so Linux does not make it shared memory; small pages,
@@ -98,13 +91,14 @@ class KVStore(_Store):
     names = ("k", "v")
     token_axes = (2, 2)
 
-    def __init__(self, slots: int, heads: int, head_dim: int, max_tokens: int, dtype, window: int = 0, alloc=None):
+    def __init__(self, slots: int, heads: int, head_dim: int, max_tokens: int, dtype, window: int = 0,
+                 alloc=untouched_zeros):
         self.window = window if window and window < max_tokens else 0
         cap = self.window or max_tokens
         if self.window:
             self.kind = "window"
-        self.k = _alloc((slots, heads, cap, head_dim), dtype, alloc)
-        self.v = _alloc((slots, heads, cap, head_dim), dtype, alloc)
+        self.k = alloc((slots, heads, cap, head_dim), dtype)
+        self.v = alloc((slots, heads, cap, head_dim), dtype)
 
     def new_entries(self, rows) -> tuple:
         at, every = self.index(rows.positions), torch.arange(rows.B, device=self.k.device)
@@ -160,8 +154,8 @@ class LatentStore(_Store):
     names = ("lat",)
     token_axes = (1,)
 
-    def __init__(self, slots: int, width: int, max_tokens: int, dtype, alloc=None):
-        self.lat = _alloc((slots, max_tokens, width), dtype, alloc)
+    def __init__(self, slots: int, width: int, max_tokens: int, dtype, alloc=untouched_zeros):
+        self.lat = alloc((slots, max_tokens, width), dtype)
 
     def new_entries(self, rows) -> tuple:
         return (self.lat[torch.arange(rows.B, device=self.lat.device), rows.positions],)
@@ -177,10 +171,10 @@ class LinearStore(_Store):
     names = ("rec", "conv")
     token_axes = (None, None)
 
-    def __init__(self, slots: int, spec: ModelSpec, dtype, alloc=None):
+    def __init__(self, slots: int, spec: ModelSpec, dtype, alloc=untouched_zeros):
         la = spec.linear
-        self.rec = _alloc((slots, la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32, alloc)
-        self.conv = _alloc((slots, la.conv_dim, la.conv_kernel - 1), dtype, alloc)
+        self.rec = alloc((slots, la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32)
+        self.conv = alloc((slots, la.conv_dim, la.conv_kernel - 1), dtype)
 
     def new_entries(self, rows) -> tuple:
         # the whole state of each row: a linear layer rewrites all of it every token
@@ -206,8 +200,9 @@ def load_rows(src, dst, rows, cached: int) -> int:
     return moved
 
 
-def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, alloc=None):
-    """Layer i's store; `alloc(shape, dtype)` puts it elsewhere than host memory (zero-filled)."""
+def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, alloc=untouched_zeros):
+    """Layer i's store; `alloc(shape, dtype)` puts it elsewhere than host memory. Zeros, not empty: masked
+    positions still enter p @ v (as 0 × v), and 0 × NaN is NaN."""
     st = spec.layer_state(i)
     if st.kind == "linear":
         return LinearStore(slots, spec, dtype, alloc)
