@@ -88,9 +88,6 @@ class Format:
     def nbytes(self, n: int, k: int) -> int:
         return sum(p.nbytes for p in self.parts(n, k))
 
-    def bits_per_weight(self, n: int, k: int) -> float:
-        return 8 * self.nbytes(n, k) / (n * k)
-
 
 def workspace_bytes(fmt: Format, shapes, compute_bytes: int, chunk_elems: int = CHUNK_ELEMS_DEVICE) -> int:
     """Device bytes a `Workspace` (quant.expand) holds once matrices of these (n, k) shapes in `fmt` were
