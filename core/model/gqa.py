@@ -29,8 +29,7 @@ def _qk_norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def project(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None,
             full_norm=None):
-    """Normed h [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd], output gate [T, Hq·hd] or None. `full_norm`:
-    the norm over all heads on a tensor-parallel rank that holds only some (tensor_parallel.ShardOps.full_norm)."""
+    """Normed h [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd], output gate [T, Hq·hd] or None (`full_norm`: mixer's)."""
     qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))
     sizes = [spec.q_size, spec.kv_size, spec.kv_size] + ([spec.q_size] if spec.attn_gate else [])
     q, k, v, *gate = qkv.split(sizes, dim=-1)
