@@ -105,11 +105,8 @@ def _pre_into(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_l
 
 def _qk_norm_into(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> None:
     """`_qk_norm(spec, x, w)` into dst: Llama's style ends in its weight's product, which writes there."""
-    done = row_ops.rms_norm(x, w, spec.norm_eps) if spec.norm in ("rms", "layernorm") and x.device.type == "cpu" else None
-    if done is not None:  # the host's C pass (the same roundings)
-        dst.copy_(done)
-    elif spec.norm in ("rms", "layernorm"):
-        torch.mul(w, normed(x, None, spec.norm_eps), out=dst)
+    if spec.norm in ("rms", "layernorm"):
+        rms_norm(x, w, spec.norm_eps, out=dst)
     else:
         dst.copy_(_qk_norm(spec, x, w))
 
