@@ -218,9 +218,6 @@ class KVCache:
         self.layers = [None if i < gpu_layers else layer_store(spec, i, slots, max_tokens, dtype)
                        for i in range(spec.num_layers)]
         self.slots, self.max_tokens = slots, max_tokens
-        # grouped-query layers' tensors as the runtime addresses them, per layer per micro-batch
-        self.k = [getattr(s, "k", None) for s in self.layers]
-        self.v = [getattr(s, "v", None) for s in self.layers]
 
     @property
     def nbytes(self) -> int:

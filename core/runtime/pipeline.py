@@ -153,7 +153,7 @@ class PipelineRunner:
         self.rope.sign = dev.to_device(self.rope.sign)
         # the CPU computes in `cpu_math` where the storage dtype is slow: one Widen per thread using it
         cpu_math = cpu_math or weights.math_dtype
-        kv_dtype = next((t.dtype for t in cache.k if t is not None), weights.dtype)
+        kv_dtype = next((s.k.dtype for s in cache.layers if hasattr(s, "k")), weights.dtype)
         self.widen_attn = Widen(cpu_math, direct_rows) if cpu_math != kv_dtype else None
         self.widen_ffn = (Widen(weights.math_dtype, direct_rows) if not dev.accelerator
                           and weights.math_dtype != weights.dtype else None)
