@@ -19,11 +19,11 @@ from core.model.cpu import hugepages
 from core.model.families import family_module
 from core.model.limits import LAYOUT_ALIGN as _ALIGN  # elements (bytes in a quantized layout)
 from core.model.safetensors_io import Checkpoint
-from core.model.quant.experts import _TORCH, ExpertScheme, QuantExperts
+from core.model.quant.experts import ExpertScheme, QuantExperts
 from core.model.quant.cache import CacheEntry
 from core.model.quant.dense_spec import DENSE_NAMES as PACKED_DENSE  # prepacked with the experts in the CPU-only mode
 from core.model.quant.formats import _ITEMSIZE, Format, fit_group, quantize
-from core.model.spec import EXPERT_TENSORS, ModelSpec
+from core.model.spec import EXPERT_TENSORS, ModelSpec, torch_dtype
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
 
@@ -79,7 +79,7 @@ class LayerLayout:
 
     def _view(self, buf: torch.Tensor, name: str, off: int, shape: tuple[int, ...]) -> torch.Tensor:
         part = buf[off:off + math.prod(shape) * self._unit(name)]
-        return (part if self.scheme is None else part.view(_TORCH[dict(self.dtypes)[name]])).view(shape)
+        return (part if self.scheme is None else part.view(torch_dtype(dict(self.dtypes)[name]))).view(shape)
 
     def views(self, flat: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
         return {name: self._view(flat, name, off, shape) for name, off, shape in self.entries

@@ -24,9 +24,9 @@ from core.model.layers import final_logits
 from core.model.limits import STAGING_ALIGN as _ALIGN  # bytes between buffers of the staging arena
 from core.model.moe import (HAS_GROUPED_MM, Scratch as ExpertScratch, activation, cuda_grouped_mm_works, device_experts,
                             experts)
-from core.model.quant.experts import _TORCH, QuantExperts
+from core.model.quant.experts import QuantExperts
 from core.model.rope import for_spec
-from core.model.spec import ModelSpec
+from core.model.spec import ModelSpec, torch_dtype
 from core.model.weights import LayerLayout, ModelWeights, page_aligned
 from core.runtime import one_stream, schedule as sched
 from core.runtime.device import Device, HostDevice
@@ -86,7 +86,7 @@ class ExpertSlab:
         for name, _, shape, per in self.parts:
             region = buf[off:off + n * per]
             if self.layout.scheme is not None:  # bytes: view them as this part's own dtype
-                region = region.view(_TORCH[dict(self.layout.dtypes)[name]])
+                region = region.view(torch_dtype(dict(self.layout.dtypes)[name]))
             out[name] = region.view(n, *shape[1:])
             off += self.count * per
         if self.layout.scheme is None:
