@@ -50,7 +50,7 @@ def _case(G, D, dtype, q_dtype=None, B=9, slots=None, window=0, cap=40, seed=0):
     g = torch.Generator().manual_seed(seed)
     Hkv = 2
     nslots = 16
-    store = KVStore(nslots, Hkv, D, cap, dtype, False, window=window)
+    store = KVStore(nslots, Hkv, D, cap, dtype, window=window)
     store.k.copy_(torch.randn(store.k.shape, generator=g))
     store.v.copy_(torch.randn(store.v.shape, generator=g))
     slots = slots or list(range(B))

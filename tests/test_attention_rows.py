@@ -21,7 +21,7 @@ S, Hq, Hkv, hd, TMAX = 12, 8, 2, 16, 40
 
 
 def _store(dtype, window=0, seed=0):
-    st = KVStore(S, Hkv, hd, TMAX, dtype, pin=False, window=window)
+    st = KVStore(S, Hkv, hd, TMAX, dtype, window=window)
     g = torch.Generator().manual_seed(seed)
     for t in st.tensors:  # every row filled, the gaps too (stale requests' K/V)
         t.copy_(torch.randn(t.shape, generator=g))

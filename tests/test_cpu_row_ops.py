@@ -107,7 +107,7 @@ def test_kv_write_puts_each_row_where_index_copy_does(dtype, B, threads):
     divide evenly at 3."""
     g = torch.Generator().manual_seed(1)
     slots, heads, cap, hd = 48, 4, 33, 64
-    store = kvcache.KVStore(slots, heads, hd, cap, dtype, pin=False)
+    store = kvcache.KVStore(slots, heads, hd, cap, dtype)
     store.k.normal_(generator=g), store.v.normal_(generator=g)
     payload = torch.randn(B, 3 * heads * hd + 16, generator=g).to(dtype)  # k and v as slices of one payload
     k = payload[:, :heads * hd].view(B, heads, hd)
@@ -127,7 +127,7 @@ def test_kv_write_puts_each_row_where_index_copy_does(dtype, B, threads):
 @pytest.mark.parametrize("B, threads", [(3, 1), (45, 2)], indirect=["threads"])
 def test_kv_write_narrows_fp32_rows_into_a_bf16_cache_as_to_does(B, threads):
     g = torch.Generator().manual_seed(4)
-    store = kvcache.KVStore(B + 2, 2, 64, 16, torch.bfloat16, pin=False)
+    store = kvcache.KVStore(B + 2, 2, 64, 16, torch.bfloat16)
     payload = torch.randn(B, 3 * 128, generator=g) * 100  # fp32: an AVX2 CPU's math
     k, v = payload[:, :128].view(B, 2, 64), payload[:, 128:256].view(B, 2, 64)
     slots = torch.randperm(B + 2, generator=g)[:B]
@@ -155,7 +155,7 @@ def test_without_the_kernels_every_caller_runs_torch(monkeypatch):
     assert torch.equal(gqa.pre(spec, w, h, positions, rope)[0], with_c[0])
     assert torch.equal(layers.rms_norm(x, nw, 1e-6), _torch_rms(x, nw, 1e-6))
     assert (layers.rms_norm(x, nw, 1e-6) != with_c[1]).sum() <= x.numel() // 1000 + 1
-    store = kvcache.KVStore(3, 2, 64, 8, torch.bfloat16, pin=False)
+    store = kvcache.KVStore(3, 2, 64, 8, torch.bfloat16)
     k, v = torch.randn(2, 2, 64, generator=g).bfloat16(), torch.randn(2, 2, 64, generator=g).bfloat16()
     assert not row_ops.kv_write(store.k, store.v, k, v, torch.tensor([0, 8, 17, 25]))
 

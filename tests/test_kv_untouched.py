@@ -19,10 +19,10 @@ def _rss() -> int:
 
 def test_a_large_store_costs_no_memory_until_its_rows_are_written():
     k = torch.randn(100, 8, 128).to(torch.bfloat16)
-    store = KVStore(1, 8, 128, 1024, torch.bfloat16, pin=False)
+    store = KVStore(1, 8, 128, 1024, torch.bfloat16)
     store.write_prompt(0, k, k)  # the write's own first-call allocations, out of the figures below
     before = _rss()
-    store = KVStore(64, 8, 128, 1024, torch.bfloat16, pin=False)  # 2 x 128 MiB
+    store = KVStore(64, 8, 128, 1024, torch.bfloat16)  # 2 x 128 MiB
     made = _rss() - before
     size = store.k.nbytes + store.v.nbytes
     assert size == 256 * MB
@@ -41,12 +41,12 @@ def test_the_store_reads_zeros_and_is_aligned_like_torchs_own(dtype, shape):
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
     assert t.data_ptr() % 64 == 0  # torch's own CPU allocator's alignment
     assert not t.any()
-    lat = LatentStore(4, 24, 33, dtype, pin=False)
+    lat = LatentStore(4, 24, 33, dtype)
     assert lat.lat.data_ptr() % 64 == 0 and not lat.lat.any()
 
 
 def test_past_a_rows_length_the_store_holds_zeros_after_a_shorter_request_is_written():
     # masked positions still enter p @ v (0 x v): untouched memory must read 0, never NaN
-    store = KVStore(4, 2, 64, 4096, torch.float32, pin=False)
+    store = KVStore(4, 2, 64, 4096, torch.float32)
     store.write_prompt(1, torch.ones(10, 2, 64), torch.ones(10, 2, 64))
     assert torch.isfinite(store.v).all() and not store.v[1, :, 10:].any() and not store.k[0].any()

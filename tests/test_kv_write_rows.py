@@ -13,10 +13,10 @@ from core.model.kvcache import KVStore, Rows
 
 def _case(window=0, slots=(2, 0, 5, 3), dtype=torch.bfloat16, src_dtype=None, seed=0):
     g = torch.Generator().manual_seed(seed)
-    a = KVStore(6, 3, 8, 20, dtype, pin=False, window=window)
+    a = KVStore(6, 3, 8, 20, dtype, window=window)
     a.k.copy_(torch.randn(a.k.shape, generator=g))
     a.v.copy_(torch.randn(a.v.shape, generator=g))
-    b = KVStore(6, 3, 8, 20, dtype, pin=False, window=window)
+    b = KVStore(6, 3, 8, 20, dtype, window=window)
     b.k.copy_(a.k)
     b.v.copy_(a.v)
     positions = [int(x) for x in torch.randint(0, 19, (len(slots),), generator=g)]

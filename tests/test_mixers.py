@@ -43,7 +43,7 @@ def test_sinks_and_window_decode_equals_the_last_row_of_prefill():
     sinks = torch.randn(Hq)
     full = prefill_attention(q, k, v, 0.25, window=W, sinks=sinks)
     # the store keeps the last W tokens in a ring; decode of token L-1 sees exactly those
-    store = KVStore(1, Hkv, hd, 64, torch.float32, pin=False, window=W)
+    store = KVStore(1, Hkv, hd, 64, torch.float32, window=W)
     store.write_prompt(0, k[:-1], v[:-1])
     rows = Rows([0], [L - 1])
     store.write(rows.slots, rows.positions, k[-1:], v[-1:])
@@ -76,7 +76,7 @@ def test_mla_absorbed_decode_equals_expanded_attention():
     rope = for_spec(spec, 64, torch.float32)
     pos = torch.arange(L)
     out, parts = mla.prefill(spec, w, h, pos, rope, [L])
-    store = LatentStore(1, 40, 64, torch.float32, pin=False)
+    store = LatentStore(1, 40, 64, torch.float32)
     store.write_prompt(0, parts[0][0][:-1])
     rows = Rows([0], [L - 1])
     payload, keep = mla.pre(spec, w, h[-1:], pos[-1:], rope)
@@ -101,7 +101,7 @@ def test_delta_rule_chunked_prefill_equals_token_by_token_decode(L):
     w = {n: torch.randn(s) * 0.3 for n, s in spec.attn_shapes(0).items()}
     h = torch.randn(L + 1, 64)
     out, parts = linear_attention.prefill(spec, w, h, lens=[L + 1])
-    st = LinearStore(1, spec, torch.float32, pin=False)
+    st = LinearStore(1, spec, torch.float32)
     steps = []
     for t in range(L + 1):
         payload, z = linear_attention.pre(spec, w, h[t:t + 1])

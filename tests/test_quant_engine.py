@@ -117,7 +117,7 @@ spec = load_spec({path!r})
 before = psutil.Process().memory_info().rss
 w = load_weights({path!r}, spec, dtype=torch.bfloat16, quant=Format("int4", 64))
 peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
-print(json.dumps(dict(grown=peak - before, model=w.nbytes, layer=LayerLayout.for_spec(spec).numel * 2)))
+print(json.dumps(dict(grown=peak - before, model=w.nbytes, layer=LayerLayout.for_spec(spec, 0).numel * 2)))
 """
 
 

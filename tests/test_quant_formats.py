@@ -48,11 +48,14 @@ def test_int4_group_error_is_half_a_step(group):
 
 
 def test_format_sizes_and_choices():
-    assert Format("int8").bits_per_weight(4096, 14336) == pytest.approx(8 + 32 / 14336)
-    assert Format("int4", 32).bits_per_weight(4096, 4096) == pytest.approx(5.0)  # bf16 scale + zero per group
-    assert Format("int4", 128).bits_per_weight(4096, 4096) == pytest.approx(4.25)
-    assert Format("Q4_K").bits_per_weight(16, 4096) == pytest.approx(4.5)
-    assert Format("Q6_K").bits_per_weight(16, 4096) == pytest.approx(6.5625)
+    def bits(fmt, n, k):
+        return 8 * fmt.nbytes(n, k) / (n * k)
+
+    assert bits(Format("int8"), 4096, 14336) == pytest.approx(8 + 32 / 14336)
+    assert bits(Format("int4", 32), 4096, 4096) == pytest.approx(5.0)  # bf16 scale + zero per group
+    assert bits(Format("int4", 128), 4096, 4096) == pytest.approx(4.25)
+    assert bits(Format("Q4_K"), 16, 4096) == pytest.approx(4.5)
+    assert bits(Format("Q6_K"), 16, 4096) == pytest.approx(6.5625)
     assert parse_choice("none") is None and parse_choice("int4", 32) == Format("int4", 32)
     assert fit_group(Format("int4", 128), 2880, 2880) == Format("int4", 64)  # gpt-oss sizes
     with pytest.raises(UsageError, match="group size 16"):

@@ -27,7 +27,7 @@ def test_layer_views_live_in_one_paged_buffer(checkpoint_factory):
     w = load_weights(path, spec, pages_per_layer=3)
     ref = hf_model(path).state_dict()
     lw = w.layers[1]
-    layout = LayerLayout.for_spec(spec)
+    layout = LayerLayout.for_spec(spec, 0)
     assert len(lw.pages) == 3 and sum(p.numel() for p in lw.pages) == layout.expert_numel
     assert layout.expert_numel * lw.flat.element_size() >= spec.layer_expert_bytes
     assert all(p.untyped_storage().data_ptr() == lw.flat.untyped_storage().data_ptr() for p in lw.pages)

@@ -20,8 +20,7 @@ from core.model.spec import ModelSpec
 
 def pre_attn(spec: ModelSpec, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor, rope,
              call_lengths: torch.Tensor | None = None, full_norm=None, out: torch.Tensor | None = None):
-    """x [T, D] -> (payload [T, d1] for the CPU, what stays for post_attn). `full_norm`: a tensor-parallel
-    rank's q/k norm over all heads; `out` [T, d1]: a buffer the mixer may write the payload into (the D1 block)."""
+    """x [T, D] -> (payload [T, d1] for the CPU, what stays for post_attn); `full_norm`, `out`: core.model.mixer's."""
     h = norm(spec, x, w["ln1"], w.get("ln1_b"))
     return mixer.module(spec, layer).pre(spec, w, h, positions, rope, call_lengths, full_norm=full_norm, out=out)
 

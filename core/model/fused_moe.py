@@ -62,7 +62,7 @@ def _matrices(parts: list[dict]):
 
     def quant(m, bias):
         stacks = [p["quant"].parts[f"{m.name}.{x.suffix}"] for p in parts for x in m.fmt.parts(m.n, m.k)]
-        return f"{m.fmt.name}:{m.fmt.group}", stacks, [p[bias] for p in parts if bias in p]
+        return m.fmt.label, stacks, [p[bias] for p in parts if bias in p]
 
     up = [quant(m, "b13" if len(scheme.up) == 1 else "") for m in scheme.up]
     if len(scheme.up) > 1 and "b13" in first:
@@ -70,12 +70,7 @@ def _matrices(parts: list[dict]):
     return up, quant(scheme.down, "b2")
 
 
-@functools.lru_cache(maxsize=None)
-def _format(key: str) -> Format | None:
-    if not key:
-        return None
-    name, group = key.split(":")
-    return Format(name, int(group))
+_format = functools.lru_cache(maxsize=None)(Format.from_label)  # the ops' `fmt`: a label, "" when unquantized
 
 
 @functools.lru_cache(maxsize=None)

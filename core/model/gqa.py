@@ -29,8 +29,7 @@ def _qk_norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def project(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope, call_lengths=None,
             full_norm=None):
-    """Normed h [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd], output gate [T, Hq·hd] or None. `full_norm`:
-    the norm over all heads on a tensor-parallel rank that holds only some (tensor_parallel.ShardOps.full_norm)."""
+    """Normed h [T, D] -> q [T, Hq, hd], k, v [T, Hkv, hd], output gate [T, Hq·hd] or None (`full_norm`: mixer's)."""
     qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))
     sizes = [spec.q_size, spec.kv_size, spec.kv_size] + ([spec.q_size] if spec.attn_gate else [])
     q, k, v, *gate = qkv.split(sizes, dim=-1)
@@ -106,11 +105,8 @@ def _pre_into(spec: ModelSpec, w: dict, h: torch.Tensor, positions, rope, call_l
 
 def _qk_norm_into(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> None:
     """`_qk_norm(spec, x, w)` into dst: Llama's style ends in its weight's product, which writes there."""
-    done = row_ops.rms_norm(x, w, spec.norm_eps) if spec.norm in ("rms", "layernorm") and x.device.type == "cpu" else None
-    if done is not None:  # the host's C pass (the same roundings)
-        dst.copy_(done)
-    elif spec.norm in ("rms", "layernorm"):
-        torch.mul(w, normed(x, None, spec.norm_eps), out=dst)
+    if spec.norm in ("rms", "layernorm"):
+        rms_norm(x, w, spec.norm_eps, out=dst)
     else:
         dst.copy_(_qk_norm(spec, x, w))
 

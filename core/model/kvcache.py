@@ -17,19 +17,6 @@ from core.model.cpu import native, row_ops
 from core.model.spec import ModelSpec
 
 
-def _alloc(shape, dtype, pin: bool, alloc=None) -> torch.Tensor:
-    # pinned so state rows can go to the GPU asynchronously (S4); zeros, not empty: masked positions still
-    # enter p @ v (as 0 × v), and 0 × NaN is NaN
-    if alloc is not None:  # elsewhere (a device: it gives zeros there)
-        return alloc(shape, dtype)
-    if pin:
-        try:
-            return torch.zeros(shape, dtype=dtype, pin_memory=True)
-        except RuntimeError:
-            pass
-    return untouched_zeros(shape, dtype)
-
-
 def untouched_zeros(shape, dtype) -> torch.Tensor:
     """Zeros whose pages the OS maps on first touch: a cache is sized for its longest request in every slot
     while a request touches its own length. Private, so Linux does not make it shared memory; small pages,
@@ -104,14 +91,14 @@ class KVStore(_Store):
     names = ("k", "v")
     token_axes = (2, 2)
 
-    def __init__(self, slots: int, heads: int, head_dim: int, max_tokens: int, dtype, pin: bool, window: int = 0,
-                 alloc=None):
+    def __init__(self, slots: int, heads: int, head_dim: int, max_tokens: int, dtype, window: int = 0,
+                 alloc=untouched_zeros):
         self.window = window if window and window < max_tokens else 0
         cap = self.window or max_tokens
         if self.window:
             self.kind = "window"
-        self.k = _alloc((slots, heads, cap, head_dim), dtype, pin, alloc)
-        self.v = _alloc((slots, heads, cap, head_dim), dtype, pin, alloc)
+        self.k = alloc((slots, heads, cap, head_dim), dtype)
+        self.v = alloc((slots, heads, cap, head_dim), dtype)
 
     def new_entries(self, rows) -> tuple:
         at, every = self.index(rows.positions), torch.arange(rows.B, device=self.k.device)
@@ -167,8 +154,8 @@ class LatentStore(_Store):
     names = ("lat",)
     token_axes = (1,)
 
-    def __init__(self, slots: int, width: int, max_tokens: int, dtype, pin: bool, alloc=None):
-        self.lat = _alloc((slots, max_tokens, width), dtype, pin, alloc)
+    def __init__(self, slots: int, width: int, max_tokens: int, dtype, alloc=untouched_zeros):
+        self.lat = alloc((slots, max_tokens, width), dtype)
 
     def new_entries(self, rows) -> tuple:
         return (self.lat[torch.arange(rows.B, device=self.lat.device), rows.positions],)
@@ -184,10 +171,10 @@ class LinearStore(_Store):
     names = ("rec", "conv")
     token_axes = (None, None)
 
-    def __init__(self, slots: int, spec: ModelSpec, dtype, pin: bool, alloc=None):
+    def __init__(self, slots: int, spec: ModelSpec, dtype, alloc=untouched_zeros):
         la = spec.linear
-        self.rec = _alloc((slots, la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32, pin, alloc)
-        self.conv = _alloc((slots, la.conv_dim, la.conv_kernel - 1), dtype, pin, alloc)
+        self.rec = alloc((slots, la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32)
+        self.conv = alloc((slots, la.conv_dim, la.conv_kernel - 1), dtype)
 
     def new_entries(self, rows) -> tuple:
         # the whole state of each row: a linear layer rewrites all of it every token
@@ -213,27 +200,24 @@ def load_rows(src, dst, rows, cached: int) -> int:
     return moved
 
 
-def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, pin: bool = False, alloc=None):
-    """Layer i's store; `alloc(shape, dtype)` puts it elsewhere than host memory (zero-filled)."""
+def layer_store(spec: ModelSpec, i: int, slots: int, max_tokens: int, dtype, alloc=untouched_zeros):
+    """Layer i's store; `alloc(shape, dtype)` puts it elsewhere than host memory. Zeros, not empty: masked
+    positions still enter p @ v (as 0 × v), and 0 × NaN is NaN."""
     st = spec.layer_state(i)
     if st.kind == "linear":
-        return LinearStore(slots, spec, dtype, pin, alloc)
+        return LinearStore(slots, spec, dtype, alloc)
     if st.kind == "latent":
-        return LatentStore(slots, st.token_elems, max_tokens, dtype, pin, alloc)
-    return KVStore(slots, spec.num_kv_heads, spec.head_dim, max_tokens, dtype, pin, window=st.window, alloc=alloc)
+        return LatentStore(slots, st.token_elems, max_tokens, dtype, alloc)
+    return KVStore(slots, spec.num_kv_heads, spec.head_dim, max_tokens, dtype, window=st.window, alloc=alloc)
 
 
 class KVCache:
-    """Every layer's store (None for the first `gpu_layers`); pageable by default: hundreds of GB is too much to pin."""
+    """Every layer's store (None for the first `gpu_layers`); pageable: hundreds of GB is too much to pin."""
 
-    def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, pin: bool = False,
-                 gpu_layers: int = 0):
-        self.layers = [None if i < gpu_layers else layer_store(spec, i, slots, max_tokens, dtype, pin)
+    def __init__(self, spec: ModelSpec, slots: int, max_tokens: int, dtype: torch.dtype, gpu_layers: int = 0):
+        self.layers = [None if i < gpu_layers else layer_store(spec, i, slots, max_tokens, dtype)
                        for i in range(spec.num_layers)]
         self.slots, self.max_tokens = slots, max_tokens
-        # grouped-query layers' tensors as the runtime addresses them, per layer per micro-batch
-        self.k = [getattr(s, "k", None) for s in self.layers]
-        self.v = [getattr(s, "v", None) for s in self.layers]
 
     @property
     def nbytes(self) -> int:

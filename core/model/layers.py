@@ -47,11 +47,14 @@ def derived(tensors: tuple, make, *extra):
     return kept[2]
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     # Statistics in fp32 then back to the input dtype before the scale, as the reference models do; in one
-    # C pass where it applies (bf16 or fp32 on the CPU: core.model.cpu.row_ops), the same roundings.
-    out = row_ops.rms_norm(x, w, eps) if x.device.type == "cpu" else None
-    return out if out is not None else w * normed(x, None, eps)
+    # C pass where it applies (bf16 or fp32 on the CPU: core.model.cpu.row_ops), the same roundings. The last op,
+    # the weight's product, writes into `out` where given.
+    done = row_ops.rms_norm(x, w, eps) if x.device.type == "cpu" else None
+    if out is None:
+        return done if done is not None else w * normed(x, None, eps)
+    return out.copy_(done) if done is not None else torch.mul(w, normed(x, None, eps), out=out)
 
 
 _FUSED = getattr(torch.ops.aten, "_fused_rms_norm", None)  # the kernel F.rms_norm calls on a GPU

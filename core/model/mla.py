@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from core.model.attention import prefill_attention
-from core.model.cpu import row_ops
-from core.model.layers import normed, rms_norm
+from core.model.layers import rms_norm
 from core.model.spec import ModelSpec
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -63,12 +62,7 @@ def pre(spec: ModelSpec, w: dict, h: torch.Tensor, positions: torch.Tensor, rope
     P = payload.view(T, H + 1, R + dr)
     w_uk, _ = _up(spec, w)
     torch.bmm(q[..., :m.qk_nope_dim].transpose(0, 1), w_uk, out=P[:, :H, :R].transpose(0, 1))  # q_lat [T, H, R]
-    # the latent's norm ends in its weight's product, which writes there (the host's C pass, where it applies, copied)
-    done = row_ops.rms_norm(c, w["kv_a_norm"], LATENT_NORM_EPS) if c.device.type == "cpu" else None
-    if done is not None:
-        P[:, H, :R].copy_(done)
-    else:
-        torch.mul(w["kv_a_norm"], normed(c, None, LATENT_NORM_EPS), out=P[:, H, :R])
+    rms_norm(c, w["kv_a_norm"], LATENT_NORM_EPS, out=P[:, H, :R])
     pe = torch.cat((q[..., m.qk_nope_dim:], k_pe[:, None, :]), dim=1)  # [T, H + 1, dr]
     rope.apply(pe, positions, call_lengths, out=P[:, :, R:])
     return payload, None

@@ -7,8 +7,6 @@ Id = dense intermediate, hd = head dim, R = KV latent rank, dn/dr/dv = MLA no-ro
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -355,15 +353,3 @@ class ModelSpec:
     def state_bytes(self, tokens: float) -> float:
         """Bytes one sequence of `tokens` tokens keeps over all layers."""
         return sum(self.layer_state(i).bytes(tokens, self.dtype_bytes) for i in range(self.num_layers))
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "ModelSpec":
-        d = json.loads(text)  # JSON's lists back to the spec's tuples
-        d |= {name: tuple(d.get(name, ())) for name in ("eos_token_ids", "layer_types", "dense_layers")}
-        for name, kind in (("rope", RopeSpec), ("mla", MLASpec), ("linear", LinearAttnSpec)):
-            if isinstance(d.get(name), dict):
-                d[name] = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in d[name].items()})
-        return cls(**d)

@@ -5,6 +5,7 @@ rounds up).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
@@ -18,11 +19,11 @@ from core.model.cpu import hugepages
 from core.model.families import family_module
 from core.model.limits import LAYOUT_ALIGN as _ALIGN  # elements (bytes in a quantized layout)
 from core.model.safetensors_io import Checkpoint
-from core.model.quant.experts import _TORCH, ExpertScheme, QuantExperts
+from core.model.quant.experts import ExpertScheme, QuantExperts
 from core.model.quant.cache import CacheEntry
 from core.model.quant.dense_spec import DENSE_NAMES as PACKED_DENSE  # prepacked with the experts in the CPU-only mode
 from core.model.quant.formats import _ITEMSIZE, Format, fit_group, quantize
-from core.model.spec import EXPERT_TENSORS, ModelSpec
+from core.model.spec import EXPERT_TENSORS, ModelSpec, torch_dtype
 from core.telemetry import EventSink, Progress, WarningEvent, ignore
 
 
@@ -37,11 +38,9 @@ class LayerLayout:
     scheme: ExpertScheme | None = None
 
     @classmethod
-    def for_spec(cls, spec: ModelSpec, layer: int | None = None, scheme: ExpertScheme | None = None,
+    def for_spec(cls, spec: ModelSpec, layer: int, scheme: ExpertScheme | None = None,
                  dtype: torch.dtype | None = None) -> "LayerLayout":
-        """`layer`'s layout (default: the first MoE layer's); with `scheme`, bytes: experts in it, dense in `dtype`."""
-        if layer is None:
-            layer = next((i for i in range(spec.num_layers) if spec.is_moe(i)), 0)
+        """`layer`'s layout; with `scheme`, bytes: experts in it, dense in `dtype`."""
         shapes = spec.layer_shapes(layer)
         dt = None if scheme is None else str(dtype or spec.torch_dtype).replace("torch.", "")
         dense = [(n, dt, s) for n, s in shapes.items() if n not in EXPERT_TENSORS]
@@ -80,7 +79,7 @@ class LayerLayout:
 
     def _view(self, buf: torch.Tensor, name: str, off: int, shape: tuple[int, ...]) -> torch.Tensor:
         part = buf[off:off + math.prod(shape) * self._unit(name)]
-        return (part if self.scheme is None else part.view(_TORCH[dict(self.dtypes)[name]])).view(shape)
+        return (part if self.scheme is None else part.view(torch_dtype(dict(self.dtypes)[name]))).view(shape)
 
     def views(self, flat: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
         return {name: self._view(flat, name, off, shape) for name, off, shape in self.entries
@@ -297,7 +296,7 @@ class ModelWeights:
 
             what = (f"quantizing dense weights to {dense_format.label}" if dense_cache is None or not dense_cache.cached
                     else "loading quantized dense weights (cached)")
-        try:
+        with dense_cache or contextlib.nullcontext():  # written whole, or dropped
             for i, lw in enumerate(self.layers):
                 lw.pack_for_cpu(None if quant is None else lambda name, w, i=i: quant(f"layers.{i}.{name}", w),
                                 swiglu=self.spec.expert_act == "swiglu")
@@ -308,12 +307,6 @@ class ModelWeights:
                 head = self.globals["lm_head"]
                 q = quant("lm_head", head) if quant is not None else head
                 self.globals["lm_head"] = q if q is not head else pack_dense(head)
-            if dense_cache is not None:
-                dense_cache.commit()
-        except BaseException:
-            if dense_cache is not None:
-                dense_cache.abort()
-            raise
         progress(Progress(what, len(self.layers) + 1, len(self.layers) + 1, "layers"))
 
     def widen_dense(self, math: torch.dtype, pack: bool = False, progress: EventSink = ignore) -> None:
@@ -419,7 +412,7 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
     progress(Progress(what, 1, total, "layers"))
     staging: dict[LayerLayout, LayerWeights] = {}  # one layer in the compute dtype, reused (per distinct shape)
     layers, scratch = [], {}
-    try:
+    with writer or contextlib.nullcontext():  # the cache entry written whole, or dropped
         for i in range(spec.num_layers):
             layout = LayerLayout.for_spec(spec, i, scheme, dtype)
             flat = layout.buffer(dtype)
@@ -438,12 +431,6 @@ def load_weights(model_dir, spec: ModelSpec, *, dtype: torch.dtype | None = None
                 _fill_layer(ckpt, fam, full, i, keys, lw.tensors, shard)
             layers.append(lw)
             progress(Progress(what, i + 2, total, "layers"))
-        if writer is not None:
-            writer.commit()
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
     return ModelWeights(spec, layers, globals_, dtype)
 
 

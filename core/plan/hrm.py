@@ -203,15 +203,8 @@ def _scratch(m: ModelSpec) -> int:
     if m.expert_format == "none":
         return 0
     D, I = m.hidden_size, m.expert_intermediate
-    fmt = expert_format(m.expert_format) or Format(m.expert_format.split("/")[0])  # mixed GGUF: as blocks
+    fmt = Format.from_label(m.expert_format) or Format(m.expert_format.split("/")[0])  # mixed GGUF: as blocks
     return workspace_bytes(fmt, ((2 * I, D), (D, I)), m.dtype_bytes)
-
-
-def expert_format(label: str) -> Format | None:
-    """The Format of an `expert_format` label; None unquantized or mixed GGUF formats (e.g. "Q4_K/Q6_K")."""
-    if label.startswith("int4-g"):
-        return Format("int4", int(label[len("int4-g"):]))
-    return Format(label) if label in ("int8", "mxfp4", *GGUF_BLOCKS) else None
 
 
 def _expert_layout(m: ModelSpec) -> dict[str, int]:
@@ -225,7 +218,7 @@ def _expert_layout(m: ModelSpec) -> dict[str, int]:
     if m.expert_format == "none":
         tensors = [2 * I * D * dt, D * I * dt] + biases
         return dict(expert_region=sum(padded(b, dt) for b in tensors), expert_lead=tensors[0])
-    fmt = expert_format(m.expert_format)
+    fmt = Format.from_label(m.expert_format)
     if fmt is None:  # mixed GGUF formats: the spec's bytes, and a lead no larger than the smallest format's w1
         lead = min(Format(f).nbytes(I, D) for f in m.expert_format.split("/"))
         return dict(expert_region=E * m.expert_bytes, expert_lead=lead)

@@ -19,9 +19,9 @@ from core.model.layers import final_logits
 from core.model.limits import STAGING_ALIGN as _ALIGN  # bytes between buffers of the staging arena
 from core.model.moe import (HAS_GROUPED_MM, Scratch as ExpertScratch, activation, cuda_grouped_mm_works, device_experts,
                             experts)
-from core.model.quant.experts import _TORCH, QuantExperts
+from core.model.quant.experts import QuantExperts
 from core.model.rope import for_spec
-from core.model.spec import ModelSpec
+from core.model.spec import ModelSpec, torch_dtype
 from core.model.weights import LayerLayout, ModelWeights, page_aligned
 from core.runtime import one_stream, schedule as sched
 from core.runtime.device import Device, HostDevice
@@ -81,7 +81,7 @@ class ExpertSlab:
         for name, _, shape, per in self.parts:
             region = buf[off:off + n * per]
             if self.layout.scheme is not None:  # bytes: view them as this part's own dtype
-                region = region.view(_TORCH[dict(self.layout.dtypes)[name]])
+                region = region.view(torch_dtype(dict(self.layout.dtypes)[name]))
             out[name] = region.view(n, *shape[1:])
             off += self.count * per
         if self.layout.scheme is None:
@@ -148,7 +148,7 @@ class PipelineRunner:
         self.rope.sign = dev.to_device(self.rope.sign)
         # the CPU computes in `cpu_math` where the storage dtype is slow: one Widen per thread using it
         cpu_math = cpu_math or weights.math_dtype
-        kv_dtype = next((t.dtype for t in cache.k if t is not None), weights.dtype)
+        kv_dtype = next((s.k.dtype for s in cache.layers if hasattr(s, "k")), weights.dtype)
         self.widen_attn = Widen(cpu_math, direct_rows) if cpu_math != kv_dtype else None
         self.widen_ffn = (Widen(weights.math_dtype, direct_rows) if not dev.accelerator
                           and weights.math_dtype != weights.dtype else None)

@@ -146,6 +146,12 @@ class StreamWriter:
         finally:
             self.abort()
 
+    def __enter__(self) -> "StreamWriter":
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        (self.commit if kind is None else self.abort)()
+
     def abort(self) -> None:
         try:
             if self.fh is not None:

@@ -98,14 +98,12 @@ class DenseCache:
             self.writer.write(f"{name}.{s}", t)
         return q
 
-    def commit(self) -> None:
-        if self.writer is not None:
-            self.writer.commit()
-            self.writer = None
+    def __enter__(self) -> "DenseCache":
+        return self
 
-    def abort(self) -> None:
+    def __exit__(self, *exc) -> None:
         if self.writer is not None:
-            self.writer.abort()
+            self.writer.__exit__(*exc)
             self.writer = None
 
 

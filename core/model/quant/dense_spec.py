@@ -26,13 +26,6 @@ def kernel_nbytes(fmt: Format, n: int, k: int, dtype_bytes: int) -> int:
     return n * k // 2 + k // fmt.group * n * 2 * dtype_bytes
 
 
-def dense_format(spec) -> Format | None:
-    label = spec.dense_format
-    if label == "none":
-        return None
-    return Format("int4", int(label[len("int4-g"):])) if label.startswith("int4-g") else Format(label)
-
-
 def with_dense(spec, fmt: Format | None):
     """The ModelSpec whose CPU-only mode holds its dense weights in `fmt` (None: in the checkpoint's dtype)."""
     return dataclasses.replace(spec, dense_format=fmt.label if fmt is not None else "none")
@@ -40,7 +33,7 @@ def with_dense(spec, fmt: Format | None):
 
 def quantized_matrices(spec) -> list[tuple[int, str, int, int]]:
     """(layer, name, n, k) of every weight the CPU-only mode holds quantized; layer -1 is the LM head."""
-    fmt = dense_format(spec)
+    fmt = Format.from_label(spec.dense_format)
     if fmt is None:
         return []
     out = []
@@ -54,7 +47,7 @@ def quantized_matrices(spec) -> list[tuple[int, str, int, int]]:
 
 def cpu_nonexpert_bytes(spec) -> int:
     """The non-expert weights as the CPU-only mode holds them: quantized where `quantized_matrices` says."""
-    fmt = dense_format(spec)
+    fmt = Format.from_label(spec.dense_format)
     mats = quantized_matrices(spec)
     plain = sum(n * k for _, _, n, k in mats) * spec.dtype_bytes
     return spec.nonexpert_bytes - plain + sum(kernel_nbytes(fmt, n, k, spec.dtype_bytes) for _, _, n, k in mats)
@@ -70,6 +63,6 @@ def layer_shares(spec) -> dict[str, float]:
 
 def bits_per_weight(spec) -> float:
     """The quantized dense weights' bits per weight, scales included (0 when none)."""
-    fmt, mats = dense_format(spec), quantized_matrices(spec)
+    fmt, mats = Format.from_label(spec.dense_format), quantized_matrices(spec)
     weights = sum(n * k for _, _, n, k in mats)
     return 8 * sum(kernel_nbytes(fmt, n, k, spec.dtype_bytes) for _, _, n, k in mats) / weights if weights else 0.0

@@ -16,9 +16,6 @@ from core.model.quant.expand import Workspace, expand_into
 from core.model.quant.formats import (DEFAULT_INT4_GROUP, KERNEL_ROWS, NATIVE_GGUF_ROWS, NATIVE_INT4_ROWS, Format,
                                       quantize)
 
-_TORCH = {"uint8": torch.uint8, "int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float32": torch.float32}
-
 
 @dataclass(frozen=True)
 class Matrix:

@@ -59,6 +59,13 @@ class Format:
     def label(self) -> str:
         return f"int4-g{self.group}" if self.name == "int4" else self.name
 
+    @classmethod
+    def from_label(cls, label: str) -> Format | None:
+        """The Format `label` names; None for "none" and mixed GGUF formats (e.g. "Q4_K/Q6_K")."""
+        if label.startswith("int4-g"):
+            return cls("int4", int(label[len("int4-g"):]))
+        return cls(label) if label in ("int8", "mxfp4", *GGUF_BLOCKS) else None
+
     def check(self, n: int, k: int, what: str = "a matrix") -> None:
         """Refuse shapes the format cannot hold: K must be a whole number of groups (and of byte pairs)."""
         b = (GGUF_BLOCKS[self.name][0] if self.name in GGUF_BLOCKS
@@ -80,9 +87,6 @@ class Format:
 
     def nbytes(self, n: int, k: int) -> int:
         return sum(p.nbytes for p in self.parts(n, k))
-
-    def bits_per_weight(self, n: int, k: int) -> float:
-        return 8 * self.nbytes(n, k) / (n * k)
 
 
 def workspace_bytes(fmt: Format, shapes, compute_bytes: int, chunk_elems: int = CHUNK_ELEMS_DEVICE) -> int:
