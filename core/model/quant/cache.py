@@ -149,8 +149,11 @@ class StreamWriter:
     def __enter__(self) -> "StreamWriter":
         return self
 
-    def __exit__(self, kind, *_) -> None:
-        (self.commit if kind is None else self.abort)()
+    def __exit__(self, kind, *_) -> None:  # kept only when the block ran through
+        if kind is None:
+            self.commit()
+        else:
+            self.abort()
 
     def abort(self) -> None:
         try:
