@@ -164,6 +164,23 @@ def replace(src: str | Path, dst: str | Path) -> None:
     _retry_shared(os.replace, src, dst)
 
 
+def write_whole(path: str | Path, text: str) -> None:
+    """`path` holds `text` whole or not at all: a temporary file beside it renamed over (`replace`), so a reader
+    never sees half a file and racing writers each rename their own."""
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def remove(path: str | Path) -> None:
     """os.remove, waiting on Windows as `replace` (a missing file raises at once)."""
     _retry_shared(os.remove, path)

@@ -5,11 +5,11 @@ experts' code (`_path`): measuring costs a fresh run a seventh of its time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -107,18 +107,10 @@ def _saved_choice(key: tuple) -> str | None:
 
 def _save(key: tuple, name: str) -> None:
     """Add the choice to this context's file (merged, written whole, renamed over); a failed write costs a rerun."""
-    from core.platform import replace
+    from core.platform import write_whole
 
     with _lock:
         path = _path()
         _saved[path] = merged = {**_read(path), **_saved.get(path, {}), _entry(key): name}
-        tmp = None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(merged, f, indent=0, sort_keys=True)
-            replace(tmp, path)
-        except OSError:
-            if tmp is not None and os.path.exists(tmp):
-                os.remove(tmp)
+        with contextlib.suppress(OSError):
+            write_whole(path, json.dumps(merged, indent=0, sort_keys=True))

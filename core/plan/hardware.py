@@ -350,20 +350,9 @@ def _apply(hw: HardwareSpec, rates: dict) -> HardwareSpec:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Write `path` whole or not at all; racing writers (ranks probing at once) each rename their own file."""
-    import tempfile
+    from core.platform import write_whole  # ranks probing at once each rename their own file
 
-    from core.platform import replace
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(data, indent=1))
-        replace(tmp, path)  # atomic: a reader never sees half a file; on Windows it waits out a reader
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_whole(path, json.dumps(data, indent=1))
 
 
 # this process's CPU seconds where the clock resolves a probe's runs (not Windows' 15.6 ms process times)

@@ -73,12 +73,7 @@ class CacheEntry:
 
     def _write_meta(self) -> None:
         meta = {"source": self.source, "version": VERSION, **self.what}
-        tmp = _temp_in(self.dir, "meta.")
-        try:
-            tmp.write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
-            platform.replace(tmp, self.dir / "meta.json")
-        finally:
-            tmp.unlink(missing_ok=True)
+        platform.write_whole(self.dir / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
 
 
 class StreamWriter:
