@@ -70,7 +70,8 @@ SCOPES = {
         "xǁEngineǁ_choose", "xǁEngineǁ_retire", "x__by_micro_batch", "x__is_oom",
         "xǁEngineǁ_refill", "xǁEngineǁ_compact"),  # the parts of `_step`
         ("tests/test_engine_batching.py", "tests/test_engine_finish.py", "tests/test_engine_parity.py",
-         "tests/test_pipeline.py", "tests/test_compaction.py::test_compacted_requests_keep_their_state[mixtral]"),
+         "tests/test_pipeline.py", "tests/test_step_timeline.py",
+         "tests/test_compaction.py::test_compacted_requests_keep_their_state[mixtral]"),
         skip=tuple(f"tests/test_engine_parity.py::{t}[{f}]" for t in ("test_greedy_tokens_match_transformers",
                                                                      "test_logits_match_float64_reference")
                    for f in ("dbrx", "qwen2_moe", "qwen3_moe", "olmoe"))

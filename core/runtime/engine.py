@@ -348,7 +348,7 @@ class Engine:
             yield from finished
         return None
 
-    def _step(self, runner, table, waiting, active, proc, on_event, stop=False, slots=0) -> list[Result]:
+    def _step(self, runner, table, waiting, active, proc, on_event, stop, slots) -> list[Result]:
         """One step: refill free slots and prefill them, else decode; sample; retire the finished."""
         admitted = self._refill(table, waiting, active)
         t0, moved = time.perf_counter(), dict(runner.bytes)
@@ -370,7 +370,7 @@ class Engine:
         self._choose(seqs, logits)
         on_event(StepDone(kind, tokens, time.perf_counter() - t0, busy, runner.bytes["h2d"] - moved["h2d"],
                           runner.bytes["d2h"] - moved["d2h"], len(active), self.dev.memory_allocated(),
-                          proc.memory_info().rss, tasks=runner.last_tasks, times=getattr(runner.ex, "times", ())))
+                          proc.memory_info().rss, tasks=runner.last_tasks, times=runner.ex.times))
         return self._retire(active, table, on_event)
 
     @staticmethod
