@@ -109,16 +109,13 @@ def _number(cast, ok, must: str, what: str = "a number", unit: str = ""):
 _positive = _number(int, lambda v: v >= 1, "at least 1", "a whole number")
 _probability = _number(float, lambda v: 0 < v <= 1, "in (0, 1]")
 _non_negative = _number(float, lambda v: v >= 0, "0 or more")
+_whole = _number(int, lambda v: v >= 0, "0 or more", "a whole number")
 
 
 def gigabytes(least: float | None):
     """A memory budget in GB as typed: at least `least` (None: more than 0), said back in GB."""
     return _number(float, lambda v: (v >= least if least is not None else v > 0) and v != float("inf"),
                    "more than 0" if least is None else f"{least:g} or more", "a number of GB", " GB")
-
-
-def _whole(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive(text)
 
 
 class _Stopper:
