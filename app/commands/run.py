@@ -210,8 +210,7 @@ def run(args) -> int:
         RunStore(out).check_writable()
         check_files(args, out, ("--tensor-parallel starts several ranks, which cannot share stdin",
                                 "give the prompts as a file"))
-        prompts = _read(args)
-        _refuse_rejects(prompts, args.skip_bad, out)
+        prompts = _read(args, out)
         refuse_turns(prompts, "--tensor-parallel")
         return launch_local(args.tensor_parallel, [sys.executable, "-m", "app.cli", *args.argv])
     return with_run(args, out, _plan_batches, functools.partial(_generate, args, check_files(args, out)))
@@ -238,8 +237,7 @@ def with_run(args, out: Path, plan, generate) -> int:
     store = RunStore(out)
     try:
         store.acquire()
-        prompts = _read(args)
-        _refuse_rejects(prompts, args.skip_bad, out)
+        prompts = _read(args, out)
         progress = _ProgressLine()
         model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
         plan(args, prompts, model_dir)
@@ -271,10 +269,12 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _read(args) -> PromptSet:
-    if args.prompts == STDIN:
-        return read_prompts(STDIN, data=sys.stdin.buffer.read(), fmt=args.prompts_format)
-    return read_prompts(args.prompts, fmt=args.prompts_format)
+def _read(args, out: Path) -> PromptSet:
+    """The prompts, refused here if a line is bad and --skip-bad does not say to run the rest."""
+    data = sys.stdin.buffer.read() if args.prompts == STDIN else None
+    prompts = read_prompts(args.prompts, data=data, fmt=args.prompts_format)
+    _refuse_rejects(prompts, args.skip_bad, out)
+    return prompts
 
 
 def _refuse_rejects(prompts: PromptSet, skip_bad: bool, out: Path) -> None:
