@@ -102,7 +102,7 @@ def _calibrate(model, args) -> dict:
     notes: dict = {}
     try:
         costs = calibrate(engine, lambda n, mean: _prompts(engine, n, mean), clock=_clock(args), notes=notes,
-                          progress=ignore if args.json else _ProgressLine())
+                          progress=ignore if args.json else _ProgressLine("bench"))
     finally:
         engine.close()
     hw = detect()

@@ -175,14 +175,25 @@ class _Line:
 
 
 class _ProgressLine(_Line):
+    """Progress events; `logged`: also a line every 10 % where stderr is no terminal (`mlight download`)."""
+
+    def __init__(self, command: str = "run", logged: bool = False):
+        super().__init__()
+        self.command, self.logged, self.step = command, logged, -1
+
     def __call__(self, ev) -> None:
         if isinstance(ev, WarningEvent):
             self.end()  # the progress line first
-            _say(f"warning: {ev.message}")
+            print(f"mlight {self.command}: warning: {ev.message}", file=sys.stderr, flush=True)
         elif isinstance(ev, Progress):
             rate = getattr(ev, "rate", 0.0)
-            mb = f"{ev.done / 1e6:.1f}/{ev.total / 1e6:.1f} MB" + (f" {rate / 1e6:.1f} MB/s" if rate else "")
-            self.draw(f"{ev.what}: " + (mb if ev.unit == "B" else f"{ev.done}/{ev.total}"))
+            pct = 100 * ev.done // ev.total if ev.total else 100
+            mb = f"{ev.done / 1e6:.1f}/{ev.total / 1e6:.1f} MB ({pct}%)" + (f" {rate / 1e6:.1f} MB/s" if rate else "")
+            text = f"{ev.what}: " + (mb if ev.unit == "B" else f"{ev.done}/{ev.total}")
+            self.draw(text)
+            if self.logged and not self.tty and pct // 10 != self.step:
+                self.step = pct // 10
+                print(text, file=sys.stderr, flush=True)
             if ev.done >= ev.total:
                 self.end()
 
