@@ -60,7 +60,8 @@ def run(args) -> int:
 
     model = args.model or demo_model_dir()
     schedules = _schedules(args)
-    report = {"model": str(model), "runs": [], "load_average": _load()}
+    load = platform.load_average()
+    report = {"model": str(model), "runs": [], "load_average": " ".join(f"{x:.2f}" for x in load) if load else "n/a"}
     if args.calibrate:
         report["calibration"] = _calibrate(model, args)
     for name in schedules:
@@ -82,11 +83,6 @@ def run(args) -> int:
     else:
         _print(report)
     return 0
-
-
-def _load() -> str:
-    load = platform.load_average()
-    return " ".join(f"{x:.2f}" for x in load) if load else "n/a"
 
 
 def _calibrate(model, args) -> dict:
