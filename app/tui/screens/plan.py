@@ -295,7 +295,7 @@ class PlanScreen(StepScreen):
         self._show_max_new_hint()
         if n == self.backend.max_new_tokens or prompts is None:
             return
-        self.backend.set_max_new_tokens(n)
+        self.backend.max_new_tokens = n
         prompts.default_max_new = n
         self._replan_soon()
 
