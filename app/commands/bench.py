@@ -174,8 +174,7 @@ def _measure(engine, name: str, reqs, args) -> dict:
 
 
 def _predict(engine, name: str, args, reqs) -> dict | None:
-    """The planner's view of the same policy on this machine: how `engine` runs `reqs` at --batch / --micro-batch
-    (whole micro-batches)."""
+    """The planner's prediction for the policy `engine` runs `reqs` with at --batch / --micro-batch."""
     from core.plan import cpu_history, hrm
     from core.plan.hardware import resolve
     from core.plan.planner import Workload, predict

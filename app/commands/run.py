@@ -228,8 +228,7 @@ def run(args) -> int:
 
 
 def check_files(args, out: Path, no_stdin: tuple[str, str] | None = None, micro: bool = True) -> str:
-    """Refuse, before anything loads, an output of unknown format, stdin where `no_stdin` says why it cannot be
-    read, an output that is the prompts file, and a micro-batch larger than the batch. Returns the format."""
+    """Refuse, before anything loads, what is quick to check (`no_stdin`: why stdin cannot be read); the format."""
     fmt = output_format(out)
     if no_stdin and args.prompts == STDIN:
         raise UsageError(*no_stdin)
