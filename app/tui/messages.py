@@ -4,7 +4,6 @@ nothing."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from textual.message import Message
@@ -12,71 +11,73 @@ from textual.message import Message
 from app.tui.meter import RunSnapshot
 
 
-@dataclass
 class WorkProgress(Message):
     """Progress of a long operation (probe, demo build, download, engine load)."""
 
-    what: str
-    done: float
-    total: float
-    unit: str = ""
-    rate: float | None = None
+    def __init__(self, what: str, done: float, total: float, unit: str = "", rate: float | None = None):
+        super().__init__()
+        self.what, self.done, self.total, self.unit, self.rate = what, done, total, unit, rate
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, WorkProgress)
 
 
-@dataclass
 class MachineReady(Message):
-    machine: Any
+    def __init__(self, machine: Any):
+        super().__init__()
+        self.machine = machine
 
 
-@dataclass
 class ModelReady(Message):
-    model: Any
+    def __init__(self, model: Any):
+        super().__init__()
+        self.model = model
 
 
-@dataclass
 class PromptsReady(Message):
-    prompts: Any
+    def __init__(self, prompts: Any):
+        super().__init__()
+        self.prompts = prompts
 
 
-@dataclass
 class PlanReady(Message):
     """A plan for the budgets asked in request number `gen` (older requests' answers are dropped)."""
 
-    plan: Any
-    gen: int = 0
+    def __init__(self, plan: Any, gen: int = 0):
+        super().__init__()
+        self.plan, self.gen = plan, gen
 
 
 class Checked(PlanReady):
     """Live validation of a user-edited policy: the plan, its `problems` (empty = fits)."""
 
 
-@dataclass
 class RunUpdate(Message):
-    snapshot: RunSnapshot
+    def __init__(self, snapshot: RunSnapshot):
+        super().__init__()
+        self.snapshot = snapshot
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, RunUpdate)
 
 
-@dataclass
 class RunLog(Message):
     """A line for the run's log (engine warnings, resume notes). Never coalesced."""
 
-    text: str
-    level: str = "info"
+    def __init__(self, text: str, level: str = "info"):
+        super().__init__()
+        self.text, self.level = text, level
 
 
-@dataclass
 class RunEnded(Message):
-    state: str
-    snapshot: RunSnapshot
+    def __init__(self, state: str, snapshot: RunSnapshot):
+        super().__init__()
+        self.state, self.snapshot = state, snapshot
 
 
-@dataclass
 class SimulatedStep(Message):
     """The planner's replay of one decode step for the running policy (a core.runtime.simulate.Timeline)."""
 
-    timeline: Any
+    def __init__(self, timeline: Any):
+        super().__init__()
+        self.timeline = timeline
