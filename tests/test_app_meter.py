@@ -76,7 +76,7 @@ def _run_job(tmp_path, monkeypatch, steps: int, dt: float) -> list:
     engine = _SteppingEngine(steps, clock, dt)
 
     class Backend(ScriptedBackend):
-        def engine(self, path, policy=None, progress=lambda e: None):
+        def engine(self, path, policy=None, progress=lambda e: None, choices=None):
             return engine
 
     shutil.copy(DEMO_PROMPTS, tmp_path / "p.jsonl")

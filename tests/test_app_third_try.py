@@ -95,7 +95,7 @@ def test_this_runs_new_tokens_are_the_results_tokens(workdir):
     prompts = [json.loads(line)["turns"][0] for line in questions.read_text(encoding="utf-8").splitlines()[:12]]
     Path("p.txt").write_text("\n".join(p.replace("\n", " ") for p in prompts) + "\n", encoding="utf-8")
     b = Backend()
-    b.set_max_new_tokens(48)
+    b.max_new_tokens = 48
     machine = b.machine()
     model, view = b.open_model("demo", machine), b.read_prompts(Path("p.txt"))
     ended = []

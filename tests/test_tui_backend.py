@@ -75,7 +75,7 @@ class EchoEngine:
 
 
 class EchoBackend(ScriptedBackend):
-    def engine(self, path, policy=None, progress=ignore):
+    def engine(self, path, policy=None, progress=ignore, choices=None):
         return EchoEngine()
 
 

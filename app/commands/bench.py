@@ -5,12 +5,11 @@ Measured from the engine's StepDone events, predicted by the planner for the sam
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 from core import platform
 from core.plan.policy import SCHEDULES  # torch-free: `mlight bench --help` loads no torch
-from core.telemetry import RESOURCES, with_gpu_keys
+from core.telemetry import RESOURCES, ignore, with_gpu_keys
 
 
 def add_parser(sub):
@@ -61,7 +60,8 @@ def run(args) -> int:
 
     model = args.model or demo_model_dir()
     schedules = _schedules(args)
-    report = {"model": str(model), "runs": [], "load_average": _load()}
+    load = platform.load_average()
+    report = {"model": str(model), "runs": [], "load_average": " ".join(f"{x:.2f}" for x in load) if load else "n/a"}
     if args.calibrate:
         report["calibration"] = _calibrate(model, args)
     for name in schedules:
@@ -85,33 +85,22 @@ def run(args) -> int:
     return 0
 
 
-def _load() -> str:
-    load = platform.load_average()
-    return " ".join(f"{x:.2f}" for x in load) if load else "n/a"
-
-
 def _calibrate(model, args) -> dict:
     """Fit the CPU cost model with a CPU-only engine of `model`; cache it for this machine."""
+    from app.commands.run import _ProgressLine
     from core.plan import cpu_cost, cpu_history
     from core.plan.hardware import detect
     from core.runtime.calibrate import calibrate
     from core.runtime.engine import Engine
 
     engine = Engine.load(model, threads=args.threads)
-
-    def show(ev):
-        if not args.json and sys.stderr.isatty() and hasattr(ev, "done"):
-            print(f"\r{ev.what}: {ev.done}/{ev.total}".ljust(60), end="", file=sys.stderr, flush=True)
-
     t0 = time.perf_counter()
     notes: dict = {}
     try:
-        costs = calibrate(engine, lambda n, mean: _prompts(engine, n, mean), progress=show, clock=_clock(args),
-                          notes=notes)
+        costs = calibrate(engine, lambda n, mean: _prompts(engine, n, mean), clock=_clock(args), notes=notes,
+                          progress=ignore if args.json else _ProgressLine("bench"))
     finally:
         engine.close()
-    if not args.json and sys.stderr.isatty():
-        print(file=sys.stderr)
     hw = detect()
     path = cpu_cost.save(hw, costs)
     out = {"path": str(path), "seconds": time.perf_counter() - t0, "costs": costs.to_dict(), "run": notes,
@@ -185,8 +174,7 @@ def _measure(engine, name: str, reqs, args) -> dict:
 
 
 def _predict(engine, name: str, args, reqs) -> dict | None:
-    """The planner's view of the same policy on this machine: how `engine` runs `reqs` at --batch / --micro-batch
-    (whole micro-batches)."""
+    """The planner's prediction for the policy `engine` runs `reqs` with at --batch / --micro-batch."""
     from core.plan import cpu_history, hrm
     from core.plan.hardware import resolve
     from core.plan.planner import Workload, predict

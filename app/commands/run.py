@@ -109,16 +109,13 @@ def _number(cast, ok, must: str, what: str = "a number", unit: str = ""):
 _positive = _number(int, lambda v: v >= 1, "at least 1", "a whole number")
 _probability = _number(float, lambda v: 0 < v <= 1, "in (0, 1]")
 _non_negative = _number(float, lambda v: v >= 0, "0 or more")
+_whole = _number(int, lambda v: v >= 0, "0 or more", "a whole number")
 
 
 def gigabytes(least: float | None):
     """A memory budget in GB as typed: at least `least` (None: more than 0), said back in GB."""
     return _number(float, lambda v: (v >= least if least is not None else v > 0) and v != float("inf"),
                    "more than 0" if least is None else f"{least:g} or more", "a number of GB", " GB")
-
-
-def _whole(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive(text)
 
 
 class _Stopper:
@@ -178,14 +175,25 @@ class _Line:
 
 
 class _ProgressLine(_Line):
+    """Progress events; `logged`: also a line every 10 % where stderr is no terminal (`mlight download`)."""
+
+    def __init__(self, command: str = "run", logged: bool = False):
+        super().__init__()
+        self.command, self.logged, self.step = command, logged, -1
+
     def __call__(self, ev) -> None:
         if isinstance(ev, WarningEvent):
             self.end()  # the progress line first
-            _say(f"warning: {ev.message}")
+            print(f"mlight {self.command}: warning: {ev.message}", file=sys.stderr, flush=True)
         elif isinstance(ev, Progress):
             rate = getattr(ev, "rate", 0.0)
-            mb = f"{ev.done / 1e6:.1f}/{ev.total / 1e6:.1f} MB" + (f" {rate / 1e6:.1f} MB/s" if rate else "")
-            self.draw(f"{ev.what}: " + (mb if ev.unit == "B" else f"{ev.done}/{ev.total}"))
+            pct = 100 * ev.done // ev.total if ev.total else 100
+            mb = f"{ev.done / 1e6:.1f}/{ev.total / 1e6:.1f} MB ({pct}%)" + (f" {rate / 1e6:.1f} MB/s" if rate else "")
+            text = f"{ev.what}: " + (mb if ev.unit == "B" else f"{ev.done}/{ev.total}")
+            self.draw(text)
+            if self.logged and not self.tty and pct // 10 != self.step:
+                self.step = pct // 10
+                print(text, file=sys.stderr, flush=True)
             if ev.done >= ev.total:
                 self.end()
 
@@ -213,16 +221,14 @@ def run(args) -> int:
         RunStore(out).check_writable()
         check_files(args, out, ("--tensor-parallel starts several ranks, which cannot share stdin",
                                 "give the prompts as a file"))
-        prompts = _read(args)
-        _refuse_rejects(prompts, args.skip_bad, out)
+        prompts = _read(args, out)
         refuse_turns(prompts, "--tensor-parallel")
         return launch_local(args.tensor_parallel, [sys.executable, "-m", "app.cli", *args.argv])
     return with_run(args, out, _plan_batches, functools.partial(_generate, args, check_files(args, out)))
 
 
 def check_files(args, out: Path, no_stdin: tuple[str, str] | None = None, micro: bool = True) -> str:
-    """Refuse, before anything loads, an output of unknown format, stdin where `no_stdin` says why it cannot be
-    read, an output that is the prompts file, and a micro-batch larger than the batch. Returns the format."""
+    """Refuse, before anything loads, what is quick to check (`no_stdin`: why stdin cannot be read); the format."""
     fmt = output_format(out)
     if no_stdin and args.prompts == STDIN:
         raise UsageError(*no_stdin)
@@ -241,8 +247,7 @@ def with_run(args, out: Path, plan, generate) -> int:
     store = RunStore(out)
     try:
         store.acquire()
-        prompts = _read(args)
-        _refuse_rejects(prompts, args.skip_bad, out)
+        prompts = _read(args, out)
         progress = _ProgressLine()
         model_dir, model_name = resolve_model(args.model, args.revision, progress=progress)
         plan(args, prompts, model_dir)
@@ -274,10 +279,12 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _read(args) -> PromptSet:
-    if args.prompts == STDIN:
-        return read_prompts(STDIN, data=sys.stdin.buffer.read(), fmt=args.prompts_format)
-    return read_prompts(args.prompts, fmt=args.prompts_format)
+def _read(args, out: Path) -> PromptSet:
+    """The prompts, refused here if a line is bad and --skip-bad does not say to run the rest."""
+    data = sys.stdin.buffer.read() if args.prompts == STDIN else None
+    prompts = read_prompts(args.prompts, data=data, fmt=args.prompts_format)
+    _refuse_rejects(prompts, args.skip_bad, out)
+    return prompts
 
 
 def _refuse_rejects(prompts: PromptSet, skip_bad: bool, out: Path) -> None:

@@ -88,8 +88,7 @@ class _Rank:
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // w.local_size))
         if w.tp_leader:
             RunStore(self.out, part=part_name(w.dp_rank, w.dp_size)).check_writable()
-        prompts = _read(args)
-        _refuse_rejects(prompts, args.skip_bad, self.out)
+        prompts = _read(args, self.out)
         refuse_turns(prompts, "torchrun or --tensor-parallel")
         model_dir, model_name = resolve_model(args.model, args.revision, progress=self.progress)
         args.replicas_here = w.local_size // w.tp

@@ -35,7 +35,7 @@ class MlightApp(App):
         self.session = Session(options)
         self.backend = backend
         if options.max_new_tokens is not None:
-            backend.set_max_new_tokens(options.max_new_tokens)
+            backend.max_new_tokens = options.max_new_tokens
 
     def on_mount(self) -> None:
         # the machine first on every path: the command line's later steps open once it is known (`machine_known`)

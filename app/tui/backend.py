@@ -223,11 +223,6 @@ class Backend:
         preview = [(e.id, t, e.max_new_tokens) for e, t in zip(ps.entries[:100], texts)]
         return PromptsView(Path(path), ps, preview, stats, self.max_new_tokens)
 
-    def set_max_new_tokens(self, n: int) -> None:
-        if n < 1:
-            raise ValueError("max new tokens must be at least 1")
-        self.max_new_tokens = n
-
     def _checkpoint(self, path: Path):
         """The engine's own reading of a model path (a safetensors folder's spec, or a GGUF file's), once."""
         from core.runtime.loading import read_checkpoint

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 from rich.cells import cell_len, set_cell_size
 
 from app.tui.glyphs import glyph
@@ -32,15 +34,10 @@ def duration(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def _is_control(ch: str) -> bool:
-    c = ord(ch)
-    return c < 0x20 or 0x7F <= c < 0xA0
-
-
 def printable(text: str, keep: str = "\n\t") -> str:
     """`text` with its control characters but `keep` shown as a sign: an ESC or a shift-out from a model would
     start a terminal sequence or switch character sets."""
-    return "".join(glyph.control if _is_control(ch) and ch not in keep else ch for ch in text)
+    return "".join(glyph.control if unicodedata.category(ch) == "Cc" and ch not in keep else ch for ch in text)
 
 
 def excerpt(text: str | None, width: int) -> str:

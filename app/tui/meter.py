@@ -4,6 +4,7 @@ decode step's timeline is copied out (the executor reuses its buffer) at most ev
 from __future__ import annotations
 
 import heapq
+import statistics
 import threading
 import time
 from collections import deque
@@ -197,21 +198,16 @@ class RunMeter:
         """(a, b): a decode step of k requests takes a + b·k seconds (a: reading weights), least squares over the
         window; all per token where k has not varied."""
         pts = [(float(st[4] or st[2]), st[1]) for st in self._steps if st[3] != "prefill"]
-        n = len(pts)
-        sx, sy = sum(x for x, _ in pts), sum(y for _, y in pts)
-        if n == 0 or sx <= 0:
+        xs, ys = [x for x, _ in pts], [y for _, y in pts]
+        if not pts or sum(xs) <= 0:
             return None
-        mx, my = sx / n, sy / n
-        var = sum((x - mx) ** 2 for x, _ in pts) / n
-        if var <= max(1.0, (0.1 * mx) ** 2):  # k spread by under a tenth: a fit on it would fit the noise
-            return 0.0, sy / sx
-        b = sum((x - mx) * (y - my) for x, y in pts) / n / var
-        a = my - b * mx
+        mx = statistics.fmean(xs)
+        if statistics.pvariance(xs, mx) <= max(1.0, (0.1 * mx) ** 2):  # k spread under a tenth: a fit fits the noise
+            return 0.0, sum(ys) / sum(xs)
+        b, a = statistics.linear_regression(xs, ys)
         if b < 0:
-            return my, 0.0
-        if a < 0:
-            return 0.0, sy / sx
-        return a, b
+            return statistics.fmean(ys), 0.0
+        return (a, b) if a >= 0 else (0.0, sum(ys) / sum(xs))
 
     def _eta(self) -> float | None:
         """Seconds left at this run's measured rates, every request taken to its max new tokens (early stops make

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from textual.message import Message
 
+from app.tui.backend import EngineChoices
 from app.tui.meter import RunMeter
 from app.tui.messages import RunEnded, RunLog, RunUpdate, SimulatedStep
 from core.telemetry import WarningEvent
@@ -21,7 +22,7 @@ POST_EVERY_S = 0.2
 class RunJob:
     def __init__(self, backend: Any, model: Any, prompts: Any, plan: Any, out: Path,
                  post: Callable[[Message], None], previous: Any = None, replace: bool = False,
-                 choices: Any = None, machine: Any = None):
+                 choices: EngineChoices = EngineChoices(), machine: Any = None):
         self.backend, self.model, self.prompts, self.plan, self.out = backend, model, prompts, plan, Path(out)
         self.choices, self.machine = choices, machine
         self.post = post
@@ -84,7 +85,7 @@ class RunJob:
         self._set_state("loading")
         try:
             store = b.open_store(self.out, self.model, self.prompts, self.plan, restart=self.replace,
-                                 **self._choices())
+                                 choices=self._choices())
         except BaseException:
             self._set_state("failed")
             raise
@@ -105,7 +106,7 @@ class RunJob:
             todo = [e for e in self.prompts.prompts.entries if e.id not in self.records]
             self.meter.batch_size = min(self.plan.policy.batch_size, len(todo))
             self._post_update(force=True)
-            engine = b.engine(self.model.path, self.plan.policy, progress=self._sink, **self._choices())
+            engine = b.engine(self.model.path, self.plan.policy, progress=self._sink, choices=self._choices())
             if self.machine is not None:
                 self.post(SimulatedStep(b.simulate(self.model, self.machine, self.plan, engine)))
             requests, rejects = b.requests(engine, self.prompts)
@@ -156,14 +157,11 @@ class RunJob:
         self.meter.saved_out += int(record.get("output_tokens", 0))
         self.meter.saved_in += int(record.get("prompt_tokens", 0))
 
-    def _choices(self) -> dict:
-        if self.choices is None:
-            return {}
+    def _choices(self) -> EngineChoices:
         # the plan settled "auto" on a format: the engine loads that one (a group size only for int4)
         q = self.plan.quantize if self.plan.quantize not in (None, "none") else None
-        return {"choices": dataclasses.replace(self.choices, quantize=q,
-                                               group_size=self.plan.group_size if q == "int4" else None,
-                                               quantize_dense=self.plan.quant_dense if q else None)}
+        return dataclasses.replace(self.choices, quantize=q, group_size=self.plan.group_size if q == "int4" else None,
+                                   quantize_dense=self.plan.quant_dense if q else None)
 
     def _end(self, state: str, store) -> str:
         if store is not None:

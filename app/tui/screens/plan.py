@@ -182,7 +182,6 @@ class PlanScreen(StepScreen):
             self.status("This machine could not run the model in its stored dtype: choose float32 here, "
                         "then Ctrl+N.", "warn")
 
-    # ---- planning -------------------------------------------------------------------------------
     def plan_now(self, budgets: tuple[int | None, int | None]) -> None:
         self._asked = self._budget_texts()
         self._gen += 1
@@ -236,7 +235,6 @@ class PlanScreen(StepScreen):
             return
         self.plan_now(budgets)
 
-    # ---- the form -------------------------------------------------------------------------------
     def fill(self, plan) -> None:
         values = {"gpu-mem": _gb_text(plan.gpu_budget), "cpu-mem": _gb_text(plan.cpu_budget),
                   "max-new": str(self.backend.max_new_tokens)}
@@ -297,7 +295,7 @@ class PlanScreen(StepScreen):
         self._show_max_new_hint()
         if n == self.backend.max_new_tokens or prompts is None:
             return
-        self.backend.set_max_new_tokens(n)
+        self.backend.max_new_tokens = n
         prompts.default_max_new = n
         self._replan_soon()
 
@@ -384,7 +382,6 @@ class PlanScreen(StepScreen):
     def out_changed(self) -> None:
         self.query_one("#out-note", Static).update(self.backend.resume_info(self.query_one("#out", PathInput).path))
 
-    # ---- drawing --------------------------------------------------------------------------------
     def show(self, plan) -> None:
         pred = plan.prediction
         if pred is None:
@@ -472,7 +469,6 @@ class PlanScreen(StepScreen):
         out = self.query_one("#out", PathInput).path.name or "RESULTS"
         return f"{lines} in {prompts.path.name} will be skipped, into {out}.rejected.jsonl (Esc: Prompts lists them)"
 
-    # ---- leaving --------------------------------------------------------------------------------
     def action_next(self) -> None:
         plan = self.session.plan
         if plan is None or plan.problems or self.query_one("#accept", Button).disabled:

@@ -83,7 +83,6 @@ class RunScreen(StepScreen):
         self.set_interval(REDRAW_S, self._redraw_if_dirty)
         self.start()
 
-    # ---- the job --------------------------------------------------------------------------------
     def start(self) -> None:
         s = self.session
         previous = self._latest if self.job is not None else None  # a resume goes on from the stopped run
@@ -155,7 +154,6 @@ class RunScreen(StepScreen):
             self._latest = self.job.meter.snapshot()
             self._redraw()
 
-    # ---- keys -----------------------------------------------------------------------------------
     def check_action(self, action: str, parameters) -> bool | None:
         """The footer lists only the keys that do something now (and so has room for ^q and ?)."""
         state = self.job.state if self.job is not None else ""
@@ -236,7 +234,6 @@ class RunScreen(StepScreen):
         yield SystemCommand("Resume the run", "Run the prompts a stopped run left", self.action_resume_run)
         yield SystemCommand("Zoom the timelines", "Whole step, first two layers, first layer", self.action_zoom)
 
-    # ---- drawing --------------------------------------------------------------------------------
     def log_line(self, text: str, level: str = "info") -> None:
         style = self.mapp.tone(level)
         elapsed = self.backend.clock() - self._t0 if self._t0 is not None else 0.0
