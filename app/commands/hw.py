@@ -55,11 +55,16 @@ def run(args) -> int:
     else:
         lines.append(f"  compute  {hw.cpu_flops / 1e9:.0f} GFLOP/s fp32 ({tag('cpu_flops')})")
     lines.append(f"  memory   {hw.cpu_bw / 1e9:.1f} GB/s ({tag('cpu_bw')})")
+    from core.model.cpu import compute, ffn, int4, native, panel_linear, row_ops
+
     maths = {}
     for storage, short in (("bfloat16", "bf16"), ("float16", "fp16")):
-        maths[storage], why = hw.cpu_math(storage) if hw.cpu_isa else _local_math(storage)
+        if hw.cpu_isa:
+            maths[storage], why = hw.cpu_math(storage)
+        else:  # no ISA recorded (a preset or a hand-written file): what this machine would choose
+            c = compute.choose(storage)
+            maths[storage], why = c.math, c.reason
         lines.append(f"  {short} weights compute in {maths[storage]}: {why}")
-    from core.model.cpu import ffn, int4, native, panel_linear, row_ops
 
     lines.append(f"  decode attention: {native.status()}")
     lines.append(f"  norm, RoPE, cache write: {row_ops.status()}")
@@ -71,9 +76,3 @@ def run(args) -> int:
     print("\n".join(lines))
     return 0
 
-
-def _local_math(storage: str) -> tuple[str, str]:
-    from core.model.cpu.compute import choose
-
-    c = choose(storage)
-    return c.math, c.reason

@@ -338,13 +338,6 @@ class ModelSpec:
         return self.num_params - self.moe_layers * (self.num_experts - self.top_k) * self.expert_params
 
     @property
-    def kv_bytes_per_token_layer(self) -> int:
-        """Bytes one cached token adds to a full-attention (or latent) layer."""
-        kinds = [self.layer_state(i) for i in range(self.num_layers)]
-        growing = [s for s in kinds if s.kind in ("kv", "latent")] or [s for s in kinds if s.token_elems] or kinds
-        return growing[0].token_elems * self.dtype_bytes
-
-    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one more token adds over all layers once windows are full (full-attention and latent layers)."""
         return sum(s.token_elems for s in map(self.layer_state, range(self.num_layers))

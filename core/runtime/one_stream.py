@@ -128,7 +128,8 @@ class OneStream:
         self.longest = [1]  # the step's longest attended length, read by the attention call
         experts = [_experts_of(r, i, M) for i in range(spec.num_layers)]
         # one float32 scratch for every call (they run one at a time): the largest any of them asks
-        sizes = [self.threads_attn * G * cap] + [_linear_scratch(w, M, n) for w in _linears(r)]
+        linears = [r.lm_head, *(r.dense[i][m] for i in range(spec.num_layers) for m in ("qkv", "o"))]
+        sizes = [self.threads_attn * G * cap] + [_linear_scratch(w, M, n) for w in linears]
         sizes += [_experts_scratch(kind, e, M, D, k, n) for kind, e in experts]
         self.scratch = torch.empty(max(sizes) + 64)
         s, a = self.scratch.data_ptr(), lambda t: t.data_ptr()  # noqa: E731
@@ -216,10 +217,6 @@ def _add(x: torch.Tensor, y: torch.Tensor):
     def add():  # the residual stream in place: x + y as the general path adds it, one rounding
         x.add_(y)
     return add
-
-
-def _linears(r):
-    return [r.lm_head, *(r.dense[i][m] for i in range(r.spec.num_layers) for m in ("qkv", "o"))]
 
 
 def _linear_scratch(w, M: int, n: int) -> int:

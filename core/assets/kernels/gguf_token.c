@@ -540,15 +540,6 @@ int64_t mlight_gguf_tokens_moe_scratch(int64_t M, int64_t D, int64_t I, int nexp
     return S * (2 * I + D) + (int64_t)threads * S * TR + (bytes + 3) / 4;
 }
 
-/* one token: mlight_gguf_tokens_moe with M = 1 (the ABI older revisions' callers bind) */
-int mlight_gguf_token_moe(int k13, int k2, const void *x, int x_bf16, int64_t D, int64_t I, int nexp,
-                          const int64_t *ids, const void *wts, int w_bf16, const uint8_t *w13, int64_t e13,
-                          int64_t ldw13, const uint8_t *w2, int64_t e2, int64_t ldw2, void *out, int out_bf16,
-                          float *scratch, int threads, int path) {
-    return mlight_gguf_tokens_moe(k13, k2, x, x_bf16, D, 1, D, I, nexp, ids, wts, w_bf16, w13, e13, ldw13, w2, e2, ldw2,
-                                  out, out_bf16, D, scratch, threads, path);
-}
-
 /* mlight_gguf_linear's integer paths (1 plain C, 2 SIMD) for a few activation rows: y [M, N] (rows ldy apart) =
    x [M, K] (rows ldx apart) . W^T, W's rows ldw bytes apart in blocks of `kind`, Q8_0 dotted in place; the
    K-quants' SIMD rows (AVX-512 VNNI) in place too, each weight row against up to TM activation rows at once
@@ -611,9 +602,4 @@ int64_t mlight_gguf_token_linear_scratch(int64_t M, int64_t K, int threads) {
     int64_t x = qrow_bytes(K) > kqrow_bytes(K) ? qrow_bytes(K) : kqrow_bytes(K);
     int64_t wb = wrow_bytes(K) > kwrow_bytes(K) ? wrow_bytes(K) : kwrow_bytes(K);
     return (M * x + (int64_t)threads * wb + M * (K / 256) * KB + 3) / 4;
-}
-
-/* floats of scratch a mlight_gguf_token_moe call needs */
-int64_t mlight_gguf_token_moe_scratch(int64_t D, int64_t I, int nexp, int threads) {
-    return mlight_gguf_tokens_moe_scratch(1, D, I, nexp, threads);
 }

@@ -36,9 +36,7 @@ class _Lib(native.Library):
         self.moe = native.bind(self.dll, "mlight_gguf_moe",
                                [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
         self.moe_scratch = native.bind(self.dll, "mlight_gguf_moe_scratch", [I, I, C, C], I)
-        # absent from an older revision's kernel (bench/gguf_speed.py --paths REV:...)
-        self.dequantize = (native.bind(self.dll, "mlight_gguf_dequantize", [C, P, I, I, I, P, C, I, P, C], C)
-                           if hasattr(self.dll, "mlight_gguf_dequantize") else None)
+        self.dequantize = native.bind(self.dll, "mlight_gguf_dequantize", [C, P, I, I, I, P, C, I, P, C], C)
         self.simd = SIMD[self.dll.mlight_gguf_simd()]
 
 

@@ -32,17 +32,9 @@ class _Lib(native.Library):
     def __init__(self, path, flags: str):
         super().__init__(path, flags, "mlight_gguf_openmp")
         P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self.moe = native.bind(self.dll, "mlight_gguf_token_moe",
-                               [C, C, P, C, I, I, C, P, P, C, P, I, I, P, I, I, P, C, P, C, C], C)
-        # a revision before the split rows (bench/gguf_speed.py's baseline) sized its scratch as gguf_matmul.c's
-        scratch = "mlight_gguf_token_moe_scratch"
-        self.moe_scratch = native.bind(self.dll, scratch if hasattr(self.dll, scratch) else "mlight_gguf_moe_scratch",
-                                       [I, I, C, C], I)
-        self.tokens = None  # several tokens a call (not in a revision before it)
-        if hasattr(self.dll, "mlight_gguf_tokens_moe"):
-            self.tokens = native.bind(self.dll, "mlight_gguf_tokens_moe",
-                                      [C, C, P, C, I, I, I, I, C, P, P, C, P, I, I, P, I, I, P, C, I, P, C, C], C)
-            self.tokens_scratch = native.bind(self.dll, "mlight_gguf_tokens_moe_scratch", [I, I, I, C, C], I)
+        self.tokens = native.bind(self.dll, "mlight_gguf_tokens_moe",
+                                  [C, C, P, C, I, I, I, I, C, P, P, C, P, I, I, P, I, I, P, C, I, P, C, C], C)
+        self.tokens_scratch = native.bind(self.dll, "mlight_gguf_tokens_moe_scratch", [I, I, I, C, C], I)
         self.linear = native.bind(self.dll, "mlight_gguf_token_linear",
                                   [C, P, C, I, I, I, P, I, I, P, C, I, P, C, C], C)
         self.linear_scratch = native.bind(self.dll, "mlight_gguf_token_linear_scratch", [I, I, C], I)
@@ -69,8 +61,7 @@ def takes_tokens(k13: str, k2: str, M: int, k: int) -> bool:
     """Whether `moe` takes M bf16 tokens' k experts each with gate/up rows in format k13 and down rows in k2."""
     lib = library()
     return (bool(IN_PLACE.intersection((k13, k2))) and k <= gguf_blocks.MAX_EXPERTS and M * k <= MAX_SLOTS
-            and k13 in gguf_blocks.KINDS and k2 in gguf_blocks.KINDS and native.runs(lib)
-            and (M == 1 or lib.tokens is not None))
+            and k13 in gguf_blocks.KINDS and k2 in gguf_blocks.KINDS and native.runs(lib))
 
 
 def takes_rows(name: str, M: int, K: int, plain_c: bool = False) -> bool:
@@ -97,14 +88,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: tuple[str
     out = torch.empty((M, D), dtype=x.dtype)
     kinds, bf = (gguf_blocks.KINDS[k13], gguf_blocks.KINDS[k2]), int(weights.dtype == torch.bfloat16)
     experts = (w13.data_ptr(), w13.stride(0), w13.stride(1), w2.data_ptr(), w2.stride(0), w2.stride(1))
-    if M == 1 and lib.tokens is None:  # a revision before several tokens (bench/gguf_speed.py's baseline)
-        s = native.scratch(4 * lib.sized("moe_scratch", D, I, k, threads))  # float32s
-        refused = lib.moe(*kinds, x.data_ptr(), 1, D, I, k, ids.data_ptr(), weights.data_ptr(), bf, *experts,
-                          out.data_ptr(), 1, s.data_ptr(), threads, gguf_blocks.PATHS[path])
-    else:
-        s = native.scratch(4 * lib.sized("tokens_scratch", M, D, I, k, threads))
-        refused = lib.tokens(*kinds, x.data_ptr(), 1, D, M, D, I, k, ids.data_ptr(), weights.data_ptr(), bf,
-                             *experts, out.data_ptr(), 1, D, s.data_ptr(), threads, gguf_blocks.PATHS[path])
+    s = native.scratch(4 * lib.sized("tokens_scratch", M, D, I, k, threads))  # float32s
+    refused = lib.tokens(*kinds, x.data_ptr(), 1, D, M, D, I, k, ids.data_ptr(), weights.data_ptr(), bf, *experts,
+                         out.data_ptr(), 1, D, s.data_ptr(), threads, gguf_blocks.PATHS[path])
     if refused:
         raise RuntimeError(f"the GGUF token kernel refused M={M}, D={D}, I={I}, {k} experts")
     return out

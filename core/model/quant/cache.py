@@ -99,8 +99,8 @@ class StreamWriter:
         self.sizes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()}
         self.next = 0
         try:  # a name of its own: another process may be writing this entry too
-            self.tmp = _temp_in(self.path.parent, self.path.stem + ".")
-            self.fh = open(self.tmp, "wb")
+            fd, tmp = tempfile.mkstemp(prefix=self.path.stem + ".", suffix=".tmp", dir=self.path.parent)
+            self.tmp, self.fh = Path(tmp), os.fdopen(fd, "wb")
             self.fh.write(struct.pack("<Q", len(raw)) + raw)
         except OSError as e:
             self.abort()
@@ -158,12 +158,6 @@ class StreamWriter:
                 self.tmp.unlink(missing_ok=True)
         except OSError:
             pass
-
-
-def _temp_in(folder: Path, prefix: str) -> Path:
-    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=folder)
-    os.close(fd)
-    return Path(name)
 
 
 def _cache_error(where: Path, e: BaseException) -> MlightError:
