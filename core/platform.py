@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -167,8 +168,6 @@ def replace(src: str | Path, dst: str | Path) -> None:
 def write_whole(path: str | Path, text: str) -> None:
     """`path` holds `text` whole or not at all: a temporary file beside it renamed over (`replace`), so a reader
     never sees half a file and racing writers each rename their own."""
-    import tempfile
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)

@@ -39,7 +39,8 @@ def describe(task) -> str:
 
 def _sized(times: list[float], n: int) -> list[float]:
     """The executor's timing buffer with room for n tasks: grown once, then reused step after step."""
-    times.extend([0.0] * (2 * n - len(times)))  # (a negative count adds nothing)
+    if len(times) < 2 * n:  # (not a fresh empty list every step)
+        times.extend([0.0] * (2 * n - len(times)))
     return times
 
 
