@@ -82,11 +82,9 @@ def llc_bytes() -> int:
 def _llc_linux() -> int:
     best = 0
     for f in Path(LINUX_CACHE).glob("index*/size"):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             text = f.read_text(encoding="ascii").strip().upper()  # "2048K", "32M", bytes, or empty
             best = max(best, int(text.rstrip("KM") or 0) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1))
-        except (OSError, ValueError):
-            continue
     return best
 
 

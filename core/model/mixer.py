@@ -31,3 +31,9 @@ def d1_width(spec: ModelSpec, layer: int) -> int:
 
 def d2_width(spec: ModelSpec, layer: int) -> int:
     return module(spec, layer).d2_width(spec)
+
+
+def max_widths(spec: ModelSpec) -> tuple[int, int]:
+    """The widest D1 and D2 payloads over the layers (the host buffers' widths)."""
+    layers = range(spec.num_layers)
+    return max(d1_width(spec, i) for i in layers), max(d2_width(spec, i) for i in layers)

@@ -230,8 +230,7 @@ class PipelineRunner:
     def _buffers(self, n_mb: int) -> None:
         """The host's staging in one arena, pinned once at its exact size; then the device's buffers."""
         s, dt, mu, dev = self.spec, self.w.dtype, self.mu, self.dev
-        layers = range(s.num_layers)  # the widest layer's payloads
-        d1, d2 = max(mixer.d1_width(s, i) for i in layers), max(mixer.d2_width(s, i) for i in layers)
+        d1, d2 = mixer.max_widths(s)  # the widest layer's payloads
         want: list[tuple[str, tuple, torch.dtype]] = []
         cpu_attn = self.attention_on == "cpu" and self.ffn_on == "gpu"
         if cpu_attn:

@@ -19,8 +19,7 @@ import torch
 from core.assets import GGUF_MATMUL_C, GGUF_TOKEN_C as SOURCE
 from core.model.cpu import gguf_blocks, native
 
-# formats whose rows this kernel dots where they lie (K-quants: with AVX-512 VNNI; elsewhere decoded first, the
-# same result)
+# formats whose rows this kernel dots where they lie (the K-quants with AVX-512 VNNI; elsewhere decoded first)
 IN_PLACE = frozenset(("Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 
 ROWS = 8  # activation rows `linear` takes: an expert's rows at a small batch, where it beat gguf_blocks' tiles

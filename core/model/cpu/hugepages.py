@@ -5,6 +5,7 @@ decode step streams each layer's weights once, and on 2 MB pages (fewer TLB miss
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 
@@ -23,8 +24,6 @@ def empty(shape, dtype: torch.dtype, huge_from: int = 0) -> torch.Tensor:
     m = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE)
     raw = torch.frombuffer(m, dtype=torch.uint8)
     skip = -(raw.data_ptr() + huge_from) % HUGE
-    try:
+    with contextlib.suppress(OSError):  # THP "never", or a kernel without it: small pages, as torch.empty's
         m.madvise(mmap.MADV_HUGEPAGE, skip + huge_from, (n - huge_from) // HUGE * HUGE)
-    except OSError:  # THP "never", or a kernel without it: small pages, as torch.empty's
-        pass
     return raw[skip:skip + n].view(dtype).view(shape)

@@ -5,6 +5,7 @@ oneDNN and MKL may use under their limits (`usable`, acted on: CI's AVX2 lane se
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -52,10 +53,8 @@ def _features() -> dict:
 
     get = getattr(torch.cpu, "get_capabilities", None)
     if get is not None:
-        try:
+        with contextlib.suppress(Exception):  # an older torch or an unusual platform: the probes below
             return dict(get())
-        except Exception:  # an older torch or an unusual platform: fall back to the probes below
-            pass
     out = {}
     for key, fn in (("avx2", "_is_avx2_supported"), ("avx512_f", "_is_avx512_supported"),
                     ("avx512_bf16", "_is_avx512_bf16_supported"), ("amx_tile", "_is_amx_tile_supported"),

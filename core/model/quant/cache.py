@@ -5,6 +5,7 @@ and the second of two writers drops its copy (never replacing a file a reader ma
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -151,13 +152,11 @@ class StreamWriter:
             self.abort()
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             if self.fh is not None:
                 self.fh.close()
             if self.tmp is not None:
                 self.tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def _cache_error(where: Path, e: BaseException) -> MlightError:
