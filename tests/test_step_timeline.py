@@ -3,7 +3,7 @@
 The app draws the last decode step from it (lanes per resource, a bar per task). Checked on the real
 engine with each executor: one span per task of the graph, every span inside the step, a resource
 running one task at a time, no task starting before its dependencies ended, and the spans of a
-resource adding up to the busy seconds the same event reports.
+resource adding up to the busy seconds the same event reports; and the process memory each step reports.
 """
 
 from __future__ import annotations
@@ -77,3 +77,14 @@ def test_the_timing_buffer_is_reused_not_reallocated(make):
         assert ex.times is buf and len(buf) == 6
     finally:
         ex.close()
+
+
+def test_each_step_reports_this_process_resident_memory(demo_model):
+    """The app's CPU memory bar reads StepDone.cpu_mem_bytes: the engine's process RSS at the step's end."""
+    import psutil
+
+    engine = Engine.load(demo_model)
+    engine.eos_ids = set()
+    steps = [ev for ev, _ in _decode_steps(engine)]
+    rss = psutil.Process().memory_info().rss
+    assert steps and all(0.5 * rss < ev.cpu_mem_bytes <= 2 * rss for ev in steps)
