@@ -138,3 +138,18 @@ def test_the_ledger_is_best_effort_a_replicas_part_keeps_none_and_a_store_releas
         whole.lock_path.unlink()  # gone before the release removes it
     assert json.loads((tmp_path / "b.jsonl").read_text())["id"] == "2" and not whole.ledger_path.exists()
     whole.release()
+
+
+def test_finishing_after_the_run_file_went_missing_still_writes_the_output(tmp_path):
+    """The run file removed under a running store (by hand, or by a rank that merged first): finishing still writes
+    every result to the output and leaves no run file, rather than failing at the removal."""
+    out = tmp_path / "o.jsonl"
+    with RunStore(out) as st:
+        st.start(MANIFEST)
+        for i in range(3):
+            st.append(rec(i))
+        st.close()
+        st.run_path.unlink()
+        st.finish([rec(i) for i in range(3)])
+    assert [json.loads(line)["id"] for line in out.read_text(encoding="utf-8").splitlines()] == ["0", "1", "2"]
+    assert not st.run_path.exists()
