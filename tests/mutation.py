@@ -124,6 +124,9 @@ EQUIVALENT = [
      "waits for its KV load; CGOPipe with one layer: the pages are not in the graph yet there (next step's prefetch)"),
     ("batching", "if s >= lo - len(used)]", "zip stops at the holes, as many as the requests past the micro-batch's "
      "front: the highest that many requests are those either way"),
+    ("schedule", 'ffn_on: str = "GPU"', "ffn_on is only compared with \"cpu\": any other default is the GPU's"),
+    ("schedule", "num_micro_batches: int, pages_per_layer: int = 2,", "the one caller that leaves pages_per_layer out "
+     "is CPU-only (tests/test_schedule.py), where no weight page streams: 1 and 2 give the same graph"),
     ("schedule", "self.waited.get((res, other), -2)", "d is a task's index, never negative: d > -1 and d > -2 agree"),
     ("schedule", 'G.add("weight_page", nxt, page=p, deps=free, )', "a prefill adds the next step's layer-0 pages "
      "last: nothing after them looks layer 0's pages up, so the key they are filed under is never read"),
