@@ -10,7 +10,7 @@ Issue 47's side-by-side as a script anyone can rerun. It
    it with llama.cpp's own tools: `convert_hf_to_gguf.py` (bf16), then `llama-quantize` (Q8_0, Q4_K_M);
 3. per repetition and format, interleaved: `llama-batched-bench -npp P -ntg G -npl B...` and mlight
    (`Engine.generate` on the same file, B requests of exactly P prompt tokens and G new tokens, batch B),
-   the same threads for both;
+   the same threads for both, each loaded afresh every repetition;
 4. prints per format and B: each system's median decode / prefill / end-to-end tokens/s and mlight's ratio
    to llama.cpp, median (min..max) over the repetitions.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import re
 import shutil
@@ -341,16 +342,18 @@ def main(argv=None) -> int:
           f"ratios); {common.cpu_name()}; load {common.load_average()}", flush=True)
     ours = {f: {b: [] for b in args.batches} for f in args.formats}
     theirs = {f: {b: [] for b in args.batches} for f in args.formats}
-    engines = {}
     for rep in range(args.reps):
         for f in args.formats:
             got = run_llama(ll, files[f], args)
             for b in args.batches:
                 theirs[f][b].append(got[b])
-            if f not in engines:
-                engines[f] = load_mlight(files[f], args)
+            # loaded afresh each rep, as llama.cpp starts afresh: one process's placement of the weights (this box
+            # reads a step in ≈ 5.0 or ≈ 7.1 ms by process) then weighs on one rep, not on all
+            engine = load_mlight(files[f], args)
             for b in args.batches:
-                ours[f][b].append(run_mlight(engines[f], b, args))
+                ours[f][b].append(run_mlight(engine, b, args))
+            del engine
+            gc.collect()
             print(f"# rep {rep + 1} {f}: " + ", ".join(
                 f"B={b} decode {ours[f][b][-1].decode:.1f}/{theirs[f][b][-1].decode:.1f}" for b in args.batches),
                 flush=True)
