@@ -1,7 +1,7 @@
 """The decode step's C row operations (core.model.cpu.row_ops, core/assets/kernels/row_ops.c) against the
 torch expressions they replace, in bf16 and in fp32 (an AVX2 CPU's math): the KV cache write (also fp32 rows
-narrowed into a bf16 cache) and RoPE bit for bit, RMSNorm within two bf16 steps / a few fp32 ulps where its
-sum of squares adds in another order; and every caller's torch path where they do not apply."""
+narrowed into a bf16 cache), RoPE and the residual add bit for bit, RMSNorm within two bf16 steps / a few fp32 ulps
+where its sum of squares adds in another order; and every caller's torch path where they do not apply."""
 
 from __future__ import annotations
 
@@ -202,3 +202,21 @@ def test_softmax_router_declines_what_it_cannot():
     assert row_ops.softmax_route(h, w.float(), 2, True, 1.0) is None  # mixed dtypes
     assert row_ops.softmax_route(h, w.t().contiguous().t(), 2, True, 1.0) is None  # a strided router
     assert row_ops.softmax_route(h, torch.randn(600, 64).bfloat16(), 2, True, 1.0) is None  # past ROUTE_MAX
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 15, 16, 1024, 1037])
+def test_the_residual_add_is_torchs_add_bit_for_bit(n):
+    """mlight_add_bf16 (the bound decode step's x += y) against x.add_(y): random values, exact ties between two
+    bf16 steps (x + y halfway), huge and tiny magnitudes, infinities and a NaN; lengths off the vector width."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())).bfloat16()
+    y = (torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())).bfloat16()
+    if n >= 16:  # a tie: 1 + 2^-8 lies halfway between 1 and the next bf16 (1 + 2^-7), and rounds to even
+        x[:6] = torch.tensor([1.0, 1.0 + 2 ** -7, 3e38, float("inf"), float("nan"), -0.0]).bfloat16()
+        y[:6] = torch.tensor([2 ** -8, 2 ** -8, 3e38, 1.0, 1.0, 0.0]).bfloat16()
+    ref, got = x.clone(), x.clone()
+    ref.add_(y)
+    row_ops.library().add_bf16(got.data_ptr(), y.data_ptr(), n)
+    same = (got.view(torch.int16) == ref.view(torch.int16)) | (got.isnan() & ref.isnan())
+    assert same.all(), (got[~same], ref[~same])

@@ -93,6 +93,25 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_bound_calls(model
     assert with_calls == without and len(with_calls[0]) == 8
 
 
+@built
+def test_a_kernel_refusing_its_call_stops_the_step_and_names_its_task(models):
+    """The step's calls run from one C loop (row_ops.c's mlight_run_calls): a kernel that refuses (here layer 1's
+    experts, handed a path they do not have) stops it there, and the error names the task, as each call did."""
+    engine = Engine.load(models["Q8_0"])
+    runner = engine.runner(slots=1, micro_batch_size=1, max_tokens=32)
+    if one_stream.why_not(runner):
+        pytest.skip(one_stream.why_not(runner))
+    ids = engine.prompt_token_ids(Request(id="a", prompt=PROMPT))
+    logits, _ = runner.prefill([ids], [0], [[0]])
+    tok = int(logits[0].argmax())
+    runner.decode([[tok]], [[0]], [[len(ids)]])
+    one = runner._one[1]
+    row = [i for i in range(one.table.shape[0]) if one.table[i, 4] == 4 + 3][0]  # layer 1's ffn: its experts first
+    one.table[row, 5 + 23] = 0  # mlight_gguf_tokens_moe's path: 1 or 2
+    with pytest.raises(RuntimeError, match="ffn of layer 1: a kernel refused its bound call"):
+        runner.decode([[tok]], [[0]], [[len(ids) + 1]])
+
+
 def test_a_family_the_calls_do_not_cover_keeps_the_general_path(tmp_path):
     ckpt = make_checkpoint("deepseek_v2", tmp_path / "dsv2", dtype=torch.bfloat16)  # MLA, a dense first layer
     engine = Engine.load(ckpt)

@@ -3,13 +3,17 @@
 At batch 1 the Python around a layer's kernels (task graph, checks, fresh tensors, all cold after the experts
 streamed) took a quarter of the step. Here one micro-batch of M ≤ MAX_ROWS requests runs as a flat list of C calls
 bound once per runner and M: the same kernels, arguments and order as the general path, into held buffers, so the
-logits match it bit for bit (tests/test_one_stream.py); elsewhere the general path runs (`why_not` says why).
+logits match it bit for bit (tests/test_one_stream.py); elsewhere the general path runs (`why_not` says why). The
+list runs from one C loop (row_ops.c's mlight_run_calls): called one by one from Python, ctypes' conversions took
+about a twentieth of the step.
 Legend: M = requests, D = hidden, H = query heads, Hkv = KV heads, hd = head dim, k = experts of a token.
 """
 
 from __future__ import annotations
 
+import ctypes
 from functools import partial
+import struct
 import time
 
 import torch
@@ -125,7 +129,7 @@ class OneStream:
         self.bounds = i64(self.threads_attn + 1)
         self._tokens, self._slots, self._positions, self._lengths, self._bounds = (t.numpy() for t in (
             self.tokens, self.slots, self.positions, self.lengths, self.bounds))
-        self.longest = [1]  # the step's longest attended length, read by the attention call
+        self.longest = i64(1).numpy()  # the step's longest attended length, read by the attention call
         experts = [_experts_of(r, i, M) for i in range(spec.num_layers)]
         # one float32 scratch for every call (they run one at a time): the largest any of them asks
         linears = [r.lm_head, *(r.dense[i][m] for i in range(spec.num_layers) for m in ("qkv", "o"))]
@@ -133,7 +137,7 @@ class OneStream:
         sizes += [_experts_scratch(kind, e, M, D, k, n) for kind, e in experts]
         self.scratch = torch.empty(max(sizes) + 64)
         s, a = self.scratch.data_ptr(), lambda t: t.data_ptr()  # noqa: E731
-        row, attn, longest = row_ops.library(), native.library(), self.longest
+        row, attn, longest = row_ops.library(), native.library(), _Live(self.longest.ctypes.data)
         x, h, qkv, pay, out, rw, ids, slots, lengths, bounds = (a(t) for t in (
             self.x, self.h, self.qkv, self.payload, self.attn, self.rw, self.ids, self.slots, self.lengths,
             self.bounds))
@@ -155,27 +159,28 @@ class OneStream:
                            qkv + 2 * (t * d1 + off), hd, n) for t in range(M) for name, off, heads in norms]
             mix.append(partial(row.rope_join, qkv, M, d1, H + Hkv, hd, a(self.cos), a(self.sin), hd, kvs, pay, d1, n))
 
+            s0, s1 = st.k.stride(0), st.k.stride(1)
             if self.threads_attn == 1:  # the calling thread runs every request (native.decode_attention)
-                def attention(f=attn.fn, kc=kc, vc=vc, s0=st.k.stride(0), s1=st.k.stride(1)):
-                    return f(pay, 1, d1, kc, vc, 1, slots, lengths, 0, M, Hkv, G, hd, s0, s1, spec.scale, out, 1, s,
-                             longest[0])
+                attention = partial(attn.fn, pay, 1, d1, kc, vc, 1, slots, lengths, 0, M, Hkv, G, hd, s0, s1,
+                                    spec.scale, out, 1, s, longest)
             else:  # torch's OpenMP team, the requests split by `bounds`
-                def attention(f=attn.parts, kc=kc, vc=vc, s0=st.k.stride(0), s1=st.k.stride(1), nt=self.threads_attn):
-                    return f(pay, 1, d1, kc, vc, 1, slots, lengths, bounds, nt, Hkv, G, hd, s0, s1, spec.scale, out, 1,
-                             s, longest[0])
+                attention = partial(attn.parts, pay, 1, d1, kc, vc, 1, slots, lengths, bounds, self.threads_attn, Hkv,
+                                    G, hd, s0, s1, spec.scale, out, 1, s, longest)
 
             self.phases += [
                 [partial(row.rms_norm, x, M, D, D, a(w["ln1"]), spec.norm_eps, h, D, n),
                  *_linear(w["qkv"], h, M, D, qkv, d1, s, n), *mix],
                 [partial(row.kv_write, kc, vc, pay + 2 * qs, pay + 2 * (qs + kvs), a(self.at), M * Hkv, Hkv, 2 * d1,
                          2 * hd, n), attention],
-                [*_linear(w["o"], out, M, qs, a(self.o), D, s, n), _add(self.x, self.o),
+                [*_linear(w["o"], out, M, qs, a(self.o), D, s, n), partial(row.add_bf16, x, a(self.o), M * D),
                  partial(row.rms_norm, x, M, D, D, a(w["ln2"]), spec.norm_eps, h, D, n),
                  partial(row.softmax_route, h, 1, M, D, D, a(w["router"]), spec.num_experts, k,
                          int(spec.router_norm == "sum"), spec.routed_scale, rw, ids)],
-                [_experts(*experts[i], h, M, rw, ids, a(self.y), D, k, s, n), _add(self.x, self.y)],
+                [_experts(*experts[i], h, M, rw, ids, a(self.y), D, k, s, n), partial(row.add_bf16, x, a(self.y), M * D)],
             ]
         self._cos, self._sin = r.rope.cos, r.rope.sin
+        self.table = _table([*self.phases, self.head], row.call_sigs)
+        self.ends = (ctypes.c_double * (len(self.phases) + 2))()  # mlight_run_calls' clock: the start, each phase's end
 
     def step(self, r, tokens: list[int], slots: list[int], positions: list[int]):
         """Runner r's step for `slots`' requests at `positions`: (logits [M, V] in r's host buffer, busy seconds per
@@ -197,26 +202,42 @@ class OneStream:
         torch.add(self.positions, self.slots, alpha=self.slot_rows, out=self._first)  # the KV write's rows
         torch.add(self.first, self.heads_at, out=self.at)
         tasks, _ = r._graph("decode", 1)
-        times, clock, busy = _sized(r.ex.times, len(tasks)), time.perf_counter, {}
-        for j, (task, calls) in enumerate(zip(tasks, self.phases)):
-            t0 = clock()
-            for call in calls:
-                if call():
-                    raise RuntimeError(f"{task.kind} of layer {task.layer}: a kernel refused its bound call")
-            times[2 * j], times[2 * j + 1] = t0, t1 = t0, clock()
-            busy[task.resource] = busy.get(task.resource, 0.0) + t1 - t0
-        for call in self.head:
-            if call():
-                raise RuntimeError("the LM head: a kernel refused its bound call")
+        times, busy, w, t0 = _sized(r.ex.times, len(tasks)), {}, self.ends, time.perf_counter()
+        refused = row_ops.library().run_calls(self.table.data_ptr(), self.table.shape[0], w)
+        if refused:
+            j = int(self.table[refused - 1, 4])
+            raise RuntimeError(f"{f'{tasks[j].kind} of layer {tasks[j].layer}' if j < len(tasks) else 'the LM head'}: "
+                               "a kernel refused its bound call")
+        for j, task in enumerate(tasks):  # the phases' ends, from the C loop's clock onto perf_counter's
+            times[2 * j], times[2 * j + 1] = a, b = t0 + w[j] - w[0], t0 + w[j + 1] - w[0]
+            busy[task.resource] = busy.get(task.resource, 0.0) + b - a
         r.last_tasks = tasks
         out = r.host["logits_dec"][:self.M]
         return out.copy_(self.logits), busy
 
 
-def _add(x: torch.Tensor, y: torch.Tensor):
-    def add():  # the residual stream in place: x + y as the general path adds it, one rounding
-        x.add_(y)
-    return add
+class _Live(int):
+    """An int64's address, whose value the C loop passes at call time (its `live`): a call holding one runs only there."""
+
+
+_CODES = {ctypes.c_void_p: "P", ctypes.c_int64: "I", ctypes.c_int: "C", ctypes.c_float: "F", None: "v"}
+
+
+def _table(phases: list[list], sigs: list[str]) -> torch.Tensor:
+    """The phases' bound calls as mlight_run_calls' table (row_ops.c's Call), a row a call, the last of a phase
+    stamping its end."""
+    rows = []
+    for j, calls in enumerate(phases):
+        for i, call in enumerate(calls):
+            fn, args = getattr(call.func, "__wrapped__", call.func), call.args
+            codes = [_CODES[t] for t in fn.argtypes]
+            if len(args) != len(codes):
+                raise TypeError(f"{fn.__name__} takes {len(codes)} arguments, got {len(args)}")
+            at = [struct.unpack("q", struct.pack("d", v))[0] if c == "F" else int(v or 0) for v, c in zip(args, codes)]
+            live = [k for k, v in enumerate(args) if type(v) is _Live] or [-1]
+            rows.append([sigs.index("".join(codes) + ">" + _CODES[fn.restype]), ctypes.cast(fn, ctypes.c_void_p).value,
+                         live[0], j if i == len(calls) - 1 else -1, j, *at, *[0] * (24 - len(at))])
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def _linear_scratch(w, M: int, n: int) -> int:

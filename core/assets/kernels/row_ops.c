@@ -1,5 +1,6 @@
 /* A decode step's small per-row operations in one pass each, bf16 and fp32: the KV cache write, RMSNorm,
-   RoPE (halves) joined with v into the attention payload, and the softmax router.
+   RoPE (halves) joined with v into the attention payload, the softmax router and the residual add; and the loop
+   that runs a batch-1 decode step's bound kernel calls (mlight_run_calls).
 
    In a decode step these run on a few hundred rows between the big GEMMs; as torch ops each is 4-7
    kernels with a fresh tensor apiece and a cold start on lines the experts' weights have just evicted
@@ -18,6 +19,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #ifndef VW
 #define VW 16
@@ -292,6 +294,85 @@ int mlight_softmax_route(const void *h, int bf, int64_t T, int64_t D, int64_t ld
     }
     return 0;
 }
+
+/* x += y over n bf16 values: torch's x.add_(y), an fp32 sum rounded to nearest even */
+void mlight_add_bf16(uint16_t *x, const uint16_t *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) store_bf16(x + i, round_bf16(load_bf16(x + i) + load_bf16(y + i)));
+    for (; i < n; i++) x[i] = tobf(rbf(bf16f(x[i]) + bf16f(y[i])));
+}
+
+/* ---- a decode step's bound calls from one loop ----------------------------------------------------------
+   core/runtime/one_stream binds a batch-1 step's ~100 kernel calls once. Made from Python, each cost 1.3 us of
+   ctypes' argument conversion (2-3 us cold, after the experts stream): about a twentieth of the 784M Mixtral's
+   Q4_K_M step on two Zen 5 cores. Here they run in order from C: a call is a kernel's address, its signature's
+   index in SIGS (its arguments' C types, P pointer, I int64, C int, F float, then > and the return: v void, C
+   int) and its arguments as int64 (a float as a double's bits); argument `live`, where >= 0, is read through its
+   pointer at call time (the step's longest length); after a call with `end` >= 0 the clock goes to ends[end + 1]
+   (ends[0]: the start); `phase` is the caller's. Returns 0, or 1 + the index of the first call a kernel refused. */
+typedef struct { int64_t sig, fn, live, end, phase, a[24]; } Call;
+static const char SIGS[] = "PIIIPFPIC>v PIIIIPPIIPIC>v PPPPPIIIIC>v PCIIIPICCFPP>C PCIPPCPPIIIIIIIFPCPI>C "
+                           "PCIPPCPPPCIIIIIFPCPI>C CPCIIIPIIPCIPCC>C CCPCIIIICPPCPIIPIIPCIPCC>C PIIIPIPPIPC>v "
+                           "PIIPPCIIIPIPIPPC>C PPI>v";
+const char *mlight_call_sigs(void) { return SIGS; }
+
+static inline double as_double(int64_t v) { double d; memcpy(&d, &v, 8); return d; }
+
+#if defined(_OPENMP)
+#include <omp.h>
+static double now(void) { return omp_get_wtime(); }
+#elif defined(TIME_UTC) /* C11's clock, where the C library has it (not every MinGW's) */
+static double now(void) {
+    struct timespec t;
+    timespec_get(&t, TIME_UTC);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#else
+static double now(void) { return 0.0; } /* no wall clock: every phase reads the step's start */
+#endif
+
+#define P(i) ((void *)(intptr_t)a[i])
+#define I(i) a[i]
+#define C(i) ((int)a[i])
+#define F(i) ((float)as_double(a[i]))
+typedef void *p_;
+typedef int64_t i_;
+int mlight_run_calls(const Call *calls, int64_t n, double *ends) {
+    ends[0] = now();
+    for (int64_t j = 0; j < n; j++) {
+        const Call *c = calls + j;
+        int64_t a[24];
+        memcpy(a, c->a, sizeof a);
+        if (c->live >= 0) a[c->live] = *(const int64_t *)(intptr_t)a[c->live];
+        int r = 0;
+        switch (c->sig) {
+        case 0: ((void (*)(p_, i_, i_, i_, p_, float, p_, i_, int))c->fn)(P(0), I(1), I(2), I(3), P(4), F(5), P(6), I(7), C(8)); break;
+        case 1: ((void (*)(p_, i_, i_, i_, i_, p_, p_, i_, i_, p_, i_, int))c->fn)(P(0), I(1), I(2), I(3), I(4), P(5), P(6), I(7), I(8), P(9), I(10), C(11)); break;
+        case 2: ((void (*)(p_, p_, p_, p_, p_, i_, i_, i_, i_, int))c->fn)(P(0), P(1), P(2), P(3), P(4), I(5), I(6), I(7), I(8), C(9)); break;
+        case 3: r = ((int (*)(p_, int, i_, i_, i_, p_, i_, int, int, float, p_, p_))c->fn)(P(0), C(1), I(2), I(3), I(4), P(5), I(6), C(7), C(8), F(9), P(10), P(11)); break;
+        case 4: r = ((int (*)(p_, int, i_, p_, p_, int, p_, p_, i_, i_, i_, i_, i_, i_, i_, float, p_, int, p_, i_))c->fn)(
+                P(0), C(1), I(2), P(3), P(4), C(5), P(6), P(7), I(8), I(9), I(10), I(11), I(12), I(13), I(14), F(15), P(16), C(17), P(18), I(19)); break;
+        case 5: r = ((int (*)(p_, int, i_, p_, p_, int, p_, p_, p_, int, i_, i_, i_, i_, i_, float, p_, int, p_, i_))c->fn)(
+                P(0), C(1), I(2), P(3), P(4), C(5), P(6), P(7), P(8), C(9), I(10), I(11), I(12), I(13), I(14), F(15), P(16), C(17), P(18), I(19)); break;
+        case 6: r = ((int (*)(int, p_, int, i_, i_, i_, p_, i_, i_, p_, int, i_, p_, int, int))c->fn)(
+                C(0), P(1), C(2), I(3), I(4), I(5), P(6), I(7), I(8), P(9), C(10), I(11), P(12), C(13), C(14)); break;
+        case 7: r = ((int (*)(int, int, p_, int, i_, i_, i_, i_, int, p_, p_, int, p_, i_, i_, p_, i_, i_, p_, int, i_, p_, int, int))c->fn)(
+                C(0), C(1), P(2), C(3), I(4), I(5), I(6), I(7), C(8), P(9), P(10), C(11), P(12), I(13), I(14), P(15), I(16), I(17), P(18), C(19), I(20), P(21), C(22), C(23)); break;
+        case 8: ((void (*)(p_, i_, i_, i_, p_, i_, p_, p_, i_, p_, int))c->fn)(P(0), I(1), I(2), I(3), P(4), I(5), P(6), P(7), I(8), P(9), C(10)); break;
+        case 9: r = ((int (*)(p_, i_, i_, p_, p_, int, i_, i_, i_, p_, i_, p_, i_, p_, p_, int))c->fn)(
+                P(0), I(1), I(2), P(3), P(4), C(5), I(6), I(7), I(8), P(9), I(10), P(11), I(12), P(13), P(14), C(15)); break;
+        case 10: ((void (*)(p_, p_, i_))c->fn)(P(0), P(1), I(2)); break;
+        default: r = -1;
+        }
+        if (r) return (int)j + 1;
+        if (c->end >= 0) ends[c->end + 1] = now();
+    }
+    return 0;
+}
+#undef P
+#undef I
+#undef C
+#undef F
 
 int mlight_row_ops_vw(void) { return VW; }
 

@@ -74,6 +74,7 @@ def bind(dll, name: str, argtypes: list, restype):
             raise TypeError(f"{name} takes {n} arguments, got {len(args)}")
         return fn(*args)
 
+    strict.__wrapped__ = fn  # the C function itself, for one_stream's table of calls
     return strict
 
 

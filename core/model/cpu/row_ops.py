@@ -24,6 +24,9 @@ class _Lib(native.Library):
         self.rms_norm_f32 = native.bind(self.dll, "mlight_rms_norm_f32", [P, I, I, I, P, F, P, I, C], None)
         self.rope_join_f32 = native.bind(self.dll, "mlight_rope_join_f32", [P, I, I, I, I, P, P, I, I, P, I, C], None)
         self.softmax_route = native.bind(self.dll, "mlight_softmax_route", [P, C, I, I, I, P, I, C, C, F, P, P], C)
+        self.add_bf16 = native.bind(self.dll, "mlight_add_bf16", [P, P, I], None)
+        self.run_calls = native.bind(self.dll, "mlight_run_calls", [P, I, P], C)
+        self.call_sigs = native.bind(self.dll, "mlight_call_sigs", [], ctypes.c_char_p)().decode().split()
         self.vw = self.dll.mlight_row_ops_vw()
 
 
