@@ -146,12 +146,9 @@ def _measure(engine, name: str, reqs, args) -> dict:
     t0 = clock()
     results = list(engine.generate(reqs, batch_size=args.batch, micro_batch_size=args.micro_batch, on_event=sink))
     wall = clock() - t0
-    events = sink.steps
-    threads = engine.threads.threads
-    decode = [e for e in events if e.kind == "decode"]
-    L = engine.spec.num_layers
+    decode = [e for e in sink.steps if e.kind == "decode"]
     steps = max(1, len(decode))
-    measured = {r: sum(e.busy.get(r, 0.0) for e in decode) / steps / L for r in RESOURCES}
+    measured = {r: sum(e.busy.get(r, 0.0) for e in decode) / steps / engine.spec.num_layers for r in RESOURCES}
     out = {
         "schedule": name, "executor": engine.config.executor, "device": engine.config.device,
         "tokens": sum(r.output_tokens for r in results), "seconds": wall,
@@ -160,7 +157,7 @@ def _measure(engine, name: str, reqs, args) -> dict:
         "layer_seconds": measured,
         "bytes_h2d_per_step": sum(e.bytes_h2d for e in decode) / steps,
         "bytes_d2h_per_step": sum(e.bytes_d2h for e in decode) / steps,
-        "threads": threads, "cpu_math": engine.cpu.math, "clock": args.clock,
+        "threads": engine.threads.threads, "cpu_math": engine.cpu.math, "clock": args.clock,
     }
     out["predicted"] = p = _predict(engine, name, args, reqs)
     if p:

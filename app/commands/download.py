@@ -22,6 +22,5 @@ def run(args) -> int:
 
     if not looks_like_repo_id(args.repo_id):
         raise UsageError(f"{args.repo_id!r} is not a Hugging Face repo id", "use the form org/name")
-    path = download_model(args.repo_id, args.revision, progress=_ProgressLine("download", logged=True))
-    print(path)
+    print(download_model(args.repo_id, args.revision, progress=_ProgressLine("download", logged=True)))
     return 0

@@ -197,12 +197,9 @@ def _simulate(model, hw, policy, workload) -> dict:
     from core.runtime.simulate import simulate_decode
 
     model, hw, _ = rank_view(model, hw, None, policy.tensor_parallel)  # one rank's timeline
-    out = {}
-    for name in SCHEDULES:
-        tl = simulate_decode(model, hw, policy, workload.decode_context, name)
-        out[name] = {"step_seconds": tl.makespan, "decode_tokens_per_s": policy.batch_size / tl.makespan,
-                     "utilization": tl.utilization}
-    return out
+    tls = {name: simulate_decode(model, hw, policy, workload.decode_context, name) for name in SCHEDULES}
+    return {name: {"step_seconds": tl.makespan, "decode_tokens_per_s": policy.batch_size / tl.makespan,
+                   "utilization": tl.utilization} for name, tl in tls.items()}
 
 
 def _gb(n: float) -> str:

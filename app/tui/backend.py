@@ -410,8 +410,7 @@ class Backend:
         """The planner's replay of one decode step under the engine's schedule; None when it cannot be made."""
         from core.runtime import simulate
 
-        config = getattr(engine, "config", None)
-        name = getattr(config, "schedule", None) or "cgopipe"
+        name = getattr(getattr(engine, "config", None), "schedule", None) or "cgopipe"
         try:
             return simulate.simulate_decode(model.spec, machine.hardware, plan.policy,
                                             plan.workload.decode_context, name)

@@ -48,8 +48,7 @@ _LOOKALIKE = {
 def _ascii_lookalike(error: UnicodeError):
     if not isinstance(error, UnicodeEncodeError):
         raise error
-    text = error.object[error.start:error.end]
-    return "".join(_LOOKALIKE.get(ch) or "?" * cell_len(ch) for ch in text), error.end
+    return "".join(_LOOKALIKE.get(ch) or "?" * cell_len(ch) for ch in error.object[error.start:error.end]), error.end
 
 
 codecs.register_error("mlight-ascii", _ascii_lookalike)

@@ -166,10 +166,8 @@ class RunMeter:
         self._engine_s += ev.seconds
         if decode:
             self._history.append((self._engine_s, self._decode_rate()[0]))
-        if ev.gpu_mem_bytes:
-            self.gpu_used = ev.gpu_mem_bytes
-        if ev.cpu_mem_bytes:
-            self.cpu_used = ev.cpu_mem_bytes
+        self.gpu_used = ev.gpu_mem_bytes or self.gpu_used
+        self.cpu_used = ev.cpu_mem_bytes or self.cpu_used
 
     def _comparable(self) -> tuple[list, bool]:
         """The window's decode steps, only its full-batch ones when there are any; and whether they were."""

@@ -74,8 +74,7 @@ def overrun(o, budget: int, usable_share: float) -> str:
     """One memory a policy overfills: what it needs, part by part, against the usable share of the budget."""
     gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
     parts = ", ".join(f"{MEMORY_PARTS.get(k, k.replace('_', ' '))} {gb(v)}" for k, v in o.breakdown.items() if v)
-    where = o.where.upper()
-    return (f"{where} memory: needs {gb(o.needed)} ({parts}); {gb(o.limit)} usable "
+    return (f"{o.where.upper()} memory: needs {gb(o.needed)} ({parts}); {gb(o.limit)} usable "
             f"({usable_share:.0%} of the {gb(budget)} budget) — {gb(o.over)} over")
 
 

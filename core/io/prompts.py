@@ -198,8 +198,7 @@ def _guess_format(source: str | Path, data: bytes) -> str:
     if fmt:
         return fmt
     # stdin or an unknown suffix: JSON lines start with "{", anything else is one prompt a line
-    head = data.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
-    return "jsonl" if head == b"{" else "txt"
+    return "jsonl" if data.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"{" else "txt"
 
 
 def _lines(text: str, out: PromptSet) -> Iterable[tuple[int, str]]:

@@ -64,8 +64,7 @@ def build_demo_model(out_dir: str | Path) -> None:
         bos_token_id=1, eos_token_id=2, pad_token_id=3, initializer_range=0.1, tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = MixtralForCausalLM(cfg).to(torch.float32).eval()
-    model.save_pretrained(str(out_dir))
+    MixtralForCausalLM(cfg).to(torch.float32).eval().save_pretrained(str(out_dir))
 
 
 def demo_model_dir(progress: EventSink = ignore) -> Path:

@@ -354,7 +354,8 @@ class Engine:
         t0, moved = time.perf_counter(), dict(runner.bytes)
         if not admitted and not waiting:  # nothing to refill the holes with: compact
             self._compact(runner, table, active)
-        groups = _by_micro_batch(admitted or active, table)
+        by_slot = sorted(admitted or active, key=lambda s: s.slot)
+        groups = [list(g) for _, g in itertools.groupby(by_slot, key=lambda s: table.micro_batch_of(s.slot))]
         seqs = [s for g in groups for s in g]  # in the order of the logits' rows
         if admitted:  # a freshly prefilled request may already be done; the next step admits again
             kind, tokens, row = "prefill", sum(len(s.prompt_ids) for s in seqs), itertools.count()
@@ -537,8 +538,3 @@ class _GroupAgreed(Exception):
 def _is_oom(e: BaseException) -> bool:
     cause = e.__cause__
     return isinstance(cause, torch.cuda.OutOfMemoryError) or "out of memory" in str(cause).lower()
-
-
-def _by_micro_batch(active: list[_Seq], table: SlotTable) -> list[list[_Seq]]:
-    by_slot = sorted(active, key=lambda s: s.slot)
-    return [list(g) for _, g in itertools.groupby(by_slot, key=lambda s: table.micro_batch_of(s.slot))]

@@ -132,9 +132,8 @@ class PipelineRunner:
         self.act = activation(spec)  # the experts' gate activation (gpt-oss clamps its SwiGLU)
         self.expert_group = expert_group
         self.tp = tp  # tensor parallel: core.runtime.distributed.tensor_parallel.ShardOps, or None
-        self._full_norm = tp.full_norm if tp is not None else None
-        self._attention_out = tp.attention_out if tp is not None else None
-        self._ffn_out = tp.ffn_out if tp is not None else None
+        self._full_norm, self._attention_out, self._ffn_out = ((tp.full_norm, tp.attention_out, tp.ffn_out)
+                                                               if tp is not None else (None, None, None))
         L, E = spec.num_layers, spec.num_experts
         self.pages = max(1, len(weights.layers[0].pages))  # packed CPU experts have no pages
         # experts kept on the device per layer (a layer without experts has nothing to stream)

@@ -37,8 +37,7 @@ _KEY_NAMES = {"ctrl": "Ctrl", "shift": "Shift", "space": "Space", "escape": "Esc
 def key_text(key: str) -> str:
     """'ctrl+r' -> 'Ctrl+R', 'space' -> 'Space' (the way the help writes keys)."""
     first = key.split(",")[0]
-    parts = [_KEY_NAMES.get(p, p.upper() if len(p) == 1 and "ctrl" in first else p) for p in first.split("+")]
-    return "+".join(parts)
+    return "+".join(_KEY_NAMES.get(p, p.upper() if len(p) == 1 and "ctrl" in first else p) for p in first.split("+"))
 
 
 class HelpScreen(ModalScreen[None]):

@@ -96,8 +96,7 @@ class ModelScreen(StepScreen):
         verb = {"demo": "Preparing the demo model", "folder": "Checking the folder", "repo": "Downloading"}[kind]
         self.status(f"{verb}…")
         if kind == "repo":
-            bar = self.query_one("#dl-bar", ProgressBar)
-            bar.update(total=None, progress=0)
+            self.query_one("#dl-bar", ProgressBar).update(total=None, progress=0)
             self.query_one("#dl-text", Static).update(f"{text}: starting…")
             self.query_one("#download").display = True
             self.query_one("#cancel", Button).focus()  # so that x (or Enter) cancels, not types

@@ -368,8 +368,7 @@ class PlanScreen(StepScreen):
     @work(thread=True, exclusive=True, exit_on_error=False, group="check", description="validate policy")
     def check(self, gen: int, fields: dict) -> None:
         s = self.session
-        plan = self.backend.check(s.model, s.machine, s.plan, fields, s.choices)
-        self.post_message(Checked(plan, gen))
+        self.post_message(Checked(self.backend.check(s.model, s.machine, s.plan, fields, s.choices), gen))
 
     def on_checked(self, msg: Checked) -> None:
         if msg.gen != self._gen:

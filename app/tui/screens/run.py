@@ -265,8 +265,7 @@ class RunScreen(StepScreen):
             if key == "gpu" and self.cpu_mode:
                 label, frac = "no GPU (CPU mode)", 0.0
             self.query_one(f"#run-{key}", LabelBar).update(frac, label)
-        bar = self.query_one("#req-bar", ProgressBar)
-        bar.update(total=max(1, snap.requests_total), progress=snap.requests_done)
+        self.query_one("#req-bar", ProgressBar).update(total=max(1, snap.requests_total), progress=snap.requests_done)
         self.query_one("#progress-facts", Facts).set_rows([
             ("State", self._state_text(snap)),
             ("Requests", f"{snap.requests_done} / {snap.requests_total}"),

@@ -12,8 +12,7 @@ BLOCKS = " ▏▎▍▌▋▊▉█"
 
 def bar_text(fraction: float, width: int, fill_style: str = "", empty_style: str = "dim") -> Text:
     fraction = max(0.0, min(1.0, fraction))
-    eighths = int(round(fraction * width * 8))
-    full, part = divmod(eighths, 8)
+    full, part = divmod(int(round(fraction * width * 8)), 8)
     text = Text("█" * full, style=fill_style)
     if part and full < width:
         text.append(BLOCKS[part], style=fill_style)

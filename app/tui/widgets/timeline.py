@@ -123,8 +123,7 @@ class Timeline(Widget):
     def render(self) -> Text:
         out = Text(no_wrap=True, overflow="crop")
         out.append_text(self.header if isinstance(self.header, Text) else Text(self.header, style="bold"))
-        width = max(20, self.size.width or 80)
-        bar_w = width - LABEL_W - SHARE_W
+        bar_w = max(20, self.size.width or 80) - LABEL_W - SHARE_W
         idle = self.get_component_rich_style("timeline--idle")
         if not self.spans:
             for r in self.lanes:

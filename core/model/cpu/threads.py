@@ -46,9 +46,7 @@ class LoadMeter:
         per = psutil.cpu_percent(percpu=True)
         mine = self._me.cpu_percent() / 100.0
         self._since = time.monotonic()
-        ours = [per[c] for c in self.cores if c < len(per)] if per else []
-        busy = sum(ours) / 100.0
-        return max(0.0, busy - mine)
+        return max(0.0, sum(per[c] for c in self.cores if c < len(per)) / 100.0 - mine)
 
     @property
     def age(self) -> float:

@@ -34,10 +34,7 @@ def need(cfg: dict, key: str, where: str = "config.json"):
 
 
 def first(cfg: dict, *keys: str, default=None):
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return default
+    return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
 
 
 def rope_spec(cfg: dict, default_theta: float = 10000.0, head_dim: int | None = None,
