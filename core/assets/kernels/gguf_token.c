@@ -382,6 +382,11 @@ static void dot_tile(int kind, const uint8_t *row, int64_t ldw, int nr, int64_t 
 }
 
 #define MAX_SLOTS 512 /* (token, expert) pairs a mlight_gguf_tokens_moe call takes */
+/* floats of a thread's tile dots in mlight_gguf_tokens_moe: S TR rounded up, and 128 bytes apart, so that no two
+   threads write one cache line. Packed (32 bytes a thread at one token), every tile's store moved the line between
+   the cores: a B = 1 step of the 784M Q4_K_M took 4.7-4.8 ms where two Zen 5 vCPUs sat apart (their streams at 64-76
+   GB/s), 3.2-3.9 where they shared a core's bandwidth (42-52 GB/s) */
+static int64_t tile_floats(int64_t S) { return (S * TR + 15) / 16 * 16 + 32; }
 /* tiles a thread takes at a time: a phase's tiles in CHUNKS runs a thread, at least 16 tiles (64 rows). Runs of
    16 tiles, dealt alternately, broke each thread's stream every 64 rows: at one token the 784M Mixtral's Q4_K
    experts came 1.2-1.3x faster in long runs on two Zen 5 cores (1.0-1.1x for Q8_0, whose rows are wider) */
@@ -455,7 +460,7 @@ int mlight_gguf_tokens_moe(int k13, int k2, const void *x, int x_bf16, int64_t l
     int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
     /* gu: each slot's gate|up, then h; ys: each slot's down rows; v: a tile's dots, TR a slot, per thread */
     float *gu = scratch, *ys = gu + S * 2 * I, *v = ys + S * D, w[MAX_SLOTS];
-    uint8_t *xq = (uint8_t *)(v + (int64_t)threads * S * TR), *hq = xq + S * qd, *wq = hq + S * qi;
+    uint8_t *xq = (uint8_t *)(v + threads * tile_floats(S)), *hq = xq + S * qd, *wq = hq + S * qi;
     int8_t *xb = (int8_t *)(wq + (int64_t)threads * wb), *hb = xb + S * sd;
     /* the slots grouped by expert (ascending, slots in order): `at` holds them, group g at at[g0[g]..g0[g + 1]) */
     int at[MAX_SLOTS], g0[MAX_SLOTS + 1], ng = 0;
@@ -489,7 +494,7 @@ int mlight_gguf_tokens_moe(int k13, int k2, const void *x, int x_bf16, int64_t l
     {
         int t = THREAD_ID();
         uint8_t *own = wq + (int64_t)t * wb;
-        float *vt = v + (int64_t)t * S * TR;
+        float *vt = v + t * tile_floats(S);
         int64_t t13 = (2 * I + TR - 1) / TR; /* tiles of an expert's gate/up rows */
         /* dealt in runs as threads come free: a static split gave one thread the experts with more slots */
         const int64_t c13 = chunk_of(ng * t13, threads);
@@ -538,7 +543,7 @@ int64_t mlight_gguf_tokens_moe_scratch(int64_t M, int64_t D, int64_t I, int nexp
     int64_t qi = qrow_bytes(I) > kqrow_bytes(I) ? qrow_bytes(I) : kqrow_bytes(I);
     int64_t wb = wrow_bytes(RW) > kwrow_bytes(RW) ? wrow_bytes(RW) : kwrow_bytes(RW);
     int64_t bytes = S * (qd + qi + (D / 256 + I / 256) * KB) + threads * wb;
-    return S * (2 * I + D) + (int64_t)threads * S * TR + (bytes + 3) / 4;
+    return S * (2 * I + D) + threads * tile_floats(S) + (bytes + 3) / 4;
 }
 
 /* mlight_gguf_linear's integer paths (1 plain C, 2 SIMD) for a few activation rows: y [M, N] (rows ldy apart) =
