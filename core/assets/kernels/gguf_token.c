@@ -384,8 +384,8 @@ static void dot_tile(int kind, const uint8_t *row, int64_t ldw, int nr, int64_t 
 #define MAX_SLOTS 512 /* (token, expert) pairs a mlight_gguf_tokens_moe call takes */
 /* floats of a thread's tile dots in mlight_gguf_tokens_moe: S TR rounded up, and 128 bytes apart, so that no two
    threads write one cache line. Packed (32 bytes a thread at one token), every tile's store moved the line between
-   the cores: a B = 1 step of the 784M Q4_K_M took 4.7-4.8 ms where two Zen 5 vCPUs sat apart (their streams at 64-76
-   GB/s), 3.2-3.9 where they shared a core's bandwidth (42-52 GB/s) */
+   the cores: where two Zen 5 vCPUs sat on separate cores (a plain two-thread read 64-82 GB/s) the 784M Q4_K_M's
+   B = 1 step took 4.6-4.8 ms, 2.9-3.0 apart; where they shared one (39-53 GB/s) 3.1-3.2 and 2.9-3.1 */
 static int64_t tile_floats(int64_t S) { return (S * TR + 15) / 16 * 16 + 32; }
 /* tiles a thread takes at a time: a phase's tiles in CHUNKS runs a thread, at least 16 tiles (64 rows). Runs of
    16 tiles, dealt alternately, broke each thread's stream every 64 rows: at one token the 784M Mixtral's Q4_K

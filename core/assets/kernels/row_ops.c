@@ -304,8 +304,8 @@ void mlight_add_bf16(uint16_t *x, const uint16_t *y, int64_t n) {
 
 /* ---- a decode step's bound calls from one loop ----------------------------------------------------------
    core/runtime/one_stream binds a batch-1 step's ~100 kernel calls once. Made from Python, each cost 1.3 us of
-   ctypes' argument conversion (2-3 us cold, after the experts stream): about a twentieth of the 784M Mixtral's
-   Q4_K_M step on two Zen 5 cores. Here they run in order from C: a call is a kernel's address, its signature's
+   ctypes' argument conversion: the 784M Mixtral's Q4_K_M step at one Zen 5 thread took 5.4 ms that way, 5.2 from
+   here. Here they run in order from C: a call is a kernel's address, its signature's
    index in SIGS (its arguments' C types, P pointer, I int64, C int, F float, then > and the return: v void, C
    int) and its arguments as int64 (a float as a double's bits); argument `live`, where >= 0, is read through its
    pointer at call time (the step's longest length); after a call with `end` >= 0 the clock goes to ends[end + 1]
