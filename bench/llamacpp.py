@@ -347,8 +347,8 @@ def main(argv=None) -> int:
             got = run_llama(ll, files[f], args)
             for b in args.batches:
                 theirs[f][b].append(got[b])
-            # loaded afresh each rep, as llama.cpp starts afresh: one process's placement of the weights (this box
-            # reads a step in ≈ 5.0 or ≈ 7.1 ms by process) then weighs on one rep, not on all
+            # loaded afresh each rep, as llama.cpp starts afresh: one process's luck (whether this box's two vCPUs
+            # share a core or sit apart changes between processes) then weighs on one rep, not on all
             engine = load_mlight(files[f], args)
             for b in args.batches:
                 ours[f][b].append(run_mlight(engine, b, args))
