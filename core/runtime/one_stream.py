@@ -182,6 +182,7 @@ class OneStream:
         self._cos, self._sin = r.rope.cos, r.rope.sin
         self.table = _table([*self.phases, self.head], row.call_sigs)
         self.ends = (ctypes.c_double * (len(self.phases) + 2))()  # mlight_run_calls' clock: the start, each phase's end
+        self.run = partial(row.run_calls, self.table.data_ptr(), self.table.shape[0], self.ends)
 
     def step(self, r, tokens: list[int], slots: list[int], positions: list[int]):
         """Runner r's step for `slots`' requests at `positions`: (logits [M, V] in r's host buffer, busy seconds per
@@ -204,7 +205,7 @@ class OneStream:
         torch.add(self.first, self.heads_at, out=self.at)
         tasks, _ = r._graph("decode", 1)
         times, busy, w, t0 = _sized(r.ex.times, len(tasks)), {}, self.ends, time.perf_counter()
-        refused = row_ops.library().run_calls(self.table.data_ptr(), self.table.shape[0], w)
+        refused = self.run()
         if refused:
             j = int(self.table[refused - 1, 4])
             raise RuntimeError(f"{f'{tasks[j].kind} of layer {tasks[j].layer}' if j < len(tasks) else 'the LM head'}: "

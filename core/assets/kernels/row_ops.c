@@ -20,6 +20,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #ifndef VW
 #define VW 16
@@ -319,7 +322,6 @@ const char *mlight_call_sigs(void) { return SIGS; }
 static inline double as_double(int64_t v) { double d; memcpy(&d, &v, 8); return d; }
 
 #if defined(_OPENMP)
-#include <omp.h>
 static double now(void) { return omp_get_wtime(); }
 #elif defined(TIME_UTC) /* C11's clock, where the C library has it (not every MinGW's) */
 static double now(void) {
